@@ -1,0 +1,381 @@
+"""Model descriptions: `ModelConfig`, the presets, and the dimension legend.
+
+Here: the frozen `ModelConfig` for Qwen3 / Qwen3-MoE-shaped decoders, its derived sizes
+(parameter count, weight bytes, KV bytes per token), `ModelConfig.from_hf` for Hugging Face
+`config.json` files and the named presets. Not here: weights (`mk.checkpoint`), chips
+(`mk.chips`), notebook parameters (`mk.run`), kernel tiling (each kernel's `BlockSizes`).
+
+Dimension legend, used in every shape comment of the project:
+
+    B batch                 T query rows per sequence    S cached positions (capacity)
+    D model width (hidden)  N query heads                K kv heads
+    G = N / K               H head dim                   F dense FFN width
+    E experts               X experts per token          Fe expert FFN width
+    L layers                V vocab                      P prompt length
+    M = B * T activation rows of one step
+
+Parameter layout (weights are [in, out], so a projection is `x @ W`; per-layer tensors
+are stacked on a leading layer axis so a kernel can loop over layers):
+
+    embed        [V, D]            final_norm  [D]
+    lm_head      [D, V]            (absent when tie_embeddings: logits use embed.T)
+    attn_norm    [L, D]            mlp_norm    [L, D]
+    wq           [L, D, N*H]       wk, wv      [L, D, K*H]       wo  [L, N*H, D]
+    q_norm       [L, H]            k_norm      [L, H]            (only with qk_norm)
+    w_gate, w_up [Ld, D, F]        w_down      [Ld, F, D]        Ld = len(dense_layers)
+    router       [Lm, D, E]        Lm = len(moe_layers)
+    we_gate, we_up [Lm, E, D, Fe]  we_down     [Lm, E, Fe, D]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+
+# Bits per stored element; the byte accounting of every weight family reads this table.
+DTYPE_BITS = {
+    "float32": 32,
+    "bfloat16": 16,
+    "float16": 16,
+    "float8_e4m3fn": 8,
+    "int8": 8,
+    "float4_e2m1fn": 4,
+    "int4": 4,
+}
+# Dtypes the reference and the kernels compute with; the others only count bytes.
+COMPUTE_DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A Qwen3-architecture decoder. Validates itself on construction."""
+
+    name: str
+    vocab: int  # V
+    hidden: int  # D
+    layers: int  # L
+    heads: int  # N
+    kv_heads: int  # K
+    head_dim: int  # H
+    ffn: int  # F, the dense SwiGLU width
+    rope_theta: float = 1_000_000.0
+    rms_eps: float = 1e-6
+    qk_norm: bool = True
+    tie_embeddings: bool = False
+    dtype: str = "bfloat16"  # weights, activations between ops, KV cache
+    max_position: int = 40_960  # longest position the model was trained for
+    max_context: int = 4_096  # default KV-cache capacity S (<= max_position)
+    # Mixture of experts (all zero/empty for a dense model).
+    experts: int = 0  # E
+    experts_per_token: int = 0  # X
+    expert_ffn: int = 0  # Fe
+    moe_layers: tuple[int, ...] = ()
+    norm_topk: bool = False  # renormalise the top-k router weights to sum to 1
+    expert_dtype: str = ""  # storage dtype of expert weights; "" means `dtype`
+
+    def __post_init__(self):
+        for field in ("vocab", "hidden", "layers", "heads", "kv_heads", "head_dim", "ffn",
+                      "max_position", "max_context"):
+            value = getattr(self, field)
+            if not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{self.name}: {field}={value!r} must be a positive integer")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"{self.name}: heads={self.heads} must be a multiple of "
+                             f"kv_heads={self.kv_heads} (grouped-query attention)")
+        if self.head_dim % 2:
+            raise ValueError(f"{self.name}: head_dim={self.head_dim} must be even (RoPE "
+                             "rotates pairs of dimensions)")
+        if self.max_context > self.max_position:
+            raise ValueError(f"{self.name}: max_context={self.max_context} exceeds "
+                             f"max_position={self.max_position}")
+        if self.rope_theta <= 0 or self.rms_eps <= 0:
+            raise ValueError(f"{self.name}: rope_theta={self.rope_theta} and "
+                             f"rms_eps={self.rms_eps} must be positive")
+        if self.dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"{self.name}: dtype={self.dtype!r} must be one of "
+                             f"{COMPUTE_DTYPES}")
+        if self.expert_dtype and self.expert_dtype not in DTYPE_BITS:
+            raise ValueError(f"{self.name}: expert_dtype={self.expert_dtype!r} must be one "
+                             f"of {tuple(DTYPE_BITS)}")
+        object.__setattr__(self, "moe_layers", tuple(int(i) for i in self.moe_layers))
+        self._validate_moe()
+
+    def _validate_moe(self):
+        moe_fields = (self.experts, self.experts_per_token, self.expert_ffn)
+        if not self.moe_layers:
+            if any(moe_fields):
+                raise ValueError(f"{self.name}: experts={self.experts}, experts_per_token="
+                                 f"{self.experts_per_token}, expert_ffn={self.expert_ffn} "
+                                 "are set but moe_layers is empty")
+            return
+        if min(moe_fields) < 1:
+            raise ValueError(f"{self.name}: an MoE model needs experts={self.experts}, "
+                             f"experts_per_token={self.experts_per_token} and expert_ffn="
+                             f"{self.expert_ffn} all >= 1")
+        if self.experts_per_token > self.experts:
+            raise ValueError(f"{self.name}: experts_per_token={self.experts_per_token} "
+                             f"exceeds experts={self.experts}")
+        bad = [i for i in self.moe_layers if not 0 <= i < self.layers]
+        if bad or len(set(self.moe_layers)) != len(self.moe_layers):
+            raise ValueError(f"{self.name}: moe_layers={self.moe_layers} must be distinct "
+                             f"layer indices in [0, {self.layers})")
+        if list(self.moe_layers) != sorted(self.moe_layers):
+            raise ValueError(f"{self.name}: moe_layers={self.moe_layers} must be sorted")
+
+    # -- Derived shapes -------------------------------------------------------------------
+    @property
+    def group(self) -> int:
+        """G = N / K query heads per kv head."""
+        return self.heads // self.kv_heads
+
+    @property
+    def q_width(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.moe_layers)
+
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        moe = set(self.moe_layers)
+        return tuple(i for i in range(self.layers) if i not in moe)
+
+    def mlp_index(self, layer: int) -> tuple[str, int]:
+        """("dense", i) or ("moe", i): which stacked MLP tensor row layer `layer` uses."""
+        if layer in self.moe_layers:
+            return "moe", self.moe_layers.index(layer)
+        return "dense", self.dense_layers.index(layer)
+
+    # -- Derived sizes --------------------------------------------------------------------
+    @property
+    def weight_bits(self) -> int:
+        return DTYPE_BITS[self.dtype]
+
+    @property
+    def expert_bits(self) -> int:
+        return DTYPE_BITS[self.expert_dtype or self.dtype]
+
+    @property
+    def attention_params(self) -> int:
+        """Parameters of one layer's attention block, norms included."""
+        proj = self.hidden * (2 * self.q_width + 2 * self.kv_width)
+        norms = self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+        return proj + norms
+
+    @property
+    def dense_mlp_params(self) -> int:
+        return 3 * self.hidden * self.ffn + self.hidden
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of ONE expert (gate, up, down)."""
+        return 3 * self.hidden * self.expert_ffn
+
+    @property
+    def router_params(self) -> int:
+        return self.hidden * self.experts + self.hidden  # router + mlp_norm
+
+    @property
+    def embedding_params(self) -> int:
+        """Embedding, lm_head (unless tied) and final norm."""
+        heads = 1 if self.tie_embeddings else 2
+        return heads * self.vocab * self.hidden + self.hidden
+
+    @property
+    def param_count(self) -> int:
+        dense = len(self.dense_layers) * self.dense_mlp_params
+        moe = len(self.moe_layers) * (self.router_params + self.experts * self.expert_params)
+        return self.embedding_params + self.layers * self.attention_params + dense + moe
+
+    def layer_weight_bytes(self, layer: int) -> int:
+        """Bytes of all stored weights of one layer (every expert, not only the active)."""
+        attn = self.attention_params * self.weight_bits // 8
+        kind, _ = self.mlp_index(layer)
+        if kind == "dense":
+            return attn + self.dense_mlp_params * self.weight_bits // 8
+        experts = self.experts * self.expert_params * self.expert_bits // 8
+        return attn + self.router_params * self.weight_bits // 8 + experts
+
+    @property
+    def weight_bytes(self) -> int:
+        embed = self.embedding_params * self.weight_bits // 8
+        return embed + sum(self.layer_weight_bytes(i) for i in range(self.layers))
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one position, all layers, in the cache dtype."""
+        return 2 * self.layers * self.kv_width * self.weight_bits // 8
+
+    def param_shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Name -> (shape, dtype) of every parameter, in the layout of the module docstring."""
+        D, H, L, V = self.hidden, self.head_dim, self.layers, self.vocab
+        wd, ed = self.dtype, self.expert_dtype or self.dtype
+        shapes = {
+            "embed": ((V, D), wd), "final_norm": ((D,), wd),
+            "attn_norm": ((L, D), wd), "mlp_norm": ((L, D), wd),
+            "wq": ((L, D, self.q_width), wd), "wk": ((L, D, self.kv_width), wd),
+            "wv": ((L, D, self.kv_width), wd), "wo": ((L, self.q_width, D), wd),
+        }
+        if not self.tie_embeddings:
+            shapes["lm_head"] = ((D, V), wd)
+        if self.qk_norm:
+            shapes.update(q_norm=((L, H), wd), k_norm=((L, H), wd))
+        if self.dense_layers:
+            Ld, F = len(self.dense_layers), self.ffn
+            shapes.update(w_gate=((Ld, D, F), wd), w_up=((Ld, D, F), wd),
+                          w_down=((Ld, F, D), wd))
+        if self.moe_layers:
+            Lm, E, Fe = len(self.moe_layers), self.experts, self.expert_ffn
+            shapes.update(router=((Lm, D, E), wd), we_gate=((Lm, E, D, Fe), ed),
+                          we_up=((Lm, E, D, Fe), ed), we_down=((Lm, E, Fe, D), ed))
+        return shapes
+
+    # -- Hugging Face ---------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, source: str | Path | dict, *, name: str | None = None,
+                dtype: str | None = None) -> ModelConfig:
+        """Read a Qwen3 / Qwen3-MoE `config.json` (a path, a folder, or the parsed dict).
+
+        Both spellings are accepted: older (`rope_theta`, `num_experts`) and newer
+        (`rope_parameters`, `num_local_experts`). `dtype` overrides the file's dtype.
+        """
+        hf = _read_hf_dict(source)
+        where = name or hf.get("_name_or_path") or str(source if not isinstance(source, dict)
+                                                       else "config.json")
+        model_type = hf.get("model_type")
+        if model_type not in ("qwen3", "qwen3_moe"):
+            raise ValueError(f"{where}: model_type={model_type!r} is not supported; "
+                             "expected 'qwen3' or 'qwen3_moe'")
+
+        def need(*keys):
+            for key in keys:
+                if key in hf and hf[key] is not None:
+                    return hf[key]
+            raise ValueError(f"{where}: config.json has no field {' or '.join(keys)}")
+
+        hidden, heads = need("hidden_size"), need("num_attention_heads")
+        head_dim = hf.get("head_dim")
+        if head_dim is None:
+            if hidden % heads:
+                raise ValueError(f"{where}: num_attention_heads={heads} does not divide "
+                                 f"hidden_size={hidden} and no head_dim is given")
+            head_dim = hidden // heads
+        rope = hf.get("rope_parameters") or {}
+        rope_type = rope.get("rope_type", "default")
+        if rope_type != "default" or hf.get("rope_scaling"):
+            raise NotImplementedError(f"{where}: rope scaling {rope_type!r} / "
+                                      f"{hf.get('rope_scaling')!r} is not implemented")
+        if hf.get("use_sliding_window"):
+            raise NotImplementedError(f"{where}: use_sliding_window=True is not implemented")
+        if hf.get("attention_bias"):
+            raise NotImplementedError(f"{where}: attention_bias=True is not implemented")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise NotImplementedError(f"{where}: hidden_act={hf['hidden_act']!r}")
+        rope_theta = rope.get("rope_theta", hf.get("rope_theta"))
+        if rope_theta is None:
+            raise ValueError(f"{where}: config.json has no rope_parameters.rope_theta or "
+                             "rope_theta")
+        layers = need("num_hidden_layers")
+        max_position = need("max_position_embeddings")
+        file_dtype = hf.get("dtype") or hf.get("torch_dtype") or "bfloat16"
+        fields = dict(
+            name=name or Path(str(where)).name, vocab=need("vocab_size"), hidden=hidden,
+            layers=layers, heads=heads, kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=head_dim, ffn=need("intermediate_size"), rope_theta=float(rope_theta),
+            rms_eps=float(need("rms_norm_eps")), qk_norm=True,
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            dtype=dtype or file_dtype, max_position=max_position,
+            max_context=min(4096, max_position))
+        if model_type == "qwen3_moe":
+            step = hf.get("decoder_sparse_step", 1) or 1
+            mlp_only = set(hf.get("mlp_only_layers") or [])
+            fields.update(
+                experts=need("num_local_experts", "num_experts"),
+                experts_per_token=need("num_experts_per_tok"),
+                expert_ffn=need("moe_intermediate_size"),
+                norm_topk=bool(hf.get("norm_topk_prob", False)),
+                moe_layers=tuple(i for i in range(layers)
+                                 if i not in mlp_only and (i + 1) % step == 0))
+        return cls(**fields)
+
+
+def _read_hf_dict(source) -> dict:
+    if isinstance(source, dict):
+        return source
+    path = Path(source)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no Hugging Face config.json at {path}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from None
+
+
+# -- Presets ------------------------------------------------------------------------------
+def _qwen3(name, *, hidden, layers, heads, kv_heads, ffn, tie, **extra):
+    return ModelConfig(name=name, vocab=151_936, hidden=hidden, layers=layers, heads=heads,
+                       kv_heads=kv_heads, head_dim=128, ffn=ffn, rope_theta=1_000_000.0,
+                       tie_embeddings=tie, **extra)
+
+
+_PRESETS = {
+    # Tiny TPU-legal shapes (head dim 128, widths multiples of 128) that run on CPU in
+    # seconds; every test and notebook default uses them.
+    "tiny": lambda: ModelConfig(
+        name="tiny", vocab=512, hidden=256, layers=2, heads=4, kv_heads=2, head_dim=128,
+        ffn=512, rope_theta=10_000.0, dtype="bfloat16", max_position=4096, max_context=256),
+    "tiny-moe": lambda: ModelConfig(
+        name="tiny-moe", vocab=512, hidden=256, layers=3, heads=4, kv_heads=2, head_dim=128,
+        ffn=512, rope_theta=10_000.0, dtype="bfloat16", max_position=4096, max_context=256,
+        experts=8, experts_per_token=2, expert_ffn=128, moe_layers=(1, 2), norm_topk=True),
+    # Real shapes, from each model's config.json on the Hugging Face hub (Qwen/Qwen3-*).
+    "qwen3-0.6b": lambda: _qwen3("qwen3-0.6b", hidden=1024, layers=28, heads=16,
+                                 kv_heads=8, ffn=3072, tie=True),
+    "qwen3-1.7b": lambda: _qwen3("qwen3-1.7b", hidden=2048, layers=28, heads=16,
+                                 kv_heads=8, ffn=6144, tie=True),
+    "qwen3-4b": lambda: _qwen3("qwen3-4b", hidden=2560, layers=36, heads=32, kv_heads=8,
+                               ffn=9728, tie=True),
+    "qwen3-8b": lambda: _qwen3("qwen3-8b", hidden=4096, layers=36, heads=32, kv_heads=8,
+                               ffn=12288, tie=False),
+    # Qwen/Qwen3-30B-A3B: 48 layers, all MoE, 128 experts, top-8 renormalised, no shared
+    # expert.
+    "qwen3-30b-a3b": lambda: _qwen3(
+        "qwen3-30b-a3b", hidden=2048, layers=48, heads=32, kv_heads=4, ffn=6144, tie=False,
+        experts=128, experts_per_token=8, expert_ffn=768, moe_layers=tuple(range(48)),
+        norm_topk=True),
+    # Seed-scale stand-in for the September 2026 release's "Qwen3.8-27B" (64 layers,
+    # hidden 5120, bf16). The published model mixes gated-delta-net and GQA layers; it is
+    # modelled here as GQA in every layer (heads, kv heads and FFN width follow Qwen3-32B's
+    # layer shape, an assumption).
+    "qwen3.8-27b-like": lambda: _qwen3("qwen3.8-27b-like", hidden=5120, layers=64, heads=40,
+                                       kv_heads=8, ffn=17408, tie=False),
+    # Seed-scale stand-in for the release's "Kimi K3": 93 layers, hidden 7168, 896 experts,
+    # 16 per token, FP4 experts. The published model uses MLA / linear attention and a
+    # shared expert; it is modelled here as GQA (64 heads, 8 kv heads, head dim 128) with
+    # Kimi K2's first dense layer (FFN 18432), expert width 2048 and vocab 163840, no
+    # shared expert.
+    "kimi-k3-like": lambda: ModelConfig(
+        name="kimi-k3-like", vocab=163_840, hidden=7168, layers=93, heads=64, kv_heads=8,
+        head_dim=128, ffn=18_432, rope_theta=50_000.0, max_position=131_072,
+        experts=896, experts_per_token=16, expert_ffn=2048, moe_layers=tuple(range(1, 93)),
+        norm_topk=True, expert_dtype="float4_e2m1fn"),
+}
+
+PRESET_NAMES = tuple(_PRESETS)
+
+
+def preset(name: str) -> ModelConfig:
+    """A named `ModelConfig`; `PRESET_NAMES` lists them."""
+    if name not in _PRESETS:
+        raise ValueError(f"preset={name!r} does not exist; choose one of {PRESET_NAMES}")
+    return _PRESETS[name]()

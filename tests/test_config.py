@@ -1,0 +1,127 @@
+"""mk.config: presets, validation, derived sizes and Hugging Face config parsing."""
+
+import dataclasses
+
+import pytest
+
+from mk.config import PRESET_NAMES, ModelConfig, preset
+
+
+def test_every_preset_builds_and_counts_parameters_like_its_shapes():
+    for name in PRESET_NAMES:
+        config = preset(name)
+        counted = sum(_numel(shape) for shape, _ in config.param_shapes().values())
+        assert config.param_count == counted, name
+
+
+def _numel(shape):
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def test_real_presets_have_their_published_parameter_counts():
+    # Qwen3 model cards: 0.6B (0.44B non-embedding), 8.2B, 30.5B total.
+    assert preset("qwen3-0.6b").param_count == pytest.approx(0.6e9, rel=0.03)
+    assert preset("qwen3-8b").param_count == pytest.approx(8.2e9, rel=0.01)
+    assert preset("qwen3-30b-a3b").param_count == pytest.approx(30.5e9, rel=0.01)
+
+
+def test_tiny_presets_are_tpu_legal_shapes():
+    for name in ("tiny", "tiny-moe"):
+        c = preset(name)
+        assert c.head_dim == 128
+        for width in (c.hidden, c.ffn, c.q_width, c.kv_width, c.vocab):
+            assert width % 128 == 0, (name, width)
+        assert 2 <= c.layers <= 4
+
+
+def test_tiny_weight_bytes_by_hand():
+    c = preset("tiny")  # V=512 D=256 L=2 N=4 K=2 H=128 F=512, bf16, untied
+    attn = 256 * (2 * 512 + 2 * 256) + 256 + 2 * 128
+    mlp = 3 * 256 * 512 + 256
+    embed = 2 * 512 * 256 + 256
+    assert c.weight_bytes == 2 * (embed + 2 * (attn + mlp))
+    assert c.kv_bytes_per_token == 2 * 2 * 256 * 2
+
+
+def test_fp4_experts_count_half_a_byte_each():
+    c = preset("kimi-k3-like")
+    moe_layer = c.moe_layers[0]
+    experts = c.experts * c.expert_params // 2
+    rest = (c.attention_params + c.router_params) * 2
+    assert c.layer_weight_bytes(moe_layer) == experts + rest
+
+
+def test_unknown_preset_names_the_choices():
+    with pytest.raises(ValueError, match=r"preset='qwen9'.*tiny"):
+        preset("qwen9")
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(heads=5), r"heads=5 must be a multiple of kv_heads=2"),
+    (dict(head_dim=0), r"head_dim=0 must be a positive integer"),
+    (dict(max_context=5000), r"max_context=5000 exceeds max_position=4096"),
+    (dict(dtype="int8"), r"dtype='int8' must be one of"),
+    (dict(experts=4), r"moe_layers is empty"),
+])
+def test_bad_fields_are_named_in_the_error(change, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(preset("tiny"), **change)
+
+
+def test_moe_layers_out_of_range_is_an_error():
+    with pytest.raises(ValueError, match=r"moe_layers=\(1, 7\)"):
+        dataclasses.replace(preset("tiny-moe"), moe_layers=(1, 7))
+
+
+def _hf_qwen3(**extra):
+    d = dict(model_type="qwen3", vocab_size=1000, hidden_size=256, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+             intermediate_size=512, rms_norm_eps=1e-6, max_position_embeddings=2048,
+             rope_parameters={"rope_theta": 5e5, "rope_type": "default"},
+             tie_word_embeddings=True, dtype="bfloat16")
+    d.update(extra)
+    return d
+
+
+def test_from_hf_reads_new_and_old_spellings_alike():
+    new = ModelConfig.from_hf(_hf_qwen3(), name="x")
+    old = _hf_qwen3(rope_theta=5e5)
+    del old["rope_parameters"]
+    assert ModelConfig.from_hf(old, name="x") == new
+    assert new.rope_theta == 5e5 and new.tie_embeddings and new.head_dim == 64
+
+
+def test_from_hf_moe_layers_follow_sparse_step_and_mlp_only_layers():
+    d = _hf_qwen3(model_type="qwen3_moe", num_hidden_layers=6, decoder_sparse_step=2,
+                  mlp_only_layers=[3], num_experts=8, num_experts_per_tok=2,
+                  moe_intermediate_size=128, norm_topk_prob=True)
+    c = ModelConfig.from_hf(d)
+    assert c.moe_layers == (1, 5) and c.experts == 8 and c.norm_topk
+    d["num_local_experts"] = d.pop("num_experts")
+    assert ModelConfig.from_hf(d) == c
+
+
+def test_from_hf_heads_that_do_not_divide_hidden_without_head_dim():
+    d = _hf_qwen3(num_attention_heads=3)
+    del d["head_dim"]
+    with pytest.raises(ValueError, match=r"num_attention_heads=3 does not divide "
+                                         r"hidden_size=256"):
+        ModelConfig.from_hf(d)
+
+
+def test_from_hf_rejects_other_model_types_and_missing_fields():
+    with pytest.raises(ValueError, match=r"model_type='llama' is not supported"):
+        ModelConfig.from_hf(_hf_qwen3(model_type="llama"))
+    d = _hf_qwen3()
+    del d["intermediate_size"]
+    with pytest.raises(ValueError, match=r"no field intermediate_size"):
+        ModelConfig.from_hf(d)
+
+
+def test_from_hf_rejects_what_the_reference_does_not_implement():
+    with pytest.raises(NotImplementedError, match="rope scaling"):
+        ModelConfig.from_hf(_hf_qwen3(rope_parameters={"rope_theta": 1e6,
+                                                       "rope_type": "yarn"}))
