@@ -1,0 +1,128 @@
+"""What every kernel shares before it is traced: tiling and the VMEM budget.
+
+Here: `BlockSizes` (ring slots, weight tile, KV tile), which validates itself against the
+TPU (8, 128) tiling rule and against the shapes it is asked to tile; `Buffer` and
+`vmem_budget`, the list of every VMEM buffer of one kernel configuration with its padded
+size, checked against the chip's VMEM per core before anything is compiled.
+
+Not here: the ring itself (`mk.kernels.ring`), compiling (`mk.tpu`). Block sizes change
+speed, never numerics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+LANES = 128  # the minor (lane) dimension of a vreg
+SUBLANE_BITS = 8 * 32  # 8 sublanes of 32-bit words: 8 rows of f32, 16 of bf16, 32 of int8
+
+
+def sublanes(dtype) -> int:
+    """Rows of one (sublane, lane) tile for `dtype`: 8 for 32-bit, 16 for 16-bit."""
+    return SUBLANE_BITS // (8 * np.dtype(dtype).itemsize)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tiling of one kernel configuration.
+
+    slots:     weight tiles in flight in the VMEM ring (>= 2 to overlap DMA and compute;
+               1 is the no-overlap teaching version of notebook 01).
+    tile_k:    rows of a weight tile; a multiple of 128 because it also slices the lanes
+               of the activations it multiplies.
+    tile_n:    columns of a weight tile; a multiple of 128 lanes.
+    kv_tile:   cached positions per attention tile; a multiple of 16 sublanes (bf16).
+    kv_slots:  KV tiles in flight (>= 2).
+    """
+
+    slots: int = 3
+    tile_k: int = 256
+    tile_n: int = 256
+    kv_tile: int = 128
+    kv_slots: int = 2
+
+    def __post_init__(self):
+        for field, low in (("slots", 1), ("kv_slots", 2)):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"BlockSizes.{field}={value!r} must be an integer >= {low}")
+        for field, multiple in (("tile_k", LANES), ("tile_n", LANES), ("kv_tile", 16)):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < multiple or value % multiple:
+                raise ValueError(f"BlockSizes.{field}={value!r} must be a positive multiple "
+                                 f"of {multiple} (TPU (8, 128) tiling)")
+
+    def check_matrix(self, name: str, rows: int, cols: int) -> tuple[int, int]:
+        """(row tiles, column tiles) of a [rows, cols] weight; raises if they do not divide."""
+        if rows % self.tile_k or cols % self.tile_n:
+            raise ValueError(f"weight {name} [{rows}, {cols}] is not a whole number of "
+                             f"tiles tile_k={self.tile_k} x tile_n={self.tile_n}")
+        return rows // self.tile_k, cols // self.tile_n
+
+    def check_context(self, context: int) -> int:
+        """KV tiles of a cache of `context` positions; raises if kv_tile does not divide."""
+        if context % self.kv_tile:
+            raise ValueError(f"context={context} is not a multiple of kv_tile={self.kv_tile}")
+        return context // self.kv_tile
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+    """One VMEM buffer of a kernel: a scratch, or an operand the kernel keeps in VMEM."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def padded_shape(self) -> tuple[int, ...]:
+        """The shape VMEM really holds: minor dim to 128 lanes, second-minor to sublanes."""
+        shape = list(self.shape) or [1]
+        shape[-1] = math.ceil(shape[-1] / LANES) * LANES
+        if len(shape) >= 2:
+            rows = sublanes(self.dtype)
+            shape[-2] = math.ceil(shape[-2] / rows) * rows
+        return tuple(shape)
+
+    @property
+    def bytes(self) -> int:
+        return math.prod(self.padded_shape) * np.dtype(self.dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class VmemBudget:
+    """Every VMEM buffer of one kernel configuration against one chip's VMEM per core."""
+
+    kernel: str
+    buffers: tuple[Buffer, ...]
+    chip: str
+    limit_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(b.bytes for b in self.buffers)
+
+    def rows(self) -> list[dict]:
+        """One dict per buffer, biggest first, for a table in a notebook."""
+        return [dict(buffer=b.name, shape=b.shape, dtype=b.dtype, padded=b.padded_shape,
+                     MiB=b.bytes / 2**20)
+                for b in sorted(self.buffers, key=lambda b: -b.bytes)]
+
+    def check(self) -> VmemBudget:
+        if self.total_bytes > self.limit_bytes:
+            biggest = ", ".join(f"{r['buffer']} {r['padded']} {r['MiB']:.1f} MiB"
+                                for r in self.rows()[:3])
+            raise ValueError(f"{self.kernel}: VMEM buffers need {self.total_bytes / 2**20:.1f}"
+                             f" MiB, over {self.chip}'s {self.limit_bytes / 2**20:.0f} MiB per "
+                             f"core; biggest: {biggest}. Use fewer slots or smaller tiles.")
+        return self
+
+
+def vmem_budget(kernel: str, buffers, chip) -> VmemBudget:
+    """The checked budget of `buffers` on `chip` (a `ChipSpec`); raises when over."""
+    if chip.vmem_bytes is None:
+        raise ValueError(f"chip={chip.name!r} has no VMEM (it is a {chip.kind})")
+    return VmemBudget(kernel, tuple(buffers), chip.name, chip.vmem_bytes).check()

@@ -1,0 +1,212 @@
+"""The weight ring: weight tiles streamed HBM -> VMEM through N slots, never stalling.
+
+A kernel consumes an ordered list of weight tiles, `TileStream`: segments (one weight
+matrix each, cut into tile_k x tile_n tiles, column panel by column panel), repeated once
+per layer, then an optional tail (the lm_head). Tile g of the stream lives in ring slot
+g % slots. The rule that makes the ring work: when tile g has been consumed, tile
+g + slots is issued into the slot it just freed. Because g runs across segment and layer
+boundaries, the loads for the next matrix, the next layer and the lm_head are already in
+flight while the current one computes: memory never waits at a matrix or layer edge.
+
+`TileStream` is static data (a reader can print it; the simulator and plots replay it).
+`Ring` is the in-kernel side: `prime`, `start(g)`, `wait(g)`, `slot(g)`, and `matmul`,
+which multiplies activations by one segment while keeping the ring full.
+
+A segment may be switched off at run time (`active`), e.g. the slot of an expert no token
+selected: its tiles are neither loaded nor waited for, but still "consumed" in order so
+the tiles behind it are issued.
+
+Not here: what a kernel computes with the products (the stage kernels and the
+megakernel), KV tiles (`decode_attention`, whose KV ring is shaped by positions).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from mk.kernels.common import BlockSizes
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """One weight matrix of the stream: its name and its tile grid."""
+
+    name: str
+    row_tiles: int  # K / tile_k
+    col_tiles: int  # N / tile_n
+    start: int = 0  # offset of its first tile within a layer (or within the tail)
+
+    @property
+    def tiles(self) -> int:
+        return self.row_tiles * self.col_tiles
+
+    @property
+    def end(self) -> int:
+        return self.start + self.tiles
+
+
+def _place(segments) -> tuple[Segment, ...]:
+    placed, offset = [], 0
+    for s in segments:
+        placed.append(dataclasses.replace(s, start=offset))
+        offset += s.tiles
+    return tuple(placed)
+
+
+@dataclasses.dataclass(frozen=True)
+class TileStream:
+    """Every weight tile a kernel loads, in the order it consumes them.
+
+    Global tile index g: layer l's segment s tile t is g = l * period + s.start + t; the
+    tail's tiles follow all layers.
+    """
+
+    block: BlockSizes
+    segments: tuple[Segment, ...]  # one layer's matrices, in consumption order
+    layers: int = 1
+    tail: tuple[Segment, ...] = ()
+
+    @classmethod
+    def build(cls, block: BlockSizes, matrices, *, layers: int = 1, tail=()) -> TileStream:
+        """matrices / tail: (name, rows, cols) of each weight, in consumption order."""
+        def segs(items):
+            return _place(Segment(name, *block.check_matrix(name, rows, cols))
+                          for name, rows, cols in items)
+        return cls(block, segs(matrices), layers, segs(tail))
+
+    @property
+    def period(self) -> int:
+        return sum(s.tiles for s in self.segments)
+
+    @property
+    def total(self) -> int:
+        return self.layers * self.period + sum(s.tiles for s in self.tail)
+
+    def segment(self, name: str) -> Segment:
+        for s in self.segments + self.tail:
+            if s.name == name:
+                return s
+        raise KeyError(f"no segment {name!r} in the stream")
+
+    def base(self, layer, segment: Segment):
+        """Global index of `segment`'s first tile in `layer` (layer may be traced)."""
+        if segment in self.tail:
+            return self.layers * self.period + segment.start
+        return layer * self.period + segment.start
+
+    def tiles(self):
+        """(g, layer or None for the tail, segment name, row tile, col tile) of every tile."""
+        g = 0
+        for layer in range(self.layers):
+            for s in self.segments:
+                for t in range(s.tiles):
+                    yield g, layer, s.name, t % s.row_tiles, t // s.row_tiles
+                    g += 1
+        for s in self.tail:
+            for t in range(s.tiles):
+                yield g, None, s.name, t % s.row_tiles, t // s.row_tiles
+                g += 1
+
+    @property
+    def tile_bytes(self) -> int:
+        return self.block.tile_k * self.block.tile_n  # times the weight itemsize
+
+
+# fetch(layer) -> (the [K, N] HBM ref of that matrix in that layer, active flag or None)
+Fetch = Callable[[jax.Array], tuple[object, object]]
+
+
+class Ring:
+    """The in-kernel ring over `stream`: slots_vmem [slots, tile_k, tile_n], sems [slots].
+
+    fetch: segment name -> Fetch. Every `start(g)` must be matched by a `wait(g)`, in
+    increasing g, with `start(g + slots)` only after tile g was read.
+    """
+
+    def __init__(self, stream: TileStream, fetch: dict[str, Fetch], slots_vmem, sems):
+        self.stream, self.fetch = stream, fetch
+        self.slots_vmem, self.sems = slots_vmem, sems
+        self.n = stream.block.slots
+        self.tk, self.tn = stream.block.tile_k, stream.block.tile_n
+
+    def _copy(self, segment: Segment, layer, t, slot):
+        src, _ = self.fetch[segment.name](layer)
+        i, j = t % segment.row_tiles, t // segment.row_tiles
+        tile = src.at[pl.ds(pl.multiple_of(i * self.tk, self.tk), self.tk),
+                      pl.ds(pl.multiple_of(j * self.tn, self.tn), self.tn)]
+        return pltpu.make_async_copy(tile, self.slots_vmem.at[slot], self.sems.at[slot])
+
+    def _each_segment(self, g, action):
+        """Call action(segment, layer, t) for the segment holding tile g (g traced)."""
+        s = self.stream
+        layered = s.layers * s.period
+        layer, local = g // s.period, g % s.period
+        for seg in s.segments:
+            hit = (g < layered) & (local >= seg.start) & (local < seg.end)
+            pl.when(hit & self._active(seg, layer))(
+                lambda seg=seg: action(seg, layer, local - seg.start))
+        for seg in s.tail:
+            tail_local = g - layered
+            hit = (tail_local >= seg.start) & (tail_local < seg.end)
+            pl.when(hit & self._active(seg, layer))(
+                lambda seg=seg: action(seg, layer, tail_local - seg.start))
+
+    def _active(self, segment: Segment, layer):
+        _, active = self.fetch[segment.name](layer)
+        return True if active is None else active
+
+    def start(self, g):
+        """Issue tile g into slot g % slots; a no-op past the end or for an off segment."""
+        self._each_segment(g, lambda seg, layer, t: self._copy(seg, layer, t,
+                                                               g % self.n).start())
+
+    def wait(self, g):
+        """Block until tile g has landed (a no-op for an off segment)."""
+        self._each_segment(g, lambda seg, layer, t: self._copy(seg, layer, t,
+                                                               g % self.n).wait())
+
+    def prime(self, first: int = 0):
+        """Issue the first `slots` tiles from `first` on (a kernel's prologue)."""
+        for g in range(first, min(first + self.n, self.stream.total)):
+            self.start(jnp.int32(g))
+
+    def slot(self, g):
+        return self.slots_vmem.at[g % self.n]
+
+    def matmul(self, name: str, x, out_ref, *, layer=0):
+        """out_ref[M, N] (float32) = x[M, K] @ weight `name` of `layer`, through the ring.
+
+        x is a value or a VMEM ref; each k-tile of it is cast to the weight dtype and the
+        products accumulate in float32 (the `mk.reference.matmul` numerics). Every tile
+        consumed issues tile g + slots.
+        """
+        seg = self.stream.segment(name)
+        base = self.stream.base(layer, seg)
+        tk, tn, nk = self.tk, self.tn, seg.row_tiles
+        M = x.shape[0]
+        active = self._active(seg, layer)
+
+        def tile(t, acc):
+            g = base + t
+            i, j = t % nk, t // nk
+            self.wait(g)
+            xs = x[:, pl.ds(pl.multiple_of(i * tk, tk), tk)]
+            w = self.slot(g)
+            part = jnp.dot(xs.astype(w.dtype), w[...], preferred_element_type=jnp.float32)
+            acc = jnp.where(i == 0, part, acc + part)
+            self.start(g + self.n)
+
+            @pl.when((i == nk - 1) & active)
+            def write_panel():
+                out_ref[:, pl.ds(pl.multiple_of(j * tn, tn), tn)] = acc
+
+            return acc
+
+        lax.fori_loop(0, seg.tiles, tile, jnp.zeros((M, tn), jnp.float32))
