@@ -1,0 +1,36 @@
+"""mk: a TPU decode megakernel in JAX Pallas, built stage by stage and checked on CPU.
+
+Top-level names: `ModelConfig`, `preset`, `chip`, `init_params`, `load_checkpoint`; modules
+`mk.reference` (the pure-JAX oracle) and `mk.perf` (bytes, FLOPs and the roofline). Later
+stages add `mk.megakernel`, `mk.spec` and `mk.tpu`.
+
+Importing `mk` on a machine without a TPU pins JAX to the CPU (`JAX_PLATFORMS=cpu`,
+`TPU_SKIP_MDS_QUERY=1`) before JAX is imported, so libtpu does not print host-discovery
+errors, and lets several processes compile for TPUs at once; a variable the user already
+set is left alone.
+"""
+
+import glob
+import os
+
+
+def _tpu_present() -> bool:
+    # TPU VMs (Colab TPU runtimes included) expose /dev/accel* (v5e and later) or
+    # /dev/vfio devices; a CPU-only machine has neither.
+    return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
+if not _tpu_present():
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    # libtpu's lockfile guards a real TPU; compile-only use (mk.tpu) is safe from several
+    # processes at once (parallel test workers, a notebook beside the tests).
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+from mk import perf, reference  # noqa: E402
+from mk.checkpoint import init_params, load_checkpoint  # noqa: E402
+from mk.chips import ChipSpec, chip  # noqa: E402
+from mk.config import ModelConfig, preset  # noqa: E402
+
+__all__ = ["ChipSpec", "ModelConfig", "chip", "init_params", "load_checkpoint", "perf",
+           "preset", "reference"]

@@ -1,0 +1,100 @@
+"""Ahead-of-time compiles for real TPU generations, with no TPU present.
+
+libtpu ships the whole XLA:TPU + Mosaic compiler. Given a topology name it describes
+compile-only devices; `jax.jit(...).lower(...).compile()` against them runs the real
+lowering, the VMEM and HBM capacity checks, and reports memory and code size. Nothing runs.
+
+Here: `compile_for_chip(fn, args, chip)` -> `CompileReport`. Not here: running kernels
+(`mk.backend`), the project-side VMEM budget (`mk.kernels.common.vmem_budget`, which
+catches the scoped-limit problems this path does not enforce).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import time
+
+import jax
+import numpy as np
+from jax.experimental import topologies
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from mk.chips import ChipSpec, chip as chip_spec
+from mk.kernels.common import VmemBudget
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileReport:
+    """The outcome of one ahead-of-time compile."""
+
+    name: str
+    chip: str
+    ok: bool
+    error: str  # the compiler's message when not ok
+    compile_seconds: float
+    argument_bytes: int = 0  # HBM for the inputs
+    output_bytes: int = 0
+    temp_bytes: int = 0  # HBM scratch XLA allocates around the kernel
+    code_bytes: int = 0  # generated code size
+    vmem: VmemBudget | None = None
+
+    def summary(self) -> str:
+        if not self.ok:
+            return f"{self.name} on {self.chip}: FAILED in {self.compile_seconds:.2f} s: " \
+                   f"{self.error.splitlines()[0] if self.error else ''}"
+        vmem = (f", VMEM {self.vmem.total_bytes / 2**20:.1f} of "
+                f"{self.vmem.limit_bytes / 2**20:.0f} MiB") if self.vmem else ""
+        return (f"{self.name} on {self.chip}: compiled in {self.compile_seconds:.2f} s, "
+                f"HBM args {self.argument_bytes / 2**20:.1f} MiB, code "
+                f"{self.code_bytes / 1024:.0f} KiB{vmem}")
+
+
+@functools.cache
+def devices(topology: str) -> tuple:
+    """Compile-only devices of a libtpu topology (e.g. "v5e:1x1", "tpu7x:2x2x1")."""
+    if not os.path.exists("/dev/accel0"):
+        # Without these libtpu, looking for TPU hosts that do not exist, prints warnings
+        # at its first use; the values do not change what is compiled (the topology does).
+        os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+        os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-1")
+    bounds = {}
+    dims = [int(d) for d in topology.split(":")[1].split("x")]
+    if np.prod(dims) == 1:
+        # A single chip is smaller than libtpu's default host (2x2x1): say it is one.
+        bounds = dict(chips_per_host_bounds=[1, 1, 1])
+    desc = topologies.get_topology_desc(topology_name=topology, platform="tpu", **bounds)
+    return tuple(desc.devices)
+
+
+def compile_for_chip(fn, args, chip: str | ChipSpec, *, name: str = "",
+                     vmem: VmemBudget | None = None) -> CompileReport:
+    """Compile `fn(*args)` for one core of `chip`; args are arrays or ShapeDtypeStructs.
+
+    A compiler error is returned in the report (ok=False), not raised, so a notebook can
+    show it; an unknown chip or a GPU raises ValueError.
+    """
+    spec = chip_spec(chip) if isinstance(chip, str) else chip
+    if spec.kind != "tpu":
+        raise ValueError(f"chip={spec.name!r} is a {spec.kind}; only TPUs compile here")
+    name = name or getattr(fn, "__name__", "kernel")
+    mesh = Mesh(np.array(devices(spec.topology)[:1]), ("core",))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
+    start = time.perf_counter()
+    try:
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            compiled = jax.jit(fn, in_shardings=replicated,
+                               out_shardings=replicated).lower(*shapes).compile()
+    except (jax.errors.JaxRuntimeError, pltpu.LoweringException) as err:  # the verdict
+        return CompileReport(name, spec.name, False, f"{type(err).__name__}: {err}",
+                             time.perf_counter() - start, vmem=vmem)
+    seconds = time.perf_counter() - start
+    mem = compiled.memory_analysis()
+    return CompileReport(name, spec.name, True, "", seconds,
+                         argument_bytes=mem.argument_size_in_bytes,
+                         output_bytes=mem.output_size_in_bytes,
+                         temp_bytes=mem.temp_size_in_bytes,
+                         code_bytes=mem.generated_code_size_in_bytes, vmem=vmem)
