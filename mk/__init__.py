@@ -26,6 +26,10 @@ if not _tpu_present():
     # libtpu's lockfile guards a real TPU; compile-only use (mk.tpu) is safe from several
     # processes at once (parallel test workers, a notebook beside the tests).
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    # Without these, libtpu looks for TPU hosts at its first use and prints warnings; the
+    # values do not change what mk.tpu compiles (the topology name decides that).
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-1")
 
 from mk import perf, reference  # noqa: E402
 from mk.checkpoint import init_params, load_checkpoint  # noqa: E402

@@ -40,7 +40,10 @@ def resolve(backend: str) -> str:
 @contextlib.contextmanager
 def use(backend: str = "auto", *, detect_races: bool = False,
         dma_execution_mode: str = "on_wait"):
-    """Run the Pallas kernels traced inside this block on `backend`.
+    """Run the Pallas kernels built and traced inside this block on `backend`.
+
+    `pl.pallas_call(...)` reads the mode when it is built, so build and call kernels
+    inside the block (every public wrapper in `mk.kernels` does both at once).
 
     In interpret mode the simulator's state is reset on entry, so `races_found()` read at
     the end of the block speaks of this block only, and an earlier failure cannot leak in.

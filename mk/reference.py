@@ -3,8 +3,8 @@
 Here: the Qwen3 / Qwen3-MoE forward pass (RMSNorm, GQA with QK-norm, RoPE, SwiGLU, a softmax
 top-k router with optional renormalisation, tied or untied lm_head) as `prefill`,
 `decode_step` and greedy `generate`, plus the small pieces kernels reuse as their own
-oracles (`rms_norm`, `rope`, `attention`, `swiglu`, `moe`, `greedy`). No Pallas, no
-sharding, no sampling (speculative decoding lives in `mk.spec`).
+oracles (`rms_norm`, `rope`, `attention_inputs`, `attention`, `swiglu`, `moe`, `greedy`).
+No Pallas, no sharding, no sampling (speculative decoding lives in `mk.spec`).
 
 Numerics (kernels mirror these cast points, so their tolerances stay tight):
 - the residual stream, norms, RoPE, softmax and router are float32;
@@ -149,8 +149,9 @@ def _write_rows(cache_layer, new, positions):
     return jax.vmap(one)(cache_layer, new, positions)
 
 
-def _layer(config: ModelConfig, params, layer: int, x, k_cache, v_cache, positions):
-    """One decoder layer; x [B, T, D] float32. Returns (x, k_cache, v_cache, x_after_attn)."""
+def attention_inputs(config: ModelConfig, params, layer: int, x, positions):
+    """The attention prologue: x [B, T, D] -> q [B, T, N, H], k, v [B, T, K, H] float32,
+    q and k QK-normed and RoPE'd at positions[b] + t."""
     B, T, _ = x.shape
     N, K, H, eps = config.heads, config.kv_heads, config.head_dim, config.rms_eps
     h = rms_norm(x, params["attn_norm"][layer], eps)
@@ -161,11 +162,17 @@ def _layer(config: ModelConfig, params, layer: int, x, k_cache, v_cache, positio
         q = rms_norm(q, params["q_norm"][layer], eps)
         k = rms_norm(k, params["k_norm"][layer], eps)
     row_pos = positions[:, None] + jnp.arange(T)
-    q = rope(q, row_pos, config.rope_theta)
-    k = rope(k, row_pos, config.rope_theta)
+    return rope(q, row_pos, config.rope_theta), rope(k, row_pos, config.rope_theta), v
+
+
+def _layer(config: ModelConfig, params, layer: int, x, k_cache, v_cache, positions):
+    """One decoder layer; x [B, T, D] float32. Returns (x, k_cache, v_cache, x_after_attn)."""
+    B, T, _ = x.shape
+    eps = config.rms_eps
+    q, k, v = attention_inputs(config, params, layer, x, positions)
     k_cache = _write_rows(k_cache, k, positions)
     v_cache = _write_rows(v_cache, v, positions)
-    o = attention(q, k_cache, v_cache, positions).reshape(B, T, N * H)
+    o = attention(q, k_cache, v_cache, positions).reshape(B, T, -1)
     x = x + matmul(o, params["wo"][layer])
     x_attn = x
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import time
 
 import jax
@@ -55,11 +54,6 @@ class CompileReport:
 @functools.cache
 def devices(topology: str) -> tuple:
     """Compile-only devices of a libtpu topology (e.g. "v5e:1x1", "tpu7x:2x2x1")."""
-    if not os.path.exists("/dev/accel0"):
-        # Without these libtpu, looking for TPU hosts that do not exist, prints warnings
-        # at its first use; the values do not change what is compiled (the topology does).
-        os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-        os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-1")
     bounds = {}
     dims = [int(d) for d in topology.split(":")[1].split("x")]
     if np.prod(dims) == 1:
@@ -71,7 +65,8 @@ def devices(topology: str) -> tuple:
 
 def compile_for_chip(fn, args, chip: str | ChipSpec, *, name: str = "",
                      vmem: VmemBudget | None = None) -> CompileReport:
-    """Compile `fn(*args)` for one core of `chip`; args are arrays or ShapeDtypeStructs.
+    """Compile `fn(*args)` for one core of `chip`; args are pytrees of arrays or
+    ShapeDtypeStructs.
 
     A compiler error is returned in the report (ok=False), not raised, so a notebook can
     show it; an unknown chip or a GPU raises ValueError.
@@ -82,7 +77,7 @@ def compile_for_chip(fn, args, chip: str | ChipSpec, *, name: str = "",
     name = name or getattr(fn, "__name__", "kernel")
     mesh = Mesh(np.array(devices(spec.topology)[:1]), ("core",))
     replicated = NamedSharding(mesh, PartitionSpec())
-    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), list(args))
     start = time.perf_counter()
     try:
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):

@@ -183,9 +183,10 @@ class Ring:
     def matmul(self, name: str, x, out_ref, *, layer=0):
         """out_ref[M, N] (float32) = x[M, K] @ weight `name` of `layer`, through the ring.
 
-        x is a value or a VMEM ref; each k-tile of it is cast to the weight dtype and the
-        products accumulate in float32 (the `mk.reference.matmul` numerics). Every tile
-        consumed issues tile g + slots.
+        x is a VMEM ref (its k-tiles are dynamic lane slices, which Mosaic takes from refs,
+        not values); each k-tile is cast to the weight dtype and the products accumulate
+        in float32 (the `mk.reference.matmul` numerics). Every tile consumed issues tile
+        g + slots.
         """
         seg = self.stream.segment(name)
         base = self.stream.base(layer, seg)

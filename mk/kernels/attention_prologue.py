@@ -1,0 +1,170 @@
+"""Stage 02, the attention prologue: RMSNorm, Q/K/V through the ring, QK-norm, RoPE.
+
+h = RMSNorm(x); q, k, v = h @ Wq, h @ Wk, h @ Wv with the three weights streamed through
+one ring (the k and v tiles are in flight while q computes); then per head RMSNorm over
+the head dim (Qwen3's QK-norm) and rotate-half RoPE at each row's absolute position
+(row t of sequence b sits at positions[b] + t).
+
+RoPE in the kernel: rotate_half(x) = [-x2, x1] is a lane roll by H/2 times a sign
+vector, and cos/sin are computed from the row positions; no table is read from HBM.
+
+Here: `prologue` (the in-kernel body the fused layer and the megakernel call), its stream
+segments, and the stage wrapper `attention_prologue`. Not here: attention itself
+(`decode_attention`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from mk.config import ModelConfig
+from mk.kernels.common import BlockSizes, Buffer
+from mk.kernels.ring import Ring, TileStream
+from mk.reference import rms_norm
+
+MAX_ROWS = 64
+
+
+def prologue_matrices(config: ModelConfig) -> list[tuple[str, int, int]]:
+    """The ring segments of the prologue, in consumption order: (name, rows, cols)."""
+    D = config.hidden
+    return [("wq", D, config.q_width), ("wk", D, config.kv_width), ("wv", D, config.kv_width)]
+
+
+def row_positions(positions_smem, batch: int, rows: int):
+    """[B*T, 1] int32: the absolute position of each activation row b*T + t."""
+    m = lax.broadcasted_iota(jnp.int32, (batch * rows, 1), 0)
+    pos = jnp.zeros((batch * rows, 1), jnp.int32)
+    for b in range(batch):
+        pos = jnp.where(m // rows == b, positions_smem[b] + m % rows, pos)
+    return pos
+
+
+def rope_rows(x, pos, theta: float):
+    """Rotate-half RoPE of x [M, H] float32 at positions pos [M, 1] (mk.reference.rope)."""
+    M, H = x.shape
+    lane = lax.broadcasted_iota(jnp.int32, (M, H), 1)
+    exponent = (2 * (lane % (H // 2))).astype(jnp.float32) / H
+    angle = pos.astype(jnp.float32) / jnp.power(jnp.float32(theta), exponent)
+    sign = jnp.where(lane < H // 2, -1.0, 1.0)
+    return x * jnp.cos(angle) + pltpu.roll(x, H // 2, 1) * sign * jnp.sin(angle)
+
+
+def normalise_heads(ref, heads: int, norm, pos, config: ModelConfig):
+    """In place on ref [M, heads*H] f32: QK-norm (if the model has it), then RoPE."""
+    H = config.head_dim
+    for n in range(heads):
+        x = ref[:, n * H:(n + 1) * H]
+        if norm is not None:
+            x = rms_norm(x, norm, config.rms_eps)
+        ref[:, n * H:(n + 1) * H] = rope_rows(x, pos, config.rope_theta)
+
+
+def prologue(ring: Ring, config: ModelConfig, *, layer, x, attn_norm, q_norm, k_norm,
+             positions_smem, batch: int, rows: int, h_vmem, q_vmem, k_vmem, v_vmem):
+    """The prologue of one layer inside a kernel; x [M, D] f32 and the norms are values,
+    h_vmem [M, D] is scratch for the normed activations."""
+    h_vmem[...] = rms_norm(x, attn_norm, config.rms_eps).astype(h_vmem.dtype)
+    ring.matmul("wq", h_vmem, q_vmem, layer=layer)
+    ring.matmul("wk", h_vmem, k_vmem, layer=layer)
+    ring.matmul("wv", h_vmem, v_vmem, layer=layer)
+    pos = row_positions(positions_smem, batch, rows)
+    normalise_heads(q_vmem, config.heads, q_norm, pos, config)
+    normalise_heads(k_vmem, config.kv_heads, k_norm, pos, config)
+
+
+def attention_prologue_buffers(config: ModelConfig, M: int, block: BlockSizes) -> list[Buffer]:
+    """Every VMEM buffer of the stage-02 kernel (scratch and VMEM operands)."""
+    D, dt = config.hidden, config.dtype
+    return [Buffer("x", (M, D), "float32"),
+            Buffer("h", (M, D), dt),
+            Buffer("q", (M, config.q_width), "float32"),
+            Buffer("k", (M, config.kv_width), "float32"),
+            Buffer("v", (M, config.kv_width), "float32"),
+            Buffer("ring", (block.slots, block.tile_k, block.tile_n), dt)]
+
+
+def attention_prologue_kernel(
+    # Inputs
+    positions_smem,  # [B] int32
+    x_vmem,  # [M, D] f32
+    attn_norm_vmem,  # [1, D]
+    q_norm_vmem,  # [1, H]
+    k_norm_vmem,  # [1, H]
+    wq_hbm,  # [D, N*H]
+    wk_hbm,  # [D, K*H]
+    wv_hbm,  # [D, K*H]
+    # Outputs
+    q_vmem,  # [M, N*H] f32
+    k_vmem,  # [M, K*H] f32
+    v_vmem,  # [M, K*H] f32
+    # Scratch
+    h_vmem,  # [M, D] weight dtype: the normed activations
+    ring_vmem,  # [slots, tile_k, tile_n]
+    sems,  # DMA [slots]
+    *,
+    config: ModelConfig,
+    stream: TileStream,
+    batch: int,
+    rows: int,
+):
+    fetch = {"wq": lambda layer: (wq_hbm, None), "wk": lambda layer: (wk_hbm, None),
+             "wv": lambda layer: (wv_hbm, None)}
+    ring = Ring(stream, fetch, ring_vmem, sems)
+    ring.prime()
+    qk = config.qk_norm
+    prologue(ring, config, layer=0, x=x_vmem[...], attn_norm=attn_norm_vmem[...],
+             q_norm=q_norm_vmem[...] if qk else None, k_norm=k_norm_vmem[...] if qk else None,
+             positions_smem=positions_smem, batch=batch, rows=rows,
+             h_vmem=h_vmem, q_vmem=q_vmem, k_vmem=k_vmem, v_vmem=v_vmem)
+
+
+def attention_prologue(config: ModelConfig, params, x, positions, *, layer: int = 0,
+                       block: BlockSizes | None = None):
+    """Layer `layer`'s q [B, T, N, H], k, v [B, T, K, H] (float32; q, k normed and roped).
+
+    x [B, T, D] is the residual stream; positions [B] where each sequence's row 0 sits.
+    """
+    B, T, D = x.shape
+    M = B * T
+    if D != config.hidden:
+        raise ValueError(f"x [B, T, D={D}] does not match hidden={config.hidden}")
+    if not 1 <= M <= MAX_ROWS:
+        raise ValueError(f"B*T={M} activation rows must be in [1, {MAX_ROWS}]")
+    if not 0 <= layer < config.layers:
+        raise ValueError(f"layer={layer} must be in [0, layers={config.layers})")
+    if positions.shape != (B,):
+        raise ValueError(f"positions shape {positions.shape} must be [B={B}]")
+    block = block or BlockSizes()
+    stream = TileStream.build(block, prologue_matrices(config))
+    buffers = {b.name: b for b in attention_prologue_buffers(config, M, block)}
+    H = config.head_dim
+    ones = jnp.ones((1, H), jnp.float32)
+    norm = (lambda name: params[name][layer][None]) if config.qk_norm else (lambda _: ones)
+    vmem, smem, hbm = (pl.BlockSpec(memory_space=s) for s in (pltpu.VMEM, pltpu.SMEM, pl.ANY))
+    q, k, v = pl.pallas_call(
+        functools.partial(attention_prologue_kernel, config=config, stream=stream,
+                          batch=B, rows=T),
+        out_shape=[jax.ShapeDtypeStruct((M, w), jnp.float32)
+                   for w in (config.q_width, config.kv_width, config.kv_width)],
+        in_specs=[smem, vmem, vmem, vmem, vmem, hbm, hbm, hbm],
+        out_specs=[vmem, vmem, vmem],
+        scratch_shapes=[pltpu.VMEM(buffers[n].shape, buffers[n].dtype) for n in ("h", "ring")]
+        + [pltpu.SemaphoreType.DMA((block.slots,))],
+        name="mk_attention_prologue",
+        cost_estimate=pl.CostEstimate(
+            flops=2 * M * D * (config.q_width + 2 * config.kv_width),
+            transcendentals=2 * M * (config.q_width + config.kv_width),
+            bytes_accessed=D * (config.q_width + 2 * config.kv_width)
+            * jnp.dtype(config.dtype).itemsize),
+    )(positions.astype(jnp.int32), x.reshape(M, D).astype(jnp.float32),
+      params["attn_norm"][layer][None], norm("q_norm"), norm("k_norm"),
+      params["wq"][layer], params["wk"][layer], params["wv"][layer])
+    N, K = config.heads, config.kv_heads
+    return q.reshape(B, T, N, H), k.reshape(B, T, K, H), v.reshape(B, T, K, H)
