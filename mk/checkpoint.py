@@ -1,0 +1,244 @@
+"""Weights: deterministic random parameters and strict Hugging Face checkpoint loading.
+
+Here: `init_params(config, seed)` (random weights in the layout of `mk.config`) and
+`load_checkpoint(path)` for Qwen3 / Qwen3-MoE folders of safetensors files. Not here:
+downloading (a notebook may call `huggingface_hub` when the user asks), quantisation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import zlib
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors import SafetensorError, safe_open
+
+from mk.config import COMPUTE_DTYPES, ModelConfig
+
+
+def init_params(config: ModelConfig, seed: int = 0) -> dict[str, jax.Array]:
+    """Random parameters; the same (config, seed) always gives the same arrays.
+
+    Each tensor's generator is seeded by (seed, its name), so adding a tensor never
+    changes another.
+    Matrices are N(0, 1/fan_in) so activations keep unit scale; embeddings and lm_head are
+    N(0, 1) so logits are well separated (greedy decoding is then robust to rounding);
+    norm weights are 1 + N(0, 0.1^2) so a kernel that skips a norm weight is caught.
+    """
+    if (config.expert_dtype or config.dtype) not in COMPUTE_DTYPES:
+        raise NotImplementedError(f"{config.name}: expert_dtype={config.expert_dtype!r} is "
+                                  "counted in byte budgets but has no random init")
+    params = {}
+    for name, (shape, dtype) in config.param_shapes().items():
+        rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+        x = rng.standard_normal(shape, np.float32)
+        if name.endswith("norm"):
+            x = 1.0 + 0.1 * x
+        elif name not in ("embed", "lm_head"):
+            x = x / np.sqrt(shape[-2], dtype=np.float32)  # fan_in of an [.., in, out] weight
+        params[name] = jnp.asarray(x, dtype)
+    return params
+
+
+# -- Hugging Face checkpoints -------------------------------------------------------------
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# safetensors dtype tags a checkpoint may store; each is cast to `config.dtype` on load.
+STORED_DTYPES = ("F32", "BF16", "F16")
+
+
+def hf_layout(config: ModelConfig) -> dict[str, tuple[str, tuple[int, ...], bool]]:
+    """HF tensor name -> (mk parameter, index into its stacked axes, transposed?).
+
+    HF stores a projection as [out, in]; mk stores [in, out], so every matrix except the
+    embedding table is transposed. A tied model has no `lm_head.weight` entry.
+    """
+    layout = {"model.embed_tokens.weight": ("embed", (), False),
+              "model.norm.weight": ("final_norm", (), False)}
+    if not config.tie_embeddings:
+        layout["lm_head.weight"] = ("lm_head", (), True)
+    for i in range(config.layers):
+        prefix = f"model.layers.{i}."
+        layout[prefix + "input_layernorm.weight"] = ("attn_norm", (i,), False)
+        layout[prefix + "post_attention_layernorm.weight"] = ("mlp_norm", (i,), False)
+        for proj in "qkvo":
+            layout[f"{prefix}self_attn.{proj}_proj.weight"] = (f"w{proj}", (i,), True)
+        if config.qk_norm:
+            for proj in "qk":
+                layout[f"{prefix}self_attn.{proj}_norm.weight"] = (f"{proj}_norm", (i,), False)
+        kind, j = config.mlp_index(i)
+        if kind == "dense":
+            for proj in ("gate", "up", "down"):
+                layout[f"{prefix}mlp.{proj}_proj.weight"] = (f"w_{proj}", (j,), True)
+            continue
+        layout[prefix + "mlp.gate.weight"] = ("router", (j,), True)
+        for e in range(config.experts):
+            for proj in ("gate", "up", "down"):
+                layout[f"{prefix}mlp.experts.{e}.{proj}_proj.weight"] = (f"we_{proj}",
+                                                                         (j, e), True)
+    return layout
+
+
+def load_checkpoint(path: str | Path, *, dtype: str | None = None
+                    ) -> tuple[ModelConfig, dict[str, jax.Array]]:
+    """Read a Qwen3 / Qwen3-MoE Hugging Face folder into (config, params).
+
+    The folder holds `config.json` and either `model.safetensors` or shards listed by
+    `model.safetensors.index.json`. Loading is strict: every tensor of `hf_layout` must be
+    present once with the right shape and a float32/bfloat16/float16 dtype, and nothing
+    else may be there (a tied checkpoint may repeat the embedding as `lm_head.weight`).
+    All problems are collected into one `ValueError` before any weight is converted.
+    Parameters are cast to `config.dtype`; `dtype` overrides the file's dtype.
+    """
+    folder = Path(path)
+    config = ModelConfig.from_hf(folder, dtype=dtype)
+    layout = hf_layout(config)
+    shapes = config.param_shapes()
+    with contextlib.ExitStack() as stack:
+        handles, where, problems = _open_tensors(folder, layout, shapes, stack)
+        for name in where:
+            if name not in layout and not (name == "lm_head.weight" and config.tie_embeddings):
+                problems.append(f"{where[name]}: unexpected tensor {name} (not in "
+                                f"{config.name}'s layout; biases and buffers are not loaded)")
+        if config.tie_embeddings and {"lm_head.weight", "model.embed_tokens.weight"} <= set(
+                where):
+            problems += _check_tied_head(handles, where)
+        if problems:
+            raise ValueError(f"{folder}: cannot load the {config.name} checkpoint "
+                             f"({len(problems)} problems):\n  " + "\n  ".join(problems))
+        return config, _assemble(handles, where, layout, shapes)
+
+
+def _open_tensors(folder, layout, shapes, stack):
+    """Open every file, check every tensor's header; (handles, tensor -> file, problems).
+
+    A tensor the index places in a missing or unreadable file is reported with that file,
+    not again as missing.
+    """
+    files = _shard_files(folder)
+    handles, where, problems, reported = {}, {}, [], set()
+    for file, listed in files.items():
+        if not (folder / file).is_file():
+            problems.append(f"{INDEX_FILE} maps {len(listed)} tensors to {file}, which does "
+                            f"not exist: {', '.join(sorted(listed))}")
+            reported |= listed
+            continue
+        try:
+            handle = stack.enter_context(safe_open(folder / file, "numpy"))
+        except (SafetensorError, OSError) as err:
+            problems.append(_describe_unreadable(folder / file, err, listed))
+            reported |= set(layout) if listed is None else listed
+            continue
+        handles[file] = handle
+        held = set(handle.keys())
+        if listed is not None:
+            problems += [f"{file}: holds no {name}, which {INDEX_FILE} maps to it"
+                         for name in sorted(listed - held)]
+            problems += [f"{file}: holds {name}, which {INDEX_FILE} does not map to it"
+                         for name in sorted(held - listed)]
+            reported |= (listed - held) | (held - listed)
+            held &= listed
+        for name in sorted(held):  # the index maps each name to one file: no duplicates
+            where[name] = file
+            problems += _check_tensor(file, name, handle.get_slice(name), layout, shapes)
+    problems += [f"missing tensor {name} ({_slot(*layout[name][:2])})"
+                 for name in layout if name not in where and name not in reported]
+    return handles, where, problems
+
+
+def _shard_files(folder: Path) -> dict[str, set[str] | None]:
+    """File name -> the tensor names the index maps to it (None: one file holds all)."""
+    single, index = folder / SINGLE_FILE, folder / INDEX_FILE
+    if single.is_file() and index.is_file():
+        raise ValueError(f"{folder}: both {SINGLE_FILE} and {INDEX_FILE} exist; which "
+                         "weights to load is ambiguous, remove one")
+    if single.is_file():
+        return {SINGLE_FILE: None}
+    if not index.is_file():
+        raise ValueError(f"{folder}: neither {SINGLE_FILE} nor {INDEX_FILE} exists")
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError(f"weight_map is a {type(weight_map).__name__}")
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise ValueError(f"{index}: not a safetensors index with a weight_map "
+                         f"({type(err).__name__}: {err})") from None
+    files: dict[str, set[str] | None] = {}
+    for name, file in weight_map.items():
+        files.setdefault(file, set()).add(name)
+    return files
+
+
+def _check_tensor(file, name, view, layout, shapes) -> list[str]:
+    if name not in layout:
+        return []  # reported as unexpected by the caller
+    param, index, transposed = layout[name]
+    want = shapes[param][0][len(index):]
+    want = tuple(reversed(want)) if transposed else tuple(want)
+    got = tuple(view.get_shape())
+    problems = []
+    if got != want:
+        problems.append(f"{file}: {name} has shape {got}, expected {want} "
+                        f"({_slot(param, index)})")
+    if view.get_dtype() not in STORED_DTYPES:
+        problems.append(f"{file}: {name} has dtype {view.get_dtype()}, expected one of "
+                        f"{STORED_DTYPES}")
+    return problems
+
+
+def _check_tied_head(handles, where) -> list[str]:
+    embed_name, head_name = "model.embed_tokens.weight", "lm_head.weight"
+    embed = handles[where[embed_name]].get_tensor(embed_name)
+    head = handles[where[head_name]].get_tensor(head_name)
+    if head.shape == embed.shape and np.array_equal(head.astype(np.float32),
+                                                    embed.astype(np.float32)):
+        return []
+    return [f"{where[head_name]}: {head_name} differs from {embed_name} but config.json "
+            "says tie_word_embeddings=true"]
+
+
+def _assemble(handles, where, layout, shapes) -> dict[str, jax.Array]:
+    """Stack the validated tensors per parameter in numpy, then one device copy each."""
+    by_param: dict[str, list[str]] = {}
+    for name, (param, _, _) in layout.items():
+        by_param.setdefault(param, []).append(name)
+    params = {}
+    for param, (shape, dtype) in shapes.items():
+        stacked = np.empty(shape, jnp.dtype(dtype))
+        for name in by_param[param]:
+            _, index, transposed = layout[name]
+            tensor = handles[where[name]].get_tensor(name)
+            stacked[index] = tensor.T if transposed else tensor
+        params[param] = jnp.asarray(stacked)
+    return params
+
+
+def _slot(param: str, index: tuple[int, ...]) -> str:
+    return f"mk {param}[{', '.join(map(str, index))}]" if index else f"mk {param}"
+
+
+def _describe_unreadable(path: Path, err: Exception, listed: set[str] | None) -> str:
+    """Why safetensors refused a file; names the cut-off tensors when the header is intact."""
+    detail = f"{type(err).__name__}: {err}"
+    cut = []
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            if 8 + length <= size:
+                header = json.loads(f.read(length))
+                data = size - 8 - length
+                cut = sorted(name for name, info in header.items()
+                             if name != "__metadata__" and info["data_offsets"][1] > data)
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        pass  # the header itself is unreadable; safetensors' message says why
+    message = f"{path.name}: not a readable safetensors file ({detail})"
+    if cut:
+        message += f"; data ends before tensors {', '.join(cut)}"
+    if listed:
+        message += f"; {INDEX_FILE} expects it to hold {', '.join(sorted(listed))}"
+    return message

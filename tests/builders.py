@@ -1,0 +1,102 @@
+"""Shared test inputs: tiny configs and Hugging Face checkpoint folders written without torch.
+
+The HF names below are spelled out by hand, independently of `mk.checkpoint.hf_layout`, so
+a round trip through them tests the loader's mapping rather than repeating it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+
+from mk.config import ModelConfig
+
+
+def hf_config_dict(config: ModelConfig) -> dict:
+    """`config.json` contents (newer spelling) that `ModelConfig.from_hf` reads back."""
+    hf = {
+        "_name_or_path": config.name,
+        "architectures": ["Qwen3MoeForCausalLM" if config.is_moe else "Qwen3ForCausalLM"],
+        "model_type": "qwen3_moe" if config.is_moe else "qwen3",
+        "vocab_size": config.vocab, "hidden_size": config.hidden,
+        "num_hidden_layers": config.layers, "num_attention_heads": config.heads,
+        "num_key_value_heads": config.kv_heads, "head_dim": config.head_dim,
+        "intermediate_size": config.ffn, "rms_norm_eps": config.rms_eps,
+        "rope_parameters": {"rope_theta": config.rope_theta, "rope_type": "default"},
+        "tie_word_embeddings": config.tie_embeddings, "dtype": config.dtype,
+        "max_position_embeddings": config.max_position, "hidden_act": "silu",
+        "attention_bias": False, "use_sliding_window": False,
+    }
+    if config.is_moe:
+        hf.update(num_local_experts=config.experts,
+                  num_experts_per_tok=config.experts_per_token,
+                  moe_intermediate_size=config.expert_ffn, norm_topk_prob=config.norm_topk,
+                  decoder_sparse_step=1, mlp_only_layers=list(config.dense_layers))
+    return hf
+
+
+def hf_tensors(config: ModelConfig, params: dict) -> dict[str, np.ndarray]:
+    """mk params -> HF-named numpy tensors, matrices back in HF's [out, in] order."""
+    p = {name: np.asarray(value) for name, value in params.items()}
+    tensors = {"model.embed_tokens.weight": p["embed"], "model.norm.weight": p["final_norm"]}
+    if not config.tie_embeddings:
+        tensors["lm_head.weight"] = p["lm_head"].T
+    dense, moe = 0, 0
+    for i in range(config.layers):
+        layer = f"model.layers.{i}"
+        tensors[f"{layer}.input_layernorm.weight"] = p["attn_norm"][i]
+        tensors[f"{layer}.post_attention_layernorm.weight"] = p["mlp_norm"][i]
+        tensors[f"{layer}.self_attn.q_proj.weight"] = p["wq"][i].T
+        tensors[f"{layer}.self_attn.k_proj.weight"] = p["wk"][i].T
+        tensors[f"{layer}.self_attn.v_proj.weight"] = p["wv"][i].T
+        tensors[f"{layer}.self_attn.o_proj.weight"] = p["wo"][i].T
+        if config.qk_norm:
+            tensors[f"{layer}.self_attn.q_norm.weight"] = p["q_norm"][i]
+            tensors[f"{layer}.self_attn.k_norm.weight"] = p["k_norm"][i]
+        if i in config.moe_layers:
+            tensors[f"{layer}.mlp.gate.weight"] = p["router"][moe].T
+            for e in range(config.experts):
+                expert = f"{layer}.mlp.experts.{e}"
+                tensors[f"{expert}.gate_proj.weight"] = p["we_gate"][moe, e].T
+                tensors[f"{expert}.up_proj.weight"] = p["we_up"][moe, e].T
+                tensors[f"{expert}.down_proj.weight"] = p["we_down"][moe, e].T
+            moe += 1
+        else:
+            tensors[f"{layer}.mlp.gate_proj.weight"] = p["w_gate"][dense].T
+            tensors[f"{layer}.mlp.up_proj.weight"] = p["w_up"][dense].T
+            tensors[f"{layer}.mlp.down_proj.weight"] = p["w_down"][dense].T
+            dense += 1
+    return tensors
+
+
+def write_hf_folder(hf_config: dict, tensors: dict[str, np.ndarray], folder: str | Path,
+                    shards: int = 1) -> Path:
+    """Write `config.json` and the tensors: one `model.safetensors`, or `shards` files
+    `model-0000i-of-0000n.safetensors` plus `model.safetensors.index.json`."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(hf_config, indent=2))
+    tensors = {name: np.ascontiguousarray(value) for name, value in tensors.items()}
+    if shards == 1:
+        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+        return folder
+    names = list(tensors)
+    weight_map = {}
+    for s, part in enumerate(np.array_split(np.arange(len(names)), shards)):
+        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({names[k]: tensors[names[k]] for k in part}, folder / file,
+                  metadata={"format": "pt"})
+        weight_map.update({names[k]: file for k in part})
+    total = sum(value.nbytes for value in tensors.values())
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return folder
+
+
+def save_hf_checkpoint(config: ModelConfig, params: dict, folder: str | Path,
+                       shards: int = 1) -> Path:
+    """A Hugging Face Qwen3 / Qwen3-MoE folder holding `params` under `config`."""
+    return write_hf_folder(hf_config_dict(config), hf_tensors(config, params), folder, shards)
