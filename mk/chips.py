@@ -1,0 +1,109 @@
+"""Accelerator specifications: `ChipSpec`, `chip(name)`, `CHIP_NAMES`, `all_chips()`.
+
+One row of `data/chips.csv` per chip: vendor peak numbers (HBM size and bandwidth, dense
+bf16 and fp8 FLOP/s, interconnect bandwidth) plus, for TPUs, the VMEM per core that the
+libtpu compiler enforces and the topology name to compile for one chip. Each row names the
+vendor document it comes from.
+
+Not here: anything derived from a model (bytes, FLOPs, floors: `mk.perf`), measured or
+sustained bandwidths (these are datasheet peaks), multi-chip topologies.
+
+Units: bytes, bytes per second, FLOP per second, all per CHIP. A TPU7x chip has two
+TensorCores, each its own JAX device; `cores_per_chip` says how many devices share the
+chip's numbers (v5p's two cores run as one megacore device, so it counts 1).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+from functools import cache
+from pathlib import Path
+
+DATA = Path(__file__).resolve().parent.parent / "data"
+CHIPS_CSV = DATA / "chips.csv"
+KINDS = ("tpu", "gpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChipSpec:
+    """Peak numbers of one chip (see the module docstring for units)."""
+
+    name: str
+    kind: str  # "tpu" or "gpu"
+    hbm_bytes: int  # HBM capacity per chip
+    hbm_bw: float  # HBM bandwidth per chip, bytes/s
+    bf16_flops: float  # dense bf16 peak per chip, FLOP/s
+    fp8_flops: float  # dense fp8 peak per chip, FLOP/s (int8 TOP/s on v5e, v6e, v5p)
+    vmem_bytes: int | None  # VMEM per TensorCore enforced by the compiler; None on GPUs
+    cores_per_chip: int  # JAX devices per chip
+    ici_bw: float  # chip-to-chip bandwidth per chip, bytes/s (NVLink on GPUs)
+    topology: str  # libtpu topology name that compiles for one chip; "" on GPUs
+    source: str  # the vendor document the numbers come from
+    notes: str = ""
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"chip {self.name}: kind={self.kind!r} must be one of {KINDS}")
+        for field in ("hbm_bytes", "hbm_bw", "bf16_flops", "fp8_flops", "ici_bw",
+                      "cores_per_chip"):
+            value = getattr(self, field)
+            if not value > 0:
+                raise ValueError(f"chip {self.name}: {field}={value!r} must be positive")
+        if (self.kind == "tpu") != (self.vmem_bytes is not None):
+            raise ValueError(f"chip {self.name}: vmem_bytes={self.vmem_bytes!r} must be set "
+                             "for a TPU and empty for a GPU")
+        if (self.kind == "tpu") != bool(self.topology):
+            raise ValueError(f"chip {self.name}: topology={self.topology!r} must be set for "
+                             "a TPU and empty for a GPU")
+        if not self.source.strip():
+            raise ValueError(f"chip {self.name}: source is empty; every row names its "
+                             "vendor document")
+
+    @property
+    def ridge_flop_per_byte(self) -> float:
+        """bf16 peak over HBM bandwidth: below this arithmetic intensity a kernel is
+        bound by HBM."""
+        return self.bf16_flops / self.hbm_bw
+
+
+def _optional_int(text: str) -> int | None:
+    return int(text) if text.strip() else None
+
+
+def _row_to_spec(row: dict[str, str]) -> ChipSpec:
+    return ChipSpec(
+        name=row["name"], kind=row["kind"], hbm_bytes=int(row["hbm_bytes"]),
+        hbm_bw=float(row["hbm_bw"]), bf16_flops=float(row["bf16_flops"]),
+        fp8_flops=float(row["fp8_flops"]),
+        vmem_bytes=_optional_int(row["vmem_bytes_per_core"]),
+        cores_per_chip=int(row["cores_per_chip"]), ici_bw=float(row["ici_bw"]),
+        topology=row["topology"], source=row["source"], notes=row["notes"])
+
+
+@cache
+def _load(path: Path = CHIPS_CSV) -> dict[str, ChipSpec]:
+    with open(path, newline="", encoding="utf-8") as f:
+        specs = [_row_to_spec(row) for row in csv.DictReader(f)]
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{path}: chip names {names} are not unique")
+    return {s.name: s for s in specs}
+
+
+CHIP_NAMES: tuple[str, ...] = tuple(_load())
+
+
+def chip(name: str) -> ChipSpec:
+    """The `ChipSpec` called `name`; `CHIP_NAMES` lists them."""
+    specs = _load()
+    if name not in specs:
+        raise ValueError(f"chip={name!r} is not known; choose one of {CHIP_NAMES}")
+    return specs[name]
+
+
+def all_chips(kind: str | None = None) -> tuple[ChipSpec, ...]:
+    """Every chip in file order, or only those of `kind` ("tpu" or "gpu")."""
+    if kind is not None and kind not in KINDS:
+        raise ValueError(f"kind={kind!r} must be one of {KINDS} or None")
+    return tuple(s for s in _load().values() if kind is None or s.kind == kind)

@@ -1,0 +1,100 @@
+"""data/chips.csv and mk.chips: every row is complete and sourced, lookups fail loudly, and
+the TPU rows agree with what libtpu itself reports for their topology names."""
+
+import dataclasses
+
+import pytest
+
+from mk import chips
+from mk.chips import CHIP_NAMES, ChipSpec, all_chips, chip
+
+MIB, GIB = 1 << 20, 1 << 30
+
+
+def test_chip_names_are_the_rows_of_the_csv_in_order():
+    assert CHIP_NAMES == ("v5e", "v6e", "v5p", "tpu7x", "gb200", "h200")
+    assert tuple(c.name for c in all_chips()) == CHIP_NAMES
+
+
+def test_every_chip_row_names_its_source_document():
+    for c in all_chips():
+        assert c.source.strip(), f"{c.name} has no source"
+        vendor = "Google Cloud TPU" if c.kind == "tpu" else "NVIDIA"
+        assert vendor in c.source, f"{c.name}: source {c.source!r} is not a {vendor} document"
+
+
+def test_lookup_returns_the_tpu7x_row():
+    spec = chip("tpu7x")
+    assert isinstance(spec, ChipSpec)
+    assert (spec.kind, spec.cores_per_chip, spec.topology) == ("tpu", 2, "tpu7x:1x1x1")
+    assert spec.hbm_bytes == 192 * GIB
+    assert spec.bf16_flops == 2307e12 and spec.fp8_flops == 4614e12
+    assert spec.hbm_bw == 7.38e12 and spec.ici_bw == 1.2e12
+
+
+def test_unknown_chip_raises_naming_the_value_and_the_choices():
+    with pytest.raises(ValueError, match=r"chip='v7x'.*'tpu7x'"):
+        chip("v7x")
+
+
+def test_all_chips_filters_by_kind_and_rejects_unknown_kinds():
+    assert {c.name for c in all_chips("gpu")} == {"gb200", "h200"}
+    assert {c.name for c in all_chips("tpu")} == {"v5e", "v6e", "v5p", "tpu7x"}
+    with pytest.raises(ValueError, match="kind='npu'"):
+        all_chips("npu")
+
+
+def test_vmem_per_core_is_the_limit_the_compiler_enforces():
+    # PLATFORM.md: v5e 128 MiB, v5p 64 MiB, v6e 128 MiB, TPU7x 64 MiB.
+    expected = {"v5e": 128 * MIB, "v6e": 128 * MIB, "v5p": 64 * MIB, "tpu7x": 64 * MIB}
+    assert {c.name: c.vmem_bytes for c in all_chips("tpu")} == expected
+
+
+def test_gpus_have_no_vmem_and_no_topology():
+    for c in all_chips("gpu"):
+        assert c.vmem_bytes is None and c.topology == "" and c.cores_per_chip == 1
+
+
+def test_chips_without_fp8_say_their_fp8_column_is_int8():
+    for name in ("v5e", "v6e", "v5p"):
+        assert "int8" in chip(name).notes
+        assert chip(name).fp8_flops == 2 * chip(name).bf16_flops
+
+
+def test_ridge_point_is_bf16_peak_over_hbm_bandwidth():
+    spec = chip("v5e")
+    assert spec.ridge_flop_per_byte == pytest.approx(197e12 / 819e9)
+
+
+def test_spec_rejects_a_gpu_with_vmem_and_a_row_without_source():
+    gpu = chip("h200")
+    with pytest.raises(ValueError, match="vmem_bytes=1"):
+        dataclasses.replace(gpu, vmem_bytes=1)
+    with pytest.raises(ValueError, match="source is empty"):
+        dataclasses.replace(gpu, source=" ")
+    with pytest.raises(ValueError, match="hbm_bw=0"):
+        dataclasses.replace(gpu, hbm_bw=0)
+
+
+def test_duplicate_chip_names_in_a_csv_are_rejected(tmp_path):
+    text = chips.CHIPS_CSV.read_text(encoding="utf-8")
+    last = text.strip().splitlines()[-1]
+    path = tmp_path / "chips.csv"
+    path.write_text(text + last + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="not unique"):
+        chips._load(path)
+
+
+@pytest.mark.parametrize("name", [c.name for c in all_chips("tpu")])
+def test_topology_compiles_for_the_chip_and_has_cores_per_chip_devices_per_chip(name):
+    # libtpu's ahead-of-time topology: each TensorCore that is a JAX device is one device
+    # here, so devices / distinct chip coordinates must equal cores_per_chip.
+    topologies = pytest.importorskip("jax.experimental.topologies")
+    spec = chip(name)
+    dims = spec.topology.split(":")[1].split("x")
+    # A one-chip topology needs one-chip hosts; libtpu defaults to 2x2x1 hosts.
+    extra = {"chips_per_host_bounds": [1, 1, 1]} if set(dims) == {"1"} else {}
+    devices = topologies.get_topology_desc(topology_name=spec.topology, platform="tpu",
+                                           **extra).devices
+    n_chips = len({tuple(d.coords) for d in devices})
+    assert len(devices) == n_chips * spec.cores_per_chip

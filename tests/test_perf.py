@@ -1,0 +1,245 @@
+"""mk.perf: the bytes and FLOPs of one decode step, checked by hand on the tiny presets, and
+the properties the floors and the roofline must have. Published rows are checked against
+the strictest floor-based bound."""
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import mk
+from mk import perf
+from mk.chips import all_chips, chip
+from mk.config import PRESET_NAMES
+
+REAL_PRESETS = [n for n in PRESET_NAMES if not n.startswith("tiny")]
+DENSE_PRESETS = [n for n in REAL_PRESETS if not mk.preset(n).is_moe]
+
+
+# -- Distinct experts ---------------------------------------------------------------------
+@pytest.mark.parametrize("tokens", [1, 2, 7, 1000])
+def test_every_expert_is_touched_when_each_token_picks_all_of_them(tokens):
+    assert perf.experts_touched(8, 8, tokens) == 8
+
+
+@pytest.mark.parametrize("experts,per_token", [(8, 2), (896, 16), (128, 8), (5, 1)])
+def test_one_token_touches_exactly_its_x_experts(experts, per_token):
+    assert perf.experts_touched(experts, per_token, 1) == pytest.approx(per_token, rel=1e-12)
+
+
+def test_two_tokens_picking_two_of_four_touch_three_on_average():
+    # Each expert is missed by one token with probability 1/2, by both with 1/4.
+    assert perf.experts_touched(4, 2, 2) == pytest.approx(3.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(experts=st.integers(1, 1024), data=st.data(), tokens=st.integers(1, 4096))
+def test_uniform_routing_lies_between_shared_and_disjoint_and_grows_with_tokens(
+        experts, data, tokens):
+    x = data.draw(st.integers(1, experts))
+    uniform = perf.experts_touched(experts, x, tokens)
+    assert perf.experts_touched(experts, x, tokens, "shared") <= uniform * (1 + 1e-12)
+    assert uniform <= perf.experts_touched(experts, x, tokens, "disjoint") * (1 + 1e-12)
+    assert perf.experts_touched(experts, x, tokens + 1) >= uniform * (1 - 1e-12)
+
+
+def test_experts_touched_rejects_more_picks_than_experts_and_unknown_routing():
+    with pytest.raises(ValueError, match="per_token=9 exceeds experts=8"):
+        perf.experts_touched(8, 9, 1)
+    with pytest.raises(ValueError, match="routing='top1'"):
+        perf.experts_touched(8, 2, 1, "top1")
+
+
+# -- One step, by hand ----------------------------------------------------------------------
+def test_tiny_step_bytes_and_flops_match_a_hand_count():
+    # tiny: V=512 D=256 L=2 N=4 K=2 H=128 F=512, bf16 (2 bytes), untied, qk_norm, dense.
+    e = perf.predict(mk.preset("tiny"), "v5e", batch=2, rows=3, context=10)
+    attention_params = 256 * (2 * 4 * 128 + 2 * 2 * 128) + 256 + 2 * 128  # proj + norms
+    assert e.attention_bytes == 2 * attention_params * 2
+    assert e.dense_mlp_bytes == 2 * (3 * 256 * 512 + 256) * 2
+    assert e.router_bytes == 0 and e.expert_bytes == 0
+    assert e.embed_bytes == 6 * 256 * 2  # B*T = 6 gathered rows
+    assert e.lm_head_bytes == (512 * 256 + 256) * 2
+    kv_per_token = 2 * 2 * 2 * 128 * 2  # K and V, 2 layers, 2 kv heads x 128, 2 bytes
+    assert e.kv_read_bytes == 2 * 10 * kv_per_token
+    assert e.kv_write_bytes == 6 * kv_per_token
+    per_token = 2 * 256 * (4 * 128 * 2 + 2 * 128 * 2) + 2 * 3 * 256 * 512 + 256 * 512
+    assert e.matmul_flops == 2 * per_token * 6
+    # Row t attends to 10 cached + t+1 new positions: 3*10 + (1+2+3) = 36 per sequence.
+    assert e.attention_flops == 4 * 2 * 4 * 128 * 2 * 36
+
+
+def test_tiny_moe_reads_only_the_experts_its_tokens_touch():
+    # tiny-moe: 2 MoE layers of E=8, X=2, Fe=128, D=256, bf16.
+    one = perf.predict(mk.preset("tiny-moe"), "v5e", batch=1, rows=1, context=0)
+    assert one.experts_touched == pytest.approx(2)
+    assert one.expert_bytes == pytest.approx(2 * 2 * 3 * 256 * 128 * 2)
+    two = perf.predict(mk.preset("tiny-moe"), "v5e", batch=2, rows=1, context=0)
+    assert two.experts_touched == pytest.approx(8 * (1 - (6 / 8) ** 2))  # 3.5
+    assert two.router_bytes == 2 * (256 * 8 + 256) * 2
+
+
+def test_fp4_experts_count_four_bits_per_weight():
+    config = mk.preset("kimi-k3-like")
+    assert config.expert_bits == 4
+    e = perf.predict(config, "tpu7x", context=0, routing="shared")
+    assert e.expert_bytes == 92 * 16 * 3 * 7168 * 2048 / 2
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe", "qwen3-0.6b", "qwen3-30b-a3b"])
+def test_touching_every_expert_reads_every_stored_weight_once(name):
+    # With all experts touched, the weight families add up to config.weight_bytes, less the
+    # embedding table (only B*T rows are gathered) when lm_head is a separate tensor.
+    config = mk.preset(name)
+    e = perf.predict(config, "v6e", batch=64, context=0, routing="disjoint")
+    table = 0 if config.tie_embeddings else config.vocab * config.hidden * 2
+    assert e.weight_bytes - e.embed_bytes + table == config.weight_bytes
+
+
+def test_floors_are_bytes_over_device_bandwidth_and_flops_over_device_peak():
+    spec = chip("tpu7x")  # 2 devices per chip, each with half the chip's numbers
+    e = perf.predict(mk.preset("qwen3-8b"), spec, batch=4, rows=2, context=100, tp=8)
+    assert e.hbm_floor_ms == pytest.approx(1e3 * e.total_bytes / 8 / (spec.hbm_bw / 2))
+    assert e.compute_floor_ms == pytest.approx(1e3 * e.flops / 8 / (spec.bf16_flops / 2))
+    fp8 = perf.predict(mk.preset("qwen3-8b"), spec, batch=4, rows=2, context=100, tp=8,
+                       compute="fp8")
+    assert fp8.compute_floor_ms == pytest.approx(e.compute_floor_ms / 2)
+    assert e.step_ms == max(e.hbm_floor_ms, e.compute_floor_ms)
+
+
+def test_tokens_per_s_count_accepted_tokens_per_user_and_batch_in_aggregate():
+    e = perf.predict(mk.preset("qwen3-4b"), "h200", batch=4, rows=6, accepted=3.5,
+                     context=0)
+    assert e.tokens_per_s_per_user == pytest.approx(3.5 / (e.step_ms / 1e3))
+    assert e.tokens_per_s == pytest.approx(4 * e.tokens_per_s_per_user)
+    assert perf.predict(mk.preset("qwen3-4b"), "h200", rows=6, context=0).accepted == 6
+
+
+@pytest.mark.parametrize("name", DENSE_PRESETS)
+def test_bf16_dense_weights_have_intensity_about_m_flop_per_byte(name):
+    # Not for MoE presets: there the experts touched grow with M too.
+    config = mk.preset(name)
+    for m in (1, 8, 64):
+        e = perf.predict(config, "v6e", batch=m, context=0)
+        assert e.intensity_flop_per_byte == pytest.approx(m, rel=0.05)
+
+
+@pytest.mark.parametrize("spec", all_chips("tpu"), ids=lambda c: c.name)
+def test_every_preset_at_batch_one_is_hbm_bound_on_every_tpu(spec):
+    for name in PRESET_NAMES:
+        e = perf.predict(mk.preset(name), spec, context=0)
+        assert e.bound == "hbm" and e.hbm_floor_ms > e.compute_floor_ms
+
+
+# -- Properties of the floors -------------------------------------------------------------
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(PRESET_NAMES), batch=st.integers(1, 32), rows=st.integers(1, 8),
+       context=st.integers(0, 2048), spec=st.sampled_from(all_chips()))
+def test_more_batch_or_context_never_shortens_the_step_or_raises_per_user_speed(
+        name, batch, rows, context, spec):
+    config = mk.preset(name)
+    e = perf.predict(config, spec, batch=batch, rows=rows, context=context)
+    more_b = perf.predict(config, spec, batch=batch + 1, rows=rows, context=context)
+    more_s = perf.predict(config, spec, batch=batch, rows=rows, context=context + 1)
+    assert more_b.step_ms >= e.step_ms and more_s.step_ms >= e.step_ms
+    assert more_b.tokens_per_s_per_user <= e.tokens_per_s_per_user
+
+
+@settings(max_examples=30, deadline=None)
+@given(name=st.sampled_from(PRESET_NAMES), tp=st.integers(1, 64))
+def test_hbm_floor_falls_as_one_over_tp(name, tp):
+    one = perf.predict(mk.preset(name), "tpu7x", tp=1, context=0)
+    many = perf.predict(mk.preset(name), "tpu7x", tp=tp, context=0)
+    assert many.hbm_floor_ms == pytest.approx(one.hbm_floor_ms / tp)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(batch=0), "batch=0"), (dict(rows=True), "rows=True"), (dict(tp=0), "tp=0"),
+    (dict(context=-1), "context=-1"), (dict(context=4096), "context\\+rows=4097"),
+    (dict(rows=2, accepted=3), "accepted=3"), (dict(accepted=0), "accepted=0"),
+    (dict(routing="hash"), "routing='hash'"), (dict(compute="fp4"), "compute='fp4'"),
+])
+def test_predict_rejects_bad_inputs_naming_field_and_value(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        perf.predict(mk.preset("tiny"), "v6e", **kwargs)
+
+
+def test_predict_rejects_an_unknown_chip_name():
+    with pytest.raises(ValueError, match="chip='tpu8'"):
+        perf.predict(mk.preset("tiny"), "tpu8")
+
+
+# -- Roofline -------------------------------------------------------------------------------
+@settings(max_examples=200, deadline=None)
+@given(spec=st.sampled_from(all_chips()), a=st.floats(0, 1e5), b=st.floats(0, 1e5),
+       compute=st.sampled_from(perf.COMPUTES))
+def test_roofline_is_nondecreasing_and_capped_at_peak(spec, a, b, compute):
+    lo, hi = sorted((a, b))
+    y_lo, y_hi = (perf.attainable_flops(spec, x, compute) for x in (lo, hi))
+    assert y_lo <= y_hi <= perf.peak_flops(spec, compute)
+    assert y_lo == min(lo * spec.hbm_bw, perf.peak_flops(spec, compute))
+
+
+def test_roofline_curve_contains_the_ridge_point_and_ends_at_peak():
+    spec = chip("tpu7x")
+    x, y = perf.roofline_curve(spec)
+    assert np.all(np.diff(x) > 0) and np.all(np.diff(y) >= 0)
+    ridge = spec.ridge_flop_per_byte
+    assert np.any(np.isclose(x, ridge)) and y[-1] == spec.bf16_flops
+    assert y[np.isclose(x, ridge)][0] == pytest.approx(spec.bf16_flops)
+
+
+def test_negative_intensity_is_rejected():
+    with pytest.raises(ValueError, match="intensity"):
+        perf.attainable_flops(chip("v5e"), -1.0)
+
+
+# -- Capacity -------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", REAL_PRESETS)
+@pytest.mark.parametrize("spec", all_chips(), ids=lambda c: c.name)
+def test_min_chips_is_the_smallest_power_of_two_that_holds_the_model(name, spec):
+    config = mk.preset(name)
+    need = perf.resident_bytes(config, batch=2, context=1024)
+    n = perf.min_chips(config, spec, batch=2, context=1024)
+    assert n & (n - 1) == 0 and n * spec.hbm_bytes >= need
+    assert n == 1 or (n // 2) * spec.hbm_bytes < need
+
+
+def test_kimi_k3_like_needs_sixteen_tpu7x_chips():
+    # ~1.85 TB of weights (FP4 experts) over 192 GiB chips: 9.0 chips, so 16.
+    assert perf.min_chips(mk.preset("kimi-k3-like"), "tpu7x", context=0) == 16
+
+
+# -- Published measurements -----------------------------------------------------------------
+def test_published_rows_parse_with_sources_and_consistent_step_times():
+    rows = perf.published()
+    assert len(rows) == 15
+    for r in rows:
+        assert r.source and r.tokens_per_s > 0
+        if r.step_ms is not None:
+            tokens = r.acceptance_length or r.batch
+            assert r.step_ms == pytest.approx(1e3 * tokens / r.tokens_per_s, abs=0.006)
+
+
+def test_a_system_without_a_chip_row_has_no_bound():
+    cerebras = [r for r in perf.published() if r.system == "cerebras"]
+    assert cerebras and perf.published_bound(cerebras[0]) is None
+
+
+def test_published_bound_uses_every_core_and_the_fewest_verification_rows():
+    kimi = next(r for r in perf.published()
+                if r.system == "tpu7x" and r.acceptance_length == 6)
+    e = perf.published_bound(kimi)
+    assert (e.tp, e.rows, e.batch, e.accepted, e.context) == (32, 6, 1, 6.0, 0)
+    with pytest.raises(ValueError, match="tp=8 is not chips\\*cores_per_chip=32"):
+        perf.published_bound(dataclasses.replace(kimi, tp=8))
+
+
+@pytest.mark.parametrize("row", [r for r in perf.published() if r.system != "cerebras"],
+                         ids=lambda r: f"{r.preset}-{r.system}-{r.batch}-{r.acceptance_length}")
+def test_published_speed_is_below_the_strictest_floor_bound(row):
+    e = perf.published_bound(row, routing="shared")
+    assert row.tokens_per_s <= perf.bound_tokens_per_s(row, e)
+    assert math.isfinite(e.step_ms) and e.step_ms > 0
