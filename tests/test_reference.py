@@ -85,8 +85,8 @@ def _prompt(config, batch, length, seed=1):
     return jax.random.randint(jax.random.key(seed), (batch, length), 0, config.vocab)
 
 
-def test_generate_matches_argmax_of_teacher_forced_prefill(tiny_model):
-    config, params = tiny_model
+def test_generate_matches_argmax_of_teacher_forced_prefill(tiny_model_f32):
+    config, params = tiny_model_f32
     prompt = _prompt(config, 2, 7)
     tokens = R.generate(config, params, prompt, 6)
     logits, _ = R.prefill(config, params, jnp.concatenate([prompt, tokens[:, :-1]], 1))

@@ -1,0 +1,34 @@
+# make test: the test suite on CPU.  make run: every notebook headless, into build/.
+# Both build .venv/ from the pinned requirements (Python 3.11 + pip) and refresh it only
+# when a requirements file or pyproject.toml changed.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+
+# Everything here runs on the CPU; without these libtpu prints host-discovery errors.
+export JAX_PLATFORMS := cpu
+export TPU_SKIP_MDS_QUERY := 1
+
+.PHONY: test run clean
+
+test: $(VENV)/.stamp-test
+	$(PY) -m pytest -n 2 tests/
+
+run: $(VENV)/.stamp
+	$(PY) tools/run_notebooks.py --out build
+
+# The python3 kernelspec written into the venv makes papermill start this venv's python.
+$(VENV)/.stamp: requirements.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q -e .
+	$(PY) -m ipykernel install --sys-prefix --name python3
+	touch $@
+
+$(VENV)/.stamp-test: $(VENV)/.stamp requirements-test.txt
+	$(PY) -m pip install -q -r requirements-test.txt
+	touch $@
+
+# Leaves .venv/ alone (minutes to rebuild); `rm -rf .venv` for a fresh one.
+clean:
+	rm -rf build .pytest_cache .hypothesis
