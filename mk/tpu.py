@@ -18,11 +18,16 @@ import time
 import jax
 import numpy as np
 from jax.experimental import topologies
+from jax._src.pallas.mosaic.error_handling import MosaicError
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mk.chips import ChipSpec, chip as chip_spec
 from mk.kernels.common import VmemBudget
+
+
+# What libtpu and Mosaic raise for a kernel they refuse (capacity, lowering, verification).
+COMPILER_ERRORS = (jax.errors.JaxRuntimeError, pltpu.LoweringException, MosaicError)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +88,7 @@ def compile_for_chip(fn, args, chip: str | ChipSpec, *, name: str = "",
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
             compiled = jax.jit(fn, in_shardings=replicated,
                                out_shardings=replicated).lower(*shapes).compile()
-    except (jax.errors.JaxRuntimeError, pltpu.LoweringException) as err:  # the verdict
+    except COMPILER_ERRORS as err:  # the compiler's verdict is the result
         return CompileReport(name, spec.name, False, f"{type(err).__name__}: {err}",
                              time.perf_counter() - start, vmem=vmem)
     seconds = time.perf_counter() - start

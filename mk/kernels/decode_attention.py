@@ -1,0 +1,427 @@
+"""Stage 03, decode attention: T new query rows per sequence against a KV cache in HBM.
+
+Each sequence b holds positions[b] cached rows and brings T new ones (row t sits at
+positions[b] + t). The kernel leaves the cache k_cache, v_cache [L, B, K, S, H] in HBM
+(`memory_space=pl.ANY`) and streams, per sequence, ONLY its KV tiles 0 .. (positions[b] +
+T - 1) // kv_tile through a `kv_slots`-deep VMEM ring: the trip count is dynamic, and a
+tile past a sequence's end is never read. All sequences' tiles form one stream, so the
+prefetch runs across sequence boundaries as the weight ring runs across layers.
+
+Per tile, each kv head's G*T query rows meet its K tile at once (one MXU pass for the
+whole GQA group) and update an online softmax (running max m, running sum l, float32
+accumulator). Rows are causal among themselves: key s is visible to row t iff
+s <= positions[b] + t.
+
+The new K/V rows are written in place by a read-modify-write of the tile(s) holding
+positions[b] .. positions[b] + T - 1 (one tile, or two when the rows straddle a tile
+edge): the tile arrives through the ring anyway, the new rows are merged into it in VMEM
+(cast to the cache dtype), attention reads it, and the aligned window of rows around the
+new ones (`write_back_rows`: 16 rows of bf16 for T=1) goes back to HBM. A DMA of the T rows
+alone does not lower: HBM row offsets must be tile-aligned. Each HBM tile is read once and
+written at most once, after its read, so no read can meet a write-back.
+
+Layout: Mosaic loads and stores only at 8-row-aligned dynamic offsets, and sequence b's
+rows start at b*T. So a prologue regroups q (and the new rows) with static strided copies
+into 8-row-aligned blocks, one per (sequence, kv head): rows (g, t), padded to
+R = round_up(G*T, 8); an epilogue scatters the outputs back to [B*T, N*H].
+
+Numerics (mk.reference.attention): q and k rounded to the cache dtype, scores float32
+scaled by 1/sqrt(H), probabilities cast to the cache dtype before P @ V, float32
+accumulation; only the online-softmax rounding differs.
+
+Here: `attend` (the in-kernel body the fused layer and the megakernel call),
+`decode_attention_buffers` / `decode_attention_scratch` (its VMEM and semaphores) and the
+stage wrapper `decode_attention`. Not here: Q/K/V projections, norms and RoPE
+(`attention_prologue`), the output projection.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from mk.config import COMPUTE_DTYPES
+from mk.kernels.common import LANES, BlockSizes, Buffer, sublanes
+
+MAX_ROWS = 64  # B * T activation rows of one decode step
+ALIGN = 8  # rows of an f32 (8, 128) tile: dynamic row offsets must be multiples of it
+F32 = jnp.float32
+NT = (((1,), (1,)), ((), ()))  # dot_general dims of a @ b.T
+
+
+def _round_up(n: int, multiple: int = ALIGN) -> int:
+    return -(-n // multiple) * multiple
+
+
+def block_rows(group: int, rows: int) -> int:
+    """R: rows of one (sequence, kv head) query block, G*T padded to the 8-row tile."""
+    return _round_up(group * rows)
+
+
+def write_back_rows(rows: int, kv_tile: int, dtype) -> int:
+    """W: rows of the tile-aligned window that covers any T consecutive rows of a tile."""
+    sub = sublanes(dtype)
+    return min(kv_tile, _round_up(rows - 1, sub) + sub)
+
+
+class AttentionScratch(NamedTuple):
+    """The scratch refs of `attend`, in `decode_attention_scratch` order."""
+
+    k_tiles_vmem: Any  # [kv_slots, K, kv_tile, H] cache dtype: the KV ring
+    v_tiles_vmem: Any  # [kv_slots, K, kv_tile, H] cache dtype
+    q_blocks_vmem: Any  # [B*K*R, H] f32: rows (g, t) of block (b, k)
+    out_blocks_vmem: Any  # [B*K*R, H] f32: attention output, same layout
+    k_rows_vmem: Any  # [B*K*Rt, H] f32, Rt = round_up(T, 8): new K rows t of block (b, k)
+    v_rows_vmem: Any  # [B*K*Rt, H] f32
+    stage_vmem: Any  # [B*T, H] f32: one head's column, for the strided regrouping
+    m_vmem: Any  # [K*R, 1] f32 running max of the current sequence
+    l_vmem: Any  # [K*R, 1] f32 running sum
+    acc_vmem: Any  # [K*R, H] f32 running P @ V
+    load_sems: Any  # DMA semaphores [2, kv_slots]: K and V tile loads
+    write_sems: Any  # DMA semaphores [2]: K and V write-backs
+
+
+def decode_attention_buffers(B: int, T: int, N: int, K: int, H: int, dtype,
+                             block: BlockSizes, *, operands: bool = False) -> list[Buffer]:
+    """Every VMEM buffer of `attend` (its scratch, in `AttentionScratch` order); with
+    `operands=True` also q, k_new, v_new and o, which the stage kernel keeps in VMEM."""
+    dtype = str(jnp.dtype(dtype))
+    R, Rt, tile = block_rows(N // K, T), _round_up(T), (block.kv_slots, K, block.kv_tile, H)
+    io = [Buffer("q", (B * T, N * H), "float32"), Buffer("k_new", (B * T, K * H), "float32"),
+          Buffer("v_new", (B * T, K * H), "float32"), Buffer("o", (B * T, N * H), "float32")]
+    scratch = [Buffer("k_tiles", tile, dtype), Buffer("v_tiles", tile, dtype),
+               Buffer("q_blocks", (B * K * R, H), "float32"),
+               Buffer("out_blocks", (B * K * R, H), "float32"),
+               Buffer("k_rows", (B * K * Rt, H), "float32"),
+               Buffer("v_rows", (B * K * Rt, H), "float32"),
+               Buffer("stage", (B * T, H), "float32"), Buffer("m", (K * R, 1), "float32"),
+               Buffer("l", (K * R, 1), "float32"), Buffer("acc", (K * R, H), "float32")]
+    return io + scratch if operands else scratch
+
+
+def decode_attention_scratch(B: int, T: int, N: int, K: int, H: int, dtype,
+                             block: BlockSizes) -> list:
+    """The pallas scratch shapes of `attend`: wrap the refs in `AttentionScratch(*refs)`."""
+    vmem = [pltpu.VMEM(b.shape, b.dtype)
+            for b in decode_attention_buffers(B, T, N, K, H, dtype, block)]
+    return vmem + [pltpu.SemaphoreType.DMA((2, block.kv_slots)),
+                   pltpu.SemaphoreType.DMA((2,))]
+
+
+# -- Regrouping rows (static strided copies: Mosaic cannot prove b*T aligned) -------------
+def _gather_blocks(src_vmem, dst_vmem, stage_vmem, *, rows: int, group: int, block: int):
+    """dst[(b*C + c)*block + j*rows + t] = src[b*T + t, head c*group + j] (H lanes each).
+
+    src [B*T, heads*H]; dst [B*C*block, H] with C = heads / group blocks per sequence.
+    """
+    M, H = stage_vmem.shape
+    B, heads = M // rows, src_vmem.shape[1] // H
+    stride = heads // group * block
+    for n in range(heads):
+        c, j = divmod(n, group)
+        stage_vmem[...] = src_vmem[:, pl.ds(n * H, H)]
+        for t in range(rows):
+            dst_vmem[pl.ds(c * block + j * rows + t, B, stride=stride), :] = (
+                stage_vmem[pl.ds(t, B, stride=rows), :])
+
+
+def _scatter_blocks(src_vmem, dst_vmem, stage_vmem, *, rows: int, group: int, block: int):
+    """The inverse of `_gather_blocks`: blocks [B*C*block, H] -> dst [B*T, heads*H]."""
+    M, H = stage_vmem.shape
+    B, heads = M // rows, dst_vmem.shape[1] // H
+    stride = heads // group * block
+    for n in range(heads):
+        c, j = divmod(n, group)
+        for t in range(rows):
+            stage_vmem[pl.ds(t, B, stride=rows), :] = (
+                src_vmem[pl.ds(c * block + j * rows + t, B, stride=stride), :])
+        dst_vmem[:, pl.ds(n * H, H)] = stage_vmem[...]
+
+
+# -- The body -------------------------------------------------------------------------------
+def attend(
+    # Inputs
+    q_vmem,  # [B*T, N*H] f32, normed and RoPE'd
+    k_new_vmem,  # [B*T, K*H] f32, normed and RoPE'd: the T new rows of each sequence
+    v_new_vmem,  # [B*T, K*H] f32
+    positions_smem,  # [B] int32: row t of sequence b sits at positions[b] + t
+    # Inputs and outputs: the new rows are written in place
+    k_cache_hbm,  # [L, B, K, S, H] cache dtype
+    v_cache_hbm,  # [L, B, K, S, H] cache dtype
+    # Outputs
+    o_vmem,  # [B*T, N*H] f32
+    # Scratch
+    scratch: AttentionScratch,
+    *,
+    layer,  # int or traced int32 scalar: which layer of the cache
+    block: BlockSizes,
+):
+    """Causal GQA of q against layer `layer` of the cache, after writing k_new, v_new.
+
+    Every DMA it starts is waited for before it returns.
+    """
+    s = scratch
+    B = positions_smem.shape[0]
+    T = q_vmem.shape[0] // B
+    _, _, K, _, H = k_cache_hbm.shape
+    G = q_vmem.shape[1] // H // K
+    R, Rt = block_rows(G, T), _round_up(T)
+    tile, slots, dtype = block.kv_tile, block.kv_slots, k_cache_hbm.dtype
+    sub, W = sublanes(dtype), write_back_rows(T, block.kv_tile, dtype)
+    precision = lax.Precision.HIGHEST if dtype == F32 else None
+    scale = np.float32(1 / math.sqrt(H))
+
+    _gather_blocks(q_vmem, s.q_blocks_vmem, s.stage_vmem, rows=T, group=G, block=R)
+    _gather_blocks(k_new_vmem, s.k_rows_vmem, s.stage_vmem, rows=T, group=1, block=Rt)
+    _gather_blocks(v_new_vmem, s.v_rows_vmem, s.stage_vmem, rows=T, group=1, block=Rt)
+
+    def tiles_of(b):  # KV tiles sequence b reads: those up to its last new row
+        return (positions_smem[jnp.minimum(b, B - 1)] + T - 1) // tile + 1
+
+    total = lax.fori_loop(0, B, lambda b, n: n + tiles_of(b), jnp.int32(0))
+
+    def advance(cursor):  # (b, i) -> the next tile of the stream
+        b, i = cursor
+        last = i + 1 == tiles_of(b)
+        return jnp.where(last, b + 1, b), jnp.where(last, 0, i + 1)
+
+    def copies(cursor, slot):  # the K and V loads of tile (b, i)
+        b, i = cursor
+        rows = pl.ds(pl.multiple_of(i * tile, tile), tile)
+        return [pltpu.make_async_copy(cache.at[layer, b, :, rows, :], tiles.at[slot],
+                                      s.load_sems.at[j, slot])
+                for j, (cache, tiles) in enumerate(((k_cache_hbm, s.k_tiles_vmem),
+                                                    (v_cache_hbm, s.v_tiles_vmem)))]
+
+    def write_backs(cursor, slot, first):  # rows [first, first + T) of tile (b, i) to HBM
+        b, i = cursor
+        start = jnp.minimum(jnp.maximum(first, 0) // sub * sub, tile - W)  # aligned window
+        window = pl.ds(pl.multiple_of(start, sub), W)
+        rows = pl.ds(pl.multiple_of(i * tile + start, sub), W)
+        return [pltpu.make_async_copy(tiles.at[slot, :, window, :],
+                                      cache.at[layer, b, :, rows, :], s.write_sems.at[j])
+                for j, (cache, tiles) in enumerate(((k_cache_hbm, s.k_tiles_vmem),
+                                                    (v_cache_hbm, s.v_tiles_vmem)))]
+
+    def qblock(b, k):  # first row of block (b, k): a multiple of 8, as Mosaic needs
+        return pl.multiple_of((b * K + k) * R, ALIGN)
+
+    # Query row r of a block is (g, t) = divmod(r, T); its position is positions[b] + t.
+    r = lax.broadcasted_iota(jnp.int32, (R, tile), 0)
+    row_t = r - T * sum((r >= j * T).astype(jnp.int32) for j in range(1, G))
+    column = lax.broadcasted_iota(jnp.int32, (R, tile), 1)
+
+    def attend_tile(b, i, p, slot):
+        visible = i * tile + column <= p + row_t  # [R, kv_tile]
+        for k in range(K):
+            rows = pl.ds(k * R, R)
+            q = s.q_blocks_vmem[pl.ds(qblock(b, k), R), :].astype(dtype)  # [R, H]
+            scores = lax.dot_general(q, s.k_tiles_vmem[slot, k], NT, precision=precision,
+                                     preferred_element_type=F32) * scale  # [R, kv_tile]
+            scores = jnp.where(visible, scores, -jnp.inf)
+            m_prev = s.m_vmem[rows, :]
+            m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
+            alpha = jnp.exp(m_prev - m_next)  # tile 0 comes first: m_next is finite
+            probs = jnp.exp(scores - m_next)
+            s.l_vmem[rows, :] = alpha * s.l_vmem[rows, :] + jnp.sum(probs, 1, keepdims=True)
+            pv = jnp.dot(probs.astype(dtype), s.v_tiles_vmem[slot, k], precision=precision,
+                         preferred_element_type=F32)  # [R, H]
+            s.acc_vmem[rows, :] = alpha * s.acc_vmem[rows, :] + pv
+            s.m_vmem[rows, :] = m_next
+
+    def merge_new_rows(b, i, p, slot):
+        # Row t of the new block lands on tile row p + t - i*kv_tile: a roll by
+        # p % kv_tile (the same for both tiles of a straddle) and a mask.
+        first = p - i * tile
+        row = lax.broadcasted_iota(jnp.int32, (tile, H), 0)
+        new = (row >= first) & (row < first + T)
+        for rows_vmem, tiles_vmem in ((s.k_rows_vmem, s.k_tiles_vmem),
+                                      (s.v_rows_vmem, s.v_tiles_vmem)):
+            for k in range(K):
+                x = rows_vmem[pl.ds(pl.multiple_of((b * K + k) * Rt, ALIGN), Rt), :]  # [Rt, H]
+                if Rt < tile:
+                    x = jnp.concatenate([x, jnp.zeros((tile - Rt, H), F32)], axis=0)
+                x = pltpu.roll(x, p % tile, 0)  # [kv_tile, H]
+                tiles_vmem[slot, k] = jnp.where(new, x.astype(dtype), tiles_vmem[slot, k])
+
+    ahead = (jnp.int32(0), jnp.int32(0))  # the next tile to issue
+    for j in range(slots - 1):
+        @pl.when(j < total)
+        def prime():
+            for c in copies(ahead, j):
+                c.start()
+        ahead = advance(ahead)
+
+    def step(g, carry):
+        cursor, ahead = carry
+        b, i = cursor
+        p = positions_smem[b]
+        slot = g % slots
+        written = i >= p // tile  # this tile holds some of the new rows
+
+        # Tile g + slots - 1 goes into the slot that tile g - 1 (and its write-back) left.
+        @pl.when(g + slots - 1 < total)
+        def prefetch():
+            for c in copies(ahead, (g + slots - 1) % slots):
+                c.start()
+
+        @pl.when(i == 0)
+        def start_sequence():
+            s.m_vmem[...] = jnp.full(s.m_vmem.shape, -jnp.inf, F32)
+            s.l_vmem[...] = jnp.zeros(s.l_vmem.shape, F32)
+            s.acc_vmem[...] = jnp.zeros(s.acc_vmem.shape, F32)
+
+        for c in copies(cursor, slot):
+            c.wait()
+
+        @pl.when(written)
+        def write_new_rows():
+            merge_new_rows(b, i, p, slot)
+
+        attend_tile(b, i, p, slot)
+
+        # Waited at once: at most two tiles per sequence are written, the loads already in
+        # flight keep HBM busy meanwhile, and the slot is free for the next prefetch.
+        @pl.when(written)
+        def write_back():
+            back = write_backs(cursor, slot, p - i * tile)
+            for c in back:
+                c.start()
+            for c in back:
+                c.wait()
+
+        @pl.when(i == tiles_of(b) - 1)
+        def finish_sequence():
+            out = s.out_blocks_vmem.at[pl.ds(qblock(b, 0), K * R), :]
+            out[...] = s.acc_vmem[...] / s.l_vmem[...]
+
+        return advance(cursor), advance(ahead)
+
+    lax.fori_loop(0, total, step, ((jnp.int32(0), jnp.int32(0)), ahead))
+    _scatter_blocks(s.out_blocks_vmem, o_vmem, s.stage_vmem, rows=T, group=G, block=R)
+
+
+def decode_attention_kernel(
+    # Inputs
+    layer_smem,  # [1] int32
+    positions_smem,  # [B] int32
+    q_vmem,  # [B*T, N*H] f32
+    k_new_vmem,  # [B*T, K*H] f32
+    v_new_vmem,  # [B*T, K*H] f32
+    k_cache_in_hbm,  # [L, B, K, S, H], aliased to k_cache_hbm
+    v_cache_in_hbm,  # [L, B, K, S, H], aliased to v_cache_hbm
+    # Outputs
+    o_vmem,  # [B*T, N*H] f32
+    k_cache_hbm,  # [L, B, K, S, H] cache dtype, updated in place
+    v_cache_hbm,  # [L, B, K, S, H] cache dtype
+    # Scratch
+    *scratch,  # decode_attention_scratch
+    block: BlockSizes,
+):
+    del k_cache_in_hbm, v_cache_in_hbm  # the same buffers as the outputs
+    attend(q_vmem, k_new_vmem, v_new_vmem, positions_smem, k_cache_hbm, v_cache_hbm, o_vmem,
+           AttentionScratch(*scratch), layer=layer_smem[0], block=block)
+
+
+# -- The stage wrapper ----------------------------------------------------------------------
+def _concrete(x):
+    """x as a numpy array, or None when it is traced (inside jit nothing can be checked)."""
+    try:
+        return np.asarray(x)
+    except jax.errors.TracerArrayConversionError:
+        return None
+
+
+def _validate(q, k_new, v_new, k_cache, v_cache, positions, layer, block):
+    """(B, T, N, K, H) of a legal call; raises ValueError naming the bad field."""
+    if k_cache.ndim != 5 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} must both "
+                         "be [L, B, K, S, H]")
+    if k_cache.dtype != v_cache.dtype or str(k_cache.dtype) not in COMPUTE_DTYPES:
+        raise ValueError(f"cache dtypes {k_cache.dtype}, {v_cache.dtype} must be one of "
+                         f"{COMPUTE_DTYPES} and agree")
+    L, B, K, S, H = k_cache.shape
+    if H % LANES:
+        raise ValueError(f"head_dim H={H} must be a multiple of {LANES} on TPU")
+    if positions.shape != (B,):
+        raise ValueError(f"positions shape {positions.shape} must be [B={B}]")
+    if q.ndim != 2 or q.shape[0] % B or q.shape[1] % (K * H):
+        raise ValueError(f"q shape {q.shape} must be [B*T, N*H] with B={B}, H={H} and N a "
+                         f"multiple of K={K}")
+    T, N = q.shape[0] // B, q.shape[1] // H
+    for name, x in (("k_new", k_new), ("v_new", v_new)):
+        if x.shape != (B * T, K * H):
+            raise ValueError(f"{name} shape {x.shape} must be [B*T={B * T}, K*H={K * H}]")
+    for name, x in (("q", q), ("k_new", k_new), ("v_new", v_new)):
+        if x.dtype != F32:
+            raise ValueError(f"{name} dtype {x.dtype} must be float32")
+    if not 1 <= B * T <= MAX_ROWS:
+        raise ValueError(f"rows B*T={B * T} must be in [1, {MAX_ROWS}]")
+    block.check_context(S)
+    if T > block.kv_tile:
+        raise ValueError(f"T={T} new rows per sequence exceed kv_tile={block.kv_tile}")
+    lay = _concrete(layer)
+    if lay is not None and not 0 <= int(lay) < L:
+        raise ValueError(f"layer={int(lay)} must be in [0, L={L})")
+    pos = _concrete(positions)
+    if pos is not None:
+        for b, p in enumerate(pos):
+            if p < 0 or p + T > S:
+                raise ValueError(f"positions[{b}]={p} with T={T} rows writes up to position "
+                                 f"{p + T - 1}, past the KV-cache capacity max_context={S}")
+    return B, T, N, K, H
+
+
+def tile_counts(positions, rows: int, kv_tile: int) -> tuple[int, int]:
+    """(tiles read, tiles written back) of one layer; a tile is K and V of all K heads,
+    and a written tile sends `write_back_rows` rows of it back."""
+    pos = [int(p) for p in np.asarray(positions)]
+    read = sum((p + rows - 1) // kv_tile + 1 for p in pos)
+    return read, sum((p + rows - 1) // kv_tile - p // kv_tile + 1 for p in pos)
+
+
+def decode_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: jax.Array,
+                     v_cache: jax.Array, positions: jax.Array, *, layer=0,
+                     block: BlockSizes | None = None):
+    """-> (o [B*T, N*H] float32, k_cache, v_cache with the new rows of `layer` written).
+
+    q [B*T, N*H], k_new, v_new [B*T, K*H] float32 (normed, RoPE'd); caches [L, B, K, S,
+    H]; positions [B] int32 (row t of sequence b sits at positions[b] + t); `layer` may be
+    traced. Positions and layer are checked when they are concrete.
+    """
+    positions = jnp.asarray(positions, jnp.int32)
+    block = block or BlockSizes()
+    B, T, N, K, H = _validate(q, k_new, v_new, k_cache, v_cache, positions, layer, block)
+    pos = _concrete(positions)
+    if pos is None:  # traced: the estimate assumes full caches
+        read, written = B * k_cache.shape[3] // block.kv_tile, 2 * B
+    else:
+        read, written = tile_counts(pos, T, block.kv_tile)
+    row_bytes = 2 * K * H * k_cache.dtype.itemsize  # K and V of one position
+    W = write_back_rows(T, block.kv_tile, k_cache.dtype)
+    smem, vmem, hbm = (pl.BlockSpec(memory_space=m) for m in (pltpu.SMEM, pltpu.VMEM, pl.ANY))
+    return pl.pallas_call(
+        functools.partial(decode_attention_kernel, block=block),
+        out_shape=(jax.ShapeDtypeStruct(q.shape, F32),
+                   jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+                   jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
+        in_specs=[smem, smem, vmem, vmem, vmem, hbm, hbm],
+        out_specs=(vmem, hbm, hbm),
+        scratch_shapes=decode_attention_scratch(B, T, N, K, H, k_cache.dtype, block),
+        input_output_aliases={5: 1, 6: 2},
+        name="mk_decode_attention",
+        cost_estimate=pl.CostEstimate(
+            flops=4 * read * N * T * block.kv_tile * H,
+            transcendentals=read * N * T * block.kv_tile,
+            bytes_accessed=(read * block.kv_tile + written * W) * row_bytes
+            + 4 * (2 * q.size + k_new.size + v_new.size)),
+    )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), positions, q, k_new, v_new,
+      k_cache, v_cache)

@@ -1,0 +1,195 @@
+"""Stage 03: decode attention against mk.reference.attention, with the cache updated in
+place exactly as mk.reference._write_rows does, race-free, at the tile-boundary positions;
+the stage wrapper's errors; ahead-of-time compiles at qwen3-8b attention shapes.
+
+The caches hold random rows below each sequence's new rows, large finite values in the
+rest of its last tile (masked, so harmless), and NaN in every tile past it: a kernel that
+reads one more tile than it should returns NaN.
+
+Interpret mode checks numerics, the written rows, DMA/semaphore pairing and races; it says
+nothing about time or the scoped VMEM limit. The compile tests cover Mosaic lowering and
+capacity.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import mk
+from mk import backend, reference, tpu
+from mk.kernels.common import BlockSizes, vmem_budget
+from mk.kernels.decode_attention import decode_attention, decode_attention_buffers
+
+TOLERANCE = {"float32": dict(atol=1e-5, rtol=1e-5), "bfloat16": dict(atol=1e-2, rtol=1e-2)}
+K, N, H, KV_TILE = 2, 4, 128, 128  # tiny GQA: G = 2 query heads per kv head
+GARBAGE = 1e4  # the rest of a sequence's last tile
+
+
+def _inputs(B, T, positions, dtype, *, S=384, L=2, kv_tile=KV_TILE, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 5)
+    q = jax.random.normal(keys[0], (B * T, N * H), jnp.float32)
+    k_new, v_new = (jax.random.normal(k, (B * T, K * H), jnp.float32) for k in keys[1:3])
+    s = np.arange(S)[None, :, None]  # [1, S, 1] broadcast over [B, K, S, H]
+    pos = np.asarray(positions)[:, None, None, None]
+    end = ((pos + T - 1) // kv_tile + 1) * kv_tile  # one past the last tile read
+    caches = []
+    for key in keys[3:]:
+        c = np.asarray(jax.random.normal(key, (L, B, K, S, H), jnp.float32))
+        c = np.where(s[None] >= pos + T, GARBAGE, c)
+        caches.append(jnp.asarray(np.where(s[None] >= end, np.nan, c), dtype))
+    return q, k_new, v_new, *caches, jnp.asarray(positions, jnp.int32)
+
+
+def _expected(q, k_new, v_new, k_cache, v_cache, positions, layer):
+    B, T = positions.shape[0], q.shape[0] // positions.shape[0]
+    k, v = (c.at[layer].set(reference._write_rows(c[layer], new.reshape(B, T, K, H),
+                                                  positions))
+            for c, new in ((k_cache, k_new), (v_cache, v_new)))
+    # NaN tiles are never visible: zero them so the oracle's 0 * NaN stays 0.
+    k_seen, v_seen = (jnp.where(jnp.isnan(c[layer]), 0, c[layer]) for c in (k, v))
+    o = reference.attention(q.reshape(B, T, N, H), k_seen, v_seen, positions)
+    return o.reshape(B * T, N * H), k, v
+
+
+def _bits(x):
+    x = np.asarray(x)
+    return x.view(np.uint16 if x.itemsize == 2 else np.uint32)
+
+
+def _check(B, T, positions, dtype, *, S=384, slots=2, kv_tile=KV_TILE, layer=1):
+    args = _inputs(B, T, positions, dtype, S=S, kv_tile=kv_tile)
+    block = BlockSizes(kv_tile=kv_tile, kv_slots=slots)
+    with backend.use("interpret", detect_races=True):
+        o, k, v = jax.block_until_ready(decode_attention(*args, layer=layer, block=block))
+        races = backend.races_found()
+    o_ref, k_ref, v_ref = _expected(*args, layer)
+    np.testing.assert_allclose(o, o_ref, **TOLERANCE[dtype])
+    np.testing.assert_array_equal(_bits(k), _bits(k_ref))  # written rows, and nothing else
+    np.testing.assert_array_equal(_bits(v), _bits(v_ref))
+    assert not races
+
+
+CASES = {  # name: (B, T, positions, kv_slots, kv_tile)
+    "first_row": (1, 1, [0], 2, KV_TILE),
+    "last_row_of_first_tile": (1, 1, [KV_TILE - 1], 3, KV_TILE),
+    "first_row_of_second_tile": (2, 1, [KV_TILE, 0], 2, KV_TILE),
+    "last_legal_position": (2, 4, [384 - 4, 384 - 5], 2, KV_TILE),
+    "rows_straddle_tile_edges": (2, 4, [KV_TILE - 2, 2 * KV_TILE - 1], 3, KV_TILE),
+    "ragged_batch_of_8": (8, 2, [0, 127, 128, 382, 5, 200, 255, 64], 2, KV_TILE),
+    "eight_rows_deep_ring": (3, 8, [KV_TILE - 3, 0, 376], 4, KV_TILE),
+    # 16-row tiles: the write-back window is the whole tile, or clamped to its end.
+    "small_tiles": (2, 8, [61, 16 * 23], 2, 16),
+}
+
+
+# Every case in bf16, the ones that cross tile edges also in f32 (each run costs seconds).
+DTYPE_CASES = [(c, "bfloat16") for c in CASES] + [
+    (c, "float32") for c in ("last_legal_position", "rows_straddle_tile_edges",
+                             "ragged_batch_of_8", "small_tiles")]
+
+
+@pytest.mark.parametrize("case, dtype", DTYPE_CASES, ids=[f"{c}-{d}" for c, d in DTYPE_CASES])
+def test_matches_the_reference_and_writes_only_the_new_rows_without_races(case, dtype):
+    B, T, positions, slots, kv_tile = CASES[case]
+    _check(B, T, positions, dtype, slots=slots, kv_tile=kv_tile)
+
+
+@settings(max_examples=8, deadline=None)
+@given(data=st.data(), B=st.integers(1, 8), T=st.integers(1, 8))
+def test_any_batch_rows_and_boundary_positions_match_the_reference(data, B, T):
+    S = 256
+    boundary = st.sampled_from([0, KV_TILE - 1, KV_TILE, S - T])
+    positions = data.draw(st.lists(boundary, min_size=B, max_size=B), label="positions")
+    _check(B, T, positions, "bfloat16", S=S)
+
+
+def test_a_traced_layer_and_traced_positions_give_the_same_result():
+    # The megakernel passes its loop index as the layer: nothing may depend on its value.
+    args = _inputs(3, 2, [KV_TILE - 1, 0, 300], "bfloat16")
+    block = BlockSizes(kv_tile=KV_TILE)
+    run = jax.jit(lambda *a, layer: decode_attention(*a, layer=layer, block=block))
+    with backend.use("interpret", detect_races=True):
+        o, k, v = jax.block_until_ready(run(*args, layer=jnp.int32(0)))
+        assert not backend.races_found()
+    o_ref, k_ref, v_ref = _expected(*args, 0)
+    np.testing.assert_allclose(o, o_ref, **TOLERANCE["bfloat16"])
+    np.testing.assert_array_equal(_bits(k), _bits(k_ref))
+    np.testing.assert_array_equal(_bits(v), _bits(v_ref))
+
+
+def test_the_garbage_past_the_last_tile_poisons_any_reader():
+    # What makes "reads only its tiles" checkable: attention over the raw cache is NaN.
+    q, k_new, v_new, k_cache, v_cache, positions = _inputs(2, 1, [0, 200], "bfloat16")
+    o = reference.attention(q.reshape(2, 1, N, H), k_cache[1], v_cache[1], positions)
+    assert np.isnan(np.asarray(o)).all()
+
+
+def _zeros(B, T, positions, *, S=384, L=2):  # shapes for the checks that raise
+    cache = jnp.zeros((L, B, K, S, H), jnp.bfloat16)
+    return (jnp.zeros((B * T, N * H)), jnp.zeros((B * T, K * H)), jnp.zeros((B * T, K * H)),
+            cache, cache, jnp.asarray(positions, jnp.int32))
+
+
+def test_a_position_past_the_cache_is_named():
+    args = _zeros(2, 2, [0, 10])
+    with pytest.raises(ValueError, match=r"positions\[1\]=383 with T=2 .* max_context=384"):
+        decode_attention(*args[:5], jnp.array([0, 383], jnp.int32))
+    with pytest.raises(ValueError, match=r"positions\[0\]=-1"):
+        decode_attention(*args[:5], jnp.array([-1, 0], jnp.int32))
+    with pytest.raises(ValueError, match=r"layer=2 must be in \[0, L=2\)"):
+        decode_attention(*args, layer=2)
+
+
+def test_a_kv_tile_that_does_not_divide_the_cache_is_named():
+    args = _zeros(1, 1, [0])
+    with pytest.raises(ValueError, match=r"context=384 is not a multiple of kv_tile=256"):
+        decode_attention(*args, block=BlockSizes(kv_tile=256))
+    with pytest.raises(ValueError, match=r"BlockSizes.kv_tile=100 must be a positive multiple"):
+        BlockSizes(kv_tile=100)
+
+
+def test_too_many_rows_are_named():
+    args = _zeros(9, 8, [0] * 9, S=256, L=1)
+    with pytest.raises(ValueError, match=r"rows B\*T=72 must be in \[1, 64\]"):
+        decode_attention(*args)
+
+
+def test_the_budget_refuses_an_oversized_kv_ring():
+    block = BlockSizes(kv_tile=4096, kv_slots=4)  # 2 x 4 x 8 MiB of bf16 tiles
+    buffers = decode_attention_buffers(8, 1, 32, 8, 128, "bfloat16", block)
+    with pytest.raises(ValueError, match=r"over tpu7x's 64 MiB per core; biggest: k_tiles"):
+        vmem_budget("decode_attention", buffers, mk.chip("tpu7x"))
+
+
+COMPILES = [(chip, T, "bfloat16") for chip in ("v5e", "v6e", "tpu7x") for T in (1, 4)] + [
+    ("v6e", 3, "float32")]  # f32 tiles: 8-row write-back windows
+
+
+@pytest.mark.parametrize("chip, T, dtype", COMPILES, ids=[f"{c}-T{t}-{d}" for c, t, d in COMPILES])
+def test_compiles_for_tpu_at_qwen3_8b_attention_shapes(chip, T, dtype):
+    c = mk.preset("qwen3-8b")
+    B, L, S = 8, 2, 4096
+    N, K_, H_ = c.heads, c.kv_heads, c.head_dim
+    block = BlockSizes(kv_tile=256, kv_slots=3)
+    f32 = jnp.float32
+    args = [jax.ShapeDtypeStruct((B * T, N * H_), f32),
+            jax.ShapeDtypeStruct((B * T, K_ * H_), f32),
+            jax.ShapeDtypeStruct((B * T, K_ * H_), f32),
+            jax.ShapeDtypeStruct((L, B, K_, S, H_), dtype),
+            jax.ShapeDtypeStruct((L, B, K_, S, H_), dtype),
+            jax.ShapeDtypeStruct((B,), jnp.int32),
+            jax.ShapeDtypeStruct((), jnp.int32)]  # the layer, traced as in the megakernel
+    budget = vmem_budget("decode_attention", decode_attention_buffers(
+        B, T, N, K_, H_, dtype, block, operands=True), mk.chip(chip))
+
+    def step(q, k_new, v_new, k_cache, v_cache, positions, layer):
+        return decode_attention(q, k_new, v_new, k_cache, v_cache, positions, layer=layer,
+                                block=block)
+
+    report = tpu.compile_for_chip(step, args, chip, name=f"decode_attention T={T} {dtype}",
+                                  vmem=budget)
+    print(report.summary())
+    assert report.ok, report.error
+    assert report.code_bytes > 0
