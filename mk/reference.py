@@ -165,8 +165,9 @@ def attention_inputs(config: ModelConfig, params, layer: int, x, positions):
     return rope(q, row_pos, config.rope_theta), rope(k, row_pos, config.rope_theta), v
 
 
-def _layer(config: ModelConfig, params, layer: int, x, k_cache, v_cache, positions):
-    """One decoder layer; x [B, T, D] float32. Returns (x, k_cache, v_cache, x_after_attn)."""
+def decoder_layer(config: ModelConfig, params, layer: int, x, k_cache, v_cache, positions):
+    """One decoder layer (the stage-05 oracle); x [B, T, D] float32, caches [B, K, S, H]
+    of this layer. Returns (x, k_cache, v_cache, x_after_attn)."""
     B, T, _ = x.shape
     eps = config.rms_eps
     q, k, v = attention_inputs(config, params, layer, x, positions)
@@ -191,7 +192,7 @@ def _forward(config: ModelConfig, params, cache: KVCache, tokens, positions, tap
     x = params["embed"][tokens].astype(F32)  # [B, T, D]
     ks, vs, after_attn, after_mlp = [], [], [], []
     for layer in range(config.layers):
-        x, k, v, x_attn = _layer(config, params, layer, x, cache.k[layer], cache.v[layer],
+        x, k, v, x_attn = decoder_layer(config, params, layer, x, cache.k[layer], cache.v[layer],
                                  positions)
         ks.append(k)
         vs.append(v)
@@ -214,7 +215,7 @@ def init_cache(config: ModelConfig, batch: int, max_context: int | None = None) 
     return KVCache(jnp.zeros(shape, config.dtype), jnp.zeros(shape, config.dtype))
 
 
-def _concrete(x):
+def concrete(x):
     """x as a numpy array, or None when it is traced (inside jit nothing can be checked)."""
     try:
         return np.asarray(x)
@@ -232,17 +233,26 @@ def validate_step(config: ModelConfig, cache: KVCache, tokens, positions) -> Non
         raise ValueError(f"tokens shape {tokens.shape} must be [B={B}, T]")
     if positions.shape != (B,):
         raise ValueError(f"positions shape {positions.shape} must be [B={B}]")
-    T = tokens.shape[1]
-    tok = _concrete(tokens)
+    tok = concrete(tokens)
     if tok is not None and tok.size and (tok.min() < 0 or tok.max() >= config.vocab):
         raise ValueError(f"token ids must be in [0, vocab={config.vocab}); got "
                          f"min={tok.min()}, max={tok.max()}")
-    pos = _concrete(positions)
-    if pos is not None:
-        for b, p in enumerate(pos):
-            if p < 0 or p + T > S:
-                raise ValueError(f"positions[{b}]={p} with T={T} rows writes up to position "
-                                 f"{p + T - 1}, past the KV-cache capacity max_context={S}")
+    check_positions(positions, tokens.shape[1], S)
+
+
+def check_positions(positions, rows: int, capacity: int) -> None:
+    """Raise ValueError if T=`rows` rows from any positions[b] leave [0, capacity).
+
+    Traced positions (inside jit) cannot be checked; callers validate before tracing.
+    """
+    pos = concrete(positions)
+    if pos is None:
+        return
+    for b, p in enumerate(pos):
+        if p < 0 or p + rows > capacity:
+            raise ValueError(f"positions[{b}]={p} with T={rows} rows writes up to position "
+                             f"{p + rows - 1}, past the KV-cache capacity "
+                             f"max_context={capacity}")
 
 
 def decode_step(config: ModelConfig, params, cache: KVCache, tokens, positions, *,

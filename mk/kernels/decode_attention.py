@@ -50,6 +50,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mk.config import COMPUTE_DTYPES
 from mk.kernels.common import LANES, BlockSizes, Buffer, sublanes
+from mk.reference import check_positions, concrete
 
 MAX_ROWS = 64  # B * T activation rows of one decode step
 ALIGN = 8  # rows of an f32 (8, 128) tile: dynamic row offsets must be multiples of it
@@ -332,14 +333,6 @@ def decode_attention_kernel(
 
 
 # -- The stage wrapper ----------------------------------------------------------------------
-def _concrete(x):
-    """x as a numpy array, or None when it is traced (inside jit nothing can be checked)."""
-    try:
-        return np.asarray(x)
-    except jax.errors.TracerArrayConversionError:
-        return None
-
-
 def _validate(q, k_new, v_new, k_cache, v_cache, positions, layer, block):
     """(B, T, N, K, H) of a legal call; raises ValueError naming the bad field."""
     if k_cache.ndim != 5 or v_cache.shape != k_cache.shape:
@@ -368,15 +361,10 @@ def _validate(q, k_new, v_new, k_cache, v_cache, positions, layer, block):
     block.check_context(S)
     if T > block.kv_tile:
         raise ValueError(f"T={T} new rows per sequence exceed kv_tile={block.kv_tile}")
-    lay = _concrete(layer)
+    lay = concrete(layer)
     if lay is not None and not 0 <= int(lay) < L:
         raise ValueError(f"layer={int(lay)} must be in [0, L={L})")
-    pos = _concrete(positions)
-    if pos is not None:
-        for b, p in enumerate(pos):
-            if p < 0 or p + T > S:
-                raise ValueError(f"positions[{b}]={p} with T={T} rows writes up to position "
-                                 f"{p + T - 1}, past the KV-cache capacity max_context={S}")
+    check_positions(positions, T, S)
     return B, T, N, K, H
 
 
@@ -400,7 +388,7 @@ def decode_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: 
     positions = jnp.asarray(positions, jnp.int32)
     block = block or BlockSizes()
     B, T, N, K, H = _validate(q, k_new, v_new, k_cache, v_cache, positions, layer, block)
-    pos = _concrete(positions)
+    pos = concrete(positions)
     if pos is None:  # traced: the estimate assumes full caches
         read, written = B * k_cache.shape[3] // block.kv_tile, 2 * B
     else:
