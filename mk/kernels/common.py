@@ -121,6 +121,24 @@ class VmemBudget:
         return self
 
 
+def vmem_limit_bytes(buffers) -> int:
+    """The scoped-VMEM request a kernel passes to Mosaic: its buffers plus room for Mosaic's
+    internal scratch, never below 32 MiB (the default scoped limit is 16 MiB on v5e, 32 MiB
+    on v6e; without the request a hardware run can refuse a kernel the budget accepts)."""
+    need = sum(b.bytes for b in buffers) * 1.25 + 4 * 2**20
+    return max(32 * 2**20, math.ceil(need / 2**20) * 2**20)
+
+
+def default_block(*dims: int, slots: int = 3, largest: int = 512) -> BlockSizes:
+    """Square weight tiles: the largest multiple of 128 (<= `largest`) dividing every
+    weight dimension in `dims`, so one ring slot shape serves every matrix."""
+    sides = [t for t in range(LANES, largest + 1, LANES) if all(d % t == 0 for d in dims)]
+    if not sides:
+        raise ValueError(f"no multiple of {LANES} up to {largest} divides every weight "
+                         f"dimension {dims}")
+    return BlockSizes(slots=slots, tile_k=sides[-1], tile_n=sides[-1])
+
+
 def vmem_budget(kernel: str, buffers, chip) -> VmemBudget:
     """The checked budget of `buffers` on `chip` (a `ChipSpec`); raises when over."""
     if chip.vmem_bytes is None:

@@ -16,6 +16,10 @@ A segment may be switched off at run time (`active`), e.g. the slot of an expert
 selected: its tiles are neither loaded nor waited for, but still "consumed" in order so
 the tiles behind it are issued.
 
+A run of matrices may be repeated (`Repeat`), e.g. gate, up, down once per expert slot:
+copy c's Fetch gets (layer, c) and `matmul(..., copy=c)` takes a traced c, so a kernel
+loops over copies with `fori_loop` and its code does not grow with their number.
+
 Not here: what a kernel computes with the products (the stage kernels and the
 megakernel), KV tiles (`decode_attention`, whose KV ring is shaped by positions).
 """
@@ -42,21 +46,52 @@ class Segment:
     row_tiles: int  # K / tile_k
     col_tiles: int  # N / tile_n
     start: int = 0  # offset of its first tile within a layer (or within the tail)
+    copies: int = 1  # in a `Repeat`: copy c starts at start + c * stride
+    stride: int = 0  # tiles from one copy to the next (a Repeat's tiles per copy); 0 if
+    #                  the segment is not repeated
 
     @property
     def tiles(self) -> int:
+        """Tiles of one copy."""
         return self.row_tiles * self.col_tiles
 
     @property
     def end(self) -> int:
-        return self.start + self.tiles
+        return self.start + (self.copies - 1) * self.stride + self.tiles
+
+    def locate(self, local):
+        """(hit, copy, t): whether layer-local tile `local` (traced) is tile t of copy
+        `copy` of this segment; copy is clamped into range so a miss still indexes safely."""
+        if not self.stride:
+            return (local >= self.start) & (local < self.end), 0, local - self.start
+        offset = local - self.start
+        copy, t = offset // self.stride, offset % self.stride
+        hit = (offset >= 0) & (copy < self.copies) & (t < self.tiles)
+        return hit, jnp.clip(copy, 0, self.copies - 1), t
 
 
-def _place(segments) -> tuple[Segment, ...]:
+@dataclasses.dataclass(frozen=True)
+class Repeat:
+    """`copies` back-to-back copies of a run of matrices (name, rows, cols)."""
+
+    copies: int
+    matrices: tuple
+
+    def __post_init__(self):
+        if isinstance(self.copies, bool) or not isinstance(self.copies, int) or self.copies < 1:
+            raise ValueError(f"Repeat.copies={self.copies!r} must be an integer >= 1")
+
+
+def _place(groups) -> tuple[Segment, ...]:
+    """groups: (copies or None for a plain matrix, its segments) in stream order."""
     placed, offset = [], 0
-    for s in segments:
-        placed.append(dataclasses.replace(s, start=offset))
-        offset += s.tiles
+    for copies, segments in groups:
+        stride = sum(s.tiles for s in segments) if copies else 0
+        for s in segments:
+            placed.append(dataclasses.replace(s, start=offset, copies=copies or 1,
+                                              stride=stride))
+            offset += s.tiles
+        offset += max(0, (copies or 1) - 1) * stride
     return tuple(placed)
 
 
@@ -75,19 +110,24 @@ class TileStream:
 
     @classmethod
     def build(cls, block: BlockSizes, matrices, *, layers: int = 1, tail=()) -> TileStream:
-        """matrices / tail: (name, rows, cols) of each weight, in consumption order."""
+        """matrices / tail: (name, rows, cols) of each weight, or a `Repeat` of such
+        triples, in consumption order."""
         def segs(items):
-            return _place(Segment(name, *block.check_matrix(name, rows, cols))
-                          for name, rows, cols in items)
-        return cls(block, segs(matrices), layers, segs(tail))
+            return [Segment(name, *block.check_matrix(name, rows, cols))
+                    for name, rows, cols in items]
+
+        def groups(items):
+            return _place((i.copies, segs(i.matrices)) if isinstance(i, Repeat)
+                          else (None, segs([i])) for i in items)
+        return cls(block, groups(matrices), layers, groups(tail))
 
     @property
     def period(self) -> int:
-        return sum(s.tiles for s in self.segments)
+        return sum(s.copies * s.tiles for s in self.segments)
 
     @property
     def total(self) -> int:
-        return self.layers * self.period + sum(s.tiles for s in self.tail)
+        return self.layers * self.period + sum(s.copies * s.tiles for s in self.tail)
 
     def segment(self, name: str) -> Segment:
         for s in self.segments + self.tail:
@@ -95,32 +135,40 @@ class TileStream:
                 return s
         raise KeyError(f"no segment {name!r} in the stream")
 
-    def base(self, layer, segment: Segment):
-        """Global index of `segment`'s first tile in `layer` (layer may be traced)."""
+    def base(self, layer, segment: Segment, copy=0):
+        """Global index of the first tile of `segment` (copy `copy`) in `layer` (layer and
+        copy may be traced)."""
+        first = segment.start + copy * segment.stride
         if segment in self.tail:
-            return self.layers * self.period + segment.start
-        return layer * self.period + segment.start
+            return self.layers * self.period + first
+        return layer * self.period + first
 
     def tiles(self):
-        """(g, layer or None for the tail, segment name, row tile, col tile) of every tile."""
-        g = 0
+        """(g, layer or None for the tail, segment name, row tile, col tile) of every tile;
+        a repeated segment's name carries its copy: "we_gate[3]"."""
+        def ordered(segments):
+            return sorted((s.start + c * s.stride + t, s, c, t) for s in segments
+                          for c in range(s.copies) for t in range(s.tiles))
+
+        def named(s, c):
+            return f"{s.name}[{c}]" if s.stride else s.name
+
         for layer in range(self.layers):
-            for s in self.segments:
-                for t in range(s.tiles):
-                    yield g, layer, s.name, t % s.row_tiles, t // s.row_tiles
-                    g += 1
-        for s in self.tail:
-            for t in range(s.tiles):
-                yield g, None, s.name, t % s.row_tiles, t // s.row_tiles
-                g += 1
+            for local, s, c, t in ordered(self.segments):
+                yield (layer * self.period + local, layer, named(s, c), t % s.row_tiles,
+                       t // s.row_tiles)
+        for local, s, c, t in ordered(self.tail):
+            yield (self.layers * self.period + local, None, named(s, c), t % s.row_tiles,
+                   t // s.row_tiles)
 
     @property
     def tile_bytes(self) -> int:
         return self.block.tile_k * self.block.tile_n  # times the weight itemsize
 
 
-# fetch(layer) -> (the [K, N] HBM ref of that matrix in that layer, active flag or None)
-Fetch = Callable[[jax.Array], tuple[object, object]]
+# fetch(layer) -> (the [K, N] HBM ref of that matrix in that layer, active flag or None);
+# a repeated segment's fetch is fetch(layer, copy).
+Fetch = Callable[..., tuple[object, object]]
 
 
 class Ring:
@@ -136,41 +184,44 @@ class Ring:
         self.n = stream.block.slots
         self.tk, self.tn = stream.block.tile_k, stream.block.tile_n
 
-    def _copy(self, segment: Segment, layer, t, slot):
-        src, _ = self.fetch[segment.name](layer)
+    def _fetch(self, segment: Segment, layer, copy):
+        fetch = self.fetch[segment.name]
+        return fetch(layer, copy) if segment.stride else fetch(layer)
+
+    def _copy(self, segment: Segment, layer, copy, t, slot):
+        src, _ = self._fetch(segment, layer, copy)
         i, j = t % segment.row_tiles, t // segment.row_tiles
         tile = src.at[pl.ds(pl.multiple_of(i * self.tk, self.tk), self.tk),
                       pl.ds(pl.multiple_of(j * self.tn, self.tn), self.tn)]
         return pltpu.make_async_copy(tile, self.slots_vmem.at[slot], self.sems.at[slot])
 
     def _each_segment(self, g, action):
-        """Call action(segment, layer, t) for the segment holding tile g (g traced)."""
+        """Call action(segment, layer, copy, t) for the segment holding tile g (g traced)."""
         s = self.stream
         layered = s.layers * s.period
         layer, local = g // s.period, g % s.period
         for seg in s.segments:
-            hit = (g < layered) & (local >= seg.start) & (local < seg.end)
-            pl.when(hit & self._active(seg, layer))(
-                lambda seg=seg: action(seg, layer, local - seg.start))
+            hit, copy, t = seg.locate(local)
+            pl.when((g < layered) & hit & self._active(seg, layer, copy))(
+                lambda seg=seg, copy=copy, t=t: action(seg, layer, copy, t))
         for seg in s.tail:
-            tail_local = g - layered
-            hit = (tail_local >= seg.start) & (tail_local < seg.end)
-            pl.when(hit & self._active(seg, layer))(
-                lambda seg=seg: action(seg, layer, tail_local - seg.start))
+            hit, copy, t = seg.locate(g - layered)
+            pl.when(hit & self._active(seg, layer, copy))(
+                lambda seg=seg, copy=copy, t=t: action(seg, layer, copy, t))
 
-    def _active(self, segment: Segment, layer):
-        _, active = self.fetch[segment.name](layer)
+    def _active(self, segment: Segment, layer, copy=0):
+        _, active = self._fetch(segment, layer, copy)
         return True if active is None else active
 
     def start(self, g):
         """Issue tile g into slot g % slots; a no-op past the end or for an off segment."""
-        self._each_segment(g, lambda seg, layer, t: self._copy(seg, layer, t,
-                                                               g % self.n).start())
+        self._each_segment(g, lambda seg, layer, copy, t: self._copy(
+            seg, layer, copy, t, g % self.n).start())
 
     def wait(self, g):
         """Block until tile g has landed (a no-op for an off segment)."""
-        self._each_segment(g, lambda seg, layer, t: self._copy(seg, layer, t,
-                                                               g % self.n).wait())
+        self._each_segment(g, lambda seg, layer, copy, t: self._copy(
+            seg, layer, copy, t, g % self.n).wait())
 
     def prime(self, first: int = 0):
         """Issue the first `slots` tiles from `first` on (a kernel's prologue)."""
@@ -180,8 +231,9 @@ class Ring:
     def slot(self, g):
         return self.slots_vmem.at[g % self.n]
 
-    def matmul(self, name: str, x, out_ref, *, layer=0):
-        """out_ref[M, N] (float32) = x[M, K] @ weight `name` of `layer`, through the ring.
+    def matmul(self, name: str, x, out_ref, *, layer=0, copy=0):
+        """out_ref[M, N] (float32) = x[M, K] @ weight `name` of `layer` (copy `copy` of a
+        repeated segment), through the ring.
 
         x is a VMEM ref (its k-tiles are dynamic lane slices, which Mosaic takes from refs,
         not values); each k-tile is cast to the weight dtype and the products accumulate
@@ -189,10 +241,10 @@ class Ring:
         g + slots.
         """
         seg = self.stream.segment(name)
-        base = self.stream.base(layer, seg)
+        base = self.stream.base(layer, seg, copy)
         tk, tn, nk = self.tk, self.tn, seg.row_tiles
         M = x.shape[0]
-        active = self._active(seg, layer)
+        active = self._active(seg, layer, copy)
 
         def tile(t, acc):
             g = base + t

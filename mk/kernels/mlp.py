@@ -1,0 +1,431 @@
+"""Stage 04, the MLP: dense SwiGLU and a Qwen3-MoE block, weights streamed through the ring.
+
+Dense SwiGLU, out = down(silu(h @ gate) * (h @ up)), streams gate, up and down through one
+ring in that order (three `TileStream` segments), so the up tiles load while gate computes
+and the down tiles while up computes.
+
+MoE runs its router in the kernel and streams only the experts the batch selected. The
+router output becomes scalars in four steps, each one Mosaic lowers on v5e, v6e and TPU7x:
+
+1. route (vectors): logits = h @ router [D, E] in f32, softmax, top-k by X rounds of
+   (row max, lowest lane holding it) so ties go to the lower expert id; `combine` [M, E]
+   holds each row's routing weight per expert (0 if not picked), `selected` [1, E] int32
+   whether any row picked the expert;
+2. vector -> SMEM: `selected` is stored to VMEM and copied to SMEM by one local DMA (a
+   vector reduction to a scalar also lowers, to `llo.vtos`, but costs one cross-lane reduce
+   and one vector->scalar move per expert; the DMA moves all E flags at once);
+3. compact (scalars): a `fori_loop` over E writes the selected ids, in increasing order,
+   into `ids_smem[0:count]` ("expert slots"); slot s is active iff s < count, so the
+   switched-off slots are contiguous at the end of the stream;
+4. stream: the slots are one `Repeat` of (we_gate, we_up, we_down) in the ring; copy s's
+   Fetch reads `we_*_hbm.at[row, ids_smem[s]]` and reports `active = s < count`. A
+   `fori_loop` over the `count` active slots loads each distinct expert of the batch once,
+   runs its SwiGLU on all M rows and adds the output times each row's weight for it. The
+   code does not grow with the number of slots (64 for qwen3-30b-a3b at M=8).
+
+The ring may only issue expert tiles once the ids are known. `moe_body` therefore assumes
+(and the standalone kernel guarantees) that `count_smem[0] == 0` whenever a tile of the
+expert region was issued before routing, so those issues were no-ops; after routing it
+issues the region's first `slots` tiles itself (for the standalone kernel, this is the
+prologue), skips the off slots' tiles without computing, and resets the count to 0 for the
+next layer. A fused kernel calls it after every tile before the expert region is consumed.
+
+The router weight [D, E] does not go through the ring (E need not be a multiple of 128
+lanes): the kernel copies it into its own small VMEM buffer, which a fused kernel can start
+long before the router runs.
+
+Here: the bodies (`swiglu_body`, `moe_body` and its steps `route_body`, `select_experts`,
+`experts_body`), their stream segments and Fetch callables, the buffer lists, and the
+stage wrappers `swiglu` / `moe`. Not here: the norm before the MLP and the residual add (the
+layer kernel), shared experts, expert capacity limits, quantised experts.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from mk.config import COMPUTE_DTYPES
+from mk.kernels.common import BlockSizes, Buffer, default_block, vmem_limit_bytes
+from mk.kernels.ring import Repeat, Ring, TileStream
+
+MAX_ROWS = 64  # M = B * T of one decode step
+
+
+# -- Dense SwiGLU --------------------------------------------------------------------------
+def swiglu_segments(D: int, F: int) -> list[tuple[str, int, int]]:
+    """(name, rows, cols) of the dense MLP's ring segments, in consumption order."""
+    return [("w_gate", D, F), ("w_up", D, F), ("w_down", F, D)]
+
+
+def swiglu_fetch(w_gate_hbm, w_up_hbm, w_down_hbm, row, active=None) -> dict:
+    """Fetch callables of the SwiGLU segments: `row(layer)` picks the stacked weight row;
+    `active(layer)` (optional) switches the segments off, e.g. in a fused kernel's MoE layers.
+    """
+    def fetch(w_hbm):
+        return lambda layer: (w_hbm.at[row(layer)], None if active is None else active(layer))
+    return {"w_gate": fetch(w_gate_hbm), "w_up": fetch(w_up_hbm), "w_down": fetch(w_down_hbm)}
+
+
+def swiglu_body(ring: Ring, layer, x, gate_vmem, up_vmem, out_ref):
+    """out_ref [M, D] f32 = SwiGLU of x [M, D] (a VMEM ref) through the ring's w_gate,
+    w_up, w_down segments of `layer`.
+
+    gate_vmem, up_vmem [M, F] f32 scratch; gate_vmem ends up holding the activation.
+    """
+    ring.matmul("w_gate", x, gate_vmem, layer=layer)
+    ring.matmul("w_up", x, up_vmem, layer=layer)
+    gate_vmem[...] = jax.nn.silu(gate_vmem[...]) * up_vmem[...]
+    ring.matmul("w_down", gate_vmem, out_ref, layer=layer)
+
+
+def swiglu_buffers(M: int, D: int, F: int, dtype, block: BlockSizes,
+                   x_dtype="float32") -> list[Buffer]:
+    """Every VMEM buffer of `swiglu` (the budget and the scratch come from here)."""
+    return [Buffer("h", (M, D), str(jnp.dtype(x_dtype))),
+            Buffer("out", (M, D), "float32"),
+            Buffer("ring", (block.slots, block.tile_k, block.tile_n), str(jnp.dtype(dtype))),
+            Buffer("gate", (M, F), "float32"),
+            Buffer("up", (M, F), "float32")]
+
+
+def swiglu_kernel(
+    # Inputs
+    layer_smem,  # [1] int32: the stacked weight row
+    h_vmem,  # [M, D]
+    w_gate_hbm,  # [Ld, D, F] weight dtype, left in HBM
+    w_up_hbm,  # [Ld, D, F]
+    w_down_hbm,  # [Ld, F, D]
+    # Outputs
+    out_vmem,  # [M, D] f32
+    # Scratch
+    ring_vmem,  # [slots, tile_k, tile_n] weight dtype
+    sems,  # DMA semaphores [slots]
+    gate_vmem,  # [M, F] f32
+    up_vmem,  # [M, F] f32
+    *,
+    stream: TileStream,
+):
+    row = layer_smem[0]
+    fetch = swiglu_fetch(w_gate_hbm, w_up_hbm, w_down_hbm, lambda layer: row)
+    ring = Ring(stream, fetch, ring_vmem, sems)
+    ring.prime()
+    swiglu_body(ring, 0, h_vmem, gate_vmem, up_vmem, out_vmem)
+
+
+def _stacked(w, ndim, name):
+    if w.ndim == ndim:
+        return w[None]
+    if w.ndim != ndim + 1:
+        raise ValueError(f"{name} has shape {w.shape}: expected {ndim} dims, or {ndim + 1} "
+                         "with a leading layer axis")
+    return w
+
+
+def _check_rows_and_dtype(h, weights):
+    M = h.shape[0]
+    if h.ndim != 2 or not 1 <= M <= MAX_ROWS:
+        raise ValueError(f"h shape {h.shape} must be [M, D] with M in [1, {MAX_ROWS}]")
+    dtypes = {name: str(w.dtype) for name, w in weights.items()}
+    if len(set(dtypes.values())) != 1 or next(iter(dtypes.values())) not in COMPUTE_DTYPES:
+        raise ValueError(f"weight dtypes {dtypes} must be one and the same of "
+                         f"{COMPUTE_DTYPES}")
+
+
+def _check_layer(layer, rows):
+    """The stacked row as an SMEM operand; a concrete row out of range is an error (a
+    traced one cannot be checked)."""
+    if isinstance(layer, (int, np.integer)) and not 0 <= layer < rows:
+        raise ValueError(f"layer={layer} must be in [0, {rows}) (the stacked weight rows)")
+    return jnp.asarray(layer, jnp.int32).reshape(1)
+
+
+def swiglu(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
+           layer=0, block: BlockSizes | None = None) -> jax.Array:
+    """down(silu(h @ gate) * (h @ up)): h [M, D] -> [M, D] float32.
+
+    w_gate, w_up [D, F] and w_down [F, D], or stacked [Ld, D, F] / [Ld, F, D] with `layer`
+    (an int or a traced int32) picking the row; the weights stay in HBM.
+    """
+    w_gate, w_up = _stacked(w_gate, 2, "w_gate"), _stacked(w_up, 2, "w_up")
+    w_down = _stacked(w_down, 2, "w_down")
+    Ld, D, F = w_gate.shape
+    _check_rows_and_dtype(h, dict(w_gate=w_gate, w_up=w_up, w_down=w_down))
+    M = h.shape[0]
+    if h.shape[1] != D or w_up.shape != (Ld, D, F) or w_down.shape != (Ld, F, D):
+        raise ValueError(f"h {h.shape}, w_gate {w_gate.shape}, w_up {w_up.shape}, w_down "
+                         f"{w_down.shape} must be [M, D], [Ld, D, F], [Ld, D, F], [Ld, F, D]")
+    layer_row = _check_layer(layer, Ld)
+    block = block or default_block(D, F)
+    stream = TileStream.build(block, swiglu_segments(D, F))
+    buffers = swiglu_buffers(M, D, F, w_gate.dtype, block, h.dtype)
+    wbytes = 3 * D * F * w_gate.dtype.itemsize
+    return pl.pallas_call(
+        functools.partial(swiglu_kernel, stream=stream),
+        out_shape=jax.ShapeDtypeStruct((M, D), jnp.float32),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
+                  pl.BlockSpec(memory_space=pltpu.VMEM)]
+                 + [pl.BlockSpec(memory_space=pl.ANY)] * 3,
+        out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
+        scratch_shapes=[pltpu.VMEM(b.shape, b.dtype) for b in buffers[2:3]]
+                       + [pltpu.SemaphoreType.DMA((block.slots,))]
+                       + [pltpu.VMEM(b.shape, b.dtype) for b in buffers[3:]],
+        compiler_params=pltpu.CompilerParams(vmem_limit_bytes=vmem_limit_bytes(buffers)),
+        name="mk_swiglu",
+        cost_estimate=pl.CostEstimate(
+            flops=2 * M * 3 * D * F, transcendentals=M * F,
+            bytes_accessed=wbytes + h.size * h.dtype.itemsize + M * D * 4),
+    )(layer_row, h, w_gate, w_up, w_down)
+
+
+# -- Mixture of experts --------------------------------------------------------------------
+EXPERT_WEIGHTS = ("we_gate", "we_up", "we_down")  # one slot's segments, in order
+
+
+def expert_slots(experts: int, top_k: int, rows: int) -> int:
+    """Expert slots of one MoE layer: at most every row picks top_k distinct experts."""
+    return min(experts, rows * top_k)
+
+
+def moe_segments(D: int, Fe: int, slots: int) -> list:
+    """The expert slots' ring segments: gate, up, down, repeated once per slot."""
+    return [Repeat(slots, (("we_gate", D, Fe), ("we_up", D, Fe), ("we_down", Fe, D)))]
+
+
+def moe_fetch(we_gate_hbm, we_up_hbm, we_down_hbm, row, ids_smem, count_smem) -> dict:
+    """Fetch callables of the expert slots: slot s streams expert ids_smem[s] of weight row
+    `row(layer)` and is switched off unless s < count_smem[0]."""
+    def fetch(w_hbm):
+        return lambda layer, s: (w_hbm.at[row(layer), ids_smem[s]], s < count_smem[0])
+    return {name: fetch(w_hbm)
+            for name, w_hbm in zip(EXPERT_WEIGHTS, (we_gate_hbm, we_up_hbm, we_down_hbm))}
+
+
+def route_body(x, router_vmem, combine_vmem, *, top_k: int, renormalise: bool):
+    """Write combine_vmem [M, E] f32 (routing weights, 0 where not picked); return the
+    selected flags [1, E] int32. The numerics of `mk.reference.route`."""
+    w = router_vmem[...]  # [D, E]
+    logits = jnp.dot(x[...].astype(w.dtype), w, preferred_element_type=jnp.float32)
+    exp = jnp.exp(logits - jnp.max(logits, axis=1, keepdims=True))
+    probs = exp / jnp.sum(exp, axis=1, keepdims=True)  # [M, E]
+    M, E = probs.shape
+    expert = lax.broadcasted_iota(jnp.int32, (M, E), 1)
+    picked = jnp.zeros((M, E), jnp.bool_)
+    left = probs
+    for _ in range(top_k):
+        best = jnp.max(left, axis=1, keepdims=True)
+        first = jnp.min(jnp.where(left == best, expert, E), axis=1, keepdims=True)
+        hit = expert == first  # the lowest expert id among the ties
+        picked = picked | hit
+        left = jnp.where(hit, -1.0, left)  # probabilities are >= 0: never picked again
+    weights = jnp.where(picked, probs, 0.0)
+    if renormalise:
+        weights = weights / jnp.sum(weights, axis=1, keepdims=True)
+    combine_vmem[...] = weights
+    return jnp.max(picked.astype(jnp.int32), axis=0, keepdims=True)
+
+
+def select_experts(selected, selected_vmem, selected_smem, sem, ids_smem, count_smem):
+    """selected [1, E] int32 flags -> ids_smem[0:count] the selected ids in increasing
+    order, count_smem[0] = count. One VMEM -> SMEM DMA, then a scalar loop over E."""
+    selected_vmem[...] = selected
+    copy = pltpu.make_async_copy(selected_vmem, selected_smem, sem)
+    copy.start()
+    copy.wait()
+
+    def compact(e, count):
+        @pl.when(selected_smem[0, e] > 0)
+        def take():
+            ids_smem[count] = e
+
+        return count + selected_smem[0, e]
+
+    count_smem[0] = lax.fori_loop(0, selected_smem.shape[1], compact, jnp.int32(0))
+
+
+def _expert_region(stream: TileStream, layer):
+    """(first tile, end, tiles per slot) of the expert slots of `layer` in the stream."""
+    gate, up, down = (stream.segment(name) for name in EXPERT_WEIGHTS)
+    if not (gate.copies == up.copies == down.copies and up.start == gate.start + gate.tiles
+            and down.start == up.start + up.tiles
+            and gate.stride == gate.tiles + up.tiles + down.tiles):
+        raise ValueError("the expert segments must be one Repeat of (we_gate, we_up, "
+                         f"we_down); got {gate}, {up}, {down}")
+    base = stream.base(layer, gate)
+    return base, base + gate.copies * gate.stride, gate.stride
+
+
+def experts_body(ring: Ring, layer, x, combine_vmem, ids_smem, count_smem, gate_vmem,
+                 up_vmem, down_vmem, out_ref):
+    """out_ref [M, D] f32 += sum over active slots of combine[:, id] * SwiGLU_id(x).
+
+    Assumes the active slots' first tiles were issued (see `moe_body`).
+    """
+    base, end, per_slot = _expert_region(ring.stream, layer)
+    count = count_smem[0]
+    M, E = combine_vmem.shape
+
+    def expert_slot(s, carry):
+        ring.matmul("we_gate", x, gate_vmem, layer=layer, copy=s)
+        ring.matmul("we_up", x, up_vmem, layer=layer, copy=s)
+        gate_vmem[...] = jax.nn.silu(gate_vmem[...]) * up_vmem[...]
+        ring.matmul("we_down", gate_vmem, down_vmem, layer=layer, copy=s)
+        expert = lax.broadcasted_iota(jnp.int32, (M, E), 1)
+        weight = jnp.sum(jnp.where(expert == ids_smem[s], combine_vmem[...], 0.0),
+                         axis=1, keepdims=True)  # [M, 1]
+        out_ref[...] += weight * down_vmem[...]
+        return carry
+
+    lax.fori_loop(0, count, expert_slot, 0)
+
+    # The off slots are consumed without loading or computing; only the tiles they would
+    # issue past the region (the next weights of a fused stream) remain to be issued.
+    first_off = base + count * per_slot
+    for t in range(ring.n):
+        g = end - ring.n + t
+
+        @pl.when(g >= first_off)
+        def issue_past_off_slots(g=g):
+            ring.start(g + ring.n)
+
+
+def moe_body(ring: Ring, layer, x, router_vmem, combine_vmem, selected_vmem, selected_smem,
+             sem, ids_smem, count_smem, gate_vmem, up_vmem, down_vmem, out_ref, *,
+             top_k: int, renormalise: bool):
+    """out_ref [M, D] f32 += the MoE block of x [M, D] (a VMEM ref); router_vmem [D, E]
+    holds this layer's router. Needs count_smem[0] == 0 while the tiles before the expert
+    region were consumed (module docstring); leaves it 0. Returns the number of distinct
+    experts loaded (a scalar)."""
+    selected = route_body(x, router_vmem, combine_vmem, top_k=top_k, renormalise=renormalise)
+    select_experts(selected, selected_vmem, selected_smem, sem, ids_smem, count_smem)
+    gate = ring.stream.segment("we_gate")
+    base = ring.stream.base(layer, gate)
+    for t in range(min(ring.n, gate.copies * gate.stride)):  # were no-ops when issued
+        ring.start(base + t)
+    experts_body(ring, layer, x, combine_vmem, ids_smem, count_smem, gate_vmem, up_vmem,
+                 down_vmem, out_ref)
+    loaded = count_smem[0]
+    count_smem[0] = 0
+    return loaded
+
+
+def moe_buffers(M: int, D: int, E: int, Fe: int, dtype, block: BlockSizes,
+                x_dtype="float32") -> list[Buffer]:
+    """Every VMEM buffer of `moe` (the budget and the scratch come from here)."""
+    dtype = str(jnp.dtype(dtype))
+    return [Buffer("h", (M, D), str(jnp.dtype(x_dtype))),
+            Buffer("out", (M, D), "float32"),
+            Buffer("ring", (block.slots, block.tile_k, block.tile_n), dtype),
+            Buffer("router", (D, E), dtype),
+            Buffer("combine", (M, E), "float32"),
+            Buffer("selected", (1, E), "int32"),
+            Buffer("gate", (M, Fe), "float32"),
+            Buffer("up", (M, Fe), "float32"),
+            Buffer("down", (M, D), "float32")]
+
+
+def moe_kernel(
+    # Inputs
+    layer_smem,  # [1] int32: the stacked weight row
+    h_vmem,  # [M, D]
+    router_hbm,  # [Lm, D, E] weight dtype, left in HBM
+    we_gate_hbm,  # [Lm, E, D, Fe]
+    we_up_hbm,  # [Lm, E, D, Fe]
+    we_down_hbm,  # [Lm, E, Fe, D]
+    # Outputs
+    out_vmem,  # [M, D] f32
+    loaded_smem,  # [1] int32: distinct experts loaded
+    # Scratch
+    ring_vmem,  # [slots, tile_k, tile_n] weight dtype
+    sems,  # DMA semaphores [slots]
+    router_vmem,  # [D, E] weight dtype
+    combine_vmem,  # [M, E] f32
+    selected_vmem,  # [1, E] int32
+    gate_vmem,  # [M, Fe] f32
+    up_vmem,  # [M, Fe] f32
+    down_vmem,  # [M, D] f32
+    small_sems,  # DMA semaphores [2]: router, selected flags
+    selected_smem,  # [1, E] int32
+    ids_smem,  # [expert slots] int32
+    count_smem,  # [1] int32
+    *,
+    stream: TileStream,
+    top_k: int,
+    renormalise: bool,
+):
+    row = layer_smem[0]
+    router = pltpu.make_async_copy(router_hbm.at[row], router_vmem, small_sems.at[0])
+    router.start()
+    count_smem[0] = 0
+    out_vmem[...] = jnp.zeros_like(out_vmem)
+    fetch = moe_fetch(we_gate_hbm, we_up_hbm, we_down_hbm, lambda layer: row, ids_smem,
+                      count_smem)
+    ring = Ring(stream, fetch, ring_vmem, sems)
+    router.wait()
+    loaded_smem[0] = moe_body(
+        ring, 0, h_vmem, router_vmem, combine_vmem, selected_vmem, selected_smem,
+        small_sems.at[1], ids_smem, count_smem, gate_vmem, up_vmem, down_vmem, out_vmem,
+        top_k=top_k, renormalise=renormalise)
+
+
+def moe(h: jax.Array, router: jax.Array, we_gate: jax.Array, we_up: jax.Array,
+        we_down: jax.Array, *, top_k: int, renormalise: bool, layer=0,
+        block: BlockSizes | None = None, return_loaded: bool = False):
+    """The Qwen3-MoE block (`mk.reference.moe`): h [M, D] -> [M, D] float32.
+
+    router [D, E]; we_gate, we_up [E, D, Fe]; we_down [E, Fe, D]; or each stacked on a
+    leading layer axis with `layer` picking the row. Only the selected experts are read.
+    With `return_loaded`, also returns the number of distinct experts loaded ([1] int32).
+    """
+    router, we_gate = _stacked(router, 2, "router"), _stacked(we_gate, 3, "we_gate")
+    we_up, we_down = _stacked(we_up, 3, "we_up"), _stacked(we_down, 3, "we_down")
+    Lm, E, D, Fe = we_gate.shape
+    _check_rows_and_dtype(h, dict(router=router, we_gate=we_gate, we_up=we_up,
+                                  we_down=we_down))
+    M = h.shape[0]
+    if (h.shape[1] != D or router.shape != (Lm, D, E) or we_up.shape != (Lm, E, D, Fe)
+            or we_down.shape != (Lm, E, Fe, D)):
+        raise ValueError(f"h {h.shape}, router {router.shape}, we_gate {we_gate.shape}, "
+                         f"we_up {we_up.shape}, we_down {we_down.shape} must be [M, D], "
+                         "[Lm, D, E], [Lm, E, D, Fe], [Lm, E, D, Fe], [Lm, E, Fe, D]")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
+        raise ValueError(f"top_k={top_k!r} must be an integer in [1, experts={E}]")
+    layer_row = _check_layer(layer, Lm)
+    block = block or default_block(D, Fe)
+    slots = expert_slots(E, top_k, M)
+    stream = TileStream.build(block, moe_segments(D, Fe, slots))
+    buffers = moe_buffers(M, D, E, Fe, we_gate.dtype, block, h.dtype)
+    itemsize = we_gate.dtype.itemsize
+    expert_bytes = 3 * D * Fe * itemsize  # times at most `slots` experts
+    out, loaded = pl.pallas_call(
+        functools.partial(moe_kernel, stream=stream, top_k=top_k,
+                          renormalise=renormalise),
+        out_shape=(jax.ShapeDtypeStruct((M, D), jnp.float32),
+                   jax.ShapeDtypeStruct((1,), jnp.int32)),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
+                  pl.BlockSpec(memory_space=pltpu.VMEM)]
+                 + [pl.BlockSpec(memory_space=pl.ANY)] * 4,
+        out_specs=(pl.BlockSpec(memory_space=pltpu.VMEM),
+                   pl.BlockSpec(memory_space=pltpu.SMEM)),
+        scratch_shapes=[pltpu.VMEM(b.shape, b.dtype) for b in buffers[2:3]]
+                       + [pltpu.SemaphoreType.DMA((block.slots,))]
+                       + [pltpu.VMEM(b.shape, b.dtype) for b in buffers[3:]]
+                       + [pltpu.SemaphoreType.DMA((2,)),
+                          pltpu.SMEM((1, E), jnp.int32),
+                          pltpu.SMEM((slots,), jnp.int32),
+                          pltpu.SMEM((1,), jnp.int32)],
+        compiler_params=pltpu.CompilerParams(vmem_limit_bytes=vmem_limit_bytes(buffers)),
+        name="mk_moe",
+        cost_estimate=pl.CostEstimate(  # an upper bound: every slot active
+            flops=2 * M * D * E + 2 * M * 3 * D * Fe * slots,
+            transcendentals=M * E + M * Fe * slots,
+            bytes_accessed=D * E * itemsize + slots * expert_bytes
+            + h.size * h.dtype.itemsize + M * D * 4),
+    )(layer_row, h, router, we_gate, we_up, we_down)
+    return (out, loaded) if return_loaded else out
