@@ -154,6 +154,14 @@ class ModelConfig:
             return "moe", self.moe_layers.index(layer)
         return "dense", self.dense_layers.index(layer)
 
+    def first_layers(self, n: int) -> ModelConfig:
+        """The same model cut to its first n layers (compile tests, self-drafting)."""
+        if not 1 <= n <= self.layers:
+            raise ValueError(f"{self.name}: first_layers(n={n}) needs 1 <= n <= "
+                             f"layers={self.layers}")
+        return dataclasses.replace(self, layers=n,
+                                   moe_layers=tuple(i for i in self.moe_layers if i < n))
+
     # -- Derived sizes --------------------------------------------------------------------
     @property
     def weight_bits(self) -> int:

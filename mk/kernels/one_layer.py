@@ -1,0 +1,228 @@
+"""Stage 05, one fused layer: every op of a decoder layer in one pallas_call, one ring.
+
+prologue (norm, Q/K/V, QK-norm, RoPE) -> decode attention over the cache -> output
+projection + residual -> norm -> SwiGLU or MoE -> residual. All weights of the layer are
+ONE `TileStream` (wq, wk, wv, wo, then w_gate, w_up, w_down or the expert slots), so the
+ring never drains between sub-blocks: while attention walks the KV cache, the first tiles
+of wo are already in VMEM; while wo computes, the MLP's tiles are in flight. Expert tiles
+are the one exception: they can only be issued once the router has chosen (see
+`mk.kernels.mlp`).
+
+Here: `layer_matrices` (the stream of one layer), `layer_body` (the in-kernel layer the
+megakernel loops over), `one_layer_buffers`, and the stage wrapper `one_layer`. Every
+piece is the stage kernels' own: `prologue`, `attend`, `swiglu_body`, `moe_body`.
+Not here: the layer loop, the lm_head and the cross-layer ring (`mk.megakernel`).
+"""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from mk.config import ModelConfig
+from mk.kernels.attention_prologue import MAX_ROWS, prologue, prologue_matrices
+from mk.kernels.common import BlockSizes, Buffer, default_block, vmem_limit_bytes
+from mk.kernels.decode_attention import (AttentionScratch, attend, decode_attention_buffers,
+                                         decode_attention_scratch)
+from mk.kernels.mlp import (expert_slots, moe_body, moe_fetch, moe_segments, swiglu_body,
+                            swiglu_fetch, swiglu_segments)
+from mk.kernels.ring import Ring, TileStream
+from mk.reference import check_positions, rms_norm
+
+
+def layer_matrices(config: ModelConfig, kind: str, rows: int) -> list:
+    """The ring segments of one layer in consumption order; kind is "dense" or "moe",
+    rows = B*T (it bounds the expert slots)."""
+    attention = prologue_matrices(config) + [("wo", config.q_width, config.hidden)]
+    if kind == "dense":
+        return attention + swiglu_segments(config.hidden, config.ffn)
+    slots = expert_slots(config.experts, config.experts_per_token, rows)
+    return attention + moe_segments(config.hidden, config.expert_ffn, slots)
+
+
+def layer_block(config: ModelConfig, slots: int = 3) -> BlockSizes:
+    """Default tiles: the largest square tile every matrix of the layer divides into."""
+    dims = [config.hidden, config.q_width, config.kv_width]
+    dims += [config.ffn] if config.dense_layers else []
+    dims += [config.expert_ffn] if config.moe_layers else []
+    return default_block(*dims, slots=slots)
+
+
+def one_layer_buffers(config: ModelConfig, kind: str, batch: int, rows: int,
+                      block: BlockSizes) -> list[Buffer]:
+    """Every VMEM buffer of the fused layer: operands, then scratch in kernel order."""
+    M, D, dt = batch * rows, config.hidden, config.dtype
+    f32 = "float32"
+    buffers = [Buffer("x", (M, D), f32), Buffer("x_out", (M, D), f32),
+               Buffer("ring", (block.slots, block.tile_k, block.tile_n), dt),
+               Buffer("h", (M, D), dt), Buffer("q", (M, config.q_width), f32),
+               Buffer("k", (M, config.kv_width), f32), Buffer("v", (M, config.kv_width), f32),
+               Buffer("o", (M, config.q_width), f32), Buffer("attn_out", (M, D), f32),
+               Buffer("mlp_out", (M, D), f32)]
+    if kind == "dense":
+        buffers += [Buffer("gate", (M, config.ffn), f32), Buffer("up", (M, config.ffn), f32)]
+    else:
+        E, Fe = config.experts, config.expert_ffn
+        buffers += [Buffer("router", (D, E), dt), Buffer("combine", (M, E), f32),
+                    Buffer("selected", (1, E), "int32"), Buffer("gate", (M, Fe), f32),
+                    Buffer("up", (M, Fe), f32), Buffer("down", (M, D), f32)]
+    return buffers + decode_attention_buffers(batch, rows, config.heads, config.kv_heads,
+                                              config.head_dim, dt, block)
+
+
+def _scratch_shapes(config, kind, batch, rows, block):
+    """(names, pallas scratch shapes): the VMEM buffers after the two operands, the ring's
+    semaphores, the MoE scalars, then the attention scratch (wrapped as AttentionScratch)."""
+    own = one_layer_buffers(config, kind, batch, rows, block)[2:]
+    attention = decode_attention_scratch(batch, rows, config.heads, config.kv_heads,
+                                         config.head_dim, config.dtype, block)
+    own = own[:len(own) - (len(attention) - 2)]
+    names = [b.name for b in own] + ["sems"]
+    shapes = [pltpu.VMEM(b.shape, b.dtype) for b in own] + [
+        pltpu.SemaphoreType.DMA((block.slots,))]
+    if kind == "moe":
+        slots = expert_slots(config.experts, config.experts_per_token, batch * rows)
+        names += ["small_sems", "selected_smem", "ids_smem", "count_smem"]
+        shapes += [pltpu.SemaphoreType.DMA((2,)), pltpu.SMEM((1, config.experts), jnp.int32),
+                   pltpu.SMEM((slots,), jnp.int32), pltpu.SMEM((1,), jnp.int32)]
+    return names, shapes + attention
+
+
+def layer_body(ring: Ring, config: ModelConfig, kind: str, s, *, step, layer, x, norms,
+               positions_smem, k_cache_hbm, v_cache_hbm, attention: AttentionScratch,
+               block: BlockSizes, batch: int, rows: int):
+    """One decoder layer inside a kernel: returns the new residual x [M, D] f32.
+
+    step: this layer's index in the ring's stream; layer: its index in the KV cache; s: the
+    scratch refs by name; norms: (attn_norm, mlp_norm, q_norm, k_norm) values.
+    """
+    attn_norm, mlp_norm, q_norm, k_norm = norms
+    prologue(ring, config, layer=step, x=x, attn_norm=attn_norm, q_norm=q_norm,
+             k_norm=k_norm, positions_smem=positions_smem, batch=batch, rows=rows,
+             h_vmem=s.h, q_vmem=s.q, k_vmem=s.k, v_vmem=s.v)
+    attend(s.q, s.k, s.v, positions_smem, k_cache_hbm, v_cache_hbm, s.o, attention,
+           layer=layer, block=block)
+    ring.matmul("wo", s.o, s.attn_out, layer=step)
+    x = x + s.attn_out[...]
+    s.h[...] = rms_norm(x, mlp_norm, config.rms_eps).astype(s.h.dtype)
+    if kind == "dense":
+        swiglu_body(ring, step, s.h, s.gate, s.up, s.mlp_out)
+    else:
+        s.mlp_out[...] = jnp.zeros_like(s.mlp_out)
+        moe_body(ring, step, s.h, s.router, s.combine, s.selected, s.selected_smem,
+                 s.small_sems.at[1], s.ids_smem, s.count_smem, s.gate, s.up, s.down,
+                 s.mlp_out, top_k=config.experts_per_token, renormalise=config.norm_topk)
+    return x + s.mlp_out[...]
+
+
+def one_layer_kernel(
+    # Inputs
+    index_smem,  # [2] int32: (layer, its row in the stacked MLP weights)
+    positions_smem,  # [B] int32
+    x_vmem,  # [M, D] f32 residual stream
+    norms_vmem,  # [2, D] f32: attn_norm, mlp_norm of this layer
+    qk_norms_vmem,  # [2, H] f32: q_norm, k_norm (ones without QK-norm)
+    wq_hbm,  # [L, D, N*H]
+    wk_hbm,  # [L, D, K*H]
+    wv_hbm,  # [L, D, K*H]
+    wo_hbm,  # [L, N*H, D]
+    *rest,  # MLP weights (dense: w_gate, w_up, w_down; moe: router, we_gate, we_up,
+    #         we_down), k_cache_in, v_cache_in; outputs x_out_vmem, k_cache_hbm,
+    #         v_cache_hbm; then the scratch named by `names`
+    config: ModelConfig,
+    kind: str,
+    stream: TileStream,
+    names: tuple[str, ...],
+    block: BlockSizes,
+    batch: int,
+    rows: int,
+):
+    n_mlp = 3 if kind == "dense" else 4
+    mlp_hbm, rest = rest[:n_mlp], rest[n_mlp + 2:]  # the cache inputs alias the outputs
+    x_out_vmem, k_cache_hbm, v_cache_hbm = rest[:3]
+    s = SimpleNamespace(**dict(zip(names, rest[3:3 + len(names)])))
+    attention = AttentionScratch(*rest[3 + len(names):])
+    layer, row = index_smem[0], index_smem[1]
+
+    def at_layer(w_hbm):
+        return lambda step: (w_hbm.at[layer], None)
+
+    fetch = dict(wq=at_layer(wq_hbm), wk=at_layer(wk_hbm), wv=at_layer(wv_hbm),
+                 wo=at_layer(wo_hbm))
+    if kind == "dense":
+        fetch |= swiglu_fetch(*mlp_hbm, lambda step: row)
+    else:
+        router_hbm, *experts_hbm = mlp_hbm
+        router = pltpu.make_async_copy(router_hbm.at[row], s.router, s.small_sems.at[0])
+        router.start()  # waited below, long before the router runs
+        s.count_smem[0] = 0  # expert tiles issued before routing are no-ops
+        fetch |= moe_fetch(*experts_hbm, lambda step: row, s.ids_smem, s.count_smem)
+    ring = Ring(stream, fetch, s.ring, s.sems)
+    ring.prime()
+    if kind == "moe":
+        router.wait()
+    norms = (norms_vmem[0:1, :], norms_vmem[1:2, :], qk_norms_vmem[0:1, :],
+             qk_norms_vmem[1:2, :])
+    x_out_vmem[...] = layer_body(
+        ring, config, kind, s, step=0, layer=layer, x=x_vmem[...], norms=norms,
+        positions_smem=positions_smem, k_cache_hbm=k_cache_hbm, v_cache_hbm=v_cache_hbm,
+        attention=attention, block=block, batch=batch, rows=rows)
+
+
+def one_layer(config: ModelConfig, params, x, k_cache, v_cache, positions, *, layer: int,
+              block: BlockSizes | None = None):
+    """Decoder layer `layer` in one kernel: x [B, T, D] -> (x [B, T, D] float32, k_cache,
+    v_cache [L, B, K, S, H] with this layer's new rows written in place)."""
+    B, T, D = x.shape
+    M = B * T
+    if D != config.hidden:
+        raise ValueError(f"x [B, T, D={D}] does not match hidden={config.hidden}")
+    if not 1 <= M <= MAX_ROWS:
+        raise ValueError(f"B*T={M} activation rows must be in [1, {MAX_ROWS}]")
+    if not isinstance(layer, int) or not 0 <= layer < config.layers:
+        raise ValueError(f"layer={layer!r} must be an integer in [0, layers={config.layers})")
+    expected = (config.layers, B, config.kv_heads, k_cache.shape[3], config.head_dim)
+    if k_cache.shape != expected or v_cache.shape != expected:
+        raise ValueError(f"caches {k_cache.shape}, {v_cache.shape} must be [L, B, K, S, H]="
+                         f"{expected}")
+    positions = jnp.asarray(positions, jnp.int32)
+    if positions.shape != (B,):
+        raise ValueError(f"positions shape {positions.shape} must be [B={B}]")
+    check_positions(positions, T, k_cache.shape[3])
+    block = block or layer_block(config)
+    block.check_context(k_cache.shape[3])
+    kind, row = config.mlp_index(layer)
+    stream = TileStream.build(block, layer_matrices(config, kind, M))
+    names, scratch = _scratch_shapes(config, kind, B, T, block)
+    mlp = (("w_gate", "w_up", "w_down") if kind == "dense"
+           else ("router", "we_gate", "we_up", "we_down"))
+    ones = jnp.ones((config.head_dim,), jnp.float32)
+    qk = [params[n][layer] if config.qk_norm else ones for n in ("q_norm", "k_norm")]
+    vmem, smem, hbm = (pl.BlockSpec(memory_space=m) for m in (pltpu.VMEM, pltpu.SMEM, pl.ANY))
+    n_in = 9 + len(mlp) + 2
+    weight_bytes = sum(params[n][0].size * params[n].dtype.itemsize
+                       for n in ("wq", "wk", "wv", "wo"))
+    x_out, k_cache, v_cache = pl.pallas_call(
+        functools.partial(one_layer_kernel, config=config, kind=kind, stream=stream,
+                          names=tuple(names), block=block, batch=B, rows=T),
+        out_shape=(jax.ShapeDtypeStruct((M, D), jnp.float32), k_cache, v_cache),
+        in_specs=[smem, smem, vmem, vmem, vmem] + [hbm] * (n_in - 5),
+        out_specs=(vmem, hbm, hbm),
+        scratch_shapes=scratch,
+        input_output_aliases={n_in - 2: 1, n_in - 1: 2},
+        compiler_params=pltpu.CompilerParams(vmem_limit_bytes=vmem_limit_bytes(
+            one_layer_buffers(config, kind, B, T, block))),
+        name="mk_one_layer",
+        cost_estimate=pl.CostEstimate(
+            flops=2 * M * weight_bytes // params["wq"].dtype.itemsize, transcendentals=0,
+            bytes_accessed=weight_bytes),
+    )(jnp.array([layer, row], jnp.int32), positions, x.reshape(M, D).astype(jnp.float32),
+      jnp.stack([params["attn_norm"][layer], params["mlp_norm"][layer]]).astype(jnp.float32),
+      jnp.stack(qk).astype(jnp.float32), params["wq"], params["wk"], params["wv"],
+      params["wo"], *(params[n] for n in mlp), k_cache, v_cache)
+    return x_out.reshape(B, T, D), k_cache, v_cache
