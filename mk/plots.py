@@ -1,7 +1,8 @@
 """Plotly figures and tables for the notebooks, and `show` that keeps them self-contained.
 
 Here: `roofline`, `bytes_breakdown`, `published_vs_floor` (figures built from numbers and
-records that `mk.perf` computed), `table` (a Markdown table) and `show`. Not here: any
+records that `mk.perf` computed), `tile_stream` (the ring's schedule, drawn from the
+`TileStream` the kernel executes), `table` (a Markdown table) and `show`. Not here: any
 model or chip arithmetic (that is `mk.perf`); static image export (kaleido needs Chrome).
 
 Why `show` and not `fig.show()`: plotly 7's default output is only the plotly JSON mime
@@ -130,4 +131,26 @@ def published_vs_floor(labels: Sequence[str], published: Sequence[float],
                              hovertemplate="%{x}: %{y:.4g} tokens/s<extra></extra>"))
     fig.update_layout(barmode="group", title=title,
                       yaxis=dict(type="log", title="tokens/s (log)"))
+    return fig
+
+
+def tile_stream(stream, *, title: str = "") -> go.Figure:
+    """The weight tiles of a `mk.kernels.ring.TileStream` in consumption order, one row
+    per matrix: the schedule the ring executes (tile g lands in slot g mod slots)."""
+    slots = stream.block.slots
+    fig = go.Figure()
+    by_name: dict[str, list] = {}
+    for g, layer, name, i, j in stream.tiles():
+        by_name.setdefault(name.split("[")[0], []).append((g, layer, name, i, j))
+    for name, tiles in by_name.items():
+        fig.add_trace(go.Bar(
+            name=name, orientation="h", y=[name] * len(tiles), x=[1] * len(tiles),
+            base=[t[0] for t in tiles],
+            customdata=[(t[2], t[1], t[3], t[4], t[0] % slots) for t in tiles],
+            hovertemplate="tile %{base} of %{customdata[0]}, layer %{customdata[1]}<br>"
+                          "row tile %{customdata[2]}, col tile %{customdata[3]}, "
+                          "slot %{customdata[4]}<extra></extra>"))
+    fig.update_layout(title=title or f"{stream.total} weight tiles through a {slots}-slot ring",
+                      xaxis_title="tile index g (consumption order)", barmode="overlay",
+                      yaxis=dict(autorange="reversed"), bargap=0.2, height=320)
     return fig
