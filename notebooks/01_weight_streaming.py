@@ -105,6 +105,23 @@ want = reference.matmul(x, w)
 print(f"x {x.shape} @ wq {w.shape} {w.dtype} -> {want.shape}")
 
 # %% [markdown]
+# ## VMEM budget
+#
+# Before anything runs: every VMEM buffer of the kernel with its padded size (minor dim to
+# 128 lanes, second minor to 8 rows of 32-bit / 16 of 16-bit). `vmem_budget` raises, naming
+# the biggest buffers, when the total passes the chip's VMEM per core (try `slots=5000`).
+
+# %%
+block = BlockSizes(slots=slots, tile_k=tile_k, tile_n=tile_n)
+if spec.kind == "tpu":
+    budget = vmem_budget("stream_matmul", stream_matmul_buffers(
+        x.shape[0], w.shape[0], w.shape[1], w.dtype, block), spec)
+    display(plots.table(budget.rows()))
+    print(f"total {budget.total_bytes / 2**20:.3f} MiB of {budget.limit_bytes / 2**20:.0f} MiB")
+else:
+    print(f"{spec.name} is a GPU: no VMEM budget")
+
+# %% [markdown]
 # ## The kernel, three versions
 #
 # The same kernel with 1, 2 and `slots` slots. In interpret mode the race detector
@@ -133,23 +150,6 @@ print(f"{tiles} tiles of {tile_k * tile_n * w.dtype.itemsize / 1024:.0f} KiB, "
       f"{weight_bytes / 1e6:.3f} MB in all")
 print(f"HBM floor on {spec.name}: {weight_bytes / spec.hbm_bw * 1e6:.2f} us "
       f"at {spec.hbm_bw / 1e12:.2f} TB/s (datasheet peak)")
-
-# %% [markdown]
-# ## VMEM budget
-#
-# Every VMEM buffer of the kernel with its padded size (minor dim to 128 lanes, second
-# minor to 8 rows of 32-bit / 16 of 16-bit): `mk.kernels.common.vmem_budget` raises before
-# compiling when the total passes the chip's VMEM per core.
-
-# %%
-block = BlockSizes(slots=slots, tile_k=tile_k, tile_n=tile_n)
-if spec.kind == "tpu":
-    budget = vmem_budget("stream_matmul", stream_matmul_buffers(
-        x.shape[0], w.shape[0], w.shape[1], w.dtype, block), spec)
-    display(plots.table(budget.rows()))
-    print(f"total {budget.total_bytes / 2**20:.3f} MiB of {budget.limit_bytes / 2**20:.0f} MiB")
-else:
-    print(f"{spec.name} is a GPU: no VMEM budget")
 
 # %% [markdown]
 # ## Compiled for a real TPU, with no TPU here

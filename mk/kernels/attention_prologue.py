@@ -79,6 +79,21 @@ def prologue(ring: Ring, config: ModelConfig, *, layer, x, attn_norm, q_norm, k_
     normalise_heads(k_vmem, config.kv_heads, k_norm, pos, config)
 
 
+def check_layer_inputs(config: ModelConfig, x, positions, layer) -> tuple[int, int, int]:
+    """(B, T, D) of a layer-level stage's residual stream x [B, T, D]; raises ValueError
+    naming a bad shape, row count or layer before anything is traced."""
+    B, T, D = x.shape
+    if D != config.hidden:
+        raise ValueError(f"x [B, T, D={D}] does not match hidden={config.hidden}")
+    if not 1 <= B * T <= MAX_ROWS:
+        raise ValueError(f"B*T={B * T} activation rows must be in [1, {MAX_ROWS}]")
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < config.layers:
+        raise ValueError(f"layer={layer!r} must be an integer in [0, layers={config.layers})")
+    if positions.shape != (B,):
+        raise ValueError(f"positions shape {positions.shape} must be [B={B}]")
+    return B, T, D
+
+
 def attention_prologue_buffers(config: ModelConfig, M: int, block: BlockSizes) -> list[Buffer]:
     """Every VMEM buffer of the stage-02 kernel (scratch and VMEM operands)."""
     D, dt = config.hidden, config.dtype
@@ -131,16 +146,8 @@ def attention_prologue(config: ModelConfig, params, x, positions, *, layer: int 
 
     x [B, T, D] is the residual stream; positions [B] where each sequence's row 0 sits.
     """
-    B, T, D = x.shape
+    B, T, D = check_layer_inputs(config, x, positions, layer)
     M = B * T
-    if D != config.hidden:
-        raise ValueError(f"x [B, T, D={D}] does not match hidden={config.hidden}")
-    if not 1 <= M <= MAX_ROWS:
-        raise ValueError(f"B*T={M} activation rows must be in [1, {MAX_ROWS}]")
-    if not 0 <= layer < config.layers:
-        raise ValueError(f"layer={layer} must be in [0, layers={config.layers})")
-    if positions.shape != (B,):
-        raise ValueError(f"positions shape {positions.shape} must be [B={B}]")
     block = block or BlockSizes()
     stream = TileStream.build(block, prologue_matrices(config))
     buffers = {b.name: b for b in attention_prologue_buffers(config, M, block)}

@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mk.config import ModelConfig
-from mk.kernels.attention_prologue import MAX_ROWS, prologue, prologue_matrices
+from mk.kernels.attention_prologue import check_layer_inputs, prologue, prologue_matrices
 from mk.kernels.common import BlockSizes, Buffer, default_block, vmem_limit_bytes
 from mk.kernels.decode_attention import (AttentionScratch, attend, decode_attention_buffers,
                                          decode_attention_scratch)
@@ -178,21 +178,13 @@ def one_layer(config: ModelConfig, params, x, k_cache, v_cache, positions, *, la
               block: BlockSizes | None = None):
     """Decoder layer `layer` in one kernel: x [B, T, D] -> (x [B, T, D] float32, k_cache,
     v_cache [L, B, K, S, H] with this layer's new rows written in place)."""
-    B, T, D = x.shape
+    positions = jnp.asarray(positions, jnp.int32)
+    B, T, D = check_layer_inputs(config, x, positions, layer)
     M = B * T
-    if D != config.hidden:
-        raise ValueError(f"x [B, T, D={D}] does not match hidden={config.hidden}")
-    if not 1 <= M <= MAX_ROWS:
-        raise ValueError(f"B*T={M} activation rows must be in [1, {MAX_ROWS}]")
-    if not isinstance(layer, int) or not 0 <= layer < config.layers:
-        raise ValueError(f"layer={layer!r} must be an integer in [0, layers={config.layers})")
     expected = (config.layers, B, config.kv_heads, k_cache.shape[3], config.head_dim)
     if k_cache.shape != expected or v_cache.shape != expected:
         raise ValueError(f"caches {k_cache.shape}, {v_cache.shape} must be [L, B, K, S, H]="
                          f"{expected}")
-    positions = jnp.asarray(positions, jnp.int32)
-    if positions.shape != (B,):
-        raise ValueError(f"positions shape {positions.shape} must be [B={B}]")
     check_positions(positions, T, k_cache.shape[3])
     block = block or layer_block(config)
     block.check_context(k_cache.shape[3])

@@ -17,8 +17,9 @@ import mk
 from mk import backend, reference, tpu
 from mk.kernels.attention_prologue import attention_prologue, attention_prologue_buffers
 from mk.kernels.common import BlockSizes, vmem_budget
+from tolerances import TOLERANCE as ALL_TOLERANCES
 
-TOLERANCE = {"float32": dict(rtol=1e-5, atol=1e-4), "bfloat16": dict(rtol=1e-5, atol=1e-4)}
+TOLERANCE = ALL_TOLERANCES["prologue"]
 BLOCK = BlockSizes(slots=3, tile_k=128, tile_n=256)
 
 
@@ -55,7 +56,7 @@ def test_any_batch_and_rows_match_the_reference(tiny_model, batch, rows, where):
 def test_bad_inputs_are_named():
     config = mk.preset("tiny")
     params = mk.init_params(config)
-    with pytest.raises(ValueError, match=r"layer=2 must be in \[0, layers=2\)"):
+    with pytest.raises(ValueError, match=r"layer=2 must be an integer in \[0, layers=2\)"):
         attention_prologue(config, params, jnp.zeros((1, 1, 256)), jnp.zeros(1, int), layer=2)
     with pytest.raises(ValueError, match=r"B\*T=72 activation rows"):
         attention_prologue(config, params, jnp.zeros((9, 8, 256)), jnp.zeros(9, int))

@@ -21,8 +21,9 @@ import mk
 from mk import backend, reference, tpu
 from mk.kernels.common import BlockSizes, vmem_budget
 from mk.kernels.decode_attention import decode_attention, decode_attention_buffers
+from tolerances import TOLERANCE as ALL_TOLERANCES
 
-TOLERANCE = {"float32": dict(atol=1e-5, rtol=1e-5), "bfloat16": dict(atol=1e-2, rtol=1e-2)}
+TOLERANCE = ALL_TOLERANCES["attention"]
 K, N, H, KV_TILE = 2, 4, 128, 128  # tiny GQA: G = 2 query heads per kv head
 GARBAGE = 1e4  # the rest of a sequence's last tile
 

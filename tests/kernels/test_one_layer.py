@@ -18,10 +18,9 @@ import mk
 from mk import backend, reference, tpu
 from mk.kernels.common import vmem_budget
 from mk.kernels.one_layer import layer_block, one_layer, one_layer_buffers
+from tolerances import TOLERANCE as ALL_TOLERANCES
 
-# The layer output passes through bf16 roundings of h, q/k/v and P (and an online
-# softmax), so it is compared at the scale of its largest value.
-TOLERANCE = {"float32": dict(rtol=1e-4, atol=2e-4), "bfloat16": dict(rtol=2e-2, atol=3e-2)}
+TOLERANCE = ALL_TOLERANCES["layer"]
 CONTEXT = 256
 
 

@@ -22,8 +22,9 @@ from mk import backend, reference, tpu
 from mk.kernels.common import BlockSizes, vmem_budget
 from mk.kernels.ring import Ring, TileStream
 from mk.kernels.weight_streaming import stream_matmul, stream_matmul_buffers
+from tolerances import TOLERANCE as ALL_TOLERANCES
 
-TOLERANCE = {"float32": dict(rtol=1e-5, atol=1e-4), "bfloat16": dict(rtol=1e-5, atol=1e-3)}
+TOLERANCE = ALL_TOLERANCES["matmul"]
 
 
 def _operands(M, K, N, dtype, seed=0):
