@@ -47,6 +47,8 @@ DTYPE_BITS = {
 }
 # Dtypes the reference and the kernels compute with; the others only count bytes.
 COMPUTE_DTYPES = ("float32", "bfloat16")
+# M = B * T activation rows of one decode step (decode and speculative verification).
+MAX_ROWS = 64
 
 
 @dataclasses.dataclass(frozen=True)

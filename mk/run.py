@@ -9,11 +9,10 @@ import dataclasses
 
 import numpy as np
 
+from mk.backend import BACKENDS
 from mk.chips import CHIP_NAMES
-from mk.config import ModelConfig, preset as named_preset
+from mk.config import MAX_ROWS, ModelConfig, preset as named_preset
 
-BACKENDS = ("auto", "interpret", "hardware")
-MAX_ROWS = 64  # M = B * T activation rows of one decode step (see mk.config)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,12 +23,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mk.config import ModelConfig
+from mk.config import MAX_ROWS, ModelConfig
 from mk.kernels.common import BlockSizes, Buffer
 from mk.kernels.ring import Ring, TileStream
 from mk.reference import rms_norm
 
-MAX_ROWS = 64
 
 
 def prologue_matrices(config: ModelConfig) -> list[tuple[str, int, int]]:

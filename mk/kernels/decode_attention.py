@@ -48,11 +48,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mk.config import COMPUTE_DTYPES
+from mk.config import COMPUTE_DTYPES, MAX_ROWS
 from mk.kernels.common import LANES, BlockSizes, Buffer, sublanes
 from mk.reference import check_positions, concrete
 
-MAX_ROWS = 64  # B * T activation rows of one decode step
 ALIGN = 8  # rows of an f32 (8, 128) tile: dynamic row offsets must be multiples of it
 F32 = jnp.float32
 NT = (((1,), (1,)), ((), ()))  # dot_general dims of a @ b.T

@@ -51,11 +51,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mk.config import COMPUTE_DTYPES
+from mk.config import COMPUTE_DTYPES, MAX_ROWS
 from mk.kernels.common import BlockSizes, Buffer, default_block, vmem_limit_bytes
 from mk.kernels.ring import Repeat, Ring, TileStream
 
-MAX_ROWS = 64  # M = B * T of one decode step
 
 
 # -- Dense SwiGLU --------------------------------------------------------------------------

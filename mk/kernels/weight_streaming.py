@@ -22,10 +22,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from mk.config import MAX_ROWS
 from mk.kernels.common import BlockSizes, Buffer
 from mk.kernels.ring import Ring, TileStream
 
-MAX_ROWS = 64  # M = B * T of one decode step
 
 
 def stream_matmul_buffers(M: int, K: int, N: int, dtype, block: BlockSizes) -> list[Buffer]:
