@@ -108,8 +108,9 @@ def load_checkpoint(path: str | Path, *, dtype: str | None = None
                 where):
             problems += _check_tied_head(handles, where)
         if problems:
+            plural = "s" if len(problems) > 1 else ""
             raise ValueError(f"{folder}: cannot load the {config.name} checkpoint "
-                             f"({len(problems)} problems):\n  " + "\n  ".join(problems))
+                             f"({len(problems)} problem{plural}):\n  " + "\n  ".join(problems))
         return config, _assemble(handles, where, layout, shapes)
 
 
