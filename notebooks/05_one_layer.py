@@ -87,7 +87,7 @@ print(f"{config.name} layer {layer} ({kind}): B={run.batch} T={run.rows} S={run.
 
 # %%
 block = dataclasses.replace(layer_block(config, slots), kv_tile=128)
-stream = TileStream.build(block, layer_matrices(config, kind, M))
+stream = TileStream.build(block, layer_matrices(config, (kind,), M))
 plots.show(plots.tile_stream(stream, title=f"{config.name} layer {layer}: {stream.total} "
                                            f"tiles of {block.tile_k}x{block.tile_n}"))
 
@@ -129,7 +129,7 @@ print(f"wall {seconds:.2f} s on {mode}" + (" (a CPU simulation, not TPU time)"
 
 # %%
 if spec.kind == "tpu":
-    budget = vmem_budget("one_layer", one_layer_buffers(config, kind, run.batch, run.rows,
+    budget = vmem_budget("one_layer", one_layer_buffers(config, (kind,), run.batch, run.rows,
                                                         block), spec)
     display(plots.table(budget.rows()[:8]))
     print(f"total {budget.total_bytes / 2**20:.2f} MiB of {budget.limit_bytes / 2**20:.0f} MiB")
@@ -152,7 +152,7 @@ for name in ("qwen3-8b", "qwen3-30b-a3b"):
         lambda p, a, k, v, pos: one_layer(real, p, a, k, v, pos, layer=1, block=real_block),
         [shapes, jax.ShapeDtypeStruct((8, 1, real.hidden), jnp.float32), cache, cache,
          jax.ShapeDtypeStruct((8,), jnp.int32)], compile_chip, name=f"{name} layer",
-        vmem=vmem_budget("one_layer", one_layer_buffers(real, real.mlp_index(1)[0], 8, 1,
+        vmem=vmem_budget("one_layer", one_layer_buffers(real, (real.mlp_index(1)[0],), 8, 1,
                                                         real_block), mk.chip(compile_chip)))
     print(reports[name].summary())
 

@@ -283,15 +283,7 @@ def experts_body(ring: Ring, layer, x, combine_vmem, ids_smem, count_smem, gate_
 
     lax.fori_loop(0, count, expert_slot, 0)
 
-    # The off slots are consumed without loading or computing; only the tiles they would
-    # issue past the region (the next weights of a fused stream) remain to be issued.
-    first_off = base + count * per_slot
-    for t in range(ring.n):
-        g = end - ring.n + t
-
-        @pl.when(g >= first_off)
-        def issue_past_off_slots(g=g):
-            ring.start(g + ring.n)
+    ring.skip(base + count * per_slot, end)  # the off slots
 
 
 def moe_body(ring: Ring, layer, x, router_vmem, combine_vmem, selected_vmem, selected_smem,

@@ -35,14 +35,23 @@ from mk.kernels.ring import Ring, TileStream
 from mk.reference import check_positions, rms_norm
 
 
-def layer_matrices(config: ModelConfig, kind: str, rows: int) -> list:
-    """The ring segments of one layer in consumption order; kind is "dense" or "moe",
-    rows = B*T (it bounds the expert slots)."""
-    attention = prologue_matrices(config) + [("wo", config.q_width, config.hidden)]
-    if kind == "dense":
-        return attention + swiglu_segments(config.hidden, config.ffn)
-    slots = expert_slots(config.experts, config.experts_per_token, rows)
-    return attention + moe_segments(config.hidden, config.expert_ffn, slots)
+def mlp_kinds(config: ModelConfig) -> tuple[str, ...]:
+    """The MLP kinds a whole-model kernel must hold: ("dense",), ("moe",) or both."""
+    return tuple(k for k, layers in (("dense", config.dense_layers),
+                                     ("moe", config.moe_layers)) if layers)
+
+
+def layer_matrices(config: ModelConfig, kinds: tuple[str, ...], rows: int) -> list:
+    """The ring segments of one layer in consumption order, with the MLP segments of every
+    kind in `kinds` (a layer of the other kind switches them off); rows = B*T bounds the
+    expert slots."""
+    matrices = prologue_matrices(config) + [("wo", config.q_width, config.hidden)]
+    if "dense" in kinds:
+        matrices += swiglu_segments(config.hidden, config.ffn)
+    if "moe" in kinds:
+        slots = expert_slots(config.experts, config.experts_per_token, rows)
+        matrices += moe_segments(config.hidden, config.expert_ffn, slots)
+    return matrices
 
 
 def layer_block(config: ModelConfig, slots: int = 3) -> BlockSizes:
@@ -53,9 +62,10 @@ def layer_block(config: ModelConfig, slots: int = 3) -> BlockSizes:
     return default_block(*dims, slots=slots)
 
 
-def one_layer_buffers(config: ModelConfig, kind: str, batch: int, rows: int,
+def one_layer_buffers(config: ModelConfig, kinds: tuple[str, ...], batch: int, rows: int,
                       block: BlockSizes) -> list[Buffer]:
-    """Every VMEM buffer of the fused layer: operands, then scratch in kernel order."""
+    """Every VMEM buffer of a layer kernel holding the MLP `kinds`: the two operands x and
+    x_out, then its scratch in kernel order, then the attention scratch."""
     M, D, dt = batch * rows, config.hidden, config.dtype
     f32 = "float32"
     buffers = [Buffer("x", (M, D), f32), Buffer("x_out", (M, D), f32),
@@ -64,28 +74,30 @@ def one_layer_buffers(config: ModelConfig, kind: str, batch: int, rows: int,
                Buffer("k", (M, config.kv_width), f32), Buffer("v", (M, config.kv_width), f32),
                Buffer("o", (M, config.q_width), f32), Buffer("attn_out", (M, D), f32),
                Buffer("mlp_out", (M, D), f32)]
-    if kind == "dense":
+    if "dense" in kinds:
         buffers += [Buffer("gate", (M, config.ffn), f32), Buffer("up", (M, config.ffn), f32)]
-    else:
+    if "moe" in kinds:
         E, Fe = config.experts, config.expert_ffn
         buffers += [Buffer("router", (D, E), dt), Buffer("combine", (M, E), f32),
-                    Buffer("selected", (1, E), "int32"), Buffer("gate", (M, Fe), f32),
-                    Buffer("up", (M, Fe), f32), Buffer("down", (M, D), f32)]
+                    Buffer("selected", (1, E), "int32"), Buffer("e_gate", (M, Fe), f32),
+                    Buffer("e_up", (M, Fe), f32), Buffer("down", (M, D), f32)]
     return buffers + decode_attention_buffers(batch, rows, config.heads, config.kv_heads,
                                               config.head_dim, dt, block)
 
 
-def _scratch_shapes(config, kind, batch, rows, block):
-    """(names, pallas scratch shapes): the VMEM buffers after the two operands, the ring's
-    semaphores, the MoE scalars, then the attention scratch (wrapped as AttentionScratch)."""
-    own = one_layer_buffers(config, kind, batch, rows, block)[2:]
+def scratch_shapes(config: ModelConfig, kinds: tuple[str, ...], batch: int, rows: int,
+                   block: BlockSizes):
+    """(names, pallas scratch shapes) of a layer kernel: the VMEM buffers after the two
+    operands, the ring's semaphores, the MoE scalars, then the attention scratch (which the
+    kernel wraps as `AttentionScratch`)."""
+    own = one_layer_buffers(config, kinds, batch, rows, block)[2:]
     attention = decode_attention_scratch(batch, rows, config.heads, config.kv_heads,
                                          config.head_dim, config.dtype, block)
     own = own[:len(own) - (len(attention) - 2)]
     names = [b.name for b in own] + ["sems"]
     shapes = [pltpu.VMEM(b.shape, b.dtype) for b in own] + [
         pltpu.SemaphoreType.DMA((block.slots,))]
-    if kind == "moe":
+    if "moe" in kinds:
         slots = expert_slots(config.experts, config.experts_per_token, batch * rows)
         names += ["small_sems", "selected_smem", "ids_smem", "count_smem"]
         shapes += [pltpu.SemaphoreType.DMA((2,)), pltpu.SMEM((1, config.experts), jnp.int32),
@@ -93,13 +105,64 @@ def _scratch_shapes(config, kind, batch, rows, block):
     return names, shapes + attention
 
 
-def layer_body(ring: Ring, config: ModelConfig, kind: str, s, *, step, layer, x, norms,
+def mlp_fetch(kinds, mlp_hbm, s, row, is_moe) -> dict:
+    """The ring's Fetch callables of the MLP segments. mlp_hbm: the dense weights (w_gate,
+    w_up, w_down) and/or the MoE ones (router, we_gate, we_up, we_down), in that order;
+    row(step) picks the stacked row; is_moe(step) (mixed models) switches dense off."""
+    fetch = {}
+    if "dense" in kinds:
+        dense_off = (lambda step: ~is_moe(step)) if len(kinds) == 2 else None
+        fetch |= swiglu_fetch(*mlp_hbm[:3], row, dense_off)
+        mlp_hbm = mlp_hbm[3:]
+    if "moe" in kinds:
+        fetch |= moe_fetch(*mlp_hbm[1:], row, s.ids_smem, s.count_smem)
+    return fetch
+
+
+def _region(ring: Ring, step, first: str, last: str):
+    """[first tile, end) of the segments first..last of layer `step` in the stream."""
+    a, b = ring.stream.segment(first), ring.stream.segment(last)
+    return (ring.stream.base(step, a),
+            ring.stream.base(step, b) + (b.copies - 1) * b.stride + b.tiles)
+
+
+def mlp_block(ring: Ring, config: ModelConfig, kinds, s, *, step, is_moe):
+    """s.mlp_out [M, D] f32 = this layer's MLP of s.h; is_moe: a traced flag, used only
+    when the stream holds both kinds (the other kind's segments are then skipped)."""
+    def dense():
+        swiglu_body(ring, step, s.h, s.gate, s.up, s.mlp_out)
+
+    def experts():
+        s.mlp_out[...] = jnp.zeros_like(s.mlp_out)
+        moe_body(ring, step, s.h, s.router, s.combine, s.selected, s.selected_smem,
+                 s.small_sems.at[1], s.ids_smem, s.count_smem, s.e_gate, s.e_up, s.down,
+                 s.mlp_out, top_k=config.experts_per_token, renormalise=config.norm_topk)
+
+    if kinds == ("dense",):
+        dense()
+    elif kinds == ("moe",):
+        experts()
+    else:
+        @pl.when(~is_moe)
+        def dense_layer():
+            dense()
+            ring.skip(*_region(ring, step, "we_gate", "we_down"))  # count is 0: all off
+
+        @pl.when(is_moe)
+        def moe_layer():
+            ring.skip(*_region(ring, step, "w_gate", "w_down"))
+            experts()
+
+
+def layer_body(ring: Ring, config: ModelConfig, kinds, s, *, step, layer, is_moe, x, norms,
                positions_smem, k_cache_hbm, v_cache_hbm, attention: AttentionScratch,
-               block: BlockSizes, batch: int, rows: int):
+               block: BlockSizes, batch: int, rows: int, before_mlp=None):
     """One decoder layer inside a kernel: returns the new residual x [M, D] f32.
 
     step: this layer's index in the ring's stream; layer: its index in the KV cache; s: the
-    scratch refs by name; norms: (attn_norm, mlp_norm, q_norm, k_norm) values.
+    scratch refs by name; norms: (attn_norm, mlp_norm, q_norm, k_norm) values; is_moe: a
+    traced flag for streams holding both MLP kinds; before_mlp: called just before the MLP
+    (e.g. to wait for the router's DMA, issued at the layer's start).
     """
     attn_norm, mlp_norm, q_norm, k_norm = norms
     prologue(ring, config, layer=step, x=x, attn_norm=attn_norm, q_norm=q_norm,
@@ -110,13 +173,9 @@ def layer_body(ring: Ring, config: ModelConfig, kind: str, s, *, step, layer, x,
     ring.matmul("wo", s.o, s.attn_out, layer=step)
     x = x + s.attn_out[...]
     s.h[...] = rms_norm(x, mlp_norm, config.rms_eps).astype(s.h.dtype)
-    if kind == "dense":
-        swiglu_body(ring, step, s.h, s.gate, s.up, s.mlp_out)
-    else:
-        s.mlp_out[...] = jnp.zeros_like(s.mlp_out)
-        moe_body(ring, step, s.h, s.router, s.combine, s.selected, s.selected_smem,
-                 s.small_sems.at[1], s.ids_smem, s.count_smem, s.gate, s.up, s.down,
-                 s.mlp_out, top_k=config.experts_per_token, renormalise=config.norm_topk)
+    if before_mlp is not None:
+        before_mlp()
+    mlp_block(ring, config, kinds, s, step=step, is_moe=is_moe)
     return x + s.mlp_out[...]
 
 
@@ -154,14 +213,11 @@ def one_layer_kernel(
 
     fetch = dict(wq=at_layer(wq_hbm), wk=at_layer(wk_hbm), wv=at_layer(wv_hbm),
                  wo=at_layer(wo_hbm))
-    if kind == "dense":
-        fetch |= swiglu_fetch(*mlp_hbm, lambda step: row)
-    else:
-        router_hbm, *experts_hbm = mlp_hbm
-        router = pltpu.make_async_copy(router_hbm.at[row], s.router, s.small_sems.at[0])
+    fetch |= mlp_fetch((kind,), mlp_hbm, s, lambda step: row, None)
+    if kind == "moe":
+        router = pltpu.make_async_copy(mlp_hbm[0].at[row], s.router, s.small_sems.at[0])
         router.start()  # waited below, long before the router runs
         s.count_smem[0] = 0  # expert tiles issued before routing are no-ops
-        fetch |= moe_fetch(*experts_hbm, lambda step: row, s.ids_smem, s.count_smem)
     ring = Ring(stream, fetch, s.ring, s.sems)
     ring.prime()
     if kind == "moe":
@@ -169,9 +225,9 @@ def one_layer_kernel(
     norms = (norms_vmem[0:1, :], norms_vmem[1:2, :], qk_norms_vmem[0:1, :],
              qk_norms_vmem[1:2, :])
     x_out_vmem[...] = layer_body(
-        ring, config, kind, s, step=0, layer=layer, x=x_vmem[...], norms=norms,
-        positions_smem=positions_smem, k_cache_hbm=k_cache_hbm, v_cache_hbm=v_cache_hbm,
-        attention=attention, block=block, batch=batch, rows=rows)
+        ring, config, (kind,), s, step=0, layer=layer, is_moe=None, x=x_vmem[...],
+        norms=norms, positions_smem=positions_smem, k_cache_hbm=k_cache_hbm,
+        v_cache_hbm=v_cache_hbm, attention=attention, block=block, batch=batch, rows=rows)
 
 
 def one_layer(config: ModelConfig, params, x, k_cache, v_cache, positions, *, layer: int,
@@ -189,8 +245,8 @@ def one_layer(config: ModelConfig, params, x, k_cache, v_cache, positions, *, la
     block = block or layer_block(config)
     block.check_context(k_cache.shape[3])
     kind, row = config.mlp_index(layer)
-    stream = TileStream.build(block, layer_matrices(config, kind, M))
-    names, scratch = _scratch_shapes(config, kind, B, T, block)
+    stream = TileStream.build(block, layer_matrices(config, (kind,), M))
+    names, scratch = scratch_shapes(config, (kind,), B, T, block)
     mlp = (("w_gate", "w_up", "w_down") if kind == "dense"
            else ("router", "we_gate", "we_up", "we_down"))
     ones = jnp.ones((config.head_dim,), jnp.float32)
@@ -208,7 +264,7 @@ def one_layer(config: ModelConfig, params, x, k_cache, v_cache, positions, *, la
         scratch_shapes=scratch,
         input_output_aliases={n_in - 2: 1, n_in - 1: 2},
         compiler_params=pltpu.CompilerParams(vmem_limit_bytes=vmem_limit_bytes(
-            one_layer_buffers(config, kind, B, T, block))),
+            one_layer_buffers(config, (kind,), B, T, block))),
         name="mk_one_layer",
         cost_estimate=pl.CostEstimate(
             flops=2 * M * weight_bytes // params["wq"].dtype.itemsize, transcendentals=0,

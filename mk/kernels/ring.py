@@ -199,7 +199,9 @@ class Ring:
         """Call action(segment, layer, copy, t) for the segment holding tile g (g traced)."""
         s = self.stream
         layered = s.layers * s.period
-        layer, local = g // s.period, g % s.period
+        # A tile past the layers (the tail, or past the end) still traces every segment's
+        # fetch under a false guard: clamp the layer so those fetches index in range.
+        layer, local = jnp.minimum(g // s.period, s.layers - 1), g % s.period
         for seg in s.segments:
             hit, copy, t = seg.locate(local)
             pl.when((g < layered) & hit & self._active(seg, layer, copy))(
@@ -230,6 +232,16 @@ class Ring:
 
     def slot(self, g):
         return self.slots_vmem.at[g % self.n]
+
+    def skip(self, first, end):
+        """Consume tiles [first, end) of switched-off segments without loading or computing:
+        only the tiles they would issue past `end` (the next weights) are issued."""
+        for t in range(self.n):
+            g = end - self.n + t
+
+            @pl.when(g >= first)
+            def issue_past_the_skipped(g=g):
+                self.start(g + self.n)
 
     def matmul(self, name: str, x, out_ref, *, layer=0, copy=0):
         """out_ref[M, N] (float32) = x[M, K] @ weight `name` of `layer` (copy `copy` of a

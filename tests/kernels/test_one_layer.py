@@ -90,7 +90,7 @@ def test_compiles_for_tpu_at_real_shapes(name, chip):
     params = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in config.param_shapes().items()}
     cache = jax.ShapeDtypeStruct((2, B, config.kv_heads, S, config.head_dim), config.dtype)
     kind = config.mlp_index(1)[0]
-    budget = vmem_budget("one_layer", one_layer_buffers(config, kind, B, T, block),
+    budget = vmem_budget("one_layer", one_layer_buffers(config, (kind,), B, T, block),
                          mk.chip(chip))
     report = tpu.compile_for_chip(
         lambda p, x, k, v, pos: one_layer(config, p, x, k, v, pos, layer=1, block=block),

@@ -1,0 +1,233 @@
+"""The decode megakernel: every layer, the final norm, the lm_head and greedy argmax in one
+pallas_call, with one weight ring that runs across layer boundaries.
+
+The step's weights are one `TileStream` (`mk.schedule.decode_stream`): tile g of it lives
+in ring slot g mod slots, and consuming tile g issues tile g + slots, so the next layer's
+wq tiles load while this layer's MLP computes, and the lm_head's while the last layer's
+does. A `lax.fori_loop` over layers runs `layer_body` (stage 05), built from the stage
+pieces: prologue, attend, the output projection, SwiGLU or MoE. A model mixing dense and
+MoE layers holds both kinds of MLP segments in every layer's period and skips the kind a
+layer does not use (its tiles are neither loaded nor computed).
+
+Kept outside the kernel: the embedding gather of the step's B*T tokens (an XLA gather
+before the call). Resident in VMEM for the whole step: the norm vectors of every layer
+(L x 2 x D floats) and the final norm. Each MoE layer's router [D, E] is DMA'd at the
+layer's start and waited for just before routing.
+
+Here: `prepare` (weights in the megakernel's layout, once), `megakernel_buffers`,
+`decode_step`, `generate`. Not here yet (the rest of the megakernel issue): several steps
+per host dispatch, the staged debug path, whole-model TPU compile reports and the
+compile-time benchmark, the notebooks 06/07.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from mk import backend as backends
+from mk import reference
+from mk.config import ModelConfig
+from mk.kernels.common import BlockSizes, Buffer, default_block, vmem_limit_bytes
+from mk.kernels.decode_attention import AttentionScratch
+from mk.kernels.one_layer import (layer_body, mlp_fetch, mlp_kinds, one_layer_buffers,
+                                  scratch_shapes)
+from mk.kernels.ring import Ring
+from mk.reference import rms_norm
+from mk.schedule import decode_stream, padded_vocab
+
+MLP_WEIGHTS = {"dense": ("w_gate", "w_up", "w_down"),
+               "moe": ("router", "we_gate", "we_up", "we_down")}
+
+
+def megakernel_block(config: ModelConfig, slots: int = 3) -> BlockSizes:
+    """Default tiles: the largest square tile every layer matrix divides into (the vocab is
+    padded to whole tiles instead)."""
+    dims = [config.hidden, config.q_width, config.kv_width]
+    dims += [config.ffn] if config.dense_layers else []
+    dims += [config.expert_ffn] if config.moe_layers else []
+    return default_block(*dims, slots=slots)
+
+
+def prepare(config: ModelConfig, params, block: BlockSizes) -> dict:
+    """The megakernel's weights, made once per model: the stacked layer weights as they
+    are, the norms stacked in float32, the lm_head [D, V] (embed.T when tied) padded with
+    zero columns to whole tiles, and the per-layer MLP tables (kind, stacked row)."""
+    V, Vp = config.vocab, padded_vocab(config, block)
+    head = params["embed"].T if config.tie_embeddings else params["lm_head"]
+    ones = jnp.ones((config.layers, config.head_dim), jnp.float32)
+    qk = [params[n] if config.qk_norm else ones for n in ("q_norm", "k_norm")]
+    kinds = [config.mlp_index(layer) for layer in range(config.layers)]
+    weights = {name: params[name] for name in ("embed", "wq", "wk", "wv", "wo")}
+    weights |= {name: params[name] for kind in mlp_kinds(config) for name in MLP_WEIGHTS[kind]}
+    return weights | dict(
+        lm_head=jnp.pad(head, ((0, 0), (0, Vp - V))),
+        norms=jnp.stack([params["attn_norm"], params["mlp_norm"]], 1).astype(jnp.float32),
+        qk_norms=jnp.stack(qk, 1).astype(jnp.float32),
+        final_norm=params["final_norm"][None].astype(jnp.float32),
+        is_moe=jnp.array([kind == "moe" for kind, _ in kinds], jnp.int32),
+        mlp_row=jnp.array([row for _, row in kinds], jnp.int32))
+
+
+def megakernel_buffers(config: ModelConfig, batch: int, rows: int,
+                       block: BlockSizes) -> list[Buffer]:
+    """Every VMEM buffer of the megakernel: the layer kernel's, the resident norms, the
+    logits."""
+    M, L = batch * rows, config.layers
+    return one_layer_buffers(config, mlp_kinds(config), batch, rows, block) + [
+        Buffer("norms", (L, 2, config.hidden), "float32"),
+        Buffer("qk_norms", (L, 2, config.head_dim), "float32"),
+        Buffer("final_norm", (1, config.hidden), "float32"),
+        Buffer("logits", (M, padded_vocab(config, block)), "float32"),
+        Buffer("next_tokens", (M, 1), "int32")]
+
+
+def megakernel_kernel(
+    # Inputs
+    positions_smem,  # [B] int32
+    is_moe_smem,  # [L] int32: 1 for an MoE layer
+    mlp_row_smem,  # [L] int32: the layer's row in the stacked dense or MoE weights
+    x_vmem,  # [M, D] f32: the embedded tokens
+    norms_vmem,  # [L, 2, D] f32: attn_norm, mlp_norm
+    qk_norms_vmem,  # [L, 2, H] f32: q_norm, k_norm
+    final_norm_vmem,  # [1, D] f32
+    wq_hbm,  # [L, D, N*H]
+    wk_hbm,  # [L, D, K*H]
+    wv_hbm,  # [L, D, K*H]
+    wo_hbm,  # [L, N*H, D]
+    lm_head_hbm,  # [D, Vp]
+    *rest,  # the MLP weights of every kind (MLP_WEIGHTS order), k_cache_in, v_cache_in;
+    #         outputs next_tokens_vmem [M, 1] int32, logits_vmem [M, Vp] f32, k_cache_hbm,
+    #         v_cache_hbm [L, B, K, S, H]; then the scratch named by `names`
+    config: ModelConfig,
+    stream,
+    names: tuple[str, ...],
+    block: BlockSizes,
+    batch: int,
+    rows: int,
+):
+    kinds = mlp_kinds(config)
+    n_mlp = sum(len(MLP_WEIGHTS[k]) for k in kinds)
+    mlp_hbm, rest = rest[:n_mlp], rest[n_mlp + 2:]  # the cache inputs alias the outputs
+    next_tokens_vmem, logits_vmem, k_cache_hbm, v_cache_hbm = rest[:4]
+    s = SimpleNamespace(**dict(zip(names, rest[4:4 + len(names)])))
+    attention = AttentionScratch(*rest[4 + len(names):])
+
+    def at_step(w_hbm):
+        return lambda step: (w_hbm.at[step], None)
+
+    fetch = dict(wq=at_step(wq_hbm), wk=at_step(wk_hbm), wv=at_step(wv_hbm),
+                 wo=at_step(wo_hbm), lm_head=lambda step: (lm_head_hbm, None))
+    fetch |= mlp_fetch(kinds, mlp_hbm, s, lambda step: mlp_row_smem[step],
+                       lambda step: is_moe_smem[step] == 1)
+    if "moe" in kinds:
+        s.count_smem[0] = 0  # expert tiles issued before routing are no-ops
+        router_hbm = mlp_hbm[-4]
+    ring = Ring(stream, fetch, s.ring, s.sems)
+    ring.prime()
+
+    def one_layer(layer, x):
+        is_moe = is_moe_smem[layer] == 1
+        router = None
+        if "moe" in kinds:
+            router = pltpu.make_async_copy(router_hbm.at[mlp_row_smem[layer]], s.router,
+                                           s.small_sems.at[0])
+            pl.when(is_moe)(router.start)
+        norms, qk = norms_vmem[layer], qk_norms_vmem[layer]
+        return layer_body(
+            ring, config, kinds, s, step=layer, layer=layer, is_moe=is_moe, x=x,
+            norms=(norms[0:1], norms[1:2], qk[0:1], qk[1:2]), positions_smem=positions_smem,
+            k_cache_hbm=k_cache_hbm, v_cache_hbm=v_cache_hbm, attention=attention,
+            block=block, batch=batch, rows=rows,
+            before_mlp=None if router is None else (lambda: pl.when(is_moe)(router.wait)))
+
+    x = lax.fori_loop(0, config.layers, one_layer, x_vmem[...])
+    s.h[...] = rms_norm(x, final_norm_vmem[...], config.rms_eps).astype(s.h.dtype)
+    ring.matmul("lm_head", s.h, logits_vmem, layer=config.layers)
+    logits = logits_vmem[...]
+    vocab = lax.broadcasted_iota(jnp.int32, logits.shape, 1)
+    logits = jnp.where(vocab < config.vocab, logits, -jnp.inf)  # the padding columns
+    best = jnp.max(logits, axis=1, keepdims=True)
+    next_tokens_vmem[...] = jnp.min(jnp.where(logits == best, vocab, logits.shape[1]),
+                                    axis=1, keepdims=True)  # ties to the lowest id
+
+
+def decode_step(config: ModelConfig, weights, cache: reference.KVCache, tokens, positions,
+                *, block: BlockSizes):
+    """One decode step in one kernel: tokens [B, T] at positions [B] -> (next tokens
+    [B, T] int32 (greedy, ties to the lowest id), logits [B, T, V] float32, cache)."""
+    tokens = jnp.asarray(tokens, jnp.int32)
+    positions = jnp.asarray(positions, jnp.int32)
+    reference.validate_step(config, cache, tokens, positions)
+    block.check_context(cache.k.shape[3])
+    return _decode_step(config, block, weights, cache, tokens, positions)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "block"))
+def _decode_step(config: ModelConfig, block: BlockSizes, weights, cache, tokens, positions):
+    B, T = tokens.shape
+    M = B * T
+    stream = decode_stream(config, M, block)
+    kinds = mlp_kinds(config)
+    names, scratch = scratch_shapes(config, kinds, B, T, block)
+    mlp = [n for k in kinds for n in MLP_WEIGHTS[k]]
+    Vp = padded_vocab(config, block)
+    vmem, smem, hbm = (pl.BlockSpec(memory_space=m) for m in (pltpu.VMEM, pltpu.SMEM, pl.ANY))
+    n_in = 12 + len(mlp) + 2
+    weight_bytes = sum(weights[n].size * weights[n].dtype.itemsize
+                       for n in ("wq", "wk", "wv", "wo", "lm_head", *mlp))
+    x = weights["embed"][tokens].reshape(M, config.hidden).astype(jnp.float32)
+    next_tokens, logits, k_cache, v_cache = pl.pallas_call(
+        functools.partial(megakernel_kernel, config=config, stream=stream,
+                          names=tuple(names), block=block, batch=B, rows=T),
+        out_shape=(jax.ShapeDtypeStruct((M, 1), jnp.int32),
+                   jax.ShapeDtypeStruct((M, Vp), jnp.float32), cache.k, cache.v),
+        in_specs=[smem] * 3 + [vmem] * 4 + [hbm] * (n_in - 7),
+        out_specs=(vmem, vmem, hbm, hbm),
+        scratch_shapes=scratch,
+        input_output_aliases={n_in - 2: 2, n_in - 1: 3},
+        compiler_params=pltpu.CompilerParams(vmem_limit_bytes=vmem_limit_bytes(
+            megakernel_buffers(config, B, T, block))),
+        name="mk_megakernel",
+        cost_estimate=pl.CostEstimate(  # every expert counted: an upper bound for MoE
+            flops=2 * M * weight_bytes // weights["wq"].dtype.itemsize, transcendentals=0,
+            bytes_accessed=weight_bytes),
+    )(positions, weights["is_moe"], weights["mlp_row"], x, weights["norms"],
+      weights["qk_norms"], weights["final_norm"], weights["wq"], weights["wk"],
+      weights["wv"], weights["wo"], weights["lm_head"], *(weights[n] for n in mlp),
+      cache.k, cache.v)
+    return (next_tokens.reshape(B, T), logits[:, :config.vocab].reshape(B, T, -1),
+            reference.KVCache(k_cache, v_cache))
+
+
+def generate(config: ModelConfig, params, prompt, steps: int, *, backend: str = "auto",
+             block: BlockSizes | None = None, max_context: int | None = None) -> jax.Array:
+    """Greedy decoding with the megakernel: prompt [B, P] -> the next `steps` tokens
+    [B, steps] int32, the same contract as `mk.reference.generate`. The prompt is
+    prefilled by the XLA reference; every later token comes from one megakernel call."""
+    prompt = jnp.asarray(prompt, jnp.int32)
+    S = config.max_context if max_context is None else max_context
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps={steps!r} must be a positive integer")
+    if prompt.ndim != 2 or prompt.shape[1] + steps - 1 > S:
+        raise ValueError(f"prompt {prompt.shape} [B, P] with steps={steps} needs "
+                         f"P + steps - 1 <= max_context={S}")
+    block = block or megakernel_block(config)
+    weights = prepare(config, params, block)
+    logits, cache = reference.prefill(config, params, prompt, max_context=S)
+    token = reference.greedy(logits[:, -1])
+    out, position = [token], prompt.shape[1]
+    with backends.use(backend):
+        for _ in range(steps - 1):
+            positions = jnp.full((prompt.shape[0],), position, jnp.int32)
+            token, _, cache = decode_step(config, weights, cache, token[:, None], positions,
+                                          block=block)
+            token, position = token[:, 0], position + 1
+            out.append(token)
+    return jnp.stack(out, axis=1)

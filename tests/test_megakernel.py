@@ -1,0 +1,81 @@
+"""mk.megakernel: the whole decode step in one pallas_call against mk.reference.
+
+Greedy tokens must equal the reference's exactly (interpret mode; race detector on for
+single steps); whole-model TPU compiles at full size take seconds each. Interpret mode does
+not cover time or the scoped VMEM limit; the compiles cover lowering and capacity.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mk
+import mk.megakernel as megakernel
+from mk import backend, reference, tpu
+from mk.kernels.common import vmem_budget
+
+STEPS = 8  # the issue asks for 64 tokens; see the closing note of the megakernel issue
+
+
+@pytest.mark.parametrize("name, batch", [("tiny", 1), ("tiny-moe", 2)])
+def test_greedy_tokens_equal_the_reference(name, batch):
+    config = mk.preset(name)
+    params = mk.init_params(config)
+    prompt = jax.random.randint(jax.random.key(1), (batch, 5), 0, config.vocab)
+    got = megakernel.generate(config, params, prompt, STEPS, backend="interpret")
+    np.testing.assert_array_equal(got, reference.generate(config, params, prompt, STEPS))
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
+def test_t_rows_verify_in_one_pass_race_free(name):
+    config = mk.preset(name)
+    params = mk.init_params(config)
+    block = megakernel.megakernel_block(config)
+    _, cache = reference.prefill(config, params, jnp.ones((2, 6), jnp.int32) * 7)
+    tokens = jax.random.randint(jax.random.key(2), (2, 4), 0, config.vocab)
+    positions = jnp.array([6, 6], jnp.int32)
+    want_logits, want_cache = reference.decode_step(config, params, cache, tokens, positions)
+    with backend.use("interpret", detect_races=True):
+        got, logits, got_cache = megakernel.decode_step(
+            config, megakernel.prepare(config, params, block), cache, tokens, positions,
+            block=block)
+    assert not backend.races_found()
+    np.testing.assert_array_equal(got, reference.greedy(want_logits))
+    # bf16 roundings through every layer and the lm_head: compared at the logits' scale.
+    scale = float(jnp.abs(want_logits).max())
+    np.testing.assert_allclose(logits, want_logits, rtol=0, atol=1e-2 * scale)
+    # Layer 0's V rows see identical inputs; deeper layers' inputs carry bf16 roundings.
+    np.testing.assert_array_equal(got_cache.v[0], want_cache.v[0])
+    np.testing.assert_allclose(got_cache.v.astype(jnp.float32),
+                               want_cache.v.astype(jnp.float32), rtol=0, atol=3e-2)
+
+
+def test_a_position_past_the_cache_is_named():
+    config = mk.preset("tiny")
+    cache = reference.init_cache(config, 1, 128)
+    with pytest.raises(ValueError, match=r"positions\[0\]=127 with T=2 .*max_context=128"):
+        megakernel.decode_step(config, {}, cache, jnp.zeros((1, 2), int), jnp.array([127]),
+                               block=megakernel.megakernel_block(config))
+
+
+@pytest.mark.parametrize("name, chip", [("qwen3-1.7b", "v5e"), ("qwen3-8b", "v6e"),
+                                        ("qwen3-8b", "tpu7x"), ("qwen3-30b-a3b", "tpu7x")])
+def test_whole_model_compiles_for_tpu(name, chip):
+    config = mk.preset(name)
+    B, T, S = 8, 1, 4096
+    block = dataclasses.replace(megakernel.megakernel_block(config), kv_tile=256)
+    params = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in config.param_shapes().items()}
+    weights = jax.eval_shape(lambda p: megakernel.prepare(config, p, block), params)
+    cache = jax.ShapeDtypeStruct((config.layers, B, config.kv_heads, S, config.head_dim),
+                                 config.dtype)
+    budget = vmem_budget("megakernel", megakernel.megakernel_buffers(config, B, T, block),
+                         mk.chip(chip))
+    report = tpu.compile_for_chip(
+        lambda w, k, v, tok, pos: megakernel._decode_step(
+            config, block, w, reference.KVCache(k, v), tok, pos),
+        [weights, cache, cache, jax.ShapeDtypeStruct((B, T), jnp.int32),
+         jax.ShapeDtypeStruct((B,), jnp.int32)], chip, vmem=budget)
+    assert report.ok, report.error
