@@ -15,9 +15,9 @@ before the call). Resident in VMEM for the whole step: the norm vectors of every
 layer's start and waited for just before routing.
 
 Here: `prepare` (weights in the megakernel's layout, once), `megakernel_buffers`,
-`decode_step`, `generate`. Not here yet (the rest of the megakernel issue): several steps
-per host dispatch, the staged debug path, whole-model TPU compile reports and the
-compile-time benchmark, the notebooks 06/07.
+`decode_step`, `generate`, `compile_target` (what `mk.tpu.compile_megakernel` compiles).
+Not here yet (the rest of the megakernel issue): several steps per host dispatch, the
+staged debug path, the compile-time benchmark against XLA, the notebooks 06/07.
 """
 
 from __future__ import annotations
@@ -167,6 +167,13 @@ def decode_step(config: ModelConfig, weights, cache: reference.KVCache, tokens, 
     reference.validate_step(config, cache, tokens, positions)
     block.check_context(cache.k.shape[3])
     return _decode_step(config, block, weights, cache, tokens, positions)
+
+
+def compile_target(config: ModelConfig, block: BlockSizes, weights, k_cache, v_cache,
+                   tokens, positions):
+    """The traced decode step with no host-side checks: what `mk.tpu` compiles."""
+    return _decode_step(config, block, weights, reference.KVCache(k_cache, v_cache), tokens,
+                        positions)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "block"))

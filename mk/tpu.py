@@ -4,7 +4,8 @@ libtpu ships the whole XLA:TPU + Mosaic compiler. Given a topology name it descr
 compile-only devices; `jax.jit(...).lower(...).compile()` against them runs the real
 lowering, the VMEM and HBM capacity checks, and reports memory and code size. Nothing runs.
 
-Here: `compile_for_chip(fn, args, chip)` -> `CompileReport`. Not here: running kernels
+Here: `compile_for_chip(fn, args, chip)` -> `CompileReport`, and `compile_megakernel`, the
+whole decode step of a model on one TPU core. Not here: running kernels
 (`mk.backend`), the project-side VMEM budget (`mk.kernels.common.vmem_budget`, which
 catches the scoped-limit problems this path does not enforce).
 """
@@ -23,7 +24,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mk.chips import ChipSpec, chip as chip_spec
-from mk.kernels.common import VmemBudget
+from mk.kernels.common import VmemBudget, vmem_budget
 
 
 # What libtpu and Mosaic raise for a kernel they refuse (capacity, lowering, verification).
@@ -98,3 +99,41 @@ def compile_for_chip(fn, args, chip: str | ChipSpec, *, name: str = "",
                          output_bytes=mem.output_size_in_bytes,
                          temp_bytes=mem.temp_size_in_bytes,
                          code_bytes=mem.generated_code_size_in_bytes, vmem=vmem)
+
+
+def compile_megakernel(config, chip: str | ChipSpec, *, batch: int = 8, rows: int = 1,
+                       context: int = 4096, block_sizes=None) -> CompileReport:
+    """Compile the whole-model megakernel of `config` for one core of `chip`.
+
+    A model whose weights and cache do not fit the core's share of HBM, or whose buffers
+    do not fit VMEM, is reported (ok=False, with the numbers), not raised.
+    """
+    import dataclasses
+
+    from mk import megakernel  # mk.tpu sits below the megakernel in the package
+
+    spec = chip_spec(chip) if isinstance(chip, str) else chip
+    name = f"megakernel {config.name} B={batch} T={rows} S={context}"
+    block = block_sizes or dataclasses.replace(megakernel.megakernel_block(config),
+                                               kv_tile=min(256, context))
+    params = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in config.param_shapes().items()}
+    weights = jax.eval_shape(lambda p: megakernel.prepare(config, p, block), params)
+    cache = jax.ShapeDtypeStruct((config.layers, batch, config.kv_heads, context,
+                                  config.head_dim), config.dtype)
+    hbm = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(weights)) + 2 * (
+        cache.size * cache.dtype.itemsize)
+    per_core = spec.hbm_bytes // spec.cores_per_chip
+    if hbm > per_core:
+        return CompileReport(name, spec.name, False, f"weights and KV cache need "
+                             f"{hbm / 2**30:.1f} GiB of HBM, over {spec.name}'s "
+                             f"{per_core / 2**30:.1f} GiB per core", 0.0)
+    try:
+        budget = vmem_budget("megakernel", megakernel.megakernel_buffers(
+            config, batch, rows, block), spec)
+    except ValueError as err:
+        return CompileReport(name, spec.name, False, str(err), 0.0)
+    tokens = jax.ShapeDtypeStruct((batch, rows), jax.numpy.int32)
+    positions = jax.ShapeDtypeStruct((batch,), jax.numpy.int32)
+    return compile_for_chip(
+        lambda w, k, v, t, p: megakernel.compile_target(config, block, w, k, v, t, p),
+        [weights, cache, cache, tokens, positions], spec, name=name, vmem=budget)
