@@ -16,8 +16,8 @@ layer's start and waited for just before routing.
 
 Here: `prepare` (weights in the megakernel's layout, once), `megakernel_buffers`,
 `decode_step`, `generate`, `compile_target` (what `mk.tpu.compile_megakernel` compiles).
-Not here yet (the rest of the megakernel issue): several steps per host dispatch, the
-staged debug path, the compile-time benchmark against XLA, the notebooks 06/07.
+Not here yet (the rest of the megakernel issue): the staged debug path, the compile-time
+benchmark against XLA, notebook 07.
 """
 
 from __future__ import annotations
@@ -165,8 +165,16 @@ def decode_step(config: ModelConfig, weights, cache: reference.KVCache, tokens, 
     tokens = jnp.asarray(tokens, jnp.int32)
     positions = jnp.asarray(positions, jnp.int32)
     reference.validate_step(config, cache, tokens, positions)
-    block.check_context(cache.k.shape[3])
+    check_block(block, cache.k.shape[3])
     return _decode_step(config, block, weights, cache, tokens, positions)
+
+
+def check_block(block: BlockSizes, context: int) -> None:
+    """The megakernel's own limits on the tiling, checked before tracing."""
+    if block.slots < 2:
+        raise ValueError(f"BlockSizes.slots={block.slots}: the megakernel's ring needs >= 2 "
+                         "slots so a tile loads while another computes")
+    block.check_context(context)
 
 
 def compile_target(config: ModelConfig, block: BlockSizes, weights, k_cache, v_cache,
@@ -213,28 +221,46 @@ def _decode_step(config: ModelConfig, block: BlockSizes, weights, cache, tokens,
             reference.KVCache(k_cache, v_cache))
 
 
+@functools.partial(jax.jit, static_argnames=("config", "block", "steps"))
+def _greedy_steps(config: ModelConfig, block: BlockSizes, weights, cache, token, position,
+                  steps: int):
+    """`steps` greedy decode steps in one dispatch: a device-side loop of megakernel calls
+    from token [B] at position [B]. Returns (tokens [B, steps], cache)."""
+    def step(carry, _):
+        cache, token, position = carry
+        nxt, _, cache = _decode_step(config, block, weights, cache, token[:, None], position)
+        return (cache, nxt[:, 0], position + 1), nxt[:, 0]
+
+    (cache, _, _), tokens = lax.scan(step, (cache, token, position), None, length=steps)
+    return tokens.T, cache
+
+
 def generate(config: ModelConfig, params, prompt, steps: int, *, backend: str = "auto",
-             block: BlockSizes | None = None, max_context: int | None = None) -> jax.Array:
+             block: BlockSizes | None = None, max_context: int | None = None,
+             steps_per_call: int = 1) -> jax.Array:
     """Greedy decoding with the megakernel: prompt [B, P] -> the next `steps` tokens
     [B, steps] int32, the same contract as `mk.reference.generate`. The prompt is
-    prefilled by the XLA reference; every later token comes from one megakernel call."""
+    prefilled by the XLA reference; every later token comes from one megakernel call, and
+    `steps_per_call` of them run per host dispatch (a device-side loop)."""
     prompt = jnp.asarray(prompt, jnp.int32)
     S = config.max_context if max_context is None else max_context
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps={steps!r} must be a positive integer")
+    for field, value in (("steps", steps), ("steps_per_call", steps_per_call)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{field}={value!r} must be a positive integer")
     if prompt.ndim != 2 or prompt.shape[1] + steps - 1 > S:
         raise ValueError(f"prompt {prompt.shape} [B, P] with steps={steps} needs "
                          f"P + steps - 1 <= max_context={S}")
     block = block or megakernel_block(config)
+    check_block(block, S)
     weights = prepare(config, params, block)
     logits, cache = reference.prefill(config, params, prompt, max_context=S)
     token = reference.greedy(logits[:, -1])
-    out, position = [token], prompt.shape[1]
+    out, done = [token[:, None]], 1
+    position = jnp.full((prompt.shape[0],), prompt.shape[1], jnp.int32)
     with backends.use(backend):
-        for _ in range(steps - 1):
-            positions = jnp.full((prompt.shape[0],), position, jnp.int32)
-            token, _, cache = decode_step(config, weights, cache, token[:, None], positions,
-                                          block=block)
-            token, position = token[:, 0], position + 1
-            out.append(token)
-    return jnp.stack(out, axis=1)
+        while done < steps:
+            n = min(steps_per_call, steps - done)
+            tokens, cache = _greedy_steps(config, block, weights, cache, token, position, n)
+            out.append(tokens)
+            token, position, done = tokens[:, -1], position + n, done + n
+    return jnp.concatenate(out, axis=1)

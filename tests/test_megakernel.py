@@ -13,16 +13,18 @@ import pytest
 import mk
 import mk.megakernel as megakernel
 from mk import backend, reference, tpu
+from mk.kernels.common import BlockSizes
 
 STEPS = 8  # the issue asks for 64 tokens; see the closing note of the megakernel issue
 
 
-@pytest.mark.parametrize("name, batch", [("tiny", 1), ("tiny-moe", 2)])
-def test_greedy_tokens_equal_the_reference(name, batch):
+@pytest.mark.parametrize("name, batch, steps_per_call", [("tiny", 1, 1), ("tiny-moe", 2, 4)])
+def test_greedy_tokens_equal_the_reference(name, batch, steps_per_call):
     config = mk.preset(name)
     params = mk.init_params(config)
     prompt = jax.random.randint(jax.random.key(1), (batch, 5), 0, config.vocab)
-    got = megakernel.generate(config, params, prompt, STEPS, backend="interpret")
+    got = megakernel.generate(config, params, prompt, STEPS, backend="interpret",
+                              steps_per_call=steps_per_call)
     np.testing.assert_array_equal(got, reference.generate(config, params, prompt, STEPS))
 
 
@@ -48,6 +50,13 @@ def test_t_rows_verify_in_one_pass_race_free(name):
     np.testing.assert_array_equal(got_cache.v[0], want_cache.v[0])
     np.testing.assert_allclose(got_cache.v.astype(jnp.float32),
                                want_cache.v.astype(jnp.float32), rtol=0, atol=3e-2)
+
+
+def test_a_ring_of_one_slot_is_refused_before_tracing():
+    config = mk.preset("tiny")
+    with pytest.raises(ValueError, match=r"BlockSizes.slots=1: the megakernel's ring needs"):
+        megakernel.generate(config, {}, jnp.zeros((1, 4), int), 2,
+                            block=BlockSizes(slots=1, tile_k=128, tile_n=128))
 
 
 def test_a_position_past_the_cache_is_named():
