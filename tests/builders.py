@@ -100,3 +100,32 @@ def save_hf_checkpoint(config: ModelConfig, params: dict, folder: str | Path,
                        shards: int = 1) -> Path:
     """A Hugging Face Qwen3 / Qwen3-MoE folder holding `params` under `config`."""
     return write_hf_folder(hf_config_dict(config), hf_tensors(config, params), folder, shards)
+
+
+def build_hf_model(kind: str, config_kwargs: dict, seed: int = 0):
+    """A random float32 transformers Qwen3 ("qwen3") or Qwen3-MoE ("qwen3_moe") model.
+
+    Every parameter, norm weights included, is re-drawn at a scale that keeps activations
+    and router logits O(1), so a swapped norm, a mistransposed square matrix or a wrong
+    router choice shows up in the logits (transformers' default init leaves norms at 1).
+    """
+    import torch
+    import transformers
+
+    if kind == "qwen3":
+        config = transformers.Qwen3Config(**config_kwargs)
+        model_cls = transformers.Qwen3ForCausalLM
+    else:
+        config = transformers.Qwen3MoeConfig(**config_kwargs)
+        model_cls = transformers.Qwen3MoeForCausalLM
+    torch.manual_seed(seed)
+    model = model_cls(config).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            elif name == "model.embed_tokens.weight":
+                param.copy_(torch.randn_like(param))
+            else:  # [.., out, in] (experts fused as [E, out, in]): N(0, 1/fan_in)
+                param.copy_(torch.randn_like(param) / param.shape[-1] ** 0.5)
+    return model

@@ -79,3 +79,26 @@ def test_a_model_too_big_for_the_chip_is_reported_with_numbers():
     report = tpu.compile_megakernel(mk.preset("qwen3-30b-a3b"), "v5e", context=4096)
     assert not report.ok
     assert "GiB of HBM, over v5e's 16.0 GiB per core" in report.error
+
+
+def test_greedy_tokens_of_a_transformers_checkpoint_equal_transformers(tmp_path):
+    """A TPU-legal tiny Qwen3-MoE made by transformers, loaded by mk, decoded by the
+    megakernel: the tokens are transformers' own greedy tokens."""
+    import torch
+    from builders import build_hf_model
+
+    model = build_hf_model("qwen3_moe", dict(
+        vocab_size=384, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=128, intermediate_size=256, moe_intermediate_size=128,
+        num_experts=8, num_experts_per_tok=2, mlp_only_layers=[0], norm_topk_prob=True,
+        max_position_embeddings=256, rope_theta=10_000.0, attn_implementation="eager",
+        eos_token_id=None, bos_token_id=None, pad_token_id=None))
+    model.save_pretrained(tmp_path)
+    config, params = mk.load_checkpoint(tmp_path)
+    prompt = np.random.default_rng(3).integers(0, 384, (2, 6))
+    with torch.no_grad():
+        hf = model.generate(torch.tensor(prompt), max_new_tokens=STEPS, do_sample=False,
+                            attention_mask=torch.ones(prompt.shape, dtype=torch.long))
+    got = megakernel.generate(config, params, prompt, STEPS, backend="interpret",
+                              max_context=128, steps_per_call=STEPS)
+    np.testing.assert_array_equal(got, hf[:, prompt.shape[1]:].numpy())

@@ -16,9 +16,9 @@ import json
 import numpy as np
 import pytest
 import torch
-import transformers
 
 import mk
+from builders import build_hf_model
 
 # Both sides compute in float32; the observed max |mk - hf| / max |hf| is below 5e-7
 # (summation order of matmuls and softmaxes). Wrong conventions measured on these models
@@ -45,31 +45,11 @@ CASES = {
 }
 
 
-def build_hf_model(kind: str, overrides: dict, seed: int = 0):
-    if kind == "qwen3":
-        config = transformers.Qwen3Config(**COMMON, **overrides)
-        model_cls = transformers.Qwen3ForCausalLM
-    else:
-        config = transformers.Qwen3MoeConfig(**COMMON, **overrides)
-        model_cls = transformers.Qwen3MoeForCausalLM
-    torch.manual_seed(seed)
-    model = model_cls(config).float().eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.1 * torch.randn_like(param))
-            elif name == "model.embed_tokens.weight":
-                param.copy_(torch.randn_like(param))
-            else:  # [.., out, in] (experts fused as [E, out, in]): N(0, 1/fan_in)
-                param.copy_(torch.randn_like(param) / param.shape[-1] ** 0.5)
-    return model
-
-
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request, tmp_path_factory):
     """(name, transformers model, checkpoint folder, mk config, mk params, prompt)."""
     kind, overrides = CASES[request.param]
-    model = build_hf_model(kind, overrides)
+    model = build_hf_model(kind, {**COMMON, **overrides})
     folder = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(folder)
     config, params = mk.load_checkpoint(folder)
