@@ -23,6 +23,7 @@ from jax._src.pallas.mosaic.error_handling import MosaicError
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from mk import megakernel
 from mk.chips import ChipSpec, chip as chip_spec
 from mk.kernels.common import VmemBudget, vmem_budget
 
@@ -108,10 +109,6 @@ def compile_megakernel(config, chip: str | ChipSpec, *, batch: int = 8, rows: in
     A model whose weights and cache do not fit the core's share of HBM, or whose buffers
     do not fit VMEM, is reported (ok=False, with the numbers), not raised.
     """
-    import dataclasses
-
-    from mk import megakernel  # mk.tpu sits below the megakernel in the package
-
     spec = chip_spec(chip) if isinstance(chip, str) else chip
     name = f"megakernel {config.name} B={batch} T={rows} S={context}"
     block = block_sizes or dataclasses.replace(megakernel.megakernel_block(config),

@@ -75,7 +75,6 @@ def _stand_in_megakernel(config, batch, rows, context):
 
 def test_benchmark_records_every_series_at_every_layer_count():
     config = mk.preset("tiny")
-    ct.warm_up(CHIP)
     records = ct.measure(config, CHIP, [2, 4], batch=2, rows=1, context=128,
                          megakernel=ct.from_builder(_stand_in_megakernel))
     assert [(r.layers, r.series) for r in records] == [
