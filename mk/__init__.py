@@ -1,9 +1,9 @@
 """mk: a TPU decode megakernel in JAX Pallas, built stage by stage and checked on CPU.
 
 Top-level names: `ModelConfig`, `preset`, `chip`, `init_params`, `load_checkpoint`; modules
-`mk.reference` (the pure-JAX oracle), `mk.perf` (bytes, FLOPs and the roofline) and
-`mk.tpu` (ahead-of-time TPU compiles). The stage kernels are in `mk.kernels`; later stages
-add `mk.megakernel` and `mk.spec`.
+`mk.reference` (the pure-JAX oracle), `mk.megakernel` (the whole decode step in one
+kernel), `mk.perf` (bytes, FLOPs and the roofline) and `mk.tpu` (ahead-of-time TPU
+compiles). The stage kernels are in `mk.kernels`; a later stage adds `mk.spec`.
 
 Importing `mk` on a machine without a TPU pins JAX to the CPU (`JAX_PLATFORMS=cpu`,
 `TPU_SKIP_MDS_QUERY=1`) before JAX is imported, so libtpu does not print host-discovery
@@ -32,10 +32,10 @@ if not _tpu_present():
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-1")
 
-from mk import perf, reference, tpu  # noqa: E402
+from mk import megakernel, perf, reference, tpu  # noqa: E402
 from mk.checkpoint import init_params, load_checkpoint  # noqa: E402
 from mk.chips import ChipSpec, chip  # noqa: E402
 from mk.config import ModelConfig, preset  # noqa: E402
 
-__all__ = ["ChipSpec", "ModelConfig", "chip", "init_params", "load_checkpoint", "perf",
-           "preset", "reference", "tpu"]
+__all__ = ["ChipSpec", "ModelConfig", "chip", "init_params", "load_checkpoint", "megakernel",
+           "perf", "preset", "reference", "tpu"]
