@@ -34,25 +34,16 @@ from jax.experimental.pallas import tpu as pltpu
 from mk import backend as backends
 from mk import reference
 from mk.config import ModelConfig
-from mk.kernels.common import BlockSizes, Buffer, default_block, vmem_limit_bytes
+from mk.kernels.common import BlockSizes, Buffer, vmem_limit_bytes
 from mk.kernels.decode_attention import AttentionScratch
-from mk.kernels.one_layer import (layer_body, mlp_fetch, mlp_kinds, one_layer_buffers,
-                                  scratch_shapes)
+from mk.kernels.one_layer import (layer_block, layer_body, mlp_fetch, mlp_kinds,
+                                  one_layer_buffers, scratch_shapes)
 from mk.kernels.ring import Ring
 from mk.reference import rms_norm
 from mk.schedule import decode_stream, padded_vocab
 
 MLP_WEIGHTS = {"dense": ("w_gate", "w_up", "w_down"),
                "moe": ("router", "we_gate", "we_up", "we_down")}
-
-
-def megakernel_block(config: ModelConfig, slots: int = 3) -> BlockSizes:
-    """Default tiles: the largest square tile every layer matrix divides into (the vocab is
-    padded to whole tiles instead)."""
-    dims = [config.hidden, config.q_width, config.kv_width]
-    dims += [config.ffn] if config.dense_layers else []
-    dims += [config.expert_ffn] if config.moe_layers else []
-    return default_block(*dims, slots=slots)
 
 
 def prepare(config: ModelConfig, params, block: BlockSizes) -> dict:
@@ -77,10 +68,12 @@ def prepare(config: ModelConfig, params, block: BlockSizes) -> dict:
 
 def megakernel_buffers(config: ModelConfig, batch: int, rows: int,
                        block: BlockSizes) -> list[Buffer]:
-    """Every VMEM buffer of the megakernel: the layer kernel's, the resident norms, the
-    logits."""
+    """Every VMEM buffer of the megakernel: the layer kernel's (but its output x_out), the
+    resident norms, the logits and the next tokens."""
     M, L = batch * rows, config.layers
-    return one_layer_buffers(config, mlp_kinds(config), batch, rows, block) + [
+    layer = [b for b in one_layer_buffers(config, mlp_kinds(config), batch, rows, block)
+             if b.name != "x_out"]  # the megakernel's residual never leaves the loop
+    return layer + [
         Buffer("norms", (L, 2, config.hidden), "float32"),
         Buffer("qk_norms", (L, 2, config.head_dim), "float32"),
         Buffer("final_norm", (1, config.hidden), "float32"),
@@ -250,7 +243,7 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, backend: str = 
     if prompt.ndim != 2 or prompt.shape[1] + steps - 1 > S:
         raise ValueError(f"prompt {prompt.shape} [B, P] with steps={steps} needs "
                          f"P + steps - 1 <= max_context={S}")
-    block = block or megakernel_block(config)
+    block = block or layer_block(config)
     check_block(block, S)
     weights = prepare(config, params, block)
     logits, cache = reference.prefill(config, params, prompt, max_context=S)

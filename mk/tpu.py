@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from mk import megakernel
 from mk.chips import ChipSpec, chip as chip_spec
 from mk.kernels.common import VmemBudget, vmem_budget
+from mk.kernels.one_layer import layer_block
 
 
 # What libtpu and Mosaic raise for a kernel they refuse (capacity, lowering, verification).
@@ -111,7 +112,7 @@ def compile_megakernel(config, chip: str | ChipSpec, *, batch: int = 8, rows: in
     """
     spec = chip_spec(chip) if isinstance(chip, str) else chip
     name = f"megakernel {config.name} B={batch} T={rows} S={context}"
-    block = block_sizes or dataclasses.replace(megakernel.megakernel_block(config),
+    block = block_sizes or dataclasses.replace(layer_block(config),
                                                kv_tile=min(256, context))
     params = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in config.param_shapes().items()}
     weights = jax.eval_shape(lambda p: megakernel.prepare(config, p, block), params)

@@ -65,11 +65,12 @@ import mk.megakernel as megakernel
 import mk.run
 from mk import plots, reference, schedule, tpu
 from mk.kernels.common import vmem_budget
+from mk.kernels.one_layer import layer_block
 
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
 config, mode, spec = run.config, mk.backend.resolve(run.backend), mk.chip(run.chip)
-block = megakernel.megakernel_block(config, slots)
+block = layer_block(config, slots)
 print(f"{config.name}: {config.layers} layers, B={run.batch} T={run.rows} S={run.context}; "
       f"kernels run on: {mode}")
 

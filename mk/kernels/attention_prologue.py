@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mk.config import MAX_ROWS, ModelConfig
-from mk.kernels.common import BlockSizes, Buffer
+from mk.kernels.common import BlockSizes, Buffer, default_block
 from mk.kernels.ring import Ring, TileStream
 from mk.reference import rms_norm
 
@@ -147,7 +147,7 @@ def attention_prologue(config: ModelConfig, params, x, positions, *, layer: int 
     """
     B, T, D = check_layer_inputs(config, x, positions, layer)
     M = B * T
-    block = block or BlockSizes()
+    block = block or default_block(config.hidden, config.q_width, config.kv_width)
     stream = TileStream.build(block, prologue_matrices(config))
     buffers = {b.name: b for b in attention_prologue_buffers(config, M, block)}
     H = config.head_dim

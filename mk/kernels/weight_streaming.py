@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mk.config import MAX_ROWS
-from mk.kernels.common import BlockSizes, Buffer
+from mk.kernels.common import BlockSizes, Buffer, default_block
 from mk.kernels.ring import Ring, TileStream
 
 
@@ -60,7 +60,7 @@ def stream_matmul(x: jax.Array, w: jax.Array, *, block: BlockSizes | None = None
         raise ValueError(f"x [M, K={K}] and w [K={K2}, N] disagree on K")
     if not 1 <= M <= MAX_ROWS:
         raise ValueError(f"rows M={M} must be in [1, {MAX_ROWS}]")
-    block = block or BlockSizes(tile_k=min(K, 512), tile_n=min(N, 512))
+    block = block or default_block(K, N)
     stream = TileStream.build(block, [("w", K, N)])
     ring = stream_matmul_buffers(M, K, N, w.dtype, block)[-1]
     return pl.pallas_call(
