@@ -1,36 +1,162 @@
-"""Execute the numbered notebooks headless on CPU and publish them as static HTML.
+"""Execute the numbered notebooks headless on CPU and publish them as a static site.
 
 `make run` calls this. Each `notebooks/NN_*.ipynb` runs with papermill on the `python3`
-kernel, which must start the interpreter running this script (checked, not assumed). The
-executed notebook and its HTML export land in `build/notebooks/`, and `build/index.html`
-lists every notebook with its status and run time. A failed notebook keeps its partial
-output and is marked failed; the exit code is non-zero if any notebook failed.
+kernel, which must start the interpreter running this script (checked, not assumed), once
+per configuration that `notebooks/runs.yaml` lists for it (once with its own parameters
+cell if it is not listed; the file documents its format).
 
-Not here: per-notebook parameter sets, skipping unchanged notebooks.
+Nothing is overwritten: every invocation writes a new folder `OUT/runs/<YYYYmmdd-HHMMSS>/`
+with the executed notebooks, their HTML exports, `runs.json` and its own `index.html`;
+`OUT/index.html` shows the newest run's table and lists every earlier run. Delete old runs
+by hand, or all of `build/` with `make clean`.
+
+A progress line per notebook reports it starting, still running (every minute), and done
+with its time and status. A failed notebook keeps its partial output (papermill writes the
+cells run so far and marks the failing one) and is marked failed in the index; the exit
+code is 1 if any notebook failed, 2 for a bad runs file or command line.
+
+The pages work offline: plotly figures carry plotly.js once per page (`mk.plots.show`),
+plotly's own sliders need no kernel, MathJax is served from `OUT/_static/` (copied once
+from the pinned jupyter-server-mathjax), the HTML export loads no require.js, and saved
+ipywidgets state is left out of the page (a widget needs a live kernel; the page shows its
+text form). `tools/check_site.py` checks all of this in headless Chromium.
+
+Not here: skipping unchanged notebooks, running notebooks in parallel (2 cores).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import html
+import json
 import os
+import re
+import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 
+import jupyter_server_mathjax  # noqa: E402
 import nbformat  # noqa: E402
 import papermill  # noqa: E402
+import yaml  # noqa: E402
 from jupyter_client.manager import KernelManager  # noqa: E402
 from nbconvert import HTMLExporter  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNEL = "python3"
-PATTERN = "notebooks/[0-9][0-9]*_*.ipynb"
+PATTERN = "[0-9][0-9]*_*.ipynb"
+RUNS_FILE = ROOT / "notebooks" / "runs.yaml"
+LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,39}")
+HEARTBEAT_SECONDS = 60.0
+MATHJAX = "_static/mathjax"  # relative to the site root
+# The lab template, minus require.js (nothing on these pages is an AMD module, and a
+# missing CDN script is an error in an offline browser), with MathJax told to use the one
+# web font jupyter-server-mathjax ships (STIX-Web; the default TeX font is not there) and
+# its font-detection face made local (MathJax 2's url('about:blank') is a console error in
+# current Chromium).
+PAGE_TEMPLATE = """{%- extends "index.html.j2" -%}
+{%- block html_head_js_requirejs -%}{%- endblock html_head_js_requirejs -%}
+{%- block html_head_js_mathjax -%}
+<script>window.MathJax = {"HTML-CSS": {
+  availableFonts: [], preferredFont: null, webFont: "STIX-Web", imageFont: null,
+  styles: {"@font-face": {"font-family": "MathJax_Blank", src: "local('MathJax_Blank')"}}}};
+</script>
+{{ super() }}
+{%- endblock html_head_js_mathjax -%}
+"""
 
 
+# -- What to run ----------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One execution of one notebook: a row of the index."""
+
+    notebook: Path
+    label: str = ""  # "" when the notebook runs once, unlabelled
+    parameters: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        """The output files' stem: NN_topic or NN_topic-LABEL."""
+        stem = self.notebook.stem
+        return f"{stem}-{self.label}" if self.label else stem
+
+
+def notebook_parameters(notebook: Path) -> list[str]:
+    """The names the notebook's `parameters` cell assigns (papermill's own reading)."""
+    return list(papermill.inspect_notebook(str(notebook)))
+
+
+def load_runs(runs_file: Path, notebooks: list[Path], known: list[Path] | None = None
+              ) -> list[Run]:
+    """The runs of `notebooks`, in their order, as `runs_file` configures them.
+
+    Every key of the file must name a notebook of `known` (default: the numbered notebooks
+    beside the file, plus `notebooks`), so a typo cannot silently drop a configuration.
+    Raise `ValueError` naming the entry, the value and what is allowed.
+    """
+    where = runs_file.name
+    config = yaml.safe_load(runs_file.read_text(encoding="utf-8")) if runs_file.exists() else {}
+    config = config or {}
+    if not isinstance(config, dict):
+        raise ValueError(f"{where}: the top level must map notebook names to lists of "
+                         f"configurations, not {type(config).__name__}")
+    known = list(known if known is not None else sorted(runs_file.parent.glob(PATTERN)))
+    by_stem = {p.stem: p for p in known + list(notebooks)}
+    unknown = sorted(str(k) for k in config if k not in by_stem)
+    if unknown:
+        raise ValueError(f"{where}: {unknown} name no notebook; known notebooks: "
+                         f"{sorted(by_stem)}")
+    listed = {stem: _entries(where, stem, entries, by_stem[stem])
+              for stem, entries in config.items()}
+    runs = []
+    for notebook in notebooks:
+        runs += listed.get(notebook.stem) or [Run(notebook)]
+    return runs
+
+
+def _entries(where: str, stem: str, entries, notebook: Path) -> list[Run]:
+    if not isinstance(entries, list) or not entries:
+        raise ValueError(f"{where}: {stem} must be a non-empty list of configurations, "
+                         f"not {entries!r}")
+    allowed = None  # the notebook's parameter names, read once when first needed
+    runs, labels = [], set()
+    for i, entry in enumerate(entries):
+        field = f"{where}: {stem}[{i}]"
+        if not isinstance(entry, dict) or set(entry) - {"label", "parameters"}:
+            raise ValueError(f"{field}={entry!r} must be a mapping with the keys 'label' "
+                             f"and 'parameters' only")
+        label = entry.get("label", "")
+        if label == "" and len(entries) > 1:
+            raise ValueError(f"{field} has no label; {stem} has {len(entries)} "
+                             f"configurations, each needs one")
+        if label != "" and not (isinstance(label, str) and LABEL.fullmatch(label)):
+            raise ValueError(f"{field}.label={label!r} must be 1-40 letters, digits, '.', "
+                             f"'_' or '-', starting with a letter or digit")
+        if label in labels:
+            raise ValueError(f"{field}.label={label!r} is repeated; labels name the output "
+                             f"files, so each must be unique within {stem}")
+        labels.add(label)
+        parameters = entry.get("parameters") or {}
+        if not isinstance(parameters, dict):
+            raise ValueError(f"{field}.parameters={parameters!r} must be a mapping")
+        allowed = allowed if allowed is not None else notebook_parameters(notebook)
+        extra = sorted(set(parameters) - set(allowed))
+        if extra:
+            raise ValueError(f"{field}.parameters has {extra}, which {notebook.name}'s "
+                             f"parameters cell does not assign (it assigns {allowed})")
+        runs.append(Run(notebook, label, dict(parameters)))
+    return runs
+
+
+# -- Running one notebook -------------------------------------------------------------------
 def check_kernel(kernel_name: str = KERNEL) -> None:
     """Raise unless `kernel_name` starts this interpreter, as jupyter_client resolves it."""
     exe = KernelManager(kernel_name=kernel_name).format_kernel_cmd()[0]
@@ -48,7 +174,7 @@ def execute(notebook: Path, output: Path, parameters: dict | None = None) -> Non
                                progress_bar=False)
 
 
-def _failure(err: Exception) -> str:
+def _failure(err: BaseException) -> str:
     # A failed cell carries its exception name and value; anything else (a kernel that
     # died, a missing file) is summarised by its own type.
     if isinstance(err, papermill.PapermillExecutionError):
@@ -58,71 +184,202 @@ def _failure(err: Exception) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def run_one(notebook: Path, out_dir: Path) -> dict:
-    """Execute one notebook and export it to HTML; return its row of the index."""
-    executed = out_dir / notebook.name
+def export_html(executed: Path, page: Path, site_root: Path) -> None:
+    """The HTML export of an executed notebook, made to work offline inside the site."""
+    nb = nbformat.read(executed, as_version=4)
+    nb.metadata.pop("widgets", None)  # saved widget views need unpkg.com and a kernel
+    mathjax = Path(os.path.relpath(site_root / MATHJAX, page.parent)).as_posix()
+    exporter = HTMLExporter(raw_template=PAGE_TEMPLATE,
+                            mathjax_url=f"{mathjax}/MathJax.js?config=TeX-AMS-MML_HTMLorMML-full,Safe")
+    body, _ = exporter.from_notebook_node(nb)
+    page.write_text(body, encoding="utf-8")
+
+
+@contextlib.contextmanager
+def _heartbeat(prefix: str, start: float, every: float = HEARTBEAT_SECONDS):
+    """Print `prefix: still running, N s` every `every` seconds until the block ends."""
+    done = threading.Event()
+
+    def beat():
+        while not done.wait(every):
+            print(f"{prefix}: still running, {time.perf_counter() - start:.0f} s", flush=True)
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+def run_one(run: Run, run_dir: Path, site_root: Path, prefix: str = "") -> dict:
+    """Execute one configuration and export it to HTML; return its row of the index."""
+    executed = run_dir / f"{run.name}.ipynb"
+    page = executed.with_suffix(".html")
     start = time.perf_counter()
     error = ""
-    try:
-        execute(notebook, executed)
-    except Exception as err:  # noqa: BLE001 - a failed notebook is a result, not a crash
-        error = _failure(err)
+    print(f"{prefix}: running", flush=True)
+    with _heartbeat(prefix, start):
+        try:
+            execute(run.notebook, executed, run.parameters)
+        except Exception as err:  # noqa: BLE001 - a failed notebook is a result, not a crash
+            error = _failure(err)
+        if executed.exists():
+            try:
+                export_html(executed, page, site_root)
+            except Exception as err:  # noqa: BLE001 - no page is a failure of this row
+                error = error or f"HTML export: {_failure(err)}"
     seconds = time.perf_counter() - start
-    page = executed.with_suffix(".html")
-    if executed.exists():
-        body, _ = HTMLExporter().from_notebook_node(nbformat.read(executed, as_version=4))
-        page.write_text(body, encoding="utf-8")
-    return {"name": notebook.stem, "ok": not error, "error": error, "seconds": seconds,
-            "page": page if page.exists() else None}
+    status = "failed" if error else "ok"
+    print(f"{prefix}: {status} in {seconds:.1f} s" + (f" ({error.splitlines()[0]})"
+                                                      if error else ""), flush=True)
+    return _row(run, status, error, seconds, page if page.exists() else None)
 
 
-def write_index(rows: list[dict], index: Path) -> None:
-    """A plain static page: one row per notebook with a link, its status and run time."""
-    lines = []
+def _row(run: Run, status: str, error: str, seconds: float, page: Path | None) -> dict:
+    return {"name": run.name, "notebook": run.notebook.stem, "label": run.label,
+            "parameters": run.parameters, "status": status, "error": error,
+            "seconds": round(seconds, 2), "page": page.name if page else None}
+
+
+# -- The site -------------------------------------------------------------------------------
+def new_run_dir(out: Path) -> Path:
+    """A new folder `out/runs/<stamp>[-k]`; never one that exists."""
+    runs = out / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for k in range(1, 1000):
+        path = runs / (stamp if k == 1 else f"{stamp}-{k}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"{runs} has 999 runs stamped {stamp}")
+
+
+def install_static(out: Path) -> None:
+    """Copy MathJax into the site once; later runs share it."""
+    target = out / MATHJAX
+    if not (target / "MathJax.js").exists():
+        source = Path(jupyter_server_mathjax.__file__).parent / "static"
+        shutil.copytree(source, target, dirs_exist_ok=True)
+
+
+def _params_text(parameters: dict) -> str:
+    if not parameters:
+        return "notebook defaults"
+    return ", ".join(f"{k}={v!r}" for k, v in parameters.items())
+
+
+def _table(rows: list[dict], prefix: str) -> str:
+    lines = ["<table><tr><th>notebook</th><th>configuration</th><th>parameters</th>"
+             "<th>status</th><th>run time</th></tr>"]
     for row in rows:
-        name = html.escape(row["name"])
-        link = (f'<a href="{html.escape(row["page"].relative_to(index.parent).as_posix())}">'
-                f"{name}</a>" if row["page"] else name)
-        status = "ok" if row["ok"] else f"failed: {html.escape(row['error'])}"
-        css = "ok" if row["ok"] else "failed"
-        lines.append(f'<tr><td>{link}</td><td class="{css}">{status}</td>'
+        name = html.escape(row["notebook"])
+        link = (f'<a href="{html.escape(prefix + row["page"])}">{name}</a>'
+                if row["page"] else name)
+        status = row["status"] + (f": {row['error']}" if row["error"] else "")
+        lines.append(f'<tr><td>{link}</td><td>{html.escape(row["label"] or "-")}</td>'
+                     f'<td><code>{html.escape(_params_text(row["parameters"]))}</code></td>'
+                     f'<td class="{row["status"]}">{html.escape(status)}</td>'
                      f'<td>{row["seconds"]:.1f} s</td></tr>')
-    index.write_text(f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>mk notebooks</title>
+    lines.append("</table>")
+    return "\n".join(lines)
+
+
+def _summary(record: dict) -> str:
+    rows = record["rows"]
+    failed = sum(r["status"] != "ok" for r in rows)
+    state = "" if record.get("finished") else ", did not finish"
+    return (f"{len(rows) - failed} ok, {failed} failed, "
+            f"{sum(r['seconds'] for r in rows):.0f} s{state}")
+
+
+def _page(title: str, body: str) -> str:
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>body{{font-family:sans-serif;margin:2em}} td,th{{padding:.3em 1em;text-align:left}}
-.ok{{color:#070}} .failed{{color:#b00}}</style></head>
-<body><h1>mk notebooks</h1>
-<p>Executed headless on CPU ({html.escape(time.strftime("%Y-%m-%d %H:%M"))}). Run times are
-wall-clock times on this machine, with any Pallas kernel in interpret mode: they say nothing
-about TPU time.</p>
-<table><tr><th>notebook</th><th>status</th><th>run time</th></tr>
-{chr(10).join(lines)}
-</table></body></html>
-""", encoding="utf-8")
+.ok{{color:#070}} .failed,.interrupted{{color:#b00}} code{{font-size:90%}}</style></head>
+<body><h1>{html.escape(title)}</h1>
+<p>Executed headless on CPU. Run times are wall-clock times on the machine that ran them,
+with every Pallas kernel in TPU interpret mode: they say nothing about TPU time.</p>
+{body}
+</body></html>
+"""
+
+
+def write_run_index(run_dir: Path, record: dict) -> None:
+    (run_dir / "runs.json").write_text(json.dumps(record, indent=1), encoding="utf-8")
+    body = (f"<p>Run {html.escape(run_dir.name)} ({_summary(record)}); "
+            f'<a href="../../index.html">all runs</a>.</p>\n{_table(record["rows"], "")}')
+    (run_dir / "index.html").write_text(_page(f"mk notebooks, run {run_dir.name}", body),
+                                        encoding="utf-8")
+
+
+def write_site_index(out: Path) -> None:
+    """`out/index.html`: the newest run's table, then every run, newest first."""
+    records = []
+    for path in sorted((out / "runs").glob("*/runs.json"), reverse=True):
+        records.append((path.parent.name, json.loads(path.read_text(encoding="utf-8"))))
+    if not records:
+        body = "<p>No runs yet: <code>make run</code>.</p>"
+    else:
+        name, newest = records[0]
+        listing = "\n".join(f'<li><a href="runs/{html.escape(n)}/index.html">'
+                            f"{html.escape(n)}</a>: {_summary(r)}</li>" for n, r in records)
+        body = (f"<h2>Newest run: {html.escape(name)} ({_summary(newest)})</h2>\n"
+                f"{_table(newest['rows'], f'runs/{name}/')}\n<h2>All runs</h2>\n"
+                f"<ul>\n{listing}\n</ul>")
+    (out / "index.html").write_text(_page("mk notebooks", body), encoding="utf-8")
+
+
+def run_all(runs: list[Run], out: Path, argv: list[str]) -> tuple[Path, list[dict]]:
+    """Run every configuration into a new run folder; the indexes are kept current."""
+    out.mkdir(parents=True, exist_ok=True)
+    install_static(out)
+    run_dir = new_run_dir(out)
+    record = {"started": time.strftime("%Y-%m-%d %H:%M:%S %z"), "finished": None,
+              "argv": argv, "rows": []}
+    width = max(len(run.name) for run in runs)
+    try:
+        for i, run in enumerate(runs, 1):
+            prefix = f"[{i}/{len(runs)}] {run.name:<{width}}"
+            record["rows"].append(run_one(run, run_dir, out, prefix))
+            write_run_index(run_dir, record)
+        record["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %z")
+    finally:
+        write_run_index(run_dir, record)
+        write_site_index(out)
+    return run_dir, record["rows"]
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("notebooks", nargs="*", type=Path,
-                        help=f"notebooks to run (default: {PATTERN})")
+                        help=f"notebooks to run (default: notebooks/{PATTERN})")
     parser.add_argument("--out", type=Path, default=ROOT / "build",
-                        help="output folder (default: build/)")
+                        help="site folder (default: build/)")
+    parser.add_argument("--runs", type=Path, default=RUNS_FILE,
+                        help="configurations per notebook (default: notebooks/runs.yaml)")
     args = parser.parse_args(argv)
-    notebooks = args.notebooks or sorted(ROOT.glob(PATTERN))
+    notebooks = [p.resolve() for p in args.notebooks] or sorted(
+        (ROOT / "notebooks").glob(PATTERN))
     if not notebooks:
-        parser.error(f"no notebooks match {PATTERN}")
+        parser.error(f"no notebooks match notebooks/{PATTERN}")
+    try:
+        runs = load_runs(args.runs, notebooks)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     check_kernel()
-    out_dir = args.out / "notebooks"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for notebook in notebooks:
-        row = run_one(notebook.resolve(), out_dir)
-        rows.append(row)
-        status = "ok" if row["ok"] else f"FAILED ({row['error'].splitlines()[0]})"
-        print(f"{row['name']:<40} {row['seconds']:7.1f} s  {status}", flush=True)
-    write_index(rows, args.out / "index.html")
-    failed = sum(not row["ok"] for row in rows)
-    print(f"{len(rows) - failed} ok, {failed} failed; index: {args.out / 'index.html'}")
+    start = time.perf_counter()
+    run_dir, rows = run_all(runs, args.out, argv)
+    failed = sum(row["status"] != "ok" for row in rows)
+    print(f"{len(rows) - failed} ok, {failed} failed in {time.perf_counter() - start:.0f} s; "
+          f"outputs: {run_dir}; index: {args.out / 'index.html'}", flush=True)
     return 1 if failed else 0
 
 
