@@ -1,0 +1,600 @@
+"""Profiles of decode steps: capture them, read them back, measure the bubbles.
+
+A decode step is memory bound (notebook 00): the HBM -> VMEM pipeline should never stop.
+Every kernel edge stops it: the ring drains at the end of one kernel and refills at the
+start of the next, and the host may dispatch the next kernel late. This module measures
+those stops in real profiles, for three ways of running the same step:
+
+- (a) "xla": `mk.reference.decode_step`, one XLA program of many fused ops;
+- (b) "staged": the stage kernels (`mk.kernels.*`), one pallas_call per op, dispatched one
+  by one from a Python loop over layers (`staged_step`);
+- (c) "megakernel": `mk.megakernel.decode_step`, one pallas_call per step.
+
+Here: `capture` (N annotated steps into `profiles/<name>/plugins/profile/<run>/`, the
+TensorBoard/XProf layout), `timeline` (the op events of a trace, per step), `bubbles` (idle
+time per step, definitions in its docstring), `staged_step`, `variants`, `trace_viewer`
+(XProf's own converter), the static TPU schedule (`dump_schedule`, `read_schedule`) and the
+figures of notebook 08 (`gantt`, `share_bars`). Not here: the simulator's predicted
+timeline (`mk.sim`), any TPU time: a CPU trace times CPU work.
+
+What a CPU trace shows: XLA:CPU runs an XLA program's ops (thunks) on a thread pool, two
+lines here, each op an event with stats `hlo_op`, `hlo_module`, `run_id` (one run_id = one
+execution of one program). A pallas_call in TPU interpret mode is an XLA program that
+simulates the kernel (DMAs and semaphores are host callbacks), so on a CPU one kernel
+shows as thousands of small ops and its time says nothing about a TPU. A TPU trace
+(`/device:TPU:0`) shows each kernel as one op on the "XLA Ops" line; named scopes inside a
+kernel show as its phases only with libtpu's `--xla_enable_custom_call_region_trace=true`
+(`PHASE_FLAG`), which is a compile flag, not a profiler option.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import plotly.graph_objects as go
+
+from mk import megakernel, reference
+from mk.config import ModelConfig
+from mk.kernels.attention_prologue import attention_prologue
+from mk.kernels.decode_attention import decode_attention
+from mk.kernels.mlp import moe, swiglu
+from mk.kernels.one_layer import layer_block
+from mk.kernels.weight_streaming import stream_matmul
+
+VARIANTS = ("xla", "staged", "megakernel")
+PHASE_FLAG = "--xla_enable_custom_call_region_trace=true"
+COLORS = {"busy": "#4c78a8", "bubble": "#e45756", "host": "#f2a541"}
+_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+# -- Capture ----------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Capture:
+    """Where one capture landed: `logdir/name/plugins/profile/run/<host>.xplane.pb`."""
+
+    name: str
+    run: str
+    path: Path  # the .xplane.pb
+    steps: int
+
+
+def capture(fn, *args, steps: int = 3, warmup: int = 1, logdir: str | os.PathLike = "profiles",
+            name: str = "capture") -> Capture:
+    """Run `fn(*args)` `warmup` times, then `steps` times under `jax.profiler.trace`, each
+    step inside `StepTraceAnnotation(name, step_num=i)` and waited for, so a step's ops fall
+    inside its annotation. The run directory gets a fresh name (the profiler's timestamp,
+    suffixed if taken): a capture never overwrites an earlier one. The Python tracer is off
+    (it would trace the interpreter of interpret-mode kernels and swamp the file)."""
+    for field, value, low in (("steps", steps, 1), ("warmup", warmup, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{field}={value!r} must be an integer >= {low}")
+    if not _NAME.match(name):
+        raise ValueError(f"name={name!r} must be letters, digits, '_', '.', '-' (a folder)")
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    root = Path(logdir) / name
+    root.mkdir(parents=True, exist_ok=True)
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+    with tempfile.TemporaryDirectory(dir=root, prefix=".staging-") as staging:
+        with jax.profiler.trace(staging, profiler_options=options):
+            for i in range(steps):
+                with jax.profiler.StepTraceAnnotation(name, step_num=i):
+                    jax.block_until_ready(fn(*args))
+        made, = (Path(staging) / "plugins" / "profile").iterdir()
+        runs = root / "plugins" / "profile"
+        runs.mkdir(parents=True, exist_ok=True)
+        run, k = made.name, 1
+        while (runs / run).exists():
+            run, k = f"{made.name}-{k}", k + 1
+        shutil.move(str(made), str(runs / run))
+    path, = (runs / run).glob("*.xplane.pb")
+    return Capture(name, run, path, steps)
+
+
+# -- Timeline -------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class OpEvent:
+    """One op execution. Times in ns on the trace's clock."""
+
+    name: str  # the HLO op (CPU) or the kernel (TPU "XLA Ops" line)
+    module: str  # the XLA program it belongs to
+    run_id: int  # one execution of that program
+    line: str  # thread (CPU) or device line (TPU)
+    start_ns: float
+    duration_ns: float
+    step: int  # index of the annotated step holding its start, -1 if none
+
+    @property
+    def end_ns(self) -> float:
+        return self.start_ns + self.duration_ns
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    number: int
+    start_ns: float
+    end_ns: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeline:
+    """The op events of one plane and the annotated steps (from the host plane)."""
+
+    plane: str
+    steps: tuple[Step, ...]
+    ops: tuple[OpEvent, ...]
+
+    def rows(self, step: int | None = None) -> list[dict]:
+        """One dict per op event (name, module, line, step, start/duration in µs)."""
+        return [dict(name=o.name, module=o.module, line=o.line, step=o.step,
+                     start_us=round(o.start_ns / 1e3, 3), duration_us=round(o.duration_ns / 1e3, 3))
+                for o in self.ops if step is None or o.step == step]
+
+
+def _step_of(start: float, steps) -> int:
+    for i, s in enumerate(steps):
+        if s.start_ns <= start < s.end_ns:
+            return i
+    return -1
+
+
+def timeline(xplane_path: str | os.PathLike, *, plane: str = "auto") -> Timeline:
+    """Parse a trace with `jax.profiler.ProfileData` into op events per annotated step.
+
+    plane="auto" takes `/device:TPU:0` when the trace has it (its "XLA Ops" line), else
+    `/host:CPU` (every event carrying an `hlo_op` stat, on any thread). Steps are the
+    `StepTraceAnnotation`s of the host plane (events with a `step_num` stat)."""
+    data = jax.profiler.ProfileData.from_file(str(xplane_path))
+    planes = {p.name: p for p in data.planes}
+    if plane == "auto":
+        plane = "/device:TPU:0" if "/device:TPU:0" in planes else "/host:CPU"
+    if plane not in planes or "/host:CPU" not in planes:
+        raise ValueError(f"plane={plane!r} is not in {xplane_path} (planes: {sorted(planes)})")
+    steps = []
+    for line in planes["/host:CPU"].lines:
+        for e in line.events:
+            stats = dict(e.stats)
+            if "step_num" in stats:
+                steps.append(Step(int(stats["step_num"]), e.start_ns,
+                                  e.start_ns + e.duration_ns))
+    steps.sort(key=lambda s: s.start_ns)
+    ops = []
+    device = plane.startswith("/device:")
+    for line in planes[plane].lines:
+        if device and line.name != "XLA Ops":
+            continue
+        for e in line.events:
+            stats = dict(e.stats)
+            if not device and "hlo_op" not in stats:
+                continue
+            ops.append(OpEvent(e.name, str(stats.get("hlo_module", "")),
+                               int(stats.get("run_id", -1)), line.name, e.start_ns,
+                               e.duration_ns, _step_of(e.start_ns, steps)))
+    ops.sort(key=lambda o: o.start_ns)
+    return Timeline(plane, tuple(steps), tuple(ops))
+
+
+# -- Bubbles --------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class StepBubbles:
+    """The bubbles of one step; times in ns. See `bubbles` for the definitions."""
+
+    step: int
+    wall_ns: float  # the step annotation: host start to host end
+    span_ns: float  # first op start to last op end
+    busy_ns: float  # length of the union of all op events (any line)
+    idle_ns: float  # span - busy: gaps inside the step where no op runs on any line
+    host_ns: float  # wall - span: before the first op and after the last
+    ops: int  # op events
+    launches: int  # programs executed (distinct (module, run_id)), nested ones excepted
+    idle: tuple[tuple[float, float], ...]  # the gaps, as (start, end)
+    op_share: dict  # op name -> its self time / the summed self time of every op
+
+    @property
+    def bubble_share(self) -> float:
+        """Share of the step's wall time with no op running: (idle + host) / wall."""
+        return (self.idle_ns + self.host_ns) / self.wall_ns if self.wall_ns else 0.0
+
+    @property
+    def idle_share(self) -> float:
+        """Share of the op span with no op running: idle / span."""
+        return self.idle_ns / self.span_ns if self.span_ns else 0.0
+
+
+def union(intervals) -> list[tuple[float, float]]:
+    """The union of (start, end) intervals, as sorted disjoint intervals."""
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def self_times(events) -> dict:
+    """Op name -> self time: an event's duration minus the time of events nested in it on
+    the same line (a while loop's body ops are not counted twice)."""
+    out: dict = defaultdict(float)
+    by_line = defaultdict(list)
+    for e in events:
+        by_line[e.line].append(e)
+    for line_events in by_line.values():
+        stack: list[list] = []  # [event, time of children]
+        for e in sorted(line_events, key=lambda e: (e.start_ns, -e.duration_ns)):
+            while stack and e.start_ns >= stack[-1][0].end_ns:
+                done, child = stack.pop()
+                out[done.name] += done.duration_ns - child
+            if stack:  # nested in the top event: clip to it
+                stack[-1][1] += min(e.end_ns, stack[-1][0].end_ns) - e.start_ns
+            stack.append([e, 0.0])
+        for done, child in stack:
+            out[done.name] += done.duration_ns - child
+    return dict(out)
+
+
+def _launches(events) -> int:
+    spans = defaultdict(lambda: [float("inf"), float("-inf")])
+    for e in events:
+        span = spans[(e.module, e.run_id)]
+        span[0], span[1] = min(span[0], e.start_ns), max(span[1], e.end_ns)
+    spans = sorted(spans.values(), key=lambda s: (s[0], -s[1]))
+    top, reach = 0, float("-inf")
+    for start, end in spans:
+        if end > reach or start >= reach:  # not inside an earlier program's run
+            top += 1
+        reach = max(reach, end)
+    return top
+
+
+def bubbles(tl: Timeline) -> list[StepBubbles]:
+    """The bubbles of every annotated step of `tl`.
+
+    Definitions (per step; an op belongs to the step whose annotation holds its start):
+    - wall: the step annotation, from the host starting the step to the step's result
+      being ready (the capture waits for it inside the annotation);
+    - span: first op start to last op end; busy: the length of the union of every op
+      event on every line (two threads working at once count once, a nested op counts
+      inside its parent); idle = span - busy: the gaps inside the step where no op runs
+      anywhere (on a TPU: the chip waits);
+    - host = wall - span: the host gap at the step's edges (dispatch before the first op,
+      the result's return after the last), which a device-side loop of steps removes;
+    - bubble share = (idle + host) / wall; idle share = idle / span;
+    - ops: op events; launches: programs executed, (module, run_id) pairs not nested in
+      another program's run (interpret mode runs small programs inside a kernel's
+      callbacks); op share: self time per op name over the summed self time.
+    """
+    out = []
+    for i, step in enumerate(tl.steps):
+        events = [o for o in tl.ops if o.step == i]
+        if not events:
+            out.append(StepBubbles(step.number, step.end_ns - step.start_ns, 0.0, 0.0, 0.0,
+                                   step.end_ns - step.start_ns, 0, 0, (), {}))
+            continue
+        busy = union((o.start_ns, min(o.end_ns, step.end_ns)) for o in events)
+        first, last = busy[0][0], busy[-1][1]
+        gaps = tuple((a[1], b[0]) for a, b in zip(busy, busy[1:]))
+        busy_ns = sum(b - a for a, b in busy)
+        selfs = self_times(events)
+        total = sum(selfs.values()) or 1.0
+        out.append(StepBubbles(
+            step.number, step.end_ns - step.start_ns, last - first, busy_ns,
+            last - first - busy_ns, (step.end_ns - step.start_ns) - (last - first),
+            len(events), _launches(events), gaps,
+            {k: v / total for k, v in sorted(selfs.items(), key=lambda kv: -kv[1])}))
+    return out
+
+
+def summary(per_step: list[StepBubbles], label: str = "") -> dict:
+    """Totals over steps: mean wall time, shares, ops and launches per step."""
+    n = len(per_step)
+    if not n:
+        raise ValueError("no steps: the capture holds no StepTraceAnnotation")
+    wall = sum(s.wall_ns for s in per_step)
+    span = sum(s.span_ns for s in per_step)
+    idle = sum(s.idle_ns for s in per_step)
+    host = sum(s.host_ns for s in per_step)
+    return dict(variant=label, steps=n, wall_ms=round(wall / n / 1e6, 3),
+                ops_per_step=round(sum(s.ops for s in per_step) / n, 1),
+                launches_per_step=round(sum(s.launches for s in per_step) / n, 1),
+                idle_share=round(idle / span, 4) if span else 0.0,
+                host_share=round(host / wall, 4), bubble_share=round((idle + host) / wall, 4))
+
+
+# -- Variant (b): the stage kernels, one pallas_call per op ------------------------------
+# Each op is its own jitted program (named after the op in the trace), called eagerly from
+# a Python loop over layers: every op is a launch, and every launch primes and drains its
+# own weight ring. Per-layer weights are passed in, so one compile serves every layer.
+@functools.partial(jax.jit, static_argnames=("config",))
+def prologue(config: ModelConfig, layer_params, x, positions):
+    return attention_prologue(config, layer_params, x, positions, layer=0)
+
+
+@jax.jit
+def attention(q, k, v, k_cache, v_cache, positions, layer):
+    B, T = q.shape[:2]
+    o, k_cache, v_cache = decode_attention(q.reshape(B * T, -1), k.reshape(B * T, -1),
+                                           v.reshape(B * T, -1), k_cache, v_cache, positions,
+                                           layer=layer)
+    return o.reshape(B, T, -1), k_cache, v_cache
+
+
+@jax.jit
+def output_projection(o, x, wo):
+    B, T, _ = o.shape
+    return x + stream_matmul(o.reshape(B * T, -1), wo).reshape(x.shape)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "kind"))
+def mlp(config: ModelConfig, kind: str, x, mlp_norm, weights):
+    B, T, D = x.shape
+    h = reference.rms_norm(x, mlp_norm, config.rms_eps).reshape(B * T, D)
+    if kind == "dense":
+        y = swiglu(h, *weights)
+    else:
+        y = moe(h, *weights, top_k=config.experts_per_token, renormalise=config.norm_topk)
+    return x + y.reshape(x.shape)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def head(config: ModelConfig, x, final_norm, w):
+    B, T, D = x.shape
+    h = reference.rms_norm(x, final_norm, config.rms_eps).reshape(B * T, D)
+    return stream_matmul(h, w).reshape(B, T, -1)
+
+
+@jax.jit
+def embed(table, tokens):
+    return table[tokens].astype(jnp.float32)
+
+
+def staged_weights(config: ModelConfig, params) -> list[dict]:
+    """Per-layer weights of `staged_step`, sliced once: layer l's entries keep a leading
+    axis of 1 (the stage wrappers index row 0)."""
+    names = ["attn_norm", "wq", "wk", "wv"] + (["q_norm", "k_norm"] if config.qk_norm else [])
+    out = []
+    for layer in range(config.layers):
+        kind, row = config.mlp_index(layer)
+        mlp_names = (("w_gate", "w_up", "w_down") if kind == "dense"
+                     else ("router", "we_gate", "we_up", "we_down"))
+        out.append(dict(prologue={n: params[n][layer:layer + 1] for n in names},
+                        wo=params["wo"][layer], mlp_norm=params["mlp_norm"][layer], kind=kind,
+                        mlp=tuple(params[n][row] for n in mlp_names)))
+    return out
+
+
+def staged_step(config: ModelConfig, params, layers: list[dict], cache: reference.KVCache,
+                tokens, positions):
+    """Variant (b): one decode step as one pallas_call per op (prologue, attention, output
+    projection, MLP per layer, then the lm_head), each dispatched from this Python loop.
+    `layers` is `staged_weights(config, params)`. Returns (logits [B, T, V] float32,
+    cache), the contract of `mk.reference.decode_step`."""
+    tokens, positions = jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32)
+    reference.validate_step(config, cache, tokens, positions)
+    x = embed(params["embed"], tokens)
+    k_cache, v_cache = cache
+    for layer, w in enumerate(layers):
+        q, k, v = prologue(config, w["prologue"], x, positions)
+        o, k_cache, v_cache = attention(q, k, v, k_cache, v_cache, positions,
+                                        np.int32(layer))  # a host scalar: no launch
+        x = output_projection(o, x, w["wo"])
+        x = mlp(config, w["kind"], x, w["mlp_norm"], w["mlp"])
+    lm_head = params["embed"].T if config.tie_embeddings else params["lm_head"]
+    return head(config, x, params["final_norm"], lm_head), reference.KVCache(k_cache, v_cache)
+
+
+def variants(config: ModelConfig, params, cache: reference.KVCache, tokens, positions):
+    """name -> a no-argument callable running one decode step that way (VARIANTS order);
+    weights are laid out once, here, not in the step. Call the kernels inside
+    `mk.backend.use(...)`."""
+    block = layer_block(config)
+    weights = megakernel.prepare(config, params, block)
+    layers = staged_weights(config, params)
+    return {
+        "xla": lambda: reference.decode_step(config, params, cache, tokens, positions),
+        "staged": lambda: staged_step(config, params, layers, cache, tokens, positions),
+        "megakernel": lambda: megakernel.decode_step(config, weights, cache, tokens,
+                                                     positions, block=block),
+    }
+
+
+# -- XProf ----------------------------------------------------------------------------------
+def trace_viewer(xplane_path: str | os.PathLike) -> dict:
+    """The capture as XProf's trace viewer sees it (Chrome-trace JSON, parsed): proof that
+    the file is in the layout XProf and TensorBoard open."""
+    import json
+
+    from xprof.convert import raw_to_tool_data
+
+    data, _ = raw_to_tool_data.xspace_to_tool_data([str(xplane_path)], "trace_viewer", {})
+    return json.loads(data)
+
+
+# -- The static schedule (TPU compiler dumps; no TPU needed) ---------------------------------
+def compile_with_dumps(code: str, args, out: str | os.PathLike, *,
+                       phases: bool = True) -> Path:
+    """Run Python `code` (a TPU compile, e.g. through `mk.tpu`; it sees `args` as
+    sys.argv[1:]) in a child process whose libtpu dumps its schedules into `out`/jf (and
+    Mosaic's passes into `out`/mosaic); with `phases`, also `PHASE_FLAG`, so named scopes
+    inside kernels become trace markers. Returns `out`/jf.
+
+    A child process because libtpu reads LIBTPU_INIT_ARGS once, at its first use."""
+    out = Path(out)
+    shutil.rmtree(out, ignore_errors=True)
+    flags = f"--xla_jf_dump_to={out / 'jf'} --xla_mosaic_dump_to={out / 'mosaic'}"
+    env = dict(os.environ, LIBTPU_INIT_ARGS=flags + (f" {PHASE_FLAG}" if phases else ""))
+    done = subprocess.run([sys.executable, "-c", code, *map(str, args)], env=env,
+                          capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"the dumping compile failed:\n{done.stdout}{done.stderr[-2000:]}")
+    return out / "jf"
+
+
+_COMPILE_MEGAKERNEL = """import sys, mk
+name, chip, batch, rows, context = sys.argv[1:]
+r = mk.tpu.compile_megakernel(mk.preset(name), chip, batch=int(batch), rows=int(rows),
+                              context=int(context))
+print(r.summary())
+sys.exit(0 if r.ok else 1)
+"""
+
+
+def dump_schedule(config_name: str, chip: str, out: str | os.PathLike, *, batch: int = 1,
+                  rows: int = 1, context: int = 256, phases: bool = True) -> Path:
+    """The megakernel of preset `config_name` compiled for `chip` with the schedule dumps
+    on (`compile_with_dumps`); read them with `read_schedule`."""
+    return compile_with_dumps(_COMPILE_MEGAKERNEL, [config_name, chip, batch, rows, context],
+                              out, phases=phases)
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """The compiler's static schedule of one kernel (bundle counts: not cycles; loops
+    count once, DMA latency is unknown)."""
+
+    kernel: str
+    bundles: int  # total scheduled VLIW bundles
+    empty: int  # bundles with nothing issued
+    utilisation: dict  # unit -> mean share of its issue slots used over all bundles
+    dmas: int  # DMA issues (dma.hbm_to_vmem, dma.vmem_to_hbm, ...)
+    waits: int  # DMA waits (dma.done.wait, vwait.*)
+    in_loops: int  # bundles inside a loop (listed once, run once per trip)
+    phases: dict  # named scope -> bundles between its trace markers (PHASE_FLAG)
+
+
+_MARK = re.compile(r"TraceMe(Start|End)\(([^)]*)\)")
+_BUNDLE = re.compile(r"^\s*(?:0x[0-9a-f]+|\d+)\s+(?:[A-Z]{2})?:\s*(>*)\s*\{")
+
+
+def read_schedule(jf_dump: str | os.PathLike, kernel: str = "mk_megakernel") -> Schedule:
+    """Summarise the dumps of the first program whose name starts with `kernel`: total
+    bundles, per-unit utilisation, DMA and wait counts, and bundles per named scope (the
+    innermost scope a bundle is in, when the trace markers are present)."""
+    jf = Path(jf_dump)
+
+    def one(suffix):
+        found = sorted(jf.glob(f"*-{kernel}*-{suffix}"))
+        if not found:
+            raise ValueError(f"no '{kernel}*-{suffix}' in {jf}: was it dumped with "
+                             "--xla_jf_dump_to?")
+        return found[0].read_text()
+
+    analysis = one("schedule-analysis_final_bundles.txt")
+    count = {k: int(re.search(rf"{k} scheduled bundles:\s+(\d+)", analysis)[1])
+             for k in ("total", "empty")}
+    util_text = one("final_hlo-static-per-bundle-utilization.txt").splitlines()
+    units = [u.strip() for u in util_text[1].split(",")]
+    capacity = [int(c) for c in util_text[2].split()]
+    rows = [[int(v) for v in line.split()] for line in util_text[4:] if line.strip()]
+    utilisation = {u: round(sum(r[i] for r in rows) / (capacity[i] * len(rows)), 4)
+                   for i, u in enumerate(units)} if rows else {}
+    phases: dict = defaultdict(int)
+    scopes: list[str] = []
+    dmas = waits = in_loops = 0
+    for line in one("final_bundles.txt").splitlines():
+        bundle = _BUNDLE.match(line)
+        if not bundle:
+            continue
+        in_loops += bool(bundle[1])
+        for kind, scope in _MARK.findall(line):
+            if kind == "Start":
+                scopes.append(scope)
+            elif scopes and scopes[-1] == scope:
+                scopes.pop()
+        dmas += len(re.findall(r"= dma\.(?!done)", line))
+        waits += len(re.findall(r"= dma\.done\.wait|vwait\.", line))
+        if scopes:
+            phases[scopes[-1]] += 1
+    return Schedule(kernel, count["total"], count["empty"], utilisation, dmas, waits,
+                    in_loops, dict(phases))
+
+
+# -- Figures --------------------------------------------------------------------------------
+def lanes_figure(lanes: dict, idle, host=(), *, title: str = "", x_title: str = "µs",
+                 height: int = 300) -> go.Figure:
+    """A Gantt chart: `lanes` maps a lane name to (start, end, label) spans drawn busy;
+    `idle` (bubbles: no lane busy) and `host` (host gaps) are (start, end) spans drawn on
+    one "bubbles" lane. The measured and the simulated timelines both use it, so they share
+    their colours."""
+    fig = go.Figure()
+    for lane, spans in lanes.items():
+        fig.add_trace(go.Bar(
+            y=[lane] * len(spans), x=[z - a for a, z, _ in spans], base=[a for a, _, _ in spans],
+            orientation="h", marker_color=COLORS["busy"], showlegend=False,
+            customdata=[label for _, _, label in spans],
+            hovertemplate="%{customdata}: %{x:.2f}<extra></extra>"))
+    for label, spans, color in (("idle: no op running", idle, COLORS["bubble"]),
+                                ("host gap", host, COLORS["host"])):
+        spans = [(a, z) for a, z in spans if z > a]
+        if spans:
+            fig.add_trace(go.Bar(
+                y=["bubbles"] * len(spans), x=[z - a for a, z in spans],
+                base=[a for a, _ in spans], orientation="h", marker_color=color, name=label,
+                hovertemplate=f"{label}: %{{x:.2f}}<extra></extra>"))
+    fig.update_layout(title=title, barmode="overlay", height=height, xaxis_title=x_title,
+                      yaxis=dict(autorange="reversed"))
+    return fig
+
+
+def gantt(tl: Timeline, per_step: list[StepBubbles], step: int = -1, *, title: str = "",
+          max_lines: int = 4) -> go.Figure:
+    """One measured step: its ops on the `max_lines` busiest lines, the idle gaps (no op on
+    any line) and the host gap, in µs from the step's start."""
+    i = range(len(tl.steps))[step]
+    s, b = tl.steps[i], per_step[i]
+    events = [o for o in tl.ops if o.step == i]
+    load: dict = defaultdict(float)
+    for o in events:
+        load[o.line] += o.duration_ns
+    lines = sorted(load, key=lambda n: -load[n])[:max_lines]
+
+    def us(t):
+        return (t - s.start_ns) / 1e3
+
+    lanes = {line: [(us(o.start_ns), us(o.end_ns), o.name) for o in events if o.line == line]
+             for line in lines}
+    first = min((o.start_ns for o in events), default=s.end_ns)
+    last = min(max((o.end_ns for o in events), default=s.end_ns), s.end_ns)
+    host = [(us(s.start_ns), us(first)), (us(last), us(s.end_ns))]
+    return lanes_figure(lanes, [(us(a), us(z)) for a, z in b.idle], host,
+                        title=title or f"step {s.number}",
+                        x_title="µs from the step's start (measured on this machine)")
+
+
+def predicted(simulation, *, title: str = "") -> go.Figure:
+    """A simulated step (anything with `events` (lane, start_s, end_s, what) and `bubbles`
+    (start_s, end_s), e.g. `mk.sim.simulate(...)`) in the colours of `gantt`; µs."""
+    lanes: dict = defaultdict(list)
+    for e in simulation.events:
+        lanes[e.lane].append((e.start_s * 1e6, e.end_s * 1e6, e.what))
+    idle = [(b.start_s * 1e6, b.end_s * 1e6) for b in simulation.bubbles]
+    return lanes_figure(dict(lanes), idle, title=title,
+                        x_title="µs from the step's start (simulated, not measured)")
+
+
+def share_bars(rows: list[dict], *, title: str = "Bubble share per variant") -> go.Figure:
+    """Stacked bars of idle-inside-the-step and host-gap shares of the wall time, one bar
+    per `summary` row (its `variant` label)."""
+    labels = [r["variant"] for r in rows]
+    host = [r["host_share"] for r in rows]
+    idle = [r["bubble_share"] - r["host_share"] for r in rows]
+    fig = go.Figure([
+        go.Bar(x=labels, y=idle, name="idle inside the step", marker_color=COLORS["bubble"]),
+        go.Bar(x=labels, y=host, name="host gap", marker_color=COLORS["host"])])
+    fig.update_layout(barmode="stack", title=title,
+                      yaxis=dict(title="share of the step's wall time", tickformat=".0%",
+                                 range=[0, 1]))
+    return fig

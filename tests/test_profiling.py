@@ -1,0 +1,191 @@
+"""mk.profiling: bubble arithmetic with known answers, real CPU captures, XProf's converter,
+variant (b) against the reference, and the TPU compiler's schedule dumps.
+
+Not covered here (no TPU): device planes (`/device:TPU:0`) of a real TPU trace and the
+in-kernel phase markers in a profile; the static dumps stand in for the latter.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mk
+import mk.backend
+from mk import profiling, reference
+from mk.profiling import OpEvent, Step, Timeline
+
+# -- Bubble arithmetic on synthetic timelines -----------------------------------------------
+
+
+def op(name, line, start, end, module="m1", run_id=1):
+    return OpEvent(name, module, run_id, line, float(start), float(end - start), 0)
+
+
+SYNTHETIC = Timeline("/host:CPU", (Step(0, 0.0, 100.0),), (
+    op("a", "A", 10, 30),  # line A: a holds b
+    op("b", "A", 15, 20),
+    op("c", "A", 50, 60),
+    op("d", "B", 25, 40),  # line B overlaps line A
+    op("e", "B", 70, 90, module="m2", run_id=2),  # a second program
+    op("f", "C", 52, 55, module="jit_add", run_id=3),  # a program run inside m1's run
+))
+
+
+def test_union_merges_overlapping_and_touching_intervals():
+    assert profiling.union([(5, 7), (0, 2), (1, 3), (3, 4), (9, 9)]) == [(0, 4), (5, 7),
+                                                                         (9, 9)]
+
+
+def test_bubbles_of_overlapping_lines_nested_events_and_step_edges():
+    b, = profiling.bubbles(SYNTHETIC)
+    # union of busy: [10, 40] + [50, 60] + [70, 90] = 60; span 10..90 = 80
+    assert (b.wall_ns, b.span_ns, b.busy_ns, b.idle_ns, b.host_ns) == (100, 80, 60, 20, 20)
+    assert b.idle == ((40, 50), (60, 70))
+    assert b.bubble_share == pytest.approx(0.4) and b.idle_share == pytest.approx(0.25)
+    assert (b.ops, b.launches) == (6, 2)  # jit_add runs inside m1: not a launch of its own
+
+
+def test_self_time_subtracts_nested_events_on_the_same_line_only():
+    selfs = profiling.self_times(SYNTHETIC.ops)
+    assert selfs == {"a": 15, "b": 5, "c": 10, "d": 15, "e": 20, "f": 3}
+    b, = profiling.bubbles(SYNTHETIC)
+    assert b.op_share["a"] == pytest.approx(15 / 68) and sum(b.op_share.values()) == (
+        pytest.approx(1.0))
+
+
+def test_a_step_without_ops_is_all_host_gap_and_ops_outside_steps_are_dropped():
+    tl = Timeline("/host:CPU", (Step(0, 0.0, 10.0), Step(1, 10.0, 30.0)),
+                  (OpEvent("x", "m", 1, "A", 2.0, 3.0, 0),
+                   OpEvent("y", "m", 2, "A", 40.0, 1.0, -1)))
+    first, empty = profiling.bubbles(tl)
+    assert (first.span_ns, first.host_ns, first.bubble_share) == (3, 7, pytest.approx(0.7))
+    assert (empty.ops, empty.host_ns, empty.bubble_share) == (0, 20, 1.0)
+    row = profiling.summary([first, empty], "v")
+    assert row["bubble_share"] == pytest.approx(27 / 30) and row["ops_per_step"] == 0.5
+
+
+def test_summary_of_no_steps_is_an_error():
+    with pytest.raises(ValueError, match="no steps"):
+        profiling.summary([])
+
+
+# -- Real captures on the CPU ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def xla_capture(tmp_path_factory):
+    """Three annotated steps of the XLA reference decode step (tiny), and its program."""
+    config = mk.preset("tiny")
+    params = mk.init_params(config, seed=0)
+    cache = reference.init_cache(config, 1, 256)
+    tokens, positions = jnp.array([[3]], jnp.int32), jnp.array([5], jnp.int32)
+    cap = profiling.capture(lambda: reference.decode_step(config, params, cache, tokens,
+                                                          positions),
+                            steps=3, logdir=tmp_path_factory.mktemp("profiles"), name="xla")
+    hlo = reference._forward.lower(config, params, cache, tokens, positions).compile()
+    return cap, hlo.as_text()
+
+
+def _executed_instructions(hlo_text: str) -> int:
+    """Instructions of the entry computation that run as ops (XLA:CPU thunks)."""
+    entry = hlo_text[hlo_text.index("\nENTRY"):]
+    entry = entry[:entry.index("\n}")]
+    opcodes = re.findall(r"=\s*\S+\s+([a-z][a-z0-9-]*)\(", entry)
+    return sum(o not in ("parameter", "constant", "tuple", "get-tuple-element", "bitcast")
+               for o in opcodes)
+
+
+def test_capture_has_the_standard_layout(xla_capture):
+    cap, _ = xla_capture
+    assert cap.path.name.endswith(".xplane.pb")
+    assert cap.path.parent.parent.name == "profile" and cap.path.parent.name == cap.run
+    assert cap.path.parent.parent.parent.name == "plugins"
+
+
+def test_each_step_runs_every_op_of_the_compiled_program_once(xla_capture):
+    cap, hlo = xla_capture
+    tl = profiling.timeline(cap.path)
+    per_step = profiling.bubbles(tl)
+    want = _executed_instructions(hlo)
+    assert want > 50  # the reference step is many ops
+    assert [s.ops for s in per_step] == [want] * 3
+    assert [s.launches for s in per_step] == [1] * 3
+    for s in per_step:
+        assert 0 <= s.idle_ns < s.span_ns <= s.wall_ns and 0 <= s.bubble_share < 1
+
+
+def test_trace_viewer_converts_the_capture(xla_capture):
+    cap, _ = xla_capture
+    trace = profiling.trace_viewer(cap.path)
+    names = {e.get("name") for e in trace["traceEvents"]}
+    ops = {o.name for o in profiling.timeline(cap.path).ops}
+    assert ops and ops <= names
+
+
+def test_a_capture_never_overwrites_an_earlier_one(tmp_path):
+    x = jnp.ones(8)
+    runs = {profiling.capture(jnp.sin, x, steps=1, warmup=0, logdir=tmp_path, name="same").run
+            for _ in range(2)}
+    assert len(runs) == 2
+    assert len(list((tmp_path / "same" / "plugins" / "profile").iterdir())) == 2
+
+
+@pytest.mark.parametrize("kwargs, field", [(dict(steps=0), "steps"), (dict(warmup=-1), "warmup"),
+                                           (dict(name="../x"), "name")])
+def test_bad_capture_arguments_are_named(tmp_path, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        profiling.capture(jnp.sin, jnp.ones(2), logdir=tmp_path, **kwargs)
+
+
+def test_staged_step_is_one_launch_per_op_and_matches_the_reference(tmp_path):
+    config = mk.preset("tiny")
+    params = mk.init_params(config, seed=0)
+    prompt = jax.random.randint(jax.random.key(0), (1, 5), 0, config.vocab)
+    _, cache = reference.prefill(config, params, prompt, max_context=256)
+    tokens, positions = jnp.array([[7]], jnp.int32), jnp.array([5], jnp.int32)
+    want, want_cache = reference.decode_step(config, params, cache, tokens, positions)
+    step = profiling.variants(config, params, cache, tokens, positions)["staged"]
+    with mk.backend.use("interpret"):
+        cap = profiling.capture(step, steps=1, logdir=tmp_path, name="staged")
+        got, got_cache = step()
+    b, = profiling.bubbles(profiling.timeline(cap.path))
+    assert b.launches == 2 + 4 * config.layers  # embed, 4 ops per layer, lm_head
+    scale = float(jnp.max(jnp.abs(want)))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-2 * scale)
+    np.testing.assert_array_equal(reference.greedy(got), reference.greedy(want))
+    np.testing.assert_allclose(got_cache.k.astype(jnp.float32),
+                               want_cache.k.astype(jnp.float32), rtol=2e-2, atol=3e-2)
+
+
+# -- The static schedule ----------------------------------------------------------------------
+TOY = """import sys, jax, jax.numpy as jnp, mk
+from jax.experimental import pallas as pl
+
+def kernel(x_ref, o_ref):
+    with jax.named_scope("scale"):
+        y = x_ref[...] * 2.0
+    with jax.named_scope("shift"):
+        o_ref[...] = y + 1.0
+
+def f(x):
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          name="mk_toy")(x)
+
+r = mk.tpu.compile_for_chip(f, [jax.ShapeDtypeStruct((8, 128), jnp.float32)], sys.argv[1])
+sys.exit(0 if r.ok else 1)
+"""
+
+
+def test_named_scopes_become_phases_of_the_static_schedule(tmp_path):
+    jf = profiling.compile_with_dumps(TOY, ["v6e"], tmp_path)
+    s = profiling.read_schedule(jf, "mk_toy")
+    assert set(s.phases) == {"scale", "shift"} and all(n > 0 for n in s.phases.values())
+    assert s.bundles > sum(s.phases.values()) and s.dmas > 0
+    assert set(s.utilisation) >= {"MXU", "VALU", "VLOAD", "VSTORE"}
+    assert all(0 <= u <= 1 for u in s.utilisation.values())
+
+
+def test_reading_a_folder_without_dumps_says_which_flag(tmp_path):
+    with pytest.raises(ValueError, match="xla_jf_dump_to"):
+        profiling.read_schedule(tmp_path)
