@@ -55,8 +55,9 @@ from mk.kernels.weight_streaming import stream_matmul
 
 VARIANTS = ("xla", "staged", "megakernel")
 PHASE_FLAG = "--xla_enable_custom_call_region_trace=true"
+PROFILES = Path(__file__).resolve().parent.parent / "profiles"  # the project's profiles/
 COLORS = {"busy": "#4c78a8", "bubble": "#e45756", "host": "#f2a541"}
-_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
 # -- Capture ----------------------------------------------------------------------------------
@@ -70,8 +71,8 @@ class Capture:
     steps: int
 
 
-def capture(fn, *args, steps: int = 3, warmup: int = 1, logdir: str | os.PathLike = "profiles",
-            name: str = "capture") -> Capture:
+def capture(fn, *args, steps: int = 3, warmup: int = 1,
+            logdir: str | os.PathLike = PROFILES, name: str = "capture") -> Capture:
     """Run `fn(*args)` `warmup` times, then `steps` times under `jax.profiler.trace`, each
     step inside `StepTraceAnnotation(name, step_num=i)` and waited for, so a step's ops fall
     inside its annotation. The run directory gets a fresh name (the profiler's timestamp,
@@ -81,7 +82,8 @@ def capture(fn, *args, steps: int = 3, warmup: int = 1, logdir: str | os.PathLik
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{field}={value!r} must be an integer >= {low}")
     if not _NAME.match(name):
-        raise ValueError(f"name={name!r} must be letters, digits, '_', '.', '-' (a folder)")
+        raise ValueError(f"name={name!r} must be a folder name: a letter or digit, then "
+                         "letters, digits, '_', '.', '-'")
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
     root = Path(logdir) / name

@@ -1,0 +1,277 @@
+# ---
+# jupyter:
+#   jupytext:
+#     cell_metadata_filter: tags,-all
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 08 · Profiling the memory pipeline: where the bubbles are
+#
+# A decode step is bound by the bytes it moves (notebook 00), so the HBM -> VMEM pipeline
+# should never stop. Every kernel edge can stop it: a kernel's ring drains before it ends,
+# the next one's ring fills after it starts, and the host may dispatch the next kernel
+# late. This notebook profiles the same decode step three ways and answers:
+#
+# - How do I capture a profile, read it back, and open it in XProf or TensorBoard?
+# - What is a bubble, exactly, and how big is it for (a) XLA's many ops, (b) the stage
+#   kernels one `pallas_call` per op, (c) the megakernel, one call per step?
+# - What does the simulator predict for the same step on a TPU, and for qwen3-8b on TPU7x?
+# - What can the TPU compiler tell us about the megakernel without a TPU?
+
+# %%
+# Colab bootstrap: on a Colab runtime without mk, install this package with the pinned
+# jax[tpu] and ask for a restart. Anywhere else this cell does nothing.
+import importlib.util
+import subprocess
+import sys
+
+MK_REPO = "https://github.com/mk-megakernel/mk"  # where this project is published
+if "google.colab" in sys.modules and importlib.util.find_spec("mk") is None:
+    subprocess.run(["git", "clone", "--depth=1", MK_REPO, "/content/mk"], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", "/content/mk"],
+                   check=True)
+    raise SystemExit("mk installed: Runtime > Restart session, then run all cells again.")
+
+# %% tags=["parameters"]
+preset = "tiny"
+batch = 1
+rows = 1
+context = 256
+chip = "v6e"
+backend = "auto"
+seed = 0
+checkpoint = ""
+steps = 2  # profiled decode steps per variant (after one warm-up step)
+predict_preset = "qwen3-8b"  # the simulator's second prediction
+predict_chip = "tpu7x"
+predict_context = 4096
+schedule_dump = True  # compile the megakernel for `chip` with the compiler's dumps (~10 s)
+
+# %%
+import tempfile
+
+import jax
+import jax.numpy as jnp
+from IPython.display import display
+
+import mk
+import mk.backend
+import mk.run
+from mk import plots, profiling, reference
+
+run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
+                          backend=backend, seed=seed, checkpoint=checkpoint)
+config, mode = run.config, mk.backend.resolve(run.backend)
+on_tpu = mode == "hardware"
+print(f"{config.name}: {config.layers} layers, B={run.batch} T={run.rows} S={run.context}; "
+      f"kernels run on: {mode}; profiles go to {profiling.PROFILES}")
+
+# %% [markdown]
+# ## What a bubble is
+#
+# A profile is a list of op events (name, start, duration, line). Per decode step:
+#
+# - **wall**: the step's `StepTraceAnnotation`, from the host starting the step to its
+#   result being ready;
+# - **busy**: the length of the *union* of every op event on every line (two threads
+#   working at once count once; an op nested in another counts inside its parent);
+# - **idle** = (last op end - first op start) - busy: gaps inside the step where no op
+#   runs anywhere; **host gap** = wall - (last op end - first op start): before the first
+#   op and after the last;
+# - **bubble share** = (idle + host gap) / wall.
+#
+# On a TPU, an op is a kernel on the chip. On this CPU, an XLA program's ops run on
+# XLA's thread pool, and a `pallas_call` in interpret mode is a whole XLA program that
+# *simulates* the kernel (thousands of small ops, its DMAs are host callbacks), so for (b)
+# and (c) we also count **launches**: programs run per step.
+
+# %% [markdown]
+# ## Capturing the three variants
+#
+# `profiling.capture` runs one warm-up step, then `steps` steps under
+# `jax.profiler.trace`, each one annotated, into `profiles/<name>/plugins/profile/<run>/`
+# (the XProf/TensorBoard layout; a new run never overwrites an old one). Same weights,
+# same cache, same token for all three.
+
+# %%
+params = mk.load_checkpoint(run.checkpoint)[1] if run.checkpoint else mk.init_params(
+    config, run.seed)
+prompt = jax.random.randint(jax.random.key(run.seed), (run.batch, 5), 0, config.vocab)
+_, cache = reference.prefill(config, params, prompt, max_context=run.context)
+tokens = prompt[:, -run.rows:]
+positions = jnp.full((run.batch,), prompt.shape[1], jnp.int32)
+step_fns = profiling.variants(config, params, cache, tokens, positions)
+captures = {}
+with mk.backend.use(run.backend):
+    for name, fn in step_fns.items():
+        captures[name] = profiling.capture(fn, steps=steps, name=f"{config.name}-{name}")
+        print(f"{name:>10}: {captures[name].path.relative_to(profiling.PROFILES.parent)}")
+
+# %% [markdown]
+# ## Bubbles per variant, measured on this machine
+
+# %%
+timelines = {name: profiling.timeline(c.path) for name, c in captures.items()}
+per_step = {name: profiling.bubbles(tl) for name, tl in timelines.items()}
+summary = [profiling.summary(per_step[name], name) for name in profiling.VARIANTS]
+display(plots.table(summary))
+where = "a TPU" if on_tpu else "this CPU (interpret mode for (b) and (c): a simulation)"
+plots.show(profiling.share_bars(summary, title=f"Bubble share per variant, measured on {where}"))
+
+# %% [markdown]
+# How to read it on a CPU. (a) is real CPU work: the gaps between XLA:CPU's ops are what
+# its thread pool really leaves idle, and the host gap is Python dispatch plus the result's
+# return. (b) and (c) run the kernels in TPU interpret mode: their absolute times are the
+# interpreter's, not a TPU's, and the few gaps between (b)'s launches are small next to
+# the interpreted kernels. What carries over to a TPU is the *structure*: (b) launches
+# `2 + 4 L` programs per step and each one primes and drains its own weight ring; (c)
+# launches one and its ring never drains.
+
+# %% [markdown]
+# ## The timelines
+#
+# The last profiled step of each variant: ops per line (the busiest lines), then the
+# bubbles: idle (no op on any line, red) and host gap (orange). Hover for op names.
+
+# %%
+for name in profiling.VARIANTS:
+    row = next(r for r in summary if r["variant"] == name)
+    plots.show(profiling.gantt(timelines[name], per_step[name], title=(
+        f"({'abc'[profiling.VARIANTS.index(name)]}) {name}: {row['wall_ms']} ms per step, "
+        f"{row['launches_per_step']:g} launches, {row['ops_per_step']:g} ops, bubble share "
+        f"{row['bubble_share']:.1%} (measured, {mode})")))
+
+# %% [markdown]
+# Which ops take the time (self time: an op's duration minus the ops nested in it):
+
+# %%
+display(plots.table([dict(variant=name, op=op, share=f"{share:.1%}")
+                     for name in profiling.VARIANTS
+                     for op, share in list(per_step[name][-1].op_share.items())[:3]]))
+
+# %% [markdown]
+# ## The simulator's prediction
+#
+# `mk.sim` replays the megakernel's own tile schedule on a model of the chip (its
+# docstring lists every assumption): a DMA lane and a compute lane, and HBM-idle bubbles
+# with their causes. Same colours as above: busy blue, bubbles red. First the step
+# measured above, on `chip`; then `predict_preset` on `predict_chip`. (The simulator models
+# the megakernel only; `cross_layer_prefetch=False` is its closest stand-in for a kernel
+# per layer, whose ring drains at each layer edge.)
+
+# %%
+if importlib.util.find_spec("mk.sim") is None:
+    predictions = []
+    print("mk.sim is not in this version of mk: no predicted timeline")
+else:
+    import mk.sim
+
+    predictions = []
+    for cfg, chip_name, ctx in ((config, run.chip, run.context),
+                                (mk.preset(predict_preset), predict_chip, predict_context)):
+        for prefetch in (True, False):
+            sim = mk.sim.simulate(cfg, chip_name, batch=run.batch, rows=run.rows, context=ctx,
+                                  cross_layer_prefetch=prefetch)
+            idle = sum(b.idle_s for b in sim.bubbles)
+            predictions.append(dict(model=cfg.name, chip=chip_name, context=ctx,
+                                    cross_layer_prefetch=prefetch,
+                                    step_us=round(sim.step_s * 1e6, 1),
+                                    bubble_share=round(idle / sim.step_s, 4)))
+            if prefetch:
+                plots.show(profiling.predicted(sim, title=(
+                    f"{cfg.name} on {chip_name} (simulated): {sim.step_s * 1e6:.1f} µs, "
+                    f"HBM idle {idle / sim.step_s:.1%}")))
+    display(plots.table(predictions))
+
+# %% [markdown]
+# ## Opening the captures in XProf or TensorBoard
+#
+# The captures are in the standard layout, so XProf's own converter reads them (the trace
+# viewer below is what the XProf UI draws).
+
+# %%
+trace = profiling.trace_viewer(captures["megakernel"].path)
+print(f"XProf trace viewer: {len(trace['traceEvents'])} events in the megakernel capture")
+print(f"open them with:  xprof --logdir {profiling.PROFILES}   (http://localhost:8791)")
+print(f"            or:  tensorboard --logdir {profiling.PROFILES}   (Profile tab)")
+if "google.colab" in sys.modules:  # Colab ships TensorBoard and its notebook magic
+    ipython = get_ipython()  # noqa: F821
+    ipython.run_line_magic("load_ext", "tensorboard")
+    ipython.run_line_magic("tensorboard", f"--logdir {profiling.PROFILES}")
+
+# %% [markdown]
+# ## Inside the megakernel: phases
+#
+# A profile sees a `pallas_call` as one op. To see its phases on a TPU, wrap each phase in
+# `jax.named_scope(...)` inside the kernel (Pallas lowers a scope to Mosaic's
+# `trace_start`/`trace_stop`) and compile with libtpu's
+# `LIBTPU_INIT_ARGS=--xla_enable_custom_call_region_trace=true`: the scopes become trace
+# markers in the kernel's code, and the device trace shows one event per phase. On this
+# CPU, interpret mode has no such markers: nothing inside the call is visible as a phase.
+#
+# Without a TPU, the compiler still shows its **static schedule**: compiled for `chip` with
+# its dump flags, the kernel is a list of VLIW bundles, each issuing to some units (MXU,
+# VALU, VLOAD, ...). Bundle counts are not cycles: a loop's body is listed once and DMA
+# latency is unknown. With the markers on, bundles are counted per named scope.
+
+# %%
+schedule = None
+if schedule_dump and mk.chip(run.chip).kind == "tpu" and not run.checkpoint:
+    jf = profiling.dump_schedule(config.name, run.chip, tempfile.mkdtemp(prefix="mk08-"),
+                                 batch=run.batch, rows=run.rows, context=run.context)
+    schedule = profiling.read_schedule(jf)
+    print(f"mk_megakernel on {run.chip}: {schedule.bundles} bundles ({schedule.empty} empty), "
+          f"{schedule.in_loops} inside loops; {schedule.dmas} DMA issues, {schedule.waits} "
+          f"DMA waits in the code")
+    display(plots.table([dict(unit=u, share_of_issue_slots=f"{v:.1%}")
+                         for u, v in schedule.utilisation.items()]))
+    print("bundles per named scope:", schedule.phases or
+          "none: this megakernel has no jax.named_scope phases yet")
+
+# %% [markdown]
+# What the static view allows: how big the kernel's code is, that nearly all of it sits
+# inside the layer loop (compiled once, run L times), how many DMA issues and waits the ring
+# compiles to, and how busy each unit's issue slots are per listed bundle (the scalar unit,
+# which runs the ring's bookkeeping, is the busiest in the listing). Once the phases carry
+# named scopes, bundles per phase too. It does not give time: for that, a TPU profile.
+#
+# ## On a TPU runtime
+#
+# Run this notebook on a Colab TPU: `backend="auto"` picks the hardware, the same
+# `capture` records the device plane (`/device:TPU:0`) and `timeline` reads its
+# "XLA Ops" line, so the bubbles above become the chip's own: real kernel gaps and real
+# pipeline drains.
+#
+# ## Takeaway
+#
+# One kernel per step leaves the host nothing to dispatch in the middle of a step and the
+# ring nothing to drain at an edge; the measured CPU numbers show the launch structure,
+# the simulator shows what the pipeline does with it on a TPU.
+
+# %% [markdown]
+# ## Checks
+
+# %%
+launches = {r["variant"]: r["launches_per_step"] for r in summary}
+if launches["staged"] != 2 + 4 * config.layers or launches["megakernel"] != 1:
+    raise AssertionError(f"launches per step {launches}: expected (b) 2 + 4L = "
+                         f"{2 + 4 * config.layers} and (c) 1")
+for name, steps_ in per_step.items():
+    for s in steps_:
+        if not (0 <= s.idle_ns <= s.span_ns <= s.wall_ns and 0 <= s.bubble_share <= 1):
+            raise AssertionError(f"{name} step {s.step}: inconsistent bubbles {s}")
+if len(per_step["xla"]) != steps or not trace["traceEvents"]:
+    raise AssertionError("a capture lost its steps, or XProf could not read it")
+if schedule is not None and not schedule.bundles > schedule.in_loops > 0:
+    raise AssertionError(f"the static schedule is not what the dumps should give: {schedule}")
+print("checks passed")
