@@ -1,4 +1,6 @@
-# make test: the test suite on CPU.  make run: every notebook headless, into build/.
+# make test: the test suite on CPU.  make run: every notebook headless, into a new run
+# folder build/runs/<stamp>/ and build/index.html.  make check-site: build/ in a headless
+# Chromium (Debian's `chromium`; no browser download).
 # Both build .venv/ from the pinned requirements (Python 3.11 + pip) and refresh it only
 # when a requirements file or pyproject.toml changed.
 PYTHON ?= python3.11
@@ -9,13 +11,18 @@ PY := $(VENV)/bin/python
 export JAX_PLATFORMS := cpu
 export TPU_SKIP_MDS_QUERY := 1
 
-.PHONY: test run clean
+.PHONY: test run check-site clean
 
+# loadgroup: tests marked xdist_group share one worker (and its module fixtures).
 test: $(VENV)/.stamp-test
-	$(PY) -m pytest -n 2 tests/
+	$(PY) -m pytest -n 2 --dist loadgroup tests/
 
+# Configurations per notebook: notebooks/runs.yaml. Earlier runs are kept, never overwritten.
 run: $(VENV)/.stamp
 	$(PY) tools/run_notebooks.py --out build
+
+check-site: $(VENV)/.stamp-test
+	$(PY) tools/check_site.py build
 
 # The python3 kernelspec written into the venv makes papermill start this venv's python.
 $(VENV)/.stamp: requirements.txt pyproject.toml
@@ -29,6 +36,7 @@ $(VENV)/.stamp-test: $(VENV)/.stamp requirements-test.txt
 	$(PY) -m pip install -q -r requirements-test.txt
 	touch $@
 
-# Leaves .venv/ alone (minutes to rebuild); `rm -rf .venv` for a fresh one.
+# Removes every run in build/. Leaves .venv/ alone (minutes to rebuild); `rm -rf .venv`
+# for a fresh one.
 clean:
 	rm -rf build .pytest_cache .hypothesis

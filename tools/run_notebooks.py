@@ -30,6 +30,7 @@ import argparse
 import contextlib
 import dataclasses
 import html
+import importlib.util
 import json
 import os
 import re
@@ -42,7 +43,6 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 
-import jupyter_server_mathjax  # noqa: E402
 import nbformat  # noqa: E402
 import papermill  # noqa: E402
 import yaml  # noqa: E402
@@ -263,7 +263,12 @@ def install_static(out: Path) -> None:
     """Copy MathJax into the site once; later runs share it."""
     target = out / MATHJAX
     if not (target / "MathJax.js").exists():
-        source = Path(jupyter_server_mathjax.__file__).parent / "static"
+        # Located, not imported: importing it starts loading jupyter_server (seconds).
+        spec = importlib.util.find_spec("jupyter_server_mathjax")
+        if spec is None:
+            raise RuntimeError("jupyter-server-mathjax is not installed: pip install -r "
+                               "requirements.txt")
+        source = Path(spec.submodule_search_locations[0]) / "static"
         shutil.copytree(source, target, dirs_exist_ok=True)
 
 

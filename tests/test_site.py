@@ -1,0 +1,234 @@
+"""`make run`'s site: runs from notebooks/runs.yaml, an index row per run, failures kept and
+counted, nothing overwritten, and pages that work offline in a real browser.
+
+The site here is built by the same code `make run` calls (`tools/run_notebooks.main`) from
+two notebooks generated here (the real ones take minutes): one with math, a plotly slider
+figure made by `mk.plots.show` and a bar chart, run in two configurations from a runs file,
+and one that fails half way. Headless Chromium
+(Debian's, driven by Playwright through `tools/check_site.py`) then opens every page. Without
+chromium the browser tests skip, unless CI=true, where that is a failure.
+
+Not here: whether the real notebooks' pages pass in the browser (`make check-site` after
+`make run`; each notebook is executed by tests/test_notebooks.py), and how a page looks.
+"""
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+from plotly.offline import get_plotlyjs
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+import check_site  # noqa: E402
+import run_notebooks  # noqa: E402
+
+# One worker builds the site for every test of this module (make test: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("site")
+
+SLIDER_CELL = """\
+import plotly.graph_objects as go
+from mk import plots
+
+slopes = (1, 2, 3)
+fig = go.Figure([go.Scatter(x=list(range(points)), y=[k * x for x in range(points)],
+                            name=f"slope {k}", visible=k == slopes[0]) for k in slopes])
+fig.update_layout(title="slope slider", sliders=[dict(active=0, steps=[
+    dict(label=str(k), method="update", args=[{"visible": [j == k for j in slopes]}])
+    for k in slopes])])
+plots.show(fig)"""
+RUNS_YAML = """\
+90_site_figures:
+  - label: three
+    parameters: {points: 3}
+  - label: five
+    parameters: {points: 5}
+"""
+
+
+def _notebook(path, *cells):
+    """Write a notebook: a markdown title, a `parameters` cell, then code `cells`."""
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    nb.cells = [nbformat.v4.new_markdown_cell(f"# {path.stem}\n\nInline math $a^2 + b^2$."),
+                nbformat.v4.new_code_cell(cells[0], metadata={"tags": ["parameters"]})]
+    nb.cells += [nbformat.v4.new_code_cell(source) for source in cells[1:]]
+    nbformat.write(nb, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def notebooks(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("notebooks")
+    figures = _notebook(folder / "90_site_figures.ipynb", "points = 3", SLIDER_CELL,
+                        'plots.show(go.Figure(go.Bar(x=["a", "b"], y=[1, points])))',
+                        'print(f"points={points}")')
+    fails = _notebook(folder / "91_site_fails.ipynb", 'message = "planted failure"',
+                      'print("before the failure")', "raise RuntimeError(message)",
+                      'print("after the failure")')
+    (folder / "runs.yaml").write_text(RUNS_YAML)
+    return figures, fails
+
+
+def _main(*argv):
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        code = run_notebooks.main([str(a) for a in argv])
+    return code, stdout.getvalue()
+
+
+@pytest.fixture(scope="module")
+def site(notebooks, tmp_path_factory):
+    out = tmp_path_factory.mktemp("build")
+    figures, fails = notebooks
+    code, stdout = _main(figures, fails, "--out", out,
+                         "--runs", figures.parent / "runs.yaml")
+    (run_dir,) = (out / "runs").iterdir()
+    record = json.loads((run_dir / "runs.json").read_text())
+    return {"out": out, "code": code, "stdout": stdout, "run_dir": run_dir,
+            "rows": {row["name"]: row for row in record["rows"]}}
+
+
+# -- runs.yaml ------------------------------------------------------------------------------
+def test_project_runs_yaml_names_real_notebooks_and_parameters():
+    notebooks = sorted((ROOT / "notebooks").glob(run_notebooks.PATTERN))
+    runs = run_notebooks.load_runs(run_notebooks.RUNS_FILE, notebooks)
+    assert {run.notebook for run in runs} == set(notebooks)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("90_site_figurs:\n  - {}\n", "name no notebook"),
+    ("90_site_figures:\n  - parameters: {pointz: 3}\n", "['pointz'], which"),
+    ("90_site_figures:\n  - {label: a}\n  - {label: a}\n", "label='a' is repeated"),
+    ("90_site_figures:\n  - {label: a}\n  - {}\n", "[1] has no label"),
+    ("90_site_figures:\n  - {label: 'a b'}\n", "label='a b' must be"),
+    ("90_site_figures:\n  - {label: a, params: {}}\n", "the keys 'label'"),
+    ("90_site_figures: []\n", "non-empty list"),
+    ("- 90_site_figures\n", "the top level must map"),
+])
+def test_runs_yaml_mistakes_are_value_errors(notebooks, tmp_path, text, message):
+    runs_file = tmp_path / "runs.yaml"
+    runs_file.write_text(text)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        run_notebooks.load_runs(runs_file, list(notebooks), known=list(notebooks))
+
+
+def test_runs_yaml_configurations_become_runs(notebooks):
+    figures, fails = notebooks
+    runs = run_notebooks.load_runs(figures.parent / "runs.yaml", [figures, fails])
+    assert [(r.name, r.parameters) for r in runs] == [
+        ("90_site_figures-three", {"points": 3}), ("90_site_figures-five", {"points": 5}),
+        ("91_site_fails", {})]
+
+
+# -- The site -------------------------------------------------------------------------------
+def test_index_has_a_row_per_run_with_parameters_status_time_and_link(site):
+    index = (site["out"] / "index.html").read_text()
+    names = ["90_site_figures-three", "90_site_figures-five", "91_site_fails"]
+    assert list(site["rows"]) == names
+    rows = re.findall(r"<tr><td>(.*?)</tr>", index)
+    assert len(rows) == len(names)
+    for row, name in zip(rows, names):
+        link = re.search(r'<a href="([^"]+)">', row)[1]
+        assert link == f"runs/{site['run_dir'].name}/{name}.html"
+        assert (site["out"] / link).exists()
+        assert re.search(r"<td>\d+\.\d s</td>$", row), row
+    assert "points=3" in rows[0] and "points=5" in rows[1] and "notebook defaults" in rows[2]
+    assert [row.count('class="ok"') for row in rows] == [1, 1, 0]
+
+
+def test_failed_notebook_keeps_partial_output_and_fails_the_run(site):
+    assert site["code"] == 1
+    row = site["rows"]["91_site_fails"]
+    assert row["status"] == "failed" and row["error"] == "RuntimeError: planted failure"
+    executed = nbformat.read(site["run_dir"] / "91_site_fails.ipynb", as_version=4)
+    outputs = [[o.get("text") or o.get("ename") for o in cell.outputs]
+               for cell in executed.cells if cell.cell_type == "code"]
+    assert outputs[1:] == [["before the failure\n"], ["RuntimeError"], []]
+    assert (site["run_dir"] / row["page"]).exists()
+    assert 'class="failed">failed: RuntimeError: planted failure' in (
+        site["out"] / "index.html").read_text()
+
+
+def test_progress_lines_name_each_run_with_time_and_status(site):
+    for name, row in site["rows"].items():
+        assert re.search(rf"^\[\d/3\] {re.escape(name)} *: running$", site["stdout"], re.M)
+        assert re.search(rf"^\[\d/3\] {re.escape(name)} *: {row['status']} in \d+\.\d s",
+                         site["stdout"], re.M), site["stdout"]
+    assert re.search(r"^2 ok, 1 failed in \d+ s", site["stdout"], re.M)
+
+
+def test_pages_carry_plotlyjs_once_and_load_nothing_from_outside(site):
+    header = get_plotlyjs()[:60]
+    for name, row in site["rows"].items():
+        page = (site["run_dir"] / row["page"]).read_text()
+        assert page.count(header) == (0 if name == "91_site_fails" else 1), name
+        assert not re.findall(r'src="https?:', page), name
+
+
+# -- In a browser ---------------------------------------------------------------------------
+def _chromium():
+    chromium = check_site.find_chromium()
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        chromium = None
+    if chromium:
+        return chromium
+    if os.environ.get("CI") == "true":
+        pytest.fail("CI=true and no chromium/playwright: .ci/run installs Debian's chromium, "
+                    "requirements-test.txt pins playwright")
+    pytest.skip("no /usr/bin/chromium or no playwright (apt-get install -y chromium; "
+                "pip install -r requirements-test.txt); under CI=true this fails instead")
+
+
+def test_site_works_offline_in_headless_chromium(site):
+    report = check_site.check_site(site["out"], chromium=_chromium())
+    assert not report.problems, str(report)
+    pages = {Path(p).name for p in report.pages}
+    assert {f"{name}.html" for name in site["rows"]} | {"index.html"} <= pages
+    # 90_site_figures: two figures, one of them with a slider, in each of two runs.
+    assert report.figures == 4 and report.sliders_stepped == 2, str(report)
+
+
+def test_browser_check_reports_broken_pages(tmp_path):
+    figure = """<div id="{id}" class="plotly-graph-div" style="height:300px"></div>
+<script>Plotly.newPlot("{id}", [{{y: [1, 3, 2]}}], {{sliders: [{{steps: [
+  {{label: "a", method: "skip"}}, {{label: "b", method: "skip"}}]}}]}});</script>"""
+    (tmp_path / "index.html").write_text('<a href="page.html">page</a>')
+    (tmp_path / "page.html").write_text(
+        f"<!doctype html><html><body><script>{get_plotlyjs()}</script>"
+        + figure.format(id="inert") + '<div id="never" class="plotly-graph-div"></div>'
+        + '<img src="http://example.invalid/x.png"><script>throw new Error("planted")</script>'
+        + "</body></html>")
+    report = check_site.check_site(tmp_path, chromium=_chromium())
+    problems = "\n".join(report.problems)
+    assert "JavaScript error: planted" in problems
+    assert "figure never was not drawn by plotly" in problems
+    assert "figure inert: slider step 1 did not change the plot" in problems
+    assert "request leaves the site: http://example.invalid/x.png" in problems
+
+
+# Last: it adds a second run to the module's site.
+def test_a_second_run_leaves_the_first_untouched(site, notebooks):
+    def digest(folder):
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir()}
+
+    first = digest(site["run_dir"])
+    code, _ = _main(notebooks[1], "--out", site["out"])
+    assert code == 1
+    runs = sorted((site["out"] / "runs").iterdir())
+    assert len(runs) == 2 and runs[0] == site["run_dir"]
+    assert digest(site["run_dir"]) == first
+    index = (site["out"] / "index.html").read_text()
+    assert f"Newest run: {runs[1].name}" in index
+    assert index.count("<tr><td>") == 1  # the newest run's table; the first is linked
+    assert f'href="runs/{runs[0].name}/index.html"' in index
