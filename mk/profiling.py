@@ -142,7 +142,8 @@ class Timeline:
     def rows(self, step: int | None = None) -> list[dict]:
         """One dict per op event (name, module, line, step, start/duration in µs)."""
         return [dict(name=o.name, module=o.module, line=o.line, step=o.step,
-                     start_us=round(o.start_ns / 1e3, 3), duration_us=round(o.duration_ns / 1e3, 3))
+                     start_us=round(o.start_ns / 1e3, 3),
+                     duration_us=round(o.duration_ns / 1e3, 3))
                 for o in self.ops if step is None or o.step == step]
 
 
@@ -158,7 +159,8 @@ def timeline(xplane_path: str | os.PathLike, *, plane: str = "auto") -> Timeline
 
     plane="auto" takes `/device:TPU:0` when the trace has it (its "XLA Ops" line), else
     `/host:CPU` (every event carrying an `hlo_op` stat, on any thread). Steps are the
-    `StepTraceAnnotation`s of the host plane (events with a `step_num` stat)."""
+    `StepTraceAnnotation`s of the host plane (events with a `step_num` stat). The device
+    path follows XProf's TPU plane layout; it has not been run on a TPU here."""
     data = jax.profiler.ProfileData.from_file(str(xplane_path))
     planes = {p.name: p for p in data.planes}
     if plane == "auto":
@@ -175,6 +177,10 @@ def timeline(xplane_path: str | os.PathLike, *, plane: str = "auto") -> Timeline
     steps.sort(key=lambda s: s.start_ns)
     ops = []
     device = plane.startswith("/device:")
+    lines = {line.name: line for line in planes[plane].lines}
+    # A device op may not name its program: the "XLA Modules" event holding it does.
+    modules = sorted((e.start_ns, e.start_ns + e.duration_ns, e.name, i) for i, e in
+                     enumerate(lines["XLA Modules"].events)) if "XLA Modules" in lines else []
     for line in planes[plane].lines:
         if device and line.name != "XLA Ops":
             continue
@@ -182,8 +188,11 @@ def timeline(xplane_path: str | os.PathLike, *, plane: str = "auto") -> Timeline
             stats = dict(e.stats)
             if not device and "hlo_op" not in stats:
                 continue
-            ops.append(OpEvent(e.name, str(stats.get("hlo_module", "")),
-                               int(stats.get("run_id", -1)), line.name, e.start_ns,
+            module, run_id = str(stats.get("hlo_module", "")), int(stats.get("run_id", -1))
+            if device and not module:
+                module, run_id = next(((name, i) for a, z, name, i in modules
+                                       if a <= e.start_ns < z), ("", -1))
+            ops.append(OpEvent(e.name, module, run_id, line.name, e.start_ns,
                                e.duration_ns, _step_of(e.start_ns, steps)))
     ops.sort(key=lambda o: o.start_ns)
     return Timeline(plane, tuple(steps), tuple(ops))

@@ -72,6 +72,46 @@ def test_summary_of_no_steps_is_an_error():
         profiling.summary([])
 
 
+# A TPU trace in XProf's layout, written by hand (no TPU here): the host plane holds the
+# step, the device plane its programs ("XLA Modules") and kernels ("XLA Ops"); times in ps.
+TPU_XSPACE = """
+planes { id: 1 name: "/host:CPU"
+  lines { id: 1 name: "python" timestamp_ns: 1000
+    events { metadata_id: 1 offset_ps: 0 duration_ps: 100000000
+             stats { metadata_id: 1 int64_value: 0 } } }
+  event_metadata { key: 1 value { id: 1 name: "decode" } }
+  stat_metadata { key: 1 value { id: 1 name: "step_num" } } }
+planes { id: 2 name: "/device:TPU:0"
+  lines { id: 1 name: "XLA Modules" timestamp_ns: 1000
+    events { metadata_id: 1 offset_ps: 10000000 duration_ps: 30000000 }
+    events { metadata_id: 2 offset_ps: 50000000 duration_ps: 40000000 } }
+  lines { id: 2 name: "XLA Ops" timestamp_ns: 1000
+    events { metadata_id: 3 offset_ps: 10000000 duration_ps: 10000000 }
+    events { metadata_id: 4 offset_ps: 25000000 duration_ps: 15000000 }
+    events { metadata_id: 5 offset_ps: 50000000 duration_ps: 40000000 } }
+  event_metadata { key: 1 value { id: 1 name: "jit_a" } }
+  event_metadata { key: 2 value { id: 2 name: "jit_b" } }
+  event_metadata { key: 3 value { id: 3 name: "fusion.1" } }
+  event_metadata { key: 4 value { id: 4 name: "fusion.2" } }
+  event_metadata { key: 5 value { id: 5 name: "mk_megakernel" } } }
+"""
+
+
+def test_a_tpu_device_plane_is_read_from_its_xla_ops_line(tmp_path):
+    path = tmp_path / "vm.xplane.pb"
+    path.write_bytes(jax.profiler.ProfileData.text_proto_to_serialized_xspace(TPU_XSPACE))
+    tl = profiling.timeline(path)
+    assert tl.plane == "/device:TPU:0"
+    assert [(o.name, o.module, o.step) for o in tl.ops] == [
+        ("fusion.1", "jit_a", 0), ("fusion.2", "jit_a", 0), ("mk_megakernel", "jit_b", 0)]
+    b, = profiling.bubbles(tl)
+    # step 0..100 us; kernels 10-20, 25-40, 50-90 us
+    assert (b.wall_ns, b.span_ns, b.busy_ns, b.idle_ns, b.host_ns) == (1e5, 8e4, 6.5e4, 1.5e4,
+                                                                      2e4)
+    assert (b.ops, b.launches) == (3, 2)
+    assert b.op_share["mk_megakernel"] == pytest.approx(40 / 65)
+
+
 # -- Real captures on the CPU ---------------------------------------------------------------
 @pytest.fixture(scope="module")
 def xla_capture(tmp_path_factory):
@@ -147,8 +187,8 @@ def test_staged_step_is_one_launch_per_op_and_matches_the_reference(tmp_path):
     want, want_cache = reference.decode_step(config, params, cache, tokens, positions)
     step = profiling.variants(config, params, cache, tokens, positions)["staged"]
     with mk.backend.use("interpret"):
-        cap = profiling.capture(step, steps=1, logdir=tmp_path, name="staged")
-        got, got_cache = step()
+        got, got_cache = step()  # also the warm-up: every op compiles here
+        cap = profiling.capture(step, steps=1, warmup=0, logdir=tmp_path, name="staged")
     b, = profiling.bubbles(profiling.timeline(cap.path))
     assert b.launches == 2 + 4 * config.layers  # embed, 4 ops per layer, lm_head
     scale = float(jnp.max(jnp.abs(want)))
