@@ -129,6 +129,14 @@ def test_runs_yaml_configurations_become_runs(notebooks):
         ("91_site_fails", {})]
 
 
+def test_readme_opens_every_notebook_in_colab():
+    readme = (ROOT / "README.md").read_text()
+    colab = "https://colab.research.google.com/github/mk-megakernel/mk/blob/main/notebooks/"
+    missing = [p.stem for p in sorted((ROOT / "notebooks").glob("[0-9][0-9]*_*.py"))
+               if f"{colab}{p.stem}.ipynb" not in readme]
+    assert not missing, f"README.md's Colab checklist lacks {missing}: add a row with {colab}"
+
+
 # -- The site -------------------------------------------------------------------------------
 def test_index_has_a_row_per_run_with_parameters_status_time_and_link(site):
     index = (site["out"] / "index.html").read_text()
