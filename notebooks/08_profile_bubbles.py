@@ -32,14 +32,16 @@
 # Colab bootstrap: on a Colab runtime without mk, install this package with the pinned
 # jax[tpu] and ask for a restart. Anywhere else this cell does nothing.
 import importlib.util
+import os
 import subprocess
 import sys
 
 MK_REPO = "https://github.com/mk-megakernel/mk"  # where this project is published
+MK_DIR = "/content/mk-megakernel"  # a folder named mk in /content would shadow the package
 if "google.colab" in sys.modules and importlib.util.find_spec("mk") is None:
-    subprocess.run(["git", "clone", "--depth=1", MK_REPO, "/content/mk"], check=True)
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", "/content/mk"],
-                   check=True)
+    if not os.path.isdir(MK_DIR):
+        subprocess.run(["git", "clone", "--depth=1", MK_REPO, MK_DIR], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", MK_DIR], check=True)
     raise SystemExit("mk installed: Runtime > Restart session, then run all cells again.")
 
 # %% tags=["parameters"]
@@ -235,15 +237,19 @@ if schedule_dump and mk.chip(run.chip).kind == "tpu" and not run.checkpoint:
           f"DMA waits in the code")
     display(plots.table([dict(unit=u, share_of_issue_slots=f"{v:.1%}")
                          for u, v in schedule.utilisation.items()]))
+    busiest = max(schedule.utilisation, key=schedule.utilisation.get)
+    print(f"busiest unit per listed bundle: {busiest} "
+          f"({schedule.utilisation[busiest]:.1%} of its issue slots)")
     print("bundles per named scope:", schedule.phases or
           "none: this megakernel has no jax.named_scope phases yet")
 
 # %% [markdown]
-# What the static view allows: how big the kernel's code is, that nearly all of it sits
-# inside the layer loop (compiled once, run L times), how many DMA issues and waits the ring
-# compiles to, and how busy each unit's issue slots are per listed bundle (the scalar unit,
-# which runs the ring's bookkeeping, is the busiest in the listing). Once the phases carry
-# named scopes, bundles per phase too. It does not give time: for that, a TPU profile.
+# What the static view allows: how big the kernel's code is, how much of it sits inside
+# loops (the layer loop is compiled once and runs L times), how many DMA issues and waits
+# the ring compiles to, and which units the listed bundles keep busy (in the megakernel the
+# scalar unit computes every tile's addresses, slots and predicates). Once the phases carry
+# named scopes, bundles per phase too. It does not give time: loops are listed once and DMA
+# latency is unknown. For time, a TPU profile.
 #
 # ## On a TPU runtime
 #
@@ -255,8 +261,18 @@ if schedule_dump and mk.chip(run.chip).kind == "tpu" and not run.checkpoint:
 # ## Takeaway
 #
 # One kernel per step leaves the host nothing to dispatch in the middle of a step and the
-# ring nothing to drain at an edge; the measured CPU numbers show the launch structure,
-# the simulator shows what the pipeline does with it on a TPU.
+# ring nothing to drain at an edge. On this CPU the measurements show the launch structure
+# (and real gaps between XLA:CPU's ops); the simulator shows what the pipeline does on a
+# TPU. The numbers of this run:
+
+# %%
+shares = {r["variant"]: r["bubble_share"] for r in summary}
+print(f"measured on {mode} ({config.name}, B={run.batch}, T={run.rows}): bubble share "
+      + ", ".join(f"({'abc'[i]}) {v} {shares[v]:.1%}" for i, v in enumerate(profiling.VARIANTS)))
+for p in predictions:
+    print(f"predicted by mk.sim for the megakernel: {p['model']} on {p['chip']}, "
+          f"S={p['context']}, cross-layer prefetch {'on' if p['cross_layer_prefetch'] else 'off'}:"
+          f" HBM idle {p['bubble_share']:.1%} of {p['step_us']} µs")
 
 # %% [markdown]
 # ## Checks
