@@ -31,14 +31,16 @@
 # Colab bootstrap: on a Colab runtime without mk, install this package with the pinned
 # jax[tpu] and ask for a restart. Anywhere else this cell does nothing.
 import importlib.util
+import os
 import subprocess
 import sys
 
 MK_REPO = "https://github.com/mk-megakernel/mk"  # where this project is published
+MK_DIR = "/content/mk-megakernel"  # a folder named mk in /content would shadow the package
 if "google.colab" in sys.modules and importlib.util.find_spec("mk") is None:
-    subprocess.run(["git", "clone", "--depth=1", MK_REPO, "/content/mk"], check=True)
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", "/content/mk"],
-                   check=True)
+    if not os.path.isdir(MK_DIR):
+        subprocess.run(["git", "clone", "--depth=1", MK_REPO, MK_DIR], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", MK_DIR], check=True)
     raise SystemExit("mk installed: Runtime > Restart session, then run all cells again.")
 
 # %% tags=["parameters"]

@@ -18,6 +18,7 @@ import io
 import json
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -135,6 +136,24 @@ def test_readme_opens_every_notebook_in_colab():
     missing = [p.stem for p in sorted((ROOT / "notebooks").glob("[0-9][0-9]*_*.py"))
                if f"{colab}{p.stem}.ipynb" not in readme]
     assert not missing, f"README.md's Colab checklist lacks {missing}: add a row with {colab}"
+
+
+def test_colab_clone_folder_does_not_shadow_the_installed_mk(tmp_path):
+    # On Colab the notebook runs in /content with '' on sys.path; a clone at /content/mk
+    # (a folder named mk, no __init__.py) is then imported as an empty namespace package
+    # instead of the editable install. The control folder `mk` shows the check can fail.
+    template = (ROOT / "notebooks" / "TEMPLATE.md").read_text()
+    clone = Path(re.search(r'^MK_DIR = "([^"]+)"', template, re.M)[1]).name
+    code = "import importlib.util, sys; sys.path.insert(0, ''); " \
+           "print(importlib.util.find_spec('mk').origin)"
+    origins = {}
+    for name in (clone, "mk"):
+        (tmp_path / name / "mk").mkdir(parents=True)
+        origins[name] = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, text=True,
+                                       capture_output=True, check=True).stdout.strip()
+        (tmp_path / name).rename(tmp_path / f"{name}.done")
+    assert origins[clone] == str(ROOT / "mk" / "__init__.py"), origins
+    assert origins["mk"] == "None", origins
 
 
 # -- The site -------------------------------------------------------------------------------
