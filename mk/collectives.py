@@ -1,0 +1,351 @@
+"""In-kernel collectives over remote DMA: barrier, all-reduce, all-gather, greedy argmax.
+
+Tensor parallelism splits every matrix of a step over the `n` devices of one mesh axis
+("tp"); the residual stream stays replicated, so the step needs, inside the kernel, an
+all-reduce after each row-parallel matmul (attention out, MLP down) and a cross-shard
+argmax after the vocab-parallel lm_head. These are kernel-side helpers (they take refs and
+values and issue `make_async_remote_copy` DMAs), plus standalone kernels wrapping each one
+for tests and compiles. `n` is any power of two; device i is mesh index i on the axis.
+
+Algorithms (log2(n) rounds, each with one partner at distance d, partner = me XOR d):
+
+    all-reduce = reduce-scatter by recursive halving (d = n/2, n/4, ..., 1: keep the half of
+                 the current chunk range holding chunk `me`, send the other half to the
+                 partner, add what it sent) + all-gather by recursive doubling.
+    all-gather = recursive doubling (d = 1, 2, ..., n/2: send the d items gathered so far to
+                 the partner, which stores them at the same positions).
+    argmax     = all-gather of each shard's (best value, its global index), then the same
+                 static scan over shards on every device (strictly greater wins: ties go
+                 to the lower shard, hence to the lowest token id).
+
+Bytes per device: the all-reduce sends 2 (n-1)/n of the array (the bandwidth optimum),
+the all-gather (n-1) items, in log2(n) latency terms each (not n-1, as a ring would).
+
+Why the results are bit-identical on every device: chunk c of the all-reduce is summed on
+exactly one device (device c) and then copied, and the summation order is one fixed tree
+for every chunk: round d adds the partial sums of the two halves of each aligned block of
+2d devices, so the sum of 8 is ((x0+x4)+(x2+x6))+((x1+x5)+(x3+x7)) (`tree_sum`, the
+reference). Float addition is commutative, so which operand is "mine" does not matter;
+only the tree does. Routing and argmax downstream then agree on every device with no
+further exchange.
+
+Why two buffer slots suffice (`slot` = the collective's running count mod 2): a device
+finishes collective k only after it has received data that depends on every device's
+input to k (every chunk of an all-reduce needs every device's partial; every all-gather
+item is every device's own input), and each device sends its input to k only after it has
+finished k-1. So no device is more than one collective ahead of any other: while a slow
+device still reads slot k mod 2, a fast one can already write collective k+1, but only
+into the other slot, and it cannot reach k+2 (the first collective to write slot k mod 2
+again) before the slow one has finished k. The receive semaphores are per slot for the
+same reason (a DMA of k+1 must not satisfy a wait of k). The local staging buffer and the
+send semaphores are drained before a collective returns, so they need one slot.
+
+Before the first remote DMA, every device waits at `barrier` until all its partners have
+entered the kernel (a DMA into a device still running an earlier kernel would corrupt it).
+
+Here: `check_devices`, `CollectiveScratch` and its shapes, `barrier`, `all_reduce_body`,
+`all_gather_body`, `argmax_body`, `tree_sum` (the reference order), and the standalone
+kernels `all_reduce`, `all_gather`, `greedy_argmax` (called inside `jax.shard_map`). Not
+here: meshes with more than one axis, non-power-of-two device counts, overlap of a
+collective with the next matmul.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import PartitionSpec as P
+
+from mk.kernels.common import Buffer
+
+AXIS = "tp"  # the mesh axis the tensor-parallel shards live on
+COLLECTIVE_IDS = {"all_reduce": 1, "all_gather": 2, "argmax": 3, "megakernel": 4}
+MAX_INDEX = 2 ** 24  # token ids travel as float32 next to their logit: exact below 2^24
+
+
+def tp_mesh(n: int, devices=None) -> jax.sharding.Mesh:
+    """A one-axis mesh ("tp",) over the first n devices (default: `jax.devices()`)."""
+    check_devices(n)
+    devices = list(jax.devices() if devices is None else devices)
+    if len(devices) < n:
+        raise ValueError(f"tp={n} needs {n} devices; this process has {len(devices)} (on "
+                         "CPU set XLA_FLAGS=--xla_force_host_platform_device_count=8 "
+                         "before importing jax)")
+    return jax.sharding.Mesh(np.array(devices[:n]), (AXIS,))
+
+
+def check_devices(n: int, field: str = "tp") -> int:
+    """n devices on the axis: a power of two >= 1; returns log2(n)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1 or n & (n - 1):
+        raise ValueError(f"{field}={n!r} must be a power of two >= 1")
+    return n.bit_length() - 1
+
+
+def tree_sum(parts: jax.Array) -> jax.Array:
+    """The all-reduce's summation order on parts [n, ...]: halve and add, n/2 then n/4..."""
+    while parts.shape[0] > 1:
+        half = parts.shape[0] // 2
+        parts = parts[:half] + parts[half:]
+    return parts[0]
+
+
+# -- Scratch -------------------------------------------------------------------------------
+class CollectiveScratch(NamedTuple):
+    """The scratch refs of one collective of [R, C] float32 values over n devices."""
+
+    stage_vmem: Any  # [n, R, C/n] f32: this device's partial, chunked (all-reduce only)
+    recv_vmem: Any  # [2, n-1, R, C/n] f32: reduce-scatter receive regions, per slot
+    gathered_vmem: Any  # [2, n, R, C/n] f32 (all-reduce) or [2, n, R, C] (all-gather)
+    sems: Any  # DMA semaphores [2, 2, 2, log2 n]: (slot, send/recv, phase, round)
+
+
+def collective_buffers(name: str, rows: int, cols: int, n: int, *,
+                       reduce: bool) -> list[Buffer]:
+    """The VMEM buffers of one collective (`CollectiveScratch` order, semaphores aside);
+    reduce=False is an all-gather, which needs no staging or reduce-scatter regions."""
+    if not reduce:
+        return [Buffer(f"{name}_gathered", (2, n, rows, cols), "float32")]
+    if cols % n:
+        raise ValueError(f"{name}: cols={cols} must be a multiple of the devices n={n}")
+    c = cols // n
+    return [Buffer(f"{name}_stage", (n, rows, c), "float32"),
+            Buffer(f"{name}_recv", (2, max(n - 1, 1), rows, c), "float32"),
+            Buffer(f"{name}_gathered", (2, n, rows, c), "float32")]
+
+
+def collective_scratch(rows: int, cols: int, n: int, *, reduce: bool) -> list:
+    """The pallas scratch shapes of one collective: wrap them as
+    `CollectiveScratch(*refs)` (all-reduce) or `CollectiveScratch(None, None, *refs)`."""
+    rounds = max(check_devices(n, "n"), 1)
+    vmem = [pltpu.VMEM(b.shape, b.dtype)
+            for b in collective_buffers("c", rows, cols, n, reduce=reduce)]
+    return vmem + [pltpu.SemaphoreType.DMA((2, 2, 2, rounds))]
+
+
+# -- Kernel-side helpers -------------------------------------------------------------------
+def _peer(me, d: int):
+    return (lax.bitwise_xor(me, jnp.int32(d)),)
+
+
+def barrier(n: int, axis: str = AXIS):
+    """Wait until each partner (me XOR 2^r) has entered the kernel; the kernel must be
+    compiled with a `collective_id` (`compiler_params`)."""
+    if n == 1:
+        return
+    me = lax.axis_index(axis)
+    sem = pltpu.get_barrier_semaphore()
+    rounds = check_devices(n, "n")
+    for r in range(rounds):
+        pl.semaphore_signal(sem, 1, device_id=_peer(me, 1 << r),
+                            device_id_type=pl.DeviceIdType.MESH)
+    pl.semaphore_wait(sem, rounds)
+
+
+def _exchange(src, dst, sems, slot, phase: int, r: int, peer):
+    """Send src to dst on `peer` and wait both for it and for the peer's matching send."""
+    copy = pltpu.make_async_remote_copy(src, dst, sems.at[slot, 0, phase, r],
+                                        sems.at[slot, 1, phase, r], device_id=peer,
+                                        device_id_type=pl.DeviceIdType.MESH)
+    copy.start()
+    copy.wait_send()
+    copy.wait_recv()  # the peer's copy has the same shape and semaphores
+
+
+def _gather_rounds(gathered, sems, slot, me, n: int, phase: int):
+    """Recursive doubling on gathered [n, ...] (this slot's view): item `me` is in place;
+    after round d every device holds the 2d items of its aligned block."""
+    for r in range(check_devices(n, "n")):
+        d = 1 << r
+        start = pl.multiple_of(lax.bitwise_and(me, jnp.int32(~(d - 1))), d)
+        block = gathered.at[pl.ds(start, d)]
+        _exchange(block, block, sems, slot, phase, r, _peer(me, d))
+
+
+def all_gather_body(x, s: CollectiveScratch, *, n: int, slot=0, axis: str = AXIS):
+    """x [R, C] on every device -> [n, R, C] value (device i's x at i); s.gathered_vmem is
+    [2, n, R, C]; `slot` (int or traced) alternates between consecutive collectives."""
+    if n == 1:
+        return x[None]
+    me = lax.axis_index(axis)
+    gathered = s.gathered_vmem.at[slot]
+    gathered[pl.ds(me, 1)] = x[None].astype(gathered.dtype)
+    _gather_rounds(gathered, s.sems, slot, me, n, phase=1)
+    return gathered[...]
+
+
+def all_reduce_body(x, s: CollectiveScratch, *, n: int, slot=0, axis: str = AXIS):
+    """x [R, C] f32 partial on every device -> the [R, C] sum over devices, bit-identical
+    on every device and summed in `tree_sum` order; `slot` as in `all_gather_body`."""
+    if n == 1:
+        return x
+    me = lax.axis_index(axis)
+    R, C = x.shape
+    c = C // n
+    stage, recv = s.stage_vmem, s.recv_vmem.at[slot]
+    for i in range(n):
+        stage[i] = x[:, i * c:(i + 1) * c].astype(stage.dtype)
+    offset = 0
+    for r in reversed(range(check_devices(n, "n"))):  # d = n/2, ..., 1
+        d = 1 << r
+        base = lax.bitwise_and(me, jnp.int32(~(2 * d - 1)))
+        mine = lax.bitwise_and(me, jnp.int32(d))
+        keep = pl.multiple_of(base + mine, d)
+        give = pl.multiple_of(base + (d - mine), d)
+        region = recv.at[pl.ds(offset, d)]
+        _exchange(stage.at[pl.ds(give, d)], region, s.sems, slot, 0, r, _peer(me, d))
+        stage[pl.ds(keep, d)] = stage[pl.ds(keep, d)] + region[...]
+        offset += d
+    gathered = s.gathered_vmem.at[slot]
+    gathered[pl.ds(me, 1)] = stage[pl.ds(me, 1)]
+    _gather_rounds(gathered, s.sems, slot, me, n, phase=1)
+    return jnp.concatenate([gathered[i] for i in range(n)], axis=1)
+
+
+def argmax_body(logits, first_id, s: CollectiveScratch, *, n: int, valid=None, slot=0,
+                axis: str = AXIS):
+    """Greedy token of each row over every shard's logits: logits [M, Vs] f32 holding ids
+    first_id + [0, Vs) on this device (`valid` [M, Vs] bool masks padding) -> [M, 1]
+    int32, ties to the lowest id, the same on every device. s.gathered_vmem is
+    [2, n, M, 128] f32."""
+    M, Vs = logits.shape
+    local = lax.broadcasted_iota(jnp.int32, (M, Vs), 1)
+    if valid is not None:
+        logits = jnp.where(valid, logits, -jnp.inf)
+    best = jnp.max(logits, axis=1, keepdims=True)
+    index = jnp.min(jnp.where(logits == best, local, Vs), axis=1, keepdims=True) + first_id
+    if n == 1:
+        return index
+    lane = lax.broadcasted_iota(jnp.int32, (M, 128), 1)
+    packed = jnp.where(lane == 0, best, jnp.where(lane == 1, index.astype(jnp.float32), 0.0))
+    gathered = all_gather_body(packed, s, n=n, slot=slot, axis=axis)
+    best, index = gathered[0, :, 0:1], gathered[0, :, 1:2]
+    for i in range(1, n):  # strictly greater: a tie keeps the lower shard's (lower) id
+        value, other = gathered[i, :, 0:1], gathered[i, :, 1:2]
+        index = jnp.where(value > best, other, index)
+        best = jnp.maximum(best, value)
+    return index.astype(jnp.int32)
+
+
+# -- Standalone kernels --------------------------------------------------------------------
+def _compiler_params(name: str, n: int):
+    if n == 1:
+        return pltpu.CompilerParams()
+    return pltpu.CompilerParams(collective_id=COLLECTIVE_IDS[name], has_side_effects=True)
+
+
+def _check_stack(x, n: int, name: str, lanes: int):
+    check_devices(n, "n")
+    if x.ndim != 3 or x.shape[0] % n:
+        raise ValueError(f"{name}: x shape {x.shape} must be [n*times, R, C] with n={n}")
+    if x.shape[2] % lanes:
+        raise ValueError(f"{name}: C={x.shape[2]} must be a multiple of {lanes}")
+    return x.shape[0] // n, x.shape[1], x.shape[2]
+
+
+def _vmem():
+    return pl.BlockSpec(memory_space=pltpu.VMEM)
+
+
+def _smap(mesh, fn, x, out_spec):
+    return jax.shard_map(fn, mesh=mesh, in_specs=P(AXIS), out_specs=out_spec,
+                         check_vma=False)(x)
+
+
+def all_reduce_kernel(x_vmem, out_vmem, *scratch, n: int):
+    """x_vmem [times, R, C] f32 -> out_vmem [times, R, C]: `times` all-reduces in a row
+    (slots 0, 1, 0, ...), so a test sees the double buffering reused."""
+    s = CollectiveScratch(*scratch)
+    barrier(n)
+    for k in range(x_vmem.shape[0]):
+        out_vmem[k] = all_reduce_body(x_vmem[k], s, n=n, slot=k % 2)
+
+
+def all_reduce(x: jax.Array, mesh: jax.sharding.Mesh) -> jax.Array:
+    """x [n*times, R, C] float32, device i holding rows [i*times, (i+1)*times) -> the
+    per-device results [n*times, R, C]: block i is device i's copy of the `times` sums."""
+    n = mesh.shape[AXIS]
+    times, R, C = _check_stack(x, n, "all_reduce", n)
+
+    def per_device(x):
+        return pl.pallas_call(
+            functools.partial(all_reduce_kernel, n=n),
+            out_shape=jax.ShapeDtypeStruct((times, R, C), jnp.float32),
+            in_specs=[_vmem()], out_specs=_vmem(),
+            scratch_shapes=collective_scratch(R, C, n, reduce=True),
+            compiler_params=_compiler_params("all_reduce", n), name="mk_all_reduce",
+        )(x)
+    return _smap(mesh, per_device, x.astype(jnp.float32), P(AXIS))
+
+
+def all_gather_kernel(x_vmem, out_vmem, *scratch, n: int, slots: int):
+    """x_vmem [times, R, C] -> out_vmem [times, n, R, C]."""
+    s = CollectiveScratch(None, None, *scratch)
+    barrier(n)
+    for k in range(x_vmem.shape[0]):
+        out_vmem[k] = all_gather_body(x_vmem[k], s, n=n, slot=k % slots)
+
+
+def all_gather(x: jax.Array, mesh: jax.sharding.Mesh, *, slots: int = 2) -> jax.Array:
+    """x [n*times, R, C] float32 (device i: rows [i*times, (i+1)*times)) -> per-device
+    results [n*times, n, R, C]. slots=1 reuses one buffer slot: the planted bug that the
+    race detector must flag (module docstring)."""
+    n = mesh.shape[AXIS]
+    times, R, C = _check_stack(x, n, "all_gather", 1)
+    if slots not in (1, 2):
+        raise ValueError(f"all_gather: slots={slots!r} must be 1 or 2")
+
+    def per_device(x):
+        return pl.pallas_call(
+            functools.partial(all_gather_kernel, n=n, slots=slots),
+            out_shape=jax.ShapeDtypeStruct((times, n, R, C), jnp.float32),
+            in_specs=[_vmem()], out_specs=_vmem(),
+            scratch_shapes=collective_scratch(R, C, n, reduce=False),
+            compiler_params=_compiler_params("all_gather", n), name="mk_all_gather",
+        )(x)
+    return _smap(mesh, per_device, x.astype(jnp.float32), P(AXIS))
+
+
+def greedy_argmax_kernel(logits_vmem, tokens_vmem, *scratch, n: int, vocab: int):
+    """logits_vmem [times, M, Vs] f32 (this shard's ids) -> tokens_vmem [times, M, 1]."""
+    s = CollectiveScratch(None, None, *scratch)
+    barrier(n)
+    Vs = logits_vmem.shape[2]
+    first = lax.axis_index(AXIS) * Vs if n > 1 else 0
+    for k in range(logits_vmem.shape[0]):
+        ids = lax.broadcasted_iota(jnp.int32, logits_vmem.shape[1:], 1) + first
+        tokens_vmem[k] = argmax_body(logits_vmem[k], first, s, n=n, valid=ids < vocab,
+                                     slot=k % 2)
+
+
+def greedy_argmax(logits: jax.Array, mesh: jax.sharding.Mesh, *,
+                  vocab: int | None = None) -> jax.Array:
+    """logits [times, M, n*Vs] float32, the vocab split in n column shards (ids >= vocab
+    are padding) -> per-device greedy tokens [n*times, M, 1] int32, ties to the lowest id."""
+    n = mesh.shape[AXIS]
+    check_devices(n, "n")
+    if logits.ndim != 3 or logits.shape[2] % n:
+        raise ValueError(f"greedy_argmax: logits shape {logits.shape} must be "
+                         f"[times, M, n*Vs] with n={n}")
+    times, M, V = logits.shape
+    vocab = V if vocab is None else vocab
+    if not 1 <= vocab <= V or V > MAX_INDEX:
+        raise ValueError(f"greedy_argmax: vocab={vocab} must be in [1, {V}] and "
+                         f"the padded vocab {V} <= {MAX_INDEX} (ids travel as float32)")
+
+    def per_device(x):
+        return pl.pallas_call(
+            functools.partial(greedy_argmax_kernel, n=n, vocab=vocab),
+            out_shape=jax.ShapeDtypeStruct((times, M, 1), jnp.int32),
+            in_specs=[_vmem()], out_specs=_vmem(),
+            scratch_shapes=collective_scratch(M, 128, n, reduce=False),
+            compiler_params=_compiler_params("argmax", n), name="mk_greedy_argmax",
+        )(x)
+    return jax.shard_map(per_device, mesh=mesh, in_specs=P(None, None, AXIS),
+                         out_specs=P(AXIS), check_vma=False)(logits.astype(jnp.float32))

@@ -1,0 +1,119 @@
+"""mk.collectives: in-kernel all-reduce, all-gather and greedy argmax over remote DMA.
+
+Each device count n runs in one subprocess with 2n virtual CPU devices (tests/multidevice.py
+says why), in TPU interpret mode with the race detector on; the parent compares every
+device's copy with jnp. The all-reduce must be bit-identical to `tree_sum` (its fixed
+order) on every device; three collectives run back to back in one kernel so the second
+buffer slot and the reuse of the first are exercised. Interpret mode does not cover time,
+ICI routing or the scoped VMEM limit; the ahead-of-time compiles cover lowering for real
+multi-chip topologies.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mk  # noqa: F401  (sets the CPU platform before jax initialises)
+from mk import backend, collectives, tpu
+from multidevice import run
+
+DEVICES = (2, 4, 8)
+ROWS, COLS, VOCAB_SHARD = 8, 256, 128
+TIMES = {"all_reduce": 3, "all_gather": 2, "argmax": 2}  # back to back in one kernel
+
+
+def inputs(n: int):
+    """The same arrays in the subprocess and in the parent (numpy: no compiles here)."""
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal((n * TIMES["all_reduce"], ROWS, COLS), np.float32)
+    # Small integers as logits: many exact ties, across shard boundaries too.
+    logits = rng.integers(0, 6, (TIMES["argmax"], ROWS, n * VOCAB_SHARD)).astype(np.float32)
+    logits[0, 0, :] = 1.0
+    logits[0, 0, -1] = 9.0  # the best logit is a padding column: it must not win
+    return x, logits, n * VOCAB_SHARD - 1
+
+
+def collective_results(_) -> dict:
+    """Runs in the subprocess: every collective on 2, 4 and 8 devices, race detector on."""
+    out = {}
+    with backend.use("interpret", detect_races=True):
+        for n in DEVICES:
+            x, logits, vocab = inputs(n)
+            mesh = collectives.tp_mesh(n)
+            out[f"all_reduce_{n}"] = collectives.all_reduce(x, mesh)
+            out[f"all_gather_{n}"] = collectives.all_gather(
+                x[:n * TIMES["all_gather"]], mesh)
+            out[f"argmax_{n}"] = collectives.greedy_argmax(logits, mesh, vocab=vocab)
+            jax.block_until_ready(out)
+    return out | dict(races=backend.races_found())
+
+
+def one_slot_results(n: int) -> dict:
+    """Runs in the subprocess: two all-gathers through ONE buffer slot (the planted bug)."""
+    x, _, _ = inputs(n)
+    with backend.use("interpret", detect_races=True):
+        jax.block_until_ready(collectives.all_gather(x[:2 * n], collectives.tp_mesh(n),
+                                                    slots=1))
+    return dict(races=backend.races_found())
+
+
+def test_tree_sum_adds_halves_not_left_to_right():
+    parts = np.array([1e8, 1.0, -1e8, 1.0], np.float32)
+    # (1e8 + -1e8) + (1 + 1) = 2, while ((1e8 + 1) + -1e8) + 1 = 1 in float32.
+    assert collectives.tree_sum(parts) == 2.0
+    assert ((parts[0] + parts[1]) + parts[2]) + parts[3] == 1.0
+
+
+def test_collectives_equal_numpy_on_every_device_race_free():
+    got = run("test_collectives:collective_results", max(DEVICES))
+    assert not got["races"]
+    for n in DEVICES:
+        x, logits, vocab = inputs(n)
+        parts = x.reshape(n, -1, ROWS, COLS)
+        want_sum = collectives.tree_sum(parts)
+        want_gather = x[:n * TIMES["all_gather"]].reshape(n, -1, ROWS, COLS).transpose(
+            1, 0, 2, 3)
+        want_tokens = np.argmax(logits[..., :vocab], axis=-1)  # the first maximum
+        assert want_tokens[0, 0] == 0  # all real logits tied: the lowest id wins
+        reduced = got[f"all_reduce_{n}"].reshape(n, *want_sum.shape)
+        gathered = got[f"all_gather_{n}"].reshape(n, *want_gather.shape)
+        tokens = got[f"argmax_{n}"].reshape(n, *want_tokens.shape)
+        for device in range(n):
+            where = f"n={n} device {device}"
+            np.testing.assert_array_equal(reduced[device], want_sum, where)
+            np.testing.assert_array_equal(gathered[device], want_gather, where)
+            np.testing.assert_array_equal(tokens[device], want_tokens, where)
+        np.testing.assert_allclose(want_sum, parts.sum(0), rtol=1e-5, atol=1e-5)
+
+
+def test_one_buffer_slot_for_back_to_back_gathers_is_a_race():
+    assert run("test_collectives:one_slot_results", 2)["races"]
+
+
+@pytest.mark.parametrize("bad", [0, 3, 6, True, 2.0])
+def test_a_device_count_that_is_not_a_power_of_two_is_refused(bad):
+    with pytest.raises(ValueError, match=r"tp=.* must be a power of two"):
+        collectives.check_devices(bad)
+
+
+def test_an_all_reduce_whose_columns_do_not_split_is_refused():
+    with pytest.raises(ValueError, match=r"C=101 must be a multiple of 2"):
+        collectives.all_reduce(jnp.zeros((2, 8, 101)), _abstract_mesh(2))
+
+
+def _abstract_mesh(n):
+    return jax.sharding.Mesh(np.array(tpu.devices("v5e:2x2")[:n]), (collectives.AXIS,))
+
+
+@pytest.mark.parametrize("topology", ["tpu7x:2x2x1", "v5e:2x2"])
+def test_collectives_compile_for_a_multi_chip_topology(topology):
+    mesh = jax.sharding.Mesh(np.array(tpu.devices(topology)), (collectives.AXIS,))
+    n = mesh.shape[collectives.AXIS]
+    x = jax.ShapeDtypeStruct((2 * n, 8, 5120), jnp.float32)
+    logits = jax.ShapeDtypeStruct((1, 8, n * 1024), jnp.float32)
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        for fn, arg in ((collectives.all_reduce, x), (collectives.all_gather, x),
+                        (collectives.greedy_argmax, logits)):
+            compiled = jax.jit(lambda a, fn=fn: fn(a, mesh)).lower(arg).compile()
+            assert compiled.memory_analysis() is not None
