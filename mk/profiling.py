@@ -446,7 +446,9 @@ def compile_with_dumps(code: str, args, out: str | os.PathLike, *,
     out = Path(out)
     shutil.rmtree(out, ignore_errors=True)
     flags = f"--xla_jf_dump_to={out / 'jf'} --xla_mosaic_dump_to={out / 'mosaic'}"
-    env = dict(os.environ, LIBTPU_INIT_ARGS=flags + (f" {PHASE_FLAG}" if phases else ""))
+    env = dict(os.environ, LIBTPU_INIT_ARGS=flags + (f" {PHASE_FLAG}" if phases else ""),
+               # compile only: on a TPU VM the parent holds the chip, the child must not
+               JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1", TPU_SKIP_MDS_QUERY="1")
     done = subprocess.run([sys.executable, "-c", code, *map(str, args)], env=env,
                           capture_output=True, text=True)
     if done.returncode:

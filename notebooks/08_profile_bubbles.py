@@ -206,6 +206,8 @@ trace = profiling.trace_viewer(captures["megakernel"].path)
 print(f"XProf trace viewer: {len(trace['traceEvents'])} events in the megakernel capture")
 print(f"open them with:  xprof --logdir {profiling.PROFILES}   (http://localhost:8791)")
 print(f"            or:  tensorboard --logdir {profiling.PROFILES}   (Profile tab)")
+print(f"  in Jupyter/Colab:  %load_ext tensorboard  then  %tensorboard --logdir "
+      f"{profiling.PROFILES}")
 if "google.colab" in sys.modules:  # Colab ships TensorBoard and its notebook magic
     ipython = get_ipython()  # noqa: F821
     ipython.run_line_magic("load_ext", "tensorboard")
