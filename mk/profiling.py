@@ -13,9 +13,10 @@ those stops in real profiles, for three ways of running the same step:
 Here: `capture` (N annotated steps into `profiles/<name>/plugins/profile/<run>/`, the
 TensorBoard/XProf layout), `timeline` (the op events of a trace, per step), `bubbles` (idle
 time per step, definitions in its docstring), `staged_step`, `variants`, `trace_viewer`
-(XProf's own converter), the static TPU schedule (`dump_schedule`, `read_schedule`) and the
-figures of notebook 08 (`gantt`, `share_bars`). Not here: the simulator's predicted
-timeline (`mk.sim`), any TPU time: a CPU trace times CPU work.
+(XProf's own converter), the TPU compiler's static schedule (`compile_with_dumps`,
+`dump_schedule`, `read_schedule`) and the figures of notebook 08 (`gantt` for a measured
+step, `predicted` for a simulated one, both through `lanes_figure`; `share_bars`). Not
+here: the simulator itself (`mk.sim`), any TPU time: a CPU trace times CPU work.
 
 What a CPU trace shows: XLA:CPU runs an XLA program's ops (thunks) on a thread pool, two
 lines here, each op an event with stats `hlo_op`, `hlo_module`, `run_id` (one run_id = one
