@@ -9,15 +9,20 @@ pieces: prologue, attend, the output projection, SwiGLU or MoE. A model mixing d
 MoE layers holds both kinds of MLP segments in every layer's period and skips the kind a
 layer does not use (its tiles are neither loaded nor computed).
 
-Kept outside the kernel: the embedding gather of the step's B*T tokens (an XLA gather
-before the call). Resident in VMEM for the whole step: the norm vectors of every layer
-(L x 2 x D floats) and the final norm. Each MoE layer's router [D, E] is DMA'd at the
-layer's start and waited for just before routing.
+Small per-layer vectors (attn/mlp norms, q/k norms) stay in HBM and are prefetched a
+layer ahead into two VMEM slots; each MoE layer's router [D, E] is DMA'd at the layer's
+start and waited for just before routing. The final norm is VMEM-resident. Kept outside
+the kernel: the embedding gather of the step's B*T tokens (an XLA gather before the call).
+
+The staged debug path: `decode_step(..., taps=True)` also returns the residual stream
+after every layer's attention and MLP blocks, the same record `mk.reference.decode_step(...,
+taps=True)` returns, and `first_divergence` compares the two op by op up to a
+`stop_after=(layer, op)` point and names the first op that differs.
 
 Here: `prepare` (weights in the megakernel's layout, once), `megakernel_buffers`,
-`decode_step`, `generate`, `compile_target` (what `mk.tpu.compile_megakernel` compiles).
-Not here yet (the rest of the megakernel issue): the staged debug path, the compile-time
-benchmark against XLA, notebook 07.
+`decode_step`, `first_divergence`, `generate`, `compile_target` (what
+`mk.tpu.compile_megakernel` compiles). Not here: the compile-time benchmark
+(benchmarks/compile_time.py), tensor parallelism.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from mk.schedule import decode_stream, padded_vocab
 
 MLP_WEIGHTS = {"dense": ("w_gate", "w_up", "w_down"),
                "moe": ("router", "we_gate", "we_up", "we_down")}
+TAPS = ("attn", "mlp")  # where the residual stream is tapped in each layer (debug path)
 
 
 def prepare(config: ModelConfig, params, block: BlockSizes) -> dict:
@@ -69,13 +75,13 @@ def prepare(config: ModelConfig, params, block: BlockSizes) -> dict:
 def megakernel_buffers(config: ModelConfig, batch: int, rows: int,
                        block: BlockSizes) -> list[Buffer]:
     """Every VMEM buffer of the megakernel: the layer kernel's (but its output x_out), the
-    resident norms, the logits and the next tokens."""
-    M, L = batch * rows, config.layers
+    two slots of per-layer norms, the final norm, the logits and the next tokens."""
+    M = batch * rows
     layer = [b for b in one_layer_buffers(config, mlp_kinds(config), batch, rows, block)
              if b.name != "x_out"]  # the megakernel's residual never leaves the loop
     return layer + [
-        Buffer("norms", (L, 2, config.hidden), "float32"),
-        Buffer("qk_norms", (L, 2, config.head_dim), "float32"),
+        Buffer("norms", (2, 2, config.hidden), "float32"),
+        Buffer("qk_norms", (2, 2, config.head_dim), "float32"),
         Buffer("final_norm", (1, config.hidden), "float32"),
         Buffer("logits", (M, padded_vocab(config, block)), "float32"),
         Buffer("next_tokens", (M, 1), "int32")]
@@ -87,9 +93,9 @@ def megakernel_kernel(
     is_moe_smem,  # [L] int32: 1 for an MoE layer
     mlp_row_smem,  # [L] int32: the layer's row in the stacked dense or MoE weights
     x_vmem,  # [M, D] f32: the embedded tokens
-    norms_vmem,  # [L, 2, D] f32: attn_norm, mlp_norm
-    qk_norms_vmem,  # [L, 2, H] f32: q_norm, k_norm
     final_norm_vmem,  # [1, D] f32
+    norms_hbm,  # [L, 2, D] f32: attn_norm, mlp_norm
+    qk_norms_hbm,  # [L, 2, H] f32: q_norm, k_norm
     wq_hbm,  # [L, D, N*H]
     wk_hbm,  # [L, D, K*H]
     wv_hbm,  # [L, D, K*H]
@@ -97,20 +103,35 @@ def megakernel_kernel(
     lm_head_hbm,  # [D, Vp]
     *rest,  # the MLP weights of every kind (MLP_WEIGHTS order), k_cache_in, v_cache_in;
     #         outputs next_tokens_vmem [M, 1] int32, logits_vmem [M, Vp] f32, k_cache_hbm,
-    #         v_cache_hbm [L, B, K, S, H]; then the scratch named by `names`
+    #         v_cache_hbm [L, B, K, S, H], with taps taps_vmem [L, 2, M, D] f32; scratch
+    #         the layer's (named by `names`), norms_vmem [2, 2, D] f32, qk_norms_vmem
+    #         [2, 2, H] f32, vector_sems [2, 2], then the attention scratch
     config: ModelConfig,
     stream,
     names: tuple[str, ...],
     block: BlockSizes,
     batch: int,
     rows: int,
+    taps: bool,
 ):
     kinds = mlp_kinds(config)
     n_mlp = sum(len(MLP_WEIGHTS[k]) for k in kinds)
     mlp_hbm, rest = rest[:n_mlp], rest[n_mlp + 2:]  # the cache inputs alias the outputs
+    n_out = 5 if taps else 4
     next_tokens_vmem, logits_vmem, k_cache_hbm, v_cache_hbm = rest[:4]
-    s = SimpleNamespace(**dict(zip(names, rest[4:4 + len(names)])))
-    attention = AttentionScratch(*rest[4 + len(names):])
+    taps_vmem = rest[4] if taps else None
+    s = SimpleNamespace(**dict(zip(names, rest[n_out:n_out + len(names)])))
+    norms_vmem, qk_norms_vmem, vector_sems = rest[n_out + len(names):n_out + len(names) + 3]
+    attention = AttentionScratch(*rest[n_out + len(names) + 3:])
+
+    # Layer l's norm vectors live in slot l % 2. Layer l + 1's are issued at layer l's
+    # start into the other slot, which layer l - 1 read and no longer needs, and waited for
+    # at layer l + 1's start: two slots suffice.
+    def vector_copies(layer):
+        slot = layer % 2
+        return [pltpu.make_async_copy(src.at[layer], dst.at[slot], vector_sems.at[slot, i])
+                for i, (src, dst) in enumerate(((norms_hbm, norms_vmem),
+                                                (qk_norms_hbm, qk_norms_vmem)))]
 
     def at_step(w_hbm):
         return lambda step: (w_hbm.at[step], None)
@@ -124,21 +145,35 @@ def megakernel_kernel(
         router_hbm = mlp_hbm[-4]
     ring = Ring(stream, fetch, s.ring, s.sems)
     ring.prime()
+    for copy in vector_copies(0):
+        copy.start()
 
     def one_layer(layer, x):
+        for copy in vector_copies(layer):
+            copy.wait()
+
+        @pl.when(layer + 1 < config.layers)
+        def prefetch_next_layer_vectors():
+            for copy in vector_copies(layer + 1):
+                copy.start()
+
         is_moe = is_moe_smem[layer] == 1
         router = None
         if "moe" in kinds:
             router = pltpu.make_async_copy(router_hbm.at[mlp_row_smem[layer]], s.router,
                                            s.small_sems.at[0])
             pl.when(is_moe)(router.start)
-        norms, qk = norms_vmem[layer], qk_norms_vmem[layer]
-        return layer_body(
+        norms, qk = norms_vmem[layer % 2], qk_norms_vmem[layer % 2]
+        x_out = layer_body(
             ring, config, kinds, s, step=layer, layer=layer, is_moe=is_moe, x=x,
             norms=(norms[0:1], norms[1:2], qk[0:1], qk[1:2]), positions_smem=positions_smem,
             k_cache_hbm=k_cache_hbm, v_cache_hbm=v_cache_hbm, attention=attention,
             block=block, batch=batch, rows=rows,
             before_mlp=None if router is None else (lambda: pl.when(is_moe)(router.wait)))
+        if taps:  # s.attn_out still holds this layer's attention output
+            taps_vmem[layer, 0] = x + s.attn_out[...]
+            taps_vmem[layer, 1] = x_out
+        return x_out
 
     x = lax.fori_loop(0, config.layers, one_layer, x_vmem[...])
     s.h[...] = rms_norm(x, final_norm_vmem[...], config.rms_eps).astype(s.h.dtype)
@@ -152,14 +187,53 @@ def megakernel_kernel(
 
 
 def decode_step(config: ModelConfig, weights, cache: reference.KVCache, tokens, positions,
-                *, block: BlockSizes):
+                *, block: BlockSizes, taps: bool = False):
     """One decode step in one kernel: tokens [B, T] at positions [B] -> (next tokens
-    [B, T] int32 (greedy, ties to the lowest id), logits [B, T, V] float32, cache)."""
+    [B, T] int32 (greedy, ties to the lowest id), logits [B, T, V] float32, cache).
+
+    With `taps=True` also returns {"attn", "mlp"}: the residual stream [L, B, T, D] after
+    each layer's attention and MLP blocks, as `mk.reference.decode_step(..., taps=True)`.
+    """
     tokens = jnp.asarray(tokens, jnp.int32)
     positions = jnp.asarray(positions, jnp.int32)
     reference.validate_step(config, cache, tokens, positions)
     check_block(block, cache.k.shape[3])
-    return _decode_step(config, block, weights, cache, tokens, positions)
+    return _decode_step(config, block, weights, cache, tokens, positions, taps=taps)
+
+
+def first_divergence(config: ModelConfig, params, cache: reference.KVCache, tokens,
+                     positions, *, block: BlockSizes | None = None, stop_after=None,
+                     rtol: float = 1e-2, backend: str = "auto", weights=None):
+    """Run the reference and the megakernel on one step and compare the residual stream
+    op by op, in execution order, up to `stop_after=(layer, op)` (op in TAPS; default: the
+    last layer's MLP). `weights`: the megakernel's own (default `prepare(config, params,
+    block)`), to test a preparation or a planted bug. Returns (first (layer, op) whose max |mk - ref| exceeds rtol times
+    the reference's max |x| there, or None; a list of dicts, one per compared op, with
+    layer, op, max_abs_err, scale).
+
+    Both sides round to bf16 in different places, so the tolerance is relative to the
+    activations' scale; a wrong weight, mask or position moves the error by orders of
+    magnitude more (tests/test_megakernel.py plants one)."""
+    layer, op = (config.layers - 1, TAPS[-1]) if stop_after is None else stop_after
+    if not (isinstance(layer, int) and 0 <= layer < config.layers and op in TAPS):
+        raise ValueError(f"stop_after={stop_after!r} must be (layer, op) with 0 <= layer < "
+                         f"layers={config.layers} and op in {TAPS}")
+    block = block or layer_block(config)
+    _, _, want = reference.decode_step(config, params, cache, tokens, positions, taps=True)
+    with backends.use(backend):
+        weights = prepare(config, params, block) if weights is None else weights
+        *_, got = decode_step(config, weights, cache, tokens, positions, block=block,
+                              taps=True)
+    report = []
+    for layer_i in range(layer + 1):
+        for op_i in TAPS[:TAPS.index(op) + 1] if layer_i == layer else TAPS:
+            ref = want[op_i][layer_i]
+            err = float(jnp.abs(got[op_i][layer_i] - ref).max())
+            report.append(dict(layer=layer_i, op=op_i, max_abs_err=err,
+                               scale=float(jnp.abs(ref).max())))
+    first = next(((r["layer"], r["op"]) for r in report
+                  if not r["max_abs_err"] <= rtol * r["scale"]), None)
+    return first, report
 
 
 def check_block(block: BlockSizes, context: int) -> None:
@@ -177,8 +251,9 @@ def compile_target(config: ModelConfig, block: BlockSizes, weights, k_cache, v_c
                         positions)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "block"))
-def _decode_step(config: ModelConfig, block: BlockSizes, weights, cache, tokens, positions):
+@functools.partial(jax.jit, static_argnames=("config", "block", "taps"))
+def _decode_step(config: ModelConfig, block: BlockSizes, weights, cache, tokens, positions,
+                 taps: bool = False):
     B, T = tokens.shape
     M = B * T
     stream = decode_stream(config, M, block)
@@ -188,17 +263,24 @@ def _decode_step(config: ModelConfig, block: BlockSizes, weights, cache, tokens,
     Vp = padded_vocab(config, block)
     vmem, smem, hbm = (pl.BlockSpec(memory_space=m) for m in (pltpu.VMEM, pltpu.SMEM, pl.ANY))
     n_in = 12 + len(mlp) + 2
+    D, H, L = config.hidden, config.head_dim, config.layers
+    vectors = [pltpu.VMEM((2, 2, D), jnp.float32), pltpu.VMEM((2, 2, H), jnp.float32),
+               pltpu.SemaphoreType.DMA((2, 2))]
+    n_layer_scratch = len(names)
+    out_shape = (jax.ShapeDtypeStruct((M, 1), jnp.int32),
+                 jax.ShapeDtypeStruct((M, Vp), jnp.float32), cache.k, cache.v)
+    if taps:
+        out_shape += (jax.ShapeDtypeStruct((L, 2, M, D), jnp.float32),)
     weight_bytes = sum(weights[n].size * weights[n].dtype.itemsize
                        for n in ("wq", "wk", "wv", "wo", "lm_head", *mlp))
     x = weights["embed"][tokens].reshape(M, config.hidden).astype(jnp.float32)
-    next_tokens, logits, k_cache, v_cache = pl.pallas_call(
+    next_tokens, logits, k_cache, v_cache, *tapped = pl.pallas_call(
         functools.partial(megakernel_kernel, config=config, stream=stream,
-                          names=tuple(names), block=block, batch=B, rows=T),
-        out_shape=(jax.ShapeDtypeStruct((M, 1), jnp.int32),
-                   jax.ShapeDtypeStruct((M, Vp), jnp.float32), cache.k, cache.v),
-        in_specs=[smem] * 3 + [vmem] * 4 + [hbm] * (n_in - 7),
-        out_specs=(vmem, vmem, hbm, hbm),
-        scratch_shapes=scratch,
+                          names=tuple(names), block=block, batch=B, rows=T, taps=taps),
+        out_shape=out_shape,
+        in_specs=[smem] * 3 + [vmem] * 2 + [hbm] * (n_in - 5),
+        out_specs=(vmem, vmem, hbm, hbm) + (vmem,) * taps,
+        scratch_shapes=scratch[:n_layer_scratch] + vectors + scratch[n_layer_scratch:],
         input_output_aliases={n_in - 2: 2, n_in - 1: 3},
         compiler_params=pltpu.CompilerParams(vmem_limit_bytes=vmem_limit_bytes(
             megakernel_buffers(config, B, T, block))),
@@ -206,12 +288,15 @@ def _decode_step(config: ModelConfig, block: BlockSizes, weights, cache, tokens,
         cost_estimate=pl.CostEstimate(  # every expert counted: an upper bound for MoE
             flops=2 * M * weight_bytes // weights["wq"].dtype.itemsize, transcendentals=0,
             bytes_accessed=weight_bytes),
-    )(positions, weights["is_moe"], weights["mlp_row"], x, weights["norms"],
-      weights["qk_norms"], weights["final_norm"], weights["wq"], weights["wk"],
-      weights["wv"], weights["wo"], weights["lm_head"], *(weights[n] for n in mlp),
-      cache.k, cache.v)
-    return (next_tokens.reshape(B, T), logits[:, :config.vocab].reshape(B, T, -1),
-            reference.KVCache(k_cache, v_cache))
+    )(positions, weights["is_moe"], weights["mlp_row"], x, weights["final_norm"],
+      weights["norms"], weights["qk_norms"], weights["wq"], weights["wk"], weights["wv"],
+      weights["wo"], weights["lm_head"], *(weights[n] for n in mlp), cache.k, cache.v)
+    out = (next_tokens.reshape(B, T), logits[:, :config.vocab].reshape(B, T, -1),
+           reference.KVCache(k_cache, v_cache))
+    if taps:
+        residual = tapped[0].reshape(L, 2, B, T, D)
+        out += ({op: residual[:, i] for i, op in enumerate(TAPS)},)
+    return out
 
 
 @functools.partial(jax.jit, static_argnames=("config", "block", "steps"))

@@ -5,6 +5,8 @@ single steps); whole-model TPU compiles at full size take seconds each. Interpre
 not cover time or the scoped VMEM limit; the compiles cover lowering and capacity.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,17 +18,51 @@ from mk import backend, reference, tpu
 from mk.kernels.common import BlockSizes
 from mk.kernels.one_layer import layer_block
 
-STEPS = 8  # the issue asks for 64 tokens; see the closing note of the megakernel issue
+TOKENS = 64
 
 
-@pytest.mark.parametrize("name, batch, steps_per_call", [("tiny", 1, 1), ("tiny-moe", 2, 4)])
-def test_greedy_tokens_equal_the_reference(name, batch, steps_per_call):
+@pytest.mark.parametrize("batch, rows", [(1, 1), (4, 1), (1, 4), (4, 4)])
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
+def test_64_greedy_tokens_equal_the_reference(name, batch, rows):
+    """T = 1: `generate`, 64 tokens in one or four host dispatches. T = 4: verification,
+    16 steps that each feed 4 of the reference's greedy tokens (a perfect draft) and must
+    predict the next 4, race detector on.
+
+    In float32: in bf16 the kernel and the reference round at different points (both
+    legitimately), ~1e-3 of the logits' scale apart, and a random tiny model meets top-2
+    near-ties closer than that within 64 x 4 tokens (seen: a 0.029 margin at logit 42).
+    In float32 only summation order differs (~1e-6), so exact tokens are a sharp check;
+    bf16 tokens are checked over shorter runs below and by the transformers test."""
+    config = dataclasses.replace(mk.preset(name), dtype="float32")
+    params = mk.init_params(config)
+    prompt = jax.random.randint(jax.random.key(batch + rows), (batch, 5), 0, config.vocab)
+    want = reference.generate(config, params, prompt, TOKENS, max_context=128)
+    if rows == 1:
+        got = megakernel.generate(config, params, prompt, TOKENS, backend="interpret",
+                                  max_context=128, steps_per_call=TOKENS // batch)
+        np.testing.assert_array_equal(got, want)
+        return
+    block = layer_block(config)
+    weights = megakernel.prepare(config, params, block)
+    _, cache = reference.prefill(config, params, prompt[:, :-1], max_context=128)
+    fed = jnp.concatenate([prompt[:, -1:], want], axis=1)
+    with backend.use("interpret", detect_races=True):
+        for i in range(0, TOKENS, rows):
+            got, _, cache = megakernel.decode_step(
+                config, weights, cache, fed[:, i:i + rows],
+                jnp.full((batch,), prompt.shape[1] - 1 + i, jnp.int32), block=block)
+            np.testing.assert_array_equal(got, want[:, i:i + rows], err_msg=f"tokens {i}..")
+    assert not backend.races_found()
+
+
+@pytest.mark.parametrize("name, batch", [("tiny", 1), ("tiny-moe", 2)])
+def test_bf16_greedy_tokens_equal_the_reference(name, batch):
     config = mk.preset(name)
     params = mk.init_params(config)
     prompt = jax.random.randint(jax.random.key(1), (batch, 5), 0, config.vocab)
-    got = megakernel.generate(config, params, prompt, STEPS, backend="interpret",
-                              steps_per_call=steps_per_call)
-    np.testing.assert_array_equal(got, reference.generate(config, params, prompt, STEPS))
+    got = megakernel.generate(config, params, prompt, 8, backend="interpret",
+                              max_context=128, steps_per_call=4)
+    np.testing.assert_array_equal(got, reference.generate(config, params, prompt, 8))
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
@@ -98,8 +134,30 @@ def test_greedy_tokens_of_a_transformers_checkpoint_equal_transformers(tmp_path)
     config, params = mk.load_checkpoint(tmp_path)
     prompt = np.random.default_rng(3).integers(0, 384, (2, 6))
     with torch.no_grad():
-        hf = model.generate(torch.tensor(prompt), max_new_tokens=STEPS, do_sample=False,
+        hf = model.generate(torch.tensor(prompt), max_new_tokens=8, do_sample=False,
                             attention_mask=torch.ones(prompt.shape, dtype=torch.long))
-    got = megakernel.generate(config, params, prompt, STEPS, backend="interpret",
-                              max_context=128, steps_per_call=STEPS)
+    got = megakernel.generate(config, params, prompt, 8, backend="interpret",
+                              max_context=128, steps_per_call=8)
     np.testing.assert_array_equal(got, hf[:, prompt.shape[1]:].numpy())
+
+
+@pytest.mark.parametrize("plant, where", [
+    (lambda w: w | {"wo": w["wo"].at[1, 3, 5].add(0.5)}, (1, "attn")),
+    (lambda w: w | {"norms": w["norms"].at[0, 1].mul(1.5)}, (0, "mlp"))])
+def test_first_divergence_names_the_op_of_a_planted_bug(plant, where):
+    config = mk.preset("tiny")
+    params = mk.init_params(config)
+    _, cache = reference.prefill(config, params, jnp.ones((1, 6), jnp.int32), max_context=128)
+    args = (config, params, cache, jnp.array([[3, 4]]), jnp.array([6]))
+    first, report = megakernel.first_divergence(*args, backend="interpret")
+    assert first is None and len(report) == 2 * config.layers
+    weights = plant(megakernel.prepare(config, params, layer_block(config)))
+    first, report = megakernel.first_divergence(*args, backend="interpret", weights=weights,
+                                                stop_after=where)
+    assert first == where and (report[-1]["layer"], report[-1]["op"]) == where
+
+
+def test_stop_after_outside_the_model_is_named():
+    config = mk.preset("tiny")
+    with pytest.raises(ValueError, match=r"stop_after=\(2, 'attn'\) must be .*layers=2"):
+        megakernel.first_divergence(config, {}, None, None, None, stop_after=(2, "attn"))

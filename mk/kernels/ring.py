@@ -27,6 +27,7 @@ megakernel), KV tiles (`decode_attention`, whose KV ring is shaped by positions)
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
@@ -202,14 +203,16 @@ class Ring:
         # A tile past the layers (the tail, or past the end) still traces every segment's
         # fetch under a false guard: clamp the layer so those fetches index in range.
         layer, local = jnp.minimum(g // s.period, s.layers - 1), g % s.period
+        def in_segment(seg, copy, t):
+            # The activity flag may read SMEM: only the one segment holding g reads it.
+            pl.when(self._active(seg, layer, copy))(lambda: action(seg, layer, copy, t))
+
         for seg in s.segments:
             hit, copy, t = seg.locate(local)
-            pl.when((g < layered) & hit & self._active(seg, layer, copy))(
-                lambda seg=seg, copy=copy, t=t: action(seg, layer, copy, t))
+            pl.when((g < layered) & hit)(functools.partial(in_segment, seg, copy, t))
         for seg in s.tail:
             hit, copy, t = seg.locate(g - layered)
-            pl.when(hit & self._active(seg, layer, copy))(
-                lambda seg=seg, copy=copy, t=t: action(seg, layer, copy, t))
+            pl.when(hit)(functools.partial(in_segment, seg, copy, t))
 
     def _active(self, segment: Segment, layer, copy=0):
         _, active = self._fetch(segment, layer, copy)
