@@ -100,9 +100,14 @@ def capture(fn, *args, steps: int = 3, warmup: int = 1,
         runs = root / "plugins" / "profile"
         runs.mkdir(parents=True, exist_ok=True)
         run, k = made.name, 1
-        while (runs / run).exists():
-            run, k = f"{made.name}-{k}", k + 1
-        shutil.move(str(made), str(runs / run))
+        while True:  # mkdir claims a name atomically: concurrent captures cannot collide
+            try:
+                (runs / run).mkdir()
+                break
+            except FileExistsError:
+                run, k = f"{made.name}-{k}", k + 1
+        for f in made.iterdir():
+            shutil.move(str(f), str(runs / run / f.name))
     path, = (runs / run).glob("*.xplane.pb")
     return Capture(name, run, path, steps)
 
