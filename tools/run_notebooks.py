@@ -46,8 +46,9 @@ os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 import nbformat  # noqa: E402
 import papermill  # noqa: E402
 import yaml  # noqa: E402
-from jupyter_client.manager import KernelManager  # noqa: E402
+from jupyter_client.manager import AsyncKernelManager, KernelManager  # noqa: E402
 from nbconvert import HTMLExporter  # noqa: E402
+from traitlets import default  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNEL = "python3"
@@ -167,11 +168,21 @@ def check_kernel(kernel_name: str = KERNEL) -> None:
             f"--name {kernel_name}")
 
 
+class _PatientKernelManager(AsyncKernelManager):
+    """Gives a finished kernel 30 s, not 5, to exit: with jax and libtpu loaded on a busy
+    machine it can take longer, and libtpu answers the SIGTERM that follows with a
+    crash-like stack trace in make run's output."""
+
+    @default("shutdown_wait_time")
+    def _shutdown_wait_time_default(self):
+        return 30.0
+
+
 def execute(notebook: Path, output: Path, parameters: dict | None = None) -> None:
     """Run `notebook` into `output`; on failure papermill keeps the partial output."""
     papermill.execute_notebook(str(notebook), str(output), parameters=parameters or {},
                                kernel_name=KERNEL, cwd=str(notebook.parent),
-                               progress_bar=False)
+                               progress_bar=False, kernel_manager_class=_PatientKernelManager)
 
 
 def _failure(err: BaseException) -> str:
