@@ -1,15 +1,18 @@
 """`make run`'s site: runs from notebooks/runs.yaml, an index row per run, failures kept and
-counted, nothing overwritten, and pages that work offline in a real browser.
+counted, nothing overwritten, and pages that work offline in a real browser; and Colab
+readiness: a Colab link per notebook in the README, a bootstrap clone that cannot shadow
+the package.
 
 The site here is built by the same code `make run` calls (`tools/run_notebooks.main`) from
 two notebooks generated here (the real ones take minutes): one with math, a plotly slider
 figure made by `mk.plots.show` and a bar chart, run in two configurations from a runs file,
-and one that fails half way. Headless Chromium
-(Debian's, driven by Playwright through `tools/check_site.py`) then opens every page. Without
-chromium the browser tests skip, unless CI=true, where that is a failure.
+and one that fails half way. Headless Chromium (Debian's, driven by Playwright through
+`tools/check_site.py`) then opens every page. Without chromium the browser tests skip,
+unless CI=true, where that is a failure.
 
 Not here: whether the real notebooks' pages pass in the browser (`make check-site` after
-`make run`; each notebook is executed by tests/test_notebooks.py), and how a page looks.
+`make run`; each notebook is executed by tests/test_notebooks.py), how a page looks, and
+anything that needs Colab itself (never available here).
 """
 
 import contextlib
