@@ -316,19 +316,19 @@ def bubbles(tl: Timeline) -> list[StepBubbles]:
 
 
 def summary(per_step: list[StepBubbles], label: str = "") -> dict:
-    """Totals over steps: mean wall time, shares, ops and launches per step."""
+    """One row per capture: the shares and wall time of its median step (by wall time, the
+    lower one of an even count), so one step the OS preempted does not decide; ops and
+    launches per step as means."""
     n = len(per_step)
     if not n:
         raise ValueError("no steps: the capture holds no StepTraceAnnotation")
-    wall = sum(s.wall_ns for s in per_step)
-    span = sum(s.span_ns for s in per_step)
-    idle = sum(s.idle_ns for s in per_step)
-    host = sum(s.host_ns for s in per_step)
-    return dict(variant=label, steps=n, wall_ms=round(wall / n / 1e6, 3),
+    s = sorted(per_step, key=lambda s: s.wall_ns)[(n - 1) // 2]
+    return dict(variant=label, steps=n, wall_ms=round(s.wall_ns / 1e6, 3),
                 ops_per_step=round(sum(s.ops for s in per_step) / n, 1),
                 launches_per_step=round(sum(s.launches for s in per_step) / n, 1),
-                idle_share=round(idle / span, 4) if span else 0.0,
-                host_share=round(host / wall, 4), bubble_share=round((idle + host) / wall, 4))
+                idle_share=round(s.idle_share, 4),
+                host_share=round(s.host_ns / s.wall_ns, 4) if s.wall_ns else 0.0,
+                bubble_share=round(s.bubble_share, 4))
 
 
 # -- Variant (b): the stage kernels, one pallas_call per op ------------------------------

@@ -53,13 +53,14 @@ chip = "v6e"
 backend = "auto"
 seed = 0
 checkpoint = ""
-steps = 2  # profiled decode steps per variant (after one warm-up step)
+steps = 3  # profiled decode steps per variant (after one warm-up step)
 predict_preset = "qwen3-8b"  # the simulator's second prediction
 predict_chip = "tpu7x"
 predict_context = 4096
 schedule_dump = True  # compile the megakernel for `chip` with the compiler's dumps (~10 s)
 
 # %%
+import dataclasses
 import tempfile
 
 import jax
@@ -91,6 +92,9 @@ print(f"{config.name}: {config.layers} layers, B={run.batch} T={run.rows} S={run
 #   runs anywhere; **host gap** = wall - (last op end - first op start): before the first
 #   op and after the last;
 # - **bubble share** = (idle + host gap) / wall.
+#
+# A capture's row below is its median step (by wall time): on a shared CPU the OS can
+# preempt a step, and one such step should not decide.
 #
 # On a TPU, an op is a kernel on the chip. On this CPU, an XLA program's ops run on
 # XLA's thread pool, and a `pallas_call` in interpret mode is a whole XLA program that
@@ -194,6 +198,27 @@ else:
                     f"{cfg.name} on {chip_name} (simulated): {sim.step_s * 1e6:.1f} µs, "
                     f"HBM idle {idle / sim.step_s:.1%}")))
     display(plots.table(predictions))
+
+# %% [markdown]
+# One kernel removes the edges, not every bubble: inside the megakernel, the HBM still
+# waits whenever the ring is too shallow to cover a DMA's latency. The simulator's
+# prediction for `predict_preset` on `predict_chip` as the ring deepens (the kernel's
+# default is 3 slots):
+
+# %%
+if predictions:
+    cfg = mk.preset(predict_preset)
+    base = mk.sim.simulate(cfg, predict_chip, batch=run.batch, rows=run.rows,
+                           context=predict_context).block
+    depth = []
+    for slots in (2, 3, 4, 6, 8):
+        sim = mk.sim.simulate(cfg, predict_chip, batch=run.batch, rows=run.rows,
+                              context=predict_context, block=dataclasses.replace(base, slots=slots))
+        idle = sum(b.idle_s for b in sim.bubbles)
+        depth.append(dict(slots=slots, step_us=round(sim.step_s * 1e6, 1),
+                          bubble_share=f"{idle / sim.step_s:.1%}",
+                          largest_cause=next(iter(sim.bubble_share()), "")))
+    display(plots.table(depth))
 
 # %% [markdown]
 # ## Opening the captures in XProf or TensorBoard
