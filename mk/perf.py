@@ -1,26 +1,50 @@
-"""Bytes, FLOPs and time floors of one decode step, and the published numbers they bound.
+"""Bytes, FLOPs and time floors of one decode step, the published numbers they bound, the
+collectives of tensor parallelism, and the conventional one-kernel-per-op execution.
 
 Here: `predict(config, chip, ...)` -> `StepEstimate` (HBM bytes and FLOPs of one step of B
-sequences x T query rows over S cached positions, split tp ways, and the two floors
-t >= bytes / bandwidth and t >= FLOPs / peak); `experts_touched`, `attainable_flops` and
-`roofline_curve` (the roofline itself); `resident_bytes` / `min_chips` (capacity);
-`published()` and `published_bound()` (data/published.csv against the floor).
+sequences x T query rows over S cached positions, with a storage dtype per weight family,
+split tp ways; the two floors t >= bytes / bandwidth and t >= FLOPs / peak; the all-reduces
+of tensor parallelism over ICI); `experts_touched`, `attainable_flops` and `roofline_curve`
+(the roofline itself); `allreduce_s` (one all-reduce); `conventional(...)` ->
+`ConventionalEstimate` (the same step as one kernel per op, each paying a launch gap);
+`family_dtypes` (storage dtype per weight family); `resident_bytes` / `min_chips`
+(capacity); `published()` and `published_bound()` (data/published.csv against the floor).
 
-Not here yet: interconnect and collective time, kernel launch and synchronisation latency,
-the megakernel's own schedule, anything measured. So `step_ms` is the larger floor, a
-LOWER bound on a real step under the assumptions below, never a prediction of one.
+Not here: the megakernel's own schedule and its bubbles (`mk.sim` replays it), anything
+measured. `step_ms` is max(HBM floor, compute floor) + the collectives: a LOWER bound on a
+real step under the assumptions below (collectives sit on the critical path), not a
+simulation of one.
 
 Assumptions, each stated where it is used:
 - Perfect sharding: each of the tp devices moves bytes / tp and computes FLOPs / tp. Real
-  tensor parallelism replicates some bytes (KV heads when tp > K, norms, the router).
+  tensor parallelism replicates some bytes (KV heads when tp > K, norms, the router) and
+  pads shards to whole tiles; `mk.sim` counts those, this model does not.
 - Every byte crosses HBM once per step: weights and the S cached K/V positions are read
   once; the T new K/V rows are written once and attended from on-chip copies.
+- Weight families: "dense" (attention, dense MLP, router, embedding, lm_head) and
+  "experts" each have one storage dtype (`WEIGHT_DTYPES` names them: bf16, int8, fp8, int4,
+  fp4, ...); the KV cache stays in config.dtype. The dtype changes bytes only; which peak
+  bounds the matmuls is `compute` ("fp8" = a kernel that feeds 8- or 4-bit weights to the
+  MXU at its fp8/int8 rate, "bf16" = one that dequantises to bf16 first).
 - Routing: each of the B*T tokens picks X of E experts; "uniform" assumes independent,
   uniformly random choices (expected distinct experts E * (1 - (1 - X/E)^(B*T))),
   "shared" that all tokens pick the same X (the fewest bytes), "disjoint" that they
   overlap as little as possible (min(E, X*B*T), the most).
 - Datasheet peaks (mk.chips); a chip's bandwidth and FLOP/s are split evenly over its
   cores_per_chip devices.
+- Collectives (tp > 1): two all-reduces of the [B*T, D] bf16 activations per layer (after
+  the attention output projection and after the MLP, as in Megatron-style tensor
+  parallelism; an expert-parallel MoE combines its partial sums the same way) and one
+  small all-gather for the sharded lm_head's argmax. One all-reduce is recursive doubling:
+  ceil(log2 tp) steps, each one message latency `ICI_LATENCY_S` (1 us, the per-link latency
+  ASTRA-sim uses for TPUs "as per the TPU research team",
+  astra-sim.github.io/astra-sim-docs/validation/hardware/tpu-validation.html) plus the
+  full message at one device's ICI bandwidth, ici_bw / 2 (one direction) / cores_per_chip.
+  The two TensorCores of a TPU7x chip are treated as ICI peers.
+- Conventional execution: one kernel per op, each op's time is its own floor plus a gap
+  `KERNEL_GAP_S` (1.3 us: the launch cost per kernel Hazy Research measured on an H100 with
+  CUDA graphs, "Look Ma, No Bubbles", hazyresearch.stanford.edu/blog/2025-05-27-no-bubbles),
+  during which HBM idles; activations cross HBM between kernels.
 """
 
 from __future__ import annotations
@@ -33,12 +57,20 @@ from numbers import Real
 import numpy as np
 
 from mk.chips import DATA, ChipSpec, chip as named_chip
-from mk.config import ModelConfig, preset as named_preset
+from mk.config import DTYPE_BITS, ModelConfig, preset as named_preset
 
 PUBLISHED_CSV = DATA / "published.csv"
 ROUTINGS = ("uniform", "shared", "disjoint")
 COMPUTES = ("bf16", "fp8")  # which peak bounds the matmuls (fp8 = int8 on v5e/v6e/v5p)
 METRICS = ("per_user", "aggregate_as_published")
+WEIGHT_FAMILIES = ("dense", "experts")
+# Short names a reader types -> the storage dtypes of mk.config.DTYPE_BITS.
+WEIGHT_DTYPES = {"f32": "float32", "bf16": "bfloat16", "fp16": "float16",
+                 "fp8": "float8_e4m3fn", "int8": "int8", "fp4": "float4_e2m1fn",
+                 "int4": "int4"}
+ICI_LATENCY_S = 1e-6  # one message step of a collective (module docstring)
+KERNEL_GAP_S = 1.3e-6  # launch gap of one kernel in the conventional execution
+ACTIVATION_BYTES = 2  # bf16 activations on the wire (collectives) and between kernels
 
 
 def _positive_int(field, value):
@@ -49,6 +81,42 @@ def _positive_int(field, value):
 def _choice(field, value, choices):
     if value not in choices:
         raise ValueError(f"{field}={value!r} must be one of {choices}")
+
+
+def family_dtypes(config: ModelConfig, overrides=None) -> dict[str, str]:
+    """Storage dtype of each weight family ("dense", "experts"): the config's own, with
+    `overrides` ({family: dtype}, short names like "fp4" allowed) on top."""
+    dtypes = {"dense": config.dtype, "experts": config.expert_dtype or config.dtype}
+    for family, dtype in dict(overrides or {}).items():
+        _choice("weight family", family, WEIGHT_FAMILIES)
+        dtype = WEIGHT_DTYPES.get(dtype, dtype)
+        if dtype not in DTYPE_BITS:
+            raise ValueError(f"weight_dtypes[{family!r}]={dtype!r} must be one of "
+                             f"{tuple(WEIGHT_DTYPES)} or {tuple(DTYPE_BITS)}")
+        dtypes[family] = dtype
+    return dtypes
+
+
+# -- Collectives ---------------------------------------------------------------------------
+def allreduce_s(nbytes: float, tp: int, spec: ChipSpec) -> float:
+    """Seconds of one all-reduce of `nbytes` per device over `tp` devices: recursive
+    doubling, ceil(log2 tp) steps of one latency plus the message at one device's
+    one-way ICI bandwidth (module docstring). 0 for tp = 1."""
+    _positive_int("tp", tp)
+    if nbytes < 0:
+        raise ValueError(f"nbytes={nbytes} must be >= 0")
+    steps = math.ceil(math.log2(tp))
+    return steps * (ICI_LATENCY_S + nbytes / ici_bandwidth(spec))
+
+
+def ici_bandwidth(spec: ChipSpec) -> float:
+    """One device's one-way interconnect bandwidth, bytes/s."""
+    return spec.ici_bw / 2 / spec.cores_per_chip
+
+
+def collectives_per_step(config: ModelConfig) -> int:
+    """All-reduces of one tensor-parallel step: two per layer, one for the lm_head."""
+    return 2 * config.layers + 1
 
 
 # -- Roofline --------------------------------------------------------------------------
@@ -130,11 +198,14 @@ class StepEstimate:
     # FLOPs of one step, all devices
     matmul_flops: float  # 2 * (params a token multiplies by) * B*T
     attention_flops: float  # q.k and p.v over the cache and the causal new rows
-    # Floors and the step time (the larger floor, until a later model adds more terms)
+    # Floors, collectives and the step time: max(floors) + collective_ms
     hbm_floor_ms: float
     compute_floor_ms: float
     step_ms: float
     attainable_flops_per_chip: float  # where the step sits on its chip's roofline
+    collective_ms: float = 0.0  # the tp all-reduces, on the critical path
+    dense_dtype: str = "bfloat16"  # storage dtype of the dense weight family
+    expert_dtype: str = "bfloat16"  # storage dtype of the experts
 
     @property
     def weight_bytes(self) -> float:
@@ -168,8 +239,20 @@ class StepEstimate:
 
     @property
     def bound(self) -> str:
-        """Which floor sets step_ms: "hbm" or "compute"."""
+        """Which floor is larger: "hbm" or "compute"."""
         return "hbm" if self.hbm_floor_ms >= self.compute_floor_ms else "compute"
+
+    @property
+    def dominant(self) -> str:
+        """The largest term of step_ms: "hbm", "compute" or "collective"."""
+        terms = {"hbm": self.hbm_floor_ms, "compute": self.compute_floor_ms,
+                 "collective": self.collective_ms}
+        return max(terms, key=terms.get)
+
+    def terms(self) -> dict[str, float]:
+        """The stacked terms of step_ms, ms: the larger floor and the collectives."""
+        floor = max(self.hbm_floor_ms, self.compute_floor_ms)
+        return {f"{self.bound} floor": floor, "collectives": self.collective_ms}
 
     @property
     def tokens_per_s_per_user(self) -> float:
@@ -201,18 +284,22 @@ def _validate_step(config, batch, rows, context, tp, accepted, routing, compute)
 
 def predict(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: int = 1,
             context: int | None = None, tp: int = 1, accepted: float | None = None,
-            routing: str = "uniform", compute: str = "bf16") -> StepEstimate:
-    """Floors of one decode step of `config` on `tp` devices of `chip`.
+            routing: str = "uniform", compute: str = "bf16", weight_dtypes=None,
+            collectives: bool = True) -> StepEstimate:
+    """Floors and collectives of one decode step of `config` on `tp` devices of `chip`.
 
     `context` defaults to config.max_context; `accepted` (tokens each sequence keeps per
-    step, e.g. a speculative acceptance length) defaults to `rows`.
+    step, e.g. a speculative acceptance length) defaults to `rows`; `weight_dtypes`
+    ({"dense": ..., "experts": ...}) overrides the config's storage dtypes;
+    `collectives=False` leaves the all-reduces out (a pure floor).
     """
     spec = named_chip(chip) if isinstance(chip, str) else chip
     context = config.max_context if context is None else context
     accepted = rows if accepted is None else accepted
     _validate_step(config, batch, rows, context, tp, accepted, routing, compute)
+    dtypes = family_dtypes(config, weight_dtypes)
     m = batch * rows  # M activation rows
-    wb, eb = config.weight_bits / 8, config.expert_bits / 8
+    wb, eb = DTYPE_BITS[dtypes["dense"]] / 8, DTYPE_BITS[dtypes["experts"]] / 8
     n_dense, n_moe = len(config.dense_layers), len(config.moe_layers)
     touched = (experts_touched(config.experts, config.experts_per_token, m, routing)
                if config.is_moe else 0.0)
@@ -245,6 +332,9 @@ def predict(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: 
     device_peak = peak_flops(spec, compute) / spec.cores_per_chip
     hbm_floor_ms = 1e3 * total_bytes / tp / device_bw
     compute_floor_ms = 1e3 * flops / tp / device_peak
+    collective_ms = (1e3 * collectives_per_step(config)
+                     * allreduce_s(m * config.hidden * ACTIVATION_BYTES, tp, spec)
+                     if collectives else 0.0)
     return StepEstimate(
         config_name=config.name, chip_name=spec.name, batch=batch, rows=rows,
         context=context, tp=tp, accepted=float(accepted), routing=routing, compute=compute,
@@ -254,8 +344,129 @@ def predict(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: 
         kv_write_bytes=kv_write_bytes, experts_touched=touched,
         matmul_flops=matmul_flops, attention_flops=attention_flops,
         hbm_floor_ms=hbm_floor_ms, compute_floor_ms=compute_floor_ms,
-        step_ms=max(hbm_floor_ms, compute_floor_ms),
-        attainable_flops_per_chip=attainable_flops(spec, flops / total_bytes, compute))
+        step_ms=max(hbm_floor_ms, compute_floor_ms) + collective_ms,
+        attainable_flops_per_chip=attainable_flops(spec, flops / total_bytes, compute),
+        collective_ms=collective_ms, dense_dtype=dtypes["dense"],
+        expert_dtype=dtypes["experts"])
+
+
+# -- The conventional execution: one kernel per op ----------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One op of the conventional execution, per device."""
+
+    name: str
+    layer: int | None  # None outside the layers
+    bytes: float  # HBM bytes per device: its weights, KV, and activations in and out
+    flops: float  # per device
+    seconds: float  # max(bytes / bandwidth, flops / peak), or the all-reduce time
+
+
+@dataclasses.dataclass(frozen=True)
+class ConventionalEstimate:
+    """A decode step as one kernel per op, each followed by a launch gap (HBM idle)."""
+
+    config_name: str
+    chip_name: str
+    batch: int
+    rows: int
+    tp: int
+    accepted: float
+    gap_s: float
+    kernels: tuple[Kernel, ...]
+
+    @property
+    def work_ms(self) -> float:
+        return 1e3 * sum(k.seconds for k in self.kernels)
+
+    @property
+    def gap_ms(self) -> float:
+        return 1e3 * self.gap_s * len(self.kernels)
+
+    @property
+    def step_ms(self) -> float:
+        return self.work_ms + self.gap_ms
+
+    @property
+    def tokens_per_s_per_user(self) -> float:
+        return self.accepted / (self.step_ms / 1e3)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.batch * self.tokens_per_s_per_user
+
+
+def conventional(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: int = 1,
+                 context: int | None = None, tp: int = 1, accepted: float | None = None,
+                 routing: str = "uniform", compute: str = "bf16", weight_dtypes=None,
+                 gap_s: float = KERNEL_GAP_S) -> ConventionalEstimate:
+    """The step of `predict` run as one kernel per op: per layer norm, QKV, QK-norm+RoPE,
+    attention, output projection, residual+norm, then gate+up, SwiGLU, down (dense) or
+    router, top-k, expert gate+up, SwiGLU, expert down, combine (MoE), a residual add, and
+    two all-reduces when tp > 1; then the final norm, lm_head and argmax. Bytes and FLOPs
+    are `predict`'s, split over ops; each op also reads and writes its activations."""
+    spec = named_chip(chip) if isinstance(chip, str) else chip
+    e = predict(config, spec, batch=batch, rows=rows, context=context, tp=tp,
+                accepted=accepted, routing=routing, compute=compute,
+                weight_dtypes=weight_dtypes)
+    if not gap_s >= 0:
+        raise ValueError(f"gap_s={gap_s!r} must be >= 0 seconds")
+    bw = spec.hbm_bw / spec.cores_per_chip
+    peak = peak_flops(spec, compute) / spec.cores_per_chip
+    m, D, L = batch * rows, config.hidden, config.layers
+    act = m * ACTIVATION_BYTES / tp  # bytes of one activation column per device
+
+    def op(name, layer, weight_bytes, flops, widths):
+        nbytes = weight_bytes / tp + act * sum(widths)
+        return Kernel(name, layer, nbytes, flops / tp, max(nbytes / bw, flops / tp / peak))
+
+    allreduce = allreduce_s(m * D * ACTIVATION_BYTES, tp, spec)
+    share = {"attention": e.attention_bytes / L, "kv": e.kv_bytes / L,
+             "attn_flops": e.attention_flops / L}
+    proj = D * (2 * config.q_width + 2 * config.kv_width)
+    qkv_share = (D * (config.q_width + 2 * config.kv_width)) / proj
+    kernels = [op("embed", None, e.embed_bytes, 0, [D])]
+    for layer in range(L):
+        kind, _ = config.mlp_index(layer)
+        qkv, wo = share["attention"] * qkv_share, share["attention"] * (1 - qkv_share)
+        kernels += [op("attn_norm", layer, 0, 0, [D, D]),
+                    op("qkv", layer, qkv, 2 * m * D * (config.q_width + 2 * config.kv_width),
+                       [D, config.q_width + 2 * config.kv_width]),
+                    op("qk_norm_rope", layer, 0, 0, [2 * (config.q_width + config.kv_width)]),
+                    op("attention", layer, share["kv"], share["attn_flops"],
+                       [config.q_width + 2 * config.kv_width, config.q_width]),
+                    op("wo", layer, wo, 2 * m * config.q_width * D, [config.q_width, D])]
+        if tp > 1:
+            kernels.append(Kernel("all_reduce", layer, 0.0, 0.0, allreduce))
+        kernels.append(op("residual_norm", layer, 0, 0, [3 * D]))
+        if kind == "dense":
+            F, w = config.ffn, e.dense_mlp_bytes / len(config.dense_layers)
+            kernels += [op("gate_up", layer, 2 * w / 3, 4 * m * D * F, [D, 2 * F]),
+                        op("swiglu", layer, 0, 0, [3 * F]),
+                        op("down", layer, w / 3, 2 * m * F * D, [F, D])]
+        else:
+            E, Fe, X = config.experts, config.expert_ffn, config.experts_per_token
+            n = len(config.moe_layers)
+            experts, router = e.expert_bytes / n, e.router_bytes / n
+            kernels += [op("router", layer, router, 2 * m * D * E, [D, E]),
+                        op("top_k", layer, 0, 0, [2 * E]),
+                        op("experts_gate_up", layer, 2 * experts / 3, 4 * m * X * D * Fe,
+                           [D, 2 * X * Fe]),
+                        op("swiglu", layer, 0, 0, [3 * X * Fe]),
+                        op("experts_down", layer, experts / 3, 2 * m * X * Fe * D,
+                           [X * Fe, X * D]),
+                        op("combine", layer, 0, 0, [X * D, D])]
+        if tp > 1:
+            kernels.append(Kernel("all_reduce", layer, 0.0, 0.0, allreduce))
+        kernels.append(op("residual", layer, 0, 0, [3 * D]))
+    kernels += [op("final_norm", None, 0, 0, [2 * D]),
+                op("lm_head", None, e.lm_head_bytes, 2 * m * D * config.vocab,
+                   [D, config.vocab]),
+                op("argmax", None, 0, 0, [config.vocab])]
+    if tp > 1:
+        kernels.append(Kernel("all_gather", None, 0.0, 0.0, allreduce_s(8 * m, tp, spec)))
+    return ConventionalEstimate(config.name, spec.name, batch, rows, tp, e.accepted,
+                                float(gap_s), tuple(kernels))
 
 
 # -- Capacity -----------------------------------------------------------------------------
@@ -325,7 +536,7 @@ def published(path=PUBLISHED_CSV) -> tuple[Published, ...]:
 def published_bound(row: Published, *, context: int = 0, routing: str = "uniform",
                     compute: str = "bf16") -> StepEstimate | None:
     """The floor step of a published configuration, under the assumptions that give the
-    shortest step; None when the system is not a row of data/chips.csv.
+    shortest step (no collectives); None when the system is not a row of data/chips.csv.
 
     Batch defaults to 1 when not stated (per-user tokens/s is largest at batch 1); a
     speculative row verifies T = ceil(acceptance length) rows (a step keeps at most T
@@ -344,7 +555,7 @@ def published_bound(row: Published, *, context: int = 0, routing: str = "uniform
     a = row.acceptance_length
     return predict(named_preset(row.preset), spec, batch=row.batch or 1,
                    rows=math.ceil(a) if a else 1, accepted=a or 1, context=context,
-                   tp=devices, routing=routing, compute=compute)
+                   tp=devices, routing=routing, compute=compute, collectives=False)
 
 
 def bound_tokens_per_s(row: Published, estimate: StepEstimate) -> float:

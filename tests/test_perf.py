@@ -106,7 +106,7 @@ def test_floors_are_bytes_over_device_bandwidth_and_flops_over_device_peak():
     fp8 = perf.predict(mk.preset("qwen3-8b"), spec, batch=4, rows=2, context=100, tp=8,
                        compute="fp8")
     assert fp8.compute_floor_ms == pytest.approx(e.compute_floor_ms / 2)
-    assert e.step_ms == max(e.hbm_floor_ms, e.compute_floor_ms)
+    assert e.step_ms == max(e.hbm_floor_ms, e.compute_floor_ms) + e.collective_ms
 
 
 def test_tokens_per_s_count_accepted_tokens_per_user_and_batch_in_aggregate():
@@ -243,3 +243,92 @@ def test_published_speed_is_below_the_strictest_floor_bound(row):
     e = perf.published_bound(row, routing="shared")
     assert row.tokens_per_s <= perf.bound_tokens_per_s(row, e)
     assert math.isfinite(e.step_ms) and e.step_ms > 0
+
+
+# -- Weight dtypes per family ---------------------------------------------------------------
+@pytest.mark.parametrize("dtype,bits", [("bf16", 16), ("int8", 8), ("fp8", 8), ("int4", 4),
+                                        ("fp4", 4), ("float8_e4m3fn", 8)])
+def test_dense_weight_dtype_scales_every_dense_family_and_leaves_kv_alone(dtype, bits):
+    config = mk.preset("tiny")
+    bf16 = perf.predict(config, "v6e", batch=2, context=10)
+    e = perf.predict(config, "v6e", batch=2, context=10, weight_dtypes={"dense": dtype})
+    for field in ("attention_bytes", "dense_mlp_bytes", "embed_bytes", "lm_head_bytes"):
+        assert getattr(e, field) == getattr(bf16, field) * bits / 16, field
+    assert e.kv_bytes == bf16.kv_bytes and e.flops == bf16.flops
+
+
+def test_expert_dtype_changes_only_the_expert_bytes():
+    config = mk.preset("tiny-moe")
+    bf16 = perf.predict(config, "v6e", context=0, routing="shared")
+    fp4 = perf.predict(config, "v6e", context=0, routing="shared",
+                       weight_dtypes={"experts": "fp4"})
+    assert fp4.expert_bytes == bf16.expert_bytes / 4 == 2 * 2 * 3 * 256 * 128 / 2
+    assert fp4.weight_bytes - fp4.expert_bytes == bf16.weight_bytes - bf16.expert_bytes
+    assert (fp4.dense_dtype, fp4.expert_dtype) == ("bfloat16", "float4_e2m1fn")
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ({"attention": "bf16"}, "weight family='attention'"),
+    ({"experts": "fp2"}, "weight_dtypes\\['experts'\\]='fp2'")])
+def test_weight_dtypes_reject_unknown_families_and_dtypes(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        perf.predict(mk.preset("tiny-moe"), "v6e", weight_dtypes=overrides)
+
+
+# -- Collectives ----------------------------------------------------------------------------
+def test_one_allreduce_is_log2_steps_of_latency_plus_message():
+    spec = chip("tpu7x")
+    one_way = spec.ici_bw / 2 / 2  # per device, one direction
+    assert perf.allreduce_s(1e6, 1, spec) == 0
+    assert perf.allreduce_s(1e6, 8, spec) == pytest.approx(3 * (1e-6 + 1e6 / one_way))
+    assert perf.allreduce_s(0, 32, spec) == pytest.approx(5e-6)
+    assert perf.allreduce_s(0, 5, spec) == pytest.approx(3e-6)  # ceil(log2 5)
+
+
+def test_collective_term_counts_two_allreduces_per_layer_and_one_for_the_lm_head():
+    config, spec = mk.preset("qwen3-8b"), chip("tpu7x")
+    e = perf.predict(config, spec, batch=2, rows=4, context=0, tp=16)
+    message = 8 * config.hidden * 2  # M=8 rows of bf16
+    assert e.collective_ms == pytest.approx(1e3 * (2 * 36 + 1) * perf.allreduce_s(
+        message, 16, spec))
+    assert e.step_ms == pytest.approx(max(e.hbm_floor_ms, e.compute_floor_ms)
+                                      + e.collective_ms)
+    pure = perf.predict(config, spec, batch=2, rows=4, context=0, tp=16, collectives=False)
+    assert pure.collective_ms == 0 and pure.hbm_floor_ms == e.hbm_floor_ms
+    assert perf.predict(config, spec, context=0).collective_ms == 0  # tp = 1
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8, 16, 32])
+def test_every_preset_predicts_for_tp_1_to_32_batch_1_to_8_and_t_1_to_8(tp):
+    for name in PRESET_NAMES:
+        for batch, rows in ((1, 1), (8, 1), (1, 8), (8, 8)):
+            e = perf.predict(mk.preset(name), "tpu7x", batch=batch, rows=rows, context=0,
+                             tp=tp)
+            assert e.step_ms > 0 and math.isfinite(e.tokens_per_s)
+            assert e.dominant in ("hbm", "compute", "collective")
+
+
+# -- The conventional execution ------------------------------------------------------------
+def test_conventional_step_is_the_work_plus_one_gap_per_kernel():
+    c = perf.conventional(mk.preset("tiny"), "v6e", context=10, gap_s=2e-6)
+    assert c.step_ms == pytest.approx(c.work_ms + 2e-3 * len(c.kernels))
+    # embed; per dense layer attn_norm, qkv, qk_norm_rope, attention, wo, residual_norm,
+    # gate_up, swiglu, down, residual; final norm, lm_head, argmax; no collective
+    assert len(c.kernels) == 1 + 2 * 10 + 3
+    assert not [k for k in c.kernels if k.name.startswith("all_")]
+    tp = perf.conventional(mk.preset("tiny"), "v6e", context=10, tp=2)
+    assert sum(k.name == "all_reduce" for k in tp.kernels) == 2 * 2
+
+
+def test_conventional_moves_at_least_the_roofline_bytes_and_is_never_faster():
+    for name in ("tiny", "tiny-moe", "qwen3-8b", "kimi-k3-like"):
+        for tp in (1, 8):
+            config = mk.preset(name)
+            if config.heads % tp:
+                continue
+            e = perf.predict(config, "tpu7x", batch=2, context=64, tp=tp)
+            c = perf.conventional(config, "tpu7x", batch=2, context=64, tp=tp)
+            assert sum(k.bytes for k in c.kernels) * tp >= e.total_bytes * (1 - 1e-9)
+            assert c.step_ms >= e.step_ms * (1 - 1e-9)
+    with pytest.raises(ValueError, match="gap_s=-1"):
+        perf.conventional(mk.preset("tiny"), "v6e", gap_s=-1)
