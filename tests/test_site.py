@@ -204,6 +204,11 @@ def test_pages_carry_plotlyjs_once_and_load_nothing_from_outside(site):
         assert not re.findall(r'src="https?:', page), name
 
 
+def test_run_folders_are_never_reused(tmp_path):
+    first, second = run_notebooks.new_run_dir(tmp_path), run_notebooks.new_run_dir(tmp_path)
+    assert first != second and first.is_dir() and second.is_dir()
+
+
 # -- In a browser ---------------------------------------------------------------------------
 def _chromium():
     chromium = check_site.find_chromium()

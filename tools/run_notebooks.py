@@ -327,7 +327,8 @@ with every Pallas kernel in TPU interpret mode: they say nothing about TPU time.
 
 
 def write_run_index(run_dir: Path, record: dict) -> None:
-    (run_dir / "runs.json").write_text(json.dumps(record, indent=1), encoding="utf-8")
+    (run_dir / "runs.json").write_text(json.dumps(record, indent=1, default=str),
+                                        encoding="utf-8")
     body = (f"<p>Run {html.escape(run_dir.name)} ({_summary(record)}); "
             f'<a href="../../index.html">all runs</a>.</p>\n{_table(record["rows"], "")}')
     (run_dir / "index.html").write_text(_page(f"mk notebooks, run {run_dir.name}", body),
