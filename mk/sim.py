@@ -1,0 +1,928 @@
+"""The pipeline simulator: the megakernel's own tile schedule replayed on a model of a chip.
+
+`simulate(config, chip, ...)` builds the `TileStream` the kernel executes
+(`mk.schedule.decode_stream`) and walks it in the kernel's program order (`mk.megakernel`,
+`mk.kernels.one_layer.layer_body`): prime the ring, per layer the prologue's wq/wk/wv, the
+KV stream of `attend`, wo, the dense MLP or the router, expert selection and the expert
+slots, then the lm_head and argmax. Every `start(g)` / `wait(g)` of the kernel is a DMA
+issue / a compute-lane wait here, with the kernel's rule: consuming tile g issues tile
+g + slots, a switched-off segment's tiles are neither loaded nor waited for, expert tiles
+issued before routing are no-ops, `ring.skip` issues the tiles past the off expert slots.
+The result, `Simulation`, has the step time, the HBM utilisation, a timeline of DMA and
+compute events and the bubbles (HBM idle) with their causes.
+
+Modelling assumptions (`Assumptions` holds the numbers; none is fitted to a measurement):
+- One DMA engine per device, first in first out, at `hbm_share` x the device's datasheet
+  HBM bandwidth (chip hbm_bw / cores_per_chip; hbm_share = 1.0, optimistic). A transfer
+  issued at t starts moving at max(t + `dma_latency_s`, end of the transfer before it):
+  the per-descriptor latency (0.5 us, an assumption, not measured) is hidden when the
+  engine is busy. Weight tiles, KV tiles, KV write-backs, routers and the 4-byte-per-expert
+  selection copy all share the engine.
+- Compute is one in-order lane. A weight tile [tk, tn] against M rows costs
+  2 * max(M, mxu_rows) * tk * tn / peak: a weight-stationary MXU of mxu_rows x mxu_rows
+  (128 on v5e/v5p, 256 on v6e/TPU7x: Google Cloud TPU system-architecture pages) takes as
+  long to load a weight block as to stream mxu_rows rows through it, so fewer rows cost
+  the same. Peak is the device's dense bf16 (or fp8 with compute="fp8") FLOP/s.
+- Vector work (norms, RoPE, softmax, SwiGLU, the router's top-k, argmax) runs at
+  `vpu_flops_ratio` (1/64) of the MXU bf16 peak in elementwise ops/s, an assumption (not on
+  any datasheet); it is small in decode. The expert compaction loop runs on the scalar
+  unit at `scalar_op_s` (2 ns, ~2 cycles at ~1 GHz, an assumption) per expert.
+- Attention: every sequence sits at position `context`, so each reads
+  (context + T - 1) // kv_tile + 1 KV tiles of K_dev x kv_tile x H (K and V: two DMAs),
+  through `kv_slots` (the kernel primes kv_slots - 1 of them at the start of attention:
+  they are not prefetched across layers); per tile 2 matmuls per kv head at the MXU rule
+  above with R = round_up(G*T, 8) rows, plus ~8 vector ops per score; the one or two
+  tiles holding the new rows are written back (start then wait: the kernel blocks on it).
+- Tensor parallelism (tp > 1): each device runs the kernel on its shard (`shard`): query
+  heads, FFN and vocab split tp ways (FFN padded to 128 lanes), KV heads split or
+  replicated when tp > K, experts split tp ways (expert parallelism). The kernel has no
+  collectives yet; they are modelled as blocking all-reduces of [M, D] bf16 after wo and
+  after the MLP, and an all-gather after the lm_head (`mk.perf.allreduce_s`). With expert
+  parallelism the step waits for the device with the most active experts: the expected
+  maximum over tp devices of Binomial(E/tp, p), p = 1 - (1 - X/E)^M, rounded.
+- Active experts per MoE layer (one device): the expected distinct experts of
+  `mk.perf.experts_touched` (routing "uniform" by default), rounded; the same every layer.
+- Not modelled: VMEM bandwidth and bank conflicts, DMA engine concurrency beyond one FIFO,
+  HBM refresh and page effects, the XLA embedding gather before the kernel and the host
+  dispatch, clock throttling, misses of the scalar core, the cost of switched-off tiles
+  (each `pl.when` that skips a tile is free), speculative drafting.
+
+Bubble causes (HBM idle intervals): "step start" (before the first tile lands), "layer
+boundary" (the next layer's tiles issued late: cross-layer prefetch off, or after an MoE
+layer whose last expert slots were off, so `ring.skip` issued them only after the last
+active expert), "routing" (expert tiles cannot be issued until the router has chosen),
+"attention" (KV stream latency and attention compute while the weight ring is full),
+"lm_head" (argmax, the last tiles), "collective", "compute" (an MXU-bound tile),
+"vector" (norms, RoPE, SwiGLU), "ring empty" (a wait on a tile still in its issue
+latency: too few slots to hide it), "step end".
+
+Here: `Assumptions`, `shard`, `simulate` -> `Simulation`, `replay_matmul` (a single
+matmul's stream, the synthetic case with a closed form), `sweep`, `published_table`.
+"""
+
+from __future__ import annotations
+
+import array
+import dataclasses
+import math
+
+from mk import perf
+from mk.chips import ChipSpec, chip as named_chip
+from mk.config import DTYPE_BITS, ModelConfig, preset as named_preset
+from mk.kernels.common import LANES, BlockSizes
+from mk.kernels.decode_attention import block_rows, write_back_rows
+from mk.kernels.mlp import expert_slots
+from mk.kernels.one_layer import layer_block, mlp_kinds
+from mk.kernels.ring import TileStream
+from mk.schedule import decode_stream, padded_vocab
+
+MXU_ROWS = {"v5e": 128, "v5p": 128, "v6e": 256, "tpu7x": 256}
+CAUSES = ("step start", "layer boundary", "routing", "attention", "lm_head", "collective",
+          "compute", "vector", "ring empty", "step end")
+DENSE_SEGMENTS = ("w_gate", "w_up", "w_down")
+EXPERT_SEGMENTS = ("we_gate", "we_up", "we_down")
+
+
+@dataclasses.dataclass(frozen=True)
+class Assumptions:
+    """The numbers of the machine model (module docstring says where each comes from)."""
+
+    hbm_share: float = 1.0
+    dma_latency_s: float = 0.5e-6
+    vpu_flops_ratio: float = 1 / 64
+    scalar_op_s: float = 2e-9
+    compute: str = "bf16"
+
+    def __post_init__(self):
+        for field in ("hbm_share", "vpu_flops_ratio"):
+            if not 0 < getattr(self, field) <= 1:
+                raise ValueError(f"Assumptions.{field}={getattr(self, field)!r} must be "
+                                 "in (0, 1]")
+        for field in ("dma_latency_s", "scalar_op_s"):
+            if not getattr(self, field) >= 0:
+                raise ValueError(f"Assumptions.{field}={getattr(self, field)!r} must be >= 0")
+        if self.compute not in perf.COMPUTES:
+            raise ValueError(f"Assumptions.compute={self.compute!r} must be one of "
+                             f"{perf.COMPUTES}")
+
+
+def _round_up(n: int, multiple: int = LANES) -> int:
+    return -(-n // multiple) * multiple
+
+
+def shard(config: ModelConfig, tp: int) -> ModelConfig:
+    """One device's part of `config` under tp-way tensor parallelism (module docstring)."""
+    perf._positive_int("tp", tp)
+    if tp == 1:
+        return config
+    N, K = config.heads, config.kv_heads
+    if N % tp:
+        raise ValueError(f"tp={tp} must divide {config.name}'s heads={N}")
+    if K % tp and tp % K:
+        raise ValueError(f"tp={tp} must divide kv_heads={K} or be a multiple of it")
+    fields = dict(name=f"{config.name}/tp{tp}", heads=N // tp, kv_heads=max(1, K // tp),
+                  ffn=_round_up(-(-config.ffn // tp)), vocab=-(-config.vocab // tp))
+    if config.is_moe:
+        if config.experts % tp:
+            raise ValueError(f"tp={tp} must divide experts={config.experts} (expert "
+                             "parallelism)")
+        local = config.experts // tp
+        fields |= dict(experts=local, experts_per_token=min(config.experts_per_token, local))
+    return dataclasses.replace(config, **fields)
+
+
+def active_experts(config: ModelConfig, m: int, tp: int = 1, routing: str = "uniform") -> int:
+    """Active expert slots of one MoE layer on the busiest device (module docstring)."""
+    E, X = config.experts, config.experts_per_token
+    slots = expert_slots(E // tp, min(X, E // tp), m)
+    if tp == 1 or routing != "uniform":
+        mean = perf.experts_touched(E, X, m, routing) / tp
+        return max(1, min(slots, round(mean)))
+    p, n = -math.expm1(m * math.log1p(-X / E)) if X < E else 1.0, E // tp
+    pmf = [math.comb(n, k) * p ** k * (1 - p) ** (n - k) for k in range(n + 1)]
+    cdf, expected_max = 0.0, 0.0
+    for k in range(n + 1):  # E[max] = sum_k P(max > k) = sum_k 1 - F(k)^tp
+        cdf += pmf[k]
+        expected_max += 1 - min(1.0, cdf) ** tp
+    return max(1, min(slots, round(expected_max)))
+
+
+# -- The machine ---------------------------------------------------------------------------
+_WHOLE_GAP = ("step start", "layer boundary", "routing", "attention")  # DMA issue tags
+
+
+class _Machine:
+    """A FIFO DMA engine and an in-order compute lane. Intervals are merged into runs of
+    one (layer, what) as they happen. An HBM-idle gap is classified once the compute lane
+    has passed its end: by the compute phase running during it, "ring empty" where the
+    lane was waiting, or whole by the tag of the transfer that ends it (module
+    docstring). Memory grows with the runs, not with the tiles."""
+
+    def __init__(self, bw: float, latency: float):
+        self.bw, self.latency = bw, latency
+        self.now = 0.0  # the compute lane's clock
+        self.dma_free = 0.0  # when the engine has moved everything issued so far
+        self.dma_bytes = 0.0
+        self.weight_bytes = 0.0
+        self.events = {"dma": [], "compute": []}  # finished runs
+        self.run = {"dma": None, "compute": None}  # [layer, what, start, end, busy, n, bytes]
+        self.recent = []  # compute intervals (start, end, what) that pending gaps may need
+        self.pending = []  # HBM-idle gaps (start, end, layer) not yet classified
+        self.bubbles = []  # [start, end, cause, layer, idle]
+        self.gap_log = []  # (bubble record, idle) since the caller last cleared it
+
+    def _extend(self, lane, layer, what, start, end, nbytes=0.0):
+        run = self.run[lane]
+        if run is not None and run[0] == layer and run[1] == what:
+            run[3] = end
+            run[4] += end - start
+            run[5] += 1
+            run[6] += nbytes
+            return
+        if run is not None:
+            self.events[lane].append(tuple(run))
+        self.run[lane] = [layer, what, start, end, end - start, 1, nbytes]
+
+    def _bubble(self, start, end, cause, layer):
+        if end <= start:
+            return
+        for last in self.bubbles[-1:-4:-1]:  # alternating causes extend their own record
+            if last[2] == cause and last[3] == layer:
+                last[1] = end
+                last[4] += end - start
+                self.gap_log.append((last, end - start))
+                return
+        self.bubbles.append([start, end, cause, layer, end - start])
+        self.gap_log.append((self.bubbles[-1], end - start))
+
+    def _resolve(self, until: float, idle: str = "ring empty") -> None:
+        """Classify the pending gaps that end by `until` (all of them at the step end)."""
+        while self.pending and (self.pending[0][1] <= until or idle == "step end"):
+            start, end, layer = self.pending.pop(0)
+            t = start
+            for a, b, what in self.recent:
+                if b <= t or a >= end:
+                    continue
+                if a > t:
+                    self._bubble(t, a, idle, layer)
+                self._bubble(max(a, t), min(b, end), _cause(what), layer)
+                t = min(b, end)
+            self._bubble(t, end, idle, layer)
+        first = self.pending[0][0] if self.pending else self.dma_free
+        if self.recent and self.recent[0][1] <= first:
+            self.recent = [r for r in self.recent if r[1] > first]
+
+    def dma(self, nbytes: float, layer: int, what: str, tag: str = "",
+            weight: bool = True) -> float:
+        """Issue a transfer now; returns when it has landed."""
+        start = max(self.now + self.latency, self.dma_free)
+        if start > self.dma_free:
+            if tag in _WHOLE_GAP:
+                self._bubble(self.dma_free, start, tag, layer)
+            else:
+                self.pending.append((self.dma_free, start, layer))
+        end = start + nbytes / self.bw
+        self.dma_free = end
+        self.dma_bytes += nbytes
+        self.weight_bytes += nbytes if weight else 0.0
+        self._extend("dma", layer, what, start, end, nbytes)
+        return end
+
+    def compute(self, seconds: float, layer: int, what: str) -> None:
+        if seconds > 0:
+            end = self.now + seconds
+            self._extend("compute", layer, what, self.now, end)
+            if self.pending or end > self.dma_free:
+                self.recent.append((self.now, end, what))
+            self.now = end
+            if self.pending and self.pending[0][1] <= end:
+                self._resolve(end)
+
+    def wait(self, t: float) -> None:
+        if t > self.now:
+            self.now = t
+            if self.pending and self.pending[0][1] <= t:
+                self._resolve(t)
+
+    def state(self) -> tuple:
+        """dma_free relative to the compute clock (0.1 ps grid): with the ring's landed
+        times, all the next tiles' timing depends on."""
+        return (round((self.dma_free - self.now) * 1e13),)
+
+    def shift(self, cycles: int, tiles: int, period: float, gaps: list, busy: float,
+              nbytes: float) -> None:
+        """Fast-forward `cycles` repetitions of the last `tiles` tiles, which advanced every
+        clock by `period` and classified the `gaps` (bubble record, idle) pairs; each tile
+        computes `busy` seconds and moves `nbytes`. The recurrence is shift-invariant, so
+        this is the exact replay of those repetitions."""
+        dt = cycles * period
+        # HBM idle time one cycle opens: the engine moves `tiles` tiles per period
+        created = period - tiles * nbytes / self.bw
+        resolved = sum(idle for _, idle in gaps)
+        if created > 1e-18 and resolved <= 0:  # nothing classified yet: by the lane's use
+            self._bubble(self.now, self.now + created,
+                         "compute" if period <= tiles * busy * (1 + 1e-9) else "ring empty",
+                         self.run["compute"][0])
+            gaps, resolved = [self.gap_log[-1]], created
+        self.now += dt
+        self.dma_free += dt
+        for record in {id(r): r for r, _ in gaps}.values():
+            record[1] += dt
+        for record, idle in gaps:  # the cycle's mix of causes, scaled to what it opened
+            record[4] += cycles * idle * (created / resolved if resolved > 0 else 0.0)
+        n = cycles * tiles
+        for lane, seconds, moved in (("compute", busy, 0.0), ("dma", nbytes / self.bw, nbytes)):
+            run = self.run[lane]
+            run[3] += dt
+            run[4] += n * seconds
+            run[5] += n
+            run[6] += n * moved
+        self.dma_bytes += n * nbytes
+        self.weight_bytes += n * nbytes
+        self.recent = [(a + dt, b + dt, w) for a, b, w in self.recent]
+        self.pending = [(a + dt, b + dt, layer) for a, b, layer in self.pending]
+
+    def finish(self) -> float:
+        """Close the runs; the step ends when both lanes are done."""
+        step = max(self.now, self.dma_free)
+        if step > self.dma_free:
+            self.pending.append((self.dma_free, step, None))
+        self._resolve(step, "step end")
+        for lane, run in self.run.items():
+            if run is not None:
+                self.events[lane].append(tuple(run))
+        return step
+
+
+# -- The replay of the megakernel ----------------------------------------------------------
+class _Kernel:
+    """`mk.megakernel.megakernel_kernel`, step by step, on a `_Machine`."""
+
+    def __init__(self, config, stream: TileStream, machine: _Machine, *, m, batch, rows,
+                 context, spec, tp, dtypes, experts_on, prefetch, a: Assumptions):
+        self.c, self.s, self.mc, self.a = config, stream, machine, a
+        self.m, self.batch, self.rows, self.context, self.tp = m, batch, rows, context, tp
+        self.prefetch, self.experts_on = prefetch, experts_on
+        self.fast = True  # fast-forward runs of identical tiles (tests compare both ways)
+        self.n = stream.block.slots
+        self.peak = perf.peak_flops(spec, a.compute) / spec.cores_per_chip
+        self.vpu = spec.bf16_flops / spec.cores_per_chip * a.vpu_flops_ratio
+        self.mxu = MXU_ROWS[spec.name]
+        self.spec = spec
+        tile = stream.block.tile_k * stream.block.tile_n
+        bits = {"dense": DTYPE_BITS[dtypes["dense"]], "experts": DTYPE_BITS[dtypes["experts"]]}
+        self.tile_bytes = {name: tile * bits["experts" if name in EXPERT_SEGMENTS
+                                             else "dense"] / 8
+                           for name in [s.name for s in stream.segments + stream.tail]}
+        self.landed: dict[int, float] = {}
+        self.count = 0  # count_smem[0]: active expert slots, 0 outside routing
+        self.layer = 0  # the layer the kernel is in (for prefetch off)
+        self.kinds = mlp_kinds(config) if config is not None else ()
+        self.period, self.total = stream.period, stream.total  # properties: sum each call
+        self.layered = stream.layers * self.period
+        # local tile offset -> (segment, copy, what) of one layer's period and of the tail
+        self.local = [None] * self.period
+        self.tail = [None] * (self.total - self.layered)
+        for table, segments in ((self.local, stream.segments), (self.tail, stream.tail)):
+            for seg in segments:
+                for copy in range(seg.copies):
+                    what = f"{seg.name}[{copy}]" if seg.stride else seg.name
+                    for t in range(seg.tiles):
+                        table[seg.start + copy * seg.stride + t] = (seg, copy, what)
+
+    # The ring: start / wait / matmul / skip, as in mk.kernels.ring.Ring
+    def locate(self, g):
+        if g < self.layered:
+            return (g // self.period,) + self.local[g % self.period]
+        return (self.s.layers,) + self.tail[g - self.layered]
+
+    def active(self, layer, seg, copy) -> bool:
+        if seg.name in EXPERT_SEGMENTS:
+            return copy < self.count
+        if seg.name in DENSE_SEGMENTS and len(self.kinds) == 2:
+            return layer not in self.c.moe_layers
+        return True
+
+    def start(self, g, tag=""):
+        if g >= self.total:
+            return
+        layer, seg, copy, what = self.locate(g)
+        if not self.prefetch and layer != self.layer:
+            return  # a kernel without cross-layer prefetch primes each layer at its start
+        if self.active(layer, seg, copy):
+            self.landed[g] = self.mc.dma(self.tile_bytes[seg.name], layer, what, tag)
+
+    def wait(self, g):
+        self.mc.wait(self.landed.pop(g))
+
+    def matmul(self, name, copy=0):
+        """`Ring.matmul`: per tile wait, compute, issue the tile `slots` ahead. Once a tile
+        repeats the previous one's timing exactly (same gaps, same issue), the rest of the
+        run of identical tiles is fast-forwarded (`_Machine.shift`)."""
+        seg = self.s.segment(name)
+        base = self.s.base(self.layer, seg, copy)
+        block, mc, n = self.s.block, self.mc, self.n
+        seconds = 2 * max(self.m, self.mxu) * block.tile_k * block.tile_n / self.peak
+        what = "lm_head" if name == "lm_head" else (f"{name}[{copy}]" if seg.stride else name)
+        seen, history, t = {}, [], 0  # state -> tile index; (now, gaps) per tile
+        while t < seg.tiles:
+            g = base + t
+            mc.gap_log = []
+            self.wait(g)
+            mc.compute(seconds, self.layer, what)
+            self.start(g + n)
+            t += 1
+            state = self._state(g + 1) if self.fast else None
+            history.append((mc.now, mc.gap_log))
+            if state is None:
+                seen, history = {}, history[-1:]
+                continue
+            if state not in seen:
+                seen[state] = len(history) - 1
+                continue
+            p = len(history) - 1 - seen[state]  # the ring repeats every p tiles
+            cycles = self._repeatable(g + 1, base + seg.tiles) // p
+            period = mc.now - history[-1 - p][0]
+            if cycles and period > 0:
+                gaps = [pair for _, log in history[-p:] for pair in log]
+                mc.shift(cycles, p, period, gaps, seconds,
+                         self.tile_bytes[self.locate(g + n)[1].name])
+                for h in sorted(self.landed, reverse=True):
+                    self.landed[h + cycles * p] = self.landed.pop(h) + cycles * period
+                t += cycles * p
+            seen, history = {}, history[-1:]
+
+    def _state(self, g):
+        """Everything the next tiles' timing depends on, relative to the compute clock
+        and on a 0.1 ps grid (hashable): the machine's state and landed - now of the tiles
+        of g .. g+slots-1 still in flight (the engine lands them in order, so the scan
+        stops at the first landed one); None unless tile g+slots-1 was issued."""
+        now, landed = self.mc.now, self.landed
+        if g + self.n - 1 not in landed:
+            return None
+        flight = []
+        for h in range(g + self.n - 1, g - 1, -1):
+            t = landed.get(h)
+            if t is None or t <= now:
+                break
+            flight.append(round((t - now) * 1e13))
+        return self.mc.state() + tuple(flight)
+
+    def _repeatable(self, g, end):
+        """How many tiles from g on repeat the last one: consumed before `end`, and the
+        tiles they issue (g + slots ...) continue the run (one matrix, one copy) of the
+        tile the last one issued, which is active and untagged."""
+        issued = g + self.n - 1
+        if issued + 1 >= self.total:
+            return 0
+        layer, seg, copy, _ = self.locate(issued)
+        if not self.active(layer, seg, copy) or (not self.prefetch and layer != self.layer):
+            return 0
+        first = (layer * self.period if issued < self.layered else self.layered)
+        run_end = first + seg.start + copy * seg.stride + seg.tiles
+        return max(0, min(end - g, run_end - issued - 1))
+
+    def skip(self, first, end, tag=""):
+        for t in range(self.n):
+            g = end - self.n + t
+            if g >= first:
+                self.start(g + self.n, tag)
+
+    def prime_layer(self, first, tag):
+        for g in range(first, min(first + self.n, self.total)):
+            self.start(g, tag)
+
+    def region(self, first, last):
+        a, b = self.s.segment(first), self.s.segment(last)
+        return (self.s.base(self.layer, a),
+                self.s.base(self.layer, b) + (b.copies - 1) * b.stride + b.tiles)
+
+    def vector(self, ops, what):
+        self.mc.compute(ops / self.vpu, self.layer, what)
+
+    def collective(self, nbytes):
+        if self.tp > 1:
+            self.mc.compute(perf.allreduce_s(nbytes, self.tp, self.spec), self.layer,
+                            "collective")
+
+    # The kernel
+    def run(self):
+        c, M, D = self.c, self.m, self.c.hidden
+        self.prime_layer(0, "step start")
+        for layer in range(c.layers):
+            self.layer = layer
+            if layer and not self.prefetch:
+                self.prime_layer(layer * self.period, "layer boundary")
+            is_moe = layer in c.moe_layers
+            router = (self.mc.dma(D * c.experts * c.weight_bits / 8, layer, "router")
+                      if is_moe else None)
+            self.vector(4 * M * D, "norm")
+            for name in ("wq", "wk", "wv"):
+                self.matmul(name)
+            self.vector(10 * M * (c.q_width + c.kv_width), "qk_norm_rope")
+            self.attend()
+            self.matmul("wo")
+            self.collective(M * D * perf.ACTIVATION_BYTES)
+            self.vector(5 * M * D, "norm")
+            if router is not None:
+                self.mc.wait(router)
+            if not is_moe:
+                self.swiglu()
+                if "moe" in self.kinds:
+                    self.skip(*self.region("we_gate", "we_down"), "layer boundary")
+            else:
+                if "dense" in self.kinds:
+                    self.skip(*self.region("w_gate", "w_down"))
+                self.experts()
+            self.collective(M * D * perf.ACTIVATION_BYTES)
+            self.vector(M * D, "residual")
+        self.layer = c.layers
+        if not self.prefetch:
+            self.prime_layer(self.layered, "layer boundary")
+        self.vector(4 * M * D, "final_norm")
+        self.matmul("lm_head")
+        self.vector(4 * M * padded_vocab(c, self.s.block), "argmax")
+        self.collective(8 * M)
+
+    def run_matmuls(self):
+        """A stream of plain matmuls (no attention, no MLP logic): `replay_matmul`."""
+        self.prime_layer(0, "step start")
+        for layer in range(self.s.layers):
+            self.layer = layer
+            if layer and not self.prefetch:
+                self.prime_layer(layer * self.period, "layer boundary")
+            for seg in self.s.segments:
+                for copy in range(seg.copies):
+                    self.matmul(seg.name, copy)
+        self.layer = self.s.layers
+        if self.s.tail and not self.prefetch:
+            self.prime_layer(self.layered, "layer boundary")
+        for seg in self.s.tail:
+            self.matmul(seg.name)
+
+    def swiglu(self):
+        self.matmul("w_gate")
+        self.matmul("w_up")
+        self.vector(6 * self.m * self.c.ffn, "swiglu")
+        self.matmul("w_down")
+
+    def experts(self):
+        c, M = self.c, self.m
+        E, X, Fe = c.experts, c.experts_per_token, c.expert_ffn
+        self.mc.compute(2 * max(M, self.mxu) * c.hidden * E / self.peak, self.layer, "router")
+        self.vector(M * E * (6 + 4 * X), "router")
+        self.mc.wait(self.mc.dma(4 * E, self.layer, "selected", weight=False))  # VMEM -> SMEM flags
+        self.mc.compute(E * self.a.scalar_op_s, self.layer, "router")
+        self.count = self.experts_on
+        gate = self.s.segment("we_gate")
+        base = self.s.base(self.layer, gate)
+        for t in range(min(self.n, gate.copies * gate.stride)):
+            self.start(base + t, "routing")
+        first, end = self.region("we_gate", "we_down")
+        for copy in range(self.count):
+            self.matmul("we_gate", copy=copy)
+            self.matmul("we_up", copy=copy)
+            self.vector(6 * M * Fe, "swiglu")
+            self.matmul("we_down", copy=copy)
+            self.vector(3 * M * c.hidden + M * E, "combine")
+        self.skip(first + self.count * gate.stride, end, "layer boundary")
+        self.count = 0
+
+    def attend(self):
+        c, B, T, block = self.c, self.batch, self.rows, self.s.block
+        K, H, tile = c.kv_heads, c.head_dim, block.kv_tile
+        G, itemsize = c.group, c.weight_bits // 8
+        R = block_rows(G, T)
+        W = write_back_rows(T, tile, c.dtype)
+        per_seq = (self.context + T - 1) // tile + 1
+        tiles = [(b, i) for b in range(B) for i in range(per_seq)]
+        kv_bytes = K * tile * H * itemsize
+        self.vector(3 * B * T * (c.q_width + 2 * c.kv_width), "attention")  # regrouping
+        landed = {}
+
+        def issue(j, tag=""):
+            if j < len(tiles):
+                landed[j] = max(self.mc.dma(kv_bytes, self.layer, "k_tile", tag, False),
+                                self.mc.dma(kv_bytes, self.layer, "v_tile", tag, False))
+
+        for j in range(block.kv_slots - 1):
+            issue(j, "attention")
+        mxu = 2 * 2 * max(R, self.mxu) * tile * H * K / self.peak
+        vec = 8 * K * R * tile / self.vpu
+        for j, (b, i) in enumerate(tiles):
+            issue(j + block.kv_slots - 1)
+            self.mc.wait(landed.pop(j))
+            written = i >= self.context // tile
+            self.mc.compute(mxu + vec, self.layer, "attention")
+            if written:
+                back = [self.mc.dma(K * W * H * itemsize, self.layer, f"{kv}_write_back",
+                                    weight=False)
+                        for kv in "kv"]
+                self.mc.wait(max(back))
+        self.vector(3 * B * T * c.q_width, "attention")
+
+
+# -- The result ----------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """A run of consecutive intervals of one lane with the same layer and `what`."""
+
+    lane: str  # "dma" or "compute"
+    start_s: float
+    end_s: float
+    layer: int | None  # None for the lm_head and what follows it
+    what: str  # a matrix ("wq", "we_gate[3]", "lm_head"), "k_tile", "attention", ...
+    busy_s: float  # time the lane was busy within [start_s, end_s]
+    count: int  # intervals merged
+    bytes: float = 0.0  # DMA bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Bubble:
+    """A run of HBM-idle gaps with one cause in one layer."""
+
+    start_s: float
+    end_s: float
+    cause: str
+    layer: int | None
+    idle_s: float  # HBM idle time within [start_s, end_s]
+
+
+@dataclasses.dataclass(frozen=True)
+class Simulation:
+    """One simulated decode step on one device (the busiest, with expert parallelism)."""
+
+    config_name: str
+    chip_name: str
+    batch: int
+    rows: int
+    context: int
+    tp: int
+    block: BlockSizes
+    cross_layer_prefetch: bool
+    experts_active: int  # per MoE layer on this device; 0 for a dense model
+    hbm_bandwidth: float  # bytes/s of this device's DMA engine
+    step_s: float
+    dma_bytes: float
+    weight_bytes: float  # of the DMA bytes: weight tiles, routers
+    events: tuple[Event, ...]
+    bubbles: tuple[Bubble, ...]
+    assumptions: Assumptions
+
+    @property
+    def hbm_utilisation(self) -> float:
+        """Bytes moved / (bandwidth x step time): the DMA engine's busy share."""
+        return self.dma_bytes / self.hbm_bandwidth / self.step_s
+
+    @property
+    def hbm_floor_s(self) -> float:
+        return self.dma_bytes / self.hbm_bandwidth
+
+    @property
+    def step_ms(self) -> float:
+        return 1e3 * self.step_s
+
+    def bubble_share(self) -> dict[str, float]:
+        """{cause: seconds of HBM idle time}, largest first."""
+        out: dict[str, float] = {}
+        for b in self.bubbles:
+            out[b.cause] = out.get(b.cause, 0.0) + b.idle_s
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+    def tokens_per_s_per_user(self, accepted: float | None = None) -> float:
+        """Tokens each sequence keeps per second, `accepted` (default T) per step."""
+        return (self.rows if accepted is None else accepted) / self.step_s
+
+    def table(self, kind: str = "events") -> list[dict]:
+        """The events or the bubbles as dicts (times in microseconds), for a table."""
+        if kind not in ("events", "bubbles"):
+            raise ValueError(f"kind={kind!r} must be 'events' or 'bubbles'")
+        us = 1e6
+        if kind == "bubbles":
+            return [dict(start_us=b.start_s * us, end_us=b.end_s * us, cause=b.cause,
+                         layer=b.layer, idle_us=b.idle_s * us) for b in self.bubbles]
+        return [dict(lane=e.lane, start_us=e.start_s * us, end_us=e.end_s * us,
+                     layer=e.layer, what=e.what, busy_us=e.busy_s * us, count=e.count,
+                     MB=e.bytes / 1e6) for e in self.events]
+
+
+_PHASE_CAUSE = {"attention": "attention", "k_tile": "attention", "v_tile": "attention",
+                "k_write_back": "attention", "v_write_back": "attention",
+                "lm_head": "lm_head", "argmax": "lm_head", "final_norm": "lm_head",
+                "collective": "collective", "router": "routing", "selected": "routing"}
+_VECTOR = ("norm", "qk_norm_rope", "swiglu", "combine", "residual")
+
+
+def _cause(what: str) -> str:
+    if what in _PHASE_CAUSE:
+        return _PHASE_CAUSE[what]
+    return "vector" if what in _VECTOR else "compute"
+
+
+def _events(machine: _Machine, layers: int) -> tuple[Event, ...]:
+    def layer_of(layer):
+        return layer if layer is not None and layer < layers else None
+    out = [Event(lane, start, end, layer_of(layer), what, busy, n, nbytes)
+           for lane, runs in machine.events.items()
+           for layer, what, start, end, busy, n, nbytes in runs]
+    return tuple(sorted(out, key=lambda e: (e.start_s, e.lane)))
+
+
+def _bubble_records(machine: _Machine, layers: int) -> tuple[Bubble, ...]:
+    return tuple(Bubble(a, b, cause, layer if layer is not None and layer < layers else None,
+                        idle) for a, b, cause, layer, idle in machine.bubbles)
+
+
+def _check(config, chip, batch, rows, context, tp, block):
+    if not isinstance(config, ModelConfig):
+        raise ValueError(f"config={config!r} must be a ModelConfig")
+    spec = named_chip(chip) if isinstance(chip, str) else chip
+    if spec.kind != "tpu":
+        raise ValueError(f"chip={spec.name!r} is a {spec.kind}: the simulator models a TPU "
+                         "core's DMA ring and MXU")
+    for field, value in (("batch", batch), ("rows", rows), ("tp", tp)):
+        perf._positive_int(field, value)
+    if isinstance(context, bool) or not isinstance(context, int) or context < 0:
+        raise ValueError(f"context={context!r} must be a non-negative integer")
+    if context + rows > config.max_position:
+        raise ValueError(f"context+rows={context + rows} exceeds {config.name}'s "
+                         f"max_position={config.max_position}")
+    if block is not None and not isinstance(block, BlockSizes):
+        raise ValueError(f"block={block!r} must be a BlockSizes or None")
+    return spec
+
+
+def default_block(config: ModelConfig, *, tp: int = 1, context: int = 0, rows: int = 1,
+                  slots: int = 3) -> BlockSizes:
+    """The kernel's default tiling of the device's shard: `layer_block` (the largest
+    square tile every matrix divides into), kv_tile min(256, the positions read)."""
+    return dataclasses.replace(layer_block(shard(config, tp), slots=slots),
+                               kv_tile=min(256, _round_up(context + rows, 16)))
+
+
+def latency_slots(config: ModelConfig, chip: ChipSpec | str, block: BlockSizes, *,
+                  weight_dtypes=None, assumptions: Assumptions | None = None) -> int:
+    """Ring slots that keep HBM busy through one descriptor latency (Little's law): the
+    bytes in flight must cover bandwidth x latency with the smallest tile of the stream,
+    plus one slot being computed and one landing."""
+    spec = named_chip(chip) if isinstance(chip, str) else chip
+    a = assumptions or Assumptions()
+    dtypes = perf.family_dtypes(config, weight_dtypes)
+    bits = min(DTYPE_BITS[dtypes["dense"]], DTYPE_BITS[dtypes["experts"]]
+               if config.is_moe else 99)
+    tile_bytes = block.tile_k * block.tile_n * bits / 8
+    bw = spec.hbm_bw / spec.cores_per_chip * a.hbm_share
+    return math.ceil(bw * a.dma_latency_s / tile_bytes) + 2
+
+
+def simulate(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: int = 1,
+             context: int = 0, block: BlockSizes | None = None, tp: int = 1,
+             weight_dtypes=None, cross_layer_prefetch: bool = True,
+             routing: str = "uniform", experts_active: int | None = None,
+             assumptions: Assumptions | None = None) -> Simulation:
+    """Replay one decode step of the megakernel (module docstring).
+
+    block defaults to the kernel's own (`layer_block` of the device's shard, kv_tile
+    min(256, the positions read)); experts_active overrides the routing model.
+    """
+    spec = _check(config, chip, batch, rows, context, tp, block)
+    a = assumptions or Assumptions()
+    dtypes = perf.family_dtypes(config, weight_dtypes)
+    dev = shard(config, tp)
+    m = batch * rows
+    block = block or default_block(config, tp=tp, context=context, rows=rows)
+    stream = decode_stream(dev, m, block)  # the kernel's own schedule
+    on = 0
+    if config.is_moe:
+        on = experts_active if experts_active is not None else active_experts(
+            config, m, tp, routing)
+        limit = stream.segment("we_gate").copies
+        if not 1 <= on <= limit:
+            raise ValueError(f"experts_active={on} must be in [1, {limit}] (the expert "
+                             "slots of the stream)")
+    bw = spec.hbm_bw / spec.cores_per_chip * a.hbm_share
+    machine = _Machine(bw, a.dma_latency_s)
+    kernel = _Kernel(dev, stream, machine, m=m, batch=batch, rows=rows, context=context,
+                     spec=spec, tp=tp, dtypes=dtypes, experts_on=on,
+                     prefetch=cross_layer_prefetch, a=a)
+    kernel.run()
+    step_s = machine.finish()
+    return Simulation(
+        config_name=config.name, chip_name=spec.name, batch=batch, rows=rows,
+        context=context, tp=tp, block=block, cross_layer_prefetch=cross_layer_prefetch,
+        experts_active=on, hbm_bandwidth=bw, step_s=step_s, dma_bytes=machine.dma_bytes,
+        weight_bytes=machine.weight_bytes, events=_events(machine, dev.layers),
+        bubbles=_bubble_records(machine, dev.layers), assumptions=a)
+
+
+def replay_matmul(stream: TileStream, chip: ChipSpec | str, *, rows: int = 1,
+                  itemsize: float = 2, cross_layer_prefetch: bool = True,
+                  assumptions: Assumptions | None = None) -> Simulation:
+    """Replay a stream of plain matmuls (every segment of every layer, then the tail):
+    the synthetic case. With N tiles of DMA time d = tile bytes / bandwidth, compute time
+    c, latency l and s >= 2 slots with l small enough, the step is l + N*d + c if c <= d
+    and l + d + N*c if c > d; with one slot it is N*(l + d + c)."""
+    spec = named_chip(chip) if isinstance(chip, str) else chip
+    if spec.kind != "tpu":
+        raise ValueError(f"chip={spec.name!r} is a {spec.kind}, not a TPU")
+    perf._positive_int("rows", rows)
+    a = assumptions or Assumptions()
+    bw = spec.hbm_bw / spec.cores_per_chip * a.hbm_share
+    machine = _Machine(bw, a.dma_latency_s)
+    bits = {"dense": "float32" if itemsize == 4 else "bfloat16", "experts": "bfloat16"}
+    if itemsize not in (2, 4):
+        bits = {"dense": {1: "int8", 0.5: "int4"}[itemsize], "experts": "bfloat16"}
+    kernel = _Kernel(None, stream, machine, m=rows, batch=rows, rows=1, context=0,
+                     spec=spec, tp=1, dtypes=bits, experts_on=0,
+                     prefetch=cross_layer_prefetch, a=a)
+    kernel.run_matmuls()
+    step_s = machine.finish()
+    return Simulation(
+        config_name="matmul stream", chip_name=spec.name, batch=rows, rows=1, context=0,
+        tp=1, block=stream.block, cross_layer_prefetch=cross_layer_prefetch,
+        experts_active=0, hbm_bandwidth=bw, step_s=step_s, dma_bytes=machine.dma_bytes,
+        weight_bytes=machine.weight_bytes, events=_events(machine, stream.layers),
+        bubbles=_bubble_records(machine, stream.layers), assumptions=a)
+
+
+# -- Design sweeps ---------------------------------------------------------------------------
+SWEEPS = ("slots", "tile", "kv_tile", "kv_slots", "cross_layer_prefetch", "batch", "rows",
+          "tp", "dma_latency_s")
+
+
+def sweep(config: ModelConfig, chip: ChipSpec | str, parameter: str, values, *,
+          accepted: float | None = None, **kwargs) -> list[dict]:
+    """One `simulate` per value of `parameter` (one of SWEEPS), the other arguments fixed:
+    a table row each (step, HBM utilisation, tokens/s per user, the largest bubble). A
+    value the kernel cannot tile (e.g. a tile that does not divide a matrix) gives a row
+    whose `note` says why."""
+    perf._choice("parameter", parameter, SWEEPS)
+    out = []
+    for value in values:
+        kw = dict(kwargs)
+        a = kw.pop("assumptions", None) or Assumptions()
+        try:
+            if parameter in ("slots", "tile", "kv_tile", "kv_slots"):
+                block = kw.pop("block", None) or default_block(
+                    config, tp=kw.get("tp", 1), context=kw.get("context", 0),
+                    rows=kw.get("rows", 1))
+                change = ({"tile_k": value, "tile_n": value} if parameter == "tile"
+                          else {parameter: value})
+                kw["block"] = dataclasses.replace(block, **change)
+            elif parameter == "dma_latency_s":
+                a = dataclasses.replace(a, dma_latency_s=value)
+            else:
+                kw[parameter] = value
+            sim = simulate(config, chip, assumptions=a, **kw)
+        except ValueError as err:
+            out.append({parameter: value, "step_ms": None, "hbm_utilisation": None,
+                        "tokens_per_s_per_user": None, "largest_bubble": None,
+                        "note": str(err)})
+            continue
+        share = sim.bubble_share()
+        out.append({parameter: value, "step_ms": sim.step_ms,
+                    "hbm_utilisation": sim.hbm_utilisation,
+                    "tokens_per_s_per_user": sim.tokens_per_s_per_user(accepted),
+                    "largest_bubble": next(iter(share), None), "note": ""})
+    return out
+
+
+# -- Published numbers -----------------------------------------------------------------------
+VERIFY_ROWS = 8  # rows each speculative step verifies in the published runs (issue #5)
+
+
+def published_table(*, context: int = 0, assumptions: Assumptions | None = None,
+                    simulate_tpu: bool = True) -> list[dict]:
+    """Every row of data/published.csv against the models: the roofline with collectives
+    (`mk.perf.predict`), the simulated megakernel schedule (TPU rows: default tiles and
+    slots, and slots sized by `latency_slots`), the conventional one-kernel-per-op model
+    (GPU rows, a vLLM-like baseline). Nothing is fitted: batch 1 where not stated, T = 8
+    verification rows for speculative rows, `context` cached positions (not published),
+    tp = every device. Errors are (model - published) / published tokens/s.
+    `simulate_tpu=False` leaves the simulator out (the Kimi runs take about a minute)."""
+    out, sims = [], {}
+
+    def simulated(config, spec, **kw):  # rows differing only in acceptance share a step
+        key = (config.name, spec.name, tuple(sorted(kw.items(), key=str)))
+        if key not in sims:
+            sims[key] = simulate(config, spec, assumptions=assumptions, **kw)
+        return sims[key]
+
+    for row in perf.published():
+        config = named_preset(row.preset)
+        a_len = row.acceptance_length
+        batch, rows = row.batch or 1, VERIFY_ROWS if a_len else 1
+        base = dict(run=f"{config.name} on {row.chips or '?'} {row.system}, "
+                        + (f"a={a_len:g}" if a_len else f"B={row.batch}"),
+                    metric=row.metric, published=row.tokens_per_s,
+                    published_step_ms=row.step_ms)
+        try:
+            spec = named_chip(row.system)
+        except ValueError:
+            out.append(base | dict(note=f"no row for {row.system} in data/chips.csv: "
+                                        "no prediction"))
+            continue
+        tp = row.chips * spec.cores_per_chip
+        kw = dict(batch=batch, rows=rows, context=context, tp=tp)
+        accepted = a_len or 1
+
+        def tokens(step_ms):
+            per_user = accepted / (step_ms / 1e3)
+            return per_user if row.metric == "per_user" else batch * per_user
+
+        roof = perf.predict(config, spec, accepted=accepted, **kw)
+        rec = base | dict(roofline_ms=roof.step_ms, roofline=tokens(roof.step_ms),
+                          roofline_error=tokens(roof.step_ms) / row.tokens_per_s - 1,
+                          roofline_dominant=roof.dominant)
+        if spec.kind == "tpu" and simulate_tpu:
+            sim = simulated(config, spec, **kw)
+            block = dataclasses.replace(sim.block, slots=latency_slots(
+                config, spec, sim.block, assumptions=assumptions))
+            deep = simulated(config, spec, block=block, **kw)
+            rec |= dict(sim_ms=sim.step_ms, sim=tokens(sim.step_ms),
+                        sim_error=tokens(sim.step_ms) / row.tokens_per_s - 1,
+                        sim_slots=sim.block.slots, deep_slots=block.slots,
+                        deep_ms=deep.step_ms, deep=tokens(deep.step_ms),
+                        deep_error=tokens(deep.step_ms) / row.tokens_per_s - 1,
+                        deep_utilisation=deep.hbm_utilisation,
+                        deep_dominant=_dominant(deep))
+        elif spec.kind == "gpu":
+            conv = perf.conventional(config, spec, accepted=accepted, **kw)
+            rec |= dict(conventional_ms=conv.step_ms, conventional=tokens(conv.step_ms),
+                        conventional_error=tokens(conv.step_ms) / row.tokens_per_s - 1,
+                        conventional_gap_ms=conv.gap_ms)
+        out.append(rec | dict(note=_explain(row, config, spec, tp, batch, rows)))
+    return out
+
+
+def _dominant(sim: Simulation) -> str:
+    """The largest share of the step: streaming bytes ("hbm") or the largest bubble."""
+    share = sim.bubble_share()
+    cause, idle = next(iter(share.items()), ("", 0.0))
+    return "hbm" if sim.hbm_floor_s >= idle else cause
+
+
+def _explain(row, config, spec, tp, batch, rows) -> str:
+    """What differs between the published run and the modelled one (facts, not fits)."""
+    notes = []
+    if config.is_moe:
+        notes.append(f"{config.name}: GQA attention and no shared expert stand in for "
+                     "Kimi K3's MLA/linear attention and shared expert")
+        if config.expert_dtype:
+            notes.append(f"experts stored as {config.expert_dtype} (the release's FP4)")
+    else:
+        notes.append(f"{config.name}: GQA in every layer stands in for the released "
+                     "model's gated-delta-net layers")
+    if row.acceptance_length:
+        notes.append(f"each step verifies T={rows} rows and keeps the published mean "
+                     f"acceptance {row.acceptance_length:g} (forced or measured acceptance "
+                     "is not stated)")
+    if row.batch is None:
+        notes.append(f"batch not published: B={batch} assumed")
+    if spec.kind == "gpu":
+        notes.append(f"baseline modelled as one kernel per op (vLLM-like) with TP{tp} over "
+                     f"{row.chips} GPUs (layout not published)")
+    else:
+        notes.append(f"TP{tp} over {row.chips} chips; collectives modelled, the kernel has "
+                     "none yet")
+    return "; ".join(notes)

@@ -1,0 +1,232 @@
+"""mk.sim: the simulator replays the kernel's own tile stream and keeps the invariants a
+pipeline must have: the bytes it moves are the schedule's and the kernel's arrays, the step
+is never shorter than the bytes over the bandwidth, one slot serialises, more slots never
+slow a step down, a synthetic stream has its closed-form answer, and the fast-forward of
+repeated tiles is the exact replay."""
+
+import dataclasses
+import math
+
+import jax
+import pytest
+
+import mk
+from mk import megakernel, perf, sim
+from mk.chips import chip
+from mk.config import PRESET_NAMES
+from mk.kernels.common import BlockSizes
+from mk.kernels.ring import TileStream
+from mk.schedule import decode_stream
+
+NO_LATENCY = sim.Assumptions(dma_latency_s=0.0)
+
+
+def _slow(monkeypatch):
+    """Switch the fast-forward off: every tile is replayed one by one."""
+    run = sim._Kernel.run
+
+    def one_by_one(self):
+        self.fast = False
+        run(self)
+    monkeypatch.setattr(sim._Kernel, "run", one_by_one)
+
+
+# -- Bytes ----------------------------------------------------------------------------------
+def test_dense_step_streams_every_kernel_weight_array_once_and_its_kv_tiles():
+    config, B, T, S = mk.preset("tiny"), 2, 3, 40
+    s = sim.simulate(config, "v6e", batch=B, rows=T, context=S)
+    params = {k: jax.ShapeDtypeStruct(shape, d)
+              for k, (shape, d) in config.param_shapes().items()}
+    weights = jax.eval_shape(lambda p: megakernel.prepare(config, p, s.block), params)
+    streamed = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head")
+    assert s.weight_bytes == sum(weights[n].size * weights[n].dtype.itemsize
+                                 for n in streamed)
+    stream = decode_stream(config, B * T, s.block)
+    assert s.weight_bytes == stream.total * stream.tile_bytes * 2
+    # KV: (S + T - 1) // kv_tile + 1 tiles of K and V per sequence and layer, plus the
+    # write-back window of the tile holding the new rows (`write_back_rows`: T=3 -> 16)
+    K, H, tile = config.kv_heads, config.head_dim, s.block.kv_tile
+    tiles = config.layers * B * ((S + T - 1) // tile + 1)
+    window = min(tile, -(-(T - 1) // 16) * 16 + 16)
+    kv = 2 * tiles * K * tile * H * 2 + 2 * config.layers * B * K * window * H * 2
+    assert s.dma_bytes - s.weight_bytes == kv
+
+
+def test_moe_step_streams_only_the_active_expert_slots_and_the_routers():
+    config, M = mk.preset("tiny-moe"), 4
+    block = sim.default_block(config, rows=M)
+    stream = decode_stream(config, M, block)
+    for active in (1, 3, 8):
+        s = sim.simulate(config, "v6e", rows=M, block=block, experts_active=active)
+        per_slot = stream.segment("we_gate").stride
+        expert_region = stream.segment("we_gate").copies * per_slot
+        dense = sum(stream.segment(n).tiles for n in ("w_gate", "w_up", "w_down"))
+        tiles = (stream.total - config.layers * expert_region
+                 - len(config.moe_layers) * dense  # MoE layers skip the dense MLP
+                 + len(config.moe_layers) * active * per_slot)
+        routers = len(config.moe_layers) * config.hidden * config.experts * 2
+        assert s.weight_bytes == tiles * stream.tile_bytes * 2 + routers
+        assert s.experts_active == active
+
+
+def test_ring_tile_bytes_are_the_ring_buffer_the_kernel_allocates_per_slot():
+    config = mk.preset("tiny-moe")
+    block = sim.default_block(config, rows=2)
+    ring = next(b for b in megakernel.megakernel_buffers(config, 1, 2, block)
+                if b.name == "ring")
+    s = sim.simulate(config, "v6e", rows=2, block=block)
+    tiles = [e for e in s.events if e.lane == "dma" and e.what == "wq"]
+    assert {e.bytes / e.count for e in tiles} == {ring.bytes / block.slots}
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
+def test_step_is_never_below_the_hbm_floor_and_bubbles_fill_the_rest(name):
+    s = sim.simulate(mk.preset(name), "v5e", batch=3, rows=2, context=100)
+    busy = s.dma_bytes / s.hbm_bandwidth
+    assert s.step_s >= busy and 0 < s.hbm_utilisation <= 1
+    assert sum(s.bubble_share().values()) == pytest.approx(s.step_s - busy, rel=1e-9)
+    assert set(s.bubble_share()) <= set(sim.CAUSES)
+
+
+# -- The pipeline ---------------------------------------------------------------------------
+@pytest.mark.parametrize("c_over_d", [0.5, 3.0])
+def test_synthetic_stream_matches_its_closed_form(c_over_d):
+    # v6e: d = 256*256*2 B / 1.64 TB/s; c = 2*max(M, 256)*256*256 / 918 TFLOP/s. M=256
+    # gives c/d = 0.36; M=2000 rows would exceed the MXU rows: c grows with M.
+    spec = chip("v6e")
+    d = 256 * 256 * 2 / spec.hbm_bw
+    rows = max(256, round(c_over_d * d * spec.bf16_flops / (2 * 256 * 256)))
+    c = 2 * rows * 256 * 256 / spec.bf16_flops
+    stream = TileStream.build(BlockSizes(slots=3, tile_k=256, tile_n=256),
+                              [("w", 1024, 2048)], layers=2)
+    n = stream.total
+    s = sim.replay_matmul(stream, spec, rows=rows, assumptions=NO_LATENCY)
+    expected = n * d + c if c <= d else d + n * c
+    assert s.step_s == pytest.approx(expected, rel=1e-12)
+
+
+def test_one_slot_serialises_every_tile_latency_load_and_compute():
+    spec, latency = chip("v5e"), 0.7e-6
+    stream = TileStream.build(BlockSizes(slots=1, tile_k=128, tile_n=256),
+                              [("a", 256, 512), ("b", 512, 256)])
+    s = sim.replay_matmul(stream, spec, rows=8,
+                          assumptions=sim.Assumptions(dma_latency_s=latency))
+    d, c = 128 * 256 * 2 / spec.hbm_bw, 2 * 128 * 128 * 256 / spec.bf16_flops
+    assert s.step_s == pytest.approx(stream.total * (latency + d + c), rel=1e-12)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
+def test_more_slots_never_make_a_step_slower(name):
+    steps = [sim.simulate(mk.preset(name), "tpu7x", batch=2, rows=2, context=64,
+                          block=dataclasses.replace(sim.default_block(mk.preset(name), rows=2,
+                                                                      context=64), slots=n)
+                          ).step_s for n in range(1, 9)]
+    assert all(b <= a * (1 + 1e-12) for a, b in zip(steps, steps[1:])), steps
+    assert steps[-1] < steps[0]
+
+
+def test_cross_layer_prefetch_removes_the_layer_boundary_bubble():
+    config = mk.preset("qwen3-8b").first_layers(3)
+    on = sim.simulate(config, "tpu7x", context=256)
+    off = sim.simulate(config, "tpu7x", context=256, cross_layer_prefetch=False)
+    assert "layer boundary" not in on.bubble_share()
+    assert off.bubble_share()["layer boundary"] > 0 and off.step_s > on.step_s
+    edges = [b for b in off.bubbles if b.cause == "layer boundary"]
+    assert {b.layer for b in edges} == {1, 2, None}  # every layer edge, and the lm_head
+
+
+def test_moe_layers_wait_for_routing_before_their_experts_load():
+    s = sim.simulate(mk.preset("tiny-moe"), "v6e", batch=2, context=16)
+    share = s.bubble_share()
+    assert share["routing"] > 0
+    assert {b.layer for b in s.bubbles if b.cause == "routing"} == {1, 2}
+
+
+@pytest.mark.parametrize("name,kwargs", [
+    ("tiny-moe", dict(batch=3, rows=2, context=40)),
+    ("qwen3-8b", dict(batch=2, context=300)),
+    ("kimi-k3-like", dict(rows=8, tp=32))])
+def test_fast_forward_is_the_exact_replay(name, kwargs, monkeypatch):
+    config = mk.preset(name).first_layers(3)
+    fast = sim.simulate(config, "tpu7x", **kwargs)
+    _slow(monkeypatch)
+    slow = sim.simulate(config, "tpu7x", **kwargs)
+    assert fast.step_s == pytest.approx(slow.step_s, rel=1e-12)
+    assert fast.dma_bytes == slow.dma_bytes and len(fast.events) == len(slow.events)
+    assert [(e.what, e.count) for e in fast.events] == [(e.what, e.count)
+                                                        for e in slow.events]
+    total = sum(slow.bubble_share().values())
+    for cause, idle in slow.bubble_share().items():  # causes within a cycle's mix
+        assert fast.bubble_share().get(cause, 0) == pytest.approx(idle, abs=0.05 * total)
+
+
+# -- Tensor parallelism and experts ---------------------------------------------------------
+def test_shard_splits_heads_ffn_vocab_and_experts_and_replicates_kv_heads():
+    kimi = sim.shard(mk.preset("kimi-k3-like"), 32)
+    assert (kimi.heads, kimi.kv_heads, kimi.ffn, kimi.vocab) == (2, 1, 640, 5120)
+    assert (kimi.experts, kimi.experts_per_token, kimi.expert_ffn) == (28, 16, 2048)
+    assert sim.shard(mk.preset("qwen3-8b"), 1) == mk.preset("qwen3-8b")
+    with pytest.raises(ValueError, match="tp=3 must divide"):
+        sim.shard(mk.preset("qwen3-8b"), 3)
+
+
+def test_the_busiest_device_has_at_least_the_mean_of_active_experts():
+    config = mk.preset("kimi-k3-like")
+    assert sim.active_experts(config, 1) == 16
+    assert sim.active_experts(config, 8) == round(perf.experts_touched(896, 16, 8))
+    mean = perf.experts_touched(896, 16, 8) / 32
+    assert mean <= sim.active_experts(config, 8, tp=32) <= 28
+
+
+def test_tensor_parallel_step_pays_the_collectives_on_the_compute_lane():
+    config = mk.preset("qwen3-8b").first_layers(2)
+    s = sim.simulate(config, "tpu7x", batch=2, tp=8)
+    collective = [e for e in s.events if e.what == "collective"]
+    assert len(collective) == 2 * 2 + 1
+    one = perf.allreduce_s(2 * config.hidden * 2, 8, chip("tpu7x"))
+    assert collective[0].busy_s == pytest.approx(one)
+    assert s.bubble_share()["collective"] > 0
+
+
+@pytest.mark.parametrize("name", PRESET_NAMES)
+def test_every_preset_simulates_for_batch_and_rows_1_to_8_and_tp_1_to_32(name):
+    config = mk.preset(name).first_layers(2)
+    for tp in (1, 8, 32):
+        if config.heads % tp or (config.is_moe and config.experts % tp):
+            with pytest.raises(ValueError, match=f"tp={tp}"):
+                sim.simulate(config, "tpu7x", tp=tp)
+            continue
+        for batch, rows in ((1, 1), (8, 8)):
+            s = sim.simulate(config, "tpu7x", batch=batch, rows=rows, context=32, tp=tp)
+            assert s.step_s > 0 and math.isfinite(s.tokens_per_s_per_user())
+
+
+# -- Inputs, sweeps, published ----------------------------------------------------------------
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(chip="gb200"), "chip='gb200' is a gpu"), (dict(batch=0), "batch=0"),
+    (dict(context=-1), "context=-1"), (dict(tp=0), "tp=0"),
+    (dict(experts_active=0), "experts_active=0"), (dict(block=(3, 128)), "block=")])
+def test_simulate_rejects_bad_inputs_naming_field_and_value(kwargs, match):
+    kwargs = {"chip": "v6e"} | kwargs
+    with pytest.raises(ValueError, match=match):
+        sim.simulate(mk.preset("tiny-moe"), kwargs.pop("chip"), **kwargs)
+
+
+def test_sweep_tabulates_each_value_and_explains_a_tile_that_does_not_divide():
+    rows = sim.sweep(mk.preset("tiny"), "v6e", "tile", [128, 256, 384], context=64)
+    assert [r["tile"] for r in rows] == [128, 256, 384]
+    assert rows[0]["step_ms"] > 0 and rows[2]["step_ms"] is None
+    assert "not a whole number of tiles" in rows[2]["note"]
+    with pytest.raises(ValueError, match="parameter='colour'"):
+        sim.sweep(mk.preset("tiny"), "v6e", "colour", [1])
+
+
+def test_published_table_has_a_prediction_error_and_a_note_for_each_chip_row():
+    rows = sim.published_table(simulate_tpu=False)
+    assert len(rows) == len(perf.published())
+    for r in rows:
+        if "roofline" in r:
+            assert r["roofline_error"] == pytest.approx(r["roofline"] / r["published"] - 1)
+            assert r["note"] and r["roofline_dominant"] in ("hbm", "compute", "collective")
+    gpu = [r for r in rows if "conventional" in r]
+    assert gpu and all(r["conventional"] < r["roofline"] for r in gpu)
