@@ -1,8 +1,10 @@
 """Plotly figures and tables for the notebooks, and `show` that keeps them self-contained.
 
-Here: `roofline`, `bytes_breakdown`, `published_vs_floor` (figures built from numbers and
-records that `mk.perf` computed), `tile_stream` (the ring's schedule, drawn from the
-`TileStream` the kernel executes), `table` (a Markdown table) and `show`. Not here: any
+Here: `roofline`, `bytes_breakdown`, `published_vs_floor`, `step_terms` (figures built
+from numbers and records that `mk.perf` computed), `tile_stream` (the ring's schedule,
+drawn from the `TileStream` the kernel executes), `timeline`, `bubble_bars`, `sweep_lines`
+(a `mk.sim.Simulation`, its bubbles, a design sweep), `table` (a Markdown table) and
+`show`. Not here: any
 model or chip arithmetic (that is `mk.perf`); static image export (kaleido needs Chrome).
 
 Why `show` and not `fig.show()`: plotly 7's default output is only the plotly JSON mime
@@ -153,4 +155,114 @@ def tile_stream(stream, *, title: str = "") -> go.Figure:
     fig.update_layout(title=title or f"{stream.total} weight tiles through a {slots}-slot ring",
                       xaxis_title="tile index g (consumption order)", barmode="overlay",
                       yaxis=dict(autorange="reversed"), bargap=0.2, height=320)
+    return fig
+
+
+# -- The simulator ---------------------------------------------------------------------------
+def _family(what: str) -> str:
+    return what.split("[")[0]
+
+
+def timeline(sims, *, layers: tuple[int, int] | None = None, title: str = "") -> go.Figure:
+    """The simulated timeline: per simulation, a DMA lane, a compute lane and an HBM-idle
+    lane (bubbles coloured by cause); `sims` is one `mk.sim.Simulation` or {label: sim}.
+    `layers=(first, last)` keeps the events of those layers (inclusive), so a big model
+    stays drawable. Times in microseconds."""
+    sims = sims if isinstance(sims, Mapping) else {"": sims}
+    lo, hi = layers if layers is not None else (None, None)
+
+    def keep(layer):
+        return layers is None or (layer is not None and lo <= layer <= hi)
+
+    traces: dict[tuple[str, str], dict] = {}
+    for label, sim in sims.items():
+        prefix = f"{label} " if label else ""
+        for e in sim.events:
+            if keep(e.layer):
+                lane = prefix + ("DMA" if e.lane == "dma" else "compute")
+                t = traces.setdefault((_family(e.what), lane), dict(x=[], base=[], y=[], text=[]))
+                t["x"].append((e.end_s - e.start_s) * 1e6)
+                t["base"].append(e.start_s * 1e6)
+                t["y"].append(lane)
+                t["text"].append(f"{e.what}, layer {e.layer}: {e.count} interval(s), busy "
+                                 f"{e.busy_s * 1e6:.3g} us")
+        for b in sim.bubbles:
+            if keep(b.layer):
+                lane = prefix + "HBM idle"
+                t = traces.setdefault(("idle: " + b.cause, lane), dict(x=[], base=[], y=[],
+                                                                       text=[]))
+                t["x"].append((b.end_s - b.start_s) * 1e6)
+                t["base"].append(b.start_s * 1e6)
+                t["y"].append(lane)
+                t["text"].append(f"{b.cause}, layer {b.layer}: idle {b.idle_s * 1e6:.3g} us")
+    fig = go.Figure()
+    shown = set()
+    for (name, _), t in traces.items():
+        fig.add_trace(go.Bar(orientation="h", name=name, legendgroup=name,
+                             showlegend=name not in shown, x=t["x"], base=t["base"],
+                             y=t["y"], hovertext=t["text"],
+                             hovertemplate="%{hovertext}<br>%{base:.4g} us + %{x:.3g} us"
+                                           "<extra></extra>"))
+        shown.add(name)
+    first = next(iter(sims.values()))
+    fig.update_layout(barmode="overlay", bargap=0.3, xaxis_title="time (us, simulated)",
+                      title=title or f"Simulated step of {first.config_name} on "
+                                     f"{first.chip_name}", yaxis=dict(autorange="reversed"),
+                      height=200 + 60 * len(sims) * 3)
+    return fig
+
+
+def bubble_bars(sims: Mapping[str, object], *, title: str = "Where the step goes "
+                "(simulated): HBM busy and each bubble cause") -> go.Figure:
+    """Stacked bars per label -> Simulation: HBM busy time and the idle time per cause, ms."""
+    labels = list(sims)
+    causes: list[str] = []
+    for sim in sims.values():
+        causes += [c for c in sim.bubble_share() if c not in causes]
+    fig = go.Figure(go.Bar(x=labels, y=[s.hbm_floor_s * 1e3 for s in sims.values()],
+                           name="HBM busy", hovertemplate="HBM busy %{y:.4g} ms<extra></extra>"))
+    for cause in causes:
+        fig.add_trace(go.Bar(x=labels, y=[s.bubble_share().get(cause, 0.0) * 1e3
+                                          for s in sims.values()], name=cause,
+                             hovertemplate=f"{cause}: %{{y:.4g}} ms<extra></extra>"))
+    fig.update_layout(barmode="stack", title=title, yaxis_title="ms per step (simulated)")
+    return fig
+
+
+def sweep_lines(rows: Sequence[Mapping[str, object]], parameter: str, *,
+                y: str = "step_ms", title: str = "") -> go.Figure:
+    """A design sweep (`mk.sim.sweep` rows): `y` against the swept parameter, with the
+    HBM utilisation and the largest bubble in the hover; rows without a value are left
+    out."""
+    ok = [r for r in rows if r.get(y) is not None]
+    fig = go.Figure(go.Scatter(
+        x=[str(r[parameter]) for r in ok], y=[r[y] for r in ok], mode="lines+markers",
+        customdata=[(r["hbm_utilisation"], r["largest_bubble"]) for r in ok],
+        hovertemplate="%{x}: %{y:.4g}<br>HBM busy %{customdata[0]:.0%}, largest bubble "
+                      "%{customdata[1]}<extra></extra>"))
+    fig.update_layout(title=title or f"{y} against {parameter} (simulated)",
+                      xaxis_title=parameter, yaxis_title=y)
+    return fig
+
+
+def step_terms(estimates: Mapping[str, object], *, title: str = "Terms of the predicted "
+               "step (mk.perf)") -> go.Figure:
+    """Stacked bars per label: the HBM floor (or the compute floor where larger), the
+    collectives, and for `ConventionalEstimate`s (anything with `gap_ms`) the launch gaps."""
+    labels = list(estimates)
+    parts = {"HBM or compute floor": [], "collectives": [], "launch gaps": []}
+    for e in estimates.values():
+        if hasattr(e, "gap_ms"):
+            parts["HBM or compute floor"].append(e.work_ms)
+            parts["collectives"].append(0.0)
+            parts["launch gaps"].append(e.gap_ms)
+        else:
+            parts["HBM or compute floor"].append(max(e.hbm_floor_ms, e.compute_floor_ms))
+            parts["collectives"].append(e.collective_ms)
+            parts["launch gaps"].append(0.0)
+    fig = go.Figure()
+    for name, values in parts.items():
+        fig.add_trace(go.Bar(x=labels, y=values, name=name,
+                             hovertemplate=f"{name}: %{{y:.4g}} ms<extra></extra>"))
+    fig.update_layout(barmode="stack", title=title, yaxis_title="ms per step")
     return fig
