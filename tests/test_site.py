@@ -173,6 +173,7 @@ def test_index_has_a_row_per_run_with_parameters_status_time_and_link(site):
         assert re.search(r"<td>\d+\.\d s</td>$", row), row
     assert "points=3" in rows[0] and "points=5" in rows[1] and "notebook defaults" in rows[2]
     assert [row.count('class="ok"') for row in rows] == [1, 1, 0]
+    assert re.search(r"1 failed, \d+ s; source [0-9a-f]{7,}", index)  # the commit it ran
 
 
 def test_failed_notebook_keeps_partial_output_and_fails_the_run(site):

@@ -35,6 +35,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -305,12 +306,25 @@ def _table(rows: list[dict], prefix: str) -> str:
     return "\n".join(lines)
 
 
+def source_version() -> str:
+    """The commit the notebooks ran from, `+changes` if the work tree differs from it."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=ROOT, text=True, capture_output=True,
+                              check=True).stdout.strip()
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        return commit + (" +changes" if git("status", "--porcelain", "--untracked-files=no")
+                         else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+
+
 def _summary(record: dict) -> str:
     rows = record["rows"]
     failed = sum(r["status"] != "ok" for r in rows)
     state = "" if record.get("finished") else ", did not finish"
     return (f"{len(rows) - failed} ok, {failed} failed, "
-            f"{sum(r['seconds'] for r in rows):.0f} s{state}")
+            f"{sum(r['seconds'] for r in rows):.0f} s{state}; source {record.get('source')}")
 
 
 def _page(title: str, body: str) -> str:
@@ -358,6 +372,7 @@ def run_all(runs: list[Run], out: Path, argv: list[str]) -> tuple[Path, list[dic
     install_static(out)
     run_dir = new_run_dir(out)
     record = {"started": time.strftime("%Y-%m-%d %H:%M:%S %z"), "finished": None,
+              "source": source_version(),
               "argv": argv, "rows": []}
     width = max(len(run.name) for run in runs)
     try:
