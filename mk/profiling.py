@@ -317,13 +317,14 @@ def bubbles(tl: Timeline) -> list[StepBubbles]:
 
 def summary(per_step: list[StepBubbles], label: str = "") -> dict:
     """One row per capture: the shares and wall time of its median step (by wall time, the
-    lower one of an even count), so one step the OS preempted does not decide; ops and
-    launches per step as means."""
+    lower one of an even count; `median_step` is its index), so one step the OS preempted
+    does not decide; ops and launches per step as means."""
     n = len(per_step)
     if not n:
         raise ValueError("no steps: the capture holds no StepTraceAnnotation")
-    s = sorted(per_step, key=lambda s: s.wall_ns)[(n - 1) // 2]
-    return dict(variant=label, steps=n, wall_ms=round(s.wall_ns / 1e6, 3),
+    median = sorted(range(n), key=lambda i: per_step[i].wall_ns)[(n - 1) // 2]
+    s = per_step[median]
+    return dict(variant=label, steps=n, median_step=median, wall_ms=round(s.wall_ns / 1e6, 3),
                 ops_per_step=round(sum(s.ops for s in per_step) / n, 1),
                 launches_per_step=round(sum(s.launches for s in per_step) / n, 1),
                 idle_share=round(s.idle_share, 4),

@@ -146,13 +146,14 @@ plots.show(profiling.share_bars(summary, title=f"Bubble share per variant, measu
 # %% [markdown]
 # ## The timelines
 #
-# The last profiled step of each variant: ops per line (the busiest lines), then the
-# bubbles: idle (no op on any line, red) and host gap (orange). Hover for op names.
+# The median step of each variant: ops per line (the busiest lines), then the bubbles:
+# idle (no op on any line, red) and host gap (orange). Hover for op names.
 
 # %%
+rows_by_name = {r["variant"]: r for r in summary}
 for name in profiling.VARIANTS:
-    row = next(r for r in summary if r["variant"] == name)
-    plots.show(profiling.gantt(timelines[name], per_step[name], title=(
+    row = rows_by_name[name]
+    plots.show(profiling.gantt(timelines[name], per_step[name], row["median_step"], title=(
         f"({'abc'[profiling.VARIANTS.index(name)]}) {name}: {row['wall_ms']} ms per step, "
         f"{row['launches_per_step']:g} launches, {row['ops_per_step']:g} ops, bubble share "
         f"{row['bubble_share']:.1%} (measured, {mode})")))
@@ -161,9 +162,11 @@ for name in profiling.VARIANTS:
 # Which ops take the time (self time: an op's duration minus the ops nested in it):
 
 # %%
-display(plots.table([dict(variant=name, op=op, share=f"{share:.1%}")
-                     for name in profiling.VARIANTS
-                     for op, share in list(per_step[name][-1].op_share.items())[:3]]))
+top_ops = []
+for name in profiling.VARIANTS:
+    shares = per_step[name][rows_by_name[name]["median_step"]].op_share
+    top_ops += [dict(variant=name, op=op, share=f"{v:.1%}") for op, v in list(shares.items())[:3]]
+display(plots.table(top_ops))
 
 # %% [markdown]
 # ## The simulator's prediction
@@ -192,7 +195,7 @@ else:
             predictions.append(dict(model=cfg.name, chip=chip_name, context=ctx,
                                     cross_layer_prefetch=prefetch,
                                     step_us=round(sim.step_s * 1e6, 1),
-                                    bubble_share=round(idle / sim.step_s, 4)))
+                                    bubble_share=f"{idle / sim.step_s:.1%}"))
             if prefetch:
                 plots.show(profiling.predicted(sim, title=(
                     f"{cfg.name} on {chip_name} (simulated): {sim.step_s * 1e6:.1f} µs, "
@@ -299,7 +302,7 @@ print(f"measured on {mode} ({config.name}, B={run.batch}, T={run.rows}): bubble 
 for p in predictions:
     print(f"predicted by mk.sim for the megakernel: {p['model']} on {p['chip']}, "
           f"S={p['context']}, cross-layer prefetch {'on' if p['cross_layer_prefetch'] else 'off'}:"
-          f" HBM idle {p['bubble_share']:.1%} of {p['step_us']} µs")
+          f" HBM idle {p['bubble_share']} of {p['step_us']} µs")
 
 # %% [markdown]
 # ## Checks
