@@ -72,7 +72,9 @@ def _notebook(path, *cells):
 @pytest.fixture(scope="module")
 def notebooks(tmp_path_factory):
     folder = tmp_path_factory.mktemp("notebooks")
-    figures = _notebook(folder / "90_site_figures.ipynb", "points = 3", SLIDER_CELL,
+    # The comment's apostrophe once hid `points` from papermill's parameter parser.
+    figures = _notebook(folder / "90_site_figures.ipynb",
+                        "points = 3  # x values; \"\" = the notebook's own", SLIDER_CELL,
                         'plots.show(go.Figure(go.Bar(x=["a", "b"], y=[1, points])))',
                         'print(f"points={points}")')
     fails = _notebook(folder / "91_site_fails.ipynb", 'message = "planted failure"',

@@ -27,6 +27,7 @@ Not here: skipping unchanged notebooks, running notebooks in parallel (2 cores).
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import dataclasses
 import html
@@ -92,8 +93,24 @@ class Run:
 
 
 def notebook_parameters(notebook: Path) -> list[str]:
-    """The names the notebook's `parameters` cell assigns (papermill's own reading)."""
-    return list(papermill.inspect_notebook(str(notebook)))
+    """The names the notebook's `parameters` cell assigns at top level, in order.
+
+    Read with `ast`, not papermill's line parser, which skips a line whose comment it
+    cannot parse (an apostrophe is enough) and would make a real parameter unknown.
+    """
+    nb = nbformat.read(notebook, as_version=4)
+    cells = [c for c in nb.cells if "parameters" in c.get("metadata", {}).get("tags", [])]
+    if not cells:
+        return []
+    names = []
+    for node in ast.parse(cells[0].source).body:
+        targets = (node.targets if isinstance(node, ast.Assign)
+                   else [node.target] if isinstance(node, ast.AnnAssign) else [])
+        for target in targets:
+            for name in ast.walk(target):
+                if isinstance(name, ast.Name) and name.id not in names:
+                    names.append(name.id)
+    return names
 
 
 def load_runs(runs_file: Path, notebooks: list[Path], known: list[Path] | None = None
