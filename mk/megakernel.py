@@ -144,7 +144,10 @@ def megakernel_kernel(
         s.count_smem[0] = 0  # expert tiles issued before routing are no-ops
         router_hbm = mlp_hbm[-4]
     ring = Ring(stream, fetch, s.ring, s.sems)
-    ring.prime()
+    # Named scopes mark the kernel's phases: trace markers on a TPU compiled with
+    # --xla_enable_custom_call_region_trace=true (mk.profiling), nothing otherwise.
+    with jax.named_scope("prime"):
+        ring.prime()
     for copy in vector_copies(0):
         copy.start()
 
@@ -175,9 +178,11 @@ def megakernel_kernel(
             taps_vmem[layer, 1] = x_out
         return x_out
 
-    x = lax.fori_loop(0, config.layers, one_layer, x_vmem[...])
-    s.h[...] = rms_norm(x, final_norm_vmem[...], config.rms_eps).astype(s.h.dtype)
-    ring.matmul("lm_head", s.h, logits_vmem, layer=config.layers)
+    with jax.named_scope("layers"):
+        x = lax.fori_loop(0, config.layers, one_layer, x_vmem[...])
+    with jax.named_scope("lm_head"):
+        s.h[...] = rms_norm(x, final_norm_vmem[...], config.rms_eps).astype(s.h.dtype)
+        ring.matmul("lm_head", s.h, logits_vmem, layer=config.layers)
     logits = logits_vmem[...]
     vocab = lax.broadcasted_iota(jnp.int32, logits.shape, 1)
     logits = jnp.where(vocab < config.vocab, logits, -jnp.inf)  # the padding columns
