@@ -254,7 +254,9 @@ if "google.colab" in sys.modules:  # Colab ships TensorBoard and its notebook ma
 # Without a TPU, the compiler still shows its **static schedule**: compiled for `chip` with
 # its dump flags, the kernel is a list of VLIW bundles, each issuing to some units (MXU,
 # VALU, VLOAD, ...). Bundle counts are not cycles: a loop's body is listed once and DMA
-# latency is unknown. With the markers on, bundles are counted per named scope.
+# latency is unknown. With the markers on, bundles are counted per named scope: the
+# megakernel names `prime`, `layers` and `lm_head` (a layer's own phases would need scopes
+# in `layer_body`).
 
 # %%
 schedule = None
@@ -270,15 +272,17 @@ if schedule_dump and mk.chip(run.chip).kind == "tpu" and not run.checkpoint:
     busiest = max(schedule.utilisation, key=schedule.utilisation.get)
     print(f"busiest unit per listed bundle: {busiest} "
           f"({schedule.utilisation[busiest]:.1%} of its issue slots)")
-    print("bundles per named scope:", schedule.phases or
-          "none: this megakernel has no jax.named_scope phases yet")
+    if schedule.phases:  # a bundle counts for the innermost scope holding it
+        display(plots.table([dict(phase=k, bundles=n) for k, n in schedule.phases.items()]))
+    else:
+        print("no bundle lies in a named scope: this kernel names no phases")
 
 # %% [markdown]
 # What the static view allows: how big the kernel's code is, how much of it sits inside
 # loops (the layer loop is compiled once and runs L times), how many DMA issues and waits
 # the ring compiles to, and which units the listed bundles keep busy (in the megakernel the
-# scalar unit computes every tile's addresses, slots and predicates). Once the phases carry
-# named scopes, bundles per phase too. It does not give time: loops are listed once and DMA
+# scalar unit computes every tile's addresses, slots and predicates), and how the code
+# splits between the named phases. It does not give time: loops are listed once and DMA
 # latency is unknown. For time, a TPU profile.
 #
 # ## On a TPU runtime
@@ -320,4 +324,6 @@ if len(per_step["xla"]) != steps or not trace["traceEvents"]:
     raise AssertionError("a capture lost its steps, or XProf could not read it")
 if schedule is not None and not schedule.bundles > schedule.in_loops > 0:
     raise AssertionError(f"the static schedule is not what the dumps should give: {schedule}")
+if schedule is not None and not {"prime", "layers", "lm_head"} <= set(schedule.phases):
+    raise AssertionError(f"the megakernel's named phases are missing: {schedule.phases}")
 print("checks passed")
