@@ -1,0 +1,606 @@
+"""Speculative decoding on the megakernel: a drafter proposes gamma tokens, the target
+verifies gamma + 1 rows in one call (one pass over its weights), and the longest agreeing
+prefix plus one bonus token is kept.
+
+Here: `generate(config, params, prompt, steps, drafter=..., gamma=...)` -> (tokens,
+`SpecStats`); the drafters behind one interface (`Drafter`): "model" (a separate model
+with the target's vocab), "self" (the target's first layers and its lm_head), "ngram"
+(prompt lookup) and "forced" (a benchmarking device, see `Forced`); the verifiers
+(`Runner`): "megakernel" (`mk.megakernel.decode_step`, T = gamma + 1 rows) and "reference"
+(the XLA oracle); greedy acceptance and exact speculative rejection sampling
+(Leviathan et al. 2023, Chen et al. 2023) for temperature / top-p sampling; the
+expected-length formula and tokens/s per user = tau / (t_verify(gamma + 1 rows) + t_draft).
+
+Not here: a tree of drafts (one chain per step), drafting on the megakernel (drafters run
+on the XLA reference), per-sequence gamma, paged caches.
+
+Rejected rows of the KV cache. A step writes rows p .. p + gamma (p = the position of the
+last kept token); when n drafts are kept, rows p + n + 1 .. p + gamma hold rejected tokens.
+The next step starts at p' = p + n + 1 and writes rows p' .. p' + gamma, which covers every
+rejected row before any row is read, and the causal mask hides rows past a row's own
+position. So nothing rejected is ever read; tests/test_spec.py poisons every row at or past
+p before each verification to check it.
+
+Shape buckets. The XLA reference compiles once per input shape (~3 s on a 2-core CPU for
+the tiny presets, against ~10 ms to run), so `XLA` pads every call to one [batch, rows]
+shape: padded rows come after a sequence's real rows (causality keeps them out of the real
+rows' outputs) and write cache rows the next call overwrites; padded sequences copy the
+first one. The megakernel runs the exact [B, gamma + 1] shape: that shape is the point.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mk import backend as backends
+from mk import megakernel, perf, reference, sim
+from mk.chips import CHIP_NAMES, chip as named_chip
+from mk.config import MAX_ROWS, ModelConfig, preset as named_preset
+from mk.kernels.one_layer import layer_block
+
+MAX_GAMMA = 7  # T = gamma + 1 <= 8 verification rows, as in the published runs
+DRAFTERS = ("model", "self", "ngram", "forced")
+VERIFIERS = ("megakernel", "reference")
+
+
+# -- Sampling -------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """Temperature and nucleus (top-p) sampling; `None` in place of a Sampling is greedy."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if not self.temperature > 0:
+            raise ValueError(f"temperature={self.temperature} must be > 0 (None is greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+
+    def probs(self, logits) -> np.ndarray:
+        """logits [..., V] -> the sampling distribution [..., V] float64."""
+        z = np.asarray(logits, np.float64) / self.temperature
+        p = np.exp(z - z.max(axis=-1, keepdims=True))
+        p /= p.sum(axis=-1, keepdims=True)
+        if self.top_p < 1:
+            # Keep the most likely tokens until their mass reaches top_p (ties: lower id).
+            order = np.argsort(-p, axis=-1, kind="stable")
+            ranked = np.take_along_axis(p, order, -1)
+            keep = np.cumsum(ranked, axis=-1) - ranked < self.top_p
+            mask = np.zeros_like(keep)
+            np.put_along_axis(mask, order, keep, -1)
+            p = np.where(mask, p, 0.0)
+            p /= p.sum(axis=-1, keepdims=True)
+        return p
+
+
+def draw(p: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """One token per row of p [..., V] (inverse CDF; each row's own uniform)."""
+    u = rng.random(p.shape[:-1])[..., None]
+    cdf = np.cumsum(p, axis=-1)
+    return np.minimum((cdf < u * cdf[..., -1:]).sum(-1), p.shape[-1] - 1).astype(np.int32)
+
+
+# -- Runners: a model stepped T rows at a time ------------------------------------------------
+class Runner:
+    """A model stepped `rows` rows at a time: `step(cache, tokens [B, T <= rows], positions
+    [B]) -> (greedy next tokens [B, T], logits [B, T, V] float32, cache)` as numpy, and a
+    chunked `prefill`. Subclasses implement `_init_cache` and `_call` (exactly [B, rows])."""
+
+    name = ""
+
+    def __init__(self, config: ModelConfig, rows: int):
+        self.config, self.rows, self.calls = config, rows, 0
+
+    def prefill(self, prompt: np.ndarray, capacity: int):
+        """prompt [B, P] in chunks of `rows` rows -> (logits of the last row [B, V], cache)."""
+        B, P = prompt.shape
+        cache = self._init_cache(B, capacity)
+        for start in range(0, P, self.rows):
+            chunk = prompt[:, start:start + self.rows]
+            _, logits, cache = self.step(cache, chunk, np.full(B, start, np.int32))
+        return logits[:, -1], cache
+
+    def step(self, cache, tokens, positions):
+        tokens = np.asarray(tokens, np.int32)
+        B, T = tokens.shape
+        pad = np.repeat(tokens[:, -1:], self.rows - T, axis=1)  # rows after the real ones
+        nxt, logits, cache = self._call(cache, np.concatenate([tokens, pad], axis=1),
+                                        np.asarray(positions, np.int32))
+        self.calls += 1
+        return np.asarray(nxt)[:B, :T], np.asarray(logits)[:B, :T], cache
+
+
+class XLA(Runner):
+    """The XLA reference (`mk.reference.decode_step`), padded to a [batch, rows] bucket
+    (module docstring); `batch=None` runs the caller's batch. Its cache holds `rows` spare
+    positions past the capacity asked for, where padded rows land."""
+
+    name = "reference"
+
+    def __init__(self, config: ModelConfig, params, *, rows: int, batch: int | None = None):
+        super().__init__(config, rows)
+        self.params, self.batch = params, batch
+
+    def _init_cache(self, batch, capacity):
+        if self.batch is not None and batch > self.batch:
+            raise ValueError(f"batch={batch} exceeds the XLA bucket's batch={self.batch}")
+        return reference.init_cache(self.config, self.batch or batch, capacity + self.rows)
+
+    def _call(self, cache, tokens, positions):
+        extra = cache.k.shape[1] - tokens.shape[0]  # padded sequences copy the first one
+        tokens = np.concatenate([tokens, np.repeat(tokens[:1], extra, 0)])
+        positions = np.concatenate([positions, np.repeat(positions[:1], extra)])
+        logits, cache = reference.decode_step(self.config, self.params, cache, tokens,
+                                              positions)
+        return reference.greedy(logits), logits, cache
+
+
+class Megakernel(Runner):
+    """The decode megakernel (`mk.megakernel.decode_step`) on `backend`, T = rows."""
+
+    name = "megakernel"
+
+    def __init__(self, config: ModelConfig, params, *, rows: int, backend: str = "auto",
+                 block=None):
+        super().__init__(config, rows)
+        self.backend = backends.resolve(backend)
+        self.block = block or layer_block(config)
+        self.weights = megakernel.prepare(config, params, self.block)
+
+    def _init_cache(self, batch, capacity):
+        megakernel.check_block(self.block, capacity)
+        return reference.init_cache(self.config, batch, capacity)
+
+    def _call(self, cache, tokens, positions):
+        with backends.use(self.backend):
+            return megakernel.decode_step(self.config, self.weights, cache, tokens,
+                                          positions, block=self.block)
+
+
+# -- Drafters ---------------------------------------------------------------------------------
+class Drafter:
+    """Proposes gamma tokens per sequence. `start(prompt, capacity)` once, then
+    `propose(seq [B, W], length [B], gamma, sampling, rng) -> (drafts [B, gamma] int32,
+    q [B, gamma, V] or None)`: seq[b, :length[b]] are sequence b's kept tokens, q the
+    distributions the drafts were drawn from (None: deterministic drafts). `cost` is the
+    model whose steps t_draft counts (None: free), `calls` its forward passes."""
+
+    name = ""
+    cost: ModelConfig | None = None
+    calls = 0
+
+    def start(self, prompt: np.ndarray, capacity: int) -> None:
+        pass
+
+    def propose(self, seq, length, gamma, sampling, rng):
+        raise NotImplementedError
+
+
+class ModelDrafter(Drafter):
+    """Drafts with a model of the target's vocab, one row per draft token, keeping its own
+    KV cache: rows that disagree with the kept tokens are re-fed (at most 2 per step: the
+    last draft when all were kept, and the bonus token)."""
+
+    name = "model"
+
+    def __init__(self, config: ModelConfig, params, *, batch: int | None = None,
+                 rows: int = 2):
+        self.runner = XLA(config, params, rows=rows, batch=batch)
+        self.cost = config
+
+    @property
+    def calls(self):
+        return self.runner.calls
+
+    def start(self, prompt, capacity):
+        self.fed = np.array(prompt, np.int32)  # the tokens whose K/V rows the cache holds
+        _, self.cache = self.runner.prefill(self.fed, capacity)
+
+    def propose(self, seq, length, gamma, sampling, rng):
+        B, V = len(length), self.runner.config.vocab
+        width = min(self.fed.shape[1], seq.shape[1])
+        same = np.cumprod(self.fed[:, :width] == seq[:, :width], axis=1).sum(1)
+        start = np.minimum(same, length - 1)  # re-feed at least the last kept token
+        feed = [seq[b, start[b]:length[b]] for b in range(B)]
+        T = max(len(f) for f in feed)
+        tokens = np.stack([np.pad(f, (0, T - len(f)), mode="edge") for f in feed])
+        _, logits, self.cache = self.runner.step(self.cache, tokens, start)
+        logits = logits[np.arange(B), length - start - 1]
+        drafts, qs = [], []
+        for i in range(gamma):
+            if sampling is None:
+                d = np.argmax(logits, axis=-1).astype(np.int32)
+            else:
+                qs.append(sampling.probs(logits))
+                d = draw(qs[-1], rng)
+            drafts.append(d)
+            if i + 1 < gamma:
+                _, logits, self.cache = self.runner.step(self.cache, d[:, None], length + i)
+                logits = logits[:, 0]
+        drafts = np.stack(drafts, axis=1)
+        self.fed = np.zeros((B, seq.shape[1] + gamma), np.int32)
+        for b in range(B):
+            kept = np.concatenate([seq[b, :length[b]], drafts[b, :gamma - 1]])
+            self.fed[b, :len(kept)] = kept
+            self.fed[b, len(kept):] = -1  # never matches a token
+        return drafts, (np.stack(qs, axis=1) if qs else None)
+
+
+class NGram(Drafter):
+    """Prompt lookup: find the latest earlier occurrence of the sequence's last n tokens
+    (n = max_n .. 1) and propose what followed it; with no match, repeat the last token.
+    Proposals shorter than gamma are padded with their last token. Free: no model runs."""
+
+    name = "ngram"
+
+    def __init__(self, max_n: int = 3):
+        self.max_n = max_n
+
+    def propose(self, seq, length, gamma, sampling, rng):
+        drafts = np.zeros((len(length), gamma), np.int32)
+        for b, n_kept in enumerate(length):
+            h = seq[b, :n_kept]
+            found = h[-1:]
+            for n in range(min(self.max_n, n_kept - 1), 0, -1):
+                windows = np.lib.stride_tricks.sliding_window_view(h[:-1], n)
+                hits = np.flatnonzero((windows == h[-n:]).all(axis=1))
+                if hits.size:
+                    found = h[hits[-1] + n:hits[-1] + n + gamma]
+                    break
+            drafts[b] = np.pad(found, (0, gamma - len(found)), mode="edge")
+        return drafts, None
+
+
+class Forced(Drafter):
+    """A benchmarking device, not a drafter: an oracle that knows the target's greedy
+    continuation (it runs the target itself) and spoils draft number L, so every step keeps
+    exactly L - 1 drafts plus the bonus token: tau = L. The published 709 and 1,515 tokens/s
+    were measured with forced acceptance. Its oracle's cost is not draft time (cost None).
+    Greedy only: no drafter can force acceptance under sampling and stay exact."""
+
+    name = "forced"
+
+    def __init__(self, config, params, acceptance_length: int, *, batch=None, rows=2):
+        self.oracle = ModelDrafter(config, params, batch=batch, rows=rows)
+        self.L = acceptance_length
+
+    @property
+    def calls(self):
+        return self.oracle.calls
+
+    def start(self, prompt, capacity):
+        self.oracle.start(prompt, capacity)
+
+    def propose(self, seq, length, gamma, sampling, rng):
+        drafts, _ = self.oracle.propose(seq, length, gamma, None, rng)
+        if self.L <= gamma:
+            drafts[:, self.L - 1] = (drafts[:, self.L - 1] + 1) % self.oracle.runner.config.vocab
+        return drafts, None
+
+
+def first_layers(config: ModelConfig, params, n: int):
+    """(config, params) of the target's first n layers with its embedding, final norm and
+    lm_head: the self-drafter's model."""
+    moe = tuple(i for i in config.moe_layers if i < n)
+    if config.is_moe and not moe:  # config.first_layers keeps E, X, Fe and then refuses
+        if not 1 <= n <= config.layers:
+            config.first_layers(n)  # raises its own error
+        cut = dataclasses.replace(config, layers=n, moe_layers=(), experts=0,
+                                  experts_per_token=0, expert_ffn=0, norm_topk=False)
+    else:
+        cut = config.first_layers(n)
+    dense = sum(1 for i in config.dense_layers if i < n)
+    moe = len(cut.moe_layers)
+    rows = {"w_gate": dense, "w_up": dense, "w_down": dense, "router": moe, "we_gate": moe,
+            "we_up": moe, "we_down": moe}
+    shapes = cut.param_shapes()
+    out = {}
+    for name, value in params.items():
+        if name in rows:
+            if rows[name]:
+                out[name] = value[:rows[name]]
+        elif name in ("embed", "lm_head", "final_norm"):
+            out[name] = value
+        else:
+            out[name] = value[:n]
+    got = {k: tuple(v.shape) for k, v in out.items()}
+    if got != {k: s for k, (s, _) in shapes.items()}:
+        raise ValueError(f"params do not fit {config.name}: first {n} layers give {got}")
+    return cut, out
+
+
+def noisy_copy(config: ModelConfig, params, *, layers: int = 1, noise: float = 0.1,
+               seed: int = 1):
+    """A stand-in for a trained draft model of a random target (no draft was trained for
+    the tiny presets): the target's first `layers` layers, embedding and head, every weight
+    plus Gaussian noise of `noise` x its tensor's RMS. A separate model sharing the vocab."""
+    cut, cut_params = first_layers(config, params, layers)
+    keys = jax.random.split(jax.random.key(seed), len(cut_params))
+    out = {}
+    for key, (name, w) in zip(keys, sorted(cut_params.items())):
+        w32 = w.astype(jnp.float32)
+        rms = jnp.sqrt(jnp.mean(w32 * w32))
+        out[name] = (w32 + noise * rms * jax.random.normal(key, w.shape)).astype(w.dtype)
+    return dataclasses.replace(cut, name=f"{config.name}-draft"), out
+
+
+def make_drafter(name: str, config: ModelConfig, params, *, gamma: int,
+                 acceptance_length: int | None = None, draft=None,
+                 self_layers: int | None = None, batch: int | None = None) -> Drafter:
+    """The drafter called `name` (one of DRAFTERS) for the target (config, params).
+
+    "model" drafts with `draft` = (config, params) (default `noisy_copy` of the target);
+    "self" with the target's first `self_layers` layers (default ceil(L / 2)); "forced"
+    needs `acceptance_length` in [1, gamma + 1]. `batch` is the XLA bucket's batch."""
+    if name not in DRAFTERS:
+        raise ValueError(f"drafter={name!r} must be one of {DRAFTERS}")
+    if (acceptance_length is not None) != (name == "forced"):
+        raise ValueError(f"acceptance_length={acceptance_length!r} is for drafter='forced' "
+                         f"only, and drafter='forced' needs it (drafter={name!r})")
+    if name == "forced":
+        L = acceptance_length
+        if isinstance(L, bool) or not isinstance(L, int) or not 1 <= L <= gamma + 1:
+            raise ValueError(f"acceptance_length={L!r} must be an integer in [1, gamma + 1 "
+                             f"= {gamma + 1}]: a step keeps at most gamma + 1 tokens")
+        # In a bucket the oracle runs the reference verifier's shape: one compile for both.
+        return Forced(config, params, L, batch=batch, rows=MAX_GAMMA + 1 if batch else 2)
+    if name == "ngram":
+        return NGram()
+    if name == "self":
+        n = (config.layers + 1) // 2 if self_layers is None else self_layers
+        drafter = ModelDrafter(*first_layers(config, params, n), batch=batch)
+        drafter.name = "self"
+        return drafter
+    draft_config, draft_params = draft or noisy_copy(config, params)
+    if draft_config.vocab != config.vocab:
+        raise ValueError(f"draft vocab={draft_config.vocab} must equal the target's "
+                         f"vocab={config.vocab}")
+    return ModelDrafter(draft_config, draft_params, batch=batch)
+
+
+# -- Acceptance -------------------------------------------------------------------------------
+def accept_greedy(drafts, target):
+    """drafts [B, g], the target's greedy tokens target [B, g + 1] -> (kept drafts n [B],
+    the bonus token [B]): the longest prefix of drafts equal to the target's tokens."""
+    n = np.cumprod(drafts == target[:, :-1], axis=1).sum(axis=1)
+    return n, target[np.arange(len(n)), n]
+
+
+def accept_sampled(drafts, q, p, rng):
+    """Speculative rejection sampling. drafts [B, g] drawn from q [B, g, V] (None: the
+    one-hot of each draft), target distributions p [B, g + 1, V] -> (n [B], bonus [B]).
+
+    Draft i is kept with probability min(1, p_i(d) / q_i(d)); the first rejected one is
+    replaced by a draw from max(p_i - q_i, 0) normalised, and when all are kept the bonus
+    is drawn from p_g. The kept tokens are distributed exactly as the target's samples."""
+    B, g = drafts.shape
+    if q is None:
+        q = np.zeros_like(p[:, :g])
+        np.put_along_axis(q, drafts[..., None], 1.0, -1)
+    rows = np.arange(B)[:, None], np.arange(g)[None], drafts
+    ratio = p[:, :g][rows] / q[rows]
+    n = np.cumprod(rng.random((B, g)) < ratio, axis=1).sum(axis=1)
+    at = np.arange(B), n
+    residual = p[at] - np.concatenate([q, np.zeros_like(q[:, :1])], axis=1)[at]
+    residual = np.maximum(residual, 0.0)
+    empty = residual.sum(-1) <= 0  # p == q to rounding: draw from p itself
+    residual[empty] = p[at][empty]
+    return n, draw(residual / residual.sum(-1, keepdims=True), rng)
+
+
+# -- Statistics -------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class SpecStats:
+    """What a speculative run measured. A "step" is one sequence in one verification;
+    steps of sequences that already had their tokens are not counted."""
+
+    drafter: str
+    verifier: str
+    gamma: int
+    batch: int
+    histogram: tuple[int, ...]  # [k - 1]: steps that kept k tokens, k = 1 .. gamma + 1
+    verifier_calls: int  # target calls with gamma + 1 rows (prefill not counted)
+    drafter_calls: int  # drafter forward passes (prefill not counted; 0 for ngram)
+
+    @property
+    def steps(self) -> int:
+        return sum(self.histogram)
+
+    @property
+    def acceptance_length(self) -> float:
+        """tau: tokens kept per step, the bonus token included."""
+        return sum(k * c for k, c in enumerate(self.histogram, 1)) / max(self.steps, 1)
+
+    @property
+    def position_rate(self) -> tuple[float, ...]:
+        """[i - 1]: the share of steps that kept draft i among those that kept drafts
+        1 .. i - 1 (nan when no step got that far)."""
+        reached = np.cumsum(self.histogram[::-1])[::-1]  # steps keeping >= k tokens
+        return tuple(float(reached[i] / reached[i - 1]) if reached[i - 1] else math.nan
+                     for i in range(1, self.gamma + 1))
+
+    @property
+    def per_token_rate(self) -> float:
+        """alpha: the per-draft acceptance probability that best explains the histogram."""
+        return fit_rate([self])
+
+
+def fit_rate(runs) -> float:
+    """The per-draft acceptance probability alpha that best explains the histograms of
+    `runs` (SpecStats; maximum likelihood with drafts accepted independently: kept drafts
+    over kept drafts plus steps that ended in a rejection)."""
+    kept = sum((k - 1) * c for s in runs for k, c in enumerate(s.histogram, 1))
+    rejected = sum(sum(s.histogram[:-1]) for s in runs)
+    return kept / (kept + rejected) if kept + rejected else math.nan
+
+
+def expected_length(alpha, gamma: int):
+    """Leviathan et al.: E[tokens per step] = (1 - alpha^(gamma + 1)) / (1 - alpha)."""
+    a = np.asarray(alpha, dtype=float)
+    safe = np.where(a == 1, 0.5, a)
+    return np.where(a == 1, gamma + 1.0, (1 - safe ** (gamma + 1)) / (1 - safe))
+
+
+# -- generate ---------------------------------------------------------------------------------
+def check_gamma(gamma) -> None:
+    if isinstance(gamma, bool) or not isinstance(gamma, (int, np.integer)) or not (
+            1 <= gamma <= MAX_GAMMA):
+        raise ValueError(f"gamma={gamma!r} must be an integer in [1, {MAX_GAMMA}]: the "
+                         f"verifier checks gamma + 1 <= {MAX_GAMMA + 1} rows per step")
+
+
+def generate(config: ModelConfig, params, prompt, steps: int, *, drafter, gamma: int,
+             sampling: Sampling | None = None, verifier="megakernel", backend: str = "auto",
+             seed: int = 0, max_context: int | None = None, bucket: int | None = None,
+             **drafter_options):
+    """Speculative decoding: prompt [B, P] -> (the next `steps` tokens [B, steps] int32,
+    `SpecStats`). Greedy (`sampling=None`) gives exactly the target's greedy tokens.
+
+    `drafter` is a name of DRAFTERS (options: `make_drafter`) or a `Drafter`; `verifier`
+    "megakernel" (on `backend`), "reference" or a `Runner` with rows = gamma + 1.
+    `bucket`, for the XLA runs (the reference verifier, the drafters): the batch every call
+    is padded to, rows padded to 8 (module docstring). The cache needs
+    P + steps + gamma - 1 <= max_context (default config.max_context) positions."""
+    prompt = np.asarray(prompt, np.int32)
+    check_gamma(gamma)
+    S = config.max_context if max_context is None else max_context
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps={steps!r} must be a positive integer")
+    if prompt.ndim != 2 or prompt.shape[1] < 1:
+        raise ValueError(f"prompt shape {prompt.shape} must be [B, P] with P >= 1")
+    B, P = prompt.shape
+    if P + steps + gamma - 1 > S:
+        raise ValueError(f"prompt length P={P} + steps={steps} + gamma={gamma} - 1 exceeds "
+                         f"the KV-cache capacity max_context={S}")
+    if sampling is not None and drafter == "forced":
+        raise NotImplementedError("drafter='forced' is defined for greedy decoding only")
+    if verifier == "megakernel" and B * (gamma + 1) > MAX_ROWS:
+        raise ValueError(f"batch*(gamma+1)={B * (gamma + 1)} exceeds MAX_ROWS={MAX_ROWS} "
+                         "activation rows of one megakernel step")
+    if isinstance(verifier, str) and verifier not in VERIFIERS:
+        raise ValueError(f"verifier={verifier!r} must be one of {VERIFIERS} or a Runner")
+    if bucket is not None and bucket < B:
+        raise ValueError(f"bucket={bucket} must be >= batch={B}")
+    if isinstance(drafter, str):
+        drafter = make_drafter(drafter, config, params, gamma=gamma, batch=bucket,
+                               **drafter_options)
+    if verifier == "megakernel":
+        verifier = Megakernel(config, params, rows=gamma + 1, backend=backend)
+    elif verifier == "reference":
+        verifier = XLA(config, params, rows=MAX_GAMMA + 1 if bucket else gamma + 1,
+                       batch=bucket)
+    rng = np.random.default_rng(seed)
+
+    def pick(logits):
+        return (np.argmax(logits, -1).astype(np.int32) if sampling is None
+                else draw(sampling.probs(logits), rng))
+
+    seq = np.zeros((B, P + steps + gamma + 1), np.int32)
+    seq[:, :P] = prompt
+    last, cache = verifier.prefill(prompt, S)
+    seq[:, P] = pick(last)
+    length = np.full(B, P + 1)
+    drafter.start(prompt, S)
+    histogram, calls = np.zeros(gamma + 1, np.int64), (verifier.calls, drafter.calls)
+    while (active := length - P < steps).any():
+        # A finished sequence redoes a step within its tokens (it keeps the batch's shape
+        # and its cache writes inside the capacity); its results are dropped.
+        at = np.minimum(length, P + steps - 1)
+        drafts, q = drafter.propose(seq, at, gamma, sampling, rng)
+        rows = np.concatenate([seq[np.arange(B), at - 1][:, None], drafts], axis=1)
+        target, logits, cache = verifier.step(cache, rows, at - 1)
+        if sampling is None:
+            n, bonus = accept_greedy(drafts, target)
+        else:
+            n, bonus = accept_sampled(drafts, q, sampling.probs(logits), rng)
+        for b in np.flatnonzero(active):
+            seq[b, length[b]:length[b] + n[b]] = drafts[b, :n[b]]
+            seq[b, length[b] + n[b]] = bonus[b]
+        length = np.where(active, length + n + 1, length)
+        histogram += np.bincount(n[active], minlength=gamma + 1)
+    stats = SpecStats(drafter=drafter.name, verifier=verifier.name, gamma=gamma,
+                      batch=B, histogram=tuple(int(c) for c in histogram),
+                      verifier_calls=verifier.calls - calls[0],
+                      drafter_calls=drafter.calls - calls[1])
+    return jnp.asarray(seq[:, P:P + steps]), stats
+
+
+# -- Throughput -------------------------------------------------------------------------------
+TIMINGS = ("roofline", "sim", "conventional")
+
+
+@dataclasses.dataclass(frozen=True)
+class Throughput:
+    verify_ms: float  # one target step of gamma + 1 rows
+    draft_ms: float  # gamma drafter steps of one row (0 for free drafters)
+    tokens_per_s_per_user: float
+    timing: str  # one of TIMINGS
+
+
+def step_ms(config: ModelConfig, chip, *, batch: int, rows: int, context: int, tp: int,
+            timing: str = "roofline") -> float:
+    """One decode step of B x T rows: "roofline" `mk.perf.predict` (a floor), "sim"
+    `mk.sim.simulate` (TPU chips; the ring's slots sized for the DMA latency, as the
+    "deep" column of `mk.sim.published_table`), "conventional" `mk.perf.conventional` (one
+    kernel per op, a launch gap each: the GPU baseline)."""
+    kw = dict(batch=batch, rows=rows, context=context, tp=tp)
+    if timing == "sim":
+        block = sim.default_block(config, tp=tp, context=context, rows=rows)
+        block = dataclasses.replace(block, slots=sim.latency_slots(config, chip, block))
+        return sim.simulate(config, chip, block=block, **kw).step_ms
+    if timing == "conventional":
+        return perf.conventional(config, chip, **kw).step_ms
+    if timing != "roofline":
+        raise ValueError(f"timing={timing!r} must be one of {TIMINGS}")
+    return perf.predict(config, chip, **kw).step_ms
+
+
+def throughput(config: ModelConfig, chip, *, gamma: int, acceptance_length: float,
+               batch: int = 1, context: int = 0, tp: int = 1, draft: ModelConfig | None = None,
+               timing: str = "roofline") -> Throughput:
+    """tokens/s per user = tau / (t_verify(gamma + 1 rows) + gamma * t_draft(1 row)), both
+    steps timed by `step_ms`; a draft model shares the target's chips."""
+    check_gamma(gamma)
+    if not 0 < acceptance_length <= gamma + 1:
+        raise ValueError(f"acceptance_length={acceptance_length} must be in (0, gamma + 1 = "
+                         f"{gamma + 1}]")
+    kw = dict(batch=batch, context=context, tp=tp, timing=timing)
+    verify = step_ms(config, chip, rows=gamma + 1, **kw)
+    drafting = gamma * step_ms(draft, chip, rows=1, **kw) if draft is not None else 0.0
+    return Throughput(verify, drafting, acceptance_length / ((verify + drafting) / 1e3),
+                      timing)
+
+
+PUBLISHED_RUNS = (("kimi-k3-like", 3), ("kimi-k3-like", 6), ("qwen3.8-27b-like", 6))
+
+
+def published_comparison(*, gamma: int = MAX_GAMMA, context: int = 0) -> list[dict]:
+    """The published acceptance-length runs (data/published.csv; forced acceptance, so no
+    draft time) against `throughput`: batch 1, gamma + 1 verification rows, every device of
+    the run sharing the step, `context` cached positions (none is published). Each row has
+    the roofline bound and a model of the system: "sim" for TPUs, "conventional" for GPUs.
+    Errors are predicted / published - 1."""
+    out = []
+    for row in perf.published():
+        if ((row.preset, row.acceptance_length) not in PUBLISHED_RUNS
+                or row.system not in CHIP_NAMES):  # Cerebras: no chip row, no prediction
+            continue
+        spec = named_chip(row.system)
+        kw = dict(gamma=gamma, acceptance_length=row.acceptance_length, batch=row.batch or 1,
+                  context=context, tp=row.chips * spec.cores_per_chip)
+        model = "sim" if spec.kind == "tpu" else "conventional"
+        roof, other = (throughput(named_preset(row.preset), spec, timing=t, **kw)
+                       for t in ("roofline", model))
+        out.append(dict(
+            model=row.preset, system=f"{row.chips} {row.system}", tau=row.acceptance_length,
+            published=row.tokens_per_s, roofline=roof.tokens_per_s_per_user,
+            roofline_error=roof.tokens_per_s_per_user / row.tokens_per_s - 1,
+            timing=model, predicted=other.tokens_per_s_per_user, verify_ms=other.verify_ms,
+            error=other.tokens_per_s_per_user / row.tokens_per_s - 1))
+    return out

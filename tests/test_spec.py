@@ -1,0 +1,268 @@
+"""mk.spec: speculative decoding is lossless, forced acceptance is exact, rejected cache
+rows never leak, and the statistics and throughput formulas are what they say.
+
+Which runs use which verifier, and why (the budget is 150 s on one core; the XLA
+reference compiles in ~3 s per shape and runs in ~10 ms, the megakernel in interpret mode
+compiles in ~11 s (tiny) / ~33 s (tiny-moe) per [B, T] shape and runs in ~0.5-2 s):
+- Full matrix with the XLA reference verifier: every drafter x gamma 1..7 x batch 1..4 x
+  {tiny, tiny-moe}, STEPS tokens each, in one shape bucket (mk.spec module docstring) so
+  each preset compiles its verifier and each drafter once.
+- Megakernel verifier in interpret mode, the smallest set that covers each drafter, the
+  extreme gammas 1 and 7, batch 1 and 4 and both presets: two kernel shapes (tiny B=4 T=8
+  with the forced, ngram and model drafters; tiny-moe B=1 T=2 with self), MK_STEPS tokens
+  each. A third shape would cost another ~11-33 s compile; T=4 is covered by
+  test_megakernel.py's verification test. The poisoned-cache test reuses tiny B=4 T=8.
+- The distribution test runs a vocab-8 float32 model with the reference verifier (the
+  rejection step is host-side numpy, the same for both verifiers).
+Interpret mode does not cover time; nothing here is timed.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats as scipy_stats
+
+import mk
+from mk import perf, reference, spec
+from mk.config import ModelConfig
+
+STEPS = 6  # tokens per run of the reference matrix
+MK_STEPS = 4  # tokens per megakernel run (each verification costs ~0.5-2 s)
+BUCKET = 4  # the batch every XLA call is padded to: one compile per model
+PRESETS = ("tiny", "tiny-moe")
+
+
+@pytest.fixture(scope="module")
+def models():
+    """preset -> (config, params, prompts [4, 6], the reference's greedy tokens [4, STEPS],
+    the "model" drafter's draft model (made once: it is random noise on the target))."""
+    out = {}
+    for name in PRESETS:
+        config = mk.preset(name)
+        params = mk.init_params(config)
+        prompts = np.asarray(jax.random.randint(jax.random.key(1), (4, 6), 0, config.vocab))
+        want = np.asarray(reference.generate(config, params, prompts, STEPS))
+        out[name] = config, params, prompts, want, spec.noisy_copy(config, params)
+    return out
+
+
+def options(drafter, gamma, models, name):
+    if drafter == "forced":
+        return {"acceptance_length": min(3, gamma + 1)}
+    return {"draft": models[name][4]} if drafter == "model" else {}
+
+
+# -- Validation ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("gamma", [0, 8, -1, True, 2.0])
+def test_gamma_outside_1_to_7_is_a_clear_error(gamma):
+    config = mk.preset("tiny")
+    with pytest.raises(ValueError, match=r"gamma=.* must be an integer in \[1, 7\]"):
+        spec.generate(config, {}, np.zeros((1, 4), int), 4, drafter="ngram", gamma=gamma)
+
+
+def test_bad_options_are_named_before_anything_runs():
+    config = mk.preset("tiny")
+    prompt = np.zeros((1, 4), int)
+    with pytest.raises(ValueError, match=r"acceptance_length=5 must be an integer in \[1, "
+                                         r"gamma \+ 1 = 4\]"):
+        spec.generate(config, {}, prompt, 4, drafter="forced", gamma=3, acceptance_length=5)
+    with pytest.raises(ValueError, match="acceptance_length=2 is for drafter='forced' only"):
+        spec.generate(config, {}, prompt, 4, drafter="ngram", gamma=3, acceptance_length=2)
+    with pytest.raises(ValueError, match="drafter='medusa' must be one of"):
+        spec.generate(config, {}, prompt, 4, drafter="medusa", gamma=3)
+    with pytest.raises(ValueError, match=r"P=4 \+ steps=251 \+ gamma=3 - 1 exceeds .*=256"):
+        spec.generate(config, {}, prompt, 251, drafter="ngram", gamma=3)
+    with pytest.raises(ValueError, match=r"batch\*\(gamma\+1\)=72 exceeds MAX_ROWS=64"):
+        spec.generate(config, {}, np.zeros((9, 4), int), 4, drafter="ngram", gamma=7)
+    with pytest.raises(NotImplementedError, match="greedy decoding only"):
+        spec.generate(config, {}, prompt, 4, drafter="forced", gamma=3, acceptance_length=2,
+                      sampling=spec.Sampling(temperature=0.7))
+    other = dataclasses.replace(config, vocab=640)
+    with pytest.raises(ValueError, match="draft vocab=640 must equal the target's vocab=512"):
+        spec.make_drafter("model", config, {}, gamma=3, draft=(other, {}))
+    with pytest.raises(ValueError, match="top_p=0 must be in"):
+        spec.Sampling(top_p=0)
+
+
+# -- Greedy speculative decoding is the target's greedy decoding ---------------------------------
+@pytest.mark.parametrize("drafter", spec.DRAFTERS)
+@pytest.mark.parametrize("name", PRESETS)
+def test_greedy_tokens_equal_the_target_for_every_gamma_and_batch(models, name, drafter):
+    config, params, prompts, want, _ = models[name]
+    for gamma in range(1, spec.MAX_GAMMA + 1):
+        for batch in range(1, 5):
+            got, stats = spec.generate(config, params, prompts[:batch], STEPS, drafter=drafter,
+                                       gamma=gamma, verifier="reference", bucket=BUCKET,
+                                       **options(drafter, gamma, models, name))
+            np.testing.assert_array_equal(got, want[:batch], err_msg=f"{gamma=} {batch=}")
+            assert stats.steps >= batch and stats.verifier_calls >= 1
+            assert 1 <= stats.acceptance_length <= gamma + 1
+
+
+MEGAKERNEL_RUNS = [  # (preset, batch, gamma, drafters): one kernel shape each
+    ("tiny", 4, 7, ("forced", "ngram", "model")),
+    ("tiny-moe", 1, 1, ("self",)),
+]
+
+
+@pytest.mark.parametrize("name, batch, gamma, drafters", MEGAKERNEL_RUNS)
+def test_greedy_tokens_equal_the_target_with_the_megakernel_verifier(models, name, batch,
+                                                                     gamma, drafters):
+    config, params, prompts, want, _ = models[name]
+    for drafter in drafters:
+        got, stats = spec.generate(config, params, prompts[:batch], MK_STEPS, drafter=drafter,
+                                   gamma=gamma, verifier="megakernel", backend="interpret",
+                                   bucket=BUCKET, **options(drafter, gamma, models, name))
+        np.testing.assert_array_equal(got, want[:batch, :MK_STEPS], err_msg=drafter)
+        assert stats.verifier == "megakernel"
+        if drafter == "forced":
+            assert stats.acceptance_length == 3
+
+
+# -- Forced acceptance ------------------------------------------------------------------------
+@pytest.mark.parametrize("gamma, L", [(7, L) for L in range(1, 9)] + [(g, g + 1) for g in
+                                                                       range(1, 7)])
+def test_forced_acceptance_L_measures_tau_exactly_L(models, gamma, L):
+    config, params, prompts, want, _ = models["tiny"]
+    got, stats = spec.generate(config, params, prompts, 2 * spec.MAX_GAMMA + 2,
+                               drafter="forced", gamma=gamma, acceptance_length=L,
+                               verifier="reference", bucket=BUCKET)
+    assert stats.acceptance_length == L
+    assert stats.histogram[L - 1] == stats.steps  # every step kept exactly L tokens
+    np.testing.assert_array_equal(got[:, :STEPS], want)
+
+
+# -- Rejected rows of the KV cache ------------------------------------------------------------
+class Poisoned(spec.Runner):
+    """Wraps a verifier; before each step writes `value` into every cache row at or past
+    each sequence's position (`below=True`: the rows before it instead)."""
+
+    def __init__(self, inner, value=30.0, below=False):
+        super().__init__(inner.config, inner.rows)
+        self.inner, self.value, self.below, self.name = inner, value, below, inner.name
+
+    def prefill(self, prompt, capacity):
+        return self.inner.prefill(prompt, capacity)
+
+    def step(self, cache, tokens, positions):
+        S = cache.k.shape[3]
+        pos = np.zeros(cache.k.shape[1], np.int32)
+        pos[:len(positions)] = positions
+        rows = np.arange(S)[None, :] >= pos[:, None]  # [B, S]
+        if self.below:
+            rows = (np.arange(S)[None, :] < pos[:, None]) & (np.arange(S)[None, :] > 0)
+        mask = jnp.asarray(rows)[None, :, None, :, None]
+        cache = reference.KVCache(*(jnp.where(mask, jnp.asarray(self.value, c.dtype), c)
+                                    for c in cache))
+        self.calls += 1
+        return self.inner.step(cache, tokens, positions)
+
+
+@pytest.mark.parametrize("verifier", ["reference", "megakernel"])
+def test_rows_past_the_position_are_never_read(models, verifier):
+    """Rejected drafts' rows (and every other row past a sequence's position) are
+    overwritten or masked: poisoning them before each verification changes no token,
+    while the same poison on the kept rows does (so the poison is strong enough)."""
+    config, params, prompts, want, _ = models["tiny"]
+    if verifier == "reference":
+        inner, batch, gamma = spec.XLA(config, params, rows=8, batch=BUCKET), 4, 7
+    else:  # the kernel shape of MEGAKERNEL_RUNS[0], compiled once per process
+        inner = spec.Megakernel(config, params, rows=8, backend="interpret")
+        batch, gamma = 4, 7
+    run = dict(drafter="ngram", gamma=gamma, bucket=BUCKET)  # ngram: mostly rejected
+    got, stats = spec.generate(config, params, prompts[:batch], MK_STEPS,
+                               verifier=Poisoned(inner), **run)
+    assert stats.acceptance_length < gamma + 1  # some drafts were rejected
+    np.testing.assert_array_equal(got, want[:batch, :MK_STEPS])
+    spoiled, _ = spec.generate(config, params, prompts[:batch], MK_STEPS,
+                               verifier=Poisoned(inner, below=True), **run)
+    assert (np.asarray(spoiled) != want[:batch, :MK_STEPS]).any()
+
+
+# -- Sampling -----------------------------------------------------------------------------------
+MICRO = ModelConfig(name="micro", vocab=8, hidden=16, layers=1, heads=2, kv_heads=1,
+                    head_dim=8, ffn=32, dtype="float32", max_position=64, max_context=16)
+
+
+@pytest.mark.parametrize("sampling", [spec.Sampling(temperature=4.0),
+                                      spec.Sampling(temperature=4.0, top_p=0.8)])
+def test_rejection_sampling_keeps_the_target_distribution(sampling):
+    """Tokens 2 and 3 of 3000 sequences drawn with a deliberately wrong draft model (other
+    weights) follow the target's exact joint distribution (chi-square, fixed seeds), while
+    the draft's own samples do not (the test has the power to fail)."""
+    n, prompt = 3000, np.array([[1, 5, 2]])
+    params = mk.init_params(MICRO, seed=0)
+    draft = (MICRO, mk.init_params(MICRO, seed=7))
+    got, stats = spec.generate(MICRO, params, np.repeat(prompt, n, 0), 3, drafter="model",
+                               gamma=2, sampling=sampling, verifier="reference", seed=3,
+                               draft=draft)
+    assert 1.1 < stats.acceptance_length < 2.9  # drafts both kept and rejected
+
+    def conditionals(model_params):  # p(t0), p(t1 | t0), p(t2 | t0, t1)
+        pairs = np.stack(np.meshgrid(np.arange(8), np.arange(8), indexing="ij"), -1)
+        tokens = np.concatenate([np.repeat(prompt, 64, 0), pairs.reshape(64, 2)], 1)
+        p = sampling.probs(reference.prefill(MICRO, model_params, tokens)[0])  # [64, 5, 8]
+        return p[0, 2], p[::8, 3], p[:, 4].reshape(8, 8, 8)
+
+    def rejects(samples, expected):  # the test's verdict on (t1, t2) samples [n, 2]
+        counts = np.bincount(samples[:, 0] * 8 + samples[:, 1], minlength=64)
+        if counts[expected == 0].any():
+            return True  # a token outside the target's nucleus
+        keep = expected > 0
+        return scipy_stats.chisquare(counts[keep], expected[keep] * n).pvalue < 1e-3
+
+    (p0, p1, p2), (_, q1, q2) = conditionals(params), conditionals(draft[1])
+    target = np.einsum("a,ab,abc->bc", p0, p1, p2).ravel()
+    assert not rejects(np.asarray(got)[:, 1:3], target)
+    # A verifier that kept every draft would give sum_t0 p(t0) q(t1|t0) q(t2|t0,t1):
+    wrong = np.einsum("a,ab,abc->bc", p0, q1, q2).ravel()
+    draws = np.random.default_rng(0).choice(64, size=n, p=wrong / wrong.sum())
+    assert rejects(np.stack([draws // 8, draws % 8], 1), target)
+
+
+# -- Statistics and throughput --------------------------------------------------------------
+def test_stats_by_hand():
+    # gamma 3; steps kept 1, 1, 2, 3, 4, 4 tokens.
+    s = spec.SpecStats(drafter="x", verifier="y", gamma=3, batch=1, histogram=(2, 1, 1, 2),
+                       verifier_calls=6, drafter_calls=18)
+    assert s.steps == 6
+    assert s.acceptance_length == pytest.approx(15 / 6)
+    assert s.position_rate == pytest.approx((4 / 6, 3 / 4, 2 / 3))
+    # 9 drafts kept, 4 steps ended with a rejection: alpha = 9 / 13.
+    assert s.per_token_rate == pytest.approx(9 / 13)
+    assert spec.expected_length(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert spec.expected_length(1.0, 3) == 4.0
+    assert spec.expected_length(0.0, 7) == 1.0
+
+
+def test_throughput_is_tau_over_verify_plus_draft_time():
+    target, draft = mk.preset("qwen3-8b"), mk.preset("qwen3-0.6b")
+    t = spec.throughput(target, "v6e", gamma=4, acceptance_length=3.0, batch=2, context=1024,
+                        draft=draft)
+    verify = perf.predict(target, "v6e", batch=2, rows=5, context=1024).step_ms
+    one = perf.predict(draft, "v6e", batch=2, rows=1, context=1024).step_ms
+    assert t.verify_ms == verify and t.draft_ms == pytest.approx(4 * one)
+    assert t.tokens_per_s_per_user == pytest.approx(3.0 / ((verify + 4 * one) / 1e3))
+    free = spec.throughput(target, "v6e", gamma=4, acceptance_length=3.0, batch=2,
+                           context=1024)
+    assert free.draft_ms == 0 and free.tokens_per_s_per_user > t.tokens_per_s_per_user
+
+
+def test_published_comparison_has_the_six_runs_with_their_numbers():
+    rows = spec.published_comparison()
+    got = {(r["model"], r["system"], r["tau"]): r["published"] for r in rows}
+    assert got == {("kimi-k3-like", "16 tpu7x", 3): 350, ("kimi-k3-like", "16 gb200", 3): 229,
+                   ("kimi-k3-like", "16 tpu7x", 6): 709, ("kimi-k3-like", "16 gb200", 6): 452,
+                   ("qwen3.8-27b-like", "4 tpu7x", 6): 1515,
+                   ("qwen3.8-27b-like", "4 gb200", 6): 695}
+    for r in rows:
+        assert r["error"] == pytest.approx(r["predicted"] / r["published"] - 1)
+        assert r["timing"] == ("sim" if "tpu7x" in r["system"] else "conventional")
+        # forced acceptance: tau / t_verify(8 rows), the roofline's step a floor of it
+        assert r["roofline"] == pytest.approx(r["tau"] / perf.predict(
+            mk.preset(r["model"]), r["system"].split()[1], rows=8, context=0,
+            tp=int(r["system"].split()[0]) * mk.chip(r["system"].split()[1]).cores_per_chip
+        ).step_ms * 1e3)
