@@ -163,11 +163,12 @@ def _family(what: str) -> str:
     return what.split("[")[0]
 
 
-def timeline(sims, *, layers: tuple[int, int] | None = None, title: str = "") -> go.Figure:
+def timeline(sims, *, layers: tuple[int, int] | None = None,
+             window_s: tuple[float, float] | None = None, title: str = "") -> go.Figure:
     """The simulated timeline: per simulation, a DMA lane, a compute lane and an HBM-idle
     lane (bubbles coloured by cause); `sims` is one `mk.sim.Simulation` or {label: sim}.
     `layers=(first, last)` keeps the events of those layers (inclusive), so a big model
-    stays drawable. Times in microseconds."""
+    stays drawable; `window_s` zooms the x axis to that interval. Times in microseconds."""
     sims = sims if isinstance(sims, Mapping) else {"": sims}
     lo, hi = layers if layers is not None else (None, None)
 
@@ -209,6 +210,8 @@ def timeline(sims, *, layers: tuple[int, int] | None = None, title: str = "") ->
                       title=title or f"Simulated step of {first.config_name} on "
                                      f"{first.chip_name}", yaxis=dict(autorange="reversed"),
                       height=200 + 60 * len(sims) * 3)
+    if window_s is not None:
+        fig.update_xaxes(range=[window_s[0] * 1e6, window_s[1] * 1e6])
     return fig
 
 

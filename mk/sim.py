@@ -56,8 +56,16 @@ active expert), "routing" (expert tiles cannot be issued until the router has ch
 "vector" (norms, RoPE, SwiGLU), "ring empty" (a wait on a tile still in its issue
 latency: too few slots to hide it), "step end".
 
-Here: `Assumptions`, `shard`, `simulate` -> `Simulation`, `replay_matmul` (a single
-matmul's stream, the synthetic case with a closed form), `sweep`, `published_table`.
+Here: `Assumptions`, `shard` (one device's part under tensor parallelism),
+`active_experts`, `default_block`, `latency_slots` (Little's law), `simulate` ->
+`Simulation`, `replay_matmul` (a stream of plain matmuls: the synthetic case with a closed
+form), `sweep` (design sweeps as tables), `published_table` (data/published.csv against
+the models). Not here: drawing (`mk.plots.timeline`, `bubble_bars`, `sweep_lines`).
+
+Speed: runs of identical tiles are fast-forwarded once the ring's state (landed times and
+the engine's clock, relative to the compute clock) repeats, which is exact for the step
+time and the bytes; each cycle's HBM idle time is split over causes in the proportions of
+the cycle it repeats (tests compare both against the tile-by-tile replay).
 """
 
 from __future__ import annotations
@@ -720,10 +728,12 @@ def simulate(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows:
              weight_dtypes=None, cross_layer_prefetch: bool = True,
              routing: str = "uniform", experts_active: int | None = None,
              assumptions: Assumptions | None = None) -> Simulation:
-    """Replay one decode step of the megakernel (module docstring).
+    """Replay one decode step of the megakernel (module docstring) on one device of `chip`.
 
-    block defaults to the kernel's own (`layer_block` of the device's shard, kv_tile
-    min(256, the positions read)); experts_active overrides the routing model.
+    context: the cached positions each sequence reads (its rows sit at positions context ..
+    context + T - 1); block defaults to the kernel's own (`default_block`); weight_dtypes as
+    in `mk.perf.predict`; experts_active overrides the routing model (active expert slots
+    per MoE layer on this device).
     """
     spec = _check(config, chip, batch, rows, context, tp, block)
     a = assumptions or Assumptions()

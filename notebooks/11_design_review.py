@@ -203,9 +203,12 @@ off = sim.simulate(config, spec, block=block, cross_layer_prefetch=False, **step
 edges = sum(b.idle_s for b in off.bubbles if b.cause == "layer boundary")
 print(f"prefetch on {s.step_ms:.4g} ms, off {off.step_ms:.4g} ms: {edges * 1e3:.3g} ms of "
       f"layer-boundary bubbles without it, {share.get('layer boundary', 0) * 1e3:.3g} ms with")
+edge = next((b for b in off.bubbles if b.cause == "layer boundary"), None)
+window = None if edge is None else (edge.start_s - 2e-6, edge.end_s + 2e-6)
 plots.show(plots.timeline({"prefetch on": s, "prefetch off": off},
-                          layers=(0, min(1, config.layers - 1)),
-                          title="The first layer edge, with and without cross-layer prefetch"))
+                          layers=(0, min(1, config.layers - 1)), window_s=window,
+                          title="The first layer edge, with and without cross-layer "
+                                "prefetch (zoomed to it)"))
 plots.show(plots.bubble_bars({"prefetch on": s, "prefetch off": off}))
 
 # %% [markdown]
