@@ -332,3 +332,25 @@ def test_conventional_moves_at_least_the_roofline_bytes_and_is_never_faster():
             assert c.step_ms >= e.step_ms * (1 - 1e-9)
     with pytest.raises(ValueError, match="gap_s=-1"):
         perf.conventional(mk.preset("tiny"), "v6e", gap_s=-1)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
+def test_weight_bytes_are_the_arrays_the_megakernel_streams_plus_norms_and_embedding(name):
+    # The kernel streams wq..wo, the MLP weights and lm_head from HBM and keeps the norms
+    # resident in VMEM as f32; perf counts norms as bf16 weights and the gathered embedding
+    # rows. With every expert touched and V a whole number of tiles the rest is equal.
+    import jax
+    from mk import megakernel
+    from mk.kernels.one_layer import layer_block
+
+    config = mk.preset(name)
+    block = layer_block(config)
+    params = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in config.param_shapes().items()}
+    weights = jax.eval_shape(lambda p: megakernel.prepare(config, p, block), params)
+    streamed = ["wq", "wk", "wv", "wo", "lm_head"] + [
+        n for kind in ("dense", "moe") if getattr(config, f"{kind}_layers")
+        for n in megakernel.MLP_WEIGHTS[kind]]
+    arrays = sum(weights[n].size * weights[n].dtype.itemsize for n in streamed)
+    e = perf.predict(config, "v6e", batch=64, context=0, routing="disjoint")
+    norms = (config.layers * (2 * config.hidden + 2 * config.head_dim) + config.hidden) * 2
+    assert e.weight_bytes - e.embed_bytes - norms == arrays
