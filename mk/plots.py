@@ -3,8 +3,8 @@
 Here: `roofline`, `bytes_breakdown`, `published_vs_floor`, `step_terms` (figures built
 from numbers and records that `mk.perf` computed), `tile_stream` (the ring's schedule,
 drawn from the `TileStream` the kernel executes), `timeline`, `bubble_bars`, `sweep_lines`
-(a `mk.sim.Simulation`, its bubbles, a design sweep), `table` (a Markdown table) and
-`show`. Not here: any
+(a `mk.sim.Simulation`, its bubbles, a design sweep), `lines` (named series against one
+x), `table` (a Markdown table) and `show`. Not here: any
 model or chip arithmetic (that is `mk.perf`); static image export (kaleido needs Chrome).
 
 Why `show` and not `fig.show()`: plotly 7's default output is only the plotly JSON mime
@@ -268,4 +268,17 @@ def step_terms(estimates: Mapping[str, object], *, title: str = "Terms of the pr
         fig.add_trace(go.Bar(x=labels, y=values, name=name,
                              hovertemplate=f"{name}: %{{y:.4g}} ms<extra></extra>"))
     fig.update_layout(barmode="stack", title=title, yaxis_title="ms per step")
+    return fig
+
+
+def lines(x: Sequence[float], series: Mapping[str, Sequence[float]], *, title: str,
+          xaxis: str, yaxis: str) -> go.Figure:
+    """One line per named series against the shared x values."""
+    fig = go.Figure()
+    for name, y in series.items():
+        if len(y) != len(x):
+            raise ValueError(f"series {name!r} has {len(y)} values for {len(x)} x values")
+        fig.add_trace(go.Scatter(x=list(x), y=list(y), mode="lines+markers", name=name,
+                                 hovertemplate=f"{name}: %{{y:.4g}} at %{{x}}<extra></extra>"))
+    fig.update_layout(title=title, xaxis_title=xaxis, yaxis_title=yaxis)
     return fig
