@@ -20,9 +20,13 @@ Modelling assumptions (`Assumptions` holds the numbers; none is fitted to a meas
   selection copy all share the engine.
 - Compute is one in-order lane. A weight tile [tk, tn] against M rows costs
   2 * max(M, mxu_rows) * tk * tn / peak: a weight-stationary MXU of mxu_rows x mxu_rows
-  (128 on v5e/v5p, 256 on v6e/TPU7x: Google Cloud TPU system-architecture pages) takes as
-  long to load a weight block as to stream mxu_rows rows through it, so fewer rows cost
-  the same. Peak is the device's dense bf16 (or fp8 with compute="fp8") FLOP/s.
+  takes as long to load a weight block as to stream mxu_rows rows through it, so fewer
+  rows cost the same (`MXU_ROWS`: 128 x 128 MXUs on v5e/v5p and 256 x 256 on v6e per
+  "How to Scale Your Model", ch. "All About TPUs"; TPU7x assumed 256 like v6e). Peak is the
+  device's dense bf16 (or fp8 with compute="fp8") FLOP/s.
+- Weight dtypes: the kernel streams config.dtype today; another storage dtype per family
+  (`mk.perf.family_dtypes`) models a kernel that streams tiles of that many bits and
+  dequantises them in VMEM, at the same MXU cost per tile.
 - Vector work (norms, RoPE, softmax, SwiGLU, the router's top-k, argmax) runs at
   `vpu_flops_ratio` (1/64) of the MXU bf16 peak in elementwise ops/s, an assumption (not on
   any datasheet); it is small in decode. The expert compaction loop runs on the scalar
@@ -52,9 +56,10 @@ boundary" (the next layer's tiles issued late: cross-layer prefetch off, or afte
 layer whose last expert slots were off, so `ring.skip` issued them only after the last
 active expert), "routing" (expert tiles cannot be issued until the router has chosen),
 "attention" (KV stream latency and attention compute while the weight ring is full),
-"lm_head" (argmax, the last tiles), "collective", "compute" (an MXU-bound tile),
-"vector" (norms, RoPE, SwiGLU), "ring empty" (a wait on a tile still in its issue
-latency: too few slots to hide it), "step end".
+"lm_head" (argmax, the last tiles), "collective", "compute" (HBM idle while the lane
+computes a weight tile: the ring is full, the tile is MXU-bound), "vector" (norms, RoPE,
+SwiGLU), "ring empty" (HBM idle while the lane waits for a tile still in its issue
+latency: too few slots in flight to hide it), "step end".
 
 Here: `Assumptions`, `shard` (one device's part under tensor parallelism),
 `active_experts`, `default_block`, `latency_slots` (Little's law), `simulate` ->
@@ -70,7 +75,6 @@ the cycle it repeats (tests compare both against the tile-by-tile replay).
 
 from __future__ import annotations
 
-import array
 import dataclasses
 import math
 
@@ -766,7 +770,7 @@ def simulate(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows:
 
 
 def replay_matmul(stream: TileStream, chip: ChipSpec | str, *, rows: int = 1,
-                  itemsize: float = 2, cross_layer_prefetch: bool = True,
+                  weight_dtype: str = "bfloat16", cross_layer_prefetch: bool = True,
                   assumptions: Assumptions | None = None) -> Simulation:
     """Replay a stream of plain matmuls (every segment of every layer, then the tail):
     the synthetic case. With N tiles of DMA time d = tile bytes / bandwidth, compute time
@@ -776,15 +780,15 @@ def replay_matmul(stream: TileStream, chip: ChipSpec | str, *, rows: int = 1,
     if spec.kind != "tpu":
         raise ValueError(f"chip={spec.name!r} is a {spec.kind}, not a TPU")
     perf._positive_int("rows", rows)
+    weight_dtype = perf.WEIGHT_DTYPES.get(weight_dtype, weight_dtype)
+    if weight_dtype not in DTYPE_BITS:
+        raise ValueError(f"weight_dtype={weight_dtype!r} must be one of {tuple(DTYPE_BITS)}")
     a = assumptions or Assumptions()
     bw = spec.hbm_bw / spec.cores_per_chip * a.hbm_share
     machine = _Machine(bw, a.dma_latency_s)
-    bits = {"dense": "float32" if itemsize == 4 else "bfloat16", "experts": "bfloat16"}
-    if itemsize not in (2, 4):
-        bits = {"dense": {1: "int8", 0.5: "int4"}[itemsize], "experts": "bfloat16"}
     kernel = _Kernel(None, stream, machine, m=rows, batch=rows, rows=1, context=0,
-                     spec=spec, tp=1, dtypes=bits, experts_on=0,
-                     prefetch=cross_layer_prefetch, a=a)
+                     spec=spec, tp=1, dtypes={"dense": weight_dtype, "experts": weight_dtype},
+                     experts_on=0, prefetch=cross_layer_prefetch, a=a)
     kernel.run_matmuls()
     step_s = machine.finish()
     return Simulation(

@@ -230,3 +230,12 @@ def test_published_table_has_a_prediction_error_and_a_note_for_each_chip_row():
             assert r["note"] and r["roofline_dominant"] in ("hbm", "compute", "collective")
     gpu = [r for r in rows if "conventional" in r]
     assert gpu and all(r["conventional"] < r["roofline"] for r in gpu)
+
+
+def test_a_four_bit_stream_moves_a_quarter_of_the_bf16_bytes():
+    stream = TileStream.build(BlockSizes(slots=2, tile_k=128, tile_n=128), [("w", 512, 512)])
+    bf16 = sim.replay_matmul(stream, "v6e")
+    fp4 = sim.replay_matmul(stream, "v6e", weight_dtype="fp4")
+    assert fp4.dma_bytes == bf16.dma_bytes / 4 == 16 * 128 * 128 / 2
+    with pytest.raises(ValueError, match="weight_dtype='fp3'"):
+        sim.replay_matmul(stream, "v6e", weight_dtype="fp3")
