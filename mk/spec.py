@@ -495,6 +495,9 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, drafter, gamma:
     elif verifier == "reference":
         verifier = XLA(config, params, rows=MAX_GAMMA + 1 if bucket else gamma + 1,
                        batch=bucket)
+    elif verifier.rows < gamma + 1:
+        raise ValueError(f"the verifier's rows={verifier.rows} must be >= gamma + 1 = "
+                         f"{gamma + 1}")
     rng = np.random.default_rng(seed)
 
     def pick(logits):

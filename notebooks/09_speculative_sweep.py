@@ -301,7 +301,8 @@ display(Markdown(
     "models are hard to draft for, so these are far below the published tau of 3 and 6.\n\n"
     + "\n".join(f"- {r['model']} on {r['system']}, tau {r['tau']}: published "
                 f"{r['published tok/s']}, roofline bound {r['roofline tok/s']} "
-                f"({r['roofline error']}), {r['predicted by']} {r['predicted tok/s']} ({r['error']})"
+                f"({r['roofline error']}), {r['predicted by']} {r['predicted tok/s']} "
+                f"({r['error']})"
                 for r in comparison)))
 
 # %% [markdown]

@@ -14,7 +14,8 @@ compiles in ~11 s (tiny) / ~33 s (tiny-moe) per [B, T] shape and runs in ~0.5-2 
   test_megakernel.py's verification test. The poisoned-cache test reuses tiny B=4 T=8.
 - The distribution test runs a vocab-8 float32 model with the reference verifier (the
   rejection step is host-side numpy, the same for both verifiers).
-Interpret mode does not cover time; nothing here is timed.
+Interpret mode does not cover time; nothing here is timed. The module runs on one xdist
+worker (`make test` uses --dist loadgroup) so its compiles are shared, not repeated.
 """
 
 import dataclasses
@@ -33,6 +34,7 @@ STEPS = 6  # tokens per run of the reference matrix
 MK_STEPS = 4  # tokens per megakernel run (each verification costs ~0.5-2 s)
 BUCKET = 4  # the batch every XLA call is padded to: one compile per model
 PRESETS = ("tiny", "tiny-moe")
+pytestmark = pytest.mark.xdist_group("spec")
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +85,9 @@ def test_bad_options_are_named_before_anything_runs():
     other = dataclasses.replace(config, vocab=640)
     with pytest.raises(ValueError, match="draft vocab=640 must equal the target's vocab=512"):
         spec.make_drafter("model", config, {}, gamma=3, draft=(other, {}))
+    with pytest.raises(ValueError, match=r"the verifier's rows=2 must be >= gamma \+ 1 = 4"):
+        spec.generate(config, {}, prompt, 4, drafter="ngram", gamma=3,
+                      verifier=spec.XLA(config, {}, rows=2))
     with pytest.raises(ValueError, match="top_p=0 must be in"):
         spec.Sampling(top_p=0)
 
