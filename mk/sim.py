@@ -272,10 +272,9 @@ class _Machine:
         created = period - tiles * nbytes / self.bw
         resolved = sum(idle for _, idle in gaps)
         if created > 1e-18 and resolved <= 0:  # nothing classified yet: by the lane's use
-            self._bubble(self.now, self.now + created,
-                         "compute" if period <= tiles * busy * (1 + 1e-9) else "ring empty",
-                         self.run["compute"][0])
-            gaps, resolved = [self.gap_log[-1]], created
+            cause = "compute" if period <= tiles * busy * (1 + 1e-9) else "ring empty"
+            self.bubbles.append([self.now, self.now, cause, self.run["compute"][0], 0.0])
+            gaps, resolved = [(self.bubbles[-1], created)], created
         self.now += dt
         self.dma_free += dt
         for record in {id(r): r for r, _ in gaps}.values():

@@ -239,3 +239,15 @@ def test_a_four_bit_stream_moves_a_quarter_of_the_bf16_bytes():
     assert fp4.dma_bytes == bf16.dma_bytes / 4 == 16 * 128 * 128 / 2
     with pytest.raises(ValueError, match="weight_dtype='fp3'"):
         sim.replay_matmul(stream, "v6e", weight_dtype="fp3")
+
+
+@pytest.mark.parametrize("name,kwargs", [("kimi-k3-like", dict(rows=8, tp=32)),
+                                         ("qwen3.8-27b-like", dict(rows=8, tp=8))])
+def test_fast_forwarded_bubbles_still_add_up_to_the_idle_time(name, kwargs):
+    config = mk.preset(name).first_layers(2)
+    for slots in (3, 16):
+        block = dataclasses.replace(sim.default_block(config, tp=kwargs["tp"], rows=8),
+                                    slots=slots)
+        s = sim.simulate(config, "tpu7x", block=block, **kwargs)
+        idle = s.step_s - s.dma_bytes / s.hbm_bandwidth
+        assert sum(s.bubble_share().values()) == pytest.approx(idle, rel=1e-9)
