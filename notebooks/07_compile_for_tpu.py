@@ -1,0 +1,185 @@
+# ---
+# jupyter:
+#   jupytext:
+#     cell_metadata_filter: tags,-all
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 07 · Compiling the megakernel for real TPUs, with no TPU
+#
+# libtpu carries the whole XLA:TPU and Mosaic compiler. Given a chip's topology name it
+# describes compile-only devices, and `jax.jit(...).lower(...).compile()` runs the real
+# lowering and capacity checks for that chip. Nothing runs. This notebook answers:
+#
+# - Does a full-size model's megakernel lower and fit (VMEM, HBM) on v5e, v6e and TPU7x?
+# - Where does its VMEM go, buffer by buffer?
+# - What does a model that does not fit look like: a report with numbers, not a crash?
+# - How long does the megakernel take to compile against XLA's own decode step, and how
+#   does each grow with the number of layers?
+
+# %%
+# Colab bootstrap: on a Colab runtime without mk, install this package with the pinned
+# jax[tpu] and ask for a restart. Anywhere else this cell does nothing.
+import importlib.util
+import os
+import subprocess
+import sys
+
+MK_REPO = "https://github.com/mk-megakernel/mk"  # where this project is published
+MK_DIR = "/content/mk-megakernel"  # a folder named mk in /content would shadow the package
+if "google.colab" in sys.modules and importlib.util.find_spec("mk") is None:
+    if not os.path.isdir(MK_DIR):
+        subprocess.run(["git", "clone", "--depth=1", MK_REPO, MK_DIR], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", MK_DIR], check=True)
+    raise SystemExit("mk installed: Runtime > Restart session, then run all cells again.")
+
+# %% tags=["parameters"]
+preset = "qwen3-8b"
+batch = 8
+rows = 1
+context = 4096
+chip = "v6e"
+backend = "auto"
+seed = 0
+checkpoint = ""
+measure_layers = [2, 4]  # layer counts compiled live for the compile-time comparison
+recorded = "data/compile_time/qwen3-8b_v6e_s1024.json"  # a full run of the benchmark
+
+# %%
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import plotly.graph_objects as go
+from IPython.display import display
+
+import mk
+import mk.run
+from mk import plots, tpu
+
+run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
+                          backend=backend, seed=seed, checkpoint=checkpoint)
+config, spec = run.config, mk.chip(run.chip)
+if spec.kind != "tpu":
+    raise ValueError(f"chip={run.chip!r} is not a TPU; this notebook compiles for TPUs")
+ROOT = Path(mk.__file__).resolve().parent.parent  # the checkout (mk is installed editable)
+print(f"{config.name}: {config.layers} layers, D={config.hidden}, B={run.batch} "
+      f"T={run.rows} S={run.context}, for {run.chip} ({spec.topology})")
+
+# %% [markdown]
+# ## One compile, one report
+#
+# `mk.tpu.compile_megakernel` checks the project's VMEM budget (the compiler does not
+# enforce the scoped limit on this path) and the HBM the weights and cache need, then
+# compiles the whole decode step. The report carries the outcome, the compile time on this
+# machine's CPU, HBM bytes, generated code size and the VMEM budget by buffer.
+
+# %%
+report = tpu.compile_megakernel(config, run.chip, batch=run.batch, rows=run.rows,
+                                context=run.context)
+print(report.summary())
+if report.vmem is not None:
+    display(plots.table(report.vmem.rows()))
+
+# %%
+if report.vmem is not None:
+    rows_ = report.vmem.rows()
+    fig = go.Figure(go.Bar(x=[r["buffer"] for r in rows_],
+                           y=[r["MiB"] for r in rows_]))
+    fig.update_layout(title=f"VMEM by buffer: {report.vmem.total_bytes / 2**20:.1f} of "
+                            f"{report.vmem.limit_bytes / 2**20:.0f} MiB on {run.chip}",
+                      yaxis_title="MiB", xaxis_title="buffer")
+    plots.show(fig)
+
+# %% [markdown]
+# ## The full-size compiles, and one that does not fit
+#
+# Single device each (the sharded models come with tensor parallelism). qwen3-30b-a3b's
+# ~57 GiB of bf16 weights do not fit one v5e core's 16 GiB: the report says so with the
+# numbers, before the compiler is asked.
+
+# %%
+cases = [("qwen3-1.7b", "v5e"), ("qwen3-8b", "v6e"), ("qwen3-8b", "tpu7x"),
+         ("qwen3-30b-a3b", "tpu7x"), ("qwen3-30b-a3b", "v5e")]
+reports = {case: tpu.compile_megakernel(mk.preset(case[0]), case[1], batch=8, rows=1,
+                                        context=4096) for case in cases}
+display(plots.table([dict(model=m, chip=c, ok=r.ok, compile_s=round(r.compile_seconds, 2),
+                          hbm_args_GiB=round(r.argument_bytes / 2**30, 2),
+                          code_KiB=round(r.code_bytes / 1024),
+                          vmem_MiB=round(r.vmem.total_bytes / 2**20, 1) if r.vmem else None,
+                          error=r.error.splitlines()[0] if r.error else "")
+                     for (m, c), r in reports.items()]))
+
+# %% [markdown]
+# ## Compile time: the megakernel against XLA
+#
+# `benchmarks/compile_time.py` compiles one decode step three ways for the same model and
+# chip: XLA's reference step with the layers unrolled in Python, the same step as a
+# `lax.scan` over stacked layers, and the megakernel (a `fori_loop` inside one kernel).
+# Here it runs live for `measure_layers` (compile times on this machine's CPU, cold caches),
+# then the recorded full run (4 to 64 layers) is drawn. The claim under test: the
+# megakernel compiles in well under 90 s where large XLA models take over 30 minutes.
+
+# %%
+spec_ = importlib.util.spec_from_file_location("compile_time",
+                                               ROOT / "benchmarks" / "compile_time.py")
+bench = sys.modules["compile_time"] = importlib.util.module_from_spec(spec_)
+spec_.loader.exec_module(bench)
+live = bench.measure(config, run.chip, measure_layers, batch=run.batch, rows=run.rows,
+                     context=min(run.context, 1024), megakernel=bench.megakernel_series()[0])
+print(bench.format_table(live))
+print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs: compile times are "
+      "wall clock on this machine and grow with whatever else it runs")
+
+# %%
+data = json.loads((ROOT / recorded).read_text())
+records = [bench.Record(**r) for r in data["records"]]
+print(f"recorded: {data['model']} on {data['chip']}, B={data['batch']} T={data['rows']} "
+      f"S={data['context']}, jax {data['jax']}")
+print(bench.format_table(records))
+fig = go.Figure()
+for series in ("xla_unrolled", "xla_scan", "megakernel"):
+    rs = sorted((r for r in records if r.series == series and r.ok), key=lambda r: r.layers)
+    fig.add_trace(go.Scatter(x=[r.layers for r in rs], y=[r.compile_seconds for r in rs],
+                             mode="lines+markers", name=series))
+fig.update_layout(title=f"TPU compile time of one decode step ({data['model']}, "
+                        f"{data['chip']}), on this machine's CPU",
+                  xaxis_title="layers", yaxis_title="compile seconds (wall clock)",
+                  xaxis_type="log", yaxis_type="log")
+plots.show(fig)
+for series, g in bench.growth(records).items():
+    print(f"{series}: {g}")
+
+# %% [markdown]
+# ## What this proves, and what it does not
+#
+# A successful compile proves Mosaic lowers every op of the kernel for that generation and
+# that VMEM and HBM suffice; it says nothing about speed (the performance model and a real
+# TPU do). The compile times are this CPU's, not a TPU VM host's, and single-chip: the
+# 30-minute XLA compiles of the claim are multi-chip SPMD programs, not measured here.
+#
+# **Takeaway:** the megakernel's compile time is flat in the number of layers (its layer
+# loop is one copy of the code), the unrolled XLA step's grows linearly, and the scanned
+# XLA step sits in between.
+
+# %%
+assert report.ok or "over" in report.error, report.error
+for (m, c), r in reports.items():
+    assert r.ok == ((m, c) != ("qwen3-30b-a3b", "v5e")), (m, c, r.error)
+assert "GiB of HBM" in reports[("qwen3-30b-a3b", "v5e")].error
+assert all(r.ok for r in live), bench.format_failures(live)
+mega = {r.layers: r.compile_seconds for r in records if r.series == "megakernel" and r.ok}
+unrolled = {r.layers: r.compile_seconds for r in records if r.series == "xla_unrolled"}
+assert mega[64] < unrolled[64], (mega, unrolled)
