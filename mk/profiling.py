@@ -451,7 +451,8 @@ def compile_with_dumps(code: str, args, out: str | os.PathLike, *,
 
     A child process because libtpu reads LIBTPU_INIT_ARGS once, at its first use."""
     out = Path(out)
-    shutil.rmtree(out, ignore_errors=True)
+    for sub in ("jf", "mosaic"):  # a fresh dump, not mixed with an earlier one
+        shutil.rmtree(out / sub, ignore_errors=True)
     flags = f"--xla_jf_dump_to={out / 'jf'} --xla_mosaic_dump_to={out / 'mosaic'}"
     env = dict(os.environ, LIBTPU_INIT_ARGS=flags + (f" {PHASE_FLAG}" if phases else ""),
                # compile only: on a TPU VM the parent holds the chip, the child must not

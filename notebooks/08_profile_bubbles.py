@@ -261,9 +261,9 @@ if "google.colab" in sys.modules:  # Colab ships TensorBoard and its notebook ma
 # %%
 schedule = None
 if schedule_dump and mk.chip(run.chip).kind == "tpu" and not run.checkpoint:
-    jf = profiling.dump_schedule(config.name, run.chip, tempfile.mkdtemp(prefix="mk08-"),
-                                 batch=run.batch, rows=run.rows, context=run.context)
-    schedule = profiling.read_schedule(jf)
+    with tempfile.TemporaryDirectory(prefix="mk08-") as dump:  # ~80 MB of listings
+        schedule = profiling.read_schedule(profiling.dump_schedule(
+            config.name, run.chip, dump, batch=run.batch, rows=run.rows, context=run.context))
     print(f"mk_megakernel on {run.chip}: {schedule.bundles} bundles ({schedule.empty} empty), "
           f"{schedule.in_loops} inside loops; {schedule.dmas} DMA issues, {schedule.waits} "
           f"DMA waits in the code")
