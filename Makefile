@@ -11,11 +11,15 @@ PY := $(VENV)/bin/python
 export JAX_PLATFORMS := cpu
 export TPU_SKIP_MDS_QUERY := 1
 
-.PHONY: test run check-site clean
+.PHONY: test test-slow run check-site clean
 
 # loadgroup: tests marked xdist_group share one worker (and its module fixtures).
 test: $(VENV)/.stamp-test
 	$(PY) -m pytest -n 2 --dist loadgroup tests/
+
+# The tests marked slow (minutes each in interpret mode), which `make test` leaves out.
+test-slow: $(VENV)/.stamp-test
+	$(PY) -m pytest -n 2 -m slow tests/
 
 # Configurations per notebook: notebooks/runs.yaml. Earlier runs are kept, never overwritten.
 run: $(VENV)/.stamp

@@ -141,6 +141,29 @@ with mk.backend.use(run.backend):
 print(f"T={run.rows}: reference {want_rows.tolist()}, megakernel {got_rows.tolist()}")
 
 # %% [markdown]
+# ## When tokens differ: the staged debug path
+#
+# `first_divergence` runs one step through the reference and through the megakernel with
+# taps on the residual stream after every layer's attention and MLP blocks, compares them
+# in execution order up to `stop_after=(layer, op)`, and names the first op whose error
+# exceeds 1% of the activations' scale. Healthy, every op agrees to bf16 rounding; with a
+# planted bug (one weight of layer 0's attention output projection changed in the
+# megakernel's copy only) it points at that op.
+
+# %%
+debug_tokens, debug_positions = want[:, :1], jnp.full((run.batch,), prompt.shape[1], jnp.int32)
+first, report_ = megakernel.first_divergence(config, params, cache, debug_tokens,
+                                             debug_positions, block=block, backend=run.backend)
+display(plots.table(report_))
+weights = megakernel.prepare(config, params, block)
+planted = weights | {"wo": weights["wo"].at[0, 0, 0].add(1.0)}
+planted_first, _ = megakernel.first_divergence(config, params, cache, debug_tokens,
+                                               debug_positions, block=block,
+                                               backend=run.backend, weights=planted)
+print(f"healthy: first divergence {first}; planted bug in wo[0]: first divergence "
+      f"{planted_first}")
+
+# %% [markdown]
 # ## VMEM budget and a real compile
 #
 # The buffers of this run, then the whole megakernel of a real model compiled ahead of time
@@ -172,5 +195,6 @@ print(report.summary())
 # %%
 np.testing.assert_array_equal(got, want)
 np.testing.assert_array_equal(got_rows, want_rows)
+assert first is None and planted_first == (0, "attn"), (first, planted_first)
 assert report.ok, report.error
 print("checks passed")
