@@ -2,8 +2,10 @@
 
 Top-level names: `ModelConfig`, `preset`, `chip`, `init_params`, `load_checkpoint`; modules
 `mk.reference` (the pure-JAX oracle), `mk.megakernel` (the whole decode step in one
-kernel), `mk.perf` (bytes, FLOPs and the roofline) and `mk.tpu` (ahead-of-time TPU
-compiles). The stage kernels are in `mk.kernels`; a later stage adds `mk.spec`.
+kernel), `mk.perf` (bytes, FLOPs and the roofline), `mk.sim` (the megakernel's tile
+schedule replayed on a chip model) and `mk.tpu` (ahead-of-time TPU compiles). The stage
+kernels are in `mk.kernels`; `mk.spec` (speculative decoding), `mk.profiling` and
+`mk.collectives` are imported by name.
 
 Importing `mk` on a machine without a TPU pins JAX to the CPU (`JAX_PLATFORMS=cpu`,
 `TPU_SKIP_MDS_QUERY=1`) before JAX is imported, so libtpu does not print host-discovery
@@ -32,10 +34,10 @@ if not _tpu_present():
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-1")
 
-from mk import megakernel, perf, reference, tpu  # noqa: E402
+from mk import megakernel, perf, reference, sim, tpu  # noqa: E402
 from mk.checkpoint import init_params, load_checkpoint  # noqa: E402
 from mk.chips import ChipSpec, chip  # noqa: E402
 from mk.config import ModelConfig, preset  # noqa: E402
 
 __all__ = ["ChipSpec", "ModelConfig", "chip", "init_params", "load_checkpoint", "megakernel",
-           "perf", "preset", "reference", "tpu"]
+           "perf", "preset", "reference", "sim", "tpu"]
