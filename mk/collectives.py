@@ -43,11 +43,12 @@ send semaphores are drained before a collective returns, so they need one slot.
 Before the first remote DMA, every device waits at `barrier` until all its partners have
 entered the kernel (a DMA into a device still running an earlier kernel would corrupt it).
 
-Here: `check_devices`, `CollectiveScratch` and its shapes, `barrier`, `all_reduce_body`,
-`all_gather_body`, `argmax_body`, `tree_sum` (the reference order), and the standalone
-kernels `all_reduce`, `all_gather`, `greedy_argmax` (called inside `jax.shard_map`). Not
-here: meshes with more than one axis, non-power-of-two device counts, overlap of a
-collective with the next matmul.
+Here: `check_devices`, `tp_mesh`, `exchanges` (the schedule as data), `all_reduce_bytes`,
+`CollectiveScratch` and its shapes, `barrier`, `all_reduce_body`, `all_gather_body`,
+`argmax_body`, `tree_sum` (the reference order), and the standalone kernels `all_reduce`,
+`all_gather`, `greedy_argmax` (called inside `jax.shard_map`). Not here: meshes with more
+than one axis, non-power-of-two device counts, overlap of a collective with the next
+matmul.
 """
 
 from __future__ import annotations
@@ -94,6 +95,30 @@ def tree_sum(parts: jax.Array) -> jax.Array:
         half = parts.shape[0] // 2
         parts = parts[:half] + parts[half:]
     return parts[0]
+
+
+def exchanges(n: int) -> list[dict]:
+    """The all-reduce's schedule as data (the kernel derives the same from its traced
+    index): one row per (phase, round, device) with its partner and the chunk range
+    [first, first + count) it sends, in units of 1/n of the array."""
+    rows = []
+    for phase, distances in (("reduce-scatter", [1 << r for r in reversed(range(
+            check_devices(n, "n")))]), ("all-gather", [1 << r for r in range(
+            check_devices(n, "n"))])):
+        for step, d in enumerate(distances):
+            for me in range(n):
+                if phase == "reduce-scatter":  # give the half not holding chunk `me`
+                    first = (me & ~(2 * d - 1)) + (d - (me & d))
+                else:  # send the aligned block of d chunks gathered so far
+                    first = me & ~(d - 1)
+                rows.append(dict(phase=phase, round=step, device=me, partner=me ^ d,
+                                 first=first, count=d))
+    return rows
+
+
+def all_reduce_bytes(nbytes: int, n: int) -> int:
+    """Bytes one device sends in one all-reduce of an nbytes array: 2 (n-1)/n of it."""
+    return 2 * (n - 1) * nbytes // n
 
 
 # -- Scratch -------------------------------------------------------------------------------
@@ -213,15 +238,16 @@ def argmax_body(logits, first_id, s: CollectiveScratch, *, n: int, valid=None, s
     """Greedy token of each row over every shard's logits: logits [M, Vs] f32 holding ids
     first_id + [0, Vs) on this device (`valid` [M, Vs] bool masks padding) -> [M, 1]
     int32, ties to the lowest id, the same on every device. s.gathered_vmem is
-    [2, n, M, 128] f32."""
+    [2, n, M, 128] f32. With n=1 (s unused) it is the single-device argmax, op for op."""
     M, Vs = logits.shape
     local = lax.broadcasted_iota(jnp.int32, (M, Vs), 1)
     if valid is not None:
         logits = jnp.where(valid, logits, -jnp.inf)
     best = jnp.max(logits, axis=1, keepdims=True)
-    index = jnp.min(jnp.where(logits == best, local, Vs), axis=1, keepdims=True) + first_id
+    index = jnp.min(jnp.where(logits == best, local, Vs), axis=1, keepdims=True)
     if n == 1:
         return index
+    index = index + first_id
     lane = lax.broadcasted_iota(jnp.int32, (M, 128), 1)
     packed = jnp.where(lane == 0, best, jnp.where(lane == 1, index.astype(jnp.float32), 0.0))
     gathered = all_gather_body(packed, s, n=n, slot=slot, axis=axis)
