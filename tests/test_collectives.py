@@ -87,6 +87,26 @@ def test_collectives_equal_numpy_on_every_device_race_free():
         np.testing.assert_allclose(want_sum, parts.sum(0), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("n", DEVICES)
+def test_exchange_schedule_leaves_chunk_i_on_device_i_then_everything_everywhere(n):
+    rows = collectives.exchanges(n)
+    held = {me: set(range(n)) for me in range(n)}  # chunks whose partial sum it updates
+    for e in (r for r in rows if r["phase"] == "reduce-scatter"):
+        give = set(range(e["first"], e["first"] + e["count"]))
+        assert give <= held[e["device"]] and e["partner"] == e["device"] ^ e["count"]
+        held[e["device"]] -= give
+    assert held == {me: {me} for me in range(n)}
+    for r in sorted({e["round"] for e in rows if e["phase"] == "all-gather"}):
+        sent = {e["device"]: set(range(e["first"], e["first"] + e["count"])) for e in rows
+                if e["phase"] == "all-gather" and e["round"] == r}
+        assert all(sent[me] == held[me] for me in range(n))  # it sends all it holds
+        for me in range(n):
+            held[me] = held[me] | sent[me ^ (1 << r)]
+    assert held == {me: set(range(n)) for me in range(n)}
+    sent = collectives.all_reduce_bytes(n * 1024, n)
+    assert sent == 2 * (n - 1) * 1024  # the bandwidth optimum, 2 (n-1)/n of the array
+
+
 def test_one_buffer_slot_for_back_to_back_gathers_is_a_race():
     assert run("test_collectives:one_slot_results", 2)["races"]
 
