@@ -212,9 +212,9 @@ def first_divergence(config: ModelConfig, params, cache: reference.KVCache, toke
     """Run the reference and the megakernel on one step and compare the residual stream
     op by op, in execution order, up to `stop_after=(layer, op)` (op in TAPS; default: the
     last layer's MLP). `weights`: the megakernel's own (default `prepare(config, params,
-    block)`), to test a preparation or a planted bug. Returns (first (layer, op) whose max |mk - ref| exceeds rtol times
-    the reference's max |x| there, or None; a list of dicts, one per compared op, with
-    layer, op, max_abs_err, scale).
+    block)`), to test a preparation or a planted bug. Returns (the first (layer, op) whose
+    max |mk - ref| exceeds rtol times the reference's max |x| there, or None; a list of
+    dicts, one per compared op, with layer, op, max_abs_err, scale).
 
     Both sides round to bf16 in different places, so the tolerance is relative to the
     activations' scale; a wrong weight, mask or position moves the error by orders of

@@ -147,6 +147,54 @@ def _scatter_blocks(src_vmem, dst_vmem, stage_vmem, *, rows: int, group: int, bl
 
 
 # -- The body -------------------------------------------------------------------------------
+class KvStream:
+    """The KV tiles one layer's attention reads, in order: sequence by sequence, each
+    sequence's tiles 0 .. (positions[b] + T - 1) // kv_tile, through a `kv_slots` ring.
+
+    `prime()` issues the first kv_slots - 1 loads; it needs only the positions and the
+    cache, so a fused layer issues them at the layer's start, before its projections, and
+    `attend(..., primed=True)` carries on from there.
+    """
+
+    def __init__(self, positions_smem, k_cache_hbm, v_cache_hbm, scratch: AttentionScratch,
+                 *, rows: int, layer, block: BlockSizes):
+        self.positions_smem, self.caches = positions_smem, (k_cache_hbm, v_cache_hbm)
+        self.s, self.T, self.layer, self.block = scratch, rows, layer, block
+        B = positions_smem.shape[0]
+        self.total = lax.fori_loop(0, B, lambda b, n: n + self.tiles_of(b), jnp.int32(0))
+
+    def tiles_of(self, b):  # KV tiles sequence b reads: those up to its last new row
+        B = self.positions_smem.shape[0]
+        return (self.positions_smem[jnp.minimum(b, B - 1)] + self.T - 1) // self.block.kv_tile + 1
+
+    def advance(self, cursor):  # (b, i) -> the next tile of the stream
+        b, i = cursor
+        last = i + 1 == self.tiles_of(b)
+        return jnp.where(last, b + 1, b), jnp.where(last, 0, i + 1)
+
+    def copies(self, cursor, slot):  # the K and V loads of tile (b, i)
+        b, i = cursor
+        tile = self.block.kv_tile
+        rows = pl.ds(pl.multiple_of(i * tile, tile), tile)
+        return [pltpu.make_async_copy(cache.at[self.layer, b, :, rows, :], tiles.at[slot],
+                                      self.s.load_sems.at[j, slot])
+                for j, (cache, tiles) in enumerate(zip(self.caches, (self.s.k_tiles_vmem,
+                                                                     self.s.v_tiles_vmem)))]
+
+    def prime(self, issue: bool = True):
+        """Issue tiles 0 .. kv_slots - 2 (those that exist); return the cursor of the next
+        tile to issue. `issue=False` only computes the cursor (the stream was primed)."""
+        ahead = (jnp.int32(0), jnp.int32(0))
+        for j in range(self.block.kv_slots - 1):
+            if issue:
+                @pl.when(j < self.total)
+                def prime_tile(ahead=ahead, j=j):
+                    for c in self.copies(ahead, j):
+                        c.start()
+            ahead = self.advance(ahead)
+        return ahead
+
+
 def attend(
     # Inputs
     q_vmem,  # [B*T, N*H] f32, normed and RoPE'd
@@ -163,10 +211,11 @@ def attend(
     *,
     layer,  # int or traced int32 scalar: which layer of the cache
     block: BlockSizes,
+    primed: bool = False,  # the caller ran KvStream(...).prime() for this layer
 ):
     """Causal GQA of q against layer `layer` of the cache, after writing k_new, v_new.
 
-    Every DMA it starts is waited for before it returns.
+    Every DMA it starts (or `KvStream.prime` started) is waited for before it returns.
     """
     s = scratch
     B = positions_smem.shape[0]
@@ -183,23 +232,9 @@ def attend(
     _gather_blocks(k_new_vmem, s.k_rows_vmem, s.stage_vmem, rows=T, group=1, block=Rt)
     _gather_blocks(v_new_vmem, s.v_rows_vmem, s.stage_vmem, rows=T, group=1, block=Rt)
 
-    def tiles_of(b):  # KV tiles sequence b reads: those up to its last new row
-        return (positions_smem[jnp.minimum(b, B - 1)] + T - 1) // tile + 1
-
-    total = lax.fori_loop(0, B, lambda b, n: n + tiles_of(b), jnp.int32(0))
-
-    def advance(cursor):  # (b, i) -> the next tile of the stream
-        b, i = cursor
-        last = i + 1 == tiles_of(b)
-        return jnp.where(last, b + 1, b), jnp.where(last, 0, i + 1)
-
-    def copies(cursor, slot):  # the K and V loads of tile (b, i)
-        b, i = cursor
-        rows = pl.ds(pl.multiple_of(i * tile, tile), tile)
-        return [pltpu.make_async_copy(cache.at[layer, b, :, rows, :], tiles.at[slot],
-                                      s.load_sems.at[j, slot])
-                for j, (cache, tiles) in enumerate(((k_cache_hbm, s.k_tiles_vmem),
-                                                    (v_cache_hbm, s.v_tiles_vmem)))]
+    kv = KvStream(positions_smem, k_cache_hbm, v_cache_hbm, s, rows=T, layer=layer,
+                  block=block)
+    tiles_of, total, advance, copies = kv.tiles_of, kv.total, kv.advance, kv.copies
 
     def write_backs(cursor, slot, first):  # rows [first, first + T) of tile (b, i) to HBM
         b, i = cursor
@@ -252,13 +287,7 @@ def attend(
                 x = pltpu.roll(x, p % tile, 0)  # [kv_tile, H]
                 tiles_vmem[slot, k] = jnp.where(new, x.astype(dtype), tiles_vmem[slot, k])
 
-    ahead = (jnp.int32(0), jnp.int32(0))  # the next tile to issue
-    for j in range(slots - 1):
-        @pl.when(j < total)
-        def prime():
-            for c in copies(ahead, j):
-                c.start()
-        ahead = advance(ahead)
+    ahead = kv.prime(issue=not primed)  # the next tile to issue
 
     def step(g, carry):
         cursor, ahead = carry

@@ -27,8 +27,8 @@ from jax.experimental.pallas import tpu as pltpu
 from mk.config import ModelConfig
 from mk.kernels.attention_prologue import check_layer_inputs, prologue, prologue_matrices
 from mk.kernels.common import BlockSizes, Buffer, default_block, vmem_limit_bytes
-from mk.kernels.decode_attention import (AttentionScratch, attend, decode_attention_buffers,
-                                         decode_attention_scratch)
+from mk.kernels.decode_attention import (AttentionScratch, KvStream, attend,
+                                         decode_attention_buffers, decode_attention_scratch)
 from mk.kernels.mlp import (expert_slots, moe_body, moe_fetch, moe_segments, swiglu_body,
                             swiglu_fetch, swiglu_segments)
 from mk.kernels.ring import Ring, TileStream
@@ -165,11 +165,14 @@ def layer_body(ring: Ring, config: ModelConfig, kinds, s, *, step, layer, is_moe
     (e.g. to wait for the router's DMA, issued at the layer's start).
     """
     attn_norm, mlp_norm, q_norm, k_norm = norms
+    # The layer's first KV tiles need only the positions: they load during the prologue.
+    KvStream(positions_smem, k_cache_hbm, v_cache_hbm, attention, rows=rows, layer=layer,
+             block=block).prime()
     prologue(ring, config, layer=step, x=x, attn_norm=attn_norm, q_norm=q_norm,
              k_norm=k_norm, positions_smem=positions_smem, batch=batch, rows=rows,
              h_vmem=s.h, q_vmem=s.q, k_vmem=s.k, v_vmem=s.v)
     attend(s.q, s.k, s.v, positions_smem, k_cache_hbm, v_cache_hbm, s.o, attention,
-           layer=layer, block=block)
+           layer=layer, block=block, primed=True)
     ring.matmul("wo", s.o, s.attn_out, layer=step)
     x = x + s.attn_out[...]
     s.h[...] = rms_norm(x, mlp_norm, config.rms_eps).astype(s.h.dtype)
