@@ -33,9 +33,9 @@ Modelling assumptions (`Assumptions` holds the numbers; none is fitted to a meas
   unit at `scalar_op_s` (2 ns, ~2 cycles at ~1 GHz, an assumption) per expert.
 - Attention: every sequence sits at position `context`, so each reads
   (context + T - 1) // kv_tile + 1 KV tiles of K_dev x kv_tile x H (K and V: two DMAs),
-  through `kv_slots` (the kernel primes kv_slots - 1 of them at the start of attention:
-  they are not prefetched across layers); per tile 2 matmuls per kv head at the MXU rule
-  above with R = round_up(G*T, 8) rows, plus ~8 vector ops per score; the one or two
+  through `kv_slots` (the kernel primes kv_slots - 1 of them at the layer's start, before
+  the projections; they are not prefetched across layers); per tile 2 matmuls per kv
+  head at the MXU rule above with R = round_up(G*T, 8) rows, plus ~8 vector ops per score; the one or two
   tiles holding the new rows are written back (start then wait: the kernel blocks on it).
 - Tensor parallelism (tp > 1): each device runs the kernel on its shard (`shard`): query
   heads, FFN and vocab split tp ways (FFN padded to 128 lanes), KV heads split or
@@ -49,7 +49,8 @@ Modelling assumptions (`Assumptions` holds the numbers; none is fitted to a meas
 - Not modelled: VMEM bandwidth and bank conflicts, DMA engine concurrency beyond one FIFO,
   HBM refresh and page effects, the XLA embedding gather before the kernel and the host
   dispatch, clock throttling, misses of the scalar core, the cost of switched-off tiles
-  (each `pl.when` that skips a tile is free), speculative drafting.
+  (each `pl.when` that skips a tile is free), speculative drafting, the per-layer norm
+  vectors (2 x (D + H) floats a layer, prefetched a layer ahead: too small to matter).
 
 Bubble causes (HBM idle intervals): "step start" (before the first tile lands), "layer
 boundary" (the next layer's tiles issued late: cross-layer prefetch off, or after an MoE
@@ -467,6 +468,7 @@ class _Kernel:
             is_moe = layer in c.moe_layers
             router = (self.mc.dma(D * c.experts * c.weight_bits / 8, layer, "router")
                       if is_moe else None)
+            self.prime_kv()
             self.vector(4 * M * D, "norm")
             for name in ("wq", "wk", "wv"):
                 self.matmul(name)
@@ -539,25 +541,34 @@ class _Kernel:
         self.skip(first + self.count * gate.stride, end, "layer boundary")
         self.count = 0
 
+    def kv_tiles(self) -> list[tuple[int, int]]:
+        """(sequence, tile) of every KV tile a layer's attention reads, in order."""
+        per_seq = (self.context + self.rows - 1) // self.s.block.kv_tile + 1
+        return [(b, i) for b in range(self.batch) for i in range(per_seq)]
+
+    def issue_kv(self, j, tag=""):
+        c, tile = self.c, self.s.block.kv_tile
+        if j < len(self.kv_tiles()):
+            kv_bytes = c.kv_heads * tile * c.head_dim * (c.weight_bits // 8)
+            self.kv_landed[j] = max(self.mc.dma(kv_bytes, self.layer, "k_tile", tag, False),
+                                    self.mc.dma(kv_bytes, self.layer, "v_tile", tag, False))
+
+    def prime_kv(self):
+        """The layer's first kv_slots - 1 KV tiles, issued at the layer's start
+        (`KvStream.prime` in `layer_body`): they load during the projections."""
+        self.kv_landed = {}
+        for j in range(self.s.block.kv_slots - 1):
+            self.issue_kv(j, "attention")
+
     def attend(self):
         c, B, T, block = self.c, self.batch, self.rows, self.s.block
         K, H, tile = c.kv_heads, c.head_dim, block.kv_tile
         G, itemsize = c.group, c.weight_bits // 8
         R = block_rows(G, T)
         W = write_back_rows(T, tile, c.dtype)
-        per_seq = (self.context + T - 1) // tile + 1
-        tiles = [(b, i) for b in range(B) for i in range(per_seq)]
-        kv_bytes = K * tile * H * itemsize
+        tiles = self.kv_tiles()
         self.vector(3 * B * T * (c.q_width + 2 * c.kv_width), "attention")  # regrouping
-        landed = {}
-
-        def issue(j, tag=""):
-            if j < len(tiles):
-                landed[j] = max(self.mc.dma(kv_bytes, self.layer, "k_tile", tag, False),
-                                self.mc.dma(kv_bytes, self.layer, "v_tile", tag, False))
-
-        for j in range(block.kv_slots - 1):
-            issue(j, "attention")
+        landed, issue = self.kv_landed, self.issue_kv
         mxu = 2 * 2 * max(R, self.mxu) * tile * H * K / self.peak
         vec = 8 * K * R * tile / self.vpu
         for j, (b, i) in enumerate(tiles):
