@@ -22,7 +22,7 @@ TOKENS = 64
 
 
 # CPU seconds of each on this machine (interpret mode, compile included): tiny 48, 67, 28,
-# 41; tiny-moe 116, 173, 73, ~100. The two slowest run in `make test-slow`, not in CI: the
+# 41; tiny-moe 116, 173, 73, 92. The two slowest run in `make test-slow`, not in CI: the
 # T = 1 path of tiny-moe stays covered in CI by the bf16 test below (B=2, 8 tokens).
 SLOW = pytest.mark.slow
 
