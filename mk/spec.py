@@ -31,6 +31,7 @@ first one. The megakernel runs the exact [B, gamma + 1] shape: that shape is the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -546,11 +547,12 @@ class Throughput:
     timing: str  # one of TIMINGS
 
 
+@functools.lru_cache(maxsize=4096)  # sweeps ask for the same step many times
 def step_ms(config: ModelConfig, chip, *, batch: int, rows: int, context: int, tp: int,
             timing: str = "roofline") -> float:
     """One decode step of B x T rows: "roofline" `mk.perf.predict` (a floor), "sim"
     `mk.sim.simulate` (TPU chips; the ring's slots sized for the DMA latency, as the
-    "deep" column of `mk.sim.published_table`), "conventional" `mk.perf.conventional` (one
+    "deep" column of `mk.review.published_table`), "conventional" `mk.perf.conventional` (one
     kernel per op, a launch gap each: the GPU baseline)."""
     kw = dict(batch=batch, rows=rows, context=context, tp=tp)
     if timing == "sim":

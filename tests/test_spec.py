@@ -172,11 +172,9 @@ def test_rows_past_the_position_are_never_read(models, verifier):
     overwritten or masked: poisoning them before each verification changes no token,
     while the same poison on the kept rows does (so the poison is strong enough)."""
     config, params, prompts, want, _ = models["tiny"]
-    if verifier == "reference":
-        inner, batch, gamma = spec.XLA(config, params, rows=8, batch=BUCKET), 4, 7
-    else:  # the kernel shape of MEGAKERNEL_RUNS[0], compiled once per process
-        inner = spec.Megakernel(config, params, rows=8, backend="interpret")
-        batch, gamma = 4, 7
+    batch, gamma = 4, 7  # the megakernel's shape is MEGAKERNEL_RUNS[0]'s: compiled once
+    inner = (spec.XLA(config, params, rows=8, batch=BUCKET) if verifier == "reference"
+             else spec.Megakernel(config, params, rows=8, backend="interpret"))
     run = dict(drafter="ngram", gamma=gamma, bucket=BUCKET)  # ngram: mostly rejected
     got, stats = spec.generate(config, params, prompts[:batch], MK_STEPS,
                                verifier=Poisoned(inner), **run)
@@ -197,7 +195,7 @@ MICRO = ModelConfig(name="micro", vocab=8, hidden=16, layers=1, heads=2, kv_head
 def test_rejection_sampling_keeps_the_target_distribution(sampling):
     """Tokens 2 and 3 of 3000 sequences drawn with a deliberately wrong draft model (other
     weights) follow the target's exact joint distribution (chi-square, fixed seeds), while
-    the draft's own samples do not (the test has the power to fail)."""
+    samples from a verifier that kept every draft would not (the test can fail)."""
     n, prompt = 3000, np.array([[1, 5, 2]])
     params = mk.init_params(MICRO, seed=0)
     draft = (MICRO, mk.init_params(MICRO, seed=7))
