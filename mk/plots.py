@@ -234,7 +234,7 @@ def bubble_bars(sims: Mapping[str, object], *, title: str = "Where the step goes
 
 def sweep_lines(rows: Sequence[Mapping[str, object]], parameter: str, *,
                 y: str = "step_ms", title: str = "") -> go.Figure:
-    """A design sweep (`mk.sim.sweep` rows): `y` against the swept parameter, with the
+    """A design sweep (`mk.review.sweep` rows): `y` against the swept parameter, with the
     HBM utilisation and the largest bubble in the hover; rows without a value are left
     out."""
     ok = [r for r in rows if r.get(y) is not None]

@@ -75,7 +75,7 @@ import dataclasses
 import mk
 import mk.run
 from IPython.display import display
-from mk import perf, plots, sim, tpu
+from mk import perf, plots, review, sim, tpu
 from mk.chips import chip as chip_spec
 from mk.kernels.common import BlockSizes, VmemBudget
 
@@ -222,18 +222,18 @@ plots.show(plots.bubble_bars({"prefetch on": s, "prefetch off": off}))
 need = sim.latency_slots(config, spec, block, weight_dtypes=dtypes)
 common = dict(weight_dtypes=dtypes, tp=tp, context=position)
 sweeps = {
-    "slots": sim.sweep(config, spec, "slots", sorted({1, 2, 3, 4, 8, need, 2 * need}),
+    "slots": review.sweep(config, spec, "slots", sorted({1, 2, 3, 4, 8, need, 2 * need}),
                        batch=run.batch, rows=run.rows, block=block, **common),
-    "tile": sim.sweep(config, spec, "tile", [128, 256, 512], batch=run.batch,
+    "tile": review.sweep(config, spec, "tile", [128, 256, 512], batch=run.batch,
                       rows=run.rows, block=block, **common),
-    "kv_tile": sim.sweep(config, spec, "kv_tile", [k for k in (64, 128, 256, 512)
+    "kv_tile": review.sweep(config, spec, "kv_tile", [k for k in (64, 128, 256, 512)
                                                    if run.context % k == 0],
                          batch=run.batch, rows=run.rows, block=block, **common),
-    "batch": sim.sweep(config, spec, "batch", [1, 2, 4, 8], rows=run.rows, block=block,
+    "batch": review.sweep(config, spec, "batch", [1, 2, 4, 8], rows=run.rows, block=block,
                        **common),
-    "rows": sim.sweep(config, spec, "rows", [1, 2, 4, 8], batch=run.batch, block=block,
+    "rows": review.sweep(config, spec, "rows", [1, 2, 4, 8], batch=run.batch, block=block,
                       **common),
-    "dma_latency_s": sim.sweep(config, spec, "dma_latency_s", [0.0, 0.25e-6, 0.5e-6, 1e-6],
+    "dma_latency_s": review.sweep(config, spec, "dma_latency_s", [0.0, 0.25e-6, 0.5e-6, 1e-6],
                                batch=run.batch, rows=run.rows, block=block, **common),
 }
 for name, rows_ in sweeps.items():
@@ -282,7 +282,7 @@ print(f"no speculation (T=1): {1 / one.step_s:,.0f} tokens/s per user simulated;
 # run does not share with the published one.
 
 # %%
-pub = sim.published_table(simulate_tpu=simulate_published)
+pub = review.published_table(simulate_tpu=simulate_published)
 
 
 def pct(x):

@@ -212,26 +212,6 @@ def test_simulate_rejects_bad_inputs_naming_field_and_value(kwargs, match):
         sim.simulate(mk.preset("tiny-moe"), kwargs.pop("chip"), **kwargs)
 
 
-def test_sweep_tabulates_each_value_and_explains_a_tile_that_does_not_divide():
-    rows = sim.sweep(mk.preset("tiny"), "v6e", "tile", [128, 256, 384], context=64)
-    assert [r["tile"] for r in rows] == [128, 256, 384]
-    assert rows[0]["step_ms"] > 0 and rows[2]["step_ms"] is None
-    assert "not a whole number of tiles" in rows[2]["note"]
-    with pytest.raises(ValueError, match="parameter='colour'"):
-        sim.sweep(mk.preset("tiny"), "v6e", "colour", [1])
-
-
-def test_published_table_has_a_prediction_error_and_a_note_for_each_chip_row():
-    rows = sim.published_table(simulate_tpu=False)
-    assert len(rows) == len(perf.published())
-    for r in rows:
-        if "roofline" in r:
-            assert r["roofline_error"] == pytest.approx(r["roofline"] / r["published"] - 1)
-            assert r["note"] and r["roofline_dominant"] in ("hbm", "compute", "collective")
-    gpu = [r for r in rows if "conventional" in r]
-    assert gpu and all(r["conventional"] < r["roofline"] for r in gpu)
-
-
 def test_a_four_bit_stream_moves_a_quarter_of_the_bf16_bytes():
     stream = TileStream.build(BlockSizes(slots=2, tile_k=128, tile_n=128), [("w", 512, 512)])
     bf16 = sim.replay_matmul(stream, "v6e")
