@@ -35,8 +35,9 @@ Modelling assumptions (`Assumptions` holds the numbers; none is fitted to a meas
   (context + T - 1) // kv_tile + 1 KV tiles of K_dev x kv_tile x H (K and V: two DMAs),
   through `kv_slots` (the kernel primes kv_slots - 1 of them at the layer's start, before
   the projections; they are not prefetched across layers); per tile 2 matmuls per kv
-  head at the MXU rule above with R = round_up(G*T, 8) rows, plus ~8 vector ops per score; the one or two
-  tiles holding the new rows are written back (start then wait: the kernel blocks on it).
+  head at the MXU rule above with R = round_up(G*T, 8) rows, plus ~8 vector ops per
+  score; the one or two tiles holding the new rows are written back (start then wait:
+  the kernel blocks on it).
 - Tensor parallelism (tp > 1): each device runs the kernel on its shard (`shard`): query
   heads, FFN and vocab split tp ways (FFN padded to 128 lanes), KV heads split or
   replicated when tp > K, experts split tp ways (expert parallelism). The kernel has no

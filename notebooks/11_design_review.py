@@ -216,25 +216,29 @@ plots.show(plots.bubble_bars({"prefetch on": s, "prefetch off": off}))
 #
 # Each row is one simulated step with one parameter changed. The ring depth that hides a
 # DMA descriptor's latency follows Little's law: bandwidth x latency bytes in flight
-# (`mk.sim.latency_slots`).
+# (`mk.sim.latency_slots`). Past that depth a deeper ring buys nothing and can cost a
+# little: the model has one first-in-first-out DMA engine, and each layer's first KV tiles
+# (issued at the layer's start) queue behind every weight tile already in flight, so
+# attention starts later.
 
 # %%
 need = sim.latency_slots(config, spec, block, weight_dtypes=dtypes)
 common = dict(weight_dtypes=dtypes, tp=tp, context=position)
 sweeps = {
     "slots": review.sweep(config, spec, "slots", sorted({1, 2, 3, 4, 8, need, 2 * need}),
-                       batch=run.batch, rows=run.rows, block=block, **common),
+                          batch=run.batch, rows=run.rows, block=block, **common),
     "tile": review.sweep(config, spec, "tile", [128, 256, 512], batch=run.batch,
-                      rows=run.rows, block=block, **common),
+                         rows=run.rows, block=block, **common),
     "kv_tile": review.sweep(config, spec, "kv_tile", [k for k in (64, 128, 256, 512)
-                                                   if run.context % k == 0],
-                         batch=run.batch, rows=run.rows, block=block, **common),
+                                                      if run.context % k == 0],
+                            batch=run.batch, rows=run.rows, block=block, **common),
     "batch": review.sweep(config, spec, "batch", [1, 2, 4, 8], rows=run.rows, block=block,
-                       **common),
+                          **common),
     "rows": review.sweep(config, spec, "rows", [1, 2, 4, 8], batch=run.batch, block=block,
-                      **common),
-    "dma_latency_s": review.sweep(config, spec, "dma_latency_s", [0.0, 0.25e-6, 0.5e-6, 1e-6],
-                               batch=run.batch, rows=run.rows, block=block, **common),
+                         **common),
+    "dma_latency_s": review.sweep(config, spec, "dma_latency_s",
+                                  [0.0, 0.25e-6, 0.5e-6, 1e-6], batch=run.batch,
+                                  rows=run.rows, block=block, **common),
 }
 for name, rows_ in sweeps.items():
     display(plots.table([{name: r[name], "step ms": f"{r['step_ms']:.4g}" if r["step_ms"]
@@ -402,8 +406,10 @@ print(f"{config.name} on {spec.name}, B={run.batch} T={run.rows} S={position} tp
 assert s.step_s >= s.hbm_floor_s > 0, "a step shorter than its bytes over the bandwidth"
 assert abs(sum(share.values()) - (s.step_s - s.hbm_floor_s)) <= 1e-9 * s.step_s
 assert off.step_s >= s.step_s * (1 - 1e-12), "prefetch across layers made a step slower"
+# A deeper ring may cost a little (the layer's KV loads queue behind more weight tiles in
+# the one FIFO DMA engine), never more than 5% over the best shallower ring.
 steps = [r["step_ms"] for r in sweeps["slots"] if r["step_ms"]]
-assert all(b <= a * (1 + 1e-12) for a, b in zip(steps, steps[1:])), "more slots, slower"
+assert all(b <= min(steps[:i + 1]) * 1.05 for i, b in enumerate(steps[1:])), "more slots, slower"
 assert len(pub) == len(perf.published())
 assert est.step_ms <= conv.step_ms, "one kernel per op beat the floors"
 assert report is None or report.ok or not fits, f"compile failed: {report.error[:300]}"
