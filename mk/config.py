@@ -161,8 +161,11 @@ class ModelConfig:
         if not 1 <= n <= self.layers:
             raise ValueError(f"{self.name}: first_layers(n={n}) needs 1 <= n <= "
                              f"layers={self.layers}")
-        return dataclasses.replace(self, layers=n,
-                                   moe_layers=tuple(i for i in self.moe_layers if i < n))
+        moe = tuple(i for i in self.moe_layers if i < n)
+        # A cut with no MoE layer left is a dense model: no expert fields to validate.
+        dense_only = {} if moe or not self.is_moe else dict(
+            experts=0, experts_per_token=0, expert_ffn=0, norm_topk=False, expert_dtype="")
+        return dataclasses.replace(self, layers=n, moe_layers=moe, **dense_only)
 
     # -- Derived sizes --------------------------------------------------------------------
     @property

@@ -288,14 +288,7 @@ class Forced(Drafter):
 def first_layers(config: ModelConfig, params, n: int):
     """(config, params) of the target's first n layers with its embedding, final norm and
     lm_head: the self-drafter's model."""
-    moe = tuple(i for i in config.moe_layers if i < n)
-    if config.is_moe and not moe:  # config.first_layers keeps E, X, Fe and then refuses
-        if not 1 <= n <= config.layers:
-            config.first_layers(n)  # raises its own error
-        cut = dataclasses.replace(config, layers=n, moe_layers=(), experts=0,
-                                  experts_per_token=0, expert_ffn=0, norm_topk=False)
-    else:
-        cut = config.first_layers(n)
+    cut = config.first_layers(n)
     dense = sum(1 for i in config.dense_layers if i < n)
     moe = len(cut.moe_layers)
     rows = {"w_gate": dense, "w_up": dense, "w_down": dense, "router": moe, "we_gate": moe,
