@@ -22,7 +22,13 @@ taps=True)` returns, and `first_divergence` compares the two op by op up to a
 Here: `prepare` (weights in the megakernel's layout, once), `megakernel_buffers`,
 `decode_step`, `first_divergence`, `generate`, `compile_target` (what
 `mk.tpu.compile_megakernel` compiles). Not here: the compile-time benchmark
-(benchmarks/compile_time.py), tensor parallelism.
+(benchmarks/compile_time.py).
+
+Tensor parallelism is the same kernel with a static `tp` > 1, run inside `jax.shard_map`
+on one device's shard (`mk.tensor_parallel` shards the weights and describes the shard as
+a smaller `ModelConfig`): an entry barrier, an in-kernel all-reduce after the attention
+output projection and after the MLP (`layer_body(..., all_reduce=...)`), and the
+cross-shard argmax after the vocab-sharded lm_head (`mk.collectives`). tp=1 adds nothing.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mk import backend as backends
 from mk import reference
+from mk.collectives import (AXIS, COLLECTIVE_IDS, CollectiveScratch, all_reduce_body,
+                            argmax_body, barrier, collective_buffers, collective_scratch)
 from mk.config import ModelConfig
 from mk.kernels.common import BlockSizes, Buffer, vmem_limit_bytes
 from mk.kernels.decode_attention import AttentionScratch
@@ -72,8 +80,8 @@ def prepare(config: ModelConfig, params, block: BlockSizes) -> dict:
         mlp_row=jnp.array([row for _, row in kinds], jnp.int32))
 
 
-def megakernel_buffers(config: ModelConfig, batch: int, rows: int,
-                       block: BlockSizes) -> list[Buffer]:
+def megakernel_buffers(config: ModelConfig, batch: int, rows: int, block: BlockSizes,
+                       tp: int = 1) -> list[Buffer]:
     """Every VMEM buffer of the megakernel: the layer kernel's (but its output x_out), the
     two slots of per-layer norms, the final norm, the logits and the next tokens."""
     M = batch * rows
@@ -84,7 +92,25 @@ def megakernel_buffers(config: ModelConfig, batch: int, rows: int,
         Buffer("qk_norms", (2, 2, config.head_dim), "float32"),
         Buffer("final_norm", (1, config.hidden), "float32"),
         Buffer("logits", (M, padded_vocab(config, block)), "float32"),
-        Buffer("next_tokens", (M, 1), "int32")]
+        Buffer("next_tokens", (M, 1), "int32")] + tp_buffers(M, config.hidden, tp)
+
+
+def tp_buffers(M: int, D: int, tp: int) -> list[Buffer]:
+    """The collectives' VMEM buffers of a tensor-parallel megakernel (none for tp=1): one
+    all-reduce of [M, D] (its two slots serve the attention's and the MLP's) and the
+    argmax's gather of one (value, id) row per token."""
+    if tp == 1:
+        return []
+    return (collective_buffers("all_reduce", M, D, tp, reduce=True)
+            + collective_buffers("argmax", M, 128, tp, reduce=False))
+
+
+def tp_scratch(M: int, D: int, tp: int) -> list:
+    """The pallas scratch of `tp_buffers` with their semaphores (the kernel's last)."""
+    if tp == 1:
+        return []
+    return (collective_scratch(M, D, tp, reduce=True)
+            + collective_scratch(M, 128, tp, reduce=False))
 
 
 def megakernel_kernel(
@@ -113,6 +139,7 @@ def megakernel_kernel(
     batch: int,
     rows: int,
     taps: bool,
+    tp: int,
 ):
     kinds = mlp_kinds(config)
     n_mlp = sum(len(MLP_WEIGHTS[k]) for k in kinds)
@@ -122,7 +149,11 @@ def megakernel_kernel(
     taps_vmem = rest[4] if taps else None
     s = SimpleNamespace(**dict(zip(names, rest[n_out:n_out + len(names)])))
     norms_vmem, qk_norms_vmem, vector_sems = rest[n_out + len(names):n_out + len(names) + 3]
-    attention = AttentionScratch(*rest[n_out + len(names) + 3:])
+    first = n_out + len(names) + 3
+    attention = AttentionScratch(*rest[first:first + len(AttentionScratch._fields)])
+    if tp > 1:  # tensor parallel: the collectives' scratch follows (tp_scratch)
+        reduce_scratch = CollectiveScratch(*rest[-6:-2])
+        argmax_scratch = CollectiveScratch(None, None, *rest[-2:])
 
     # Layer l's norm vectors live in slot l % 2. Layer l + 1's are issued at layer l's
     # start into the other slot, which layer l - 1 read and no longer needs, and waited for
@@ -148,6 +179,7 @@ def megakernel_kernel(
     # --xla_enable_custom_call_region_trace=true (mk.profiling), nothing otherwise.
     with jax.named_scope("prime"):
         ring.prime()
+    barrier(tp)  # every peer is in the kernel before the first all-reduce writes to it
     for copy in vector_copies(0):
         copy.start()
 
@@ -172,7 +204,9 @@ def megakernel_kernel(
             norms=(norms[0:1], norms[1:2], qk[0:1], qk[1:2]), positions_smem=positions_smem,
             k_cache_hbm=k_cache_hbm, v_cache_hbm=v_cache_hbm, attention=attention,
             block=block, batch=batch, rows=rows,
-            before_mlp=None if router is None else (lambda: pl.when(is_moe)(router.wait)))
+            before_mlp=None if router is None else (lambda: pl.when(is_moe)(router.wait)),
+            all_reduce=None if tp == 1 else (  # slot k: the attention's 0, the MLP's 1
+                lambda value, k: all_reduce_body(value, reduce_scratch, n=tp, slot=k)))
         if taps:  # s.attn_out still holds this layer's attention output
             taps_vmem[layer, 0] = x + s.attn_out[...]
             taps_vmem[layer, 1] = x_out
@@ -185,10 +219,10 @@ def megakernel_kernel(
         ring.matmul("lm_head", s.h, logits_vmem, layer=config.layers)
     logits = logits_vmem[...]
     vocab = lax.broadcasted_iota(jnp.int32, logits.shape, 1)
-    logits = jnp.where(vocab < config.vocab, logits, -jnp.inf)  # the padding columns
-    best = jnp.max(logits, axis=1, keepdims=True)
-    next_tokens_vmem[...] = jnp.min(jnp.where(logits == best, vocab, logits.shape[1]),
-                                    axis=1, keepdims=True)  # ties to the lowest id
+    first_id = 0 if tp == 1 else lax.axis_index(AXIS) * config.vocab  # this vocab shard's
+    next_tokens_vmem[...] = argmax_body(  # ties to the lowest id, on every device
+        logits, first_id, None if tp == 1 else argmax_scratch, n=tp,
+        valid=vocab < config.vocab)  # not the padding columns
 
 
 def decode_step(config: ModelConfig, weights, cache: reference.KVCache, tokens, positions,
@@ -256,9 +290,9 @@ def compile_target(config: ModelConfig, block: BlockSizes, weights, k_cache, v_c
                         positions)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "block", "taps"))
+@functools.partial(jax.jit, static_argnames=("config", "block", "taps", "tp"))
 def _decode_step(config: ModelConfig, block: BlockSizes, weights, cache, tokens, positions,
-                 taps: bool = False):
+                 taps: bool = False, tp: int = 1):
     B, T = tokens.shape
     M = B * T
     stream = decode_stream(config, M, block)
@@ -281,14 +315,18 @@ def _decode_step(config: ModelConfig, block: BlockSizes, weights, cache, tokens,
     x = weights["embed"][tokens].reshape(M, config.hidden).astype(jnp.float32)
     next_tokens, logits, k_cache, v_cache, *tapped = pl.pallas_call(
         functools.partial(megakernel_kernel, config=config, stream=stream,
-                          names=tuple(names), block=block, batch=B, rows=T, taps=taps),
+                          names=tuple(names), block=block, batch=B, rows=T, taps=taps,
+                          tp=tp),
         out_shape=out_shape,
         in_specs=[smem] * 3 + [vmem] * 2 + [hbm] * (n_in - 5),
         out_specs=(vmem, vmem, hbm, hbm) + (vmem,) * taps,
-        scratch_shapes=scratch[:n_layer_scratch] + vectors + scratch[n_layer_scratch:],
+        scratch_shapes=(scratch[:n_layer_scratch] + vectors + scratch[n_layer_scratch:]
+                        + tp_scratch(M, D, tp)),
         input_output_aliases={n_in - 2: 2, n_in - 1: 3},
-        compiler_params=pltpu.CompilerParams(vmem_limit_bytes=vmem_limit_bytes(
-            megakernel_buffers(config, B, T, block))),
+        compiler_params=pltpu.CompilerParams(
+            vmem_limit_bytes=vmem_limit_bytes(megakernel_buffers(config, B, T, block, tp)),
+            **({} if tp == 1 else dict(collective_id=COLLECTIVE_IDS["megakernel"],
+                                       has_side_effects=True))),
         name="mk_megakernel",
         cost_estimate=pl.CostEstimate(  # every expert counted: an upper bound for MoE
             flops=2 * M * weight_bytes // weights["wq"].dtype.itemsize, transcendentals=0,

@@ -156,13 +156,15 @@ def mlp_block(ring: Ring, config: ModelConfig, kinds, s, *, step, is_moe):
 
 def layer_body(ring: Ring, config: ModelConfig, kinds, s, *, step, layer, is_moe, x, norms,
                positions_smem, k_cache_hbm, v_cache_hbm, attention: AttentionScratch,
-               block: BlockSizes, batch: int, rows: int, before_mlp=None):
+               block: BlockSizes, batch: int, rows: int, before_mlp=None,
+               all_reduce=None):
     """One decoder layer inside a kernel: returns the new residual x [M, D] f32.
 
     step: this layer's index in the ring's stream; layer: its index in the KV cache; s: the
     scratch refs by name; norms: (attn_norm, mlp_norm, q_norm, k_norm) values; is_moe: a
     traced flag for streams holding both MLP kinds; before_mlp: called just before the MLP
-    (e.g. to wait for the router's DMA, issued at the layer's start).
+    (e.g. to wait for the router's DMA, issued at the layer's start); all_reduce(value,
+    k): the tensor-parallel sum over devices of the attention (k=0) and MLP (k=1) outputs.
     """
     attn_norm, mlp_norm, q_norm, k_norm = norms
     # The layer's first KV tiles need only the positions: they load during the prologue.
@@ -174,11 +176,15 @@ def layer_body(ring: Ring, config: ModelConfig, kinds, s, *, step, layer, is_moe
     attend(s.q, s.k, s.v, positions_smem, k_cache_hbm, v_cache_hbm, s.o, attention,
            layer=layer, block=block, primed=True)
     ring.matmul("wo", s.o, s.attn_out, layer=step)
+    if all_reduce is not None:  # tensor parallel: wo's rows are split, its sums partial
+        s.attn_out[...] = all_reduce(s.attn_out[...], 0)
     x = x + s.attn_out[...]
     s.h[...] = rms_norm(x, mlp_norm, config.rms_eps).astype(s.h.dtype)
     if before_mlp is not None:
         before_mlp()
     mlp_block(ring, config, kinds, s, step=step, is_moe=is_moe)
+    if all_reduce is not None:
+        s.mlp_out[...] = all_reduce(s.mlp_out[...], 1)
     return x + s.mlp_out[...]
 
 
