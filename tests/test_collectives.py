@@ -9,6 +9,8 @@ ICI routing or the scoped VMEM limit; the ahead-of-time compiles cover lowering 
 multi-chip topologies.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,16 +48,18 @@ def collective_results(_) -> dict:
                 x[:n * TIMES["all_gather"]], mesh)
             out[f"argmax_{n}"] = collectives.greedy_argmax(logits, mesh, vocab=vocab)
             jax.block_until_ready(out)
-    return out | dict(races=backend.races_found())
-
-
-def one_slot_results(n: int) -> dict:
-    """Runs in the subprocess: two all-gathers through ONE buffer slot (the planted bug)."""
-    x, _, _ = inputs(n)
+        out["races"] = backend.races_found()
+    x, _, _ = inputs(2)  # the planted bug: two all-gathers through ONE buffer slot
     with backend.use("interpret", detect_races=True):
-        jax.block_until_ready(collectives.all_gather(x[:2 * n], collectives.tp_mesh(n),
-                                                    slots=1))
-    return dict(races=backend.races_found())
+        jax.block_until_ready(collectives.all_gather(x[:4], collectives.tp_mesh(2), slots=1))
+        out["one_slot_races"] = backend.races_found()
+    return out
+
+
+@functools.cache
+def results() -> dict:
+    """One subprocess for every multi-device check of this module."""
+    return run("test_collectives:collective_results", max(DEVICES))
 
 
 def test_tree_sum_adds_halves_not_left_to_right():
@@ -66,7 +70,7 @@ def test_tree_sum_adds_halves_not_left_to_right():
 
 
 def test_collectives_equal_numpy_on_every_device_race_free():
-    got = run("test_collectives:collective_results", max(DEVICES))
+    got = results()
     assert not got["races"]
     for n in DEVICES:
         x, logits, vocab = inputs(n)
@@ -108,7 +112,7 @@ def test_exchange_schedule_leaves_chunk_i_on_device_i_then_everything_everywhere
 
 
 def test_one_buffer_slot_for_back_to_back_gathers_is_a_race():
-    assert run("test_collectives:one_slot_results", 2)["races"]
+    assert results()["one_slot_races"]
 
 
 @pytest.mark.parametrize("bad", [0, 3, 6, True, 2.0])
