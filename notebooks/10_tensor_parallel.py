@@ -75,8 +75,8 @@ run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context
                           backend=backend, seed=seed, checkpoint=checkpoint)
 config, spec = run.config, mk.chip(run.chip)
 cpus = jax.devices("cpu")
-elsewhere = "" if jax.default_backend() == "cpu" else f" (this runtime's {jax.default_backend()}"
-elsewhere += "" if jax.default_backend() == "cpu" else " is not used for it)"
+accelerator = jax.default_backend()
+elsewhere = "" if accelerator == "cpu" else f" (this runtime's {accelerator} is not used)"
 print(f"{config.name}, tp={tp}: the token check runs on {len(cpus)} virtual CPU devices in "
       f"TPU interpret mode, a simulation{elsewhere}")
 
@@ -128,10 +128,11 @@ def draw_exchanges(n):
                 fig.add_annotation(x=x + 0.9, y=e["partner"], ax=x, ay=e["device"],
                                    xref="x", yref="y", axref="x", ayref="y", arrowhead=2,
                                    showarrow=True, opacity=0.6)
+                last = e["first"] + e["count"] - 1
                 fig.add_trace(go.Scatter(
                     x=[x], y=[e["device"]], mode="markers", showlegend=False,
                     hovertext=f"{phase} round {r}: device {e['device']} sends chunks "
-                              f"{e['first']}..{e['first'] + e['count'] - 1} to {e['partner']}"))
+                              f"{e['first']}..{last} to {e['partner']}"))
             x += 1
     fig.update_layout(title=f"All-reduce on {n} devices: reduce-scatter then all-gather "
                             "(hover: which chunks)", xaxis_title="round",
@@ -220,10 +221,11 @@ for name, t in (("qwen3-30b-a3b", 4), ("kimi-k3-like", 32)):
 
 # %% [markdown]
 # `qwen3-30b-a3b` in bf16 does not fit four 16 GiB v5e chips once its split experts are
-# padded (with the KV cache and the replicated embedding); on eight it fits. `kimi-k3-like`: `tpu7x:2x2x4` is a topology libtpu accepts (32
-# TensorCores), but splitting each expert's width 32 ways leaves slivers narrower than a
-# tile, and its FP4 experts take a byte each here; whole experts per device (expert
-# parallelism) and packed FP4 storage would make it fit, and neither is implemented.
+# padded (with the KV cache and the replicated embedding); on eight it fits.
+# `kimi-k3-like`: `tpu7x:2x2x4` is a topology libtpu accepts (32 TensorCores), but
+# splitting each expert's width 32 ways leaves slivers narrower than a tile, and its FP4
+# experts take a byte each here; whole experts per device (expert parallelism) and packed
+# FP4 storage would make it fit, and neither is implemented.
 #
 # **Takeaway:** tensor parallelism is the same kernel on a smaller model plus three
 # in-kernel collectives; a fixed summation order makes every device's residual stream

@@ -96,7 +96,8 @@ def test_a_split_width_short_of_a_tile_is_padded_with_zeros():
     shards = tpar.shard_params(config, params, 4)
     assert tpar.shard_config(config, 4).expert_ffn == 128
     assert shards["we_gate"].shape[-1] == shards["we_down"].shape[-2] == 128
-    np.testing.assert_array_equal(shards["we_gate"][1, ..., :64], params["we_gate"][..., 64:128])
+    np.testing.assert_array_equal(shards["we_gate"][1, ..., :64],
+                                  params["we_gate"][..., 64:128])
     assert not np.any(shards["we_gate"][..., 64:]) and not np.any(shards["we_up"][..., 64:])
     assert not np.any(shards["we_down"][..., 64:, :])
 
