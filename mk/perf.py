@@ -35,11 +35,14 @@ Assumptions, each stated where it is used:
 - Collectives (tp > 1): two all-reduces of the [B*T, D] bf16 activations per layer (after
   the attention output projection and after the MLP, as in Megatron-style tensor
   parallelism; an expert-parallel MoE combines its partial sums the same way) and one
-  small all-gather for the sharded lm_head's argmax. One all-reduce is recursive doubling:
-  ceil(log2 tp) steps, each one message latency `ICI_LATENCY_S` (1 us, the per-link latency
-  ASTRA-sim uses for TPUs "as per the TPU research team",
-  astra-sim.github.io/astra-sim-docs/validation/hardware/tpu-validation.html) plus the
-  full message at one device's ICI bandwidth, ici_bw / 2 (one direction) / cores_per_chip.
+  small all-gather for the sharded lm_head's argmax. One all-reduce is the kernel's
+  (`mk.collectives`): a reduce-scatter and an all-gather, ceil(log2 tp) rounds each, each
+  round one message latency `ICI_LATENCY_S` (1 us, the per-link latency ASTRA-sim uses for
+  TPUs "as per the TPU research team",
+  astra-sim.github.io/astra-sim-docs/validation/hardware/tpu-validation.html), and
+  2 (tp - 1) / tp of the message sent by each device at its ICI bandwidth, ici_bw / 2 (one
+  direction) / cores_per_chip. The megakernel sums float32 partial sums
+  (`PARTIAL_SUM_BYTES`); the one-kernel-per-op baseline moves bf16 activations.
   The two TensorCores of a TPU7x chip are treated as ICI peers.
 - Conventional execution: one kernel per op, each op's time is its own floor plus a gap
   `KERNEL_GAP_S` (1.3 us: the launch cost per kernel Hazy Research measured on an H100 with
@@ -70,7 +73,8 @@ WEIGHT_DTYPES = {"f32": "float32", "bf16": "bfloat16", "fp16": "float16",
                  "int4": "int4"}
 ICI_LATENCY_S = 1e-6  # one message step of a collective (module docstring)
 KERNEL_GAP_S = 1.3e-6  # launch gap of one kernel in the conventional execution
-ACTIVATION_BYTES = 2  # bf16 activations on the wire (collectives) and between kernels
+ACTIVATION_BYTES = 2  # bf16 activations between kernels and on the wire (one kernel per op)
+PARTIAL_SUM_BYTES = 4  # the megakernel all-reduces float32 partial sums (mk.collectives)
 
 
 def _positive_int(field, value):
@@ -99,14 +103,15 @@ def family_dtypes(config: ModelConfig, overrides=None) -> dict[str, str]:
 
 # -- Collectives ---------------------------------------------------------------------------
 def allreduce_s(nbytes: float, tp: int, spec: ChipSpec) -> float:
-    """Seconds of one all-reduce of `nbytes` per device over `tp` devices: recursive
-    doubling, ceil(log2 tp) steps of one latency plus the message at one device's
-    one-way ICI bandwidth (module docstring). 0 for tp = 1."""
+    """Seconds of one all-reduce of `nbytes` per device over `tp` devices, as
+    `mk.collectives` runs it: a reduce-scatter then an all-gather, ceil(log2 tp) rounds
+    each of one latency, each device sending 2 (tp - 1) / tp of the message at its one-way
+    ICI bandwidth (module docstring). 0 for tp = 1."""
     _positive_int("tp", tp)
     if nbytes < 0:
         raise ValueError(f"nbytes={nbytes} must be >= 0")
-    steps = math.ceil(math.log2(tp))
-    return steps * (ICI_LATENCY_S + nbytes / ici_bandwidth(spec))
+    rounds = 2 * math.ceil(math.log2(tp))
+    return rounds * ICI_LATENCY_S + 2 * (tp - 1) / tp * nbytes / ici_bandwidth(spec)
 
 
 def ici_bandwidth(spec: ChipSpec) -> float:
@@ -333,7 +338,7 @@ def predict(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: 
     hbm_floor_ms = 1e3 * total_bytes / tp / device_bw
     compute_floor_ms = 1e3 * flops / tp / device_peak
     collective_ms = (1e3 * collectives_per_step(config)
-                     * allreduce_s(m * config.hidden * ACTIVATION_BYTES, tp, spec)
+                     * allreduce_s(m * config.hidden * PARTIAL_SUM_BYTES, tp, spec)
                      if collectives else 0.0)
     return StepEstimate(
         config_name=config.name, chip_name=spec.name, batch=batch, rows=rows,

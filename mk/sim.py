@@ -476,7 +476,7 @@ class _Kernel:
             self.vector(10 * M * (c.q_width + c.kv_width), "qk_norm_rope")
             self.attend()
             self.matmul("wo")
-            self.collective(M * D * perf.ACTIVATION_BYTES)
+            self.collective(M * D * perf.PARTIAL_SUM_BYTES)
             self.vector(5 * M * D, "norm")
             if router is not None:
                 self.mc.wait(router)
@@ -488,7 +488,7 @@ class _Kernel:
                 if "dense" in self.kinds:
                     self.skip(*self.region("w_gate", "w_down"))
                 self.experts()
-            self.collective(M * D * perf.ACTIVATION_BYTES)
+            self.collective(M * D * perf.PARTIAL_SUM_BYTES)
             self.vector(M * D, "residual")
         self.layer = c.layers
         if not self.prefetch:
