@@ -356,13 +356,10 @@ def _greedy_steps(config: ModelConfig, block: BlockSizes, weights, cache, token,
     return tokens.T, cache
 
 
-def generate(config: ModelConfig, params, prompt, steps: int, *, backend: str = "auto",
-             block: BlockSizes | None = None, max_context: int | None = None,
-             steps_per_call: int = 1) -> jax.Array:
-    """Greedy decoding with the megakernel: prompt [B, P] -> the next `steps` tokens
-    [B, steps] int32, the same contract as `mk.reference.generate`. The prompt is
-    prefilled by the XLA reference; every later token comes from one megakernel call, and
-    `steps_per_call` of them run per host dispatch (a device-side loop)."""
+def check_generate(config: ModelConfig, prompt, steps: int, steps_per_call: int,
+                   max_context: int | None):
+    """The generate arguments checked before anything is traced -> (prompt as int32, the
+    cache capacity S)."""
     prompt = jnp.asarray(prompt, jnp.int32)
     S = config.max_context if max_context is None else max_context
     for field, value in (("steps", steps), ("steps_per_call", steps_per_call)):
@@ -371,6 +368,17 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, backend: str = 
     if prompt.ndim != 2 or prompt.shape[1] + steps - 1 > S:
         raise ValueError(f"prompt {prompt.shape} [B, P] with steps={steps} needs "
                          f"P + steps - 1 <= max_context={S}")
+    return prompt, S
+
+
+def generate(config: ModelConfig, params, prompt, steps: int, *, backend: str = "auto",
+             block: BlockSizes | None = None, max_context: int | None = None,
+             steps_per_call: int = 1) -> jax.Array:
+    """Greedy decoding with the megakernel: prompt [B, P] -> the next `steps` tokens
+    [B, steps] int32, the same contract as `mk.reference.generate`. The prompt is
+    prefilled by the XLA reference; every later token comes from one megakernel call, and
+    `steps_per_call` of them run per host dispatch (a device-side loop)."""
+    prompt, S = check_generate(config, prompt, steps, steps_per_call, max_context)
     block = block or layer_block(config)
     check_block(block, S)
     weights = prepare(config, params, block)

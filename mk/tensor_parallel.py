@@ -229,14 +229,7 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, tp: int,
     mesh = mesh or tp_mesh(tp)
     if mesh.shape.get(AXIS) != tp:
         raise ValueError(f"mesh {dict(mesh.shape)} must have axis {AXIS!r} of size tp={tp}")
-    prompt = jnp.asarray(prompt, jnp.int32)
-    S = config.max_context if max_context is None else max_context
-    for field, value in (("steps", steps), ("steps_per_call", steps_per_call)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{field}={value!r} must be a positive integer")
-    if prompt.ndim != 2 or prompt.shape[1] + steps - 1 > S:
-        raise ValueError(f"prompt {prompt.shape} [B, P] with steps={steps} needs "
-                         f"P + steps - 1 <= max_context={S}")
+    prompt, S = megakernel.check_generate(config, prompt, steps, steps_per_call, max_context)
     block = block or default_block(config, tp)
     megakernel.check_block(block, S)
     decode_stream(shard_config(config, tp), prompt.shape[0], block)
