@@ -111,6 +111,9 @@ def test_exchange_schedule_leaves_chunk_i_on_device_i_then_everything_everywhere
     assert sent == 2 * (n - 1) * 1024  # the bandwidth optimum, 2 (n-1)/n of the array
 
 
+# Whether the detector sees this race depends on how the virtual devices' threads
+# interleave: it was missed once in three fresh-clone CI runs, so it runs in make test-slow.
+@pytest.mark.slow
 def test_one_buffer_slot_for_back_to_back_gathers_is_a_race():
     assert results()["one_slot_races"]
 
