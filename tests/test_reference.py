@@ -14,10 +14,31 @@ from mk import reference as R
 from mk.config import preset
 
 
-def test_rms_norm_by_hand():
+def _check_rms_norm_by_hand(rms_norm):
     x = jnp.array([[3.0, 4.0]])  # mean square 12.5
-    out = R.rms_norm(x, jnp.array([1.0, 2.0]), eps=0.0)
+    out = rms_norm(x, jnp.array([1.0, 2.0]), eps=0.0)
     np.testing.assert_allclose(out, [[3 / np.sqrt(12.5), 8 / np.sqrt(12.5)]], rtol=1e-6)
+    # eps sits inside the square root: [3, 4] / sqrt(12.5 + 1)
+    out = rms_norm(x, jnp.array([1.0, 1.0]), eps=1.0)
+    np.testing.assert_allclose(out, [[3 / np.sqrt(13.5), 4 / np.sqrt(13.5)]], rtol=1e-6)
+
+
+def test_rms_norm_by_hand():
+    _check_rms_norm_by_hand(R.rms_norm)
+
+
+RMS_NORM_MUTANTS = {  # planted bugs the by-hand cases must reject
+    "eps outside the sqrt": lambda x, w, eps: x / (
+        jnp.sqrt(jnp.mean(x * x, -1, keepdims=True)) + eps) * w,
+    "(1 + w) weight": lambda x, w, eps: R.rms_norm(x, 1 + w, eps),
+    "eps ignored": lambda x, w, eps: R.rms_norm(x, w, 0.0),
+}
+
+
+@pytest.mark.parametrize("mutant", RMS_NORM_MUTANTS)
+def test_rms_norm_by_hand_rejects_a_planted_bug(mutant):
+    with pytest.raises(AssertionError):
+        _check_rms_norm_by_hand(RMS_NORM_MUTANTS[mutant])
 
 
 def test_rope_rotates_each_half_pair_by_position_times_frequency():

@@ -26,7 +26,7 @@ BLOCK = BlockSizes(slots=3, tile_k=128, tile_n=256)
 def _check(config, params, batch, rows, positions, layer=1):
     x = jax.random.normal(jax.random.key(batch * 8 + rows), (batch, rows, config.hidden))
     positions = jnp.asarray(positions, jnp.int32)
-    with backend.use("interpret", detect_races=True):
+    with backend.use("interpret", detect_races=True, strict_dma=True):
         got = attention_prologue(config, params, x, positions, layer=layer, block=BLOCK)
     assert not backend.races_found()
     want = reference.attention_inputs(config, params, layer, x, positions)

@@ -19,7 +19,8 @@ from hypothesis import given, settings, strategies as st
 
 import mk
 from mk import backend, reference, tpu
-from mk.kernels.common import BlockSizes, vmem_budget
+from mk.kernels import decode_attention as stage
+from mk.kernels.common import BlockSizes, sublanes, vmem_budget
 from mk.kernels.decode_attention import decode_attention, decode_attention_buffers
 from tolerances import TOLERANCE as ALL_TOLERANCES
 
@@ -62,7 +63,7 @@ def _bits(x):
 def _check(B, T, positions, dtype, *, S=384, slots=2, kv_tile=KV_TILE, layer=1):
     args = _inputs(B, T, positions, dtype, S=S, kv_tile=kv_tile)
     block = BlockSizes(kv_tile=kv_tile, kv_slots=slots)
-    with backend.use("interpret", detect_races=True):
+    with backend.use("interpret", detect_races=True, strict_dma=True):
         o, k, v = jax.block_until_ready(decode_attention(*args, layer=layer, block=block))
         races = backend.races_found()
     o_ref, k_ref, v_ref = _expected(*args, layer)
@@ -82,19 +83,38 @@ CASES = {  # name: (B, T, positions, kv_slots, kv_tile)
     "eight_rows_deep_ring": (3, 8, [KV_TILE - 3, 0, 376], 4, KV_TILE),
     # 16-row tiles: the write-back window is the whole tile, or clamped to its end.
     "small_tiles": (2, 8, [61, 16 * 23], 2, 16),
+    # T=4 rows across a 16-row (bf16) and an 8-row (f32) sublane tile inside a KV tile:
+    # the write-back window must span two sublane tiles.
+    "rows_cross_a_sublane_tile": (2, 4, [14, 158], 2, KV_TILE),
 }
 
 
 # Every case in bf16, the ones that cross tile edges also in f32 (each run costs seconds).
 DTYPE_CASES = [(c, "bfloat16") for c in CASES] + [
     (c, "float32") for c in ("last_legal_position", "rows_straddle_tile_edges",
-                             "ragged_batch_of_8", "small_tiles")]
+                             "ragged_batch_of_8", "small_tiles", "rows_cross_a_sublane_tile")]
 
 
 @pytest.mark.parametrize("case, dtype", DTYPE_CASES, ids=[f"{c}-{d}" for c, d in DTYPE_CASES])
 def test_matches_the_reference_and_writes_only_the_new_rows_without_races(case, dtype):
     B, T, positions, slots, kv_tile = CASES[case]
     _check(B, T, positions, dtype, slots=slots, kv_tile=kv_tile)
+
+
+def _one_sublane_tile_short(rows, kv_tile, dtype):
+    """The planted bug: the window covers round_up(T) rows, not any T consecutive rows."""
+    sub = sublanes(dtype)
+    return min(kv_tile, -(-rows // sub) * sub)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_write_back_window_one_sublane_tile_short_is_caught(dtype, monkeypatch):
+    """The rows past the sublane boundary never reach HBM: the next step would read a
+    stale cache. The case that shows it is in CASES, and passes on the real window."""
+    B, T, positions, slots, kv_tile = CASES["rows_cross_a_sublane_tile"]
+    monkeypatch.setattr(stage, "write_back_rows", _one_sublane_tile_short)
+    with pytest.raises(AssertionError, match="Mismatched elements"):
+        _check(B, T, positions, dtype, slots=slots, kv_tile=kv_tile)
 
 
 @settings(max_examples=8, deadline=None)
@@ -111,7 +131,7 @@ def test_a_traced_layer_and_traced_positions_give_the_same_result():
     args = _inputs(3, 2, [KV_TILE - 1, 0, 300], "bfloat16")
     block = BlockSizes(kv_tile=KV_TILE)
     run = jax.jit(lambda *a, layer: decode_attention(*a, layer=layer, block=block))
-    with backend.use("interpret", detect_races=True):
+    with backend.use("interpret", detect_races=True, strict_dma=True):
         o, k, v = jax.block_until_ready(run(*args, layer=jnp.int32(0)))
         assert not backend.races_found()
     o_ref, k_ref, v_ref = _expected(*args, 0)

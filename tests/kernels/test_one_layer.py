@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 import mk
 from mk import backend, reference, tpu
@@ -33,17 +33,31 @@ def _inputs(config, batch, rows, seed=0):
     return x, k, v
 
 
+def _assert_one_rounding_apart(got, want):
+    """The new V rows: the kernel sums the V projection in float32 tile by tile through
+    the ring, the reference in one dot, so the float32 sums differ by a few float32 ulps;
+    rounded to the cache dtype they can land one step apart (seen in bf16: -2.140625 vs
+    -2.15625). So each value may differ by one step of its dtype at that value, plus that
+    float32 difference (1e-5 >> a few ulps of these O(1) sums); a wrong row, head or
+    position is off by O(1)."""
+    step = np.spacing(np.abs(np.asarray(want))).astype(np.float32)
+    got, want = (np.asarray(a, np.float32) for a in (got, want))
+    off = np.abs(got - want) > step + 1e-5
+    assert not off.any(), (f"{off.sum()} of {off.size} values more than one rounding apart, "
+                           f"first at {np.argwhere(off)[0]}: {got[off][0]} vs {want[off][0]}")
+
+
 def _check(config, params, layer, batch, rows, positions):
     x, k, v = _inputs(config, batch, rows)
     positions = jnp.asarray(positions, jnp.int32)
-    with backend.use("interpret", detect_races=True):
+    with backend.use("interpret", detect_races=True, strict_dma=True):
         got_x, got_k, got_v = one_layer(config, params, x, k, v, positions, layer=layer)
     assert not backend.races_found()
     want_x, want_k, want_v, _ = reference.decoder_layer(config, params, layer, x, k[layer],
                                                         v[layer], positions)
     np.testing.assert_allclose(got_x, want_x, **TOLERANCE[config.dtype])
-    # V rows are copied exactly; K rows went through RoPE in the kernel (one ulp apart).
-    np.testing.assert_array_equal(got_v[layer], want_v)
+    # V rows within one rounding (see above); K rows also went through RoPE in the kernel.
+    _assert_one_rounding_apart(got_v[layer], want_v)
     np.testing.assert_allclose(got_k[layer].astype(jnp.float32),
                                want_k.astype(jnp.float32), rtol=1e-2, atol=1e-2)
     others = np.array([i for i in range(config.layers) if i != layer])
@@ -65,10 +79,18 @@ def test_float32_layer_matches_the_reference_tightly():
 @settings(max_examples=2, deadline=None)
 @given(batch=st.integers(1, 8), rows=st.integers(1, 8),
        where=st.sampled_from([0, 127, 128, CONTEXT - 1]))
+@example(batch=7, rows=8, where=0)  # tiny-moe: a V value one bf16 step off (it was flaky)
 def test_any_batch_and_rows_match_the_reference(tiny_model, batch, rows, where):
     config, params = tiny_model
     _check(config, params, config.layers - 1, batch, rows,
            [min(where, CONTEXT - rows)] * batch)
+
+
+def test_one_rounding_apart_admits_one_step_and_no_more():
+    want = jnp.array([-2.15625, 1.0, 0.0], jnp.bfloat16)
+    _assert_one_rounding_apart(jnp.array([-2.140625, 1.0078125, 0.0], jnp.bfloat16), want)
+    with pytest.raises(AssertionError, match="1 of 3 values more than one rounding apart"):
+        _assert_one_rounding_apart(jnp.array([-2.125, 1.0, 0.0], jnp.bfloat16), want)
 
 
 def test_bad_inputs_are_named():

@@ -1,9 +1,11 @@
 """Stage 01: the streamed matmul against mk.reference.matmul, race-free, for every slot
-count of the teaching progression; a planted ring bug proves the race check can fail; the
-VMEM budget and the TPU compiler both reject an oversized ring.
+count of the teaching progression; planted ring bugs prove the race check and the DMA
+bookkeeping check (`strict_dma`) can fail; the VMEM budget and the TPU compiler both
+reject an oversized ring.
 
-Interpret mode checks numerics, DMA/semaphore pairing and races; it says nothing about
-time or the scoped VMEM limit. The compile tests cover Mosaic lowering and capacity.
+Interpret mode checks numerics, DMA/semaphore pairing (every start waited for exactly
+once, no semaphore count left at exit) and races; it says nothing about time or the
+scoped VMEM limit. The compile tests cover Mosaic lowering and capacity.
 """
 
 import functools
@@ -34,7 +36,7 @@ def _operands(M, K, N, dtype, seed=0):
 
 
 def _run(x, w, block):
-    with backend.use("interpret", detect_races=True):
+    with backend.use("interpret", detect_races=True, strict_dma=True):
         y = jax.block_until_ready(stream_matmul(x, w, block=block))
     return y, backend.races_found()
 
@@ -92,6 +94,44 @@ def test_the_race_detector_catches_a_prefetch_into_the_slot_being_read():
                             pltpu.SemaphoreType.DMA((2,))])
         jax.block_until_ready(kernel(x, w))
     assert backend.races_found()
+
+
+# -- The DMA bookkeeping check can fail ------------------------------------------------------
+def _issue_one_tile_early(start):
+    """After consuming tile g the ring issues g + slots - 1 (its prologue's g < slots are
+    untouched): numerically right, one tile fewer in flight, and tile slots - 1 issued
+    twice, so one DMA is never waited for."""
+    return lambda ring, g: start(ring, jnp.where(g >= ring.n, g - 1, g))
+
+
+def _issue_the_first_tile_twice(prime):
+    def mutant(ring, first=0):
+        prime(ring, first)
+        ring.start(jnp.int32(first))
+    return mutant
+
+
+RING_MUTANTS = {"g+slots-1": ("start", _issue_one_tile_early),
+                "first-tile-twice": ("prime", _issue_the_first_tile_twice)}
+
+
+@pytest.mark.parametrize("dma_execution_mode", ["on_wait", "eager"])
+@pytest.mark.parametrize("mutant", RING_MUTANTS)
+def test_the_dma_bookkeeping_check_catches_a_planted_ring_bug(mutant, dma_execution_mode,
+                                                               monkeypatch):
+    """The bug gives the right product without races: only the leftover DMA (on_wait) or
+    semaphore count (eager) at kernel exit shows it, and strict_dma makes that an error."""
+    name, plant = RING_MUTANTS[mutant]
+    x, w = _operands(8, 384, 256, "float32")
+    block = BlockSizes(slots=3, tile_k=128, tile_n=128)
+    monkeypatch.setattr(Ring, name, plant(getattr(Ring, name)))
+    with backend.use("interpret", detect_races=True, dma_execution_mode=dma_execution_mode):
+        y = jax.block_until_ready(stream_matmul(x, w, block=block))
+    np.testing.assert_allclose(y, reference.matmul(x, w), **TOLERANCE["float32"])
+    assert not backend.races_found()
+    assert backend.dma_leftovers()
+    with pytest.raises(RuntimeError, match=r"DMA bookkeeping left at kernel exit"):
+        _run(x, w, block)
 
 
 def test_tiles_that_do_not_divide_the_weight_are_named():

@@ -1,0 +1,78 @@
+"""mk.backend: the backend names, and the DMA bookkeeping check of interpret mode on
+hand-written kernels that start a copy once, twice, or start it and never wait.
+
+(The ring's planted bugs, caught by the same check, are in
+tests/kernels/test_weight_streaming.py.)
+"""
+
+import contextlib
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from mk import backend
+
+
+def _copy_kernel(x_hbm, out_vmem, sem, *, starts, waits):
+    copy = pltpu.make_async_copy(x_hbm, out_vmem, sem.at[0])
+    for _ in range(starts):
+        copy.start()
+    for _ in range(waits):
+        copy.wait()
+
+
+def _copy(x, *, starts, waits):
+    return pl.pallas_call(
+        functools.partial(_copy_kernel, starts=starts, waits=waits),
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
+        scratch_shapes=[pltpu.SemaphoreType.DMA((1,))])(x)
+
+
+CASES = {  # name: (starts, waits, what the check reports in "on_wait" / "eager" mode)
+    "one start, one wait": (1, 1, None, None),
+    "started twice, waited once": (2, 1, "was never waited for", "has count 4096"),
+    "started, never waited": (1, 0, "was never waited for", "has count 4096"),
+}
+
+
+@pytest.mark.parametrize("mode", ["on_wait", "eager"])
+@pytest.mark.parametrize("case", CASES)
+def test_dma_leftovers_name_every_unmatched_start_in_both_dma_modes(case, mode):
+    starts, waits, *reports = CASES[case]
+    report = reports[mode == "eager"]
+    x = jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)
+    with backend.use("interpret", dma_execution_mode=mode):
+        y = jax.block_until_ready(_copy(x, starts=starts, waits=waits))
+    leftovers = backend.dma_leftovers()
+    if report is None:
+        assert leftovers == []
+        np.testing.assert_array_equal(y, x)
+    else:
+        assert len(leftovers) == 1 and report in leftovers[0], leftovers
+    with pytest.raises(RuntimeError, match=report) if report else contextlib.nullcontext():
+        with backend.use("interpret", dma_execution_mode=mode, strict_dma=True):
+            jax.block_until_ready(_copy(x, starts=starts, waits=waits))
+
+
+def test_leftovers_speak_of_the_last_block_only():
+    x = jnp.zeros((8, 128), jnp.float32)
+    with backend.use("interpret"):
+        jax.block_until_ready(_copy(x, starts=1, waits=0))
+    assert backend.dma_leftovers()
+    with backend.use("interpret"):
+        jax.block_until_ready(_copy(x, starts=1, waits=1))
+    assert backend.dma_leftovers() == []
+
+
+def test_bad_backend_names_are_named():
+    with pytest.raises(ValueError, match=r"backend='gpu' must be one of"):
+        backend.resolve("gpu")
+    with pytest.raises(ValueError, match=r"backend='hardware' needs a TPU"):
+        backend.resolve("hardware")
