@@ -532,13 +532,6 @@ _PRESETS = {
         name="tiny-moe", vocab=512, hidden=256, layers=3, heads=4, kv_heads=2, head_dim=128,
         ffn=512, rope_theta=10_000.0, dtype="bfloat16", max_position=4096, max_context=256,
         experts=8, experts_per_token=2, expert_ffn=128, moe_layers=(1, 2), norm_topk=True),
-    # Tiny Qwen3.5 hybrid: linear, linear, full, linear (a linear layer last), TPU-legal.
-    "tiny-hybrid": lambda: ModelConfig(
-        name="tiny-hybrid", vocab=512, hidden=256, layers=4, heads=2, kv_heads=1,
-        head_dim=128, ffn=512, rope_theta=10_000.0, dtype="bfloat16", max_position=4096,
-        max_context=256, layer_types=("linear", "linear", "full", "linear"),
-        linear_key_heads=1, linear_value_heads=2, linear_key_dim=128, linear_value_dim=128,
-        conv_kernel=4, attn_output_gate=True, partial_rotary_factor=0.25, norm_offset=1.0),
     # Real shapes, from each model's config.json on the Hugging Face hub (Qwen/Qwen3-*).
     "qwen3-0.6b": lambda: _qwen3("qwen3-0.6b", hidden=1024, layers=28, heads=16,
                                  kv_heads=8, ffn=3072, tie=True),
@@ -560,6 +553,29 @@ _PRESETS = {
     # layer shape, an assumption).
     "qwen3.8-27b-like": lambda: _qwen3("qwen3.8-27b-like", hidden=5120, layers=64, heads=40,
                                        kv_heads=8, ffn=17408, tie=False),
+    # Seed-scale stand-in for the release's "Kimi K3": 93 layers, hidden 7168, 896 experts,
+    # 16 per token, FP4 experts. The published model uses MLA / linear attention and a
+    # shared expert; it is modelled here as GQA (64 heads, 8 kv heads, head dim 128) with
+    # Kimi K2's first dense layer (FFN 18432), expert width 2048 and vocab 163840, no
+    # shared expert.
+    "kimi-k3-like": lambda: ModelConfig(
+        name="kimi-k3-like", vocab=163_840, hidden=7168, layers=93, heads=64, kv_heads=8,
+        head_dim=128, ffn=18_432, rope_theta=50_000.0, max_position=131_072,
+        experts=896, experts_per_token=16, expert_ffn=2048, moe_layers=tuple(range(1, 93)),
+        norm_topk=True, expert_dtype="float4_e2m1fn"),
+}
+
+# Qwen3.5 hybrids: the reference and the loader run them; mk.perf, mk.sim and the
+# megakernel do not know linear layers yet, so these stay out of PRESET_NAMES (which those
+# modules, their tests and the notebooks sweep) until they do.
+_HYBRID_PRESETS = {
+    # Tiny Qwen3.5 hybrid: linear, linear, full, linear (a linear layer last), TPU-legal.
+    "tiny-hybrid": lambda: ModelConfig(
+        name="tiny-hybrid", vocab=512, hidden=256, layers=4, heads=2, kv_heads=1,
+        head_dim=128, ffn=512, rope_theta=10_000.0, dtype="bfloat16", max_position=4096,
+        max_context=256, layer_types=("linear", "linear", "full", "linear"),
+        linear_key_heads=1, linear_value_heads=2, linear_key_dim=128, linear_value_dim=128,
+        conv_kernel=4, attn_output_gate=True, partial_rotary_factor=0.25, norm_offset=1.0),
     # Qwen/Qwen3.5-27B (the hybrid the release's "Qwen3.8-27B" numbers are of), text model:
     # shapes from its config.json as quoted by several public projects (not read from the
     # hub here): 64 layers, hidden 5120, every 4th layer full attention (24 heads, 4 kv
@@ -576,23 +592,16 @@ _PRESETS = {
     "qwen3.5-9b": lambda: _qwen3_5("qwen3.5-9b", hidden=4096, layers=32, heads=16,
                                    kv_heads=4, ffn=12_288, linear_value_heads=32,
                                    rope_theta=10_000_000.0, max_position=262_144),
-    # Seed-scale stand-in for the release's "Kimi K3": 93 layers, hidden 7168, 896 experts,
-    # 16 per token, FP4 experts. The published model uses MLA / linear attention and a
-    # shared expert; it is modelled here as GQA (64 heads, 8 kv heads, head dim 128) with
-    # Kimi K2's first dense layer (FFN 18432), expert width 2048 and vocab 163840, no
-    # shared expert.
-    "kimi-k3-like": lambda: ModelConfig(
-        name="kimi-k3-like", vocab=163_840, hidden=7168, layers=93, heads=64, kv_heads=8,
-        head_dim=128, ffn=18_432, rope_theta=50_000.0, max_position=131_072,
-        experts=896, experts_per_token=16, expert_ffn=2048, moe_layers=tuple(range(1, 93)),
-        norm_topk=True, expert_dtype="float4_e2m1fn"),
 }
 
 PRESET_NAMES = tuple(_PRESETS)
+HYBRID_PRESET_NAMES = tuple(_HYBRID_PRESETS)
 
 
 def preset(name: str) -> ModelConfig:
-    """A named `ModelConfig`; `PRESET_NAMES` lists them."""
-    if name not in _PRESETS:
-        raise ValueError(f"preset={name!r} does not exist; choose one of {PRESET_NAMES}")
-    return _PRESETS[name]()
+    """A named `ModelConfig`; `PRESET_NAMES` and `HYBRID_PRESET_NAMES` list them."""
+    presets = {**_PRESETS, **_HYBRID_PRESETS}
+    if name not in presets:
+        raise ValueError(f"preset={name!r} does not exist; choose one of "
+                         f"{PRESET_NAMES + HYBRID_PRESET_NAMES}")
+    return presets[name]()

@@ -202,6 +202,13 @@ def test_hybrid_calls_are_checked(tiny_hybrid):
 
 
 # -- Config ---------------------------------------------------------------------------------
+def test_hybrid_presets_count_every_parameter_shape():
+    for name in mk.config.HYBRID_PRESET_NAMES:
+        config = mk.preset(name)
+        counted = sum(int(np.prod(shape)) for shape, _ in config.param_shapes().values())
+        assert config.param_count == counted, name
+
+
 def test_presets_sizes():
     big = mk.preset("qwen3.5-27b")
     assert big.param_count == pytest.approx(26.9e9, rel=0.01)
