@@ -69,7 +69,8 @@ def hf_layout(config: ModelConfig, model: str = "model."
     HF stores a projection as [out, in]; mk stores [in, out], so every matrix except the
     embedding table is transposed (and a conv weight [C, 1, W] becomes [W, C]). A tied
     model has no `lm_head.weight` entry. `model` prefixes the decoder's names
-    ("model.language_model." in a full qwen3_5 checkpoint).
+    ("model.language_model." in a full qwen3_5 checkpoint). A gated model's q_proj maps to
+    the pseudo-parameter "wq+gate": it fills both wq and wq_gate.
     """
     layout = {f"{model}embed_tokens.weight": ("embed", (), False),
               f"{model}norm.weight": ("final_norm", (), False)}
@@ -122,14 +123,16 @@ def _hf_shape(param: str, mk_shape: tuple[int, ...], transposed: bool) -> tuple[
 
 def load_checkpoint(path: str | Path, *, dtype: str | None = None
                     ) -> tuple[ModelConfig, dict[str, jax.Array]]:
-    """Read a Qwen3 / Qwen3-MoE Hugging Face folder into (config, params).
+    """Read a Qwen3 / Qwen3-MoE / Qwen3.5 Hugging Face folder into (config, params).
 
     The folder holds `config.json` and either `model.safetensors` or shards listed by
     `model.safetensors.index.json`. Loading is strict: every tensor of `hf_layout` must be
     present once with the right shape and a float32/bfloat16/float16 dtype, and nothing
     else may be there (a tied checkpoint may repeat the embedding as `lm_head.weight`).
     All problems are collected into one `ValueError` before any weight is converted.
-    Parameters are cast to `config.dtype`; `dtype` overrides the file's dtype.
+    Parameters are cast to `config.dtype`; `dtype` overrides the file's dtype. A Qwen3.5
+    checkpoint's multi-token-prediction (`mtp.*`) and vision (`model.visual.*`) tensors
+    are not run by mk and are skipped.
     """
     folder = Path(path)
     config = ModelConfig.from_hf(folder, dtype=dtype)
@@ -147,9 +150,9 @@ def load_checkpoint(path: str | Path, *, dtype: str | None = None
             if name not in layout and not (name == "lm_head.weight" and config.tie_embeddings):
                 problems.append(f"{where[name]}: unexpected tensor {name} (not in "
                                 f"{config.name}'s layout; biases and buffers are not loaded)")
-        if config.tie_embeddings and {"lm_head.weight", "model.embed_tokens.weight"} <= set(
-                where):
-            problems += _check_tied_head(handles, where)
+        embed = next(name for name, (param, _, _) in layout.items() if param == "embed")
+        if config.tie_embeddings and {"lm_head.weight", embed} <= set(where):
+            problems += _check_tied_head(handles, where, embed)
         if problems:
             plural = "s" if len(problems) > 1 else ""
             raise ValueError(f"{folder}: cannot load the {config.name} checkpoint "
@@ -233,8 +236,8 @@ def _check_tensor(file, name, view, layout, shapes) -> list[str]:
     return problems
 
 
-def _check_tied_head(handles, where) -> list[str]:
-    embed_name, head_name = "model.embed_tokens.weight", "lm_head.weight"
+def _check_tied_head(handles, where, embed_name) -> list[str]:
+    head_name = "lm_head.weight"
     embed = handles[where[embed_name]].get_tensor(embed_name)
     head = handles[where[head_name]].get_tensor(head_name)
     if head.shape == embed.shape and np.array_equal(head.astype(np.float32),
