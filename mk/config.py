@@ -3,8 +3,9 @@
 Here: the frozen `ModelConfig` for Qwen3 / Qwen3-MoE-shaped decoders and Qwen3.5's hybrid
 (gated-DeltaNet linear attention + gated full attention), its derived sizes (parameter
 count, weight bytes, KV bytes per token, linear-attention state bytes per sequence),
-`ModelConfig.from_hf` for Hugging Face `config.json` files and the named presets. Not here: weights (`mk.checkpoint`), chips
-(`mk.chips`), notebook parameters (`mk.run`), kernel tiling (each kernel's `BlockSizes`).
+`ModelConfig.from_hf` for Hugging Face `config.json` files and the named presets. Not here:
+weights (`mk.checkpoint`), chips (`mk.chips`), notebook parameters (`mk.run`), kernel
+tiling (each kernel's `BlockSizes`).
 
 Dimension legend, used in every shape comment of the project:
 

@@ -34,11 +34,12 @@ COMMON = dict(vocab_size=300, hidden_size=64, num_attention_heads=4, num_key_val
               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
               linear_value_head_dim=8, linear_conv_kernel_dim=4, attn_implementation="eager",
               eos_token_id=None, bos_token_id=None, pad_token_id=None)
+LIN, FULL = "linear_attention", "full_attention"
 CASES = {
-    "lin-full-lin-untied": dict(num_hidden_layers=3, layer_types=["linear_attention", "full_attention",
-                                             "linear_attention"], tie_word_embeddings=False),
-    "full-lin-lin-tied": dict(num_hidden_layers=3, layer_types=["full_attention", "linear_attention",
-                                           "linear_attention"], tie_word_embeddings=True),
+    "lin-full-lin-untied": dict(num_hidden_layers=3, layer_types=[LIN, FULL, LIN],
+                                tie_word_embeddings=False),
+    "full-lin-lin-tied": dict(num_hidden_layers=3, layer_types=[FULL, LIN, LIN],
+                              tie_word_embeddings=True),
 }
 
 
