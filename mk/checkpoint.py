@@ -1,7 +1,8 @@
 """Weights: deterministic random parameters and strict Hugging Face checkpoint loading.
 
 Here: `init_params(config, seed)` (random weights in the layout of `mk.config`) and
-`load_checkpoint(path)` for Qwen3 / Qwen3-MoE folders of safetensors files. Not here:
+`load_checkpoint(path)` for Qwen3 / Qwen3-MoE / Qwen3.5 (`qwen3_5_text`, and the language
+model of a full `qwen3_5` checkpoint) folders of safetensors files. Not here:
 downloading (a notebook may call `huggingface_hub` when the user asks), quantisation.
 """
 
@@ -27,7 +28,8 @@ def init_params(config: ModelConfig, seed: int = 0) -> dict[str, jax.Array]:
     changes another.
     Matrices are N(0, 1/fan_in) so activations keep unit scale; embeddings and lm_head are
     N(0, 1) so logits are well separated (greedy decoding is then robust to rounding);
-    norm weights are 1 + N(0, 0.1^2) so a kernel that skips a norm weight is caught.
+    norm weights are 1 + N(0, 0.1^2) so a kernel that skips a norm weight is caught (stored
+    minus `config.norm_offset`, except the gated DeltaNet's own norm, which has no offset).
     """
     if (config.expert_dtype or config.dtype) not in COMPUTE_DTYPES:
         raise NotImplementedError(f"{config.name}: expert_dtype={config.expert_dtype!r} is "
@@ -37,7 +39,7 @@ def init_params(config: ModelConfig, seed: int = 0) -> dict[str, jax.Array]:
         rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
         x = rng.standard_normal(shape, np.float32)
         if name.endswith("norm"):
-            x = 1.0 + 0.1 * x
+            x = 1.0 - (config.norm_offset if name != "lin_norm" else 0.0) + 0.1 * x
         elif name not in ("embed", "lm_head"):
             x = x / np.sqrt(shape[-2], dtype=np.float32)  # fan_in of an [.., in, out] weight
         params[name] = jnp.asarray(x, dtype)
@@ -51,25 +53,40 @@ INDEX_FILE = "model.safetensors.index.json"
 STORED_DTYPES = ("F32", "BF16", "F16")
 
 
-def hf_layout(config: ModelConfig) -> dict[str, tuple[str, tuple[int, ...], bool]]:
+# Tensors of a Qwen3.5 checkpoint that mk does not run (multi-token prediction, vision).
+QWEN3_5_SKIPPED = ("mtp.", "model.visual.")
+# mk parameter -> HF tensor name inside a gated-DeltaNet layer (`linear_attn.`).
+_LINEAR = {"lin_qkv": "in_proj_qkv.weight", "lin_z": "in_proj_z.weight",
+           "lin_b": "in_proj_b.weight", "lin_a": "in_proj_a.weight",
+           "lin_conv": "conv1d.weight", "lin_a_log": "A_log", "lin_dt_bias": "dt_bias",
+           "lin_norm": "norm.weight", "lin_out": "out_proj.weight"}
+
+
+def hf_layout(config: ModelConfig, model: str = "model."
+              ) -> dict[str, tuple[str, tuple[int, ...], bool]]:
     """HF tensor name -> (mk parameter, index into its stacked axes, transposed?).
 
     HF stores a projection as [out, in]; mk stores [in, out], so every matrix except the
-    embedding table is transposed. A tied model has no `lm_head.weight` entry.
+    embedding table is transposed (and a conv weight [C, 1, W] becomes [W, C]). A tied
+    model has no `lm_head.weight` entry. `model` prefixes the decoder's names
+    ("model.language_model." in a full qwen3_5 checkpoint). A gated model's q_proj maps to
+    the pseudo-parameter "wq+gate": it fills both wq and wq_gate.
     """
-    layout = {"model.embed_tokens.weight": ("embed", (), False),
-              "model.norm.weight": ("final_norm", (), False)}
+    layout = {f"{model}embed_tokens.weight": ("embed", (), False),
+              f"{model}norm.weight": ("final_norm", (), False)}
     if not config.tie_embeddings:
         layout["lm_head.weight"] = ("lm_head", (), True)
     for i in range(config.layers):
-        prefix = f"model.layers.{i}."
+        prefix = f"{model}layers.{i}."
         layout[prefix + "input_layernorm.weight"] = ("attn_norm", (i,), False)
         layout[prefix + "post_attention_layernorm.weight"] = ("mlp_norm", (i,), False)
-        for proj in "qkvo":
-            layout[f"{prefix}self_attn.{proj}_proj.weight"] = (f"w{proj}", (i,), True)
-        if config.qk_norm:
-            for proj in "qk":
-                layout[f"{prefix}self_attn.{proj}_norm.weight"] = (f"{proj}_norm", (i,), False)
+        kind, a = config.mixer_index(i)
+        if kind == "linear":
+            for param, name in _LINEAR.items():
+                vector = param in ("lin_a_log", "lin_dt_bias", "lin_norm")
+                layout[f"{prefix}linear_attn.{name}"] = (param, (a,), not vector)
+        else:
+            _attention_layout(config, layout, prefix, a)
         kind, j = config.mlp_index(i)
         if kind == "dense":
             for proj in ("gate", "up", "down"):
@@ -83,35 +100,64 @@ def hf_layout(config: ModelConfig) -> dict[str, tuple[str, tuple[int, ...], bool
     return layout
 
 
+def _attention_layout(config, layout, prefix, a):
+    """The full-attention tensors of one layer (stacked row a); with an output gate, HF's
+    q_proj [N*2H, D] interleaves per head H query rows then H gate rows."""
+    for proj in "kvo":
+        layout[f"{prefix}self_attn.{proj}_proj.weight"] = (f"w{proj}", (a,), True)
+    layout[f"{prefix}self_attn.q_proj.weight"] = (
+        "wq+gate" if config.attn_output_gate else "wq", (a,), True)
+    if config.qk_norm:
+        for proj in "qk":
+            layout[f"{prefix}self_attn.{proj}_norm.weight"] = (f"{proj}_norm", (a,), False)
+
+
+def _hf_shape(param: str, mk_shape: tuple[int, ...], transposed: bool) -> tuple[int, ...]:
+    """The HF shape of one tensor that fills an mk slot of shape `mk_shape`."""
+    if param == "lin_conv":
+        return (mk_shape[1], 1, mk_shape[0])
+    if param == "wq+gate":
+        return (2 * mk_shape[1], mk_shape[0])
+    return tuple(reversed(mk_shape)) if transposed else tuple(mk_shape)
+
+
 def load_checkpoint(path: str | Path, *, dtype: str | None = None
                     ) -> tuple[ModelConfig, dict[str, jax.Array]]:
-    """Read a Qwen3 / Qwen3-MoE Hugging Face folder into (config, params).
+    """Read a Qwen3 / Qwen3-MoE / Qwen3.5 Hugging Face folder into (config, params).
 
     The folder holds `config.json` and either `model.safetensors` or shards listed by
     `model.safetensors.index.json`. Loading is strict: every tensor of `hf_layout` must be
     present once with the right shape and a float32/bfloat16/float16 dtype, and nothing
     else may be there (a tied checkpoint may repeat the embedding as `lm_head.weight`).
     All problems are collected into one `ValueError` before any weight is converted.
-    Parameters are cast to `config.dtype`; `dtype` overrides the file's dtype.
+    Parameters are cast to `config.dtype`; `dtype` overrides the file's dtype. A Qwen3.5
+    checkpoint's multi-token-prediction (`mtp.*`) and vision (`model.visual.*`) tensors
+    are not run by mk and are skipped.
     """
     folder = Path(path)
     config = ModelConfig.from_hf(folder, dtype=dtype)
-    layout = hf_layout(config)
+    full_qwen3_5 = json.loads((folder / "config.json").read_text()).get(
+        "model_type") == "qwen3_5"
+    layout = hf_layout(config, "model.language_model." if full_qwen3_5 else "model.")
     shapes = config.param_shapes()
+    shapes["wq+gate"] = shapes["wq"]  # the q_proj of a gated model fills wq and wq_gate
     with contextlib.ExitStack() as stack:
         handles, where, problems = _open_tensors(folder, layout, shapes, stack)
+        skipped = QWEN3_5_SKIPPED if config.is_hybrid else ()
         for name in where:
+            if name.startswith(skipped):
+                continue
             if name not in layout and not (name == "lm_head.weight" and config.tie_embeddings):
                 problems.append(f"{where[name]}: unexpected tensor {name} (not in "
                                 f"{config.name}'s layout; biases and buffers are not loaded)")
-        if config.tie_embeddings and {"lm_head.weight", "model.embed_tokens.weight"} <= set(
-                where):
-            problems += _check_tied_head(handles, where)
+        embed = next(name for name, (param, _, _) in layout.items() if param == "embed")
+        if config.tie_embeddings and {"lm_head.weight", embed} <= set(where):
+            problems += _check_tied_head(handles, where, embed)
         if problems:
             plural = "s" if len(problems) > 1 else ""
             raise ValueError(f"{folder}: cannot load the {config.name} checkpoint "
                              f"({len(problems)} problem{plural}):\n  " + "\n  ".join(problems))
-        return config, _assemble(handles, where, layout, shapes)
+        return config, _assemble(handles, where, layout, shapes, config.head_dim)
 
 
 def _open_tensors(folder, layout, shapes, stack):
@@ -178,8 +224,7 @@ def _check_tensor(file, name, view, layout, shapes) -> list[str]:
     if name not in layout:
         return []  # reported as unexpected by the caller
     param, index, transposed = layout[name]
-    want = shapes[param][0][len(index):]
-    want = tuple(reversed(want)) if transposed else tuple(want)
+    want = _hf_shape(param, shapes[param][0][len(index):], transposed)
     got = tuple(view.get_shape())
     problems = []
     if got != want:
@@ -191,8 +236,8 @@ def _check_tensor(file, name, view, layout, shapes) -> list[str]:
     return problems
 
 
-def _check_tied_head(handles, where) -> list[str]:
-    embed_name, head_name = "model.embed_tokens.weight", "lm_head.weight"
+def _check_tied_head(handles, where, embed_name) -> list[str]:
+    head_name = "lm_head.weight"
     embed = handles[where[embed_name]].get_tensor(embed_name)
     head = handles[where[head_name]].get_tensor(head_name)
     if head.shape == embed.shape and np.array_equal(head.astype(np.float32),
@@ -202,20 +247,21 @@ def _check_tied_head(handles, where) -> list[str]:
             "says tie_word_embeddings=true"]
 
 
-def _assemble(handles, where, layout, shapes) -> dict[str, jax.Array]:
+def _assemble(handles, where, layout, shapes, head_dim: int) -> dict[str, jax.Array]:
     """Stack the validated tensors per parameter in numpy, then one device copy each."""
-    by_param: dict[str, list[str]] = {}
-    for name, (param, _, _) in layout.items():
-        by_param.setdefault(param, []).append(name)
-    params = {}
-    for param, (shape, dtype) in shapes.items():
-        stacked = np.empty(shape, jnp.dtype(dtype))
-        for name in by_param[param]:
-            _, index, transposed = layout[name]
-            tensor = handles[where[name]].get_tensor(name)
-            stacked[index] = tensor.T if transposed else tensor
-        params[param] = jnp.asarray(stacked)
-    return params
+    stacks = {param: np.empty(shape, jnp.dtype(dtype)) for param, (shape, dtype)
+              in shapes.items() if param != "wq+gate"}
+    for name, (param, index, transposed) in layout.items():
+        tensor = handles[where[name]].get_tensor(name)
+        if param == "lin_conv":
+            tensor = tensor[:, 0, :]
+        elif param == "wq+gate":  # [N*2H, D]: per head, H query rows then H gate rows
+            heads = tensor.reshape(-1, 2, head_dim, tensor.shape[1])
+            stacks["wq"][index] = heads[:, 0].reshape(-1, tensor.shape[1]).T
+            stacks["wq_gate"][index] = heads[:, 1].reshape(-1, tensor.shape[1]).T
+            continue
+        stacks[param][index] = tensor.T if transposed else tensor
+    return {param: jnp.asarray(stacked) for param, stacked in stacks.items()}
 
 
 def _slot(param: str, index: tuple[int, ...]) -> str:

@@ -4,6 +4,10 @@ Here: the Qwen3 / Qwen3-MoE forward pass (RMSNorm, GQA with QK-norm, RoPE, SwiGL
 top-k router with optional renormalisation, tied or untied lm_head) as `prefill`,
 `decode_step` and greedy `generate`, plus the small pieces kernels reuse as their own
 oracles (`rms_norm`, `rope`, `attention_inputs`, `attention`, `swiglu`, `moe`, `greedy`).
+Qwen3.5 hybrids (`config.is_hybrid`) run through the same `prefill`, `decode_step` and
+`generate`: their full-attention layers gate the output and rotate part of each head, their
+gated-DeltaNet layers (`linear_attention`, math in `mk.linear_attention`) keep a conv and a
+recurrent state instead of KV rows, and every RMSNorm scales by (norm_offset + weight).
 No Pallas, no sharding, no sampling (speculative decoding lives in `mk.spec`).
 
 Numerics (kernels mirror these cast points, so their tolerances stay tight):
@@ -15,6 +19,10 @@ Numerics (kernels mirror these cast points, so their tolerances stay tight):
 KV cache: `KVCache(k, v)`, each [L, B, K, S, H] with capacity S = `max_context`. A decode
 step writes its T new rows at `positions[b] .. positions[b] + T - 1` and attends causally;
 a row at or past S is an error, never a silent wrap (XLA would clamp the write).
+A hybrid's cache is `HybridCache(k, v, conv, state)`: KV [La, ...] for its full layers only,
+conv [Ll, B, W-1, C] (config.dtype) and state [Ll, B, Nv, Hk, Hv] (float32) for its linear
+layers. `decode_step(..., row_states=True)` also returns the linear states after every row
+(`LinearRows`); `rollback` picks each sequence's last accepted row from them.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from mk import linear_attention as la
 from mk.config import ModelConfig
 
 F32 = jnp.float32
@@ -36,6 +45,19 @@ HIGHEST = lax.Precision.HIGHEST
 class KVCache(NamedTuple):
     k: jax.Array  # [L, B, K, S, H] config.dtype
     v: jax.Array  # [L, B, K, S, H] config.dtype
+
+
+class HybridCache(NamedTuple):
+    k: jax.Array  # [La, B, K, S, H] config.dtype
+    v: jax.Array  # [La, B, K, S, H] config.dtype
+    conv: jax.Array  # [Ll, B, W-1, C] config.dtype
+    state: jax.Array  # [Ll, B, Nv, Hk, Hv] float32
+
+
+class LinearRows(NamedTuple):
+    """The linear layers' states after each of a step's T rows."""
+    conv: jax.Array  # [Ll, B, T, W-1, C] config.dtype
+    state: jax.Array  # [Ll, B, T, Nv, Hk, Hv] float32
 
 
 # -- Building blocks (each is also the oracle of a stage kernel) ---------------------------
@@ -54,17 +76,23 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     return dot("...i,io->...o", x, w, w.dtype)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm over the last axis, in float32."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """RMSNorm over the last axis, in float32, scaled by (offset + weight)."""
     x = x.astype(F32)
-    return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * weight.astype(F32)
+    scale = weight.astype(F32) + offset
+    return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * scale
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotate-half RoPE (the Qwen/Llama convention) in float32.
+def rope(x: jax.Array, positions: jax.Array, theta: float,
+         dims: int | None = None) -> jax.Array:
+    """Rotate-half RoPE (the Qwen/Llama convention) in float32 on the first `dims` (default
+    all) dims of each head; the rest pass through (partial RoPE).
 
     x [..., T, heads, H]; positions [..., T] integer absolute positions.
     """
+    if dims is not None and dims < x.shape[-1]:
+        rotated = rope(x[..., :dims], positions, theta)
+        return jnp.concatenate([rotated, x[..., dims:].astype(F32)], axis=-1)
     half = x.shape[-1] // 2
     inv_freq = 1.0 / (theta ** (jnp.arange(0, 2 * half, 2, dtype=F32) / (2 * half)))
     angles = positions.astype(F32)[..., None] * inv_freq  # [..., T, H/2]
@@ -136,7 +164,7 @@ def greedy(logits: jax.Array) -> jax.Array:
 
 def lm_head(config: ModelConfig, params, x: jax.Array) -> jax.Array:
     """Final norm and vocab projection: x [..., D] -> logits [..., V] float32."""
-    h = rms_norm(x, params["final_norm"], config.rms_eps)
+    h = rms_norm(x, params["final_norm"], config.rms_eps, config.norm_offset)
     w = params["embed"].T if config.tie_embeddings else params["lm_head"]
     return matmul(h, w)
 
@@ -154,65 +182,153 @@ def attention_inputs(config: ModelConfig, params, layer: int, x, positions):
     q and k QK-normed and RoPE'd at positions[b] + t."""
     B, T, _ = x.shape
     N, K, H, eps = config.heads, config.kv_heads, config.head_dim, config.rms_eps
-    h = rms_norm(x, params["attn_norm"][layer], eps)
-    q = matmul(h, params["wq"][layer]).reshape(B, T, N, H)
-    k = matmul(h, params["wk"][layer]).reshape(B, T, K, H)
-    v = matmul(h, params["wv"][layer]).reshape(B, T, K, H)
+    off, (_, a) = config.norm_offset, config.mixer_index(layer)
+    h = rms_norm(x, params["attn_norm"][layer], eps, off)
+    q = matmul(h, params["wq"][a]).reshape(B, T, N, H)
+    k = matmul(h, params["wk"][a]).reshape(B, T, K, H)
+    v = matmul(h, params["wv"][a]).reshape(B, T, K, H)
     if config.qk_norm:
-        q = rms_norm(q, params["q_norm"][layer], eps)
-        k = rms_norm(k, params["k_norm"][layer], eps)
+        q = rms_norm(q, params["q_norm"][a], eps, off)
+        k = rms_norm(k, params["k_norm"][a], eps, off)
     row_pos = positions[:, None] + jnp.arange(T)
-    return rope(q, row_pos, config.rope_theta), rope(k, row_pos, config.rope_theta), v
+    theta, dims = config.rope_theta, config.rotary_dim
+    return rope(q, row_pos, theta, dims), rope(k, row_pos, theta, dims), v
 
 
 def decoder_layer(config: ModelConfig, params, layer: int, x, k_cache, v_cache, positions):
     """One decoder layer (the stage-05 oracle); x [B, T, D] float32, caches [B, K, S, H]
     of this layer. Returns (x, k_cache, v_cache, x_after_attn)."""
     B, T, _ = x.shape
-    eps = config.rms_eps
+    _, a = config.mixer_index(layer)
     q, k, v = attention_inputs(config, params, layer, x, positions)
     k_cache = _write_rows(k_cache, k, positions)
     v_cache = _write_rows(v_cache, v, positions)
     o = attention(q, k_cache, v_cache, positions).reshape(B, T, -1)
-    x = x + matmul(o, params["wo"][layer])
-    x_attn = x
+    if config.attn_output_gate:
+        h = rms_norm(x, params["attn_norm"][layer], config.rms_eps, config.norm_offset)
+        o = o * jax.nn.sigmoid(matmul(h, params["wq_gate"][a]))
+    x = x + matmul(o, params["wo"][a])
+    return mlp_block(config, params, layer, x), k_cache, v_cache, x
 
-    h = rms_norm(x, params["mlp_norm"][layer], eps).reshape(B * T, -1)
+
+def mlp_block(config: ModelConfig, params, layer: int, x) -> jax.Array:
+    """x + MLP(RMSNorm(x)) of layer `layer` (dense SwiGLU or MoE); x [B, T, D] float32."""
+    B, T, _ = x.shape
+    h = rms_norm(x, params["mlp_norm"][layer], config.rms_eps,
+                 config.norm_offset).reshape(B * T, -1)
     kind, i = config.mlp_index(layer)
     if kind == "dense":
         y = swiglu(h, params["w_gate"][i], params["w_up"][i], params["w_down"][i])
     else:
         y = moe(h, params["router"][i], params["we_gate"][i], params["we_up"][i],
                 params["we_down"][i], config.experts_per_token, config.norm_topk)
-    return x + y.reshape(B, T, -1), k_cache, v_cache, x_attn
+    return x + y.reshape(B, T, -1)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "taps"))
-def _forward(config: ModelConfig, params, cache: KVCache, tokens, positions, taps=False):
+def linear_attention(config: ModelConfig, params, i: int, h, conv_state, state):
+    """The gated DeltaNet of linear layer i on normed rows h [B, T, D].
+
+    conv_state [B, W-1, C], state [B, Nv, Hk, Hv] float32. Returns (y [B, T, D] float32,
+    conv states [B, T, W-1, C] and recurrent states [B, T, Nv, Hk, Hv] after each row).
+    """
+    B, T, _ = h.shape
+    Nk, Nv, Hk, Hv = (config.linear_key_heads, config.linear_value_heads,
+                      config.linear_key_dim, config.linear_value_dim)
+    # The conv input is stored in the conv state, so it is rounded to the cache dtype.
+    qkv = matmul(h, params["lin_qkv"][i]).astype(conv_state.dtype)
+    mixed, conv_rows = la.causal_conv(qkv, conv_state, params["lin_conv"][i])
+    kw = config.linear_key_width
+    q = mixed[..., :kw].reshape(B, T, Nk, Hk)
+    k = mixed[..., kw:2 * kw].reshape(B, T, Nk, Hk)
+    v = mixed[..., 2 * kw:].reshape(B, T, Nv, Hv)
+    # Key head j serves value heads j * Nv/Nk .. (j + 1) * Nv/Nk - 1.
+    q = jnp.repeat(la.l2norm(q), Nv // Nk, axis=2) / np.float32(np.sqrt(Hk))
+    k = jnp.repeat(la.l2norm(k), Nv // Nk, axis=2)
+    beta = jax.nn.sigmoid(matmul(h, params["lin_b"][i]))
+    decay = jnp.exp(params["lin_a_log"][i].astype(F32))
+    g = -decay * jax.nn.softplus(matmul(h, params["lin_a"][i])
+                                 + params["lin_dt_bias"][i].astype(F32))
+    o, state_rows = la.delta_rule(q, k, v, g, beta, state)
+    z = matmul(h, params["lin_z"][i]).reshape(B, T, Nv, Hv)
+    o = la.gated_rms_norm(o, z, params["lin_norm"][i], config.rms_eps).reshape(B, T, -1)
+    return matmul(o, params["lin_out"][i]), conv_rows, state_rows
+
+
+def linear_decoder_layer(config: ModelConfig, params, layer: int, x, conv_state, state):
+    """A gated-DeltaNet decoder layer; x [B, T, D] float32. Returns (x, conv states,
+    recurrent states after each row, x_after_mixer)."""
+    _, i = config.mixer_index(layer)
+    h = rms_norm(x, params["attn_norm"][layer], config.rms_eps, config.norm_offset)
+    y, conv_rows, state_rows = linear_attention(config, params, i, h, conv_state, state)
+    x = x + y
+    return mlp_block(config, params, layer, x), conv_rows, state_rows, x
+
+
+@functools.partial(jax.jit, static_argnames=("config", "taps", "row_states"))
+def _forward(config: ModelConfig, params, cache, tokens, positions, taps=False,
+             row_states=False):
     x = params["embed"][tokens].astype(F32)  # [B, T, D]
-    ks, vs, after_attn, after_mlp = [], [], [], []
+    ks, vs, convs, states, after_attn, after_mlp = [], [], [], [], [], []
     for layer in range(config.layers):
-        x, k, v, x_attn = decoder_layer(config, params, layer, x, cache.k[layer], cache.v[layer],
-                                 positions)
-        ks.append(k)
-        vs.append(v)
+        kind, i = config.mixer_index(layer)
+        if kind == "full":
+            x, k, v, x_attn = decoder_layer(config, params, layer, x, cache.k[i], cache.v[i],
+                                            positions)
+            ks.append(k)
+            vs.append(v)
+        else:
+            x, conv, state, x_attn = linear_decoder_layer(config, params, layer, x,
+                                                          cache.conv[i], cache.state[i])
+            convs.append(conv)
+            states.append(state)
         after_attn.append(x_attn)
         after_mlp.append(x)
     logits = lm_head(config, params, x)
-    cache = KVCache(jnp.stack(ks), jnp.stack(vs))
+    # A model cut to linear layers only has an empty KV cache.
+    out = [logits, KVCache(jnp.stack(ks), jnp.stack(vs)) if ks else KVCache(cache.k, cache.v)]
+    if config.is_hybrid:
+        rows = LinearRows(jnp.stack(convs), jnp.stack(states))
+        out[1] = HybridCache(*out[1], rows.conv[:, :, -1], rows.state[:, :, -1])
+        if row_states:
+            out.append(rows)
     if taps:
-        return logits, cache, {"attn": jnp.stack(after_attn), "mlp": jnp.stack(after_mlp)}
-    return logits, cache
+        out.append({"attn": jnp.stack(after_attn), "mlp": jnp.stack(after_mlp)})
+    return tuple(out)
 
 
 # -- Public API -----------------------------------------------------------------------------
-def init_cache(config: ModelConfig, batch: int, max_context: int | None = None) -> KVCache:
-    """An empty cache of capacity `max_context` (default `config.max_context`)."""
+def init_cache(config: ModelConfig, batch: int, max_context: int | None = None):
+    """An empty cache of capacity `max_context` (default `config.max_context`): a
+    `KVCache`, or for a hybrid a `HybridCache` with zero linear states."""
     S = config.max_context if max_context is None else max_context
     if not 1 <= S <= config.max_position:
         raise ValueError(f"max_context={S} must be in [1, max_position={config.max_position}]")
-    shape = (config.layers, batch, config.kv_heads, S, config.head_dim)
-    return KVCache(jnp.zeros(shape, config.dtype), jnp.zeros(shape, config.dtype))
+    shape = (len(config.full_layers), batch, config.kv_heads, S, config.head_dim)
+    cache = KVCache(jnp.zeros(shape, config.dtype), jnp.zeros(shape, config.dtype))
+    if not config.is_hybrid:
+        return cache
+    Ll = len(config.linear_layers)
+    conv = (Ll, batch, config.conv_kernel - 1, config.conv_channels)
+    state = (Ll, batch, config.linear_value_heads, config.linear_key_dim,
+             config.linear_value_dim)
+    return HybridCache(*cache, jnp.zeros(conv, config.dtype), jnp.zeros(state, F32))
+
+
+def rollback(cache: HybridCache, rows: LinearRows, accepted) -> HybridCache:
+    """The cache with each sequence's linear states after its first accepted[b] rows.
+
+    accepted [B] ints in [1, T]. KV rows need no rollback: rows past the accepted prefix are
+    overwritten by the next step and never attended before that.
+    """
+    accepted = jnp.asarray(accepted, jnp.int32)
+    T = rows.state.shape[2]
+    got = concrete(accepted)
+    if got is not None and (got.shape != (rows.state.shape[1],) or got.min() < 1
+                            or got.max() > T):
+        raise ValueError(f"accepted={got.tolist()} must be [B={rows.state.shape[1]}] counts "
+                         f"in [1, T={T}]")
+    pick = jax.vmap(lambda a, r: a[:, r - 1], in_axes=(1, 0), out_axes=1)
+    return cache._replace(conv=pick(rows.conv, accepted), state=pick(rows.state, accepted))
 
 
 def concrete(x):
@@ -225,10 +341,15 @@ def concrete(x):
 
 def validate_step(config: ModelConfig, cache: KVCache, tokens, positions) -> None:
     """Raise ValueError for a decode step that would read or write outside the cache."""
+    if config.is_hybrid != isinstance(cache, HybridCache):
+        need = "HybridCache" if config.is_hybrid else "KVCache"
+        raise ValueError(f"{config.name} needs a {need}, got a {type(cache).__name__} "
+                         "(use init_cache)")
     L, B, K, S, H = cache.k.shape
-    if (L, K, H) != (config.layers, config.kv_heads, config.head_dim):
+    La = len(config.full_layers)
+    if (L, K, H) != (La, config.kv_heads, config.head_dim):
         raise ValueError(f"cache [L, B, K, S, H]={cache.k.shape} does not fit {config.name} "
-                         f"(L={config.layers}, K={config.kv_heads}, H={config.head_dim})")
+                         f"(L={La} full layers, K={config.kv_heads}, H={config.head_dim})")
     if tokens.ndim != 2 or tokens.shape[0] != B:
         raise ValueError(f"tokens shape {tokens.shape} must be [B={B}, T]")
     if positions.shape != (B,):
@@ -255,17 +376,23 @@ def check_positions(positions, rows: int, capacity: int) -> None:
                              f"max_context={capacity}")
 
 
-def decode_step(config: ModelConfig, params, cache: KVCache, tokens, positions, *,
-                taps: bool = False):
+def decode_step(config: ModelConfig, params, cache, tokens, positions, *,
+                taps: bool = False, row_states: bool = False):
     """T new tokens per sequence -> (logits [B, T, V] float32, updated cache).
 
     tokens [B, T] int; positions [B]: where each sequence's first new row goes. With
-    `taps=True` also returns {"attn", "mlp"}: the residual stream [L, B, T, D] after each
-    layer's attention and MLP blocks (for finding the first diverging op).
+    `row_states=True` (hybrids) also returns `LinearRows`, the linear layers' states after
+    each row (for `rollback`). With `taps=True` also returns {"attn", "mlp"}: the residual
+    stream [L, B, T, D] after each layer's attention and MLP blocks (for finding the first
+    diverging op).
     """
     tokens, positions = jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32)
+    if row_states and not config.is_hybrid:
+        raise ValueError(f"row_states=True needs a hybrid model; {config.name} has no "
+                         "linear layers")
     validate_step(config, cache, tokens, positions)
-    return _forward(config, params, cache, tokens, positions, taps=taps)
+    return _forward(config, params, cache, tokens, positions, taps=taps,
+                    row_states=row_states)
 
 
 def prefill(config: ModelConfig, params, tokens, *, max_context: int | None = None):
@@ -278,7 +405,7 @@ def prefill(config: ModelConfig, params, tokens, *, max_context: int | None = No
 
 
 @functools.partial(jax.jit, static_argnames=("config", "steps"))
-def _greedy_loop(config: ModelConfig, params, cache: KVCache, first, start, steps: int):
+def _greedy_loop(config: ModelConfig, params, cache, first, start, steps: int):
     def step(carry, _):
         cache, token, pos = carry
         logits, cache = _forward(config, params, cache, token[:, None], pos)

@@ -1,0 +1,272 @@
+"""Qwen3.5 hybrids (gated DeltaNet + gated full attention) against transformers' oracle.
+
+Tiny random float32 `qwen3_5_text` models are written by transformers' `save_pretrained`,
+read back with `mk.load_checkpoint` and run by `mk.reference`: prefill logits, 32 greedy
+tokens (batch 1 and 4, T = 1), and T = 4 decode steps fed transformers' own tokens must
+agree. Two layer patterns, both with a linear layer last; key and value head dims differ
+so a transposed state or swapped head axis cannot pass. Also: the delta rule and the
+causal conv by hand, per-row states and rollback (with a planted missing rollback), the
+config's derived sizes against transformers' parameter count, and the strict loader,
+including the language model of a full `qwen3_5` checkpoint.
+"""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file, save_file
+
+import mk
+from mk import linear_attention as la
+from mk import reference as R
+
+# Both sides compute in float32 (observed max |mk - hf| / max |hf| well below 1e-5).
+LOGIT_RTOL_OF_SCALE = 1e-4
+PROMPT, STEPS = 8, 32
+COMMON = dict(vocab_size=300, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, intermediate_size=96, max_position_embeddings=128,
+              rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                  "partial_rotary_factor": 0.25},
+              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+              linear_value_head_dim=8, linear_conv_kernel_dim=4, attn_implementation="eager",
+              eos_token_id=None, bos_token_id=None, pad_token_id=None)
+LIN, FULL = "linear_attention", "full_attention"
+CASES = {
+    "lin-full-lin-untied": dict(num_hidden_layers=3, layer_types=[LIN, FULL, LIN],
+                                tie_word_embeddings=False),
+    "full-lin-lin-tied": dict(num_hidden_layers=3, layer_types=[FULL, LIN, LIN],
+                              tie_word_embeddings=True),
+}
+
+
+def build_hf_hybrid(overrides: dict, seed: int = 0):
+    """A random float32 transformers Qwen3.5 text model, every parameter re-drawn at O(1)
+    activation scale (zero-centred norms near 0, the gated norm near 1)."""
+    import transformers
+
+    config = transformers.Qwen3_5TextConfig(**{**COMMON, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.Qwen3_5ForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("linear_attn.norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            elif name.endswith("norm.weight"):  # Qwen3_5RMSNorm scales by 1 + weight
+                param.copy_(0.1 * torch.randn_like(param))
+            elif name.endswith(("A_log", "dt_bias")):
+                param.copy_(0.5 * torch.randn_like(param))
+            elif name == "model.embed_tokens.weight":
+                param.copy_(torch.randn_like(param))
+            else:  # [out, in] or conv [C, 1, W]: N(0, 1/fan_in)
+                param.copy_(torch.randn_like(param) / param.shape[-1] ** 0.5)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tmp_path_factory):
+    model = build_hf_hybrid(CASES[request.param])
+    folder = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(folder)
+    config, params = mk.load_checkpoint(folder)
+    prompt = np.random.default_rng(1).integers(0, COMMON["vocab_size"], (4, PROMPT))
+    return model, folder, config, params, prompt
+
+
+def hf_greedy(model, prompt, steps):
+    ids = torch.as_tensor(prompt)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[:, prompt.shape[1]:].numpy()
+
+
+def test_loaded_config_and_sizes_match_the_transformers_model(case):
+    model, _, config, params, _ = case
+    hf = model.config
+    assert config.is_hybrid and config.norm_offset == 1.0 and config.attn_output_gate
+    kinds = tuple("linear" if t == "linear_attention" else "full" for t in hf.layer_types)
+    assert config.layer_types == kinds and config.layer_types[-1] == "linear"
+    assert config.rotary_dim == 4
+    assert config.param_count == sum(p.numel() for p in model.parameters())
+    assert {k: v.shape for k, v in params.items()} == {
+        k: shape for k, (shape, _) in config.param_shapes().items()}
+
+
+def test_prefill_logits_match_transformers_forward(case):
+    model, _, config, params, prompt = case
+    with torch.no_grad():
+        want = model(torch.as_tensor(prompt)).logits.numpy()
+    got = np.asarray(R.prefill(config, params, prompt)[0])
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(got, want, rtol=0, atol=LOGIT_RTOL_OF_SCALE * scale)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_32_greedy_tokens_match_transformers_generate(case, batch):
+    model, _, config, params, prompt = case
+    want = hf_greedy(model, prompt[:batch], STEPS)
+    assert want.shape == (batch, STEPS)
+    got = np.asarray(R.generate(config, params, prompt[:batch], STEPS))
+    np.testing.assert_array_equal(got, want)
+
+
+def test_t4_decode_steps_predict_transformers_tokens(case):
+    """Prefill, then feed transformers' greedy tokens 4 rows per step: every row's argmax
+    is transformers' next token, and the caches carry across steps."""
+    model, _, config, params, prompt = case
+    want = hf_greedy(model, prompt, 13)  # token 0 from prefill, then 3 steps of 4 rows
+    logits, cache = R.prefill(config, params, prompt)
+    np.testing.assert_array_equal(np.asarray(R.greedy(logits[:, -1])), want[:, 0])
+    for step in range(3):
+        rows = want[:, 4 * step:4 * step + 4]
+        pos = jnp.full((4,), PROMPT + 4 * step, jnp.int32)
+        logits, cache = R.decode_step(config, params, cache, rows, pos)
+        np.testing.assert_array_equal(np.asarray(R.greedy(logits)),
+                                      want[:, 4 * step + 1:4 * step + 5])
+
+
+# -- The reference itself ------------------------------------------------------------------
+def test_delta_rule_by_hand():
+    """One head, Hk = 2, Hv = 1. Row 1: S = 0, k = (1, 0), v = 2, beta = 1/2 -> delta 1,
+    S = [1, 0], out (q = (1, 0)) = 1. Row 2: decay 1/2 -> S = [1/2, 0]; k = (1, 0), v = 4,
+    beta = 1 -> delta 3.5, S = [4, 0]; out (q = (1, 1)) = 4."""
+    q = jnp.array([[1.0, 0.0], [1.0, 1.0]]).reshape(1, 2, 1, 2)
+    k = jnp.array([[1.0, 0.0], [1.0, 0.0]]).reshape(1, 2, 1, 2)
+    v = jnp.array([2.0, 4.0]).reshape(1, 2, 1, 1)
+    g = jnp.log(jnp.array([1.0, 0.5])).reshape(1, 2, 1)
+    beta = jnp.array([0.5, 1.0]).reshape(1, 2, 1)
+    out, states = la.delta_rule(q, k, v, g, beta, jnp.zeros((1, 1, 2, 1)))
+    np.testing.assert_allclose(np.asarray(out).ravel(), [1.0, 4.0], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(states).reshape(2, 2), [[1.0, 0.0], [4.0, 0.0]],
+                               rtol=1e-6)
+
+
+def test_causal_conv_by_hand():
+    """W = 3, one channel, state (1, 2), weights (1, 10, 100) (newest row last): row x=3
+    sees 1, 2, 3 -> 321; row x=4 sees 2, 3, 4 -> 432; states (2, 3) then (3, 4)."""
+    state = jnp.array([1.0, 2.0]).reshape(1, 2, 1)
+    x = jnp.array([3.0, 4.0]).reshape(1, 2, 1)
+    out, states = la.causal_conv(x, state, jnp.array([1.0, 10.0, 100.0]).reshape(3, 1))
+    pre = np.array([321.0, 432.0])
+    np.testing.assert_allclose(np.asarray(out).ravel(), pre / (1 + np.exp(-pre)), rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(states).reshape(2, 2), [[2, 3], [3, 4]])
+
+
+@pytest.fixture(scope="module")
+def tiny_hybrid():
+    config = dataclasses.replace(mk.preset("tiny-hybrid"), dtype="float32")
+    return config, mk.init_params(config, seed=0)
+
+
+def test_rollback_restores_the_state_of_the_accepted_prefix(tiny_hybrid):
+    """A T = 4 step rolled back to k accepted rows continues exactly like a k-row step;
+    the planted bug (no rollback: keep the state after all 4 rows) does not."""
+    config, params = tiny_hybrid
+    prompt = np.random.default_rng(2).integers(0, config.vocab, (3, 5))
+    draft = np.random.default_rng(3).integers(0, config.vocab, (3, 4))
+    accepted = np.array([1, 3, 2])
+    _, cache = R.prefill(config, params, prompt)
+    pos = jnp.full((3,), 5, jnp.int32)
+    _, after4, rows = R.decode_step(config, params, cache, draft, pos, row_states=True)
+    assert rows.state.shape[2] == 4 and rows.state.dtype == jnp.float32
+
+    def next_logits(c):
+        return np.asarray(R.decode_step(config, params, c, draft[:, :1],
+                                        pos + jnp.asarray(accepted))[0])
+
+    got = next_logits(R.rollback(after4, rows, accepted))
+    for b, k in enumerate(accepted):
+        one = jax.tree.map(lambda a, b=b: a[:, b:b + 1], cache)  # sequence b alone
+        _, exact = R.decode_step(config, params, one, draft[b:b + 1, :k], pos[b:b + 1])
+        want = R.decode_step(config, params, exact, draft[b:b + 1, :1], pos[b:b + 1] + k)[0]
+        np.testing.assert_allclose(got[b], np.asarray(want)[0], rtol=0, atol=1e-4)
+    planted = next_logits(after4)
+    assert np.abs(planted[0] - got[0]).max() > 1e-2  # row 0 accepted 1 of 4 rows
+
+
+def test_hybrid_calls_are_checked(tiny_hybrid):
+    config, params = tiny_hybrid
+    with pytest.raises(ValueError, match="HybridCache"):
+        R.decode_step(config, params, R.init_cache(mk.preset("tiny"), 1), [[1]], [0])
+    cache = R.init_cache(config, 2)
+    with pytest.raises(ValueError, match="accepted"):
+        _, c, rows = R.decode_step(config, params, cache, [[1, 2], [3, 4]], [0, 0],
+                                   row_states=True)
+        R.rollback(c, rows, [0, 2])
+    with pytest.raises(ValueError, match="row_states"):
+        R.decode_step(mk.preset("tiny"), mk.init_params(mk.preset("tiny")),
+                      R.init_cache(mk.preset("tiny"), 1), [[1]], [0], row_states=True)
+
+
+# -- Config ---------------------------------------------------------------------------------
+def test_hybrid_presets_count_every_parameter_shape():
+    for name in mk.config.HYBRID_PRESET_NAMES:
+        config = mk.preset(name)
+        counted = sum(int(np.prod(shape)) for shape, _ in config.param_shapes().values())
+        assert config.param_count == counted, name
+
+
+def test_presets_sizes():
+    big = mk.preset("qwen3.5-27b")
+    assert big.param_count == pytest.approx(26.9e9, rel=0.01)
+    assert (len(big.full_layers), len(big.linear_layers)) == (16, 48)
+    # KV only for the 16 full layers: 2 * 16 * 4 * 256 * 2 bytes per token.
+    assert big.kv_bytes_per_token == 2 * 16 * 4 * 256 * 2
+    # Per sequence and linear layer: conv 3 x C bf16 + recurrent 48 x 128 x 128 float32.
+    C = 2 * 16 * 128 + 48 * 128
+    assert big.linear_state_bytes == 48 * (3 * C * 2 + 48 * 128 * 128 * 4)
+    assert mk.preset("qwen3.5-9b").weight_bytes < 32e9  # one v6e-1 chip
+    tiny = mk.preset("tiny-hybrid")
+    assert tiny.layer_types[-1] == "linear" and tiny.first_layers(3).full_layers == (2,)
+    assert tiny.first_layers(2).full_layers == ()  # all linear: no KV cache at all
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(layer_types=("linear", "full")), "layer_types has 2 entries"),
+    (dict(layer_types=("linear", "attn", "full", "linear")), "must each be one of"),
+    (dict(linear_key_heads=2, linear_value_heads=3), "multiple of linear_key_heads"),
+    (dict(conv_kernel=0), "conv_kernel=0"),
+    (dict(partial_rotary_factor=0.3), "partial_rotary_factor"),
+])
+def test_bad_hybrid_config_is_rejected(change, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(mk.preset("tiny-hybrid"), **change)
+
+
+# -- Loader ---------------------------------------------------------------------------------
+def test_full_qwen3_5_checkpoint_loads_its_language_model(case, tmp_path):
+    """The same weights under model.language_model., with vision and MTP tensors beside
+    them (skipped), and a qwen3_5 config.json wrapping the text config."""
+    _, folder, config, params, _ = case
+    text = json.loads((folder / "config.json").read_text())
+    tensors = load_file(folder / "model.safetensors")
+    full = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
+            for k, v in tensors.items()}
+    full["model.visual.patch_embed.proj.weight"] = np.zeros((2, 2), np.float32)
+    full["mtp.fc.weight"] = np.zeros((2, 2), np.float32)
+    save_file(full, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "qwen3_5", "text_config": text, "vision_config": {}}))
+    got_config, got = mk.load_checkpoint(tmp_path)
+    assert dataclasses.replace(got_config, name=config.name) == config
+    for key in params:
+        np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(params[key]))
+
+
+def test_loader_reports_every_problem_at_once(case, tmp_path):
+    _, folder, _, _, _ = case
+    tensors = load_file(folder / "model.safetensors")
+    conv = next(k for k in tensors if k.endswith("conv1d.weight"))
+    del tensors[next(k for k in tensors if k.endswith("A_log"))]
+    tensors[conv] = tensors[conv][:, :, :3].copy()  # wrong kernel width
+    tensors["model.layers.0.linear_attn.extra.weight"] = np.zeros(2, np.float32)
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    with pytest.raises(ValueError, match="3 problems") as err:
+        mk.load_checkpoint(tmp_path)
+    for part in ("missing tensor", "A_log", conv, "unexpected tensor"):
+        assert part in str(err.value)
