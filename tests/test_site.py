@@ -1,7 +1,6 @@
 """`make run`'s site: runs from notebooks/runs.yaml, an index row per run, failures kept and
 counted, nothing overwritten, and pages that work offline in a real browser; and Colab
-readiness: a Colab link per notebook in the README, a bootstrap clone that cannot shadow
-the package.
+readiness: a Colab link per notebook in the README; kernels that do not warn about TCP.
 
 The site here is built by the same code `make run` calls (`tools/run_notebooks.main`) from
 two notebooks generated here (the real ones take minutes): one with math, a plotly slider
@@ -21,17 +20,19 @@ import io
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import nbformat
+import papermill
 import pytest
+from jupyter_client.manager import AsyncKernelManager
 from plotly.offline import get_plotlyjs
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 import check_site  # noqa: E402
+import notebook_header  # noqa: E402
 import run_notebooks  # noqa: E402
 
 # One worker builds the site for every test of this module (make test: --dist loadgroup).
@@ -137,28 +138,30 @@ def test_runs_yaml_configurations_become_runs(notebooks):
 
 def test_readme_opens_every_notebook_in_colab():
     readme = (ROOT / "README.md").read_text()
-    colab = "https://colab.research.google.com/github/mk-megakernel/mk/blob/main/notebooks/"
+    ref = notebook_header.release_ref(notebook_header.bootstrap())
     missing = [p.stem for p in sorted((ROOT / "notebooks").glob("[0-9][0-9]*_*.py"))
-               if f"{colab}{p.stem}.ipynb" not in readme]
-    assert not missing, f"README.md's Colab checklist lacks {missing}: add a row with {colab}"
+               if notebook_header.colab_link(p.stem, ref).split("(")[1][:-1] not in readme]
+    assert not missing, f"README.md's Colab checklist lacks {missing} at {ref}"
 
 
-def test_colab_clone_folder_does_not_shadow_the_installed_mk(tmp_path):
-    # On Colab the notebook runs in /content with '' on sys.path; a clone at /content/mk
-    # (a folder named mk, no __init__.py) is then imported as an empty namespace package
-    # instead of the editable install. The control folder `mk` shows the check can fail.
-    template = (ROOT / "notebooks" / "TEMPLATE.md").read_text()
-    clone = Path(re.search(r'^MK_DIR = "([^"]+)"', template, re.M)[1]).name
-    code = "import importlib.util, sys; sys.path.insert(0, ''); " \
-           "print(importlib.util.find_spec('mk').origin)"
-    origins = {}
-    for name in (clone, "mk"):
-        (tmp_path / name / "mk").mkdir(parents=True)
-        origins[name] = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, text=True,
-                                       capture_output=True, check=True).stdout.strip()
-        (tmp_path / name).rename(tmp_path / f"{name}.done")
-    assert origins[clone] == str(ROOT / "mk" / "__init__.py"), origins
-    assert origins["mk"] == "None", origins
+def _kernel_warnings(manager_class, tmp_path, capfd):
+    """What running a one-cell notebook with `manager_class` printed on stderr."""
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1")])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    nbformat.write(nb, tmp_path / "one.ipynb")
+    capfd.readouterr()
+    papermill.execute_notebook(str(tmp_path / "one.ipynb"), str(tmp_path / "out.ipynb"),
+                               kernel_name="python3", progress_bar=False,
+                               kernel_manager_class=manager_class)
+    return capfd.readouterr().err
+
+
+def test_kernels_run_without_the_unencrypted_tcp_warning(tmp_path, capfd):
+    warning = "Kernel is running over TCP without encryption"
+    assert warning not in _kernel_warnings(run_notebooks._PatientKernelManager, tmp_path, capfd)
+    # Control: jupyter_client's default manager (TCP) prints it, so the check can fail.
+    assert warning in _kernel_warnings(AsyncKernelManager, tmp_path, capfd)
 
 
 # -- The site -------------------------------------------------------------------------------

@@ -44,6 +44,8 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+ROOT = Path(__file__).resolve().parent.parent
+os.environ.setdefault("MK_PROFILES", str(ROOT / "profiles"))  # the kernels inherit it
 
 import nbformat  # noqa: E402
 import papermill  # noqa: E402
@@ -52,7 +54,6 @@ from jupyter_client.manager import AsyncKernelManager, KernelManager  # noqa: E4
 from nbconvert import HTMLExporter  # noqa: E402
 from traitlets import default  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 KERNEL = "python3"
 PATTERN = "[0-9][0-9]*_*.ipynb"
 RUNS_FILE = ROOT / "notebooks" / "runs.yaml"
@@ -189,11 +190,16 @@ def check_kernel(kernel_name: str = KERNEL) -> None:
 class _PatientKernelManager(AsyncKernelManager):
     """Gives a finished kernel 30 s, not 5, to exit: with jax and libtpu loaded on a busy
     machine it can take longer, and libtpu answers the SIGTERM that follows with a
-    crash-like stack trace in make run's output."""
+    crash-like stack trace in make run's output. Talks to it over local (ipc) sockets: over
+    TCP every kernel warns, rightly, that its traffic is unencrypted."""
 
     @default("shutdown_wait_time")
     def _shutdown_wait_time_default(self):
         return 30.0
+
+    @default("transport")
+    def _transport_default(self):
+        return "ipc"
 
 
 def execute(notebook: Path, output: Path, parameters: dict | None = None) -> None:
