@@ -173,7 +173,7 @@ def test_index_has_a_row_per_run_with_parameters_status_time_and_link(site):
     assert len(rows) == len(names)
     for row, name in zip(rows, names):
         link = re.search(r'<a href="([^"]+)">', row)[1]
-        assert link == f"runs/{site['run_dir'].name}/{name}.html"
+        assert link == f"runs/{site['run_dir'].name}/site/{name}.html"
         assert (site["out"] / link).exists()
         assert re.search(r"<td>\d+\.\d s</td>$", row), row
     assert "points=3" in rows[0] and "points=5" in rows[1] and "notebook defaults" in rows[2]
@@ -208,6 +208,28 @@ def test_pages_carry_plotlyjs_once_and_load_nothing_from_outside(site):
         page = (site["run_dir"] / row["page"]).read_text()
         assert page.count(header) == (0 if name == "91_site_fails" else 1), name
         assert not re.findall(r'src="https?:', page), name
+
+
+def test_pages_have_their_notebook_title_index_link_and_neighbours(site):
+    names = list(site["rows"])
+    titles = {"90_site_figures-three": "90_site_figures (three)",
+              "90_site_figures-five": "90_site_figures (five)",
+              "91_site_fails": "91_site_fails"}
+    pages = {n: (site["run_dir"] / site["rows"][n]["page"]).read_text() for n in names}
+    for i, name in enumerate(names):
+        page = pages[name]
+        assert re.search(r"<title>90_site_figures|<title>91_site_fails", page), name
+        assert 'href="index.html"' in page, f"{name} does not link its run's index"
+        prev = re.search(r'class="left-prev"\s+href="([^"]+)"', page)
+        nxt = re.search(r'class="right-next"\s+href="([^"]+)"', page)
+        assert prev and prev[1] == ("index.html" if i == 0 else f"{names[i - 1]}.html"), name
+        assert (nxt[1] if nxt else None) == (f"{names[i + 1]}.html"
+                                             if i + 1 < len(names) else None), name
+        assert "searchindex" in page or "search.html" in page, f"{name} has no search"
+    navigation = (site["run_dir"] / "site" / "index.html").read_text()
+    for name, text in titles.items():  # the table of contents names each configuration
+        assert re.search(rf'href="{re.escape(name)}\.html">{re.escape(text)}</a>', navigation), \
+            (name, text)
 
 
 def test_run_folders_are_never_reused(tmp_path):
@@ -261,7 +283,8 @@ def test_browser_check_reports_broken_pages(tmp_path):
 # Last: it adds a second run to the module's site.
 def test_a_second_run_leaves_the_first_untouched(site, notebooks):
     def digest(folder):
-        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir()}
+        return {p.relative_to(folder): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in folder.rglob("*") if p.is_file()}
 
     first = digest(site["run_dir"])
     code, _ = _main(notebooks[1], "--out", site["out"])
@@ -272,4 +295,4 @@ def test_a_second_run_leaves_the_first_untouched(site, notebooks):
     index = (site["out"] / "index.html").read_text()
     assert f"Newest run: {runs[1].name}" in index
     assert index.count("<tr><td>") == 1  # the newest run's table; the first is linked
-    assert f'href="runs/{runs[0].name}/index.html"' in index
+    assert f'href="runs/{runs[0].name}/site/index.html"' in index

@@ -50,8 +50,10 @@ os.environ.setdefault("MK_PROFILES", str(ROOT / "profiles"))  # the kernels inhe
 import nbformat  # noqa: E402
 import papermill  # noqa: E402
 import yaml  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import build_site  # noqa: E402
 from jupyter_client.manager import AsyncKernelManager, KernelManager  # noqa: E402
-from nbconvert import HTMLExporter  # noqa: E402
 from traitlets import default  # noqa: E402
 
 KERNEL = "python3"
@@ -60,23 +62,6 @@ RUNS_FILE = ROOT / "notebooks" / "runs.yaml"
 LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,39}")
 HEARTBEAT_SECONDS = 60.0
 MATHJAX = "_static/mathjax"  # relative to the site root
-# The lab template, minus require.js (nothing on these pages is an AMD module, and a
-# missing CDN script is an error in an offline browser), with MathJax told to use the one
-# web font jupyter-server-mathjax ships (STIX-Web; the default TeX font is not there) and
-# its font-detection face made local (MathJax 2's url('about:blank') is a console error in
-# current Chromium).
-PAGE_TEMPLATE = """{%- extends "index.html.j2" -%}
-{%- block html_head_js_requirejs -%}{%- endblock html_head_js_requirejs -%}
-{%- block html_head_js_mathjax -%}
-<script>window.MathJax = {"HTML-CSS": {
-  availableFonts: [], preferredFont: null, webFont: "STIX-Web", imageFont: null,
-  styles: {"@font-face": {"font-family": "MathJax_Blank", src: "local('MathJax_Blank')"}}}};
-</script>
-{{ super() }}
-{%- endblock html_head_js_mathjax -%}
-"""
-
-
 # -- What to run ----------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Run:
@@ -219,17 +204,6 @@ def _failure(err: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def export_html(executed: Path, page: Path, site_root: Path) -> None:
-    """The HTML export of an executed notebook, made to work offline inside the site."""
-    nb = nbformat.read(executed, as_version=4)
-    nb.metadata.pop("widgets", None)  # saved widget views need unpkg.com and a kernel
-    mathjax = Path(os.path.relpath(site_root / MATHJAX, page.parent)).as_posix()
-    exporter = HTMLExporter(raw_template=PAGE_TEMPLATE,
-                            mathjax_url=f"{mathjax}/MathJax.js?config=TeX-AMS-MML_HTMLorMML-full,Safe")
-    body, _ = exporter.from_notebook_node(nb)
-    page.write_text(body, encoding="utf-8")
-
-
 @contextlib.contextmanager
 def _heartbeat(prefix: str, start: float, every: float = HEARTBEAT_SECONDS):
     """Print `prefix: still running, N s` every `every` seconds until the block ends."""
@@ -248,10 +222,10 @@ def _heartbeat(prefix: str, start: float, every: float = HEARTBEAT_SECONDS):
         thread.join()
 
 
-def run_one(run: Run, run_dir: Path, site_root: Path, prefix: str = "") -> dict:
-    """Execute one configuration and export it to HTML; return its row of the index."""
+def run_one(run: Run, run_dir: Path, prefix: str = "") -> dict:
+    """Execute one configuration; return its row of the index (its page is built with the
+    run's site, `build_site`)."""
     executed = run_dir / f"{run.name}.ipynb"
-    page = executed.with_suffix(".html")
     start = time.perf_counter()
     error = ""
     print(f"{prefix}: running", flush=True)
@@ -260,22 +234,18 @@ def run_one(run: Run, run_dir: Path, site_root: Path, prefix: str = "") -> dict:
             execute(run.notebook, executed, run.parameters)
         except Exception as err:  # noqa: BLE001 - a failed notebook is a result, not a crash
             error = _failure(err)
-        if executed.exists():
-            try:
-                export_html(executed, page, site_root)
-            except Exception as err:  # noqa: BLE001 - no page is a failure of this row
-                error = error or f"HTML export: {_failure(err)}"
     seconds = time.perf_counter() - start
     status = "failed" if error else "ok"
     print(f"{prefix}: {status} in {seconds:.1f} s" + (f" ({error.splitlines()[0]})"
                                                       if error else ""), flush=True)
-    return _row(run, status, error, seconds, page if page.exists() else None)
+    page = build_site.page(run.name) if executed.exists() else None
+    return _row(run, status, error, seconds, page)
 
 
-def _row(run: Run, status: str, error: str, seconds: float, page: Path | None) -> dict:
+def _row(run: Run, status: str, error: str, seconds: float, page: str | None) -> dict:
     return {"name": run.name, "notebook": run.notebook.stem, "label": run.label,
             "parameters": run.parameters, "status": status, "error": error,
-            "seconds": round(seconds, 2), "page": page.name if page else None}
+            "seconds": round(seconds, 2), "page": page}
 
 
 # -- The site -------------------------------------------------------------------------------
@@ -305,28 +275,6 @@ def install_static(out: Path) -> None:
                                "requirements.txt")
         source = Path(spec.submodule_search_locations[0]) / "static"
         shutil.copytree(source, target, dirs_exist_ok=True)
-
-
-def _params_text(parameters: dict) -> str:
-    if not parameters:
-        return "notebook defaults"
-    return ", ".join(f"{k}={v!r}" for k, v in parameters.items())
-
-
-def _table(rows: list[dict], prefix: str) -> str:
-    lines = ["<table><tr><th>notebook</th><th>configuration</th><th>parameters</th>"
-             "<th>status</th><th>run time</th></tr>"]
-    for row in rows:
-        name = html.escape(row["notebook"])
-        link = (f'<a href="{html.escape(prefix + row["page"])}">{name}</a>'
-                if row["page"] else name)
-        status = row["status"] + (f": {row['error']}" if row["error"] else "")
-        lines.append(f'<tr><td>{link}</td><td>{html.escape(row["label"] or "-")}</td>'
-                     f'<td><code>{html.escape(_params_text(row["parameters"]))}</code></td>'
-                     f'<td class="{row["status"]}">{html.escape(status)}</td>'
-                     f'<td>{row["seconds"]:.1f} s</td></tr>')
-    lines.append("</table>")
-    return "\n".join(lines)
 
 
 def source_version() -> str:
@@ -364,12 +312,10 @@ with every Pallas kernel in TPU interpret mode: they say nothing about TPU time.
 
 
 def write_run_index(run_dir: Path, record: dict) -> None:
+    """The run's runs.json and the index.md its site is built from."""
     (run_dir / "runs.json").write_text(json.dumps(record, indent=1, default=str),
                                         encoding="utf-8")
-    body = (f"<p>Run {html.escape(run_dir.name)} ({_summary(record)}); "
-            f'<a href="../../index.html">all runs</a>.</p>\n{_table(record["rows"], "")}')
-    (run_dir / "index.html").write_text(_page(f"mk notebooks, run {run_dir.name}", body),
-                                        encoding="utf-8")
+    build_site.write_index(run_dir, record, _summary(record))
 
 
 def write_site_index(out: Path) -> None:
@@ -381,10 +327,10 @@ def write_site_index(out: Path) -> None:
         body = "<p>No runs yet: <code>make run</code>.</p>"
     else:
         name, newest = records[0]
-        listing = "\n".join(f'<li><a href="runs/{html.escape(n)}/index.html">'
+        listing = "\n".join(f'<li><a href="runs/{html.escape(n)}/{build_site.SITE}/index.html">'
                             f"{html.escape(n)}</a>: {_summary(r)}</li>" for n, r in records)
         body = (f"<h2>Newest run: {html.escape(name)} ({_summary(newest)})</h2>\n"
-                f"{_table(newest['rows'], f'runs/{name}/')}\n<h2>All runs</h2>\n"
+                f"{build_site.table(newest['rows'], f'runs/{name}/')}\n<h2>All runs</h2>\n"
                 f"<ul>\n{listing}\n</ul>")
     (out / "index.html").write_text(_page("mk notebooks", body), encoding="utf-8")
 
@@ -401,11 +347,13 @@ def run_all(runs: list[Run], out: Path, argv: list[str]) -> tuple[Path, list[dic
     try:
         for i, run in enumerate(runs, 1):
             prefix = f"[{i}/{len(runs)}] {run.name:<{width}}"
-            record["rows"].append(run_one(run, run_dir, out, prefix))
+            record["rows"].append(run_one(run, run_dir, prefix))
             write_run_index(run_dir, record)
         record["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %z")
     finally:
         write_run_index(run_dir, record)
+        print(f"building the site: {run_dir / build_site.SITE}", flush=True)
+        build_site.build(run_dir, out / MATHJAX)
         write_site_index(out)
     return run_dir, record["rows"]
 
