@@ -6,7 +6,8 @@ per configuration that `notebooks/runs.yaml` lists for it (once with its own par
 cell if it is not listed; the file documents its format).
 
 Nothing is overwritten: every invocation writes a new folder `OUT/runs/<YYYYmmdd-HHMMSS>/`
-with the executed notebooks, their HTML exports, `runs.json` and its own `index.html`;
+with the executed notebooks, `runs.json`, and the run's site in `site/`, built by Sphinx
+from the executed notebooks once they have all run (tools/build_site.py, docs/conf.py);
 `OUT/index.html` shows the newest run's table and lists every earlier run. Delete old runs
 by hand, or all of `build/` with `make clean`.
 
@@ -17,9 +18,9 @@ code is 1 if any notebook failed, 2 for a bad runs file or command line.
 
 The pages work offline: plotly figures carry plotly.js once per page (`mk.plots.show`),
 plotly's own sliders need no kernel, MathJax is served from `OUT/_static/` (copied once
-from the pinned jupyter-server-mathjax), the HTML export loads no require.js, and saved
-ipywidgets state is left out of the page (a widget needs a live kernel; the page shows its
-text form). `tools/check_site.py` checks all of this in headless Chromium.
+from the pinned jupyter-server-mathjax), and no widget manager is loaded (a widget needs a
+live kernel; the page shows its text form). The kernels talk over local sockets (ipc).
+`tools/check_site.py` checks the pages in headless Chromium.
 
 Not here: skipping unchanged notebooks, running notebooks in parallel (2 cores).
 """
