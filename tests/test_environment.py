@@ -73,3 +73,19 @@ def test_import_mk_pins_cpu_when_no_tpu():
 
 def test_import_mk_keeps_an_existing_jax_platforms():
     assert _import_mk(JAX_PLATFORMS="tpu")[1] == "tpu"
+
+
+def _profiles(cwd, **env_vars):
+    env = {k: v for k, v in os.environ.items() if k != "MK_PROFILES"}
+    env.update(env_vars, PYTHONPATH=str(ROOT))
+    code = "import mk.profiling; print(mk.profiling.PROFILES)"
+    return subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd, text=True,
+                          capture_output=True, check=True).stdout.strip()
+
+
+def test_profiles_go_to_mk_profiles_else_the_working_directory(tmp_path):
+    assert _profiles(tmp_path) == str(tmp_path / "profiles")
+    assert _profiles(tmp_path, MK_PROFILES=str(tmp_path / "elsewhere")) == str(
+        tmp_path / "elsewhere")
+    # From the checkout's root (where make runs) the default is the checkout's profiles/.
+    assert _profiles(ROOT) == str(ROOT / "profiles")
