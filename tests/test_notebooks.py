@@ -16,6 +16,7 @@ import ast
 import importlib.metadata
 import inspect
 import json
+import os
 import re
 import subprocess
 import sys
@@ -195,8 +196,9 @@ def test_bootstrap_names_a_folder_that_shadows_the_package(tmp_path):
     # the namespace package that once made the old bootstrap skip its install.
     (tmp_path / "mk").mkdir()
     code = TransformerManager().transform_cell(notebook_header.bootstrap())
-    done = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, text=True,
-                          capture_output=True)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, env=env,
+                          text=True, capture_output=True)
     assert done.returncode != 0
     assert "is a folder named mk, not the package" in done.stderr
     assert str(tmp_path / "mk") in done.stderr
