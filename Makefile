@@ -1,8 +1,9 @@
 # make test: the test suite on CPU.  make run: every notebook headless, into a new run
 # folder build/runs/<stamp>/ and build/index.html.  make check-site: build/ in a headless
 # Chromium (Debian's `chromium`; no browser download).
-# Both build .venv/ from the pinned requirements (Python 3.11 + pip) and refresh it only
-# when a requirements file or pyproject.toml changed.
+# make lab: JupyterLab on this checkout, the .py notebooks opening as notebooks.
+# All build .venv/ from the pins of pyproject.toml (Python 3.11 + pip: the package editable
+# with its extras) and refresh it only when pyproject.toml changed.
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -10,8 +11,10 @@ PY := $(VENV)/bin/python
 # Everything here runs on the CPU; without these libtpu prints host-discovery errors.
 export JAX_PLATFORMS := cpu
 export TPU_SKIP_MDS_QUERY := 1
+# Profiler captures (mk.profiling.PROFILES) land in this checkout's profiles/.
+export MK_PROFILES := $(CURDIR)/profiles
 
-.PHONY: test test-slow run check-site clean
+.PHONY: test test-slow run check-site lab clean
 
 # loadgroup: tests marked xdist_group share one worker (and its module fixtures).
 test: $(VENV)/.stamp-test
@@ -28,16 +31,25 @@ run: $(VENV)/.stamp
 check-site: $(VENV)/.stamp-test
 	$(PY) tools/check_site.py build
 
-# The python3 kernelspec written into the venv makes papermill start this venv's python.
-$(VENV)/.stamp: requirements.txt pyproject.toml
+# jupytext.toml pairs each .py with its .ipynb; saving in Lab writes both (with outputs in
+# the .ipynb: the pre-commit hooks of .pre-commit-config.yaml strip them before a commit).
+# Jupyter refuses root unless told (CI and these machines run as root).
+lab: $(VENV)/.stamp
+	$(VENV)/bin/jupyter lab --ServerApp.root_dir=$(CURDIR) $(if $(filter 0,$(shell id -u)),--allow-root)
+
+# The python3 kernelspec written into the venv makes papermill start this venv's python;
+# the Lab settings written into it open a .py file as a notebook (jupytext).
+LAB_SETTINGS := $(VENV)/share/jupyter/lab/settings
+$(VENV)/.stamp: pyproject.toml tools/jupyterlab-overrides.json
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -r requirements.txt
-	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q -e '.[notebooks,profile,docs]'
 	$(PY) -m ipykernel install --sys-prefix --name python3
+	mkdir -p $(LAB_SETTINGS)
+	cp tools/jupyterlab-overrides.json $(LAB_SETTINGS)/overrides.json
 	touch $@
 
-$(VENV)/.stamp-test: $(VENV)/.stamp requirements-test.txt
-	$(PY) -m pip install -q -r requirements-test.txt
+$(VENV)/.stamp-test: $(VENV)/.stamp
+	$(PY) -m pip install -q -e '.[notebooks,profile,docs,test]'
 	touch $@
 
 # Removes every run in build/. Leaves .venv/ alone (minutes to rebuild); `rm -rf .venv`

@@ -1,6 +1,6 @@
 """Accelerator specifications: `ChipSpec`, `chip(name)`, `CHIP_NAMES`, `all_chips()`.
 
-One row of `data/chips.csv` per chip: vendor peak numbers (HBM size and bandwidth, dense
+One row of `mk/data/chips.csv` per chip: vendor peak numbers (HBM size and bandwidth, dense
 bf16 and fp8 FLOP/s, interconnect bandwidth) plus, for TPUs, the VMEM per core that the
 libtpu compiler enforces and the topology name to compile for one chip. Each row names the
 vendor document it comes from.
@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import importlib.resources
 from functools import cache
 from pathlib import Path
 
-DATA = Path(__file__).resolve().parent.parent / "data"
+# The csv files mk reads ship inside the package, so a non-editable install finds them.
+DATA = importlib.resources.files("mk") / "data"
 CHIPS_CSV = DATA / "chips.csv"
 KINDS = ("tpu", "gpu")
 

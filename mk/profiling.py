@@ -56,7 +56,9 @@ from mk.kernels.weight_streaming import stream_matmul
 
 VARIANTS = ("xla", "staged", "megakernel")
 PHASE_FLAG = "--xla_enable_custom_call_region_trace=true"
-PROFILES = Path(__file__).resolve().parent.parent / "profiles"  # the project's profiles/
+# Captures go to $MK_PROFILES, else to profiles/ in the working directory: never inside the
+# installed package. The Makefile and tools/run_notebooks.py point it at the checkout's.
+PROFILES = Path(os.environ.get("MK_PROFILES") or "profiles").absolute()
 COLORS = {"busy": "#4c78a8", "bubble": "#e45756", "host": "#f2a541"}
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 

@@ -17,6 +17,8 @@
 # %% [markdown]
 # # 06 · The decode megakernel: a whole decode step in one kernel
 #
+# [Open in Colab](https://colab.research.google.com/github/mk-megakernel/mk/blob/v0.1.0/notebooks/06_megakernel.ipynb)
+#
 # Every layer, the final norm, the lm_head and the greedy argmax in one `pallas_call`, with
 # one weight ring that never stops at a layer edge. This notebook answers:
 #
@@ -26,32 +28,40 @@
 #   compile for a real TPU?
 
 # %%
-# Colab bootstrap: on a Colab runtime without mk, install this package with the pinned
-# jax[tpu] and ask for a restart. Anywhere else this cell does nothing.
+# Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
+# pip installs MK_SOURCE (this release's tag; set the environment variable MK_SOURCE to
+# install another ref or a fork) with the notebook and profiler extras, then asks for a
+# restart. Anywhere, a folder named mk that is not the package stops here, saying so.
+import importlib.metadata
 import importlib.util
 import os
-import subprocess
 import sys
 
-MK_REPO = "https://github.com/mk-megakernel/mk"  # where this project is published
-MK_DIR = "/content/mk-megakernel"  # a folder named mk in /content would shadow the package
-if "google.colab" in sys.modules and importlib.util.find_spec("mk") is None:
-    if not os.path.isdir(MK_DIR):
-        subprocess.run(["git", "clone", "--depth=1", MK_REPO, MK_DIR], check=True)
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", MK_DIR], check=True)
-    raise SystemExit("mk installed: Runtime > Restart session, then run all cells again.")
+MK_SOURCE = os.environ.get("MK_SOURCE", "git+https://github.com/mk-megakernel/mk@v0.1.0")
+if "google.colab" in sys.modules:
+    try:
+        importlib.metadata.version("mk-megakernel")
+    except importlib.metadata.PackageNotFoundError:
+        # %pip install -q "mk-megakernel[notebooks,profile] @ {MK_SOURCE}"
+        raise SystemExit("mk installed: Runtime > Restart session, then run all cells again.")
+mk_spec = importlib.util.find_spec("mk")
+if mk_spec is None or mk_spec.origin is None:
+    raise ModuleNotFoundError(
+        "the mk package is not installed: pip install 'mk-megakernel[notebooks,profile]'"
+        + (f"; {list(mk_spec.submodule_search_locations)} is a folder named mk, not the "
+           "package: rename it or work in another directory" if mk_spec else ""))
 
 # %% tags=["parameters"]
-preset = "tiny"
-batch = 1
-rows = 1
-context = 256
-chip = "v6e"
-backend = "auto"
-seed = 0
-checkpoint = ""
-steps = 6  # greedy tokens to generate
-slots = 3
+preset: str = "tiny"  # a name from mk.config.PRESET_NAMES
+batch: int = 1  # B, sequences decoded together
+rows: int = 1  # T, query rows per sequence in one step (1 is plain decode)
+context: int = 256  # S, cached positions per sequence (the KV cache's capacity)
+chip: str = "v6e"  # a name from mk.chips.CHIP_NAMES: the chip of rooflines and budgets
+backend: str = "auto"  # "auto" (Mosaic on a TPU, else interpret), "interpret" or "hardware"
+seed: int = 0  # seed of the random weights and inputs
+checkpoint: str = ""  # a local Hugging Face checkpoint folder; "" for random weights
+steps: int = 6  # greedy tokens to generate
+slots: int = 3  # weight ring slots
 
 # %%
 import time

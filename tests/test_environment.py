@@ -1,73 +1,54 @@
-"""The pins agree wherever they are written, and `import mk` chooses the CPU off a TPU.
+"""pyproject.toml is the one list of pins, the generated pin files agree with it, and
+`import mk` chooses the CPU off a TPU.
 
 Not here: whether the pinned versions install together (`make test` on a fresh clone
-builds the venv from them, which is that check).
+builds the venv from them, which is that check) or whether the built wheel works outside
+the checkout (tests/test_install.py).
 """
 
 import os
+import shutil
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
 
 import pytest
-import yaml
 from packaging.requirements import Requirement
-from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+import pins  # noqa: E402
 
 
-def _pins(lines, where):
-    """{canonical name: pin line} for requirement lines; each must be an exact `==` pin."""
-    pins = {}
-    for line in lines:
-        line = line.split(" #")[0].strip()
-        if not line or line.startswith("#") or line in ("-r requirements.txt", "-e ."):
-            continue
-        req = Requirement(line)
-        specs = list(req.specifier)
+def _not_exact(deps):
+    """The requirement strings of `deps` that are not one exact `name==version` pin."""
+    bad = []
+    for dep in deps:
+        specs = list(Requirement(dep).specifier)
         if len(specs) != 1 or specs[0].operator != "==" or "*" in specs[0].version:
-            raise AssertionError(f"{where}: {line!r} is not an exact pin (name==version)")
-        name = canonicalize_name(req.name)
-        assert name not in pins, f"{where}: {req.name} is pinned twice"
-        pins[name] = line
-    return pins
+            bad.append(dep)
+    return bad
 
 
-def _requirements_pins():
-    runtime = (ROOT / "requirements.txt").read_text().splitlines()
-    test = (ROOT / "requirements-test.txt").read_text().splitlines()
-    assert "-r requirements.txt" in test, "requirements-test.txt must include requirements.txt"
-    return _pins(runtime + test, "requirements*.txt")
-
-
-def _environment_pins():
-    env = yaml.safe_load((ROOT / "environment.yml").read_text())
-    deps = env["dependencies"]
-    assert "python=3.11" in deps, f"environment.yml must ask for python=3.11, has {deps}"
-    pip_sections = [d["pip"] for d in deps if isinstance(d, dict) and "pip" in d]
-    assert len(pip_sections) == 1, "environment.yml needs exactly one pip section"
-    return _pins(pip_sections[0], "environment.yml")
-
-
-def test_environment_yml_pins_equal_requirements_pins():
-    req, env = _requirements_pins(), _environment_pins()
-    differ = {name: (req.get(name), env.get(name)) for name in req.keys() | env.keys()
-              if req.get(name) != env.get(name)}
-    assert not differ, f"(requirements*.txt, environment.yml) disagree: {differ}"
-
-
-def test_pyproject_dependencies_are_pinned_in_requirements():
+def test_every_pyproject_dependency_is_an_exact_pin():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    runtime = _pins((ROOT / "requirements.txt").read_text().splitlines(), "requirements.txt")
-    for dep in project["dependencies"]:
-        req = Requirement(dep)
-        pin = runtime.get(canonicalize_name(req.name))
-        assert pin, f"pyproject dependency {dep!r} is not pinned in requirements.txt"
-        version = next(iter(Requirement(pin).specifier)).version
-        assert req.specifier.contains(version, prereleases=True), \
-            f"pyproject {dep!r} excludes the requirements.txt pin {pin!r}"
+    deps = project["dependencies"] + [d for extra in project["optional-dependencies"].values()
+                                      for d in extra]
+    assert _not_exact(deps) == [], "pyproject.toml pins every dependency with =="
+    assert _not_exact(["numpy", "numpy>=2", "jax==0.10.*"]) == ["numpy", "numpy>=2",
+                                                              "jax==0.10.*"]  # control
+
+
+def test_generated_pin_files_match_pyproject(tmp_path):
+    assert pins.stale() == [], "run: python tools/pins.py"
+    # Control: a copy whose pyproject moves a core pin makes the files that list it stale.
+    for name in ["pyproject.toml", *pins.render((ROOT / "pyproject.toml").read_text())]:
+        shutil.copy(ROOT / name, tmp_path / name)
+    text = (tmp_path / "pyproject.toml").read_text()
+    assert '"numpy==2.4.6"' in text
+    (tmp_path / "pyproject.toml").write_text(text.replace('"numpy==2.4.6"', '"numpy==2.4.5"'))
+    assert sorted(pins.stale(tmp_path)) == ["environment.yml", "requirements.txt"]
 
 
 def _import_mk(**env_vars):
@@ -92,3 +73,19 @@ def test_import_mk_pins_cpu_when_no_tpu():
 
 def test_import_mk_keeps_an_existing_jax_platforms():
     assert _import_mk(JAX_PLATFORMS="tpu")[1] == "tpu"
+
+
+def _profiles(cwd, **env_vars):
+    env = {k: v for k, v in os.environ.items() if k != "MK_PROFILES"}
+    env.update(env_vars, PYTHONPATH=str(ROOT))
+    code = "import mk.profiling; print(mk.profiling.PROFILES)"
+    return subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd, text=True,
+                          capture_output=True, check=True).stdout.strip()
+
+
+def test_profiles_go_to_mk_profiles_else_the_working_directory(tmp_path):
+    assert _profiles(tmp_path) == str(tmp_path / "profiles")
+    assert _profiles(tmp_path, MK_PROFILES=str(tmp_path / "elsewhere")) == str(
+        tmp_path / "elsewhere")
+    # From the checkout's root (where make runs) the default is the checkout's profiles/.
+    assert _profiles(ROOT) == str(ROOT / "profiles")

@@ -2,23 +2,34 @@
 runs end to end.
 
 Each `notebooks/NN_topic.py` (the reviewed source) must have an `NN_topic.ipynb` twin (what
-Colab opens) with the same cells, no outputs, a python3 kernelspec, the Colab bootstrap as
-its first code cell and a `parameters` cell with the common parameters; then papermill
-executes it on the tiny preset on the CPU, as `make run` does.
+Colab opens) with the same cells, no outputs, a python3 kernelspec, a Colab link in its
+title, the Colab bootstrap as its first code cell (which installs on Colab and names a
+folder that shadows the package) and a `parameters` cell whose every parameter has a type
+and a one-line help; then papermill executes it on the tiny preset on the CPU, as
+`make run` does.
 
 Not here: whether the prose's numbers match the cell outputs (review), and how long a
 notebook takes (`make run` prints it).
 """
 
 import ast
+import importlib.metadata
 import inspect
 import json
+import os
 import re
+import subprocess
 import sys
+import tempfile
+import tomllib
+import types
 from pathlib import Path
 
 import jupytext
+import nbformat
+import papermill
 import pytest
+from IPython.core.inputtransformer2 import TransformerManager
 
 import mk.run
 
@@ -27,6 +38,7 @@ NOTEBOOKS = ROOT / "notebooks"
 SOURCES = sorted(NOTEBOOKS.glob("[0-9][0-9]*_*.py"))
 
 sys.path.insert(0, str(ROOT / "tools"))
+import notebook_header  # noqa: E402
 import run_notebooks  # noqa: E402
 
 each_notebook = pytest.mark.parametrize("source", SOURCES, ids=[p.stem for p in SOURCES])
@@ -41,12 +53,45 @@ def _text(cell):
     return source if isinstance(source, str) else "".join(source)
 
 
-def _bootstrap():
+def _template_parameters():
+    """{name: (annotation, help)} of the common parameters block of TEMPLATE.md."""
     template = (NOTEBOOKS / "TEMPLATE.md").read_text(encoding="utf-8")
-    block = re.search(r"<!-- BEGIN BOOTSTRAP -->\n```python\n(.*?)\n```\n<!-- END BOOTSTRAP -->",
-                      template, re.S)
-    assert block, "notebooks/TEMPLATE.md lost its BEGIN/END BOOTSTRAP block"
-    return block[1]
+    block = re.search(r"<!-- BEGIN PARAMETERS -->\n```python\n(.*?)\n```\n"
+                      r"<!-- END PARAMETERS -->", template, re.S)
+    assert block, "notebooks/TEMPLATE.md lost its BEGIN/END PARAMETERS block"
+    return {name: (p["inferred_type_name"], p["help"])
+            for name, p in _parameters(block[1]).items()}
+
+
+def _parameters(code):
+    """papermill's reading of a parameters cell: {name: {inferred_type_name, help, ...}}."""
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        code, metadata={"tags": ["parameters"]})])
+    nb.metadata.kernelspec = {"name": "python3", "language": "python",
+                              "display_name": "Python 3"}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "parameters.ipynb"
+        nbformat.write(nb, path)
+        return papermill.inspect_notebook(path)
+
+
+def _parameters_cell(source):
+    cells = [c for c in _ipynb(source)["cells"]
+             if "parameters" in c.get("metadata", {}).get("tags", [])]
+    assert len(cells) == 1, f"{len(cells)} cells are tagged 'parameters'; papermill needs one"
+    return _text(cells[0])
+
+
+def _untyped_or_unexplained(code):
+    """The parameters papermill reads from `code` without a type or without a help comment,
+    plus the top-level assignments it does not read at all."""
+    read = _parameters(code)
+    bad = [n for n, p in read.items() if p["inferred_type_name"] == "None" or not p["help"]]
+    assigned = [n.id for node in ast.parse(code).body
+                if isinstance(node, (ast.Assign, ast.AnnAssign))
+                for n in ([node.target] if isinstance(node, ast.AnnAssign) else node.targets)
+                if isinstance(n, ast.Name)]
+    return bad + [n for n in assigned if n not in read]
 
 
 def test_every_ipynb_has_a_py_source():
@@ -84,20 +129,105 @@ def test_ipynb_has_python3_kernelspec(source):
 @each_notebook
 def test_first_code_cell_is_the_template_bootstrap(source):
     code = [_text(c) for c in _ipynb(source)["cells"] if c["cell_type"] == "code"]
-    assert code and code[0] == _bootstrap(), (
-        "the first code cell must be the bootstrap block of notebooks/TEMPLATE.md, verbatim")
+    assert code and code[0] == notebook_header.bootstrap(), (
+        "the first code cell must be the bootstrap block of notebooks/TEMPLATE.md, verbatim: "
+        "python tools/notebook_header.py")
+
+
+@each_notebook
+def test_title_links_this_notebook_in_colab_at_the_release_tag(source):
+    title = _text(_ipynb(source)["cells"][0])
+    ref = notebook_header.release_ref(notebook_header.bootstrap())
+    link = notebook_header.colab_link(source.stem, ref)
+    assert title.split("\n")[2] == link, f"the title cell's third line must be {link}"
+
+
+def test_bootstrap_installs_the_tag_of_this_version():
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert notebook_header.release_ref(notebook_header.bootstrap()) == f"v{version}"
+
+
+def _run_bootstrap(monkeypatch, *, colab, installed, env=None):
+    """Run the bootstrap cell here as IPython would; return the magics it ran and how it
+    ended (None, or the exception it raised)."""
+    magics = []
+    shell = types.SimpleNamespace(run_line_magic=lambda name, line: magics.append(
+        (name, line.replace("{MK_SOURCE}", namespace["MK_SOURCE"]))))
+    namespace = {"get_ipython": lambda: shell}
+    if colab:
+        monkeypatch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
+    else:
+        monkeypatch.delitem(sys.modules, "google.colab", raising=False)
+    for key, value in (env or {}).items():
+        monkeypatch.setenv(key, value)
+
+    def version(name):
+        if installed:
+            return "0"
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    code = TransformerManager().transform_cell(notebook_header.bootstrap())
+    try:
+        exec(compile(code, "bootstrap", "exec"), namespace)  # noqa: S102 - our own cell
+    except BaseException as err:  # noqa: BLE001 - SystemExit is the expected ending
+        return magics, err
+    return magics, None
+
+
+def test_bootstrap_installs_on_colab_only_when_the_package_is_missing(monkeypatch):
+    magics, ended = _run_bootstrap(monkeypatch, colab=True, installed=False)
+    assert magics == [("pip", 'install -q "mk-megakernel[notebooks,profile] @ '
+                       'git+https://github.com/mk-megakernel/mk@v0.1.0"')]
+    assert isinstance(ended, SystemExit) and "Restart session" in str(ended)
+    assert _run_bootstrap(monkeypatch, colab=True, installed=True) == ([], None)
+    assert _run_bootstrap(monkeypatch, colab=False, installed=False) == ([], None)
+
+
+def test_bootstrap_source_is_overridable(monkeypatch):
+    fork = "git+https://example.org/fork/mk@my-branch"
+    magics, _ = _run_bootstrap(monkeypatch, colab=True, installed=False,
+                               env={"MK_SOURCE": fork})
+    assert magics == [("pip", f'install -q "mk-megakernel[notebooks,profile] @ {fork}"')]
+
+
+def test_bootstrap_names_a_folder_that_shadows_the_package(tmp_path):
+    # Without site-packages (-S) the mk/ folder in the working directory is all there is:
+    # the namespace package that once made the old bootstrap skip its install.
+    (tmp_path / "mk").mkdir()
+    code = TransformerManager().transform_cell(notebook_header.bootstrap())
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, env=env,
+                          text=True, capture_output=True)
+    assert done.returncode != 0
+    assert "is a folder named mk, not the package" in done.stderr
+    assert str(tmp_path / "mk") in done.stderr
+    # Control: the same interpreter with mk installed passes the cell.
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 
 @each_notebook
 def test_parameters_cell_has_the_common_parameters(source):
-    cells = [c for c in _ipynb(source)["cells"]
-             if "parameters" in c.get("metadata", {}).get("tags", [])]
-    assert len(cells) == 1, f"{len(cells)} cells are tagged 'parameters'; papermill needs one"
-    assigned = {target.id for node in ast.parse(_text(cells[0])).body
-                if isinstance(node, ast.Assign) for target in node.targets
-                if isinstance(target, ast.Name)}
-    missing = set(inspect.signature(mk.run.validate_run).parameters) - assigned
+    code = _parameters_cell(source)
+    read = _parameters(code)
+    common = set(inspect.signature(mk.run.validate_run).parameters)
+    missing = common - set(read)
     assert not missing, f"the parameters cell lacks {sorted(missing)}"
+    template = _template_parameters()
+    assert set(template) == common, "TEMPLATE.md's parameters block is the common set"
+    differ = {n: (read[n]["inferred_type_name"], read[n]["help"]) for n in common
+              if (read[n]["inferred_type_name"], read[n]["help"]) != template[n]}
+    assert not differ, f"common parameters typed or explained unlike TEMPLATE.md: {differ}"
+
+
+@each_notebook
+def test_every_parameter_has_a_type_and_a_help_line(source):
+    assert _untyped_or_unexplained(_parameters_cell(source)) == []
+
+
+def test_untyped_or_unexplained_parameters_are_found():
+    code = 'a: int = 1  # fine\nb = 2  # no type\nc: str = "x"\nd: int = 3  # it\'s read\n'
+    assert _untyped_or_unexplained(code) == ["b", "c"]
 
 
 @each_notebook

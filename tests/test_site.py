@@ -1,7 +1,6 @@
 """`make run`'s site: runs from notebooks/runs.yaml, an index row per run, failures kept and
 counted, nothing overwritten, and pages that work offline in a real browser; and Colab
-readiness: a Colab link per notebook in the README, a bootstrap clone that cannot shadow
-the package.
+readiness: a Colab link per notebook in the README; kernels that do not warn about TCP.
 
 The site here is built by the same code `make run` calls (`tools/run_notebooks.main`) from
 two notebooks generated here (the real ones take minutes): one with math, a plotly slider
@@ -21,17 +20,19 @@ import io
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import nbformat
+import papermill
 import pytest
+from jupyter_client.manager import AsyncKernelManager
 from plotly.offline import get_plotlyjs
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 import check_site  # noqa: E402
+import notebook_header  # noqa: E402
 import run_notebooks  # noqa: E402
 
 # One worker builds the site for every test of this module (make test: --dist loadgroup).
@@ -137,28 +138,30 @@ def test_runs_yaml_configurations_become_runs(notebooks):
 
 def test_readme_opens_every_notebook_in_colab():
     readme = (ROOT / "README.md").read_text()
-    colab = "https://colab.research.google.com/github/mk-megakernel/mk/blob/main/notebooks/"
+    ref = notebook_header.release_ref(notebook_header.bootstrap())
     missing = [p.stem for p in sorted((ROOT / "notebooks").glob("[0-9][0-9]*_*.py"))
-               if f"{colab}{p.stem}.ipynb" not in readme]
-    assert not missing, f"README.md's Colab checklist lacks {missing}: add a row with {colab}"
+               if notebook_header.colab_link(p.stem, ref).split("(")[1][:-1] not in readme]
+    assert not missing, f"README.md's Colab checklist lacks {missing} at {ref}"
 
 
-def test_colab_clone_folder_does_not_shadow_the_installed_mk(tmp_path):
-    # On Colab the notebook runs in /content with '' on sys.path; a clone at /content/mk
-    # (a folder named mk, no __init__.py) is then imported as an empty namespace package
-    # instead of the editable install. The control folder `mk` shows the check can fail.
-    template = (ROOT / "notebooks" / "TEMPLATE.md").read_text()
-    clone = Path(re.search(r'^MK_DIR = "([^"]+)"', template, re.M)[1]).name
-    code = "import importlib.util, sys; sys.path.insert(0, ''); " \
-           "print(importlib.util.find_spec('mk').origin)"
-    origins = {}
-    for name in (clone, "mk"):
-        (tmp_path / name / "mk").mkdir(parents=True)
-        origins[name] = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, text=True,
-                                       capture_output=True, check=True).stdout.strip()
-        (tmp_path / name).rename(tmp_path / f"{name}.done")
-    assert origins[clone] == str(ROOT / "mk" / "__init__.py"), origins
-    assert origins["mk"] == "None", origins
+def _kernel_warnings(manager_class, tmp_path, capfd):
+    """What running a one-cell notebook with `manager_class` printed on stderr."""
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1")])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    nbformat.write(nb, tmp_path / "one.ipynb")
+    capfd.readouterr()
+    papermill.execute_notebook(str(tmp_path / "one.ipynb"), str(tmp_path / "out.ipynb"),
+                               kernel_name="python3", progress_bar=False,
+                               kernel_manager_class=manager_class)
+    return capfd.readouterr().err
+
+
+def test_kernels_run_without_the_unencrypted_tcp_warning(tmp_path, capfd):
+    warning = "Kernel is running over TCP without encryption"
+    assert warning not in _kernel_warnings(run_notebooks._PatientKernelManager, tmp_path, capfd)
+    # Control: jupyter_client's default manager (TCP) prints it, so the check can fail.
+    assert warning in _kernel_warnings(AsyncKernelManager, tmp_path, capfd)
 
 
 # -- The site -------------------------------------------------------------------------------
@@ -170,7 +173,7 @@ def test_index_has_a_row_per_run_with_parameters_status_time_and_link(site):
     assert len(rows) == len(names)
     for row, name in zip(rows, names):
         link = re.search(r'<a href="([^"]+)">', row)[1]
-        assert link == f"runs/{site['run_dir'].name}/{name}.html"
+        assert link == f"runs/{site['run_dir'].name}/site/{name}.html"
         assert (site["out"] / link).exists()
         assert re.search(r"<td>\d+\.\d s</td>$", row), row
     assert "points=3" in rows[0] and "points=5" in rows[1] and "notebook defaults" in rows[2]
@@ -205,6 +208,28 @@ def test_pages_carry_plotlyjs_once_and_load_nothing_from_outside(site):
         page = (site["run_dir"] / row["page"]).read_text()
         assert page.count(header) == (0 if name == "91_site_fails" else 1), name
         assert not re.findall(r'src="https?:', page), name
+
+
+def test_pages_have_their_notebook_title_index_link_and_neighbours(site):
+    names = list(site["rows"])
+    titles = {"90_site_figures-three": "90_site_figures (three)",
+              "90_site_figures-five": "90_site_figures (five)",
+              "91_site_fails": "91_site_fails"}
+    pages = {n: (site["run_dir"] / site["rows"][n]["page"]).read_text() for n in names}
+    for i, name in enumerate(names):
+        page = pages[name]
+        assert re.search(r"<title>90_site_figures|<title>91_site_fails", page), name
+        assert 'href="index.html"' in page, f"{name} does not link its run's index"
+        prev = re.search(r'class="left-prev"\s+href="([^"]+)"', page)
+        nxt = re.search(r'class="right-next"\s+href="([^"]+)"', page)
+        assert prev and prev[1] == ("index.html" if i == 0 else f"{names[i - 1]}.html"), name
+        assert (nxt[1] if nxt else None) == (f"{names[i + 1]}.html"
+                                             if i + 1 < len(names) else None), name
+        assert "searchindex" in page or "search.html" in page, f"{name} has no search"
+    navigation = (site["run_dir"] / "site" / "index.html").read_text()
+    for name, text in titles.items():  # the table of contents names each configuration
+        assert re.search(rf'href="{re.escape(name)}\.html">{re.escape(text)}</a>', navigation), \
+            (name, text)
 
 
 def test_run_folders_are_never_reused(tmp_path):
@@ -258,7 +283,8 @@ def test_browser_check_reports_broken_pages(tmp_path):
 # Last: it adds a second run to the module's site.
 def test_a_second_run_leaves_the_first_untouched(site, notebooks):
     def digest(folder):
-        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir()}
+        return {p.relative_to(folder): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in folder.rglob("*") if p.is_file()}
 
     first = digest(site["run_dir"])
     code, _ = _main(notebooks[1], "--out", site["out"])
@@ -269,4 +295,4 @@ def test_a_second_run_leaves_the_first_untouched(site, notebooks):
     index = (site["out"] / "index.html").read_text()
     assert f"Newest run: {runs[1].name}" in index
     assert index.count("<tr><td>") == 1  # the newest run's table; the first is linked
-    assert f'href="runs/{runs[0].name}/index.html"' in index
+    assert f'href="runs/{runs[0].name}/site/index.html"' in index

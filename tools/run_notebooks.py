@@ -6,7 +6,8 @@ per configuration that `notebooks/runs.yaml` lists for it (once with its own par
 cell if it is not listed; the file documents its format).
 
 Nothing is overwritten: every invocation writes a new folder `OUT/runs/<YYYYmmdd-HHMMSS>/`
-with the executed notebooks, their HTML exports, `runs.json` and its own `index.html`;
+with the executed notebooks, `runs.json`, and the run's site in `site/`, built by Sphinx
+from the executed notebooks once they have all run (tools/build_site.py, docs/conf.py);
 `OUT/index.html` shows the newest run's table and lists every earlier run. Delete old runs
 by hand, or all of `build/` with `make clean`.
 
@@ -17,9 +18,9 @@ code is 1 if any notebook failed, 2 for a bad runs file or command line.
 
 The pages work offline: plotly figures carry plotly.js once per page (`mk.plots.show`),
 plotly's own sliders need no kernel, MathJax is served from `OUT/_static/` (copied once
-from the pinned jupyter-server-mathjax), the HTML export loads no require.js, and saved
-ipywidgets state is left out of the page (a widget needs a live kernel; the page shows its
-text form). `tools/check_site.py` checks all of this in headless Chromium.
+from the pinned jupyter-server-mathjax), and no widget manager is loaded (a widget needs a
+live kernel; the page shows its text form). The kernels talk over local sockets (ipc).
+`tools/check_site.py` checks the pages in headless Chromium.
 
 Not here: skipping unchanged notebooks, running notebooks in parallel (2 cores).
 """
@@ -44,38 +45,24 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+ROOT = Path(__file__).resolve().parent.parent
+os.environ.setdefault("MK_PROFILES", str(ROOT / "profiles"))  # the kernels inherit it
 
 import nbformat  # noqa: E402
 import papermill  # noqa: E402
 import yaml  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import build_site  # noqa: E402
 from jupyter_client.manager import AsyncKernelManager, KernelManager  # noqa: E402
-from nbconvert import HTMLExporter  # noqa: E402
 from traitlets import default  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 KERNEL = "python3"
 PATTERN = "[0-9][0-9]*_*.ipynb"
 RUNS_FILE = ROOT / "notebooks" / "runs.yaml"
 LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,39}")
 HEARTBEAT_SECONDS = 60.0
 MATHJAX = "_static/mathjax"  # relative to the site root
-# The lab template, minus require.js (nothing on these pages is an AMD module, and a
-# missing CDN script is an error in an offline browser), with MathJax told to use the one
-# web font jupyter-server-mathjax ships (STIX-Web; the default TeX font is not there) and
-# its font-detection face made local (MathJax 2's url('about:blank') is a console error in
-# current Chromium).
-PAGE_TEMPLATE = """{%- extends "index.html.j2" -%}
-{%- block html_head_js_requirejs -%}{%- endblock html_head_js_requirejs -%}
-{%- block html_head_js_mathjax -%}
-<script>window.MathJax = {"HTML-CSS": {
-  availableFonts: [], preferredFont: null, webFont: "STIX-Web", imageFont: null,
-  styles: {"@font-face": {"font-family": "MathJax_Blank", src: "local('MathJax_Blank')"}}}};
-</script>
-{{ super() }}
-{%- endblock html_head_js_mathjax -%}
-"""
-
-
 # -- What to run ----------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Run:
@@ -189,11 +176,16 @@ def check_kernel(kernel_name: str = KERNEL) -> None:
 class _PatientKernelManager(AsyncKernelManager):
     """Gives a finished kernel 30 s, not 5, to exit: with jax and libtpu loaded on a busy
     machine it can take longer, and libtpu answers the SIGTERM that follows with a
-    crash-like stack trace in make run's output."""
+    crash-like stack trace in make run's output. Talks to it over local (ipc) sockets: over
+    TCP every kernel warns, rightly, that its traffic is unencrypted."""
 
     @default("shutdown_wait_time")
     def _shutdown_wait_time_default(self):
         return 30.0
+
+    @default("transport")
+    def _transport_default(self):
+        return "ipc"
 
 
 def execute(notebook: Path, output: Path, parameters: dict | None = None) -> None:
@@ -211,17 +203,6 @@ def _failure(err: BaseException) -> str:
     else:
         text = f"{type(err).__name__}: {err}"
     return text if len(text) <= 300 else text[:297] + "..."
-
-
-def export_html(executed: Path, page: Path, site_root: Path) -> None:
-    """The HTML export of an executed notebook, made to work offline inside the site."""
-    nb = nbformat.read(executed, as_version=4)
-    nb.metadata.pop("widgets", None)  # saved widget views need unpkg.com and a kernel
-    mathjax = Path(os.path.relpath(site_root / MATHJAX, page.parent)).as_posix()
-    exporter = HTMLExporter(raw_template=PAGE_TEMPLATE,
-                            mathjax_url=f"{mathjax}/MathJax.js?config=TeX-AMS-MML_HTMLorMML-full,Safe")
-    body, _ = exporter.from_notebook_node(nb)
-    page.write_text(body, encoding="utf-8")
 
 
 @contextlib.contextmanager
@@ -242,10 +223,10 @@ def _heartbeat(prefix: str, start: float, every: float = HEARTBEAT_SECONDS):
         thread.join()
 
 
-def run_one(run: Run, run_dir: Path, site_root: Path, prefix: str = "") -> dict:
-    """Execute one configuration and export it to HTML; return its row of the index."""
+def run_one(run: Run, run_dir: Path, prefix: str = "") -> dict:
+    """Execute one configuration; return its row of the index (its page is built with the
+    run's site, `build_site`)."""
     executed = run_dir / f"{run.name}.ipynb"
-    page = executed.with_suffix(".html")
     start = time.perf_counter()
     error = ""
     print(f"{prefix}: running", flush=True)
@@ -254,22 +235,18 @@ def run_one(run: Run, run_dir: Path, site_root: Path, prefix: str = "") -> dict:
             execute(run.notebook, executed, run.parameters)
         except Exception as err:  # noqa: BLE001 - a failed notebook is a result, not a crash
             error = _failure(err)
-        if executed.exists():
-            try:
-                export_html(executed, page, site_root)
-            except Exception as err:  # noqa: BLE001 - no page is a failure of this row
-                error = error or f"HTML export: {_failure(err)}"
     seconds = time.perf_counter() - start
     status = "failed" if error else "ok"
     print(f"{prefix}: {status} in {seconds:.1f} s" + (f" ({error.splitlines()[0]})"
                                                       if error else ""), flush=True)
-    return _row(run, status, error, seconds, page if page.exists() else None)
+    page = build_site.page(run.name) if executed.exists() else None
+    return _row(run, status, error, seconds, page)
 
 
-def _row(run: Run, status: str, error: str, seconds: float, page: Path | None) -> dict:
+def _row(run: Run, status: str, error: str, seconds: float, page: str | None) -> dict:
     return {"name": run.name, "notebook": run.notebook.stem, "label": run.label,
             "parameters": run.parameters, "status": status, "error": error,
-            "seconds": round(seconds, 2), "page": page.name if page else None}
+            "seconds": round(seconds, 2), "page": page}
 
 
 # -- The site -------------------------------------------------------------------------------
@@ -299,28 +276,6 @@ def install_static(out: Path) -> None:
                                "requirements.txt")
         source = Path(spec.submodule_search_locations[0]) / "static"
         shutil.copytree(source, target, dirs_exist_ok=True)
-
-
-def _params_text(parameters: dict) -> str:
-    if not parameters:
-        return "notebook defaults"
-    return ", ".join(f"{k}={v!r}" for k, v in parameters.items())
-
-
-def _table(rows: list[dict], prefix: str) -> str:
-    lines = ["<table><tr><th>notebook</th><th>configuration</th><th>parameters</th>"
-             "<th>status</th><th>run time</th></tr>"]
-    for row in rows:
-        name = html.escape(row["notebook"])
-        link = (f'<a href="{html.escape(prefix + row["page"])}">{name}</a>'
-                if row["page"] else name)
-        status = row["status"] + (f": {row['error']}" if row["error"] else "")
-        lines.append(f'<tr><td>{link}</td><td>{html.escape(row["label"] or "-")}</td>'
-                     f'<td><code>{html.escape(_params_text(row["parameters"]))}</code></td>'
-                     f'<td class="{row["status"]}">{html.escape(status)}</td>'
-                     f'<td>{row["seconds"]:.1f} s</td></tr>')
-    lines.append("</table>")
-    return "\n".join(lines)
 
 
 def source_version() -> str:
@@ -358,12 +313,10 @@ with every Pallas kernel in TPU interpret mode: they say nothing about TPU time.
 
 
 def write_run_index(run_dir: Path, record: dict) -> None:
+    """The run's runs.json and the index.md its site is built from."""
     (run_dir / "runs.json").write_text(json.dumps(record, indent=1, default=str),
                                         encoding="utf-8")
-    body = (f"<p>Run {html.escape(run_dir.name)} ({_summary(record)}); "
-            f'<a href="../../index.html">all runs</a>.</p>\n{_table(record["rows"], "")}')
-    (run_dir / "index.html").write_text(_page(f"mk notebooks, run {run_dir.name}", body),
-                                        encoding="utf-8")
+    build_site.write_index(run_dir, record, _summary(record))
 
 
 def write_site_index(out: Path) -> None:
@@ -375,10 +328,10 @@ def write_site_index(out: Path) -> None:
         body = "<p>No runs yet: <code>make run</code>.</p>"
     else:
         name, newest = records[0]
-        listing = "\n".join(f'<li><a href="runs/{html.escape(n)}/index.html">'
+        listing = "\n".join(f'<li><a href="runs/{html.escape(n)}/{build_site.SITE}/index.html">'
                             f"{html.escape(n)}</a>: {_summary(r)}</li>" for n, r in records)
         body = (f"<h2>Newest run: {html.escape(name)} ({_summary(newest)})</h2>\n"
-                f"{_table(newest['rows'], f'runs/{name}/')}\n<h2>All runs</h2>\n"
+                f"{build_site.table(newest['rows'], f'runs/{name}/')}\n<h2>All runs</h2>\n"
                 f"<ul>\n{listing}\n</ul>")
     (out / "index.html").write_text(_page("mk notebooks", body), encoding="utf-8")
 
@@ -395,11 +348,13 @@ def run_all(runs: list[Run], out: Path, argv: list[str]) -> tuple[Path, list[dic
     try:
         for i, run in enumerate(runs, 1):
             prefix = f"[{i}/{len(runs)}] {run.name:<{width}}"
-            record["rows"].append(run_one(run, run_dir, out, prefix))
+            record["rows"].append(run_one(run, run_dir, prefix))
             write_run_index(run_dir, record)
         record["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %z")
     finally:
         write_run_index(run_dir, record)
+        print(f"building the site: {run_dir / build_site.SITE}", flush=True)
+        build_site.build(run_dir, out / MATHJAX)
         write_site_index(out)
     return run_dir, record["rows"]
 

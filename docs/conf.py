@@ -1,0 +1,43 @@
+"""Sphinx configuration of the site `make run` builds from one run's executed notebooks.
+
+tools/build_site.py calls sphinx-build with this folder as the configuration directory
+and a run folder (`build/runs/<stamp>/`: the executed .ipynb and an index.md it writes) as
+the source: myst-nb reads the notebooks as they ran (nothing is executed again) and the
+book theme gives every page its notebook's title, the navigation, prev/next and search.
+
+The pages must work offline: plotly.js is embedded once per page by `mk.plots.show`, the
+widget manager is not loaded from a CDN (a widget needs a live kernel; the page shows its
+text form), and MathJax is the copy served from the site (`MK_MATHJAX`, a path relative to
+the built pages' `_static/`).
+"""
+
+import os
+
+project = "mk notebooks"
+html_title = "mk: a TPU decode megakernel"
+extensions = ["myst_nb"]
+exclude_patterns = ["site", "**.html", "runs.json"]
+
+# Executed by papermill already; failed notebooks are shown as they stopped.
+nb_execution_mode = "off"
+nb_ipywidgets_js = {}
+# mk.plots.show writes each figure as text/html (plotly.js once per page), which the page
+# shows; myst-nb warns about the plotly JSON beside it in the same output, never shown.
+suppress_warnings = ["mystnb.unknown_mime_type"]
+myst_enable_extensions = ["dollarmath"]
+
+mathjax_path = os.environ.get("MK_MATHJAX", "")
+mathjax2_config = {"HTML-CSS": {"availableFonts": [], "preferredFont": None,
+                                "webFont": "STIX-Web", "imageFont": None}}
+
+html_theme = "sphinx_book_theme"
+html_theme_options = {
+    "repository_url": "https://github.com/mk-megakernel/mk",
+    "use_repository_button": True,
+    "show_navbar_depth": 1,
+    "home_page_in_toc": True,
+}
+# Without a mode the theme logs "Got invalid theme mode" to the console (an error).
+html_context = {"default_mode": "light"}
+html_show_sourcelink = False
+html_copy_source = False
