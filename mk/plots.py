@@ -4,8 +4,8 @@ Here: `roofline`, `bytes_breakdown`, `published_vs_floor`, `step_terms` (figures
 from numbers and records that `mk.perf` computed), `tile_stream` (the ring's schedule,
 drawn from the `TileStream` the kernel executes), `timeline`, `bubble_bars`, `sweep_lines`
 (a `mk.sim.Simulation`, its bubbles, a design sweep), `lines` (named series against one
-x), `table` (a Markdown table) and `show`. Not here: any
-model or chip arithmetic (that is `mk.perf`); static image export (kaleido needs Chrome).
+x), `table` (a Markdown table), `show_source` (a kernel's own code on the page, from its
+module) and `show`. Not here: any model or chip arithmetic (that is `mk.perf`); static image export (kaleido needs Chrome).
 
 Why `show` and not `fig.show()`: plotly 7's default output is only the plotly JSON mime
 type, which JupyterLab draws but nbconvert's HTML export and GitHub do not. `show` emits
@@ -17,7 +17,9 @@ each output is its own iframe, so there every figure loads plotly.js (Colab is o
 
 from __future__ import annotations
 
+import inspect
 import sys
+import textwrap
 from collections.abc import Mapping, Sequence
 
 import plotly.graph_objects as go
@@ -45,6 +47,22 @@ def show(fig: go.Figure) -> None:
     bundle["text/html"] = html
     bundle["text/plain"] = f"<plotly figure: {fig.layout.title.text or 'untitled'}>"
     display(bundle, raw=True)
+
+
+def show_source(*objects, lines: tuple[int, int] | None = None) -> Markdown:
+    """The source of each function or class (from its module, so it follows the code) as
+    one highlighted Python block, each headed by its module and line; `lines=(first, last)`
+    keeps those lines (1-based, inclusive) of a single object."""
+    blocks = []
+    for obj in objects:
+        source, start = inspect.getsourcelines(obj)
+        if lines is not None:
+            if len(objects) != 1 or not 1 <= lines[0] <= lines[1] <= len(source):
+                raise ValueError(f"lines={lines} must lie in [1, {len(source)}] of one object")
+            source, start = source[lines[0] - 1:lines[1]], start + lines[0] - 1
+        where = f"# {obj.__module__}, line {start}: {obj.__qualname__}\n"
+        blocks.append(where + textwrap.dedent("".join(source)).rstrip())
+    return Markdown("```python\n" + "\n\n".join(blocks) + "\n```")
 
 
 def table(rows: Sequence[Mapping[str, object]]) -> Markdown:
