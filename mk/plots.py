@@ -172,7 +172,10 @@ def tile_stream(stream, *, title: str = "") -> go.Figure:
                           "slot %{customdata[4]}<extra></extra>"))
     fig.update_layout(title=title or f"{stream.total} weight tiles through a {slots}-slot ring",
                       xaxis_title="tile index g (consumption order)", barmode="overlay",
-                      yaxis=dict(autorange="reversed"), bargap=0.2, height=320)
+                      # every row labelled: plotly would skip every other one when crowded
+                      yaxis=dict(autorange="reversed", tickmode="array",
+                                 tickvals=list(by_name)), bargap=0.2,
+                      height=max(320, 120 + 22 * len(by_name)))
     return fig
 
 

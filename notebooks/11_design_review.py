@@ -68,6 +68,7 @@ kv_tile = 0  # cached positions per KV tile; 0 for min(256, context)
 kv_slots = 2
 compile_for_tpu = True  # the ahead-of-time libtpu compile of the megakernel
 simulate_published = False  # simulate the published TPU runs too (about a minute)
+exercise_ring_slots = 0  # the exercise: ring slots to check; 0 = Little's law depth, try 2
 
 # %%
 import dataclasses
@@ -75,7 +76,7 @@ import dataclasses
 import mk
 import mk.run
 from IPython.display import display
-from mk import perf, plots, review, sim, tpu
+from mk import course, perf, plots, review, sim, tpu
 from mk.chips import chip as chip_spec
 from mk.kernels.common import BlockSizes, VmemBudget
 
@@ -250,6 +251,18 @@ plots.show(plots.sweep_lines(sweeps["slots"], "slots", y="hbm_utilisation",
                              title=f"HBM busy share against ring slots (Little's law: {need})"))
 
 # %% [markdown]
+# **Exercise: a ring too shallow.** Set `exercise_ring_slots = 2`: the cell simulates the
+# step with that ring and `mk.course.check_ring_depth` compares it with the ring Little's
+# law asks for (`need` slots above); the last cell fails naming how much slower it is.
+
+# %%
+deep = sim.simulate(config, spec, block=dataclasses.replace(block, slots=need), **step_args)
+tried = sim.simulate(config, spec, block=dataclasses.replace(
+    block, slots=exercise_ring_slots or need), **step_args)
+print(f"{tried.block.slots} slots: {tried.step_ms * 1e3:.4g} µs simulated; {need} slots "
+      f"(Little's law): {deep.step_ms * 1e3:.4g} µs")
+
+# %% [markdown]
 # ## Tokens per second against acceptance length
 #
 # With speculative decoding each step verifies T rows and keeps $a \le T$ of them per
@@ -413,4 +426,5 @@ assert all(b <= min(steps[:i + 1]) * 1.05 for i, b in enumerate(steps[1:])), "mo
 assert len(pub) == len(perf.published())
 assert est.step_ms <= conv.step_ms, "one kernel per op beat the floors"
 assert report is None or report.ok or not fits, f"compile failed: {report.error[:300]}"
+course.check_ring_depth(tried, deep)
 print("checks passed")

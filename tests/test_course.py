@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import mk
-from mk import backend, collectives, course, reference, sim
+from mk import backend, collectives, course, reference, sim, spec
 from mk.kernels import mlp
 from mk.kernels.attention_prologue import attention_prologue
 from mk.kernels.common import BlockSizes
@@ -165,3 +165,16 @@ def test_default_router_seed_picks_experts_that_are_not_a_prefix():
                                       p["batch"] * p["rows"])
     assert not course.is_prefix(experts), experts
     assert course.is_prefix(course.moe_inputs(mk.preset("tiny-moe"), 0, 0, 1)[2])
+
+
+def test_default_megakernel_demo_of_09_accepts_drafts():
+    p = parameters("09_speculative_sweep")
+    config = mk.preset(p["preset"])
+    params = mk.init_params(config, p["seed"])
+    prompt = jax.random.randint(jax.random.key(p["seed"]), (p["batch"], 5), 0, config.vocab)
+    options = ({"acceptance_length": p["demo_acceptance"]}
+               if p["demo_drafter"] == "forced" else {})
+    _, stats = spec.generate(config, params, prompt, p["megakernel_steps"],
+                             drafter=p["demo_drafter"], gamma=p["gamma"],
+                             verifier="reference", max_context=p["context"], **options)
+    assert stats.acceptance_length > 1, stats
