@@ -298,6 +298,24 @@ for r in published:
               f"{r['roofline'] / gpu['roofline']:.2f}x")
 
 # %% [markdown]
+# ## Worked problems
+#
+# **1.** A step costs about the same for 1 and gamma + 1 rows while it is HBM-bound. With a
+# verification step of t_v and a draft cost of t_d per step, what tau makes speculation
+# pay? *Formula:* tokens/s $= \tau / (t_v + t_d) > 1 / t_v \iff \tau > 1 + t_d / t_v$.
+# **2.** The published Kimi K3 run: 709 tokens/s at tau 6: how long is one verification
+# step? *Formula:* $t = \tau / \text{tokens/s}$. *Answers* (computed):
+
+# %%
+kimi = next(r for r in perf.published() if r.model == "Kimi K3" and r.system == "tpu7x")
+print(f"1. with a drafter costing 20 % of a verification step: tau > {1 + 0.2:.1f}")
+print(f"2. {kimi.acceptance_length:g} / {kimi.tokens_per_s:g} tokens/s = "
+      f"{1e3 * kimi.acceptance_length / kimi.tokens_per_s:.2f} ms per step")
+
+# %% [markdown]
+# *Takeaway:* speculation multiplies tokens per weight pass; it pays whenever the drafter
+# is cheaper than (tau - 1) verification steps.
+#
 # ## Closing note
 #
 # Generated from the outputs above:
