@@ -74,6 +74,7 @@ published_context = 0  # cached positions assumed for the published runs (not st
 # %%
 import numpy as np
 from IPython.display import Markdown, display
+from tqdm.auto import tqdm
 
 import mk
 import mk.run
@@ -152,7 +153,8 @@ else:
 gammas = range(1, spec.MAX_GAMMA + 1)
 measured = {name: [spec.generate(config, params, prompts[:tau_batch], tau_steps, drafter=name,
                                  gamma=g, verifier="reference", bucket=tau_batch,
-                                 max_context=run.context, **kw)[1] for g in gammas]
+                                 max_context=run.context, **kw)[1]
+                   for g in tqdm(gammas, desc=f"tau of {name}", leave=False)]
             for name, kw in drafters.items()}
 alpha = {name: spec.fit_rate(runs) for name, runs in measured.items()}
 display(plots.table([{"drafter": name, "a (fitted)": f"{alpha[name]:.3f}"}
