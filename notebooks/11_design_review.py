@@ -70,7 +70,7 @@ compile_for_tpu = True  # the ahead-of-time libtpu compile of the megakernel
 simulate_published = False  # simulate the published TPU runs too (about a minute)
 exercise_ring_slots = 0  # the exercise: ring slots to check; 0 = Little's law depth, try 2
 
-# %%
+# %% tags=["hide-input"]
 import dataclasses
 
 import mk
@@ -100,7 +100,7 @@ step_args = dict(batch=run.batch, rows=run.rows, context=position, tp=tp,
 # %% [markdown]
 # ## The configuration
 
-# %%
+# %% tags=["hide-input"]
 display(plots.table([
     {"": "model", "value": f"{config.name}: L={config.layers} D={config.hidden} "
                            f"N={config.heads} K={config.kv_heads} H={config.head_dim} "
@@ -222,7 +222,7 @@ plots.show(plots.bubble_bars({"prefetch on": s, "prefetch off": off}))
 # (issued at the layer's start) queue behind every weight tile already in flight, so
 # attention starts later.
 
-# %%
+# %% tags=["hide-input"]
 need = sim.latency_slots(config, spec, block, weight_dtypes=dtypes)
 common = dict(weight_dtypes=dtypes, tp=tp, context=position)
 sweeps = {
@@ -269,7 +269,7 @@ print(f"{tried.block.slots} slots: {tried.step_ms * 1e3:.4g} µs simulated; {nee
 # sequence: tokens/s per user $= a / t_\text{step}(T)$. The simulated step at T = 8
 # (the published runs' verification width) against the roofline's.
 
-# %%
+# %% tags=["hide-input"]
 verify = 8
 sim_t = sim.simulate(config, spec, block=block, **(step_args | {"rows": verify}))
 roof_t = perf.predict(config, spec, **(step_args | {"rows": verify}))
@@ -298,7 +298,7 @@ print(f"no speculation (T=1): {1 / one.step_s:,.0f} tokens/s per user simulated;
 # 0 (unstated), every device in the tensor-parallel group. The note says what the modelled
 # run does not share with the published one.
 
-# %%
+# %% tags=["hide-input"]
 pub = review.published_table(simulate_tpu=simulate_published)
 
 
@@ -351,7 +351,7 @@ for r in pub:
 #
 # Each design point of the kernel with the simulator's verdict on this configuration.
 
-# %%
+# %% tags=["hide-input"]
 def verdict(ok, good, bad):
     return ("OK: " + good) if ok else ("REVIEW: " + bad)
 

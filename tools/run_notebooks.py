@@ -50,6 +50,9 @@ import papermill  # noqa: E402
 import yaml  # noqa: E402
 from jupyter_client.manager import AsyncKernelManager, KernelManager  # noqa: E402
 from nbconvert import HTMLExporter  # noqa: E402
+from traitlets.config import Config  # noqa: E402
+
+HIDDEN_INPUT_TAGS = ("remove-input", "hide-input")
 from traitlets import default  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -218,7 +221,10 @@ def export_html(executed: Path, page: Path, site_root: Path) -> None:
     nb = nbformat.read(executed, as_version=4)
     nb.metadata.pop("widgets", None)  # saved widget views need unpkg.com and a kernel
     mathjax = Path(os.path.relpath(site_root / MATHJAX, page.parent)).as_posix()
-    exporter = HTMLExporter(raw_template=PAGE_TEMPLATE,
+    # A cell tagged remove-input or hide-input shows its outputs only (long code cells).
+    exporter = HTMLExporter(config=Config({"TagRemovePreprocessor": {
+                                "enabled": True, "remove_input_tags": list(HIDDEN_INPUT_TAGS)}}),
+                            raw_template=PAGE_TEMPLATE,
                             mathjax_url=f"{mathjax}/MathJax.js?config=TeX-AMS-MML_HTMLorMML-full,Safe")
     body, _ = exporter.from_notebook_node(nb)
     page.write_text(body, encoding="utf-8")
