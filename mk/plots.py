@@ -4,8 +4,8 @@ Here: `roofline`, `bytes_breakdown`, `published_vs_floor`, `step_terms` (figures
 from numbers and records that `mk.perf` computed), `tile_stream` (the ring's schedule,
 drawn from the `TileStream` the kernel executes), `timeline`, `bubble_bars`, `sweep_lines`
 (a `mk.sim.Simulation`, its bubbles, a design sweep), `lines` (named series against one
-x), `table` (a Markdown table) and `show`. Not here: any
-model or chip arithmetic (that is `mk.perf`); static image export (kaleido needs Chrome).
+x), `table` (a Markdown table), `show_source` (a kernel's own code on the page, from its
+module) and `show`. Not here: any model or chip arithmetic (that is `mk.perf`); static image export (kaleido needs Chrome).
 
 Why `show` and not `fig.show()`: plotly 7's default output is only the plotly JSON mime
 type, which JupyterLab draws but nbconvert's HTML export and GitHub do not. `show` emits
@@ -17,7 +17,9 @@ each output is its own iframe, so there every figure loads plotly.js (Colab is o
 
 from __future__ import annotations
 
+import inspect
 import sys
+import textwrap
 from collections.abc import Mapping, Sequence
 
 import plotly.graph_objects as go
@@ -45,6 +47,22 @@ def show(fig: go.Figure) -> None:
     bundle["text/html"] = html
     bundle["text/plain"] = f"<plotly figure: {fig.layout.title.text or 'untitled'}>"
     display(bundle, raw=True)
+
+
+def show_source(*objects, lines: tuple[int, int] | None = None) -> Markdown:
+    """The source of each function or class (from its module, so it follows the code) as
+    one highlighted Python block, each headed by its module and line; `lines=(first, last)`
+    keeps those lines (1-based, inclusive) of a single object."""
+    blocks = []
+    for obj in objects:
+        source, start = inspect.getsourcelines(obj)
+        if lines is not None:
+            if len(objects) != 1 or not 1 <= lines[0] <= lines[1] <= len(source):
+                raise ValueError(f"lines={lines} must lie in [1, {len(source)}] of one object")
+            source, start = source[lines[0] - 1:lines[1]], start + lines[0] - 1
+        where = f"# {obj.__module__}, line {start}: {obj.__qualname__}\n"
+        blocks.append(where + textwrap.dedent("".join(source)).rstrip())
+    return Markdown("```python\n" + "\n\n".join(blocks) + "\n```")
 
 
 def table(rows: Sequence[Mapping[str, object]]) -> Markdown:
@@ -154,7 +172,10 @@ def tile_stream(stream, *, title: str = "") -> go.Figure:
                           "slot %{customdata[4]}<extra></extra>"))
     fig.update_layout(title=title or f"{stream.total} weight tiles through a {slots}-slot ring",
                       xaxis_title="tile index g (consumption order)", barmode="overlay",
-                      yaxis=dict(autorange="reversed"), bargap=0.2, height=320)
+                      # every row labelled: plotly would skip every other one when crowded
+                      yaxis=dict(autorange="reversed", tickmode="array",
+                                 tickvals=list(by_name)), bargap=0.2,
+                      height=max(320, 120 + 22 * len(by_name)))
     return fig
 
 
@@ -163,10 +184,33 @@ def _family(what: str) -> str:
     return what.split("[")[0]
 
 
+# One colour per category in every figure (STYLE.md): the busy lanes, then HBM idle by cause.
+CATEGORY_COLOURS = {"DMA": "#1f77b4", "MXU": "#ff7f0e", "vector": "#2ca02c",
+                    "collective": "#9467bd"}
+IDLE_COLOURS = {"step start": "#c7c7c7", "layer boundary": "#d62728", "routing": "#e377c2",
+                "attention": "#8c564b", "lm_head": "#bcbd22", "collective": "#c5b0d5",
+                "compute": "#ffbb78", "vector": "#98df8a", "ring empty": "#ff9896",
+                "step end": "#7f7f7f"}
+_VECTOR_WORK = ("norm", "qk_norm_rope", "residual", "final_norm", "swiglu", "router",
+                "combine", "selected", "argmax")
+
+
+def category(lane: str, what: str) -> str:
+    """The colour category of a simulated event: "DMA" (the DMA lane), "collective",
+    "vector" (norms, RoPE, SwiGLU, routing) or "MXU" (weight tiles, attention)."""
+    family = _family(what)
+    if lane == "dma":
+        return "DMA"
+    if family == "collective":
+        return "collective"
+    return "vector" if family in _VECTOR_WORK else "MXU"
+
+
 def timeline(sims, *, layers: tuple[int, int] | None = None,
              window_s: tuple[float, float] | None = None, title: str = "") -> go.Figure:
     """The simulated timeline: per simulation, a DMA lane, a compute lane and an HBM-idle
-    lane (bubbles coloured by cause); `sims` is one `mk.sim.Simulation` or {label: sim}.
+    lane (bubbles coloured by cause; the colours of `CATEGORY_COLOURS` and `IDLE_COLOURS`
+    in every notebook); `sims` is one `mk.sim.Simulation` or {label: sim}.
     `layers=(first, last)` keeps the events of those layers (inclusive), so a big model
     stays drawable; `window_s` zooms the x axis to that interval. Times in microseconds."""
     sims = sims if isinstance(sims, Mapping) else {"": sims}
@@ -181,12 +225,13 @@ def timeline(sims, *, layers: tuple[int, int] | None = None,
         for e in sim.events:
             if keep(e.layer):
                 lane = prefix + ("DMA" if e.lane == "dma" else "compute")
-                t = traces.setdefault((_family(e.what), lane), dict(x=[], base=[], y=[], text=[]))
+                t = traces.setdefault((category(e.lane, e.what), lane),
+                                      dict(x=[], base=[], y=[], text=[]))
                 t["x"].append((e.end_s - e.start_s) * 1e6)
                 t["base"].append(e.start_s * 1e6)
                 t["y"].append(lane)
                 t["text"].append(f"{e.what}, layer {e.layer}: {e.count} interval(s), busy "
-                                 f"{e.busy_s * 1e6:.3g} us")
+                                 f"{e.busy_s * 1e6:.3g} µs")
         for b in sim.bubbles:
             if keep(b.layer):
                 lane = prefix + "HBM idle"
@@ -195,18 +240,20 @@ def timeline(sims, *, layers: tuple[int, int] | None = None,
                 t["x"].append((b.end_s - b.start_s) * 1e6)
                 t["base"].append(b.start_s * 1e6)
                 t["y"].append(lane)
-                t["text"].append(f"{b.cause}, layer {b.layer}: idle {b.idle_s * 1e6:.3g} us")
+                t["text"].append(f"{b.cause}, layer {b.layer}: idle {b.idle_s * 1e6:.3g} µs")
     fig = go.Figure()
     shown = set()
     for (name, _), t in traces.items():
-        fig.add_trace(go.Bar(orientation="h", name=name, legendgroup=name,
+        colour = IDLE_COLOURS.get(name[len("idle: "):], "#7f7f7f") if name.startswith(
+            "idle: ") else CATEGORY_COLOURS[name]
+        fig.add_trace(go.Bar(orientation="h", name=name, legendgroup=name, marker_color=colour,
                              showlegend=name not in shown, x=t["x"], base=t["base"],
                              y=t["y"], hovertext=t["text"],
-                             hovertemplate="%{hovertext}<br>%{base:.4g} us + %{x:.3g} us"
+                             hovertemplate="%{hovertext}<br>%{base:.4g} µs + %{x:.3g} µs"
                                            "<extra></extra>"))
         shown.add(name)
     first = next(iter(sims.values()))
-    fig.update_layout(barmode="overlay", bargap=0.3, xaxis_title="time (us, simulated)",
+    fig.update_layout(barmode="overlay", bargap=0.3, xaxis_title="time (µs, simulated)",
                       title=title or f"Simulated step of {first.config_name} on "
                                      f"{first.chip_name}", yaxis=dict(autorange="reversed"),
                       height=200 + 60 * len(sims) * 3)

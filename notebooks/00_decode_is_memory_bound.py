@@ -93,9 +93,10 @@ print(f"{run.config.name}: B={run.batch} T={run.rows} S={run.context} on {run.ch
 
 # %%
 for c in all_chips():
+    low = "int8" if "no fp8" in c.notes else "fp8"  # data/chips.csv: v5e/v6e/v5p have no fp8
     print(f"{c.name:6} {c.hbm_bw / 1e12:5.2f} TB/s  {c.bf16_flops / 1e12:6.0f} TFLOP/s bf16"
           f"  ridge {c.ridge_flop_per_byte:4.0f} FLOP/B bf16,"
-          f" {perf.peak_flops(c, 'fp8') / c.hbm_bw:4.0f} fp8")
+          f" {perf.peak_flops(c, 'fp8') / c.hbm_bw:4.0f} {low}")
 
 # %% [markdown]
 # A decode step with bf16 weights needs hundreds of rows per step before the matrix unit,
@@ -251,6 +252,26 @@ for lab, r, u, s in zip(label, pubs, uniform, shared):
 # HBM streaming all the time, not by computing faster.
 
 # %% [markdown]
+# ## Worked problems
+#
+# **1.** qwen3-8b in bf16 on one v6e at B = 1, S = 4096: what is the HBM floor, and how
+# many tokens/s per sequence can it allow? *Formula:* bytes / BW; tokens/s $\le 1 /
+# t_\text{floor}$. **2.** How many rows M must a step carry before bf16 weights stop
+# being HBM-bound on v6e? *Formula:* $I = M$ FLOP/B for bf16 weights against the ridge
+# point peak / BW. *Answers* (computed):
+
+# %%
+q8 = perf.predict(mk.preset("qwen3-8b"), "v6e", batch=1, rows=1, context=4096)
+v6e = mk.chip("v6e")
+print(f"1. {q8.total_bytes / 1e9:.2f} GB / {v6e.hbm_bw / 1e12:.2f} TB/s = "
+      f"{q8.hbm_floor_ms:.2f} ms -> <= {q8.tokens_per_s_per_user:,.0f} tokens/s per sequence")
+print(f"2. ridge {v6e.ridge_flop_per_byte:.0f} FLOP/B: about {v6e.ridge_flop_per_byte:.0f} "
+      "rows per step (for the weights alone; the KV cache never gains intensity)")
+
+# %% [markdown]
+# *Takeaway:* one sequence can never use more than a few percent of the matrix unit;
+# batching and verifying drafted rows (09) are the ways to spend the idle FLOPs.
+#
 # ## Checks
 
 # %%

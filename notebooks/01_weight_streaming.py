@@ -63,6 +63,7 @@ checkpoint: str = ""  # a local Hugging Face checkpoint folder; "" for random we
 slots: int = 3  # ring slots of the last version
 tile_k: int = 128  # K rows per weight tile
 tile_n: int = 128  # N columns per weight tile
+exercise_ring_race: bool = False  # the exercise: True reads the slot of the tile still in flight
 
 # %%
 import time
@@ -75,9 +76,11 @@ from IPython.display import display
 import mk
 import mk.backend
 import mk.run
-from mk import plots, reference, tpu
+from mk import course, plots, reference, sim, tpu
 from mk.kernels.common import BlockSizes, vmem_budget
-from mk.kernels.weight_streaming import stream_matmul, stream_matmul_buffers
+from mk.kernels.ring import Ring, TileStream
+from mk.kernels.weight_streaming import (stream_matmul, stream_matmul_buffers,
+                                         stream_matmul_kernel)
 
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
@@ -92,14 +95,25 @@ print(f"{run.config.name}: M = B*T = {run.batch * run.rows} rows; kernels run on
 # panel. Tile g lives in ring slot g mod `slots`; the rule is **when tile g has been
 # consumed, issue tile g + slots into the slot it freed**. With one slot the DMA engine
 # and the MXU take turns; with two, tile g+1 loads while g computes; with more, the extra
-# tiles in flight absorb DMA latency and jitter. Per tile of b bytes:
+# tiles in flight absorb DMA latency. For n tiles of b bytes, a DMA latency $\ell$, a
+# transfer time $d = b / \text{BW}$ and a compute time $c$ per tile: tile g + s is issued
+# only when tile g is consumed, and needs $\ell + d$ to land and $c$ to be consumed, so
+# every s tiles take at least $\ell + d + c$; the DMA engine needs $d$ per tile, the MXU $c$:
 #
-# $$t_\text{1 slot} = n\,(t_\text{dma} + t_\text{mxu}), \qquad
-#   t_{\ge 2\text{ slots}} \approx t_\text{dma}^{(1)} + n\,\max(t_\text{dma}, t_\text{mxu}),
-#   \qquad t_\text{dma} = \ell + b / \text{BW}.$$
+# $$t_s \approx n\,\max\!\Big(d,\; c,\; \frac{\ell + d + c}{s}\Big),\qquad
+#   t_1 = n\,(\ell + d + c).$$
 #
 # Decode has $t_\text{mxu} \ll t_\text{dma}$ (few rows), so the ring's job is to keep a DMA
 # in flight at every instant.
+#
+# **How many slots? Little's law.** A queue holds on average (arrival rate) x (time in the
+# queue) items. Here the DMA engine streams at the HBM bandwidth BW and each descriptor
+# waits a latency $\ell$ before its bytes move, so keeping HBM busy needs
+# $\text{bytes in flight} \ge \text{BW} \cdot \ell$: at least $\lceil \text{BW}\,\ell / b
+# \rceil$ tiles in flight, plus one slot being computed and one landing. Two slots are
+# not N slots: with fewer tiles in flight than Little's law asks, every tile pays part of
+# $\ell$ with HBM idle. `mk.sim.latency_slots` is this rule, and the simulator agrees
+# (table below).
 
 # %% [markdown]
 # ## The reference
@@ -115,6 +129,27 @@ w = params["wq"][0]
 x = jax.random.normal(jax.random.key(run.seed), (run.batch * run.rows, w.shape[0]))
 want = reference.matmul(x, w)
 print(f"x {x.shape} @ wq {w.shape} {w.dtype} -> {want.shape}")
+
+# %%
+block = BlockSizes(slots=slots, tile_k=tile_k, tile_n=tile_n)
+a = sim.Assumptions()
+tile_bytes = tile_k * tile_n * w.dtype.itemsize
+bw = spec.hbm_bw / spec.cores_per_chip
+need = sim.latency_slots(run.config, spec, block)
+print(f"BW x latency = {bw / 1e12:.2f} TB/s x {a.dma_latency_s * 1e6:.1f} µs = "
+      f"{bw * a.dma_latency_s / 1024:.0f} KiB in flight = "
+      f"{bw * a.dma_latency_s / tile_bytes:.1f} tiles of {tile_bytes / 1024:.0f} KiB "
+      f"-> {need} slots (Little's law, + 2)")
+d, M, ring_rows = tile_bytes / bw, run.batch * run.rows, []
+c = 2 * max(M, sim.MXU_ROWS[spec.name]) * tile_k * tile_n / (
+    mk.perf.peak_flops(spec) / spec.cores_per_chip)  # the MXU rule of mk.sim
+n_tiles = (4096 // tile_k) * (4096 // tile_n)
+for n in sorted({1, 2, 3, need // 2, need, 2 * need}):
+    s = sim.replay_matmul(TileStream.build(BlockSizes(slots=n, tile_k=tile_k, tile_n=tile_n),
+                                           [("w", 4096, 4096)]), spec, rows=M)
+    ring_rows.append({"slots": n, "formula µs": f"{n_tiles * max(d, c, (a.dma_latency_s + d + c) / n) * 1e6:.1f}",
+                      "simulated µs": f"{s.step_s * 1e6:.1f}", "HBM busy": f"{s.hbm_utilisation:.0%}"})
+display(plots.table(ring_rows))
 
 # %% [markdown]
 # ## VMEM budget
@@ -134,17 +169,69 @@ else:
     print(f"{spec.name} is a GPU: no VMEM budget")
 
 # %% [markdown]
+# The same replay drawn as lanes (simulated, µs): the DMA engine, the compute lane, and
+# HBM idle coloured by cause. One slot: DMA and MXU take turns. Two: better, but each
+# tile still waits out most of the latency ("ring empty"). Little's law depth: HBM busy.
+
+# %%
+lanes = {f"{n} slot{'s' * (n > 1)}": sim.replay_matmul(TileStream.build(
+    BlockSizes(slots=n, tile_k=tile_k, tile_n=tile_n), [("w", 1024, 1024)]), spec, rows=M)
+    for n in (1, 2, need)}
+plots.show(plots.timeline(lanes, title=f"x @ W [1024, 1024] through rings of 1, 2 and {need} "
+                                       f"slots on {spec.name} (simulated)"))
+
+# %% [markdown]
+# ## The kernel on the page
+#
+# The wrapper `stream_matmul` does everything static: shapes, checks, the schedule
+# (`TileStream`), then `pl.pallas_call`. Read its specs: x and the output live in VMEM
+# (`pltpu.VMEM`: Pallas copies them in and out), `w` is `pl.ANY`, which means *left where
+# it is, in HBM*; the kernel copies it by hand. `scratch_shapes` asks for the ring, a
+# [slots, tile_k, tile_n] VMEM buffer, and one DMA semaphore per slot.
+
+# %%
+plots.show_source(stream_matmul)
+
+# %% [markdown]
+# The kernel body receives refs in that order (inputs, outputs, scratch) and only builds a
+# `Ring` over them: `prime` issues the first `slots` tiles, `matmul` consumes them.
+
+# %%
+plots.show_source(stream_matmul_kernel, Ring.start, Ring.wait, Ring._copy)
+
+# %% [markdown]
+# A tile's copy is `pltpu.make_async_copy(src, dst, sem)`: `src` an HBM window
+# `w_hbm.at[pl.ds(...), pl.ds(...)]`, `dst` a ring slot, `sem` that slot's DMA semaphore.
+# `.start()` hands the descriptor to the DMA engine and returns at once; `.wait()` blocks
+# until the semaphore says the bytes landed. `Ring.start`/`wait` route tile g to its
+# matrix (`_each_segment`, one `pl.when` per segment: a run-time branch on a traced g).
+# Then the loop that consumes tiles, a `lax.fori_loop` inside the kernel:
+
+# %%
+plots.show_source(Ring.matmul)
+
+# %% [markdown]
+# Per tile: `wait(g)`, read slot g mod slots into the MXU (`jnp.dot`, f32 accumulation),
+# and only *then* `start(g + slots)` into the slot just read: the ring rule. The
+# `pl.when(i == nk - 1)` branch writes a finished column panel. Swap the order of the
+# read and the start, or read the wrong slot, and the DMA overwrites a tile while the MXU
+# reads it: a race.
+#
 # ## The kernel, three versions
 #
 # The same kernel with 1, 2 and `slots` slots. In interpret mode the race detector
-# watches every DMA and every read of a slot.
+# watches every DMA and every read of a slot. **Exercise:** set `exercise_ring_race = True`
+# in the parameters: the ring then reads the slot of tile g + 1 (`mk.course.planted`
+# swaps `Ring.slot` for that one wrong line), whose DMA is still in flight, and the last
+# cell's check fails with the race detector's message.
 
 # %%
 results = {}
 for n in sorted({1, 2, slots}):
     block = BlockSizes(slots=n, tile_k=tile_k, tile_n=tile_n)
     start = time.perf_counter()
-    with mk.backend.use(run.backend, detect_races=(mode == "interpret")):
+    with (course.planted("ring_race" if exercise_ring_race else None),
+          mk.backend.use(run.backend, detect_races=(mode == "interpret"))):
         got = jax.block_until_ready(stream_matmul(x, w, block=block))
     seconds = time.perf_counter() - start
     results[n] = (got, mk.backend.races_found(), seconds)
@@ -160,7 +247,7 @@ weight_bytes = w.size * w.dtype.itemsize
 tiles = (w.shape[0] // tile_k) * (w.shape[1] // tile_n)
 print(f"{tiles} tiles of {tile_k * tile_n * w.dtype.itemsize / 1024:.0f} KiB, "
       f"{weight_bytes / 1e6:.3f} MB in all")
-print(f"HBM floor on {spec.name}: {weight_bytes / spec.hbm_bw * 1e6:.2f} us "
+print(f"HBM floor on {spec.name}: {weight_bytes / spec.hbm_bw * 1e6:.2f} µs "
       f"at {spec.hbm_bw / 1e12:.2f} TB/s (datasheet peak)")
 
 # %% [markdown]
@@ -181,7 +268,7 @@ report = tpu.compile_for_chip(
 print(report.summary())
 real_bytes = 4096 * 12288 * 2
 print(f"that matmul moves {real_bytes / 2**20:.0f} MiB: HBM floor "
-      f"{real_bytes / mk.chip(compile_chip).hbm_bw * 1e6:.0f} us on {compile_chip}")
+      f"{real_bytes / mk.chip(compile_chip).hbm_bw * 1e6:.0f} µs on {compile_chip}")
 
 # %% [markdown]
 # ## What a TPU does differently
@@ -194,10 +281,34 @@ print(f"that matmul moves {real_bytes / 2**20:.0f} MiB: HBM floor "
 #
 # **Takeaway:** a decode kernel is a DMA schedule with some arithmetic attached; the ring
 # rule "consume g, issue g + slots" is the whole schedule.
+#
+# ## Worked problems
+#
+# **1.** The compiled matmul above streams 512 x 1024 bf16 tiles (1 MiB) on `compile_chip`.
+# How many slots does Little's law ask for? *Formula:* $s \ge \lceil \text{BW}\,\ell / b
+# \rceil + 2$. **2.** How long do 2 slots and that many slots take for its 96 tiles, by
+# $t_s = n \max(d, c, (\ell + d + c)/s)$ at M = 8 rows? *Answers* (computed):
+
+# %%
+big = mk.chip(compile_chip)
+b, big_bw = 512 * 1024 * 2, big.hbm_bw / big.cores_per_chip
+big_need = sim.latency_slots(mk.preset("qwen3-8b"), big, real)
+d1, c1 = b / big_bw, 2 * max(8, sim.MXU_ROWS[big.name]) * 512 * 1024 / (
+    mk.perf.peak_flops(big) / big.cores_per_chip)
+t = {s: 96 * max(d1, c1, (a.dma_latency_s + d1 + c1) / s) * 1e6 for s in (2, big_need)}
+print(f"1. BW x latency = {big_bw * a.dma_latency_s / 2**20:.2f} MiB < one 1 MiB tile: "
+      f"{big_need} slots")
+print(f"2. 2 slots: {t[2]:.0f} µs; {big_need} slots: {t[big_need]:.0f} µs; HBM floor "
+      f"{96 * d1 * 1e6:.0f} µs")
+
+# %% [markdown]
+# *Takeaway:* with big tiles one latency is a fraction of a tile, so a 3-slot ring already
+# hides it; small tiles (the tiny preset's 32 KiB) need many more slots for the same bytes
+# in flight.
 
 # %%
 for n, (got, races, _) in results.items():
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-3, err_msg=f"slots={n}")
-    assert not races, f"the race detector flagged slots={n}"
+    course.check_race_free(f"slots={n}", races)
+    course.check_close(f"slots={n}", got, want, rtol=1e-5, atol=1e-3)
 assert report.ok, report.error
 print("checks passed")

@@ -53,7 +53,7 @@ if mk_spec is None or mk_spec.origin is None:
 # %% tags=["parameters"]
 preset: str = "tiny"  # a name from mk.config.PRESET_NAMES
 batch: int = 1  # B, sequences decoded together
-rows: int = 1  # T, query rows per sequence in one step (1 is plain decode)
+rows: int = 2  # T, query rows per sequence in one step (1 is plain decode)
 context: int = 256  # S, cached positions per sequence (the KV cache's capacity)
 chip: str = "v6e"  # a name from mk.chips.CHIP_NAMES: the chip of rooflines and budgets
 backend: str = "auto"  # "auto" (Mosaic on a TPU, else interpret), "interpret" or "hardware"
@@ -61,6 +61,7 @@ seed: int = 0  # seed of the random weights and inputs
 checkpoint: str = ""  # a local Hugging Face checkpoint folder; "" for random weights
 layer: int = 0  # which layer's weights the prologue reads
 slots: int = 3  # weight ring slots
+exercise_rope_off: bool = False  # the exercise: True runs the kernel with RoPE switched off
 
 # %%
 import dataclasses
@@ -74,8 +75,9 @@ from IPython.display import display
 import mk
 import mk.backend
 import mk.run
-from mk import plots, reference, tpu
-from mk.kernels.attention_prologue import attention_prologue, attention_prologue_buffers
+from mk import course, plots, reference, tpu
+from mk.kernels.attention_prologue import (attention_prologue, attention_prologue_buffers,
+                                           normalise_heads, prologue, rope_rows)
 from mk.kernels.common import BlockSizes, vmem_budget
 
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
@@ -103,18 +105,36 @@ print(f"{config.name}: B={run.batch} T={run.rows} layer {layer}; kernels run on:
 params = mk.load_checkpoint(run.checkpoint)[1] if run.checkpoint else mk.init_params(
     config, run.seed)
 x = jax.random.normal(jax.random.key(run.seed), (run.batch, run.rows, config.hidden))
-last = run.context - run.rows  # the last legal first row
-positions = jnp.asarray(np.linspace(0, last, run.batch).astype(np.int32))
+# Sequence b starts at the last row of tile b: never 0, where RoPE is the identity and a
+# RoPE bug would pass; with T >= 2 the rows straddle a tile edge.
+positions = jnp.asarray(course.hard_positions(run.batch, run.rows, run.context))
 want = reference.attention_inputs(config, params, layer, x, positions)
 print("positions", positions.tolist(), "-> q", want[0].shape, "k", want[1].shape)
 
 # %% [markdown]
-# ## The kernel
+# ## The kernel on the page
+#
+# `prologue` is the in-kernel body that the fused layer (05) and the megakernel (06) call
+# with their own ring: RMSNorm into a VMEM scratch `h_vmem`, three `ring.matmul`s that
+# continue one tile stream (stage 01's ring), then per head QK-norm and RoPE in place.
+
+# %%
+plots.show_source(prologue, normalise_heads, rope_rows)
+
+# %% [markdown]
+# `rope_rows` builds the angle table from iotas (no table in HBM), and `rotate_half` is
+# `pltpu.roll` by H/2 lanes times a sign: -1 on the first half. `pos` comes from the
+# per-sequence positions in SMEM (`row_positions`), one absolute position per row.
+#
+# **Exercise:** set `exercise_rope_off = True`: `mk.course.planted("rope_off")` replaces
+# `rope_rows` by the identity. At position 0 that is correct (cos 0 = 1, sin 0 = 0), so a
+# test at position 0 would pass; at this run's positions the check below fails.
 
 # %%
 block = BlockSizes(slots=slots, tile_k=128, tile_n=128)
 start = time.perf_counter()
-with mk.backend.use(run.backend, detect_races=(mode == "interpret")):
+with (course.planted("rope_off" if exercise_rope_off else None),
+      mk.backend.use(run.backend, detect_races=(mode == "interpret"))):
     got = jax.block_until_ready(attention_prologue(config, params, x, positions, layer=layer,
                                                    block=block))
 seconds, races = time.perf_counter() - start, mk.backend.races_found()
@@ -135,7 +155,7 @@ if spec.kind == "tpu":
 weight_bytes = config.hidden * (config.q_width + 2 * config.kv_width) * \
     jnp.dtype(config.dtype).itemsize
 print(f"weights streamed: {weight_bytes / 1e6:.3f} MB -> HBM floor "
-      f"{weight_bytes / spec.hbm_bw * 1e6:.3f} us on {spec.name} (datasheet peak)")
+      f"{weight_bytes / spec.hbm_bw * 1e6:.3f} µs on {spec.name} (datasheet peak)")
 
 # %% [markdown]
 # ## Compiled for a real TPU at qwen3-8b's shape
@@ -157,7 +177,7 @@ report = tpu.compile_for_chip(
 print(report.summary())
 real_bytes = real.hidden * (real.q_width + 2 * real.kv_width) * 2
 print(f"qwen3-8b prologue weights {real_bytes / 2**20:.0f} MiB: HBM floor "
-      f"{real_bytes / mk.chip(compile_chip).hbm_bw * 1e6:.1f} us per layer on {compile_chip}")
+      f"{real_bytes / mk.chip(compile_chip).hbm_bw * 1e6:.1f} µs per layer on {compile_chip}")
 
 # %% [markdown]
 # ## What a TPU does differently
@@ -172,7 +192,7 @@ print(f"qwen3-8b prologue weights {real_bytes / 2**20:.0f} MiB: HBM floor "
 
 # %%
 for n, g, w in zip("qkv", got, want):
-    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-4, err_msg=n)
-assert not races, "the race detector flagged the prologue"
+    course.check_close(n, g, w, rtol=1e-5, atol=1e-4)
+course.check_race_free("prologue", races)
 assert report.ok, report.error
 print("checks passed")

@@ -56,7 +56,7 @@ if mk_spec is None or mk_spec.origin is None:
 # %% tags=["parameters"]
 preset: str = "tiny"  # a name from mk.config.PRESET_NAMES
 batch: int = 1  # B, sequences decoded together
-rows: int = 1  # T, query rows per sequence in one step (1 is plain decode)
+rows: int = 2  # T, query rows per sequence in one step (1 is plain decode)
 context: int = 256  # S, cached positions per sequence (the KV cache's capacity)
 chip: str = "v6e"  # a name from mk.chips.CHIP_NAMES: the chip of rooflines and budgets
 backend: str = "auto"  # "auto" (Mosaic on a TPU, else interpret), "interpret" or "hardware"

@@ -63,6 +63,8 @@ seed: int = 0  # seed of the random weights and inputs
 checkpoint: str = ""  # a local Hugging Face checkpoint folder; "" for random weights
 slots: int = 3  # ring slots
 tile: int = 128  # tile_k and tile_n of the tiny runs
+router_seed: int = 3  # draws the MoE rows; 3 makes tiny-moe pick experts [3, 6], not a prefix
+exercise_wrong_expert: bool = False  # the exercise: True loads expert slot s, not the id in it
 
 # %%
 import functools
@@ -77,7 +79,7 @@ from IPython.display import display
 import mk
 import mk.backend
 import mk.run
-from mk import perf, plots, reference, tpu
+from mk import course, perf, plots, reference, tpu
 from mk.kernels import mlp
 from mk.kernels.common import BlockSizes, default_block, vmem_budget
 from mk.kernels.ring import TileStream
@@ -167,29 +169,46 @@ print(f"{expert_slots} expert slots of {per_slot} tiles: {stream.total} tiles wh
 
 # %%
 dense_params = mk.init_params(dense_config, run.seed)
-moe_params = dense_params if moe_config is dense_config else mk.init_params(moe_config,
-                                                                             run.seed)
 dense_w = [dense_params[n][0] for n in ("w_gate", "w_up", "w_down")]
-moe_w = [moe_params[n][0] for n in ("router", "we_gate", "we_up", "we_down")]
-h_dense, h_moe = (jax.random.normal(jax.random.key(run.seed), (M, c.hidden))
-                  for c in (dense_config, moe_config))
+h_dense = jax.random.normal(jax.random.key(run.seed), (M, dense_config.hidden))
+moe_w, h_moe, picked = course.moe_inputs(moe_config, run.seed, router_seed, M)
+picked = np.asarray(picked)
 dense_want = reference.swiglu(h_dense, *dense_w)
 moe_want = reference.moe(h_moe, *moe_w, X, moe_config.norm_topk)
-picked = np.unique(np.asarray(reference.route(h_moe, moe_w[0], X, moe_config.norm_topk)[1]))
 print(f"dense: h {h_dense.shape} -> {dense_want.shape}; MoE: the {M} rows pick experts "
-      f"{picked.tolist()} ({len(picked)} distinct of {E})")
+      f"{picked.tolist()} ({len(picked)} distinct of {E}); a prefix 0..count-1: "
+      f"{course.is_prefix(picked)}")
 
 # %% [markdown]
 # ## The kernels
 #
 # `mlp.swiglu` and `mlp.moe` are thin wrappers around `swiglu_body` and `moe_body`, the
-# in-kernel bodies a fused layer kernel calls with its own ring. In interpret mode the
-# race detector watches every DMA and every read of a ring slot.
+# in-kernel bodies a fused layer kernel calls with its own ring. The dense body is three
+# `ring.matmul`s and a SwiGLU on VMEM scratch:
+
+# %%
+plots.show_source(mlp.swiglu_body)
+
+# %% [markdown]
+# The MoE body is the four steps above: `route_body` (vectors), `select_experts` (the
+# vector -> SMEM DMA and the compaction `fori_loop`), then `experts_body`, a `fori_loop`
+# over the `count` active expert slots whose weights `moe_fetch` addresses by
+# `ids_smem[s]`:
+
+# %%
+plots.show_source(mlp.moe_body, mlp.select_experts, mlp.moe_fetch, mlp.experts_body)
+
+# %% [markdown]
+# **Exercise:** set `exercise_wrong_expert = True`: `mk.course.planted("wrong_expert")`
+# makes slot s stream expert s instead of `ids_smem[s]`. With `router_seed = 0` the rows
+# pick experts [0, 1] and the mistake is invisible; with this run's seed the check fails.
+# In interpret mode the race detector watches every DMA and every read of a ring slot.
 
 # %%
 def timed(fn):
     start = time.perf_counter()
-    with mk.backend.use(run.backend, detect_races=(mode == "interpret")):
+    with (course.planted("wrong_expert" if exercise_wrong_expert else None),
+          mk.backend.use(run.backend, detect_races=(mode == "interpret"))):
         out = jax.block_until_ready(fn())
     return out, mk.backend.races_found(), time.perf_counter() - start
 
@@ -229,9 +248,9 @@ print(f"{int(unused.sum())} experts poisoned; output finite: "
 
 # %%
 tolerance = {"float32": 1e-5, "bfloat16": 1e-3}
-np.testing.assert_allclose(dense_got, dense_want, rtol=1e-5, atol=tolerance[dense_config.dtype])
-np.testing.assert_allclose(moe_got, moe_want, rtol=1e-5, atol=tolerance[moe_config.dtype])
-assert not (dense_races or moe_races or poisoned_races), "the race detector flagged a kernel"
+course.check_close("swiglu", dense_got, dense_want, atol=tolerance[dense_config.dtype])
+course.check_close("moe", moe_got, moe_want, atol=tolerance[moe_config.dtype])
+course.check_race_free("mlp kernels", dense_races or moe_races or poisoned_races)
 assert int(loaded[0]) == len(picked), f"loaded {int(loaded[0])} experts, picked {len(picked)}"
 np.testing.assert_array_equal(np.asarray(poisoned_got), np.asarray(moe_got))
 print("kernels match the reference; only the selected experts were loaded")
@@ -284,7 +303,7 @@ print(dense_report.summary())
 # %%
 def bytes_row(what, nbytes):
     return {"what": what, "MiB": f"{nbytes / 2**20:.3f}",
-            "HBM floor (us)": f"{nbytes / mk.chip(compile_chip).hbm_bw * 1e6:.2f}"}
+            "HBM floor (µs)": f"{nbytes / mk.chip(compile_chip).hbm_bw * 1e6:.2f}"}
 
 
 item = jnp.dtype(moe_config.dtype).itemsize

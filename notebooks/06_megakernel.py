@@ -116,6 +116,18 @@ display(plots.table([{**r, "in flight when g=" + str(edge - 1) + " is consumed":
                      for r in table[edge - 3:edge + block.slots]]))
 
 # %% [markdown]
+# ## The megakernel on the page
+#
+# `mk.megakernel.megakernel_kernel`, from the module: the refs arrive as named pytrees
+# (weights left in HBM, scratch in VMEM and SMEM), one `Ring` over the whole step's
+# `TileStream`, `ring.prime()` once, then a `lax.fori_loop` over the layers whose body is
+# stage 05's layer body, then the lm_head and the argmax. Nothing between layers drains
+# the ring: that is cross-layer prefetch.
+
+# %%
+plots.show_source(megakernel.megakernel_kernel)
+
+# %% [markdown]
 # ## The reference and the megakernel
 #
 # The prompt is prefilled by the XLA reference; every following token is one megakernel

@@ -64,6 +64,7 @@ checkpoint: str = ""  # a local Hugging Face checkpoint folder; "" for random we
 tp: int = 2  # devices of the token check (virtual CPU devices)
 steps: int = 4  # greedy tokens of the token check
 draw_devices: int = 8  # devices in the collective pictures
+exercise_drop_all_reduce: bool = False  # the exercise: True skips the in-kernel all-reduce
 
 # %%
 # Virtual CPU devices must be asked for before jax starts; twice the devices used, because
@@ -78,7 +79,7 @@ from IPython.display import display
 import mk
 import mk.backend
 import mk.run
-from mk import collectives, plots, reference
+from mk import collectives, course, plots, reference
 from mk import tensor_parallel as tpar
 
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
@@ -109,7 +110,7 @@ def split_rows(config, tps):
         out.append(dict(model=config.name, tp=t, heads=local.heads, kv_heads=local.kv_heads,
                         ffn=local.ffn if config.dense_layers else "-",
                         expert_ffn=local.expert_ffn or "-", vocab=local.vocab,
-                        weights_GiB_per_device=config.weight_bytes / t / 2**30))
+                        weights_GiB_per_device=f"{config.weight_bytes / t / 2**30:.3g}"))
     return out
 
 
@@ -127,6 +128,14 @@ display(plots.table(split_rows(config, [1, tp]) +
 # whole sum of chunk i, summed in one fixed tree order, and the all-gather copies it to
 # everyone, so every device ends with bit-identical values. `collectives.exchanges` is the
 # schedule as data (the kernel computes the same partner and range from its index).
+
+# %%
+plots.show_source(collectives.all_reduce_body)
+
+# %% [markdown]
+# The kernel's all-reduce above, from `mk.collectives`: per round a remote DMA
+# (`make_async_remote_copy`) to the partner `me XOR d`, a wait on the receive semaphore,
+# an add; then the all-gather rounds copy the finished chunks back. Its schedule, drawn:
 
 # %%
 def draw_exchanges(n):
@@ -170,7 +179,8 @@ display(plots.table([e for e in collectives.exchanges(4) if e["device"] == 0]))
 # %%
 terms = [tpar.collective_terms(mk.preset("qwen3.8-27b-like"), t, "tpu7x", batch=8)
          for t in (2, 4, 8)]
-display(plots.table(terms))
+display(plots.table([{k: f"{v:.3g}" if isinstance(v, float) else v for k, v in t.items()}
+                     for t in terms]))
 t8 = terms[-1]
 print(f"TP8: {t8['message_rounds']} message rounds cost {t8['latency_ms']:.2f} ms of latency "
       f"vs {t8['bandwidth_ms']:.2f} ms of bandwidth; the HBM floor is "
@@ -185,13 +195,16 @@ print(f"TP8: {t8['message_rounds']} message rounds cost {t8['latency_ms']:.2f} m
 #
 # The prompt is prefilled by the XLA reference on one device; each later token comes from
 # tp copies of the megakernel exchanging partial sums by remote DMA (TPU interpret mode on
-# CPU devices: a simulation; its time says nothing about a TPU).
+# CPU devices: a simulation; its time says nothing about a TPU). **Exercise:** set
+# `exercise_drop_all_reduce = True`: `mk.course.planted("dropped_all_reduce")` makes the
+# all-reduce return each device's own partial sum, and the token check below fails.
 
 # %%
 params = mk.init_params(config, run.seed)
 prompt = jax.random.randint(jax.random.key(run.seed), (run.batch, 5), 0, config.vocab)
 want = reference.generate(config, params, prompt, steps)
-with mk.backend.use("interpret", detect_races=True):
+with (course.planted("dropped_all_reduce" if exercise_drop_all_reduce else None),
+      mk.backend.use("interpret", detect_races=True)):
     got = tpar.generate(config, params, prompt, steps, tp=tp,
                         mesh=collectives.tp_mesh(tp, cpus), steps_per_call=steps)
     races = mk.backend.races_found()
@@ -243,8 +256,8 @@ for name, t in (("qwen3-30b-a3b", 4), ("kimi-k3-like", 32)):
 
 # %%
 for device in range(tp):
-    np.testing.assert_array_equal(got[device], want)
-assert not races, "the race detector flagged the TP megakernel"
+    course.check_tokens(f"tp={tp} device {device}", got[device], want)
+course.check_race_free("TP megakernel", races)
 assert reports[0].ok and reports[2].ok, (reports[0].error, reports[2].error)
 assert "HBM per core" in reports[1].error and "HBM per core" in reports[3].error
 print("checks passed")

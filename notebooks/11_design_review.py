@@ -78,14 +78,15 @@ kv_tile: int = 0  # cached positions per KV tile; 0 for min(256, context)
 kv_slots: int = 2  # KV tiles in the VMEM ring
 compile_for_tpu: bool = True  # the ahead-of-time libtpu compile of the megakernel
 simulate_published: bool = False  # simulate the published TPU runs too (about a minute)
+exercise_ring_slots: int = 0  # the exercise: ring slots to check; 0 = Little's law depth, try 2
 
-# %%
+# %% tags=["hide-input"]
 import dataclasses
 
 import mk
 import mk.run
 from IPython.display import display
-from mk import perf, plots, review, sim, tpu
+from mk import course, perf, plots, review, sim, tpu
 from mk.chips import chip as chip_spec
 from mk.kernels.common import BlockSizes, VmemBudget
 
@@ -109,7 +110,7 @@ step_args = dict(batch=run.batch, rows=run.rows, context=position, tp=tp,
 # %% [markdown]
 # ## The configuration
 
-# %%
+# %% tags=["hide-input"]
 display(plots.table([
     {"": "model", "value": f"{config.name}: L={config.layers} D={config.hidden} "
                            f"N={config.heads} K={config.kv_heads} H={config.head_dim} "
@@ -231,7 +232,7 @@ plots.show(plots.bubble_bars({"prefetch on": s, "prefetch off": off}))
 # (issued at the layer's start) queue behind every weight tile already in flight, so
 # attention starts later.
 
-# %%
+# %% tags=["hide-input"]
 need = sim.latency_slots(config, spec, block, weight_dtypes=dtypes)
 common = dict(weight_dtypes=dtypes, tp=tp, context=position)
 sweeps = {
@@ -260,13 +261,25 @@ plots.show(plots.sweep_lines(sweeps["slots"], "slots", y="hbm_utilisation",
                              title=f"HBM busy share against ring slots (Little's law: {need})"))
 
 # %% [markdown]
+# **Exercise: a ring too shallow.** Set `exercise_ring_slots = 2`: the cell simulates the
+# step with that ring and `mk.course.check_ring_depth` compares it with the ring Little's
+# law asks for (`need` slots above); the last cell fails naming how much slower it is.
+
+# %%
+deep = sim.simulate(config, spec, block=dataclasses.replace(block, slots=need), **step_args)
+tried = sim.simulate(config, spec, block=dataclasses.replace(
+    block, slots=exercise_ring_slots or need), **step_args)
+print(f"{tried.block.slots} slots: {tried.step_ms * 1e3:.4g} µs simulated; {need} slots "
+      f"(Little's law): {deep.step_ms * 1e3:.4g} µs")
+
+# %% [markdown]
 # ## Tokens per second against acceptance length
 #
 # With speculative decoding each step verifies T rows and keeps $a \le T$ of them per
 # sequence: tokens/s per user $= a / t_\text{step}(T)$. The simulated step at T = 8
 # (the published runs' verification width) against the roofline's.
 
-# %%
+# %% tags=["hide-input"]
 verify = 8
 sim_t = sim.simulate(config, spec, block=block, **(step_args | {"rows": verify}))
 roof_t = perf.predict(config, spec, **(step_args | {"rows": verify}))
@@ -295,7 +308,7 @@ print(f"no speculation (T=1): {1 / one.step_s:,.0f} tokens/s per user simulated;
 # 0 (unstated), every device in the tensor-parallel group. The note says what the modelled
 # run does not share with the published one.
 
-# %%
+# %% tags=["hide-input"]
 pub = review.published_table(simulate_tpu=simulate_published)
 
 
@@ -348,7 +361,7 @@ for r in pub:
 #
 # Each design point of the kernel with the simulator's verdict on this configuration.
 
-# %%
+# %% tags=["hide-input"]
 def verdict(ok, good, bad):
     return ("OK: " + good) if ok else ("REVIEW: " + bad)
 
@@ -423,4 +436,5 @@ assert all(b <= min(steps[:i + 1]) * 1.05 for i, b in enumerate(steps[1:])), "mo
 assert len(pub) == len(perf.published())
 assert est.step_ms <= conv.step_ms, "one kernel per op beat the floors"
 assert report is None or report.ok or not fits, f"compile failed: {report.error[:300]}"
+course.check_ring_depth(tried, deep)
 print("checks passed")

@@ -1,0 +1,180 @@
+"""mk.course: every break-it exercise's check fails with the planted mistake and passes
+without it (the real kernels on the tiny presets, interpret mode), and the notebooks'
+defaults hit the hard paths (non-zero, tile-straddling positions; experts that are not a
+prefix; accepted drafts), read from the notebooks' own parameters cells.
+
+Interpret mode checks numerics and races, not time; the shallow-ring exercise is the
+simulator's.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import mk
+from mk import backend, collectives, course, reference, sim, spec
+from mk.kernels import mlp
+from mk.kernels.attention_prologue import attention_prologue
+from mk.kernels.common import BlockSizes
+from mk.kernels.weight_streaming import stream_matmul
+from multidevice import run
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+
+
+@functools.cache
+def parameters(notebook: str) -> dict:
+    """The values the `parameters` cell of notebooks/<notebook>.py assigns."""
+    text = (NOTEBOOKS / f"{notebook}.py").read_text()
+    cell = text.split('# %% tags=["parameters"]\n', 1)[1].split("\n# %%", 1)[0]
+    out = {}
+    for node in ast.parse(cell).body:
+        target = node.targets[0] if isinstance(node, ast.Assign) else node.target
+        out[target.id] = ast.literal_eval(node.value)
+    return out
+
+
+# -- Exercises: planted mistake caught, no mistake passes --------------------------------------
+def _ring_check(plant):
+    w = jax.random.normal(jax.random.key(0), (256, 256)).astype("bfloat16")
+    x = jax.random.normal(jax.random.key(1), (1, 256))
+    with course.planted(plant), backend.use("interpret", detect_races=True):
+        jax.block_until_ready(stream_matmul(x, w, block=BlockSizes(slots=3, tile_k=128,
+                                                                    tile_n=128)))
+        course.check_race_free("ring", backend.races_found())
+
+
+def test_ring_race_exercise_caught_by_the_race_detector():
+    _ring_check(None)
+    with pytest.raises(course.ExerciseFailed, match="race detector flagged"):
+        _ring_check("ring_race")
+
+
+def _rope_check(plant, positions, rows=2):
+    config = mk.preset("tiny")
+    params = mk.init_params(config)
+    x = jax.random.normal(jax.random.key(0), (len(positions), rows, config.hidden))
+    positions = np.asarray(positions, np.int32)
+    want = reference.attention_inputs(config, params, 0, x, positions)
+    with course.planted(plant), backend.use("interpret"):
+        got = jax.block_until_ready(attention_prologue(
+            config, params, x, positions, layer=0,
+            block=BlockSizes(slots=3, tile_k=128, tile_n=128)))
+    course.check_close("q", got[0], want[0], atol=1e-4)
+
+
+def test_rope_off_is_caught_at_a_nonzero_position_and_missed_at_zero():
+    _rope_check(None, [127])
+    with pytest.raises(course.ExerciseFailed, match="q: kernel and reference differ"):
+        _rope_check("rope_off", [127])
+    _rope_check("rope_off", [0], rows=1)  # why the defaults start away from position 0
+
+
+def _moe_check(plant, router_seed):
+    config = mk.preset("tiny-moe")
+    weights, h, _ = course.moe_inputs(config, 0, router_seed, 1)
+    want = reference.moe(h, *weights, config.experts_per_token, config.norm_topk)
+    with course.planted(plant), backend.use("interpret"):
+        got = jax.block_until_ready(mlp.moe(
+            h, *weights, top_k=config.experts_per_token, renormalise=config.norm_topk,
+            block=BlockSizes(slots=3, tile_k=128, tile_n=128)))
+    course.check_close("moe", got, want, atol=1e-3)
+
+
+def test_wrong_expert_exercise_caught_with_the_default_router_seed():
+    seed = parameters("04_mlp_and_moe")["router_seed"]
+    _moe_check(None, seed)
+    with pytest.raises(course.ExerciseFailed, match="moe: kernel and reference differ"):
+        _moe_check("wrong_expert", seed)
+    _moe_check("wrong_expert", 0)  # seed 0 picks experts [0, 1]: the mistake hides
+
+
+def dropped_all_reduce_results(n):
+    """Runs in the subprocess: the all-reduce kernel on n devices, with and without the
+    planted mistake."""
+    x = np.random.default_rng(0).standard_normal((n, 8, 128), np.float32)
+    out = {"x": x}
+    for plant in ("", "dropped_all_reduce"):
+        with course.planted(plant), backend.use("interpret"):
+            out[plant or "clean"] = jax.block_until_ready(
+                collectives.all_reduce(x, collectives.tp_mesh(n)))
+    return out
+
+
+def test_dropped_all_reduce_exercise_caught():
+    got = run("test_course:dropped_all_reduce_results", 2)
+    want = np.stack([collectives.tree_sum(got["x"])] * 2)  # each device: the same sum
+    course.check_close("all-reduce", got["clean"], want, atol=1e-5)
+    with pytest.raises(course.ExerciseFailed, match="all-reduce: kernel and reference differ"):
+        course.check_close("all-reduce", got["dropped_all_reduce"], want, atol=1e-5)
+
+
+def test_shallow_ring_exercise_caught_against_littles_law_depth():
+    p = parameters("11_design_review")
+    config, chip = mk.preset(p["preset"]), p["chip"]
+    block = sim.default_block(config, context=p["context"])
+    deep = dataclasses.replace(block, slots=sim.latency_slots(config, chip, block))
+
+    def step(b):
+        return sim.simulate(config, chip, context=p["context"], block=b)
+
+    deep_sim = step(deep)
+    assert course.check_ring_depth(deep_sim, deep_sim) == 1.0
+    with pytest.raises(course.ExerciseFailed, match="ring too shallow"):
+        course.check_ring_depth(step(dataclasses.replace(block, slots=2)), deep_sim)
+
+
+def test_check_tokens_names_the_first_difference():
+    course.check_tokens("tp", np.array([[1, 2, 3]]), np.array([[1, 2, 3]]))
+    with pytest.raises(course.ExerciseFailed, match="sequence 0, step 2"):
+        course.check_tokens("tp", np.array([[1, 2, 4]]), np.array([[1, 2, 3]]))
+
+
+def test_planted_refuses_an_unknown_name():
+    with pytest.raises(ValueError, match="planted name='rope'"):
+        with course.planted("rope"):
+            pass
+
+
+# -- The notebooks' defaults hit the hard paths ----------------------------------------------
+@pytest.mark.parametrize("notebook", ["02_attention_prologue", "03_decode_attention",
+                                      "05_one_layer"])
+def test_default_positions_are_nonzero_and_straddle_a_tile_edge(notebook):
+    p = parameters(notebook)
+    tile = p.get("kv_tile", 128)
+    positions = course.hard_positions(p["batch"], p["rows"], p["context"], tile)
+    assert all(positions > 0), positions
+    assert course.straddles(positions, p["rows"], tile)[0], (positions, p["rows"])
+
+
+def test_hard_positions_refuses_rows_past_the_context():
+    with pytest.raises(ValueError, match="rows=256 must be in"):
+        course.hard_positions(1, 256, 256)
+
+
+def test_default_router_seed_picks_experts_that_are_not_a_prefix():
+    p = parameters("04_mlp_and_moe")
+    _, _, experts = course.moe_inputs(mk.preset("tiny-moe"), p["seed"], p["router_seed"],
+                                      p["batch"] * p["rows"])
+    assert not course.is_prefix(experts), experts
+    assert course.is_prefix(course.moe_inputs(mk.preset("tiny-moe"), 0, 0, 1)[2])
+
+
+def test_default_megakernel_demo_of_09_accepts_drafts():
+    p = parameters("09_speculative_sweep")
+    config = mk.preset(p["preset"])
+    params = mk.init_params(config, p["seed"])
+    prompt = jax.random.randint(jax.random.key(p["seed"]), (p["batch"], 5), 0, config.vocab)
+    options = ({"acceptance_length": p["demo_acceptance"]}
+               if p["demo_drafter"] == "forced" else {})
+    _, stats = spec.generate(config, params, prompt, p["megakernel_steps"],
+                             drafter=p["demo_drafter"], gamma=p["gamma"],
+                             verifier="reference", max_context=p["context"], **options)
+    assert stats.acceptance_length > 1, stats

@@ -1,0 +1,29 @@
+"""mk.plots: one colour per category in every timeline, the kernel source on the page."""
+
+import pytest
+
+import mk
+from mk import plots, sim
+from mk.kernels.ring import Ring
+
+
+def test_every_bubble_cause_has_its_own_fixed_colour():
+    assert set(plots.IDLE_COLOURS) == set(sim.CAUSES)
+    assert len(set(plots.IDLE_COLOURS.values())) == len(sim.CAUSES)
+
+
+def test_timeline_colours_by_category_the_same_in_every_figure():
+    colours = {}
+    for name in ("tiny", "tiny-moe"):
+        fig = plots.timeline(sim.simulate(mk.preset(name), "v6e", context=64))
+        for trace in fig.data:
+            assert colours.setdefault(trace.name, trace.marker.color) == trace.marker.color
+    busy = {n for n in colours if not n.startswith("idle: ")}
+    assert busy <= set(plots.CATEGORY_COLOURS) and {"DMA", "MXU", "vector"} <= busy
+
+
+def test_show_source_is_the_modules_code():
+    text = plots.show_source(Ring.matmul).data
+    assert "# mk.kernels.ring, line" in text and "lax.fori_loop" in text
+    with pytest.raises(ValueError, match="lines=\\(5, 1\\)"):
+        plots.show_source(Ring.matmul, lines=(5, 1))
