@@ -30,6 +30,7 @@ kernel show as its phases only with libtpu's `--xla_enable_custom_call_region_tr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -439,8 +440,34 @@ def trace_viewer(xplane_path: str | os.PathLike) -> dict:
 
     from xprof.convert import raw_to_tool_data
 
-    data, _ = raw_to_tool_data.xspace_to_tool_data([str(xplane_path)], "trace_viewer", {})
+    with benign_stderr_dropped(XPROF_FALLBACK):
+        data, _ = raw_to_tool_data.xspace_to_tool_data([str(xplane_path)], "trace_viewer",
+                                                       {})
     return json.loads(data)
+
+
+# xprof 2.24.2 logs this at ERROR level (absl, C++) for every trace-viewer conversion, then
+# converts by its legacy path: the result is complete, the line is noise on every page.
+XPROF_FALLBACK = re.compile(r"No UnifiedProfileProcessor registered")
+
+
+@contextlib.contextmanager
+def benign_stderr_dropped(benign: re.Pattern):
+    """Capture what C++ code writes to file descriptor 2 inside the block and write it back
+    without the lines matching `benign`: every other line (a real error) still shows."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            for line in captured.read().decode(errors="replace").splitlines(keepends=True):
+                if not benign.search(line):
+                    sys.stderr.write(line)
 
 
 # -- The static schedule (TPU compiler dumps; no TPU needed) ---------------------------------

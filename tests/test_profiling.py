@@ -6,6 +6,7 @@ in-kernel phase markers in a profile; the static dumps stand in for the latter.
 """
 
 import dataclasses
+import os
 import re
 from types import SimpleNamespace
 
@@ -250,3 +251,14 @@ def test_named_scopes_become_phases_of_the_static_schedule(tmp_path):
 def test_reading_a_folder_without_dumps_says_which_flag(tmp_path):
     with pytest.raises(ValueError, match="xla_jf_dump_to"):
         profiling.read_schedule(tmp_path)
+
+
+def test_xprof_fallback_line_is_dropped_and_other_stderr_lines_stay(capfd):
+    """The C++ ERROR line xprof prints on every conversion goes; a real error (the control,
+    written the same way, to file descriptor 2) still reaches stderr."""
+    with profiling.benign_stderr_dropped(profiling.XPROF_FALLBACK):
+        os.write(2, b"E0000 xprof: No UnifiedProfileProcessor registered for trace_viewer\n")
+        os.write(2, b"E0001 a real failure\n")
+    err = capfd.readouterr().err
+    assert "UnifiedProfileProcessor" not in err
+    assert "E0001 a real failure" in err
