@@ -5,8 +5,9 @@ generate, and papermill runs notebooks 00, 08 and 09 from a folder that is not t
 Marked slow: the wheel, the venv (jax, libtpu, Jupyter, TensorBoard from pip's cache) and
 the three notebooks took 218 s on 2 shared cores (`make test-slow` runs it).
 
-Not here: Colab (its bootstrap installs the same extras from a git URL) and Python
-versions other than the one running the tests.
+The venv's Python is the one running the tests, or `MK_INSTALL_PYTHON` (e.g. python3.12,
+Colab's version). Not here: Colab itself (its bootstrap installs the same extras from a
+git URL).
 """
 
 import os
@@ -47,7 +48,8 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
                     "--no-build-isolation", "-w", str(wheels), str(ROOT)], check=True, env=env)
     wheel = next(wheels.glob("mk_megakernel-*.whl"))
     venv = tmp_path / "venv"
-    subprocess.run([sys._base_executable, "-m", "venv", str(venv)], check=True, env=env)
+    base = os.environ.get("MK_INSTALL_PYTHON", sys._base_executable)
+    subprocess.run([base, "-m", "venv", str(venv)], check=True, env=env)
     python = venv / "bin" / "python"
     subprocess.run([python, "-m", "pip", "install", "-q", f"{wheel}[notebooks,profile]"],
                    check=True, env=env)
