@@ -11,7 +11,7 @@ PY := $(VENV)/bin/python
 export JAX_PLATFORMS := cpu
 export TPU_SKIP_MDS_QUERY := 1
 
-.PHONY: test test-slow run check-site clean
+.PHONY: test test-slow run check-site clean clean-runs
 
 # loadgroup: tests marked xdist_group share one worker (and its module fixtures).
 test: $(VENV)/.stamp-test
@@ -40,7 +40,11 @@ $(VENV)/.stamp-test: $(VENV)/.stamp requirements-test.txt
 	$(PY) -m pip install -q -r requirements-test.txt
 	touch $@
 
-# Removes every run in build/. Leaves .venv/ alone (minutes to rebuild); `rm -rf .venv`
-# for a fresh one.
+# Removes test caches and build/ except the runs (build/runs/, each make run's results);
+# `make clean-runs` removes those too. Leaves .venv/ alone (minutes to rebuild); `rm -rf
+# .venv` for a fresh one.
 clean:
-	rm -rf build .pytest_cache .hypothesis
+	rm -rf .pytest_cache .hypothesis build/index.html build/_static
+
+clean-runs: clean
+	rm -rf build

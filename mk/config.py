@@ -30,7 +30,9 @@ are stacked on a leading layer axis so a kernel can loop over layers):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +51,33 @@ DTYPE_BITS = {
 COMPUTE_DTYPES = ("float32", "bfloat16")
 # M = B * T activation rows of one decode step (decode and speculative verification).
 MAX_ROWS = 64
+
+
+def positive_int(field: str, value) -> int:
+    """`value` as an int after checking it is a whole number >= 1 (a Python or numpy integer,
+    never a bool or a float); raises ValueError naming `field`."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
+            or value < 1:
+        raise ValueError(f"{field}={value!r} must be a positive integer")
+    return int(value)
+
+
+def check_rows(batch: int, rows: int = 1) -> int:
+    """M = batch * rows activation rows of one kernel step, checked against [1, MAX_ROWS]."""
+    batch, rows = positive_int("batch", batch), positive_int("rows", rows)
+    if batch * rows > MAX_ROWS:
+        raise ValueError(f"batch={batch} x rows={rows} = {batch * rows} activation rows "
+                         f"exceed MAX_ROWS={MAX_ROWS} of one decode step")
+    return batch * rows
+
+
+def brief(items, limit: int = 10) -> str:
+    """A sequence for an error message: all of it when short, else its first `limit` items
+    and how many more there are (a 10**6-layer config must not give a 10**6-item error)."""
+    if len(items) <= limit:
+        return repr(items)
+    head = ", ".join(map(str, list(items[:limit])))
+    return f"({head}, ... {len(items) - limit} more, {len(items)} in all)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,9 +122,11 @@ class ModelConfig:
         if self.max_context > self.max_position:
             raise ValueError(f"{self.name}: max_context={self.max_context} exceeds "
                              f"max_position={self.max_position}")
-        if self.rope_theta <= 0 or self.rms_eps <= 0:
-            raise ValueError(f"{self.name}: rope_theta={self.rope_theta} and "
-                             f"rms_eps={self.rms_eps} must be positive")
+        for field in ("rope_theta", "rms_eps"):
+            value = getattr(self, field)
+            if not (isinstance(value, (int, float, np.floating)) and math.isfinite(value)
+                    and value > 0):
+                raise ValueError(f"{self.name}: {field}={value!r} must be a finite number > 0")
         if self.dtype not in COMPUTE_DTYPES:
             raise ValueError(f"{self.name}: dtype={self.dtype!r} must be one of "
                              f"{COMPUTE_DTYPES}")
@@ -122,10 +153,11 @@ class ModelConfig:
                              f"exceeds experts={self.experts}")
         bad = [i for i in self.moe_layers if not 0 <= i < self.layers]
         if bad or len(set(self.moe_layers)) != len(self.moe_layers):
-            raise ValueError(f"{self.name}: moe_layers={self.moe_layers} must be distinct "
-                             f"layer indices in [0, {self.layers})")
+            raise ValueError(f"{self.name}: moe_layers={brief(self.moe_layers)} must be "
+                             f"distinct layer indices in [0, {self.layers})")
         if list(self.moe_layers) != sorted(self.moe_layers):
-            raise ValueError(f"{self.name}: moe_layers={self.moe_layers} must be sorted")
+            raise ValueError(f"{self.name}: moe_layers={brief(self.moe_layers)} must be "
+                             "sorted")
 
     # -- Derived shapes -------------------------------------------------------------------
     @property
@@ -152,9 +184,17 @@ class ModelConfig:
 
     def mlp_index(self, layer: int) -> tuple[str, int]:
         """("dense", i) or ("moe", i): which stacked MLP tensor row layer `layer` uses."""
-        if layer in self.moe_layers:
-            return "moe", self.moe_layers.index(layer)
-        return "dense", self.dense_layers.index(layer)
+        return self._mlp_rows()[layer]
+
+    @functools.cache  # noqa: B019 (frozen and hashable: one table per config, built once)
+    def _mlp_rows(self) -> tuple[tuple[str, int], ...]:
+        """Every layer's mlp_index, in one pass: per-layer lookups stay O(1) at any depth."""
+        moe, rows, count = set(self.moe_layers), [], {"dense": 0, "moe": 0}
+        for layer in range(self.layers):
+            kind = "moe" if layer in moe else "dense"
+            rows.append((kind, count[kind]))
+            count[kind] += 1
+        return tuple(rows)
 
     def first_layers(self, n: int) -> ModelConfig:
         """The same model cut to its first n layers (compile tests, self-drafting)."""
@@ -329,9 +369,14 @@ def _read_hf_dict(source) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"no Hugging Face config.json at {path}")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: not valid JSON ({err})") from None
+        hf = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not a JSON config.json ({type(err).__name__}: "
+                         f"{str(err)[:200]})") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{path}: config.json holds a {type(hf).__name__}; expected a JSON "
+                         "object of model fields")
+    return hf
 
 
 # -- Presets ------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ import numpy as np
 from mk import backend as backends
 from mk import megakernel, perf, reference, sim
 from mk.chips import CHIP_NAMES, chip as named_chip
-from mk.config import MAX_ROWS, ModelConfig, preset as named_preset
+from mk.config import MAX_ROWS, ModelConfig, positive_int, preset as named_preset
 from mk.kernels.one_layer import layer_block
 
 MAX_GAMMA = 7  # T = gamma + 1 <= 8 verification rows, as in the published runs
@@ -131,7 +131,8 @@ class XLA(Runner):
     def _init_cache(self, batch, capacity):
         if self.batch is not None and batch > self.batch:
             raise ValueError(f"batch={batch} exceeds the XLA bucket's batch={self.batch}")
-        return reference.init_cache(self.config, self.batch or batch, capacity + self.rows)
+        return reference.init_cache(self.config, self.batch or batch, capacity,
+                                    spare=self.rows)
 
     def _call(self, cache, tokens, positions):
         extra = cache.k.shape[1] - tokens.shape[0]  # padded sequences copy the first one
@@ -155,7 +156,7 @@ class Megakernel(Runner):
         self.weights = megakernel.prepare(config, params, self.block)
 
     def _init_cache(self, batch, capacity):
-        megakernel.check_block(self.block, capacity)
+        megakernel.check_block(self.block, capacity, batch * self.rows)
         return reference.init_cache(self.config, batch, capacity)
 
     def _call(self, cache, tokens, positions):
@@ -461,13 +462,11 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, drafter, gamma:
     `bucket`, for the XLA runs (the reference verifier, the drafters): the batch every call
     is padded to, rows padded to 8 (module docstring). The cache needs
     P + steps + gamma - 1 <= max_context (default config.max_context) positions."""
-    prompt = np.asarray(prompt, np.int32)
+    prompt = np.asarray(reference.check_prompt(config, prompt))
     check_gamma(gamma)
     S = config.max_context if max_context is None else max_context
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps={steps!r} must be a positive integer")
-    if prompt.ndim != 2 or prompt.shape[1] < 1:
-        raise ValueError(f"prompt shape {prompt.shape} must be [B, P] with P >= 1")
+    steps = positive_int("steps", steps)
+    reference.check_params(config, params)
     B, P = prompt.shape
     if P + steps + gamma - 1 > S:
         raise ValueError(f"prompt length P={P} + steps={steps} + gamma={gamma} - 1 exceeds "

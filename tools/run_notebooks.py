@@ -36,6 +36,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -122,8 +123,13 @@ def load_runs(runs_file: Path, notebooks: list[Path], known: list[Path] | None =
     Raise `ValueError` naming the entry, the value and what is allowed.
     """
     where = runs_file.name
-    config = yaml.safe_load(runs_file.read_text(encoding="utf-8")) if runs_file.exists() else {}
-    config = config or {}
+    if not runs_file.is_file():
+        raise ValueError(f"runs file {runs_file} does not exist (--runs names a file of "
+                         "configurations)")
+    try:
+        config = yaml.load(runs_file.read_text(encoding="utf-8"), _UniqueKeyLoader) or {}
+    except yaml.YAMLError as err:
+        raise ValueError(f"{where}: not valid YAML ({err})") from None
     if not isinstance(config, dict):
         raise ValueError(f"{where}: the top level must map notebook names to lists of "
                          f"configurations, not {type(config).__name__}")
@@ -139,6 +145,23 @@ def load_runs(runs_file: Path, notebooks: list[Path], known: list[Path] | None =
     for notebook in notebooks:
         runs += listed.get(notebook.stem) or [Run(notebook)]
     return runs
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key repeated in one mapping (YAML keeps the last silently,
+    which would drop a notebook's first configurations)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is repeated (line "
+                    f"{key_node.start_mark.line + 1}); each may appear once",
+                    key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 def _entries(where: str, stem: str, entries, notebook: Path) -> list[Run]:
@@ -339,7 +362,9 @@ def source_version() -> str:
 def _summary(record: dict) -> str:
     rows = record["rows"]
     failed = sum(r["status"] != "ok" for r in rows)
-    state = "" if record.get("finished") else ", did not finish"
+    state = "" if record.get("finished") else (
+        f", interrupted ({record['interrupted']})" if record.get("interrupted")
+        else ", did not finish")
     return (f"{len(rows) - failed} ok, {failed} failed, "
             f"{sum(r['seconds'] for r in rows):.0f} s{state}; source {record.get('source')}")
 
@@ -358,8 +383,10 @@ with every Pallas kernel in TPU interpret mode: they say nothing about TPU time.
 
 
 def write_run_index(run_dir: Path, record: dict) -> None:
-    (run_dir / "runs.json").write_text(json.dumps(record, indent=1, default=str),
-                                        encoding="utf-8")
+    # Written whole then renamed: an interrupted write never leaves a truncated runs.json.
+    partial = run_dir / "runs.json.partial"
+    partial.write_text(json.dumps(record, indent=1, default=str), encoding="utf-8")
+    partial.replace(run_dir / "runs.json")
     body = (f"<p>Run {html.escape(run_dir.name)} ({_summary(record)}); "
             f'<a href="../../index.html">all runs</a>.</p>\n{_table(record["rows"], "")}')
     (run_dir / "index.html").write_text(_page(f"mk notebooks, run {run_dir.name}", body),
@@ -368,9 +395,19 @@ def write_run_index(run_dir: Path, record: dict) -> None:
 
 def write_site_index(out: Path) -> None:
     """`out/index.html`: the newest run's table, then every run, newest first."""
-    records = []
+    records, unreadable = [], []
     for path in sorted((out / "runs").glob("*/runs.json"), reverse=True):
-        records.append((path.parent.name, json.loads(path.read_text(encoding="utf-8"))))
+        try:
+            record = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(record, dict) or not isinstance(record.get("rows"), list):
+                raise ValueError("no list of rows")
+        except (OSError, UnicodeDecodeError, ValueError) as err:  # one bad old run folder
+            print(f"warning: {path} is unreadable ({err}); it is listed, not shown",
+                  file=sys.stderr, flush=True)
+            unreadable.append(f"<li>{html.escape(path.parent.name)}: runs.json unreadable "
+                              f"({html.escape(str(err)[:200])})</li>")
+            continue
+        records.append((path.parent.name, record))
     if not records:
         body = "<p>No runs yet: <code>make run</code>.</p>"
     else:
@@ -380,6 +417,8 @@ def write_site_index(out: Path) -> None:
         body = (f"<h2>Newest run: {html.escape(name)} ({_summary(newest)})</h2>\n"
                 f"{_table(newest['rows'], f'runs/{name}/')}\n<h2>All runs</h2>\n"
                 f"<ul>\n{listing}\n</ul>")
+    if unreadable:
+        body += "\n<h2>Unreadable runs</h2>\n<ul>\n" + "\n".join(unreadable) + "\n</ul>"
     (out / "index.html").write_text(_page("mk notebooks", body), encoding="utf-8")
 
 
@@ -395,13 +434,24 @@ def run_all(runs: list[Run], out: Path, argv: list[str]) -> tuple[Path, list[dic
     try:
         for i, run in enumerate(runs, 1):
             prefix = f"[{i}/{len(runs)}] {run.name:<{width}}"
-            record["rows"].append(run_one(run, run_dir, out, prefix))
+            start = time.perf_counter()
+            try:
+                record["rows"].append(run_one(run, run_dir, out, prefix))
+            except (KeyboardInterrupt, SystemExit) as stop:  # Ctrl-C or SIGTERM
+                record["interrupted"] = f"{type(stop).__name__} during {run.name}"
+                record["rows"].append(_row(run, "interrupted", record["interrupted"],
+                                           time.perf_counter() - start, None))
+                raise
             write_run_index(run_dir, record)
         record["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %z")
     finally:
         write_run_index(run_dir, record)
         write_site_index(out)
     return run_dir, record["rows"]
+
+
+def _terminate(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -424,8 +474,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     check_kernel()
+    # SIGTERM (a CI timeout, `kill`) ends the run like Ctrl-C: the interrupted row is
+    # marked and both indexes are rewritten before the process exits.
+    previous = signal.signal(signal.SIGTERM, _terminate)
     start = time.perf_counter()
-    run_dir, rows = run_all(runs, args.out, argv)
+    try:
+        run_dir, rows = run_all(runs, args.out, argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     failed = sum(row["status"] != "ok" for row in rows)
     print(f"{len(rows) - failed} ok, {failed} failed in {time.perf_counter() - start:.0f} s; "
           f"outputs: {run_dir}; index: {args.out / 'index.html'}", flush=True)
