@@ -263,11 +263,10 @@ def check_params(config: ModelConfig, params) -> None:
     if not hasattr(params, "keys"):
         raise ValueError(f"params is a {type(params).__name__}; expected a dict of "
                          f"{config.name}'s tensors {sorted(want)}")
-    for name in want:
+    for name, (shape, dtype) in want.items():
         if name not in params:
             raise ValueError(f"params has no {name!r}, which {config.name} needs "
-                             f"(shape {want[name][0]}, {want[name][1]})")
-    for name, (shape, dtype) in want.items():
+                             f"({dtype}{list(shape)})")
         got = params[name]
         got_shape, got_dtype = tuple(getattr(got, "shape", ())), str(getattr(got, "dtype", ""))
         if got_shape != shape or got_dtype != dtype:
