@@ -6,7 +6,7 @@ semaphores, and optionally a happens-before race detector); inside `use("hardwar
 "auto" on a TPU) nothing changes and Mosaic compiles it for the chip. There is no second
 copy of any kernel.
 
-Here: `resolve`, `use`, `races_found`. Not here: ahead-of-time compiles for a chip that is
+Here: `resolve`, `use`, `check_active`, `races_found`. Not here: ahead-of-time compiles for a chip that is
 not present (`mk.tpu`).
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 
 import jax
+from jax._src import config as _jax_config
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call as _interpret_state
 from jax.experimental.pallas import tpu as pltpu
 
@@ -60,6 +61,17 @@ def use(backend: str = "auto", *, detect_races: bool = False,
     except Exception:
         pltpu.reset_tpu_interpret_mode_state()
         raise
+
+
+def check_active() -> None:
+    """Raise ValueError, saying what to do, when a kernel would be run outside `use` on a
+    machine without a TPU (Pallas would fail deep in lowering: "Only interpret mode is
+    supported on CPU backend")."""
+    if on_tpu() or _jax_config.pallas_tpu_interpret_mode_context_manager.value is not None:
+        return
+    raise ValueError(f"this process runs on {jax.default_backend()!r}, not a TPU: run the "
+                     "kernel inside `with mk.backend.use('interpret'):` (TPU interpret mode "
+                     "on the CPU), or call a generate function, which takes backend=")
 
 
 def races_found() -> bool:

@@ -235,6 +235,7 @@ def decode_step(config: ModelConfig, weights, cache: reference.KVCache, tokens, 
     """
     tokens, positions = reference.validate_step(config, cache, tokens, positions)
     check_block(block, cache.k.shape[3], tokens.size)
+    backends.check_active()
     return _decode_step(config, block, weights, cache, tokens, positions, taps=taps)
 
 

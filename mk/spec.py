@@ -325,6 +325,20 @@ def noisy_copy(config: ModelConfig, params, *, layers: int = 1, noise: float = 0
     return dataclasses.replace(cut, name=f"{config.name}-draft"), out
 
 
+def check_drafter(name: str, gamma: int, acceptance_length: int | None) -> None:
+    """The drafter's name and options, checked before any model is touched."""
+    if name not in DRAFTERS:
+        raise ValueError(f"drafter={name!r} must be one of {DRAFTERS}")
+    if (acceptance_length is not None) != (name == "forced"):
+        raise ValueError(f"acceptance_length={acceptance_length!r} is for drafter='forced' "
+                         f"only, and drafter='forced' needs it (drafter={name!r})")
+    L = acceptance_length
+    if name == "forced" and (isinstance(L, bool) or not isinstance(L, int)
+                             or not 1 <= L <= gamma + 1):
+        raise ValueError(f"acceptance_length={L!r} must be an integer in [1, gamma + 1 "
+                         f"= {gamma + 1}]: a step keeps at most gamma + 1 tokens")
+
+
 def make_drafter(name: str, config: ModelConfig, params, *, gamma: int,
                  acceptance_length: int | None = None, draft=None,
                  self_layers: int | None = None, batch: int | None = None) -> Drafter:
@@ -333,16 +347,9 @@ def make_drafter(name: str, config: ModelConfig, params, *, gamma: int,
     "model" drafts with `draft` = (config, params) (default `noisy_copy` of the target);
     "self" with the target's first `self_layers` layers (default ceil(L / 2)); "forced"
     needs `acceptance_length` in [1, gamma + 1]. `batch` is the XLA bucket's batch."""
-    if name not in DRAFTERS:
-        raise ValueError(f"drafter={name!r} must be one of {DRAFTERS}")
-    if (acceptance_length is not None) != (name == "forced"):
-        raise ValueError(f"acceptance_length={acceptance_length!r} is for drafter='forced' "
-                         f"only, and drafter='forced' needs it (drafter={name!r})")
+    check_drafter(name, gamma, acceptance_length)
     if name == "forced":
         L = acceptance_length
-        if isinstance(L, bool) or not isinstance(L, int) or not 1 <= L <= gamma + 1:
-            raise ValueError(f"acceptance_length={L!r} must be an integer in [1, gamma + 1 "
-                             f"= {gamma + 1}]: a step keeps at most gamma + 1 tokens")
         # In a bucket the oracle runs the reference verifier's shape: one compile for both.
         return Forced(config, params, L, batch=batch, rows=MAX_GAMMA + 1 if batch else 2)
     if name == "ngram":
@@ -466,7 +473,6 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, drafter, gamma:
     check_gamma(gamma)
     S = config.max_context if max_context is None else max_context
     steps = positive_int("steps", steps)
-    reference.check_params(config, params)
     B, P = prompt.shape
     if P + steps + gamma - 1 > S:
         raise ValueError(f"prompt length P={P} + steps={steps} + gamma={gamma} - 1 exceeds "
@@ -480,6 +486,9 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, drafter, gamma:
         raise ValueError(f"verifier={verifier!r} must be one of {VERIFIERS} or a Runner")
     if bucket is not None and bucket < B:
         raise ValueError(f"bucket={bucket} must be >= batch={B}")
+    if isinstance(drafter, str):
+        check_drafter(drafter, gamma, drafter_options.get("acceptance_length"))
+    reference.check_params(config, params)
     if isinstance(drafter, str):
         drafter = make_drafter(drafter, config, params, gamma=gamma, batch=bucket,
                                **drafter_options)

@@ -356,3 +356,11 @@ def test_make_clean_keeps_the_runs_and_clean_runs_removes_them(tmp_path):
         subprocess.run(["make", "-s", "-f", str(ROOT / "Makefile"), "-C", str(tmp_path),
                         target], check=True, capture_output=True, timeout=60)
         assert run.exists() is kept and not (tmp_path / "build" / "index.html").exists()
+
+
+def test_a_kernel_called_on_cpu_outside_backend_use_says_what_to_do(params):
+    cache = reference.init_cache(TINY, 1, 16)
+    block = BlockSizes(kv_tile=16)
+    with pytest.raises(ValueError, match=r"inside `with mk.backend.use\('interpret'\):`"):
+        megakernel.decode_step(TINY, megakernel.prepare(TINY, params, block), cache, [[1]],
+                               [0], block=block)
