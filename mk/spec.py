@@ -488,6 +488,9 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, drafter, gamma:
         raise ValueError(f"bucket={bucket} must be >= batch={B}")
     if isinstance(drafter, str):
         check_drafter(drafter, gamma, drafter_options.get("acceptance_length"))
+    if not isinstance(verifier, str) and verifier.rows < gamma + 1:
+        raise ValueError(f"the verifier's rows={verifier.rows} must be >= gamma + 1 = "
+                         f"{gamma + 1}")
     reference.check_params(config, params)
     if isinstance(drafter, str):
         drafter = make_drafter(drafter, config, params, gamma=gamma, batch=bucket,
@@ -497,9 +500,6 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, drafter, gamma:
     elif verifier == "reference":
         verifier = XLA(config, params, rows=MAX_GAMMA + 1 if bucket else gamma + 1,
                        batch=bucket)
-    elif verifier.rows < gamma + 1:
-        raise ValueError(f"the verifier's rows={verifier.rows} must be >= gamma + 1 = "
-                         f"{gamma + 1}")
     rng = np.random.default_rng(seed)
 
     def pick(logits):

@@ -8,7 +8,7 @@ cell if it is not listed; the file documents its format).
 Nothing is overwritten: every invocation writes a new folder `OUT/runs/<YYYYmmdd-HHMMSS>/`
 with the executed notebooks, their HTML exports, `runs.json` and its own `index.html`;
 `OUT/index.html` shows the newest run's table and lists every earlier run. Delete old runs
-by hand, or all of `build/` with `make clean`.
+by hand, or all of `build/` with `make clean-runs` (`make clean` keeps them).
 
 A progress line per notebook reports it starting, still running (every minute), and done
 with its time and status. A failed notebook keeps its partial output (papermill writes the
