@@ -380,9 +380,9 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, backend: str = 
     `steps_per_call` of them run per host dispatch (a device-side loop)."""
     prompt, S, steps, steps_per_call = check_generate(config, prompt, steps, steps_per_call,
                                                       max_context)
-    reference.check_params(config, params)
     block = block or layer_block(config)
     check_block(block, S, prompt.shape[0])
+    reference.check_params(config, params)
     weights = prepare(config, params, block)
     logits, cache = reference.prefill(config, params, prompt, max_context=S)
     token = reference.greedy(logits[:, -1])

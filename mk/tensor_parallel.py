@@ -243,9 +243,9 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, tp: int,
     check_interpret_devices(mesh)
     prompt, S, steps, steps_per_call = megakernel.check_generate(
         config, prompt, steps, steps_per_call, max_context)
-    reference.check_params(config, params)
     block = block or default_block(config, tp)
     megakernel.check_block(block, S, prompt.shape[0])
+    reference.check_params(config, params)
     decode_stream(shard_config(config, tp), prompt.shape[0], block)
     weights = prepare(config, params, block, tp)
     logits, cache = reference.prefill(config, params, prompt, max_context=S)
