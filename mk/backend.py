@@ -6,7 +6,8 @@ semaphores, and optionally a happens-before race detector); inside `use("hardwar
 "auto" on a TPU) nothing changes and Mosaic compiles it for the chip. There is no second
 copy of any kernel.
 
-Here: `resolve`, `use`, `check_active`, `races_found`. Not here: ahead-of-time compiles for a chip that is
+Here: `resolve`, `use`, `check_active`, `races_found`. Not here: ahead-of-time compiles
+for a chip that is
 not present (`mk.tpu`).
 """
 
