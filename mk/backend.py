@@ -7,8 +7,7 @@ semaphores, and optionally a happens-before race detector); inside `use("hardwar
 copy of any kernel.
 
 Here: `resolve`, `use`, `check_active`, `races_found`. Not here: ahead-of-time compiles
-for a chip that is
-not present (`mk.tpu`).
+for a chip that is not present (`mk.tpu`).
 """
 
 from __future__ import annotations

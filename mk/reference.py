@@ -233,9 +233,9 @@ def concrete(x):
 def checked_int32(field: str, x, low: int, high: int, limit: str = "") -> jax.Array:
     """x as int32, after checking ITS OWN values (before any cast) are integers in
     [low, high) (`limit` names high): a float, a bool or an id past int32 is refused,
-    never truncated or wrapped
-    (int64 2**32 + 2 would become 2, position 3.9 would become 3). Traced x (inside jit) is
-    only checked for an integer dtype; callers validate before tracing."""
+    never truncated or wrapped (int64 2**32 + 2 would become 2, position 3.9 would become
+    3). Traced x (inside jit) is only checked for an integer dtype; callers validate
+    before tracing."""
     if isinstance(x, jax.core.Tracer):
         if not jnp.issubdtype(x.dtype, jnp.integer):
             raise ValueError(f"{field} has dtype {x.dtype}; it must be an integer type")
