@@ -254,6 +254,8 @@ def checked_int32(field: str, x, low: int, high: int, limit: str = "") -> jax.Ar
             raise ValueError(f"{field}[{where}]={a[tuple(bad[0])]} must be in [{low}, "
                              f"{limit + '=' if limit else ''}{high}) ({len(bad)} value"
                              f"{'s' * (len(bad) > 1)} outside; min={a.min()}, max={a.max()})")
+    if isinstance(x, jax.Array) and x.dtype == jnp.int32:
+        return x  # already on the device as int32: no second copy (no extra launch)
     return jnp.asarray(a.astype(np.int32))
 
 
