@@ -14,7 +14,7 @@ export TPU_SKIP_MDS_QUERY := 1
 # Profiler captures (mk.profiling.PROFILES) land in this checkout's profiles/.
 export MK_PROFILES := $(CURDIR)/profiles
 
-.PHONY: test test-slow run check-site lab clean
+.PHONY: test test-slow run check-site lab clean clean-runs
 
 # loadgroup: tests marked xdist_group share one worker (and its module fixtures).
 test: $(VENV)/.stamp-test
@@ -52,7 +52,11 @@ $(VENV)/.stamp-test: $(VENV)/.stamp
 	$(PY) -m pip install -q -e '.[notebooks,profile,docs,test]'
 	touch $@
 
-# Removes every run in build/. Leaves .venv/ alone (minutes to rebuild); `rm -rf .venv`
-# for a fresh one.
+# Removes test caches and build/ except the runs (build/runs/, each make run's results);
+# `make clean-runs` removes those too. Leaves .venv/ alone (minutes to rebuild); `rm -rf
+# .venv` for a fresh one.
 clean:
-	rm -rf build .pytest_cache .hypothesis
+	rm -rf .pytest_cache .hypothesis build/index.html build/_static
+
+clean-runs: clean
+	rm -rf build

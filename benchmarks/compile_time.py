@@ -297,10 +297,14 @@ def main(argv=None) -> list[Record]:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--rows", type=int, default=1)
     parser.add_argument("--context", type=int, default=4096)
-    parser.add_argument("--json", type=Path, help="write the records here (after each one)")
+    parser.add_argument("--json", type=Path, help="write the records here (after each one); "
+                        "a new file: an existing one (a committed recording) is refused")
     parser.add_argument("--no-megakernel", action="store_true",
                         help="skip the megakernel series even if mk.megakernel exists")
     args = parser.parse_args(argv)
+    if args.json and args.json.exists():
+        parser.error(f"--json {args.json} exists; it would be replaced by a partial recording "
+                     "after the first record. Name a new file, then move it over the old one")
 
     config = mk.preset(args.preset)
     megakernel, why = (None, "--no-megakernel") if args.no_megakernel \

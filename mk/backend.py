@@ -13,7 +13,7 @@ twice). Interpret mode itself only prints the first kind and never sees the seco
 default "on_wait" DMA mode (a duplicate DMA just stays queued); `use(..., strict_dma=True)`
 makes either an error.
 
-Here: `resolve`, `use`, `races_found`, `dma_leftovers`. Not here: ahead-of-time compiles
+Here: `resolve`, `use`, `check_active`, `races_found`, `dma_leftovers`. Not here: ahead-of-time compiles
 for a chip that is not present (`mk.tpu`).
 """
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 
 import jax
+from jax._src import config as _jax_config
 from jax._src import source_info_util
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call as _interpret_state
 from jax.experimental.pallas import tpu as pltpu
@@ -74,6 +75,17 @@ def use(backend: str = "auto", *, detect_races: bool = False,
     if strict_dma and dma_leftovers():
         raise RuntimeError("DMA bookkeeping left at kernel exit:\n  "
                            + "\n  ".join(dma_leftovers()))
+
+
+def check_active() -> None:
+    """Raise ValueError, saying what to do, when a kernel would be run outside `use` on a
+    machine without a TPU (Pallas would fail deep in lowering: "Only interpret mode is
+    supported on CPU backend")."""
+    if on_tpu() or _jax_config.pallas_tpu_interpret_mode_context_manager.value is not None:
+        return
+    raise ValueError(f"this process runs on {jax.default_backend()!r}, not a TPU: run the "
+                     "kernel inside `with mk.backend.use('interpret'):` (TPU interpret mode "
+                     "on the CPU), or call a generate function, which takes backend=")
 
 
 def races_found() -> bool:

@@ -135,6 +135,9 @@ def load_checkpoint(path: str | Path, *, dtype: str | None = None
     are not run by mk and are skipped.
     """
     folder = Path(path)
+    if not folder.is_dir():
+        raise ValueError(f"path={str(path)!r} is not a folder; a checkpoint is a folder "
+                         f"holding config.json and {SINGLE_FILE} or {INDEX_FILE}")
     config = ModelConfig.from_hf(folder, dtype=dtype)
     full_qwen3_5 = json.loads((folder / "config.json").read_text()).get(
         "model_type") == "qwen3_5"
@@ -154,10 +157,25 @@ def load_checkpoint(path: str | Path, *, dtype: str | None = None
         if config.tie_embeddings and {"lm_head.weight", embed} <= set(where):
             problems += _check_tied_head(handles, where, embed)
         if problems:
-            plural = "s" if len(problems) > 1 else ""
-            raise ValueError(f"{folder}: cannot load the {config.name} checkpoint "
-                             f"({len(problems)} problem{plural}):\n  " + "\n  ".join(problems))
-        return config, _assemble(handles, where, layout, shapes, config.head_dim)
+            raise ValueError(_problems(folder, config, problems))
+        params = _assemble(handles, where, layout, shapes, config.head_dim)
+    bad = [f"mk {name}: {np.size(x) - int(np.isfinite(x).sum())} values are NaN or inf "
+           f"in {x.dtype}" for name, x in ((n, np.asarray(v, np.float32))
+                                          for n, v in params.items())
+           if not np.isfinite(x).all()]
+    if bad:  # a NaN weight, or a float32 value past the dtype's range (it becomes inf)
+        raise ValueError(_problems(folder, config, bad) + f"\n(weights must be finite in "
+                         f"{config.dtype}; its largest value is "
+                         f"{float(jnp.finfo(config.dtype).max):.4g})")
+    return config, params
+
+
+def _problems(folder, config, problems, shown: int = 20) -> str:
+    """One error for many problems: the first `shown`, then how many more there are."""
+    plural = "s" if len(problems) > 1 else ""
+    more = (f"\n  ... and {len(problems) - shown} more" if len(problems) > shown else "")
+    return (f"{folder}: cannot load the {config.name} checkpoint ({len(problems)} "
+            f"problem{plural}):\n  " + "\n  ".join(problems[:shown]) + more)
 
 
 def _open_tensors(folder, layout, shapes, stack):

@@ -73,20 +73,47 @@ MAX_INDEX = 2 ** 24  # token ids travel as float32 next to their logit: exact be
 
 def tp_mesh(n: int, devices=None) -> jax.sharding.Mesh:
     """A one-axis mesh ("tp",) over the first n devices (default: `jax.devices()`)."""
-    check_devices(n)
+    n = 1 << check_devices(n)
     devices = list(jax.devices() if devices is None else devices)
     if len(devices) < n:
         raise ValueError(f"tp={n} needs {n} devices; this process has {len(devices)} (on "
-                         "CPU set XLA_FLAGS=--xla_force_host_platform_device_count=8 "
-                         "before importing jax)")
-    return jax.sharding.Mesh(np.array(devices[:n]), (AXIS,))
+                         f"CPU set XLA_FLAGS=--xla_force_host_platform_device_count="
+                         f"{interpret_devices(n)} before importing jax)")
+    mesh = jax.sharding.Mesh(np.array(devices[:n]), (AXIS,))
+    check_interpret_devices(mesh)
+    return mesh
+
+
+def interpret_devices(n: int) -> int:
+    """CPU devices a process needs to run an n-device collective kernel in TPU interpret
+    mode: 2n. XLA's CPU client sizes its thread pool by the device count, and a device
+    blocked on a semaphore (or allocating its buffers in a host callback) holds a pool
+    thread; with every device in the mesh nothing is left to run the others, and the
+    kernel deadlocks (tp=2 on exactly 2 CPU devices: no output in 420 s)."""
+    return 2 * n if n > 1 else 1
+
+
+def check_interpret_devices(mesh: jax.sharding.Mesh) -> None:
+    """Refuse, with what to set, a CPU mesh whose collective kernels would deadlock in
+    interpret mode (`interpret_devices`); TPU meshes and tp=1 pass."""
+    n = mesh.shape.get(AXIS, 1)
+    platform = mesh.devices.flat[0].platform
+    if platform == "cpu" and n > 1 and len(jax.devices("cpu")) < interpret_devices(n):
+        raise ValueError(
+            f"tp={n} on CPU (TPU interpret mode) needs >= {interpret_devices(n)} CPU devices "
+            f"in the process; it has {len(jax.devices('cpu'))}, and with every device in the "
+            "mesh the kernel deadlocks (XLA's CPU thread pool has one thread per device). "
+            f"Set XLA_FLAGS=--xla_force_host_platform_device_count={interpret_devices(n)} "
+            "before importing jax")
 
 
 def check_devices(n: int, field: str = "tp") -> int:
-    """n devices on the axis: a power of two >= 1; returns log2(n)."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1 or n & (n - 1):
+    """n devices on the axis: a power of two >= 1 (a Python or numpy integer); returns
+    log2(n)."""
+    if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)) or n < 1 \
+            or n & (n - 1):
         raise ValueError(f"{field}={n!r} must be a power of two >= 1")
-    return n.bit_length() - 1
+    return int(n).bit_length() - 1
 
 
 def tree_sum(parts: jax.Array) -> jax.Array:
@@ -243,19 +270,28 @@ def argmax_body(logits, first_id, s: CollectiveScratch, *, n: int, valid=None, s
     local = lax.broadcasted_iota(jnp.int32, (M, Vs), 1)
     if valid is not None:
         logits = jnp.where(valid, logits, -jnp.inf)
-    best = jnp.max(logits, axis=1, keepdims=True)
+    # NaN counts as the largest value (mk.reference.greedy's contract): a row with a NaN
+    # gives its first NaN's id, never the fallback Vs (one past the last id).
+    nan = logits != logits
+    first_nan = jnp.min(jnp.where(nan, local, Vs), axis=1, keepdims=True)  # Vs: none
+    best = jnp.max(jnp.where(nan, -jnp.inf, logits), axis=1, keepdims=True)
     index = jnp.min(jnp.where(logits == best, local, Vs), axis=1, keepdims=True)
+    has_nan = first_nan < Vs
+    index = jnp.where(has_nan, first_nan, index)
     if n == 1:
         return index
+    best = jnp.where(has_nan, jnp.nan, best)
     index = index + first_id
     lane = lax.broadcasted_iota(jnp.int32, (M, 128), 1)
     packed = jnp.where(lane == 0, best, jnp.where(lane == 1, index.astype(jnp.float32), 0.0))
     gathered = all_gather_body(packed, s, n=n, slot=slot, axis=axis)
     best, index = gathered[0, :, 0:1], gathered[0, :, 1:2]
-    for i in range(1, n):  # strictly greater: a tie keeps the lower shard's (lower) id
-        value, other = gathered[i, :, 0:1], gathered[i, :, 1:2]
-        index = jnp.where(value > best, other, index)
-        best = jnp.maximum(best, value)
+    for i in range(1, n):  # strictly greater: a tie keeps the lower shard's (lower) id;
+        value, other = gathered[i, :, 0:1], gathered[i, :, 1:2]  # a NaN beats a number
+        best_nan, value_nan = best != best, value != value
+        take = jnp.logical_not(best_nan) & (value_nan | (value > best))
+        index = jnp.where(take, other, index)
+        best = jnp.where(take, value, best)
     return index.astype(jnp.int32)
 
 
@@ -280,6 +316,7 @@ def _vmem():
 
 
 def _smap(mesh, fn, x, out_spec):
+    check_interpret_devices(mesh)
     return jax.shard_map(fn, mesh=mesh, in_specs=P(AXIS), out_specs=out_spec,
                          check_vma=False)(x)
 

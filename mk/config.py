@@ -40,7 +40,9 @@ are stacked on a leading layer axis so a kernel can loop over layers):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +63,33 @@ LAYER_TYPES = ("full", "linear")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 # M = B * T activation rows of one decode step (decode and speculative verification).
 MAX_ROWS = 64
+
+
+def positive_int(field: str, value) -> int:
+    """`value` as an int after checking it is a whole number >= 1 (a Python or numpy integer,
+    never a bool or a float); raises ValueError naming `field`."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
+            or value < 1:
+        raise ValueError(f"{field}={value!r} must be a positive integer")
+    return int(value)
+
+
+def check_rows(batch: int, rows: int = 1) -> int:
+    """M = batch * rows activation rows of one kernel step, checked against [1, MAX_ROWS]."""
+    batch, rows = positive_int("batch", batch), positive_int("rows", rows)
+    if batch * rows > MAX_ROWS:
+        raise ValueError(f"batch={batch} x rows={rows} = {batch * rows} activation rows "
+                         f"exceed MAX_ROWS={MAX_ROWS} of one decode step")
+    return batch * rows
+
+
+def brief(items, limit: int = 10) -> str:
+    """A sequence for an error message: all of it when short, else its first `limit` items
+    and how many more there are (a 10**6-layer config must not give a 10**6-item error)."""
+    if len(items) <= limit:
+        return repr(items)
+    head = ", ".join(map(str, list(items[:limit])))
+    return f"({head}, ... {len(items) - limit} more, {len(items)} in all)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,9 +144,11 @@ class ModelConfig:
         if self.max_context > self.max_position:
             raise ValueError(f"{self.name}: max_context={self.max_context} exceeds "
                              f"max_position={self.max_position}")
-        if self.rope_theta <= 0 or self.rms_eps <= 0:
-            raise ValueError(f"{self.name}: rope_theta={self.rope_theta} and "
-                             f"rms_eps={self.rms_eps} must be positive")
+        for field in ("rope_theta", "rms_eps"):
+            value = getattr(self, field)
+            if not (isinstance(value, (int, float, np.floating)) and math.isfinite(value)
+                    and value > 0):
+                raise ValueError(f"{self.name}: {field}={value!r} must be a finite number > 0")
         if self.dtype not in COMPUTE_DTYPES:
             raise ValueError(f"{self.name}: dtype={self.dtype!r} must be one of "
                              f"{COMPUTE_DTYPES}")
@@ -145,10 +176,11 @@ class ModelConfig:
                              f"exceeds experts={self.experts}")
         bad = [i for i in self.moe_layers if not 0 <= i < self.layers]
         if bad or len(set(self.moe_layers)) != len(self.moe_layers):
-            raise ValueError(f"{self.name}: moe_layers={self.moe_layers} must be distinct "
-                             f"layer indices in [0, {self.layers})")
+            raise ValueError(f"{self.name}: moe_layers={brief(self.moe_layers)} must be "
+                             f"distinct layer indices in [0, {self.layers})")
         if list(self.moe_layers) != sorted(self.moe_layers):
-            raise ValueError(f"{self.name}: moe_layers={self.moe_layers} must be sorted")
+            raise ValueError(f"{self.name}: moe_layers={brief(self.moe_layers)} must be "
+                             "sorted")
 
     def _validate_hybrid(self):
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
@@ -221,9 +253,7 @@ class ModelConfig:
     def mixer_index(self, layer: int) -> tuple[str, int]:
         """("full", i) or ("linear", i): which stacked token-mixer tensor row (and, for
         "full", which KV-cache layer) layer `layer` uses."""
-        if layer in self.linear_layers:
-            return "linear", self.linear_layers.index(layer)
-        return "full", self.full_layers.index(layer)
+        return self._layer_rows()[layer][0]
 
     @property
     def rotary_dim(self) -> int:
@@ -245,9 +275,21 @@ class ModelConfig:
 
     def mlp_index(self, layer: int) -> tuple[str, int]:
         """("dense", i) or ("moe", i): which stacked MLP tensor row layer `layer` uses."""
-        if layer in self.moe_layers:
-            return "moe", self.moe_layers.index(layer)
-        return "dense", self.dense_layers.index(layer)
+        return self._layer_rows()[layer][1]
+
+    @functools.cache  # noqa: B019 (frozen and hashable: one table per config, built once)
+    def _layer_rows(self) -> tuple[tuple[tuple[str, int], tuple[str, int]], ...]:
+        """Every layer's (mixer_index, mlp_index), in one pass: per-layer lookups stay O(1)
+        at any depth (a config.json may declare thousands of layers)."""
+        moe, linear = set(self.moe_layers), set(self.linear_layers)
+        rows, count = [], dict.fromkeys(("full", "linear", "dense", "moe"), 0)
+        for layer in range(self.layers):
+            kinds = ("linear" if layer in linear else "full",
+                     "moe" if layer in moe else "dense")
+            rows.append(tuple((kind, count[kind]) for kind in kinds))
+            for kind in kinds:
+                count[kind] += 1
+        return tuple(rows)
 
     def first_layers(self, n: int) -> ModelConfig:
         """The same model cut to its first n layers (compile tests, self-drafting)."""
@@ -500,9 +542,14 @@ def _read_hf_dict(source) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"no Hugging Face config.json at {path}")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: not valid JSON ({err})") from None
+        hf = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not a JSON config.json ({type(err).__name__}: "
+                         f"{str(err)[:200]})") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{path}: config.json holds a {type(hf).__name__}; expected a JSON "
+                         "object of model fields")
+    return hf
 
 
 # -- Presets ------------------------------------------------------------------------------

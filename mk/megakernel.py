@@ -46,7 +46,7 @@ from mk import backend as backends
 from mk import reference
 from mk.collectives import (AXIS, COLLECTIVE_IDS, CollectiveScratch, all_reduce_body,
                             argmax_body, barrier, collective_buffers, collective_scratch)
-from mk.config import ModelConfig
+from mk.config import ModelConfig, check_rows, positive_int
 from mk.kernels.common import BlockSizes, Buffer, vmem_limit_bytes
 from mk.kernels.decode_attention import AttentionScratch
 from mk.kernels.one_layer import (layer_block, layer_body, mlp_fetch, mlp_kinds,
@@ -233,10 +233,9 @@ def decode_step(config: ModelConfig, weights, cache: reference.KVCache, tokens, 
     With `taps=True` also returns {"attn", "mlp"}: the residual stream [L, B, T, D] after
     each layer's attention and MLP blocks, as `mk.reference.decode_step(..., taps=True)`.
     """
-    tokens = jnp.asarray(tokens, jnp.int32)
-    positions = jnp.asarray(positions, jnp.int32)
-    reference.validate_step(config, cache, tokens, positions)
-    check_block(block, cache.k.shape[3])
+    tokens, positions = reference.validate_step(config, cache, tokens, positions)
+    check_block(block, cache.k.shape[3], tokens.size)
+    backends.check_active()
     return _decode_step(config, block, weights, cache, tokens, positions, taps=taps)
 
 
@@ -275,8 +274,10 @@ def first_divergence(config: ModelConfig, params, cache: reference.KVCache, toke
     return first, report
 
 
-def check_block(block: BlockSizes, context: int) -> None:
-    """The megakernel's own limits on the tiling, checked before tracing."""
+def check_block(block: BlockSizes, context: int, rows: int) -> None:
+    """The megakernel's own limits on the tiling and the M = B*T `rows` of a step, checked
+    before tracing."""
+    check_rows(rows)
     if block.slots < 2:
         raise ValueError(f"BlockSizes.slots={block.slots}: the megakernel's ring needs >= 2 "
                          "slots so a tile loads while another computes")
@@ -359,16 +360,15 @@ def _greedy_steps(config: ModelConfig, block: BlockSizes, weights, cache, token,
 def check_generate(config: ModelConfig, prompt, steps: int, steps_per_call: int,
                    max_context: int | None):
     """The generate arguments checked before anything is traced -> (prompt as int32, the
-    cache capacity S)."""
-    prompt = jnp.asarray(prompt, jnp.int32)
+    cache capacity S, steps, steps_per_call as ints)."""
+    prompt = reference.check_prompt(config, prompt)
     S = config.max_context if max_context is None else max_context
-    for field, value in (("steps", steps), ("steps_per_call", steps_per_call)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{field}={value!r} must be a positive integer")
+    steps, steps_per_call = positive_int("steps", steps), positive_int("steps_per_call",
+                                                                       steps_per_call)
     if prompt.ndim != 2 or prompt.shape[1] + steps - 1 > S:
         raise ValueError(f"prompt {prompt.shape} [B, P] with steps={steps} needs "
                          f"P + steps - 1 <= max_context={S}")
-    return prompt, S
+    return prompt, S, steps, steps_per_call
 
 
 def generate(config: ModelConfig, params, prompt, steps: int, *, backend: str = "auto",
@@ -378,9 +378,11 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, backend: str = 
     [B, steps] int32, the same contract as `mk.reference.generate`. The prompt is
     prefilled by the XLA reference; every later token comes from one megakernel call, and
     `steps_per_call` of them run per host dispatch (a device-side loop)."""
-    prompt, S = check_generate(config, prompt, steps, steps_per_call, max_context)
+    prompt, S, steps, steps_per_call = check_generate(config, prompt, steps, steps_per_call,
+                                                      max_context)
     block = block or layer_block(config)
-    check_block(block, S)
+    check_block(block, S, prompt.shape[0])
+    reference.check_params(config, params)
     weights = prepare(config, params, block)
     logits, cache = reference.prefill(config, params, prompt, max_context=S)
     token = reference.greedy(logits[:, -1])

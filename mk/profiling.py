@@ -403,8 +403,7 @@ def staged_step(config: ModelConfig, params, layers: list[dict], cache: referenc
     projection, MLP per layer, then the lm_head), each dispatched from this Python loop.
     `layers` is `staged_weights(config, params)`. Returns (logits [B, T, V] float32,
     cache), the contract of `mk.reference.decode_step`."""
-    tokens, positions = jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32)
-    reference.validate_step(config, cache, tokens, positions)
+    tokens, positions = reference.validate_step(config, cache, tokens, positions)
     x = embed(params["embed"], tokens)
     k_cache, v_cache = cache
     for layer, w in enumerate(layers):

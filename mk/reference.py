@@ -36,7 +36,7 @@ import numpy as np
 from jax import lax
 
 from mk import linear_attention as la
-from mk.config import ModelConfig
+from mk.config import ModelConfig, positive_int
 
 F32 = jnp.float32
 HIGHEST = lax.Precision.HIGHEST
@@ -158,7 +158,11 @@ def moe(x: jax.Array, router, we_gate, we_up, we_down, top_k: int,
 
 
 def greedy(logits: jax.Array) -> jax.Array:
-    """Argmax over the vocab axis; ties go to the lowest token id."""
+    """Argmax over the vocab axis; ties go to the lowest token id.
+
+    NaN contract (numpy's argmax, which every kernel's argmax follows): a NaN logit counts
+    as larger than any number, so a row holding NaN gives the lowest id whose logit is NaN
+    (0 when the whole row is NaN). Never an id outside [0, vocab)."""
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
@@ -297,13 +301,16 @@ def _forward(config: ModelConfig, params, cache, tokens, positions, taps=False,
 
 
 # -- Public API -----------------------------------------------------------------------------
-def init_cache(config: ModelConfig, batch: int, max_context: int | None = None):
-    """An empty cache of capacity `max_context` (default `config.max_context`): a
+def init_cache(config: ModelConfig, batch: int, max_context: int | None = None, *,
+               spare: int = 0):
+    """An empty cache of capacity `max_context` (default `config.max_context`), plus `spare`
+    rows past it that no real position uses (where a padded bucket's extra rows land): a
     `KVCache`, or for a hybrid a `HybridCache` with zero linear states."""
     S = config.max_context if max_context is None else max_context
     if not 1 <= S <= config.max_position:
         raise ValueError(f"max_context={S} must be in [1, max_position={config.max_position}]")
-    shape = (len(config.full_layers), batch, config.kv_heads, S, config.head_dim)
+    batch = positive_int("batch", batch)
+    shape = (len(config.full_layers), batch, config.kv_heads, S + spare, config.head_dim)
     cache = KVCache(jnp.zeros(shape, config.dtype), jnp.zeros(shape, config.dtype))
     if not config.is_hybrid:
         return cache
@@ -339,26 +346,95 @@ def concrete(x):
         return None
 
 
-def validate_step(config: ModelConfig, cache: KVCache, tokens, positions) -> None:
-    """Raise ValueError for a decode step that would read or write outside the cache."""
+def checked_int32(field: str, x, low: int, high: int, limit: str = "") -> jax.Array:
+    """x as int32, after checking ITS OWN values (before any cast) are integers in
+    [low, high) (`limit` names high): a float, a bool or an id past int32 is refused,
+    never truncated or wrapped (int64 2**32 + 2 would become 2, position 3.9 would become
+    3). Traced x (inside jit) is only checked for an integer dtype; callers validate
+    before tracing."""
+    if isinstance(x, jax.core.Tracer):
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{field} has dtype {x.dtype}; it must be an integer type")
+        return x.astype(jnp.int32)
+    try:
+        a = np.asarray(x)
+    except (OverflowError, TypeError, ValueError) as err:
+        raise ValueError(f"{field} is not an array of integers ({err})") from None
+    if a.dtype.kind not in "iu":
+        raise ValueError(f"{field} has dtype {a.dtype}; it must be an integer type (a float "
+                         "or bool is never rounded to an id or a position)")
+    if a.size:
+        bad = np.argwhere((a < low) | (a >= high))
+        if len(bad):
+            where = ", ".join(map(str, bad[0]))
+            raise ValueError(f"{field}[{where}]={a[tuple(bad[0])]} must be in [{low}, "
+                             f"{limit + '=' if limit else ''}{high}) ({len(bad)} value"
+                             f"{'s' * (len(bad) > 1)} outside; min={a.min()}, max={a.max()})")
+    if isinstance(x, jax.Array) and x.dtype == jnp.int32:
+        return x  # already on the device as int32: no second copy (no extra launch)
+    return jnp.asarray(a.astype(np.int32))
+
+
+def check_params(config: ModelConfig, params) -> None:
+    """Raise ValueError naming the first parameter whose name, shape or dtype is not what
+    `config.param_shapes()` says (a missing or extra tensor, another model's params)."""
+    want = config.param_shapes()
+    if not hasattr(params, "keys"):
+        raise ValueError(f"params is a {type(params).__name__}; expected a dict of "
+                         f"{config.name}'s tensors {sorted(want)}")
+    for name, (shape, dtype) in want.items():
+        if name not in params:
+            raise ValueError(f"params has no {name!r}, which {config.name} needs "
+                             f"({dtype}{list(shape)})")
+        got = params[name]
+        got_shape, got_dtype = tuple(getattr(got, "shape", ())), str(getattr(got, "dtype", ""))
+        if got_shape != shape or got_dtype != dtype:
+            raise ValueError(f"params[{name!r}] is {got_dtype}{list(got_shape)}; "
+                             f"{config.name} needs {dtype}{list(shape)}")
+    for name in params:
+        if name not in want:
+            raise ValueError(f"params has {name!r}, which {config.name} has no place for "
+                             f"(its tensors: {sorted(want)}); another model's params?")
+
+
+def check_cache(config: ModelConfig, cache) -> None:
+    """Raise ValueError if `cache` is not a KVCache of two equal [L, B, K, S, H] arrays of
+    config.dtype fitting `config`."""
     if config.is_hybrid != isinstance(cache, HybridCache):
         need = "HybridCache" if config.is_hybrid else "KVCache"
         raise ValueError(f"{config.name} needs a {need}, got a {type(cache).__name__} "
                          "(use init_cache)")
-    L, B, K, S, H = cache.k.shape
+    k, v = cache[:2]
+    if k.ndim != 5 or k.shape != v.shape:
+        raise ValueError(f"cache k {k.shape} and v {v.shape} must both be [L, B, K, S, H]")
+    L, B, K, S, H = k.shape
     La = len(config.full_layers)
-    if (L, K, H) != (La, config.kv_heads, config.head_dim):
-        raise ValueError(f"cache [L, B, K, S, H]={cache.k.shape} does not fit {config.name} "
-                         f"(L={La} full layers, K={config.kv_heads}, H={config.head_dim})")
-    if tokens.ndim != 2 or tokens.shape[0] != B:
-        raise ValueError(f"tokens shape {tokens.shape} must be [B={B}, T]")
-    if positions.shape != (B,):
-        raise ValueError(f"positions shape {positions.shape} must be [B={B}]")
-    tok = concrete(tokens)
-    if tok is not None and tok.size and (tok.min() < 0 or tok.max() >= config.vocab):
-        raise ValueError(f"token ids must be in [0, vocab={config.vocab}); got "
-                         f"min={tok.min()}, max={tok.max()}")
-    check_positions(positions, tokens.shape[1], S)
+    if (L, K, H) != (La, config.kv_heads, config.head_dim) or B < 1 or S < 1:
+        raise ValueError(f"cache [L, B, K, S, H]={k.shape} does not fit {config.name} "
+                         f"(L={La} full-attention layers, K={config.kv_heads}, H={config.head_dim}, "
+                         "B >= 1, S >= 1)")
+    if k.dtype != config.dtype or v.dtype != config.dtype:
+        raise ValueError(f"cache dtype k={k.dtype}, v={v.dtype} must be "
+                         f"{config.name}'s dtype={config.dtype}")
+
+
+def validate_step(config: ModelConfig, cache: KVCache, tokens, positions):
+    """Check a decode step's inputs before anything is cast or traced -> (tokens [B, T],
+    positions [B]) as int32. Raises ValueError for a cache that does not fit the config, a
+    shape that does not fit the cache, a non-integer or out-of-range token id, and rows
+    that would read or write outside the cache. The one check of reference, megakernel,
+    tensor-parallel and speculative steps."""
+    check_cache(config, cache)
+    _, B, _, S, _ = cache.k.shape
+    shape = np.shape(tokens)
+    if len(shape) != 2 or shape[0] != B or shape[1] < 1:
+        raise ValueError(f"tokens shape {shape} must be [B={B}, T >= 1]")
+    if np.shape(positions) != (B,):
+        raise ValueError(f"positions shape {np.shape(positions)} must be [B={B}]")
+    tokens = checked_int32("tokens", tokens, 0, config.vocab, "vocab")
+    positions = checked_int32("positions", positions, 0, S, "max_context")
+    check_positions(positions, shape[1], S)
+    return tokens, positions
 
 
 def check_positions(positions, rows: int, capacity: int) -> None:
@@ -376,6 +452,14 @@ def check_positions(positions, rows: int, capacity: int) -> None:
                              f"max_context={capacity}")
 
 
+def check_prompt(config: ModelConfig, prompt) -> jax.Array:
+    """A prompt [B, P] of token ids, checked before any cast (`checked_int32`) -> int32."""
+    shape = np.shape(prompt)
+    if len(shape) != 2 or min(shape) < 1:
+        raise ValueError(f"prompt shape {shape} must be [B, P] with B >= 1 and P >= 1")
+    return checked_int32("prompt", prompt, 0, config.vocab, "vocab")
+
+
 def decode_step(config: ModelConfig, params, cache, tokens, positions, *,
                 taps: bool = False, row_states: bool = False):
     """T new tokens per sequence -> (logits [B, T, V] float32, updated cache).
@@ -386,22 +470,22 @@ def decode_step(config: ModelConfig, params, cache, tokens, positions, *,
     stream [L, B, T, D] after each layer's attention and MLP blocks (for finding the first
     diverging op).
     """
-    tokens, positions = jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32)
     if row_states and not config.is_hybrid:
         raise ValueError(f"row_states=True needs a hybrid model; {config.name} has no "
                          "linear layers")
-    validate_step(config, cache, tokens, positions)
+    tokens, positions = validate_step(config, cache, tokens, positions)
+    check_params(config, params)
     return _forward(config, params, cache, tokens, positions, taps=taps,
                     row_states=row_states)
 
 
 def prefill(config: ModelConfig, params, tokens, *, max_context: int | None = None):
     """The prompt tokens [B, P] -> (logits [B, P, V] float32, cache holding P positions)."""
-    tokens = jnp.asarray(tokens, jnp.int32)
-    if tokens.ndim != 2 or tokens.shape[1] < 1:
-        raise ValueError(f"prompt shape {tokens.shape} must be [B, P] with P >= 1")
-    cache = init_cache(config, tokens.shape[0], max_context)
-    return decode_step(config, params, cache, tokens, jnp.zeros(tokens.shape[0], jnp.int32))
+    shape = np.shape(tokens)
+    if len(shape) != 2 or min(shape) < 1:
+        raise ValueError(f"prompt shape {shape} must be [B, P] with B >= 1 and P >= 1")
+    cache = init_cache(config, shape[0], max_context)
+    return decode_step(config, params, cache, tokens, jnp.zeros(shape[0], jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "steps"))
@@ -419,12 +503,9 @@ def _greedy_loop(config: ModelConfig, params, cache, first, start, steps: int):
 def generate(config: ModelConfig, params, prompt, steps: int, *,
              max_context: int | None = None) -> jax.Array:
     """Greedy decoding: prompt [B, P] -> the next `steps` tokens [B, steps] int32."""
-    prompt = jnp.asarray(prompt, jnp.int32)
+    prompt = check_prompt(config, prompt)
     S = config.max_context if max_context is None else max_context
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps={steps!r} must be a positive integer")
-    if prompt.ndim != 2:
-        raise ValueError(f"prompt shape {prompt.shape} must be [B, P]")
+    steps = positive_int("steps", steps)
     # The last generated token is returned, never fed back, so it needs no cache row.
     if prompt.shape[1] + steps - 1 > S:
         raise ValueError(f"prompt length P={prompt.shape[1]} + steps={steps} - 1 exceeds "

@@ -41,7 +41,7 @@ import numpy as np
 from mk import backend as backends
 from mk import megakernel, perf, reference, sim
 from mk.chips import CHIP_NAMES, chip as named_chip
-from mk.config import MAX_ROWS, ModelConfig, preset as named_preset
+from mk.config import MAX_ROWS, ModelConfig, positive_int, preset as named_preset
 from mk.kernels.one_layer import layer_block
 
 MAX_GAMMA = 7  # T = gamma + 1 <= 8 verification rows, as in the published runs
@@ -131,7 +131,8 @@ class XLA(Runner):
     def _init_cache(self, batch, capacity):
         if self.batch is not None and batch > self.batch:
             raise ValueError(f"batch={batch} exceeds the XLA bucket's batch={self.batch}")
-        return reference.init_cache(self.config, self.batch or batch, capacity + self.rows)
+        return reference.init_cache(self.config, self.batch or batch, capacity,
+                                    spare=self.rows)
 
     def _call(self, cache, tokens, positions):
         extra = cache.k.shape[1] - tokens.shape[0]  # padded sequences copy the first one
@@ -155,7 +156,7 @@ class Megakernel(Runner):
         self.weights = megakernel.prepare(config, params, self.block)
 
     def _init_cache(self, batch, capacity):
-        megakernel.check_block(self.block, capacity)
+        megakernel.check_block(self.block, capacity, batch * self.rows)
         return reference.init_cache(self.config, batch, capacity)
 
     def _call(self, cache, tokens, positions):
@@ -324,6 +325,20 @@ def noisy_copy(config: ModelConfig, params, *, layers: int = 1, noise: float = 0
     return dataclasses.replace(cut, name=f"{config.name}-draft"), out
 
 
+def check_drafter(name: str, gamma: int, acceptance_length: int | None) -> None:
+    """The drafter's name and options, checked before any model is touched."""
+    if name not in DRAFTERS:
+        raise ValueError(f"drafter={name!r} must be one of {DRAFTERS}")
+    if (acceptance_length is not None) != (name == "forced"):
+        raise ValueError(f"acceptance_length={acceptance_length!r} is for drafter='forced' "
+                         f"only, and drafter='forced' needs it (drafter={name!r})")
+    L = acceptance_length
+    if name == "forced" and (isinstance(L, bool) or not isinstance(L, int)
+                             or not 1 <= L <= gamma + 1):
+        raise ValueError(f"acceptance_length={L!r} must be an integer in [1, gamma + 1 "
+                         f"= {gamma + 1}]: a step keeps at most gamma + 1 tokens")
+
+
 def make_drafter(name: str, config: ModelConfig, params, *, gamma: int,
                  acceptance_length: int | None = None, draft=None,
                  self_layers: int | None = None, batch: int | None = None) -> Drafter:
@@ -332,16 +347,9 @@ def make_drafter(name: str, config: ModelConfig, params, *, gamma: int,
     "model" drafts with `draft` = (config, params) (default `noisy_copy` of the target);
     "self" with the target's first `self_layers` layers (default ceil(L / 2)); "forced"
     needs `acceptance_length` in [1, gamma + 1]. `batch` is the XLA bucket's batch."""
-    if name not in DRAFTERS:
-        raise ValueError(f"drafter={name!r} must be one of {DRAFTERS}")
-    if (acceptance_length is not None) != (name == "forced"):
-        raise ValueError(f"acceptance_length={acceptance_length!r} is for drafter='forced' "
-                         f"only, and drafter='forced' needs it (drafter={name!r})")
+    check_drafter(name, gamma, acceptance_length)
     if name == "forced":
         L = acceptance_length
-        if isinstance(L, bool) or not isinstance(L, int) or not 1 <= L <= gamma + 1:
-            raise ValueError(f"acceptance_length={L!r} must be an integer in [1, gamma + 1 "
-                             f"= {gamma + 1}]: a step keeps at most gamma + 1 tokens")
         # In a bucket the oracle runs the reference verifier's shape: one compile for both.
         return Forced(config, params, L, batch=batch, rows=MAX_GAMMA + 1 if batch else 2)
     if name == "ngram":
@@ -461,13 +469,10 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, drafter, gamma:
     `bucket`, for the XLA runs (the reference verifier, the drafters): the batch every call
     is padded to, rows padded to 8 (module docstring). The cache needs
     P + steps + gamma - 1 <= max_context (default config.max_context) positions."""
-    prompt = np.asarray(prompt, np.int32)
+    prompt = np.asarray(reference.check_prompt(config, prompt))
     check_gamma(gamma)
     S = config.max_context if max_context is None else max_context
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps={steps!r} must be a positive integer")
-    if prompt.ndim != 2 or prompt.shape[1] < 1:
-        raise ValueError(f"prompt shape {prompt.shape} must be [B, P] with P >= 1")
+    steps = positive_int("steps", steps)
     B, P = prompt.shape
     if P + steps + gamma - 1 > S:
         raise ValueError(f"prompt length P={P} + steps={steps} + gamma={gamma} - 1 exceeds "
@@ -482,6 +487,12 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, drafter, gamma:
     if bucket is not None and bucket < B:
         raise ValueError(f"bucket={bucket} must be >= batch={B}")
     if isinstance(drafter, str):
+        check_drafter(drafter, gamma, drafter_options.get("acceptance_length"))
+    if not isinstance(verifier, str) and verifier.rows < gamma + 1:
+        raise ValueError(f"the verifier's rows={verifier.rows} must be >= gamma + 1 = "
+                         f"{gamma + 1}")
+    reference.check_params(config, params)
+    if isinstance(drafter, str):
         drafter = make_drafter(drafter, config, params, gamma=gamma, batch=bucket,
                                **drafter_options)
     if verifier == "megakernel":
@@ -489,9 +500,6 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, drafter, gamma:
     elif verifier == "reference":
         verifier = XLA(config, params, rows=MAX_GAMMA + 1 if bucket else gamma + 1,
                        batch=bucket)
-    elif verifier.rows < gamma + 1:
-        raise ValueError(f"the verifier's rows={verifier.rows} must be >= gamma + 1 = "
-                         f"{gamma + 1}")
     rng = np.random.default_rng(seed)
 
     def pick(logits):

@@ -44,8 +44,9 @@ from jax.sharding import PartitionSpec as P
 
 from mk import megakernel, perf, reference, tpu
 from mk.chips import chip as chip_spec
-from mk.collectives import AXIS, MAX_INDEX, all_reduce_bytes, check_devices, tp_mesh
-from mk.config import ModelConfig
+from mk.collectives import (AXIS, MAX_INDEX, all_reduce_bytes, check_devices,
+                            check_interpret_devices, tp_mesh)
+from mk.config import ModelConfig, check_rows
 from mk.kernels.common import LANES, BlockSizes, vmem_budget
 from mk.kernels.one_layer import layer_block
 from mk.schedule import decode_stream
@@ -136,6 +137,14 @@ def shard_params(config: ModelConfig, params, tp: int) -> dict:
     return split | {k: jnp.broadcast_to(v, (tp, *v.shape)) for k, v in whole.items()}
 
 
+def check_sharded_cache(cache: reference.KVCache, tp: int) -> None:
+    """Refuse a cache that is not `shard_cache`'s [tp, L, B, K_local, S, H] layout."""
+    if cache.k.ndim != 6 or cache.k.shape[0] != tp:
+        raise ValueError(f"cache k shape {cache.k.shape} must be [tp={tp}, L, B, K_local, S, "
+                         "H]; shard an [L, B, K, S, H] cache with "
+                         "mk.tensor_parallel.shard_cache(config, cache, tp)")
+
+
 def shard_cache(config: ModelConfig, cache: reference.KVCache, tp: int) -> reference.KVCache:
     """[L, B, K, S, H] caches -> [tp, L, B, K_local, S, H] (each device's kv heads)."""
     heads = kv_heads_of(config, tp)
@@ -176,10 +185,11 @@ def decode_step(config: ModelConfig, weights, cache: reference.KVCache, tokens, 
     `mk.megakernel.decode_step`."""
     tp = mesh.shape[AXIS]
     local = shard_config(config, tp)
-    tokens, positions = jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32)
+    check_sharded_cache(cache, tp)
+    check_interpret_devices(mesh)
     unstacked = reference.KVCache(cache.k[0], cache.v[0])
-    reference.validate_step(local, unstacked, tokens, positions)
-    megakernel.check_block(block, cache.k.shape[4])
+    tokens, positions = reference.validate_step(local, unstacked, tokens, positions)
+    megakernel.check_block(block, cache.k.shape[4], tokens.size)
     decode_stream(local, tokens.size, block)  # raises if a shard does not tile
     nxt, logits, cache = _sharded_step(config, block, mesh, weights, cache, tokens,
                                        positions)
@@ -226,12 +236,16 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, tp: int,
     `mk.megakernel.generate`. Returns [tp, B, steps]: every device's copy of the tokens
     (they must agree; a test checks it)."""
     check_tp(config, tp)
+    tp = int(tp)
     mesh = mesh or tp_mesh(tp)
     if mesh.shape.get(AXIS) != tp:
         raise ValueError(f"mesh {dict(mesh.shape)} must have axis {AXIS!r} of size tp={tp}")
-    prompt, S = megakernel.check_generate(config, prompt, steps, steps_per_call, max_context)
+    check_interpret_devices(mesh)
+    prompt, S, steps, steps_per_call = megakernel.check_generate(
+        config, prompt, steps, steps_per_call, max_context)
     block = block or default_block(config, tp)
-    megakernel.check_block(block, S)
+    megakernel.check_block(block, S, prompt.shape[0])
+    reference.check_params(config, params)
     decode_stream(shard_config(config, tp), prompt.shape[0], block)
     weights = prepare(config, params, block, tp)
     logits, cache = reference.prefill(config, params, prompt, max_context=S)
@@ -316,6 +330,7 @@ def compile_tp(config: ModelConfig, topology: str, chip: str, *, tp: int | None 
         decode_stream(local, batch * rows, block)
     except ValueError as err:  # a shard that is not whole 128-lane tiles
         return TPCompileReport(name, topology, tp, False, f"{local.name}: {err}", 0.0)
+    megakernel.check_block(block, context, check_rows(batch, rows))  # as the runtime does
     mesh = jax.sharding.Mesh(np.array(devices[:tp]), (AXIS,))
     spec = chip_spec(chip)
     params = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in config.param_shapes().items()}

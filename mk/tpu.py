@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mk import megakernel
 from mk.chips import ChipSpec, chip as chip_spec
+from mk.config import check_rows
 from mk.kernels.common import VmemBudget, vmem_budget
 from mk.kernels.one_layer import layer_block
 
@@ -63,7 +64,11 @@ class CompileReport:
 def devices(topology: str) -> tuple:
     """Compile-only devices of a libtpu topology (e.g. "v5e:1x1", "tpu7x:2x2x1")."""
     bounds = {}
-    dims = [int(d) for d in topology.split(":")[1].split("x")]
+    shape = topology.partition(":")[2].split("x")
+    if not all(d.isdigit() and int(d) > 0 for d in shape):
+        raise ValueError(f"topology={topology!r} must be a libtpu name with its shape, "
+                         "e.g. 'v5e:2x2' or 'tpu7x:2x2x1'")
+    dims = [int(d) for d in shape]
     if np.prod(dims) == 1:
         # A single chip is smaller than libtpu's default host (2x2x1): say it is one.
         bounds = dict(chips_per_host_bounds=[1, 1, 1])
@@ -112,8 +117,10 @@ def compile_megakernel(config, chip: str | ChipSpec, *, batch: int = 8, rows: in
     """
     spec = chip_spec(chip) if isinstance(chip, str) else chip
     name = f"megakernel {config.name} B={batch} T={rows} S={context}"
+    M = check_rows(batch, rows)
     block = block_sizes or dataclasses.replace(layer_block(config),
                                                kv_tile=min(256, context))
+    megakernel.check_block(block, context, M)  # what the runtime refuses, refused here too
     params = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in config.param_shapes().items()}
     weights = jax.eval_shape(lambda p: megakernel.prepare(config, p, block), params)
     cache = jax.ShapeDtypeStruct((config.layers, batch, config.kv_heads, context,

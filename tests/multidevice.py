@@ -6,11 +6,8 @@ takes effect before jax is imported, so multi-device checks run in a fresh inter
 returns the dict of arrays it returned (saved as .npz). The parent compares them with the
 reference, so a failure is reported by the test, not by the subprocess.
 
-The subprocess gets TWICE the devices it uses: XLA's CPU client sizes its thread pool by
-the device count, and in TPU interpret mode a device blocked on a semaphore holds a pool
-thread, so with every device of the process in the mesh, a device still setting up its
-buffers can find no thread and the kernel deadlocks (seen with 8 of 8 devices; 8 of 16
-runs).
+The subprocess gets `mk.collectives.interpret_devices(n)` = 2n devices (it says why: with
+every device of the process in the mesh the kernel deadlocks, and `tp_mesh` refuses it).
 
 Usage as a script (what `run` starts): python multidevice.py MODULE:FUNCTION N OUT.npz
 """
@@ -25,14 +22,17 @@ from pathlib import Path
 
 import numpy as np
 
+from mk.collectives import interpret_devices
+
 TESTS = Path(__file__).resolve().parent
 
 
 def run(target: str, n: int, *, timeout: float = 600) -> dict[str, np.ndarray]:
     """target(n) in a subprocess with 2n virtual CPU devices -> its dict of arrays."""
     flags = os.environ.get("XLA_FLAGS", "")
+    count = interpret_devices(n)
     env = dict(os.environ, JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1",
-               XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={2 * n}".strip())
+               XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={count}".strip())
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.npz"
         done = subprocess.run([sys.executable, str(TESTS / "multidevice.py"), target,

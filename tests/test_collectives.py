@@ -33,6 +33,11 @@ def inputs(n: int):
     logits = rng.integers(0, 6, (TIMES["argmax"], ROWS, n * VOCAB_SHARD)).astype(np.float32)
     logits[0, 0, :] = 1.0
     logits[0, 0, -1] = 9.0  # the best logit is a padding column: it must not win
+    # NaN is larger than any number (mk.reference.greedy's contract, numpy's argmax): the
+    # first NaN wins, on the last shard alone, on two shards, and a whole row of NaN.
+    logits[1, 1, -2] = np.nan
+    logits[1, 2, [VOCAB_SHARD - 1, n * VOCAB_SHARD - 2]] = np.nan
+    logits[1, 3, :] = np.nan
     return x, logits, n * VOCAB_SHARD - 1
 
 
@@ -71,7 +76,6 @@ def test_tree_sum_adds_halves_not_left_to_right():
 
 def test_collectives_equal_numpy_on_every_device_race_free():
     got = results()
-    assert not got["races"]
     for n in DEVICES:
         x, logits, vocab = inputs(n)
         parts = x.reshape(n, -1, ROWS, COLS)
@@ -89,6 +93,14 @@ def test_collectives_equal_numpy_on_every_device_race_free():
             np.testing.assert_array_equal(gathered[device], want_gather, where)
             np.testing.assert_array_equal(tokens[device], want_tokens, where)
         np.testing.assert_allclose(want_sum, parts.sum(0), rtol=1e-5, atol=1e-5)
+        assert want_tokens[1, 2] == VOCAB_SHARD - 1 and want_tokens[1, 3] == 0  # NaN wins
+    # The planted race ran in the same subprocess: only a detector that caught it there
+    # vouches for "no race" in this run. It misses the planted race in about 1 run of 10
+    # (54 of 60 runs caught it, measured for issue 15): then "race free" is unknown.
+    if not got["one_slot_races"]:
+        pytest.skip("inconclusive: the race detector missed the planted one-slot race in "
+                    "this run, so its silence on the real collectives proves nothing")
+    assert not got["races"]
 
 
 @pytest.mark.parametrize("n", DEVICES)
@@ -109,13 +121,6 @@ def test_exchange_schedule_leaves_chunk_i_on_device_i_then_everything_everywhere
     assert held == {me: set(range(n)) for me in range(n)}
     sent = collectives.all_reduce_bytes(n * 1024, n)
     assert sent == 2 * (n - 1) * 1024  # the bandwidth optimum, 2 (n-1)/n of the array
-
-
-# Whether the detector sees this race depends on how the virtual devices' threads
-# interleave: it was missed once in three fresh-clone CI runs, so it runs in make test-slow.
-@pytest.mark.slow
-def test_one_buffer_slot_for_back_to_back_gathers_is_a_race():
-    assert results()["one_slot_races"]
 
 
 @pytest.mark.parametrize("bad", [0, 3, 6, True, 2.0])

@@ -9,7 +9,7 @@ Nothing is overwritten: every invocation writes a new folder `OUT/runs/<YYYYmmdd
 with the executed notebooks, `runs.json`, and the run's site in `site/`, built by Sphinx
 from the executed notebooks once they have all run (tools/build_site.py, docs/conf.py);
 `OUT/index.html` shows the newest run's table and lists every earlier run. Delete old runs
-by hand, or all of `build/` with `make clean`.
+by hand, or all of `build/` with `make clean-runs` (`make clean` keeps them).
 
 A progress line per notebook reports it starting, still running (every minute), and done
 with its time and status. A failed notebook keeps its partial output (papermill writes the
@@ -37,6 +37,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -109,8 +110,13 @@ def load_runs(runs_file: Path, notebooks: list[Path], known: list[Path] | None =
     Raise `ValueError` naming the entry, the value and what is allowed.
     """
     where = runs_file.name
-    config = yaml.safe_load(runs_file.read_text(encoding="utf-8")) if runs_file.exists() else {}
-    config = config or {}
+    if not runs_file.is_file():
+        raise ValueError(f"runs file {runs_file} does not exist (--runs names a file of "
+                         "configurations)")
+    try:
+        config = yaml.load(runs_file.read_text(encoding="utf-8"), _UniqueKeyLoader) or {}
+    except yaml.YAMLError as err:
+        raise ValueError(f"{where}: not valid YAML ({err})") from None
     if not isinstance(config, dict):
         raise ValueError(f"{where}: the top level must map notebook names to lists of "
                          f"configurations, not {type(config).__name__}")
@@ -126,6 +132,23 @@ def load_runs(runs_file: Path, notebooks: list[Path], known: list[Path] | None =
     for notebook in notebooks:
         runs += listed.get(notebook.stem) or [Run(notebook)]
     return runs
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key repeated in one mapping (YAML keeps the last silently,
+    which would drop a notebook's first configurations)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is repeated (line "
+                    f"{key_node.start_mark.line + 1}); each may appear once",
+                    key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 def _entries(where: str, stem: str, entries, notebook: Path) -> list[Run]:
@@ -294,7 +317,9 @@ def source_version() -> str:
 def _summary(record: dict) -> str:
     rows = record["rows"]
     failed = sum(r["status"] != "ok" for r in rows)
-    state = "" if record.get("finished") else ", did not finish"
+    state = "" if record.get("finished") else (
+        f", interrupted ({record['interrupted']})" if record.get("interrupted")
+        else ", did not finish")
     return (f"{len(rows) - failed} ok, {failed} failed, "
             f"{sum(r['seconds'] for r in rows):.0f} s{state}; source {record.get('source')}")
 
@@ -314,16 +339,28 @@ with every Pallas kernel in TPU interpret mode: they say nothing about TPU time.
 
 def write_run_index(run_dir: Path, record: dict) -> None:
     """The run's runs.json and the index.md its site is built from."""
-    (run_dir / "runs.json").write_text(json.dumps(record, indent=1, default=str),
-                                        encoding="utf-8")
+    # Written whole then renamed: an interrupted write never leaves a truncated runs.json.
+    partial = run_dir / "runs.json.partial"
+    partial.write_text(json.dumps(record, indent=1, default=str), encoding="utf-8")
+    partial.replace(run_dir / "runs.json")
     build_site.write_index(run_dir, record, _summary(record))
 
 
 def write_site_index(out: Path) -> None:
     """`out/index.html`: the newest run's table, then every run, newest first."""
-    records = []
+    records, unreadable = [], []
     for path in sorted((out / "runs").glob("*/runs.json"), reverse=True):
-        records.append((path.parent.name, json.loads(path.read_text(encoding="utf-8"))))
+        try:
+            record = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(record, dict) or not isinstance(record.get("rows"), list):
+                raise ValueError("no list of rows")
+        except (OSError, UnicodeDecodeError, ValueError) as err:  # one bad old run folder
+            print(f"warning: {path} is unreadable ({err}); it is listed, not shown",
+                  file=sys.stderr, flush=True)
+            unreadable.append(f"<li>{html.escape(path.parent.name)}: runs.json unreadable "
+                              f"({html.escape(str(err)[:200])})</li>")
+            continue
+        records.append((path.parent.name, record))
     if not records:
         body = "<p>No runs yet: <code>make run</code>.</p>"
     else:
@@ -333,6 +370,8 @@ def write_site_index(out: Path) -> None:
         body = (f"<h2>Newest run: {html.escape(name)} ({_summary(newest)})</h2>\n"
                 f"{build_site.table(newest['rows'], f'runs/{name}/')}\n<h2>All runs</h2>\n"
                 f"<ul>\n{listing}\n</ul>")
+    if unreadable:
+        body += "\n<h2>Unreadable runs</h2>\n<ul>\n" + "\n".join(unreadable) + "\n</ul>"
     (out / "index.html").write_text(_page("mk notebooks", body), encoding="utf-8")
 
 
@@ -348,7 +387,14 @@ def run_all(runs: list[Run], out: Path, argv: list[str]) -> tuple[Path, list[dic
     try:
         for i, run in enumerate(runs, 1):
             prefix = f"[{i}/{len(runs)}] {run.name:<{width}}"
-            record["rows"].append(run_one(run, run_dir, prefix))
+            start = time.perf_counter()
+            try:
+                record["rows"].append(run_one(run, run_dir, prefix))
+            except (KeyboardInterrupt, SystemExit) as stop:  # Ctrl-C or SIGTERM
+                record["interrupted"] = f"{type(stop).__name__} during {run.name}"
+                record["rows"].append(_row(run, "interrupted", record["interrupted"],
+                                           time.perf_counter() - start, None))
+                raise
             write_run_index(run_dir, record)
         record["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %z")
     finally:
@@ -357,6 +403,10 @@ def run_all(runs: list[Run], out: Path, argv: list[str]) -> tuple[Path, list[dic
         build_site.build(run_dir, out / MATHJAX)
         write_site_index(out)
     return run_dir, record["rows"]
+
+
+def _terminate(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -379,8 +429,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     check_kernel()
+    # SIGTERM (a CI timeout, `kill`) ends the run like Ctrl-C: the interrupted row is
+    # marked and both indexes are rewritten before the process exits.
+    previous = signal.signal(signal.SIGTERM, _terminate)
     start = time.perf_counter()
-    run_dir, rows = run_all(runs, args.out, argv)
+    try:
+        run_dir, rows = run_all(runs, args.out, argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     failed = sum(row["status"] != "ok" for row in rows)
     print(f"{len(rows) - failed} ok, {failed} failed in {time.perf_counter() - start:.0f} s; "
           f"outputs: {run_dir}; index: {args.out / 'index.html'}", flush=True)
