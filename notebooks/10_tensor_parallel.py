@@ -67,10 +67,14 @@ draw_devices: int = 8  # devices in the collective pictures
 exercise_drop_all_reduce: bool = False  # the exercise: True skips the in-kernel all-reduce
 
 # %%
-# Virtual CPU devices must be asked for before jax starts; twice the devices used, because
-# a device blocked on a semaphore in interpret mode holds one of XLA's CPU threads.
+# Virtual CPU devices must be asked for before jax starts its CPU backend; twice the devices
+# used, because a device blocked on a semaphore in interpret mode holds one of XLA's CPU
+# threads (`interpret_devices`). Importing the module starts no backend.
+from mk.collectives import check_devices, interpret_devices
+
+check_devices(tp)  # a power of two >= 1, checked before anything uses it
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           f" --xla_force_host_platform_device_count={2 * tp}")
+                           f" --xla_force_host_platform_device_count={interpret_devices(tp)}")
 import jax
 import numpy as np
 import plotly.graph_objects as go
