@@ -185,7 +185,10 @@ for series, g in bench.growth(records).items():
 # XLA step sits in between.
 
 # %%
-assert report.ok or "over" in report.error, report.error
+# Not fitting is an answer (the project's budget says "over", the compiler
+# RESOURCE_EXHAUSTED with its numbers); any other compiler error is a failure.
+assert report.ok or "over" in report.error or "RESOURCE_EXHAUSTED" in report.error, \
+    report.error
 for (m, c), r in reports.items():
     assert r.ok == ((m, c) != ("qwen3-30b-a3b", "v5e")), (m, c, r.error)
 assert "GiB of HBM" in reports[("qwen3-30b-a3b", "v5e")].error
