@@ -8,8 +8,7 @@ ShapeDtypeStructs (nothing is allocated, nothing runs):
   layer per layer in the HLO);
 - `xla_scan`: the same step as a `lax.scan` over the stacked layer weights (one copy of the
   layer in the HLO), built here from `mk.reference.decoder_layer`;
-- `megakernel`: `mk.megakernel.compile_args(config, batch=, rows=, context=) -> (fn, args)`
-  if it exists, else `mk.tpu.compile_megakernel`; skipped, saying why, if neither does.
+- `megakernel`: `mk.tpu.compile_megakernel`, the project's megakernel compile path.
 
 A series is a callable `(config, chip, batch, rows, context) -> CompileReport`;
 `from_builder` makes one from a builder `(config, batch, rows, context) -> (fn, args)`.
@@ -106,7 +105,7 @@ def check_uniform(config: ModelConfig) -> None:
 
 @functools.partial(jax.jit, static_argnames=("config",))
 def forward_scan(config: ModelConfig, params, cache: reference.KVCache, tokens, positions):
-    """`mk.reference._forward` (no taps) as a `lax.scan` over the stacked layers.
+    """`mk.reference.forward` (no taps) as a `lax.scan` over the stacked layers.
 
     The scan body is `reference.decoder_layer` on a one-layer slice of the stacked weights,
     so the math is the reference's own; the caches are scanned over their layer axis.
@@ -129,7 +128,7 @@ def forward_scan(config: ModelConfig, params, cache: reference.KVCache, tokens, 
 # -- The three series ---------------------------------------------------------------------
 def xla_unrolled(config: ModelConfig, batch: int, rows: int, context: int):
     """The reference decode step: a Python loop over layers."""
-    return functools.partial(reference._forward, config), step_shapes(config, batch, rows,
+    return functools.partial(reference.forward, config), step_shapes(config, batch, rows,
                                                                       context)
 
 
@@ -151,29 +150,13 @@ def from_builder(build: Builder) -> Compile:
 XLA_SERIES = {"xla_unrolled": from_builder(xla_unrolled), "xla_scan": from_builder(xla_scan)}
 
 
-def megakernel_series() -> tuple[Compile | None, str]:
-    """(the megakernel series, "") or (None, why it is skipped).
-
-    `mk.megakernel.compile_args(config, batch=, rows=, context=) -> (fn, args)` if it
-    exists, else `mk.tpu.compile_megakernel(config, chip, batch=, rows=, context=)`.
-    """
-    try:
-        from mk import megakernel
-    except ImportError as err:
-        return None, f"mk.megakernel does not import ({err})"
-    compile_args = getattr(megakernel, "compile_args", None)
-    if compile_args is not None:
-        def build(config, batch, rows, context):
-            return compile_args(config, batch=batch, rows=rows, context=context)
-        build.__name__ = "megakernel"
-        return from_builder(build), ""
-    compile_megakernel = getattr(mk.tpu, "compile_megakernel", None)
-    if compile_megakernel is not None:
-        def compile_series(config, chip, batch, rows, context):
-            return compile_megakernel(config, chip, batch=batch, rows=rows, context=context)
-        return compile_series, ""
-    return None, ("neither mk.megakernel.compile_args nor mk.tpu.compile_megakernel "
-                  "exists")
+def megakernel_series() -> tuple[Compile, str]:
+    """(the megakernel series, ""): `mk.tpu.compile_megakernel(config, chip, batch=, rows=,
+    context=)`, the project's one megakernel compile path (the "" keeps the shape of a
+    series that could be skipped)."""
+    def compile_series(config, chip, batch, rows, context):
+        return mk.tpu.compile_megakernel(config, chip, batch=batch, rows=rows, context=context)
+    return compile_series, ""
 
 
 # -- Measuring ------------------------------------------------------------------------------

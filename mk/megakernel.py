@@ -20,7 +20,7 @@ taps=True)` returns, and `first_divergence` compares the two op by op up to a
 `stop_after=(layer, op)` point and names the first op that differs.
 
 Here: `prepare` (weights in the megakernel's layout, once), `megakernel_buffers`,
-`decode_step`, `first_divergence`, `generate`, `compile_target` (what
+`decode_step`, `traced_step`, `first_divergence`, `generate`, `compile_target` (what
 `mk.tpu.compile_megakernel` compiles). Not here: the compile-time benchmark
 (benchmarks/compile_time.py).
 
@@ -236,7 +236,7 @@ def decode_step(config: ModelConfig, weights, cache: reference.KVCache, tokens, 
     tokens, positions = reference.validate_step(config, cache, tokens, positions)
     check_block(block, cache.k.shape[3], tokens.size)
     backends.check_active()
-    return _decode_step(config, block, weights, cache, tokens, positions, taps=taps)
+    return traced_step(config, block, weights, cache, tokens, positions, taps=taps)
 
 
 def first_divergence(config: ModelConfig, params, cache: reference.KVCache, tokens,
@@ -287,13 +287,16 @@ def check_block(block: BlockSizes, context: int, rows: int) -> None:
 def compile_target(config: ModelConfig, block: BlockSizes, weights, k_cache, v_cache,
                    tokens, positions):
     """The traced decode step with no host-side checks: what `mk.tpu` compiles."""
-    return _decode_step(config, block, weights, reference.KVCache(k_cache, v_cache), tokens,
+    return traced_step(config, block, weights, reference.KVCache(k_cache, v_cache), tokens,
                         positions)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "block", "taps", "tp"))
-def _decode_step(config: ModelConfig, block: BlockSizes, weights, cache, tokens, positions,
-                 taps: bool = False, tp: int = 1):
+def traced_step(config: ModelConfig, block: BlockSizes, weights, cache, tokens, positions,
+                taps: bool = False, tp: int = 1):
+    """`decode_step` as traced, with no host-side checks (callers validate first): what
+    `generate`'s device loop, `mk.tensor_parallel` (static tp > 1, per device inside
+    shard_map) and `compile_target` run."""
     B, T = tokens.shape
     M = B * T
     stream = decode_stream(config, M, block)
@@ -350,7 +353,7 @@ def _greedy_steps(config: ModelConfig, block: BlockSizes, weights, cache, token,
     from token [B] at position [B]. Returns (tokens [B, steps], cache)."""
     def step(carry, _):
         cache, token, position = carry
-        nxt, _, cache = _decode_step(config, block, weights, cache, token[:, None], position)
+        nxt, _, cache = traced_step(config, block, weights, cache, token[:, None], position)
         return (cache, nxt[:, 0], position + 1), nxt[:, 0]
 
     (cache, _, _), tokens = lax.scan(step, (cache, token, position), None, length=steps)

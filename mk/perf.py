@@ -60,7 +60,7 @@ from numbers import Real
 import numpy as np
 
 from mk.chips import DATA, ChipSpec, chip as named_chip
-from mk.config import DTYPE_BITS, ModelConfig, preset as named_preset
+from mk.config import DTYPE_BITS, ModelConfig, positive_int, preset as named_preset
 
 PUBLISHED_CSV = DATA / "published.csv"
 ROUTINGS = ("uniform", "shared", "disjoint")
@@ -77,12 +77,9 @@ ACTIVATION_BYTES = 2  # bf16 activations between kernels and on the wire (one ke
 PARTIAL_SUM_BYTES = 4  # the megakernel all-reduces float32 partial sums (mk.collectives)
 
 
-def _positive_int(field, value):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{field}={value!r} must be a positive integer")
-
-
-def _choice(field, value, choices):
+def check_choice(field, value, choices):
+    """Raise ValueError unless `value` is one of `choices` (a parameter of this module's,
+    mk.sim's or mk.review's functions)."""
     if value not in choices:
         raise ValueError(f"{field}={value!r} must be one of {choices}")
 
@@ -92,7 +89,7 @@ def family_dtypes(config: ModelConfig, overrides=None) -> dict[str, str]:
     `overrides` ({family: dtype}, short names like "fp4" allowed) on top."""
     dtypes = {"dense": config.dtype, "experts": config.expert_dtype or config.dtype}
     for family, dtype in dict(overrides or {}).items():
-        _choice("weight family", family, WEIGHT_FAMILIES)
+        check_choice("weight family", family, WEIGHT_FAMILIES)
         dtype = WEIGHT_DTYPES.get(dtype, dtype)
         if dtype not in DTYPE_BITS:
             raise ValueError(f"weight_dtypes[{family!r}]={dtype!r} must be one of "
@@ -107,7 +104,7 @@ def allreduce_s(nbytes: float, tp: int, spec: ChipSpec) -> float:
     `mk.collectives` runs it: a reduce-scatter then an all-gather, ceil(log2 tp) rounds
     each of one latency, each device sending 2 (tp - 1) / tp of the message at its one-way
     ICI bandwidth (module docstring). 0 for tp = 1."""
-    _positive_int("tp", tp)
+    positive_int("tp", tp)
     if nbytes < 0:
         raise ValueError(f"nbytes={nbytes} must be >= 0")
     rounds = 2 * math.ceil(math.log2(tp))
@@ -127,7 +124,7 @@ def collectives_per_step(config: ModelConfig) -> int:
 # -- Roofline --------------------------------------------------------------------------
 def peak_flops(spec: ChipSpec, compute: str = "bf16") -> float:
     """Dense peak FLOP/s of one chip for the matmul dtype `compute`."""
-    _choice("compute", compute, COMPUTES)
+    check_choice("compute", compute, COMPUTES)
     return spec.bf16_flops if compute == "bf16" else spec.fp8_flops
 
 
@@ -160,10 +157,10 @@ def experts_touched(experts: int, per_token: int, tokens: int,
     """Distinct experts one MoE layer reads when `tokens` tokens each pick `per_token`
     of `experts` (the expected number for "uniform" routing; see the module docstring)."""
     for field, value in (("experts", experts), ("per_token", per_token), ("tokens", tokens)):
-        _positive_int(field, value)
+        positive_int(field, value)
     if per_token > experts:
         raise ValueError(f"per_token={per_token} exceeds experts={experts}")
-    _choice("routing", routing, ROUTINGS)
+    check_choice("routing", routing, ROUTINGS)
     if routing == "shared":
         return float(per_token)
     if routing == "disjoint":
@@ -273,7 +270,7 @@ def _validate_step(config, batch, rows, context, tp, accepted, routing, compute)
     if not isinstance(config, ModelConfig):
         raise ValueError(f"config={config!r} must be a ModelConfig")
     for field, value in (("batch", batch), ("rows", rows), ("tp", tp)):
-        _positive_int(field, value)
+        positive_int(field, value)
     if isinstance(context, bool) or not isinstance(context, (int, np.integer)) or context < 0:
         raise ValueError(f"context={context!r} must be a non-negative integer")
     if context + rows > config.max_position:
@@ -283,8 +280,8 @@ def _validate_step(config, batch, rows, context, tp, accepted, routing, compute)
             or not 0 < accepted <= rows):
         # A step verifies T rows, so a sequence keeps at most T tokens of it.
         raise ValueError(f"accepted={accepted!r} must be in (0, rows={rows}]")
-    _choice("routing", routing, ROUTINGS)
-    _choice("compute", compute, COMPUTES)
+    check_choice("routing", routing, ROUTINGS)
+    check_choice("compute", compute, COMPUTES)
 
 
 def predict(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: int = 1,
@@ -518,7 +515,7 @@ class Published:
     notes: str
 
     def __post_init__(self):
-        _choice("metric", self.metric, METRICS)
+        check_choice("metric", self.metric, METRICS)
         if not self.source.strip():
             raise ValueError(f"published row {self.model} on {self.system} has no source")
 

@@ -3,7 +3,8 @@
 Here: the Qwen3 / Qwen3-MoE forward pass (RMSNorm, GQA with QK-norm, RoPE, SwiGLU, a softmax
 top-k router with optional renormalisation, tied or untied lm_head) as `prefill`,
 `decode_step` and greedy `generate`, plus the small pieces kernels reuse as their own
-oracles (`rms_norm`, `rope`, `attention_inputs`, `attention`, `swiglu`, `moe`, `greedy`).
+oracles (`rms_norm`, `rope`, `attention_inputs`, `attention`, `swiglu`, `moe`, `greedy`,
+`write_rows`); `forward` is `decode_step` without its checks.
 Qwen3.5 hybrids (`config.is_hybrid`) run through the same `prefill`, `decode_step` and
 `generate`: their full-attention layers gate the output and rotate part of each head, their
 gated-DeltaNet layers (`linear_attention`, math in `mk.linear_attention`) keep a conv and a
@@ -174,7 +175,7 @@ def lm_head(config: ModelConfig, params, x: jax.Array) -> jax.Array:
 
 
 # -- One layer and one step ----------------------------------------------------------------
-def _write_rows(cache_layer, new, positions):
+def write_rows(cache_layer, new, positions):
     """cache_layer [B, K, S, H] <- new [B, T, K, H] at rows positions[b] ..."""
     def one(c, n, p):
         return lax.dynamic_update_slice(c, n.transpose(1, 0, 2).astype(c.dtype), (0, p, 0))
@@ -205,8 +206,8 @@ def decoder_layer(config: ModelConfig, params, layer: int, x, k_cache, v_cache, 
     B, T, _ = x.shape
     _, a = config.mixer_index(layer)
     q, k, v = attention_inputs(config, params, layer, x, positions)
-    k_cache = _write_rows(k_cache, k, positions)
-    v_cache = _write_rows(v_cache, v, positions)
+    k_cache = write_rows(k_cache, k, positions)
+    v_cache = write_rows(v_cache, v, positions)
     o = attention(q, k_cache, v_cache, positions).reshape(B, T, -1)
     if config.attn_output_gate:
         h = rms_norm(x, params["attn_norm"][layer], config.rms_eps, config.norm_offset)
@@ -269,8 +270,10 @@ def linear_decoder_layer(config: ModelConfig, params, layer: int, x, conv_state,
 
 
 @functools.partial(jax.jit, static_argnames=("config", "taps", "row_states"))
-def _forward(config: ModelConfig, params, cache, tokens, positions, taps=False,
-             row_states=False):
+def forward(config: ModelConfig, params, cache, tokens, positions, taps=False,
+            row_states=False):
+    """`decode_step` as traced, with no host-side checks (callers validate first; the
+    compile-time benchmark lowers it)."""
     x = params["embed"][tokens].astype(F32)  # [B, T, D]
     ks, vs, convs, states, after_attn, after_mlp = [], [], [], [], [], []
     for layer in range(config.layers):
@@ -475,7 +478,7 @@ def decode_step(config: ModelConfig, params, cache, tokens, positions, *,
                          "linear layers")
     tokens, positions = validate_step(config, cache, tokens, positions)
     check_params(config, params)
-    return _forward(config, params, cache, tokens, positions, taps=taps,
+    return forward(config, params, cache, tokens, positions, taps=taps,
                     row_states=row_states)
 
 
@@ -492,7 +495,7 @@ def prefill(config: ModelConfig, params, tokens, *, max_context: int | None = No
 def _greedy_loop(config: ModelConfig, params, cache, first, start, steps: int):
     def step(carry, _):
         cache, token, pos = carry
-        logits, cache = _forward(config, params, cache, token[:, None], pos)
+        logits, cache = forward(config, params, cache, token[:, None], pos)
         nxt = greedy(logits[:, -1])
         return (cache, nxt, pos + 1), nxt
 

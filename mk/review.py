@@ -33,7 +33,7 @@ def sweep(config: ModelConfig, chip: ChipSpec | str, parameter: str, values, *,
     a table row each (step, HBM utilisation, tokens/s per user, the largest bubble). A
     value the kernel cannot tile (e.g. a tile that does not divide a matrix) gives a row
     whose `note` says why."""
-    perf._choice("parameter", parameter, SWEEPS)
+    perf.check_choice("parameter", parameter, SWEEPS)
     out = []
     for value in values:
         kw = dict(kwargs)

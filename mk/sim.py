@@ -40,9 +40,12 @@ Modelling assumptions (`Assumptions` holds the numbers; none is fitted to a meas
   the kernel blocks on it).
 - Tensor parallelism (tp > 1): each device runs the kernel on its shard (`shard`): query
   heads, FFN and vocab split tp ways (FFN padded to 128 lanes), KV heads split or
-  replicated when tp > K, experts split tp ways (expert parallelism). The kernel has no
-  collectives yet; they are modelled as blocking all-reduces of [M, D] bf16 after wo and
-  after the MLP, and an all-gather after the lm_head (`mk.perf.allreduce_s`). With expert
+  replicated when tp > K, experts split tp ways (expert parallelism). This is NOT yet the
+  kernel's own shard: `mk.tensor_parallel.shard_config` keeps every expert on every device
+  and splits (and pads) each expert's width; one sharding model for both is open work
+  (issue 13). The collectives are the kernel's (`mk.collectives`): an all-reduce of the
+  [M, D] float32 partial sums after wo and after the MLP, and the argmax's all-gather after
+  the lm_head, each blocking the compute lane (`mk.perf.allreduce_s`). With expert
   parallelism the step waits for the device with the most active experts: the expected
   maximum over tp devices of Binomial(E/tp, p), p = 1 - (1 - X/E)^M, rounded.
 - Active experts per MoE layer (one device): the expected distinct experts of
@@ -82,7 +85,7 @@ import math
 
 from mk import perf
 from mk.chips import ChipSpec, chip as named_chip
-from mk.config import DTYPE_BITS, ModelConfig
+from mk.config import DTYPE_BITS, ModelConfig, positive_int
 from mk.kernels.common import LANES, BlockSizes
 from mk.kernels.decode_attention import block_rows, write_back_rows
 from mk.kernels.mlp import expert_slots
@@ -126,7 +129,7 @@ def _round_up(n: int, multiple: int = LANES) -> int:
 
 def shard(config: ModelConfig, tp: int) -> ModelConfig:
     """One device's part of `config` under tp-way tensor parallelism (module docstring)."""
-    perf._positive_int("tp", tp)
+    positive_int("tp", tp)
     if tp == 1:
         return config
     N, K = config.heads, config.kv_heads
@@ -704,7 +707,7 @@ def _check(config, chip, batch, rows, context, tp, block):
         raise ValueError(f"chip={spec.name!r} is a {spec.kind}: the simulator models a TPU "
                          "core's DMA ring and MXU")
     for field, value in (("batch", batch), ("rows", rows), ("tp", tp)):
-        perf._positive_int(field, value)
+        positive_int(field, value)
     if isinstance(context, bool) or not isinstance(context, int) or context < 0:
         raise ValueError(f"context={context!r} must be a non-negative integer")
     if context + rows > config.max_position:
@@ -790,7 +793,7 @@ def replay_matmul(stream: TileStream, chip: ChipSpec | str, *, rows: int = 1,
     spec = named_chip(chip) if isinstance(chip, str) else chip
     if spec.kind != "tpu":
         raise ValueError(f"chip={spec.name!r} is a {spec.kind}, not a TPU")
-    perf._positive_int("rows", rows)
+    positive_int("rows", rows)
     weight_dtype = perf.WEIGHT_DTYPES.get(weight_dtype, weight_dtype)
     if weight_dtype not in DTYPE_BITS:
         raise ValueError(f"weight_dtype={weight_dtype!r} must be one of {tuple(DTYPE_BITS)}")

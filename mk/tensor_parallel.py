@@ -173,8 +173,8 @@ def _step(config, block, tp, weights, cache, tokens, positions):
     tokens [B, T] (the same on every device), its logits columns [1, B, T, V/tp], cache."""
     local = shard_config(config, tp)
     unstack = functools.partial(jax.tree.map, lambda a: a[0])
-    nxt, logits, cache = megakernel._decode_step(local, block, unstack(weights),
-                                                 unstack(cache), tokens, positions, tp=tp)
+    nxt, logits, cache = megakernel.traced_step(local, block, unstack(weights),
+                                                unstack(cache), tokens, positions, tp=tp)
     return nxt[None], logits[None], jax.tree.map(lambda a: a[None], cache)
 
 

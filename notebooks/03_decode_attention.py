@@ -137,7 +137,7 @@ display(plots.table([{
 # ## The reference
 #
 # Random q, new K/V rows and a random cache with `c.layers` layers; the step works on the
-# last layer. `mk.reference._write_rows` puts the new rows in the cache, then
+# last layer. `mk.reference.write_rows` puts the new rows in the cache, then
 # `mk.reference.attention` attends causally (q and k rounded to the cache dtype, f32
 # scores, probabilities rounded to the cache dtype before P @ V).
 
@@ -148,7 +148,7 @@ k_new, v_new = (jax.random.normal(k, (B * T, K * H), jnp.float32) for k in keys[
 k_cache, v_cache = (jax.random.normal(k, (c.layers, B, K, S, H), jnp.float32).astype(c.dtype)
                     for k in keys[3:])
 pos, layer = jnp.asarray(positions, jnp.int32), c.layers - 1
-k_want, v_want = (cache.at[layer].set(reference._write_rows(cache[layer],
+k_want, v_want = (cache.at[layer].set(reference.write_rows(cache[layer],
                                                             new.reshape(B, T, K, H), pos))
                   for cache, new in ((k_cache, k_new), (v_cache, v_new)))
 o_want = reference.attention(q.reshape(B, T, N, H), k_want[layer], v_want[layer], pos)

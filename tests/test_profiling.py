@@ -145,7 +145,7 @@ def xla_capture(tmp_path_factory):
     cap = profiling.capture(lambda: reference.decode_step(config, params, cache, tokens,
                                                           positions),
                             steps=3, logdir=tmp_path_factory.mktemp("profiles"), name="xla")
-    hlo = reference._forward.lower(config, params, cache, tokens, positions).compile()
+    hlo = reference.forward.lower(config, params, cache, tokens, positions).compile()
     return cap, hlo.as_text()
 
 

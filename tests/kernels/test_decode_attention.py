@@ -1,5 +1,5 @@
 """Stage 03: decode attention against mk.reference.attention, with the cache updated in
-place exactly as mk.reference._write_rows does, race-free, at the tile-boundary positions;
+place exactly as mk.reference.write_rows does, race-free, at the tile-boundary positions;
 the stage wrapper's errors; ahead-of-time compiles at qwen3-8b attention shapes.
 
 The caches hold random rows below each sequence's new rows, large finite values in the
@@ -46,7 +46,7 @@ def _inputs(B, T, positions, dtype, *, S=384, L=2, kv_tile=KV_TILE, seed=0):
 
 def _expected(q, k_new, v_new, k_cache, v_cache, positions, layer):
     B, T = positions.shape[0], q.shape[0] // positions.shape[0]
-    k, v = (c.at[layer].set(reference._write_rows(c[layer], new.reshape(B, T, K, H),
+    k, v = (c.at[layer].set(reference.write_rows(c[layer], new.reshape(B, T, K, H),
                                                   positions))
             for c, new in ((k_cache, k_new), (v_cache, v_new)))
     # NaN tiles are never visible: zero them so the oracle's 0 * NaN stays 0.
