@@ -78,7 +78,7 @@ kv_tile: int = 0  # cached positions per KV tile; 0 for min(256, context)
 kv_slots: int = 2  # KV tiles in the VMEM ring
 compile_for_tpu: bool = True  # the ahead-of-time libtpu compile of the megakernel
 simulate_published: bool = False  # simulate the published TPU runs too (about a minute)
-exercise_ring_slots: int = 0  # the exercise: ring slots to check; 0 = Little's law depth, try 2
+exercise_ring_slots: int = 0  # the exercise: ring slots to check (0 is the Little law depth; try 2)
 
 # %% tags=["hide-input"]
 import dataclasses

@@ -40,6 +40,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -209,6 +210,18 @@ class _PatientKernelManager(AsyncKernelManager):
     @default("transport")
     def _transport_default(self):
         return "ipc"
+
+    # An ipc socket is a file named <ip>-<port>, and jupyter_client's default ip is
+    # "kernel-ipc" in the working directory: two kernels started at once there (make test's
+    # two workers) pick the same files and read each other's messages ("Invalid
+    # Signature", "Kernel didn't respond"). One private folder per kernel.
+    @default("ip")
+    def _ip_default(self):
+        return os.path.join(tempfile.mkdtemp(prefix="mk-kernel-"), "ipc")
+
+    def cleanup_ipc_files(self) -> None:
+        super().cleanup_ipc_files()
+        shutil.rmtree(os.path.dirname(self.ip), ignore_errors=True)
 
 
 def execute(notebook: Path, output: Path, parameters: dict | None = None) -> None:
