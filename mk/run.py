@@ -11,7 +11,7 @@ import numpy as np
 
 from mk.backend import BACKENDS
 from mk.chips import CHIP_NAMES
-from mk.config import MAX_ROWS, ModelConfig, preset as named_preset
+from mk.config import ModelConfig, check_rows, positive_int, preset as named_preset
 
 
 
@@ -30,13 +30,6 @@ class RunParams:
     checkpoint: str
 
 
-def _positive(field, value, limit=None):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{field}={value!r} must be a positive integer")
-    if limit is not None and value > limit:
-        raise ValueError(f"{field}={value} exceeds the limit {limit}")
-
-
 def validate_run(*, preset: str = "tiny", batch: int = 1, rows: int = 1, context: int = 256,
                  chip: str = "v6e", backend: str = "auto", seed: int = 0,
                  checkpoint: str = "") -> RunParams:
@@ -45,11 +38,8 @@ def validate_run(*, preset: str = "tiny", batch: int = 1, rows: int = 1, context
     `checkpoint` (a local Hugging Face folder) replaces the preset's config; `context`
     becomes the model's KV-cache capacity `max_context`.
     """
-    _positive("batch", batch, MAX_ROWS)
-    _positive("rows", rows, MAX_ROWS)
-    if batch * rows > MAX_ROWS:
-        raise ValueError(f"batch*rows={batch * rows} exceeds {MAX_ROWS} activation rows")
-    _positive("context", context)
+    check_rows(batch, rows)  # each >= 1, and batch * rows <= MAX_ROWS
+    positive_int("context", context)
     if chip not in CHIP_NAMES:
         raise ValueError(f"chip={chip!r} is not known; choose one of {CHIP_NAMES}")
     if backend not in BACKENDS:
