@@ -30,10 +30,10 @@ from unittest import mock
 import jax
 import numpy as np
 
-from mk import collectives, megakernel, reference
+from mk import megakernel, reference
 from mk.checkpoint import init_params
 from mk.config import ModelConfig
-from mk.kernels import attention_prologue, mlp, one_layer, ring
+from mk.kernels import attention_prologue, collectives, mlp, one_layer, ring
 
 PLANTS = ("ring_race", "rope_off", "wrong_expert", "dropped_all_reduce")
 

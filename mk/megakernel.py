@@ -1,7 +1,8 @@
 """The decode megakernel: every layer, the final norm, the lm_head and greedy argmax in one
 pallas_call, with one weight ring that runs across layer boundaries.
 
-The step's weights are one `TileStream` (`mk.schedule.decode_stream`): tile g of it lives
+One device's step is a `DecodePlan` (`mk.kernels.plan`): the shard, the tiling, the
+buffers by name and the step's weights as one `TileStream`. Tile g of the stream lives
 in ring slot g mod slots, and consuming tile g issues tile g + slots, so the next layer's
 wq tiles load while this layer's MLP computes, and the lm_head's while the last layer's
 does. A `lax.fori_loop` over layers runs `layer_body` (stage 05), built from the stage
@@ -11,24 +12,28 @@ layer does not use (its tiles are neither loaded nor computed).
 
 Small per-layer vectors (attn/mlp norms, q/k norms) stay in HBM and are prefetched a
 layer ahead into two VMEM slots; each MoE layer's router [D, E] is DMA'd at the layer's
-start and waited for just before routing. The final norm is VMEM-resident. Kept outside
-the kernel: the embedding gather of the step's B*T tokens (an XLA gather before the call).
+start and waited for just before routing; the final norm is DMA'd at the step's start and
+waited for before the lm_head. Kept outside the kernel: the embedding gather of the step's
+B*T tokens (an XLA gather before the call).
+
+Every operand, output and scratch buffer is passed by name (dicts: `INPUT_SPACES`,
+`OUTPUT_SPACES`, `DecodePlan.scratch()`); the cache aliases are found by name.
 
 The staged debug path: `decode_step(..., taps=True)` also returns the residual stream
 after every layer's attention and MLP blocks, the same record `mk.reference.decode_step(...,
 taps=True)` returns, and `first_divergence` compares the two op by op up to a
 `stop_after=(layer, op)` point and names the first op that differs.
 
-Here: `prepare` (weights in the megakernel's layout, once), `megakernel_buffers`,
-`decode_step`, `traced_step`, `first_divergence`, `generate`, `compile_target` (what
+Here: `prepare` (weights in the megakernel's layout, once), `decode_step`, `step_plan`,
+`traced_step`, `first_divergence`, `generate`, `check_generate`, `compile_target` (what
 `mk.tpu.compile_megakernel` compiles). Not here: the compile-time benchmark
 (benchmarks/compile_time.py).
 
-Tensor parallelism is the same kernel with a static `tp` > 1, run inside `jax.shard_map`
-on one device's shard (`mk.tensor_parallel` shards the weights and describes the shard as
-a smaller `ModelConfig`): an entry barrier, an in-kernel all-reduce after the attention
+Tensor parallelism is the same kernel with a plan of tp > 1, run inside `jax.shard_map`
+on one device's shard (the plan's `local` config; `mk.tensor_parallel` shards the weights
+to it): an entry barrier, an in-kernel all-reduce after the attention
 output projection and after the MLP (`layer_body(..., all_reduce=...)`), and the
-cross-shard argmax after the vocab-sharded lm_head (`mk.collectives`). tp=1 adds nothing.
+cross-shard argmax after the vocab-sharded lm_head (`mk.kernels.collectives`). tp=1 adds nothing.
 """
 
 from __future__ import annotations
@@ -44,32 +49,41 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mk import backend as backends
 from mk import reference
-from mk.collectives import (AXIS, COLLECTIVE_IDS, CollectiveScratch, all_reduce_body,
-                            argmax_body, barrier, collective_buffers, collective_scratch)
-from mk.config import ModelConfig, check_rows, positive_int
-from mk.kernels.common import BlockSizes, Buffer, vmem_limit_bytes
+from mk.config import ModelConfig, positive_int
+from mk.kernels.collectives import (AXIS, COLLECTIVE_IDS, CollectiveScratch, all_reduce_body,
+                                    argmax_body, barrier)
+from mk.kernels.common import (BlockSizes, aliases, memory_specs, start_dma,
+                               vmem_limit_bytes)
 from mk.kernels.decode_attention import AttentionScratch
-from mk.kernels.one_layer import (layer_block, layer_body, mlp_fetch, mlp_kinds,
-                                  one_layer_buffers, scratch_shapes)
+from mk.kernels.one_layer import MLP_WEIGHTS, layer_body, mlp_fetch, mlp_kinds
+from mk.kernels.plan import DecodePlan, padded_vocab
 from mk.kernels.ring import Ring
 from mk.reference import rms_norm
-from mk.schedule import decode_stream, padded_vocab
 
-MLP_WEIGHTS = {"dense": ("w_gate", "w_up", "w_down"),
-               "moe": ("router", "we_gate", "we_up", "we_down")}
 TAPS = ("attn", "mlp")  # where the residual stream is tapped in each layer (debug path)
+ATTENTION_WEIGHTS = ("wq", "wk", "wv", "wo")
+# Where each operand of the kernel lives: SMEM scalars, VMEM, or HBM (pl.ANY, DMA'd by
+# hand). The weights of an MLP kind the model has are HBM operands too (MLP_WEIGHTS).
+INPUT_SPACES = dict(positions=pltpu.SMEM, is_moe=pltpu.SMEM, mlp_row=pltpu.SMEM,
+                    x=pltpu.VMEM, final_norm=pl.ANY, norms=pl.ANY, qk_norms=pl.ANY,
+                    lm_head=pl.ANY, k_cache=pl.ANY, v_cache=pl.ANY,
+                    **{n: pl.ANY for n in ATTENTION_WEIGHTS})
+OUTPUT_SPACES = dict(next_tokens=pltpu.VMEM, logits=pltpu.VMEM, k_cache=pl.ANY,
+                     v_cache=pl.ANY, taps=pltpu.VMEM)
+VECTORS = ("norms", "qk_norms")  # per-layer vectors, prefetched a layer ahead
 
 
 def prepare(config: ModelConfig, params, block: BlockSizes) -> dict:
-    """The megakernel's weights, made once per model: the stacked layer weights as they
-    are, the norms stacked in float32, the lm_head [D, V] (embed.T when tied) padded with
-    zero columns to whole tiles, and the per-layer MLP tables (kind, stacked row)."""
+    """The megakernel's weights for the model (or shard) `config`, made once: the stacked
+    layer weights as they are, the norms stacked in float32, the lm_head [D, V] (embed.T
+    when tied) padded with zero columns to whole tiles, and the per-layer MLP tables
+    (kind, stacked row)."""
     V, Vp = config.vocab, padded_vocab(config, block)
     head = params["embed"].T if config.tie_embeddings else params["lm_head"]
     ones = jnp.ones((config.layers, config.head_dim), jnp.float32)
     qk = [params[n] if config.qk_norm else ones for n in ("q_norm", "k_norm")]
     kinds = [config.mlp_index(layer) for layer in range(config.layers)]
-    weights = {name: params[name] for name in ("embed", "wq", "wk", "wv", "wo")}
+    weights = {name: params[name] for name in ("embed", *ATTENTION_WEIGHTS)}
     weights |= {name: params[name] for kind in mlp_kinds(config) for name in MLP_WEIGHTS[kind]}
     return weights | dict(
         lm_head=jnp.pad(head, ((0, 0), (0, Vp - V))),
@@ -80,163 +94,126 @@ def prepare(config: ModelConfig, params, block: BlockSizes) -> dict:
         mlp_row=jnp.array([row for _, row in kinds], jnp.int32))
 
 
-def megakernel_buffers(config: ModelConfig, batch: int, rows: int, block: BlockSizes,
-                       tp: int = 1) -> list[Buffer]:
-    """Every VMEM buffer of the megakernel: the layer kernel's (but its output x_out), the
-    two slots of per-layer norms, the final norm, the logits and the next tokens."""
-    M = batch * rows
-    layer = [b for b in one_layer_buffers(config, mlp_kinds(config), batch, rows, block)
-             if b.name != "x_out"]  # the megakernel's residual never leaves the loop
-    return layer + [
-        Buffer("norms", (2, 2, config.hidden), "float32"),
-        Buffer("qk_norms", (2, 2, config.head_dim), "float32"),
-        Buffer("final_norm", (1, config.hidden), "float32"),
-        Buffer("logits", (M, padded_vocab(config, block)), "float32"),
-        Buffer("next_tokens", (M, 1), "int32")] + tp_buffers(M, config.hidden, tp)
-
-
-def tp_buffers(M: int, D: int, tp: int) -> list[Buffer]:
-    """The collectives' VMEM buffers of a tensor-parallel megakernel (none for tp=1): one
-    all-reduce of [M, D] (its two slots serve the attention's and the MLP's) and the
-    argmax's gather of one (value, id) row per token."""
-    if tp == 1:
-        return []
-    return (collective_buffers("all_reduce", M, D, tp, reduce=True)
-            + collective_buffers("argmax", M, 128, tp, reduce=False))
-
-
-def tp_scratch(M: int, D: int, tp: int) -> list:
-    """The pallas scratch of `tp_buffers` with their semaphores (the kernel's last)."""
-    if tp == 1:
-        return []
-    return (collective_scratch(M, D, tp, reduce=True)
-            + collective_scratch(M, 128, tp, reduce=False))
-
-
-def megakernel_kernel(
-    # Inputs
-    positions_smem,  # [B] int32
-    is_moe_smem,  # [L] int32: 1 for an MoE layer
-    mlp_row_smem,  # [L] int32: the layer's row in the stacked dense or MoE weights
-    x_vmem,  # [M, D] f32: the embedded tokens
-    final_norm_vmem,  # [1, D] f32
-    norms_hbm,  # [L, 2, D] f32: attn_norm, mlp_norm
-    qk_norms_hbm,  # [L, 2, H] f32: q_norm, k_norm
-    wq_hbm,  # [L, D, N*H]
-    wk_hbm,  # [L, D, K*H]
-    wv_hbm,  # [L, D, K*H]
-    wo_hbm,  # [L, N*H, D]
-    lm_head_hbm,  # [D, Vp]
-    *rest,  # the MLP weights of every kind (MLP_WEIGHTS order), k_cache_in, v_cache_in;
-    #         outputs next_tokens_vmem [M, 1] int32, logits_vmem [M, Vp] f32, k_cache_hbm,
-    #         v_cache_hbm [L, B, K, S, H], with taps taps_vmem [L, 2, M, D] f32; scratch
-    #         the layer's (named by `names`), norms_vmem [2, 2, D] f32, qk_norms_vmem
-    #         [2, 2, H] f32, vector_sems [2, 2], then the attention scratch
-    config: ModelConfig,
-    stream,
-    names: tuple[str, ...],
-    block: BlockSizes,
-    batch: int,
-    rows: int,
-    taps: bool,
-    tp: int,
-):
-    kinds = mlp_kinds(config)
-    n_mlp = sum(len(MLP_WEIGHTS[k]) for k in kinds)
-    mlp_hbm, rest = rest[:n_mlp], rest[n_mlp + 2:]  # the cache inputs alias the outputs
-    n_out = 5 if taps else 4
-    next_tokens_vmem, logits_vmem, k_cache_hbm, v_cache_hbm = rest[:4]
-    taps_vmem = rest[4] if taps else None
-    s = SimpleNamespace(**dict(zip(names, rest[n_out:n_out + len(names)])))
-    norms_vmem, qk_norms_vmem, vector_sems = rest[n_out + len(names):n_out + len(names) + 3]
-    first = n_out + len(names) + 3
-    attention = AttentionScratch(*rest[first:first + len(AttentionScratch._fields)])
-    if tp > 1:  # tensor parallel: the collectives' scratch follows (tp_scratch)
-        reduce_scratch = CollectiveScratch(*rest[-6:-2])
-        argmax_scratch = CollectiveScratch(None, None, *rest[-2:])
+def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratch):
+    """One decode step. inputs (`INPUT_SPACES`): positions [B], is_moe [L] (1 for an MoE
+    layer), mlp_row [L] (the layer's row in the stacked dense or MoE weights), x [M, D]
+    f32 (the embedded tokens), final_norm [1, D], norms [L, 2, D] (attn, mlp), qk_norms
+    [L, 2, H] f32, the weights (wq [L, D, N*H], wk, wv [L, D, K*H], wo [L, N*H, D], the
+    MLP weights, lm_head [D, Vp]), the caches [L, B, K, S, H]; outputs: next_tokens [M, 1]
+    int32, logits [M, Vp] f32, the caches (aliased), with taps taps [L, 2, M, D] f32;
+    scratch: `plan.scratch()`."""
+    config, block, tp, kinds = plan.local, plan.block, plan.tp, plan.kinds
+    s = SimpleNamespace(**scratch["layer"])
+    vectors = scratch["vectors"]
+    attention = AttentionScratch(**scratch["attention"])
+    if tp > 1:
+        reduce_scratch = CollectiveScratch(**scratch["all_reduce"])
+        argmax_scratch = CollectiveScratch(**scratch["argmax"])
 
     # Layer l's norm vectors live in slot l % 2. Layer l + 1's are issued at layer l's
     # start into the other slot, which layer l - 1 read and no longer needs, and waited for
     # at layer l + 1's start: two slots suffice.
     def vector_copies(layer):
         slot = layer % 2
-        return [pltpu.make_async_copy(src.at[layer], dst.at[slot], vector_sems.at[slot, i])
-                for i, (src, dst) in enumerate(((norms_hbm, norms_vmem),
-                                                (qk_norms_hbm, qk_norms_vmem)))]
+        return [(pltpu.make_async_copy(inputs[n].at[layer], vectors[n].at[slot],
+                                       vectors["sems"].at[slot, i]), n)
+                for i, n in enumerate(VECTORS)]
 
-    def at_step(w_hbm):
-        return lambda step: (w_hbm.at[step], None)
+    def start_vectors(layer):
+        for copy, name in vector_copies(layer):
+            start_dma(copy, name, vectors[name].shape[1] * vectors[name].shape[2] * 4)
 
-    fetch = dict(wq=at_step(wq_hbm), wk=at_step(wk_hbm), wv=at_step(wv_hbm),
-                 wo=at_step(wo_hbm), lm_head=lambda step: (lm_head_hbm, None))
-    fetch |= mlp_fetch(kinds, mlp_hbm, s, lambda step: mlp_row_smem[step],
-                       lambda step: is_moe_smem[step] == 1)
+    def at_step(name):
+        return lambda step: (inputs[name].at[step], None)
+
+    fetch = {name: at_step(name) for name in ATTENTION_WEIGHTS}
+    fetch["lm_head"] = lambda step: (inputs["lm_head"], None)
+    fetch |= mlp_fetch(kinds, inputs, s, lambda step: inputs["mlp_row"][step],
+                       lambda step: inputs["is_moe"][step] == 1)
     if "moe" in kinds:
         s.count_smem[0] = 0  # expert tiles issued before routing are no-ops
-        router_hbm = mlp_hbm[-4]
-    ring = Ring(stream, fetch, s.ring, s.sems)
+    ring = Ring(plan.stream, fetch, s.ring, s.sems)
     # Named scopes mark the kernel's phases: trace markers on a TPU compiled with
     # --xla_enable_custom_call_region_trace=true (mk.profiling), nothing otherwise.
     with jax.named_scope("prime"):
         ring.prime()
     barrier(tp)  # every peer is in the kernel before the first all-reduce writes to it
-    for copy in vector_copies(0):
-        copy.start()
+    final_norm = pltpu.make_async_copy(inputs["final_norm"], vectors["final_norm"],
+                                       vectors["final_sem"].at[0])
+    start_dma(final_norm, "final_norm", config.hidden * 4)  # waited before the lm_head
+    start_vectors(0)
 
     def one_layer(layer, x):
-        for copy in vector_copies(layer):
+        for copy, _ in vector_copies(layer):
             copy.wait()
 
         @pl.when(layer + 1 < config.layers)
         def prefetch_next_layer_vectors():
-            for copy in vector_copies(layer + 1):
-                copy.start()
+            start_vectors(layer + 1)
 
-        is_moe = is_moe_smem[layer] == 1
+        is_moe = inputs["is_moe"][layer] == 1
         router = None
         if "moe" in kinds:
-            router = pltpu.make_async_copy(router_hbm.at[mlp_row_smem[layer]], s.router,
-                                           s.small_sems.at[0])
-            pl.when(is_moe)(router.start)
-        norms, qk = norms_vmem[layer % 2], qk_norms_vmem[layer % 2]
+            router = pltpu.make_async_copy(inputs["router"].at[inputs["mlp_row"][layer]],
+                                           s.router, s.small_sems.at[0])
+            pl.when(is_moe)(lambda: start_dma(router, "router",
+                                              s.router.size * s.router.dtype.itemsize))
+        norms, qk = vectors["norms"][layer % 2], vectors["qk_norms"][layer % 2]
         x_out = layer_body(
             ring, config, kinds, s, step=layer, layer=layer, is_moe=is_moe, x=x,
-            norms=(norms[0:1], norms[1:2], qk[0:1], qk[1:2]), positions_smem=positions_smem,
-            k_cache_hbm=k_cache_hbm, v_cache_hbm=v_cache_hbm, attention=attention,
-            block=block, batch=batch, rows=rows,
+            norms=(norms[0:1], norms[1:2], qk[0:1], qk[1:2]),
+            positions_smem=inputs["positions"], k_cache_hbm=outputs["k_cache"],
+            v_cache_hbm=outputs["v_cache"], attention=attention, block=block,
+            batch=plan.batch, rows=plan.rows,
             before_mlp=None if router is None else (lambda: pl.when(is_moe)(router.wait)),
             all_reduce=None if tp == 1 else (  # slot k: the attention's 0, the MLP's 1
                 lambda value, k: all_reduce_body(value, reduce_scratch, n=tp, slot=k)))
         if taps:  # s.attn_out still holds this layer's attention output
-            taps_vmem[layer, 0] = x + s.attn_out[...]
-            taps_vmem[layer, 1] = x_out
+            outputs["taps"][layer, 0] = x + s.attn_out[...]
+            outputs["taps"][layer, 1] = x_out
         return x_out
 
     with jax.named_scope("layers"):
-        x = lax.fori_loop(0, config.layers, one_layer, x_vmem[...])
+        x = lax.fori_loop(0, config.layers, one_layer, inputs["x"][...])
     with jax.named_scope("lm_head"):
-        s.h[...] = rms_norm(x, final_norm_vmem[...], config.rms_eps).astype(s.h.dtype)
-        ring.matmul("lm_head", s.h, logits_vmem, layer=config.layers)
-    logits = logits_vmem[...]
+        final_norm.wait()
+        s.h[...] = rms_norm(x, vectors["final_norm"][...], config.rms_eps).astype(s.h.dtype)
+        ring.matmul("lm_head", s.h, outputs["logits"], layer=config.layers)
+    logits = outputs["logits"][...]
     vocab = lax.broadcasted_iota(jnp.int32, logits.shape, 1)
     first_id = 0 if tp == 1 else lax.axis_index(AXIS) * config.vocab  # this vocab shard's
-    next_tokens_vmem[...] = argmax_body(  # ties to the lowest id, on every device
+    outputs["next_tokens"][...] = argmax_body(  # ties to the lowest id, on every device
         logits, first_id, None if tp == 1 else argmax_scratch, n=tp,
         valid=vocab < config.vocab)  # not the padding columns
 
 
+def step_plan(config: ModelConfig, *, tp: int = 1, batch: int, rows: int = 1, context: int,
+              block: BlockSizes | None = None) -> DecodePlan:
+    """The `DecodePlan` the megakernel runs (every caller's one check): the plan's
+    limits, and a ring of >= 2 slots."""
+    plan = DecodePlan.make(config, tp=tp, batch=batch, rows=rows, context=context,
+                           block=block)
+    if plan.block.slots < 2:
+        raise ValueError(f"BlockSizes.slots={plan.block.slots}: the megakernel's ring needs "
+                         ">= 2 slots so a tile loads while another computes")
+    return plan
+
+
 def decode_step(config: ModelConfig, weights, cache: reference.KVCache, tokens, positions,
-                *, block: BlockSizes, taps: bool = False):
+                *, block: BlockSizes | None = None, taps: bool = False):
     """One decode step in one kernel: tokens [B, T] at positions [B] -> (next tokens
     [B, T] int32 (greedy, ties to the lowest id), logits [B, T, V] float32, cache).
+    `weights` from `prepare(config, params, plan.block)`; block: the tiling (default the
+    plan's, `mk.kernels.plan.default_block`).
 
     With `taps=True` also returns {"attn", "mlp"}: the residual stream [L, B, T, D] after
     each layer's attention and MLP blocks, as `mk.reference.decode_step(..., taps=True)`.
     """
     tokens, positions = reference.validate_step(config, cache, tokens, positions)
-    check_block(block, cache.k.shape[3], tokens.size)
+    plan = step_plan(config, batch=tokens.shape[0], rows=tokens.shape[1],
+                     context=cache.k.shape[3], block=block)
     backends.check_active()
-    return traced_step(config, block, weights, cache, tokens, positions, taps=taps)
+    return traced_step(plan, weights, cache, tokens, positions, taps=taps)
 
 
 def first_divergence(config: ModelConfig, params, cache: reference.KVCache, tokens,
@@ -256,11 +233,12 @@ def first_divergence(config: ModelConfig, params, cache: reference.KVCache, toke
     if not (isinstance(layer, int) and 0 <= layer < config.layers and op in TAPS):
         raise ValueError(f"stop_after={stop_after!r} must be (layer, op) with 0 <= layer < "
                          f"layers={config.layers} and op in {TAPS}")
-    block = block or layer_block(config)
+    B, T = jnp.shape(tokens)
+    plan = step_plan(config, batch=B, rows=T, context=cache.k.shape[3], block=block)
     _, _, want = reference.decode_step(config, params, cache, tokens, positions, taps=True)
     with backends.use(backend):
-        weights = prepare(config, params, block) if weights is None else weights
-        *_, got = decode_step(config, weights, cache, tokens, positions, block=block,
+        weights = prepare(config, params, plan.block) if weights is None else weights
+        *_, got = decode_step(config, weights, cache, tokens, positions, block=plan.block,
                               taps=True)
     report = []
     for layer_i in range(layer + 1):
@@ -274,86 +252,65 @@ def first_divergence(config: ModelConfig, params, cache: reference.KVCache, toke
     return first, report
 
 
-def check_block(block: BlockSizes, context: int, rows: int) -> None:
-    """The megakernel's own limits on the tiling and the M = B*T `rows` of a step, checked
-    before tracing."""
-    check_rows(rows)
-    if block.slots < 2:
-        raise ValueError(f"BlockSizes.slots={block.slots}: the megakernel's ring needs >= 2 "
-                         "slots so a tile loads while another computes")
-    block.check_context(context)
-
-
-def compile_target(config: ModelConfig, block: BlockSizes, weights, k_cache, v_cache,
-                   tokens, positions):
+def compile_target(plan: DecodePlan, weights, k_cache, v_cache, tokens, positions):
     """The traced decode step with no host-side checks: what `mk.tpu` compiles."""
-    return traced_step(config, block, weights, reference.KVCache(k_cache, v_cache), tokens,
-                        positions)
+    return traced_step(plan, weights, reference.KVCache(k_cache, v_cache), tokens,
+                       positions)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "block", "taps", "tp"))
-def traced_step(config: ModelConfig, block: BlockSizes, weights, cache, tokens, positions,
-                taps: bool = False, tp: int = 1):
+@functools.partial(jax.jit, static_argnames=("plan", "taps"))
+def traced_step(plan: DecodePlan, weights, cache, tokens, positions, taps: bool = False):
     """`decode_step` as traced, with no host-side checks (callers validate first): what
-    `generate`'s device loop, `mk.tensor_parallel` (static tp > 1, per device inside
+    `generate`'s device loop, `mk.tensor_parallel` (plan.tp > 1, per device inside
     shard_map) and `compile_target` run."""
-    B, T = tokens.shape
-    M = B * T
-    stream = decode_stream(config, M, block)
-    kinds = mlp_kinds(config)
-    names, scratch = scratch_shapes(config, kinds, B, T, block)
-    mlp = [n for k in kinds for n in MLP_WEIGHTS[k]]
-    Vp = padded_vocab(config, block)
-    vmem, smem, hbm = (pl.BlockSpec(memory_space=m) for m in (pltpu.VMEM, pltpu.SMEM, pl.ANY))
-    n_in = 12 + len(mlp) + 2
-    D, H, L = config.hidden, config.head_dim, config.layers
-    vectors = [pltpu.VMEM((2, 2, D), jnp.float32), pltpu.VMEM((2, 2, H), jnp.float32),
-               pltpu.SemaphoreType.DMA((2, 2))]
-    n_layer_scratch = len(names)
-    out_shape = (jax.ShapeDtypeStruct((M, 1), jnp.int32),
-                 jax.ShapeDtypeStruct((M, Vp), jnp.float32), cache.k, cache.v)
+    config, B, T, M = plan.local, plan.batch, plan.rows, plan.M
+    if tokens.shape != (B, T):
+        raise ValueError(f"tokens {tokens.shape} are not the plan's [B={B}, T={T}]")
+    D, L = config.hidden, config.layers
+    mlp = [n for kind in plan.kinds for n in MLP_WEIGHTS[kind]]
+    inputs = {n: weights[n] for n in ("final_norm", "norms", "qk_norms", "lm_head", "is_moe",
+                                      "mlp_row", *ATTENTION_WEIGHTS, *mlp)}
+    inputs |= dict(positions=positions, k_cache=cache.k, v_cache=cache.v,
+                   x=weights["embed"][tokens].reshape(M, D).astype(jnp.float32))
+    outputs = dict(next_tokens=jax.ShapeDtypeStruct((M, 1), jnp.int32),
+                   logits=jax.ShapeDtypeStruct((M, plan.vocab), jnp.float32),
+                   k_cache=cache.k, v_cache=cache.v)
     if taps:
-        out_shape += (jax.ShapeDtypeStruct((L, 2, M, D), jnp.float32),)
-    weight_bytes = sum(weights[n].size * weights[n].dtype.itemsize
-                       for n in ("wq", "wk", "wv", "wo", "lm_head", *mlp))
-    x = weights["embed"][tokens].reshape(M, config.hidden).astype(jnp.float32)
-    next_tokens, logits, k_cache, v_cache, *tapped = pl.pallas_call(
-        functools.partial(megakernel_kernel, config=config, stream=stream,
-                          names=tuple(names), block=block, batch=B, rows=T, taps=taps,
-                          tp=tp),
-        out_shape=out_shape,
-        in_specs=[smem] * 3 + [vmem] * 2 + [hbm] * (n_in - 5),
-        out_specs=(vmem, vmem, hbm, hbm) + (vmem,) * taps,
-        scratch_shapes=(scratch[:n_layer_scratch] + vectors + scratch[n_layer_scratch:]
-                        + tp_scratch(M, D, tp)),
-        input_output_aliases={n_in - 2: 2, n_in - 1: 3},
+        outputs["taps"] = jax.ShapeDtypeStruct((L, 2, M, D), jnp.float32)
+    weight_bytes = sum(inputs[n].size * inputs[n].dtype.itemsize
+                       for n in (*ATTENTION_WEIGHTS, "lm_head", *mlp))
+    out = pl.pallas_call(
+        functools.partial(megakernel_kernel, plan=plan, taps=taps),
+        out_shape=outputs,
+        in_specs=(memory_specs(INPUT_SPACES | {n: pl.ANY for n in mlp}),),
+        out_specs=memory_specs({n: OUTPUT_SPACES[n] for n in outputs}),
+        scratch_shapes=plan.scratch(),
+        input_output_aliases=aliases(inputs, outputs, ("k_cache", "v_cache")),
         compiler_params=pltpu.CompilerParams(
-            vmem_limit_bytes=vmem_limit_bytes(megakernel_buffers(config, B, T, block, tp)),
-            **({} if tp == 1 else dict(collective_id=COLLECTIVE_IDS["megakernel"],
-                                       has_side_effects=True))),
+            vmem_limit_bytes=vmem_limit_bytes(plan.buffers.values()),
+            **({} if plan.tp == 1 else dict(collective_id=COLLECTIVE_IDS["megakernel"],
+                                            has_side_effects=True))),
         name="mk_megakernel",
         cost_estimate=pl.CostEstimate(  # every expert counted: an upper bound for MoE
             flops=2 * M * weight_bytes // weights["wq"].dtype.itemsize, transcendentals=0,
             bytes_accessed=weight_bytes),
-    )(positions, weights["is_moe"], weights["mlp_row"], x, weights["final_norm"],
-      weights["norms"], weights["qk_norms"], weights["wq"], weights["wk"], weights["wv"],
-      weights["wo"], weights["lm_head"], *(weights[n] for n in mlp), cache.k, cache.v)
-    out = (next_tokens.reshape(B, T), logits[:, :config.vocab].reshape(B, T, -1),
-           reference.KVCache(k_cache, v_cache))
+    )(inputs)
+    result = (out["next_tokens"].reshape(B, T),
+              out["logits"][:, :config.vocab].reshape(B, T, -1),
+              reference.KVCache(out["k_cache"], out["v_cache"]))
     if taps:
-        residual = tapped[0].reshape(L, 2, B, T, D)
-        out += ({op: residual[:, i] for i, op in enumerate(TAPS)},)
-    return out
+        residual = out["taps"].reshape(L, 2, B, T, D)
+        result += ({op: residual[:, i] for i, op in enumerate(TAPS)},)
+    return result
 
 
-@functools.partial(jax.jit, static_argnames=("config", "block", "steps"))
-def _greedy_steps(config: ModelConfig, block: BlockSizes, weights, cache, token, position,
-                  steps: int):
+@functools.partial(jax.jit, static_argnames=("plan", "steps"))
+def _greedy_steps(plan: DecodePlan, weights, cache, token, position, steps: int):
     """`steps` greedy decode steps in one dispatch: a device-side loop of megakernel calls
     from token [B] at position [B]. Returns (tokens [B, steps], cache)."""
     def step(carry, _):
         cache, token, position = carry
-        nxt, _, cache = traced_step(config, block, weights, cache, token[:, None], position)
+        nxt, _, cache = traced_step(plan, weights, cache, token[:, None], position)
         return (cache, nxt[:, 0], position + 1), nxt[:, 0]
 
     (cache, _, _), tokens = lax.scan(step, (cache, token, position), None, length=steps)
@@ -362,16 +319,10 @@ def _greedy_steps(config: ModelConfig, block: BlockSizes, weights, cache, token,
 
 def check_generate(config: ModelConfig, prompt, steps: int, steps_per_call: int,
                    max_context: int | None):
-    """The generate arguments checked before anything is traced -> (prompt as int32, the
-    cache capacity S, steps, steps_per_call as ints)."""
-    prompt = reference.check_prompt(config, prompt)
-    S = config.max_context if max_context is None else max_context
-    steps, steps_per_call = positive_int("steps", steps), positive_int("steps_per_call",
-                                                                       steps_per_call)
-    if prompt.ndim != 2 or prompt.shape[1] + steps - 1 > S:
-        raise ValueError(f"prompt {prompt.shape} [B, P] with steps={steps} needs "
-                         f"P + steps - 1 <= max_context={S}")
-    return prompt, S, steps, steps_per_call
+    """`mk.reference.check_generate` and steps_per_call -> (prompt as int32, the cache
+    capacity S, steps, steps_per_call as ints)."""
+    prompt, S, steps = reference.check_generate(config, prompt, steps, max_context)
+    return prompt, S, steps, positive_int("steps_per_call", steps_per_call)
 
 
 def generate(config: ModelConfig, params, prompt, steps: int, *, backend: str = "auto",
@@ -383,10 +334,9 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, backend: str = 
     `steps_per_call` of them run per host dispatch (a device-side loop)."""
     prompt, S, steps, steps_per_call = check_generate(config, prompt, steps, steps_per_call,
                                                       max_context)
-    block = block or layer_block(config)
-    check_block(block, S, prompt.shape[0])
+    plan = step_plan(config, batch=prompt.shape[0], context=S, block=block)
     reference.check_params(config, params)
-    weights = prepare(config, params, block)
+    weights = prepare(config, params, plan.block)
     logits, cache = reference.prefill(config, params, prompt, max_context=S)
     token = reference.greedy(logits[:, -1])
     out, done = [token[:, None]], 1
@@ -394,7 +344,7 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, backend: str = 
     with backends.use(backend):
         while done < steps:
             n = min(steps_per_call, steps - done)
-            tokens, cache = _greedy_steps(config, block, weights, cache, token, position, n)
+            tokens, cache = _greedy_steps(plan, weights, cache, token, position, n)
             out.append(tokens)
             token, position, done = tokens[:, -1], position + n, done + n
     return jnp.concatenate(out, axis=1)

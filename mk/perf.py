@@ -16,9 +16,12 @@ real step under the assumptions below (collectives sit on the critical path), no
 simulation of one.
 
 Assumptions, each stated where it is used:
-- Perfect sharding: each of the tp devices moves bytes / tp and computes FLOPs / tp. Real
-  tensor parallelism replicates some bytes (KV heads when tp > K, norms, the router) and
-  pads shards to whole tiles; `mk.sim` counts those, this model does not.
+- Weights are counted as the kernel streams them: each of the tp devices moves its shard
+  of `mk.kernels.plan` (`shard_weight_bytes` with the default tiles, the bytes `mk.sim`
+  replays and the kernel's own DMAs move, checked in tests/test_plan.py: widths padded to
+  whole tiles, norms in float32, the router on every device); the KV cache moves each
+  device's kv heads (replicated when tp > K). So tp must be a split the kernel can make
+  (`mk.kernels.plan.check_tp`). FLOPs are split evenly (each device computes FLOPs / tp).
 - Every byte crosses HBM once per step: weights and the S cached K/V positions are read
   once; the T new K/V rows are written once and attended from on-chip copies.
 - Weight families: "dense" (attention, dense MLP, router, embedding, lm_head) and
@@ -36,7 +39,7 @@ Assumptions, each stated where it is used:
   the attention output projection and after the MLP, as in Megatron-style tensor
   parallelism; an expert-parallel MoE combines its partial sums the same way) and one
   small all-gather for the sharded lm_head's argmax. One all-reduce is the kernel's
-  (`mk.collectives`): a reduce-scatter and an all-gather, ceil(log2 tp) rounds each, each
+  (`mk.kernels.collectives`): a reduce-scatter and an all-gather, ceil(log2 tp) rounds each, each
   round one message latency `ICI_LATENCY_S` (1 us, the per-link latency ASTRA-sim uses for
   TPUs "as per the TPU research team",
   astra-sim.github.io/astra-sim-docs/validation/hardware/tpu-validation.html), and
@@ -61,6 +64,9 @@ import numpy as np
 
 from mk.chips import DATA, ChipSpec, chip as named_chip
 from mk.config import DTYPE_BITS, ModelConfig, positive_int, preset as named_preset
+from mk.kernels.common import default_block
+from mk.kernels.one_layer import layer_dims
+from mk.kernels.plan import padded_vocab, shard_config, shard_weight_bytes
 
 PUBLISHED_CSV = DATA / "published.csv"
 ROUTINGS = ("uniform", "shared", "disjoint")
@@ -74,7 +80,7 @@ WEIGHT_DTYPES = {"f32": "float32", "bf16": "bfloat16", "fp16": "float16",
 ICI_LATENCY_S = 1e-6  # one message step of a collective (module docstring)
 KERNEL_GAP_S = 1.3e-6  # launch gap of one kernel in the conventional execution
 ACTIVATION_BYTES = 2  # bf16 activations between kernels and on the wire (one kernel per op)
-PARTIAL_SUM_BYTES = 4  # the megakernel all-reduces float32 partial sums (mk.collectives)
+PARTIAL_SUM_BYTES = 4  # the megakernel all-reduces float32 partial sums (mk.kernels.collectives)
 
 
 def check_choice(field, value, choices):
@@ -101,7 +107,7 @@ def family_dtypes(config: ModelConfig, overrides=None) -> dict[str, str]:
 # -- Collectives ---------------------------------------------------------------------------
 def allreduce_s(nbytes: float, tp: int, spec: ChipSpec) -> float:
     """Seconds of one all-reduce of `nbytes` per device over `tp` devices, as
-    `mk.collectives` runs it: a reduce-scatter then an all-gather, ceil(log2 tp) rounds
+    `mk.kernels.collectives` runs it: a reduce-scatter then an all-gather, ceil(log2 tp) rounds
     each of one latency, each device sending 2 (tp - 1) / tp of the message at its one-way
     ICI bandwidth (module docstring). 0 for tp = 1."""
     positive_int("tp", tp)
@@ -188,12 +194,12 @@ class StepEstimate:
     routing: str
     compute: str
     # HBM bytes of one step, all devices
-    attention_bytes: float  # q/k/v/o projections and the norms, every layer
+    attention_bytes: float  # q/k/v/o projections, every layer
     dense_mlp_bytes: float  # dense SwiGLU layers
-    router_bytes: float  # router and mlp_norm of MoE layers
+    router_bytes: float  # routers of MoE layers
     expert_bytes: float  # the experts touched, at config.expert_bits
-    embed_bytes: float  # the B*T gathered embedding rows
-    lm_head_bytes: float  # final norm and the [D, V] output projection
+    embed_bytes: float  # the B*T gathered embedding rows (an XLA gather before the kernel)
+    lm_head_bytes: float  # the [D, V] output projection, padded to whole tiles
     kv_read_bytes: float  # B * S cached positions
     kv_write_bytes: float  # B * T new positions
     experts_touched: float  # distinct experts per MoE layer
@@ -208,12 +214,14 @@ class StepEstimate:
     collective_ms: float = 0.0  # the tp all-reduces, on the critical path
     dense_dtype: str = "bfloat16"  # storage dtype of the dense weight family
     expert_dtype: str = "bfloat16"  # storage dtype of the experts
+    norm_bytes: float = 0.0  # every norm vector (float32), the final norm included
 
     @property
     def weight_bytes(self) -> float:
         """Weight bytes read this step (not config.weight_bytes, the stored total)."""
-        return (self.attention_bytes + self.dense_mlp_bytes + self.router_bytes
-                + self.expert_bytes + self.embed_bytes + self.lm_head_bytes)
+        return (self.attention_bytes + self.norm_bytes + self.dense_mlp_bytes
+                + self.router_bytes + self.expert_bytes + self.embed_bytes
+                + self.lm_head_bytes)
 
     @property
     def kv_bytes(self) -> float:
@@ -301,19 +309,17 @@ def predict(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: 
     _validate_step(config, batch, rows, context, tp, accepted, routing, compute)
     dtypes = family_dtypes(config, weight_dtypes)
     m = batch * rows  # M activation rows
-    wb, eb = DTYPE_BITS[dtypes["dense"]] / 8, DTYPE_BITS[dtypes["experts"]] / 8
+    wb = DTYPE_BITS[dtypes["dense"]] / 8
     n_dense, n_moe = len(config.dense_layers), len(config.moe_layers)
     touched = (experts_touched(config.experts, config.experts_per_token, m, routing)
                if config.is_moe else 0.0)
-
-    attention_bytes = config.layers * config.attention_params * wb
-    dense_mlp_bytes = n_dense * config.dense_mlp_params * wb
-    router_bytes = n_moe * config.router_params * wb
-    expert_bytes = n_moe * touched * config.expert_params * eb
+    local = shard_config(config, tp)
+    vocab = padded_vocab(local, default_block(*layer_dims(local)))
+    family = {f: tp * b for f, b in shard_weight_bytes(local, vocab, touched, dtypes).items()}
     embed_bytes = min(m, config.vocab) * config.hidden * wb
-    lm_head_bytes = (config.vocab + 1) * config.hidden * wb  # tied or not: V*D, + norm
-    kv_read_bytes = batch * context * config.kv_bytes_per_token
-    kv_write_bytes = m * config.kv_bytes_per_token
+    kv_per_token = tp * local.kv_bytes_per_token  # kv heads replicated when tp > K
+    kv_read_bytes = batch * context * kv_per_token
+    kv_write_bytes = m * kv_per_token
 
     # Matmul parameters one token multiplies by; norms are elementwise and left out.
     proj = config.hidden * (2 * config.q_width + 2 * config.kv_width)
@@ -327,8 +333,7 @@ def predict(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: 
     pairs = batch * (rows * context + rows * (rows + 1) / 2)
     attention_flops = 4.0 * config.layers * config.heads * config.head_dim * pairs
 
-    total_bytes = (attention_bytes + dense_mlp_bytes + router_bytes + expert_bytes
-                   + embed_bytes + lm_head_bytes + kv_read_bytes + kv_write_bytes)
+    total_bytes = sum(family.values()) + embed_bytes + kv_read_bytes + kv_write_bytes
     flops = matmul_flops + attention_flops
     device_bw = spec.hbm_bw / spec.cores_per_chip
     device_peak = peak_flops(spec, compute) / spec.cores_per_chip
@@ -340,9 +345,10 @@ def predict(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: 
     return StepEstimate(
         config_name=config.name, chip_name=spec.name, batch=batch, rows=rows,
         context=context, tp=tp, accepted=float(accepted), routing=routing, compute=compute,
-        attention_bytes=attention_bytes, dense_mlp_bytes=dense_mlp_bytes,
-        router_bytes=router_bytes, expert_bytes=expert_bytes, embed_bytes=embed_bytes,
-        lm_head_bytes=lm_head_bytes, kv_read_bytes=kv_read_bytes,
+        attention_bytes=family["attention"], dense_mlp_bytes=family["dense_mlp"],
+        router_bytes=family["router"], expert_bytes=family["experts"],
+        embed_bytes=embed_bytes, lm_head_bytes=family["lm_head"],
+        norm_bytes=family["norms"], kv_read_bytes=kv_read_bytes,
         kv_write_bytes=kv_write_bytes, experts_touched=touched,
         matmul_flops=matmul_flops, attention_flops=attention_flops,
         hbm_floor_ms=hbm_floor_ms, compute_floor_ms=compute_floor_ms,

@@ -52,7 +52,6 @@ from mk.config import ModelConfig
 from mk.kernels.attention_prologue import attention_prologue
 from mk.kernels.decode_attention import decode_attention
 from mk.kernels.mlp import moe, swiglu
-from mk.kernels.one_layer import layer_block
 from mk.kernels.weight_streaming import stream_matmul
 
 VARIANTS = ("xla", "staged", "megakernel")
@@ -420,7 +419,8 @@ def variants(config: ModelConfig, params, cache: reference.KVCache, tokens, posi
     """name -> a no-argument callable running one decode step that way (VARIANTS order);
     weights are laid out once, here, not in the step. Call the kernels inside
     `mk.backend.use(...)`."""
-    block = layer_block(config)
+    B, T = jnp.shape(tokens)
+    block = megakernel.step_plan(config, batch=B, rows=T, context=cache.k.shape[3]).block
     weights = megakernel.prepare(config, params, block)
     layers = staged_weights(config, params)
     return {

@@ -503,16 +503,27 @@ def _greedy_loop(config: ModelConfig, params, cache, first, start, steps: int):
     return jnp.concatenate([first[:, None], rest.T], axis=1)
 
 
-def generate(config: ModelConfig, params, prompt, steps: int, *,
-             max_context: int | None = None) -> jax.Array:
-    """Greedy decoding: prompt [B, P] -> the next `steps` tokens [B, steps] int32."""
+def check_generate(config: ModelConfig, prompt, steps: int, max_context: int | None, *,
+                   gamma: int = 0) -> tuple[jax.Array, int, int]:
+    """The arguments every generate driver takes (this one, the megakernel's, the
+    tensor-parallel one, speculative decoding's), checked before anything is traced ->
+    (prompt [B, P] int32, the cache capacity S, steps as an int). The cache must hold
+    P + steps + gamma - 1 positions (the last token is returned, never fed back; a
+    speculative step verifies gamma drafted rows past it)."""
     prompt = check_prompt(config, prompt)
     S = config.max_context if max_context is None else max_context
     steps = positive_int("steps", steps)
-    # The last generated token is returned, never fed back, so it needs no cache row.
-    if prompt.shape[1] + steps - 1 > S:
-        raise ValueError(f"prompt length P={prompt.shape[1]} + steps={steps} - 1 exceeds "
-                         f"the KV-cache capacity max_context={S}")
+    if prompt.shape[1] + steps + gamma - 1 > S:
+        drafted = f" + gamma={gamma}" if gamma else ""
+        raise ValueError(f"prompt length P={prompt.shape[1]} + steps={steps}{drafted} - 1 "
+                         f"exceeds the KV-cache capacity max_context={S}")
+    return prompt, S, steps
+
+
+def generate(config: ModelConfig, params, prompt, steps: int, *,
+             max_context: int | None = None) -> jax.Array:
+    """Greedy decoding: prompt [B, P] -> the next `steps` tokens [B, steps] int32."""
+    prompt, S, steps = check_generate(config, prompt, steps, max_context)
     logits, cache = prefill(config, params, prompt, max_context=S)
     first = greedy(logits[:, -1])
     start = jnp.full((prompt.shape[0],), prompt.shape[1], jnp.int32)

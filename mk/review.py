@@ -19,7 +19,7 @@ import dataclasses
 from mk import perf
 from mk.chips import ChipSpec, chip as named_chip
 from mk.config import ModelConfig, preset as named_preset
-from mk.sim import Assumptions, Simulation, default_block, latency_slots, simulate
+from mk.sim import Assumptions, Simulation, latency_slots, simulate, step_plan
 
 
 # -- Design sweeps ---------------------------------------------------------------------------
@@ -40,9 +40,9 @@ def sweep(config: ModelConfig, chip: ChipSpec | str, parameter: str, values, *,
         a = kw.pop("assumptions", None) or Assumptions()
         try:
             if parameter in ("slots", "tile", "kv_tile", "kv_slots"):
-                block = kw.pop("block", None) or default_block(
+                block = kw.pop("block", None) or step_plan(
                     config, tp=kw.get("tp", 1), context=kw.get("context", 0),
-                    rows=kw.get("rows", 1))
+                    rows=kw.get("rows", 1), batch=kw.get("batch", 1)).block
                 change = ({"tile_k": value, "tile_n": value} if parameter == "tile"
                           else {parameter: value})
                 kw["block"] = dataclasses.replace(block, **change)
@@ -160,6 +160,6 @@ def _explain(row, config, spec, tp, batch, rows) -> str:
         notes.append(f"baseline modelled as one kernel per op (vLLM-like) with TP{tp} over "
                      f"{row.chips} GPUs (layout not published)")
     else:
-        notes.append(f"TP{tp} over {row.chips} chips; collectives modelled, the kernel has "
-                     "none yet")
+        notes.append(f"TP{tp} over {row.chips} chips; the kernel's in-kernel collectives "
+                     "modelled (`mk.perf.allreduce_s`), not measured")
     return "; ".join(notes)

@@ -1,8 +1,10 @@
 """The pipeline simulator: the megakernel's own tile schedule replayed on a model of a chip.
 
-`simulate(config, chip, ...)` builds the `TileStream` the kernel executes
-(`mk.schedule.decode_stream`) and walks it in the kernel's program order (`mk.megakernel`,
-`mk.kernels.one_layer.layer_body`): prime the ring, per layer the prologue's wq/wk/wv, the
+`simulate(config, chip, ...)` makes the `DecodePlan` the kernel executes
+(`mk.kernels.plan`: its shard, tiles and `TileStream`; `step_plan`) and walks the stream in
+the kernel's program order (`mk.megakernel`, `mk.kernels.one_layer.layer_body`; that order
+is written here a second time, by hand, and tests/test_plan.py holds the bytes of the two
+equal): prime the ring, per layer the prologue's wq/wk/wv, the
 KV stream of `attend`, wo, the dense MLP or the router, expert selection and the expert
 slots, then the lm_head and argmax. Every `start(g)` / `wait(g)` of the kernel is a DMA
 issue / a compute-lane wait here, with the kernel's rule: consuming tile g issues tile
@@ -38,23 +40,22 @@ Modelling assumptions (`Assumptions` holds the numbers; none is fitted to a meas
   head at the MXU rule above with R = round_up(G*T, 8) rows, plus ~8 vector ops per
   score; the one or two tiles holding the new rows are written back (start then wait:
   the kernel blocks on it).
-- Tensor parallelism (tp > 1): each device runs the kernel on its shard (`shard`): query
-  heads, FFN and vocab split tp ways (FFN padded to 128 lanes), KV heads split or
-  replicated when tp > K, experts split tp ways (expert parallelism). This is NOT yet the
-  kernel's own shard: `mk.tensor_parallel.shard_config` keeps every expert on every device
-  and splits (and pads) each expert's width; one sharding model for both is open work
-  (issue 13). The collectives are the kernel's (`mk.collectives`): an all-reduce of the
-  [M, D] float32 partial sums after wo and after the MLP, and the argmax's all-gather after
-  the lm_head, each blocking the compute lane (`mk.perf.allreduce_s`). With expert
-  parallelism the step waits for the device with the most active experts: the expected
-  maximum over tp devices of Binomial(E/tp, p), p = 1 - (1 - X/E)^M, rounded.
-- Active experts per MoE layer (one device): the expected distinct experts of
-  `mk.perf.experts_touched` (routing "uniform" by default), rounded; the same every layer.
+- Tensor parallelism (tp > 1): each device runs the kernel on the plan's shard (the
+  kernel's own: `mk.kernels.plan`'s sharding model): query heads, FFN, each expert's width
+  and the vocab split tp ways and padded to whole tiles, KV heads split or replicated when
+  tp > K, every expert on every device. The collectives are the kernel's
+  (`mk.kernels.collectives`): an all-reduce of the [M, D] float32 partial sums after wo and
+  after the MLP, and the argmax's all-gather after the lm_head, each blocking the compute
+  lane (`mk.perf.allreduce_s`).
+- Active experts per MoE layer: the expected distinct experts of `mk.perf.experts_touched`
+  (routing "uniform" by default), rounded; the same every layer and on every device (all
+  route identically).
 - Not modelled: VMEM bandwidth and bank conflicts, DMA engine concurrency beyond one FIFO,
   HBM refresh and page effects, the XLA embedding gather before the kernel and the host
   dispatch, clock throttling, misses of the scalar core, the cost of switched-off tiles
-  (each `pl.when` that skips a tile is free), speculative drafting, the per-layer norm
-  vectors (2 x (D + H) floats a layer, prefetched a layer ahead: too small to matter).
+  (each `pl.when` that skips a tile is free), speculative drafting. The per-layer norm
+  vectors (two DMAs a layer, issued a layer ahead) and the final norm are DMAs here as in
+  the kernel.
 
 Bubble causes (HBM idle intervals): "step start" (before the first tile lands), "layer
 boundary" (the next layer's tiles issued late: cross-layer prefetch off, or after an MoE
@@ -66,9 +67,9 @@ computes a weight tile: the ring is full, the tile is MXU-bound), "vector" (norm
 SwiGLU), "ring empty" (HBM idle while the lane waits for a tile still in its issue
 latency: too few slots in flight to hide it), "step end".
 
-Here: `Assumptions`, `shard` (one device's part under tensor parallelism),
-`active_experts`, `default_block`, `latency_slots` (Little's law), `simulate` ->
-`Simulation`, `replay_matmul` (a stream of plain matmuls: the synthetic case with a closed
+Here: `Assumptions`, `step_plan` (the plan a simulated step replays), `active_experts`,
+`latency_slots` (Little's law), `simulate` -> `Simulation` (with its bytes per family),
+`replay_matmul` (a stream of plain matmuls: the synthetic case with a closed
 form). Not here: design sweeps and the published numbers (`mk.review`), drawing
 (`mk.plots.timeline`, `bubble_bars`, `sweep_lines`).
 
@@ -86,12 +87,12 @@ import math
 from mk import perf
 from mk.chips import ChipSpec, chip as named_chip
 from mk.config import DTYPE_BITS, ModelConfig, positive_int
-from mk.kernels.common import LANES, BlockSizes
+from mk.kernels.common import BlockSizes
 from mk.kernels.decode_attention import block_rows, write_back_rows
 from mk.kernels.mlp import expert_slots
-from mk.kernels.one_layer import layer_block, mlp_kinds
+from mk.kernels.one_layer import mlp_kinds
+from mk.kernels.plan import DecodePlan, capacity, family_of
 from mk.kernels.ring import TileStream
-from mk.schedule import decode_stream, padded_vocab
 
 MXU_ROWS = {"v5e": 128, "v5p": 128, "v6e": 256, "tpu7x": 256}
 CAUSES = ("step start", "layer boundary", "routing", "attention", "lm_head", "collective",
@@ -123,45 +124,25 @@ class Assumptions:
                              f"{perf.COMPUTES}")
 
 
-def _round_up(n: int, multiple: int = LANES) -> int:
-    return -(-n // multiple) * multiple
+def active_experts(config: ModelConfig, m: int, routing: str = "uniform") -> int:
+    """Active expert slots of one MoE layer: the expected distinct experts M rows touch
+    (`mk.perf.experts_touched`), rounded. The same on every device: each holds a slice of
+    every expert and all route identically (`mk.kernels.plan`'s sharding)."""
+    slots = expert_slots(config.experts, config.experts_per_token, m)
+    mean = perf.experts_touched(config.experts, config.experts_per_token, m, routing)
+    return max(1, min(slots, round(mean)))
 
 
-def shard(config: ModelConfig, tp: int) -> ModelConfig:
-    """One device's part of `config` under tp-way tensor parallelism (module docstring)."""
-    positive_int("tp", tp)
-    if tp == 1:
-        return config
-    N, K = config.heads, config.kv_heads
-    if N % tp:
-        raise ValueError(f"tp={tp} must divide {config.name}'s heads={N}")
-    if K % tp and tp % K:
-        raise ValueError(f"tp={tp} must divide kv_heads={K} or be a multiple of it")
-    fields = dict(name=f"{config.name}/tp{tp}", heads=N // tp, kv_heads=max(1, K // tp),
-                  ffn=_round_up(-(-config.ffn // tp)), vocab=-(-config.vocab // tp))
-    if config.is_moe:
-        if config.experts % tp:
-            raise ValueError(f"tp={tp} must divide experts={config.experts} (expert "
-                             "parallelism)")
-        local = config.experts // tp
-        fields |= dict(experts=local, experts_per_token=min(config.experts_per_token, local))
-    return dataclasses.replace(config, **fields)
-
-
-def active_experts(config: ModelConfig, m: int, tp: int = 1, routing: str = "uniform") -> int:
-    """Active expert slots of one MoE layer on the busiest device (module docstring)."""
-    E, X = config.experts, config.experts_per_token
-    slots = expert_slots(E // tp, min(X, E // tp), m)
-    if tp == 1 or routing != "uniform":
-        mean = perf.experts_touched(E, X, m, routing) / tp
-        return max(1, min(slots, round(mean)))
-    p, n = -math.expm1(m * math.log1p(-X / E)) if X < E else 1.0, E // tp
-    pmf = [math.comb(n, k) * p ** k * (1 - p) ** (n - k) for k in range(n + 1)]
-    cdf, expected_max = 0.0, 0.0
-    for k in range(n + 1):  # E[max] = sum_k P(max > k) = sum_k 1 - F(k)^tp
-        cdf += pmf[k]
-        expected_max += 1 - min(1.0, cdf) ** tp
-    return max(1, min(slots, round(expected_max)))
+def step_plan(config: ModelConfig, *, batch: int = 1, rows: int = 1, context: int = 0,
+              tp: int = 1, block: BlockSizes | None = None) -> DecodePlan:
+    """The plan the simulator replays: every sequence at position `context`, in a cache
+    just large enough for its rows (`mk.kernels.plan.capacity`, or whole KV tiles of the
+    given block)."""
+    if block is not None and not isinstance(block, BlockSizes):
+        raise ValueError(f"block={block!r} must be a BlockSizes or None")
+    positions = context + rows
+    S = capacity(positions) if block is None else -(-positions // block.kv_tile) * block.kv_tile
+    return DecodePlan.make(config, tp=tp, batch=batch, rows=rows, context=S, block=block)
 
 
 # -- The machine ---------------------------------------------------------------------------
@@ -315,8 +296,10 @@ class _Kernel:
     """`mk.megakernel.megakernel_kernel`, step by step, on a `_Machine`."""
 
     def __init__(self, config, stream: TileStream, machine: _Machine, *, m, batch, rows,
-                 context, spec, tp, dtypes, experts_on, prefetch, a: Assumptions):
+                 context, spec, tp, dtypes, experts_on, prefetch, a: Assumptions,
+                 vocab: int):
         self.c, self.s, self.mc, self.a = config, stream, machine, a
+        self.vocab = vocab  # the logits' columns (the shard's vocab, padded to tiles)
         self.m, self.batch, self.rows, self.context, self.tp = m, batch, rows, context, tp
         self.prefetch, self.experts_on = prefetch, experts_on
         self.fast = True  # fast-forward runs of identical tiles (tests compare both ways)
@@ -461,12 +444,26 @@ class _Kernel:
             self.mc.compute(perf.allreduce_s(nbytes, self.tp, self.spec), self.layer,
                             "collective")
 
+    def vectors(self, layer, tag):
+        """Issue layer `layer`'s norm vectors (two DMAs, issued at the previous layer's
+        start); `tag` names the HBM gap they may end (the layer edge they are issued at)."""
+        c = self.c
+        return max(self.mc.dma(8 * c.hidden, layer, "norms", tag),
+                   self.mc.dma(8 * c.head_dim, layer, "qk_norms", tag))
+
     # The kernel
     def run(self):
         c, M, D = self.c, self.m, self.c.hidden
         self.prime_layer(0, "step start")
+        final_norm = self.mc.dma(4 * D, c.layers, "final_norm", "step start")
+        vectors = self.vectors(0, "step start")
         for layer in range(c.layers):
             self.layer = layer
+            self.mc.wait(vectors)
+            if layer + 1 < c.layers:
+                # the ring's next tiles, not these, close a layer edge's gap unless the
+                # kernel primes each layer at its start (prefetch off)
+                vectors = self.vectors(layer + 1, "" if self.prefetch else "layer boundary")
             if layer and not self.prefetch:
                 self.prime_layer(layer * self.period, "layer boundary")
             is_moe = layer in c.moe_layers
@@ -496,9 +493,10 @@ class _Kernel:
         self.layer = c.layers
         if not self.prefetch:
             self.prime_layer(self.layered, "layer boundary")
+        self.mc.wait(final_norm)
         self.vector(4 * M * D, "final_norm")
         self.matmul("lm_head")
-        self.vector(4 * M * padded_vocab(c, self.s.block), "argmax")
+        self.vector(4 * M * self.vocab, "argmax")
         self.collective(8 * M)
 
     def run_matmuls(self):
@@ -634,6 +632,17 @@ class Simulation:
     events: tuple[Event, ...]
     bubbles: tuple[Bubble, ...]
     assumptions: Assumptions
+    plan: DecodePlan | None = None  # what was replayed (None for `replay_matmul`)
+
+    def family_bytes(self) -> dict[str, float]:
+        """DMA bytes per byte family (`mk.kernels.plan.family_of`); the flags' local
+        VMEM -> SMEM copy ("selected") is not HBM traffic and is left out."""
+        out: dict[str, float] = {}
+        for e in self.events:
+            if e.lane == "dma" and e.what != "selected":
+                family = family_of(e.what)
+                out[family] = out.get(family, 0.0) + e.bytes
+        return out
 
     @property
     def hbm_utilisation(self) -> float:
@@ -699,31 +708,20 @@ def _bubble_records(machine: _Machine, layers: int) -> tuple[Bubble, ...]:
                         idle) for a, b, cause, layer, idle in machine.bubbles)
 
 
-def _check(config, chip, batch, rows, context, tp, block):
-    if not isinstance(config, ModelConfig):
-        raise ValueError(f"config={config!r} must be a ModelConfig")
+def _tpu(chip) -> ChipSpec:
     spec = named_chip(chip) if isinstance(chip, str) else chip
     if spec.kind != "tpu":
         raise ValueError(f"chip={spec.name!r} is a {spec.kind}: the simulator models a TPU "
                          "core's DMA ring and MXU")
-    for field, value in (("batch", batch), ("rows", rows), ("tp", tp)):
-        positive_int(field, value)
+    return spec
+
+
+def _check_context(config: ModelConfig, context, rows: int) -> None:
     if isinstance(context, bool) or not isinstance(context, int) or context < 0:
         raise ValueError(f"context={context!r} must be a non-negative integer")
     if context + rows > config.max_position:
         raise ValueError(f"context+rows={context + rows} exceeds {config.name}'s "
                          f"max_position={config.max_position}")
-    if block is not None and not isinstance(block, BlockSizes):
-        raise ValueError(f"block={block!r} must be a BlockSizes or None")
-    return spec
-
-
-def default_block(config: ModelConfig, *, tp: int = 1, context: int = 0, rows: int = 1,
-                  slots: int = 3) -> BlockSizes:
-    """The kernel's default tiling of the device's shard: `layer_block` (the largest
-    square tile every matrix divides into), kv_tile min(256, the positions read)."""
-    return dataclasses.replace(layer_block(shard(config, tp), slots=slots),
-                               kv_tile=min(256, _round_up(context + rows, 16)))
 
 
 def latency_slots(config: ModelConfig, chip: ChipSpec | str, block: BlockSizes, *,
@@ -746,41 +744,43 @@ def simulate(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows:
              weight_dtypes=None, cross_layer_prefetch: bool = True,
              routing: str = "uniform", experts_active: int | None = None,
              assumptions: Assumptions | None = None) -> Simulation:
-    """Replay one decode step of the megakernel (module docstring) on one device of `chip`.
+    """Replay one decode step of the megakernel (module docstring) on one device of `chip`:
+    the `DecodePlan` of `step_plan(config, batch=, rows=, context=, tp=, block=)`.
 
     context: the cached positions each sequence reads (its rows sit at positions context ..
-    context + T - 1); block defaults to the kernel's own (`default_block`); weight_dtypes as
-    in `mk.perf.predict`; experts_active overrides the routing model (active expert slots
-    per MoE layer on this device).
+    context + T - 1); block defaults to the plan's; weight_dtypes as in `mk.perf.predict`;
+    experts_active overrides the routing model (active expert slots per MoE layer).
     """
-    spec = _check(config, chip, batch, rows, context, tp, block)
+    spec = _tpu(chip)
+    if not isinstance(config, ModelConfig):
+        raise ValueError(f"config={config!r} must be a ModelConfig")
+    positive_int("rows", rows)
+    _check_context(config, context, rows)
+    plan = step_plan(config, batch=batch, rows=rows, context=context, tp=tp, block=block)
     a = assumptions or Assumptions()
     dtypes = perf.family_dtypes(config, weight_dtypes)
-    dev = shard(config, tp)
-    m = batch * rows
-    block = block or default_block(config, tp=tp, context=context, rows=rows)
-    stream = decode_stream(dev, m, block)  # the kernel's own schedule
     on = 0
     if config.is_moe:
         on = experts_active if experts_active is not None else active_experts(
-            config, m, tp, routing)
-        limit = stream.segment("we_gate").copies
+            config, plan.M, routing)
+        limit = plan.expert_slots
         if not 1 <= on <= limit:
             raise ValueError(f"experts_active={on} must be in [1, {limit}] (the expert "
                              "slots of the stream)")
     bw = spec.hbm_bw / spec.cores_per_chip * a.hbm_share
     machine = _Machine(bw, a.dma_latency_s)
-    kernel = _Kernel(dev, stream, machine, m=m, batch=batch, rows=rows, context=context,
-                     spec=spec, tp=tp, dtypes=dtypes, experts_on=on,
-                     prefetch=cross_layer_prefetch, a=a)
+    kernel = _Kernel(plan.local, plan.stream, machine, m=plan.M, batch=batch, rows=rows,
+                     context=context, spec=spec, tp=plan.tp, dtypes=dtypes, experts_on=on,
+                     prefetch=cross_layer_prefetch, a=a, vocab=plan.vocab)
     kernel.run()
     step_s = machine.finish()
     return Simulation(
         config_name=config.name, chip_name=spec.name, batch=batch, rows=rows,
-        context=context, tp=tp, block=block, cross_layer_prefetch=cross_layer_prefetch,
-        experts_active=on, hbm_bandwidth=bw, step_s=step_s, dma_bytes=machine.dma_bytes,
-        weight_bytes=machine.weight_bytes, events=_events(machine, dev.layers),
-        bubbles=_bubble_records(machine, dev.layers), assumptions=a)
+        context=context, tp=plan.tp, block=plan.block,
+        cross_layer_prefetch=cross_layer_prefetch, experts_active=on, hbm_bandwidth=bw,
+        step_s=step_s, dma_bytes=machine.dma_bytes, weight_bytes=machine.weight_bytes,
+        events=_events(machine, plan.local.layers),
+        bubbles=_bubble_records(machine, plan.local.layers), assumptions=a, plan=plan)
 
 
 def replay_matmul(stream: TileStream, chip: ChipSpec | str, *, rows: int = 1,
@@ -790,9 +790,7 @@ def replay_matmul(stream: TileStream, chip: ChipSpec | str, *, rows: int = 1,
     the synthetic case. With N tiles of DMA time d = tile bytes / bandwidth, compute time
     c, latency l and s >= 2 slots with l small enough, the step is l + N*d + c if c <= d
     and l + d + N*c if c > d; with one slot it is N*(l + d + c)."""
-    spec = named_chip(chip) if isinstance(chip, str) else chip
-    if spec.kind != "tpu":
-        raise ValueError(f"chip={spec.name!r} is a {spec.kind}, not a TPU")
+    spec = _tpu(chip)
     positive_int("rows", rows)
     weight_dtype = perf.WEIGHT_DTYPES.get(weight_dtype, weight_dtype)
     if weight_dtype not in DTYPE_BITS:
@@ -802,7 +800,7 @@ def replay_matmul(stream: TileStream, chip: ChipSpec | str, *, rows: int = 1,
     machine = _Machine(bw, a.dma_latency_s)
     kernel = _Kernel(None, stream, machine, m=rows, batch=rows, rows=1, context=0,
                      spec=spec, tp=1, dtypes={"dense": weight_dtype, "experts": weight_dtype},
-                     experts_on=0, prefetch=cross_layer_prefetch, a=a)
+                     experts_on=0, prefetch=cross_layer_prefetch, a=a, vocab=0)
     kernel.run_matmuls()
     step_s = machine.finish()
     return Simulation(

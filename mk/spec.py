@@ -41,8 +41,7 @@ import numpy as np
 from mk import backend as backends
 from mk import megakernel, perf, reference, sim
 from mk.chips import CHIP_NAMES, chip as named_chip
-from mk.config import MAX_ROWS, ModelConfig, positive_int, preset as named_preset
-from mk.kernels.one_layer import layer_block
+from mk.config import MAX_ROWS, ModelConfig, preset as named_preset
 
 MAX_GAMMA = 7  # T = gamma + 1 <= 8 verification rows, as in the published runs
 DRAFTERS = ("model", "self", "ngram", "forced")
@@ -152,11 +151,15 @@ class Megakernel(Runner):
                  block=None):
         super().__init__(config, rows)
         self.backend = backends.resolve(backend)
-        self.block = block or layer_block(config)
-        self.weights = megakernel.prepare(config, params, self.block)
+        self.tiling, self.params = block, params  # None: each plan's default
+        self.block = self.weights = None  # set by `_init_cache` from the step's plan
 
     def _init_cache(self, batch, capacity):
-        megakernel.check_block(self.block, capacity, batch * self.rows)
+        plan = megakernel.step_plan(self.config, batch=batch, rows=self.rows,
+                                    context=capacity, block=self.tiling)
+        if self.block is None or plan.block.tile_n != self.block.tile_n:
+            self.weights = megakernel.prepare(self.config, self.params, plan.block)
+        self.block = plan.block
         return reference.init_cache(self.config, batch, capacity)
 
     def _call(self, cache, tokens, positions):
@@ -469,14 +472,11 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, drafter, gamma:
     `bucket`, for the XLA runs (the reference verifier, the drafters): the batch every call
     is padded to, rows padded to 8 (module docstring). The cache needs
     P + steps + gamma - 1 <= max_context (default config.max_context) positions."""
-    prompt = np.asarray(reference.check_prompt(config, prompt))
     check_gamma(gamma)
-    S = config.max_context if max_context is None else max_context
-    steps = positive_int("steps", steps)
+    prompt, S, steps = reference.check_generate(config, prompt, steps, max_context,
+                                                gamma=gamma)
+    prompt = np.asarray(prompt)
     B, P = prompt.shape
-    if P + steps + gamma - 1 > S:
-        raise ValueError(f"prompt length P={P} + steps={steps} + gamma={gamma} - 1 exceeds "
-                         f"the KV-cache capacity max_context={S}")
     if sampling is not None and drafter == "forced":
         raise NotImplementedError("drafter='forced' is defined for greedy decoding only")
     if verifier == "megakernel" and B * (gamma + 1) > MAX_ROWS:
@@ -557,7 +557,7 @@ def step_ms(config: ModelConfig, chip, *, batch: int, rows: int, context: int, t
     kernel per op, a launch gap each: the GPU baseline)."""
     kw = dict(batch=batch, rows=rows, context=context, tp=tp)
     if timing == "sim":
-        block = sim.default_block(config, tp=tp, context=context, rows=rows)
+        block = sim.step_plan(config, batch=batch, rows=rows, context=context, tp=tp).block
         block = dataclasses.replace(block, slots=sim.latency_slots(config, chip, block))
         return sim.simulate(config, chip, block=block, **kw).step_ms
     if timing == "conventional":

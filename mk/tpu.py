@@ -5,9 +5,10 @@ compile-only devices; `jax.jit(...).lower(...).compile()` against them runs the 
 lowering, the VMEM and HBM capacity checks, and reports memory and code size. Nothing runs.
 
 Here: `compile_for_chip(fn, args, chip)` -> `CompileReport`, and `compile_megakernel`, the
-whole decode step of a model on one TPU core. Not here: running kernels
-(`mk.backend`), the project-side VMEM budget (`mk.kernels.common.vmem_budget`, which
-catches the scoped-limit problems this path does not enforce).
+whole decode step of a model on one TPU core or, tensor-parallel, on tp cores of a
+multi-chip topology: one path and one report for both. Not here: running kernels
+(`mk.backend`), the capacity check (`DecodePlan.fits`: the project-side VMEM budget,
+which catches the scoped-limit problems the compiler does not enforce, and HBM).
 """
 
 from __future__ import annotations
@@ -17,17 +18,18 @@ import functools
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import topologies
 from jax._src.pallas.mosaic.error_handling import MosaicError
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from mk import megakernel
+from mk import megakernel, tensor_parallel
 from mk.chips import ChipSpec, chip as chip_spec
-from mk.config import check_rows
-from mk.kernels.common import VmemBudget, vmem_budget
-from mk.kernels.one_layer import layer_block
+from mk.config import ModelConfig
+from mk.kernels.collectives import AXIS
+from mk.kernels.common import BlockSizes, VmemBudget
 
 
 # What libtpu and Mosaic raise for a kernel they refuse (capacity, lowering, verification).
@@ -36,28 +38,34 @@ COMPILER_ERRORS = (jax.errors.JaxRuntimeError, pltpu.LoweringException, MosaicEr
 
 @dataclasses.dataclass(frozen=True)
 class CompileReport:
-    """The outcome of one ahead-of-time compile."""
+    """The outcome of one ahead-of-time compile (on one core, or on tp cores)."""
 
     name: str
     chip: str
     ok: bool
-    error: str  # the compiler's message when not ok
+    error: str  # the compiler's message, or the capacity check's, when not ok
     compile_seconds: float
-    argument_bytes: int = 0  # HBM for the inputs
+    argument_bytes: int = 0  # HBM for the inputs (per core), as the compiler reports it
     output_bytes: int = 0
     temp_bytes: int = 0  # HBM scratch XLA allocates around the kernel
     code_bytes: int = 0  # generated code size
     vmem: VmemBudget | None = None
+    tp: int = 1  # cores the step is split over
+    hbm_bytes: int = 0  # one core's weights and KV cache (`DecodePlan.fits`)
 
     def summary(self) -> str:
+        cores = f" on {self.tp} cores" if self.tp > 1 else ""
         if not self.ok:
-            return f"{self.name} on {self.chip}: FAILED in {self.compile_seconds:.2f} s: " \
-                   f"{self.error.splitlines()[0] if self.error else ''}"
+            return (f"{self.name} on {self.chip}{cores}: FAILED in "
+                    f"{self.compile_seconds:.2f} s: "
+                    f"{self.error.splitlines()[0] if self.error else ''}")
         vmem = (f", VMEM {self.vmem.total_bytes / 2**20:.1f} of "
                 f"{self.vmem.limit_bytes / 2**20:.0f} MiB") if self.vmem else ""
-        return (f"{self.name} on {self.chip}: compiled in {self.compile_seconds:.2f} s, "
-                f"HBM args {self.argument_bytes / 2**20:.1f} MiB, code "
-                f"{self.code_bytes / 1024:.0f} KiB{vmem}")
+        hbm = f", HBM per core {self.hbm_bytes / 2**30:.2f} GiB" if self.hbm_bytes else ""
+        return (f"{self.name} on {self.chip}{cores}: compiled in "
+                f"{self.compile_seconds:.2f} s, HBM args "
+                f"{self.argument_bytes / 2**20:.1f} MiB, code "
+                f"{self.code_bytes / 1024:.0f} KiB{hbm}{vmem}")
 
 
 @functools.cache
@@ -77,25 +85,24 @@ def devices(topology: str) -> tuple:
 
 
 def compile_for_chip(fn, args, chip: str | ChipSpec, *, name: str = "",
-                     vmem: VmemBudget | None = None) -> CompileReport:
-    """Compile `fn(*args)` for one core of `chip`; args are pytrees of arrays or
-    ShapeDtypeStructs.
+                     vmem: VmemBudget | None = None, mesh: Mesh | None = None,
+                     in_shardings=None) -> CompileReport:
+    """Compile `fn(*args)` for one core of `chip` (or for `mesh`'s cores with
+    `in_shardings`, a pytree like args); args are pytrees of arrays or ShapeDtypeStructs.
 
     A compiler error is returned in the report (ok=False), not raised, so a notebook can
     show it; an unknown chip or a GPU raises ValueError.
     """
-    spec = chip_spec(chip) if isinstance(chip, str) else chip
-    if spec.kind != "tpu":
-        raise ValueError(f"chip={spec.name!r} is a {spec.kind}; only TPUs compile here")
+    spec = _tpu(chip)
     name = name or getattr(fn, "__name__", "kernel")
-    mesh = Mesh(np.array(devices(spec.topology)[:1]), ("core",))
-    replicated = NamedSharding(mesh, PartitionSpec())
+    if mesh is None:
+        mesh = Mesh(np.array(devices(spec.topology)[:1]), ("core",))
+        in_shardings = NamedSharding(mesh, PartitionSpec())
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), list(args))
     start = time.perf_counter()
     try:
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            compiled = jax.jit(fn, in_shardings=replicated,
-                               out_shardings=replicated).lower(*shapes).compile()
+            compiled = jax.jit(fn, in_shardings=in_shardings).lower(*shapes).compile()
     except COMPILER_ERRORS as err:  # the compiler's verdict is the result
         return CompileReport(name, spec.name, False, f"{type(err).__name__}: {err}",
                              time.perf_counter() - start, vmem=vmem)
@@ -108,37 +115,59 @@ def compile_for_chip(fn, args, chip: str | ChipSpec, *, name: str = "",
                          code_bytes=mem.generated_code_size_in_bytes, vmem=vmem)
 
 
-def compile_megakernel(config, chip: str | ChipSpec, *, batch: int = 8, rows: int = 1,
-                       context: int = 4096, block_sizes=None) -> CompileReport:
-    """Compile the whole-model megakernel of `config` for one core of `chip`.
-
-    A model whose weights and cache do not fit the core's share of HBM, or whose buffers
-    do not fit VMEM, is reported (ok=False, with the numbers), not raised.
-    """
+def _tpu(chip: str | ChipSpec) -> ChipSpec:
     spec = chip_spec(chip) if isinstance(chip, str) else chip
-    name = f"megakernel {config.name} B={batch} T={rows} S={context}"
-    M = check_rows(batch, rows)
-    block = block_sizes or dataclasses.replace(layer_block(config),
-                                               kv_tile=min(256, context))
-    megakernel.check_block(block, context, M)  # what the runtime refuses, refused here too
+    if spec.kind != "tpu":
+        raise ValueError(f"chip={spec.name!r} is a {spec.kind}; only TPUs compile here")
+    return spec
+
+
+def compile_megakernel(config: ModelConfig, chip: str | ChipSpec, *, tp: int = 1,
+                       topology: str | None = None, batch: int = 8, rows: int = 1,
+                       context: int = 4096, block: BlockSizes | None = None
+                       ) -> CompileReport:
+    """Compile the whole-model decode step of `config` for `chip`: the megakernel on one
+    core (tp=1), or its tensor-parallel step on tp cores of `topology` (a libtpu name,
+    e.g. "tpu7x:2x2x1"; default the chip's own single-chip topology).
+
+    Its `DecodePlan` is made first (what the runtime refuses raises ValueError here too);
+    a plan that does not fit the core (`DecodePlan.fits`: VMEM or HBM) is reported
+    (ok=False, with the numbers), not compiled.
+    """
+    spec = _tpu(chip)
+    plan = megakernel.step_plan(config, tp=tp, batch=batch, rows=rows, context=context,
+                                block=block)
+    cores = f" TP{plan.tp}" if plan.tp > 1 else ""
+    name = f"megakernel {config.name}{cores} B={batch} T={rows} S={context}"
+    fit = plan.fits(spec)
+    if not fit.ok:
+        return CompileReport(name, spec.name, False, fit.error, 0.0, vmem=fit.vmem,
+                             tp=plan.tp, hbm_bytes=fit.hbm_bytes)
     params = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in config.param_shapes().items()}
-    weights = jax.eval_shape(lambda p: megakernel.prepare(config, p, block), params)
-    cache = jax.ShapeDtypeStruct((config.layers, batch, config.kv_heads, context,
-                                  config.head_dim), config.dtype)
-    hbm = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(weights)) + 2 * (
-        cache.size * cache.dtype.itemsize)
-    per_core = spec.hbm_bytes // spec.cores_per_chip
-    if hbm > per_core:
-        return CompileReport(name, spec.name, False, f"weights and KV cache need "
-                             f"{hbm / 2**30:.1f} GiB of HBM, over {spec.name}'s "
-                             f"{per_core / 2**30:.1f} GiB per core", 0.0)
-    try:
-        budget = vmem_budget("megakernel", megakernel.megakernel_buffers(
-            config, batch, rows, block), spec)
-    except ValueError as err:
-        return CompileReport(name, spec.name, False, str(err), 0.0)
-    tokens = jax.ShapeDtypeStruct((batch, rows), jax.numpy.int32)
-    positions = jax.ShapeDtypeStruct((batch,), jax.numpy.int32)
-    return compile_for_chip(
-        lambda w, k, v, t, p: megakernel.compile_target(config, block, w, k, v, t, p),
-        [weights, cache, cache, tokens, positions], spec, name=name, vmem=budget)
+    local = plan.local
+    cache = (local.layers, batch, local.kv_heads, context, local.head_dim)
+    tokens = jax.ShapeDtypeStruct((batch, rows), jnp.int32)
+    positions = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    if plan.tp == 1:
+        weights = jax.eval_shape(lambda p: megakernel.prepare(config, p, plan.block), params)
+        cache = jax.ShapeDtypeStruct(cache, config.dtype)
+        report = compile_for_chip(
+            lambda w, k, v, t, p: megakernel.compile_target(plan, w, k, v, t, p),
+            [weights, cache, cache, tokens, positions], spec, name=name, vmem=fit.vmem)
+        return dataclasses.replace(report, hbm_bytes=fit.hbm_bytes)
+    available = devices(topology or spec.topology)
+    if len(available) < plan.tp:
+        raise ValueError(f"topology={topology or spec.topology!r} has {len(available)} "
+                         f"cores, fewer than tp={plan.tp}")
+    mesh = Mesh(np.array(available[:plan.tp]), (AXIS,))
+    weights = jax.eval_shape(lambda p: tensor_parallel.prepare(plan, p), params)
+    cache = jax.ShapeDtypeStruct((plan.tp, *cache), config.dtype)
+    sharded, replicated = NamedSharding(mesh, PartitionSpec(AXIS)), NamedSharding(
+        mesh, PartitionSpec())
+    shardings = [jax.tree.map(lambda _: sharded, weights), sharded, sharded, replicated,
+                 replicated]
+    report = compile_for_chip(
+        lambda w, k, v, t, p: tensor_parallel.compile_target(plan, mesh, w, k, v, t, p),
+        [weights, cache, cache, tokens, positions], spec, name=name, vmem=fit.vmem,
+        mesh=mesh, in_shardings=shardings)
+    return dataclasses.replace(report, tp=plan.tp, hbm_bytes=fit.hbm_bytes)

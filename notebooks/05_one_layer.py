@@ -77,7 +77,8 @@ import mk.run
 from mk import course, plots, reference, tpu
 from mk.kernels import one_layer as one_layer_module
 from mk.kernels.common import vmem_budget
-from mk.kernels.one_layer import layer_block, layer_matrices, one_layer, one_layer_buffers
+from mk.kernels.one_layer import layer_matrices, one_layer, one_layer_buffers
+from mk.kernels.plan import default_block
 from mk.kernels.ring import TileStream
 
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
@@ -99,7 +100,7 @@ print(f"{config.name} layer {layer} ({kind}): B={run.batch} T={run.rows} S={run.
 # tiles are in flight. The schedule is data; here it is, tile by tile:
 
 # %%
-block = dataclasses.replace(layer_block(config, slots), kv_tile=128)
+block = default_block(config, 128, slots=slots)  # KV tiles of 128 positions
 stream = TileStream.build(block, layer_matrices(config, (kind,), M))
 plots.show(plots.tile_stream(stream, title=f"{config.name} layer {layer}: {stream.total} "
                                            f"tiles of {block.tile_k}x{block.tile_n}"))
@@ -172,7 +173,7 @@ compile_chip = run.chip if spec.kind == "tpu" else "v6e"
 reports = {}
 for name in ("qwen3-8b", "qwen3-30b-a3b"):
     real = mk.preset(name).first_layers(2)
-    real_block = dataclasses.replace(layer_block(real, slots), kv_tile=256)
+    real_block = default_block(real, 4096, slots=slots)
     shapes = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in real.param_shapes().items()}
     cache = jax.ShapeDtypeStruct((2, 8, real.kv_heads, 4096, real.head_dim), real.dtype)
     reports[name] = tpu.compile_for_chip(

@@ -75,26 +75,27 @@ import mk
 import mk.backend
 import mk.megakernel as megakernel
 import mk.run
-from mk import plots, reference, schedule, tpu
-from mk.kernels.common import vmem_budget
-from mk.kernels.one_layer import layer_block
+from mk import plots, reference, tpu
+from mk.kernels.plan import DecodePlan, default_block
 
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
 config, mode, spec = run.config, mk.backend.resolve(run.backend), mk.chip(run.chip)
-block = layer_block(config, slots)
+block = default_block(config, 128, slots=slots)  # KV tiles of 128 positions
 print(f"{config.name}: {config.layers} layers, B={run.batch} T={run.rows} S={run.context}; "
       f"kernels run on: {mode}")
 
 # %% [markdown]
 # ## The schedule is data
 #
-# One `TileStream`: the layer's matrices repeated for every layer, then the lm_head.
-# Tile g lives in ring slot g mod slots; consuming tile g issues tile g + slots. Below is
-# the stream of a generation step (one row per sequence, M = B).
+# One device's step is a `DecodePlan` (`mk.kernels.plan`): the shard, the tiles, every
+# VMEM buffer by name and one `TileStream`, the layer's matrices repeated for every layer,
+# then the lm_head. Tile g lives in ring slot g mod slots; consuming tile g issues tile
+# g + slots. Below is the stream of a generation step (one row per sequence, M = B).
 
 # %%
-stream = schedule.decode_stream(config, run.batch, block)
+plan = DecodePlan.make(config, batch=run.batch, context=run.context, block=block)
+stream = plan.stream
 print(f"{stream.total} tiles of {block.tile_k}x{block.tile_n}: {stream.period} per layer, "
       f"{stream.total - config.layers * stream.period} of lm_head; ring of {block.slots} "
       f"slots")
@@ -110,7 +111,7 @@ plots.show(plots.tile_stream(stream, title=f"{config.name}: one decode step's we
 
 # %%
 edge = stream.period
-table = schedule.rows(stream, np.dtype(config.dtype).itemsize)
+table = stream.table(np.dtype(config.dtype).itemsize)
 display(plots.table([{**r, "in flight when g=" + str(edge - 1) + " is consumed":
                       "yes" if edge - 1 < r["g"] < edge - 1 + block.slots else ""}
                      for r in table[edge - 3:edge + block.slots]]))
@@ -194,10 +195,12 @@ print(f"healthy: first divergence {first}; planted bug in wo[0]: first divergenc
 
 # %%
 if spec.kind == "tpu":
-    budget = vmem_budget("megakernel", megakernel.megakernel_buffers(
-        config, run.batch, run.rows, block), spec)  # the T-row step: the larger one
-    print(f"VMEM: {budget.total_bytes / 2**20:.2f} MiB of {budget.limit_bytes / 2**20:.0f} "
-          f"MiB; biggest {budget.rows()[0]['buffer']}")
+    fit = DecodePlan.make(config, batch=run.batch, rows=run.rows, context=run.context,
+                          block=block).fits(spec)  # the T-row step: the larger one
+    if not fit.ok:
+        raise ValueError(fit.error)
+    print(f"VMEM: {fit.vmem.total_bytes / 2**20:.2f} MiB of "
+          f"{fit.vmem.limit_bytes / 2**20:.0f} MiB; biggest {fit.vmem.rows()[0]['buffer']}")
 compile_chip = run.chip if spec.kind == "tpu" else "v6e"
 real = mk.preset("qwen3-1.7b" if compile_chip == "v5e" else "qwen3-8b")
 report = tpu.compile_megakernel(real, compile_chip, batch=8, rows=1, context=4096)

@@ -70,7 +70,7 @@ exercise_drop_all_reduce: bool = False  # the exercise: True skips the in-kernel
 # Virtual CPU devices must be asked for before jax starts its CPU backend; twice the devices
 # used, because a device blocked on a semaphore in interpret mode holds one of XLA's CPU
 # threads (`interpret_devices`). Importing the module starts no backend.
-from mk.collectives import check_devices, interpret_devices
+from mk.kernels.collectives import check_devices, interpret_devices
 
 check_devices(tp)  # a power of two >= 1, checked before anything uses it
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -83,8 +83,10 @@ from IPython.display import display
 import mk
 import mk.backend
 import mk.run
-from mk import collectives, course, plots, reference
+from mk import course, plots, reference, tpu
 from mk import tensor_parallel as tpar
+from mk.kernels import collectives
+from mk.kernels.plan import shard_config
 
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
@@ -110,7 +112,7 @@ print(f"{config.name}, tp={tp}: the token check runs on {len(cpus)} virtual CPU 
 def split_rows(config, tps):
     out = []
     for t in tps:
-        local = tpar.shard_config(config, t)
+        local = shard_config(config, t)
         out.append(dict(model=config.name, tp=t, heads=local.heads, kv_heads=local.kv_heads,
                         ffn=local.ffn if config.dense_layers else "-",
                         expert_ffn=local.expert_ffn or "-", vocab=local.vocab,
@@ -137,7 +139,7 @@ display(plots.table(split_rows(config, [1, tp]) +
 plots.show_source(collectives.all_reduce_body)
 
 # %% [markdown]
-# The kernel's all-reduce above, from `mk.collectives`: per round a remote DMA
+# The kernel's all-reduce above, from `mk.kernels.collectives`: per round a remote DMA
 # (`make_async_remote_copy`) to the partner `me XOR d`, a wait on the receive semaphore,
 # an add; then the all-gather rounds copy the finished chunks back. Its schedule, drawn:
 
@@ -170,7 +172,7 @@ display(plots.table([e for e in collectives.exchanges(4) if e["device"] == 0]))
 # Two buffer slots: a device cannot finish collective k+1 before every peer has sent its
 # data for k+1, which a peer does only after finishing k; so no device runs more than one
 # collective ahead, and writes of k+1 land in the other slot than the reads of k
-# (`mk.collectives` has the argument in full; tests/test_collectives.py shows the race
+# (`mk.kernels.collectives` has the argument in full; tests/test_collectives.py shows the race
 # detector flagging one slot).
 #
 # ## What the collectives cost
@@ -229,7 +231,8 @@ targets = [("qwen3.8-27b-like", "tpu7x:2x2x1", "tpu7x"),  # TP8: 4 chips, 8 Tens
            ("qwen3-30b-a3b", "v5e:2x2", "v5e"),  # TP4: 4 chips
            ("qwen3-30b-a3b", "v5e:2x4", "v5e"),  # TP8: 8 chips
            ("kimi-k3-like", "tpu7x:2x2x4", "tpu7x")]  # TP32: 16 chips, 32 TensorCores
-reports = [tpar.compile_tp(mk.preset(name), topology, chip_name)
+reports = [tpu.compile_megakernel(mk.preset(name), chip_name, tp=len(tpu.devices(topology)),
+                                  topology=topology)
            for name, topology, chip_name in targets]
 for report in reports:
     print(report.summary())
@@ -241,7 +244,7 @@ for report in reports:
 
 # %%
 for name, t in (("qwen3-30b-a3b", 4), ("kimi-k3-like", 32)):
-    full, local = mk.preset(name), tpar.shard_config(mk.preset(name), t)
+    full, local = mk.preset(name), shard_config(mk.preset(name), t)
     packed = full.weight_bytes / t  # the stored bytes (FP4 packed), split evenly
     print(f"{name} TP{t}: expert width {full.expert_ffn}/{t} = {full.expert_ffn // t} -> "
           f"{local.expert_ffn} per device; packed weights / tp = {packed / 2**30:.1f} GiB")

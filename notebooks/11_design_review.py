@@ -89,6 +89,7 @@ from IPython.display import display
 from mk import course, perf, plots, review, sim, tpu
 from mk.chips import chip as chip_spec
 from mk.kernels.common import BlockSizes, VmemBudget
+from mk.kernels.plan import DecodePlan
 
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
@@ -97,13 +98,16 @@ if spec.kind != "tpu":
     raise ValueError(f"chip={run.chip!r} is a {spec.kind}: the review compiles and simulates "
                      "a TPU core")
 config = run.config
-device = sim.shard(config, tp)  # what one device's kernel holds
 dtypes = {k: v for k, v in (("dense", dense_dtype), ("experts", expert_dtype)) if v}
 position = run.context - run.rows  # every sequence reads a full cache: the worst case
-default = sim.default_block(config, tp=tp, context=run.context, rows=run.rows)
+default = DecodePlan.make(config, tp=tp, batch=run.batch, rows=run.rows,
+                          context=run.context).block
 block = BlockSizes(slots=slots or default.slots, tile_k=tile or default.tile_k,
-                   tile_n=tile or default.tile_n, kv_tile=kv_tile or min(256, run.context),
+                   tile_n=tile or default.tile_n, kv_tile=kv_tile or default.kv_tile,
                    kv_slots=kv_slots)
+plan = DecodePlan.make(config, tp=tp, batch=run.batch, rows=run.rows, context=run.context,
+                       block=block)
+device = plan.local  # what one device's kernel holds
 step_args = dict(batch=run.batch, rows=run.rows, context=position, tp=tp,
                  weight_dtypes=dtypes)
 
@@ -119,7 +123,8 @@ display(plots.table([
                               f"Fe={config.expert_ffn}" if config.is_moe else "")},
     {"": "one device's shard", "value": f"tp={tp}: N={device.heads} K={device.kv_heads} "
                                         f"F={device.ffn} V={device.vocab}"
-                                        + (f" E={device.experts}" if config.is_moe else "")},
+                                        + (f" E={device.experts} Fe={device.expert_ffn}"
+                                           if config.is_moe else "")},
     {"": "chip", "value": f"{spec.name}: {spec.hbm_bw / spec.cores_per_chip / 1e12:.3g} TB/s "
                           f"and {spec.bf16_flops / spec.cores_per_chip / 1e12:.0f} TFLOP/s "
                           f"bf16 per device, VMEM {spec.vmem_bytes / 2**20:.0f} MiB"},
@@ -131,15 +136,12 @@ display(plots.table([
 # %% [markdown]
 # ## VMEM: every buffer of the kernel, and whether it fits
 #
-# The megakernel's own buffer list (`mk.megakernel.megakernel_buffers`), padded to the
-# (8, 128) tiling, against the VMEM per core libtpu enforces.
+# The megakernel's own buffers by name (`DecodePlan.buffers`, the one list the kernel's
+# scratch and the simulator's sizes come from), padded to the (8, 128) tiling, against the
+# VMEM per core libtpu enforces.
 
 # %%
-from mk.megakernel import megakernel_buffers
-
-budget = VmemBudget("megakernel", tuple(megakernel_buffers(device, run.batch, run.rows,
-                                                           block)), spec.name,
-                    spec.vmem_bytes)
+budget = VmemBudget("megakernel", tuple(plan.buffers.values()), spec.name, spec.vmem_bytes)
 fits = budget.total_bytes <= budget.limit_bytes
 display(plots.table([{**r, "MiB": f"{r['MiB']:.3f}"} for r in budget.rows()[:12]]))
 print(f"{len(budget.buffers)} buffers, {budget.total_bytes / 2**20:.2f} MiB of "
@@ -156,7 +158,7 @@ report = None
 if compile_for_tpu:
     report = tpu.compile_megakernel(dataclasses.replace(device, max_context=run.context),
                                     spec.name, batch=run.batch, rows=run.rows,
-                                    context=run.context, block_sizes=block)
+                                    context=run.context, block=block)
     print(report.summary())
 else:
     print("compile_for_tpu=False: not compiled")
@@ -187,8 +189,8 @@ plots.show(plots.step_terms({"roofline + collectives": est, "one kernel per op":
 # %% [markdown]
 # ## The simulated step: timeline and bubbles
 #
-# `mk.sim.simulate` replays `mk.schedule.decode_stream(shard, B*T, block)`, the object the
-# kernel executes, on one device of the chip. The timeline shows the first two layers
+# `mk.sim.simulate` replays the plan's `TileStream` on the plan's shard (`DecodePlan`, the
+# object the kernel executes), on one device of the chip. The timeline shows the first two layers
 # (hover for each run of tiles); "HBM idle" bars are the bubbles, coloured by cause.
 
 # %%

@@ -6,7 +6,7 @@ takes effect before jax is imported, so multi-device checks run in a fresh inter
 returns the dict of arrays it returned (saved as .npz). The parent compares them with the
 reference, so a failure is reported by the test, not by the subprocess.
 
-The subprocess gets `mk.collectives.interpret_devices(n)` = 2n devices (it says why: with
+The subprocess gets `mk.kernels.collectives.interpret_devices(n)` = 2n devices (it says why: with
 every device of the process in the mesh the kernel deadlocks, and `tp_mesh` refuses it).
 
 Usage as a script (what `run` starts): python multidevice.py MODULE:FUNCTION N OUT.npz
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mk.collectives import interpret_devices
+from mk.kernels.collectives import interpret_devices
 
 TESTS = Path(__file__).resolve().parent
 

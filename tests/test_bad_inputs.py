@@ -24,11 +24,13 @@ import pytest
 from builders import hf_config_dict, save_hf_checkpoint, write_hf_folder
 
 import mk  # noqa: F401  (sets the CPU platform before jax initialises)
-from mk import backend, collectives, megakernel, reference, spec, tpu
+from mk import backend, megakernel, reference, spec, tpu
 from mk import tensor_parallel as tpar
 from mk.checkpoint import init_params, load_checkpoint
 from mk.config import ModelConfig, preset
+from mk.kernels import collectives
 from mk.kernels.common import BlockSizes
+from mk.kernels.plan import check_tp
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = preset("tiny")
@@ -168,7 +170,7 @@ def test_non_finite_config_json_numbers_are_refused(field, value):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(context=300), "context=300 is not a multiple of kv_tile=256"),
-    (dict(block_sizes=BlockSizes(slots=1)), "slots=1"),
+    (dict(block=BlockSizes(slots=1)), "slots=1"),
     (dict(batch=65), "batch=65 x rows=1 = 65 activation rows exceed MAX_ROWS=64"),
     (dict(batch=0), "batch=0 must be a positive integer"),
     (dict(rows=0), "rows=0 must be a positive integer")])
@@ -307,7 +309,7 @@ def test_numpy_integer_steps_and_tp_are_accepted(params):
     _, _, steps, per_call = megakernel.check_generate(TINY, [[1, 2]], np.int64(3),
                                                       np.int32(2), None)
     assert (steps, per_call) == (3, 2) and type(steps) is int
-    tpar.check_tp(TINY, np.int64(2))
+    assert check_tp(TINY, np.int64(2)) == 2
     assert collectives.tp_mesh(np.int64(1)).shape["tp"] == 1
 
 
@@ -326,7 +328,7 @@ def test_a_file_or_a_list_is_not_a_checkpoint(tmp_path):
 def test_a_topology_name_without_its_shape_is_refused():
     with pytest.raises(ValueError, match="topology='v5e' must be a libtpu name with its "
                                          "shape"):
-        tpar.compile_tp(TINY, "v5e", "v5e")
+        tpu.compile_megakernel(TINY, "v5e", tp=2, topology="v5e")
 
 
 def test_an_unsharded_cache_to_the_tp_step_says_to_shard_it():

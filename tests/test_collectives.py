@@ -1,4 +1,4 @@
-"""mk.collectives: in-kernel all-reduce, all-gather and greedy argmax over remote DMA.
+"""mk.kernels.collectives: in-kernel all-reduce, all-gather and greedy argmax over remote DMA.
 
 Each device count n runs in one subprocess with 2n virtual CPU devices (tests/multidevice.py
 says why), in TPU interpret mode with the race detector on; the parent compares every
@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 import mk  # noqa: F401  (sets the CPU platform before jax initialises)
-from mk import backend, collectives, tpu
+from mk import backend, tpu
+from mk.kernels import collectives
 from multidevice import run
 
 DEVICES = (2, 4, 8)

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 import mk
-from mk import backend, collectives, course, reference, sim, spec
-from mk.kernels import mlp
+from mk import backend, course, reference, sim, spec
+from mk.kernels import collectives, mlp
 from mk.kernels.attention_prologue import attention_prologue
 from mk.kernels.common import BlockSizes
 from mk.kernels.weight_streaming import stream_matmul
@@ -119,7 +119,7 @@ def test_dropped_all_reduce_exercise_caught():
 def test_shallow_ring_exercise_caught_against_littles_law_depth():
     p = parameters("11_design_review")
     config, chip = mk.preset(p["preset"]), p["chip"]
-    block = sim.default_block(config, context=p["context"])
+    block = sim.step_plan(config, context=p["context"]).block
     deep = dataclasses.replace(block, slots=sim.latency_slots(config, chip, block))
 
     def step(b):

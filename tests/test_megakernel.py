@@ -16,7 +16,7 @@ import mk
 import mk.megakernel as megakernel
 from mk import backend, reference, tpu
 from mk.kernels.common import BlockSizes
-from mk.kernels.one_layer import layer_block
+from mk.kernels.plan import default_block
 
 TOKENS = 64
 
@@ -52,7 +52,7 @@ def test_64_greedy_tokens_equal_the_reference(name, batch, rows):
                                   max_context=128, steps_per_call=TOKENS // batch)
         np.testing.assert_array_equal(got, want)
         return
-    block = layer_block(config)
+    block = default_block(config, 128)
     weights = megakernel.prepare(config, params, block)
     _, cache = reference.prefill(config, params, prompt[:, :-1], max_context=128)
     fed = jnp.concatenate([prompt[:, -1:], want], axis=1)
@@ -79,7 +79,7 @@ def test_bf16_greedy_tokens_equal_the_reference(name, batch):
 def test_t_rows_verify_in_one_pass_race_free(name):
     config = mk.preset(name)
     params = mk.init_params(config)
-    block = layer_block(config)
+    block = default_block(config, 128)  # KV tiles of 128: the 256-position cache has two
     _, cache = reference.prefill(config, params, jnp.ones((2, 6), jnp.int32) * 7)
     tokens = jax.random.randint(jax.random.key(2), (2, 4), 0, config.vocab)
     positions = jnp.array([6, 6], jnp.int32)
@@ -111,7 +111,7 @@ def test_a_position_past_the_cache_is_named():
     cache = reference.init_cache(config, 1, 128)
     with pytest.raises(ValueError, match=r"positions\[0\]=127 with T=2 .*max_context=128"):
         megakernel.decode_step(config, {}, cache, jnp.zeros((1, 2), int), jnp.array([127]),
-                               block=layer_block(config))
+                               block=default_block(config, 128))
 
 
 @pytest.mark.parametrize("name, chip", [("qwen3-1.7b", "v5e"), ("qwen3-8b", "v6e"),
@@ -161,7 +161,7 @@ def test_first_divergence_names_the_op_of_a_planted_bug(plant, where):
     args = (config, params, cache, jnp.array([[3, 4]]), jnp.array([6]))
     first, report = megakernel.first_divergence(*args, backend="interpret")
     assert first is None and len(report) == 2 * config.layers
-    weights = plant(megakernel.prepare(config, params, layer_block(config)))
+    weights = plant(megakernel.prepare(config, params, default_block(config, 128)))
     first, report = megakernel.first_divergence(*args, backend="interpret", weights=weights,
                                                 stop_after=where)
     assert first == where and (report[-1]["layer"], report[-1]["op"]) == where

@@ -15,8 +15,8 @@ from mk import megakernel, perf, sim
 from mk.chips import chip
 from mk.config import PRESET_NAMES
 from mk.kernels.common import BlockSizes
+from mk.kernels.plan import shard_config
 from mk.kernels.ring import TileStream
-from mk.schedule import decode_stream
 
 NO_LATENCY = sim.Assumptions(dma_latency_s=0.0)
 
@@ -38,11 +38,13 @@ def test_dense_step_streams_every_kernel_weight_array_once_and_its_kv_tiles():
     params = {k: jax.ShapeDtypeStruct(shape, d)
               for k, (shape, d) in config.param_shapes().items()}
     weights = jax.eval_shape(lambda p: megakernel.prepare(config, p, s.block), params)
-    streamed = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head")
+    streamed = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head", "norms",
+                "qk_norms", "final_norm")
     assert s.weight_bytes == sum(weights[n].size * weights[n].dtype.itemsize
                                  for n in streamed)
-    stream = decode_stream(config, B * T, s.block)
-    assert s.weight_bytes == stream.total * stream.tile_bytes * 2
+    stream = s.plan.stream
+    norms = s.family_bytes()["norms"]
+    assert s.weight_bytes - norms == stream.total * stream.tile_bytes * 2
     # KV: (S + T - 1) // kv_tile + 1 tiles of K and V per sequence and layer, plus the
     # write-back window of the tile holding the new rows (`write_back_rows`: T=3 -> 16)
     K, H, tile = config.kv_heads, config.head_dim, s.block.kv_tile
@@ -54,8 +56,8 @@ def test_dense_step_streams_every_kernel_weight_array_once_and_its_kv_tiles():
 
 def test_moe_step_streams_only_the_active_expert_slots_and_the_routers():
     config, M = mk.preset("tiny-moe"), 4
-    block = sim.default_block(config, rows=M)
-    stream = decode_stream(config, M, block)
+    plan = sim.step_plan(config, rows=M)
+    block, stream = plan.block, plan.stream
     for active in (1, 3, 8):
         s = sim.simulate(config, "v6e", rows=M, block=block, experts_active=active)
         per_slot = stream.segment("we_gate").stride
@@ -65,15 +67,15 @@ def test_moe_step_streams_only_the_active_expert_slots_and_the_routers():
                  - len(config.moe_layers) * dense  # MoE layers skip the dense MLP
                  + len(config.moe_layers) * active * per_slot)
         routers = len(config.moe_layers) * config.hidden * config.experts * 2
-        assert s.weight_bytes == tiles * stream.tile_bytes * 2 + routers
+        norms = plan.weight_bytes()["norms"]
+        assert s.weight_bytes == tiles * stream.tile_bytes * 2 + routers + norms
         assert s.experts_active == active
 
 
 def test_ring_tile_bytes_are_the_ring_buffer_the_kernel_allocates_per_slot():
     config = mk.preset("tiny-moe")
-    block = sim.default_block(config, rows=2)
-    ring = next(b for b in megakernel.megakernel_buffers(config, 1, 2, block)
-                if b.name == "ring")
+    plan = sim.step_plan(config, rows=2)
+    block, ring = plan.block, plan.buffers["ring"]
     s = sim.simulate(config, "v6e", rows=2, block=block)
     tiles = [e for e in s.events if e.lane == "dma" and e.what == "wq"]
     assert {e.bytes / e.count for e in tiles} == {ring.bytes / block.slots}
@@ -132,7 +134,7 @@ def test_a_deeper_ring_pays_off_in_the_kernel_within_the_fifo_cost_of_kv_loads(n
     deeper ring can delay attention a little (seen: +3.4% on tiny from 10 to 15 slots).
     Below 5% of the best shallower ring, and the latency-covering depth beats the
     default and one slot."""
-    block = sim.default_block(mk.preset(name), rows=2, context=64)
+    block = sim.step_plan(mk.preset(name), batch=2, rows=2, context=64).block
     need = sim.latency_slots(mk.preset(name), "tpu7x", block)
     steps = [sim.simulate(mk.preset(name), "tpu7x", batch=2, rows=2, context=64,
                           block=dataclasses.replace(block, slots=n)).step_s
@@ -177,21 +179,23 @@ def test_fast_forward_is_the_exact_replay(name, kwargs, monkeypatch):
 
 
 # -- Tensor parallelism and experts ---------------------------------------------------------
-def test_shard_splits_heads_ffn_vocab_and_experts_and_replicates_kv_heads():
-    kimi = sim.shard(mk.preset("kimi-k3-like"), 32)
+def test_the_simulated_shard_is_the_kernels_heads_ffn_vocab_and_every_expert_sliced():
+    s = sim.simulate(mk.preset("kimi-k3-like").first_layers(2), "tpu7x", tp=32)
+    kimi = s.plan.local
+    assert kimi == shard_config(mk.preset("kimi-k3-like").first_layers(2), 32)
     assert (kimi.heads, kimi.kv_heads, kimi.ffn, kimi.vocab) == (2, 1, 640, 5120)
-    assert (kimi.experts, kimi.experts_per_token, kimi.expert_ffn) == (28, 16, 2048)
-    assert sim.shard(mk.preset("qwen3-8b"), 1) == mk.preset("qwen3-8b")
-    with pytest.raises(ValueError, match="tp=3 must divide"):
-        sim.shard(mk.preset("qwen3-8b"), 3)
+    # every expert on every device, 2048 / 32 = 64 columns padded to one 128-lane tile
+    assert (kimi.experts, kimi.experts_per_token, kimi.expert_ffn) == (896, 16, 128)
+    assert shard_config(mk.preset("qwen3-8b"), 1) == mk.preset("qwen3-8b")
+    with pytest.raises(ValueError, match="tp=3 must be a power of two"):
+        sim.simulate(mk.preset("qwen3-8b"), "tpu7x", tp=3)
 
 
-def test_the_busiest_device_has_at_least_the_mean_of_active_experts():
+def test_active_experts_are_the_expected_distinct_experts_rounded():
     config = mk.preset("kimi-k3-like")
     assert sim.active_experts(config, 1) == 16
     assert sim.active_experts(config, 8) == round(perf.experts_touched(896, 16, 8))
-    mean = perf.experts_touched(896, 16, 8) / 32
-    assert mean <= sim.active_experts(config, 8, tp=32) <= 28
+    assert sim.active_experts(config, 64, "shared") == 16
 
 
 def test_tensor_parallel_step_pays_the_collectives_on_the_compute_lane():
@@ -208,7 +212,11 @@ def test_tensor_parallel_step_pays_the_collectives_on_the_compute_lane():
 def test_every_preset_simulates_for_batch_and_rows_1_to_8_and_tp_1_to_32(name):
     config = mk.preset(name).first_layers(2)
     for tp in (1, 8, 32):
-        if config.heads % tp or (config.is_moe and config.experts % tp):
+        widths = [config.heads, config.hidden, config.vocab]
+        widths += [config.ffn] if config.dense_layers else []
+        widths += [config.expert_ffn] if config.moe_layers else []
+        K = config.kv_heads
+        if any(w % tp for w in widths) or (K % tp and tp % K):
             with pytest.raises(ValueError, match=f"tp={tp}"):
                 sim.simulate(config, "tpu7x", tp=tp)
             continue
@@ -242,7 +250,7 @@ def test_a_four_bit_stream_moves_a_quarter_of_the_bf16_bytes():
 def test_fast_forwarded_bubbles_still_add_up_to_the_idle_time(name, kwargs):
     config = mk.preset(name).first_layers(2)
     for slots in (3, 16):
-        block = dataclasses.replace(sim.default_block(config, tp=kwargs["tp"], rows=8),
+        block = dataclasses.replace(sim.step_plan(config, tp=kwargs["tp"], rows=8).block,
                                     slots=slots)
         s = sim.simulate(config, "tpu7x", block=block, **kwargs)
         idle = s.step_s - s.dma_bytes / s.hbm_bandwidth

@@ -22,9 +22,10 @@ import numpy as np
 import pytest
 
 import mk
-from mk import backend, reference
+from mk import backend, reference, tpu
 from mk import tensor_parallel as tpar
 from mk.config import ModelConfig
+from mk.kernels import plan
 from multidevice import run
 
 CASES = [(2, True), (4, False), (8, False)]  # (tp, with an MoE layer): 6 steps each
@@ -91,10 +92,10 @@ def test_shards_put_back_together_are_the_weights():
     np.testing.assert_array_equal(shards["router"][3], params["router"])
     # 2 kv heads on 4 devices: devices 0, 1 hold kv head 0; devices 2, 3 kv head 1, which
     # serves query heads 4..7 (GQA group 4), the query heads of devices 2 and 3.
-    assert tpar.kv_heads_of(config, 4).tolist() == [[0], [0], [1], [1]]
+    assert plan.kv_heads_of(config, 4) == [[0], [0], [1], [1]]
     H = config.head_dim
     np.testing.assert_array_equal(shards["wk"][2], params["wk"][..., H:2 * H])
-    local = tpar.shard_config(config, 4)
+    local = plan.shard_config(config, 4)
     assert (local.heads, local.kv_heads, local.ffn, local.vocab) == (2, 1, 128, 256)
 
 
@@ -104,7 +105,7 @@ def test_a_split_width_short_of_a_tile_is_padded_with_zeros():
     params = {name: rng.standard_normal(shape).astype(np.float32)
               for name, (shape, _) in config.param_shapes().items()}
     shards = tpar.shard_params(config, params, 4)
-    assert tpar.shard_config(config, 4).expert_ffn == 128
+    assert plan.shard_config(config, 4).expert_ffn == 128
     assert shards["we_gate"].shape[-1] == shards["we_down"].shape[-2] == 128
     np.testing.assert_array_equal(shards["we_gate"][1, ..., :64],
                                   params["we_gate"][..., 64:128])
@@ -126,7 +127,7 @@ def test_a_width_tp_does_not_split_is_refused(overrides, match):
 @pytest.mark.parametrize("tp", [0, 3, 16.0])
 def test_a_tp_that_is_not_a_power_of_two_is_refused(tp):
     with pytest.raises(ValueError, match=r"tp=.* must be a power of two"):
-        tpar.shard_config(tp_config(2), tp)
+        plan.shard_config(tp_config(2), tp)
 
 
 @pytest.mark.parametrize("name, topology, chip", [
@@ -134,16 +135,19 @@ def test_a_tp_that_is_not_a_power_of_two_is_refused(tp):
     ("qwen3-30b-a3b", "v5e:2x4", "v5e"),  # TP8: at TP4 it does not fit (next test)
 ])
 def test_sharded_model_compiles_for_a_multi_chip_topology(name, topology, chip):
-    report = tpar.compile_tp(mk.preset(name), topology, chip, batch=8, context=4096)
+    report = tpu.compile_megakernel(mk.preset(name), chip, tp=8, topology=topology,
+                                    batch=8, context=4096)
     assert report.ok, report.error
-    assert 0 < report.vmem_bytes_per_core < report.vmem_limit_bytes
+    assert report.tp == 8
+    assert 0 < report.vmem.total_bytes < report.vmem.limit_bytes
     assert report.argument_bytes <= mk.chip(chip).hbm_bytes
 
 
 def test_a_shard_too_big_for_hbm_is_reported_with_numbers():
     # qwen3-30b-a3b in bf16 on 4 v5e chips: its experts split 768/4 = 192 wide, padded to
     # 256, so each chip needs more than its 16 GiB.
-    report = tpar.compile_tp(mk.preset("qwen3-30b-a3b"), "v5e:2x2", "v5e")
+    report = tpu.compile_megakernel(mk.preset("qwen3-30b-a3b"), "v5e", tp=4,
+                                    topology="v5e:2x2")
     assert not report.ok
-    assert re.search(r"need [\d.]+ GiB of HBM per core, over v5e's 16\.0 GiB", report.error)
-    assert report.hbm_bytes_per_core > mk.chip("v5e").hbm_bytes
+    assert re.search(r"need [\d.]+ GiB of HBM, over v5e's 16\.0 GiB per core", report.error)
+    assert report.hbm_bytes > mk.chip("v5e").hbm_bytes

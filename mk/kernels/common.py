@@ -5,16 +5,24 @@ TPU (8, 128) tiling rule and against the shapes it is asked to tile; `Buffer` an
 `vmem_budget`, the list of every VMEM buffer of one kernel configuration with its padded
 size, checked against the chip's VMEM per core before anything is compiled.
 
+`dma_log` / `start_dma`: every HBM DMA a kernel starts, recorded with its name and bytes
+while a `dma_log()` is open (interpret mode: a host callback runs where the DMA starts, so
+a DMA under a false `pl.when` is not recorded); the byte-count test reads it.
+
 Not here: the ring itself (`mk.kernels.ring`), compiling (`mk.tpu`). Block sizes change
 speed, never numerics.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
+import jax
 import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 LANES = 128  # the minor (lane) dimension of a vreg
 SUBLANE_BITS = 8 * 32  # 8 sublanes of 32-bit words: 8 rows of f32, 16 of bf16, 32 of int8
@@ -71,11 +79,16 @@ class BlockSizes:
 
 @dataclasses.dataclass(frozen=True)
 class Buffer:
-    """One VMEM buffer of a kernel: a scratch, or an operand the kernel keeps in VMEM."""
+    """One VMEM buffer of a kernel: a scratch, or an operand the kernel keeps in VMEM.
+
+    group: where the megakernel finds it (`mk.kernels.plan`): "layer" (an attribute of the
+    layer scratch), "attention", "vectors", a collective's name, or "operand" (not scratch).
+    """
 
     name: str
     shape: tuple[int, ...]
     dtype: str
+    group: str = "layer"
 
     @property
     def padded_shape(self) -> tuple[int, ...]:
@@ -129,14 +142,22 @@ def vmem_limit_bytes(buffers) -> int:
     return max(32 * 2**20, math.ceil(need / 2**20) * 2**20)
 
 
-def default_block(*dims: int, slots: int = 3, largest: int = 512) -> BlockSizes:
-    """Square weight tiles: the largest multiple of 128 (<= `largest`) dividing every
-    weight dimension in `dims`, so one ring slot shape serves every matrix."""
-    sides = [t for t in range(LANES, largest + 1, LANES) if all(d % t == 0 for d in dims)]
+SLOTS = 3  # default weight ring slots
+LARGEST_TILE = 512  # default square weight tiles are at most this wide
+KV_TILE = 256  # default cached positions per KV tile, capped by the cache
+
+
+def default_block(*dims: int, context: int | None = None, slots: int = SLOTS) -> BlockSizes:
+    """The default tiling, the one rule every kernel uses: square weight tiles, the
+    largest multiple of 128 up to LARGEST_TILE dividing every weight dimension in `dims`
+    (so one ring slot shape serves every matrix); KV tiles of min(KV_TILE, context)
+    positions for a kernel reading a cache of `context` positions."""
+    sides = [t for t in range(LANES, LARGEST_TILE + 1, LANES) if all(d % t == 0 for d in dims)]
     if not sides:
-        raise ValueError(f"no multiple of {LANES} up to {largest} divides every weight "
+        raise ValueError(f"no multiple of {LANES} up to {LARGEST_TILE} divides every weight "
                          f"dimension {dims}")
-    return BlockSizes(slots=slots, tile_k=sides[-1], tile_n=sides[-1])
+    kv = {} if context is None else {"kv_tile": min(KV_TILE, context)}
+    return BlockSizes(slots=slots, tile_k=sides[-1], tile_n=sides[-1], **kv)
 
 
 def vmem_budget(kernel: str, buffers, chip) -> VmemBudget:
@@ -144,3 +165,52 @@ def vmem_budget(kernel: str, buffers, chip) -> VmemBudget:
     if chip.vmem_bytes is None:
         raise ValueError(f"chip={chip.name!r} has no VMEM (it is a {chip.kind})")
     return VmemBudget(kernel, tuple(buffers), chip.name, chip.vmem_bytes).check()
+
+
+def aliases(inputs: dict, outputs: dict, names) -> dict[int, int]:
+    """`input_output_aliases` of a pallas_call called with one dict of inputs and
+    returning one dict of outputs: each of `names` is an input updated in place as the
+    output of the same name (found by name, never by position)."""
+    def flat_index(tree):
+        leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+        return {jax.tree_util.keystr(path): i for i, (path, _) in enumerate(leaves)}
+
+    ins, outs = flat_index(inputs), flat_index(outputs)
+    return {ins[f"['{n}']"]: outs[f"['{n}']"] for n in names}
+
+
+def vmem_scratch(buffers) -> dict:
+    """{name_vmem: pltpu.VMEM} of the buffers that are not operands: a stage kernel's
+    VMEM scratch, passed to it by keyword."""
+    return {f"{b.name}_vmem": pltpu.VMEM(b.shape, b.dtype)
+            for b in buffers if b.group != "operand"}
+
+
+def memory_specs(spaces: dict) -> dict:
+    """{name: memory space} -> {name: BlockSpec} (whole arrays; pl.ANY leaves them in HBM)."""
+    return {name: pl.BlockSpec(memory_space=space) for name, space in spaces.items()}
+
+
+_DMA_LOG: list | None = None  # (what, bytes) of every DMA started while a dma_log is open
+
+
+@contextlib.contextmanager
+def dma_log():
+    """Record (what, bytes) of every DMA `start_dma` starts while open; yields the list.
+    Kernels are re-traced on entry and on exit (the recording is part of the trace)."""
+    global _DMA_LOG
+    jax.clear_caches()
+    _DMA_LOG = log = []
+    try:
+        yield log
+    finally:
+        _DMA_LOG = None
+        jax.clear_caches()
+
+
+def start_dma(copy, what: str, nbytes: int) -> None:
+    """copy.start(), recorded as (what, nbytes) while a `dma_log` is open."""
+    copy.start()
+    if _DMA_LOG is not None:
+        log = _DMA_LOG
+        jax.debug.callback(lambda: log.append((what, nbytes)))

@@ -49,7 +49,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mk.config import COMPUTE_DTYPES, MAX_ROWS
-from mk.kernels.common import LANES, BlockSizes, Buffer, sublanes
+from mk.kernels.common import LANES, BlockSizes, Buffer, start_dma, sublanes
 from mk.reference import check_positions, concrete
 
 ALIGN = 8  # rows of an f32 (8, 128) tile: dynamic row offsets must be multiples of it
@@ -73,18 +73,18 @@ def write_back_rows(rows: int, kv_tile: int, dtype) -> int:
 
 
 class AttentionScratch(NamedTuple):
-    """The scratch refs of `attend`, in `decode_attention_scratch` order."""
+    """The scratch refs of `attend`, by the names `decode_attention_scratch` gives them."""
 
-    k_tiles_vmem: Any  # [kv_slots, K, kv_tile, H] cache dtype: the KV ring
-    v_tiles_vmem: Any  # [kv_slots, K, kv_tile, H] cache dtype
-    q_blocks_vmem: Any  # [B*K*R, H] f32: rows (g, t) of block (b, k)
-    out_blocks_vmem: Any  # [B*K*R, H] f32: attention output, same layout
-    k_rows_vmem: Any  # [B*K*Rt, H] f32, Rt = round_up(T, 8): new K rows t of block (b, k)
-    v_rows_vmem: Any  # [B*K*Rt, H] f32
-    stage_vmem: Any  # [B*T, H] f32: one head's column, for the strided regrouping
-    m_vmem: Any  # [K*R, 1] f32 running max of the current sequence
-    l_vmem: Any  # [K*R, 1] f32 running sum
-    acc_vmem: Any  # [K*R, H] f32 running P @ V
+    k_tiles: Any  # [kv_slots, K, kv_tile, H] cache dtype: the KV ring
+    v_tiles: Any  # [kv_slots, K, kv_tile, H] cache dtype
+    q_blocks: Any  # [B*K*R, H] f32: rows (g, t) of block (b, k)
+    out_blocks: Any  # [B*K*R, H] f32: attention output, same layout
+    k_rows: Any  # [B*K*Rt, H] f32, Rt = round_up(T, 8): new K rows t of block (b, k)
+    v_rows: Any  # [B*K*Rt, H] f32
+    stage: Any  # [B*T, H] f32: one head's column, for the strided regrouping
+    m: Any  # [K*R, 1] f32 running max of the current sequence
+    l: Any  # [K*R, 1] f32 running sum
+    acc: Any  # [K*R, H] f32 running P @ V
     load_sems: Any  # DMA semaphores [2, kv_slots]: K and V tile loads
     write_sems: Any  # DMA semaphores [2]: K and V write-backs
 
@@ -95,55 +95,58 @@ def decode_attention_buffers(B: int, T: int, N: int, K: int, H: int, dtype,
     `operands=True` also q, k_new, v_new and o, which the stage kernel keeps in VMEM."""
     dtype = str(jnp.dtype(dtype))
     R, Rt, tile = block_rows(N // K, T), _round_up(T), (block.kv_slots, K, block.kv_tile, H)
-    io = [Buffer("q", (B * T, N * H), "float32"), Buffer("k_new", (B * T, K * H), "float32"),
-          Buffer("v_new", (B * T, K * H), "float32"), Buffer("o", (B * T, N * H), "float32")]
-    scratch = [Buffer("k_tiles", tile, dtype), Buffer("v_tiles", tile, dtype),
-               Buffer("q_blocks", (B * K * R, H), "float32"),
-               Buffer("out_blocks", (B * K * R, H), "float32"),
-               Buffer("k_rows", (B * K * Rt, H), "float32"),
-               Buffer("v_rows", (B * K * Rt, H), "float32"),
-               Buffer("stage", (B * T, H), "float32"), Buffer("m", (K * R, 1), "float32"),
-               Buffer("l", (K * R, 1), "float32"), Buffer("acc", (K * R, H), "float32")]
+    io = [Buffer("q", (B * T, N * H), "float32", "operand"),
+          Buffer("k_new", (B * T, K * H), "float32", "operand"),
+          Buffer("v_new", (B * T, K * H), "float32", "operand"),
+          Buffer("o", (B * T, N * H), "float32", "operand")]
+    f32 = "float32"
+    scratch = [Buffer(name, shape, dt, "attention") for name, shape, dt in (
+        ("k_tiles", tile, dtype), ("v_tiles", tile, dtype),
+        ("q_blocks", (B * K * R, H), f32), ("out_blocks", (B * K * R, H), f32),
+        ("k_rows", (B * K * Rt, H), f32), ("v_rows", (B * K * Rt, H), f32),
+        ("stage", (B * T, H), f32), ("m", (K * R, 1), f32), ("l", (K * R, 1), f32),
+        ("acc", (K * R, H), f32))]
     return io + scratch if operands else scratch
 
 
 def decode_attention_scratch(B: int, T: int, N: int, K: int, H: int, dtype,
-                             block: BlockSizes) -> list:
-    """The pallas scratch shapes of `attend`: wrap the refs in `AttentionScratch(*refs)`."""
-    vmem = [pltpu.VMEM(b.shape, b.dtype)
-            for b in decode_attention_buffers(B, T, N, K, H, dtype, block)]
-    return vmem + [pltpu.SemaphoreType.DMA((2, block.kv_slots)),
-                   pltpu.SemaphoreType.DMA((2,))]
+                             block: BlockSizes) -> dict:
+    """The pallas scratch of `attend` by `AttentionScratch` field: wrap the refs in
+    `AttentionScratch(**refs)`."""
+    return {b.name: pltpu.VMEM(b.shape, b.dtype)
+            for b in decode_attention_buffers(B, T, N, K, H, dtype, block)} | dict(
+        load_sems=pltpu.SemaphoreType.DMA((2, block.kv_slots)),
+        write_sems=pltpu.SemaphoreType.DMA((2,)))
 
 
 # -- Regrouping rows (static strided copies: Mosaic cannot prove b*T aligned) -------------
-def _gather_blocks(src_vmem, dst_vmem, stage_vmem, *, rows: int, group: int, block: int):
+def _gather_blocks(src_vmem, dst_vmem, stage, *, rows: int, group: int, block: int):
     """dst[(b*C + c)*block + j*rows + t] = src[b*T + t, head c*group + j] (H lanes each).
 
     src [B*T, heads*H]; dst [B*C*block, H] with C = heads / group blocks per sequence.
     """
-    M, H = stage_vmem.shape
+    M, H = stage.shape
     B, heads = M // rows, src_vmem.shape[1] // H
     stride = heads // group * block
     for n in range(heads):
         c, j = divmod(n, group)
-        stage_vmem[...] = src_vmem[:, pl.ds(n * H, H)]
+        stage[...] = src_vmem[:, pl.ds(n * H, H)]
         for t in range(rows):
             dst_vmem[pl.ds(c * block + j * rows + t, B, stride=stride), :] = (
-                stage_vmem[pl.ds(t, B, stride=rows), :])
+                stage[pl.ds(t, B, stride=rows), :])
 
 
-def _scatter_blocks(src_vmem, dst_vmem, stage_vmem, *, rows: int, group: int, block: int):
+def _scatter_blocks(src_vmem, dst_vmem, stage, *, rows: int, group: int, block: int):
     """The inverse of `_gather_blocks`: blocks [B*C*block, H] -> dst [B*T, heads*H]."""
-    M, H = stage_vmem.shape
+    M, H = stage.shape
     B, heads = M // rows, dst_vmem.shape[1] // H
     stride = heads // group * block
     for n in range(heads):
         c, j = divmod(n, group)
         for t in range(rows):
-            stage_vmem[pl.ds(t, B, stride=rows), :] = (
+            stage[pl.ds(t, B, stride=rows), :] = (
                 src_vmem[pl.ds(c * block + j * rows + t, B, stride=stride), :])
-        dst_vmem[:, pl.ds(n * H, H)] = stage_vmem[...]
+        dst_vmem[:, pl.ds(n * H, H)] = stage[...]
 
 
 # -- The body -------------------------------------------------------------------------------
@@ -178,8 +181,14 @@ class KvStream:
         rows = pl.ds(pl.multiple_of(i * tile, tile), tile)
         return [pltpu.make_async_copy(cache.at[self.layer, b, :, rows, :], tiles.at[slot],
                                       self.s.load_sems.at[j, slot])
-                for j, (cache, tiles) in enumerate(zip(self.caches, (self.s.k_tiles_vmem,
-                                                                     self.s.v_tiles_vmem)))]
+                for j, (cache, tiles) in enumerate(zip(self.caches, (self.s.k_tiles,
+                                                                     self.s.v_tiles)))]
+
+    def start(self, cursor, slot):  # issue the K and V loads of tile (b, i)
+        k_tiles = self.s.k_tiles
+        nbytes = math.prod(k_tiles.shape[1:]) * k_tiles.dtype.itemsize
+        for c, what in zip(self.copies(cursor, slot), ("k_tile", "v_tile")):
+            start_dma(c, what, nbytes)
 
     def prime(self, issue: bool = True):
         """Issue tiles 0 .. kv_slots - 2 (those that exist); return the cursor of the next
@@ -189,8 +198,7 @@ class KvStream:
             if issue:
                 @pl.when(j < self.total)
                 def prime_tile(ahead=ahead, j=j):
-                    for c in self.copies(ahead, j):
-                        c.start()
+                    self.start(ahead, j)
             ahead = self.advance(ahead)
         return ahead
 
@@ -228,9 +236,9 @@ def attend(
     precision = lax.Precision.HIGHEST if dtype == F32 else None
     scale = np.float32(1 / math.sqrt(H))
 
-    _gather_blocks(q_vmem, s.q_blocks_vmem, s.stage_vmem, rows=T, group=G, block=R)
-    _gather_blocks(k_new_vmem, s.k_rows_vmem, s.stage_vmem, rows=T, group=1, block=Rt)
-    _gather_blocks(v_new_vmem, s.v_rows_vmem, s.stage_vmem, rows=T, group=1, block=Rt)
+    _gather_blocks(q_vmem, s.q_blocks, s.stage, rows=T, group=G, block=R)
+    _gather_blocks(k_new_vmem, s.k_rows, s.stage, rows=T, group=1, block=Rt)
+    _gather_blocks(v_new_vmem, s.v_rows, s.stage, rows=T, group=1, block=Rt)
 
     kv = KvStream(positions_smem, k_cache_hbm, v_cache_hbm, s, rows=T, layer=layer,
                   block=block)
@@ -243,8 +251,8 @@ def attend(
         rows = pl.ds(pl.multiple_of(i * tile + start, sub), W)
         return [pltpu.make_async_copy(tiles.at[slot, :, window, :],
                                       cache.at[layer, b, :, rows, :], s.write_sems.at[j])
-                for j, (cache, tiles) in enumerate(((k_cache_hbm, s.k_tiles_vmem),
-                                                    (v_cache_hbm, s.v_tiles_vmem)))]
+                for j, (cache, tiles) in enumerate(((k_cache_hbm, s.k_tiles),
+                                                    (v_cache_hbm, s.v_tiles)))]
 
     def qblock(b, k):  # first row of block (b, k): a multiple of 8, as Mosaic needs
         return pl.multiple_of((b * K + k) * R, ALIGN)
@@ -258,19 +266,19 @@ def attend(
         visible = i * tile + column <= p + row_t  # [R, kv_tile]
         for k in range(K):
             rows = pl.ds(k * R, R)
-            q = s.q_blocks_vmem[pl.ds(qblock(b, k), R), :].astype(dtype)  # [R, H]
-            scores = lax.dot_general(q, s.k_tiles_vmem[slot, k], NT, precision=precision,
+            q = s.q_blocks[pl.ds(qblock(b, k), R), :].astype(dtype)  # [R, H]
+            scores = lax.dot_general(q, s.k_tiles[slot, k], NT, precision=precision,
                                      preferred_element_type=F32) * scale  # [R, kv_tile]
             scores = jnp.where(visible, scores, -jnp.inf)
-            m_prev = s.m_vmem[rows, :]
+            m_prev = s.m[rows, :]
             m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
             alpha = jnp.exp(m_prev - m_next)  # tile 0 comes first: m_next is finite
             probs = jnp.exp(scores - m_next)
-            s.l_vmem[rows, :] = alpha * s.l_vmem[rows, :] + jnp.sum(probs, 1, keepdims=True)
-            pv = jnp.dot(probs.astype(dtype), s.v_tiles_vmem[slot, k], precision=precision,
+            s.l[rows, :] = alpha * s.l[rows, :] + jnp.sum(probs, 1, keepdims=True)
+            pv = jnp.dot(probs.astype(dtype), s.v_tiles[slot, k], precision=precision,
                          preferred_element_type=F32)  # [R, H]
-            s.acc_vmem[rows, :] = alpha * s.acc_vmem[rows, :] + pv
-            s.m_vmem[rows, :] = m_next
+            s.acc[rows, :] = alpha * s.acc[rows, :] + pv
+            s.m[rows, :] = m_next
 
     def merge_new_rows(b, i, p, slot):
         # Row t of the new block lands on tile row p + t - i*kv_tile: a roll by
@@ -278,8 +286,8 @@ def attend(
         first = p - i * tile
         row = lax.broadcasted_iota(jnp.int32, (tile, H), 0)
         new = (row >= first) & (row < first + T)
-        for rows_vmem, tiles_vmem in ((s.k_rows_vmem, s.k_tiles_vmem),
-                                      (s.v_rows_vmem, s.v_tiles_vmem)):
+        for rows_vmem, tiles_vmem in ((s.k_rows, s.k_tiles),
+                                      (s.v_rows, s.v_tiles)):
             for k in range(K):
                 x = rows_vmem[pl.ds(pl.multiple_of((b * K + k) * Rt, ALIGN), Rt), :]  # [Rt, H]
                 if Rt < tile:
@@ -299,14 +307,13 @@ def attend(
         # Tile g + slots - 1 goes into the slot that tile g - 1 (and its write-back) left.
         @pl.when(g + slots - 1 < total)
         def prefetch():
-            for c in copies(ahead, (g + slots - 1) % slots):
-                c.start()
+            kv.start(ahead, (g + slots - 1) % slots)
 
         @pl.when(i == 0)
         def start_sequence():
-            s.m_vmem[...] = jnp.full(s.m_vmem.shape, -jnp.inf, F32)
-            s.l_vmem[...] = jnp.zeros(s.l_vmem.shape, F32)
-            s.acc_vmem[...] = jnp.zeros(s.acc_vmem.shape, F32)
+            s.m[...] = jnp.full(s.m.shape, -jnp.inf, F32)
+            s.l[...] = jnp.zeros(s.l.shape, F32)
+            s.acc[...] = jnp.zeros(s.acc.shape, F32)
 
         for c in copies(cursor, slot):
             c.wait()
@@ -322,20 +329,20 @@ def attend(
         @pl.when(written)
         def write_back():
             back = write_backs(cursor, slot, p - i * tile)
-            for c in back:
-                c.start()
+            for c, what in zip(back, ("k_write_back", "v_write_back")):
+                start_dma(c, what, K * W * H * dtype.itemsize)
             for c in back:
                 c.wait()
 
         @pl.when(i == tiles_of(b) - 1)
         def finish_sequence():
-            out = s.out_blocks_vmem.at[pl.ds(qblock(b, 0), K * R), :]
-            out[...] = s.acc_vmem[...] / s.l_vmem[...]
+            out = s.out_blocks.at[pl.ds(qblock(b, 0), K * R), :]
+            out[...] = s.acc[...] / s.l[...]
 
         return advance(cursor), advance(ahead)
 
     lax.fori_loop(0, total, step, ((jnp.int32(0), jnp.int32(0)), ahead))
-    _scatter_blocks(s.out_blocks_vmem, o_vmem, s.stage_vmem, rows=T, group=G, block=R)
+    _scatter_blocks(s.out_blocks, o_vmem, s.stage, rows=T, group=G, block=R)
 
 
 def decode_attention_kernel(
@@ -351,13 +358,13 @@ def decode_attention_kernel(
     o_vmem,  # [B*T, N*H] f32
     k_cache_hbm,  # [L, B, K, S, H] cache dtype, updated in place
     v_cache_hbm,  # [L, B, K, S, H] cache dtype
-    # Scratch
-    *scratch,  # decode_attention_scratch
+    *,
     block: BlockSizes,
+    **scratch,  # decode_attention_scratch, by name
 ):
     del k_cache_in_hbm, v_cache_in_hbm  # the same buffers as the outputs
     attend(q_vmem, k_new_vmem, v_new_vmem, positions_smem, k_cache_hbm, v_cache_hbm, o_vmem,
-           AttentionScratch(*scratch), layer=layer_smem[0], block=block)
+           AttentionScratch(**scratch), layer=layer_smem[0], block=block)
 
 
 # -- The stage wrapper ----------------------------------------------------------------------

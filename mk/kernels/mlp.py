@@ -52,7 +52,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mk.config import COMPUTE_DTYPES, MAX_ROWS
-from mk.kernels.common import BlockSizes, Buffer, default_block, vmem_limit_bytes
+from mk.kernels.common import (BlockSizes, Buffer, default_block, start_dma, vmem_limit_bytes,
+                               vmem_scratch)
 from mk.kernels.ring import Repeat, Ring, TileStream
 
 
@@ -87,8 +88,8 @@ def swiglu_body(ring: Ring, layer, x, gate_vmem, up_vmem, out_ref):
 def swiglu_buffers(M: int, D: int, F: int, dtype, block: BlockSizes,
                    x_dtype="float32") -> list[Buffer]:
     """Every VMEM buffer of `swiglu` (the budget and the scratch come from here)."""
-    return [Buffer("h", (M, D), str(jnp.dtype(x_dtype))),
-            Buffer("out", (M, D), "float32"),
+    return [Buffer("h", (M, D), str(jnp.dtype(x_dtype)), "operand"),
+            Buffer("out", (M, D), "float32", "operand"),
             Buffer("ring", (block.slots, block.tile_k, block.tile_n), str(jnp.dtype(dtype))),
             Buffer("gate", (M, F), "float32"),
             Buffer("up", (M, F), "float32")]
@@ -103,13 +104,13 @@ def swiglu_kernel(
     w_down_hbm,  # [Ld, F, D]
     # Outputs
     out_vmem,  # [M, D] f32
-    # Scratch
+    *,
+    stream: TileStream,
+    # Scratch (`vmem_scratch` of `swiglu_buffers`, by name)
     ring_vmem,  # [slots, tile_k, tile_n] weight dtype
     sems,  # DMA semaphores [slots]
     gate_vmem,  # [M, F] f32
     up_vmem,  # [M, F] f32
-    *,
-    stream: TileStream,
 ):
     row = layer_smem[0]
     fetch = swiglu_fetch(w_gate_hbm, w_up_hbm, w_down_hbm, lambda layer: row)
@@ -172,9 +173,7 @@ def swiglu(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, 
                   pl.BlockSpec(memory_space=pltpu.VMEM)]
                  + [pl.BlockSpec(memory_space=pl.ANY)] * 3,
         out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
-        scratch_shapes=[pltpu.VMEM(b.shape, b.dtype) for b in buffers[2:3]]
-                       + [pltpu.SemaphoreType.DMA((block.slots,))]
-                       + [pltpu.VMEM(b.shape, b.dtype) for b in buffers[3:]],
+        scratch_shapes=vmem_scratch(buffers) | {"sems": pltpu.SemaphoreType.DMA((block.slots,))},
         compiler_params=pltpu.CompilerParams(vmem_limit_bytes=vmem_limit_bytes(buffers)),
         name="mk_swiglu",
         cost_estimate=pl.CostEstimate(
@@ -310,8 +309,8 @@ def moe_buffers(M: int, D: int, E: int, Fe: int, dtype, block: BlockSizes,
                 x_dtype="float32") -> list[Buffer]:
     """Every VMEM buffer of `moe` (the budget and the scratch come from here)."""
     dtype = str(jnp.dtype(dtype))
-    return [Buffer("h", (M, D), str(jnp.dtype(x_dtype))),
-            Buffer("out", (M, D), "float32"),
+    return [Buffer("h", (M, D), str(jnp.dtype(x_dtype)), "operand"),
+            Buffer("out", (M, D), "float32", "operand"),
             Buffer("ring", (block.slots, block.tile_k, block.tile_n), dtype),
             Buffer("router", (D, E), dtype),
             Buffer("combine", (M, E), "float32"),
@@ -332,7 +331,11 @@ def moe_kernel(
     # Outputs
     out_vmem,  # [M, D] f32
     loaded_smem,  # [1] int32: distinct experts loaded
-    # Scratch
+    *,
+    stream: TileStream,
+    top_k: int,
+    renormalise: bool,
+    # Scratch (`vmem_scratch` of `moe_buffers`, by name, and the semaphores and scalars)
     ring_vmem,  # [slots, tile_k, tile_n] weight dtype
     sems,  # DMA semaphores [slots]
     router_vmem,  # [D, E] weight dtype
@@ -345,14 +348,10 @@ def moe_kernel(
     selected_smem,  # [1, E] int32
     ids_smem,  # [expert slots] int32
     count_smem,  # [1] int32
-    *,
-    stream: TileStream,
-    top_k: int,
-    renormalise: bool,
 ):
     row = layer_smem[0]
     router = pltpu.make_async_copy(router_hbm.at[row], router_vmem, small_sems.at[0])
-    router.start()
+    start_dma(router, "router", router_vmem.size * router_vmem.dtype.itemsize)
     count_smem[0] = 0
     out_vmem[...] = jnp.zeros_like(out_vmem)
     fetch = moe_fetch(we_gate_hbm, we_up_hbm, we_down_hbm, lambda layer: row, ids_smem,
@@ -404,13 +403,11 @@ def moe(h: jax.Array, router: jax.Array, we_gate: jax.Array, we_up: jax.Array,
                  + [pl.BlockSpec(memory_space=pl.ANY)] * 4,
         out_specs=(pl.BlockSpec(memory_space=pltpu.VMEM),
                    pl.BlockSpec(memory_space=pltpu.SMEM)),
-        scratch_shapes=[pltpu.VMEM(b.shape, b.dtype) for b in buffers[2:3]]
-                       + [pltpu.SemaphoreType.DMA((block.slots,))]
-                       + [pltpu.VMEM(b.shape, b.dtype) for b in buffers[3:]]
-                       + [pltpu.SemaphoreType.DMA((2,)),
-                          pltpu.SMEM((1, E), jnp.int32),
-                          pltpu.SMEM((slots,), jnp.int32),
-                          pltpu.SMEM((1,), jnp.int32)],
+        scratch_shapes=vmem_scratch(buffers) | dict(
+            sems=pltpu.SemaphoreType.DMA((block.slots,)),
+            small_sems=pltpu.SemaphoreType.DMA((2,)),
+            selected_smem=pltpu.SMEM((1, E), jnp.int32),
+            ids_smem=pltpu.SMEM((slots,), jnp.int32), count_smem=pltpu.SMEM((1,), jnp.int32)),
         compiler_params=pltpu.CompilerParams(vmem_limit_bytes=vmem_limit_bytes(buffers)),
         name="mk_moe",
         cost_estimate=pl.CostEstimate(  # an upper bound: every slot active

@@ -8,8 +8,10 @@ of wo are already in VMEM; while wo computes, the MLP's tiles are in flight. Exp
 are the one exception: they can only be issued once the router has chosen (see
 `mk.kernels.mlp`).
 
-Here: `layer_matrices` (the stream of one layer), `layer_body` (the in-kernel layer the
-megakernel loops over), `one_layer_buffers`, and the stage wrapper `one_layer`. Every
+Here: `layer_matrices` (the stream of one layer), `layer_dims` (what its tiles divide),
+`layer_buffers` / `layer_scratch` (its VMEM and scratch by name), `mlp_fetch`, `layer_body`
+(the in-kernel layer the megakernel loops over), and the stage wrapper `one_layer` with its
+`one_layer_buffers`. Every
 piece is the stage kernels' own: `prologue`, `attend`, `swiglu_body`, `moe_body`.
 Not here: the layer loop, the lm_head and the cross-layer ring (`mk.megakernel`).
 """
@@ -26,11 +28,12 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mk.config import ModelConfig
 from mk.kernels.attention_prologue import check_layer_inputs, prologue, prologue_matrices
-from mk.kernels.common import BlockSizes, Buffer, default_block, vmem_limit_bytes
+from mk.kernels.common import (BlockSizes, Buffer, aliases, default_block, memory_specs,
+                               start_dma, vmem_limit_bytes)
 from mk.kernels.decode_attention import (AttentionScratch, KvStream, attend,
                                          decode_attention_buffers, decode_attention_scratch)
-from mk.kernels.mlp import (expert_slots, moe_body, moe_fetch, moe_segments, swiglu_body,
-                            swiglu_fetch, swiglu_segments)
+from mk.kernels.mlp import (EXPERT_WEIGHTS, expert_slots, moe_body, moe_fetch, moe_segments,
+                            swiglu_body, swiglu_fetch, swiglu_segments)
 from mk.kernels.ring import Ring, TileStream
 from mk.reference import check_positions, rms_norm
 
@@ -41,35 +44,33 @@ def mlp_kinds(config: ModelConfig) -> tuple[str, ...]:
                                      ("moe", config.moe_layers)) if layers)
 
 
-def layer_matrices(config: ModelConfig, kinds: tuple[str, ...], rows: int) -> list:
+def layer_matrices(config: ModelConfig, kinds: tuple[str, ...], M: int) -> list:
     """The ring segments of one layer in consumption order, with the MLP segments of every
-    kind in `kinds` (a layer of the other kind switches them off); rows = B*T bounds the
-    expert slots."""
+    kind in `kinds` (a layer of the other kind switches them off); M = B*T activation rows
+    bound the expert slots."""
     matrices = prologue_matrices(config) + [("wo", config.q_width, config.hidden)]
     if "dense" in kinds:
         matrices += swiglu_segments(config.hidden, config.ffn)
     if "moe" in kinds:
-        slots = expert_slots(config.experts, config.experts_per_token, rows)
+        slots = expert_slots(config.experts, config.experts_per_token, M)
         matrices += moe_segments(config.hidden, config.expert_ffn, slots)
     return matrices
 
 
-def layer_block(config: ModelConfig, slots: int = 3) -> BlockSizes:
-    """Default tiles: the largest square tile every matrix of the layer divides into."""
+def layer_dims(config: ModelConfig) -> list[int]:
+    """Every weight dimension the layers of `config` tile (`default_block`'s input)."""
     dims = [config.hidden, config.q_width, config.kv_width]
     dims += [config.ffn] if config.dense_layers else []
-    dims += [config.expert_ffn] if config.moe_layers else []
-    return default_block(*dims, slots=slots)
+    return dims + ([config.expert_ffn] if config.moe_layers else [])
 
 
-def one_layer_buffers(config: ModelConfig, kinds: tuple[str, ...], batch: int, rows: int,
-                      block: BlockSizes) -> list[Buffer]:
-    """Every VMEM buffer of a layer kernel holding the MLP `kinds`: the two operands x and
-    x_out, then its scratch in kernel order, then the attention scratch."""
+def layer_buffers(config: ModelConfig, kinds: tuple[str, ...], batch: int, rows: int,
+                  block: BlockSizes) -> list[Buffer]:
+    """The VMEM scratch of `layer_body` holding the MLP `kinds` (group "layer": the
+    attributes of its scratch namespace `s`); the attention's are `attend`'s own."""
     M, D, dt = batch * rows, config.hidden, config.dtype
     f32 = "float32"
-    buffers = [Buffer("x", (M, D), f32), Buffer("x_out", (M, D), f32),
-               Buffer("ring", (block.slots, block.tile_k, block.tile_n), dt),
+    buffers = [Buffer("ring", (block.slots, block.tile_k, block.tile_n), dt),
                Buffer("h", (M, D), dt), Buffer("q", (M, config.q_width), f32),
                Buffer("k", (M, config.kv_width), f32), Buffer("v", (M, config.kv_width), f32),
                Buffer("o", (M, config.q_width), f32), Buffer("attn_out", (M, D), f32),
@@ -81,41 +82,52 @@ def one_layer_buffers(config: ModelConfig, kinds: tuple[str, ...], batch: int, r
         buffers += [Buffer("router", (D, E), dt), Buffer("combine", (M, E), f32),
                     Buffer("selected", (1, E), "int32"), Buffer("e_gate", (M, Fe), f32),
                     Buffer("e_up", (M, Fe), f32), Buffer("down", (M, D), f32)]
-    return buffers + decode_attention_buffers(batch, rows, config.heads, config.kv_heads,
-                                              config.head_dim, dt, block)
+    return buffers
 
 
-def scratch_shapes(config: ModelConfig, kinds: tuple[str, ...], batch: int, rows: int,
-                   block: BlockSizes):
-    """(names, pallas scratch shapes) of a layer kernel: the VMEM buffers after the two
-    operands, the ring's semaphores, the MoE scalars, then the attention scratch (which the
-    kernel wraps as `AttentionScratch`)."""
-    own = one_layer_buffers(config, kinds, batch, rows, block)[2:]
-    attention = decode_attention_scratch(batch, rows, config.heads, config.kv_heads,
-                                         config.head_dim, config.dtype, block)
-    own = own[:len(own) - (len(attention) - 2)]
-    names = [b.name for b in own] + ["sems"]
-    shapes = [pltpu.VMEM(b.shape, b.dtype) for b in own] + [
-        pltpu.SemaphoreType.DMA((block.slots,))]
+def one_layer_buffers(config: ModelConfig, kinds: tuple[str, ...], batch: int, rows: int,
+                      block: BlockSizes) -> list[Buffer]:
+    """Every VMEM buffer of the stage-05 kernel holding the MLP `kinds`: its operands x
+    and x_out, the layer scratch and the attention scratch."""
+    M, D = batch * rows, config.hidden
+    return ([Buffer("x", (M, D), "float32", "operand"),
+             Buffer("x_out", (M, D), "float32", "operand")]
+            + layer_buffers(config, kinds, batch, rows, block)
+            + decode_attention_buffers(batch, rows, config.heads, config.kv_heads,
+                                       config.head_dim, config.dtype, block))
+
+
+def layer_scratch(config: ModelConfig, kinds: tuple[str, ...], batch: int, rows: int,
+                  block: BlockSizes) -> dict:
+    """The pallas scratch of `layer_body` by name: the layer buffers, the ring's
+    semaphores and, with MoE, the router's and flags' semaphores and the SMEM scalars."""
+    scratch = {b.name: pltpu.VMEM(b.shape, b.dtype)
+               for b in layer_buffers(config, kinds, batch, rows, block)}
+    scratch["sems"] = pltpu.SemaphoreType.DMA((block.slots,))
     if "moe" in kinds:
         slots = expert_slots(config.experts, config.experts_per_token, batch * rows)
-        names += ["small_sems", "selected_smem", "ids_smem", "count_smem"]
-        shapes += [pltpu.SemaphoreType.DMA((2,)), pltpu.SMEM((1, config.experts), jnp.int32),
-                   pltpu.SMEM((slots,), jnp.int32), pltpu.SMEM((1,), jnp.int32)]
-    return names, shapes + attention
+        scratch |= dict(small_sems=pltpu.SemaphoreType.DMA((2,)),
+                        selected_smem=pltpu.SMEM((1, config.experts), jnp.int32),
+                        ids_smem=pltpu.SMEM((slots,), jnp.int32),
+                        count_smem=pltpu.SMEM((1,), jnp.int32))
+    return scratch
 
 
-def mlp_fetch(kinds, mlp_hbm, s, row, is_moe) -> dict:
-    """The ring's Fetch callables of the MLP segments. mlp_hbm: the dense weights (w_gate,
-    w_up, w_down) and/or the MoE ones (router, we_gate, we_up, we_down), in that order;
-    row(step) picks the stacked row; is_moe(step) (mixed models) switches dense off."""
+MLP_WEIGHTS = {"dense": ("w_gate", "w_up", "w_down"),
+               "moe": ("router", "we_gate", "we_up", "we_down")}
+
+
+def mlp_fetch(kinds, weights, s, row, is_moe) -> dict:
+    """The ring's Fetch callables of the MLP segments. weights: HBM refs by name (those of
+    `MLP_WEIGHTS` for each kind); row(step) picks the stacked row; is_moe(step) (mixed
+    models) switches dense off."""
     fetch = {}
     if "dense" in kinds:
         dense_off = (lambda step: ~is_moe(step)) if len(kinds) == 2 else None
-        fetch |= swiglu_fetch(*mlp_hbm[:3], row, dense_off)
-        mlp_hbm = mlp_hbm[3:]
+        fetch |= swiglu_fetch(*(weights[n] for n in MLP_WEIGHTS["dense"]), row, dense_off)
     if "moe" in kinds:
-        fetch |= moe_fetch(*mlp_hbm[1:], row, s.ids_smem, s.count_smem)
+        fetch |= moe_fetch(*(weights[n] for n in EXPERT_WEIGHTS), row, s.ids_smem,
+                           s.count_smem)
     return fetch
 
 
@@ -188,55 +200,38 @@ def layer_body(ring: Ring, config: ModelConfig, kinds, s, *, step, layer, is_moe
     return x + s.mlp_out[...]
 
 
-def one_layer_kernel(
-    # Inputs
-    index_smem,  # [2] int32: (layer, its row in the stacked MLP weights)
-    positions_smem,  # [B] int32
-    x_vmem,  # [M, D] f32 residual stream
-    norms_vmem,  # [2, D] f32: attn_norm, mlp_norm of this layer
-    qk_norms_vmem,  # [2, H] f32: q_norm, k_norm (ones without QK-norm)
-    wq_hbm,  # [L, D, N*H]
-    wk_hbm,  # [L, D, K*H]
-    wv_hbm,  # [L, D, K*H]
-    wo_hbm,  # [L, N*H, D]
-    *rest,  # MLP weights (dense: w_gate, w_up, w_down; moe: router, we_gate, we_up,
-    #         we_down), k_cache_in, v_cache_in; outputs x_out_vmem, k_cache_hbm,
-    #         v_cache_hbm; then the scratch named by `names`
-    config: ModelConfig,
-    kind: str,
-    stream: TileStream,
-    names: tuple[str, ...],
-    block: BlockSizes,
-    batch: int,
-    rows: int,
-):
-    n_mlp = 3 if kind == "dense" else 4
-    mlp_hbm, rest = rest[:n_mlp], rest[n_mlp + 2:]  # the cache inputs alias the outputs
-    x_out_vmem, k_cache_hbm, v_cache_hbm = rest[:3]
-    s = SimpleNamespace(**dict(zip(names, rest[3:3 + len(names)])))
-    attention = AttentionScratch(*rest[3 + len(names):])
-    layer, row = index_smem[0], index_smem[1]
+def one_layer_kernel(inputs, outputs, *, config: ModelConfig, kind: str,
+                     stream: TileStream, block: BlockSizes, batch: int, rows: int,
+                     **scratch):
+    """inputs: index [2] int32 (layer, its row in the stacked MLP weights), positions [B],
+    x [M, D] f32, norms [2, D] f32 (attn, mlp), qk_norms [2, H] f32 (ones without
+    QK-norm), wq, wk, wv, wo and the MLP weights of `kind` (MLP_WEIGHTS), the caches;
+    outputs: x_out [M, D] f32 and the caches (aliased); scratch: `layer_scratch` as
+    "layer", `attend`'s as "attention"."""
+    s = SimpleNamespace(**scratch["layer"])
+    layer, row = inputs["index"][0], inputs["index"][1]
 
-    def at_layer(w_hbm):
-        return lambda step: (w_hbm.at[layer], None)
+    def at_layer(name):
+        return lambda step: (inputs[name].at[layer], None)
 
-    fetch = dict(wq=at_layer(wq_hbm), wk=at_layer(wk_hbm), wv=at_layer(wv_hbm),
-                 wo=at_layer(wo_hbm))
-    fetch |= mlp_fetch((kind,), mlp_hbm, s, lambda step: row, None)
+    fetch = {name: at_layer(name) for name in ("wq", "wk", "wv", "wo")}
+    fetch |= mlp_fetch((kind,), inputs, s, lambda step: row, None)
     if kind == "moe":
-        router = pltpu.make_async_copy(mlp_hbm[0].at[row], s.router, s.small_sems.at[0])
-        router.start()  # waited below, long before the router runs
+        router = pltpu.make_async_copy(inputs["router"].at[row], s.router,
+                                       s.small_sems.at[0])
+        start_dma(router, "router", s.router.size * s.router.dtype.itemsize)
         s.count_smem[0] = 0  # expert tiles issued before routing are no-ops
     ring = Ring(stream, fetch, s.ring, s.sems)
     ring.prime()
     if kind == "moe":
-        router.wait()
-    norms = (norms_vmem[0:1, :], norms_vmem[1:2, :], qk_norms_vmem[0:1, :],
-             qk_norms_vmem[1:2, :])
-    x_out_vmem[...] = layer_body(
-        ring, config, (kind,), s, step=0, layer=layer, is_moe=None, x=x_vmem[...],
-        norms=norms, positions_smem=positions_smem, k_cache_hbm=k_cache_hbm,
-        v_cache_hbm=v_cache_hbm, attention=attention, block=block, batch=batch, rows=rows)
+        router.wait()  # long before the router runs
+    norms, qk = inputs["norms"], inputs["qk_norms"]
+    outputs["x_out"][...] = layer_body(
+        ring, config, (kind,), s, step=0, layer=layer, is_moe=None, x=inputs["x"][...],
+        norms=(norms[0:1, :], norms[1:2, :], qk[0:1, :], qk[1:2, :]),
+        positions_smem=inputs["positions"], k_cache_hbm=outputs["k_cache"],
+        v_cache_hbm=outputs["v_cache"], attention=AttentionScratch(**scratch["attention"]),
+        block=block, batch=batch, rows=rows)
 
 
 def one_layer(config: ModelConfig, params, x, k_cache, v_cache, positions, *, layer: int,
@@ -245,41 +240,48 @@ def one_layer(config: ModelConfig, params, x, k_cache, v_cache, positions, *, la
     v_cache [L, B, K, S, H] with this layer's new rows written in place)."""
     positions = jnp.asarray(positions, jnp.int32)
     B, T, D = check_layer_inputs(config, x, positions, layer)
-    M = B * T
-    expected = (config.layers, B, config.kv_heads, k_cache.shape[3], config.head_dim)
+    M, S = B * T, k_cache.shape[3]
+    expected = (config.layers, B, config.kv_heads, S, config.head_dim)
     if k_cache.shape != expected or v_cache.shape != expected:
         raise ValueError(f"caches {k_cache.shape}, {v_cache.shape} must be [L, B, K, S, H]="
                          f"{expected}")
-    check_positions(positions, T, k_cache.shape[3])
-    block = block or layer_block(config)
-    block.check_context(k_cache.shape[3])
+    check_positions(positions, T, S)
+    block = block or default_block(*layer_dims(config), context=S)
+    block.check_context(S)
     kind, row = config.mlp_index(layer)
     stream = TileStream.build(block, layer_matrices(config, (kind,), M))
-    names, scratch = scratch_shapes(config, (kind,), B, T, block)
-    mlp = (("w_gate", "w_up", "w_down") if kind == "dense"
-           else ("router", "we_gate", "we_up", "we_down"))
     ones = jnp.ones((config.head_dim,), jnp.float32)
     qk = [params[n][layer] if config.qk_norm else ones for n in ("q_norm", "k_norm")]
-    vmem, smem, hbm = (pl.BlockSpec(memory_space=m) for m in (pltpu.VMEM, pltpu.SMEM, pl.ANY))
-    n_in = 9 + len(mlp) + 2
+    weights = ("wq", "wk", "wv", "wo") + MLP_WEIGHTS[kind]
+    inputs = dict(index=jnp.array([layer, row], jnp.int32), positions=positions,
+                  x=x.reshape(M, D).astype(jnp.float32),
+                  norms=jnp.stack([params["attn_norm"][layer],
+                                   params["mlp_norm"][layer]]).astype(jnp.float32),
+                  qk_norms=jnp.stack(qk).astype(jnp.float32),
+                  k_cache=k_cache, v_cache=v_cache) | {n: params[n] for n in weights}
+    spaces = dict(index=pltpu.SMEM, positions=pltpu.SMEM, x=pltpu.VMEM, norms=pltpu.VMEM,
+                  qk_norms=pltpu.VMEM, k_cache=pl.ANY, v_cache=pl.ANY)
+    spaces |= {n: pl.ANY for n in weights}
+    outputs = dict(x_out=jax.ShapeDtypeStruct((M, D), jnp.float32), k_cache=k_cache,
+                   v_cache=v_cache)
     weight_bytes = sum(params[n][0].size * params[n].dtype.itemsize
                        for n in ("wq", "wk", "wv", "wo"))
-    x_out, k_cache, v_cache = pl.pallas_call(
+    out = pl.pallas_call(
         functools.partial(one_layer_kernel, config=config, kind=kind, stream=stream,
-                          names=tuple(names), block=block, batch=B, rows=T),
-        out_shape=(jax.ShapeDtypeStruct((M, D), jnp.float32), k_cache, v_cache),
-        in_specs=[smem, smem, vmem, vmem, vmem] + [hbm] * (n_in - 5),
-        out_specs=(vmem, hbm, hbm),
-        scratch_shapes=scratch,
-        input_output_aliases={n_in - 2: 1, n_in - 1: 2},
+                          block=block, batch=B, rows=T),
+        out_shape=outputs,
+        in_specs=(memory_specs(spaces),),
+        out_specs=memory_specs(dict(x_out=pltpu.VMEM, k_cache=pl.ANY, v_cache=pl.ANY)),
+        scratch_shapes=dict(
+            layer=layer_scratch(config, (kind,), B, T, block),
+            attention=decode_attention_scratch(B, T, config.heads, config.kv_heads,
+                                               config.head_dim, config.dtype, block)),
+        input_output_aliases=aliases(inputs, outputs, ("k_cache", "v_cache")),
         compiler_params=pltpu.CompilerParams(vmem_limit_bytes=vmem_limit_bytes(
             one_layer_buffers(config, (kind,), B, T, block))),
         name="mk_one_layer",
         cost_estimate=pl.CostEstimate(
             flops=2 * M * weight_bytes // params["wq"].dtype.itemsize, transcendentals=0,
             bytes_accessed=weight_bytes),
-    )(jnp.array([layer, row], jnp.int32), positions, x.reshape(M, D).astype(jnp.float32),
-      jnp.stack([params["attn_norm"][layer], params["mlp_norm"][layer]]).astype(jnp.float32),
-      jnp.stack(qk).astype(jnp.float32), params["wq"], params["wk"], params["wv"],
-      params["wo"], *(params[n] for n in mlp), k_cache, v_cache)
-    return x_out.reshape(B, T, D), k_cache, v_cache
+    )(inputs)
+    return out["x_out"].reshape(B, T, D), out["k_cache"], out["v_cache"]

@@ -30,13 +30,12 @@ import dataclasses
 import functools
 from typing import Callable
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mk.kernels.common import BlockSizes
+from mk.kernels.common import BlockSizes, start_dma
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +161,13 @@ class TileStream:
             yield (self.layers * self.period + local, None, named(s, c), t % s.row_tiles,
                    t // s.row_tiles)
 
+    def table(self, itemsize: int = 2) -> list[dict]:
+        """One dict per tile (g, layer, matrix, row/col tile, ring slot, KiB), for a table."""
+        kib = self.block.tile_k * self.block.tile_n * itemsize / 1024
+        return [dict(g=g, layer="lm_head" if layer is None else layer, matrix=name,
+                     row_tile=i, col_tile=j, slot=g % self.block.slots, KiB=kib)
+                for g, layer, name, i, j in self.tiles()]
+
     @property
     def tile_bytes(self) -> int:
         return self.block.tile_k * self.block.tile_n  # times the weight itemsize
@@ -220,8 +226,9 @@ class Ring:
 
     def start(self, g):
         """Issue tile g into slot g % slots; a no-op past the end or for an off segment."""
-        self._each_segment(g, lambda seg, layer, copy, t: self._copy(
-            seg, layer, copy, t, g % self.n).start())
+        nbytes = self.tk * self.tn * self.slots_vmem.dtype.itemsize
+        self._each_segment(g, lambda seg, layer, copy, t: start_dma(
+            self._copy(seg, layer, copy, t, g % self.n), seg.name, nbytes))
 
     def wait(self, g):
         """Block until tile g has landed (a no-op for an off segment)."""

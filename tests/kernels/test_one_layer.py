@@ -17,7 +17,8 @@ from hypothesis import given, settings, strategies as st
 import mk
 from mk import backend, reference, tpu
 from mk.kernels.common import vmem_budget
-from mk.kernels.one_layer import layer_block, one_layer, one_layer_buffers
+from mk.kernels.one_layer import one_layer, one_layer_buffers
+from mk.kernels.plan import default_block
 from tolerances import TOLERANCE as ALL_TOLERANCES
 
 TOLERANCE = ALL_TOLERANCES["layer"]
@@ -107,7 +108,7 @@ def test_bad_inputs_are_named():
 def test_compiles_for_tpu_at_real_shapes(name, chip):
     config = mk.preset(name).first_layers(2)
     B, T, S = 8, 1, 4096
-    block = dataclasses.replace(layer_block(config), kv_tile=256)
+    block = default_block(config, 256)
     params = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in config.param_shapes().items()}
     cache = jax.ShapeDtypeStruct((2, B, config.kv_heads, S, config.head_dim), config.dtype)
     kind = config.mlp_index(1)[0]

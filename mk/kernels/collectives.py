@@ -150,35 +150,41 @@ def all_reduce_bytes(nbytes: int, n: int) -> int:
 
 # -- Scratch -------------------------------------------------------------------------------
 class CollectiveScratch(NamedTuple):
-    """The scratch refs of one collective of [R, C] float32 values over n devices."""
+    """The scratch refs of one collective of [R, C] float32 values over n devices, by the
+    names `collective_scratch` gives them."""
 
-    stage_vmem: Any  # [n, R, C/n] f32: this device's partial, chunked (all-reduce only)
-    recv_vmem: Any  # [2, n-1, R, C/n] f32: reduce-scatter receive regions, per slot
-    gathered_vmem: Any  # [2, n, R, C/n] f32 (all-reduce) or [2, n, R, C] (all-gather)
+    gathered: Any  # [2, n, R, C/n] f32 (all-reduce) or [2, n, R, C] (all-gather)
     sems: Any  # DMA semaphores [2, 2, 2, log2 n]: (slot, send/recv, phase, round)
+    stage: Any = None  # [n, R, C/n] f32: this device's partial, chunked (all-reduce only)
+    recv: Any = None  # [2, n-1, R, C/n] f32: reduce-scatter receive regions, per slot
 
 
 def collective_buffers(name: str, rows: int, cols: int, n: int, *,
                        reduce: bool) -> list[Buffer]:
-    """The VMEM buffers of one collective (`CollectiveScratch` order, semaphores aside);
-    reduce=False is an all-gather, which needs no staging or reduce-scatter regions."""
+    """The VMEM buffers of one collective called `name` (its group; each buffer is
+    "name.field" of `CollectiveScratch`, semaphores aside); reduce=False is an all-gather,
+    which needs no staging or reduce-scatter regions."""
     if not reduce:
-        return [Buffer(f"{name}_gathered", (2, n, rows, cols), "float32")]
+        return [Buffer(f"{name}.gathered", (2, n, rows, cols), "float32", name)]
     if cols % n:
         raise ValueError(f"{name}: cols={cols} must be a multiple of the devices n={n}")
     c = cols // n
-    return [Buffer(f"{name}_stage", (n, rows, c), "float32"),
-            Buffer(f"{name}_recv", (2, max(n - 1, 1), rows, c), "float32"),
-            Buffer(f"{name}_gathered", (2, n, rows, c), "float32")]
+    return [Buffer(f"{name}.stage", (n, rows, c), "float32", name),
+            Buffer(f"{name}.recv", (2, max(n - 1, 1), rows, c), "float32", name),
+            Buffer(f"{name}.gathered", (2, n, rows, c), "float32", name)]
 
 
-def collective_scratch(rows: int, cols: int, n: int, *, reduce: bool) -> list:
-    """The pallas scratch shapes of one collective: wrap them as
-    `CollectiveScratch(*refs)` (all-reduce) or `CollectiveScratch(None, None, *refs)`."""
-    rounds = max(check_devices(n, "n"), 1)
-    vmem = [pltpu.VMEM(b.shape, b.dtype)
-            for b in collective_buffers("c", rows, cols, n, reduce=reduce)]
-    return vmem + [pltpu.SemaphoreType.DMA((2, 2, 2, rounds))]
+def collective_semaphores(n: int):
+    """The DMA semaphores of one collective over n devices."""
+    return pltpu.SemaphoreType.DMA((2, 2, 2, max(check_devices(n, "n"), 1)))
+
+
+def collective_scratch(rows: int, cols: int, n: int, *, reduce: bool) -> dict:
+    """The pallas scratch of one collective by `CollectiveScratch` field:
+    `CollectiveScratch(**refs)`."""
+    return {b.name.partition(".")[2]: pltpu.VMEM(b.shape, b.dtype)
+            for b in collective_buffers("c", rows, cols, n, reduce=reduce)} | {
+        "sems": collective_semaphores(n)}
 
 
 # -- Kernel-side helpers -------------------------------------------------------------------
@@ -221,12 +227,12 @@ def _gather_rounds(gathered, sems, slot, me, n: int, phase: int):
 
 
 def all_gather_body(x, s: CollectiveScratch, *, n: int, slot=0, axis: str = AXIS):
-    """x [R, C] on every device -> [n, R, C] value (device i's x at i); s.gathered_vmem is
+    """x [R, C] on every device -> [n, R, C] value (device i's x at i); s.gathered is
     [2, n, R, C]; `slot` (int or traced) alternates between consecutive collectives."""
     if n == 1:
         return x[None]
     me = lax.axis_index(axis)
-    gathered = s.gathered_vmem.at[slot]
+    gathered = s.gathered.at[slot]
     gathered[pl.ds(me, 1)] = x[None].astype(gathered.dtype)
     _gather_rounds(gathered, s.sems, slot, me, n, phase=1)
     return gathered[...]
@@ -240,7 +246,7 @@ def all_reduce_body(x, s: CollectiveScratch, *, n: int, slot=0, axis: str = AXIS
     me = lax.axis_index(axis)
     R, C = x.shape
     c = C // n
-    stage, recv = s.stage_vmem, s.recv_vmem.at[slot]
+    stage, recv = s.stage, s.recv.at[slot]
     for i in range(n):
         stage[i] = x[:, i * c:(i + 1) * c].astype(stage.dtype)
     offset = 0
@@ -254,7 +260,7 @@ def all_reduce_body(x, s: CollectiveScratch, *, n: int, slot=0, axis: str = AXIS
         _exchange(stage.at[pl.ds(give, d)], region, s.sems, slot, 0, r, _peer(me, d))
         stage[pl.ds(keep, d)] = stage[pl.ds(keep, d)] + region[...]
         offset += d
-    gathered = s.gathered_vmem.at[slot]
+    gathered = s.gathered.at[slot]
     gathered[pl.ds(me, 1)] = stage[pl.ds(me, 1)]
     _gather_rounds(gathered, s.sems, slot, me, n, phase=1)
     return jnp.concatenate([gathered[i] for i in range(n)], axis=1)
@@ -264,7 +270,7 @@ def argmax_body(logits, first_id, s: CollectiveScratch, *, n: int, valid=None, s
                 axis: str = AXIS):
     """Greedy token of each row over every shard's logits: logits [M, Vs] f32 holding ids
     first_id + [0, Vs) on this device (`valid` [M, Vs] bool masks padding) -> [M, 1]
-    int32, ties to the lowest id, the same on every device. s.gathered_vmem is
+    int32, ties to the lowest id, the same on every device. s.gathered is
     [2, n, M, 128] f32. With n=1 (s unused) it is the single-device argmax, op for op."""
     M, Vs = logits.shape
     local = lax.broadcasted_iota(jnp.int32, (M, Vs), 1)
@@ -321,10 +327,10 @@ def _smap(mesh, fn, x, out_spec):
                          check_vma=False)(x)
 
 
-def all_reduce_kernel(x_vmem, out_vmem, *scratch, n: int):
+def all_reduce_kernel(x_vmem, out_vmem, *, n: int, **scratch):
     """x_vmem [times, R, C] f32 -> out_vmem [times, R, C]: `times` all-reduces in a row
     (slots 0, 1, 0, ...), so a test sees the double buffering reused."""
-    s = CollectiveScratch(*scratch)
+    s = CollectiveScratch(**scratch)
     barrier(n)
     for k in range(x_vmem.shape[0]):
         out_vmem[k] = all_reduce_body(x_vmem[k], s, n=n, slot=k % 2)
@@ -347,9 +353,9 @@ def all_reduce(x: jax.Array, mesh: jax.sharding.Mesh) -> jax.Array:
     return _smap(mesh, per_device, x.astype(jnp.float32), P(AXIS))
 
 
-def all_gather_kernel(x_vmem, out_vmem, *scratch, n: int, slots: int):
+def all_gather_kernel(x_vmem, out_vmem, *, n: int, slots: int, **scratch):
     """x_vmem [times, R, C] -> out_vmem [times, n, R, C]."""
-    s = CollectiveScratch(None, None, *scratch)
+    s = CollectiveScratch(**scratch)
     barrier(n)
     for k in range(x_vmem.shape[0]):
         out_vmem[k] = all_gather_body(x_vmem[k], s, n=n, slot=k % slots)
@@ -375,9 +381,9 @@ def all_gather(x: jax.Array, mesh: jax.sharding.Mesh, *, slots: int = 2) -> jax.
     return _smap(mesh, per_device, x.astype(jnp.float32), P(AXIS))
 
 
-def greedy_argmax_kernel(logits_vmem, tokens_vmem, *scratch, n: int, vocab: int):
+def greedy_argmax_kernel(logits_vmem, tokens_vmem, *, n: int, vocab: int, **scratch):
     """logits_vmem [times, M, Vs] f32 (this shard's ids) -> tokens_vmem [times, M, 1]."""
-    s = CollectiveScratch(None, None, *scratch)
+    s = CollectiveScratch(**scratch)
     barrier(n)
     Vs = logits_vmem.shape[2]
     first = lax.axis_index(AXIS) * Vs if n > 1 else 0

@@ -1,0 +1,348 @@
+"""The decode plan: one device's decode step as data, read by the kernel, the simulator,
+the performance model and every compile path.
+
+`DecodePlan.make(config, tp=, batch=, rows=, context=, block=None)` holds, frozen:
+
+    config, tp    the whole model and the devices sharing it
+    local         the shard one device holds, as a smaller `ModelConfig` (`shard_config`)
+    batch, rows   B sequences x T rows each (M = B*T activation rows); context = S, the
+                  cache capacity in positions
+    block         the tiling (`default_block` unless given)
+    stream        the `TileStream`: every weight tile of the step in program order
+    buffers       every VMEM buffer by name (`Buffer`, with its group): the VMEM budget,
+                  the kernel's Pallas scratch (`scratch()`) and the simulator's sizes all
+                  come from this one dict
+
+and answers `fits(chip)` (the one VMEM + HBM capacity check, made before any compile) and
+`weight_bytes(experts)` (the bytes each weight family moves per step on one device, what
+`mk.perf` and `mk.sim` count and the kernel's DMAs move).
+
+The sharding model (one place; `mk.tensor_parallel` shards the weights to it):
+
+    attention  N/tp query heads; K/tp kv heads, or, when tp > K, the one kv head its query
+               heads share (replicated on tp/K devices)
+    dense MLP  F/tp columns of w_gate, w_up and rows of w_down, padded to whole 128-lane
+               tiles with zeros (silu(0) * 0 = 0: exact, but the padding is streamed)
+    MoE        every expert on every device, each split the same way (Fe/tp, padded); the
+               router replicated, so every device routes identically
+    lm_head    V/tp vocab columns, padded to whole tiles (masked before the argmax)
+    replicated the residual stream, the norms, the router, the embedding table
+
+The default tiling is `mk.kernels.common.default_block` (the rule every kernel uses) over
+every matrix dimension of the shard, with the cache's context: square tiles up to 512, 3
+ring slots, KV tiles of min(256, S) positions.
+
+Adding a VMEM buffer to the megakernel is one line in `_buffers` (its group says where the
+kernel finds it: "layer" buffers are attributes of the layer scratch, the others are
+their own scratch entry or an operand). Here: the sharding model (`check_tp`,
+`shard_config`, `kv_heads_of`, `padded_width`), `padded_vocab`, `default_block`,
+`capacity`, `WEIGHT_FAMILIES`, `family_of`, `shard_weight_bytes`, `DecodePlan`, `Fit`. Not here: the kernel
+(`mk.megakernel`), sharding arrays (`mk.tensor_parallel`), time (`mk.sim`, `mk.perf`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
+
+from mk.chips import ChipSpec, chip as named_chip
+from mk.config import DTYPE_BITS, ModelConfig, check_rows, positive_int
+from mk.kernels.collectives import (MAX_INDEX, check_devices, collective_buffers,
+                                    collective_semaphores)
+from mk.kernels.common import KV_TILE, LANES, SLOTS, BlockSizes, Buffer, VmemBudget, vmem_budget
+from mk.kernels.common import default_block as common_default_block
+from mk.kernels.decode_attention import decode_attention_buffers
+from mk.kernels.mlp import expert_slots
+from mk.kernels.one_layer import layer_buffers, layer_dims, layer_matrices, mlp_kinds
+from mk.kernels.ring import TileStream
+
+# The weight families of one step, and which ring segments and copies belong to each.
+WEIGHT_FAMILIES = {
+    "attention": ("wq", "wk", "wv", "wo"),
+    "norms": ("norms", "qk_norms", "final_norm"),
+    "dense_mlp": ("w_gate", "w_up", "w_down"),
+    "router": ("router",),
+    "experts": ("we_gate", "we_up", "we_down"),
+    "lm_head": ("lm_head",),
+}
+KV_FAMILIES = {"kv_read": ("k_tile", "v_tile"), "kv_write": ("k_write_back", "v_write_back")}
+# Storage dtype family of each weight family (mk.perf.family_dtypes); norms are float32.
+DTYPE_FAMILY = {"attention": "dense", "dense_mlp": "dense", "router": "dense",
+                "lm_head": "dense", "experts": "experts", "norms": None}
+
+
+def family_of(what: str) -> str:
+    """The byte family of a DMA named `what` ("wq", "we_gate[3]", "k_tile", ...)."""
+    name = what.split("[")[0]
+    for family, names in (WEIGHT_FAMILIES | KV_FAMILIES).items():
+        if name in names:
+            return family
+    raise KeyError(f"no byte family holds {what!r}")
+
+
+# -- The sharding model -------------------------------------------------------------------
+def padded_width(width: int) -> int:
+    """A split MLP width rounded up to whole 128-lane tiles."""
+    return -(-width // LANES) * LANES
+
+
+def check_tp(config: ModelConfig, tp: int) -> int:
+    """tp as an int after checking every width it splits splits evenly; raises ValueError
+    naming the field."""
+    check_devices(tp)
+    if config.linear_layers:
+        raise ValueError(f"{config.name}: layer_types has linear-attention layers; the "
+                         "megakernel does not build them yet (issue 17)")
+    need = [("heads", config.heads), ("vocab", config.vocab), ("hidden", config.hidden)]
+    if config.dense_layers:
+        need.append(("ffn", config.ffn))
+    if config.moe_layers:
+        need.append(("expert_ffn", config.expert_ffn))
+    for field, value in need:
+        if value % tp:
+            raise ValueError(f"{config.name}: {field}={value} is not a multiple of tp={tp}")
+    K = config.kv_heads
+    if K % tp and tp % K:
+        raise ValueError(f"{config.name}: kv_heads={K} and tp={tp}: one must divide the "
+                         "other (kv heads are split, or replicated on tp/K devices)")
+    if tp > 1 and config.vocab > MAX_INDEX:
+        raise ValueError(f"{config.name}: vocab={config.vocab} over {MAX_INDEX} (token ids "
+                         "travel as float32 in the cross-shard argmax)")
+    return int(tp)
+
+
+def shard_config(config: ModelConfig, tp: int) -> ModelConfig:
+    """The model one device holds (module docstring): N/tp heads, max(K/tp, 1) kv heads,
+    F/tp and Fe/tp padded to whole 128-lane tiles, V/tp."""
+    tp = check_tp(config, tp)
+    if tp == 1:
+        return config
+    return dataclasses.replace(
+        config, name=f"{config.name}/tp{tp}", heads=config.heads // tp,
+        kv_heads=max(config.kv_heads // tp, 1),
+        ffn=padded_width(config.ffn // tp) if config.dense_layers else config.ffn,
+        expert_ffn=padded_width(config.expert_ffn // tp) if config.moe_layers else 0,
+        vocab=config.vocab // tp, tie_embeddings=False)
+
+
+def kv_heads_of(config: ModelConfig, tp: int) -> list[list[int]]:
+    """[tp][K_local]: the global kv heads each device holds (replicated when tp > K)."""
+    K = config.kv_heads
+    local, copies = max(K // tp, 1), max(tp // K, 1)
+    return [[(i // copies) * local + j for j in range(local)] for i in range(tp)]
+
+
+# -- The default tiling -------------------------------------------------------------------
+def padded_vocab(local: ModelConfig, block: BlockSizes) -> int:
+    """V (of the shard) rounded up to whole lm_head tiles."""
+    return -(-local.vocab // block.tile_n) * block.tile_n
+
+
+def default_block(local: ModelConfig, context: int, *, slots: int = SLOTS) -> BlockSizes:
+    """The default tiling of a shard with a cache of `context` positions
+    (`mk.kernels.common.default_block` over every matrix dimension of the shard)."""
+    return common_default_block(*layer_dims(local), context=positive_int("context", context),
+                                slots=slots)
+
+
+def capacity(positions: int) -> int:
+    """The smallest cache capacity S holding `positions` that the default KV tile divides:
+    `positions` rounded up to 16 sublanes, and to whole KV_TILEs beyond one tile."""
+    S = -(-positive_int("positions", positions) // 16) * 16
+    return S if S <= KV_TILE else -(-S // KV_TILE) * KV_TILE
+
+
+def shard_weight_bytes(local: ModelConfig, vocab: int, experts: float,
+                       dtypes=None) -> dict[str, float]:
+    """Bytes each weight family moves in one step on one device holding `local` (a
+    `shard_config`), as the kernel streams them: every matrix of the shard (widths padded
+    to tiles), the lm_head's `vocab` columns (padded to tiles), the norm vectors in
+    float32, `experts` active experts per MoE layer. `dtypes`: storage dtype per dtype
+    family ({"dense": ..., "experts": ...}; default the config's). What `DecodePlan`,
+    `mk.sim` (through the plan) and `mk.perf` count."""
+    c, D, H = local, local.hidden, local.head_dim
+    dtypes = dtypes or {"dense": c.dtype, "experts": c.expert_dtype or c.dtype}
+    elements = dict(
+        attention=c.layers * D * (2 * c.q_width + 2 * c.kv_width),
+        norms=c.layers * 2 * (D + H) + D,
+        dense_mlp=len(c.dense_layers) * 3 * D * c.ffn,
+        router=len(c.moe_layers) * D * c.experts,
+        experts=len(c.moe_layers) * experts * 3 * D * c.expert_ffn,
+        lm_head=D * vocab)
+    return {f: n * (4 if DTYPE_FAMILY[f] is None else DTYPE_BITS[dtypes[DTYPE_FAMILY[f]]] / 8)
+            for f, n in elements.items()}
+
+
+# -- The plan -------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    """Whether one device's step fits a chip: VMEM (the plan's buffers) and HBM (its
+    weights and KV cache against one core's share)."""
+
+    chip: str
+    vmem: VmemBudget | None  # None when the buffers do not fit (see error)
+    hbm_bytes: int
+    hbm_limit_bytes: int
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    """One device's decode step (module docstring). Build it with `DecodePlan.make`."""
+
+    config: ModelConfig
+    tp: int
+    local: ModelConfig
+    batch: int
+    rows: int
+    context: int
+    block: BlockSizes
+    stream: TileStream
+    named_buffers: tuple[tuple[str, Buffer], ...]  # `buffers` as a hashable field
+
+    @property
+    def buffers(self) -> dict[str, Buffer]:
+        """Every VMEM buffer of the step by name."""
+        return dict(self.named_buffers)
+
+    @classmethod
+    def make(cls, config: ModelConfig, *, tp: int = 1, batch: int, rows: int = 1,
+             context: int, block: BlockSizes | None = None) -> DecodePlan:
+        """Check every limit of the step before anything is traced: tp splits the
+        model, M = B*T is in [1, MAX_ROWS], the tiles divide every matrix of the shard,
+        the KV tile divides the cache and holds the T rows. (A one-slot ring is a plan the
+        simulator replays; the kernel refuses it, `mk.megakernel.step_plan`.)"""
+        if not isinstance(config, ModelConfig):
+            raise ValueError(f"config={config!r} must be a ModelConfig")
+        local = shard_config(config, tp)
+        M = check_rows(batch, rows)
+        context = positive_int("context", context)
+        if block is None:
+            block = default_block(local, context)
+        elif not isinstance(block, BlockSizes):
+            raise ValueError(f"block={block!r} must be a BlockSizes or None")
+        block.check_context(context)
+        if rows > block.kv_tile:
+            raise ValueError(f"rows={rows} new rows per sequence exceed "
+                             f"kv_tile={block.kv_tile}")
+        vocab = padded_vocab(local, block)
+        stream = TileStream.build(block, layer_matrices(local, mlp_kinds(local), M),
+                                  layers=local.layers,
+                                  tail=[("lm_head", local.hidden, vocab)])
+        buffers = _buffers(local, int(tp), int(batch), int(rows), block, vocab)
+        return cls(config, int(tp), local, int(batch), int(rows), context, block, stream,
+                   tuple(buffers.items()))
+
+    @property
+    def M(self) -> int:
+        return self.batch * self.rows
+
+    @property
+    def vocab(self) -> int:
+        """The shard's vocab padded to whole lm_head tiles (the logits' columns)."""
+        return padded_vocab(self.local, self.block)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return mlp_kinds(self.local)
+
+    @property
+    def expert_slots(self) -> int:
+        return expert_slots(self.local.experts, self.local.experts_per_token, self.M)
+
+    def group(self, group: str) -> dict[str, Buffer]:
+        return {n: b for n, b in self.buffers.items() if b.group == group}
+
+    def scratch(self) -> dict:
+        """The kernel's Pallas scratch by name: every VMEM buffer that is not an operand
+        (the "layer" group as one dict, the others by their group), the DMA semaphores
+        and the SMEM scalars."""
+        vmem = {n: pltpu.VMEM(b.shape, b.dtype) for n, b in self.buffers.items()
+                if b.group != "operand"}
+        groups: dict = {}
+        for name, b in self.buffers.items():
+            if b.group != "operand":
+                groups.setdefault(b.group, {})[name.removeprefix(b.group + ".")] = vmem[name]
+        layer = groups.pop("layer") | {"sems": pltpu.SemaphoreType.DMA((self.block.slots,))}
+        if "moe" in self.kinds:
+            layer |= dict(small_sems=pltpu.SemaphoreType.DMA((2,)),
+                          selected_smem=pltpu.SMEM((1, self.local.experts), jnp.int32),
+                          ids_smem=pltpu.SMEM((self.expert_slots,), jnp.int32),
+                          count_smem=pltpu.SMEM((1,), jnp.int32))
+        groups["attention"] |= dict(load_sems=pltpu.SemaphoreType.DMA((2, self.block.kv_slots)),
+                                    write_sems=pltpu.SemaphoreType.DMA((2,)))
+        vectors = groups.pop("vectors") | {"sems": pltpu.SemaphoreType.DMA((2, 2)),
+                                           "final_sem": pltpu.SemaphoreType.DMA((1,))}
+        out = dict(layer=layer, vectors=vectors, attention=groups.pop("attention"))
+        for name, group in groups.items():  # the collectives (tp > 1)
+            out[name] = group | {"sems": collective_semaphores(self.tp)}
+        return out
+
+    def weight_bytes(self, experts: float | None = None, dtypes=None) -> dict[str, float]:
+        """`shard_weight_bytes` of this plan's shard and tiles; `experts` defaults to
+        every expert slot of the stream."""
+        return shard_weight_bytes(self.local, self.vocab,
+                                  self.expert_slots if experts is None else experts, dtypes)
+
+    def kv_tiles(self, positions) -> tuple[int, int]:
+        """(KV tiles read, tiles written back) of one layer for sequences at `positions`
+        (a tile is K and V of the shard's kv heads)."""
+        tile, T = self.block.kv_tile, self.rows
+        read = sum((p + T - 1) // tile + 1 for p in positions)
+        return read, sum((p + T - 1) // tile - p // tile + 1 for p in positions)
+
+    def hbm_bytes(self) -> int:
+        """HBM one device holds: its weights (as `mk.megakernel.prepare` lays them out,
+        with the whole embedding table) and its KV cache."""
+        c = self.local
+        weights = self.weight_bytes(experts=c.experts if c.is_moe else 0)
+        itemsize = jnp.dtype(c.dtype).itemsize
+        embed = self.config.vocab * c.hidden * itemsize
+        cache = 2 * c.layers * self.batch * c.kv_width * self.context * itemsize
+        return int(sum(weights.values()) + embed + cache)
+
+    def fits(self, chip: ChipSpec | str) -> Fit:
+        """The one capacity check: the VMEM buffers against one core's VMEM and the HBM
+        one device holds against one core's share of the chip's HBM."""
+        spec = named_chip(chip) if isinstance(chip, str) else chip
+        hbm, limit = self.hbm_bytes(), spec.hbm_bytes // spec.cores_per_chip
+        try:
+            vmem = vmem_budget(f"megakernel {self.local.name}", self.buffers.values(), spec)
+        except ValueError as err:
+            return Fit(spec.name, None, hbm, limit, str(err))
+        if hbm > limit:
+            return Fit(spec.name, vmem, hbm, limit,
+                       f"{self.local.name}: weights and KV cache need {hbm / 2**30:.1f} GiB "
+                       f"of HBM, over {spec.name}'s {limit / 2**30:.1f} GiB per core")
+        return Fit(spec.name, vmem, hbm, limit)
+
+
+def _buffers(local: ModelConfig, tp: int, batch: int, rows: int, block: BlockSizes,
+             vocab: int) -> dict[str, Buffer]:
+    """Every VMEM buffer of the megakernel by name (module docstring)."""
+    M, D, H, dt = batch * rows, local.hidden, local.head_dim, local.dtype
+    f32 = "float32"
+    buffers = [
+        *layer_buffers(local, mlp_kinds(local), batch, rows, block),
+        *decode_attention_buffers(batch, rows, local.heads, local.kv_heads, H, dt, block),
+        Buffer("norms", (2, 2, D), f32, "vectors"),  # a layer's norms, two layers' slots
+        Buffer("qk_norms", (2, 2, H), f32, "vectors"),
+        Buffer("final_norm", (1, D), f32, "vectors"),
+        Buffer("x", (M, D), f32, "operand"),  # the embedded tokens
+        Buffer("logits", (M, vocab), f32, "operand"),
+        Buffer("next_tokens", (M, 1), "int32", "operand"),
+    ]
+    if tp > 1:  # one all-reduce of [M, D] (two slots) and the argmax's gather
+        buffers += collective_buffers("all_reduce", M, D, tp, reduce=True)
+        buffers += collective_buffers("argmax", M, LANES, tp, reduce=False)
+    out = {b.name: b for b in buffers}
+    if len(out) != len(buffers):
+        raise ValueError(f"duplicate buffer names in {[b.name for b in buffers]}")
+    return out
+

@@ -1,0 +1,146 @@
+"""mk.kernels.plan: one device's decode step as data, held against the kernel's own DMAs.
+
+The byte-count test runs one megakernel step in TPU interpret mode with every DMA the
+kernel starts recorded where it starts (`mk.kernels.common.dma_log`: a host callback
+under the same `pl.when` as the DMA, so a switched-off tile is not counted), for tiny,
+tiny-moe and tiny-moe at tp 2 and 4 (a subprocess with virtual devices), and compares the
+bytes per family with the plan's ledger (`DecodePlan.weight_bytes`), with the simulator's
+replay of the same plan and with `mk.perf.predict`, exactly. One sequence of one row
+routes to exactly top-k experts per MoE layer, so the active experts are known.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mk
+from mk import backend, megakernel, perf, reference, sim
+from mk import tensor_parallel as tpar
+from mk.kernels.collectives import tp_mesh
+from mk.kernels.common import BlockSizes, dma_log
+from mk.kernels.plan import (DTYPE_FAMILY, DecodePlan, KV_FAMILIES, WEIGHT_FAMILIES,
+                             capacity, default_block, family_of, shard_config)
+from multidevice import run
+
+POSITION = 37  # the one sequence's cached positions before its new row
+
+
+def _step_plan(name: str, tp: int) -> DecodePlan:
+    config = mk.preset(name)
+    return DecodePlan.make(config, tp=tp, batch=1, rows=1, context=config.max_context)
+
+
+def counted_moe(tp: int) -> dict:
+    """`counted("tiny-moe", tp)`, the entry point of the subprocess (tests/multidevice.py)."""
+    return counted("tiny-moe", tp)
+
+
+def counted(name: str, tp: int) -> dict:
+    """One megakernel step of `name` on tp devices with every DMA recorded -> bytes per
+    family, summed over the devices (runs in a subprocess when tp > 1)."""
+    plan = _step_plan(name, tp)
+    config = plan.config
+    params = mk.init_params(config)
+    prompt = (jnp.arange(POSITION, dtype=jnp.int32) * 7 % config.vocab)[None]
+    _, cache = reference.prefill(config, params, prompt, max_context=config.max_context)
+    tokens, positions = jnp.array([[5]], jnp.int32), jnp.array([POSITION], jnp.int32)
+    with dma_log() as log, backend.use("interpret"):
+        if tp == 1:
+            weights = megakernel.prepare(config, params, plan.block)
+            out = megakernel.decode_step(config, weights, cache, tokens, positions)
+        else:
+            out = tpar.decode_step(config, tpar.prepare(plan, params),
+                                   tpar.shard_cache(config, cache, tp), tokens, positions,
+                                   mesh=tp_mesh(tp))
+        jax.block_until_ready(out)
+    families: dict = {}
+    for what, nbytes in log:
+        families[family_of(what)] = families.get(family_of(what), 0) + nbytes
+    return {f: np.array(b) for f, b in families.items()}
+
+
+@pytest.mark.parametrize("name, tp", [("tiny", 1), ("tiny-moe", 1), ("tiny-moe", 2),
+                                      ("tiny-moe", 4)])
+def test_the_kernel_moves_the_bytes_the_plan_the_simulator_and_perf_count(name, tp):
+    got = counted(name, tp) if tp == 1 else run("test_plan:counted_moe", tp)
+    got = {f: int(b) for f, b in got.items()}
+    plan = _step_plan(name, tp)
+    config, local = plan.config, plan.local
+    active = config.experts_per_token if config.is_moe else 0  # one row: exactly top-k
+    ledger = plan.weight_bytes(active)
+    want = {f: tp * b for f, b in ledger.items() if b}
+    replay = sim.simulate(config, "v5e", batch=1, rows=1, context=POSITION, tp=tp,
+                          block=plan.block, experts_active=active or None)
+    roof = perf.predict(config, "v5e", batch=1, rows=1, context=POSITION, tp=tp,
+                        routing="shared")
+    assert {f: got[f] for f in want} == want  # every weight family the plan names
+    assert {f: tp * b for f, b in replay.family_bytes().items()} == got  # KV included
+    by_perf = dict(attention=roof.attention_bytes, norms=roof.norm_bytes,
+                   dense_mlp=roof.dense_mlp_bytes, router=roof.router_bytes,
+                   experts=roof.expert_bytes, lm_head=roof.lm_head_bytes)
+    assert {f: b for f, b in by_perf.items() if b} == want
+    assert set(got) == set(want) | set(KV_FAMILIES)
+    # Switched-off segments are not counted: every layer's period holds the dense MLP's
+    # tiles, but only the dense layer's are moved.
+    if config.is_moe:
+        every_layer = local.layers * 3 * local.hidden * local.ffn * 2
+        assert tp * every_layer == 3 * got["dense_mlp"]
+
+
+def test_weight_bytes_are_the_shards_matrices_padded_and_the_norms_in_float32():
+    plan = _step_plan("tiny-moe", 4)
+    local, D = plan.local, plan.local.hidden
+    assert local.expert_ffn == 128 and plan.config.expert_ffn // 4 == 32  # padded 4x
+    assert local.kv_heads == 1 and plan.config.kv_heads == 2  # replicated at tp > K
+    bytes_ = plan.weight_bytes(experts=2)
+    assert bytes_["experts"] == len(local.moe_layers) * 2 * 3 * D * 128 * 2
+    assert bytes_["norms"] == (local.layers * 2 * (D + local.head_dim) + D) * 4
+    assert bytes_["lm_head"] == D * plan.vocab * 2
+    assert set(bytes_) == set(WEIGHT_FAMILIES) == set(DTYPE_FAMILY)
+
+
+def test_every_buffer_is_named_once_and_the_scratch_comes_from_them():
+    plan = _step_plan("tiny-moe", 2)
+    scratch = plan.scratch()
+    assert set(scratch) == {"layer", "vectors", "attention", "all_reduce", "argmax"}
+    vmem = [n for n, b in plan.buffers.items() if b.group != "operand"]
+    leaves = [k for group in scratch.values() for k, v in group.items()
+              if v is not None and not str(v).startswith("SemaphoreType")]
+    assert len(vmem) <= len(leaves)
+    assert plan.group("operand").keys() == {"x", "logits", "next_tokens"}
+    assert plan.buffers["ring"].shape == (plan.block.slots, plan.block.tile_k,
+                                          plan.block.tile_n)
+
+
+def test_the_default_tiling_is_one_rule():
+    config = mk.preset("qwen3-8b")
+    plan = DecodePlan.make(config, batch=8, context=4096)
+    assert plan.block == default_block(config, 4096) == BlockSizes(
+        slots=3, tile_k=512, tile_n=512, kv_tile=256)
+    assert default_block(mk.preset("tiny"), 64).kv_tile == 64  # capped by the cache
+    assert capacity(4097) == 4352 and capacity(100) == 112
+    assert sim.step_plan(config, batch=8, context=4096).block == dataclasses.replace(
+        plan.block)
+
+
+def test_the_simulator_replays_the_kernels_shard():
+    config = mk.preset("qwen3-30b-a3b")
+    s = sim.simulate(config, "tpu7x", batch=8, context=1024, tp=4)
+    assert s.plan.local == shard_config(config, 4)
+    assert s.plan.local.experts == config.experts  # every expert on every device
+    assert s.plan.local.expert_ffn == 256  # 768 / 4 = 192, padded to two lane tiles
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(tp=3), "tp=3 must be a power of two"),
+    (dict(batch=0), "batch=0 must be a positive integer"),
+    (dict(context=100, block=BlockSizes(kv_tile=128)), "context=100 is not a multiple"),
+    (dict(block=BlockSizes(tile_k=384, tile_n=384)), r"weight wq \[256, 512\]"),
+])
+def test_a_plan_the_kernel_cannot_run_is_refused_with_the_field(kwargs, message):
+    args = dict(batch=1, context=128) | kwargs
+    with pytest.raises(ValueError, match=message):
+        DecodePlan.make(mk.preset("tiny"), **args)
