@@ -7,6 +7,7 @@ split tp ways; the two floors t >= bytes / bandwidth and t >= FLOPs / peak; the 
 of tensor parallelism over ICI); `experts_touched`, `attainable_flops` and `roofline_curve`
 (the roofline itself); `allreduce_s` (one all-reduce); `conventional(...)` ->
 `ConventionalEstimate` (the same step as one kernel per op, each paying a launch gap);
+`mxu_floor_ms` (the compute floor with the MXU rule of `mk.sim`);
 `family_dtypes` (storage dtype per weight family); `resident_bytes` / `min_chips`
 (capacity); `published()` and `published_bound()` (data/published.csv against the floor).
 
@@ -350,6 +351,45 @@ def predict(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: 
         attainable_flops_per_chip=attainable_flops(spec, flops / total_bytes, compute),
         collective_ms=collective_ms, dense_dtype=dtypes["dense"],
         expert_dtype=dtypes["experts"])
+
+
+# -- The MXU floor ----------------------------------------------------------------------
+def mxu_floor_ms(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: int = 1,
+                 context: int | None = None, tp: int = 1, routing: str = "uniform",
+                 compute: str = "bf16") -> float:
+    """The compute floor of one decode step with the MXU rule that `mk.sim` charges, ms.
+
+    A TPU's MXU is weight-stationary: loading an R x R weight block (R = chip.mxu_rows)
+    takes as long as streaming R activation rows through it, so one pass of M < R rows
+    over a [K, N] weight costs what R rows cost, 2 max(M, R) K N FLOPs at peak. Here every
+    weight a step reads is one pass of the step's M = B*T rows (attention projections,
+    dense MLP, router, lm_head); the experts touched share the M*X routed rows, at least
+    R rows each (the kernel and `mk.sim` push all M rows through every active expert, which
+    costs more once M > R); attention per sequence and kv head runs G*T query rows (padded
+    to 8 sublanes, at least R) against the S + T positions, twice (q.k and p.v). Perfect
+    sharding over tp devices, as `predict`. On a GPU (no mxu_rows) it is `predict`'s FLOP
+    floor. The HBM floor stays `predict(...).hbm_floor_ms`.
+    """
+    spec = named_chip(chip) if isinstance(chip, str) else chip
+    context = config.max_context if context is None else context
+    _validate_step(config, batch, rows, context, tp, rows, routing, compute)
+    if spec.mxu_rows is None:
+        return predict(config, spec, batch=batch, rows=rows, context=context, tp=tp,
+                       routing=routing, compute=compute).compute_floor_ms
+    R, m = spec.mxu_rows, batch * rows
+    n_dense, n_moe = len(config.dense_layers), len(config.moe_layers)
+    passes = (config.layers * config.hidden * (2 * config.q_width + 2 * config.kv_width)
+              + n_dense * 3 * config.hidden * config.ffn + n_moe * config.hidden
+              * config.experts + config.hidden * config.vocab)
+    flops = 2.0 * max(m, R) * passes
+    if config.is_moe:
+        touched = experts_touched(config.experts, config.experts_per_token, m, routing)
+        flops += (2.0 * n_moe * config.expert_params
+                  * max(m * config.experts_per_token, touched * R))
+    attention_rows = max(-(-config.group * rows // 8) * 8, R)
+    flops += (4.0 * config.layers * batch * config.kv_heads * config.head_dim
+              * (context + rows) * attention_rows)
+    return 1e3 * flops / tp / (peak_flops(spec, compute) / spec.cores_per_chip)
 
 
 # -- The conventional execution: one kernel per op ----------------------------------------

@@ -127,10 +127,37 @@ def test_bf16_dense_weights_have_intensity_about_m_flop_per_byte(name):
 
 
 @pytest.mark.parametrize("spec", all_chips("tpu"), ids=lambda c: c.name)
-def test_every_preset_at_batch_one_is_hbm_bound_on_every_tpu(spec):
+def test_at_batch_one_flops_leave_every_preset_hbm_bound_the_mxu_rule_all_but_kimi(spec):
+    # By FLOPs alone every preset is HBM-bound at B=1. The MXU rule charges each weight pass
+    # at least mxu_rows rows; kimi-k3-like's fp4 experts stream 4x fewer bytes per weight
+    # than bf16, so its MXU floor passes its HBM floor on every TPU.
     for name in PRESET_NAMES:
         e = perf.predict(mk.preset(name), spec, context=0)
         assert e.bound == "hbm" and e.hbm_floor_ms > e.compute_floor_ms
+        mxu = perf.mxu_floor_ms(mk.preset(name), spec, context=0)
+        assert (mxu > e.hbm_floor_ms) == (name == "kimi-k3-like"), (name, mxu, e.hbm_floor_ms)
+
+
+def test_mxu_floor_of_tiny_on_v6e_by_hand():
+    c, v6e = mk.preset("tiny"), chip("v6e")
+    passes = (c.layers * c.hidden * (2 * c.q_width + 2 * c.kv_width)
+              + 3 * c.layers * c.hidden * c.ffn + c.hidden * c.vocab)
+    attention = 4 * c.layers * c.kv_heads * c.head_dim * (10 + 1) * 256  # G*T rows -> R
+    want = 1e3 * (2 * 256 * passes + attention) / v6e.bf16_flops
+    assert perf.mxu_floor_ms(c, v6e, context=10) == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("name", ["qwen3-8b", "qwen3-30b-a3b"])
+def test_mxu_floor_is_flat_below_the_mxu_rows_and_meets_the_flop_floor_far_above(name):
+    config, v6e = mk.preset(name), chip("v6e")
+    if not config.is_moe:  # (more rows touch more experts)
+        small = [perf.mxu_floor_ms(config, v6e, rows=t, context=0) for t in (1, 4)]
+        assert small[0] == pytest.approx(small[1], rel=0.01)  # 1 row costs what 4 cost
+    flop = perf.predict(config, v6e, batch=4096, context=0).compute_floor_ms
+    mxu = perf.mxu_floor_ms(config, v6e, batch=4096, context=0)
+    assert flop <= mxu <= 1.05 * flop
+    gpu = perf.predict(config, "h200", context=0).compute_floor_ms
+    assert perf.mxu_floor_ms(config, "h200", context=0) == gpu  # no MXU rule on a GPU
 
 
 # -- Properties of the floors -------------------------------------------------------------
