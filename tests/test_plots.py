@@ -1,9 +1,11 @@
-"""mk.plots: one colour per category in every timeline, the kernel source on the page."""
+"""mk.plots: one colour per category in every timeline, the kernel source on the page, the
+TPU picture from the chip rows."""
 
 import pytest
 
 import mk
 from mk import plots, sim
+from mk.chips import all_chips
 from mk.kernels.ring import Ring
 
 
@@ -27,3 +29,12 @@ def test_show_source_is_the_modules_code():
     assert "# mk.kernels.ring, line" in text and "lax.fori_loop" in text
     with pytest.raises(ValueError, match="lines=\\(5, 1\\)"):
         plots.show_source(Ring.matmul, lines=(5, 1))
+
+
+def test_tpu_picture_labels_each_unit_with_its_chip_row_and_refuses_a_gpu():
+    for spec in all_chips("tpu"):
+        text = " ".join(plots.tpu_picture(spec).data[0].text)
+        assert f"{spec.mxu_rows} x {spec.mxu_rows}" in text
+        assert f"{spec.vmem_bytes >> 20} MiB" in text and f"{spec.hbm_bw / 1e9:,.0f} GB/s" in text
+    with pytest.raises(ValueError, match="kind='gpu'"):
+        plots.tpu_picture(mk.chip("h200"))
