@@ -9,7 +9,8 @@ of tensor parallelism over ICI); `experts_touched`, `attainable_flops` and `roof
 `ConventionalEstimate` (the same step as one kernel per op, each paying a launch gap);
 `mxu_floor_ms` (the compute floor with the MXU rule of `mk.sim`);
 `family_dtypes` (storage dtype per weight family); `resident_bytes` / `min_chips`
-(capacity); `published()` and `published_bound()` (data/published.csv against the floor).
+(capacity); `published()` (the rows of data/published.csv; `mk.ledger` sets them
+against the models).
 
 Not here: the megakernel's own schedule and its bubbles (`mk.sim` replays it), anything
 measured. `step_ms` is max(HBM floor, compute floor) + the collectives: a LOWER bound on a
@@ -61,7 +62,7 @@ from numbers import Real
 import numpy as np
 
 from mk.chips import DATA, ChipSpec, chip as named_chip
-from mk.config import DTYPE_BITS, ModelConfig, positive_int, preset as named_preset
+from mk.config import DTYPE_BITS, ModelConfig, positive_int
 
 PUBLISHED_CSV = DATA / "published.csv"
 ROUTINGS = ("uniform", "shared", "disjoint")
@@ -573,35 +574,3 @@ def published(path=PUBLISHED_CSV) -> tuple[Published, ...]:
             tokens_per_s=float(r["tokens_per_s"]), metric=r["metric"],
             step_ms=num(r["step_ms"], float), source=r["source"], notes=r["notes"])
             for r in csv.DictReader(f))
-
-
-def published_bound(row: Published, *, context: int = 0, routing: str = "uniform",
-                    compute: str = "bf16") -> StepEstimate | None:
-    """The floor step of a published configuration, under the assumptions that give the
-    shortest step (no collectives); None when the system is not a row of data/chips.csv.
-
-    Batch defaults to 1 when not stated (per-user tokens/s is largest at batch 1); a
-    speculative row verifies T = ceil(acceptance length) rows (a step keeps at most T
-    tokens) and keeps `acceptance_length`; all chips * cores_per_chip devices share it.
-    """
-    try:
-        spec = named_chip(row.system)
-    except ValueError:
-        return None
-    if row.chips is None:
-        raise ValueError(f"published row {row.model} on {row.system}: chips is empty")
-    devices = row.chips * spec.cores_per_chip
-    if row.tp is not None and row.tp != devices:
-        raise ValueError(f"published row {row.model} on {row.system}: tp={row.tp} is not "
-                         f"chips*cores_per_chip={devices}")
-    a = row.acceptance_length
-    return predict(named_preset(row.preset), spec, batch=row.batch or 1,
-                   rows=math.ceil(a) if a else 1, accepted=a or 1, context=context,
-                   tp=devices, routing=routing, compute=compute, collectives=False)
-
-
-def bound_tokens_per_s(row: Published, estimate: StepEstimate) -> float:
-    """The floor-based upper bound in the row's own metric."""
-    if row.metric == "per_user":
-        return estimate.tokens_per_s_per_user
-    return estimate.tokens_per_s
