@@ -65,8 +65,7 @@ def entries(*, context: int = 0, routing: str = "uniform", compute: str = "bf16"
     metric) and X_error (X / published - 1). A system without a chip row gets a "note" and
     nothing else; every other row's "note" says what differs from the published run.
     `routing` and `compute` are `mk.perf.predict`'s (compute="fp8": the MXU runs 8- and
-    4-bit weights at its fp8/int8 rate; the simulator keeps its own `assumptions`). The
-    Kimi simulations take about a minute."""
+    4-bit weights at its fp8/int8 rate; the simulator keeps its own `assumptions`)."""
     out, sims = [], {}
 
     def simulated(config, spec, **kw):  # rows differing only in acceptance share a step
@@ -106,8 +105,9 @@ def entries(*, context: int = 0, routing: str = "uniform", compute: str = "bf16"
                           **kw)
         mxu = perf.mxu_floor_ms(config, spec, routing=routing, compute=compute, **kw)
         terms = {"hbm": est.hbm_floor_ms, "mxu": mxu, "collective": est.collective_ms}
+        modelled = perf.modelled_step_ms(config, spec, routing=routing, compute=compute, **kw)
         rec |= (timed("hbm_floor", est.hbm_floor_ms) | timed("mxu_floor", mxu)
-                | timed("modelled", max(est.hbm_floor_ms, mxu) + est.collective_ms)
+                | timed("modelled", modelled)
                 | dict(collective_ms=est.collective_ms, bound=max(terms, key=terms.get)))
         if spec.kind == "tpu" and simulate_tpu:
             sim = simulated(config, spec, **kw)

@@ -7,7 +7,8 @@ split tp ways; the two floors t >= bytes / bandwidth and t >= FLOPs / peak; the 
 of tensor parallelism over ICI); `experts_touched`, `attainable_flops` and `roofline_curve`
 (the roofline itself); `allreduce_s` (one all-reduce); `conventional(...)` ->
 `ConventionalEstimate` (the same step as one kernel per op, each paying a launch gap);
-`mxu_floor_ms` (the compute floor with the MXU rule of `mk.sim`);
+`mxu_floor_ms` (the compute floor with the MXU rule of `mk.sim`) and `modelled_step_ms`
+(the larger floor plus the collectives);
 `family_dtypes` (storage dtype per weight family); `resident_bytes` / `min_chips`
 (capacity); `published()` (the rows of data/published.csv; `mk.ledger` sets them
 against the models).
@@ -391,6 +392,16 @@ def mxu_floor_ms(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, r
     flops += (4.0 * config.layers * batch * config.kv_heads * config.head_dim
               * (context + rows) * attention_rows)
     return 1e3 * flops / tp / (peak_flops(spec, compute) / spec.cores_per_chip)
+
+
+def modelled_step_ms(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1,
+                     rows: int = 1, context: int | None = None, tp: int = 1,
+                     routing: str = "uniform", compute: str = "bf16") -> float:
+    """The modelled step (`mk.ledger.TERMS`): max(HBM floor, MXU floor) + the collectives of
+    tensor parallelism, ms."""
+    kw = dict(batch=batch, rows=rows, context=context, tp=tp, routing=routing, compute=compute)
+    e = predict(config, chip, **kw)
+    return max(e.hbm_floor_ms, mxu_floor_ms(config, chip, **kw)) + e.collective_ms
 
 
 # -- The conventional execution: one kernel per op ----------------------------------------
