@@ -30,7 +30,7 @@
 # It is arithmetic on datasheet peaks (`mk.chips`, `data/chips.csv`) and model shapes
 # (`mk.config`) done by `mk.perf` and `mk.ledger`: no kernel runs and nothing is timed.
 
-# %%
+# %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
 # pip installs MK_SOURCE (this release's tag; set the environment variable MK_SOURCE to
 # install another ref or a fork) with the notebook and profiler extras, then asks for a

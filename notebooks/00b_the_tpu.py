@@ -31,7 +31,7 @@
 # Every number comes from `data/chips.csv` (`mk.chips`) and `mk.perf`: nothing runs on a
 # TPU here and nothing is timed.
 
-# %%
+# %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
 # pip installs MK_SOURCE (this release's tag; set the environment variable MK_SOURCE to
 # install another ref or a fork) with the notebook and profiler extras, then asks for a

@@ -29,7 +29,7 @@
 # - How long does the megakernel take to compile against XLA's own decode step, and how
 #   does each grow with the number of layers?
 
-# %%
+# %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
 # pip installs MK_SOURCE (this release's tag; set the environment variable MK_SOURCE to
 # install another ref or a fork) with the notebook and profiler extras, then asks for a

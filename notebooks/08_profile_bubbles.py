@@ -30,7 +30,7 @@
 # - What does the simulator predict for the same step on a TPU, and for qwen3-8b on TPU7x?
 # - What can the TPU compiler tell us about the megakernel without a TPU?
 
-# %%
+# %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
 # pip installs MK_SOURCE (this release's tag; set the environment variable MK_SOURCE to
 # install another ref or a fork) with the notebook and profiler extras, then asks for a

@@ -36,7 +36,7 @@
 # Every TPU or GPU time below is a modelled, conventional or simulated step in the words of
 # `mk.ledger.TERMS` (`mk.perf`, `mk.sim`); tau is measured (counted from real drafts).
 
-# %%
+# %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
 # pip installs MK_SOURCE (this release's tag; set the environment variable MK_SOURCE to
 # install another ref or a fork) with the notebook and profiler extras, then asks for a

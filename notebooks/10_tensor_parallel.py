@@ -28,7 +28,7 @@
 # - Do tp devices produce exactly the single-device reference's greedy tokens?
 # - Do real models compile for multi-chip TPU topologies, and how much VMEM/HBM per core?
 
-# %%
+# %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
 # pip installs MK_SOURCE (this release's tag; set the environment variable MK_SOURCE to
 # install another ref or a fork) with the notebook and profiler extras, then asks for a

@@ -36,7 +36,7 @@
 # replay whose assumptions are listed in its module docstring). Full-size presets are only
 # compiled and simulated, never run.
 
-# %%
+# %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
 # pip installs MK_SOURCE (this release's tag; set the environment variable MK_SOURCE to
 # install another ref or a fork) with the notebook and profiler extras, then asks for a
