@@ -396,11 +396,12 @@ def mxu_floor_ms(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, r
 
 def modelled_step_ms(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1,
                      rows: int = 1, context: int | None = None, tp: int = 1,
-                     routing: str = "uniform", compute: str = "bf16") -> float:
+                     routing: str = "uniform", compute: str = "bf16",
+                     weight_dtypes=None) -> float:
     """The modelled step (`mk.ledger.TERMS`): max(HBM floor, MXU floor) + the collectives of
-    tensor parallelism, ms."""
+    tensor parallelism, ms. `weight_dtypes` changes the bytes (`predict`), not the MXU."""
     kw = dict(batch=batch, rows=rows, context=context, tp=tp, routing=routing, compute=compute)
-    e = predict(config, chip, **kw)
+    e = predict(config, chip, weight_dtypes=weight_dtypes, **kw)
     return max(e.hbm_floor_ms, mxu_floor_ms(config, chip, **kw)) + e.collective_ms
 
 

@@ -1,6 +1,6 @@
 """Plotly figures and tables for the notebooks, and `show` that keeps them self-contained.
 
-Here: `roofline`, `bytes_breakdown`, `published_vs_floor`, `step_terms` (figures built
+Here: `roofline`, `bytes_breakdown`, `published_vs_floor` (figures built
 from numbers and records that `mk.perf` computed), `tile_stream` (the ring's schedule,
 drawn from the `TileStream` the kernel executes), `timeline`, `bubble_bars`, `sweep_lines`
 (a `mk.sim.Simulation`, its bubbles, a design sweep), `lines` (named series against one
@@ -367,29 +367,6 @@ def sweep_lines(rows: Sequence[Mapping[str, object]], parameter: str, *,
                       "%{customdata[1]}<extra></extra>"))
     fig.update_layout(title=title or f"{y} against {parameter} (simulated)",
                       xaxis_title=parameter, yaxis_title=y)
-    return fig
-
-
-def step_terms(estimates: Mapping[str, object], *, title: str = "Terms of the predicted "
-               "step (mk.perf)") -> go.Figure:
-    """Stacked bars per label: the HBM floor (or the compute floor where larger), the
-    collectives, and for `ConventionalEstimate`s (anything with `gap_ms`) the launch gaps."""
-    labels = list(estimates)
-    parts = {"HBM or compute floor": [], "collectives": [], "launch gaps": []}
-    for e in estimates.values():
-        if hasattr(e, "gap_ms"):
-            parts["HBM or compute floor"].append(e.work_ms)
-            parts["collectives"].append(0.0)
-            parts["launch gaps"].append(e.gap_ms)
-        else:
-            parts["HBM or compute floor"].append(max(e.hbm_floor_ms, e.compute_floor_ms))
-            parts["collectives"].append(e.collective_ms)
-            parts["launch gaps"].append(0.0)
-    fig = go.Figure()
-    for name, values in parts.items():
-        fig.add_trace(go.Bar(x=labels, y=values, name=name,
-                             hovertemplate=f"{name}: %{{y:.4g}} ms<extra></extra>"))
-    fig.update_layout(barmode="stack", title=title, yaxis_title="ms per step")
     return fig
 
 

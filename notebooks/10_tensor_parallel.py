@@ -177,7 +177,7 @@ display(plots.table([e for e in collectives.exchanges(4) if e["device"] == 0]))
 #
 # Per step: 2 L all-reduces of the [M, D] float32 partial sums (each device sends 2(n-1)/n
 # of it, in 2 log2(n) message rounds) and one small gather for the argmax. Below, by the
-# ICI model of `mk.perf` (1 us per message round, one device's one-way ICI bandwidth),
+# ICI model of `mk.perf` (1 µs per message round, one device's one-way ICI bandwidth),
 # next to that model's own collective term and the step's HBM floor per device:
 
 # %%
