@@ -285,7 +285,9 @@ def timeline(sims, *, layers: tuple[int, int] | None = None,
              window_s: tuple[float, float] | None = None, title: str = "") -> go.Figure:
     """The simulated timeline: per simulation, a DMA lane, a compute lane and an HBM-idle
     lane (bubbles coloured by cause; the colours of `CATEGORY_COLOURS` and `IDLE_COLOURS`
-    in every notebook); `sims` is one `mk.sim.Simulation` or {label: sim}.
+    in every notebook); `sims` is one `mk.sim.Simulation` or {label: sim}. A bar spans a
+    run of merged intervals; its opacity is the share of that span the lane was busy (or
+    HBM idle), so a run that is idle 44 % of its span is not drawn solid.
     `layers=(first, last)` keeps the events of those layers (inclusive), so a big model
     stays drawable; `window_s` zooms the x axis to that interval. Times in microseconds."""
     sims = sims if isinstance(sims, Mapping) else {"": sims}
@@ -301,7 +303,8 @@ def timeline(sims, *, layers: tuple[int, int] | None = None,
             if keep(e.layer):
                 lane = prefix + ("DMA" if e.lane == "dma" else "compute")
                 t = traces.setdefault((category(e.lane, e.what), lane),
-                                      dict(x=[], base=[], y=[], text=[]))
+                                      dict(x=[], base=[], y=[], text=[], share=[]))
+                t["share"].append(_share(e.busy_s, e.start_s, e.end_s))
                 t["x"].append((e.end_s - e.start_s) * 1e6)
                 t["base"].append(e.start_s * 1e6)
                 t["y"].append(lane)
@@ -311,7 +314,8 @@ def timeline(sims, *, layers: tuple[int, int] | None = None,
             if keep(b.layer):
                 lane = prefix + "HBM idle"
                 t = traces.setdefault(("idle: " + b.cause, lane), dict(x=[], base=[], y=[],
-                                                                       text=[]))
+                                                                       text=[], share=[]))
+                t["share"].append(_share(b.idle_s, b.start_s, b.end_s))
                 t["x"].append((b.end_s - b.start_s) * 1e6)
                 t["base"].append(b.start_s * 1e6)
                 t["y"].append(lane)
@@ -322,6 +326,7 @@ def timeline(sims, *, layers: tuple[int, int] | None = None,
         colour = IDLE_COLOURS.get(name[len("idle: "):], "#7f7f7f") if name.startswith(
             "idle: ") else CATEGORY_COLOURS[name]
         fig.add_trace(go.Bar(orientation="h", name=name, legendgroup=name, marker_color=colour,
+                             marker_opacity=[max(0.2, x) for x in t["share"]],
                              showlegend=name not in shown, x=t["x"], base=t["base"],
                              y=t["y"], hovertext=t["text"],
                              hovertemplate="%{hovertext}<br>%{base:.4g} µs + %{x:.3g} µs"
@@ -335,6 +340,11 @@ def timeline(sims, *, layers: tuple[int, int] | None = None,
     if window_s is not None:
         fig.update_xaxes(range=[window_s[0] * 1e6, window_s[1] * 1e6])
     return fig
+
+
+def _share(part_s: float, start_s: float, end_s: float) -> float:
+    """The share of [start_s, end_s] that `part_s` covers (1 for an empty span)."""
+    return 1.0 if end_s <= start_s else min(1.0, part_s / (end_s - start_s))
 
 
 def bubble_bars(sims: Mapping[str, object], *, title: str = "Where the step goes "

@@ -79,6 +79,7 @@ import jax
 import numpy as np
 import plotly.graph_objects as go
 from IPython.display import display
+from tqdm.auto import tqdm
 
 import mk
 import mk.backend
@@ -230,7 +231,7 @@ targets = [("qwen3.8-27b-like", "tpu7x:2x2x1", "tpu7x"),  # TP8: 4 chips, 8 Tens
            ("qwen3-30b-a3b", "v5e:2x4", "v5e"),  # TP8: 8 chips
            ("kimi-k3-like", "tpu7x:2x2x4", "tpu7x")]  # TP32: 16 chips, 32 TensorCores
 reports = [tpar.compile_tp(mk.preset(name), topology, chip_name)
-           for name, topology, chip_name in targets]
+           for name, topology, chip_name in tqdm(targets, desc="compiles")]
 for report in reports:
     print(report.summary())
 

@@ -38,3 +38,14 @@ def test_tpu_picture_labels_each_unit_with_its_chip_row_and_refuses_a_gpu():
         assert f"{spec.vmem_bytes >> 20} MiB" in text and f"{spec.hbm_bw / 1e9:,.0f} GB/s" in text
     with pytest.raises(ValueError, match="kind='gpu'"):
         plots.tpu_picture(mk.chip("h200"))
+
+
+def test_timeline_draws_a_partly_idle_run_translucent_and_a_fully_idle_one_solid():
+    from types import SimpleNamespace
+    run = SimpleNamespace(
+        config_name="x", chip_name="v6e", events=[],
+        bubbles=[sim.Bubble(0.0, 10e-6, "ring empty", 0, 4.4e-6),  # idle 44 % of its span
+                 sim.Bubble(10e-6, 11e-6, "step end", None, 1e-6)])
+    opacity = {t.name: list(t.marker.opacity) for t in plots.timeline(run).data}
+    assert opacity["idle: ring empty"] == pytest.approx([0.44])
+    assert opacity["idle: step end"] == pytest.approx([1.0])
