@@ -172,9 +172,6 @@ fig.update_layout(title=f"TPU compile time of one decode step ({data['model']}, 
                   xaxis=dict(type="log", tickvals=sorted({r.layers for r in records})),
                   yaxis=dict(type="log", dtick=1))
 plots.show(fig)
-for series, g in bench.growth(records).items():
-    power = "" if g["exponent"] is None else f", ~ layers^{g['exponent']:.2f}"
-    print(f"{series}: {g['seconds_per_layer']:.3f} s per added layer{power}")
 
 # %% [markdown]
 # ## What this proves, and what it does not
