@@ -40,7 +40,7 @@ Assumptions, each stated where it is used:
   parallelism; an expert-parallel MoE combines its partial sums the same way) and one
   small all-gather for the sharded lm_head's argmax. One all-reduce is the kernel's
   (`mk.collectives`): a reduce-scatter and an all-gather, ceil(log2 tp) rounds each, each
-  round one message latency `ICI_LATENCY_S` (1 us, the per-link latency ASTRA-sim uses for
+  round one message latency `ICI_LATENCY_S` (1 µs, the per-link latency ASTRA-sim uses for
   TPUs "as per the TPU research team",
   astra-sim.github.io/astra-sim-docs/validation/hardware/tpu-validation.html), and
   2 (tp - 1) / tp of the message sent by each device at its ICI bandwidth, ici_bw / 2 (one
@@ -48,7 +48,7 @@ Assumptions, each stated where it is used:
   (`PARTIAL_SUM_BYTES`); the one-kernel-per-op baseline moves bf16 activations.
   The two TensorCores of a TPU7x chip are treated as ICI peers.
 - Conventional execution: one kernel per op, each op's time is its own floor plus a gap
-  `KERNEL_GAP_S` (1.3 us: the launch cost per kernel Hazy Research measured on an H100 with
+  `KERNEL_GAP_S` (1.3 µs: the launch cost per kernel Hazy Research measured on an H100 with
   CUDA graphs, "Look Ma, No Bubbles", hazyresearch.stanford.edu/blog/2025-05-27-no-bubbles),
   during which HBM idles; activations cross HBM between kernels.
 """
