@@ -49,10 +49,17 @@ def test_a_row_whose_tp_is_not_every_core_is_refused(monkeypatch):
         ledger.entries()
 
 
-def test_no_published_speed_beats_either_floor_under_the_strictest_routing():
-    for r in ledger.entries(routing="shared"):
-        if "hbm_floor" in r:
-            assert r["published"] <= min(r["hbm_floor"], r["mxu_floor"]), r["run"]
+def test_no_published_speed_beats_either_floor_under_the_strictest_routing(monkeypatch):
+    def beating(rows):
+        return [r["run"] for r in rows
+                if "hbm_floor" in r and r["published"] > min(r["hbm_floor"], r["mxu_floor"])]
+
+    assert beating(ledger.entries(routing="shared")) == []
+    # the control: a row claiming 100x its published speed beats its floors
+    kimi = next(r for r in perf.published() if r.system == "tpu7x" and r.tp)
+    fast = dataclasses.replace(kimi, tokens_per_s=100 * kimi.tokens_per_s)
+    monkeypatch.setattr(ledger.perf, "published", lambda: (fast,))
+    assert len(beating(ledger.entries(routing="shared"))) == 1
 
 
 def test_glossary_defines_each_term_once_and_refuses_an_unknown_one():
