@@ -223,7 +223,9 @@ def growth(records: list[Record], key: str = "compile_seconds") -> dict[str, dic
     """series -> {seconds_per_layer, intercept, exponent} fitted over its compiled points.
 
     seconds = intercept + seconds_per_layer * layers (least squares), and seconds ~
-    layers**exponent (a line in log-log). Needs two distinct layer counts.
+    layers**exponent (a line in log-log). Needs two distinct layer counts; the exponent
+    needs three (a power through two points always fits exactly, so it says nothing) and
+    is None with fewer.
     """
     out = {}
     for series in dict.fromkeys(r.series for r in records):
@@ -233,9 +235,10 @@ def growth(records: list[Record], key: str = "compile_seconds") -> dict[str, dic
             continue
         n, s = np.array(points, dtype=float).T
         slope, intercept = np.polyfit(n, s, 1)
-        exponent = np.polyfit(np.log(n), np.log(s), 1)[0]
+        exponent = (float(np.polyfit(np.log(n), np.log(s), 1)[0])
+                    if len(set(n)) >= 3 else None)
         out[series] = dict(seconds_per_layer=float(slope), intercept=float(intercept),
-                           exponent=float(exponent))
+                           exponent=exponent)
     return out
 
 
@@ -259,9 +262,10 @@ def format_table(records: list[Record], key: str = "compile_seconds") -> str:
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
     lines.append("")
     for s, fit in growth(records, key).items():
+        power = ("" if fit["exponent"] is None
+                 else f", {unit} ~ layers^{fit['exponent']:.2f}")
         lines.append(f"{s}: {fit['seconds_per_layer']:.3f} {unit} per added layer "
-                     f"(intercept {fit['intercept']:.2f} {unit}), {unit} ~ layers^"
-                     f"{fit['exponent']:.2f}")
+                     f"(intercept {fit['intercept']:.2f} {unit}){power}")
     return "\n".join(lines)
 
 

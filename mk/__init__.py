@@ -5,8 +5,9 @@ Top-level names: `ModelConfig`, `preset`, `chip`, `init_params`, `load_checkpoin
 kernel), `mk.perf` (bytes, FLOPs and the roofline), `mk.sim` (the megakernel's tile
 schedule replayed on a chip model) and `mk.tpu` (ahead-of-time TPU compiles). The stage
 kernels are in `mk.kernels`; `mk.spec` (speculative decoding), `mk.profiling` and
-`mk.tensor_parallel` are imported by name; `mk.kernels.plan` is one device's step as
-data.
+`mk.tensor_parallel`, `mk.ledger` (the published numbers and the words for step times)
+and `mk.xla_step` (XLA's own step, compiled and counted) are imported by name;
+`mk.kernels.plan` is one device's step as data.
 
 Importing `mk` on a machine without a TPU pins JAX to the CPU (`JAX_PLATFORMS=cpu`,
 `TPU_SKIP_MDS_QUERY=1`) before JAX is imported, so libtpu does not print host-discovery

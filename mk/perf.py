@@ -7,8 +7,11 @@ split tp ways; the two floors t >= bytes / bandwidth and t >= FLOPs / peak; the 
 of tensor parallelism over ICI); `experts_touched`, `attainable_flops` and `roofline_curve`
 (the roofline itself); `allreduce_s` (one all-reduce); `conventional(...)` ->
 `ConventionalEstimate` (the same step as one kernel per op, each paying a launch gap);
+`mxu_floor_ms` (the compute floor with the MXU rule of `mk.sim`) and `modelled_step_ms`
+(the larger floor plus the collectives);
 `family_dtypes` (storage dtype per weight family); `resident_bytes` / `min_chips`
-(capacity); `published()` and `published_bound()` (data/published.csv against the floor).
+(capacity); `published()` (the rows of data/published.csv; `mk.ledger` sets them
+against the models).
 
 Not here: the megakernel's own schedule and its bubbles (`mk.sim` replays it), anything
 measured. `step_ms` is max(HBM floor, compute floor) + the collectives: a LOWER bound on a
@@ -40,7 +43,7 @@ Assumptions, each stated where it is used:
   parallelism; an expert-parallel MoE combines its partial sums the same way) and one
   small all-gather for the sharded lm_head's argmax. One all-reduce is the kernel's
   (`mk.kernels.collectives`): a reduce-scatter and an all-gather, ceil(log2 tp) rounds each, each
-  round one message latency `ICI_LATENCY_S` (1 us, the per-link latency ASTRA-sim uses for
+  round one message latency `ICI_LATENCY_S` (1 µs, the per-link latency ASTRA-sim uses for
   TPUs "as per the TPU research team",
   astra-sim.github.io/astra-sim-docs/validation/hardware/tpu-validation.html), and
   2 (tp - 1) / tp of the message sent by each device at its ICI bandwidth, ici_bw / 2 (one
@@ -48,7 +51,7 @@ Assumptions, each stated where it is used:
   (`PARTIAL_SUM_BYTES`); the one-kernel-per-op baseline moves bf16 activations.
   The two TensorCores of a TPU7x chip are treated as ICI peers.
 - Conventional execution: one kernel per op, each op's time is its own floor plus a gap
-  `KERNEL_GAP_S` (1.3 us: the launch cost per kernel Hazy Research measured on an H100 with
+  `KERNEL_GAP_S` (1.3 µs: the launch cost per kernel Hazy Research measured on an H100 with
   CUDA graphs, "Look Ma, No Bubbles", hazyresearch.stanford.edu/blog/2025-05-27-no-bubbles),
   during which HBM idles; activations cross HBM between kernels.
 """
@@ -63,7 +66,7 @@ from numbers import Real
 import numpy as np
 
 from mk.chips import DATA, ChipSpec, chip as named_chip
-from mk.config import DTYPE_BITS, ModelConfig, positive_int, preset as named_preset
+from mk.config import DTYPE_BITS, ModelConfig, positive_int
 from mk.kernels.common import default_block
 from mk.kernels.one_layer import layer_dims
 from mk.kernels.plan import padded_vocab, shard_config, shard_weight_bytes
@@ -358,6 +361,56 @@ def predict(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: 
         expert_dtype=dtypes["experts"])
 
 
+# -- The MXU floor ----------------------------------------------------------------------
+def mxu_floor_ms(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: int = 1,
+                 context: int | None = None, tp: int = 1, routing: str = "uniform",
+                 compute: str = "bf16") -> float:
+    """The compute floor of one decode step with the MXU rule that `mk.sim` charges, ms.
+
+    A TPU's MXU is weight-stationary: loading an R x R weight block (R = chip.mxu_rows)
+    takes as long as streaming R activation rows through it, so one pass of M < R rows
+    over a [K, N] weight costs what R rows cost, 2 max(M, R) K N FLOPs at peak. Here every
+    weight a step reads is one pass of the step's M = B*T rows (attention projections,
+    dense MLP, router, lm_head); the experts touched share the M*X routed rows, at least
+    R rows each (the kernel and `mk.sim` push all M rows through every active expert, which
+    costs more once M > R); attention per sequence and kv head runs G*T query rows (padded
+    to 8 sublanes, at least R) against the S + T positions, twice (q.k and p.v). Perfect
+    sharding over tp devices, as `predict`. On a GPU (no mxu_rows) it is `predict`'s FLOP
+    floor. The HBM floor stays `predict(...).hbm_floor_ms`.
+    """
+    spec = named_chip(chip) if isinstance(chip, str) else chip
+    context = config.max_context if context is None else context
+    _validate_step(config, batch, rows, context, tp, rows, routing, compute)
+    if spec.mxu_rows is None:
+        return predict(config, spec, batch=batch, rows=rows, context=context, tp=tp,
+                       routing=routing, compute=compute).compute_floor_ms
+    R, m = spec.mxu_rows, batch * rows
+    n_dense, n_moe = len(config.dense_layers), len(config.moe_layers)
+    passes = (config.layers * config.hidden * (2 * config.q_width + 2 * config.kv_width)
+              + n_dense * 3 * config.hidden * config.ffn + n_moe * config.hidden
+              * config.experts + config.hidden * config.vocab)
+    flops = 2.0 * max(m, R) * passes
+    if config.is_moe:
+        touched = experts_touched(config.experts, config.experts_per_token, m, routing)
+        flops += (2.0 * n_moe * config.expert_params
+                  * max(m * config.experts_per_token, touched * R))
+    attention_rows = max(-(-config.group * rows // 8) * 8, R)
+    flops += (4.0 * config.layers * batch * config.kv_heads * config.head_dim
+              * (context + rows) * attention_rows)
+    return 1e3 * flops / tp / (peak_flops(spec, compute) / spec.cores_per_chip)
+
+
+def modelled_step_ms(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1,
+                     rows: int = 1, context: int | None = None, tp: int = 1,
+                     routing: str = "uniform", compute: str = "bf16",
+                     weight_dtypes=None) -> float:
+    """The modelled step (`mk.ledger.TERMS`): max(HBM floor, MXU floor) + the collectives of
+    tensor parallelism, ms. `weight_dtypes` changes the bytes (`predict`), not the MXU."""
+    kw = dict(batch=batch, rows=rows, context=context, tp=tp, routing=routing, compute=compute)
+    e = predict(config, chip, weight_dtypes=weight_dtypes, **kw)
+    return max(e.hbm_floor_ms, mxu_floor_ms(config, chip, **kw)) + e.collective_ms
+
+
 # -- The conventional execution: one kernel per op ----------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Kernel:
@@ -539,35 +592,3 @@ def published(path=PUBLISHED_CSV) -> tuple[Published, ...]:
             tokens_per_s=float(r["tokens_per_s"]), metric=r["metric"],
             step_ms=num(r["step_ms"], float), source=r["source"], notes=r["notes"])
             for r in csv.DictReader(f))
-
-
-def published_bound(row: Published, *, context: int = 0, routing: str = "uniform",
-                    compute: str = "bf16") -> StepEstimate | None:
-    """The floor step of a published configuration, under the assumptions that give the
-    shortest step (no collectives); None when the system is not a row of data/chips.csv.
-
-    Batch defaults to 1 when not stated (per-user tokens/s is largest at batch 1); a
-    speculative row verifies T = ceil(acceptance length) rows (a step keeps at most T
-    tokens) and keeps `acceptance_length`; all chips * cores_per_chip devices share it.
-    """
-    try:
-        spec = named_chip(row.system)
-    except ValueError:
-        return None
-    if row.chips is None:
-        raise ValueError(f"published row {row.model} on {row.system}: chips is empty")
-    devices = row.chips * spec.cores_per_chip
-    if row.tp is not None and row.tp != devices:
-        raise ValueError(f"published row {row.model} on {row.system}: tp={row.tp} is not "
-                         f"chips*cores_per_chip={devices}")
-    a = row.acceptance_length
-    return predict(named_preset(row.preset), spec, batch=row.batch or 1,
-                   rows=math.ceil(a) if a else 1, accepted=a or 1, context=context,
-                   tp=devices, routing=routing, compute=compute, collectives=False)
-
-
-def bound_tokens_per_s(row: Published, estimate: StepEstimate) -> float:
-    """The floor-based upper bound in the row's own metric."""
-    if row.metric == "per_user":
-        return estimate.tokens_per_s_per_user
-    return estimate.tokens_per_s

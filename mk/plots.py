@@ -1,10 +1,11 @@
 """Plotly figures and tables for the notebooks, and `show` that keeps them self-contained.
 
-Here: `roofline`, `bytes_breakdown`, `published_vs_floor`, `step_terms` (figures built
+Here: `roofline`, `bytes_breakdown`, `published_vs_floor` (figures built
 from numbers and records that `mk.perf` computed), `tile_stream` (the ring's schedule,
 drawn from the `TileStream` the kernel executes), `timeline`, `bubble_bars`, `sweep_lines`
 (a `mk.sim.Simulation`, its bubbles, a design sweep), `lines` (named series against one
-x), `table` (a Markdown table), `show_source` (a kernel's own code on the page, from its
+x), `tpu_picture` (one TPU chip's memories, units and paths, from its `ChipSpec`),
+`table` (a Markdown table), `show_source` (a kernel's own code on the page, from its
 module) and `show`. Not here: any model or chip arithmetic (that is `mk.perf`); static image export (kaleido needs Chrome).
 
 Why `show` and not `fig.show()`: plotly 7's default output is only the plotly JSON mime
@@ -179,6 +180,80 @@ def tile_stream(stream, *, title: str = "") -> go.Figure:
     return fig
 
 
+# -- The machine ---------------------------------------------------------------------------
+# Boxes of one TensorCore and its chip: (x0, y0, x1, y1), the fill, the label. Where each
+# unit sits is a drawing choice; every number comes from the chip's row (mk.chips).
+_MEMORY, _COMPUTE, _MOVE = "#dbe9f6", "#fde0c5", "#e2f0d9"
+
+
+def tpu_picture(spec) -> go.Figure:
+    """One TPU chip (a `mk.chips.ChipSpec` of kind "tpu") as the kernels see it: HBM, the
+    DMA engines, one TensorCore's VMEM, SMEM, vector registers, MXU, VPU and scalar unit,
+    and ICI, each labelled with its number from data/chips.csv and the Pallas name a kernel
+    uses to reach it. Arrows are the paths data takes."""
+    if spec.kind != "tpu":
+        raise ValueError(f"chip {spec.name}: kind={spec.kind!r}; tpu_picture draws a TPU")
+    cores, r = spec.cores_per_chip, spec.mxu_rows
+    per_core = f"{spec.bf16_flops / cores / TERA:,.0f} TFLOP/s bf16 per core"
+    boxes = {
+        "hbm": ((0.2, 0.2, 11.8, 1.6), _MEMORY,
+                f"<b>HBM</b> {spec.hbm_bytes / 2**30:.0f} GiB, {spec.hbm_bw / GIGA:,.0f} GB/s "
+                "per chip: weights, KV cache (refs in pl.ANY)"),
+        "dma": ((0.2, 2.2, 5.6, 3.2), _MOVE,
+                "<b>DMA engines</b>: async HBM <-> VMEM copies<br>"
+                "pltpu.make_async_copy(...).start() / .wait(), DMA semaphores"),
+        "ici": ((6.4, 2.2, 11.8, 3.2), _MOVE,
+                f"<b>ICI</b> {spec.ici_bw / GIGA:,.0f} GB/s per chip to other chips<br>"
+                "pltpu.make_async_remote_copy (collectives)"),
+        "vmem": ((0.6, 3.9, 7.4, 5.0), _MEMORY,
+                 f"<b>VMEM</b> {spec.vmem_bytes / 2**20:.0f} MiB per core: tiles, ring "
+                 "slots<br>pltpu.VMEM((slots, tk, tn), dtype) scratch"),
+        "smem": ((7.8, 3.9, 11.4, 5.0), _MEMORY,
+                 "<b>SMEM</b>: scalars (positions, expert ids,<br>counts) pltpu.SMEM, "
+                 "read in pl.when"),
+        "vregs": ((0.6, 5.6, 7.4, 6.4), _MEMORY,
+                  "<b>vector registers</b>: 8 sublanes x 128 lanes of 32 bits each"),
+        "scalar": ((7.8, 5.6, 11.4, 6.4), _COMPUTE,
+                   "<b>scalar unit</b>: control flow, addresses"),
+        "mxu": ((0.6, 7.0, 4.3, 8.6), _COMPUTE,
+                f"<b>MXU</b> {r} x {r}, weight-stationary:<br>loads a weight block, then "
+                f"streams rows;<br>< {r} rows cost {r} (jnp.dot)"),
+        "vpu": ((4.7, 7.0, 7.4, 8.6), _COMPUTE,
+                "<b>VPU</b>: elementwise on vregs<br>(norms, RoPE, softmax, SwiGLU)"),
+    }
+    arrows = [("hbm", "dma"), ("dma", "vmem"), ("hbm", "ici"), ("ici", "vmem"),
+              ("vmem", "vregs"), ("vregs", "mxu"), ("vregs", "vpu"), ("smem", "scalar")]
+    fig = go.Figure()
+    for (x0, y0, x1, y1), fill, _ in boxes.values():
+        fig.add_shape(type="rect", x0=x0, y0=y0, x1=x1, y1=y1, fillcolor=fill,
+                      line=dict(color="#555", width=1), layer="below")
+    fig.add_shape(type="rect", x0=0.4, y0=3.6, x1=11.6, y1=9.2, line=dict(
+        color="#333", width=2, dash="dot"))
+
+    def centre(name):
+        (x0, y0, x1, y1), _, _ = boxes[name]
+        return (x0 + x1) / 2, (y0 + y1) / 2
+
+    for a, b in arrows:
+        (xa, ya), (xb, yb) = centre(a), centre(b)
+        fig.add_annotation(x=xb, y=(boxes[b][0][1] if yb > ya else boxes[b][0][3]),
+                           ax=xa, ay=(boxes[a][0][3] if yb > ya else boxes[a][0][1]),
+                           xref="x", yref="y", axref="x", ayref="y", text="",
+                           showarrow=True, arrowhead=2, arrowside="end+start",
+                           arrowcolor="#555")
+    fig.add_trace(go.Scatter(
+        x=[centre(n)[0] for n in boxes], y=[centre(n)[1] for n in boxes], mode="text",
+        text=[label for _, _, label in boxes.values()], textfont=dict(size=11),
+        hoverinfo="skip", showlegend=False))
+    fig.update_layout(
+        title=f"{spec.name}: one TensorCore ({cores} per chip, {per_core}) and its chip",
+        xaxis=dict(visible=False, range=[0, 12]), yaxis=dict(visible=False, range=[0, 9.6]),
+        height=560, margin=dict(l=10, r=10, t=50, b=10), plot_bgcolor="white")
+    fig.add_annotation(x=11.5, y=9.0, text=f"TensorCore (x{cores} per chip)", showarrow=False,
+                       xanchor="right", font=dict(size=11))
+    return fig
+
+
 # -- The simulator ---------------------------------------------------------------------------
 def _family(what: str) -> str:
     return what.split("[")[0]
@@ -210,7 +285,9 @@ def timeline(sims, *, layers: tuple[int, int] | None = None,
              window_s: tuple[float, float] | None = None, title: str = "") -> go.Figure:
     """The simulated timeline: per simulation, a DMA lane, a compute lane and an HBM-idle
     lane (bubbles coloured by cause; the colours of `CATEGORY_COLOURS` and `IDLE_COLOURS`
-    in every notebook); `sims` is one `mk.sim.Simulation` or {label: sim}.
+    in every notebook); `sims` is one `mk.sim.Simulation` or {label: sim}. A bar spans a
+    run of merged intervals; its opacity is the share of that span the lane was busy (or
+    HBM idle), so a run that is idle 44 % of its span is not drawn solid.
     `layers=(first, last)` keeps the events of those layers (inclusive), so a big model
     stays drawable; `window_s` zooms the x axis to that interval. Times in microseconds."""
     sims = sims if isinstance(sims, Mapping) else {"": sims}
@@ -226,7 +303,8 @@ def timeline(sims, *, layers: tuple[int, int] | None = None,
             if keep(e.layer):
                 lane = prefix + ("DMA" if e.lane == "dma" else "compute")
                 t = traces.setdefault((category(e.lane, e.what), lane),
-                                      dict(x=[], base=[], y=[], text=[]))
+                                      dict(x=[], base=[], y=[], text=[], share=[]))
+                t["share"].append(_share(e.busy_s, e.start_s, e.end_s))
                 t["x"].append((e.end_s - e.start_s) * 1e6)
                 t["base"].append(e.start_s * 1e6)
                 t["y"].append(lane)
@@ -236,7 +314,8 @@ def timeline(sims, *, layers: tuple[int, int] | None = None,
             if keep(b.layer):
                 lane = prefix + "HBM idle"
                 t = traces.setdefault(("idle: " + b.cause, lane), dict(x=[], base=[], y=[],
-                                                                       text=[]))
+                                                                       text=[], share=[]))
+                t["share"].append(_share(b.idle_s, b.start_s, b.end_s))
                 t["x"].append((b.end_s - b.start_s) * 1e6)
                 t["base"].append(b.start_s * 1e6)
                 t["y"].append(lane)
@@ -247,6 +326,7 @@ def timeline(sims, *, layers: tuple[int, int] | None = None,
         colour = IDLE_COLOURS.get(name[len("idle: "):], "#7f7f7f") if name.startswith(
             "idle: ") else CATEGORY_COLOURS[name]
         fig.add_trace(go.Bar(orientation="h", name=name, legendgroup=name, marker_color=colour,
+                             marker_opacity=[max(0.2, x) for x in t["share"]],
                              showlegend=name not in shown, x=t["x"], base=t["base"],
                              y=t["y"], hovertext=t["text"],
                              hovertemplate="%{hovertext}<br>%{base:.4g} µs + %{x:.3g} µs"
@@ -260,6 +340,11 @@ def timeline(sims, *, layers: tuple[int, int] | None = None,
     if window_s is not None:
         fig.update_xaxes(range=[window_s[0] * 1e6, window_s[1] * 1e6])
     return fig
+
+
+def _share(part_s: float, start_s: float, end_s: float) -> float:
+    """The share of [start_s, end_s] that `part_s` covers (1 for an empty span)."""
+    return 1.0 if end_s <= start_s else min(1.0, part_s / (end_s - start_s))
 
 
 def bubble_bars(sims: Mapping[str, object], *, title: str = "Where the step goes "
@@ -292,29 +377,6 @@ def sweep_lines(rows: Sequence[Mapping[str, object]], parameter: str, *,
                       "%{customdata[1]}<extra></extra>"))
     fig.update_layout(title=title or f"{y} against {parameter} (simulated)",
                       xaxis_title=parameter, yaxis_title=y)
-    return fig
-
-
-def step_terms(estimates: Mapping[str, object], *, title: str = "Terms of the predicted "
-               "step (mk.perf)") -> go.Figure:
-    """Stacked bars per label: the HBM floor (or the compute floor where larger), the
-    collectives, and for `ConventionalEstimate`s (anything with `gap_ms`) the launch gaps."""
-    labels = list(estimates)
-    parts = {"HBM or compute floor": [], "collectives": [], "launch gaps": []}
-    for e in estimates.values():
-        if hasattr(e, "gap_ms"):
-            parts["HBM or compute floor"].append(e.work_ms)
-            parts["collectives"].append(0.0)
-            parts["launch gaps"].append(e.gap_ms)
-        else:
-            parts["HBM or compute floor"].append(max(e.hbm_floor_ms, e.compute_floor_ms))
-            parts["collectives"].append(e.collective_ms)
-            parts["launch gaps"].append(0.0)
-    fig = go.Figure()
-    for name, values in parts.items():
-        fig.add_trace(go.Bar(x=labels, y=values, name=name,
-                             hovertemplate=f"{name}: %{{y:.4g}} ms<extra></extra>"))
-    fig.update_layout(barmode="stack", title=title, yaxis_title="ms per step")
     return fig
 
 

@@ -15,8 +15,9 @@ TensorBoard/XProf layout), `timeline` (the op events of a trace, per step), `bub
 time per step, definitions in its docstring), `staged_step`, `variants`, `trace_viewer`
 (XProf's own converter), the TPU compiler's static schedule (`compile_with_dumps`,
 `dump_schedule`, `read_schedule`) and the figures of notebook 08 (`gantt` for a measured
-step, `predicted` for a simulated one, both through `lanes_figure`; `share_bars`). Not
-here: the simulator itself (`mk.sim`), any TPU time: a CPU trace times CPU work.
+step through `lanes_figure`; `share_bars`; a simulated step is drawn by
+`mk.plots.timeline`, the course's one lane timeline). Not here: the simulator itself
+(`mk.sim`), any TPU time: a CPU trace times CPU work.
 
 What a CPU trace shows: XLA:CPU runs an XLA program's ops (thunks) on a thread pool, two
 lines here, each op an event with stats `hlo_op`, `hlo_module`, `run_id` (one run_id = one
@@ -576,8 +577,7 @@ def lanes_figure(lanes: dict, idle, host=(), *, title: str = "", x_title: str = 
                  height: int = 300) -> go.Figure:
     """A Gantt chart: `lanes` maps a lane name to (start, end, label) spans drawn busy;
     `idle` (bubbles: no lane busy) and `host` (host gaps) are (start, end) spans drawn on
-    one "bubbles" lane. The measured and the simulated timelines both use it, so they share
-    their colours."""
+    one "bubbles" lane."""
     fig = go.Figure()
     for lane, spans in lanes.items():
         fig.add_trace(go.Bar(
@@ -621,17 +621,6 @@ def gantt(tl: Timeline, per_step: list[StepBubbles], step: int = -1, *, title: s
     return lanes_figure(lanes, [(us(a), us(z)) for a, z in b.idle], host,
                         title=title or f"step {s.number}",
                         x_title="µs from the step's start (measured on this machine)")
-
-
-def predicted(simulation, *, title: str = "") -> go.Figure:
-    """A simulated step (anything with `events` (lane, start_s, end_s, what) and `bubbles`
-    (start_s, end_s), e.g. `mk.sim.simulate(...)`) in the colours of `gantt`; µs."""
-    lanes: dict = defaultdict(list)
-    for e in simulation.events:
-        lanes[e.lane].append((e.start_s * 1e6, e.end_s * 1e6, e.what))
-    idle = [(b.start_s * 1e6, b.end_s * 1e6) for b in simulation.bubbles]
-    return lanes_figure(dict(lanes), idle, title=title,
-                        x_title="µs from the step's start (simulated, not measured)")
 
 
 def share_bars(rows: list[dict], *, title: str = "Bubble share per variant") -> go.Figure:

@@ -23,8 +23,8 @@ Modelling assumptions (`Assumptions` holds the numbers; none is fitted to a meas
 - Compute is one in-order lane. A weight tile [tk, tn] against M rows costs
   2 * max(M, mxu_rows) * tk * tn / peak: a weight-stationary MXU of mxu_rows x mxu_rows
   takes as long to load a weight block as to stream mxu_rows rows through it, so fewer
-  rows cost the same (`MXU_ROWS`: 128 x 128 MXUs on v5e/v5p and 256 x 256 on v6e per
-  "How to Scale Your Model", ch. "All About TPUs"; TPU7x assumed 256 like v6e). Peak is the
+  rows cost the same (the chip's `mxu_rows`, from data/chips.csv, which gives each
+  number's source; TPU7x's is an assumption there). Peak is the
   device's dense bf16 (or fp8 with compute="fp8") FLOP/s.
 - Weight dtypes: the kernel streams config.dtype today; another storage dtype per family
   (`mk.perf.family_dtypes`) models a kernel that streams tiles of that many bits and
@@ -94,7 +94,6 @@ from mk.kernels.one_layer import mlp_kinds
 from mk.kernels.plan import DecodePlan, capacity, family_of
 from mk.kernels.ring import TileStream
 
-MXU_ROWS = {"v5e": 128, "v5p": 128, "v6e": 256, "tpu7x": 256}
 CAUSES = ("step start", "layer boundary", "routing", "attention", "lm_head", "collective",
           "compute", "vector", "ring empty", "step end")
 DENSE_SEGMENTS = ("w_gate", "w_up", "w_down")
@@ -306,7 +305,7 @@ class _Kernel:
         self.n = stream.block.slots
         self.peak = perf.peak_flops(spec, a.compute) / spec.cores_per_chip
         self.vpu = spec.bf16_flops / spec.cores_per_chip * a.vpu_flops_ratio
-        self.mxu = MXU_ROWS[spec.name]
+        self.mxu = spec.mxu_rows
         self.spec = spec
         tile = stream.block.tile_k * stream.block.tile_n
         bits = {"dense": DTYPE_BITS[dtypes["dense"]], "experts": DTYPE_BITS[dtypes["experts"]]}

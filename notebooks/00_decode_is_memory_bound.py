@@ -23,13 +23,14 @@
 # every sequence's KV cache. This notebook answers:
 #
 # - How many bytes and FLOPs does one decode step of each preset move and compute?
-# - Why does HBM bandwidth, not the matrix unit, set the time of a decode step?
-# - How far are the published megakernel numbers (TPU v7 and GB200) from the HBM floor?
+# - Why does HBM bandwidth, not the matrix unit, set the time of a decode step, and when
+#   does the MXU's minimum of 128 or 256 rows per weight pass (notebook 00b) take over?
+# - How far are the published megakernel numbers (TPU v7 and GB200) from the floors?
 #
 # It is arithmetic on datasheet peaks (`mk.chips`, `data/chips.csv`) and model shapes
-# (`mk.config`) done by `mk.perf`: no kernel runs and nothing is timed.
+# (`mk.config`) done by `mk.perf` and `mk.ledger`: no kernel runs and nothing is timed.
 
-# %%
+# %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
 # pip installs MK_SOURCE (this release's tag; set the environment variable MK_SOURCE to
 # install another ref or a fork) with the notebook and profiler extras, then asks for a
@@ -68,7 +69,7 @@ published_context: int = 0  # S assumed for the published runs, which do not sta
 # %%
 import mk
 import mk.run
-from mk import perf, plots
+from mk import ledger, perf, plots
 from mk.chips import all_chips
 from mk.config import PRESET_NAMES
 from IPython.display import display
@@ -78,18 +79,22 @@ run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context
 print(f"{run.config.name}: B={run.batch} T={run.rows} S={run.context} on {run.chip}")
 
 # %% [markdown]
-# ## The two floors
+# ## The floors
 #
-# A step cannot finish before its bytes have crossed HBM, nor before its FLOPs have gone
-# through the matrix unit:
+# A step cannot finish before its bytes have crossed HBM (the **HBM floor**), nor before
+# its matmuls have gone through the MXU. Counting FLOPs alone gives the FLOP floor; the MXU
+# charges each weight pass at least its $R$ rows (notebook 00b), which gives the **MXU
+# floor** that `mk.sim` uses too:
 #
 # $$t_\text{step} \;\ge\; \max\!\Big(\frac{\text{bytes}}{\text{HBM bandwidth}},\;
-#   \frac{\text{FLOPs}}{\text{peak FLOP/s}}\Big).$$
+#   \sum_\text{weights} \frac{2\max(M, R)\,K N}{\text{peak FLOP/s}}\Big)
+#   \;\ge\; \frac{\text{FLOPs}}{\text{peak FLOP/s}}.$$
 #
 # With $M = B \cdot T$ activation rows, each weight element of $b$ bytes is read once and
 # used in $2M$ FLOPs (one multiply-add per row), so the arithmetic intensity of the weights
-# is $I = 2M / b$ FLOP/byte: $M$ for bf16 weights, $2M$ for fp8, $4M$ for fp4. The step is
-# bound by HBM while $I$ is below the chip's ridge point, peak / bandwidth:
+# is $I = 2M / b$ FLOP/byte: $M$ for bf16 weights, $2M$ for fp8, $4M$ for fp4. By FLOPs the
+# step is bound by HBM while $I$ is below the chip's ridge point, peak / bandwidth; by the
+# MXU rule, while $2\max(M, R)/b$ is:
 
 # %%
 for c in all_chips():
@@ -99,17 +104,21 @@ for c in all_chips():
           f" {perf.peak_flops(c, 'fp8') / c.hbm_bw:4.0f} {low}")
 
 # %% [markdown]
-# A decode step with bf16 weights needs hundreds of rows per step before the matrix unit,
-# not HBM, becomes the limit. For the run's own configuration:
+# By FLOPs, a decode step with bf16 weights needs hundreds of rows before the matrix unit
+# becomes the limit. By the MXU rule, a pass of fewer than $R$ rows already costs $R$ rows:
+# bf16 weights stay HBM-bound (their ridge is above $R$ on every TPU here), 4-bit weights
+# do not. For the run's own configuration:
 
 # %%
 est = perf.predict(run.config, run.chip, batch=run.batch, rows=run.rows, context=run.context)
 print(f"{est.config_name} on one {est.chip_name} device: weights {est.weight_bytes / 1e6:.3f} MB"
       f" + KV {est.kv_bytes / 1e6:.3f} MB, {est.flops / 1e6:.3f} MFLOP,"
       f" intensity {est.intensity_flop_per_byte:.2f} FLOP/B")
-print(f"HBM floor {est.hbm_floor_ms * 1e3:.3f} us, compute floor "
-      f"{est.compute_floor_ms * 1e3:.3f} us: {est.bound}-bound,"
-      f" <= {est.tokens_per_s_per_user:,.0f} tokens/s per sequence")
+mxu = perf.mxu_floor_ms(run.config, run.chip, batch=run.batch, rows=run.rows,
+                        context=run.context)
+print(f"HBM floor {est.hbm_floor_ms * 1e3:.3f} µs, MXU floor {mxu * 1e3:.3f} µs (FLOP floor "
+      f"{est.compute_floor_ms * 1e3:.4f} µs): {'HBM' if est.hbm_floor_ms >= mxu else 'MXU'}"
+      f"-bound, <= {run.rows / max(est.hbm_floor_ms, mxu) * 1e3:,.0f} tokens/s per sequence")
 
 # %% [markdown]
 # ## Bytes and FLOPs of one step, per preset
@@ -142,7 +151,8 @@ plots.show(plots.bytes_breakdown(steps, title=f"Bytes of one decode step (B={run
 #
 # Each preset on the fewest chips (a power of two) whose HBM holds its weights and KV
 # cache, all devices sharing the step evenly (perfect sharding, an assumption). A cell
-# reads "HBM floor in ms (chips), HBM floor / compute floor".
+# reads "HBM floor in ms (chips), HBM floor / MXU floor": below 1 the MXU, not HBM, sets
+# the step.
 
 # %%
 grid = []
@@ -152,14 +162,17 @@ for name, e in steps.items():
         n = perf.min_chips(mk.preset(name), c, batch=run.batch, context=e.context)
         f = perf.predict(mk.preset(name), c, batch=run.batch, rows=run.rows,
                          context=e.context, tp=n * c.cores_per_chip)
-        row[c.name] = f"{f.hbm_floor_ms:.3g} ({n}), {f.hbm_floor_ms / f.compute_floor_ms:.0f}x"
+        m = perf.mxu_floor_ms(mk.preset(name), c, batch=run.batch, rows=run.rows,
+                              context=e.context, tp=n * c.cores_per_chip)
+        row[c.name] = f"{f.hbm_floor_ms:.3g} ({n}), {f.hbm_floor_ms / m:.2f}x"
     grid.append(row)
 display(plots.table(grid))
 
 # %% [markdown]
-# On the roofline, a decode step sits far left of every ridge point. The slider moves the
-# batch; MoE presets gain little intensity from batching because extra tokens mostly touch
-# extra experts.
+# On the roofline (FLOPs against bytes), a decode step sits far left of every ridge point.
+# The slider moves the batch; MoE presets gain little intensity from batching because extra
+# tokens mostly touch extra experts. The roofline counts FLOPs: the MXU rule's $R$ rows per
+# pass are what the grid above adds.
 
 # %%
 curves = {c.name: perf.roofline_curve(c) for c in all_chips()}
@@ -171,63 +184,77 @@ plots.show(plots.roofline(curves, sweep, title=f"Decode steps on the {run.chip} 
                                                f"(T=1, S up to {table_context})"))
 
 # %% [markdown]
-# ## Published numbers against the HBM floor
+# ## Published numbers against the floors
 #
-# `data/published.csv` holds the September 2026 release's numbers. For each run on a chip
-# of `data/chips.csv` we compute the floor step of its `-like` preset under the assumptions
-# that make the step shortest: $S$ = `published_context`, batch 1 where not stated (per-user
-# speed only falls with batch), $T = \lceil a \rceil$ verification rows for acceptance
-# length $a$ (a step keeps at most $T$ tokens), all devices sharing the weights. Then
-# tokens/s per user $\le a / t_\text{floor}$ and aggregate $\le B\,a / t_\text{floor}$.
-# This is a bound from floors with stated assumptions, not a fit. "Shared routing" is the
-# strictest version: all tokens of a step use the same $X$ experts.
+# `data/published.csv` holds the September 2026 release's numbers; `mk.ledger` sets each
+# run on a chip of `data/chips.csv` against its `-like` preset under one set of
+# assumptions, the same in notebooks 09 and 11: $S$ = `published_context` (not published),
+# batch 1 where not stated, $T$ = 8 verification rows for a speculative run that keeps its
+# mean acceptance length $\tau$, every device of the run sharing the step. The words, each
+# defined once in `mk.ledger.TERMS`:
 
 # %%
-pubs = [r for r in perf.published() if perf.published_bound(r) is not None]
-uniform = [perf.published_bound(r, context=published_context) for r in pubs]
-shared = [perf.published_bound(r, context=published_context, routing="shared") for r in pubs]
-label = [f"{r.preset.split('-like')[0]} {r.system} "
-         + (f"a={r.acceptance_length:g}" if r.acceptance_length else f"B={r.batch}")
-         for r in pubs]
-display(plots.table([{
-    "run": lab, "metric": r.metric, "published tok/s": f"{r.tokens_per_s:g}",
-    "published step ms": f"{r.step_ms:.2f}", "floor step ms": f"{u.step_ms:.3g}",
-    "bound tok/s": f"{perf.bound_tokens_per_s(r, u):,.0f}",
-    "bound, shared routing": f"{perf.bound_tokens_per_s(r, s):,.0f}",
-    "published / bound": f"{r.tokens_per_s / perf.bound_tokens_per_s(r, u):.2f}"}
-    for lab, r, u, s in zip(label, pubs, uniform, shared)]))
-
-# %%
-skipped = [f"{r.model} on {r.system}" for r in perf.published()
-           if perf.published_bound(r) is None]
-print(f"no chip row, no bound: {skipped}")
-over = [lab for lab, r, u in zip(label, pubs, uniform)
-        if r.tokens_per_s > perf.bound_tokens_per_s(r, u)]
-print(f"published above the uniform-routing bound: {over or 'none'}")
-for lab, r, u in zip(label, pubs, uniform):
-    gap_us = 1e3 * (r.step_ms - u.step_ms) / mk.preset(r.preset).layers
-    print(f"{lab:28} published step {r.step_ms:5.2f} ms = {r.step_ms / u.step_ms:4.1f}x "
-          f"the floor; {gap_us:4.0f} us per layer above it")
-
-# %%
-plots.show(plots.published_vs_floor(label, [r.tokens_per_s for r in pubs], {
-    "HBM-floor bound (uniform routing)": [perf.bound_tokens_per_s(r, u)
-                                          for r, u in zip(pubs, uniform)],
-    "HBM-floor bound (shared routing)": [perf.bound_tokens_per_s(r, s)
-                                         for r, s in zip(pubs, shared)]}))
+display(ledger.glossary("published", "HBM floor", "MXU floor"))
 
 # %% [markdown]
+# Each floor is a step time no run can beat, so $\tau / t_\text{floor}$ bounds tokens/s
+# per user (times $B$ for aggregate rows). "Shared routing" is the strictest version: all
+# tokens of a step use the same $X$ experts. This is a bound from floors with stated
+# assumptions, not a fit.
+
+# %%
+uniform = [r for r in ledger.entries(context=published_context) if "hbm_floor" in r]
+shared = [r for r in ledger.entries(context=published_context, routing="shared")
+          if "hbm_floor" in r]
+label = [r["run"] for r in uniform]
+display(plots.table([{
+    "run": u["run"], "metric": u["metric"], "published tok/s": f"{u['published']:g}",
+    "published step ms": f"{u['published_step_ms']:.2f}",
+    "HBM floor ms": f"{u['hbm_floor_ms']:.3g}", "MXU floor ms": f"{u['mxu_floor_ms']:.3g}",
+    "bound tok/s": f"{min(u['hbm_floor'], u['mxu_floor']):,.0f}",
+    "bound, shared routing": f"{min(s['hbm_floor'], s['mxu_floor']):,.0f}",
+    "published / bound": f"{u['published'] / min(u['hbm_floor'], u['mxu_floor']):.2f}"}
+    for u, s in zip(uniform, shared)]))
+
+# %%
+skipped = [f"{r['model']} on {r['system']}" for r in ledger.entries()
+           if "hbm_floor" not in r]
+print(f"no chip row, no bound: {skipped}")
+over = [u["run"] for u in uniform if u["published"] > min(u["hbm_floor"], u["mxu_floor"])]
+print(f"published above the uniform-routing bound: {over or 'none'}")
+for u in uniform:
+    floor_ms = max(u["hbm_floor_ms"], u["mxu_floor_ms"])
+    gap_us = 1e3 * (u["published_step_ms"] - floor_ms) / mk.preset(u["preset"]).layers
+    print(f"{u['run']:34} published step {u['published_step_ms']:5.2f} ms = "
+          f"{u['published_step_ms'] / floor_ms:4.1f}x the larger floor "
+          f"({'HBM' if u['hbm_floor_ms'] >= u['mxu_floor_ms'] else 'MXU'}); "
+          f"{gap_us:4.0f} µs per layer above it")
+
+# %%
+plots.show(plots.published_vs_floor(label, [u["published"] for u in uniform], {
+    "HBM floor bound (uniform routing)": [u["hbm_floor"] for u in uniform],
+    "HBM floor bound (shared routing)": [s["hbm_floor"] for s in shared],
+    "MXU floor bound": [u["mxu_floor"] for u in uniform]}))
+
+# %% [markdown]
+# The Kimi runs on TPU7x are bound by the MXU floor, not HBM: their FP4 experts stream a
+# quarter of bf16's bytes, while the MXU rule charges 256 rows per weight pass at the bf16
+# rate. A kernel that feeds FP4 weights to the MXU at its fp8 rate halves that floor.
+#
 # ### Per user or aggregate?
 #
 # The no-speculation Kimi numbers rise with batch, so they are most likely aggregate over the
-# batch. Read as per-user numbers instead, each would have to fit under the per-user bound:
+# batch. Read as per-user numbers instead, each would have to fit under the per-user bound
+# (the aggregate bound over $B$):
 
 # %%
-for lab, r, u, s in zip(label, pubs, uniform, shared):
-    if r.metric == "aggregate_as_published" and r.batch > 1:
-        verdict = "exceeds" if r.tokens_per_s > u.tokens_per_s_per_user else "fits under"
-        print(f"{lab:22} {r.tokens_per_s:4g} read per user {verdict} the per-user bound "
-              f"{u.tokens_per_s_per_user:,.0f} (uniform), {s.tokens_per_s_per_user:,.0f} "
+for u, s in zip(uniform, shared):
+    if u["metric"] == "aggregate_as_published" and u["batch"] > 1:
+        per_user = {k: min(r["hbm_floor"], r["mxu_floor"]) / r["batch"]
+                    for k, r in (("uniform", u), ("shared", s))}
+        verdict = "exceeds" if u["published"] > per_user["uniform"] else "fits under"
+        print(f"{u['run']:34} {u['published']:4g} read per user {verdict} the per-user bound "
+              f"{per_user['uniform']:,.0f} (uniform), {per_user['shared']:,.0f} "
               "(shared routing)")
 
 # %% [markdown]
@@ -237,19 +264,20 @@ for lab, r, u, s in zip(label, pubs, uniform, shared):
 #
 # ## What this says about the megakernel
 #
-# Every published run above sits below its floor-based bound, and the table's last column
-# shows by how much. The printed per-layer gaps are time a step spends beyond streaming its
-# bytes: candidates are the tensor-parallel collectives after attention and after the MLP of
-# each layer, synchronisation between the stages of a layer, uneven expert load across
+# Every published run above sits below both floor bounds, and the table's last column
+# shows by how much. The printed per-layer gaps are time a step spends beyond its larger
+# floor: candidates are the tensor-parallel collectives after attention and after the MLP
+# of each layer, synchronisation between the stages of a layer, uneven expert load across
 # devices, and HBM bandwidth below the datasheet peak. This notebook cannot tell them apart;
-# the simulator and profiles of later notebooks try to. The floor is for the `-like`
+# the simulator and profiles of later notebooks try to. The floors are for the `-like`
 # presets, not the released models: Kimi K3's real attention and shared expert, and the
 # Qwen model's linear-attention layers, change its bytes.
 #
 # **Takeaway.** At decode batch sizes the intensity of a step is a few FLOP per byte
-# against ridge points of hundreds, so the time of a step is set by the bytes it reads:
-# weights, the experts it touches, and the KV cache. A decode megakernel wins by keeping
-# HBM streaming all the time, not by computing faster.
+# against ridge points of hundreds, so with bf16 weights the time of a step is set by the
+# bytes it reads: weights, the experts it touches, and the KV cache. A decode megakernel
+# wins by keeping HBM streaming all the time. With 4-bit weights the MXU's fixed cost per
+# weight pass catches up, and how the kernel feeds the MXU matters as much.
 
 # %% [markdown]
 # ## Worked problems
@@ -269,22 +297,26 @@ print(f"2. ridge {v6e.ridge_flop_per_byte:.0f} FLOP/B: about {v6e.ridge_flop_per
       "rows per step (for the weights alone; the KV cache never gains intensity)")
 
 # %% [markdown]
-# *Takeaway:* one sequence can never use more than a few percent of the matrix unit;
+# *Takeaway:* one sequence uses a fraction of a percent of the MXU's FLOPs, though the MXU
+# is busy loading weights for up to $R$ / ridge of an HBM-bound step (notebook 00b);
 # batching and verifying drafted rows (09) are the ways to spend the idle FLOPs.
 #
 # ## Checks
 
 # %%
-everything = list(steps.values()) + uniform + shared + [est]
+everything = list(steps.values()) + [est]
 assert all(0 < e.hbm_floor_ms and 0 < e.compute_floor_ms for e in everything), "bad floor"
 assert all(e.step_ms == max(e.hbm_floor_ms, e.compute_floor_ms) for e in everything)
 for c in all_chips("tpu"):
     for name in PRESET_NAMES:
         e = perf.predict(mk.preset(name), c, batch=1, rows=1, context=0)
-        assert e.hbm_floor_ms > e.compute_floor_ms, f"{name} at B=1 is not HBM-bound on {c.name}"
-for lab, r, s in zip(label, pubs, shared):
+        m = perf.mxu_floor_ms(mk.preset(name), c, batch=1, rows=1, context=0)
+        assert m >= e.compute_floor_ms, f"{name}: the MXU floor is below the FLOP floor"
+        # bf16 weights: HBM-bound at B=1 on every TPU; 4-bit experts (kimi-k3-like): MXU
+        assert (m > e.hbm_floor_ms) == (mk.preset(name).expert_bits < 8), (name, c.name)
+for u, s in zip(uniform, shared):
     # The strictest bound: nothing a real run does can beat it unless an assumption fails.
-    assert r.tokens_per_s <= perf.bound_tokens_per_s(r, s), f"{lab} beats its floor"
-    tokens = r.acceptance_length or r.batch
-    assert abs(r.step_ms - 1e3 * tokens / r.tokens_per_s) < 0.01, f"{lab}: step_ms is stale"
+    assert u["published"] <= min(s["hbm_floor"], s["mxu_floor"]), f"{u['run']} beats a floor"
+    tokens = u["tau"] or u["batch"]
+    assert abs(u["published_step_ms"] - 1e3 * tokens / u["published"]) < 0.01, u["run"]
 print("checks passed")

@@ -27,7 +27,7 @@
 # - Why does a ring of N slots keep HBM busy where a single buffer cannot?
 # - How much VMEM does a ring cost, and what does the TPU compiler say about it?
 
-# %%
+# %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
 # pip installs MK_SOURCE (this release's tag; set the environment variable MK_SOURCE to
 # install another ref or a fork) with the notebook and profiler extras, then asks for a

@@ -26,7 +26,7 @@
 # - How are QK-norm and rotate-half RoPE done on TPU vregs (a lane roll, not a gather)?
 # - What does the prologue cost in bytes, and where is it on the roofline?
 
-# %%
+# %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
 # pip installs MK_SOURCE (this release's tag; set the environment variable MK_SOURCE to
 # install another ref or a fork) with the notebook and profiler extras, then asks for a

@@ -29,7 +29,7 @@
 # - How are the new K/V rows written into the cache in place?
 # - How many bytes does attention move per step, and what does the roofline say?
 
-# %%
+# %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
 # pip installs MK_SOURCE (this release's tag; set the environment variable MK_SOURCE to
 # install another ref or a fork) with the notebook and profiler extras, then asks for a

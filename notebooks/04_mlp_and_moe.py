@@ -28,7 +28,7 @@
 #   DMAs, in a form Mosaic compiles for v5e, v6e and TPU7x?
 # - Does the kernel really read only the experts the batch selected?
 
-# %%
+# %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
 # pip installs MK_SOURCE (this release's tag; set the environment variable MK_SOURCE to
 # install another ref or a fork) with the notebook and profiler extras, then asks for a

@@ -26,7 +26,7 @@
 # - Why does one ring for all the layer's matrices beat one kernel per op?
 # - Is the fused layer exactly the reference layer, and does it fit and compile on a TPU?
 
-# %%
+# %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
 # pip installs MK_SOURCE (this release's tag; set the environment variable MK_SOURCE to
 # install another ref or a fork) with the notebook and profiler extras, then asks for a

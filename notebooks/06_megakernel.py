@@ -27,7 +27,7 @@
 # - Does the megakernel produce exactly the reference's tokens, and does a real model
 #   compile for a real TPU?
 
-# %%
+# %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
 # pip installs MK_SOURCE (this release's tag; set the environment variable MK_SOURCE to
 # install another ref or a fork) with the notebook and profiler extras, then asks for a

@@ -29,7 +29,7 @@
 # - How long does the megakernel take to compile against XLA's own decode step, and how
 #   does each grow with the number of layers?
 
-# %%
+# %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
 # pip installs MK_SOURCE (this release's tag; set the environment variable MK_SOURCE to
 # install another ref or a fork) with the notebook and profiler extras, then asks for a
@@ -166,11 +166,12 @@ for series in ("xla_unrolled", "xla_scan", "megakernel"):
                              mode="lines+markers", name=series))
 fig.update_layout(title=f"TPU compile time of one decode step ({data['model']}, "
                         f"{data['chip']}), on this machine's CPU",
-                  xaxis_title="layers", yaxis_title="compile seconds (wall clock)",
-                  xaxis_type="log", yaxis_type="log")
+                  xaxis_title="layers (log)", yaxis_title="compile seconds (wall clock, log)",
+                  # every measured layer count labelled, y labelled at decades only (plotly's
+                  # default log ticks label 20 and 30 as "2" and "3")
+                  xaxis=dict(type="log", tickvals=sorted({r.layers for r in records})),
+                  yaxis=dict(type="log", dtick=1))
 plots.show(fig)
-for series, g in bench.growth(records).items():
-    print(f"{series}: {g}")
 
 # %% [markdown]
 # ## What this proves, and what it does not

@@ -28,7 +28,7 @@
 # - Do tp devices produce exactly the single-device reference's greedy tokens?
 # - Do real models compile for multi-chip TPU topologies, and how much VMEM/HBM per core?
 
-# %%
+# %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
 # pip installs MK_SOURCE (this release's tag; set the environment variable MK_SOURCE to
 # install another ref or a fork) with the notebook and profiler extras, then asks for a
@@ -79,6 +79,7 @@ import jax
 import numpy as np
 import plotly.graph_objects as go
 from IPython.display import display
+from tqdm.auto import tqdm
 
 import mk
 import mk.backend
@@ -179,7 +180,7 @@ display(plots.table([e for e in collectives.exchanges(4) if e["device"] == 0]))
 #
 # Per step: 2 L all-reduces of the [M, D] float32 partial sums (each device sends 2(n-1)/n
 # of it, in 2 log2(n) message rounds) and one small gather for the argmax. Below, by the
-# ICI model of `mk.perf` (1 us per message round, one device's one-way ICI bandwidth),
+# ICI model of `mk.perf` (1 µs per message round, one device's one-way ICI bandwidth),
 # next to that model's own collective term and the step's HBM floor per device:
 
 # %%
@@ -233,7 +234,7 @@ targets = [("qwen3.8-27b-like", "tpu7x:2x2x1", "tpu7x"),  # TP8: 4 chips, 8 Tens
            ("kimi-k3-like", "tpu7x:2x2x4", "tpu7x")]  # TP32: 16 chips, 32 TensorCores
 reports = [tpu.compile_megakernel(mk.preset(name), chip_name, tp=len(tpu.devices(topology)),
                                   topology=topology)
-           for name, topology, chip_name in targets]
+           for name, topology, chip_name in tqdm(targets, desc="compiles")]
 for report in reports:
     print(report.summary())
 

@@ -98,3 +98,12 @@ def test_topology_compiles_for_the_chip_and_has_cores_per_chip_devices_per_chip(
                                            **extra).devices
     n_chips = len({tuple(d.coords) for d in devices})
     assert len(devices) == n_chips * spec.cores_per_chip
+
+
+def test_mxu_side_is_128_before_v6e_and_256_from_v6e_and_empty_on_gpus():
+    assert {c.name: c.mxu_rows for c in all_chips()} == {
+        "v5e": 128, "v5p": 128, "v6e": 256, "tpu7x": 256, "gb200": None, "h200": None}
+    with pytest.raises(ValueError, match="mxu_rows=None"):
+        dataclasses.replace(chip("v6e"), mxu_rows=None)
+    with pytest.raises(ValueError, match="mxu_rows=128"):
+        dataclasses.replace(chip("h200"), mxu_rows=128)

@@ -60,9 +60,13 @@ def test_growth_and_ratios_by_hand():
                ct.Record(4, "megakernel", 0.0, False, "boom")]
     fit = ct.growth(records)
     assert fit["xla_unrolled"]["seconds_per_layer"] == pytest.approx(1.0)
-    assert fit["xla_unrolled"]["exponent"] == pytest.approx(1.0)
     assert fit["xla_scan"]["intercept"] == pytest.approx(-1.0)
-    assert fit["xla_scan"]["exponent"] == pytest.approx(np.log2(3.0))
+    # two layer counts: no exponent (a power through two points always fits)
+    assert fit["xla_unrolled"]["exponent"] is None and "layers^" not in ct.format_table(records)
+    three = records + [ct.Record(8, "xla_scan", 7.0, True)]
+    assert ct.growth(three)["xla_scan"]["exponent"] == pytest.approx(
+        np.polyfit(np.log([2, 4, 8]), np.log([1.0, 3.0, 7.0]), 1)[0])
+    assert "xla_scan: " in ct.format_table(three) and "layers^" in ct.format_table(three)
     assert "megakernel" not in fit  # no compiled point
     assert ct.ratios(records) == {2: {"xla_scan": 0.5}, 4: {"xla_scan": 0.75}}
     assert "FAILED megakernel at 4 layers: boom" in ct.format_failures(records)

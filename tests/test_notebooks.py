@@ -132,6 +132,9 @@ def test_first_code_cell_is_the_template_bootstrap(source):
     assert code and code[0] == notebook_header.bootstrap(), (
         "the first code cell must be the bootstrap block of notebooks/TEMPLATE.md, verbatim: "
         "python tools/notebook_header.py")
+    first = next(c for c in _ipynb(source)["cells"] if c["cell_type"] == "code")
+    assert notebook_header.BOOTSTRAP_TAG in first.get("metadata", {}).get("tags", []), (
+        "the site collapses the bootstrap by its tag: python tools/notebook_header.py")
 
 
 @each_notebook

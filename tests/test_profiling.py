@@ -8,7 +8,6 @@ in-kernel phase markers in a profile; the static dumps stand in for the latter.
 import dataclasses
 import os
 import re
-from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -85,11 +84,6 @@ def test_figures_draw_the_bubbles_where_they_are():
     assert list(idle.base) == [0.04, 0.06] and list(idle.x) == pytest.approx([0.01, 0.01])
     assert list(host.base) == [0.0, 0.09] and list(host.x) == pytest.approx([0.01, 0.01])
     assert {t.y[0] for t in fig.data if t.y} == {"A", "B", "C", "bubbles"}
-    sim = SimpleNamespace(events=[SimpleNamespace(lane="dma", start_s=0.0, end_s=2e-6,
-                                                  what="wq")],
-                          bubbles=[SimpleNamespace(start_s=2e-6, end_s=3e-6)])
-    idle, = [t for t in profiling.predicted(sim).data if t.name and t.name.startswith("idle")]
-    assert list(idle.base) == pytest.approx([2.0]) and list(idle.x) == pytest.approx([1.0])
     bars = profiling.share_bars([profiling.summary(b, "v")])
     assert sum(t.y[0] for t in bars.data) == pytest.approx(0.4)
 

@@ -2,7 +2,7 @@
 
 The title cell's second line is `[Open in Colab](URL)` for that notebook's `.ipynb` at the
 release tag that the bootstrap's `MK_SOURCE` installs; the first code cell is the bootstrap
-block of TEMPLATE.md, verbatim. Each `notebooks/NN_topic.py` is rewritten, then its `.ipynb`
+block of TEMPLATE.md, verbatim, tagged `hide-input` (the site shows it collapsed). Each `notebooks/NN_topic.py` is rewritten, then its `.ipynb`
 twin is synced from it with jupytext. Run it after changing the template or the version in
 pyproject.toml; tests/test_notebooks.py fails until it has run.
 
@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
 SOURCES = "[0-9][0-9]*_*.py"
 COLAB = "https://colab.research.google.com/github/mk-megakernel/mk/blob"
+BOOTSTRAP_TAG = "hide-input"  # myst-nb collapses the input of a cell with this tag
 LINK = re.compile(r"^\[Open in Colab\]\(.*\)$", re.M)
 
 
@@ -65,6 +66,10 @@ def rewrite(source: Path, code: str) -> None:
     title.source = with_link(title.source, colab_link(source.stem, release_ref(code)))
     first_code = next(c for c in nb.cells if c.cell_type == "code")
     first_code.source = code
+    # The site shows the bootstrap collapsed: it is setup, not part of the lesson.
+    tags = first_code.metadata.setdefault("tags", [])
+    if BOOTSTRAP_TAG not in tags:
+        tags.append(BOOTSTRAP_TAG)
     jupytext.write(nb, source, fmt="py:percent")
     subprocess.run([sys.executable, "-m", "jupytext", "--quiet", "--sync", str(source)],
                    check=True)

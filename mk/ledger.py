@@ -1,0 +1,160 @@
+"""One ledger of the published numbers and one vocabulary for every time the course states.
+
+`TERMS` defines each word once; notebooks 00, 09 and 11 (and any other that states a step
+time) use these words and no others for these quantities, and show the definitions with
+`glossary(...)`. `entries(...)` sets every row of data/published.csv against the models
+under one set of assumptions, named once here (`VERIFY_ROWS`, batch 1 where unstated,
+every device of the run in one tensor-parallel group, `context` cached positions). Nothing
+is fitted to the published numbers.
+
+Not here: the models themselves (`mk.perf` floors and collectives, `mk.sim` the simulated
+schedule), the published rows' parsing (`mk.perf.published`), drawing (`mk.plots`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from IPython.display import Markdown
+
+from mk import perf
+from mk.chips import chip as named_chip
+from mk.config import preset as named_preset
+from mk.sim import Assumptions, Simulation, latency_slots, simulate
+
+TERMS = {
+    "published": "a number of data/published.csv as the release states it (tokens/s), and "
+                 "the step time derived from it (tokens kept per step / tokens/s)",
+    "HBM floor": "bytes one step moves / the HBM bandwidth of the devices sharing it "
+                 "(datasheet peak, perfect sharding; `mk.perf.predict`): no step can be "
+                 "shorter",
+    "MXU floor": "the step's matmuls at the MXU rule, each weight pass costing at least "
+                 "the MXU's rows (`mk.perf.mxu_floor_ms`): no step can be shorter either",
+    "modelled step": "max(HBM floor, MXU floor) + the tensor-parallel collectives over ICI "
+                     "(`mk.perf`): a lower bound on a megakernel step under stated "
+                     "assumptions, not a simulation",
+    "conventional step": "the same step as one kernel per op, each op at its own floor "
+                         "plus a launch gap (`mk.perf.conventional`): a GPU baseline",
+    "simulated step": "the megakernel's own tile schedule replayed on a model of the chip "
+                      "(`mk.sim`): DMA latency, ring depth, bubbles; not a TPU measurement",
+    "measured": "timed or counted on this machine (CPU interpret mode: never TPU time) or, "
+                "for acceptance, counted from real drafts",
+}
+VERIFY_ROWS = 8  # rows each speculative step verifies in the published runs (issue #5)
+
+
+def glossary(*terms: str) -> Markdown:
+    """The definitions of `terms` (all of `TERMS` if none) as a Markdown table."""
+    for term in terms:
+        perf.check_choice("term", term, tuple(TERMS))
+    rows = "\n".join(f"| {t} | {TERMS[t]} |" for t in (terms or TERMS))
+    return Markdown(f"| term | meaning |\n|---|---|\n{rows}")
+
+
+def entries(*, context: int = 0, routing: str = "uniform", compute: str = "bf16",
+            simulate_tpu: bool = False, assumptions: Assumptions | None = None) -> list[dict]:
+    """Every row of data/published.csv against the models, one dict each.
+
+    Always: "run", "model", "preset", "system", "tau" (acceptance length or None), "batch",
+    "rows", "metric", "published" (tokens/s), "published_step_ms". For a chip of
+    data/chips.csv also "hbm_floor_ms", "mxu_floor_ms", "collective_ms", "modelled_ms",
+    "bound" (the largest term of the modelled step: "hbm", "mxu" or "collective"); TPU rows
+    with `simulate_tpu` "simulated_ms" (default ring) and "deep_ms" (slots from Little's
+    law, `mk.sim.latency_slots`) with "deep_slots", "deep_utilisation", "deep_bound"; GPU
+    rows "conventional_ms", "conventional_gap_ms". Each X_ms has X (tokens/s in the row's
+    metric) and X_error (X / published - 1). A system without a chip row gets a "note" and
+    nothing else; every other row's "note" says what differs from the published run.
+    `routing` and `compute` are `mk.perf.predict`'s (compute="fp8": the MXU runs 8- and
+    4-bit weights at its fp8/int8 rate; the simulator keeps its own `assumptions`)."""
+    out, sims = [], {}
+
+    def simulated(config, spec, **kw):  # rows differing only in acceptance share a step
+        key = (config.name, spec.name, tuple(sorted(kw.items(), key=str)))
+        if key not in sims:
+            sims[key] = simulate(config, spec, assumptions=assumptions, **kw)
+        return sims[key]
+
+    for row in perf.published():
+        config, tau = named_preset(row.preset), row.acceptance_length
+        batch, rows = row.batch or 1, VERIFY_ROWS if tau else 1
+        rec = dict(run=f"{config.name} on {row.chips or '?'} {row.system}, "
+                       + (f"tau={tau:g}" if tau else f"B={row.batch}"),
+                   model=row.model, preset=row.preset, system=row.system, tau=tau,
+                   batch=batch, rows=rows, metric=row.metric, published=row.tokens_per_s,
+                   published_step_ms=row.step_ms)
+        try:
+            spec = named_chip(row.system)
+        except ValueError:
+            out.append(rec | dict(note=f"no row for {row.system} in data/chips.csv: "
+                                       "no model"))
+            continue
+        tp = row.chips * spec.cores_per_chip
+        if row.tp is not None and row.tp != tp:
+            raise ValueError(f"published row {row.model} on {row.system}: tp={row.tp} is "
+                             f"not chips*cores_per_chip={tp}")
+        kw = dict(batch=batch, rows=rows, context=context, tp=tp)
+        accepted = tau or 1
+
+        def timed(name, ms):
+            per_user = accepted / (ms / 1e3)
+            tokens = per_user if row.metric == "per_user" else batch * per_user
+            return {f"{name}_ms": ms, name: tokens, f"{name}_error":
+                    tokens / row.tokens_per_s - 1}
+
+        est = perf.predict(config, spec, accepted=accepted, routing=routing, compute=compute,
+                          **kw)
+        mxu = perf.mxu_floor_ms(config, spec, routing=routing, compute=compute, **kw)
+        terms = {"hbm": est.hbm_floor_ms, "mxu": mxu, "collective": est.collective_ms}
+        modelled = perf.modelled_step_ms(config, spec, routing=routing, compute=compute, **kw)
+        rec |= (timed("hbm_floor", est.hbm_floor_ms) | timed("mxu_floor", mxu)
+                | timed("modelled", modelled)
+                | dict(collective_ms=est.collective_ms, bound=max(terms, key=terms.get)))
+        if spec.kind == "tpu" and simulate_tpu:
+            sim = simulated(config, spec, **kw)
+            block = dataclasses.replace(sim.block, slots=latency_slots(
+                config, spec, sim.block, assumptions=assumptions))
+            deep = simulated(config, spec, block=block, **kw)
+            rec |= (timed("simulated", sim.step_ms) | timed("deep", deep.step_ms)
+                    | dict(sim_slots=sim.block.slots, deep_slots=block.slots,
+                           deep_utilisation=deep.hbm_utilisation, deep_bound=_bound(deep)))
+        elif spec.kind == "gpu":
+            conv = perf.conventional(config, spec, accepted=accepted, routing=routing,
+                                     compute=compute, **kw)
+            rec |= timed("conventional", conv.step_ms) | dict(
+                conventional_gap_ms=conv.gap_ms)
+        out.append(rec | dict(note=_explain(row, config, spec, tp, batch, rows)))
+    return out
+
+
+def _bound(sim: Simulation) -> str:
+    """The largest share of a simulated step: streaming bytes ("hbm") or the largest
+    bubble's cause."""
+    share = sim.bubble_share()
+    cause, idle = next(iter(share.items()), ("", 0.0))
+    return "hbm" if sim.hbm_floor_s >= idle else cause
+
+
+def _explain(row, config, spec, tp, batch, rows) -> str:
+    """What differs between the published run and the modelled one (facts, not fits)."""
+    notes = []
+    if config.is_moe:
+        notes.append(f"{config.name}: GQA attention and no shared expert stand in for "
+                     "Kimi K3's MLA/linear attention and shared expert")
+        if config.expert_dtype:
+            notes.append(f"experts stored as {config.expert_dtype} (the release's FP4)")
+    else:
+        notes.append(f"{config.name}: GQA in every layer stands in for the released "
+                     "model's gated-delta-net layers")
+    if row.acceptance_length:
+        notes.append(f"each step verifies T={rows} rows and keeps the published mean "
+                     f"acceptance {row.acceptance_length:g} (whether the drafts were real "
+                     "or forced is not stated)")
+    if row.batch is None:
+        notes.append(f"batch not published: B={batch} assumed")
+    if spec.kind == "gpu":
+        notes.append(f"baseline modelled as one kernel per op (vLLM-like) with TP{tp} over "
+                     f"{row.chips} GPUs (layout not published)")
+    else:
+        notes.append(f"TP{tp} over {row.chips} chips, the collectives as mk.kernels.collectives "
+                     "runs them")
+    return "; ".join(notes)

@@ -1,0 +1,70 @@
+"""mk.ledger: every published row against the floors, the modelled and the conventional step
+under one set of assumptions, in one vocabulary."""
+
+import dataclasses
+
+import pytest
+
+import mk
+from mk import ledger, perf
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return ledger.entries()
+
+
+def test_every_published_row_is_an_entry_and_a_system_without_a_chip_row_has_no_model(rows):
+    assert len(rows) == len(perf.published())
+    cerebras = [r for r in rows if r["system"] == "cerebras"]
+    assert cerebras and "hbm_floor_ms" not in cerebras[0] and "chips.csv" in cerebras[0]["note"]
+
+
+def test_modelled_step_is_the_larger_floor_plus_the_collectives_and_errors_are_consistent(rows):
+    for r in rows:
+        if "hbm_floor_ms" not in r:
+            continue
+        assert r["modelled_ms"] == pytest.approx(
+            max(r["hbm_floor_ms"], r["mxu_floor_ms"]) + r["collective_ms"])
+        assert r["bound"] in ("hbm", "mxu", "collective") and r["note"]
+        for name in ("hbm_floor", "mxu_floor", "modelled", "conventional"):
+            if name in r:
+                assert r[f"{name}_error"] == pytest.approx(r[name] / r["published"] - 1)
+    gpu = [r for r in rows if "conventional" in r]
+    assert gpu and all(r["conventional"] < r["modelled"] for r in gpu)
+
+
+def test_speculative_rows_verify_the_published_rows_on_every_core(rows):
+    kimi = next(r for r in rows if r["system"] == "tpu7x" and r["tau"] == 6)
+    assert (kimi["rows"], kimi["batch"]) == (ledger.VERIFY_ROWS, 1)
+    want = perf.predict(mk.preset("kimi-k3-like"), "tpu7x", batch=1, rows=8, context=0,
+                        tp=32, accepted=6)
+    assert kimi["hbm_floor_ms"] == pytest.approx(want.hbm_floor_ms)
+
+
+def test_a_row_whose_tp_is_not_every_core_is_refused(monkeypatch):
+    kimi = next(r for r in perf.published() if r.system == "tpu7x" and r.tp)
+    monkeypatch.setattr(ledger.perf, "published", lambda: (dataclasses.replace(kimi, tp=8),))
+    with pytest.raises(ValueError, match=r"tp=8 is not chips\*cores_per_chip=32"):
+        ledger.entries()
+
+
+def test_no_published_speed_beats_either_floor_under_the_strictest_routing(monkeypatch):
+    def beating(rows):
+        return [r["run"] for r in rows
+                if "hbm_floor" in r and r["published"] > min(r["hbm_floor"], r["mxu_floor"])]
+
+    assert beating(ledger.entries(routing="shared")) == []
+    # the control: a row claiming 100x its published speed beats its floors
+    kimi = next(r for r in perf.published() if r.system == "tpu7x" and r.tp)
+    fast = dataclasses.replace(kimi, tokens_per_s=100 * kimi.tokens_per_s)
+    monkeypatch.setattr(ledger.perf, "published", lambda: (fast,))
+    assert len(beating(ledger.entries(routing="shared"))) == 1
+
+
+def test_glossary_defines_each_term_once_and_refuses_an_unknown_one():
+    text = ledger.glossary().data
+    assert all(text.count(f"| {t} |") == 1 for t in ledger.TERMS)
+    assert "| roofline |" not in text
+    with pytest.raises(ValueError, match="term='roofline'"):
+        ledger.glossary("roofline")
