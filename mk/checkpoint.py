@@ -170,7 +170,7 @@ def load_checkpoint(path: str | Path, *, dtype: str | None = None
         if problems:
             raise ValueError(_problems(folder, config, problems))
         params = _assemble(handles, where, layout, shapes, config.head_dim)
-        params.update(_assemble_quantised(handles, where, layout, shapes))
+        params.update(_assemble_quantised(folder, handles, where, layout, shapes))
     values = quant.dequantize(params)
     bad = [f"mk {name}: {np.size(x) - int(np.isfinite(x).sum())} values are NaN or inf "
            f"in {x.dtype}" for name, x in ((n, np.asarray(v, np.float32))
@@ -301,7 +301,18 @@ def _gpt_oss_codes(blocks: np.ndarray) -> np.ndarray:
     return np.swapaxes(codes, -1, -2)
 
 
-def _assemble_quantised(handles, where, layout, shapes) -> dict[str, quant.QuantWeight]:
+def _raw_bytes(path: Path, name: str) -> np.ndarray:
+    """A tensor's bytes as uint8 [..., shape] (safetensors' numpy reader has no float8)."""
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        info = json.loads(f.read(length))[name]
+        start, end = info["data_offsets"]
+        f.seek(8 + length + start)
+        return np.frombuffer(f.read(end - start), np.uint8).reshape(info["shape"])
+
+
+def _assemble_quantised(folder, handles, where, layout, shapes
+                        ) -> dict[str, quant.QuantWeight]:
     """The validated quantised tensors as `QuantWeight`s in mk.quant's layouts."""
     data, scales = {}, {}
 
@@ -318,11 +329,12 @@ def _assemble_quantised(handles, where, layout, shapes) -> dict[str, quant.Quant
     for name, (param, index, how) in layout.items():
         if not isinstance(how, str):
             continue
-        tensor = handles[where[name]].get_tensor(name)
+        tensor = (_raw_bytes(folder / where[name], name) if how == "fp8"
+                  else handles[where[name]].get_tensor(name))
         if how in ("fp8", "fp8_scale"):
             d, s = slot(param, "fp8")
             if how == "fp8":
-                d[index] = tensor.view(np.uint8).T
+                d[index] = tensor.T
             else:
                 s[index] = tensor.astype(np.float32).T
             continue
@@ -413,7 +425,7 @@ def _check_tensor(file, name, view, layout, shapes) -> list[str]:
         return []  # reported as unexpected by the caller
     param, index, how = layout[name]
     mk_shape = shapes[param][0][len(index):]
-    want, dtypes = (_quantised_shape(how, mk_shape) if isinstance(how, str)
+    want, dtypes = (_quantised_shape(param, how, mk_shape) if isinstance(how, str)
                     else (_hf_shape(param, mk_shape, how), STORED_DTYPES))
     got = tuple(view.get_shape())
     problems = []

@@ -130,3 +130,246 @@ def test_family_bytes_equal_the_quantised_arrays(scheme):
                                    "scales": sum(q.scale.nbytes for q in held)}, family
     other = sum(v.nbytes for n, v in qparams.items() if not isinstance(v, quant.QuantWeight))
     assert counted["other"]["data"] == other and counted["other"]["scales"] == 0
+
+
+# -- Quantised checkpoints ----------------------------------------------------------------
+PROMPT = np.random.default_rng(2).integers(0, 512, (2, 8))
+STEPS, CONTEXT = 16, 32
+
+
+def fp8_tensors(config, params, qparams) -> dict:
+    """HF fine-grained FP8 tensors: each quantised projection as `weight` float8_e4m3fn
+    [O, I] plus `weight_scale_inv` float32 [O/128, I/128], written from scratch here."""
+    plain = hf_tensors(config, params)
+    out = {}
+    for name, value in plain.items():
+        param = slot_of(config, name)
+        q = qparams.get(param[0]) if param else None
+        if not isinstance(q, quant.QuantWeight):
+            out[name] = value
+            continue
+        data, scale = np.asarray(q.data)[param[1]], np.asarray(q.scale)[param[1]]
+        out[name] = data.T.view(ml_dtypes.float8_e4m3fn)
+        out[name + "_scale_inv"] = scale.T.copy()
+    return out
+
+
+def slot_of(config, hf_name):
+    """(mk param, index) of an HF tensor name, spelled out independently of hf_layout."""
+    parts = hf_name.split(".")
+    if hf_name == "lm_head.weight":
+        return "lm_head", ()
+    if parts[1] != "layers":
+        return None
+    i = int(parts[2])
+    proj = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo"}
+    if parts[4] in proj:
+        return proj[parts[4]], (i,)
+    if parts[3] == "mlp" and parts[4] == "experts":
+        return f"we_{parts[6][:-5]}", (config.moe_layers.index(i), int(parts[5]))
+    if parts[3] == "mlp" and parts[4].endswith("_proj"):
+        return f"w_{parts[4][:-5]}", (config.dense_layers.index(i),)
+    return None
+
+
+def numpy_fp8_params(config, folder) -> dict:
+    """The fixture decoded by HF's formula in numpy: w = weight * scale_inv per block."""
+    path = folder / "model.safetensors"
+    with open(path, "rb") as f:  # safetensors' numpy reader has no float8: read the bytes
+        length = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(length))
+        raw = f.read()
+    tensors = {}
+    for name, info in header.items():
+        if name != "__metadata__":
+            dtype = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F32": np.float32,
+                     "BF16": ml_dtypes.bfloat16}[info["dtype"]]
+            start, end = info["data_offsets"]
+            tensors[name] = np.frombuffer(raw[start:end], dtype).reshape(info["shape"])
+    params = {}
+    for name, value in tensors.items():
+        if value.dtype == ml_dtypes.float8_e4m3fn:
+            scale = tensors[name + "_scale_inv"]
+            full = np.repeat(np.repeat(scale, 128, axis=0), 128, axis=1)
+            value = value.astype(np.float32) * full
+        elif name.endswith("_scale_inv"):
+            continue
+        param, index = slot_of(config, name) or (None, None)
+        if param is None:
+            continue
+        params.setdefault(param, np.zeros(config.param_shapes()[param][0], np.float32))
+        params[param][index] = value.T
+    return params
+
+
+@pytest.mark.parametrize("config", [TINY, pytest.param(TINY_MOE, marks=pytest.mark.slow)],
+                         ids=["tiny", "tiny-moe"])
+def test_hf_fp8_checkpoint_loads_its_bytes_and_decodes_the_dequantised_models_tokens(
+        config, tmp_path):
+    params = mk.init_params(config)
+    qparams = quantise_all(config, params, "fp8")
+    hf = {**hf_config_dict(config), "quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128]}}
+    folder = write_hf_folder(hf, fp8_tensors(config, params, qparams), tmp_path)
+    loaded_config, loaded = mk.load_checkpoint(folder)
+    assert loaded_config == config
+    for name, q in qparams.items():
+        got = loaded[name]
+        if isinstance(q, quant.QuantWeight):
+            assert got.scheme == "fp8"
+            np.testing.assert_array_equal(np.asarray(got.data), np.asarray(q.data), name)
+            np.testing.assert_array_equal(np.asarray(got.scale), np.asarray(q.scale), name)
+    tokens = reference.generate(config, quant.dequantize(loaded), PROMPT, STEPS,
+                                max_context=CONTEXT)
+    want = reference.generate(config, quant.dequantize(qparams), PROMPT, STEPS,
+                              max_context=CONTEXT)
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(want))
+    # HF's own formula on the file's tensors, in numpy: the same weights.
+    dequantised = quant.dequantize(loaded)
+    for name, value in numpy_fp8_params(config, folder).items():
+        np.testing.assert_array_equal(np.asarray(dequantised[name], np.float32),
+                                      value.astype(ml_dtypes.bfloat16).astype(np.float32))
+
+
+def test_a_bad_fp8_checkpoint_names_every_problem_in_one_error(tmp_path):
+    params = mk.init_params(TINY)
+    qparams = quantise_all(TINY, params, "fp8")
+    hf = {**hf_config_dict(TINY), "quantization_config": {
+        "quant_method": "fp8", "weight_block_size": [128, 128]}}
+    tensors = fp8_tensors(TINY, params, qparams)
+    del tensors["model.layers.0.self_attn.k_proj.weight_scale_inv"]
+    tensors["model.layers.1.self_attn.q_proj.weight_scale_inv"] = np.ones((2, 4), np.float32)
+    tensors["model.layers.1.mlp.up_proj.weight"] = np.asarray(  # one layer of w_up in bf16
+        params["w_up"][1], np.float32).T
+    del tensors["model.layers.1.mlp.up_proj.weight_scale_inv"]
+    tensors["model.embed_tokens.weight_scale_inv"] = np.ones((4, 2), np.float32)
+    write_hf_folder(hf, tensors, tmp_path)
+    with pytest.raises(ValueError) as err:
+        mk.load_checkpoint(tmp_path)
+    message = str(err.value)
+    for expected in ("(4 problems)",
+                     "missing tensor model.layers.0.self_attn.k_proj.weight_scale_inv",
+                     "q_proj.weight_scale_inv has shape (2, 4), expected (4, 2)",
+                     "mk w_up: some of its tensors are float8_e4m3fn and some are not",
+                     "unexpected tensor model.embed_tokens.weight_scale_inv"):
+        assert expected in message, message
+    with pytest.raises(ValueError, match=r"weight_block_size=\[64, 64\]"):
+        hf["quantization_config"]["weight_block_size"] = [64, 64]
+        (tmp_path / "config.json").write_text(json.dumps(hf))
+        mk.load_checkpoint(tmp_path)
+
+
+def gpt_oss_blocks(q: quant.QuantWeight, layer: int):
+    """mk fp4 [E, I/2, O] -> gpt-oss blocks [E, O, I/32, 16], scales [E, O, I/32]:
+    values 2k (low nibble) and 2k + 1 (high) of each 32-value block along I."""
+    codes = np.swapaxes(np.asarray(quant.unpack_nibbles(q.data[layer])), -1, -2)  # [E, O, I]
+    pairs = codes.reshape(*codes.shape[:-1], -1, 16, 2).astype(np.uint8)
+    return pairs[..., 0] | (pairs[..., 1] << 4), np.swapaxes(np.asarray(q.scale[layer]), -1, -2)
+
+
+def test_gpt_oss_mxfp4_experts_load_bit_exactly_and_match_transformers_dequantisation(
+        tmp_path):
+    import torch
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    config, params = TINY_MOE, mk.init_params(TINY_MOE)
+    qparams = mk.quantize(config, params, experts="fp4")
+    tensors = {k: v for k, v in hf_tensors(config, params).items() if ".experts." not in k}
+    for j, i in enumerate(config.moe_layers):
+        prefix = f"model.layers.{i}.mlp.experts."
+        (gb, gs), (ub, us) = (gpt_oss_blocks(qparams[p], j) for p in ("we_gate", "we_up"))
+        # gpt-oss interleaves rows: 2f is gate row f, 2f + 1 is up row f.
+        tensors[prefix + "gate_up_proj_blocks"] = np.stack([gb, ub], 2).reshape(
+            gb.shape[0], -1, *gb.shape[2:])
+        tensors[prefix + "gate_up_proj_scales"] = np.stack([gs, us], 2).reshape(
+            gs.shape[0], -1, gs.shape[2])
+        tensors[prefix + "down_proj_blocks"], tensors[prefix + "down_proj_scales"] = \
+            gpt_oss_blocks(qparams["we_down"], j)
+    hf = {**hf_config_dict(config), "quantization_config": {"quant_method": "mxfp4"}}
+    write_hf_folder(hf, tensors, tmp_path)
+    _, loaded = mk.load_checkpoint(tmp_path)
+    for name in quant.FAMILIES["experts"]:
+        np.testing.assert_array_equal(np.asarray(loaded[name].data),
+                                      np.asarray(qparams[name].data), name)
+        np.testing.assert_array_equal(np.asarray(loaded[name].scale),
+                                      np.asarray(qparams[name].scale), name)
+    deq = quant.dequantize(loaded)
+    prefix = f"model.layers.{config.moe_layers[1]}.mlp.experts."
+    hf_gate_up = convert_moe_packed_tensors(
+        torch.from_numpy(tensors[prefix + "gate_up_proj_blocks"]),
+        torch.from_numpy(tensors[prefix + "gate_up_proj_scales"])).float().numpy()
+    for name, rows in (("we_gate", slice(0, None, 2)), ("we_up", slice(1, None, 2))):
+        np.testing.assert_array_equal(np.asarray(deq[name][1], np.float32),
+                                      hf_gate_up[..., rows], name)
+    tensors[prefix + "down_proj_scales"] = tensors[prefix + "down_proj_scales"][:, :, :2]
+    write_hf_folder(hf, tensors, tmp_path)
+    with pytest.raises(ValueError, match=r"down_proj_scales has shape \(8, 256, 2\), "
+                                         r"expected \(8, 256, 4\)"):
+        mk.load_checkpoint(tmp_path)
+
+
+# -- Accuracy against bf16 ------------------------------------------------------------------
+ACCURACY_STEPS = 64
+# A transformers Qwen3-MoE with TPU-legal widths (128-multiples): layer 0 dense, layer 1 MoE,
+# untied lm_head, so every family (dense, experts, lm_head) is quantised.
+ACCURACY_MODEL = dict(vocab_size=512, hidden_size=256, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=128, intermediate_size=256,
+                      moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2,
+                      num_hidden_layers=2, mlp_only_layers=[0], norm_topk_prob=True,
+                      tie_word_embeddings=False, max_position_embeddings=256,
+                      rms_norm_eps=1e-6, rope_theta=10_000.0, attn_implementation="eager",
+                      eos_token_id=None, bos_token_id=None, pad_token_id=None)
+# Upper bounds on the relative RMS of logits and lower bounds on greedy agreement (the
+# fraction of steps whose argmax is the bf16 model's), both teacher-forced on the bf16
+# model's 2 x 64 greedy tokens; the test prints the measured values and the free-running
+# common prefix (once one token differs, the sequences part, so that is not a rate).
+ACCURACY_BOUNDS = {"int8": (0.03, 0.95), "fp8": (0.1, 0.85), "int4": (0.3, 0.65),
+                   "fp4": (0.3, 0.65)}
+
+
+@pytest.fixture(scope="module")
+def accuracy_model(tmp_path_factory):
+    """(config, bf16 params) of a transformers-written tiny Qwen3-MoE checkpoint."""
+    folder = tmp_path_factory.mktemp("accuracy")
+    build_hf_model("qwen3_moe", ACCURACY_MODEL).save_pretrained(folder)
+    return mk.load_checkpoint(folder, dtype="bfloat16")
+
+
+def logits_along(config, params, sequence):
+    """Logits [B, P + steps - 1, V] of one prefill over the whole token sequence."""
+    logits, _ = reference.prefill(config, params, sequence, max_context=sequence.shape[1])
+    return np.asarray(logits, np.float64)
+
+
+@pytest.mark.parametrize("scheme", quant.SCHEMES)
+def test_accuracy_against_bf16_on_a_transformers_checkpoint(accuracy_model, scheme):
+    config, params = accuracy_model
+    context = PROMPT.shape[1] + ACCURACY_STEPS
+    want = np.asarray(reference.generate(config, params, PROMPT, ACCURACY_STEPS,
+                                         max_context=context))
+    sequence = np.concatenate([PROMPT, want[:, :-1]], axis=1)
+    steps = slice(PROMPT.shape[1] - 1, None)  # the logits that chose the 64 tokens
+    base = logits_along(config, params, sequence)[:, steps]
+    qparams = quant.dequantize(quantise_all(config, params, scheme))
+    logits = logits_along(config, qparams, sequence)[:, steps]
+    rel_rms = float(np.sqrt(((logits - base) ** 2).mean() / (base ** 2).mean()))
+    agree = float((logits.argmax(-1) == base.argmax(-1)).mean())
+    got = np.asarray(reference.generate(config, qparams, PROMPT, ACCURACY_STEPS,
+                                        max_context=context))
+    prefix = [int(np.argmin(np.append(g == w, False))) for g, w in zip(got, want)]
+    print(f"\n{scheme}: relative RMS of logits {rel_rms:.4f}, greedy agreement {agree:.3f} "
+          f"(teacher-forced, {base.shape[0]} x {ACCURACY_STEPS} steps), free-running "
+          f"common prefix {prefix} of {ACCURACY_STEPS}")
+    max_rms, min_agree = ACCURACY_BOUNDS[scheme]
+    assert rel_rms < max_rms and agree >= min_agree
+    # The same measure sees a planted 2x scale in every group of layer 0's wo (not wq:
+    # QK-norm divides a uniformly doubled q by its own RMS, so logits would not move).
+    planted = quantise_all(config, params, scheme)
+    scale = np.array(planted["wo"].scale)
+    scale[0] = scale[0] + 1 if scheme == "fp4" else scale[0] * 2
+    planted["wo"] = dataclasses.replace(planted["wo"], scale=jnp.asarray(scale))
+    bad = logits_along(config, quant.dequantize(planted), sequence)[:, steps] - base
+    planted_rms = float(np.sqrt((bad ** 2).mean() / (base ** 2).mean()))
+    print(f"{scheme} with wo[0]'s scales doubled: relative RMS {planted_rms:.4f}")
+    assert planted_rms > max_rms  # the bound separates a correct scheme from this bug
