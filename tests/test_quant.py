@@ -13,6 +13,7 @@ not exist yet), TPU timing.
 """
 
 import dataclasses
+import functools
 import json
 
 import jax
@@ -373,3 +374,53 @@ def test_accuracy_against_bf16_on_a_transformers_checkpoint(accuracy_model, sche
     planted_rms = float(np.sqrt((bad ** 2).mean() / (base ** 2).mean()))
     print(f"{scheme} with wo[0]'s scales doubled: relative RMS {planted_rms:.4f}")
     assert planted_rms > max_rms  # the bound separates a correct scheme from this bug
+
+
+# -- Lowering: one tile, dequantised in VMEM, on every chip -------------------------------
+TILE_ROWS = 8  # M activation rows of the probe
+
+
+def dequant_matmul(scheme: str, data, scale, x, *, interpret=False):
+    """x [M, I] @ (the tile dequantised to bf16) -> [M, O] float32, as one pallas_call whose
+    body is mk.quant's decoder: the code a streaming kernel runs on each tile."""
+    def kernel(data_ref, scale_ref, x_ref, out_ref):
+        w = quant.dequantize_tile(scheme, data_ref[...], scale_ref[...]).astype(jnp.bfloat16)
+        out_ref[...] = jnp.dot(x_ref[...].astype(jnp.bfloat16), w,
+                               preferred_element_type=jnp.float32)
+
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(
+        (x.shape[0], data.shape[-1]), jnp.float32), name=f"mk_dequant_{scheme}")(
+            data, scale, x)
+
+
+@pytest.mark.parametrize("scheme", quant.SCHEMES)
+def test_one_tile_dequantises_in_interpret_mode_and_compiles_for_v5e_v6e_tpu7x(scheme):
+    rng = np.random.default_rng(3)
+    q = quant.quantize_weight(rng.standard_normal((256, 256)).astype(np.float32), scheme)
+    x = jnp.asarray(rng.standard_normal((TILE_ROWS, 256)), jnp.float32)
+    with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
+        got = jax.jit(functools.partial(dequant_matmul, scheme))(q.data, q.scale, x)
+    w = quant.dequantize_tile(scheme, q.data, q.scale).astype(jnp.bfloat16)
+    want = reference.dot("mi,io->mo", x, w, jnp.bfloat16)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    for chip in ("v5e", "v6e", "tpu7x"):
+        report = mk.tpu.compile_for_chip(functools.partial(dequant_matmul, scheme),
+                                         [q.data, q.scale, x], chip)
+        assert report.ok, report.summary()
+
+
+def test_a_native_float4_tile_is_refused_by_mosaic_on_v5e():
+    """Why mk.quant packs fp4 into uint8: the native float4_e2m1fn type does not lower on
+    v5e (nor v6e; it does on tpu7x), measured with the pinned libtpu."""
+    def kernel(w_ref, x_ref, out_ref):
+        w = w_ref[...].astype(jnp.float32).astype(jnp.bfloat16)
+        out_ref[...] = jnp.dot(x_ref[...], w, preferred_element_type=jnp.float32)
+
+    def native(w, x):
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((TILE_ROWS, 256),
+                                                                     jnp.float32))(w, x)
+
+    args = [jax.ShapeDtypeStruct((256, 256), jnp.float4_e2m1fn),
+            jax.ShapeDtypeStruct((TILE_ROWS, 256), jnp.bfloat16)]
+    report = mk.tpu.compile_for_chip(native, args, "v5e")
+    assert not report.ok and "f4E2M1FN" in report.error
