@@ -424,3 +424,19 @@ def test_a_native_float4_tile_is_refused_by_mosaic_on_v5e():
             jax.ShapeDtypeStruct((TILE_ROWS, 256), jnp.bfloat16)]
     report = mk.tpu.compile_for_chip(native, args, "v5e")
     assert not report.ok and "f4E2M1FN" in report.error
+
+
+# -- Bytes per step -------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe", "qwen3-0.6b", "qwen3-30b-a3b"])
+def test_quantised_step_bytes_are_predicts_without_schemes_and_shrink_with_them(name):
+    config = mk.preset(name)
+    plain = mk.perf.quantised_bytes(config, batch=4, rows=2, context=512)
+    est = mk.perf.predict(config, "v6e", batch=4, rows=2, context=512)
+    step = sum(v for k, v in plain.items() if k != "resident")
+    assert step == pytest.approx(est.total_bytes, rel=1e-12)
+    assert plain["resident"] == mk.perf.resident_bytes(config, batch=4, context=512)
+    fp4 = mk.perf.quantised_bytes(config, batch=4, rows=2, context=512, dense="fp4",
+                                  experts="fp4" if config.is_moe else None)
+    # e2m1 plus one e8m0 byte per 32 values: 4.25 bits of bf16's 16.
+    assert fp4["dense"] == pytest.approx(plain["dense"] * 4.25 / 16, rel=1e-12)
+    assert fp4["experts"] == pytest.approx(plain["experts"] * 4.25 / 16, rel=1e-12)
