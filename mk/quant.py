@@ -5,7 +5,8 @@ Here: the four storage schemes (`SCHEMES`), each laid out exactly as below; `qua
 (back to plain arrays: the oracle's weights, fed to the unchanged `mk.reference`), the
 element decoders a kernel calls on one streamed tile (`unpack_nibbles`, `e4m3_values`,
 `e2m1_values`, `dequantize_tile`), `check_error` (every group's error against its scale's
-bound) and `storage_bytes` / `family_bytes` (packed bytes plus scales). Not here: reading
+bound), `accuracy` (a quantised model's logits and greedy tokens against the bf16 model's)
+and `storage_bytes` / `family_bytes` (packed bytes plus scales). Not here: reading
 quantised Hugging Face checkpoints (`mk.checkpoint`), kernels that stream packed tiles.
 
 Which weights. Three families, each with one scheme or None (stays `config.dtype`):
@@ -64,12 +65,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from mk import reference
 from mk.config import ModelConfig
 
 SCHEMES = ("int8", "fp8", "int4", "fp4")
@@ -332,6 +335,37 @@ def check_error(name: str, w, q: QuantWeight) -> None:
         raise ValueError(f"{name} ({q.scheme}): {bad} of {excess.size} elements exceed the "
                          f"quantisation error bound; worst at {tuple(map(int, where))}: "
                          f"{float(excess[where]):.3g} x the bound (a wrong scale?)")
+
+
+class Accuracy(NamedTuple):
+    rel_rms: float  # RMS(logits - bf16 logits) / RMS(bf16 logits), teacher-forced
+    agreement: float  # fraction of teacher-forced steps whose argmax is the bf16 model's
+    prefix: tuple[int, ...]  # per sequence: free-running tokens equal to the bf16 model's
+
+
+def accuracy(config: ModelConfig, params: dict, qparams: dict, prompt, steps: int
+             ) -> Accuracy:
+    """The dequantised `qparams` against `params` over the `steps` greedy tokens the
+    `params` model decodes after `prompt` [B, P]: both models read the same tokens (teacher
+    forcing, one prefill of P + steps - 1 positions) and are compared at the `steps`
+    positions that chose them; then each decodes freely and the common prefix is counted
+    (once one token differs the sequences part, so that is not a rate)."""
+    prompt = np.asarray(prompt)
+    context = prompt.shape[1] + steps
+    want = np.asarray(reference.generate(config, params, prompt, steps, max_context=context))
+    sequence = np.concatenate([prompt, want[:, :-1]], axis=1)
+    chose = slice(prompt.shape[1] - 1, None)
+
+    def logits(p):
+        out, _ = reference.prefill(config, p, sequence, max_context=sequence.shape[1])
+        return np.asarray(out, np.float64)[:, chose]
+
+    deq = dequantize(qparams)
+    base, got = logits(params), logits(deq)
+    rel_rms = float(np.sqrt(((got - base) ** 2).mean() / (base ** 2).mean()))
+    free = np.asarray(reference.generate(config, deq, prompt, steps, max_context=context))
+    prefix = tuple(int(np.argmin(np.append(f == w, False))) for f, w in zip(free, want))
+    return Accuracy(rel_rms, float((got.argmax(-1) == base.argmax(-1)).mean()), prefix)
 
 
 # -- Bytes --------------------------------------------------------------------------------

@@ -337,41 +337,23 @@ def accuracy_model(tmp_path_factory):
     return mk.load_checkpoint(folder, dtype="bfloat16")
 
 
-def logits_along(config, params, sequence):
-    """Logits [B, P + steps - 1, V] of one prefill over the whole token sequence."""
-    logits, _ = reference.prefill(config, params, sequence, max_context=sequence.shape[1])
-    return np.asarray(logits, np.float64)
-
-
 @pytest.mark.parametrize("scheme", quant.SCHEMES)
 def test_accuracy_against_bf16_on_a_transformers_checkpoint(accuracy_model, scheme):
     config, params = accuracy_model
-    context = PROMPT.shape[1] + ACCURACY_STEPS
-    want = np.asarray(reference.generate(config, params, PROMPT, ACCURACY_STEPS,
-                                         max_context=context))
-    sequence = np.concatenate([PROMPT, want[:, :-1]], axis=1)
-    steps = slice(PROMPT.shape[1] - 1, None)  # the logits that chose the 64 tokens
-    base = logits_along(config, params, sequence)[:, steps]
-    qparams = quant.dequantize(quantise_all(config, params, scheme))
-    logits = logits_along(config, qparams, sequence)[:, steps]
-    rel_rms = float(np.sqrt(((logits - base) ** 2).mean() / (base ** 2).mean()))
-    agree = float((logits.argmax(-1) == base.argmax(-1)).mean())
-    got = np.asarray(reference.generate(config, qparams, PROMPT, ACCURACY_STEPS,
-                                        max_context=context))
-    prefix = [int(np.argmin(np.append(g == w, False))) for g, w in zip(got, want)]
-    print(f"\n{scheme}: relative RMS of logits {rel_rms:.4f}, greedy agreement {agree:.3f} "
-          f"(teacher-forced, {base.shape[0]} x {ACCURACY_STEPS} steps), free-running "
-          f"common prefix {prefix} of {ACCURACY_STEPS}")
+    got = quant.accuracy(config, params, quantise_all(config, params, scheme), PROMPT,
+                         ACCURACY_STEPS)
+    print(f"\n{scheme}: relative RMS of logits {got.rel_rms:.4f}, greedy agreement "
+          f"{got.agreement:.3f} (teacher-forced, {PROMPT.shape[0]} x {ACCURACY_STEPS} steps), "
+          f"free-running common prefix {got.prefix} of {ACCURACY_STEPS}")
     max_rms, min_agree = ACCURACY_BOUNDS[scheme]
-    assert rel_rms < max_rms and agree >= min_agree
+    assert got.rel_rms < max_rms and got.agreement >= min_agree
     # The same measure sees a planted 2x scale in every group of layer 0's wo (not wq:
     # QK-norm divides a uniformly doubled q by its own RMS, so logits would not move).
     planted = quantise_all(config, params, scheme)
     scale = np.array(planted["wo"].scale)
     scale[0] = scale[0] + 1 if scheme == "fp4" else scale[0] * 2
     planted["wo"] = dataclasses.replace(planted["wo"], scale=jnp.asarray(scale))
-    bad = logits_along(config, quant.dequantize(planted), sequence)[:, steps] - base
-    planted_rms = float(np.sqrt((bad ** 2).mean() / (base ** 2).mean()))
+    planted_rms = quant.accuracy(config, params, planted, PROMPT, ACCURACY_STEPS).rel_rms
     print(f"{scheme} with wo[0]'s scales doubled: relative RMS {planted_rms:.4f}")
     assert planted_rms > max_rms  # the bound separates a correct scheme from this bug
 
@@ -380,7 +362,7 @@ def test_accuracy_against_bf16_on_a_transformers_checkpoint(accuracy_model, sche
 TILE_ROWS = 8  # M activation rows of the probe
 
 
-def dequant_matmul(scheme: str, data, scale, x, *, interpret=False):
+def dequant_matmul(scheme: str, data, scale, x):
     """x [M, I] @ (the tile dequantised to bf16) -> [M, O] float32, as one pallas_call whose
     body is mk.quant's decoder: the code a streaming kernel runs on each tile."""
     def kernel(data_ref, scale_ref, x_ref, out_ref):
