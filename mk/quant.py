@@ -73,7 +73,7 @@ import ml_dtypes
 import numpy as np
 
 from mk import reference
-from mk.config import ModelConfig
+from mk.config import DTYPE_BITS, ModelConfig
 
 SCHEMES = ("int8", "fp8", "int4", "fp4")
 FAMILIES = {"dense": ("wq", "wk", "wv", "wo", "wq_gate", "w_gate", "w_up", "w_down"),
@@ -375,7 +375,7 @@ def storage_bytes(shape: tuple[int, ...], scheme: str | None, dtype: str = "bflo
     `scheme` (None: unquantised `dtype`, no scales)."""
     count = math.prod(shape)
     if scheme is None:
-        return {"data": count * jnp.dtype(dtype).itemsize, "scales": 0}
+        return {"data": count * DTYPE_BITS[dtype] // 8, "scales": 0}
     check_shape("weight", scheme, shape)
     *lead, I, O = shape
     n = math.prod(lead)
