@@ -54,10 +54,16 @@ the uint8 decoders below lower for v5e, v6e and tpu7x, with bf16 or float32 outp
 run unchanged in TPU interpret mode on CPU. Native element types do not all lower: a
 float4_e2m1fn ref fails on v5e and v6e ("Unsupported type vector<...xf4E2M1FN>", Mosaic's
 unpack_subelements) and compiles only for tpu7x; int4 and float8_e4m3fn refs compile on all
-three (and interpret). One byte type for all four schemes also makes the bytes in HBM the
-bytes of the documented layout (a sub-byte array's packing is the compiler's choice). The
-decoders use only integer shifts, masks, compares, selects, int -> float casts, a bitcast
-of int32 to float32 (powers of two: exact, no transcendental) and float multiplies.
+three (and interpret). Plain bytes (uint8; int8 for int8) for all four schemes also make the
+bytes in HBM the bytes of the documented layout (a sub-byte array's packing is the
+compiler's choice). The decoders use only integer shifts, masks, compares, selects, int ->
+float casts, a bitcast of int32 to float32 (powers of two: exact, no transcendental) and
+float multiplies.
+
+Accuracy against bf16 (tests/test_quant.py, every family quantised, a transformers-written
+tiny Qwen3-MoE, 2 x 64 teacher-forced steps; random weights, so flatter logits than a
+trained model's): relative RMS of logits int8 0.020, fp8 0.072, int4 0.24, fp4 0.23; argmax
+agreement 0.98, 0.91, 0.73, 0.71.
 """
 
 from __future__ import annotations

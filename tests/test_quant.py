@@ -30,7 +30,6 @@ from mk import quant, reference
 
 TINY = dataclasses.replace(mk.preset("tiny"), max_context=4096)
 TINY_MOE = dataclasses.replace(mk.preset("tiny-moe"), max_context=4096)
-ALL = dict(dense=None, experts=None, lm_head=None)
 
 
 def quantise_all(config, params, scheme):
