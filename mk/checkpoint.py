@@ -185,11 +185,11 @@ def load_checkpoint(path: str | Path, *, dtype: str | None = None
 
 # -- Quantised checkpoints ----------------------------------------------------------------
 # config.json's quantization_config.quant_method values read here, in their own layouts:
-# - "fp8" (Hugging Face fine-grained FP8, weight_block_size [128, 128], e4m3): a projection
-#   stored as `X.weight` float8_e4m3fn [O, I] plus `X.weight_scale_inv` float32 (or bf16)
-#   [O/128, I/128], w = weight * weight_scale_inv per 128x128 block; any projection of the
-#   dense, experts or lm_head families (mk.quant.FAMILIES) may be stored so, each mk
-#   parameter wholly or not at all; the others as usual.
+# - "fp8" (Hugging Face fine-grained FP8, weight_block_size [128, 128], e4m3; the layout
+#   is mk.quant's "fp8", documented there): `X.weight` float8_e4m3fn plus
+#   `X.weight_scale_inv` (float32, or bf16 widened exactly); any projection of the dense,
+#   experts or lm_head families (mk.quant.FAMILIES) may be stored so, each mk parameter
+#   wholly or not at all; the others as usual.
 # - "mxfp4" (the gpt-oss expert layout): per MoE layer `mlp.experts.gate_up_proj_blocks`
 #   uint8 [E, 2Fe, D/32, 16] and `..._scales` uint8 [E, 2Fe, D/32] (rows 2f and 2f + 1 are
 #   expert row f of gate and of up), `mlp.experts.down_proj_blocks` [E, D, Fe/32, 16] and
