@@ -260,6 +260,25 @@ def test_a_bad_fp8_checkpoint_names_every_problem_in_one_error(tmp_path):
         mk.load_checkpoint(tmp_path)
 
 
+def test_fp8_nan_codes_and_unknown_quant_methods_are_refused(tmp_path):
+    params = mk.init_params(TINY)
+    qparams = quantise_all(TINY, params, "fp8")
+    hf = {**hf_config_dict(TINY), "quantization_config": {
+        "quant_method": "fp8", "weight_block_size": [128, 128]}}
+    tensors = fp8_tensors(TINY, params, qparams)
+    name = "model.layers.0.mlp.down_proj.weight"
+    codes = tensors[name].view(np.uint8).copy()
+    codes[3, 5] = 0x7F  # e4m3's NaN
+    tensors[name] = codes.view(ml_dtypes.float8_e4m3fn)
+    write_hf_folder(hf, tensors, tmp_path)
+    with pytest.raises(ValueError, match="mk w_down: 1 values are NaN or inf"):
+        mk.load_checkpoint(tmp_path)
+    hf["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(NotImplementedError, match="quant_method='gptq' is not read"):
+        mk.load_checkpoint(tmp_path)
+
+
 def gpt_oss_blocks(q: quant.QuantWeight, layer: int):
     """mk fp4 [E, I/2, O] -> gpt-oss blocks [E, O, I/32, 16], scales [E, O, I/32]:
     values 2k (low nibble) and 2k + 1 (high) of each 32-value block along I."""
