@@ -75,7 +75,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
 from mk import reference
@@ -227,11 +226,11 @@ def quantize_weight(w, scheme: str, name: str = "weight") -> QuantWeight:
         g = GROUP["fp8"]
         scale = _safe(_absmax(w, g, g) / np.float32(FP8_MAX))
         full = np.repeat(rep(scale, g), g, axis=-1)
-        q = np.clip(w / full, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+        q = np.clip(w / full, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
         return QuantWeight(jnp.asarray(q.view(np.uint8)), jnp.asarray(scale), scheme)
     if scheme == "int4":
         g = GROUP["int4"]
-        scale = _safe(_absmax(w, g) / np.float32(INT4_MAX)).astype(ml_dtypes.bfloat16)
+        scale = _safe(_absmax(w, g) / np.float32(INT4_MAX)).astype(jnp.bfloat16)
         q = np.clip(np.rint(w / rep(scale.astype(np.float32), g)), -INT4_MAX, INT4_MAX)
         return QuantWeight(pack_nibbles(q.astype(np.int32) + 8), jnp.asarray(scale), scheme)
     g = GROUP["fp4"]  # fp4: the smallest power of two 2^e with absmax / 2^e <= 6
@@ -239,7 +238,7 @@ def quantize_weight(w, scheme: str, name: str = "weight") -> QuantWeight:
     e = np.where(mant == 0.5, exp - 1, exp)
     code = np.where(mant == 0, E8M0_BIAS, np.clip(e + E8M0_BIAS, 1, 254)).astype(np.uint8)
     step = rep(np.ldexp(np.float32(1), code.astype(np.int32) - E8M0_BIAS), g)
-    q = (w / step).astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 15
+    q = (w / step).astype(jnp.float4_e2m1fn).view(np.uint8) & 15
     return QuantWeight(pack_nibbles(q), jnp.asarray(code), scheme)
 
 

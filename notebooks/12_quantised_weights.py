@@ -77,7 +77,6 @@ exercise_scale: float = 1.0  # the exercise: 2.0 doubles one group's scale (a wr
 import dataclasses
 
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import plotly.graph_objects as go
 from IPython.display import Markdown, display
@@ -152,9 +151,9 @@ plots.show(fig)
 codes = np.arange(256, dtype=np.uint8)
 e4m3 = np.asarray(quant.e4m3_values(jnp.asarray(codes)))
 e2m1 = np.asarray(quant.e2m1_values(jnp.asarray(codes[:16])))
-assert np.array_equal(e4m3, codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32),
+assert np.array_equal(e4m3, codes.view(jnp.float8_e4m3fn).astype(np.float32),
                       equal_nan=True), "e4m3 decoder"
-assert np.array_equal(e2m1, codes[:16].view(ml_dtypes.float4_e2m1fn).astype(np.float32)), \
+assert np.array_equal(e2m1, codes[:16].view(jnp.float4_e2m1fn).astype(np.float32)), \
     "e2m1 decoder"
 print("e2m1 codes 0..15:", e2m1.tolist())
 print(f"e4m3: {np.isfinite(e4m3).sum()} finite codes, largest {np.nanmax(e4m3)}, smallest "

@@ -18,7 +18,6 @@ import json
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 from builders import build_hf_model, hf_config_dict, hf_tensors, write_hf_folder
@@ -40,7 +39,7 @@ def quantise_all(config, params, scheme):
 # -- Bits -------------------------------------------------------------------------------
 def test_e4m3_decoder_equals_ml_dtypes_for_all_256_codes():
     codes = np.arange(256, dtype=np.uint8)
-    want = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    want = codes.view(jnp.float8_e4m3fn).astype(np.float32)
     got = np.asarray(quant.e4m3_values(jnp.asarray(codes)))
     np.testing.assert_array_equal(got, want)  # NaN codes 0x7f, 0xff included
     assert np.isnan(got[[0x7F, 0xFF]]).all()
@@ -48,7 +47,7 @@ def test_e4m3_decoder_equals_ml_dtypes_for_all_256_codes():
 
 def test_e2m1_decoder_equals_ml_dtypes_for_all_16_codes():
     codes = np.arange(16, dtype=np.uint8)
-    want = codes.view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    want = codes.view(jnp.float4_e2m1fn).astype(np.float32)
     np.testing.assert_array_equal(np.asarray(quant.e2m1_values(jnp.asarray(codes))), want)
 
 
@@ -149,7 +148,7 @@ def fp8_tensors(config, params, qparams) -> dict:
             out[name] = value
             continue
         data, scale = np.asarray(q.data)[param[1]], np.asarray(q.scale)[param[1]]
-        out[name] = data.T.view(ml_dtypes.float8_e4m3fn)
+        out[name] = data.T.view(jnp.float8_e4m3fn)
         out[name + "_scale_inv"] = scale.T.copy()
     return out
 
@@ -182,13 +181,13 @@ def numpy_fp8_params(config, folder) -> dict:
     tensors = {}
     for name, info in header.items():
         if name != "__metadata__":
-            dtype = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F32": np.float32,
-                     "BF16": ml_dtypes.bfloat16}[info["dtype"]]
+            dtype = {"F8_E4M3": jnp.float8_e4m3fn, "F32": np.float32,
+                     "BF16": jnp.bfloat16}[info["dtype"]]
             start, end = info["data_offsets"]
             tensors[name] = np.frombuffer(raw[start:end], dtype).reshape(info["shape"])
     params = {}
     for name, value in tensors.items():
-        if value.dtype == ml_dtypes.float8_e4m3fn:
+        if value.dtype == jnp.float8_e4m3fn:
             scale = tensors[name + "_scale_inv"]
             full = np.repeat(np.repeat(scale, 128, axis=0), 128, axis=1)
             value = value.astype(np.float32) * full
@@ -229,7 +228,7 @@ def test_hf_fp8_checkpoint_loads_its_bytes_and_decodes_the_dequantised_models_to
     dequantised = quant.dequantize(loaded)
     for name, value in numpy_fp8_params(config, folder).items():
         np.testing.assert_array_equal(np.asarray(dequantised[name], np.float32),
-                                      value.astype(ml_dtypes.bfloat16).astype(np.float32))
+                                      value.astype(jnp.bfloat16).astype(np.float32))
 
 
 def test_a_bad_fp8_checkpoint_names_every_problem_in_one_error(tmp_path):
@@ -269,7 +268,7 @@ def test_fp8_nan_codes_and_unknown_quant_methods_are_refused(tmp_path):
     name = "model.layers.0.mlp.down_proj.weight"
     codes = tensors[name].view(np.uint8).copy()
     codes[3, 5] = 0x7F  # e4m3's NaN
-    tensors[name] = codes.view(ml_dtypes.float8_e4m3fn)
+    tensors[name] = codes.view(jnp.float8_e4m3fn)
     write_hf_folder(hf, tensors, tmp_path)
     with pytest.raises(ValueError, match="mk w_down: 1 values are NaN or inf"):
         mk.load_checkpoint(tmp_path)
