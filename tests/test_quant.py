@@ -153,6 +153,16 @@ def fp8_tensors(config, params, qparams) -> dict:
     return out
 
 
+def fp8_checkpoint(config):
+    """(params, their fp8 quantisation, config.json dict, HF tensors) of a fixture."""
+    params = mk.init_params(config)
+    qparams = quantise_all(config, params, "fp8")
+    hf = {**hf_config_dict(config), "quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128]}}
+    return params, qparams, hf, fp8_tensors(config, params, qparams)
+
+
 def slot_of(config, hf_name):
     """(mk param, index) of an HF tensor name, spelled out independently of hf_layout."""
     parts = hf_name.split(".")
@@ -205,12 +215,8 @@ def numpy_fp8_params(config, folder) -> dict:
                          ids=["tiny", "tiny-moe"])
 def test_hf_fp8_checkpoint_loads_its_bytes_and_decodes_the_dequantised_models_tokens(
         config, tmp_path):
-    params = mk.init_params(config)
-    qparams = quantise_all(config, params, "fp8")
-    hf = {**hf_config_dict(config), "quantization_config": {
-        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-        "weight_block_size": [128, 128]}}
-    folder = write_hf_folder(hf, fp8_tensors(config, params, qparams), tmp_path)
+    _, qparams, hf, tensors = fp8_checkpoint(config)
+    folder = write_hf_folder(hf, tensors, tmp_path)
     loaded_config, loaded = mk.load_checkpoint(folder)
     assert loaded_config == config
     for name, q in qparams.items():
@@ -232,11 +238,7 @@ def test_hf_fp8_checkpoint_loads_its_bytes_and_decodes_the_dequantised_models_to
 
 
 def test_a_bad_fp8_checkpoint_names_every_problem_in_one_error(tmp_path):
-    params = mk.init_params(TINY)
-    qparams = quantise_all(TINY, params, "fp8")
-    hf = {**hf_config_dict(TINY), "quantization_config": {
-        "quant_method": "fp8", "weight_block_size": [128, 128]}}
-    tensors = fp8_tensors(TINY, params, qparams)
+    params, _, hf, tensors = fp8_checkpoint(TINY)
     del tensors["model.layers.0.self_attn.k_proj.weight_scale_inv"]
     tensors["model.layers.1.self_attn.q_proj.weight_scale_inv"] = np.ones((2, 4), np.float32)
     tensors["model.layers.1.mlp.up_proj.weight"] = np.asarray(  # one layer of w_up in bf16
@@ -260,11 +262,7 @@ def test_a_bad_fp8_checkpoint_names_every_problem_in_one_error(tmp_path):
 
 
 def test_fp8_nan_codes_and_unknown_quant_methods_are_refused(tmp_path):
-    params = mk.init_params(TINY)
-    qparams = quantise_all(TINY, params, "fp8")
-    hf = {**hf_config_dict(TINY), "quantization_config": {
-        "quant_method": "fp8", "weight_block_size": [128, 128]}}
-    tensors = fp8_tensors(TINY, params, qparams)
+    _, _, hf, tensors = fp8_checkpoint(TINY)
     name = "model.layers.0.mlp.down_proj.weight"
     codes = tensors[name].view(np.uint8).copy()
     codes[3, 5] = 0x7F  # e4m3's NaN
