@@ -1,7 +1,8 @@
 """mk: a TPU decode megakernel in JAX Pallas, built stage by stage and checked on CPU.
 
 Top-level names: `ModelConfig`, `preset`, `chip`, `init_params`, `load_checkpoint`; modules
-`mk.reference` (the pure-JAX oracle), `mk.megakernel` (the whole decode step in one
+`mk.reference` (the pure-JAX oracle), `mk.quant` (int8, fp8, int4 and fp4 weight storage;
+`quantize` is `mk.quant.quantize`), `mk.megakernel` (the whole decode step in one
 kernel), `mk.perf` (bytes, FLOPs and the roofline), `mk.sim` (the megakernel's tile
 schedule replayed on a chip model) and `mk.tpu` (ahead-of-time TPU compiles). The stage
 kernels are in `mk.kernels`; `mk.spec` (speculative decoding), `mk.profiling` and
@@ -36,10 +37,11 @@ if not _tpu_present():
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-1")
 
-from mk import megakernel, perf, reference, sim, tpu  # noqa: E402
+from mk import megakernel, perf, quant, reference, sim, tpu  # noqa: E402
 from mk.checkpoint import init_params, load_checkpoint  # noqa: E402
 from mk.chips import ChipSpec, chip  # noqa: E402
 from mk.config import ModelConfig, preset  # noqa: E402
+from mk.quant import quantize  # noqa: E402
 
 __all__ = ["ChipSpec", "ModelConfig", "chip", "init_params", "load_checkpoint", "megakernel",
-           "perf", "preset", "reference", "sim", "tpu"]
+           "perf", "preset", "quant", "quantize", "reference", "sim", "tpu"]

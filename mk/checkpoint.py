@@ -2,8 +2,10 @@
 
 Here: `init_params(config, seed)` (random weights in the layout of `mk.config`) and
 `load_checkpoint(path)` for Qwen3 / Qwen3-MoE / Qwen3.5 (`qwen3_5_text`, and the language
-model of a full `qwen3_5` checkpoint) folders of safetensors files. Not here:
-downloading (a notebook may call `huggingface_hub` when the user asks), quantisation.
+model of a full `qwen3_5` checkpoint) folders of safetensors files, including quantised
+ones in their own formats (`QUANT_FORMATS`: Hugging Face fine-grained FP8, gpt-oss MXFP4
+experts), whose weights load as `mk.quant.QuantWeight`s. Not here: downloading (a notebook
+may call `huggingface_hub` when the user asks), quantising bf16 weights (`mk.quant`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from mk import quant
 from mk.config import COMPUTE_DTYPES, ModelConfig
 
 
@@ -130,6 +133,9 @@ def load_checkpoint(path: str | Path, *, dtype: str | None = None
     present once with the right shape and a float32/bfloat16/float16 dtype, and nothing
     else may be there (a tied checkpoint may repeat the embedding as `lm_head.weight`).
     All problems are collected into one `ValueError` before any weight is converted.
+    A quantised checkpoint (`quant_format`) may store its projections as fp8 or its experts
+    as MXFP4 instead; those parameters come back as `mk.quant.QuantWeight`s (run the
+    reference on `mk.quant.dequantize(params)`).
     Parameters are cast to `config.dtype`; `dtype` overrides the file's dtype. A Qwen3.5
     checkpoint's multi-token-prediction (`mtp.*`) and vision (`model.visual.*`) tensors
     are not run by mk and are skipped.
@@ -139,11 +145,15 @@ def load_checkpoint(path: str | Path, *, dtype: str | None = None
         raise ValueError(f"path={str(path)!r} is not a folder; a checkpoint is a folder "
                          f"holding config.json and {SINGLE_FILE} or {INDEX_FILE}")
     config = ModelConfig.from_hf(folder, dtype=dtype)
-    full_qwen3_5 = json.loads((folder / "config.json").read_text()).get(
-        "model_type") == "qwen3_5"
+    hf = json.loads((folder / "config.json").read_text())
+    full_qwen3_5 = hf.get("model_type") == "qwen3_5"
     layout = hf_layout(config, "model.language_model." if full_qwen3_5 else "model.")
+    layout = quantised_layout(config, quant_format(folder, hf, config), layout,
+                              _header_dtypes(folder))
     shapes = config.param_shapes()
     shapes["wq+gate"] = shapes["wq"]  # the q_proj of a gated model fills wq and wq_gate
+    if config.is_moe:  # gpt-oss's fused gate_up fills we_gate and we_up
+        shapes["we_gate+up"] = shapes["we_gate"]
     with contextlib.ExitStack() as stack:
         handles, where, problems = _open_tensors(folder, layout, shapes, stack)
         skipped = QWEN3_5_SKIPPED if config.is_hybrid else ()
@@ -156,18 +166,190 @@ def load_checkpoint(path: str | Path, *, dtype: str | None = None
         embed = next(name for name, (param, _, _) in layout.items() if param == "embed")
         if config.tie_embeddings and {"lm_head.weight", embed} <= set(where):
             problems += _check_tied_head(handles, where, embed)
+        problems += _quantised_problems(layout, shapes)
         if problems:
             raise ValueError(_problems(folder, config, problems))
         params = _assemble(handles, where, layout, shapes, config.head_dim)
+        params.update(_assemble_quantised(folder, handles, where, layout, shapes))
+    values = quant.dequantize(params)
     bad = [f"mk {name}: {np.size(x) - int(np.isfinite(x).sum())} values are NaN or inf "
            f"in {x.dtype}" for name, x in ((n, np.asarray(v, np.float32))
-                                          for n, v in params.items())
+                                          for n, v in values.items())
            if not np.isfinite(x).all()]
-    if bad:  # a NaN weight, or a float32 value past the dtype's range (it becomes inf)
+    if bad:  # a NaN weight (or fp8 NaN code, e8m0 scale 255), or a value past bf16's range
         raise ValueError(_problems(folder, config, bad) + f"\n(weights must be finite in "
                          f"{config.dtype}; its largest value is "
                          f"{float(jnp.finfo(config.dtype).max):.4g})")
     return config, params
+
+
+# -- Quantised checkpoints ----------------------------------------------------------------
+# config.json's quantization_config.quant_method values read here, in their own layouts:
+# - "fp8" (Hugging Face fine-grained FP8, weight_block_size [128, 128], e4m3; the layout
+#   is mk.quant's "fp8", documented there): `X.weight` float8_e4m3fn plus
+#   `X.weight_scale_inv` (float32, or bf16 widened exactly); any projection of the dense,
+#   experts or lm_head families (mk.quant.FAMILIES) may be stored so, each mk parameter
+#   wholly or not at all; the others as usual.
+# - "mxfp4" (the gpt-oss expert layout): per MoE layer `mlp.experts.gate_up_proj_blocks`
+#   uint8 [E, 2Fe, D/32, 16] and `..._scales` uint8 [E, 2Fe, D/32] (rows 2f and 2f + 1 are
+#   expert row f of gate and of up), `mlp.experts.down_proj_blocks` [E, D, Fe/32, 16] and
+#   `..._scales` [E, D, Fe/32]; each byte holds e2m1 values 2k (low nibble) and 2k + 1 (high)
+#   of a 32-value block along the input, each scale an e8m0 exponent (bias 127). Loaded
+#   into mk.quant's "fp4" layout (a nibble permutation and transposes: bit-exact).
+QUANT_FORMATS = ("fp8", "mxfp4")
+
+
+def quant_format(folder, hf: dict, config: ModelConfig) -> str | None:
+    """The quantised format config.json declares (`QUANT_FORMATS`), or None."""
+    qc = hf.get("quantization_config")
+    if qc is None:
+        return None
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method not in QUANT_FORMATS:
+        raise NotImplementedError(f"{folder}: quantization_config.quant_method={method!r} "
+                                  f"is not read; mk reads {QUANT_FORMATS}")
+    if config.is_hybrid:
+        raise NotImplementedError(f"{folder}: a quantised hybrid checkpoint is not read")
+    if method == "fp8":
+        block, fmt = qc.get("weight_block_size"), qc.get("fmt", "e4m3")
+        if block != [128, 128] or fmt != "e4m3":
+            raise ValueError(f"{folder}: fp8 quantization_config weight_block_size={block}, "
+                             f"fmt={fmt!r}; mk reads [128, 128] blocks of e4m3")
+    if method == "mxfp4" and not config.is_moe:
+        raise ValueError(f"{folder}: quant_method='mxfp4' stores experts, and "
+                         f"{config.name} has none")
+    return method
+
+
+def _header_dtypes(folder: Path) -> dict[str, str]:
+    """Tensor name -> safetensors dtype tag, from every readable file's header (a file
+    that cannot be read is reported by `_open_tensors`)."""
+    dtypes = {}
+    for file in _shard_files(folder):
+        try:
+            with safe_open(folder / file, "numpy") as handle:
+                dtypes.update({name: handle.get_slice(name).get_dtype()
+                               for name in handle.keys()})
+        except (SafetensorError, OSError):
+            continue
+    return dtypes
+
+
+def quantised_layout(config: ModelConfig, fmt: str | None, layout: dict, dtypes: dict
+                     ) -> dict:
+    """`hf_layout` with the quantised tensors of format `fmt` in place of their plain ones;
+    their third field names their role ("fp8", "fp8_scale", "mxfp4_blocks",
+    "mxfp4_scales") instead of a transpose flag."""
+    if fmt is None:
+        return layout
+    quantisable = {name for names in quant.FAMILIES.values() for name in names}
+    out = dict(layout)
+    if fmt == "fp8":
+        for name, (param, index, _) in layout.items():
+            if dtypes.get(name) == "F8_E4M3" and param in quantisable:
+                out[name] = (param, index, "fp8")
+                out[name + "_scale_inv"] = (param, index, "fp8_scale")
+        return out
+    for name, (param, index, _) in layout.items():
+        if param in ("we_gate", "we_up", "we_down"):
+            del out[name]
+        elif param == "router":
+            experts = name.removesuffix("gate.weight") + "experts."
+            for fused, target in (("gate_up_proj", "we_gate+up"), ("down_proj", "we_down")):
+                out[f"{experts}{fused}_blocks"] = (target, index, "mxfp4_blocks")
+                out[f"{experts}{fused}_scales"] = (target, index, "mxfp4_scales")
+    return out
+
+
+def _quantised_shape(param: str, how: str, mk_shape) -> tuple[tuple[int, ...], tuple]:
+    """(HF shape, allowed dtype tags) of a quantised tensor filling an mk slot."""
+    *lead, I, O = mk_shape
+    if how == "fp8":
+        return (O, I), ("F8_E4M3",)
+    if how == "fp8_scale":
+        return (-(-O // 128), -(-I // 128)), ("F32", "BF16")
+    O = 2 * O if param == "we_gate+up" else O
+    if how == "mxfp4_blocks":
+        return (*lead, O, I // 32, 16), ("U8",)
+    return (*lead, O, I // 32), ("U8",)
+
+
+def _quantised_problems(layout: dict, shapes: dict) -> list[str]:
+    """A parameter stored partly quantised and partly not, or with a shape its quantised
+    layout cannot hold."""
+    roles: dict[str, set] = {}
+    for param, _, how in layout.values():
+        roles.setdefault(param, set()).add(how if isinstance(how, str) else "plain")
+    problems = []
+    for param, kinds in roles.items():
+        if "fp8" in kinds and "plain" in kinds:
+            problems.append(f"mk {param}: some of its tensors are float8_e4m3fn and some are "
+                            "not; a parameter is quantised wholly or not at all")
+        if kinds & {"fp8", "mxfp4_blocks"}:
+            scheme = "fp8" if "fp8" in kinds else "fp4"
+            try:
+                quant.check_shape(f"mk {param}", scheme, shapes[param][0])
+            except ValueError as err:
+                problems.append(str(err))
+    return problems
+
+
+def _gpt_oss_codes(blocks: np.ndarray) -> np.ndarray:
+    """gpt-oss blocks [..., O, I/32, 16] -> e2m1 codes [..., I, O] (2k low, 2k + 1 high)."""
+    codes = np.stack([blocks & 15, blocks >> 4], axis=-1)  # [..., O, I/32, 16, 2]
+    codes = codes.reshape(*blocks.shape[:-2], -1)  # [..., O, I]
+    return np.swapaxes(codes, -1, -2)
+
+
+def _raw_bytes(path: Path, name: str) -> np.ndarray:
+    """A tensor's bytes as uint8 [..., shape] (safetensors' numpy reader has no float8)."""
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        info = json.loads(f.read(length))[name]
+        start, end = info["data_offsets"]
+        f.seek(8 + length + start)
+        return np.frombuffer(f.read(end - start), np.uint8).reshape(info["shape"])
+
+
+def _assemble_quantised(folder, handles, where, layout, shapes
+                        ) -> dict[str, quant.QuantWeight]:
+    """The validated quantised tensors as `QuantWeight`s in mk.quant's layouts."""
+    data, scales = {}, {}
+
+    def slot(param, scheme):
+        if param not in data:
+            shape = shapes[param][0]
+            packed = (*shape[:-2], shape[-2] // 2, shape[-1])
+            data[param] = np.empty(shape if scheme == "fp8" else packed, np.uint8)
+            lead, (I, O) = shape[:-2], shape[-2:]
+            scales[param] = (np.empty((*lead, I // 128, O // 128), np.float32)
+                             if scheme == "fp8" else np.empty((*lead, I // 32, O), np.uint8))
+        return data[param], scales[param]
+
+    for name, (param, index, how) in layout.items():
+        if not isinstance(how, str):
+            continue
+        tensor = (_raw_bytes(folder / where[name], name) if how == "fp8"
+                  else handles[where[name]].get_tensor(name))
+        if how in ("fp8", "fp8_scale"):
+            d, s = slot(param, "fp8")
+            if how == "fp8":
+                d[index] = tensor.T
+            else:
+                s[index] = tensor.astype(np.float32).T
+            continue
+        pairs = ({"we_gate": slice(0, None, 2), "we_up": slice(1, None, 2)}
+                 if param == "we_gate+up" else {param: slice(None)})
+        for target, rows in pairs.items():  # gpt-oss interleaves gate and up rows
+            d, s = slot(target, "fp4")
+            part = tensor[..., rows, :, :] if how == "mxfp4_blocks" else tensor[..., rows, :]
+            if how == "mxfp4_blocks":
+                d[index] = np.asarray(quant.pack_nibbles(_gpt_oss_codes(part)))
+            else:
+                s[index] = np.swapaxes(part, -1, -2)
+    return {param: quant.QuantWeight(jnp.asarray(data[param]), jnp.asarray(scales[param]),
+                                     "fp8" if scales[param].dtype == np.float32 else "fp4")
+            for param in data}
 
 
 def _problems(folder, config, problems, shown: int = 20) -> str:
@@ -241,16 +423,18 @@ def _shard_files(folder: Path) -> dict[str, set[str] | None]:
 def _check_tensor(file, name, view, layout, shapes) -> list[str]:
     if name not in layout:
         return []  # reported as unexpected by the caller
-    param, index, transposed = layout[name]
-    want = _hf_shape(param, shapes[param][0][len(index):], transposed)
+    param, index, how = layout[name]
+    mk_shape = shapes[param][0][len(index):]
+    want, dtypes = (_quantised_shape(param, how, mk_shape) if isinstance(how, str)
+                    else (_hf_shape(param, mk_shape, how), STORED_DTYPES))
     got = tuple(view.get_shape())
     problems = []
     if got != want:
         problems.append(f"{file}: {name} has shape {got}, expected {want} "
                         f"({_slot(param, index)})")
-    if view.get_dtype() not in STORED_DTYPES:
+    if view.get_dtype() not in dtypes:
         problems.append(f"{file}: {name} has dtype {view.get_dtype()}, expected one of "
-                        f"{STORED_DTYPES}")
+                        f"{dtypes}")
     return problems
 
 
@@ -267,9 +451,13 @@ def _check_tied_head(handles, where, embed_name) -> list[str]:
 
 def _assemble(handles, where, layout, shapes, head_dim: int) -> dict[str, jax.Array]:
     """Stack the validated tensors per parameter in numpy, then one device copy each."""
+    quantised = {param for param, _, how in layout.values() if isinstance(how, str)}
+    quantised |= {"we_gate", "we_up"} if "we_gate+up" in quantised else set()
     stacks = {param: np.empty(shape, jnp.dtype(dtype)) for param, (shape, dtype)
-              in shapes.items() if param != "wq+gate"}
+              in shapes.items() if param not in ("wq+gate", "we_gate+up", *quantised)}
     for name, (param, index, transposed) in layout.items():
+        if param in quantised or param == "we_gate+up":
+            continue
         tensor = handles[where[name]].get_tensor(name)
         if param == "lin_conv":
             tensor = tensor[:, 0, :]

@@ -1,0 +1,325 @@
+# ---
+# jupyter:
+#   jupytext:
+#     cell_metadata_filter: tags,-all
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 12 · Quantised weights
+#
+# [Open in Colab](https://colab.research.google.com/github/mk-megakernel/mk/blob/v0.1.0/notebooks/12_quantised_weights.ipynb)
+#
+# Decode is bound by the bytes it moves, so the storage format of the weights is the speed.
+# This notebook answers:
+#
+# - How are int8, fp8, int4 and fp4 (MXFP4) weights laid out, bit by bit, and how does a
+#   kernel turn one streamed tile back into numbers?
+# - How far from the bf16 model does each format decode?
+# - How many bytes does one step read per format, what HBM floor does that give, and which
+#   presets fit one Colab chip (v5e-1, v6e-1)?
+#
+# Everything runs on the CPU: the formats and the oracle (`mk.quant`, `mk.reference`), the
+# byte counts (`mk.perf.quantised_bytes`). The megakernel still streams bf16; the kernels
+# that stream packed tiles come next, and will run the decoder shown here.
+
+# %% tags=["hide-input"]
+# Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
+# pip installs MK_SOURCE (this release's tag; set the environment variable MK_SOURCE to
+# install another ref or a fork) with the notebook and profiler extras, then asks for a
+# restart. Anywhere, a folder named mk that is not the package stops here, saying so.
+import importlib.metadata
+import importlib.util
+import os
+import sys
+
+MK_SOURCE = os.environ.get("MK_SOURCE", "git+https://github.com/mk-megakernel/mk@v0.1.0")
+if "google.colab" in sys.modules:
+    try:
+        importlib.metadata.version("mk-megakernel")
+    except importlib.metadata.PackageNotFoundError:
+        # %pip install -q "mk-megakernel[notebooks,profile] @ {MK_SOURCE}"
+        raise SystemExit("mk installed: Runtime > Restart session, then run all cells again.")
+mk_spec = importlib.util.find_spec("mk")
+if mk_spec is None or mk_spec.origin is None:
+    raise ModuleNotFoundError(
+        "the mk package is not installed: pip install 'mk-megakernel[notebooks,profile]'"
+        + (f"; {list(mk_spec.submodule_search_locations)} is a folder named mk, not the "
+           "package: rename it or work in another directory" if mk_spec else ""))
+
+# %% tags=["parameters"]
+preset: str = "tiny-moe"  # a name from mk.config.PRESET_NAMES
+batch: int = 1  # B, sequences decoded together
+rows: int = 1  # T, query rows per sequence in one step (1 is plain decode)
+context: int = 256  # S, cached positions per sequence (the KV cache's capacity)
+chip: str = "v5e"  # a name from mk.chips.CHIP_NAMES: the chip of rooflines and budgets
+backend: str = "auto"  # "auto" (Mosaic on a TPU, else interpret), "interpret" or "hardware"
+seed: int = 0  # seed of the random weights and inputs
+checkpoint: str = ""  # a local Hugging Face checkpoint folder; "" for random weights
+dense_dtype: str = "int8"  # storage of the dense projections: bf16, int8, fp8, int4 or fp4
+expert_dtype: str = "int4"  # storage of the experts (MoE models): bf16, int8, fp8, int4 or fp4
+lm_head_dtype: str = "int8"  # storage of an untied lm_head: bf16, int8, fp8, int4 or fp4
+accuracy_steps: int = 64  # greedy tokens of the accuracy comparison
+fit_batch: int = 8  # B of the per-preset byte and capacity tables
+fit_context: int = 4096  # S of the per-preset byte and capacity tables
+exercise_scale: float = 1.0  # the exercise: 2.0 doubles one group's scale (a wrong quantiser)
+
+# %%
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import plotly.graph_objects as go
+from IPython.display import Markdown, display
+
+import mk
+import mk.run
+from mk import perf, plots, quant
+from mk.config import PRESET_NAMES
+
+run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
+                          backend=backend, seed=seed, checkpoint=checkpoint)
+FORMATS = ("bf16", *quant.SCHEMES)
+for field, value in (("dense_dtype", dense_dtype), ("expert_dtype", expert_dtype),
+                     ("lm_head_dtype", lm_head_dtype)):
+    perf.check_choice(field, value, FORMATS)
+
+
+def schemes(config, dense, experts, lm_head):
+    """The families' schemes for `config` (None: stays bf16; no experts or tied head: None)."""
+    return dict(dense=None if dense == "bf16" else dense,
+                experts=None if experts == "bf16" or not config.is_moe else experts,
+                lm_head=None if lm_head == "bf16" or config.tie_embeddings else lm_head)
+
+
+MIX = (dense_dtype, expert_dtype, lm_head_dtype)  # this run's formats, per family
+TABLE_FORMATS = {**{fmt: (fmt,) * 3 for fmt in FORMATS}, "mix": MIX}
+chosen = schemes(run.config, *MIX)
+print(f"{run.config.name}: B={run.batch} T={run.rows} S={run.context} on {run.chip}; {chosen}")
+
+# %% [markdown]
+# ## The formats, bit by bit
+#
+# Every format stores small codes plus a scale per group of values: the scale carries the
+# magnitude, the codes the shape. The layouts, as `mk.quant` documents them (once, there):
+
+# %%
+doc = quant.__doc__
+print(doc[doc.index("Layouts."):doc.index("Why uint8")])
+
+# %% [markdown]
+# One stored byte of each format. int8 and fp8 hold one value per byte; int4 and fp4 hold two,
+# and the scales add a little: per value, 32 bits per output column over I values for int8, a
+# float32 per 128 x 128 block for fp8, a bf16 per 128 for int4, one e8m0 byte per 32 for fp4.
+
+# %%
+FIELDS = {  # (label, bits, colour) from the most significant bit down
+    "int8": [("q (two's complement)", 8, "#1f77b4")],
+    "fp8 e4m3": [("sign", 1, "#d62728"), ("exponent (bias 7)", 4, "#2ca02c"),
+                 ("mantissa", 3, "#ff7f0e")],
+    "int4 x2": [("row 128u+64+j: q+8", 4, "#9467bd"), ("row 128u+j: q+8", 4, "#1f77b4")],
+    "fp4 e2m1 x2": [("sign", 1, "#d62728"), ("exp", 2, "#2ca02c"), ("man", 1, "#ff7f0e"),
+                    ("sign", 1, "#d62728"), ("exp", 2, "#2ca02c"), ("man", 1, "#ff7f0e")],
+}
+fig = go.Figure()
+for fmt, fields in FIELDS.items():
+    start = 0
+    for label, bits, colour in fields:
+        fig.add_bar(y=[fmt], x=[bits], base=start, orientation="h", marker_color=colour,
+                    text=label, textposition="inside", showlegend=False, hovertext=label)
+        start += bits
+fig.update_layout(title="One stored byte per format (bit 7 on the left)", barmode="stack",
+                  xaxis=dict(title="bit", tickvals=list(range(9)),
+                             ticktext=[str(7 - b) for b in range(8)] + [""]), height=320)
+plots.show(fig)
+
+# %% [markdown]
+# The decoders build every value from integer fields and powers of two: no lookup table, no
+# native 4- or 8-bit float type (a float4 ref does not even lower on v5e or v6e). They are
+# exact: every e4m3 and e2m1 code decodes to ml_dtypes' value.
+
+# %%
+codes = np.arange(256, dtype=np.uint8)
+e4m3 = np.asarray(quant.e4m3_values(jnp.asarray(codes)))
+e2m1 = np.asarray(quant.e2m1_values(jnp.asarray(codes[:16])))
+assert np.array_equal(e4m3, codes.view(jnp.float8_e4m3fn).astype(np.float32),
+                      equal_nan=True), "e4m3 decoder"
+assert np.array_equal(e2m1, codes[:16].view(jnp.float4_e2m1fn).astype(np.float32)), \
+    "e2m1 decoder"
+print("e2m1 codes 0..15:", e2m1.tolist())
+print(f"e4m3: {np.isfinite(e4m3).sum()} finite codes, largest {np.nanmax(e4m3)}, smallest "
+      f"positive {e4m3[e4m3 > 0].min()}")
+
+# %% [markdown]
+# ## The kernel's dequantisation code
+#
+# What a kernel runs on one tile in VMEM, after the DMA brought its packed bytes and scales:
+# shifts and masks split the nibbles, the exponent fields become powers of two through a
+# bitcast, one multiply applies the group's scale. The same code runs in interpret mode on the
+# CPU and compiles with Mosaic for v5e, v6e and tpu7x (`tests/test_quant.py` compiles one tile
+# per format per chip).
+
+# %%
+plots.show_source(quant.dequantize_tile, quant.unpack_nibbles, quant.e2m1_values,
+                  quant.e4m3_values, quant.pow2)
+
+# %% [markdown]
+# ## Quantising the run's model
+#
+# `mk.quantize` replaces each weight of a chosen family by a `QuantWeight` (packed data and
+# scales); `quant.check_error` holds every element to its format's bound: half an integer
+# step for int8 and int4, half a unit in the last place for fp8, a quarter of the value (or
+# of the step) for fp4's single mantissa bit.
+
+# %%
+params = mk.init_params(run.config, seed=run.seed)
+qparams = mk.quantize(run.config, params, **chosen)
+quantised = [name for name, q in qparams.items() if isinstance(q, quant.QuantWeight)]
+if exercise_scale != 1.0:  # the exercise: one group's scale off by exercise_scale
+    first = qparams[quantised[0]]
+    scale = np.array(first.scale)
+    scale.flat[0] = scale.flat[0] * exercise_scale if first.scheme != "fp4" else \
+        scale.flat[0] + np.log2(exercise_scale)
+    qparams[quantised[0]] = dataclasses.replace(first, scale=jnp.asarray(scale))
+deq = quant.dequantize(qparams, jnp.float32)
+rows_out = []
+for name in quantised:
+    q, w = qparams[name], np.asarray(params[name], np.float32)
+    err = np.asarray(deq[name]) - w
+    rows_out.append({"weight": name, "format": q.scheme, "shape": list(q.shape),
+                     "data MiB": f"{q.data.nbytes / 2**20:.3f}",
+                     "scales KiB": f"{q.scale.nbytes / 2**10:.1f}",
+                     "relative RMS error": f"{np.sqrt((err ** 2).mean() / (w ** 2).mean()):.4f}"})
+display(plots.table(rows_out))
+
+# %% [markdown]
+# **Exercise:** set `exercise_scale = 2.0`: the first quantised weight's first group gets a
+# scale twice too large, as a quantiser that computed absmax over the wrong axis might give.
+# The table's error barely moves (one group of many), but the check names the weight and the
+# element:
+
+# %%
+for name in quantised:
+    quant.check_error(name, params[name], qparams[name])
+print(f"every element of {len(quantised)} quantised weights is within its format's bound")
+
+# %% [markdown]
+# ## Accuracy against bf16
+#
+# The oracle for a quantised model is the reference decoder run on the dequantised weights
+# (`quant.dequantize`, then the unchanged `mk.reference`). Both models read the bf16
+# model's greedy tokens (teacher forcing), and are compared at each of `accuracy_steps`
+# positions: relative RMS of the logits and the fraction of steps whose argmax agrees ("mix"
+# is this run's `dense_dtype`, `expert_dtype` and `lm_head_dtype`). The
+# free-running common prefix is shown too: once one token differs the sequences part. These
+# are random weights, whose logits are flatter than a trained model's, so argmax flips more
+# easily; `tests/test_quant.py` measures the same on a transformers-written checkpoint.
+
+# %%
+prompt = np.random.default_rng(run.seed).integers(0, run.config.vocab, (2, 8))
+accuracy_rows = []
+for label, fmt in TABLE_FORMATS.items():
+    if label == "bf16":
+        continue
+    q = mk.quantize(run.config, params, **schemes(run.config, *fmt))
+    a = quant.accuracy(run.config, params, q, prompt, accuracy_steps)
+    accuracy_rows.append({"format": label, "relative RMS of logits": f"{a.rel_rms:.4f}",
+                          "greedy agreement": f"{a.agreement:.3f}",
+                          "free-running common prefix": list(a.prefix)})
+display(plots.table(accuracy_rows))
+
+# %% [markdown]
+# ## Bytes per step and HBM floors, per format and preset
+#
+# `mk.perf.quantised_bytes` counts what one step reads with packed weights and their scales:
+# every dense projection and the lm_head, the touched experts (uniform routing), the router,
+# norms and gathered embedding rows (kept in bf16), and the KV cache (bf16). The HBM floor is
+# those bytes over the chip's bandwidth: a lower bound, not a prediction of a kernel. Each
+# format is applied to every family; "mix" is this run's choice per family.
+
+# %%
+spec = mk.chip(run.chip)
+bandwidth = spec.hbm_bw / spec.cores_per_chip
+step_rows, floors = [], {}
+for name in PRESET_NAMES:
+    config = mk.preset(name)
+    s = min(fit_context, config.max_position - run.rows)
+    for fmt, families in TABLE_FORMATS.items():
+        b = perf.quantised_bytes(config, batch=fit_batch, rows=run.rows, context=s,
+                                 **schemes(config, *families))
+        step = sum(v for k, v in b.items() if k != "resident")
+        floors.setdefault(fmt, []).append(1e3 * step / bandwidth)
+        step_rows.append({"preset": name, "format": fmt, "step GB": f"{step / 1e9:.4g}",
+                          "of which weights": f"{(step - b['kv']) / 1e9:.4g}",
+                          f"HBM floor on {run.chip}, ms": f"{floors[fmt][-1]:.4g}"})
+display(plots.table(step_rows))
+
+# %%
+fig = go.Figure([go.Bar(name=fmt, x=list(PRESET_NAMES), y=ms) for fmt, ms in floors.items()])
+fig.update_layout(title=f"HBM floor of one step on {run.chip} (B={fit_batch}, S up to "
+                        f"{fit_context})", barmode="group",
+                  yaxis=dict(title="ms", type="log"))
+plots.show(fig)
+
+# %% [markdown]
+# The bf16 row of `kimi-k3-like` already stores its experts in fp4 (its config says so,
+# without scales): the formats replace that too.
+#
+# ## What fits which Colab chip
+#
+# Colab offers single-chip TPUs: v5e-1 and v6e-1. A model fits one when its stored weights
+# (packed data and scales) plus the KV cache of `fit_batch` sequences of `fit_context`
+# positions fit the chip's HBM. That is a necessary condition only: activations and XLA's
+# workspace need room too, and the compiler reports slightly less usable HBM than the
+# datasheet (an ahead-of-time compile is the final word).
+
+# %%
+colab = [mk.chip(name) for name in ("v5e", "v6e")]
+fit_rows = []
+for name in PRESET_NAMES:
+    config = mk.preset(name)
+    s = min(fit_context, config.max_position - 1)
+    row = {"preset": name}
+    for fmt, families in TABLE_FORMATS.items():
+        need = perf.quantised_bytes(config, batch=fit_batch, context=s,
+                                    **schemes(config, *families))["resident"]
+        fits = "/".join(c.name for c in colab if need <= c.hbm_bytes) or "neither"
+        row[fmt] = f"{need / 2**30:.1f} GiB ({fits})"
+    fit_rows.append(row)
+display(Markdown(f"Resident bytes at B={fit_batch}, S={fit_context} (which Colab chips "
+                 f"hold them; v5e-1 {colab[0].hbm_bytes / 2**30:.0f} GiB, v6e-1 "
+                 f"{colab[1].hbm_bytes / 2**30:.0f} GiB):"))
+display(plots.table(fit_rows))
+
+# %% [markdown]
+# ## What a TPU would do
+#
+# The kernels will stream each tile's packed bytes and its scales through the same DMA ring
+# that streams bf16 tiles today, and run `dequantize_tile` on the tile in VMEM before the
+# matmul: the ring moves fewer bytes, the vector unit does a few more integer operations per
+# value. v5e and v6e have no fp8 matrix unit, so they dequantise to bf16 either way; tpu7x
+# could feed fp8 tiles to its matrix unit directly. Whether the extra vector work stays
+# hidden under the shorter DMAs is a question for the TPU compile reports and a real chip.
+#
+# ## Takeaway
+#
+# A format is codes plus scales. Packed as plain bytes and decoded with shifts, masks and
+# powers of two, each one runs in interpret mode and lowers on every TPU generation, and its
+# bytes, scales included, are what the HBM floor counts. The last cell checks this run.
+
+# %%
+for name in quantised:
+    counted = quant.storage_bytes(qparams[name].shape, qparams[name].scheme)
+    assert counted == {"data": qparams[name].data.nbytes,
+                       "scales": qparams[name].scale.nbytes}, name
+    quant.check_error(name, params[name], qparams[name])
+print(f"{len(quantised)} quantised weights: bytes as counted, every element within bound")

@@ -1,0 +1,442 @@
+"""`mk.quant` (int8, fp8, int4, fp4 storage) and the quantised checkpoints `load_checkpoint`
+reads (Hugging Face fine-grained FP8, gpt-oss MXFP4 experts).
+
+Bit level: the element decoders against ml_dtypes for every code, packing round trips,
+re-quantising a dequantised weight gives the same bytes. Checks: every element within its
+scheme's error bound, and a planted 2x scale caught. Checkpoints: fixtures written here with
+safetensors in each documented layout, decoded by an independent formula (numpy for FP8,
+transformers' own MXFP4 converter), load to the same bytes and decode to the same tokens.
+Accuracy against bf16 on a transformers-written tiny checkpoint, per scheme. Lowering: a
+one-tile dequantise-and-matmul pallas_call per scheme compiled ahead of time for v5e, v6e and
+tpu7x, and run in TPU interpret mode. Not covered: kernels streaming packed tiles (they do
+not exist yet), TPU timing.
+"""
+
+import dataclasses
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from builders import build_hf_model, hf_config_dict, hf_tensors, write_hf_folder
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+import mk
+from mk import quant, reference
+
+TINY = dataclasses.replace(mk.preset("tiny"), max_context=4096)
+TINY_MOE = dataclasses.replace(mk.preset("tiny-moe"), max_context=4096)
+
+
+def quantise_all(config, params, scheme):
+    return mk.quantize(config, params, dense=scheme, lm_head=scheme,
+                       experts=scheme if config.is_moe else None)
+
+
+# -- Bits -------------------------------------------------------------------------------
+def test_e4m3_decoder_equals_ml_dtypes_for_all_256_codes():
+    codes = np.arange(256, dtype=np.uint8)
+    want = codes.view(jnp.float8_e4m3fn).astype(np.float32)
+    got = np.asarray(quant.e4m3_values(jnp.asarray(codes)))
+    np.testing.assert_array_equal(got, want)  # NaN codes 0x7f, 0xff included
+    assert np.isnan(got[[0x7F, 0xFF]]).all()
+
+
+def test_e2m1_decoder_equals_ml_dtypes_for_all_16_codes():
+    codes = np.arange(16, dtype=np.uint8)
+    want = codes.view(jnp.float4_e2m1fn).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(quant.e2m1_values(jnp.asarray(codes))), want)
+
+
+def test_nibble_packing_round_trips_bit_exactly_in_the_documented_order():
+    rng = np.random.default_rng(0)
+    packed = rng.integers(0, 256, (2, 128, 256), dtype=np.uint8)
+    codes = np.asarray(quant.unpack_nibbles(jnp.asarray(packed)))
+    np.testing.assert_array_equal(np.asarray(quant.pack_nibbles(codes)), packed)
+    # The order: byte row 64u + j holds row 128u + j (low) and 128u + 64 + j (high).
+    np.testing.assert_array_equal(codes[:, 128 + 5], packed[:, 64 + 5] & 15)
+    np.testing.assert_array_equal(codes[:, 128 + 64 + 5], packed[:, 64 + 5] >> 4)
+
+
+@pytest.mark.parametrize("scheme", quant.SCHEMES)
+def test_requantising_the_dequantised_weight_gives_the_same_codes(scheme):
+    w = np.random.default_rng(1).standard_normal((2, 256, 384)).astype(np.float32)
+    q = quant.quantize_weight(w, scheme)
+    values = quant.dequantize_tile(scheme, q.data, q.scale)
+    again = quant.quantize_weight(values, scheme)
+    if scheme == "fp4":
+        # A group whose absmax rounds down to <= 3 * 2^e comes back with scale 2^(e-1) and
+        # doubled codes (1.5 = 3 x 0.5 = 6 x 0.25): other bytes, the same values.
+        np.testing.assert_array_equal(
+            np.asarray(quant.dequantize_tile(scheme, again.data, again.scale)),
+            np.asarray(values))
+    else:
+        np.testing.assert_array_equal(np.asarray(again.data), np.asarray(q.data))
+        # int4's bf16 scales come back exactly; int8's and fp8's float32 scales as
+        # absmax(q * s) / qmax, within an ulp or two of s.
+        np.testing.assert_allclose(np.asarray(again.scale, np.float32),
+                                   np.asarray(q.scale, np.float32), rtol=3e-7, atol=0)
+    assert q.shape == w.shape and q.nbytes == sum(
+        quant.storage_bytes(w.shape, scheme).values())
+
+
+# -- Checks -----------------------------------------------------------------------------
+def plant_double_scale(q: quant.QuantWeight) -> quant.QuantWeight:
+    """One group's scale (the first) twice what it should be."""
+    scale = np.array(q.scale)
+    index = (0,) * scale.ndim
+    scale[index] = scale[index] + 1 if q.scheme == "fp4" else scale[index] * 2  # e8m0: +1
+    return dataclasses.replace(q, scale=jnp.asarray(scale))
+
+
+@pytest.mark.parametrize("scheme", quant.SCHEMES)
+def test_every_element_within_its_bound_and_a_planted_2x_scale_is_caught(scheme):
+    config, params = TINY_MOE, mk.init_params(TINY_MOE)
+    qparams = quantise_all(config, params, scheme)
+    names = [n for names in quant.FAMILIES.values() for n in names if n in config.param_shapes()]
+    for name in names:
+        quant.check_error(name, params[name], qparams[name])
+    with pytest.raises(ValueError, match=rf"we_down \({scheme}\): \d+ of .* (worst at "
+                                         r"\(0, 0, \d+, \d+\))"):
+        quant.check_error("we_down", params["we_down"], plant_double_scale(qparams["we_down"]))
+
+
+def test_quantize_rejects_bad_families_and_shapes_by_name():
+    params = mk.init_params(TINY)
+    for kwargs, match in ((dict(dense="int3"), "dense='int3' must be one of"),
+                          (dict(experts="int4"), "tiny has no experts")):
+        with pytest.raises(ValueError, match=match):
+            mk.quantize(TINY, params, **kwargs)
+    with pytest.raises(ValueError, match="we_down: in dim I=64 must be a multiple of 128"):
+        small = dataclasses.replace(TINY_MOE, expert_ffn=64)
+        mk.quantize(small, mk.init_params(small), experts="int4")
+    tied = dataclasses.replace(TINY, tie_embeddings=True)
+    with pytest.raises(ValueError, match="ties its lm_head"):
+        mk.quantize(tied, mk.init_params(tied), lm_head="int8")
+
+
+@pytest.mark.parametrize("scheme", quant.SCHEMES)
+def test_family_bytes_equal_the_quantised_arrays(scheme):
+    config = TINY_MOE
+    qparams = quantise_all(config, mk.init_params(config), scheme)
+    counted = quant.family_bytes(config, dense=scheme, experts=scheme, lm_head=scheme)
+    for family, names in quant.FAMILIES.items():
+        held = [qparams[n] for n in names if n in qparams]
+        assert counted[family] == {"data": sum(q.data.nbytes for q in held),
+                                   "scales": sum(q.scale.nbytes for q in held)}, family
+    other = sum(v.nbytes for n, v in qparams.items() if not isinstance(v, quant.QuantWeight))
+    assert counted["other"]["data"] == other and counted["other"]["scales"] == 0
+
+
+# -- Quantised checkpoints ----------------------------------------------------------------
+PROMPT = np.random.default_rng(2).integers(0, 512, (2, 8))
+STEPS, CONTEXT = 16, 32
+
+
+def fp8_tensors(config, params, qparams) -> dict:
+    """HF fine-grained FP8 tensors: each quantised projection as `weight` float8_e4m3fn
+    [O, I] plus `weight_scale_inv` float32 [O/128, I/128], written from scratch here."""
+    plain = hf_tensors(config, params)
+    out = {}
+    for name, value in plain.items():
+        param = slot_of(config, name)
+        q = qparams.get(param[0]) if param else None
+        if not isinstance(q, quant.QuantWeight):
+            out[name] = value
+            continue
+        data, scale = np.asarray(q.data)[param[1]], np.asarray(q.scale)[param[1]]
+        out[name] = data.T.view(jnp.float8_e4m3fn)
+        out[name + "_scale_inv"] = scale.T.copy()
+    return out
+
+
+def fp8_checkpoint(config):
+    """(params, their fp8 quantisation, config.json dict, HF tensors) of a fixture."""
+    params = mk.init_params(config)
+    qparams = quantise_all(config, params, "fp8")
+    hf = {**hf_config_dict(config), "quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128]}}
+    return params, qparams, hf, fp8_tensors(config, params, qparams)
+
+
+def slot_of(config, hf_name):
+    """(mk param, index) of an HF tensor name, spelled out independently of hf_layout."""
+    parts = hf_name.split(".")
+    if hf_name == "lm_head.weight":
+        return "lm_head", ()
+    if parts[1] != "layers":
+        return None
+    i = int(parts[2])
+    proj = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo"}
+    if parts[4] in proj:
+        return proj[parts[4]], (i,)
+    if parts[3] == "mlp" and parts[4] == "experts":
+        return f"we_{parts[6][:-5]}", (config.moe_layers.index(i), int(parts[5]))
+    if parts[3] == "mlp" and parts[4].endswith("_proj"):
+        return f"w_{parts[4][:-5]}", (config.dense_layers.index(i),)
+    return None
+
+
+def numpy_fp8_params(config, folder) -> dict:
+    """The fixture decoded by HF's formula in numpy: w = weight * scale_inv per block."""
+    path = folder / "model.safetensors"
+    with open(path, "rb") as f:  # safetensors' numpy reader has no float8: read the bytes
+        length = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(length))
+        raw = f.read()
+    tensors = {}
+    for name, info in header.items():
+        if name != "__metadata__":
+            dtype = {"F8_E4M3": jnp.float8_e4m3fn, "F32": np.float32,
+                     "BF16": jnp.bfloat16}[info["dtype"]]
+            start, end = info["data_offsets"]
+            tensors[name] = np.frombuffer(raw[start:end], dtype).reshape(info["shape"])
+    params = {}
+    for name, value in tensors.items():
+        if value.dtype == jnp.float8_e4m3fn:
+            scale = tensors[name + "_scale_inv"]
+            full = np.repeat(np.repeat(scale, 128, axis=0), 128, axis=1)
+            value = value.astype(np.float32) * full
+        elif name.endswith("_scale_inv"):
+            continue
+        param, index = slot_of(config, name) or (None, None)
+        if param is None:
+            continue
+        params.setdefault(param, np.zeros(config.param_shapes()[param][0], np.float32))
+        params[param][index] = value.T
+    return params
+
+
+@pytest.mark.parametrize("config", [TINY, pytest.param(TINY_MOE, marks=pytest.mark.slow)],
+                         ids=["tiny", "tiny-moe"])
+def test_hf_fp8_checkpoint_loads_its_bytes_and_decodes_the_dequantised_models_tokens(
+        config, tmp_path):
+    _, qparams, hf, tensors = fp8_checkpoint(config)
+    folder = write_hf_folder(hf, tensors, tmp_path)
+    loaded_config, loaded = mk.load_checkpoint(folder)
+    assert loaded_config == config
+    for name, q in qparams.items():
+        got = loaded[name]
+        if isinstance(q, quant.QuantWeight):
+            assert got.scheme == "fp8"
+            np.testing.assert_array_equal(np.asarray(got.data), np.asarray(q.data), name)
+            np.testing.assert_array_equal(np.asarray(got.scale), np.asarray(q.scale), name)
+    tokens = reference.generate(config, quant.dequantize(loaded), PROMPT, STEPS,
+                                max_context=CONTEXT)
+    want = reference.generate(config, quant.dequantize(qparams), PROMPT, STEPS,
+                              max_context=CONTEXT)
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(want))
+    # HF's own formula on the file's tensors, in numpy: the same weights.
+    dequantised = quant.dequantize(loaded)
+    for name, value in numpy_fp8_params(config, folder).items():
+        np.testing.assert_array_equal(np.asarray(dequantised[name], np.float32),
+                                      value.astype(jnp.bfloat16).astype(np.float32))
+
+
+def test_a_bad_fp8_checkpoint_names_every_problem_in_one_error(tmp_path):
+    params, _, hf, tensors = fp8_checkpoint(TINY)
+    del tensors["model.layers.0.self_attn.k_proj.weight_scale_inv"]
+    tensors["model.layers.1.self_attn.q_proj.weight_scale_inv"] = np.ones((2, 4), np.float32)
+    tensors["model.layers.1.mlp.up_proj.weight"] = np.asarray(  # one layer of w_up in bf16
+        params["w_up"][1], np.float32).T
+    del tensors["model.layers.1.mlp.up_proj.weight_scale_inv"]
+    tensors["model.embed_tokens.weight_scale_inv"] = np.ones((4, 2), np.float32)
+    write_hf_folder(hf, tensors, tmp_path)
+    with pytest.raises(ValueError) as err:
+        mk.load_checkpoint(tmp_path)
+    message = str(err.value)
+    for expected in ("(4 problems)",
+                     "missing tensor model.layers.0.self_attn.k_proj.weight_scale_inv",
+                     "q_proj.weight_scale_inv has shape (2, 4), expected (4, 2)",
+                     "mk w_up: some of its tensors are float8_e4m3fn and some are not",
+                     "unexpected tensor model.embed_tokens.weight_scale_inv"):
+        assert expected in message, message
+    with pytest.raises(ValueError, match=r"weight_block_size=\[64, 64\]"):
+        hf["quantization_config"]["weight_block_size"] = [64, 64]
+        (tmp_path / "config.json").write_text(json.dumps(hf))
+        mk.load_checkpoint(tmp_path)
+
+
+def test_fp8_nan_codes_and_unknown_quant_methods_are_refused(tmp_path):
+    _, _, hf, tensors = fp8_checkpoint(TINY)
+    name = "model.layers.0.mlp.down_proj.weight"
+    codes = tensors[name].view(np.uint8).copy()
+    codes[3, 5] = 0x7F  # e4m3's NaN
+    tensors[name] = codes.view(jnp.float8_e4m3fn)
+    write_hf_folder(hf, tensors, tmp_path)
+    with pytest.raises(ValueError, match="mk w_down: 1 values are NaN or inf"):
+        mk.load_checkpoint(tmp_path)
+    hf["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(NotImplementedError, match="quant_method='gptq' is not read"):
+        mk.load_checkpoint(tmp_path)
+
+
+def gpt_oss_blocks(q: quant.QuantWeight, layer: int):
+    """mk fp4 [E, I/2, O] -> gpt-oss blocks [E, O, I/32, 16], scales [E, O, I/32]:
+    values 2k (low nibble) and 2k + 1 (high) of each 32-value block along I."""
+    codes = np.swapaxes(np.asarray(quant.unpack_nibbles(q.data[layer])), -1, -2)  # [E, O, I]
+    pairs = codes.reshape(*codes.shape[:-1], -1, 16, 2).astype(np.uint8)
+    return pairs[..., 0] | (pairs[..., 1] << 4), np.swapaxes(np.asarray(q.scale[layer]), -1, -2)
+
+
+def test_gpt_oss_mxfp4_experts_load_bit_exactly_and_match_transformers_dequantisation(
+        tmp_path):
+    import torch
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    config, params = TINY_MOE, mk.init_params(TINY_MOE)
+    qparams = mk.quantize(config, params, experts="fp4")
+    tensors = {k: v for k, v in hf_tensors(config, params).items() if ".experts." not in k}
+    for j, i in enumerate(config.moe_layers):
+        prefix = f"model.layers.{i}.mlp.experts."
+        (gb, gs), (ub, us) = (gpt_oss_blocks(qparams[p], j) for p in ("we_gate", "we_up"))
+        # gpt-oss interleaves rows: 2f is gate row f, 2f + 1 is up row f.
+        tensors[prefix + "gate_up_proj_blocks"] = np.stack([gb, ub], 2).reshape(
+            gb.shape[0], -1, *gb.shape[2:])
+        tensors[prefix + "gate_up_proj_scales"] = np.stack([gs, us], 2).reshape(
+            gs.shape[0], -1, gs.shape[2])
+        tensors[prefix + "down_proj_blocks"], tensors[prefix + "down_proj_scales"] = \
+            gpt_oss_blocks(qparams["we_down"], j)
+    hf = {**hf_config_dict(config), "quantization_config": {"quant_method": "mxfp4"}}
+    write_hf_folder(hf, tensors, tmp_path)
+    _, loaded = mk.load_checkpoint(tmp_path)
+    for name in quant.FAMILIES["experts"]:
+        np.testing.assert_array_equal(np.asarray(loaded[name].data),
+                                      np.asarray(qparams[name].data), name)
+        np.testing.assert_array_equal(np.asarray(loaded[name].scale),
+                                      np.asarray(qparams[name].scale), name)
+    deq = quant.dequantize(loaded)
+    prefix = f"model.layers.{config.moe_layers[1]}.mlp.experts."
+    hf_gate_up = convert_moe_packed_tensors(
+        torch.from_numpy(tensors[prefix + "gate_up_proj_blocks"]),
+        torch.from_numpy(tensors[prefix + "gate_up_proj_scales"])).float().numpy()
+    for name, rows in (("we_gate", slice(0, None, 2)), ("we_up", slice(1, None, 2))):
+        np.testing.assert_array_equal(np.asarray(deq[name][1], np.float32),
+                                      hf_gate_up[..., rows], name)
+    tensors[prefix + "down_proj_scales"] = tensors[prefix + "down_proj_scales"][:, :, :2]
+    write_hf_folder(hf, tensors, tmp_path)
+    with pytest.raises(ValueError, match=r"down_proj_scales has shape \(8, 256, 2\), "
+                                         r"expected \(8, 256, 4\)"):
+        mk.load_checkpoint(tmp_path)
+
+
+# -- Accuracy against bf16 ------------------------------------------------------------------
+ACCURACY_STEPS = 64
+# A transformers Qwen3-MoE with TPU-legal widths (128-multiples): layer 0 dense, layer 1 MoE,
+# untied lm_head, so every family (dense, experts, lm_head) is quantised.
+ACCURACY_MODEL = dict(vocab_size=512, hidden_size=256, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=128, intermediate_size=256,
+                      moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2,
+                      num_hidden_layers=2, mlp_only_layers=[0], norm_topk_prob=True,
+                      tie_word_embeddings=False, max_position_embeddings=256,
+                      rms_norm_eps=1e-6, rope_theta=10_000.0, attn_implementation="eager",
+                      eos_token_id=None, bos_token_id=None, pad_token_id=None)
+# Upper bounds on the relative RMS of logits and lower bounds on greedy agreement (the
+# fraction of steps whose argmax is the bf16 model's), both teacher-forced on the bf16
+# model's 2 x 64 greedy tokens; the test prints the measured values and the free-running
+# common prefix (once one token differs, the sequences part, so that is not a rate).
+ACCURACY_BOUNDS = {"int8": (0.03, 0.95), "fp8": (0.1, 0.85), "int4": (0.3, 0.65),
+                   "fp4": (0.3, 0.65)}
+
+
+@pytest.fixture(scope="module")
+def accuracy_model(tmp_path_factory):
+    """(config, bf16 params) of a transformers-written tiny Qwen3-MoE checkpoint."""
+    folder = tmp_path_factory.mktemp("accuracy")
+    build_hf_model("qwen3_moe", ACCURACY_MODEL).save_pretrained(folder)
+    return mk.load_checkpoint(folder, dtype="bfloat16")
+
+
+@pytest.mark.parametrize("scheme", quant.SCHEMES)
+def test_accuracy_against_bf16_on_a_transformers_checkpoint(accuracy_model, scheme):
+    config, params = accuracy_model
+    got = quant.accuracy(config, params, quantise_all(config, params, scheme), PROMPT,
+                         ACCURACY_STEPS)
+    print(f"\n{scheme}: relative RMS of logits {got.rel_rms:.4f}, greedy agreement "
+          f"{got.agreement:.3f} (teacher-forced, {PROMPT.shape[0]} x {ACCURACY_STEPS} steps), "
+          f"free-running common prefix {got.prefix} of {ACCURACY_STEPS}")
+    max_rms, min_agree = ACCURACY_BOUNDS[scheme]
+    assert got.rel_rms < max_rms and got.agreement >= min_agree
+    # The same measure sees a planted 2x scale in every group of layer 0's wo (not wq:
+    # QK-norm divides a uniformly doubled q by its own RMS, so logits would not move).
+    planted = quantise_all(config, params, scheme)
+    scale = np.array(planted["wo"].scale)
+    scale[0] = scale[0] + 1 if scheme == "fp4" else scale[0] * 2
+    planted["wo"] = dataclasses.replace(planted["wo"], scale=jnp.asarray(scale))
+    planted_rms = quant.accuracy(config, params, planted, PROMPT, ACCURACY_STEPS).rel_rms
+    print(f"{scheme} with wo[0]'s scales doubled: relative RMS {planted_rms:.4f}")
+    assert planted_rms > max_rms  # the bound separates a correct scheme from this bug
+
+
+# -- Lowering: one tile, dequantised in VMEM, on every chip -------------------------------
+TILE_ROWS = 8  # M activation rows of the probe
+
+
+def dequant_matmul(scheme: str, data, scale, x):
+    """x [M, I] @ (the tile dequantised to bf16) -> [M, O] float32, as one pallas_call whose
+    body is mk.quant's decoder: the code a streaming kernel runs on each tile."""
+    def kernel(data_ref, scale_ref, x_ref, out_ref):
+        w = quant.dequantize_tile(scheme, data_ref[...], scale_ref[...]).astype(jnp.bfloat16)
+        out_ref[...] = jnp.dot(x_ref[...].astype(jnp.bfloat16), w,
+                               preferred_element_type=jnp.float32)
+
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(
+        (x.shape[0], data.shape[-1]), jnp.float32), name=f"mk_dequant_{scheme}")(
+            data, scale, x)
+
+
+@pytest.mark.parametrize("scheme", quant.SCHEMES)
+def test_one_tile_dequantises_in_interpret_mode_and_compiles_for_v5e_v6e_tpu7x(scheme):
+    rng = np.random.default_rng(3)
+    q = quant.quantize_weight(rng.standard_normal((256, 256)).astype(np.float32), scheme)
+    x = jnp.asarray(rng.standard_normal((TILE_ROWS, 256)), jnp.float32)
+    with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
+        got = jax.jit(functools.partial(dequant_matmul, scheme))(q.data, q.scale, x)
+    w = quant.dequantize_tile(scheme, q.data, q.scale).astype(jnp.bfloat16)
+    want = reference.dot("mi,io->mo", x, w, jnp.bfloat16)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    for chip in ("v5e", "v6e", "tpu7x"):
+        report = mk.tpu.compile_for_chip(functools.partial(dequant_matmul, scheme),
+                                         [q.data, q.scale, x], chip)
+        assert report.ok, report.summary()
+
+
+def test_a_native_float4_tile_is_refused_by_mosaic_on_v5e():
+    """Why mk.quant packs fp4 into uint8: the native float4_e2m1fn type does not lower on
+    v5e (nor v6e; it does on tpu7x), measured with the pinned libtpu."""
+    def kernel(w_ref, x_ref, out_ref):
+        w = w_ref[...].astype(jnp.float32).astype(jnp.bfloat16)
+        out_ref[...] = jnp.dot(x_ref[...], w, preferred_element_type=jnp.float32)
+
+    def native(w, x):
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((TILE_ROWS, 256),
+                                                                     jnp.float32))(w, x)
+
+    args = [jax.ShapeDtypeStruct((256, 256), jnp.float4_e2m1fn),
+            jax.ShapeDtypeStruct((TILE_ROWS, 256), jnp.bfloat16)]
+    report = mk.tpu.compile_for_chip(native, args, "v5e")
+    assert not report.ok and "f4E2M1FN" in report.error
+
+
+# -- Bytes per step -------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe", "qwen3-0.6b", "qwen3-30b-a3b"])
+def test_quantised_step_bytes_are_predicts_without_schemes_and_shrink_with_them(name):
+    config = mk.preset(name)
+    plain = mk.perf.quantised_bytes(config, batch=4, rows=2, context=512)
+    est = mk.perf.predict(config, "v6e", batch=4, rows=2, context=512)
+    step = sum(v for k, v in plain.items() if k != "resident")
+    # predict counts what the kernel streams: the norms in float32 (stored in bf16) and the
+    # lm_head's columns padded to whole tiles; the rest is the stored bytes.
+    streamed = est.norm_bytes / 2 + est.lm_head_bytes - config.vocab * config.hidden * 2
+    assert step + streamed == pytest.approx(est.total_bytes, rel=1e-12)
+    assert plain["resident"] == mk.perf.resident_bytes(config, batch=4, context=512)
+    fp4 = mk.perf.quantised_bytes(config, batch=4, rows=2, context=512, dense="fp4",
+                                  experts="fp4" if config.is_moe else None)
+    # e2m1 plus one e8m0 byte per 32 values: 4.25 bits of bf16's 16.
+    assert fp4["dense"] == pytest.approx(plain["dense"] * 4.25 / 16, rel=1e-12)
+    assert fp4["experts"] == pytest.approx(plain["experts"] * 4.25 / 16, rel=1e-12)
