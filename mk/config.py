@@ -262,10 +262,12 @@ class ModelConfig:
 
     @property
     def linear_key_width(self) -> int:
+        """Nk * Hk: the width of a gated-DeltaNet layer's queries, and of its keys."""
         return self.linear_key_heads * self.linear_key_dim
 
     @property
     def linear_value_width(self) -> int:
+        """Nv * Hv: the width of a gated-DeltaNet layer's values and output."""
         return self.linear_value_heads * self.linear_value_dim
 
     @property

@@ -183,8 +183,21 @@ def experts_touched(experts: int, per_token: int, tokens: int,
 
 
 # -- One decode step ----------------------------------------------------------------------
+class _Throughput:
+    """Tokens per second of a step estimate with `accepted`, `batch` and `step_ms`."""
+
+    @property
+    def tokens_per_s_per_user(self) -> float:
+        return self.accepted / (self.step_ms / 1e3)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Aggregate over the batch."""
+        return self.batch * self.tokens_per_s_per_user
+
+
 @dataclasses.dataclass(frozen=True)
-class StepEstimate:
+class StepEstimate(_Throughput):
     """Bytes, FLOPs and floors of one decode step. Bytes and FLOPs are summed over all tp
     devices; times are per step (the devices run in parallel)."""
 
@@ -269,14 +282,6 @@ class StepEstimate:
         floor = max(self.hbm_floor_ms, self.compute_floor_ms)
         return {f"{self.bound} floor": floor, "collectives": self.collective_ms}
 
-    @property
-    def tokens_per_s_per_user(self) -> float:
-        return self.accepted / (self.step_ms / 1e3)
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Aggregate over the batch."""
-        return self.batch * self.tokens_per_s_per_user
 
 
 def _validate_step(config, batch, rows, context, tp, accepted, routing, compute):
@@ -426,7 +431,7 @@ class Kernel:
 
 
 @dataclasses.dataclass(frozen=True)
-class ConventionalEstimate:
+class ConventionalEstimate(_Throughput):
     """A decode step as one kernel per op, each followed by a launch gap (HBM idle)."""
 
     config_name: str
@@ -450,13 +455,6 @@ class ConventionalEstimate:
     def step_ms(self) -> float:
         return self.work_ms + self.gap_ms
 
-    @property
-    def tokens_per_s_per_user(self) -> float:
-        return self.accepted / (self.step_ms / 1e3)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.batch * self.tokens_per_s_per_user
 
 
 def conventional(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: int = 1,

@@ -184,6 +184,12 @@ def tile_stream(stream, *, title: str = "") -> go.Figure:
 # Boxes of one TensorCore and its chip: (x0, y0, x1, y1), the fill, the label. Where each
 # unit sits is a drawing choice; every number comes from the chip's row (mk.chips).
 _MEMORY, _COMPUTE, _MOVE = "#dbe9f6", "#fde0c5", "#e2f0d9"
+# Where each unit sits in `tpu_picture` (x0, y0, x1, y1) and its fill.
+_TPU_BOXES = dict(hbm=(0.2, 0.2, 11.8, 1.6, _MEMORY), dma=(0.2, 2.2, 5.6, 3.2, _MOVE),
+                  ici=(6.4, 2.2, 11.8, 3.2, _MOVE), vmem=(0.6, 3.9, 7.4, 5.0, _MEMORY),
+                  smem=(7.8, 3.9, 11.4, 5.0, _MEMORY), vregs=(0.6, 5.6, 7.4, 6.4, _MEMORY),
+                  scalar=(7.8, 5.6, 11.4, 6.4, _COMPUTE), mxu=(0.6, 7.0, 4.3, 8.6, _COMPUTE),
+                  vpu=(4.7, 7.0, 7.4, 8.6, _COMPUTE))
 
 
 def tpu_picture(spec) -> go.Figure:
@@ -195,32 +201,24 @@ def tpu_picture(spec) -> go.Figure:
         raise ValueError(f"chip {spec.name}: kind={spec.kind!r}; tpu_picture draws a TPU")
     cores, r = spec.cores_per_chip, spec.mxu_rows
     per_core = f"{spec.bf16_flops / cores / TERA:,.0f} TFLOP/s bf16 per core"
-    boxes = {
-        "hbm": ((0.2, 0.2, 11.8, 1.6), _MEMORY,
-                f"<b>HBM</b> {spec.hbm_bytes / 2**30:.0f} GiB, {spec.hbm_bw / GIGA:,.0f} GB/s "
-                "per chip: weights, KV cache (refs in pl.ANY)"),
-        "dma": ((0.2, 2.2, 5.6, 3.2), _MOVE,
-                "<b>DMA engines</b>: async HBM <-> VMEM copies<br>"
-                "pltpu.make_async_copy(...).start() / .wait(), DMA semaphores"),
-        "ici": ((6.4, 2.2, 11.8, 3.2), _MOVE,
-                f"<b>ICI</b> {spec.ici_bw / GIGA:,.0f} GB/s per chip to other chips<br>"
-                "pltpu.make_async_remote_copy (collectives)"),
-        "vmem": ((0.6, 3.9, 7.4, 5.0), _MEMORY,
-                 f"<b>VMEM</b> {spec.vmem_bytes / 2**20:.0f} MiB per core: tiles, ring "
-                 "slots<br>pltpu.VMEM((slots, tk, tn), dtype) scratch"),
-        "smem": ((7.8, 3.9, 11.4, 5.0), _MEMORY,
-                 "<b>SMEM</b>: scalars (positions, expert ids,<br>counts) pltpu.SMEM, "
-                 "read in pl.when"),
-        "vregs": ((0.6, 5.6, 7.4, 6.4), _MEMORY,
-                  "<b>vector registers</b>: 8 sublanes x 128 lanes of 32 bits each"),
-        "scalar": ((7.8, 5.6, 11.4, 6.4), _COMPUTE,
-                   "<b>scalar unit</b>: control flow, addresses"),
-        "mxu": ((0.6, 7.0, 4.3, 8.6), _COMPUTE,
-                f"<b>MXU</b> {r} x {r}, weight-stationary:<br>loads a weight block, then "
-                f"streams rows;<br>< {r} rows cost {r} (jnp.dot)"),
-        "vpu": ((4.7, 7.0, 7.4, 8.6), _COMPUTE,
-                "<b>VPU</b>: elementwise on vregs<br>(norms, RoPE, softmax, SwiGLU)"),
-    }
+    labels = dict(
+        hbm=f"<b>HBM</b> {spec.hbm_bytes / 2**30:.0f} GiB, {spec.hbm_bw / GIGA:,.0f} GB/s "
+            "per chip: weights, KV cache (refs in pl.ANY)",
+        dma="<b>DMA engines</b>: async HBM <-> VMEM copies<br>"
+            "pltpu.make_async_copy(...).start() / .wait(), DMA semaphores",
+        ici=f"<b>ICI</b> {spec.ici_bw / GIGA:,.0f} GB/s per chip to other chips<br>"
+            "pltpu.make_async_remote_copy (collectives)",
+        vmem=f"<b>VMEM</b> {spec.vmem_bytes / 2**20:.0f} MiB per core: tiles, ring slots<br>"
+             "pltpu.VMEM((slots, tk, tn), dtype) scratch",
+        smem="<b>SMEM</b>: scalars (positions, expert ids,<br>counts) pltpu.SMEM, read in "
+             "pl.when",
+        vregs="<b>vector registers</b>: 8 sublanes x 128 lanes of 32 bits each",
+        scalar="<b>scalar unit</b>: control flow, addresses",
+        mxu=f"<b>MXU</b> {r} x {r}, weight-stationary:<br>loads a weight block, then streams "
+            f"rows;<br>< {r} rows cost {r} (jnp.dot)",
+        vpu="<b>VPU</b>: elementwise on vregs<br>(norms, RoPE, softmax, SwiGLU)")
+    boxes = {name: (_TPU_BOXES[name][:4], _TPU_BOXES[name][4], label)
+             for name, label in labels.items()}
     arrows = [("hbm", "dma"), ("dma", "vmem"), ("hbm", "ici"), ("ici", "vmem"),
               ("vmem", "vregs"), ("vregs", "mxu"), ("vregs", "vpu"), ("smem", "scalar")]
     fig = go.Figure()

@@ -2,9 +2,8 @@
 
 `simulate(config, chip, ...)` makes the `DecodePlan` the kernel executes
 (`mk.kernels.plan`: its shard, tiles and `TileStream`; `step_plan`) and walks the stream in
-the kernel's program order (`mk.megakernel`, `mk.kernels.one_layer.layer_body`; that order
-is written here a second time, by hand, and tests/test_plan.py holds the bytes of the two
-equal): prime the ring, per layer the prologue's wq/wk/wv, the
+the kernel's program order (`mk.megakernel`; inside a layer the phases of
+`mk.kernels.one_layer.LAYER_PHASES`, the list `layer_body` checks it runs in order): prime the ring, per layer the prologue's wq/wk/wv, the
 KV stream of `attend`, wo, the dense MLP or the router, expert selection and the expert
 slots, then the lm_head and argmax. Every `start(g)` / `wait(g)` of the kernel is a DMA
 issue / a compute-lane wait here, with the kernel's rule: consuming tile g issues tile
@@ -90,7 +89,7 @@ from mk.config import DTYPE_BITS, ModelConfig, positive_int
 from mk.kernels.common import BlockSizes
 from mk.kernels.decode_attention import block_rows, write_back_rows
 from mk.kernels.mlp import expert_slots
-from mk.kernels.one_layer import mlp_kinds
+from mk.kernels.one_layer import LAYER_PHASES, mlp_kinds
 from mk.kernels.plan import DecodePlan, capacity, family_of
 from mk.kernels.ring import TileStream
 
@@ -468,27 +467,8 @@ class _Kernel:
             is_moe = layer in c.moe_layers
             router = (self.mc.dma(D * c.experts * c.weight_bits / 8, layer, "router")
                       if is_moe else None)
-            self.prime_kv()
-            self.vector(4 * M * D, "norm")
-            for name in ("wq", "wk", "wv"):
-                self.matmul(name)
-            self.vector(10 * M * (c.q_width + c.kv_width), "qk_norm_rope")
-            self.attend()
-            self.matmul("wo")
-            self.collective(M * D * perf.PARTIAL_SUM_BYTES)
-            self.vector(5 * M * D, "norm")
-            if router is not None:
-                self.mc.wait(router)
-            if not is_moe:
-                self.swiglu()
-                if "moe" in self.kinds:
-                    self.skip(*self.region("we_gate", "we_down"), "layer boundary")
-            else:
-                if "dense" in self.kinds:
-                    self.skip(*self.region("w_gate", "w_down"))
-                self.experts()
-            self.collective(M * D * perf.PARTIAL_SUM_BYTES)
-            self.vector(M * D, "residual")
+            for phase in LAYER_PHASES:  # the kernel's own order (`layer_body`)
+                self.phase(phase, is_moe, router)
         self.layer = c.layers
         if not self.prefetch:
             self.prime_layer(self.layered, "layer boundary")
@@ -497,6 +477,41 @@ class _Kernel:
         self.matmul("lm_head")
         self.vector(4 * M * self.vocab, "argmax")
         self.collective(8 * M)
+
+    def phase(self, name: str, is_moe: bool, router):
+        """One phase of `layer_body` (`mk.kernels.one_layer.LAYER_PHASES`) on the machine."""
+        c, M, D = self.c, self.m, self.c.hidden
+        if name == "kv_prime":
+            self.prime_kv()
+        elif name == "prologue":
+            self.vector(4 * M * D, "norm")
+            for matrix in ("wq", "wk", "wv"):
+                self.matmul(matrix)
+            self.vector(10 * M * (c.q_width + c.kv_width), "qk_norm_rope")
+        elif name == "attend":
+            self.attend()
+        elif name == "wo":
+            self.matmul("wo")
+        elif name in ("attn_all_reduce", "mlp_all_reduce"):
+            self.collective(M * D * perf.PARTIAL_SUM_BYTES)
+        elif name == "mlp_norm":
+            self.vector(5 * M * D, "norm")
+        elif name == "before_mlp":
+            if router is not None:
+                self.mc.wait(router)
+        elif name == "mlp":
+            if not is_moe:
+                self.swiglu()
+                if "moe" in self.kinds:
+                    self.skip(*self.region("we_gate", "we_down"), "layer boundary")
+            else:
+                if "dense" in self.kinds:
+                    self.skip(*self.region("w_gate", "w_down"))
+                self.experts()
+        elif name == "residual":
+            self.vector(M * D, "residual")
+        else:
+            raise ValueError(f"no cost model for layer phase {name!r}")
 
     def run_matmuls(self):
         """A stream of plain matmuls (no attention, no MLP logic): `replay_matmul`."""

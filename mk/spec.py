@@ -262,30 +262,25 @@ class NGram(Drafter):
         return drafts, None
 
 
-class Forced(Drafter):
+class Forced(ModelDrafter):
     """A benchmarking device, not a drafter: an oracle that knows the target's greedy
-    continuation (it runs the target itself) and spoils draft number L, so every step keeps
-    exactly L - 1 drafts plus the bonus token: tau = L. The published 709 and 1,515 tokens/s
-    were measured with forced acceptance. Its oracle's cost is not draft time (cost None).
-    Greedy only: no drafter can force acceptance under sampling and stay exact."""
+    continuation (it runs the target itself, as a `ModelDrafter`) and spoils draft number
+    L, so every step keeps exactly L - 1 drafts plus the bonus token: tau = L. (The
+    published runs state a mean acceptance length; whether their drafts were real or
+    forced is not stated.) Its oracle's cost is not draft time (cost None). Greedy only: no
+    drafter can force acceptance under sampling and stay exact."""
 
     name = "forced"
 
     def __init__(self, config, params, acceptance_length: int, *, batch=None, rows=2):
-        self.oracle = ModelDrafter(config, params, batch=batch, rows=rows)
+        super().__init__(config, params, batch=batch, rows=rows)
+        self.cost = None
         self.L = acceptance_length
 
-    @property
-    def calls(self):
-        return self.oracle.calls
-
-    def start(self, prompt, capacity):
-        self.oracle.start(prompt, capacity)
-
     def propose(self, seq, length, gamma, sampling, rng):
-        drafts, _ = self.oracle.propose(seq, length, gamma, None, rng)
+        drafts, _ = super().propose(seq, length, gamma, None, rng)
         if self.L <= gamma:
-            drafts[:, self.L - 1] = (drafts[:, self.L - 1] + 1) % self.oracle.runner.config.vocab
+            drafts[:, self.L - 1] = (drafts[:, self.L - 1] + 1) % self.runner.config.vocab
         return drafts, None
 
 

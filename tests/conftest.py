@@ -1,9 +1,14 @@
 """Shared fixtures: the tiny models every test runs on CPU."""
 
 import os
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+# Captures the tests make (mk.profiling, notebook 08) go to a folder of this run, never
+# into the checkout's profiles/ (set before mk is imported; workers and notebook kernels
+# inherit it).
+os.environ.setdefault("MK_PROFILES", tempfile.mkdtemp(prefix="mk-test-profiles-"))
 
 import dataclasses  # noqa: E402
 

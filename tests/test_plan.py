@@ -144,3 +144,34 @@ def test_a_plan_the_kernel_cannot_run_is_refused_with_the_field(kwargs, message)
     args = dict(batch=1, context=128) | kwargs
     with pytest.raises(ValueError, match=message):
         DecodePlan.make(mk.preset("tiny"), **args)
+
+
+def test_the_layers_program_order_is_data_the_kernel_checks_and_the_simulator_walks(
+        monkeypatch):
+    from mk.kernels import one_layer
+
+    config = mk.preset("tiny")
+    plan = DecodePlan.make(config, batch=1, context=128)
+    params = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in config.param_shapes().items()}
+    weights = jax.eval_shape(lambda p: megakernel.prepare(config, p, plan.block), params)
+    cache = reference.KVCache(*[jax.ShapeDtypeStruct((2, 1, 2, 128, 128), "bfloat16")] * 2)
+    args = (weights, cache, jax.ShapeDtypeStruct((1, 1), "int32"),
+            jax.ShapeDtypeStruct((1,), "int32"))
+
+    def trace():
+        jax.clear_caches()  # traced_step is jitted: trace the kernel body again
+        return jax.eval_shape(lambda *a: megakernel.traced_step(plan, *a), *args)
+
+    trace()  # the kernel runs the phases in LAYER_PHASES' order
+    swapped = list(one_layer.LAYER_PHASES)
+    swapped[1:3] = swapped[2:0:-1]  # attend before the prologue
+    monkeypatch.setattr(one_layer, "LAYER_PHASES", tuple(swapped))
+    with pytest.raises(AssertionError, match="runs 'prologue' where LAYER_PHASES has "
+                                             "'attend'"):
+        trace()
+    monkeypatch.undo()
+    jax.clear_caches()
+    # The simulator walks the same list: a phase it has no cost model for is named.
+    monkeypatch.setattr(sim, "LAYER_PHASES", (*one_layer.LAYER_PHASES, "new_phase"))
+    with pytest.raises(ValueError, match="no cost model for layer phase 'new_phase'"):
+        sim.simulate(config, "v5e")

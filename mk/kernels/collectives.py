@@ -317,8 +317,13 @@ def _check_stack(x, n: int, name: str, lanes: int):
     return x.shape[0] // n, x.shape[1], x.shape[2]
 
 
-def _vmem():
-    return pl.BlockSpec(memory_space=pltpu.VMEM)
+def _standalone(kernel, collective: str, n: int, out_shape, scratch: dict, name: str):
+    """The pallas_call of one standalone collective kernel: one VMEM input and output,
+    `collective`'s id in COLLECTIVE_IDS."""
+    vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
+    return pl.pallas_call(kernel, out_shape=out_shape, in_specs=[vmem], out_specs=vmem,
+                          scratch_shapes=scratch,
+                          compiler_params=_compiler_params(collective, n), name=name)
 
 
 def _smap(mesh, fn, x, out_spec):
@@ -342,14 +347,9 @@ def all_reduce(x: jax.Array, mesh: jax.sharding.Mesh) -> jax.Array:
     n = mesh.shape[AXIS]
     times, R, C = _check_stack(x, n, "all_reduce", n)
 
-    def per_device(x):
-        return pl.pallas_call(
-            functools.partial(all_reduce_kernel, n=n),
-            out_shape=jax.ShapeDtypeStruct((times, R, C), jnp.float32),
-            in_specs=[_vmem()], out_specs=_vmem(),
-            scratch_shapes=collective_scratch(R, C, n, reduce=True),
-            compiler_params=_compiler_params("all_reduce", n), name="mk_all_reduce",
-        )(x)
+    per_device = _standalone(functools.partial(all_reduce_kernel, n=n), "all_reduce", n,
+                             jax.ShapeDtypeStruct((times, R, C), jnp.float32),
+                             collective_scratch(R, C, n, reduce=True), "mk_all_reduce")
     return _smap(mesh, per_device, x.astype(jnp.float32), P(AXIS))
 
 
@@ -370,14 +370,10 @@ def all_gather(x: jax.Array, mesh: jax.sharding.Mesh, *, slots: int = 2) -> jax.
     if slots not in (1, 2):
         raise ValueError(f"all_gather: slots={slots!r} must be 1 or 2")
 
-    def per_device(x):
-        return pl.pallas_call(
-            functools.partial(all_gather_kernel, n=n, slots=slots),
-            out_shape=jax.ShapeDtypeStruct((times, n, R, C), jnp.float32),
-            in_specs=[_vmem()], out_specs=_vmem(),
-            scratch_shapes=collective_scratch(R, C, n, reduce=False),
-            compiler_params=_compiler_params("all_gather", n), name="mk_all_gather",
-        )(x)
+    per_device = _standalone(functools.partial(all_gather_kernel, n=n, slots=slots),
+                             "all_gather", n,
+                             jax.ShapeDtypeStruct((times, n, R, C), jnp.float32),
+                             collective_scratch(R, C, n, reduce=False), "mk_all_gather")
     return _smap(mesh, per_device, x.astype(jnp.float32), P(AXIS))
 
 
@@ -408,13 +404,8 @@ def greedy_argmax(logits: jax.Array, mesh: jax.sharding.Mesh, *,
         raise ValueError(f"greedy_argmax: vocab={vocab} must be in [1, {V}] and "
                          f"the padded vocab {V} <= {MAX_INDEX} (ids travel as float32)")
 
-    def per_device(x):
-        return pl.pallas_call(
-            functools.partial(greedy_argmax_kernel, n=n, vocab=vocab),
-            out_shape=jax.ShapeDtypeStruct((times, M, 1), jnp.int32),
-            in_specs=[_vmem()], out_specs=_vmem(),
-            scratch_shapes=collective_scratch(M, 128, n, reduce=False),
-            compiler_params=_compiler_params("argmax", n), name="mk_greedy_argmax",
-        )(x)
+    per_device = _standalone(functools.partial(greedy_argmax_kernel, n=n, vocab=vocab),
+                             "argmax", n, jax.ShapeDtypeStruct((times, M, 1), jnp.int32),
+                             collective_scratch(M, 128, n, reduce=False), "mk_greedy_argmax")
     return jax.shard_map(per_device, mesh=mesh, in_specs=P(None, None, AXIS),
                          out_specs=P(AXIS), check_vma=False)(logits.astype(jnp.float32))

@@ -88,11 +88,15 @@ def swiglu_body(ring: Ring, layer, x, gate_vmem, up_vmem, out_ref):
 def swiglu_buffers(M: int, D: int, F: int, dtype, block: BlockSizes,
                    x_dtype="float32") -> list[Buffer]:
     """Every VMEM buffer of `swiglu` (the budget and the scratch come from here)."""
+    return _stage_buffers(M, D, dtype, block, x_dtype) + [
+        Buffer("gate", (M, F), "float32"), Buffer("up", (M, F), "float32")]
+
+
+def _stage_buffers(M: int, D: int, dtype, block: BlockSizes, x_dtype) -> list[Buffer]:
+    """The operands h and out and the ring of a standalone MLP kernel."""
     return [Buffer("h", (M, D), str(jnp.dtype(x_dtype)), "operand"),
             Buffer("out", (M, D), "float32", "operand"),
-            Buffer("ring", (block.slots, block.tile_k, block.tile_n), str(jnp.dtype(dtype))),
-            Buffer("gate", (M, F), "float32"),
-            Buffer("up", (M, F), "float32")]
+            Buffer("ring", (block.slots, block.tile_k, block.tile_n), str(jnp.dtype(dtype)))]
 
 
 def swiglu_kernel(
@@ -308,16 +312,10 @@ def moe_body(ring: Ring, layer, x, router_vmem, combine_vmem, selected_vmem, sel
 def moe_buffers(M: int, D: int, E: int, Fe: int, dtype, block: BlockSizes,
                 x_dtype="float32") -> list[Buffer]:
     """Every VMEM buffer of `moe` (the budget and the scratch come from here)."""
-    dtype = str(jnp.dtype(dtype))
-    return [Buffer("h", (M, D), str(jnp.dtype(x_dtype)), "operand"),
-            Buffer("out", (M, D), "float32", "operand"),
-            Buffer("ring", (block.slots, block.tile_k, block.tile_n), dtype),
-            Buffer("router", (D, E), dtype),
-            Buffer("combine", (M, E), "float32"),
-            Buffer("selected", (1, E), "int32"),
-            Buffer("gate", (M, Fe), "float32"),
-            Buffer("up", (M, Fe), "float32"),
-            Buffer("down", (M, D), "float32")]
+    return _stage_buffers(M, D, dtype, block, x_dtype) + [
+        Buffer("router", (D, E), str(jnp.dtype(dtype))), Buffer("combine", (M, E), "float32"),
+        Buffer("selected", (1, E), "int32"), Buffer("gate", (M, Fe), "float32"),
+        Buffer("up", (M, Fe), "float32"), Buffer("down", (M, D), "float32")]
 
 
 def moe_kernel(

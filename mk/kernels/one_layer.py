@@ -9,8 +9,9 @@ are the one exception: they can only be issued once the router has chosen (see
 `mk.kernels.mlp`).
 
 Here: `layer_matrices` (the stream of one layer), `layer_dims` (what its tiles divide),
-`layer_buffers` / `layer_scratch` (its VMEM and scratch by name), `mlp_fetch`, `layer_body`
-(the in-kernel layer the megakernel loops over), and the stage wrapper `one_layer` with its
+`layer_buffers` / `layer_scratch` (its VMEM and scratch by name), `mlp_fetch`,
+`LAYER_PHASES` (the layer's program order as data) and `layer_body` (the in-kernel layer the
+megakernel loops over, in that order), and the stage wrapper `one_layer` with its
 `one_layer_buffers`. Every
 piece is the stage kernels' own: `prologue`, `attend`, `swiglu_body`, `moe_body`.
 Not here: the layer loop, the lm_head and the cross-layer ring (`mk.megakernel`).
@@ -166,6 +167,34 @@ def mlp_block(ring: Ring, config: ModelConfig, kinds, s, *, step, is_moe):
             experts()
 
 
+# The phases of one layer in program order, as data: `layer_body` runs them in this order
+# (each under `phase`, which checks it at trace time and names it for the profiler), and
+# `mk.sim` replays the same list with its cost model of each phase.
+LAYER_PHASES = ("kv_prime", "prologue", "attend", "wo", "attn_all_reduce", "mlp_norm",
+                "before_mlp", "mlp", "mlp_all_reduce", "residual")
+
+
+def phases():
+    """A checker for one layer's trace: `phase(name)` is a `jax.named_scope(name)` after
+    checking that `name` is LAYER_PHASES' next phase; `phase.done()` that none is left."""
+    order = iter(LAYER_PHASES)
+
+    def phase(name: str):
+        expected = next(order, None)
+        if name != expected:
+            raise AssertionError(f"layer_body runs {name!r} where LAYER_PHASES has "
+                                 f"{expected!r}: the simulator replays that list")
+        return jax.named_scope(name)
+
+    def done():
+        left = next(order, None)
+        if left is not None:
+            raise AssertionError(f"layer_body never ran {left!r} of LAYER_PHASES")
+
+    phase.done = done
+    return phase
+
+
 def layer_body(ring: Ring, config: ModelConfig, kinds, s, *, step, layer, is_moe, x, norms,
                positions_smem, k_cache_hbm, v_cache_hbm, attention: AttentionScratch,
                block: BlockSizes, batch: int, rows: int, before_mlp=None,
@@ -179,25 +208,37 @@ def layer_body(ring: Ring, config: ModelConfig, kinds, s, *, step, layer, is_moe
     k): the tensor-parallel sum over devices of the attention (k=0) and MLP (k=1) outputs.
     """
     attn_norm, mlp_norm, q_norm, k_norm = norms
-    # The layer's first KV tiles need only the positions: they load during the prologue.
-    KvStream(positions_smem, k_cache_hbm, v_cache_hbm, attention, rows=rows, layer=layer,
-             block=block).prime()
-    prologue(ring, config, layer=step, x=x, attn_norm=attn_norm, q_norm=q_norm,
-             k_norm=k_norm, positions_smem=positions_smem, batch=batch, rows=rows,
-             h_vmem=s.h, q_vmem=s.q, k_vmem=s.k, v_vmem=s.v)
-    attend(s.q, s.k, s.v, positions_smem, k_cache_hbm, v_cache_hbm, s.o, attention,
-           layer=layer, block=block, primed=True)
-    ring.matmul("wo", s.o, s.attn_out, layer=step)
-    if all_reduce is not None:  # tensor parallel: wo's rows are split, its sums partial
-        s.attn_out[...] = all_reduce(s.attn_out[...], 0)
-    x = x + s.attn_out[...]
-    s.h[...] = rms_norm(x, mlp_norm, config.rms_eps).astype(s.h.dtype)
-    if before_mlp is not None:
-        before_mlp()
-    mlp_block(ring, config, kinds, s, step=step, is_moe=is_moe)
-    if all_reduce is not None:
-        s.mlp_out[...] = all_reduce(s.mlp_out[...], 1)
-    return x + s.mlp_out[...]
+    phase = phases()
+    with phase("kv_prime"):  # the first KV tiles need only the positions: they load
+        KvStream(positions_smem, k_cache_hbm, v_cache_hbm, attention, rows=rows,  # during
+                 layer=layer, block=block).prime()  # the prologue
+    with phase("prologue"):
+        prologue(ring, config, layer=step, x=x, attn_norm=attn_norm, q_norm=q_norm,
+                 k_norm=k_norm, positions_smem=positions_smem, batch=batch, rows=rows,
+                 h_vmem=s.h, q_vmem=s.q, k_vmem=s.k, v_vmem=s.v)
+    with phase("attend"):
+        attend(s.q, s.k, s.v, positions_smem, k_cache_hbm, v_cache_hbm, s.o, attention,
+               layer=layer, block=block, primed=True)
+    with phase("wo"):
+        ring.matmul("wo", s.o, s.attn_out, layer=step)
+    with phase("attn_all_reduce"):
+        if all_reduce is not None:  # tensor parallel: wo's rows are split, its sums partial
+            s.attn_out[...] = all_reduce(s.attn_out[...], 0)
+    with phase("mlp_norm"):
+        x = x + s.attn_out[...]
+        s.h[...] = rms_norm(x, mlp_norm, config.rms_eps).astype(s.h.dtype)
+    with phase("before_mlp"):
+        if before_mlp is not None:
+            before_mlp()
+    with phase("mlp"):
+        mlp_block(ring, config, kinds, s, step=step, is_moe=is_moe)
+    with phase("mlp_all_reduce"):
+        if all_reduce is not None:
+            s.mlp_out[...] = all_reduce(s.mlp_out[...], 1)
+    with phase("residual"):
+        x = x + s.mlp_out[...]
+    phase.done()
+    return x
 
 
 def one_layer_kernel(inputs, outputs, *, config: ModelConfig, kind: str,
