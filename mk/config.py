@@ -877,14 +877,52 @@ _HYBRID_PRESETS = {
                                    rope_theta=10_000_000.0, max_position=262_144),
 }
 
+# Kimi Linear models (MLA + KDA + shared-expert MoE): the reference and the loader run
+# them; mk.perf, mk.sim and the megakernel do not know MLA or KDA yet, so like the hybrids
+# they stay out of PRESET_NAMES (and "kimi-k3-like", the GQA stand-in, stays there).
+_KIMI_PRESETS = {
+    # Tiny Kimi Linear: KDA, KDA, MLA, KDA (a KDA layer last), a dense first layer, then
+    # MoE with a shared expert and two expert groups. Head dims 128 (MLA: nope 128 + 64).
+    "tiny-kimi": lambda: ModelConfig(
+        name="tiny-kimi", vocab=512, hidden=256, layers=4, heads=2, kv_heads=2,
+        head_dim=192, ffn=512, qk_norm=False, rope_theta=10_000.0, dtype="bfloat16",
+        max_position=4096, max_context=256, layer_types=("linear", "linear", "full", "linear"),
+        latent_rank=128, rope_dim=64, value_dim=128, linear_key_heads=2,
+        linear_value_heads=2, linear_key_dim=128, linear_value_dim=128, conv_kernel=4,
+        channel_decay=True, experts=8, experts_per_token=2, expert_ffn=128,
+        moe_layers=(1, 2, 3), norm_topk=True, shared_expert_ffn=128, router_score="sigmoid",
+        expert_groups=2, topk_groups=1, routed_scale=2.5),
+    # The release's "Kimi K3" as Kimi Linear. Published (the issue): 93 layers, hidden 7168,
+    # MLA every 4th layer (here layers 3, 7, ..., 91, Kimi-Linear-48B's 1-indexed
+    # full_attn_layers convention; the rest KDA), 896 experts, 16 per token, vocab 163840,
+    # FP4 experts. From Kimi K2's config.json (moonshotai/Kimi-K2-Instruct, as quoted
+    # publicly, not read here): 64 heads, q_lora_rank 1536, kv_lora_rank 512, qk_nope 128,
+    # qk_rope 64, v_head_dim 128, expert FFN 2048, one shared expert, one first dense layer
+    # of FFN 18432, routed_scaling_factor 2.827, renormalised top-k, rms eps 1e-6, 128K
+    # context. From Kimi-Linear-48B-A3B (transformers' KimiLinearConfig defaults): KDA head
+    # dim 128, conv width 4, n_group = topk_group = 1. ASSUMED: 64 KDA heads (K2's head
+    # count; Kimi-Linear-48B has 32 at hidden 2304), MLA without RoPE as in Kimi Linear.
+    "kimi-k3": lambda: ModelConfig(
+        name="kimi-k3", vocab=163_840, hidden=7168, layers=93, heads=64, kv_heads=64,
+        head_dim=192, ffn=18_432, qk_norm=False, rms_eps=1e-6, max_position=131_072,
+        layer_types=tuple("full" if (i + 1) % 4 == 0 else "linear" for i in range(93)),
+        latent_rank=512, q_rank=1536, rope_dim=64, value_dim=128, linear_key_heads=64,
+        linear_value_heads=64, linear_key_dim=128, linear_value_dim=128, conv_kernel=4,
+        channel_decay=True, experts=896, experts_per_token=16, expert_ffn=2048,
+        moe_layers=tuple(range(1, 93)), norm_topk=True, expert_dtype="float4_e2m1fn",
+        shared_expert_ffn=2048, router_score="sigmoid", routed_scale=2.827),
+}
+
 PRESET_NAMES = tuple(_PRESETS)
 HYBRID_PRESET_NAMES = tuple(_HYBRID_PRESETS)
+KIMI_PRESET_NAMES = tuple(_KIMI_PRESETS)
 
 
 def preset(name: str) -> ModelConfig:
-    """A named `ModelConfig`; `PRESET_NAMES` and `HYBRID_PRESET_NAMES` list them."""
-    presets = {**_PRESETS, **_HYBRID_PRESETS}
+    """A named `ModelConfig`; `PRESET_NAMES`, `HYBRID_PRESET_NAMES` and `KIMI_PRESET_NAMES`
+    list them."""
+    presets = {**_PRESETS, **_HYBRID_PRESETS, **_KIMI_PRESETS}
     if name not in presets:
         raise ValueError(f"preset={name!r} does not exist; choose one of "
-                         f"{PRESET_NAMES + HYBRID_PRESET_NAMES}")
+                         f"{PRESET_NAMES + HYBRID_PRESET_NAMES + KIMI_PRESET_NAMES}")
     return presets[name]()

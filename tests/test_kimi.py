@@ -108,3 +108,180 @@ def test_prefill_logits_match_transformers_forward(case):
     got = np.asarray(R.prefill(config, params, prompt)[0])
     scale = np.abs(want).max()
     np.testing.assert_allclose(got, want, rtol=0, atol=LOGIT_RTOL_OF_SCALE * scale)
+
+
+# Batch 1 is slow only for CI's CPU budget (two more compiles per case); batch 4 is not.
+@pytest.mark.parametrize("batch", [pytest.param(1, marks=pytest.mark.slow), 4])
+def test_32_greedy_tokens_match_transformers_generate(case, batch):
+    model, _, config, params, prompt = case
+    want = hf_greedy(model, prompt[:batch], STEPS)
+    assert want.shape == (batch, STEPS)
+    got = np.asarray(R.generate(config, params, prompt[:batch], STEPS))
+    np.testing.assert_array_equal(got, want)
+
+
+def test_t4_decode_steps_predict_transformers_tokens(case):
+    """Prefill, then feed transformers' greedy tokens 4 rows per step: every row's argmax
+    is transformers' next token, and the latent cache and KDA states carry across steps."""
+    model, _, config, params, prompt = case
+    want = hf_greedy(model, prompt, 13)  # token 0 from prefill, then 3 steps of 4 rows
+    logits, cache = R.prefill(config, params, prompt)
+    np.testing.assert_array_equal(np.asarray(R.greedy(logits[:, -1])), want[:, 0])
+    for step in range(3):
+        rows = want[:, 4 * step:4 * step + 4]
+        pos = jnp.full((4,), PROMPT + 4 * step, jnp.int32)
+        logits, cache = R.decode_step(config, params, cache, rows, pos)
+        np.testing.assert_array_equal(np.asarray(R.greedy(logits)),
+                                      want[:, 4 * step + 1:4 * step + 5])
+
+
+def test_planted_positional_encoding_in_mla_diverges(case, monkeypatch):
+    """transformers' MLA is NoPE: the same run with RoPE on every head of q and k (keys
+    at their cache positions) must miss the tolerance the real run meets."""
+    model, _, config, params, prompt = case
+    with torch.no_grad():
+        want = model(torch.as_tensor(prompt)).logits.numpy()
+    attention = R.attention
+
+    def rotated(q, k_cache, v_cache, positions):
+        rows = positions[:, None] + jnp.arange(q.shape[1])
+        k = R.rope(k_cache.transpose(0, 2, 1, 3), jnp.arange(k_cache.shape[2])[None], 1e4)
+        return attention(R.rope(q, rows, 1e4), k.transpose(0, 2, 1, 3).astype(k_cache.dtype),
+                         v_cache, positions)
+
+    monkeypatch.setattr(R, "attention", rotated)
+    planted = dataclasses.replace(config, name="planted-rope")  # a new trace of forward
+    got = np.asarray(R.prefill(planted, params, prompt)[0])
+    assert np.abs(got - want).max() > 100 * LOGIT_RTOL_OF_SCALE * np.abs(want).max()
+
+
+# -- The reference itself ------------------------------------------------------------------
+def test_per_channel_decay_by_hand():
+    """One head, Hk = 2, Hv = 1, state [[2], [2]]: channel decays (1/2, 1) give [[1], [2]];
+    k = (1, 0), v = 5, beta = 1 -> delta 4, state [[5], [2]]; out (q = (1, 1)) = 7. One
+    decay of 1/2 for the head would give [[5], [1]] and 6."""
+    state = jnp.full((1, 1, 2, 1), 2.0)
+    q, k = jnp.array([1.0, 1.0]).reshape(1, 1, 1, 2), jnp.array([1.0, 0.0]).reshape(1, 1, 1, 2)
+    v, beta = jnp.full((1, 1, 1, 1), 5.0), jnp.ones((1, 1, 1))
+    g = jnp.log(jnp.array([0.5, 1.0])).reshape(1, 1, 1, 2)
+    out, states = la.delta_rule(q, k, v, g, beta, state)
+    np.testing.assert_allclose(np.asarray(out).ravel(), [7.0], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(states).ravel(), [5.0, 2.0], rtol=1e-6)
+    head, _ = la.delta_rule(q, k, v, g[..., 0], beta, state)
+    np.testing.assert_allclose(np.asarray(head).ravel(), [6.0], rtol=1e-6)
+
+
+def test_grouped_router_by_hand():
+    """8 experts in 2 groups, top 2 from the best group. Biased scores pick group 1 (its top
+    two sum highest) although expert 0 scores highest unbiased; weights are the unbiased
+    scores, renormalised, times the scale."""
+    logits = jnp.array([[3.0, 0, 0, 0, 1, 1, 0, 0]])
+    bias = jnp.array([0, 0, 0, 0, 1.0, 1.0, 0, 0])
+    w, e = R.route_grouped(logits, jnp.eye(8), bias, top_k=2, groups=2, topk_groups=1,
+                           renormalise=True, scale=2.0)
+    assert sorted(np.asarray(e)[0].tolist()) == [4, 5]
+    np.testing.assert_allclose(np.asarray(w)[0], [1.0, 1.0], rtol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def tiny_kimi():
+    """The first case's config with mk's random weights (cheaper to compile than the
+    TPU-shaped tiny-kimi preset)."""
+    import transformers
+
+    hf = transformers.KimiLinearConfig(**{**COMMON, **CASES["kda-mla-kda-groups"]})
+    config = mk.ModelConfig.from_hf(hf.to_dict(), name="small-kimi", dtype="float32")
+    config = dataclasses.replace(config, max_context=16)
+    return config, mk.init_params(config, seed=0)
+
+
+def test_rollback_restores_the_kda_states_of_the_accepted_prefix(tiny_kimi):
+    """A T = 3 step rolled back to k accepted rows continues exactly like a k-row step;
+    the planted bug (no rollback: keep the KDA states after all 3 rows) does not."""
+    config, params = tiny_kimi
+    prompt = np.random.default_rng(2).integers(0, config.vocab, (3, 5))
+    draft = np.random.default_rng(3).integers(0, config.vocab, (3, 3))
+    accepted = np.array([1, 3, 2])
+    _, cache = R.prefill(config, params, prompt)
+    pos = jnp.full((3,), 5, jnp.int32)
+    _, after3, rows = R.decode_step(config, params, cache, draft, pos, row_states=True)
+    assert isinstance(after3, R.LatentCache) and rows.state.shape[2] == 3
+
+    def next_logits(c, shift):
+        return np.asarray(R.decode_step(config, params, c, draft[:, :1], pos + shift)[0])
+
+    got = next_logits(R.rollback(after3, rows, accepted), jnp.asarray(accepted))
+    for k in (1, 2, 3):  # every sequence takes k rows; those that accepted k are checked
+        _, exact = R.decode_step(config, params, cache, draft[:, :k], pos)
+        want = next_logits(exact, k)[accepted == k]
+        np.testing.assert_allclose(got[accepted == k], want, rtol=0, atol=1e-4)
+    planted = next_logits(after3, jnp.asarray(accepted))
+    assert np.abs(planted[0] - got[0]).max() > 1e-2  # row 0 accepted 1 of 3 rows
+
+
+def test_kimi_calls_are_checked(tiny_kimi):
+    config, params = tiny_kimi
+    with pytest.raises(ValueError, match="LatentCache"):
+        R.decode_step(config, params, R.init_cache(mk.preset("tiny-hybrid"), 1), [[1]], [0])
+    bad = R.init_cache(config, 1)._replace(latent=jnp.zeros((1, 1, 8, 7), jnp.float32))
+    with pytest.raises(ValueError, match="R \\+ Hr=40"):
+        R.decode_step(config, params, bad, [[1]], [0])
+    with pytest.raises(ValueError, match="max_context=16"):
+        R.decode_step(config, params, R.init_cache(config, 1), [[1, 2]], [15])
+
+
+# -- Config ---------------------------------------------------------------------------------
+def test_kimi_presets_count_every_parameter_shape():
+    for name in mk.config.KIMI_PRESET_NAMES:
+        config = mk.preset(name)
+        counted = sum(int(np.prod(shape)) for shape, _ in config.param_shapes().values())
+        assert config.param_count == counted, name
+    assert "kimi-k3-like" in mk.config.PRESET_NAMES  # the GQA stand-in stays for the kernel
+
+
+def test_kimi_k3_sizes():
+    k3 = mk.preset("kimi-k3")
+    assert (k3.layers, k3.hidden, k3.vocab, k3.experts, k3.experts_per_token) == \
+        (93, 7168, 163_840, 896, 16)
+    assert k3.full_layers == tuple(range(3, 93, 4)) and len(k3.linear_layers) == 70
+    # MLA caches R + Hr = 576 bf16 values per token and MLA layer; the GQA stand-in caches
+    # K and V of 8 heads x 128 in all 93 layers: 14x more.
+    assert k3.kv_bytes_per_token == 23 * 576 * 2
+    assert mk.preset("kimi-k3-like").kv_bytes_per_token == 2 * 93 * 8 * 128 * 2
+    # Per sequence and KDA layer: conv 3 x (3 * 64 * 128) bf16 + state 64 x 128 x 128 f32.
+    assert k3.linear_state_bytes == 70 * (3 * 3 * 64 * 128 * 2 + 64 * 128 * 128 * 4)
+    cut = mk.preset("tiny-kimi").first_layers(1)  # one KDA layer, dense MLP
+    assert not cut.is_moe and cut.router_score == "softmax" and cut.channel_decay
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(kv_heads=1), "MLA needs kv_heads=heads"),
+    (dict(rope_dim=192), "rope_dim=192 must be below head_dim=192"),
+    (dict(value_dim=0), "value_dim=0"),
+    (dict(latent_rank=0), "latent_rank=0"),
+    (dict(linear_value_heads=4), "channel_decay"),
+    (dict(expert_groups=3), "expert_groups=3"),
+    (dict(topk_groups=3), "topk_groups=3"),
+    (dict(routed_scale=-1.0), "routed_scale=-1.0"),
+    (dict(router_score="tanh"), "router_score='tanh'"),
+])
+def test_bad_kimi_config_is_rejected(change, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(mk.preset("tiny-kimi"), **change)
+
+
+# -- Loader ---------------------------------------------------------------------------------
+def test_loader_reports_every_problem_at_once(case, tmp_path):
+    _, folder, _, _, _ = case
+    tensors = load_file(folder / "model.safetensors")
+    conv = next(k for k in tensors if k.endswith("k_conv1d.weight"))
+    del tensors[next(k for k in tensors if k.endswith("kv_b_proj.weight"))]
+    del tensors[next(k for k in tensors if k.endswith("e_score_correction_bias"))]
+    tensors[conv] = tensors[conv][:, :, :3].copy()  # wrong kernel width
+    tensors["model.layers.0.self_attn.extra.weight"] = np.zeros(2, np.float32)
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    with pytest.raises(ValueError, match="4 problems") as err:
+        mk.load_checkpoint(tmp_path)
+    for part in ("missing tensor", "kv_b_proj", "mk router_bias", conv, "unexpected tensor"):
+        assert part in str(err.value)
