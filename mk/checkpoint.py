@@ -216,7 +216,8 @@ def load_checkpoint(path: str | Path, *, dtype: str | None = None
             (*lead, last), dtype = shapes[param]
             shapes[pseudo] = ((*lead, len(range(last)[cut])), dtype)
     with contextlib.ExitStack() as stack:
-        handles, where, problems = _open_tensors(folder, layout, shapes, stack)
+        handles, where, problems = _open_tensors(folder, layout, shapes, stack,
+                                                 hf_aliases(config))
         skipped = QWEN3_5_SKIPPED if config.is_hybrid else ()
         for name in where:
             if name.startswith(skipped):
@@ -249,15 +250,50 @@ def _problems(folder, config, problems, shown: int = 20) -> str:
             f"problem{plural}):\n  " + "\n  ".join(problems[:shown]) + more)
 
 
-def _open_tensors(folder, layout, shapes, stack):
+class _Renamed:
+    """A safetensors handle whose tensors answer to `hf_aliases` names too (the layout's)."""
+
+    def __init__(self, handle, aliases: dict[str, str]):
+        self.handle, self.stored = handle, {}
+        for name in handle.keys():
+            self.stored.setdefault(aliases.get(name, name), []).append(name)
+
+    def keys(self):
+        return list(self.stored)
+
+    def twice(self) -> list[str]:
+        return [" and ".join(names) for names in self.stored.values() if len(names) > 1]
+
+    def get_slice(self, name):
+        return self.handle.get_slice(self.stored[name][0])
+
+    def get_tensor(self, name):
+        return self.handle.get_tensor(self.stored[name][0])
+
+
+def hf_aliases(config: ModelConfig) -> dict[str, str]:
+    """Other spellings of layout names: Kimi Linear's dense MLP is `mlp.` in Moonshot's
+    checkpoints and `block_sparse_moe.` in transformers' save_pretrained."""
+    if not config.is_mla:
+        return {}
+    return {f"model.layers.{i}.mlp.{proj}_proj.weight":
+            f"model.layers.{i}.block_sparse_moe.{proj}_proj.weight"
+            for i in range(config.layers) if config.mlp_index(i)[0] == "dense"
+            for proj in ("gate", "up", "down")}
+
+
+def _open_tensors(folder, layout, shapes, stack, aliases=None):
     """Open every file, check every tensor's header; (handles, tensor -> file, problems).
 
     A tensor the index places in a missing or unreadable file is reported with that file,
-    not again as missing.
+    not again as missing. `aliases` (stored name -> layout name) renames tensors first.
     """
     files = _shard_files(folder)
     handles, where, problems, reported = {}, {}, [], set()
+    aliases = aliases or {}
     for file, listed in files.items():
+        if listed is not None:
+            listed = {aliases.get(name, name) for name in listed}
         if not (folder / file).is_file():
             problems.append(f"{INDEX_FILE} maps {len(listed)} tensors to {file}, which does "
                             f"not exist: {', '.join(sorted(listed))}")
@@ -269,6 +305,9 @@ def _open_tensors(folder, layout, shapes, stack):
             problems.append(_describe_unreadable(folder / file, err, listed))
             reported |= set(layout) if listed is None else listed
             continue
+        handle = _Renamed(handle, aliases)
+        problems += [f"{file}: holds both {pair} (one tensor, two spellings)"
+                     for pair in handle.twice()]
         handles[file] = handle
         held = set(handle.keys())
         if listed is not None:

@@ -280,12 +280,11 @@ def mlp_block(config: ModelConfig, params, layer: int, x) -> jax.Array:
     return x + y.reshape(B, T, -1)
 
 
-def linear_attention(config: ModelConfig, params, i: int, h, conv_state, state):
-    """The gated DeltaNet of linear layer i on normed rows h [B, T, D].
-
-    conv_state [B, W-1, C], state [B, Nv, Hk, Hv] float32. Returns (y [B, T, D] float32,
-    conv states [B, T, W-1, C] and recurrent states [B, T, Nv, Hk, Hv] after each row).
-    """
+def conv_qkv(config: ModelConfig, params, i: int, h, conv_state):
+    """The prologue of linear layer i (gated DeltaNet or KDA) on normed rows h [B, T, D]:
+    q, k, v projected together, through the causal conv, q and k L2-normalised per head
+    and q / sqrt(Hk). Returns (q, k [B, T, Nk, Hk], v [B, T, Nv, Hv] float32, conv states
+    [B, T, W-1, C] after each row)."""
     B, T, _ = h.shape
     Nk, Nv, Hk, Hv = (config.linear_key_heads, config.linear_value_heads,
                       config.linear_key_dim, config.linear_value_dim)
@@ -293,12 +292,22 @@ def linear_attention(config: ModelConfig, params, i: int, h, conv_state, state):
     qkv = matmul(h, params["lin_qkv"][i]).astype(conv_state.dtype)
     mixed, conv_rows = la.causal_conv(qkv, conv_state, params["lin_conv"][i])
     kw = config.linear_key_width
-    q = mixed[..., :kw].reshape(B, T, Nk, Hk)
-    k = mixed[..., kw:2 * kw].reshape(B, T, Nk, Hk)
-    v = mixed[..., 2 * kw:].reshape(B, T, Nv, Hv)
+    q = la.l2norm(mixed[..., :kw].reshape(B, T, Nk, Hk)) / np.float32(np.sqrt(Hk))
+    k = la.l2norm(mixed[..., kw:2 * kw].reshape(B, T, Nk, Hk))
+    return q, k, mixed[..., 2 * kw:].reshape(B, T, Nv, Hv), conv_rows
+
+
+def linear_attention(config: ModelConfig, params, i: int, h, conv_state, state):
+    """The gated DeltaNet of linear layer i on normed rows h [B, T, D].
+
+    conv_state [B, W-1, C], state [B, Nv, Hk, Hv] float32. Returns (y [B, T, D] float32,
+    conv states [B, T, W-1, C] and recurrent states [B, T, Nv, Hk, Hv] after each row).
+    """
+    B, T, _ = h.shape
+    Nk, Nv, Hv = config.linear_key_heads, config.linear_value_heads, config.linear_value_dim
+    q, k, v, conv_rows = conv_qkv(config, params, i, h, conv_state)
     # Key head j serves value heads j * Nv/Nk .. (j + 1) * Nv/Nk - 1.
-    q = jnp.repeat(la.l2norm(q), Nv // Nk, axis=2) / np.float32(np.sqrt(Hk))
-    k = jnp.repeat(la.l2norm(k), Nv // Nk, axis=2)
+    q, k = (jnp.repeat(a, Nv // Nk, axis=2) for a in (q, k))
     beta = jax.nn.sigmoid(matmul(h, params["lin_b"][i]))
     decay = jnp.exp(params["lin_a_log"][i].astype(F32))
     g = -decay * jax.nn.softplus(matmul(h, params["lin_a"][i])
@@ -316,12 +325,7 @@ def kimi_delta_attention(config: ModelConfig, params, i: int, h, conv_state, sta
     `linear_attention`'s (transformers' KimiLinearDeltaAttention)."""
     B, T, _ = h.shape
     N, Hk, Hv = config.linear_value_heads, config.linear_key_dim, config.linear_value_dim
-    qkv = matmul(h, params["lin_qkv"][i]).astype(conv_state.dtype)
-    mixed, conv_rows = la.causal_conv(qkv, conv_state, params["lin_conv"][i])
-    kw = config.linear_key_width
-    q = la.l2norm(mixed[..., :kw].reshape(B, T, N, Hk)) / np.float32(np.sqrt(Hk))
-    k = la.l2norm(mixed[..., kw:2 * kw].reshape(B, T, N, Hk))
-    v = mixed[..., 2 * kw:].reshape(B, T, N, Hv)
+    q, k, v, conv_rows = conv_qkv(config, params, i, h, conv_state)
     forget = matmul(matmul(h, params["kda_f_a"][i]), params["kda_f_b"][i])
     forget = (forget + params["lin_dt_bias"][i].astype(F32)).reshape(B, T, N, Hk)
     g = -jnp.exp(params["lin_a_log"][i].astype(F32))[:, None] * jax.nn.softplus(forget)
@@ -386,7 +390,7 @@ def forward(config: ModelConfig, params, cache, tokens, positions, taps=False,
         if kind == "full" and config.is_mla:
             x, latent, x_attn = mla_decoder_layer(config, params, layer, x, cache.latent[i],
                                                   positions)
-            ks.append(latent)
+            ks.append(latent)  # an MLA layer's "keys" are its latent rows
         elif kind == "full":
             x, k, v, x_attn = decoder_layer(config, params, layer, x, cache.k[i], cache.v[i],
                                             positions)
@@ -428,15 +432,14 @@ def init_cache(config: ModelConfig, batch: int, max_context: int | None = None, 
     S = config.max_context if max_context is None else max_context
     if not 1 <= S <= config.max_position:
         raise ValueError(f"max_context={S} must be in [1, max_position={config.max_position}]")
-    batch = positive_int("batch", batch)
-    shape = (len(config.full_layers), batch, config.kv_heads, S + spare, config.head_dim)
+    batch, La = positive_int("batch", batch), len(config.full_layers)
     if config.is_mla:
-        shape = (len(config.full_layers), batch, S + spare, config.latent_width)
-        cache = (jnp.zeros(shape, config.dtype),)
+        cache = (jnp.zeros((La, batch, S + spare, config.latent_width), config.dtype),)
     else:
+        shape = (La, batch, config.kv_heads, S + spare, config.head_dim)
         cache = KVCache(jnp.zeros(shape, config.dtype), jnp.zeros(shape, config.dtype))
-    if not config.is_hybrid and not config.is_mla:
-        return cache
+        if not config.is_hybrid:
+            return cache
     # An MLA model cut to its full layers keeps empty linear states.
     Ll = len(config.linear_layers)
     conv = (Ll, batch, max(config.conv_kernel - 1, 0), config.conv_channels)
@@ -450,8 +453,8 @@ def rollback(cache, rows: LinearRows, accepted):
     """The cache (a HybridCache or LatentCache) with each sequence's linear states after its
     first accepted[b] rows.
 
-    accepted [B] ints in [1, T]. KV (and latent) rows need no rollback: rows past the accepted prefix are
-    overwritten by the next step and never attended before that.
+    accepted [B] ints in [1, T]. KV (and latent) rows need no rollback: rows past the
+    accepted prefix are overwritten by the next step and never attended before that.
     """
     accepted = jnp.asarray(accepted, jnp.int32)
     T = rows.state.shape[2]

@@ -250,6 +250,12 @@ def test_kimi_k3_sizes():
     assert mk.preset("kimi-k3-like").kv_bytes_per_token == 2 * 93 * 8 * 128 * 2
     # Per sequence and KDA layer: conv 3 x (3 * 64 * 128) bf16 + state 64 x 128 x 128 f32.
     assert k3.linear_state_bytes == 70 * (3 * 3 * 64 * 128 * 2 + 64 * 128 * 128 * 4)
+    # At 64K context one sequence's caches: 1.7 GB of latent rows + 0.3 GB of KDA state,
+    # against 25 GB of K and V for the GQA stand-in.
+    got = mk.perf.cache_bytes(k3, context=65_536)
+    assert got == {"kv": 65_536 * 26_496, "linear": k3.linear_state_bytes}
+    assert mk.perf.cache_bytes(mk.preset("kimi-k3-like"), context=65_536) == {
+        "kv": 65_536 * 380_928, "linear": 0}
     cut = mk.preset("tiny-kimi").first_layers(1)  # one KDA layer, dense MLP
     assert not cut.is_moe and cut.router_score == "softmax" and cut.channel_decay
 
@@ -285,3 +291,23 @@ def test_loader_reports_every_problem_at_once(case, tmp_path):
         mk.load_checkpoint(tmp_path)
     for part in ("missing tensor", "kv_b_proj", "mk router_bias", conv, "unexpected tensor"):
         assert part in str(err.value)
+
+
+def test_moonshot_spelling_of_the_dense_mlp_loads_the_same(case, tmp_path):
+    """Moonshot's checkpoints name the dense MLP `mlp.`, transformers writes
+    `block_sparse_moe.`: either loads the same weights; both at once is an error."""
+    _, folder, config, params, _ = case
+    tensors = load_file(folder / "model.safetensors")
+    dense = [k for k in tensors if ".block_sparse_moe." in k and "_proj" in k
+             and "experts" not in k]
+    assert len(dense) == 3
+    moved = {k.replace(".block_sparse_moe.", ".mlp.") if k in dense else k: v
+             for k, v in tensors.items()}
+    save_file(moved, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    _, got = mk.load_checkpoint(tmp_path)
+    for key in params:
+        np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(params[key]))
+    save_file({**moved, dense[0]: tensors[dense[0]]}, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="two spellings"):
+        mk.load_checkpoint(tmp_path)
