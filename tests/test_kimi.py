@@ -17,10 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 from safetensors.numpy import load_file, save_file
 
 import mk
+from builders import (assert_greedy_matches_hf, assert_prefill_matches_hf,
+                      assert_t4_steps_predict_hf_tokens, build_hf_model, hf_logits)
 from mk import linear_attention as la
 from mk import reference as R
 
@@ -45,44 +46,15 @@ CASES = {
 }
 
 
-def build_hf_kimi(overrides: dict, seed: int = 0):
-    """A random float32 transformers Kimi Linear model, every parameter (and the router's
-    choice bias) re-drawn at O(1) activation scale."""
-    import transformers
-
-    config = transformers.KimiLinearConfig(**{**COMMON, **overrides})
-    torch.manual_seed(seed)
-    model = transformers.KimiLinearForCausalLM(config).float().eval()
-    with torch.no_grad():
-        for name, param in [*model.named_parameters(), *model.named_buffers()]:
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.1 * torch.randn_like(param))
-            elif name.endswith(("A_log", "dt_bias", "e_score_correction_bias")):
-                param.copy_(0.5 * torch.randn_like(param))
-            elif name == "model.embed_tokens.weight":
-                param.copy_(torch.randn_like(param))
-            else:  # [out, in], experts [E, out, in], conv [C, 1, W]: N(0, 1/fan_in)
-                param.copy_(torch.randn_like(param) / param.shape[-1] ** 0.5)
-    return model
-
-
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request, tmp_path_factory):
-    model = build_hf_kimi(CASES[request.param])
+    model = build_hf_model("kimi_linear", {**COMMON, **CASES[request.param]})
     folder = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(folder)
     config, params = mk.load_checkpoint(folder)
     config = dataclasses.replace(config, max_context=CONTEXT)
     prompt = np.random.default_rng(1).integers(0, COMMON["vocab_size"], (4, PROMPT))
     return model, folder, config, params, prompt
-
-
-def hf_greedy(model, prompt, steps):
-    ids = torch.as_tensor(prompt)
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps,
-                             do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[:, prompt.shape[1]:].numpy()
 
 
 def test_loaded_config_and_sizes_match_the_transformers_model(case):
@@ -103,44 +75,26 @@ def test_loaded_config_and_sizes_match_the_transformers_model(case):
 
 def test_prefill_logits_match_transformers_forward(case):
     model, _, config, params, prompt = case
-    with torch.no_grad():
-        want = model(torch.as_tensor(prompt)).logits.numpy()
-    got = np.asarray(R.prefill(config, params, prompt)[0])
-    scale = np.abs(want).max()
-    np.testing.assert_allclose(got, want, rtol=0, atol=LOGIT_RTOL_OF_SCALE * scale)
+    assert_prefill_matches_hf(model, config, params, prompt, LOGIT_RTOL_OF_SCALE)
 
 
 # Batch 1 is slow only for CI's CPU budget (two more compiles per case); batch 4 is not.
 @pytest.mark.parametrize("batch", [pytest.param(1, marks=pytest.mark.slow), 4])
 def test_32_greedy_tokens_match_transformers_generate(case, batch):
     model, _, config, params, prompt = case
-    want = hf_greedy(model, prompt[:batch], STEPS)
-    assert want.shape == (batch, STEPS)
-    got = np.asarray(R.generate(config, params, prompt[:batch], STEPS))
-    np.testing.assert_array_equal(got, want)
+    assert_greedy_matches_hf(model, config, params, prompt[:batch], STEPS)
 
 
 def test_t4_decode_steps_predict_transformers_tokens(case):
-    """Prefill, then feed transformers' greedy tokens 4 rows per step: every row's argmax
-    is transformers' next token, and the latent cache and KDA states carry across steps."""
     model, _, config, params, prompt = case
-    want = hf_greedy(model, prompt, 13)  # token 0 from prefill, then 3 steps of 4 rows
-    logits, cache = R.prefill(config, params, prompt)
-    np.testing.assert_array_equal(np.asarray(R.greedy(logits[:, -1])), want[:, 0])
-    for step in range(3):
-        rows = want[:, 4 * step:4 * step + 4]
-        pos = jnp.full((4,), PROMPT + 4 * step, jnp.int32)
-        logits, cache = R.decode_step(config, params, cache, rows, pos)
-        np.testing.assert_array_equal(np.asarray(R.greedy(logits)),
-                                      want[:, 4 * step + 1:4 * step + 5])
+    assert_t4_steps_predict_hf_tokens(model, config, params, prompt)
 
 
 def test_planted_positional_encoding_in_mla_diverges(case, monkeypatch):
     """transformers' MLA is NoPE: the same run with RoPE on every head of q and k (keys
     at their cache positions) must miss the tolerance the real run meets."""
     model, _, config, params, prompt = case
-    with torch.no_grad():
-        want = model(torch.as_tensor(prompt)).logits.numpy()
+    want = hf_logits(model, prompt)
     attention = R.attention
 
     def rotated(q, k_cache, v_cache, positions):
