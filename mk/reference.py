@@ -529,10 +529,10 @@ def check_params(config: ModelConfig, params) -> None:
 def check_cache(config: ModelConfig, cache) -> None:
     """Raise ValueError if `cache` is not a KVCache of two equal [L, B, K, S, H] arrays of
     config.dtype fitting `config`."""
-    need = "LatentCache" if config.is_mla else "HybridCache" if config.is_hybrid else "KVCache"
-    if type(cache).__name__ != need:
-        raise ValueError(f"{config.name} needs a {need}, got a {type(cache).__name__} "
-                         "(use init_cache)")
+    need = LatentCache if config.is_mla else HybridCache if config.is_hybrid else None
+    if not isinstance(cache, need) if need else isinstance(cache, (HybridCache, LatentCache)):
+        raise ValueError(f"{config.name} needs a {need.__name__ if need else 'KVCache'}, got "
+                         f"a {type(cache).__name__} (use init_cache)")
     if config.is_mla:
         check_latent_cache(config, cache)
         return
