@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
 from safetensors.numpy import load_file, save_file
 
 import mk
@@ -265,3 +266,38 @@ def test_moonshot_spelling_of_the_dense_mlp_loads_the_same(case, tmp_path):
     save_file({**moved, dense[0]: tensors[dense[0]]}, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match="two spellings"):
         mk.load_checkpoint(tmp_path)
+
+
+def test_moonshot_config_json_is_read_as_transformers_reads_it():
+    """Kimi-Linear-48B-A3B's config.json spelling (linear_attn_config with 1-indexed layer
+    lists, first_k_dense_replace, num_experts, moe_renormalize): mk's fields equal
+    transformers' KimiLinearConfig reading of the same dict."""
+    import transformers
+
+    kda = [i for i in range(1, 28) if i not in (4, 8, 12, 16, 20, 24, 27)]
+    moonshot = dict(
+        model_type="kimi_linear", vocab_size=163_840, hidden_size=2304,
+        intermediate_size=9216, moe_intermediate_size=1024, num_hidden_layers=27,
+        num_attention_heads=32, num_key_value_heads=32, kv_lora_rank=512, q_lora_rank=None,
+        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, num_experts=256,
+        num_experts_per_token=8, num_shared_experts=1, first_k_dense_replace=1,
+        moe_renormalize=True, routed_scaling_factor=2.446, num_expert_group=1, topk_group=1,
+        rms_norm_eps=1e-5, model_max_length=1_048_576, torch_dtype="bfloat16",
+        linear_attn_config=dict(full_attn_layers=[4, 8, 12, 16, 20, 24, 27], kda_layers=kda,
+                                head_dim=128, num_heads=32, short_conv_kernel_size=4))
+    hf = transformers.KimiLinearConfig(**moonshot)
+    config = mk.ModelConfig.from_hf(moonshot, name="kimi-linear-48b")
+    assert config.layer_types == tuple("full" if t == FULL else "linear"
+                                       for t in hf.layer_types)
+    assert config.moe_layers == tuple(i for i, t in enumerate(hf.mlp_layer_types)
+                                      if t == "sparse") == tuple(range(1, 27))
+    assert (config.experts, config.experts_per_token, config.norm_topk, config.routed_scale,
+            config.expert_groups, config.shared_expert_ffn, config.max_position) == (
+        hf.num_local_experts, hf.num_experts_per_tok, hf.norm_topk_prob,
+        hf.routed_scaling_factor, hf.n_group, hf.moe_intermediate_size, 1_048_576)
+    assert (config.linear_value_heads, config.linear_key_dim, config.conv_kernel) == (
+        hf.linear_num_heads, hf.linear_head_dim, hf.linear_conv_kernel_dim)
+    with torch.device("meta"):  # shapes only: the 48B model's 49.1e9 parameters, exactly
+        model = transformers.KimiLinearForCausalLM(hf)
+    assert config.param_count == sum(t.numel() for t in [*model.parameters(),
+                                                          *model.buffers()])
