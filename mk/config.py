@@ -1,8 +1,9 @@
 """Model descriptions: `ModelConfig`, the presets, and the dimension legend.
 
-Here: the frozen `ModelConfig` for Qwen3 / Qwen3-MoE-shaped decoders and Qwen3.5's hybrid
-(gated-DeltaNet linear attention + gated full attention), its derived sizes (parameter
-count, weight bytes, KV bytes per token, linear-attention state bytes per sequence),
+Here: the frozen `ModelConfig` for Qwen3 / Qwen3-MoE-shaped decoders, Qwen3.5's hybrid
+(gated-DeltaNet linear attention + gated full attention) and Kimi Linear (MLA + Kimi Delta
+Attention + shared-expert MoE with a grouped sigmoid router), its derived sizes (parameter
+count, weight bytes, KV or latent bytes per token, linear-attention state bytes per sequence),
 `ModelConfig.from_hf` for Hugging Face `config.json` files and the named presets. Not here:
 weights (`mk.checkpoint`), chips (`mk.chips`), notebook parameters (`mk.run`), kernel
 tiling (each kernel's `BlockSizes`).
