@@ -2,10 +2,11 @@
 
 Here: `init_params(config, seed)` (random weights in the layout of `mk.config`) and
 `load_checkpoint(path)` for Qwen3 / Qwen3-MoE / Qwen3.5 (`qwen3_5_text`, and the language
-model of a full `qwen3_5` checkpoint) folders of safetensors files, including quantised
-ones in their own formats (`QUANT_FORMATS`: Hugging Face fine-grained FP8, gpt-oss MXFP4
-experts), whose weights load as `mk.quant.QuantWeight`s. Not here: downloading (a notebook
-may call `huggingface_hub` when the user asks), quantising bf16 weights (`mk.quant`).
+model of a full `qwen3_5` checkpoint) and Kimi Linear (`kimi_linear`) folders of
+safetensors files, including quantised ones in their own formats (`QUANT_FORMATS`: Hugging
+Face fine-grained FP8, gpt-oss MXFP4 experts), whose weights load as `mk.quant.QuantWeight`s.
+Not here: downloading (a notebook may call `huggingface_hub` when the user asks),
+quantising bf16 weights (`mk.quant`).
 """
 
 from __future__ import annotations
@@ -65,6 +66,67 @@ _LINEAR = {"lin_qkv": "in_proj_qkv.weight", "lin_z": "in_proj_z.weight",
            "lin_norm": "norm.weight", "lin_out": "out_proj.weight"}
 
 
+# Kimi Linear, as transformers' save_pretrained writes it (Moonshot's names): mk parameter
+# -> HF tensor name inside a KDA layer (`self_attn.`). "param:part" fills a part of param's
+# last axis (`_PARTS`); "lin_a_log:kda" is A_log stored as [1, 1, Nv, 1].
+_KDA = {"lin_qkv:q": "q_proj.weight", "lin_qkv:k": "k_proj.weight",
+        "lin_qkv:v": "v_proj.weight", "lin_conv:q": "q_conv1d.weight",
+        "lin_conv:k": "k_conv1d.weight", "lin_conv:v": "v_conv1d.weight",
+        "kda_f_a": "f_a_proj.weight", "kda_f_b": "f_b_proj.weight", "lin_dt_bias": "dt_bias",
+        "lin_a_log:kda": "A_log", "lin_b": "b_proj.weight", "kda_g_a": "g_a_proj.weight",
+        "kda_g_b": "g_b_proj.weight", "lin_norm": "o_norm.weight", "lin_out": "o_proj.weight"}
+_MLA = {"wq_a": "q_a_proj.weight", "q_a_norm": "q_a_layernorm.weight",
+        "wkv_a": "kv_a_proj_with_mqa.weight", "kv_a_norm": "kv_a_layernorm.weight",
+        "wkv_b": "kv_b_proj.weight", "wo": "o_proj.weight"}
+# Kimi's MLP tensors (`block_sparse_moe.`, dense layers included); experts: w1 gate, w3 up,
+# w2 down.
+_KIMI_MOE = {"router": "gate.weight", "router_bias": "gate.e_score_correction_bias",
+             "ws_gate": "shared_experts.gate_proj.weight",
+             "ws_up": "shared_experts.up_proj.weight",
+             "ws_down": "shared_experts.down_proj.weight"}
+_VECTORS = ("lin_a_log", "lin_dt_bias", "lin_norm", "lin_a_log:kda", "q_a_norm", "kv_a_norm",
+            "router_bias")
+
+
+def _parts(config: ModelConfig) -> dict[str, tuple[str, slice]]:
+    """Pseudo-parameter "param:part" -> (param, the slice of its last axis it fills)."""
+    kw = config.linear_key_width
+    cols = {"q": slice(0, kw), "k": slice(kw, 2 * kw), "v": slice(2 * kw, None)}
+    return {f"{param}:{part}": (param, cut) for param in ("lin_qkv", "lin_conv")
+            for part, cut in cols.items()} | {"lin_a_log:kda": ("lin_a_log", slice(None))}
+
+
+def kimi_layout(config: ModelConfig) -> dict[str, tuple[str, tuple[int, ...], bool]]:
+    """`hf_layout` of a Kimi Linear model (names as transformers' save_pretrained writes
+    them): MLA full layers, KDA linear layers, block_sparse_moe MLPs with a shared expert."""
+    layout = {"model.embed_tokens.weight": ("embed", (), False),
+              "model.norm.weight": ("final_norm", (), False),
+              "lm_head.weight": ("lm_head", (), True)}
+    for i in range(config.layers):
+        prefix = f"model.layers.{i}."
+        layout[prefix + "input_layernorm.weight"] = ("attn_norm", (i,), False)
+        layout[prefix + "post_attention_layernorm.weight"] = ("mlp_norm", (i,), False)
+        kind, a = config.mixer_index(i)
+        names = _KDA if kind == "linear" else {
+            "wq": "q_b_proj.weight" if config.q_rank else "q_proj.weight",
+            **{k: v for k, v in _MLA.items() if config.q_rank or k not in ("wq_a", "q_a_norm")}}
+        for param, name in names.items():
+            layout[f"{prefix}self_attn.{name}"] = (param, (a,), param not in _VECTORS)
+        kind, j = config.mlp_index(i)
+        mlp = prefix + "block_sparse_moe."
+        if kind == "dense":
+            for proj in ("gate", "up", "down"):
+                layout[f"{mlp}{proj}_proj.weight"] = (f"w_{proj}", (j,), True)
+            continue
+        for param, name in _KIMI_MOE.items():
+            if param in config.param_shapes():
+                layout[mlp + name] = (param, (j,), param not in _VECTORS)
+        for e in range(config.experts):
+            for proj, w in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+                layout[f"{mlp}experts.{e}.{w}.weight"] = (f"we_{proj}", (j, e), True)
+    return layout
+
+
 def hf_layout(config: ModelConfig, model: str = "model."
               ) -> dict[str, tuple[str, tuple[int, ...], bool]]:
     """HF tensor name -> (mk parameter, index into its stacked axes, transposed?).
@@ -73,8 +135,11 @@ def hf_layout(config: ModelConfig, model: str = "model."
     embedding table is transposed (and a conv weight [C, 1, W] becomes [W, C]). A tied
     model has no `lm_head.weight` entry. `model` prefixes the decoder's names
     ("model.language_model." in a full qwen3_5 checkpoint). A gated model's q_proj maps to
-    the pseudo-parameter "wq+gate": it fills both wq and wq_gate.
+    the pseudo-parameter "wq+gate": it fills both wq and wq_gate. Kimi Linear has its own
+    names (`kimi_layout`).
     """
+    if config.is_mla:
+        return kimi_layout(config)
     layout = {f"{model}embed_tokens.weight": ("embed", (), False),
               f"{model}norm.weight": ("final_norm", (), False)}
     if not config.tie_embeddings:
@@ -117,8 +182,10 @@ def _attention_layout(config, layout, prefix, a):
 
 def _hf_shape(param: str, mk_shape: tuple[int, ...], transposed: bool) -> tuple[int, ...]:
     """The HF shape of one tensor that fills an mk slot of shape `mk_shape`."""
-    if param == "lin_conv":
+    if param.startswith("lin_conv"):
         return (mk_shape[1], 1, mk_shape[0])
+    if param == "lin_a_log:kda":
+        return (1, 1, mk_shape[0], 1)
     if param == "wq+gate":
         return (2 * mk_shape[1], mk_shape[0])
     return tuple(reversed(mk_shape)) if transposed else tuple(mk_shape)
@@ -154,8 +221,13 @@ def load_checkpoint(path: str | Path, *, dtype: str | None = None
     shapes["wq+gate"] = shapes["wq"]  # the q_proj of a gated model fills wq and wq_gate
     if config.is_moe:  # gpt-oss's fused gate_up fills we_gate and we_up
         shapes["we_gate+up"] = shapes["we_gate"]
+    for pseudo, (param, cut) in _parts(config).items():
+        if param in shapes:
+            (*lead, last), dtype = shapes[param]
+            shapes[pseudo] = ((*lead, len(range(last)[cut])), dtype)
     with contextlib.ExitStack() as stack:
-        handles, where, problems = _open_tensors(folder, layout, shapes, stack)
+        handles, where, problems = _open_tensors(folder, layout, shapes, stack,
+                                                 hf_aliases(config))
         skipped = QWEN3_5_SKIPPED if config.is_hybrid else ()
         for name in where:
             if name.startswith(skipped):
@@ -169,7 +241,7 @@ def load_checkpoint(path: str | Path, *, dtype: str | None = None
         problems += _quantised_problems(layout, shapes)
         if problems:
             raise ValueError(_problems(folder, config, problems))
-        params = _assemble(handles, where, layout, shapes, config.head_dim)
+        params = _assemble(handles, where, layout, shapes, config)
         params.update(_assemble_quantised(folder, handles, where, layout, shapes))
     values = quant.dequantize(params)
     bad = [f"mk {name}: {np.size(x) - int(np.isfinite(x).sum())} values are NaN or inf "
@@ -360,15 +432,50 @@ def _problems(folder, config, problems, shown: int = 20) -> str:
             f"problem{plural}):\n  " + "\n  ".join(problems[:shown]) + more)
 
 
-def _open_tensors(folder, layout, shapes, stack):
+class _Renamed:
+    """A safetensors handle whose tensors answer to `hf_aliases` names too (the layout's)."""
+
+    def __init__(self, handle, aliases: dict[str, str]):
+        self.handle, self.stored = handle, {}
+        for name in handle.keys():
+            self.stored.setdefault(aliases.get(name, name), []).append(name)
+
+    def keys(self):
+        return list(self.stored)
+
+    def twice(self) -> list[str]:
+        return [" and ".join(names) for names in self.stored.values() if len(names) > 1]
+
+    def get_slice(self, name):
+        return self.handle.get_slice(self.stored[name][0])
+
+    def get_tensor(self, name):
+        return self.handle.get_tensor(self.stored[name][0])
+
+
+def hf_aliases(config: ModelConfig) -> dict[str, str]:
+    """Other spellings of layout names: Kimi Linear's dense MLP is `mlp.` in Moonshot's
+    checkpoints and `block_sparse_moe.` in transformers' save_pretrained."""
+    if not config.is_mla:
+        return {}
+    return {f"model.layers.{i}.mlp.{proj}_proj.weight":
+            f"model.layers.{i}.block_sparse_moe.{proj}_proj.weight"
+            for i in range(config.layers) if config.mlp_index(i)[0] == "dense"
+            for proj in ("gate", "up", "down")}
+
+
+def _open_tensors(folder, layout, shapes, stack, aliases=None):
     """Open every file, check every tensor's header; (handles, tensor -> file, problems).
 
     A tensor the index places in a missing or unreadable file is reported with that file,
-    not again as missing.
+    not again as missing. `aliases` (stored name -> layout name) renames tensors first.
     """
     files = _shard_files(folder)
     handles, where, problems, reported = {}, {}, [], set()
+    aliases = aliases or {}
     for file, listed in files.items():
+        if listed is not None:
+            listed = {aliases.get(name, name) for name in listed}
         if not (folder / file).is_file():
             problems.append(f"{INDEX_FILE} maps {len(listed)} tensors to {file}, which does "
                             f"not exist: {', '.join(sorted(listed))}")
@@ -380,6 +487,9 @@ def _open_tensors(folder, layout, shapes, stack):
             problems.append(_describe_unreadable(folder / file, err, listed))
             reported |= set(layout) if listed is None else listed
             continue
+        handle = _Renamed(handle, aliases)
+        problems += [f"{file}: holds both {pair} (one tensor, two spellings)"
+                     for pair in handle.twice()]
         handles[file] = handle
         held = set(handle.keys())
         if listed is not None:
@@ -449,18 +559,24 @@ def _check_tied_head(handles, where, embed_name) -> list[str]:
             "says tie_word_embeddings=true"]
 
 
-def _assemble(handles, where, layout, shapes, head_dim: int) -> dict[str, jax.Array]:
+def _assemble(handles, where, layout, shapes, config) -> dict[str, jax.Array]:
     """Stack the validated tensors per parameter in numpy, then one device copy each."""
+    head_dim, parts = config.head_dim, _parts(config)
     quantised = {param for param, _, how in layout.values() if isinstance(how, str)}
     quantised |= {"we_gate", "we_up"} if "we_gate+up" in quantised else set()
     stacks = {param: np.empty(shape, jnp.dtype(dtype)) for param, (shape, dtype)
-              in shapes.items() if param not in ("wq+gate", "we_gate+up", *quantised)}
+              in shapes.items()
+              if param not in ("wq+gate", "we_gate+up", *quantised) and param not in parts}
     for name, (param, index, transposed) in layout.items():
         if param in quantised or param == "we_gate+up":
             continue
         tensor = handles[where[name]].get_tensor(name)
-        if param == "lin_conv":
+        if param.startswith("lin_conv"):
             tensor = tensor[:, 0, :]
+        if param in parts:  # a part of the last axis (or A_log's [1, 1, Nv, 1])
+            param, cut = parts[param]
+            stacks[param][index][..., cut] = tensor.T if transposed else tensor.reshape(-1)
+            continue
         elif param == "wq+gate":  # [N*2H, D]: per head, H query rows then H gate rows
             heads = tensor.reshape(-1, 2, head_dim, tensor.shape[1])
             stacks["wq"][index] = heads[:, 0].reshape(-1, tensor.shape[1]).T

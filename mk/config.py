@@ -1,8 +1,9 @@
 """Model descriptions: `ModelConfig`, the presets, and the dimension legend.
 
-Here: the frozen `ModelConfig` for Qwen3 / Qwen3-MoE-shaped decoders and Qwen3.5's hybrid
-(gated-DeltaNet linear attention + gated full attention), its derived sizes (parameter
-count, weight bytes, KV bytes per token, linear-attention state bytes per sequence),
+Here: the frozen `ModelConfig` for Qwen3 / Qwen3-MoE-shaped decoders, Qwen3.5's hybrid
+(gated-DeltaNet linear attention + gated full attention) and Kimi Linear (MLA + Kimi Delta
+Attention + shared-expert MoE with a grouped sigmoid router), its derived sizes (parameter
+count, weight bytes, KV or latent bytes per token, linear-attention state bytes per sequence),
 `ModelConfig.from_hf` for Hugging Face `config.json` files and the named presets. Not here:
 weights (`mk.checkpoint`), chips (`mk.chips`), notebook parameters (`mk.run`), kernel
 tiling (each kernel's `BlockSizes`).
@@ -18,6 +19,9 @@ Dimension legend, used in every shape comment of the project:
     La full-attention layers    Ll linear-attention (gated-DeltaNet) layers
     Nk linear key heads         Nv linear value heads        Hk, Hv their head dims
     C = 2*Nk*Hk + Nv*Hv conv channels                        W conv kernel width
+    Kimi Linear (MLA full layers, KDA linear layers): R latent rank (kv_lora_rank),
+    Rq query rank (q_lora_rank, 0: none), Hr shared rope-part dims, Hn = H - Hr, Ho MLA
+    value head dim, Fs shared-expert width
 
 Parameter layout (weights are [in, out], so a projection is `x @ W`; per-layer tensors
 are stacked on a leading layer axis so a kernel can loop over layers):
@@ -35,6 +39,15 @@ are stacked on a leading layer axis so a kernel can loop over layers):
     w_gate, w_up [Ld, D, F]        w_down      [Ld, F, D]        Ld = len(dense_layers)
     router       [Lm, D, E]        Lm = len(moe_layers)
     we_gate, we_up [Lm, E, D, Fe]  we_down     [Lm, E, Fe, D]
+    Kimi Linear replaces the full layers' wq..wo and q/k norms by MLA's (latent_rank > 0):
+    wq           [La, D, N*H]      (or wq_a [La, D, Rq], q_a_norm [La, Rq], wq [La, Rq, N*H])
+    wkv_a        [La, D, R+Hr]     kv_a_norm   [La, R]           wkv_b [La, R, N*(Hn+Ho)]
+    wo           [La, N*Ho, D]
+    and the gated DeltaNet's lin_z, lin_a by KDA's (channel_decay, Nk = Nv):
+    kda_f_a      [Ll, D, Hk]       kda_f_b     [Ll, Hk, Nv*Hk]   lin_dt_bias [Ll, Nv*Hk]
+    kda_g_a      [Ll, D, Hv]       kda_g_b     [Ll, Hv, Nv*Hv]
+    router_bias  [Lm, E]           (router_score "sigmoid": biases the choice only)
+    ws_gate, ws_up [Lm, D, Fs]     ws_down     [Lm, Fs, D]       (shared expert, Fs > 0)
 """
 
 from __future__ import annotations
@@ -59,6 +72,8 @@ DTYPE_BITS = {
 }
 # Token mixers a layer may have: full attention over a KV cache, or a gated DeltaNet.
 LAYER_TYPES = ("full", "linear")
+# How a router scores experts: Qwen's softmax, or DeepSeek/Kimi's sigmoid (+ choice bias).
+ROUTER_SCORES = ("softmax", "sigmoid")
 # Dtypes the reference and the kernels compute with; the others only count bytes.
 COMPUTE_DTYPES = ("float32", "bfloat16")
 # M = B * T activation rows of one decode step (decode and speculative verification).
@@ -128,6 +143,19 @@ class ModelConfig:
     attn_output_gate: bool = False  # full attention's output * sigmoid(h @ wq_gate)
     partial_rotary_factor: float = 1.0  # RoPE rotates the first H * factor dims
     norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + weight); 1 in Qwen3.5
+    # Kimi Linear (transformers' kimi_linear). latent_rank > 0: every full layer is MLA
+    # (kv_heads = heads, head_dim = Hn + Hr, no RoPE: transformers' MLA is NoPE), caching
+    # R + Hr values per token. channel_decay: every linear layer is KDA.
+    latent_rank: int = 0  # R
+    q_rank: int = 0  # Rq; 0: q is one [D, N*H] projection
+    rope_dim: int = 0  # Hr, the key part all heads share (cached beside the latent)
+    value_dim: int = 0  # Ho, MLA's value head dim
+    channel_decay: bool = False  # KDA: the forget gate decays each key channel
+    shared_expert_ffn: int = 0  # Fs; every MoE layer adds a dense SwiGLU of this width
+    router_score: str = "softmax"  # one of ROUTER_SCORES
+    expert_groups: int = 1  # sigmoid router: experts come from the best topk_groups groups
+    topk_groups: int = 1
+    routed_scale: float = 1.0  # routed_scaling_factor: multiplies the routed weights
 
     def __post_init__(self):
         for field in ("vocab", "hidden", "layers", "heads", "kv_heads", "head_dim", "ffn",
@@ -158,6 +186,7 @@ class ModelConfig:
         object.__setattr__(self, "moe_layers", tuple(int(i) for i in self.moe_layers))
         self._validate_moe()
         self._validate_hybrid()
+        self._validate_kimi()
 
     def _validate_moe(self):
         moe_fields = (self.experts, self.experts_per_token, self.expert_ffn)
@@ -212,6 +241,66 @@ class ModelConfig:
             raise ValueError(f"{self.name}: linear_value_heads={self.linear_value_heads} "
                              f"must be a multiple of linear_key_heads={self.linear_key_heads}")
 
+    def _validate_kimi(self):
+        mla = dict(q_rank=self.q_rank, rope_dim=self.rope_dim, value_dim=self.value_dim)
+        if not self.latent_rank and any(mla.values()):
+            raise ValueError(f"{self.name}: {mla} are set but latent_rank=0 (no MLA)")
+        if self.latent_rank:
+            for field, value in dict(latent_rank=self.latent_rank, **mla).items():
+                if not isinstance(value, (int, np.integer)) or value < (field != "q_rank"):
+                    raise ValueError(f"{self.name}: {field}={value!r} must be a "
+                                     f"{'non-negative' if field == 'q_rank' else 'positive'}"
+                                     " integer in an MLA model")
+            if not self.rope_dim < self.head_dim:
+                raise ValueError(f"{self.name}: rope_dim={self.rope_dim} must be below "
+                                 f"head_dim={self.head_dim} (H = Hn + Hr, Hn >= 1)")
+            if self.kv_heads != self.heads or self.qk_norm or self.attn_output_gate:
+                raise ValueError(f"{self.name}: MLA needs kv_heads=heads (got {self.kv_heads}"
+                                 f", {self.heads}), qk_norm=False (got {self.qk_norm}) and "
+                                 f"attn_output_gate=False (got {self.attn_output_gate})")
+        if self.channel_decay and (not self.linear_layers
+                                   or self.linear_key_heads != self.linear_value_heads):
+            raise ValueError(f"{self.name}: channel_decay (KDA) needs linear layers with "
+                             f"linear_key_heads={self.linear_key_heads} equal to "
+                             f"linear_value_heads={self.linear_value_heads}")
+        if self.router_score not in ROUTER_SCORES:
+            raise ValueError(f"{self.name}: router_score={self.router_score!r} must be one of "
+                             f"{ROUTER_SCORES}")
+        scale = self.routed_scale
+        if not (isinstance(scale, (int, float, np.floating)) and math.isfinite(scale)
+                and scale > 0):
+            raise ValueError(f"{self.name}: routed_scale={scale!r} must be a finite number > 0")
+        routing = dict(router_score=self.router_score, expert_groups=self.expert_groups,
+                       topk_groups=self.topk_groups, routed_scale=scale,
+                       shared_expert_ffn=self.shared_expert_ffn)
+        if not self.moe_layers:
+            if routing != dict(router_score="softmax", expert_groups=1, topk_groups=1,
+                               routed_scale=1.0, shared_expert_ffn=0):
+                raise ValueError(f"{self.name}: {routing} are set but moe_layers is empty")
+            return
+        if not isinstance(self.shared_expert_ffn, (int, np.integer)) \
+                or self.shared_expert_ffn < 0:
+            raise ValueError(f"{self.name}: shared_expert_ffn={self.shared_expert_ffn!r} "
+                             "must be a non-negative integer")
+        if self.router_score == "softmax":
+            if (self.expert_groups, self.topk_groups, scale) != (1, 1, 1.0):
+                raise NotImplementedError(f"{self.name}: expert_groups, topk_groups and "
+                                          "routed_scale are implemented for the sigmoid "
+                                          f"router only (got {routing})")
+            return
+        groups = self.expert_groups
+        if not isinstance(groups, (int, np.integer)) or groups < 1 or self.experts % groups \
+                or self.experts // groups < 2:
+            raise ValueError(f"{self.name}: expert_groups={groups!r} must divide experts="
+                             f"{self.experts} into groups of at least 2 (a group scores by "
+                             "its top 2 experts)")
+        if not isinstance(self.topk_groups, (int, np.integer)) \
+                or not 1 <= self.topk_groups <= groups \
+                or self.topk_groups * self.experts // groups < self.experts_per_token:
+            raise ValueError(f"{self.name}: topk_groups={self.topk_groups!r} must be in "
+                             f"[1, expert_groups={groups}] and its groups must hold "
+                             f"experts_per_token={self.experts_per_token} experts")
+
     # -- Derived shapes -------------------------------------------------------------------
     @property
     def group(self) -> int:
@@ -249,6 +338,16 @@ class ModelConfig:
     @property
     def is_hybrid(self) -> bool:
         return bool(self.linear_layers)
+
+    @property
+    def is_mla(self) -> bool:
+        """Full layers are multi-head latent attention over a latent cache (Kimi Linear)."""
+        return bool(self.latent_rank)
+
+    @property
+    def latent_width(self) -> int:
+        """R + Hr: the values an MLA layer caches per token (one shared 'head')."""
+        return self.latent_rank + self.rope_dim
 
     def mixer_index(self, layer: int) -> tuple[str, int]:
         """("full", i) or ("linear", i): which stacked token-mixer tensor row (and, for
@@ -306,7 +405,10 @@ class ModelConfig:
         # Likewise a cut with no linear layer left has no linear-attention fields.
         full_only = {} if "linear" in kinds or not self.is_hybrid else dict(
             linear_key_heads=0, linear_value_heads=0, linear_key_dim=0, linear_value_dim=0,
-            conv_kernel=0)
+            conv_kernel=0, channel_decay=False)
+        if dense_only:
+            dense_only.update(shared_expert_ffn=0, router_score="softmax", expert_groups=1,
+                              topk_groups=1, routed_scale=1.0)
         return dataclasses.replace(self, layers=n, moe_layers=moe, layer_types=kinds,
                                    **dense_only, **full_only)
 
@@ -322,14 +424,34 @@ class ModelConfig:
     @property
     def attention_params(self) -> int:
         """Parameters of one layer's attention block, norms included."""
+        if self.is_mla:
+            return self.mla_params
         gate = self.q_width if self.attn_output_gate else 0
         proj = self.hidden * (2 * self.q_width + 2 * self.kv_width + gate)
         norms = self.hidden + (2 * self.head_dim if self.qk_norm else 0)
         return proj + norms
 
     @property
+    def mla_params(self) -> int:
+        """Parameters of one MLA block (Kimi Linear's full layers), its input norm included."""
+        D, N, H, R, Rq = self.hidden, self.heads, self.head_dim, self.latent_rank, self.q_rank
+        q = D * Rq + Rq + Rq * N * H if Rq else D * N * H
+        kv = D * self.latent_width + R + R * N * (H - self.rope_dim + self.value_dim)
+        return q + kv + N * self.value_dim * D + D
+
+    @property
+    def kda_params(self) -> int:
+        """Parameters of one KDA layer (Kimi Delta Attention), its input norm included."""
+        D, C, Nv, Hk, Hv = (self.hidden, self.conv_channels, self.linear_value_heads,
+                            self.linear_key_dim, self.linear_value_dim)
+        gates = D * Hk + Hk * Nv * Hk + Nv * Hk + Nv + D * Nv + D * Hv + Hv * Nv * Hv
+        return D * C + C * self.conv_kernel + gates + Hv + Nv * Hv * D + D
+
+    @property
     def linear_attention_params(self) -> int:
-        """Parameters of one gated-DeltaNet layer, its input norm included."""
+        """Parameters of one gated-DeltaNet (or KDA) layer, its input norm included."""
+        if self.channel_decay:
+            return self.kda_params
         D, C, Nv, Vw = self.hidden, self.conv_channels, self.linear_value_heads, \
             self.linear_value_width
         proj = D * (C + Vw + 2 * Nv) + Vw * D  # qkv, z, b, a; out
@@ -350,7 +472,13 @@ class ModelConfig:
 
     @property
     def router_params(self) -> int:
-        return self.hidden * self.experts + self.hidden  # router + mlp_norm
+        """Router (and its choice bias) + mlp_norm + the shared expert, of one MoE layer."""
+        bias = self.experts if self.router_score == "sigmoid" else 0
+        return self.hidden * self.experts + bias + self.hidden + self.shared_expert_params
+
+    @property
+    def shared_expert_params(self) -> int:
+        return 3 * self.hidden * self.shared_expert_ffn
 
     @property
     def embedding_params(self) -> int:
@@ -381,7 +509,10 @@ class ModelConfig:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of one position, all full-attention layers, in the cache dtype."""
+        """K and V of one position, all full-attention layers, in the cache dtype (MLA: the
+        latent and the shared rope part, R + Hr values per layer)."""
+        if self.is_mla:
+            return len(self.full_layers) * self.latent_width * self.weight_bits // 8
         return 2 * len(self.full_layers) * self.kv_width * self.weight_bits // 8
 
     @property
@@ -403,13 +534,18 @@ class ModelConfig:
             "wq": ((La, D, self.q_width), wd), "wk": ((La, D, self.kv_width), wd),
             "wv": ((La, D, self.kv_width), wd), "wo": ((La, self.q_width, D), wd),
         }
+        if self.is_mla:
+            del shapes["wk"], shapes["wv"]
+            shapes.update(self._kimi_shapes())
         if not self.tie_embeddings:
             shapes["lm_head"] = ((D, V), wd)
         if self.qk_norm:
             shapes.update(q_norm=((La, H), wd), k_norm=((La, H), wd))
         if self.attn_output_gate:
             shapes["wq_gate"] = ((La, D, self.q_width), wd)
-        if self.linear_layers:
+        if self.linear_layers and self.channel_decay:
+            shapes.update(self._kda_shapes())
+        elif self.linear_layers:
             Ll, C, Nv, Vw = (len(self.linear_layers), self.conv_channels,
                              self.linear_value_heads, self.linear_value_width)
             shapes.update(
@@ -425,7 +561,38 @@ class ModelConfig:
             Lm, E, Fe = len(self.moe_layers), self.experts, self.expert_ffn
             shapes.update(router=((Lm, D, E), wd), we_gate=((Lm, E, D, Fe), ed),
                           we_up=((Lm, E, D, Fe), ed), we_down=((Lm, E, Fe, D), ed))
+            if self.router_score == "sigmoid":
+                shapes["router_bias"] = ((Lm, E), wd)
+            if self.shared_expert_ffn:
+                Fs = self.shared_expert_ffn
+                shapes.update(ws_gate=((Lm, D, Fs), wd), ws_up=((Lm, D, Fs), wd),
+                              ws_down=((Lm, Fs, D), wd))
         return shapes
+
+    def _kimi_shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """MLA's tensors (they replace wq's input side, wk, wv and wo's width)."""
+        D, N, H, R, Rq, wd = (self.hidden, self.heads, self.head_dim, self.latent_rank,
+                              self.q_rank, self.dtype)
+        La = len(self.full_layers)
+        shapes = {"wq": ((La, Rq or D, N * H), wd), "wkv_a": ((La, D, self.latent_width), wd),
+                  "kv_a_norm": ((La, R), wd),
+                  "wkv_b": ((La, R, N * (H - self.rope_dim + self.value_dim)), wd),
+                  "wo": ((La, N * self.value_dim, D), wd)}
+        if Rq:
+            shapes.update(wq_a=((La, D, Rq), wd), q_a_norm=((La, Rq), wd))
+        return shapes
+
+    def _kda_shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """KDA's tensors (Kimi Linear's linear layers)."""
+        D, C, Nv, Hk, Hv, wd = (self.hidden, self.conv_channels, self.linear_value_heads,
+                                self.linear_key_dim, self.linear_value_dim, self.dtype)
+        Ll = len(self.linear_layers)
+        return dict(
+            lin_qkv=((Ll, D, C), wd), lin_conv=((Ll, self.conv_kernel, C), wd),
+            kda_f_a=((Ll, D, Hk), wd), kda_f_b=((Ll, Hk, Nv * Hk), wd),
+            lin_dt_bias=((Ll, Nv * Hk), wd), lin_a_log=((Ll, Nv), wd), lin_b=((Ll, D, Nv), wd),
+            kda_g_a=((Ll, D, Hv), wd), kda_g_b=((Ll, Hv, Nv * Hv), wd),
+            lin_norm=((Ll, Hv), wd), lin_out=((Ll, self.linear_value_width, D), wd))
 
     # -- Hugging Face ---------------------------------------------------------------------
     @classmethod
@@ -454,6 +621,10 @@ class ModelConfig:
                 if key in hf and hf[key] is not None:
                     return hf[key]
             raise ValueError(f"{where}: config.json has no field {' or '.join(keys)}")
+
+        if model_type == "kimi_linear":
+            return cls(name=name or Path(str(where)).name, **_kimi_fields(hf, where, need),
+                       dtype=dtype or hf.get("dtype") or hf.get("torch_dtype") or "bfloat16")
 
         hidden, heads = need("hidden_size"), need("num_attention_heads")
         head_dim = hf.get("head_dim")
@@ -503,7 +674,7 @@ class ModelConfig:
         return cls(**fields)
 
 
-HF_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_5_text")
+HF_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_5_text", "kimi_linear")
 
 
 def _hybrid_fields(hf: dict, rope: dict, layers: int, where, need) -> dict:
@@ -533,6 +704,71 @@ def _hybrid_fields(hf: dict, rope: dict, layers: int, where, need) -> dict:
         linear_value_dim=need("linear_value_head_dim"),
         conv_kernel=need("linear_conv_kernel_dim"), attn_output_gate=True,
         partial_rotary_factor=float(factor), norm_offset=1.0)
+
+
+def _kimi_fields(hf: dict, where, need) -> dict:
+    """The Kimi Linear (`kimi_linear`) fields but name and dtype, as transformers'
+    KimiLinearConfig reads them: its attribute names or the saved (Moonshot) ones, layer
+    kinds from layer_types / linear_attn_config / the every-4th default, MLP kinds from
+    mlp_layer_types / first_k_dense_replace."""
+    if hf.get("attention_bias") or hf.get("hidden_act", "silu") != "silu":
+        raise NotImplementedError(f"{where}: attention_bias={hf.get('attention_bias')!r}, "
+                                  f"hidden_act={hf.get('hidden_act')!r} are not implemented")
+    layers, heads = need("num_hidden_layers"), need("num_attention_heads")
+    if hf.get("num_key_value_heads", heads) not in (None, heads):
+        raise NotImplementedError(f"{where}: num_key_value_heads={hf['num_key_value_heads']}"
+                                  f" != num_attention_heads={heads} (transformers' MLA "
+                                  "expands the latent to every head)")
+    linear = hf.get("linear_attn_config") or {}
+    kinds = hf.get("layer_types")
+    if kinds is None and {"full_attn_layers", "kda_layers"} <= set(linear):
+        kinds = [None] * layers  # the checkpoint's lists count layers from 1
+        for kind, key in (("full_attention", "full_attn_layers"),
+                          ("linear_attention", "kda_layers")):
+            for i in linear[key]:
+                kinds[i - 1] = kind
+    if kinds is None:
+        kinds = ["full_attention" if i and i % 4 == 0 else "linear_attention"
+                 for i in range(layers)]
+    short = {"full_attention": "full", "linear_attention": "linear"}
+    unknown = sorted({str(kind) for kind in kinds if kind not in short})
+    if unknown or len(kinds) != layers:
+        raise ValueError(f"{where}: layer_types {brief(kinds)} must hold num_hidden_layers="
+                         f"{layers} of 'full_attention' / 'linear_attention' (got {unknown})")
+    mlp = hf.get("mlp_layer_types") or [
+        "dense" if i < hf.get("first_k_dense_replace", 1) else "sparse" for i in range(layers)]
+    linear_heads = linear.get("num_heads", hf.get("linear_num_heads", 32))
+    linear_dim = linear.get("head_dim", hf.get("linear_head_dim", 128))
+    rope, nope = need("qk_rope_head_dim"), need("qk_nope_head_dim")
+    fields = dict(
+        vocab=need("vocab_size"), hidden=need("hidden_size"), layers=layers, heads=heads,
+        kv_heads=heads, head_dim=nope + rope, ffn=need("intermediate_size"), qk_norm=False,
+        # transformers never ties Kimi Linear's lm_head (its _tied_weights_keys is empty).
+        rms_eps=float(need("rms_norm_eps")), tie_embeddings=False,
+        max_position=need("model_max_length", "max_position_embeddings"),
+        layer_types=tuple(short[kind] for kind in kinds), latent_rank=need("kv_lora_rank"),
+        q_rank=hf.get("q_lora_rank") or 0, rope_dim=rope, value_dim=need("v_head_dim"))
+    fields["max_context"] = min(4096, fields["max_position"])
+    if "linear" in fields["layer_types"]:
+        fields.update(linear_key_heads=linear_heads, linear_value_heads=linear_heads,
+                      linear_key_dim=linear_dim, linear_value_dim=linear_dim,
+                      conv_kernel=linear.get("short_conv_kernel_size",
+                                             hf.get("linear_conv_kernel_dim", 4)),
+                      channel_decay=True)
+    moe_layers = tuple(i for i, kind in enumerate(mlp) if kind == "sparse")
+    if moe_layers:
+        fields.update(
+            moe_layers=moe_layers, experts=need("num_experts", "num_local_experts"),
+            experts_per_token=need("num_experts_per_token", "num_experts_per_tok"),
+            expert_ffn=need("moe_intermediate_size"),
+            norm_topk=bool(hf.get("moe_renormalize", hf.get("norm_topk_prob", True))),
+            shared_expert_ffn=need("moe_intermediate_size") * hf.get(
+                "num_shared_experts", hf.get("n_shared_experts", 1)),
+            router_score="sigmoid", expert_groups=hf.get("num_expert_group",
+                                                         hf.get("n_group", 1)),
+            topk_groups=hf.get("topk_group") or 1,
+            routed_scale=float(hf.get("routed_scaling_factor", 2.446)))
+    return fields
 
 
 def _read_hf_dict(source) -> dict:
@@ -644,14 +880,52 @@ _HYBRID_PRESETS = {
                                    rope_theta=10_000_000.0, max_position=262_144),
 }
 
+# Kimi Linear models (MLA + KDA + shared-expert MoE): the reference and the loader run
+# them; mk.perf, mk.sim and the megakernel do not know MLA or KDA yet, so like the hybrids
+# they stay out of PRESET_NAMES (and "kimi-k3-like", the GQA stand-in, stays there).
+_KIMI_PRESETS = {
+    # Tiny Kimi Linear: KDA, KDA, MLA, KDA (a KDA layer last), a dense first layer, then
+    # MoE with a shared expert and two expert groups. Head dims 128 (MLA: nope 128 + 64).
+    "tiny-kimi": lambda: ModelConfig(
+        name="tiny-kimi", vocab=512, hidden=256, layers=4, heads=2, kv_heads=2,
+        head_dim=192, ffn=512, qk_norm=False, rope_theta=10_000.0, dtype="bfloat16",
+        max_position=4096, max_context=256, layer_types=("linear", "linear", "full", "linear"),
+        latent_rank=128, rope_dim=64, value_dim=128, linear_key_heads=2,
+        linear_value_heads=2, linear_key_dim=128, linear_value_dim=128, conv_kernel=4,
+        channel_decay=True, experts=8, experts_per_token=2, expert_ffn=128,
+        moe_layers=(1, 2, 3), norm_topk=True, shared_expert_ffn=128, router_score="sigmoid",
+        expert_groups=2, topk_groups=1, routed_scale=2.5),
+    # The release's "Kimi K3" as Kimi Linear. Published (the issue): 93 layers, hidden 7168,
+    # MLA every 4th layer (here layers 3, 7, ..., 91, Kimi-Linear-48B's 1-indexed
+    # full_attn_layers convention; the rest KDA), 896 experts, 16 per token, vocab 163840,
+    # FP4 experts. From Kimi K2's config.json (moonshotai/Kimi-K2-Instruct, as quoted
+    # publicly, not read here): 64 heads, q_lora_rank 1536, kv_lora_rank 512, qk_nope 128,
+    # qk_rope 64, v_head_dim 128, expert FFN 2048, one shared expert, one first dense layer
+    # of FFN 18432, routed_scaling_factor 2.827, renormalised top-k, rms eps 1e-6, 128K
+    # context. From Kimi-Linear-48B-A3B (transformers' KimiLinearConfig defaults): KDA head
+    # dim 128, conv width 4, n_group = topk_group = 1. ASSUMED: 64 KDA heads (K2's head
+    # count; Kimi-Linear-48B has 32 at hidden 2304), MLA without RoPE as in Kimi Linear.
+    "kimi-k3": lambda: ModelConfig(
+        name="kimi-k3", vocab=163_840, hidden=7168, layers=93, heads=64, kv_heads=64,
+        head_dim=192, ffn=18_432, qk_norm=False, rms_eps=1e-6, max_position=131_072,
+        layer_types=tuple("full" if (i + 1) % 4 == 0 else "linear" for i in range(93)),
+        latent_rank=512, q_rank=1536, rope_dim=64, value_dim=128, linear_key_heads=64,
+        linear_value_heads=64, linear_key_dim=128, linear_value_dim=128, conv_kernel=4,
+        channel_decay=True, experts=896, experts_per_token=16, expert_ffn=2048,
+        moe_layers=tuple(range(1, 93)), norm_topk=True, expert_dtype="float4_e2m1fn",
+        shared_expert_ffn=2048, router_score="sigmoid", routed_scale=2.827),
+}
+
 PRESET_NAMES = tuple(_PRESETS)
 HYBRID_PRESET_NAMES = tuple(_HYBRID_PRESETS)
+KIMI_PRESET_NAMES = tuple(_KIMI_PRESETS)
 
 
 def preset(name: str) -> ModelConfig:
-    """A named `ModelConfig`; `PRESET_NAMES` and `HYBRID_PRESET_NAMES` list them."""
-    presets = {**_PRESETS, **_HYBRID_PRESETS}
+    """A named `ModelConfig`; `PRESET_NAMES`, `HYBRID_PRESET_NAMES` and `KIMI_PRESET_NAMES`
+    list them."""
+    presets = {**_PRESETS, **_HYBRID_PRESETS, **_KIMI_PRESETS}
     if name not in presets:
         raise ValueError(f"preset={name!r} does not exist; choose one of "
-                         f"{PRESET_NAMES + HYBRID_PRESET_NAMES}")
+                         f"{PRESET_NAMES + HYBRID_PRESET_NAMES + KIMI_PRESET_NAMES}")
     return presets[name]()

@@ -1,4 +1,5 @@
-"""The gated DeltaNet's math (Qwen3.5's linear attention), in float32, for `mk.reference`.
+"""The gated DeltaNet's math (Qwen3.5's linear attention and Kimi Delta Attention, its
+per-channel-decay variant), in float32, for `mk.reference`.
 
 Here: the depthwise causal conv with its state, the gated delta rule with its recurrent
 state, and the gated RMSNorm, each returning the state after EVERY row so a speculative
@@ -47,24 +48,29 @@ def delta_rule(q, k, v, g, beta, state):
     """The gated delta rule over T rows, one row at a time.
 
     q, k [B, T, Nv, Hk] (already normalised and scaled, one per value head); v [B, T, Nv, Hv];
-    g, beta [B, T, Nv]; state [B, Nv, Hk, Hv] float32. Returns (out [B, T, Nv, Hv] float32,
+    beta [B, T, Nv]; g [B, T, Nv] (one decay per head, the gated DeltaNet) or [B, T, Nv, Hk]
+    (one per key channel: Kimi Delta Attention, S <- diag(exp(g)) S); state [B, Nv, Hk, Hv]
+    float32. Returns (out [B, T, Nv, Hv] float32,
     states [B, T, Nv, Hk, Hv] float32: the recurrent state after each row).
     """
     def row(s, inputs):
         q_t, k_t, v_t, g_t, beta_t = inputs
-        s = s * jnp.exp(g_t)[..., None, None]
+        s = s * jnp.exp(g_t)[..., None]
         remembered = jnp.einsum("bhkv,bhk->bhv", s, k_t, precision=HIGHEST)
         delta = (v_t - remembered) * beta_t[..., None]
         s = s + k_t[..., :, None] * delta[..., None, :]
         return s, (jnp.einsum("bhkv,bhk->bhv", s, q_t, precision=HIGHEST), s)
 
+    g = g[..., None] if g.ndim == 3 else g  # a head's decay is every channel's
     rows = tuple(jnp.moveaxis(a.astype(F32), 1, 0) for a in (q, k, v, g, beta))
     _, (out, states) = lax.scan(row, state.astype(F32), rows)
     return jnp.moveaxis(out, 0, 1), jnp.moveaxis(states, 0, 1)
 
 
-def gated_rms_norm(x: jax.Array, z: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm(x) * weight * SiLU(z) over the last axis (norm before gate), float32."""
+def gated_rms_norm(x: jax.Array, z: jax.Array, weight: jax.Array, eps: float,
+                   gate=jax.nn.silu) -> jax.Array:
+    """RMSNorm(x) * weight * gate(z) over the last axis (norm before gate), float32; the
+    gate is SiLU in Qwen3.5, sigmoid in Kimi Delta Attention."""
     x = x.astype(F32)
     h = x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * weight.astype(F32)
-    return h * jax.nn.silu(z.astype(F32))
+    return h * gate(z.astype(F32))

@@ -539,6 +539,17 @@ def resident_bytes(config: ModelConfig, *, batch: int = 1, context: int | None =
     return config.weight_bytes + batch * context * config.kv_bytes_per_token
 
 
+def cache_bytes(config: ModelConfig, *, batch: int = 1, context: int | None = None
+                ) -> dict[str, int]:
+    """The caches of `batch` sequences at `context` positions: "kv" (K and V rows, or for
+    MLA the latent rows, R + Hr values per token and MLA layer: `kv_bytes_per_token`), and
+    "linear" (the linear layers' conv and recurrent states, fixed per sequence)."""
+    context = config.max_context if context is None else context
+    _validate_step(config, batch, 1, context, 1, 1, "uniform", "bf16")
+    return {"kv": batch * context * config.kv_bytes_per_token,
+            "linear": batch * config.linear_state_bytes}
+
+
 def min_chips(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1,
               context: int | None = None, limit: int = 1 << 16) -> int:
     """Smallest power-of-two number of chips whose HBM holds `resident_bytes`."""

@@ -9,6 +9,11 @@ Qwen3.5 hybrids (`config.is_hybrid`) run through the same `prefill`, `decode_ste
 `generate`: their full-attention layers gate the output and rotate part of each head, their
 gated-DeltaNet layers (`linear_attention`, math in `mk.linear_attention`) keep a conv and a
 recurrent state instead of KV rows, and every RMSNorm scales by (norm_offset + weight).
+Kimi Linear (`config.is_mla`, transformers' `kimi_linear`) runs through them too: its full
+layers are multi-head latent attention (`mla_decoder_layer`) over a latent cache, its
+linear layers Kimi Delta Attention (`kimi_delta_attention`, the gated delta rule with a
+per-channel decay), its MoE layers a grouped sigmoid router (`route_grouped`) plus a shared
+expert.
 No Pallas, no sharding, no sampling (speculative decoding lives in `mk.spec`).
 
 Numerics (kernels mirror these cast points, so their tolerances stay tight):
@@ -24,6 +29,9 @@ A hybrid's cache is `HybridCache(k, v, conv, state)`: KV [La, ...] for its full 
 conv [Ll, B, W-1, C] (config.dtype) and state [Ll, B, Nv, Hk, Hv] (float32) for its linear
 layers. `decode_step(..., row_states=True)` also returns the linear states after every row
 (`LinearRows`); `rollback` picks each sequence's last accepted row from them.
+Kimi Linear's cache is `LatentCache(latent, conv, state)`: latent [La, B, S, R + Hr]
+(config.dtype; the normed latent, then the shared rope-part key) for its MLA layers, conv
+and state as a hybrid's for its KDA layers.
 """
 
 from __future__ import annotations
@@ -51,6 +59,12 @@ class KVCache(NamedTuple):
 class HybridCache(NamedTuple):
     k: jax.Array  # [La, B, K, S, H] config.dtype
     v: jax.Array  # [La, B, K, S, H] config.dtype
+    conv: jax.Array  # [Ll, B, W-1, C] config.dtype
+    state: jax.Array  # [Ll, B, Nv, Hk, Hv] float32
+
+
+class LatentCache(NamedTuple):
+    latent: jax.Array  # [La, B, S, R + Hr] config.dtype
     conv: jax.Array  # [Ll, B, W-1, C] config.dtype
     state: jax.Array  # [Ll, B, Nv, Hk, Hv] float32
 
@@ -108,9 +122,9 @@ def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
               positions: jax.Array) -> jax.Array:
     """Causal GQA of T new rows against a cache that already holds them.
 
-    q [B, T, N, H] float32; k_cache, v_cache [B, K, S, H]; positions [B]: row t of
-    sequence b sits at positions[b] + t and sees cache positions <= that.
-    Returns [B, T, N, H] float32.
+    q [B, T, N, H] float32; k_cache [B, K, S, H], v_cache [B, K, S, Hv]; positions [B]: row t
+    of sequence b sits at positions[b] + t and sees cache positions <= that.
+    Returns [B, T, N, Hv] float32.
     """
     B, T, N, H = q.shape
     K, S = k_cache.shape[1], k_cache.shape[2]
@@ -121,7 +135,7 @@ def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
     out = dot("bkgts,bksh->btkgh", probs, v_cache, v_cache.dtype)
-    return out.reshape(B, T, N, H)
+    return out.reshape(B, T, N, -1)  # v's head dim (MLA's differs from q's)
 
 
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
@@ -150,7 +164,35 @@ def moe(x: jax.Array, router, we_gate, we_up, we_down, top_k: int,
     and exact, at the cost of E/X times the FLOPs (fine for an oracle).
     """
     weights, experts = route(x, router, top_k, renormalise)
-    combine = jnp.zeros((x.shape[0], router.shape[-1]), F32)
+    return mix_experts(x, weights, experts, we_gate, we_up, we_down)
+
+
+def route_grouped(x: jax.Array, router, bias, top_k: int, groups: int, topk_groups: int,
+                  renormalise: bool, scale: float):
+    """DeepSeek-V3 / Kimi's sigmoid router: x [M, D] -> (weights [M, X], experts [M, X]).
+
+    Scores sigmoid(x @ router); the choice adds `bias` [E] to them, keeps the `topk_groups`
+    of `groups` expert groups whose two best biased scores sum highest, and takes the top_k
+    experts there; the weights are the unbiased scores, renormalised (+1e-20) if asked, then
+    times `scale` (transformers' KimiLinearTopkRouter).
+    """
+    M, E = x.shape[0], router.shape[-1]
+    scores = jax.nn.sigmoid(matmul(x, router))
+    choice = scores + bias.astype(F32)
+    group_scores = lax.top_k(choice.reshape(M, groups, E // groups), 2)[0].sum(-1)
+    _, best = lax.top_k(group_scores, topk_groups)
+    keep = jnp.zeros((M, groups), bool).at[jnp.arange(M)[:, None], best].set(True)
+    choice = jnp.where(jnp.repeat(keep, E // groups, axis=1), choice, -jnp.inf)
+    _, experts = lax.top_k(choice, top_k)
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if renormalise:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * np.float32(scale), experts
+
+
+def mix_experts(x: jax.Array, weights, experts, we_gate, we_up, we_down) -> jax.Array:
+    """sum_j weights[:, j] * expert_{experts[:, j]}(x) for x [M, D] -> [M, D] float32."""
+    combine = jnp.zeros((x.shape[0], we_gate.shape[0]), F32)
     combine = combine.at[jnp.arange(x.shape[0])[:, None], experts].add(weights)  # [M, E]
     gate = dot("md,edf->mef", x, we_gate, we_gate.dtype)
     up = dot("md,edf->mef", x, we_up, we_up.dtype)
@@ -222,12 +264,37 @@ def mlp_block(config: ModelConfig, params, layer: int, x) -> jax.Array:
     h = rms_norm(x, params["mlp_norm"][layer], config.rms_eps,
                  config.norm_offset).reshape(B * T, -1)
     kind, i = config.mlp_index(layer)
+    experts = [params[name][i] for name in ("we_gate", "we_up", "we_down")] \
+        if kind == "moe" else ()
     if kind == "dense":
         y = swiglu(h, params["w_gate"][i], params["w_up"][i], params["w_down"][i])
+    elif config.router_score == "sigmoid":
+        weights, chosen = route_grouped(
+            h, params["router"][i], params["router_bias"][i], config.experts_per_token,
+            config.expert_groups, config.topk_groups, config.norm_topk, config.routed_scale)
+        y = mix_experts(h, weights, chosen, *experts)
     else:
-        y = moe(h, params["router"][i], params["we_gate"][i], params["we_up"][i],
-                params["we_down"][i], config.experts_per_token, config.norm_topk)
+        y = moe(h, params["router"][i], *experts, config.experts_per_token, config.norm_topk)
+    if kind == "moe" and config.shared_expert_ffn:
+        y = y + swiglu(h, params["ws_gate"][i], params["ws_up"][i], params["ws_down"][i])
     return x + y.reshape(B, T, -1)
+
+
+def conv_qkv(config: ModelConfig, params, i: int, h, conv_state):
+    """The prologue of linear layer i (gated DeltaNet or KDA) on normed rows h [B, T, D]:
+    q, k, v projected together, through the causal conv, q and k L2-normalised per head
+    and q / sqrt(Hk). Returns (q, k [B, T, Nk, Hk], v [B, T, Nv, Hv] float32, conv states
+    [B, T, W-1, C] after each row)."""
+    B, T, _ = h.shape
+    Nk, Nv, Hk, Hv = (config.linear_key_heads, config.linear_value_heads,
+                      config.linear_key_dim, config.linear_value_dim)
+    # The conv input is stored in the conv state, so it is rounded to the cache dtype.
+    qkv = matmul(h, params["lin_qkv"][i]).astype(conv_state.dtype)
+    mixed, conv_rows = la.causal_conv(qkv, conv_state, params["lin_conv"][i])
+    kw = config.linear_key_width
+    q = la.l2norm(mixed[..., :kw].reshape(B, T, Nk, Hk)) / np.float32(np.sqrt(Hk))
+    k = la.l2norm(mixed[..., kw:2 * kw].reshape(B, T, Nk, Hk))
+    return q, k, mixed[..., 2 * kw:].reshape(B, T, Nv, Hv), conv_rows
 
 
 def linear_attention(config: ModelConfig, params, i: int, h, conv_state, state):
@@ -237,18 +304,10 @@ def linear_attention(config: ModelConfig, params, i: int, h, conv_state, state):
     conv states [B, T, W-1, C] and recurrent states [B, T, Nv, Hk, Hv] after each row).
     """
     B, T, _ = h.shape
-    Nk, Nv, Hk, Hv = (config.linear_key_heads, config.linear_value_heads,
-                      config.linear_key_dim, config.linear_value_dim)
-    # The conv input is stored in the conv state, so it is rounded to the cache dtype.
-    qkv = matmul(h, params["lin_qkv"][i]).astype(conv_state.dtype)
-    mixed, conv_rows = la.causal_conv(qkv, conv_state, params["lin_conv"][i])
-    kw = config.linear_key_width
-    q = mixed[..., :kw].reshape(B, T, Nk, Hk)
-    k = mixed[..., kw:2 * kw].reshape(B, T, Nk, Hk)
-    v = mixed[..., 2 * kw:].reshape(B, T, Nv, Hv)
+    Nk, Nv, Hv = config.linear_key_heads, config.linear_value_heads, config.linear_value_dim
+    q, k, v, conv_rows = conv_qkv(config, params, i, h, conv_state)
     # Key head j serves value heads j * Nv/Nk .. (j + 1) * Nv/Nk - 1.
-    q = jnp.repeat(la.l2norm(q), Nv // Nk, axis=2) / np.float32(np.sqrt(Hk))
-    k = jnp.repeat(la.l2norm(k), Nv // Nk, axis=2)
+    q, k = (jnp.repeat(a, Nv // Nk, axis=2) for a in (q, k))
     beta = jax.nn.sigmoid(matmul(h, params["lin_b"][i]))
     decay = jnp.exp(params["lin_a_log"][i].astype(F32))
     g = -decay * jax.nn.softplus(matmul(h, params["lin_a"][i])
@@ -259,14 +318,64 @@ def linear_attention(config: ModelConfig, params, i: int, h, conv_state, state):
     return matmul(o, params["lin_out"][i]), conv_rows, state_rows
 
 
+def kimi_delta_attention(config: ModelConfig, params, i: int, h, conv_state, state):
+    """Kimi Delta Attention (KDA) of linear layer i on normed rows h [B, T, D]: the gated
+    DeltaNet with a per-channel forget gate (low rank: D -> Hk -> Nv*Hk), one head count
+    for q, k and v, and a low-rank sigmoid output gate. Arguments and results as
+    `linear_attention`'s (transformers' KimiLinearDeltaAttention)."""
+    B, T, _ = h.shape
+    N, Hk, Hv = config.linear_value_heads, config.linear_key_dim, config.linear_value_dim
+    q, k, v, conv_rows = conv_qkv(config, params, i, h, conv_state)
+    forget = matmul(matmul(h, params["kda_f_a"][i]), params["kda_f_b"][i])
+    forget = (forget + params["lin_dt_bias"][i].astype(F32)).reshape(B, T, N, Hk)
+    g = -jnp.exp(params["lin_a_log"][i].astype(F32))[:, None] * jax.nn.softplus(forget)
+    beta = jax.nn.sigmoid(matmul(h, params["lin_b"][i]))
+    o, state_rows = la.delta_rule(q, k, v, g, beta, state)
+    gate = matmul(matmul(h, params["kda_g_a"][i]), params["kda_g_b"][i]).reshape(B, T, N, Hv)
+    o = la.gated_rms_norm(o, gate, params["lin_norm"][i], config.rms_eps, jax.nn.sigmoid)
+    return matmul(o.reshape(B, T, -1), params["lin_out"][i]), conv_rows, state_rows
+
+
 def linear_decoder_layer(config: ModelConfig, params, layer: int, x, conv_state, state):
-    """A gated-DeltaNet decoder layer; x [B, T, D] float32. Returns (x, conv states,
-    recurrent states after each row, x_after_mixer)."""
+    """A gated-DeltaNet (or KDA) decoder layer; x [B, T, D] float32. Returns (x, conv
+    states, recurrent states after each row, x_after_mixer)."""
     _, i = config.mixer_index(layer)
     h = rms_norm(x, params["attn_norm"][layer], config.rms_eps, config.norm_offset)
-    y, conv_rows, state_rows = linear_attention(config, params, i, h, conv_state, state)
+    mixer = kimi_delta_attention if config.channel_decay else linear_attention
+    y, conv_rows, state_rows = mixer(config, params, i, h, conv_state, state)
     x = x + y
     return mlp_block(config, params, layer, x), conv_rows, state_rows, x
+
+
+def mla_decoder_layer(config: ModelConfig, params, layer: int, x, latent_cache, positions):
+    """A multi-head latent attention decoder layer (Kimi Linear's full layers, NoPE as in
+    transformers); x [B, T, D] float32, latent_cache [B, S, R + Hr] of this layer.
+
+    The cache holds RMSNorm(x @ wkv_a[:R]) and the shared key part x @ wkv_a[R:]; every step
+    expands it to per-head keys [nope | shared part] and values with wkv_b (the oracle's
+    plain form; a kernel absorbs wkv_b into q and the output instead). Returns (x,
+    latent_cache, x_after_attn).
+    """
+    B, T, _ = x.shape
+    N, H, R, Hr = config.heads, config.head_dim, config.latent_rank, config.rope_dim
+    _, a = config.mixer_index(layer)
+    h = rms_norm(x, params["attn_norm"][layer], config.rms_eps)
+    q_in = h if not config.q_rank else rms_norm(matmul(h, params["wq_a"][a]),
+                                                 params["q_a_norm"][a], config.rms_eps)
+    q = matmul(q_in, params["wq"][a]).reshape(B, T, N, H)
+    kv = matmul(h, params["wkv_a"][a])  # [B, T, R + Hr]
+    latent = jnp.concatenate([rms_norm(kv[..., :R], params["kv_a_norm"][a], config.rms_eps),
+                              kv[..., R:]], axis=-1)
+    latent_cache = write_rows(latent_cache[:, None], latent[:, :, None], positions)[:, 0]
+    S = latent_cache.shape[1]
+    kv = matmul(latent_cache[..., :R], params["wkv_b"][a]).reshape(B, S, N, -1)
+    shared = jnp.broadcast_to(latent_cache[:, :, None, R:].astype(F32), (B, S, N, Hr))
+    k = jnp.concatenate([kv[..., :H - Hr], shared], axis=-1).transpose(0, 2, 1, 3)
+    v = kv[..., H - Hr:].transpose(0, 2, 1, 3)
+    dtype = latent_cache.dtype
+    o = attention(q, k.astype(dtype), v.astype(dtype), positions).reshape(B, T, -1)
+    x = x + matmul(o, params["wo"][a])
+    return mlp_block(config, params, layer, x), latent_cache, x
 
 
 @functools.partial(jax.jit, static_argnames=("config", "taps", "row_states"))
@@ -278,7 +387,11 @@ def forward(config: ModelConfig, params, cache, tokens, positions, taps=False,
     ks, vs, convs, states, after_attn, after_mlp = [], [], [], [], [], []
     for layer in range(config.layers):
         kind, i = config.mixer_index(layer)
-        if kind == "full":
+        if kind == "full" and config.is_mla:
+            x, latent, x_attn = mla_decoder_layer(config, params, layer, x, cache.latent[i],
+                                                  positions)
+            ks.append(latent)  # an MLA layer's "keys" are its latent rows
+        elif kind == "full":
             x, k, v, x_attn = decoder_layer(config, params, layer, x, cache.k[i], cache.v[i],
                                             positions)
             ks.append(k)
@@ -292,10 +405,16 @@ def forward(config: ModelConfig, params, cache, tokens, positions, taps=False,
         after_mlp.append(x)
     logits = lm_head(config, params, x)
     # A model cut to linear layers only has an empty KV cache.
-    out = [logits, KVCache(jnp.stack(ks), jnp.stack(vs)) if ks else KVCache(cache.k, cache.v)]
+    if config.is_mla:
+        out = [logits, cache._replace(latent=jnp.stack(ks)) if ks else cache]
+    else:
+        out = [logits, KVCache(jnp.stack(ks), jnp.stack(vs)) if ks
+               else KVCache(cache.k, cache.v)]
     if config.is_hybrid:
         rows = LinearRows(jnp.stack(convs), jnp.stack(states))
-        out[1] = HybridCache(*out[1], rows.conv[:, :, -1], rows.state[:, :, -1])
+        linear = dict(conv=rows.conv[:, :, -1], state=rows.state[:, :, -1])
+        out[1] = (out[1]._replace(**linear) if config.is_mla
+                  else HybridCache(*out[1], **linear))
         if row_states:
             out.append(rows)
     if taps:
@@ -308,27 +427,34 @@ def init_cache(config: ModelConfig, batch: int, max_context: int | None = None, 
                spare: int = 0):
     """An empty cache of capacity `max_context` (default `config.max_context`), plus `spare`
     rows past it that no real position uses (where a padded bucket's extra rows land): a
-    `KVCache`, or for a hybrid a `HybridCache` with zero linear states."""
+    `KVCache`, for a hybrid a `HybridCache` with zero linear states, for Kimi Linear a
+    `LatentCache`."""
     S = config.max_context if max_context is None else max_context
     if not 1 <= S <= config.max_position:
         raise ValueError(f"max_context={S} must be in [1, max_position={config.max_position}]")
-    batch = positive_int("batch", batch)
-    shape = (len(config.full_layers), batch, config.kv_heads, S + spare, config.head_dim)
-    cache = KVCache(jnp.zeros(shape, config.dtype), jnp.zeros(shape, config.dtype))
-    if not config.is_hybrid:
-        return cache
+    batch, La = positive_int("batch", batch), len(config.full_layers)
+    if config.is_mla:
+        cache = (jnp.zeros((La, batch, S + spare, config.latent_width), config.dtype),)
+    else:
+        shape = (La, batch, config.kv_heads, S + spare, config.head_dim)
+        cache = KVCache(jnp.zeros(shape, config.dtype), jnp.zeros(shape, config.dtype))
+        if not config.is_hybrid:
+            return cache
+    # An MLA model cut to its full layers keeps empty linear states.
     Ll = len(config.linear_layers)
-    conv = (Ll, batch, config.conv_kernel - 1, config.conv_channels)
+    conv = (Ll, batch, max(config.conv_kernel - 1, 0), config.conv_channels)
     state = (Ll, batch, config.linear_value_heads, config.linear_key_dim,
              config.linear_value_dim)
-    return HybridCache(*cache, jnp.zeros(conv, config.dtype), jnp.zeros(state, F32))
+    linear = jnp.zeros(conv, config.dtype), jnp.zeros(state, F32)
+    return LatentCache(*cache, *linear) if config.is_mla else HybridCache(*cache, *linear)
 
 
-def rollback(cache: HybridCache, rows: LinearRows, accepted) -> HybridCache:
-    """The cache with each sequence's linear states after its first accepted[b] rows.
+def rollback(cache, rows: LinearRows, accepted):
+    """The cache (a HybridCache or LatentCache) with each sequence's linear states after its
+    first accepted[b] rows.
 
-    accepted [B] ints in [1, T]. KV rows need no rollback: rows past the accepted prefix are
-    overwritten by the next step and never attended before that.
+    accepted [B] ints in [1, T]. KV (and latent) rows need no rollback: rows past the
+    accepted prefix are overwritten by the next step and never attended before that.
     """
     accepted = jnp.asarray(accepted, jnp.int32)
     T = rows.state.shape[2]
@@ -403,10 +529,13 @@ def check_params(config: ModelConfig, params) -> None:
 def check_cache(config: ModelConfig, cache) -> None:
     """Raise ValueError if `cache` is not a KVCache of two equal [L, B, K, S, H] arrays of
     config.dtype fitting `config`."""
-    if config.is_hybrid != isinstance(cache, HybridCache):
-        need = "HybridCache" if config.is_hybrid else "KVCache"
-        raise ValueError(f"{config.name} needs a {need}, got a {type(cache).__name__} "
-                         "(use init_cache)")
+    need = LatentCache if config.is_mla else HybridCache if config.is_hybrid else None
+    if not isinstance(cache, need) if need else isinstance(cache, (HybridCache, LatentCache)):
+        raise ValueError(f"{config.name} needs a {need.__name__ if need else 'KVCache'}, got "
+                         f"a {type(cache).__name__} (use init_cache)")
+    if config.is_mla:
+        check_latent_cache(config, cache)
+        return
     k, v = cache[:2]
     if k.ndim != 5 or k.shape != v.shape:
         raise ValueError(f"cache k {k.shape} and v {v.shape} must both be [L, B, K, S, H]")
@@ -421,6 +550,17 @@ def check_cache(config: ModelConfig, cache) -> None:
                          f"{config.name}'s dtype={config.dtype}")
 
 
+def check_latent_cache(config: ModelConfig, cache: LatentCache) -> None:
+    """Raise ValueError if a LatentCache's latent [La, B, S, R + Hr] does not fit `config`."""
+    latent = cache.latent
+    want = (len(config.full_layers), config.latent_width)
+    if latent.ndim != 4 or (latent.shape[0], latent.shape[3]) != want \
+            or min(latent.shape[1:3]) < 1 or latent.dtype != config.dtype:
+        raise ValueError(f"cache latent {config.dtype}[La, B, S, R + Hr] is {latent.dtype}"
+                         f"{list(latent.shape)}; {config.name} needs La={want[0]}, R + Hr="
+                         f"{want[1]}, B >= 1, S >= 1")
+
+
 def validate_step(config: ModelConfig, cache: KVCache, tokens, positions):
     """Check a decode step's inputs before anything is cast or traced -> (tokens [B, T],
     positions [B]) as int32. Raises ValueError for a cache that does not fit the config, a
@@ -428,7 +568,7 @@ def validate_step(config: ModelConfig, cache: KVCache, tokens, positions):
     that would read or write outside the cache. The one check of reference, megakernel,
     tensor-parallel and speculative steps."""
     check_cache(config, cache)
-    _, B, _, S, _ = cache.k.shape
+    B, S = cache.latent.shape[1:3] if config.is_mla else cache.k.shape[1:4:2]  # [.., B, K, S, H]
     shape = np.shape(tokens)
     if len(shape) != 2 or shape[0] != B or shape[1] < 1:
         raise ValueError(f"tokens shape {shape} must be [B={B}, T >= 1]")

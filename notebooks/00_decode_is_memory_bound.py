@@ -150,9 +150,11 @@ plots.show(plots.bytes_breakdown(steps, title=f"Bytes of one decode step (B={run
 # ## The floor on each chip
 #
 # Each preset on the fewest chips (a power of two) whose HBM holds its weights and KV
-# cache, all devices sharing the step evenly (perfect sharding, an assumption). A cell
-# reads "HBM floor in ms (chips), HBM floor / MXU floor": below 1 the MXU, not HBM, sets
-# the step.
+# cache, every device holding the kernel's tensor-parallel shard (`mk.kernels.plan`: split
+# widths padded to whole tiles, norms and router on every device). A cell reads "HBM floor
+# in ms (chips), HBM floor / MXU floor": below 1 the MXU, not HBM, sets the step; "no TPn
+# split" where the kernel cannot split the model over that many devices (more devices
+# than query heads).
 
 # %%
 grid = []
@@ -160,10 +162,15 @@ for name, e in steps.items():
     row = {"preset": name}
     for c in all_chips():
         n = perf.min_chips(mk.preset(name), c, batch=run.batch, context=e.context)
-        f = perf.predict(mk.preset(name), c, batch=run.batch, rows=run.rows,
-                         context=e.context, tp=n * c.cores_per_chip)
+        tp = n * c.cores_per_chip
+        try:
+            f = perf.predict(mk.preset(name), c, batch=run.batch, rows=run.rows,
+                             context=e.context, tp=tp)
+        except ValueError:  # a split the kernel cannot make (mk.kernels.plan.check_tp)
+            row[c.name] = f"({n}) no TP{tp} split"
+            continue
         m = perf.mxu_floor_ms(mk.preset(name), c, batch=run.batch, rows=run.rows,
-                              context=e.context, tp=n * c.cores_per_chip)
+                              context=e.context, tp=tp)
         row[c.name] = f"{f.hbm_floor_ms:.3g} ({n}), {f.hbm_floor_ms / m:.2f}x"
     grid.append(row)
 display(plots.table(grid))

@@ -141,7 +141,7 @@ print(f"BW x latency = {bw / 1e12:.2f} TB/s x {a.dma_latency_s * 1e6:.1f} µs = 
       f"{bw * a.dma_latency_s / tile_bytes:.1f} tiles of {tile_bytes / 1024:.0f} KiB "
       f"-> {need} slots (Little's law, + 2)")
 d, M, ring_rows = tile_bytes / bw, run.batch * run.rows, []
-c = 2 * max(M, sim.MXU_ROWS[spec.name]) * tile_k * tile_n / (
+c = 2 * max(M, spec.mxu_rows) * tile_k * tile_n / (
     mk.perf.peak_flops(spec) / spec.cores_per_chip)  # the MXU rule of mk.sim
 n_tiles = (4096 // tile_k) * (4096 // tile_n)
 for n in sorted({1, 2, 3, need // 2, need, 2 * need}):

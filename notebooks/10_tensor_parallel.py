@@ -267,5 +267,5 @@ for device in range(tp):
     course.check_tokens(f"tp={tp} device {device}", got[device], want)
 course.check_race_free("TP megakernel", races)
 assert reports[0].ok and reports[2].ok, (reports[0].error, reports[2].error)
-assert "HBM per core" in reports[1].error and "HBM per core" in reports[3].error
+assert "of HBM, over" in reports[1].error and "of HBM, over" in reports[3].error
 print("checks passed")

@@ -103,29 +103,90 @@ def save_hf_checkpoint(config: ModelConfig, params: dict, folder: str | Path,
 
 
 def build_hf_model(kind: str, config_kwargs: dict, seed: int = 0):
-    """A random float32 transformers Qwen3 ("qwen3") or Qwen3-MoE ("qwen3_moe") model.
+    """A random float32 transformers Qwen3 ("qwen3"), Qwen3-MoE ("qwen3_moe") or Kimi
+    Linear ("kimi_linear") model.
 
     Every parameter, norm weights included, is re-drawn at a scale that keeps activations
     and router logits O(1), so a swapped norm, a mistransposed square matrix or a wrong
     router choice shows up in the logits (transformers' default init leaves norms at 1).
+    Kimi's decay parameters and its routers' choice bias (a buffer) are re-drawn too.
     """
     import torch
     import transformers
 
-    if kind == "qwen3":
-        config = transformers.Qwen3Config(**config_kwargs)
-        model_cls = transformers.Qwen3ForCausalLM
-    else:
-        config = transformers.Qwen3MoeConfig(**config_kwargs)
-        model_cls = transformers.Qwen3MoeForCausalLM
+    config_cls, model_cls = {
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "kimi_linear": (transformers.KimiLinearConfig, transformers.KimiLinearForCausalLM),
+    }[kind]
     torch.manual_seed(seed)
-    model = model_cls(config).float().eval()
+    model = model_cls(config_cls(**config_kwargs)).float().eval()
+    bias = [(name, b) for name, b in model.named_buffers()
+            if name.endswith("e_score_correction_bias")]
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in [*model.named_parameters(), *bias]:
             if name.endswith("norm.weight"):
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            elif name.endswith(("A_log", "dt_bias", "e_score_correction_bias")):
+                param.copy_(0.5 * torch.randn_like(param))
             elif name == "model.embed_tokens.weight":
                 param.copy_(torch.randn_like(param))
-            else:  # [.., out, in] (experts fused as [E, out, in]): N(0, 1/fan_in)
-                param.copy_(torch.randn_like(param) / param.shape[-1] ** 0.5)
+            else:  # [.., out, in] (experts fused as [E, out, in]), conv [C, 1, W]:
+                param.copy_(torch.randn_like(param) / param.shape[-1] ** 0.5)  # 1/fan_in
     return model
+
+
+def hf_greedy(model, prompt, steps: int) -> np.ndarray:
+    """transformers' greedy tokens after `prompt` [B, P] (no EOS stop): [B, steps]."""
+    import torch
+
+    ids = torch.as_tensor(prompt)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[:, prompt.shape[1]:].numpy()
+
+
+def hf_logits(model, prompt) -> np.ndarray:
+    """transformers' forward logits of `prompt` [B, P]: [B, P, V] float32."""
+    import torch
+
+    with torch.no_grad():
+        return model(torch.as_tensor(prompt)).logits.numpy()
+
+
+def assert_prefill_matches_hf(model, config, params, prompt, rtol_of_scale: float):
+    """mk's prefill logits within rtol_of_scale x max |logit| of transformers' forward."""
+    from mk import reference as R
+
+    want = hf_logits(model, prompt)
+    got = np.asarray(R.prefill(config, params, prompt)[0])
+    np.testing.assert_allclose(got, want, rtol=0, atol=rtol_of_scale * np.abs(want).max())
+
+
+def assert_greedy_matches_hf(model, config, params, prompt, steps: int):
+    """mk's `steps` greedy tokens after `prompt` equal transformers' generate."""
+    from mk import reference as R
+
+    want = hf_greedy(model, prompt, steps)
+    assert want.shape == (prompt.shape[0], steps)
+    np.testing.assert_array_equal(np.asarray(R.generate(config, params, prompt, steps)), want)
+
+
+def assert_t4_steps_predict_hf_tokens(model, config, params, prompt, steps: int = 3):
+    """Prefill, then feed transformers' greedy tokens 4 rows per step: every row's argmax
+    is transformers' next token (so the caches carry across steps)."""
+    import jax.numpy as jnp
+
+    from mk import reference as R
+
+    B, P = prompt.shape
+    want = hf_greedy(model, prompt, 4 * steps + 1)  # token 0 from prefill, then 4 per step
+    logits, cache = R.prefill(config, params, prompt)
+    np.testing.assert_array_equal(np.asarray(R.greedy(logits[:, -1])), want[:, 0])
+    for step in range(steps):
+        rows = want[:, 4 * step:4 * step + 4]
+        pos = jnp.full((B,), P + 4 * step, jnp.int32)
+        logits, cache = R.decode_step(config, params, cache, rows, pos)
+        np.testing.assert_array_equal(np.asarray(R.greedy(logits)),
+                                      want[:, 4 * step + 1:4 * step + 5])

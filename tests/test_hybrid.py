@@ -21,6 +21,8 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 import mk
+from builders import (assert_greedy_matches_hf, assert_prefill_matches_hf,
+                      assert_t4_steps_predict_hf_tokens)
 from mk import linear_attention as la
 from mk import reference as R
 
@@ -76,14 +78,6 @@ def case(request, tmp_path_factory):
     return model, folder, config, params, prompt
 
 
-def hf_greedy(model, prompt, steps):
-    ids = torch.as_tensor(prompt)
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps,
-                             do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[:, prompt.shape[1]:].numpy()
-
-
 def test_loaded_config_and_sizes_match_the_transformers_model(case):
     model, _, config, params, _ = case
     hf = model.config
@@ -98,35 +92,18 @@ def test_loaded_config_and_sizes_match_the_transformers_model(case):
 
 def test_prefill_logits_match_transformers_forward(case):
     model, _, config, params, prompt = case
-    with torch.no_grad():
-        want = model(torch.as_tensor(prompt)).logits.numpy()
-    got = np.asarray(R.prefill(config, params, prompt)[0])
-    scale = np.abs(want).max()
-    np.testing.assert_allclose(got, want, rtol=0, atol=LOGIT_RTOL_OF_SCALE * scale)
+    assert_prefill_matches_hf(model, config, params, prompt, LOGIT_RTOL_OF_SCALE)
 
 
 @pytest.mark.parametrize("batch", [1, 4])
 def test_32_greedy_tokens_match_transformers_generate(case, batch):
     model, _, config, params, prompt = case
-    want = hf_greedy(model, prompt[:batch], STEPS)
-    assert want.shape == (batch, STEPS)
-    got = np.asarray(R.generate(config, params, prompt[:batch], STEPS))
-    np.testing.assert_array_equal(got, want)
+    assert_greedy_matches_hf(model, config, params, prompt[:batch], STEPS)
 
 
 def test_t4_decode_steps_predict_transformers_tokens(case):
-    """Prefill, then feed transformers' greedy tokens 4 rows per step: every row's argmax
-    is transformers' next token, and the caches carry across steps."""
     model, _, config, params, prompt = case
-    want = hf_greedy(model, prompt, 13)  # token 0 from prefill, then 3 steps of 4 rows
-    logits, cache = R.prefill(config, params, prompt)
-    np.testing.assert_array_equal(np.asarray(R.greedy(logits[:, -1])), want[:, 0])
-    for step in range(3):
-        rows = want[:, 4 * step:4 * step + 4]
-        pos = jnp.full((4,), PROMPT + 4 * step, jnp.int32)
-        logits, cache = R.decode_step(config, params, cache, rows, pos)
-        np.testing.assert_array_equal(np.asarray(R.greedy(logits)),
-                                      want[:, 4 * step + 1:4 * step + 5])
+    assert_t4_steps_predict_hf_tokens(model, config, params, prompt)
 
 
 # -- The reference itself ------------------------------------------------------------------

@@ -94,7 +94,10 @@ def check_tp(config: ModelConfig, tp: int) -> int:
     check_devices(tp)
     if config.linear_layers:
         raise ValueError(f"{config.name}: layer_types has linear-attention layers; the "
-                         "megakernel does not build them yet (issue 17)")
+                         "megakernel does not build them yet (issues 17, 18)")
+    if config.is_mla or config.shared_expert_ffn or config.router_score != "softmax":
+        raise ValueError(f"{config.name}: MLA, shared experts or a {config.router_score!r} "
+                         "router; the megakernel does not build them yet (issue 18)")
     need = [("heads", config.heads), ("vocab", config.vocab), ("hidden", config.hidden)]
     if config.dense_layers:
         need.append(("ffn", config.ffn))
@@ -162,17 +165,21 @@ def shard_weight_bytes(local: ModelConfig, vocab: int, experts: float,
     float32, `experts` active experts per MoE layer. `dtypes`: storage dtype per dtype
     family ({"dense": ..., "experts": ...}; default the config's). What `DecodePlan`,
     `mk.sim` (through the plan) and `mk.perf` count."""
-    c, D, H = local, local.hidden, local.head_dim
+    c = local
     dtypes = dtypes or {"dense": c.dtype, "experts": c.expert_dtype or c.dtype}
-    elements = dict(
-        attention=c.layers * D * (2 * c.q_width + 2 * c.kv_width),
-        norms=c.layers * 2 * (D + H) + D,
-        dense_mlp=len(c.dense_layers) * 3 * D * c.ffn,
-        router=len(c.moe_layers) * D * c.experts,
-        experts=len(c.moe_layers) * experts * 3 * D * c.expert_ffn,
-        lm_head=D * vocab)
     return {f: n * (4 if DTYPE_FAMILY[f] is None else DTYPE_BITS[dtypes[DTYPE_FAMILY[f]]] / 8)
-            for f, n in elements.items()}
+            for f, n in _weight_elements(local, vocab, experts).items()}
+
+
+def _weight_elements(local: ModelConfig, vocab: int, experts: float) -> dict[str, float]:
+    """Elements of each weight family one device streams in a step (`shard_weight_bytes`)."""
+    c, D, H = local, local.hidden, local.head_dim
+    return dict(attention=c.layers * D * (2 * c.q_width + 2 * c.kv_width),
+                norms=c.layers * 2 * (D + H) + D,
+                dense_mlp=len(c.dense_layers) * 3 * D * c.ffn,
+                router=len(c.moe_layers) * D * c.experts,
+                experts=len(c.moe_layers) * experts * 3 * D * c.expert_ffn,
+                lm_head=D * vocab)
 
 
 # -- The plan -------------------------------------------------------------------------------
@@ -298,14 +305,17 @@ class DecodePlan:
         return read, sum((p + T - 1) // tile - p // tile + 1 for p in positions)
 
     def hbm_bytes(self) -> int:
-        """HBM one device holds: its weights (as `mk.megakernel.prepare` lays them out,
-        with the whole embedding table) and its KV cache."""
+        """HBM one device holds: its weights as `mk.megakernel.prepare` lays them out (every
+        expert, the whole embedding table; arrays of their dtype's itemsize: JAX stores a
+        4-bit value in a byte) and its KV cache."""
         c = self.local
-        weights = self.weight_bytes(experts=c.experts if c.is_moe else 0)
-        itemsize = jnp.dtype(c.dtype).itemsize
-        embed = self.config.vocab * c.hidden * itemsize
-        cache = 2 * c.layers * self.batch * c.kv_width * self.context * itemsize
-        return int(sum(weights.values()) + embed + cache)
+        itemsize = {None: 4, "dense": jnp.dtype(c.dtype).itemsize,
+                    "experts": jnp.dtype(c.expert_dtype or c.dtype).itemsize}
+        elements = _weight_elements(c, self.vocab, c.experts if c.is_moe else 0)
+        weights = sum(n * itemsize[DTYPE_FAMILY[f]] for f, n in elements.items())
+        embed = self.config.vocab * c.hidden * itemsize["dense"]
+        cache = 2 * c.layers * self.batch * c.kv_width * self.context * itemsize["dense"]
+        return int(weights + embed + cache)
 
     def fits(self, chip: ChipSpec | str) -> Fit:
         """The one capacity check: the VMEM buffers against one core's VMEM and the HBM
