@@ -293,7 +293,7 @@ print(f"that matmul moves {real_bytes / 2**20:.0f} MiB: HBM floor "
 big = mk.chip(compile_chip)
 b, big_bw = 512 * 1024 * 2, big.hbm_bw / big.cores_per_chip
 big_need = sim.latency_slots(mk.preset("qwen3-8b"), big, real)
-d1, c1 = b / big_bw, 2 * max(8, sim.MXU_ROWS[big.name]) * 512 * 1024 / (
+d1, c1 = b / big_bw, 2 * max(8, big.mxu_rows) * 512 * 1024 / (
     mk.perf.peak_flops(big) / big.cores_per_chip)
 t = {s: 96 * max(d1, c1, (a.dma_latency_s + d1 + c1) / s) * 1e6 for s in (2, big_need)}
 print(f"1. BW x latency = {big_bw * a.dma_latency_s / 2**20:.2f} MiB < one 1 MiB tile: "
