@@ -3,9 +3,9 @@
 `simulate(config, chip, ...)` makes the `DecodePlan` the kernel executes
 (`mk.kernels.plan`: its shard, tiles and `TileStream`; `step_plan`) and walks the stream in
 the kernel's program order (`mk.megakernel`; inside a layer the phases of
-`mk.kernels.one_layer.LAYER_PHASES`, the list `layer_body` checks it runs in order): prime the ring, per layer the prologue's wq/wk/wv, the
-KV stream of `attend`, wo, the dense MLP or the router, expert selection and the expert
-slots, then the lm_head and argmax. Every `start(g)` / `wait(g)` of the kernel is a DMA
+`mk.kernels.one_layer.LAYER_PHASES`, the list `layer_body` checks it runs in order): prime
+the ring, per layer the prologue's wq/wk/wv, the KV stream of `attend`, wo, the dense MLP or
+the router, expert selection and the expert slots, then the lm_head and argmax. Every `start(g)` / `wait(g)` of the kernel is a DMA
 issue / a compute-lane wait here, with the kernel's rule: consuming tile g issues tile
 g + slots, a switched-off segment's tiles are neither loaded nor waited for, expert tiles
 issued before routing are no-ops, `ring.skip` issues the tiles past the off expert slots.

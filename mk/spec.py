@@ -40,8 +40,7 @@ import numpy as np
 
 from mk import backend as backends
 from mk import megakernel, perf, reference, sim
-from mk.chips import CHIP_NAMES, chip as named_chip
-from mk.config import MAX_ROWS, ModelConfig, preset as named_preset
+from mk.config import MAX_ROWS, ModelConfig
 
 MAX_GAMMA = 7  # T = gamma + 1 <= 8 verification rows, as in the published runs
 DRAFTERS = ("model", "self", "ngram", "forced")
@@ -548,7 +547,7 @@ def step_ms(config: ModelConfig, chip, *, batch: int, rows: int, context: int, t
             timing: str = "roofline") -> float:
     """One decode step of B x T rows: "roofline" `mk.perf.predict` (a floor), "sim"
     `mk.sim.simulate` (TPU chips; the ring's slots sized for the DMA latency, as the
-    "deep" column of `mk.review.published_table`), "conventional" `mk.perf.conventional` (one
+    "deep" column of `mk.ledger`'s published rows), "conventional" `mk.perf.conventional` (one
     kernel per op, a launch gap each: the GPU baseline)."""
     kw = dict(batch=batch, rows=rows, context=context, tp=tp)
     if timing == "sim":
@@ -576,32 +575,3 @@ def throughput(config: ModelConfig, chip, *, gamma: int, acceptance_length: floa
     drafting = gamma * step_ms(draft, chip, rows=1, **kw) if draft is not None else 0.0
     return Throughput(verify, drafting, acceptance_length / ((verify + drafting) / 1e3),
                       timing)
-
-
-PUBLISHED_RUNS = (("kimi-k3-like", 3), ("kimi-k3-like", 6), ("qwen3.8-27b-like", 6))
-
-
-def published_comparison(*, gamma: int = MAX_GAMMA, context: int = 0) -> list[dict]:
-    """The published acceptance-length runs (data/published.csv; forced acceptance, so no
-    draft time) against `throughput`: batch 1, gamma + 1 verification rows, every device of
-    the run sharing the step, `context` cached positions (none is published). Each row has
-    the roofline bound and a model of the system: "sim" for TPUs, "conventional" for GPUs.
-    Errors are predicted / published - 1."""
-    out = []
-    for row in perf.published():
-        if ((row.preset, row.acceptance_length) not in PUBLISHED_RUNS
-                or row.system not in CHIP_NAMES):  # Cerebras: no chip row, no prediction
-            continue
-        spec = named_chip(row.system)
-        kw = dict(gamma=gamma, acceptance_length=row.acceptance_length, batch=row.batch or 1,
-                  context=context, tp=row.chips * spec.cores_per_chip)
-        model = "sim" if spec.kind == "tpu" else "conventional"
-        roof, other = (throughput(named_preset(row.preset), spec, timing=t, **kw)
-                       for t in ("roofline", model))
-        out.append(dict(
-            model=row.preset, system=f"{row.chips} {row.system}", tau=row.acceptance_length,
-            published=row.tokens_per_s, roofline=roof.tokens_per_s_per_user,
-            roofline_error=roof.tokens_per_s_per_user / row.tokens_per_s - 1,
-            timing=model, predicted=other.tokens_per_s_per_user, verify_ms=other.verify_ms,
-            error=other.tokens_per_s_per_user / row.tokens_per_s - 1))
-    return out

@@ -34,10 +34,13 @@ ring slots, KV tiles of min(256, S) positions.
 
 Adding a VMEM buffer to the megakernel is one line in `_buffers` (its group says where the
 kernel finds it: "layer" buffers are attributes of the layer scratch, the others are
-their own scratch entry or an operand). Here: the sharding model (`check_tp`,
-`shard_config`, `kv_heads_of`, `padded_width`), `padded_vocab`, `default_block`,
-`capacity`, `WEIGHT_FAMILIES`, `family_of`, `shard_weight_bytes`, `DecodePlan`, `Fit`. Not here: the kernel
-(`mk.megakernel`), sharding arrays (`mk.tensor_parallel`), time (`mk.sim`, `mk.perf`).
+their own scratch entry or an operand).
+
+Here: the sharding model (`check_tp`, `shard_config`, `kv_heads_of`, `padded_width`),
+`padded_vocab`, `default_block`, `capacity`, `WEIGHT_FAMILIES`, `family_of`,
+`shard_weight_bytes`, `DecodePlan`, `Fit`. Not here: the kernel (`mk.megakernel`), the
+layer's phases (`mk.kernels.one_layer.LAYER_PHASES`), sharding arrays
+(`mk.tensor_parallel`), time (`mk.sim`, `mk.perf`).
 """
 
 from __future__ import annotations
@@ -51,7 +54,8 @@ from mk.chips import ChipSpec, chip as named_chip
 from mk.config import DTYPE_BITS, ModelConfig, check_rows, positive_int
 from mk.kernels.collectives import (MAX_INDEX, check_devices, collective_buffers,
                                     collective_semaphores)
-from mk.kernels.common import KV_TILE, LANES, SLOTS, BlockSizes, Buffer, VmemBudget, vmem_budget
+from mk.kernels.common import (KV_TILE, LANES, SLOTS, BlockSizes, Buffer, VmemBudget,
+                               vmem_budget)
 from mk.kernels.common import default_block as common_default_block
 from mk.kernels.decode_attention import decode_attention_buffers
 from mk.kernels.mlp import expert_slots
