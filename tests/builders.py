@@ -190,3 +190,34 @@ def assert_t4_steps_predict_hf_tokens(model, config, params, prompt, steps: int 
         logits, cache = R.decode_step(config, params, cache, rows, pos)
         np.testing.assert_array_equal(np.asarray(R.greedy(logits)),
                                       want[:, 4 * step + 1:4 * step + 5])
+
+
+def assert_rollback_exact(config, params, *, rows: int, accepted):
+    """Three sequences take a T=`rows` step with per-row states, are rolled back to
+    `accepted` rows each, and continue exactly like a step of that many rows (checked per
+    k among the sequences that accepted k); the planted bug (no rollback: keep the states
+    after all rows) differs for sequence 0, which must accept fewer than `rows`. Returns
+    (the cache after all rows, the row states)."""
+    import jax.numpy as jnp
+
+    from mk import reference as R
+
+    accepted = np.asarray(accepted)
+    assert accepted[0] < rows, "sequence 0 is the planted bug's witness"
+    prompt = np.random.default_rng(2).integers(0, config.vocab, (3, 5))
+    draft = np.random.default_rng(3).integers(0, config.vocab, (3, rows))
+    _, cache = R.prefill(config, params, prompt)
+    pos = jnp.full((3,), 5, jnp.int32)
+    _, after, states = R.decode_step(config, params, cache, draft, pos, row_states=True)
+
+    def next_logits(c, shift):
+        return np.asarray(R.decode_step(config, params, c, draft[:, :1], pos + shift)[0])
+
+    got = next_logits(R.rollback(after, states, accepted), jnp.asarray(accepted))
+    for k in sorted(set(accepted.tolist())):
+        _, exact = R.decode_step(config, params, cache, draft[:, :k], pos)
+        want = next_logits(exact, k)[accepted == k]
+        np.testing.assert_allclose(got[accepted == k], want, rtol=0, atol=1e-4)
+    planted = next_logits(after, jnp.asarray(accepted))
+    assert np.abs(planted[0] - got[0]).max() > 1e-2
+    return after, states

@@ -13,7 +13,6 @@ including the language model of a full `qwen3_5` checkpoint.
 import dataclasses
 import json
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -21,7 +20,7 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 import mk
-from builders import (assert_greedy_matches_hf, assert_prefill_matches_hf,
+from builders import (assert_greedy_matches_hf, assert_prefill_matches_hf, assert_rollback_exact,
                       assert_t4_steps_predict_hf_tokens)
 from mk import linear_attention as la
 from mk import reference as R
@@ -142,27 +141,8 @@ def tiny_hybrid():
 def test_rollback_restores_the_state_of_the_accepted_prefix(tiny_hybrid):
     """A T = 4 step rolled back to k accepted rows continues exactly like a k-row step;
     the planted bug (no rollback: keep the state after all 4 rows) does not."""
-    config, params = tiny_hybrid
-    prompt = np.random.default_rng(2).integers(0, config.vocab, (3, 5))
-    draft = np.random.default_rng(3).integers(0, config.vocab, (3, 4))
-    accepted = np.array([1, 3, 2])
-    _, cache = R.prefill(config, params, prompt)
-    pos = jnp.full((3,), 5, jnp.int32)
-    _, after4, rows = R.decode_step(config, params, cache, draft, pos, row_states=True)
+    _, rows = assert_rollback_exact(*tiny_hybrid, rows=4, accepted=[1, 3, 2])
     assert rows.state.shape[2] == 4 and rows.state.dtype == jnp.float32
-
-    def next_logits(c):
-        return np.asarray(R.decode_step(config, params, c, draft[:, :1],
-                                        pos + jnp.asarray(accepted))[0])
-
-    got = next_logits(R.rollback(after4, rows, accepted))
-    for b, k in enumerate(accepted):
-        one = jax.tree.map(lambda a, b=b: a[:, b:b + 1], cache)  # sequence b alone
-        _, exact = R.decode_step(config, params, one, draft[b:b + 1, :k], pos[b:b + 1])
-        want = R.decode_step(config, params, exact, draft[b:b + 1, :1], pos[b:b + 1] + k)[0]
-        np.testing.assert_allclose(got[b], np.asarray(want)[0], rtol=0, atol=1e-4)
-    planted = next_logits(after4)
-    assert np.abs(planted[0] - got[0]).max() > 1e-2  # row 0 accepted 1 of 4 rows
 
 
 def test_hybrid_calls_are_checked(tiny_hybrid):

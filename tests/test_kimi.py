@@ -20,7 +20,7 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 import mk
-from builders import (assert_greedy_matches_hf, assert_prefill_matches_hf,
+from builders import (assert_greedy_matches_hf, assert_prefill_matches_hf, assert_rollback_exact,
                       assert_t4_steps_predict_hf_tokens, build_hf_model, hf_logits)
 from mk import linear_attention as la
 from mk import reference as R
@@ -157,25 +157,8 @@ def test_rollback_restores_the_kda_states_of_the_accepted_prefix(tiny_kimi):
     """A T = 2 step rolled back to k accepted rows continues exactly like a k-row step;
     the planted bug (no rollback: keep the KDA states after both rows) does not. (T = 2
     keeps the compiles few; test_hybrid checks the shared rollback at T = 4.)"""
-    config, params = tiny_kimi
-    prompt = np.random.default_rng(2).integers(0, config.vocab, (3, 5))
-    draft = np.random.default_rng(3).integers(0, config.vocab, (3, 2))
-    accepted = np.array([1, 2, 1])
-    _, cache = R.prefill(config, params, prompt)
-    pos = jnp.full((3,), 5, jnp.int32)
-    _, after2, rows = R.decode_step(config, params, cache, draft, pos, row_states=True)
+    after2, rows = assert_rollback_exact(*tiny_kimi, rows=2, accepted=[1, 2, 1])
     assert isinstance(after2, R.LatentCache) and rows.state.shape[2] == 2
-
-    def next_logits(c, shift):
-        return np.asarray(R.decode_step(config, params, c, draft[:, :1], pos + shift)[0])
-
-    got = next_logits(R.rollback(after2, rows, accepted), jnp.asarray(accepted))
-    for k in (1, 2):  # every sequence takes k rows; those that accepted k are checked
-        _, exact = R.decode_step(config, params, cache, draft[:, :k], pos)
-        want = next_logits(exact, k)[accepted == k]
-        np.testing.assert_allclose(got[accepted == k], want, rtol=0, atol=1e-4)
-    planted = next_logits(after2, jnp.asarray(accepted))
-    assert np.abs(planted[0] - got[0]).max() > 1e-2  # row 0 accepted 1 of 2 rows
 
 
 def test_kimi_calls_are_checked(tiny_kimi):
