@@ -195,17 +195,21 @@ _DMA_LOG: list | None = None  # (what, bytes) of every DMA started while a dma_l
 
 
 @contextlib.contextmanager
-def dma_log():
+def dma_log(*jitted):
     """Record (what, bytes) of every DMA `start_dma` starts while open; yields the list.
-    Kernels are re-traced on entry and on exit (the recording is part of the trace)."""
+    The recording is part of a kernel's trace: the jit caches of `jitted` (the functions
+    whose traces hold the kernels, e.g. `mk.megakernel.traced_step`) are cleared on entry
+    and on exit, so they are traced with the recording and never reused without it."""
     global _DMA_LOG
-    jax.clear_caches()
+    for fn in jitted:
+        fn.clear_cache()
     _DMA_LOG = log = []
     try:
         yield log
     finally:
         _DMA_LOG = None
-        jax.clear_caches()
+        for fn in jitted:
+            fn.clear_cache()
 
 
 def start_dma(copy, what: str, nbytes: int) -> None:
