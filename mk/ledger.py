@@ -52,7 +52,8 @@ def glossary(*terms: str) -> Markdown:
 
 
 def entries(*, context: int = 0, routing: str = "uniform", compute: str = "bf16",
-            simulate_tpu: bool = False, assumptions: Assumptions | None = None) -> list[dict]:
+            simulate_tpu: bool = False, assumptions: Assumptions | None = None,
+            speculative_only: bool = False) -> list[dict]:
     """Every row of data/published.csv against the models, one dict each.
 
     Always: "run", "model", "preset", "system", "tau" (acceptance length or None), "batch",
@@ -65,7 +66,9 @@ def entries(*, context: int = 0, routing: str = "uniform", compute: str = "bf16"
     metric) and X_error (X / published - 1). A system without a chip row gets a "note" and
     nothing else; every other row's "note" says what differs from the published run.
     `routing` and `compute` are `mk.perf.predict`'s (compute="fp8": the MXU runs 8- and
-    4-bit weights at its fp8/int8 rate; the simulator keeps its own `assumptions`)."""
+    4-bit weights at its fp8/int8 rate; the simulator keeps its own `assumptions`).
+    `speculative_only`: only the rows with an acceptance length (the simulator replays a
+    whole Kimi TP32 step in tens of seconds: a reader who needs only those skips the rest)."""
     out, sims = [], {}
 
     def simulated(config, spec, **kw):  # rows differing only in acceptance share a step
@@ -75,6 +78,8 @@ def entries(*, context: int = 0, routing: str = "uniform", compute: str = "bf16"
         return sims[key]
 
     for row in perf.published():
+        if speculative_only and not row.acceptance_length:
+            continue
         config, tau = named_preset(row.preset), row.acceptance_length
         batch, rows = row.batch or 1, VERIFY_ROWS if tau else 1
         rec = dict(run=f"{config.name} on {row.chips or '?'} {row.system}, "

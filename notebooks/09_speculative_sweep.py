@@ -301,8 +301,8 @@ display(widgets.interactive(
 # %%
 display(ledger.glossary("published", "HBM floor", "modelled step", "simulated step",
                         "conventional step"))
-published = [r for r in ledger.entries(context=published_context, simulate_tpu=True)
-             if r["tau"] and "modelled" in r]
+published = [r for r in ledger.entries(context=published_context, simulate_tpu=True,
+                                       speculative_only=True) if "modelled" in r]
 model_of = {r["run"]: ("simulated step", "deep") if "deep" in r
             else ("conventional step", "conventional") for r in published}
 comparison = [{
