@@ -9,8 +9,9 @@ boundaries, the loads for the next matrix, the next layer and the lm_head are al
 flight while the current one computes: memory never waits at a matrix or layer edge.
 
 `TileStream` is static data (a reader can print it; the simulator and plots replay it).
-`Ring` is the in-kernel side: `prime`, `start(g)`, `wait(g)`, `slot(g)`, and `matmul`,
-which multiplies activations by one segment while keeping the ring full.
+`Ring` is the in-kernel side: `prime`, `start(g)`, `slot(g)`, `skip`, and `matmul`, which
+multiplies activations by one segment while keeping the ring full (it waits for each of
+its tiles: it knows which segment they belong to).
 
 A segment may be switched off at run time (`active`), e.g. the slot of an expert no token
 selected: its tiles are neither loaded nor waited for, but still "consumed" in order so
@@ -168,6 +169,32 @@ class TileStream:
                      row_tile=i, col_tile=j, slot=g % self.block.slots, KiB=kib)
                 for g, layer, name, i, j in self.tiles()]
 
+    def following(self, segment: Segment, span: int) -> tuple[Segment, ...]:
+        """The segments that may hold one of the `span` tiles after any copy of `segment`
+        ends, in any layer: the next ones in the period, the next layer's first ones, the
+        tail's first ones. The stream's layout is static (only the layer and the copies'
+        activity are known at run time), so this is exact up to the layer."""
+        if span >= self.period:
+            return self.segments + self.tail
+        owners = {}  # local tile offset -> its segment, in one layer's period, in the tail
+
+        def index(segments):
+            return {s.start + c * s.stride + t: s for s in segments
+                    for c in range(s.copies) for t in range(s.tiles)}
+        local, tail = index(self.segments), index(self.tail)
+        for c in range(segment.copies):
+            end = segment.start + c * segment.stride + segment.tiles
+            for pos in range(end, end + span):
+                if segment in self.tail:
+                    owners.setdefault(id(tail.get(pos)), tail.get(pos))
+                elif pos < self.period:
+                    owners.setdefault(id(local[pos]), local[pos])
+                else:  # past this layer: the next layer's start, or the tail's
+                    for s in (local[pos - self.period], tail.get(pos - self.period)):
+                        owners.setdefault(id(s), s)
+        found = set(owners)
+        return tuple(s for s in self.segments + self.tail if id(s) in found)
+
     @property
     def tile_bytes(self) -> int:
         return self.block.tile_k * self.block.tile_n  # times the weight itemsize
@@ -181,8 +208,8 @@ Fetch = Callable[..., tuple[object, object]]
 class Ring:
     """The in-kernel ring over `stream`: slots_vmem [slots, tile_k, tile_n], sems [slots].
 
-    fetch: segment name -> Fetch. Every `start(g)` must be matched by a `wait(g)`, in
-    increasing g, with `start(g + slots)` only after tile g was read.
+    fetch: segment name -> Fetch. Every tile started is waited for by the `matmul` that
+    consumes it, in increasing g, with `start(g + slots)` only after tile g was read.
     """
 
     def __init__(self, stream: TileStream, fetch: dict[str, Fetch], slots_vmem, sems):
@@ -202,9 +229,11 @@ class Ring:
                       pl.ds(pl.multiple_of(j * self.tn, self.tn), self.tn)]
         return pltpu.make_async_copy(tile, self.slots_vmem.at[slot], self.sems.at[slot])
 
-    def _each_segment(self, g, action):
-        """Call action(segment, layer, copy, t) for the segment holding tile g (g traced)."""
+    def _each_segment(self, g, action, candidates=None):
+        """Call action(segment, layer, copy, t) for the segment holding tile g (g traced),
+        searching only `candidates` (segments that may hold g; default all of them)."""
         s = self.stream
+        candidates = s.segments + s.tail if candidates is None else candidates
         layered = s.layers * s.period
         # A tile past the layers (the tail, or past the end) still traces every segment's
         # fetch under a false guard: clamp the layer so those fetches index in range.
@@ -213,32 +242,37 @@ class Ring:
             # The activity flag may read SMEM: only the one segment holding g reads it.
             pl.when(self._active(seg, layer, copy))(lambda: action(seg, layer, copy, t))
 
-        for seg in s.segments:
-            hit, copy, t = seg.locate(local)
-            pl.when((g < layered) & hit)(functools.partial(in_segment, seg, copy, t))
-        for seg in s.tail:
-            hit, copy, t = seg.locate(g - layered)
+        for seg in candidates:
+            if seg in s.tail:
+                hit, copy, t = seg.locate(g - layered)
+            else:
+                hit, copy, t = seg.locate(local)
+                hit = (g < layered) & hit
             pl.when(hit)(functools.partial(in_segment, seg, copy, t))
 
     def _active(self, segment: Segment, layer, copy=0):
         _, active = self._fetch(segment, layer, copy)
         return True if active is None else active
 
-    def start(self, g):
-        """Issue tile g into slot g % slots; a no-op past the end or for an off segment."""
-        nbytes = self.tk * self.tn * self.slots_vmem.dtype.itemsize
-        self._each_segment(g, lambda seg, layer, copy, t: start_dma(
-            self._copy(seg, layer, copy, t, g % self.n), seg.name, nbytes))
+    def _issue(self, segment: Segment, layer, copy, t, g):
+        """Start the DMA of tile g, which is tile t of `segment`'s copy `copy` in `layer`."""
+        start_dma(self._copy(segment, layer, copy, t, g % self.n), segment.name,
+                  self.tk * self.tn * self.slots_vmem.dtype.itemsize)
 
-    def wait(self, g):
-        """Block until tile g has landed (a no-op for an off segment)."""
-        self._each_segment(g, lambda seg, layer, copy, t: self._copy(
-            seg, layer, copy, t, g % self.n).wait())
+    def start(self, g, candidates=None):
+        """Issue tile g into slot g % slots; a no-op past the end or for an off segment.
+        candidates: the segments that may hold g (`TileStream.following`), if known."""
+        self._each_segment(g, lambda seg, layer, copy, t: self._issue(seg, layer, copy, t, g),
+                           candidates)
 
     def prime(self, first: int = 0):
-        """Issue the first `slots` tiles from `first` on (a kernel's prologue)."""
-        for g in range(first, min(first + self.n, self.stream.total)):
-            self.start(jnp.int32(g))
+        """Issue the first `slots` tiles from `first` on (a kernel's prologue): a loop, so
+        the kernel's code does not grow with the ring's depth."""
+        def issue(g, carry):
+            self.start(g)
+            return carry
+
+        lax.fori_loop(first, min(first + self.n, self.stream.total), issue, 0)
 
     def slot(self, g):
         return self.slots_vmem.at[g % self.n]
@@ -246,12 +280,12 @@ class Ring:
     def skip(self, first, end):
         """Consume tiles [first, end) of switched-off segments without loading or computing:
         only the tiles they would issue past `end` (the next weights) are issued."""
-        for t in range(self.n):
+        def issue_past_the_skipped(t, carry):
             g = end - self.n + t
+            pl.when(g >= first)(lambda: self.start(g + self.n))
+            return carry
 
-            @pl.when(g >= first)
-            def issue_past_the_skipped(g=g):
-                self.start(g + self.n)
+        lax.fori_loop(0, self.n, issue_past_the_skipped, 0)
 
     def matmul(self, name: str, x, out_ref, *, layer=0, copy=0):
         """out_ref[M, N] (float32) = x[M, K] @ weight `name` of `layer` (copy `copy` of a
@@ -261,6 +295,12 @@ class Ring:
         not values); each k-tile is cast to the weight dtype and the products accumulate
         in float32 (the `mk.reference.matmul` numerics). Every tile consumed issues tile
         g + slots.
+
+        Two loops: in the steady one, tile g + slots is this segment's own tile t + slots,
+        issued directly; only the last `slots` tiles (the edge) look up which segment, layer
+        or tail holds g + slots (`start`), among the few that can follow this one
+        (`TileStream.following`). The steady loop's body is what the TensorCore
+        runs for most tiles, so it carries no search of the stream (`mk.bundles` counts it).
         """
         seg = self.stream.segment(name)
         base = self.stream.base(layer, seg, copy)
@@ -268,15 +308,25 @@ class Ring:
         M = x.shape[0]
         active = self._active(seg, layer, copy)
 
-        def tile(t, acc):
+        def when_active(action):
+            if active is True:
+                action()
+            else:
+                pl.when(active)(action)
+
+        def tile(t, acc, *, steady: bool):
             g = base + t
             i, j = t % nk, t // nk
-            self.wait(g)
+            # tile g is this segment's tile t: one wait, no search
+            when_active(lambda: self._copy(seg, layer, copy, t, g % self.n).wait())
             xs = x[:, pl.ds(pl.multiple_of(i * tk, tk), tk)]
             w = self.slot(g)
             part = jnp.dot(xs.astype(w.dtype), w[...], preferred_element_type=jnp.float32)
             acc = jnp.where(i == 0, part, acc + part)
-            self.start(g + self.n)
+            if steady:
+                when_active(lambda: self._issue(seg, layer, copy, t + self.n, g + self.n))
+            else:
+                self.start(g + self.n, after)
 
             @pl.when((i == nk - 1) & active)
             def write_panel():
@@ -284,4 +334,8 @@ class Ring:
 
             return acc
 
-        lax.fori_loop(0, seg.tiles, tile, jnp.zeros((M, tn), jnp.float32))
+        after = self.stream.following(seg, self.n)  # where an edge tile's g + slots lies
+        edge = max(0, seg.tiles - self.n)  # the first tile whose g + slots may lie beyond
+        acc = lax.fori_loop(0, edge, functools.partial(tile, steady=True),
+                            jnp.zeros((M, tn), jnp.float32))
+        lax.fori_loop(edge, seg.tiles, functools.partial(tile, steady=False), acc)

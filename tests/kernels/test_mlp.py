@@ -248,7 +248,10 @@ def _expert_slots_with_early_prefetch(ids_smem, count_smem, x_vmem, we_gate_hbm,
     n, tk = stream.block.slots, stream.block.tile_k
 
     def tile(g, acc):
-        ring.wait(g)
+        # a wait needs only the semaphore and the tile's size: any tile-shaped copy names it
+        tile_n = stream.block.tile_n
+        pltpu.make_async_copy(we_gate_hbm.at[0, 0, pl.ds(0, tk), pl.ds(0, tile_n)],
+                              ring.slot(g), sems.at[g % n]).wait()
         ring.start(g + n)  # too early: the slot is still to be read
         return acc + jnp.dot(x_vmem[:, :tk], ring.slot(g)[...],
                              preferred_element_type=jnp.float32)

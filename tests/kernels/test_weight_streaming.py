@@ -8,6 +8,7 @@ once, no semaphore count left at exit) and races; it says nothing about time or 
 scoped VMEM limit. The compile tests cover Mosaic lowering and capacity.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -22,6 +23,7 @@ from jax.experimental.pallas import tpu as pltpu
 import mk
 from mk import backend, reference, tpu
 from mk.kernels.common import BlockSizes, vmem_budget
+from mk.kernels.plan import DecodePlan
 from mk.kernels.ring import Ring, TileStream
 from mk.kernels.weight_streaming import stream_matmul, stream_matmul_buffers
 from tolerances import TOLERANCE as ALL_TOLERANCES
@@ -67,9 +69,11 @@ def _prefetch_into_the_slot_being_read(x_vmem, w_hbm, out_vmem, ring_vmem, sems,
     nk, tk, tn = stream.segments[0].row_tiles, stream.block.tile_k, stream.block.tile_n
 
     def tile(g, acc):
-        ring.wait(g)
-        ring.start(g + stream.block.slots)  # too early: the slot is still to be read
         i, j = g % nk, g // nk
+        n = stream.block.slots
+        pltpu.make_async_copy(w_hbm.at[pl.ds(i * tk, tk), pl.ds(j * tn, tn)],
+                              ring.slot(g), sems.at[g % n]).wait()
+        ring.start(g + n)  # too early: the slot is still to be read
         part = jnp.dot(x_vmem[:, pl.ds(pl.multiple_of(i * tk, tk), tk)],
                        ring.slot(g)[...], preferred_element_type=jnp.float32)
         acc = jnp.where(i == 0, part, acc + part)
@@ -100,8 +104,10 @@ def test_the_race_detector_catches_a_prefetch_into_the_slot_being_read():
 def _issue_one_tile_early(start):
     """After consuming tile g the ring issues g + slots - 1 (its prologue's g < slots are
     untouched): numerically right, one tile fewer in flight, and tile slots - 1 issued
-    twice, so one DMA is never waited for."""
-    return lambda ring, g: start(ring, jnp.where(g >= ring.n, g - 1, g))
+    twice, so one DMA is never waited for. `Ring.start` issues the prologue and a
+    matrix's last `slots` tiles (`Ring.matmul`'s edge loop)."""
+    return lambda ring, g, candidates=None: start(
+        ring, jnp.where(g >= ring.n, g - 1, g), candidates)
 
 
 def _issue_the_first_tile_twice(prime):
@@ -166,3 +172,33 @@ def test_an_oversized_ring_is_refused_by_the_budget_and_by_the_compiler():
         [jax.ShapeDtypeStruct((M, K), jnp.bfloat16), jax.ShapeDtypeStruct((K, N), jnp.bfloat16)],
         "tpu7x")
     assert not report.ok and "RESOURCE_EXHAUSTED" in report.error
+
+
+def _missed_followers(stream, slots, following):
+    """(segment, layer, copy, tile past its end) whose owner `following` does not name."""
+    owner = {g: name.split("[")[0] for g, _, name, _, _ in stream.tiles()}
+    missed = []
+    for seg in stream.segments + stream.tail:
+        names = {s.name for s in following(seg, slots)}
+        for layer in range(1 if seg in stream.tail else stream.layers):
+            for copy in range(seg.copies):
+                end = stream.base(layer, seg, copy) + seg.tiles
+                missed += [(seg.name, layer, copy, g) for g in range(end, end + slots)
+                           if g in owner and owner[g] not in names]
+    return missed
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("slots", [2, 3, 9, 40])
+def test_an_edge_tile_searches_every_segment_that_can_follow_and_few_others(name, slots):
+    config = mk.preset(name)
+    plan = DecodePlan.make(config, tp=1, batch=2, rows=1, context=256)
+    block = dataclasses.replace(plan.block, slots=slots)
+    stream = DecodePlan.make(config, tp=1, batch=2, rows=1, context=256, block=block).stream
+    assert _missed_followers(stream, slots, stream.following) == []
+    if slots < stream.period // 2:  # the search is narrower than the whole stream
+        assert max(len(stream.following(s, slots)) for s in stream.segments) < len(
+            stream.segments)
+    # a search that forgets the tail (the lm_head after the last layer) is caught
+    assert _missed_followers(stream, slots, lambda seg, n: tuple(
+        s for s in stream.following(seg, n) if s not in stream.tail))
