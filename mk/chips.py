@@ -2,8 +2,9 @@
 
 One row of `mk/data/chips.csv` per chip: vendor peak numbers (HBM size and bandwidth, dense
 bf16 and fp8 FLOP/s, interconnect bandwidth) plus, for TPUs, the VMEM per core that the
-libtpu compiler enforces, the side of the (square, weight-stationary) MXU and the topology
-name to compile for one chip. Each row names the
+libtpu compiler enforces, the side of the (square, weight-stationary) MXU, the TensorCore's
+clock (one VLIW bundle issues per cycle; derived from the bf16 peak or marked assumed in
+the row's notes) and the topology name to compile for one chip. Each row names the
 vendor document it comes from.
 
 Not here: anything derived from a model (bytes, FLOPs, floors: `mk.perf`), measured or
@@ -40,6 +41,7 @@ class ChipSpec:
     fp8_flops: float  # dense fp8 peak per chip, FLOP/s (int8 TOP/s on v5e, v6e, v5p)
     vmem_bytes: int | None  # VMEM per TensorCore enforced by the compiler; None on GPUs
     mxu_rows: int | None  # the MXU is mxu_rows x mxu_rows multiply-accumulators; None on GPUs
+    clock_hz: float | None  # the TensorCore's clock (bundles per second); None on GPUs
     cores_per_chip: int  # JAX devices per chip
     ici_bw: float  # chip-to-chip bandwidth per chip, bytes/s (NVLink on GPUs)
     topology: str  # libtpu topology name that compiles for one chip; "" on GPUs
@@ -60,6 +62,9 @@ class ChipSpec:
         if (self.kind == "tpu") != (self.mxu_rows is not None) or (self.mxu_rows or 1) < 1:
             raise ValueError(f"chip {self.name}: mxu_rows={self.mxu_rows!r} must be a positive "
                              "integer for a TPU and empty for a GPU")
+        if (self.kind == "tpu") != (self.clock_hz is not None) or not (self.clock_hz or 1) > 0:
+            raise ValueError(f"chip {self.name}: clock_hz={self.clock_hz!r} must be positive "
+                             "for a TPU and empty for a GPU")
         if (self.kind == "tpu") != bool(self.topology):
             raise ValueError(f"chip {self.name}: topology={self.topology!r} must be set for "
                              "a TPU and empty for a GPU")
@@ -85,6 +90,7 @@ def _row_to_spec(row: dict[str, str]) -> ChipSpec:
         fp8_flops=float(row["fp8_flops"]),
         vmem_bytes=_optional_int(row["vmem_bytes_per_core"]),
         mxu_rows=_optional_int(row["mxu_rows"]),
+        clock_hz=float(row["clock_hz"]) if row["clock_hz"].strip() else None,
         cores_per_chip=int(row["cores_per_chip"]), ici_bw=float(row["ici_bw"]),
         topology=row["topology"], source=row["source"], notes=row["notes"])
 

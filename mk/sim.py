@@ -24,7 +24,10 @@ Modelling assumptions (`Assumptions` holds the numbers; none is fitted to a meas
   takes as long to load a weight block as to stream mxu_rows rows through it, so fewer
   rows cost the same (the chip's `mxu_rows`, from data/chips.csv, which gives each
   number's source; TPU7x's is an assumption there). Peak is the
-  device's dense bf16 (or fp8 with compute="fp8") FLOP/s.
+  device's dense bf16 (or fp8 with compute="fp8") FLOP/s. A tile also costs at least
+  `tile_issue_s`, the TensorCore's issue time for one trip of the kernel's per-tile loop
+  (`Ring.matmul`'s costliest: bundles per trip / clock, read from the compiled kernel by
+  `mk.bundles`; 0, the default, leaves only the MXU rule).
 - Weight dtypes: the kernel streams config.dtype today; another storage dtype per family
   (`mk.perf.family_dtypes`) models a kernel that streams tiles of that many bits and
   dequantises them in VMEM, at the same MXU cost per tile.
@@ -108,13 +111,14 @@ class Assumptions:
     vpu_flops_ratio: float = 1 / 64
     scalar_op_s: float = 2e-9
     compute: str = "bf16"
+    tile_issue_s: float = 0.0  # the per-tile loop's issue time (`mk.bundles.TileCost`)
 
     def __post_init__(self):
         for field in ("hbm_share", "vpu_flops_ratio"):
             if not 0 < getattr(self, field) <= 1:
                 raise ValueError(f"Assumptions.{field}={getattr(self, field)!r} must be "
                                  "in (0, 1]")
-        for field in ("dma_latency_s", "scalar_op_s"):
+        for field in ("dma_latency_s", "scalar_op_s", "tile_issue_s"):
             if not getattr(self, field) >= 0:
                 raise ValueError(f"Assumptions.{field}={getattr(self, field)!r} must be >= 0")
         if self.compute not in perf.COMPUTES:
@@ -359,7 +363,8 @@ class _Kernel:
         seg = self.s.segment(name)
         base = self.s.base(self.layer, seg, copy)
         block, mc, n = self.s.block, self.mc, self.n
-        seconds = 2 * max(self.m, self.mxu) * block.tile_k * block.tile_n / self.peak
+        seconds = max(2 * max(self.m, self.mxu) * block.tile_k * block.tile_n / self.peak,
+                      self.a.tile_issue_s)
         what = "lm_head" if name == "lm_head" else (f"{name}[{copy}]" if seg.stride else name)
         seen, history, t = {}, [], 0  # state -> tile index; (now, gaps) per tile
         while t < seg.tiles:

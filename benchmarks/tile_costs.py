@@ -1,0 +1,87 @@
+"""Per-tile cost of the compiled megakernel, and what it does to HBM busy (issue 14).
+
+For each model and TPU chip: the megakernel's ring is sized by Little's law for a DMA
+latency (`mk.sim.latency_slots`, default 1 us), compiled ahead of time with libtpu's bundle
+dump on (`mk.bundles.measure`: bundles per trip of `Ring.matmul`'s steady and edge loops),
+and the step is simulated (`mk.sim.simulate`) on the same plan with that latency and those
+per-tile costs (`TileCost.assumptions`). A row says: tile and ring bytes, VMEM, bundles per
+tile, issue time per tile against the tile's DMA time at the core's bandwidth, the
+simulated HBM busy share, and the compile's seconds on this machine.
+
+Clocks come from `mk/data/chips.csv` (`clock_hz`; derived from the bf16 peak or marked
+assumed in its notes). Interpret nothing here as a TPU measurement: the bundle counts are
+the compiler's static schedule, the rest is the simulator's model.
+
+    .venv/bin/python benchmarks/tile_costs.py --chips tpu7x v6e v5e \
+        --presets qwen3-0.6b qwen3-1.7b qwen3-4b qwen3-8b qwen3-30b-a3b --json build/tile_costs.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `mk` importable from a checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax.numpy as jnp  # noqa: E402
+
+import mk  # noqa: E402
+from mk import bundles, sim  # noqa: E402
+from mk.chips import chip as chip_spec  # noqa: E402
+from mk.kernels.plan import DecodePlan  # noqa: E402
+
+
+def row(preset: str, chip: str, *, batch: int, rows: int, context: int,
+        latency_s: float) -> dict:
+    """One model on one chip: measure the compiled kernel's per-tile loops, simulate."""
+    config, spec = mk.preset(preset), chip_spec(chip)
+    a = sim.Assumptions(dma_latency_s=latency_s)
+    block = DecodePlan.make(config, tp=1, batch=batch, rows=rows, context=context).block
+    block = dataclasses.replace(block, slots=sim.latency_slots(config, spec, block,
+                                                               assumptions=a))
+    plan = DecodePlan.make(config, tp=1, batch=batch, rows=rows, context=context,
+                           block=block)
+    fit = plan.fits(spec)
+    out = dict(preset=preset, chip=chip, slots=block.slots,
+               ring_KiB=block.slots * plan.stream.tile_bytes
+               * jnp.dtype(config.dtype).itemsize / 1024,
+               vmem_MiB=fit.vmem.total_bytes / 2**20, fits=fit.ok)
+    if not fit.ok:
+        return dict(out, error=fit.error)
+    cost = bundles.measure(config, spec, batch=batch, rows=rows, context=context,
+                           block=block)
+    run = sim.simulate(config, spec, batch=batch, rows=rows, context=context, block=block,
+                       assumptions=cost.assumptions(dma_latency_s=latency_s))
+    return dict(out, **cost.row(), hbm_busy=run.hbm_utilisation, sim_step_ms=run.step_ms)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--chips", nargs="+", default=["tpu7x"])
+    p.add_argument("--presets", nargs="+", default=["qwen3-0.6b", "qwen3-8b"])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--rows", type=int, default=1)
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--latency-us", type=float, default=1.0)
+    p.add_argument("--json", type=Path, help="write the rows here (refuses an existing file)")
+    args = p.parse_args(argv)
+    if args.json and args.json.exists():
+        raise SystemExit(f"--json {args.json} exists; choose a new path")
+    table = []
+    for chip in args.chips:
+        for preset in args.presets:
+            r = row(preset, chip, batch=args.batch, rows=args.rows, context=args.context,
+                    latency_s=args.latency_us * 1e-6)
+            table.append(r)
+            print(json.dumps(r, default=float), flush=True)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(table, indent=1, default=float))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""mk.bundles: the per-tile loops read from libtpu's bundle dump of the compiled megakernel,
+and the simulator's use of their cost. The parser is checked on a hand-written dump in the
+real format; one real compile (qwen3-0.6b on TPU7x, ~20 s) checks the kernel's per-tile
+loops and the issue-time rule of issue 14 on it."""
+
+import dataclasses
+
+import pytest
+
+import mk
+from mk import bundles, sim
+from mk.kernels.plan import DecodePlan
+
+DUMP = """\
+= control target key start
+LB: loop body
+= control target key end
+
+  0x10   :  { %1 = sst [smem:[#allocation1]] %s1_s1 }
+  0x11 LB: > { %2 = sadd.s32 1, %s2_s2  ;;  %3 = vmatpush1.bf16.msra.mxu0 %v1_v1 }
+  0x12   : > { %4 = dma.general /*src=*/%s3_s3, /*size_in_granules=*/16384, /*dst=*/%s4_s4 /* hbm-to-vmem */ }
+  0x13   :  {}
+  0x14   : > { %5 = dma.done.wait %s5_s5, 256 }
+  0x15   : > { %6 = scmp.lt.s32.totalorder %s6_s6, 0 }
+  0x16   :  { %7 = smov 0 }
+  0x17 LB: > { %8 = vpop.eup %v3_v3  ;;  %9 = vmatmul.mubr.bf16.vlgmr.msra.gmra.mrb %v1_v1 }
+  0x18   : > { %10 = dma.general /*src=*/%s3_s3, /*size_in_granules=*/16384, /*dst=*/%s4_s4 }
+  0x19   :  { %11 = smov 1 }
+"""
+
+
+def test_loops_are_read_from_a_dump_in_libtpus_format():
+    first, second = bundles.loops(DUMP)
+    assert (first.depth, first.bundles, first.mxu, first.scalar_only, first.dma_granules,
+            first.waits, first.eup, first.nested) == (1, 5, 1, 1, (16384,), 1, 0, 0)
+    assert (second.bundles, second.mxu, second.eup) == (2, 1, 1)
+
+
+def test_tile_loops_are_those_streaming_tiles_of_the_size_and_no_softmax():
+    found = bundles.loops(DUMP)
+    assert bundles.tile_loops(found, 512 * 512 * 2) == [found[0]]  # the EUP loop is not
+    assert bundles.tile_loops(found, 256 * 256 * 2) == []  # another tile size: none
+
+
+def test_the_simulator_charges_the_issue_time_per_tile():
+    config = mk.preset("qwen3-0.6b")
+    plain = sim.simulate(config, "tpu7x", context=256)
+    slow = sim.simulate(config, "tpu7x", context=256,
+                        assumptions=sim.Assumptions(tile_issue_s=1e-6))
+    tiles = plain.plan.stream.total  # every one consumed: a dense model
+    assert plain.step_s < tiles * 1e-6 <= slow.step_s
+    with pytest.raises(ValueError, match=r"tile_issue_s=-1"):
+        sim.Assumptions(tile_issue_s=-1)
+
+
+def test_the_compiled_per_tile_loops_issue_faster_than_their_tiles_stream():
+    """Issue 14's rule on one model: the costliest per-tile loop's bundles / clock <= 0.9 x
+    the tile's DMA time on TPU7x. Each loop waits once (for its own tile) and searches at
+    most the segments that can follow its matrix, not the whole stream."""
+    config = mk.preset("qwen3-0.6b")
+    plan = DecodePlan.make(config, tp=1, batch=1, rows=1, context=1024)
+    cost = bundles.measure(config, "tpu7x", batch=1, rows=1, context=1024)
+    assert cost.tile_bytes == plan.stream.tile_bytes * 2
+    assert all(lp.waits == 1 and lp.mxu > 0 for lp in cost.loops)
+    sites = len(plan.stream.segments + plan.stream.tail)
+    assert max(len(lp.dma_granules) for lp in cost.loops) < sites, cost.row()
+    assert cost.tile_s <= 0.9 * cost.dma_s, cost.row()
+    # and the simulator takes it as the compute lane's floor per tile
+    a = cost.assumptions(dma_latency_s=1e-6)
+    assert dataclasses.replace(a, tile_issue_s=0) == sim.Assumptions(dma_latency_s=1e-6)
+
+
+def test_a_plan_that_does_not_fit_is_reported_not_measured():
+    cost = bundles.measure(mk.preset("qwen3-8b"), "v5e", batch=8, context=32768)
+    assert not cost.report.ok and "HBM" in cost.report.error and cost.loops == ()
+    with pytest.raises(ValueError, match="did not compile"):
+        cost.tile_s
