@@ -457,7 +457,7 @@ def check_gamma(gamma) -> None:
 def generate(config: ModelConfig, params, prompt, steps: int, *, drafter, gamma: int,
              sampling: Sampling | None = None, verifier="megakernel", backend: str = "auto",
              seed: int = 0, max_context: int | None = None, bucket: int | None = None,
-             **drafter_options):
+             progress: bool = False, **drafter_options):
     """Speculative decoding: prompt [B, P] -> (the next `steps` tokens [B, steps] int32,
     `SpecStats`). Greedy (`sampling=None`) gives exactly the target's greedy tokens.
 
@@ -465,7 +465,8 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, drafter, gamma:
     "megakernel" (on `backend`), "reference" or a `Runner` with rows = gamma + 1.
     `bucket`, for the XLA runs (the reference verifier, the drafters): the batch every call
     is padded to, rows padded to 8 (module docstring). The cache needs
-    P + steps + gamma - 1 <= max_context (default config.max_context) positions."""
+    P + steps + gamma - 1 <= max_context (default config.max_context) positions.
+    progress=True shows a `mk.megakernel.progress_bar` of the tokens every sequence has."""
     check_gamma(gamma)
     prompt, S, steps = reference.check_generate(config, prompt, steps, max_context,
                                                 gamma=gamma)
@@ -507,6 +508,7 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, drafter, gamma:
     length = np.full(B, P + 1)
     drafter.start(prompt, S)
     histogram, calls = np.zeros(gamma + 1, np.int64), (verifier.calls, drafter.calls)
+    bar = megakernel.progress_bar(steps, progress, "speculative decoding")
     while (active := length - P < steps).any():
         # A finished sequence redoes a step within its tokens (it keeps the batch's shape
         # and its cache writes inside the capacity); its results are dropped.
@@ -523,6 +525,8 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, drafter, gamma:
             seq[b, length[b] + n[b]] = bonus[b]
         length = np.where(active, length + n + 1, length)
         histogram += np.bincount(n[active], minlength=gamma + 1)
+        bar.update(min(int((length - P).min()), steps) - bar.n)
+    bar.close()
     stats = SpecStats(drafter=drafter.name, verifier=verifier.name, gamma=gamma,
                       batch=B, histogram=tuple(int(c) for c in histogram),
                       verifier_calls=verifier.calls - calls[0],

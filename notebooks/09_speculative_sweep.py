@@ -136,7 +136,8 @@ print(f"{config.name}: B={run.batch}, gamma={gamma} (T={gamma + 1} rows), S={run
 options = {"acceptance_length": demo_acceptance} if demo_drafter == "forced" else {}
 mk_tokens, mk_stats = spec.generate(config, params, prompt, megakernel_steps,
                                     drafter=demo_drafter, gamma=gamma, verifier="megakernel",
-                                    backend=run.backend, max_context=run.context, **options)
+                                    backend=run.backend, max_context=run.context,
+                                    progress=True, **options)
 want = np.asarray(reference.generate(config, params, prompt, megakernel_steps,
                                      max_context=run.context))
 print("megakernel-verified:", np.asarray(mk_tokens).tolist())

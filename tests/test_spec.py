@@ -29,6 +29,7 @@ from scipy import stats as scipy_stats
 import mk
 from mk import perf, reference, spec
 from mk.config import ModelConfig
+from builders import bar_count
 
 STEPS = 6  # tokens per run of the reference matrix
 MK_STEPS = 4  # tokens per megakernel run (each verification costs ~0.5-2 s)
@@ -138,6 +139,17 @@ def test_forced_acceptance_L_measures_tau_exactly_L(models, gamma, L):
     assert stats.acceptance_length == L
     assert stats.histogram[L - 1] == stats.steps  # every step kept exactly L tokens
     np.testing.assert_array_equal(got[:, :STEPS], want)
+
+
+
+def test_the_progress_bar_counts_the_tokens_every_sequence_has(models, capsys):
+    """tau = 2 from the prefill's token: 1, 3, 5, 7, 9 tokens; the bar stops at 8 of 8 (fed
+    the overshoot, tqdm drops the total and the last "n/total" drawn is 7/8; fed one
+    token per step, it ends at 5/8)."""
+    config, params, prompts, _, _ = models["tiny"]
+    spec.generate(config, params, prompts, 8, drafter="forced", gamma=3, acceptance_length=2,
+                  verifier="reference", bucket=BUCKET, progress=True)
+    assert bar_count(capsys.readouterr().err) == (8, 8)
 
 
 # -- Rejected rows of the KV cache ------------------------------------------------------------
