@@ -535,7 +535,7 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, drafter, gamma:
 
 
 # -- Throughput -------------------------------------------------------------------------------
-TIMINGS = ("roofline", "sim", "conventional")
+TIMINGS = ("modelled", "sim", "conventional")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -548,8 +548,9 @@ class Throughput:
 
 @functools.lru_cache(maxsize=4096)  # sweeps ask for the same step many times
 def step_ms(config: ModelConfig, chip, *, batch: int, rows: int, context: int, tp: int,
-            timing: str = "roofline") -> float:
-    """One decode step of B x T rows: "roofline" `mk.perf.predict` (a floor), "sim"
+            timing: str = "modelled") -> float:
+    """One decode step of B x T rows: "modelled" the modelled step of `mk.ledger.TERMS`
+    (`mk.perf.modelled_step_ms`: max(HBM floor, MXU floor) + the collectives), "sim"
     `mk.sim.simulate` (TPU chips; the ring's slots sized for the DMA latency, as the
     "deep" column of `mk.ledger`'s published rows), "conventional" `mk.perf.conventional` (one
     kernel per op, a launch gap each: the GPU baseline)."""
@@ -560,14 +561,14 @@ def step_ms(config: ModelConfig, chip, *, batch: int, rows: int, context: int, t
         return sim.simulate(config, chip, block=block, **kw).step_ms
     if timing == "conventional":
         return perf.conventional(config, chip, **kw).step_ms
-    if timing != "roofline":
+    if timing != "modelled":
         raise ValueError(f"timing={timing!r} must be one of {TIMINGS}")
-    return perf.predict(config, chip, **kw).step_ms
+    return perf.modelled_step_ms(config, chip, **kw)
 
 
 def throughput(config: ModelConfig, chip, *, gamma: int, acceptance_length: float,
                batch: int = 1, context: int = 0, tp: int = 1, draft: ModelConfig | None = None,
-               timing: str = "roofline") -> Throughput:
+               timing: str = "modelled") -> Throughput:
     """tokens/s per user = tau / (t_verify(gamma + 1 rows) + gamma * t_draft(1 row)), both
     steps timed by `step_ms`; a draft model shares the target's chips."""
     check_gamma(gamma)

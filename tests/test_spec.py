@@ -257,10 +257,22 @@ def test_throughput_is_tau_over_verify_plus_draft_time():
     target, draft = mk.preset("qwen3-8b"), mk.preset("qwen3-0.6b")
     t = spec.throughput(target, "v6e", gamma=4, acceptance_length=3.0, batch=2, context=1024,
                         draft=draft)
-    verify = perf.predict(target, "v6e", batch=2, rows=5, context=1024).step_ms
-    one = perf.predict(draft, "v6e", batch=2, rows=1, context=1024).step_ms
+    verify = perf.modelled_step_ms(target, "v6e", batch=2, rows=5, context=1024)
+    one = perf.modelled_step_ms(draft, "v6e", batch=2, rows=1, context=1024)
     assert t.verify_ms == verify and t.draft_ms == pytest.approx(4 * one)
     assert t.tokens_per_s_per_user == pytest.approx(3.0 / ((verify + 4 * one) / 1e3))
     free = spec.throughput(target, "v6e", gamma=4, acceptance_length=3.0, batch=2,
                            context=1024)
     assert free.draft_ms == 0 and free.tokens_per_s_per_user > t.tokens_per_s_per_user
+
+
+def test_the_step_time_is_the_ledgers_modelled_step_with_the_mxu_rule():
+    """spec.step_ms's default timing is `mk.perf.modelled_step_ms`, the modelled step of
+    `mk.ledger.TERMS`. kimi-k3-like's fp4 experts make its MXU floor the larger one, so
+    `perf.predict`'s step (the FLOP floor, the former "roofline" timing) would differ."""
+    kimi, kw = mk.preset("kimi-k3-like"), dict(batch=1, rows=8, context=1024, tp=1)
+    got = spec.step_ms(kimi, "tpu7x", **kw)
+    assert got == perf.modelled_step_ms(kimi, "tpu7x", **kw)
+    assert got > 2 * perf.predict(kimi, "tpu7x", **kw).step_ms
+    with pytest.raises(ValueError, match=r"timing='roofline' must be one of \('modelled'"):
+        spec.step_ms(kimi, "tpu7x", timing="roofline", **kw)
