@@ -26,9 +26,8 @@ taps=True)` returns, and `first_divergence` compares the two op by op up to a
 
 Here: `prepare` (weights in the megakernel's layout, once), `decode_step`, `step_plan`,
 `traced_step`, `first_divergence`, `generate`, `check_generate`, `progress_bar`,
-`compile_target` (what
-`mk.tpu.compile_megakernel` compiles). Not here: the compile-time benchmark
-(benchmarks/compile_time.py).
+`compile_target` (what `mk.tpu.compile_megakernel` compiles). Not here: the compile-time
+benchmark (benchmarks/compile_time.py).
 
 Tensor parallelism is the same kernel with a plan of tp > 1, run inside `jax.shard_map`
 on one device's shard (the plan's `local` config; `mk.tensor_parallel` shards the weights
