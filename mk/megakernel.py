@@ -25,9 +25,9 @@ taps=True)` returns, and `first_divergence` compares the two op by op up to a
 `stop_after=(layer, op)` point and names the first op that differs.
 
 Here: `prepare` (weights in the megakernel's layout, once), `decode_step`, `step_plan`,
-`traced_step`, `first_divergence`, `generate`, `check_generate`, `compile_target` (what
-`mk.tpu.compile_megakernel` compiles). Not here: the compile-time benchmark
-(benchmarks/compile_time.py).
+`traced_step`, `first_divergence`, `generate`, `check_generate`, `progress_bar`,
+`compile_target` (what `mk.tpu.compile_megakernel` compiles). Not here: the compile-time
+benchmark (benchmarks/compile_time.py).
 
 Tensor parallelism is the same kernel with a plan of tp > 1, run inside `jax.shard_map`
 on one device's shard (the plan's `local` config; `mk.tensor_parallel` shards the weights
@@ -46,6 +46,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from tqdm.auto import tqdm
 
 from mk import backend as backends
 from mk import reference
@@ -325,13 +326,24 @@ def check_generate(config: ModelConfig, prompt, steps: int, steps_per_call: int,
     return prompt, S, steps, positive_int("steps_per_call", steps_per_call)
 
 
+def progress_bar(steps: int, progress: bool, desc: str = "megakernel") -> tqdm:
+    """The bar of a `generate` loop: `steps` tokens per sequence, the first (from the
+    prefill) already done; the loop updates it by n after each dispatch of n steps.
+    tqdm.auto draws a widget in Jupyter, text on stderr elsewhere; progress=False draws
+    nothing."""
+    if not isinstance(progress, bool):
+        raise ValueError(f"progress={progress!r} must be True or False")
+    return tqdm(total=steps, initial=1, desc=desc, unit="step", disable=not progress)
+
+
 def generate(config: ModelConfig, params, prompt, steps: int, *, backend: str = "auto",
              block: BlockSizes | None = None, max_context: int | None = None,
-             steps_per_call: int = 1) -> jax.Array:
+             steps_per_call: int = 1, progress: bool = False) -> jax.Array:
     """Greedy decoding with the megakernel: prompt [B, P] -> the next `steps` tokens
     [B, steps] int32, the same contract as `mk.reference.generate`. The prompt is
     prefilled by the XLA reference; every later token comes from one megakernel call, and
-    `steps_per_call` of them run per host dispatch (a device-side loop)."""
+    `steps_per_call` of them run per host dispatch (a device-side loop). progress=True
+    shows a `progress_bar` (interpret-mode calls take seconds each)."""
     prompt, S, steps, steps_per_call = check_generate(config, prompt, steps, steps_per_call,
                                                       max_context)
     plan = step_plan(config, batch=prompt.shape[0], context=S, block=block)
@@ -341,10 +353,11 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, backend: str = 
     token = reference.greedy(logits[:, -1])
     out, done = [token[:, None]], 1
     position = jnp.full((prompt.shape[0],), prompt.shape[1], jnp.int32)
-    with backends.use(backend):
+    with backends.use(backend), progress_bar(steps, progress) as bar:
         while done < steps:
             n = min(steps_per_call, steps - done)
             tokens, cache = _greedy_steps(plan, weights, cache, token, position, n)
             out.append(tokens)
             token, position, done = tokens[:, -1], position + n, done + n
+            bar.update(n)
     return jnp.concatenate(out, axis=1)

@@ -457,7 +457,7 @@ def check_gamma(gamma) -> None:
 def generate(config: ModelConfig, params, prompt, steps: int, *, drafter, gamma: int,
              sampling: Sampling | None = None, verifier="megakernel", backend: str = "auto",
              seed: int = 0, max_context: int | None = None, bucket: int | None = None,
-             **drafter_options):
+             progress: bool = False, **drafter_options):
     """Speculative decoding: prompt [B, P] -> (the next `steps` tokens [B, steps] int32,
     `SpecStats`). Greedy (`sampling=None`) gives exactly the target's greedy tokens.
 
@@ -465,7 +465,8 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, drafter, gamma:
     "megakernel" (on `backend`), "reference" or a `Runner` with rows = gamma + 1.
     `bucket`, for the XLA runs (the reference verifier, the drafters): the batch every call
     is padded to, rows padded to 8 (module docstring). The cache needs
-    P + steps + gamma - 1 <= max_context (default config.max_context) positions."""
+    P + steps + gamma - 1 <= max_context (default config.max_context) positions.
+    progress=True shows a `mk.megakernel.progress_bar` of the tokens every sequence has."""
     check_gamma(gamma)
     prompt, S, steps = reference.check_generate(config, prompt, steps, max_context,
                                                 gamma=gamma)
@@ -507,6 +508,7 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, drafter, gamma:
     length = np.full(B, P + 1)
     drafter.start(prompt, S)
     histogram, calls = np.zeros(gamma + 1, np.int64), (verifier.calls, drafter.calls)
+    bar = megakernel.progress_bar(steps, progress, "speculative decoding")
     while (active := length - P < steps).any():
         # A finished sequence redoes a step within its tokens (it keeps the batch's shape
         # and its cache writes inside the capacity); its results are dropped.
@@ -523,6 +525,8 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, drafter, gamma:
             seq[b, length[b] + n[b]] = bonus[b]
         length = np.where(active, length + n + 1, length)
         histogram += np.bincount(n[active], minlength=gamma + 1)
+        bar.update(min(int((length - P).min()), steps) - bar.n)
+    bar.close()
     stats = SpecStats(drafter=drafter.name, verifier=verifier.name, gamma=gamma,
                       batch=B, histogram=tuple(int(c) for c in histogram),
                       verifier_calls=verifier.calls - calls[0],
@@ -531,7 +535,7 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, drafter, gamma:
 
 
 # -- Throughput -------------------------------------------------------------------------------
-TIMINGS = ("roofline", "sim", "conventional")
+TIMINGS = ("modelled", "sim", "conventional")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -544,8 +548,9 @@ class Throughput:
 
 @functools.lru_cache(maxsize=4096)  # sweeps ask for the same step many times
 def step_ms(config: ModelConfig, chip, *, batch: int, rows: int, context: int, tp: int,
-            timing: str = "roofline") -> float:
-    """One decode step of B x T rows: "roofline" `mk.perf.predict` (a floor), "sim"
+            timing: str = "modelled") -> float:
+    """One decode step of B x T rows: "modelled" the modelled step of `mk.ledger.TERMS`
+    (`mk.perf.modelled_step_ms`: max(HBM floor, MXU floor) + the collectives), "sim"
     `mk.sim.simulate` (TPU chips; the ring's slots sized for the DMA latency, as the
     "deep" column of `mk.ledger`'s published rows), "conventional" `mk.perf.conventional` (one
     kernel per op, a launch gap each: the GPU baseline)."""
@@ -556,14 +561,14 @@ def step_ms(config: ModelConfig, chip, *, batch: int, rows: int, context: int, t
         return sim.simulate(config, chip, block=block, **kw).step_ms
     if timing == "conventional":
         return perf.conventional(config, chip, **kw).step_ms
-    if timing != "roofline":
+    if timing != "modelled":
         raise ValueError(f"timing={timing!r} must be one of {TIMINGS}")
-    return perf.predict(config, chip, **kw).step_ms
+    return perf.modelled_step_ms(config, chip, **kw)
 
 
 def throughput(config: ModelConfig, chip, *, gamma: int, acceptance_length: float,
                batch: int = 1, context: int = 0, tp: int = 1, draft: ModelConfig | None = None,
-               timing: str = "roofline") -> Throughput:
+               timing: str = "modelled") -> Throughput:
     """tokens/s per user = tau / (t_verify(gamma + 1 rows) + gamma * t_draft(1 row)), both
     steps timed by `step_ms`; a draft model shares the target's chips."""
     check_gamma(gamma)

@@ -170,10 +170,11 @@ def _greedy_steps(plan, mesh, weights, cache, token, position, steps: int):
 
 def generate(config: ModelConfig, params, prompt, steps: int, *, tp: int,
              mesh: jax.sharding.Mesh | None = None, block: BlockSizes | None = None,
-             max_context: int | None = None, steps_per_call: int = 1) -> jax.Array:
+             max_context: int | None = None, steps_per_call: int = 1,
+             progress: bool = False) -> jax.Array:
     """Greedy decoding with the megakernel on tp devices: the contract of
-    `mk.megakernel.generate`. Returns [tp, B, steps]: every device's copy of the tokens
-    (they must agree; a test checks it)."""
+    `mk.megakernel.generate`, `progress` included. Returns [tp, B, steps]: every device's
+    copy of the tokens (they must agree; a test checks it)."""
     tp = check_tp(config, tp)
     mesh = mesh or tp_mesh(tp)
     if mesh.shape.get(AXIS) != tp:
@@ -190,11 +191,13 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, tp: int,
     token = reference.greedy(logits[:, -1])
     out, done = [jnp.broadcast_to(token[None, :, None], (tp, token.shape[0], 1))], 1
     position = jnp.full((prompt.shape[0],), prompt.shape[1], jnp.int32)
-    while done < steps:
-        n = min(steps_per_call, steps - done)
-        tokens, cache = _greedy_steps(plan, mesh, weights, cache, token, position, n)
-        out.append(tokens)
-        token, position, done = tokens[0, :, -1], position + n, done + n
+    with megakernel.progress_bar(steps, progress, f"megakernel tp={tp}") as bar:
+        while done < steps:
+            n = min(steps_per_call, steps - done)
+            tokens, cache = _greedy_steps(plan, mesh, weights, cache, token, position, n)
+            out.append(tokens)
+            token, position, done = tokens[0, :, -1], position + n, done + n
+            bar.update(n)
     return jnp.concatenate(out, axis=2)
 
 

@@ -140,7 +140,8 @@ params = mk.load_checkpoint(run.checkpoint)[1] if run.checkpoint else mk.init_pa
 prompt = jax.random.randint(jax.random.key(run.seed), (run.batch, 5), 0, config.vocab)
 want = reference.generate(config, params, prompt, steps)
 start = time.perf_counter()
-got = megakernel.generate(config, params, prompt, steps, backend=run.backend, block=block)
+got = megakernel.generate(config, params, prompt, steps, backend=run.backend, block=block,
+                          progress=True)
 seconds = time.perf_counter() - start
 print("reference  :", want.tolist())
 print("megakernel :", got.tolist())

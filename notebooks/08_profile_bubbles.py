@@ -76,6 +76,7 @@ import tempfile
 import jax
 import jax.numpy as jnp
 from IPython.display import display
+from tqdm.auto import tqdm
 
 import mk
 import mk.backend
@@ -129,7 +130,7 @@ positions = jnp.full((run.batch,), prompt.shape[1], jnp.int32)
 step_fns = profiling.variants(config, params, cache, tokens, positions)
 captures = {}
 with mk.backend.use(run.backend):
-    for name, fn in step_fns.items():
+    for name, fn in tqdm(step_fns.items(), desc="captures"):
         captures[name] = profiling.capture(fn, steps=steps, name=f"{config.name}-{name}")
         print(f"{name:>10}: {captures[name].path.relative_to(profiling.PROFILES.parent)}")
 

@@ -136,7 +136,8 @@ print(f"{config.name}: B={run.batch}, gamma={gamma} (T={gamma + 1} rows), S={run
 options = {"acceptance_length": demo_acceptance} if demo_drafter == "forced" else {}
 mk_tokens, mk_stats = spec.generate(config, params, prompt, megakernel_steps,
                                     drafter=demo_drafter, gamma=gamma, verifier="megakernel",
-                                    backend=run.backend, max_context=run.context, **options)
+                                    backend=run.backend, max_context=run.context,
+                                    progress=True, **options)
 want = np.asarray(reference.generate(config, params, prompt, megakernel_steps,
                                      max_context=run.context))
 print("megakernel-verified:", np.asarray(mk_tokens).tolist())
@@ -219,8 +220,8 @@ print("forced L -> measured tau:", forced)
 # $$\text{tokens/s per user} = \frac{\tau}{t_\text{verify}(\gamma + 1\ \text{rows}) +
 # t_\text{draft}}$$
 #
-# with $t_\text{verify}$ the modelled step (`mk.spec.step_ms`; for a bf16 model the HBM floor
-# dominates the MXU floor, checked below) for the `sweep_preset` model on the fewest chips
+# with $t_\text{verify}$ the modelled step (`mk.spec.step_ms`: the larger of the HBM and MXU
+# floors plus the collectives, checked below) for the `sweep_preset` model on the fewest chips
 # (a power of two) of each kind that hold it, all devices sharing the step, and
 # $t_\text{draft} = \gamma$ steps of the `sweep_draft` model on the same chips. Without a
 # drafter ($t_\text{draft} = 0$) every gamma gives the same line, because verifying 8 rows
@@ -386,9 +387,10 @@ for name, runs in measured.items():
     assert all(1 <= s.acceptance_length <= s.gamma + 1 for s in runs), name
 assert len(comparison) == 6, comparison
 assert all(v["published"] > 1 for v in ratios.values()), "the published TPU runs lead"
-for c in sweep_chips:  # the sweep's spec.step_ms is the modelled step for this model
-    kw = dict(batch=1, rows=8, context=sweep_context, tp=devices[c])
-    assert abs(spec.step_ms(target, c, **kw) - perf.modelled_step_ms(target, c, **kw)) < 1e-9
+for c in sweep_chips:  # the sweep's t_verify is the ledger's modelled step
+    kw = dict(batch=1, context=sweep_context, tp=devices[c])
+    t = spec.throughput(target, c, gamma=spec.MAX_GAMMA, acceptance_length=1, **kw)
+    assert t.verify_ms == perf.modelled_step_ms(target, c, rows=spec.MAX_GAMMA + 1, **kw), c
 for bad in (0, spec.MAX_GAMMA + 1):
     try:
         spec.check_gamma(bad)

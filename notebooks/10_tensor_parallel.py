@@ -213,7 +213,7 @@ want = reference.generate(config, params, prompt, steps)
 with (course.planted("dropped_all_reduce" if exercise_drop_all_reduce else None),
       mk.backend.use("interpret", detect_races=True)):
     got = tpar.generate(config, params, prompt, steps, tp=tp,
-                        mesh=collectives.tp_mesh(tp, cpus), steps_per_call=steps)
+                        mesh=collectives.tp_mesh(tp, cpus), progress=True)
     races = mk.backend.races_found()
 print("reference       :", np.asarray(want).tolist())
 print(f"tp={tp}, device 0 :", np.asarray(got[0]).tolist(), "; races found:", races)

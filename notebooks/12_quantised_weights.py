@@ -80,6 +80,7 @@ import jax.numpy as jnp
 import numpy as np
 import plotly.graph_objects as go
 from IPython.display import Markdown, display
+from tqdm.auto import tqdm
 
 import mk
 import mk.run
@@ -227,7 +228,7 @@ print(f"every element of {len(quantised)} quantised weights is within its format
 # %%
 prompt = np.random.default_rng(run.seed).integers(0, run.config.vocab, (2, 8))
 accuracy_rows = []
-for label, fmt in TABLE_FORMATS.items():
+for label, fmt in tqdm(TABLE_FORMATS.items(), desc="accuracy"):
     if label == "bf16":
         continue
     q = mk.quantize(run.config, params, **schemes(run.config, *fmt))

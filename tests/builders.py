@@ -1,4 +1,5 @@
-"""Shared test inputs: tiny configs and Hugging Face checkpoint folders written without torch.
+"""Shared test inputs: tiny configs and Hugging Face checkpoint folders written without torch;
+`bar_count` reads what a text progress bar drew.
 
 The HF names below are spelled out by hand, independently of `mk.checkpoint.hf_layout`, so
 a round trip through them tests the loader's mapping rather than repeating it.
@@ -7,6 +8,7 @@ a round trip through them tests the loader's mapping rather than repeating it.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -221,3 +223,10 @@ def assert_rollback_exact(config, params, *, rows: int, accepted):
     planted = next_logits(after, jnp.asarray(accepted))
     assert np.abs(planted[0] - got[0]).max() > 1e-2
     return after, states
+
+
+def bar_count(text: str) -> tuple[int, int] | None:
+    """(n, total) of the last state a text tqdm bar drew into `text` (its "n/total [" field),
+    None if it drew none."""
+    drawn = re.findall(r"(\d+)/(\d+) \[", text)
+    return (int(drawn[-1][0]), int(drawn[-1][1])) if drawn else None

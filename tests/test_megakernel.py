@@ -17,6 +17,7 @@ import mk.megakernel as megakernel
 from mk import backend, reference, tpu
 from mk.kernels.common import BlockSizes
 from mk.kernels.plan import default_block
+from builders import bar_count
 
 TOKENS = 64
 
@@ -66,13 +67,30 @@ def test_64_greedy_tokens_equal_the_reference(name, batch, rows):
 
 
 @pytest.mark.parametrize("name, batch", [("tiny", 1), pytest.param("tiny-moe", 2, marks=SLOW)])
-def test_bf16_greedy_tokens_equal_the_reference(name, batch):
+def test_bf16_greedy_tokens_equal_the_reference_and_the_bar_counts_them(name, batch, capsys):
+    """8 tokens: the prefill's, then dispatches of 4 and 3 steps; the progress bar ends at
+    8 of 8 (its planted miscount is caught in the test below)."""
     config = mk.preset(name)
     params = mk.init_params(config)
     prompt = jax.random.randint(jax.random.key(1), (batch, 5), 0, config.vocab)
     got = megakernel.generate(config, params, prompt, 8, backend="interpret",
-                              max_context=128, steps_per_call=4)
+                              max_context=128, steps_per_call=4, progress=True)
     np.testing.assert_array_equal(got, reference.generate(config, params, prompt, 8))
+    assert bar_count(capsys.readouterr().err) == (8, 8)
+
+
+def test_the_progress_bar_is_off_by_default_and_a_miscount_shows(capsys):
+    """The bar check above against a planted miscount (update by 1 per dispatch, not by
+    its n steps); progress=False draws nothing; a non-bool progress is refused."""
+    with megakernel.progress_bar(8, True) as bar:
+        bar.update(1)
+        bar.update(1)
+    assert bar_count(capsys.readouterr().err) == (3, 8)
+    with megakernel.progress_bar(8, False) as bar:
+        bar.update(7)
+    assert bar_count(capsys.readouterr().err) is None
+    with pytest.raises(ValueError, match="progress='yes' must be True or False"):
+        megakernel.progress_bar(8, "yes")
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-moe"])

@@ -29,6 +29,7 @@ from scipy import stats as scipy_stats
 import mk
 from mk import perf, reference, spec
 from mk.config import ModelConfig
+from builders import bar_count
 
 STEPS = 6  # tokens per run of the reference matrix
 MK_STEPS = 4  # tokens per megakernel run (each verification costs ~0.5-2 s)
@@ -140,6 +141,17 @@ def test_forced_acceptance_L_measures_tau_exactly_L(models, gamma, L):
     np.testing.assert_array_equal(got[:, :STEPS], want)
 
 
+
+def test_the_progress_bar_counts_the_tokens_every_sequence_has(models, capsys):
+    """tau = 2 from the prefill's token: 1, 3, 5, 7, 9 tokens; the bar stops at 8 of 8 (fed
+    the overshoot, tqdm drops the total and the last "n/total" drawn is 7/8; fed one
+    token per step, it ends at 5/8)."""
+    config, params, prompts, _, _ = models["tiny"]
+    spec.generate(config, params, prompts, 8, drafter="forced", gamma=3, acceptance_length=2,
+                  verifier="reference", bucket=BUCKET, progress=True)
+    assert bar_count(capsys.readouterr().err) == (8, 8)
+
+
 # -- Rejected rows of the KV cache ------------------------------------------------------------
 class Poisoned(spec.Runner):
     """Wraps a verifier; before each step writes `value` into every cache row at or past
@@ -245,10 +257,22 @@ def test_throughput_is_tau_over_verify_plus_draft_time():
     target, draft = mk.preset("qwen3-8b"), mk.preset("qwen3-0.6b")
     t = spec.throughput(target, "v6e", gamma=4, acceptance_length=3.0, batch=2, context=1024,
                         draft=draft)
-    verify = perf.predict(target, "v6e", batch=2, rows=5, context=1024).step_ms
-    one = perf.predict(draft, "v6e", batch=2, rows=1, context=1024).step_ms
+    verify = perf.modelled_step_ms(target, "v6e", batch=2, rows=5, context=1024)
+    one = perf.modelled_step_ms(draft, "v6e", batch=2, rows=1, context=1024)
     assert t.verify_ms == verify and t.draft_ms == pytest.approx(4 * one)
     assert t.tokens_per_s_per_user == pytest.approx(3.0 / ((verify + 4 * one) / 1e3))
     free = spec.throughput(target, "v6e", gamma=4, acceptance_length=3.0, batch=2,
                            context=1024)
     assert free.draft_ms == 0 and free.tokens_per_s_per_user > t.tokens_per_s_per_user
+
+
+def test_the_step_time_is_the_ledgers_modelled_step_with_the_mxu_rule():
+    """spec.step_ms's default timing is `mk.perf.modelled_step_ms`, the modelled step of
+    `mk.ledger.TERMS`. kimi-k3-like's fp4 experts make its MXU floor the larger one, so
+    `perf.predict`'s step (the FLOP floor, the former "roofline" timing) would differ."""
+    kimi, kw = mk.preset("kimi-k3-like"), dict(batch=1, rows=8, context=1024, tp=1)
+    got = spec.step_ms(kimi, "tpu7x", **kw)
+    assert got == perf.modelled_step_ms(kimi, "tpu7x", **kw)
+    assert got > 2 * perf.predict(kimi, "tpu7x", **kw).step_ms
+    with pytest.raises(ValueError, match=r"timing='roofline' must be one of \('modelled'"):
+        spec.step_ms(kimi, "tpu7x", timing="roofline", **kw)

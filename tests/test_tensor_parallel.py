@@ -14,6 +14,8 @@ Not covered by interpret mode: time, ICI routing, the scoped VMEM limit; the ahe
 compiles cover lowering and capacity on real topologies.
 """
 
+import contextlib
+import io
 import re
 
 import jax
@@ -26,6 +28,7 @@ from mk import backend, reference, tpu
 from mk import tensor_parallel as tpar
 from mk.config import ModelConfig
 from mk.kernels import plan
+from builders import bar_count
 from multidevice import run
 
 CASES = [(2, True), (4, False), (8, False)]  # (tp, with an MoE layer): 6 steps each
@@ -49,10 +52,13 @@ def _tokens(tp: int, moe: bool, steps: int) -> dict:
     params = mk.init_params(config, seed=tp)
     prompt = jax.random.randint(jax.random.key(tp), (2, 5), 0, config.vocab)
     want = reference.generate(config, params, prompt, steps)
-    with backend.use("interpret", detect_races=True):
-        got = tpar.generate(config, params, prompt, steps, tp=tp, steps_per_call=steps)
+    drawn = io.StringIO()
+    with backend.use("interpret", detect_races=True), contextlib.redirect_stderr(drawn):
+        got = tpar.generate(config, params, prompt, steps, tp=tp, steps_per_call=steps,
+                            progress=True)
         jax.block_until_ready(got)
-    return dict(want=want, got=got, races=backend.races_found())
+    return dict(want=want, got=got, races=backend.races_found(),
+                bar=bar_count(drawn.getvalue()) or (0, 0))
 
 
 def tokens(tp: int) -> dict:
@@ -73,6 +79,8 @@ def test_greedy_tokens_equal_the_reference_on_every_device_race_free(target, tp)
     out = run(f"test_tensor_parallel:{target}", tp)
     assert not out["races"]
     assert out["got"].shape == (tp, *out["want"].shape)
+    steps = out["want"].shape[1]
+    assert tuple(out["bar"]) == (steps, steps), "the progress bar miscounted"
     for device in range(tp):
         np.testing.assert_array_equal(out["got"][device], out["want"], f"device {device}")
 
