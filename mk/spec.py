@@ -263,24 +263,62 @@ class NGram(Drafter):
 
 class Forced(ModelDrafter):
     """A benchmarking device, not a drafter: an oracle that knows the target's greedy
-    continuation (it runs the target itself, as a `ModelDrafter`) and spoils draft number
-    L, so every step keeps exactly L - 1 drafts plus the bonus token: tau = L. (The
-    published runs state a mean acceptance length; whether their drafts were real or
-    forced is not stated.) Its oracle's cost is not draft time (cost None). Greedy only: no
-    drafter can force acceptance under sampling and stay exact."""
+    continuation and spoils draft number L, so every step keeps exactly L - 1 drafts plus
+    the bonus token: tau = L. (The published runs state a mean acceptance length; whether
+    their drafts were real or forced is not stated.) Its oracle's cost is not draft time
+    (cost None). Greedy only: no drafter can force acceptance under sampling and stay exact.
+
+    The oracle drafts with the target on the XLA reference (as a `ModelDrafter`), whose
+    rounding can differ from the verifier's (the bf16 megakernel): `settle` then replaces
+    the first draft the verifier disagrees with by the verifier's own token and verifies
+    again, so the count is exact whatever the verifier. Those extra verifications (usually
+    none, at most L - 1 per step) are counted in `settled`, and in the verifier's calls.
+    Its runner takes `rows` >= L rows: after a replaced draft it re-feeds up to L tokens."""
 
     name = "forced"
 
-    def __init__(self, config, params, acceptance_length: int, *, batch=None, rows=2):
+    def __init__(self, config, params, acceptance_length: int, *, batch=None, rows: int):
+        if rows < acceptance_length:
+            raise ValueError(f"rows={rows} must be >= acceptance_length={acceptance_length}")
         super().__init__(config, params, batch=batch, rows=rows)
         self.cost = None
         self.L = acceptance_length
+        self.settled = 0  # extra verifier calls made by `settle`
 
     def propose(self, seq, length, gamma, sampling, rng):
         drafts, _ = super().propose(seq, length, gamma, None, rng)
         if self.L <= gamma:
             drafts[:, self.L - 1] = (drafts[:, self.L - 1] + 1) % self.runner.config.vocab
         return drafts, None
+
+    def settle(self, verifier: Runner, cache, rows, positions, target):
+        """After `verifier.step(cache, rows, positions) -> (target, _, cache)`: -> (drafts,
+        target, cache) with drafts [B, gamma] whose first L - 1 equal the verifier's own
+        greedy tokens and whose L-th (if any) does not, so `accept_greedy` keeps exactly L.
+        Target token i depends on drafts before i only: each pass fixes the first wrong
+        draft of each sequence and verifies again (the same rows of the cache)."""
+        rows = np.array(rows, np.int32)
+        must = self.L - 1  # drafts every step keeps
+
+        def wrong():
+            return rows[:, 1:must + 1] != target[:, :must]
+
+        for _ in range(must):
+            if not wrong().any():
+                break
+            b = np.flatnonzero(wrong().any(axis=1))
+            i = wrong()[b].argmax(axis=1)
+            rows[b, i + 1] = target[b, i]
+            target, _, cache = verifier.step(cache, rows, positions)
+            self.settled += 1
+        if wrong().any():
+            raise RuntimeError(f"verifier {verifier.name!r} changed an earlier row's token "
+                               "when a later row changed: its rows are not causal")
+        drafts = rows[:, 1:]
+        if must < drafts.shape[1]:  # spoil draft L against the verifier's token (no re-run:
+            hit = drafts[:, must] == target[:, must]  # target[:, must] precedes it)
+            drafts[hit, must] = (target[hit, must] + 1) % self.runner.config.vocab
+        return drafts, target, cache
 
 
 def first_layers(config: ModelConfig, params, n: int):
@@ -346,9 +384,9 @@ def make_drafter(name: str, config: ModelConfig, params, *, gamma: int,
     needs `acceptance_length` in [1, gamma + 1]. `batch` is the XLA bucket's batch."""
     check_drafter(name, gamma, acceptance_length)
     if name == "forced":
-        L = acceptance_length
-        # In a bucket the oracle runs the reference verifier's shape: one compile for both.
-        return Forced(config, params, L, batch=batch, rows=MAX_GAMMA + 1 if batch else 2)
+        # The oracle runs the reference verifier's shape (one compile for both); >= L rows.
+        return Forced(config, params, acceptance_length, batch=batch,
+                      rows=MAX_GAMMA + 1 if batch else gamma + 1)
     if name == "ngram":
         return NGram()
     if name == "self":
@@ -516,6 +554,8 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, drafter, gamma:
         drafts, q = drafter.propose(seq, at, gamma, sampling, rng)
         rows = np.concatenate([seq[np.arange(B), at - 1][:, None], drafts], axis=1)
         target, logits, cache = verifier.step(cache, rows, at - 1)
+        if isinstance(drafter, Forced):  # its count is exact whatever the verifier rounds
+            drafts, target, cache = drafter.settle(verifier, cache, rows, at - 1, target)
         if sampling is None:
             n, bonus = accept_greedy(drafts, target)
         else:

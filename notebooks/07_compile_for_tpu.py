@@ -66,6 +66,7 @@ measure_layers: list[int] = [2, 4]  # layer counts compiled live for the compile
 recorded: str = "data/compile_time/qwen3-8b_v6e_s1024.json"  # a full run of the benchmark
 
 # %%
+import functools
 import importlib.util
 import json
 import os
@@ -77,7 +78,8 @@ from IPython.display import display
 
 import mk
 import mk.run
-from mk import plots, tpu
+from mk import megakernel, plots, tpu
+from mk.kernels.plan import capacity
 
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
@@ -112,6 +114,52 @@ if report.vmem is not None:
                             f"{report.vmem.limit_bytes / 2**20:.0f} MiB on {run.chip}",
                       yaxis_title="MiB", xaxis_title="buffer")
     plots.show(fig)
+
+# %% [markdown]
+# ## Does it fit, and if not, what does
+#
+# Two verdicts. The plan's capacity check (`DecodePlan.fits`) counts the VMEM buffers and
+# the HBM the weights and KV cache need, against one core's HBM. The compiler counts
+# everything the compiled step holds: the arguments and also its outputs, among them the
+# updated KV cache (the step does not donate its input cache, so the new one is a second
+# copy), against the HBM it leaves free. When either refuses, the largest batch at this
+# context and the largest context at this batch that compile are found by bisection, one
+# compile per probe (a few seconds each: a refusal comes before any code is generated).
+
+# %%
+@functools.cache
+def compiles(batch_: int, context_: int) -> bool:
+    """Whether the step at this batch and context compiles (the plan's check first)."""
+    return tpu.compile_megakernel(config, run.chip, batch=batch_, rows=run.rows,
+                                  context=context_).ok
+
+
+def largest(candidates: list[int], ok) -> int | None:
+    """The largest of ascending `candidates` for which ok() holds, assuming ok holds for a
+    prefix of them (the memory a step needs grows with batch and context); None if none."""
+    lo, hi = -1, len(candidates)  # ok(candidates[lo]) holds, ok(candidates[hi]) does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(candidates[mid]) else (lo, mid)
+    return candidates[lo] if lo >= 0 else None
+
+
+fit = megakernel.step_plan(config, batch=run.batch, rows=run.rows,
+                           context=run.context).fits(spec)
+print(f"plan: weights and KV cache {fit.hbm_bytes / 2**30:.2f} GiB of "
+      f"{fit.hbm_limit_bytes / 2**30:.2f} GiB per core: "
+      f"{'fits' if fit.ok else 'does not fit: ' + fit.error}")
+print(f"compiler: {'compiled' if report.ok else report.error.splitlines()[0]}")
+best_batch = best_context = None
+if not report.ok:
+    best_batch = largest(list(range(1, run.batch)), lambda b: compiles(b, run.context))
+    contexts = sorted({capacity(n) for n in range(max(run.rows, 16), run.context, 16)})
+    best_context = largest([c for c in contexts if c < run.context],
+                           lambda c: compiles(run.batch, c))
+    print(f"{config.name} B={run.batch} T={run.rows} S={run.context} does not fit "
+          f"{run.chip}. Largest that compiles: at S={run.context}, "
+          f"{f'B={best_batch}' if best_batch else 'no batch'}; at B={run.batch}, "
+          f"{f'S={best_context}' if best_context else 'no context'}")
 
 # %% [markdown]
 # ## The full-size compiles, and one that does not fit
@@ -190,6 +238,12 @@ plots.show(fig)
 # RESOURCE_EXHAUSTED with its numbers); any other compiler error is a failure.
 assert report.ok or "over" in report.error or "RESOURCE_EXHAUSTED" in report.error, \
     report.error
+if not report.ok:  # the boundaries: the value found compiles, the next one up does not
+    if best_batch is not None:
+        assert compiles(best_batch, run.context) and not compiles(best_batch + 1, run.context)
+    if best_context is not None:
+        above = min(c for c in contexts + [run.context] if c > best_context)
+        assert compiles(run.batch, best_context) and not compiles(run.batch, above)
 for (m, c), r in reports.items():
     assert r.ok == ((m, c) != ("qwen3-30b-a3b", "v5e")), (m, c, r.error)
 assert "GiB of HBM" in reports[("qwen3-30b-a3b", "v5e")].error

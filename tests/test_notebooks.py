@@ -5,8 +5,11 @@ Each `notebooks/NN_topic.py` (the reviewed source) must have an `NN_topic.ipynb`
 Colab opens) with the same cells, no outputs, a python3 kernelspec, a Colab link in its
 title, the Colab bootstrap as its first code cell (which installs on Colab and names a
 folder that shadows the package) and a `parameters` cell whose every parameter has a type
-and a one-line help; then papermill executes it on the tiny preset on the CPU, as
-`make run` does.
+and a one-line help; then papermill executes, on the CPU, every configuration `make run`
+executes (notebooks/runs.yaml; an unlisted notebook once with its own parameters), and the
+tiny preset of a notebook whose configurations are all too slow for CI. A run passes when no
+cell raises: each notebook's last cell holds its checks (asserts that fail on a wrong
+result). The configurations CI cannot afford (`SLOW_RUNS`) run in `make test-slow`.
 
 Not here: whether the prose's numbers match the cell outputs (review), and how long a
 notebook takes (`make run` prints it).
@@ -233,8 +236,38 @@ def test_untyped_or_unexplained_parameters_are_found():
     assert _untyped_or_unexplained(code) == ["b", "c"]
 
 
-@each_notebook
-def test_notebook_runs_on_tiny_preset(source, tmp_path):
+# Configurations over CI's budget (`make test` is ~20 of its 25 minutes on 2 cores), with
+# the seconds each took headless in `make run`: `make test-slow` runs them.
+SLOW_RUNS = {"06_megakernel-tiny-moe-b3-t2": 209, "07_compile_for_tpu-qwen3-8b-v6e": 140,
+             "07_compile_for_tpu-qwen3-4b-v5e": 119, "11_design_review-qwen3-8b-tpu7x": 196}
+
+
+def _configurations():
+    """Every run of `make run`, and a tiny-preset run of each notebook whose runs are all
+    slow (so `make test` runs every notebook)."""
+    runs = run_notebooks.load_runs(NOTEBOOKS / "runs.yaml",
+                                   [s.with_suffix(".ipynb") for s in SOURCES])
+    out = []
+    for source in SOURCES:
+        mine = [r for r in runs if r.notebook.stem == source.stem]
+        if all(r.name in SLOW_RUNS for r in mine):
+            mine.append(run_notebooks.Run(source.with_suffix(".ipynb"), "tiny-preset",
+                                          {"preset": "tiny"}))
+        out += mine
+    return out
+
+
+CONFIGURATIONS = _configurations()
+
+
+def test_slow_runs_name_configurations():
+    # A renamed label would otherwise move a slow configuration into `make test`.
+    assert set(SLOW_RUNS) <= {r.name for r in CONFIGURATIONS}
+
+
+@pytest.mark.parametrize("run", [
+    pytest.param(r, id=r.name, marks=[pytest.mark.slow] if r.name in SLOW_RUNS else [])
+    for r in CONFIGURATIONS])
+def test_notebook_runs(run, tmp_path):
     # papermill raises PapermillExecutionError, with the failing cell, if any cell raises.
-    notebook = source.with_suffix(".ipynb")
-    run_notebooks.execute(notebook, tmp_path / notebook.name, {"preset": "tiny"})
+    run_notebooks.execute(run.notebook, tmp_path / f"{run.name}.ipynb", run.parameters)

@@ -141,7 +141,6 @@ def test_forced_acceptance_L_measures_tau_exactly_L(models, gamma, L):
     np.testing.assert_array_equal(got[:, :STEPS], want)
 
 
-
 def test_the_progress_bar_counts_the_tokens_every_sequence_has(models, capsys):
     """tau = 2 from the prefill's token: 1, 3, 5, 7, 9 tokens; the bar stops at 8 of 8 (fed
     the overshoot, tqdm drops the total and the last "n/total" drawn is 7/8; fed one
@@ -150,6 +149,33 @@ def test_the_progress_bar_counts_the_tokens_every_sequence_has(models, capsys):
     spec.generate(config, params, prompts, 8, drafter="forced", gamma=3, acceptance_length=2,
                   verifier="reference", bucket=BUCKET, progress=True)
     assert bar_count(capsys.readouterr().err) == (8, 8)
+
+
+def test_forced_acceptance_is_exact_with_the_bf16_megakernel_verifier():
+    """The oracle drafts on the XLA reference, whose rounding differs from the bf16
+    megakernel's: with these params and prompts (seed 4; before `Forced.settle` steps kept
+    fewer than L tokens) the oracle's draft disagrees with the verifier at least once (the
+    control: otherwise this case could not fail), yet every step keeps exactly L tokens and
+    the tokens are the megakernel's own teacher-forced greedy tokens."""
+    config = mk.preset("tiny")
+    params = mk.init_params(config, seed=4)
+    prompts = np.array([[2, 5], [7, 1], [3, 3], [9, 4]])
+    L, gamma, steps = 6, 7, 24  # the megakernel's shape is MEGAKERNEL_RUNS[0]'s: compiled once
+    oracle = spec.make_drafter("forced", config, params, gamma=gamma, acceptance_length=L,
+                               batch=BUCKET)
+    got, stats = spec.generate(config, params, prompts, steps, drafter=oracle, gamma=gamma,
+                               backend="interpret", bucket=BUCKET)
+    assert oracle.settled > 0, "the oracle agreed with the verifier: pick params that differ"
+    assert stats.verifier == "megakernel" and stats.acceptance_length == L
+    assert stats.histogram[L - 1] == stats.steps
+    runner = spec.Megakernel(config, params, rows=gamma + 1, backend="interpret")
+    last, cache = runner.prefill(prompts, config.max_context)
+    greedy, fed, P = [np.argmax(last, -1)[:, None]], np.asarray(got)[:, :-1], prompts.shape[1]
+    for start in range(0, steps - 1, runner.rows):
+        nxt, _, cache = runner.step(cache, fed[:, start:start + runner.rows],
+                                    np.full(len(prompts), P + start, np.int32))
+        greedy.append(nxt)
+    np.testing.assert_array_equal(np.concatenate(greedy, axis=1), got)
 
 
 # -- Rejected rows of the KV cache ------------------------------------------------------------
