@@ -90,7 +90,7 @@ import dataclasses
 import mk
 import mk.run
 from IPython.display import display
-from mk import course, ledger, perf, plots, review, sim, tpu, xla_step
+from mk import bundles, course, ledger, perf, plots, review, sim, xla_step
 from mk.chips import chip as chip_spec
 from mk.kernels.common import BlockSizes, VmemBudget
 from mk.kernels.plan import DecodePlan
@@ -126,9 +126,11 @@ if not 0 <= xla_layers <= config.layers:
 # %% tags=["hide-input"]
 budget = VmemBudget("megakernel", tuple(plan.buffers.values()), spec.name, spec.vmem_bytes)
 fits = budget.total_bytes <= budget.limit_bytes
-report = tpu.compile_megakernel(
-    dataclasses.replace(device, max_context=run.context), spec.name, batch=run.batch,
+# the compile, with libtpu's bundle dump read back: the kernel's cost per weight tile
+cost = bundles.measure(
+    dataclasses.replace(device, max_context=run.context), spec, batch=run.batch,
     rows=run.rows, context=run.context, block=block) if compile_for_tpu else None
+report = cost.report if cost else None
 est = perf.predict(config, spec, **step_args)
 floor_args = {k: v for k, v in step_args.items() if k != "weight_dtypes"}
 mxu_ms = perf.mxu_floor_ms(config, spec, **floor_args)
@@ -147,6 +149,10 @@ display(plots.table([
                             + ("fits" if fits else "DOES NOT FIT")},
     {"": "TPU compile", "verdict": "not run" if report is None
      else ("compiles" if report.ok else "FAILS: " + report.error[:80])},
+    {"": "issue per tile", "verdict": "not compiled" if not (report and report.ok)
+     else f"{cost.worst.bundles} bundles, {cost.tile_s * 1e9:.0f} ns against "
+          f"{cost.dma_s * 1e9:.0f} ns of DMA: "
+          + ("HBM-bound" if cost.tile_s <= 0.9 * cost.dma_s else "ISSUE-BOUND")},
     {"": "floors", "verdict": f"HBM floor {est.hbm_floor_ms:.4g} ms, MXU floor "
                               f"{mxu_ms:.4g} ms: "
                               + ("HBM" if est.hbm_floor_ms >= mxu_ms else "MXU") + "-bound"},
@@ -201,6 +207,36 @@ print(f"{len(budget.buffers)} buffers, {budget.total_bytes / 2**20:.2f} MiB of "
 
 # %%
 print("compile_for_tpu=False: not compiled" if report is None else report.summary())
+
+# %% [markdown]
+# ## What the compiled code costs per weight tile
+#
+# A megakernel keeps HBM busy only if the TensorCore finishes its work on one weight tile
+# before the DMA engine has streamed the next: one trip of `Ring.matmul`'s per-tile loop
+# must issue in less time than the tile's DMA. The compile above ran with libtpu's bundle
+# dump on (`mk.bundles.measure`): each per-tile loop's body is counted in VLIW bundles
+# (one a cycle at the chip's `clock_hz`), with the bundles that drive the MXU and those
+# with only scalar work (address arithmetic, the ring's bookkeeping). `Ring.matmul` runs
+# two loops a matrix: a steady one that issues the matrix's own next tile (one DMA site),
+# and an edge one for its last `slots` tiles that searches the segments able to follow.
+# The simulator takes the costliest loop as the compute lane's least time per tile
+# (`Assumptions.tile_issue_s`); `benchmarks/tile_costs.py` makes the same table for every
+# model and chip.
+
+# %%
+if report is not None and report.ok:
+    display(plots.table([{"loop": i, "bundles per trip": lp.bundles, "MXU": lp.mxu,
+                          "scalar only": lp.scalar_only, "DMA sites": len(lp.dma_granules)}
+                         for i, lp in enumerate(cost.loops)]))
+    issued = sim.simulate(config, spec, block=block, assumptions=cost.assumptions(),
+                          **step_args)
+    print(f"costliest loop {cost.worst.bundles} bundles = {cost.tile_s * 1e9:.0f} ns at "
+          f"{spec.clock_hz / 1e9:.2f} GHz; the tile's DMA {cost.dma_s * 1e9:.0f} ns "
+          f"({cost.tile_bytes / 1024:.0f} KiB at {cost.dma_bw / 1e9:.0f} GB/s): ratio "
+          f"{cost.tile_s / cost.dma_s:.2f}")
+    print(f"simulated step with that issue time: {issued.step_ms:.4g} ms, HBM busy "
+          f"{issued.hbm_utilisation:.1%} (without it: {s.step_ms:.4g} ms, "
+          f"{s.hbm_utilisation:.1%})")
 
 # %% [markdown]
 # ## Bytes and FLOPs of one step
