@@ -92,6 +92,12 @@ def padded_width(width: int) -> int:
     return -(-width // LANES) * LANES
 
 
+# Fields of a config whose other values the megakernel does not build yet, with the one
+# value it builds.
+UNBUILT_DEFAULTS = {"norm_offset": 0.0, "attn_output_gate": False,
+                    "partial_rotary_factor": 1.0}
+
+
 def check_tp(config: ModelConfig, tp: int) -> int:
     """tp as an int after checking every width it splits splits evenly; raises ValueError
     naming the field."""
@@ -102,6 +108,11 @@ def check_tp(config: ModelConfig, tp: int) -> int:
     if config.is_mla or config.shared_expert_ffn or config.router_score != "softmax":
         raise ValueError(f"{config.name}: MLA, shared experts or a {config.router_score!r} "
                          "router; the megakernel does not build them yet (issue 18)")
+    unbuilt = {field: getattr(config, field) for field, built in UNBUILT_DEFAULTS.items()
+               if getattr(config, field) != built}
+    if unbuilt:  # Qwen3.5's full-attention details: the kernel would compute Qwen3's
+        raise ValueError(f"{config.name}: {unbuilt}; the megakernel builds only "
+                         f"{UNBUILT_DEFAULTS} yet (issue 17)")
     need = [("heads", config.heads), ("vocab", config.vocab), ("hidden", config.hidden)]
     if config.dense_layers:
         need.append(("ffn", config.ffn))
