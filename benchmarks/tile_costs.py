@@ -13,7 +13,8 @@ assumed in its notes). Interpret nothing here as a TPU measurement: the bundle c
 the compiler's static schedule, the rest is the simulator's model.
 
     .venv/bin/python benchmarks/tile_costs.py --chips tpu7x v6e v5e \
-        --presets qwen3-0.6b qwen3-1.7b qwen3-4b qwen3-8b qwen3-30b-a3b --json build/tile_costs.json
+        --presets qwen3-0.6b qwen3-1.7b qwen3-4b qwen3-8b qwen3-30b-a3b \
+        --json build/tile_costs.json
 """
 
 from __future__ import annotations

@@ -82,10 +82,13 @@ kv_slots: int = 2  # KV tiles in the VMEM ring
 compile_for_tpu: bool = True  # the ahead-of-time libtpu compile of the megakernel
 simulate_published: bool = False  # simulate the published TPU runs too (some seconds)
 xla_layers: int = 0  # layers of XLA's own step to compile and count; 0 for all of them
+recorded_tile_costs: str = "data/tile_costs/single_core.json"  # benchmarks/tile_costs.py's run
 exercise_ring_slots: int = 0  # the exercise: ring slots to check (0 is the Little law depth; try 2)
 
 # %% tags=["hide-input"]
 import dataclasses
+import json
+from pathlib import Path
 
 import mk
 import mk.run
@@ -237,6 +240,27 @@ if report is not None and report.ok:
     print(f"simulated step with that issue time: {issued.step_ms:.4g} ms, HBM busy "
           f"{issued.hbm_utilisation:.1%} (without it: {s.step_ms:.4g} ms, "
           f"{s.hbm_utilisation:.1%})")
+
+# %% [markdown]
+# The same measurement for every single-core preset and chip, recorded by
+# `benchmarks/tile_costs.py` (the ring as deep as Little's law asks at 1 us; B=1, T=1,
+# S=1024; compile seconds on the 2-core machine that recorded it). A ratio above 0.9 is a
+# kernel whose TensorCore, not HBM, sets the pace of weight streaming.
+
+# %%
+recorded_path = Path(mk.__file__).resolve().parent.parent / recorded_tile_costs
+if recorded_path.exists():
+    display(plots.table([
+        {"model": r["preset"], "chip": r["chip"], "slots": r["slots"],
+         "ring KiB": f"{r['ring_KiB']:.0f}", "VMEM MiB": f"{r['vmem_MiB']:.1f}",
+         **({"bundles/tile": r["bundles_per_tile"], "issue ns": f"{r['tile_ns']:.0f}",
+             "DMA ns": f"{r['dma_ns']:.0f}", "issue/DMA": f"{r['tile_over_dma']:.2f}",
+             "HBM busy": f"{r['hbm_busy']:.1%}", "compile s": f"{r['compile_s']:.1f}"}
+            if r["fits"] else {"bundles/tile": "does not fit: " + r["error"][:60], "issue ns": "",
+                               "DMA ns": "", "issue/DMA": "", "HBM busy": "", "compile s": ""})}
+        for r in json.loads(recorded_path.read_text())]))
+else:
+    print(f"{recorded_path} is not here (a checkout has it); benchmarks/tile_costs.py makes it")
 
 # %% [markdown]
 # ## Bytes and FLOPs of one step
