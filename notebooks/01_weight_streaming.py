@@ -197,23 +197,28 @@ plots.show_source(stream_matmul)
 # `Ring` over them: `prime` issues the first `slots` tiles, `matmul` consumes them.
 
 # %%
-plots.show_source(stream_matmul_kernel, Ring.start, Ring.wait, Ring._copy)
+plots.show_source(stream_matmul_kernel, Ring.start, Ring._issue, Ring._copy)
 
 # %% [markdown]
 # A tile's copy is `pltpu.make_async_copy(src, dst, sem)`: `src` an HBM window
 # `w_hbm.at[pl.ds(...), pl.ds(...)]`, `dst` a ring slot, `sem` that slot's DMA semaphore.
 # `.start()` hands the descriptor to the DMA engine and returns at once; `.wait()` blocks
-# until the semaphore says the bytes landed. `Ring.start`/`wait` route tile g to its
-# matrix (`_each_segment`, one `pl.when` per segment: a run-time branch on a traced g).
-# Then the loop that consumes tiles, a `lax.fori_loop` inside the kernel:
+# until the semaphore says the bytes landed. `Ring.start` routes tile g to its matrix
+# (`_each_segment`, one `pl.when` per segment that may hold g: a run-time branch on a
+# traced g) and `_issue` starts its copy. Then the loops that consume tiles, `lax.fori_loop`s
+# inside the kernel:
 
 # %%
 plots.show_source(Ring.matmul)
 
 # %% [markdown]
-# Per tile: `wait(g)`, read slot g mod slots into the MXU (`jnp.dot`, f32 accumulation),
-# and only *then* `start(g + slots)` into the slot just read: the ring rule. The
-# `pl.when(i == nk - 1)` branch writes a finished column panel. Swap the order of the
+# Per tile: wait for tile g (this matrix's tile t: one wait, no search), read slot g mod
+# slots into the MXU (`jnp.dot`, f32 accumulation), and only *then* issue tile g + slots
+# into the slot just read: the ring rule. In the steady loop tile g + slots is this
+# matrix's own tile t + slots, issued directly; only the last `slots` tiles (the edge loop)
+# search which matrix, layer or tail holds it. The search costs bundles on every trip it
+# is in (notebook 11 counts them in the compiled code), so the hot loop does without it.
+# The `pl.when(i == nk - 1)` branch writes a finished column panel. Swap the order of the
 # read and the start, or read the wrong slot, and the DMA overwrites a tile while the MXU
 # reads it: a race.
 #
