@@ -224,11 +224,17 @@ class _PatientKernelManager(AsyncKernelManager):
         shutil.rmtree(os.path.dirname(self.ip), ignore_errors=True)
 
 
+# No cell of any configuration takes more than a few minutes on this CPU; a cell past this
+# is stuck (a kernel once sat idle for 9 minutes at 09's widget cell) and fails the run.
+CELL_TIMEOUT_S = 900
+
+
 def execute(notebook: Path, output: Path, parameters: dict | None = None) -> None:
     """Run `notebook` into `output`; on failure papermill keeps the partial output."""
     papermill.execute_notebook(str(notebook), str(output), parameters=parameters or {},
                                kernel_name=KERNEL, cwd=str(notebook.parent),
-                               progress_bar=False, kernel_manager_class=_PatientKernelManager)
+                               progress_bar=False, kernel_manager_class=_PatientKernelManager,
+                               execution_timeout=CELL_TIMEOUT_S)
 
 
 def _failure(err: BaseException) -> str:
