@@ -63,10 +63,6 @@ class Loop:
     nested: int  # loops inside it
 
 
-def _ops(body: str) -> list[str]:
-    return _OP.findall(body)
-
-
 def loops(text: str) -> list[Loop]:
     """Every loop of one kernel's `final_bundles.txt` text, in program order."""
     rows = []  # (marker, depth, ops, granules); an empty bundle `{}` carries no depth
@@ -74,7 +70,7 @@ def loops(text: str) -> list[Loop]:
         m = _BUNDLE.match(line)
         if m:
             mark, depth, body = m.groups()
-            rows.append((mark, len(depth) if body.strip() else None, _ops(body),
+            rows.append((mark, len(depth) if body.strip() else None, _OP.findall(body),
                          [int(g) for g in _GRANULES.findall(body)]))
     found = []
     for i, (mark, d, _, _) in enumerate(rows):

@@ -325,11 +325,8 @@ class _Kernel:
         self.local = [None] * self.period
         self.tail = [None] * (self.total - self.layered)
         for table, segments in ((self.local, stream.segments), (self.tail, stream.tail)):
-            for seg in segments:
-                for copy in range(seg.copies):
-                    what = f"{seg.name}[{copy}]" if seg.stride else seg.name
-                    for t in range(seg.tiles):
-                        table[seg.start + copy * seg.stride + t] = (seg, copy, what)
+            for offset, (seg, copy) in stream.owners(segments).items():
+                table[offset] = (seg, copy, f"{seg.name}[{copy}]" if seg.stride else seg.name)
 
     # The ring: start / wait / matmul / skip, as in mk.kernels.ring.Ring
     def locate(self, g):

@@ -169,6 +169,13 @@ class TileStream:
                      row_tile=i, col_tile=j, slot=g % self.block.slots, KiB=kib)
                 for g, layer, name, i, j in self.tiles()]
 
+    @staticmethod
+    def owners(segments) -> dict[int, tuple[Segment, int]]:
+        """Tile offset -> (segment, copy) for every tile of `segments` (one layer's, offsets
+        within the period; or the tail's, offsets within the tail)."""
+        return {s.start + c * s.stride + t: (s, c) for s in segments
+                for c in range(s.copies) for t in range(s.tiles)}
+
     def following(self, segment: Segment, span: int) -> tuple[Segment, ...]:
         """The segments that may hold one of the `span` tiles after any copy of `segment`
         ends, in any layer: the next ones in the period, the next layer's first ones, the
@@ -176,24 +183,19 @@ class TileStream:
         activity are known at run time), so this is exact up to the layer."""
         if span >= self.period:
             return self.segments + self.tail
-        owners = {}  # local tile offset -> its segment, in one layer's period, in the tail
-
-        def index(segments):
-            return {s.start + c * s.stride + t: s for s in segments
-                    for c in range(s.copies) for t in range(s.tiles)}
-        local, tail = index(self.segments), index(self.tail)
+        local, tail = self.owners(self.segments), self.owners(self.tail)
+        found = set()
         for c in range(segment.copies):
             end = segment.start + c * segment.stride + segment.tiles
             for pos in range(end, end + span):
                 if segment in self.tail:
-                    owners.setdefault(id(tail.get(pos)), tail.get(pos))
+                    found.add(tail.get(pos))
                 elif pos < self.period:
-                    owners.setdefault(id(local[pos]), local[pos])
+                    found.add(local[pos])
                 else:  # past this layer: the next layer's start, or the tail's
-                    for s in (local[pos - self.period], tail.get(pos - self.period)):
-                        owners.setdefault(id(s), s)
-        found = set(owners)
-        return tuple(s for s in self.segments + self.tail if id(s) in found)
+                    found |= {local[pos - self.period], tail.get(pos - self.period)}
+        named = {owner[0] for owner in found if owner is not None}
+        return tuple(s for s in self.segments + self.tail if s in named)
 
     @property
     def tile_bytes(self) -> int:
