@@ -16,6 +16,12 @@ start and waited for just before routing; the final norm is DMA'd at the step's 
 waited for before the lm_head. Kept outside the kernel: the embedding gather of the step's
 B*T tokens (an XLA gather before the call).
 
+Quantised weights (`mk.quant.quantize`'s `QuantWeight`s, any of its schemes per family) go
+in as they are: `prepare` lays their scales out tile-major (`mk.quant.tile_major`), the plan
+reads their formats (`mk.quant.formats_of`), and the ring streams their packed tiles and
+dequantises them in VMEM; `generate` prefills with the reference on `mk.quant.dequantize`d
+params, the same values the kernel multiplies by. Quantised tensor parallelism: not yet.
+
 Every operand, output and scratch buffer is passed by name (dicts: `INPUT_SPACES`,
 `OUTPUT_SPACES`, `DecodePlan.scratch()`); the cache aliases are found by name.
 
@@ -39,6 +45,7 @@ cross-shard argmax after the vocab-sharded lm_head (`mk.kernels.collectives`). t
 from __future__ import annotations
 
 import functools
+import math
 from types import SimpleNamespace
 
 import jax
@@ -49,7 +56,7 @@ from jax.experimental.pallas import tpu as pltpu
 from tqdm.auto import tqdm
 
 from mk import backend as backends
-from mk import reference
+from mk import quant, reference
 from mk.config import ModelConfig, positive_int
 from mk.kernels.collectives import (AXIS, COLLECTIVE_IDS, CollectiveScratch, all_reduce_body,
                                     argmax_body, barrier)
@@ -76,18 +83,24 @@ VECTORS = ("norms", "qk_norms")  # per-layer vectors, prefetched a layer ahead
 
 def prepare(config: ModelConfig, params, block: BlockSizes) -> dict:
     """The megakernel's weights for the model (or shard) `config`, made once: the stacked
-    layer weights as they are, the norms stacked in float32, the lm_head [D, V] (embed.T
+    layer weights as they are (quantised ones with tile-major scales,
+    `mk.quant.tile_major`), the norms stacked in float32, the lm_head [D, V] (embed.T
     when tied) padded with zero columns to whole tiles, and the per-layer MLP tables
     (kind, stacked row)."""
     V, Vp = config.vocab, padded_vocab(config, block)
     head = params["embed"].T if config.tie_embeddings else params["lm_head"]
+    if isinstance(head, quant.QuantWeight):
+        head = quant.pad_columns(head, Vp - V)
+    else:
+        head = jnp.pad(head, ((0, 0), (0, Vp - V)))
     ones = jnp.ones((config.layers, config.head_dim), jnp.float32)
     qk = [params[n] if config.qk_norm else ones for n in ("q_norm", "k_norm")]
     kinds = [config.mlp_index(layer) for layer in range(config.layers)]
-    weights = {name: params[name] for name in ("embed", *ATTENTION_WEIGHTS)}
-    weights |= {name: params[name] for kind in mlp_kinds(config) for name in MLP_WEIGHTS[kind]}
+    names = (*ATTENTION_WEIGHTS, *(n for kind in mlp_kinds(config) for n in MLP_WEIGHTS[kind]))
+    weights = {name: params[name] for name in ("embed", *names)} | {"lm_head": head}
+    weights = {name: quant.tile_major(w, block.tile_k, block.tile_n)
+               if isinstance(w, quant.QuantWeight) else w for name, w in weights.items()}
     return weights | dict(
-        lm_head=jnp.pad(head, ((0, 0), (0, Vp - V))),
         norms=jnp.stack([params["attn_norm"], params["mlp_norm"]], 1).astype(jnp.float32),
         qk_norms=jnp.stack(qk, 1).astype(jnp.float32),
         final_norm=params["final_norm"][None].astype(jnp.float32),
@@ -133,7 +146,7 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
                        lambda step: inputs["is_moe"][step] == 1)
     if "moe" in kinds:
         s.count_smem[0] = 0  # expert tiles issued before routing are no-ops
-    ring = Ring(plan.stream, fetch, s.ring, s.sems)
+    ring = Ring.in_scratch(plan.stream, fetch, s, s.sems, config.dtype)
     # Named scopes mark the kernel's phases: trace markers on a TPU compiled with
     # --xla_enable_custom_call_region_trace=true (mk.profiling), nothing otherwise.
     with jax.named_scope("prime"):
@@ -189,11 +202,11 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
 
 
 def step_plan(config: ModelConfig, *, tp: int = 1, batch: int, rows: int = 1, context: int,
-              block: BlockSizes | None = None) -> DecodePlan:
+              block: BlockSizes | None = None, formats=None) -> DecodePlan:
     """The `DecodePlan` the megakernel runs (every caller's one check): the plan's
-    limits, and a ring of >= 2 slots."""
+    limits, and a ring of >= 2 slots. formats: `mk.quant.formats_of` the params."""
     plan = DecodePlan.make(config, tp=tp, batch=batch, rows=rows, context=context,
-                           block=block)
+                           block=block, formats=formats)
     if plan.block.slots < 2:
         raise ValueError(f"BlockSizes.slots={plan.block.slots}: the megakernel's ring needs "
                          ">= 2 slots so a tile loads while another computes")
@@ -212,7 +225,7 @@ def decode_step(config: ModelConfig, weights, cache: reference.KVCache, tokens, 
     """
     tokens, positions = reference.validate_step(config, cache, tokens, positions)
     plan = step_plan(config, batch=tokens.shape[0], rows=tokens.shape[1],
-                     context=cache.k.shape[3], block=block)
+                     context=cache.k.shape[3], block=block, formats=quant.formats_of(weights))
     backends.check_active()
     return traced_step(plan, weights, cache, tokens, positions, taps=taps)
 
@@ -235,8 +248,10 @@ def first_divergence(config: ModelConfig, params, cache: reference.KVCache, toke
         raise ValueError(f"stop_after={stop_after!r} must be (layer, op) with 0 <= layer < "
                          f"layers={config.layers} and op in {TAPS}")
     B, T = jnp.shape(tokens)
-    plan = step_plan(config, batch=B, rows=T, context=cache.k.shape[3], block=block)
-    _, _, want = reference.decode_step(config, params, cache, tokens, positions, taps=True)
+    plan = step_plan(config, batch=B, rows=T, context=cache.k.shape[3], block=block,
+                     formats=quant.formats_of(params))
+    _, _, want = reference.decode_step(config, quant.dequantize(params), cache, tokens,
+                                       positions, taps=True)
     with backends.use(backend):
         weights = prepare(config, params, plan.block) if weights is None else weights
         *_, got = decode_step(config, weights, cache, tokens, positions, block=plan.block,
@@ -278,12 +293,14 @@ def traced_step(plan: DecodePlan, weights, cache, tokens, positions, taps: bool 
                    k_cache=cache.k, v_cache=cache.v)
     if taps:
         outputs["taps"] = jax.ShapeDtypeStruct((L, 2, M, D), jnp.float32)
-    weight_bytes = sum(inputs[n].size * inputs[n].dtype.itemsize
-                       for n in (*ATTENTION_WEIGHTS, "lm_head", *mlp))
+    streamed = [inputs[n] for n in (*ATTENTION_WEIGHTS, "lm_head", *mlp)]
+    weight_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(streamed))
+    elements = sum(math.prod(w.shape) for w in streamed)  # a QuantWeight's logical shape
+    specs = memory_specs(INPUT_SPACES | {n: pl.ANY for n in mlp})
     out = pl.pallas_call(
         functools.partial(megakernel_kernel, plan=plan, taps=taps),
         out_shape=outputs,
-        in_specs=(memory_specs(INPUT_SPACES | {n: pl.ANY for n in mlp}),),
+        in_specs=({n: jax.tree.map(lambda _, n=n: specs[n], inputs[n]) for n in inputs},),
         out_specs=memory_specs({n: OUTPUT_SPACES[n] for n in outputs}),
         scratch_shapes=plan.scratch(),
         input_output_aliases=aliases(inputs, outputs, ("k_cache", "v_cache")),
@@ -293,7 +310,7 @@ def traced_step(plan: DecodePlan, weights, cache, tokens, positions, taps: bool 
                                             has_side_effects=True))),
         name="mk_megakernel",
         cost_estimate=pl.CostEstimate(  # every expert counted: an upper bound for MoE
-            flops=2 * M * weight_bytes // weights["wq"].dtype.itemsize, transcendentals=0,
+            flops=2 * M * elements, transcendentals=0,
             bytes_accessed=weight_bytes),
     )(inputs)
     result = (out["next_tokens"].reshape(B, T),
@@ -346,10 +363,12 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, backend: str = 
     shows a `progress_bar` (interpret-mode calls take seconds each)."""
     prompt, S, steps, steps_per_call = check_generate(config, prompt, steps, steps_per_call,
                                                       max_context)
-    plan = step_plan(config, batch=prompt.shape[0], context=S, block=block)
-    reference.check_params(config, params)
+    plan = step_plan(config, batch=prompt.shape[0], context=S, block=block,
+                     formats=quant.formats_of(params))
+    values = quant.dequantize(params)  # what the kernel multiplies by, for the prefill
+    reference.check_params(config, values)
     weights = prepare(config, params, plan.block)
-    logits, cache = reference.prefill(config, params, prompt, max_context=S)
+    logits, cache = reference.prefill(config, values, prompt, max_context=S)
     token = reference.greedy(logits[:, -1])
     out, done = [token[:, None]], 1
     position = jnp.full((prompt.shape[0],), prompt.shape[1], jnp.int32)

@@ -305,13 +305,15 @@ def _validate_step(config, batch, rows, context, tp, accepted, routing, compute)
 def predict(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: int = 1,
             context: int | None = None, tp: int = 1, accepted: float | None = None,
             routing: str = "uniform", compute: str = "bf16", weight_dtypes=None,
-            collectives: bool = True) -> StepEstimate:
+            collectives: bool = True, formats=None) -> StepEstimate:
     """Floors and collectives of one decode step of `config` on `tp` devices of `chip`.
 
     `context` defaults to config.max_context; `accepted` (tokens each sequence keeps per
     step, e.g. a speculative acceptance length) defaults to `rows`; `weight_dtypes`
     ({"dense": ..., "experts": ...}) overrides the config's storage dtypes;
-    `collectives=False` leaves the all-reduces out (a pure floor).
+    `collectives=False` leaves the all-reduces out (a pure floor); `formats`
+    ({"dense": "int8", ...}) streams those families in mk.quant's schemes, packed data
+    plus scales per tile of the default tiling (`mk.kernels.plan.shard_weight_bytes`).
     """
     spec = named_chip(chip) if isinstance(chip, str) else chip
     context = config.max_context if context is None else context
@@ -324,8 +326,10 @@ def predict(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: 
     touched = (experts_touched(config.experts, config.experts_per_token, m, routing)
                if config.is_moe else 0.0)
     local = shard_config(config, tp)
-    vocab = padded_vocab(local, default_block(*layer_dims(local)))
-    family = {f: tp * b for f, b in shard_weight_bytes(local, vocab, touched, dtypes).items()}
+    block = default_block(*layer_dims(local))
+    vocab = padded_vocab(local, block)
+    family = {f: tp * b for f, b in shard_weight_bytes(local, vocab, touched, dtypes,
+                                                       formats, block).items()}
     embed_bytes = min(m, config.vocab) * config.hidden * wb
     kv_per_token = tp * local.kv_bytes_per_token  # kv heads replicated when tp > K
     kv_read_bytes = batch * context * kv_per_token

@@ -6,8 +6,10 @@ Here: the four storage schemes (`SCHEMES`), each laid out exactly as below; `qua
 element decoders a kernel calls on one streamed tile (`unpack_nibbles`, `e4m3_values`,
 `e2m1_values`, `dequantize_tile`), `check_error` (every group's error against its scale's
 bound), `accuracy` (a quantised model's logits and greedy tokens against the bf16 model's)
-and `storage_bytes` / `family_bytes` (packed bytes plus scales). Not here: reading
-quantised Hugging Face checkpoints (`mk.checkpoint`), kernels that stream packed tiles.
+and `storage_bytes` / `family_bytes` (packed bytes plus scales), the kernel's tile layout
+(`tile_shapes`, `tile_bytes`, `tile_major`, `pad_columns`) and `formats_of` (the scheme of
+each family of a params dict). Not here: reading quantised Hugging Face checkpoints
+(`mk.checkpoint`), the ring that streams packed tiles (`mk.kernels.ring`).
 
 Which weights. Three families, each with one scheme or None (stays `config.dtype`):
 - "dense": wq, wk, wv, wo, wq_gate and the dense SwiGLU w_gate, w_up, w_down;
@@ -40,6 +42,18 @@ to the requested dtype.
           scale uint8 [..., I/32, O]     e8m0 per 32 values along I: 2^(code - 127), the
                                          smallest power of two with absmax / scale <= 6
                                          (codes 0 and 255 unused; 255 is NaN in OCP MX)
+
+The kernel's layout (`tile_major`, made once by `mk.megakernel.prepare` for its tiling
+tile_k x tile_n): the data as above; the scales regrouped so tile (i, j)'s are one block
+at [..., i, j, :, :] of a [..., I/tile_k, O/tile_n, r, c] array, (r, c) = `tile_shapes`'s
+scale block. A tile's scales are then one DMA of whole trailing dimensions: slicing
+fp8's [.., I/128, O/128] scales by tile is a lane slice of tile_n/128 values, which
+Mosaic refuses ("dynamic offset ... not a multiple of the memory space word size", measured
+on v5e, v6e and tpu7x), and int4's one-row scale slices of 128-row tiles are refused too.
+int8's per-channel [1, O] row is repeated once per row tile (every tile streams its own
+scales): 4 / tile_k bytes per weight byte more in HBM and on the wire, 0.8 % at tile_k 512.
+`tile_bytes` is what one streamed tile moves (data plus scale block): the byte count of
+the plan, `mk.perf` and the kernel's DMAs.
 
 Nibble order (int4 and fp4): rows of I are packed in units of 128; byte row 64u + j holds
 row 128u + j in its low nibble and row 128u + 64 + j in its high nibble. Unpacking a tile
@@ -112,6 +126,20 @@ class QuantWeight:
     @property
     def nbytes(self) -> int:
         return self.data.nbytes + self.scale.nbytes
+
+    @property
+    def at(self) -> _At:
+        """`q.at[index]` of a `QuantWeight` of kernel refs: the weight at leading index
+        `index`, as `ref.at[index]` is for a plain weight (a ring's Fetch)."""
+        return _At(self)
+
+
+class _At:
+    def __init__(self, q: QuantWeight):
+        self.q = q
+
+    def __getitem__(self, index) -> QuantWeight:
+        return QuantWeight(self.q.data.at[index], self.q.scale.at[index], self.q.scheme)
 
 
 # -- Element decoders (pure jnp; a kernel applies them to one tile in VMEM) ----------------
@@ -290,6 +318,76 @@ def dequantize(params: dict, dtype=None) -> dict:
                    if isinstance(p, QuantWeight) else p) for name, p in params.items()}
 
 
+# -- The kernel's tile layout (module docstring) ------------------------------------------
+def tile_shapes(scheme: str, tile_k: int, tile_n: int) -> dict[str, tuple]:
+    """{"data": (shape, dtype), "scale": (shape, dtype)} of one streamed tile_k x tile_n
+    tile of a `scheme` weight."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme={scheme!r} must be one of {SCHEMES}")
+    if tile_k % PACK_ROWS or tile_n % GROUP["fp8"]:
+        raise ValueError(f"tile {tile_k} x {tile_n}: quantised tiles hold whole groups, "
+                         f"tile_k and tile_n multiples of {PACK_ROWS}")
+    data = {"int8": ((tile_k, tile_n), "int8"), "fp8": ((tile_k, tile_n), "uint8"),
+            "int4": ((tile_k // 2, tile_n), "uint8"), "fp4": ((tile_k // 2, tile_n), "uint8")}
+    scale = {"int8": ((1, tile_n), "float32"),
+             "fp8": ((tile_k // GROUP["fp8"], tile_n // GROUP["fp8"]), "float32"),
+             "int4": ((tile_k // GROUP["int4"], tile_n), "bfloat16"),
+             "fp4": ((tile_k // GROUP["fp4"], tile_n), "uint8")}
+    return {"data": data[scheme], "scale": scale[scheme]}
+
+
+def tile_bytes(scheme: str, tile_k: int, tile_n: int) -> int:
+    """Bytes one streamed tile moves: its data and its scale block."""
+    return sum(math.prod(shape) * np.dtype(dtype).itemsize
+               for shape, dtype in tile_shapes(scheme, tile_k, tile_n).values())
+
+
+def tile_major(q: QuantWeight, tile_k: int, tile_n: int) -> QuantWeight:
+    """`q` in the kernel's layout for tile_k x tile_n tiles (module docstring): the same
+    data, the scales [..., I/tile_k, O/tile_n, r, c]."""
+    *lead, I, O = q.shape
+    (r, c), _ = tile_shapes(q.scheme, tile_k, tile_n)["scale"]
+    if I % tile_k or O % tile_n:
+        raise ValueError(f"{q.scheme} weight [{I}, {O}] is not a whole number of "
+                         f"{tile_k} x {tile_n} tiles")
+    rows, cols = I // tile_k, O // tile_n
+    scale = q.scale
+    if q.scheme == "int8":  # per channel: each row tile streams its own copy
+        scale = jnp.broadcast_to(scale, (*lead, rows, O))
+    scale = scale.reshape(*lead, rows, r, cols, c)
+    return QuantWeight(q.data, jnp.swapaxes(scale, -3, -2), q.scheme)
+
+
+def pad_columns(q: QuantWeight, columns: int) -> QuantWeight:
+    """`q` (mk.quant's layout) with `columns` more output columns of value zero (code 0;
+    int4's zero is code 8 in both nibbles) and scale 1 (e8m0 code 127)."""
+    data_zero = {"int4": 0x88}.get(q.scheme, 0)
+    scale_one = E8M0_BIAS if q.scheme == "fp4" else 1
+    cols = columns // GROUP["fp8"] if q.scheme == "fp8" else columns
+    if q.scheme == "fp8" and columns % GROUP["fp8"]:
+        raise ValueError(f"columns={columns}: fp8 pads whole 128-column blocks")
+    pad = [(0, 0)] * (q.data.ndim - 1)
+    return QuantWeight(jnp.pad(q.data, pad + [(0, columns)], constant_values=data_zero),
+                       jnp.pad(q.scale, pad + [(0, cols)], constant_values=scale_one),
+                       q.scheme)
+
+
+def formats_of(params: dict) -> dict[str, str]:
+    """{family: scheme} of the quantised families of `params` (those holding
+    `QuantWeight`s); raises ValueError if one family mixes schemes or plain weights."""
+    formats = {}
+    for family, names in FAMILIES.items():
+        found = {name: p.scheme if isinstance(p, QuantWeight) else None
+                 for name, p in params.items() if name in names}
+        schemes = set(found.values())
+        if len(schemes) > 1:
+            raise ValueError(f"{family} weights mix storage formats {found}; the ring "
+                             "streams one format per family")
+        if schemes - {None}:
+            formats[family] = schemes.pop()
+    return formats
+
+
 # -- Checks -------------------------------------------------------------------------------
 def error_bound(scheme: str, w: jax.Array, step: jax.Array) -> jax.Array:
     """The largest |w - dequantised w| a correct quantisation leaves, per element, given the
@@ -374,20 +472,29 @@ def accuracy(config: ModelConfig, params: dict, qparams: dict, prompt, steps: in
 
 
 # -- Bytes --------------------------------------------------------------------------------
+def abstract_weight(shape: tuple[int, ...], scheme: str) -> QuantWeight:
+    """The `QuantWeight` of `jax.ShapeDtypeStruct`s that `quantize_weight` makes of a
+    [..., I, O] weight in `scheme` (module docstring's layouts): what an ahead-of-time
+    compile traces with, and what `storage_bytes` counts."""
+    check_shape("weight", scheme, shape)
+    *lead, I, O = shape
+    data = {"int8": ((I, O), jnp.int8), "fp8": ((I, O), jnp.uint8),
+            "int4": ((I // 2, O), jnp.uint8), "fp4": ((I // 2, O), jnp.uint8)}[scheme]
+    scale = {"int8": ((1, O), F32), "fp8": ((I // 128, O // 128), F32),
+             "int4": ((I // 128, O), jnp.bfloat16), "fp4": ((I // 32, O), jnp.uint8)}[scheme]
+    return QuantWeight(*(jax.ShapeDtypeStruct((*lead, *s), d) for s, d in (data, scale)),
+                       scheme)
+
+
 def storage_bytes(shape: tuple[int, ...], scheme: str | None, dtype: str = "bfloat16"
                   ) -> dict[str, int]:
     """{"data": packed bytes, "scales": scale bytes} of one [..., I, O] weight stored in
     `scheme` (None: unquantised `dtype`, no scales)."""
-    count = math.prod(shape)
     if scheme is None:
-        return {"data": count * DTYPE_BITS[dtype] // 8, "scales": 0}
-    check_shape("weight", scheme, shape)
-    *lead, I, O = shape
-    n = math.prod(lead)
-    scales = {"int8": n * O * 4, "fp8": n * (I // 128) * (O // 128) * 4,
-              "int4": n * (I // 128) * O * 2, "fp4": n * (I // 32) * O}[scheme]
-    data = count // 2 if scheme in ("int4", "fp4") else count
-    return {"data": data, "scales": scales}
+        return {"data": math.prod(shape) * DTYPE_BITS[dtype] // 8, "scales": 0}
+    q = abstract_weight(shape, scheme)
+    return {part: math.prod(a.shape) * a.dtype.itemsize
+            for part, a in (("data", q.data), ("scales", q.scale))}
 
 
 def family_bytes(config: ModelConfig, *, dense: str | None = None,

@@ -136,7 +136,7 @@ def active_experts(config: ModelConfig, m: int, routing: str = "uniform") -> int
 
 
 def step_plan(config: ModelConfig, *, batch: int = 1, rows: int = 1, context: int = 0,
-              tp: int = 1, block: BlockSizes | None = None) -> DecodePlan:
+              tp: int = 1, block: BlockSizes | None = None, formats=None) -> DecodePlan:
     """The plan the simulator replays: every sequence at position `context`, in a cache
     just large enough for its rows (`mk.kernels.plan.capacity`, or whole KV tiles of the
     given block)."""
@@ -144,7 +144,8 @@ def step_plan(config: ModelConfig, *, batch: int = 1, rows: int = 1, context: in
         raise ValueError(f"block={block!r} must be a BlockSizes or None")
     positions = context + rows
     S = capacity(positions) if block is None else -(-positions // block.kv_tile) * block.kv_tile
-    return DecodePlan.make(config, tp=tp, batch=batch, rows=rows, context=S, block=block)
+    return DecodePlan.make(config, tp=tp, batch=batch, rows=rows, context=S, block=block,
+                           formats=formats)
 
 
 # -- The machine ---------------------------------------------------------------------------
@@ -310,11 +311,10 @@ class _Kernel:
         self.vpu = spec.bf16_flops / spec.cores_per_chip * a.vpu_flops_ratio
         self.mxu = spec.mxu_rows
         self.spec = spec
-        tile = stream.block.tile_k * stream.block.tile_n
         bits = {"dense": DTYPE_BITS[dtypes["dense"]], "experts": DTYPE_BITS[dtypes["experts"]]}
-        self.tile_bytes = {name: tile * bits["experts" if name in EXPERT_SEGMENTS
-                                             else "dense"] / 8
-                           for name in [s.name for s in stream.segments + stream.tail]}
+        self.tile_bytes = {s.name: stream.segment_tile_bytes(s, bits[
+            "experts" if s.name in EXPERT_SEGMENTS else "dense"] / 8)
+            for s in stream.segments + stream.tail}  # a quantised one's: packed + scales
         self.landed: dict[int, float] = {}
         self.count = 0  # count_smem[0]: active expert slots, 0 outside routing
         self.layer = 0  # the layer the kernel is in (for prefetch off)
@@ -759,9 +759,10 @@ def simulate(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows:
              context: int = 0, block: BlockSizes | None = None, tp: int = 1,
              weight_dtypes=None, cross_layer_prefetch: bool = True,
              routing: str = "uniform", experts_active: int | None = None,
-             assumptions: Assumptions | None = None) -> Simulation:
+             assumptions: Assumptions | None = None, formats=None) -> Simulation:
     """Replay one decode step of the megakernel (module docstring) on one device of `chip`:
-    the `DecodePlan` of `step_plan(config, batch=, rows=, context=, tp=, block=)`.
+    the `DecodePlan` of `step_plan(config, batch=, rows=, context=, tp=, block=,
+    formats=)` (formats: the mk.quant schemes of the families stored quantised).
 
     context: the cached positions each sequence reads (its rows sit at positions context ..
     context + T - 1); block defaults to the plan's; weight_dtypes as in `mk.perf.predict`;
@@ -772,7 +773,8 @@ def simulate(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows:
         raise ValueError(f"config={config!r} must be a ModelConfig")
     positive_int("rows", rows)
     _check_context(config, context, rows)
-    plan = step_plan(config, batch=batch, rows=rows, context=context, tp=tp, block=block)
+    plan = step_plan(config, batch=batch, rows=rows, context=context, tp=tp, block=block,
+                     formats=formats)
     a = assumptions or Assumptions()
     dtypes = perf.family_dtypes(config, weight_dtypes)
     on = 0

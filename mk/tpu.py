@@ -25,7 +25,7 @@ from jax._src.pallas.mosaic.error_handling import MosaicError
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from mk import megakernel, tensor_parallel
+from mk import megakernel, quant, tensor_parallel
 from mk.chips import ChipSpec, chip as chip_spec
 from mk.config import ModelConfig
 from mk.kernels.collectives import AXIS
@@ -124,19 +124,20 @@ def _tpu(chip: str | ChipSpec) -> ChipSpec:
 
 def compile_megakernel(config: ModelConfig, chip: str | ChipSpec, *, tp: int = 1,
                        topology: str | None = None, batch: int = 8, rows: int = 1,
-                       context: int = 4096, block: BlockSizes | None = None
-                       ) -> CompileReport:
+                       context: int = 4096, block: BlockSizes | None = None,
+                       formats=None) -> CompileReport:
     """Compile the whole-model decode step of `config` for `chip`: the megakernel on one
     core (tp=1), or its tensor-parallel step on tp cores of `topology` (a libtpu name,
     e.g. "tpu7x:2x2x1"; default the chip's own single-chip topology).
 
     Its `DecodePlan` is made first (what the runtime refuses raises ValueError here too);
     a plan that does not fit the core (`DecodePlan.fits`: VMEM or HBM) is reported
-    (ok=False, with the numbers), not compiled.
+    (ok=False, with the numbers), not compiled. formats: the mk.quant scheme of each
+    weight family stored quantised ({"dense": "int8", ...}; `mk.quant.abstract_weight`).
     """
     spec = _tpu(chip)
     plan = megakernel.step_plan(config, tp=tp, batch=batch, rows=rows, context=context,
-                                block=block)
+                                block=block, formats=formats)
     cores = f" TP{plan.tp}" if plan.tp > 1 else ""
     name = f"megakernel {config.name}{cores} B={batch} T={rows} S={context}"
     fit = plan.fits(spec)
@@ -144,6 +145,9 @@ def compile_megakernel(config: ModelConfig, chip: str | ChipSpec, *, tp: int = 1
         return CompileReport(name, spec.name, False, fit.error, 0.0, vmem=fit.vmem,
                              tp=plan.tp, hbm_bytes=fit.hbm_bytes)
     params = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in config.param_shapes().items()}
+    params |= {name: quant.abstract_weight(params[name].shape, scheme)
+               for family, scheme in dict(plan.formats).items()
+               for name in quant.FAMILIES[family] if name in params}
     local = plan.local
     cache = (local.layers, batch, local.kv_heads, context, local.head_dim)
     tokens = jax.ShapeDtypeStruct((batch, rows), jnp.int32)

@@ -14,7 +14,7 @@ import pytest
 
 import mk
 import mk.megakernel as megakernel
-from mk import backend, reference, tpu
+from mk import backend, quant, reference, tpu
 from mk.kernels.common import BlockSizes
 from mk.kernels.plan import default_block
 from builders import bar_count
@@ -22,22 +22,44 @@ from builders import bar_count
 TOKENS = 64
 
 
-# CPU seconds of each on this machine (interpret mode, compile included): tiny 48, 67, 28,
-# 41; tiny-moe 116, 173, 73, 92. CI (`make test`) runs one of each kind: T = 1 and T = 4 on
-# tiny, the MoE model at B = 4, T = 4 (16 rows: every expert slot in use); the other four
-# run in `make test-slow` (all eight pass). tiny-moe's T = 1 generate path is also checked
-# in bf16 by the transformers test (8 tokens).
+# CPU seconds of each plain case on this machine (interpret mode, compile included): tiny
+# 48, 67, 28, 41; tiny-moe 116, 173, 73, 92; quantised ones a few seconds more. CI
+# (`make test`) runs one of each kind, with every mk.quant scheme on the wire among them:
+# plain tiny at T = 1; tiny at T = 4 with int4 and int8, at B = 4, T = 4 with fp8 and fp4;
+# the MoE model at B = 4, T = 4 (16 rows: every expert slot in use) with int4 experts.
+# `make test-slow` runs every model x (B, T) plain and with each scheme in every family.
 SLOW = pytest.mark.slow
+SHAPES = [("tiny", 1, 1), ("tiny", 4, 1), ("tiny", 1, 4), ("tiny", 4, 4),
+          ("tiny-moe", 1, 1), ("tiny-moe", 4, 1), ("tiny-moe", 1, 4), ("tiny-moe", 4, 4)]
+IN_CI = (("tiny", 1, 1, None), ("tiny", 1, 4, "dense=int4 lm_head=int8"),
+         ("tiny", 4, 4, "dense=fp8 lm_head=fp4"),
+         ("tiny-moe", 4, 4, "dense=fp4 experts=int4 lm_head=fp8"))  # a tuple: xdist
+#        workers must collect the same order
 
 
-@pytest.mark.parametrize("name, batch, rows", [
-    ("tiny", 1, 1), pytest.param("tiny", 4, 1, marks=SLOW), ("tiny", 1, 4), ("tiny", 4, 4),
-    pytest.param("tiny-moe", 1, 1, marks=SLOW), pytest.param("tiny-moe", 4, 1, marks=SLOW),
-    pytest.param("tiny-moe", 1, 4, marks=SLOW), ("tiny-moe", 4, 4)])
-def test_64_greedy_tokens_equal_the_reference(name, batch, rows):
+def _formats(name: str, spelled: str | None) -> dict:
+    """"dense=int4 lm_head=int8" -> {"dense": "int4", "lm_head": "int8"}; a bare scheme
+    quantises every family `name` has."""
+    if spelled is None:
+        return {}
+    if "=" not in spelled:
+        families = ("dense", "experts", "lm_head") if "moe" in name else ("dense", "lm_head")
+        return dict.fromkeys(families, spelled)
+    return dict(pair.split("=") for pair in spelled.split())
+
+
+CASES = [(*shape, f) for shape in SHAPES for f in (None, *quant.SCHEMES)] + [
+    case for case in IN_CI if case[3] and "=" in case[3]]
+
+
+@pytest.mark.parametrize("name, batch, rows, formats", [
+    pytest.param(*case, marks=() if case in IN_CI else SLOW) for case in CASES])
+def test_64_greedy_tokens_equal_the_reference(name, batch, rows, formats):
     """T = 1: `generate`, 64 tokens in one or four host dispatches. T = 4: verification,
     16 steps that each feed 4 of the reference's greedy tokens (a perfect draft) and must
-    predict the next 4, race detector on.
+    predict the next 4, race detector on. With `formats`, the params are quantised
+    (`mk.quant.quantize`) and the reference runs on the same values (`mk.quant.dequantize`)
+    while the kernel streams the packed tiles and scales.
 
     In float32: in bf16 the kernel and the reference round at different points (both
     legitimately), ~1e-3 of the logits' scale apart, and a random tiny model meets top-2
@@ -45,9 +67,10 @@ def test_64_greedy_tokens_equal_the_reference(name, batch, rows):
     In float32 only summation order differs (~1e-6), so exact tokens are a sharp check;
     bf16 tokens are checked over shorter runs below and by the transformers test."""
     config = dataclasses.replace(mk.preset(name), dtype="float32")
-    params = mk.init_params(config)
+    params = quant.quantize(config, mk.init_params(config), **_formats(name, formats))
+    values = quant.dequantize(params)
     prompt = jax.random.randint(jax.random.key(batch + rows), (batch, 5), 0, config.vocab)
-    want = reference.generate(config, params, prompt, TOKENS, max_context=128)
+    want = reference.generate(config, values, prompt, TOKENS, max_context=128)
     if rows == 1:
         got = megakernel.generate(config, params, prompt, TOKENS, backend="interpret",
                                   max_context=128, steps_per_call=TOKENS // batch)
@@ -55,7 +78,7 @@ def test_64_greedy_tokens_equal_the_reference(name, batch, rows):
         return
     block = default_block(config, 128)
     weights = megakernel.prepare(config, params, block)
-    _, cache = reference.prefill(config, params, prompt[:, :-1], max_context=128)
+    _, cache = reference.prefill(config, values, prompt[:, :-1], max_context=128)
     fed = jnp.concatenate([prompt[:, -1:], want], axis=1)
     with backend.use("interpret", detect_races=True):
         for i in range(0, TOKENS, rows):

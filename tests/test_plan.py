@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import mk
-from mk import backend, megakernel, perf, reference, sim
+from mk import backend, megakernel, perf, quant, reference, sim
 from mk import tensor_parallel as tpar
 from mk.kernels.collectives import tp_mesh
 from mk.kernels.common import BlockSizes, dma_log
@@ -39,14 +39,16 @@ def counted_moe(tp: int) -> dict:
     return counted("tiny-moe", tp)
 
 
-def counted(name: str, tp: int) -> dict:
+def counted(name: str, tp: int, formats=None) -> dict:
     """One megakernel step of `name` on tp devices with every DMA recorded -> bytes per
-    family, summed over the devices (runs in a subprocess when tp > 1)."""
+    family, summed over the devices (runs in a subprocess when tp > 1); formats: the
+    mk.quant schemes its params are quantised to first."""
     plan = _step_plan(name, tp)
     config = plan.config
-    params = mk.init_params(config)
+    params = quant.quantize(config, mk.init_params(config), **(formats or {}))
     prompt = (jnp.arange(POSITION, dtype=jnp.int32) * 7 % config.vocab)[None]
-    _, cache = reference.prefill(config, params, prompt, max_context=config.max_context)
+    _, cache = reference.prefill(config, quant.dequantize(params), prompt,
+                                 max_context=config.max_context)
     tokens, positions = jnp.array([[5]], jnp.int32), jnp.array([POSITION], jnp.int32)
     with dma_log(megakernel.traced_step) as log, backend.use("interpret"):
         if tp == 1:
@@ -91,6 +93,54 @@ def test_the_kernel_moves_the_bytes_the_plan_the_simulator_and_perf_count(name, 
     if config.is_moe:
         every_layer = local.layers * 3 * local.hidden * local.ffn * 2
         assert tp * every_layer == 3 * got["dense_mlp"]
+
+
+# Every scheme on the wire: tiny-moe with fp8 attention and dense MLP, int4 experts and an
+# fp4 lm_head (CPU seconds ~50); tiny with int8 (~17) in `make test-slow`.
+@pytest.mark.parametrize("name, formats", [
+    ("tiny-moe", dict(dense="fp8", experts="int4", lm_head="fp4")),
+    pytest.param("tiny", dict(dense="int8", lm_head="int8"), marks=SLOW)])
+def test_quantised_tiles_move_the_packed_bytes_and_scales_the_plan_and_perf_count(
+        name, formats):
+    got = {f: int(b) for f, b in counted(name, 1, formats).items()}
+    config = mk.preset(name)
+    plan = DecodePlan.make(config, batch=1, rows=1, context=config.max_context,
+                           formats=formats)
+    active = config.experts_per_token if config.is_moe else 0
+    want = {f: b for f, b in plan.weight_bytes(active).items() if b}
+    assert {f: got[f] for f in want} == want
+    replay = sim.simulate(config, "v5e", batch=1, rows=1, context=POSITION,
+                          block=plan.block, experts_active=active or None, formats=formats)
+    assert replay.family_bytes() == got
+    roof = perf.predict(config, "v5e", batch=1, rows=1, context=POSITION,
+                        routing="shared", formats=formats)
+    assert roof.attention_bytes == want["attention"] and roof.lm_head_bytes == want["lm_head"]
+    # packed data plus the tile's scale block, per element: int8 1 + 4/tile_k, fp8
+    # 1 + 4/128^2, int4 1/2 + 2/128, fp4 1/2 + 1/32 bytes
+    elements = {f: b / 2 for f, b in _step_plan(name, 1).weight_bytes(active).items()}
+    per = {"int8": 1 + 4 / plan.block.tile_k, "fp8": 1 + 4 / 128 ** 2, "int4": 0.5 + 2 / 128,
+           "fp4": 0.5 + 1 / 32}
+    for family, scheme in (("attention", formats["dense"]), ("lm_head", formats["lm_head"]),
+                           ("experts", formats.get("experts"))):
+        if scheme:
+            assert got[family] == pytest.approx(elements[family] * per[scheme], rel=1e-12)
+
+
+def test_quantised_plans_refuse_what_is_not_built_by_name():
+    config = mk.preset("tiny-moe")
+    with pytest.raises(ValueError, match="tp=2"):
+        DecodePlan.make(config, tp=2, batch=1, context=256, formats={"experts": "int4"})
+    with pytest.raises(ValueError, match="scheme='int3'|'int3'"):
+        DecodePlan.make(config, batch=1, context=256, formats={"dense": "int3"})
+    with pytest.raises(ValueError, match="family='mlp'"):
+        DecodePlan.make(config, batch=1, context=256, formats={"mlp": "int8"})
+    plan = DecodePlan.make(config, batch=1, context=256, formats={"experts": "fp4"})
+    assert {"ring", "ring_fp4", "ring_fp4_scales"} <= set(plan.buffers)
+    assert plan.buffers["ring_fp4"].shape == (plan.block.slots, plan.block.tile_k // 2,
+                                              plan.block.tile_n)
+    every = DecodePlan.make(config, batch=1, context=256,
+                            formats=dict(dense="int8", experts="int8", lm_head="int8"))
+    assert "ring" not in every.buffers  # no plain segment: no bf16 slots
 
 
 def test_weight_bytes_are_the_shards_matrices_padded_and_the_norms_in_float32():

@@ -66,12 +66,16 @@ def layer_dims(config: ModelConfig) -> list[int]:
 
 
 def layer_buffers(config: ModelConfig, kinds: tuple[str, ...], batch: int, rows: int,
-                  block: BlockSizes) -> list[Buffer]:
+                  block: BlockSizes, ring: list[Buffer] | None = None) -> list[Buffer]:
     """The VMEM scratch of `layer_body` holding the MLP `kinds` (group "layer": the
-    attributes of its scratch namespace `s`); the attention's are `attend`'s own."""
+    attributes of its scratch namespace `s`); the attention's are `attend`'s own. ring:
+    the ring's slots (`mk.kernels.ring.ring_buffers` of the kernel's stream; default one
+    plain ring of config.dtype)."""
     M, D, dt = batch * rows, config.hidden, config.dtype
     f32 = "float32"
-    buffers = [Buffer("ring", (block.slots, block.tile_k, block.tile_n), dt),
+    if ring is None:
+        ring = [Buffer("ring", (block.slots, block.tile_k, block.tile_n), dt)]
+    buffers = [*ring,
                Buffer("h", (M, D), dt), Buffer("q", (M, config.q_width), f32),
                Buffer("k", (M, config.kv_width), f32), Buffer("v", (M, config.kv_width), f32),
                Buffer("o", (M, config.q_width), f32), Buffer("attn_out", (M, D), f32),

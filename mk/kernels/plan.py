@@ -1,12 +1,17 @@
 """The decode plan: one device's decode step as data, read by the kernel, the simulator,
 the performance model and every compile path.
 
-`DecodePlan.make(config, tp=, batch=, rows=, context=, block=None)` holds, frozen:
+`DecodePlan.make(config, tp=, batch=, rows=, context=, block=None, formats=None)`
+holds, frozen:
 
     config, tp    the whole model and the devices sharing it
     local         the shard one device holds, as a smaller `ModelConfig` (`shard_config`)
     batch, rows   B sequences x T rows each (M = B*T activation rows); context = S, the
                   cache capacity in positions
+    formats       {family: mk.quant scheme} of the weight families stored quantised
+                  ("dense", "experts", "lm_head"; `mk.quant.formats_of` a params dict):
+                  their segments stream packed tiles and scales (`mk.kernels.ring`), and
+                  every byte count below counts those (`mk.quant.tile_bytes`)
     block         the tiling (`default_block` unless given)
     stream        the `TileStream`: every weight tile of the step in program order
     buffers       every VMEM buffer by name (`Buffer`, with its group): the VMEM budget,
@@ -38,7 +43,7 @@ their own scratch entry or an operand).
 
 Here: the sharding model (`check_tp`, `shard_config`, `kv_heads_of`, `padded_width`),
 `padded_vocab`, `default_block`, `capacity`, `WEIGHT_FAMILIES`, `family_of`,
-`shard_weight_bytes`, `DecodePlan`, `Fit`. Not here: the kernel (`mk.megakernel`), the
+`shard_weight_bytes`, `QUANT_FAMILY`, `DecodePlan`, `Fit`. Not here: the kernel (`mk.megakernel`), the
 layer's phases (`mk.kernels.one_layer.LAYER_PHASES`), sharding arrays
 (`mk.tensor_parallel`), time (`mk.sim`, `mk.perf`).
 """
@@ -50,6 +55,7 @@ import dataclasses
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
+from mk import quant
 from mk.chips import ChipSpec, chip as named_chip
 from mk.config import DTYPE_BITS, ModelConfig, check_rows, positive_int
 from mk.kernels.collectives import (MAX_INDEX, check_devices, collective_buffers,
@@ -60,7 +66,7 @@ from mk.kernels.common import default_block as common_default_block
 from mk.kernels.decode_attention import decode_attention_buffers
 from mk.kernels.mlp import expert_slots
 from mk.kernels.one_layer import layer_buffers, layer_dims, layer_matrices, mlp_kinds
-from mk.kernels.ring import TileStream
+from mk.kernels.ring import TileStream, ring_buffers
 
 # The weight families of one step, and which ring segments and copies belong to each.
 WEIGHT_FAMILIES = {
@@ -75,6 +81,10 @@ KV_FAMILIES = {"kv_read": ("k_tile", "v_tile"), "kv_write": ("k_write_back", "v_
 # Storage dtype family of each weight family (mk.perf.family_dtypes); norms are float32.
 DTYPE_FAMILY = {"attention": "dense", "dense_mlp": "dense", "router": "dense",
                 "lm_head": "dense", "experts": "experts", "norms": None}
+# The mk.quant family (mk.quant.FAMILIES) of each weight family that can be quantised; the
+# router and the norms stay in their dtypes.
+QUANT_FAMILY = {"attention": "dense", "dense_mlp": "dense", "experts": "experts",
+                "lm_head": "lm_head"}
 
 
 def family_of(what: str) -> str:
@@ -173,17 +183,33 @@ def capacity(positions: int) -> int:
 
 
 def shard_weight_bytes(local: ModelConfig, vocab: int, experts: float,
-                       dtypes=None) -> dict[str, float]:
+                       dtypes=None, formats=None, block: BlockSizes | None = None
+                       ) -> dict[str, float]:
     """Bytes each weight family moves in one step on one device holding `local` (a
     `shard_config`), as the kernel streams them: every matrix of the shard (widths padded
     to tiles), the lm_head's `vocab` columns (padded to tiles), the norm vectors in
     float32, `experts` active experts per MoE layer. `dtypes`: storage dtype per dtype
-    family ({"dense": ..., "experts": ...}; default the config's). What `DecodePlan`,
-    `mk.sim` (through the plan) and `mk.perf` count."""
-    c = local
+    family ({"dense": ..., "experts": ...}; default the config's); `formats`: the
+    mk.quant scheme of the families stored quantised (`DecodePlan`), whose tiles of
+    `block` carry their scales. What `DecodePlan`, `mk.sim` (through the plan) and
+    `mk.perf` count."""
+    per = _bytes_per_element(local, dtypes, formats, block)
+    return {f: n * per[f] for f, n in _weight_elements(local, vocab, experts).items()}
+
+
+def _bytes_per_element(local: ModelConfig, dtypes=None, formats=None,
+                       block: BlockSizes | None = None) -> dict[str, float]:
+    """Streamed bytes per weight element of each weight family (`shard_weight_bytes`)."""
+    c, formats = local, quant.check_families(local, dict(formats or {}))
     dtypes = dtypes or {"dense": c.dtype, "experts": c.expert_dtype or c.dtype}
-    return {f: n * (4 if DTYPE_FAMILY[f] is None else DTYPE_BITS[dtypes[DTYPE_FAMILY[f]]] / 8)
-            for f, n in _weight_elements(local, vocab, experts).items()}
+    per = {f: 4 if d is None else DTYPE_BITS[dtypes[d]] / 8 for f, d in DTYPE_FAMILY.items()}
+    for family, scheme in formats.items():
+        if block is None:
+            raise ValueError(f"formats={formats}: quantised bytes need the tiling (block)")
+        tile = block.tile_k * block.tile_n
+        per |= {f: quant.tile_bytes(scheme, block.tile_k, block.tile_n) / tile
+                for f, q in QUANT_FAMILY.items() if q == family}
+    return per
 
 
 def _weight_elements(local: ModelConfig, vocab: int, experts: float) -> dict[str, float]:
@@ -226,6 +252,7 @@ class DecodePlan:
     context: int
     block: BlockSizes
     stream: TileStream
+    formats: tuple[tuple[str, str], ...]  # the `formats` dict's items, hashable
     named_buffers: tuple[tuple[str, Buffer], ...]  # `buffers` as a hashable field
 
     @property
@@ -235,10 +262,11 @@ class DecodePlan:
 
     @classmethod
     def make(cls, config: ModelConfig, *, tp: int = 1, batch: int, rows: int = 1,
-             context: int, block: BlockSizes | None = None) -> DecodePlan:
+             context: int, block: BlockSizes | None = None, formats=None) -> DecodePlan:
         """Check every limit of the step before anything is traced: tp splits the
         model, M = B*T is in [1, MAX_ROWS], the tiles divide every matrix of the shard,
-        the KV tile divides the cache and holds the T rows. (A one-slot ring is a plan the
+        the KV tile divides the cache and holds the T rows, the quantised `formats` hold
+        whole groups per tile (and tp = 1: sharding quantised weights is not built). (A one-slot ring is a plan the
         simulator replays; the kernel refuses it, `mk.megakernel.step_plan`.)"""
         if not isinstance(config, ModelConfig):
             raise ValueError(f"config={config!r} must be a ModelConfig")
@@ -254,12 +282,18 @@ class DecodePlan:
             raise ValueError(f"rows={rows} new rows per sequence exceed "
                              f"kv_tile={block.kv_tile}")
         vocab = padded_vocab(local, block)
+        formats = quant.check_families(config, dict(formats or {}))
+        if formats and tp != 1:
+            raise ValueError(f"formats={formats} with tp={tp}: sharding quantised weights "
+                             "is not built yet (issue 16); quantised plans run on tp=1")
         stream = TileStream.build(block, layer_matrices(local, mlp_kinds(local), M),
                                   layers=local.layers,
-                                  tail=[("lm_head", local.hidden, vocab)])
-        buffers = _buffers(local, int(tp), int(batch), int(rows), block, vocab)
+                                  tail=[("lm_head", local.hidden, vocab)],
+                                  schemes={name: scheme for family, scheme in formats.items()
+                                           for name in quant.FAMILIES[family]})
+        buffers = _buffers(local, int(tp), int(batch), int(rows), block, vocab, stream)
         return cls(config, int(tp), local, int(batch), int(rows), context, block, stream,
-                   tuple(buffers.items()))
+                   tuple(sorted(formats.items())), tuple(buffers.items()))
 
     @property
     def M(self) -> int:
@@ -310,7 +344,8 @@ class DecodePlan:
         """`shard_weight_bytes` of this plan's shard and tiles; `experts` defaults to
         every expert slot of the stream."""
         return shard_weight_bytes(self.local, self.vocab,
-                                  self.expert_slots if experts is None else experts, dtypes)
+                                  self.expert_slots if experts is None else experts, dtypes,
+                                  dict(self.formats), self.block)
 
     def kv_tiles(self, positions) -> tuple[int, int]:
         """(KV tiles read, tiles written back) of one layer for sequences at `positions`
@@ -326,8 +361,12 @@ class DecodePlan:
         c = self.local
         itemsize = {None: 4, "dense": jnp.dtype(c.dtype).itemsize,
                     "experts": jnp.dtype(c.expert_dtype or c.dtype).itemsize}
+        per = {f: itemsize[d] for f, d in DTYPE_FAMILY.items()}
+        formats = dict(self.formats)
+        per |= {f: b for f, b in _bytes_per_element(c, None, formats, self.block).items()
+                if QUANT_FAMILY.get(f) in formats}  # mk.quant.tile_major, as streamed
         elements = _weight_elements(c, self.vocab, c.experts if c.is_moe else 0)
-        weights = sum(n * itemsize[DTYPE_FAMILY[f]] for f, n in elements.items())
+        weights = sum(n * per[f] for f, n in elements.items())
         embed = self.config.vocab * c.hidden * itemsize["dense"]
         cache = 2 * c.layers * self.batch * c.kv_width * self.context * itemsize["dense"]
         return int(weights + embed + cache)
@@ -349,12 +388,13 @@ class DecodePlan:
 
 
 def _buffers(local: ModelConfig, tp: int, batch: int, rows: int, block: BlockSizes,
-             vocab: int) -> dict[str, Buffer]:
+             vocab: int, stream: TileStream) -> dict[str, Buffer]:
     """Every VMEM buffer of the megakernel by name (module docstring)."""
     M, D, H, dt = batch * rows, local.hidden, local.head_dim, local.dtype
     f32 = "float32"
     buffers = [
-        *layer_buffers(local, mlp_kinds(local), batch, rows, block),
+        *layer_buffers(local, mlp_kinds(local), batch, rows, block,
+                       ring=ring_buffers(stream, dt)),
         *decode_attention_buffers(batch, rows, local.heads, local.kv_heads, H, dt, block),
         Buffer("norms", (2, 2, D), f32, "vectors"),  # a layer's norms, two layers' slots
         Buffer("qk_norms", (2, 2, H), f32, "vectors"),

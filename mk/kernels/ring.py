@@ -17,6 +17,12 @@ A segment may be switched off at run time (`active`), e.g. the slot of an expert
 selected: its tiles are neither loaded nor waited for, but still "consumed" in order so
 the tiles behind it are issued.
 
+A segment may be stored quantised (`Segment.scheme`, one of `mk.quant.SCHEMES`): its tiles
+travel as packed data plus their scale block (two DMAs on the slot's semaphore, both waited
+for) into that scheme's own slots (`ring_buffers`), tile g still in slot g % slots, and are
+dequantised in VMEM (`mk.quant.dequantize_tile`) to the ring's compute dtype right before
+the product: the reference's numerics on `mk.quant.dequantize`d weights.
+
 A run of matrices may be repeated (`Repeat`), e.g. gate, up, down once per expert slot:
 copy c's Fetch gets (layer, c) and `matmul(..., copy=c)` takes a traced c, so a kernel
 loops over copies with `fori_loop` and its code does not grow with their number.
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Callable
 
 import jax.numpy as jnp
@@ -36,7 +43,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mk.kernels.common import BlockSizes, start_dma
+from mk import quant
+from mk.kernels.common import BlockSizes, Buffer, start_dma
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +58,7 @@ class Segment:
     copies: int = 1  # in a `Repeat`: copy c starts at start + c * stride
     stride: int = 0  # tiles from one copy to the next (a Repeat's tiles per copy); 0 if
     #                  the segment is not repeated
+    scheme: str | None = None  # mk.quant storage scheme of its tiles; None: plain
 
     @property
     def tiles(self) -> int:
@@ -110,12 +119,18 @@ class TileStream:
     tail: tuple[Segment, ...] = ()
 
     @classmethod
-    def build(cls, block: BlockSizes, matrices, *, layers: int = 1, tail=()) -> TileStream:
+    def build(cls, block: BlockSizes, matrices, *, layers: int = 1, tail=(),
+              schemes=None) -> TileStream:
         """matrices / tail: (name, rows, cols) of each weight, or a `Repeat` of such
-        triples, in consumption order."""
+        triples, in consumption order; schemes: {name: mk.quant scheme} of the weights
+        stored quantised."""
+        schemes = dict(schemes or {})
+        for name, scheme in schemes.items():
+            quant.tile_shapes(scheme, block.tile_k, block.tile_n)  # raises if it cannot
+
         def segs(items):
-            return [Segment(name, *block.check_matrix(name, rows, cols))
-                    for name, rows, cols in items]
+            return [Segment(name, *block.check_matrix(name, rows, cols),
+                            scheme=schemes.get(name)) for name, rows, cols in items]
 
         def groups(items):
             return _place((i.copies, segs(i.matrices)) if isinstance(i, Repeat)
@@ -163,11 +178,30 @@ class TileStream:
                    t // s.row_tiles)
 
     def table(self, itemsize: int = 2) -> list[dict]:
-        """One dict per tile (g, layer, matrix, row/col tile, ring slot, KiB), for a table."""
-        kib = self.block.tile_k * self.block.tile_n * itemsize / 1024
+        """One dict per tile (g, layer, matrix, row/col tile, ring slot, KiB), for a table;
+        itemsize: bytes per element of the plain segments."""
         return [dict(g=g, layer="lm_head" if layer is None else layer, matrix=name,
-                     row_tile=i, col_tile=j, slot=g % self.block.slots, KiB=kib)
+                     row_tile=i, col_tile=j, slot=g % self.block.slots,
+                     KiB=self.segment_tile_bytes(self.segment(name.split("[")[0]),
+                                                 itemsize) / 1024)
                 for g, layer, name, i, j in self.tiles()]
+
+    def segment_tile_bytes(self, segment: Segment, itemsize: int) -> int:
+        """Bytes one tile of `segment` moves: tile_k x tile_n x itemsize when plain, its
+        packed data and scale block when quantised (`mk.quant.tile_bytes`)."""
+        k, n = self.block.tile_k, self.block.tile_n
+        return k * n * itemsize if segment.scheme is None else quant.tile_bytes(
+            segment.scheme, k, n)
+
+    @property
+    def schemes(self) -> tuple[str, ...]:
+        """The quantised schemes of the stream's segments, in a fixed order."""
+        found = {s.scheme for s in self.segments + self.tail}
+        return tuple(q for q in quant.SCHEMES if q in found)
+
+    @property
+    def has_plain(self) -> bool:
+        return any(s.scheme is None for s in self.segments + self.tail)
 
     @staticmethod
     def owners(segments) -> dict[int, tuple[Segment, int]]:
@@ -202,34 +236,98 @@ class TileStream:
         return self.block.tile_k * self.block.tile_n  # times the weight itemsize
 
 
+def ring_buffers(stream: TileStream, dtype) -> list[Buffer]:
+    """The ring's VMEM slots ("layer" group): "ring" [slots, tile_k, tile_n] of `dtype` for
+    the plain segments (if any), and for each quantised scheme "ring_<scheme>" (its packed
+    data) and "ring_<scheme>_scales" (`mk.quant.tile_shapes`), slots deep each."""
+    b = stream.block
+    out = [Buffer("ring", (b.slots, b.tile_k, b.tile_n), dtype)] if stream.has_plain else []
+    for scheme in stream.schemes:
+        shapes = quant.tile_shapes(scheme, b.tile_k, b.tile_n)
+        for part, suffix in (("data", ""), ("scale", "_scales")):
+            shape, part_dtype = shapes[part]
+            out.append(Buffer(f"ring_{scheme}{suffix}", (b.slots, *shape), part_dtype))
+    return out
+
+
 # fetch(layer) -> (the [K, N] HBM ref of that matrix in that layer, active flag or None);
 # a repeated segment's fetch is fetch(layer, copy).
 Fetch = Callable[..., tuple[object, object]]
 
 
 class Ring:
-    """The in-kernel ring over `stream`: slots_vmem [slots, tile_k, tile_n], sems [slots].
+    """The in-kernel ring over `stream`: slots_vmem [slots, tile_k, tile_n] (None when
+    every segment is quantised), sems [slots]; packed: {scheme: (data slots, scale slots)}
+    of the quantised segments (`ring_buffers`' "ring_<scheme>" and "ring_<scheme>_scales");
+    dtype: what tiles are multiplied in (default slots_vmem's).
 
-    fetch: segment name -> Fetch. Every tile started is waited for by the `matmul` that
-    consumes it, in increasing g, with `start(g + slots)` only after tile g was read.
+    fetch: segment name -> Fetch (a quantised segment's returns an `mk.quant.QuantWeight`
+    of refs in `mk.quant.tile_major` layout). Every tile started is waited for by the
+    `matmul` that consumes it, in increasing g, with `start(g + slots)` only after tile g
+    was read.
     """
 
-    def __init__(self, stream: TileStream, fetch: dict[str, Fetch], slots_vmem, sems):
+    def __init__(self, stream: TileStream, fetch: dict[str, Fetch], slots_vmem, sems, *,
+                 packed=None, dtype=None):
         self.stream, self.fetch = stream, fetch
         self.slots_vmem, self.sems = slots_vmem, sems
+        self.packed = dict(packed or {})
+        missing = set(stream.schemes) - set(self.packed)
+        if missing or (stream.has_plain and slots_vmem is None):
+            raise ValueError(f"Ring: no slots for {sorted(missing) or 'the plain segments'}")
+        self.dtype = jnp.dtype(dtype or slots_vmem.dtype)
         self.n = stream.block.slots
         self.tk, self.tn = stream.block.tile_k, stream.block.tile_n
+
+    @classmethod
+    def in_scratch(cls, stream: TileStream, fetch: dict[str, Fetch], scratch, sems, dtype
+                   ) -> Ring:
+        """The ring over the slots `ring_buffers` named, found as attributes of
+        `scratch` (a kernel's layer scratch namespace)."""
+        packed = {q: (getattr(scratch, f"ring_{q}"), getattr(scratch, f"ring_{q}_scales"))
+                  for q in stream.schemes}
+        return cls(stream, fetch, getattr(scratch, "ring", None), sems, packed=packed,
+                   dtype=dtype)
 
     def _fetch(self, segment: Segment, layer, copy):
         fetch = self.fetch[segment.name]
         return fetch(layer, copy) if segment.stride else fetch(layer)
 
-    def _copy(self, segment: Segment, layer, copy, t, slot):
+    def _copies(self, segment: Segment, layer, copy, t, slot) -> list:
+        """The DMAs that bring tile t of `segment` into `slot`, with their bytes: one for a
+        plain tile; its packed data and its scale block for a quantised one, both on the
+        slot's semaphore."""
         src, _ = self._fetch(segment, layer, copy)
         i, j = t % segment.row_tiles, t // segment.row_tiles
-        tile = src.at[pl.ds(pl.multiple_of(i * self.tk, self.tk), self.tk),
-                      pl.ds(pl.multiple_of(j * self.tn, self.tn), self.tn)]
-        return pltpu.make_async_copy(tile, self.slots_vmem.at[slot], self.sems.at[slot])
+        cols = pl.ds(pl.multiple_of(j * self.tn, self.tn), self.tn)
+        if segment.scheme is None:
+            rows, dst, parts = self.tk, self.slots_vmem, [(src, None)]
+        else:
+            data, scales = self.packed[segment.scheme]
+            rows, dst, parts = data.shape[1], data, [(src.data, None), (src.scale, scales)]
+        copies = []
+        for source, into in parts:
+            if into is None:  # the tile's rows and columns
+                tile = source.at[pl.ds(pl.multiple_of(i * rows, rows), rows), cols]
+                into = dst
+            else:  # its scale block, whole trailing dims (mk.quant.tile_major)
+                tile = source.at[i, j]
+            nbytes = math.prod(into.shape[1:]) * into.dtype.itemsize
+            copies.append((pltpu.make_async_copy(tile, into.at[slot], self.sems.at[slot]),
+                           nbytes))
+        return copies
+
+    def _wait(self, segment: Segment, layer, copy, t, slot):
+        for dma, _ in self._copies(segment, layer, copy, t, slot):
+            dma.wait()
+
+    def _weights(self, segment: Segment, g):
+        """Tile g's weights in VMEM as a [tile_k, tile_n] value of the compute dtype."""
+        if segment.scheme is None:
+            return self.slot(g)[...]
+        data, scales = self.packed[segment.scheme]
+        return quant.dequantize_tile(segment.scheme, data[g % self.n],
+                                     scales[g % self.n]).astype(self.dtype)
 
     def _each_segment(self, g, action, candidates=None):
         """Call action(segment, layer, copy, t) for the segment holding tile g (g traced),
@@ -258,8 +356,8 @@ class Ring:
 
     def _issue(self, segment: Segment, layer, copy, t, g):
         """Start the DMA of tile g, which is tile t of `segment`'s copy `copy` in `layer`."""
-        start_dma(self._copy(segment, layer, copy, t, g % self.n), segment.name,
-                  self.tk * self.tn * self.slots_vmem.dtype.itemsize)
+        for dma, nbytes in self._copies(segment, layer, copy, t, g % self.n):
+            start_dma(dma, segment.name, nbytes)
 
     def start(self, g, candidates=None):
         """Issue tile g into slot g % slots; a no-op past the end or for an off segment.
@@ -320,10 +418,10 @@ class Ring:
             g = base + t
             i, j = t % nk, t // nk
             # tile g is this segment's tile t: one wait, no search
-            when_active(lambda: self._copy(seg, layer, copy, t, g % self.n).wait())
+            when_active(lambda: self._wait(seg, layer, copy, t, g % self.n))
             xs = x[:, pl.ds(pl.multiple_of(i * tk, tk), tk)]
-            w = self.slot(g)
-            part = jnp.dot(xs.astype(w.dtype), w[...], preferred_element_type=jnp.float32)
+            part = jnp.dot(xs.astype(self.dtype), self._weights(seg, g),
+                           preferred_element_type=jnp.float32)
             acc = jnp.where(i == 0, part, acc + part)
             if steady:
                 when_active(lambda: self._issue(seg, layer, copy, t + self.n, g + self.n))
