@@ -107,7 +107,7 @@ class Sweep:
 
 SWEEPS = {
     # 4 KiB to 4 MiB one at a time; 256 KiB copies up to 64 in flight (16 MiB of VMEM)
-    "full": Sweep(sizes=tuple(4 ** k * 4 * KIB for k in range(7)), chunk=256 * KIB,
+    "full": Sweep(sizes=tuple(4 ** k * 4 * KIB for k in range(6)), chunk=256 * KIB,
                   in_flight=(1, 2, 4, 8, 16, 32, 64)),
     # interpret mode: ~1 ms per copy and ~0.5 s of tracing per point
     "quick": Sweep(sizes=(4 * KIB, 16 * KIB, 64 * KIB), chunk=4 * KIB, in_flight=(1, 2, 4),
