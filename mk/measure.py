@@ -23,10 +23,10 @@ it under `MEASURED` or in any file named for a TPU. A third mode, "example", is 
 made up from a chosen latency and bandwidth share (`example`): what a notebook on a CPU
 feeds the simulator to show what a measured file changes, labelled as made up.
 
-Here: `Sweep` (`SWEEPS`), `DmaPoint`, `StepPoint`, `Measured` (`latency_fit`, `dma_latency_s`, `hbm_bw`, `hbm_share`, `to_dict`,
-`from_dict`),
-`chip_of`, `seconds_per_copy`, `dma_sweep`, `time_step`, `measure`, `example`, `path_for`,
-`write`, `load`, `sim_fields` (what `mk.sim.Assumptions.measured` sets). Not here: the
+Here: `Sweep` (`SWEEPS`), `DmaPoint`, `StepPoint`, `Measured` (`latency_fit`,
+`dma_latency_s`, `hbm_bw`, `hbm_share`, `to_dict`, `from_dict`), `chip_of`,
+`seconds_per_copy`, `dma_sweep`, `time_step`, `measure`, `example`, `path_for`, `write`,
+`load`, `sim_fields` (what `mk.sim.Assumptions.measured` sets). Not here: the
 simulator (`mk.sim`), drawing (the notebook, with `mk.plots`), the JSON schema's prose
 (data/README.md).
 """
@@ -51,7 +51,8 @@ from mk import megakernel, reference
 from mk.checkpoint import init_params
 from mk.chips import ChipSpec, all_chips, chip as chip_spec
 from mk.config import ModelConfig
-from mk.kernels.dma_probe import GRANULE_BYTES, dma_probe
+from mk.kernels.common import LANES
+from mk.kernels.dma_probe import CHUNK_ROWS, GRANULE_BYTES, chunk_rows, dma_probe
 from mk.kernels.plan import capacity as cache_capacity
 
 SCHEMA = 1
@@ -71,6 +72,31 @@ MEASURED = Path(os.environ.get("MK_MEASURED") or (
 KIB = 1024
 
 
+def _number(field: str, value, low: float = 0.0) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and value > low):
+        raise ValueError(f"{field}={value!r} must be a finite number > {low:g}")
+
+
+def _integer(field: str, value, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{field}={value!r} must be an integer >= {low}")
+
+
+def _granules(field: str, value) -> None:
+    """A copy's size: whole (8, 128) float32 tiles (`mk.kernels.dma_probe`)."""
+    _integer(field, value, GRANULE_BYTES)
+    if value % GRANULE_BYTES:
+        raise ValueError(f"{field}={value} must be a multiple of {GRANULE_BYTES}")
+
+
+def _counts(field: str, value) -> None:
+    if not (isinstance(value, tuple) and len(value) == 2 and all(
+            isinstance(n, int) and not isinstance(n, bool) for n in value)
+            and 1 <= value[0] < value[1]):
+        raise ValueError(f"{field}={value!r} must be two integers 1 <= a < b")
+
+
 @dataclasses.dataclass(frozen=True)
 class Sweep:
     """What `dma_sweep` times: one copy in flight at each of `sizes` (latency against
@@ -87,17 +113,13 @@ class Sweep:
         for field in ("sizes", "in_flight"):
             if not getattr(self, field):
                 raise ValueError(f"Sweep.{field} is empty")
-        for n in (*self.sizes, self.chunk):
-            if not (isinstance(n, int) and n >= GRANULE_BYTES and n % GRANULE_BYTES == 0):
-                raise ValueError(f"Sweep: size {n!r} must be a positive multiple of "
-                                 f"{GRANULE_BYTES} bytes")
-        if not all(isinstance(d, int) and d >= 1 for d in self.in_flight):
-            raise ValueError(f"Sweep.in_flight={self.in_flight} must be integers >= 1")
-        c0, c1 = self.counts
-        if not (isinstance(c0, int) and isinstance(c1, int) and 1 <= c0 < c1):
-            raise ValueError(f"Sweep.counts={self.counts} must be two integers 1 <= a < b")
-        if not (isinstance(self.repeats, int) and self.repeats >= 1):
-            raise ValueError(f"Sweep.repeats={self.repeats!r} must be an integer >= 1")
+        for n in self.sizes:
+            _granules("Sweep.sizes[...]", n)
+        _granules("Sweep.chunk", self.chunk)
+        for d in self.in_flight:
+            _integer("Sweep.in_flight[...]", d, 1)
+        _counts("Sweep.counts", self.counts)
+        _integer("Sweep.repeats", self.repeats, 1)
 
     def points(self) -> list[tuple[int, int]]:
         """(bytes, in_flight) of every point, latency points first, each once."""
@@ -109,21 +131,11 @@ SWEEPS = {
     # 4 KiB to 4 MiB one at a time; 256 KiB copies up to 64 in flight (16 MiB of VMEM)
     "full": Sweep(sizes=tuple(4 ** k * 4 * KIB for k in range(6)), chunk=256 * KIB,
                   in_flight=(1, 2, 4, 8, 16, 32, 64)),
-    # interpret mode: ~1 ms per copy and ~0.5 s of tracing per point
+    # interpret mode: ~1-2 ms per copy (32 extra copies stand out of the load's noise) and
+    # ~0.5 s of tracing per point
     "quick": Sweep(sizes=(4 * KIB, 16 * KIB, 64 * KIB), chunk=4 * KIB, in_flight=(1, 2, 4),
-                   counts=(2, 18), repeats=3),
+                   counts=(2, 34), repeats=3),
 }
-
-
-def _number(field: str, value, low: float = 0.0) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-            math.isfinite(value) and value > low):
-        raise ValueError(f"{field}={value!r} must be a finite number > {low:g}")
-
-
-def _integer(field: str, value, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{field}={value!r} must be an integer >= {low}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,9 +147,7 @@ class DmaPoint:
     seconds: float
 
     def __post_init__(self):
-        _integer("bytes", self.bytes, GRANULE_BYTES)
-        if self.bytes % GRANULE_BYTES:
-            raise ValueError(f"bytes={self.bytes} must be a multiple of {GRANULE_BYTES}")
+        _granules("bytes", self.bytes)
         _integer("in_flight", self.in_flight, 1)
         _number("seconds", self.seconds)
 
@@ -206,13 +216,12 @@ class Measured:
                 raise ValueError(f"{field}={getattr(self, field)!r} must be a string")
         if not self.label:
             raise ValueError("label='' must say what the numbers are")
-        c = self.counts
-        if not (len(c) == 2 and all(isinstance(n, int) and not isinstance(n, bool)
-                                    for n in c) and 1 <= c[0] < c[1]):
-            raise ValueError(f"counts={c!r} must be two integers 1 <= a < b")
+        _counts("counts", self.counts)
         _integer("repeats", self.repeats, 1)
-        if not self.dma:
-            raise ValueError("dma=[] must hold at least one point")
+        if not self.dma or not all(isinstance(p, DmaPoint) for p in self.dma):
+            raise ValueError(f"dma ({len(self.dma)} items) must be DmaPoints, at least one")
+        if self.step is not None and not isinstance(self.step, StepPoint):
+            raise ValueError(f"step={self.step!r} must be a StepPoint or None")
 
     # -- What the simulator reads -----------------------------------------------------------
     def latency_points(self) -> list[DmaPoint]:
@@ -330,13 +339,13 @@ def _median_seconds(calls: dict, repeats: int) -> dict:
 def seconds_per_copy(nbytes: int, in_flight: int, sweep: Sweep) -> float:
     """Steady seconds per copy of `nbytes` with `in_flight` outstanding (module
     docstring); run inside `mk.backend.use`. Checks the data landed."""
-    rows = nbytes // (4 * 128)
-    src = jnp.arange(in_flight * rows * 128, dtype=jnp.float32).reshape(in_flight, rows, 128)
+    rows = chunk_rows(nbytes)
+    src = jnp.arange(in_flight * rows * LANES, dtype=jnp.float32).reshape(in_flight, rows, -1)
     probe = jax.jit(dma_probe)
     c0, c1 = sweep.counts
     calls = {c: (lambda c=c: probe(src, jnp.array([c], jnp.int32))) for c in (c0, c1)}
     last = np.asarray(calls[c1]())
-    if not np.array_equal(last, np.asarray(src[(c1 - 1) % in_flight, :8])):
+    if not np.array_equal(last, np.asarray(src[(c1 - 1) % in_flight, :CHUNK_ROWS])):
         raise RuntimeError(f"the probe ({nbytes} bytes, {in_flight} in flight) returned "
                            "data that is not its last chunk's: the DMAs did not land")
     t = _median_seconds(calls, sweep.repeats)

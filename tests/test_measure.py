@@ -19,7 +19,7 @@ from mk import measure, sim, tpu
 from mk.kernels.dma_probe import dma_probe
 
 # Three probe points (two sizes one at a time, one size two at a time), cheap on a CPU.
-TINY = measure.Sweep(sizes=(4096, 8192), chunk=4096, in_flight=(1, 2), counts=(2, 18),
+TINY = measure.Sweep(sizes=(4096, 8192), chunk=4096, in_flight=(1, 2), counts=(2, 34),
                      repeats=3)
 
 
@@ -179,3 +179,18 @@ def test_device_kinds_name_chips_of_the_csv():
     assert measure.chip_of("TPU v6 lite") == "v6e"
     with pytest.raises(ValueError, match="device_kind='cpu'"):
         measure.chip_of("cpu")
+
+
+@pytest.mark.parametrize("change,words", [
+    (dict(sizes=(4096, 5000)), "Sweep.sizes[...]=5000 must be a multiple of 4096"),
+    (dict(chunk=0), "Sweep.chunk=0 must be an integer >= 4096"),
+    (dict(in_flight=(1, 0)), "Sweep.in_flight[...]=0 must be an integer >= 1"),
+    (dict(counts=(8, 8)), "Sweep.counts=(8, 8) must be two integers"),
+    (dict(repeats=0), "Sweep.repeats=0 must be an integer >= 1"),
+    (dict(sizes=()), "Sweep.sizes is empty"),
+])
+def test_a_bad_sweep_is_refused_naming_the_field(change, words):
+    dataclasses.replace(TINY)  # control: the sweep the tests use is valid
+    with pytest.raises(ValueError) as err:
+        dataclasses.replace(TINY, **change)
+    assert words in str(err.value)
