@@ -18,7 +18,9 @@ Modelling assumptions (`Assumptions` holds the numbers; none is fitted to a meas
   issued at t starts moving at max(t + `dma_latency_s`, end of the transfer before it):
   the per-descriptor latency (0.5 us, an assumption, not measured) is hidden when the
   engine is busy. Weight tiles, KV tiles, KV write-backs, routers and the 4-byte-per-expert
-  selection copy all share the engine.
+  selection copy all share the engine. `Assumptions.measured(chip)` takes the latency and
+  hbm_share from a TPU's measured file instead (`mk.measure`, data/measured/<chip>.json;
+  `source` says which); `simulate` uses them only when passed them.
 - Compute is one in-order lane. A weight tile [tk, tn] against M rows costs
   2 * max(M, mxu_rows) * tk * tn / peak: a weight-stationary MXU of mxu_rows x mxu_rows
   takes as long to load a weight block as to stream mxu_rows rows through it, so fewer
@@ -86,7 +88,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from mk import perf
+from mk import measure, perf
 from mk.chips import ChipSpec, chip as named_chip
 from mk.config import DTYPE_BITS, ModelConfig, positive_int
 from mk.kernels.common import BlockSizes
@@ -112,6 +114,7 @@ class Assumptions:
     scalar_op_s: float = 2e-9
     compute: str = "bf16"
     tile_issue_s: float = 0.0  # the per-tile loop's issue time (`mk.bundles.TileCost`)
+    source: str = "assumed"  # where dma_latency_s and hbm_share come from (`measured`)
 
     def __post_init__(self):
         for field in ("hbm_share", "vpu_flops_ratio"):
@@ -124,6 +127,18 @@ class Assumptions:
         if self.compute not in perf.COMPUTES:
             raise ValueError(f"Assumptions.compute={self.compute!r} must be one of "
                              f"{perf.COMPUTES}")
+        if not isinstance(self.source, str) or not self.source:
+            raise ValueError(f"Assumptions.source={self.source!r} must say where the DMA "
+                             "numbers come from")
+
+    # -- A measured file (mk.measure) ----------------------------------------------------
+    @classmethod
+    def measured(cls, chip: ChipSpec | str, path=None, **others) -> Assumptions:
+        """dma_latency_s and hbm_share from the measured file of `chip` (`path`, else
+        data/measured/<chip>.json when it exists: `mk.measure.sim_fields`), with `source`
+        saying which; without a file the defaults, source "assumed". `others` set the
+        other fields."""
+        return cls(**others, **measure.sim_fields(chip, path))
 
 
 def active_experts(config: ModelConfig, m: int, routing: str = "uniform") -> int:

@@ -1,0 +1,492 @@
+"""Measure your TPU: DMA latency against size, bandwidth against bytes in flight, one
+megakernel step; the `Measured` record `data/measured/<chip>.json` holds, which the
+simulator reads (`mk.sim.Assumptions.measured`).
+
+How a number is measured. `mk.kernels.dma_probe` copies `count` chunks HBM -> VMEM with
+`in_flight` copies outstanding; each point runs it with two counts (`Sweep.counts`), timed
+by the wall clock around a blocking call (`jax.block_until_ready`), `repeats` times each,
+and keeps (median time at the larger count - median at the smaller) / the extra copies:
+the steady time per copy, without the call's fixed cost. With one copy in flight that is
+the latency plus the bytes over the bandwidth, so a straight line through the one-in-flight
+points against their size has the latency as its intercept (`Measured.dma_latency_s`, the
+simulator's `dma_latency_s`: a transfer starts moving that long after its issue); with
+more in flight the copies overlap and bytes / time per copy is the bandwidth reached with
+that many bytes in flight (`Measured.hbm_bw`, the best of them, over the datasheet's share
+of one device gives the simulator's `hbm_share`). The megakernel step is timed the same way
+(one warm-up call, then the median of `repeats`), dispatch included.
+
+Where it runs. On a TPU (`mk.backend` "hardware") the record's chip comes from the device
+kind and it is written to `MEASURED/<chip>.json`. On a CPU the same code runs in TPU
+interpret mode: the times are the interpreter's and say nothing about a TPU. Such a record
+has mode "interpret", no chip and the label `INTERPRET_LABEL`, and `write` refuses to put
+it under `MEASURED` or in any file named for a TPU. A third mode, "example", is a record
+made up from a chosen latency and bandwidth share (`example`): what a notebook on a CPU
+feeds the simulator to show what a measured file changes, labelled as made up.
+
+Here: `Sweep` (`SWEEPS`), `DmaPoint`, `StepPoint`, `Measured` (`latency_fit`,
+`dma_latency_s`, `hbm_bw`, `hbm_share`, `to_dict`, `from_dict`), `chip_of`,
+`seconds_per_copy`, `dma_sweep`, `time_step`, `measure`, `example`, `path_for`, `write`,
+`load`, `sim_fields` (what `mk.sim.Assumptions.measured` sets). Not here: the
+simulator (`mk.sim`), drawing (the notebook, with `mk.plots`), the JSON schema's prose
+(data/README.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mk import backend as backends
+from mk import megakernel, reference
+from mk.checkpoint import init_params
+from mk.chips import ChipSpec, all_chips, chip as chip_spec
+from mk.config import ModelConfig
+from mk.kernels.common import LANES
+from mk.kernels.dma_probe import CHUNK_ROWS, GRANULE_BYTES, chunk_rows, dma_probe
+from mk.kernels.plan import capacity as cache_capacity
+
+SCHEMA = 1
+MODES = ("hardware", "interpret", "example")
+INTERPRET_LABEL = "interpret mode, not a TPU"
+EXAMPLE_LABEL = "example: made-up numbers, not a measurement"
+TPU_NAMES = tuple(s.name for s in all_chips("tpu"))
+# jax's device_kind of each TPU in mk/data/chips.csv (the names of
+# jax._src.pallas.mosaic.tpu_info.chip_version_from_device_kind).
+DEVICE_KINDS = {"TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v6 lite": "v6e",
+                "TPU v6e": "v6e", "TPU v5": "v5p", "TPU v5p": "v5p", "TPU7x": "tpu7x"}
+_CHECKOUT = Path(__file__).resolve().parent.parent
+# Measured files go to $MK_MEASURED, else to data/measured of the checkout (of the working
+# directory for an installed package): never inside the installed package.
+MEASURED = Path(os.environ.get("MK_MEASURED") or (
+    _CHECKOUT if (_CHECKOUT / "pyproject.toml").exists() else Path.cwd()) / "data" / "measured")
+KIB = 1024
+
+
+def _number(field: str, value, low: float = 0.0) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and value > low):
+        raise ValueError(f"{field}={value!r} must be a finite number > {low:g}")
+
+
+def _integer(field: str, value, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{field}={value!r} must be an integer >= {low}")
+
+
+def _granules(field: str, value) -> None:
+    """A copy's size: whole (8, 128) float32 tiles (`mk.kernels.dma_probe`)."""
+    _integer(field, value, GRANULE_BYTES)
+    if value % GRANULE_BYTES:
+        raise ValueError(f"{field}={value} must be a multiple of {GRANULE_BYTES}")
+
+
+def _counts(field: str, value) -> None:
+    if not (isinstance(value, tuple) and len(value) == 2 and all(
+            isinstance(n, int) and not isinstance(n, bool) for n in value)
+            and 1 <= value[0] < value[1]):
+        raise ValueError(f"{field}={value!r} must be two integers 1 <= a < b")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+    """What `dma_sweep` times: one copy in flight at each of `sizes` (latency against
+    size), then `in_flight` copies of `chunk` bytes (bandwidth against bytes in flight);
+    each point with `counts` copies, `repeats` times."""
+
+    sizes: tuple[int, ...]  # bytes per copy, whole 4 KiB
+    chunk: int  # bytes per copy of the bandwidth sweep
+    in_flight: tuple[int, ...]
+    counts: tuple[int, int] = (16, 528)
+    repeats: int = 5
+
+    def __post_init__(self):
+        for field in ("sizes", "in_flight"):
+            if not getattr(self, field):
+                raise ValueError(f"Sweep.{field} is empty")
+        for n in self.sizes:
+            _granules("Sweep.sizes[...]", n)
+        _granules("Sweep.chunk", self.chunk)
+        for d in self.in_flight:
+            _integer("Sweep.in_flight[...]", d, 1)
+        _counts("Sweep.counts", self.counts)
+        _integer("Sweep.repeats", self.repeats, 1)
+
+    def points(self) -> list[tuple[int, int]]:
+        """(bytes, in_flight) of every point, latency points first, each once."""
+        out = [(n, 1) for n in self.sizes]
+        return out + [(self.chunk, d) for d in self.in_flight if (self.chunk, d) not in out]
+
+
+SWEEPS = {
+    # 4 KiB to 4 MiB one at a time; 256 KiB copies up to 64 in flight (16 MiB of VMEM)
+    "full": Sweep(sizes=tuple(4 ** k * 4 * KIB for k in range(6)), chunk=256 * KIB,
+                  in_flight=(1, 2, 4, 8, 16, 32, 64)),
+    # interpret mode: ~1-2 ms per copy (32 extra copies stand out of the load's noise) and
+    # ~0.5 s of tracing per point
+    "quick": Sweep(sizes=(4 * KIB, 16 * KIB, 64 * KIB), chunk=4 * KIB, in_flight=(1, 2, 4),
+                   counts=(2, 34), repeats=3),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class DmaPoint:
+    """One timed probe: copies of `bytes`, `in_flight` outstanding, `seconds` per copy."""
+
+    bytes: int
+    in_flight: int
+    seconds: float
+
+    def __post_init__(self):
+        _granules("bytes", self.bytes)
+        _integer("in_flight", self.in_flight, 1)
+        _number("seconds", self.seconds)
+
+    @property
+    def bytes_in_flight(self) -> int:
+        return self.bytes * self.in_flight
+
+    @property
+    def bandwidth(self) -> float:
+        """Bytes per second moved at this point's steady state."""
+        return self.bytes / self.seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPoint:
+    """One megakernel decode step of `model`, timed: wall clock of a blocking call."""
+
+    model: str
+    batch: int
+    rows: int
+    context: int  # cached positions each sequence reads (its rows come after them)
+    seconds: float
+
+    def __post_init__(self):
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model={self.model!r} must be a non-empty string")
+        _integer("batch", self.batch, 1)
+        _integer("rows", self.rows, 1)
+        _integer("context", self.context, 0)
+        _number("seconds", self.seconds)
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """What one run of `measure` found (or an `example`); the JSON of `to_dict`."""
+
+    mode: str  # one of MODES
+    label: str  # INTERPRET_LABEL, EXAMPLE_LABEL, or "measured on <device kind>"
+    chip: str | None  # a TPU of mk/data/chips.csv; None in interpret mode
+    device_kind: str  # jax's name of the device that ran the probes ("cpu" in interpret)
+    when: str  # UTC, ISO 8601
+    jax: str  # jax's version
+    counts: tuple[int, int]  # copies per call, the two timed
+    repeats: int
+    dma: tuple[DmaPoint, ...]
+    step: StepPoint | None  # None when no step was timed
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode={self.mode!r} must be one of {MODES}")
+        if self.mode == "interpret":
+            if self.chip is not None:
+                raise ValueError(f"chip={self.chip!r} must be null in mode='interpret': "
+                                 "interpret-mode timings say nothing about a TPU")
+            if self.label != INTERPRET_LABEL:
+                raise ValueError(f"label={self.label!r} must be {INTERPRET_LABEL!r} in "
+                                 "mode='interpret'")
+        elif self.chip not in TPU_NAMES:
+            raise ValueError(f"chip={self.chip!r} must be one of {TPU_NAMES} in "
+                             f"mode={self.mode!r}")
+        if self.mode == "example" and self.label != EXAMPLE_LABEL:
+            raise ValueError(f"label={self.label!r} must be {EXAMPLE_LABEL!r} in "
+                             "mode='example'")
+        for field in ("label", "device_kind", "when", "jax"):
+            if not isinstance(getattr(self, field), str):
+                raise ValueError(f"{field}={getattr(self, field)!r} must be a string")
+        if not self.label:
+            raise ValueError("label='' must say what the numbers are")
+        _counts("counts", self.counts)
+        _integer("repeats", self.repeats, 1)
+        if not self.dma or not all(isinstance(p, DmaPoint) for p in self.dma):
+            raise ValueError(f"dma ({len(self.dma)} items) must be DmaPoints, at least one")
+        if self.step is not None and not isinstance(self.step, StepPoint):
+            raise ValueError(f"step={self.step!r} must be a StepPoint or None")
+
+    # -- What the simulator reads -----------------------------------------------------------
+    def latency_points(self) -> list[DmaPoint]:
+        """The points with one copy in flight, by size."""
+        return sorted((p for p in self.dma if p.in_flight == 1), key=lambda p: p.bytes)
+
+    def latency_fit(self) -> tuple[float, float]:
+        """(intercept s, slope s per byte) of the least-squares line through seconds per
+        copy against bytes, one copy in flight."""
+        points = self.latency_points()
+        if len({p.bytes for p in points}) < 2:
+            raise ValueError(f"dma: {len(points)} point(s) with in_flight=1; the latency "
+                             "needs them at >= 2 sizes")
+        slope, intercept = np.polyfit([p.bytes for p in points], [p.seconds for p in points],
+                                      1)
+        return float(intercept), float(slope)
+
+    @property
+    def dma_latency_s(self) -> float:
+        """The fit's intercept (`latency_fit`): a copy's time before its first byte moves."""
+        intercept, _ = self.latency_fit()
+        if not intercept > 0:
+            raise ValueError(f"dma: the one-in-flight points give a latency of "
+                             f"{intercept:.3g} s; it must be > 0 (too noisy: raise "
+                             "Sweep.counts or repeats)")
+        return intercept
+
+    @property
+    def hbm_bw(self) -> float:
+        """The best bandwidth any point reached, bytes/s (one device)."""
+        return max(p.bandwidth for p in self.dma)
+
+    def hbm_share(self, spec: ChipSpec) -> float:
+        """hbm_bw over the datasheet bandwidth of one device of `spec`."""
+        share = self.hbm_bw / (spec.hbm_bw / spec.cores_per_chip)
+        if not 0 < share <= 1 + 1e-9:  # an example at the datasheet rounds to 1 + eps
+            raise ValueError(f"dma: {self.hbm_bw / 1e9:.1f} GB/s is {share:.2f} x {spec.name}'s "
+                             f"datasheet {spec.hbm_bw / spec.cores_per_chip / 1e9:.0f} GB/s "
+                             "per device; the share must be in (0, 1]")
+        return min(share, 1.0)
+
+    # -- JSON -------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["counts"] = list(self.counts)
+        return {"schema": SCHEMA, **out}
+
+    @classmethod
+    def from_dict(cls, data, where: str = "record") -> Measured:
+        """The record of `to_dict`'s JSON; ValueError naming `where` and the field."""
+        try:
+            values = _fields(data, cls, "", extra=("schema",))
+            if values.pop("schema") != SCHEMA:
+                raise ValueError(f"schema={data['schema']!r} must be {SCHEMA}")
+            if not isinstance(values["dma"], list):
+                raise ValueError(f"dma={values['dma']!r} must be a list")
+            values["dma"] = tuple(_point(DmaPoint, p, f"dma[{i}].")
+                                  for i, p in enumerate(values["dma"]))
+            if values["step"] is not None:
+                values["step"] = _point(StepPoint, values["step"], "step.")
+            if not isinstance(values["counts"], list):
+                raise ValueError(f"counts={values['counts']!r} must be a list")
+            values["counts"] = tuple(values["counts"])
+            return cls(**values)
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
+
+
+def _fields(data, kind, prefix: str, extra=()) -> dict:
+    """The fields of dataclass `kind` from a JSON object: each present, no other."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{prefix.rstrip('.') or 'the record'}={data!r} must be a JSON "
+                         "object")
+    names = [f.name for f in dataclasses.fields(kind)] + list(extra)
+    for name in names:
+        if name not in data:
+            raise ValueError(f"{prefix}{name} is missing")
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        raise ValueError(f"{prefix}{unknown[0]} is not a field (fields: {names})")
+    return dict(data)
+
+
+def _point(kind, data, prefix: str):
+    values = _fields(data, kind, prefix)
+    try:
+        return kind(**values)
+    except ValueError as err:
+        raise ValueError(f"{prefix}{err}") from None
+
+
+# -- Measuring ----------------------------------------------------------------------------
+def chip_of(device_kind: str) -> str:
+    """The mk chip name of a jax device kind ("TPU v6 lite" -> "v6e")."""
+    if device_kind not in DEVICE_KINDS:
+        raise ValueError(f"device_kind={device_kind!r} is not a TPU of mk/data/chips.csv; "
+                         f"known: {sorted(DEVICE_KINDS)}")
+    return DEVICE_KINDS[device_kind]
+
+
+def _median_seconds(calls: dict, repeats: int) -> dict:
+    """{key: median wall seconds of calls[key]()} (each blocking), the keys interleaved
+    so that a change of machine load touches all of them alike; one warm-up call each."""
+    times = {key: [] for key in calls}
+    for key, call in calls.items():
+        jax.block_until_ready(call())  # compile, first touch
+    for _ in range(repeats):
+        for key, call in calls.items():
+            start = time.perf_counter()
+            jax.block_until_ready(call())
+            times[key].append(time.perf_counter() - start)
+    return {key: statistics.median(t) for key, t in times.items()}
+
+
+def seconds_per_copy(nbytes: int, in_flight: int, sweep: Sweep) -> float:
+    """Steady seconds per copy of `nbytes` with `in_flight` outstanding (module
+    docstring); run inside `mk.backend.use`. Checks the data landed."""
+    rows = chunk_rows(nbytes)
+    src = jnp.arange(in_flight * rows * LANES, dtype=jnp.float32).reshape(in_flight, rows, -1)
+    probe = jax.jit(dma_probe)
+    c0, c1 = sweep.counts
+    calls = {c: (lambda c=c: probe(src, jnp.array([c], jnp.int32))) for c in (c0, c1)}
+    last = np.asarray(calls[c1]())
+    if not np.array_equal(last, np.asarray(src[(c1 - 1) % in_flight, :CHUNK_ROWS])):
+        raise RuntimeError(f"the probe ({nbytes} bytes, {in_flight} in flight) returned "
+                           "data that is not its last chunk's: the DMAs did not land")
+    t = _median_seconds(calls, sweep.repeats)
+    seconds = (t[c1] - t[c0]) / (c1 - c0)
+    if not seconds > 0:
+        raise RuntimeError(f"{c1} copies of {nbytes} bytes timed no slower than {c0} "
+                           f"({t[c1]:.3g} s vs {t[c0]:.3g} s): timing noise is larger than "
+                           "the copies; raise Sweep.counts or repeats")
+    return seconds
+
+
+def dma_sweep(sweep: Sweep, backend: str = "auto") -> tuple[DmaPoint, ...]:
+    """Every point of `sweep` (`Sweep.points`), timed on `backend`."""
+    with backends.use(backend):
+        return tuple(DmaPoint(n, d, seconds_per_copy(n, d, sweep)) for n, d in sweep.points())
+
+
+def time_step(config: ModelConfig, *, batch: int = 1, rows: int = 1, context: int = 256,
+              repeats: int = 5, seed: int = 0, backend: str = "auto") -> StepPoint:
+    """One megakernel decode step of `config` (random weights of `seed`) timed on
+    `backend`: every sequence reads a full cache of `context` positions before its `rows`
+    new ones, as `mk.sim.simulate(..., context=context)` replays it."""
+    capacity = cache_capacity(context + rows)  # the cache `mk.sim.step_plan` replays
+    config = dataclasses.replace(config, max_context=capacity)
+    plan = megakernel.step_plan(config, batch=batch, rows=rows, context=capacity)
+    params = init_params(config, seed)
+    weights = megakernel.prepare(config, params, plan.block)
+    cache = reference.init_cache(config, batch, capacity)
+    tokens, positions = reference.validate_step(
+        config, cache, np.zeros((batch, rows), np.int32), np.full((batch,), context, np.int32))
+    with backends.use(backend):
+        t = _median_seconds({"step": lambda: megakernel.traced_step(
+            plan, weights, cache, tokens, positions)}, repeats)
+    return StepPoint(config.name, batch, rows, context, t["step"])
+
+
+def measure(backend: str = "auto", *, sweep: Sweep | None = None,
+            config: ModelConfig | None = None, batch: int = 1, rows: int = 1,
+            context: int = 256) -> Measured:
+    """The DMA sweep (default `SWEEPS["full"]` on a TPU, `SWEEPS["quick"]` in interpret
+    mode) and, with a `config`, one megakernel step, on `backend`: a `Measured` of mode
+    "hardware" (its chip from the device kind) or "interpret"."""
+    mode = backends.resolve(backend)
+    sweep = sweep or SWEEPS["full" if mode == "hardware" else "quick"]
+    kind = jax.devices()[0].device_kind
+    chip = chip_of(kind) if mode == "hardware" else None
+    dma = dma_sweep(sweep, mode)
+    step = None if config is None else time_step(config, batch=batch, rows=rows,
+                                                 context=context, repeats=sweep.repeats,
+                                                 backend=mode)
+    return Measured(mode=mode, label=INTERPRET_LABEL if mode == "interpret" else
+                    f"measured on {kind}", chip=chip, device_kind=kind, when=_now(),
+                    jax=jax.__version__, counts=sweep.counts, repeats=sweep.repeats,
+                    dma=dma, step=step)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def example(chip: str | ChipSpec, *, dma_latency_s: float, hbm_share: float = 1.0,
+            sweep: Sweep = SWEEPS["full"]) -> Measured:
+    """A made-up record of mode "example" for `chip`: every point of `sweep` as the
+    simulator's engine would time it with this latency and share of the datasheet
+    bandwidth (one copy: latency + bytes / bandwidth; d in flight: the larger of
+    bytes / bandwidth and the one-copy time / d). Not a measurement: it shows what a
+    measured file changes."""
+    spec = chip_spec(chip) if isinstance(chip, str) else chip
+    _number("dma_latency_s", dma_latency_s)
+    if not 0 < hbm_share <= 1:
+        raise ValueError(f"hbm_share={hbm_share!r} must be in (0, 1]")
+    bw = spec.hbm_bw / spec.cores_per_chip * hbm_share
+    dma = tuple(DmaPoint(n, d, max(n / bw, (dma_latency_s + n / bw) / d))
+                for n, d in sweep.points())
+    return Measured(mode="example", label=EXAMPLE_LABEL, chip=spec.name, device_kind="",
+                    when=_now(), jax=jax.__version__, counts=sweep.counts,
+                    repeats=sweep.repeats, dma=dma, step=None)
+
+
+# -- Files --------------------------------------------------------------------------------
+def path_for(chip: str) -> Path:
+    """Where a TPU's measured file lives: MEASURED/<chip>.json."""
+    if chip not in TPU_NAMES:
+        raise ValueError(f"chip={chip!r} must be one of {TPU_NAMES}")
+    return MEASURED / f"{chip}.json"
+
+
+def write(record: Measured, path: str | os.PathLike | None = None) -> Path:
+    """Write `record` as JSON to `path` (default `path_for(record.chip)`); returns the path.
+
+    Only a hardware record may go under MEASURED, and only as its own chip's file; a
+    record of another mode is never written under MEASURED nor to a file named for a TPU
+    (ValueError): interpret-mode timings say nothing about a TPU."""
+    if path is None:
+        if record.mode != "hardware":
+            raise ValueError(f"mode={record.mode!r}: only a record measured on a TPU is "
+                             f"written to {MEASURED}; pass a path outside it to keep this "
+                             f"one ({record.label})")
+        path = path_for(record.chip)
+    path = Path(path)
+    inside = path.resolve().is_relative_to(MEASURED.resolve())
+    if record.mode != "hardware" and (inside or path.stem in TPU_NAMES):
+        raise ValueError(f"path={str(path)!r}: a record of mode={record.mode!r} "
+                         f"({record.label}) is never written under {MEASURED} or to a file "
+                         f"named for a TPU {TPU_NAMES}")
+    if record.mode == "hardware" and inside and path.name != f"{record.chip}.json":
+        raise ValueError(f"path={str(path)!r}: a record measured on {record.chip} goes to "
+                         f"{path_for(record.chip)}, not to another chip's file")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record.to_dict(), indent=1) + "\n", encoding="utf-8")
+    return path
+
+
+def load(path: str | os.PathLike) -> Measured:
+    """The record in `path`; ValueError naming the file and the field when malformed."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not JSON ({err})") from None
+    return Measured.from_dict(data, str(path))
+
+
+def sim_fields(chip: str | ChipSpec, path: str | os.PathLike | None = None) -> dict:
+    """What `mk.sim.Assumptions.measured` sets from a file for `chip`: {dma_latency_s,
+    hbm_share, source} from `path`, else from `path_for(chip)` when it exists; {} (the
+    assumed defaults) when `path` is None and there is no file. An interpret-mode record
+    or another chip's is refused (ValueError)."""
+    spec = chip_spec(chip) if isinstance(chip, str) else chip
+    if path is None:
+        path = path_for(spec.name)
+        if not path.exists():
+            return {}
+    record = load(path)
+    if record.mode == "interpret":
+        raise ValueError(f"{path}: mode='interpret' ({record.label}): its times are the "
+                         "interpreter's, not a TPU's; the simulator takes only a TPU's "
+                         "measurement or a labelled example")
+    if record.chip != spec.name:
+        raise ValueError(f"{path}: chip={record.chip!r} is not the simulated chip "
+                         f"{spec.name!r}")
+    what = "measured on " + record.device_kind if record.mode == "hardware" else EXAMPLE_LABEL
+    return dict(dma_latency_s=record.dma_latency_s, hbm_share=record.hbm_share(spec),
+                source=f"{what} ({path})")
