@@ -20,7 +20,7 @@ from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
 import mk
-from mk import backend, tpu
+from mk import backend, course, tpu
 from mk import linear_attention as la
 from mk.kernels import deltanet
 from mk import reference as R
@@ -162,16 +162,15 @@ def test_layer_matches_the_reference_with_every_row_state_and_no_races(tiny_hybr
     assert not races
 
 
-def test_the_comparison_catches_a_planted_unshifted_conv_state(tiny_hybrid, monkeypatch):
-    """The planted bug: each row's conv state is the window before that row (rows t..t+W-2)
-    instead of after it; the output x is still right, only the state a verifier restarts
-    from is wrong."""
-    monkeypatch.setattr(deltanet, "conv_state_after",
-                        lambda window_vmem, b, t, taps: window_vmem[b, t:t + taps - 1])
-    got, want, _ = _layer_vs_reference(*tiny_hybrid, 2, 2, 3)
-    np.testing.assert_allclose(got[0], want[0], **LAYER_TOLERANCE)
-    with pytest.raises(AssertionError, match="conv rows"):
-        _assert_close(got, want)
+def test_the_comparison_catches_a_planted_unshifted_conv_state(tiny_hybrid):
+    """The planted bug (notebook 05b's exercise, `mk.course`): each row's conv state is the
+    window before that row instead of after it; the output x is still right, only the state
+    a verifier restarts from is wrong."""
+    with course.planted("conv_unshifted"):
+        got, want, _ = _layer_vs_reference(*tiny_hybrid, 2, 2, 3)
+    course.check_close("x", got[0], want[0], **LAYER_TOLERANCE)
+    with pytest.raises(course.ExerciseFailed, match="conv rows: kernel and reference differ"):
+        course.check_close("conv rows", got[1], want[1], **LAYER_TOLERANCE)
 
 
 @pytest.mark.parametrize("change, message", [
