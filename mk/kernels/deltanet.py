@@ -368,8 +368,7 @@ def gated_deltanet_kernel(
     ring = Ring(stream, fetch, ring_vmem, sems)
     ring.prime()
 
-    x = x_vmem[...]
-    h_vmem[...] = rms_norm(x, attn_norm_vmem[...], config.rms_eps,
+    h_vmem[...] = rms_norm(x_vmem[...], attn_norm_vmem[...], config.rms_eps,
                            config.norm_offset).astype(h_vmem.dtype)
     ring.matmul("lin_qkv", h_vmem, qkv_vmem)
     ring.matmul("lin_z", h_vmem, z_vmem)  # the first out_proj tiles now load behind it
@@ -400,7 +399,7 @@ def gated_deltanet_kernel(
     gated_norm_rows(heads_vmem, z_vmem, o_vmem, lin_norm_vmem[...], batch=batch, rows=rows,
                     eps=config.rms_eps)
     ring.matmul("lin_out", o_vmem, out_vmem)
-    out_vmem[...] = x + out_vmem[...]
+    out_vmem[...] = x_vmem[...] + out_vmem[...]
     conv_out.wait()
 
 

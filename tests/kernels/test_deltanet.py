@@ -186,6 +186,13 @@ def test_bad_layer_inputs_are_rejected(tiny_hybrid, change, message):
         gated_deltanet(config, params, **args)
 
 
+def test_kimi_delta_attention_has_no_stage_kernel():
+    config = mk.preset("tiny-kimi")
+    x, conv, state = _layer_inputs(config, 1, 1, seed=0)
+    with pytest.raises(NotImplementedError, match="channel_decay"):
+        gated_deltanet(config, {}, x, conv, state, layer=0)
+
+
 LAYER_PARAMS = ("lin_qkv", "lin_z", "lin_out", "lin_b", "lin_a", "lin_a_log", "lin_dt_bias",
                 "lin_norm", "lin_conv", "attn_norm")
 
