@@ -63,7 +63,7 @@ seed: int = 0  # seed of the random weights and inputs
 checkpoint: str = ""  # a local Hugging Face checkpoint folder; "" for random weights
 layer: int = -1  # which linear layer, counted among the linear layers; -1 is the last
 bytes_preset: str = "qwen3.5-27b"  # the model whose state and KV bytes are drawn
-exercise_unshifted_conv: bool = False  # the exercise: True writes each row's conv state unshifted
+exercise_unshifted_conv: bool = False  # the exercise: True writes row t's conv state unshifted
 
 # %%
 import time
@@ -137,8 +137,8 @@ print(f"beta = {float(b0):.3f}, |k| = {float(jnp.linalg.norm(k0)):.6f}; max |k^T
       f"((1 - beta) k^T S + beta v)| = {float(jnp.abs(recalled - promised).max()):.1e}")
 
 # %%
-fig = make_subplots(1, 3, subplot_titles=("S before [Hk, Hv]", "the write k (beta (v - k^T S))^T",
-                                          "S after"))
+titles = ("S before [Hk, Hv]", "the write k (beta (v - k^T S))^T", "S after")
+fig = make_subplots(1, 3, subplot_titles=titles)
 for col, m in enumerate((s0, write, s0 + write), start=1):
     fig.add_trace(go.Heatmap(z=np.asarray(m)[:32, :32], coloraxis="coloraxis"), 1, col)
 fig.update_layout(title="The delta rule on one head (first 32 x 32 of the state): a rank-1 "
@@ -160,8 +160,8 @@ plots.show(fig)
 # %%
 block = default_block(config.hidden, C, config.linear_value_width)
 stream = TileStream.build(block, deltanet.gated_deltanet_matrices(config))
-plots.show(plots.tile_stream(stream, title=f"{config.name} linear layer {layer}: "
-                                           f"{stream.total} tiles of {block.tile_k}x{block.tile_n}"))
+tiles = f"{stream.total} tiles of {block.tile_k}x{block.tile_n}"
+plots.show(plots.tile_stream(stream, title=f"{config.name} linear layer {layer}: {tiles}"))
 
 # %% [markdown]
 # The kernel body, in the order it runs. The recurrent state's first copy-in, the conv
@@ -227,7 +227,8 @@ print(f"races found: {races}; wall {seconds:.2f} s on {mode}"
 big = mk.preset(bytes_preset)
 contexts = [2**p for p in range(10, 19)]
 state_bytes = 2 * big.linear_state_bytes  # read, plus the state after the one row written
-series = {f"linear state ({len(big.linear_layers)} layers)": [state_bytes / 2**20] * len(contexts),
+series = {f"linear state ({len(big.linear_layers)} layers)":
+              [state_bytes / 2**20] * len(contexts),
           f"KV read ({len(big.full_layers)} full layers)":
               [big.kv_bytes_per_token * s / 2**20 for s in contexts],
           f"KV if all {big.layers} layers were full":
