@@ -14,6 +14,9 @@ the student's mistake in it:
 - "wrong_expert" (04): expert slot s streams expert s instead of `ids_smem[s]` (the same
   as the right one when the picked experts are 0..count-1).
 - "dropped_all_reduce" (10): the in-kernel all-reduce returns the device's own partial sum.
+- "conv_unshifted" (05b): the gated DeltaNet writes, as the conv state after row t, the
+  window before that row (the layer's output is still right; the state a verifier
+  restarts from is not).
 A too-shallow ring (11) needs no patch: it is a `slots` parameter, and
 `check_ring_depth` catches it in the simulated step against a ring of Little's law depth.
 
@@ -33,9 +36,10 @@ import numpy as np
 from mk import megakernel, reference
 from mk.checkpoint import init_params
 from mk.config import ModelConfig
-from mk.kernels import attention_prologue, collectives, mlp, one_layer, ring
+from mk.kernels import attention_prologue, collectives, deltanet, mlp, one_layer, ring
 
-PLANTS = ("ring_race", "rope_off", "wrong_expert", "dropped_all_reduce")
+PLANTS = ("ring_race", "rope_off", "wrong_expert", "dropped_all_reduce",
+          "conv_unshifted")
 
 
 class ExerciseFailed(AssertionError):
@@ -97,6 +101,10 @@ def _partial_sum_only(x, s, **_):
     return x  # the mistake: no exchange, each device keeps its own partial sum
 
 
+def _conv_state_before_row(window_vmem, b, t, taps):
+    return window_vmem[b, t:t + taps - 1]  # the mistake: rows t.., not t + 1..
+
+
 @contextlib.contextmanager
 def planted(name: str | None):
     """Run the block with the mistake `name` (one of PLANTS) in the kernel code; None or
@@ -120,6 +128,9 @@ def planted(name: str | None):
             for module in (mlp, one_layer):
                 if hasattr(module, "moe_fetch"):
                     stack.enter_context(mock.patch.object(module, "moe_fetch", wrong))
+        elif name == "conv_unshifted":
+            stack.enter_context(mock.patch.object(deltanet, "conv_state_after",
+                                                  _conv_state_before_row))
         else:
             for module in (collectives, megakernel):
                 if hasattr(module, "all_reduce_body"):

@@ -1,5 +1,5 @@
-"""Stage 05b (first piece), the gated delta rule: B sequences x T rows against a recurrent
-state that lives in HBM.
+"""Stage 05b, one gated-DeltaNet layer's decode step: B sequences x T rows against a
+recurrent state and a conv state that live in HBM.
 
 A gated-DeltaNet layer keeps, per sequence and value head, a float32 state S [Hk, Hv]
 instead of KV rows. Each decode row t decays it, writes the row's correction into it and
@@ -7,20 +7,28 @@ reads it (`mk.linear_attention.delta_rule`, the oracle):
 
     S <- decay_t S;   S <- S + k_t (beta_t (v_t - k_t^T S))^T;   out_t = q_t^T S
 
-The state [B, Nv, Hk, Hv] stays in HBM (`memory_space=pl.ANY`). Sequence b's state comes
-into VMEM by an async copy issued while sequence b-1 computes (two slots), and the T
-states after each of b's rows leave by one async copy that overlaps sequence b+1 (two
-slots): a verifier that accepts k of the T rows restarts from row k-1's state. Bytes per
-step: B * Nv * Hk * Hv * 4 in and T times that out, whatever the context length.
+The delta rule (`delta_rule_body`): the state [B, Nv, Hk, Hv] stays in HBM
+(`memory_space=pl.ANY`). Sequence b's state comes into VMEM by an async copy issued while
+sequence b-1 computes (two slots), and the T states after each of b's rows leave by one
+async copy that overlaps sequence b+1 (two slots): a verifier that accepts k of the T rows
+restarts from row k-1's state. Bytes per step: B * Nv * Hk * Hv * 4 in and T times that
+out, whatever the context length. Rows of a sequence sit in one 8-row-aligned block [R, H]
+(R = T rounded up to 8); row t is picked by a row mask, so every product is an [R, .]
+matmul (rows other than t are zero) and no dynamic sublane slicing is needed. decay
+(= exp(g)) and beta are per-row scalars in SMEM.
 
-Rows of a sequence sit in one 8-row-aligned block [R, H] (R = T rounded up to 8); row t is
-picked by a row mask, so every product is an [R, .] matmul (rows other than t are zero)
-and no dynamic sublane slicing is needed. decay (= exp(g)) and beta are per-row scalars in
-SMEM.
+The layer (`gated_deltanet`, mk.reference.linear_decoder_layer up to the residual): the
+input RMSNorm; in_proj_qkv and in_proj_z through one weight ring; in_proj_b/in_proj_a
+(Nv columns, narrower than a ring tile) by their own DMA, then beta and the decay; the
+depthwise causal conv over the rows after the conv state [B, W-1, C] (in HBM: read once,
+the state after every row written back); the L2 norms; the delta rule; the gated
+RMSNorm; out_proj through the same ring; the residual. The state copy-in, the conv state
+and the gate weights start before the projections, so they land behind the weight stream.
 
-Here: `delta_rule_step` and its body. Not here (the rest of the layer's stage kernel,
-still to do): the projections through the weight ring, the conv-state shift, the L2 norms,
-the gated RMSNorm and out_proj; those run in `mk.reference.linear_attention` today.
+Here: `delta_rule_step` (the delta rule alone) and `gated_deltanet` (the layer), their
+bodies and buffer list. Not here: the MLP after the layer (stage 04), the megakernel's
+mixed full/linear layer stream, Kimi Delta Attention (per-channel decay), tensor
+parallelism.
 """
 
 from __future__ import annotations
@@ -29,12 +37,17 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mk.config import MAX_ROWS
-from mk.kernels.common import LANES
+from mk import linear_attention as la
+from mk.config import MAX_ROWS, ModelConfig, check_rows
+from mk.kernels.common import (LANES, BlockSizes, Buffer, default_block, vmem_limit_bytes,
+                               vmem_scratch)
+from mk.kernels.ring import Ring, TileStream
+from mk.reference import rms_norm
 
 ALIGN = 8  # rows of an f32 (8, 128) tile
 F32 = jnp.float32
@@ -69,6 +82,59 @@ def delta_rule_head(q, k, v, s, decay, beta, rows_out):
     return out
 
 
+class StateCopies:
+    """The recurrent state's HBM <-> VMEM copies: sequence b's state in, its T row states
+    out, each double-buffered over two slots (b % 2)."""
+
+    def __init__(self, state_hbm, rows_hbm, state_vmem, rows_vmem, load_sems, store_sems):
+        self.state_hbm, self.rows_hbm = state_hbm, rows_hbm
+        self.state_vmem, self.rows_vmem = state_vmem, rows_vmem
+        self.load_sems, self.store_sems = load_sems, store_sems
+
+    def load(self, b, slot):
+        return pltpu.make_async_copy(self.state_hbm.at[b], self.state_vmem.at[slot],
+                                     self.load_sems.at[slot])
+
+    def store(self, b, slot):
+        return pltpu.make_async_copy(self.rows_vmem.at[slot], self.rows_hbm.at[b],
+                                     self.store_sems.at[slot])
+
+
+def delta_rule_body(q_vmem, k_vmem, v_vmem, scalars, out_vmem, copies: StateCopies, *,
+                    rows: int):
+    """The delta rule of B sequences inside a kernel: q, k [B, Nv, R, Hk], v and out
+    [B, Nv, R, Hv] f32 VMEM refs; scalars(b, h) -> (decay(t), beta(t)). Expects
+    copies.load(0, 0) started (a layer kernel starts it before its projections); leaves
+    every row-state write-back waited for."""
+    B, Nv = q_vmem.shape[:2]
+
+    def sequence(b, carry):
+        slot = b % 2
+        copies.load(b, slot).wait()
+
+        @pl.when(b + 1 < B)
+        def prefetch_next_state():
+            copies.load(b + 1, 1 - slot).start()
+
+        @pl.when(b >= 2)
+        def free_row_slot():  # the write-back of sequence b-2 used this slot
+            copies.store(b - 2, slot).wait()
+
+        def head(h, carry):
+            out_vmem[b, h] = delta_rule_head(
+                q_vmem[b, h], k_vmem[b, h], v_vmem[b, h], copies.state_vmem[slot, h],
+                *scalars(b, h), RowStore(copies.rows_vmem, slot, h, rows))
+            return carry
+
+        lax.fori_loop(0, Nv, head, 0)
+        copies.store(b, slot).start()
+        return carry
+
+    lax.fori_loop(0, B, sequence, 0)
+    for b in range(max(B - 2, 0), B):  # drain the last write-backs
+        copies.store(b, b % 2).wait()
+
+
 def delta_rule_kernel(
     # Inputs
     q_vmem,  # [B, Nv, R, Hk] f32, rows >= T zero
@@ -88,44 +154,15 @@ def delta_rule_kernel(
     *,
     rows: int,
 ):
-    B, Nv, R, _ = q_vmem.shape
-    T = rows
+    Nv = q_vmem.shape[1]
+    copies = StateCopies(state_hbm, rows_hbm, state_vmem, rows_vmem, load_sems, store_sems)
 
-    def load(b, slot):
-        return pltpu.make_async_copy(state_hbm.at[b], state_vmem.at[slot], load_sems.at[slot])
+    def scalars(b, h):
+        first = (b * Nv + h) * rows
+        return lambda t: decay_smem[first + t], lambda t: beta_smem[first + t]
 
-    def store(b, slot):
-        return pltpu.make_async_copy(rows_vmem.at[slot], rows_hbm.at[b], store_sems.at[slot])
-
-    load(0, 0).start()
-
-    def sequence(b, carry):
-        slot = b % 2
-        load(b, slot).wait()
-
-        @pl.when(b + 1 < B)
-        def prefetch_next_state():
-            load(b + 1, 1 - slot).start()
-
-        @pl.when(b >= 2)
-        def free_row_slot():  # the write-back of sequence b-2 used this slot
-            store(b - 2, slot).wait()
-
-        def head(h, carry):
-            first = (b * Nv + h) * T
-            out_vmem[b, h] = delta_rule_head(
-                q_vmem[b, h], k_vmem[b, h], v_vmem[b, h], state_vmem[slot, h],
-                lambda t: decay_smem[first + t], lambda t: beta_smem[first + t],
-                RowStore(rows_vmem, slot, h, T))
-            return carry
-
-        lax.fori_loop(0, Nv, head, 0)
-        store(b, slot).start()
-        return carry
-
-    lax.fori_loop(0, B, sequence, 0)
-    for b in range(max(B - 2, 0), B):  # drain the last write-backs
-        store(b, b % 2).wait()
+    copies.load(0, 0).start()
+    delta_rule_body(q_vmem, k_vmem, v_vmem, scalars, out_vmem, copies, rows=rows)
 
 
 def delta_rule_step(q, k, v, decay, beta, state, *, kernel=None):
@@ -172,3 +209,274 @@ def delta_rule_step(q, k, v, decay, beta, state, *, kernel=None):
             bytes_accessed=(1 + T) * state_bytes + B * Nv * R * (2 * Hk + 2 * Hv) * 4),
     )(blocks(q), blocks(k), blocks(v), scalars(decay), scalars(beta), state.astype(F32))
     return jnp.moveaxis(out[:, :, :T], 1, 2), rows
+
+
+# -- The whole layer: stage 05b ------------------------------------------------------------
+def gated_deltanet_matrices(config: ModelConfig) -> list[tuple[str, int, int]]:
+    """The ring segments of one gated-DeltaNet layer, in consumption order. in_proj_b and
+    in_proj_a ([D, Nv], Nv = 48 lanes in the 27B) are not here: a ring tile is at least
+    128 lanes wide, so they come by their own small DMA (as a MoE router does)."""
+    D, C, Vw = config.hidden, config.conv_channels, config.linear_value_width
+    return [("lin_qkv", D, C), ("lin_z", D, Vw), ("lin_out", Vw, D)]
+
+
+def gated_deltanet_buffers(config: ModelConfig, batch: int, rows: int,
+                           block: BlockSizes) -> list[Buffer]:
+    """Every VMEM buffer of the stage-05b kernel (the budget and the scratch come from
+    here). State: two slots of one sequence's state in, two of its T row states out."""
+    M, T, R = batch * rows, rows, -(-rows // ALIGN) * ALIGN
+    D, C, W, dt = config.hidden, config.conv_channels, config.conv_kernel, config.dtype
+    Vw = config.linear_value_width
+    Nv, Hk, Hv = config.linear_value_heads, config.linear_key_dim, config.linear_value_dim
+    f32 = "float32"
+    return [Buffer("x", (M, D), f32, "operand"), Buffer("out", (M, D), f32, "operand"),
+            Buffer("conv_weight", (W, C), dt, "operand"),
+            Buffer("h", (M, D), dt),
+            Buffer("ring", (block.slots, block.tile_k, block.tile_n), dt),
+            Buffer("lin_b", (D, Nv), dt), Buffer("lin_a", (D, Nv), dt),
+            Buffer("decay", (M, Nv), f32), Buffer("beta", (M, Nv), f32),
+            Buffer("qkv", (M, C), f32), Buffer("z", (M, Vw), f32), Buffer("o", (M, Vw), f32),
+            Buffer("conv", (batch, W - 1, C), dt), Buffer("window", (batch, W - 1 + T, C), f32),
+            Buffer("conv_rows", (batch, T, W - 1, C), dt),
+            Buffer("q", (batch, Nv, R, Hk), f32), Buffer("k", (batch, Nv, R, Hk), f32),
+            Buffer("v", (batch, Nv, R, Hv), f32), Buffer("heads", (batch, Nv, R, Hv), f32),
+            Buffer("state", (2, Nv, Hk, Hv), f32), Buffer("state_rows", (2, T, Nv, Hk, Hv), f32)]
+
+
+def gates_body(h, lin_b, lin_a, a_log, dt_bias):
+    """(decay = exp(g), beta) [M, Nv] f32 of the normed rows h [M, D]: beta = sigmoid(h b),
+    g = -exp(A_log) softplus(h a + dt_bias) (mk.reference.linear_attention)."""
+    def project(w):
+        return jnp.dot(h.astype(w.dtype), w, preferred_element_type=F32)
+
+    beta = jax.nn.sigmoid(project(lin_b))
+    g = -jnp.exp(a_log.astype(F32)) * jax.nn.softplus(project(lin_a) + dt_bias.astype(F32))
+    return jnp.exp(g), beta
+
+
+def conv_state_after(window_vmem, b: int, t: int, taps: int):
+    """Sequence b's conv state after its row t: the W-1 newest inputs, window rows t+1..t+W-1
+    (the window holds the W-1 remembered rows, then the T new ones)."""
+    return window_vmem[b, t + 1:t + taps]
+
+
+def conv_body(qkv_vmem, conv_vmem, weight, window_vmem, conv_rows_vmem, *, batch: int,
+              rows: int):
+    """In place on qkv_vmem [M, C] f32: SiLU(depthwise causal conv) of each sequence's T rows
+    after its remembered W-1 (conv_vmem [B, W-1, C]); conv_rows_vmem[b, t] <- the conv
+    state after row t. The conv input is rounded to the cache dtype first (it is what the
+    state stores; `mk.linear_attention.causal_conv`)."""
+    T, W, dt = rows, weight.shape[0], conv_vmem.dtype
+    w = weight.astype(F32)
+    for b in range(batch):  # static: every row offset below is a constant
+        window_vmem[b, :W - 1] = conv_vmem[b].astype(F32)
+        window_vmem[b, W - 1:] = qkv_vmem[b * T:(b + 1) * T].astype(dt).astype(F32)
+        out = sum(window_vmem[b, j:j + T] * w[j:j + 1] for j in range(W))
+        qkv_vmem[b * T:(b + 1) * T] = jax.nn.silu(out)
+        for t in range(T):
+            conv_rows_vmem[b, t] = conv_state_after(window_vmem, b, t, W).astype(dt)
+
+
+def head_blocks(mixed_vmem, q_vmem, k_vmem, v_vmem, *, config: ModelConfig, batch: int,
+                rows: int):
+    """[M, C] rows (q | k | v channels, after the conv) -> the delta rule's per-(sequence,
+    value head) blocks [B, Nv, R, H], q and k L2-normalised per key head, q / sqrt(Hk); key
+    head j serves value heads j*G .. j*G + G-1 (G = Nv / Nk). Rows >= T stay zero."""
+    T, Nv, Hk, Hv = rows, config.linear_value_heads, config.linear_key_dim, \
+        config.linear_value_dim
+    G, kw = Nv // config.linear_key_heads, config.linear_key_width
+    for ref in (q_vmem, k_vmem, v_vmem):
+        ref[...] = jnp.zeros(ref.shape, F32)
+
+    def head(h, carry):
+        key = pl.multiple_of((h // G) * Hk, LANES)
+        value = pl.multiple_of(2 * kw + h * Hv, LANES)
+        for b in range(batch):
+            m = slice(b * T, (b + 1) * T)
+            q = la.l2norm(mixed_vmem[m, pl.ds(key, Hk)]) / np.float32(np.sqrt(Hk))
+            q_vmem[b, h, :T] = q
+            k_vmem[b, h, :T] = la.l2norm(mixed_vmem[m, pl.ds(kw + key, Hk)])
+            v_vmem[b, h, :T] = mixed_vmem[m, pl.ds(value, Hv)]
+        return carry
+
+    lax.fori_loop(0, Nv, head, 0)
+
+
+def gated_norm_rows(heads_vmem, z_vmem, o_vmem, norm, *, batch: int, rows: int, eps: float):
+    """o_vmem [M, Nv*Hv] <- RMSNorm(head output) * norm * SiLU(z), per value head, from the
+    delta rule's blocks heads_vmem [B, Nv, R, Hv] (rows >= T ignored)."""
+    T, Nv, Hv = rows, heads_vmem.shape[1], heads_vmem.shape[3]
+
+    def head(h, carry):
+        lanes = pl.ds(pl.multiple_of(h * Hv, LANES), Hv)
+        for b in range(batch):
+            o_vmem[b * T:(b + 1) * T, lanes] = heads_vmem[b, h, :T]
+        o_vmem[:, lanes] = la.gated_rms_norm(o_vmem[:, lanes], z_vmem[:, lanes], norm, eps)
+        return carry
+
+    lax.fori_loop(0, Nv, head, 0)
+
+
+def gated_deltanet_kernel(
+    # Inputs
+    x_vmem,  # [M, D] f32, the residual stream
+    attn_norm_vmem,  # [1, D] the input RMSNorm's weight
+    a_log_vmem,  # [1, Nv]
+    dt_bias_vmem,  # [1, Nv]
+    lin_norm_vmem,  # [1, Hv] the gated norm's weight
+    conv_weight_vmem,  # [W, C]
+    lin_qkv_hbm,  # [D, C] weight dtype, left in HBM (ring)
+    lin_z_hbm,  # [D, Nv*Hv] (ring)
+    lin_out_hbm,  # [Nv*Hv, D] (ring)
+    lin_b_hbm,  # [D, Nv] (own DMA)
+    lin_a_hbm,  # [D, Nv] (own DMA)
+    conv_state_hbm,  # [B, W-1, C] cache dtype
+    state_hbm,  # [B, Nv, Hk, Hv] f32
+    # Outputs
+    out_vmem,  # [M, D] f32: x + out_proj(...)
+    conv_rows_hbm,  # [B, T, W-1, C] cache dtype: the conv state after each row
+    state_rows_hbm,  # [B, T, Nv, Hk, Hv] f32: the recurrent state after each row
+    *,
+    config: ModelConfig,
+    stream: TileStream,
+    batch: int,
+    rows: int,
+    # Scratch (`vmem_scratch` of `gated_deltanet_buffers`, by name; then SMEM and sems)
+    h_vmem, ring_vmem, lin_b_vmem, lin_a_vmem, decay_vmem, beta_vmem, qkv_vmem, z_vmem,
+    o_vmem, conv_vmem, window_vmem, conv_rows_vmem, q_vmem, k_vmem, v_vmem, heads_vmem,
+    state_vmem, state_rows_vmem,
+    decay_smem,  # [M, Nv] f32
+    beta_smem,  # [M, Nv] f32
+    sems,  # DMA [slots]: the ring
+    load_sems, store_sems,  # DMA [2] each: the recurrent state
+    small_sems,  # DMA [6]: conv state in, conv rows out, lin_b, lin_a, decay, beta
+):
+    # Everything that does not depend on this step's activations starts first, so it
+    # lands while the projections stream.
+    copies = StateCopies(state_hbm, state_rows_hbm, state_vmem, state_rows_vmem, load_sems,
+                         store_sems)
+    copies.load(0, 0).start()
+    conv_in = pltpu.make_async_copy(conv_state_hbm, conv_vmem, small_sems.at[0])
+    conv_out = pltpu.make_async_copy(conv_rows_vmem, conv_rows_hbm, small_sems.at[1])
+    gate_weights = [pltpu.make_async_copy(src, dst, small_sems.at[2 + i]) for i, (src, dst)
+                    in enumerate([(lin_b_hbm, lin_b_vmem), (lin_a_hbm, lin_a_vmem)])]
+    for copy in [conv_in, *gate_weights]:
+        copy.start()
+    fetch = {"lin_qkv": lambda layer: (lin_qkv_hbm, None),
+             "lin_z": lambda layer: (lin_z_hbm, None),
+             "lin_out": lambda layer: (lin_out_hbm, None)}
+    ring = Ring(stream, fetch, ring_vmem, sems)
+    ring.prime()
+
+    h_vmem[...] = rms_norm(x_vmem[...], attn_norm_vmem[...], config.rms_eps,
+                           config.norm_offset).astype(h_vmem.dtype)
+    ring.matmul("lin_qkv", h_vmem, qkv_vmem)
+    ring.matmul("lin_z", h_vmem, z_vmem)  # the first out_proj tiles now load behind it
+
+    for copy in gate_weights:
+        copy.wait()
+    decay_vmem[...], beta_vmem[...] = gates_body(h_vmem[...], lin_b_vmem[...],
+                                                 lin_a_vmem[...], a_log_vmem[...],
+                                                 dt_bias_vmem[...])
+    to_smem = [pltpu.make_async_copy(src, dst, small_sems.at[4 + i]) for i, (src, dst)
+               in enumerate([(decay_vmem, decay_smem), (beta_vmem, beta_smem)])]
+    for copy in to_smem:
+        copy.start()
+
+    conv_in.wait()
+    conv_body(qkv_vmem, conv_vmem, conv_weight_vmem[...], window_vmem, conv_rows_vmem,
+              batch=batch, rows=rows)
+    conv_out.start()
+    head_blocks(qkv_vmem, q_vmem, k_vmem, v_vmem, config=config, batch=batch, rows=rows)
+
+    for copy in to_smem:
+        copy.wait()
+
+    def scalars(b, h):
+        return lambda t: decay_smem[b * rows + t, h], lambda t: beta_smem[b * rows + t, h]
+
+    delta_rule_body(q_vmem, k_vmem, v_vmem, scalars, heads_vmem, copies, rows=rows)
+    gated_norm_rows(heads_vmem, z_vmem, o_vmem, lin_norm_vmem[...], batch=batch, rows=rows,
+                    eps=config.rms_eps)
+    ring.matmul("lin_out", o_vmem, out_vmem)
+    out_vmem[...] = x_vmem[...] + out_vmem[...]
+    conv_out.wait()
+
+
+def check_linear_layer(config: ModelConfig, x, conv_state, state, layer) -> tuple[int, int]:
+    """(B, T) of a gated-DeltaNet layer step; raises ValueError naming a bad shape, row
+    count or layer before anything is traced."""
+    if not config.linear_layers:
+        raise ValueError(f"{config.name} has no linear layers (layer_types="
+                         f"{config.layer_types})")
+    if config.channel_decay:
+        raise NotImplementedError(f"{config.name}: Kimi Delta Attention (channel_decay) has "
+                                  "no stage kernel; only the gated DeltaNet")
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < config.layers \
+            or config.mixer_index(layer)[0] != "linear":
+        raise ValueError(f"layer={layer!r} must be one of the linear layers "
+                         f"{config.linear_layers}")
+    B, T, D = x.shape
+    if D != config.hidden:
+        raise ValueError(f"x [B, T, D={D}] does not match hidden={config.hidden}")
+    check_rows(B, T)
+    Nv, Hk, Hv = config.linear_value_heads, config.linear_key_dim, config.linear_value_dim
+    want = {"conv_state": (B, config.conv_kernel - 1, config.conv_channels),
+            "state": (B, Nv, Hk, Hv)}
+    for name, array in (("conv_state", conv_state), ("state", state)):
+        if array.shape != want[name]:
+            raise ValueError(f"{name} shape {array.shape} must be {want[name]}")
+    if Hk % LANES or Hv % LANES:
+        raise ValueError(f"head dims linear_key_dim={Hk}, linear_value_dim={Hv} must be "
+                         f"multiples of {LANES} on TPU")
+    return B, T
+
+
+def gated_deltanet(config: ModelConfig, params, x, conv_state, state, *, layer: int,
+                   block: BlockSizes | None = None):
+    """One gated-DeltaNet layer's decode step for B sequences x T rows, up to the residual:
+    x + out_proj(GatedNorm(DeltaRule(conv(qkv)))) (mk.reference.linear_decoder_layer's
+    x after the mixer; the MLP is stage 04's).
+
+    x [B, T, D] f32; conv_state [B, W-1, C] (config.dtype) and state [B, Nv, Hk, Hv] f32
+    are the layer's states before row 0. Returns (x [B, T, D] float32, conv states
+    [B, T, W-1, C] and recurrent states [B, T, Nv, Hk, Hv] after each row: a verifier that
+    accepts k rows keeps row k-1's).
+    """
+    B, T = check_linear_layer(config, x, conv_state, state, layer)
+    M, D, (_, i) = B * T, config.hidden, config.mixer_index(layer)
+    C, W, Vw = config.conv_channels, config.conv_kernel, config.linear_value_width
+    Nv, Hk, Hv = config.linear_value_heads, config.linear_key_dim, config.linear_value_dim
+    block = block or default_block(D, C, Vw)
+    stream = TileStream.build(block, gated_deltanet_matrices(config))
+    buffers = gated_deltanet_buffers(config, B, T, block)
+    vmem, smem, hbm = (pl.BlockSpec(memory_space=s) for s in (pltpu.VMEM, pltpu.SMEM, pl.ANY))
+    dt = jnp.dtype(config.dtype)
+    p = {name: params[name][i] for name in ("lin_qkv", "lin_z", "lin_out", "lin_b", "lin_a",
+                                            "lin_a_log", "lin_dt_bias", "lin_norm", "lin_conv")}
+    weight_bytes = (D * (C + Vw + 2 * Nv) + Vw * D) * dt.itemsize
+    state_bytes = B * Nv * Hk * Hv * 4
+    conv_bytes = B * (W - 1) * C * dt.itemsize
+    out, conv_rows, state_rows = pl.pallas_call(
+        functools.partial(gated_deltanet_kernel, config=config, stream=stream, batch=B,
+                          rows=T),
+        out_shape=(jax.ShapeDtypeStruct((M, D), F32),
+                   jax.ShapeDtypeStruct((B, T, W - 1, C), dt),
+                   jax.ShapeDtypeStruct((B, T, Nv, Hk, Hv), F32)),
+        in_specs=[vmem] * 6 + [hbm] * 7,
+        out_specs=(vmem, hbm, hbm),
+        scratch_shapes=vmem_scratch(buffers) | dict(
+            decay_smem=pltpu.SMEM((M, Nv), F32), beta_smem=pltpu.SMEM((M, Nv), F32),
+            sems=pltpu.SemaphoreType.DMA((block.slots,)),
+            load_sems=pltpu.SemaphoreType.DMA((2,)), store_sems=pltpu.SemaphoreType.DMA((2,)),
+            small_sems=pltpu.SemaphoreType.DMA((6,))),
+        compiler_params=pltpu.CompilerParams(vmem_limit_bytes=vmem_limit_bytes(buffers)),
+        name="mk_gated_deltanet",
+        cost_estimate=pl.CostEstimate(
+            flops=weight_bytes // dt.itemsize * 2 * M + B * T * Nv * 3 * 2 * Hk * Hv,
+            transcendentals=M * (C + 2 * Vw + 3 * Nv),
+            bytes_accessed=weight_bytes + (1 + T) * (state_bytes + conv_bytes) + 2 * M * D * 4),
+    )(x.reshape(M, D).astype(F32), params["attn_norm"][layer][None], p["lin_a_log"][None],
+      p["lin_dt_bias"][None], p["lin_norm"][None], p["lin_conv"], p["lin_qkv"], p["lin_z"],
+      p["lin_out"], p["lin_b"], p["lin_a"], conv_state.astype(dt), state.astype(F32))
+    return out.reshape(B, T, D), conv_rows, state_rows

@@ -3,6 +3,11 @@ reference's), race-free, B sequences x T rows, with the state after every row; a
 early write-back proves the race check can fail; compiled for TPU7x at Qwen3.5-27B's linear
 layer shape (48 value heads, head dims 128).
 
+Then the whole layer (`gated_deltanet`) against mk.reference.linear_decoder_layer on
+tiny-hybrid (x after the mixer, conv and recurrent states after every row), race-free; a
+planted unshifted conv state proves the comparison can fail; the layer compiled for TPU7x
+at the 27B's shape, within its VMEM.
+
 Interpret mode checks numerics, DMA/semaphore pairing and races; it says nothing about
 time or the scoped VMEM limit. The compile test covers Mosaic lowering and capacity.
 """
@@ -15,10 +20,13 @@ from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
 import mk
-from mk import backend, tpu
+from mk import backend, course, tpu
 from mk import linear_attention as la
 from mk.kernels import deltanet
-from mk.kernels.deltanet import delta_rule_step
+from mk import reference as R
+from mk.chips import chip
+from mk.kernels.common import BlockSizes, default_block, vmem_budget
+from mk.kernels.deltanet import delta_rule_step, gated_deltanet
 
 TOLERANCE = dict(rtol=2e-5, atol=2e-5)
 
@@ -104,3 +112,107 @@ def test_compiles_for_tpu7x_at_the_27b_linear_layer_shape(T):
              (B, Nv, Hk, Hv)]]
     report = tpu.compile_for_chip(delta_rule_step, args, "tpu7x", name="delta_rule_step")
     assert report.ok, report.error
+
+
+# -- The whole layer ---------------------------------------------------------------------
+LAYER_TOLERANCE = dict(rtol=1e-5, atol=1e-5)  # float32 math on bf16 weights, same cast points
+
+
+@pytest.fixture(scope="module")
+def tiny_hybrid():
+    config = mk.preset("tiny-hybrid")
+    return config, mk.init_params(config, seed=0)
+
+
+def _layer_inputs(config, B, T, seed):
+    """Non-zero states (a zero conv state would hide a wrong shift)."""
+    keys = jax.random.split(jax.random.key(seed), 3)
+    Nv, Hk, Hv = config.linear_value_heads, config.linear_key_dim, config.linear_value_dim
+    x = jax.random.normal(keys[0], (B, T, config.hidden))
+    conv = jax.random.normal(keys[1], (B, config.conv_kernel - 1, config.conv_channels))
+    state = 0.1 * jax.random.normal(keys[2], (B, Nv, Hk, Hv))
+    return x, conv.astype(config.dtype), state
+
+
+def _layer_vs_reference(config, params, B, T, layer, block=None, seed=0):
+    """(kernel's, reference's) (x, conv rows, state rows), and whether races were found."""
+    x, conv, state = _layer_inputs(config, B, T, seed)
+    with backend.use("interpret", detect_races=True):
+        got = jax.block_until_ready(gated_deltanet(config, params, x, conv, state,
+                                                   layer=layer, block=block))
+        races = backend.races_found()
+    _, conv_rows, state_rows, x_mixed = R.linear_decoder_layer(config, params, layer, x,
+                                                               conv, state)
+    return got, (x_mixed, conv_rows, state_rows), races
+
+
+def _assert_close(got, want):
+    for name, a, b in zip(("x", "conv rows", "state rows"), got, want):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   err_msg=name, **LAYER_TOLERANCE)
+
+
+@pytest.mark.parametrize("B, T, layer, block", [
+    (1, 1, 0, None), (4, 1, 3, None), (1, 4, 1, None),
+    (4, 4, 3, BlockSizes(slots=2, tile_k=128, tile_n=128))])  # tiles straddle segments
+def test_layer_matches_the_reference_with_every_row_state_and_no_races(tiny_hybrid, B, T,
+                                                                        layer, block):
+    got, want, races = _layer_vs_reference(*tiny_hybrid, B, T, layer, block, seed=B + T)
+    _assert_close(got, want)
+    assert not races
+
+
+def test_the_comparison_catches_a_planted_unshifted_conv_state(tiny_hybrid):
+    """The planted bug (notebook 05b's exercise, `mk.course`): each row's conv state is the
+    window before that row instead of after it; the output x is still right, only the state
+    a verifier restarts from is wrong."""
+    with course.planted("conv_unshifted"):
+        got, want, _ = _layer_vs_reference(*tiny_hybrid, 2, 2, 3)
+    course.check_close("x", got[0], want[0], **LAYER_TOLERANCE)
+    with pytest.raises(course.ExerciseFailed, match="conv rows: kernel and reference differ"):
+        course.check_close("conv rows", got[1], want[1], **LAYER_TOLERANCE)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(layer=2), "layer=2 must be one of the linear layers"),
+    (dict(conv_state=jnp.zeros((1, 2, 512))), r"conv_state shape \(1, 2, 512\)"),
+    (dict(x=jnp.zeros((1, 1, 128))), "D=128"),
+])
+def test_bad_layer_inputs_are_rejected(tiny_hybrid, change, message):
+    config, params = tiny_hybrid
+    x, conv, state = _layer_inputs(config, 1, 1, seed=0)
+    args = dict(x=x, conv_state=conv, state=state, layer=0) | change
+    with pytest.raises(ValueError, match=message):
+        gated_deltanet(config, params, **args)
+
+
+def test_kimi_delta_attention_has_no_stage_kernel():
+    config = mk.preset("tiny-kimi")
+    x, conv, state = _layer_inputs(config, 1, 1, seed=0)
+    with pytest.raises(NotImplementedError, match="channel_decay"):
+        gated_deltanet(config, {}, x, conv, state, layer=0)
+
+
+LAYER_PARAMS = ("lin_qkv", "lin_z", "lin_out", "lin_b", "lin_a", "lin_a_log", "lin_dt_bias",
+                "lin_norm", "lin_conv", "attn_norm")
+
+
+def test_layer_compiles_for_tpu7x_at_the_27b_shape_within_vmem():
+    """B = 8, T = 4 (a verification step): the largest buffers are the 2 x T row states."""
+    config, B, T = mk.preset("qwen3.5-27b"), 8, 4
+    shapes = config.param_shapes()
+    params = {n: jax.ShapeDtypeStruct((1, *shapes[n][0][1:]), shapes[n][1])
+              for n in LAYER_PARAMS}  # one layer's rows: the kernel reads no other
+    Nv, Hk, Hv = config.linear_value_heads, config.linear_key_dim, config.linear_value_dim
+    args = [params, jax.ShapeDtypeStruct((B, T, config.hidden), jnp.float32),
+            jax.ShapeDtypeStruct((B, config.conv_kernel - 1, config.conv_channels),
+                                 config.dtype),
+            jax.ShapeDtypeStruct((B, Nv, Hk, Hv), jnp.float32)]
+    block = default_block(config.hidden, config.conv_channels, config.linear_value_width)
+    budget = vmem_budget("gated_deltanet",
+                         deltanet.gated_deltanet_buffers(config, B, T, block), chip("tpu7x"))
+    report = tpu.compile_for_chip(
+        lambda p, x, c, s: gated_deltanet(config, p, x, c, s, layer=config.linear_layers[0]),
+        args, "tpu7x", name="gated_deltanet", vmem=budget)
+    assert report.ok, report.error
+    assert 0 < report.vmem.total_bytes <= report.vmem.limit_bytes
