@@ -52,7 +52,7 @@ from mk.checkpoint import init_params
 from mk.chips import ChipSpec, all_chips, chip as chip_spec
 from mk.config import ModelConfig
 from mk.kernels.common import LANES
-from mk.kernels.dma_probe import CHUNK_ROWS, GRANULE_BYTES, chunk_rows, dma_probe
+from mk.kernels.dma_probe import CHUNK_ROWS, SIZE_UNIT_BYTES, chunk_rows, dma_probe
 from mk.kernels.plan import capacity as cache_capacity
 
 SCHEMA = 1
@@ -85,9 +85,9 @@ def _integer(field: str, value, low: int) -> None:
 
 def _granules(field: str, value) -> None:
     """A copy's size: whole (8, 128) float32 tiles (`mk.kernels.dma_probe`)."""
-    _integer(field, value, GRANULE_BYTES)
-    if value % GRANULE_BYTES:
-        raise ValueError(f"{field}={value} must be a multiple of {GRANULE_BYTES}")
+    _integer(field, value, SIZE_UNIT_BYTES)
+    if value % SIZE_UNIT_BYTES:
+        raise ValueError(f"{field}={value} must be a multiple of {SIZE_UNIT_BYTES}")
 
 
 def _counts(field: str, value) -> None:

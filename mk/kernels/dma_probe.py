@@ -27,15 +27,15 @@ from mk.kernels.common import LANES, Buffer, sublanes, vmem_limit_bytes
 
 DTYPE = jnp.float32
 CHUNK_ROWS = sublanes(DTYPE)  # a chunk is whole (8, 128) f32 tiles
-GRANULE_BYTES = CHUNK_ROWS * LANES * 4  # 4 KiB: the smallest chunk, and the size unit
+SIZE_UNIT_BYTES = CHUNK_ROWS * LANES * 4  # 4 KiB: the smallest chunk, and the size unit
 
 
 def chunk_rows(nbytes: int) -> int:
     """Rows of 128 f32 lanes in a chunk of `nbytes`; raises unless whole 4 KiB tiles."""
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < GRANULE_BYTES \
-            or nbytes % GRANULE_BYTES:
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < SIZE_UNIT_BYTES \
+            or nbytes % SIZE_UNIT_BYTES:
         raise ValueError(f"nbytes={nbytes!r} must be a positive multiple of "
-                         f"{GRANULE_BYTES} (whole (8, 128) float32 tiles)")
+                         f"{SIZE_UNIT_BYTES} (whole (8, 128) float32 tiles)")
     return nbytes // (LANES * 4)
 
 
