@@ -322,10 +322,12 @@ def traced_step(plan: DecodePlan, weights, cache, tokens, positions, taps: bool 
     return result
 
 
-@functools.partial(jax.jit, static_argnames=("plan", "steps"))
+@functools.partial(jax.jit, static_argnames=("plan", "steps"), donate_argnames="cache")
 def _greedy_steps(plan: DecodePlan, weights, cache, token, position, steps: int):
     """`steps` greedy decode steps in one dispatch: a device-side loop of megakernel calls
-    from token [B] at position [B]. Returns (tokens [B, steps], cache)."""
+    from token [B] at position [B]. Returns (tokens [B, steps], cache). The cache is
+    donated (updated in place: HBM holds it once, what `mk.tpu` compiles and
+    `DecodePlan.fits` counts)."""
     def step(carry, _):
         cache, token, position = carry
         nxt, _, cache = traced_step(plan, weights, cache, token[:, None], position)

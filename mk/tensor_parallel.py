@@ -150,7 +150,8 @@ def compile_target(plan: DecodePlan, mesh, weights, k_cache, v_cache, tokens, po
                          positions)
 
 
-@functools.partial(jax.jit, static_argnames=("plan", "mesh", "steps"))
+@functools.partial(jax.jit, static_argnames=("plan", "mesh", "steps"),
+                   donate_argnames="cache")  # in place, as mk.megakernel's and mk.tpu's
 def _greedy_steps(plan, mesh, weights, cache, token, position, steps: int):
     def per_device(weights, cache, token, position):
         def step(carry, _):

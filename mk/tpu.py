@@ -86,9 +86,10 @@ def devices(topology: str) -> tuple:
 
 def compile_for_chip(fn, args, chip: str | ChipSpec, *, name: str = "",
                      vmem: VmemBudget | None = None, mesh: Mesh | None = None,
-                     in_shardings=None) -> CompileReport:
+                     in_shardings=None, donate: tuple[int, ...] = ()) -> CompileReport:
     """Compile `fn(*args)` for one core of `chip` (or for `mesh`'s cores with
-    `in_shardings`, a pytree like args); args are pytrees of arrays or ShapeDtypeStructs.
+    `in_shardings`, a pytree like args); args are pytrees of arrays or ShapeDtypeStructs;
+    donate: the positions of args the caller gives up (updated in place, not copied).
 
     A compiler error is returned in the report (ok=False), not raised, so a notebook can
     show it; an unknown chip or a GPU raises ValueError.
@@ -102,7 +103,8 @@ def compile_for_chip(fn, args, chip: str | ChipSpec, *, name: str = "",
     start = time.perf_counter()
     try:
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            compiled = jax.jit(fn, in_shardings=in_shardings).lower(*shapes).compile()
+            compiled = jax.jit(fn, in_shardings=in_shardings,
+                               donate_argnums=donate).lower(*shapes).compile()
     except COMPILER_ERRORS as err:  # the compiler's verdict is the result
         return CompileReport(name, spec.name, False, f"{type(err).__name__}: {err}",
                              time.perf_counter() - start, vmem=vmem)
@@ -113,6 +115,9 @@ def compile_for_chip(fn, args, chip: str | ChipSpec, *, name: str = "",
                          output_bytes=mem.output_size_in_bytes,
                          temp_bytes=mem.temp_size_in_bytes,
                          code_bytes=mem.generated_code_size_in_bytes, vmem=vmem)
+
+
+CACHE_ARGS = (1, 2)  # k_cache, v_cache in the compiled step's arguments
 
 
 def _tpu(chip: str | ChipSpec) -> ChipSpec:
@@ -130,7 +135,8 @@ def compile_megakernel(config: ModelConfig, chip: str | ChipSpec, *, tp: int = 1
     core (tp=1), or its tensor-parallel step on tp cores of `topology` (a libtpu name,
     e.g. "tpu7x:2x2x1"; default the chip's own single-chip topology).
 
-    Its `DecodePlan` is made first (what the runtime refuses raises ValueError here too);
+    The KV cache is donated, as `generate`'s device loop donates it: updated in place, HBM
+    holds it once. Its `DecodePlan` is made first (what the runtime refuses raises ValueError here too);
     a plan that does not fit the core (`DecodePlan.fits`: VMEM or HBM) is reported
     (ok=False, with the numbers), not compiled. formats: the mk.quant scheme of each
     weight family stored quantised ({"dense": "int8", ...}; `mk.quant.abstract_weight`).
@@ -157,7 +163,8 @@ def compile_megakernel(config: ModelConfig, chip: str | ChipSpec, *, tp: int = 1
         cache = jax.ShapeDtypeStruct(cache, config.dtype)
         report = compile_for_chip(
             lambda w, k, v, t, p: megakernel.compile_target(plan, w, k, v, t, p),
-            [weights, cache, cache, tokens, positions], spec, name=name, vmem=fit.vmem)
+            [weights, cache, cache, tokens, positions], spec, name=name, vmem=fit.vmem,
+            donate=CACHE_ARGS)
         return dataclasses.replace(report, hbm_bytes=fit.hbm_bytes)
     available = devices(topology or spec.topology)
     if len(available) < plan.tp:
@@ -173,5 +180,5 @@ def compile_megakernel(config: ModelConfig, chip: str | ChipSpec, *, tp: int = 1
     report = compile_for_chip(
         lambda w, k, v, t, p: tensor_parallel.compile_target(plan, mesh, w, k, v, t, p),
         [weights, cache, cache, tokens, positions], spec, name=name, vmem=fit.vmem,
-        mesh=mesh, in_shardings=shardings)
+        mesh=mesh, in_shardings=shardings, donate=CACHE_ARGS)
     return dataclasses.replace(report, tp=plan.tp, hbm_bytes=fit.hbm_bytes)
