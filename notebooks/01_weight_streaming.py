@@ -197,13 +197,14 @@ plots.show_source(stream_matmul)
 # `Ring` over them: `prime` issues the first `slots` tiles, `matmul` consumes them.
 
 # %%
-plots.show_source(stream_matmul_kernel, Ring.start, Ring._issue, Ring._copy)
+plots.show_source(stream_matmul_kernel, Ring.start, Ring._issue, Ring._copies)
 
 # %% [markdown]
 # A tile's copy is `pltpu.make_async_copy(src, dst, sem)`: `src` an HBM window
 # `w_hbm.at[pl.ds(...), pl.ds(...)]`, `dst` a ring slot, `sem` that slot's DMA semaphore.
 # `.start()` hands the descriptor to the DMA engine and returns at once; `.wait()` blocks
-# until the semaphore says the bytes landed. `Ring.start` routes tile g to its matrix
+# until the semaphore says the bytes landed. (A quantised weight's tile is two copies on the
+# same semaphore, its packed data and its scales: notebook 12.) `Ring.start` routes tile g to its matrix
 # (`_each_segment`, one `pl.when` per segment that may hold g: a run-time branch on a
 # traced g) and `_issue` starts its copy. Then the loops that consume tiles, `lax.fori_loop`s
 # inside the kernel:

@@ -10,50 +10,66 @@ The teaching progression is one parameter, `BlockSizes.slots`:
 - slots=2, double buffering: tile g+1 loads while tile g computes;
 - slots=N, the ring: N-1 tiles in flight hide DMA latency and jitter.
 
+The weight may be stored quantised (an `mk.quant.QuantWeight`): the ring then streams its
+packed tiles and their scales and dequantises each tile in VMEM (notebook 12).
+
 Not here: the ring mechanics (`mk.kernels.ring`), fused layers (`one_layer`).
 """
 
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from mk import quant
 from mk.config import MAX_ROWS
 from mk.kernels.common import BlockSizes, Buffer, default_block
-from mk.kernels.ring import Ring, TileStream
+from mk.kernels.ring import Ring, TileStream, ring_buffers
 
 
 
-def stream_matmul_buffers(M: int, K: int, N: int, dtype, block: BlockSizes) -> list[Buffer]:
-    """Every VMEM buffer of `stream_matmul` (the budget and the scratch come from here)."""
-    return [Buffer("x", (M, K), str(jnp.dtype(dtype))),
-            Buffer("out", (M, N), "float32"),
-            Buffer("ring", (block.slots, block.tile_k, block.tile_n), str(jnp.dtype(dtype)))]
+def stream_matmul_buffers(M: int, K: int, N: int, dtype, block: BlockSizes,
+                          scheme: str | None = None) -> list[Buffer]:
+    """Every VMEM buffer of `stream_matmul` (the budget and the scratch come from here);
+    scheme: the weight's mk.quant storage scheme (its packed slots), or None."""
+    stream = _stream(K, N, block, scheme)
+    dtype = str(jnp.dtype(dtype))
+    return [Buffer("x", (M, K), dtype), Buffer("out", (M, N), "float32"),
+            *ring_buffers(stream, dtype)]
+
+
+def _stream(K: int, N: int, block: BlockSizes, scheme: str | None) -> TileStream:
+    return TileStream.build(block, [("w", K, N)], schemes={"w": scheme} if scheme else None)
 
 
 def stream_matmul_kernel(
     # Inputs
-    x_vmem,  # [M, K] weight dtype
-    w_hbm,  # [K, N] weight dtype, left in HBM
+    x_vmem,  # [M, K] compute dtype
+    w_hbm,  # [K, N] weight dtype, or an mk.quant.QuantWeight (tile-major scales), in HBM
     # Outputs
     out_vmem,  # [M, N] f32
     # Scratch
-    ring_vmem,  # [slots, tile_k, tile_n] weight dtype
+    slots,  # {name: the ring's VMEM slots (`mk.kernels.ring.ring_buffers`)}
     sems,  # DMA semaphores [slots]
     *,
     stream: TileStream,
 ):
-    ring = Ring(stream, {"w": lambda layer: (w_hbm, None)}, ring_vmem, sems)
+    ring = Ring.in_scratch(stream, {"w": lambda layer: (w_hbm, None)},
+                           SimpleNamespace(**slots), sems, x_vmem.dtype)
     ring.prime()
     ring.matmul("w", x_vmem, out_vmem)
 
 
-def stream_matmul(x: jax.Array, w: jax.Array, *, block: BlockSizes | None = None):
-    """x [M, K] @ w [K, N] -> [M, N] float32, w streamed through a `block.slots`-slot ring."""
+def stream_matmul(x: jax.Array, w, *, block: BlockSizes | None = None,
+                  dtype=jnp.bfloat16):
+    """x [M, K] @ w [K, N] -> [M, N] float32, w streamed through a `block.slots`-slot ring.
+    w: an array (multiplied in its own dtype), or an `mk.quant.QuantWeight` (in mk.quant's
+    layout; its packed tiles and scales are streamed and dequantised in VMEM to `dtype`)."""
     M, K = x.shape
     K2, N = w.shape
     if K2 != K:
@@ -61,17 +77,23 @@ def stream_matmul(x: jax.Array, w: jax.Array, *, block: BlockSizes | None = None
     if not 1 <= M <= MAX_ROWS:
         raise ValueError(f"rows M={M} must be in [1, {MAX_ROWS}]")
     block = block or default_block(K, N)
-    stream = TileStream.build(block, [("w", K, N)])
-    ring = stream_matmul_buffers(M, K, N, w.dtype, block)[-1]
+    packed = isinstance(w, quant.QuantWeight)
+    scheme, dtype = (w.scheme, jnp.dtype(dtype)) if packed else (None, w.dtype)
+    stream = _stream(K, N, block, scheme)
+    if packed:
+        w = quant.tile_major(w, block.tile_k, block.tile_n)
+    ring = stream_matmul_buffers(M, K, N, dtype, block, scheme)[2:]
+    any_space = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
         functools.partial(stream_matmul_kernel, stream=stream),
         out_shape=jax.ShapeDtypeStruct((M, N), jnp.float32),
-        in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM), pl.BlockSpec(memory_space=pl.ANY)],
+        in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM), jax.tree.map(lambda _: any_space, w)],
         out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
-        scratch_shapes=[pltpu.VMEM(ring.shape, ring.dtype),
+        scratch_shapes=[{b.name: pltpu.VMEM(b.shape, b.dtype) for b in ring},
                         pltpu.SemaphoreType.DMA((block.slots,))],
         name="mk_stream_matmul",
         cost_estimate=pl.CostEstimate(
             flops=2 * M * K * N, transcendentals=0,
-            bytes_accessed=(w.size + x.size) * w.dtype.itemsize + M * N * 4),
-    )(x.astype(w.dtype), w)  # rounding x once here is what each tile would do
+            bytes_accessed=sum(a.nbytes for a in jax.tree.leaves(w))
+            + x.size * dtype.itemsize + M * N * 4),
+    )(x.astype(dtype), w)  # rounding x once here is what each tile would do

@@ -21,8 +21,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import mk
-from mk import backend, reference, tpu
-from mk.kernels.common import BlockSizes, vmem_budget
+from mk import backend, quant, reference, tpu
+from mk.kernels.common import BlockSizes, dma_log, vmem_budget
 from mk.kernels.plan import DecodePlan
 from mk.kernels.ring import Ring, TileStream
 from mk.kernels.weight_streaming import stream_matmul, stream_matmul_buffers
@@ -50,6 +50,23 @@ def test_every_slot_count_matches_the_reference_without_races(slots, dtype):
     y, races = _run(x, w, BlockSizes(slots=slots, tile_k=128, tile_n=128))
     np.testing.assert_allclose(y, reference.matmul(x, w), **TOLERANCE[dtype])
     assert not races
+
+
+@pytest.mark.parametrize("scheme", quant.SCHEMES)
+def test_a_quantised_weight_streams_packed_tiles_and_scales_race_free(scheme):
+    """Each tile is two DMAs on its slot's semaphore (packed data, scale block), both
+    waited for (strict_dma), dequantised in VMEM: the reference's product with the
+    dequantised weight; the DMAs move `mk.quant.tile_bytes` per tile."""
+    x, w = _operands(8, 384, 256, "float32")
+    q = quant.quantize_weight(w, scheme)
+    block = BlockSizes(slots=3, tile_k=128, tile_n=128)
+    with dma_log() as log:
+        y, races = _run(x, q, block)
+    want = reference.matmul(x.astype(jnp.bfloat16),
+                            quant.dequantize_tile(scheme, q.data, q.scale).astype(jnp.bfloat16))
+    np.testing.assert_allclose(y, want, **TOLERANCE["bfloat16"])
+    assert not races
+    assert sum(n for _, n in log) == 3 * 2 * quant.tile_bytes(scheme, 128, 128)
 
 
 @settings(max_examples=6, deadline=None)
