@@ -27,10 +27,13 @@
 # - How far from the bf16 model does each format decode?
 # - How many bytes does one step read per format, what HBM floor does that give, and which
 #   presets fit one Colab chip (v5e-1, v6e-1)?
+# - How does the weight ring stream a packed tile, and does the megakernel decode the
+#   reference's tokens from the same quantised weights?
 #
 # Everything runs on the CPU: the formats and the oracle (`mk.quant`, `mk.reference`), the
-# byte counts (`mk.perf.quantised_bytes`). The megakernel still streams bf16; the kernels
-# that stream packed tiles come next, and will run the decoder shown here.
+# byte counts (`mk.perf.predict(..., formats=)`, the plan's own), the capacity check
+# (`DecodePlan.fits`), and the megakernel streaming packed tiles (interpret mode here, Mosaic
+# on a TPU).
 
 # %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
@@ -84,8 +87,12 @@ from tqdm.auto import tqdm
 
 import mk
 import mk.run
-from mk import perf, plots, quant
+from mk import megakernel, perf, plots, quant
 from mk.config import PRESET_NAMES
+from mk.kernels.common import BlockSizes, dma_log
+from mk.kernels.plan import capacity
+from mk.kernels.ring import Ring
+from mk.kernels.weight_streaming import stream_matmul
 
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
@@ -241,27 +248,29 @@ display(plots.table(accuracy_rows))
 # %% [markdown]
 # ## Bytes per step and HBM floors, per format and preset
 #
-# `mk.perf.quantised_bytes` counts what one step reads with packed weights and their scales:
-# every dense projection and the lm_head, the touched experts (uniform routing), the router,
-# norms and gathered embedding rows (kept in bf16), and the KV cache (bf16). The HBM floor is
-# those bytes over the chip's bandwidth: a lower bound, not a prediction of a kernel. Each
-# format is applied to every family; "mix" is this run's choice per family.
+# `mk.perf.predict(..., formats=)` counts what one step streams with packed weights: each
+# tile's packed data and its scale block (`quant.tile_bytes`, the bytes the kernel's DMAs
+# move, held equal to them by tests/test_plan.py), every dense projection and the lm_head,
+# the touched experts (uniform routing), the router and norms (unquantised), the gathered
+# embedding rows and the KV cache (bf16). The HBM floor is those bytes over the chip's
+# bandwidth: a lower bound, not a prediction of a kernel. Each format is applied to every
+# family; "mix" is this run's choice per family.
 
 # %%
-spec = mk.chip(run.chip)
-bandwidth = spec.hbm_bw / spec.cores_per_chip
 step_rows, floors = [], {}
 for name in PRESET_NAMES:
     config = mk.preset(name)
     s = min(fit_context, config.max_position - run.rows)
     for fmt, families in TABLE_FORMATS.items():
-        b = perf.quantised_bytes(config, batch=fit_batch, rows=run.rows, context=s,
-                                 **schemes(config, *families))
-        step = sum(v for k, v in b.items() if k != "resident")
-        floors.setdefault(fmt, []).append(1e3 * step / bandwidth)
-        step_rows.append({"preset": name, "format": fmt, "step GB": f"{step / 1e9:.4g}",
-                          "of which weights": f"{(step - b['kv']) / 1e9:.4g}",
-                          f"HBM floor on {run.chip}, ms": f"{floors[fmt][-1]:.4g}"})
+        formats = {f: q for f, q in schemes(config, *families).items() if q}
+        est = perf.predict(config, run.chip, batch=fit_batch, rows=run.rows, context=s,
+                           formats=formats)
+        floors.setdefault(fmt, []).append(est.hbm_floor_ms)
+        kv = est.kv_read_bytes + est.kv_write_bytes
+        step_rows.append({"preset": name, "format": fmt,
+                          "step GB": f"{est.total_bytes / 1e9:.4g}",
+                          "of which weights": f"{(est.total_bytes - kv) / 1e9:.4g}",
+                          f"HBM floor on {run.chip}, ms": f"{est.hbm_floor_ms:.4g}"})
 display(plots.table(step_rows))
 
 # %%
@@ -277,45 +286,96 @@ plots.show(fig)
 #
 # ## What fits which Colab chip
 #
-# Colab offers single-chip TPUs: v5e-1 and v6e-1. A model fits one when its stored weights
-# (packed data and scales) plus the KV cache of `fit_batch` sequences of `fit_context`
-# positions fit the chip's HBM. That is a necessary condition only: activations and XLA's
-# workspace need room too, and the compiler reports slightly less usable HBM than the
-# datasheet (an ahead-of-time compile is the final word).
+# Colab offers single-chip TPUs: v5e-1 and v6e-1. The megakernel's one capacity check,
+# `DecodePlan.fits`, holds the weights as `prepare` lays them out (packed data and
+# tile-major scales) plus the KV cache of `fit_batch` sequences of `fit_context` positions
+# against the chip's HBM, and the plan's VMEM buffers (the packed ring slots among them)
+# against its VMEM. An ahead-of-time compile is the final word: the README's "Which
+# preset" table lists the ones compiled (`mk.tpu.compile_megakernel(..., formats=)`; for
+# example int8 `qwen3-8b` at B=8, S=4096 compiles for v5e, bf16 does not fit).
 
 # %%
-colab = [mk.chip(name) for name in ("v5e", "v6e")]
 fit_rows = []
 for name in PRESET_NAMES:
     config = mk.preset(name)
-    s = min(fit_context, config.max_position - 1)
+    S = capacity(min(fit_context, config.max_position - 1))
     row = {"preset": name}
     for fmt, families in TABLE_FORMATS.items():
-        need = perf.quantised_bytes(config, batch=fit_batch, context=s,
-                                    **schemes(config, *families))["resident"]
-        fits = "/".join(c.name for c in colab if need <= c.hbm_bytes) or "neither"
-        row[fmt] = f"{need / 2**30:.1f} GiB ({fits})"
+        formats = {f: q for f, q in schemes(config, *families).items() if q}
+        plan = megakernel.step_plan(config, batch=fit_batch, context=S, formats=formats)
+        fits = [plan.fits(chip) for chip in ("v5e", "v6e")]
+        row[fmt] = (f"{fits[0].hbm_bytes / 2**30:.1f} GiB "
+                    f"({'/'.join(f.chip for f in fits if f.ok) or 'neither'})")
     fit_rows.append(row)
-display(Markdown(f"Resident bytes at B={fit_batch}, S={fit_context} (which Colab chips "
-                 f"hold them; v5e-1 {colab[0].hbm_bytes / 2**30:.0f} GiB, v6e-1 "
-                 f"{colab[1].hbm_bytes / 2**30:.0f} GiB):"))
+display(Markdown(f"Weights and KV cache per core at B={fit_batch}, S={fit_context} (the "
+                 "Colab chips whose one core holds them, VMEM included):"))
 display(plots.table(fit_rows))
 
 # %% [markdown]
-# ## What a TPU would do
+# ## The ring streams packed tiles
 #
-# The kernels will stream each tile's packed bytes and its scales through the same DMA ring
-# that streams bf16 tiles today, and run `dequantize_tile` on the tile in VMEM before the
-# matmul: the ring moves fewer bytes, the vector unit does a few more integer operations per
-# value. v5e and v6e have no fp8 matrix unit, so they dequantise to bf16 either way; tpu7x
-# could feed fp8 tiles to its matrix unit directly. Whether the extra vector work stays
-# hidden under the shorter DMAs is a question for the TPU compile reports and a real chip.
+# A quantised segment of the ring's stream moves each tile as two DMAs on the tile's slot
+# semaphore: its packed data (int4 and fp4: half the rows' bytes) and its scale block, both
+# into that format's own slots. `prepare` lays the scales out tile-major once
+# (`quant.tile_major`) so each block is one DMA of whole trailing dimensions: Mosaic refuses
+# the lane slice fp8's [I/128, O/128] scales would need. The tile is dequantised in VMEM
+# right before its product:
+
+# %%
+plots.show_source(Ring._copies, Ring._weights)
+
+# %% [markdown]
+# One streamed matrix, the stage-01 kernel (`stream_matmul`) in each format, with every DMA
+# it starts recorded (`dma_log`): the bytes on the wire per tile are the packed data and the
+# scales, what `quant.tile_bytes` and the byte counts above say.
+
+# %%
+w = np.random.default_rng(run.seed).standard_normal((512, 512)).astype(np.float32)
+x = jnp.asarray(np.random.default_rng(run.seed + 1).standard_normal((8, 512)), jnp.float32)
+tile = BlockSizes(slots=3, tile_k=256, tile_n=256)
+wire_rows = []
+for fmt in FORMATS:
+    q = jnp.asarray(w, jnp.bfloat16) if fmt == "bf16" else quant.quantize_weight(w, fmt)
+    with dma_log() as log, mk.backend.use(run.backend):
+        y = stream_matmul(x, q, block=tile)
+    values = q if fmt == "bf16" else quant.dequantize_tile(fmt, q.data, q.scale)
+    want = np.asarray(x.astype(jnp.bfloat16), np.float32) @ np.asarray(
+        jnp.asarray(values, jnp.bfloat16), np.float32)
+    wire_rows.append({"format": fmt, "DMAs": len(log),
+                      "bytes per tile": sum(n for _, n in log) // 4,
+                      "max |kernel - reference|": f"{np.abs(np.asarray(y) - want).max():.2g}"})
+display(plots.table(wire_rows))
+
+# %% [markdown]
+# The whole model: the megakernel decodes a few tokens of the run's quantised model and the
+# reference decodes the same from the dequantised weights. In float32, so only summation
+# order differs (tests/test_megakernel.py runs 64 tokens per format, race detector on).
+
+# %%
+config32 = dataclasses.replace(run.config, dtype="float32")
+params32 = {n: q if isinstance(q, quant.QuantWeight) else q.astype(jnp.float32)
+            for n, q in qparams.items()}
+start = prompt[:1, :5]
+kernel_tokens = megakernel.generate(config32, params32, start, 4, backend=run.backend,
+                                    max_context=64, steps_per_call=3)
+reference_tokens = mk.reference.generate(config32, quant.dequantize(params32), start, 4,
+                                         max_context=64)
+print(f"megakernel {np.asarray(kernel_tokens).tolist()}, reference "
+      f"{np.asarray(reference_tokens).tolist()}")
+
+# %% [markdown]
+# On a TPU the ring moves fewer bytes and the vector unit does a few more integer operations
+# per value. v5e and v6e have no fp8 matrix unit, so they dequantise to bf16 either way;
+# tpu7x could feed fp8 tiles to its matrix unit directly (not built). Whether the vector
+# work stays hidden under the shorter DMAs is for the bundle dumps (`mk.bundles`, notebook
+# 11) and a real chip to say.
 #
 # ## Takeaway
 #
 # A format is codes plus scales. Packed as plain bytes and decoded with shifts, masks and
-# powers of two, each one runs in interpret mode and lowers on every TPU generation, and its
-# bytes, scales included, are what the HBM floor counts. The last cell checks this run.
+# powers of two, each one runs in interpret mode and lowers on every TPU generation, its
+# bytes, scales included, are what the ring moves and the HBM floor counts, and the
+# megakernel decodes the reference's tokens from them. The last cell checks this run.
 
 # %%
 for name in quantised:
@@ -331,5 +391,12 @@ assert max(rms["int8"], rms["fp8"]) < min(rms["int4"], rms["fp4"]), rms
 for i, name in enumerate(PRESET_NAMES):
     if not mk.preset(name).expert_dtype:
         assert floors["int4"][i] < floors["int8"][i] < floors["bf16"][i], name
+# The ring moved each format's tiles (two DMAs each when packed) and multiplied right.
+for row in wire_rows:
+    fmt = row["format"]
+    assert row["bytes per tile"] == (tile.tile_k * tile.tile_n * 2 if fmt == "bf16" else
+                                     quant.tile_bytes(fmt, tile.tile_k, tile.tile_n)), row
+    assert float(row["max |kernel - reference|"]) < 1e-3, row
+np.testing.assert_array_equal(kernel_tokens, reference_tokens)
 print(f"{len(quantised)} quantised weights: bytes as counted, every element within bound; "
-      "accuracy and bytes ordered by bits")
+      "accuracy and bytes ordered by bits; the ring and the megakernel decode them")
