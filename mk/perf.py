@@ -10,8 +10,7 @@ of tensor parallelism over ICI); `experts_touched`, `attainable_flops` and `roof
 `mxu_floor_ms` (the compute floor with the MXU rule of `mk.sim`) and `modelled_step_ms`
 (the larger floor plus the collectives);
 `family_dtypes` (storage dtype per weight family); `resident_bytes` / `min_chips`
-(capacity); `quantised_bytes` (a step's bytes with mk.quant's packed weights and scales);
-`published()` (the rows of data/published.csv; `mk.ledger` sets them against the
+(capacity); `published()` (the rows of data/published.csv; `mk.ledger` sets them against the
 models).
 
 Not here: the megakernel's own schedule and its bubbles (`mk.sim` replays it), anything
@@ -66,7 +65,6 @@ from numbers import Real
 
 import numpy as np
 
-from mk import quant
 from mk.chips import DATA, ChipSpec, chip as named_chip
 from mk.config import DTYPE_BITS, ModelConfig, positive_int
 from mk.kernels.common import default_block
@@ -566,35 +564,6 @@ def min_chips(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1,
             raise ValueError(f"{config.name} needs {need / 1e9:.0f} GB, more than "
                              f"limit={limit} {spec.name} chips hold")
     return chips
-
-
-# -- Quantised weights (mk.quant: packed data plus scales) --------------------------------
-def quantised_bytes(config: ModelConfig, *, batch: int = 1, rows: int = 1,
-                    context: int | None = None, routing: str = "uniform",
-                    dense: str | None = None, experts: str | None = None,
-                    lm_head: str | None = None) -> dict[str, float]:
-    """HBM bytes of one decode step (tp = 1) with weights stored in mk.quant's schemes
-    (`mk.quant.family_bytes`: packed data plus scales), per family: "dense", "experts" (the
-    touched experts' share under `routing`, as in `predict`), "lm_head", "other" (router,
-    norms, the M gathered embedding rows, and the whole table when it is the tied head),
-    "kv" (S cached positions read, M written); and "resident": every stored weight plus the
-    KV cache, what HBM must hold. With no scheme the step's bytes are `predict`'s."""
-    context = config.max_context if context is None else context
-    _validate_step(config, batch, rows, context, 1, rows, routing, "bf16")
-    stored = {family: parts["data"] + parts["scales"] for family, parts in quant.family_bytes(
-        config, dense=dense, experts=experts, lm_head=lm_head).items()}
-    m = batch * rows
-    row = config.hidden * DTYPE_BITS[config.dtype] // 8  # one embedding row
-    table = config.vocab * row
-    touched = (experts_touched(config.experts, config.experts_per_token, m, routing)
-               / config.experts if config.is_moe else 0.0)
-    kv = batch * context * config.kv_bytes_per_token
-    return {"dense": float(stored["dense"]), "experts": stored["experts"] * touched,
-            "lm_head": float(stored["lm_head"]),
-            "other": float(stored["other"] - table + min(m, config.vocab) * row
-                           + (table if config.tie_embeddings else 0)),
-            "kv": float(kv + m * config.kv_bytes_per_token),
-            "resident": float(sum(stored.values()) + kv)}
 
 
 # -- Published measurements ---------------------------------------------------------------

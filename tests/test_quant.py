@@ -26,6 +26,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 import mk
 from mk import quant, reference
+from mk.kernels.plan import default_block
 
 TINY = dataclasses.replace(mk.preset("tiny"), max_context=4096)
 TINY_MOE = dataclasses.replace(mk.preset("tiny-moe"), max_context=4096)
@@ -425,18 +426,21 @@ def test_a_native_float4_tile_is_refused_by_mosaic_on_v5e():
 
 # -- Bytes per step -------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["tiny", "tiny-moe", "qwen3-0.6b", "qwen3-30b-a3b"])
-def test_quantised_step_bytes_are_predicts_without_schemes_and_shrink_with_them(name):
+def test_predicted_step_bytes_shrink_by_each_formats_bits_per_value(name):
+    """mk.perf.predict(formats=) streams each quantised family at mk.quant.tile_bytes per
+    tile of the default tiling (the kernel's DMAs: tests/test_plan.py); per value that is
+    the format's bits plus its scales' share."""
     config = mk.preset(name)
-    plain = mk.perf.quantised_bytes(config, batch=4, rows=2, context=512)
-    est = mk.perf.predict(config, "v6e", batch=4, rows=2, context=512)
-    step = sum(v for k, v in plain.items() if k != "resident")
-    # predict counts what the kernel streams: the norms in float32 (stored in bf16) and the
-    # lm_head's columns padded to whole tiles; the rest is the stored bytes.
-    streamed = est.norm_bytes / 2 + est.lm_head_bytes - config.vocab * config.hidden * 2
-    assert step + streamed == pytest.approx(est.total_bytes, rel=1e-12)
-    assert plain["resident"] == mk.perf.resident_bytes(config, batch=4, context=512)
-    fp4 = mk.perf.quantised_bytes(config, batch=4, rows=2, context=512, dense="fp4",
-                                  experts="fp4" if config.is_moe else None)
-    # e2m1 plus one e8m0 byte per 32 values: 4.25 bits of bf16's 16.
-    assert fp4["dense"] == pytest.approx(plain["dense"] * 4.25 / 16, rel=1e-12)
-    assert fp4["experts"] == pytest.approx(plain["experts"] * 4.25 / 16, rel=1e-12)
+    plain = mk.perf.predict(config, "v6e", batch=4, rows=2, context=512)
+    tk = default_block(config, 512).tile_k  # the tiles predict streams
+    per_value = {"int8": 8 + 32 / tk, "fp8": 8 + 32 / 128 ** 2, "int4": 4 + 16 / 128,
+                 "fp4": 4 + 8 / 32}  # bits: data plus scales
+    for scheme, bits in per_value.items():
+        formats = dict(dense=scheme) | ({} if config.tie_embeddings else dict(lm_head=scheme)
+                                        ) | (dict(experts=scheme) if config.is_moe else {})
+        est = mk.perf.predict(config, "v6e", batch=4, rows=2, context=512, formats=formats)
+        fields = ["attention_bytes", "dense_mlp_bytes", "expert_bytes"]
+        for field in fields + ([] if config.tie_embeddings else ["lm_head_bytes"]):
+            assert getattr(est, field) == pytest.approx(getattr(plain, field) * bits / 16,
+                                                        rel=1e-12), (scheme, field)
+        assert est.router_bytes == plain.router_bytes and est.kv_read_bytes == plain.kv_read_bytes
