@@ -69,7 +69,7 @@ from mk.kernels.ring import Ring
 from mk.reference import rms_norm
 
 TAPS = ("attn", "mlp")  # where the residual stream is tapped in each layer (debug path)
-ATTENTION_WEIGHTS = ("wq", "wk", "wv", "wo")
+ATTENTION_WEIGHTS = ("wq", "wk", "wv", "wq_gate", "wo")  # wq_gate: gated models only
 # Where each operand of the kernel lives: SMEM scalars, VMEM, or HBM (pl.ANY, DMA'd by
 # hand). The weights of an MLP kind the model has are HBM operands too (MLP_WEIGHTS).
 INPUT_SPACES = dict(positions=pltpu.SMEM, is_moe=pltpu.SMEM, mlp_row=pltpu.SMEM,
@@ -81,29 +81,38 @@ OUTPUT_SPACES = dict(next_tokens=pltpu.VMEM, logits=pltpu.VMEM, k_cache=pl.ANY,
 VECTORS = ("norms", "qk_norms")  # per-layer vectors, prefetched a layer ahead
 
 
+def attention_weights(config: ModelConfig) -> tuple[str, ...]:
+    """The attention weights `config`'s layers stream (ATTENTION_WEIGHTS it has)."""
+    return tuple(n for n in ATTENTION_WEIGHTS if n != "wq_gate" or config.attn_output_gate)
+
+
 def prepare(config: ModelConfig, params, block: BlockSizes) -> dict:
     """The megakernel's weights for the model (or shard) `config`, made once: the stacked
     layer weights as they are (quantised ones with tile-major scales,
-    `mk.quant.tile_major`), the norms stacked in float32, the lm_head [D, V] (embed.T
-    when tied) padded with zero columns to whole tiles, and the per-layer MLP tables
-    (kind, stacked row)."""
+    `mk.quant.tile_major`), the norms stacked in float32 (norm_offset added), the lm_head
+    [D, V] (embed.T when tied) padded with zero columns to whole tiles, and the per-layer
+    MLP tables (kind, stacked row)."""
     V, Vp = config.vocab, padded_vocab(config, block)
     head = params["embed"].T if config.tie_embeddings else params["lm_head"]
     if isinstance(head, quant.QuantWeight):
         head = quant.pad_columns(head, Vp - V)
     else:
         head = jnp.pad(head, ((0, 0), (0, Vp - V)))
+    def norm(name):  # RMSNorm scales by norm_offset + weight (Qwen3.5: 1 + w): added here
+        return params[name].astype(jnp.float32) + config.norm_offset
+
     ones = jnp.ones((config.layers, config.head_dim), jnp.float32)
-    qk = [params[n] if config.qk_norm else ones for n in ("q_norm", "k_norm")]
+    qk = [norm(n) if config.qk_norm else ones for n in ("q_norm", "k_norm")]
     kinds = [config.mlp_index(layer) for layer in range(config.layers)]
-    names = (*ATTENTION_WEIGHTS, *(n for kind in mlp_kinds(config) for n in MLP_WEIGHTS[kind]))
+    names = (*attention_weights(config),
+             *(n for kind in mlp_kinds(config) for n in MLP_WEIGHTS[kind]))
     weights = {name: params[name] for name in ("embed", *names)} | {"lm_head": head}
     weights = {name: quant.tile_major(w, block.tile_k, block.tile_n)
                if isinstance(w, quant.QuantWeight) else w for name, w in weights.items()}
     return weights | dict(
-        norms=jnp.stack([params["attn_norm"], params["mlp_norm"]], 1).astype(jnp.float32),
-        qk_norms=jnp.stack(qk, 1).astype(jnp.float32),
-        final_norm=params["final_norm"][None].astype(jnp.float32),
+        norms=jnp.stack([norm("attn_norm"), norm("mlp_norm")], 1),
+        qk_norms=jnp.stack(qk, 1),
+        final_norm=norm("final_norm")[None],
         is_moe=jnp.array([kind == "moe" for kind, _ in kinds], jnp.int32),
         mlp_row=jnp.array([row for _, row in kinds], jnp.int32))
 
@@ -140,7 +149,7 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
     def at_step(name):
         return lambda step: (inputs[name].at[step], None)
 
-    fetch = {name: at_step(name) for name in ATTENTION_WEIGHTS}
+    fetch = {name: at_step(name) for name in attention_weights(config)}
     fetch["lm_head"] = lambda step: (inputs["lm_head"], None)
     fetch |= mlp_fetch(kinds, inputs, s, lambda step: inputs["mlp_row"][step],
                        lambda step: inputs["is_moe"][step] == 1)
@@ -285,7 +294,7 @@ def traced_step(plan: DecodePlan, weights, cache, tokens, positions, taps: bool 
     D, L = config.hidden, config.layers
     mlp = [n for kind in plan.kinds for n in MLP_WEIGHTS[kind]]
     inputs = {n: weights[n] for n in ("final_norm", "norms", "qk_norms", "lm_head", "is_moe",
-                                      "mlp_row", *ATTENTION_WEIGHTS, *mlp)}
+                                      "mlp_row", *attention_weights(config), *mlp)}
     inputs |= dict(positions=positions, k_cache=cache.k, v_cache=cache.v,
                    x=weights["embed"][tokens].reshape(M, D).astype(jnp.float32))
     outputs = dict(next_tokens=jax.ShapeDtypeStruct((M, 1), jnp.int32),
@@ -293,7 +302,7 @@ def traced_step(plan: DecodePlan, weights, cache, tokens, positions, taps: bool 
                    k_cache=cache.k, v_cache=cache.v)
     if taps:
         outputs["taps"] = jax.ShapeDtypeStruct((L, 2, M, D), jnp.float32)
-    streamed = [inputs[n] for n in (*ATTENTION_WEIGHTS, "lm_head", *mlp)]
+    streamed = [inputs[n] for n in (*attention_weights(config), "lm_head", *mlp)]
     weight_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(streamed))
     elements = sum(math.prod(w.shape) for w in streamed)  # a QuantWeight's logical shape
     specs = memory_specs(INPUT_SPACES | {n: pl.ANY for n in mlp})

@@ -334,7 +334,8 @@ def predict(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: 
     kv_write_bytes = m * kv_per_token
 
     # Matmul parameters one token multiplies by; norms are elementwise and left out.
-    proj = config.hidden * (2 * config.q_width + 2 * config.kv_width)
+    gate = config.q_width if config.attn_output_gate else 0  # Qwen3.5's output gate
+    proj = config.hidden * (2 * config.q_width + 2 * config.kv_width + gate)
     per_token = (config.layers * proj + n_dense * 3 * config.hidden * config.ffn
                  + n_moe * (config.hidden * config.experts
                             + config.experts_per_token * config.expert_params)

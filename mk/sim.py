@@ -91,6 +91,7 @@ import math
 from mk import measure, perf
 from mk.chips import ChipSpec, chip as named_chip
 from mk.config import DTYPE_BITS, ModelConfig, positive_int
+from mk.kernels.attention_prologue import prologue_matrices
 from mk.kernels.common import BlockSizes
 from mk.kernels.decode_attention import block_rows, write_back_rows
 from mk.kernels.mlp import expert_slots
@@ -502,12 +503,14 @@ class _Kernel:
             self.prime_kv()
         elif name == "prologue":
             self.vector(4 * M * D, "norm")
-            for matrix in ("wq", "wk", "wv"):
+            for matrix, *_ in prologue_matrices(c):
                 self.matmul(matrix)
             self.vector(10 * M * (c.q_width + c.kv_width), "qk_norm_rope")
         elif name == "attend":
             self.attend()
         elif name == "wo":
+            if c.attn_output_gate:
+                self.vector(4 * M * c.q_width, "output_gate")
             self.matmul("wo")
         elif name in ("attn_all_reduce", "mlp_all_reduce"):
             self.collective(M * D * perf.PARTIAL_SUM_BYTES)

@@ -89,6 +89,41 @@ def test_64_greedy_tokens_equal_the_reference(name, batch, rows, formats):
     assert not backend.races_found()
 
 
+QWEN35_ATTENTION = dict(attn_output_gate=True, partial_rotary_factor=0.25, norm_offset=1.0)
+
+
+def test_qwen35_full_attention_decodes_the_references_tokens():
+    """Qwen3.5's full-attention layers: the output gate (a wq_gate segment in the ring, o *
+    sigmoid(h @ wq_gate) before wo), RoPE on the first quarter of each head, norms scaling
+    by 1 + weight. 16 tokens (T = 1) and 2 verify steps of 4 rows (race detector on) equal
+    the reference's. Control: each detail alone changes the reference's tokens, so a kernel
+    that dropped one would fail here."""
+    config = dataclasses.replace(mk.preset("tiny"), dtype="float32", **QWEN35_ATTENTION)
+    params = mk.init_params(config)
+    prompt = jax.random.randint(jax.random.key(3), (2, 5), 0, config.vocab)
+    want = reference.generate(config, params, prompt, 16, max_context=128)
+    for field, qwen3 in (("attn_output_gate", False), ("partial_rotary_factor", 1.0),
+                         ("norm_offset", 0.0)):
+        other = dataclasses.replace(config, **{field: qwen3})
+        kept = {n: p for n, p in params.items() if n in other.param_shapes()}
+        assert (reference.generate(other, kept, prompt, 16, max_context=128) != want).any(), \
+            field
+    got = megakernel.generate(config, params, prompt, 16, backend="interpret",
+                              max_context=128, steps_per_call=15)
+    np.testing.assert_array_equal(got, want)
+    block = default_block(config, 128)
+    weights = megakernel.prepare(config, params, block)
+    _, cache = reference.prefill(config, params, prompt[:, :-1], max_context=128)
+    fed = jnp.concatenate([prompt[:, -1:], want], axis=1)
+    with backend.use("interpret", detect_races=True):
+        for i in range(0, 8, 4):
+            got, _, cache = megakernel.decode_step(
+                config, weights, cache, fed[:, i:i + 4],
+                jnp.full((2,), prompt.shape[1] - 1 + i, jnp.int32), block=block)
+            np.testing.assert_array_equal(got, want[:, i:i + 4], err_msg=f"tokens {i}..")
+    assert not backend.races_found()
+
+
 @pytest.mark.parametrize("name, batch", [("tiny", 1), pytest.param("tiny-moe", 2, marks=SLOW)])
 def test_bf16_greedy_tokens_equal_the_reference_and_the_bar_counts_them(name, batch, capsys):
     """8 tokens: the prefill's, then dispatches of 4 and 3 steps; the progress bar ends at

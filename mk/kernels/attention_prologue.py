@@ -3,10 +3,14 @@
 h = RMSNorm(x); q, k, v = h @ Wq, h @ Wk, h @ Wv with the three weights streamed through
 one ring (the k and v tiles are in flight while q computes); then per head RMSNorm over
 the head dim (Qwen3's QK-norm) and rotate-half RoPE at each row's absolute position
-(row t of sequence b sits at positions[b] + t).
+(row t of sequence b sits at positions[b] + t). Qwen3.5's full-attention layers add an
+output gate, h @ Wq_gate, a fourth segment of the same ring (the layer multiplies the
+attention output by its sigmoid before wo), and rotate only the first
+`config.rotary_dim` dims of each head (partial RoPE).
 
-RoPE in the kernel: rotate_half(x) = [-x2, x1] is a lane roll by H/2 times a sign
-vector, and cos/sin are computed from the row positions; no table is read from HBM.
+RoPE in the kernel: rotate_half(x) = [-x2, x1] over the rotated dims d is a lane roll by
+d/2 (two rolls and a select when d < H) times a sign vector, and cos/sin are computed
+from the row positions; no table is read from HBM.
 
 Here: `prologue` (the in-kernel body the fused layer and the megakernel call), its stream
 segments, and the stage wrapper `attention_prologue`. Not here: attention itself
@@ -33,7 +37,9 @@ from mk.reference import rms_norm
 def prologue_matrices(config: ModelConfig) -> list[tuple[str, int, int]]:
     """The ring segments of the prologue, in consumption order: (name, rows, cols)."""
     D = config.hidden
-    return [("wq", D, config.q_width), ("wk", D, config.kv_width), ("wv", D, config.kv_width)]
+    gate = [("wq_gate", D, config.q_width)] if config.attn_output_gate else []
+    return [("wq", D, config.q_width), ("wk", D, config.kv_width),
+            ("wv", D, config.kv_width), *gate]
 
 
 def row_positions(positions_smem, batch: int, rows: int):
@@ -45,14 +51,24 @@ def row_positions(positions_smem, batch: int, rows: int):
     return pos
 
 
-def rope_rows(x, pos, theta: float):
-    """Rotate-half RoPE of x [M, H] float32 at positions pos [M, 1] (mk.reference.rope)."""
+def rope_rows(x, pos, theta: float, dims: int | None = None):
+    """Rotate-half RoPE of x [M, H] float32 at positions pos [M, 1] on the first `dims`
+    (default all) lanes, the rest passed through (mk.reference.rope)."""
     M, H = x.shape
+    d = dims or H
+    half = d // 2
     lane = lax.broadcasted_iota(jnp.int32, (M, H), 1)
-    exponent = (2 * (lane % (H // 2))).astype(jnp.float32) / H
+    exponent = (2 * (lane % half)).astype(jnp.float32) / d
     angle = pos.astype(jnp.float32) / jnp.power(jnp.float32(theta), exponent)
-    sign = jnp.where(lane < H // 2, -1.0, 1.0)
-    return x * jnp.cos(angle) + pltpu.roll(x, H // 2, 1) * sign * jnp.sin(angle)
+    sign = jnp.where(lane < half, -1.0, 1.0)
+    if d == H:  # lane i's partner is i + H/2 mod H
+        partner = pltpu.roll(x, half, 1)
+    else:  # i + d/2 below d/2, i - d/2 from d/2 on (beyond d: not rotated)
+        partner = jnp.where(lane < half, pltpu.roll(x, H - half, 1), pltpu.roll(x, half, 1))
+    rotated = lane < d
+    cos = jnp.where(rotated, jnp.cos(angle), 1.0)
+    sin = jnp.where(rotated, jnp.sin(angle), 0.0)
+    return x * cos + partner * sign * sin
 
 
 def normalise_heads(ref, heads: int, norm, pos, config: ModelConfig):
@@ -62,17 +78,22 @@ def normalise_heads(ref, heads: int, norm, pos, config: ModelConfig):
         x = ref[:, n * H:(n + 1) * H]
         if norm is not None:
             x = rms_norm(x, norm, config.rms_eps)
-        ref[:, n * H:(n + 1) * H] = rope_rows(x, pos, config.rope_theta)
+        ref[:, n * H:(n + 1) * H] = rope_rows(x, pos, config.rope_theta, config.rotary_dim)
 
 
 def prologue(ring: Ring, config: ModelConfig, *, layer, x, attn_norm, q_norm, k_norm,
-             positions_smem, batch: int, rows: int, h_vmem, q_vmem, k_vmem, v_vmem):
-    """The prologue of one layer inside a kernel; x [M, D] f32 and the norms are values,
-    h_vmem [M, D] is scratch for the normed activations."""
+             positions_smem, batch: int, rows: int, h_vmem, q_vmem, k_vmem, v_vmem,
+             gate_vmem=None):
+    """The prologue of one layer inside a kernel; x [M, D] f32 and the norms are values
+    (any norm offset already added: `mk.megakernel.prepare`), h_vmem [M, D] is scratch for
+    the normed activations; gate_vmem [M, N*H] f32 receives h @ wq_gate when the model
+    gates its attention output."""
     h_vmem[...] = rms_norm(x, attn_norm, config.rms_eps).astype(h_vmem.dtype)
     ring.matmul("wq", h_vmem, q_vmem, layer=layer)
     ring.matmul("wk", h_vmem, k_vmem, layer=layer)
     ring.matmul("wv", h_vmem, v_vmem, layer=layer)
+    if config.attn_output_gate:
+        ring.matmul("wq_gate", h_vmem, gate_vmem, layer=layer)
     pos = row_positions(positions_smem, batch, rows)
     normalise_heads(q_vmem, config.heads, q_norm, pos, config)
     normalise_heads(k_vmem, config.kv_heads, k_norm, pos, config)

@@ -80,6 +80,8 @@ def layer_buffers(config: ModelConfig, kinds: tuple[str, ...], batch: int, rows:
                Buffer("k", (M, config.kv_width), f32), Buffer("v", (M, config.kv_width), f32),
                Buffer("o", (M, config.q_width), f32), Buffer("attn_out", (M, D), f32),
                Buffer("mlp_out", (M, D), f32)]
+    if config.attn_output_gate:
+        buffers.append(Buffer("q_gate", (M, config.q_width), f32))
     if "dense" in kinds:
         buffers += [Buffer("gate", (M, config.ffn), f32), Buffer("up", (M, config.ffn), f32)]
     if "moe" in kinds:
@@ -219,11 +221,14 @@ def layer_body(ring: Ring, config: ModelConfig, kinds, s, *, step, layer, is_moe
     with phase("prologue"):
         prologue(ring, config, layer=step, x=x, attn_norm=attn_norm, q_norm=q_norm,
                  k_norm=k_norm, positions_smem=positions_smem, batch=batch, rows=rows,
-                 h_vmem=s.h, q_vmem=s.q, k_vmem=s.k, v_vmem=s.v)
+                 h_vmem=s.h, q_vmem=s.q, k_vmem=s.k, v_vmem=s.v,
+                 gate_vmem=getattr(s, "q_gate", None))
     with phase("attend"):
         attend(s.q, s.k, s.v, positions_smem, k_cache_hbm, v_cache_hbm, s.o, attention,
                layer=layer, block=block, primed=True)
     with phase("wo"):
+        if config.attn_output_gate:  # Qwen3.5: o * sigmoid(h @ wq_gate)
+            s.o[...] = s.o[...] * jax.nn.sigmoid(s.q_gate[...])
         ring.matmul("wo", s.o, s.attn_out, layer=step)
     with phase("attn_all_reduce"):
         if all_reduce is not None:  # tensor parallel: wo's rows are split, its sums partial

@@ -70,7 +70,7 @@ from mk.kernels.ring import TileStream, ring_buffers
 
 # The weight families of one step, and which ring segments and copies belong to each.
 WEIGHT_FAMILIES = {
-    "attention": ("wq", "wk", "wv", "wo"),
+    "attention": ("wq", "wk", "wv", "wq_gate", "wo"),
     "norms": ("norms", "qk_norms", "final_norm"),
     "dense_mlp": ("w_gate", "w_up", "w_down"),
     "router": ("router",),
@@ -102,12 +102,6 @@ def padded_width(width: int) -> int:
     return -(-width // LANES) * LANES
 
 
-# Fields of a config whose other values the megakernel does not build yet, with the one
-# value it builds.
-UNBUILT_DEFAULTS = {"norm_offset": 0.0, "attn_output_gate": False,
-                    "partial_rotary_factor": 1.0}
-
-
 def check_tp(config: ModelConfig, tp: int) -> int:
     """tp as an int after checking every width it splits splits evenly; raises ValueError
     naming the field."""
@@ -118,11 +112,9 @@ def check_tp(config: ModelConfig, tp: int) -> int:
     if config.is_mla or config.shared_expert_ffn or config.router_score != "softmax":
         raise ValueError(f"{config.name}: MLA, shared experts or a {config.router_score!r} "
                          "router; the megakernel does not build them yet (issue 18)")
-    unbuilt = {field: getattr(config, field) for field, built in UNBUILT_DEFAULTS.items()
-               if getattr(config, field) != built}
-    if unbuilt:  # Qwen3.5's full-attention details: the kernel would compute Qwen3's
-        raise ValueError(f"{config.name}: {unbuilt}; the megakernel builds only "
-                         f"{UNBUILT_DEFAULTS} yet (issue 17)")
+    if config.attn_output_gate and tp > 1:
+        raise ValueError(f"{config.name}: attn_output_gate with tp={tp}: sharding wq_gate is "
+                         "not built yet (issue 17); gated attention runs on tp=1")
     need = [("heads", config.heads), ("vocab", config.vocab), ("hidden", config.hidden)]
     if config.dense_layers:
         need.append(("ffn", config.ffn))
@@ -215,7 +207,8 @@ def _bytes_per_element(local: ModelConfig, dtypes=None, formats=None,
 def _weight_elements(local: ModelConfig, vocab: int, experts: float) -> dict[str, float]:
     """Elements of each weight family one device streams in a step (`shard_weight_bytes`)."""
     c, D, H = local, local.hidden, local.head_dim
-    return dict(attention=c.layers * D * (2 * c.q_width + 2 * c.kv_width),
+    gate = c.q_width if c.attn_output_gate else 0
+    return dict(attention=c.layers * D * (2 * c.q_width + 2 * c.kv_width + gate),
                 norms=c.layers * 2 * (D + H) + D,
                 dense_mlp=len(c.dense_layers) * 3 * D * c.ffn,
                 router=len(c.moe_layers) * D * c.experts,
