@@ -24,17 +24,17 @@ TOKENS = 64
 
 # CPU seconds of each plain case on this machine (interpret mode, compile included): tiny
 # 48, 67, 28, 41; tiny-moe 116, 173, 73, 92; quantised ones a few seconds more. CI
-# (`make test`) runs one of each kind, with every mk.quant scheme on the wire among them:
-# plain tiny at T = 1; tiny at T = 4 with int4 and int8, at B = 4, T = 4 with fp8 and fp4;
-# the MoE model at B = 4, T = 4 (16 rows: every expert slot in use) with int4 experts.
-# `make test-slow` runs every model x (B, T) plain and with each scheme in every family.
+# (`make test`) runs two, every mk.quant scheme on the wire between them: tiny at T = 1
+# with int4 and int8, at B = 4, T = 4 with fp8 and fp4. `make test-slow` runs every model x
+# (B, T) plain and with each scheme in every family, and one mix on the MoE model.
+# Quantised experts' tokens are also checked in CI by notebook 12's run (tiny-moe), plain
+# MoE tokens by the speculative and tensor-parallel tests.
 SLOW = pytest.mark.slow
 SHAPES = [("tiny", 1, 1), ("tiny", 4, 1), ("tiny", 1, 4), ("tiny", 4, 4),
           ("tiny-moe", 1, 1), ("tiny-moe", 4, 1), ("tiny-moe", 1, 4), ("tiny-moe", 4, 4)]
-IN_CI = (("tiny", 1, 1, None), ("tiny", 1, 4, "dense=int4 lm_head=int8"),
-         ("tiny", 4, 4, "dense=fp8 lm_head=fp4"),
-         ("tiny-moe", 4, 4, "dense=fp4 experts=int4 lm_head=fp8"))  # a tuple: xdist
-#        workers must collect the same order
+IN_CI = (("tiny", 1, 1, "dense=int4 lm_head=int8"), ("tiny", 4, 4, "dense=fp8 lm_head=fp4"))
+MIXED = (*IN_CI, ("tiny-moe", 4, 4, "dense=fp4 experts=int4 lm_head=fp8"))  # a tuple:
+#        xdist workers must collect the same order
 
 
 def _formats(name: str, spelled: str | None) -> dict:
@@ -48,8 +48,7 @@ def _formats(name: str, spelled: str | None) -> dict:
     return dict(pair.split("=") for pair in spelled.split())
 
 
-CASES = [(*shape, f) for shape in SHAPES for f in (None, *quant.SCHEMES)] + [
-    case for case in IN_CI if case[3] and "=" in case[3]]
+CASES = [(*shape, f) for shape in SHAPES for f in (None, *quant.SCHEMES)] + list(MIXED)
 
 
 @pytest.mark.parametrize("name, batch, rows, formats", [
@@ -95,8 +94,8 @@ QWEN35_ATTENTION = dict(attn_output_gate=True, partial_rotary_factor=0.25, norm_
 def test_qwen35_full_attention_decodes_the_references_tokens():
     """Qwen3.5's full-attention layers: the output gate (a wq_gate segment in the ring, o *
     sigmoid(h @ wq_gate) before wo), RoPE on the first quarter of each head, norms scaling
-    by 1 + weight. 16 tokens (T = 1) and 2 verify steps of 4 rows (race detector on) equal
-    the reference's. Control: each detail alone changes the reference's tokens, so a kernel
+    by 1 + weight. 2 verify steps of 4 rows (race detector on) predict the reference's
+    greedy tokens (the T = 1 path is the same kernel with T = 1). Control: each detail alone changes the reference's tokens, so a kernel
     that dropped one would fail here."""
     config = dataclasses.replace(mk.preset("tiny"), dtype="float32", **QWEN35_ATTENTION)
     params = mk.init_params(config)
@@ -108,9 +107,6 @@ def test_qwen35_full_attention_decodes_the_references_tokens():
         kept = {n: p for n, p in params.items() if n in other.param_shapes()}
         assert (reference.generate(other, kept, prompt, 16, max_context=128) != want).any(), \
             field
-    got = megakernel.generate(config, params, prompt, 16, backend="interpret",
-                              max_context=128, steps_per_call=15)
-    np.testing.assert_array_equal(got, want)
     block = default_block(config, 128)
     weights = megakernel.prepare(config, params, block)
     _, cache = reference.prefill(config, params, prompt[:, :-1], max_context=128)
