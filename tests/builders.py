@@ -1,5 +1,6 @@
 """Shared test inputs: tiny configs and Hugging Face checkpoint folders written without torch;
-`bar_count` reads what a text progress bar drew.
+`bar_count` reads what a text progress bar drew; `plant_double_scale` plants a wrong scale
+in a quantised weight.
 
 The HF names below are spelled out by hand, independently of `mk.checkpoint.hf_layout`, so
 a round trip through them tests the loader's mapping rather than repeating it.
@@ -7,13 +8,16 @@ a round trip through them tests the loader's mapping rather than repeating it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import save_file
 
+from mk import quant
 from mk.config import ModelConfig
 
 
@@ -230,3 +234,12 @@ def bar_count(text: str) -> tuple[int, int] | None:
     None if it drew none."""
     drawn = re.findall(r"(\d+)/(\d+) \[", text)
     return (int(drawn[-1][0]), int(drawn[-1][1])) if drawn else None
+
+
+def plant_double_scale(q: quant.QuantWeight, at: tuple[int, ...] = ()) -> quant.QuantWeight:
+    """One group's scale twice what it should be: the first group of the weight at leading
+    index `at` (e.g. (layer,) of a stacked weight; default the first of all)."""
+    scale = np.array(q.scale)
+    index = (*at, *(0,) * (scale.ndim - len(at)))
+    scale[index] = scale[index] + 1 if q.scheme == "fp4" else scale[index] * 2  # e8m0: +1
+    return dataclasses.replace(q, scale=jnp.asarray(scale))
