@@ -27,7 +27,7 @@ from mk import backend, quant, reference, tpu
 from mk.kernels import mlp
 from mk.kernels.common import BlockSizes, default_block, vmem_budget
 from mk.kernels.ring import Ring, TileStream
-from builders import plant_double_scale
+from builders import plant_double_scale, quantised_cases
 from tolerances import TOLERANCE as ALL_TOLERANCES
 
 TOLERANCE = ALL_TOLERANCES["mlp"]
@@ -88,7 +88,8 @@ def test_swiglu_matches_the_reference_for_any_batch_and_rows(batch, rows, dtype)
     assert not races
 
 
-def _quantised_swiglu_matches(scheme, dtype):
+@pytest.mark.parametrize("scheme, dtype", quantised_cases("int8"))
+def test_quantised_swiglu_streams_packed_tiles_and_matches_the_reference(scheme, dtype):
     """w_gate, w_up, w_down stored in `scheme`, multiplied in h's dtype: the reference on
     their dequantised values; the same check fails on a planted 2x scale in one group of
     w_down's layer 1 (the row the kernel streams)."""
@@ -108,19 +109,6 @@ def _quantised_swiglu_matches(scheme, dtype):
     matches(qparams)
     with pytest.raises(AssertionError, match="Mismatched elements"):
         matches(dict(qparams, w_down=plant_double_scale(qparams["w_down"], at=(1,))))
-
-
-def test_quantised_swiglu_streams_packed_tiles_and_matches_the_reference():
-    """int8, float32 compute (kernel and reference multiply the same dequantised values);
-    the slow test adds every scheme, and bf16."""
-    _quantised_swiglu_matches("int8", "float32")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("scheme", quant.SCHEMES)
-def test_quantised_swiglu_matches_the_reference_in_every_scheme(scheme, dtype):
-    _quantised_swiglu_matches(scheme, dtype)
 
 
 # -- MoE -------------------------------------------------------------------------------------
@@ -156,7 +144,8 @@ def test_moe_matches_the_reference_for_any_batch_rows_and_top_k(batch, rows, top
     assert not races
 
 
-def _quantised_moe_matches(scheme, dtype):
+@pytest.mark.parametrize("scheme, dtype", quantised_cases("fp4"))
+def test_quantised_experts_stream_packed_tiles_and_match_the_reference(scheme, dtype):
     """The experts stored in `scheme` (the router plain), multiplied in h's dtype: the
     reference on their dequantised values, each selected expert loaded once; the same check
     fails on a planted 2x scale in one group of an expert row 0 selected."""
@@ -179,18 +168,6 @@ def _quantised_moe_matches(scheme, dtype):
     planted = plant_double_scale(qparams["we_down"], at=(1, int(experts[0, 0])))
     with pytest.raises(AssertionError, match="Mismatched elements"):
         matches(dict(qparams, we_down=planted))
-
-
-def test_quantised_experts_stream_packed_tiles_and_match_the_reference():
-    """fp4, float32 compute; the slow test adds every scheme, and bf16."""
-    _quantised_moe_matches("fp4", "float32")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("scheme", quant.SCHEMES)
-def test_quantised_experts_match_the_reference_in_every_scheme(scheme, dtype):
-    _quantised_moe_matches(scheme, dtype)
 
 
 def test_only_the_selected_experts_are_loaded():

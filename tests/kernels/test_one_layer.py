@@ -21,7 +21,7 @@ from mk import backend, quant, reference, tpu
 from mk.kernels.common import vmem_budget
 from mk.kernels.one_layer import one_layer, one_layer_buffers
 from mk.kernels.plan import default_block
-from builders import plant_double_scale
+from builders import plant_double_scale, quantised_cases
 from tolerances import ROUTER_TIE, TOLERANCE as ALL_TOLERANCES
 
 TOLERANCE = ALL_TOLERANCES["layer"]
@@ -144,7 +144,11 @@ def test_float32_layer_matches_the_reference_tightly():
     _check(config, mk.init_params(config), 1, batch=2, rows=1, positions=[5, 128])
 
 
-def _quantised_layer_matches(name, layer, scheme, dtype):
+@pytest.mark.parametrize("scheme, dtype", quantised_cases("int4"))
+@pytest.mark.parametrize("name, layer", [pytest.param("tiny", 1, marks=pytest.mark.slow),
+                                         ("tiny-moe", 2)])
+def test_quantised_layer_streams_packed_tiles_and_matches_the_reference(name, layer, scheme,
+                                                                         dtype):
     """Every weight family of the layer stored in `scheme` (the router plain): the
     reference on the dequantised values; the same check fails on a planted 2x scale in one
     group of this layer's wo."""
@@ -154,20 +158,6 @@ def _quantised_layer_matches(name, layer, scheme, dtype):
     matches = _check(config, qparams, layer, batch=1, rows=2, positions=[130])
     with pytest.raises(AssertionError, match="Mismatched elements"):
         matches(dict(qparams, wo=plant_double_scale(qparams["wo"], at=(layer,))))
-
-
-def test_quantised_moe_layer_streams_packed_tiles_and_matches_the_reference():
-    """int4 attention and experts, float32 compute (the kernel and the reference multiply
-    the same dequantised values); the slow test adds every scheme, dense layers and bf16."""
-    _quantised_layer_matches("tiny-moe", 2, "int4", "float32")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("name, layer", [("tiny", 1), ("tiny-moe", 1)])
-@pytest.mark.parametrize("scheme", quant.SCHEMES)
-def test_quantised_layers_match_the_reference_in_every_scheme(scheme, name, layer, dtype):
-    _quantised_layer_matches(name, layer, scheme, dtype)
 
 
 @settings(max_examples=2, deadline=None)
