@@ -1,8 +1,8 @@
 """Stage 04: dense SwiGLU and the MoE block against mk.reference.swiglu / moe, race-free,
-with plain or quantised (packed) weights; only the selected experts are loaded; router ties go to the lower expert id; the MoE body
-runs inside a bigger stream over layers; a planted ring bug in the expert slots is caught;
-both kernels compile for TPUs at real shapes; the VMEM budget and the compiler both refuse
-an oversized ring.
+with plain or quantised (packed) weights; only the selected experts are loaded; router ties
+go to the lower expert id; the MoE body runs inside a bigger stream over layers; a planted
+ring bug in the expert slots is caught; both kernels compile for TPUs at real shapes; the
+VMEM budget and the compiler both refuse an oversized ring.
 
 Interpret mode checks numerics, DMA/semaphore pairing and races; it says nothing about
 time or the scoped VMEM limit, and its uninitialised memory is NaN (so a read of a tile

@@ -211,17 +211,23 @@ def test_bad_inputs_are_named():
         one_layer(config, params, x, k, v, jnp.array([0]), layer=2)
 
 
-@pytest.mark.parametrize("chip", ["v5e", "v6e", "tpu7x"])
-@pytest.mark.parametrize("name", ["qwen3-8b", "qwen3-30b-a3b"])
-def test_compiles_for_tpu_at_real_shapes(name, chip):
+@pytest.mark.parametrize("name, chip, formats", [
+    *(pytest.param(name, chip, {}, id=f"{name}-{chip}") for name in ("qwen3-8b", "qwen3-30b-a3b")
+      for chip in ("v5e", "v6e", "tpu7x")),
+    pytest.param("qwen3-30b-a3b", "v5e", {"dense": "int8", "experts": "fp4"},
+                 id="qwen3-30b-a3b-v5e-int8-dense-fp4-experts")])  # packed tiles lower too
+def test_compiles_for_tpu_at_real_shapes(name, chip, formats):
     config = mk.preset(name).first_layers(2)
     B, T, S = 8, 1, 4096
     block = default_block(config, 256)
     params = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in config.param_shapes().items()}
+    params |= {n: quant.abstract_weight(params[n].shape, scheme)
+               for family, scheme in formats.items() for n in quant.FAMILIES[family]
+               if n in params}
     cache = jax.ShapeDtypeStruct((2, B, config.kv_heads, S, config.head_dim), config.dtype)
     kind = config.mlp_index(1)[0]
-    budget = vmem_budget("one_layer", one_layer_buffers(config, (kind,), B, T, block),
-                         mk.chip(chip))
+    budget = vmem_budget("one_layer", one_layer_buffers(config, (kind,), B, T, block,
+                                                        formats), mk.chip(chip))
     report = tpu.compile_for_chip(
         lambda p, x, k, v, pos: one_layer(config, p, x, k, v, pos, layer=1, block=block),
         [params, jax.ShapeDtypeStruct((B, T, config.hidden), jnp.float32), cache, cache,
