@@ -246,10 +246,10 @@ def quantised_cases(fast: str) -> list:
             for scheme in quant.SCHEMES for dtype in ("float32", "bfloat16")]
 
 
-def plant_double_scale(q: quant.QuantWeight, at: tuple[int, ...] = ()) -> quant.QuantWeight:
-    """One group's scale twice what it should be: the first group of the weight at leading
-    index `at` (e.g. (layer,) of a stacked weight; default the first of all)."""
+def plant_double_scale(q: quant.QuantWeight, at: tuple[int, ...] | None = None
+                       ) -> quant.QuantWeight:
+    """The scales q.scale[at] twice what they should be (default: one group's, the first)."""
     scale = np.array(q.scale)
-    index = (*at, *(0,) * (scale.ndim - len(at)))
-    scale[index] = scale[index] + 1 if q.scheme == "fp4" else scale[index] * 2  # e8m0: +1
+    at = (0,) * scale.ndim if at is None else at
+    scale[at] = scale[at] + 1 if q.scheme == "fp4" else scale[at] * 2  # e8m0: +1
     return dataclasses.replace(q, scale=jnp.asarray(scale))

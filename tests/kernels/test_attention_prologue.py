@@ -59,7 +59,7 @@ def test_quantised_weights_stream_packed_and_match_the_reference(scheme, dtype):
     qparams = mk.quantize(config, mk.init_params(config), dense=scheme)
     matches = _check(config, qparams, batch=2, rows=2, positions=[3, 130], layer=1)
     with pytest.raises(AssertionError, match="Mismatched elements"):
-        matches(dict(qparams, wk=plant_double_scale(qparams["wk"], at=(1,))))
+        matches(dict(qparams, wk=plant_double_scale(qparams["wk"], at=(1, 0, 0))))
 
 
 def test_without_qk_norm_matches_the_reference():

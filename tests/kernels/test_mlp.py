@@ -108,7 +108,7 @@ def test_quantised_swiglu_streams_packed_tiles_and_matches_the_reference(scheme,
 
     matches(qparams)
     with pytest.raises(AssertionError, match="Mismatched elements"):
-        matches(dict(qparams, w_down=plant_double_scale(qparams["w_down"], at=(1,))))
+        matches(dict(qparams, w_down=plant_double_scale(qparams["w_down"], at=(1, 0, 0))))
 
 
 # -- MoE -------------------------------------------------------------------------------------
@@ -165,7 +165,7 @@ def test_quantised_experts_stream_packed_tiles_and_match_the_reference(scheme, d
     matches(qparams)
     _, experts = reference.route(h, params["router"][1], config.experts_per_token,
                                  config.norm_topk)
-    planted = plant_double_scale(qparams["we_down"], at=(1, int(experts[0, 0])))
+    planted = plant_double_scale(qparams["we_down"], at=(1, int(experts[0, 0]), 0, 0))
     with pytest.raises(AssertionError, match="Mismatched elements"):
         matches(dict(qparams, we_down=planted))
 

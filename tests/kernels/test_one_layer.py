@@ -150,14 +150,15 @@ def test_float32_layer_matches_the_reference_tightly():
 def test_quantised_layer_streams_packed_tiles_and_matches_the_reference(name, layer, scheme,
                                                                          dtype):
     """Every weight family of the layer stored in `scheme` (the router plain): the
-    reference on the dequantised values; the same check fails on a planted 2x scale in one
-    group of this layer's wo."""
+    reference on the dequantised values; the same check fails on planted 2x scales in this
+    layer's wo: its first row of groups (in bf16 one int4 group moves x less than the
+    tolerance)."""
     config = dataclasses.replace(mk.preset(name), dtype=dtype)
     qparams = mk.quantize(config, mk.init_params(config), dense=scheme,
                           experts=scheme if config.is_moe else None)
     matches = _check(config, qparams, layer, batch=1, rows=2, positions=[130])
     with pytest.raises(AssertionError, match="Mismatched elements"):
-        matches(dict(qparams, wo=plant_double_scale(qparams["wo"], at=(layer,))))
+        matches(dict(qparams, wo=plant_double_scale(qparams["wo"], at=(layer, 0))))
 
 
 @settings(max_examples=2, deadline=None)
