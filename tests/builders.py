@@ -1,5 +1,6 @@
 """Shared test inputs: tiny configs and Hugging Face checkpoint folders written without torch;
-`bar_count` reads what a text progress bar drew.
+`bar_count` reads what a text progress bar drew; `quantised_cases` and `plant_double_scale`
+for the tests of kernels on quantised weights.
 
 The HF names below are spelled out by hand, independently of `mk.checkpoint.hf_layout`, so
 a round trip through them tests the loader's mapping rather than repeating it.
@@ -7,13 +8,17 @@ a round trip through them tests the loader's mapping rather than repeating it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
+import pytest
 from safetensors.numpy import save_file
 
+from mk import quant
 from mk.config import ModelConfig
 
 
@@ -230,3 +235,21 @@ def bar_count(text: str) -> tuple[int, int] | None:
     None if it drew none."""
     drawn = re.findall(r"(\d+)/(\d+) \[", text)
     return (int(drawn[-1][0]), int(drawn[-1][1])) if drawn else None
+
+
+def quantised_cases(fast: str) -> list:
+    """(scheme, dtype) of every mk.quant scheme in float32 and bfloat16: `fast` in float32
+    in the default run (kernel and reference multiply the same dequantised values, so
+    they differ by summation order only), the others `slow`."""
+    return [pytest.param(scheme, dtype, marks=() if (scheme, dtype) == (fast, "float32")
+                         else pytest.mark.slow)
+            for scheme in quant.SCHEMES for dtype in ("float32", "bfloat16")]
+
+
+def plant_double_scale(q: quant.QuantWeight, at: tuple[int, ...] | None = None
+                       ) -> quant.QuantWeight:
+    """The scales q.scale[at] twice what they should be (default: one group's, the first)."""
+    scale = np.array(q.scale)
+    at = (0,) * scale.ndim if at is None else at
+    scale[at] = scale[at] + 1 if q.scheme == "fp4" else scale[at] * 2  # e8m0: +1
+    return dataclasses.replace(q, scale=jnp.asarray(scale))

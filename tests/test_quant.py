@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from builders import build_hf_model, hf_config_dict, hf_tensors, write_hf_folder
+from builders import (build_hf_model, hf_config_dict, hf_tensors, plant_double_scale,
+                      write_hf_folder)
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -85,14 +86,6 @@ def test_requantising_the_dequantised_weight_gives_the_same_codes(scheme):
 
 
 # -- Checks -----------------------------------------------------------------------------
-def plant_double_scale(q: quant.QuantWeight) -> quant.QuantWeight:
-    """One group's scale (the first) twice what it should be."""
-    scale = np.array(q.scale)
-    index = (0,) * scale.ndim
-    scale[index] = scale[index] + 1 if q.scheme == "fp4" else scale[index] * 2  # e8m0: +1
-    return dataclasses.replace(q, scale=jnp.asarray(scale))
-
-
 @pytest.mark.parametrize("scheme", quant.SCHEMES)
 def test_every_element_within_its_bound_and_a_planted_2x_scale_is_caught(scheme):
     config, params = TINY_MOE, mk.init_params(TINY_MOE)

@@ -13,13 +13,15 @@ d/2 (two rolls and a select when d < H) times a sign vector, and cos/sin are com
 from the row positions; no table is read from HBM.
 
 Here: `prologue` (the in-kernel body the fused layer and the megakernel call), its stream
-segments, and the stage wrapper `attention_prologue`. Not here: attention itself
-(`decode_attention`).
+segments, and the stage wrapper `attention_prologue`, whose wq, wk, wv may be stored
+quantised (`mk.quant.QuantWeight`s: packed tiles streamed, dequantised in VMEM). Not here:
+attention itself (`decode_attention`).
 """
 
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -27,9 +29,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from mk import quant
 from mk.config import MAX_ROWS, ModelConfig
 from mk.kernels.common import BlockSizes, Buffer, default_block
-from mk.kernels.ring import Ring, TileStream
+from mk.kernels.ring import Ring, TileStream, ring_buffers
+from mk.kernels.weight_streaming import ring_weights, weight_stream
 from mk.reference import rms_norm
 
 
@@ -114,15 +118,21 @@ def check_layer_inputs(config: ModelConfig, x, positions, layer) -> tuple[int, i
     return B, T, D
 
 
-def attention_prologue_buffers(config: ModelConfig, M: int, block: BlockSizes) -> list[Buffer]:
-    """Every VMEM buffer of the stage-02 kernel (scratch and VMEM operands)."""
+def attention_prologue_buffers(config: ModelConfig, M: int, block: BlockSizes,
+                               formats=None) -> list[Buffer]:
+    """Every VMEM buffer of the stage-02 kernel (the budget and the scratch come from
+    here); formats: {family: mk.quant scheme} of quantised weights (the ring's slots)."""
     D, dt = config.hidden, config.dtype
-    return [Buffer("x", (M, D), "float32"),
+    return [Buffer("x", (M, D), "float32", "operand"),
             Buffer("h", (M, D), dt),
-            Buffer("q", (M, config.q_width), "float32"),
-            Buffer("k", (M, config.kv_width), "float32"),
-            Buffer("v", (M, config.kv_width), "float32"),
-            Buffer("ring", (block.slots, block.tile_k, block.tile_n), dt)]
+            Buffer("q", (M, config.q_width), "float32", "operand"),
+            Buffer("k", (M, config.kv_width), "float32", "operand"),
+            Buffer("v", (M, config.kv_width), "float32", "operand"),
+            *ring_buffers(_stream(config, block, formats), dt)]
+
+
+def _stream(config: ModelConfig, block: BlockSizes, formats) -> TileStream:
+    return weight_stream(block, prologue_matrices(config), formats)
 
 
 def attention_prologue_kernel(
@@ -132,7 +142,7 @@ def attention_prologue_kernel(
     attn_norm_vmem,  # [1, D]
     q_norm_vmem,  # [1, H]
     k_norm_vmem,  # [1, H]
-    wq_hbm,  # [D, N*H]
+    wq_hbm,  # [D, N*H] config dtype, or an mk.quant.QuantWeight (tile-major scales)
     wk_hbm,  # [D, K*H]
     wv_hbm,  # [D, K*H]
     # Outputs
@@ -140,8 +150,8 @@ def attention_prologue_kernel(
     k_vmem,  # [M, K*H] f32
     v_vmem,  # [M, K*H] f32
     # Scratch
-    h_vmem,  # [M, D] weight dtype: the normed activations
-    ring_vmem,  # [slots, tile_k, tile_n]
+    scratch,  # {name: ref} (`attention_prologue_buffers`): h [M, D] config dtype, the
+    #           normed activations; the ring's slots (`mk.kernels.ring.ring_buffers`)
     sems,  # DMA [slots]
     *,
     config: ModelConfig,
@@ -151,13 +161,14 @@ def attention_prologue_kernel(
 ):
     fetch = {"wq": lambda layer: (wq_hbm, None), "wk": lambda layer: (wk_hbm, None),
              "wv": lambda layer: (wv_hbm, None)}
-    ring = Ring(stream, fetch, ring_vmem, sems)
+    s = SimpleNamespace(**scratch)
+    ring = Ring.in_scratch(stream, fetch, s, sems, config.dtype)
     ring.prime()
     qk = config.qk_norm
     prologue(ring, config, layer=0, x=x_vmem[...], attn_norm=attn_norm_vmem[...],
              q_norm=q_norm_vmem[...] if qk else None, k_norm=k_norm_vmem[...] if qk else None,
              positions_smem=positions_smem, batch=batch, rows=rows,
-             h_vmem=h_vmem, q_vmem=q_vmem, k_vmem=k_vmem, v_vmem=v_vmem)
+             h_vmem=s.h, q_vmem=q_vmem, k_vmem=k_vmem, v_vmem=v_vmem)
 
 
 def attention_prologue(config: ModelConfig, params, x, positions, *, layer: int = 0,
@@ -165,33 +176,38 @@ def attention_prologue(config: ModelConfig, params, x, positions, *, layer: int 
     """Layer `layer`'s q [B, T, N, H], k, v [B, T, K, H] (float32; q, k normed and roped).
 
     x [B, T, D] is the residual stream; positions [B] where each sequence's row 0 sits.
+    params' wq, wk, wv: config.dtype arrays, or `mk.quant.QuantWeight`s of one scheme
+    (`mk.quant.quantize`), streamed packed and dequantised in VMEM to config.dtype.
     """
     B, T, D = check_layer_inputs(config, x, positions, layer)
     M = B * T
     block = block or default_block(config.hidden, config.q_width, config.kv_width)
-    stream = TileStream.build(block, prologue_matrices(config))
-    buffers = {b.name: b for b in attention_prologue_buffers(config, M, block)}
+    weights = {n: jax.tree.map(lambda w: w[layer], params[n]) for n in ("wq", "wk", "wv")}
+    formats = quant.formats_of(weights)
+    stream = _stream(config, block, formats)
+    weights, weight_specs = ring_weights(weights, block)
+    buffers = attention_prologue_buffers(config, M, block, formats)
     H = config.head_dim
     ones = jnp.ones((1, H), jnp.float32)
     norm = (lambda name: params[name][layer][None]) if config.qk_norm else (lambda _: ones)
-    vmem, smem, hbm = (pl.BlockSpec(memory_space=s) for s in (pltpu.VMEM, pltpu.SMEM, pl.ANY))
+    vmem, smem = (pl.BlockSpec(memory_space=s) for s in (pltpu.VMEM, pltpu.SMEM))
     q, k, v = pl.pallas_call(
         functools.partial(attention_prologue_kernel, config=config, stream=stream,
                           batch=B, rows=T),
         out_shape=[jax.ShapeDtypeStruct((M, w), jnp.float32)
                    for w in (config.q_width, config.kv_width, config.kv_width)],
-        in_specs=[smem, vmem, vmem, vmem, vmem, hbm, hbm, hbm],
+        in_specs=[smem, vmem, vmem, vmem, vmem, *weight_specs.values()],
         out_specs=[vmem, vmem, vmem],
-        scratch_shapes=[pltpu.VMEM(buffers[n].shape, buffers[n].dtype) for n in ("h", "ring")]
-        + [pltpu.SemaphoreType.DMA((block.slots,))],
+        scratch_shapes=[{b.name: pltpu.VMEM(b.shape, b.dtype) for b in buffers
+                         if b.group != "operand"},
+                        pltpu.SemaphoreType.DMA((block.slots,))],
         name="mk_attention_prologue",
         cost_estimate=pl.CostEstimate(
             flops=2 * M * D * (config.q_width + 2 * config.kv_width),
             transcendentals=2 * M * (config.q_width + config.kv_width),
-            bytes_accessed=D * (config.q_width + 2 * config.kv_width)
-            * jnp.dtype(config.dtype).itemsize),
+            bytes_accessed=sum(a.nbytes for a in jax.tree.leaves(weights))),
     )(positions.astype(jnp.int32), x.reshape(M, D).astype(jnp.float32),
       params["attn_norm"][layer][None], norm("q_norm"), norm("k_norm"),
-      params["wq"][layer], params["wk"][layer], params["wv"][layer])
+      *weights.values())
     N, K = config.heads, config.kv_heads
     return q.reshape(B, T, N, H), k.reshape(B, T, K, H), v.reshape(B, T, K, H)

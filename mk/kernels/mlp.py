@@ -34,15 +34,21 @@ The router weight [D, E] does not go through the ring (E need not be a multiple 
 lanes): the kernel copies it into its own small VMEM buffer, which a fused kernel can start
 long before the router runs.
 
+The streamed weights (gate, up, down; the experts') may be stored quantised
+(`mk.quant.QuantWeight`s, one scheme for the three): the ring streams their packed tiles
+and scales and dequantises each tile in VMEM to h's dtype, the compute dtype. The router
+stays unquantised (mk.quant keeps it in config.dtype: its top-k flips on a small error).
+
 Here: the bodies (`swiglu_body`, `moe_body` and its steps `route_body`, `select_experts`,
 `experts_body`), their stream segments and Fetch callables, the buffer lists, and the
 stage wrappers `swiglu` / `moe`. Not here: the norm before the MLP and the residual add (the
-layer kernel), shared experts, expert capacity limits, quantised experts.
+layer kernel), shared experts, expert capacity limits.
 """
 
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -51,10 +57,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from mk import quant
 from mk.config import COMPUTE_DTYPES, MAX_ROWS
 from mk.kernels.common import (BlockSizes, Buffer, default_block, start_dma, vmem_limit_bytes,
                                vmem_scratch)
-from mk.kernels.ring import Repeat, Ring, TileStream
+from mk.kernels.ring import Repeat, Ring, TileStream, ring_buffers
+from mk.kernels.weight_streaming import ring_weights, weight_stream
 
 
 
@@ -86,60 +94,86 @@ def swiglu_body(ring: Ring, layer, x, gate_vmem, up_vmem, out_ref):
 
 
 def swiglu_buffers(M: int, D: int, F: int, dtype, block: BlockSizes,
-                   x_dtype="float32") -> list[Buffer]:
-    """Every VMEM buffer of `swiglu` (the budget and the scratch come from here)."""
-    return _stage_buffers(M, D, dtype, block, x_dtype) + [
+                   x_dtype="float32", formats=None) -> list[Buffer]:
+    """Every VMEM buffer of `swiglu` (the budget and the scratch come from here); formats:
+    {family: mk.quant scheme} of quantised weights (the ring's packed slots)."""
+    stream = weight_stream(block, swiglu_segments(D, F), formats)
+    return _stage_buffers(M, D, dtype, stream, x_dtype) + [
         Buffer("gate", (M, F), "float32"), Buffer("up", (M, F), "float32")]
 
 
-def _stage_buffers(M: int, D: int, dtype, block: BlockSizes, x_dtype) -> list[Buffer]:
-    """The operands h and out and the ring of a standalone MLP kernel."""
+def _stage_buffers(M: int, D: int, dtype, stream: TileStream, x_dtype) -> list[Buffer]:
+    """The operands h and out and the ring's slots of a standalone MLP kernel; dtype: the
+    plain weights' (a stream of quantised weights has no plain slots)."""
     return [Buffer("h", (M, D), str(jnp.dtype(x_dtype)), "operand"),
             Buffer("out", (M, D), "float32", "operand"),
-            Buffer("ring", (block.slots, block.tile_k, block.tile_n), str(jnp.dtype(dtype)))]
+            *ring_buffers(stream, str(jnp.dtype(dtype)))]
+
+
+def _ring(stream: TileStream, fetch: dict, ring_vmem: dict, sems, dtype) -> Ring:
+    """The ring of a stage kernel whose slots came by their `vmem_scratch` names
+    (`ring_buffers`' names + "_vmem"), multiplying in `dtype`."""
+    slots = {name.removesuffix("_vmem"): ref for name, ref in ring_vmem.items()}
+    return Ring.in_scratch(stream, fetch, SimpleNamespace(**slots), sems, dtype)
 
 
 def swiglu_kernel(
     # Inputs
     layer_smem,  # [1] int32: the stacked weight row
     h_vmem,  # [M, D]
-    w_gate_hbm,  # [Ld, D, F] weight dtype, left in HBM
+    w_gate_hbm,  # [Ld, D, F] weight dtype or mk.quant.QuantWeight (tile-major), in HBM
     w_up_hbm,  # [Ld, D, F]
     w_down_hbm,  # [Ld, F, D]
     # Outputs
     out_vmem,  # [M, D] f32
     *,
     stream: TileStream,
+    dtype,  # the compute dtype
     # Scratch (`vmem_scratch` of `swiglu_buffers`, by name)
-    ring_vmem,  # [slots, tile_k, tile_n] weight dtype
     sems,  # DMA semaphores [slots]
     gate_vmem,  # [M, F] f32
     up_vmem,  # [M, F] f32
+    **ring_vmem,  # the ring's slots: ring_vmem [slots, tile_k, tile_n] weight dtype, or
+    #               ring_<scheme>_vmem and ring_<scheme>_scales_vmem (`ring_buffers`)
 ):
     row = layer_smem[0]
     fetch = swiglu_fetch(w_gate_hbm, w_up_hbm, w_down_hbm, lambda layer: row)
-    ring = Ring(stream, fetch, ring_vmem, sems)
+    ring = _ring(stream, fetch, ring_vmem, sems, dtype)
     ring.prime()
     swiglu_body(ring, 0, h_vmem, gate_vmem, up_vmem, out_vmem)
 
 
 def _stacked(w, ndim, name):
-    if w.ndim == ndim:
-        return w[None]
-    if w.ndim != ndim + 1:
+    """w (an array or a QuantWeight) with a leading layer axis."""
+    if len(w.shape) == ndim:
+        return jax.tree.map(lambda a: a[None], w)
+    if len(w.shape) != ndim + 1:
         raise ValueError(f"{name} has shape {w.shape}: expected {ndim} dims, or {ndim + 1} "
                          "with a leading layer axis")
     return w
 
 
-def _check_rows_and_dtype(h, weights):
+def _check_rows_and_dtype(h, weights, streamed) -> tuple[dict, jnp.dtype]:
+    """(formats, compute dtype) of an MLP stage: the `streamed` weights (names) are plain
+    (of one dtype with the other weights, one of COMPUTE_DTYPES: the compute dtype) or
+    quantised in one format (`mk.quant.formats_of`; then the compute dtype is h's)."""
     M = h.shape[0]
     if h.ndim != 2 or not 1 <= M <= MAX_ROWS:
         raise ValueError(f"h shape {h.shape} must be [M, D] with M in [1, {MAX_ROWS}]")
-    dtypes = {name: str(w.dtype) for name, w in weights.items()}
-    if len(set(dtypes.values())) != 1 or next(iter(dtypes.values())) not in COMPUTE_DTYPES:
+    for name, w in weights.items():
+        if isinstance(w, quant.QuantWeight) and name not in streamed:
+            raise ValueError(f"{name} is a {w.scheme} QuantWeight: only {streamed} may be "
+                             "quantised (mk.quant keeps it in config.dtype)")
+    formats = quant.formats_of({n: weights[n] for n in streamed})
+    dtypes = {name: str(w.dtype) for name, w in weights.items()
+              if not isinstance(w, quant.QuantWeight)}
+    if formats and str(h.dtype) not in COMPUTE_DTYPES:
+        raise ValueError(f"h dtype {h.dtype}: quantised weights are dequantised to h's "
+                         f"dtype, which must be one of {COMPUTE_DTYPES}")
+    if len(set(dtypes.values())) > 1 or not set(dtypes.values()) <= set(COMPUTE_DTYPES):
         raise ValueError(f"weight dtypes {dtypes} must be one and the same of "
                          f"{COMPUTE_DTYPES}")
+    return formats, h.dtype if formats else jnp.dtype(next(iter(dtypes.values())))
 
 
 def _check_layer(layer, rows):
@@ -155,27 +189,30 @@ def swiglu(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, 
     """down(silu(h @ gate) * (h @ up)): h [M, D] -> [M, D] float32.
 
     w_gate, w_up [D, F] and w_down [F, D], or stacked [Ld, D, F] / [Ld, F, D] with `layer`
-    (an int or a traced int32) picking the row; the weights stay in HBM.
+    (an int or a traced int32) picking the row; the weights stay in HBM. They are arrays
+    (multiplied in their dtype) or `mk.quant.QuantWeight`s of one scheme (multiplied in
+    h's dtype).
     """
     w_gate, w_up = _stacked(w_gate, 2, "w_gate"), _stacked(w_up, 2, "w_up")
     w_down = _stacked(w_down, 2, "w_down")
     Ld, D, F = w_gate.shape
-    _check_rows_and_dtype(h, dict(w_gate=w_gate, w_up=w_up, w_down=w_down))
+    weights = dict(w_gate=w_gate, w_up=w_up, w_down=w_down)
+    formats, dtype = _check_rows_and_dtype(h, weights, tuple(weights))
     M = h.shape[0]
     if h.shape[1] != D or w_up.shape != (Ld, D, F) or w_down.shape != (Ld, F, D):
         raise ValueError(f"h {h.shape}, w_gate {w_gate.shape}, w_up {w_up.shape}, w_down "
                          f"{w_down.shape} must be [M, D], [Ld, D, F], [Ld, D, F], [Ld, F, D]")
     layer_row = _check_layer(layer, Ld)
     block = block or default_block(D, F)
-    stream = TileStream.build(block, swiglu_segments(D, F))
-    buffers = swiglu_buffers(M, D, F, w_gate.dtype, block, h.dtype)
-    wbytes = 3 * D * F * w_gate.dtype.itemsize
+    stream = weight_stream(block, swiglu_segments(D, F), formats)
+    weights, specs = ring_weights(weights, block)
+    buffers = swiglu_buffers(M, D, F, dtype, block, h.dtype, formats)
+    wbytes = sum(a.nbytes for a in jax.tree.leaves(weights)) // Ld
     return pl.pallas_call(
-        functools.partial(swiglu_kernel, stream=stream),
+        functools.partial(swiglu_kernel, stream=stream, dtype=dtype),
         out_shape=jax.ShapeDtypeStruct((M, D), jnp.float32),
         in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
-                  pl.BlockSpec(memory_space=pltpu.VMEM)]
-                 + [pl.BlockSpec(memory_space=pl.ANY)] * 3,
+                  pl.BlockSpec(memory_space=pltpu.VMEM), *specs.values()],
         out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
         scratch_shapes=vmem_scratch(buffers) | {"sems": pltpu.SemaphoreType.DMA((block.slots,))},
         compiler_params=pltpu.CompilerParams(vmem_limit_bytes=vmem_limit_bytes(buffers)),
@@ -183,7 +220,7 @@ def swiglu(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, 
         cost_estimate=pl.CostEstimate(
             flops=2 * M * 3 * D * F, transcendentals=M * F,
             bytes_accessed=wbytes + h.size * h.dtype.itemsize + M * D * 4),
-    )(layer_row, h, w_gate, w_up, w_down)
+    )(layer_row, h, *weights.values())
 
 
 # -- Mixture of experts --------------------------------------------------------------------
@@ -310,9 +347,12 @@ def moe_body(ring: Ring, layer, x, router_vmem, combine_vmem, selected_vmem, sel
 
 
 def moe_buffers(M: int, D: int, E: int, Fe: int, dtype, block: BlockSizes,
-                x_dtype="float32") -> list[Buffer]:
-    """Every VMEM buffer of `moe` (the budget and the scratch come from here)."""
-    return _stage_buffers(M, D, dtype, block, x_dtype) + [
+                x_dtype="float32", formats=None) -> list[Buffer]:
+    """Every VMEM buffer of `moe` (the budget and the scratch come from here); dtype: the
+    router's (and plain experts'); formats: {family: mk.quant scheme} of quantised weights
+    (the ring's packed slots)."""
+    stream = weight_stream(block, moe_segments(D, Fe, 1), formats)  # slots: any number
+    return _stage_buffers(M, D, dtype, stream, x_dtype) + [
         Buffer("router", (D, E), str(jnp.dtype(dtype))), Buffer("combine", (M, E), "float32"),
         Buffer("selected", (1, E), "int32"), Buffer("gate", (M, Fe), "float32"),
         Buffer("up", (M, Fe), "float32"), Buffer("down", (M, D), "float32")]
@@ -322,8 +362,8 @@ def moe_kernel(
     # Inputs
     layer_smem,  # [1] int32: the stacked weight row
     h_vmem,  # [M, D]
-    router_hbm,  # [Lm, D, E] weight dtype, left in HBM
-    we_gate_hbm,  # [Lm, E, D, Fe]
+    router_hbm,  # [Lm, D, E] router dtype, left in HBM
+    we_gate_hbm,  # [Lm, E, D, Fe] weight dtype or mk.quant.QuantWeight (tile-major)
     we_up_hbm,  # [Lm, E, D, Fe]
     we_down_hbm,  # [Lm, E, Fe, D]
     # Outputs
@@ -331,12 +371,12 @@ def moe_kernel(
     loaded_smem,  # [1] int32: distinct experts loaded
     *,
     stream: TileStream,
+    dtype,  # the experts' compute dtype
     top_k: int,
     renormalise: bool,
     # Scratch (`vmem_scratch` of `moe_buffers`, by name, and the semaphores and scalars)
-    ring_vmem,  # [slots, tile_k, tile_n] weight dtype
     sems,  # DMA semaphores [slots]
-    router_vmem,  # [D, E] weight dtype
+    router_vmem,  # [D, E] router dtype
     combine_vmem,  # [M, E] f32
     selected_vmem,  # [1, E] int32
     gate_vmem,  # [M, Fe] f32
@@ -346,6 +386,7 @@ def moe_kernel(
     selected_smem,  # [1, E] int32
     ids_smem,  # [expert slots] int32
     count_smem,  # [1] int32
+    **ring_vmem,  # the ring's slots (as `swiglu_kernel`'s)
 ):
     row = layer_smem[0]
     router = pltpu.make_async_copy(router_hbm.at[row], router_vmem, small_sems.at[0])
@@ -354,7 +395,7 @@ def moe_kernel(
     out_vmem[...] = jnp.zeros_like(out_vmem)
     fetch = moe_fetch(we_gate_hbm, we_up_hbm, we_down_hbm, lambda layer: row, ids_smem,
                       count_smem)
-    ring = Ring(stream, fetch, ring_vmem, sems)
+    ring = _ring(stream, fetch, ring_vmem, sems, dtype)
     router.wait()
     loaded_smem[0] = moe_body(
         ring, 0, h_vmem, router_vmem, combine_vmem, selected_vmem, selected_smem,
@@ -369,13 +410,15 @@ def moe(h: jax.Array, router: jax.Array, we_gate: jax.Array, we_up: jax.Array,
 
     router [D, E]; we_gate, we_up [E, D, Fe]; we_down [E, Fe, D]; or each stacked on a
     leading layer axis with `layer` picking the row. Only the selected experts are read.
+    The experts are arrays (of the router's dtype) or `mk.quant.QuantWeight`s of one
+    scheme (multiplied in h's dtype); the router is an array.
     With `return_loaded`, also returns the number of distinct experts loaded ([1] int32).
     """
     router, we_gate = _stacked(router, 2, "router"), _stacked(we_gate, 3, "we_gate")
     we_up, we_down = _stacked(we_up, 3, "we_up"), _stacked(we_down, 3, "we_down")
     Lm, E, D, Fe = we_gate.shape
-    _check_rows_and_dtype(h, dict(router=router, we_gate=we_gate, we_up=we_up,
-                                  we_down=we_down))
+    experts = dict(we_gate=we_gate, we_up=we_up, we_down=we_down)
+    formats, dtype = _check_rows_and_dtype(h, dict(router=router, **experts), EXPERT_WEIGHTS)
     M = h.shape[0]
     if (h.shape[1] != D or router.shape != (Lm, D, E) or we_up.shape != (Lm, E, D, Fe)
             or we_down.shape != (Lm, E, Fe, D)):
@@ -387,18 +430,18 @@ def moe(h: jax.Array, router: jax.Array, we_gate: jax.Array, we_up: jax.Array,
     layer_row = _check_layer(layer, Lm)
     block = block or default_block(D, Fe)
     slots = expert_slots(E, top_k, M)
-    stream = TileStream.build(block, moe_segments(D, Fe, slots))
-    buffers = moe_buffers(M, D, E, Fe, we_gate.dtype, block, h.dtype)
-    itemsize = we_gate.dtype.itemsize
-    expert_bytes = 3 * D * Fe * itemsize  # times at most `slots` experts
+    stream = weight_stream(block, moe_segments(D, Fe, slots), formats)
+    experts, specs = ring_weights(experts, block)
+    buffers = moe_buffers(M, D, E, Fe, router.dtype, block, h.dtype, formats)
+    expert_bytes = sum(a.nbytes for a in jax.tree.leaves(experts)) // (Lm * E)
     out, loaded = pl.pallas_call(
-        functools.partial(moe_kernel, stream=stream, top_k=top_k,
+        functools.partial(moe_kernel, stream=stream, dtype=dtype, top_k=top_k,
                           renormalise=renormalise),
         out_shape=(jax.ShapeDtypeStruct((M, D), jnp.float32),
                    jax.ShapeDtypeStruct((1,), jnp.int32)),
         in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
-                  pl.BlockSpec(memory_space=pltpu.VMEM)]
-                 + [pl.BlockSpec(memory_space=pl.ANY)] * 4,
+                  pl.BlockSpec(memory_space=pltpu.VMEM),
+                  pl.BlockSpec(memory_space=pl.ANY), *specs.values()],
         out_specs=(pl.BlockSpec(memory_space=pltpu.VMEM),
                    pl.BlockSpec(memory_space=pltpu.SMEM)),
         scratch_shapes=vmem_scratch(buffers) | dict(
@@ -411,7 +454,7 @@ def moe(h: jax.Array, router: jax.Array, we_gate: jax.Array, we_up: jax.Array,
         cost_estimate=pl.CostEstimate(  # an upper bound: every slot active
             flops=2 * M * D * E + 2 * M * 3 * D * Fe * slots,
             transcendentals=M * E + M * Fe * slots,
-            bytes_accessed=D * E * itemsize + slots * expert_bytes
+            bytes_accessed=D * E * router.dtype.itemsize + slots * expert_bytes
             + h.size * h.dtype.itemsize + M * D * 4),
-    )(layer_row, h, router, we_gate, we_up, we_down)
+    )(layer_row, h, router, *experts.values())
     return (out, loaded) if return_loaded else out

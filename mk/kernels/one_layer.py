@@ -12,7 +12,8 @@ Here: `layer_matrices` (the stream of one layer), `layer_dims` (what its tiles d
 `layer_buffers` / `layer_scratch` (its VMEM and scratch by name), `mlp_fetch`,
 `LAYER_PHASES` (the layer's program order as data) and `layer_body` (the in-kernel layer the
 megakernel loops over, in that order), and the stage wrapper `one_layer` with its
-`one_layer_buffers`. Every
+`one_layer_buffers` (its weights may be `mk.quant.QuantWeight`s: packed tiles through the
+ring, dequantised in VMEM). Every
 piece is the stage kernels' own: `prologue`, `attend`, `swiglu_body`, `moe_body`.
 Not here: the layer loop, the lm_head and the cross-layer ring (`mk.megakernel`).
 """
@@ -20,6 +21,7 @@ Not here: the layer loop, the lm_head and the cross-layer ring (`mk.megakernel`)
 from __future__ import annotations
 
 import functools
+import math
 from types import SimpleNamespace
 
 import jax
@@ -27,6 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from mk import quant
 from mk.config import ModelConfig
 from mk.kernels.attention_prologue import check_layer_inputs, prologue, prologue_matrices
 from mk.kernels.common import (BlockSizes, Buffer, aliases, default_block, memory_specs,
@@ -35,7 +38,8 @@ from mk.kernels.decode_attention import (AttentionScratch, KvStream, attend,
                                          decode_attention_buffers, decode_attention_scratch)
 from mk.kernels.mlp import (EXPERT_WEIGHTS, expert_slots, moe_body, moe_fetch, moe_segments,
                             swiglu_body, swiglu_fetch, swiglu_segments)
-from mk.kernels.ring import Ring, TileStream
+from mk.kernels.ring import Ring, TileStream, ring_buffers
+from mk.kernels.weight_streaming import ring_weights, weight_stream
 from mk.reference import check_positions, rms_norm
 
 
@@ -93,23 +97,37 @@ def layer_buffers(config: ModelConfig, kinds: tuple[str, ...], batch: int, rows:
 
 
 def one_layer_buffers(config: ModelConfig, kinds: tuple[str, ...], batch: int, rows: int,
-                      block: BlockSizes) -> list[Buffer]:
+                      block: BlockSizes, formats=None) -> list[Buffer]:
     """Every VMEM buffer of the stage-05 kernel holding the MLP `kinds`: its operands x
-    and x_out, the layer scratch and the attention scratch."""
+    and x_out, the layer scratch (the ring's slots for the weights' `formats`, {family:
+    mk.quant scheme}) and the attention scratch."""
     M, D = batch * rows, config.hidden
     return ([Buffer("x", (M, D), "float32", "operand"),
              Buffer("x_out", (M, D), "float32", "operand")]
-            + layer_buffers(config, kinds, batch, rows, block)
+            + layer_buffers(config, kinds, batch, rows, block,
+                            ring=_ring_slots(config, kinds, M, block, formats))
             + decode_attention_buffers(batch, rows, config.heads, config.kv_heads,
                                        config.head_dim, config.dtype, block))
 
 
+def _stream(config: ModelConfig, kinds: tuple[str, ...], M: int, block: BlockSizes,
+            formats) -> TileStream:
+    return weight_stream(block, layer_matrices(config, kinds, M), formats)
+
+
+def _ring_slots(config: ModelConfig, kinds: tuple[str, ...], M: int, block: BlockSizes,
+                formats) -> list[Buffer]:
+    return ring_buffers(_stream(config, kinds, M, block, formats), config.dtype)
+
+
 def layer_scratch(config: ModelConfig, kinds: tuple[str, ...], batch: int, rows: int,
-                  block: BlockSizes) -> dict:
-    """The pallas scratch of `layer_body` by name: the layer buffers, the ring's
-    semaphores and, with MoE, the router's and flags' semaphores and the SMEM scalars."""
+                  block: BlockSizes, formats=None) -> dict:
+    """The pallas scratch of `layer_body` by name: the layer buffers (the ring's slots for
+    the weights' `formats`), the ring's semaphores and, with MoE, the router's and flags'
+    semaphores and the SMEM scalars."""
+    ring = _ring_slots(config, kinds, batch * rows, block, formats)
     scratch = {b.name: pltpu.VMEM(b.shape, b.dtype)
-               for b in layer_buffers(config, kinds, batch, rows, block)}
+               for b in layer_buffers(config, kinds, batch, rows, block, ring=ring)}
     scratch["sems"] = pltpu.SemaphoreType.DMA((block.slots,))
     if "moe" in kinds:
         slots = expert_slots(config.experts, config.experts_per_token, batch * rows)
@@ -271,7 +289,7 @@ def one_layer_kernel(inputs, outputs, *, config: ModelConfig, kind: str,
                                        s.small_sems.at[0])
         start_dma(router, "router", s.router.size * s.router.dtype.itemsize)
         s.count_smem[0] = 0  # expert tiles issued before routing are no-ops
-    ring = Ring(stream, fetch, s.ring, s.sems)
+    ring = Ring.in_scratch(stream, fetch, s, s.sems, config.dtype)
     ring.prime()
     if kind == "moe":
         router.wait()  # long before the router runs
@@ -287,7 +305,9 @@ def one_layer_kernel(inputs, outputs, *, config: ModelConfig, kind: str,
 def one_layer(config: ModelConfig, params, x, k_cache, v_cache, positions, *, layer: int,
               block: BlockSizes | None = None):
     """Decoder layer `layer` in one kernel: x [B, T, D] -> (x [B, T, D] float32, k_cache,
-    v_cache [L, B, K, S, H] with this layer's new rows written in place)."""
+    v_cache [L, B, K, S, H] with this layer's new rows written in place). params' weights
+    may be `mk.quant.QuantWeight`s (`mk.quant.quantize`: one scheme per family), streamed
+    packed and dequantised in VMEM to config.dtype."""
     positions = jnp.asarray(positions, jnp.int32)
     B, T, D = check_layer_inputs(config, x, positions, layer)
     M, S = B * T, k_cache.shape[3]
@@ -299,39 +319,41 @@ def one_layer(config: ModelConfig, params, x, k_cache, v_cache, positions, *, la
     block = block or default_block(*layer_dims(config), context=S)
     block.check_context(S)
     kind, row = config.mlp_index(layer)
-    stream = TileStream.build(block, layer_matrices(config, (kind,), M))
+    formats = quant.formats_of(params)
+    stream = _stream(config, (kind,), M, block, formats)
     ones = jnp.ones((config.head_dim,), jnp.float32)
     qk = [params[n][layer] if config.qk_norm else ones for n in ("q_norm", "k_norm")]
-    weights = ("wq", "wk", "wv", "wo") + MLP_WEIGHTS[kind]
+    attention_weights = ("wq", "wk", "wv", "wo")
+    weights, weight_specs = ring_weights(
+        {n: params[n] for n in attention_weights + MLP_WEIGHTS[kind]}, block)
     inputs = dict(index=jnp.array([layer, row], jnp.int32), positions=positions,
                   x=x.reshape(M, D).astype(jnp.float32),
                   norms=jnp.stack([params["attn_norm"][layer],
                                    params["mlp_norm"][layer]]).astype(jnp.float32),
                   qk_norms=jnp.stack(qk).astype(jnp.float32),
-                  k_cache=k_cache, v_cache=v_cache) | {n: params[n] for n in weights}
+                  k_cache=k_cache, v_cache=v_cache) | weights
     spaces = dict(index=pltpu.SMEM, positions=pltpu.SMEM, x=pltpu.VMEM, norms=pltpu.VMEM,
                   qk_norms=pltpu.VMEM, k_cache=pl.ANY, v_cache=pl.ANY)
-    spaces |= {n: pl.ANY for n in weights}
     outputs = dict(x_out=jax.ShapeDtypeStruct((M, D), jnp.float32), k_cache=k_cache,
                    v_cache=v_cache)
-    weight_bytes = sum(params[n][0].size * params[n].dtype.itemsize
-                       for n in ("wq", "wk", "wv", "wo"))
+    attention = [weights[n] for n in attention_weights]  # one layer's: 1 / L of them
+    weight_bytes = sum(a.nbytes for a in jax.tree.leaves(attention)) // config.layers
+    elements = sum(math.prod(w.shape[1:]) for w in attention)
     out = pl.pallas_call(
         functools.partial(one_layer_kernel, config=config, kind=kind, stream=stream,
                           block=block, batch=B, rows=T),
         out_shape=outputs,
-        in_specs=(memory_specs(spaces),),
+        in_specs=(memory_specs(spaces) | weight_specs,),
         out_specs=memory_specs(dict(x_out=pltpu.VMEM, k_cache=pl.ANY, v_cache=pl.ANY)),
         scratch_shapes=dict(
-            layer=layer_scratch(config, (kind,), B, T, block),
+            layer=layer_scratch(config, (kind,), B, T, block, formats),
             attention=decode_attention_scratch(B, T, config.heads, config.kv_heads,
                                                config.head_dim, config.dtype, block)),
         input_output_aliases=aliases(inputs, outputs, ("k_cache", "v_cache")),
         compiler_params=pltpu.CompilerParams(vmem_limit_bytes=vmem_limit_bytes(
-            one_layer_buffers(config, (kind,), B, T, block))),
+            one_layer_buffers(config, (kind,), B, T, block, formats))),
         name="mk_one_layer",
         cost_estimate=pl.CostEstimate(
-            flops=2 * M * weight_bytes // params["wq"].dtype.itemsize, transcendentals=0,
-            bytes_accessed=weight_bytes),
+            flops=2 * M * elements, transcendentals=0, bytes_accessed=weight_bytes),
     )(inputs)
     return out["x_out"].reshape(B, T, D), out["k_cache"], out["v_cache"]

@@ -11,7 +11,10 @@ The teaching progression is one parameter, `BlockSizes.slots`:
 - slots=N, the ring: N-1 tiles in flight hide DMA latency and jitter.
 
 The weight may be stored quantised (an `mk.quant.QuantWeight`): the ring then streams its
-packed tiles and their scales and dequantises each tile in VMEM (notebook 12).
+packed tiles and their scales and dequantises each tile in VMEM (notebook 12). The two
+steps every stage wrapper takes for the weights it streams, whether plain or quantised,
+are here too: `weight_stream` (the stream, with each quantised family's scheme) and
+`ring_weights` (the weights in the ring's layout, with a BlockSpec per array).
 
 Not here: the ring mechanics (`mk.kernels.ring`), fused layers (`one_layer`).
 """
@@ -31,6 +34,23 @@ from mk.config import MAX_ROWS
 from mk.kernels.common import BlockSizes, Buffer, default_block
 from mk.kernels.ring import Ring, TileStream, ring_buffers
 
+
+def weight_stream(block: BlockSizes, matrices, formats=None, **kwargs) -> TileStream:
+    """`TileStream.build(block, matrices, **kwargs)` with every weight of a quantised family
+    in its scheme; formats: {family: mk.quant scheme} (`mk.quant.formats_of` the weights)."""
+    schemes = {name: scheme for family, scheme in (formats or {}).items()
+               for name in quant.FAMILIES[family]}
+    return TileStream.build(block, matrices, schemes=schemes, **kwargs)
+
+
+def ring_weights(weights: dict, block: BlockSizes) -> tuple[dict, dict]:
+    """(weights, specs) a stage wrapper passes for the weights by name: each as it is, or
+    an `mk.quant.QuantWeight` with its scales tile-major for `block` (`mk.quant.tile_major`:
+    each tile's scales one DMA); a pl.ANY BlockSpec per array (the ring copies by hand)."""
+    laid = {name: quant.tile_major(w, block.tile_k, block.tile_n)
+            if isinstance(w, quant.QuantWeight) else w for name, w in weights.items()}
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    return laid, jax.tree.map(lambda _: hbm, laid)
 
 
 def stream_matmul_buffers(M: int, K: int, N: int, dtype, block: BlockSizes,
@@ -80,20 +100,18 @@ def stream_matmul(x: jax.Array, w, *, block: BlockSizes | None = None,
     packed = isinstance(w, quant.QuantWeight)
     scheme, dtype = (w.scheme, jnp.dtype(dtype)) if packed else (None, w.dtype)
     stream = _stream(K, N, block, scheme)
-    if packed:
-        w = quant.tile_major(w, block.tile_k, block.tile_n)
+    weights, specs = ring_weights({"w": w}, block)
     ring = stream_matmul_buffers(M, K, N, dtype, block, scheme)[2:]
-    any_space = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
         functools.partial(stream_matmul_kernel, stream=stream),
         out_shape=jax.ShapeDtypeStruct((M, N), jnp.float32),
-        in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM), jax.tree.map(lambda _: any_space, w)],
+        in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM), specs["w"]],
         out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
         scratch_shapes=[{b.name: pltpu.VMEM(b.shape, b.dtype) for b in ring},
                         pltpu.SemaphoreType.DMA((block.slots,))],
         name="mk_stream_matmul",
         cost_estimate=pl.CostEstimate(
             flops=2 * M * K * N, transcendentals=0,
-            bytes_accessed=sum(a.nbytes for a in jax.tree.leaves(w))
+            bytes_accessed=sum(a.nbytes for a in jax.tree.leaves(weights))
             + x.size * dtype.itemsize + M * N * 4),
-    )(x.astype(dtype), w)  # rounding x once here is what each tile would do
+    )(x.astype(dtype), weights["w"])  # rounding x once here is what each tile would do

@@ -1,5 +1,6 @@
 """Stage 02: RMSNorm, Q/K/V through one ring, QK-norm and RoPE against
-mk.reference.attention_inputs, race-free; compiled for TPUs at qwen3-8b shapes.
+mk.reference.attention_inputs, race-free, with plain or quantised (packed) weights; compiled
+for TPUs at qwen3-8b shapes.
 
 Interpret mode checks numerics and DMA/semaphore pairing; not time or the scoped VMEM
 limit (the compile tests cover lowering and capacity).
@@ -14,9 +15,10 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import mk
-from mk import backend, reference, tpu
+from mk import backend, quant, reference, tpu
 from mk.kernels.attention_prologue import attention_prologue, attention_prologue_buffers
 from mk.kernels.common import BlockSizes, vmem_budget
+from builders import plant_double_scale, quantised_cases
 from tolerances import TOLERANCE as ALL_TOLERANCES
 
 TOLERANCE = ALL_TOLERANCES["prologue"]
@@ -24,20 +26,40 @@ BLOCK = BlockSizes(slots=3, tile_k=128, tile_n=256)
 
 
 def _check(config, params, batch, rows, positions, layer=1):
+    """The kernel against the reference on params' values (quantised weights dequantised);
+    returns a function that checks another params' values against the same kernel run."""
     x = jax.random.normal(jax.random.key(batch * 8 + rows), (batch, rows, config.hidden))
     positions = jnp.asarray(positions, jnp.int32)
     with backend.use("interpret", detect_races=True, strict_dma=True):
         got = attention_prologue(config, params, x, positions, layer=layer, block=BLOCK)
     assert not backend.races_found()
-    want = reference.attention_inputs(config, params, layer, x, positions)
-    for name, g, w in zip("qkv", got, want):
-        np.testing.assert_allclose(g, w, err_msg=name, **TOLERANCE[config.dtype])
+
+    def matches(params):
+        want = reference.attention_inputs(config, quant.dequantize(params), layer, x,
+                                          positions)
+        for name, g, w in zip("qkv", got, want):
+            np.testing.assert_allclose(g, w, err_msg=name, **TOLERANCE[config.dtype])
+
+    matches(params)
+    return matches
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_matches_the_reference_at_ragged_positions(dtype):
     config = dataclasses.replace(mk.preset("tiny"), dtype=dtype)
     _check(config, mk.init_params(config), batch=3, rows=2, positions=[0, 127, 254])
+
+
+@pytest.mark.parametrize("scheme, dtype", quantised_cases("fp8"))
+def test_quantised_weights_stream_packed_and_match_the_reference(scheme, dtype):
+    """wq, wk, wv stored in `scheme`: the reference on their dequantised values; the same
+    check fails on a planted 2x scale in one group of wk (a kernel that mis-scaled one
+    streamed group would fail it the same way)."""
+    config = dataclasses.replace(mk.preset("tiny"), dtype=dtype)
+    qparams = mk.quantize(config, mk.init_params(config), dense=scheme)
+    matches = _check(config, qparams, batch=2, rows=2, positions=[3, 130], layer=1)
+    with pytest.raises(AssertionError, match="Mismatched elements"):
+        matches(dict(qparams, wk=plant_double_scale(qparams["wk"], at=(1, 0, 0))))
 
 
 def test_without_qk_norm_matches_the_reference():

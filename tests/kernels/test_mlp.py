@@ -1,8 +1,8 @@
-"""Stage 04: dense SwiGLU and the MoE block against mk.reference.swiglu / moe, race-free;
-only the selected experts are loaded; router ties go to the lower expert id; the MoE body
-runs inside a bigger stream over layers; a planted ring bug in the expert slots is caught;
-both kernels compile for TPUs at real shapes; the VMEM budget and the compiler both refuse
-an oversized ring.
+"""Stage 04: dense SwiGLU and the MoE block against mk.reference.swiglu / moe, race-free,
+with plain or quantised (packed) weights; only the selected experts are loaded; router ties
+go to the lower expert id; the MoE body runs inside a bigger stream over layers; a planted
+ring bug in the expert slots is caught; both kernels compile for TPUs at real shapes; the
+VMEM budget and the compiler both refuse an oversized ring.
 
 Interpret mode checks numerics, DMA/semaphore pairing and races; it says nothing about
 time or the scoped VMEM limit, and its uninitialised memory is NaN (so a read of a tile
@@ -23,10 +23,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import mk
-from mk import backend, reference, tpu
+from mk import backend, quant, reference, tpu
 from mk.kernels import mlp
 from mk.kernels.common import BlockSizes, default_block, vmem_budget
 from mk.kernels.ring import Ring, TileStream
+from builders import plant_double_scale, quantised_cases
 from tolerances import TOLERANCE as ALL_TOLERANCES
 
 TOLERANCE = ALL_TOLERANCES["mlp"]
@@ -87,6 +88,29 @@ def test_swiglu_matches_the_reference_for_any_batch_and_rows(batch, rows, dtype)
     assert not races
 
 
+@pytest.mark.parametrize("scheme, dtype", quantised_cases("int8"))
+def test_quantised_swiglu_streams_packed_tiles_and_matches_the_reference(scheme, dtype):
+    """w_gate, w_up, w_down stored in `scheme`, multiplied in h's dtype: the reference on
+    their dequantised values; the same check fails on a planted 2x scale in one group of
+    w_down's layer 1 (the row the kernel streams)."""
+    config, params = _model("tiny", dtype)
+    qparams = mk.quantize(config, params, dense=scheme)
+    names = ("w_gate", "w_up", "w_down")
+    h = _rows(6, config.hidden).astype(dtype)
+    got, races = _interpret(jax.jit(lambda layer: mlp.swiglu(
+        h, *(qparams[n] for n in names), layer=layer, block=BLOCK)), 1)
+    assert not races
+
+    def matches(qparams):
+        values = quant.dequantize(qparams)
+        np.testing.assert_allclose(got, reference.swiglu(h, *(values[n][1] for n in names)),
+                                   **TOLERANCE[dtype])
+
+    matches(qparams)
+    with pytest.raises(AssertionError, match="Mismatched elements"):
+        matches(dict(qparams, w_down=plant_double_scale(qparams["w_down"], at=(1, 0, 0))))
+
+
 # -- MoE -------------------------------------------------------------------------------------
 def _moe(config, h, args, layer=0, block=BLOCK):
     return mlp.moe(h, *args, top_k=config.experts_per_token, renormalise=config.norm_topk,
@@ -118,6 +142,32 @@ def test_moe_matches_the_reference_for_any_batch_rows_and_top_k(batch, rows, top
     np.testing.assert_allclose(got, want, **TOLERANCE[dtype])
     assert int(loaded[0]) == _distinct_experts(h, config, params, 0)
     assert not races
+
+
+@pytest.mark.parametrize("scheme, dtype", quantised_cases("fp4"))
+def test_quantised_experts_stream_packed_tiles_and_match_the_reference(scheme, dtype):
+    """The experts stored in `scheme` (the router plain), multiplied in h's dtype: the
+    reference on their dequantised values, each selected expert loaded once; the same check
+    fails on a planted 2x scale in one group of an expert row 0 selected."""
+    config, params = _model("tiny-moe", dtype)
+    qparams = mk.quantize(config, params, experts=scheme)
+    h = _rows(5, config.hidden).astype(dtype)
+    stacked = [qparams[n] for n in ("router", "we_gate", "we_up", "we_down")]
+    (got, loaded), races = _interpret(lambda: _moe(config, h, stacked, layer=1))
+    assert not races
+    assert int(loaded[0]) == _distinct_experts(h, config, params, 1)
+
+    def matches(qparams):
+        want = reference.moe(h, *_moe_args(quant.dequantize(qparams), 1),
+                             config.experts_per_token, config.norm_topk)
+        np.testing.assert_allclose(got, want, **TOLERANCE[dtype])
+
+    matches(qparams)
+    _, experts = reference.route(h, params["router"][1], config.experts_per_token,
+                                 config.norm_topk)
+    planted = plant_double_scale(qparams["we_down"], at=(1, int(experts[0, 0]), 0, 0))
+    with pytest.raises(AssertionError, match="Mismatched elements"):
+        matches(dict(qparams, we_down=planted))
 
 
 def test_only_the_selected_experts_are_loaded():
@@ -304,11 +354,16 @@ def test_bad_inputs_are_named():
         mlp.moe(_rows(65, config.hidden), *args, top_k=2, renormalise=True)
     with pytest.raises(ValueError, match=r"weight dtypes .* must be one and the same"):
         mlp.moe(h, args[0].astype(jnp.float32), *args[1:], top_k=2, renormalise=True)
+    with pytest.raises(ValueError, match=r"router is a int8 QuantWeight: only \('we_gate'"):
+        mlp.moe(h, quant.quantize_weight(args[0], "int8"), *args[1:], top_k=2,
+                renormalise=True)
     w = [params[n][0] for n in ("w_gate", "w_up", "w_down")]
     with pytest.raises(ValueError, match=r"weight w_gate \[256, 512\] .* tile_k=512"):
         mlp.swiglu(h, *w, block=BlockSizes(tile_k=512, tile_n=128))
     with pytest.raises(ValueError, match=r"must be \[M, D\], \[Ld, D, F\]"):
         mlp.swiglu(h, w[0], w[0], w[0])
+    with pytest.raises(ValueError, match=r"dense weights mix storage formats"):
+        mlp.swiglu(h, quant.quantize_weight(w[0], "int4"), *w[1:])
 
 
 # -- TPU compiles ----------------------------------------------------------------------------

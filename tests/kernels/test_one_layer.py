@@ -1,6 +1,7 @@
 """Stage 05: one fused layer (prologue, attention, wo, MLP or MoE, residuals) against
-mk.reference.decoder_layer, race-free, with the caches updated in place; compiled for TPUs
-at qwen3-8b (dense) and qwen3-30b-a3b (MoE) shapes.
+mk.reference.decoder_layer, race-free, with the caches updated in place, with plain or
+quantised (packed) weights; compiled for TPUs at qwen3-8b (dense) and qwen3-30b-a3b (MoE)
+shapes.
 
 Interpret mode checks numerics, DMA/semaphore pairing and races; not time or the scoped
 VMEM limit (the compile tests cover lowering and capacity).
@@ -16,10 +17,11 @@ import pytest
 from hypothesis import example, given, settings, strategies as st
 
 import mk
-from mk import backend, reference, tpu
+from mk import backend, quant, reference, tpu
 from mk.kernels.common import vmem_budget
 from mk.kernels.one_layer import one_layer, one_layer_buffers
 from mk.kernels.plan import default_block
+from builders import plant_double_scale, quantised_cases
 from tolerances import ROUTER_TIE, TOLERANCE as ALL_TOLERANCES
 
 TOLERANCE = ALL_TOLERANCES["layer"]
@@ -105,14 +107,22 @@ def _assert_x_matches(config, params, layer, got_x, want_x, x_attn):
 
 
 def _check(config, params, layer, batch, rows, positions):
+    """The kernel against the reference on params' values (quantised weights dequantised);
+    returns a function that checks the kernel's x against the reference on other params."""
     x, k, v = _inputs(config, batch, rows)
     positions = jnp.asarray(positions, jnp.int32)
     with backend.use("interpret", detect_races=True, strict_dma=True):
         got_x, got_k, got_v = one_layer(config, params, x, k, v, positions, layer=layer)
     assert not backend.races_found()
-    want_x, want_k, want_v, x_attn = reference.decoder_layer(config, params, layer, x,
-                                                             k[layer], v[layer], positions)
-    _assert_x_matches(config, params, layer, got_x, want_x, x_attn)
+
+    def matches(params):
+        values = quant.dequantize(params)
+        want_x, want_k, want_v, x_attn = reference.decoder_layer(
+            config, values, layer, x, k[layer], v[layer], positions)
+        _assert_x_matches(config, values, layer, got_x, want_x, x_attn)
+        return want_k, want_v
+
+    want_k, want_v = matches(params)
     # V rows within one rounding (see above); K rows also went through RoPE in the kernel.
     _assert_one_rounding_apart(got_v[layer], want_v)
     np.testing.assert_allclose(got_k[layer].astype(jnp.float32),
@@ -120,6 +130,7 @@ def _check(config, params, layer, batch, rows, positions):
     others = np.array([i for i in range(config.layers) if i != layer])
     np.testing.assert_array_equal(got_k[others], k[others])
     np.testing.assert_array_equal(got_v[others], v[others])
+    return matches
 
 
 @pytest.mark.parametrize("name, layer", [("tiny", 1), ("tiny-moe", 0), ("tiny-moe", 2)])
@@ -131,6 +142,23 @@ def test_dense_and_moe_layers_match_the_reference(name, layer):
 def test_float32_layer_matches_the_reference_tightly():
     config = dataclasses.replace(mk.preset("tiny-moe"), dtype="float32")
     _check(config, mk.init_params(config), 1, batch=2, rows=1, positions=[5, 128])
+
+
+@pytest.mark.parametrize("scheme, dtype", quantised_cases("int4"))
+@pytest.mark.parametrize("name, layer", [pytest.param("tiny", 1, marks=pytest.mark.slow),
+                                         ("tiny-moe", 2)])
+def test_quantised_layer_streams_packed_tiles_and_matches_the_reference(name, layer, scheme,
+                                                                         dtype):
+    """Every weight family of the layer stored in `scheme` (the router plain): the
+    reference on the dequantised values; the same check fails on planted 2x scales in this
+    layer's wo: its first row of groups (in bf16 one int4 group moves x less than the
+    tolerance)."""
+    config = dataclasses.replace(mk.preset(name), dtype=dtype)
+    qparams = mk.quantize(config, mk.init_params(config), dense=scheme,
+                          experts=scheme if config.is_moe else None)
+    matches = _check(config, qparams, layer, batch=1, rows=2, positions=[130])
+    with pytest.raises(AssertionError, match="Mismatched elements"):
+        matches(dict(qparams, wo=plant_double_scale(qparams["wo"], at=(layer, 0))))
 
 
 @settings(max_examples=2, deadline=None)
@@ -184,17 +212,23 @@ def test_bad_inputs_are_named():
         one_layer(config, params, x, k, v, jnp.array([0]), layer=2)
 
 
-@pytest.mark.parametrize("chip", ["v5e", "v6e", "tpu7x"])
-@pytest.mark.parametrize("name", ["qwen3-8b", "qwen3-30b-a3b"])
-def test_compiles_for_tpu_at_real_shapes(name, chip):
+@pytest.mark.parametrize("name, chip, formats", [
+    *(pytest.param(name, chip, {}, id=f"{name}-{chip}") for name in ("qwen3-8b", "qwen3-30b-a3b")
+      for chip in ("v5e", "v6e", "tpu7x")),
+    pytest.param("qwen3-30b-a3b", "v5e", {"dense": "int8", "experts": "fp4"},
+                 id="qwen3-30b-a3b-v5e-int8-dense-fp4-experts")])  # packed tiles lower too
+def test_compiles_for_tpu_at_real_shapes(name, chip, formats):
     config = mk.preset(name).first_layers(2)
     B, T, S = 8, 1, 4096
     block = default_block(config, 256)
     params = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in config.param_shapes().items()}
+    params |= {n: quant.abstract_weight(params[n].shape, scheme)
+               for family, scheme in formats.items() for n in quant.FAMILIES[family]
+               if n in params}
     cache = jax.ShapeDtypeStruct((2, B, config.kv_heads, S, config.head_dim), config.dtype)
     kind = config.mlp_index(1)[0]
-    budget = vmem_budget("one_layer", one_layer_buffers(config, (kind,), B, T, block),
-                         mk.chip(chip))
+    budget = vmem_budget("one_layer", one_layer_buffers(config, (kind,), B, T, block,
+                                                        formats), mk.chip(chip))
     report = tpu.compile_for_chip(
         lambda p, x, k, v, pos: one_layer(config, p, x, k, v, pos, layer=1, block=block),
         [params, jax.ShapeDtypeStruct((B, T, config.hidden), jnp.float32), cache, cache,
