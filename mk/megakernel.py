@@ -65,7 +65,7 @@ from mk.kernels.common import (BlockSizes, aliases, memory_specs, start_dma,
 from mk.kernels.decode_attention import AttentionScratch
 from mk.kernels.one_layer import MLP_WEIGHTS, layer_body, mlp_fetch, mlp_kinds
 from mk.kernels.plan import DecodePlan, padded_vocab
-from mk.kernels.ring import Ring
+from mk.kernels.ring import Ring, ring_layout
 from mk.reference import rms_norm
 
 TAPS = ("attn", "mlp")  # where the residual stream is tapped in each layer (debug path)
@@ -107,8 +107,7 @@ def prepare(config: ModelConfig, params, block: BlockSizes) -> dict:
     names = (*attention_weights(config),
              *(n for kind in mlp_kinds(config) for n in MLP_WEIGHTS[kind]))
     weights = {name: params[name] for name in ("embed", *names)} | {"lm_head": head}
-    weights = {name: quant.tile_major(w, block.tile_k, block.tile_n)
-               if isinstance(w, quant.QuantWeight) else w for name, w in weights.items()}
+    weights = ring_layout(weights, block)
     return weights | dict(
         norms=jnp.stack([norm("attn_norm"), norm("mlp_norm")], 1),
         qk_norms=jnp.stack(qk, 1),

@@ -7,8 +7,8 @@ element decoders a kernel calls on one streamed tile (`unpack_nibbles`, `e4m3_va
 `e2m1_values`, `dequantize_tile`), `check_error` (every group's error against its scale's
 bound), `accuracy` (a quantised model's logits and greedy tokens against the bf16 model's)
 and `storage_bytes` / `family_bytes` (packed bytes plus scales), the kernel's tile layout
-(`tile_shapes`, `tile_bytes`, `tile_major`, `pad_columns`) and `formats_of` (the scheme of
-each family of a params dict). Not here: reading quantised Hugging Face checkpoints
+(`tile_shapes`, `tile_bytes`, `tile_major`, `pad_columns`), `formats_of` (the scheme of
+each family of a params dict) and `schemes_of` (the scheme of each weight name). Not here: reading quantised Hugging Face checkpoints
 (`mk.checkpoint`), the ring that streams packed tiles (`mk.kernels.ring`).
 
 Which weights. Three families, each with one scheme or None (stays `config.dtype`):
@@ -370,6 +370,13 @@ def pad_columns(q: QuantWeight, columns: int) -> QuantWeight:
     return QuantWeight(jnp.pad(q.data, pad + [(0, columns)], constant_values=data_zero),
                        jnp.pad(q.scale, pad + [(0, cols)], constant_values=scale_one),
                        q.scheme)
+
+
+def schemes_of(formats) -> dict[str, str]:
+    """{family: scheme} -> {weight name: scheme} of every weight of those families
+    (`FAMILIES`): the ring's segments stored quantised."""
+    return {name: scheme for family, scheme in dict(formats or {}).items()
+            for name in FAMILIES[family]}
 
 
 def formats_of(params: dict) -> dict[str, str]:

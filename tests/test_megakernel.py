@@ -120,6 +120,16 @@ def test_qwen35_full_attention_decodes_the_references_tokens():
     assert not backend.races_found()
 
 
+def test_the_stage_kernels_refuse_qwen35_attention_by_name():
+    from mk.kernels.one_layer import one_layer
+    config = dataclasses.replace(mk.preset("tiny"), **QWEN35_ATTENTION)
+    params = mk.init_params(config)
+    _, cache = reference.prefill(config, params, jnp.ones((1, 4), jnp.int32))
+    with pytest.raises(ValueError, match="'attn_output_gate': True, 'norm_offset': 1.0"):
+        one_layer(config, params, jnp.zeros((1, 1, config.hidden)), cache.k, cache.v,
+                  jnp.array([4], jnp.int32), layer=0)
+
+
 @pytest.mark.parametrize("name, batch", [("tiny", 1), pytest.param("tiny-moe", 2, marks=SLOW)])
 def test_bf16_greedy_tokens_equal_the_reference_and_the_bar_counts_them(name, batch, capsys):
     """8 tokens: the prefill's, then dispatches of 4 and 3 steps; the progress bar ends at

@@ -282,8 +282,7 @@ class DecodePlan:
         stream = TileStream.build(block, layer_matrices(local, mlp_kinds(local), M),
                                   layers=local.layers,
                                   tail=[("lm_head", local.hidden, vocab)],
-                                  schemes={name: scheme for family, scheme in formats.items()
-                                           for name in quant.FAMILIES[family]})
+                                  schemes=quant.schemes_of(formats))
         buffers = _buffers(local, int(tp), int(batch), int(rows), block, vocab, stream)
         return cls(config, int(tp), local, int(batch), int(rows), context, block, stream,
                    tuple(sorted(formats.items())), tuple(buffers.items()))

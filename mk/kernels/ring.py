@@ -236,6 +236,14 @@ class TileStream:
         return self.block.tile_k * self.block.tile_n  # times the weight itemsize
 
 
+def ring_layout(weights: dict, block: BlockSizes) -> dict:
+    """Weights by name as the ring reads them: each as it is, or an `mk.quant.QuantWeight`
+    with its scales tile-major for `block` (`mk.quant.tile_major`: each tile's scales one
+    DMA)."""
+    return {name: quant.tile_major(w, block.tile_k, block.tile_n)
+            if isinstance(w, quant.QuantWeight) else w for name, w in weights.items()}
+
+
 def ring_buffers(stream: TileStream, dtype) -> list[Buffer]:
     """The ring's VMEM slots ("layer" group): "ring" [slots, tile_k, tile_n] of `dtype` for
     the plain segments (if any), and for each quantised scheme "ring_<scheme>" (its packed

@@ -32,23 +32,20 @@ from jax.experimental.pallas import tpu as pltpu
 from mk import quant
 from mk.config import MAX_ROWS
 from mk.kernels.common import BlockSizes, Buffer, default_block
-from mk.kernels.ring import Ring, TileStream, ring_buffers
+from mk.kernels.ring import Ring, TileStream, ring_buffers, ring_layout
 
 
 def weight_stream(block: BlockSizes, matrices, formats=None, **kwargs) -> TileStream:
     """`TileStream.build(block, matrices, **kwargs)` with every weight of a quantised family
     in its scheme; formats: {family: mk.quant scheme} (`mk.quant.formats_of` the weights)."""
-    schemes = {name: scheme for family, scheme in (formats or {}).items()
-               for name in quant.FAMILIES[family]}
-    return TileStream.build(block, matrices, schemes=schemes, **kwargs)
+    return TileStream.build(block, matrices, schemes=quant.schemes_of(formats), **kwargs)
 
 
 def ring_weights(weights: dict, block: BlockSizes) -> tuple[dict, dict]:
     """(weights, specs) a stage wrapper passes for the weights by name: each as it is, or
     an `mk.quant.QuantWeight` with its scales tile-major for `block` (`mk.quant.tile_major`:
     each tile's scales one DMA); a pl.ANY BlockSpec per array (the ring copies by hand)."""
-    laid = {name: quant.tile_major(w, block.tile_k, block.tile_n)
-            if isinstance(w, quant.QuantWeight) else w for name, w in weights.items()}
+    laid = ring_layout(weights, block)
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     return laid, jax.tree.map(lambda _: hbm, laid)
 
