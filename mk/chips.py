@@ -36,6 +36,8 @@ class ChipSpec:
     name: str
     kind: str  # "tpu" or "gpu"
     hbm_bytes: int  # HBM capacity per chip
+    hbm_compile_bytes: int | None  # HBM per core the libtpu compiler lets a program hold
+    #                                (measured; what capacity checks use); None on GPUs
     hbm_bw: float  # HBM bandwidth per chip, bytes/s
     bf16_flops: float  # dense bf16 peak per chip, FLOP/s
     fp8_flops: float  # dense fp8 peak per chip, FLOP/s (int8 TOP/s on v5e, v6e, v5p)
@@ -56,6 +58,10 @@ class ChipSpec:
             value = getattr(self, field)
             if not value > 0:
                 raise ValueError(f"chip {self.name}: {field}={value!r} must be positive")
+        if (self.kind == "tpu") != (self.hbm_compile_bytes is not None) or not (
+                self.hbm_compile_bytes or 1) > 0:
+            raise ValueError(f"chip {self.name}: hbm_compile_bytes={self.hbm_compile_bytes!r} "
+                             "must be positive for a TPU and empty for a GPU")
         if (self.kind == "tpu") != (self.vmem_bytes is not None):
             raise ValueError(f"chip {self.name}: vmem_bytes={self.vmem_bytes!r} must be set "
                              "for a TPU and empty for a GPU")
@@ -88,6 +94,7 @@ def _row_to_spec(row: dict[str, str]) -> ChipSpec:
         name=row["name"], kind=row["kind"], hbm_bytes=int(row["hbm_bytes"]),
         hbm_bw=float(row["hbm_bw"]), bf16_flops=float(row["bf16_flops"]),
         fp8_flops=float(row["fp8_flops"]),
+        hbm_compile_bytes=_optional_int(row["hbm_compile_bytes_per_core"]),
         vmem_bytes=_optional_int(row["vmem_bytes_per_core"]),
         mxu_rows=_optional_int(row["mxu_rows"]),
         clock_hz=float(row["clock_hz"]) if row["clock_hz"].strip() else None,

@@ -2,10 +2,13 @@
 the TPU rows agree with what libtpu itself reports for their topology names."""
 
 import dataclasses
+import re
 
+import jax
+import jax.numpy as jnp
 import pytest
 
-from mk import chips
+from mk import chips, tpu
 from mk.chips import CHIP_NAMES, ChipSpec, all_chips, chip
 
 MIB, GIB = 1 << 20, 1 << 30
@@ -107,3 +110,15 @@ def test_mxu_side_is_128_before_v6e_and_256_from_v6e_and_empty_on_gpus():
         dataclasses.replace(chip("v6e"), mxu_rows=None)
     with pytest.raises(ValueError, match="mxu_rows=128"):
         dataclasses.replace(chip("h200"), mxu_rows=128)
+
+
+def test_hbm_compile_bytes_is_what_libtpu_says_one_core_holds():
+    """The capacity check's HBM limit (`DecodePlan.fits`) is libtpu's: compiling an
+    argument larger than a core's HBM makes the compiler name what it has available."""
+    for spec in all_chips("tpu"):
+        big = jax.ShapeDtypeStruct((spec.hbm_bytes // 4,), jnp.float32)  # a whole chip's
+        report = tpu.compile_for_chip(lambda a: a * 2, [big], spec)
+        available = re.search(r"available HBM \(([0-9.]+)G\)", report.error)
+        assert not report.ok and available, report.error[:300]
+        assert spec.hbm_compile_bytes / 2**30 == pytest.approx(float(available.group(1)),
+                                                               abs=0.005), spec.name

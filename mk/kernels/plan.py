@@ -365,17 +365,19 @@ class DecodePlan:
 
     def fits(self, chip: ChipSpec | str) -> Fit:
         """The one capacity check: the VMEM buffers against one core's VMEM and the HBM
-        one device holds against one core's share of the chip's HBM."""
+        one device holds against what the compiler lets one core hold
+        (`ChipSpec.hbm_compile_bytes`, a little under the chip's share)."""
         spec = named_chip(chip) if isinstance(chip, str) else chip
-        hbm, limit = self.hbm_bytes(), spec.hbm_bytes // spec.cores_per_chip
+        hbm, limit = self.hbm_bytes(), spec.hbm_compile_bytes
         try:
             vmem = vmem_budget(f"megakernel {self.local.name}", self.buffers.values(), spec)
         except ValueError as err:
             return Fit(spec.name, None, hbm, limit, str(err))
         if hbm > limit:
             return Fit(spec.name, vmem, hbm, limit,
-                       f"{self.local.name}: weights and KV cache need {hbm / 2**30:.1f} GiB "
-                       f"of HBM, over {spec.name}'s {limit / 2**30:.1f} GiB per core")
+                       f"{self.local.name}: weights and KV cache need {hbm / 2**30:.2f} GiB "
+                       f"of HBM, over the {limit / 2**30:.2f} GiB the compiler gives one "
+                       f"{spec.name} core")
         return Fit(spec.name, vmem, hbm, limit)
 
 
