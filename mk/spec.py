@@ -21,6 +21,13 @@ rejected row before any row is read, and the causal mask hides rows past a row's
 position. So nothing rejected is ever read; tests/test_spec.py poisons every row at or past
 p before each verification to check it.
 
+Linear states (hybrid models: Qwen3.5's gated DeltaNet, Kimi's KDA) are not rows: every
+row fed advances them. The verifier's step keeps the states after each row
+(`mk.reference.LinearRows`) and `Runner.keep` rolls each sequence back to its last kept
+row after acceptance; padded rows are rolled back at once (`Runner.step(..., real=)`); a
+model drafter rewinds its own states to the position it re-feeds from
+(`ModelDrafter._rewind`). tests/test_hybrid.py plants each missing.
+
 Shape buckets. The XLA reference compiles once per input shape (~3 s on a 2-core CPU for
 the tiny presets, against ~10 ms to run), so `XLA` pads every call to one [batch, rows]
 shape: padded rows come after a sequence's real rows (causality keeps them out of the real
@@ -88,13 +95,21 @@ def draw(p: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 # -- Runners: a model stepped T rows at a time ------------------------------------------------
 class Runner:
     """A model stepped `rows` rows at a time: `step(cache, tokens [B, T <= rows], positions
-    [B]) -> (greedy next tokens [B, T], logits [B, T, V] float32, cache)` as numpy, and a
-    chunked `prefill`. Subclasses implement `_init_cache` and `_call` (exactly [B, rows])."""
+    [B], real=None) -> (greedy next tokens [B, T], logits [B, T, V] float32, cache)` as
+    numpy, a chunked `prefill`, and `keep`. Subclasses implement `_init_cache` and `_call`
+    (exactly [B, rows]; a hybrid model's `_call` also sets `last_rows`, the linear states
+    after each row, `mk.reference.LinearRows`).
+
+    Linear states (hybrid models): every row fed advances them, padded rows too. `step`
+    leaves each sequence's states after its real[b] rows (default T); `keep(cache, kept)`
+    rolls them back to its first kept[b] rows of the last step (`mk.reference.rollback`):
+    what a verifier keeps of a step. A KV cache needs neither (module docstring)."""
 
     name = ""
 
     def __init__(self, config: ModelConfig, rows: int):
         self.config, self.rows, self.calls = config, rows, 0
+        self.last_rows = None
 
     def prefill(self, prompt: np.ndarray, capacity: int):
         """prompt [B, P] in chunks of `rows` rows -> (logits of the last row [B, V], cache)."""
@@ -105,14 +120,25 @@ class Runner:
             _, logits, cache = self.step(cache, chunk, np.full(B, start, np.int32))
         return logits[:, -1], cache
 
-    def step(self, cache, tokens, positions):
+    def step(self, cache, tokens, positions, real=None):
         tokens = np.asarray(tokens, np.int32)
         B, T = tokens.shape
         pad = np.repeat(tokens[:, -1:], self.rows - T, axis=1)  # rows after the real ones
         nxt, logits, cache = self._call(cache, np.concatenate([tokens, pad], axis=1),
                                         np.asarray(positions, np.int32))
         self.calls += 1
+        cache = self.keep(cache, np.full(B, T) if real is None else real)
         return np.asarray(nxt)[:B, :T], np.asarray(logits)[:B, :T], cache
+
+    def keep(self, cache, kept):
+        """`cache` after the last step with each sequence's linear states after its first
+        kept[b] rows (class docstring); a KV cache as it is."""
+        if not self.config.is_hybrid:
+            return cache
+        kept = np.asarray(kept, np.int32)
+        extra = self.last_rows.state.shape[1] - len(kept)  # a bucket's padded sequences
+        return reference.rollback(cache, self.last_rows, np.pad(kept, (0, extra),
+                                                                constant_values=1))
 
 
 class XLA(Runner):
@@ -136,8 +162,12 @@ class XLA(Runner):
         extra = cache.k.shape[1] - tokens.shape[0]  # padded sequences copy the first one
         tokens = np.concatenate([tokens, np.repeat(tokens[:1], extra, 0)])
         positions = np.concatenate([positions, np.repeat(positions[:1], extra)])
-        logits, cache = reference.decode_step(self.config, self.params, cache, tokens,
-                                              positions)
+        if not self.config.is_hybrid:
+            logits, cache = reference.decode_step(self.config, self.params, cache, tokens,
+                                                  positions)
+        else:
+            logits, cache, self.last_rows = reference.decode_step(
+                self.config, self.params, cache, tokens, positions, row_states=True)
         return reference.greedy(logits), logits, cache
 
 
@@ -205,16 +235,36 @@ class ModelDrafter(Drafter):
     def start(self, prompt, capacity):
         self.fed = np.array(prompt, np.int32)  # the tokens whose K/V rows the cache holds
         _, self.cache = self.runner.prefill(self.fed, capacity)
+        # A hybrid drafter's linear states after position first + j - 1, j = 0, 1, ...: the
+        # states a later re-feed from position first + j starts from.
+        self.saved, self.first = [self.cache], np.full(len(prompt), prompt.shape[1])
+
+    def _rewind(self, start):
+        """The drafter's cache with sequence b's linear states after position start[b] - 1
+        (`saved`; its KV rows from there on are overwritten by the re-feed)."""
+        j = start - self.first[:len(start)]
+        j = np.pad(j, (0, self.cache.state.shape[1] - len(j)))  # padded sequences: any
+        b = np.arange(len(j))
+
+        def pick(*versions):  # [Ll, B, ...] each -> sequence b's from version j[b]
+            return jnp.moveaxis(jnp.stack(versions)[j, :, b], 0, 1)
+
+        return self.cache._replace(conv=pick(*(c.conv for c in self.saved)),
+                                   state=pick(*(c.state for c in self.saved)))
 
     def propose(self, seq, length, gamma, sampling, rng):
         B, V = len(length), self.runner.config.vocab
         width = min(self.fed.shape[1], seq.shape[1])
         same = np.cumprod(self.fed[:, :width] == seq[:, :width], axis=1).sum(1)
         start = np.minimum(same, length - 1)  # re-feed at least the last kept token
+        if self.runner.config.is_hybrid:
+            self.cache = self._rewind(start)
         feed = [seq[b, start[b]:length[b]] for b in range(B)]
         T = max(len(f) for f in feed)
         tokens = np.stack([np.pad(f, (0, T - len(f)), mode="edge") for f in feed])
-        _, logits, self.cache = self.runner.step(self.cache, tokens, start)
+        _, logits, self.cache = self.runner.step(self.cache, tokens, start,
+                                                 [len(f) for f in feed])
+        self.saved, self.first = [self.cache], length.copy()
         logits = logits[np.arange(B), length - start - 1]
         drafts, qs = [], []
         for i in range(gamma):
@@ -226,6 +276,7 @@ class ModelDrafter(Drafter):
             drafts.append(d)
             if i + 1 < gamma:
                 _, logits, self.cache = self.runner.step(self.cache, d[:, None], length + i)
+                self.saved.append(self.cache)
                 logits = logits[:, 0]
         drafts = np.stack(drafts, axis=1)
         self.fed = np.zeros((B, seq.shape[1] + gamma), np.int32)
@@ -291,12 +342,12 @@ class Forced(ModelDrafter):
             drafts[:, self.L - 1] = (drafts[:, self.L - 1] + 1) % self.runner.config.vocab
         return drafts, None
 
-    def settle(self, verifier: Runner, cache, rows, positions, target):
-        """After `verifier.step(cache, rows, positions) -> (target, _, cache)`: -> (drafts,
+    def settle(self, verifier: Runner, before, cache, rows, positions, target):
+        """After `verifier.step(before, rows, positions) -> (target, _, cache)`: -> (drafts,
         target, cache) with drafts [B, gamma] whose first L - 1 equal the verifier's own
         greedy tokens and whose L-th (if any) does not, so `accept_greedy` keeps exactly L.
         Target token i depends on drafts before i only: each pass fixes the first wrong
-        draft of each sequence and verifies again (the same rows of the cache)."""
+        draft of each sequence and verifies again from `before` (the same rows)."""
         rows = np.array(rows, np.int32)
         must = self.L - 1  # drafts every step keeps
 
@@ -309,7 +360,7 @@ class Forced(ModelDrafter):
             b = np.flatnonzero(wrong().any(axis=1))
             i = wrong()[b].argmax(axis=1)
             rows[b, i + 1] = target[b, i]
-            target, _, cache = verifier.step(cache, rows, positions)
+            target, _, cache = verifier.step(before, rows, positions)
             self.settled += 1
         if wrong().any():
             raise RuntimeError(f"verifier {verifier.name!r} changed an earlier row's token "
@@ -325,20 +376,11 @@ def first_layers(config: ModelConfig, params, n: int):
     """(config, params) of the target's first n layers with its embedding, final norm and
     lm_head: the self-drafter's model."""
     cut = config.first_layers(n)
-    dense = sum(1 for i in config.dense_layers if i < n)
-    moe = len(cut.moe_layers)
-    rows = {"w_gate": dense, "w_up": dense, "w_down": dense, "router": moe, "we_gate": moe,
-            "we_up": moe, "we_down": moe}
     shapes = cut.param_shapes()
-    out = {}
-    for name, value in params.items():
-        if name in rows:
-            if rows[name]:
-                out[name] = value[:rows[name]]
-        elif name in ("embed", "lm_head", "final_norm"):
-            out[name] = value
-        else:
-            out[name] = value[:n]
+    # Every stack (per layer, per full or linear layer, per dense or MoE layer) is in layer
+    # order: the cut keeps its first rows, as many as the cut's stack has.
+    out = {name: value if name in ("embed", "lm_head", "final_norm")
+           else value[:shapes[name][0][0]] for name, value in params.items() if name in shapes}
     got = {k: tuple(v.shape) for k, v in out.items()}
     if got != {k: s for k, (s, _) in shapes.items()}:
         raise ValueError(f"params do not fit {config.name}: first {n} layers give {got}")
@@ -553,9 +595,11 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, drafter, gamma:
         at = np.minimum(length, P + steps - 1)
         drafts, q = drafter.propose(seq, at, gamma, sampling, rng)
         rows = np.concatenate([seq[np.arange(B), at - 1][:, None], drafts], axis=1)
+        before = cache
         target, logits, cache = verifier.step(cache, rows, at - 1)
         if isinstance(drafter, Forced):  # its count is exact whatever the verifier rounds
-            drafts, target, cache = drafter.settle(verifier, cache, rows, at - 1, target)
+            drafts, target, cache = drafter.settle(verifier, before, cache, rows, at - 1,
+                                                   target)
         if sampling is None:
             n, bonus = accept_greedy(drafts, target)
         else:
@@ -565,6 +609,7 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, drafter, gamma:
             seq[b, length[b] + n[b]] = bonus[b]
         length = np.where(active, length + n + 1, length)
         histogram += np.bincount(n[active], minlength=gamma + 1)
+        cache = verifier.keep(cache, n + 1)  # the last kept token and the accepted drafts
         bar.update(min(int((length - P).min()), steps) - bar.n)
     bar.close()
     stats = SpecStats(drafter=drafter.name, verifier=verifier.name, gamma=gamma,

@@ -24,6 +24,7 @@ from builders import (assert_greedy_matches_hf, assert_prefill_matches_hf, asser
                       assert_t4_steps_predict_hf_tokens)
 from mk import linear_attention as la
 from mk import reference as R
+from mk import spec
 
 # Both sides compute in float32 (observed max |mk - hf| / max |hf| well below 1e-5).
 LOGIT_RTOL_OF_SCALE = 1e-4
@@ -143,6 +144,59 @@ def test_rollback_restores_the_state_of_the_accepted_prefix(tiny_hybrid):
     the planted bug (no rollback: keep the state after all 4 rows) does not."""
     _, rows = assert_rollback_exact(*tiny_hybrid, rows=4, accepted=[1, 3, 2])
     assert rows.state.shape[2] == 4 and rows.state.dtype == jnp.float32
+
+
+# -- Speculative decoding on a hybrid (mk.spec, the reference verifier) -------------------
+SPEC_STEPS = 12
+
+
+def _spec(config, params, prompt, drafter, gamma, **options):
+    kw = dict(acceptance_length=min(3, gamma + 1)) if drafter == "forced" else {}
+    return spec.generate(config, params, prompt, SPEC_STEPS, drafter=drafter, gamma=gamma,
+                         verifier="reference", bucket=4, max_context=64, **kw, **options)
+
+
+@pytest.mark.parametrize("batch, gammas", [
+    (3, (2, 7)), pytest.param(1, range(1, 8), marks=pytest.mark.slow),
+    pytest.param(4, range(1, 8), marks=pytest.mark.slow)])
+def test_speculative_decoding_is_lossless_with_every_drafter(tiny_hybrid, batch, gammas):
+    """Greedy speculative decoding of the hybrid equals the reference's greedy tokens with
+    every drafter: after each verification the linear states are rolled back to the last
+    kept row (`Runner.keep`), and padded rows never advance them (`Runner.step`)."""
+    config, params = tiny_hybrid
+    prompt = np.random.default_rng(batch).integers(0, config.vocab, (batch, 6))
+    want = np.asarray(R.generate(config, params, prompt, SPEC_STEPS, max_context=64))
+    for drafter in spec.DRAFTERS:
+        for gamma in gammas:
+            got, _ = _spec(config, params, prompt, drafter, gamma)
+            np.testing.assert_array_equal(got, want, err_msg=f"{drafter} gamma={gamma}")
+
+
+def test_a_missing_rollback_is_caught_in_the_verifier_and_in_the_drafter(
+        tiny_hybrid, monkeypatch):
+    """Controls of the test above. Verifier: keeping the states after all gamma + 1 rows
+    (no rollback) changes the tokens. Drafter: the forced drafter's oracle is the target
+    itself (float32, the same reference), so with its states rewound to each re-fed
+    position (`ModelDrafter._rewind`) it never needs settling; without, it does."""
+    config, params = tiny_hybrid
+    prompt = np.random.default_rng(3).integers(0, config.vocab, (3, 6))
+    want = np.asarray(R.generate(config, params, prompt, SPEC_STEPS, max_context=64))
+
+    def settled():
+        forced = spec.make_drafter("forced", config, params, gamma=5, acceptance_length=3,
+                                   batch=4)
+        _, stats = _spec(config, params, prompt, forced, 5)
+        assert stats.histogram == (0, 0, 12, 0, 0, 0)  # tau = 3 exactly, either way
+        return forced.settled
+
+    assert settled() == 0
+    with monkeypatch.context() as patch:
+        patch.setattr(spec.ModelDrafter, "_rewind", lambda self, start: self.cache)
+        assert settled() > 0
+    with monkeypatch.context() as patch:
+        patch.setattr(spec.Runner, "keep", lambda self, cache, kept: cache)
+        got, _ = _spec(config, params, prompt, "ngram", 3)
+    assert (np.asarray(got) != want).any()
 
 
 def test_hybrid_calls_are_checked(tiny_hybrid):
