@@ -159,7 +159,8 @@ class XLA(Runner):
                                     spare=self.rows)
 
     def _call(self, cache, tokens, positions):
-        extra = cache.k.shape[1] - tokens.shape[0]  # padded sequences copy the first one
+        # padded sequences copy the first one; every cache is [layers, B, ...]
+        extra = jax.tree.leaves(cache)[0].shape[1] - tokens.shape[0]
         tokens = np.concatenate([tokens, np.repeat(tokens[:1], extra, 0)])
         positions = np.concatenate([positions, np.repeat(positions[:1], extra)])
         if not self.config.is_hybrid:

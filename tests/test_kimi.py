@@ -288,3 +288,19 @@ def test_moonshot_config_json_is_read_as_transformers_reads_it():
         model = transformers.KimiLinearForCausalLM(hf)
     assert config.param_count == sum(t.numel() for t in [*model.parameters(),
                                                           *model.buffers()])
+
+
+@pytest.mark.slow  # ~75 CPU-seconds; tests/test_hybrid.py runs the same machinery in CI
+def test_speculative_decoding_is_lossless_with_every_drafter(tiny_kimi):
+    """Greedy speculative decoding of Kimi Linear (the reference verifier) equals the
+    reference's greedy tokens with every drafter: the KDA states rolled back to the last
+    kept row as the gated DeltaNet's are (`mk.spec.Runner.keep`)."""
+    from mk import spec
+    config, params = tiny_kimi
+    prompt = np.random.default_rng(2).integers(0, config.vocab, (2, 6))
+    want = np.asarray(R.generate(config, params, prompt, 12, max_context=64))
+    for drafter in spec.DRAFTERS:
+        options = dict(acceptance_length=3) if drafter == "forced" else {}
+        got, _ = spec.generate(config, params, prompt, 12, drafter=drafter, gamma=3,
+                               verifier="reference", bucket=4, max_context=64, **options)
+        np.testing.assert_array_equal(got, want, err_msg=drafter)
