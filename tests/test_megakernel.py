@@ -75,15 +75,22 @@ def test_64_greedy_tokens_equal_the_reference(name, batch, rows, formats):
                                   max_context=128, steps_per_call=TOKENS // batch)
         np.testing.assert_array_equal(got, want)
         return
+    assert_verify_steps(config, params, values, prompt, want, rows, TOKENS)
+
+
+def assert_verify_steps(config, params, values, prompt, want, rows: int, tokens: int):
+    """Feed the reference's greedy tokens `want` [B, >= tokens] `rows` at a time (a perfect
+    draft): each megakernel step (race detector on) must predict the next `rows`. values:
+    what the reference's prefill runs on (the dequantised params, or params)."""
     block = default_block(config, 128)
     weights = megakernel.prepare(config, params, block)
     _, cache = reference.prefill(config, values, prompt[:, :-1], max_context=128)
     fed = jnp.concatenate([prompt[:, -1:], want], axis=1)
     with backend.use("interpret", detect_races=True):
-        for i in range(0, TOKENS, rows):
+        for i in range(0, tokens, rows):
             got, _, cache = megakernel.decode_step(
                 config, weights, cache, fed[:, i:i + rows],
-                jnp.full((batch,), prompt.shape[1] - 1 + i, jnp.int32), block=block)
+                jnp.full((prompt.shape[0],), prompt.shape[1] - 1 + i, jnp.int32), block=block)
             np.testing.assert_array_equal(got, want[:, i:i + rows], err_msg=f"tokens {i}..")
     assert not backend.races_found()
 
@@ -107,17 +114,7 @@ def test_qwen35_full_attention_decodes_the_references_tokens():
         kept = {n: p for n, p in params.items() if n in other.param_shapes()}
         assert (reference.generate(other, kept, prompt, 16, max_context=128) != want).any(), \
             field
-    block = default_block(config, 128)
-    weights = megakernel.prepare(config, params, block)
-    _, cache = reference.prefill(config, params, prompt[:, :-1], max_context=128)
-    fed = jnp.concatenate([prompt[:, -1:], want], axis=1)
-    with backend.use("interpret", detect_races=True):
-        for i in range(0, 8, 4):
-            got, _, cache = megakernel.decode_step(
-                config, weights, cache, fed[:, i:i + 4],
-                jnp.full((2,), prompt.shape[1] - 1 + i, jnp.int32), block=block)
-            np.testing.assert_array_equal(got, want[:, i:i + 4], err_msg=f"tokens {i}..")
-    assert not backend.races_found()
+    assert_verify_steps(config, params, params, prompt, want, 4, 8)
 
 
 def test_the_stage_kernels_refuse_qwen35_attention_by_name():
