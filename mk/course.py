@@ -86,7 +86,7 @@ def _slot_of_next_tile(ring, g):
     return ring.slots_vmem.at[(g + 1) % ring.n]  # the mistake: g + 1, not g
 
 
-def _rope_off(x, pos, theta):
+def _rope_off(x, pos, theta, dims=None):
     return x  # the mistake: no rotation
 
 

@@ -147,7 +147,7 @@ def test_rollback_restores_the_state_of_the_accepted_prefix(tiny_hybrid):
 
 
 # -- Speculative decoding on a hybrid (mk.spec, the reference verifier) -------------------
-SPEC_STEPS = 12
+SPEC_STEPS = 8
 
 
 def _spec(config, params, prompt, drafter, gamma, **options):
@@ -157,7 +157,7 @@ def _spec(config, params, prompt, drafter, gamma, **options):
 
 
 @pytest.mark.parametrize("batch, gammas", [
-    (3, (2, 7)), pytest.param(1, range(1, 8), marks=pytest.mark.slow),
+    (3, (7,)), pytest.param(1, range(1, 8), marks=pytest.mark.slow),
     pytest.param(4, range(1, 8), marks=pytest.mark.slow)])
 def test_speculative_decoding_is_lossless_with_every_drafter(tiny_hybrid, batch, gammas):
     """Greedy speculative decoding of the hybrid equals the reference's greedy tokens with
@@ -186,7 +186,7 @@ def test_a_missing_rollback_is_caught_in_the_verifier_and_in_the_drafter(
         forced = spec.make_drafter("forced", config, params, gamma=5, acceptance_length=3,
                                    batch=4)
         _, stats = _spec(config, params, prompt, forced, 5)
-        assert stats.histogram == (0, 0, 12, 0, 0, 0)  # tau = 3 exactly, either way
+        assert stats.histogram[2] == stats.steps  # tau = 3 exactly, either way
         return forced.settled
 
     assert settled() == 0
