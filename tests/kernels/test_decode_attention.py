@@ -117,7 +117,7 @@ def test_a_write_back_window_one_sublane_tile_short_is_caught(dtype, monkeypatch
         _check(B, T, positions, dtype, slots=slots, kv_tile=kv_tile)
 
 
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=2, deadline=None)
 @given(data=st.data(), B=st.integers(1, 8), T=st.integers(1, 8))
 def test_any_batch_rows_and_boundary_positions_match_the_reference(data, B, T):
     S = 256

@@ -161,6 +161,7 @@ def test_quantised_layer_streams_packed_tiles_and_matches_the_reference(name, la
         matches(dict(qparams, wo=plant_double_scale(qparams["wo"], at=(layer, 0))))
 
 
+@pytest.mark.slow  # ~85 CPU-s; CI checks one layer by the cases above and notebook 05
 @settings(max_examples=2, deadline=None)
 @given(batch=st.integers(1, 8), rows=st.integers(1, 8),
        where=st.sampled_from([0, 127, 128, CONTEXT - 1]))
