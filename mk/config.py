@@ -833,12 +833,6 @@ _PRESETS = {
         "qwen3-30b-a3b", hidden=2048, layers=48, heads=32, kv_heads=4, ffn=6144, tie=False,
         experts=128, experts_per_token=8, expert_ffn=768, moe_layers=tuple(range(48)),
         norm_topk=True),
-    # Seed-scale stand-in for the September 2026 release's "Qwen3.8-27B" (64 layers,
-    # hidden 5120, bf16). The published model mixes gated-delta-net and GQA layers; it is
-    # modelled here as GQA in every layer (heads, kv heads and FFN width follow Qwen3-32B's
-    # layer shape, an assumption).
-    "qwen3.8-27b-like": lambda: _qwen3("qwen3.8-27b-like", hidden=5120, layers=64, heads=40,
-                                       kv_heads=8, ffn=17408, tie=False),
     # Seed-scale stand-in for the release's "Kimi K3": 93 layers, hidden 7168, 896 experts,
     # 16 per token, FP4 experts. The published model uses MLA / linear attention and a
     # shared expert; it is modelled here as GQA (64 heads, 8 kv heads, head dim 128) with
@@ -851,9 +845,8 @@ _PRESETS = {
         norm_topk=True, expert_dtype="float4_e2m1fn"),
 }
 
-# Qwen3.5 hybrids: the reference and the loader run them; mk.perf, mk.sim and the
-# megakernel do not know linear layers yet, so these stay out of PRESET_NAMES (which those
-# modules, their tests and the notebooks sweep) until they do.
+# Qwen3.5 hybrids (gated DeltaNet + gated full attention): every module runs them (the
+# megakernel on one device or tensor parallel), so PRESET_NAMES holds them too.
 _HYBRID_PRESETS = {
     # Tiny Qwen3.5 hybrid: linear, linear, full, linear (a linear layer last), TPU-legal.
     "tiny-hybrid": lambda: ModelConfig(
@@ -916,7 +909,7 @@ _KIMI_PRESETS = {
         shared_expert_ffn=2048, router_score="sigmoid", routed_scale=2.827),
 }
 
-PRESET_NAMES = tuple(_PRESETS)
+PRESET_NAMES = tuple(_PRESETS) + tuple(_HYBRID_PRESETS)
 HYBRID_PRESET_NAMES = tuple(_HYBRID_PRESETS)
 KIMI_PRESET_NAMES = tuple(_KIMI_PRESETS)
 

@@ -59,7 +59,9 @@ def entries(*, context: int = 0, routing: str = "uniform", compute: str = "bf16"
     Always: "run", "model", "preset", "system", "tau" (acceptance length or None), "batch",
     "rows", "metric", "published" (tokens/s), "published_step_ms". For a chip of
     data/chips.csv also "hbm_floor_ms", "mxu_floor_ms", "collective_ms", "modelled_ms",
-    "bound" (the largest term of the modelled step: "hbm", "mxu" or "collective"); TPU rows
+    "bound" (the largest term of the modelled step: "hbm", "mxu" or "collective"), and
+    "state_share" (the linear layers' state bytes over the step's bytes; 0 without
+    linear layers); TPU rows
     with `simulate_tpu` "simulated_ms" (default ring) and "deep_ms" (slots from Little's
     law, `mk.sim.latency_slots`) with "deep_slots", "deep_utilisation", "deep_bound"; GPU
     rows "conventional_ms", "conventional_gap_ms". Each X_ms has X (tokens/s in the row's
@@ -113,7 +115,8 @@ def entries(*, context: int = 0, routing: str = "uniform", compute: str = "bf16"
         modelled = perf.modelled_step_ms(config, spec, routing=routing, compute=compute, **kw)
         rec |= (timed("hbm_floor", est.hbm_floor_ms) | timed("mxu_floor", mxu)
                 | timed("modelled", modelled)
-                | dict(collective_ms=est.collective_ms, bound=max(terms, key=terms.get)))
+                | dict(collective_ms=est.collective_ms, bound=max(terms, key=terms.get),
+                       state_share=est.state_bytes / est.total_bytes))
         if spec.kind == "tpu" and simulate_tpu:
             sim = simulated(config, spec, **kw)
             block = dataclasses.replace(sim.block, slots=latency_slots(
@@ -147,6 +150,12 @@ def _explain(row, config, spec, tp, batch, rows) -> str:
                      "Kimi K3's MLA/linear attention and shared expert")
         if config.expert_dtype:
             notes.append(f"experts stored as {config.expert_dtype} (the release's FP4)")
+    elif config.is_hybrid:
+        notes.append(f"{config.name}: Qwen3.5-27B's architecture ({len(config.linear_layers)} "
+                     f"gated-DeltaNet and {len(config.full_layers)} gated full-attention "
+                     "layers, shapes from its config.json as quoted in mk.config) for the "
+                     "release's 'Qwen3.8-27B'; the linear states are read once and written "
+                     "after every verified row")
     else:
         notes.append(f"{config.name}: GQA in every layer stands in for the released "
                      "model's gated-delta-net layers")

@@ -10,6 +10,17 @@ pieces: prologue, attend, the output projection, SwiGLU or MoE. A model mixing d
 MoE layers holds both kinds of MLP segments in every layer's period and skips the kind a
 layer does not use (its tiles are neither loaded nor computed).
 
+Hybrids (Qwen3.5: gated-DeltaNet layers beside gated full attention) mix token mixers the
+same way: every layer's period holds the attention segments and the linear ones
+(lin_qkv, lin_z, lin_out), and a layer skips the kind it does not use; `is_linear` and
+`mixer_row` (SMEM tables) say each layer's kind and its row in that kind's stacked weights
+(a full layer's row is also its KV-cache layer). A linear layer's conv and recurrent
+states come from the `mk.reference.HybridCache` (HBM, round-tripped through VMEM by
+`mk.kernels.deltanet.linear_mixer`), and the states after each of the T rows go out as
+`mk.reference.LinearRows` (what a verifier's `mk.reference.rollback` picks from; the
+returned cache keeps the last row's). The skip has a cost the simulator shows: the ring's
+look-ahead into a skipped region loads nothing, so it restarts at the region's end.
+
 Small per-layer vectors (attn/mlp norms, q/k norms) stay in HBM and are prefetched a
 layer ahead into two VMEM slots; each MoE layer's router [D, E] is DMA'd at the layer's
 start and waited for just before routing; the final norm is DMA'd at the step's start and
@@ -31,9 +42,9 @@ taps=True)` returns, and `first_divergence` compares the two op by op up to a
 `stop_after=(layer, op)` point and names the first op that differs.
 
 Here: `prepare` (weights in the megakernel's layout, once), `decode_step`, `step_plan`,
-`traced_step`, `first_divergence`, `generate`, `check_generate`, `progress_bar`,
-`compile_target` (what `mk.tpu.compile_megakernel` compiles). Not here: the compile-time
-benchmark (benchmarks/compile_time.py).
+`traced_step` (also what `mk.tpu.compile_megakernel` compiles), `first_divergence`,
+`generate`, `check_generate`, `progress_bar`. Not here: the compile-time benchmark
+(benchmarks/compile_time.py).
 
 Tensor parallelism is the same kernel with a plan of tp > 1, run inside `jax.shard_map`
 on one device's shard (the plan's `local` config; `mk.tensor_parallel` shards the weights
@@ -63,35 +74,44 @@ from mk.kernels.collectives import (AXIS, COLLECTIVE_IDS, CollectiveScratch, all
 from mk.kernels.common import (BlockSizes, aliases, memory_specs, start_dma,
                                vmem_limit_bytes)
 from mk.kernels.decode_attention import AttentionScratch
-from mk.kernels.one_layer import MLP_WEIGHTS, layer_body, mlp_fetch, mlp_kinds
+from mk.kernels.deltanet import LINEAR_DMAS, STATE_INPUTS, STATE_OUTPUTS, prepare_linear
+from mk.kernels.one_layer import MLP_WEIGHTS, layer_body, mixer_kinds, mlp_fetch, mlp_kinds
 from mk.kernels.plan import DecodePlan, padded_vocab
 from mk.kernels.ring import Ring, ring_layout
 from mk.reference import rms_norm
 
 TAPS = ("attn", "mlp")  # where the residual stream is tapped in each layer (debug path)
 ATTENTION_WEIGHTS = ("wq", "wk", "wv", "wq_gate", "wo")  # wq_gate: gated models only
+LINEAR_WEIGHTS = ("lin_qkv", "lin_z", "lin_out", *LINEAR_DMAS)  # hybrids' linear layers
 # Where each operand of the kernel lives: SMEM scalars, VMEM, or HBM (pl.ANY, DMA'd by
-# hand). The weights of an MLP kind the model has are HBM operands too (MLP_WEIGHTS).
+# hand). The weights of an MLP kind the model has are HBM operands too (MLP_WEIGHTS); a
+# hybrid's linear weights and states too (LINEAR_WEIGHTS, STATE_INPUTS and its outputs
+# STATE_OUTPUTS).
 INPUT_SPACES = dict(positions=pltpu.SMEM, is_moe=pltpu.SMEM, mlp_row=pltpu.SMEM,
+                    is_linear=pltpu.SMEM, mixer_row=pltpu.SMEM,
                     x=pltpu.VMEM, final_norm=pl.ANY, norms=pl.ANY, qk_norms=pl.ANY,
                     lm_head=pl.ANY, k_cache=pl.ANY, v_cache=pl.ANY,
-                    **{n: pl.ANY for n in ATTENTION_WEIGHTS})
+                    **{n: pl.ANY for n in ATTENTION_WEIGHTS + LINEAR_WEIGHTS + STATE_INPUTS})
 OUTPUT_SPACES = dict(next_tokens=pltpu.VMEM, logits=pltpu.VMEM, k_cache=pl.ANY,
-                     v_cache=pl.ANY, taps=pltpu.VMEM)
+                     v_cache=pl.ANY, taps=pltpu.VMEM, **{n: pl.ANY for n in STATE_OUTPUTS})
 VECTORS = ("norms", "qk_norms")  # per-layer vectors, prefetched a layer ahead
 
 
 def attention_weights(config: ModelConfig) -> tuple[str, ...]:
-    """The attention weights `config`'s layers stream (ATTENTION_WEIGHTS it has)."""
-    return tuple(n for n in ATTENTION_WEIGHTS if n != "wq_gate" or config.attn_output_gate)
+    """The token mixers' weights `config`'s layers read (ATTENTION_WEIGHTS it has, and
+    LINEAR_WEIGHTS for a hybrid)."""
+    names = tuple(n for n in ATTENTION_WEIGHTS if n != "wq_gate" or config.attn_output_gate)
+    return names + (LINEAR_WEIGHTS if config.linear_layers else ())
 
 
 def prepare(config: ModelConfig, params, block: BlockSizes) -> dict:
     """The megakernel's weights for the model (or shard) `config`, made once: the stacked
     layer weights as they are (quantised ones with tile-major scales,
-    `mk.quant.tile_major`), the norms stacked in float32 (norm_offset added), the lm_head
-    [D, V] (embed.T when tied) padded with zero columns to whole tiles, and the per-layer
-    MLP tables (kind, stacked row)."""
+    `mk.quant.tile_major`; a hybrid's small linear weights as `prepare_linear` lays them
+    out), the norms stacked per layer in float32 (norm_offset added; a linear layer's q/k
+    norms are ones), the lm_head [D, V] (embed.T when tied) padded with zero columns to
+    whole tiles, and the per-layer tables of the MLP (kind, stacked row) and of the token
+    mixer (linear or not, stacked row: a full layer's is its KV-cache layer)."""
     V, Vp = config.vocab, padded_vocab(config, block)
     head = params["embed"].T if config.tie_embeddings else params["lm_head"]
     if isinstance(head, quant.QuantWeight):
@@ -101,19 +121,25 @@ def prepare(config: ModelConfig, params, block: BlockSizes) -> dict:
     def norm(name):  # RMSNorm scales by norm_offset + weight (Qwen3.5: 1 + w): added here
         return params[name].astype(jnp.float32) + config.norm_offset
 
-    ones = jnp.ones((config.layers, config.head_dim), jnp.float32)
-    qk = [norm(n) if config.qk_norm else ones for n in ("q_norm", "k_norm")]
     kinds = [config.mlp_index(layer) for layer in range(config.layers)]
+    mixers = [config.mixer_index(layer) for layer in range(config.layers)]
+    ones = jnp.ones((config.head_dim,), jnp.float32)
+    qk = [jnp.stack([norm(n)[row] if config.qk_norm and kind == "full" else ones
+                     for kind, row in mixers]) for n in ("q_norm", "k_norm")]
     names = (*attention_weights(config),
              *(n for kind in mlp_kinds(config) for n in MLP_WEIGHTS[kind]))
     weights = {name: params[name] for name in ("embed", *names)} | {"lm_head": head}
+    if config.linear_layers:
+        weights |= prepare_linear(config, params)
     weights = ring_layout(weights, block)
     return weights | dict(
         norms=jnp.stack([norm("attn_norm"), norm("mlp_norm")], 1),
         qk_norms=jnp.stack(qk, 1),
         final_norm=norm("final_norm")[None],
         is_moe=jnp.array([kind == "moe" for kind, _ in kinds], jnp.int32),
-        mlp_row=jnp.array([row for _, row in kinds], jnp.int32))
+        mlp_row=jnp.array([row for _, row in kinds], jnp.int32),
+        is_linear=jnp.array([kind == "linear" for kind, _ in mixers], jnp.int32),
+        mixer_row=jnp.array([row for _, row in mixers], jnp.int32))
 
 
 def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratch):
@@ -145,11 +171,27 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
         for copy, name in vector_copies(layer):
             start_dma(copy, name, vectors[name].shape[1] * vectors[name].shape[2] * 4)
 
-    def at_step(name):
-        return lambda step: (inputs[name].at[step], None)
+    # A token mixer's weights: layer `step`'s row of its kind (the layer itself when every
+    # layer is a full one); in a hybrid, off for layers of the other kind.
+    mixers = plan.mixers
+    row = (lambda step: step) if mixers == ("full",) else (
+        lambda step: inputs["mixer_row"][step])
+    is_linear = (lambda step: inputs["is_linear"][step] == 1) if len(mixers) == 2 else None
 
-    fetch = {name: at_step(name) for name in attention_weights(config)}
+    def mixer_weight(name, kind):
+        def fetch(step):
+            on = None if is_linear is None else (
+                is_linear(step) if kind == "linear" else ~is_linear(step))
+            return inputs[name].at[row(step)], on
+        return fetch
+
+    fetch = {name: mixer_weight(name, "full") for name in attention_weights(config)
+             if name in ATTENTION_WEIGHTS}
+    fetch |= {name: mixer_weight(name, "linear") for name in ("lin_qkv", "lin_z", "lin_out")
+              if "linear" in mixers}
     fetch["lm_head"] = lambda step: (inputs["lm_head"], None)
+    linear_hbm = {n: inputs[n] for n in LINEAR_DMAS + STATE_INPUTS if n in inputs}
+    linear_hbm |= {n: outputs[n] for n in STATE_OUTPUTS if n in outputs}
     fetch |= mlp_fetch(kinds, inputs, s, lambda step: inputs["mlp_row"][step],
                        lambda step: inputs["is_moe"][step] == 1)
     if "moe" in kinds:
@@ -181,15 +223,20 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
             pl.when(is_moe)(lambda: start_dma(router, "router",
                                               s.router.size * s.router.dtype.itemsize))
         norms, qk = vectors["norms"][layer % 2], vectors["qk_norms"][layer % 2]
+        linear = None
+        if "linear" in mixers:
+            linear = (None if is_linear is None else is_linear(layer), row(layer),
+                      SimpleNamespace(**scratch["linear"]), linear_hbm)
         x_out = layer_body(
-            ring, config, kinds, s, step=layer, layer=layer, is_moe=is_moe, x=x,
+            ring, config, kinds, s, step=layer, layer=row(layer), is_moe=is_moe, x=x,
             norms=(norms[0:1], norms[1:2], qk[0:1], qk[1:2]),
             positions_smem=inputs["positions"], k_cache_hbm=outputs["k_cache"],
             v_cache_hbm=outputs["v_cache"], attention=attention, block=block,
             batch=plan.batch, rows=plan.rows,
             before_mlp=None if router is None else (lambda: pl.when(is_moe)(router.wait)),
             all_reduce=None if tp == 1 else (  # slot k: the attention's 0, the MLP's 1
-                lambda value, k: all_reduce_body(value, reduce_scratch, n=tp, slot=k)))
+                lambda value, k: all_reduce_body(value, reduce_scratch, n=tp, slot=k)),
+            linear=linear)
         if taps:  # s.attn_out still holds this layer's attention output
             outputs["taps"][layer, 0] = x + s.attn_out[...]
             outputs["taps"][layer, 1] = x_out
@@ -221,21 +268,31 @@ def step_plan(config: ModelConfig, *, tp: int = 1, batch: int, rows: int = 1, co
     return plan
 
 
-def decode_step(config: ModelConfig, weights, cache: reference.KVCache, tokens, positions,
-                *, block: BlockSizes | None = None, taps: bool = False):
+def decode_step(config: ModelConfig, weights, cache, tokens, positions, *,
+                block: BlockSizes | None = None, taps: bool = False,
+                row_states: bool = False):
     """One decode step in one kernel: tokens [B, T] at positions [B] -> (next tokens
     [B, T] int32 (greedy, ties to the lowest id), logits [B, T, V] float32, cache).
     `weights` from `prepare(config, params, plan.block)`; block: the tiling (default the
-    plan's, `mk.kernels.plan.default_block`).
+    plan's, `mk.kernels.plan.default_block`). A hybrid's cache is a
+    `mk.reference.HybridCache`; with `row_states=True` the step also returns its linear
+    layers' states after each row (`mk.reference.LinearRows`, for `mk.reference.rollback`),
+    as `mk.reference.decode_step` does.
 
     With `taps=True` also returns {"attn", "mlp"}: the residual stream [L, B, T, D] after
     each layer's attention and MLP blocks, as `mk.reference.decode_step(..., taps=True)`.
     """
+    if row_states and not config.is_hybrid:
+        raise ValueError(f"row_states=True needs a hybrid model; {config.name} has no "
+                         "linear layers")
     tokens, positions = reference.validate_step(config, cache, tokens, positions)
     plan = step_plan(config, batch=tokens.shape[0], rows=tokens.shape[1],
                      context=cache.k.shape[3], block=block, formats=quant.formats_of(weights))
     backends.check_active()
-    return traced_step(plan, weights, cache, tokens, positions, taps=taps)
+    out = traced_step(plan, weights, cache, tokens, positions, taps=taps)
+    if config.is_hybrid and not row_states:
+        out = out[:3] + out[4:]
+    return out
 
 
 def first_divergence(config: ModelConfig, params, cache: reference.KVCache, tokens,
@@ -276,32 +333,34 @@ def first_divergence(config: ModelConfig, params, cache: reference.KVCache, toke
     return first, report
 
 
-def compile_target(plan: DecodePlan, weights, k_cache, v_cache, tokens, positions):
-    """The traced decode step with no host-side checks: what `mk.tpu` compiles."""
-    return traced_step(plan, weights, reference.KVCache(k_cache, v_cache), tokens,
-                       positions)
-
-
 @functools.partial(jax.jit, static_argnames=("plan", "taps"))
 def traced_step(plan: DecodePlan, weights, cache, tokens, positions, taps: bool = False):
     """`decode_step` as traced, with no host-side checks (callers validate first): what
     `generate`'s device loop, `mk.tensor_parallel` (plan.tp > 1, per device inside
-    shard_map) and `compile_target` run."""
+    shard_map) and `mk.tpu` run. Returns (next tokens, logits, cache), then for a
+    hybrid the `LinearRows`, then with taps the taps."""
     config, B, T, M = plan.local, plan.batch, plan.rows, plan.M
     if tokens.shape != (B, T):
         raise ValueError(f"tokens {tokens.shape} are not the plan's [B={B}, T={T}]")
     D, L = config.hidden, config.layers
     mlp = [n for kind in plan.kinds for n in MLP_WEIGHTS[kind]]
     inputs = {n: weights[n] for n in ("final_norm", "norms", "qk_norms", "lm_head", "is_moe",
-                                      "mlp_row", *attention_weights(config), *mlp)}
+                                      "mlp_row", "is_linear", "mixer_row",
+                                      *attention_weights(config), *mlp)}
     inputs |= dict(positions=positions, k_cache=cache.k, v_cache=cache.v,
                    x=weights["embed"][tokens].reshape(M, D).astype(jnp.float32))
     outputs = dict(next_tokens=jax.ShapeDtypeStruct((M, 1), jnp.int32),
                    logits=jax.ShapeDtypeStruct((M, plan.vocab), jnp.float32),
                    k_cache=cache.k, v_cache=cache.v)
+    if config.linear_layers:  # the states in, the states after every row out
+        inputs |= dict(conv_state=cache.conv, state=cache.state)
+        outputs |= {out: jax.ShapeDtypeStruct((a.shape[0], B, T, *a.shape[2:]), a.dtype)
+                    for out, a in zip(STATE_OUTPUTS, (cache.conv, cache.state))}
     if taps:
         outputs["taps"] = jax.ShapeDtypeStruct((L, 2, M, D), jnp.float32)
     streamed = [inputs[n] for n in (*attention_weights(config), "lm_head", *mlp)]
+    state_bytes = sum(math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(
+        [inputs.get(n) for n in STATE_INPUTS] + [outputs.get(n) for n in STATE_OUTPUTS]))
     weight_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(streamed))
     elements = sum(math.prod(w.shape) for w in streamed)  # a QuantWeight's logical shape
     specs = memory_specs(INPUT_SPACES | {n: pl.ANY for n in mlp})
@@ -319,11 +378,15 @@ def traced_step(plan: DecodePlan, weights, cache, tokens, positions, taps: bool 
         name="mk_megakernel",
         cost_estimate=pl.CostEstimate(  # every expert counted: an upper bound for MoE
             flops=2 * M * elements, transcendentals=0,
-            bytes_accessed=weight_bytes),
+            bytes_accessed=weight_bytes + state_bytes),
     )(inputs)
+    kv = reference.KVCache(out["k_cache"], out["v_cache"])
     result = (out["next_tokens"].reshape(B, T),
-              out["logits"][:, :config.vocab].reshape(B, T, -1),
-              reference.KVCache(out["k_cache"], out["v_cache"]))
+              out["logits"][:, :config.vocab].reshape(B, T, -1), kv)
+    if config.linear_layers:  # the cache keeps the states after the last row
+        rows = reference.LinearRows(out["conv_rows"], out["state_rows"])
+        result = result[:2] + (reference.HybridCache(*kv, rows.conv[:, :, -1],
+                                                     rows.state[:, :, -1]), rows)
     if taps:
         residual = out["taps"].reshape(L, 2, B, T, D)
         result += ({op: residual[:, i] for i, op in enumerate(TAPS)},)
@@ -338,7 +401,7 @@ def _greedy_steps(plan: DecodePlan, weights, cache, token, position, steps: int)
     `DecodePlan.fits` counts)."""
     def step(carry, _):
         cache, token, position = carry
-        nxt, _, cache = traced_step(plan, weights, cache, token[:, None], position)
+        nxt, _, cache, *_ = traced_step(plan, weights, cache, token[:, None], position)
         return (cache, nxt[:, 0], position + 1), nxt[:, 0]
 
     (cache, _, _), tokens = lax.scan(step, (cache, token, position), None, length=steps)

@@ -210,7 +210,7 @@ class StepEstimate(_Throughput):
     routing: str
     compute: str
     # HBM bytes of one step, all devices
-    attention_bytes: float  # q/k/v/o projections, every layer
+    attention_bytes: float  # q/k/v/o projections (and Qwen3.5's output gate), full layers
     dense_mlp_bytes: float  # dense SwiGLU layers
     router_bytes: float  # routers of MoE layers
     expert_bytes: float  # the experts touched, at config.expert_bits
@@ -231,21 +231,29 @@ class StepEstimate(_Throughput):
     dense_dtype: str = "bfloat16"  # storage dtype of the dense weight family
     expert_dtype: str = "bfloat16"  # storage dtype of the experts
     norm_bytes: float = 0.0  # every norm vector (float32), the final norm included
+    linear_bytes: float = 0.0  # a hybrid's gated-DeltaNet weights, every linear layer
+    state_read_bytes: float = 0.0  # their conv and recurrent states, B sequences, once
+    state_write_bytes: float = 0.0  # the states after every one of the T rows (rollback)
 
     @property
     def weight_bytes(self) -> float:
         """Weight bytes read this step (not config.weight_bytes, the stored total)."""
         return (self.attention_bytes + self.norm_bytes + self.dense_mlp_bytes
                 + self.router_bytes + self.expert_bytes + self.embed_bytes
-                + self.lm_head_bytes)
+                + self.lm_head_bytes + self.linear_bytes)
 
     @property
     def kv_bytes(self) -> float:
         return self.kv_read_bytes + self.kv_write_bytes
 
     @property
+    def state_bytes(self) -> float:
+        """The linear layers' state traffic: fixed per sequence, whatever the context."""
+        return self.state_read_bytes + self.state_write_bytes
+
+    @property
     def total_bytes(self) -> float:
-        return self.weight_bytes + self.kv_bytes
+        return self.weight_bytes + self.kv_bytes + self.state_bytes
 
     @property
     def flops(self) -> float:
@@ -332,21 +340,27 @@ def predict(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: 
     kv_per_token = tp * local.kv_bytes_per_token  # kv heads replicated when tp > K
     kv_read_bytes = batch * context * kv_per_token
     kv_write_bytes = m * kv_per_token
+    state_read_bytes = batch * config.linear_state_bytes  # split by heads over tp
+    state_write_bytes = rows * state_read_bytes
 
     # Matmul parameters one token multiplies by; norms are elementwise and left out.
-    gate = config.q_width if config.attn_output_gate else 0  # Qwen3.5's output gate
-    proj = config.hidden * (2 * config.q_width + 2 * config.kv_width + gate)
-    per_token = (config.layers * proj + n_dense * 3 * config.hidden * config.ffn
+    per_token = (len(config.full_layers) * _attention_params(config)
+                 + len(config.linear_layers) * _linear_params(config)
+                 + n_dense * 3 * config.hidden * config.ffn
                  + n_moe * (config.hidden * config.experts
                             + config.experts_per_token * config.expert_params)
                  + config.hidden * config.vocab)
     matmul_flops = 2.0 * per_token * m
-    # Row t of T attends to S cached positions plus new rows 0..t: T*S + T(T+1)/2 pairs,
-    # each 2 FLOPs per head dim for q.k and 2 for p.v.
+    # Token mixing. Row t of T attends to S cached positions plus new rows 0..t:
+    # T*S + T(T+1)/2 pairs, each 2 FLOPs per head dim for q.k and 2 for p.v. A linear
+    # layer's delta rule: per row and value head, three [Hk] x [Hk, Hv] products.
     pairs = batch * (rows * context + rows * (rows + 1) / 2)
-    attention_flops = 4.0 * config.layers * config.heads * config.head_dim * pairs
+    attention_flops = (4.0 * len(config.full_layers) * config.heads * config.head_dim * pairs
+                       + 6.0 * len(config.linear_layers) * m * config.linear_value_heads
+                       * config.linear_key_dim * config.linear_value_dim)
 
-    total_bytes = sum(family.values()) + embed_bytes + kv_read_bytes + kv_write_bytes
+    total_bytes = (sum(family.values()) + embed_bytes + kv_read_bytes + kv_write_bytes
+                   + state_read_bytes + state_write_bytes)
     flops = matmul_flops + attention_flops
     device_bw = spec.hbm_bw / spec.cores_per_chip
     device_peak = peak_flops(spec, compute) / spec.cores_per_chip
@@ -368,7 +382,23 @@ def predict(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: 
         step_ms=max(hbm_floor_ms, compute_floor_ms) + collective_ms,
         attainable_flops_per_chip=attainable_flops(spec, flops / total_bytes, compute),
         collective_ms=collective_ms, dense_dtype=dtypes["dense"],
-        expert_dtype=dtypes["experts"])
+        expert_dtype=dtypes["experts"], linear_bytes=family["linear"],
+        state_read_bytes=state_read_bytes, state_write_bytes=state_write_bytes)
+
+
+def _attention_params(config: ModelConfig) -> int:
+    """Matmul parameters of one full-attention layer's mixer (Qwen3.5's gate included)."""
+    gate = config.q_width if config.attn_output_gate else 0
+    return config.hidden * (2 * config.q_width + 2 * config.kv_width + gate)
+
+
+def _linear_params(config: ModelConfig) -> int:
+    """Matmul parameters of one gated-DeltaNet layer's mixer: in_proj_qkv, z, b, a and
+    out_proj."""
+    if not config.linear_layers:
+        return 0
+    D, Vw = config.hidden, config.linear_value_width
+    return D * (config.conv_channels + 2 * Vw + 2 * config.linear_value_heads)
 
 
 # -- The MXU floor ----------------------------------------------------------------------
@@ -396,7 +426,8 @@ def mxu_floor_ms(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, r
                        routing=routing, compute=compute).compute_floor_ms
     R, m = spec.mxu_rows, batch * rows
     n_dense, n_moe = len(config.dense_layers), len(config.moe_layers)
-    passes = (config.layers * config.hidden * (2 * config.q_width + 2 * config.kv_width)
+    passes = (len(config.full_layers) * _attention_params(config)
+              + len(config.linear_layers) * _linear_params(config)
               + n_dense * 3 * config.hidden * config.ffn + n_moe * config.hidden
               * config.experts + config.hidden * config.vocab)
     flops = 2.0 * max(m, R) * passes
@@ -405,8 +436,12 @@ def mxu_floor_ms(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, r
         flops += (2.0 * n_moe * config.expert_params
                   * max(m * config.experts_per_token, touched * R))
     attention_rows = max(-(-config.group * rows // 8) * 8, R)
-    flops += (4.0 * config.layers * batch * config.kv_heads * config.head_dim
+    flops += (4.0 * len(config.full_layers) * batch * config.kv_heads * config.head_dim
               * (context + rows) * attention_rows)
+    # The kernel's delta rule: per sequence, value head and row, three products of the
+    # sequence's R = round_up(T, 8) rows (at least the MXU's) by the [Hk, Hv] state.
+    flops += (6.0 * len(config.linear_layers) * batch * rows * config.linear_value_heads
+              * max(-(-rows // 8) * 8, R) * config.linear_key_dim * config.linear_value_dim)
     return 1e3 * flops / tp / (peak_flops(spec, compute) / spec.cores_per_chip)
 
 
@@ -465,7 +500,9 @@ def conventional(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, r
                  routing: str = "uniform", compute: str = "bf16", weight_dtypes=None,
                  gap_s: float = KERNEL_GAP_S) -> ConventionalEstimate:
     """The step of `predict` run as one kernel per op: per layer norm, QKV, QK-norm+RoPE,
-    attention, output projection, residual+norm, then gate+up, SwiGLU, down (dense) or
+    attention, output projection (a linear layer: its projections, the conv, the delta
+    rule over its states, the gated norm, out_proj), residual+norm, then gate+up, SwiGLU,
+    down (dense) or
     router, top-k, expert gate+up, SwiGLU, expert down, combine (MoE), a residual add, and
     two all-reduces when tp > 1; then the final norm, lm_head and argmax. Bytes and FLOPs
     are `predict`'s, split over ops; each op also reads and writes its activations."""
@@ -485,21 +522,39 @@ def conventional(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, r
         return Kernel(name, layer, nbytes, flops / tp, max(nbytes / bw, flops / tp / peak))
 
     allreduce = allreduce_s(m * D * ACTIVATION_BYTES, tp, spec)
-    share = {"attention": e.attention_bytes / L, "kv": e.kv_bytes / L,
-             "attn_flops": e.attention_flops / L}
-    proj = D * (2 * config.q_width + 2 * config.kv_width)
-    qkv_share = (D * (config.q_width + 2 * config.kv_width)) / proj
+    La, Ll = len(config.full_layers), len(config.linear_layers)
+    delta_flops = (6.0 * m * config.linear_value_heads * config.linear_key_dim
+                   * config.linear_value_dim)  # per linear layer
+    share = {"attention": e.attention_bytes / max(La, 1), "kv": e.kv_bytes / max(La, 1),
+             "attn_flops": (e.attention_flops - Ll * delta_flops) / max(La, 1),
+             "linear": e.linear_bytes / max(Ll, 1), "state": e.state_bytes / max(Ll, 1)}
+    q_cols = config.q_width * (2 if config.attn_output_gate else 1)  # with the gate
+    proj = D * (q_cols + config.q_width + 2 * config.kv_width)
+    qkv_share = (D * (q_cols + 2 * config.kv_width)) / proj
     kernels = [op("embed", None, e.embed_bytes, 0, [D])]
     for layer in range(L):
         kind, _ = config.mlp_index(layer)
-        qkv, wo = share["attention"] * qkv_share, share["attention"] * (1 - qkv_share)
-        kernels += [op("attn_norm", layer, 0, 0, [D, D]),
-                    op("qkv", layer, qkv, 2 * m * D * (config.q_width + 2 * config.kv_width),
-                       [D, config.q_width + 2 * config.kv_width]),
-                    op("qk_norm_rope", layer, 0, 0, [2 * (config.q_width + config.kv_width)]),
-                    op("attention", layer, share["kv"], share["attn_flops"],
-                       [config.q_width + 2 * config.kv_width, config.q_width]),
-                    op("wo", layer, wo, 2 * m * config.q_width * D, [config.q_width, D])]
+        if config.mixer_index(layer)[0] == "linear":
+            C, Vw = config.conv_channels, config.linear_value_width
+            inputs = _linear_params(config) // D - Vw  # qkv, z, b, a columns
+            kernels += [op("attn_norm", layer, 0, 0, [D, D]),
+                        op("in_proj", layer, share["linear"] * inputs / (inputs + Vw),
+                           2 * m * D * inputs, [D, inputs]),
+                        op("conv_gates", layer, 0, 0, [2 * C]),
+                        op("delta_rule", layer, share["state"], delta_flops, [C, Vw]),
+                        op("gated_norm", layer, 0, 0, [3 * Vw]),
+                        op("out_proj", layer, share["linear"] * Vw / (inputs + Vw),
+                           2 * m * Vw * D, [Vw, D])]
+        else:
+            qkv, wo = share["attention"] * qkv_share, share["attention"] * (1 - qkv_share)
+            kernels += [op("attn_norm", layer, 0, 0, [D, D]),
+                        op("qkv", layer, qkv, 2 * m * D * (q_cols + 2 * config.kv_width),
+                           [D, q_cols + 2 * config.kv_width]),
+                        op("qk_norm_rope", layer, 0, 0,
+                           [2 * (config.q_width + config.kv_width)]),
+                        op("attention", layer, share["kv"], share["attn_flops"],
+                           [config.q_width + 2 * config.kv_width, config.q_width]),
+                        op("wo", layer, wo, 2 * m * config.q_width * D, [config.q_width, D])]
         if tp > 1:
             kernels.append(Kernel("all_reduce", layer, 0.0, 0.0, allreduce))
         kernels.append(op("residual_norm", layer, 0, 0, [3 * D]))

@@ -117,6 +117,8 @@ _BYTE_PARTS = (  # (StepEstimate field(s), legend name)
     (("embed_bytes", "lm_head_bytes"), "embedding rows + lm_head"),
     (("kv_read_bytes",), "KV cache read"),
     (("kv_write_bytes",), "KV cache written"),
+    (("linear_bytes",), "linear-layer weights"),
+    (("state_read_bytes", "state_write_bytes"), "linear states read + written"),
 )
 
 
@@ -128,6 +130,8 @@ def bytes_breakdown(estimates: Mapping[str, object], *, relative: bool = True,
     fig = go.Figure()
     for fields, name in _BYTE_PARTS:
         gb = [sum(getattr(e, f) for f in fields) / GIGA for e in estimates.values()]
+        if not any(gb):  # a part none of the steps has (no experts, no linear layers)
+            continue
         total = [e.total_bytes / GIGA for e in estimates.values()]
         y = [g / t for g, t in zip(gb, total)] if relative else gb
         fig.add_trace(go.Bar(x=labels, y=y, name=name, customdata=gb,

@@ -272,7 +272,7 @@ def quantize_weight(w, scheme: str, name: str = "weight") -> QuantWeight:
 
 def check_families(config: ModelConfig, schemes: dict) -> dict[str, str]:
     """{family: scheme or None} checked against `config` -> the families to quantise."""
-    if config.is_hybrid:
+    if config.is_hybrid and any(schemes.values()):
         raise NotImplementedError(f"{config.name}: mk.quant does not quantise hybrid "
                                   "(linear-attention) models")
     chosen = {}

@@ -95,7 +95,7 @@ from mk.kernels.attention_prologue import prologue_matrices
 from mk.kernels.common import BlockSizes
 from mk.kernels.decode_attention import block_rows, write_back_rows
 from mk.kernels.mlp import expert_slots
-from mk.kernels.one_layer import LAYER_PHASES, mlp_kinds
+from mk.kernels.one_layer import FULL_PHASES, LAYER_PHASES, mlp_kinds
 from mk.kernels.plan import DecodePlan, capacity, family_of
 from mk.kernels.ring import TileStream
 
@@ -103,6 +103,7 @@ CAUSES = ("step start", "layer boundary", "routing", "attention", "lm_head", "co
           "compute", "vector", "ring empty", "step end")
 DENSE_SEGMENTS = ("w_gate", "w_up", "w_down")
 EXPERT_SEGMENTS = ("we_gate", "we_up", "we_down")
+LINEAR_SEGMENTS = ("lin_qkv", "lin_z", "lin_out")  # a hybrid's linear layers' ring segments
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +166,8 @@ def step_plan(config: ModelConfig, *, batch: int = 1, rows: int = 1, context: in
 
 
 # -- The machine ---------------------------------------------------------------------------
-_WHOLE_GAP = ("step start", "layer boundary", "routing", "attention")  # DMA issue tags
+_WHOLE_GAP = ("step start", "layer boundary", "routing", "attention",  # DMA issue tags
+              "skipped mixer")
 
 
 class _Machine:
@@ -335,6 +337,8 @@ class _Kernel:
         self.count = 0  # count_smem[0]: active expert slots, 0 outside routing
         self.layer = 0  # the layer the kernel is in (for prefetch off)
         self.kinds = mlp_kinds(config) if config is not None else ()
+        self.mixer_segments = {s.name for s in stream.segments} - set(
+            DENSE_SEGMENTS + EXPERT_SEGMENTS + ("router",))
         self.period, self.total = stream.period, stream.total  # properties: sum each call
         self.layered = stream.layers * self.period
         # local tile offset -> (segment, copy, what) of one layer's period and of the tail
@@ -355,6 +359,9 @@ class _Kernel:
             return copy < self.count
         if seg.name in DENSE_SEGMENTS and len(self.kinds) == 2:
             return layer not in self.c.moe_layers
+        if self.c is not None and self.c.is_hybrid and layer < self.c.layers:
+            return (seg.name in LINEAR_SEGMENTS) == (layer in self.c.linear_layers) \
+                or seg.name not in self.mixer_segments
         return True
 
     def start(self, g, tag=""):
@@ -486,6 +493,8 @@ class _Kernel:
             router = (self.mc.dma(D * c.experts * c.weight_bits / 8, layer, "router")
                       if is_moe else None)
             for phase in LAYER_PHASES:  # the kernel's own order (`layer_body`)
+                if layer in c.linear_layers and phase in FULL_PHASES:
+                    continue
                 self.phase(phase, is_moe, router)
         self.layer = c.layers
         if not self.prefetch:
@@ -528,10 +537,53 @@ class _Kernel:
                 if "dense" in self.kinds:
                     self.skip(*self.region("w_gate", "w_down"))
                 self.experts()
+        elif name == "linear":
+            if self.layer in c.linear_layers:
+                if c.full_layers:
+                    self.skip(*self.region("wq", "wo"), "skipped mixer")
+                self.linear_mixer()
+            elif c.linear_layers:
+                self.skip(*self.region("lin_qkv", "lin_out"), "skipped mixer")
         elif name == "residual":
             self.vector(M * D, "residual")
         else:
             raise ValueError(f"no cost model for layer phase {name!r}")
+
+    def linear_mixer(self):
+        """`mk.kernels.deltanet.linear_mixer`: the first sequence's state, the small weights
+        and the conv state issued first; lin_qkv and lin_z; the gates; the conv (its row
+        states written back); per sequence the delta rule (the next sequence's state
+        issued, this one's T row states written back); the gated norm; lin_out."""
+        c, B, T, M, layer = self.c, self.batch, self.rows, self.m, self.layer
+        C, W, Vw, Nv = c.conv_channels, c.conv_kernel, c.linear_value_width, \
+            c.linear_value_heads
+        Hk, Hv, item = c.linear_key_dim, c.linear_value_dim, c.weight_bits / 8
+        state = Nv * Hk * Hv * 4
+        landed = [self.mc.dma(state, layer, "state_load", weight=False)]
+        small = [self.mc.dma(n * item, layer, what) for what, n in (
+            ("lin_b", c.hidden * Nv), ("lin_a", c.hidden * Nv), ("lin_conv", W * C),
+            ("lin_a_log", Nv), ("lin_dt_bias", Nv), ("lin_norm", Hv))]
+        conv = self.mc.dma(B * (W - 1) * C * item, layer, "conv_load", weight=False)
+        self.vector(4 * M * c.hidden, "norm")
+        self.matmul("lin_qkv")
+        self.matmul("lin_z")
+        self.mc.wait(max(small))
+        self.mc.compute(2 * 2 * max(M, self.mxu) * c.hidden * Nv / self.peak, layer, "gates")
+        self.mc.wait(conv)
+        self.vector(2 * W * M * C, "conv")
+        stores = [self.mc.dma(B * T * (W - 1) * C * item, layer, "conv_rows", weight=False)]
+        self.vector(6 * M * C, "l2norm")
+        rows = block_rows(1, T)
+        for b in range(B):
+            self.mc.wait(landed[b])
+            if b + 1 < B:
+                landed.append(self.mc.dma(state, layer, "state_load", weight=False))
+            self.mc.compute(T * Nv * (3 * 2 * max(rows, self.mxu) * Hk * Hv / self.peak
+                                      + 4 * Hk * Hv / self.vpu), layer, "delta_rule")
+            stores.append(self.mc.dma(T * state, layer, "state_rows", weight=False))
+        self.vector(8 * M * Vw, "gated_norm")
+        self.matmul("lin_out")
+        self.mc.wait(max(stores))
 
     def run_matmuls(self):
         """A stream of plain matmuls (no attention, no MLP logic): `replay_matmul`."""

@@ -194,8 +194,11 @@ class Megakernel(Runner):
 
     def _call(self, cache, tokens, positions):
         with backends.use(self.backend):
-            return megakernel.decode_step(self.config, self.weights, cache, tokens,
-                                          positions, block=self.block)
+            out = megakernel.decode_step(self.config, self.weights, cache, tokens, positions,
+                                         block=self.block, row_states=self.config.is_hybrid)
+        if self.config.is_hybrid:
+            *out, self.last_rows = out
+        return tuple(out)
 
 
 # -- Drafters ---------------------------------------------------------------------------------

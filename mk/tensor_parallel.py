@@ -3,13 +3,15 @@
 Every device runs the SAME megakernel (`mk.megakernel`, a `DecodePlan` with tp > 1) on its
 shard of the weights; the sharding model (which device holds which heads, columns and
 rows, and the padding to whole tiles) is `mk.kernels.plan`'s, and this module lays the
-arrays out to it: wq, wk, wv split by columns (kv heads replicated when tp > K), wo by
-rows; w_gate, w_up (and each expert's) by columns, w_down by rows, zero-padded to whole
-128-lane tiles (silu(0) * 0 = 0: exact); the lm_head by vocab columns; the embedding
-table, norms and router whole on every device.
+arrays out to it: wq, wq_gate, wk, wv split by columns (kv heads replicated when tp > K),
+wo by rows; a gated-DeltaNet layer by its key and value heads (`_linear_channels`: the q,
+k and v channels of in_proj_qkv, the conv and its state each split), out_proj by rows;
+w_gate, w_up (and each expert's) by columns, w_down by rows, zero-padded to whole 128-lane
+tiles (silu(0) * 0 = 0: exact); the lm_head by vocab columns; the embedding table, norms
+and router whole on every device.
 
-Inside the kernel, `wo` and `w_down` (and each expert's down) produce partial sums; one
-in-kernel all-reduce after the attention output and one after the MLP make them whole
+Inside the kernel, `wo`, `lin_out` and `w_down` (and each expert's down) produce partial
+sums; one in-kernel all-reduce after the token mixer and one after the MLP make them whole
 (`mk.kernels.collectives`, fixed tree order, so every device holds bit-identical
 residuals, and its routing and argmax agree without an exchange). The lm_head's shards end
 in the cross-shard greedy argmax.
@@ -62,6 +64,14 @@ def _kv_columns(config: ModelConfig, w, tp: int):
     return jnp.moveaxis(picked.reshape(*w.shape[:-1], tp, -1), -2, 0)
 
 
+def _linear_channels(config: ModelConfig, w, tp: int):
+    """A gated-DeltaNet layer's conv channels [..., C] (q | k | v: Nk*Hk, Nk*Hk, Nv*Hv)
+    -> [tp, ..., C/tp]: device i's q, k and v heads, in the same order."""
+    kw = config.linear_key_width
+    parts = [_columns(w[..., a:b], tp) for a, b in ((0, kw), (kw, 2 * kw), (2 * kw, None))]
+    return jnp.concatenate(parts, axis=-1)
+
+
 def shard_params(config: ModelConfig, params, tp: int) -> dict:
     """Full params -> per-device params stacked on a leading [tp] axis, in the layout of
     `shard_config(config, tp)` (plus the whole `embed` [V, D], replicated)."""
@@ -70,6 +80,13 @@ def shard_params(config: ModelConfig, params, tp: int) -> dict:
     split = dict(wq=_columns(params["wq"], tp), wo=_rows(params["wo"], tp),
                  wk=_kv_columns(config, params["wk"], tp),
                  wv=_kv_columns(config, params["wv"], tp), lm_head=_columns(head, tp))
+    for name in ("wq_gate", "lin_z", "lin_b", "lin_a", "lin_a_log", "lin_dt_bias"):
+        if name in params:  # by query heads, value heads, value heads' lanes
+            split[name] = _columns(params[name], tp)
+    if config.linear_layers:
+        split |= dict(lin_qkv=_linear_channels(config, params["lin_qkv"], tp),
+                      lin_conv=_linear_channels(config, params["lin_conv"], tp),
+                      lin_out=_rows(params["lin_out"], tp))
     for name in ("w_gate", "w_up", "we_gate", "we_up"):
         if name in params:
             split[name] = _columns(params[name], tp, pad=tp > 1)
@@ -80,19 +97,26 @@ def shard_params(config: ModelConfig, params, tp: int) -> dict:
     return split | {k: jnp.broadcast_to(v, (tp, *v.shape)) for k, v in whole.items()}
 
 
-def check_sharded_cache(cache: reference.KVCache, tp: int) -> None:
-    """Refuse a cache that is not `shard_cache`'s [tp, L, B, K_local, S, H] layout."""
-    if cache.k.ndim != 6 or cache.k.shape[0] != tp:
-        raise ValueError(f"cache k shape {cache.k.shape} must be [tp={tp}, L, B, K_local, S, "
-                         "H]; shard an [L, B, K, S, H] cache with "
+def check_sharded_cache(cache, tp: int) -> None:
+    """Refuse a cache that is not `shard_cache`'s layout: [tp, ...] on every array, the
+    KV cache [tp, L, B, K_local, S, H]."""
+    if cache.k.ndim != 6 or any(a.shape[0] != tp for a in cache):
+        raise ValueError(f"cache shapes {[a.shape for a in cache]} must each be [tp={tp}, "
+                         "...] (k: [tp, L, B, K_local, S, H]); shard a cache with "
                          "mk.tensor_parallel.shard_cache(config, cache, tp)")
 
 
-def shard_cache(config: ModelConfig, cache: reference.KVCache, tp: int) -> reference.KVCache:
-    """[L, B, K, S, H] caches -> [tp, L, B, K_local, S, H] (each device's kv heads)."""
+def shard_cache(config: ModelConfig, cache, tp: int):
+    """[L, B, K, S, H] caches -> [tp, L, B, K_local, S, H] (each device's kv heads); a
+    hybrid's linear states too: conv [tp, Ll, B, W-1, C/tp] (`_linear_channels`), state
+    [tp, Ll, B, Nv/tp, Hk, Hv]."""
     heads = np.array(kv_heads_of(config, tp))
-    return reference.KVCache(*(jnp.moveaxis(c[:, :, heads], 2, 0)
-                               for c in (cache.k, cache.v)))
+    kv = [jnp.moveaxis(c[:, :, heads], 2, 0) for c in (cache.k, cache.v)]
+    if not config.is_hybrid:
+        return reference.KVCache(*kv)
+    state = cache.state.reshape(*cache.state.shape[:2], tp, -1, *cache.state.shape[3:])
+    return reference.HybridCache(*kv, _linear_channels(config, cache.conv, tp),
+                                 jnp.moveaxis(state, 2, 0))
 
 
 def prepare(plan: DecodePlan, params) -> dict:
@@ -110,8 +134,8 @@ def _step(plan: DecodePlan, weights, cache, tokens, positions):
     """Per device (inside shard_map): one megakernel step on its shard; returns the next
     tokens [B, T] (the same on every device), its logits columns [1, B, T, V/tp], cache."""
     unstack = functools.partial(jax.tree.map, lambda a: a[0])
-    nxt, logits, cache = megakernel.traced_step(plan, unstack(weights), unstack(cache),
-                                                tokens, positions)
+    nxt, logits, cache, *_ = megakernel.traced_step(plan, unstack(weights), unstack(cache),
+                                                    tokens, positions)
     return nxt[None], logits[None], jax.tree.map(lambda a: a[None], cache)
 
 
@@ -124,7 +148,7 @@ def decode_step(config: ModelConfig, weights, cache: reference.KVCache, tokens, 
     local = shard_config(config, tp)
     check_sharded_cache(cache, tp)
     check_interpret_devices(mesh)
-    unstacked = reference.KVCache(cache.k[0], cache.v[0])
+    unstacked = type(cache)(*(a[0] for a in cache))
     tokens, positions = reference.validate_step(local, unstacked, tokens, positions)
     B, T = tokens.shape
     plan = megakernel.step_plan(config, tp=tp, batch=B, rows=T, context=cache.k.shape[4],
@@ -143,11 +167,10 @@ def _sharded_step(plan, mesh, weights, cache, tokens, positions):
     )(weights, cache, tokens, positions)
 
 
-def compile_target(plan: DecodePlan, mesh, weights, k_cache, v_cache, tokens, positions):
+def compile_target(plan: DecodePlan, mesh, weights, cache, tokens, positions):
     """The traced TP step with no host-side checks: what `mk.tpu` compiles for plan.tp
-    cores (weights and caches stacked [tp, ...])."""
-    return _sharded_step(plan, mesh, weights, reference.KVCache(k_cache, v_cache), tokens,
-                         positions)
+    cores (weights and cache stacked [tp, ...])."""
+    return _sharded_step(plan, mesh, weights, cache, tokens, positions)
 
 
 @functools.partial(jax.jit, static_argnames=("plan", "mesh", "steps"),

@@ -25,7 +25,7 @@ from jax._src.pallas.mosaic.error_handling import MosaicError
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from mk import megakernel, quant, tensor_parallel
+from mk import megakernel, quant, reference, tensor_parallel
 from mk.chips import ChipSpec, chip as chip_spec
 from mk.config import ModelConfig
 from mk.kernels.collectives import AXIS
@@ -117,7 +117,7 @@ def compile_for_chip(fn, args, chip: str | ChipSpec, *, name: str = "",
                          code_bytes=mem.generated_code_size_in_bytes, vmem=vmem)
 
 
-CACHE_ARGS = (1, 2)  # k_cache, v_cache in the compiled step's arguments
+CACHE_ARGS = (1,)  # the cache (a KVCache or HybridCache) in the compiled step's arguments
 
 
 def _tpu(chip: str | ChipSpec) -> ChipSpec:
@@ -154,16 +154,15 @@ def compile_megakernel(config: ModelConfig, chip: str | ChipSpec, *, tp: int = 1
     params |= {name: quant.abstract_weight(params[name].shape, scheme)
                for family, scheme in dict(plan.formats).items()
                for name in quant.FAMILIES[family] if name in params}
-    local = plan.local
-    cache = (local.layers, batch, local.kv_heads, context, local.head_dim)
+    # One device's cache; with tp > 1 stacked [tp, ...] (`mk.tensor_parallel.shard_cache`).
+    cache = jax.eval_shape(lambda: reference.init_cache(plan.local, batch, context))
     tokens = jax.ShapeDtypeStruct((batch, rows), jnp.int32)
     positions = jax.ShapeDtypeStruct((batch,), jnp.int32)
     if plan.tp == 1:
         weights = jax.eval_shape(lambda p: megakernel.prepare(config, p, plan.block), params)
-        cache = jax.ShapeDtypeStruct(cache, config.dtype)
         report = compile_for_chip(
-            lambda w, k, v, t, p: megakernel.compile_target(plan, w, k, v, t, p),
-            [weights, cache, cache, tokens, positions], spec, name=name, vmem=fit.vmem,
+            lambda w, c, t, p: megakernel.traced_step(plan, w, c, t, p),
+            [weights, cache, tokens, positions], spec, name=name, vmem=fit.vmem,
             donate=CACHE_ARGS)
         return dataclasses.replace(report, hbm_bytes=fit.hbm_bytes)
     available = devices(topology or spec.topology)
@@ -172,13 +171,13 @@ def compile_megakernel(config: ModelConfig, chip: str | ChipSpec, *, tp: int = 1
                          f"cores, fewer than tp={plan.tp}")
     mesh = Mesh(np.array(available[:plan.tp]), (AXIS,))
     weights = jax.eval_shape(lambda p: tensor_parallel.prepare(plan, p), params)
-    cache = jax.ShapeDtypeStruct((plan.tp, *cache), config.dtype)
+    cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct((plan.tp, *a.shape), a.dtype), cache)
     sharded, replicated = NamedSharding(mesh, PartitionSpec(AXIS)), NamedSharding(
         mesh, PartitionSpec())
-    shardings = [jax.tree.map(lambda _: sharded, weights), sharded, sharded, replicated,
-                 replicated]
+    shardings = [jax.tree.map(lambda _: sharded, weights),
+                 jax.tree.map(lambda _: sharded, cache), replicated, replicated]
     report = compile_for_chip(
-        lambda w, k, v, t, p: tensor_parallel.compile_target(plan, mesh, w, k, v, t, p),
-        [weights, cache, cache, tokens, positions], spec, name=name, vmem=fit.vmem,
+        lambda w, c, t, p: tensor_parallel.compile_target(plan, mesh, w, c, t, p),
+        [weights, cache, tokens, positions], spec, name=name, vmem=fit.vmem,
         mesh=mesh, in_shardings=shardings, donate=CACHE_ARGS)
     return dataclasses.replace(report, tp=plan.tp, hbm_bytes=fit.hbm_bytes)

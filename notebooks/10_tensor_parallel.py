@@ -122,7 +122,7 @@ def split_rows(config, tps):
 
 
 display(plots.table(split_rows(config, [1, tp]) +
-                    split_rows(mk.preset("qwen3.8-27b-like"), [1, 8]) +
+                    split_rows(mk.preset("qwen3.5-27b"), [1, 8]) +
                     split_rows(mk.preset("kimi-k3-like"), [8, 32])))
 
 # %% [markdown]
@@ -184,7 +184,7 @@ display(plots.table([e for e in collectives.exchanges(4) if e["device"] == 0]))
 # next to that model's own collective term and the step's HBM floor per device:
 
 # %%
-terms = [tpar.collective_terms(mk.preset("qwen3.8-27b-like"), t, "tpu7x", batch=8)
+terms = [tpar.collective_terms(mk.preset("qwen3.5-27b"), t, "tpu7x", batch=8)
          for t in (2, 4, 8)]
 display(plots.table([{k: f"{v:.3g}" if isinstance(v, float) else v for k, v in t.items()}
                      for t in terms]))
@@ -228,7 +228,7 @@ print(f"tp={tp}, device 0 :", np.asarray(got[0]).tolist(), "; races found:", rac
 # reported with its numbers before compiling.
 
 # %%
-targets = [("qwen3.8-27b-like", "tpu7x:2x2x1", "tpu7x"),  # TP8: 4 chips, 8 TensorCores
+targets = [("qwen3.5-27b", "tpu7x:2x2x1", "tpu7x"),  # TP8: 4 chips, 8 TensorCores
            ("qwen3-30b-a3b", "v5e:2x2", "v5e"),  # TP4: 4 chips
            ("qwen3-30b-a3b", "v5e:2x4", "v5e"),  # TP8: 8 chips
            ("kimi-k3-like", "tpu7x:2x2x4", "tpu7x")]  # TP32: 16 chips, 32 TensorCores

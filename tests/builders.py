@@ -1,6 +1,7 @@
 """Shared test inputs: tiny configs and Hugging Face checkpoint folders written without torch;
 `bar_count` reads what a text progress bar drew; `quantised_cases` and `plant_double_scale`
-for the tests of kernels on quantised weights.
+for the tests of kernels on quantised weights; `assert_verify_steps` feeds a perfect draft
+to the megakernel, T rows per step.
 
 The HF names below are spelled out by hand, independently of `mk.checkpoint.hf_layout`, so
 a round trip through them tests the loader's mapping rather than repeating it.
@@ -228,6 +229,36 @@ def assert_rollback_exact(config, params, *, rows: int, accepted):
     planted = next_logits(after, jnp.asarray(accepted))
     assert np.abs(planted[0] - got[0]).max() > 1e-2
     return after, states
+
+
+def assert_verify_steps(config, params, values, prompt, want, rows: int, tokens: int,
+                        want_logits=None, rtol_of_scale: float = 0.0):
+    """Feed the reference's (or transformers') greedy tokens `want` [B, >= tokens] `rows`
+    at a time (a perfect draft): each megakernel step (race detector on) must predict the
+    next `rows`. values: what the reference's prefill runs on (the dequantised params, or
+    params). want_logits [B, P + tokens, V] (the logits of the whole sequence, e.g.
+    transformers' forward): each step's logits within rtol_of_scale x their max |.|."""
+    import jax.numpy as jnp
+
+    from mk import backend, megakernel, reference
+    from mk.kernels.plan import default_block
+
+    block = default_block(config, 128)
+    weights = megakernel.prepare(config, params, block)
+    _, cache = reference.prefill(config, values, prompt[:, :-1], max_context=128)
+    fed = jnp.concatenate([prompt[:, -1:], want], axis=1)
+    P = prompt.shape[1]
+    with backend.use("interpret", detect_races=True):
+        for i in range(0, tokens, rows):
+            got, logits, cache = megakernel.decode_step(
+                config, weights, cache, fed[:, i:i + rows],
+                jnp.full((prompt.shape[0],), P - 1 + i, jnp.int32), block=block)
+            np.testing.assert_array_equal(got, want[:, i:i + rows], err_msg=f"tokens {i}..")
+            if want_logits is not None:
+                ref = want_logits[:, P - 1 + i:P - 1 + i + rows]
+                np.testing.assert_allclose(logits, ref, rtol=0,
+                                           atol=rtol_of_scale * np.abs(ref).max())
+    assert not backend.races_found()
 
 
 def bar_count(text: str) -> tuple[int, int] | None:

@@ -21,10 +21,14 @@ from safetensors.numpy import load_file, save_file
 
 import mk
 from builders import (assert_greedy_matches_hf, assert_prefill_matches_hf, assert_rollback_exact,
-                      assert_t4_steps_predict_hf_tokens)
+                      assert_t4_steps_predict_hf_tokens, assert_verify_steps, hf_greedy,
+                      hf_logits)
 from mk import linear_attention as la
+from mk import megakernel
 from mk import reference as R
 from mk import spec
+
+SLOW = pytest.mark.slow
 
 # Both sides compute in float32 (observed max |mk - hf| / max |hf| well below 1e-5).
 LOGIT_RTOL_OF_SCALE = 1e-4
@@ -43,6 +47,11 @@ CASES = {
     "full-lin-lin-tied": dict(num_hidden_layers=3, layer_types=[FULL, LIN, LIN],
                               tie_word_embeddings=True),
 }
+# The megakernel's case: every head dim and width a whole number of 128-lane tiles.
+TPU_SHAPED = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                  intermediate_size=256, linear_num_key_heads=1, linear_num_value_heads=2,
+                  linear_key_head_dim=128, linear_value_head_dim=128, num_hidden_layers=3,
+                  layer_types=[LIN, FULL, LIN], tie_word_embeddings=False)
 
 
 def build_hf_hybrid(overrides: dict, seed: int = 0):
@@ -106,6 +115,43 @@ def test_t4_decode_steps_predict_transformers_tokens(case):
     assert_t4_steps_predict_hf_tokens(model, config, params, prompt)
 
 
+# -- The megakernel against transformers ------------------------------------------------------
+@pytest.fixture(scope="module")
+def tpu_case(tmp_path_factory):
+    """A TPU-shaped checkpoint written by transformers, loaded; its greedy tokens and the
+    logits of prompt + tokens (transformers' own)."""
+    model = build_hf_hybrid(TPU_SHAPED, seed=1)
+    folder = tmp_path_factory.mktemp("tpu-shaped")
+    model.save_pretrained(folder)
+    config, params = mk.load_checkpoint(folder)
+    prompt = np.random.default_rng(2).integers(0, COMMON["vocab_size"], (4, PROMPT))
+    want = hf_greedy(model, prompt, STEPS)
+    logits = hf_logits(model, np.concatenate([prompt, want], axis=1))
+    return config, params, prompt, want, logits
+
+
+@pytest.mark.parametrize("batch", [4, pytest.param(1, marks=SLOW)])
+def test_megakernel_greedy_tokens_equal_transformers(tpu_case, batch):
+    """32 greedy tokens, T = 1: the linear layers' states carried from step to step in HBM
+    (the prefill is the reference's; every later token is one megakernel call)."""
+    config, params, prompt, want, _ = tpu_case
+    assert config.layer_types == ("linear", "full", "linear")
+    got = megakernel.generate(config, params, prompt[:batch], STEPS, backend="interpret",
+                              max_context=128, steps_per_call=STEPS - 1)
+    np.testing.assert_array_equal(np.asarray(got), want[:batch])
+
+
+@pytest.mark.parametrize("batch", [4, pytest.param(1, marks=SLOW)])
+def test_megakernel_t4_steps_predict_transformers_tokens_and_logits_race_free(tpu_case,
+                                                                               batch):
+    """transformers' tokens fed 4 rows per megakernel step (race detector on): every row's
+    argmax is transformers' next token and its logits are within LOGIT_RTOL_OF_SCALE of
+    transformers' forward over the same sequence."""
+    config, params, prompt, want, logits = tpu_case
+    assert_verify_steps(config, params, params, prompt[:batch], want[:batch], 4, 16,
+                        logits[:batch], LOGIT_RTOL_OF_SCALE)
+
+
 # -- The reference itself ------------------------------------------------------------------
 def test_delta_rule_by_hand():
     """One head, Hk = 2, Hv = 1. Row 1: S = 0, k = (1, 0), v = 2, beta = 1/2 -> delta 1,
@@ -150,10 +196,12 @@ def test_rollback_restores_the_state_of_the_accepted_prefix(tiny_hybrid):
 SPEC_STEPS = 8
 
 
-def _spec(config, params, prompt, drafter, gamma, **options):
+def _spec(config, params, prompt, drafter, gamma, verifier="reference", **options):
     kw = dict(acceptance_length=min(3, gamma + 1)) if drafter == "forced" else {}
+    if verifier == "megakernel":
+        kw |= dict(backend="interpret")
     return spec.generate(config, params, prompt, SPEC_STEPS, drafter=drafter, gamma=gamma,
-                         verifier="reference", bucket=4, max_context=64, **kw, **options)
+                         verifier=verifier, bucket=4, max_context=64, **kw, **options)
 
 
 @pytest.mark.parametrize("batch, gammas", [
@@ -196,6 +244,28 @@ def test_a_missing_rollback_is_caught_in_the_verifier_and_in_the_drafter(
     with monkeypatch.context() as patch:
         patch.setattr(spec.Runner, "keep", lambda self, cache, kept: cache)
         got, _ = _spec(config, params, prompt, "ngram", 3)
+    assert (np.asarray(got) != want).any()
+
+
+@pytest.mark.parametrize("batch, gammas, drafters", [
+    (2, (3,), ("ngram",)),
+    pytest.param(1, range(1, 8), spec.DRAFTERS, marks=SLOW),
+    pytest.param(4, range(1, 8), spec.DRAFTERS, marks=SLOW)])
+def test_the_megakernel_verifies_a_hybrid_losslessly_and_a_missing_rollback_shows(
+        tiny_hybrid, monkeypatch, batch, gammas, drafters):
+    """The megakernel as the verifier (T = gamma + 1 rows per call, its linear states after
+    every row out of the kernel, `Runner.keep` rolling them back): greedy speculative
+    tokens equal the reference's greedy tokens. Control, in the same run: without the
+    rollback the tokens differ."""
+    config, params = tiny_hybrid
+    prompt = np.random.default_rng(batch).integers(0, config.vocab, (batch, 6))
+    want = np.asarray(R.generate(config, params, prompt, SPEC_STEPS, max_context=64))
+    for drafter in drafters:
+        for gamma in gammas:
+            got, _ = _spec(config, params, prompt, drafter, gamma, "megakernel")
+            np.testing.assert_array_equal(got, want, err_msg=f"{drafter} gamma={gamma}")
+    monkeypatch.setattr(spec.Runner, "keep", lambda self, cache, kept: cache)
+    got, _ = _spec(config, params, prompt, "ngram", gammas[-1], "megakernel")
     assert (np.asarray(got) != want).any()
 
 

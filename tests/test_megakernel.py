@@ -17,7 +17,7 @@ import mk.megakernel as megakernel
 from mk import backend, quant, reference, tpu
 from mk.kernels.common import BlockSizes
 from mk.kernels.plan import default_block
-from builders import bar_count
+from builders import assert_verify_steps, bar_count
 
 TOKENS = 64
 
@@ -76,23 +76,6 @@ def test_64_greedy_tokens_equal_the_reference(name, batch, rows, formats):
         np.testing.assert_array_equal(got, want)
         return
     assert_verify_steps(config, params, values, prompt, want, rows, TOKENS)
-
-
-def assert_verify_steps(config, params, values, prompt, want, rows: int, tokens: int):
-    """Feed the reference's greedy tokens `want` [B, >= tokens] `rows` at a time (a perfect
-    draft): each megakernel step (race detector on) must predict the next `rows`. values:
-    what the reference's prefill runs on (the dequantised params, or params)."""
-    block = default_block(config, 128)
-    weights = megakernel.prepare(config, params, block)
-    _, cache = reference.prefill(config, values, prompt[:, :-1], max_context=128)
-    fed = jnp.concatenate([prompt[:, -1:], want], axis=1)
-    with backend.use("interpret", detect_races=True):
-        for i in range(0, tokens, rows):
-            got, _, cache = megakernel.decode_step(
-                config, weights, cache, fed[:, i:i + rows],
-                jnp.full((prompt.shape[0],), prompt.shape[1] - 1 + i, jnp.int32), block=block)
-            np.testing.assert_array_equal(got, want[:, i:i + rows], err_msg=f"tokens {i}..")
-    assert not backend.races_found()
 
 
 QWEN35_ATTENTION = dict(attn_output_gate=True, partial_rotary_factor=0.25, norm_offset=1.0)

@@ -126,10 +126,16 @@ def test_tokens_per_s_count_accepted_tokens_per_user_and_batch_in_aggregate():
 @pytest.mark.parametrize("name", DENSE_PRESETS)
 def test_bf16_dense_weights_have_intensity_about_m_flop_per_byte(name):
     # Not for MoE presets: there the experts touched grow with M too.
+    # A hybrid's linear states (float32, fixed per sequence) add bytes per sequence too:
+    # its weights alone have that intensity, the whole step less.
     config = mk.preset(name)
     for m in (1, 8, 64):
         e = perf.predict(config, "v6e", batch=m, context=0)
-        assert e.intensity_flop_per_byte == pytest.approx(m, rel=0.05)
+        if config.is_hybrid:
+            assert e.matmul_flops / e.weight_bytes == pytest.approx(m, rel=0.05)
+            assert e.intensity_flop_per_byte < e.matmul_flops / e.weight_bytes
+        else:
+            assert e.intensity_flop_per_byte == pytest.approx(m, rel=0.05)
 
 
 @pytest.mark.parametrize("spec", all_chips("tpu"), ids=lambda c: c.name)
@@ -180,6 +186,12 @@ def test_more_batch_or_context_never_shortens_the_step_or_raises_per_user_speed(
     assert more_b.tokens_per_s_per_user <= e.tokens_per_s_per_user
 
 
+def splits(config, tp: int) -> bool:
+    """Whether tp devices can share `config`'s heads, width and linear key heads."""
+    return not (config.heads % tp or config.hidden % tp
+                or config.linear_layers and config.linear_key_heads % tp)
+
+
 @pytest.mark.parametrize("name", PRESET_NAMES)
 def test_hbm_floor_falls_as_one_over_tp_up_to_what_every_device_repeats(name):
     # What every device moves whole (norms, router, replicated kv heads) or pads (split
@@ -187,7 +199,7 @@ def test_hbm_floor_falls_as_one_over_tp_up_to_what_every_device_repeats(name):
     config = mk.preset(name)
     one = perf.predict(config, "tpu7x", tp=1, context=0)
     for tp in (2, 4, 8, 16, 32):
-        if config.heads % tp or config.hidden % tp:
+        if not splits(config, tp):
             continue
         many = perf.predict(config, "tpu7x", tp=tp, context=0)
         repeated = (tp - 1) * (one.norm_bytes + one.router_bytes)
@@ -327,7 +339,7 @@ def test_collective_term_counts_two_allreduces_per_layer_and_one_for_the_lm_head
 def test_every_preset_predicts_for_tp_1_to_32_batch_1_to_8_and_t_1_to_8(tp):
     for name in PRESET_NAMES:
         config = mk.preset(name)
-        if config.heads % tp or config.hidden % tp:  # a split the kernel cannot make
+        if not splits(config, tp):  # a split the kernel cannot make
             with pytest.raises(ValueError, match=f"is not a multiple of tp={tp}"):
                 perf.predict(config, "tpu7x", context=0, tp=tp)
             continue

@@ -65,9 +65,11 @@ def counted(name: str, tp: int, formats=None) -> dict:
     return {f: np.array(b) for f, b in families.items()}
 
 
-# CPU seconds: 17, 50, 59, 79. CI runs the dense model; `make test-slow` the MoE model at
-# tp 1, 2 and 4 (every family, the collectives' shard).
-@pytest.mark.parametrize("name, tp", [("tiny", 1), pytest.param("tiny-moe", 1, marks=SLOW),
+# CPU seconds: 17, 25, 50, 59, 79. CI runs the dense model and the hybrid (its linear
+# weights and states); `make test-slow` the MoE model at tp 1, 2 and 4 (every family, the
+# collectives' shard).
+@pytest.mark.parametrize("name, tp", [("tiny", 1), ("tiny-hybrid", 1),
+                                      pytest.param("tiny-moe", 1, marks=SLOW),
                                       pytest.param("tiny-moe", 2, marks=SLOW),
                                       pytest.param("tiny-moe", 4, marks=SLOW)])
 def test_the_kernel_moves_the_bytes_the_plan_the_simulator_and_perf_count(name, tp):
@@ -86,9 +88,14 @@ def test_the_kernel_moves_the_bytes_the_plan_the_simulator_and_perf_count(name, 
     assert {f: tp * b for f, b in replay.family_bytes().items()} == got  # KV included
     by_perf = dict(attention=roof.attention_bytes, norms=roof.norm_bytes,
                    dense_mlp=roof.dense_mlp_bytes, router=roof.router_bytes,
-                   experts=roof.expert_bytes, lm_head=roof.lm_head_bytes)
+                   experts=roof.expert_bytes, lm_head=roof.lm_head_bytes,
+                   linear=roof.linear_bytes)
     assert {f: b for f, b in by_perf.items() if b} == want
-    assert set(got) == set(want) | set(KV_FAMILIES)
+    states = plan.state_bytes()  # one row: read once, written once
+    assert {f: got.get(f, 0) for f in states} == states == dict(
+        state_read=roof.state_read_bytes, state_write=roof.state_write_bytes)
+    kv = {"kv_read", "kv_write"} | ({f for f in states} if config.is_hybrid else set())
+    assert set(got) == set(want) | kv
     # Switched-off segments are not counted: every layer's period holds the dense MLP's
     # tiles, but only the dense layer's are moved.
     if config.is_moe:
@@ -203,13 +210,20 @@ def test_a_plan_the_kernel_cannot_run_is_refused_with_the_field(kwargs, message)
         DecodePlan.make(mk.preset("tiny"), **args)
 
 
-def test_gated_attention_across_devices_is_refused_with_the_field():
-    """Qwen3.5's output gate is built on one device; sharding wq_gate is not (yet)."""
-    config = dataclasses.replace(mk.preset("tiny"), attn_output_gate=True)
-    with pytest.raises(ValueError, match="attn_output_gate with tp=2"):
-        DecodePlan.make(config, tp=2, batch=1, context=128)
-    plan = DecodePlan.make(config, batch=1, context=128)
-    assert "wq_gate" in [s.name for s in plan.stream.segments] and "q_gate" in plan.buffers
+def test_a_hybrid_shards_its_linear_heads_and_output_gate_and_names_what_does_not_split():
+    """Qwen3.5 at tp=2: wq_gate split as wq, each linear layer by its key and value heads
+    (their conv channels, state and out_proj rows with them); Nk=1 cannot split."""
+    config = dataclasses.replace(mk.preset("tiny-hybrid"), linear_key_heads=2,
+                                 linear_value_heads=4)
+    plan = DecodePlan.make(config, tp=2, batch=1, context=128)
+    local, shapes = plan.local, {s.name: s for s in plan.stream.segments}
+    assert (local.linear_key_heads, local.linear_value_heads) == (1, 2)
+    assert shapes["wq_gate"].col_tiles == shapes["wq"].col_tiles
+    assert shapes["lin_qkv"].col_tiles * plan.block.tile_n == config.conv_channels // 2
+    assert shapes["lin_out"].row_tiles * plan.block.tile_k == config.linear_value_width // 2
+    assert plan.state_bytes()["state_read"] == config.linear_state_bytes // 2
+    with pytest.raises(ValueError, match="linear_key_heads=1 is not a multiple of tp=2"):
+        DecodePlan.make(mk.preset("tiny-hybrid"), tp=2, batch=1, context=128)
 
 
 def test_the_layers_program_order_is_data_the_kernel_checks_and_the_simulator_walks(

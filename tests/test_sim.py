@@ -246,7 +246,7 @@ def test_a_four_bit_stream_moves_a_quarter_of_the_bf16_bytes():
 
 
 @pytest.mark.parametrize("name,kwargs", [("kimi-k3-like", dict(rows=8, tp=32)),
-                                         ("qwen3.8-27b-like", dict(rows=8, tp=8))])
+                                         ("qwen3.5-27b", dict(rows=8, tp=8))])
 def test_fast_forwarded_bubbles_still_add_up_to_the_idle_time(name, kwargs):
     config = mk.preset(name).first_layers(2)
     for slots in (3, 16):

@@ -143,7 +143,7 @@ def test_a_tp_that_is_not_a_power_of_two_is_refused(tp):
 
 
 @pytest.mark.parametrize("name, topology, chip", [
-    ("qwen3.8-27b-like", "tpu7x:2x2x1", "tpu7x"),  # TP8: 4 chips, 8 cores
+    ("qwen3.5-27b", "tpu7x:2x2x1", "tpu7x"),  # TP8: 4 chips, 8 cores
     ("qwen3-30b-a3b", "v5e:2x4", "v5e"),  # TP8: at TP4 it does not fit (next test)
 ])
 def test_sharded_model_compiles_for_a_multi_chip_topology(name, topology, chip):

@@ -120,6 +120,20 @@ def decode_attention_scratch(B: int, T: int, N: int, K: int, H: int, dtype,
 
 
 # -- Regrouping rows (static strided copies: Mosaic cannot prove b*T aligned) -------------
+def _copy_rows(dst, dst_first: int, dst_stride: int, src, src_first: int, src_stride: int,
+               count: int):
+    """dst[dst_first + i * dst_stride] = src[src_first + i * src_stride], i < count, all
+    static: one strided copy when rows are 128 lanes wide (Mosaic strides only those), else
+    one static row copy per i (head dims of 256: Qwen3.5's full attention)."""
+    if dst.shape[-1] == LANES and src.shape[-1] == LANES:
+        dst[pl.ds(dst_first, count, stride=dst_stride), :] = (
+            src[pl.ds(src_first, count, stride=src_stride), :])
+        return
+    for i in range(count):
+        dst[pl.ds(dst_first + i * dst_stride, 1), :] = (
+            src[pl.ds(src_first + i * src_stride, 1), :])
+
+
 def _gather_blocks(src_vmem, dst_vmem, stage, *, rows: int, group: int, block: int):
     """dst[(b*C + c)*block + j*rows + t] = src[b*T + t, head c*group + j] (H lanes each).
 
@@ -132,8 +146,7 @@ def _gather_blocks(src_vmem, dst_vmem, stage, *, rows: int, group: int, block: i
         c, j = divmod(n, group)
         stage[...] = src_vmem[:, pl.ds(n * H, H)]
         for t in range(rows):
-            dst_vmem[pl.ds(c * block + j * rows + t, B, stride=stride), :] = (
-                stage[pl.ds(t, B, stride=rows), :])
+            _copy_rows(dst_vmem, c * block + j * rows + t, stride, stage, t, rows, B)
 
 
 def _scatter_blocks(src_vmem, dst_vmem, stage, *, rows: int, group: int, block: int):
@@ -144,8 +157,7 @@ def _scatter_blocks(src_vmem, dst_vmem, stage, *, rows: int, group: int, block: 
     for n in range(heads):
         c, j = divmod(n, group)
         for t in range(rows):
-            stage[pl.ds(t, B, stride=rows), :] = (
-                src_vmem[pl.ds(c * block + j * rows + t, B, stride=stride), :])
+            _copy_rows(stage, t, rows, src_vmem, c * block + j * rows + t, stride, B)
         dst_vmem[:, pl.ds(n * H, H)] = stage[...]
 
 

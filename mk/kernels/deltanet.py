@@ -34,6 +34,8 @@ parallelism.
 from __future__ import annotations
 
 import functools
+import math
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -44,8 +46,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mk import linear_attention as la
 from mk.config import MAX_ROWS, ModelConfig, check_rows
-from mk.kernels.common import (LANES, BlockSizes, Buffer, default_block, vmem_limit_bytes,
-                               vmem_scratch)
+from mk.kernels.common import (LANES, BlockSizes, Buffer, default_block, memory_specs,
+                               start_dma, vmem_limit_bytes)
 from mk.kernels.ring import Ring, TileStream
 from mk.reference import rms_norm
 
@@ -99,12 +101,20 @@ class StateCopies:
         return pltpu.make_async_copy(self.rows_vmem.at[slot], self.rows_hbm.at[b],
                                      self.store_sems.at[slot])
 
+    def start_load(self, b, slot):
+        start_dma(self.load(b, slot), "state_load",
+                  math.prod(self.state_vmem.shape[1:]) * 4)
+
+    def start_store(self, b, slot):
+        start_dma(self.store(b, slot), "state_rows",
+                  math.prod(self.rows_vmem.shape[1:]) * 4)
+
 
 def delta_rule_body(q_vmem, k_vmem, v_vmem, scalars, out_vmem, copies: StateCopies, *,
                     rows: int):
     """The delta rule of B sequences inside a kernel: q, k [B, Nv, R, Hk], v and out
     [B, Nv, R, Hv] f32 VMEM refs; scalars(b, h) -> (decay(t), beta(t)). Expects
-    copies.load(0, 0) started (a layer kernel starts it before its projections); leaves
+    copies.start_load(0, 0) done (a layer kernel starts it before its projections); leaves
     every row-state write-back waited for."""
     B, Nv = q_vmem.shape[:2]
 
@@ -114,7 +124,7 @@ def delta_rule_body(q_vmem, k_vmem, v_vmem, scalars, out_vmem, copies: StateCopi
 
         @pl.when(b + 1 < B)
         def prefetch_next_state():
-            copies.load(b + 1, 1 - slot).start()
+            copies.start_load(b + 1, 1 - slot)
 
         @pl.when(b >= 2)
         def free_row_slot():  # the write-back of sequence b-2 used this slot
@@ -127,7 +137,7 @@ def delta_rule_body(q_vmem, k_vmem, v_vmem, scalars, out_vmem, copies: StateCopi
             return carry
 
         lax.fori_loop(0, Nv, head, 0)
-        copies.store(b, slot).start()
+        copies.start_store(b, slot)
         return carry
 
     lax.fori_loop(0, B, sequence, 0)
@@ -161,7 +171,7 @@ def delta_rule_kernel(
         first = (b * Nv + h) * rows
         return lambda t: decay_smem[first + t], lambda t: beta_smem[first + t]
 
-    copies.load(0, 0).start()
+    copies.start_load(0, 0)
     delta_rule_body(q_vmem, k_vmem, v_vmem, scalars, out_vmem, copies, rows=rows)
 
 
@@ -212,35 +222,75 @@ def delta_rule_step(q, k, v, decay, beta, state, *, kernel=None):
 
 
 # -- The whole layer: stage 05b ------------------------------------------------------------
+# The linear layer's weights that are not ring segments, [Ll, ...] each, brought by their
+# own DMA at the layer's start: in_proj_b and in_proj_a ([D, Nv], Nv = 48 lanes in the 27B:
+# narrower than a ring tile, as a MoE router is), the conv taps, A_log, dt_bias and the
+# gated norm's weight (`prepare_linear` gives the vectors a [1, n] row each).
+LINEAR_DMAS = ("lin_b", "lin_a", "lin_conv", "lin_a_log", "lin_dt_bias", "lin_norm")
+# The layer's states: read (HBM [Ll, B, ...]) and their row states written (HBM
+# [Ll, B, T, ...]), by name.
+STATE_INPUTS = ("conv_state", "state")
+STATE_OUTPUTS = ("conv_rows", "state_rows")
+
+
 def gated_deltanet_matrices(config: ModelConfig) -> list[tuple[str, int, int]]:
-    """The ring segments of one gated-DeltaNet layer, in consumption order. in_proj_b and
-    in_proj_a ([D, Nv], Nv = 48 lanes in the 27B) are not here: a ring tile is at least
-    128 lanes wide, so they come by their own small DMA (as a MoE router does)."""
+    """The ring segments of one gated-DeltaNet layer, in consumption order (the rest of its
+    weights: LINEAR_DMAS)."""
     D, C, Vw = config.hidden, config.conv_channels, config.linear_value_width
     return [("lin_qkv", D, C), ("lin_z", D, Vw), ("lin_out", Vw, D)]
 
 
-def gated_deltanet_buffers(config: ModelConfig, batch: int, rows: int,
-                           block: BlockSizes) -> list[Buffer]:
-    """Every VMEM buffer of the stage-05b kernel (the budget and the scratch come from
-    here). State: two slots of one sequence's state in, two of its T row states out."""
+def linear_buffers(config: ModelConfig, batch: int, rows: int) -> list[Buffer]:
+    """The VMEM scratch of `linear_mixer` (group "linear", names "linear.<field>"): the
+    LINEAR_DMAS weights, the projections, the conv window and row states, the delta rule's
+    blocks; the recurrent state: two slots of one sequence's state in, two of its T row
+    states out."""
     M, T, R = batch * rows, rows, -(-rows // ALIGN) * ALIGN
     D, C, W, dt = config.hidden, config.conv_channels, config.conv_kernel, config.dtype
     Vw = config.linear_value_width
     Nv, Hk, Hv = config.linear_value_heads, config.linear_key_dim, config.linear_value_dim
     f32 = "float32"
-    return [Buffer("x", (M, D), f32, "operand"), Buffer("out", (M, D), f32, "operand"),
-            Buffer("conv_weight", (W, C), dt, "operand"),
-            Buffer("h", (M, D), dt),
-            Buffer("ring", (block.slots, block.tile_k, block.tile_n), dt),
-            Buffer("lin_b", (D, Nv), dt), Buffer("lin_a", (D, Nv), dt),
-            Buffer("decay", (M, Nv), f32), Buffer("beta", (M, Nv), f32),
-            Buffer("qkv", (M, C), f32), Buffer("z", (M, Vw), f32), Buffer("o", (M, Vw), f32),
-            Buffer("conv", (batch, W - 1, C), dt), Buffer("window", (batch, W - 1 + T, C), f32),
-            Buffer("conv_rows", (batch, T, W - 1, C), dt),
-            Buffer("q", (batch, Nv, R, Hk), f32), Buffer("k", (batch, Nv, R, Hk), f32),
-            Buffer("v", (batch, Nv, R, Hv), f32), Buffer("heads", (batch, Nv, R, Hv), f32),
-            Buffer("state", (2, Nv, Hk, Hv), f32), Buffer("state_rows", (2, T, Nv, Hk, Hv), f32)]
+    fields = [("lin_b", (D, Nv), dt), ("lin_a", (D, Nv), dt), ("lin_conv", (W, C), dt),
+              ("lin_a_log", (1, Nv), dt), ("lin_dt_bias", (1, Nv), dt),
+              ("lin_norm", (1, Hv), dt),
+              ("decay", (M, Nv), f32), ("beta", (M, Nv), f32),
+              ("qkv", (M, C), f32), ("z", (M, Vw), f32), ("o", (M, Vw), f32),
+              ("conv", (batch, W - 1, C), dt), ("window", (batch, W - 1 + T, C), f32),
+              ("conv_rows", (batch, T, W - 1, C), dt),
+              ("q", (batch, Nv, R, Hk), f32), ("k", (batch, Nv, R, Hk), f32),
+              ("v", (batch, Nv, R, Hv), f32), ("heads", (batch, Nv, R, Hv), f32),
+              ("state", (2, Nv, Hk, Hv), f32), ("state_rows", (2, T, Nv, Hk, Hv), f32)]
+    return [Buffer(f"linear.{name}", shape, dtype, "linear") for name, shape, dtype in fields]
+
+
+def linear_scratch(config: ModelConfig, batch: int, rows: int) -> dict:
+    """The Pallas scratch of `linear_mixer` by field name: `linear_buffers` in VMEM, the
+    gates in SMEM and the DMA semaphores."""
+    M, Nv = batch * rows, config.linear_value_heads
+    vmem = {b.name.removeprefix("linear."): pltpu.VMEM(b.shape, b.dtype)
+            for b in linear_buffers(config, batch, rows)}
+    return vmem | dict(
+        decay_smem=pltpu.SMEM((M, Nv), F32), beta_smem=pltpu.SMEM((M, Nv), F32),
+        load_sems=pltpu.SemaphoreType.DMA((2,)), store_sems=pltpu.SemaphoreType.DMA((2,)),
+        # LINEAR_DMAS, then conv state in, conv rows out, decay and beta to SMEM
+        small_sems=pltpu.SemaphoreType.DMA((len(LINEAR_DMAS) + 4,)))
+
+
+def prepare_linear(config: ModelConfig, params) -> dict:
+    """The LINEAR_DMAS weights of every linear layer as `linear_mixer` reads them: the
+    vectors as [Ll, 1, n] rows (one DMA each into a [1, n] buffer), the rest as they are."""
+    return {n: params[n][:, None] if params[n].ndim == 2 else params[n] for n in LINEAR_DMAS}
+
+
+def gated_deltanet_buffers(config: ModelConfig, batch: int, rows: int,
+                           block: BlockSizes) -> list[Buffer]:
+    """Every VMEM buffer of the stage-05b kernel (the budget and the scratch come from
+    here): its operands, the normed rows, the ring and `linear_buffers`."""
+    M, D, dt = batch * rows, config.hidden, config.dtype
+    return [Buffer("x", (M, D), "float32", "operand"),
+            Buffer("out", (M, D), "float32", "operand"),
+            Buffer("h", (M, D), dt), Buffer("ring", (block.slots, block.tile_k, block.tile_n), dt),
+            *linear_buffers(config, batch, rows)]
 
 
 def gates_body(h, lin_b, lin_a, a_log, dt_bias):
@@ -317,90 +367,83 @@ def gated_norm_rows(heads_vmem, z_vmem, o_vmem, norm, *, batch: int, rows: int, 
     lax.fori_loop(0, Nv, head, 0)
 
 
-def gated_deltanet_kernel(
-    # Inputs
-    x_vmem,  # [M, D] f32, the residual stream
-    attn_norm_vmem,  # [1, D] the input RMSNorm's weight
-    a_log_vmem,  # [1, Nv]
-    dt_bias_vmem,  # [1, Nv]
-    lin_norm_vmem,  # [1, Hv] the gated norm's weight
-    conv_weight_vmem,  # [W, C]
-    lin_qkv_hbm,  # [D, C] weight dtype, left in HBM (ring)
-    lin_z_hbm,  # [D, Nv*Hv] (ring)
-    lin_out_hbm,  # [Nv*Hv, D] (ring)
-    lin_b_hbm,  # [D, Nv] (own DMA)
-    lin_a_hbm,  # [D, Nv] (own DMA)
-    conv_state_hbm,  # [B, W-1, C] cache dtype
-    state_hbm,  # [B, Nv, Hk, Hv] f32
-    # Outputs
-    out_vmem,  # [M, D] f32: x + out_proj(...)
-    conv_rows_hbm,  # [B, T, W-1, C] cache dtype: the conv state after each row
-    state_rows_hbm,  # [B, T, Nv, Hk, Hv] f32: the recurrent state after each row
-    *,
-    config: ModelConfig,
-    stream: TileStream,
-    batch: int,
-    rows: int,
-    # Scratch (`vmem_scratch` of `gated_deltanet_buffers`, by name; then SMEM and sems)
-    h_vmem, ring_vmem, lin_b_vmem, lin_a_vmem, decay_vmem, beta_vmem, qkv_vmem, z_vmem,
-    o_vmem, conv_vmem, window_vmem, conv_rows_vmem, q_vmem, k_vmem, v_vmem, heads_vmem,
-    state_vmem, state_rows_vmem,
-    decay_smem,  # [M, Nv] f32
-    beta_smem,  # [M, Nv] f32
-    sems,  # DMA [slots]: the ring
-    load_sems, store_sems,  # DMA [2] each: the recurrent state
-    small_sems,  # DMA [6]: conv state in, conv rows out, lin_b, lin_a, decay, beta
-):
-    # Everything that does not depend on this step's activations starts first, so it
-    # lands while the projections stream.
-    copies = StateCopies(state_hbm, state_rows_hbm, state_vmem, state_rows_vmem, load_sems,
-                         store_sems)
-    copies.load(0, 0).start()
-    conv_in = pltpu.make_async_copy(conv_state_hbm, conv_vmem, small_sems.at[0])
-    conv_out = pltpu.make_async_copy(conv_rows_vmem, conv_rows_hbm, small_sems.at[1])
-    gate_weights = [pltpu.make_async_copy(src, dst, small_sems.at[2 + i]) for i, (src, dst)
-                    in enumerate([(lin_b_hbm, lin_b_vmem), (lin_a_hbm, lin_a_vmem)])]
-    for copy in [conv_in, *gate_weights]:
-        copy.start()
-    fetch = {"lin_qkv": lambda layer: (lin_qkv_hbm, None),
-             "lin_z": lambda layer: (lin_z_hbm, None),
-             "lin_out": lambda layer: (lin_out_hbm, None)}
-    ring = Ring(stream, fetch, ring_vmem, sems)
-    ring.prime()
+def linear_mixer(ring: Ring, config: ModelConfig, ls, hbm: dict, *, step, row, x, attn_norm,
+                 h_vmem, out_vmem, batch: int, rows: int):
+    """One gated-DeltaNet layer's token mixer inside a kernel: out_vmem [M, D] f32 <-
+    out_proj(GatedNorm(DeltaRule(conv(qkv)))) of RMSNorm(x) (no residual), and the layer's
+    conv and recurrent states after each row written to HBM.
 
-    h_vmem[...] = rms_norm(x_vmem[...], attn_norm_vmem[...], config.rms_eps,
-                           config.norm_offset).astype(h_vmem.dtype)
-    ring.matmul("lin_qkv", h_vmem, qkv_vmem)
-    ring.matmul("lin_z", h_vmem, z_vmem)  # the first out_proj tiles now load behind it
+    step: the layer's index in the ring's stream; row: its row in the stacked linear
+    weights and states (traced); x [M, D] f32 and attn_norm [1, D] (any norm offset added)
+    are values; ls: `linear_scratch` by field name; hbm: HBM refs by name, LINEAR_DMAS
+    [Ll, ...], STATE_INPUTS [Ll, B, ...] and STATE_OUTPUTS [Ll, B, T, ...]. Everything that
+    does not depend on this step's activations starts first (the first sequence's state,
+    the conv state, the small weights), so it lands while the projections stream."""
+    copies = StateCopies(hbm["state"].at[row], hbm["state_rows"].at[row], ls.state,
+                         ls.state_rows, ls.load_sems, ls.store_sems)
+    copies.start_load(0, 0)
+    small = {n: pltpu.make_async_copy(hbm[n].at[row], getattr(ls, n), ls.small_sems.at[i])
+             for i, n in enumerate(LINEAR_DMAS)}
+    k = len(LINEAR_DMAS)
+    conv_in = pltpu.make_async_copy(hbm["conv_state"].at[row], ls.conv, ls.small_sems.at[k])
+    conv_out = pltpu.make_async_copy(ls.conv_rows, hbm["conv_rows"].at[row],
+                                     ls.small_sems.at[k + 1])
+    for name, copy in small.items():
+        ref = getattr(ls, name)
+        start_dma(copy, name, ref.size * ref.dtype.itemsize)
+    start_dma(conv_in, "conv_load", ls.conv.size * ls.conv.dtype.itemsize)
 
-    for copy in gate_weights:
-        copy.wait()
-    decay_vmem[...], beta_vmem[...] = gates_body(h_vmem[...], lin_b_vmem[...],
-                                                 lin_a_vmem[...], a_log_vmem[...],
-                                                 dt_bias_vmem[...])
-    to_smem = [pltpu.make_async_copy(src, dst, small_sems.at[4 + i]) for i, (src, dst)
-               in enumerate([(decay_vmem, decay_smem), (beta_vmem, beta_smem)])]
+    h_vmem[...] = rms_norm(x, attn_norm, config.rms_eps).astype(h_vmem.dtype)
+    ring.matmul("lin_qkv", h_vmem, ls.qkv, layer=step)
+    ring.matmul("lin_z", h_vmem, ls.z, layer=step)  # the first out_proj tiles now load
+
+    for name in ("lin_b", "lin_a", "lin_a_log", "lin_dt_bias"):
+        small[name].wait()
+    ls.decay[...], ls.beta[...] = gates_body(h_vmem[...], ls.lin_b[...], ls.lin_a[...],
+                                             ls.lin_a_log[...], ls.lin_dt_bias[...])
+    to_smem = [pltpu.make_async_copy(src, dst, ls.small_sems.at[k + 2 + i]) for i, (src, dst)
+               in enumerate([(ls.decay, ls.decay_smem), (ls.beta, ls.beta_smem)])]
     for copy in to_smem:
         copy.start()
 
+    small["lin_conv"].wait()
     conv_in.wait()
-    conv_body(qkv_vmem, conv_vmem, conv_weight_vmem[...], window_vmem, conv_rows_vmem,
-              batch=batch, rows=rows)
-    conv_out.start()
-    head_blocks(qkv_vmem, q_vmem, k_vmem, v_vmem, config=config, batch=batch, rows=rows)
+    conv_body(ls.qkv, ls.conv, ls.lin_conv[...], ls.window, ls.conv_rows, batch=batch,
+              rows=rows)
+    start_dma(conv_out, "conv_rows", ls.conv_rows.size * ls.conv_rows.dtype.itemsize)
+    head_blocks(ls.qkv, ls.q, ls.k, ls.v, config=config, batch=batch, rows=rows)
 
     for copy in to_smem:
         copy.wait()
 
     def scalars(b, h):
-        return lambda t: decay_smem[b * rows + t, h], lambda t: beta_smem[b * rows + t, h]
+        return (lambda t: ls.decay_smem[b * rows + t, h],
+                lambda t: ls.beta_smem[b * rows + t, h])
 
-    delta_rule_body(q_vmem, k_vmem, v_vmem, scalars, heads_vmem, copies, rows=rows)
-    gated_norm_rows(heads_vmem, z_vmem, o_vmem, lin_norm_vmem[...], batch=batch, rows=rows,
+    delta_rule_body(ls.q, ls.k, ls.v, scalars, ls.heads, copies, rows=rows)
+    small["lin_norm"].wait()
+    gated_norm_rows(ls.heads, ls.z, ls.o, ls.lin_norm[...], batch=batch, rows=rows,
                     eps=config.rms_eps)
-    ring.matmul("lin_out", o_vmem, out_vmem)
-    out_vmem[...] = x_vmem[...] + out_vmem[...]
+    ring.matmul("lin_out", ls.o, out_vmem, layer=step)
     conv_out.wait()
+
+
+def gated_deltanet_kernel(inputs, outputs, *, config: ModelConfig, stream: TileStream,
+                          batch: int, rows: int, h_vmem, ring_vmem, sems, linear):
+    """inputs: x [M, D] f32, attn_norm [1, D] f32 (VMEM), the ring's weights and
+    LINEAR_DMAS and STATE_INPUTS (HBM, the one layer's, [1, ...]); outputs: out [M, D] f32
+    (x + the mixer), STATE_OUTPUTS (HBM, [1, ...]); scratch: h, the ring and its sems,
+    `linear_scratch` as `linear`."""
+    row = 0
+    fetch = {n: (lambda layer, n=n: (inputs[n].at[row], None))
+             for n in ("lin_qkv", "lin_z", "lin_out")}
+    ring = Ring(stream, fetch, ring_vmem, sems)
+    ring.prime()
+    x = inputs["x"][...]
+    linear_mixer(ring, config, SimpleNamespace(**linear), inputs | outputs, step=0, row=row,
+                 x=x, attn_norm=inputs["attn_norm"][...], h_vmem=h_vmem,
+                 out_vmem=outputs["out"], batch=batch, rows=rows)
+    outputs["out"][...] = x + outputs["out"][...]
 
 
 def check_linear_layer(config: ModelConfig, x, conv_state, state, layer) -> tuple[int, int]:
@@ -449,34 +492,37 @@ def gated_deltanet(config: ModelConfig, params, x, conv_state, state, *, layer: 
     Nv, Hk, Hv = config.linear_value_heads, config.linear_key_dim, config.linear_value_dim
     block = block or default_block(D, C, Vw)
     stream = TileStream.build(block, gated_deltanet_matrices(config))
-    buffers = gated_deltanet_buffers(config, B, T, block)
-    vmem, smem, hbm = (pl.BlockSpec(memory_space=s) for s in (pltpu.VMEM, pltpu.SMEM, pl.ANY))
     dt = jnp.dtype(config.dtype)
-    p = {name: params[name][i] for name in ("lin_qkv", "lin_z", "lin_out", "lin_b", "lin_a",
-                                            "lin_a_log", "lin_dt_bias", "lin_norm", "lin_conv")}
+    layer_params = {n: params[n][i:i + 1] for n in ("lin_qkv", "lin_z", "lin_out",
+                                                    *LINEAR_DMAS)}
+    inputs = dict(x=x.reshape(M, D).astype(F32),
+                  attn_norm=(params["attn_norm"][layer].astype(F32) + config.norm_offset)[None],
+                  conv_state=conv_state.astype(dt)[None], state=state.astype(F32)[None])
+    inputs |= {n: layer_params[n] for n in ("lin_qkv", "lin_z", "lin_out")}
+    inputs |= prepare_linear(config, layer_params)
+    outputs = dict(out=jax.ShapeDtypeStruct((M, D), F32),
+                   conv_rows=jax.ShapeDtypeStruct((1, B, T, W - 1, C), dt),
+                   state_rows=jax.ShapeDtypeStruct((1, B, T, Nv, Hk, Hv), F32))
+    spaces = {n: pl.ANY for n in inputs} | dict(x=pltpu.VMEM, attn_norm=pltpu.VMEM)
+    buffers = gated_deltanet_buffers(config, B, T, block)
     weight_bytes = (D * (C + Vw + 2 * Nv) + Vw * D) * dt.itemsize
     state_bytes = B * Nv * Hk * Hv * 4
     conv_bytes = B * (W - 1) * C * dt.itemsize
-    out, conv_rows, state_rows = pl.pallas_call(
+    out = pl.pallas_call(
         functools.partial(gated_deltanet_kernel, config=config, stream=stream, batch=B,
                           rows=T),
-        out_shape=(jax.ShapeDtypeStruct((M, D), F32),
-                   jax.ShapeDtypeStruct((B, T, W - 1, C), dt),
-                   jax.ShapeDtypeStruct((B, T, Nv, Hk, Hv), F32)),
-        in_specs=[vmem] * 6 + [hbm] * 7,
-        out_specs=(vmem, hbm, hbm),
-        scratch_shapes=vmem_scratch(buffers) | dict(
-            decay_smem=pltpu.SMEM((M, Nv), F32), beta_smem=pltpu.SMEM((M, Nv), F32),
-            sems=pltpu.SemaphoreType.DMA((block.slots,)),
-            load_sems=pltpu.SemaphoreType.DMA((2,)), store_sems=pltpu.SemaphoreType.DMA((2,)),
-            small_sems=pltpu.SemaphoreType.DMA((6,))),
+        out_shape=outputs,
+        in_specs=(memory_specs(spaces),),
+        out_specs=memory_specs(dict(out=pltpu.VMEM, conv_rows=pl.ANY, state_rows=pl.ANY)),
+        scratch_shapes=dict(h_vmem=pltpu.VMEM((M, D), dt),
+                            ring_vmem=pltpu.VMEM((block.slots, block.tile_k, block.tile_n), dt),
+                            sems=pltpu.SemaphoreType.DMA((block.slots,)),
+                            linear=linear_scratch(config, B, T)),
         compiler_params=pltpu.CompilerParams(vmem_limit_bytes=vmem_limit_bytes(buffers)),
         name="mk_gated_deltanet",
         cost_estimate=pl.CostEstimate(
             flops=weight_bytes // dt.itemsize * 2 * M + B * T * Nv * 3 * 2 * Hk * Hv,
             transcendentals=M * (C + 2 * Vw + 3 * Nv),
             bytes_accessed=weight_bytes + (1 + T) * (state_bytes + conv_bytes) + 2 * M * D * 4),
-    )(x.reshape(M, D).astype(F32), params["attn_norm"][layer][None], p["lin_a_log"][None],
-      p["lin_dt_bias"][None], p["lin_norm"][None], p["lin_conv"], p["lin_qkv"], p["lin_z"],
-      p["lin_out"], p["lin_b"], p["lin_a"], conv_state.astype(dt), state.astype(F32))
-    return out.reshape(B, T, D), conv_rows, state_rows
+    )(inputs)
+    return out["out"].reshape(B, T, D), out["conv_rows"][0], out["state_rows"][0]

@@ -10,7 +10,8 @@ are the one exception: they can only be issued once the router has chosen (see
 
 Here: `layer_matrices` (the stream of one layer), `layer_dims` (what its tiles divide),
 `layer_buffers` / `layer_scratch` (its VMEM and scratch by name), `mlp_fetch`,
-`LAYER_PHASES` (the layer's program order as data) and `layer_body` (the in-kernel layer the
+`LAYER_PHASES` (the layer's program order as data, `FULL_PHASES` those of attention) and
+`layer_body` (the in-kernel layer the
 megakernel loops over, in that order), and the stage wrapper `one_layer` with its
 `one_layer_buffers` (its weights may be `mk.quant.QuantWeight`s: packed tiles through the
 ring, dequantised in VMEM). Every
@@ -36,6 +37,7 @@ from mk.kernels.common import (BlockSizes, Buffer, aliases, default_block, memor
                                start_dma, vmem_limit_bytes)
 from mk.kernels.decode_attention import (AttentionScratch, KvStream, attend,
                                          decode_attention_buffers, decode_attention_scratch)
+from mk.kernels.deltanet import gated_deltanet_matrices, linear_mixer
 from mk.kernels.mlp import (EXPERT_WEIGHTS, expert_slots, moe_body, moe_fetch, moe_segments,
                             swiglu_body, swiglu_fetch, swiglu_segments)
 from mk.kernels.ring import Ring, TileStream, ring_buffers
@@ -49,11 +51,24 @@ def mlp_kinds(config: ModelConfig) -> tuple[str, ...]:
                                      ("moe", config.moe_layers)) if layers)
 
 
-def layer_matrices(config: ModelConfig, kinds: tuple[str, ...], M: int) -> list:
-    """The ring segments of one layer in consumption order, with the MLP segments of every
-    kind in `kinds` (a layer of the other kind switches them off); M = B*T activation rows
-    bound the expert slots."""
-    matrices = prologue_matrices(config) + [("wo", config.q_width, config.hidden)]
+def mixer_kinds(config: ModelConfig) -> tuple[str, ...]:
+    """The token-mixer kinds a whole-model kernel must hold: ("full",), ("linear",) or
+    both (a hybrid: Qwen3.5's gated-DeltaNet layers beside full attention)."""
+    return tuple(k for k, layers in (("full", config.full_layers),
+                                     ("linear", config.linear_layers)) if layers)
+
+
+def layer_matrices(config: ModelConfig, kinds: tuple[str, ...], M: int,
+                   mixers: tuple[str, ...] = ("full",)) -> list:
+    """The ring segments of one layer in consumption order: the token mixers of every kind
+    in `mixers` (attention: wq, wk, wv, wq_gate, wo; linear: lin_qkv, lin_z, lin_out),
+    then the MLP segments of every kind in `kinds`; a layer switches off the kinds it does
+    not use. M = B*T activation rows bound the expert slots."""
+    matrices = []
+    if "full" in mixers:
+        matrices += prologue_matrices(config) + [("wo", config.q_width, config.hidden)]
+    if "linear" in mixers:
+        matrices += gated_deltanet_matrices(config)
     if "dense" in kinds:
         matrices += swiglu_segments(config.hidden, config.ffn)
     if "moe" in kinds:
@@ -65,6 +80,8 @@ def layer_matrices(config: ModelConfig, kinds: tuple[str, ...], M: int) -> list:
 def layer_dims(config: ModelConfig) -> list[int]:
     """Every weight dimension the layers of `config` tile (`default_block`'s input)."""
     dims = [config.hidden, config.q_width, config.kv_width]
+    if config.linear_layers:
+        dims += [config.conv_channels, config.linear_value_width]
     dims += [config.ffn] if config.dense_layers else []
     return dims + ([config.expert_ffn] if config.moe_layers else [])
 
@@ -194,8 +211,10 @@ def mlp_block(ring: Ring, config: ModelConfig, kinds, s, *, step, is_moe):
 # The phases of one layer in program order, as data: `layer_body` runs them in this order
 # (each under `phase`, which checks it at trace time and names it for the profiler), and
 # `mk.sim` replays the same list with its cost model of each phase.
-LAYER_PHASES = ("kv_prime", "prologue", "attend", "wo", "attn_all_reduce", "mlp_norm",
-                "before_mlp", "mlp", "mlp_all_reduce", "residual")
+LAYER_PHASES = ("kv_prime", "prologue", "attend", "wo", "linear", "attn_all_reduce",
+                "mlp_norm", "before_mlp", "mlp", "mlp_all_reduce", "residual")
+FULL_PHASES = ("kv_prime", "prologue", "attend", "wo")  # a full layer's mixer; a linear
+#                                                         layer's is "linear"
 
 
 def phases():
@@ -222,32 +241,66 @@ def phases():
 def layer_body(ring: Ring, config: ModelConfig, kinds, s, *, step, layer, is_moe, x, norms,
                positions_smem, k_cache_hbm, v_cache_hbm, attention: AttentionScratch,
                block: BlockSizes, batch: int, rows: int, before_mlp=None,
-               all_reduce=None):
+               all_reduce=None, linear=None):
     """One decoder layer inside a kernel: returns the new residual x [M, D] f32.
 
-    step: this layer's index in the ring's stream; layer: its index in the KV cache; s: the
-    scratch refs by name; norms: (attn_norm, mlp_norm, q_norm, k_norm) values; is_moe: a
-    traced flag for streams holding both MLP kinds; before_mlp: called just before the MLP
-    (e.g. to wait for the router's DMA, issued at the layer's start); all_reduce(value,
-    k): the tensor-parallel sum over devices of the attention (k=0) and MLP (k=1) outputs.
+    step: this layer's index in the ring's stream; layer: its index in the KV cache (a full
+    layer's row in the stacked attention weights); s: the scratch refs by name; norms:
+    (attn_norm, mlp_norm, q_norm, k_norm) values; is_moe: a traced flag for streams holding
+    both MLP kinds; before_mlp: called just before the MLP (e.g. to wait for the router's
+    DMA, issued at the layer's start); all_reduce(value, k): the tensor-parallel sum over
+    devices of the attention (k=0) and MLP (k=1) outputs. linear: for a model with linear
+    layers, (is_linear: a traced flag (None when every layer is linear), the layer's row in
+    the stacked linear weights and states, `linear_scratch` as a namespace, the HBM refs
+    `linear_mixer` reads by name). A hybrid's stream holds both mixers: a layer skips the
+    other kind's segments (neither loaded nor computed).
     """
     attn_norm, mlp_norm, q_norm, k_norm = norms
+    mixers = mixer_kinds(config)
+    is_linear = None if linear is None else linear[0]
     phase = phases()
-    with phase("kv_prime"):  # the first KV tiles need only the positions: they load
-        KvStream(positions_smem, k_cache_hbm, v_cache_hbm, attention, rows=rows,  # during
-                 layer=layer, block=block).prime()  # the prologue
-    with phase("prologue"):
+
+    def mixer(kind: str, body):
+        """Run body for a layer of mixer `kind` (a run-time branch in a hybrid)."""
+        if mixers == (kind,):
+            body()
+        elif kind in mixers:
+            pl.when(is_linear if kind == "linear" else ~is_linear)(lambda: [body()] and None)
+
+    def attention_prologue():
         prologue(ring, config, layer=step, x=x, attn_norm=attn_norm, q_norm=q_norm,
                  k_norm=k_norm, positions_smem=positions_smem, batch=batch, rows=rows,
                  h_vmem=s.h, q_vmem=s.q, k_vmem=s.k, v_vmem=s.v,
                  gate_vmem=getattr(s, "q_gate", None))
-    with phase("attend"):
-        attend(s.q, s.k, s.v, positions_smem, k_cache_hbm, v_cache_hbm, s.o, attention,
-               layer=layer, block=block, primed=True)
-    with phase("wo"):
+
+    def output_projection():
         if config.attn_output_gate:  # Qwen3.5: o * sigmoid(h @ wq_gate)
             s.o[...] = s.o[...] * jax.nn.sigmoid(s.q_gate[...])
         ring.matmul("wo", s.o, s.attn_out, layer=step)
+
+    def linear_layer():
+        _, row, ls, hbm = linear
+        if "full" in mixers:
+            ring.skip(*_region(ring, step, "wq", "wo"))
+        linear_mixer(ring, config, ls, hbm, step=step, row=row, x=x, attn_norm=attn_norm,
+                     h_vmem=s.h, out_vmem=s.attn_out, batch=batch, rows=rows)
+
+    with phase("kv_prime"):  # the first KV tiles need only the positions: they load
+        mixer("full", lambda: KvStream(  # during the prologue
+            positions_smem, k_cache_hbm, v_cache_hbm, attention, rows=rows, layer=layer,
+            block=block).prime())
+    with phase("prologue"):
+        mixer("full", attention_prologue)
+    with phase("attend"):
+        mixer("full", lambda: attend(s.q, s.k, s.v, positions_smem, k_cache_hbm,
+                                     v_cache_hbm, s.o, attention, layer=layer, block=block,
+                                     primed=True))
+    with phase("wo"):
+        mixer("full", output_projection)
+    with phase("linear"):
+        mixer("linear", linear_layer)
+        if len(mixers) == 2:
+            mixer("full", lambda: ring.skip(*_region(ring, step, "lin_qkv", "lin_out")))
     with phase("attn_all_reduce"):
         if all_reduce is not None:  # tensor parallel: wo's rows are split, its sums partial
             s.attn_out[...] = all_reduce(s.attn_out[...], 0)

@@ -24,8 +24,14 @@ and answers `fits(chip)` (the one VMEM + HBM capacity check, made before any com
 
 The sharding model (one place; `mk.tensor_parallel` shards the weights to it):
 
-    attention  N/tp query heads; K/tp kv heads, or, when tp > K, the one kv head its query
-               heads share (replicated on tp/K devices)
+    attention  N/tp query heads (wq and Qwen3.5's wq_gate by the same columns); K/tp kv
+               heads, or, when tp > K, the one kv head its query heads share (replicated
+               on tp/K devices)
+    linear     Nk/tp key heads and Nv/tp value heads of each gated-DeltaNet layer: their
+               q, k and v channels of in_proj_qkv and the conv, in_proj_z, in_proj_b/a,
+               A_log, dt_bias by heads, out_proj by rows (partial sums, all-reduced as
+               wo's), the conv and recurrent states by the same heads; the gated norm's
+               weight replicated
     dense MLP  F/tp columns of w_gate, w_up and rows of w_down, padded to whole 128-lane
                tiles with zeros (silu(0) * 0 = 0: exact, but the padding is streamed)
     MoE        every expert on every device, each split the same way (Fe/tp, padded); the
@@ -64,8 +70,10 @@ from mk.kernels.common import (KV_TILE, LANES, SLOTS, BlockSizes, Buffer, VmemBu
                                vmem_budget)
 from mk.kernels.common import default_block as common_default_block
 from mk.kernels.decode_attention import decode_attention_buffers
+from mk.kernels.deltanet import LINEAR_DMAS, linear_buffers, linear_scratch
 from mk.kernels.mlp import expert_slots
-from mk.kernels.one_layer import layer_buffers, layer_dims, layer_matrices, mlp_kinds
+from mk.kernels.one_layer import (layer_buffers, layer_dims, layer_matrices, mixer_kinds,
+                                  mlp_kinds)
 from mk.kernels.ring import TileStream, ring_buffers
 
 # The weight families of one step, and which ring segments and copies belong to each.
@@ -76,11 +84,16 @@ WEIGHT_FAMILIES = {
     "router": ("router",),
     "experts": ("we_gate", "we_up", "we_down"),
     "lm_head": ("lm_head",),
+    "linear": ("lin_qkv", "lin_z", "lin_out", *LINEAR_DMAS),
 }
-KV_FAMILIES = {"kv_read": ("k_tile", "v_tile"), "kv_write": ("k_write_back", "v_write_back")}
+# The per-step bytes that are not weights: KV rows, and the linear layers' conv and
+# recurrent states (read once, written after every row).
+KV_FAMILIES = {"kv_read": ("k_tile", "v_tile"), "kv_write": ("k_write_back", "v_write_back"),
+               "state_read": ("state_load", "conv_load"),
+               "state_write": ("state_rows", "conv_rows")}
 # Storage dtype family of each weight family (mk.perf.family_dtypes); norms are float32.
 DTYPE_FAMILY = {"attention": "dense", "dense_mlp": "dense", "router": "dense",
-                "lm_head": "dense", "experts": "experts", "norms": None}
+                "lm_head": "dense", "experts": "experts", "norms": None, "linear": "dense"}
 # The mk.quant family (mk.quant.FAMILIES) of each weight family that can be quantised; the
 # router and the norms stay in their dtypes.
 QUANT_FAMILY = {"attention": "dense", "dense_mlp": "dense", "experts": "experts",
@@ -106,16 +119,15 @@ def check_tp(config: ModelConfig, tp: int) -> int:
     """tp as an int after checking every width it splits splits evenly; raises ValueError
     naming the field."""
     check_devices(tp)
-    if config.linear_layers:
-        raise ValueError(f"{config.name}: layer_types has linear-attention layers; the "
-                         "megakernel does not build them yet (issues 17, 18)")
+    if config.channel_decay:
+        raise ValueError(f"{config.name}: Kimi Delta Attention (channel_decay) linear layers; "
+                         "the megakernel builds the gated DeltaNet only (issue 18)")
     if config.is_mla or config.shared_expert_ffn or config.router_score != "softmax":
         raise ValueError(f"{config.name}: MLA, shared experts or a {config.router_score!r} "
                          "router; the megakernel does not build them yet (issue 18)")
-    if config.attn_output_gate and tp > 1:
-        raise ValueError(f"{config.name}: attn_output_gate with tp={tp}: sharding wq_gate is "
-                         "not built yet (issue 17); gated attention runs on tp=1")
     need = [("heads", config.heads), ("vocab", config.vocab), ("hidden", config.hidden)]
+    if config.linear_layers:
+        need.append(("linear_key_heads", config.linear_key_heads))
     if config.dense_layers:
         need.append(("ffn", config.ffn))
     if config.moe_layers:
@@ -135,13 +147,15 @@ def check_tp(config: ModelConfig, tp: int) -> int:
 
 def shard_config(config: ModelConfig, tp: int) -> ModelConfig:
     """The model one device holds (module docstring): N/tp heads, max(K/tp, 1) kv heads,
-    F/tp and Fe/tp padded to whole 128-lane tiles, V/tp."""
+    Nk/tp and Nv/tp linear heads, F/tp and Fe/tp padded to whole 128-lane tiles, V/tp."""
     tp = check_tp(config, tp)
     if tp == 1:
         return config
     return dataclasses.replace(
         config, name=f"{config.name}/tp{tp}", heads=config.heads // tp,
         kv_heads=max(config.kv_heads // tp, 1),
+        linear_key_heads=config.linear_key_heads // tp,
+        linear_value_heads=config.linear_value_heads // tp,
         ffn=padded_width(config.ffn // tp) if config.dense_layers else config.ffn,
         expert_ffn=padded_width(config.expert_ffn // tp) if config.moe_layers else 0,
         vocab=config.vocab // tp, tie_embeddings=False)
@@ -208,12 +222,17 @@ def _weight_elements(local: ModelConfig, vocab: int, experts: float) -> dict[str
     """Elements of each weight family one device streams in a step (`shard_weight_bytes`)."""
     c, D, H = local, local.hidden, local.head_dim
     gate = c.q_width if c.attn_output_gate else 0
-    return dict(attention=c.layers * D * (2 * c.q_width + 2 * c.kv_width + gate),
+    linear = 0
+    if c.linear_layers:  # the ring's three matrices and LINEAR_DMAS
+        C, Vw, Nv = c.conv_channels, c.linear_value_width, c.linear_value_heads
+        linear = len(c.linear_layers) * (D * C + 2 * D * Vw + 2 * D * Nv + c.conv_kernel * C
+                                         + 2 * Nv + c.linear_value_dim)
+    return dict(attention=len(c.full_layers) * D * (2 * c.q_width + 2 * c.kv_width + gate),
                 norms=c.layers * 2 * (D + H) + D,
                 dense_mlp=len(c.dense_layers) * 3 * D * c.ffn,
                 router=len(c.moe_layers) * D * c.experts,
                 experts=len(c.moe_layers) * experts * 3 * D * c.expert_ffn,
-                lm_head=D * vocab)
+                lm_head=D * vocab, linear=linear)
 
 
 # -- The plan -------------------------------------------------------------------------------
@@ -279,7 +298,8 @@ class DecodePlan:
         if formats and tp != 1:
             raise ValueError(f"formats={formats} with tp={tp}: sharding quantised weights "
                              "is not built yet (issue 16); quantised plans run on tp=1")
-        stream = TileStream.build(block, layer_matrices(local, mlp_kinds(local), M),
+        stream = TileStream.build(block, layer_matrices(local, mlp_kinds(local), M,
+                                                        mixer_kinds(local)),
                                   layers=local.layers,
                                   tail=[("lm_head", local.hidden, vocab)],
                                   schemes=quant.schemes_of(formats))
@@ -299,6 +319,10 @@ class DecodePlan:
     @property
     def kinds(self) -> tuple[str, ...]:
         return mlp_kinds(self.local)
+
+    @property
+    def mixers(self) -> tuple[str, ...]:
+        return mixer_kinds(self.local)
 
     @property
     def expert_slots(self) -> int:
@@ -328,6 +352,8 @@ class DecodePlan:
         vectors = groups.pop("vectors") | {"sems": pltpu.SemaphoreType.DMA((2, 2)),
                                            "final_sem": pltpu.SemaphoreType.DMA((1,))}
         out = dict(layer=layer, vectors=vectors, attention=groups.pop("attention"))
+        if groups.pop("linear", None) is not None:  # the same buffers, with SMEM and sems
+            out["linear"] = linear_scratch(self.local, self.batch, self.rows)
         for name, group in groups.items():  # the collectives (tp > 1)
             out[name] = group | {"sems": collective_semaphores(self.tp)}
         return out
@@ -349,7 +375,8 @@ class DecodePlan:
     def hbm_bytes(self) -> int:
         """HBM one device holds: its weights as `mk.megakernel.prepare` lays them out (every
         expert, the whole embedding table; arrays of their dtype's itemsize: JAX stores a
-        4-bit value in a byte) and its KV cache."""
+        4-bit value in a byte), its KV cache and, with linear layers, their states and the
+        states after each of the T rows (`state_bytes`)."""
         c = self.local
         itemsize = {None: 4, "dense": jnp.dtype(c.dtype).itemsize,
                     "experts": jnp.dtype(c.expert_dtype or c.dtype).itemsize}
@@ -360,8 +387,16 @@ class DecodePlan:
         elements = _weight_elements(c, self.vocab, c.experts if c.is_moe else 0)
         weights = sum(n * per[f] for f, n in elements.items())
         embed = self.config.vocab * c.hidden * itemsize["dense"]
-        cache = 2 * c.layers * self.batch * c.kv_width * self.context * itemsize["dense"]
-        return int(weights + embed + cache)
+        cache = 2 * len(c.full_layers) * self.batch * c.kv_width * self.context \
+            * itemsize["dense"]
+        return int(weights + embed + cache + sum(self.state_bytes().values()))
+
+    def state_bytes(self) -> dict[str, int]:
+        """The linear layers' state bytes one step moves on one device: "state_read" (the
+        conv and recurrent states, once) and "state_write" (both after every one of the T
+        rows, what a verifier's rollback picks from). Fixed: no context in them."""
+        per_row = self.batch * self.local.linear_state_bytes
+        return {"state_read": per_row, "state_write": self.rows * per_row}
 
     def fits(self, chip: ChipSpec | str) -> Fit:
         """The one capacity check: the VMEM buffers against one core's VMEM and the HBM
@@ -386,9 +421,11 @@ def _buffers(local: ModelConfig, tp: int, batch: int, rows: int, block: BlockSiz
     """Every VMEM buffer of the megakernel by name (module docstring)."""
     M, D, H, dt = batch * rows, local.hidden, local.head_dim, local.dtype
     f32 = "float32"
+    linear = linear_buffers(local, batch, rows) if local.linear_layers else []
     buffers = [
         *layer_buffers(local, mlp_kinds(local), batch, rows, block,
                        ring=ring_buffers(stream, dt)),
+        *linear,
         *decode_attention_buffers(batch, rows, local.heads, local.kv_heads, H, dt, block),
         Buffer("norms", (2, 2, D), f32, "vectors"),  # a layer's norms, two layers' slots
         Buffer("qk_norms", (2, 2, H), f32, "vectors"),
