@@ -48,8 +48,19 @@ def tp_config(tp: int, moe: bool = True, **overrides) -> ModelConfig:
     return ModelConfig(**(fields | overrides))
 
 
-def _tokens(tp: int, moe: bool, steps: int) -> dict:
-    config = tp_config(tp, moe)
+def tp_hybrid_config(tp: int) -> ModelConfig:
+    """Qwen3.5's layers (linear, full, linear; gated attention, partial RoPE) in float32
+    (the reference's tokens exactly), with tp key heads and 2 tp value heads: one key head
+    and two value heads per device, every shard whole 128-lane tiles."""
+    return tp_config(tp, moe=False, name=f"tp{tp}-hybrid", layers=3, dtype="float32",
+                     layer_types=("linear", "full", "linear"), linear_key_heads=tp,
+                     linear_value_heads=2 * tp, linear_key_dim=128, linear_value_dim=128,
+                     conv_kernel=4, attn_output_gate=True, partial_rotary_factor=0.25,
+                     norm_offset=1.0)
+
+
+def _tokens(tp: int, moe: bool, steps: int, config: ModelConfig | None = None) -> dict:
+    config = config or tp_config(tp, moe)
     params = mk.init_params(config, seed=tp)
     prompt = jax.random.randint(jax.random.key(tp), (2, 5), 0, config.vocab)
     want = reference.generate(config, params, prompt, steps)
@@ -72,12 +83,17 @@ def tokens_full(tp: int) -> dict:
     return _tokens(tp, True, FULL_STEPS)
 
 
+def hybrid_tokens(tp: int) -> dict:
+    return _tokens(tp, False, 6, tp_hybrid_config(tp))
+
+
 @pytest.mark.parametrize("target, tp", [
     *(pytest.param("tokens", t, marks=pytest.mark.slow if t != 2 else ())  # tp 2 in CI
       for t, _ in CASES),
-    *(pytest.param("tokens_full", t, marks=pytest.mark.slow) for t in (2, 4, 8))],
+    *(pytest.param("tokens_full", t, marks=pytest.mark.slow) for t in (2, 4, 8)),
+    ("hybrid_tokens", 2), pytest.param("hybrid_tokens", 4, marks=pytest.mark.slow)],
     ids=[f"tp{t}-{'moe' if m else 'dense'}-6" for t, m in CASES]
-    + [f"tp{t}-moe-{FULL_STEPS}" for t in (2, 4, 8)])
+    + [f"tp{t}-moe-{FULL_STEPS}" for t in (2, 4, 8)] + ["tp2-hybrid-6", "tp4-hybrid-6"])
 def test_greedy_tokens_equal_the_reference_on_every_device_race_free(target, tp):
     out = run(f"test_tensor_parallel:{target}", tp)
     assert out["got"].shape == (tp, *out["want"].shape)
@@ -109,6 +125,30 @@ def test_shards_put_back_together_are_the_weights():
     np.testing.assert_array_equal(shards["wk"][2], params["wk"][..., H:2 * H])
     local = plan.shard_config(config, 4)
     assert (local.heads, local.kv_heads, local.ffn, local.vocab) == (2, 1, 128, 256)
+
+
+def test_a_linear_layer_is_split_by_its_heads_q_k_and_v_channels_each():
+    """in_proj_qkv's columns and the conv's channels are q | k | v: device i holds its key
+    heads' q and k channels and its value heads' v channels, in that order; its state
+    rows are its value heads'."""
+    config = tp_hybrid_config(2)
+    rng = np.random.default_rng(0)
+    params = {name: rng.standard_normal(shape).astype(np.float32)
+              for name, (shape, _) in config.param_shapes().items()}
+    shards = tpar.shard_params(config, params, 2)
+    kw, Hk, Hv = config.linear_key_width, config.linear_key_dim, config.linear_value_dim
+    qkv = params["lin_qkv"]
+    want = np.concatenate([qkv[..., Hk:2 * Hk], qkv[..., kw + Hk:kw + 2 * Hk],
+                           qkv[..., 2 * kw + 2 * Hv:]], axis=-1)  # device 1: head 1, 2-3
+    np.testing.assert_array_equal(shards["lin_qkv"][1], want)
+    np.testing.assert_array_equal(shards["lin_out"][1], params["lin_out"][:, 2 * Hv:])
+    np.testing.assert_array_equal(shards["wq_gate"][0],
+                                  params["wq_gate"][..., :config.q_width // 2])
+    cache = reference.init_cache(config, 1, 16)
+    cache = cache._replace(state=jnp.asarray(rng.standard_normal(cache.state.shape)))
+    sharded = tpar.shard_cache(config, cache, 2)
+    np.testing.assert_array_equal(sharded.state[1], cache.state[:, :, 2:])
+    assert sharded.conv.shape[-1] == config.conv_channels // 2
 
 
 def test_a_split_width_short_of_a_tile_is_padded_with_zeros():
