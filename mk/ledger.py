@@ -151,14 +151,11 @@ def _explain(row, config, spec, tp, batch, rows) -> str:
         if config.expert_dtype:
             notes.append(f"experts stored as {config.expert_dtype} (the release's FP4)")
     elif config.is_hybrid:
-        notes.append(f"{config.name}: Qwen3.5-27B's architecture ({len(config.linear_layers)} "
+        notes.append(f"{config.name}: Qwen3.5's architecture ({len(config.linear_layers)} "
                      f"gated-DeltaNet and {len(config.full_layers)} gated full-attention "
                      "layers, shapes from its config.json as quoted in mk.config) for the "
                      "release's 'Qwen3.8-27B'; the linear states are read once and written "
                      "after every verified row")
-    else:
-        notes.append(f"{config.name}: GQA in every layer stands in for the released "
-                     "model's gated-delta-net layers")
     if row.acceptance_length:
         notes.append(f"each step verifies T={rows} rows and keeps the published mean "
                      f"acceptance {row.acceptance_length:g} (whether the drafts were real "

@@ -262,10 +262,13 @@ def layer_body(ring: Ring, config: ModelConfig, kinds, s, *, step, layer, is_moe
 
     def mixer(kind: str, body):
         """Run body for a layer of mixer `kind` (a run-time branch in a hybrid)."""
-        if mixers == (kind,):
+        def run():  # a pl.when branch returns nothing
             body()
+
+        if mixers == (kind,):
+            run()
         elif kind in mixers:
-            pl.when(is_linear if kind == "linear" else ~is_linear)(lambda: [body()] and None)
+            pl.when(is_linear if kind == "linear" else ~is_linear)(run)
 
     def attention_prologue():
         prologue(ring, config, layer=step, x=x, attn_norm=attn_norm, q_norm=q_norm,
