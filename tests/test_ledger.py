@@ -42,6 +42,20 @@ def test_speculative_rows_verify_the_published_rows_on_every_core(rows):
     assert kimi["hbm_floor_ms"] == pytest.approx(want.hbm_floor_ms)
 
 
+def test_the_27b_row_is_the_hybrid_at_tp8_with_its_state_bytes_share(rows):
+    """The release's "Qwen3.8-27B" is modelled as qwen3.5-27b (48 gated-DeltaNet layers): its
+    row states the linear states' share of the step's bytes, which the floor counts."""
+    qwen = next(r for r in rows if r["system"] == "tpu7x" and r["preset"] == "qwen3.5-27b")
+    e = perf.predict(mk.preset("qwen3.5-27b"), "tpu7x", batch=1, rows=8, context=0, tp=8,
+                     accepted=6)
+    assert e.state_read_bytes > 0 and e.state_write_bytes == 8 * e.state_read_bytes
+    assert qwen["state_share"] == pytest.approx(e.state_bytes / e.total_bytes)
+    assert qwen["state_share"] > 0.01
+    assert qwen["hbm_floor_ms"] == pytest.approx(e.hbm_floor_ms)
+    assert qwen["published"] == 1515 and "gated-DeltaNet" in qwen["note"]
+    assert all(r["state_share"] == 0 for r in rows if r["preset"] == "kimi-k3-like")
+
+
 def test_a_row_whose_tp_is_not_every_core_is_refused(monkeypatch):
     kimi = next(r for r in perf.published() if r.system == "tpu7x" and r.tp)
     monkeypatch.setattr(ledger.perf, "published", lambda: (dataclasses.replace(kimi, tp=8),))
