@@ -26,6 +26,8 @@
 # - What does "cross-layer prefetch" mean, tile by tile?
 # - Does the megakernel produce exactly the reference's tokens, and does a real model
 #   compile for a real TPU?
+# - How does one stream hold a hybrid's two token mixers (gated DeltaNet beside full
+#   attention), and which linear states does a verifier keep?
 
 # %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
@@ -62,6 +64,7 @@ seed: int = 0  # seed of the random weights and inputs
 checkpoint: str = ""  # a local Hugging Face checkpoint folder; "" for random weights
 steps: int = 6  # greedy tokens to generate
 slots: int = 3  # weight ring slots
+exercise_keep_row_k: bool = False  # the exercise: True keeps the states after row k, not k - 1
 
 # %%
 import time
@@ -75,7 +78,8 @@ import mk
 import mk.backend
 import mk.megakernel as megakernel
 import mk.run
-from mk import plots, reference, tpu
+from mk import perf, plots, reference, sim, tpu
+from mk.kernels.one_layer import layer_matrices
 from mk.kernels.plan import DecodePlan, default_block
 
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
@@ -89,8 +93,9 @@ print(f"{config.name}: {config.layers} layers, B={run.batch} T={run.rows} S={run
 # ## The schedule is data
 #
 # One device's step is a `DecodePlan` (`mk.kernels.plan`): the shard, the tiles, every
-# VMEM buffer by name and one `TileStream`, the layer's matrices repeated for every layer,
-# then the lm_head. Tile g lives in ring slot g mod slots; consuming tile g issues tile
+# VMEM buffer by name and one `TileStream`, the layer's matrices repeated for every layer
+# (a hybrid's period holds both token mixers', see "Hybrids" below), then the lm_head.
+# Tile g lives in ring slot g mod slots; consuming tile g issues tile
 # g + slots. Below is the stream of a generation step (one row per sequence, M = B).
 
 # %%
@@ -104,13 +109,15 @@ plots.show(plots.tile_stream(stream, title=f"{config.name}: one decode step's we
 # %% [markdown]
 # ## Cross-layer prefetch
 #
-# The last tiles of layer 0 and the first of layer 1. When layer 0's last tile is
-# consumed, the next `slots - 1` tiles (layer 1's wq) are already in flight: the DMA
+# The last tiles of one layer and the first of the next: layers 0 and 1, or in a hybrid the
+# first full-attention layer after layer 0 and the layer before it (a linear layer does
+# not load wq; "Hybrids" below shows what that costs). When the layer's last tile is
+# consumed, the next `slots - 1` tiles (the next layer's wq) are already in flight: the DMA
 # engine never waits for the layer edge. (In an MoE layer the expert tiles are the one
 # exception: they wait for the router.)
 
 # %%
-edge = stream.period
+edge = next((layer for layer in config.full_layers if layer > 0), 1) * stream.period
 table = stream.table(np.dtype(config.dtype).itemsize)
 display(plots.table([{**r, "in flight when g=" + str(edge - 1) + " is consumed":
                       "yes" if edge - 1 < r["g"] < edge - 1 + block.slots else ""}
@@ -171,8 +178,9 @@ print(f"T={run.rows}: reference {want_rows.tolist()}, megakernel {got_rows.tolis
 # taps on the residual stream after every layer's attention and MLP blocks, compares them
 # in execution order up to `stop_after=(layer, op)`, and names the first op whose error
 # exceeds 1% of the activations' scale. Healthy, every op agrees to bf16 rounding; with a
-# planted bug (one weight of layer 0's attention output projection changed in the
-# megakernel's copy only) it points at that op.
+# planted bug (layer 0's attention norm scaled by 1.5 in the megakernel's copy only) it
+# points at that layer's token mixer, "attn" (in a hybrid, layer 0 is a linear layer and
+# "attn" is its gated DeltaNet).
 
 # %%
 debug_tokens, debug_positions = want[:, :1], jnp.full((run.batch,), prompt.shape[1], jnp.int32)
@@ -180,19 +188,138 @@ first, report_ = megakernel.first_divergence(config, params, cache, debug_tokens
                                              debug_positions, block=block, backend=run.backend)
 display(plots.table(report_))
 weights = megakernel.prepare(config, params, block)
-planted = weights | {"wo": weights["wo"].at[0, 0, 0].add(1.0)}
+planted = weights | {"norms": weights["norms"].at[0, 0].mul(1.5)}
 planted_first, _ = megakernel.first_divergence(config, params, cache, debug_tokens,
                                                debug_positions, block=block,
                                                backend=run.backend, weights=planted)
-print(f"healthy: first divergence {first}; planted bug in wo[0]: first divergence "
-      f"{planted_first}")
+print(f"healthy: first divergence {first}; planted bug in layer 0's attention norm: "
+      f"first divergence {planted_first}")
+
+# %% [markdown]
+# ## Hybrids: two token mixers in one stream
+#
+# A Qwen3.5 hybrid (presets `tiny-hybrid`, `qwen3.5-9b`, `qwen3.5-27b`) has gated-DeltaNet
+# ("linear") layers beside gated full-attention layers. The stream repeats one period per
+# layer, so the period holds both mixers' matrices: a full layer's wq, wk, wv, wq_gate and
+# wo, a linear layer's lin_qkv, lin_z and lin_out (`mk.kernels.deltanet.linear_mixer`), then
+# the MLP. A linear layer skips the attention segments and a full layer the linear ones:
+# their tiles are neither loaded nor computed (`Ring.skip` issues only the tiles past the
+# skipped region). The cost of that design: the ring's look-ahead into a skipped region
+# loads nothing, so HBM idles until the ring restarts at the region's end. The simulator
+# (`mk.sim`, a model of the chip, not a measurement) names that idle time "skipped mixer".
+
+# %%
+hybrid = config.is_hybrid
+if not hybrid:
+    print(f"{config.name} has no linear layers: every layer is full attention and nothing "
+          "is skipped (run this notebook with preset='tiny-hybrid' for this section)")
+else:
+    mixer = {n: kind for kind in ("full", "linear")
+             for n, _, _ in layer_matrices(config, (), plan.M, (kind,))}
+    loaded_in = {"full": config.full_layers, "linear": config.linear_layers}
+    display(plots.table([{
+        "segment": s.name, "mixer": mixer.get(s.name, "MLP"),
+        "tiles": f"{s.row_tiles} x {s.col_tiles}", "first g of the period": s.start,
+        "loaded in layers": ", ".join(map(str, loaded_in.get(mixer.get(s.name),
+                                                             range(config.layers))))}
+        for s in stream.segments]))
+
+# %%
+if hybrid:
+    sim_chip = run.chip if spec.kind == "tpu" else "v6e"
+    simulated = sim.simulate(config, sim_chip, batch=run.batch, context=prompt.shape[1],
+                             block=block)
+    skipped = [b for b in simulated.table("bubbles") if b["cause"] == "skipped mixer"]
+    display(plots.table([{"layer": b["layer"], "kind": config.layer_types[b["layer"]],
+                          "HBM idle (µs, simulated)": f"{b['idle_us']:.3g}"}
+                         for b in skipped]))
+    skipped_us, step_us = sum(b["idle_us"] for b in skipped), simulated.step_ms * 1e3
+    print(f"simulated step on {sim_chip}: {step_us:.3g} µs, of which the 'skipped mixer' "
+          f"bubble is {skipped_us:.3g} µs ({skipped_us / step_us:.1%})")
+
+# %% [markdown]
+# ### A fixed state beside a growing KV cache
+#
+# Each step a full layer reads every cached position of its KV cache; a linear layer reads
+# its conv and recurrent states once and writes them after each of the T rows, whatever the
+# context. One decode step of qwen3.5-27b at TP8 on tpu7x (`mk.perf.predict`, bytes summed
+# over the 8 devices, B = 1, T = 1), from 1K to 256K cached positions:
+
+# %%
+if hybrid:
+    big = mk.preset("qwen3.5-27b")
+    contexts = [min(2**p, big.max_position - 1) for p in range(10, 19)]  # 1K .. 256K
+    estimates = [perf.predict(big, "tpu7x", tp=8, context=s) for s in contexts]
+    series = {"weights": [e.weight_bytes / 2**30 for e in estimates],
+              "KV cache (read + written)": [e.kv_bytes / 2**30 for e in estimates],
+              "linear state (read + written)": [e.state_bytes / 2**30 for e in estimates]}
+    fig = plots.lines(contexts, series, xaxis="context (cached positions)", yaxis="GiB",
+                      title=f"{big.name}, TP8 on tpu7x: one decode step's HBM bytes")
+    fig.update_xaxes(type="log")
+    plots.show(fig)
+    for e in (estimates[0], estimates[-1]):
+        print(f"S={e.context}: weights {e.weight_bytes / 2**30:.3g} GiB, KV "
+              f"{e.kv_bytes / 2**30:.3g} GiB, state {e.state_bytes / 2**30:.3g} GiB "
+              f"({len(big.full_layers)} full, {len(big.linear_layers)} linear layers)")
+
+# %% [markdown]
+# ### Verifying T rows: the states after every row
+#
+# A verifier accepts a prefix of its T rows, so a linear layer must be able to restart
+# from the state after any row: with `row_states=True` the step also returns
+# `mk.reference.LinearRows`, the conv and recurrent states after each row. One megakernel
+# step of T = 4 rows: the last accepted token and three drafts, the second of which is
+# wrong, checked against `mk.reference.decode_step(..., row_states=True)`. Row 0 is always
+# kept and draft t while it equals row t - 1's prediction: k rows are accepted.
+
+# %%
+if hybrid:
+    T = 4
+    if steps < T:
+        raise ValueError(f"{steps=} must be >= T={T}: the drafts are the reference's tokens")
+    drafts = want[:, :T].at[:, 2].set((want[:, 2] + 1) % config.vocab)  # draft 2 is wrong
+    with mk.backend.use(run.backend):
+        got_t, _, after, states = megakernel.decode_step(
+            config, weights, cache, drafts, positions, block=block, row_states=True)
+    want_logits, _, want_states = reference.decode_step(config, params, cache, drafts,
+                                                        positions, row_states=True)
+    want_t = reference.greedy(want_logits)
+    accepted = 1 + jnp.cumprod(drafts[:, 1:] == want_t[:, :-1], axis=1).sum(1)
+    print(f"drafts     {drafts.tolist()}\nreference  {want_t.tolist()}\nmegakernel "
+          f"{got_t.tolist()}\naccepted k = {accepted.tolist()} of T={T} rows")
+
+# %% [markdown]
+# The cache the step returns keeps the states after the last row; after accepting k rows
+# the next step must start from the states after row k - 1, `states.state[:, :, k - 1]`,
+# which is what `mk.reference.rollback` keeps (KV needs no rollback: rows past the accepted
+# prefix are overwritten before anything attends to them). The oracle: a fresh reference
+# step over only the k accepted rows.
+#
+# **Exercise:** set `exercise_keep_row_k = True`: the cell keeps the states after row k,
+# the first rejected row. Its distance from the fresh step jumps from bf16 rounding to the
+# state's own scale, and the last cell's check (the kept state is rollback's) fails.
+
+# %%
+if hybrid:
+    keep = accepted - 1 + exercise_keep_row_k  # per sequence, the row the next step starts from
+    kept = states.state[:, jnp.arange(run.batch), keep]  # [Ll, B, Nv, Hk, Hv] float32
+    rolled = reference.rollback(after, states, accepted)
+    fresh = jnp.concatenate([reference.decode_step(
+        config, params, jax.tree.map(lambda a, b=b: a[:, b:b + 1], cache), drafts[b:b + 1, :k],
+        positions[b:b + 1])[1].state for b, k in enumerate(accepted.tolist())], axis=1)
+    scale = float(jnp.abs(fresh).max())
+    for name, x in (("kept", kept), ("rollback's", rolled.state),
+                    ("the last row's (no rollback)", after.state)):
+        print(f"{name} state: max |state - fresh| = {float(jnp.abs(x - fresh).max()):.3g} "
+              f"(the state's scale {scale:.3g})")
 
 # %% [markdown]
 # ## VMEM budget and a real compile
 #
 # The buffers of this run, then the whole megakernel of a real model compiled ahead of time
 # for the chosen chip (qwen3-1.7b on v5e, whose 16 GiB do not hold qwen3-8b; qwen3-8b
-# elsewhere), batch 8, 4096 cached positions.
+# elsewhere, or the hybrid qwen3.5-9b when this run's model is a hybrid), batch 8, 4096
+# cached positions.
 
 # %%
 if spec.kind == "tpu":
@@ -203,7 +330,8 @@ if spec.kind == "tpu":
     print(f"VMEM: {fit.vmem.total_bytes / 2**20:.2f} MiB of "
           f"{fit.vmem.limit_bytes / 2**20:.0f} MiB; biggest {fit.vmem.rows()[0]['buffer']}")
 compile_chip = run.chip if spec.kind == "tpu" else "v6e"
-real = mk.preset("qwen3-1.7b" if compile_chip == "v5e" else "qwen3-8b")
+real = mk.preset("qwen3-1.7b" if compile_chip == "v5e" else
+                 "qwen3.5-9b" if config.is_hybrid else "qwen3-8b")
 report = tpu.compile_megakernel(real, compile_chip, batch=8, rows=1, context=4096)
 print(report.summary())
 
@@ -211,16 +339,28 @@ print(report.summary())
 # ## What a TPU does differently
 #
 # On hardware the step's time is its bytes over HBM bandwidth plus what the stream cannot
-# hide: the first tiles of the step, each MoE layer's routing, and attention's KV tiles
-# (which have their own ring). Everything else overlaps. The performance model of a later
+# hide: the first tiles of the step, each MoE layer's routing, attention's KV tiles (which
+# have their own ring) and, in a hybrid, the look-ahead lost to each skipped mixer.
+# Everything else overlaps. The performance model of a later
 # notebook replays this same `TileStream` on a chip model to show where the bubbles are.
 #
 # **Takeaway:** the megakernel is the stage kernels' pieces in a layer loop, with one tile
-# schedule for the whole step, and it produces exactly the reference's greedy tokens.
+# schedule for the whole step, and it produces exactly the reference's greedy tokens. A
+# hybrid's two token mixers share that schedule, each layer skipping the other kind's
+# tiles, and its linear states after every row let a verifier keep any accepted prefix.
 
 # %%
 np.testing.assert_array_equal(got, want)
 np.testing.assert_array_equal(got_rows, want_rows)
 assert first is None and planted_first == (0, "attn"), (first, planted_first)
 assert report.ok, report.error
+if hybrid:  # the T-row step, its states after every row, and the state a verifier keeps
+    np.testing.assert_array_equal(got_t, want_t)
+    for mine, ref in zip(states, want_states):  # conv, then recurrent state, 1% of scale
+        ref = np.asarray(ref, np.float32)
+        np.testing.assert_allclose(np.asarray(mine, np.float32), ref, rtol=0,
+                                   atol=1e-2 * np.abs(ref).max())
+    np.testing.assert_array_equal(kept, rolled.state)
+    np.testing.assert_allclose(kept, fresh, rtol=0, atol=1e-2 * scale)
+    assert skipped_us > 0, "the simulated step has no skipped-mixer bubble"
 print("checks passed")
