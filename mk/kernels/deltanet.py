@@ -25,10 +25,15 @@ the state after every row written back); the L2 norms; the delta rule; the gated
 RMSNorm; out_proj through the same ring; the residual. The state copy-in, the conv state
 and the gate weights start before the projections, so they land behind the weight stream.
 
-Here: `delta_rule_step` (the delta rule alone) and `gated_deltanet` (the layer), their
-bodies and buffer list. Not here: the MLP after the layer (stage 04), the megakernel's
-mixed full/linear layer stream, Kimi Delta Attention (per-channel decay), tensor
-parallelism.
+The layer's token mixer is one in-kernel body, `linear_mixer` (its weights and states
+read by name from HBM, its scratch `linear_scratch`): the stage kernel runs it on one
+layer, the megakernel on every linear layer of a hybrid (`mk.kernels.one_layer.layer_body`).
+
+Here: `delta_rule_step` (the delta rule alone), `linear_mixer` and `gated_deltanet` (the
+layer), their bodies, buffers (`linear_buffers`, `gated_deltanet_buffers`) and
+`prepare_linear`. Not here: the MLP after the layer (stage 04), the megakernel's mixed
+full/linear layer stream (`mk.megakernel`), the sharding of heads (`mk.tensor_parallel`),
+Kimi Delta Attention (per-channel decay).
 """
 
 from __future__ import annotations

@@ -8,15 +8,19 @@ of wo are already in VMEM; while wo computes, the MLP's tiles are in flight. Exp
 are the one exception: they can only be issued once the router has chosen (see
 `mk.kernels.mlp`).
 
-Here: `layer_matrices` (the stream of one layer), `layer_dims` (what its tiles divide),
-`layer_buffers` / `layer_scratch` (its VMEM and scratch by name), `mlp_fetch`,
-`LAYER_PHASES` (the layer's program order as data, `FULL_PHASES` those of attention) and
-`layer_body` (the in-kernel layer the
-megakernel loops over, in that order), and the stage wrapper `one_layer` with its
+A hybrid's layer (Qwen3.5) has a gated-DeltaNet token mixer instead of attention
+(`mk.kernels.deltanet.linear_mixer`): the megakernel's stream holds both mixers' segments
+and each layer skips the kind it does not use (`layer_body(..., linear=)`).
+
+Here: `mixer_kinds` and `mlp_kinds` (what a whole-model kernel holds), `layer_matrices`
+(the stream of one layer), `layer_dims` (what its tiles divide), `layer_buffers` /
+`layer_scratch` (its VMEM and scratch by name), `mlp_fetch`, `LAYER_PHASES` (the layer's
+program order as data, `FULL_PHASES` those of attention) and `layer_body` (the in-kernel
+layer the megakernel loops over, in that order), and the stage wrapper `one_layer` with its
 `one_layer_buffers` (its weights may be `mk.quant.QuantWeight`s: packed tiles through the
-ring, dequantised in VMEM). Every
-piece is the stage kernels' own: `prologue`, `attend`, `swiglu_body`, `moe_body`.
-Not here: the layer loop, the lm_head and the cross-layer ring (`mk.megakernel`).
+ring, dequantised in VMEM; its layer is Qwen3's). Every piece is the stage kernels' own:
+`prologue`, `attend`, `linear_mixer`, `swiglu_body`, `moe_body`. Not here: the layer loop,
+the lm_head and the cross-layer ring (`mk.megakernel`).
 """
 
 from __future__ import annotations
