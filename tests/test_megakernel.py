@@ -81,6 +81,9 @@ def test_64_greedy_tokens_equal_the_reference(name, batch, rows, formats):
 QWEN35_ATTENTION = dict(attn_output_gate=True, partial_rotary_factor=0.25, norm_offset=1.0)
 
 
+# make test-slow (~30 CPU s). CI checks this path in tests/test_hybrid.py: a hybrid's full
+# layer, T = 4 steps against transformers.
+@SLOW
 def test_qwen35_full_attention_decodes_the_references_tokens():
     """Qwen3.5's full-attention layers: the output gate (a wq_gate segment in the ring, o *
     sigmoid(h @ wq_gate) before wo), RoPE on the first quarter of each head, norms scaling
