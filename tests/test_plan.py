@@ -65,10 +65,10 @@ def counted(name: str, tp: int, formats=None) -> dict:
     return {f: np.array(b) for f, b in families.items()}
 
 
-# CPU seconds: 17, 25, 50, 59, 79. CI runs the dense model and the hybrid (its linear
-# weights and states); `make test-slow` the MoE model at tp 1, 2 and 4 (every family, the
+# CPU seconds: 17, 29, 50, 59, 79. CI runs the dense model; `make test-slow` the hybrid (its
+# linear weights and states) and the MoE model at tp 1, 2 and 4 (every family, the
 # collectives' shard).
-@pytest.mark.parametrize("name, tp", [("tiny", 1), ("tiny-hybrid", 1),
+@pytest.mark.parametrize("name, tp", [("tiny", 1), pytest.param("tiny-hybrid", 1, marks=SLOW),
                                       pytest.param("tiny-moe", 1, marks=SLOW),
                                       pytest.param("tiny-moe", 2, marks=SLOW),
                                       pytest.param("tiny-moe", 4, marks=SLOW)])
