@@ -74,7 +74,8 @@ from mk.kernels.collectives import (AXIS, COLLECTIVE_IDS, CollectiveScratch, all
 from mk.kernels.common import (BlockSizes, aliases, memory_specs, start_dma,
                                vmem_limit_bytes)
 from mk.kernels.decode_attention import AttentionScratch
-from mk.kernels.deltanet import LINEAR_DMAS, STATE_INPUTS, STATE_OUTPUTS, prepare_linear
+from mk.kernels.deltanet import (LINEAR_DMAS, LINEAR_SEGMENTS, STATE_INPUTS, STATE_OUTPUTS,
+                                 prepare_linear)
 from mk.kernels.one_layer import MLP_WEIGHTS, layer_body, mixer_kinds, mlp_fetch, mlp_kinds
 from mk.kernels.plan import DecodePlan, padded_vocab
 from mk.kernels.ring import Ring, ring_layout
@@ -82,7 +83,7 @@ from mk.reference import rms_norm
 
 TAPS = ("attn", "mlp")  # where the residual stream is tapped in each layer (debug path)
 ATTENTION_WEIGHTS = ("wq", "wk", "wv", "wq_gate", "wo")  # wq_gate: gated models only
-LINEAR_WEIGHTS = ("lin_qkv", "lin_z", "lin_out", *LINEAR_DMAS)  # hybrids' linear layers
+LINEAR_WEIGHTS = LINEAR_SEGMENTS + LINEAR_DMAS  # hybrids' linear layers
 # Where each operand of the kernel lives: SMEM scalars, VMEM, or HBM (pl.ANY, DMA'd by
 # hand). The weights of an MLP kind the model has are HBM operands too (MLP_WEIGHTS); a
 # hybrid's linear weights and states too (LINEAR_WEIGHTS, STATE_INPUTS and its outputs
@@ -187,7 +188,7 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
 
     fetch = {name: mixer_weight(name, "full") for name in attention_weights(config)
              if name in ATTENTION_WEIGHTS}
-    fetch |= {name: mixer_weight(name, "linear") for name in ("lin_qkv", "lin_z", "lin_out")
+    fetch |= {name: mixer_weight(name, "linear") for name in LINEAR_SEGMENTS
               if "linear" in mixers}
     fetch["lm_head"] = lambda step: (inputs["lm_head"], None)
     linear_hbm = {n: inputs[n] for n in LINEAR_DMAS + STATE_INPUTS if n in inputs}

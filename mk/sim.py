@@ -94,6 +94,7 @@ from mk.config import DTYPE_BITS, ModelConfig, positive_int
 from mk.kernels.attention_prologue import prologue_matrices
 from mk.kernels.common import BlockSizes
 from mk.kernels.decode_attention import block_rows, write_back_rows
+from mk.kernels.deltanet import LINEAR_SEGMENTS
 from mk.kernels.mlp import expert_slots
 from mk.kernels.one_layer import FULL_PHASES, LAYER_PHASES, mlp_kinds
 from mk.kernels.plan import DecodePlan, capacity, family_of
@@ -103,7 +104,6 @@ CAUSES = ("step start", "layer boundary", "routing", "attention", "lm_head", "co
           "compute", "vector", "ring empty", "step end")
 DENSE_SEGMENTS = ("w_gate", "w_up", "w_down")
 EXPERT_SEGMENTS = ("we_gate", "we_up", "we_down")
-LINEAR_SEGMENTS = ("lin_qkv", "lin_z", "lin_out")  # a hybrid's linear layers' ring segments
 
 
 @dataclasses.dataclass(frozen=True)

@@ -227,6 +227,8 @@ def delta_rule_step(q, k, v, decay, beta, state, *, kernel=None):
 
 
 # -- The whole layer: stage 05b ------------------------------------------------------------
+# The linear layer's ring segments, in consumption order (`gated_deltanet_matrices`).
+LINEAR_SEGMENTS = ("lin_qkv", "lin_z", "lin_out")
 # The linear layer's weights that are not ring segments, [Ll, ...] each, brought by their
 # own DMA at the layer's start: in_proj_b and in_proj_a ([D, Nv], Nv = 48 lanes in the 27B:
 # narrower than a ring tile, as a MoE router is), the conv taps, A_log, dt_bias and the
@@ -242,7 +244,7 @@ def gated_deltanet_matrices(config: ModelConfig) -> list[tuple[str, int, int]]:
     """The ring segments of one gated-DeltaNet layer, in consumption order (the rest of its
     weights: LINEAR_DMAS)."""
     D, C, Vw = config.hidden, config.conv_channels, config.linear_value_width
-    return [("lin_qkv", D, C), ("lin_z", D, Vw), ("lin_out", Vw, D)]
+    return list(zip(LINEAR_SEGMENTS, (D, D, Vw), (C, Vw, D)))
 
 
 def linear_buffers(config: ModelConfig, batch: int, rows: int) -> list[Buffer]:
@@ -441,7 +443,7 @@ def gated_deltanet_kernel(inputs, outputs, *, config: ModelConfig, stream: TileS
     `linear_scratch` as `linear`."""
     row = 0
     fetch = {n: (lambda layer, n=n: (inputs[n].at[row], None))
-             for n in ("lin_qkv", "lin_z", "lin_out")}
+             for n in LINEAR_SEGMENTS}
     ring = Ring(stream, fetch, ring_vmem, sems)
     ring.prime()
     x = inputs["x"][...]
@@ -498,12 +500,11 @@ def gated_deltanet(config: ModelConfig, params, x, conv_state, state, *, layer: 
     block = block or default_block(D, C, Vw)
     stream = TileStream.build(block, gated_deltanet_matrices(config))
     dt = jnp.dtype(config.dtype)
-    layer_params = {n: params[n][i:i + 1] for n in ("lin_qkv", "lin_z", "lin_out",
-                                                    *LINEAR_DMAS)}
+    layer_params = {n: params[n][i:i + 1] for n in LINEAR_SEGMENTS + LINEAR_DMAS}
     inputs = dict(x=x.reshape(M, D).astype(F32),
                   attn_norm=(params["attn_norm"][layer].astype(F32) + config.norm_offset)[None],
                   conv_state=conv_state.astype(dt)[None], state=state.astype(F32)[None])
-    inputs |= {n: layer_params[n] for n in ("lin_qkv", "lin_z", "lin_out")}
+    inputs |= {n: layer_params[n] for n in LINEAR_SEGMENTS}
     inputs |= prepare_linear(config, layer_params)
     outputs = dict(out=jax.ShapeDtypeStruct((M, D), F32),
                    conv_rows=jax.ShapeDtypeStruct((1, B, T, W - 1, C), dt),

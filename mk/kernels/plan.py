@@ -70,7 +70,8 @@ from mk.kernels.common import (KV_TILE, LANES, SLOTS, BlockSizes, Buffer, VmemBu
                                vmem_budget)
 from mk.kernels.common import default_block as common_default_block
 from mk.kernels.decode_attention import decode_attention_buffers
-from mk.kernels.deltanet import LINEAR_DMAS, linear_buffers, linear_scratch
+from mk.kernels.deltanet import (LINEAR_DMAS, LINEAR_SEGMENTS, linear_buffers,
+                                 linear_scratch)
 from mk.kernels.mlp import expert_slots
 from mk.kernels.one_layer import (layer_buffers, layer_dims, layer_matrices, mixer_kinds,
                                   mlp_kinds)
@@ -84,7 +85,7 @@ WEIGHT_FAMILIES = {
     "router": ("router",),
     "experts": ("we_gate", "we_up", "we_down"),
     "lm_head": ("lm_head",),
-    "linear": ("lin_qkv", "lin_z", "lin_out", *LINEAR_DMAS),
+    "linear": LINEAR_SEGMENTS + LINEAR_DMAS,
 }
 # The per-step bytes that are not weights: KV rows, and the linear layers' conv and
 # recurrent states (read once, written after every row).
