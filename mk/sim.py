@@ -394,7 +394,9 @@ class _Kernel:
             mc.compute(seconds, self.layer, what)
             self.start(g + n)
             t += 1
-            state = self._state(g + 1) if self.fast else None
+            # a state costs O(slots) to build: worth it only while a run of at least
+            # slots tiles is left to skip (a deep ring over short matrices has none)
+            state = self._state(g + 1) if self.fast and seg.tiles - t > n else None
             history.append((mc.now, mc.gap_log))
             if state is None:
                 seen, history = {}, history[-1:]
