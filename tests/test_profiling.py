@@ -19,6 +19,10 @@ import mk.backend
 from mk import profiling, reference
 from mk.profiling import OpEvent, Step, Timeline
 
+# One worker makes the real captures once for every test here (make test: --dist
+# loadgroup; the fixture is session-scoped).
+pytestmark = pytest.mark.xdist_group("profiling")
+
 # -- Bubble arithmetic on synthetic timelines -----------------------------------------------
 
 
@@ -129,7 +133,7 @@ def test_a_tpu_device_plane_is_read_from_its_xla_ops_line(tmp_path):
 
 
 # -- Real captures on the CPU ---------------------------------------------------------------
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def xla_capture(tmp_path_factory):
     """Three annotated steps of the XLA reference decode step (tiny), and its program."""
     config = mk.preset("tiny")

@@ -35,7 +35,9 @@ import check_site  # noqa: E402
 import notebook_header  # noqa: E402
 import run_notebooks  # noqa: E402
 
-# One worker builds the site for every test of this module (make test: --dist loadgroup).
+# One worker builds the site for every test of this module (make test: --dist loadgroup),
+# once: the fixtures are session-scoped, so a module teardown between its tests (pytest's
+# fixture teardown looks at the next test a worker holds) cannot rebuild them.
 pytestmark = pytest.mark.xdist_group("site")
 
 SLIDER_CELL = """\
@@ -70,7 +72,7 @@ def _notebook(path, *cells):
     return path
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def notebooks(tmp_path_factory):
     folder = tmp_path_factory.mktemp("notebooks")
     # The comment's apostrophe once hid `points` from papermill's parameter parser.
@@ -92,7 +94,7 @@ def _main(*argv):
     return code, stdout.getvalue()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def site(notebooks, tmp_path_factory):
     out = tmp_path_factory.mktemp("build")
     figures, fails = notebooks
