@@ -9,13 +9,15 @@ and a one-line help; then papermill executes, on the CPU, every configuration `m
 executes (notebooks/runs.yaml; an unlisted notebook once with its own parameters), and the
 tiny preset of a notebook whose configurations are all too slow for CI. A run passes when no
 cell raises: each notebook's last cell holds its checks (asserts that fail on a wrong
-result). The configurations CI cannot afford (`SLOW_RUNS`) run in `make test-slow`.
+result). The configurations CI cannot afford (`SLOW_RUNS`) run in `make test-slow`, and so
+do the runs with the notebook's own values of the knobs CI turns down (`CI_KNOBS`).
 
 Not here: whether the prose's numbers match the cell outputs (review), and how long a
 notebook takes (`make run` prints it).
 """
 
 import ast
+import dataclasses
 import importlib.metadata
 import inspect
 import json
@@ -266,9 +268,41 @@ def test_slow_runs_name_configurations():
     assert set(SLOW_RUNS) <= {r.name for r in CONFIGURATIONS}
 
 
-@pytest.mark.parametrize("run", [
-    pytest.param(r, id=r.name, marks=[pytest.mark.slow] if r.name in SLOW_RUNS else [])
-    for r in CONFIGURATIONS])
+# Knobs CI turns down (fewer tokens, steps or sequences; the same cells and checks run),
+# per notebook, where a configuration does not set them itself: the four took 115, 76, 56
+# and 49 s headless with their own values. `make test-slow` also runs each configuration
+# with the notebook's own values (id "<run>-own-knobs").
+CI_KNOBS = {"08_profile_bubbles": {"steps": 1},
+            "09_speculative_sweep": {"tau_steps": 8, "tau_batch": 2, "megakernel_steps": 2},
+            "10_tensor_parallel": {"steps": 2},
+            "12_quantised_weights": {"accuracy_steps": 16}}
+
+
+def _params():
+    """One pytest param per configuration, with CI's knobs; and, slow, the same with the
+    notebook's own knobs."""
+    out = []
+    for r in CONFIGURATIONS:
+        slow = [pytest.mark.slow] if r.name in SLOW_RUNS else []
+        knobs = {k: v for k, v in CI_KNOBS.get(r.notebook.stem, {}).items()
+                 if k not in r.parameters}
+        if knobs and not slow:
+            out.append(pytest.param(dataclasses.replace(r, parameters=knobs | r.parameters),
+                                    id=r.name))
+            out.append(pytest.param(r, id=f"{r.name}-own-knobs", marks=pytest.mark.slow))
+        else:
+            out.append(pytest.param(r, id=r.name, marks=slow))
+    return out
+
+
+def test_ci_knobs_are_parameters_of_their_notebooks():
+    # A renamed parameter would otherwise fail only inside papermill, or not at all.
+    for stem, knobs in CI_KNOBS.items():
+        read = _parameters(_parameters_cell(NOTEBOOKS / f"{stem}.py"))
+        assert set(knobs) <= set(read), (stem, set(knobs) - set(read))
+
+
+@pytest.mark.parametrize("run", _params())
 def test_notebook_runs(run, tmp_path):
     # papermill raises PapermillExecutionError, with the failing cell, if any cell raises.
     run_notebooks.execute(run.notebook, tmp_path / f"{run.name}.ipynb", run.parameters)
