@@ -15,6 +15,11 @@ the compiler's static schedule, the rest is the simulator's model.
     .venv/bin/python benchmarks/tile_costs.py --chips tpu7x v6e v5e \
         --presets qwen3-0.6b qwen3-1.7b qwen3-4b qwen3-8b qwen3-30b-a3b \
         --json build/tile_costs.json
+    .venv/bin/python benchmarks/tile_costs.py --published --json build/published.json
+
+`--published` measures every TPU run of the published-numbers ledger instead (its
+tensor-parallel shard on a multi-chip topology, `mk.tpu.topology_for`); `mk.ledger.entries`
+reads those rows (`tile_costs=`) for its "compiled" column.
 """
 
 from __future__ import annotations
@@ -31,33 +36,48 @@ if __package__ in (None, ""):  # run as a script: make `mk` importable from a ch
 import jax.numpy as jnp  # noqa: E402
 
 import mk  # noqa: E402
-from mk import bundles, sim  # noqa: E402
+from mk import bundles, ledger, sim, tpu  # noqa: E402
 from mk.chips import chip as chip_spec  # noqa: E402
 from mk.kernels.plan import DecodePlan  # noqa: E402
 
 
-def row(preset: str, chip: str, *, batch: int, rows: int, context: int,
-        latency_s: float) -> dict:
-    """One model on one chip: measure the compiled kernel's per-tile loops, simulate."""
+def row(preset: str, chip: str, *, tp: int = 1, topology: str | None = None, batch: int,
+        rows: int, context: int, latency_s: float) -> dict:
+    """One model on one chip (its tp-core shard on `topology` when tp > 1): measure the
+    compiled kernel's per-tile loops, simulate."""
     config, spec = mk.preset(preset), chip_spec(chip)
     a = sim.Assumptions(dma_latency_s=latency_s)
-    block = DecodePlan.make(config, tp=1, batch=batch, rows=rows, context=context).block
+    kw = dict(tp=tp, batch=batch, rows=rows, context=context)
+    block = DecodePlan.make(config, **kw).block
     block = dataclasses.replace(block, slots=sim.latency_slots(config, spec, block,
                                                                assumptions=a))
-    plan = DecodePlan.make(config, tp=1, batch=batch, rows=rows, context=context,
-                           block=block)
+    plan = DecodePlan.make(config, block=block, **kw)
     fit = plan.fits(spec)
-    out = dict(preset=preset, chip=chip, slots=block.slots,
+    out = dict(preset=preset, chip=chip, **kw, topology=topology or spec.topology,
+               latency_us=latency_s * 1e6, slots=block.slots,
                ring_KiB=block.slots * plan.stream.tile_bytes
                * jnp.dtype(config.dtype).itemsize / 1024,
                vmem_MiB=fit.vmem.total_bytes / 2**20, fits=fit.ok)
     if not fit.ok:
         return dict(out, error=fit.error)
-    cost = bundles.measure(config, spec, batch=batch, rows=rows, context=context,
-                           block=block)
-    run = sim.simulate(config, spec, batch=batch, rows=rows, context=context, block=block,
+    cost = bundles.measure(config, spec, topology=topology, block=block, **kw)
+    run = sim.simulate(config, spec, block=block, **kw,
                        assumptions=cost.assumptions(dma_latency_s=latency_s))
-    return dict(out, **cost.row(), hbm_busy=run.hbm_utilisation, sim_step_ms=run.step_ms)
+    return dict(out, **cost.row(), hbm_busy=run.hbm_utilisation, sim_step_ms=run.step_ms,
+                hbm_floor_ms=run.hbm_floor_s * 1e3)
+
+
+def published_runs(context: int) -> list[dict]:
+    """The TPU runs of the published-numbers ledger (`mk.ledger.runs`), each once: the
+    arguments of `row` for it, its topology named by `mk.tpu.topology_for`."""
+    jobs = {}
+    for run in ledger.runs():
+        if run.spec is not None and run.spec.kind == "tpu":
+            jobs.setdefault(run.key, dict(
+                preset=run.config.name, chip=run.spec.name, tp=run.tp,
+                topology=tpu.topology_for(run.spec, run.row.chips), batch=run.batch,
+                rows=run.rows, context=context))
+    return list(jobs.values())
 
 
 def main(argv=None) -> None:
@@ -68,17 +88,21 @@ def main(argv=None) -> None:
     p.add_argument("--rows", type=int, default=1)
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--latency-us", type=float, default=1.0)
+    p.add_argument("--published", action="store_true",
+                   help="instead of --chips x --presets: every TPU run of the published-"
+                        "numbers ledger (its preset, chip, TP width, batch and rows)")
     p.add_argument("--json", type=Path, help="write the rows here (refuses an existing file)")
     args = p.parse_args(argv)
     if args.json and args.json.exists():
         raise SystemExit(f"--json {args.json} exists; choose a new path")
+    jobs = published_runs(args.context) if args.published else [
+        dict(preset=preset, chip=chip, batch=args.batch, rows=args.rows,
+             context=args.context) for chip in args.chips for preset in args.presets]
     table = []
-    for chip in args.chips:
-        for preset in args.presets:
-            r = row(preset, chip, batch=args.batch, rows=args.rows, context=args.context,
-                    latency_s=args.latency_us * 1e-6)
-            table.append(r)
-            print(json.dumps(r, default=float), flush=True)
+    for job in jobs:
+        r = row(**job, latency_s=args.latency_us * 1e-6)
+        table.append(r)
+        print(json.dumps(r, default=float), flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(table, indent=1, default=float))

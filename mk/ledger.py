@@ -3,9 +3,10 @@
 `TERMS` defines each word once; notebooks 00, 09 and 11 (and any other that states a step
 time) use these words and no others for these quantities, and show the definitions with
 `glossary(...)`. `entries(...)` sets every row of data/published.csv against the models
-under one set of assumptions, named once here (`VERIFY_ROWS`, batch 1 where unstated,
-every device of the run in one tensor-parallel group, `context` cached positions). Nothing
-is fitted to the published numbers.
+under one set of assumptions, named once here (`runs()`: `VERIFY_ROWS`, batch 1 where
+unstated, every device of the run in one tensor-parallel group; `context` cached
+positions), and, where `benchmarks/tile_costs.py --published` recorded it, against the
+simulated step of the run's compiled kernel. Nothing is fitted to the published numbers.
 
 Not here: the models themselves (`mk.perf` floors and collectives, `mk.sim` the simulated
 schedule), the published rows' parsing (`mk.perf.published`), drawing (`mk.plots`).
@@ -18,8 +19,8 @@ import dataclasses
 from IPython.display import Markdown
 
 from mk import perf
-from mk.chips import chip as named_chip
-from mk.config import preset as named_preset
+from mk.chips import ChipSpec, chip as named_chip
+from mk.config import ModelConfig, preset as named_preset
 from mk.sim import Assumptions, Simulation, latency_slots, simulate
 
 TERMS = {
@@ -51,9 +52,51 @@ def glossary(*terms: str) -> Markdown:
     return Markdown(f"| term | meaning |\n|---|---|\n{rows}")
 
 
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """How the ledger models one published row: the preset, the chip (None: no row for the
+    system in data/chips.csv), the tensor-parallel width, batch and verified rows."""
+
+    row: perf.Published
+    config: ModelConfig
+    spec: ChipSpec | None
+    tp: int
+    batch: int
+    rows: int
+
+    @property
+    def key(self) -> tuple:
+        """What a recorded per-tile cost (`benchmarks/tile_costs.py --published`) is
+        matched on."""
+        return (self.config.name, self.row.system, self.tp, self.batch, self.rows)
+
+
+def runs(*, speculative_only: bool = False) -> list[Run]:
+    """Every row of data/published.csv (only those with an acceptance length if
+    `speculative_only`) under the ledger's assumptions: batch 1 where unstated,
+    `VERIFY_ROWS` rows per speculative step, every device of the run in one group."""
+    out = []
+    for row in perf.published():
+        if speculative_only and not row.acceptance_length:
+            continue
+        config = named_preset(row.preset)
+        batch, rows = row.batch or 1, VERIFY_ROWS if row.acceptance_length else 1
+        try:
+            spec = named_chip(row.system)
+        except ValueError:
+            out.append(Run(row, config, None, 0, batch, rows))
+            continue
+        tp = row.chips * spec.cores_per_chip
+        if row.tp is not None and row.tp != tp:
+            raise ValueError(f"published row {row.model} on {row.system}: tp={row.tp} is "
+                             f"not chips*cores_per_chip={tp}")
+        out.append(Run(row, config, spec, tp, batch, rows))
+    return out
+
+
 def entries(*, context: int = 0, routing: str = "uniform", compute: str = "bf16",
             simulate_tpu: bool = False, assumptions: Assumptions | None = None,
-            speculative_only: bool = False) -> list[dict]:
+            speculative_only: bool = False, tile_costs=()) -> list[dict]:
     """Every row of data/published.csv against the models, one dict each.
 
     Always: "run", "model", "preset", "system", "tau" (acceptance length or None), "batch",
@@ -70,35 +113,37 @@ def entries(*, context: int = 0, routing: str = "uniform", compute: str = "bf16"
     `routing` and `compute` are `mk.perf.predict`'s (compute="fp8": the MXU runs 8- and
     4-bit weights at its fp8/int8 rate; the simulator keeps its own `assumptions`).
     `speculative_only`: only the rows with an acceptance length (the simulator replays a
-    whole Kimi TP32 step in tens of seconds: a reader who needs only those skips the rest)."""
-    out, sims = [], {}
+    whole Kimi TP32 step in tens of seconds: a reader who needs only those skips the rest).
 
-    def simulated(config, spec, **kw):  # rows differing only in acceptance share a step
-        key = (config.name, spec.name, tuple(sorted(kw.items(), key=str)))
+    `tile_costs`: rows of `benchmarks/tile_costs.py --published` (data/tile_costs/
+    published.json), each the compiled kernel of one run (`Run.key`): its ring's slots,
+    the DMA latency it was sized for and its per-tile issue time from libtpu's bundles.
+    With `simulate_tpu`, a TPU row with a recorded cost also gets "compiled_ms" (the
+    simulated step of that kernel: that ring, that latency, that issue time per tile),
+    "compiled_over_floor" (its step / the HBM floor), "compiled_slots",
+    "compiled_utilisation", "compiled_bound", "tile_ns" and "tile_dma_ns"; a recorded run
+    that did not fit its core gets "compiled_note" with the reason."""
+    out, sims = [], {}
+    recorded = {_cost_key(c): c for c in tile_costs}
+
+    def simulated(config, spec, a=assumptions, **kw):  # rows differing only in tau share it
+        key = (config.name, spec.name, a, tuple(sorted(kw.items(), key=str)))
         if key not in sims:
-            sims[key] = simulate(config, spec, assumptions=assumptions, **kw)
+            sims[key] = simulate(config, spec, assumptions=a, **kw)
         return sims[key]
 
-    for row in perf.published():
-        if speculative_only and not row.acceptance_length:
-            continue
-        config, tau = named_preset(row.preset), row.acceptance_length
-        batch, rows = row.batch or 1, VERIFY_ROWS if tau else 1
+    for run in runs(speculative_only=speculative_only):
+        row, config, spec, tau = run.row, run.config, run.spec, run.row.acceptance_length
+        batch, rows, tp = run.batch, run.rows, run.tp
         rec = dict(run=f"{config.name} on {row.chips or '?'} {row.system}, "
                        + (f"tau={tau:g}" if tau else f"B={row.batch}"),
                    model=row.model, preset=row.preset, system=row.system, tau=tau,
                    batch=batch, rows=rows, metric=row.metric, published=row.tokens_per_s,
                    published_step_ms=row.step_ms)
-        try:
-            spec = named_chip(row.system)
-        except ValueError:
+        if spec is None:
             out.append(rec | dict(note=f"no row for {row.system} in data/chips.csv: "
                                        "no model"))
             continue
-        tp = row.chips * spec.cores_per_chip
-        if row.tp is not None and row.tp != tp:
-            raise ValueError(f"published row {row.model} on {row.system}: tp={row.tp} is "
-                             f"not chips*cores_per_chip={tp}")
         kw = dict(batch=batch, rows=rows, context=context, tp=tp)
         accepted = tau or 1
 
@@ -125,6 +170,21 @@ def entries(*, context: int = 0, routing: str = "uniform", compute: str = "bf16"
             rec |= (timed("simulated", sim.step_ms) | timed("deep", deep.step_ms)
                     | dict(sim_slots=sim.block.slots, deep_slots=block.slots,
                            deep_utilisation=deep.hbm_utilisation, deep_bound=_bound(deep)))
+            cost = recorded.get(run.key)
+            if cost is not None and not cost["fits"]:
+                rec["compiled_note"] = f"the recorded kernel did not fit: {cost['error']}"
+            elif cost is not None:
+                a = dataclasses.replace(assumptions or Assumptions(),
+                                        dma_latency_s=cost["latency_us"] * 1e-6,
+                                        tile_issue_s=cost["tile_ns"] * 1e-9)
+                ring = dataclasses.replace(sim.block, slots=cost["slots"])
+                compiled = simulated(config, spec, a, block=ring, **kw)
+                rec |= timed("compiled", compiled.step_ms) | dict(
+                    compiled_over_floor=compiled.step_ms / est.hbm_floor_ms,
+                    compiled_slots=cost["slots"],
+                    compiled_utilisation=compiled.hbm_utilisation,
+                    compiled_bound=_bound(compiled), tile_ns=cost["tile_ns"],
+                    tile_dma_ns=cost["dma_ns"])
         elif spec.kind == "gpu":
             conv = perf.conventional(config, spec, accepted=accepted, routing=routing,
                                      compute=compute, **kw)
@@ -132,6 +192,15 @@ def entries(*, context: int = 0, routing: str = "uniform", compute: str = "bf16"
                 conventional_gap_ms=conv.gap_ms)
         out.append(rec | dict(note=_explain(row, config, spec, tp, batch, rows)))
     return out
+
+
+def _cost_key(cost: dict) -> tuple:
+    """`Run.key` of a recorded per-tile cost (a row of benchmarks/tile_costs.py)."""
+    missing = [k for k in ("preset", "chip", "tp", "batch", "rows", "fits") if k not in cost]
+    if missing:
+        raise ValueError(f"tile cost row {cost.get('preset')!r}: missing {missing} (a row of "
+                         "benchmarks/tile_costs.py --published)")
+    return (cost["preset"], cost["chip"], cost["tp"], cost["batch"], cost["rows"])
 
 
 def _bound(sim: Simulation) -> str:

@@ -6,9 +6,10 @@ lowering, the VMEM and HBM capacity checks, and reports memory and code size. No
 
 Here: `compile_for_chip(fn, args, chip)` -> `CompileReport`, and `compile_megakernel`, the
 whole decode step of a model on one TPU core or, tensor-parallel, on tp cores of a
-multi-chip topology: one path and one report for both. Not here: running kernels
-(`mk.backend`), the capacity check (`DecodePlan.fits`: the project-side VMEM budget,
-which catches the scoped-limit problems the compiler does not enforce, and HBM).
+multi-chip topology (`topology_for(chip, chips)` names one): one path and one report for
+both. Not here: running kernels (`mk.backend`), the capacity check (`DecodePlan.fits`: the
+project-side VMEM budget, which catches the scoped-limit problems the compiler does not
+enforce, and HBM).
 """
 
 from __future__ import annotations
@@ -82,6 +83,25 @@ def devices(topology: str) -> tuple:
         bounds = dict(chips_per_host_bounds=[1, 1, 1])
     desc = topologies.get_topology_desc(topology_name=topology, platform="tpu", **bounds)
     return tuple(desc.devices)
+
+
+def topology_for(chip: str | ChipSpec, chips: int) -> str:
+    """The libtpu topology name of `chips` chips of `chip`'s generation: its own
+    single-chip name for 1; otherwise 2 x 2 chips per tray, stacked (a 3-D torus, e.g.
+    "tpu7x:2x2x4" for 16 chips) or the 2 x 2 slice of a 2-D one ("v6e:2x2"). Raises
+    ValueError for a count with no such name; the name is checked against libtpu's devices
+    by `devices` when a compile asks for it."""
+    spec = _tpu(chip)
+    if isinstance(chips, bool) or not isinstance(chips, int) or chips < 1:
+        raise ValueError(f"chips={chips!r} must be a positive integer")
+    if chips == 1:
+        return spec.topology
+    family, _, shape = spec.topology.partition(":")
+    three_d = shape.count("x") == 2
+    if chips % 4 or (not three_d and chips != 4):
+        raise ValueError(f"chips={chips} on {spec.name}: a topology here is 2 x 2 chips"
+                         + (" times a depth (a multiple of 4)" if three_d else " (4 chips)"))
+    return f"{family}:2x2x{chips // 4}" if three_d else f"{family}:2x2"
 
 
 def compile_for_chip(fn, args, chip: str | ChipSpec, *, name: str = "",

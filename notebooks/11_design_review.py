@@ -83,6 +83,7 @@ compile_for_tpu: bool = True  # the ahead-of-time libtpu compile of the megakern
 simulate_published: bool = False  # simulate the published TPU runs too (some seconds)
 xla_layers: int = 0  # layers of XLA's own step to compile and count; 0 for all of them
 recorded_tile_costs: str = "data/tile_costs/single_core.json"  # benchmarks/tile_costs.py's run
+published_tile_costs: str = "data/tile_costs/published.json"  # its --published run
 exercise_ring_slots: int = 0  # the exercise: ring slots to check (0 is the Little law depth; try 2)
 
 # %% tags=["hide-input"]
@@ -242,23 +243,30 @@ if report is not None and report.ok:
           f"{s.hbm_utilisation:.1%})")
 
 # %% [markdown]
-# The same measurement for every single-core preset and chip, recorded by
-# `benchmarks/tile_costs.py` (the ring as deep as Little's law asks at 1 us; B=1, T=1,
-# S=1024; compile seconds on the 2-core machine that recorded it). A ratio above 0.9 is a
+# The same measurement for every single-core preset and chip, and for the tensor-parallel
+# shard of every published TPU run (one device's kernel, compiled on the run's multi-chip
+# topology), recorded by `benchmarks/tile_costs.py` (the ring as deep as Little's law asks
+# at 1 us; single-core rows B=1, T=1, S=1024; published runs at the ledger's batch and
+# rows; compile seconds on the 2-core machine that recorded it). A ratio above 0.9 is a
 # kernel whose TensorCore, not HBM, sets the pace of weight streaming.
 
 # %%
-recorded_path = Path(mk.__file__).resolve().parent.parent / recorded_tile_costs
+checkout = Path(mk.__file__).resolve().parent.parent
+recorded_path, published_path = (checkout / recorded_tile_costs,
+                                 checkout / published_tile_costs)
+published_costs = (json.loads(published_path.read_text()) if published_path.exists()
+                   else [])
 if recorded_path.exists():
     display(plots.table([
-        {"model": r["preset"], "chip": r["chip"], "slots": r["slots"],
+        {"model": r["preset"], "chip": r["chip"], "TP": r.get("tp", 1),
+         "B x T": f"{r.get('batch', 1)} x {r.get('rows', 1)}", "slots": r["slots"],
          "ring KiB": f"{r['ring_KiB']:.0f}", "VMEM MiB": f"{r['vmem_MiB']:.1f}",
          **({"bundles/tile": r["bundles_per_tile"], "issue ns": f"{r['tile_ns']:.0f}",
              "DMA ns": f"{r['dma_ns']:.0f}", "issue/DMA": f"{r['tile_over_dma']:.2f}",
              "HBM busy": f"{r['hbm_busy']:.1%}", "compile s": f"{r['compile_s']:.1f}"}
             if r["fits"] else {"bundles/tile": "does not fit: " + r["error"][:60], "issue ns": "",
                                "DMA ns": "", "issue/DMA": "", "HBM busy": "", "compile s": ""})}
-        for r in json.loads(recorded_path.read_text())]))
+        for r in json.loads(recorded_path.read_text()) + published_costs]))
 else:
     print(f"{recorded_path} is not here (a checkout has it); benchmarks/tile_costs.py makes it")
 
@@ -453,11 +461,14 @@ print(f"no speculation (T=1): {1 / one.step_s:,.0f} tokens/s per user simulated;
 # context 0, every device in the tensor-parallel group): the modelled step, the simulated
 # step for TPU rows (the default ring, and one sized by Little's law), the conventional
 # step for GPU rows. The note says what the modelled run does not share with the published
-# one.
+# one. "compiled kernel" is the simulated step of the run's own compiled shard: the ring it
+# was compiled with and the per-tile issue time libtpu's bundles give it (the recorded
+# `--published` rows above), against the HBM floor.
 
 # %% tags=["hide-input"]
-display(ledger.glossary("published", "modelled step", "simulated step", "conventional step"))
-pub = ledger.entries(simulate_tpu=simulate_published)
+display(ledger.glossary("published", "HBM floor", "modelled step", "simulated step",
+                        "conventional step"))
+pub = ledger.entries(simulate_tpu=simulate_published, tile_costs=published_costs)
 
 
 def pct(x):
@@ -471,6 +482,10 @@ display(plots.table([{
     "bound by": r.get("bound", "-"),
     "simulated step (Little's-law ring)": f"{r['deep']:,.0f} ({pct(r['deep_error'])}), "
                                           f"{r['deep_bound']}" if "deep" in r else "-",
+    "compiled kernel (simulated)": f"{r['compiled']:,.0f} ({pct(r['compiled_error'])}), "
+                                   f"{r['compiled_over_floor']:.2f}x the HBM floor, "
+                                   f"{r['compiled_bound']}" if "compiled" in r
+    else r.get("compiled_note", "-"),
     "conventional step": f"{r['conventional']:,.0f} ({pct(r['conventional_error'])})"
     if "conventional" in r else "-",
     "note": r["note"]} for r in pub]))
@@ -489,6 +504,11 @@ for r in pub:
         if "deep" in r:
             line += (f"; simulated {r['deep_ms']:.2f} ms with {r['deep_slots']} slots, HBM "
                      f"busy {r['deep_utilisation']:.0%}, bound by {r['deep_bound']}")
+        if "compiled" in r:
+            line += (f"; the compiled kernel simulated {r['compiled_ms']:.2f} ms = "
+                     f"{r['compiled_over_floor']:.2f}x the HBM floor "
+                     f"{r['hbm_floor_ms']:.2f} ms ({r['tile_ns']:.0f} ns issue against "
+                     f"{r['tile_dma_ns']:.0f} ns DMA per tile, {r['compiled_slots']} slots)")
         if "conventional" in r:
             line += (f"; conventional {r['conventional_ms']:.2f} ms, "
                      f"{r['conventional_gap_ms']:.2f} ms of it launch gaps")

@@ -2,6 +2,8 @@
 under one set of assumptions, in one vocabulary."""
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 
@@ -82,3 +84,49 @@ def test_glossary_defines_each_term_once_and_refuses_an_unknown_one():
     assert "| roofline |" not in text
     with pytest.raises(ValueError, match="term='roofline'"):
         ledger.glossary("roofline")
+
+
+@pytest.fixture(scope="module")
+def qwen27b_row():
+    return next(r for r in perf.published()
+                if r.preset == "qwen3.5-27b" and r.system == "tpu7x")
+
+
+def test_a_recorded_per_tile_cost_gives_the_compiled_kernels_simulated_step(monkeypatch,
+                                                                             qwen27b_row):
+    """The "compiled" column replays the recorded kernel (its ring, latency and per-tile
+    issue time); a dearer tile makes a slower step (the control), a recorded kernel that
+    did not fit says so, and a row that is not the benchmark's is refused."""
+    monkeypatch.setattr(ledger.perf, "published", lambda: (qwen27b_row,))
+    run, = ledger.runs()
+    preset, chip, tp, batch, rows = run.key
+    cost = dict(preset=preset, chip=chip, tp=tp, batch=batch, rows=rows, fits=True,
+                slots=24, latency_us=1.0, tile_ns=40.0, dma_ns=8.9)
+    r, = ledger.entries(simulate_tpu=True, tile_costs=[cost])
+    want = mk.sim.simulate(
+        run.config, run.spec, batch=batch, rows=rows, context=0, tp=tp,
+        block=dataclasses.replace(mk.sim.step_plan(run.config, batch=batch, rows=rows,
+                                                    tp=tp).block, slots=24),
+        assumptions=mk.sim.Assumptions(dma_latency_s=1e-6, tile_issue_s=40e-9))
+    assert r["compiled_ms"] == pytest.approx(want.step_ms)
+    assert r["compiled_over_floor"] == pytest.approx(want.step_ms / r["hbm_floor_ms"])
+    assert r["compiled_slots"] == 24 and r["tile_ns"] == 40.0 and r["compiled_bound"]
+    cheap, = ledger.entries(simulate_tpu=True, tile_costs=[cost | dict(tile_ns=0.0)])
+    assert cheap["compiled_ms"] < r["compiled_ms"]
+    refused, = ledger.entries(simulate_tpu=True, tile_costs=[
+        dict(cost, fits=False, error="VMEM 70 MiB of 64")])
+    assert "compiled_ms" not in refused and "VMEM 70 MiB" in refused["compiled_note"]
+    with pytest.raises(ValueError, match=r"missing \['tp'\]"):
+        ledger.entries(tile_costs=[{k: v for k, v in cost.items() if k != "tp"}])
+
+
+def test_the_recorded_tile_costs_cover_every_published_tpu_run():
+    """data/tile_costs/published.json (benchmarks/tile_costs.py --published) holds one
+    compiled kernel per TPU run of the ledger: a run added to published.csv without a
+    recompile is caught here. A kernel that does not fit its core records why (the
+    kimi-k3-like TP32 shard: its FP4 experts a byte each, their 64 columns padded to 128)."""
+    recorded = json.loads((Path(__file__).parent.parent / "data" / "tile_costs"
+                           / "published.json").read_text())
+    want = {run.key for run in ledger.runs() if run.spec and run.spec.kind == "tpu"}
+    assert {(c["preset"], c["chip"], c["tp"], c["batch"], c["rows"]) for c in recorded} == want
+    assert all(c["tile_ns"] > 0 if c["fits"] else "HBM" in c["error"] for c in recorded)

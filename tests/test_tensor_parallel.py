@@ -184,6 +184,24 @@ def test_a_tp_that_is_not_a_power_of_two_is_refused(tp):
         plan.shard_config(tp_config(2), tp)
 
 
+@pytest.mark.parametrize("chip, chips, name", [
+    ("tpu7x", 4, "tpu7x:2x2x1"), ("tpu7x", 16, "tpu7x:2x2x4"), ("v6e", 4, "v6e:2x2"),
+    ("v5e", 1, "v5e:1x1")])
+def test_a_published_runs_chips_name_a_libtpu_topology_with_its_cores(chip, chips, name):
+    """`mk.tpu.topology_for`: the topology the published runs compile on (4 and 16 TPU7x
+    chips: TP8 and TP32) has chips x cores per chip devices in libtpu."""
+    assert tpu.topology_for(chip, chips) == name
+    assert len(tpu.devices(name)) == chips * mk.chip(chip).cores_per_chip
+
+
+@pytest.mark.parametrize("chip, chips, message", [
+    ("tpu7x", 6, r"chips=6 on tpu7x: .*\(a multiple of 4\)"), ("v6e", 8, "chips=8 on v6e"),
+    ("tpu7x", 0, "chips=0 must be a positive integer"), ("gb200", 4, "only TPUs")])
+def test_a_chip_count_with_no_topology_is_refused(chip, chips, message):
+    with pytest.raises(ValueError, match=message):
+        tpu.topology_for(chip, chips)
+
+
 @pytest.mark.parametrize("name, topology, chip", [
     ("qwen3.5-27b", "tpu7x:2x2x1", "tpu7x"),  # TP8: 4 chips, 8 cores
     ("qwen3-30b-a3b", "v5e:2x4", "v5e"),  # TP8: at TP4 it does not fit (next test)
