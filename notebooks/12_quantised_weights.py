@@ -359,7 +359,7 @@ params32 = {n: q if isinstance(q, quant.QuantWeight) else q.astype(jnp.float32)
             for n, q in qparams.items()}
 start = prompt[:1, :5]
 kernel_tokens = megakernel.generate(config32, params32, start, 4, backend=run.backend,
-                                    max_context=64, steps_per_call=3)
+                                    max_context=64, steps_per_call=4)  # one dispatch
 reference_tokens = mk.reference.generate(config32, quant.dequantize(params32), start, 4,
                                          max_context=64)
 print(f"megakernel {np.asarray(kernel_tokens).tolist()}, reference "

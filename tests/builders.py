@@ -1,5 +1,6 @@
 """Shared test inputs: tiny configs and Hugging Face checkpoint folders written without torch;
-`bar_count` reads what a text progress bar drew; `quantised_cases` and `plant_double_scale`
+`bar_count` reads what a text progress bar drew; `tiny_moe_in_ci` picks the preset CI runs;
+`quantised_cases` and `plant_double_scale`
 for the tests of kernels on quantised weights; `assert_verify_steps` feeds a perfect draft
 to the megakernel, T rows per step.
 
@@ -21,6 +22,14 @@ from safetensors.numpy import save_file
 
 from mk import quant
 from mk.config import ModelConfig
+
+
+def tiny_moe_in_ci(fixture: str):
+    """Parametrize `fixture` (conftest's tiny_model or tiny_model_f32) with tiny-moe in CI and
+    tiny in make test-slow only: tiny-moe has tiny's shapes and a dense layer 0 besides its
+    MoE layers, so it runs every code path tiny does."""
+    return pytest.mark.parametrize(
+        fixture, [pytest.param("tiny", marks=pytest.mark.slow), "tiny-moe"], indirect=True)
 
 
 def hf_config_dict(config: ModelConfig) -> dict:

@@ -268,11 +268,13 @@ def test_slow_runs_name_configurations():
     assert set(SLOW_RUNS) <= {r.name for r in CONFIGURATIONS}
 
 
-# Knobs CI turns down (fewer tokens, steps or sequences; the same cells and checks run),
-# per notebook, where a configuration does not set them itself: the four took 115, 76, 56
-# and 49 s headless with their own values. `make test-slow` also runs each configuration
-# with the notebook's own values (id "<run>-own-knobs").
-CI_KNOBS = {"08_profile_bubbles": {"steps": 1},
+# Knobs CI turns down (fewer tokens, steps, sequences or live compiles; the same cells and
+# checks run), per notebook, where a configuration does not set them itself: with their own
+# values 07 (tiny), 08, 09, 10 and 12 took 46, 56, 115, 49 and 76 s headless. `make
+# test-slow` also runs each configuration with the notebook's own values (id
+# "<run>-own-knobs").
+CI_KNOBS = {"07_compile_for_tpu": {"measure_layers": [2]},
+            "08_profile_bubbles": {"steps": 1},
             "09_speculative_sweep": {"tau_steps": 8, "tau_batch": 2, "megakernel_steps": 2},
             "10_tensor_parallel": {"steps": 2},
             "12_quantised_weights": {"accuracy_steps": 16}}

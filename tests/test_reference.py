@@ -12,6 +12,7 @@ import pytest
 
 from mk import reference as R
 from mk.config import preset
+from builders import tiny_moe_in_ci
 
 
 def _check_rms_norm_by_hand(rms_norm):
@@ -106,6 +107,7 @@ def _prompt(config, batch, length, seed=1):
     return jax.random.randint(jax.random.key(seed), (batch, length), 0, config.vocab)
 
 
+@tiny_moe_in_ci("tiny_model_f32")
 def test_generate_matches_argmax_of_teacher_forced_prefill(tiny_model_f32):
     config, params = tiny_model_f32
     prompt = _prompt(config, 2, 7)
@@ -114,6 +116,7 @@ def test_generate_matches_argmax_of_teacher_forced_prefill(tiny_model_f32):
     assert (R.greedy(logits[:, 6:]) == tokens).all()
 
 
+@tiny_moe_in_ci("tiny_model_f32")
 def test_t_rows_in_one_step_equal_prefill_of_the_same_tokens(tiny_model_f32):
     config, params = tiny_model_f32
     seq = _prompt(config, 2, 9)
@@ -123,6 +126,7 @@ def test_t_rows_in_one_step_equal_prefill_of_the_same_tokens(tiny_model_f32):
     np.testing.assert_allclose(rows, full[:, 5:], rtol=1e-5, atol=1e-4)
 
 
+@tiny_moe_in_ci("tiny_model_f32")
 def test_ragged_positions_equal_each_sequence_decoded_alone(tiny_model_f32):
     config, params = tiny_model_f32
     a, b = _prompt(config, 1, 4, seed=2), _prompt(config, 1, 6, seed=3)

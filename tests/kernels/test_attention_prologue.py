@@ -18,7 +18,7 @@ import mk
 from mk import backend, quant, reference, tpu
 from mk.kernels.attention_prologue import attention_prologue, attention_prologue_buffers
 from mk.kernels.common import BlockSizes, vmem_budget
-from builders import plant_double_scale, quantised_cases
+from builders import plant_double_scale, quantised_cases, tiny_moe_in_ci
 from tolerances import TOLERANCE as ALL_TOLERANCES
 
 TOLERANCE = ALL_TOLERANCES["prologue"]
@@ -67,6 +67,7 @@ def test_without_qk_norm_matches_the_reference():
     _check(config, mk.init_params(config), batch=1, rows=1, positions=[5], layer=0)
 
 
+@tiny_moe_in_ci("tiny_model")
 @settings(max_examples=3, deadline=None)
 @given(batch=st.integers(1, 8), rows=st.integers(1, 8),
        where=st.sampled_from([0, 127, 128, 255]))
