@@ -1,4 +1,5 @@
-"""Shared fixtures: the tiny models every test runs on CPU."""
+"""Shared fixtures: the tiny models every test runs on CPU; and the xdist_group suffix that
+makes `--dist loadgroup` keep a group on one worker under pytest 9."""
 
 import os
 import tempfile
@@ -15,6 +16,22 @@ import dataclasses  # noqa: E402
 import pytest  # noqa: E402
 
 import mk  # noqa: E402
+from _pytest.nodeid import coerce_node_id  # noqa: E402
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """pytest-xdist 3.8 groups the tests marked `xdist_group` by suffixing "@group" to
+    `item._nodeid`, which pytest 9 no longer reads (a node's id is `item._id`), so its
+    groups were spread over both workers and their module fixtures built twice. Put the
+    same suffix where pytest 9 reads it (a worker's collection; `make test`)."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    for item in items:
+        groups = sorted({m.args[0] if m.args else m.kwargs.get("name", "default")
+                         for m in item.iter_markers("xdist_group")})
+        if groups and not item.nodeid.endswith("@" + "_".join(groups)):
+            item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(groups)}")
 
 
 @pytest.fixture(scope="session", params=["tiny", "tiny-moe"])

@@ -18,8 +18,7 @@ import mk
 from mk import measure, sim, tpu
 from mk.kernels.dma_probe import dma_probe
 
-# One worker probes once for every test here (make test: --dist loadgroup; the fixture is
-# session-scoped so a module teardown between its tests cannot rebuild it).
+# One worker probes once for every test here (make test: --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("measure")
 
 # Three probe points (two sizes one at a time, one size two at a time), cheap on a CPU.
@@ -27,7 +26,7 @@ TINY = measure.Sweep(sizes=(4096, 8192), chunk=4096, in_flight=(1, 2), counts=(2
                      repeats=3)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def record():
     return measure.measure("interpret", sweep=TINY, config=mk.preset("tiny"), context=100)
 

@@ -19,8 +19,7 @@ import mk.backend
 from mk import profiling, reference
 from mk.profiling import OpEvent, Step, Timeline
 
-# One worker makes the real captures once for every test here (make test: --dist
-# loadgroup; the fixture is session-scoped).
+# One worker makes the real captures once for every test here (make test: --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("profiling")
 
 # -- Bubble arithmetic on synthetic timelines -----------------------------------------------
@@ -133,7 +132,7 @@ def test_a_tpu_device_plane_is_read_from_its_xla_ops_line(tmp_path):
 
 
 # -- Real captures on the CPU ---------------------------------------------------------------
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def xla_capture(tmp_path_factory):
     """Three annotated steps of the XLA reference decode step (tiny), and its program."""
     config = mk.preset("tiny")

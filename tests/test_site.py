@@ -35,9 +35,7 @@ import check_site  # noqa: E402
 import notebook_header  # noqa: E402
 import run_notebooks  # noqa: E402
 
-# One worker builds the site for every test of this module (make test: --dist loadgroup),
-# once: the fixtures are session-scoped, so a module teardown between its tests (pytest's
-# fixture teardown looks at the next test a worker holds) cannot rebuild them.
+# One worker builds the site for every test of this module (make test: --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("site")
 
 SLIDER_CELL = """\
@@ -72,7 +70,7 @@ def _notebook(path, *cells):
     return path
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def notebooks(tmp_path_factory):
     folder = tmp_path_factory.mktemp("notebooks")
     # The comment's apostrophe once hid `points` from papermill's parameter parser.
@@ -94,7 +92,7 @@ def _main(*argv):
     return code, stdout.getvalue()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def site(notebooks, tmp_path_factory):
     out = tmp_path_factory.mktemp("build")
     figures, fails = notebooks

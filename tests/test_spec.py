@@ -15,8 +15,7 @@ compiles in ~11 s (tiny) / ~33 s (tiny-moe) per [B, T] shape and runs in ~0.5-2 
 - The distribution test runs a vocab-8 float32 model with the reference verifier (the
   rejection step is host-side numpy, the same for both verifiers).
 Interpret mode does not cover time; nothing here is timed. The module runs on one xdist
-worker (`make test` uses --dist loadgroup) so its compiles are shared, not repeated; its
-fixture is session-scoped so a module teardown between its tests cannot rebuild it.
+worker (`make test` uses --dist loadgroup) so its compiles are shared, not repeated.
 """
 
 import dataclasses
@@ -39,7 +38,7 @@ PRESETS = ("tiny", "tiny-moe")
 pytestmark = pytest.mark.xdist_group("spec")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def models():
     """preset -> (config, params, prompts [4, 6], the reference's greedy tokens [4, STEPS],
     the "model" drafter's draft model (made once: it is random noise on the target))."""
