@@ -121,8 +121,9 @@ def entries(*, context: int = 0, routing: str = "uniform", compute: str = "bf16"
     With `simulate_tpu`, a TPU row with a recorded cost also gets "compiled_ms" (the
     simulated step of that kernel: that ring, that latency, that issue time per tile),
     "compiled_over_floor" (its step / the HBM floor), "compiled_slots",
-    "compiled_utilisation", "compiled_bound", "tile_ns" and "tile_dma_ns"; a recorded run
-    that did not fit its core gets "compiled_note" with the reason."""
+    "compiled_utilisation", "compiled_bound", "tile_ns" and "tile_dma_ns". A recorded
+    kernel that does not fit its core gets "compiled_note" with the reason, and the
+    columns above only if its per-tile cost was measured on a cut of it (`measured_on`)."""
     out, sims = [], {}
     recorded = {_cost_key(c): c for c in tile_costs}
 
@@ -172,8 +173,10 @@ def entries(*, context: int = 0, routing: str = "uniform", compute: str = "bf16"
                            deep_utilisation=deep.hbm_utilisation, deep_bound=_bound(deep)))
             cost = recorded.get(run.key)
             if cost is not None and not cost["fits"]:
-                rec["compiled_note"] = f"the recorded kernel did not fit: {cost['error']}"
-            elif cost is not None:
+                rec["compiled_note"] = (f"does not fit: {cost['error']}" + (
+                    f"; its per-tile cost measured on {cost['measured_on']}"
+                    if "tile_ns" in cost else ""))
+            if cost is not None and "tile_ns" in cost:
                 a = dataclasses.replace(assumptions or Assumptions(),
                                         dma_latency_s=cost["latency_us"] * 1e-6,
                                         tile_issue_s=cost["tile_ns"] * 1e-9)
