@@ -65,7 +65,7 @@ def row(preset: str, chip: str, *, tp: int = 1, topology: str | None = None, bat
                latency_us=latency_s * 1e6, slots=block.slots,
                ring_KiB=block.slots * plan.stream.tile_bytes
                * jnp.dtype(config.dtype).itemsize / 1024,
-               vmem_MiB=fit.vmem.total_bytes / 2**20, fits=fit.ok)
+               vmem_MiB=fit.vmem.total_bytes / 2**20 if fit.vmem else None, fits=fit.ok)
     measured = config
     if not fit.ok:
         if fit.vmem is None or fit.hbm_bytes <= fit.hbm_limit_bytes or not cut_layers:

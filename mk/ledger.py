@@ -125,7 +125,7 @@ def entries(*, context: int = 0, routing: str = "uniform", compute: str = "bf16"
     kernel that does not fit its core gets "compiled_note" with the reason, and the
     columns above only if its per-tile cost was measured on a cut of it (`measured_on`)."""
     out, sims = [], {}
-    recorded = {_cost_key(c): c for c in tile_costs}
+    recorded = {cost_key(c): c for c in tile_costs}
 
     def simulated(config, spec, a=assumptions, **kw):  # rows differing only in tau share it
         key = (config.name, spec.name, a, tuple(sorted(kw.items(), key=str)))
@@ -173,7 +173,7 @@ def entries(*, context: int = 0, routing: str = "uniform", compute: str = "bf16"
                            deep_utilisation=deep.hbm_utilisation, deep_bound=_bound(deep)))
             cost = recorded.get(run.key)
             if cost is not None and not cost["fits"]:
-                rec["compiled_note"] = (f"does not fit: {cost['error']}" + (
+                rec["compiled_note"] = (f"the whole kernel: {cost['error']}" + (
                     f"; its per-tile cost measured on {cost['measured_on']}"
                     if "tile_ns" in cost else ""))
             if cost is not None and "tile_ns" in cost:
@@ -197,7 +197,7 @@ def entries(*, context: int = 0, routing: str = "uniform", compute: str = "bf16"
     return out
 
 
-def _cost_key(cost: dict) -> tuple:
+def cost_key(cost: dict) -> tuple:
     """`Run.key` of a recorded per-tile cost (a row of benchmarks/tile_costs.py)."""
     missing = [k for k in ("preset", "chip", "tp", "batch", "rows", "fits") if k not in cost]
     if missing:

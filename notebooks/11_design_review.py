@@ -264,8 +264,10 @@ if recorded_path.exists():
          **({"bundles/tile": r["bundles_per_tile"], "issue ns": f"{r['tile_ns']:.0f}",
              "DMA ns": f"{r['dma_ns']:.0f}", "issue/DMA": f"{r['tile_over_dma']:.2f}",
              "HBM busy": f"{r['hbm_busy']:.1%}", "compile s": f"{r['compile_s']:.1f}"}
-            if r["fits"] else {"bundles/tile": "does not fit: " + r["error"][:60], "issue ns": "",
-                               "DMA ns": "", "issue/DMA": "", "HBM busy": "", "compile s": ""})}
+            if "tile_ns" in r else {"bundles/tile": "", "issue ns": "", "DMA ns": "",
+                                    "issue/DMA": "", "HBM busy": "", "compile s": ""}),
+         "note": "" if r["fits"] else r["error"][:80] + (
+             f"; measured on {r['measured_on']}" if "measured_on" in r else "")}
         for r in json.loads(recorded_path.read_text()) + published_costs]))
 else:
     print(f"{recorded_path} is not here (a checkout has it); benchmarks/tile_costs.py makes it")
@@ -530,9 +532,9 @@ print(f"published faster than the modelled step: {faster or 'none'}")
 # ns of scalar bookkeeping (libtpu's bundles) against about 9 ns of DMA, so our kernel on
 # these shards is many times its floor, and kimi-k3-like's TP32 shard does not even fit
 # one core's HBM (its note says why). The published runs are several times faster than
-# that, so the release's kernel does not pay such a cost per byte streamed. The GPU rows are modelled as one kernel per op with an H100
-# launch gap; their published numbers are slower still, which that gap alone does not
-# explain.
+# that, so the release's kernel does not pay such a cost per byte streamed. The GPU rows
+# are modelled as one kernel per op with an H100 launch gap; their published numbers are
+# slower still, which that gap alone does not explain.
 
 # %% [markdown]
 # ## The checklist

@@ -134,7 +134,7 @@ def test_the_recorded_tile_costs_cover_every_published_tpu_run():
     recorded = json.loads((Path(__file__).parent.parent / "data" / "tile_costs"
                            / "published.json").read_text())
     want = {run.key for run in ledger.runs() if run.spec and run.spec.kind == "tpu"}
-    assert {(c["preset"], c["chip"], c["tp"], c["batch"], c["rows"]) for c in recorded} == want
+    assert {ledger.cost_key(c) for c in recorded} == want
     assert all(c["tile_ns"] > 0 for c in recorded)
     assert all("HBM" in c["error"] and "layers" in c["measured_on"]
                for c in recorded if not c["fits"])
