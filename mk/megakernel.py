@@ -74,7 +74,7 @@ from mk.kernels.collectives import (AXIS, COLLECTIVE_IDS, CollectiveScratch, all
 from mk.kernels.common import (BlockSizes, aliases, memory_specs, start_dma,
                                vmem_limit_bytes)
 from mk.kernels.decode_attention import AttentionScratch
-from mk.kernels.deltanet import (LINEAR_DMAS, LINEAR_SEGMENTS, STATE_INPUTS, STATE_OUTPUTS,
+from mk.kernels.deltanet import (LINEAR_WEIGHTS, STATE_INPUTS, STATE_OUTPUTS, linear_weights,
                                  prepare_linear)
 from mk.kernels.one_layer import MLP_WEIGHTS, layer_body, mixer_kinds, mlp_fetch, mlp_kinds
 from mk.kernels.plan import DecodePlan, padded_vocab
@@ -83,7 +83,6 @@ from mk.reference import rms_norm
 
 TAPS = ("attn", "mlp")  # where the residual stream is tapped in each layer (debug path)
 ATTENTION_WEIGHTS = ("wq", "wk", "wv", "wq_gate", "wo")  # wq_gate: gated models only
-LINEAR_WEIGHTS = LINEAR_SEGMENTS + LINEAR_DMAS  # hybrids' linear layers
 # Where each operand of the kernel lives: SMEM scalars, VMEM, or HBM (pl.ANY, DMA'd by
 # hand). The weights of an MLP kind the model has are HBM operands too (MLP_WEIGHTS); a
 # hybrid's linear weights and states too (LINEAR_WEIGHTS, STATE_INPUTS and its outputs
@@ -100,9 +99,9 @@ VECTORS = ("norms", "qk_norms")  # per-layer vectors, prefetched a layer ahead
 
 def attention_weights(config: ModelConfig) -> tuple[str, ...]:
     """The token mixers' weights `config`'s layers read (ATTENTION_WEIGHTS it has, and
-    LINEAR_WEIGHTS for a hybrid)."""
+    its linear layers' `linear_weights` for a hybrid)."""
     names = tuple(n for n in ATTENTION_WEIGHTS if n != "wq_gate" or config.attn_output_gate)
-    return names + (LINEAR_WEIGHTS if config.linear_layers else ())
+    return names + (sum(linear_weights(config), ()) if config.linear_layers else ())
 
 
 def prepare(config: ModelConfig, params, block: BlockSizes) -> dict:
@@ -188,10 +187,10 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
 
     fetch = {name: mixer_weight(name, "full") for name in attention_weights(config)
              if name in ATTENTION_WEIGHTS}
-    fetch |= {name: mixer_weight(name, "linear") for name in LINEAR_SEGMENTS
-              if "linear" in mixers}
+    segments, dmas = linear_weights(config)
+    fetch |= {name: mixer_weight(name, "linear") for name in segments if "linear" in mixers}
     fetch["lm_head"] = lambda step: (inputs["lm_head"], None)
-    linear_hbm = {n: inputs[n] for n in LINEAR_DMAS + STATE_INPUTS if n in inputs}
+    linear_hbm = {n: inputs[n] for n in dmas + STATE_INPUTS if n in inputs}
     linear_hbm |= {n: outputs[n] for n in STATE_OUTPUTS if n in outputs}
     fetch |= mlp_fetch(kinds, inputs, s, lambda step: inputs["mlp_row"][step],
                        lambda step: inputs["is_moe"][step] == 1)

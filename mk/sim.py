@@ -94,7 +94,7 @@ from mk.config import DTYPE_BITS, ModelConfig, positive_int
 from mk.kernels.attention_prologue import prologue_matrices
 from mk.kernels.common import BlockSizes
 from mk.kernels.decode_attention import block_rows, write_back_rows
-from mk.kernels.deltanet import LINEAR_SEGMENTS
+from mk.kernels.deltanet import linear_layer_shapes, linear_weights
 from mk.kernels.mlp import expert_slots
 from mk.kernels.one_layer import FULL_PHASES, LAYER_PHASES, mlp_kinds
 from mk.kernels.plan import DecodePlan, capacity, family_of
@@ -360,7 +360,7 @@ class _Kernel:
         if seg.name in DENSE_SEGMENTS and len(self.kinds) == 2:
             return layer not in self.c.moe_layers
         if self.c is not None and self.c.is_hybrid and layer < self.c.layers:
-            return (seg.name in LINEAR_SEGMENTS) == (layer in self.c.linear_layers) \
+            return (seg.name in linear_weights(self.c)[0]) == (layer in self.c.linear_layers) \
                 or seg.name not in self.mixer_segments
         return True
 
@@ -562,9 +562,9 @@ class _Kernel:
         Hk, Hv, item = c.linear_key_dim, c.linear_value_dim, c.weight_bits / 8
         state = Nv * Hk * Hv * 4
         landed = [self.mc.dma(state, layer, "state_load", weight=False)]
-        small = [self.mc.dma(n * item, layer, what) for what, n in (
-            ("lin_b", c.hidden * Nv), ("lin_a", c.hidden * Nv), ("lin_conv", W * C),
-            ("lin_a_log", Nv), ("lin_dt_bias", Nv), ("lin_norm", Hv))]
+        shapes = linear_layer_shapes(c)
+        small = [self.mc.dma(math.prod(shapes[what]) * item, layer, what)
+                 for what in linear_weights(c)[1]]
         conv = self.mc.dma(B * (W - 1) * C * item, layer, "conv_load", weight=False)
         self.vector(4 * M * c.hidden, "norm")
         self.matmul("lin_qkv")

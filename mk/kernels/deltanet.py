@@ -25,15 +25,24 @@ the state after every row written back); the L2 norms; the delta rule; the gated
 RMSNorm; out_proj through the same ring; the residual. The state copy-in, the conv state
 and the gate weights start before the projections, so they land behind the weight stream.
 
+Kimi Delta Attention (KDA, Kimi Linear's linear layers, config.channel_decay) is the same
+layer with three changes (mk.reference.kimi_delta_attention): the decay is one per key
+channel, from a low-rank forget gate (h f_a f_b); the output gate is a low-rank sigmoid
+gate (h g_a g_b) in place of z; Nk = Nv. The four low-rank weights come by their own DMA
+(`KDA_DMAS`), the ring streams lin_qkv and lin_out (`KDA_SEGMENTS`). A row's decays sit in
+blocks [R, Hk] beside q and k, and `channel_column` turns row t's into the column that
+scales the state's rows.
+
 The layer's token mixer is one in-kernel body, `linear_mixer` (its weights and states
 read by name from HBM, its scratch `linear_scratch`): the stage kernel runs it on one
 layer, the megakernel on every linear layer of a hybrid (`mk.kernels.one_layer.layer_body`).
 
 Here: `delta_rule_step` (the delta rule alone), `linear_mixer` and `gated_deltanet` (the
-layer), their bodies, buffers (`linear_buffers`, `gated_deltanet_buffers`) and
+layer, either kind), their bodies, buffers (`linear_buffers`, `gated_deltanet_buffers`),
+`linear_weights` and `linear_layer_shapes` (each kind's weights, counted once) and
 `prepare_linear`. Not here: the MLP after the layer (stage 04), the megakernel's mixed
-full/linear layer stream (`mk.megakernel`), the sharding of heads (`mk.tensor_parallel`),
-Kimi Delta Attention (per-channel decay).
+full/linear layer stream (`mk.megakernel`), the sharding of heads (`mk.tensor_parallel`).
+The megakernel's plan does not take KDA yet (issue 18: MLA and the shared-expert MoE first).
 """
 
 from __future__ import annotations
@@ -234,59 +243,97 @@ LINEAR_SEGMENTS = ("lin_qkv", "lin_z", "lin_out")
 # narrower than a ring tile, as a MoE router is), the conv taps, A_log, dt_bias and the
 # gated norm's weight (`prepare_linear` gives the vectors a [1, n] row each).
 LINEAR_DMAS = ("lin_b", "lin_a", "lin_conv", "lin_a_log", "lin_dt_bias", "lin_norm")
+# Kimi Delta Attention (config.channel_decay) has no lin_z and no lin_a: its forget gate
+# (one decay per key channel) and its output gate are low-rank pairs, D -> Hk -> Nv*Hk and
+# D -> Hv -> Nv*Hv. Their rank (128) is narrower than a ring tile can be, so the four come
+# by their own DMA, whole, as in_proj_b does; the ring streams lin_qkv and lin_out.
+KDA_SEGMENTS = ("lin_qkv", "lin_out")
+KDA_DMAS = ("lin_b", "kda_f_a", "kda_f_b", "kda_g_a", "kda_g_b", "lin_conv", "lin_a_log",
+            "lin_dt_bias", "lin_norm")
+# Every linear-layer weight of either kind, for lookups by name (memory spaces, byte
+# families); one model's are `linear_weights(config)`.
+LINEAR_WEIGHTS = tuple(dict.fromkeys(LINEAR_SEGMENTS + LINEAR_DMAS + KDA_SEGMENTS + KDA_DMAS))
 # The layer's states: read (HBM [Ll, B, ...]) and their row states written (HBM
 # [Ll, B, T, ...]), by name.
 STATE_INPUTS = ("conv_state", "state")
 STATE_OUTPUTS = ("conv_rows", "state_rows")
 
 
+def linear_weights(config: ModelConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(ring segments, weights brought by their own DMA) of `config`'s linear layers: the
+    gated DeltaNet's (LINEAR_SEGMENTS, LINEAR_DMAS) or KDA's (KDA_SEGMENTS, KDA_DMAS)."""
+    return (KDA_SEGMENTS, KDA_DMAS) if config.channel_decay else (LINEAR_SEGMENTS,
+                                                                  LINEAR_DMAS)
+
+
+def linear_layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """One linear layer's weights by name, ring segments first, each shape without the
+    stacked layer axis (`config.param_shapes`): the one count of a linear layer's weights
+    the plan, the simulator and the stage kernel's cost estimate read."""
+    shapes = config.param_shapes()
+    return {n: shapes[n][0][1:] for group in linear_weights(config) for n in group}
+
+
 def gated_deltanet_matrices(config: ModelConfig) -> list[tuple[str, int, int]]:
-    """The ring segments of one gated-DeltaNet layer, in consumption order (the rest of its
-    weights: LINEAR_DMAS)."""
-    D, C, Vw = config.hidden, config.conv_channels, config.linear_value_width
-    return list(zip(LINEAR_SEGMENTS, (D, D, Vw), (C, Vw, D)))
+    """The ring segments of one linear layer (gated DeltaNet or KDA), in consumption order,
+    as (name, rows, columns) (the rest of its weights come by DMA: `linear_weights`)."""
+    shapes = linear_layer_shapes(config)
+    return [(n, *shapes[n]) for n in linear_weights(config)[0]]
+
+
+def smem_gates(config: ModelConfig) -> tuple[str, ...]:
+    """The per-row gates `linear_mixer` copies to SMEM (a scalar per row and head): the
+    gated DeltaNet's decay and beta; KDA's beta (its decay is a vector per head, in VMEM)."""
+    return ("beta",) if config.channel_decay else ("decay", "beta")
 
 
 def linear_buffers(config: ModelConfig, batch: int, rows: int) -> list[Buffer]:
     """The VMEM scratch of `linear_mixer` (group "linear", names "linear.<field>"): the
-    LINEAR_DMAS weights, the projections, the conv window and row states, the delta rule's
-    blocks; the recurrent state: two slots of one sequence's state in, two of its T row
-    states out."""
+    weights brought by DMA (`linear_weights`; a vector as a [1, n] row), the gates, the
+    projections (z: the gated DeltaNet's z or KDA's output gate), the conv window and row
+    states, the delta rule's blocks (KDA adds its per-channel decays); the recurrent state:
+    two slots of one sequence's state in, two of its T row states out."""
     M, T, R = batch * rows, rows, -(-rows // ALIGN) * ALIGN
-    D, C, W, dt = config.hidden, config.conv_channels, config.conv_kernel, config.dtype
+    C, W, dt = config.conv_channels, config.conv_kernel, config.dtype
     Vw = config.linear_value_width
     Nv, Hk, Hv = config.linear_value_heads, config.linear_key_dim, config.linear_value_dim
     f32 = "float32"
-    fields = [("lin_b", (D, Nv), dt), ("lin_a", (D, Nv), dt), ("lin_conv", (W, C), dt),
-              ("lin_a_log", (1, Nv), dt), ("lin_dt_bias", (1, Nv), dt),
-              ("lin_norm", (1, Hv), dt),
-              ("decay", (M, Nv), f32), ("beta", (M, Nv), f32),
-              ("qkv", (M, C), f32), ("z", (M, Vw), f32), ("o", (M, Vw), f32),
-              ("conv", (batch, W - 1, C), dt), ("window", (batch, W - 1 + T, C), f32),
-              ("conv_rows", (batch, T, W - 1, C), dt),
-              ("q", (batch, Nv, R, Hk), f32), ("k", (batch, Nv, R, Hk), f32),
-              ("v", (batch, Nv, R, Hv), f32), ("heads", (batch, Nv, R, Hv), f32),
-              ("state", (2, Nv, Hk, Hv), f32), ("state_rows", (2, T, Nv, Hk, Hv), f32)]
+    shapes = linear_layer_shapes(config)
+    fields = [(n, shapes[n] if len(shapes[n]) == 2 else (1, *shapes[n]), dt)
+              for n in linear_weights(config)[1]]
+    fields += [("decay", (M, Nv * Hk if config.channel_decay else Nv), f32),
+               ("beta", (M, Nv), f32),
+               ("qkv", (M, C), f32), ("z", (M, Vw), f32), ("o", (M, Vw), f32),
+               ("conv", (batch, W - 1, C), dt), ("window", (batch, W - 1 + T, C), f32),
+               ("conv_rows", (batch, T, W - 1, C), dt),
+               ("q", (batch, Nv, R, Hk), f32), ("k", (batch, Nv, R, Hk), f32),
+               ("v", (batch, Nv, R, Hv), f32), ("heads", (batch, Nv, R, Hv), f32),
+               ("state", (2, Nv, Hk, Hv), f32), ("state_rows", (2, T, Nv, Hk, Hv), f32)]
+    if config.channel_decay:
+        fields.append(("decays", (batch, Nv, R, Hk), f32))
     return [Buffer(f"linear.{name}", shape, dtype, "linear") for name, shape, dtype in fields]
 
 
 def linear_scratch(config: ModelConfig, batch: int, rows: int) -> dict:
     """The Pallas scratch of `linear_mixer` by field name: `linear_buffers` in VMEM, the
-    gates in SMEM and the DMA semaphores."""
+    `smem_gates` in SMEM and the DMA semaphores."""
     M, Nv = batch * rows, config.linear_value_heads
     vmem = {b.name.removeprefix("linear."): pltpu.VMEM(b.shape, b.dtype)
             for b in linear_buffers(config, batch, rows)}
-    return vmem | dict(
-        decay_smem=pltpu.SMEM((M, Nv), F32), beta_smem=pltpu.SMEM((M, Nv), F32),
+    gates = smem_gates(config)
+    return vmem | {f"{n}_smem": pltpu.SMEM((M, Nv), F32) for n in gates} | dict(
         load_sems=pltpu.SemaphoreType.DMA((2,)), store_sems=pltpu.SemaphoreType.DMA((2,)),
-        # LINEAR_DMAS, then conv state in, conv rows out, decay and beta to SMEM
-        small_sems=pltpu.SemaphoreType.DMA((len(LINEAR_DMAS) + 4,)))
+        # the weights' DMAs, then conv state in, conv rows out, the gates to SMEM
+        small_sems=pltpu.SemaphoreType.DMA((len(linear_weights(config)[1]) + 2
+                                            + len(gates),)))
 
 
 def prepare_linear(config: ModelConfig, params) -> dict:
-    """The LINEAR_DMAS weights of every linear layer as `linear_mixer` reads them: the
-    vectors as [Ll, 1, n] rows (one DMA each into a [1, n] buffer), the rest as they are."""
-    return {n: params[n][:, None] if params[n].ndim == 2 else params[n] for n in LINEAR_DMAS}
+    """The DMA'd weights of every linear layer (`linear_weights`) as `linear_mixer` reads
+    them: the vectors as [Ll, 1, n] rows (one DMA each into a [1, n] buffer), the rest as
+    they are."""
+    return {n: params[n][:, None] if params[n].ndim == 2 else params[n]
+            for n in linear_weights(config)[1]}
 
 
 def gated_deltanet_buffers(config: ModelConfig, batch: int, rows: int,
@@ -309,6 +356,36 @@ def gates_body(h, lin_b, lin_a, a_log, dt_bias):
     beta = jax.nn.sigmoid(project(lin_b))
     g = -jnp.exp(a_log.astype(F32)) * jax.nn.softplus(project(lin_a) + dt_bias.astype(F32))
     return jnp.exp(g), beta
+
+
+def low_rank(h, a, b):
+    """h [M, D] @ a [D, r] @ b [r, n] f32, each product's input rounded to its weight's
+    dtype (mk.reference.matmul twice)."""
+    inner = jnp.dot(h.astype(a.dtype), a, preferred_element_type=F32)
+    return jnp.dot(inner.astype(b.dtype), b, preferred_element_type=F32)
+
+
+def kda_gates_body(h, lin_b, f_a, f_b, a_log, dt_bias, decay_vmem):
+    """KDA's gates of the normed rows h [M, D]: decay_vmem [M, Nv*Hk] f32 <- exp(g), g =
+    -exp(A_log[head]) softplus(h f_a f_b + dt_bias) (one per key channel); returns beta =
+    sigmoid(h b) [M, Nv] (mk.reference.kimi_delta_attention)."""
+    Nv = a_log.shape[1]
+    Hk = decay_vmem.shape[1] // Nv
+    forget = low_rank(h, f_a, f_b) + dt_bias.astype(F32)
+    rate = jnp.exp(a_log.astype(F32))
+    for j in range(Nv):  # static lane slices: head j's Hk channels
+        lanes = slice(j * Hk, (j + 1) * Hk)
+        decay_vmem[:, lanes] = jnp.exp(-rate[:, j:j + 1] * jax.nn.softplus(forget[:, lanes]))
+    return jax.nn.sigmoid(jnp.dot(h.astype(lin_b.dtype), lin_b, preferred_element_type=F32))
+
+
+def channel_column(row):
+    """row [1, n] -> the same values as a column [n, 1] (a per-channel decay that scales
+    the state's rows), exactly: the diagonal of the broadcast row, summed over lanes."""
+    n = row.shape[1]
+    diagonal = (lax.broadcasted_iota(jnp.int32, (n, n), 0)
+                == lax.broadcasted_iota(jnp.int32, (n, n), 1))
+    return jnp.sum(jnp.where(diagonal, row, 0.0), axis=1, keepdims=True)
 
 
 def conv_state_after(window_vmem, b: int, t: int, taps: int):
@@ -335,14 +412,16 @@ def conv_body(qkv_vmem, conv_vmem, weight, window_vmem, conv_rows_vmem, *, batch
 
 
 def head_blocks(mixed_vmem, q_vmem, k_vmem, v_vmem, *, config: ModelConfig, batch: int,
-                rows: int):
+                rows: int, decays=None):
     """[M, C] rows (q | k | v channels, after the conv) -> the delta rule's per-(sequence,
     value head) blocks [B, Nv, R, H], q and k L2-normalised per key head, q / sqrt(Hk); key
-    head j serves value heads j*G .. j*G + G-1 (G = Nv / Nk). Rows >= T stay zero."""
+    head j serves value heads j*G .. j*G + G-1 (G = Nv / Nk). decays: KDA's (decay [M,
+    Nv*Hk], blocks [B, Nv, R, Hk]) refs, its per-channel decays blocked the same way. Rows
+    >= T stay zero."""
     T, Nv, Hk, Hv = rows, config.linear_value_heads, config.linear_key_dim, \
         config.linear_value_dim
     G, kw = Nv // config.linear_key_heads, config.linear_key_width
-    for ref in (q_vmem, k_vmem, v_vmem):
+    for ref in (q_vmem, k_vmem, v_vmem) + (() if decays is None else decays[1:]):
         ref[...] = jnp.zeros(ref.shape, F32)
 
     def head(h, carry):
@@ -354,21 +433,26 @@ def head_blocks(mixed_vmem, q_vmem, k_vmem, v_vmem, *, config: ModelConfig, batc
             q_vmem[b, h, :T] = q
             k_vmem[b, h, :T] = la.l2norm(mixed_vmem[m, pl.ds(kw + key, Hk)])
             v_vmem[b, h, :T] = mixed_vmem[m, pl.ds(value, Hv)]
+            if decays is not None:  # KDA: Nk = Nv, so head h's channels are key's
+                decays[1][b, h, :T] = decays[0][m, pl.ds(key, Hk)]
         return carry
 
     lax.fori_loop(0, Nv, head, 0)
 
 
-def gated_norm_rows(heads_vmem, z_vmem, o_vmem, norm, *, batch: int, rows: int, eps: float):
-    """o_vmem [M, Nv*Hv] <- RMSNorm(head output) * norm * SiLU(z), per value head, from the
-    delta rule's blocks heads_vmem [B, Nv, R, Hv] (rows >= T ignored)."""
+def gated_norm_rows(heads_vmem, z_vmem, o_vmem, norm, *, batch: int, rows: int, eps: float,
+                    gate=jax.nn.silu):
+    """o_vmem [M, Nv*Hv] <- RMSNorm(head output) * norm * gate(z), per value head, from the
+    delta rule's blocks heads_vmem [B, Nv, R, Hv] (rows >= T ignored); gate: SiLU (the
+    gated DeltaNet) or sigmoid (KDA)."""
     T, Nv, Hv = rows, heads_vmem.shape[1], heads_vmem.shape[3]
 
     def head(h, carry):
         lanes = pl.ds(pl.multiple_of(h * Hv, LANES), Hv)
         for b in range(batch):
             o_vmem[b * T:(b + 1) * T, lanes] = heads_vmem[b, h, :T]
-        o_vmem[:, lanes] = la.gated_rms_norm(o_vmem[:, lanes], z_vmem[:, lanes], norm, eps)
+        o_vmem[:, lanes] = la.gated_rms_norm(o_vmem[:, lanes], z_vmem[:, lanes], norm, eps,
+                                             gate)
         return carry
 
     lax.fori_loop(0, Nv, head, 0)
@@ -376,22 +460,27 @@ def gated_norm_rows(heads_vmem, z_vmem, o_vmem, norm, *, batch: int, rows: int, 
 
 def linear_mixer(ring: Ring, config: ModelConfig, ls, hbm: dict, *, step, row, x, attn_norm,
                  h_vmem, out_vmem, batch: int, rows: int):
-    """One gated-DeltaNet layer's token mixer inside a kernel: out_vmem [M, D] f32 <-
-    out_proj(GatedNorm(DeltaRule(conv(qkv)))) of RMSNorm(x) (no residual), and the layer's
-    conv and recurrent states after each row written to HBM.
+    """One linear layer's token mixer inside a kernel (the gated DeltaNet, or KDA with
+    config.channel_decay): out_vmem [M, D] f32 <- out_proj(GatedNorm(DeltaRule(conv(qkv))))
+    of RMSNorm(x) (no residual), and the layer's conv and recurrent states after each row
+    written to HBM.
 
     step: the layer's index in the ring's stream; row: its row in the stacked linear
     weights and states (traced); x [M, D] f32 and attn_norm [1, D] (any norm offset added)
-    are values; ls: `linear_scratch` by field name; hbm: HBM refs by name, LINEAR_DMAS
-    [Ll, ...], STATE_INPUTS [Ll, B, ...] and STATE_OUTPUTS [Ll, B, T, ...]. Everything that
-    does not depend on this step's activations starts first (the first sequence's state,
-    the conv state, the small weights), so it lands while the projections stream."""
+    are values; ls: `linear_scratch` by field name; hbm: HBM refs by name, the DMA'd
+    weights (`linear_weights`) [Ll, ...], STATE_INPUTS [Ll, B, ...] and STATE_OUTPUTS
+    [Ll, B, T, ...]. Everything that does not depend on this step's activations starts
+    first (the first sequence's state, the conv state, the small weights), so it lands while
+    the projections stream. KDA's gates come from its DMA'd low-rank pairs while the ring
+    brings lin_out's first tiles (the gated DeltaNet's while it brings them behind lin_z)."""
+    kda = config.channel_decay
     copies = StateCopies(hbm["state"].at[row], hbm["state_rows"].at[row], ls.state,
                          ls.state_rows, ls.load_sems, ls.store_sems)
     copies.start_load(0, 0)
+    dmas = linear_weights(config)[1]
     small = {n: pltpu.make_async_copy(hbm[n].at[row], getattr(ls, n), ls.small_sems.at[i])
-             for i, n in enumerate(LINEAR_DMAS)}
-    k = len(LINEAR_DMAS)
+             for i, n in enumerate(dmas)}
+    k = len(dmas)
     conv_in = pltpu.make_async_copy(hbm["conv_state"].at[row], ls.conv, ls.small_sems.at[k])
     conv_out = pltpu.make_async_copy(ls.conv_rows, hbm["conv_rows"].at[row],
                                      ls.small_sems.at[k + 1])
@@ -400,37 +489,52 @@ def linear_mixer(ring: Ring, config: ModelConfig, ls, hbm: dict, *, step, row, x
         start_dma(copy, name, ref.size * ref.dtype.itemsize)
     start_dma(conv_in, "conv_load", ls.conv.size * ls.conv.dtype.itemsize)
 
+    def landed(*names):
+        for name in names:
+            small[name].wait()
+        return [getattr(ls, name)[...] for name in names]
+
     h_vmem[...] = rms_norm(x, attn_norm, config.rms_eps).astype(h_vmem.dtype)
     ring.matmul("lin_qkv", h_vmem, ls.qkv, layer=step)
-    ring.matmul("lin_z", h_vmem, ls.z, layer=step)  # the first out_proj tiles now load
-
-    for name in ("lin_b", "lin_a", "lin_a_log", "lin_dt_bias"):
-        small[name].wait()
-    ls.decay[...], ls.beta[...] = gates_body(h_vmem[...], ls.lin_b[...], ls.lin_a[...],
-                                             ls.lin_a_log[...], ls.lin_dt_bias[...])
-    to_smem = [pltpu.make_async_copy(src, dst, ls.small_sems.at[k + 2 + i]) for i, (src, dst)
-               in enumerate([(ls.decay, ls.decay_smem), (ls.beta, ls.beta_smem)])]
+    h = h_vmem[...]
+    if kda:  # the gates while lin_out's first tiles load
+        ls.beta[...] = kda_gates_body(h, *landed("lin_b", "kda_f_a", "kda_f_b", "lin_a_log",
+                                                 "lin_dt_bias"), ls.decay)
+        ls.z[...] = low_rank(h, *landed("kda_g_a", "kda_g_b"))
+    else:
+        ring.matmul("lin_z", h_vmem, ls.z, layer=step)  # the first out_proj tiles now load
+        ls.decay[...], ls.beta[...] = gates_body(
+            h, *landed("lin_b", "lin_a", "lin_a_log", "lin_dt_bias"))
+    to_smem = [pltpu.make_async_copy(getattr(ls, n), getattr(ls, f"{n}_smem"),
+                                     ls.small_sems.at[k + 2 + i])
+               for i, n in enumerate(smem_gates(config))]
     for copy in to_smem:
         copy.start()
 
-    small["lin_conv"].wait()
+    (conv_weight,) = landed("lin_conv")
     conv_in.wait()
-    conv_body(ls.qkv, ls.conv, ls.lin_conv[...], ls.window, ls.conv_rows, batch=batch,
+    conv_body(ls.qkv, ls.conv, conv_weight, ls.window, ls.conv_rows, batch=batch,
               rows=rows)
     start_dma(conv_out, "conv_rows", ls.conv_rows.size * ls.conv_rows.dtype.itemsize)
-    head_blocks(ls.qkv, ls.q, ls.k, ls.v, config=config, batch=batch, rows=rows)
+    head_blocks(ls.qkv, ls.q, ls.k, ls.v, config=config, batch=batch, rows=rows,
+                decays=(ls.decay, ls.decays) if kda else None)
 
     for copy in to_smem:
         copy.wait()
 
     def scalars(b, h):
-        return (lambda t: ls.decay_smem[b * rows + t, h],
-                lambda t: ls.beta_smem[b * rows + t, h])
+        def beta(t):
+            return ls.beta_smem[b * rows + t, h]
+
+        if kda:
+            decays = ls.decays[b, h]  # [R, Hk]: row t scales the state's rows
+            return (lambda t: channel_column(decays[t:t + 1])), beta
+        return (lambda t: ls.decay_smem[b * rows + t, h]), beta
 
     delta_rule_body(ls.q, ls.k, ls.v, scalars, ls.heads, copies, rows=rows)
-    small["lin_norm"].wait()
-    gated_norm_rows(ls.heads, ls.z, ls.o, ls.lin_norm[...], batch=batch, rows=rows,
-                    eps=config.rms_eps)
+    (norm,) = landed("lin_norm")
+    gated_norm_rows(ls.heads, ls.z, ls.o, norm, batch=batch, rows=rows, eps=config.rms_eps,
+                    gate=jax.nn.sigmoid if kda else jax.nn.silu)
     ring.matmul("lin_out", ls.o, out_vmem, layer=step)
     conv_out.wait()
 
@@ -443,7 +547,7 @@ def gated_deltanet_kernel(inputs, outputs, *, config: ModelConfig, stream: TileS
     `linear_scratch` as `linear`."""
     row = 0
     fetch = {n: (lambda layer, n=n: (inputs[n].at[row], None))
-             for n in LINEAR_SEGMENTS}
+             for n in linear_weights(config)[0]}
     ring = Ring(stream, fetch, ring_vmem, sems)
     ring.prime()
     x = inputs["x"][...]
@@ -459,9 +563,6 @@ def check_linear_layer(config: ModelConfig, x, conv_state, state, layer) -> tupl
     if not config.linear_layers:
         raise ValueError(f"{config.name} has no linear layers (layer_types="
                          f"{config.layer_types})")
-    if config.channel_decay:
-        raise NotImplementedError(f"{config.name}: Kimi Delta Attention (channel_decay) has "
-                                  "no stage kernel; only the gated DeltaNet")
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < config.layers \
             or config.mixer_index(layer)[0] != "linear":
         raise ValueError(f"layer={layer!r} must be one of the linear layers "
@@ -484,7 +585,8 @@ def check_linear_layer(config: ModelConfig, x, conv_state, state, layer) -> tupl
 
 def gated_deltanet(config: ModelConfig, params, x, conv_state, state, *, layer: int,
                    block: BlockSizes | None = None):
-    """One gated-DeltaNet layer's decode step for B sequences x T rows, up to the residual:
+    """One linear layer's decode step (the gated DeltaNet, or Kimi Delta Attention with
+    config.channel_decay) for B sequences x T rows, up to the residual:
     x + out_proj(GatedNorm(DeltaRule(conv(qkv)))) (mk.reference.linear_decoder_layer's
     x after the mixer; the MLP is stage 04's).
 
@@ -500,20 +602,23 @@ def gated_deltanet(config: ModelConfig, params, x, conv_state, state, *, layer: 
     block = block or default_block(D, C, Vw)
     stream = TileStream.build(block, gated_deltanet_matrices(config))
     dt = jnp.dtype(config.dtype)
-    layer_params = {n: params[n][i:i + 1] for n in LINEAR_SEGMENTS + LINEAR_DMAS}
+    segments, dmas = linear_weights(config)
+    layer_params = {n: params[n][i:i + 1] for n in segments + dmas}
     inputs = dict(x=x.reshape(M, D).astype(F32),
                   attn_norm=(params["attn_norm"][layer].astype(F32) + config.norm_offset)[None],
                   conv_state=conv_state.astype(dt)[None], state=state.astype(F32)[None])
-    inputs |= {n: layer_params[n] for n in LINEAR_SEGMENTS}
+    inputs |= {n: layer_params[n] for n in segments}
     inputs |= prepare_linear(config, layer_params)
     outputs = dict(out=jax.ShapeDtypeStruct((M, D), F32),
                    conv_rows=jax.ShapeDtypeStruct((1, B, T, W - 1, C), dt),
                    state_rows=jax.ShapeDtypeStruct((1, B, T, Nv, Hk, Hv), F32))
     spaces = {n: pl.ANY for n in inputs} | dict(x=pltpu.VMEM, attn_norm=pltpu.VMEM)
     buffers = gated_deltanet_buffers(config, B, T, block)
-    weight_bytes = (D * (C + Vw + 2 * Nv) + Vw * D) * dt.itemsize
+    weight_elements = sum(math.prod(s) for s in linear_layer_shapes(config).values())
+    weight_bytes = weight_elements * dt.itemsize
     state_bytes = B * Nv * Hk * Hv * 4
     conv_bytes = B * (W - 1) * C * dt.itemsize
+    decays = Nv * Hk if config.channel_decay else Nv
     out = pl.pallas_call(
         functools.partial(gated_deltanet_kernel, config=config, stream=stream, batch=B,
                           rows=T),
@@ -527,8 +632,8 @@ def gated_deltanet(config: ModelConfig, params, x, conv_state, state, *, layer: 
         compiler_params=pltpu.CompilerParams(vmem_limit_bytes=vmem_limit_bytes(buffers)),
         name="mk_gated_deltanet",
         cost_estimate=pl.CostEstimate(
-            flops=weight_bytes // dt.itemsize * 2 * M + B * T * Nv * 3 * 2 * Hk * Hv,
-            transcendentals=M * (C + 2 * Vw + 3 * Nv),
+            flops=weight_elements * 2 * M + B * T * Nv * 3 * 2 * Hk * Hv,
+            transcendentals=M * (C + 2 * Vw + Nv + 2 * decays),
             bytes_accessed=weight_bytes + (1 + T) * (state_bytes + conv_bytes) + 2 * M * D * 4),
     )(inputs)
     return out["out"].reshape(B, T, D), out["conv_rows"][0], out["state_rows"][0]

@@ -57,6 +57,7 @@ layer's phases (`mk.kernels.one_layer.LAYER_PHASES`), sharding arrays
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
@@ -70,7 +71,7 @@ from mk.kernels.common import (KV_TILE, LANES, SLOTS, BlockSizes, Buffer, VmemBu
                                vmem_budget)
 from mk.kernels.common import default_block as common_default_block
 from mk.kernels.decode_attention import decode_attention_buffers
-from mk.kernels.deltanet import (LINEAR_DMAS, LINEAR_SEGMENTS, linear_buffers,
+from mk.kernels.deltanet import (LINEAR_WEIGHTS, linear_buffers, linear_layer_shapes,
                                  linear_scratch)
 from mk.kernels.mlp import expert_slots
 from mk.kernels.one_layer import (layer_buffers, layer_dims, layer_matrices, mixer_kinds,
@@ -85,7 +86,7 @@ WEIGHT_FAMILIES = {
     "router": ("router",),
     "experts": ("we_gate", "we_up", "we_down"),
     "lm_head": ("lm_head",),
-    "linear": LINEAR_SEGMENTS + LINEAR_DMAS,
+    "linear": LINEAR_WEIGHTS,
 }
 # The per-step bytes that are not weights: KV rows, and the linear layers' conv and
 # recurrent states (read once, written after every row).
@@ -224,10 +225,9 @@ def _weight_elements(local: ModelConfig, vocab: int, experts: float) -> dict[str
     c, D, H = local, local.hidden, local.head_dim
     gate = c.q_width if c.attn_output_gate else 0
     linear = 0
-    if c.linear_layers:  # the ring's three matrices and LINEAR_DMAS
-        C, Vw, Nv = c.conv_channels, c.linear_value_width, c.linear_value_heads
-        linear = len(c.linear_layers) * (D * C + 2 * D * Vw + 2 * D * Nv + c.conv_kernel * C
-                                         + 2 * Nv + c.linear_value_dim)
+    if c.linear_layers:  # the ring's matrices and the DMA'd weights
+        linear = len(c.linear_layers) * sum(math.prod(shape) for shape
+                                            in linear_layer_shapes(c).values())
     return dict(attention=len(c.full_layers) * D * (2 * c.q_width + 2 * c.kv_width + gate),
                 norms=c.layers * 2 * (D + H) + D,
                 dense_mlp=len(c.dense_layers) * 3 * D * c.ffn,

@@ -4,13 +4,16 @@ early write-back proves the race check can fail; compiled for TPU7x at Qwen3.5-2
 layer shape (48 value heads, head dims 128).
 
 Then the whole layer (`gated_deltanet`) against mk.reference.linear_decoder_layer on
-tiny-hybrid (x after the mixer, conv and recurrent states after every row), race-free; a
-planted unshifted conv state proves the comparison can fail; the layer compiled for TPU7x
-at the 27B's shape, within its VMEM.
+tiny-hybrid (x after the mixer, conv and recurrent states after every row), race-free, and
+on tiny-kimi (Kimi Delta Attention: per-channel decay); a planted unshifted conv state
+proves the comparison can fail; the layer compiled for TPU7x at the 27B's shape and at
+kimi-k3's TP32 KDA shard, within VMEM.
 
 Interpret mode checks numerics, DMA/semaphore pairing and races; it says nothing about
 time or the scoped VMEM limit. The compile test covers Mosaic lowering and capacity.
 """
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -187,23 +190,40 @@ def test_bad_layer_inputs_are_rejected(tiny_hybrid, change, message):
         gated_deltanet(config, params, **args)
 
 
-def test_kimi_delta_attention_has_no_stage_kernel():
+@pytest.mark.parametrize("B, T, layer", [pytest.param(1, 1, 0, marks=pytest.mark.slow),
+                                         (2, 4, 3)])
+def test_kda_layer_matches_the_reference_with_every_row_state_and_no_races(B, T, layer):
+    """Kimi Delta Attention (tiny-kimi's linear layers): per-channel decay, low-rank forget
+    and output gates, the sigmoid-gated norm."""
     config = mk.preset("tiny-kimi")
-    x, conv, state = _layer_inputs(config, 1, 1, seed=0)
-    with pytest.raises(NotImplementedError, match="channel_decay"):
-        gated_deltanet(config, {}, x, conv, state, layer=0)
+    got, want, races = _layer_vs_reference(config, mk.init_params(config, seed=0), B, T,
+                                            layer, seed=B + T)
+    _assert_close(got, want)
+    assert not races
 
 
-LAYER_PARAMS = ("lin_qkv", "lin_z", "lin_out", "lin_b", "lin_a", "lin_a_log", "lin_dt_bias",
-                "lin_norm", "lin_conv", "attn_norm")
+def test_channel_column_is_an_exact_transpose():
+    row = jax.random.normal(jax.random.key(0), (1, 128))
+    np.testing.assert_array_equal(deltanet.channel_column(row), row.T)
 
 
-def test_layer_compiles_for_tpu7x_at_the_27b_shape_within_vmem():
-    """B = 8, T = 4 (a verification step): the largest buffers are the 2 x T row states."""
-    config, B, T = mk.preset("qwen3.5-27b"), 8, 4
+def _kimi_k3_tp32_linear_shard():
+    """kimi-k3's KDA layer as one of 32 tensor-parallel devices holds it: 2 of its 64 heads
+    (the low-rank inner projections kda_f_a and kda_g_a whole)."""
+    return dataclasses.replace(mk.preset("kimi-k3"), linear_key_heads=2, linear_value_heads=2)
+
+
+@pytest.mark.parametrize("shard", ["qwen3.5-27b", "kimi-k3/tp32"])
+def test_layer_compiles_for_tpu7x_within_vmem(shard):
+    """B = 8, T = 4 (a verification step): the largest buffers are the 2 x T row states.
+    The 27B's gated-DeltaNet layer whole; kimi-k3's KDA layer as its TP32 shard (all 64 of
+    its heads would need more than TPU7x's 64 MiB of VMEM at this B and T)."""
+    config = (mk.preset(shard) if shard == "qwen3.5-27b" else _kimi_k3_tp32_linear_shard())
+    B, T = 8, 4
     shapes = config.param_shapes()
+    names = (*sum(deltanet.linear_weights(config), ()), "attn_norm")
     params = {n: jax.ShapeDtypeStruct((1, *shapes[n][0][1:]), shapes[n][1])
-              for n in LAYER_PARAMS}  # one layer's rows: the kernel reads no other
+              for n in names}  # one layer's rows: the kernel reads no other
     Nv, Hk, Hv = config.linear_value_heads, config.linear_key_dim, config.linear_value_dim
     args = [params, jax.ShapeDtypeStruct((B, T, config.hidden), jnp.float32),
             jax.ShapeDtypeStruct((B, config.conv_kernel - 1, config.conv_channels),
