@@ -34,6 +34,14 @@ The router weight [D, E] does not go through the ring (E need not be a multiple 
 lanes): the kernel copies it into its own small VMEM buffer, which a fused kernel can start
 long before the router runs.
 
+Kimi's (and DeepSeek-V3's) MoE block differs in two ways (`Routing`, `mk.reference
+.mlp_block`): the router scores are sigmoids, a per-expert bias (its own small DMA) shifts
+the choice only, the choice is restricted to the best `topk_groups` expert groups, and the
+weights are scaled; and a shared expert, a SwiGLU every row runs, is added. Its segments
+(SHARED_WEIGHTS) come before the expert slots in the stream: their addresses are known at
+the layer's start, and they run first, while the count is still 0, so the ring's
+invariant above holds unchanged.
+
 The streamed weights (gate, up, down; the experts') may be stored quantised
 (`mk.quant.QuantWeight`s, one scheme for the three): the ring streams their packed tiles
 and scales and dequantises each tile in VMEM to h's dtype, the compute dtype. The router
@@ -42,11 +50,13 @@ stays unquantised (mk.quant keeps it in config.dtype: its top-k flips on a small
 Here: the bodies (`swiglu_body`, `moe_body` and its steps `route_body`, `select_experts`,
 `experts_body`), their stream segments and Fetch callables, the buffer lists, and the
 stage wrappers `swiglu` / `moe`. Not here: the norm before the MLP and the residual add (the
-layer kernel), shared experts, expert capacity limits.
+layer kernel), expert capacity limits. The megakernel does not take Kimi's MoE yet (its
+plan refuses the sigmoid router and shared experts: issue 18).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from types import SimpleNamespace
 
@@ -67,30 +77,37 @@ from mk.kernels.weight_streaming import ring_weights, weight_stream
 
 
 # -- Dense SwiGLU --------------------------------------------------------------------------
-def swiglu_segments(D: int, F: int) -> list[tuple[str, int, int]]:
-    """(name, rows, cols) of the dense MLP's ring segments, in consumption order."""
-    return [("w_gate", D, F), ("w_up", D, F), ("w_down", F, D)]
+DENSE_WEIGHTS = ("w_gate", "w_up", "w_down")  # a dense MLP's segments, in order
+SHARED_WEIGHTS = ("ws_gate", "ws_up", "ws_down")  # a MoE layer's shared expert's
 
 
-def swiglu_fetch(w_gate_hbm, w_up_hbm, w_down_hbm, row, active=None) -> dict:
-    """Fetch callables of the SwiGLU segments: `row(layer)` picks the stacked weight row;
-    `active(layer)` (optional) switches the segments off, e.g. in a fused kernel's MoE layers.
-    """
+def swiglu_segments(D: int, F: int, names=DENSE_WEIGHTS) -> list[tuple[str, int, int]]:
+    """(name, rows, cols) of a SwiGLU's ring segments (the dense MLP's, or with
+    SHARED_WEIGHTS a shared expert's), in consumption order."""
+    return list(zip(names, (D, D, F), (F, F, D)))
+
+
+def swiglu_fetch(w_gate_hbm, w_up_hbm, w_down_hbm, row, active=None,
+                 names=DENSE_WEIGHTS) -> dict:
+    """Fetch callables of the SwiGLU segments `names`: `row(layer)` picks the stacked
+    weight row; `active(layer)` (optional) switches the segments off, e.g. in a fused
+    kernel's MoE layers."""
     def fetch(w_hbm):
         return lambda layer: (w_hbm.at[row(layer)], None if active is None else active(layer))
-    return {"w_gate": fetch(w_gate_hbm), "w_up": fetch(w_up_hbm), "w_down": fetch(w_down_hbm)}
+    return {name: fetch(w) for name, w in zip(names, (w_gate_hbm, w_up_hbm, w_down_hbm))}
 
 
-def swiglu_body(ring: Ring, layer, x, gate_vmem, up_vmem, out_ref):
-    """out_ref [M, D] f32 = SwiGLU of x [M, D] (a VMEM ref) through the ring's w_gate,
-    w_up, w_down segments of `layer`.
+def swiglu_body(ring: Ring, layer, x, gate_vmem, up_vmem, out_ref, names=DENSE_WEIGHTS):
+    """out_ref [M, D] f32 = SwiGLU of x [M, D] (a VMEM ref) through the ring's segments
+    `names` (gate, up, down) of `layer`.
 
     gate_vmem, up_vmem [M, F] f32 scratch; gate_vmem ends up holding the activation.
     """
-    ring.matmul("w_gate", x, gate_vmem, layer=layer)
-    ring.matmul("w_up", x, up_vmem, layer=layer)
+    gate, up, down = names
+    ring.matmul(gate, x, gate_vmem, layer=layer)
+    ring.matmul(up, x, up_vmem, layer=layer)
     gate_vmem[...] = jax.nn.silu(gate_vmem[...]) * up_vmem[...]
-    ring.matmul("w_down", gate_vmem, out_ref, layer=layer)
+    ring.matmul(down, gate_vmem, out_ref, layer=layer)
 
 
 def swiglu_buffers(M: int, D: int, F: int, dtype, block: BlockSizes,
@@ -225,6 +242,51 @@ def swiglu(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, 
 
 # -- Mixture of experts --------------------------------------------------------------------
 EXPERT_WEIGHTS = ("we_gate", "we_up", "we_down")  # one slot's segments, in order
+ROUTER_SCORES = ("softmax", "sigmoid")
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """How a MoE layer picks and weighs its top_k experts (`mk.reference.mlp_block`).
+
+    score "softmax" (Qwen3-MoE, `mk.reference.route`): softmax probabilities, the top_k
+    picked, renormalised if asked. score "sigmoid" (DeepSeek-V3 / Kimi,
+    `mk.reference.route_grouped`): sigmoid scores; the choice adds a per-expert bias and
+    keeps the topk_groups of `groups` expert groups whose two best biased scores sum
+    highest; the weights are the unbiased scores, renormalised (+1e-20) if asked, times
+    `scale`. Ties go to the lower expert (and group) id, as lax.top_k's."""
+    top_k: int
+    renormalise: bool
+    score: str = "softmax"
+    groups: int = 1
+    topk_groups: int = 1
+    scale: float = 1.0
+
+    @classmethod
+    def of(cls, config) -> Routing:
+        """The routing of `config`'s MoE layers."""
+        return cls(config.experts_per_token, config.norm_topk, config.router_score,
+                   config.expert_groups, config.topk_groups, config.routed_scale)
+
+    def check(self, experts: int) -> Routing:
+        """Itself, after checking it against `experts`; raises ValueError naming the field."""
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) \
+                or not 1 <= self.top_k <= experts:
+            raise ValueError(f"top_k={self.top_k!r} must be an integer in [1, experts={experts}]")
+        if self.score not in ROUTER_SCORES:
+            raise ValueError(f"score={self.score!r} must be one of {ROUTER_SCORES}")
+        if self.score == "softmax" and (self.groups, self.topk_groups, self.scale) != (1, 1, 1.0):
+            raise ValueError(f"groups={self.groups}, topk_groups={self.topk_groups}, "
+                             f"scale={self.scale}: the softmax router has no groups or scale")
+        if not (isinstance(self.groups, int) and self.groups >= 1 and experts % self.groups == 0
+                and (self.groups == 1 or experts // self.groups >= 2)):
+            raise ValueError(f"groups={self.groups!r} must divide experts={experts} into "
+                             "groups of at least 2")
+        if not (isinstance(self.topk_groups, int) and 1 <= self.topk_groups <= self.groups
+                and self.topk_groups * experts // self.groups >= self.top_k):
+            raise ValueError(f"topk_groups={self.topk_groups!r} must be in [1, groups="
+                             f"{self.groups}] and keep at least top_k={self.top_k} experts")
+        return self
 
 
 def expert_slots(experts: int, top_k: int, rows: int) -> int:
@@ -232,9 +294,12 @@ def expert_slots(experts: int, top_k: int, rows: int) -> int:
     return min(experts, rows * top_k)
 
 
-def moe_segments(D: int, Fe: int, slots: int) -> list:
-    """The expert slots' ring segments: gate, up, down, repeated once per slot."""
-    return [Repeat(slots, (("we_gate", D, Fe), ("we_up", D, Fe), ("we_down", Fe, D)))]
+def moe_segments(D: int, Fe: int, slots: int, shared_ffn: int = 0) -> list:
+    """A MoE layer's ring segments: the shared expert's (SHARED_WEIGHTS, when shared_ffn >
+    0; its addresses are known before routing), then the expert slots' gate, up, down,
+    repeated once per slot."""
+    shared = swiglu_segments(D, shared_ffn, SHARED_WEIGHTS) if shared_ffn else []
+    return shared + [Repeat(slots, (("we_gate", D, Fe), ("we_up", D, Fe), ("we_down", Fe, D)))]
 
 
 def moe_fetch(we_gate_hbm, we_up_hbm, we_down_hbm, row, ids_smem, count_smem) -> dict:
@@ -246,26 +311,66 @@ def moe_fetch(we_gate_hbm, we_up_hbm, we_down_hbm, row, ids_smem, count_smem) ->
             for name, w_hbm in zip(EXPERT_WEIGHTS, (we_gate_hbm, we_up_hbm, we_down_hbm))}
 
 
-def route_body(x, router_vmem, combine_vmem, *, top_k: int, renormalise: bool):
+def _first_max(values, lane, n):
+    """(the row max [M, 1] of values [M, n], a mask of the lowest lane holding it)."""
+    best = jnp.max(values, axis=1, keepdims=True)
+    first = jnp.min(jnp.where(values == best, lane, n), axis=1, keepdims=True)
+    return best, lane == first
+
+
+def kept_groups(choice, expert, routing: Routing):
+    """[M, E] bool: the experts of each row's topk_groups best groups, a group scored by the
+    sum of its two best `choice` values (the lowest-id group among ties)."""
+    M, E = choice.shape
+    group = expert // (E // routing.groups)
+    scores = []
+    for g in range(routing.groups):  # static: a handful of groups
+        inside = jnp.where(group == g, choice, -jnp.inf)
+        best, hit = _first_max(inside, expert, E)
+        scores.append(best + jnp.max(jnp.where(hit, -jnp.inf, inside), axis=1, keepdims=True))
+    taken = [jnp.zeros((M, 1), jnp.bool_) for _ in scores]
+    kept = jnp.zeros((M, E), jnp.bool_)
+    for _ in range(routing.topk_groups):
+        open_scores = [jnp.where(t, -jnp.inf, sc) for t, sc in zip(taken, scores)]
+        best = functools.reduce(jnp.maximum, open_scores)
+        chosen = jnp.full((M, 1), routing.groups, jnp.int32)
+        for g in reversed(range(routing.groups)):  # the lowest group id holding the best
+            chosen = jnp.where(open_scores[g] == best, g, chosen)
+        for g in range(routing.groups):
+            hit = chosen == g
+            taken[g] = taken[g] | hit
+            kept = kept | (hit & (group == g))
+    return kept
+
+
+def route_body(x, router_vmem, combine_vmem, routing: Routing, bias_vmem=None):
     """Write combine_vmem [M, E] f32 (routing weights, 0 where not picked); return the
-    selected flags [1, E] int32. The numerics of `mk.reference.route`."""
+    selected flags [1, E] int32. The numerics of `mk.reference.route` (softmax) or
+    `mk.reference.route_grouped` (sigmoid: bias_vmem [1, E] holds the layer's bias)."""
     w = router_vmem[...]  # [D, E]
     logits = jnp.dot(x[...].astype(w.dtype), w, preferred_element_type=jnp.float32)
-    exp = jnp.exp(logits - jnp.max(logits, axis=1, keepdims=True))
-    probs = exp / jnp.sum(exp, axis=1, keepdims=True)  # [M, E]
-    M, E = probs.shape
+    M, E = logits.shape
     expert = lax.broadcasted_iota(jnp.int32, (M, E), 1)
+    if routing.score == "softmax":
+        exp = jnp.exp(logits - jnp.max(logits, axis=1, keepdims=True))
+        scores = choice = exp / jnp.sum(exp, axis=1, keepdims=True)  # [M, E]
+    else:
+        scores = jax.nn.sigmoid(logits)
+        choice = scores + bias_vmem[...].astype(jnp.float32)
+        if routing.groups > 1:
+            choice = jnp.where(kept_groups(choice, expert, routing), choice, -jnp.inf)
     picked = jnp.zeros((M, E), jnp.bool_)
-    left = probs
-    for _ in range(top_k):
-        best = jnp.max(left, axis=1, keepdims=True)
-        first = jnp.min(jnp.where(left == best, expert, E), axis=1, keepdims=True)
-        hit = expert == first  # the lowest expert id among the ties
+    left = choice
+    for _ in range(routing.top_k):
+        _, hit = _first_max(left, expert, E)  # the lowest expert id among the ties
         picked = picked | hit
-        left = jnp.where(hit, -1.0, left)  # probabilities are >= 0: never picked again
-    weights = jnp.where(picked, probs, 0.0)
-    if renormalise:
-        weights = weights / jnp.sum(weights, axis=1, keepdims=True)
+        left = jnp.where(hit, -jnp.inf, left)  # never picked again
+    weights = jnp.where(picked, scores, 0.0)
+    if routing.renormalise:
+        total = jnp.sum(weights, axis=1, keepdims=True)
+        weights = weights / (total if routing.score == "softmax" else total + 1e-20)
+    if routing.scale != 1.0:
+        weights = weights * np.float32(routing.scale)
     combine_vmem[...] = weights
     return jnp.max(picked.astype(jnp.int32), axis=0, keepdims=True)
 
@@ -328,12 +433,18 @@ def experts_body(ring: Ring, layer, x, combine_vmem, ids_smem, count_smem, gate_
 
 def moe_body(ring: Ring, layer, x, router_vmem, combine_vmem, selected_vmem, selected_smem,
              sem, ids_smem, count_smem, gate_vmem, up_vmem, down_vmem, out_ref, *,
-             top_k: int, renormalise: bool):
+             routing: Routing, bias_vmem=None, shared=None):
     """out_ref [M, D] f32 += the MoE block of x [M, D] (a VMEM ref); router_vmem [D, E]
-    holds this layer's router. Needs count_smem[0] == 0 while the tiles before the expert
-    region were consumed (module docstring); leaves it 0. Returns the number of distinct
-    experts loaded (a scalar)."""
-    selected = route_body(x, router_vmem, combine_vmem, top_k=top_k, renormalise=renormalise)
+    holds this layer's router (bias_vmem [1, E] its bias, for the sigmoid router).
+    shared: the shared expert's (gate, up) [M, Fs] f32 scratch when the stream holds its
+    segments (`moe_segments`): it runs first, through the ring, while count is still 0.
+    Needs count_smem[0] == 0 while the tiles before the expert region were consumed
+    (module docstring); leaves it 0. Returns the number of distinct experts loaded (a
+    scalar)."""
+    if shared is not None:  # down_vmem holds its output until the experts reuse it
+        swiglu_body(ring, layer, x, *shared, down_vmem, names=SHARED_WEIGHTS)
+        out_ref[...] += down_vmem[...]
+    selected = route_body(x, router_vmem, combine_vmem, routing, bias_vmem)
     select_experts(selected, selected_vmem, selected_smem, sem, ids_smem, count_smem)
     gate = ring.stream.segment("we_gate")
     base = ring.stream.base(layer, gate)
@@ -347,114 +458,148 @@ def moe_body(ring: Ring, layer, x, router_vmem, combine_vmem, selected_vmem, sel
 
 
 def moe_buffers(M: int, D: int, E: int, Fe: int, dtype, block: BlockSizes,
-                x_dtype="float32", formats=None) -> list[Buffer]:
+                x_dtype="float32", formats=None, *, shared_ffn: int = 0,
+                score: str = "softmax") -> list[Buffer]:
     """Every VMEM buffer of `moe` (the budget and the scratch come from here); dtype: the
     router's (and plain experts'); formats: {family: mk.quant scheme} of quantised weights
-    (the ring's packed slots)."""
-    stream = weight_stream(block, moe_segments(D, Fe, 1), formats)  # slots: any number
-    return _stage_buffers(M, D, dtype, stream, x_dtype) + [
-        Buffer("router", (D, E), str(jnp.dtype(dtype))), Buffer("combine", (M, E), "float32"),
+    (the ring's packed slots); shared_ffn: the shared expert's width (0: none); score:
+    the router's (a sigmoid router's bias has a buffer)."""
+    stream = weight_stream(block, moe_segments(D, Fe, 1, shared_ffn), formats)  # any slots
+    dt = str(jnp.dtype(dtype))
+    buffers = _stage_buffers(M, D, dtype, stream, x_dtype) + [
+        Buffer("router", (D, E), dt), Buffer("combine", (M, E), "float32"),
         Buffer("selected", (1, E), "int32"), Buffer("gate", (M, Fe), "float32"),
         Buffer("up", (M, Fe), "float32"), Buffer("down", (M, D), "float32")]
+    if score == "sigmoid":
+        buffers.append(Buffer("router_bias", (1, E), dt))
+    if shared_ffn:
+        buffers += [Buffer("shared_gate", (M, shared_ffn), "float32"),
+                    Buffer("shared_up", (M, shared_ffn), "float32")]
+    return buffers
 
 
-def moe_kernel(
-    # Inputs
-    layer_smem,  # [1] int32: the stacked weight row
-    h_vmem,  # [M, D]
-    router_hbm,  # [Lm, D, E] router dtype, left in HBM
-    we_gate_hbm,  # [Lm, E, D, Fe] weight dtype or mk.quant.QuantWeight (tile-major)
-    we_up_hbm,  # [Lm, E, D, Fe]
-    we_down_hbm,  # [Lm, E, Fe, D]
-    # Outputs
-    out_vmem,  # [M, D] f32
-    loaded_smem,  # [1] int32: distinct experts loaded
-    *,
-    stream: TileStream,
-    dtype,  # the experts' compute dtype
-    top_k: int,
-    renormalise: bool,
-    # Scratch (`vmem_scratch` of `moe_buffers`, by name, and the semaphores and scalars)
-    sems,  # DMA semaphores [slots]
-    router_vmem,  # [D, E] router dtype
-    combine_vmem,  # [M, E] f32
-    selected_vmem,  # [1, E] int32
-    gate_vmem,  # [M, Fe] f32
-    up_vmem,  # [M, Fe] f32
-    down_vmem,  # [M, D] f32
-    small_sems,  # DMA semaphores [2]: router, selected flags
-    selected_smem,  # [1, E] int32
-    ids_smem,  # [expert slots] int32
-    count_smem,  # [1] int32
-    **ring_vmem,  # the ring's slots (as `swiglu_kernel`'s)
-):
-    row = layer_smem[0]
-    router = pltpu.make_async_copy(router_hbm.at[row], router_vmem, small_sems.at[0])
-    start_dma(router, "router", router_vmem.size * router_vmem.dtype.itemsize)
-    count_smem[0] = 0
+MOE_SCRATCH = ("router_vmem", "combine_vmem", "selected_vmem", "gate_vmem", "up_vmem",
+               "down_vmem", "router_bias_vmem", "shared_gate_vmem", "shared_up_vmem",
+               "small_sems", "selected_smem", "ids_smem", "count_smem")
+
+
+def moe_kernel(inputs, out_vmem, loaded_smem, *, stream: TileStream, dtype,
+               routing: Routing, sems, **scratch):
+    """inputs (by name): layer [1] int32 (SMEM, the stacked weight row), h [M, D] (VMEM),
+    and in HBM router [Lm, D, E] (router_bias [Lm, 1, E] for the sigmoid router), the
+    experts we_* [Lm, E, ...] (weight dtype or tile-major `mk.quant.QuantWeight`s) and the
+    shared expert's ws_* [Lm, ...] when there is one. outputs: out [M, D] f32, loaded [1]
+    int32 (distinct experts loaded). scratch: `moe_buffers`' (`vmem_scratch` names), the
+    ring's DMA semaphores `sems`, small_sems (router, selected flags, router bias), the SMEM
+    scalars; the rest are the ring's slots (as `swiglu_kernel`'s). dtype: the experts'
+    compute dtype."""
+    s = SimpleNamespace(**{n: scratch.pop(n) for n in MOE_SCRATCH if n in scratch})
+    row = inputs["layer"][0]
+    small = [("router", s.router_vmem)] + (
+        [("router_bias", s.router_bias_vmem)] if "router_bias" in inputs else [])
+    copies = []
+    for i, (name, ref) in enumerate(small):
+        sem = s.small_sems.at[0 if i == 0 else 2]  # 1: the selected flags
+        copies.append(pltpu.make_async_copy(inputs[name].at[row], ref, sem))
+        start_dma(copies[-1], name, ref.size * ref.dtype.itemsize)
+    s.count_smem[0] = 0
     out_vmem[...] = jnp.zeros_like(out_vmem)
-    fetch = moe_fetch(we_gate_hbm, we_up_hbm, we_down_hbm, lambda layer: row, ids_smem,
-                      count_smem)
-    ring = _ring(stream, fetch, ring_vmem, sems, dtype)
-    router.wait()
+    fetch = moe_fetch(*(inputs[n] for n in EXPERT_WEIGHTS), lambda layer: row, s.ids_smem,
+                      s.count_smem)
+    if "ws_gate" in inputs:
+        fetch |= swiglu_fetch(*(inputs[n] for n in SHARED_WEIGHTS), lambda layer: row,
+                              names=SHARED_WEIGHTS)
+    ring = _ring(stream, fetch, scratch, sems, dtype)
+    ring.prime()  # the shared expert's first tiles; expert tiles are no-ops until routing
+    for copy in copies:
+        copy.wait()
     loaded_smem[0] = moe_body(
-        ring, 0, h_vmem, router_vmem, combine_vmem, selected_vmem, selected_smem,
-        small_sems.at[1], ids_smem, count_smem, gate_vmem, up_vmem, down_vmem, out_vmem,
-        top_k=top_k, renormalise=renormalise)
+        ring, 0, inputs["h"], s.router_vmem, s.combine_vmem, s.selected_vmem, s.selected_smem,
+        s.small_sems.at[1], s.ids_smem, s.count_smem, s.gate_vmem, s.up_vmem, s.down_vmem,
+        out_vmem, routing=routing, bias_vmem=getattr(s, "router_bias_vmem", None),
+        shared=((s.shared_gate_vmem, s.shared_up_vmem) if "ws_gate" in inputs else None))
 
 
 def moe(h: jax.Array, router: jax.Array, we_gate: jax.Array, we_up: jax.Array,
-        we_down: jax.Array, *, top_k: int, renormalise: bool, layer=0,
-        block: BlockSizes | None = None, return_loaded: bool = False):
-    """The Qwen3-MoE block (`mk.reference.moe`): h [M, D] -> [M, D] float32.
+        we_down: jax.Array, *, top_k: int, renormalise: bool, score: str = "softmax",
+        router_bias: jax.Array | None = None, groups: int = 1, topk_groups: int = 1,
+        scale: float = 1.0, shared=None, layer=0, block: BlockSizes | None = None,
+        return_loaded: bool = False):
+    """The MoE block (`mk.reference.mlp_block`'s): h [M, D] -> [M, D] float32.
 
     router [D, E]; we_gate, we_up [E, D, Fe]; we_down [E, Fe, D]; or each stacked on a
     leading layer axis with `layer` picking the row. Only the selected experts are read.
     The experts are arrays (of the router's dtype) or `mk.quant.QuantWeight`s of one
-    scheme (multiplied in h's dtype); the router is an array.
-    With `return_loaded`, also returns the number of distinct experts loaded ([1] int32).
+    scheme (multiplied in h's dtype); the router is an array. The routing (`Routing`):
+    top_k, renormalise, score ("softmax": Qwen3-MoE; "sigmoid": DeepSeek-V3 / Kimi, with
+    router_bias [E] (or [Lm, E]), groups, topk_groups and scale). shared: a shared
+    expert's (ws_gate, ws_up [D, Fs], ws_down [Fs, D]), stacked like the experts, added to
+    every row (Kimi). With `return_loaded`, also returns the number of distinct experts
+    loaded ([1] int32).
     """
     router, we_gate = _stacked(router, 2, "router"), _stacked(we_gate, 3, "we_gate")
     we_up, we_down = _stacked(we_up, 3, "we_up"), _stacked(we_down, 3, "we_down")
     Lm, E, D, Fe = we_gate.shape
-    experts = dict(we_gate=we_gate, we_up=we_up, we_down=we_down)
-    formats, dtype = _check_rows_and_dtype(h, dict(router=router, **experts), EXPERT_WEIGHTS)
+    weights = dict(router=router, we_gate=we_gate, we_up=we_up, we_down=we_down)
+    routing = Routing(top_k, renormalise, score, groups, topk_groups, scale).check(E)
+    if (router_bias is not None) != (score == "sigmoid"):
+        raise ValueError(f"router_bias is {'missing' if router_bias is None else 'given'}: "
+                         f"the sigmoid router needs one, the softmax router has none "
+                         f"(score={score!r})")
+    if router_bias is not None:
+        weights["router_bias"] = _stacked(router_bias, 1, "router_bias")[:, None]
+    Fs = 0
+    if shared is not None:
+        weights |= {n: _stacked(w, 2, n) for n, w in zip(SHARED_WEIGHTS, shared)}
+        Fs = weights["ws_gate"].shape[2]
+        want = dict(ws_gate=(Lm, D, Fs), ws_up=(Lm, D, Fs), ws_down=(Lm, Fs, D))
+        got = {n: weights[n].shape for n in SHARED_WEIGHTS}
+        if got != want:
+            raise ValueError(f"shared expert shapes {got} must be {want}")
+    streamed = EXPERT_WEIGHTS + (SHARED_WEIGHTS if Fs else ())
+    formats, dtype = _check_rows_and_dtype(h, weights, streamed)
     M = h.shape[0]
     if (h.shape[1] != D or router.shape != (Lm, D, E) or we_up.shape != (Lm, E, D, Fe)
-            or we_down.shape != (Lm, E, Fe, D)):
+            or we_down.shape != (Lm, E, Fe, D)
+            or ("router_bias" in weights and weights["router_bias"].shape != (Lm, 1, E))):
         raise ValueError(f"h {h.shape}, router {router.shape}, we_gate {we_gate.shape}, "
                          f"we_up {we_up.shape}, we_down {we_down.shape} must be [M, D], "
-                         "[Lm, D, E], [Lm, E, D, Fe], [Lm, E, D, Fe], [Lm, E, Fe, D]")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
-        raise ValueError(f"top_k={top_k!r} must be an integer in [1, experts={E}]")
+                         "[Lm, D, E], [Lm, E, D, Fe], [Lm, E, D, Fe], [Lm, E, Fe, D]"
+                         + ("" if router_bias is None else
+                            f"; router_bias {jnp.shape(router_bias)} [Lm, E]"))
     layer_row = _check_layer(layer, Lm)
-    block = block or default_block(D, Fe)
+    block = block or default_block(D, Fe, *([Fs] if Fs else []))
     slots = expert_slots(E, top_k, M)
-    stream = weight_stream(block, moe_segments(D, Fe, slots), formats)
-    experts, specs = ring_weights(experts, block)
-    buffers = moe_buffers(M, D, E, Fe, router.dtype, block, h.dtype, formats)
-    expert_bytes = sum(a.nbytes for a in jax.tree.leaves(experts)) // (Lm * E)
+    stream = weight_stream(block, moe_segments(D, Fe, slots, Fs), formats)
+    ring_inputs, specs = ring_weights({n: weights[n] for n in streamed}, block)
+    buffers = moe_buffers(M, D, E, Fe, router.dtype, block, h.dtype, formats, shared_ffn=Fs,
+                          score=score)
+    expert_bytes = sum(a.nbytes for n in EXPERT_WEIGHTS
+                       for a in jax.tree.leaves(ring_inputs[n])) // (Lm * E)
+    shared_bytes = sum(a.nbytes for n in streamed if n in SHARED_WEIGHTS
+                       for a in jax.tree.leaves(ring_inputs[n])) // Lm
+    inputs = dict(layer=layer_row, h=h, router=router) | {
+        n: weights[n] for n in ("router_bias",) if n in weights} | ring_inputs
+    spaces = {n: pl.BlockSpec(memory_space=pl.ANY) for n in inputs} | dict(
+        layer=pl.BlockSpec(memory_space=pltpu.SMEM), h=pl.BlockSpec(memory_space=pltpu.VMEM))
     out, loaded = pl.pallas_call(
-        functools.partial(moe_kernel, stream=stream, dtype=dtype, top_k=top_k,
-                          renormalise=renormalise),
+        functools.partial(moe_kernel, stream=stream, dtype=dtype, routing=routing),
         out_shape=(jax.ShapeDtypeStruct((M, D), jnp.float32),
                    jax.ShapeDtypeStruct((1,), jnp.int32)),
-        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
-                  pl.BlockSpec(memory_space=pltpu.VMEM),
-                  pl.BlockSpec(memory_space=pl.ANY), *specs.values()],
+        in_specs=({n: spaces[n] if n not in specs else specs[n] for n in inputs},),
         out_specs=(pl.BlockSpec(memory_space=pltpu.VMEM),
                    pl.BlockSpec(memory_space=pltpu.SMEM)),
         scratch_shapes=vmem_scratch(buffers) | dict(
             sems=pltpu.SemaphoreType.DMA((block.slots,)),
-            small_sems=pltpu.SemaphoreType.DMA((2,)),
+            small_sems=pltpu.SemaphoreType.DMA((3,)),
             selected_smem=pltpu.SMEM((1, E), jnp.int32),
             ids_smem=pltpu.SMEM((slots,), jnp.int32), count_smem=pltpu.SMEM((1,), jnp.int32)),
         compiler_params=pltpu.CompilerParams(vmem_limit_bytes=vmem_limit_bytes(buffers)),
         name="mk_moe",
         cost_estimate=pl.CostEstimate(  # an upper bound: every slot active
-            flops=2 * M * D * E + 2 * M * 3 * D * Fe * slots,
-            transcendentals=M * E + M * Fe * slots,
+            flops=2 * M * D * E + 2 * M * 3 * D * (Fe * slots + Fs),
+            transcendentals=M * E + M * (Fe * slots + Fs),
             bytes_accessed=D * E * router.dtype.itemsize + slots * expert_bytes
-            + h.size * h.dtype.itemsize + M * D * 4),
-    )(layer_row, h, router, *experts.values())
+            + shared_bytes + h.size * h.dtype.itemsize + M * D * 4),
+    )(inputs)
     return (out, loaded) if return_loaded else out

@@ -42,8 +42,8 @@ from mk.kernels.common import (BlockSizes, Buffer, aliases, default_block, memor
 from mk.kernels.decode_attention import (AttentionScratch, KvStream, attend,
                                          decode_attention_buffers, decode_attention_scratch)
 from mk.kernels.deltanet import gated_deltanet_matrices, linear_mixer
-from mk.kernels.mlp import (EXPERT_WEIGHTS, expert_slots, moe_body, moe_fetch, moe_segments,
-                            swiglu_body, swiglu_fetch, swiglu_segments)
+from mk.kernels.mlp import (EXPERT_WEIGHTS, Routing, expert_slots, moe_body, moe_fetch,
+                            moe_segments, swiglu_body, swiglu_fetch, swiglu_segments)
 from mk.kernels.ring import Ring, TileStream, ring_buffers
 from mk.kernels.weight_streaming import ring_weights, weight_stream
 from mk.reference import check_positions, rms_norm
@@ -194,7 +194,7 @@ def mlp_block(ring: Ring, config: ModelConfig, kinds, s, *, step, is_moe):
         s.mlp_out[...] = jnp.zeros_like(s.mlp_out)
         moe_body(ring, step, s.h, s.router, s.combine, s.selected, s.selected_smem,
                  s.small_sems.at[1], s.ids_smem, s.count_smem, s.e_gate, s.e_up, s.down,
-                 s.mlp_out, top_k=config.experts_per_token, renormalise=config.norm_topk)
+                 s.mlp_out, routing=Routing.of(config))
 
     if kinds == ("dense",):
         dense()

@@ -2,7 +2,9 @@
 with plain or quantised (packed) weights; only the selected experts are loaded; router ties
 go to the lower expert id; the MoE body runs inside a bigger stream over layers; a planted
 ring bug in the expert slots is caught; both kernels compile for TPUs at real shapes; the
-VMEM budget and the compiler both refuse an oversized ring.
+VMEM budget and the compiler both refuse an oversized ring. Kimi's MoE block (the sigmoid
+router with a bias and expert groups, the routed scale, a shared expert) against the
+reference, and compiled for TPU7x at kimi-k3's TP32 shard.
 
 Interpret mode checks numerics, DMA/semaphore pairing and races; it says nothing about
 time or the scoped VMEM limit, and its uninitialised memory is NaN (so a read of a tile
@@ -233,7 +235,7 @@ def _fused_kernel(h_vmem, w_pre_hbm, router_hbm, we_gate_hbm, we_up_hbm, we_down
         loaded_smem[layer] = mlp.moe_body(
             ring, layer, h_vmem, router_vmem, combine_vmem, selected_vmem, selected_smem,
             small_sems.at[1], ids_smem, count_smem, gate_vmem, up_vmem, down_vmem,
-            moe_vmem.at[layer], top_k=top_k, renormalise=renormalise)
+            moe_vmem.at[layer], routing=mlp.Routing(top_k, renormalise))
         ring.matmul("w_post", moe_vmem.at[layer], post_vmem.at[layer], layer=layer)
         return carry
 
@@ -366,6 +368,63 @@ def test_bad_inputs_are_named():
         mlp.swiglu(h, quant.quantize_weight(w[0], "int4"), *w[1:])
 
 
+# -- Kimi's MoE: the sigmoid grouped router and a shared expert ------------------------------
+def _kimi_moe(seed=0):
+    """tiny-kimi's first MoE layer, its router bias made random (init_params' is zero, which
+    would hide a bias the kernel forgot), and rows h."""
+    config = mk.preset("tiny-kimi")
+    params = mk.init_params(config, seed=seed)
+    bias = 0.5 * jax.random.normal(jax.random.key(seed + 1), params["router_bias"].shape)
+    params["router_bias"] = bias.astype(params["router_bias"].dtype)
+    return config, params, _rows(6, config.hidden, seed=seed)
+
+
+def _route_grouped(config, params, h, groups=None, bias=True):
+    bias = params["router_bias"][0] if bias else jnp.zeros_like(params["router_bias"][0])
+    return reference.route_grouped(h, params["router"][0], bias, config.experts_per_token,
+                                   groups or config.expert_groups, config.topk_groups,
+                                   config.norm_topk, config.routed_scale)
+
+
+def test_kimi_moe_matches_the_reference_without_races():
+    """tiny-kimi's MoE block: sigmoid scores plus a bias choose among the best of 2 groups,
+    the weights renormalised and scaled by 2.5, plus the shared expert. The rows are chosen
+    so that the groups and the bias both change the choice (a kernel that ignored either
+    would differ)."""
+    config, params, h = _kimi_moe()
+    weights, experts = _route_grouped(config, params, h)
+    for other in (_route_grouped(config, params, h, groups=1),
+                  _route_grouped(config, params, h, bias=False)):
+        assert not np.array_equal(np.sort(other[1]), np.sort(experts))
+    shared = [params[n][0] for n in mlp.SHARED_WEIGHTS]
+    want = (reference.mix_experts(h, weights, experts, *_moe_args(params, 0)[1:])
+            + reference.swiglu(h, *shared))
+    (got, loaded), races = _interpret(lambda: mlp.moe(
+        h, *_moe_args(params, 0), top_k=config.experts_per_token,
+        renormalise=config.norm_topk, score="sigmoid", router_bias=params["router_bias"][0],
+        groups=config.expert_groups, topk_groups=config.topk_groups,
+        scale=config.routed_scale, shared=shared, block=BLOCK, return_loaded=True))
+    np.testing.assert_allclose(got, want, **TOLERANCE["bfloat16"])
+    assert int(loaded[0]) == len(np.unique(np.asarray(experts)))
+    assert not races
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(score="sigmoid"), "router_bias is missing"),
+    (dict(router_bias=jnp.zeros(8)), "router_bias is given"),
+    (dict(groups=2), "the softmax router has no groups"),
+    (dict(score="sigmoid", router_bias=jnp.zeros(8), groups=3), "groups=3 must divide"),
+    (dict(score="sigmoid", router_bias=jnp.zeros(8), groups=4, topk_groups=1, top_k=3),
+     "keep at least top_k=3"),
+    (dict(score="sparse"), "score='sparse' must be one of"),
+])
+def test_bad_routing_is_rejected(change, message):
+    config, params, h = _kimi_moe()
+    args = dict(top_k=2, renormalise=True) | change
+    with pytest.raises(ValueError, match=message):
+        mlp.moe(h, *_moe_args(params, 0), **args)
+
+
 # -- TPU compiles ----------------------------------------------------------------------------
 @pytest.mark.parametrize("chip", ["v5e", "v6e", "tpu7x"])
 def test_swiglu_compiles_for_tpu_at_qwen3_8b_shapes(chip):
@@ -392,6 +451,33 @@ def test_moe_compiles_for_tpu_at_qwen3_30b_a3b_shapes(chip):
         functools.partial(mlp.moe, top_k=X, renormalise=config.norm_topk),
         [S((M, D), jnp.float32), S((D, E), bf16), S((E, D, Fe), bf16), S((E, D, Fe), bf16),
          S((E, Fe, D), bf16)], chip, vmem=budget)
+    assert report.ok, report.error
+
+
+@pytest.mark.parametrize("groups, topk_groups", [(1, 1), (8, 4)])
+def test_kimi_moe_compiles_for_tpu7x_at_kimi_k3s_tp32_shard(groups, topk_groups):
+    """kimi-k3's MoE layer as one of 32 tensor-parallel devices holds it: all 896 experts,
+    each expert's and the shared expert's width split 32 ways (2,048 / 32 = 64, padded to
+    128 lanes: `mk.kernels.plan.shard_config`), top-16 of the sigmoid router with its bias,
+    scaled by 2.827; bf16 experts (the preset's FP4 needs packed sharding, issue 14). Its
+    one expert group, and DeepSeek-V3's grouping (the best 4 of 8 groups) to lower the
+    group choice."""
+    config = mk.preset("kimi-k3")
+    M, D, E, X = 8, config.hidden, config.experts, config.experts_per_token
+    Fe = Fs = 128
+    block = default_block(D, Fe)
+    budget = vmem_budget("mk_moe", mlp.moe_buffers(M, D, E, Fe, "bfloat16", block,
+                                                   shared_ffn=Fs, score="sigmoid"),
+                         mk.chip("tpu7x"))
+    bf16 = jnp.bfloat16
+    report = tpu.compile_for_chip(
+        lambda h, router, bias, g, u, d, sg, su, sd: mlp.moe(
+            h, router, g, u, d, top_k=X, renormalise=config.norm_topk, score="sigmoid",
+            router_bias=bias, groups=groups, topk_groups=topk_groups,
+            scale=config.routed_scale, shared=(sg, su, sd)),
+        [S((M, D), jnp.float32), S((D, E), bf16), S((E,), bf16), S((E, D, Fe), bf16),
+         S((E, D, Fe), bf16), S((E, Fe, D), bf16), S((D, Fs), bf16), S((D, Fs), bf16),
+         S((Fs, D), bf16)], "tpu7x", vmem=budget)
     assert report.ok, report.error
 
 
