@@ -29,10 +29,19 @@ Numerics (mk.reference.attention): q and k rounded to the cache dtype, scores fl
 scaled by 1/sqrt(H), probabilities cast to the cache dtype before P @ V, float32
 accumulation; only the online-softmax rounding differs.
 
+MLA (Kimi's full layers) in its absorbed form is the same body without values
+(`attend(..., v_cache_hbm=None)`, the stage wrapper `latent_attention`): the latent cache
+[La, B, S, W] (W = kv_lora_rank + the shared key part) is one "kv head" every query head
+shares, each head's query is absorbed into the latent space (its no-RoPE part times the
+head's key up-projection), a tile is loaded once and serves as keys and, its latent lanes,
+as values; the caller multiplies each head's P @ latent rows by the head's value
+up-projection. So a step reads W values per cached token, not 2 x heads x head_dim.
+
 Here: `attend` (the in-kernel body the fused layer and the megakernel call),
 `decode_attention_buffers` / `decode_attention_scratch` (its VMEM and semaphores) and the
-stage wrapper `decode_attention`. Not here: Q/K/V projections, norms and RoPE
-(`attention_prologue`), the output projection.
+stage wrappers `decode_attention` and `latent_attention`. Not here: Q/K/V projections,
+norms and RoPE (`attention_prologue`), MLA's absorption of the up-projections (its
+prologue and epilogue, not built in a kernel yet: issue 18), the output projection.
 """
 
 from __future__ import annotations
@@ -73,26 +82,29 @@ def write_back_rows(rows: int, kv_tile: int, dtype) -> int:
 
 
 class AttentionScratch(NamedTuple):
-    """The scratch refs of `attend`, by the names `decode_attention_scratch` gives them."""
+    """The scratch refs of `attend`, by the names `decode_attention_scratch` gives them
+    (with values in the keys, the latent cache's, there are no v_tiles and v_rows)."""
 
-    k_tiles: Any  # [kv_slots, K, kv_tile, H] cache dtype: the KV ring
-    v_tiles: Any  # [kv_slots, K, kv_tile, H] cache dtype
-    q_blocks: Any  # [B*K*R, H] f32: rows (g, t) of block (b, k)
-    out_blocks: Any  # [B*K*R, H] f32: attention output, same layout
-    k_rows: Any  # [B*K*Rt, H] f32, Rt = round_up(T, 8): new K rows t of block (b, k)
-    v_rows: Any  # [B*K*Rt, H] f32
-    stage: Any  # [B*T, H] f32: one head's column, for the strided regrouping
-    m: Any  # [K*R, 1] f32 running max of the current sequence
-    l: Any  # [K*R, 1] f32 running sum
-    acc: Any  # [K*R, H] f32 running P @ V
-    load_sems: Any  # DMA semaphores [2, kv_slots]: K and V tile loads
-    write_sems: Any  # DMA semaphores [2]: K and V write-backs
+    k_tiles: Any = None  # [kv_slots, K, kv_tile, H] cache dtype: the KV ring
+    v_tiles: Any = None  # [kv_slots, K, kv_tile, H] cache dtype
+    q_blocks: Any = None  # [B*K*R, H] f32: rows (g, t) of block (b, k)
+    out_blocks: Any = None  # [B*K*R, H] f32: attention output, same layout
+    k_rows: Any = None  # [B*K*Rt, H] f32, Rt = round_up(T, 8): new K rows t of block (b, k)
+    v_rows: Any = None  # [B*K*Rt, H] f32
+    stage: Any = None  # [B*T, H] f32: one head's column, for the strided regrouping
+    m: Any = None  # [K*R, 1] f32 running max of the current sequence
+    l: Any = None  # [K*R, 1] f32 running sum
+    acc: Any = None  # [K*R, H] f32 running P @ V
+    load_sems: Any = None  # DMA semaphores [2, kv_slots]: K and V tile loads
+    write_sems: Any = None  # DMA semaphores [2]: K and V write-backs
 
 
 def decode_attention_buffers(B: int, T: int, N: int, K: int, H: int, dtype,
-                             block: BlockSizes, *, operands: bool = False) -> list[Buffer]:
+                             block: BlockSizes, *, operands: bool = False,
+                             latent: bool = False) -> list[Buffer]:
     """Every VMEM buffer of `attend` (its scratch, in `AttentionScratch` order); with
-    `operands=True` also q, k_new, v_new and o, which the stage kernel keeps in VMEM."""
+    `operands=True` also q, k_new, v_new and o, which the stage kernel keeps in VMEM.
+    latent: the values are the keys (MLA's latent cache): no V tiles or rows."""
     dtype = str(jnp.dtype(dtype))
     R, Rt, tile = block_rows(N // K, T), _round_up(T), (block.kv_slots, K, block.kv_tile, H)
     io = [Buffer("q", (B * T, N * H), "float32", "operand"),
@@ -105,18 +117,22 @@ def decode_attention_buffers(B: int, T: int, N: int, K: int, H: int, dtype,
         ("q_blocks", (B * K * R, H), f32), ("out_blocks", (B * K * R, H), f32),
         ("k_rows", (B * K * Rt, H), f32), ("v_rows", (B * K * Rt, H), f32),
         ("stage", (B * T, H), f32), ("m", (K * R, 1), f32), ("l", (K * R, 1), f32),
-        ("acc", (K * R, H), f32))]
+        ("acc", (K * R, H), f32)) if not (latent and name in ("v_tiles", "v_rows"))]
+    if latent:
+        io = [b for b in io if b.name != "v_new"]
     return io + scratch if operands else scratch
 
 
 def decode_attention_scratch(B: int, T: int, N: int, K: int, H: int, dtype,
-                             block: BlockSizes) -> dict:
+                             block: BlockSizes, *, latent: bool = False) -> dict:
     """The pallas scratch of `attend` by `AttentionScratch` field: wrap the refs in
-    `AttentionScratch(**refs)`."""
+    `AttentionScratch(**refs)`. latent: as `decode_attention_buffers`'."""
+    caches = 1 if latent else 2
     return {b.name: pltpu.VMEM(b.shape, b.dtype)
-            for b in decode_attention_buffers(B, T, N, K, H, dtype, block)} | dict(
-        load_sems=pltpu.SemaphoreType.DMA((2, block.kv_slots)),
-        write_sems=pltpu.SemaphoreType.DMA((2,)))
+            for b in decode_attention_buffers(B, T, N, K, H, dtype, block,
+                                              latent=latent)} | dict(
+        load_sems=pltpu.SemaphoreType.DMA((caches, block.kv_slots)),
+        write_sems=pltpu.SemaphoreType.DMA((caches,)))
 
 
 # -- Regrouping rows (static strided copies: Mosaic cannot prove b*T aligned) -------------
@@ -173,7 +189,9 @@ class KvStream:
 
     def __init__(self, positions_smem, k_cache_hbm, v_cache_hbm, scratch: AttentionScratch,
                  *, rows: int, layer, block: BlockSizes):
-        self.positions_smem, self.caches = positions_smem, (k_cache_hbm, v_cache_hbm)
+        # v_cache_hbm None: the values are the keys (MLA's latent cache), one load a tile
+        self.positions_smem = positions_smem
+        self.caches = (k_cache_hbm,) if v_cache_hbm is None else (k_cache_hbm, v_cache_hbm)
         self.s, self.T, self.layer, self.block = scratch, rows, layer, block
         B = positions_smem.shape[0]
         self.total = lax.fori_loop(0, B, lambda b, n: n + self.tiles_of(b), jnp.int32(0))
@@ -187,7 +205,7 @@ class KvStream:
         last = i + 1 == self.tiles_of(b)
         return jnp.where(last, b + 1, b), jnp.where(last, 0, i + 1)
 
-    def copies(self, cursor, slot):  # the K and V loads of tile (b, i)
+    def copies(self, cursor, slot):  # the K and V loads of tile (b, i) (K only: latent)
         b, i = cursor
         tile = self.block.kv_tile
         rows = pl.ds(pl.multiple_of(i * tile, tile), tile)
@@ -219,11 +237,11 @@ def attend(
     # Inputs
     q_vmem,  # [B*T, N*H] f32, normed and RoPE'd
     k_new_vmem,  # [B*T, K*H] f32, normed and RoPE'd: the T new rows of each sequence
-    v_new_vmem,  # [B*T, K*H] f32
+    v_new_vmem,  # [B*T, K*H] f32, or None: the values are the keys (MLA's latent rows)
     positions_smem,  # [B] int32: row t of sequence b sits at positions[b] + t
     # Inputs and outputs: the new rows are written in place
     k_cache_hbm,  # [L, B, K, S, H] cache dtype
-    v_cache_hbm,  # [L, B, K, S, H] cache dtype
+    v_cache_hbm,  # [L, B, K, S, H] cache dtype, or None with v_new_vmem None
     # Outputs
     o_vmem,  # [B*T, N*H] f32
     # Scratch
@@ -232,9 +250,13 @@ def attend(
     layer,  # int or traced int32 scalar: which layer of the cache
     block: BlockSizes,
     primed: bool = False,  # the caller ran KvStream(...).prime() for this layer
+    scale: float | None = None,  # of the scores; default 1/sqrt(H)
 ):
     """Causal GQA of q against layer `layer` of the cache, after writing k_new, v_new.
 
+    Without values (v_cache_hbm None) the key rows are the values too: MLA's absorbed
+    decode, multi-query attention over the latent cache, whose output is P @ latent rows
+    (the caller keeps the latent part of it); its scale is the unabsorbed head's.
     Every DMA it starts (or `KvStream.prime` started) is waited for before it returns.
     """
     s = scratch
@@ -246,11 +268,16 @@ def attend(
     tile, slots, dtype = block.kv_tile, block.kv_slots, k_cache_hbm.dtype
     sub, W = sublanes(dtype), write_back_rows(T, block.kv_tile, dtype)
     precision = lax.Precision.HIGHEST if dtype == F32 else None
-    scale = np.float32(1 / math.sqrt(H))
+    scale = np.float32(1 / math.sqrt(H) if scale is None else scale)
+    latent = v_cache_hbm is None
+    # (new rows, tiles, cache, write-back DMA name) of the keys, then of the values
+    caches = [(s.k_rows, s.k_tiles, k_cache_hbm, "k_write_back")] + (
+        [] if latent else [(s.v_rows, s.v_tiles, v_cache_hbm, "v_write_back")])
+    values = s.k_tiles if latent else s.v_tiles
 
     _gather_blocks(q_vmem, s.q_blocks, s.stage, rows=T, group=G, block=R)
-    _gather_blocks(k_new_vmem, s.k_rows, s.stage, rows=T, group=1, block=Rt)
-    _gather_blocks(v_new_vmem, s.v_rows, s.stage, rows=T, group=1, block=Rt)
+    for rows_vmem, new in zip((s.k_rows, s.v_rows), (k_new_vmem, v_new_vmem)[:len(caches)]):
+        _gather_blocks(new, rows_vmem, s.stage, rows=T, group=1, block=Rt)
 
     kv = KvStream(positions_smem, k_cache_hbm, v_cache_hbm, s, rows=T, layer=layer,
                   block=block)
@@ -263,8 +290,7 @@ def attend(
         rows = pl.ds(pl.multiple_of(i * tile + start, sub), W)
         return [pltpu.make_async_copy(tiles.at[slot, :, window, :],
                                       cache.at[layer, b, :, rows, :], s.write_sems.at[j])
-                for j, (cache, tiles) in enumerate(((k_cache_hbm, s.k_tiles),
-                                                    (v_cache_hbm, s.v_tiles)))]
+                for j, (_, tiles, cache, _) in enumerate(caches)]
 
     def qblock(b, k):  # first row of block (b, k): a multiple of 8, as Mosaic needs
         return pl.multiple_of((b * K + k) * R, ALIGN)
@@ -287,7 +313,7 @@ def attend(
             alpha = jnp.exp(m_prev - m_next)  # tile 0 comes first: m_next is finite
             probs = jnp.exp(scores - m_next)
             s.l[rows, :] = alpha * s.l[rows, :] + jnp.sum(probs, 1, keepdims=True)
-            pv = jnp.dot(probs.astype(dtype), s.v_tiles[slot, k], precision=precision,
+            pv = jnp.dot(probs.astype(dtype), values[slot, k], precision=precision,
                          preferred_element_type=F32)  # [R, H]
             s.acc[rows, :] = alpha * s.acc[rows, :] + pv
             s.m[rows, :] = m_next
@@ -298,8 +324,7 @@ def attend(
         first = p - i * tile
         row = lax.broadcasted_iota(jnp.int32, (tile, H), 0)
         new = (row >= first) & (row < first + T)
-        for rows_vmem, tiles_vmem in ((s.k_rows, s.k_tiles),
-                                      (s.v_rows, s.v_tiles)):
+        for rows_vmem, tiles_vmem, _, _ in caches:
             for k in range(K):
                 x = rows_vmem[pl.ds(pl.multiple_of((b * K + k) * Rt, ALIGN), Rt), :]  # [Rt, H]
                 if Rt < tile:
@@ -341,7 +366,7 @@ def attend(
         @pl.when(written)
         def write_back():
             back = write_backs(cursor, slot, p - i * tile)
-            for c, what in zip(back, ("k_write_back", "v_write_back")):
+            for c, (*_, what) in zip(back, caches):
                 start_dma(c, what, K * W * H * dtype.itemsize)
             for c in back:
                 c.wait()
@@ -380,8 +405,10 @@ def decode_attention_kernel(
 
 
 # -- The stage wrapper ----------------------------------------------------------------------
-def _validate(q, k_new, v_new, k_cache, v_cache, positions, layer, block):
-    """(B, T, N, K, H) of a legal call; raises ValueError naming the bad field."""
+def _validate(q, k_new, v_new, k_cache, v_cache, positions, layer, block, *,
+              lanes: int = LANES):
+    """(B, T, N, K, H) of a legal call (H a multiple of `lanes`); raises ValueError naming
+    the bad field."""
     if k_cache.ndim != 5 or v_cache.shape != k_cache.shape:
         raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} must both "
                          "be [L, B, K, S, H]")
@@ -389,8 +416,8 @@ def _validate(q, k_new, v_new, k_cache, v_cache, positions, layer, block):
         raise ValueError(f"cache dtypes {k_cache.dtype}, {v_cache.dtype} must be one of "
                          f"{COMPUTE_DTYPES} and agree")
     L, B, K, S, H = k_cache.shape
-    if H % LANES:
-        raise ValueError(f"head_dim H={H} must be a multiple of {LANES} on TPU")
+    if H % lanes:
+        raise ValueError(f"head_dim H={H} must be a multiple of {lanes} on TPU")
     if positions.shape != (B,):
         raise ValueError(f"positions shape {positions.shape} must be [B={B}]")
     if q.ndim != 2 or q.shape[0] % B or q.shape[1] % (K * H):
@@ -460,3 +487,56 @@ def decode_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: 
             + 4 * (2 * q.size + k_new.size + v_new.size)),
     )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), positions, q, k_new, v_new,
       k_cache, v_cache)
+
+
+# -- MLA's absorbed decode over the latent cache -------------------------------------------
+def latent_attention_kernel(layer_smem, positions_smem, q_vmem, latent_new_vmem,
+                            cache_in_hbm, o_vmem, cache_hbm, *, block: BlockSizes,
+                            scale: float, **scratch):
+    del cache_in_hbm  # the same buffer as the output
+    attend(q_vmem, latent_new_vmem, None, positions_smem, cache_hbm, None, o_vmem,
+           AttentionScratch(**scratch), layer=layer_smem[0], block=block, scale=scale)
+
+
+def latent_attention(q: jax.Array, latent_new: jax.Array, latent_cache: jax.Array,
+                     positions: jax.Array, *, scale: float, layer=0,
+                     block: BlockSizes | None = None):
+    """MLA's absorbed decode attention (`attend` without values): -> (o [B*T, N*W] float32,
+    latent_cache with the new rows of `layer` written).
+
+    q [B*T, N*W] float32: each head's query absorbed into the latent space (its no-RoPE
+    part times the head's key up-projection, then its shared-key part); latent_new
+    [B*T, W] float32: the new rows (the normed latent, then the shared key part);
+    latent_cache [La, B, S, W] (`mk.reference.LatentCache.latent`); scale: the
+    unabsorbed head's 1/sqrt(head_dim). Row n*W + j of o is head n's P @ latent rows: its
+    first kv_lora_rank lanes times the head's value up-projection give the head's output.
+    """
+    positions = jnp.asarray(positions, jnp.int32)
+    block = block or BlockSizes()
+    if latent_cache.ndim != 4:
+        raise ValueError(f"latent_cache shape {latent_cache.shape} must be [La, B, S, W]")
+    cache = latent_cache[:, :, None]  # one shared "kv head"
+    B, T, N, K, W = _validate(q, latent_new, latent_new, cache, cache, positions, layer,
+                              block, lanes=ALIGN)
+    read, written = ((B * cache.shape[3] // block.kv_tile, 2 * B)
+                     if concrete(positions) is None else
+                     tile_counts(concrete(positions), T, block.kv_tile))
+    rows = write_back_rows(T, block.kv_tile, cache.dtype)
+    smem, vmem, hbm = (pl.BlockSpec(memory_space=m) for m in (pltpu.SMEM, pltpu.VMEM, pl.ANY))
+    o, cache = pl.pallas_call(
+        functools.partial(latent_attention_kernel, block=block, scale=scale),
+        out_shape=(jax.ShapeDtypeStruct(q.shape, F32),
+                   jax.ShapeDtypeStruct(cache.shape, cache.dtype)),
+        in_specs=[smem, smem, vmem, vmem, hbm],
+        out_specs=(vmem, hbm),
+        scratch_shapes=decode_attention_scratch(B, T, N, K, W, cache.dtype, block,
+                                                latent=True),
+        input_output_aliases={4: 1},
+        name="mk_latent_attention",
+        cost_estimate=pl.CostEstimate(
+            flops=4 * read * N * T * block.kv_tile * W,
+            transcendentals=read * N * T * block.kv_tile,
+            bytes_accessed=(read * block.kv_tile + written * rows) * W * cache.dtype.itemsize
+            + 4 * (2 * q.size + latent_new.size)),
+    )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), positions, q, latent_new, cache)
+    return o, cache[:, :, 0]
