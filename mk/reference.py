@@ -13,7 +13,8 @@ Kimi Linear (`config.is_mla`, transformers' `kimi_linear`) runs through them too
 layers are multi-head latent attention (`mla_decoder_layer`) over a latent cache, its
 linear layers Kimi Delta Attention (`kimi_delta_attention`, the gated delta rule with a
 per-channel decay), its MoE layers a grouped sigmoid router (`route_grouped`) plus a shared
-expert.
+expert. MLA's absorbed form, the one a decode kernel runs, is here too (`mla_absorbed`,
+`mla_output`): the oracle of `mk.kernels.decode_attention.latent_attention`.
 No Pallas, no sharding, no sampling (speculative decoding lives in `mk.spec`).
 
 Numerics (kernels mirror these cast points, so their tolerances stay tight):
@@ -360,12 +361,7 @@ def mla_decoder_layer(config: ModelConfig, params, layer: int, x, latent_cache, 
     N, H, R, Hr = config.heads, config.head_dim, config.latent_rank, config.rope_dim
     _, a = config.mixer_index(layer)
     h = rms_norm(x, params["attn_norm"][layer], config.rms_eps)
-    q_in = h if not config.q_rank else rms_norm(matmul(h, params["wq_a"][a]),
-                                                 params["q_a_norm"][a], config.rms_eps)
-    q = matmul(q_in, params["wq"][a]).reshape(B, T, N, H)
-    kv = matmul(h, params["wkv_a"][a])  # [B, T, R + Hr]
-    latent = jnp.concatenate([rms_norm(kv[..., :R], params["kv_a_norm"][a], config.rms_eps),
-                              kv[..., R:]], axis=-1)
+    q, latent = mla_projections(config, params, a, h)
     latent_cache = write_rows(latent_cache[:, None], latent[:, :, None], positions)[:, 0]
     S = latent_cache.shape[1]
     kv = matmul(latent_cache[..., :R], params["wkv_b"][a]).reshape(B, S, N, -1)
@@ -376,6 +372,43 @@ def mla_decoder_layer(config: ModelConfig, params, layer: int, x, latent_cache, 
     o = attention(q, k.astype(dtype), v.astype(dtype), positions).reshape(B, T, -1)
     x = x + matmul(o, params["wo"][a])
     return mlp_block(config, params, layer, x), latent_cache, x
+
+
+def mla_projections(config: ModelConfig, params, a: int, h):
+    """MLA layer a's projections of its normed rows h [..., D]: (q [..., N, H] float32, the
+    latent rows [..., R + Hr] float32: RMSNorm(h wkv_a[:R]), then the shared key part
+    h wkv_a[R:])."""
+    R, eps = config.latent_rank, config.rms_eps
+    q_in = h if not config.q_rank else rms_norm(matmul(h, params["wq_a"][a]),
+                                                 params["q_a_norm"][a], eps)
+    q = matmul(q_in, params["wq"][a]).reshape(*h.shape[:-1], config.heads, config.head_dim)
+    kv = matmul(h, params["wkv_a"][a])
+    return q, jnp.concatenate([rms_norm(kv[..., :R], params["kv_a_norm"][a], eps),
+                               kv[..., R:]], axis=-1)
+
+
+def mla_absorbed(config: ModelConfig, params, a: int, h):
+    """MLA layer a's attention inputs in the absorbed form a decode kernel runs
+    (`mk.kernels.decode_attention.latent_attention`), from its normed rows h [M, D]:
+    (queries [M, N*W], the latent rows [M, W], the value up-projection [R, N, Ho]);
+    W = R + Hr. A head's key for cached latent c and shared part r is [c wkv_b_k, r], so
+    q . key = (wkv_b_k q_nope) . c + q_rope . r: each head's query becomes [wkv_b_k
+    q_nope, q_rope] and attends over the latent rows themselves; its output P @ c times
+    wkv_b_v is the head's P @ values (`mla_output`). Float32."""
+    N, R, Hn = config.heads, config.latent_rank, config.head_dim - config.rope_dim
+    q, latent = mla_projections(config, params, a, h)
+    up = params["wkv_b"][a].astype(F32).reshape(R, N, -1)  # [R, N, Hn + Ho]
+    q_latent = jnp.einsum("mnh,rnh->mnr", q[..., :Hn], up[..., :Hn], precision=HIGHEST)
+    queries = jnp.concatenate([q_latent, q[..., Hn:]], axis=-1)
+    return queries.reshape(h.shape[0], -1), latent, up[..., Hn:]
+
+
+def mla_output(config: ModelConfig, o, up_v):
+    """The heads' outputs [M, N*Ho] of absorbed attention's o [M, N*W] (each head's P @
+    latent rows) and the value up-projection up_v [R, N, Ho] (`mla_absorbed`)."""
+    R = config.latent_rank
+    o = o.reshape(o.shape[0], config.heads, -1)[..., :R]
+    return jnp.einsum("mnr,rnv->mnv", o, up_v, precision=HIGHEST).reshape(o.shape[0], -1)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "taps", "row_states"))

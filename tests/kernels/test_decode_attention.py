@@ -217,38 +217,17 @@ def test_compiles_for_tpu_at_qwen3_8b_attention_shapes(chip, T, dtype):
 
 
 # -- MLA's absorbed decode over the latent cache ---------------------------------------------
-def _absorbed(config, params, a, h):
-    """MLA layer a's attention inputs in the absorbed form, from its normed rows h [M, D]:
-    (queries [M, N*W] (each head's no-RoPE part times its key up-projection, then its
-    shared-key part), latent rows [M, W], the value up-projection [R, N, Ho]); W = R + Hr.
-    The test's own oracle of the absorption, in float32."""
-    M, N, H, R, Hr = h.shape[0], config.heads, config.head_dim, config.latent_rank, \
-        config.rope_dim
-    Hn, eps = H - Hr, config.rms_eps
-    q_in = h if not config.q_rank else reference.rms_norm(
-        reference.matmul(h, params["wq_a"][a]), params["q_a_norm"][a], eps)
-    q = reference.matmul(q_in, params["wq"][a]).reshape(M, N, H)
-    kv = reference.matmul(h, params["wkv_a"][a])
-    latent = jnp.concatenate([reference.rms_norm(kv[:, :R], params["kv_a_norm"][a], eps),
-                              kv[:, R:]], axis=-1)
-    up = params["wkv_b"][a].astype(jnp.float32).reshape(R, N, -1)
-    q_latent = jnp.einsum("mnh,rnh->mnr", q[..., :Hn], up[..., :Hn],
-                          precision=jax.lax.Precision.HIGHEST)
-    queries = jnp.concatenate([q_latent, q[..., Hn:]], axis=-1).reshape(M, -1)
-    return queries, latent, up[..., Hn:]
-
-
 @pytest.mark.parametrize("B, T", [(1, 1), (2, 4)])
 def test_latent_attention_gives_the_mla_layer_of_the_reference_without_races(B, T):
     """tiny-kimi's MLA layer: the reference expands the latent cache into per-head keys and
-    values every step; the kernel attends over the latent rows with absorbed queries (one
-    shared "kv head", the values the keys' latent lanes). After the value up-projection and
+    values every step; the kernel attends over the latent rows with absorbed queries
+    (`mk.reference.mla_absorbed`: one shared "kv head", the values the keys' latent lanes). After the value up-projection and
     wo both give the same x after attention, and the kernel writes the reference's latent
     rows. Non-zero cache rows below each sequence's position, which both read."""
     config = mk.preset("tiny-kimi")
     params = mk.init_params(config, seed=0)
     layer, a = config.full_layers[0], 0
-    S, W, R = 256, config.latent_width, config.latent_rank
+    S, W = 256, config.latent_width
     keys = jax.random.split(jax.random.key(B * 10 + T), 2)
     x = jax.random.normal(keys[0], (B, T, config.hidden))
     cache = (0.5 * jax.random.normal(keys[1], (1, B, S, W))).astype(config.dtype)
@@ -256,14 +235,13 @@ def test_latent_attention_gives_the_mla_layer_of_the_reference_without_races(B, 
     _, want_cache, want_x = reference.mla_decoder_layer(config, params, layer, x, cache[a],
                                                         positions)
     h = reference.rms_norm(x, params["attn_norm"][layer], config.rms_eps).reshape(B * T, -1)
-    queries, latent, up_v = _absorbed(config, params, a, h)
+    queries, latent, up_v = reference.mla_absorbed(config, params, a, h)
     with backend.use("interpret", detect_races=True):
         o, got_cache = jax.block_until_ready(stage.latent_attention(
             queries, latent, cache, positions, layer=a,
             scale=1 / np.sqrt(config.head_dim), block=BlockSizes(kv_tile=128, kv_slots=2)))
         races = backend.races_found()
-    o = jnp.einsum("mnr,rnv->mnv", o.reshape(B * T, config.heads, W)[..., :R], up_v,
-                   precision=jax.lax.Precision.HIGHEST).reshape(B * T, -1)
+    o = reference.mla_output(config, o, up_v)
     got_x = x + reference.matmul(o, params["wo"][a]).reshape(B, T, -1)
     np.testing.assert_array_equal(np.asarray(got_cache[a], np.float32),
                                   np.asarray(want_cache, np.float32))
