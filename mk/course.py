@@ -17,6 +17,8 @@ the student's mistake in it:
 - "conv_unshifted" (05b): the gated DeltaNet writes, as the conv state after row t, the
   window before that row (the layer's output is still right; the state a verifier
   restarts from is not).
+- "head_decay" (05c): Kimi Delta Attention decays every key channel of a head by the head's
+  first channel's decay (the gated DeltaNet's one decay per head) instead of its own.
 A too-shallow ring (11) needs no patch: it is a `slots` parameter, and
 `check_ring_depth` catches it in the simulated step against a ring of Little's law depth.
 
@@ -31,6 +33,7 @@ import contextlib
 from unittest import mock
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from mk import megakernel, reference
@@ -39,7 +42,7 @@ from mk.config import ModelConfig
 from mk.kernels import attention_prologue, collectives, deltanet, mlp, one_layer, ring
 
 PLANTS = ("ring_race", "rope_off", "wrong_expert", "dropped_all_reduce",
-          "conv_unshifted")
+          "conv_unshifted", "head_decay")
 
 
 class ExerciseFailed(AssertionError):
@@ -105,6 +108,10 @@ def _conv_state_before_row(window_vmem, b, t, taps):
     return window_vmem[b, t:t + taps - 1]  # the mistake: rows t.., not t + 1..
 
 
+def _one_decay_per_head(row):
+    return jnp.zeros((row.shape[1], 1), row.dtype) + row[:, :1]  # the mistake: channel 0's
+
+
 @contextlib.contextmanager
 def planted(name: str | None):
     """Run the block with the mistake `name` (one of PLANTS) in the kernel code; None or
@@ -131,6 +138,9 @@ def planted(name: str | None):
         elif name == "conv_unshifted":
             stack.enter_context(mock.patch.object(deltanet, "conv_state_after",
                                                   _conv_state_before_row))
+        elif name == "head_decay":
+            stack.enter_context(mock.patch.object(deltanet, "channel_column",
+                                                  _one_decay_per_head))
         else:
             for module in (collectives, megakernel):
                 if hasattr(module, "all_reduce_body"):

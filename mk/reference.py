@@ -319,19 +319,26 @@ def linear_attention(config: ModelConfig, params, i: int, h, conv_state, state):
     return matmul(o, params["lin_out"][i]), conv_rows, state_rows
 
 
+def kda_decay(config: ModelConfig, params, i: int, h):
+    """KDA's log-decay g [..., Nv, Hk] of linear layer i's normed rows h [..., D]: one per
+    key channel, g = -exp(A_log[head]) softplus(h f_a f_b + dt_bias) (the state decays by
+    exp(g))."""
+    N, Hk = config.linear_value_heads, config.linear_key_dim
+    forget = matmul(matmul(h, params["kda_f_a"][i]), params["kda_f_b"][i])
+    forget = (forget + params["lin_dt_bias"][i].astype(F32)).reshape(*h.shape[:-1], N, Hk)
+    return -jnp.exp(params["lin_a_log"][i].astype(F32))[:, None] * jax.nn.softplus(forget)
+
+
 def kimi_delta_attention(config: ModelConfig, params, i: int, h, conv_state, state):
     """Kimi Delta Attention (KDA) of linear layer i on normed rows h [B, T, D]: the gated
     DeltaNet with a per-channel forget gate (low rank: D -> Hk -> Nv*Hk), one head count
     for q, k and v, and a low-rank sigmoid output gate. Arguments and results as
     `linear_attention`'s (transformers' KimiLinearDeltaAttention)."""
     B, T, _ = h.shape
-    N, Hk, Hv = config.linear_value_heads, config.linear_key_dim, config.linear_value_dim
+    N, Hv = config.linear_value_heads, config.linear_value_dim
     q, k, v, conv_rows = conv_qkv(config, params, i, h, conv_state)
-    forget = matmul(matmul(h, params["kda_f_a"][i]), params["kda_f_b"][i])
-    forget = (forget + params["lin_dt_bias"][i].astype(F32)).reshape(B, T, N, Hk)
-    g = -jnp.exp(params["lin_a_log"][i].astype(F32))[:, None] * jax.nn.softplus(forget)
     beta = jax.nn.sigmoid(matmul(h, params["lin_b"][i]))
-    o, state_rows = la.delta_rule(q, k, v, g, beta, state)
+    o, state_rows = la.delta_rule(q, k, v, kda_decay(config, params, i, h), beta, state)
     gate = matmul(matmul(h, params["kda_g_a"][i]), params["kda_g_b"][i]).reshape(B, T, N, Hv)
     o = la.gated_rms_norm(o, gate, params["lin_norm"][i], config.rms_eps, jax.nn.sigmoid)
     return matmul(o.reshape(B, T, -1), params["lin_out"][i]), conv_rows, state_rows

@@ -6,7 +6,7 @@ layer shape (48 value heads, head dims 128).
 Then the whole layer (`gated_deltanet`) against mk.reference.linear_decoder_layer on
 tiny-hybrid (x after the mixer, conv and recurrent states after every row), race-free, and
 on tiny-kimi (Kimi Delta Attention: per-channel decay); a planted unshifted conv state
-proves the comparison can fail; the layer compiled for TPU7x at the 27B's shape and at
+and a planted decay per head prove the comparison can fail; the layer compiled for TPU7x at the 27B's shape and at
 kimi-k3's TP32 KDA shard, within VMEM.
 
 Interpret mode checks numerics, DMA/semaphore pairing and races; it says nothing about
@@ -200,6 +200,16 @@ def test_kda_layer_matches_the_reference_with_every_row_state_and_no_races(B, T,
                                             layer, seed=B + T)
     _assert_close(got, want)
     assert not races
+
+
+def test_the_comparison_catches_a_planted_decay_per_head():
+    """The planted bug (notebook 05c's exercise, `mk.course`): every channel of a KDA head
+    decays by the head's first channel's decay, as a gated DeltaNet's head does."""
+    config = mk.preset("tiny-kimi")
+    with course.planted("head_decay"):
+        got, want, _ = _layer_vs_reference(config, mk.init_params(config, seed=0), 1, 1, 0)
+    with pytest.raises(course.ExerciseFailed, match="state rows: kernel and reference differ"):
+        course.check_close("state rows", got[2], want[2], **LAYER_TOLERANCE)
 
 
 def test_channel_column_is_an_exact_transpose():

@@ -1,0 +1,336 @@
+# ---
+# jupyter:
+#   jupytext:
+#     cell_metadata_filter: tags,-all
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 05c · Kimi's layers: MLA over a latent cache, Kimi Delta Attention, a shared-expert MoE
+#
+# [Open in Colab](https://colab.research.google.com/github/mk-megakernel/mk/blob/v0.1.0/notebooks/05c_kimi_layers.ipynb)
+#
+# The model behind the release's headline number is a Kimi K3: Kimi Linear's layer kinds
+# (transformers' `kimi_linear`). Three of every four layers are Kimi Delta Attention (KDA),
+# every fourth is Multi-head Latent Attention (MLA), and the MoE layers route with a
+# biased sigmoid router and add a shared expert. This notebook runs each piece as a stage
+# kernel against the reference and answers:
+#
+# - How many bytes does a cached token cost with MLA, against GQA and against MLA's own
+#   per-head keys and values?
+# - How does the absorbed form let attention read only the latent cache, and is it the
+#   reference's layer?
+# - What does KDA change in the gated DeltaNet (notebook 05b), and does the kernel keep the
+#   state after every row?
+# - How does Kimi's router choose, and where does the shared expert stream?
+#
+# These are stage kernels: the megakernel does not run Kimi's layers yet (issue 18).
+
+# %% tags=["hide-input"]
+# Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
+# pip installs MK_SOURCE (this release's tag; set the environment variable MK_SOURCE to
+# install another ref or a fork) with the notebook and profiler extras, then asks for a
+# restart. Anywhere, a folder named mk that is not the package stops here, saying so.
+import importlib.metadata
+import importlib.util
+import os
+import sys
+
+MK_SOURCE = os.environ.get("MK_SOURCE", "git+https://github.com/mk-megakernel/mk@v0.1.0")
+if "google.colab" in sys.modules:
+    try:
+        importlib.metadata.version("mk-megakernel")
+    except importlib.metadata.PackageNotFoundError:
+        # %pip install -q "mk-megakernel[notebooks,profile] @ {MK_SOURCE}"
+        raise SystemExit("mk installed: Runtime > Restart session, then run all cells again.")
+mk_spec = importlib.util.find_spec("mk")
+if mk_spec is None or mk_spec.origin is None:
+    raise ModuleNotFoundError(
+        "the mk package is not installed: pip install 'mk-megakernel[notebooks,profile]'"
+        + (f"; {list(mk_spec.submodule_search_locations)} is a folder named mk, not the "
+           "package: rename it or work in another directory" if mk_spec else ""))
+
+# %% tags=["parameters"]
+preset: str = "tiny-kimi"  # a name from mk.config.PRESET_NAMES
+batch: int = 2  # B, sequences decoded together
+rows: int = 2  # T, query rows per sequence in one step (1 is plain decode)
+context: int = 256  # S, cached positions per sequence (the KV cache's capacity)
+chip: str = "tpu7x"  # a name from mk.chips.CHIP_NAMES: the chip of rooflines and budgets
+backend: str = "auto"  # "auto" (Mosaic on a TPU, else interpret), "interpret" or "hardware"
+seed: int = 0  # seed of the random weights and inputs
+checkpoint: str = ""  # a local Hugging Face checkpoint folder; "" for random weights
+bytes_preset: str = "kimi-k3"  # the Kimi Linear model whose cache bytes are drawn
+gqa_preset: str = "kimi-k3-like"  # the GQA model it is drawn against
+exercise_head_decay: bool = False  # the exercise: True decays all of a head's channels alike
+
+# %%
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import plotly.graph_objects as go
+
+import mk
+import mk.backend
+import mk.run
+from mk import course, plots, reference
+from mk.kernels import decode_attention, deltanet, mlp
+from mk.kernels.common import BlockSizes
+
+run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
+                          backend=backend, seed=seed, checkpoint=checkpoint)
+config, mode = run.config, mk.backend.resolve(run.backend)
+if not (config.is_mla and config.channel_decay and config.shared_expert_ffn):
+    raise ValueError(f"preset={config.name!r} is not Kimi Linear (MLA, KDA and a shared "
+                     f"expert): choose one of {mk.config.KIMI_PRESET_NAMES}")
+B, T, S = run.batch, run.rows, run.context
+params = mk.load_checkpoint(run.checkpoint)[1] if run.checkpoint else mk.init_params(
+    config, run.seed)
+keys = jax.random.split(jax.random.key(run.seed), 5)
+x = jax.random.normal(keys[0], (B, T, config.hidden))  # the residual stream entering a layer
+print(f"{config.name}: layers {config.layer_types}; MLA: {config.heads} heads of "
+      f"{config.head_dim} (no-RoPE {config.head_dim - config.rope_dim} + shared "
+      f"{config.rope_dim}), latent rank {config.latent_rank}; KDA: {config.linear_value_heads} "
+      f"heads of {config.linear_key_dim}; MoE: {config.experts} experts, top "
+      f"{config.experts_per_token} of the best {config.topk_groups} of {config.expert_groups} "
+      f"groups, a shared expert of {config.shared_expert_ffn}; B={B} T={T}; kernels run on: "
+      f"{mode}")
+
+# %% [markdown]
+# ## MLA: what a cached token costs
+#
+# A GQA layer caches, per token, K and V of its kv heads: 2 x K x H values. MLA caches one
+# latent row of kv_lora_rank values (normed) plus the key part every head shares, R + Hr
+# values, and rebuilds each head's key and value from it with the up-projection wkv_b.
+# Per layer, and for the whole model per token, against the same heads' keys and values
+# cached whole and against the GQA stand-in `gqa_preset`:
+
+# %%
+big, gqa = mk.preset(bytes_preset), mk.preset(gqa_preset)
+item = big.weight_bits // 8
+per_layer = {
+    f"{big.name}: MLA latent (R + Hr = {big.latent_width})": big.latent_width * item,
+    f"{big.name}: its heads' K and V cached whole": big.heads * (big.head_dim + big.value_dim)
+    * item,
+    f"{gqa.name}: GQA K and V ({gqa.kv_heads} kv heads of {gqa.head_dim})":
+        2 * gqa.kv_width * gqa.weight_bits // 8}
+fig = go.Figure(go.Bar(x=list(per_layer.values()), y=list(per_layer), orientation="h"))
+fig.update_layout(title="Cache bytes per token, one attention layer", xaxis_title="bytes",
+                  height=300, margin=dict(l=380))
+plots.show(fig)
+for label, n in per_layer.items():
+    print(f"{label}: {n:,} bytes")
+print(f"whole model per token: {big.name} {big.kv_bytes_per_token:,} bytes "
+      f"({len(big.full_layers)} MLA layers), {gqa.name} {gqa.kv_bytes_per_token:,} bytes "
+      f"({len(gqa.full_layers)} GQA layers): {gqa.kv_bytes_per_token / big.kv_bytes_per_token:.1f}x")
+
+# %% [markdown]
+# With only one layer in four MLA and the rest KDA (a fixed state per sequence), the
+# bytes one step reads per sequence hardly grow with context:
+
+# %%
+contexts = [2**p for p in range(10, 18)]
+series = {f"{big.name}: latent cache + KDA state":
+              [(big.kv_bytes_per_token * s + 2 * big.linear_state_bytes) / 2**20
+               for s in contexts],
+          f"{gqa.name}: KV cache": [gqa.kv_bytes_per_token * s / 2**20 for s in contexts]}
+fig = plots.lines(contexts, series, title="Cache and state bytes per sequence per step "
+                  "(T = 1)", xaxis="context (cached positions)", yaxis="MiB")
+fig.update_xaxes(type="log")
+plots.show(fig)
+
+# %% [markdown]
+# ## MLA's absorbed decode
+#
+# The reference (`mk.reference.mla_decoder_layer`, checked against transformers) expands
+# the whole latent cache into per-head keys and values every step. A decode kernel must
+# not: that is heads x (H + Ho) values per cached token instead of R + Hr. Head n's key for
+# a cached latent c and shared part r is [c wkv_b_k(n), r], so
+#
+#   q . key = (wkv_b_k(n) q_nope) . c + q_rope . r
+#
+# and the head's query can be moved into the latent space once per step ("absorbed"):
+# every head then attends over the latent rows themselves, one shared "kv head", and its
+# output P @ c times wkv_b_v(n) is the head's P @ values:
+
+# %%
+plots.show_source(reference.mla_absorbed, reference.mla_output)
+
+# %% [markdown]
+# The kernel is stage 03's `attend` without values: each latent tile is loaded once and
+# serves as keys and, its first R lanes, as values; the scale stays the unabsorbed head's
+# 1/sqrt(H):
+
+# %%
+plots.show_source(decode_attention.latent_attention)
+
+# %% [markdown]
+# The check: the reference's MLA layer against absorbed queries -> `latent_attention` ->
+# the value up-projection -> wo, on a cache of random rows, with sequence 1's new rows
+# past the first KV tile:
+
+# %%
+layer, a = config.full_layers[0], 0
+cache = (0.5 * jax.random.normal(keys[1], (1, B, S, config.latent_width))).astype(config.dtype)
+positions = jnp.array([3 + 130 * (b % 2) for b in range(B)], jnp.int32)
+_, want_latent, want_mla = reference.mla_decoder_layer(config, params, layer, x, cache[a],
+                                                       positions)
+h = reference.rms_norm(x, params["attn_norm"][layer], config.rms_eps).reshape(B * T, -1)
+queries, latent, up_v = reference.mla_absorbed(config, params, a, h)
+start = time.perf_counter()
+with mk.backend.use(run.backend, detect_races=(mode == "interpret")):
+    o, got_cache = jax.block_until_ready(decode_attention.latent_attention(
+        queries, latent, cache, positions, layer=a, scale=1 / np.sqrt(config.head_dim),
+        block=BlockSizes(kv_tile=128, kv_slots=2)))
+mla_seconds, mla_races = time.perf_counter() - start, mk.backend.races_found()
+got_mla = x + reference.matmul(reference.mla_output(config, o, up_v),
+                               params["wo"][a]).reshape(B, T, -1)
+mla_scale = float(jnp.abs(want_mla - x).max())
+print(f"x after MLA: max |kernel - reference| = {float(jnp.abs(got_mla - want_mla).max()):.2e}"
+      f" (the attention output's scale {mla_scale:.2f}); latent rows written equal: "
+      f"{bool(jnp.array_equal(got_cache[a], want_latent))}; races found: {mla_races}; wall "
+      f"{mla_seconds:.2f} s on {mode}"
+      + (" (a CPU simulation, not TPU time)" if mode == "interpret" else ""))
+
+# %% [markdown]
+# The two forms round differently (the absorbed query is rounded to the cache dtype once,
+# the reference rounds every expanded key), so they agree to a fraction of a percent of
+# the output's scale, not bit for bit; the latent rows the kernel writes are the
+# reference's exactly.
+#
+# ## Kimi Delta Attention against the gated DeltaNet
+#
+# KDA is notebook 05b's layer with three changes: the decay is one per **key channel**,
+# from a low-rank forget gate (h f_a f_b, rank Hk); the output gate is a low-rank sigmoid
+# gate (h g_a g_b) where the gated DeltaNet had z and SiLU; and q, k and v have the same
+# head count. So the state update reads S <- diag(exp(g)) S: each row of a head's state
+# [Hk, Hv] fades at its own rate. One step's decays for sequence 0, row 0, from the
+# reference (`mk.reference.kda_decay`):
+
+# %%
+linear = config.linear_layers[-1]
+i = config.mixer_index(linear)[1]
+h_lin = reference.rms_norm(x, params["attn_norm"][linear], config.rms_eps)
+decay = np.exp(np.asarray(reference.kda_decay(config, params, i, h_lin))[0, 0])  # [Nv, Hk]
+fig = go.Figure(go.Heatmap(z=decay, colorscale="Viridis", colorbar=dict(title="exp(g)")))
+fig.update_layout(title=f"KDA layer {linear}: the decay of each key channel (row 0)",
+                  xaxis_title="key channel", yaxis_title="head", height=300)
+plots.show(fig)
+print(f"decays from {decay.min():.3f} to {decay.max():.3f}; the spread within a head: up "
+      f"to {float(np.max(decay.max(1) - decay.min(1))):.3f} (a gated DeltaNet's is 0)")
+
+# %% [markdown]
+# In the kernel the per-channel decays are blocked per (sequence, head) beside q and k,
+# and row t's decays become the column that scales the state's rows. The four low-rank
+# weights (rank 128: narrower than a ring tile can be) come by their own DMA; the ring
+# streams in_proj_qkv and out_proj:
+
+# %%
+plots.show_source(deltanet.kda_gates_body, deltanet.channel_column)
+
+# %% [markdown]
+# The check against the reference layer (x after the mixer, the conv and recurrent states
+# after every row):
+
+# %%
+conv = jax.random.normal(keys[2], (B, config.conv_kernel - 1, config.conv_channels))
+conv = conv.astype(config.dtype)
+state = 0.1 * jax.random.normal(keys[3], (B, config.linear_value_heads, config.linear_key_dim,
+                                          config.linear_value_dim))
+start = time.perf_counter()
+with (course.planted("head_decay" if exercise_head_decay else None),
+      mk.backend.use(run.backend, detect_races=(mode == "interpret"))):
+    got_kda = jax.block_until_ready(deltanet.gated_deltanet(config, params, x, conv, state,
+                                                            layer=linear))
+kda_seconds, kda_races = time.perf_counter() - start, mk.backend.races_found()
+_, want_conv, want_state, want_kda = reference.linear_decoder_layer(config, params, linear, x,
+                                                                    conv, state)
+for name, g, w in zip(("x", "conv rows", "state rows"), got_kda,
+                      (want_kda, want_conv, want_state)):
+    print(f"{name} {tuple(g.shape)}: max |kernel - reference| = "
+          f"{float(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32)).max()):.2e}")
+print(f"races found: {kda_races}; wall {kda_seconds:.2f} s on {mode}"
+      + (" (a CPU simulation, not TPU time)" if mode == "interpret" else ""))
+
+# %% [markdown]
+# **Exercise:** set `exercise_head_decay = True`: `mk.course.planted("head_decay")` makes
+# the kernel decay all of a head's channels by its first channel's decay, as a gated
+# DeltaNet would. The last cell's state check fails: one decay per head is a different
+# model.
+#
+# ## Kimi's MoE block
+#
+# The router scores are sigmoids; a per-expert bias shifts the choice (not the weights);
+# the choice keeps the `topk_groups` expert groups whose two best biased scores sum
+# highest; the weights are renormalised and scaled. A shared expert, a SwiGLU every row
+# runs, is added. In the kernel (`mk.kernels.mlp.Routing`) the group choice is a few
+# rounds of row maxima, as stage 04's top-k is:
+
+# %%
+plots.show_source(mlp.kept_groups)
+
+# %% [markdown]
+# The shared expert's segments come before the expert slots in the stream: their
+# addresses are known at the layer's start, so they stream while nothing else can, and
+# they run before routing, while the expert tiles the ring issues are still no-ops:
+
+# %%
+moe_layer = config.moe_layers[0]
+_, row = config.mlp_index(moe_layer)
+h_moe = jax.random.normal(keys[4], (B * T, config.hidden))
+experts = [params[n][row] for n in mlp.EXPERT_WEIGHTS]
+shared = [params[n][row] for n in mlp.SHARED_WEIGHTS]
+routing = mlp.Routing.of(config)
+weights, chosen = reference.route_grouped(
+    h_moe, params["router"][row], params["router_bias"][row], routing.top_k, routing.groups,
+    routing.topk_groups, routing.renormalise, routing.scale)
+want_moe = reference.mix_experts(h_moe, weights, chosen, *experts) + reference.swiglu(
+    h_moe, *shared)
+with mk.backend.use(run.backend, detect_races=(mode == "interpret")):
+    got_moe, loaded = jax.block_until_ready(mlp.moe(
+        h_moe, params["router"][row], *experts, top_k=routing.top_k,
+        renormalise=routing.renormalise, score=routing.score,
+        router_bias=params["router_bias"][row], groups=routing.groups,
+        topk_groups=routing.topk_groups, scale=routing.scale, shared=shared,
+        return_loaded=True))
+moe_races = mk.backend.races_found()
+print(f"{routing}\nexperts chosen per row: {np.asarray(chosen).tolist()}; distinct experts "
+      f"loaded: {int(loaded[0])}; max |kernel - reference| = "
+      f"{float(jnp.abs(got_moe - want_moe).max()):.2e}; races found: {moe_races}")
+
+# %% [markdown]
+# ## What is left for the megakernel
+#
+# Each piece above is a stage kernel checked against the reference; their TPU7x compiles at
+# kimi-k3's tensor-parallel shard are in tests/kernels (`test_decode_attention`,
+# `test_deltanet`, `test_mlp`). The megakernel still needs MLA's prologue and epilogue in
+# the kernel (the absorption's matmuls through the ring), the latent cache as its KV
+# input, and the plan, simulator and sharding of all three (issue 18).
+#
+# **Takeaway:** MLA makes a cached token cost R + Hr values per layer whatever the head
+# count, and its absorbed form reads nothing else; KDA is the gated DeltaNet with a decay
+# per key channel; Kimi's router and shared expert fit stage 04's ring unchanged.
+
+# %%
+course.check_close("MLA x after attention", got_mla, want_mla, atol=1e-2 * mla_scale, rtol=0)
+course.check_close("latent rows", got_cache[a], want_latent, atol=0, rtol=0)
+course.check_close("KDA x after the mixer", got_kda[0], want_kda, atol=1e-5)
+course.check_close("KDA state rows", got_kda[2], want_state, atol=1e-5)
+# The conv input is rounded to the cache dtype once; the kernel's projection sums run in
+# another order, so a value may land one bfloat16 step (2^-8 relative) away.
+course.check_close("KDA conv rows", got_kda[1], want_conv, atol=1e-6, rtol=2**-8)
+course.check_close("Kimi MoE", got_moe, want_moe, atol=2e-2, rtol=2e-2)
+for what, races in (("latent attention", mla_races), ("KDA layer", kda_races),
+                    ("Kimi MoE", moe_races)):
+    course.check_race_free(what, races)
+print("checks passed")
