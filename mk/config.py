@@ -89,6 +89,41 @@ def positive_int(field: str, value) -> int:
     return int(value)
 
 
+def check_routing(where: str, *, router_score, expert_groups, topk_groups, routed_scale,
+                  experts: int | None = None, top_k: int | None = None) -> None:
+    """A MoE router's settings (ModelConfig's fields, and `mk.kernels.mlp.Routing`'s):
+    raises ValueError naming the field, prefixed by `where`. Without `experts` only each
+    field's own type and value are checked; with it (and top_k), their agreement: the
+    softmax router has no groups or scale, the sigmoid router's groups split the experts
+    into groups of at least 2 (a group scores by its top 2) and the kept groups hold top_k
+    experts."""
+    if router_score not in ROUTER_SCORES:
+        raise ValueError(f"{where}: router_score={router_score!r} must be one of "
+                         f"{ROUTER_SCORES}")
+    if not (isinstance(routed_scale, (int, float, np.floating)) and math.isfinite(routed_scale)
+            and routed_scale > 0):
+        raise ValueError(f"{where}: routed_scale={routed_scale!r} must be a finite number > 0")
+    if experts is None:
+        return
+    if router_score == "softmax":
+        if (expert_groups, topk_groups, routed_scale) != (1, 1, 1.0):
+            raise ValueError(f"{where}: expert_groups={expert_groups}, topk_groups="
+                             f"{topk_groups} and routed_scale={routed_scale}: the softmax "
+                             "router has no groups or scale (the sigmoid router has)")
+        return
+    if isinstance(expert_groups, bool) or not isinstance(expert_groups, (int, np.integer)) \
+            or expert_groups < 1 or experts % expert_groups or experts // expert_groups < 2:
+        raise ValueError(f"{where}: expert_groups={expert_groups!r} must divide experts="
+                         f"{experts} into groups of at least 2 (a group scores by its top 2 "
+                         "experts)")
+    if isinstance(topk_groups, bool) or not isinstance(topk_groups, (int, np.integer)) \
+            or not 1 <= topk_groups <= expert_groups \
+            or topk_groups * experts // expert_groups < top_k:
+        raise ValueError(f"{where}: topk_groups={topk_groups!r} must be in [1, "
+                         f"expert_groups={expert_groups}] and its groups must hold top_k="
+                         f"{top_k} experts")
+
+
 def check_rows(batch: int, rows: int = 1) -> int:
     """M = batch * rows activation rows of one kernel step, checked against [1, MAX_ROWS]."""
     batch, rows = positive_int("batch", batch), positive_int("rows", rows)
@@ -263,43 +298,21 @@ class ModelConfig:
             raise ValueError(f"{self.name}: channel_decay (KDA) needs linear layers with "
                              f"linear_key_heads={self.linear_key_heads} equal to "
                              f"linear_value_heads={self.linear_value_heads}")
-        if self.router_score not in ROUTER_SCORES:
-            raise ValueError(f"{self.name}: router_score={self.router_score!r} must be one of "
-                             f"{ROUTER_SCORES}")
-        scale = self.routed_scale
-        if not (isinstance(scale, (int, float, np.floating)) and math.isfinite(scale)
-                and scale > 0):
-            raise ValueError(f"{self.name}: routed_scale={scale!r} must be a finite number > 0")
         routing = dict(router_score=self.router_score, expert_groups=self.expert_groups,
-                       topk_groups=self.topk_groups, routed_scale=scale,
-                       shared_expert_ffn=self.shared_expert_ffn)
+                       topk_groups=self.topk_groups, routed_scale=self.routed_scale)
         if not self.moe_layers:
-            if routing != dict(router_score="softmax", expert_groups=1, topk_groups=1,
-                               routed_scale=1.0, shared_expert_ffn=0):
-                raise ValueError(f"{self.name}: {routing} are set but moe_layers is empty")
+            check_routing(self.name, **routing)  # the fields' own types and values
+            if routing | dict(shared_expert_ffn=self.shared_expert_ffn) != dict(
+                    router_score="softmax", expert_groups=1, topk_groups=1,
+                    routed_scale=1.0, shared_expert_ffn=0):
+                raise ValueError(f"{self.name}: {routing} and shared_expert_ffn="
+                                 f"{self.shared_expert_ffn} are set but moe_layers is empty")
             return
         if not isinstance(self.shared_expert_ffn, (int, np.integer)) \
                 or self.shared_expert_ffn < 0:
             raise ValueError(f"{self.name}: shared_expert_ffn={self.shared_expert_ffn!r} "
                              "must be a non-negative integer")
-        if self.router_score == "softmax":
-            if (self.expert_groups, self.topk_groups, scale) != (1, 1, 1.0):
-                raise NotImplementedError(f"{self.name}: expert_groups, topk_groups and "
-                                          "routed_scale are implemented for the sigmoid "
-                                          f"router only (got {routing})")
-            return
-        groups = self.expert_groups
-        if not isinstance(groups, (int, np.integer)) or groups < 1 or self.experts % groups \
-                or self.experts // groups < 2:
-            raise ValueError(f"{self.name}: expert_groups={groups!r} must divide experts="
-                             f"{self.experts} into groups of at least 2 (a group scores by "
-                             "its top 2 experts)")
-        if not isinstance(self.topk_groups, (int, np.integer)) \
-                or not 1 <= self.topk_groups <= groups \
-                or self.topk_groups * self.experts // groups < self.experts_per_token:
-            raise ValueError(f"{self.name}: topk_groups={self.topk_groups!r} must be in "
-                             f"[1, expert_groups={groups}] and its groups must hold "
-                             f"experts_per_token={self.experts_per_token} experts")
+        check_routing(self.name, experts=self.experts, top_k=self.experts_per_token, **routing)
 
     # -- Derived shapes -------------------------------------------------------------------
     @property

@@ -76,7 +76,7 @@ from mk.kernels.common import (BlockSizes, aliases, memory_specs, start_dma,
 from mk.kernels.decode_attention import AttentionScratch
 from mk.kernels.deltanet import (LINEAR_WEIGHTS, STATE_INPUTS, STATE_OUTPUTS, linear_weights,
                                  prepare_linear)
-from mk.kernels.one_layer import MLP_WEIGHTS, layer_body, mixer_kinds, mlp_fetch, mlp_kinds
+from mk.kernels.one_layer import layer_body, mixer_kinds, mlp_fetch, mlp_kinds, mlp_weights
 from mk.kernels.plan import DecodePlan, padded_vocab
 from mk.kernels.ring import Ring, ring_layout
 from mk.reference import rms_norm
@@ -84,7 +84,7 @@ from mk.reference import rms_norm
 TAPS = ("attn", "mlp")  # where the residual stream is tapped in each layer (debug path)
 ATTENTION_WEIGHTS = ("wq", "wk", "wv", "wq_gate", "wo")  # wq_gate: gated models only
 # Where each operand of the kernel lives: SMEM scalars, VMEM, or HBM (pl.ANY, DMA'd by
-# hand). The weights of an MLP kind the model has are HBM operands too (MLP_WEIGHTS); a
+# hand). The weights of an MLP kind the model has are HBM operands too (`mlp_weights`); a
 # hybrid's linear weights and states too (LINEAR_WEIGHTS, STATE_INPUTS and its outputs
 # STATE_OUTPUTS).
 INPUT_SPACES = dict(positions=pltpu.SMEM, is_moe=pltpu.SMEM, mlp_row=pltpu.SMEM,
@@ -127,8 +127,10 @@ def prepare(config: ModelConfig, params, block: BlockSizes) -> dict:
     qk = [jnp.stack([norm(n)[row] if config.qk_norm and kind == "full" else ones
                      for kind, row in mixers]) for n in ("q_norm", "k_norm")]
     names = (*attention_weights(config),
-             *(n for kind in mlp_kinds(config) for n in MLP_WEIGHTS[kind]))
+             *(n for kind in mlp_kinds(config) for n in mlp_weights(config, kind)))
     weights = {name: params[name] for name in ("embed", *names)} | {"lm_head": head}
+    if "router_bias" in weights:  # [Lm, 1, E]: one DMA into the [1, E] buffer
+        weights["router_bias"] = weights["router_bias"][:, None]
     if config.linear_layers:
         weights |= prepare_linear(config, params)
     weights = ring_layout(weights, block)
@@ -216,12 +218,21 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
             start_vectors(layer + 1)
 
         is_moe = inputs["is_moe"][layer] == 1
-        router = None
+        routers = []  # the router and (the sigmoid router) its bias, waited before the MLP
         if "moe" in kinds:
-            router = pltpu.make_async_copy(inputs["router"].at[inputs["mlp_row"][layer]],
-                                           s.router, s.small_sems.at[0])
-            pl.when(is_moe)(lambda: start_dma(router, "router",
-                                              s.router.size * s.router.dtype.itemsize))
+            mlp_row = inputs["mlp_row"][layer]
+            routers = [(pltpu.make_async_copy(inputs[n].at[mlp_row], getattr(s, n),
+                                              s.small_sems.at[sem]), getattr(s, n), n)
+                       for n, sem in (("router", 0), ("router_bias", 2)) if n in inputs]
+
+            @pl.when(is_moe)
+            def start_routers():
+                for copy, ref, name in routers:
+                    start_dma(copy, name, ref.size * ref.dtype.itemsize)
+
+        def wait_routers():
+            for copy, _, _ in routers:
+                copy.wait()
         norms, qk = vectors["norms"][layer % 2], vectors["qk_norms"][layer % 2]
         linear = None
         if "linear" in mixers:
@@ -233,7 +244,7 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
             positions_smem=inputs["positions"], k_cache_hbm=outputs["k_cache"],
             v_cache_hbm=outputs["v_cache"], attention=attention, block=block,
             batch=plan.batch, rows=plan.rows,
-            before_mlp=None if router is None else (lambda: pl.when(is_moe)(router.wait)),
+            before_mlp=(lambda: pl.when(is_moe)(wait_routers)) if routers else None,
             all_reduce=None if tp == 1 else (  # slot k: the attention's 0, the MLP's 1
                 lambda value, k: all_reduce_body(value, reduce_scratch, n=tp, slot=k)),
             linear=linear)
@@ -343,7 +354,7 @@ def traced_step(plan: DecodePlan, weights, cache, tokens, positions, taps: bool 
     if tokens.shape != (B, T):
         raise ValueError(f"tokens {tokens.shape} are not the plan's [B={B}, T={T}]")
     D, L = config.hidden, config.layers
-    mlp = [n for kind in plan.kinds for n in MLP_WEIGHTS[kind]]
+    mlp = [n for kind in plan.kinds for n in mlp_weights(config, kind)]
     inputs = {n: weights[n] for n in ("final_norm", "norms", "qk_norms", "lm_head", "is_moe",
                                       "mlp_row", "is_linear", "mixer_row",
                                       *attention_weights(config), *mlp)}

@@ -95,7 +95,8 @@ from mk import reference
 from mk.config import DTYPE_BITS, ModelConfig
 
 SCHEMES = ("int8", "fp8", "int4", "fp4")
-FAMILIES = {"dense": ("wq", "wk", "wv", "wo", "wq_gate", "w_gate", "w_up", "w_down"),
+FAMILIES = {"dense": ("wq", "wk", "wv", "wo", "wq_gate", "w_gate", "w_up", "w_down",
+                      "ws_gate", "ws_up", "ws_down"),  # ws_*: a MoE's shared expert
             "experts": ("we_gate", "we_up", "we_down"),
             "lm_head": ("lm_head",)}
 PACK_ROWS = 128  # rows of I packed together (low nibbles: first 64, high: last 64)

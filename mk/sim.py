@@ -843,6 +843,11 @@ def simulate(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows:
     spec = _tpu(chip)
     if not isinstance(config, ModelConfig):
         raise ValueError(f"config={config!r} must be a ModelConfig")
+    if config.channel_decay or config.shared_expert_ffn or config.router_score != "softmax":
+        raise NotImplementedError(
+            f"{config.name}: the simulator has no cost model of Kimi Delta Attention or "
+            "Kimi's MoE (shared expert, sigmoid router) yet, though the megakernel runs "
+            "them (issue 18)")
     positive_int("rows", rows)
     _check_context(config, context, rows)
     plan = step_plan(config, batch=batch, rows=rows, context=context, tp=tp, block=block,

@@ -292,16 +292,16 @@ experts = [params[n][row] for n in mlp.EXPERT_WEIGHTS]
 shared = [params[n][row] for n in mlp.SHARED_WEIGHTS]
 routing = mlp.Routing.of(config)
 weights, chosen = reference.route_grouped(
-    h_moe, params["router"][row], params["router_bias"][row], routing.top_k, routing.groups,
-    routing.topk_groups, routing.renormalise, routing.scale)
+    h_moe, params["router"][row], params["router_bias"][row], routing.top_k,
+    routing.expert_groups, routing.topk_groups, routing.renormalise, routing.routed_scale)
 want_moe = reference.mix_experts(h_moe, weights, chosen, *experts) + reference.swiglu(
     h_moe, *shared)
 with mk.backend.use(run.backend, detect_races=(mode == "interpret")):
     got_moe, loaded = jax.block_until_ready(mlp.moe(
         h_moe, params["router"][row], *experts, top_k=routing.top_k,
-        renormalise=routing.renormalise, score=routing.score,
-        router_bias=params["router_bias"][row], groups=routing.groups,
-        topk_groups=routing.topk_groups, scale=routing.scale, shared=shared,
+        renormalise=routing.renormalise, router_score=routing.router_score,
+        router_bias=params["router_bias"][row], expert_groups=routing.expert_groups,
+        topk_groups=routing.topk_groups, routed_scale=routing.routed_scale, shared=shared,
         return_loaded=True))
 moe_races = mk.backend.races_found()
 print(f"{routing}\nexperts chosen per row: {np.asarray(chosen).tolist()}; distinct experts "

@@ -68,7 +68,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mk import quant
-from mk.config import COMPUTE_DTYPES, MAX_ROWS
+from mk.config import COMPUTE_DTYPES, MAX_ROWS, check_routing
 from mk.kernels.common import (BlockSizes, Buffer, default_block, start_dma, vmem_limit_bytes,
                                vmem_scratch)
 from mk.kernels.ring import Repeat, Ring, TileStream, ring_buffers
@@ -242,25 +242,23 @@ def swiglu(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, 
 
 # -- Mixture of experts --------------------------------------------------------------------
 EXPERT_WEIGHTS = ("we_gate", "we_up", "we_down")  # one slot's segments, in order
-ROUTER_SCORES = ("softmax", "sigmoid")
-
-
 @dataclasses.dataclass(frozen=True)
 class Routing:
-    """How a MoE layer picks and weighs its top_k experts (`mk.reference.mlp_block`).
+    """How a MoE layer picks and weighs its top_k experts (`mk.reference.mlp_block`); the
+    fields after renormalise are ModelConfig's of the same names.
 
-    score "softmax" (Qwen3-MoE, `mk.reference.route`): softmax probabilities, the top_k
-    picked, renormalised if asked. score "sigmoid" (DeepSeek-V3 / Kimi,
+    router_score "softmax" (Qwen3-MoE, `mk.reference.route`): softmax probabilities, the
+    top_k picked, renormalised if asked. "sigmoid" (DeepSeek-V3 / Kimi,
     `mk.reference.route_grouped`): sigmoid scores; the choice adds a per-expert bias and
-    keeps the topk_groups of `groups` expert groups whose two best biased scores sum
+    keeps the topk_groups of expert_groups groups whose two best biased scores sum
     highest; the weights are the unbiased scores, renormalised (+1e-20) if asked, times
-    `scale`. Ties go to the lower expert (and group) id, as lax.top_k's."""
+    routed_scale. Ties go to the lower expert (and group) id, as lax.top_k's."""
     top_k: int
     renormalise: bool
-    score: str = "softmax"
-    groups: int = 1
+    router_score: str = "softmax"
+    expert_groups: int = 1
     topk_groups: int = 1
-    scale: float = 1.0
+    routed_scale: float = 1.0
 
     @classmethod
     def of(cls, config) -> Routing:
@@ -269,23 +267,13 @@ class Routing:
                    config.expert_groups, config.topk_groups, config.routed_scale)
 
     def check(self, experts: int) -> Routing:
-        """Itself, after checking it against `experts`; raises ValueError naming the field."""
+        """Itself, after checking it against `experts` (`mk.config.check_routing`); raises
+        ValueError naming the field."""
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) \
                 or not 1 <= self.top_k <= experts:
             raise ValueError(f"top_k={self.top_k!r} must be an integer in [1, experts={experts}]")
-        if self.score not in ROUTER_SCORES:
-            raise ValueError(f"score={self.score!r} must be one of {ROUTER_SCORES}")
-        if self.score == "softmax" and (self.groups, self.topk_groups, self.scale) != (1, 1, 1.0):
-            raise ValueError(f"groups={self.groups}, topk_groups={self.topk_groups}, "
-                             f"scale={self.scale}: the softmax router has no groups or scale")
-        if not (isinstance(self.groups, int) and self.groups >= 1 and experts % self.groups == 0
-                and (self.groups == 1 or experts // self.groups >= 2)):
-            raise ValueError(f"groups={self.groups!r} must divide experts={experts} into "
-                             "groups of at least 2")
-        if not (isinstance(self.topk_groups, int) and 1 <= self.topk_groups <= self.groups
-                and self.topk_groups * experts // self.groups >= self.top_k):
-            raise ValueError(f"topk_groups={self.topk_groups!r} must be in [1, groups="
-                             f"{self.groups}] and keep at least top_k={self.top_k} experts")
+        check_routing("moe", experts=experts, top_k=self.top_k,
+                      **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)[2:]})
         return self
 
 
@@ -322,9 +310,9 @@ def kept_groups(choice, expert, routing: Routing):
     """[M, E] bool: the experts of each row's topk_groups best groups, a group scored by the
     sum of its two best `choice` values (the lowest-id group among ties)."""
     M, E = choice.shape
-    group = expert // (E // routing.groups)
+    group = expert // (E // routing.expert_groups)
     scores = []
-    for g in range(routing.groups):  # static: a handful of groups
+    for g in range(routing.expert_groups):  # static: a handful of groups
         inside = jnp.where(group == g, choice, -jnp.inf)
         best, hit = _first_max(inside, expert, E)
         scores.append(best + jnp.max(jnp.where(hit, -jnp.inf, inside), axis=1, keepdims=True))
@@ -333,10 +321,10 @@ def kept_groups(choice, expert, routing: Routing):
     for _ in range(routing.topk_groups):
         open_scores = [jnp.where(t, -jnp.inf, sc) for t, sc in zip(taken, scores)]
         best = functools.reduce(jnp.maximum, open_scores)
-        chosen = jnp.full((M, 1), routing.groups, jnp.int32)
-        for g in reversed(range(routing.groups)):  # the lowest group id holding the best
+        chosen = jnp.full((M, 1), routing.expert_groups, jnp.int32)
+        for g in reversed(range(routing.expert_groups)):  # the lowest group id holding the best
             chosen = jnp.where(open_scores[g] == best, g, chosen)
-        for g in range(routing.groups):
+        for g in range(routing.expert_groups):
             hit = chosen == g
             taken[g] = taken[g] | hit
             kept = kept | (hit & (group == g))
@@ -351,13 +339,13 @@ def route_body(x, router_vmem, combine_vmem, routing: Routing, bias_vmem=None):
     logits = jnp.dot(x[...].astype(w.dtype), w, preferred_element_type=jnp.float32)
     M, E = logits.shape
     expert = lax.broadcasted_iota(jnp.int32, (M, E), 1)
-    if routing.score == "softmax":
+    if routing.router_score == "softmax":
         exp = jnp.exp(logits - jnp.max(logits, axis=1, keepdims=True))
         scores = choice = exp / jnp.sum(exp, axis=1, keepdims=True)  # [M, E]
     else:
         scores = jax.nn.sigmoid(logits)
         choice = scores + bias_vmem[...].astype(jnp.float32)
-        if routing.groups > 1:
+        if routing.expert_groups > 1:
             choice = jnp.where(kept_groups(choice, expert, routing), choice, -jnp.inf)
     picked = jnp.zeros((M, E), jnp.bool_)
     left = choice
@@ -368,9 +356,9 @@ def route_body(x, router_vmem, combine_vmem, routing: Routing, bias_vmem=None):
     weights = jnp.where(picked, scores, 0.0)
     if routing.renormalise:
         total = jnp.sum(weights, axis=1, keepdims=True)
-        weights = weights / (total if routing.score == "softmax" else total + 1e-20)
-    if routing.scale != 1.0:
-        weights = weights * np.float32(routing.scale)
+        weights = weights / (total if routing.router_score == "softmax" else total + 1e-20)
+    if routing.routed_scale != 1.0:
+        weights = weights * np.float32(routing.routed_scale)
     combine_vmem[...] = weights
     return jnp.max(picked.astype(jnp.int32), axis=0, keepdims=True)
 
@@ -459,18 +447,18 @@ def moe_body(ring: Ring, layer, x, router_vmem, combine_vmem, selected_vmem, sel
 
 def moe_buffers(M: int, D: int, E: int, Fe: int, dtype, block: BlockSizes,
                 x_dtype="float32", formats=None, *, shared_ffn: int = 0,
-                score: str = "softmax") -> list[Buffer]:
+                router_score: str = "softmax") -> list[Buffer]:
     """Every VMEM buffer of `moe` (the budget and the scratch come from here); dtype: the
     router's (and plain experts'); formats: {family: mk.quant scheme} of quantised weights
-    (the ring's packed slots); shared_ffn: the shared expert's width (0: none); score:
-    the router's (a sigmoid router's bias has a buffer)."""
+    (the ring's packed slots); shared_ffn: the shared expert's width (0: none);
+    router_score: a sigmoid router's bias has a buffer."""
     stream = weight_stream(block, moe_segments(D, Fe, 1, shared_ffn), formats)  # any slots
     dt = str(jnp.dtype(dtype))
     buffers = _stage_buffers(M, D, dtype, stream, x_dtype) + [
         Buffer("router", (D, E), dt), Buffer("combine", (M, E), "float32"),
         Buffer("selected", (1, E), "int32"), Buffer("gate", (M, Fe), "float32"),
         Buffer("up", (M, Fe), "float32"), Buffer("down", (M, D), "float32")]
-    if score == "sigmoid":
+    if router_score == "sigmoid":
         buffers.append(Buffer("router_bias", (1, E), dt))
     if shared_ffn:
         buffers += [Buffer("shared_gate", (M, shared_ffn), "float32"),
@@ -521,9 +509,9 @@ def moe_kernel(inputs, out_vmem, loaded_smem, *, stream: TileStream, dtype,
 
 
 def moe(h: jax.Array, router: jax.Array, we_gate: jax.Array, we_up: jax.Array,
-        we_down: jax.Array, *, top_k: int, renormalise: bool, score: str = "softmax",
-        router_bias: jax.Array | None = None, groups: int = 1, topk_groups: int = 1,
-        scale: float = 1.0, shared=None, layer=0, block: BlockSizes | None = None,
+        we_down: jax.Array, *, top_k: int, renormalise: bool, router_score: str = "softmax",
+        router_bias: jax.Array | None = None, expert_groups: int = 1, topk_groups: int = 1,
+        routed_scale: float = 1.0, shared=None, layer=0, block: BlockSizes | None = None,
         return_loaded: bool = False):
     """The MoE block (`mk.reference.mlp_block`'s): h [M, D] -> [M, D] float32.
 
@@ -531,8 +519,9 @@ def moe(h: jax.Array, router: jax.Array, we_gate: jax.Array, we_up: jax.Array,
     leading layer axis with `layer` picking the row. Only the selected experts are read.
     The experts are arrays (of the router's dtype) or `mk.quant.QuantWeight`s of one
     scheme (multiplied in h's dtype); the router is an array. The routing (`Routing`):
-    top_k, renormalise, score ("softmax": Qwen3-MoE; "sigmoid": DeepSeek-V3 / Kimi, with
-    router_bias [E] (or [Lm, E]), groups, topk_groups and scale). shared: a shared
+    top_k, renormalise, router_score ("softmax": Qwen3-MoE; "sigmoid": DeepSeek-V3 / Kimi,
+    with router_bias [E] (or [Lm, E]), expert_groups, topk_groups and routed_scale; the
+    names are ModelConfig's). shared: a shared
     expert's (ws_gate, ws_up [D, Fs], ws_down [Fs, D]), stacked like the experts, added to
     every row (Kimi). With `return_loaded`, also returns the number of distinct experts
     loaded ([1] int32).
@@ -541,11 +530,12 @@ def moe(h: jax.Array, router: jax.Array, we_gate: jax.Array, we_up: jax.Array,
     we_up, we_down = _stacked(we_up, 3, "we_up"), _stacked(we_down, 3, "we_down")
     Lm, E, D, Fe = we_gate.shape
     weights = dict(router=router, we_gate=we_gate, we_up=we_up, we_down=we_down)
-    routing = Routing(top_k, renormalise, score, groups, topk_groups, scale).check(E)
-    if (router_bias is not None) != (score == "sigmoid"):
+    routing = Routing(top_k, renormalise, router_score, expert_groups, topk_groups,
+                      routed_scale).check(E)
+    if (router_bias is not None) != (router_score == "sigmoid"):
         raise ValueError(f"router_bias is {'missing' if router_bias is None else 'given'}: "
                          f"the sigmoid router needs one, the softmax router has none "
-                         f"(score={score!r})")
+                         f"(router_score={router_score!r})")
     if router_bias is not None:
         weights["router_bias"] = _stacked(router_bias, 1, "router_bias")[:, None]
     Fs = 0
@@ -573,7 +563,7 @@ def moe(h: jax.Array, router: jax.Array, we_gate: jax.Array, we_up: jax.Array,
     stream = weight_stream(block, moe_segments(D, Fe, slots, Fs), formats)
     ring_inputs, specs = ring_weights({n: weights[n] for n in streamed}, block)
     buffers = moe_buffers(M, D, E, Fe, router.dtype, block, h.dtype, formats, shared_ffn=Fs,
-                          score=score)
+                          router_score=router_score)
     expert_bytes = sum(a.nbytes for n in EXPERT_WEIGHTS
                        for a in jax.tree.leaves(ring_inputs[n])) // (Lm * E)
     shared_bytes = sum(a.nbytes for n in streamed if n in SHARED_WEIGHTS

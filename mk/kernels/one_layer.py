@@ -12,7 +12,8 @@ A hybrid's layer (Qwen3.5) has a gated-DeltaNet token mixer instead of attention
 (`mk.kernels.deltanet.linear_mixer`): the megakernel's stream holds both mixers' segments
 and each layer skips the kind it does not use (`layer_body(..., linear=)`).
 
-Here: `mixer_kinds` and `mlp_kinds` (what a whole-model kernel holds), `layer_matrices`
+Here: `mixer_kinds` and `mlp_kinds` (what a whole-model kernel holds), `mlp_weights` (an
+MLP kind's weights: Kimi's MoE adds a router bias and a shared expert), `layer_matrices`
 (the stream of one layer), `layer_dims` (what its tiles divide), `layer_buffers` /
 `layer_scratch` (its VMEM and scratch by name), `mlp_fetch`, `LAYER_PHASES` (the layer's
 program order as data, `FULL_PHASES` those of attention) and `layer_body` (the in-kernel
@@ -42,8 +43,9 @@ from mk.kernels.common import (BlockSizes, Buffer, aliases, default_block, memor
 from mk.kernels.decode_attention import (AttentionScratch, KvStream, attend,
                                          decode_attention_buffers, decode_attention_scratch)
 from mk.kernels.deltanet import gated_deltanet_matrices, linear_mixer
-from mk.kernels.mlp import (EXPERT_WEIGHTS, Routing, expert_slots, moe_body, moe_fetch,
-                            moe_segments, swiglu_body, swiglu_fetch, swiglu_segments)
+from mk.kernels.mlp import (EXPERT_WEIGHTS, SHARED_WEIGHTS, Routing, expert_slots, moe_body,
+                            moe_fetch, moe_segments, swiglu_body, swiglu_fetch,
+                            swiglu_segments)
 from mk.kernels.ring import Ring, TileStream, ring_buffers
 from mk.kernels.weight_streaming import ring_weights, weight_stream
 from mk.reference import check_positions, rms_norm
@@ -77,7 +79,8 @@ def layer_matrices(config: ModelConfig, kinds: tuple[str, ...], M: int,
         matrices += swiglu_segments(config.hidden, config.ffn)
     if "moe" in kinds:
         slots = expert_slots(config.experts, config.experts_per_token, M)
-        matrices += moe_segments(config.hidden, config.expert_ffn, slots)
+        matrices += moe_segments(config.hidden, config.expert_ffn, slots,
+                                 config.shared_expert_ffn)
     return matrices
 
 
@@ -87,6 +90,7 @@ def layer_dims(config: ModelConfig) -> list[int]:
     if config.linear_layers:
         dims += [config.conv_channels, config.linear_value_width]
     dims += [config.ffn] if config.dense_layers else []
+    dims += [config.shared_expert_ffn] if config.moe_layers and config.shared_expert_ffn else []
     return dims + ([config.expert_ffn] if config.moe_layers else [])
 
 
@@ -114,6 +118,11 @@ def layer_buffers(config: ModelConfig, kinds: tuple[str, ...], batch: int, rows:
         buffers += [Buffer("router", (D, E), dt), Buffer("combine", (M, E), f32),
                     Buffer("selected", (1, E), "int32"), Buffer("e_gate", (M, Fe), f32),
                     Buffer("e_up", (M, Fe), f32), Buffer("down", (M, D), f32)]
+        if config.router_score == "sigmoid":
+            buffers.append(Buffer("router_bias", (1, E), dt))
+        if config.shared_expert_ffn:
+            Fs = config.shared_expert_ffn
+            buffers += [Buffer("shared_gate", (M, Fs), f32), Buffer("shared_up", (M, Fs), f32)]
     return buffers
 
 
@@ -152,7 +161,7 @@ def layer_scratch(config: ModelConfig, kinds: tuple[str, ...], batch: int, rows:
     scratch["sems"] = pltpu.SemaphoreType.DMA((block.slots,))
     if "moe" in kinds:
         slots = expert_slots(config.experts, config.experts_per_token, batch * rows)
-        scratch |= dict(small_sems=pltpu.SemaphoreType.DMA((2,)),
+        scratch |= dict(small_sems=pltpu.SemaphoreType.DMA((3,)),  # router, flags, bias
                         selected_smem=pltpu.SMEM((1, config.experts), jnp.int32),
                         ids_smem=pltpu.SMEM((slots,), jnp.int32),
                         count_smem=pltpu.SMEM((1,), jnp.int32))
@@ -163,17 +172,32 @@ MLP_WEIGHTS = {"dense": ("w_gate", "w_up", "w_down"),
                "moe": ("router", "we_gate", "we_up", "we_down")}
 
 
+def mlp_weights(config: ModelConfig, kind: str) -> tuple[str, ...]:
+    """The weights of `config`'s MLP `kind`: MLP_WEIGHTS[kind], and for Kimi's MoE the
+    router bias (the sigmoid router) and the shared expert's SHARED_WEIGHTS."""
+    names = MLP_WEIGHTS[kind]
+    if kind == "moe" and config.router_score == "sigmoid":
+        names += ("router_bias",)
+    if kind == "moe" and config.shared_expert_ffn:
+        names += SHARED_WEIGHTS
+    return names
+
+
 def mlp_fetch(kinds, weights, s, row, is_moe) -> dict:
     """The ring's Fetch callables of the MLP segments. weights: HBM refs by name (those of
-    `MLP_WEIGHTS` for each kind); row(step) picks the stacked row; is_moe(step) (mixed
-    models) switches dense off."""
+    `mlp_weights` for each kind); row(step) picks the stacked row; is_moe(step) (mixed
+    models) switches dense off, and a shared expert on."""
     fetch = {}
+    mixed = len(kinds) == 2
     if "dense" in kinds:
-        dense_off = (lambda step: ~is_moe(step)) if len(kinds) == 2 else None
+        dense_off = (lambda step: ~is_moe(step)) if mixed else None
         fetch |= swiglu_fetch(*(weights[n] for n in MLP_WEIGHTS["dense"]), row, dense_off)
     if "moe" in kinds:
         fetch |= moe_fetch(*(weights[n] for n in EXPERT_WEIGHTS), row, s.ids_smem,
                            s.count_smem)
+        if "ws_gate" in weights:
+            fetch |= swiglu_fetch(*(weights[n] for n in SHARED_WEIGHTS), row,
+                                  is_moe if mixed else None, names=SHARED_WEIGHTS)
     return fetch
 
 
@@ -194,7 +218,9 @@ def mlp_block(ring: Ring, config: ModelConfig, kinds, s, *, step, is_moe):
         s.mlp_out[...] = jnp.zeros_like(s.mlp_out)
         moe_body(ring, step, s.h, s.router, s.combine, s.selected, s.selected_smem,
                  s.small_sems.at[1], s.ids_smem, s.count_smem, s.e_gate, s.e_up, s.down,
-                 s.mlp_out, routing=Routing.of(config))
+                 s.mlp_out, routing=Routing.of(config),
+                 bias_vmem=getattr(s, "router_bias", None),
+                 shared=(s.shared_gate, s.shared_up) if config.shared_expert_ffn else None)
 
     if kinds == ("dense",):
         dense()
@@ -204,7 +230,8 @@ def mlp_block(ring: Ring, config: ModelConfig, kinds, s, *, step, is_moe):
         @pl.when(~is_moe)
         def dense_layer():
             dense()
-            ring.skip(*_region(ring, step, "we_gate", "we_down"))  # count is 0: all off
+            first = "ws_gate" if config.shared_expert_ffn else "we_gate"
+            ring.skip(*_region(ring, step, first, "we_down"))  # count is 0: all off
 
         @pl.when(is_moe)
         def moe_layer():
@@ -250,7 +277,8 @@ def layer_body(ring: Ring, config: ModelConfig, kinds, s, *, step, layer, is_moe
 
     step: this layer's index in the ring's stream; layer: its index in the KV cache (a full
     layer's row in the stacked attention weights); s: the scratch refs by name; norms:
-    (attn_norm, mlp_norm, q_norm, k_norm) values; is_moe: a traced flag for streams holding
+    (attn_norm, mlp_norm, q_norm, k_norm) values (the q/k norms unused without
+    config.qk_norm); is_moe: a traced flag for streams holding
     both MLP kinds; before_mlp: called just before the MLP (e.g. to wait for the router's
     DMA, issued at the layer's start); all_reduce(value, k): the tensor-parallel sum over
     devices of the attention (k=0) and MLP (k=1) outputs. linear: for a model with linear
@@ -260,6 +288,8 @@ def layer_body(ring: Ring, config: ModelConfig, kinds, s, *, step, layer, is_moe
     other kind's segments (neither loaded nor computed).
     """
     attn_norm, mlp_norm, q_norm, k_norm = norms
+    if not config.qk_norm:  # the tables hold ones; RMSNorm by ones is not the identity
+        q_norm = k_norm = None
     mixers = mixer_kinds(config)
     is_linear = None if linear is None else linear[0]
     phase = phases()

@@ -82,8 +82,8 @@ from mk.kernels.ring import TileStream, ring_buffers
 WEIGHT_FAMILIES = {
     "attention": ("wq", "wk", "wv", "wq_gate", "wo"),
     "norms": ("norms", "qk_norms", "final_norm"),
-    "dense_mlp": ("w_gate", "w_up", "w_down"),
-    "router": ("router",),
+    "dense_mlp": ("w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down"),  # ws: shared
+    "router": ("router", "router_bias"),
     "experts": ("we_gate", "we_up", "we_down"),
     "lm_head": ("lm_head",),
     "linear": LINEAR_WEIGHTS,
@@ -121,12 +121,15 @@ def check_tp(config: ModelConfig, tp: int) -> int:
     """tp as an int after checking every width it splits splits evenly; raises ValueError
     naming the field."""
     check_devices(tp)
-    if config.channel_decay:
-        raise ValueError(f"{config.name}: Kimi Delta Attention (channel_decay) linear layers; "
-                         "the megakernel builds the gated DeltaNet only (issue 18)")
-    if config.is_mla or config.shared_expert_ffn or config.router_score != "softmax":
-        raise ValueError(f"{config.name}: MLA, shared experts or a {config.router_score!r} "
-                         "router; the megakernel does not build them yet (issue 18)")
+    if config.is_mla:
+        raise ValueError(f"{config.name}: MLA (latent_rank={config.latent_rank}); the "
+                         "megakernel does not build it yet (issue 18)")
+    kimi = dict(channel_decay=config.channel_decay, shared_expert_ffn=config.shared_expert_ffn,
+                router_score=config.router_score)
+    if tp > 1 and kimi != dict(channel_decay=False, shared_expert_ffn=0,
+                               router_score="softmax"):
+        raise ValueError(f"{config.name}: {kimi} with tp={tp}: tensor parallelism of Kimi "
+                         "Delta Attention and Kimi's MoE is not built yet (issue 18)")
     need = [("heads", config.heads), ("vocab", config.vocab), ("hidden", config.hidden)]
     if config.linear_layers:
         need.append(("linear_key_heads", config.linear_key_heads))
@@ -230,8 +233,10 @@ def _weight_elements(local: ModelConfig, vocab: int, experts: float) -> dict[str
                                             in linear_layer_shapes(c).values())
     return dict(attention=len(c.full_layers) * D * (2 * c.q_width + 2 * c.kv_width + gate),
                 norms=c.layers * 2 * (D + H) + D,
-                dense_mlp=len(c.dense_layers) * 3 * D * c.ffn,
-                router=len(c.moe_layers) * D * c.experts,
+                dense_mlp=(len(c.dense_layers) * 3 * D * c.ffn
+                           + len(c.moe_layers) * 3 * D * c.shared_expert_ffn),
+                router=len(c.moe_layers) * c.experts * (
+                    D + (c.router_score == "sigmoid")),  # the bias
                 experts=len(c.moe_layers) * experts * 3 * D * c.expert_ffn,
                 lm_head=D * vocab, linear=linear)
 

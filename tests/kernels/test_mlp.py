@@ -402,22 +402,26 @@ def test_kimi_moe_matches_the_reference_without_races():
             + reference.swiglu(h, *shared))
     (got, loaded), races = _interpret(lambda: mlp.moe(
         h, *_moe_args(params, 0), top_k=config.experts_per_token,
-        renormalise=config.norm_topk, score="sigmoid", router_bias=params["router_bias"][0],
-        groups=config.expert_groups, topk_groups=config.topk_groups,
-        scale=config.routed_scale, shared=shared, block=BLOCK, return_loaded=True))
+        renormalise=config.norm_topk, router_score="sigmoid",
+        router_bias=params["router_bias"][0], expert_groups=config.expert_groups,
+        topk_groups=config.topk_groups, routed_scale=config.routed_scale, shared=shared,
+        block=BLOCK, return_loaded=True))
     np.testing.assert_allclose(got, want, **TOLERANCE["bfloat16"])
     assert int(loaded[0]) == len(np.unique(np.asarray(experts)))
     assert not races
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(score="sigmoid"), "router_bias is missing"),
+    (dict(router_score="sigmoid"), "router_bias is missing"),
     (dict(router_bias=jnp.zeros(8)), "router_bias is given"),
-    (dict(groups=2), "the softmax router has no groups"),
-    (dict(score="sigmoid", router_bias=jnp.zeros(8), groups=3), "groups=3 must divide"),
-    (dict(score="sigmoid", router_bias=jnp.zeros(8), groups=4, topk_groups=1, top_k=3),
-     "keep at least top_k=3"),
-    (dict(score="sparse"), "score='sparse' must be one of"),
+    (dict(expert_groups=2), "the softmax router has no groups"),
+    (dict(router_score="sigmoid", router_bias=jnp.zeros(8), expert_groups=3),
+     "expert_groups=3 must divide"),
+    (dict(router_score="sigmoid", router_bias=jnp.zeros(8), expert_groups=4, top_k=3),
+     "must hold top_k=3"),
+    (dict(router_score="sparse"), "router_score='sparse' must be one of"),
+    (dict(router_score="sigmoid", router_bias=jnp.zeros(8), routed_scale=0.0),
+     "routed_scale=0.0 must be"),
 ])
 def test_bad_routing_is_rejected(change, message):
     config, params, h = _kimi_moe()
@@ -469,14 +473,14 @@ def test_kimi_moe_compiles_for_tpu7x_at_kimi_k3s_tp32_shard(groups, topk_groups)
     Fe = Fs = 128
     block = default_block(D, Fe)
     budget = vmem_budget("mk_moe", mlp.moe_buffers(M, D, E, Fe, "bfloat16", block,
-                                                   shared_ffn=Fs, score="sigmoid"),
+                                                   shared_ffn=Fs, router_score="sigmoid"),
                          mk.chip("tpu7x"))
     bf16 = jnp.bfloat16
     report = tpu.compile_for_chip(
         lambda h, router, bias, g, u, d, sg, su, sd: mlp.moe(
-            h, router, g, u, d, top_k=X, renormalise=config.norm_topk, score="sigmoid",
-            router_bias=bias, groups=groups, topk_groups=topk_groups,
-            scale=config.routed_scale, shared=(sg, su, sd)),
+            h, router, g, u, d, top_k=X, renormalise=config.norm_topk, router_score="sigmoid",
+            router_bias=bias, expert_groups=groups, topk_groups=topk_groups,
+            routed_scale=config.routed_scale, shared=(sg, su, sd)),
         [S((M, D), jnp.float32), S((D, E), bf16), S((E,), bf16), S((E, D, Fe), bf16),
          S((E, D, Fe), bf16), S((E, Fe, D), bf16), S((D, Fs), bf16), S((D, Fs), bf16),
          S((Fs, D), bf16)], "tpu7x", vmem=budget)
