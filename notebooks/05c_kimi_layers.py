@@ -33,7 +33,8 @@
 #   state after every row?
 # - How does Kimi's router choose, and where does the shared expert stream?
 #
-# These are stage kernels: the megakernel does not run Kimi's layers yet (issue 18).
+# These are stage kernels. The megakernel runs the same KDA and MoE bodies on one device;
+# MLA is not in it yet (issue 18).
 
 # %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
@@ -313,9 +314,11 @@ print(f"{routing}\nexperts chosen per row: {np.asarray(chosen).tolist()}; distin
 #
 # Each piece above is a stage kernel checked against the reference; their TPU7x compiles at
 # kimi-k3's tensor-parallel shard are in tests/kernels (`test_decode_attention`,
-# `test_deltanet`, `test_mlp`). The megakernel still needs MLA's prologue and epilogue in
-# the kernel (the absorption's matmuls through the ring), the latent cache as its KV
-# input, and the plan, simulator and sharding of all three (issue 18).
+# `test_deltanet`, `test_mlp`). The megakernel already runs the KDA and MoE bodies on one
+# device (tests/test_kimi.py, on tiny-kimi with its MLA layer made GQA). It still needs
+# MLA's prologue and epilogue in the kernel (the absorption's matmuls through the ring),
+# the latent cache as its KV input, and the simulator's cost model and the sharding of all
+# three (issue 18).
 #
 # **Takeaway:** MLA makes a cached token cost R + Hr values per layer whatever the head
 # count, and its absorbed form reads nothing else; KDA is the gated DeltaNet with a decay
