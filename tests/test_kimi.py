@@ -154,6 +154,7 @@ def tiny_kimi():
     return config, mk.init_params(config, seed=0)
 
 
+@pytest.mark.slow  # ~20 CPU-seconds; test_hybrid checks the same rollback in CI
 def test_rollback_restores_the_kda_states_of_the_accepted_prefix(tiny_kimi):
     """A T = 2 step rolled back to k accepted rows continues exactly like a k-row step;
     the planted bug (no rollback: keep the KDA states after both rows) does not. (T = 2
@@ -188,7 +189,7 @@ def tiny_kimi_gqa():
     return config, params | {"router_bias": jnp.asarray(bias, params["router_bias"].dtype)}
 
 
-@pytest.mark.slow  # ~90 CPU-seconds; the T = 2 step below runs the same kernel in CI
+@pytest.mark.slow  # ~60 CPU-seconds
 def test_megakernel_greedy_tokens_of_kda_and_kimis_moe_equal_the_reference(tiny_kimi_gqa):
     config, params = tiny_kimi_gqa
     prompt = np.random.default_rng(2).integers(0, config.vocab, (2, 5))
@@ -197,6 +198,7 @@ def test_megakernel_greedy_tokens_of_kda_and_kimis_moe_equal_the_reference(tiny_
     np.testing.assert_array_equal(got, R.generate(config, params, prompt, 8, max_context=64))
 
 
+@pytest.mark.slow  # ~40 CPU-seconds; CI runs the KDA and MoE bodies in their stage tests
 def test_megakernel_t2_step_gives_the_reference_kda_row_states_race_free(tiny_kimi_gqa):
     """One T = 2 step from a prefilled cache, in float32 (bf16 rounding would blur the
     tolerances): the tokens, the logits, and each KDA layer's conv and recurrent states

@@ -142,7 +142,10 @@ def test_dense_and_moe_layers_match_the_reference(name, layer):
 
 
 def test_float32_layer_matches_the_reference_tightly():
-    config = dataclasses.replace(mk.preset("tiny-moe"), dtype="float32")
+    """Without QK-norm (Kimi's layers have none; the bf16 cases above have it): `layer_body`
+    once RMS-normed q and k by the all-ones table `prepare` fills for such a model, a 2 %
+    error this tight check catches."""
+    config = dataclasses.replace(mk.preset("tiny-moe"), dtype="float32", qk_norm=False)
     _check(config, mk.init_params(config), 1, batch=2, rows=1, positions=[5, 128])
 
 
