@@ -133,7 +133,8 @@ for label, n in per_layer.items():
     print(f"{label}: {n:,} bytes")
 print(f"whole model per token: {big.name} {big.kv_bytes_per_token:,} bytes "
       f"({len(big.full_layers)} MLA layers), {gqa.name} {gqa.kv_bytes_per_token:,} bytes "
-      f"({len(gqa.full_layers)} GQA layers): {gqa.kv_bytes_per_token / big.kv_bytes_per_token:.1f}x")
+      f"({len(gqa.full_layers)} GQA layers): "
+      f"{gqa.kv_bytes_per_token / big.kv_bytes_per_token:.1f}x")
 
 # %% [markdown]
 # With only one layer in four MLA and the rest KDA (a fixed state per sequence), the

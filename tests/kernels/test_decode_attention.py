@@ -223,9 +223,10 @@ def test_compiles_for_tpu_at_qwen3_8b_attention_shapes(chip, T, dtype):
 def test_latent_attention_gives_the_mla_layer_of_the_reference_without_races(B, T):
     """tiny-kimi's MLA layer: the reference expands the latent cache into per-head keys and
     values every step; the kernel attends over the latent rows with absorbed queries
-    (`mk.reference.mla_absorbed`: one shared "kv head", the values the keys' latent lanes). After the value up-projection and
-    wo both give the same x after attention, and the kernel writes the reference's latent
-    rows. Non-zero cache rows below each sequence's position, which both read."""
+    (`mk.reference.mla_absorbed`: one shared "kv head", the values the keys' latent
+    lanes). After the value up-projection and wo both give the same x after attention,
+    and the kernel writes the reference's latent rows. Non-zero cache rows below each
+    sequence's position, which both read."""
     config = mk.preset("tiny-kimi")
     params = mk.init_params(config, seed=0)
     layer, a = config.full_layers[0], 0

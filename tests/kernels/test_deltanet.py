@@ -6,8 +6,8 @@ layer shape (48 value heads, head dims 128).
 Then the whole layer (`gated_deltanet`) against mk.reference.linear_decoder_layer on
 tiny-hybrid (x after the mixer, conv and recurrent states after every row), race-free, and
 on tiny-kimi (Kimi Delta Attention: per-channel decay); a planted unshifted conv state
-and a planted decay per head prove the comparison can fail; the layer compiled for TPU7x at the 27B's shape and at
-kimi-k3's TP32 KDA shard, within VMEM.
+and a planted decay per head prove the comparison can fail; the layer compiled for TPU7x
+at the 27B's shape and at kimi-k3's TP32 KDA shard, within VMEM.
 
 Interpret mode checks numerics, DMA/semaphore pairing and races; it says nothing about
 time or the scoped VMEM limit. The compile test covers Mosaic lowering and capacity.
