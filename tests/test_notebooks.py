@@ -276,9 +276,9 @@ def test_slow_runs_name_configurations():
 CI_KNOBS = {"05c_kimi_layers": {"batch": 1},
             "07_compile_for_tpu": {"measure_layers": [2]},
             "08_profile_bubbles": {"steps": 1},
-            "09_speculative_sweep": {"tau_steps": 8, "tau_batch": 2, "megakernel_steps": 2},
+            "09_speculative_sweep": {"tau_steps": 4, "tau_batch": 2, "megakernel_steps": 2},
             "10_tensor_parallel": {"steps": 2},
-            "12_quantised_weights": {"accuracy_steps": 16}}
+            "12_quantised_weights": {"accuracy_steps": 8}}
 
 
 def _params():

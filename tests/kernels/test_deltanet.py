@@ -157,7 +157,8 @@ def _assert_close(got, want):
 
 @pytest.mark.parametrize("B, T, layer, block", [
     pytest.param(1, 1, 0, None, marks=pytest.mark.slow),
-    pytest.param(4, 1, 3, None, marks=pytest.mark.slow), (1, 4, 1, None),
+    pytest.param(4, 1, 3, None, marks=pytest.mark.slow),
+    pytest.param(1, 4, 1, None, marks=pytest.mark.slow),
     (4, 4, 3, BlockSizes(slots=2, tile_k=128, tile_n=128))])  # tiles straddle segments
 def test_layer_matches_the_reference_with_every_row_state_and_no_races(tiny_hybrid, B, T,
                                                                         layer, block):
