@@ -234,8 +234,8 @@ print(f"decays from {decay.min():.3f} to {decay.max():.3f}; the spread within a 
 # %% [markdown]
 # In the kernel the per-channel decays are blocked per (sequence, head) beside q and k,
 # and row t's decays become the column that scales the state's rows. The four low-rank
-# weights (rank 128: narrower than a ring tile can be) come by their own DMA; the ring
-# streams in_proj_qkv and out_proj:
+# weights (rank Hk, printed above: narrower than a ring tile can be) come by their own
+# DMA; the ring streams in_proj_qkv and out_proj:
 
 # %%
 plots.show_source(deltanet.kda_gates_body, deltanet.channel_column)
