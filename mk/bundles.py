@@ -117,7 +117,7 @@ class TileCost:
     """
 
     report: CompileReport  # the compile's (the dump costs it a little time)
-    tile_bytes: int  # one weight tile (tile_k x tile_n x the weight's itemsize)
+    tile_bytes: int  # one weight tile (tile_rows x tile_cols x the weight's itemsize)
     loops: tuple[Loop, ...]  # the per-tile loops, in program order; () if not compiled
     clock_hz: float
     dma_bw: float  # one core's HBM bandwidth, bytes/s

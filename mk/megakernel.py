@@ -28,7 +28,7 @@ waited for before the lm_head. Kept outside the kernel: the embedding gather of 
 B*T tokens (an XLA gather before the call).
 
 Quantised weights (`mk.quant.quantize`'s `QuantWeight`s, any of its schemes per family) go
-in as they are: `prepare` lays their scales out tile-major (`mk.quant.tile_major`), the plan
+in as they are: `prepare` lays them out tile-major (`mk.quant.tile_major`), the plan
 reads their formats (`mk.quant.formats_of`), and the ring streams their packed tiles and
 dequantises them in VMEM; `generate` prefills with the reference on `mk.quant.dequantize`d
 params, the same values the kernel multiplies by. Quantised tensor parallelism: not yet.
@@ -77,7 +77,7 @@ from mk.kernels.decode_attention import AttentionScratch
 from mk.kernels.deltanet import (LINEAR_WEIGHTS, STATE_INPUTS, STATE_OUTPUTS, linear_weights,
                                  prepare_linear)
 from mk.kernels.one_layer import layer_body, mixer_kinds, mlp_fetch, mlp_kinds, mlp_weights
-from mk.kernels.plan import DecodePlan, padded_vocab
+from mk.kernels.plan import DecodePlan, model_stream, padded_vocab
 from mk.kernels.ring import Ring, ring_layout
 from mk.reference import rms_norm
 
@@ -105,10 +105,11 @@ def attention_weights(config: ModelConfig) -> tuple[str, ...]:
 
 
 def prepare(config: ModelConfig, params, block: BlockSizes) -> dict:
-    """The megakernel's weights for the model (or shard) `config`, made once: the stacked
-    layer weights as they are (quantised ones with tile-major scales,
-    `mk.quant.tile_major`; a hybrid's small linear weights as `prepare_linear` lays them
-    out), the norms stacked per layer in float32 (norm_offset added; a linear layer's q/k
+    """The megakernel's weights for the model (or shard) `config`, made once: the ring's
+    weights in stream order for `block` (`mk.kernels.ring.ring_layout`: each stacked
+    matrix [..., tiles, tile_rows, tile_cols], transposed where `BlockSizes.cut` says;
+    quantised ones `mk.quant.tile_major`), a hybrid's small linear weights as
+    `prepare_linear` lays them out, the other DMA'd weights as they are, the norms stacked per layer in float32 (norm_offset added; a linear layer's q/k
     norms are ones), the lm_head [D, V] (embed.T when tied) padded with zero columns to
     whole tiles, and the per-layer tables of the MLP (kind, stacked row) and of the token
     mixer (linear or not, stacked row: a full layer's is its KV-cache layer)."""
@@ -133,7 +134,7 @@ def prepare(config: ModelConfig, params, block: BlockSizes) -> dict:
         weights["router_bias"] = weights["router_bias"][:, None]
     if config.linear_layers:
         weights |= prepare_linear(config, params)
-    weights = ring_layout(weights, block)
+    weights = ring_layout(weights, model_stream(config, block, 1, quant.formats_of(params)))
     return weights | dict(
         norms=jnp.stack([norm("attn_norm"), norm("mlp_norm")], 1),
         qk_norms=jnp.stack(qk, 1),
@@ -148,8 +149,10 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
     """One decode step. inputs (`INPUT_SPACES`): positions [B], is_moe [L] (1 for an MoE
     layer), mlp_row [L] (the layer's row in the stacked dense or MoE weights), x [M, D]
     f32 (the embedded tokens), final_norm [1, D], norms [L, 2, D] (attn, mlp), qk_norms
-    [L, 2, H] f32, the weights (wq [L, D, N*H], wk, wv [L, D, K*H], wo [L, N*H, D], the
-    MLP weights, lm_head [D, Vp]), the caches [L, B, K, S, H]; outputs: next_tokens [M, 1]
+    [L, 2, H] f32, the ring's weights in stream order (`prepare`: wq, wk, wv, wo, the MLP's
+    [L, tiles, tile_rows, tile_cols], the experts' [Lm, E, tiles, ...], lm_head [tiles,
+    tile_rows, tile_cols] of [D, Vp]), the router [Lm, D, E], the caches [L, B, K, S, H];
+    outputs: next_tokens [M, 1]
     int32, logits [M, Vp] f32, the caches (aliased), with taps taps [L, 2, M, D] f32;
     scratch: `plan.scratch()`."""
     config, block, tp, kinds = plan.local, plan.block, plan.tp, plan.kinds

@@ -67,8 +67,7 @@ import numpy as np
 
 from mk.chips import DATA, ChipSpec, chip as named_chip
 from mk.config import DTYPE_BITS, ModelConfig, positive_int
-from mk.kernels.common import default_block
-from mk.kernels.one_layer import layer_dims
+from mk.kernels.one_layer import model_block
 from mk.kernels.plan import padded_vocab, shard_config, shard_weight_bytes
 
 PUBLISHED_CSV = DATA / "published.csv"
@@ -332,7 +331,7 @@ def predict(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: 
     touched = (experts_touched(config.experts, config.experts_per_token, m, routing)
                if config.is_moe else 0.0)
     local = shard_config(config, tp)
-    block = default_block(*layer_dims(local))
+    block = model_block(local, formats=formats)
     vocab = padded_vocab(local, block)
     family = {f: tp * b for f, b in shard_weight_bytes(local, vocab, touched, dtypes,
                                                        formats, block).items()}

@@ -44,14 +44,15 @@ to the requested dtype.
                                          (codes 0 and 255 unused; 255 is NaN in OCP MX)
 
 The kernel's layout (`tile_major`, made once by `mk.megakernel.prepare` for its tiling
-tile_k x tile_n): the data as above; the scales regrouped so tile (i, j)'s are one block
-at [..., i, j, :, :] of a [..., I/tile_k, O/tile_n, r, c] array, (r, c) = `tile_shapes`'s
-scale block. A tile's scales are then one DMA of whole trailing dimensions: slicing
-fp8's [.., I/128, O/128] scales by tile is a lane slice of tile_n/128 values, which
+tile_rows x tile_cols): the data and the scales regrouped by tile, in the ring's order
+(column panel by column panel): tile t's data at [..., t, :, :] of a [..., tiles, data
+rows, tile_cols] array and its scales at [..., t, :, :] of [..., tiles, r, c], (r, c) =
+`tile_shapes`'s scale block. Each is then one contiguous DMA; slicing
+fp8's [.., I/128, O/128] scales by tile is a lane slice of tile_cols/128 values, which
 Mosaic refuses ("dynamic offset ... not a multiple of the memory space word size", measured
 on v5e, v6e and tpu7x), and int4's one-row scale slices of 128-row tiles are refused too.
 int8's per-channel [1, O] row is repeated once per row tile (every tile streams its own
-scales): 4 / tile_k bytes per weight byte more in HBM and on the wire, 0.8 % at tile_k 512.
+scales): 4 / tile_rows bytes per weight byte more in HBM and on the wire, 0.8 % at tile_rows 512.
 `tile_bytes` is what one streamed tile moves (data plus scale block): the byte count of
 the plan, `mk.perf` and the kernel's DMAs.
 
@@ -320,43 +321,46 @@ def dequantize(params: dict, dtype=None) -> dict:
 
 
 # -- The kernel's tile layout (module docstring) ------------------------------------------
-def tile_shapes(scheme: str, tile_k: int, tile_n: int) -> dict[str, tuple]:
-    """{"data": (shape, dtype), "scale": (shape, dtype)} of one streamed tile_k x tile_n
+def tile_shapes(scheme: str, tile_rows: int, tile_cols: int) -> dict[str, tuple]:
+    """{"data": (shape, dtype), "scale": (shape, dtype)} of one streamed tile_rows x tile_cols
     tile of a `scheme` weight."""
     if scheme not in SCHEMES:
         raise ValueError(f"scheme={scheme!r} must be one of {SCHEMES}")
-    if tile_k % PACK_ROWS or tile_n % GROUP["fp8"]:
-        raise ValueError(f"tile {tile_k} x {tile_n}: quantised tiles hold whole groups, "
-                         f"tile_k and tile_n multiples of {PACK_ROWS}")
-    data = {"int8": ((tile_k, tile_n), "int8"), "fp8": ((tile_k, tile_n), "uint8"),
-            "int4": ((tile_k // 2, tile_n), "uint8"), "fp4": ((tile_k // 2, tile_n), "uint8")}
-    scale = {"int8": ((1, tile_n), "float32"),
-             "fp8": ((tile_k // GROUP["fp8"], tile_n // GROUP["fp8"]), "float32"),
-             "int4": ((tile_k // GROUP["int4"], tile_n), "bfloat16"),
-             "fp4": ((tile_k // GROUP["fp4"], tile_n), "uint8")}
+    if tile_rows % PACK_ROWS or tile_cols % GROUP["fp8"]:
+        raise ValueError(f"tile {tile_rows} x {tile_cols}: quantised tiles hold whole groups, "
+                         f"tile_rows and tile_cols multiples of {PACK_ROWS}")
+    data = {"int8": ((tile_rows, tile_cols), "int8"), "fp8": ((tile_rows, tile_cols), "uint8"),
+            "int4": ((tile_rows // 2, tile_cols), "uint8"), "fp4": ((tile_rows // 2, tile_cols), "uint8")}
+    scale = {"int8": ((1, tile_cols), "float32"),
+             "fp8": ((tile_rows // GROUP["fp8"], tile_cols // GROUP["fp8"]), "float32"),
+             "int4": ((tile_rows // GROUP["int4"], tile_cols), "bfloat16"),
+             "fp4": ((tile_rows // GROUP["fp4"], tile_cols), "uint8")}
     return {"data": data[scheme], "scale": scale[scheme]}
 
 
-def tile_bytes(scheme: str, tile_k: int, tile_n: int) -> int:
+def tile_bytes(scheme: str, tile_rows: int, tile_cols: int) -> int:
     """Bytes one streamed tile moves: its data and its scale block."""
     return sum(math.prod(shape) * np.dtype(dtype).itemsize
-               for shape, dtype in tile_shapes(scheme, tile_k, tile_n).values())
+               for shape, dtype in tile_shapes(scheme, tile_rows, tile_cols).values())
 
 
-def tile_major(q: QuantWeight, tile_k: int, tile_n: int) -> QuantWeight:
-    """`q` in the kernel's layout for tile_k x tile_n tiles (module docstring): the same
-    data, the scales [..., I/tile_k, O/tile_n, r, c]."""
+def tile_major(q: QuantWeight, tile_rows: int, tile_cols: int) -> QuantWeight:
+    """`q` in the kernel's layout for tile_rows x tile_cols tiles (module docstring): the
+    data [..., tiles, data rows, tile_cols] and the scales [..., tiles, r, c], tile t the
+    ring's t-th (column panel t // (I / tile_rows), row tile t % (I / tile_rows))."""
     *lead, I, O = q.shape
-    (r, c), _ = tile_shapes(q.scheme, tile_k, tile_n)["scale"]
-    if I % tile_k or O % tile_n:
+    (r, c), _ = tile_shapes(q.scheme, tile_rows, tile_cols)["scale"]
+    if I % tile_rows or O % tile_cols:
         raise ValueError(f"{q.scheme} weight [{I}, {O}] is not a whole number of "
-                         f"{tile_k} x {tile_n} tiles")
-    rows, cols = I // tile_k, O // tile_n
+                         f"{tile_rows} x {tile_cols} tiles")
+    rows, cols = I // tile_rows, O // tile_cols
     scale = q.scale
     if q.scheme == "int8":  # per channel: each row tile streams its own copy
         scale = jnp.broadcast_to(scale, (*lead, rows, O))
-    scale = scale.reshape(*lead, rows, r, cols, c)
-    return QuantWeight(q.data, jnp.swapaxes(scale, -3, -2), q.scheme)
+    data = q.data.reshape(*lead, rows, q.data.shape[-2] // rows, cols, tile_cols)
+    data = jnp.moveaxis(data, -2, -4).reshape(*lead, rows * cols, -1, tile_cols)
+    scale = jnp.moveaxis(scale.reshape(*lead, rows, r, cols, c), -2, -4)
+    return QuantWeight(data, scale.reshape(*lead, rows * cols, r, c), q.scheme)
 
 
 def pad_columns(q: QuantWeight, columns: int) -> QuantWeight:

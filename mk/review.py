@@ -40,7 +40,7 @@ def sweep(config: ModelConfig, chip: ChipSpec | str, parameter: str, values, *,
                 block = kw.pop("block", None) or step_plan(
                     config, tp=kw.get("tp", 1), context=kw.get("context", 0),
                     rows=kw.get("rows", 1), batch=kw.get("batch", 1)).block
-                change = ({"tile_k": value, "tile_n": value} if parameter == "tile"
+                change = ({"tile_rows": value, "tile_cols": value} if parameter == "tile"
                           else {parameter: value})
                 kw["block"] = dataclasses.replace(block, **change)
             elif parameter == "dma_latency_s":

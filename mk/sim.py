@@ -383,7 +383,7 @@ class _Kernel:
         seg = self.s.segment(name)
         base = self.s.base(self.layer, seg, copy)
         block, mc, n = self.s.block, self.mc, self.n
-        seconds = max(2 * max(self.m, self.mxu) * block.tile_k * block.tile_n / self.peak,
+        seconds = max(2 * max(self.m, self.mxu) * block.tile_rows * block.tile_cols / self.peak,
                       self.a.tile_issue_s)
         what = "lm_head" if name == "lm_head" else (f"{name}[{copy}]" if seg.stride else name)
         seen, history, t = {}, [], 0  # state -> tile index; (now, gaps) per tile
@@ -822,7 +822,7 @@ def latency_slots(config: ModelConfig, chip: ChipSpec | str, block: BlockSizes, 
     dtypes = perf.family_dtypes(config, weight_dtypes)
     bits = min(DTYPE_BITS[dtypes["dense"]], DTYPE_BITS[dtypes["experts"]]
                if config.is_moe else 99)
-    tile_bytes = block.tile_k * block.tile_n * bits / 8
+    tile_bytes = block.tile_rows * block.tile_cols * bits / 8
     bw = spec.hbm_bw / spec.cores_per_chip * a.hbm_share
     return math.ceil(bw * a.dma_latency_s / tile_bytes) + 2
 

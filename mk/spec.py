@@ -187,7 +187,7 @@ class Megakernel(Runner):
     def _init_cache(self, batch, capacity):
         plan = megakernel.step_plan(self.config, batch=batch, rows=self.rows,
                                     context=capacity, block=self.tiling)
-        if self.block is None or plan.block.tile_n != self.block.tile_n:
+        if self.block is None or plan.block.tile_cols != self.block.tile_cols:
             self.weights = megakernel.prepare(self.config, self.params, plan.block)
         self.block = plan.block
         return reference.init_cache(self.config, batch, capacity)

@@ -61,8 +61,8 @@ backend: str = "auto"  # "auto" (Mosaic on a TPU, else interpret), "interpret" o
 seed: int = 0  # seed of the random weights and inputs
 checkpoint: str = ""  # a local Hugging Face checkpoint folder; "" for random weights
 slots: int = 3  # ring slots of the last version
-tile_k: int = 128  # K rows per weight tile
-tile_n: int = 128  # N columns per weight tile
+tile_rows: int = 128  # K rows per weight tile
+tile_cols: int = 128  # N columns per weight tile
 exercise_ring_race: bool = False  # the exercise: True reads the slot of the tile still in flight
 
 # %%
@@ -91,8 +91,10 @@ print(f"{run.config.name}: M = B*T = {run.batch * run.rows} rows; kernels run on
 # %% [markdown]
 # ## The idea
 #
-# `W` [K, N] is cut into tiles of `tile_k` x `tile_n`, consumed column panel by column
-# panel. Tile g lives in ring slot g mod `slots`; the rule is **when tile g has been
+# `W` [K, N] is cut into tiles of `tile_rows` x `tile_cols`, consumed column panel by column
+# panel, and stored in HBM in that order (`ring_layout`: [tiles, tile_rows, tile_cols], so a
+# tile is one contiguous copy; a matrix whose transpose is what the tiles divide is stored
+# transposed, stage 05's row-sharded wo). Tile g lives in ring slot g mod `slots`; the rule is **when tile g has been
 # consumed, issue tile g + slots into the slot it freed**. With one slot the DMA engine
 # and the MXU take turns; with two, tile g+1 loads while g computes; with more, the extra
 # tiles in flight absorb DMA latency. For n tiles of b bytes, a DMA latency $\ell$, a
@@ -131,9 +133,9 @@ want = reference.matmul(x, w)
 print(f"x {x.shape} @ wq {w.shape} {w.dtype} -> {want.shape}")
 
 # %%
-block = BlockSizes(slots=slots, tile_k=tile_k, tile_n=tile_n)
+block = BlockSizes(slots=slots, tile_rows=tile_rows, tile_cols=tile_cols)
 a = sim.Assumptions()
-tile_bytes = tile_k * tile_n * w.dtype.itemsize
+tile_bytes = tile_rows * tile_cols * w.dtype.itemsize
 bw = spec.hbm_bw / spec.cores_per_chip
 need = sim.latency_slots(run.config, spec, block)
 print(f"BW x latency = {bw / 1e12:.2f} TB/s x {a.dma_latency_s * 1e6:.1f} µs = "
@@ -141,11 +143,11 @@ print(f"BW x latency = {bw / 1e12:.2f} TB/s x {a.dma_latency_s * 1e6:.1f} µs = 
       f"{bw * a.dma_latency_s / tile_bytes:.1f} tiles of {tile_bytes / 1024:.0f} KiB "
       f"-> {need} slots (Little's law, + 2)")
 d, M, ring_rows = tile_bytes / bw, run.batch * run.rows, []
-c = 2 * max(M, spec.mxu_rows) * tile_k * tile_n / (
+c = 2 * max(M, spec.mxu_rows) * tile_rows * tile_cols / (
     mk.perf.peak_flops(spec) / spec.cores_per_chip)  # the MXU rule of mk.sim
-n_tiles = (4096 // tile_k) * (4096 // tile_n)
+n_tiles = (4096 // tile_rows) * (4096 // tile_cols)
 for n in sorted({1, 2, 3, need // 2, need, 2 * need}):
-    s = sim.replay_matmul(TileStream.build(BlockSizes(slots=n, tile_k=tile_k, tile_n=tile_n),
+    s = sim.replay_matmul(TileStream.build(BlockSizes(slots=n, tile_rows=tile_rows, tile_cols=tile_cols),
                                            [("w", 4096, 4096)]), spec, rows=M)
     ring_rows.append({"slots": n, "formula µs": f"{n_tiles * max(d, c, (a.dma_latency_s + d + c) / n) * 1e6:.1f}",
                       "simulated µs": f"{s.step_s * 1e6:.1f}", "HBM busy": f"{s.hbm_utilisation:.0%}"})
@@ -159,7 +161,7 @@ display(plots.table(ring_rows))
 # the biggest buffers, when the total passes the chip's VMEM per core (try `slots=5000`).
 
 # %%
-block = BlockSizes(slots=slots, tile_k=tile_k, tile_n=tile_n)
+block = BlockSizes(slots=slots, tile_rows=tile_rows, tile_cols=tile_cols)
 if spec.kind == "tpu":
     budget = vmem_budget("stream_matmul", stream_matmul_buffers(
         x.shape[0], w.shape[0], w.shape[1], w.dtype, block), spec)
@@ -175,7 +177,7 @@ else:
 
 # %%
 lanes = {f"{n} slot{'s' * (n > 1)}": sim.replay_matmul(TileStream.build(
-    BlockSizes(slots=n, tile_k=tile_k, tile_n=tile_n), [("w", 1024, 1024)]), spec, rows=M)
+    BlockSizes(slots=n, tile_rows=tile_rows, tile_cols=tile_cols), [("w", 1024, 1024)]), spec, rows=M)
     for n in (1, 2, need)}
 plots.show(plots.timeline(lanes, title=f"x @ W [1024, 1024] through rings of 1, 2 and {need} "
                                        f"slots on {spec.name} (simulated)"))
@@ -187,7 +189,7 @@ plots.show(plots.timeline(lanes, title=f"x @ W [1024, 1024] through rings of 1, 
 # (`TileStream`), then `pl.pallas_call`. Read its specs: x and the output live in VMEM
 # (`pltpu.VMEM`: Pallas copies them in and out), `w` is `pl.ANY`, which means *left where
 # it is, in HBM*; the kernel copies it by hand. `scratch_shapes` asks for the ring, a
-# [slots, tile_k, tile_n] VMEM buffer, and one DMA semaphore per slot.
+# [slots, tile_rows, tile_cols] VMEM buffer, and one DMA semaphore per slot.
 
 # %%
 plots.show_source(stream_matmul)
@@ -200,8 +202,10 @@ plots.show_source(stream_matmul)
 plots.show_source(stream_matmul_kernel, Ring.start, Ring._issue, Ring._copies)
 
 # %% [markdown]
-# A tile's copy is `pltpu.make_async_copy(src, dst, sem)`: `src` an HBM window
-# `w_hbm.at[pl.ds(...), pl.ds(...)]`, `dst` a ring slot, `sem` that slot's DMA semaphore.
+# A tile's copy is `pltpu.make_async_copy(src, dst, sem)`: `src` the tile in HBM,
+# `w_hbm.at[t]` (the weight is stored tile by tile in stream order: one address, one
+# contiguous copy, whatever the matrix's shape), `dst` a ring slot, `sem` that slot's DMA
+# semaphore.
 # `.start()` hands the descriptor to the DMA engine and returns at once; `.wait()` blocks
 # until the semaphore says the bytes landed. (A quantised weight's tile is two copies on the
 # same semaphore, its packed data and its scales: notebook 12.) `Ring.start` routes tile g to its matrix
@@ -219,7 +223,8 @@ plots.show_source(Ring.matmul)
 # matrix's own tile t + slots, issued directly; only the last `slots` tiles (the edge loop)
 # search which matrix, layer or tail holds it. The search costs bundles on every trip it
 # is in (notebook 11 counts them in the compiled code), so the hot loop does without it.
-# The `pl.when(i == nk - 1)` branch writes a finished column panel. Swap the order of the
+# Each tile's product accumulates into its output panel of `out_ref` (the first
+# contraction step overwrites it). Swap the order of the
 # read and the start, or read the wrong slot, and the DMA overwrites a tile while the MXU
 # reads it: a race.
 #
@@ -234,7 +239,7 @@ plots.show_source(Ring.matmul)
 # %%
 results = {}
 for n in sorted({1, 2, slots}):
-    block = BlockSizes(slots=n, tile_k=tile_k, tile_n=tile_n)
+    block = BlockSizes(slots=n, tile_rows=tile_rows, tile_cols=tile_cols)
     start = time.perf_counter()
     with (course.planted("ring_race" if exercise_ring_race else None),
           mk.backend.use(run.backend, detect_races=(mode == "interpret"))):
@@ -250,8 +255,8 @@ for n in sorted({1, 2, slots}):
 
 # %%
 weight_bytes = w.size * w.dtype.itemsize
-tiles = (w.shape[0] // tile_k) * (w.shape[1] // tile_n)
-print(f"{tiles} tiles of {tile_k * tile_n * w.dtype.itemsize / 1024:.0f} KiB, "
+tiles = (w.shape[0] // tile_rows) * (w.shape[1] // tile_cols)
+print(f"{tiles} tiles of {tile_rows * tile_cols * w.dtype.itemsize / 1024:.0f} KiB, "
       f"{weight_bytes / 1e6:.3f} MB in all")
 print(f"HBM floor on {spec.name}: {weight_bytes / spec.hbm_bw * 1e6:.2f} µs "
       f"at {spec.hbm_bw / 1e12:.2f} TB/s (datasheet peak)")
@@ -264,7 +269,7 @@ print(f"HBM floor on {spec.name}: {weight_bytes / spec.hbm_bw * 1e6:.2f} µs "
 
 # %%
 compile_chip = run.chip if spec.kind == "tpu" else "v6e"
-real = BlockSizes(slots=slots, tile_k=512, tile_n=1024)
+real = BlockSizes(slots=slots, tile_rows=512, tile_cols=1024)
 report = tpu.compile_for_chip(
     lambda a, b: stream_matmul(a, b, block=real),
     [jax.ShapeDtypeStruct((8, 4096), jnp.bfloat16),

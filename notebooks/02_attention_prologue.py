@@ -131,7 +131,7 @@ plots.show_source(prologue, normalise_heads, rope_rows)
 # test at position 0 would pass; at this run's positions the check below fails.
 
 # %%
-block = BlockSizes(slots=slots, tile_k=128, tile_n=128)
+block = BlockSizes(slots=slots, tile_rows=128, tile_cols=128)
 start = time.perf_counter()
 with (course.planted("rope_off" if exercise_rope_off else None),
       mk.backend.use(run.backend, detect_races=(mode == "interpret"))):
@@ -166,7 +166,7 @@ print(f"weights streamed: {weight_bytes / 1e6:.3f} MB -> HBM floor "
 # %%
 compile_chip = run.chip if spec.kind == "tpu" else "v6e"
 real = dataclasses.replace(mk.preset("qwen3-8b"), layers=1)
-real_block = BlockSizes(slots=slots, tile_k=512, tile_n=1024)
+real_block = BlockSizes(slots=slots, tile_rows=512, tile_cols=1024)
 shapes = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in real.param_shapes().items()}
 report = tpu.compile_for_chip(
     lambda p, a, pos: attention_prologue(real, p, a, pos, block=real_block),

@@ -62,7 +62,7 @@ backend: str = "auto"  # "auto" (Mosaic on a TPU, else interpret), "interpret" o
 seed: int = 0  # seed of the random weights and inputs
 checkpoint: str = ""  # a local Hugging Face checkpoint folder; "" for random weights
 slots: int = 3  # ring slots
-tile: int = 128  # tile_k and tile_n of the tiny runs
+tile: int = 128  # tile_rows and tile_cols of the tiny runs
 router_seed: int = 3  # draws the MoE rows; 3 makes tiny-moe pick experts [3, 6], not a prefix
 exercise_wrong_expert: bool = False  # the exercise: True loads expert slot s, not the id in it
 
@@ -81,7 +81,8 @@ import mk.backend
 import mk.run
 from mk import course, perf, plots, reference, tpu
 from mk.kernels import mlp
-from mk.kernels.common import BlockSizes, default_block, vmem_budget
+from mk.kernels.common import BlockSizes, vmem_budget
+from mk.kernels.weight_streaming import stage_block
 from mk.kernels.ring import TileStream
 
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
@@ -91,7 +92,7 @@ spec = mk.chip(run.chip)
 M = run.batch * run.rows
 dense_config = run.config if run.config.dense_layers else mk.preset("tiny")
 moe_config = run.config if run.config.is_moe else mk.preset("tiny-moe")
-block = BlockSizes(slots=slots, tile_k=tile, tile_n=tile)
+block = BlockSizes(slots=slots, tile_rows=tile, tile_cols=tile)
 print(f"M = B*T = {M} rows; dense SwiGLU of {dense_config.name}, MoE of {moe_config.name}; "
       f"kernels run on: {mode}")
 
@@ -260,12 +261,13 @@ print("kernels match the reference; only the selected experts were loaded")
 #
 # Every VMEM buffer of the MoE kernel at qwen3-30b-a3b's shape for this run's M, with its
 # padded size. The router [D, E] is small but pads E to 128 lanes; it has its own DMA, not
-# the ring's (E need not be a multiple of 128). The ring tile is the largest multiple of
-# 128 dividing both D and Fe (gate is [D, Fe], down is [Fe, D]).
+# the ring's (E need not be a multiple of 128). The ring tile is the default tiling's
+# (`stage_block`): the largest of at most 2 MiB whose rows divide D and whose columns
+# divide Fe, with down ([Fe, D]) stored transposed so the same tile cuts it.
 
 # %%
 compile_chip = run.chip if spec.kind == "tpu" else "v6e"
-big_block = default_block(big.hidden, big.expert_ffn)
+big_block = stage_block(mlp.moe_segments(big.hidden, big.expert_ffn, 1), big.dtype)
 budget = vmem_budget("mk_moe", mlp.moe_buffers(M, big.hidden, big.experts, big.expert_ffn,
                                                big.dtype, big_block), mk.chip(compile_chip))
 display(plots.table(budget.rows()))

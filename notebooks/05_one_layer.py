@@ -103,7 +103,7 @@ print(f"{config.name} layer {layer} ({kind}): B={run.batch} T={run.rows} S={run.
 block = default_block(config, 128, slots=slots)  # KV tiles of 128 positions
 stream = TileStream.build(block, layer_matrices(config, (kind,), M))
 plots.show(plots.tile_stream(stream, title=f"{config.name} layer {layer}: {stream.total} "
-                                           f"tiles of {block.tile_k}x{block.tile_n}"))
+                                           f"tiles of {block.tile_rows}x{block.tile_cols}"))
 
 # %% [markdown]
 # One kernel per op would end the stream at every matrix edge: the next kernel's first

@@ -66,6 +66,7 @@ bytes_preset: str = "qwen3.5-27b"  # the model whose state and KV bytes are draw
 exercise_unshifted_conv: bool = False  # the exercise: True writes row t's conv state unshifted
 
 # %%
+import dataclasses
 import time
 
 import jax
@@ -80,7 +81,8 @@ import mk.backend
 import mk.run
 from mk import course, linear_attention, plots, reference
 from mk.kernels import deltanet
-from mk.kernels.common import default_block, vmem_budget
+from mk.kernels.common import vmem_budget
+from mk.kernels.weight_streaming import stage_block
 from mk.kernels.ring import TileStream
 
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
@@ -158,9 +160,9 @@ plots.show(fig)
 # they come by their own DMA (as a MoE router does in stage 04). The stream:
 
 # %%
-block = default_block(config.hidden, C, config.linear_value_width)
+block = stage_block(deltanet.gated_deltanet_matrices(config), config.dtype)
 stream = TileStream.build(block, deltanet.gated_deltanet_matrices(config))
-tiles = f"{stream.total} tiles of {block.tile_k}x{block.tile_n}"
+tiles = f"{stream.total} tiles of {block.tile_rows}x{block.tile_cols}"
 plots.show(plots.tile_stream(stream, title=f"{config.name} linear layer {layer}: {tiles}"))
 
 # %% [markdown]
@@ -253,11 +255,13 @@ print(f"{big.name}: linear state {big.linear_state_bytes / 2**20:.1f} MiB per se
 #
 # Every VMEM buffer of the kernel for `bytes_preset` at batch 8, T = 4, checked against
 # the chip's VMEM per core (the TPU7x ahead-of-time compile of this shape is in
-# tests/kernels/test_deltanet.py):
+# tests/kernels/test_deltanet.py). The ring has two slots of the default tile here: at this
+# B and T the whole layer's row states leave TPU7x no room for a third.
 
 # %%
 if spec.kind == "tpu":
-    big_block = default_block(big.hidden, big.conv_channels, big.linear_value_width)
+    big_block = dataclasses.replace(
+        stage_block(deltanet.gated_deltanet_matrices(big), big.dtype), slots=2)
     budget = vmem_budget("gated_deltanet",
                          deltanet.gated_deltanet_buffers(big, 8, 4, big_block), spec)
     display(plots.table(budget.rows()[:6]))

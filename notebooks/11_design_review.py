@@ -110,8 +110,8 @@ dtypes = {k: v for k, v in (("dense", dense_dtype), ("experts", expert_dtype)) i
 position = run.context - run.rows  # every sequence reads a full cache: the worst case
 default = DecodePlan.make(config, tp=tp, batch=run.batch, rows=run.rows,
                           context=run.context).block
-block = BlockSizes(slots=slots or default.slots, tile_k=tile or default.tile_k,
-                   tile_n=tile or default.tile_n, kv_tile=kv_tile or default.kv_tile,
+block = BlockSizes(slots=slots or default.slots, tile_rows=tile or default.tile_rows,
+                   tile_cols=tile or default.tile_cols, kv_tile=kv_tile or default.kv_tile,
                    kv_slots=kv_slots)
 plan = DecodePlan.make(config, tp=tp, batch=run.batch, rows=run.rows, context=run.context,
                        block=block)
@@ -548,7 +548,7 @@ def verdict(ok, good, bad):
 
 ring_empty = share.get("ring empty", 0.0) / s.step_s
 latency = s.assumptions.dma_latency_s
-tile_s = block.tile_k * block.tile_n * 2 / s.hbm_bandwidth  # a bf16 tile
+tile_s = block.tile_rows * block.tile_cols * 2 / s.hbm_bandwidth  # a bf16 tile
 routing = share.get("routing", 0.0) / s.step_s
 attention = share.get("attention", 0.0) / s.step_s
 checklist = [
@@ -569,7 +569,7 @@ checklist = [
                                             f"{attention:.1%}",
                           f"attention bubbles {attention:.1%}: the KV stream is primed at each "
                           "layer's attention, not prefetched across the weight stream")),
-    ("tile size", f"INFO: {block.tile_k}x{block.tile_n} tiles: one moves in "
+    ("tile size", f"INFO: {block.tile_rows}x{block.tile_cols} tiles: one moves in "
                   f"{tile_s * 1e9:.3g} ns against a {latency * 1e9:.3g} ns descriptor "
                   f"latency, so {latency / tile_s:.3g} tiles must be in flight to hide it"),
 ]

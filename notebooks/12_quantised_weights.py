@@ -318,10 +318,11 @@ display(plots.table(fit_rows))
 #
 # A quantised segment of the ring's stream moves each tile as two DMAs on the tile's slot
 # semaphore: its packed data (int4 and fp4: half the rows' bytes) and its scale block, both
-# into that format's own slots. `prepare` lays the scales out tile-major once
-# (`quant.tile_major`) so each block is one DMA of whole trailing dimensions: Mosaic refuses
-# the lane slice fp8's [I/128, O/128] scales would need. The tile is dequantised in VMEM
-# right before its product:
+# into that format's own slots. `prepare` lays data and scales out tile-major once
+# (`quant.tile_major`: tile t's data and scale block at index t) so each is one contiguous
+# DMA: Mosaic refuses the lane slice fp8's [I/128, O/128] scales would need. A quantised
+# weight is never stored transposed (its packing runs along I), so its tiles cut it as it
+# is. The tile is dequantised in VMEM right before its product:
 
 # %%
 plots.show_source(Ring._copies, Ring._weights)
@@ -334,7 +335,7 @@ plots.show_source(Ring._copies, Ring._weights)
 # %%
 w = np.random.default_rng(run.seed).standard_normal((512, 512)).astype(np.float32)
 x = jnp.asarray(np.random.default_rng(run.seed + 1).standard_normal((8, 512)), jnp.float32)
-tile = BlockSizes(slots=3, tile_k=256, tile_n=256)
+tile = BlockSizes(slots=3, tile_rows=256, tile_cols=256)
 wire_rows = []
 for fmt in FORMATS:
     q = jnp.asarray(w, jnp.bfloat16) if fmt == "bf16" else quant.quantize_weight(w, fmt)
@@ -396,8 +397,8 @@ for i, name in enumerate(QUANTISABLE):
 # The ring moved each format's tiles (two DMAs each when packed) and multiplied right.
 for row in wire_rows:
     fmt = row["format"]
-    assert row["bytes per tile"] == (tile.tile_k * tile.tile_n * 2 if fmt == "bf16" else
-                                     quant.tile_bytes(fmt, tile.tile_k, tile.tile_n)), row
+    assert row["bytes per tile"] == (tile.tile_rows * tile.tile_cols * 2 if fmt == "bf16" else
+                                     quant.tile_bytes(fmt, tile.tile_rows, tile.tile_cols)), row
     assert float(row["max |kernel - reference|"]) < 1e-3, row
 np.testing.assert_array_equal(kernel_tokens, reference_tokens)
 print(f"{len(quantised)} quantised weights: bytes as counted, every element within bound; "

@@ -46,8 +46,8 @@ def _ring_check(plant):
     w = jax.random.normal(jax.random.key(0), (256, 256)).astype("bfloat16")
     x = jax.random.normal(jax.random.key(1), (1, 256))
     with course.planted(plant), backend.use("interpret", detect_races=True):
-        jax.block_until_ready(stream_matmul(x, w, block=BlockSizes(slots=3, tile_k=128,
-                                                                    tile_n=128)))
+        jax.block_until_ready(stream_matmul(x, w, block=BlockSizes(slots=3, tile_rows=128,
+                                                                    tile_cols=128)))
         course.check_race_free("ring", backend.races_found())
 
 
@@ -66,7 +66,7 @@ def _rope_check(plant, positions, rows=2):
     with course.planted(plant), backend.use("interpret"):
         got = jax.block_until_ready(attention_prologue(
             config, params, x, positions, layer=0,
-            block=BlockSizes(slots=3, tile_k=128, tile_n=128)))
+            block=BlockSizes(slots=3, tile_rows=128, tile_cols=128)))
     course.check_close("q", got[0], want[0], atol=1e-4)
 
 
@@ -84,7 +84,7 @@ def _moe_check(plant, router_seed):
     with course.planted(plant), backend.use("interpret"):
         got = jax.block_until_ready(mlp.moe(
             h, *weights, top_k=config.experts_per_token, renormalise=config.norm_topk,
-            block=BlockSizes(slots=3, tile_k=128, tile_n=128)))
+            block=BlockSizes(slots=3, tile_rows=128, tile_cols=128)))
     course.check_close("moe", got, want, atol=1e-3)
 
 

@@ -100,17 +100,18 @@ def test_a_recorded_per_tile_cost_gives_the_compiled_kernels_simulated_step(monk
     monkeypatch.setattr(ledger.perf, "published", lambda: (qwen27b_row,))
     run, = ledger.runs()
     preset, chip, tp, batch, rows = run.key
+    # an issue time over the 1.25 MiB tile's 355 ns of DMA, so it bounds the step
     cost = dict(preset=preset, chip=chip, tp=tp, batch=batch, rows=rows, fits=True,
-                slots=24, latency_us=1.0, tile_ns=40.0, dma_ns=8.9)
+                slots=24, latency_us=1.0, tile_ns=600.0, dma_ns=355.0)
     r, = ledger.entries(simulate_tpu=True, tile_costs=[cost])
     want = mk.sim.simulate(
         run.config, run.spec, batch=batch, rows=rows, context=0, tp=tp,
         block=dataclasses.replace(mk.sim.step_plan(run.config, batch=batch, rows=rows,
                                                     tp=tp).block, slots=24),
-        assumptions=mk.sim.Assumptions(dma_latency_s=1e-6, tile_issue_s=40e-9))
+        assumptions=mk.sim.Assumptions(dma_latency_s=1e-6, tile_issue_s=600e-9))
     assert r["compiled_ms"] == pytest.approx(want.step_ms)
     assert r["compiled_over_floor"] == pytest.approx(want.step_ms / r["hbm_floor_ms"])
-    assert r["compiled_slots"] == 24 and r["tile_ns"] == 40.0 and r["compiled_bound"]
+    assert r["compiled_slots"] == 24 and r["tile_ns"] == 600.0 and r["compiled_bound"]
     cheap, = ledger.entries(simulate_tpu=True, tile_costs=[cost | dict(tile_ns=0.0)])
     assert cheap["compiled_ms"] < r["compiled_ms"]
     refused, = ledger.entries(simulate_tpu=True, tile_costs=[

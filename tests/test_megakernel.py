@@ -168,7 +168,7 @@ def test_a_ring_of_one_slot_is_refused_before_tracing():
     config = mk.preset("tiny")
     with pytest.raises(ValueError, match=r"BlockSizes.slots=1: the megakernel's ring needs"):
         megakernel.generate(config, {}, jnp.zeros((1, 4), int), 2,
-                            block=BlockSizes(slots=1, tile_k=128, tile_n=128))
+                            block=BlockSizes(slots=1, tile_rows=128, tile_cols=128))
 
 
 def test_a_position_past_the_cache_is_named():
@@ -242,7 +242,8 @@ def test_greedy_tokens_of_a_transformers_checkpoint_equal_transformers(tmp_path)
 
 
 @pytest.mark.parametrize("plant, where", [
-    (lambda w: w | {"wo": w["wo"].at[1, 3, 5].add(0.5)}, (1, "attn")),
+    # wo as `prepare` lays it out: [L, tiles, tile_rows, tile_cols]
+    (lambda w: w | {"wo": w["wo"].at[1, 1, 3, 5].add(0.5)}, (1, "attn")),
     (lambda w: w | {"norms": w["norms"].at[0, 1].mul(1.5)}, (0, "mlp"))])
 def test_first_divergence_names_the_op_of_a_planted_bug(plant, where):
     config = mk.preset("tiny")

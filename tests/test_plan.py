@@ -20,7 +20,7 @@ import mk
 from mk import backend, megakernel, perf, quant, reference, sim
 from mk import tensor_parallel as tpar
 from mk.kernels.collectives import tp_mesh
-from mk.kernels.common import BlockSizes, dma_log
+from mk.kernels.common import BlockSizes, Cut, dma_log
 from mk.kernels.plan import (DTYPE_FAMILY, DecodePlan, KV_FAMILIES, WEIGHT_FAMILIES,
                              capacity, default_block, family_of, shard_config)
 from multidevice import run
@@ -126,10 +126,10 @@ def test_quantised_tiles_move_the_packed_bytes_and_scales_the_plan_and_perf_coun
     roof = perf.predict(config, "v5e", batch=1, rows=1, context=POSITION,
                         routing="shared", formats=formats)
     assert roof.attention_bytes == want["attention"] and roof.lm_head_bytes == want["lm_head"]
-    # packed data plus the tile's scale block, per element: int8 1 + 4/tile_k, fp8
+    # packed data plus the tile's scale block, per element: int8 1 + 4/tile_rows, fp8
     # 1 + 4/128^2, int4 1/2 + 2/128, fp4 1/2 + 1/32 bytes
     elements = {f: b / 2 for f, b in _step_plan(name, 1).weight_bytes(active).items()}
-    per = {"int8": 1 + 4 / plan.block.tile_k, "fp8": 1 + 4 / 128 ** 2, "int4": 0.5 + 2 / 128,
+    per = {"int8": 1 + 4 / plan.block.tile_rows, "fp8": 1 + 4 / 128 ** 2, "int4": 0.5 + 2 / 128,
            "fp4": 0.5 + 1 / 32}
     for family, scheme in (("attention", formats["dense"]), ("lm_head", formats["lm_head"]),
                            ("experts", formats.get("experts"))):
@@ -147,8 +147,8 @@ def test_quantised_plans_refuse_what_is_not_built_by_name():
         DecodePlan.make(config, batch=1, context=256, formats={"mlp": "int8"})
     plan = DecodePlan.make(config, batch=1, context=256, formats={"experts": "fp4"})
     assert {"ring", "ring_fp4", "ring_fp4_scales"} <= set(plan.buffers)
-    assert plan.buffers["ring_fp4"].shape == (plan.block.slots, plan.block.tile_k // 2,
-                                              plan.block.tile_n)
+    assert plan.buffers["ring_fp4"].shape == (plan.block.slots, plan.block.tile_rows // 2,
+                                              plan.block.tile_cols)
     every = DecodePlan.make(config, batch=1, context=256,
                             formats=dict(dense="int8", experts="int8", lm_head="int8"))
     assert "ring" not in every.buffers  # no plain segment: no bf16 slots
@@ -175,19 +175,47 @@ def test_every_buffer_is_named_once_and_the_scratch_comes_from_them():
               if v is not None and not str(v).startswith("SemaphoreType")]
     assert len(vmem) <= len(leaves)
     assert plan.group("operand").keys() == {"x", "logits", "next_tokens"}
-    assert plan.buffers["ring"].shape == (plan.block.slots, plan.block.tile_k,
-                                          plan.block.tile_n)
+    assert plan.buffers["ring"].shape == (plan.block.slots, plan.block.tile_rows,
+                                          plan.block.tile_cols)
 
 
 def test_the_default_tiling_is_one_rule():
     config = mk.preset("qwen3-8b")
     plan = DecodePlan.make(config, batch=8, context=4096)
     assert plan.block == default_block(config, 4096) == BlockSizes(
-        slots=3, tile_k=512, tile_n=512, kv_tile=256)
+        slots=3, tile_rows=4096, tile_cols=256, kv_tile=256)  # 2 MiB, the tallest
     assert default_block(mk.preset("tiny"), 64).kv_tile == 64  # capped by the cache
     assert capacity(4097) == 4352 and capacity(100) == 112
     assert sim.step_plan(config, batch=8, context=4096).block == dataclasses.replace(
         plan.block)
+
+
+@pytest.mark.parametrize("name, tp", [("qwen3-0.6b", 1), ("qwen3-4b", 1), ("qwen3-8b", 1),
+                                      ("qwen3-30b-a3b", 1), ("qwen3.5-27b", 8),
+                                      ("kimi-k3-like", 32)])
+def test_a_shard_streams_tiles_of_a_mebibyte_or_more_cut_d_major(name, tp):
+    """Every matrix of the shard is cut by one tile of >= 1 MiB of bf16 (issue 14: 128 x
+    128, 32 KiB, was what divided both sides of every matrix of a TP shard): the
+    row-sharded [narrow, D] ones transposed, every tile D rows or a divisor of D."""
+    config = mk.preset(name)
+    plan = DecodePlan.make(config, tp=tp, batch=1, context=1024)
+    block, D = plan.block, config.hidden
+    assert block.tile_rows * block.tile_cols * 2 >= 2**20
+    assert D % block.tile_rows == 0
+    for seg in plan.stream.segments + plan.stream.tail:
+        K, N = plan.stream.shape(seg)
+        assert seg.transposed == (K % block.tile_rows != 0), seg
+        assert D in (K, N), seg
+
+
+def test_a_matrix_is_stored_transposed_only_when_its_transpose_is_what_the_tiles_cut():
+    block = BlockSizes(tile_rows=512, tile_cols=128)
+    assert block.cut("w", 1024, 256) == Cut(False, 2, 2)
+    assert block.cut("wo", 256, 1024) == Cut(True, 2, 2)  # stored [1024, 256]
+    with pytest.raises(ValueError, match=r"weight we \[256, 1024\] \(a quantised weight is never"):
+        block.cut("we", 256, 1024, transpose=False)
+    with pytest.raises(ValueError, match=r"nor its transpose \[384, 384\]"):
+        block.cut("w", 384, 384)
 
 
 def test_the_simulator_replays_the_kernels_shard():
@@ -202,7 +230,7 @@ def test_the_simulator_replays_the_kernels_shard():
     (dict(tp=3), "tp=3 must be a power of two"),
     (dict(batch=0), "batch=0 must be a positive integer"),
     (dict(context=100, block=BlockSizes(kv_tile=128)), "context=100 is not a multiple"),
-    (dict(block=BlockSizes(tile_k=384, tile_n=384)), r"weight wq \[256, 512\]"),
+    (dict(block=BlockSizes(tile_rows=384, tile_cols=384)), r"weight wq \[256, 512\]"),
 ])
 def test_a_plan_the_kernel_cannot_run_is_refused_with_the_field(kwargs, message):
     args = dict(batch=1, context=128) | kwargs
@@ -218,9 +246,10 @@ def test_a_hybrid_shards_its_linear_heads_and_output_gate_and_names_what_does_no
     plan = DecodePlan.make(config, tp=2, batch=1, context=128)
     local, shapes = plan.local, {s.name: s for s in plan.stream.segments}
     assert (local.linear_key_heads, local.linear_value_heads) == (1, 2)
-    assert shapes["wq_gate"].col_tiles == shapes["wq"].col_tiles
-    assert shapes["lin_qkv"].col_tiles * plan.block.tile_n == config.conv_channels // 2
-    assert shapes["lin_out"].row_tiles * plan.block.tile_k == config.linear_value_width // 2
+    shape = plan.stream.shape
+    assert shape(shapes["wq_gate"]) == shape(shapes["wq"])
+    assert shape(shapes["lin_qkv"])[1] == config.conv_channels // 2
+    assert shape(shapes["lin_out"])[0] == config.linear_value_width // 2
     assert plan.state_bytes()["state_read"] == config.linear_state_bytes // 2
     with pytest.raises(ValueError, match="linear_key_heads=1 is not a multiple of tp=2"):
         DecodePlan.make(mk.preset("tiny-hybrid"), tp=2, batch=1, context=128)

@@ -425,12 +425,12 @@ def test_predicted_step_bytes_shrink_by_each_formats_bits_per_value(name):
     the format's bits plus its scales' share."""
     config = mk.preset(name)
     plain = mk.perf.predict(config, "v6e", batch=4, rows=2, context=512)
-    tk = default_block(config, 512).tile_k  # the tiles predict streams
-    per_value = {"int8": 8 + 32 / tk, "fp8": 8 + 32 / 128 ** 2, "int4": 4 + 16 / 128,
-                 "fp4": 4 + 8 / 32}  # bits: data plus scales
-    for scheme, bits in per_value.items():
+    per_value = {"int8": lambda tk: 8 + 32 / tk, "fp8": lambda tk: 8 + 32 / 128 ** 2,
+                 "int4": lambda tk: 4 + 16 / 128, "fp4": lambda tk: 4 + 8 / 32}  # bits:
+    for scheme, value_bits in per_value.items():  # data plus scales, per tile_rows tk
         formats = dict(dense=scheme) | ({} if config.tie_embeddings else dict(lm_head=scheme)
                                         ) | (dict(experts=scheme) if config.is_moe else {})
+        bits = value_bits(default_block(config, 512, formats=formats).tile_rows)
         est = mk.perf.predict(config, "v6e", batch=4, rows=2, context=512, formats=formats)
         fields = ["attention_bytes", "dense_mlp_bytes", "expert_bytes"]
         for field in fields + ([] if config.tie_embeddings else ["lm_head_bytes"]):

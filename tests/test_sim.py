@@ -99,7 +99,7 @@ def test_synthetic_stream_matches_its_closed_form(c_over_d):
     d = 256 * 256 * 2 / spec.hbm_bw
     rows = max(256, round(c_over_d * d * spec.bf16_flops / (2 * 256 * 256)))
     c = 2 * rows * 256 * 256 / spec.bf16_flops
-    stream = TileStream.build(BlockSizes(slots=3, tile_k=256, tile_n=256),
+    stream = TileStream.build(BlockSizes(slots=3, tile_rows=256, tile_cols=256),
                               [("w", 1024, 2048)], layers=2)
     n = stream.total
     s = sim.replay_matmul(stream, spec, rows=rows, assumptions=NO_LATENCY)
@@ -109,7 +109,7 @@ def test_synthetic_stream_matches_its_closed_form(c_over_d):
 
 def test_one_slot_serialises_every_tile_latency_load_and_compute():
     spec, latency = chip("v5e"), 0.7e-6
-    stream = TileStream.build(BlockSizes(slots=1, tile_k=128, tile_n=256),
+    stream = TileStream.build(BlockSizes(slots=1, tile_rows=128, tile_cols=256),
                               [("a", 256, 512), ("b", 512, 256)])
     s = sim.replay_matmul(stream, spec, rows=8,
                           assumptions=sim.Assumptions(dma_latency_s=latency))
@@ -118,7 +118,7 @@ def test_one_slot_serialises_every_tile_latency_load_and_compute():
 
 
 def test_more_slots_never_make_a_weight_stream_slower():
-    stream = TileStream.build(BlockSizes(slots=1, tile_k=256, tile_n=256),
+    stream = TileStream.build(BlockSizes(slots=1, tile_rows=256, tile_cols=256),
                               [("a", 1024, 2048), ("b", 2048, 1024)], layers=3)
     steps = [sim.replay_matmul(dataclasses.replace(
         stream, block=dataclasses.replace(stream.block, slots=n)), "tpu7x", rows=8).step_s
@@ -237,7 +237,7 @@ def test_simulate_rejects_bad_inputs_naming_field_and_value(kwargs, match):
 
 
 def test_a_four_bit_stream_moves_a_quarter_of_the_bf16_bytes():
-    stream = TileStream.build(BlockSizes(slots=2, tile_k=128, tile_n=128), [("w", 512, 512)])
+    stream = TileStream.build(BlockSizes(slots=2, tile_rows=128, tile_cols=128), [("w", 512, 512)])
     bf16 = sim.replay_matmul(stream, "v6e")
     fp4 = sim.replay_matmul(stream, "v6e", weight_dtype="fp4")
     assert fp4.dma_bytes == bf16.dma_bytes / 4 == 16 * 128 * 128 / 2

@@ -31,9 +31,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mk import quant
 from mk.config import MAX_ROWS, ModelConfig
-from mk.kernels.common import BlockSizes, Buffer, default_block
+from mk.kernels.common import BlockSizes, Buffer
 from mk.kernels.ring import Ring, TileStream, ring_buffers
-from mk.kernels.weight_streaming import ring_weights, weight_stream
+from mk.kernels.weight_streaming import ring_weights, stage_block, weight_stream
 from mk.reference import rms_norm
 
 
@@ -147,9 +147,10 @@ def attention_prologue_kernel(
     attn_norm_vmem,  # [1, D]
     q_norm_vmem,  # [1, H]
     k_norm_vmem,  # [1, H]
-    wq_hbm,  # [D, N*H] config dtype, or an mk.quant.QuantWeight (tile-major scales)
-    wk_hbm,  # [D, K*H]
-    wv_hbm,  # [D, K*H]
+    wq_hbm,  # [tiles, tile_rows, tile_cols] config dtype (`ring_layout` of [D, N*H]), or
+    #          an mk.quant.QuantWeight (tile-major)
+    wk_hbm,  # [tiles, tile_rows, tile_cols] (of [D, K*H])
+    wv_hbm,  # [tiles, tile_rows, tile_cols] (of [D, K*H])
     # Outputs
     q_vmem,  # [M, N*H] f32
     k_vmem,  # [M, K*H] f32
@@ -186,11 +187,11 @@ def attention_prologue(config: ModelConfig, params, x, positions, *, layer: int 
     """
     B, T, D = check_layer_inputs(config, x, positions, layer)
     M = B * T
-    block = block or default_block(config.hidden, config.q_width, config.kv_width)
     weights = {n: jax.tree.map(lambda w: w[layer], params[n]) for n in ("wq", "wk", "wv")}
     formats = quant.formats_of(weights)
+    block = block or stage_block(prologue_matrices(config), config.dtype, formats)
     stream = _stream(config, block, formats)
-    weights, weight_specs = ring_weights(weights, block)
+    weights, weight_specs = ring_weights(weights, stream)
     buffers = attention_prologue_buffers(config, M, block, formats)
     H = config.head_dim
     ones = jnp.ones((1, H), jnp.float32)

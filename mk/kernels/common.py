@@ -1,7 +1,9 @@
 """What every kernel shares before it is traced: tiling and the VMEM budget.
 
 Here: `BlockSizes` (ring slots, weight tile, KV tile), which validates itself against the
-TPU (8, 128) tiling rule and against the shapes it is asked to tile; `Buffer` and
+TPU (8, 128) tiling rule and cuts each weight matrix into its tiles (`BlockSizes.cut`:
+stored as it is, or transposed when only its transpose is a whole number of tiles);
+`default_block`, the one tiling rule every kernel uses; `Buffer` and
 `vmem_budget`, the list of every VMEM buffer of one kernel configuration with its padded
 size, checked against the chip's VMEM per core before anything is compiled.
 
@@ -34,21 +36,37 @@ def sublanes(dtype) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
+class Cut:
+    """How one weight matrix W [K, N] (x @ W, K the contraction) is cut into stored tiles.
+
+    Plain: stored as W, a tile is tile_rows of K x tile_cols of N. Transposed: stored as
+    W^T [N, K], a tile is tile_rows of N x tile_cols of K, multiplied as x @ tile^T. Either
+    way the tiles are consumed output panel by output panel, the contraction's tiles
+    innermost: tile t is contraction step t % in_tiles of output panel t // in_tiles.
+    """
+
+    transposed: bool
+    in_tiles: int  # tiles along K
+    out_tiles: int  # tiles along N
+
+
+@dataclasses.dataclass(frozen=True)
 class BlockSizes:
     """Tiling of one kernel configuration.
 
     slots:     weight tiles in flight in the VMEM ring (>= 2 to overlap DMA and compute;
                1 is the no-overlap teaching version of notebook 01).
-    tile_k:    rows of a weight tile; a multiple of 128 because it also slices the lanes
-               of the activations it multiplies.
-    tile_n:    columns of a weight tile; a multiple of 128 lanes.
+    tile_rows: rows of a stored weight tile (`cut`: K rows of a plain matrix, N rows of a
+               transposed one); a multiple of 128 because it may slice the lanes of the
+               activations it multiplies.
+    tile_cols: columns of a stored weight tile; a multiple of 128 lanes.
     kv_tile:   cached positions per attention tile; a multiple of 16 sublanes (bf16).
     kv_slots:  KV tiles in flight (>= 2).
     """
 
     slots: int = 3
-    tile_k: int = 256
-    tile_n: int = 256
+    tile_rows: int = 256
+    tile_cols: int = 256
     kv_tile: int = 128
     kv_slots: int = 2
 
@@ -57,18 +75,24 @@ class BlockSizes:
             value = getattr(self, field)
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"BlockSizes.{field}={value!r} must be an integer >= {low}")
-        for field, multiple in (("tile_k", LANES), ("tile_n", LANES), ("kv_tile", 16)):
+        for field, multiple in (("tile_rows", LANES), ("tile_cols", LANES), ("kv_tile", 16)):
             value = getattr(self, field)
             if not isinstance(value, int) or value < multiple or value % multiple:
                 raise ValueError(f"BlockSizes.{field}={value!r} must be a positive multiple "
                                  f"of {multiple} (TPU (8, 128) tiling)")
 
-    def check_matrix(self, name: str, rows: int, cols: int) -> tuple[int, int]:
-        """(row tiles, column tiles) of a [rows, cols] weight; raises if they do not divide."""
-        if rows % self.tile_k or cols % self.tile_n:
-            raise ValueError(f"weight {name} [{rows}, {cols}] is not a whole number of "
-                             f"tiles tile_k={self.tile_k} x tile_n={self.tile_n}")
-        return rows // self.tile_k, cols // self.tile_n
+    def cut(self, name: str, rows: int, cols: int, *, transpose: bool = True) -> Cut:
+        """The tiles of weight `name` [rows=K, cols=N]: plain when the tiles divide it, else
+        transposed (if `transpose`: a quantised weight's packing runs along K, so it is
+        never transposed); raises if neither divides."""
+        if rows % self.tile_rows == 0 and cols % self.tile_cols == 0:
+            return Cut(False, rows // self.tile_rows, cols // self.tile_cols)
+        if transpose and cols % self.tile_rows == 0 and rows % self.tile_cols == 0:
+            return Cut(True, rows // self.tile_cols, cols // self.tile_rows)
+        turned = (f", nor its transpose [{cols}, {rows}]" if transpose else
+                  " (a quantised weight is never transposed)")
+        raise ValueError(f"weight {name} [{rows}, {cols}]{turned} is not a whole number of "
+                         f"tiles tile_rows={self.tile_rows} x tile_cols={self.tile_cols}")
 
     def check_context(self, context: int) -> int:
         """KV tiles of a cache of `context` positions; raises if kv_tile does not divide."""
@@ -143,21 +167,55 @@ def vmem_limit_bytes(buffers) -> int:
 
 
 SLOTS = 3  # default weight ring slots
-LARGEST_TILE = 512  # default square weight tiles are at most this wide
+TILE_BYTES = 2 * 2**20  # default weight tiles hold at most this many bytes
 KV_TILE = 256  # default cached positions per KV tile, capped by the cache
 
 
-def default_block(*dims: int, context: int | None = None, slots: int = SLOTS) -> BlockSizes:
-    """The default tiling, the one rule every kernel uses: square weight tiles, the
-    largest multiple of 128 up to LARGEST_TILE dividing every weight dimension in `dims`
-    (so one ring slot shape serves every matrix); KV tiles of min(KV_TILE, context)
-    positions for a kernel reading a cache of `context` positions."""
-    sides = [t for t in range(LANES, LARGEST_TILE + 1, LANES) if all(d % t == 0 for d in dims)]
-    if not sides:
-        raise ValueError(f"no multiple of {LANES} up to {LARGEST_TILE} divides every weight "
-                         f"dimension {dims}")
+def default_block(matrices, *, context: int | None = None, slots: int = SLOTS,
+                  itemsize: int = 2, fixed=(), padded_rows=()) -> BlockSizes:
+    """The default tiling, the one rule every kernel uses: the largest weight tile of at
+    most TILE_BYTES (elements of `itemsize` bytes) that cuts every matrix of `matrices`
+    ((name, K, N) triples, or `mk.kernels.ring.Repeat`s of them), ties to the taller tile,
+    so one ring slot shape serves every matrix (`BlockSizes.cut`: plain or transposed; the
+    names in `fixed` plain only). `padded_rows`: the rows of matrices whose columns are
+    padded to whole tiles (the lm_head: only its rows must divide). KV tiles of
+    min(KV_TILE, context) positions for a kernel reading a cache of `context` positions.
+
+    A decode matmul's cost is moving its weights, and each tile costs the TensorCore a
+    fixed issue time besides (`mk.bundles`): big tiles amortise it. Tensor-parallel shards
+    have one wide dimension (the model width D) and one narrow (a shard's heads or FFN
+    columns): cut D-major (row-sharded matrices transposed), their tiles are D x 128 and
+    more, where one tile shape dividing both dimensions of every matrix would be 128 x 128.
+    """
+    shapes = []
+    for item in matrices:
+        for name, rows, cols in getattr(item, "matrices", (item,)):
+            shapes.append((name, rows, cols))
+    widest = max([d for _, r, c in shapes for d in (r, c)] + list(padded_rows) + [LANES])
+    most = TILE_BYTES // itemsize
+    best = None
+    for rows in range(LANES, widest + 1, LANES):
+        if any(d % rows for d in padded_rows):
+            continue
+        for cols in range(LANES, min(widest, most // rows) + 1, LANES):
+            block = BlockSizes(slots=slots, tile_rows=rows, tile_cols=cols)
+            if (rows * cols, rows) > (best[0] if best else (0, 0)) and _cuts(block, shapes,
+                                                                               fixed):
+                best = ((rows * cols, rows), block)
+    if best is None:
+        raise ValueError(f"no tile of multiples of {LANES} up to {TILE_BYTES} bytes cuts "
+                         f"every weight {[(r, c) for _, r, c in shapes]}")
     kv = {} if context is None else {"kv_tile": min(KV_TILE, context)}
-    return BlockSizes(slots=slots, tile_k=sides[-1], tile_n=sides[-1], **kv)
+    return dataclasses.replace(best[1], **kv)
+
+
+def _cuts(block: BlockSizes, shapes, fixed) -> bool:
+    try:
+        for name, rows, cols in shapes:
+            block.cut(name, rows, cols, transpose=name not in fixed)
+    except ValueError:
+        return False
+    return True
 
 
 def vmem_budget(kernel: str, buffers, chip) -> VmemBudget:

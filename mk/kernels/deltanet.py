@@ -61,9 +61,10 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mk import linear_attention as la
 from mk.config import MAX_ROWS, ModelConfig, check_rows
-from mk.kernels.common import (LANES, BlockSizes, Buffer, default_block, memory_specs,
-                               start_dma, vmem_limit_bytes)
-from mk.kernels.ring import Ring, TileStream
+from mk.kernels.common import (LANES, BlockSizes, Buffer, memory_specs, start_dma,
+                               vmem_limit_bytes)
+from mk.kernels.ring import Ring, TileStream, ring_layout
+from mk.kernels.weight_streaming import stage_block
 from mk.reference import rms_norm
 
 ALIGN = 8  # rows of an f32 (8, 128) tile
@@ -344,7 +345,7 @@ def gated_deltanet_buffers(config: ModelConfig, batch: int, rows: int,
     M, D, dt = batch * rows, config.hidden, config.dtype
     return [Buffer("x", (M, D), "float32", "operand"),
             Buffer("out", (M, D), "float32", "operand"),
-            Buffer("h", (M, D), dt), Buffer("ring", (block.slots, block.tile_k, block.tile_n), dt),
+            Buffer("h", (M, D), dt), Buffer("ring", (block.slots, block.tile_rows, block.tile_cols), dt),
             *linear_buffers(config, batch, rows)]
 
 
@@ -600,15 +601,15 @@ def gated_deltanet(config: ModelConfig, params, x, conv_state, state, *, layer: 
     M, D, (_, i) = B * T, config.hidden, config.mixer_index(layer)
     C, W, Vw = config.conv_channels, config.conv_kernel, config.linear_value_width
     Nv, Hk, Hv = config.linear_value_heads, config.linear_key_dim, config.linear_value_dim
-    block = block or default_block(D, C, Vw)
-    stream = TileStream.build(block, gated_deltanet_matrices(config))
     dt = jnp.dtype(config.dtype)
+    block = block or stage_block(gated_deltanet_matrices(config), dt)
+    stream = TileStream.build(block, gated_deltanet_matrices(config))
     segments, dmas = linear_weights(config)
     layer_params = {n: params[n][i:i + 1] for n in segments + dmas}
     inputs = dict(x=x.reshape(M, D).astype(F32),
                   attn_norm=(params["attn_norm"][layer].astype(F32) + config.norm_offset)[None],
                   conv_state=conv_state.astype(dt)[None], state=state.astype(F32)[None])
-    inputs |= {n: layer_params[n] for n in segments}
+    inputs |= ring_layout({n: layer_params[n] for n in segments}, stream)
     inputs |= prepare_linear(config, layer_params)
     outputs = dict(out=jax.ShapeDtypeStruct((M, D), F32),
                    conv_rows=jax.ShapeDtypeStruct((1, B, T, W - 1, C), dt),
@@ -627,7 +628,8 @@ def gated_deltanet(config: ModelConfig, params, x, conv_state, state, *, layer: 
         in_specs=(memory_specs(spaces),),
         out_specs=memory_specs(dict(out=pltpu.VMEM, conv_rows=pl.ANY, state_rows=pl.ANY)),
         scratch_shapes=dict(h_vmem=pltpu.VMEM((M, D), dt),
-                            ring_vmem=pltpu.VMEM((block.slots, block.tile_k, block.tile_n), dt),
+                            ring_vmem=pltpu.VMEM((block.slots, block.tile_rows,
+                                                  block.tile_cols), dt),
                             sems=pltpu.SemaphoreType.DMA((block.slots,)),
                             linear=linear_scratch(config, B, T)),
         compiler_params=pltpu.CompilerParams(vmem_limit_bytes=vmem_limit_bytes(buffers)),

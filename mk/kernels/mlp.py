@@ -69,10 +69,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mk import quant
 from mk.config import COMPUTE_DTYPES, MAX_ROWS, check_routing
-from mk.kernels.common import (BlockSizes, Buffer, default_block, start_dma, vmem_limit_bytes,
-                               vmem_scratch)
+from mk.kernels.common import BlockSizes, Buffer, start_dma, vmem_limit_bytes, vmem_scratch
 from mk.kernels.ring import Repeat, Ring, TileStream, ring_buffers
-from mk.kernels.weight_streaming import ring_weights, weight_stream
+from mk.kernels.weight_streaming import ring_weights, stage_block, weight_stream
 
 
 
@@ -138,9 +137,10 @@ def swiglu_kernel(
     # Inputs
     layer_smem,  # [1] int32: the stacked weight row
     h_vmem,  # [M, D]
-    w_gate_hbm,  # [Ld, D, F] weight dtype or mk.quant.QuantWeight (tile-major), in HBM
-    w_up_hbm,  # [Ld, D, F]
-    w_down_hbm,  # [Ld, F, D]
+    w_gate_hbm,  # [Ld, tiles, tile_rows, tile_cols] weight dtype (`ring_layout`) or
+    #              mk.quant.QuantWeight (tile-major), in HBM
+    w_up_hbm,  # [Ld, tiles, tile_rows, tile_cols]
+    w_down_hbm,  # [Ld, tiles, tile_rows, tile_cols]
     # Outputs
     out_vmem,  # [M, D] f32
     *,
@@ -150,7 +150,7 @@ def swiglu_kernel(
     sems,  # DMA semaphores [slots]
     gate_vmem,  # [M, F] f32
     up_vmem,  # [M, F] f32
-    **ring_vmem,  # the ring's slots: ring_vmem [slots, tile_k, tile_n] weight dtype, or
+    **ring_vmem,  # the ring's slots: ring_vmem [slots, tile_rows, tile_cols] weight dtype, or
     #               ring_<scheme>_vmem and ring_<scheme>_scales_vmem (`ring_buffers`)
 ):
     row = layer_smem[0]
@@ -220,9 +220,9 @@ def swiglu(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, 
         raise ValueError(f"h {h.shape}, w_gate {w_gate.shape}, w_up {w_up.shape}, w_down "
                          f"{w_down.shape} must be [M, D], [Ld, D, F], [Ld, D, F], [Ld, F, D]")
     layer_row = _check_layer(layer, Ld)
-    block = block or default_block(D, F)
+    block = block or stage_block(swiglu_segments(D, F), dtype, formats)
     stream = weight_stream(block, swiglu_segments(D, F), formats)
-    weights, specs = ring_weights(weights, block)
+    weights, specs = ring_weights(weights, stream)
     buffers = swiglu_buffers(M, D, F, dtype, block, h.dtype, formats)
     wbytes = sum(a.nbytes for a in jax.tree.leaves(weights)) // Ld
     return pl.pallas_call(
@@ -558,10 +558,10 @@ def moe(h: jax.Array, router: jax.Array, we_gate: jax.Array, we_up: jax.Array,
                          + ("" if router_bias is None else
                             f"; router_bias {jnp.shape(router_bias)} [Lm, E]"))
     layer_row = _check_layer(layer, Lm)
-    block = block or default_block(D, Fe, *([Fs] if Fs else []))
+    block = block or stage_block(moe_segments(D, Fe, 1, Fs), dtype, formats)
     slots = expert_slots(E, top_k, M)
     stream = weight_stream(block, moe_segments(D, Fe, slots, Fs), formats)
-    ring_inputs, specs = ring_weights({n: weights[n] for n in streamed}, block)
+    ring_inputs, specs = ring_weights({n: weights[n] for n in streamed}, stream)
     buffers = moe_buffers(M, D, E, Fe, router.dtype, block, h.dtype, formats, shared_ffn=Fs,
                           router_score=router_score)
     expert_bytes = sum(a.nbytes for n in EXPERT_WEIGHTS

@@ -14,7 +14,7 @@ and each layer skips the kind it does not use (`layer_body(..., linear=)`).
 
 Here: `mixer_kinds` and `mlp_kinds` (what a whole-model kernel holds), `mlp_weights` (an
 MLP kind's weights: Kimi's MoE adds a router bias and a shared expert), `layer_matrices`
-(the stream of one layer), `layer_dims` (what its tiles divide), `layer_buffers` /
+(the stream of one layer), `model_block` (the tiling its matrices share), `layer_buffers` /
 `layer_scratch` (its VMEM and scratch by name), `mlp_fetch`, `LAYER_PHASES` (the layer's
 program order as data, `FULL_PHASES` those of attention) and `layer_body` (the in-kernel
 layer the megakernel loops over, in that order), and the stage wrapper `one_layer` with its
@@ -38,8 +38,8 @@ from jax.experimental.pallas import tpu as pltpu
 from mk import quant
 from mk.config import ModelConfig
 from mk.kernels.attention_prologue import check_layer_inputs, prologue, prologue_matrices
-from mk.kernels.common import (BlockSizes, Buffer, aliases, default_block, memory_specs,
-                               start_dma, vmem_limit_bytes)
+from mk.kernels.common import (SLOTS, BlockSizes, Buffer, aliases, default_block,
+                               memory_specs, start_dma, vmem_limit_bytes)
 from mk.kernels.decode_attention import (AttentionScratch, KvStream, attend,
                                          decode_attention_buffers, decode_attention_scratch)
 from mk.kernels.deltanet import gated_deltanet_matrices, linear_mixer
@@ -84,14 +84,16 @@ def layer_matrices(config: ModelConfig, kinds: tuple[str, ...], M: int,
     return matrices
 
 
-def layer_dims(config: ModelConfig) -> list[int]:
-    """Every weight dimension the layers of `config` tile (`default_block`'s input)."""
-    dims = [config.hidden, config.q_width, config.kv_width]
-    if config.linear_layers:
-        dims += [config.conv_channels, config.linear_value_width]
-    dims += [config.ffn] if config.dense_layers else []
-    dims += [config.shared_expert_ffn] if config.moe_layers and config.shared_expert_ffn else []
-    return dims + ([config.expert_ffn] if config.moe_layers else [])
+def model_block(config: ModelConfig, *, context: int | None = None, slots: int = SLOTS,
+                formats=None) -> BlockSizes:
+    """The default tiling of a whole-model kernel of `config` (or of one of its layers):
+    `default_block` over every ring matrix of its layers (`layer_matrices`), the lm_head's
+    D rows (its columns are padded to whole tiles), the weights of quantised `formats`
+    ({family: mk.quant scheme}) never transposed."""
+    matrices = layer_matrices(config, mlp_kinds(config), 1, mixer_kinds(config))
+    return default_block(matrices, context=context, slots=slots,
+                         itemsize=jnp.dtype(config.dtype).itemsize,
+                         fixed=tuple(quant.schemes_of(formats)), padded_rows=(config.hidden,))
 
 
 def layer_buffers(config: ModelConfig, kinds: tuple[str, ...], batch: int, rows: int,
@@ -103,7 +105,7 @@ def layer_buffers(config: ModelConfig, kinds: tuple[str, ...], batch: int, rows:
     M, D, dt = batch * rows, config.hidden, config.dtype
     f32 = "float32"
     if ring is None:
-        ring = [Buffer("ring", (block.slots, block.tile_k, block.tile_n), dt)]
+        ring = [Buffer("ring", (block.slots, block.tile_rows, block.tile_cols), dt)]
     buffers = [*ring,
                Buffer("h", (M, D), dt), Buffer("q", (M, config.q_width), f32),
                Buffer("k", (M, config.kv_width), f32), Buffer("v", (M, config.kv_width), f32),
@@ -406,16 +408,16 @@ def one_layer(config: ModelConfig, params, x, k_cache, v_cache, positions, *, la
         raise ValueError(f"caches {k_cache.shape}, {v_cache.shape} must be [L, B, K, S, H]="
                          f"{expected}")
     check_positions(positions, T, S)
-    block = block or default_block(*layer_dims(config), context=S)
+    formats = quant.formats_of(params)
+    block = block or model_block(config, context=S, formats=formats)
     block.check_context(S)
     kind, row = config.mlp_index(layer)
-    formats = quant.formats_of(params)
     stream = _stream(config, (kind,), M, block, formats)
     ones = jnp.ones((config.head_dim,), jnp.float32)
     qk = [params[n][layer] if config.qk_norm else ones for n in ("q_norm", "k_norm")]
     attention_weights = ("wq", "wk", "wv", "wo")
     weights, weight_specs = ring_weights(
-        {n: params[n] for n in attention_weights + MLP_WEIGHTS[kind]}, block)
+        {n: params[n] for n in attention_weights + MLP_WEIGHTS[kind]}, stream)
     inputs = dict(index=jnp.array([layer, row], jnp.int32), positions=positions,
                   x=x.reshape(M, D).astype(jnp.float32),
                   norms=jnp.stack([params["attn_norm"][layer],

@@ -40,15 +40,17 @@ The sharding model (one place; `mk.tensor_parallel` shards the weights to it):
     replicated the residual stream, the norms, the router, the embedding table
 
 The default tiling is `mk.kernels.common.default_block` (the rule every kernel uses) over
-every matrix dimension of the shard, with the cache's context: square tiles up to 512, 3
-ring slots, KV tiles of min(256, S) positions.
+every matrix of the shard, with the cache's context: the largest tile of at most
+`TILE_BYTES` (2 MiB) that cuts each matrix plain or transposed (`BlockSizes.cut`: a
+row-sharded [narrow, D] matrix is stored D-major, so a shard's tiles are D x 128 and more),
+3 ring slots, KV tiles of min(256, S) positions.
 
 Adding a VMEM buffer to the megakernel is one line in `_buffers` (its group says where the
 kernel finds it: "layer" buffers are attributes of the layer scratch, the others are
 their own scratch entry or an operand).
 
 Here: the sharding model (`check_tp`, `shard_config`, `kv_heads_of`, `padded_width`),
-`padded_vocab`, `default_block`, `capacity`, `WEIGHT_FAMILIES`, `family_of`,
+`padded_vocab`, `default_block`, `model_stream`, `capacity`, `WEIGHT_FAMILIES`, `family_of`,
 `shard_weight_bytes`, `QUANT_FAMILY`, `DecodePlan`, `Fit`. Not here: the kernel (`mk.megakernel`), the
 layer's phases (`mk.kernels.one_layer.LAYER_PHASES`), sharding arrays
 (`mk.tensor_parallel`), time (`mk.sim`, `mk.perf`).
@@ -67,15 +69,13 @@ from mk.chips import ChipSpec, chip as named_chip
 from mk.config import DTYPE_BITS, ModelConfig, check_rows, positive_int
 from mk.kernels.collectives import (MAX_INDEX, check_devices, collective_buffers,
                                     collective_semaphores)
-from mk.kernels.common import (KV_TILE, LANES, SLOTS, BlockSizes, Buffer, VmemBudget,
-                               vmem_budget)
-from mk.kernels.common import default_block as common_default_block
+from mk.kernels.common import KV_TILE, LANES, SLOTS, BlockSizes, Buffer, VmemBudget, vmem_budget
 from mk.kernels.decode_attention import decode_attention_buffers
 from mk.kernels.deltanet import (LINEAR_WEIGHTS, linear_buffers, linear_layer_shapes,
                                  linear_scratch)
 from mk.kernels.mlp import expert_slots
-from mk.kernels.one_layer import (layer_buffers, layer_dims, layer_matrices, mixer_kinds,
-                                  mlp_kinds)
+from mk.kernels.one_layer import (layer_buffers, layer_matrices, mixer_kinds, mlp_kinds,
+                                  model_block)
 from mk.kernels.ring import TileStream, ring_buffers
 
 # The weight families of one step, and which ring segments and copies belong to each.
@@ -176,14 +176,27 @@ def kv_heads_of(config: ModelConfig, tp: int) -> list[list[int]]:
 # -- The default tiling -------------------------------------------------------------------
 def padded_vocab(local: ModelConfig, block: BlockSizes) -> int:
     """V (of the shard) rounded up to whole lm_head tiles."""
-    return -(-local.vocab // block.tile_n) * block.tile_n
+    return -(-local.vocab // block.tile_cols) * block.tile_cols
 
 
-def default_block(local: ModelConfig, context: int, *, slots: int = SLOTS) -> BlockSizes:
-    """The default tiling of a shard with a cache of `context` positions
-    (`mk.kernels.common.default_block` over every matrix dimension of the shard)."""
-    return common_default_block(*layer_dims(local), context=positive_int("context", context),
-                                slots=slots)
+def default_block(local: ModelConfig, context: int, *, slots: int = SLOTS,
+                  formats=None) -> BlockSizes:
+    """The default tiling of a shard with a cache of `context` positions and the
+    quantised `formats` (`mk.kernels.one_layer.model_block`: the largest tile cutting every
+    matrix of the shard, plain or transposed)."""
+    return model_block(local, context=positive_int("context", context), slots=slots,
+                       formats=formats)
+
+
+def model_stream(local: ModelConfig, block: BlockSizes, M: int, formats=None) -> TileStream:
+    """Every weight tile of one step of the shard `local` for M = B*T rows (`block`'s
+    tiles; the quantised `formats`' segments packed): each layer's `layer_matrices`, then
+    the lm_head [D, V padded to whole tiles]."""
+    return TileStream.build(block, layer_matrices(local, mlp_kinds(local), M,
+                                                  mixer_kinds(local)),
+                            layers=local.layers,
+                            tail=[("lm_head", local.hidden, padded_vocab(local, block))],
+                            schemes=quant.schemes_of(formats))
 
 
 def capacity(positions: int) -> int:
@@ -217,8 +230,8 @@ def _bytes_per_element(local: ModelConfig, dtypes=None, formats=None,
     for family, scheme in formats.items():
         if block is None:
             raise ValueError(f"formats={formats}: quantised bytes need the tiling (block)")
-        tile = block.tile_k * block.tile_n
-        per |= {f: quant.tile_bytes(scheme, block.tile_k, block.tile_n) / tile
+        tile = block.tile_rows * block.tile_cols
+        per |= {f: quant.tile_bytes(scheme, block.tile_rows, block.tile_cols) / tile
                 for f, q in QUANT_FAMILY.items() if q == family}
     return per
 
@@ -291,25 +304,21 @@ class DecodePlan:
         local = shard_config(config, tp)
         M = check_rows(batch, rows)
         context = positive_int("context", context)
+        formats = quant.check_families(config, dict(formats or {}))
+        if formats and tp != 1:
+            raise ValueError(f"formats={formats} with tp={tp}: sharding quantised weights "
+                             "is not built yet (issue 16); quantised plans run on tp=1")
         if block is None:
-            block = default_block(local, context)
+            block = default_block(local, context, formats=formats)
         elif not isinstance(block, BlockSizes):
             raise ValueError(f"block={block!r} must be a BlockSizes or None")
         block.check_context(context)
         if rows > block.kv_tile:
             raise ValueError(f"rows={rows} new rows per sequence exceed "
                              f"kv_tile={block.kv_tile}")
-        vocab = padded_vocab(local, block)
-        formats = quant.check_families(config, dict(formats or {}))
-        if formats and tp != 1:
-            raise ValueError(f"formats={formats} with tp={tp}: sharding quantised weights "
-                             "is not built yet (issue 16); quantised plans run on tp=1")
-        stream = TileStream.build(block, layer_matrices(local, mlp_kinds(local), M,
-                                                        mixer_kinds(local)),
-                                  layers=local.layers,
-                                  tail=[("lm_head", local.hidden, vocab)],
-                                  schemes=quant.schemes_of(formats))
-        buffers = _buffers(local, int(tp), int(batch), int(rows), block, vocab, stream)
+        stream = model_stream(local, block, M, formats)
+        buffers = _buffers(local, int(tp), int(batch), int(rows), block,
+                           padded_vocab(local, block), stream)
         return cls(config, int(tp), local, int(batch), int(rows), context, block, stream,
                    tuple(sorted(formats.items())), tuple(buffers.items()))
 

@@ -1,9 +1,9 @@
 """The weight ring: weight tiles streamed HBM -> VMEM through N slots, never stalling.
 
 A kernel consumes an ordered list of weight tiles, `TileStream`: segments (one weight
-matrix each, cut into tile_k x tile_n tiles, column panel by column panel), repeated once
-per layer, then an optional tail (the lm_head). Tile g of the stream lives in ring slot
-g % slots. The rule that makes the ring work: when tile g has been consumed, tile
+matrix each, cut into tile_rows x tile_cols tiles by `BlockSizes.cut`, output panel by output
+panel), repeated once per layer, then an optional tail (the lm_head). Tile g of the stream
+lives in ring slot g % slots. The rule that makes the ring work: when tile g has been consumed, tile
 g + slots is issued into the slot it just freed. Because g runs across segment and layer
 boundaries, the loads for the next matrix, the next layer and the lm_head are already in
 flight while the current one computes: memory never waits at a matrix or layer edge.
@@ -12,6 +12,14 @@ flight while the current one computes: memory never waits at a matrix or layer e
 `Ring` is the in-kernel side: `prime`, `start(g)`, `slot(g)`, `skip`, and `matmul`, which
 multiplies activations by one segment while keeping the ring full (it waits for each of
 its tiles: it knows which segment they belong to).
+
+The weights sit in HBM in stream order (`ring_layout`, made once by the kernel's
+wrapper or `mk.megakernel.prepare`): each matrix as [tiles, tile_rows, tile_cols], tile t
+at index t, so every tile is one contiguous DMA at one address (`fetch(layer).at[t]`),
+whatever the matrix's shape. A matrix whose transpose is the one the tiles divide (on a
+tensor-parallel shard the row-sharded wo and w_down: [narrow, D]) is stored transposed
+and multiplied as x @ tile^T, so one tall tile shape (D x 128 and more) serves every
+matrix of a shard.
 
 A segment may be switched off at run time (`active`), e.g. the slot of an expert no token
 selected: its tiles are neither loaded nor waited for, but still "consumed" in order so
@@ -52,8 +60,9 @@ class Segment:
     """One weight matrix of the stream: its name and its tile grid."""
 
     name: str
-    row_tiles: int  # K / tile_k
-    col_tiles: int  # N / tile_n
+    in_tiles: int  # tiles along K, the contraction (`BlockSizes.cut`)
+    out_tiles: int  # tiles along N, the output
+    transposed: bool = False  # stored as W^T [N, K] (`BlockSizes.cut`)
     start: int = 0  # offset of its first tile within a layer (or within the tail)
     copies: int = 1  # in a `Repeat`: copy c starts at start + c * stride
     stride: int = 0  # tiles from one copy to the next (a Repeat's tiles per copy); 0 if
@@ -63,7 +72,7 @@ class Segment:
     @property
     def tiles(self) -> int:
         """Tiles of one copy."""
-        return self.row_tiles * self.col_tiles
+        return self.in_tiles * self.out_tiles
 
     @property
     def end(self) -> int:
@@ -126,11 +135,13 @@ class TileStream:
         stored quantised."""
         schemes = dict(schemes or {})
         for name, scheme in schemes.items():
-            quant.tile_shapes(scheme, block.tile_k, block.tile_n)  # raises if it cannot
+            quant.tile_shapes(scheme, block.tile_rows, block.tile_cols)  # raises if it cannot
 
         def segs(items):
-            return [Segment(name, *block.check_matrix(name, rows, cols),
-                            scheme=schemes.get(name)) for name, rows, cols in items]
+            return [Segment(name, cut.in_tiles, cut.out_tiles, cut.transposed,
+                            scheme=schemes.get(name))
+                    for name, rows, cols in items
+                    for cut in [block.cut(name, rows, cols, transpose=name not in schemes)]]
 
         def groups(items):
             return _place((i.copies, segs(i.matrices)) if isinstance(i, Repeat)
@@ -151,6 +162,12 @@ class TileStream:
                 return s
         raise KeyError(f"no segment {name!r} in the stream")
 
+    def shape(self, segment: Segment) -> tuple[int, int]:
+        """(K, N) of the matrix `segment` cuts (its logical [K, N], not the stored one)."""
+        r, c = self.block.tile_rows, self.block.tile_cols
+        step, panel = (c, r) if segment.transposed else (r, c)
+        return segment.in_tiles * step, segment.out_tiles * panel
+
     def base(self, layer, segment: Segment, copy=0):
         """Global index of the first tile of `segment` (copy `copy`) in `layer` (layer and
         copy may be traced)."""
@@ -160,8 +177,8 @@ class TileStream:
         return layer * self.period + first
 
     def tiles(self):
-        """(g, layer or None for the tail, segment name, row tile, col tile) of every tile;
-        a repeated segment's name carries its copy: "we_gate[3]"."""
+        """(g, layer or None for the tail, segment name, contraction step, output panel) of
+        every tile; a repeated segment's name carries its copy: "we_gate[3]"."""
         def ordered(segments):
             return sorted((s.start + c * s.stride + t, s, c, t) for s in segments
                           for c in range(s.copies) for t in range(s.tiles))
@@ -171,25 +188,25 @@ class TileStream:
 
         for layer in range(self.layers):
             for local, s, c, t in ordered(self.segments):
-                yield (layer * self.period + local, layer, named(s, c), t % s.row_tiles,
-                       t // s.row_tiles)
+                yield (layer * self.period + local, layer, named(s, c), t % s.in_tiles,
+                       t // s.in_tiles)
         for local, s, c, t in ordered(self.tail):
-            yield (self.layers * self.period + local, None, named(s, c), t % s.row_tiles,
-                   t // s.row_tiles)
+            yield (self.layers * self.period + local, None, named(s, c), t % s.in_tiles,
+                   t // s.in_tiles)
 
     def table(self, itemsize: int = 2) -> list[dict]:
-        """One dict per tile (g, layer, matrix, row/col tile, ring slot, KiB), for a table;
-        itemsize: bytes per element of the plain segments."""
+        """One dict per tile (g, layer, matrix, contraction step, output panel, ring slot,
+        KiB), for a table; itemsize: bytes per element of the plain segments."""
         return [dict(g=g, layer="lm_head" if layer is None else layer, matrix=name,
-                     row_tile=i, col_tile=j, slot=g % self.block.slots,
+                     k_step=i, panel=j, slot=g % self.block.slots,
                      KiB=self.segment_tile_bytes(self.segment(name.split("[")[0]),
                                                  itemsize) / 1024)
                 for g, layer, name, i, j in self.tiles()]
 
     def segment_tile_bytes(self, segment: Segment, itemsize: int) -> int:
-        """Bytes one tile of `segment` moves: tile_k x tile_n x itemsize when plain, its
+        """Bytes one tile of `segment` moves: tile_rows x tile_cols x itemsize when plain, its
         packed data and scale block when quantised (`mk.quant.tile_bytes`)."""
-        k, n = self.block.tile_k, self.block.tile_n
+        k, n = self.block.tile_rows, self.block.tile_cols
         return k * n * itemsize if segment.scheme is None else quant.tile_bytes(
             segment.scheme, k, n)
 
@@ -233,25 +250,43 @@ class TileStream:
 
     @property
     def tile_bytes(self) -> int:
-        return self.block.tile_k * self.block.tile_n  # times the weight itemsize
+        return self.block.tile_rows * self.block.tile_cols  # times the weight itemsize
 
 
-def ring_layout(weights: dict, block: BlockSizes) -> dict:
-    """Weights by name as the ring reads them: each as it is, or an `mk.quant.QuantWeight`
-    with its scales tile-major for `block` (`mk.quant.tile_major`: each tile's scales one
-    DMA)."""
-    return {name: quant.tile_major(w, block.tile_k, block.tile_n)
-            if isinstance(w, quant.QuantWeight) else w for name, w in weights.items()}
+def tile_major(w, segment: Segment, block: BlockSizes):
+    """Weight w [..., K, N] (leading stacked axes) in the ring's HBM layout for `segment`:
+    [..., tiles, tile_rows, tile_cols], tile t the stream's t-th (output panel t //
+    in_tiles, contraction step t % in_tiles; transposed segments tiled from W^T). A
+    `mk.quant.QuantWeight` (never transposed) becomes `mk.quant.tile_major`'s."""
+    r, c = block.tile_rows, block.tile_cols
+    if isinstance(w, quant.QuantWeight):
+        return quant.tile_major(w, r, c)
+    *lead, K, N = w.shape
+    if segment.transposed:  # stored W^T [N, K]: grid (output panel, step) is (row, col)
+        grid = jnp.swapaxes(w, -1, -2).reshape(*lead, N // r, r, K // c, c)
+        tiles = jnp.swapaxes(grid, -3, -2)
+    else:  # stored W: grid (step, output panel) is (row, col); panels outermost
+        grid = w.reshape(*lead, K // r, r, N // c, c)
+        tiles = jnp.moveaxis(grid, -2, -4)
+    return tiles.reshape(*lead, segment.tiles, r, c)
+
+
+def ring_layout(weights: dict, stream: TileStream) -> dict:
+    """Weights by name as the ring reads them: each of the stream's segments `tile_major`
+    (its tiles in stream order, one contiguous DMA each), the others as they are."""
+    names = {s.name: s for s in stream.segments + stream.tail}
+    return {name: tile_major(w, names[name], stream.block) if name in names else w
+            for name, w in weights.items()}
 
 
 def ring_buffers(stream: TileStream, dtype) -> list[Buffer]:
-    """The ring's VMEM slots ("layer" group): "ring" [slots, tile_k, tile_n] of `dtype` for
+    """The ring's VMEM slots ("layer" group): "ring" [slots, tile_rows, tile_cols] of `dtype` for
     the plain segments (if any), and for each quantised scheme "ring_<scheme>" (its packed
     data) and "ring_<scheme>_scales" (`mk.quant.tile_shapes`), slots deep each."""
     b = stream.block
-    out = [Buffer("ring", (b.slots, b.tile_k, b.tile_n), dtype)] if stream.has_plain else []
+    out = [Buffer("ring", (b.slots, b.tile_rows, b.tile_cols), dtype)] if stream.has_plain else []
     for scheme in stream.schemes:
-        shapes = quant.tile_shapes(scheme, b.tile_k, b.tile_n)
+        shapes = quant.tile_shapes(scheme, b.tile_rows, b.tile_cols)
         for part, suffix in (("data", ""), ("scale", "_scales")):
             shape, part_dtype = shapes[part]
             out.append(Buffer(f"ring_{scheme}{suffix}", (b.slots, *shape), part_dtype))
@@ -264,7 +299,7 @@ Fetch = Callable[..., tuple[object, object]]
 
 
 class Ring:
-    """The in-kernel ring over `stream`: slots_vmem [slots, tile_k, tile_n] (None when
+    """The in-kernel ring over `stream`: slots_vmem [slots, tile_rows, tile_cols] (None when
     every segment is quantised), sems [slots]; packed: {scheme: (data slots, scale slots)}
     of the quantised segments (`ring_buffers`' "ring_<scheme>" and "ring_<scheme>_scales");
     dtype: what tiles are multiplied in (default slots_vmem's).
@@ -285,7 +320,7 @@ class Ring:
             raise ValueError(f"Ring: no slots for {sorted(missing) or 'the plain segments'}")
         self.dtype = jnp.dtype(dtype or slots_vmem.dtype)
         self.n = stream.block.slots
-        self.tk, self.tn = stream.block.tile_k, stream.block.tile_n
+        self.tk, self.tn = stream.block.tile_rows, stream.block.tile_cols
 
     @classmethod
     def in_scratch(cls, stream: TileStream, fetch: dict[str, Fetch], scratch, sems, dtype
@@ -302,35 +337,24 @@ class Ring:
         return fetch(layer, copy) if segment.stride else fetch(layer)
 
     def _copies(self, segment: Segment, layer, copy, t, slot) -> list:
-        """The DMAs that bring tile t of `segment` into `slot`, with their bytes: one for a
-        plain tile; its packed data and its scale block for a quantised one, both on the
-        slot's semaphore."""
+        """The DMAs that bring tile t of `segment` into `slot`, with their bytes: one
+        contiguous copy for a plain tile (`tile_major`); its packed data and its scale
+        block for a quantised one, both on the slot's semaphore."""
         src, _ = self._fetch(segment, layer, copy)
-        i, j = t % segment.row_tiles, t // segment.row_tiles
-        cols = pl.ds(pl.multiple_of(j * self.tn, self.tn), self.tn)
         if segment.scheme is None:
-            rows, dst, parts = self.tk, self.slots_vmem, [(src, None)]
+            parts = [(src, self.slots_vmem)]
         else:
             data, scales = self.packed[segment.scheme]
-            rows, dst, parts = data.shape[1], data, [(src.data, None), (src.scale, scales)]
-        copies = []
-        for source, into in parts:
-            if into is None:  # the tile's rows and columns
-                tile = source.at[pl.ds(pl.multiple_of(i * rows, rows), rows), cols]
-                into = dst
-            else:  # its scale block, whole trailing dims (mk.quant.tile_major)
-                tile = source.at[i, j]
-            nbytes = math.prod(into.shape[1:]) * into.dtype.itemsize
-            copies.append((pltpu.make_async_copy(tile, into.at[slot], self.sems.at[slot]),
-                           nbytes))
-        return copies
+            parts = [(src.data, data), (src.scale, scales)]
+        return [(pltpu.make_async_copy(source.at[t], into.at[slot], self.sems.at[slot]),
+                 math.prod(into.shape[1:]) * into.dtype.itemsize) for source, into in parts]
 
     def _wait(self, segment: Segment, layer, copy, t, slot):
         for dma, _ in self._copies(segment, layer, copy, t, slot):
             dma.wait()
 
     def _weights(self, segment: Segment, g):
-        """Tile g's weights in VMEM as a [tile_k, tile_n] value of the compute dtype."""
+        """Tile g's weights in VMEM as a [tile_rows, tile_cols] value of the compute dtype."""
         if segment.scheme is None:
             return self.slot(g)[...]
         data, scales = self.packed[segment.scheme]
@@ -399,10 +423,11 @@ class Ring:
         """out_ref[M, N] (float32) = x[M, K] @ weight `name` of `layer` (copy `copy` of a
         repeated segment), through the ring.
 
-        x is a VMEM ref (its k-tiles are dynamic lane slices, which Mosaic takes from refs,
-        not values); each k-tile is cast to the weight dtype and the products accumulate
-        in float32 (the `mk.reference.matmul` numerics). Every tile consumed issues tile
-        g + slots.
+        x is a VMEM ref (its contraction steps are dynamic lane slices, which Mosaic takes
+        from refs, not values); each step is cast to the weight dtype and the products
+        accumulate in float32 in out_ref's panel (the `mk.reference.matmul` numerics). A
+        transposed segment's tile is W^T's: x's step times the tile transposed. Every tile
+        consumed issues tile g + slots.
 
         Two loops: in the steady one, tile g + slots is this segment's own tile t + slots,
         issued directly; only the last `slots` tiles (the edge) look up which segment, layer
@@ -412,9 +437,11 @@ class Ring:
         """
         seg = self.stream.segment(name)
         base = self.stream.base(layer, seg, copy)
-        tk, tn, nk = self.tk, self.tn, seg.row_tiles
-        M = x.shape[0]
+        # widths of one contraction step and one output panel
+        step, panel = (self.tn, self.tk) if seg.transposed else (self.tk, self.tn)
+        steps = seg.in_tiles
         active = self._active(seg, layer, copy)
+        contract = (((1,), (1,)), ((), ())) if seg.transposed else (((1,), (0,)), ((), ()))
 
         def when_active(action):
             if active is True:
@@ -422,28 +449,29 @@ class Ring:
             else:
                 pl.when(active)(action)
 
-        def tile(t, acc, *, steady: bool):
+        def tile(t, carry, *, steady: bool):
             g = base + t
-            i, j = t % nk, t // nk
-            # tile g is this segment's tile t: one wait, no search
-            when_active(lambda: self._wait(seg, layer, copy, t, g % self.n))
-            xs = x[:, pl.ds(pl.multiple_of(i * tk, tk), tk)]
-            part = jnp.dot(xs.astype(self.dtype), self._weights(seg, g),
-                           preferred_element_type=jnp.float32)
-            acc = jnp.where(i == 0, part, acc + part)
+            i, j = t % steps, t // steps
+
+            def multiply():
+                self._wait(seg, layer, copy, t, g % self.n)  # tile g: one wait, no search
+                xs = x[:, pl.ds(pl.multiple_of(i * step, step), step)]
+                part = lax.dot_general(xs.astype(self.dtype), self._weights(seg, g),
+                                       contract, preferred_element_type=jnp.float32)
+                cols = pl.ds(pl.multiple_of(j * panel, panel), panel)
+                if steps == 1:
+                    out_ref[:, cols] = part
+                else:  # the first step's select drops whatever the panel held
+                    out_ref[:, cols] = jnp.where(i == 0, part, out_ref[:, cols] + part)
+
+            when_active(multiply)
             if steady:
                 when_active(lambda: self._issue(seg, layer, copy, t + self.n, g + self.n))
             else:
                 self.start(g + self.n, after)
-
-            @pl.when((i == nk - 1) & active)
-            def write_panel():
-                out_ref[:, pl.ds(pl.multiple_of(j * tn, tn), tn)] = acc
-
-            return acc
+            return carry
 
         after = self.stream.following(seg, self.n)  # where an edge tile's g + slots lies
         edge = max(0, seg.tiles - self.n)  # the first tile whose g + slots may lie beyond
-        acc = lax.fori_loop(0, edge, functools.partial(tile, steady=True),
-                            jnp.zeros((M, tn), jnp.float32))
-        lax.fori_loop(edge, seg.tiles, functools.partial(tile, steady=False), acc)
+        lax.fori_loop(0, edge, functools.partial(tile, steady=True), 0)
+        lax.fori_loop(edge, seg.tiles, functools.partial(tile, steady=False), 0)

@@ -13,8 +13,9 @@ The teaching progression is one parameter, `BlockSizes.slots`:
 The weight may be stored quantised (an `mk.quant.QuantWeight`): the ring then streams its
 packed tiles and their scales and dequantises each tile in VMEM (notebook 12). The two
 steps every stage wrapper takes for the weights it streams, whether plain or quantised,
-are here too: `weight_stream` (the stream, with each quantised family's scheme) and
-`ring_weights` (the weights in the ring's layout, with a BlockSpec per array).
+are here too: `stage_block` (its default tiling), `weight_stream` (the stream, with each
+quantised family's scheme) and `ring_weights` (the weights in the ring's layout, with a
+BlockSpec per array).
 
 Not here: the ring mechanics (`mk.kernels.ring`), fused layers (`one_layer`).
 """
@@ -41,11 +42,19 @@ def weight_stream(block: BlockSizes, matrices, formats=None, **kwargs) -> TileSt
     return TileStream.build(block, matrices, schemes=quant.schemes_of(formats), **kwargs)
 
 
-def ring_weights(weights: dict, block: BlockSizes) -> tuple[dict, dict]:
-    """(weights, specs) a stage wrapper passes for the weights by name: each as it is, or
-    an `mk.quant.QuantWeight` with its scales tile-major for `block` (`mk.quant.tile_major`:
-    each tile's scales one DMA); a pl.ANY BlockSpec per array (the ring copies by hand)."""
-    laid = ring_layout(weights, block)
+def stage_block(matrices, dtype, formats=None, **kwargs) -> BlockSizes:
+    """A stage kernel's default tiling for its `matrices` ((name, K, N) triples or
+    `Repeat`s) stored in `dtype` (`default_block`; the weights of quantised `formats`
+    never transposed)."""
+    return default_block(matrices, itemsize=jnp.dtype(dtype).itemsize,
+                         fixed=tuple(quant.schemes_of(formats)), **kwargs)
+
+
+def ring_weights(weights: dict, stream: TileStream) -> tuple[dict, dict]:
+    """(weights, specs) a stage wrapper passes for the weights by name: each in the ring's
+    HBM layout for `stream` (`ring_layout`: its tiles in stream order, a quantised one's
+    scales beside them), with a pl.ANY BlockSpec per array (the ring copies by hand)."""
+    laid = ring_layout(weights, stream)
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     return laid, jax.tree.map(lambda _: hbm, laid)
 
@@ -67,7 +76,8 @@ def _stream(K: int, N: int, block: BlockSizes, scheme: str | None) -> TileStream
 def stream_matmul_kernel(
     # Inputs
     x_vmem,  # [M, K] compute dtype
-    w_hbm,  # [K, N] weight dtype, or an mk.quant.QuantWeight (tile-major scales), in HBM
+    w_hbm,  # [tiles, tile_rows, tile_cols] weight dtype (`ring_layout`), or an
+    #         mk.quant.QuantWeight in its tile-major layout, in HBM
     # Outputs
     out_vmem,  # [M, N] f32
     # Scratch
@@ -93,11 +103,13 @@ def stream_matmul(x: jax.Array, w, *, block: BlockSizes | None = None,
         raise ValueError(f"x [M, K={K}] and w [K={K2}, N] disagree on K")
     if not 1 <= M <= MAX_ROWS:
         raise ValueError(f"rows M={M} must be in [1, {MAX_ROWS}]")
-    block = block or default_block(K, N)
     packed = isinstance(w, quant.QuantWeight)
     scheme, dtype = (w.scheme, jnp.dtype(dtype)) if packed else (None, w.dtype)
+    if block is None:
+        block = default_block([("w", K, N)], itemsize=dtype.itemsize,
+                              fixed=("w",) if packed else ())
     stream = _stream(K, N, block, scheme)
-    weights, specs = ring_weights({"w": w}, block)
+    weights, specs = ring_weights({"w": w}, stream)
     ring = stream_matmul_buffers(M, K, N, dtype, block, scheme)[2:]
     return pl.pallas_call(
         functools.partial(stream_matmul_kernel, stream=stream),

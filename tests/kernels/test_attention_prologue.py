@@ -22,7 +22,7 @@ from builders import plant_double_scale, quantised_cases, tiny_moe_in_ci
 from tolerances import TOLERANCE as ALL_TOLERANCES
 
 TOLERANCE = ALL_TOLERANCES["prologue"]
-BLOCK = BlockSizes(slots=3, tile_k=128, tile_n=256)
+BLOCK = BlockSizes(slots=3, tile_rows=128, tile_cols=256)
 
 
 def _check(config, params, batch, rows, positions, layer=1):
@@ -88,7 +88,7 @@ def test_bad_inputs_are_named():
 @pytest.mark.parametrize("chip", ["v5e", "v6e", "tpu7x"])
 def test_compiles_for_tpu_at_qwen3_8b_shapes(chip):
     config = dataclasses.replace(mk.preset("qwen3-8b"), layers=1)
-    block = BlockSizes(slots=3, tile_k=512, tile_n=1024)
+    block = BlockSizes(slots=3, tile_rows=512, tile_cols=1024)
     params = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in config.param_shapes().items()}
     budget = vmem_budget("attention_prologue",
                          attention_prologue_buffers(config, 8, block), mk.chip(chip))

@@ -27,13 +27,14 @@ from jax.experimental.pallas import tpu as pltpu
 import mk
 from mk import backend, quant, reference, tpu
 from mk.kernels import mlp
-from mk.kernels.common import BlockSizes, default_block, vmem_budget
-from mk.kernels.ring import Ring, TileStream
+from mk.kernels.common import BlockSizes, vmem_budget
+from mk.kernels.ring import Ring, TileStream, ring_layout
+from mk.kernels.weight_streaming import stage_block
 from builders import plant_double_scale, quantised_cases
 from tolerances import TOLERANCE as ALL_TOLERANCES
 
 TOLERANCE = ALL_TOLERANCES["mlp"]
-BLOCK = BlockSizes(slots=3, tile_k=128, tile_n=128)
+BLOCK = BlockSizes(slots=3, tile_rows=128, tile_cols=128)
 S = jax.ShapeDtypeStruct
 
 
@@ -252,7 +253,7 @@ def test_moe_body_runs_inside_a_bigger_stream_over_layers():
     config, params = _model("tiny-moe", "float32")
     M, D, E, Fe, X = 3, config.hidden, config.experts, config.expert_ffn, 2
     slots = mlp.expert_slots(E, X, M)
-    block = BlockSizes(slots=5, tile_k=128, tile_n=128)
+    block = BlockSizes(slots=5, tile_rows=128, tile_cols=128)
     stream = TileStream.build(block, [("w_pre", D, D), *mlp.moe_segments(D, Fe, slots),
                                       ("w_post", D, D)], layers=2)
     keys = jax.random.split(jax.random.key(1), 2)
@@ -273,9 +274,11 @@ def test_moe_body_runs_inside_a_bigger_stream_over_layers():
                         pltpu.VMEM((M, Fe), f32), pltpu.VMEM((M, D), f32),
                         pltpu.SemaphoreType.DMA((2,)), pltpu.SMEM((1, E), jnp.int32),
                         pltpu.SMEM((slots,), jnp.int32), pltpu.SMEM((1,), jnp.int32)])
+    laid = ring_layout(dict(w_pre=w_pre, w_post=w_post) | {
+        n: params[n] for n in ("router", "we_gate", "we_up", "we_down")}, stream)
     (pre, moe, post, loaded), races = _interpret(
-        lambda *args: kernel()(*args), h, w_pre,
-        *(params[n] for n in ("router", "we_gate", "we_up", "we_down")), w_post,
+        lambda *args: kernel()(*args), h,
+        *(laid[n] for n in ("w_pre", "router", "we_gate", "we_up", "we_down", "w_post")),
         dma_execution_mode="eager")
     for layer in range(2):
         want = reference.moe(h, *_moe_args(params, layer), X, True)
@@ -297,13 +300,11 @@ def _expert_slots_with_early_prefetch(ids_smem, count_smem, x_vmem, we_gate_hbm,
                                       lambda layer: 0, ids_smem, count_smem),
                 ring_vmem, sems)
     ring.prime()
-    n, tk = stream.block.slots, stream.block.tile_k
+    n, tk = stream.block.slots, stream.block.tile_rows
 
     def tile(g, acc):
         # a wait needs only the semaphore and the tile's size: any tile-shaped copy names it
-        tile_n = stream.block.tile_n
-        pltpu.make_async_copy(we_gate_hbm.at[0, 0, pl.ds(0, tk), pl.ds(0, tile_n)],
-                              ring.slot(g), sems.at[g % n]).wait()
+        pltpu.make_async_copy(we_gate_hbm.at[0, 0, 0], ring.slot(g), sems.at[g % n]).wait()
         ring.start(g + n)  # too early: the slot is still to be read
         return acc + jnp.dot(x_vmem[:, :tk], ring.slot(g)[...],
                              preferred_element_type=jnp.float32)
@@ -328,8 +329,8 @@ def test_the_race_detector_catches_a_prefetch_into_the_expert_slot_being_read():
             out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
             scratch_shapes=[pltpu.VMEM((3, 128, 128), jnp.float32),
                             pltpu.SemaphoreType.DMA((3,))])
-        jax.block_until_ready(kernel(ids, count, _rows(8, D), *(
-            params[n][:1] for n in ("we_gate", "we_up", "we_down"))))
+        laid = ring_layout({n: params[n][:1] for n in mlp.EXPERT_WEIGHTS}, stream)
+        jax.block_until_ready(kernel(ids, count, _rows(8, D), *laid.values()))
     assert backend.races_found()
 
 
@@ -360,8 +361,9 @@ def test_bad_inputs_are_named():
         mlp.moe(h, quant.quantize_weight(args[0], "int8"), *args[1:], top_k=2,
                 renormalise=True)
     w = [params[n][0] for n in ("w_gate", "w_up", "w_down")]
-    with pytest.raises(ValueError, match=r"weight w_gate \[256, 512\] .* tile_k=512"):
-        mlp.swiglu(h, *w, block=BlockSizes(tile_k=512, tile_n=128))
+    with pytest.raises(ValueError, match=r"weight w_gate \[256, 512\], nor its transpose "
+                                         r".* tile_rows=384"):
+        mlp.swiglu(h, *w, block=BlockSizes(tile_rows=384, tile_cols=128))
     with pytest.raises(ValueError, match=r"must be \[M, D\], \[Ld, D, F\]"):
         mlp.swiglu(h, w[0], w[0], w[0])
     with pytest.raises(ValueError, match=r"dense weights mix storage formats"):
@@ -435,7 +437,7 @@ def test_bad_routing_is_rejected(change, message):
 def test_swiglu_compiles_for_tpu_at_qwen3_8b_shapes(chip):
     config = mk.preset("qwen3-8b")
     M, D, F = 8, config.hidden, config.ffn
-    block = default_block(D, F)
+    block = stage_block(mlp.swiglu_segments(D, F), "bfloat16")
     budget = vmem_budget("mk_swiglu", mlp.swiglu_buffers(M, D, F, "bfloat16", block),
                          mk.chip(chip))
     report = tpu.compile_for_chip(
@@ -448,7 +450,7 @@ def test_swiglu_compiles_for_tpu_at_qwen3_8b_shapes(chip):
 def test_moe_compiles_for_tpu_at_qwen3_30b_a3b_shapes(chip):
     config = mk.preset("qwen3-30b-a3b")
     M, D, E, Fe, X = 8, config.hidden, config.experts, config.expert_ffn, 8
-    block = default_block(D, Fe)
+    block = stage_block(mlp.moe_segments(D, Fe, 1), "bfloat16")
     budget = vmem_budget("mk_moe", mlp.moe_buffers(M, D, E, Fe, "bfloat16", block),
                          mk.chip(chip))
     bf16 = jnp.bfloat16
@@ -471,7 +473,7 @@ def test_kimi_moe_compiles_for_tpu7x_at_kimi_k3s_tp32_shard(groups, topk_groups)
     config = mk.preset("kimi-k3")
     M, D, E, X = 8, config.hidden, config.experts, config.experts_per_token
     Fe = Fs = 128
-    block = default_block(D, Fe)
+    block = stage_block(mlp.moe_segments(D, Fe, 1, Fs), "bfloat16")
     budget = vmem_budget("mk_moe", mlp.moe_buffers(M, D, E, Fe, "bfloat16", block,
                                                    shared_ffn=Fs, router_score="sigmoid"),
                          mk.chip("tpu7x"))
@@ -489,7 +491,7 @@ def test_kimi_moe_compiles_for_tpu7x_at_kimi_k3s_tp32_shard(groups, topk_groups)
 
 def test_an_oversized_expert_ring_is_refused_by_the_budget_and_by_the_compiler():
     M, D, E, Fe = 8, 4096, 8, 4096
-    block = BlockSizes(slots=3, tile_k=4096, tile_n=4096)  # 3 x 32 MiB of bf16 tiles
+    block = BlockSizes(slots=3, tile_rows=4096, tile_cols=4096)  # 3 x 32 MiB of bf16 tiles
     with pytest.raises(ValueError, match=r"over tpu7x's 64 MiB per core; biggest: ring"):
         vmem_budget("mk_moe", mlp.moe_buffers(M, D, E, Fe, "bfloat16", block),
                     mk.chip("tpu7x"))

@@ -226,7 +226,7 @@ def test_bad_inputs_are_named():
 def test_compiles_for_tpu_at_real_shapes(name, chip, formats):
     config = mk.preset(name).first_layers(2)
     B, T, S = 8, 1, 4096
-    block = default_block(config, 256)
+    block = default_block(config, 256, formats=formats)  # quantised weights: plain tiles
     params = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in config.param_shapes().items()}
     params |= {n: quant.abstract_weight(params[n].shape, scheme)
                for family, scheme in formats.items() for n in quant.FAMILIES[family]

@@ -22,9 +22,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 import mk
 from mk import backend, quant, reference, tpu
-from mk.kernels.common import BlockSizes, dma_log, vmem_budget
+from mk.kernels.common import BlockSizes, default_block, dma_log, vmem_budget
 from mk.kernels.plan import DecodePlan
-from mk.kernels.ring import Ring, TileStream
+from mk.kernels.ring import Ring, TileStream, ring_layout
 from mk.kernels.weight_streaming import stream_matmul, stream_matmul_buffers
 from tolerances import TOLERANCE as ALL_TOLERANCES
 
@@ -47,7 +47,7 @@ def _run(x, w, block):
 @pytest.mark.parametrize("slots", [1, 2, 3, 5])
 def test_every_slot_count_matches_the_reference_without_races(slots, dtype):
     x, w = _operands(8, 384, 256, dtype)
-    y, races = _run(x, w, BlockSizes(slots=slots, tile_k=128, tile_n=128))
+    y, races = _run(x, w, BlockSizes(slots=slots, tile_rows=128, tile_cols=128))
     np.testing.assert_allclose(y, reference.matmul(x, w), **TOLERANCE[dtype])
     assert not races
 
@@ -59,7 +59,7 @@ def test_a_quantised_weight_streams_packed_tiles_and_scales_race_free(scheme):
     dequantised weight; the DMAs move `mk.quant.tile_bytes` per tile."""
     x, w = _operands(8, 384, 256, "float32")
     q = quant.quantize_weight(w, scheme)
-    block = BlockSizes(slots=3, tile_k=128, tile_n=128)
+    block = BlockSizes(slots=3, tile_rows=128, tile_cols=128)
     with dma_log() as log:
         y, races = _run(x, q, block)
     want = reference.matmul(x.astype(jnp.bfloat16),
@@ -74,22 +74,23 @@ def test_a_quantised_weight_streams_packed_tiles_and_scales_race_free(scheme):
        slots=st.integers(2, 4))
 def test_any_small_shape_matches_the_reference(M, k_tiles, n_tiles, slots):
     x, w = _operands(M, 128 * k_tiles, 128 * n_tiles, "bfloat16", seed=M)
-    y, races = _run(x, w, BlockSizes(slots=slots, tile_k=128, tile_n=128))
+    y, races = _run(x, w, BlockSizes(slots=slots, tile_rows=128, tile_cols=128))
     np.testing.assert_allclose(y, reference.matmul(x, w), **TOLERANCE["bfloat16"])
     assert not races
 
 
 def _prefetch_into_the_slot_being_read(x_vmem, w_hbm, out_vmem, ring_vmem, sems, *, stream):
-    """The planted bug: tile g + slots is issued BEFORE tile g (same slot) is read."""
+    """The planted bug: tile g + slots is issued BEFORE tile g (same slot) is read.
+    w_hbm is the weight in the ring's layout (`ring_layout`: tile g at w_hbm[g])."""
     ring = Ring(stream, {"w": lambda layer: (w_hbm, None)}, ring_vmem, sems)
     ring.prime()
-    nk, tk, tn = stream.segments[0].row_tiles, stream.block.tile_k, stream.block.tile_n
+    nk, tk, tn = (stream.segments[0].in_tiles, stream.block.tile_rows,
+                  stream.block.tile_cols)
 
     def tile(g, acc):
         i, j = g % nk, g // nk
         n = stream.block.slots
-        pltpu.make_async_copy(w_hbm.at[pl.ds(i * tk, tk), pl.ds(j * tn, tn)],
-                              ring.slot(g), sems.at[g % n]).wait()
+        pltpu.make_async_copy(w_hbm.at[g], ring.slot(g), sems.at[g % n]).wait()
         ring.start(g + n)  # too early: the slot is still to be read
         part = jnp.dot(x_vmem[:, pl.ds(pl.multiple_of(i * tk, tk), tk)],
                        ring.slot(g)[...], preferred_element_type=jnp.float32)
@@ -102,8 +103,9 @@ def _prefetch_into_the_slot_being_read(x_vmem, w_hbm, out_vmem, ring_vmem, sems,
 
 def test_the_race_detector_catches_a_prefetch_into_the_slot_being_read():
     x, w = _operands(8, 256, 256, "float32")
-    block = BlockSizes(slots=2, tile_k=128, tile_n=128)
+    block = BlockSizes(slots=2, tile_rows=128, tile_cols=128)
     stream = TileStream.build(block, [("w", 256, 256)])
+    w = ring_layout({"w": w}, stream)["w"]
     with backend.use("interpret", detect_races=True):  # a kernel is built inside the mode
         kernel = pl.pallas_call(
             functools.partial(_prefetch_into_the_slot_being_read, stream=stream),
@@ -146,7 +148,7 @@ def test_the_dma_bookkeeping_check_catches_a_planted_ring_bug(mutant, dma_execut
     semaphore count (eager) at kernel exit shows it, and strict_dma makes that an error."""
     name, plant = RING_MUTANTS[mutant]
     x, w = _operands(8, 384, 256, "float32")
-    block = BlockSizes(slots=3, tile_k=128, tile_n=128)
+    block = BlockSizes(slots=3, tile_rows=128, tile_cols=128)
     monkeypatch.setattr(Ring, name, plant(getattr(Ring, name)))
     with backend.use("interpret", detect_races=True, dma_execution_mode=dma_execution_mode):
         y = jax.block_until_ready(stream_matmul(x, w, block=block))
@@ -157,19 +159,43 @@ def test_the_dma_bookkeeping_check_catches_a_planted_ring_bug(mutant, dma_execut
         _run(x, w, block)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_weight_only_its_transpose_tiles_streams_transposed_and_matches(dtype):
+    """[384, 256] in 256 x 128 tiles: 384 rows do not divide, so the ring stores W^T
+    [256, 384] (3 contraction steps of 128 per 256-wide output panel) and multiplies each
+    step by its tile transposed; the DMAs still move the weight once."""
+    x, w = _operands(8, 384, 256, dtype)
+    block = BlockSizes(slots=2, tile_rows=256, tile_cols=128)
+    assert TileStream.build(block, [("w", 384, 256)]).segments[0].transposed
+    with dma_log() as log:
+        y, races = _run(x, w, block)
+    np.testing.assert_allclose(y, reference.matmul(x, w), **TOLERANCE[dtype])
+    assert not races
+    assert sum(n for _, n in log) == w.nbytes
+
+
+def test_the_default_tile_is_the_largest_that_cuts_the_weight_ties_to_the_tallest():
+    assert default_block([("w", 4096, 12288)]) == BlockSizes(tile_rows=4096, tile_cols=256)
+    assert default_block([("w", 4096, 12288)], itemsize=4) == BlockSizes(
+        tile_rows=4096, tile_cols=128)  # 2 MiB of float32
+    shard = [("wq", 5120, 768), ("wk", 5120, 256), ("wo", 768, 5120)]  # a TP shard's
+    assert default_block(shard) == BlockSizes(tile_rows=5120, tile_cols=128)  # not 2560 x 256
+
+
 def test_tiles_that_do_not_divide_the_weight_are_named():
     x, w = _operands(8, 384, 256, "float32")
-    with pytest.raises(ValueError, match=r"weight w \[384, 256\] .* tile_k=256"):
-        stream_matmul(x, w, block=BlockSizes(tile_k=256, tile_n=128))
-    with pytest.raises(ValueError, match=r"BlockSizes.tile_n=100 must be a positive multiple"):
-        BlockSizes(tile_n=100)
+    with pytest.raises(ValueError, match=r"weight w \[384, 256\], nor its transpose .* "
+                                         r"tile_rows=256"):
+        stream_matmul(x, w, block=BlockSizes(tile_rows=256, tile_cols=256))
+    with pytest.raises(ValueError, match=r"BlockSizes.tile_cols=100 must be a positive multiple"):
+        BlockSizes(tile_cols=100)
 
 
 @pytest.mark.parametrize("chip", ["v5e", "v6e", "tpu7x"])
 def test_compiles_for_tpu_at_qwen3_8b_mlp_shapes(chip):
     x = jax.ShapeDtypeStruct((8, 4096), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((4096, 12288), jnp.bfloat16)
-    block = BlockSizes(slots=3, tile_k=512, tile_n=1024)
+    block = BlockSizes(slots=3, tile_rows=512, tile_cols=1024)
     budget = vmem_budget("stream_matmul", stream_matmul_buffers(8, 4096, 12288, w.dtype, block),
                          mk.chip(chip))
     report = tpu.compile_for_chip(functools.partial(stream_matmul, block=block), [x, w], chip,
@@ -180,7 +206,7 @@ def test_compiles_for_tpu_at_qwen3_8b_mlp_shapes(chip):
 
 def test_an_oversized_ring_is_refused_by_the_budget_and_by_the_compiler():
     M, K, N = 8, 4096, 20480
-    block = BlockSizes(slots=5, tile_k=4096, tile_n=4096)  # 5 x 32 MiB of bf16 tiles
+    block = BlockSizes(slots=5, tile_rows=4096, tile_cols=4096)  # 5 x 32 MiB of bf16 tiles
     buffers = stream_matmul_buffers(M, K, N, "bfloat16", block)
     with pytest.raises(ValueError, match=r"over tpu7x's 64 MiB per core; biggest: ring"):
         vmem_budget("stream_matmul", buffers, mk.chip("tpu7x"))
@@ -213,7 +239,8 @@ def test_an_edge_tile_searches_every_segment_that_can_follow_and_few_others(name
     block = dataclasses.replace(plan.block, slots=slots)
     stream = DecodePlan.make(config, tp=1, batch=2, rows=1, context=256, block=block).stream
     assert _missed_followers(stream, slots, stream.following) == []
-    if slots < stream.period // 2:  # the search is narrower than the whole stream
+    shortest = min(s.tiles for s in stream.segments)
+    if slots <= shortest:  # a shallow ring: the search is narrower than the whole stream
         assert max(len(stream.following(s, slots)) for s in stream.segments) < len(
             stream.segments)
     # a search that forgets the tail (the lm_head after the last layer) is caught
