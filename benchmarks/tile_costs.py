@@ -1,10 +1,11 @@
 """Per-tile cost of the compiled megakernel, and what it does to HBM busy (issue 14).
 
-For each model and TPU chip: the megakernel's ring is sized by Little's law for a DMA
-latency (`mk.sim.latency_slots`, default 1 us), compiled ahead of time with libtpu's bundle
-dump on (`mk.bundles.measure`: bundles per trip of `Ring.matmul`'s steady and edge loops),
-and the step is simulated (`mk.sim.simulate`) on the same plan with that latency and those
-per-tile costs (`TileCost.assumptions`). A row says: tile and ring bytes, VMEM, bundles per
+For each model and TPU chip: the megakernel's plan for the chip (`DecodePlan.make(chip=)`:
+its tile, a ring sized by Little's law for `mk.kernels.plan.RING_COVER_S`, 2 us), compiled
+ahead of time with libtpu's bundle dump on (`mk.bundles.measure`: bundles per trip of
+`Ring.matmul`'s steady and edge loops), and the step is simulated (`mk.sim.simulate`) on
+the same plan with a DMA latency (`--latency-us`, default 1 us) and those per-tile costs
+(`TileCost.assumptions`). A row says: tile and ring bytes, VMEM, bundles per
 tile, issue time per tile against the tile's DMA time at the core's bandwidth, the
 simulated HBM busy share, and the compile's seconds on this machine.
 
@@ -54,12 +55,9 @@ def row(preset: str, chip: str, *, tp: int = 1, topology: str | None = None, bat
     `measured_on`. 0: no cut, such a row is not measured. A compile that fails is
     recorded with the compiler's first line."""
     config, spec = mk.preset(preset), chip_spec(chip)
-    a = sim.Assumptions(dma_latency_s=latency_s)
     kw = dict(tp=tp, batch=batch, rows=rows, context=context)
-    block = DecodePlan.make(config, **kw).block
-    block = dataclasses.replace(block, slots=sim.latency_slots(config, spec, block,
-                                                               assumptions=a))
-    plan = DecodePlan.make(config, block=block, **kw)
+    plan = DecodePlan.make(config, chip=spec, **kw)  # the ring sized for the chip
+    block = plan.block
     fit = plan.fits(spec)
     out = dict(preset=preset, chip=chip, **kw, topology=topology or spec.topology,
                latency_us=latency_s * 1e6, slots=block.slots,

@@ -185,7 +185,7 @@ def measure(config: ModelConfig, chip: str | ChipSpec, *, tp: int = 1,
     kw = dict(tp=tp, topology=topology, batch=batch, rows=rows, context=context,
               block=block)
     plan = DecodePlan.make(config, tp=tp, batch=batch, rows=rows, context=context,
-                           block=block)
+                           block=block, chip=spec)
     tile_bytes = plan.stream.tile_bytes * jnp.dtype(config.dtype).itemsize
     found = ()
     with tempfile.TemporaryDirectory(prefix="mk-bundles-") as folder:

@@ -21,7 +21,7 @@ from IPython.display import Markdown
 from mk import perf
 from mk.chips import ChipSpec, chip as named_chip
 from mk.config import ModelConfig, preset as named_preset
-from mk.sim import Assumptions, Simulation, latency_slots, simulate
+from mk.sim import Assumptions, Simulation, simulate
 
 TERMS = {
     "published": "a number of data/published.csv as the release states it (tokens/s), and "
@@ -105,8 +105,9 @@ def entries(*, context: int = 0, routing: str = "uniform", compute: str = "bf16"
     "bound" (the largest term of the modelled step: "hbm", "mxu" or "collective"), and
     "state_share" (the linear layers' state bytes over the step's bytes; 0 without
     linear layers); TPU rows
-    with `simulate_tpu` "simulated_ms" (default ring) and "deep_ms" (slots from Little's
-    law, `mk.sim.latency_slots`) with "deep_slots", "deep_utilisation", "deep_bound"; GPU
+    with `simulate_tpu` "simulated_ms" (the plan's ring for the chip: the slots Little's
+    law asks for at `mk.kernels.plan.RING_COVER_S`) with "simulated_slots",
+    "simulated_utilisation", "simulated_bound"; GPU
     rows "conventional_ms", "conventional_gap_ms". Each X_ms has X (tokens/s in the row's
     metric) and X_error (X / published - 1). A system without a chip row gets a "note" and
     nothing else; every other row's "note" says what differs from the published run.
@@ -165,12 +166,9 @@ def entries(*, context: int = 0, routing: str = "uniform", compute: str = "bf16"
                        state_share=est.state_bytes / est.total_bytes))
         if spec.kind == "tpu" and simulate_tpu:
             sim = simulated(config, spec, **kw)
-            block = dataclasses.replace(sim.block, slots=latency_slots(
-                config, spec, sim.block, assumptions=assumptions))
-            deep = simulated(config, spec, block=block, **kw)
-            rec |= (timed("simulated", sim.step_ms) | timed("deep", deep.step_ms)
-                    | dict(sim_slots=sim.block.slots, deep_slots=block.slots,
-                           deep_utilisation=deep.hbm_utilisation, deep_bound=_bound(deep)))
+            rec |= timed("simulated", sim.step_ms) | dict(
+                simulated_slots=sim.block.slots, simulated_utilisation=sim.hbm_utilisation,
+                simulated_bound=_bound(sim))
             cost = recorded.get(run.key)
             if cost is not None and not cost["fits"]:
                 rec["compiled_note"] = (f"the whole kernel: {cost['error']}" + (

@@ -22,7 +22,9 @@ returned cache keeps the last row's). The skip has a cost the simulator shows: t
 look-ahead into a skipped region loads nothing, so it restarts at the region's end.
 
 Small per-layer vectors (attn/mlp norms, q/k norms) stay in HBM and are prefetched a
-layer ahead into two VMEM slots; each MoE layer's router [D, E] is DMA'd at the layer's
+layer ahead into two VMEM slots; a full layer's first KV tiles (`KvStream.prime`) are
+issued right after the previous full layer's attention (the first full layer's at the
+step's start), so they load across the layer edge behind the MLP's weight tiles; each MoE layer's router [D, E] is DMA'd at the layer's
 start and waited for just before routing; the final norm is DMA'd at the step's start and
 waited for before the lm_head. Kept outside the kernel: the embedding gather of the step's
 B*T tokens (an XLA gather before the call).
@@ -73,7 +75,7 @@ from mk.kernels.collectives import (AXIS, COLLECTIVE_IDS, CollectiveScratch, all
                                     argmax_body, barrier)
 from mk.kernels.common import (BlockSizes, aliases, memory_specs, start_dma,
                                vmem_limit_bytes)
-from mk.kernels.decode_attention import AttentionScratch
+from mk.kernels.decode_attention import AttentionScratch, KvStream
 from mk.kernels.deltanet import (LINEAR_WEIGHTS, STATE_INPUTS, STATE_OUTPUTS, linear_weights,
                                  prepare_linear)
 from mk.kernels.one_layer import layer_body, mixer_kinds, mlp_fetch, mlp_kinds, mlp_weights
@@ -211,6 +213,9 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
                                        vectors["final_sem"].at[0])
     start_dma(final_norm, "final_norm", config.hidden * 4)  # waited before the lm_head
     start_vectors(0)
+    if "full" in plan.mixers:  # the first full layer's first KV tiles; each full layer
+        KvStream(inputs["positions"], outputs["k_cache"], outputs["v_cache"], attention,
+                 rows=plan.rows, layer=0, block=block).prime()  # primes the next one's
 
     def one_layer(layer, x):
         for copy, _ in vector_copies(layer):
@@ -250,7 +255,7 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
             before_mlp=(lambda: pl.when(is_moe)(wait_routers)) if routers else None,
             all_reduce=None if tp == 1 else (  # slot k: the attention's 0, the MLP's 1
                 lambda value, k: all_reduce_body(value, reduce_scratch, n=tp, slot=k)),
-            linear=linear)
+            linear=linear, kv_next=row(layer) + 1)
         if taps:  # s.attn_out still holds this layer's attention output
             outputs["taps"][layer, 0] = x + s.attn_out[...]
             outputs["taps"][layer, 1] = x_out
@@ -271,11 +276,12 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
 
 
 def step_plan(config: ModelConfig, *, tp: int = 1, batch: int, rows: int = 1, context: int,
-              block: BlockSizes | None = None, formats=None) -> DecodePlan:
+              block: BlockSizes | None = None, formats=None, chip=None) -> DecodePlan:
     """The `DecodePlan` the megakernel runs (every caller's one check): the plan's
-    limits, and a ring of >= 2 slots. formats: `mk.quant.formats_of` the params."""
+    limits, and a ring of >= 2 slots. formats: `mk.quant.formats_of` the params; chip:
+    the TPU it is compiled for (sizes the default ring, `DecodePlan.make`)."""
     plan = DecodePlan.make(config, tp=tp, batch=batch, rows=rows, context=context,
-                           block=block, formats=formats)
+                           block=block, formats=formats, chip=chip)
     if plan.block.slots < 2:
         raise ValueError(f"BlockSizes.slots={plan.block.slots}: the megakernel's ring needs "
                          ">= 2 slots so a tile loads while another computes")

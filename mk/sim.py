@@ -39,8 +39,9 @@ Modelling assumptions (`Assumptions` holds the numbers; none is fitted to a meas
   unit at `scalar_op_s` (2 ns, ~2 cycles at ~1 GHz, an assumption) per expert.
 - Attention: every sequence sits at position `context`, so each reads
   (context + T - 1) // kv_tile + 1 KV tiles of K_dev x kv_tile x H (K and V: two DMAs),
-  through `kv_slots` (the kernel primes kv_slots - 1 of them at the layer's start, before
-  the projections; they are not prefetched across layers); per tile 2 matmuls per kv
+  through `kv_slots` (the kernel primes kv_slots - 1 of them right after the previous full
+  layer's attention, across the layer edge, the first full layer's at the step's start);
+  per tile 2 matmuls per kv
   head at the MXU rule above with R = round_up(G*T, 8) rows, plus ~8 vector ops per
   score; the one or two tiles holding the new rows are written back (start then wait:
   the kernel blocks on it).
@@ -97,7 +98,7 @@ from mk.kernels.decode_attention import block_rows, write_back_rows
 from mk.kernels.deltanet import linear_layer_shapes, linear_weights
 from mk.kernels.mlp import expert_slots
 from mk.kernels.one_layer import FULL_PHASES, LAYER_PHASES, mlp_kinds
-from mk.kernels.plan import DecodePlan, capacity, family_of
+from mk.kernels.plan import DecodePlan, capacity, family_of, little_slots
 from mk.kernels.ring import TileStream
 
 CAUSES = ("step start", "layer boundary", "routing", "attention", "lm_head", "collective",
@@ -153,16 +154,18 @@ def active_experts(config: ModelConfig, m: int, routing: str = "uniform") -> int
 
 
 def step_plan(config: ModelConfig, *, batch: int = 1, rows: int = 1, context: int = 0,
-              tp: int = 1, block: BlockSizes | None = None, formats=None) -> DecodePlan:
+              tp: int = 1, block: BlockSizes | None = None, formats=None,
+              chip: ChipSpec | str | None = None) -> DecodePlan:
     """The plan the simulator replays: every sequence at position `context`, in a cache
     just large enough for its rows (`mk.kernels.plan.capacity`, or whole KV tiles of the
-    given block)."""
+    given block); without a block, the tiling the kernel compiled for `chip` has
+    (`DecodePlan.make`: its ring sized by Little's law)."""
     if block is not None and not isinstance(block, BlockSizes):
         raise ValueError(f"block={block!r} must be a BlockSizes or None")
     positions = context + rows
     S = capacity(positions) if block is None else -(-positions // block.kv_tile) * block.kv_tile
     return DecodePlan.make(config, tp=tp, batch=batch, rows=rows, context=S, block=block,
-                           formats=formats)
+                           formats=formats, chip=chip)
 
 
 # -- The machine ---------------------------------------------------------------------------
@@ -469,9 +472,9 @@ class _Kernel:
             self.mc.compute(perf.allreduce_s(nbytes, self.tp, self.spec), self.layer,
                             "collective")
 
-    def vectors(self, layer, tag):
+    def vectors(self, layer, tag=""):
         """Issue layer `layer`'s norm vectors (two DMAs, issued at the previous layer's
-        start); `tag` names the HBM gap they may end (the layer edge they are issued at)."""
+        start); `tag` names the HBM gap they may end (the step's start)."""
         c = self.c
         return max(self.mc.dma(8 * c.hidden, layer, "norms", tag),
                    self.mc.dma(8 * c.head_dim, layer, "qk_norms", tag))
@@ -482,15 +485,17 @@ class _Kernel:
         self.prime_layer(0, "step start")
         final_norm = self.mc.dma(4 * D, c.layers, "final_norm", "step start")
         vectors = self.vectors(0, "step start")
+        if c.full_layers:
+            self.prime_kv(c.full_layers[0], "step start")
         for layer in range(c.layers):
             self.layer = layer
             self.mc.wait(vectors)
-            if layer + 1 < c.layers:
-                # the ring's next tiles, not these, close a layer edge's gap unless the
-                # kernel primes each layer at its start (prefetch off)
-                vectors = self.vectors(layer + 1, "" if self.prefetch else "layer boundary")
-            if layer and not self.prefetch:
-                self.prime_layer(layer * self.period, "layer boundary")
+            if layer and not self.prefetch:  # a kernel that primes each layer at its start:
+                self.prime_layer(layer * self.period, "layer boundary")  # these close the
+                if layer in c.full_layers:  # layer edge's gap
+                    self.prime_kv(layer, "layer boundary")
+            if layer + 1 < c.layers:  # the ring's next tiles, not these, close a layer
+                vectors = self.vectors(layer + 1)  # edge's gap
             is_moe = layer in c.moe_layers
             router = (self.mc.dma(D * c.experts * c.weight_bits / 8, layer, "router")
                       if is_moe else None)
@@ -510,8 +515,10 @@ class _Kernel:
     def phase(self, name: str, is_moe: bool, router):
         """One phase of `layer_body` (`mk.kernels.one_layer.LAYER_PHASES`) on the machine."""
         c, M, D = self.c, self.m, self.c.hidden
-        if name == "kv_prime":
-            self.prime_kv()
+        if name == "kv_prime":  # without cross-layer prefetch, at the layer's start
+            later = [layer for layer in c.full_layers if layer > self.layer]
+            if later and self.prefetch:
+                self.prime_kv(later[0])
         elif name == "prologue":
             self.vector(4 * M * D, "norm")
             for matrix, *_ in prologue_matrices(c):
@@ -636,19 +643,23 @@ class _Kernel:
         per_seq = (self.context + self.rows - 1) // self.s.block.kv_tile + 1
         return [(b, i) for b in range(self.batch) for i in range(per_seq)]
 
-    def issue_kv(self, j, tag=""):
+    def issue_kv(self, j, tag="", layer=None):
+        """KV tile j of the attending layer (`layer`, default the current one)."""
         c, tile = self.c, self.s.block.kv_tile
+        layer = self.layer if layer is None else layer
         if j < len(self.kv_tiles()):
             kv_bytes = c.kv_heads * tile * c.head_dim * (c.weight_bits // 8)
-            self.kv_landed[j] = max(self.mc.dma(kv_bytes, self.layer, "k_tile", tag, False),
-                                    self.mc.dma(kv_bytes, self.layer, "v_tile", tag, False))
+            self.kv_landed[j] = max(self.mc.dma(kv_bytes, layer, "k_tile", tag, False),
+                                    self.mc.dma(kv_bytes, layer, "v_tile", tag, False))
 
-    def prime_kv(self):
-        """The layer's first kv_slots - 1 KV tiles, issued at the layer's start
-        (`KvStream.prime` in `layer_body`): they load during the projections."""
+    def prime_kv(self, layer, tag=""):
+        """Full layer `layer`'s first kv_slots - 1 KV tiles (`KvStream.prime`): issued at
+        the step's start for the first full layer, then by each full layer right after its
+        attention for the next (`layer_body`'s "kv_prime"): they load across the layer
+        edge."""
         self.kv_landed = {}
         for j in range(self.s.block.kv_slots - 1):
-            self.issue_kv(j, "attention")
+            self.issue_kv(j, tag, layer)
 
     def attend(self):
         c, B, T, block = self.c, self.batch, self.rows, self.s.block
@@ -824,7 +835,7 @@ def latency_slots(config: ModelConfig, chip: ChipSpec | str, block: BlockSizes, 
                if config.is_moe else 99)
     tile_bytes = block.tile_rows * block.tile_cols * bits / 8
     bw = spec.hbm_bw / spec.cores_per_chip * a.hbm_share
-    return math.ceil(bw * a.dma_latency_s / tile_bytes) + 2
+    return little_slots(bw, a.dma_latency_s, tile_bytes)
 
 
 def simulate(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: int = 1,
@@ -837,7 +848,9 @@ def simulate(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows:
     formats=)` (formats: the mk.quant schemes of the families stored quantised).
 
     context: the cached positions each sequence reads (its rows sit at positions context ..
-    context + T - 1); block defaults to the plan's; weight_dtypes as in `mk.perf.predict`;
+    context + T - 1); block defaults to the plan's for this chip (`step_plan`: the ring
+    Little's law asks for at `mk.kernels.plan.RING_COVER_S`); weight_dtypes as in
+    `mk.perf.predict`;
     experts_active overrides the routing model (active expert slots per MoE layer).
     """
     spec = _tpu(chip)
@@ -851,7 +864,7 @@ def simulate(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows:
     positive_int("rows", rows)
     _check_context(config, context, rows)
     plan = step_plan(config, batch=batch, rows=rows, context=context, tp=tp, block=block,
-                     formats=formats)
+                     formats=formats, chip=spec)
     a = assumptions or Assumptions()
     dtypes = perf.family_dtypes(config, weight_dtypes)
     on = 0

@@ -640,14 +640,12 @@ def step_ms(config: ModelConfig, chip, *, batch: int, rows: int, context: int, t
             timing: str = "modelled") -> float:
     """One decode step of B x T rows: "modelled" the modelled step of `mk.ledger.TERMS`
     (`mk.perf.modelled_step_ms`: max(HBM floor, MXU floor) + the collectives), "sim"
-    `mk.sim.simulate` (TPU chips; the ring's slots sized for the DMA latency, as the
-    "deep" column of `mk.ledger`'s published rows), "conventional" `mk.perf.conventional` (one
+    `mk.sim.simulate` (TPU chips; the plan's ring for the chip, as the "simulated" column
+    of `mk.ledger`'s published rows), "conventional" `mk.perf.conventional` (one
     kernel per op, a launch gap each: the GPU baseline)."""
     kw = dict(batch=batch, rows=rows, context=context, tp=tp)
     if timing == "sim":
-        block = sim.step_plan(config, batch=batch, rows=rows, context=context, tp=tp).block
-        block = dataclasses.replace(block, slots=sim.latency_slots(config, chip, block))
-        return sim.simulate(config, chip, block=block, **kw).step_ms
+        return sim.simulate(config, chip, **kw).step_ms
     if timing == "conventional":
         return perf.conventional(config, chip, **kw).step_ms
     if timing != "modelled":

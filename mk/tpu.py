@@ -153,7 +153,8 @@ def compile_megakernel(config: ModelConfig, chip: str | ChipSpec, *, tp: int = 1
                        formats=None) -> CompileReport:
     """Compile the whole-model decode step of `config` for `chip`: the megakernel on one
     core (tp=1), or its tensor-parallel step on tp cores of `topology` (a libtpu name,
-    e.g. "tpu7x:2x2x1"; default the chip's own single-chip topology).
+    e.g. "tpu7x:2x2x1"; default the chip's own single-chip topology). Without a block, the
+    plan's tiling for the chip (its ring sized by Little's law: `DecodePlan.make`).
 
     The KV cache is donated, as `generate`'s device loop donates it: updated in place, HBM
     holds it once. Its `DecodePlan` is made first (what the runtime refuses raises ValueError here too);
@@ -163,7 +164,7 @@ def compile_megakernel(config: ModelConfig, chip: str | ChipSpec, *, tp: int = 1
     """
     spec = _tpu(chip)
     plan = megakernel.step_plan(config, tp=tp, batch=batch, rows=rows, context=context,
-                                block=block, formats=formats)
+                                block=block, formats=formats, chip=spec)
     cores = f" TP{plan.tp}" if plan.tp > 1 else ""
     name = f"megakernel {config.name}{cores} B={batch} T={rows} S={context}"
     fit = plan.fits(spec)

@@ -304,7 +304,7 @@ display(ledger.glossary("published", "HBM floor", "modelled step", "simulated st
                         "conventional step"))
 published = [r for r in ledger.entries(context=published_context, simulate_tpu=True,
                                        speculative_only=True) if "modelled" in r]
-model_of = {r["run"]: ("simulated step", "deep") if "deep" in r
+model_of = {r["run"]: ("simulated step", "simulated") if "simulated" in r
             else ("conventional step", "conventional") for r in published}
 comparison = [{
     "run": r["run"], "published tok/s": f"{r['published']:,.0f}",
@@ -321,7 +321,7 @@ for r in published:
         gpu = next(g for g in published if g["preset"] == r["preset"] and g["tau"] == r["tau"]
                    and g["system"] == "gb200")
         ratios[r["run"]] = {k: r[k] / gpu[k] for k in ("published", "modelled", "hbm_floor")}
-        ratios[r["run"]]["system models"] = r["deep"] / gpu["conventional"]
+        ratios[r["run"]]["system models"] = r["simulated"] / gpu["conventional"]
         print(f"{r['run']}: TPU / GB200 " + ", ".join(f"{k} {v:.2f}x"
                                                       for k, v in ratios[r["run"]].items()))
 

@@ -482,8 +482,10 @@ display(plots.table([{
     "modelled step": f"{r['modelled']:,.0f} ({pct(r['modelled_error'])})"
     if "modelled" in r else "-",
     "bound by": r.get("bound", "-"),
-    "simulated step (Little's-law ring)": f"{r['deep']:,.0f} ({pct(r['deep_error'])}), "
-                                          f"{r['deep_bound']}" if "deep" in r else "-",
+    "simulated step (Little's-law ring)": f"{r['simulated']:,.0f} "
+                                          f"({pct(r['simulated_error'])}), "
+                                          f"{r['simulated_bound']}"
+    if "simulated" in r else "-",
     "compiled kernel (simulated)": "; ".join(
         ([f"{r['compiled']:,.0f} ({pct(r['compiled_error'])}), "
           f"{r['compiled_over_floor']:.2f}x the HBM floor, {r['compiled_bound']}"]
@@ -504,9 +506,10 @@ for r in pub:
         line = (f"{r['run']:34} published step {r['published_step_ms']:5.2f} ms = "
                 f"{r['published_step_ms'] / r['modelled_ms']:.2f}x the modelled "
                 f"{r['modelled_ms']:.2f} ms")
-        if "deep" in r:
-            line += (f"; simulated {r['deep_ms']:.2f} ms with {r['deep_slots']} slots, HBM "
-                     f"busy {r['deep_utilisation']:.0%}, bound by {r['deep_bound']}")
+        if "simulated" in r:
+            line += (f"; simulated {r['simulated_ms']:.2f} ms with {r['simulated_slots']} "
+                     f"slots, HBM busy {r['simulated_utilisation']:.0%}, bound by "
+                     f"{r['simulated_bound']}")
         if "compiled" in r:
             line += (f"; the compiled kernel simulated {r['compiled_ms']:.2f} ms = "
                      f"{r['compiled_over_floor']:.2f}x the HBM floor "

@@ -21,8 +21,9 @@ from mk import backend, megakernel, perf, quant, reference, sim
 from mk import tensor_parallel as tpar
 from mk.kernels.collectives import tp_mesh
 from mk.kernels.common import BlockSizes, Cut, dma_log
-from mk.kernels.plan import (DTYPE_FAMILY, DecodePlan, KV_FAMILIES, WEIGHT_FAMILIES,
-                             capacity, default_block, family_of, shard_config)
+from mk.kernels.plan import (DTYPE_FAMILY, KV_FAMILIES, RING_COVER_S, WEIGHT_FAMILIES,
+                             DecodePlan, capacity, default_block, family_of, little_slots,
+                             shard_config)
 from multidevice import run
 
 POSITION = 37  # the one sequence's cached positions before its new row
@@ -183,7 +184,14 @@ def test_the_default_tiling_is_one_rule():
     config = mk.preset("qwen3-8b")
     plan = DecodePlan.make(config, batch=8, context=4096)
     assert plan.block == default_block(config, 4096) == BlockSizes(
-        slots=3, tile_rows=4096, tile_cols=256, kv_tile=256)  # 2 MiB, the tallest
+        slots=3, tile_rows=4096, tile_cols=256, kv_tile=256,  # 2 MiB, the tallest
+        kv_slots=7)  # 6 KV tiles of 1 MiB (K and V of 8 heads) hold the ring's 6 MiB
+    # for a chip, the ring Little's law asks for: one core's bandwidth x 2 us in whole
+    # tiles, plus one computing and one landing
+    spec = mk.chip("tpu7x")
+    deep = DecodePlan.make(config, batch=8, context=4096, chip=spec).block
+    assert deep.slots == little_slots(spec.hbm_bw / 2, RING_COVER_S, 2 * 2**20) == 6
+    assert deep.kv_slots == 13  # 12 MiB of KV tiles, as the ring's
     assert default_block(mk.preset("tiny"), 64).kv_tile == 64  # capped by the cache
     assert capacity(4097) == 4352 and capacity(100) == 112
     assert sim.step_plan(config, batch=8, context=4096).block == dataclasses.replace(
@@ -273,7 +281,7 @@ def test_the_layers_program_order_is_data_the_kernel_checks_and_the_simulator_wa
 
     trace()  # the kernel runs the phases in LAYER_PHASES' order
     swapped = list(one_layer.LAYER_PHASES)
-    swapped[1:3] = swapped[2:0:-1]  # attend before the prologue
+    swapped[0:2] = swapped[1::-1]  # attend before the prologue
     monkeypatch.setattr(one_layer, "LAYER_PHASES", tuple(swapped))
     with pytest.raises(AssertionError, match="runs 'prologue' where LAYER_PHASES has "
                                              "'attend'"):

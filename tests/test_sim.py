@@ -157,7 +157,9 @@ def test_moe_layers_wait_for_routing_before_their_experts_load():
     s = sim.simulate(mk.preset("tiny-moe"), "v6e", batch=2, context=16)
     share = s.bubble_share()
     assert share["routing"] > 0
-    assert {b.layer for b in s.bubbles if b.cause == "routing"} == {1, 2}
+    # every MoE layer; the chip's deep ring has the lm_head's tiles in flight by the last
+    # layer's routing, so a gap may end at one of them (layer None)
+    assert {1, 2} <= {b.layer for b in s.bubbles if b.cause == "routing"} <= {1, 2, None}
 
 
 @pytest.mark.parametrize("name,kwargs", [
@@ -255,3 +257,28 @@ def test_fast_forwarded_bubbles_still_add_up_to_the_idle_time(name, kwargs):
         s = sim.simulate(config, "tpu7x", block=block, **kwargs)
         idle = s.step_s - s.dma_bytes / s.hbm_bandwidth
         assert sum(s.bubble_share().values()) == pytest.approx(idle, rel=1e-9)
+
+
+def test_the_chips_ring_keeps_hbm_busy_where_one_latency_of_slots_does_not():
+    """The plan's ring for TPU7x covers RING_COVER_S (2 us) at one core's bandwidth: at a
+    1 us DMA latency qwen3-0.6b's HBM is >= 90 % busy (issue 14's bar), where a ring
+    covering the latency alone (1 us) leaves it idle as attention and norms fill the ring."""
+    config = mk.preset("qwen3-0.6b")
+    a = sim.Assumptions(dma_latency_s=1e-6)
+    chip_ring = sim.simulate(config, "tpu7x", context=1024, assumptions=a)
+    latency_ring = sim.simulate(config, "tpu7x", context=1024, assumptions=a,
+                                block=dataclasses.replace(chip_ring.block, slots=sim.latency_slots(
+                                    config, "tpu7x", chip_ring.block, assumptions=a)))
+    assert chip_ring.block.slots > latency_ring.block.slots
+    assert chip_ring.hbm_utilisation >= 0.9 > latency_ring.hbm_utilisation
+
+
+@pytest.mark.parametrize("name", ["qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b",
+                                  "qwen3-30b-a3b"])
+def test_every_single_core_preset_keeps_tpu7x_hbm_busy_at_one_microsecond(name):
+    """Issue 14's bar on the plan's own ring, at B = 1, T = 1, S = 1024, a 1 us DMA
+    latency and the MXU rule per tile (the compiled issue time per tile is below it:
+    data/tile_costs/single_core.json, notebook 11)."""
+    s = sim.simulate(mk.preset(name), "tpu7x", context=1024,
+                     assumptions=sim.Assumptions(dma_latency_s=1e-6))
+    assert s.hbm_utilisation >= 0.9, s.bubble_share()

@@ -222,15 +222,17 @@ class KvStream:
 
     def prime(self, issue: bool = True):
         """Issue tiles 0 .. kv_slots - 2 (those that exist); return the cursor of the next
-        tile to issue. `issue=False` only computes the cursor (the stream was primed)."""
-        ahead = (jnp.int32(0), jnp.int32(0))
-        for j in range(self.block.kv_slots - 1):
+        tile to issue. `issue=False` only computes the cursor (the stream was primed). A
+        loop: the kernel's code does not grow with kv_slots."""
+        def tile(j, ahead):
             if issue:
                 @pl.when(j < self.total)
-                def prime_tile(ahead=ahead, j=j):
+                def prime_tile():
                     self.start(ahead, j)
-            ahead = self.advance(ahead)
-        return ahead
+            return self.advance(ahead)
+
+        return lax.fori_loop(0, self.block.kv_slots - 1, tile,
+                             (jnp.int32(0), jnp.int32(0)))
 
 
 def attend(

@@ -244,9 +244,9 @@ def mlp_block(ring: Ring, config: ModelConfig, kinds, s, *, step, is_moe):
 # The phases of one layer in program order, as data: `layer_body` runs them in this order
 # (each under `phase`, which checks it at trace time and names it for the profiler), and
 # `mk.sim` replays the same list with its cost model of each phase.
-LAYER_PHASES = ("kv_prime", "prologue", "attend", "wo", "linear", "attn_all_reduce",
+LAYER_PHASES = ("prologue", "attend", "kv_prime", "wo", "linear", "attn_all_reduce",
                 "mlp_norm", "before_mlp", "mlp", "mlp_all_reduce", "residual")
-FULL_PHASES = ("kv_prime", "prologue", "attend", "wo")  # a full layer's mixer; a linear
+FULL_PHASES = ("prologue", "attend", "kv_prime", "wo")  # a full layer's mixer; a linear
 #                                                         layer's is "linear"
 
 
@@ -274,11 +274,14 @@ def phases():
 def layer_body(ring: Ring, config: ModelConfig, kinds, s, *, step, layer, is_moe, x, norms,
                positions_smem, k_cache_hbm, v_cache_hbm, attention: AttentionScratch,
                block: BlockSizes, batch: int, rows: int, before_mlp=None,
-               all_reduce=None, linear=None):
+               all_reduce=None, linear=None, kv_next=None):
     """One decoder layer inside a kernel: returns the new residual x [M, D] f32.
 
     step: this layer's index in the ring's stream; layer: its index in the KV cache (a full
-    layer's row in the stacked attention weights); s: the scratch refs by name; norms:
+    layer's row in the stacked attention weights), whose first KV tiles the caller primed
+    (`KvStream.prime`: at the kernel's start for the first full layer); kv_next: the cache
+    layer a full layer primes after its attention (traced; none past the cache's last),
+    or None; s: the scratch refs by name; norms:
     (attn_norm, mlp_norm, q_norm, k_norm) values (the q/k norms unused without
     config.qk_norm); is_moe: a traced flag for streams holding
     both MLP kinds; before_mlp: called just before the MLP (e.g. to wait for the router's
@@ -324,16 +327,21 @@ def layer_body(ring: Ring, config: ModelConfig, kinds, s, *, step, layer, is_moe
         linear_mixer(ring, config, ls, hbm, step=step, row=row, x=x, attn_norm=attn_norm,
                      h_vmem=s.h, out_vmem=s.attn_out, batch=batch, rows=rows)
 
-    with phase("kv_prime"):  # the first KV tiles need only the positions: they load
-        mixer("full", lambda: KvStream(  # during the prologue
-            positions_smem, k_cache_hbm, v_cache_hbm, attention, rows=rows, layer=layer,
-            block=block).prime())
+    def prime_next_kv():  # the next full layer's first KV tiles: they need only the
+        @pl.when(kv_next < k_cache_hbm.shape[0])  # positions, so they load across the
+        def prime():  # layer edge, behind this layer's weight tiles, long before use
+            KvStream(positions_smem, k_cache_hbm, v_cache_hbm, attention, rows=rows,
+                     layer=kv_next, block=block).prime()
+
     with phase("prologue"):
         mixer("full", attention_prologue)
-    with phase("attend"):
+    with phase("attend"):  # its first KV tiles were primed (`kv_next`)
         mixer("full", lambda: attend(s.q, s.k, s.v, positions_smem, k_cache_hbm,
                                      v_cache_hbm, s.o, attention, layer=layer, block=block,
                                      primed=True))
+    with phase("kv_prime"):
+        if kv_next is not None:
+            mixer("full", prime_next_kv)
     with phase("wo"):
         mixer("full", output_projection)
     with phase("linear"):
@@ -383,6 +391,9 @@ def one_layer_kernel(inputs, outputs, *, config: ModelConfig, kind: str,
         s.count_smem[0] = 0  # expert tiles issued before routing are no-ops
     ring = Ring.in_scratch(stream, fetch, s, s.sems, config.dtype)
     ring.prime()
+    attention = AttentionScratch(**scratch["attention"])
+    KvStream(inputs["positions"], outputs["k_cache"], outputs["v_cache"], attention,
+             rows=rows, layer=layer, block=block).prime()  # they load during the prologue
     if kind == "moe":
         router.wait()  # long before the router runs
     norms, qk = inputs["norms"], inputs["qk_norms"]
@@ -390,8 +401,8 @@ def one_layer_kernel(inputs, outputs, *, config: ModelConfig, kind: str,
         ring, config, (kind,), s, step=0, layer=layer, is_moe=None, x=inputs["x"][...],
         norms=(norms[0:1, :], norms[1:2, :], qk[0:1, :], qk[1:2, :]),
         positions_smem=inputs["positions"], k_cache_hbm=outputs["k_cache"],
-        v_cache_hbm=outputs["v_cache"], attention=AttentionScratch(**scratch["attention"]),
-        block=block, batch=batch, rows=rows)
+        v_cache_hbm=outputs["v_cache"], attention=attention, block=block, batch=batch,
+        rows=rows)
 
 
 def one_layer(config: ModelConfig, params, x, k_cache, v_cache, positions, *, layer: int,

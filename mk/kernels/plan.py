@@ -43,14 +43,15 @@ The default tiling is `mk.kernels.common.default_block` (the rule every kernel u
 every matrix of the shard, with the cache's context: the largest tile of at most
 `TILE_BYTES` (2 MiB) that cuts each matrix plain or transposed (`BlockSizes.cut`: a
 row-sharded [narrow, D] matrix is stored D-major, so a shard's tiles are D x 128 and more),
-3 ring slots, KV tiles of min(256, S) positions.
+3 ring slots or, for a chip, as many as Little's law asks for `RING_COVER_S` (2 µs) at one
+core's bandwidth, KV tiles of min(256, S) positions, KV slots by `kv_depth`.
 
 Adding a VMEM buffer to the megakernel is one line in `_buffers` (its group says where the
 kernel finds it: "layer" buffers are attributes of the layer scratch, the others are
 their own scratch entry or an operand).
 
 Here: the sharding model (`check_tp`, `shard_config`, `kv_heads_of`, `padded_width`),
-`padded_vocab`, `default_block`, `model_stream`, `capacity`, `WEIGHT_FAMILIES`, `family_of`,
+`padded_vocab`, `default_block` (with `little_slots`, `kv_depth`), `model_stream`, `capacity`, `WEIGHT_FAMILIES`, `family_of`,
 `shard_weight_bytes`, `QUANT_FAMILY`, `DecodePlan`, `Fit`. Not here: the kernel (`mk.megakernel`), the
 layer's phases (`mk.kernels.one_layer.LAYER_PHASES`), sharding arrays
 (`mk.tensor_parallel`), time (`mk.sim`, `mk.perf`).
@@ -179,13 +180,48 @@ def padded_vocab(local: ModelConfig, block: BlockSizes) -> int:
     return -(-local.vocab // block.tile_cols) * block.tile_cols
 
 
-def default_block(local: ModelConfig, context: int, *, slots: int = SLOTS,
-                  formats=None) -> BlockSizes:
+RING_COVER_S = 2e-6  # the time a chip's ring keeps HBM streaming (Little's law): the 1 us
+#   DMA latency assumed (nothing here ran on a TPU; notebook 13 measures it on one), and as
+#   much again for a layer's phases without weight tiles (attention, norms, routing), during
+#   which the ring fills; tests/test_sim.py shows what 1 us alone leaves idle
+
+
+def little_slots(bandwidth: float, latency_s: float, slot_bytes: float) -> int:
+    """Ring slots that keep a DMA engine of `bandwidth` bytes/s busy through `latency_s`
+    (Little's law): bandwidth x latency bytes in flight in whole slots, plus one slot being
+    computed and one landing."""
+    return math.ceil(bandwidth * latency_s / slot_bytes) + 2
+
+
+def default_block(local: ModelConfig, context: int, *, slots: int | None = None,
+                  formats=None, chip: ChipSpec | str | None = None) -> BlockSizes:
     """The default tiling of a shard with a cache of `context` positions and the
-    quantised `formats` (`mk.kernels.one_layer.model_block`: the largest tile cutting every
-    matrix of the shard, plain or transposed)."""
-    return model_block(local, context=positive_int("context", context), slots=slots,
-                       formats=formats)
+    quantised `formats`: `mk.kernels.one_layer.model_block`'s tile (the largest cutting
+    every matrix of the shard, plain or transposed); `slots` ring slots, default the
+    `little_slots` of `chip` (one core's bandwidth, RING_COVER_S, the smallest tile the
+    stream moves) or, without a chip, SLOTS; and as many KV slots as prefetch one
+    sequence's whole cache or the ring's bytes of KV tiles, whichever is fewer (a layer's
+    first KV tiles are issued behind the weight tiles in flight: `kv_depth`)."""
+    block = model_block(local, context=positive_int("context", context), formats=formats)
+    if slots is None and chip is not None:
+        spec = named_chip(chip) if isinstance(chip, str) else chip
+        stream = model_stream(local, block, 1, formats)
+        smallest = min(stream.segment_tile_bytes(s, jnp.dtype(local.dtype).itemsize)
+                       for s in stream.segments + stream.tail)
+        slots = little_slots(spec.hbm_bw / spec.cores_per_chip, RING_COVER_S, smallest)
+    block = dataclasses.replace(block, slots=SLOTS if slots is None else slots)
+    return dataclasses.replace(block, kv_slots=kv_depth(local, block, context))
+
+
+def kv_depth(local: ModelConfig, block: BlockSizes, context: int) -> int:
+    """KV slots of the default tiling: one more than the KV tiles of one sequence's whole
+    cache (`context` positions) or than the KV tiles holding as many bytes as the weight
+    ring, whichever is fewer; at least 2."""
+    itemsize = jnp.dtype(local.dtype).itemsize
+    kv_tile_bytes = 2 * local.kv_heads * block.kv_tile * local.head_dim * itemsize
+    ring_bytes = block.slots * block.tile_rows * block.tile_cols * itemsize
+    tiles = min(-(-context // block.kv_tile), -(-ring_bytes // kv_tile_bytes))
+    return max(2, tiles + 1)
 
 
 def model_stream(local: ModelConfig, block: BlockSizes, M: int, formats=None) -> TileStream:
@@ -293,12 +329,15 @@ class DecodePlan:
 
     @classmethod
     def make(cls, config: ModelConfig, *, tp: int = 1, batch: int, rows: int = 1,
-             context: int, block: BlockSizes | None = None, formats=None) -> DecodePlan:
+             context: int, block: BlockSizes | None = None, formats=None,
+             chip: ChipSpec | str | None = None) -> DecodePlan:
         """Check every limit of the step before anything is traced: tp splits the
         model, M = B*T is in [1, MAX_ROWS], the tiles divide every matrix of the shard,
         the KV tile divides the cache and holds the T rows, the quantised `formats` hold
-        whole groups per tile (and tp = 1: sharding quantised weights is not built). (A one-slot ring is a plan the
-        simulator replays; the kernel refuses it, `mk.megakernel.step_plan`.)"""
+        whole groups per tile (and tp = 1: sharding quantised weights is not built).
+        Without a block, the tiling is `default_block`'s (for `chip`: a ring sized by
+        Little's law). (A one-slot ring is a plan the simulator replays; the kernel refuses
+        it, `mk.megakernel.step_plan`.)"""
         if not isinstance(config, ModelConfig):
             raise ValueError(f"config={config!r} must be a ModelConfig")
         local = shard_config(config, tp)
@@ -309,7 +348,7 @@ class DecodePlan:
             raise ValueError(f"formats={formats} with tp={tp}: sharding quantised weights "
                              "is not built yet (issue 16); quantised plans run on tp=1")
         if block is None:
-            block = default_block(local, context, formats=formats)
+            block = default_block(local, context, formats=formats, chip=chip)
         elif not isinstance(block, BlockSizes):
             raise ValueError(f"block={block!r} must be a BlockSizes or None")
         block.check_context(context)
