@@ -31,9 +31,10 @@ TERMS = {
                  "shorter",
     "MXU floor": "the step's matmuls at the MXU rule, each weight pass costing at least "
                  "the MXU's rows (`mk.perf.mxu_floor_ms`): no step can be shorter either",
-    "modelled step": "max(HBM floor, MXU floor) + the tensor-parallel collectives over ICI "
-                     "(`mk.perf`): a lower bound on a megakernel step under stated "
-                     "assumptions, not a simulation",
+    "modelled step": "max(HBM floor, MXU floor + the tensor-parallel collectives over "
+                     "ICI) (`mk.perf`): the compute lane's matmuls and all-reduces run one "
+                     "after another while HBM streams beside them; a lower bound on a "
+                     "megakernel step under stated assumptions, not a simulation",
     "conventional step": "the same step as one kernel per op, each op at its own floor "
                          "plus a launch gap (`mk.perf.conventional`): a GPU baseline",
     "simulated step": "the megakernel's own tile schedule replayed on a model of the chip "
@@ -102,7 +103,8 @@ def entries(*, context: int = 0, routing: str = "uniform", compute: str = "bf16"
     Always: "run", "model", "preset", "system", "tau" (acceptance length or None), "batch",
     "rows", "metric", "published" (tokens/s), "published_step_ms". For a chip of
     data/chips.csv also "hbm_floor_ms", "mxu_floor_ms", "collective_ms", "modelled_ms",
-    "bound" (the largest term of the modelled step: "hbm", "mxu" or "collective"), and
+    "bound" (what bounds the modelled step: "hbm", else the larger of "mxu" and
+    "collective" on the compute lane), and
     "state_share" (the linear layers' state bytes over the step's bytes; 0 without
     linear layers); TPU rows
     with `simulate_tpu` "simulated_ms" (the plan's ring for the chip: the slots Little's
@@ -158,11 +160,11 @@ def entries(*, context: int = 0, routing: str = "uniform", compute: str = "bf16"
         est = perf.predict(config, spec, accepted=accepted, routing=routing, compute=compute,
                           **kw)
         mxu = perf.mxu_floor_ms(config, spec, routing=routing, compute=compute, **kw)
-        terms = {"hbm": est.hbm_floor_ms, "mxu": mxu, "collective": est.collective_ms}
         modelled = perf.modelled_step_ms(config, spec, routing=routing, compute=compute, **kw)
         rec |= (timed("hbm_floor", est.hbm_floor_ms) | timed("mxu_floor", mxu)
                 | timed("modelled", modelled)
-                | dict(collective_ms=est.collective_ms, bound=max(terms, key=terms.get),
+                | dict(collective_ms=est.collective_ms,
+                       bound=perf.critical_term(est.hbm_floor_ms, mxu, est.collective_ms),
                        state_share=est.state_bytes / est.total_bytes))
         if spec.kind == "tpu" and simulate_tpu:
             sim = simulated(config, spec, **kw)

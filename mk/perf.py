@@ -8,15 +8,18 @@ of tensor parallelism over ICI); `experts_touched`, `attainable_flops` and `roof
 (the roofline itself); `allreduce_s` (one all-reduce); `conventional(...)` ->
 `ConventionalEstimate` (the same step as one kernel per op, each paying a launch gap);
 `mxu_floor_ms` (the compute floor with the MXU rule of `mk.sim`) and `modelled_step_ms`
-(the larger floor plus the collectives);
+(max(HBM floor, MXU floor + the collectives));
 `family_dtypes` (storage dtype per weight family); `resident_bytes` / `min_chips`
 (capacity); `published()` (the rows of data/published.csv; `mk.ledger` sets them against the
 models).
 
 Not here: the megakernel's own schedule and its bubbles (`mk.sim` replays it), anything
-measured. `step_ms` is max(HBM floor, compute floor) + the collectives: a LOWER bound on a
-real step under the assumptions below (collectives sit on the critical path), not a
-simulation of one.
+measured. `step_ms` is max(HBM floor, compute floor + the collectives): a LOWER bound on a
+real step under the assumptions below, not a simulation of one. The collectives sit on the
+compute lane's critical path (each all-reduce needs the partial sums before it and is
+needed by the matmul after it) but not on HBM's: the megakernel's ring keeps streaming
+weight tiles through an all-reduce (as many as it has in flight; `mk.sim` replays how
+many).
 
 Assumptions, each stated where it is used:
 - Weights are counted as the kernel streams them: each of the tp devices moves its shard
@@ -221,12 +224,12 @@ class StepEstimate(_Throughput):
     # FLOPs of one step, all devices
     matmul_flops: float  # 2 * (params a token multiplies by) * B*T
     attention_flops: float  # q.k and p.v over the cache and the causal new rows
-    # Floors, collectives and the step time: max(floors) + collective_ms
+    # Floors, collectives and the step time: max(HBM floor, compute floor + collective_ms)
     hbm_floor_ms: float
     compute_floor_ms: float
     step_ms: float
     attainable_flops_per_chip: float  # where the step sits on its chip's roofline
-    collective_ms: float = 0.0  # the tp all-reduces, on the critical path
+    collective_ms: float = 0.0  # the tp all-reduces, on the compute lane's critical path
     dense_dtype: str = "bfloat16"  # storage dtype of the dense weight family
     expert_dtype: str = "bfloat16"  # storage dtype of the experts
     norm_bytes: float = 0.0  # every norm vector (float32), the final norm included
@@ -277,15 +280,10 @@ class StepEstimate(_Throughput):
 
     @property
     def dominant(self) -> str:
-        """The largest term of step_ms: "hbm", "compute" or "collective"."""
-        terms = {"hbm": self.hbm_floor_ms, "compute": self.compute_floor_ms,
-                 "collective": self.collective_ms}
-        return max(terms, key=terms.get)
-
-    def terms(self) -> dict[str, float]:
-        """The stacked terms of step_ms, ms: the larger floor and the collectives."""
-        floor = max(self.hbm_floor_ms, self.compute_floor_ms)
-        return {f"{self.bound} floor": floor, "collectives": self.collective_ms}
+        """What bounds step_ms: "hbm" (the HBM floor), else the larger part of the compute
+        lane's path, "compute" or "collective"."""
+        return critical_term(self.hbm_floor_ms, self.compute_floor_ms, self.collective_ms,
+                             "compute")
 
 
 
@@ -378,7 +376,7 @@ def predict(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: 
         kv_write_bytes=kv_write_bytes, experts_touched=touched,
         matmul_flops=matmul_flops, attention_flops=attention_flops,
         hbm_floor_ms=hbm_floor_ms, compute_floor_ms=compute_floor_ms,
-        step_ms=max(hbm_floor_ms, compute_floor_ms) + collective_ms,
+        step_ms=max(hbm_floor_ms, compute_floor_ms + collective_ms),
         attainable_flops_per_chip=attainable_flops(spec, flops / total_bytes, compute),
         collective_ms=collective_ms, dense_dtype=dtypes["dense"],
         expert_dtype=dtypes["experts"], linear_bytes=family["linear"],
@@ -448,11 +446,21 @@ def modelled_step_ms(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 
                      rows: int = 1, context: int | None = None, tp: int = 1,
                      routing: str = "uniform", compute: str = "bf16",
                      weight_dtypes=None) -> float:
-    """The modelled step (`mk.ledger.TERMS`): max(HBM floor, MXU floor) + the collectives of
-    tensor parallelism, ms. `weight_dtypes` changes the bytes (`predict`), not the MXU."""
+    """The modelled step (`mk.ledger.TERMS`): max(HBM floor, MXU floor + the collectives of
+    tensor parallelism), ms: HBM streams beside the compute lane, whose matmuls and
+    all-reduces are serial. `weight_dtypes` changes the bytes (`predict`), not the MXU."""
     kw = dict(batch=batch, rows=rows, context=context, tp=tp, routing=routing, compute=compute)
     e = predict(config, chip, weight_dtypes=weight_dtypes, **kw)
-    return max(e.hbm_floor_ms, mxu_floor_ms(config, chip, **kw)) + e.collective_ms
+    return max(e.hbm_floor_ms, mxu_floor_ms(config, chip, **kw) + e.collective_ms)
+
+
+def critical_term(hbm_ms: float, compute_ms: float, collective_ms: float,
+                  compute: str = "mxu") -> str:
+    """What bounds max(hbm_ms, compute_ms + collective_ms): "hbm", else the larger part
+    of the compute lane's path (`compute`, the name of its floor, or "collective")."""
+    if hbm_ms >= compute_ms + collective_ms:
+        return "hbm"
+    return "collective" if collective_ms > compute_ms else compute
 
 
 # -- The conventional execution: one kernel per op ----------------------------------------
