@@ -39,7 +39,6 @@ import jax.numpy as jnp  # noqa: E402
 import mk  # noqa: E402
 from mk import bundles, ledger, sim, tpu  # noqa: E402
 from mk.chips import chip as chip_spec  # noqa: E402
-from mk.kernels.plan import DecodePlan  # noqa: E402
 
 
 def row(preset: str, chip: str, *, tp: int = 1, topology: str | None = None, batch: int,
@@ -56,8 +55,10 @@ def row(preset: str, chip: str, *, tp: int = 1, topology: str | None = None, bat
     recorded with the compiler's first line."""
     config, spec = mk.preset(preset), chip_spec(chip)
     kw = dict(tp=tp, batch=batch, rows=rows, context=context)
-    plan = DecodePlan.make(config, chip=spec, **kw)  # the ring sized for the chip
-    block = plan.block
+    # what the simulator replays (every sequence `context` positions in, its cache just
+    # holding its rows) and the kernel compiles: the plan for the chip (its ring)
+    plan = sim.step_plan(config, chip=spec, **kw)
+    block, compiled = plan.block, dict(kw, context=plan.context)
     fit = plan.fits(spec)
     out = dict(preset=preset, chip=chip, **kw, topology=topology or spec.topology,
                latency_us=latency_s * 1e6, slots=block.slots,
@@ -77,7 +78,7 @@ def row(preset: str, chip: str, *, tp: int = 1, topology: str | None = None, bat
             on += f", experts in {config.dtype} instead of {config.expert_dtype}"
         out |= dict(error=fit.error, measured_on=on + " (the whole shard does not fit one "
                                                       "core's HBM)")
-    cost = bundles.measure(measured, spec, topology=topology, block=block, **kw)
+    cost = bundles.measure(measured, spec, topology=topology, block=block, **compiled)
     if not cost.report.ok:
         return dict(out, fits=False, error=cost.report.error.splitlines()[0][:300])
     run = sim.simulate(config, spec, block=block, **kw,

@@ -24,10 +24,11 @@ look-ahead into a skipped region loads nothing, so it restarts at the region's e
 Small per-layer vectors (attn/mlp norms, q/k norms) stay in HBM and are prefetched a
 layer ahead into two VMEM slots; a full layer's first KV tiles (`KvStream.prime`) are
 issued right after the previous full layer's attention (the first full layer's at the
-step's start), so they load across the layer edge behind the MLP's weight tiles; each MoE layer's router [D, E] is DMA'd at the layer's
-start and waited for just before routing; the final norm is DMA'd at the step's start and
-waited for before the lm_head. Kept outside the kernel: the embedding gather of the step's
-B*T tokens (an XLA gather before the call).
+step's start), so they load across the layer edge behind the MLP's weight tiles; each MoE
+layer's router [D, E] is DMA'd at the layer's start and waited for just before routing;
+the final norm is DMA'd at the step's start and waited for before the lm_head. Kept
+outside the kernel: the embedding gather of the step's B*T tokens (an XLA gather before
+the call).
 
 Quantised weights (`mk.quant.quantize`'s `QuantWeight`s, any of its schemes per family) go
 in as they are: `prepare` lays them out tile-major (`mk.quant.tile_major`), the plan
@@ -73,8 +74,7 @@ from mk import quant, reference
 from mk.config import ModelConfig, positive_int
 from mk.kernels.collectives import (AXIS, COLLECTIVE_IDS, CollectiveScratch, all_reduce_body,
                                     argmax_body, barrier)
-from mk.kernels.common import (BlockSizes, aliases, memory_specs, start_dma,
-                               vmem_limit_bytes)
+from mk.kernels.common import BlockSizes, aliases, memory_specs, start_dma
 from mk.kernels.decode_attention import AttentionScratch, KvStream
 from mk.kernels.deltanet import (LINEAR_WEIGHTS, STATE_INPUTS, STATE_OUTPUTS, linear_weights,
                                  prepare_linear)
@@ -111,9 +111,10 @@ def prepare(config: ModelConfig, params, block: BlockSizes) -> dict:
     weights in stream order for `block` (`mk.kernels.ring.ring_layout`: each stacked
     matrix [..., tiles, tile_rows, tile_cols], transposed where `BlockSizes.cut` says;
     quantised ones `mk.quant.tile_major`), a hybrid's small linear weights as
-    `prepare_linear` lays them out, the other DMA'd weights as they are, the norms stacked per layer in float32 (norm_offset added; a linear layer's q/k
-    norms are ones), the lm_head [D, V] (embed.T when tied) padded with zero columns to
-    whole tiles, and the per-layer tables of the MLP (kind, stacked row) and of the token
+    `prepare_linear` lays them out, the other DMA'd weights as they are, the norms
+    stacked per layer in float32 (norm_offset added; a linear layer's q/k norms are ones),
+    the lm_head [D, V] (embed.T when tied) padded with zero columns to whole tiles, and
+    the per-layer tables of the MLP (kind, stacked row) and of the token
     mixer (linear or not, stacked row: a full layer's is its KV-cache layer)."""
     V, Vp = config.vocab, padded_vocab(config, block)
     head = params["embed"].T if config.tie_embeddings else params["lm_head"]
@@ -392,7 +393,7 @@ def traced_step(plan: DecodePlan, weights, cache, tokens, positions, taps: bool 
         scratch_shapes=plan.scratch(),
         input_output_aliases=aliases(inputs, outputs, ("k_cache", "v_cache")),
         compiler_params=pltpu.CompilerParams(
-            vmem_limit_bytes=vmem_limit_bytes(plan.buffers.values()),
+            vmem_limit_bytes=plan.vmem_limit(),
             **({} if plan.tp == 1 else dict(collective_id=COLLECTIVE_IDS["megakernel"],
                                             has_side_effects=True))),
         name="mk_megakernel",

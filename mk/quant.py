@@ -52,7 +52,8 @@ fp8's [.., I/128, O/128] scales by tile is a lane slice of tile_cols/128 values,
 Mosaic refuses ("dynamic offset ... not a multiple of the memory space word size", measured
 on v5e, v6e and tpu7x), and int4's one-row scale slices of 128-row tiles are refused too.
 int8's per-channel [1, O] row is repeated once per row tile (every tile streams its own
-scales): 4 / tile_rows bytes per weight byte more in HBM and on the wire, 0.8 % at tile_rows 512.
+scales): 4 / tile_rows bytes per weight byte more in HBM and on the wire, 0.8 % at
+tile_rows 512.
 `tile_bytes` is what one streamed tile moves (data plus scale block): the byte count of
 the plan, `mk.perf` and the kernel's DMAs.
 
@@ -322,15 +323,17 @@ def dequantize(params: dict, dtype=None) -> dict:
 
 # -- The kernel's tile layout (module docstring) ------------------------------------------
 def tile_shapes(scheme: str, tile_rows: int, tile_cols: int) -> dict[str, tuple]:
-    """{"data": (shape, dtype), "scale": (shape, dtype)} of one streamed tile_rows x tile_cols
-    tile of a `scheme` weight."""
+    """{"data": (shape, dtype), "scale": (shape, dtype)} of one streamed tile_rows x
+    tile_cols tile of a `scheme` weight."""
     if scheme not in SCHEMES:
         raise ValueError(f"scheme={scheme!r} must be one of {SCHEMES}")
     if tile_rows % PACK_ROWS or tile_cols % GROUP["fp8"]:
-        raise ValueError(f"tile {tile_rows} x {tile_cols}: quantised tiles hold whole groups, "
-                         f"tile_rows and tile_cols multiples of {PACK_ROWS}")
-    data = {"int8": ((tile_rows, tile_cols), "int8"), "fp8": ((tile_rows, tile_cols), "uint8"),
-            "int4": ((tile_rows // 2, tile_cols), "uint8"), "fp4": ((tile_rows // 2, tile_cols), "uint8")}
+        raise ValueError(f"tile {tile_rows} x {tile_cols}: quantised tiles hold whole "
+                         f"groups, tile_rows and tile_cols multiples of {PACK_ROWS}")
+    data = {"int8": ((tile_rows, tile_cols), "int8"),
+            "fp8": ((tile_rows, tile_cols), "uint8"),
+            "int4": ((tile_rows // 2, tile_cols), "uint8"),
+            "fp4": ((tile_rows // 2, tile_cols), "uint8")}
     scale = {"int8": ((1, tile_cols), "float32"),
              "fp8": ((tile_rows // GROUP["fp8"], tile_cols // GROUP["fp8"]), "float32"),
              "int4": ((tile_rows // GROUP["int4"], tile_cols), "bfloat16"),

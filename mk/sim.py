@@ -386,8 +386,8 @@ class _Kernel:
         seg = self.s.segment(name)
         base = self.s.base(self.layer, seg, copy)
         block, mc, n = self.s.block, self.mc, self.n
-        seconds = max(2 * max(self.m, self.mxu) * block.tile_rows * block.tile_cols / self.peak,
-                      self.a.tile_issue_s)
+        seconds = max(2 * max(self.m, self.mxu) * block.tile_rows * block.tile_cols
+                      / self.peak, self.a.tile_issue_s)
         what = "lm_head" if name == "lm_head" else (f"{name}[{copy}]" if seg.stride else name)
         seen, history, t = {}, [], 0  # state -> tile index; (now, gaps) per tile
         while t < seg.tiles:

@@ -94,11 +94,12 @@ print(f"{run.config.name}: M = B*T = {run.batch * run.rows} rows; kernels run on
 # `W` [K, N] is cut into tiles of `tile_rows` x `tile_cols`, consumed column panel by column
 # panel, and stored in HBM in that order (`ring_layout`: [tiles, tile_rows, tile_cols], so a
 # tile is one contiguous copy; a matrix whose transpose is what the tiles divide is stored
-# transposed, stage 05's row-sharded wo). Tile g lives in ring slot g mod `slots`; the rule is **when tile g has been
-# consumed, issue tile g + slots into the slot it freed**. With one slot the DMA engine
-# and the MXU take turns; with two, tile g+1 loads while g computes; with more, the extra
-# tiles in flight absorb DMA latency. For n tiles of b bytes, a DMA latency $\ell$, a
-# transfer time $d = b / \text{BW}$ and a compute time $c$ per tile: tile g + s is issued
+# transposed, stage 05's row-sharded wo). Tile g lives in ring slot g mod `slots`; the
+# rule is **when tile g has been consumed, issue tile g + slots into the slot it freed**.
+# With one slot the DMA engine and the MXU take turns; with two, tile g+1 loads while g
+# computes; with more, the extra tiles in flight absorb DMA latency. For n tiles of b
+# bytes, a DMA latency $\ell$, a transfer time $d = b / \text{BW}$ and a compute time $c$
+# per tile: tile g + s is issued
 # only when tile g is consumed, and needs $\ell + d$ to land and $c$ to be consumed, so
 # every s tiles take at least $\ell + d + c$; the DMA engine needs $d$ per tile, the MXU $c$:
 #
@@ -147,8 +148,9 @@ c = 2 * max(M, spec.mxu_rows) * tile_rows * tile_cols / (
     mk.perf.peak_flops(spec) / spec.cores_per_chip)  # the MXU rule of mk.sim
 n_tiles = (4096 // tile_rows) * (4096 // tile_cols)
 for n in sorted({1, 2, 3, need // 2, need, 2 * need}):
-    s = sim.replay_matmul(TileStream.build(BlockSizes(slots=n, tile_rows=tile_rows, tile_cols=tile_cols),
-                                           [("w", 4096, 4096)]), spec, rows=M)
+    s = sim.replay_matmul(TileStream.build(
+        BlockSizes(slots=n, tile_rows=tile_rows, tile_cols=tile_cols), [("w", 4096, 4096)]),
+        spec, rows=M)
     ring_rows.append({"slots": n, "formula µs": f"{n_tiles * max(d, c, (a.dma_latency_s + d + c) / n) * 1e6:.1f}",
                       "simulated µs": f"{s.step_s * 1e6:.1f}", "HBM busy": f"{s.hbm_utilisation:.0%}"})
 display(plots.table(ring_rows))
@@ -177,8 +179,8 @@ else:
 
 # %%
 lanes = {f"{n} slot{'s' * (n > 1)}": sim.replay_matmul(TileStream.build(
-    BlockSizes(slots=n, tile_rows=tile_rows, tile_cols=tile_cols), [("w", 1024, 1024)]), spec, rows=M)
-    for n in (1, 2, need)}
+    BlockSizes(slots=n, tile_rows=tile_rows, tile_cols=tile_cols), [("w", 1024, 1024)]),
+    spec, rows=M) for n in (1, 2, need)}
 plots.show(plots.timeline(lanes, title=f"x @ W [1024, 1024] through rings of 1, 2 and {need} "
                                        f"slots on {spec.name} (simulated)"))
 

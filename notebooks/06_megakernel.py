@@ -101,9 +101,9 @@ print(f"{config.name}: {config.layers} layers, B={run.batch} T={run.rows} S={run
 # %%
 plan = DecodePlan.make(config, batch=run.batch, context=run.context, block=block)
 stream = plan.stream
-print(f"{stream.total} tiles of {block.tile_rows}x{block.tile_cols}: {stream.period} per layer, "
-      f"{stream.total - config.layers * stream.period} of lm_head; ring of {block.slots} "
-      f"slots")
+print(f"{stream.total} tiles of {block.tile_rows}x{block.tile_cols}: {stream.period} per "
+      f"layer, {stream.total - config.layers * stream.period} of lm_head; ring of "
+      f"{block.slots} slots")
 plots.show(plots.tile_stream(stream, title=f"{config.name}: one decode step's weight tiles"))
 
 # %% [markdown]
@@ -219,7 +219,7 @@ else:
     loaded_in = {"full": config.full_layers, "linear": config.linear_layers}
     display(plots.table([{
         "segment": s.name, "mixer": mixer.get(s.name, "MLP"),
-        "tiles": f"{s.in_tiles} x {s.out_tiles}" + (" (transposed)" if s.transposed else ""),
+        "tiles": f"{s.in_tiles} x {s.out_tiles}" + (" transposed" * s.transposed),
         "first g of the period": s.start,
         "loaded in layers": ", ".join(map(str, loaded_in.get(mixer.get(s.name),
                                                              range(config.layers))))}

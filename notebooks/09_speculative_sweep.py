@@ -220,9 +220,9 @@ print("forced L -> measured tau:", forced)
 # $$\text{tokens/s per user} = \frac{\tau}{t_\text{verify}(\gamma + 1\ \text{rows}) +
 # t_\text{draft}}$$
 #
-# with $t_\text{verify}$ the modelled step (`mk.spec.step_ms`: the larger of the HBM floor and
-# the MXU floor plus the collectives, checked below) for the `sweep_preset` model on the fewest chips
-# (a power of two) of each kind that hold it, all devices sharing the step, and
+# with $t_\text{verify}$ the modelled step (`mk.spec.step_ms`: the larger of the HBM floor
+# and the MXU floor plus the collectives, checked below) for the `sweep_preset` model on the
+# fewest chips (a power of two) of each kind that hold it, all devices sharing the step, and
 # $t_\text{draft} = \gamma$ steps of the `sweep_draft` model on the same chips. Without a
 # drafter ($t_\text{draft} = 0$) every gamma gives the same line, because verifying 8 rows
 # costs about what 1 row costs (printed below the plot); the draft cost is what separates

@@ -75,15 +75,16 @@ checkpoint: str = ""  # a local Hugging Face checkpoint folder; "" for random we
 tp: int = 1  # tensor-parallel devices; the kernel reviewed is the shard of one device
 dense_dtype: str = ""  # attention/MLP/lm_head storage: bf16, int8, fp8, int4, fp4; "" keeps it
 expert_dtype: str = ""  # expert storage dtype, the same names; "" keeps it
-slots: int = 0  # weight ring slots; 0 for the kernel default (3)
-tile: int = 0  # square weight tile side; 0 for the largest that divides every matrix
+slots: int = 0  # weight ring slots; 0 for the plan's ring for the chip (Little's law)
+tile: int = 0  # square weight tile side; 0 for the plan's (largest cutting every matrix)
 kv_tile: int = 0  # cached positions per KV tile; 0 for min(256, context)
-kv_slots: int = 2  # KV tiles in the VMEM ring
+kv_slots: int = 0  # KV tiles in the VMEM ring; 0 for the plan's (`kv_depth`)
 compile_for_tpu: bool = True  # the ahead-of-time libtpu compile of the megakernel
 simulate_published: bool = False  # simulate the published TPU runs too (some seconds)
 xla_layers: int = 0  # layers of XLA's own step to compile and count; 0 for all of them
 recorded_tile_costs: str = "data/tile_costs/single_core.json"  # benchmarks/tile_costs.py's run
 published_tile_costs: str = "data/tile_costs/published.json"  # its --published run
+before_commit: str = "fb8e92e"  # the recorded runs <name>_before_<commit>.json beside them
 exercise_ring_slots: int = 0  # the exercise: ring slots to check (0 is the Little law depth; try 2)
 
 # %% tags=["hide-input"]
@@ -109,10 +110,10 @@ config = run.config
 dtypes = {k: v for k, v in (("dense", dense_dtype), ("experts", expert_dtype)) if v}
 position = run.context - run.rows  # every sequence reads a full cache: the worst case
 default = DecodePlan.make(config, tp=tp, batch=run.batch, rows=run.rows,
-                          context=run.context).block
+                          context=run.context, chip=spec).block
 block = BlockSizes(slots=slots or default.slots, tile_rows=tile or default.tile_rows,
                    tile_cols=tile or default.tile_cols, kv_tile=kv_tile or default.kv_tile,
-                   kv_slots=kv_slots)
+                   kv_slots=kv_slots or default.kv_slots)
 plan = DecodePlan.make(config, tp=tp, batch=run.batch, rows=run.rows, context=run.context,
                        block=block)
 device = plan.local  # what one device's kernel holds
@@ -245,10 +246,11 @@ if report is not None and report.ok:
 # %% [markdown]
 # The same measurement for every single-core preset and chip, and for the tensor-parallel
 # shard of every published TPU run (one device's kernel, compiled on the run's multi-chip
-# topology), recorded by `benchmarks/tile_costs.py` (the ring as deep as Little's law asks
-# at 1 us; single-core rows B=1, T=1, S=1024; published runs at the ledger's batch and
-# rows; compile seconds on the 2-core machine that recorded it). A ratio above 0.9 is a
-# kernel whose TensorCore, not HBM, sets the pace of weight streaming.
+# topology), recorded by `benchmarks/tile_costs.py` (the plan's ring for the chip: Little's
+# law at `RING_COVER_S`, 2 us; simulated at a 1 us DMA latency; single-core rows B=1, T=1,
+# S=1024; published runs at the ledger's batch and rows; compile seconds on the 2-core
+# machine that recorded it). A ratio above 0.9 is a kernel whose TensorCore, not HBM, sets
+# the pace of weight streaming.
 
 # %%
 checkout = Path(mk.__file__).resolve().parent.parent
@@ -271,6 +273,40 @@ if recorded_path.exists():
         for r in json.loads(recorded_path.read_text()) + published_costs]))
 else:
     print(f"{recorded_path} is not here (a checkout has it); benchmarks/tile_costs.py makes it")
+
+# %% [markdown]
+# Before and after the weights were laid out in stream order (issue 14): the same runs of
+# the kernel at commit `before_commit`, whose one square tile had to divide both sides of
+# every matrix (128 x 128, 32 KiB, on a tensor-parallel shard), against this checkout's,
+# whose tile cuts each matrix plain or transposed (up to 2 MiB) and whose ring the plan
+# sizes for the chip.
+
+# %%
+def recorded(path):
+    return {(r["preset"], r["chip"], r.get("tp", 1), r.get("batch", 1), r.get("rows", 1)): r
+            for r in (json.loads(path.read_text()) if path.exists() else [])}
+
+
+after = recorded(recorded_path) | recorded(published_path)
+before = {k: v for path in (recorded_path, published_path)
+          for k, v in recorded(path.with_name(f"{path.stem}_before_{before_commit}.json"))
+          .items()}
+
+
+def then_now(key, field, form):
+    old, new = before[key].get(field), after[key].get(field)
+    return " -> ".join("-" if v is None else format(v, form) for v in (old, new))
+
+
+display(plots.table([
+    {"model": k[0], "chip": k[1], "TP": k[2], "B x T": f"{k[3]} x {k[4]}",
+     "tile KiB": then_now(k, "tile_KiB", ".0f"), "slots": then_now(k, "slots", "d"),
+     "bundles/tile": f"{before[k].get('bundles_per_tile', '-')} -> "
+                     f"{after[k].get('bundles_per_tile', '-')}",
+     "issue/DMA": then_now(k, "tile_over_dma", ".2f"),
+     "HBM busy": then_now(k, "hbm_busy", ".1%"), "VMEM MiB": then_now(k, "vmem_MiB", ".1f"),
+     "compile s": then_now(k, "compile_s", ".1f")}
+    for k in after if k in before]))
 
 # %% [markdown]
 # ## Bytes and FLOPs of one step

@@ -397,8 +397,9 @@ for i, name in enumerate(QUANTISABLE):
 # The ring moved each format's tiles (two DMAs each when packed) and multiplied right.
 for row in wire_rows:
     fmt = row["format"]
-    assert row["bytes per tile"] == (tile.tile_rows * tile.tile_cols * 2 if fmt == "bf16" else
-                                     quant.tile_bytes(fmt, tile.tile_rows, tile.tile_cols)), row
+    r, c = tile.tile_rows, tile.tile_cols
+    assert row["bytes per tile"] == (r * c * 2 if fmt == "bf16" else
+                                     quant.tile_bytes(fmt, r, c)), row
     assert float(row["max |kernel - reference|"]) < 1e-3, row
 np.testing.assert_array_equal(kernel_tokens, reference_tokens)
 print(f"{len(quantised)} quantised weights: bytes as counted, every element within bound; "

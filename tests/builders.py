@@ -249,10 +249,10 @@ def assert_verify_steps(config, params, values, prompt, want, rows: int, tokens:
     transformers' forward): each step's logits within rtol_of_scale x their max |.|."""
     import jax.numpy as jnp
 
-    from mk import backend, megakernel, reference
+    from mk import backend, megakernel, quant, reference
     from mk.kernels.plan import default_block
 
-    block = default_block(config, 128)
+    block = default_block(config, 128, formats=quant.formats_of(params))
     weights = megakernel.prepare(config, params, block)
     _, cache = reference.prefill(config, values, prompt[:, :-1], max_context=128)
     fed = jnp.concatenate([prompt[:, -1:], want], axis=1)

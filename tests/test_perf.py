@@ -209,8 +209,8 @@ def test_hbm_floor_falls_as_one_over_tp_up_to_what_every_device_repeats(name):
         assert many.total_bytes - many.lm_head_bytes >= (
             one.total_bytes - one.lm_head_bytes + repeated - 1e-6 * one.total_bytes)
         assert many.lm_head_bytes >= config.vocab * config.hidden * 2
-        one_padding = one.lm_head_bytes - config.vocab * config.hidden * 2
-        assert many.hbm_floor_ms >= one.hbm_floor_ms / tp * (1 - one_padding / one.total_bytes)
+        padded = (one.lm_head_bytes - config.vocab * config.hidden * 2) / one.total_bytes
+        assert many.hbm_floor_ms >= one.hbm_floor_ms / tp * (1 - padded)
     dense = perf.predict(mk.preset("qwen3-8b"), "tpu7x", tp=8, context=0)
     base = perf.predict(mk.preset("qwen3-8b"), "tpu7x", tp=1, context=0)
     # qwen3-8b at TP8: 8 kv heads split, no width padded; each device's 151936 / 8 =

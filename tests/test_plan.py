@@ -30,9 +30,10 @@ POSITION = 37  # the one sequence's cached positions before its new row
 SLOW = pytest.mark.slow
 
 
-def _step_plan(name: str, tp: int) -> DecodePlan:
+def _step_plan(name: str, tp: int, formats=None) -> DecodePlan:
     config = mk.preset(name)
-    return DecodePlan.make(config, tp=tp, batch=1, rows=1, context=config.max_context)
+    return DecodePlan.make(config, tp=tp, batch=1, rows=1, context=config.max_context,
+                           formats=formats)
 
 
 def counted_moe(tp: int) -> dict:
@@ -44,7 +45,7 @@ def counted(name: str, tp: int, formats=None) -> dict:
     """One megakernel step of `name` on tp devices with every DMA recorded -> bytes per
     family, summed over the devices (runs in a subprocess when tp > 1); formats: the
     mk.quant schemes its params are quantised to first."""
-    plan = _step_plan(name, tp)
+    plan = _step_plan(name, tp, formats)
     config = plan.config
     params = quant.quantize(config, mk.init_params(config), **(formats or {}))
     prompt = (jnp.arange(POSITION, dtype=jnp.int32) * 7 % config.vocab)[None]
@@ -129,9 +130,11 @@ def test_quantised_tiles_move_the_packed_bytes_and_scales_the_plan_and_perf_coun
     assert roof.attention_bytes == want["attention"] and roof.lm_head_bytes == want["lm_head"]
     # packed data plus the tile's scale block, per element: int8 1 + 4/tile_rows, fp8
     # 1 + 4/128^2, int4 1/2 + 2/128, fp4 1/2 + 1/32 bytes
-    elements = {f: b / 2 for f, b in _step_plan(name, 1).weight_bytes(active).items()}
-    per = {"int8": 1 + 4 / plan.block.tile_rows, "fp8": 1 + 4 / 128 ** 2, "int4": 0.5 + 2 / 128,
-           "fp4": 0.5 + 1 / 32}
+    plain = DecodePlan.make(config, batch=1, rows=1, context=config.max_context,
+                            block=plan.block)  # the same tiles (and padding), unquantised
+    elements = {f: b / 2 for f, b in plain.weight_bytes(active).items()}
+    per = {"int8": 1 + 4 / plan.block.tile_rows, "fp8": 1 + 4 / 128 ** 2,
+           "int4": 0.5 + 2 / 128, "fp4": 0.5 + 1 / 32}
     for family, scheme in (("attention", formats["dense"]), ("lm_head", formats["lm_head"]),
                            ("experts", formats.get("experts"))):
         if scheme:
@@ -220,7 +223,8 @@ def test_a_matrix_is_stored_transposed_only_when_its_transpose_is_what_the_tiles
     block = BlockSizes(tile_rows=512, tile_cols=128)
     assert block.cut("w", 1024, 256) == Cut(False, 2, 2)
     assert block.cut("wo", 256, 1024) == Cut(True, 2, 2)  # stored [1024, 256]
-    with pytest.raises(ValueError, match=r"weight we \[256, 1024\] \(a quantised weight is never"):
+    with pytest.raises(ValueError,
+                       match=r"weight we \[256, 1024\] \(a quantised weight is never"):
         block.cut("we", 256, 1024, transpose=False)
     with pytest.raises(ValueError, match=r"nor its transpose \[384, 384\]"):
         block.cut("w", 384, 384)

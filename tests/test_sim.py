@@ -239,7 +239,8 @@ def test_simulate_rejects_bad_inputs_naming_field_and_value(kwargs, match):
 
 
 def test_a_four_bit_stream_moves_a_quarter_of_the_bf16_bytes():
-    stream = TileStream.build(BlockSizes(slots=2, tile_rows=128, tile_cols=128), [("w", 512, 512)])
+    stream = TileStream.build(BlockSizes(slots=2, tile_rows=128, tile_cols=128),
+                              [("w", 512, 512)])
     bf16 = sim.replay_matmul(stream, "v6e")
     fp4 = sim.replay_matmul(stream, "v6e", weight_dtype="fp4")
     assert fp4.dma_bytes == bf16.dma_bytes / 4 == 16 * 128 * 128 / 2
@@ -262,13 +263,13 @@ def test_fast_forwarded_bubbles_still_add_up_to_the_idle_time(name, kwargs):
 def test_the_chips_ring_keeps_hbm_busy_where_one_latency_of_slots_does_not():
     """The plan's ring for TPU7x covers RING_COVER_S (2 us) at one core's bandwidth: at a
     1 us DMA latency qwen3-0.6b's HBM is >= 90 % busy (issue 14's bar), where a ring
-    covering the latency alone (1 us) leaves it idle as attention and norms fill the ring."""
+    covering the latency alone (1 us) leaves it idle as attention and norms fill it."""
     config = mk.preset("qwen3-0.6b")
     a = sim.Assumptions(dma_latency_s=1e-6)
     chip_ring = sim.simulate(config, "tpu7x", context=1024, assumptions=a)
+    slots = sim.latency_slots(config, "tpu7x", chip_ring.block, assumptions=a)
     latency_ring = sim.simulate(config, "tpu7x", context=1024, assumptions=a,
-                                block=dataclasses.replace(chip_ring.block, slots=sim.latency_slots(
-                                    config, "tpu7x", chip_ring.block, assumptions=a)))
+                                block=dataclasses.replace(chip_ring.block, slots=slots))
     assert chip_ring.block.slots > latency_ring.block.slots
     assert chip_ring.hbm_utilisation >= 0.9 > latency_ring.hbm_utilisation
 

@@ -75,7 +75,8 @@ class BlockSizes:
             value = getattr(self, field)
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"BlockSizes.{field}={value!r} must be an integer >= {low}")
-        for field, multiple in (("tile_rows", LANES), ("tile_cols", LANES), ("kv_tile", 16)):
+        for field, multiple in (("tile_rows", LANES), ("tile_cols", LANES),
+                                ("kv_tile", 16)):
             value = getattr(self, field)
             if not isinstance(value, int) or value < multiple or value % multiple:
                 raise ValueError(f"BlockSizes.{field}={value!r} must be a positive multiple "
@@ -158,28 +159,37 @@ class VmemBudget:
         return self
 
 
-def vmem_limit_bytes(buffers) -> int:
+def vmem_limit_bytes(buffers, cap: int | None = None) -> int:
     """The scoped-VMEM request a kernel passes to Mosaic: its buffers plus room for Mosaic's
-    internal scratch, never below 32 MiB (the default scoped limit is 16 MiB on v5e, 32 MiB
-    on v6e; without the request a hardware run can refuse a kernel the budget accepts)."""
-    need = sum(b.bytes for b in buffers) * 1.25 + 4 * 2**20
-    return max(32 * 2**20, math.ceil(need / 2**20) * 2**20)
+    internal scratch (the vector values it keeps in VMEM: a dequantised tile, the logits'
+    argmax; 11.9 MiB beside 23.4 MiB of buffers for qwen3-8b's fp8 megakernel on TPU7x),
+    never below 32 MiB (the default scoped limit is 16 MiB on v5e, 32 MiB on v6e; without
+    the request a hardware run can refuse a kernel the budget accepts), at most `cap` (the
+    chip's VMEM per core, when the kernel knows its chip)."""
+    need = sum(b.bytes for b in buffers) * 1.5 + 8 * 2**20
+    limit = max(32 * 2**20, math.ceil(need / 2**20) * 2**20)
+    return limit if cap is None else min(limit, cap)
 
 
 SLOTS = 3  # default weight ring slots
 TILE_BYTES = 2 * 2**20  # default weight tiles hold at most this many bytes
+# A quantised tile is dequantised in VMEM through float32 temporaries that Mosaic keeps in
+# its scoped VMEM (qwen3-8b's int4 megakernel with 4096 x 256 tiles asked 35 MiB on TPU7x);
+# the default keeps quantised tiles to this size.
+QUANT_TILE_ELEMENTS = 512 * 512
 KV_TILE = 256  # default cached positions per KV tile, capped by the cache
 
 
 def default_block(matrices, *, context: int | None = None, slots: int = SLOTS,
-                  itemsize: int = 2, fixed=(), padded_rows=()) -> BlockSizes:
+                  itemsize: int = 2, quantised=(), padded_rows=()) -> BlockSizes:
     """The default tiling, the one rule every kernel uses: the largest weight tile of at
     most TILE_BYTES (elements of `itemsize` bytes) that cuts every matrix of `matrices`
     ((name, K, N) triples, or `mk.kernels.ring.Repeat`s of them), ties to the taller tile,
     so one ring slot shape serves every matrix (`BlockSizes.cut`: plain or transposed; the
-    names in `fixed` plain only). `padded_rows`: the rows of matrices whose columns are
-    padded to whole tiles (the lm_head: only its rows must divide). KV tiles of
-    min(KV_TILE, context) positions for a kernel reading a cache of `context` positions.
+    `quantised` names plain only, and then at most QUANT_TILE_ELEMENTS a tile).
+    `padded_rows`: the rows of matrices whose columns are padded to whole tiles (the
+    lm_head: only its rows must divide). KV tiles of min(KV_TILE, context) positions for a
+    kernel reading a cache of `context` positions.
 
     A decode matmul's cost is moving its weights, and each tile costs the TensorCore a
     fixed issue time besides (`mk.bundles`): big tiles amortise it. Tensor-parallel shards
@@ -192,7 +202,8 @@ def default_block(matrices, *, context: int | None = None, slots: int = SLOTS,
         for name, rows, cols in getattr(item, "matrices", (item,)):
             shapes.append((name, rows, cols))
     widest = max([d for _, r, c in shapes for d in (r, c)] + list(padded_rows) + [LANES])
-    most = TILE_BYTES // itemsize
+    most = TILE_BYTES // itemsize if not quantised else min(TILE_BYTES // itemsize,
+                                                            QUANT_TILE_ELEMENTS)
     best = None
     for rows in range(LANES, widest + 1, LANES):
         if any(d % rows for d in padded_rows):
@@ -200,7 +211,7 @@ def default_block(matrices, *, context: int | None = None, slots: int = SLOTS,
         for cols in range(LANES, min(widest, most // rows) + 1, LANES):
             block = BlockSizes(slots=slots, tile_rows=rows, tile_cols=cols)
             if (rows * cols, rows) > (best[0] if best else (0, 0)) and _cuts(block, shapes,
-                                                                               fixed):
+                                                                               quantised):
                 best = ((rows * cols, rows), block)
     if best is None:
         raise ValueError(f"no tile of multiples of {LANES} up to {TILE_BYTES} bytes cuts "
@@ -209,10 +220,10 @@ def default_block(matrices, *, context: int | None = None, slots: int = SLOTS,
     return dataclasses.replace(best[1], **kv)
 
 
-def _cuts(block: BlockSizes, shapes, fixed) -> bool:
+def _cuts(block: BlockSizes, shapes, quantised) -> bool:
     try:
         for name, rows, cols in shapes:
-            block.cut(name, rows, cols, transpose=name not in fixed)
+            block.cut(name, rows, cols, transpose=name not in quantised)
     except ValueError:
         return False
     return True

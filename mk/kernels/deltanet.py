@@ -345,7 +345,8 @@ def gated_deltanet_buffers(config: ModelConfig, batch: int, rows: int,
     M, D, dt = batch * rows, config.hidden, config.dtype
     return [Buffer("x", (M, D), "float32", "operand"),
             Buffer("out", (M, D), "float32", "operand"),
-            Buffer("h", (M, D), dt), Buffer("ring", (block.slots, block.tile_rows, block.tile_cols), dt),
+            Buffer("h", (M, D), dt),
+            Buffer("ring", (block.slots, block.tile_rows, block.tile_cols), dt),
             *linear_buffers(config, batch, rows)]
 
 

@@ -150,7 +150,7 @@ def swiglu_kernel(
     sems,  # DMA semaphores [slots]
     gate_vmem,  # [M, F] f32
     up_vmem,  # [M, F] f32
-    **ring_vmem,  # the ring's slots: ring_vmem [slots, tile_rows, tile_cols] weight dtype, or
+    **ring_vmem,  # the ring's slots: ring_vmem [slots, tile_rows, tile_cols] weight dtype,
     #               ring_<scheme>_vmem and ring_<scheme>_scales_vmem (`ring_buffers`)
 ):
     row = layer_smem[0]

@@ -93,7 +93,8 @@ def model_block(config: ModelConfig, *, context: int | None = None, slots: int =
     matrices = layer_matrices(config, mlp_kinds(config), 1, mixer_kinds(config))
     return default_block(matrices, context=context, slots=slots,
                          itemsize=jnp.dtype(config.dtype).itemsize,
-                         fixed=tuple(quant.schemes_of(formats)), padded_rows=(config.hidden,))
+                         quantised=tuple(quant.schemes_of(formats)),
+                         padded_rows=(config.hidden,))
 
 
 def layer_buffers(config: ModelConfig, kinds: tuple[str, ...], batch: int, rows: int,

@@ -51,7 +51,8 @@ kernel finds it: "layer" buffers are attributes of the layer scratch, the others
 their own scratch entry or an operand).
 
 Here: the sharding model (`check_tp`, `shard_config`, `kv_heads_of`, `padded_width`),
-`padded_vocab`, `default_block` (with `little_slots`, `kv_depth`), `model_stream`, `capacity`, `WEIGHT_FAMILIES`, `family_of`,
+`padded_vocab`, `default_block` (with `little_slots`, `kv_depth`), `model_stream`,
+`capacity`, `WEIGHT_FAMILIES`, `family_of`,
 `shard_weight_bytes`, `QUANT_FAMILY`, `DecodePlan`, `Fit`. Not here: the kernel (`mk.megakernel`), the
 layer's phases (`mk.kernels.one_layer.LAYER_PHASES`), sharding arrays
 (`mk.tensor_parallel`), time (`mk.sim`, `mk.perf`).
@@ -70,7 +71,8 @@ from mk.chips import ChipSpec, chip as named_chip
 from mk.config import DTYPE_BITS, ModelConfig, check_rows, positive_int
 from mk.kernels.collectives import (MAX_INDEX, check_devices, collective_buffers,
                                     collective_semaphores)
-from mk.kernels.common import KV_TILE, LANES, SLOTS, BlockSizes, Buffer, VmemBudget, vmem_budget
+from mk.kernels.common import (KV_TILE, LANES, SLOTS, BlockSizes, Buffer, VmemBudget,
+                               vmem_budget, vmem_limit_bytes)
 from mk.kernels.decode_attention import decode_attention_buffers
 from mk.kernels.deltanet import (LINEAR_WEIGHTS, linear_buffers, linear_layer_shapes,
                                  linear_scratch)
@@ -203,23 +205,23 @@ def default_block(local: ModelConfig, context: int, *, slots: int | None = None,
     sequence's whole cache or the ring's bytes of KV tiles, whichever is fewer (a layer's
     first KV tiles are issued behind the weight tiles in flight: `kv_depth`)."""
     block = model_block(local, context=positive_int("context", context), formats=formats)
+    stream = model_stream(local, block, 1, formats)
+    smallest = min(stream.segment_tile_bytes(s, jnp.dtype(local.dtype).itemsize)
+                   for s in stream.segments + stream.tail)  # what a slot moves, at least
     if slots is None and chip is not None:
         spec = named_chip(chip) if isinstance(chip, str) else chip
-        stream = model_stream(local, block, 1, formats)
-        smallest = min(stream.segment_tile_bytes(s, jnp.dtype(local.dtype).itemsize)
-                       for s in stream.segments + stream.tail)
         slots = little_slots(spec.hbm_bw / spec.cores_per_chip, RING_COVER_S, smallest)
     block = dataclasses.replace(block, slots=SLOTS if slots is None else slots)
-    return dataclasses.replace(block, kv_slots=kv_depth(local, block, context))
+    return dataclasses.replace(block, kv_slots=kv_depth(local, block, context,
+                                                        block.slots * smallest))
 
 
-def kv_depth(local: ModelConfig, block: BlockSizes, context: int) -> int:
+def kv_depth(local: ModelConfig, block: BlockSizes, context: int, ring_bytes: int) -> int:
     """KV slots of the default tiling: one more than the KV tiles of one sequence's whole
-    cache (`context` positions) or than the KV tiles holding as many bytes as the weight
-    ring, whichever is fewer; at least 2."""
+    cache (`context` positions) or than the KV tiles holding `ring_bytes` (what the weight
+    ring has in flight), whichever is fewer; at least 2."""
     itemsize = jnp.dtype(local.dtype).itemsize
     kv_tile_bytes = 2 * local.kv_heads * block.kv_tile * local.head_dim * itemsize
-    ring_bytes = block.slots * block.tile_rows * block.tile_cols * itemsize
     tiles = min(-(-context // block.kv_tile), -(-ring_bytes // kv_tile_bytes))
     return max(2, tiles + 1)
 
@@ -321,6 +323,7 @@ class DecodePlan:
     stream: TileStream
     formats: tuple[tuple[str, str], ...]  # the `formats` dict's items, hashable
     named_buffers: tuple[tuple[str, Buffer], ...]  # `buffers` as a hashable field
+    chip: str | None = None  # the TPU the default tiling was sized for (`make(chip=)`)
 
     @property
     def buffers(self) -> dict[str, Buffer]:
@@ -358,12 +361,20 @@ class DecodePlan:
         stream = model_stream(local, block, M, formats)
         buffers = _buffers(local, int(tp), int(batch), int(rows), block,
                            padded_vocab(local, block), stream)
+        spec = None if chip is None else named_chip(chip) if isinstance(chip, str) else chip
         return cls(config, int(tp), local, int(batch), int(rows), context, block, stream,
-                   tuple(sorted(formats.items())), tuple(buffers.items()))
+                   tuple(sorted(formats.items())), tuple(buffers.items()),
+                   None if spec is None else spec.name)
 
     @property
     def M(self) -> int:
         return self.batch * self.rows
+
+    def vmem_limit(self) -> int:
+        """The scoped VMEM the kernel asks Mosaic for (`vmem_limit_bytes` of its buffers),
+        at most the VMEM of the chip the plan was made for."""
+        cap = None if self.chip is None else named_chip(self.chip).vmem_bytes
+        return vmem_limit_bytes(self.buffers.values(), cap)
 
     @property
     def vocab(self) -> int:

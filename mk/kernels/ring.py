@@ -1,12 +1,13 @@
 """The weight ring: weight tiles streamed HBM -> VMEM through N slots, never stalling.
 
 A kernel consumes an ordered list of weight tiles, `TileStream`: segments (one weight
-matrix each, cut into tile_rows x tile_cols tiles by `BlockSizes.cut`, output panel by output
-panel), repeated once per layer, then an optional tail (the lm_head). Tile g of the stream
-lives in ring slot g % slots. The rule that makes the ring work: when tile g has been consumed, tile
-g + slots is issued into the slot it just freed. Because g runs across segment and layer
-boundaries, the loads for the next matrix, the next layer and the lm_head are already in
-flight while the current one computes: memory never waits at a matrix or layer edge.
+matrix each, cut into tile_rows x tile_cols tiles by `BlockSizes.cut`, output panel by
+output panel), repeated once per layer, then an optional tail (the lm_head). Tile g of the
+stream lives in ring slot g % slots. The rule that makes the ring work: when tile g has
+been consumed, tile g + slots is issued into the slot it just freed. Because g runs across
+segment and layer boundaries, the loads for the next matrix, the next layer and the lm_head
+are already in flight while the current one computes: memory never waits at a matrix or
+layer edge.
 
 `TileStream` is static data (a reader can print it; the simulator and plots replay it).
 `Ring` is the in-kernel side: `prime`, `start(g)`, `slot(g)`, `skip`, and `matmul`, which
@@ -135,7 +136,7 @@ class TileStream:
         stored quantised."""
         schemes = dict(schemes or {})
         for name, scheme in schemes.items():
-            quant.tile_shapes(scheme, block.tile_rows, block.tile_cols)  # raises if it cannot
+            quant.tile_shapes(scheme, block.tile_rows, block.tile_cols)  # raises if not
 
         def segs(items):
             return [Segment(name, cut.in_tiles, cut.out_tiles, cut.transposed,
@@ -204,8 +205,8 @@ class TileStream:
                 for g, layer, name, i, j in self.tiles()]
 
     def segment_tile_bytes(self, segment: Segment, itemsize: int) -> int:
-        """Bytes one tile of `segment` moves: tile_rows x tile_cols x itemsize when plain, its
-        packed data and scale block when quantised (`mk.quant.tile_bytes`)."""
+        """Bytes one tile of `segment` moves: tile_rows x tile_cols x itemsize when plain,
+        its packed data and scale block when quantised (`mk.quant.tile_bytes`)."""
         k, n = self.block.tile_rows, self.block.tile_cols
         return k * n * itemsize if segment.scheme is None else quant.tile_bytes(
             segment.scheme, k, n)
@@ -280,11 +281,13 @@ def ring_layout(weights: dict, stream: TileStream) -> dict:
 
 
 def ring_buffers(stream: TileStream, dtype) -> list[Buffer]:
-    """The ring's VMEM slots ("layer" group): "ring" [slots, tile_rows, tile_cols] of `dtype` for
-    the plain segments (if any), and for each quantised scheme "ring_<scheme>" (its packed
-    data) and "ring_<scheme>_scales" (`mk.quant.tile_shapes`), slots deep each."""
+    """The ring's VMEM slots ("layer" group): "ring" [slots, tile_rows, tile_cols] of
+    `dtype` for the plain segments (if any), and for each quantised scheme "ring_<scheme>"
+    (its packed data) and "ring_<scheme>_scales" (`mk.quant.tile_shapes`), slots deep
+    each."""
     b = stream.block
-    out = [Buffer("ring", (b.slots, b.tile_rows, b.tile_cols), dtype)] if stream.has_plain else []
+    out = ([Buffer("ring", (b.slots, b.tile_rows, b.tile_cols), dtype)]
+           if stream.has_plain else [])
     for scheme in stream.schemes:
         shapes = quant.tile_shapes(scheme, b.tile_rows, b.tile_cols)
         for part, suffix in (("data", ""), ("scale", "_scales")):
@@ -354,7 +357,7 @@ class Ring:
             dma.wait()
 
     def _weights(self, segment: Segment, g):
-        """Tile g's weights in VMEM as a [tile_rows, tile_cols] value of the compute dtype."""
+        """Tile g's weights in VMEM: a [tile_rows, tile_cols] value of the compute dtype."""
         if segment.scheme is None:
             return self.slot(g)[...]
         data, scales = self.packed[segment.scheme]

@@ -47,7 +47,7 @@ def stage_block(matrices, dtype, formats=None, **kwargs) -> BlockSizes:
     `Repeat`s) stored in `dtype` (`default_block`; the weights of quantised `formats`
     never transposed)."""
     return default_block(matrices, itemsize=jnp.dtype(dtype).itemsize,
-                         fixed=tuple(quant.schemes_of(formats)), **kwargs)
+                         quantised=tuple(quant.schemes_of(formats)), **kwargs)
 
 
 def ring_weights(weights: dict, stream: TileStream) -> tuple[dict, dict]:
@@ -107,7 +107,7 @@ def stream_matmul(x: jax.Array, w, *, block: BlockSizes | None = None,
     scheme, dtype = (w.scheme, jnp.dtype(dtype)) if packed else (None, w.dtype)
     if block is None:
         block = default_block([("w", K, N)], itemsize=dtype.itemsize,
-                              fixed=("w",) if packed else ())
+                              quantised=("w",) if packed else ())
     stream = _stream(K, N, block, scheme)
     weights, specs = ring_weights({"w": w}, stream)
     ring = stream_matmul_buffers(M, K, N, dtype, block, scheme)[2:]

@@ -120,6 +120,9 @@ def test_compiles_for_tpu7x_at_the_27b_linear_layer_shape(T):
 
 # -- The whole layer ---------------------------------------------------------------------
 LAYER_TOLERANCE = dict(rtol=1e-5, atol=1e-5)  # float32 math on bf16 weights, same cast points
+# The conv rows are stored in bf16: a projection summed in another float32 order (the
+# kernel's tiles, the reference's one dot) can round one value to the next bf16 (2^-7).
+CONV_ROWS_TOLERANCE = dict(rtol=2 ** -7, atol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -152,15 +155,16 @@ def _layer_vs_reference(config, params, B, T, layer, block=None, seed=0):
 
 def _assert_close(got, want):
     for name, a, b in zip(("x", "conv rows", "state rows"), got, want):
+        tolerance = CONV_ROWS_TOLERANCE if name == "conv rows" else LAYER_TOLERANCE
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                                   err_msg=name, **LAYER_TOLERANCE)
+                                   err_msg=name, **tolerance)
 
 
 @pytest.mark.parametrize("B, T, layer, block", [
     pytest.param(1, 1, 0, None, marks=pytest.mark.slow),
     pytest.param(4, 1, 3, None, marks=pytest.mark.slow),
     pytest.param(1, 4, 1, None, marks=pytest.mark.slow),
-    (4, 4, 3, BlockSizes(slots=2, tile_rows=128, tile_cols=128))])  # tiles straddle segments
+    (4, 4, 3, BlockSizes(slots=2, tile_rows=128, tile_cols=128))])  # tiles straddle segs
 def test_layer_matches_the_reference_with_every_row_state_and_no_races(tiny_hybrid, B, T,
                                                                         layer, block):
     got, want, races = _layer_vs_reference(*tiny_hybrid, B, T, layer, block, seed=B + T)
@@ -176,7 +180,7 @@ def test_the_comparison_catches_a_planted_unshifted_conv_state(tiny_hybrid):
         got, want, _ = _layer_vs_reference(*tiny_hybrid, 2, 2, 3)
     course.check_close("x", got[0], want[0], **LAYER_TOLERANCE)
     with pytest.raises(course.ExerciseFailed, match="conv rows: kernel and reference differ"):
-        course.check_close("conv rows", got[1], want[1], **LAYER_TOLERANCE)
+        course.check_close("conv rows", got[1], want[1], **CONV_ROWS_TOLERANCE)
 
 
 @pytest.mark.parametrize("change, message", [
