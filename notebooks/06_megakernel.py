@@ -113,8 +113,9 @@ plots.show(plots.tile_stream(stream, title=f"{config.name}: one decode step's we
 # first full-attention layer after layer 0 and the layer before it (a linear layer does
 # not load wq; "Hybrids" below shows what that costs). When the layer's last tile is
 # consumed, the next `slots - 1` tiles (the next layer's wq) are already in flight: the DMA
-# engine never waits for the layer edge. (In an MoE layer the expert tiles are the one
-# exception: they wait for the router.)
+# engine never waits for the layer edge. So are the next full layer's first KV tiles: each
+# full layer issues them right after its own attention (`layer_body`'s "kv_prime" phase).
+# (In an MoE layer the expert tiles are the one exception: they wait for the router.)
 
 # %%
 edge = next((layer for layer in config.full_layers if layer > 0), 1) * stream.period

@@ -384,10 +384,13 @@ for what, x in saved.items():
 #
 # Each row is one simulated step with one parameter changed. The ring depth that hides a
 # DMA descriptor's latency follows Little's law: bandwidth x latency bytes in flight
-# (`mk.sim.latency_slots`). Past that depth a deeper ring buys nothing and can cost a
-# little: the model has one first-in-first-out DMA engine, and each layer's first KV tiles
-# (issued at the layer's start) queue behind every weight tile already in flight, so
-# attention starts later.
+# (`mk.sim.latency_slots`); the plan's ring for a chip covers twice the latency
+# (`RING_COVER_S`), so it keeps streaming while attention and the norms hold the ring
+# full. Past that depth a deeper ring buys nothing and can cost a little: the model has one
+# first-in-first-out DMA engine, so every small DMA a layer issues (a linear layer's
+# states, a KV tile after the primed ones, a write-back) queues behind every weight tile
+# already in flight. (Each full layer's first KV tiles are issued a layer early, right after
+# the previous full layer's attention, for that reason.)
 
 # %% tags=["hide-input"]
 common = dict(weight_dtypes=dtypes, tp=tp, context=position)
