@@ -1,6 +1,7 @@
 """Per-tile cost of the compiled megakernel, and what it does to HBM busy (issue 14).
 
-For each model and TPU chip: the megakernel's plan for the chip (`DecodePlan.make(chip=)`:
+For each model and TPU chip: the megakernel's plan for the chip (`mk.sim.step_plan(chip=)`,
+the plan `DecodePlan.make(chip=)` makes for the cache the simulator replays:
 its tile, a ring sized by Little's law for `mk.kernels.plan.RING_COVER_S`, 2 us), compiled
 ahead of time with libtpu's bundle dump on (`mk.bundles.measure`: bundles per trip of
 `Ring.matmul`'s steady and edge loops), and the step is simulated (`mk.sim.simulate`) on

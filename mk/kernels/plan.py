@@ -323,7 +323,8 @@ class DecodePlan:
     stream: TileStream
     formats: tuple[tuple[str, str], ...]  # the `formats` dict's items, hashable
     named_buffers: tuple[tuple[str, Buffer], ...]  # `buffers` as a hashable field
-    chip: str | None = None  # the TPU the default tiling was sized for (`make(chip=)`)
+    chip: str | None = None  # the TPU the plan is for (`make(chip=)`): it sizes the
+    #                          default ring and caps the scoped VMEM (`vmem_limit`)
 
     @property
     def buffers(self) -> dict[str, Buffer]:
@@ -346,12 +347,13 @@ class DecodePlan:
         local = shard_config(config, tp)
         M = check_rows(batch, rows)
         context = positive_int("context", context)
+        spec = named_chip(chip) if isinstance(chip, str) else chip
         formats = quant.check_families(config, dict(formats or {}))
         if formats and tp != 1:
             raise ValueError(f"formats={formats} with tp={tp}: sharding quantised weights "
                              "is not built yet (issue 16); quantised plans run on tp=1")
         if block is None:
-            block = default_block(local, context, formats=formats, chip=chip)
+            block = default_block(local, context, formats=formats, chip=spec)
         elif not isinstance(block, BlockSizes):
             raise ValueError(f"block={block!r} must be a BlockSizes or None")
         block.check_context(context)
@@ -361,7 +363,6 @@ class DecodePlan:
         stream = model_stream(local, block, M, formats)
         buffers = _buffers(local, int(tp), int(batch), int(rows), block,
                            padded_vocab(local, block), stream)
-        spec = None if chip is None else named_chip(chip) if isinstance(chip, str) else chip
         return cls(config, int(tp), local, int(batch), int(rows), context, block, stream,
                    tuple(sorted(formats.items())), tuple(buffers.items()),
                    None if spec is None else spec.name)
