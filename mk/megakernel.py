@@ -24,7 +24,11 @@ look-ahead into a skipped region loads nothing, so it restarts at the region's e
 Small per-layer vectors (attn/mlp norms, q/k norms) stay in HBM and are prefetched a
 layer ahead into two VMEM slots; a full layer's first KV tiles (`KvStream.prime`) are
 issued right after the previous full layer's attention (the first full layer's at the
-step's start), so they load across the layer edge behind the MLP's weight tiles; each MoE
+step's start), so they load across the layer edge behind the MLP's weight tiles, and the
+new KV rows' write-backs are waited for a layer later (at the step's end the last ones:
+`drain_write_backs`); a linear layer's small weights and states are likewise issued by the
+linear layer before it (`prime_linear` at the step's start) and its row states waited for
+a layer later (`drain_linear`); each MoE
 layer's router [D, E] is DMA'd at the layer's start and waited for just before routing;
 the final norm is DMA'd at the step's start and waited for before the lm_head. Kept
 outside the kernel: the embedding gather of the step's B*T tokens (an XLA gather before
@@ -75,9 +79,10 @@ from mk.config import ModelConfig, positive_int
 from mk.kernels.collectives import (AXIS, COLLECTIVE_IDS, CollectiveScratch, all_reduce_body,
                                     argmax_body, barrier)
 from mk.kernels.common import BlockSizes, aliases, memory_specs, start_dma
-from mk.kernels.decode_attention import AttentionScratch, KvStream
-from mk.kernels.deltanet import (LINEAR_WEIGHTS, STATE_INPUTS, STATE_OUTPUTS, linear_weights,
-                                 prepare_linear)
+from mk.kernels.decode_attention import (AttentionScratch, KvStream, drain_write_backs,
+                                         start_write_backs)
+from mk.kernels.deltanet import (LINEAR_WEIGHTS, STATE_INPUTS, STATE_OUTPUTS, drain_linear,
+                                 linear_weights, prepare_linear, prime_linear)
 from mk.kernels.one_layer import layer_body, mixer_kinds, mlp_fetch, mlp_kinds, mlp_weights
 from mk.kernels.plan import DecodePlan, model_stream, padded_vocab
 from mk.kernels.ring import Ring, ring_layout
@@ -214,7 +219,10 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
                                        vectors["final_sem"].at[0])
     start_dma(final_norm, "final_norm", config.hidden * 4)  # waited before the lm_head
     start_vectors(0)
+    if "linear" in mixers:  # the first linear layer's loads; each primes the next one's
+        prime_linear(config, SimpleNamespace(**scratch["linear"]), linear_hbm)
     if "full" in plan.mixers:  # the first full layer's first KV tiles; each full layer
+        start_write_backs(attention)
         KvStream(inputs["positions"], outputs["k_cache"], outputs["v_cache"], attention,
                  rows=plan.rows, layer=0, block=block).prime()  # primes the next one's
 
@@ -268,6 +276,10 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
         final_norm.wait()
         s.h[...] = rms_norm(x, vectors["final_norm"][...], config.rms_eps).astype(s.h.dtype)
         ring.matmul("lm_head", s.h, outputs["logits"], layer=config.layers)
+    if "full" in plan.mixers:
+        drain_write_backs(attention, outputs["k_cache"], outputs["v_cache"])
+    if "linear" in mixers:
+        drain_linear(SimpleNamespace(**scratch["linear"]), linear_hbm)
     logits = outputs["logits"][...]
     vocab = lax.broadcasted_iota(jnp.int32, logits.shape, 1)
     first_id = 0 if tp == 1 else lax.axis_index(AXIS) * config.vocab  # this vocab shard's

@@ -44,15 +44,12 @@ Assumptions, each stated where it is used:
 - Collectives (tp > 1): two all-reduces of the [B*T, D] bf16 activations per layer (after
   the attention output projection and after the MLP, as in Megatron-style tensor
   parallelism; an expert-parallel MoE combines its partial sums the same way) and one
-  small all-gather for the sharded lm_head's argmax. One all-reduce is the kernel's
-  (`mk.kernels.collectives`): a reduce-scatter and an all-gather, ceil(log2 tp) rounds each, each
-  round one message latency `ICI_LATENCY_S` (1 µs, the per-link latency ASTRA-sim uses for
-  TPUs "as per the TPU research team",
-  astra-sim.github.io/astra-sim-docs/validation/hardware/tpu-validation.html), and
-  2 (tp - 1) / tp of the message sent by each device at its ICI bandwidth, ici_bw / 2 (one
-  direction) / cores_per_chip. The megakernel sums float32 partial sums
+  small all-gather for the sharded lm_head's argmax. One all-reduce takes
+  `mk.kernels.collectives.allreduce_s` (the kernel's algorithm: ceil(log2 tp) rounds of a
+  reduce-scatter and of an all-gather, each round one message latency `ICI_LATENCY_S`,
+  1 µs, whose source that module gives, and 2 (tp - 1) / tp of the message at one
+  device's one-way ICI bandwidth). The megakernel sums float32 partial sums
   (`PARTIAL_SUM_BYTES`); the one-kernel-per-op baseline moves bf16 activations.
-  The two TensorCores of a TPU7x chip are treated as ICI peers.
 - Conventional execution: one kernel per op, each op's time is its own floor plus a gap
   `KERNEL_GAP_S` (1.3 µs: the launch cost per kernel Hazy Research measured on an H100 with
   CUDA graphs, "Look Ma, No Bubbles", hazyresearch.stanford.edu/blog/2025-05-27-no-bubbles),
@@ -70,6 +67,7 @@ import numpy as np
 
 from mk.chips import DATA, ChipSpec, chip as named_chip
 from mk.config import DTYPE_BITS, ModelConfig, positive_int
+from mk.kernels.collectives import ICI_LATENCY_S, PARTIAL_SUM_BYTES, allreduce_s, ici_bandwidth
 from mk.kernels.one_layer import model_block
 from mk.kernels.plan import padded_vocab, shard_config, shard_weight_bytes
 
@@ -82,10 +80,8 @@ WEIGHT_FAMILIES = ("dense", "experts")
 WEIGHT_DTYPES = {"f32": "float32", "bf16": "bfloat16", "fp16": "float16",
                  "fp8": "float8_e4m3fn", "int8": "int8", "fp4": "float4_e2m1fn",
                  "int4": "int4"}
-ICI_LATENCY_S = 1e-6  # one message step of a collective (module docstring)
 KERNEL_GAP_S = 1.3e-6  # launch gap of one kernel in the conventional execution
 ACTIVATION_BYTES = 2  # bf16 activations between kernels and on the wire (one kernel per op)
-PARTIAL_SUM_BYTES = 4  # the megakernel all-reduces float32 partial sums (mk.kernels.collectives)
 
 
 def check_choice(field, value, choices):
@@ -110,23 +106,6 @@ def family_dtypes(config: ModelConfig, overrides=None) -> dict[str, str]:
 
 
 # -- Collectives ---------------------------------------------------------------------------
-def allreduce_s(nbytes: float, tp: int, spec: ChipSpec) -> float:
-    """Seconds of one all-reduce of `nbytes` per device over `tp` devices, as
-    `mk.kernels.collectives` runs it: a reduce-scatter then an all-gather, ceil(log2 tp) rounds
-    each of one latency, each device sending 2 (tp - 1) / tp of the message at its one-way
-    ICI bandwidth (module docstring). 0 for tp = 1."""
-    positive_int("tp", tp)
-    if nbytes < 0:
-        raise ValueError(f"nbytes={nbytes} must be >= 0")
-    rounds = 2 * math.ceil(math.log2(tp))
-    return rounds * ICI_LATENCY_S + 2 * (tp - 1) / tp * nbytes / ici_bandwidth(spec)
-
-
-def ici_bandwidth(spec: ChipSpec) -> float:
-    """One device's one-way interconnect bandwidth, bytes/s."""
-    return spec.ici_bw / 2 / spec.cores_per_chip
-
-
 def collectives_per_step(config: ModelConfig) -> int:
     """All-reduces of one tensor-parallel step: two per layer, one for the lm_head."""
     return 2 * config.layers + 1

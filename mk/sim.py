@@ -43,8 +43,9 @@ Modelling assumptions (`Assumptions` holds the numbers; none is fitted to a meas
   layer's attention, across the layer edge, the first full layer's at the step's start);
   per tile 2 matmuls per kv
   head at the MXU rule above with R = round_up(G*T, 8) rows, plus ~8 vector ops per
-  score; the one or two tiles holding the new rows are written back (start then wait:
-  the kernel blocks on it).
+  score; the one or two tiles holding the new rows are written back from a staging slot,
+  waited for only when write-back n + 2B needs that slot (normally a full layer later) and
+  at the step's end (`mk.kernels.decode_attention.drain_write_backs`).
 - Tensor parallelism (tp > 1): each device runs the kernel on the plan's shard (the
   kernel's own: `mk.kernels.plan`'s sharding model): query heads, FFN, each expert's width
   and the vocab split tp ways and padded to whole tiles, KV heads split or replicated when
@@ -94,7 +95,7 @@ from mk.chips import ChipSpec, chip as named_chip
 from mk.config import DTYPE_BITS, ModelConfig, positive_int
 from mk.kernels.attention_prologue import prologue_matrices
 from mk.kernels.common import BlockSizes
-from mk.kernels.decode_attention import block_rows, write_back_rows
+from mk.kernels.decode_attention import block_rows, write_back_rows, write_back_slots
 from mk.kernels.deltanet import linear_layer_shapes, linear_weights
 from mk.kernels.mlp import expert_slots
 from mk.kernels.one_layer import FULL_PHASES, LAYER_PHASES, mlp_kinds
@@ -337,6 +338,10 @@ class _Kernel:
             "experts" if s.name in EXPERT_SEGMENTS else "dense"] / 8)
             for s in stream.segments + stream.tail}  # a quantised one's: packed + scales
         self.landed: dict[int, float] = {}
+        self.sent: list[float] = []  # when each KV write-back of the step lands
+        self.states_landed: dict[int, float] = {}  # linear states' stream: item -> landed
+        self.states_sent: list[float] = []  # when each item's row states land in HBM
+        self.conv_sent = 0.0  # when the last linear layer's conv rows land in HBM
         self.count = 0  # count_smem[0]: active expert slots, 0 outside routing
         self.layer = 0  # the layer the kernel is in (for prefetch off)
         self.kinds = mlp_kinds(config) if config is not None else ()
@@ -485,6 +490,9 @@ class _Kernel:
         self.prime_layer(0, "step start")
         final_norm = self.mc.dma(4 * D, c.layers, "final_norm", "step start")
         vectors = self.vectors(0, "step start")
+        if c.linear_layers:  # `prime_linear`
+            self.linear_loads(0, "step start")
+            self.state_load(0, "step start")
         if c.full_layers:
             self.prime_kv(c.full_layers[0], "step start")
         for layer in range(c.layers):
@@ -509,6 +517,10 @@ class _Kernel:
         self.mc.wait(final_norm)
         self.vector(4 * M * D, "final_norm")
         self.matmul("lm_head")
+        if self.sent:  # `drain_write_backs`
+            self.mc.wait(max(self.sent[-write_back_slots(self.batch):]))
+        if c.linear_layers:
+            self.drain_linear()
         self.vector(4 * M * self.vocab, "argmax")
         self.collective(8 * M)
 
@@ -558,41 +570,66 @@ class _Kernel:
         else:
             raise ValueError(f"no cost model for layer phase {name!r}")
 
+    def linear_loads(self, row, tag=""):
+        """`mk.kernels.deltanet.start_layer_loads`: linear row `row`'s DMA'd weights and
+        conv state (issued by the linear layer before it, the first at the step's start)."""
+        c, item = self.c, self.c.weight_bits / 8
+        layer, shapes = c.linear_layers[row], linear_layer_shapes(c)
+        small = max(self.mc.dma(math.prod(shapes[what]) * item, layer, what, tag)
+                    for what in linear_weights(c)[1])
+        conv = self.mc.dma(self.batch * (c.conv_kernel - 1) * c.conv_channels * item, layer,
+                           "conv_load", tag, weight=False)
+        self.linear_landed = (small, conv)
+
+    def state_load(self, n, tag=""):
+        """Item n = row * B + b of the recurrent states' stream (`StateCopies`)."""
+        c = self.c
+        self.states_landed[n] = self.mc.dma(
+            c.linear_value_heads * c.linear_key_dim * c.linear_value_dim * 4,
+            c.linear_layers[n // self.batch], "state_load", tag, weight=False)
+
+    def drain_linear(self):
+        """`drain_linear`: the last conv rows and the last two items' row states."""
+        self.mc.wait(max([self.conv_sent] + self.states_sent[-2:]))
+
     def linear_mixer(self):
-        """`mk.kernels.deltanet.linear_mixer`: the first sequence's state, the small weights
-        and the conv state issued first; lin_qkv and lin_z; the gates; the conv (its row
-        states written back); per sequence the delta rule (the next sequence's state
-        issued, this one's T row states written back); the gated norm; lin_out."""
+        """`mk.kernels.deltanet.linear_mixer`: its weights, conv state and first state were
+        issued by the linear layer before; it issues the next one's; lin_qkv and lin_z; the
+        gates; the conv (its row states sent once the row before's have landed); per
+        sequence the delta rule (the next item's state issued, item n - 2's row states
+        waited for, this one's sent); the gated norm; lin_out."""
         c, B, T, M, layer = self.c, self.batch, self.rows, self.m, self.layer
         C, W, Vw, Nv = c.conv_channels, c.conv_kernel, c.linear_value_width, \
             c.linear_value_heads
         Hk, Hv, item = c.linear_key_dim, c.linear_value_dim, c.weight_bits / 8
-        state = Nv * Hk * Hv * 4
-        landed = [self.mc.dma(state, layer, "state_load", weight=False)]
-        shapes = linear_layer_shapes(c)
-        small = [self.mc.dma(math.prod(shapes[what]) * item, layer, what)
-                 for what in linear_weights(c)[1]]
-        conv = self.mc.dma(B * (W - 1) * C * item, layer, "conv_load", weight=False)
+        row = c.linear_layers.index(layer)
+        small, conv = self.linear_landed
+        if row + 1 < len(c.linear_layers):
+            self.linear_loads(row + 1)
         self.vector(4 * M * c.hidden, "norm")
         self.matmul("lin_qkv")
         self.matmul("lin_z")
-        self.mc.wait(max(small))
+        self.mc.wait(small)
         self.mc.compute(2 * 2 * max(M, self.mxu) * c.hidden * Nv / self.peak, layer, "gates")
-        self.mc.wait(conv)
+        self.mc.wait(max(conv, self.conv_sent))
         self.vector(2 * W * M * C, "conv")
-        stores = [self.mc.dma(B * T * (W - 1) * C * item, layer, "conv_rows", weight=False)]
+        self.conv_sent = self.mc.dma(B * T * (W - 1) * C * item, layer, "conv_rows",
+                                     weight=False)
         self.vector(6 * M * C, "l2norm")
         rows = block_rows(1, T)
         for b in range(B):
-            self.mc.wait(landed[b])
-            if b + 1 < B:
-                landed.append(self.mc.dma(state, layer, "state_load", weight=False))
+            n = row * B + b
+            self.mc.wait(self.states_landed.pop(n))
+            if n + 1 < len(c.linear_layers) * B:
+                self.state_load(n + 1)
+            if n >= 2:
+                self.mc.wait(self.states_sent[n - 2])
             self.mc.compute(T * Nv * (3 * 2 * max(rows, self.mxu) * Hk * Hv / self.peak
                                       + 4 * Hk * Hv / self.vpu), layer, "delta_rule")
-            stores.append(self.mc.dma(T * state, layer, "state_rows", weight=False))
+            self.states_sent.append(self.mc.dma(T * Nv * Hk * Hv * 4, layer, "state_rows",
+                                                weight=False))
         self.vector(8 * M * Vw, "gated_norm")
         self.matmul("lin_out")
-        self.mc.wait(max(stores))
 
     def run_matmuls(self):
         """A stream of plain matmuls (no attention, no MLP logic): `replay_matmul`."""
@@ -677,11 +714,13 @@ class _Kernel:
             self.mc.wait(landed.pop(j))
             written = i >= self.context // tile
             self.mc.compute(mxu + vec, self.layer, "attention")
-            if written:
-                back = [self.mc.dma(K * W * H * itemsize, self.layer, f"{kv}_write_back",
-                                    weight=False)
-                        for kv in "kv"]
-                self.mc.wait(max(back))
+            if written:  # its staging slot is free once write-back n - 2B has landed
+                n, backs = len(self.sent), write_back_slots(B)
+                if n >= backs:
+                    self.mc.wait(self.sent[n - backs])
+                self.sent.append(max(self.mc.dma(K * W * H * itemsize, self.layer,
+                                                 f"{kv}_write_back", weight=False)
+                                     for kv in "kv"))
         self.vector(3 * B * T * c.q_width, "attention")
 
 

@@ -45,7 +45,9 @@ entered the kernel (a DMA into a device still running an earlier kernel would co
 
 Here: `check_devices`, `tp_mesh`, `exchanges` (the schedule as data), `all_reduce_bytes`,
 `CollectiveScratch` and its shapes, `barrier`, `all_reduce_body`, `all_gather_body`,
-`argmax_body`, `tree_sum` (the reference order), and the standalone kernels `all_reduce`,
+`argmax_body`, `tree_sum` (the reference order), the time model of one all-reduce
+(`allreduce_s`, `ICI_LATENCY_S`, `ici_bandwidth`: the simulator's, `mk.perf`'s and the
+plan's ring depth), and the standalone kernels `all_reduce`,
 `all_gather`, `greedy_argmax` (called inside `jax.shard_map`). Not here: meshes with more
 than one axis, non-power-of-two device counts, overlap of a collective with the next
 matmul.
@@ -54,6 +56,7 @@ matmul.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -64,11 +67,36 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
+from mk.chips import ChipSpec
+from mk.config import positive_int
 from mk.kernels.common import Buffer
 
 AXIS = "tp"  # the mesh axis the tensor-parallel shards live on
 COLLECTIVE_IDS = {"all_reduce": 1, "all_gather": 2, "argmax": 3, "megakernel": 4}
 MAX_INDEX = 2 ** 24  # token ids travel as float32 next to their logit: exact below 2^24
+# One message step of a collective: the per-link latency ASTRA-sim uses for TPUs "as per
+# the TPU research team" (astra-sim.github.io/astra-sim-docs/validation/hardware/
+# tpu-validation.html); nothing here measured it.
+ICI_LATENCY_S = 1e-6
+PARTIAL_SUM_BYTES = 4  # the megakernel all-reduces float32 partial sums
+
+
+def allreduce_s(nbytes: float, tp: int, spec: ChipSpec) -> float:
+    """Seconds of one all-reduce of `nbytes` per device over `tp` devices, as
+    `all_reduce_body` runs it: a reduce-scatter then an all-gather, ceil(log2 tp) rounds
+    each of one `ICI_LATENCY_S`, each device sending 2 (tp - 1) / tp of the message at its
+    one-way ICI bandwidth (`ici_bandwidth`). 0 for tp = 1. A model of time, not measured."""
+    positive_int("tp", tp)
+    if nbytes < 0:
+        raise ValueError(f"nbytes={nbytes} must be >= 0")
+    rounds = 2 * math.ceil(math.log2(tp))
+    return rounds * ICI_LATENCY_S + 2 * (tp - 1) / tp * nbytes / ici_bandwidth(spec)
+
+
+def ici_bandwidth(spec: ChipSpec) -> float:
+    """One device's one-way interconnect bandwidth, bytes/s: ici_bw / 2 (one direction) /
+    cores_per_chip (the two TensorCores of a TPU7x chip are ICI peers)."""
+    return spec.ici_bw / 2 / spec.cores_per_chip
 
 
 def tp_mesh(n: int, devices=None) -> jax.sharding.Mesh:

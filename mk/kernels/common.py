@@ -159,6 +159,9 @@ class VmemBudget:
         return self
 
 
+VMEM_HEADROOM, VMEM_ROOM = 1.5, 8 * 2**20  # the scoped VMEM asked: 1.5 x buffers + 8 MiB
+
+
 def vmem_limit_bytes(buffers, cap: int | None = None) -> int:
     """The scoped-VMEM request a kernel passes to Mosaic: its buffers plus room for Mosaic's
     internal scratch (the vector values it keeps in VMEM: a dequantised tile, the logits'
@@ -166,7 +169,7 @@ def vmem_limit_bytes(buffers, cap: int | None = None) -> int:
     never below 32 MiB (the default scoped limit is 16 MiB on v5e, 32 MiB on v6e; without
     the request a hardware run can refuse a kernel the budget accepts), at most `cap` (the
     chip's VMEM per core, when the kernel knows its chip)."""
-    need = sum(b.bytes for b in buffers) * 1.5 + 8 * 2**20
+    need = sum(b.bytes for b in buffers) * VMEM_HEADROOM + VMEM_ROOM
     limit = max(32 * 2**20, math.ceil(need / 2**20) * 2**20)
     return limit if cap is None else min(limit, cap)
 

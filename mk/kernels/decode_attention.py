@@ -20,6 +20,14 @@ new ones (`write_back_rows`: 16 rows of bf16 for T=1) goes back to HBM. A DMA of
 alone does not lower: HBM row offsets must be tile-aligned. Each HBM tile is read once and
 written at most once, after its read, so no read can meet a write-back.
 
+A write-back is not waited for where it starts: it would queue behind every weight and KV
+tile in flight. The window is copied into one of `write_back_slots(B)` = 2B staging slots
+(a layer's write-backs: at most two tiles per sequence) and sent from there; write-back n
+is waited for only when write-back n + 2B needs its slot, normally a full layer later,
+and the kernel waits for the rest at its end (`drain_write_backs`). The count n lives in
+SMEM (`writes`) across the layers of a kernel: the kernel sets it to 0 at its start
+(`start_write_backs`).
+
 Layout: Mosaic loads and stores only at 8-row-aligned dynamic offsets, and sequence b's
 rows start at b*T. So a prologue regroups q (and the new rows) with static strided copies
 into 8-row-aligned blocks, one per (sequence, kv head): rows (g, t), padded to
@@ -38,7 +46,8 @@ as values; the caller multiplies each head's P @ latent rows by the head's value
 up-projection. So a step reads W values per cached token, not 2 x heads x head_dim.
 
 Here: `attend` (the in-kernel body the fused layer and the megakernel call),
-`decode_attention_buffers` / `decode_attention_scratch` (its VMEM and semaphores) and the
+`start_write_backs` / `drain_write_backs` (around every kernel's attention layers),
+`write_back_slots`, `decode_attention_buffers` / `decode_attention_scratch` (its VMEM and semaphores) and the
 stage wrappers `decode_attention` and `latent_attention`. Not here: Q/K/V projections,
 norms and RoPE (`attention_prologue`), MLA's absorption of the up-projections (its
 prologue and epilogue, not built in a kernel yet: issue 18), the output projection.
@@ -81,6 +90,11 @@ def write_back_rows(rows: int, kv_tile: int, dtype) -> int:
     return min(kv_tile, _round_up(rows - 1, sub) + sub)
 
 
+def write_back_slots(batch: int) -> int:
+    """Staging slots of the write-backs: one layer's, at most two tiles per sequence."""
+    return 2 * batch
+
+
 class AttentionScratch(NamedTuple):
     """The scratch refs of `attend`, by the names `decode_attention_scratch` gives them
     (with values in the keys, the latent cache's, there are no v_tiles and v_rows)."""
@@ -95,8 +109,11 @@ class AttentionScratch(NamedTuple):
     m: Any = None  # [K*R, 1] f32 running max of the current sequence
     l: Any = None  # [K*R, 1] f32 running sum
     acc: Any = None  # [K*R, H] f32 running P @ V
+    k_back: Any = None  # [2B, K, W, H] cache dtype: write-backs in flight (staging slots)
+    v_back: Any = None  # [2B, K, W, H] cache dtype
     load_sems: Any = None  # DMA semaphores [2, kv_slots]: K and V tile loads
     write_sems: Any = None  # DMA semaphores [2]: K and V write-backs
+    writes: Any = None  # SMEM [1] int32: write-backs started since the kernel's start
 
 
 def decode_attention_buffers(B: int, T: int, N: int, K: int, H: int, dtype,
@@ -112,12 +129,14 @@ def decode_attention_buffers(B: int, T: int, N: int, K: int, H: int, dtype,
           Buffer("v_new", (B * T, K * H), "float32", "operand"),
           Buffer("o", (B * T, N * H), "float32", "operand")]
     f32 = "float32"
+    back = (write_back_slots(B), K, write_back_rows(T, block.kv_tile, dtype), H)
     scratch = [Buffer(name, shape, dt, "attention") for name, shape, dt in (
         ("k_tiles", tile, dtype), ("v_tiles", tile, dtype),
         ("q_blocks", (B * K * R, H), f32), ("out_blocks", (B * K * R, H), f32),
         ("k_rows", (B * K * Rt, H), f32), ("v_rows", (B * K * Rt, H), f32),
         ("stage", (B * T, H), f32), ("m", (K * R, 1), f32), ("l", (K * R, 1), f32),
-        ("acc", (K * R, H), f32)) if not (latent and name in ("v_tiles", "v_rows"))]
+        ("acc", (K * R, H), f32), ("k_back", back, dtype), ("v_back", back, dtype))
+        if not (latent and name in ("v_tiles", "v_rows", "v_back"))]
     if latent:
         io = [b for b in io if b.name != "v_new"]
     return io + scratch if operands else scratch
@@ -127,12 +146,18 @@ def decode_attention_scratch(B: int, T: int, N: int, K: int, H: int, dtype,
                              block: BlockSizes, *, latent: bool = False) -> dict:
     """The pallas scratch of `attend` by `AttentionScratch` field: wrap the refs in
     `AttentionScratch(**refs)`. latent: as `decode_attention_buffers`'."""
-    caches = 1 if latent else 2
     return {b.name: pltpu.VMEM(b.shape, b.dtype)
             for b in decode_attention_buffers(B, T, N, K, H, dtype, block,
-                                              latent=latent)} | dict(
-        load_sems=pltpu.SemaphoreType.DMA((caches, block.kv_slots)),
-        write_sems=pltpu.SemaphoreType.DMA((caches,)))
+                                              latent=latent)} | attention_semaphores(
+        block, caches=1 if latent else 2)
+
+
+def attention_semaphores(block: BlockSizes, *, caches: int = 2) -> dict:
+    """`attend`'s semaphores and SMEM count (`AttentionScratch` fields) for `caches`
+    caches (K and V, or the latent one)."""
+    return dict(load_sems=pltpu.SemaphoreType.DMA((caches, block.kv_slots)),
+                write_sems=pltpu.SemaphoreType.DMA((caches,)),
+                writes=pltpu.SMEM((1,), jnp.int32))
 
 
 # -- Regrouping rows (static strided copies: Mosaic cannot prove b*T aligned) -------------
@@ -178,6 +203,29 @@ def _scatter_blocks(src_vmem, dst_vmem, stage, *, rows: int, group: int, block: 
 
 
 # -- The body -------------------------------------------------------------------------------
+def start_write_backs(scratch: AttentionScratch) -> None:
+    """At a kernel's start, before its first `attend`: no write-back is in flight."""
+    scratch.writes[0] = 0
+
+
+def drain_write_backs(scratch: AttentionScratch, k_cache_hbm, v_cache_hbm=None) -> None:
+    """At a kernel's end: wait for the write-backs `attend` left in flight (the last 2B
+    started, or all if fewer), on the caches it wrote (v_cache_hbm None: the latent one)."""
+    s = scratch
+    backs, _, W, _ = s.k_back.shape
+    pairs = [(s.k_back, k_cache_hbm)] + ([] if v_cache_hbm is None else
+                                         [(s.v_back, v_cache_hbm)])
+
+    def wait(n, carry):  # same-sized DMAs on one semaphore: any descriptor's wait will do
+        for j, (back, cache) in enumerate(pairs):
+            pltpu.make_async_copy(back.at[0], cache.at[0, 0, :, pl.ds(0, W), :],
+                                  s.write_sems.at[j]).wait()
+        return carry
+
+    lax.fori_loop(0, jnp.minimum(s.writes[0], backs), wait, 0)
+    s.writes[0] = 0
+
+
 class KvStream:
     """The KV tiles one layer's attention reads, in order: sequence by sequence, each
     sequence's tiles 0 .. (positions[b] + T - 1) // kv_tile, through a `kv_slots` ring.
@@ -259,7 +307,9 @@ def attend(
     Without values (v_cache_hbm None) the key rows are the values too: MLA's absorbed
     decode, multi-query attention over the latent cache, whose output is P @ latent rows
     (the caller keeps the latent part of it); its scale is the unabsorbed head's.
-    Every DMA it starts (or `KvStream.prime` started) is waited for before it returns.
+    Every DMA it starts (or `KvStream.prime` started) is waited for before it returns,
+    but the write-backs of the new rows: they stay in flight from their staging slots
+    (module docstring; the kernel ran `start_write_backs` and runs `drain_write_backs`).
     """
     s = scratch
     B = positions_smem.shape[0]
@@ -272,9 +322,11 @@ def attend(
     precision = lax.Precision.HIGHEST if dtype == F32 else None
     scale = np.float32(1 / math.sqrt(H) if scale is None else scale)
     latent = v_cache_hbm is None
-    # (new rows, tiles, cache, write-back DMA name) of the keys, then of the values
-    caches = [(s.k_rows, s.k_tiles, k_cache_hbm, "k_write_back")] + (
-        [] if latent else [(s.v_rows, s.v_tiles, v_cache_hbm, "v_write_back")])
+    # (new rows, tiles, staging slots, cache, write-back DMA name) of the keys, then of
+    # the values
+    caches = [(s.k_rows, s.k_tiles, s.k_back, k_cache_hbm, "k_write_back")] + (
+        [] if latent else [(s.v_rows, s.v_tiles, s.v_back, v_cache_hbm, "v_write_back")])
+    backs = s.k_back.shape[0]
     values = s.k_tiles if latent else s.v_tiles
 
     _gather_blocks(q_vmem, s.q_blocks, s.stage, rows=T, group=G, block=R)
@@ -285,14 +337,26 @@ def attend(
                   block=block)
     tiles_of, total, advance, copies = kv.tiles_of, kv.total, kv.advance, kv.copies
 
-    def write_backs(cursor, slot, first):  # rows [first, first + T) of tile (b, i) to HBM
+    def write_back(cursor, slot, first):  # rows [first, first + T) of tile (b, i) to HBM
         b, i = cursor
         start = jnp.minimum(jnp.maximum(first, 0) // sub * sub, tile - W)  # aligned window
         window = pl.ds(pl.multiple_of(start, sub), W)
         rows = pl.ds(pl.multiple_of(i * tile + start, sub), W)
-        return [pltpu.make_async_copy(tiles.at[slot, :, window, :],
-                                      cache.at[layer, b, :, rows, :], s.write_sems.at[j])
-                for j, (_, tiles, cache, _) in enumerate(caches)]
+        n = s.writes[0]
+        staged = n % backs
+        sends = [pltpu.make_async_copy(back.at[staged], cache.at[layer, b, :, rows, :],
+                                       s.write_sems.at[j])
+                 for j, (_, _, back, cache, _) in enumerate(caches)]
+
+        @pl.when(n >= backs)
+        def free_staging_slot():  # write-back n - 2B sent from it (normally a layer ago)
+            for c in sends:  # every write-back moves as many bytes: any one's wait will do
+                c.wait()
+
+        for c, (_, tiles, back, _, what) in zip(sends, caches):
+            back[staged] = tiles[slot, :, window, :]
+            start_dma(c, what, K * W * H * dtype.itemsize)
+        s.writes[0] = n + 1
 
     def qblock(b, k):  # first row of block (b, k): a multiple of 8, as Mosaic needs
         return pl.multiple_of((b * K + k) * R, ALIGN)
@@ -326,7 +390,7 @@ def attend(
         first = p - i * tile
         row = lax.broadcasted_iota(jnp.int32, (tile, H), 0)
         new = (row >= first) & (row < first + T)
-        for rows_vmem, tiles_vmem, _, _ in caches:
+        for rows_vmem, tiles_vmem, *_ in caches:
             for k in range(K):
                 x = rows_vmem[pl.ds(pl.multiple_of((b * K + k) * Rt, ALIGN), Rt), :]  # [Rt, H]
                 if Rt < tile:
@@ -363,15 +427,10 @@ def attend(
 
         attend_tile(b, i, p, slot)
 
-        # Waited at once: at most two tiles per sequence are written, the loads already in
-        # flight keep HBM busy meanwhile, and the slot is free for the next prefetch.
+        # Sent from a staging slot, so the KV slot is free for the next prefetch at once.
         @pl.when(written)
-        def write_back():
-            back = write_backs(cursor, slot, p - i * tile)
-            for c, (*_, what) in zip(back, caches):
-                start_dma(c, what, K * W * H * dtype.itemsize)
-            for c in back:
-                c.wait()
+        def send_new_rows():
+            write_back(cursor, slot, p - i * tile)
 
         @pl.when(i == tiles_of(b) - 1)
         def finish_sequence():
@@ -402,8 +461,11 @@ def decode_attention_kernel(
     **scratch,  # decode_attention_scratch, by name
 ):
     del k_cache_in_hbm, v_cache_in_hbm  # the same buffers as the outputs
+    s = AttentionScratch(**scratch)
+    start_write_backs(s)
     attend(q_vmem, k_new_vmem, v_new_vmem, positions_smem, k_cache_hbm, v_cache_hbm, o_vmem,
-           AttentionScratch(**scratch), layer=layer_smem[0], block=block)
+           s, layer=layer_smem[0], block=block)
+    drain_write_backs(s, k_cache_hbm, v_cache_hbm)
 
 
 # -- The stage wrapper ----------------------------------------------------------------------
@@ -496,8 +558,11 @@ def latent_attention_kernel(layer_smem, positions_smem, q_vmem, latent_new_vmem,
                             cache_in_hbm, o_vmem, cache_hbm, *, block: BlockSizes,
                             scale: float, **scratch):
     del cache_in_hbm  # the same buffer as the output
-    attend(q_vmem, latent_new_vmem, None, positions_smem, cache_hbm, None, o_vmem,
-           AttentionScratch(**scratch), layer=layer_smem[0], block=block, scale=scale)
+    s = AttentionScratch(**scratch)
+    start_write_backs(s)
+    attend(q_vmem, latent_new_vmem, None, positions_smem, cache_hbm, None, o_vmem, s,
+           layer=layer_smem[0], block=block, scale=scale)
+    drain_write_backs(s, cache_hbm)
 
 
 def latent_attention(q: jax.Array, latent_new: jax.Array, latent_cache: jax.Array,

@@ -10,8 +10,10 @@ reads it (`mk.linear_attention.delta_rule`, the oracle):
 The delta rule (`delta_rule_body`): the state [B, Nv, Hk, Hv] stays in HBM
 (`memory_space=pl.ANY`). Sequence b's state comes into VMEM by an async copy issued while
 sequence b-1 computes (two slots), and the T states after each of b's rows leave by one
-async copy that overlaps sequence b+1 (two slots): a verifier that accepts k of the T rows
-restarts from row k-1's state. Bytes per step: B * Nv * Hk * Hv * 4 in and T times that
+async copy waited for only when sequence b+2 needs its slot (two slots): a verifier that
+accepts k of the T rows restarts from row k-1's state. In a kernel of several linear
+layers the sequences of all of them are one stream (`StateCopies`): the next layer's first
+state loads while this layer's last sequence computes. Bytes per step: B * Nv * Hk * Hv * 4 in and T times that
 out, whatever the context length. Rows of a sequence sit in one 8-row-aligned block [R, H]
 (R = T rounded up to 8); row t is picked by a row mask, so every product is an [R, .]
 matmul (rows other than t are zero) and no dynamic sublane slicing is needed. decay
@@ -22,9 +24,12 @@ input RMSNorm; in_proj_qkv and in_proj_z through one weight ring; in_proj_b/in_p
 (Nv columns, narrower than a ring tile) by their own DMA, then beta and the decay; the
 depthwise causal conv over the rows after the conv state [B, W-1, C] (in HBM: read once,
 the state after every row written back); the L2 norms; the delta rule; the gated
-RMSNorm; out_proj through the same ring; the residual. The state copy-in, the conv state
-and the gate weights start before the projections, so they land behind the weight stream.
-
+RMSNorm; out_proj through the same ring; the residual. The gate weights, the conv state
+and the first state are issued a linear layer ahead (two slots; the first layer's at the
+kernel's start, `prime_linear`), and the conv rows and row states are waited for a layer
+later (`drain_linear` at the kernel's end): a DMA issued and waited for within the layer
+would queue behind every weight tile in flight, and a ring deep enough to stream through
+a collective holds a layer's worth of them.
 Kimi Delta Attention (KDA, Kimi Linear's linear layers, config.channel_decay) is the same
 layer with three changes (mk.reference.kimi_delta_attention): the decay is one per key
 channel, from a low-rank forget gate (h f_a f_b); the output gate is a low-rank sigmoid
@@ -101,50 +106,62 @@ def delta_rule_head(q, k, v, s, decay, beta, rows_out):
 
 
 class StateCopies:
-    """The recurrent state's HBM <-> VMEM copies: sequence b's state in, its T row states
-    out, each double-buffered over two slots (b % 2)."""
+    """The recurrent states' HBM <-> VMEM copies of every linear layer a kernel runs, as one
+    stream of items n = row * B + b (sequence b of linear row `row`): item n's state comes
+    into slot n % 2 while item n - 1 computes (across the layer edge too), and its T row
+    states leave from slot n % 2, waited for only when item n + 2 needs the slot or at the
+    kernel's end (`drain`). state_hbm [Ll, B, Nv, Hk, Hv], rows_hbm [Ll, B, T, Nv, Hk, Hv]."""
 
     def __init__(self, state_hbm, rows_hbm, state_vmem, rows_vmem, load_sems, store_sems):
         self.state_hbm, self.rows_hbm = state_hbm, rows_hbm
         self.state_vmem, self.rows_vmem = state_vmem, rows_vmem
         self.load_sems, self.store_sems = load_sems, store_sems
+        self.batch = state_hbm.shape[1]
+        self.items = state_hbm.shape[0] * self.batch
 
-    def load(self, b, slot):
-        return pltpu.make_async_copy(self.state_hbm.at[b], self.state_vmem.at[slot],
+    def load(self, n):
+        row, b, slot = n // self.batch, n % self.batch, n % 2
+        return pltpu.make_async_copy(self.state_hbm.at[row, b], self.state_vmem.at[slot],
                                      self.load_sems.at[slot])
 
-    def store(self, b, slot):
-        return pltpu.make_async_copy(self.rows_vmem.at[slot], self.rows_hbm.at[b],
+    def store(self, n):
+        row, b, slot = n // self.batch, n % self.batch, n % 2
+        return pltpu.make_async_copy(self.rows_vmem.at[slot], self.rows_hbm.at[row, b],
                                      self.store_sems.at[slot])
 
-    def start_load(self, b, slot):
-        start_dma(self.load(b, slot), "state_load",
-                  math.prod(self.state_vmem.shape[1:]) * 4)
+    def start_load(self, n):
+        start_dma(self.load(n), "state_load", math.prod(self.state_vmem.shape[1:]) * 4)
 
-    def start_store(self, b, slot):
-        start_dma(self.store(b, slot), "state_rows",
-                  math.prod(self.rows_vmem.shape[1:]) * 4)
+    def start_store(self, n):
+        start_dma(self.store(n), "state_rows", math.prod(self.rows_vmem.shape[1:]) * 4)
+
+    def drain(self):
+        """At the kernel's end: wait for the last two items' row states."""
+        for n in range(max(self.items - 2, 0), self.items):
+            self.store(n).wait()
 
 
 def delta_rule_body(q_vmem, k_vmem, v_vmem, scalars, out_vmem, copies: StateCopies, *,
-                    rows: int):
-    """The delta rule of B sequences inside a kernel: q, k [B, Nv, R, Hk], v and out
-    [B, Nv, R, Hv] f32 VMEM refs; scalars(b, h) -> (decay(t), beta(t)). Expects
-    copies.start_load(0, 0) done (a layer kernel starts it before its projections); leaves
-    every row-state write-back waited for."""
+                    rows: int, row=0):
+    """The delta rule of linear row `row`'s B sequences inside a kernel: q, k [B, Nv, R, Hk],
+    v and out [B, Nv, R, Hv] f32 VMEM refs; scalars(b, h) -> (decay(t), beta(t)). Expects
+    item row * B's state load started (`prime_linear`, or the row before's last sequence);
+    starts the next item's load, even the next row's; leaves the row states in flight
+    (`StateCopies`)."""
     B, Nv = q_vmem.shape[:2]
 
     def sequence(b, carry):
-        slot = b % 2
-        copies.load(b, slot).wait()
+        n = row * B + b
+        slot = n % 2
+        copies.load(n).wait()
 
-        @pl.when(b + 1 < B)
+        @pl.when(n + 1 < copies.items)
         def prefetch_next_state():
-            copies.start_load(b + 1, 1 - slot)
+            copies.start_load(n + 1)
 
-        @pl.when(b >= 2)
-        def free_row_slot():  # the write-back of sequence b-2 used this slot
-            copies.store(b - 2, slot).wait()
+        @pl.when(n >= 2)
+        def free_row_slot():  # the write-back of item n - 2 used this slot
+            copies.store(n - 2).wait()
 
         def head(h, carry):
             out_vmem[b, h] = delta_rule_head(
@@ -153,12 +170,10 @@ def delta_rule_body(q_vmem, k_vmem, v_vmem, scalars, out_vmem, copies: StateCopi
             return carry
 
         lax.fori_loop(0, Nv, head, 0)
-        copies.start_store(b, slot)
+        copies.start_store(n)
         return carry
 
     lax.fori_loop(0, B, sequence, 0)
-    for b in range(max(B - 2, 0), B):  # drain the last write-backs
-        copies.store(b, b % 2).wait()
 
 
 def delta_rule_kernel(
@@ -168,10 +183,10 @@ def delta_rule_kernel(
     v_vmem,  # [B, Nv, R, Hv] f32
     decay_smem,  # [B * Nv * T] f32, exp(g)
     beta_smem,  # [B * Nv * T] f32
-    state_hbm,  # [B, Nv, Hk, Hv] f32, left in HBM
+    state_hbm,  # [1, B, Nv, Hk, Hv] f32, left in HBM
     # Outputs
     out_vmem,  # [B, Nv, R, Hv] f32
-    rows_hbm,  # [B, T, Nv, Hk, Hv] f32: the state after each row
+    rows_hbm,  # [1, B, T, Nv, Hk, Hv] f32: the state after each row
     # Scratch
     state_vmem,  # [2, Nv, Hk, Hv] f32
     rows_vmem,  # [2, T, Nv, Hk, Hv] f32
@@ -187,8 +202,9 @@ def delta_rule_kernel(
         first = (b * Nv + h) * rows
         return lambda t: decay_smem[first + t], lambda t: beta_smem[first + t]
 
-    copies.start_load(0, 0)
+    copies.start_load(0)
     delta_rule_body(q_vmem, k_vmem, v_vmem, scalars, out_vmem, copies, rows=rows)
+    copies.drain()
 
 
 def delta_rule_step(q, k, v, decay, beta, state, *, kernel=None):
@@ -224,7 +240,7 @@ def delta_rule_step(q, k, v, decay, beta, state, *, kernel=None):
     out, rows = pl.pallas_call(
         functools.partial(kernel or delta_rule_kernel, rows=T),
         out_shape=(jax.ShapeDtypeStruct((B, Nv, R, Hv), F32),
-                   jax.ShapeDtypeStruct((B, T, Nv, Hk, Hv), F32)),
+                   jax.ShapeDtypeStruct((1, B, T, Nv, Hk, Hv), F32)),
         in_specs=[vmem, vmem, vmem, smem, smem, any_],
         out_specs=(vmem, any_),
         scratch_shapes=[pltpu.VMEM((2, Nv, Hk, Hv), F32), pltpu.VMEM((2, T, Nv, Hk, Hv), F32),
@@ -233,8 +249,9 @@ def delta_rule_step(q, k, v, decay, beta, state, *, kernel=None):
         cost_estimate=pl.CostEstimate(
             flops=B * T * Nv * 3 * 2 * R * Hk * Hv, transcendentals=0,
             bytes_accessed=(1 + T) * state_bytes + B * Nv * R * (2 * Hk + 2 * Hv) * 4),
-    )(blocks(q), blocks(k), blocks(v), scalars(decay), scalars(beta), state.astype(F32))
-    return jnp.moveaxis(out[:, :, :T], 1, 2), rows
+    )(blocks(q), blocks(k), blocks(v), scalars(decay), scalars(beta),
+      state.astype(F32)[None])
+    return jnp.moveaxis(out[:, :, :T], 1, 2), rows[0]
 
 
 # -- The whole layer: stage 05b ------------------------------------------------------------
@@ -289,24 +306,28 @@ def smem_gates(config: ModelConfig) -> tuple[str, ...]:
     return ("beta",) if config.channel_decay else ("decay", "beta")
 
 
-def linear_buffers(config: ModelConfig, batch: int, rows: int) -> list[Buffer]:
+def linear_buffers(config: ModelConfig, batch: int, rows: int, *,
+                   layers: int = 2) -> list[Buffer]:
     """The VMEM scratch of `linear_mixer` (group "linear", names "linear.<field>"): the
     weights brought by DMA (`linear_weights`; a vector as a [1, n] row), the gates, the
     projections (z: the gated DeltaNet's z or KDA's output gate), the conv window and row
     states, the delta rule's blocks (KDA adds its per-channel decays); the recurrent state:
-    two slots of one sequence's state in, two of its T row states out."""
+    two slots of one sequence's state in, two of its T row states out. The DMA'd weights
+    and the conv state have `layers` slots (linear row r's in slot r % layers): 2 in a
+    kernel of several linear layers (the next one's load while this one computes), 1 in the
+    one-layer stage kernel."""
     M, T, R = batch * rows, rows, -(-rows // ALIGN) * ALIGN
     C, W, dt = config.conv_channels, config.conv_kernel, config.dtype
     Vw = config.linear_value_width
     Nv, Hk, Hv = config.linear_value_heads, config.linear_key_dim, config.linear_value_dim
     f32 = "float32"
     shapes = linear_layer_shapes(config)
-    fields = [(n, shapes[n] if len(shapes[n]) == 2 else (1, *shapes[n]), dt)
-              for n in linear_weights(config)[1]]
+    fields = [(n, (layers, *shapes[n]) if len(shapes[n]) == 2 else (layers, 1, *shapes[n]),
+               dt) for n in linear_weights(config)[1]]
     fields += [("decay", (M, Nv * Hk if config.channel_decay else Nv), f32),
                ("beta", (M, Nv), f32),
                ("qkv", (M, C), f32), ("z", (M, Vw), f32), ("o", (M, Vw), f32),
-               ("conv", (batch, W - 1, C), dt), ("window", (batch, W - 1 + T, C), f32),
+               ("conv", (layers, batch, W - 1, C), dt), ("window", (batch, W - 1 + T, C), f32),
                ("conv_rows", (batch, T, W - 1, C), dt),
                ("q", (batch, Nv, R, Hk), f32), ("k", (batch, Nv, R, Hk), f32),
                ("v", (batch, Nv, R, Hv), f32), ("heads", (batch, Nv, R, Hv), f32),
@@ -316,18 +337,19 @@ def linear_buffers(config: ModelConfig, batch: int, rows: int) -> list[Buffer]:
     return [Buffer(f"linear.{name}", shape, dtype, "linear") for name, shape, dtype in fields]
 
 
-def linear_scratch(config: ModelConfig, batch: int, rows: int) -> dict:
-    """The Pallas scratch of `linear_mixer` by field name: `linear_buffers` in VMEM, the
-    `smem_gates` in SMEM and the DMA semaphores."""
+def linear_scratch(config: ModelConfig, batch: int, rows: int, *, layers: int = 2) -> dict:
+    """The Pallas scratch of `linear_mixer` by field name: `linear_buffers` (`layers` as
+    there) in VMEM, the `smem_gates` in SMEM and the DMA semaphores."""
     M, Nv = batch * rows, config.linear_value_heads
     vmem = {b.name.removeprefix("linear."): pltpu.VMEM(b.shape, b.dtype)
-            for b in linear_buffers(config, batch, rows)}
+            for b in linear_buffers(config, batch, rows, layers=layers)}
     gates = smem_gates(config)
     return vmem | {f"{n}_smem": pltpu.SMEM((M, Nv), F32) for n in gates} | dict(
         load_sems=pltpu.SemaphoreType.DMA((2,)), store_sems=pltpu.SemaphoreType.DMA((2,)),
-        # the weights' DMAs, then conv state in, conv rows out, the gates to SMEM
-        small_sems=pltpu.SemaphoreType.DMA((len(linear_weights(config)[1]) + 2
-                                            + len(gates),)))
+        # per slot: the weights' DMAs, then the conv state in (`layer_loads`)
+        small_sems=pltpu.SemaphoreType.DMA((layers, len(linear_weights(config)[1]) + 1)),
+        # the conv rows out, the gates to SMEM
+        out_sems=pltpu.SemaphoreType.DMA((1 + len(gates),)))
 
 
 def prepare_linear(config: ModelConfig, params) -> dict:
@@ -347,7 +369,7 @@ def gated_deltanet_buffers(config: ModelConfig, batch: int, rows: int,
             Buffer("out", (M, D), "float32", "operand"),
             Buffer("h", (M, D), dt),
             Buffer("ring", (block.slots, block.tile_rows, block.tile_cols), dt),
-            *linear_buffers(config, batch, rows)]
+            *linear_buffers(config, batch, rows, layers=1)]
 
 
 def gates_body(h, lin_b, lin_a, a_log, dt_bias):
@@ -472,30 +494,25 @@ def linear_mixer(ring: Ring, config: ModelConfig, ls, hbm: dict, *, step, row, x
     weights and states (traced); x [M, D] f32 and attn_norm [1, D] (any norm offset added)
     are values; ls: `linear_scratch` by field name; hbm: HBM refs by name, the DMA'd
     weights (`linear_weights`) [Ll, ...], STATE_INPUTS [Ll, B, ...] and STATE_OUTPUTS
-    [Ll, B, T, ...]. Everything that does not depend on this step's activations starts
-    first (the first sequence's state, the conv state, the small weights), so it lands while
-    the projections stream. KDA's gates come from its DMA'd low-rank pairs while the ring
+    [Ll, B, T, ...]. What does not depend on this step's activations (the DMA'd weights, the
+    conv state, the first sequence's state) was issued by the linear layer before (or
+    `prime_linear`, at the kernel's start), so it has landed behind the weight tiles; this
+    layer issues the next linear layer's at its start, and leaves its conv rows and row
+    states in flight (waited for by the next linear layer, or `drain_linear`). KDA's gates come from its DMA'd low-rank pairs while the ring
     brings lin_out's first tiles (the gated DeltaNet's while it brings them behind lin_z)."""
     kda = config.channel_decay
-    copies = StateCopies(hbm["state"].at[row], hbm["state_rows"].at[row], ls.state,
-                         ls.state_rows, ls.load_sems, ls.store_sems)
-    copies.start_load(0, 0)
-    dmas = linear_weights(config)[1]
-    small = {n: pltpu.make_async_copy(hbm[n].at[row], getattr(ls, n), ls.small_sems.at[i])
-             for i, n in enumerate(dmas)}
-    k = len(dmas)
-    conv_in = pltpu.make_async_copy(hbm["conv_state"].at[row], ls.conv, ls.small_sems.at[k])
-    conv_out = pltpu.make_async_copy(ls.conv_rows, hbm["conv_rows"].at[row],
-                                     ls.small_sems.at[k + 1])
-    for name, copy in small.items():
-        ref = getattr(ls, name)
-        start_dma(copy, name, ref.size * ref.dtype.itemsize)
-    start_dma(conv_in, "conv_load", ls.conv.size * ls.conv.dtype.itemsize)
+    copies = state_copies(ls, hbm)
+    slot, rows_total = row % ls.conv.shape[0], hbm["state"].shape[0]
+    small = layer_loads(config, ls, hbm, row)
+
+    @pl.when(row + 1 < rows_total)
+    def prefetch_next_linear_layer():  # into the other slot, which row - 1 no longer needs
+        start_layer_loads(config, ls, hbm, row + 1)
 
     def landed(*names):
         for name in names:
             small[name].wait()
-        return [getattr(ls, name)[...] for name in names]
+        return [getattr(ls, name)[slot] for name in names]
 
     h_vmem[...] = rms_norm(x, attn_norm, config.rms_eps).astype(h_vmem.dtype)
     ring.matmul("lin_qkv", h_vmem, ls.qkv, layer=step)
@@ -509,16 +526,22 @@ def linear_mixer(ring: Ring, config: ModelConfig, ls, hbm: dict, *, step, row, x
         ls.decay[...], ls.beta[...] = gates_body(
             h, *landed("lin_b", "lin_a", "lin_a_log", "lin_dt_bias"))
     to_smem = [pltpu.make_async_copy(getattr(ls, n), getattr(ls, f"{n}_smem"),
-                                     ls.small_sems.at[k + 2 + i])
+                                     ls.out_sems.at[1 + i])
                for i, n in enumerate(smem_gates(config))]
     for copy in to_smem:
         copy.start()
 
     (conv_weight,) = landed("lin_conv")
-    conv_in.wait()
-    conv_body(ls.qkv, ls.conv, conv_weight, ls.window, ls.conv_rows, batch=batch,
+    small["conv_state"].wait()
+
+    @pl.when(row > 0)
+    def free_conv_rows():  # the row before sent them from this buffer
+        conv_rows_out(ls, hbm, row - 1).wait()
+
+    conv_body(ls.qkv, ls.conv.at[slot], conv_weight, ls.window, ls.conv_rows, batch=batch,
               rows=rows)
-    start_dma(conv_out, "conv_rows", ls.conv_rows.size * ls.conv_rows.dtype.itemsize)
+    start_dma(conv_rows_out(ls, hbm, row), "conv_rows",
+              ls.conv_rows.size * ls.conv_rows.dtype.itemsize)
     head_blocks(ls.qkv, ls.q, ls.k, ls.v, config=config, batch=batch, rows=rows,
                 decays=(ls.decay, ls.decays) if kda else None)
 
@@ -534,12 +557,56 @@ def linear_mixer(ring: Ring, config: ModelConfig, ls, hbm: dict, *, step, row, x
             return (lambda t: channel_column(decays[t:t + 1])), beta
         return (lambda t: ls.decay_smem[b * rows + t, h]), beta
 
-    delta_rule_body(ls.q, ls.k, ls.v, scalars, ls.heads, copies, rows=rows)
+    delta_rule_body(ls.q, ls.k, ls.v, scalars, ls.heads, copies, rows=rows, row=row)
     (norm,) = landed("lin_norm")
     gated_norm_rows(ls.heads, ls.z, ls.o, norm, batch=batch, rows=rows, eps=config.rms_eps,
                     gate=jax.nn.sigmoid if kda else jax.nn.silu)
     ring.matmul("lin_out", ls.o, out_vmem, layer=step)
-    conv_out.wait()
+
+
+def state_copies(ls, hbm: dict) -> StateCopies:
+    """The recurrent states' stream over every linear layer (`StateCopies`)."""
+    return StateCopies(hbm["state"], hbm["state_rows"], ls.state, ls.state_rows,
+                       ls.load_sems, ls.store_sems)
+
+
+def layer_loads(config: ModelConfig, ls, hbm: dict, row) -> dict:
+    """Linear row `row`'s own loads into its slot (row % the slots of `linear_buffers`) by
+    name: its DMA'd weights (`linear_weights`) and its conv state ("conv_state", into
+    `ls.conv`)."""
+    slot = row % ls.conv.shape[0]
+    names = linear_weights(config)[1] + ("conv_state",)
+    return {n: pltpu.make_async_copy(hbm[n].at[row], getattr(ls, _BUFFER.get(n, n)).at[slot],
+                                     ls.small_sems.at[slot, i]) for i, n in enumerate(names)}
+
+
+_BUFFER = {"conv_state": "conv"}  # the VMEM buffer a load goes to, where its name differs
+
+
+def start_layer_loads(config: ModelConfig, ls, hbm: dict, row) -> None:
+    for name, copy in layer_loads(config, ls, hbm, row).items():
+        ref = getattr(ls, _BUFFER.get(name, name))
+        start_dma(copy, "conv_load" if name == "conv_state" else name,
+                  ref.size // ref.shape[0] * ref.dtype.itemsize)
+
+
+def conv_rows_out(ls, hbm: dict, row):
+    """Linear row `row`'s conv states after each row, VMEM -> HBM."""
+    return pltpu.make_async_copy(ls.conv_rows, hbm["conv_rows"].at[row], ls.out_sems.at[0])
+
+
+def prime_linear(config: ModelConfig, ls, hbm: dict) -> None:
+    """At a kernel's start: the first linear layer's weights, conv state and first state
+    (every later linear layer's are issued by the one before it: `linear_mixer`)."""
+    start_layer_loads(config, ls, hbm, 0)
+    state_copies(ls, hbm).start_load(0)
+
+
+def drain_linear(ls, hbm: dict) -> None:
+    """At a kernel's end: wait for the last linear layer's conv rows and the last row
+    states `linear_mixer` left in flight."""
+    conv_rows_out(ls, hbm, hbm["state"].shape[0] - 1).wait()
+    state_copies(ls, hbm).drain()
 
 
 def gated_deltanet_kernel(inputs, outputs, *, config: ModelConfig, stream: TileStream,
@@ -553,10 +620,13 @@ def gated_deltanet_kernel(inputs, outputs, *, config: ModelConfig, stream: TileS
              for n in linear_weights(config)[0]}
     ring = Ring(stream, fetch, ring_vmem, sems)
     ring.prime()
+    ls, hbm = SimpleNamespace(**linear), inputs | outputs
+    prime_linear(config, ls, hbm)
     x = inputs["x"][...]
-    linear_mixer(ring, config, SimpleNamespace(**linear), inputs | outputs, step=0, row=row,
-                 x=x, attn_norm=inputs["attn_norm"][...], h_vmem=h_vmem,
-                 out_vmem=outputs["out"], batch=batch, rows=rows)
+    linear_mixer(ring, config, ls, hbm, step=0, row=row, x=x,
+                 attn_norm=inputs["attn_norm"][...], h_vmem=h_vmem, out_vmem=outputs["out"],
+                 batch=batch, rows=rows)
+    drain_linear(ls, hbm)
     outputs["out"][...] = x + outputs["out"][...]
 
 
@@ -632,7 +702,7 @@ def gated_deltanet(config: ModelConfig, params, x, conv_state, state, *, layer: 
                             ring_vmem=pltpu.VMEM((block.slots, block.tile_rows,
                                                   block.tile_cols), dt),
                             sems=pltpu.SemaphoreType.DMA((block.slots,)),
-                            linear=linear_scratch(config, B, T)),
+                            linear=linear_scratch(config, B, T, layers=1)),
         compiler_params=pltpu.CompilerParams(vmem_limit_bytes=vmem_limit_bytes(buffers)),
         name="mk_gated_deltanet",
         cost_estimate=pl.CostEstimate(

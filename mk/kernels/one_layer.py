@@ -41,7 +41,8 @@ from mk.kernels.attention_prologue import check_layer_inputs, prologue, prologue
 from mk.kernels.common import (SLOTS, BlockSizes, Buffer, aliases, default_block,
                                memory_specs, start_dma, vmem_limit_bytes)
 from mk.kernels.decode_attention import (AttentionScratch, KvStream, attend,
-                                         decode_attention_buffers, decode_attention_scratch)
+                                         decode_attention_buffers, decode_attention_scratch,
+                                         drain_write_backs, start_write_backs)
 from mk.kernels.deltanet import gated_deltanet_matrices, linear_mixer
 from mk.kernels.mlp import (EXPERT_WEIGHTS, SHARED_WEIGHTS, Routing, expert_slots, moe_body,
                             moe_fetch, moe_segments, swiglu_body, swiglu_fetch,
@@ -393,6 +394,7 @@ def one_layer_kernel(inputs, outputs, *, config: ModelConfig, kind: str,
     ring = Ring.in_scratch(stream, fetch, s, s.sems, config.dtype)
     ring.prime()
     attention = AttentionScratch(**scratch["attention"])
+    start_write_backs(attention)
     KvStream(inputs["positions"], outputs["k_cache"], outputs["v_cache"], attention,
              rows=rows, layer=layer, block=block).prime()  # they load during the prologue
     if kind == "moe":
@@ -404,6 +406,7 @@ def one_layer_kernel(inputs, outputs, *, config: ModelConfig, kind: str,
         positions_smem=inputs["positions"], k_cache_hbm=outputs["k_cache"],
         v_cache_hbm=outputs["v_cache"], attention=attention, block=block, batch=batch,
         rows=rows)
+    drain_write_backs(attention, outputs["k_cache"], outputs["v_cache"])
 
 
 def one_layer(config: ModelConfig, params, x, k_cache, v_cache, positions, *, layer: int,

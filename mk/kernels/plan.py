@@ -43,15 +43,17 @@ The default tiling is `mk.kernels.common.default_block` (the rule every kernel u
 every matrix of the shard, with the cache's context: the largest tile of at most
 `TILE_BYTES` (2 MiB) that cuts each matrix plain or transposed (`BlockSizes.cut`: a
 row-sharded [narrow, D] matrix is stored D-major, so a shard's tiles are D x 128 and more),
-3 ring slots or, for a chip, as many as Little's law asks for `RING_COVER_S` (2 µs) at one
-core's bandwidth, KV tiles of min(256, S) positions, KV slots by `kv_depth`.
+3 ring slots or, for a chip, as many as Little's law asks for `ring_cover_s` at one core's
+bandwidth (`RING_COVER_S`, 2 µs, and at tp > 1 one all-reduce more, so weight DMAs stream
+through the collectives; fewer where the chip's VMEM would leave Mosaic too little room),
+KV tiles of min(256, S) positions, KV slots by `kv_depth`.
 
 Adding a VMEM buffer to the megakernel is one line in `_buffers` (its group says where the
 kernel finds it: "layer" buffers are attributes of the layer scratch, the others are
 their own scratch entry or an operand).
 
 Here: the sharding model (`check_tp`, `shard_config`, `kv_heads_of`, `padded_width`),
-`padded_vocab`, `default_block` (with `little_slots`, `kv_depth`), `model_stream`,
+`padded_vocab`, `default_block` (with `little_slots`, `ring_cover_s`, `kv_depth`), `model_stream`,
 `capacity`, `WEIGHT_FAMILIES`, `family_of`,
 `shard_weight_bytes`, `QUANT_FAMILY`, `DecodePlan`, `Fit`. Not here: the kernel (`mk.megakernel`), the
 layer's phases (`mk.kernels.one_layer.LAYER_PHASES`), sharding arrays
@@ -69,11 +71,11 @@ from jax.experimental.pallas import tpu as pltpu
 from mk import quant
 from mk.chips import ChipSpec, chip as named_chip
 from mk.config import DTYPE_BITS, ModelConfig, check_rows, positive_int
-from mk.kernels.collectives import (MAX_INDEX, check_devices, collective_buffers,
-                                    collective_semaphores)
-from mk.kernels.common import (KV_TILE, LANES, SLOTS, BlockSizes, Buffer, VmemBudget,
-                               vmem_budget, vmem_limit_bytes)
-from mk.kernels.decode_attention import decode_attention_buffers
+from mk.kernels.collectives import (MAX_INDEX, PARTIAL_SUM_BYTES, allreduce_s, check_devices,
+                                    collective_buffers, collective_semaphores)
+from mk.kernels.common import (KV_TILE, LANES, SLOTS, VMEM_HEADROOM, VMEM_ROOM, BlockSizes,
+                               Buffer, VmemBudget, vmem_budget, vmem_limit_bytes)
+from mk.kernels.decode_attention import attention_semaphores, decode_attention_buffers
 from mk.kernels.deltanet import (LINEAR_WEIGHTS, linear_buffers, linear_layer_shapes,
                                  linear_scratch)
 from mk.kernels.mlp import expert_slots
@@ -182,10 +184,17 @@ def padded_vocab(local: ModelConfig, block: BlockSizes) -> int:
     return -(-local.vocab // block.tile_cols) * block.tile_cols
 
 
-RING_COVER_S = 2e-6  # the time a chip's ring keeps HBM streaming (Little's law): the 1 us
-#   DMA latency assumed (nothing here ran on a TPU; notebook 13 measures it on one), and as
-#   much again for a layer's phases without weight tiles (attention, norms, routing), during
-#   which the ring fills; tests/test_sim.py shows what 1 us alone leaves idle
+RING_COVER_S = 2e-6  # the time a chip's ring keeps HBM streaming (Little's law): twice the
+#   1 us DMA latency the simulator assumes, since nothing here ran on a TPU (notebook 13
+#   measures it on one); at tp > 1 one all-reduce more (`ring_cover_s`)
+
+
+def ring_cover_s(local: ModelConfig, tp: int, M: int, spec: ChipSpec) -> float:
+    """The time a chip's ring keeps HBM streaming: RING_COVER_S, and at tp > 1 one
+    all-reduce of the [M, D] float32 partial sums (`allreduce_s`), so the weight DMAs
+    stream on through the collective instead of draining the ring."""
+    reduce = allreduce_s(M * local.hidden * PARTIAL_SUM_BYTES, tp, spec) if tp > 1 else 0.0
+    return RING_COVER_S + reduce
 
 
 def little_slots(bandwidth: float, latency_s: float, slot_bytes: float) -> int:
@@ -196,11 +205,12 @@ def little_slots(bandwidth: float, latency_s: float, slot_bytes: float) -> int:
 
 
 def default_block(local: ModelConfig, context: int, *, slots: int | None = None,
-                  formats=None, chip: ChipSpec | str | None = None) -> BlockSizes:
+                  formats=None, chip: ChipSpec | str | None = None,
+                  cover_s: float = RING_COVER_S) -> BlockSizes:
     """The default tiling of a shard with a cache of `context` positions and the
     quantised `formats`: `mk.kernels.one_layer.model_block`'s tile (the largest cutting
     every matrix of the shard, plain or transposed); `slots` ring slots, default the
-    `little_slots` of `chip` (one core's bandwidth, RING_COVER_S, the smallest tile the
+    `little_slots` of `chip` (one core's bandwidth, `cover_s`, the smallest tile the
     stream moves) or, without a chip, SLOTS; and as many KV slots as prefetch one
     sequence's whole cache or the ring's bytes of KV tiles, whichever is fewer (a layer's
     first KV tiles are issued behind the weight tiles in flight: `kv_depth`)."""
@@ -210,7 +220,7 @@ def default_block(local: ModelConfig, context: int, *, slots: int | None = None,
                    for s in stream.segments + stream.tail)  # what a slot moves, at least
     if slots is None and chip is not None:
         spec = named_chip(chip) if isinstance(chip, str) else chip
-        slots = little_slots(spec.hbm_bw / spec.cores_per_chip, RING_COVER_S, smallest)
+        slots = little_slots(spec.hbm_bw / spec.cores_per_chip, cover_s, smallest)
     block = dataclasses.replace(block, slots=SLOTS if slots is None else slots)
     return dataclasses.replace(block, kv_slots=kv_depth(local, block, context,
                                                         block.slots * smallest))
@@ -353,7 +363,7 @@ class DecodePlan:
             raise ValueError(f"formats={formats} with tp={tp}: sharding quantised weights "
                              "is not built yet (issue 16); quantised plans run on tp=1")
         if block is None:
-            block = default_block(local, context, formats=formats, chip=spec)
+            block = _chip_block(local, int(tp), int(batch), int(rows), context, formats, spec)
         elif not isinstance(block, BlockSizes):
             raise ValueError(f"block={block!r} must be a BlockSizes or None")
         block.check_context(context)
@@ -413,8 +423,7 @@ class DecodePlan:
                           selected_smem=pltpu.SMEM((1, self.local.experts), jnp.int32),
                           ids_smem=pltpu.SMEM((self.expert_slots,), jnp.int32),
                           count_smem=pltpu.SMEM((1,), jnp.int32))
-        groups["attention"] |= dict(load_sems=pltpu.SemaphoreType.DMA((2, self.block.kv_slots)),
-                                    write_sems=pltpu.SemaphoreType.DMA((2,)))
+        groups["attention"] |= attention_semaphores(self.block)
         vectors = groups.pop("vectors") | {"sems": pltpu.SemaphoreType.DMA((2, 2)),
                                            "final_sem": pltpu.SemaphoreType.DMA((1,))}
         out = dict(layer=layer, vectors=vectors, attention=groups.pop("attention"))
@@ -480,6 +489,29 @@ class DecodePlan:
                        f"of HBM, over the {limit / 2**30:.2f} GiB the compiler gives one "
                        f"{spec.name} core")
         return Fit(spec.name, vmem, hbm, limit)
+
+
+def _chip_block(local: ModelConfig, tp: int, batch: int, rows: int, context: int, formats,
+                spec: ChipSpec | None) -> BlockSizes:
+    """`default_block` for the chip: a ring covering `ring_cover_s`, shortened where its
+    buffers would leave Mosaic less than `vmem_limit_bytes`' room in the chip's VMEM (never
+    below RING_COVER_S's ring)."""
+    if spec is None:
+        return default_block(local, context, formats=formats)
+    block = default_block(local, context, formats=formats, chip=spec,
+                          cover_s=ring_cover_s(local, tp, batch * rows, spec))
+    floor = default_block(local, context, formats=formats, chip=spec).slots
+    if block.slots == floor:
+        return block
+    stream = model_stream(local, block, batch * rows, formats)
+    buffers = _buffers(local, tp, batch, rows, block, padded_vocab(local, block), stream)
+    room = (spec.vmem_bytes - VMEM_ROOM) / VMEM_HEADROOM  # the buffers Mosaic's room allows
+    over = sum(b.bytes for b in buffers.values()) - room
+    if over <= 0:
+        return block
+    slot = sum(b.bytes for b in ring_buffers(stream, local.dtype)) / block.slots
+    slots = max(floor, block.slots - math.ceil(over / slot))
+    return default_block(local, context, formats=formats, chip=spec, slots=slots)
 
 
 def _buffers(local: ModelConfig, tp: int, batch: int, rows: int, block: BlockSizes,

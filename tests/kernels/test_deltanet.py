@@ -70,10 +70,10 @@ def _write_back_before_compute(q_vmem, k_vmem, v_vmem, decay_smem, beta_smem, st
     B, Nv, _, _ = q_vmem.shape
 
     def sequence(b, carry):
-        load = pltpu.make_async_copy(state_hbm.at[b], state_vmem.at[0], load_sems.at[0])
+        load = pltpu.make_async_copy(state_hbm.at[0, b], state_vmem.at[0], load_sems.at[0])
         load.start()
         load.wait()
-        store = pltpu.make_async_copy(rows_vmem.at[0], rows_hbm.at[b], store_sems.at[0])
+        store = pltpu.make_async_copy(rows_vmem.at[0], rows_hbm.at[0, b], store_sems.at[0])
         store.start()  # too early
 
         def head(h, carry):
