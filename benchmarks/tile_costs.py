@@ -85,7 +85,7 @@ def row(preset: str, chip: str, *, tp: int = 1, topology: str | None = None, bat
     run = sim.simulate(config, spec, block=block, **kw,
                        assumptions=cost.assumptions(dma_latency_s=latency_s))
     return dict(out, **cost.row(), hbm_busy=run.hbm_utilisation, sim_step_ms=run.step_ms,
-                hbm_floor_ms=run.hbm_floor_s * 1e3)
+                hbm_floor_ms=run.hbm_floor_s * 1e3, compute_ms=run.compute_s * 1e3)
 
 
 def published_runs(context: int) -> list[dict]:

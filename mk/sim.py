@@ -792,6 +792,13 @@ class Simulation:
         return self.dma_bytes / self.hbm_bandwidth
 
     @property
+    def compute_s(self) -> float:
+        """The compute lane's busy time (weight tiles at max(MXU rule, issue time), vector
+        work, collectives): the step's critical path where HBM never holds the lane up, so
+        a step is at least max(hbm_floor_s, compute_s)."""
+        return sum(e.busy_s for e in self.events if e.lane == "compute")
+
+    @property
     def step_ms(self) -> float:
         return 1e3 * self.step_s
 

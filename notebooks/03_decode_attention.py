@@ -272,9 +272,10 @@ print(f"intensity {flops / full:.1f} FLOP/byte vs the ridge point "
 # On hardware the ring overlaps the DMA of tile g + kv_slots - 1 with the matmuls of tile g,
 # so the step takes about the bytes over the bandwidth once each tile's compute (two small
 # matmuls per kv head) is shorter than its DMA. What the simulation cannot show: DMA issue
-# latency per tile (larger tiles amortise it, at VMEM cost), the write-back the kernel
-# waits for per written tile, and how long the Mosaic code for the row regrouping takes. Unlike the
-# weights, the KV bytes grow with every sequence's length and do not shrink with batching:
+# latency per tile (larger tiles amortise it, at VMEM cost), whether a written tile's
+# write-back, sent from a staging slot and waited for only when that slot comes round
+# again (`drain_write_backs` at the kernel's end), ever holds the next layer up, and how
+# long the Mosaic code for the row regrouping takes. Unlike the weights, the KV bytes grow with every sequence's length and do not shrink with batching:
 # G heads share a tile, but sequences never do.
 #
 # **Takeaway:** decode attention is a KV stream whose length each sequence sets at run

@@ -247,7 +247,8 @@ if report is not None and report.ok:
 # The same measurement for every single-core preset and chip, and for the tensor-parallel
 # shard of every published TPU run (one device's kernel, compiled on the run's multi-chip
 # topology), recorded by `benchmarks/tile_costs.py` (the plan's ring for the chip: Little's
-# law at `RING_COVER_S`, 2 us; simulated at a 1 us DMA latency; single-core rows B=1, T=1,
+# law at `ring_cover_s`, `RING_COVER_S` = 2 us and at tp > 1 one all-reduce more, fewer
+# slots where VMEM is short; simulated at a 1 us DMA latency; single-core rows B=1, T=1,
 # S=1024; published runs at the ledger's batch and rows; compile seconds on the 2-core
 # machine that recorded it). A ratio above 0.9 is a kernel whose TensorCore, not HBM, sets
 # the pace of weight streaming.
@@ -305,8 +306,24 @@ display(plots.table([
                      f"{after[k].get('bundles_per_tile', '-')}",
      "issue/DMA": then_now(k, "tile_over_dma", ".2f"),
      "HBM busy": then_now(k, "hbm_busy", ".1%"), "VMEM MiB": then_now(k, "vmem_MiB", ".1f"),
-     "compile s": then_now(k, "compile_s", ".1f")}
+     "ring KiB": then_now(k, "ring_KiB", ".0f"), "compile s": then_now(k, "compile_s", ".1f")}
     for k in after if k in before]))
+
+# %% [markdown]
+# On a tensor-parallel shard the bar is the step against max(HBM floor, the compute lane's
+# busy time), the lane's tiles, vector work and collectives (`Simulation.compute_s`): within
+# 10 %, weight streaming does not wait on the all-reduces (each collective costs
+# `mk.kernels.collectives.allreduce_s`: 1 us per message round, a model, not a measurement).
+
+# %%
+display(plots.table([
+    {"model": r["preset"], "TP": r["tp"], "B x T": f"{r['batch']} x {r['rows']}",
+     "simulated step ms": f"{r['sim_step_ms']:.3f}", "HBM floor ms": f"{r['hbm_floor_ms']:.3f}",
+     "compute lane ms": f"{r['compute_ms']:.3f}",
+     "over max(floor, lane)":
+         f"{r['sim_step_ms'] / max(r['hbm_floor_ms'], r['compute_ms']) - 1:+.1%}",
+     "bound": "compute lane" if r["compute_ms"] > r["hbm_floor_ms"] else "HBM"}
+    for r in published_costs if "compute_ms" in r]))
 
 # %% [markdown]
 # ## Bytes and FLOPs of one step
@@ -385,12 +402,14 @@ for what, x in saved.items():
 # Each row is one simulated step with one parameter changed. The ring depth that hides a
 # DMA descriptor's latency follows Little's law: bandwidth x latency bytes in flight
 # (`mk.sim.latency_slots`); the plan's ring for a chip covers twice the latency
-# (`RING_COVER_S`), so it keeps streaming while attention and the norms hold the ring
-# full. Past that depth a deeper ring buys nothing and can cost a little: the model has one
-# first-in-first-out DMA engine, so every small DMA a layer issues (a linear layer's
-# states, a KV tile after the primed ones, a write-back) queues behind every weight tile
-# already in flight. (Each full layer's first KV tiles are issued a layer early, right after
-# the previous full layer's attention, for that reason.)
+# (`RING_COVER_S`), and on a tensor-parallel shard one all-reduce more, so weight tiles
+# keep streaming through the collective. Past that depth a deeper ring buys nothing and can
+# cost a little: the model has one first-in-first-out DMA engine, so every small DMA a
+# layer issues queues behind every weight tile already in flight. That is why the kernel
+# waits for no DMA it has just issued: each full layer's first KV tiles are issued a layer
+# early, right after the previous full layer's attention; a linear layer's small weights,
+# conv state and first state by the linear layer before it; and write-backs (KV rows,
+# linear row states) are waited for a layer later, when their buffer comes round again.
 
 # %% tags=["hide-input"]
 common = dict(weight_dtypes=dtypes, tp=tp, context=position)

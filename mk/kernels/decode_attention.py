@@ -47,8 +47,9 @@ up-projection. So a step reads W values per cached token, not 2 x heads x head_d
 
 Here: `attend` (the in-kernel body the fused layer and the megakernel call),
 `start_write_backs` / `drain_write_backs` (around every kernel's attention layers),
-`write_back_slots`, `decode_attention_buffers` / `decode_attention_scratch` (its VMEM and semaphores) and the
-stage wrappers `decode_attention` and `latent_attention`. Not here: Q/K/V projections,
+`write_back_slots`, `decode_attention_buffers` / `decode_attention_scratch` (its VMEM and
+semaphores, `attention_semaphores`) and the stage wrappers `decode_attention` and
+`latent_attention`. Not here: Q/K/V projections,
 norms and RoPE (`attention_prologue`), MLA's absorption of the up-projections (its
 prologue and epilogue, not built in a kernel yet: issue 18), the output projection.
 """

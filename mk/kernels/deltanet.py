@@ -13,8 +13,8 @@ sequence b-1 computes (two slots), and the T states after each of b's rows leave
 async copy waited for only when sequence b+2 needs its slot (two slots): a verifier that
 accepts k of the T rows restarts from row k-1's state. In a kernel of several linear
 layers the sequences of all of them are one stream (`StateCopies`): the next layer's first
-state loads while this layer's last sequence computes. Bytes per step: B * Nv * Hk * Hv * 4 in and T times that
-out, whatever the context length. Rows of a sequence sit in one 8-row-aligned block [R, H]
+state loads while this layer's last sequence computes. Bytes per step: B * Nv * Hk * Hv * 4
+in and T times that out, whatever the context length. Rows of a sequence sit in one 8-row-aligned block [R, H]
 (R = T rounded up to 8); row t is picked by a row mask, so every product is an [R, .]
 matmul (rows other than t are zero) and no dynamic sublane slicing is needed. decay
 (= exp(g)) and beta are per-row scalars in SMEM.
@@ -498,8 +498,9 @@ def linear_mixer(ring: Ring, config: ModelConfig, ls, hbm: dict, *, step, row, x
     conv state, the first sequence's state) was issued by the linear layer before (or
     `prime_linear`, at the kernel's start), so it has landed behind the weight tiles; this
     layer issues the next linear layer's at its start, and leaves its conv rows and row
-    states in flight (waited for by the next linear layer, or `drain_linear`). KDA's gates come from its DMA'd low-rank pairs while the ring
-    brings lin_out's first tiles (the gated DeltaNet's while it brings them behind lin_z)."""
+    states in flight (waited for by the next linear layer, or `drain_linear`). KDA's gates
+    come from its DMA'd low-rank pairs while the ring brings lin_out's first tiles (the
+    gated DeltaNet's while it brings them behind lin_z)."""
     kda = config.channel_decay
     copies = state_copies(ls, hbm)
     slot, rows_total = row % ls.conv.shape[0], hbm["state"].shape[0]

@@ -53,10 +53,10 @@ kernel finds it: "layer" buffers are attributes of the layer scratch, the others
 their own scratch entry or an operand).
 
 Here: the sharding model (`check_tp`, `shard_config`, `kv_heads_of`, `padded_width`),
-`padded_vocab`, `default_block` (with `little_slots`, `ring_cover_s`, `kv_depth`), `model_stream`,
-`capacity`, `WEIGHT_FAMILIES`, `family_of`,
-`shard_weight_bytes`, `QUANT_FAMILY`, `DecodePlan`, `Fit`. Not here: the kernel (`mk.megakernel`), the
-layer's phases (`mk.kernels.one_layer.LAYER_PHASES`), sharding arrays
+`padded_vocab`, `default_block` (with `little_slots`, `ring_cover_s`, `kv_depth`),
+`model_stream`, `capacity`, `WEIGHT_FAMILIES`, `family_of`, `shard_weight_bytes`,
+`QUANT_FAMILY`, `DecodePlan`, `Fit`. Not here: the kernel (`mk.megakernel`), the layer's
+phases (`mk.kernels.one_layer.LAYER_PHASES`), sharding arrays
 (`mk.tensor_parallel`), time (`mk.sim`, `mk.perf`).
 """
 
