@@ -887,8 +887,8 @@ _HYBRID_PRESETS = {
 }
 
 # Kimi Linear models (MLA + KDA + shared-expert MoE): the reference and the loader run
-# them; mk.perf, mk.sim and the megakernel do not know MLA or KDA yet, so like the hybrids
-# they stay out of PRESET_NAMES (and "kimi-k3-like", the GQA stand-in, stays there).
+# them; the megakernel, mk.sim and mk.perf run KDA and Kimi's MoE but not MLA yet (issue
+# 18), so they stay out of PRESET_NAMES (and "kimi-k3-like", the GQA stand-in, stays there).
 _KIMI_PRESETS = {
     # Tiny Kimi Linear: KDA, KDA, MLA, KDA (a KDA layer last), a dense first layer, then
     # MoE with a shared expert and two expert groups. Head dims 128 (MLA: nope 128 + 64).

@@ -4,9 +4,11 @@
 (`mk.kernels.plan`: its shard, tiles and `TileStream`; `step_plan`) and walks the stream in
 the kernel's program order (`mk.megakernel`; inside a layer the phases of
 `mk.kernels.one_layer.LAYER_PHASES`, the list `layer_body` checks it runs in order): prime
-the ring, per layer the prologue's wq/wk/wv, the KV stream of `attend`, wo, the dense MLP or
-the router, expert selection and the expert slots, then the lm_head and argmax. Every `start(g)` / `wait(g)` of the kernel is a DMA
-issue / a compute-lane wait here, with the kernel's rule: consuming tile g issues tile
+the ring, per layer the prologue's wq/wk/wv, the KV stream of `attend`, wo (or a linear
+layer's mixer: the gated DeltaNet's or Kimi Delta Attention's projections, gates, conv and
+delta rule), the dense MLP or the router (Kimi's sigmoid router with its bias), a shared
+expert, expert selection and the expert slots, then the lm_head and argmax. Every
+`start(g)` / `wait(g)` of the kernel is a DMA issue / a compute-lane wait here, with the kernel's rule: consuming tile g issues tile
 g + slots, a switched-off segment's tiles are neither loaded nor waited for, expert tiles
 issued before routing are no-ops, `ring.skip` issues the tiles past the off expert slots.
 The result, `Simulation`, has the step time, the HBM utilisation, a timeline of DMA and
@@ -106,6 +108,7 @@ CAUSES = ("step start", "layer boundary", "routing", "attention", "lm_head", "co
           "compute", "vector", "ring empty", "step end")
 DENSE_SEGMENTS = ("w_gate", "w_up", "w_down")
 EXPERT_SEGMENTS = ("we_gate", "we_up", "we_down")
+SHARED_SEGMENTS = ("ws_gate", "ws_up", "ws_down")  # Kimi's shared expert, in MoE layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,7 +349,7 @@ class _Kernel:
         self.layer = 0  # the layer the kernel is in (for prefetch off)
         self.kinds = mlp_kinds(config) if config is not None else ()
         self.mixer_segments = {s.name for s in stream.segments} - set(
-            DENSE_SEGMENTS + EXPERT_SEGMENTS + ("router",))
+            DENSE_SEGMENTS + EXPERT_SEGMENTS + SHARED_SEGMENTS + ("router",))
         self.period, self.total = stream.period, stream.total  # properties: sum each call
         self.layered = stream.layers * self.period
         # local tile offset -> (segment, copy, what) of one layer's period and of the tail
@@ -365,8 +368,8 @@ class _Kernel:
     def active(self, layer, seg, copy) -> bool:
         if seg.name in EXPERT_SEGMENTS:
             return copy < self.count
-        if seg.name in DENSE_SEGMENTS and len(self.kinds) == 2:
-            return layer not in self.c.moe_layers
+        if seg.name in DENSE_SEGMENTS + SHARED_SEGMENTS and len(self.kinds) == 2:
+            return (layer in self.c.moe_layers) == (seg.name in SHARED_SEGMENTS)
         if self.c is not None and self.c.is_hybrid and layer < self.c.layers:
             return (seg.name in linear_weights(self.c)[0]) == (layer in self.c.linear_layers) \
                 or seg.name not in self.mixer_segments
@@ -505,8 +508,11 @@ class _Kernel:
             if layer + 1 < c.layers:  # the ring's next tiles, not these, close a layer
                 vectors = self.vectors(layer + 1)  # edge's gap
             is_moe = layer in c.moe_layers
-            router = (self.mc.dma(D * c.experts * c.weight_bits / 8, layer, "router")
-                      if is_moe else None)
+            router = None
+            if is_moe:  # the router, and the sigmoid router's bias
+                router = max(self.mc.dma(n * c.experts * c.weight_bits / 8, layer, what)
+                             for n, what in ((D, "router"), (1, "router_bias"))
+                             if what == "router" or c.router_score == "sigmoid")
             for phase in LAYER_PHASES:  # the kernel's own order (`layer_body`)
                 if layer in c.linear_layers and phase in FULL_PHASES:
                     continue
@@ -553,7 +559,8 @@ class _Kernel:
             if not is_moe:
                 self.swiglu()
                 if "moe" in self.kinds:
-                    self.skip(*self.region("we_gate", "we_down"), "layer boundary")
+                    first = "ws_gate" if c.shared_expert_ffn else "we_gate"
+                    self.skip(*self.region(first, "we_down"), "layer boundary")
             else:
                 if "dense" in self.kinds:
                     self.skip(*self.region("w_gate", "w_down"))
@@ -608,9 +615,15 @@ class _Kernel:
             self.linear_loads(row + 1)
         self.vector(4 * M * c.hidden, "norm")
         self.matmul("lin_qkv")
-        self.matmul("lin_z")
-        self.mc.wait(small)
-        self.mc.compute(2 * 2 * max(M, self.mxu) * c.hidden * Nv / self.peak, layer, "gates")
+        if c.channel_decay:  # KDA: b, then the low-rank forget and output gates
+            self.mc.wait(small)
+            D = c.hidden
+            gate_elements = D * Nv + D * Hk + Hk * Nv * Hk + D * Hv + Hv * Nv * Hv
+        else:  # the gated DeltaNet: lin_z through the ring, then b and a
+            self.matmul("lin_z")
+            self.mc.wait(small)
+            gate_elements = 2 * c.hidden * Nv
+        self.mc.compute(2 * max(M, self.mxu) * gate_elements / self.peak, layer, "gates")
         self.mc.wait(max(conv, self.conv_sent))
         self.vector(2 * W * M * C, "conv")
         self.conv_sent = self.mc.dma(B * T * (W - 1) * C * item, layer, "conv_rows",
@@ -647,14 +660,19 @@ class _Kernel:
         for seg in self.s.tail:
             self.matmul(seg.name)
 
-    def swiglu(self):
-        self.matmul("w_gate")
-        self.matmul("w_up")
-        self.vector(6 * self.m * self.c.ffn, "swiglu")
-        self.matmul("w_down")
+    def swiglu(self, names=DENSE_SEGMENTS, width=None):
+        gate, up, down = names
+        self.matmul(gate)
+        self.matmul(up)
+        self.vector(6 * self.m * (width or self.c.ffn), "swiglu")
+        self.matmul(down)
 
     def experts(self):
+        """`mk.kernels.mlp.moe_body`: the shared expert (Kimi) through the ring, routing,
+        the selected flags to SMEM, the expert slots, the off slots skipped."""
         c, M = self.c, self.m
+        if c.shared_expert_ffn:
+            self.swiglu(SHARED_SEGMENTS, c.shared_expert_ffn)
         E, X, Fe = c.experts, c.experts_per_token, c.expert_ffn
         self.mc.compute(2 * max(M, self.mxu) * c.hidden * E / self.peak, self.layer, "router")
         self.vector(M * E * (6 + 4 * X), "router")
@@ -902,11 +920,6 @@ def simulate(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows:
     spec = _tpu(chip)
     if not isinstance(config, ModelConfig):
         raise ValueError(f"config={config!r} must be a ModelConfig")
-    if config.channel_decay or config.shared_expert_ffn or config.router_score != "softmax":
-        raise NotImplementedError(
-            f"{config.name}: the simulator has no cost model of Kimi Delta Attention or "
-            "Kimi's MoE (shared expert, sigmoid router) yet, though the megakernel runs "
-            "them (issue 18)")
     positive_int("rows", rows)
     _check_context(config, context, rows)
     plan = step_plan(config, batch=batch, rows=rows, context=context, tp=tp, block=block,

@@ -20,8 +20,17 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+import mk
 from mk import quant
 from mk.config import ModelConfig
+
+
+def kimi_gqa() -> ModelConfig:
+    """tiny-kimi with its MLA layer made a GQA layer (head dim 128): KDA, the grouped sigmoid
+    router, the routed scale and the shared expert, all the megakernel builds of Kimi
+    Linear until it builds MLA (issue 18)."""
+    return dataclasses.replace(mk.preset("tiny-kimi"), name="tiny-kimi-gqa", latent_rank=0,
+                               rope_dim=0, value_dim=0, head_dim=128)
 
 
 def tiny_moe_in_ci(fixture: str):

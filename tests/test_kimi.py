@@ -22,7 +22,7 @@ from safetensors.numpy import load_file, save_file
 import mk
 from mk import backend, megakernel
 from builders import (assert_greedy_matches_hf, assert_prefill_matches_hf, assert_rollback_exact,
-                      assert_t4_steps_predict_hf_tokens, build_hf_model, hf_logits)
+                      assert_t4_steps_predict_hf_tokens, build_hf_model, hf_logits, kimi_gqa)
 from mk import linear_attention as la
 from mk import reference as R
 
@@ -182,8 +182,7 @@ def tiny_kimi_gqa():
     the routed scale and the shared expert, through the megakernel, which does not build
     MLA yet. A synthetic model: its oracle is mk.reference, itself checked against
     transformers above."""
-    config = dataclasses.replace(mk.preset("tiny-kimi"), name="tiny-kimi-gqa", latent_rank=0,
-                                 rope_dim=0, value_dim=0, head_dim=128)
+    config = kimi_gqa()
     params = mk.init_params(config, seed=0)
     bias = np.random.default_rng(0).normal(0, 0.5, params["router_bias"].shape)
     return config, params | {"router_bias": jnp.asarray(bias, params["router_bias"].dtype)}

@@ -3,6 +3,7 @@
 The byte-count test runs one megakernel step in TPU interpret mode with every DMA the
 kernel starts recorded where it starts (`mk.kernels.common.dma_log`: a host callback
 under the same `pl.when` as the DMA, so a switched-off tile is not counted), for tiny,
+tiny-kimi-gqa (KDA, a shared expert, the sigmoid router: `builders.kimi_gqa`), tiny-hybrid,
 tiny-moe and tiny-moe at tp 2 and 4 (a subprocess with virtual devices), and compares the
 bytes per family with the plan's ledger (`DecodePlan.weight_bytes`), with the simulator's
 replay of the same plan and with `mk.perf.predict`, exactly. One sequence of one row
@@ -24,6 +25,7 @@ from mk.kernels.common import BlockSizes, Cut, dma_log
 from mk.kernels.plan import (DTYPE_FAMILY, KV_FAMILIES, RING_COVER_S, WEIGHT_FAMILIES,
                              DecodePlan, capacity, default_block, family_of, little_slots,
                              shard_config)
+from builders import kimi_gqa
 from multidevice import run
 
 POSITION = 37  # the one sequence's cached positions before its new row
@@ -31,7 +33,7 @@ SLOW = pytest.mark.slow
 
 
 def _step_plan(name: str, tp: int, formats=None) -> DecodePlan:
-    config = mk.preset(name)
+    config = kimi_gqa() if name == "tiny-kimi-gqa" else mk.preset(name)
     return DecodePlan.make(config, tp=tp, batch=1, rows=1, context=config.max_context,
                            formats=formats)
 
@@ -67,10 +69,12 @@ def counted(name: str, tp: int, formats=None) -> dict:
     return {f: np.array(b) for f, b in families.items()}
 
 
-# CPU seconds: 17, 29, 50, 59, 79. CI runs the dense model; `make test-slow` the hybrid (its
-# linear weights and states) and the MoE model at tp 1, 2 and 4 (every family, the
-# collectives' shard).
-@pytest.mark.parametrize("name, tp", [("tiny", 1), pytest.param("tiny-hybrid", 1, marks=SLOW),
+# CPU seconds: 17, ~60, 29, 50, 59, 79. CI runs the dense model and Kimi's KDA, shared
+# expert and sigmoid router (builders.kimi_gqa); `make test-slow` the hybrid (its linear
+# weights and states) and the MoE model at tp 1, 2 and 4 (every family, the collectives'
+# shard).
+@pytest.mark.parametrize("name, tp", [("tiny", 1), ("tiny-kimi-gqa", 1),
+                                      pytest.param("tiny-hybrid", 1, marks=SLOW),
                                       pytest.param("tiny-moe", 1, marks=SLOW),
                                       pytest.param("tiny-moe", 2, marks=SLOW),
                                       pytest.param("tiny-moe", 4, marks=SLOW)])
@@ -99,10 +103,13 @@ def test_the_kernel_moves_the_bytes_the_plan_the_simulator_and_perf_count(name, 
     kv = {"kv_read", "kv_write"} | ({f for f in states} if config.is_hybrid else set())
     assert set(got) == set(want) | kv
     # Switched-off segments are not counted: every layer's period holds the dense MLP's
-    # tiles, but only the dense layer's are moved.
+    # tiles (and a shared expert's), but only the dense layers' (the MoE layers') move.
     if config.is_moe:
-        every_layer = local.layers * 3 * local.hidden * local.ffn * 2
-        assert tp * every_layer == 3 * got["dense_mlp"]
+        row = 3 * local.hidden * 2  # bf16 bytes of a SwiGLU per unit of width
+        moved = row * (len(local.dense_layers) * local.ffn
+                       + len(local.moe_layers) * local.shared_expert_ffn)
+        every_layer = row * local.layers * (local.ffn + local.shared_expert_ffn)
+        assert tp * moved == got["dense_mlp"] < tp * every_layer
 
 
 # CI: tiny with fp8 dense weights and an fp4 lm_head (CPU seconds ~17); `make test-slow`:
