@@ -6,9 +6,11 @@ rows, and the padding to whole tiles) is `mk.kernels.plan`'s, and this module la
 arrays out to it: wq, wq_gate, wk, wv split by columns (kv heads replicated when tp > K),
 wo by rows; a gated-DeltaNet layer by its key and value heads (`_linear_channels`: the q,
 k and v channels of in_proj_qkv, the conv and its state each split), out_proj by rows;
-w_gate, w_up (and each expert's) by columns, w_down by rows, zero-padded to whole 128-lane
-tiles (silu(0) * 0 = 0: exact); the lm_head by vocab columns; the embedding table, norms
-and router whole on every device.
+Kimi Delta Attention likewise, with its low-rank gates' up-projections (f_b, g_b) by heads
+and their down-projections (f_a, g_a) whole; w_gate, w_up (each expert's, the shared
+expert's) by columns, w_down by rows, zero-padded to whole 128-lane tiles (silu(0) * 0 =
+0: exact); the lm_head by vocab columns; the embedding table, norms, the router and its
+bias whole on every device.
 
 Inside the kernel, `wo`, `lin_out` and `w_down` (and each expert's down) produce partial
 sums; one in-kernel all-reduce after the token mixer and one after the MLP make them whole
@@ -80,17 +82,19 @@ def shard_params(config: ModelConfig, params, tp: int) -> dict:
     split = dict(wq=_columns(params["wq"], tp), wo=_rows(params["wo"], tp),
                  wk=_kv_columns(config, params["wk"], tp),
                  wv=_kv_columns(config, params["wv"], tp), lm_head=_columns(head, tp))
-    for name in ("wq_gate", "lin_z", "lin_b", "lin_a", "lin_a_log", "lin_dt_bias"):
-        if name in params:  # by query heads, value heads, value heads' lanes
+    for name in ("wq_gate", "lin_z", "lin_b", "lin_a", "lin_a_log", "lin_dt_bias", "kda_f_b",
+                 "kda_g_b"):
+        if name in params:  # by query heads, value heads, value heads' lanes (KDA's
+            #                 low-rank gates: their up-projections; the down ones whole)
             split[name] = _columns(params[name], tp)
     if config.linear_layers:
         split |= dict(lin_qkv=_linear_channels(config, params["lin_qkv"], tp),
                       lin_conv=_linear_channels(config, params["lin_conv"], tp),
                       lin_out=_rows(params["lin_out"], tp))
-    for name in ("w_gate", "w_up", "we_gate", "we_up"):
+    for name in ("w_gate", "w_up", "we_gate", "we_up", "ws_gate", "ws_up"):
         if name in params:
             split[name] = _columns(params[name], tp, pad=tp > 1)
-    for name in ("w_down", "we_down"):
+    for name in ("w_down", "we_down", "ws_down"):
         if name in params:
             split[name] = _rows(params[name], tp, pad=tp > 1)
     whole = {k: v for k, v in params.items() if k not in split}

@@ -316,11 +316,11 @@ print(f"{routing}\nexperts chosen per row: {np.asarray(chosen).tolist()}; distin
 # Each piece above is a stage kernel checked against the reference; their TPU7x compiles at
 # kimi-k3's tensor-parallel shard are in tests/kernels (`test_decode_attention`,
 # `test_deltanet`, `test_mlp`). The megakernel already runs the KDA and MoE bodies on one
-# device (tests/test_kimi.py, on tiny-kimi with its MLA layer made GQA), and the simulator
-# replays them (tests/test_plan.py counts the kernel's bytes against the plan's, the
-# simulator's and `mk.perf`'s). It still needs MLA's prologue and epilogue in the kernel
-# (the absorption's matmuls through the ring), the latent cache as its KV input, and the
-# sharding of all three (issue 18).
+# device and tensor parallel (tests/test_kimi.py, tests/test_tensor_parallel.py, with the
+# MLA layer made GQA), and the simulator replays them (tests/test_plan.py counts the
+# kernel's bytes against the plan's, the simulator's and `mk.perf`'s). It still needs
+# MLA's prologue and epilogue in the kernel (the absorption's matmuls through the ring),
+# the latent cache as its KV input, and MLA's sharding (issue 18).
 #
 # **Takeaway:** MLA makes a cached token cost R + Hr values per layer whatever the head
 # count, and its absorbed form reads nothing else; KDA is the gated DeltaNet with a decay

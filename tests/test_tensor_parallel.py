@@ -59,9 +59,24 @@ def tp_hybrid_config(tp: int) -> ModelConfig:
                      norm_offset=1.0)
 
 
+def tp_kimi_config(tp: int) -> ModelConfig:
+    """Kimi Linear's layers but MLA (KDA, a GQA layer, KDA) in float32, tp KDA heads of 128,
+    MoE in the last two with a shared expert and the grouped sigmoid router: every shard
+    whole 128-lane tiles."""
+    return tp_config(tp, name=f"tp{tp}-kimi", layers=3, dtype="float32", qk_norm=False,
+                     layer_types=("linear", "full", "linear"), linear_key_heads=tp,
+                     linear_value_heads=tp, linear_key_dim=128, linear_value_dim=128,
+                     conv_kernel=4, channel_decay=True, moe_layers=(1, 2),
+                     shared_expert_ffn=128 * tp, router_score="sigmoid", expert_groups=2,
+                     topk_groups=1, routed_scale=2.5)
+
+
 def _tokens(tp: int, moe: bool, steps: int, config: ModelConfig | None = None) -> dict:
     config = config or tp_config(tp, moe)
     params = mk.init_params(config, seed=tp)
+    if "router_bias" in params:  # init_params' zero bias would hide a lost one
+        bias = np.random.default_rng(tp).normal(0, 0.5, params["router_bias"].shape)
+        params["router_bias"] = jnp.asarray(bias, params["router_bias"].dtype)
     prompt = jax.random.randint(jax.random.key(tp), (2, 5), 0, config.vocab)
     want = reference.generate(config, params, prompt, steps)
     drawn = io.StringIO()
@@ -87,15 +102,22 @@ def hybrid_tokens(tp: int) -> dict:
     return _tokens(tp, False, 6, tp_hybrid_config(tp))
 
 
+def kimi_tokens(tp: int) -> dict:
+    return _tokens(tp, True, 6, tp_kimi_config(tp))
+
+
 @pytest.mark.parametrize("target, tp", [
     *(pytest.param("tokens", t, marks=pytest.mark.slow if t != 2 else ())  # tp 2 in CI
       for t, _ in CASES),
     *(pytest.param("tokens_full", t, marks=pytest.mark.slow) for t in (2, 4, 8)),
     # a hybrid: ~45 CPU s at tp 2; CI compiles the 27B at TP8 and checks the linear shards
     pytest.param("hybrid_tokens", 2, marks=pytest.mark.slow),
-    pytest.param("hybrid_tokens", 4, marks=pytest.mark.slow)],
+    pytest.param("hybrid_tokens", 4, marks=pytest.mark.slow),
+    # Kimi's KDA and MoE (shared expert, sigmoid router); CI checks their shards' layout
+    pytest.param("kimi_tokens", 2, marks=pytest.mark.slow)],
     ids=[f"tp{t}-{'moe' if m else 'dense'}-6" for t, m in CASES]
-    + [f"tp{t}-moe-{FULL_STEPS}" for t in (2, 4, 8)] + ["tp2-hybrid-6", "tp4-hybrid-6"])
+    + [f"tp{t}-moe-{FULL_STEPS}" for t in (2, 4, 8)]
+    + ["tp2-hybrid-6", "tp4-hybrid-6", "tp2-kimi-6"])
 def test_greedy_tokens_equal_the_reference_on_every_device_race_free(target, tp):
     out = run(f"test_tensor_parallel:{target}", tp)
     assert out["got"].shape == (tp, *out["want"].shape)
@@ -167,10 +189,34 @@ def test_a_split_width_short_of_a_tile_is_padded_with_zeros():
     assert not np.any(shards["we_down"][..., 64:, :])
 
 
+def test_kdas_gates_and_the_shared_expert_are_split_by_heads_and_width():
+    """A KDA layer's low-rank gates: the up-projections (f_b, g_b) and the per-channel
+    dt_bias by heads, the down-projections (f_a, g_a) whole; the shared expert as a dense
+    MLP (gate, up by columns, down by rows); the sigmoid router's bias whole."""
+    config = tp_kimi_config(2)
+    rng = np.random.default_rng(0)
+    params = {name: rng.standard_normal(shape).astype(np.float32)
+              for name, (shape, _) in config.param_shapes().items()}
+    shards = tpar.shard_params(config, params, 2)
+    half = config.linear_value_heads // 2 * config.linear_key_dim  # one device's channels
+    for name in ("kda_f_b", "kda_g_b", "lin_dt_bias"):
+        np.testing.assert_array_equal(shards[name][1], params[name][..., half:])
+    for name in ("kda_f_a", "kda_g_a", "lin_norm", "router_bias"):
+        np.testing.assert_array_equal(shards[name][1], params[name])
+    Fs = config.shared_expert_ffn // 2
+    np.testing.assert_array_equal(shards["ws_gate"][1], params["ws_gate"][..., Fs:])
+    np.testing.assert_array_equal(shards["ws_down"][0], params["ws_down"][:, :Fs])
+    local = plan.shard_config(config, 2)
+    assert (local.linear_value_heads, local.shared_expert_ffn) == (1, 128)
+    assert {k: v.shape[1:] for k, v in shards.items() if k != "embed"} == {
+        k: s for k, (s, _) in local.param_shapes().items() if k != "embed"}
+
+
 @pytest.mark.parametrize("overrides, match", [
     (dict(heads=6), r"heads=6 is not a multiple of tp=4"),
     (dict(vocab=1002), r"vocab=1002 is not a multiple of tp=4"),
     (dict(expert_ffn=130), r"expert_ffn=130 is not a multiple of tp=4"),
+    (dict(shared_expert_ffn=130), r"shared_expert_ffn=130 is not a multiple of tp=4"),
     (dict(heads=12, kv_heads=3), r"kv_heads=3 and tp=4: one must divide the other"),
 ])
 def test_a_width_tp_does_not_split_is_refused(overrides, match):

@@ -47,8 +47,8 @@ layer, either kind), their bodies, buffers (`linear_buffers`, `gated_deltanet_bu
 `linear_weights` and `linear_layer_shapes` (each kind's weights, counted once) and
 `prepare_linear`. Not here: the MLP after the layer (stage 04), the megakernel's mixed
 full/linear layer stream (`mk.megakernel`), the sharding of heads (`mk.tensor_parallel`).
-The megakernel runs KDA layers through the same `linear_mixer` (tp = 1: their sharding is
-not built, issue 18).
+The megakernel runs KDA layers through the same `linear_mixer`, on one device or tensor
+parallel (split by heads as the gated DeltaNet's).
 """
 
 from __future__ import annotations

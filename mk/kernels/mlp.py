@@ -50,8 +50,8 @@ stays unquantised (mk.quant keeps it in config.dtype: its top-k flips on a small
 Here: the bodies (`swiglu_body`, `moe_body` and its steps `route_body`, `select_experts`,
 `experts_body`), their stream segments and Fetch callables, the buffer lists, and the
 stage wrappers `swiglu` / `moe`. Not here: the norm before the MLP and the residual add (the
-layer kernel), expert capacity limits. The megakernel runs Kimi's MoE through `moe_body`
-(tp = 1: its sharding is not built, issue 18).
+layer kernel), expert capacity limits. The megakernel runs Kimi's MoE through `moe_body`,
+on one device or tensor parallel (the shared expert split as a dense MLP).
 """
 
 from __future__ import annotations

@@ -31,11 +31,13 @@ The sharding model (one place; `mk.tensor_parallel` shards the weights to it):
                q, k and v channels of in_proj_qkv and the conv, in_proj_z, in_proj_b/a,
                A_log, dt_bias by heads, out_proj by rows (partial sums, all-reduced as
                wo's), the conv and recurrent states by the same heads; the gated norm's
-               weight replicated
+               weight replicated; a KDA layer (Nk = Nv) the same, its low-rank gates'
+               up-projections (f_b, g_b) by heads, their down-projections replicated
     dense MLP  F/tp columns of w_gate, w_up and rows of w_down, padded to whole 128-lane
                tiles with zeros (silu(0) * 0 = 0: exact, but the padding is streamed)
-    MoE        every expert on every device, each split the same way (Fe/tp, padded); the
-               router replicated, so every device routes identically
+    MoE        every expert on every device, each split the same way (Fe/tp, padded); a
+               shared expert as a dense MLP (Fs/tp, padded); the router (and a sigmoid
+               router's bias) replicated, so every device routes identically
     lm_head    V/tp vocab columns, padded to whole tiles (masked before the argmax)
     replicated the residual stream, the norms, the router, the embedding table
 
@@ -129,12 +131,6 @@ def check_tp(config: ModelConfig, tp: int) -> int:
     if config.is_mla:
         raise ValueError(f"{config.name}: MLA (latent_rank={config.latent_rank}); the "
                          "megakernel does not build it yet (issue 18)")
-    kimi = dict(channel_decay=config.channel_decay, shared_expert_ffn=config.shared_expert_ffn,
-                router_score=config.router_score)
-    if tp > 1 and kimi != dict(channel_decay=False, shared_expert_ffn=0,
-                               router_score="softmax"):
-        raise ValueError(f"{config.name}: {kimi} with tp={tp}: tensor parallelism of Kimi "
-                         "Delta Attention and Kimi's MoE is not built yet (issue 18)")
     need = [("heads", config.heads), ("vocab", config.vocab), ("hidden", config.hidden)]
     if config.linear_layers:
         need.append(("linear_key_heads", config.linear_key_heads))
@@ -142,6 +138,8 @@ def check_tp(config: ModelConfig, tp: int) -> int:
         need.append(("ffn", config.ffn))
     if config.moe_layers:
         need.append(("expert_ffn", config.expert_ffn))
+    if config.shared_expert_ffn:
+        need.append(("shared_expert_ffn", config.shared_expert_ffn))
     for field, value in need:
         if value % tp:
             raise ValueError(f"{config.name}: {field}={value} is not a multiple of tp={tp}")
@@ -157,7 +155,8 @@ def check_tp(config: ModelConfig, tp: int) -> int:
 
 def shard_config(config: ModelConfig, tp: int) -> ModelConfig:
     """The model one device holds (module docstring): N/tp heads, max(K/tp, 1) kv heads,
-    Nk/tp and Nv/tp linear heads, F/tp and Fe/tp padded to whole 128-lane tiles, V/tp."""
+    Nk/tp and Nv/tp linear heads, F/tp, Fe/tp and Fs/tp padded to whole 128-lane tiles,
+    V/tp."""
     tp = check_tp(config, tp)
     if tp == 1:
         return config
@@ -168,6 +167,8 @@ def shard_config(config: ModelConfig, tp: int) -> ModelConfig:
         linear_value_heads=config.linear_value_heads // tp,
         ffn=padded_width(config.ffn // tp) if config.dense_layers else config.ffn,
         expert_ffn=padded_width(config.expert_ffn // tp) if config.moe_layers else 0,
+        shared_expert_ffn=padded_width(config.shared_expert_ffn // tp)
+        if config.shared_expert_ffn else 0,
         vocab=config.vocab // tp, tie_embeddings=False)
 
 
