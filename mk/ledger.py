@@ -108,7 +108,7 @@ def entries(*, context: int = 0, routing: str = "uniform", compute: str = "bf16"
     "state_share" (the linear layers' state bytes over the step's bytes; 0 without
     linear layers); TPU rows
     with `simulate_tpu` "simulated_ms" (the plan's ring for the chip: the slots Little's
-    law asks for at `mk.kernels.plan.RING_COVER_S`) with "simulated_slots",
+    law asks for at `mk.kernels.plan.ring_cover_s`) with "simulated_slots",
     "simulated_utilisation", "simulated_bound"; GPU
     rows "conventional_ms", "conventional_gap_ms". Each X_ms has X (tokens/s in the row's
     metric) and X_error (X / published - 1). A system without a chip row gets a "note" and

@@ -913,7 +913,7 @@ def simulate(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows:
 
     context: the cached positions each sequence reads (its rows sit at positions context ..
     context + T - 1); block defaults to the plan's for this chip (`step_plan`: the ring
-    Little's law asks for at `mk.kernels.plan.RING_COVER_S`); weight_dtypes as in
+    Little's law asks for at `mk.kernels.plan.ring_cover_s`); weight_dtypes as in
     `mk.perf.predict`;
     experts_active overrides the routing model (active expert slots per MoE layer).
     """

@@ -164,6 +164,29 @@ def test_t_rows_verify_in_one_pass_race_free(name):
                                want_cache.v.astype(jnp.float32), rtol=0, atol=3e-2)
 
 
+def test_a_reused_write_back_slot_sends_each_layers_rows_to_that_layer_race_free():
+    """The KV write-backs stay in flight from 2B staging slots (`drain_write_backs`): with
+    B = 1 and 3 full layers, layer 2 reuses layer 0's slot, so layer 0's write-back must be
+    waited for on its own semaphore first (a DMA semaphore shared by two write-backs in
+    flight let layer 2's rows land in layer 0's cache). float32: the whole cache the
+    reference's to rounding."""
+    config = dataclasses.replace(mk.preset("tiny-moe"), dtype="float32")
+    assert len(config.full_layers) > 2
+    params = {n: v.astype(jnp.float32) for n, v in mk.init_params(config).items()}
+    _, cache = reference.prefill(config, params, jnp.arange(5, dtype=jnp.int32)[None] + 3,
+                                 max_context=64)
+    tokens, positions = jnp.array([[9]], jnp.int32), jnp.array([5], jnp.int32)
+    _, want = reference.decode_step(config, params, cache, tokens, positions)
+    block = default_block(config, 64)
+    with backend.use("interpret", detect_races=True):
+        _, _, got = megakernel.decode_step(
+            config, megakernel.prepare(config, params, block), cache, tokens, positions)
+    assert not backend.races_found()
+    for name in ("k", "v"):
+        np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=0,
+                                   atol=1e-5, err_msg=name)
+
+
 def test_a_ring_of_one_slot_is_refused_before_tracing():
     config = mk.preset("tiny")
     with pytest.raises(ValueError, match=r"BlockSizes.slots=1: the megakernel's ring needs"):

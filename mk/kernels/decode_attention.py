@@ -113,7 +113,7 @@ class AttentionScratch(NamedTuple):
     k_back: Any = None  # [2B, K, W, H] cache dtype: write-backs in flight (staging slots)
     v_back: Any = None  # [2B, K, W, H] cache dtype
     load_sems: Any = None  # DMA semaphores [2, kv_slots]: K and V tile loads
-    write_sems: Any = None  # DMA semaphores [2]: K and V write-backs
+    write_sems: Any = None  # DMA semaphores [2, 2B]: K and V write-backs, one per staging slot
     writes: Any = None  # SMEM [1] int32: write-backs started since the kernel's start
 
 
@@ -150,14 +150,16 @@ def decode_attention_scratch(B: int, T: int, N: int, K: int, H: int, dtype,
     return {b.name: pltpu.VMEM(b.shape, b.dtype)
             for b in decode_attention_buffers(B, T, N, K, H, dtype, block,
                                               latent=latent)} | attention_semaphores(
-        block, caches=1 if latent else 2)
+        block, B, caches=1 if latent else 2)
 
 
-def attention_semaphores(block: BlockSizes, *, caches: int = 2) -> dict:
+def attention_semaphores(block: BlockSizes, batch: int, *, caches: int = 2) -> dict:
     """`attend`'s semaphores and SMEM count (`AttentionScratch` fields) for `caches`
-    caches (K and V, or the latent one)."""
+    caches (K and V, or the latent one) and `batch` sequences. A write-back staging slot
+    has a semaphore of its own: a DMA semaphore counts bytes, so a wait on one shared by
+    several DMAs in flight can return for another's bytes."""
     return dict(load_sems=pltpu.SemaphoreType.DMA((caches, block.kv_slots)),
-                write_sems=pltpu.SemaphoreType.DMA((caches,)),
+                write_sems=pltpu.SemaphoreType.DMA((caches, write_back_slots(batch))),
                 writes=pltpu.SMEM((1,), jnp.int32))
 
 
@@ -217,13 +219,16 @@ def drain_write_backs(scratch: AttentionScratch, k_cache_hbm, v_cache_hbm=None) 
     pairs = [(s.k_back, k_cache_hbm)] + ([] if v_cache_hbm is None else
                                          [(s.v_back, v_cache_hbm)])
 
-    def wait(n, carry):  # same-sized DMAs on one semaphore: any descriptor's wait will do
+    n = s.writes[0]
+
+    def wait(i, carry):  # staging slot (n - 1 - i) % 2B holds write-back n - 1 - i, the one
+        staged = (n - 1 - i) % backs  # DMA on its semaphore, of this size
         for j, (back, cache) in enumerate(pairs):
-            pltpu.make_async_copy(back.at[0], cache.at[0, 0, :, pl.ds(0, W), :],
-                                  s.write_sems.at[j]).wait()
+            pltpu.make_async_copy(back.at[staged], cache.at[0, 0, :, pl.ds(0, W), :],
+                                  s.write_sems.at[j, staged]).wait()
         return carry
 
-    lax.fori_loop(0, jnp.minimum(s.writes[0], backs), wait, 0)
+    lax.fori_loop(0, jnp.minimum(n, backs), wait, 0)
     s.writes[0] = 0
 
 
@@ -346,12 +351,12 @@ def attend(
         n = s.writes[0]
         staged = n % backs
         sends = [pltpu.make_async_copy(back.at[staged], cache.at[layer, b, :, rows, :],
-                                       s.write_sems.at[j])
+                                       s.write_sems.at[j, staged])
                  for j, (_, _, back, cache, _) in enumerate(caches)]
 
         @pl.when(n >= backs)
-        def free_staging_slot():  # write-back n - 2B sent from it (normally a layer ago)
-            for c in sends:  # every write-back moves as many bytes: any one's wait will do
+        def free_staging_slot():  # write-back n - 2B sent from it (normally a layer ago),
+            for c in sends:  # the one DMA on its semaphore: its size is this one's
                 c.wait()
 
         for c, (_, tiles, back, _, what) in zip(sends, caches):

@@ -424,7 +424,7 @@ class DecodePlan:
                           selected_smem=pltpu.SMEM((1, self.local.experts), jnp.int32),
                           ids_smem=pltpu.SMEM((self.expert_slots,), jnp.int32),
                           count_smem=pltpu.SMEM((1,), jnp.int32))
-        groups["attention"] |= attention_semaphores(self.block)
+        groups["attention"] |= attention_semaphores(self.block, self.batch)
         vectors = groups.pop("vectors") | {"sems": pltpu.SemaphoreType.DMA((2, 2)),
                                            "final_sem": pltpu.SemaphoreType.DMA((1,))}
         out = dict(layer=layer, vectors=vectors, attention=groups.pop("attention"))
