@@ -47,7 +47,8 @@ every matrix of the shard, with the cache's context: the largest tile of at most
 row-sharded [narrow, D] matrix is stored D-major, so a shard's tiles are D x 128 and more),
 3 ring slots or, for a chip, as many as Little's law asks for `ring_cover_s` at one core's
 bandwidth (`RING_COVER_S`, 2 µs, and at tp > 1 one all-reduce more, so weight DMAs stream
-through the collectives; fewer where the chip's VMEM would leave Mosaic too little room),
+through the collectives; at most a layer's period of tiles; fewer where the chip's VMEM
+would leave Mosaic too little room),
 KV tiles of min(256, S) positions, KV slots by `kv_depth`.
 
 Adding a VMEM buffer to the megakernel is one line in `_buffers` (its group says where the
@@ -212,7 +213,7 @@ def default_block(local: ModelConfig, context: int, *, slots: int | None = None,
     quantised `formats`: `mk.kernels.one_layer.model_block`'s tile (the largest cutting
     every matrix of the shard, plain or transposed); `slots` ring slots, default the
     `little_slots` of `chip` (one core's bandwidth, `cover_s`, the smallest tile the
-    stream moves) or, without a chip, SLOTS; and as many KV slots as prefetch one
+    stream moves; at most a layer's period of tiles) or, without a chip, SLOTS; and as many KV slots as prefetch one
     sequence's whole cache or the ring's bytes of KV tiles, whichever is fewer (a layer's
     first KV tiles are issued behind the weight tiles in flight: `kv_depth`)."""
     block = model_block(local, context=positive_int("context", context), formats=formats)
@@ -221,7 +222,10 @@ def default_block(local: ModelConfig, context: int, *, slots: int | None = None,
                    for s in stream.segments + stream.tail)  # what a slot moves, at least
     if slots is None and chip is not None:
         spec = named_chip(chip) if isinstance(chip, str) else chip
-        slots = little_slots(spec.hbm_bw / spec.cores_per_chip, cover_s, smallest)
+        # at most one layer's period: a deeper ring issues the next layer's weight tiles
+        # before this layer's KV tiles, which then queue behind them (one DMA queue)
+        slots = min(little_slots(spec.hbm_bw / spec.cores_per_chip, cover_s, smallest),
+                    max(SLOTS, stream.period))
     block = dataclasses.replace(block, slots=SLOTS if slots is None else slots)
     return dataclasses.replace(block, kv_slots=kv_depth(local, block, context,
                                                         block.slots * smallest))
