@@ -14,10 +14,10 @@ async copy waited for only when sequence b+2 needs its slot (two slots): a verif
 accepts k of the T rows restarts from row k-1's state. In a kernel of several linear
 layers the sequences of all of them are one stream (`StateCopies`): the next layer's first
 state loads while this layer's last sequence computes. Bytes per step: B * Nv * Hk * Hv * 4
-in and T times that out, whatever the context length. Rows of a sequence sit in one 8-row-aligned block [R, H]
-(R = T rounded up to 8); row t is picked by a row mask, so every product is an [R, .]
-matmul (rows other than t are zero) and no dynamic sublane slicing is needed. decay
-(= exp(g)) and beta are per-row scalars in SMEM.
+in and T times that out, whatever the context length. Rows of a sequence sit in one
+8-row-aligned block [R, H] (R = T rounded up to 8); row t is picked by a row mask, so every
+product is an [R, .] matmul (rows other than t are zero) and no dynamic sublane slicing is
+needed. decay (= exp(g)) and beta are per-row scalars in SMEM.
 
 The layer (`gated_deltanet`, mk.reference.linear_decoder_layer up to the residual): the
 input RMSNorm; in_proj_qkv and in_proj_z through one weight ring; in_proj_b/in_proj_a

@@ -48,8 +48,8 @@ row-sharded [narrow, D] matrix is stored D-major, so a shard's tiles are D x 128
 3 ring slots or, for a chip, as many as Little's law asks for `ring_cover_s` at one core's
 bandwidth (`RING_COVER_S`, 2 µs, and at tp > 1 one all-reduce more, so weight DMAs stream
 through the collectives; at most a layer's period of tiles; fewer where the chip's VMEM
-would leave Mosaic too little room),
-KV tiles of min(256, S) positions, KV slots by `kv_depth`.
+would leave Mosaic too little room), KV tiles of min(256, S) positions, KV slots by
+`kv_depth`.
 
 Adding a VMEM buffer to the megakernel is one line in `_buffers` (its group says where the
 kernel finds it: "layer" buffers are attributes of the layer scratch, the others are
@@ -213,9 +213,10 @@ def default_block(local: ModelConfig, context: int, *, slots: int | None = None,
     quantised `formats`: `mk.kernels.one_layer.model_block`'s tile (the largest cutting
     every matrix of the shard, plain or transposed); `slots` ring slots, default the
     `little_slots` of `chip` (one core's bandwidth, `cover_s`, the smallest tile the
-    stream moves; at most a layer's period of tiles) or, without a chip, SLOTS; and as many KV slots as prefetch one
-    sequence's whole cache or the ring's bytes of KV tiles, whichever is fewer (a layer's
-    first KV tiles are issued behind the weight tiles in flight: `kv_depth`)."""
+    stream moves; at most a layer's period of tiles) or, without a chip, SLOTS; and as
+    many KV slots as prefetch one sequence's whole cache or the ring's bytes of KV tiles,
+    whichever is fewer (a layer's first KV tiles are issued behind the weight tiles in
+    flight: `kv_depth`)."""
     block = model_block(local, context=positive_int("context", context), formats=formats)
     stream = model_stream(local, block, 1, formats)
     smallest = min(stream.segment_tile_bytes(s, jnp.dtype(local.dtype).itemsize)
