@@ -327,7 +327,7 @@ def linear_buffers(config: ModelConfig, batch: int, rows: int, *,
     fields += [("decay", (M, Nv * Hk if config.channel_decay else Nv), f32),
                ("beta", (M, Nv), f32),
                ("qkv", (M, C), f32), ("z", (M, Vw), f32), ("o", (M, Vw), f32),
-               ("conv", (layers, batch, W - 1, C), dt), ("window", (batch, W - 1 + T, C), f32),
+               ("conv_state", (layers, batch, W - 1, C), dt), ("window", (batch, W - 1 + T, C), f32),
                ("conv_rows", (batch, T, W - 1, C), dt),
                ("q", (batch, Nv, R, Hk), f32), ("k", (batch, Nv, R, Hk), f32),
                ("v", (batch, Nv, R, Hv), f32), ("heads", (batch, Nv, R, Hv), f32),
@@ -503,7 +503,7 @@ def linear_mixer(ring: Ring, config: ModelConfig, ls, hbm: dict, *, step, row, x
     gated DeltaNet's while it brings them behind lin_z)."""
     kda = config.channel_decay
     copies = state_copies(ls, hbm)
-    slot, rows_total = row % ls.conv.shape[0], hbm["state"].shape[0]
+    slot, rows_total = row % ls.conv_state.shape[0], hbm["state"].shape[0]
     small = layer_loads(config, ls, hbm, row)
 
     @pl.when(row + 1 < rows_total)
@@ -539,7 +539,7 @@ def linear_mixer(ring: Ring, config: ModelConfig, ls, hbm: dict, *, step, row, x
     def free_conv_rows():  # the row before sent them from this buffer
         conv_rows_out(ls, hbm, row - 1).wait()
 
-    conv_body(ls.qkv, ls.conv.at[slot], conv_weight, ls.window, ls.conv_rows, batch=batch,
+    conv_body(ls.qkv, ls.conv_state.at[slot], conv_weight, ls.window, ls.conv_rows, batch=batch,
               rows=rows)
     start_dma(conv_rows_out(ls, hbm, row), "conv_rows",
               ls.conv_rows.size * ls.conv_rows.dtype.itemsize)
@@ -573,20 +573,17 @@ def state_copies(ls, hbm: dict) -> StateCopies:
 
 def layer_loads(config: ModelConfig, ls, hbm: dict, row) -> dict:
     """Linear row `row`'s own loads into its slot (row % the slots of `linear_buffers`) by
-    name: its DMA'd weights (`linear_weights`) and its conv state ("conv_state", into
-    `ls.conv`)."""
-    slot = row % ls.conv.shape[0]
+    name, each into the VMEM buffer of its name: its DMA'd weights (`linear_weights`) and
+    its conv state."""
+    slot = row % ls.conv_state.shape[0]
     names = linear_weights(config)[1] + ("conv_state",)
-    return {n: pltpu.make_async_copy(hbm[n].at[row], getattr(ls, _BUFFER.get(n, n)).at[slot],
+    return {n: pltpu.make_async_copy(hbm[n].at[row], getattr(ls, n).at[slot],
                                      ls.small_sems.at[slot, i]) for i, n in enumerate(names)}
-
-
-_BUFFER = {"conv_state": "conv"}  # the VMEM buffer a load goes to, where its name differs
 
 
 def start_layer_loads(config: ModelConfig, ls, hbm: dict, row) -> None:
     for name, copy in layer_loads(config, ls, hbm, row).items():
-        ref = getattr(ls, _BUFFER.get(name, name))
+        ref = getattr(ls, name)  # the conv state counts as "conv_load" (a state read)
         start_dma(copy, "conv_load" if name == "conv_state" else name,
                   ref.size // ref.shape[0] * ref.dtype.itemsize)
 
