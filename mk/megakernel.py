@@ -205,6 +205,7 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
     fetch["lm_head"] = lambda step: (inputs["lm_head"], None)
     linear_hbm = {n: inputs[n] for n in dmas + STATE_INPUTS if n in inputs}
     linear_hbm |= {n: outputs[n] for n in STATE_OUTPUTS if n in outputs}
+    linear_vmem = SimpleNamespace(**scratch["linear"]) if "linear" in mixers else None
     fetch |= mlp_fetch(kinds, inputs, s, lambda step: inputs["mlp_row"][step],
                        lambda step: inputs["is_moe"][step] == 1)
     if "moe" in kinds:
@@ -220,7 +221,7 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
     start_dma(final_norm, "final_norm", config.hidden * 4)  # waited before the lm_head
     start_vectors(0)
     if "linear" in mixers:  # the first linear layer's loads; each primes the next one's
-        prime_linear(config, SimpleNamespace(**scratch["linear"]), linear_hbm)
+        prime_linear(config, linear_vmem, linear_hbm)
     if "full" in plan.mixers:  # the first full layer's first KV tiles; each full layer
         start_write_backs(attention)
         KvStream(inputs["positions"], outputs["k_cache"], outputs["v_cache"], attention,
@@ -254,7 +255,7 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
         linear = None
         if "linear" in mixers:
             linear = (None if is_linear is None else is_linear(layer), row(layer),
-                      SimpleNamespace(**scratch["linear"]), linear_hbm)
+                      linear_vmem, linear_hbm)
         x_out = layer_body(
             ring, config, kinds, s, step=layer, layer=row(layer), is_moe=is_moe, x=x,
             norms=(norms[0:1], norms[1:2], qk[0:1], qk[1:2]),
@@ -279,7 +280,7 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
     if "full" in plan.mixers:
         drain_write_backs(attention, outputs["k_cache"], outputs["v_cache"])
     if "linear" in mixers:
-        drain_linear(SimpleNamespace(**scratch["linear"]), linear_hbm)
+        drain_linear(linear_vmem, linear_hbm)
     logits = outputs["logits"][...]
     vocab = lax.broadcasted_iota(jnp.int32, logits.shape, 1)
     first_id = 0 if tp == 1 else lax.axis_index(AXIS) * config.vocab  # this vocab shard's

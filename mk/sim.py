@@ -341,10 +341,11 @@ class _Kernel:
             "experts" if s.name in EXPERT_SEGMENTS else "dense"] / 8)
             for s in stream.segments + stream.tail}  # a quantised one's: packed + scales
         self.landed: dict[int, float] = {}
-        self.sent: list[float] = []  # when each KV write-back of the step lands
+        self.kv_sent: list[float] = []  # when each KV write-back of the step lands
         self.states_landed: dict[int, float] = {}  # linear states' stream: item -> landed
         self.states_sent: list[float] = []  # when each item's row states land in HBM
         self.conv_sent = 0.0  # when the last linear layer's conv rows land in HBM
+        self.linear_landed = (0.0, 0.0)  # the next linear layer's small weights, conv state
         self.count = 0  # count_smem[0]: active expert slots, 0 outside routing
         self.layer = 0  # the layer the kernel is in (for prefetch off)
         self.kinds = mlp_kinds(config) if config is not None else ()
@@ -523,8 +524,8 @@ class _Kernel:
         self.mc.wait(final_norm)
         self.vector(4 * M * D, "final_norm")
         self.matmul("lm_head")
-        if self.sent:  # `drain_write_backs`
-            self.mc.wait(max(self.sent[-write_back_slots(self.batch):]))
+        if self.kv_sent:  # `drain_write_backs`
+            self.mc.wait(max(self.kv_sent[-write_back_slots(self.batch):]))
         if c.linear_layers:
             self.drain_linear()
         self.vector(4 * M * self.vocab, "argmax")
@@ -733,10 +734,10 @@ class _Kernel:
             written = i >= self.context // tile
             self.mc.compute(mxu + vec, self.layer, "attention")
             if written:  # its staging slot is free once write-back n - 2B has landed
-                n, backs = len(self.sent), write_back_slots(B)
+                n, backs = len(self.kv_sent), write_back_slots(B)
                 if n >= backs:
-                    self.mc.wait(self.sent[n - backs])
-                self.sent.append(max(self.mc.dma(K * W * H * itemsize, self.layer,
+                    self.mc.wait(self.kv_sent[n - backs])
+                self.kv_sent.append(max(self.mc.dma(K * W * H * itemsize, self.layer,
                                                  f"{kv}_write_back", weight=False)
                                      for kv in "kv"))
         self.vector(3 * B * T * c.q_width, "attention")
