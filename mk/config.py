@@ -886,9 +886,9 @@ _HYBRID_PRESETS = {
                                    rope_theta=10_000_000.0, max_position=262_144),
 }
 
-# Kimi Linear models (MLA + KDA + shared-expert MoE): the reference and the loader run
-# them; the megakernel, mk.sim and mk.perf run KDA and Kimi's MoE but not MLA yet (issue
-# 18), so they stay out of PRESET_NAMES (and "kimi-k3-like", the GQA stand-in, stays there).
+# Kimi Linear models (MLA + KDA + shared-expert MoE): the reference, the loader, the
+# megakernel, mk.sim and mk.perf run them; tensor parallelism does not split MLA yet, so
+# they stay out of PRESET_NAMES (and "kimi-k3-like", the GQA stand-in, stays there).
 _KIMI_PRESETS = {
     # Tiny Kimi Linear: KDA, KDA, MLA, KDA (a KDA layer last), a dense first layer, then
     # MoE with a shared expert and two expert groups. Head dims 128 (MLA: nope 128 + 64).

@@ -21,6 +21,12 @@ states come from the `mk.reference.HybridCache` (HBM, round-tripped through VMEM
 returned cache keeps the last row's). The skip has a cost the simulator shows: the ring's
 look-ahead into a skipped region loads nothing, so it restarts at the region's end.
 
+Kimi Linear (`config.is_mla`) is a hybrid whose full layers are multi-head latent
+attention: their segments are wq_a, wq, wkv_a (padded to whole tiles) and wo, their
+wkv_b and low-rank norms are DMA'd at the layer's start (`mk.kernels.mla`), and the
+cache is the `mk.reference.LatentCache`, its latent rows passed as the one "kv head"
+[La, B, 1, S, W] every query head reads (operand `latent_cache`, no V).
+
 Small per-layer vectors (attn/mlp norms, q/k norms) stay in HBM and are prefetched a
 layer ahead into two VMEM slots; a full layer's first KV tiles (`KvStream.prime`) are
 issued right after the previous full layer's attention (the first full layer's at the
@@ -81,6 +87,7 @@ from mk.kernels.collectives import (AXIS, COLLECTIVE_IDS, CollectiveScratch, all
 from mk.kernels.common import BlockSizes, aliases, memory_specs, start_dma
 from mk.kernels.decode_attention import (AttentionScratch, KvStream, drain_write_backs,
                                          start_write_backs)
+from mk.kernels.mla import MLA_LOADS, MLA_RING, latent_columns, mla_loads
 from mk.kernels.deltanet import (LINEAR_WEIGHTS, STATE_INPUTS, STATE_OUTPUTS, drain_linear,
                                  linear_weights, prepare_linear, prime_linear)
 from mk.kernels.one_layer import layer_body, mixer_kinds, mlp_fetch, mlp_kinds, mlp_weights
@@ -97,17 +104,25 @@ ATTENTION_WEIGHTS = ("wq", "wk", "wv", "wq_gate", "wo")  # wq_gate: gated models
 INPUT_SPACES = dict(positions=pltpu.SMEM, is_moe=pltpu.SMEM, mlp_row=pltpu.SMEM,
                     is_linear=pltpu.SMEM, mixer_row=pltpu.SMEM,
                     x=pltpu.VMEM, final_norm=pl.ANY, norms=pl.ANY, qk_norms=pl.ANY,
-                    lm_head=pl.ANY, k_cache=pl.ANY, v_cache=pl.ANY,
-                    **{n: pl.ANY for n in ATTENTION_WEIGHTS + LINEAR_WEIGHTS + STATE_INPUTS})
+                    lm_head=pl.ANY, k_cache=pl.ANY, v_cache=pl.ANY, latent_cache=pl.ANY,
+                    **{n: pl.ANY for n in ATTENTION_WEIGHTS + MLA_RING + MLA_LOADS
+                       + LINEAR_WEIGHTS + STATE_INPUTS})
 OUTPUT_SPACES = dict(next_tokens=pltpu.VMEM, logits=pltpu.VMEM, k_cache=pl.ANY,
-                     v_cache=pl.ANY, taps=pltpu.VMEM, **{n: pl.ANY for n in STATE_OUTPUTS})
+                     v_cache=pl.ANY, latent_cache=pl.ANY, taps=pltpu.VMEM,
+                     **{n: pl.ANY for n in STATE_OUTPUTS})
 VECTORS = ("norms", "qk_norms")  # per-layer vectors, prefetched a layer ahead
 
 
 def attention_weights(config: ModelConfig) -> tuple[str, ...]:
-    """The token mixers' weights `config`'s layers read (ATTENTION_WEIGHTS it has, and
-    its linear layers' `linear_weights` for a hybrid)."""
-    names = tuple(n for n in ATTENTION_WEIGHTS if n != "wq_gate" or config.attn_output_gate)
+    """The token mixers' weights `config`'s layers read (ATTENTION_WEIGHTS it has, or
+    MLA's ring matrices and `mla_loads`, and its linear layers' `linear_weights` for a
+    hybrid)."""
+    if config.is_mla:
+        names = tuple(n for n in MLA_RING if n != "wq_a" or config.q_rank)
+        names += tuple(mla_loads(config))
+    else:
+        names = tuple(n for n in ATTENTION_WEIGHTS
+                      if n != "wq_gate" or config.attn_output_gate)
     return names + (sum(linear_weights(config), ()) if config.linear_layers else ())
 
 
@@ -140,6 +155,11 @@ def prepare(config: ModelConfig, params, block: BlockSizes) -> dict:
     weights = {name: params[name] for name in ("embed", *names)} | {"lm_head": head}
     if "router_bias" in weights:  # [Lm, 1, E]: one DMA into the [1, E] buffer
         weights["router_bias"] = weights["router_bias"][:, None]
+    if config.is_mla:  # wkv_a's columns padded to whole tiles, the norms [La, 1, R] rows
+        pad = latent_columns(config) - config.latent_width
+        weights["wkv_a"] = jnp.pad(weights["wkv_a"], ((0, 0), (0, 0), (0, pad)))
+        weights |= {n: weights[n].astype(jnp.float32)[:, None]  # no norm_offset: MLA's
+                    for n in ("kv_a_norm", "q_a_norm") if n in weights}  # norms have none
     if config.linear_layers:
         weights |= prepare_linear(config, params)
     weights = ring_layout(weights, model_stream(config, block, 1, quant.formats_of(params)))
@@ -199,7 +219,12 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
         return fetch
 
     fetch = {name: mixer_weight(name, "full") for name in attention_weights(config)
-             if name in ATTENTION_WEIGHTS}
+             if name in ATTENTION_WEIGHTS + MLA_RING}
+    if config.is_mla:  # the latent cache is the keys and the values
+        k_cache, v_cache = outputs["latent_cache"], None
+    else:
+        k_cache, v_cache = outputs["k_cache"], outputs["v_cache"]
+    mla = {n: inputs[n] for n in mla_loads(config)} if config.is_mla else None
     segments, dmas = linear_weights(config)
     fetch |= {name: mixer_weight(name, "linear") for name in segments if "linear" in mixers}
     fetch["lm_head"] = lambda step: (inputs["lm_head"], None)
@@ -224,8 +249,8 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
         prime_linear(config, linear_vmem, linear_hbm)
     if "full" in plan.mixers:  # the first full layer's first KV tiles; each full layer
         start_write_backs(attention)
-        KvStream(inputs["positions"], outputs["k_cache"], outputs["v_cache"], attention,
-                 rows=plan.rows, layer=0, block=block).prime()  # primes the next one's
+        KvStream(inputs["positions"], k_cache, v_cache, attention, rows=plan.rows, layer=0,
+                 block=block).prime()  # primes the next one's
 
     def one_layer(layer, x):
         for copy, _ in vector_copies(layer):
@@ -259,13 +284,13 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
         x_out = layer_body(
             ring, config, kinds, s, step=layer, layer=row(layer), is_moe=is_moe, x=x,
             norms=(norms[0:1], norms[1:2], qk[0:1], qk[1:2]),
-            positions_smem=inputs["positions"], k_cache_hbm=outputs["k_cache"],
-            v_cache_hbm=outputs["v_cache"], attention=attention, block=block,
+            positions_smem=inputs["positions"], k_cache_hbm=k_cache, v_cache_hbm=v_cache,
+            attention=attention, block=block,
             batch=plan.batch, rows=plan.rows,
             before_mlp=(lambda: pl.when(is_moe)(wait_routers)) if routers else None,
             all_reduce=None if tp == 1 else (  # slot k: the attention's 0, the MLP's 1
                 lambda value, k: all_reduce_body(value, reduce_scratch, n=tp, slot=k)),
-            linear=linear, kv_next=row(layer) + 1)
+            linear=linear, kv_next=row(layer) + 1, mla=mla)
         if taps:  # s.attn_out still holds this layer's attention output
             outputs["taps"][layer, 0] = x + s.attn_out[...]
             outputs["taps"][layer, 1] = x_out
@@ -278,7 +303,7 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
         s.h[...] = rms_norm(x, vectors["final_norm"][...], config.rms_eps).astype(s.h.dtype)
         ring.matmul("lm_head", s.h, outputs["logits"], layer=config.layers)
     if "full" in plan.mixers:
-        drain_write_backs(attention, outputs["k_cache"], outputs["v_cache"])
+        drain_write_backs(attention, k_cache, v_cache)
     if "linear" in mixers:
         drain_linear(linear_vmem, linear_hbm)
     logits = outputs["logits"][...]
@@ -321,7 +346,7 @@ def decode_step(config: ModelConfig, weights, cache, tokens, positions, *,
                          "linear layers")
     tokens, positions = reference.validate_step(config, cache, tokens, positions)
     plan = step_plan(config, batch=tokens.shape[0], rows=tokens.shape[1],
-                     context=cache.k.shape[3], block=block, formats=quant.formats_of(weights))
+                     context=reference.cache_capacity(config, cache), block=block, formats=quant.formats_of(weights))
     backends.check_active()
     out = traced_step(plan, weights, cache, tokens, positions, taps=taps)
     if config.is_hybrid and not row_states:
@@ -347,7 +372,7 @@ def first_divergence(config: ModelConfig, params, cache: reference.KVCache, toke
         raise ValueError(f"stop_after={stop_after!r} must be (layer, op) with 0 <= layer < "
                          f"layers={config.layers} and op in {TAPS}")
     B, T = jnp.shape(tokens)
-    plan = step_plan(config, batch=B, rows=T, context=cache.k.shape[3], block=block,
+    plan = step_plan(config, batch=B, rows=T, context=reference.cache_capacity(config, cache), block=block,
                      formats=quant.formats_of(params))
     _, _, want = reference.decode_step(config, quant.dequantize(params), cache, tokens,
                                        positions, taps=True)
@@ -381,11 +406,13 @@ def traced_step(plan: DecodePlan, weights, cache, tokens, positions, taps: bool 
     inputs = {n: weights[n] for n in ("final_norm", "norms", "qk_norms", "lm_head", "is_moe",
                                       "mlp_row", "is_linear", "mixer_row",
                                       *attention_weights(config), *mlp)}
-    inputs |= dict(positions=positions, k_cache=cache.k, v_cache=cache.v,
+    # MLA's latent cache [La, B, S, W] as one shared "kv head" [La, B, 1, S, W] (`attend`)
+    caches = (dict(latent_cache=cache.latent[:, :, None]) if config.is_mla else
+              dict(k_cache=cache.k, v_cache=cache.v))
+    inputs |= dict(positions=positions, **caches,
                    x=weights["embed"][tokens].reshape(M, D).astype(jnp.float32))
     outputs = dict(next_tokens=jax.ShapeDtypeStruct((M, 1), jnp.int32),
-                   logits=jax.ShapeDtypeStruct((M, plan.vocab), jnp.float32),
-                   k_cache=cache.k, v_cache=cache.v)
+                   logits=jax.ShapeDtypeStruct((M, plan.vocab), jnp.float32), **caches)
     if config.linear_layers:  # the states in, the states after every row out
         inputs |= dict(conv_state=cache.conv, state=cache.state)
         outputs |= {out: jax.ShapeDtypeStruct((a.shape[0], B, T, *a.shape[2:]), a.dtype)
@@ -404,7 +431,7 @@ def traced_step(plan: DecodePlan, weights, cache, tokens, positions, taps: bool 
         in_specs=({n: jax.tree.map(lambda _, n=n: specs[n], inputs[n]) for n in inputs},),
         out_specs=memory_specs({n: OUTPUT_SPACES[n] for n in outputs}),
         scratch_shapes=plan.scratch(),
-        input_output_aliases=aliases(inputs, outputs, ("k_cache", "v_cache")),
+        input_output_aliases=aliases(inputs, outputs, tuple(caches)),
         compiler_params=pltpu.CompilerParams(
             vmem_limit_bytes=plan.vmem_limit(),
             **({} if plan.tp == 1 else dict(collective_id=COLLECTIVE_IDS["megakernel"],
@@ -414,13 +441,18 @@ def traced_step(plan: DecodePlan, weights, cache, tokens, positions, taps: bool 
             flops=2 * M * elements, transcendentals=0,
             bytes_accessed=weight_bytes + state_bytes),
     )(inputs)
-    kv = reference.KVCache(out["k_cache"], out["v_cache"])
+    kv = ((out["latent_cache"][:, :, 0],) if config.is_mla else
+          (out["k_cache"], out["v_cache"]))
     result = (out["next_tokens"].reshape(B, T),
-              out["logits"][:, :config.vocab].reshape(B, T, -1), kv)
+              out["logits"][:, :config.vocab].reshape(B, T, -1))
+    kind = reference.LatentCache if config.is_mla else reference.HybridCache
     if config.linear_layers:  # the cache keeps the states after the last row
         rows = reference.LinearRows(out["conv_rows"], out["state_rows"])
-        result = result[:2] + (reference.HybridCache(*kv, rows.conv[:, :, -1],
-                                                     rows.state[:, :, -1]), rows)
+        result += (kind(*kv, rows.conv[:, :, -1], rows.state[:, :, -1]), rows)
+    elif config.is_mla:  # cut to its full layers: its empty linear states stay
+        result += (cache._replace(latent=kv[0]),)
+    else:
+        result += (reference.KVCache(*kv),)
     if taps:
         residual = out["taps"].reshape(L, 2, B, T, D)
         result += ({op: residual[:, i] for i, op in enumerate(TAPS)},)

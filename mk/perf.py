@@ -69,7 +69,7 @@ from mk.chips import DATA, ChipSpec, chip as named_chip
 from mk.config import DTYPE_BITS, ModelConfig, positive_int
 from mk.kernels.collectives import ICI_LATENCY_S, PARTIAL_SUM_BYTES, allreduce_s, ici_bandwidth
 from mk.kernels.one_layer import model_block
-from mk.kernels.plan import padded_vocab, shard_config, shard_weight_bytes
+from mk.kernels.plan import kv_layout, padded_vocab, shard_config, shard_weight_bytes
 
 PUBLISHED_CSV = DATA / "published.csv"
 ROUTINGS = ("uniform", "shared", "disjoint")
@@ -331,7 +331,8 @@ def predict(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: 
     # T*S + T(T+1)/2 pairs, each 2 FLOPs per head dim for q.k and 2 for p.v. A linear
     # layer's delta rule: per row and value head, three [Hk] x [Hk, Hv] products.
     pairs = batch * (rows * context + rows * (rows + 1) / 2)
-    attention_flops = (4.0 * len(config.full_layers) * config.heads * config.head_dim * pairs
+    attention_flops = (4.0 * len(config.full_layers) * config.heads * kv_layout(config)[1]
+                       * pairs
                        + 6.0 * len(config.linear_layers) * m * config.linear_value_heads
                        * config.linear_key_dim * config.linear_value_dim)
 
@@ -363,7 +364,15 @@ def predict(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: 
 
 
 def _attention_params(config: ModelConfig) -> int:
-    """Matmul parameters of one full-attention layer's mixer (Qwen3.5's gate included)."""
+    """Matmul parameters of one full-attention layer's mixer (Qwen3.5's gate included;
+    MLA's projections, and wkv_b, which the absorbed form multiplies by twice: W_uk into
+    the queries, W_uv out of the latent)."""
+    if config.is_mla:
+        D, N, R, Rq, H = (config.hidden, config.heads, config.latent_rank, config.q_rank,
+                          config.head_dim)
+        up = R * N * (H - config.rope_dim + config.value_dim)
+        return D * Rq + (Rq or D) * N * H + D * config.latent_width + up \
+            + N * config.value_dim * D
     gate = config.q_width if config.attn_output_gate else 0
     return config.hidden * (2 * config.q_width + 2 * config.kv_width + gate)
 
@@ -411,9 +420,10 @@ def mxu_floor_ms(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, r
         touched = experts_touched(config.experts, config.experts_per_token, m, routing)
         flops += (2.0 * n_moe * config.expert_params
                   * max(m * config.experts_per_token, touched * R))
-    attention_rows = max(-(-config.group * rows // 8) * 8, R)
-    flops += (4.0 * len(config.full_layers) * batch * config.kv_heads * config.head_dim
-              * (context + rows) * attention_rows)
+    K, H, _ = kv_layout(config)  # MLA: every head against one latent row of R + Hr
+    attention_rows = max(-(-config.heads // K * rows // 8) * 8, R)
+    flops += (4.0 * len(config.full_layers) * batch * K * H * (context + rows)
+              * attention_rows)
     # The kernel's delta rule: per sequence, value head and row, three products of the
     # sequence's R = round_up(T, 8) rows (at least the MXU's) by the [Hk, Hv] state.
     flops += (6.0 * len(config.linear_layers) * batch * rows * config.linear_value_heads

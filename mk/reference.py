@@ -32,7 +32,7 @@ layers. `decode_step(..., row_states=True)` also returns the linear states after
 (`LinearRows`); `rollback` picks each sequence's last accepted row from them.
 Kimi Linear's cache is `LatentCache(latent, conv, state)`: latent [La, B, S, R + Hr]
 (config.dtype; the normed latent, then the shared rope-part key) for its MLA layers, conv
-and state as a hybrid's for its KDA layers.
+and state as a hybrid's for its KDA layers. `cache_capacity` reads S from any of them.
 """
 
 from __future__ import annotations
@@ -608,7 +608,8 @@ def validate_step(config: ModelConfig, cache: KVCache, tokens, positions):
     that would read or write outside the cache. The one check of reference, megakernel,
     tensor-parallel and speculative steps."""
     check_cache(config, cache)
-    B, S = cache.latent.shape[1:3] if config.is_mla else cache.k.shape[1:4:2]  # [.., B, K, S, H]
+    B = cache.latent.shape[1] if config.is_mla else cache.k.shape[1]
+    S = cache_capacity(config, cache)
     shape = np.shape(tokens)
     if len(shape) != 2 or shape[0] != B or shape[1] < 1:
         raise ValueError(f"tokens shape {shape} must be [B={B}, T >= 1]")
@@ -618,6 +619,11 @@ def validate_step(config: ModelConfig, cache: KVCache, tokens, positions):
     positions = checked_int32("positions", positions, 0, S, "max_context")
     check_positions(positions, shape[1], S)
     return tokens, positions
+
+
+def cache_capacity(config: ModelConfig, cache) -> int:
+    """S: the positions `cache` (a KVCache, HybridCache or LatentCache) holds per sequence (latent [La, B, S, W]; k [L, B, K, S, H])."""
+    return cache.latent.shape[2] if config.is_mla else cache.k.shape[3]
 
 
 def check_positions(positions, rows: int, capacity: int) -> None:

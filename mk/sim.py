@@ -4,7 +4,8 @@
 (`mk.kernels.plan`: its shard, tiles and `TileStream`; `step_plan`) and walks the stream in
 the kernel's program order (`mk.megakernel`; inside a layer the phases of
 `mk.kernels.one_layer.LAYER_PHASES`, the list `layer_body` checks it runs in order): prime
-the ring, per layer the prologue's wq/wk/wv, the KV stream of `attend`, wo (or a linear
+the ring, per layer the prologue's wq/wk/wv (MLA's wq_a, wq, wkv_a, its DMA'd wkv_b and
+norms, the absorption), the KV stream of `attend` (MLA's latent tiles), wo (or a linear
 layer's mixer: the gated DeltaNet's or Kimi Delta Attention's projections, gates, conv and
 delta rule), the dense MLP or the router (Kimi's sigmoid router with its bias), a shared
 expert, expert selection and the expert slots, then the lm_head and argmax. Every
@@ -40,7 +41,8 @@ Modelling assumptions (`Assumptions` holds the numbers; none is fitted to a meas
   any datasheet); it is small in decode. The expert compaction loop runs on the scalar
   unit at `scalar_op_s` (2 ns, ~2 cycles at ~1 GHz, an assumption) per expert.
 - Attention: every sequence sits at position `context`, so each reads
-  (context + T - 1) // kv_tile + 1 KV tiles of K_dev x kv_tile x H (K and V: two DMAs),
+  (context + T - 1) // kv_tile + 1 KV tiles of K_dev x kv_tile x H (K and V: two DMAs;
+  MLA's one latent tile of kv_tile x (R + Hr), `mk.kernels.plan.kv_layout`),
   through `kv_slots` (the kernel primes kv_slots - 1 of them right after the previous full
   layer's attention, across the layer edge, the first full layer's at the step's start);
   per tile 2 matmuls per kv
@@ -95,13 +97,13 @@ import math
 from mk import measure, perf
 from mk.chips import ChipSpec, chip as named_chip
 from mk.config import DTYPE_BITS, ModelConfig, positive_int
-from mk.kernels.attention_prologue import prologue_matrices
 from mk.kernels.common import BlockSizes
 from mk.kernels.decode_attention import block_rows, write_back_rows, write_back_slots
 from mk.kernels.deltanet import linear_layer_shapes, linear_weights
+from mk.kernels.mla import mla_loads
 from mk.kernels.mlp import expert_slots
-from mk.kernels.one_layer import FULL_PHASES, LAYER_PHASES, mlp_kinds
-from mk.kernels.plan import DecodePlan, capacity, family_of, little_slots
+from mk.kernels.one_layer import FULL_PHASES, LAYER_PHASES, full_matrices, mlp_kinds
+from mk.kernels.plan import DecodePlan, capacity, family_of, kv_layout, little_slots
 from mk.kernels.ring import TileStream
 
 CAUSES = ("step start", "layer boundary", "routing", "attention", "lm_head", "collective",
@@ -540,12 +542,18 @@ class _Kernel:
                 self.prime_kv(later[0])
         elif name == "prologue":
             self.vector(4 * M * D, "norm")
-            for matrix, *_ in prologue_matrices(c):
-                self.matmul(matrix)
-            self.vector(10 * M * (c.q_width + c.kv_width), "qk_norm_rope")
+            if c.is_mla:
+                self.mla_prologue()
+            else:
+                for matrix, *_ in full_matrices(c)[:-1]:
+                    self.matmul(matrix)
+                self.vector(10 * M * (c.q_width + c.kv_width), "qk_norm_rope")
         elif name == "attend":
             self.attend()
         elif name == "wo":
+            if c.is_mla:  # each head's P @ latent rows times its W_uv
+                self.mc.compute(2 * max(M, self.mxu) * c.latent_rank * c.value_dim
+                                * c.heads / self.peak, self.layer, "mla_up")
             if c.attn_output_gate:
                 self.vector(4 * M * c.q_width, "output_gate")
             self.matmul("wo")
@@ -569,7 +577,7 @@ class _Kernel:
         elif name == "linear":
             if self.layer in c.linear_layers:
                 if c.full_layers:
-                    self.skip(*self.region("wq", "wo"), "skipped mixer")
+                    self.skip(*self.region(full_matrices(c)[0][0], "wo"), "skipped mixer")
                 self.linear_mixer()
             elif c.linear_layers:
                 self.skip(*self.region("lin_qkv", "lin_out"), "skipped mixer")
@@ -577,6 +585,25 @@ class _Kernel:
             self.vector(M * D, "residual")
         else:
             raise ValueError(f"no cost model for layer phase {name!r}")
+
+    def mla_prologue(self):
+        """`mk.kernels.mla.mla_prologue`: the layer's `mla_loads` issued at its start, wq_a
+        and its norm, wq, wkv_a and the latent's norm, each load waited for at first use;
+        the absorption of each head's query (float32, at the MXU rule)."""
+        c, M = self.c, self.m
+        landed = {name: self.mc.dma(math.prod(shape) * DTYPE_BITS[dtype] / 8, self.layer,
+                                    name) for name, (shape, dtype) in mla_loads(c).items()}
+        if c.q_rank:
+            self.matmul("wq_a")
+            self.mc.wait(landed["q_a_norm"])
+            self.vector(4 * M * c.q_rank, "norm")
+        self.matmul("wq")
+        self.matmul("wkv_a")
+        self.mc.wait(landed["kv_a_norm"])
+        self.vector(4 * M * c.latent_rank, "norm")
+        self.mc.wait(landed["wkv_b"])
+        self.mc.compute(2 * max(M, self.mxu) * (c.head_dim - c.rope_dim) * c.latent_rank
+                        * c.heads / self.peak, self.layer, "mla_absorb")
 
     def linear_loads(self, row, tag=""):
         """`mk.kernels.deltanet.start_layer_loads`: linear row `row`'s DMA'd weights and
@@ -704,9 +731,10 @@ class _Kernel:
         c, tile = self.c, self.s.block.kv_tile
         layer = self.layer if layer is None else layer
         if j < len(self.kv_tiles()):
-            kv_bytes = c.kv_heads * tile * c.head_dim * (c.weight_bits // 8)
-            self.kv_landed[j] = max(self.mc.dma(kv_bytes, layer, "k_tile", tag, False),
-                                    self.mc.dma(kv_bytes, layer, "v_tile", tag, False))
+            K, H, caches = kv_layout(c)
+            kv_bytes = K * tile * H * (c.weight_bits // 8)
+            self.kv_landed[j] = max(self.mc.dma(kv_bytes, layer, what, tag, False)
+                                    for what in ("k_tile", "v_tile")[:caches])
 
     def prime_kv(self, layer, tag=""):
         """Full layer `layer`'s first kv_slots - 1 KV tiles (`KvStream.prime`): issued at
@@ -719,12 +747,12 @@ class _Kernel:
 
     def attend(self):
         c, B, T, block = self.c, self.batch, self.rows, self.s.block
-        K, H, tile = c.kv_heads, c.head_dim, block.kv_tile
-        G, itemsize = c.group, c.weight_bits // 8
+        (K, H, caches), tile = kv_layout(c), block.kv_tile
+        G, itemsize = c.heads // K, c.weight_bits // 8
         R = block_rows(G, T)
         W = write_back_rows(T, tile, c.dtype)
         tiles = self.kv_tiles()
-        self.vector(3 * B * T * (c.q_width + 2 * c.kv_width), "attention")  # regrouping
+        self.vector(3 * B * T * (c.heads + caches * K) * H, "attention")  # regrouping
         landed, issue = self.kv_landed, self.issue_kv
         mxu = 2 * 2 * max(R, self.mxu) * tile * H * K / self.peak
         vec = 8 * K * R * tile / self.vpu
@@ -739,8 +767,8 @@ class _Kernel:
                     self.mc.wait(self.kv_sent[n - backs])
                 self.kv_sent.append(max(self.mc.dma(K * W * H * itemsize, self.layer,
                                                  f"{kv}_write_back", weight=False)
-                                     for kv in "kv"))
-        self.vector(3 * B * T * c.q_width, "attention")
+                                     for kv in "kv"[:caches]))
+        self.vector(3 * B * T * c.heads * H, "attention")
 
 
 # -- The result ----------------------------------------------------------------------------

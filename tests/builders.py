@@ -190,18 +190,24 @@ def assert_prefill_matches_hf(model, config, params, prompt, rtol_of_scale: floa
     np.testing.assert_allclose(got, want, rtol=0, atol=rtol_of_scale * np.abs(want).max())
 
 
-def assert_greedy_matches_hf(model, config, params, prompt, steps: int):
-    """mk's `steps` greedy tokens after `prompt` equal transformers' generate."""
+def assert_greedy_matches_hf(model, config, params, prompt, steps: int, generate=None):
+    """mk's `steps` greedy tokens after `prompt` equal transformers' generate. generate:
+    (config, params, prompt, steps) -> tokens [B, steps], default `mk.reference.generate`
+    (the megakernel's `generate` is another)."""
     from mk import reference as R
 
     want = hf_greedy(model, prompt, steps)
     assert want.shape == (prompt.shape[0], steps)
-    np.testing.assert_array_equal(np.asarray(R.generate(config, params, prompt, steps)), want)
+    got = (generate or R.generate)(config, params, prompt, steps)
+    np.testing.assert_array_equal(np.asarray(got), want)
 
 
-def assert_t4_steps_predict_hf_tokens(model, config, params, prompt, steps: int = 3):
+def assert_t4_steps_predict_hf_tokens(model, config, params, prompt, steps: int = 3,
+                                      step=None):
     """Prefill, then feed transformers' greedy tokens 4 rows per step: every row's argmax
-    is transformers' next token (so the caches carry across steps)."""
+    is transformers' next token (so the caches carry across steps). step: (cache, tokens
+    [B, 4], positions [B]) -> (logits [B, 4, V], cache), default `mk.reference.decode_step`
+    of `params` (the megakernel's is another)."""
     import jax.numpy as jnp
 
     from mk import reference as R
@@ -210,12 +216,12 @@ def assert_t4_steps_predict_hf_tokens(model, config, params, prompt, steps: int 
     want = hf_greedy(model, prompt, 4 * steps + 1)  # token 0 from prefill, then 4 per step
     logits, cache = R.prefill(config, params, prompt)
     np.testing.assert_array_equal(np.asarray(R.greedy(logits[:, -1])), want[:, 0])
-    for step in range(steps):
-        rows = want[:, 4 * step:4 * step + 4]
-        pos = jnp.full((B,), P + 4 * step, jnp.int32)
-        logits, cache = R.decode_step(config, params, cache, rows, pos)
+    step = step or (lambda cache, rows, pos: R.decode_step(config, params, cache, rows, pos))
+    for i in range(steps):
+        rows = want[:, 4 * i:4 * i + 4]
+        logits, cache = step(cache, rows, jnp.full((B,), P + 4 * i, jnp.int32))
         np.testing.assert_array_equal(np.asarray(R.greedy(logits)),
-                                      want[:, 4 * step + 1:4 * step + 5])
+                                      want[:, 4 * i + 1:4 * i + 5])
 
 
 def assert_rollback_exact(config, params, *, rows: int, accepted):

@@ -174,14 +174,108 @@ def test_kimi_calls_are_checked(tiny_kimi):
         R.decode_step(config, params, R.init_cache(config, 1), [[1, 2]], [15])
 
 
-# -- The megakernel: KDA and Kimi's MoE (MLA not built yet) ---------------------------------
+# -- The megakernel: MLA, KDA and Kimi's MoE against transformers ---------------------------
+# TPU-shaped tiny kimi_linear models written by transformers (head dims 128, a latent of
+# 128 + 64, hidden 256: the tiles a TPU lowers), float32 on both sides: the megakernel's
+# greedy tokens must be transformers' own.
+TPU_COMMON = {**COMMON, **dict(
+    vocab_size=512, hidden_size=256, intermediate_size=256, moe_intermediate_size=128,
+    num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=128, qk_rope_head_dim=64,
+    qk_nope_head_dim=128, v_head_dim=128, linear_head_dim=128, linear_num_heads=2)}
+TPU_CASES = {
+    "kda-mla-kda": dict(
+        num_hidden_layers=3, layer_types=[LIN, FULL, LIN],
+        mlp_layer_types=["dense", "sparse", "sparse"], n_group=2, topk_group=1,
+        n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True),
+    "mla-kda-qlora": dict(
+        num_hidden_layers=2, layer_types=[FULL, LIN], mlp_layer_types=["sparse", "dense"],
+        q_lora_rank=128, n_group=1, topk_group=1, n_shared_experts=2,
+        routed_scaling_factor=1.5, norm_topk_prob=False),
+}
+SLOW = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", params=list(TPU_CASES))
+def tpu_case(request, tmp_path_factory):
+    """(transformers model, mk config, mk params, prompt [4, PROMPT]) of a TPU-shaped case."""
+    model = build_hf_model("kimi_linear", {**TPU_COMMON, **TPU_CASES[request.param]})
+    folder = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(folder)
+    config, params = mk.load_checkpoint(folder)
+    config = dataclasses.replace(config, max_context=CONTEXT)
+    prompt = np.random.default_rng(4).integers(0, TPU_COMMON["vocab_size"], (4, PROMPT))
+    return model, config, params, prompt
+
+
+def megakernel_generate(config, params, prompt, steps):
+    return megakernel.generate(config, params, prompt, steps, backend="interpret",
+                               steps_per_call=steps - 1)
+
+
+@pytest.mark.parametrize("tpu_case, batch", [
+    ("kda-mla-kda", 4), pytest.param("kda-mla-kda", 1, marks=SLOW),
+    pytest.param("mla-kda-qlora", 4, marks=SLOW), pytest.param("mla-kda-qlora", 1, marks=SLOW)],
+    indirect=["tpu_case"])
+def test_megakernel_32_greedy_tokens_match_transformers_generate(tpu_case, batch):
+    model, config, params, prompt = tpu_case
+    assert config.is_mla
+    assert_greedy_matches_hf(model, config, params, prompt[:batch], STEPS,
+                             megakernel_generate)
+
+
+@pytest.mark.parametrize("tpu_case, batch", [
+    ("mla-kda-qlora", 4), pytest.param("mla-kda-qlora", 1, marks=SLOW),
+    pytest.param("kda-mla-kda", 4, marks=SLOW), pytest.param("kda-mla-kda", 1, marks=SLOW)],
+    indirect=["tpu_case"])
+def test_megakernel_t4_steps_predict_transformers_tokens_race_free(tpu_case, batch):
+    """8 megakernel steps of T = 4 rows (32 tokens) fed transformers' tokens predict its
+    next ones; the first step runs under the race detector."""
+    model, config, params, prompt = tpu_case
+    weights = megakernel.prepare(config, params, megakernel.step_plan(
+        config, batch=batch, rows=4, context=CONTEXT).block)
+    races = []
+
+    def step(cache, rows, positions):
+        with backend.use("interpret", detect_races=not races):
+            _, logits, cache = megakernel.decode_step(config, weights, cache, rows, positions)
+            races.append(backend.races_found())
+        return logits, cache
+
+    assert_t4_steps_predict_hf_tokens(model, config, params, prompt[:batch], STEPS // 4, step)
+    assert len(races) == STEPS // 4 and not races[0]
+
+
+@pytest.mark.parametrize("tpu_case", ["kda-mla-kda"], indirect=True)
+def test_planted_wrong_head_in_mla_value_projection_diverges(tpu_case, monkeypatch):
+    """The guard of the two checks above, in the same run: each head's attention output
+    multiplied by the other head's value up-projection must change the tokens."""
+    from mk.kernels import mla, one_layer
+
+    model, config, params, prompt = tpu_case
+    right = mla.mla_epilogue
+
+    def swapped_heads(config, s):
+        N, R, W = config.heads, config.latent_rank, config.latent_width
+        Hn, Ho = config.head_dim - config.rope_dim, config.value_dim
+        right(config, s)
+        for n in range(N):
+            m = (n + 1) % N
+            w_uv = s.wkv_b[:, m * (Hn + Ho) + Hn:(m + 1) * (Hn + Ho)].astype(jnp.float32)
+            s.o[:, n * Ho:(n + 1) * Ho] = jnp.dot(s.o_latent[:, n * W:n * W + R], w_uv)
+
+    monkeypatch.setattr(one_layer, "mla_epilogue", swapped_heads)
+    planted = dataclasses.replace(config, name="planted-heads")  # a new trace
+    with pytest.raises(AssertionError):
+        assert_greedy_matches_hf(model, planted, params, prompt[:1], 8, megakernel_generate)
+
+
+# -- The megakernel on tiny-kimi with its MLA layer made GQA -------------------------------
 @pytest.fixture(scope="module")
 def tiny_kimi_gqa():
     """tiny-kimi with its MLA layer made a GQA layer (head dim 128): KDA, the grouped
     sigmoid router with its bias (random: init_params' zero bias would hide a lost one),
-    the routed scale and the shared expert, through the megakernel, which does not build
-    MLA yet. A synthetic model: its oracle is mk.reference, itself checked against
-    transformers above."""
+    the routed scale and the shared expert, through the megakernel. A synthetic model: its
+    oracle is mk.reference, itself checked against transformers above."""
     config = kimi_gqa()
     params = mk.init_params(config, seed=0)
     bias = np.random.default_rng(0).normal(0, 0.5, params["router_bias"].shape)

@@ -3,7 +3,7 @@
 The byte-count test runs one megakernel step in TPU interpret mode with every DMA the
 kernel starts recorded where it starts (`mk.kernels.common.dma_log`: a host callback
 under the same `pl.when` as the DMA, so a switched-off tile is not counted), for tiny,
-tiny-kimi-gqa (KDA, a shared expert, the sigmoid router: `builders.kimi_gqa`), tiny-hybrid,
+tiny-kimi (MLA over its latent cache, KDA, a shared expert, the sigmoid router), tiny-hybrid,
 tiny-moe and tiny-moe at tp 2 and 4 (a subprocess with virtual devices), and compares the
 bytes per family with the plan's ledger (`DecodePlan.weight_bytes`), with the simulator's
 replay of the same plan and with `mk.perf.predict`, exactly. One sequence of one row
@@ -25,7 +25,6 @@ from mk.kernels.common import BlockSizes, Cut, dma_log
 from mk.kernels.plan import (DTYPE_FAMILY, KV_FAMILIES, RING_COVER_S, WEIGHT_FAMILIES,
                              DecodePlan, capacity, default_block, family_of, little_slots,
                              shard_config)
-from builders import kimi_gqa
 from multidevice import run
 
 POSITION = 37  # the one sequence's cached positions before its new row
@@ -33,7 +32,7 @@ SLOW = pytest.mark.slow
 
 
 def _step_plan(name: str, tp: int, formats=None) -> DecodePlan:
-    config = kimi_gqa() if name == "tiny-kimi-gqa" else mk.preset(name)
+    config = mk.preset(name)
     return DecodePlan.make(config, tp=tp, batch=1, rows=1, context=config.max_context,
                            formats=formats)
 
@@ -69,11 +68,11 @@ def counted(name: str, tp: int, formats=None) -> dict:
     return {f: np.array(b) for f, b in families.items()}
 
 
-# CPU seconds: 17, ~60, 29, 50, 59, 79. CI runs the dense model and Kimi's KDA, shared
-# expert and sigmoid router (builders.kimi_gqa); `make test-slow` the hybrid (its linear
+# CPU seconds: 17, ~20, 29, 50, 59, 79. CI runs the dense model and Kimi's MLA, KDA, shared
+# expert and sigmoid router (tiny-kimi); `make test-slow` the hybrid (its linear
 # weights and states) and the MoE model at tp 1, 2 and 4 (every family, the collectives'
 # shard).
-@pytest.mark.parametrize("name, tp", [("tiny", 1), ("tiny-kimi-gqa", 1),
+@pytest.mark.parametrize("name, tp", [("tiny", 1), ("tiny-kimi", 1),
                                       pytest.param("tiny-hybrid", 1, marks=SLOW),
                                       pytest.param("tiny-moe", 1, marks=SLOW),
                                       pytest.param("tiny-moe", 2, marks=SLOW),

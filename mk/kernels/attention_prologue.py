@@ -107,11 +107,11 @@ def check_layer_inputs(config: ModelConfig, x, positions, layer) -> tuple[int, i
     """(B, T, D) of a layer-level stage's residual stream x [B, T, D]; raises ValueError
     naming a bad shape, row count or layer before anything is traced."""
     B, T, D = x.shape
-    qwen35 = {f: getattr(config, f) for f in ("attn_output_gate", "norm_offset")
-              if getattr(config, f)}
-    if qwen35:  # the wrappers pass the checkpoint's norms and build no gate
-        raise ValueError(f"{config.name}: {qwen35}: the stage kernels build Qwen3's layer; "
-                         "Qwen3.5's gated attention runs in the megakernel")
+    other = {f: getattr(config, f) for f in ("attn_output_gate", "norm_offset",
+                                             "latent_rank") if getattr(config, f)}
+    if other:  # the wrappers pass the checkpoint's norms and build no gate and no MLA
+        raise ValueError(f"{config.name}: {other}: the stage kernels build Qwen3's layer; "
+                         "Qwen3.5's gated attention and Kimi's MLA run in the megakernel")
     if D != config.hidden:
         raise ValueError(f"x [B, T, D={D}] does not match hidden={config.hidden}")
     if not 1 <= B * T <= MAX_ROWS:

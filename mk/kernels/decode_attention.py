@@ -51,7 +51,7 @@ Here: `attend` (the in-kernel body the fused layer and the megakernel call),
 semaphores, `attention_semaphores`) and the stage wrappers `decode_attention` and
 `latent_attention`. Not here: Q/K/V projections,
 norms and RoPE (`attention_prologue`), MLA's absorption of the up-projections (its
-prologue and epilogue, not built in a kernel yet: issue 18), the output projection.
+prologue and epilogue: `mk.kernels.mla`), the output projection.
 """
 
 from __future__ import annotations

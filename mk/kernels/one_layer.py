@@ -10,9 +10,12 @@ are the one exception: they can only be issued once the router has chosen (see
 
 A hybrid's layer (Qwen3.5) has a gated-DeltaNet token mixer instead of attention
 (`mk.kernels.deltanet.linear_mixer`): the megakernel's stream holds both mixers' segments
-and each layer skips the kind it does not use (`layer_body(..., linear=)`).
+and each layer skips the kind it does not use (`layer_body(..., linear=)`). A Kimi Linear
+model's full layers are MLA (`mk.kernels.mla`: its absorbed prologue and epilogue around
+the same `attend`, over the latent cache; `layer_body(..., mla=)`).
 
-Here: `mixer_kinds` and `mlp_kinds` (what a whole-model kernel holds), `mlp_weights` (an
+Here: `mixer_kinds` and `mlp_kinds` (what a whole-model kernel holds), `full_matrices` (a
+full layer's attention segments), `mlp_weights` (an
 MLP kind's weights: Kimi's MoE adds a router bias and a shared expert), `layer_matrices`
 (the stream of one layer), `model_block` (the tiling its matrices share), `layer_buffers` /
 `layer_scratch` (its VMEM and scratch by name), `mlp_fetch`, `LAYER_PHASES` (the layer's
@@ -44,6 +47,7 @@ from mk.kernels.decode_attention import (AttentionScratch, KvStream, attend,
                                          decode_attention_buffers, decode_attention_scratch,
                                          drain_write_backs, start_write_backs)
 from mk.kernels.deltanet import gated_deltanet_matrices, linear_mixer
+from mk.kernels.mla import mla_buffers, mla_epilogue, mla_matrices, mla_prologue, start_mla_loads
 from mk.kernels.mlp import (EXPERT_WEIGHTS, SHARED_WEIGHTS, Routing, expert_slots, moe_body,
                             moe_fetch, moe_segments, swiglu_body, swiglu_fetch,
                             swiglu_segments)
@@ -73,7 +77,7 @@ def layer_matrices(config: ModelConfig, kinds: tuple[str, ...], M: int,
     not use. M = B*T activation rows bound the expert slots."""
     matrices = []
     if "full" in mixers:
-        matrices += prologue_matrices(config) + [("wo", config.q_width, config.hidden)]
+        matrices += full_matrices(config)
     if "linear" in mixers:
         matrices += gated_deltanet_matrices(config)
     if "dense" in kinds:
@@ -83,6 +87,14 @@ def layer_matrices(config: ModelConfig, kinds: tuple[str, ...], M: int,
         matrices += moe_segments(config.hidden, config.expert_ffn, slots,
                                  config.shared_expert_ffn)
     return matrices
+
+
+def full_matrices(config: ModelConfig) -> list[tuple[str, int, int]]:
+    """The ring segments of a full layer's attention: the prologue's and wo (MLA's
+    `mla_matrices` in a Kimi Linear model)."""
+    if config.is_mla:
+        return mla_matrices(config)
+    return prologue_matrices(config) + [("wo", config.q_width, config.hidden)]
 
 
 def model_block(config: ModelConfig, *, context: int | None = None, slots: int = SLOTS,
@@ -108,10 +120,10 @@ def layer_buffers(config: ModelConfig, kinds: tuple[str, ...], batch: int, rows:
     f32 = "float32"
     if ring is None:
         ring = [Buffer("ring", (block.slots, block.tile_rows, block.tile_cols), dt)]
-    buffers = [*ring,
-               Buffer("h", (M, D), dt), Buffer("q", (M, config.q_width), f32),
-               Buffer("k", (M, config.kv_width), f32), Buffer("v", (M, config.kv_width), f32),
-               Buffer("o", (M, config.q_width), f32), Buffer("attn_out", (M, D), f32),
+    attention = mla_buffers(config, M) if config.is_mla else [
+        Buffer("q", (M, config.q_width), f32), Buffer("k", (M, config.kv_width), f32),
+        Buffer("v", (M, config.kv_width), f32), Buffer("o", (M, config.q_width), f32)]
+    buffers = [*ring, Buffer("h", (M, D), dt), *attention, Buffer("attn_out", (M, D), f32),
                Buffer("mlp_out", (M, D), f32)]
     if config.attn_output_gate:
         buffers.append(Buffer("q_gate", (M, config.q_width), f32))
@@ -276,7 +288,7 @@ def phases():
 def layer_body(ring: Ring, config: ModelConfig, kinds, s, *, step, layer, is_moe, x, norms,
                positions_smem, k_cache_hbm, v_cache_hbm, attention: AttentionScratch,
                block: BlockSizes, batch: int, rows: int, before_mlp=None,
-               all_reduce=None, linear=None, kv_next=None):
+               all_reduce=None, linear=None, kv_next=None, mla=None):
     """One decoder layer inside a kernel: returns the new residual x [M, D] f32.
 
     step: this layer's index in the ring's stream; layer: its index in the KV cache (a full
@@ -292,7 +304,9 @@ def layer_body(ring: Ring, config: ModelConfig, kinds, s, *, step, layer, is_moe
     layers, (is_linear: a traced flag (None when every layer is linear), the layer's row in
     the stacked linear weights and states, `linear_scratch` as a namespace, the HBM refs
     `linear_mixer` reads by name). A hybrid's stream holds both mixers: a layer skips the
-    other kind's segments (neither loaded nor computed).
+    other kind's segments (neither loaded nor computed). mla: for an MLA model, the HBM
+    refs of `mk.kernels.mla.mla_loads` by name; its caches are (the latent cache [La, B, 1,
+    S, W], None).
     """
     attn_norm, mlp_norm, q_norm, k_norm = norms
     if not config.qk_norm:  # the tables hold ones; RMSNorm by ones is not the identity
@@ -312,12 +326,27 @@ def layer_body(ring: Ring, config: ModelConfig, kinds, s, *, step, layer, is_moe
             pl.when(is_linear if kind == "linear" else ~is_linear)(run)
 
     def attention_prologue():
+        if config.is_mla:
+            loads = start_mla_loads(config, s, mla, layer)
+            mla_prologue(ring, config, s, loads, layer=step, x=x, attn_norm=attn_norm)
+            return
         prologue(ring, config, layer=step, x=x, attn_norm=attn_norm, q_norm=q_norm,
                  k_norm=k_norm, positions_smem=positions_smem, batch=batch, rows=rows,
                  h_vmem=s.h, q_vmem=s.q, k_vmem=s.k, v_vmem=s.v,
                  gate_vmem=getattr(s, "q_gate", None))
 
+    def attend_cache():  # its first KV tiles were primed (`kv_next`)
+        if config.is_mla:  # the latent rows are the keys and the values
+            attend(s.queries, s.latent_new, None, positions_smem, k_cache_hbm, None,
+                   s.o_latent, attention, layer=layer, block=block, primed=True,
+                   scale=1 / math.sqrt(config.head_dim))  # the unabsorbed head's
+        else:
+            attend(s.q, s.k, s.v, positions_smem, k_cache_hbm, v_cache_hbm, s.o,
+                   attention, layer=layer, block=block, primed=True)
+
     def output_projection():
+        if config.is_mla:
+            mla_epilogue(config, s)
         if config.attn_output_gate:  # Qwen3.5: o * sigmoid(h @ wq_gate)
             s.o[...] = s.o[...] * jax.nn.sigmoid(s.q_gate[...])
         ring.matmul("wo", s.o, s.attn_out, layer=step)
@@ -325,7 +354,7 @@ def layer_body(ring: Ring, config: ModelConfig, kinds, s, *, step, layer, is_moe
     def linear_layer():
         _, row, ls, hbm = linear
         if "full" in mixers:
-            ring.skip(*_region(ring, step, "wq", "wo"))
+            ring.skip(*_region(ring, step, full_matrices(config)[0][0], "wo"))
         linear_mixer(ring, config, ls, hbm, step=step, row=row, x=x, attn_norm=attn_norm,
                      h_vmem=s.h, out_vmem=s.attn_out, batch=batch, rows=rows)
 
@@ -337,10 +366,8 @@ def layer_body(ring: Ring, config: ModelConfig, kinds, s, *, step, layer, is_moe
 
     with phase("prologue"):
         mixer("full", attention_prologue)
-    with phase("attend"):  # its first KV tiles were primed (`kv_next`)
-        mixer("full", lambda: attend(s.q, s.k, s.v, positions_smem, k_cache_hbm,
-                                     v_cache_hbm, s.o, attention, layer=layer, block=block,
-                                     primed=True))
+    with phase("attend"):
+        mixer("full", attend_cache)
     with phase("kv_prime"):
         if kv_next is not None:
             mixer("full", prime_next_kv)

@@ -56,6 +56,7 @@ kernel finds it: "layer" buffers are attributes of the layer scratch, the others
 their own scratch entry or an operand).
 
 Here: the sharding model (`check_tp`, `shard_config`, `kv_heads_of`, `padded_width`),
+`kv_layout` (a full layer's cache: K and V heads, or MLA's one latent row),
 `padded_vocab`, `default_block` (with `little_slots`, `ring_cover_s`, `kv_depth`),
 `model_stream`, `capacity`, `WEIGHT_FAMILIES`, `family_of`, `shard_weight_bytes`,
 `QUANT_FAMILY`, `DecodePlan`, `Fit`. Not here: the kernel (`mk.megakernel`), the layer's
@@ -81,6 +82,7 @@ from mk.kernels.common import (KV_TILE, LANES, SLOTS, VMEM_HEADROOM, VMEM_ROOM, 
 from mk.kernels.decode_attention import attention_semaphores, decode_attention_buffers
 from mk.kernels.deltanet import (LINEAR_WEIGHTS, linear_buffers, linear_layer_shapes,
                                  linear_scratch)
+from mk.kernels.mla import mla_loads, mla_matrices
 from mk.kernels.mlp import expert_slots
 from mk.kernels.one_layer import (layer_buffers, layer_matrices, mixer_kinds, mlp_kinds,
                                   model_block)
@@ -88,8 +90,8 @@ from mk.kernels.ring import TileStream, ring_buffers
 
 # The weight families of one step, and which ring segments and copies belong to each.
 WEIGHT_FAMILIES = {
-    "attention": ("wq", "wk", "wv", "wq_gate", "wo"),
-    "norms": ("norms", "qk_norms", "final_norm"),
+    "attention": ("wq", "wk", "wv", "wq_gate", "wo", "wq_a", "wkv_a", "wkv_b"),  # MLA's
+    "norms": ("norms", "qk_norms", "final_norm", "kv_a_norm", "q_a_norm"),  # last three
     "dense_mlp": ("w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down"),  # ws: shared
     "router": ("router", "router_bias"),
     "experts": ("we_gate", "we_up", "we_down"),
@@ -129,9 +131,9 @@ def check_tp(config: ModelConfig, tp: int) -> int:
     """tp as an int after checking every width it splits splits evenly; raises ValueError
     naming the field."""
     check_devices(tp)
-    if config.is_mla:
-        raise ValueError(f"{config.name}: MLA (latent_rank={config.latent_rank}); the "
-                         "megakernel does not build it yet (issue 18)")
+    if config.is_mla and tp > 1:
+        raise NotImplementedError(f"{config.name}: MLA (latent_rank={config.latent_rank}) "
+                                  f"with tp={tp}: its sharding is not built yet (issue 18)")
     need = [("heads", config.heads), ("vocab", config.vocab), ("hidden", config.hidden)]
     if config.linear_layers:
         need.append(("linear_key_heads", config.linear_key_heads))
@@ -171,6 +173,15 @@ def shard_config(config: ModelConfig, tp: int) -> ModelConfig:
         shared_expert_ffn=padded_width(config.shared_expert_ffn // tp)
         if config.shared_expert_ffn else 0,
         vocab=config.vocab // tp, tie_embeddings=False)
+
+
+def kv_layout(local: ModelConfig) -> tuple[int, int, int]:
+    """(heads, row width, caches) of one full layer's cache on a device holding `local`:
+    (K, H, 2) for K and V, (1, R + Hr, 1) for MLA's latent cache (one row every head
+    reads as keys and values)."""
+    if local.is_mla:
+        return 1, local.latent_width, 1
+    return local.kv_heads, local.head_dim, 2
 
 
 def kv_heads_of(config: ModelConfig, tp: int) -> list[list[int]]:
@@ -236,8 +247,8 @@ def kv_depth(local: ModelConfig, block: BlockSizes, context: int, ring_bytes: in
     """KV slots of the default tiling: one more than the KV tiles of one sequence's whole
     cache (`context` positions) or than the KV tiles holding `ring_bytes` (what the weight
     ring has in flight), whichever is fewer; at least 2."""
-    itemsize = jnp.dtype(local.dtype).itemsize
-    kv_tile_bytes = 2 * local.kv_heads * block.kv_tile * local.head_dim * itemsize
+    K, H, caches = kv_layout(local)
+    kv_tile_bytes = caches * K * block.kv_tile * H * jnp.dtype(local.dtype).itemsize
     tiles = min(-(-context // block.kv_tile), -(-ring_bytes // kv_tile_bytes))
     return max(2, tiles + 1)
 
@@ -298,8 +309,14 @@ def _weight_elements(local: ModelConfig, vocab: int, experts: float) -> dict[str
     if c.linear_layers:  # the ring's matrices and the DMA'd weights
         linear = len(c.linear_layers) * sum(math.prod(shape) for shape
                                             in linear_layer_shapes(c).values())
-    return dict(attention=len(c.full_layers) * D * (2 * c.q_width + 2 * c.kv_width + gate),
-                norms=c.layers * 2 * (D + H) + D,
+    attention = D * (2 * c.q_width + 2 * c.kv_width + gate)
+    norms = 0  # an MLA layer's low-rank norms
+    if c.is_mla:  # its ring matrices (wkv_a padded) and its DMA'd wkv_b
+        loads = {n: math.prod(shape) for n, (shape, _) in mla_loads(c).items()}
+        attention = sum(r * k for _, r, k in mla_matrices(c)) + loads.pop("wkv_b")
+        norms = sum(loads.values())
+    return dict(attention=len(c.full_layers) * attention,
+                norms=c.layers * 2 * (D + H) + D + len(c.full_layers) * norms,
                 dense_mlp=(len(c.dense_layers) * 3 * D * c.ffn
                            + len(c.moe_layers) * 3 * D * c.shared_expert_ffn),
                 router=len(c.moe_layers) * c.experts * (
@@ -424,12 +441,15 @@ class DecodePlan:
             if b.group != "operand":
                 groups.setdefault(b.group, {})[name.removeprefix(b.group + ".")] = vmem[name]
         layer = groups.pop("layer") | {"sems": pltpu.SemaphoreType.DMA((self.block.slots,))}
+        if self.local.is_mla:
+            layer["mla_sems"] = pltpu.SemaphoreType.DMA((len(mla_loads(self.local)),))
         if "moe" in self.kinds:
             layer |= dict(small_sems=pltpu.SemaphoreType.DMA((2,)),
                           selected_smem=pltpu.SMEM((1, self.local.experts), jnp.int32),
                           ids_smem=pltpu.SMEM((self.expert_slots,), jnp.int32),
                           count_smem=pltpu.SMEM((1,), jnp.int32))
-        groups["attention"] |= attention_semaphores(self.block, self.batch)
+        groups["attention"] |= attention_semaphores(self.block, self.batch,
+                                                    caches=kv_layout(self.local)[2])
         vectors = groups.pop("vectors") | {"sems": pltpu.SemaphoreType.DMA((2, 2)),
                                            "final_sem": pltpu.SemaphoreType.DMA((1,))}
         out = dict(layer=layer, vectors=vectors, attention=groups.pop("attention"))
@@ -468,7 +488,8 @@ class DecodePlan:
         elements = _weight_elements(c, self.vocab, c.experts if c.is_moe else 0)
         weights = sum(n * per[f] for f, n in elements.items())
         embed = self.config.vocab * c.hidden * itemsize["dense"]
-        cache = 2 * len(c.full_layers) * self.batch * c.kv_width * self.context \
+        K, H, caches = kv_layout(c)
+        cache = caches * K * H * len(c.full_layers) * self.batch * self.context \
             * itemsize["dense"]
         return int(weights + embed + cache + sum(self.state_bytes().values()))
 
@@ -530,7 +551,8 @@ def _buffers(local: ModelConfig, tp: int, batch: int, rows: int, block: BlockSiz
         *layer_buffers(local, mlp_kinds(local), batch, rows, block,
                        ring=ring_buffers(stream, dt)),
         *linear,
-        *decode_attention_buffers(batch, rows, local.heads, local.kv_heads, H, dt, block),
+        *decode_attention_buffers(batch, rows, local.heads, *kv_layout(local)[:2], dt, block,
+                                  latent=local.is_mla),
         Buffer("norms", (2, 2, D), f32, "vectors"),  # a layer's norms, two layers' slots
         Buffer("qk_norms", (2, 2, H), f32, "vectors"),
         Buffer("final_norm", (1, D), f32, "vectors"),

@@ -1,0 +1,136 @@
+"""Multi-head latent attention (Kimi Linear's full layers) inside a kernel: the absorbed
+prologue and epilogue around `attend` over the latent cache.
+
+One MLA layer of M = B*T rows, absorbed (`mk.reference.mla_absorbed` and `mla_output` are
+its oracle; `mk.reference.mla_decoder_layer` the plain form it equals):
+
+    h        = RMSNorm(x)                                      [M, D]
+    q        = RMSNorm(h @ wq_a) @ wq   (h @ wq without q_rank) [M, N*H], H = Hn + Hr
+    kv       = h @ wkv_a                                        [M, W],   W = R + Hr
+    latent   = [RMSNorm(kv[:R]), kv[R:]]                        the row the cache keeps
+    query_n  = [q_nope_n @ W_uk_n^T, q_rope_n]                  [M, W] per head n
+    o_n      = attend(query_n; latent cache): P @ latent rows   [M, W]
+    out_n    = o_n[:R] @ W_uv_n                                 [M, Ho]
+    attn_out = out @ wo                                         [M, D]
+
+with W_uk_n, W_uv_n head n's columns of wkv_b [R, N*(Hn + Ho)]. The cache is read once per
+step as keys and values at once: W values per cached token, not 2 x N x H.
+
+wq_a, wq, wkv_a and wo stream through the ring (`mla_matrices`; wkv_a's W columns padded
+with zeros to whole 128-lane tiles, `latent_columns`: the padding's products are never
+read). wkv_b and the two low-rank norms are narrower than a ring tile (R rows): each MLA
+layer DMAs them whole into VMEM at its start (`start_mla_loads`) and waits for each where
+it is first used, behind the ring's wq_a/wq/wkv_a tiles already in flight. The absorption
+and the value up-projection are float32 products in VMEM (`mk.reference.mla_absorbed`'s
+numerics); attention's own numerics are `attend`'s.
+
+Here: `mla_matrices`, `mla_loads` (the DMA'd weights' shapes), `latent_columns`,
+`mla_buffers` (VMEM, group "layer"), `MLA_RING`, `MLA_LOADS`, `start_mla_loads`,
+`mla_prologue`, `mla_epilogue`. Not here: `attend` (`mk.kernels.decode_attention`), the
+layer around them (`mk.kernels.one_layer.layer_body`), the stage kernels (MLA runs in the
+megakernel only; `latent_attention` is attention's stage wrapper).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import tpu as pltpu
+
+from mk.config import ModelConfig
+from mk.kernels.common import LANES, Buffer, start_dma
+from mk.reference import rms_norm
+
+F32 = jnp.float32
+NT = (((1,), (1,)), ((), ()))  # dot_general dims of a @ b.T
+MLA_RING = ("wq_a", "wq", "wkv_a", "wo")  # wq_a: only with a q low rank
+MLA_LOADS = ("wkv_b", "kv_a_norm", "q_a_norm")  # DMA'd whole per layer; q_a_norm likewise
+
+
+def latent_columns(config: ModelConfig) -> int:
+    """wkv_a's W = R + Hr columns rounded up to whole 128-lane tiles (as the ring holds it)."""
+    return -(-config.latent_width // LANES) * LANES
+
+
+def mla_matrices(config: ModelConfig) -> list[tuple[str, int, int]]:
+    """The ring segments of an MLA layer in consumption order: (name, rows, cols)."""
+    D, N, Rq = config.hidden, config.heads, config.q_rank
+    q_a = [("wq_a", D, Rq)] if Rq else []
+    return [*q_a, ("wq", Rq or D, N * config.head_dim), ("wkv_a", D, latent_columns(config)),
+            ("wo", N * config.value_dim, D)]
+
+
+def mla_loads(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The weights an MLA layer DMAs whole, by name: (shape of one layer's, dtype). The
+    norms are float32 rows (`mk.megakernel.prepare` lays them out so)."""
+    N, R, Hn = config.heads, config.latent_rank, config.head_dim - config.rope_dim
+    loads = {"wkv_b": ((R, N * (Hn + config.value_dim)), config.dtype),
+             "kv_a_norm": ((1, R), "float32")}
+    if config.q_rank:
+        loads["q_a_norm"] = ((1, config.q_rank), "float32")
+    return loads
+
+
+def mla_buffers(config: ModelConfig, M: int) -> list[Buffer]:
+    """An MLA layer's VMEM (group "layer": attributes of the layer scratch): q, the low-rank
+    q (with q_rank), kv (wkv_a's padded product), the new latent rows, the absorbed
+    queries, attention's output, the heads' outputs o, and the DMA'd `mla_loads`."""
+    N, H, W, f32 = config.heads, config.head_dim, config.latent_width, "float32"
+    buffers = [Buffer("q", (M, N * H), f32), Buffer("kv_a", (M, latent_columns(config)), f32),
+               Buffer("latent_new", (M, W), f32), Buffer("queries", (M, N * W), f32),
+               Buffer("o_latent", (M, N * W), f32),
+               Buffer("o", (M, N * config.value_dim), f32)]
+    if config.q_rank:
+        buffers.append(Buffer("q_a", (M, config.q_rank), f32))
+    return buffers + [Buffer(name, shape, dtype) for name, (shape, dtype)
+                      in mla_loads(config).items()]
+
+
+def start_mla_loads(config: ModelConfig, s, hbm: dict, row) -> dict:
+    """Issue MLA layer `row`'s `mla_loads` (HBM refs `hbm` by name) into the layer scratch
+    `s` (semaphores s.mla_sems); returns their copies by name, to wait for at first use."""
+    copies = {}
+    for i, name in enumerate(mla_loads(config)):
+        into = getattr(s, name)
+        copies[name] = pltpu.make_async_copy(hbm[name].at[row], into, s.mla_sems.at[i])
+        start_dma(copies[name], name, into.size * into.dtype.itemsize)
+    return copies
+
+
+def mla_prologue(ring, config: ModelConfig, s, loads: dict, *, layer, x, attn_norm):
+    """The absorbed queries s.queries [M, N*W] and the new latent rows s.latent_new [M, W]
+    of x [M, D] f32 (module docstring); layer: its index in the ring's stream; loads: the
+    layer's `start_mla_loads` copies (each waited for here)."""
+    N, H, R, W = config.heads, config.head_dim, config.latent_rank, config.latent_width
+    Hn, Ho, eps = H - config.rope_dim, config.value_dim, config.rms_eps
+    s.h[...] = rms_norm(x, attn_norm, eps).astype(s.h.dtype)
+    q_in = s.h
+    if config.q_rank:
+        ring.matmul("wq_a", s.h, s.q_a, layer=layer)
+        loads["q_a_norm"].wait()
+        s.q_a[...] = rms_norm(s.q_a[...], s.q_a_norm[...], eps)
+        q_in = s.q_a
+    ring.matmul("wq", q_in, s.q, layer=layer)
+    ring.matmul("wkv_a", s.h, s.kv_a, layer=layer)
+    loads["kv_a_norm"].wait()
+    s.latent_new[:, :R] = rms_norm(s.kv_a[:, :R], s.kv_a_norm[...], eps)
+    s.latent_new[:, R:] = s.kv_a[:, R:W]
+    loads["wkv_b"].wait()
+    for n in range(N):  # head n's query, absorbed: [q_nope_n @ W_uk_n^T, q_rope_n]
+        w_uk = s.wkv_b[:, n * (Hn + Ho):n * (Hn + Ho) + Hn].astype(F32)  # [R, Hn]
+        s.queries[:, n * W:n * W + R] = lax.dot_general(
+            s.q[:, n * H:n * H + Hn], w_uk, NT, precision=lax.Precision.HIGHEST,
+            preferred_element_type=F32)
+        s.queries[:, n * W + R:(n + 1) * W] = s.q[:, n * H + Hn:(n + 1) * H]
+
+
+def mla_epilogue(config: ModelConfig, s):
+    """s.o [M, N*Ho] f32: each head's P @ latent rows (s.o_latent, its first R lanes) times
+    its value up-projection W_uv_n."""
+    N, R, W = config.heads, config.latent_rank, config.latent_width
+    Hn, Ho = config.head_dim - config.rope_dim, config.value_dim
+    for n in range(N):
+        w_uv = s.wkv_b[:, n * (Hn + Ho) + Hn:(n + 1) * (Hn + Ho)].astype(F32)  # [R, Ho]
+        s.o[:, n * Ho:(n + 1) * Ho] = jnp.dot(s.o_latent[:, n * W:n * W + R], w_uv,
+                                              precision=lax.Precision.HIGHEST,
+                                              preferred_element_type=F32)
