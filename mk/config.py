@@ -887,8 +887,8 @@ _HYBRID_PRESETS = {
 }
 
 # Kimi Linear models (MLA + KDA + shared-expert MoE): the reference, the loader, the
-# megakernel, mk.sim and mk.perf run them; tensor parallelism does not split MLA yet, so
-# they stay out of PRESET_NAMES (and "kimi-k3-like", the GQA stand-in, stays there).
+# megakernel (tensor-parallel too), mk.sim and mk.perf run them. They are listed apart
+# (KIMI_PRESET_NAMES), as "kimi-k3-like", their GQA stand-in, is in PRESET_NAMES.
 _KIMI_PRESETS = {
     # Tiny Kimi Linear: KDA, KDA, MLA, KDA (a KDA layer last), a dense first layer, then
     # MoE with a shared expert and two expert groups. Head dims 128 (MLA: nope 128 + 64).

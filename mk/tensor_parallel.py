@@ -4,7 +4,8 @@ Every device runs the SAME megakernel (`mk.megakernel`, a `DecodePlan` with tp >
 shard of the weights; the sharding model (which device holds which heads, columns and
 rows, and the padding to whole tiles) is `mk.kernels.plan`'s, and this module lays the
 arrays out to it: wq, wq_gate, wk, wv split by columns (kv heads replicated when tp > K),
-wo by rows; a gated-DeltaNet layer by its key and value heads (`_linear_channels`: the q,
+wo by rows; MLA's wq and wkv_b by heads, wo by rows, its low-rank wq_a, wkv_a and norms
+whole, and its latent cache whole on every device; a gated-DeltaNet layer by its key and value heads (`_linear_channels`: the q,
 k and v channels of in_proj_qkv, the conv and its state each split), out_proj by rows;
 Kimi Delta Attention likewise, with its low-rank gates' up-projections (f_b, g_b) by heads
 and their down-projections (f_a, g_a) whole; w_gate, w_up (each expert's, the shared
@@ -80,12 +81,15 @@ def shard_params(config: ModelConfig, params, tp: int) -> dict:
     check_tp(config, tp)
     head = params["embed"].T if config.tie_embeddings else params["lm_head"]
     split = dict(wq=_columns(params["wq"], tp), wo=_rows(params["wo"], tp),
-                 wk=_kv_columns(config, params["wk"], tp),
-                 wv=_kv_columns(config, params["wv"], tp), lm_head=_columns(head, tp))
-    for name in ("wq_gate", "lin_z", "lin_b", "lin_a", "lin_a_log", "lin_dt_bias", "kda_f_b",
-                 "kda_g_b"):
-        if name in params:  # by query heads, value heads, value heads' lanes (KDA's
-            #                 low-rank gates: their up-projections; the down ones whole)
+                 lm_head=_columns(head, tp))
+    if not config.is_mla:
+        split |= dict(wk=_kv_columns(config, params["wk"], tp),
+                      wv=_kv_columns(config, params["wv"], tp))
+    for name in ("wq_gate", "wkv_b", "lin_z", "lin_b", "lin_a", "lin_a_log", "lin_dt_bias",
+                 "kda_f_b", "kda_g_b"):
+        if name in params:  # by query heads (MLA's wkv_b: each head's W_uk and W_uv),
+            #                 value heads, value heads' lanes (KDA's low-rank gates: their
+            #                 up-projections; the down ones whole)
             split[name] = _columns(params[name], tp)
     if config.linear_layers:
         split |= dict(lin_qkv=_linear_channels(config, params["lin_qkv"], tp),
@@ -101,26 +105,32 @@ def shard_params(config: ModelConfig, params, tp: int) -> dict:
     return split | {k: jnp.broadcast_to(v, (tp, *v.shape)) for k, v in whole.items()}
 
 
-def check_sharded_cache(cache, tp: int) -> None:
+def check_sharded_cache(config: ModelConfig, cache, tp: int) -> None:
     """Refuse a cache that is not `shard_cache`'s layout: [tp, ...] on every array, the
-    KV cache [tp, L, B, K_local, S, H]."""
-    if cache.k.ndim != 6 or any(a.shape[0] != tp for a in cache):
+    KV cache [tp, L, B, K_local, S, H] (MLA's latent cache [tp, La, B, S, W])."""
+    first, want = ((cache.latent, "latent: [tp, La, B, S, W]") if config.is_mla else
+                   (cache.k, "k: [tp, L, B, K_local, S, H]"))
+    if first.ndim != (5 if config.is_mla else 6) or any(a.shape[0] != tp for a in cache):
         raise ValueError(f"cache shapes {[a.shape for a in cache]} must each be [tp={tp}, "
-                         "...] (k: [tp, L, B, K_local, S, H]); shard a cache with "
+                         f"...] ({want}); shard a cache with "
                          "mk.tensor_parallel.shard_cache(config, cache, tp)")
 
 
 def shard_cache(config: ModelConfig, cache, tp: int):
-    """[L, B, K, S, H] caches -> [tp, L, B, K_local, S, H] (each device's kv heads); a
-    hybrid's linear states too: conv [tp, Ll, B, W-1, C/tp] (`_linear_channels`), state
-    [tp, Ll, B, Nv/tp, Hk, Hv]."""
-    heads = np.array(kv_heads_of(config, tp))
-    kv = [jnp.moveaxis(c[:, :, heads], 2, 0) for c in (cache.k, cache.v)]
+    """[L, B, K, S, H] caches -> [tp, L, B, K_local, S, H] (each device's kv heads); MLA's
+    latent cache [La, B, S, W] whole on every device (every head reads it); a hybrid's
+    linear states too: conv [tp, Ll, B, W-1, C/tp] (`_linear_channels`), state [tp, Ll, B,
+    Nv/tp, Hk, Hv]."""
+    if config.is_mla:
+        kv = [jnp.broadcast_to(cache.latent, (tp, *cache.latent.shape))]
+    else:
+        heads = np.array(kv_heads_of(config, tp))
+        kv = [jnp.moveaxis(c[:, :, heads], 2, 0) for c in (cache.k, cache.v)]
     if not config.is_hybrid:
         return reference.KVCache(*kv)
     state = cache.state.reshape(*cache.state.shape[:2], tp, -1, *cache.state.shape[3:])
-    return reference.HybridCache(*kv, _linear_channels(config, cache.conv, tp),
-                                 jnp.moveaxis(state, 2, 0))
+    kind = reference.LatentCache if config.is_mla else reference.HybridCache
+    return kind(*kv, _linear_channels(config, cache.conv, tp), jnp.moveaxis(state, 2, 0))
 
 
 def prepare(plan: DecodePlan, params) -> dict:
@@ -150,13 +160,13 @@ def decode_step(config: ModelConfig, weights, cache: reference.KVCache, tokens, 
     `mk.megakernel.decode_step`."""
     tp = mesh.shape[AXIS]
     local = shard_config(config, tp)
-    check_sharded_cache(cache, tp)
+    check_sharded_cache(config, cache, tp)
     check_interpret_devices(mesh)
     unstacked = type(cache)(*(a[0] for a in cache))
     tokens, positions = reference.validate_step(local, unstacked, tokens, positions)
     B, T = tokens.shape
-    plan = megakernel.step_plan(config, tp=tp, batch=B, rows=T, context=cache.k.shape[4],
-                                block=block)
+    plan = megakernel.step_plan(config, tp=tp, batch=B, rows=T,
+                                context=reference.cache_capacity(local, unstacked), block=block)
     nxt, logits, cache = _sharded_step(plan, mesh, weights, cache, tokens, positions)
     logits = jnp.moveaxis(logits, 0, -2).reshape(B, T, config.vocab)
     return nxt[0], logits, cache

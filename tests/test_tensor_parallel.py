@@ -60,10 +60,14 @@ def tp_hybrid_config(tp: int) -> ModelConfig:
 
 
 def tp_kimi_config(tp: int) -> ModelConfig:
-    """Kimi Linear's layers but MLA (KDA, a GQA layer, KDA) in float32, tp KDA heads of 128,
-    MoE in the last two with a shared expert and the grouped sigmoid router: every shard
-    whole 128-lane tiles."""
+    """Kimi Linear's layers (KDA, MLA with a q low rank, KDA) in float32: 2 tp MLA heads
+    (nope 128 + a shared part of 64, a latent of 128; two a device, so wq's shard is whole
+    tiles, as Kimi K3's at TP32) and tp KDA heads of 128, MoE in the
+    last two with a shared expert and the grouped sigmoid router: every shard whole
+    128-lane tiles."""
     return tp_config(tp, name=f"tp{tp}-kimi", layers=3, dtype="float32", qk_norm=False,
+                     heads=2 * tp, kv_heads=2 * tp, head_dim=192, latent_rank=128, q_rank=128,
+                     rope_dim=64, value_dim=128,
                      layer_types=("linear", "full", "linear"), linear_key_heads=tp,
                      linear_value_heads=tp, linear_key_dim=128, linear_value_dim=128,
                      conv_kernel=4, channel_decay=True, moe_layers=(1, 2),
@@ -113,8 +117,8 @@ def kimi_tokens(tp: int) -> dict:
     # a hybrid: ~45 CPU s at tp 2; CI compiles the 27B at TP8 and checks the linear shards
     pytest.param("hybrid_tokens", 2, marks=pytest.mark.slow),
     pytest.param("hybrid_tokens", 4, marks=pytest.mark.slow),
-    # Kimi's KDA and MoE (shared expert, sigmoid router); CI checks their shards' layout
-    pytest.param("kimi_tokens", 2, marks=pytest.mark.slow)],
+    # Kimi's MLA, KDA and MoE (shared expert, sigmoid router): ~35 CPU s at tp 2
+    pytest.param("kimi_tokens", 2)],
     ids=[f"tp{t}-{'moe' if m else 'dense'}-6" for t, m in CASES]
     + [f"tp{t}-moe-{FULL_STEPS}" for t in (2, 4, 8)]
     + ["tp2-hybrid-6", "tp4-hybrid-6", "tp2-kimi-6"])
@@ -189,10 +193,11 @@ def test_a_split_width_short_of_a_tile_is_padded_with_zeros():
     assert not np.any(shards["we_down"][..., 64:, :])
 
 
-def test_kdas_gates_and_the_shared_expert_are_split_by_heads_and_width():
+def test_kimis_mla_kda_gates_and_shared_expert_are_split_by_heads_and_width():
     """A KDA layer's low-rank gates: the up-projections (f_b, g_b) and the per-channel
-    dt_bias by heads, the down-projections (f_a, g_a) whole; the shared expert as a dense
-    MLP (gate, up by columns, down by rows); the sigmoid router's bias whole."""
+    dt_bias by heads, the down-projections (f_a, g_a) whole; MLA's wq and wkv_b by heads,
+    wo by rows, its low-rank wq_a and wkv_a and their norms whole; the shared expert as a
+    dense MLP (gate, up by columns, down by rows); the sigmoid router's bias whole."""
     config = tp_kimi_config(2)
     rng = np.random.default_rng(0)
     params = {name: rng.standard_normal(shape).astype(np.float32)
@@ -201,8 +206,12 @@ def test_kdas_gates_and_the_shared_expert_are_split_by_heads_and_width():
     half = config.linear_value_heads // 2 * config.linear_key_dim  # one device's channels
     for name in ("kda_f_b", "kda_g_b", "lin_dt_bias"):
         np.testing.assert_array_equal(shards[name][1], params[name][..., half:])
-    for name in ("kda_f_a", "kda_g_a", "lin_norm", "router_bias"):
+    for name in ("kda_f_a", "kda_g_a", "lin_norm", "router_bias", "wq_a", "q_a_norm",
+                 "wkv_a", "kv_a_norm"):
         np.testing.assert_array_equal(shards[name][1], params[name])
+    up = params["wkv_b"].shape[-1] // 2  # device 1's head: its W_uk and W_uv columns
+    np.testing.assert_array_equal(shards["wkv_b"][1], params["wkv_b"][..., up:])
+    np.testing.assert_array_equal(shards["wq"][1], params["wq"][..., config.q_width // 2:])
     Fs = config.shared_expert_ffn // 2
     np.testing.assert_array_equal(shards["ws_gate"][1], params["ws_gate"][..., Fs:])
     np.testing.assert_array_equal(shards["ws_down"][0], params["ws_down"][:, :Fs])

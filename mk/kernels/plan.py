@@ -26,7 +26,9 @@ The sharding model (one place; `mk.tensor_parallel` shards the weights to it):
 
     attention  N/tp query heads (wq and Qwen3.5's wq_gate by the same columns); K/tp kv
                heads, or, when tp > K, the one kv head its query heads share (replicated
-               on tp/K devices)
+               on tp/K devices); MLA: N/tp heads (wq and wkv_b by heads, wo by rows), the
+               low-rank wq_a, wkv_a and their norms replicated, and the latent cache
+               whole on every device (each computes the same latent rows)
     linear     Nk/tp key heads and Nv/tp value heads of each gated-DeltaNet layer: their
                q, k and v channels of in_proj_qkv and the conv, in_proj_z, in_proj_b/a,
                A_log, dt_bias by heads, out_proj by rows (partial sums, all-reduced as
@@ -131,9 +133,6 @@ def check_tp(config: ModelConfig, tp: int) -> int:
     """tp as an int after checking every width it splits splits evenly; raises ValueError
     naming the field."""
     check_devices(tp)
-    if config.is_mla and tp > 1:
-        raise NotImplementedError(f"{config.name}: MLA (latent_rank={config.latent_rank}) "
-                                  f"with tp={tp}: its sharding is not built yet (issue 18)")
     need = [("heads", config.heads), ("vocab", config.vocab), ("hidden", config.hidden)]
     if config.linear_layers:
         need.append(("linear_key_heads", config.linear_key_heads))
