@@ -87,10 +87,11 @@ from mk.kernels.collectives import (AXIS, COLLECTIVE_IDS, CollectiveScratch, all
 from mk.kernels.common import BlockSizes, aliases, memory_specs, start_dma
 from mk.kernels.decode_attention import (AttentionScratch, KvStream, drain_write_backs,
                                          start_write_backs)
-from mk.kernels.mla import MLA_LOADS, MLA_RING, latent_columns, mla_loads
+from mk.kernels.mla import MLA_LOADS, MLA_RING, latent_columns, mla_loads, mla_matrices
 from mk.kernels.deltanet import (LINEAR_WEIGHTS, STATE_INPUTS, STATE_OUTPUTS, drain_linear,
                                  linear_weights, prepare_linear, prime_linear)
-from mk.kernels.one_layer import layer_body, mixer_kinds, mlp_fetch, mlp_kinds, mlp_weights
+from mk.kernels.one_layer import (full_matrices, layer_body, mixer_kinds, mlp_fetch, mlp_kinds,
+                                  mlp_weights)
 from mk.kernels.plan import DecodePlan, model_stream, padded_vocab
 from mk.kernels.ring import Ring, ring_layout
 from mk.reference import rms_norm
@@ -118,8 +119,7 @@ def attention_weights(config: ModelConfig) -> tuple[str, ...]:
     MLA's ring matrices and `mla_loads`, and its linear layers' `linear_weights` for a
     hybrid)."""
     if config.is_mla:
-        names = tuple(n for n in MLA_RING if n != "wq_a" or config.q_rank)
-        names += tuple(mla_loads(config))
+        names = tuple(n for n, *_ in mla_matrices(config)) + tuple(mla_loads(config))
     else:
         names = tuple(n for n in ATTENTION_WEIGHTS
                       if n != "wq_gate" or config.attn_output_gate)
@@ -218,8 +218,7 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
             return inputs[name].at[row(step)], on
         return fetch
 
-    fetch = {name: mixer_weight(name, "full") for name in attention_weights(config)
-             if name in ATTENTION_WEIGHTS + MLA_RING}
+    fetch = {name: mixer_weight(name, "full") for name, *_ in full_matrices(config)}
     if config.is_mla:  # the latent cache is the keys and the values
         k_cache, v_cache = outputs["latent_cache"], None
     else:

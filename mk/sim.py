@@ -587,9 +587,10 @@ class _Kernel:
             raise ValueError(f"no cost model for layer phase {name!r}")
 
     def mla_prologue(self):
-        """`mk.kernels.mla.mla_prologue`: the layer's `mla_loads` issued at its start, wq_a
-        and its norm, wq, wkv_a and the latent's norm, each load waited for at first use;
-        the absorption of each head's query (float32, at the MXU rule)."""
+        """`mk.kernels.mla.mla_prologue`: the layer's `mla_loads` issued at its start, wq_a,
+        its norm and the DMA'd wq (or wq through the ring), wkv_a and the latent's norm,
+        each load waited for at first use; the absorption of each head's query (float32,
+        at the MXU rule, as wq's product in VMEM)."""
         c, M = self.c, self.m
         landed = {name: self.mc.dma(math.prod(shape) * DTYPE_BITS[dtype] / 8, self.layer,
                                     name) for name, (shape, dtype) in mla_loads(c).items()}
@@ -597,7 +598,11 @@ class _Kernel:
             self.matmul("wq_a")
             self.mc.wait(landed["q_a_norm"])
             self.vector(4 * M * c.q_rank, "norm")
-        self.matmul("wq")
+            self.mc.wait(landed["wq"])
+            self.mc.compute(2 * max(M, self.mxu) * c.q_rank * c.q_width / self.peak,
+                            self.layer, "wq")
+        else:
+            self.matmul("wq")
         self.matmul("wkv_a")
         self.mc.wait(landed["kv_a_norm"])
         self.vector(4 * M * c.latent_rank, "norm")

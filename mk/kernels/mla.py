@@ -16,13 +16,16 @@ its oracle; `mk.reference.mla_decoder_layer` the plain form it equals):
 with W_uk_n, W_uv_n head n's columns of wkv_b [R, N*(Hn + Ho)]. The cache is read once per
 step as keys and values at once: W values per cached token, not 2 x N x H.
 
-wq_a, wq, wkv_a and wo stream through the ring (`mla_matrices`; wkv_a's W columns padded
-with zeros to whole 128-lane tiles, `latent_columns`: the padding's products are never
-read). wkv_b and the two low-rank norms are narrower than a ring tile (R rows): each MLA
-layer DMAs them whole into VMEM at its start (`start_mla_loads`) and waits for each where
-it is first used, behind the ring's wq_a/wq/wkv_a tiles already in flight. The absorption
-and the value up-projection are float32 products in VMEM (`mk.reference.mla_absorbed`'s
-numerics); attention's own numerics are `attend`'s.
+The ring streams the matrices with D rows or columns (`mla_matrices`: wq_a, wq without a q
+low rank, wkv_a, wo; wkv_a's W columns padded with zeros to whole 128-lane tiles,
+`latent_columns`: the padding's products are never read), so a shard's tiles stay D x 128
+(`mk.kernels.ring`). The narrow ones (`mla_loads`: wq with a q low rank [Rq, N*H], wkv_b
+[R, ...], the two low-rank norms) would force small tiles on every matrix of the stream:
+each MLA layer DMAs them whole into VMEM at its start (`start_mla_loads`) and waits for
+each where it is first used, behind the ring's tiles already in flight (wq_a's come
+after them in the one DMA queue). wq's product is `mk.reference.matmul`'s (q cast to wq's
+dtype, float32 sums); the absorption and the value up-projection are float32 products in
+VMEM (`mk.reference.mla_absorbed`'s numerics); attention's own numerics are `attend`'s.
 
 Here: `mla_matrices`, `mla_loads` (the DMA'd weights' shapes), `latent_columns`,
 `mla_buffers` (VMEM, group "layer"), `MLA_RING`, `MLA_LOADS`, `start_mla_loads`,
@@ -43,8 +46,8 @@ from mk.reference import rms_norm
 
 F32 = jnp.float32
 NT = (((1,), (1,)), ((), ()))  # dot_general dims of a @ b.T
-MLA_RING = ("wq_a", "wq", "wkv_a", "wo")  # wq_a: only with a q low rank
-MLA_LOADS = ("wkv_b", "kv_a_norm", "q_a_norm")  # DMA'd whole per layer; q_a_norm likewise
+MLA_RING = ("wq_a", "wq", "wkv_a", "wo")  # wq_a (and not wq) with a q low rank
+MLA_LOADS = ("q_a_norm", "wq", "kv_a_norm", "wkv_b")  # DMA'd whole per layer, in use order
 
 
 def latent_columns(config: ModelConfig) -> int:
@@ -55,20 +58,19 @@ def latent_columns(config: ModelConfig) -> int:
 def mla_matrices(config: ModelConfig) -> list[tuple[str, int, int]]:
     """The ring segments of an MLA layer in consumption order: (name, rows, cols)."""
     D, N, Rq = config.hidden, config.heads, config.q_rank
-    q_a = [("wq_a", D, Rq)] if Rq else []
-    return [*q_a, ("wq", Rq or D, N * config.head_dim), ("wkv_a", D, latent_columns(config)),
-            ("wo", N * config.value_dim, D)]
+    q = [("wq_a", D, Rq)] if Rq else [("wq", D, N * config.head_dim)]
+    return [*q, ("wkv_a", D, latent_columns(config)), ("wo", N * config.value_dim, D)]
 
 
 def mla_loads(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
-    """The weights an MLA layer DMAs whole, by name: (shape of one layer's, dtype). The
-    norms are float32 rows (`mk.megakernel.prepare` lays them out so)."""
-    N, R, Hn = config.heads, config.latent_rank, config.head_dim - config.rope_dim
-    loads = {"wkv_b": ((R, N * (Hn + config.value_dim)), config.dtype),
-             "kv_a_norm": ((1, R), "float32")}
-    if config.q_rank:
-        loads["q_a_norm"] = ((1, config.q_rank), "float32")
-    return loads
+    """The weights an MLA layer DMAs whole, by name, in the order it uses them: (shape of
+    one layer's, dtype). The norms are float32 rows (`mk.megakernel.prepare` lays them
+    out so)."""
+    N, R, Rq = config.heads, config.latent_rank, config.q_rank
+    Hn, dt = config.head_dim - config.rope_dim, config.dtype
+    q = dict(q_a_norm=((1, Rq), "float32"), wq=((Rq, N * config.head_dim), dt)) if Rq else {}
+    return q | dict(kv_a_norm=((1, R), "float32"),
+                    wkv_b=((R, N * (Hn + config.value_dim)), dt))
 
 
 def mla_buffers(config: ModelConfig, M: int) -> list[Buffer]:
@@ -104,13 +106,14 @@ def mla_prologue(ring, config: ModelConfig, s, loads: dict, *, layer, x, attn_no
     N, H, R, W = config.heads, config.head_dim, config.latent_rank, config.latent_width
     Hn, Ho, eps = H - config.rope_dim, config.value_dim, config.rms_eps
     s.h[...] = rms_norm(x, attn_norm, eps).astype(s.h.dtype)
-    q_in = s.h
     if config.q_rank:
         ring.matmul("wq_a", s.h, s.q_a, layer=layer)
         loads["q_a_norm"].wait()
-        s.q_a[...] = rms_norm(s.q_a[...], s.q_a_norm[...], eps)
-        q_in = s.q_a
-    ring.matmul("wq", q_in, s.q, layer=layer)
+        q_a = rms_norm(s.q_a[...], s.q_a_norm[...], eps).astype(s.wq.dtype)
+        loads["wq"].wait()
+        s.q[...] = jnp.dot(q_a, s.wq[...], preferred_element_type=F32)
+    else:
+        ring.matmul("wq", s.h, s.q, layer=layer)
     ring.matmul("wkv_a", s.h, s.kv_a, layer=layer)
     loads["kv_a_norm"].wait()
     s.latent_new[:, :R] = rms_norm(s.kv_a[:, :R], s.kv_a_norm[...], eps)

@@ -310,10 +310,11 @@ def _weight_elements(local: ModelConfig, vocab: int, experts: float) -> dict[str
                                             in linear_layer_shapes(c).values())
     attention = D * (2 * c.q_width + 2 * c.kv_width + gate)
     norms = 0  # an MLA layer's low-rank norms
-    if c.is_mla:  # its ring matrices (wkv_a padded) and its DMA'd wkv_b
+    if c.is_mla:  # its ring matrices (wkv_a padded) and its DMA'd weights and norms
         loads = {n: math.prod(shape) for n, (shape, _) in mla_loads(c).items()}
-        attention = sum(r * k for _, r, k in mla_matrices(c)) + loads.pop("wkv_b")
-        norms = sum(loads.values())
+        attention = sum(r * k for _, r, k in mla_matrices(c)) + sum(
+            n for name, n in loads.items() if family_of(name) == "attention")
+        norms = sum(n for name, n in loads.items() if family_of(name) == "norms")
     return dict(attention=len(c.full_layers) * attention,
                 norms=c.layers * 2 * (D + H) + D + len(c.full_layers) * norms,
                 dense_mlp=(len(c.dense_layers) * 3 * D * c.ffn
