@@ -22,7 +22,8 @@ from safetensors.numpy import load_file, save_file
 import mk
 from mk import backend, megakernel
 from builders import (assert_greedy_matches_hf, assert_prefill_matches_hf, assert_rollback_exact,
-                      assert_t4_steps_predict_hf_tokens, build_hf_model, hf_logits, kimi_gqa)
+                      assert_t4_steps_predict_hf_tokens, build_hf_model, hf_greedy, hf_logits,
+                      kimi_gqa)
 from mk import linear_attention as la
 from mk import reference as R
 
@@ -267,6 +268,23 @@ def test_planted_wrong_head_in_mla_value_projection_diverges(tpu_case, monkeypat
     planted = dataclasses.replace(config, name="planted-heads")  # a new trace
     with pytest.raises(AssertionError):
         assert_greedy_matches_hf(model, planted, params, prompt[:1], 8, megakernel_generate)
+
+
+@pytest.mark.parametrize("tpu_case, drafter", [
+    ("kda-mla-kda", "self"), *(pytest.param("kda-mla-kda", d, marks=SLOW)
+                               for d in ("model", "ngram", "forced"))], indirect=["tpu_case"])
+def test_speculative_decoding_on_the_megakernel_verifier_is_lossless(tpu_case, drafter):
+    """Greedy speculative decoding with the megakernel verifying gamma + 1 = 4 rows a step
+    (MLA's latent rows of rejected drafts overwritten, KDA's states rolled back to the last
+    kept row) gives transformers' own greedy tokens, with every drafter."""
+    from mk import spec
+    model, config, params, prompt = tpu_case
+    want = hf_greedy(model, prompt[:2], 12)
+    options = dict(acceptance_length=3) if drafter == "forced" else {}
+    got, stats = spec.generate(config, params, prompt[:2], 12, drafter=drafter, gamma=3,
+                               verifier="megakernel", backend="interpret", **options)
+    np.testing.assert_array_equal(got, want)
+    assert sum(stats.histogram[:-1]) > 0  # some steps kept fewer rows than they fed
 
 
 # -- The megakernel on tiny-kimi with its MLA layer made GQA -------------------------------
