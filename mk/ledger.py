@@ -21,6 +21,7 @@ from IPython.display import Markdown
 from mk import perf
 from mk.chips import ChipSpec, chip as named_chip
 from mk.config import ModelConfig, preset as named_preset
+from mk.kernels.plan import shard_config
 from mk.sim import Assumptions, Simulation, simulate
 
 TERMS = {
@@ -217,17 +218,26 @@ def _bound(sim: Simulation) -> str:
 def _explain(row, config, spec, tp, batch, rows) -> str:
     """What differs between the published run and the modelled one (facts, not fits)."""
     notes = []
-    if config.is_moe:
-        notes.append(f"{config.name}: GQA attention and no shared expert stand in for "
-                     "Kimi K3's MLA/linear attention and shared expert")
-        if config.expert_dtype:
-            notes.append(f"experts stored as {config.expert_dtype} (the release's FP4)")
+    if config.is_mla:
+        notes.append(f"{config.name}: Kimi Linear's architecture ({len(config.linear_layers)}"
+                     f" KDA and {len(config.full_layers)} MLA layers, a shared expert; shapes "
+                     "from Kimi K2's and Kimi-Linear's configs as quoted in mk.config, the KDA "
+                     "head count assumed) for the release's Kimi K3")
     elif config.is_hybrid:
         notes.append(f"{config.name}: Qwen3.5's architecture ({len(config.linear_layers)} "
                      f"gated-DeltaNet and {len(config.full_layers)} gated full-attention "
                      "layers, shapes from its config.json as quoted in mk.config) for the "
                      "release's 'Qwen3.8-27B'; the linear states are read once and written "
                      "after every verified row")
+    if config.expert_dtype:
+        cost = ", at the MXU rule's full cost per element" if spec.kind == "tpu" else ""
+        notes.append(f"experts stored as {config.expert_dtype} (the release's FP4){cost}")
+    Fe = config.expert_ffn
+    width = shard_config(config, tp).expert_ffn if config.is_moe and tp > 1 else 0
+    if width > Fe // tp:
+        notes.append(f"each expert's {Fe // tp} columns a device (of {Fe}) padded to "
+                     f"{width} lanes: {width * tp / Fe:g}x the expert bytes (the release's "
+                     "expert layout is not published)")
     if row.acceptance_length:
         notes.append(f"each step verifies T={rows} rows and keeps the published mean "
                      f"acceptance {row.acceptance_length:g} (whether the drafts were real "

@@ -267,10 +267,9 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
                                               s.small_sems.at[sem]), getattr(s, n), n)
                        for n, sem in (("router", 0), ("router_bias", 2)) if n in inputs]
 
-            @pl.when(is_moe)
-            def start_routers():
-                for copy, ref, name in routers:
-                    start_dma(copy, name, ref.size * ref.dtype.itemsize)
+        def start_routers():  # after the mixer: behind its tiles, during its all-reduce
+            for copy, ref, name in routers:
+                start_dma(copy, name, ref.size * ref.dtype.itemsize)
 
         def wait_routers():
             for copy, _, _ in routers:
@@ -286,6 +285,7 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
             positions_smem=inputs["positions"], k_cache_hbm=k_cache, v_cache_hbm=v_cache,
             attention=attention, block=block,
             batch=plan.batch, rows=plan.rows,
+            after_mixer=(lambda: pl.when(is_moe)(start_routers)) if routers else None,
             before_mlp=(lambda: pl.when(is_moe)(wait_routers)) if routers else None,
             all_reduce=None if tp == 1 else (  # slot k: the attention's 0, the MLP's 1
                 lambda value, k: all_reduce_body(value, reduce_scratch, n=tp, slot=k)),

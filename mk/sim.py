@@ -349,6 +349,7 @@ class _Kernel:
         self.conv_sent = 0.0  # when the last linear layer's conv rows land in HBM
         self.linear_landed = (0.0, 0.0)  # the next linear layer's small weights, conv state
         self.count = 0  # count_smem[0]: active expert slots, 0 outside routing
+        self.router = None  # when this MoE layer's router lands (issued `after_mixer`)
         self.layer = 0  # the layer the kernel is in (for prefetch off)
         self.kinds = mlp_kinds(config) if config is not None else ()
         self.mixer_segments = {s.name for s in stream.segments} - set(
@@ -510,16 +511,11 @@ class _Kernel:
                     self.prime_kv(layer, "layer boundary")
             if layer + 1 < c.layers:  # the ring's next tiles, not these, close a layer
                 vectors = self.vectors(layer + 1)  # edge's gap
-            is_moe = layer in c.moe_layers
-            router = None
-            if is_moe:  # the router, and the sigmoid router's bias
-                router = max(self.mc.dma(n * c.experts * c.weight_bits / 8, layer, what)
-                             for n, what in ((D, "router"), (1, "router_bias"))
-                             if what == "router" or c.router_score == "sigmoid")
+            self.router = None  # issued after the mixer (`after_mixer`)
             for phase in LAYER_PHASES:  # the kernel's own order (`layer_body`)
                 if layer in c.linear_layers and phase in FULL_PHASES:
                     continue
-                self.phase(phase, is_moe, router)
+                self.phase(phase, layer in c.moe_layers)
         self.layer = c.layers
         if not self.prefetch:
             self.prime_layer(self.layered, "layer boundary")
@@ -533,7 +529,7 @@ class _Kernel:
         self.vector(4 * M * self.vocab, "argmax")
         self.collective(8 * M)
 
-    def phase(self, name: str, is_moe: bool, router):
+    def phase(self, name: str, is_moe: bool):
         """One phase of `layer_body` (`mk.kernels.one_layer.LAYER_PHASES`) on the machine."""
         c, M, D = self.c, self.m, self.c.hidden
         if name == "kv_prime":  # without cross-layer prefetch, at the layer's start
@@ -561,24 +557,30 @@ class _Kernel:
             self.collective(M * D * perf.PARTIAL_SUM_BYTES)
         elif name == "mlp_norm":
             self.vector(5 * M * D, "norm")
+        elif name == "after_mixer":
+            if is_moe:  # the router, and the sigmoid router's bias
+                self.router = max(self.mc.dma(n * c.experts * c.weight_bits / 8, self.layer,
+                                              what)
+                                  for n, what in ((D, "router"), (1, "router_bias"))
+                                  if what == "router" or c.router_score == "sigmoid")
         elif name == "before_mlp":
-            if router is not None:
-                self.mc.wait(router)
-        elif name == "mlp":
+            if self.router is not None:
+                self.mc.wait(self.router)
+        elif name == "mlp":  # the MoE segments come before the dense ones in the period
             if not is_moe:
-                self.swiglu()
                 if "moe" in self.kinds:
                     first = "ws_gate" if c.shared_expert_ffn else "we_gate"
-                    self.skip(*self.region(first, "we_down"), "layer boundary")
+                    self.skip(*self.region(first, "we_down"))
+                self.swiglu()
             else:
-                if "dense" in self.kinds:
-                    self.skip(*self.region("w_gate", "w_down"))
                 self.experts()
-        elif name == "linear":
+                if "dense" in self.kinds:
+                    self.skip(*self.region("w_gate", "w_down"), "layer boundary")
+        elif name == "linear":  # the linear segments come before the full ones
             if self.layer in c.linear_layers:
+                self.linear_mixer()
                 if c.full_layers:
                     self.skip(*self.region(full_matrices(c)[0][0], "wo"), "skipped mixer")
-                self.linear_mixer()
             elif c.linear_layers:
                 self.skip(*self.region("lin_qkv", "lin_out"), "skipped mixer")
         elif name == "residual":

@@ -41,9 +41,11 @@ def test_modelled_step_streams_hbm_beside_the_mxu_and_collectives_and_errors_agr
 def test_speculative_rows_verify_the_published_rows_on_every_core(rows):
     kimi = next(r for r in rows if r["system"] == "tpu7x" and r["tau"] == 6)
     assert (kimi["rows"], kimi["batch"]) == (ledger.VERIFY_ROWS, 1)
-    want = perf.predict(mk.preset("kimi-k3-like"), "tpu7x", batch=1, rows=8, context=0,
+    want = perf.predict(mk.preset("kimi-k3"), "tpu7x", batch=1, rows=8, context=0,
                         tp=32, accepted=6)
     assert kimi["hbm_floor_ms"] == pytest.approx(want.hbm_floor_ms)
+    assert kimi["preset"] == "kimi-k3" and "23 MLA layers" in kimi["note"]
+    assert "padded to 128 lanes: 2x the expert bytes" in kimi["note"]
 
 
 def test_the_27b_row_is_the_hybrid_at_tp8_with_its_state_bytes_share(rows):
@@ -57,7 +59,8 @@ def test_the_27b_row_is_the_hybrid_at_tp8_with_its_state_bytes_share(rows):
     assert qwen["state_share"] > 0.01
     assert qwen["hbm_floor_ms"] == pytest.approx(e.hbm_floor_ms)
     assert qwen["published"] == 1515 and "gated-DeltaNet" in qwen["note"]
-    assert all(r["state_share"] == 0 for r in rows if r["preset"] == "kimi-k3-like")
+    kimi = [r for r in rows if r["preset"] == "kimi-k3" and "state_share" in r]
+    assert kimi and all(0 < r["state_share"] < qwen["state_share"] for r in kimi)
 
 
 def test_a_row_whose_tp_is_not_every_core_is_refused(monkeypatch):
@@ -132,7 +135,7 @@ def test_the_recorded_tile_costs_cover_every_published_tpu_run():
     """data/tile_costs/published.json (benchmarks/tile_costs.py --published) holds one
     compiled kernel per TPU run of the ledger: a run added to published.csv without a
     recompile is caught here. A kernel that does not fit its core records why (the
-    kimi-k3-like TP32 shard: its FP4 experts a byte each, their 64 columns padded to 128)
+    kimi-k3 TP32 shard: its FP4 experts a byte each, their 64 columns padded to 128)
     and is measured on a cut of its layers."""
     recorded = json.loads((Path(__file__).parent.parent / "data" / "tile_costs"
                            / "published.json").read_text())

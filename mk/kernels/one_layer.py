@@ -72,20 +72,27 @@ def mixer_kinds(config: ModelConfig) -> tuple[str, ...]:
 def layer_matrices(config: ModelConfig, kinds: tuple[str, ...], M: int,
                    mixers: tuple[str, ...] = ("full",)) -> list:
     """The ring segments of one layer in consumption order: the token mixers of every kind
-    in `mixers` (attention: wq, wk, wv, wq_gate, wo; linear: lin_qkv, lin_z, lin_out),
-    then the MLP segments of every kind in `kinds`; a layer switches off the kinds it does
-    not use. M = B*T activation rows bound the expert slots."""
+    in `mixers` (linear: lin_qkv, lin_z, lin_out; then attention: wq, wk, wv, wq_gate, wo),
+    then the MLP segments of every kind in `kinds` (MoE, then dense); a layer switches off
+    the kinds it does not use. M = B*T activation rows bound the expert slots.
+
+    The order places each switched-off region where its skip (`Ring.skip`: the tiles past
+    it are issued only then) comes before a collective or the layer's end: a linear
+    layer skips attention after its mixer, an MoE layer the dense MLP after its experts, so
+    the refill loads during the all-reduce that follows; only a full layer of a hybrid
+    (skipping the linear region at its start) and a dense layer of a mixed model (the MoE
+    region) wait for theirs."""
     matrices = []
-    if "full" in mixers:
-        matrices += full_matrices(config)
     if "linear" in mixers:
         matrices += gated_deltanet_matrices(config)
-    if "dense" in kinds:
-        matrices += swiglu_segments(config.hidden, config.ffn)
+    if "full" in mixers:
+        matrices += full_matrices(config)
     if "moe" in kinds:
         slots = expert_slots(config.experts, config.experts_per_token, M)
         matrices += moe_segments(config.hidden, config.expert_ffn, slots,
                                  config.shared_expert_ffn)
+    if "dense" in kinds:
+        matrices += swiglu_segments(config.hidden, config.ffn)
     return matrices
 
 
@@ -242,24 +249,25 @@ def mlp_block(ring: Ring, config: ModelConfig, kinds, s, *, step, is_moe):
         dense()
     elif kinds == ("moe",):
         experts()
-    else:
+    else:  # the MoE segments come first in the period (`layer_matrices`)
         @pl.when(~is_moe)
         def dense_layer():
-            dense()
             first = "ws_gate" if config.shared_expert_ffn else "we_gate"
             ring.skip(*_region(ring, step, first, "we_down"))  # count is 0: all off
+            dense()
 
         @pl.when(is_moe)
         def moe_layer():
-            ring.skip(*_region(ring, step, "w_gate", "w_down"))
             experts()
+            ring.skip(*_region(ring, step, "w_gate", "w_down"))
 
 
 # The phases of one layer in program order, as data: `layer_body` runs them in this order
 # (each under `phase`, which checks it at trace time and names it for the profiler), and
 # `mk.sim` replays the same list with its cost model of each phase.
-LAYER_PHASES = ("prologue", "attend", "kv_prime", "wo", "linear", "attn_all_reduce",
-                "mlp_norm", "before_mlp", "mlp", "mlp_all_reduce", "residual")
+LAYER_PHASES = ("linear", "prologue", "attend", "kv_prime", "wo", "after_mixer",
+                "attn_all_reduce", "mlp_norm", "before_mlp", "mlp", "mlp_all_reduce",
+                "residual")
 FULL_PHASES = ("prologue", "attend", "kv_prime", "wo")  # a full layer's mixer; a linear
 #                                                         layer's is "linear"
 
@@ -287,7 +295,7 @@ def phases():
 
 def layer_body(ring: Ring, config: ModelConfig, kinds, s, *, step, layer, is_moe, x, norms,
                positions_smem, k_cache_hbm, v_cache_hbm, attention: AttentionScratch,
-               block: BlockSizes, batch: int, rows: int, before_mlp=None,
+               block: BlockSizes, batch: int, rows: int, after_mixer=None, before_mlp=None,
                all_reduce=None, linear=None, kv_next=None, mla=None):
     """One decoder layer inside a kernel: returns the new residual x [M, D] f32.
 
@@ -298,8 +306,10 @@ def layer_body(ring: Ring, config: ModelConfig, kinds, s, *, step, layer, is_moe
     or None; s: the scratch refs by name; norms:
     (attn_norm, mlp_norm, q_norm, k_norm) values (the q/k norms unused without
     config.qk_norm); is_moe: a traced flag for streams holding
-    both MLP kinds; before_mlp: called just before the MLP (e.g. to wait for the router's
-    DMA, issued at the layer's start); all_reduce(value, k): the tensor-parallel sum over
+    both MLP kinds; after_mixer: called after the token mixer, before its all-reduce (e.g.
+    to issue the router's DMA: behind the mixer's tiles in the DMA queue, landing during
+    the all-reduce); before_mlp: called just before the MLP (e.g. to wait for the router's
+    DMA); all_reduce(value, k): the tensor-parallel sum over
     devices of the attention (k=0) and MLP (k=1) outputs. linear: for a model with linear
     layers, (is_linear: a traced flag (None when every layer is linear), the layer's row in
     the stacked linear weights and states, `linear_scratch` as a namespace, the HBM refs
@@ -351,12 +361,12 @@ def layer_body(ring: Ring, config: ModelConfig, kinds, s, *, step, layer, is_moe
             s.o[...] = s.o[...] * jax.nn.sigmoid(s.q_gate[...])
         ring.matmul("wo", s.o, s.attn_out, layer=step)
 
-    def linear_layer():
+    def linear_layer():  # the full region after it is skipped before the all-reduce
         _, row, ls, hbm = linear
-        if "full" in mixers:
-            ring.skip(*_region(ring, step, full_matrices(config)[0][0], "wo"))
         linear_mixer(ring, config, ls, hbm, step=step, row=row, x=x, attn_norm=attn_norm,
                      h_vmem=s.h, out_vmem=s.attn_out, batch=batch, rows=rows)
+        if "full" in mixers:
+            ring.skip(*_region(ring, step, full_matrices(config)[0][0], "wo"))
 
     def prime_next_kv():  # the next full layer's first KV tiles: they need only the
         @pl.when(kv_next < k_cache_hbm.shape[0])  # positions, so they load across the
@@ -364,6 +374,10 @@ def layer_body(ring: Ring, config: ModelConfig, kinds, s, *, step, layer, is_moe
             KvStream(positions_smem, k_cache_hbm, v_cache_hbm, attention, rows=rows,
                      layer=kv_next, block=block).prime()
 
+    with phase("linear"):
+        mixer("linear", linear_layer)
+        if len(mixers) == 2:
+            mixer("full", lambda: ring.skip(*_region(ring, step, "lin_qkv", "lin_out")))
     with phase("prologue"):
         mixer("full", attention_prologue)
     with phase("attend"):
@@ -373,10 +387,9 @@ def layer_body(ring: Ring, config: ModelConfig, kinds, s, *, step, layer, is_moe
             mixer("full", prime_next_kv)
     with phase("wo"):
         mixer("full", output_projection)
-    with phase("linear"):
-        mixer("linear", linear_layer)
-        if len(mixers) == 2:
-            mixer("full", lambda: ring.skip(*_region(ring, step, "lin_qkv", "lin_out")))
+    with phase("after_mixer"):
+        if after_mixer is not None:
+            after_mixer()
     with phase("attn_all_reduce"):
         if all_reduce is not None:  # tensor parallel: wo's rows are split, its sums partial
             s.attn_out[...] = all_reduce(s.attn_out[...], 0)
