@@ -35,7 +35,9 @@ new KV rows' write-backs are waited for a layer later (at the step's end the las
 `drain_write_backs`); a linear layer's small weights and states are likewise issued by the
 linear layer before it (`prime_linear` at the step's start) and its row states waited for
 a layer later (`drain_linear`); each MoE
-layer's router [D, E] is DMA'd at the layer's start and waited for just before routing;
+layer's router [D, E] is DMA'd at the layer's start (at tp > 1 after its token mixer,
+`layer_body(..., after_mixer=)`, so it does not delay the mixer's tiles and loads during
+the all-reduce) and waited for just before routing;
 the final norm is DMA'd at the step's start and waited for before the lm_head. Kept
 outside the kernel: the embedding gather of the step's B*T tokens (an XLA gather before
 the call).
@@ -267,9 +269,15 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
                                               s.small_sems.at[sem]), getattr(s, n), n)
                        for n, sem in (("router", 0), ("router_bias", 2)) if n in inputs]
 
-        def start_routers():  # after the mixer: behind its tiles, during its all-reduce
+        def start_routers():
             for copy, ref, name in routers:
                 start_dma(copy, name, ref.size * ref.dtype.itemsize)
+
+        # At tp = 1 the router loads during attention, issued behind the ring's look-ahead;
+        # at tp > 1 after the token mixer, behind all of its tiles (a router issued first
+        # would delay them), during its all-reduce.
+        if routers and tp == 1:
+            pl.when(is_moe)(start_routers)
 
         def wait_routers():
             for copy, _, _ in routers:
@@ -285,7 +293,8 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
             positions_smem=inputs["positions"], k_cache_hbm=k_cache, v_cache_hbm=v_cache,
             attention=attention, block=block,
             batch=plan.batch, rows=plan.rows,
-            after_mixer=(lambda: pl.when(is_moe)(start_routers)) if routers else None,
+            after_mixer=(lambda: pl.when(is_moe)(start_routers)) if routers and tp > 1
+            else None,
             before_mlp=(lambda: pl.when(is_moe)(wait_routers)) if routers else None,
             all_reduce=None if tp == 1 else (  # slot k: the attention's 0, the MLP's 1
                 lambda value, k: all_reduce_body(value, reduce_scratch, n=tp, slot=k)),

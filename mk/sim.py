@@ -511,7 +511,9 @@ class _Kernel:
                     self.prime_kv(layer, "layer boundary")
             if layer + 1 < c.layers:  # the ring's next tiles, not these, close a layer
                 vectors = self.vectors(layer + 1)  # edge's gap
-            self.router = None  # issued after the mixer (`after_mixer`)
+            self.router = None
+            if layer in c.moe_layers and self.tp == 1:  # at tp > 1: `after_mixer`
+                self.start_router()
             for phase in LAYER_PHASES:  # the kernel's own order (`layer_body`)
                 if layer in c.linear_layers and phase in FULL_PHASES:
                     continue
@@ -558,11 +560,8 @@ class _Kernel:
         elif name == "mlp_norm":
             self.vector(5 * M * D, "norm")
         elif name == "after_mixer":
-            if is_moe:  # the router, and the sigmoid router's bias
-                self.router = max(self.mc.dma(n * c.experts * c.weight_bits / 8, self.layer,
-                                              what)
-                                  for n, what in ((D, "router"), (1, "router_bias"))
-                                  if what == "router" or c.router_score == "sigmoid")
+            if is_moe and self.tp > 1:
+                self.start_router()
         elif name == "before_mlp":
             if self.router is not None:
                 self.mc.wait(self.router)
@@ -587,6 +586,14 @@ class _Kernel:
             self.vector(M * D, "residual")
         else:
             raise ValueError(f"no cost model for layer phase {name!r}")
+
+    def start_router(self):
+        """The MoE layer's router and the sigmoid router's bias: issued at the layer's start
+        at tp = 1, after the token mixer at tp > 1 (`mk.megakernel`)."""
+        c = self.c
+        self.router = max(self.mc.dma(n * c.experts * c.weight_bits / 8, self.layer, what)
+                          for n, what in ((c.hidden, "router"), (1, "router_bias"))
+                          if what == "router" or c.router_score == "sigmoid")
 
     def mla_prologue(self):
         """`mk.kernels.mla.mla_prologue`: the layer's `mla_loads` issued at its start, wq_a,

@@ -244,9 +244,11 @@ plots.show(plots.published_vs_floor(label, [u["published"] for u in uniform], {
     "MXU floor bound": [u["mxu_floor"] for u in uniform]}))
 
 # %% [markdown]
-# The Kimi runs on TPU7x are bound by the MXU floor, not HBM: their FP4 experts stream a
-# quarter of bf16's bytes, while the MXU rule charges 256 rows per weight pass at the bf16
-# rate. A kernel that feeds FP4 weights to the MXU at its fp8 rate halves that floor.
+# The Kimi runs on TPU7x with many rows per step (the larger batches and the speculative
+# runs: the list above names the larger floor of each) are bound by the MXU floor, not HBM:
+# their FP4 experts stream a quarter of bf16's bytes, while the MXU rule charges 256 rows
+# per weight pass at the bf16 rate. A kernel that feeds FP4 weights to the MXU at its fp8
+# rate halves that floor.
 #
 # ### Per user or aggregate?
 #
@@ -276,9 +278,11 @@ for u, s in zip(uniform, shared):
 # floor: candidates are the tensor-parallel collectives after attention and after the MLP
 # of each layer, synchronisation between the stages of a layer, uneven expert load across
 # devices, and HBM bandwidth below the datasheet peak. This notebook cannot tell them apart;
-# the simulator and profiles of later notebooks try to. The floors are for the `-like`
-# presets, not the released models: Kimi K3's real attention and shared expert, and the
-# Qwen model's linear-attention layers, change its bytes.
+# the simulator and profiles of later notebooks try to. The floors are for presets rebuilt
+# from the released models' published shapes (`kimi-k3`: Kimi Linear's MLA, KDA and
+# shared-expert MoE; `qwen3.5-27b`: Qwen3.5's gated DeltaNet), with the dimensions the
+# release does not state taken from their public relatives or marked assumed in
+# `mk.config`; their weights are random, so only the bytes and shapes are theirs.
 #
 # **Takeaway.** At decode batch sizes the intensity of a step is a few FLOP per byte
 # against ridge points of hundreds, so with bf16 weights the time of a step is set by the

@@ -32,9 +32,11 @@
 # - What does KDA change in the gated DeltaNet (notebook 05b), and does the kernel keep the
 #   state after every row?
 # - How does Kimi's router choose, and where does the shared expert stream?
+# - How does the megakernel run MLA between its ring and `attend`, and what does one
+#   device of Kimi K3's TP32 step hold in VMEM?
 #
-# These are stage kernels. The megakernel runs the same KDA and MoE bodies on one device;
-# MLA is not in it yet (issue 18).
+# The sections run each piece as a stage kernel; the last runs the whole model in the
+# megakernel (`mk.kernels.mla` holds its MLA prologue and epilogue).
 
 # %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
@@ -80,12 +82,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import plotly.graph_objects as go
+from IPython.display import display
 
 import mk
 import mk.backend
 import mk.run
-from mk import course, plots, reference
-from mk.kernels import decode_attention, deltanet, mlp
+from mk import course, megakernel, plots, reference
+from mk.kernels import decode_attention, deltanet, mla, mlp
 from mk.kernels.common import BlockSizes
 
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
@@ -311,23 +314,66 @@ print(f"{routing}\nexperts chosen per row: {np.asarray(chosen).tolist()}; distin
       f"{float(jnp.abs(got_moe - want_moe).max()):.2e}; races found: {moe_races}")
 
 # %% [markdown]
-# ## What is left for the megakernel
+# ## MLA in the megakernel
 #
-# Each piece above is a stage kernel checked against the reference; their TPU7x compiles at
-# kimi-k3's tensor-parallel shard are in tests/kernels (`test_decode_attention`,
-# `test_deltanet`, `test_mlp`). The megakernel already runs the KDA and MoE bodies on one
-# device and tensor parallel (tests/test_kimi.py, tests/test_tensor_parallel.py, with the
-# MLA layer made GQA), and the simulator replays them (tests/test_plan.py counts the
-# kernel's bytes against the plan's, the simulator's and `mk.perf`'s). It still needs
-# MLA's prologue and epilogue in the kernel (the absorption's matmuls through the ring),
-# the latent cache as its KV input, and MLA's sharding (issue 18).
+# In the megakernel an MLA layer is the same `attend` between a prologue and an epilogue of
+# its own. The ring streams the matrices with D rows or columns (wq_a, wkv_a padded to
+# whole tiles, wo); the narrow ones (wq after the q low rank, wkv_b, the two low-rank
+# norms) would force small tiles on every matrix, so each MLA layer DMAs them whole at its
+# start and waits for each where it first uses it:
+
+# %%
+plots.show_source(mla.mla_matrices, mla.mla_loads, mla.mla_prologue, mla.mla_epilogue)
+
+# %% [markdown]
+# The whole model, every layer in one kernel, against the reference's greedy tokens (the
+# tests check transformers' own tokens on TPU-shaped `kimi_linear` checkpoints, batch 1
+# and 4, T = 1 and 4):
+
+# %%
+prompt = np.asarray(jax.random.randint(keys[4], (B, 5), 0, config.vocab))
+start = time.perf_counter()
+got_tokens = megakernel.generate(config, params, prompt, 6, backend=run.backend,
+                                 max_context=S, steps_per_call=5)
+mk_seconds = time.perf_counter() - start
+want_tokens = reference.generate(config, params, prompt, 6, max_context=S)
+print(f"megakernel {np.asarray(got_tokens).tolist()}\nreference  "
+      f"{np.asarray(want_tokens).tolist()}\nwall {mk_seconds:.1f} s on {mode}"
+      + (" (a CPU simulation, not TPU time)" if mode == "interpret" else ""))
+
+# %% [markdown]
+# One device of Kimi K3's TP32 step (`kimi-k3` split over 32 TensorCores: 2 MLA heads
+# and 2 KDA heads a device, the low-rank wq_a and wkv_a whole on each, the latent cache
+# whole on each), its VMEM by buffer as the plan sizes it for the chip. The ring and the
+# router (E x D, DMA'd per MoE layer) dominate; MLA adds its loaded wq and wkv_b and a
+# latent KV ring of 576 values a row (640 lanes in VMEM):
+
+# %%
+k3_plan = megakernel.step_plan(mk.preset(bytes_preset), tp=32, batch=1, rows=1,
+                               context=4096, chip=run.chip)
+k3_fit = k3_plan.fits(run.chip)
+display(plots.table(k3_fit.vmem.rows()[:12]))
+print(f"{k3_plan.local.name}: {k3_fit.vmem.total_bytes / 2**20:.1f} MiB of VMEM in "
+      f"{len(k3_fit.vmem.buffers)} buffers, {k3_plan.block.slots} ring slots of "
+      f"{k3_plan.block.tile_rows} x {k3_plan.block.tile_cols}; HBM "
+      f"{k3_fit.hbm_bytes / 2**30:.1f} GiB against {k3_fit.hbm_limit_bytes / 2**30:.1f} "
+      f"GiB: {'fits' if k3_fit.ok else k3_fit.error}")
+
+# %% [markdown]
+# The shard does not fit one core's HBM: at TP32 each expert's 2048 columns split into 64
+# a device, padded to 128 lanes, and JAX stores a 4-bit value in a byte, so its 896
+# experts per layer take four times their FP4 bytes (notebook 11 reads the ledger's
+# distances; sharding packed weights is not built).
 #
 # **Takeaway:** MLA makes a cached token cost R + Hr values per layer whatever the head
-# count, and its absorbed form reads nothing else; KDA is the gated DeltaNet with a decay
-# per key channel; Kimi's router and shared expert fit stage 04's ring unchanged.
+# count, and its absorbed form reads nothing else; in the megakernel it is `attend` over
+# the latent rows between a prologue and an epilogue of small products in VMEM; KDA is the
+# gated DeltaNet with a decay per key channel; Kimi's router and shared expert fit stage
+# 04's ring unchanged.
 
 # %%
 course.check_close("MLA x after attention", got_mla, want_mla, atol=1e-2 * mla_scale, rtol=0)
+course.check_close("megakernel greedy tokens", got_tokens, want_tokens, atol=0, rtol=0)
 course.check_close("latent rows", got_cache[a], want_latent, atol=0, rtol=0)
 course.check_close("KDA x after the mixer", got_kda[0], want_kda, atol=1e-5)
 course.check_close("KDA state rows", got_kda[2], want_state, atol=1e-5)

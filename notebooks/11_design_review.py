@@ -588,16 +588,17 @@ print(f"published faster than the modelled step: {faster or 'none'}")
 # rate (the Kimi runs are MXU-bound: FP4 experts stream few bytes per weight pass) and puts
 # every collective on the critical path. Feeding the FP4 experts to the MXU at its fp8
 # rate, or overlapping the collectives with the weight stream, would each shorten it.
-# Where the simulated schedule is bound by "compute" (the Kimi runs), the per-device shard
-# at TP32 leaves only 128 x 128 ring tiles (the one tile shape must divide every matrix),
-# each moving in less time than the MXU needs for it at decode batch sizes. The compiled
-# kernel's own shards say the same more sharply: each 32 KiB tile costs its loop tens of
-# ns of scalar bookkeeping (libtpu's bundles) against about 9 ns of DMA, so our kernel on
-# these shards is many times its floor, and kimi-k3-like's TP32 shard does not even fit
-# one core's HBM (its note says why). The published runs are several times faster than
-# that, so the release's kernel does not pay such a cost per byte streamed. The GPU rows
-# are modelled as one kernel per op with an H100 launch gap; their published numbers are
-# slower still, which that gap alone does not explain.
+# Where the simulated schedule is bound by "compute" (the Kimi runs), the compute lane is
+# the step's critical path: each FP4 expert tile costs the MXU what a bf16 one does, and
+# every layer adds two all-reduces. At TP32 each expert's 64 columns a device are padded
+# to 128 lanes (the note of each Kimi row says so), which doubles the expert bytes, and
+# the shard does not fit one core's HBM (its compiled kernel was measured on its first
+# layers: `compiled_note`). The compiled kernel's per-tile issue time stays under the
+# tile's DMA time on every shard (the `ns` columns above), so the distance to the
+# published runs is in the compute lane's model (the MXU rate of FP4 weights, the
+# collectives' latency) and in the expert layout, not in the ring's bookkeeping. The GPU
+# rows are modelled as one kernel per op with an H100 launch gap; their published numbers
+# are slower still, which that gap alone does not explain.
 
 # %% [markdown]
 # ## The checklist
