@@ -354,7 +354,8 @@ def decode_step(config: ModelConfig, weights, cache, tokens, positions, *,
                          "linear layers")
     tokens, positions = reference.validate_step(config, cache, tokens, positions)
     plan = step_plan(config, batch=tokens.shape[0], rows=tokens.shape[1],
-                     context=reference.cache_capacity(config, cache), block=block, formats=quant.formats_of(weights))
+                     context=reference.cache_capacity(config, cache), block=block,
+                     formats=quant.formats_of(weights))
     backends.check_active()
     out = traced_step(plan, weights, cache, tokens, positions, taps=taps)
     if config.is_hybrid and not row_states:
@@ -380,8 +381,8 @@ def first_divergence(config: ModelConfig, params, cache: reference.KVCache, toke
         raise ValueError(f"stop_after={stop_after!r} must be (layer, op) with 0 <= layer < "
                          f"layers={config.layers} and op in {TAPS}")
     B, T = jnp.shape(tokens)
-    plan = step_plan(config, batch=B, rows=T, context=reference.cache_capacity(config, cache), block=block,
-                     formats=quant.formats_of(params))
+    plan = step_plan(config, batch=B, rows=T, context=reference.cache_capacity(config, cache),
+                     block=block, formats=quant.formats_of(params))
     _, _, want = reference.decode_step(config, quant.dequantize(params), cache, tokens,
                                        positions, taps=True)
     with backends.use(backend):

@@ -421,7 +421,8 @@ def variants(config: ModelConfig, params, cache: reference.KVCache, tokens, posi
     weights are laid out once, here, not in the step. Call the kernels inside
     `mk.backend.use(...)`."""
     B, T = jnp.shape(tokens)
-    block = megakernel.step_plan(config, batch=B, rows=T, context=reference.cache_capacity(config, cache)).block
+    block = megakernel.step_plan(config, batch=B, rows=T,
+                                 context=reference.cache_capacity(config, cache)).block
     weights = megakernel.prepare(config, params, block)
     layers = staged_weights(config, params)
     return {

@@ -622,7 +622,8 @@ def validate_step(config: ModelConfig, cache: KVCache, tokens, positions):
 
 
 def cache_capacity(config: ModelConfig, cache) -> int:
-    """S: the positions `cache` (a KVCache, HybridCache or LatentCache) holds per sequence (latent [La, B, S, W]; k [L, B, K, S, H])."""
+    """S: the positions `cache` (a KVCache, HybridCache or LatentCache) holds per sequence
+    (latent [La, B, S, W]; k [L, B, K, S, H])."""
     return cache.latent.shape[2] if config.is_mla else cache.k.shape[3]
 
 

@@ -16,6 +16,7 @@ compiles cover lowering and capacity on real topologies.
 """
 
 import contextlib
+import dataclasses
 import io
 import re
 
@@ -268,6 +269,28 @@ def test_sharded_model_compiles_for_a_multi_chip_topology(name, topology, chip):
     assert report.tp == 8
     assert 0 < report.vmem.total_bytes < report.vmem.limit_bytes
     assert report.argument_bytes <= mk.chip(chip).hbm_bytes
+
+
+def test_kimi_k3s_tp32_shard_compiles_on_its_first_layers_and_is_refused_whole_by_hbm():
+    """One device's shard of Kimi K3 (Kimi Linear: MLA, KDA, a shared-expert MoE) at TP32
+    on 16 TPU7x chips: whole, it needs more HBM than a core has (FP4 experts a byte each,
+    their 64 columns a device padded to 128), reported with the numbers before any
+    compile; cut to its first 4 layers (3 KDA, 1 MLA; bf16 experts, as the tile-cost
+    benchmark measures it: Mosaic rejects a float4 slot DMA) it compiles, VMEM in budget."""
+    k3 = mk.preset("kimi-k3")
+    whole = tpu.compile_megakernel(k3, "tpu7x", tp=32, topology="tpu7x:2x2x4", batch=1,
+                                   context=4096)
+    assert not whole.ok and re.search(r"need 2\d\d\.\d\d GiB of HBM, over the 94\.75 GiB",
+                                      whole.error)
+    cut = dataclasses.replace(k3.first_layers(4), expert_dtype="")
+    assert cut.layer_types == ("linear", "linear", "linear", "full") and cut.is_mla
+    report = tpu.compile_megakernel(cut, "tpu7x", tp=32, topology="tpu7x:2x2x4", batch=1,
+                                    context=4096)
+    assert report.ok, report.error
+    assert 0 < report.vmem.total_bytes < report.vmem.limit_bytes
+    names = {b.name for b in report.vmem.buffers}
+    assert {"wq", "wkv_b", "latent_new", "queries", "k_tiles"} <= names
+    assert "v_tiles" not in names  # the latent rows are keys and values
 
 
 def test_a_shard_too_big_for_hbm_is_reported_with_numbers():

@@ -47,7 +47,8 @@ from mk.kernels.decode_attention import (AttentionScratch, KvStream, attend,
                                          decode_attention_buffers, decode_attention_scratch,
                                          drain_write_backs, start_write_backs)
 from mk.kernels.deltanet import gated_deltanet_matrices, linear_mixer
-from mk.kernels.mla import mla_buffers, mla_epilogue, mla_matrices, mla_prologue, start_mla_loads
+from mk.kernels.mla import (mla_buffers, mla_epilogue, mla_matrices, mla_prologue,
+                            start_mla_loads)
 from mk.kernels.mlp import (EXPERT_WEIGHTS, SHARED_WEIGHTS, Routing, expert_slots, moe_body,
                             moe_fetch, moe_segments, swiglu_body, swiglu_fetch,
                             swiglu_segments)
