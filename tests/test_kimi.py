@@ -48,15 +48,21 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module", params=list(CASES))
-def case(request, tmp_path_factory):
-    model = build_hf_model("kimi_linear", {**COMMON, **CASES[request.param]})
-    folder = tmp_path_factory.mktemp(request.param)
+def written_by_transformers(name: str, fields: dict, folder, seed: int):
+    """(transformers model, its folder, mk config (max_context CONTEXT), mk params, a
+    prompt [4, PROMPT]) of a random kimi_linear model saved by transformers and loaded."""
+    model = build_hf_model("kimi_linear", fields)
     model.save_pretrained(folder)
     config, params = mk.load_checkpoint(folder)
     config = dataclasses.replace(config, max_context=CONTEXT)
-    prompt = np.random.default_rng(1).integers(0, COMMON["vocab_size"], (4, PROMPT))
+    prompt = np.random.default_rng(seed).integers(0, fields["vocab_size"], (4, PROMPT))
     return model, folder, config, params, prompt
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tmp_path_factory):
+    return written_by_transformers(request.param, {**COMMON, **CASES[request.param]},
+                                   tmp_path_factory.mktemp(request.param), seed=1)
 
 
 def test_loaded_config_and_sizes_match_the_transformers_model(case):
@@ -184,10 +190,7 @@ TPU_COMMON = {**COMMON, **dict(
     num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=128, qk_rope_head_dim=64,
     qk_nope_head_dim=128, v_head_dim=128, linear_head_dim=128, linear_num_heads=2)}
 TPU_CASES = {
-    "kda-mla-kda": dict(
-        num_hidden_layers=3, layer_types=[LIN, FULL, LIN],
-        mlp_layer_types=["dense", "sparse", "sparse"], n_group=2, topk_group=1,
-        n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True),
+    "kda-mla-kda": CASES["kda-mla-kda-groups"],  # the same pattern at TPU shapes
     "mla-kda-qlora": dict(
         num_hidden_layers=2, layer_types=[FULL, LIN], mlp_layer_types=["sparse", "dense"],
         q_lora_rank=128, n_group=1, topk_group=1, n_shared_experts=2,
@@ -199,12 +202,9 @@ SLOW = pytest.mark.slow
 @pytest.fixture(scope="module", params=list(TPU_CASES))
 def tpu_case(request, tmp_path_factory):
     """(transformers model, mk config, mk params, prompt [4, PROMPT]) of a TPU-shaped case."""
-    model = build_hf_model("kimi_linear", {**TPU_COMMON, **TPU_CASES[request.param]})
-    folder = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(folder)
-    config, params = mk.load_checkpoint(folder)
-    config = dataclasses.replace(config, max_context=CONTEXT)
-    prompt = np.random.default_rng(4).integers(0, TPU_COMMON["vocab_size"], (4, PROMPT))
+    model, _, config, params, prompt = written_by_transformers(
+        request.param, {**TPU_COMMON, **TPU_CASES[request.param]},
+        tmp_path_factory.mktemp(request.param), seed=4)
     return model, config, params, prompt
 
 
