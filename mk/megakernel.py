@@ -181,7 +181,8 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
     f32 (the embedded tokens), final_norm [1, D], norms [L, 2, D] (attn, mlp), qk_norms
     [L, 2, H] f32, the ring's weights in stream order (`prepare`: wq, wk, wv, wo, the MLP's
     [L, tiles, tile_rows, tile_cols], the experts' [Lm, E, tiles, ...], lm_head [tiles,
-    tile_rows, tile_cols] of [D, Vp]), the router [Lm, D, E], the caches [L, B, K, S, H];
+    tile_rows, tile_cols] of [D, Vp]), the router [Lm, D, E], the caches [L, B, K, S, H]
+    (MLA: latent_cache [La, B, 1, S, W] and `mk.kernels.mla.mla_loads`' weights);
     outputs: next_tokens [M, 1]
     int32, logits [M, Vp] f32, the caches (aliased), with taps taps [L, 2, M, D] f32;
     scratch: `plan.scratch()`."""
