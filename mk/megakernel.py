@@ -22,10 +22,11 @@ returned cache keeps the last row's). The skip has a cost the simulator shows: t
 look-ahead into a skipped region loads nothing, so it restarts at the region's end.
 
 Kimi Linear (`config.is_mla`) is a hybrid whose full layers are multi-head latent
-attention: their segments are wq_a, wq, wkv_a (padded to whole tiles) and wo, their
-wkv_b and low-rank norms are DMA'd at the layer's start (`mk.kernels.mla`), and the
-cache is the `mk.reference.LatentCache`, its latent rows passed as the one "kv head"
-[La, B, 1, S, W] every query head reads (operand `latent_cache`, no V).
+attention (`mk.kernels.mla`): their ring segments are the matrices with D rows or
+columns (wq_a, or wq without a q low rank; wkv_a padded to whole tiles; wo), their narrow
+ones (wq after a q low rank, wkv_b, the low-rank norms) are DMA'd at the layer's start,
+and the cache is the `mk.reference.LatentCache`, its latent rows passed as the one "kv
+head" [La, B, 1, S, W] every query head reads (operand `latent_cache`, no V).
 
 Small per-layer vectors (attn/mlp norms, q/k norms) stay in HBM and are prefetched a
 layer ahead into two VMEM slots; a full layer's first KV tiles (`KvStream.prime`) are
@@ -89,9 +90,9 @@ from mk.kernels.collectives import (AXIS, COLLECTIVE_IDS, CollectiveScratch, all
 from mk.kernels.common import BlockSizes, aliases, memory_specs, start_dma
 from mk.kernels.decode_attention import (AttentionScratch, KvStream, drain_write_backs,
                                          start_write_backs)
-from mk.kernels.mla import MLA_LOADS, MLA_RING, latent_columns, mla_loads, mla_matrices
 from mk.kernels.deltanet import (LINEAR_WEIGHTS, STATE_INPUTS, STATE_OUTPUTS, drain_linear,
                                  linear_weights, prepare_linear, prime_linear)
+from mk.kernels.mla import MLA_LOADS, MLA_RING, latent_columns, mla_loads, mla_matrices
 from mk.kernels.one_layer import (full_matrices, layer_body, mixer_kinds, mlp_fetch, mlp_kinds,
                                   mlp_weights)
 from mk.kernels.plan import DecodePlan, model_stream, padded_vocab
