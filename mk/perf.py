@@ -365,8 +365,8 @@ def predict(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: 
 
 def _attention_params(config: ModelConfig) -> int:
     """Matmul parameters of one full-attention layer's mixer (Qwen3.5's gate included;
-    MLA's projections, and wkv_b, which the absorbed form multiplies by twice: W_uk into
-    the queries, W_uv out of the latent)."""
+    MLA's projections and wkv_b, whose W_uk part the absorbed form multiplies into the
+    queries and whose W_uv part out of the latent)."""
     if config.is_mla:
         D, N, R, Rq, H = (config.hidden, config.heads, config.latent_rank, config.q_rank,
                           config.head_dim)

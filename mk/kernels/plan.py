@@ -92,8 +92,9 @@ from mk.kernels.ring import TileStream, ring_buffers
 
 # The weight families of one step, and which ring segments and copies belong to each.
 WEIGHT_FAMILIES = {
-    "attention": ("wq", "wk", "wv", "wq_gate", "wo", "wq_a", "wkv_a", "wkv_b"),  # MLA's
-    "norms": ("norms", "qk_norms", "final_norm", "kv_a_norm", "q_a_norm"),  # last three
+    # wq_a, wkv_a, wkv_b and the kv_a / q_a norms are MLA's (mk.kernels.mla)
+    "attention": ("wq", "wk", "wv", "wq_gate", "wo", "wq_a", "wkv_a", "wkv_b"),
+    "norms": ("norms", "qk_norms", "final_norm", "kv_a_norm", "q_a_norm"),
     "dense_mlp": ("w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down"),  # ws: shared
     "router": ("router", "router_bias"),
     "experts": ("we_gate", "we_up", "we_down"),
