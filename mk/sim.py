@@ -349,7 +349,7 @@ class _Kernel:
         self.conv_sent = 0.0  # when the last linear layer's conv rows land in HBM
         self.linear_landed = (0.0, 0.0)  # the next linear layer's small weights, conv state
         self.count = 0  # count_smem[0]: active expert slots, 0 outside routing
-        self.router = None  # when this MoE layer's router lands (issued `after_mixer`)
+        self.router = None  # when this MoE layer's router lands (`start_router`)
         self.layer = 0  # the layer the kernel is in (for prefetch off)
         self.kinds = mlp_kinds(config) if config is not None else ()
         self.mixer_segments = {s.name for s in stream.segments} - set(
