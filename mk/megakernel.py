@@ -36,9 +36,9 @@ new KV rows' write-backs are waited for a layer later (at the step's end the las
 `drain_write_backs`); a linear layer's small weights and states are likewise issued by the
 linear layer before it (`prime_linear` at the step's start) and its row states waited for
 a layer later (`drain_linear`); each MoE
-layer's router [D, E] is DMA'd at the layer's start (at tp > 1 after its token mixer,
-`layer_body(..., after_mixer=)`, so it does not delay the mixer's tiles and loads during
-the all-reduce) and waited for just before routing;
+layer's router [D, E] is DMA'd at the layer's start or, at tp > 1, after its token mixer
+(`mk.kernels.one_layer.router_after_mixer`, `layer_body(..., after_mixer=)`) and waited for
+just before routing;
 the final norm is DMA'd at the step's start and waited for before the lm_head. Kept
 outside the kernel: the embedding gather of the step's B*T tokens (an XLA gather before
 the call).
@@ -92,9 +92,9 @@ from mk.kernels.decode_attention import (AttentionScratch, KvStream, drain_write
                                          start_write_backs)
 from mk.kernels.deltanet import (LINEAR_WEIGHTS, STATE_INPUTS, STATE_OUTPUTS, drain_linear,
                                  linear_weights, prepare_linear, prime_linear)
-from mk.kernels.mla import MLA_LOADS, MLA_RING, latent_columns, mla_loads, mla_matrices
+from mk.kernels.mla import latent_columns, mla_loads, mla_matrices
 from mk.kernels.one_layer import (full_matrices, layer_body, mixer_kinds, mlp_fetch, mlp_kinds,
-                                  mlp_weights)
+                                  mlp_weights, router_after_mixer)
 from mk.kernels.plan import DecodePlan, model_stream, padded_vocab
 from mk.kernels.ring import Ring, ring_layout
 from mk.reference import rms_norm
@@ -102,15 +102,15 @@ from mk.reference import rms_norm
 TAPS = ("attn", "mlp")  # where the residual stream is tapped in each layer (debug path)
 ATTENTION_WEIGHTS = ("wq", "wk", "wv", "wq_gate", "wo")  # wq_gate: gated models only
 # Where each operand of the kernel lives: SMEM scalars, VMEM, or HBM (pl.ANY, DMA'd by
-# hand). The weights of an MLP kind the model has are HBM operands too (`mlp_weights`); a
+# hand). The weights of an MLP kind the model has and its token mixers' (`mlp_weights`,
+# `attention_weights`: MLA's too) are HBM operands too (`traced_step` adds them); a
 # hybrid's linear weights and states too (LINEAR_WEIGHTS, STATE_INPUTS and its outputs
 # STATE_OUTPUTS).
 INPUT_SPACES = dict(positions=pltpu.SMEM, is_moe=pltpu.SMEM, mlp_row=pltpu.SMEM,
                     is_linear=pltpu.SMEM, mixer_row=pltpu.SMEM,
                     x=pltpu.VMEM, final_norm=pl.ANY, norms=pl.ANY, qk_norms=pl.ANY,
                     lm_head=pl.ANY, k_cache=pl.ANY, v_cache=pl.ANY, latent_cache=pl.ANY,
-                    **{n: pl.ANY for n in ATTENTION_WEIGHTS + MLA_RING + MLA_LOADS
-                       + LINEAR_WEIGHTS + STATE_INPUTS})
+                    **{n: pl.ANY for n in ATTENTION_WEIGHTS + LINEAR_WEIGHTS + STATE_INPUTS})
 OUTPUT_SPACES = dict(next_tokens=pltpu.VMEM, logits=pltpu.VMEM, k_cache=pl.ANY,
                      v_cache=pl.ANY, latent_cache=pl.ANY, taps=pltpu.VMEM,
                      **{n: pl.ANY for n in STATE_OUTPUTS})
@@ -275,10 +275,8 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
             for copy, ref, name in routers:
                 start_dma(copy, name, ref.size * ref.dtype.itemsize)
 
-        # At tp = 1 the router loads during attention, issued behind the ring's look-ahead;
-        # at tp > 1 after the token mixer, behind all of its tiles (a router issued first
-        # would delay them), during its all-reduce.
-        if routers and tp == 1:
+        late = router_after_mixer(tp)
+        if routers and not late:
             pl.when(is_moe)(start_routers)
 
         def wait_routers():
@@ -295,7 +293,7 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
             positions_smem=inputs["positions"], k_cache_hbm=k_cache, v_cache_hbm=v_cache,
             attention=attention, block=block,
             batch=plan.batch, rows=plan.rows,
-            after_mixer=(lambda: pl.when(is_moe)(start_routers)) if routers and tp > 1
+            after_mixer=(lambda: pl.when(is_moe)(start_routers)) if routers and late
             else None,
             before_mlp=(lambda: pl.when(is_moe)(wait_routers)) if routers else None,
             all_reduce=None if tp == 1 else (  # slot k: the attention's 0, the MLP's 1
@@ -435,7 +433,7 @@ def traced_step(plan: DecodePlan, weights, cache, tokens, positions, taps: bool 
         [inputs.get(n) for n in STATE_INPUTS] + [outputs.get(n) for n in STATE_OUTPUTS]))
     weight_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(streamed))
     elements = sum(math.prod(w.shape) for w in streamed)  # a QuantWeight's logical shape
-    specs = memory_specs(INPUT_SPACES | {n: pl.ANY for n in mlp})
+    specs = memory_specs(INPUT_SPACES | {n: pl.ANY for n in (*attention_weights(config), *mlp)})
     out = pl.pallas_call(
         functools.partial(megakernel_kernel, plan=plan, taps=taps),
         out_shape=outputs,

@@ -367,12 +367,10 @@ def _attention_params(config: ModelConfig) -> int:
     """Matmul parameters of one full-attention layer's mixer (Qwen3.5's gate included;
     MLA's projections and wkv_b, whose W_uk part the absorbed form multiplies into the
     queries and whose W_uv part out of the latent)."""
-    if config.is_mla:
-        D, N, R, Rq, H = (config.hidden, config.heads, config.latent_rank, config.q_rank,
-                          config.head_dim)
-        up = R * N * (H - config.rope_dim + config.value_dim)
-        return D * Rq + (Rq or D) * N * H + D * config.latent_width + up \
-            + N * config.value_dim * D
+    if config.is_mla:  # one layer's of the stacked shapes (the config's one table of them)
+        shapes = config.param_shapes()
+        return sum(math.prod(shapes[n][0][1:]) for n in ("wq_a", "wq", "wkv_a", "wkv_b", "wo")
+                   if n in shapes)
     gate = config.q_width if config.attn_output_gate else 0
     return config.hidden * (2 * config.q_width + 2 * config.kv_width + gate)
 

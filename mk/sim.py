@@ -102,7 +102,8 @@ from mk.kernels.decode_attention import block_rows, write_back_rows, write_back_
 from mk.kernels.deltanet import linear_layer_shapes, linear_weights
 from mk.kernels.mla import mla_loads
 from mk.kernels.mlp import expert_slots
-from mk.kernels.one_layer import FULL_PHASES, LAYER_PHASES, full_matrices, mlp_kinds
+from mk.kernels.one_layer import (FULL_PHASES, LAYER_PHASES, full_matrices, mlp_kinds,
+                                  router_after_mixer)
 from mk.kernels.plan import DecodePlan, capacity, family_of, kv_layout, little_slots
 from mk.kernels.ring import TileStream
 
@@ -512,7 +513,7 @@ class _Kernel:
             if layer + 1 < c.layers:  # the ring's next tiles, not these, close a layer
                 vectors = self.vectors(layer + 1)  # edge's gap
             self.router = None
-            if layer in c.moe_layers and self.tp == 1:  # at tp > 1: `after_mixer`
+            if layer in c.moe_layers and not router_after_mixer(self.tp):
                 self.start_router()
             for phase in LAYER_PHASES:  # the kernel's own order (`layer_body`)
                 if layer in c.linear_layers and phase in FULL_PHASES:
@@ -560,7 +561,7 @@ class _Kernel:
         elif name == "mlp_norm":
             self.vector(5 * M * D, "norm")
         elif name == "after_mixer":
-            if is_moe and self.tp > 1:
+            if is_moe and router_after_mixer(self.tp):
                 self.start_router()
         elif name == "before_mlp":
             if self.router is not None:
@@ -588,8 +589,8 @@ class _Kernel:
             raise ValueError(f"no cost model for layer phase {name!r}")
 
     def start_router(self):
-        """The MoE layer's router and the sigmoid router's bias: issued at the layer's start
-        at tp = 1, after the token mixer at tp > 1 (`mk.megakernel`)."""
+        """The MoE layer's router and the sigmoid router's bias, issued where
+        `router_after_mixer` says."""
         c = self.c
         self.router = max(self.mc.dma(n * c.experts * c.weight_bits / 8, self.layer, what)
                           for n, what in ((c.hidden, "router"), (1, "router_bias"))

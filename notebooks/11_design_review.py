@@ -594,7 +594,7 @@ print(f"published faster than the modelled step: {faster or 'none'}")
 # to 128 lanes (the note of each Kimi row says so), which doubles the expert bytes, and
 # the shard does not fit one core's HBM (its compiled kernel was measured on its first
 # layers: `compiled_note`). The compiled kernel's per-tile issue time stays under the
-# tile's DMA time on every shard (the `ns` columns above), so the distance to the
+# tile's DMA time on every shard (the ns figures printed above), so the distance to the
 # published runs is in the compute lane's model (the MXU rate of FP4 weights, the
 # collectives' latency) and in the expert layout, not in the ring's bookkeeping. The GPU
 # rows are modelled as one kernel per op with an H100 launch gap; their published numbers

@@ -28,7 +28,7 @@ dtype, float32 sums); the absorption and the value up-projection are float32 pro
 VMEM (`mk.reference.mla_absorbed`'s numerics); attention's own numerics are `attend`'s.
 
 Here: `mla_matrices`, `mla_loads` (the DMA'd weights' shapes), `latent_columns`,
-`mla_buffers` (VMEM, group "layer"), `MLA_RING`, `MLA_LOADS`, `start_mla_loads`,
+`mla_buffers` (VMEM, group "layer"), `start_mla_loads`,
 `mla_prologue`, `mla_epilogue`. Not here: `attend` (`mk.kernels.decode_attention`), the
 layer around them (`mk.kernels.one_layer.layer_body`), the stage kernels (MLA runs in the
 megakernel only; `latent_attention` is attention's stage wrapper).
@@ -46,8 +46,6 @@ from mk.reference import rms_norm
 
 F32 = jnp.float32
 NT = (((1,), (1,)), ((), ()))  # dot_general dims of a @ b.T
-MLA_RING = ("wq_a", "wq", "wkv_a", "wo")  # wq_a (and not wq) with a q low rank
-MLA_LOADS = ("q_a_norm", "wq", "kv_a_norm", "wkv_b")  # DMA'd whole per layer, in use order
 
 
 def latent_columns(config: ModelConfig) -> int:

@@ -14,7 +14,8 @@ and each layer skips the kind it does not use (`layer_body(..., linear=)`). A Ki
 model's full layers are MLA (`mk.kernels.mla`: its absorbed prologue and epilogue around
 the same `attend`, over the latent cache; `layer_body(..., mla=)`).
 
-Here: `mixer_kinds` and `mlp_kinds` (what a whole-model kernel holds), `full_matrices` (a
+Here: `mixer_kinds` and `mlp_kinds` (what a whole-model kernel holds), `router_after_mixer`
+(where an MoE layer issues its router's DMA), `full_matrices` (a
 full layer's attention segments), `mlp_weights` (an
 MLP kind's weights: Kimi's MoE adds a router bias and a shared expert), `layer_matrices`
 (the stream of one layer), `model_block` (the tiling its matrices share), `layer_buffers` /
@@ -271,6 +272,15 @@ LAYER_PHASES = ("linear", "prologue", "attend", "kv_prime", "wo", "after_mixer",
                 "residual")
 FULL_PHASES = ("prologue", "attend", "kv_prime", "wo")  # a full layer's mixer; a linear
 #                                                         layer's is "linear"
+
+
+def router_after_mixer(tp: int) -> bool:
+    """Where an MoE layer's router DMA is issued (the kernel's rule, the simulator's too):
+    at tp > 1 in "after_mixer", behind all of the token mixer's tiles (a router issued
+    first would delay them), loading during the mixer's all-reduce; at tp = 1, with no
+    all-reduce to hide it, at the layer's start, behind the ring's look-ahead, loading
+    during attention."""
+    return tp > 1
 
 
 def phases():
