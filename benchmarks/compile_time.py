@@ -48,6 +48,7 @@ from jax import lax  # noqa: E402
 import mk  # noqa: E402
 from mk import reference  # noqa: E402
 from mk.config import ModelConfig  # noqa: E402
+from mk.weights import param_shapes
 
 # (config, batch, rows, context) -> (fn, args); args are pytrees of ShapeDtypeStructs.
 Builder = Callable[[ModelConfig, int, int, int], tuple[Callable, list]]
@@ -87,7 +88,7 @@ def model_at(config: ModelConfig, layers: int) -> ModelConfig:
 def step_shapes(config: ModelConfig, batch: int, rows: int, context: int) -> list:
     """[params, cache, tokens, positions] of one decode step, as ShapeDtypeStructs."""
     params = {name: jax.ShapeDtypeStruct(shape, dtype)
-              for name, (shape, dtype) in config.param_shapes().items()}
+              for name, (shape, dtype) in param_shapes(config).items()}
     kv = jax.ShapeDtypeStruct((config.layers, batch, config.kv_heads, context,
                                config.head_dim), config.dtype)  # [L, B, K, S, H]
     return [params, reference.KVCache(kv, kv), jax.ShapeDtypeStruct((batch, rows), jnp.int32),

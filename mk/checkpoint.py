@@ -23,6 +23,7 @@ from safetensors import SafetensorError, safe_open
 
 from mk import quant
 from mk.config import COMPUTE_DTYPES, ModelConfig
+from mk.weights import hf_names, hf_scheme, layer_rows, param_shapes, weights_of
 
 
 def init_params(config: ModelConfig, seed: int = 0) -> dict[str, jax.Array]:
@@ -39,7 +40,7 @@ def init_params(config: ModelConfig, seed: int = 0) -> dict[str, jax.Array]:
         raise NotImplementedError(f"{config.name}: expert_dtype={config.expert_dtype!r} is "
                                   "counted in byte budgets but has no random init")
     params = {}
-    for name, (shape, dtype) in config.param_shapes().items():
+    for name, (shape, dtype) in param_shapes(config).items():
         rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
         x = rng.standard_normal(shape, np.float32)
         if name.endswith("norm"):
@@ -59,125 +60,53 @@ STORED_DTYPES = ("F32", "BF16", "F16")
 
 # Tensors of a Qwen3.5 checkpoint that mk does not run (multi-token prediction, vision).
 QWEN3_5_SKIPPED = ("mtp.", "model.visual.")
-# mk parameter -> HF tensor name inside a gated-DeltaNet layer (`linear_attn.`).
-_LINEAR = {"lin_qkv": "in_proj_qkv.weight", "lin_z": "in_proj_z.weight",
-           "lin_b": "in_proj_b.weight", "lin_a": "in_proj_a.weight",
-           "lin_conv": "conv1d.weight", "lin_a_log": "A_log", "lin_dt_bias": "dt_bias",
-           "lin_norm": "norm.weight", "lin_out": "out_proj.weight"}
-
-
-# Kimi Linear, as transformers' save_pretrained writes it (Moonshot's names): mk parameter
-# -> HF tensor name inside a KDA layer (`self_attn.`). "param:part" fills a part of param's
-# last axis (`_PARTS`); "lin_a_log:kda" is A_log stored as [1, 1, Nv, 1].
-_KDA = {"lin_qkv:q": "q_proj.weight", "lin_qkv:k": "k_proj.weight",
-        "lin_qkv:v": "v_proj.weight", "lin_conv:q": "q_conv1d.weight",
-        "lin_conv:k": "k_conv1d.weight", "lin_conv:v": "v_conv1d.weight",
-        "kda_f_a": "f_a_proj.weight", "kda_f_b": "f_b_proj.weight", "lin_dt_bias": "dt_bias",
-        "lin_a_log:kda": "A_log", "lin_b": "b_proj.weight", "kda_g_a": "g_a_proj.weight",
-        "kda_g_b": "g_b_proj.weight", "lin_norm": "o_norm.weight", "lin_out": "o_proj.weight"}
-_MLA = {"wq_a": "q_a_proj.weight", "q_a_norm": "q_a_layernorm.weight",
-        "wkv_a": "kv_a_proj_with_mqa.weight", "kv_a_norm": "kv_a_layernorm.weight",
-        "wkv_b": "kv_b_proj.weight", "wo": "o_proj.weight"}
-# Kimi's MLP tensors (`block_sparse_moe.`, dense layers included); experts: w1 gate, w3 up,
-# w2 down.
-_KIMI_MOE = {"router": "gate.weight", "router_bias": "gate.e_score_correction_bias",
-             "ws_gate": "shared_experts.gate_proj.weight",
-             "ws_up": "shared_experts.up_proj.weight",
-             "ws_down": "shared_experts.down_proj.weight"}
-_VECTORS = ("lin_a_log", "lin_dt_bias", "lin_norm", "lin_a_log:kda", "q_a_norm", "kv_a_norm",
-            "router_bias")
 
 
 def _parts(config: ModelConfig) -> dict[str, tuple[str, slice]]:
-    """Pseudo-parameter "param:part" -> (param, the slice of its last axis it fills)."""
+    """Pseudo-parameter "param:part" -> (param, the slice of its last axis it fills): the
+    weights whose Hugging Face tensors are parts (`mk.weights`: KDA's q, k and v
+    projections and convs; "kda" is A_log stored as [1, 1, Nv, 1], the whole vector)."""
     kw = config.linear_key_width
-    cols = {"q": slice(0, kw), "k": slice(kw, 2 * kw), "v": slice(2 * kw, None)}
-    return {f"{param}:{part}": (param, cut) for param in ("lin_qkv", "lin_conv")
-            for part, cut in cols.items()} | {"lin_a_log:kda": ("lin_a_log", slice(None))}
-
-
-def kimi_layout(config: ModelConfig) -> dict[str, tuple[str, tuple[int, ...], bool]]:
-    """`hf_layout` of a Kimi Linear model (names as transformers' save_pretrained writes
-    them): MLA full layers, KDA linear layers, block_sparse_moe MLPs with a shared expert."""
-    layout = {"model.embed_tokens.weight": ("embed", (), False),
-              "model.norm.weight": ("final_norm", (), False),
-              "lm_head.weight": ("lm_head", (), True)}
-    for i in range(config.layers):
-        prefix = f"model.layers.{i}."
-        layout[prefix + "input_layernorm.weight"] = ("attn_norm", (i,), False)
-        layout[prefix + "post_attention_layernorm.weight"] = ("mlp_norm", (i,), False)
-        kind, a = config.mixer_index(i)
-        names = _KDA if kind == "linear" else {
-            "wq": "q_b_proj.weight" if config.q_rank else "q_proj.weight",
-            **{k: v for k, v in _MLA.items() if config.q_rank or k not in ("wq_a", "q_a_norm")}}
-        for param, name in names.items():
-            layout[f"{prefix}self_attn.{name}"] = (param, (a,), param not in _VECTORS)
-        kind, j = config.mlp_index(i)
-        mlp = prefix + "block_sparse_moe."
-        if kind == "dense":
-            for proj in ("gate", "up", "down"):
-                layout[f"{mlp}{proj}_proj.weight"] = (f"w_{proj}", (j,), True)
-            continue
-        for param, name in _KIMI_MOE.items():
-            if param in config.param_shapes():
-                layout[mlp + name] = (param, (j,), param not in _VECTORS)
-        for e in range(config.experts):
-            for proj, w in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
-                layout[f"{mlp}experts.{e}.{w}.weight"] = (f"we_{proj}", (j, e), True)
-    return layout
+    cols = {"q": slice(0, kw), "k": slice(kw, 2 * kw), "v": slice(2 * kw, None),
+            "kda": slice(None)}
+    return {f"{w.name}:{part}": (w.name, cols[part]) for w in weights_of(config)
+            if isinstance(hf_names(w, config), dict) for part in hf_names(w, config)}
 
 
 def hf_layout(config: ModelConfig, model: str = "model."
               ) -> dict[str, tuple[str, tuple[int, ...], bool]]:
-    """HF tensor name -> (mk parameter, index into its stacked axes, transposed?).
+    """HF tensor name -> (mk parameter, index into its stacked axes, transposed?), from the
+    Hugging Face names of `mk.weights` (in the config's naming scheme).
 
     HF stores a projection as [out, in]; mk stores [in, out], so every matrix except the
     embedding table is transposed (and a conv weight [C, 1, W] becomes [W, C]). A tied
     model has no `lm_head.weight` entry. `model` prefixes the decoder's names
-    ("model.language_model." in a full qwen3_5 checkpoint). A gated model's q_proj maps to
-    the pseudo-parameter "wq+gate": it fills both wq and wq_gate. Kimi Linear has its own
-    names (`kimi_layout`).
+    ("model.language_model." in a full qwen3_5 checkpoint). Two weights stored in one HF
+    tensor fill the pseudo-parameter "a+b" (Qwen3.5's q_proj: "wq+wq_gate"); a weight
+    stored in parts fills "param:part" (`_parts`).
     """
-    if config.is_mla:
-        return kimi_layout(config)
-    layout = {f"{model}embed_tokens.weight": ("embed", (), False),
-              f"{model}norm.weight": ("final_norm", (), False)}
-    if not config.tie_embeddings:
-        layout["lm_head.weight"] = ("lm_head", (), True)
-    for i in range(config.layers):
-        prefix = f"{model}layers.{i}."
-        layout[prefix + "input_layernorm.weight"] = ("attn_norm", (i,), False)
-        layout[prefix + "post_attention_layernorm.weight"] = ("mlp_norm", (i,), False)
-        kind, a = config.mixer_index(i)
-        if kind == "linear":
-            for param, name in _LINEAR.items():
-                vector = param in ("lin_a_log", "lin_dt_bias", "lin_norm")
-                layout[f"{prefix}linear_attn.{name}"] = (param, (a,), not vector)
-        else:
-            _attention_layout(config, layout, prefix, a)
-        kind, j = config.mlp_index(i)
-        if kind == "dense":
-            for proj in ("gate", "up", "down"):
-                layout[f"{prefix}mlp.{proj}_proj.weight"] = (f"w_{proj}", (j,), True)
+    layout: dict[str, tuple[str, tuple[int, ...], bool]] = {}
+    for w in weights_of(config):
+        names = hf_names(w, config)
+        if names is None:
             continue
-        layout[prefix + "mlp.gate.weight"] = ("router", (j,), True)
-        for e in range(config.experts):
-            for proj in ("gate", "up", "down"):
-                layout[f"{prefix}mlp.experts.{e}.{proj}_proj.weight"] = (f"we_{proj}",
-                                                                         (j, e), True)
+        experts = "{e}" in str(names)
+        matrix = w.name != "embed" and len(w.shape(config)) - experts >= 2
+        parts = names if isinstance(names, dict) else {"": names}
+        rows = layer_rows(config, w.kind) or ((None, ()),)
+        for part, rel in parts.items():
+            param = f"{w.name}:{part}" if part else w.name
+            for layer, row in rows:
+                prefix = "" if layer is None else f"{model}layers.{layer}."
+                for e in range(config.experts) if experts else (None,):
+                    name = prefix + rel.format(model=model, e=e)
+                    index = (() if layer is None else (row,)) + (() if e is None else (e,))
+                    if name in layout:  # one HF tensor holding two weights
+                        param_before, index_before, _ = layout[name]
+                        layout[name] = (f"{param_before}+{param}", index_before, True)
+                    else:
+                        layout[name] = (param, index, matrix)
     return layout
-
-
-def _attention_layout(config, layout, prefix, a):
-    """The full-attention tensors of one layer (stacked row a); with an output gate, HF's
-    q_proj [N*2H, D] interleaves per head H query rows then H gate rows."""
-    for proj in "kvo":
-        layout[f"{prefix}self_attn.{proj}_proj.weight"] = (f"w{proj}", (a,), True)
-    layout[f"{prefix}self_attn.q_proj.weight"] = (
-        "wq+gate" if config.attn_output_gate else "wq", (a,), True)
-    if config.qk_norm:
-        for proj in "qk":
-            layout[f"{prefix}self_attn.{proj}_norm.weight"] = (f"{proj}_norm", (a,), False)
 
 
 def _hf_shape(param: str, mk_shape: tuple[int, ...], transposed: bool) -> tuple[int, ...]:
@@ -186,7 +115,7 @@ def _hf_shape(param: str, mk_shape: tuple[int, ...], transposed: bool) -> tuple[
         return (mk_shape[1], 1, mk_shape[0])
     if param == "lin_a_log:kda":
         return (1, 1, mk_shape[0], 1)
-    if param == "wq+gate":
+    if param == "wq+wq_gate":
         return (2 * mk_shape[1], mk_shape[0])
     return tuple(reversed(mk_shape)) if transposed else tuple(mk_shape)
 
@@ -217,8 +146,8 @@ def load_checkpoint(path: str | Path, *, dtype: str | None = None
     layout = hf_layout(config, "model.language_model." if full_qwen3_5 else "model.")
     layout = quantised_layout(config, quant_format(folder, hf, config), layout,
                               _header_dtypes(folder))
-    shapes = config.param_shapes()
-    shapes["wq+gate"] = shapes["wq"]  # the q_proj of a gated model fills wq and wq_gate
+    shapes = param_shapes(config)
+    shapes["wq+wq_gate"] = shapes["wq"]  # the q_proj of a gated model fills wq and wq_gate
     if config.is_moe:  # gpt-oss's fused gate_up fills we_gate and we_up
         shapes["we_gate+up"] = shapes["we_gate"]
     for pseudo, (param, cut) in _parts(config).items():
@@ -456,7 +385,7 @@ class _Renamed:
 def hf_aliases(config: ModelConfig) -> dict[str, str]:
     """Other spellings of layout names: Kimi Linear's dense MLP is `mlp.` in Moonshot's
     checkpoints and `block_sparse_moe.` in transformers' save_pretrained."""
-    if not config.is_mla:
+    if hf_scheme(config) != "kimi":
         return {}
     return {f"model.layers.{i}.mlp.{proj}_proj.weight":
             f"model.layers.{i}.block_sparse_moe.{proj}_proj.weight"
@@ -566,7 +495,7 @@ def _assemble(handles, where, layout, shapes, config) -> dict[str, jax.Array]:
     quantised |= {"we_gate", "we_up"} if "we_gate+up" in quantised else set()
     stacks = {param: np.empty(shape, jnp.dtype(dtype)) for param, (shape, dtype)
               in shapes.items()
-              if param not in ("wq+gate", "we_gate+up", *quantised) and param not in parts}
+              if param not in ("wq+wq_gate", "we_gate+up", *quantised) and param not in parts}
     for name, (param, index, transposed) in layout.items():
         if param in quantised or param == "we_gate+up":
             continue
@@ -577,7 +506,7 @@ def _assemble(handles, where, layout, shapes, config) -> dict[str, jax.Array]:
             param, cut = parts[param]
             stacks[param][index][..., cut] = tensor.T if transposed else tensor.reshape(-1)
             continue
-        elif param == "wq+gate":  # [N*2H, D]: per head, H query rows then H gate rows
+        elif param == "wq+wq_gate":  # [N*2H, D]: per head, H query rows then H gate rows
             heads = tensor.reshape(-1, 2, head_dim, tensor.shape[1])
             stacks["wq"][index] = heads[:, 0].reshape(-1, tensor.shape[1]).T
             stacks["wq_gate"][index] = heads[:, 1].reshape(-1, tensor.shape[1]).T

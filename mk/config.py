@@ -23,31 +23,10 @@ Dimension legend, used in every shape comment of the project:
     Rq query rank (q_lora_rank, 0: none), Hr shared rope-part dims, Hn = H - Hr, Ho MLA
     value head dim, Fs shared-expert width
 
-Parameter layout (weights are [in, out], so a projection is `x @ W`; per-layer tensors
-are stacked on a leading layer axis so a kernel can loop over layers):
-
-    embed        [V, D]            final_norm  [D]
-    lm_head      [D, V]            (absent when tie_embeddings: logits use embed.T)
-    attn_norm    [L, D]            mlp_norm    [L, D]
-    wq           [La, D, N*H]      wk, wv      [La, D, K*H]      wo  [La, N*H, D]
-    q_norm       [La, H]           k_norm      [La, H]           (only with qk_norm)
-    wq_gate      [La, D, N*H]      (only with attn_output_gate)
-    La = L unless layer_types marks some layers "linear"; then (gated-DeltaNet layers):
-    lin_qkv      [Ll, D, C]        lin_z       [Ll, D, Nv*Hv]    lin_out [Ll, Nv*Hv, D]
-    lin_b, lin_a [Ll, D, Nv]       lin_conv    [Ll, W, C]        lin_norm [Ll, Hv]
-    lin_a_log    [Ll, Nv]          lin_dt_bias [Ll, Nv]
-    w_gate, w_up [Ld, D, F]        w_down      [Ld, F, D]        Ld = len(dense_layers)
-    router       [Lm, D, E]        Lm = len(moe_layers)
-    we_gate, we_up [Lm, E, D, Fe]  we_down     [Lm, E, Fe, D]
-    Kimi Linear replaces the full layers' wq..wo and q/k norms by MLA's (latent_rank > 0):
-    wq           [La, D, N*H]      (or wq_a [La, D, Rq], q_a_norm [La, Rq], wq [La, Rq, N*H])
-    wkv_a        [La, D, R+Hr]     kv_a_norm   [La, R]           wkv_b [La, R, N*(Hn+Ho)]
-    wo           [La, N*Ho, D]
-    and the gated DeltaNet's lin_z, lin_a by KDA's (channel_decay, Nk = Nv):
-    kda_f_a      [Ll, D, Hk]       kda_f_b     [Ll, Hk, Nv*Hk]   lin_dt_bias [Ll, Nv*Hk]
-    kda_g_a      [Ll, D, Hv]       kda_g_b     [Ll, Hv, Nv*Hv]
-    router_bias  [Lm, E]           (router_score "sigmoid": biases the choice only)
-    ws_gate, ws_up [Lm, D, Fs]     ws_down     [Lm, Fs, D]       (shared expert, Fs > 0)
+Parameter layout: weights are [in, out], so a projection is `x @ W`; per-layer tensors are
+stacked on a leading axis over their kind's layers (La full, Ll linear, Ld dense, Lm MoE
+layers), so a kernel can loop over layers. Every weight's name, shape and owner is one row
+of `mk.weights` (`mk.weights.param_shapes(config)`).
 """
 
 from __future__ import annotations
@@ -535,77 +514,6 @@ class ModelConfig:
         conv = (self.conv_kernel - 1) * self.conv_channels * self.weight_bits // 8
         recurrent = self.linear_value_heads * self.linear_key_dim * self.linear_value_dim * 4
         return len(self.linear_layers) * (conv + recurrent)
-
-    def param_shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
-        """Name -> (shape, dtype) of every parameter, in the layout of the module docstring."""
-        D, H, L, V = self.hidden, self.head_dim, self.layers, self.vocab
-        La = len(self.full_layers)
-        wd, ed = self.dtype, self.expert_dtype or self.dtype
-        shapes = {
-            "embed": ((V, D), wd), "final_norm": ((D,), wd),
-            "attn_norm": ((L, D), wd), "mlp_norm": ((L, D), wd),
-            "wq": ((La, D, self.q_width), wd), "wk": ((La, D, self.kv_width), wd),
-            "wv": ((La, D, self.kv_width), wd), "wo": ((La, self.q_width, D), wd),
-        }
-        if self.is_mla:
-            del shapes["wk"], shapes["wv"]
-            shapes.update(self._kimi_shapes())
-        if not self.tie_embeddings:
-            shapes["lm_head"] = ((D, V), wd)
-        if self.qk_norm:
-            shapes.update(q_norm=((La, H), wd), k_norm=((La, H), wd))
-        if self.attn_output_gate:
-            shapes["wq_gate"] = ((La, D, self.q_width), wd)
-        if self.linear_layers and self.channel_decay:
-            shapes.update(self._kda_shapes())
-        elif self.linear_layers:
-            Ll, C, Nv, Vw = (len(self.linear_layers), self.conv_channels,
-                             self.linear_value_heads, self.linear_value_width)
-            shapes.update(
-                lin_qkv=((Ll, D, C), wd), lin_z=((Ll, D, Vw), wd), lin_b=((Ll, D, Nv), wd),
-                lin_a=((Ll, D, Nv), wd), lin_conv=((Ll, self.conv_kernel, C), wd),
-                lin_a_log=((Ll, Nv), wd), lin_dt_bias=((Ll, Nv), wd),
-                lin_norm=((Ll, self.linear_value_dim), wd), lin_out=((Ll, Vw, D), wd))
-        if self.dense_layers:
-            Ld, F = len(self.dense_layers), self.ffn
-            shapes.update(w_gate=((Ld, D, F), wd), w_up=((Ld, D, F), wd),
-                          w_down=((Ld, F, D), wd))
-        if self.moe_layers:
-            Lm, E, Fe = len(self.moe_layers), self.experts, self.expert_ffn
-            shapes.update(router=((Lm, D, E), wd), we_gate=((Lm, E, D, Fe), ed),
-                          we_up=((Lm, E, D, Fe), ed), we_down=((Lm, E, Fe, D), ed))
-            if self.router_score == "sigmoid":
-                shapes["router_bias"] = ((Lm, E), wd)
-            if self.shared_expert_ffn:
-                Fs = self.shared_expert_ffn
-                shapes.update(ws_gate=((Lm, D, Fs), wd), ws_up=((Lm, D, Fs), wd),
-                              ws_down=((Lm, Fs, D), wd))
-        return shapes
-
-    def _kimi_shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
-        """MLA's tensors (they replace wq's input side, wk, wv and wo's width)."""
-        D, N, H, R, Rq, wd = (self.hidden, self.heads, self.head_dim, self.latent_rank,
-                              self.q_rank, self.dtype)
-        La = len(self.full_layers)
-        shapes = {"wq": ((La, Rq or D, N * H), wd), "wkv_a": ((La, D, self.latent_width), wd),
-                  "kv_a_norm": ((La, R), wd),
-                  "wkv_b": ((La, R, N * (H - self.rope_dim + self.value_dim)), wd),
-                  "wo": ((La, N * self.value_dim, D), wd)}
-        if Rq:
-            shapes.update(wq_a=((La, D, Rq), wd), q_a_norm=((La, Rq), wd))
-        return shapes
-
-    def _kda_shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
-        """KDA's tensors (Kimi Linear's linear layers)."""
-        D, C, Nv, Hk, Hv, wd = (self.hidden, self.conv_channels, self.linear_value_heads,
-                                self.linear_key_dim, self.linear_value_dim, self.dtype)
-        Ll = len(self.linear_layers)
-        return dict(
-            lin_qkv=((Ll, D, C), wd), lin_conv=((Ll, self.conv_kernel, C), wd),
-            kda_f_a=((Ll, D, Hk), wd), kda_f_b=((Ll, Hk, Nv * Hk), wd),
-            lin_dt_bias=((Ll, Nv * Hk), wd), lin_a_log=((Ll, Nv), wd), lin_b=((Ll, D, Nv), wd),
-            kda_g_a=((Ll, D, Hv), wd), kda_g_b=((Ll, Hv, Nv * Hv), wd),
-            lin_norm=((Ll, Hv), wd), lin_out=((Ll, self.linear_value_width, D), wd))
 
     # -- Hugging Face ---------------------------------------------------------------------
     @classmethod

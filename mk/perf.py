@@ -70,6 +70,7 @@ from mk.config import DTYPE_BITS, ModelConfig, positive_int
 from mk.kernels.collectives import ICI_LATENCY_S, PARTIAL_SUM_BYTES, allreduce_s, ici_bandwidth
 from mk.kernels.one_layer import model_block
 from mk.kernels.plan import kv_layout, padded_vocab, shard_config, shard_weight_bytes
+from mk.weights import param_shapes
 
 PUBLISHED_CSV = DATA / "published.csv"
 ROUTINGS = ("uniform", "shared", "disjoint")
@@ -368,7 +369,7 @@ def _attention_params(config: ModelConfig) -> int:
     MLA's projections and wkv_b, whose W_uk part the absorbed form multiplies into the
     queries and whose W_uv part out of the latent)."""
     if config.is_mla:  # one layer's of the stacked shapes (the config's one table of them)
-        shapes = config.param_shapes()
+        shapes = param_shapes(config)
         return sum(math.prod(shapes[n][0][1:]) for n in ("wq_a", "wq", "wkv_a", "wkv_b", "wo")
                    if n in shapes)
     gate = config.q_width if config.attn_output_gate else 0

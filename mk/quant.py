@@ -95,6 +95,7 @@ import numpy as np
 
 from mk import reference
 from mk.config import DTYPE_BITS, ModelConfig
+from mk.weights import param_shapes
 
 SCHEMES = ("int8", "fp8", "int4", "fp4")
 FAMILIES = {"dense": ("wq", "wk", "wv", "wo", "wq_gate", "w_gate", "w_up", "w_down",
@@ -300,7 +301,7 @@ def quantize(config: ModelConfig, params: dict, *, dense: str | None = None,
     """bf16 (or float32) params -> the same dict with each weight of a chosen family
     replaced by a `QuantWeight` in that family's scheme (None: left as it is)."""
     chosen = check_families(config, dict(dense=dense, experts=experts, lm_head=lm_head))
-    shapes = config.param_shapes()
+    shapes = param_shapes(config)
     for family, scheme in chosen.items():  # every problem before any work
         for name in FAMILIES[family]:
             if name in shapes:
@@ -521,7 +522,7 @@ def family_bytes(config: ModelConfig, *, dense: str | None = None,
     chosen = check_families(config, dict(dense=dense, experts=experts, lm_head=lm_head))
     family_of = {name: family for family, names in FAMILIES.items() for name in names}
     totals = {family: {"data": 0, "scales": 0} for family in (*FAMILIES, "other")}
-    for name, (shape, dtype) in config.param_shapes().items():
+    for name, (shape, dtype) in param_shapes(config).items():
         family = family_of.get(name, "other")
         counted = storage_bytes(shape, chosen.get(family), dtype)
         for part in ("data", "scales"):

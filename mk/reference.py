@@ -47,6 +47,7 @@ from jax import lax
 
 from mk import linear_attention as la
 from mk.config import ModelConfig, positive_int
+from mk.weights import param_shapes
 
 F32 = jnp.float32
 HIGHEST = lax.Precision.HIGHEST
@@ -546,8 +547,8 @@ def checked_int32(field: str, x, low: int, high: int, limit: str = "") -> jax.Ar
 
 def check_params(config: ModelConfig, params) -> None:
     """Raise ValueError naming the first parameter whose name, shape or dtype is not what
-    `config.param_shapes()` says (a missing or extra tensor, another model's params)."""
-    want = config.param_shapes()
+    `param_shapes(config)` says (a missing or extra tensor, another model's params)."""
+    want = param_shapes(config)
     if not hasattr(params, "keys"):
         raise ValueError(f"params is a {type(params).__name__}; expected a dict of "
                          f"{config.name}'s tensors {sorted(want)}")

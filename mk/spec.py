@@ -48,6 +48,7 @@ import numpy as np
 from mk import backend as backends
 from mk import megakernel, perf, reference, sim
 from mk.config import MAX_ROWS, ModelConfig
+from mk.weights import param_shapes
 
 MAX_GAMMA = 7  # T = gamma + 1 <= 8 verification rows, as in the published runs
 DRAFTERS = ("model", "self", "ngram", "forced")
@@ -380,7 +381,7 @@ def first_layers(config: ModelConfig, params, n: int):
     """(config, params) of the target's first n layers with its embedding, final norm and
     lm_head: the self-drafter's model."""
     cut = config.first_layers(n)
-    shapes = cut.param_shapes()
+    shapes = param_shapes(cut)
     # Every stack (per layer, per full or linear layer, per dense or MoE layer) is in layer
     # order: the cut keeps its first rows, as many as the cut's stack has.
     out = {name: value if name in ("embed", "lm_head", "final_norm")

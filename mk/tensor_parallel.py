@@ -2,16 +2,10 @@
 
 Every device runs the SAME megakernel (`mk.megakernel`, a `DecodePlan` with tp > 1) on its
 shard of the weights; the sharding model (which device holds which heads, columns and
-rows, and the padding to whole tiles) is `mk.kernels.plan`'s, and this module lays the
-arrays out to it: wq, wq_gate, wk, wv split by columns (kv heads replicated when tp > K),
-wo by rows; MLA's wq and wkv_b by heads, wo by rows, its low-rank wq_a, wkv_a and norms
-whole, and its latent cache whole on every device; a gated-DeltaNet layer by its key and value heads (`_linear_channels`: the q,
-k and v channels of in_proj_qkv, the conv and its state each split), out_proj by rows;
-Kimi Delta Attention likewise, with its low-rank gates' up-projections (f_b, g_b) by heads
-and their down-projections (f_a, g_a) whole; w_gate, w_up (each expert's, the shared
-expert's) by columns, w_down by rows, zero-padded to whole 128-lane tiles (silu(0) * 0 =
-0: exact); the lm_head by vocab columns; the embedding table, norms, the router and its
-bias whole on every device.
+rows, and the padding to whole tiles) is `mk.kernels.plan`'s, each weight's split rule is
+its row of `mk.weights` (`mk.weights.SPLITS`), and this module lays the arrays out to them
+(`_SPLIT`); MLA's latent cache is whole on every device, a linear layer's conv and
+recurrent states are split by its heads as its weights are.
 
 Inside the kernel, `wo`, `lin_out` and `w_down` (and each expert's down) produce partial
 sums; one in-kernel all-reduce after the token mixer and one after the MLP make them whole
@@ -43,6 +37,7 @@ from mk.kernels.collectives import (AXIS, all_reduce_bytes, check_devices,
 from mk.kernels.common import BlockSizes
 from mk.kernels.plan import (DecodePlan, check_tp, kv_heads_of, padded_width,
                              shard_config)
+from mk.weights import weights_of
 
 
 def _columns(w, tp: int, pad: bool = False):
@@ -75,32 +70,28 @@ def _linear_channels(config: ModelConfig, w, tp: int):
     return jnp.concatenate(parts, axis=-1)
 
 
+# How each split rule of `mk.weights.SPLITS` lays one weight out over tp devices.
+_SPLIT = {
+    "columns": lambda config, w, tp: _columns(w, tp),
+    "vocab": lambda config, w, tp: _columns(w, tp),
+    "rows": lambda config, w, tp: _rows(w, tp),
+    "kv_heads": _kv_columns,
+    "channels": _linear_channels,
+    "ffn_columns": lambda config, w, tp: _columns(w, tp, pad=tp > 1),
+    "ffn_rows": lambda config, w, tp: _rows(w, tp, pad=tp > 1),
+}
+
+
 def shard_params(config: ModelConfig, params, tp: int) -> dict:
     """Full params -> per-device params stacked on a leading [tp] axis, in the layout of
-    `shard_config(config, tp)` (plus the whole `embed` [V, D], replicated)."""
+    `shard_config(config, tp)` (plus the whole `embed` [V, D], replicated): each weight
+    split by its `mk.weights` split rule; a tied model's lm_head is embed.T's vocab
+    columns."""
     check_tp(config, tp)
-    head = params["embed"].T if config.tie_embeddings else params["lm_head"]
-    split = dict(wq=_columns(params["wq"], tp), wo=_rows(params["wo"], tp),
-                 lm_head=_columns(head, tp))
-    if not config.is_mla:
-        split |= dict(wk=_kv_columns(config, params["wk"], tp),
-                      wv=_kv_columns(config, params["wv"], tp))
-    for name in ("wq_gate", "wkv_b", "lin_z", "lin_b", "lin_a", "lin_a_log", "lin_dt_bias",
-                 "kda_f_b", "kda_g_b"):
-        if name in params:  # by query heads (MLA's wkv_b: each head's W_uk and W_uv),
-            #                 value heads, value heads' lanes (KDA's low-rank gates: their
-            #                 up-projections; the down ones whole)
-            split[name] = _columns(params[name], tp)
-    if config.linear_layers:
-        split |= dict(lin_qkv=_linear_channels(config, params["lin_qkv"], tp),
-                      lin_conv=_linear_channels(config, params["lin_conv"], tp),
-                      lin_out=_rows(params["lin_out"], tp))
-    for name in ("w_gate", "w_up", "we_gate", "we_up", "ws_gate", "ws_up"):
-        if name in params:
-            split[name] = _columns(params[name], tp, pad=tp > 1)
-    for name in ("w_down", "we_down", "ws_down"):
-        if name in params:
-            split[name] = _rows(params[name], tp, pad=tp > 1)
+    split = {w.name: _SPLIT[w.split](config, params[w.name], tp)
+             for w in weights_of(config) if w.split != "whole"}
+    if config.tie_embeddings:
+        split["lm_head"] = _SPLIT["vocab"](config, params["embed"].T, tp)
     whole = {k: v for k, v in params.items() if k not in split}
     return split | {k: jnp.broadcast_to(v, (tp, *v.shape)) for k, v in whole.items()}
 

@@ -31,6 +31,7 @@ from mk.chips import ChipSpec, chip as chip_spec
 from mk.config import ModelConfig
 from mk.kernels.collectives import AXIS
 from mk.kernels.common import BlockSizes, VmemBudget
+from mk.weights import abstract_params
 
 
 # What libtpu and Mosaic raise for a kernel they refuse (capacity, lowering, verification).
@@ -171,7 +172,7 @@ def compile_megakernel(config: ModelConfig, chip: str | ChipSpec, *, tp: int = 1
     if not fit.ok:
         return CompileReport(name, spec.name, False, fit.error, 0.0, vmem=fit.vmem,
                              tp=plan.tp, hbm_bytes=fit.hbm_bytes)
-    params = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in config.param_shapes().items()}
+    params = abstract_params(config)
     params |= {name: quant.abstract_weight(params[name].shape, scheme)
                for family, scheme in dict(plan.formats).items()
                for name in quant.FAMILIES[family] if name in params}

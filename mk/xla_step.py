@@ -32,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from mk import reference, tpu
 from mk.chips import ChipSpec, chip as named_chip
 from mk.config import ModelConfig, check_rows
+from mk.weights import abstract_params
 
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
           "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
@@ -137,7 +138,7 @@ def compile_step(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, r
     if spec.kind != "tpu":
         raise ValueError(f"chip={spec.name!r} is a {spec.kind}; XLA:TPU compiles for TPUs")
     check_rows(batch, rows)
-    params = {n: jax.ShapeDtypeStruct(s, d) for n, (s, d) in config.param_shapes().items()}
+    params = abstract_params(config)
     kv = jax.ShapeDtypeStruct((config.layers, batch, config.kv_heads, context,
                                config.head_dim), config.dtype)  # [L, B, K, S, H]
     args = [params, reference.KVCache(kv, kv), jax.ShapeDtypeStruct((batch, rows), jnp.int32),

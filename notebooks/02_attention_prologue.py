@@ -79,6 +79,7 @@ from mk import course, plots, reference, tpu
 from mk.kernels.attention_prologue import (attention_prologue, attention_prologue_buffers,
                                            normalise_heads, prologue, rope_rows)
 from mk.kernels.common import BlockSizes, vmem_budget
+from mk.weights import abstract_params
 
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
@@ -167,7 +168,7 @@ print(f"weights streamed: {weight_bytes / 1e6:.3f} MB -> HBM floor "
 compile_chip = run.chip if spec.kind == "tpu" else "v6e"
 real = dataclasses.replace(mk.preset("qwen3-8b"), layers=1)
 real_block = BlockSizes(slots=slots, tile_rows=512, tile_cols=1024)
-shapes = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in real.param_shapes().items()}
+shapes = abstract_params(real)
 report = tpu.compile_for_chip(
     lambda p, a, pos: attention_prologue(real, p, a, pos, block=real_block),
     [shapes, jax.ShapeDtypeStruct((8, 1, real.hidden), jnp.float32),

@@ -80,6 +80,7 @@ from mk.kernels.common import vmem_budget
 from mk.kernels.one_layer import layer_matrices, one_layer, one_layer_buffers
 from mk.kernels.plan import default_block
 from mk.kernels.ring import TileStream
+from mk.weights import abstract_params
 
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
@@ -174,7 +175,7 @@ reports = {}
 for name in ("qwen3-8b", "qwen3-30b-a3b"):
     real = mk.preset(name).first_layers(2)
     real_block = default_block(real, 4096, slots=slots)
-    shapes = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in real.param_shapes().items()}
+    shapes = abstract_params(real)
     cache = jax.ShapeDtypeStruct((2, 8, real.kv_heads, 4096, real.head_dim), real.dtype)
     reports[name] = tpu.compile_for_chip(
         lambda p, a, k, v, pos: one_layer(real, p, a, k, v, pos, layer=1, block=real_block),

@@ -14,6 +14,7 @@ from builders import hf_config_dict, hf_tensors, save_hf_checkpoint, write_hf_fo
 
 from mk.checkpoint import hf_layout, init_params, load_checkpoint
 from mk.config import preset
+from mk.weights import param_shapes
 
 # from_hf sets max_context = min(4096, max_position); tiny presets use max_position 4096.
 TINY = dataclasses.replace(preset("tiny"), max_context=4096)
@@ -49,7 +50,7 @@ def test_round_trip_gives_identical_params_and_config(tmp_path, config, shards):
 
 def test_hf_layout_fills_every_parameter_slot_exactly_once():
     for config in (TINY, TINY_TIED, TINY_MOE):
-        shapes = config.param_shapes()
+        shapes = param_shapes(config)
         slots = [(param, index) for param, index, _ in hf_layout(config).values()]
         assert len(slots) == len(set(slots))
         for param, (shape, _) in shapes.items():

@@ -5,12 +5,13 @@ import dataclasses
 import pytest
 
 from mk.config import PRESET_NAMES, ModelConfig, preset
+from mk.weights import param_shapes
 
 
 def test_every_preset_builds_and_counts_parameters_like_its_shapes():
     for name in PRESET_NAMES:
         config = preset(name)
-        counted = sum(_numel(shape) for shape, _ in config.param_shapes().values())
+        counted = sum(_numel(shape) for shape, _ in param_shapes(config).values())
         assert config.param_count == counted, name
 
 

@@ -27,6 +27,7 @@ from mk import linear_attention as la
 from mk import megakernel
 from mk import reference as R
 from mk import spec
+from mk.weights import param_shapes
 
 SLOW = pytest.mark.slow
 
@@ -96,7 +97,7 @@ def test_loaded_config_and_sizes_match_the_transformers_model(case):
     assert config.rotary_dim == 4
     assert config.param_count == sum(p.numel() for p in model.parameters())
     assert {k: v.shape for k, v in params.items()} == {
-        k: shape for k, (shape, _) in config.param_shapes().items()}
+        k: shape for k, (shape, _) in param_shapes(config).items()}
 
 
 def test_prefill_logits_match_transformers_forward(case):
@@ -293,7 +294,7 @@ def test_hybrid_calls_are_checked(tiny_hybrid):
 def test_hybrid_presets_count_every_parameter_shape():
     for name in mk.config.HYBRID_PRESET_NAMES:
         config = mk.preset(name)
-        counted = sum(int(np.prod(shape)) for shape, _ in config.param_shapes().values())
+        counted = sum(int(np.prod(shape)) for shape, _ in param_shapes(config).values())
         assert config.param_count == counted, name
 
 

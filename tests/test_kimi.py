@@ -26,6 +26,7 @@ from builders import (assert_greedy_matches_hf, assert_prefill_matches_hf, asser
                       kimi_gqa)
 from mk import linear_attention as la
 from mk import reference as R
+from mk.weights import param_shapes
 
 LOGIT_RTOL_OF_SCALE = 1e-4  # both sides float32
 PROMPT, STEPS, CONTEXT = 8, 32, 64
@@ -78,7 +79,7 @@ def test_loaded_config_and_sizes_match_the_transformers_model(case):
         b.numel() for b in model.buffers())  # + the routers' choice bias
     assert config.param_count == counted
     assert {k: v.shape for k, v in params.items()} == {
-        k: shape for k, (shape, _) in config.param_shapes().items()}
+        k: shape for k, (shape, _) in param_shapes(config).items()}
 
 
 def test_prefill_logits_match_transformers_forward(case):
@@ -340,7 +341,7 @@ def test_megakernel_t2_step_gives_the_reference_kda_row_states_race_free(tiny_ki
 def test_kimi_presets_count_every_parameter_shape():
     for name in mk.config.KIMI_PRESET_NAMES:
         config = mk.preset(name)
-        counted = sum(int(np.prod(shape)) for shape, _ in config.param_shapes().values())
+        counted = sum(int(np.prod(shape)) for shape, _ in param_shapes(config).values())
         assert config.param_count == counted, name
     assert "kimi-k3-like" in mk.config.PRESET_NAMES  # the GQA stand-in stays for the kernel
 

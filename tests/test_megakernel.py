@@ -17,6 +17,7 @@ import mk.megakernel as megakernel
 from mk import backend, quant, reference, tpu
 from mk.kernels.common import BlockSizes
 from mk.kernels.plan import default_block
+from mk.weights import param_shapes
 from builders import assert_verify_steps, bar_count
 
 TOKENS = 64
@@ -97,7 +98,7 @@ def test_qwen35_full_attention_decodes_the_references_tokens():
     for field, qwen3 in (("attn_output_gate", False), ("partial_rotary_factor", 1.0),
                          ("norm_offset", 0.0)):
         other = dataclasses.replace(config, **{field: qwen3})
-        kept = {n: p for n, p in params.items() if n in other.param_shapes()}
+        kept = {n: p for n, p in params.items() if n in param_shapes(other)}
         assert (reference.generate(other, kept, prompt, 16, max_context=128) != want).any(), \
             field
     assert_verify_steps(config, params, params, prompt, want, 4, 4)

@@ -13,6 +13,7 @@ from mk import perf
 from mk.chips import all_chips, chip
 from mk.config import PRESET_NAMES
 from mk.kernels.one_layer import model_block
+from mk.weights import abstract_params
 
 REAL_PRESETS = [n for n in PRESET_NAMES if not n.startswith("tiny")]
 DENSE_PRESETS = [n for n in REAL_PRESETS if not mk.preset(n).is_moe]
@@ -394,7 +395,7 @@ def test_weight_bytes_are_the_arrays_the_megakernel_streams_plus_norms_and_embed
 
     config = mk.preset(name)
     block = default_block(config, 64)
-    params = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in config.param_shapes().items()}
+    params = abstract_params(config)
     weights = jax.eval_shape(lambda p: megakernel.prepare(config, p, block), params)
     streamed = ["wq", "wk", "wv", "wo", "lm_head"] + [
         n for kind in ("dense", "moe") if getattr(config, f"{kind}_layers")

@@ -25,6 +25,7 @@ from mk.kernels.common import BlockSizes, Cut, dma_log
 from mk.kernels.plan import (DTYPE_FAMILY, KV_FAMILIES, RING_COVER_S, WEIGHT_FAMILIES,
                              DecodePlan, capacity, default_block, family_of, little_slots,
                              shard_config)
+from mk.weights import abstract_params
 from multidevice import run
 
 POSITION = 37  # the one sequence's cached positions before its new row
@@ -279,7 +280,7 @@ def test_the_layers_program_order_is_data_the_kernel_checks_and_the_simulator_wa
 
     config = mk.preset("tiny")
     plan = DecodePlan.make(config, batch=1, context=128)
-    params = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in config.param_shapes().items()}
+    params = abstract_params(config)
     weights = jax.eval_shape(lambda p: megakernel.prepare(config, p, plan.block), params)
     cache = reference.KVCache(*[jax.ShapeDtypeStruct((2, 1, 2, 128, 128), "bfloat16")] * 2)
     args = (weights, cache, jax.ShapeDtypeStruct((1, 1), "int32"),

@@ -28,6 +28,7 @@ from jax.experimental.pallas import tpu as pltpu
 import mk
 from mk import quant, reference
 from mk.kernels.plan import default_block
+from mk.weights import param_shapes
 
 TINY = dataclasses.replace(mk.preset("tiny"), max_context=4096)
 TINY_MOE = dataclasses.replace(mk.preset("tiny-moe"), max_context=4096)
@@ -90,7 +91,7 @@ def test_requantising_the_dequantised_weight_gives_the_same_codes(scheme):
 def test_every_element_within_its_bound_and_a_planted_2x_scale_is_caught(scheme):
     config, params = TINY_MOE, mk.init_params(TINY_MOE)
     qparams = quantise_all(config, params, scheme)
-    names = [n for names in quant.FAMILIES.values() for n in names if n in config.param_shapes()]
+    names = [n for names in quant.FAMILIES.values() for n in names if n in param_shapes(config)]
     for name in names:
         quant.check_error(name, params[name], qparams[name])
     with pytest.raises(ValueError, match=rf"we_down \({scheme}\): \d+ of .* (worst at "
@@ -200,7 +201,7 @@ def numpy_fp8_params(config, folder) -> dict:
         param, index = slot_of(config, name) or (None, None)
         if param is None:
             continue
-        params.setdefault(param, np.zeros(config.param_shapes()[param][0], np.float32))
+        params.setdefault(param, np.zeros(param_shapes(config)[param][0], np.float32))
         params[param][index] = value.T
     return params
 

@@ -17,6 +17,7 @@ from mk.config import PRESET_NAMES
 from mk.kernels.common import BlockSizes
 from mk.kernels.plan import shard_config
 from mk.kernels.ring import TileStream
+from mk.weights import param_shapes
 
 NO_LATENCY = sim.Assumptions(dma_latency_s=0.0)
 
@@ -36,7 +37,7 @@ def test_dense_step_streams_every_kernel_weight_array_once_and_its_kv_tiles():
     config, B, T, S = mk.preset("tiny"), 2, 3, 40
     s = sim.simulate(config, "v6e", batch=B, rows=T, context=S)
     params = {k: jax.ShapeDtypeStruct(shape, d)
-              for k, (shape, d) in config.param_shapes().items()}
+              for k, (shape, d) in param_shapes(config).items()}
     weights = jax.eval_shape(lambda p: megakernel.prepare(config, p, s.block), params)
     streamed = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head", "norms",
                 "qk_norms", "final_norm")

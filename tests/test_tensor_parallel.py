@@ -30,6 +30,7 @@ from mk import backend, reference, tpu
 from mk import tensor_parallel as tpar
 from mk.config import ModelConfig
 from mk.kernels import plan
+from mk.weights import param_shapes
 from builders import bar_count
 from multidevice import planted_race_caught, race_free, run
 
@@ -138,7 +139,7 @@ def test_shards_put_back_together_are_the_weights():
     config = tp_config(4)
     rng = np.random.default_rng(0)
     params = {name: rng.standard_normal(shape).astype(np.float32)
-              for name, (shape, _) in config.param_shapes().items()}
+              for name, (shape, _) in param_shapes(config).items()}
     shards = tpar.shard_params(config, params, 4)
     np.testing.assert_array_equal(jnp.concatenate(list(shards["wq"]), axis=-1),
                                   params["wq"])
@@ -163,7 +164,7 @@ def test_a_linear_layer_is_split_by_its_heads_q_k_and_v_channels_each():
     config = tp_hybrid_config(2)
     rng = np.random.default_rng(0)
     params = {name: rng.standard_normal(shape).astype(np.float32)
-              for name, (shape, _) in config.param_shapes().items()}
+              for name, (shape, _) in param_shapes(config).items()}
     shards = tpar.shard_params(config, params, 2)
     kw, Hk, Hv = config.linear_key_width, config.linear_key_dim, config.linear_value_dim
     qkv = params["lin_qkv"]
@@ -184,7 +185,7 @@ def test_a_split_width_short_of_a_tile_is_padded_with_zeros():
     config = tp_config(4, expert_ffn=256)  # 64 columns per device: padded to 128
     rng = np.random.default_rng(0)
     params = {name: rng.standard_normal(shape).astype(np.float32)
-              for name, (shape, _) in config.param_shapes().items()}
+              for name, (shape, _) in param_shapes(config).items()}
     shards = tpar.shard_params(config, params, 4)
     assert plan.shard_config(config, 4).expert_ffn == 128
     assert shards["we_gate"].shape[-1] == shards["we_down"].shape[-2] == 128
@@ -202,7 +203,7 @@ def test_kimis_mla_kda_gates_and_shared_expert_are_split_by_heads_and_width():
     config = tp_kimi_config(2)
     rng = np.random.default_rng(0)
     params = {name: rng.standard_normal(shape).astype(np.float32)
-              for name, (shape, _) in config.param_shapes().items()}
+              for name, (shape, _) in param_shapes(config).items()}
     shards = tpar.shard_params(config, params, 2)
     half = config.linear_value_heads // 2 * config.linear_key_dim  # one device's channels
     for name in ("kda_f_b", "kda_g_b", "lin_dt_bias"):
@@ -219,7 +220,7 @@ def test_kimis_mla_kda_gates_and_shared_expert_are_split_by_heads_and_width():
     local = plan.shard_config(config, 2)
     assert (local.linear_value_heads, local.shared_expert_ffn) == (1, 128)
     assert {k: v.shape[1:] for k, v in shards.items() if k != "embed"} == {
-        k: s for k, (s, _) in local.param_shapes().items() if k != "embed"}
+        k: s for k, (s, _) in param_shapes(local).items() if k != "embed"}
 
 
 @pytest.mark.parametrize("overrides, match", [

@@ -71,6 +71,7 @@ from mk.kernels.common import (LANES, BlockSizes, Buffer, memory_specs, start_dm
 from mk.kernels.ring import Ring, TileStream, ring_layout
 from mk.kernels.weight_streaming import stage_block
 from mk.reference import rms_norm
+from mk.weights import param_shapes
 
 ALIGN = 8  # rows of an f32 (8, 128) tile
 F32 = jnp.float32
@@ -289,7 +290,7 @@ def linear_layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """One linear layer's weights by name, ring segments first, each shape without the
     stacked layer axis (`config.param_shapes`): the one count of a linear layer's weights
     the plan, the simulator and the stage kernel's cost estimate read."""
-    shapes = config.param_shapes()
+    shapes = param_shapes(config)
     return {n: shapes[n][0][1:] for group in linear_weights(config) for n in group}
 
 

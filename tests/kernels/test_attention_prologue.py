@@ -18,6 +18,7 @@ import mk
 from mk import backend, quant, reference, tpu
 from mk.kernels.attention_prologue import attention_prologue, attention_prologue_buffers
 from mk.kernels.common import BlockSizes, vmem_budget
+from mk.weights import abstract_params
 from builders import plant_double_scale, quantised_cases, tiny_moe_in_ci
 from tolerances import TOLERANCE as ALL_TOLERANCES
 
@@ -89,7 +90,7 @@ def test_bad_inputs_are_named():
 def test_compiles_for_tpu_at_qwen3_8b_shapes(chip):
     config = dataclasses.replace(mk.preset("qwen3-8b"), layers=1)
     block = BlockSizes(slots=3, tile_rows=512, tile_cols=1024)
-    params = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in config.param_shapes().items()}
+    params = abstract_params(config)
     budget = vmem_budget("attention_prologue",
                          attention_prologue_buffers(config, 8, block), mk.chip(chip))
     report = tpu.compile_for_chip(

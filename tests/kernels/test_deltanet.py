@@ -31,6 +31,7 @@ from mk.chips import chip
 from mk.kernels.common import BlockSizes, vmem_budget
 from mk.kernels.weight_streaming import stage_block
 from mk.kernels.deltanet import delta_rule_step, gated_deltanet
+from mk.weights import param_shapes
 
 TOLERANCE = dict(rtol=2e-5, atol=2e-5)
 
@@ -238,7 +239,7 @@ def test_layer_compiles_for_tpu7x_within_vmem(shard):
     its heads would need more than TPU7x's 64 MiB of VMEM at this B and T)."""
     config = (mk.preset(shard) if shard == "qwen3.5-27b" else _kimi_k3_tp32_linear_shard())
     B, T = 8, 4
-    shapes = config.param_shapes()
+    shapes = param_shapes(config)
     names = (*sum(deltanet.linear_weights(config), ()), "attn_norm")
     params = {n: jax.ShapeDtypeStruct((1, *shapes[n][0][1:]), shapes[n][1])
               for n in names}  # one layer's rows: the kernel reads no other

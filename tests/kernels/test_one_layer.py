@@ -21,6 +21,7 @@ from mk import backend, quant, reference, tpu
 from mk.kernels.common import vmem_budget
 from mk.kernels.one_layer import one_layer, one_layer_buffers
 from mk.kernels.plan import default_block
+from mk.weights import abstract_params
 from builders import plant_double_scale, quantised_cases
 from tolerances import ROUTER_TIE, TOLERANCE as ALL_TOLERANCES
 
@@ -227,7 +228,7 @@ def test_compiles_for_tpu_at_real_shapes(name, chip, formats):
     config = mk.preset(name).first_layers(2)
     B, T, S = 8, 1, 4096
     block = default_block(config, 256, formats=formats)  # quantised weights: plain tiles
-    params = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in config.param_shapes().items()}
+    params = abstract_params(config)
     params |= {n: quant.abstract_weight(params[n].shape, scheme)
                for family, scheme in formats.items() for n in quant.FAMILIES[family]
                if n in params}

@@ -1,0 +1,353 @@
+"""The weight table: every weight mk knows, one row each, and the layer kinds that own them.
+
+A model is a stack of layers; each layer has one token mixer kind and one MLP kind, and
+the model has a few weights of its own:
+
+    kind       layers            what it is
+    model      (none)            embedding, final norm, lm_head
+    layer      every layer       the two RMSNorms before the token mixer and the MLP
+    gqa        full layers       grouped-query attention (Qwen3; Qwen3.5's gated variant)
+    mla        full layers       multi-head latent attention (Kimi Linear)
+    deltanet   linear layers     gated DeltaNet (Qwen3.5)
+    kda        linear layers     Kimi Delta Attention (Kimi Linear)
+    dense      dense layers      SwiGLU MLP
+    moe        MoE layers        router (+ sigmoid bias), routed experts, shared expert
+
+A row (`Weight`) says everything one weight's consumers need to know of it:
+
+    name      the parameter's name in a params dict (two kinds may both have "wq")
+    kind      the layer kind that owns it (above)
+    shape     one layer's shape, from the config (without the stacked layer axis)
+    family    its byte family: what a step's DMAs of it are counted as (`FAMILIES`)
+    path      how the megakernel moves it: "ring" (tiles through the weight ring),
+              "dma" (whole, by its own DMA each layer), "vector" (a norm/bias row) or
+              "gather" (the embedding's rows, outside the kernel)
+    split     how tensor parallelism cuts it (`SPLITS`)
+    quant     the mk.quant format group it may be stored in ("dense", "experts",
+              "lm_head") or None
+    hf        its Hugging Face tensor name inside a layer (or the model) per naming
+              scheme (`hf_scheme`); a dict of parts fills slices of its last axis
+    when      a predicate of the config that switches an optional weight on (None:
+              always: e.g. the lm_head only when the embedding is not tied)
+
+Everything that needs a weight's facts reads its row: `param_shapes` (the params layout of
+`mk.config`'s docstring), the checkpoint loader (`mk.checkpoint.hf_layout`), the plan's
+byte families (`mk.kernels.plan`), tensor-parallel sharding (`mk.tensor_parallel`) and the
+quantisable groups (`mk.quant`). Not here: how a kind's kernel runs (`mk.kernels.*`), the
+model's shape and its checks (`mk.config`).
+
+Adding a layer kind: its rows here (with `KIND_LAYERS` and `kinds_of`), its config fields
+and checks in `mk.config`, its kernel phases in `mk.kernels`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+
+from mk.config import ModelConfig
+
+# Which layers stack a kind's weights: a ModelConfig field (a count or a list of layers),
+# or "" for the model's own weights.
+KIND_LAYERS = {"model": "", "layer": "layers", "gqa": "full_layers", "mla": "full_layers",
+               "deltanet": "linear_layers", "kda": "linear_layers",
+               "dense": "dense_layers", "moe": "moe_layers"}
+# Byte families: what one step moves, by family (the plan, the simulator and mk.perf count
+# each; "embed" is gathered, never streamed).
+FAMILIES = ("embed", "attention", "norms", "linear", "dense_mlp", "router", "experts",
+            "lm_head")
+PATHS = ("ring", "dma", "vector", "gather")
+# How tensor parallelism cuts a weight over tp devices (`mk.tensor_parallel`):
+#   whole     replicated on every device
+#   columns   its last axis (heads, value heads, channels of a head), C/tp each
+#   rows      its second-to-last axis (the partial sums are all-reduced)
+#   kv_heads  columns by kv head, a head replicated on tp/K devices when tp > K
+#   channels  a linear layer's q | k | v conv channels, each part by heads
+#   ffn_columns, ffn_rows   columns / rows, padded with zeros to whole 128-lane tiles
+#   vocab     the lm_head's vocab columns (from the embedding when tied)
+SPLITS = ("whole", "columns", "rows", "kv_heads", "channels", "ffn_columns", "ffn_rows",
+          "vocab")
+# Hugging Face naming schemes: "qwen" (qwen3, qwen3_moe, qwen3_5) and "kimi" (kimi_linear,
+# as transformers' save_pretrained writes it).
+HF_SCHEMES = ("qwen", "kimi")
+
+
+@dataclasses.dataclass(frozen=True)
+class Weight:
+    """One weight: its row of the table (module docstring)."""
+
+    name: str
+    kind: str
+    shape: Callable[[ModelConfig], tuple[int, ...]]
+    family: str
+    path: str
+    split: str
+    quant: str | None = None
+    hf: dict = dataclasses.field(default_factory=dict)
+    when: Callable[[ModelConfig], object] | None = None
+    storage: str = "dense"  # "experts": stored in the config's expert dtype
+
+    def __post_init__(self):
+        for field, value, allowed in (("kind", self.kind, KIND_LAYERS),
+                                      ("family", self.family, FAMILIES),
+                                      ("path", self.path, PATHS),
+                                      ("split", self.split, SPLITS)):
+            if value not in allowed:
+                raise ValueError(f"weight {self.name}: {field}={value!r} must be one of "
+                                 f"{tuple(allowed)}")
+        unknown = set(self.hf) - set(HF_SCHEMES)
+        if unknown:
+            raise ValueError(f"weight {self.name}: hf schemes {sorted(unknown)} must be in "
+                             f"{HF_SCHEMES}")
+
+    def present(self, config: ModelConfig) -> bool:
+        """Whether `config` has this weight (its kind's layers exist and its switch is on)."""
+        if not _layer_count(config, self.kind) and KIND_LAYERS[self.kind]:
+            return False
+        return self.when is None or bool(self.when(config))
+
+    def stacked(self, config: ModelConfig) -> tuple[int, ...]:
+        """Its params shape: the kind's layer count, then one layer's shape."""
+        lead = (_layer_count(config, self.kind),) if KIND_LAYERS[self.kind] else ()
+        return lead + self.shape(config)
+
+    def dtype(self, config: ModelConfig) -> str:
+        return config.expert_dtype or config.dtype if self.storage == "experts" \
+            else config.dtype
+
+
+def _layer_count(config: ModelConfig, kind: str) -> int:
+    """How many layers stack `kind`'s weights in `config` (0 for the model's own)."""
+    layers = getattr(config, KIND_LAYERS[kind]) if KIND_LAYERS[kind] else 0
+    return layers if isinstance(layers, int) else len(layers)
+
+
+def _w(name, kind, shape, family, path, split, quant=None, hf=None, when=None,
+       storage="dense"):
+    return Weight(name, kind, shape, family, path, split, quant, hf or {}, when, storage)
+
+
+def _qkv_parts(prefix, suffix):
+    return {part: f"{prefix}{part}{suffix}" for part in "qkv"}
+
+
+WEIGHTS = (
+    # -- the model's own, and every layer's two norms --------------------------------------
+    _w("embed", "model", lambda c: (c.vocab, c.hidden), "embed", "gather", "whole",
+       hf={"qwen": "{model}embed_tokens.weight", "kimi": "{model}embed_tokens.weight"}),
+    _w("final_norm", "model", lambda c: (c.hidden,), "norms", "vector", "whole",
+       hf={"qwen": "{model}norm.weight", "kimi": "{model}norm.weight"}),
+    _w("lm_head", "model", lambda c: (c.hidden, c.vocab), "lm_head", "ring", "vocab",
+       quant="lm_head", hf={"qwen": "lm_head.weight", "kimi": "lm_head.weight"},
+       when=lambda c: not c.tie_embeddings),
+    _w("attn_norm", "layer", lambda c: (c.hidden,), "norms", "vector", "whole",
+       hf={"qwen": "input_layernorm.weight", "kimi": "input_layernorm.weight"}),
+    _w("mlp_norm", "layer", lambda c: (c.hidden,), "norms", "vector", "whole",
+       hf={"qwen": "post_attention_layernorm.weight",
+           "kimi": "post_attention_layernorm.weight"}),
+    # -- grouped-query attention (Qwen3; Qwen3.5's q_proj also holds the output gate) ----
+    _w("wq", "gqa", lambda c: (c.hidden, c.q_width), "attention", "ring", "columns",
+       quant="dense", hf={"qwen": "self_attn.q_proj.weight"}),
+    _w("wk", "gqa", lambda c: (c.hidden, c.kv_width), "attention", "ring", "kv_heads",
+       quant="dense", hf={"qwen": "self_attn.k_proj.weight"}),
+    _w("wv", "gqa", lambda c: (c.hidden, c.kv_width), "attention", "ring", "kv_heads",
+       quant="dense", hf={"qwen": "self_attn.v_proj.weight"}),
+    _w("wq_gate", "gqa", lambda c: (c.hidden, c.q_width), "attention", "ring", "columns",
+       quant="dense", hf={"qwen": "self_attn.q_proj.weight"},
+       when=lambda c: c.attn_output_gate),
+    _w("wo", "gqa", lambda c: (c.q_width, c.hidden), "attention", "ring", "rows",
+       quant="dense", hf={"qwen": "self_attn.o_proj.weight"}),
+    _w("q_norm", "gqa", lambda c: (c.head_dim,), "norms", "vector", "whole",
+       hf={"qwen": "self_attn.q_norm.weight"}, when=lambda c: c.qk_norm),
+    _w("k_norm", "gqa", lambda c: (c.head_dim,), "norms", "vector", "whole",
+       hf={"qwen": "self_attn.k_norm.weight"}, when=lambda c: c.qk_norm),
+    # -- multi-head latent attention (Kimi Linear's full layers) ----------------------------
+    _w("wq_a", "mla", lambda c: (c.hidden, c.q_rank), "attention", "ring", "whole",
+       hf={"kimi": "self_attn.q_a_proj.weight"}, when=lambda c: c.q_rank),
+    _w("q_a_norm", "mla", lambda c: (c.q_rank,), "norms", "vector", "whole",
+       hf={"kimi": "self_attn.q_a_layernorm.weight"}, when=lambda c: c.q_rank),
+    _w("wq", "mla", lambda c: (c.q_rank or c.hidden, c.q_width), "attention", "ring",
+       "columns", quant="dense",
+       hf={"kimi": lambda c: f"self_attn.{'q_b_proj' if c.q_rank else 'q_proj'}.weight"}),
+    _w("wkv_a", "mla", lambda c: (c.hidden, c.latent_width), "attention", "ring", "whole",
+       hf={"kimi": "self_attn.kv_a_proj_with_mqa.weight"}),
+    _w("kv_a_norm", "mla", lambda c: (c.latent_rank,), "norms", "vector", "whole",
+       hf={"kimi": "self_attn.kv_a_layernorm.weight"}),
+    _w("wkv_b", "mla", lambda c: (c.latent_rank,
+                                  c.heads * (c.head_dim - c.rope_dim + c.value_dim)),
+       "attention", "dma", "columns", hf={"kimi": "self_attn.kv_b_proj.weight"}),
+    _w("wo", "mla", lambda c: (c.heads * c.value_dim, c.hidden), "attention", "ring", "rows",
+       quant="dense", hf={"kimi": "self_attn.o_proj.weight"}),
+    # -- gated DeltaNet (Qwen3.5's linear layers) -------------------------------------------
+    _w("lin_qkv", "deltanet", lambda c: (c.hidden, c.conv_channels), "linear", "ring",
+       "channels", hf={"qwen": "linear_attn.in_proj_qkv.weight"}),
+    _w("lin_z", "deltanet", lambda c: (c.hidden, c.linear_value_width), "linear", "ring",
+       "columns", hf={"qwen": "linear_attn.in_proj_z.weight"}),
+    _w("lin_b", "deltanet", lambda c: (c.hidden, c.linear_value_heads), "linear", "dma",
+       "columns", hf={"qwen": "linear_attn.in_proj_b.weight"}),
+    _w("lin_a", "deltanet", lambda c: (c.hidden, c.linear_value_heads), "linear", "dma",
+       "columns", hf={"qwen": "linear_attn.in_proj_a.weight"}),
+    _w("lin_conv", "deltanet", lambda c: (c.conv_kernel, c.conv_channels), "linear", "dma",
+       "channels", hf={"qwen": "linear_attn.conv1d.weight"}),
+    _w("lin_a_log", "deltanet", lambda c: (c.linear_value_heads,), "linear", "vector",
+       "columns", hf={"qwen": "linear_attn.A_log"}),
+    _w("lin_dt_bias", "deltanet", lambda c: (c.linear_value_heads,), "linear", "vector",
+       "columns", hf={"qwen": "linear_attn.dt_bias"}),
+    _w("lin_norm", "deltanet", lambda c: (c.linear_value_dim,), "linear", "vector", "whole",
+       hf={"qwen": "linear_attn.norm.weight"}),
+    _w("lin_out", "deltanet", lambda c: (c.linear_value_width, c.hidden), "linear", "ring",
+       "rows", hf={"qwen": "linear_attn.out_proj.weight"}),
+    # -- Kimi Delta Attention (Kimi Linear's linear layers; Nk = Nv) -----------------------
+    _w("lin_qkv", "kda", lambda c: (c.hidden, c.conv_channels), "linear", "ring", "channels",
+       hf={"kimi": _qkv_parts("self_attn.", "_proj.weight")}),
+    _w("lin_conv", "kda", lambda c: (c.conv_kernel, c.conv_channels), "linear", "dma",
+       "channels", hf={"kimi": _qkv_parts("self_attn.", "_conv1d.weight")}),
+    _w("kda_f_a", "kda", lambda c: (c.hidden, c.linear_key_dim), "linear", "dma", "whole",
+       hf={"kimi": "self_attn.f_a_proj.weight"}),
+    _w("kda_f_b", "kda", lambda c: (c.linear_key_dim, c.linear_value_heads
+                                    * c.linear_key_dim), "linear", "dma", "columns",
+       hf={"kimi": "self_attn.f_b_proj.weight"}),
+    _w("lin_dt_bias", "kda", lambda c: (c.linear_value_heads * c.linear_key_dim,), "linear",
+       "vector", "columns", hf={"kimi": "self_attn.dt_bias"}),
+    # stored [1, 1, Nv, 1]: the part "kda" (`mk.checkpoint`)
+    _w("lin_a_log", "kda", lambda c: (c.linear_value_heads,), "linear", "vector", "columns",
+       hf={"kimi": {"kda": "self_attn.A_log"}}),
+    _w("lin_b", "kda", lambda c: (c.hidden, c.linear_value_heads), "linear", "dma",
+       "columns", hf={"kimi": "self_attn.b_proj.weight"}),
+    _w("kda_g_a", "kda", lambda c: (c.hidden, c.linear_value_dim), "linear", "dma", "whole",
+       hf={"kimi": "self_attn.g_a_proj.weight"}),
+    _w("kda_g_b", "kda", lambda c: (c.linear_value_dim, c.linear_value_width), "linear",
+       "dma", "columns", hf={"kimi": "self_attn.g_b_proj.weight"}),
+    _w("lin_norm", "kda", lambda c: (c.linear_value_dim,), "linear", "vector", "whole",
+       hf={"kimi": "self_attn.o_norm.weight"}),
+    _w("lin_out", "kda", lambda c: (c.linear_value_width, c.hidden), "linear", "ring", "rows",
+       hf={"kimi": "self_attn.o_proj.weight"}),
+    # -- dense SwiGLU (Kimi's is `block_sparse_moe.` in transformers, `mlp.` in Moonshot's
+    #    checkpoints: `mk.checkpoint.hf_aliases`) -------------------------------------------
+    _w("w_gate", "dense", lambda c: (c.hidden, c.ffn), "dense_mlp", "ring", "ffn_columns",
+       quant="dense", hf={"qwen": "mlp.gate_proj.weight",
+                          "kimi": "block_sparse_moe.gate_proj.weight"}),
+    _w("w_up", "dense", lambda c: (c.hidden, c.ffn), "dense_mlp", "ring", "ffn_columns",
+       quant="dense", hf={"qwen": "mlp.up_proj.weight",
+                          "kimi": "block_sparse_moe.up_proj.weight"}),
+    _w("w_down", "dense", lambda c: (c.ffn, c.hidden), "dense_mlp", "ring", "ffn_rows",
+       quant="dense", hf={"qwen": "mlp.down_proj.weight",
+                          "kimi": "block_sparse_moe.down_proj.weight"}),
+    # -- mixture of experts: "{e}" is the expert's index ------------------------------------
+    _w("router", "moe", lambda c: (c.hidden, c.experts), "router", "dma", "whole",
+       hf={"qwen": "mlp.gate.weight", "kimi": "block_sparse_moe.gate.weight"}),
+    _w("router_bias", "moe", lambda c: (c.experts,), "router", "vector", "whole",
+       hf={"kimi": "block_sparse_moe.gate.e_score_correction_bias"},
+       when=lambda c: c.router_score == "sigmoid"),
+    _w("we_gate", "moe", lambda c: (c.experts, c.hidden, c.expert_ffn), "experts", "ring",
+       "ffn_columns", quant="experts", storage="experts",
+       hf={"qwen": "mlp.experts.{e}.gate_proj.weight",
+           "kimi": "block_sparse_moe.experts.{e}.w1.weight"}),
+    _w("we_up", "moe", lambda c: (c.experts, c.hidden, c.expert_ffn), "experts", "ring",
+       "ffn_columns", quant="experts", storage="experts",
+       hf={"qwen": "mlp.experts.{e}.up_proj.weight",
+           "kimi": "block_sparse_moe.experts.{e}.w3.weight"}),
+    _w("we_down", "moe", lambda c: (c.experts, c.expert_ffn, c.hidden), "experts", "ring",
+       "ffn_rows", quant="experts", storage="experts",
+       hf={"qwen": "mlp.experts.{e}.down_proj.weight",
+           "kimi": "block_sparse_moe.experts.{e}.w2.weight"}),
+    _w("ws_gate", "moe", lambda c: (c.hidden, c.shared_expert_ffn), "dense_mlp", "ring",
+       "ffn_columns", quant="dense", when=lambda c: c.shared_expert_ffn,
+       hf={"kimi": "block_sparse_moe.shared_experts.gate_proj.weight"}),
+    _w("ws_up", "moe", lambda c: (c.hidden, c.shared_expert_ffn), "dense_mlp", "ring",
+       "ffn_columns", quant="dense", when=lambda c: c.shared_expert_ffn,
+       hf={"kimi": "block_sparse_moe.shared_experts.up_proj.weight"}),
+    _w("ws_down", "moe", lambda c: (c.shared_expert_ffn, c.hidden), "dense_mlp", "ring",
+       "ffn_rows", quant="dense", when=lambda c: c.shared_expert_ffn,
+       hf={"kimi": "block_sparse_moe.shared_experts.down_proj.weight"}),
+)
+
+
+def kinds_of(config: ModelConfig) -> tuple[str, ...]:
+    """The layer kinds `config` has: "model", "layer", its token mixers, its MLPs."""
+    mixers = {"full_layers": "mla" if config.is_mla else "gqa",
+              "linear_layers": "kda" if config.channel_decay else "deltanet"}
+    mlps = {"dense_layers": "dense", "moe_layers": "moe"}
+    return ("model", "layer") + tuple(kind for layers, kind in (mixers | mlps).items()
+                              if getattr(config, layers))
+
+
+def weights_of(config: ModelConfig) -> tuple[Weight, ...]:
+    """The rows of the weights `config` has, in table order (one per name)."""
+    kinds = kinds_of(config)
+    return tuple(w for w in WEIGHTS if w.kind in kinds and w.present(config))
+
+
+def weight(config: ModelConfig, name: str) -> Weight:
+    """`config`'s row of weight `name`."""
+    for w in weights_of(config):
+        if w.name == name:
+            return w
+    raise KeyError(f"{config.name} has no weight {name!r}")
+
+
+def param_shapes(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Name -> (shape, dtype) of every parameter of `config` (the layout of `mk.config`'s
+    docstring: per-layer tensors stacked on a leading layer axis of their kind's layers)."""
+    return {w.name: (w.stacked(config), w.dtype(config)) for w in weights_of(config)}
+
+
+def _by_name(field: str) -> dict[str, object]:
+    """Weight name -> `field` of its rows (the same for every kind that names it)."""
+    out: dict[str, object] = {}
+    for w in WEIGHTS:
+        value = getattr(w, field)
+        if out.setdefault(w.name, value) != value:
+            raise ValueError(f"weight {w.name}: kinds disagree on its {field}")
+    return out
+
+
+FAMILY = _by_name("family")  # weight name -> byte family
+QUANT = {name: group for name, group in _by_name("quant").items() if group}
+# mk.quant's format groups: group -> the weights that may be stored in it
+QUANT_GROUPS = {group: tuple(n for n, g in QUANT.items() if g == group)
+                for group in dict.fromkeys(QUANT.values())}
+
+
+def names(kind: str | None = None, *, family: str | None = None, path: str | None = None,
+          split: str | None = None) -> tuple[str, ...]:
+    """The weight names of the table's rows matching every given field (in table order,
+    each name once)."""
+    picked = (w.name for w in WEIGHTS
+              if (kind is None or w.kind == kind) and (family is None or w.family == family)
+              and (path is None or w.path == path) and (split is None or w.split == split))
+    return tuple(dict.fromkeys(picked))
+
+
+def hf_scheme(config: ModelConfig) -> str:
+    """The Hugging Face naming scheme of `config`'s checkpoints: "kimi" when any of its
+    kinds is named only there (MLA, KDA), else "qwen"."""
+    kinds = set(kinds_of(config))
+    return "kimi" if any(all(set(w.hf) == {"kimi"} for w in WEIGHTS if w.kind == kind)
+                         for kind in kinds) else "qwen"
+
+
+def hf_names(w: Weight, config: ModelConfig) -> dict[str, str] | str | None:
+    """Weight `w`'s Hugging Face name(s) in `config`'s scheme: a name, a dict of parts
+    (part -> name), or None (the scheme does not store it)."""
+    name = w.hf.get(hf_scheme(config))
+    return name(config) if callable(name) else name
+
+
+def abstract_params(config: ModelConfig) -> dict:
+    """`param_shapes` as `jax.ShapeDtypeStruct`s: params to trace or compile with."""
+    return {name: jax.ShapeDtypeStruct(shape, dtype)
+            for name, (shape, dtype) in param_shapes(config).items()}
+
+
+def layer_rows(config: ModelConfig, kind: str) -> tuple[tuple[int, int], ...]:
+    """(model layer, row of the stacked tensors) of every layer holding `kind`'s weights
+    (none for the model's own)."""
+    field = KIND_LAYERS[kind]
+    if not field:
+        return ()
+    layers = getattr(config, field)
+    layers = range(layers) if isinstance(layers, int) else layers
+    return tuple((layer, row) for row, layer in enumerate(layers))
