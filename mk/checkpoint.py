@@ -23,7 +23,7 @@ from safetensors import SafetensorError, safe_open
 
 from mk import quant
 from mk.config import COMPUTE_DTYPES, ModelConfig
-from mk.weights import hf_names, hf_scheme, layer_rows, param_shapes, weights_of
+from mk.weights import FORMAT_GROUPS, hf_names, hf_scheme, layer_rows, param_shapes, weights_of
 
 
 def init_params(config: ModelConfig, seed: int = 0) -> dict[str, jax.Array]:
@@ -189,7 +189,7 @@ def load_checkpoint(path: str | Path, *, dtype: str | None = None
 # - "fp8" (Hugging Face fine-grained FP8, weight_block_size [128, 128], e4m3; the layout
 #   is mk.quant's "fp8", documented there): `X.weight` float8_e4m3fn plus
 #   `X.weight_scale_inv` (float32, or bf16 widened exactly); any projection of the dense,
-#   experts or lm_head families (mk.quant.FAMILIES) may be stored so, each mk parameter
+#   experts or lm_head families (mk.FORMAT_GROUPS) may be stored so, each mk parameter
 #   wholly or not at all; the others as usual.
 # - "mxfp4" (the gpt-oss expert layout): per MoE layer `mlp.experts.gate_up_proj_blocks`
 #   uint8 [E, 2Fe, D/32, 16] and `..._scales` uint8 [E, 2Fe, D/32] (rows 2f and 2f + 1 are
@@ -243,7 +243,7 @@ def quantised_layout(config: ModelConfig, fmt: str | None, layout: dict, dtypes:
     "mxfp4_scales") instead of a transpose flag."""
     if fmt is None:
         return layout
-    quantisable = {name for names in quant.FAMILIES.values() for name in names}
+    quantisable = {name for names in FORMAT_GROUPS.values() for name in names}
     out = dict(layout)
     if fmt == "fp8":
         for name, (param, index, _) in layout.items():

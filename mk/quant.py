@@ -6,18 +6,16 @@ Here: the four storage schemes (`SCHEMES`), each laid out exactly as below; `qua
 element decoders a kernel calls on one streamed tile (`unpack_nibbles`, `e4m3_values`,
 `e2m1_values`, `dequantize_tile`), `check_error` (every group's error against its scale's
 bound), `accuracy` (a quantised model's logits and greedy tokens against the bf16 model's)
-and `storage_bytes` / `family_bytes` (packed bytes plus scales), the kernel's tile layout
+and `storage_bytes` / `group_bytes` (packed bytes plus scales), the kernel's tile layout
 (`tile_shapes`, `tile_bytes`, `tile_major`, `pad_columns`), `formats_of` (the scheme of
-each family of a params dict) and `schemes_of` (the scheme of each weight name). Not here: reading quantised Hugging Face checkpoints
-(`mk.checkpoint`), the ring that streams packed tiles (`mk.kernels.ring`).
+each group of a params dict) and `schemes_of` (the scheme of each weight name). Not here:
+reading quantised Hugging Face checkpoints (`mk.checkpoint`), the ring that streams packed tiles (`mk.kernels.ring`).
 
-Which weights. Three families, each with one scheme or None (stays `config.dtype`):
-- "dense": wq, wk, wv, wo, wq_gate and the dense SwiGLU w_gate, w_up, w_down;
-- "experts": we_gate, we_up, we_down;
-- "lm_head": lm_head (an untied model only: a tied head is the embedding table).
-The embedding (B*T rows gathered per step), the router (small, and its top-k flips on a
-small error), norms and biases stay in `config.dtype`. Hybrid (linear-attention) models are
-not quantised.
+Which weights. The three format groups of `mk.weights.FORMAT_GROUPS` ("dense": attention's
+projections and the dense and shared-expert SwiGLUs; "experts"; "lm_head", an untied model
+only), each with one scheme or None (stays `config.dtype`). The embedding (B*T rows
+gathered per step), the router (small, and its top-k flips on a small error), norms and
+biases stay in `config.dtype`. Hybrid (linear-attention) models are not quantised.
 
 Layouts. A weight is [..., I, O] (mk's [in, out], leading stacked axes; I is the
 contraction axis). Every scheme groups values along I so a tile of whole groups along I
@@ -76,7 +74,7 @@ compiler's choice). The decoders use only integer shifts, masks, compares, selec
 float casts, a bitcast of int32 to float32 (powers of two: exact, no transcendental) and
 float multiplies.
 
-Accuracy against bf16 (tests/test_quant.py, every family quantised, a transformers-written
+Accuracy against bf16 (tests/test_quant.py, every group quantised, a transformers-written
 tiny Qwen3-MoE, 2 x 64 teacher-forced steps; random weights, so flatter logits than a
 trained model's): relative RMS of logits int8 0.020, fp8 0.072, int4 0.24, fp4 0.23; argmax
 agreement 0.98, 0.91, 0.73, 0.71.
@@ -95,13 +93,9 @@ import numpy as np
 
 from mk import reference
 from mk.config import DTYPE_BITS, ModelConfig
-from mk.weights import param_shapes
+from mk.weights import FORMAT_GROUPS, param_shapes
 
 SCHEMES = ("int8", "fp8", "int4", "fp4")
-FAMILIES = {"dense": ("wq", "wk", "wv", "wo", "wq_gate", "w_gate", "w_up", "w_down",
-                      "ws_gate", "ws_up", "ws_down"),  # ws_*: a MoE's shared expert
-            "experts": ("we_gate", "we_up", "we_down"),
-            "lm_head": ("lm_head",)}
 PACK_ROWS = 128  # rows of I packed together (low nibbles: first 64, high: last 64)
 # Rows of I sharing one scale (int8: all of I; fp8 also 128 columns of O).
 GROUP = {"int4": 128, "fp4": 32, "fp8": 128}
@@ -274,41 +268,42 @@ def quantize_weight(w, scheme: str, name: str = "weight") -> QuantWeight:
     return QuantWeight(pack_nibbles(q), jnp.asarray(code), scheme)
 
 
-def check_families(config: ModelConfig, schemes: dict) -> dict[str, str]:
-    """{family: scheme or None} checked against `config` -> the families to quantise."""
+def check_formats(config: ModelConfig, schemes: dict) -> dict[str, str]:
+    """{group: scheme or None} checked against `config` -> the groups to quantise."""
     if config.is_hybrid and any(schemes.values()):
         raise NotImplementedError(f"{config.name}: mk.quant does not quantise hybrid "
                                   "(linear-attention) models")
     chosen = {}
-    for family, scheme in schemes.items():
-        if family not in FAMILIES:
-            raise ValueError(f"weight family={family!r} must be one of {tuple(FAMILIES)}")
+    for group, scheme in schemes.items():
+        if group not in FORMAT_GROUPS:
+            raise ValueError(f"formats: group={group!r} must be one of "
+                             f"{tuple(FORMAT_GROUPS)} (mk.weights.FORMAT_GROUPS)")
         if scheme is None:
             continue
         if scheme not in SCHEMES:
-            raise ValueError(f"{family}={scheme!r} must be one of {SCHEMES} or None")
-        if family == "experts" and not config.is_moe:
+            raise ValueError(f"{group}={scheme!r} must be one of {SCHEMES} or None")
+        if group == "experts" and not config.is_moe:
             raise ValueError(f"experts={scheme!r}: {config.name} has no experts")
-        if family == "lm_head" and config.tie_embeddings:
+        if group == "lm_head" and config.tie_embeddings:
             raise ValueError(f"lm_head={scheme!r}: {config.name} ties its lm_head to the "
                              "embedding table, which stays in config.dtype")
-        chosen[family] = scheme
+        chosen[group] = scheme
     return chosen
 
 
 def quantize(config: ModelConfig, params: dict, *, dense: str | None = None,
              experts: str | None = None, lm_head: str | None = None) -> dict:
-    """bf16 (or float32) params -> the same dict with each weight of a chosen family
-    replaced by a `QuantWeight` in that family's scheme (None: left as it is)."""
-    chosen = check_families(config, dict(dense=dense, experts=experts, lm_head=lm_head))
+    """bf16 (or float32) params -> the same dict with each weight of a chosen group
+    replaced by a `QuantWeight` in that group's scheme (None: left as it is)."""
+    chosen = check_formats(config, dict(dense=dense, experts=experts, lm_head=lm_head))
     shapes = param_shapes(config)
-    for family, scheme in chosen.items():  # every problem before any work
-        for name in FAMILIES[family]:
+    for group, scheme in chosen.items():  # every problem before any work
+        for name in FORMAT_GROUPS[group]:
             if name in shapes:
                 check_shape(name, scheme, shapes[name][0])
     out = dict(params)
-    for family, scheme in chosen.items():
-        for name in FAMILIES[family]:
+    for group, scheme in chosen.items():
+        for name in FORMAT_GROUPS[group]:
             if name in shapes:
                 out[name] = quantize_weight(params[name], scheme, name)
     return out
@@ -382,25 +377,25 @@ def pad_columns(q: QuantWeight, columns: int) -> QuantWeight:
 
 
 def schemes_of(formats) -> dict[str, str]:
-    """{family: scheme} -> {weight name: scheme} of every weight of those families
-    (`FAMILIES`): the ring's segments stored quantised."""
-    return {name: scheme for family, scheme in dict(formats or {}).items()
-            for name in FAMILIES[family]}
+    """{group: scheme} -> {weight name: scheme} of every weight of those groups
+    (`FORMAT_GROUPS`): the ring's segments stored quantised."""
+    return {name: scheme for group, scheme in dict(formats or {}).items()
+            for name in FORMAT_GROUPS[group]}
 
 
 def formats_of(params: dict) -> dict[str, str]:
-    """{family: scheme} of the quantised families of `params` (those holding
-    `QuantWeight`s); raises ValueError if one family mixes schemes or plain weights."""
+    """{group: scheme} of the quantised groups of `params` (those holding
+    `QuantWeight`s); raises ValueError if one group mixes schemes or plain weights."""
     formats = {}
-    for family, names in FAMILIES.items():
+    for group, names in FORMAT_GROUPS.items():
         found = {name: p.scheme if isinstance(p, QuantWeight) else None
                  for name, p in params.items() if name in names}
         schemes = set(found.values())
         if len(schemes) > 1:
-            raise ValueError(f"{family} weights mix storage formats {found}; the ring "
-                             "streams one format per family")
+            raise ValueError(f"{group} weights mix storage formats {found}; the ring "
+                             "streams one format per group")
         if schemes - {None}:
-            formats[family] = schemes.pop()
+            formats[group] = schemes.pop()
     return formats
 
 
@@ -513,18 +508,18 @@ def storage_bytes(shape: tuple[int, ...], scheme: str | None, dtype: str = "bflo
             for part, a in (("data", q.data), ("scales", q.scale))}
 
 
-def family_bytes(config: ModelConfig, *, dense: str | None = None,
+def group_bytes(config: ModelConfig, *, dense: str | None = None,
                  experts: str | None = None, lm_head: str | None = None
                  ) -> dict[str, dict[str, int]]:
-    """Stored bytes of each weight family ("dense", "experts", "lm_head" and "other": the
+    """Stored bytes of each weight group ("dense", "experts", "lm_head" and "other": the
     embedding, router and norms), {"data": ..., "scales": ...} each, with the chosen
     schemes; `quantize(config, ..., same schemes)` gives arrays of exactly these sizes."""
-    chosen = check_families(config, dict(dense=dense, experts=experts, lm_head=lm_head))
-    family_of = {name: family for family, names in FAMILIES.items() for name in names}
-    totals = {family: {"data": 0, "scales": 0} for family in (*FAMILIES, "other")}
+    chosen = check_formats(config, dict(dense=dense, experts=experts, lm_head=lm_head))
+    group_of = {name: group for group, names in FORMAT_GROUPS.items() for name in names}
+    totals = {group: {"data": 0, "scales": 0} for group in (*FORMAT_GROUPS, "other")}
     for name, (shape, dtype) in param_shapes(config).items():
-        family = family_of.get(name, "other")
-        counted = storage_bytes(shape, chosen.get(family), dtype)
+        group = group_of.get(name, "other")
+        counted = storage_bytes(shape, chosen.get(group), dtype)
         for part in ("data", "scales"):
-            totals[family][part] += counted[part]
+            totals[group][part] += counted[part]
     return totals

@@ -31,7 +31,7 @@ from mk.chips import ChipSpec, chip as chip_spec
 from mk.config import ModelConfig
 from mk.kernels.collectives import AXIS
 from mk.kernels.common import BlockSizes, VmemBudget
-from mk.weights import abstract_params
+from mk.weights import FORMAT_GROUPS, abstract_params
 
 
 # What libtpu and Mosaic raise for a kernel they refuse (capacity, lowering, verification).
@@ -175,7 +175,7 @@ def compile_megakernel(config: ModelConfig, chip: str | ChipSpec, *, tp: int = 1
     params = abstract_params(config)
     params |= {name: quant.abstract_weight(params[name].shape, scheme)
                for family, scheme in dict(plan.formats).items()
-               for name in quant.FAMILIES[family] if name in params}
+               for name in FORMAT_GROUPS[family] if name in params}
     # One device's cache; with tp > 1 stacked [tp, ...] (`mk.tensor_parallel.shard_cache`).
     cache = jax.eval_shape(lambda: reference.init_cache(plan.local, batch, context))
     tokens = jax.ShapeDtypeStruct((batch, rows), jnp.int32)

@@ -23,8 +23,8 @@ A row (`Weight`) says everything one weight's consumers need to know of it:
               "dma" (whole, by its own DMA each layer), "vector" (a norm/bias row) or
               "gather" (the embedding's rows, outside the kernel)
     split     how tensor parallelism cuts it (`SPLITS`)
-    quant     the mk.quant format group it may be stored in ("dense", "experts",
-              "lm_head") or None
+    quant     the format group it may be stored quantised in (`FORMAT_GROUPS`: the
+              keys of a `formats` dict, "dense", "experts", "lm_head") or None
     hf        its Hugging Face tensor name inside a layer (or the model) per naming
               scheme (`hf_scheme`); a dict of parts fills slices of its last axis
     when      a predicate of the config that switches an optional weight on (None:
@@ -33,8 +33,9 @@ A row (`Weight`) says everything one weight's consumers need to know of it:
 Everything that needs a weight's facts reads its row: `param_shapes` (the params layout of
 `mk.config`'s docstring), the checkpoint loader (`mk.checkpoint.hf_layout`), the plan's
 byte families (`mk.kernels.plan`), tensor-parallel sharding (`mk.tensor_parallel`) and the
-quantisable groups (`mk.quant`). Not here: how a kind's kernel runs (`mk.kernels.*`), the
-model's shape and its checks (`mk.config`).
+format groups of quantised weights (`mk.quant`). "Family" means a byte family only. Not
+here: how a kind's kernel runs (`mk.kernels.*`), the model's shape and its checks
+(`mk.config`).
 
 Adding a layer kind: its rows here (with `KIND_LAYERS` and `kinds_of`), its config fields
 and checks in `mk.config`, its kernel phases in `mk.kernels`.
@@ -305,10 +306,11 @@ def _by_name(field: str) -> dict[str, object]:
 
 
 FAMILY = _by_name("family")  # weight name -> byte family
-QUANT = {name: group for name, group in _by_name("quant").items() if group}
-# mk.quant's format groups: group -> the weights that may be stored in it
-QUANT_GROUPS = {group: tuple(n for n, g in QUANT.items() if g == group)
-                for group in dict.fromkeys(QUANT.values())}
+FORMAT_GROUP = {name: group for name, group in _by_name("quant").items() if group}
+# The format groups a `formats` dict names ({group: mk.quant scheme}): group -> the weights
+# stored in its scheme. Only these weights may be quantised.
+FORMAT_GROUPS = {group: tuple(n for n, g in FORMAT_GROUP.items() if g == group)
+                 for group in ("dense", "experts", "lm_head")}
 
 
 def names(kind: str | None = None, *, family: str | None = None, path: str | None = None,

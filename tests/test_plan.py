@@ -22,7 +22,7 @@ from mk import backend, megakernel, perf, quant, reference, sim
 from mk import tensor_parallel as tpar
 from mk.kernels.collectives import tp_mesh
 from mk.kernels.common import BlockSizes, Cut, dma_log
-from mk.kernels.plan import (DTYPE_FAMILY, KV_FAMILIES, RING_COVER_S, WEIGHT_FAMILIES,
+from mk.kernels.plan import (DTYPE_FAMILY, RING_COVER_S, WEIGHT_FAMILIES,
                              DecodePlan, capacity, default_block, family_of, little_slots,
                              shard_config)
 from mk.weights import abstract_params
@@ -154,7 +154,7 @@ def test_quantised_plans_refuse_what_is_not_built_by_name():
         DecodePlan.make(config, tp=2, batch=1, context=256, formats={"experts": "int4"})
     with pytest.raises(ValueError, match="scheme='int3'|'int3'"):
         DecodePlan.make(config, batch=1, context=256, formats={"dense": "int3"})
-    with pytest.raises(ValueError, match="family='mlp'"):
+    with pytest.raises(ValueError, match="group='mlp'"):
         DecodePlan.make(config, batch=1, context=256, formats={"mlp": "int8"})
     plan = DecodePlan.make(config, batch=1, context=256, formats={"experts": "fp4"})
     assert {"ring", "ring_fp4", "ring_fp4_scales"} <= set(plan.buffers)

@@ -28,7 +28,7 @@ from jax.experimental.pallas import tpu as pltpu
 import mk
 from mk import quant, reference
 from mk.kernels.plan import default_block
-from mk.weights import param_shapes
+from mk.weights import FORMAT_GROUPS, param_shapes
 
 TINY = dataclasses.replace(mk.preset("tiny"), max_context=4096)
 TINY_MOE = dataclasses.replace(mk.preset("tiny-moe"), max_context=4096)
@@ -91,7 +91,7 @@ def test_requantising_the_dequantised_weight_gives_the_same_codes(scheme):
 def test_every_element_within_its_bound_and_a_planted_2x_scale_is_caught(scheme):
     config, params = TINY_MOE, mk.init_params(TINY_MOE)
     qparams = quantise_all(config, params, scheme)
-    names = [n for names in quant.FAMILIES.values() for n in names if n in param_shapes(config)]
+    names = [n for names in FORMAT_GROUPS.values() for n in names if n in param_shapes(config)]
     for name in names:
         quant.check_error(name, params[name], qparams[name])
     with pytest.raises(ValueError, match=rf"we_down \({scheme}\): \d+ of .* (worst at "
@@ -114,11 +114,11 @@ def test_quantize_rejects_bad_families_and_shapes_by_name():
 
 
 @pytest.mark.parametrize("scheme", quant.SCHEMES)
-def test_family_bytes_equal_the_quantised_arrays(scheme):
+def test_group_bytes_equal_the_quantised_arrays(scheme):
     config = TINY_MOE
     qparams = quantise_all(config, mk.init_params(config), scheme)
-    counted = quant.family_bytes(config, dense=scheme, experts=scheme, lm_head=scheme)
-    for family, names in quant.FAMILIES.items():
+    counted = quant.group_bytes(config, dense=scheme, experts=scheme, lm_head=scheme)
+    for family, names in FORMAT_GROUPS.items():
         held = [qparams[n] for n in names if n in qparams]
         assert counted[family] == {"data": sum(q.data.nbytes for q in held),
                                    "scales": sum(q.scale.nbytes for q in held)}, family
@@ -300,7 +300,7 @@ def test_gpt_oss_mxfp4_experts_load_bit_exactly_and_match_transformers_dequantis
     hf = {**hf_config_dict(config), "quantization_config": {"quant_method": "mxfp4"}}
     write_hf_folder(hf, tensors, tmp_path)
     _, loaded = mk.load_checkpoint(tmp_path)
-    for name in quant.FAMILIES["experts"]:
+    for name in FORMAT_GROUPS["experts"]:
         np.testing.assert_array_equal(np.asarray(loaded[name].data),
                                       np.asarray(qparams[name].data), name)
         np.testing.assert_array_equal(np.asarray(loaded[name].scale),

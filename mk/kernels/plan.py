@@ -60,8 +60,8 @@ their own scratch entry or an operand).
 Here: the sharding model (`check_tp`, `shard_config`, `kv_heads_of`, `padded_width`),
 `kv_layout` (a full layer's cache: K and V heads, or MLA's one latent row),
 `padded_vocab`, `default_block` (with `little_slots`, `ring_cover_s`, `kv_depth`),
-`model_stream`, `capacity`, `WEIGHT_FAMILIES`, `family_of`, `shard_weight_bytes`,
-`QUANT_FAMILY`, `DecodePlan`, `Fit`. Not here: the kernel (`mk.megakernel`), the layer's
+`model_stream`, `capacity`, `WEIGHT_FAMILIES`, `STEP_FAMILIES`, `family_of`,
+`shard_weight_bytes`, `QUANT_FAMILY`, `DecodePlan`, `Fit`. Not here: the kernel (`mk.megakernel`), the layer's
 phases (`mk.kernels.one_layer.LAYER_PHASES`), sharding arrays
 (`mk.tensor_parallel`), time (`mk.sim`, `mk.perf`).
 """
@@ -82,43 +82,39 @@ from mk.kernels.collectives import (MAX_INDEX, PARTIAL_SUM_BYTES, allreduce_s, c
 from mk.kernels.common import (KV_TILE, LANES, SLOTS, VMEM_HEADROOM, VMEM_ROOM, BlockSizes,
                                Buffer, VmemBudget, vmem_budget, vmem_limit_bytes)
 from mk.kernels.decode_attention import attention_semaphores, decode_attention_buffers
-from mk.kernels.deltanet import (LINEAR_WEIGHTS, linear_buffers, linear_layer_shapes,
+from mk.kernels.deltanet import (linear_buffers, linear_layer_shapes,
                                  linear_scratch)
 from mk.kernels.mla import mla_loads, mla_matrices
 from mk.kernels.mlp import expert_slots
 from mk.kernels.one_layer import (layer_buffers, layer_matrices, mixer_kinds, mlp_kinds,
                                   model_block)
 from mk.kernels.ring import TileStream, ring_buffers
+from mk.weights import FAMILIES, FAMILY, FORMAT_GROUP
 
-# The weight families of one step, and which ring segments and copies belong to each.
-WEIGHT_FAMILIES = {
-    # wq_a, wkv_a, wkv_b and the kv_a / q_a norms are MLA's (mk.kernels.mla)
-    "attention": ("wq", "wk", "wv", "wq_gate", "wo", "wq_a", "wkv_a", "wkv_b"),
-    "norms": ("norms", "qk_norms", "final_norm", "kv_a_norm", "q_a_norm"),
-    "dense_mlp": ("w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down"),  # ws: shared
-    "router": ("router", "router_bias"),
-    "experts": ("we_gate", "we_up", "we_down"),
-    "lm_head": ("lm_head",),
-    "linear": LINEAR_WEIGHTS,
-}
-# The per-step bytes that are not weights: KV rows, and the linear layers' conv and
-# recurrent states (read once, written after every row).
-KV_FAMILIES = {"kv_read": ("k_tile", "v_tile"), "kv_write": ("k_write_back", "v_write_back"),
-               "state_read": ("state_load", "conv_load"),
-               "state_write": ("state_rows", "conv_rows")}
+# The byte families of one step's weights (`mk.weights.FAMILIES` but the embedding, whose
+# rows are gathered outside the kernel); a weight's is its row's `family`.
+WEIGHT_FAMILIES = tuple(f for f in FAMILIES if f != "embed")
+# The step's DMAs that are not weights of the table, by byte family: a layer's norm rows
+# (attn and mlp norm, q and k norm), KV rows, and the linear layers' conv and recurrent
+# states (read once, written after every row).
+STEP_FAMILIES = {"norms": ("norms", "qk_norms"),
+                 "kv_read": ("k_tile", "v_tile"), "kv_write": ("k_write_back", "v_write_back"),
+                 "state_read": ("state_load", "conv_load"),
+                 "state_write": ("state_rows", "conv_rows")}
 # Storage dtype family of each weight family (mk.perf.family_dtypes); norms are float32.
 DTYPE_FAMILY = {"attention": "dense", "dense_mlp": "dense", "router": "dense",
                 "lm_head": "dense", "experts": "experts", "norms": None, "linear": "dense"}
-# The mk.quant family (mk.quant.FAMILIES) of each weight family that can be quantised; the
-# router and the norms stay in their dtypes.
-QUANT_FAMILY = {"attention": "dense", "dense_mlp": "dense", "experts": "experts",
-                "lm_head": "lm_head"}
+# The format group (`mk.weights.FORMAT_GROUPS`) of each byte family that holds quantisable
+# weights; the router and the norms stay in their dtypes.
+QUANT_FAMILY = {FAMILY[name]: group for name, group in FORMAT_GROUP.items()}
 
 
 def family_of(what: str) -> str:
     """The byte family of a DMA named `what` ("wq", "we_gate[3]", "k_tile", ...)."""
     name = what.split("[")[0]
-    for family, names in (WEIGHT_FAMILIES | KV_FAMILIES).items():
+    if name in FAMILY:
+        return FAMILY[name]
+    for family, names in STEP_FAMILIES.items():
         if name in names:
             return family
     raise KeyError(f"no byte family holds {what!r}")
@@ -289,7 +285,7 @@ def shard_weight_bytes(local: ModelConfig, vocab: int, experts: float,
 def _bytes_per_element(local: ModelConfig, dtypes=None, formats=None,
                        block: BlockSizes | None = None) -> dict[str, float]:
     """Streamed bytes per weight element of each weight family (`shard_weight_bytes`)."""
-    c, formats = local, quant.check_families(local, dict(formats or {}))
+    c, formats = local, quant.check_formats(local, dict(formats or {}))
     dtypes = dtypes or {"dense": c.dtype, "experts": c.expert_dtype or c.dtype}
     per = {f: 4 if d is None else DTYPE_BITS[dtypes[d]] / 8 for f, d in DTYPE_FAMILY.items()}
     for family, scheme in formats.items():
@@ -382,7 +378,7 @@ class DecodePlan:
         M = check_rows(batch, rows)
         context = positive_int("context", context)
         spec = named_chip(chip) if isinstance(chip, str) else chip
-        formats = quant.check_families(config, dict(formats or {}))
+        formats = quant.check_formats(config, dict(formats or {}))
         if formats and tp != 1:
             raise ValueError(f"formats={formats} with tp={tp}: sharding quantised weights "
                              "is not built yet (issue 16); quantised plans run on tp=1")

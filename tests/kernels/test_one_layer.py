@@ -21,7 +21,7 @@ from mk import backend, quant, reference, tpu
 from mk.kernels.common import vmem_budget
 from mk.kernels.one_layer import one_layer, one_layer_buffers
 from mk.kernels.plan import default_block
-from mk.weights import abstract_params
+from mk.weights import FORMAT_GROUPS, abstract_params
 from builders import plant_double_scale, quantised_cases
 from tolerances import ROUTER_TIE, TOLERANCE as ALL_TOLERANCES
 
@@ -155,7 +155,7 @@ def test_float32_layer_matches_the_reference_tightly():
                                          ("tiny-moe", 2)])
 def test_quantised_layer_streams_packed_tiles_and_matches_the_reference(name, layer, scheme,
                                                                          dtype):
-    """Every weight family of the layer stored in `scheme` (the router plain): the
+    """Every format group of the layer stored in `scheme` (the router plain): the
     reference on the dequantised values; the same check fails on planted 2x scales in this
     layer's wo: its first row of groups (in bf16 one int4 group moves x less than the
     tolerance)."""
@@ -230,7 +230,7 @@ def test_compiles_for_tpu_at_real_shapes(name, chip, formats):
     block = default_block(config, 256, formats=formats)  # quantised weights: plain tiles
     params = abstract_params(config)
     params |= {n: quant.abstract_weight(params[n].shape, scheme)
-               for family, scheme in formats.items() for n in quant.FAMILIES[family]
+               for family, scheme in formats.items() for n in FORMAT_GROUPS[family]
                if n in params}
     cache = jax.ShapeDtypeStruct((2, B, config.kv_heads, S, config.head_dim), config.dtype)
     kind = config.mlp_index(1)[0]
