@@ -90,27 +90,26 @@ from mk.kernels.collectives import (AXIS, COLLECTIVE_IDS, CollectiveScratch, all
 from mk.kernels.common import BlockSizes, aliases, memory_specs, start_dma
 from mk.kernels.decode_attention import (AttentionScratch, KvStream, drain_write_backs,
                                          start_write_backs)
-from mk.kernels.deltanet import (LINEAR_WEIGHTS, STATE_INPUTS, STATE_OUTPUTS, drain_linear,
+from mk.kernels.deltanet import (STATE_INPUTS, STATE_OUTPUTS, drain_linear,
                                  linear_weights, prepare_linear, prime_linear)
-from mk.kernels.mla import latent_columns, mla_loads, mla_matrices
-from mk.kernels.one_layer import (full_matrices, layer_body, mixer_kinds, mlp_fetch, mlp_kinds,
+from mk.kernels.mla import latent_columns, mla_loads
+from mk.kernels.one_layer import (full_matrices, layer_body, mlp_fetch, mlp_kinds,
                                   mlp_weights, router_after_mixer)
 from mk.kernels.plan import DecodePlan, model_stream, padded_vocab
 from mk.kernels.ring import Ring, ring_layout
 from mk.reference import rms_norm
+from mk.weights import kind_of, names_of
 
 TAPS = ("attn", "mlp")  # where the residual stream is tapped in each layer (debug path)
-ATTENTION_WEIGHTS = ("wq", "wk", "wv", "wq_gate", "wo")  # wq_gate: gated models only
 # Where each operand of the kernel lives: SMEM scalars, VMEM, or HBM (pl.ANY, DMA'd by
 # hand). The weights of an MLP kind the model has and its token mixers' (`mlp_weights`,
-# `attention_weights`: MLA's too) are HBM operands too (`traced_step` adds them); a
-# hybrid's linear weights and states too (LINEAR_WEIGHTS, STATE_INPUTS and its outputs
-# STATE_OUTPUTS).
+# `attention_weights`) are HBM operands too (`traced_step` adds them); a hybrid's linear
+# states too (STATE_INPUTS and its outputs STATE_OUTPUTS).
 INPUT_SPACES = dict(positions=pltpu.SMEM, is_moe=pltpu.SMEM, mlp_row=pltpu.SMEM,
                     is_linear=pltpu.SMEM, mixer_row=pltpu.SMEM,
                     x=pltpu.VMEM, final_norm=pl.ANY, norms=pl.ANY, qk_norms=pl.ANY,
                     lm_head=pl.ANY, k_cache=pl.ANY, v_cache=pl.ANY, latent_cache=pl.ANY,
-                    **{n: pl.ANY for n in ATTENTION_WEIGHTS + LINEAR_WEIGHTS + STATE_INPUTS})
+                    **{n: pl.ANY for n in STATE_INPUTS})
 OUTPUT_SPACES = dict(next_tokens=pltpu.VMEM, logits=pltpu.VMEM, k_cache=pl.ANY,
                      v_cache=pl.ANY, latent_cache=pl.ANY, taps=pltpu.VMEM,
                      **{n: pl.ANY for n in STATE_OUTPUTS})
@@ -118,15 +117,11 @@ VECTORS = ("norms", "qk_norms")  # per-layer vectors, prefetched a layer ahead
 
 
 def attention_weights(config: ModelConfig) -> tuple[str, ...]:
-    """The token mixers' weights `config`'s layers read (ATTENTION_WEIGHTS it has, or
-    MLA's ring matrices and `mla_loads`, and its linear layers' `linear_weights` for a
-    hybrid)."""
-    if config.is_mla:
-        names = tuple(n for n, *_ in mla_matrices(config)) + tuple(mla_loads(config))
-    else:
-        names = tuple(n for n in ATTENTION_WEIGHTS
-                      if n != "wq_gate" or config.attn_output_gate)
-    return names + (sum(linear_weights(config), ()) if config.linear_layers else ())
+    """The HBM weights of `config`'s token mixers (its full and linear kinds' rows of
+    `mk.weights` that the kernel streams or DMAs; the q/k norms come with the layer's
+    vectors)."""
+    return tuple(name for layers in ("full_layers", "linear_layers")
+                 for name in names_of(config, kind_of(config, layers), "ring", "dma"))
 
 
 def prepare(config: ModelConfig, params, block: BlockSizes) -> dict:

@@ -20,8 +20,10 @@ A row (`Weight`) says everything one weight's consumers need to know of it:
     shape     one layer's shape, from the config (without the stacked layer axis)
     family    its byte family: what a step's DMAs of it are counted as (`FAMILIES`)
     path      how the megakernel moves it: "ring" (tiles through the weight ring),
-              "dma" (whole, by its own DMA each layer), "vector" (a norm/bias row) or
-              "gather" (the embedding's rows, outside the kernel)
+              "dma" (whole, by its own DMA each layer that uses it), "vector" (a norm
+              row prefetched a layer ahead with the layer's other norms) or "gather" (the
+              embedding's rows, outside the kernel); a function of the config where
+              the config decides (MLA's wq streams only without a q low rank)
     split     how tensor parallelism cuts it (`SPLITS`)
     quant     the format group it may be stored quantised in (`FORMAT_GROUPS`: the
               keys of a `formats` dict, "dense", "experts", "lm_head") or None
@@ -83,7 +85,7 @@ class Weight:
     kind: str
     shape: Callable[[ModelConfig], tuple[int, ...]]
     family: str
-    path: str
+    path: str | Callable[[ModelConfig], str]
     split: str
     quant: str | None = None
     hf: dict = dataclasses.field(default_factory=dict)
@@ -93,7 +95,6 @@ class Weight:
     def __post_init__(self):
         for field, value, allowed in (("kind", self.kind, KIND_LAYERS),
                                       ("family", self.family, FAMILIES),
-                                      ("path", self.path, PATHS),
                                       ("split", self.split, SPLITS)):
             if value not in allowed:
                 raise ValueError(f"weight {self.name}: {field}={value!r} must be one of "
@@ -102,6 +103,13 @@ class Weight:
         if unknown:
             raise ValueError(f"weight {self.name}: hf schemes {sorted(unknown)} must be in "
                              f"{HF_SCHEMES}")
+
+    def path_of(self, config: ModelConfig) -> str:
+        """How the megakernel moves this weight in `config` (`PATHS`)."""
+        path = self.path(config) if callable(self.path) else self.path
+        if path not in PATHS:
+            raise ValueError(f"weight {self.name}: path={path!r} must be one of {PATHS}")
+        return path
 
     def present(self, config: ModelConfig) -> bool:
         """Whether `config` has this weight (its kind's layers exist and its switch is on)."""
@@ -167,14 +175,14 @@ WEIGHTS = (
     # -- multi-head latent attention (Kimi Linear's full layers) ----------------------------
     _w("wq_a", "mla", lambda c: (c.hidden, c.q_rank), "attention", "ring", "whole",
        hf={"kimi": "self_attn.q_a_proj.weight"}, when=lambda c: c.q_rank),
-    _w("q_a_norm", "mla", lambda c: (c.q_rank,), "norms", "vector", "whole",
+    _w("q_a_norm", "mla", lambda c: (c.q_rank,), "norms", "dma", "whole",
        hf={"kimi": "self_attn.q_a_layernorm.weight"}, when=lambda c: c.q_rank),
-    _w("wq", "mla", lambda c: (c.q_rank or c.hidden, c.q_width), "attention", "ring",
-       "columns", quant="dense",
+    _w("wq", "mla", lambda c: (c.q_rank or c.hidden, c.q_width), "attention",
+       lambda c: "dma" if c.q_rank else "ring", "columns", quant="dense",
        hf={"kimi": lambda c: f"self_attn.{'q_b_proj' if c.q_rank else 'q_proj'}.weight"}),
     _w("wkv_a", "mla", lambda c: (c.hidden, c.latent_width), "attention", "ring", "whole",
        hf={"kimi": "self_attn.kv_a_proj_with_mqa.weight"}),
-    _w("kv_a_norm", "mla", lambda c: (c.latent_rank,), "norms", "vector", "whole",
+    _w("kv_a_norm", "mla", lambda c: (c.latent_rank,), "norms", "dma", "whole",
        hf={"kimi": "self_attn.kv_a_layernorm.weight"}),
     _w("wkv_b", "mla", lambda c: (c.latent_rank,
                                   c.heads * (c.head_dim - c.rope_dim + c.value_dim)),
@@ -192,36 +200,36 @@ WEIGHTS = (
        "columns", hf={"qwen": "linear_attn.in_proj_a.weight"}),
     _w("lin_conv", "deltanet", lambda c: (c.conv_kernel, c.conv_channels), "linear", "dma",
        "channels", hf={"qwen": "linear_attn.conv1d.weight"}),
-    _w("lin_a_log", "deltanet", lambda c: (c.linear_value_heads,), "linear", "vector",
+    _w("lin_a_log", "deltanet", lambda c: (c.linear_value_heads,), "linear", "dma",
        "columns", hf={"qwen": "linear_attn.A_log"}),
-    _w("lin_dt_bias", "deltanet", lambda c: (c.linear_value_heads,), "linear", "vector",
+    _w("lin_dt_bias", "deltanet", lambda c: (c.linear_value_heads,), "linear", "dma",
        "columns", hf={"qwen": "linear_attn.dt_bias"}),
-    _w("lin_norm", "deltanet", lambda c: (c.linear_value_dim,), "linear", "vector", "whole",
+    _w("lin_norm", "deltanet", lambda c: (c.linear_value_dim,), "linear", "dma", "whole",
        hf={"qwen": "linear_attn.norm.weight"}),
     _w("lin_out", "deltanet", lambda c: (c.linear_value_width, c.hidden), "linear", "ring",
        "rows", hf={"qwen": "linear_attn.out_proj.weight"}),
     # -- Kimi Delta Attention (Kimi Linear's linear layers; Nk = Nv) -----------------------
     _w("lin_qkv", "kda", lambda c: (c.hidden, c.conv_channels), "linear", "ring", "channels",
        hf={"kimi": _qkv_parts("self_attn.", "_proj.weight")}),
-    _w("lin_conv", "kda", lambda c: (c.conv_kernel, c.conv_channels), "linear", "dma",
-       "channels", hf={"kimi": _qkv_parts("self_attn.", "_conv1d.weight")}),
+    _w("lin_b", "kda", lambda c: (c.hidden, c.linear_value_heads), "linear", "dma",
+       "columns", hf={"kimi": "self_attn.b_proj.weight"}),
     _w("kda_f_a", "kda", lambda c: (c.hidden, c.linear_key_dim), "linear", "dma", "whole",
        hf={"kimi": "self_attn.f_a_proj.weight"}),
     _w("kda_f_b", "kda", lambda c: (c.linear_key_dim, c.linear_value_heads
                                     * c.linear_key_dim), "linear", "dma", "columns",
        hf={"kimi": "self_attn.f_b_proj.weight"}),
-    _w("lin_dt_bias", "kda", lambda c: (c.linear_value_heads * c.linear_key_dim,), "linear",
-       "vector", "columns", hf={"kimi": "self_attn.dt_bias"}),
-    # stored [1, 1, Nv, 1]: the part "kda" (`mk.checkpoint`)
-    _w("lin_a_log", "kda", lambda c: (c.linear_value_heads,), "linear", "vector", "columns",
-       hf={"kimi": {"kda": "self_attn.A_log"}}),
-    _w("lin_b", "kda", lambda c: (c.hidden, c.linear_value_heads), "linear", "dma",
-       "columns", hf={"kimi": "self_attn.b_proj.weight"}),
     _w("kda_g_a", "kda", lambda c: (c.hidden, c.linear_value_dim), "linear", "dma", "whole",
        hf={"kimi": "self_attn.g_a_proj.weight"}),
     _w("kda_g_b", "kda", lambda c: (c.linear_value_dim, c.linear_value_width), "linear",
        "dma", "columns", hf={"kimi": "self_attn.g_b_proj.weight"}),
-    _w("lin_norm", "kda", lambda c: (c.linear_value_dim,), "linear", "vector", "whole",
+    _w("lin_conv", "kda", lambda c: (c.conv_kernel, c.conv_channels), "linear", "dma",
+       "channels", hf={"kimi": _qkv_parts("self_attn.", "_conv1d.weight")}),
+    # stored [1, 1, Nv, 1]: the part "kda" (`mk.checkpoint`)
+    _w("lin_a_log", "kda", lambda c: (c.linear_value_heads,), "linear", "dma", "columns",
+       hf={"kimi": {"kda": "self_attn.A_log"}}),
+    _w("lin_dt_bias", "kda", lambda c: (c.linear_value_heads * c.linear_key_dim,), "linear",
+       "dma", "columns", hf={"kimi": "self_attn.dt_bias"}),
+    _w("lin_norm", "kda", lambda c: (c.linear_value_dim,), "linear", "dma", "whole",
        hf={"kimi": "self_attn.o_norm.weight"}),
     _w("lin_out", "kda", lambda c: (c.linear_value_width, c.hidden), "linear", "ring", "rows",
        hf={"kimi": "self_attn.o_proj.weight"}),
@@ -239,7 +247,7 @@ WEIGHTS = (
     # -- mixture of experts: "{e}" is the expert's index ------------------------------------
     _w("router", "moe", lambda c: (c.hidden, c.experts), "router", "dma", "whole",
        hf={"qwen": "mlp.gate.weight", "kimi": "block_sparse_moe.gate.weight"}),
-    _w("router_bias", "moe", lambda c: (c.experts,), "router", "vector", "whole",
+    _w("router_bias", "moe", lambda c: (c.experts,), "router", "dma", "whole",
        hf={"kimi": "block_sparse_moe.gate.e_score_correction_bias"},
        when=lambda c: c.router_score == "sigmoid"),
     _w("we_gate", "moe", lambda c: (c.experts, c.hidden, c.expert_ffn), "experts", "ring",
@@ -279,6 +287,20 @@ def weights_of(config: ModelConfig) -> tuple[Weight, ...]:
     """The rows of the weights `config` has, in table order (one per name)."""
     kinds = kinds_of(config)
     return tuple(w for w in WEIGHTS if w.kind in kinds and w.present(config))
+
+
+def kind_of(config: ModelConfig, layers: str) -> str | None:
+    """The kind `config`'s `layers` hold ("full_layers", "linear_layers", "dense_layers"
+    or "moe_layers": a `KIND_LAYERS` field), or None when it has none of them."""
+    return next((k for k in kinds_of(config) if KIND_LAYERS[k] == layers), None)
+
+
+def names_of(config: ModelConfig, kind: str | None, *paths: str) -> tuple[str, ...]:
+    """The names of `config`'s weights of `kind` (None: none) that the megakernel moves
+    by one of `paths` (all when none is given), in table order: the order a kind's
+    kernel streams its segments and issues its DMAs in."""
+    return tuple(w.name for w in weights_of(config)
+                 if w.kind == kind and (not paths or w.path_of(config) in paths))
 
 
 def weight(config: ModelConfig, name: str) -> Weight:

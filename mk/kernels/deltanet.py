@@ -34,7 +34,7 @@ Kimi Delta Attention (KDA, Kimi Linear's linear layers, config.channel_decay) is
 layer with three changes (mk.reference.kimi_delta_attention): the decay is one per key
 channel, from a low-rank forget gate (h f_a f_b); the output gate is a low-rank sigmoid
 gate (h g_a g_b) in place of z; Nk = Nv. The four low-rank weights come by their own DMA
-(`KDA_DMAS`), the ring streams lin_qkv and lin_out (`KDA_SEGMENTS`). A row's decays sit in
+(`linear_weights`), the ring streams lin_qkv and lin_out. A row's decays sit in
 blocks [R, Hk] beside q and k, and `channel_column` turns row t's into the column that
 scales the state's rows.
 
@@ -71,7 +71,7 @@ from mk.kernels.common import (LANES, BlockSizes, Buffer, memory_specs, start_dm
 from mk.kernels.ring import Ring, TileStream, ring_layout
 from mk.kernels.weight_streaming import stage_block
 from mk.reference import rms_norm
-from mk.weights import param_shapes
+from mk.weights import kind_of, names_of, param_shapes
 
 ALIGN = 8  # rows of an f32 (8, 128) tile
 F32 = jnp.float32
@@ -256,23 +256,15 @@ def delta_rule_step(q, k, v, decay, beta, state, *, kernel=None):
 
 
 # -- The whole layer: stage 05b ------------------------------------------------------------
-# The linear layer's ring segments, in consumption order (`gated_deltanet_matrices`).
-LINEAR_SEGMENTS = ("lin_qkv", "lin_z", "lin_out")
-# The linear layer's weights that are not ring segments, [Ll, ...] each, brought by their
-# own DMA at the layer's start: in_proj_b and in_proj_a ([D, Nv], Nv = 48 lanes in the 27B:
-# narrower than a ring tile, as a MoE router is), the conv taps, A_log, dt_bias and the
-# gated norm's weight (`prepare_linear` gives the vectors a [1, n] row each).
-LINEAR_DMAS = ("lin_b", "lin_a", "lin_conv", "lin_a_log", "lin_dt_bias", "lin_norm")
-# Kimi Delta Attention (config.channel_decay) has no lin_z and no lin_a: its forget gate
-# (one decay per key channel) and its output gate are low-rank pairs, D -> Hk -> Nv*Hk and
-# D -> Hv -> Nv*Hv. Their rank (128) is narrower than a ring tile can be, so the four come
-# by their own DMA, whole, as in_proj_b does; the ring streams lin_qkv and lin_out.
-KDA_SEGMENTS = ("lin_qkv", "lin_out")
-KDA_DMAS = ("lin_b", "kda_f_a", "kda_f_b", "kda_g_a", "kda_g_b", "lin_conv", "lin_a_log",
-            "lin_dt_bias", "lin_norm")
-# Every linear-layer weight of either kind, for lookups by name (memory spaces, byte
-# families); one model's are `linear_weights(config)`.
-LINEAR_WEIGHTS = tuple(dict.fromkeys(LINEAR_SEGMENTS + LINEAR_DMAS + KDA_SEGMENTS + KDA_DMAS))
+# A linear layer's weights are its kind's rows of `mk.weights` (`linear_weights`): the
+# ring streams the matrices with D rows or columns (in_proj_qkv, in_proj_z, out_proj); the
+# narrow ones come whole by their own DMA at the layer's start, in table order: in_proj_b
+# and in_proj_a ([D, Nv], Nv = 48 lanes in the 27B: narrower than a ring tile, as a MoE
+# router is), the conv taps, A_log, dt_bias and the gated norm's weight (`prepare_linear`
+# gives the vectors a [1, n] row each). Kimi Delta Attention has no in_proj_z and no
+# in_proj_a: its forget gate (one decay per key channel) and its output gate are low-rank
+# pairs, D -> Hk -> Nv*Hk and D -> Hv -> Nv*Hv, whose rank (128) is narrower than a ring
+# tile can be, so the four come by DMA as in_proj_b does.
 # The layer's states: read (HBM [Ll, B, ...]) and their row states written (HBM
 # [Ll, B, T, ...]), by name.
 STATE_INPUTS = ("conv_state", "state")
@@ -280,15 +272,16 @@ STATE_OUTPUTS = ("conv_rows", "state_rows")
 
 
 def linear_weights(config: ModelConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(ring segments, weights brought by their own DMA) of `config`'s linear layers: the
-    gated DeltaNet's (LINEAR_SEGMENTS, LINEAR_DMAS) or KDA's (KDA_SEGMENTS, KDA_DMAS)."""
-    return (KDA_SEGMENTS, KDA_DMAS) if config.channel_decay else (LINEAR_SEGMENTS,
-                                                                  LINEAR_DMAS)
+    """(ring segments, weights brought by their own DMA) of `config`'s linear layers (the
+    gated DeltaNet's or KDA's rows of `mk.weights`, in table order; empty without linear
+    layers)."""
+    kind = kind_of(config, "linear_layers")
+    return names_of(config, kind, "ring"), names_of(config, kind, "dma")
 
 
 def linear_layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """One linear layer's weights by name, ring segments first, each shape without the
-    stacked layer axis (`config.param_shapes`): the one count of a linear layer's weights
+    stacked layer axis (`mk.weights.param_shapes`): the one count of a linear layer's weights
     the plan, the simulator and the stage kernel's cost estimate read."""
     shapes = param_shapes(config)
     return {n: shapes[n][0][1:] for group in linear_weights(config) for n in group}
@@ -610,9 +603,9 @@ def drain_linear(ls, hbm: dict) -> None:
 
 def gated_deltanet_kernel(inputs, outputs, *, config: ModelConfig, stream: TileStream,
                           batch: int, rows: int, h_vmem, ring_vmem, sems, linear):
-    """inputs: x [M, D] f32, attn_norm [1, D] f32 (VMEM), the ring's weights and
-    LINEAR_DMAS and STATE_INPUTS (HBM, the one layer's, [1, ...]); outputs: out [M, D] f32
-    (x + the mixer), STATE_OUTPUTS (HBM, [1, ...]); scratch: h, the ring and its sems,
+    """inputs: x [M, D] f32, attn_norm [1, D] f32 (VMEM), the ring's weights and the
+    DMA'd ones (`linear_weights`) and STATE_INPUTS (HBM, the one layer's, [1, ...]);
+    outputs: out [M, D] f32 (x + the mixer), STATE_OUTPUTS (HBM, [1, ...]); scratch: h, the ring and its sems,
     `linear_scratch` as `linear`."""
     row = 0
     fetch = {n: (lambda layer, n=n: (inputs[n].at[row], None))

@@ -72,12 +72,15 @@ from mk.config import COMPUTE_DTYPES, MAX_ROWS, check_routing
 from mk.kernels.common import BlockSizes, Buffer, start_dma, vmem_limit_bytes, vmem_scratch
 from mk.kernels.ring import Repeat, Ring, TileStream, ring_buffers
 from mk.kernels.weight_streaming import ring_weights, stage_block, weight_stream
+from mk.weights import names
 
 
 
 # -- Dense SwiGLU --------------------------------------------------------------------------
-DENSE_WEIGHTS = ("w_gate", "w_up", "w_down")  # a dense MLP's segments, in order
-SHARED_WEIGHTS = ("ws_gate", "ws_up", "ws_down")  # a MoE layer's shared expert's
+# The segments of a dense MLP and of a MoE layer's shared expert (gate, up, down), their
+# rows of `mk.weights` in order.
+DENSE_WEIGHTS = names("dense", path="ring")
+SHARED_WEIGHTS = names("moe", family="dense_mlp")
 
 
 def swiglu_segments(D: int, F: int, names=DENSE_WEIGHTS) -> list[tuple[str, int, int]]:
@@ -241,7 +244,7 @@ def swiglu(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, 
 
 
 # -- Mixture of experts --------------------------------------------------------------------
-EXPERT_WEIGHTS = ("we_gate", "we_up", "we_down")  # one slot's segments, in order
+EXPERT_WEIGHTS = names("moe", family="experts")  # one slot's segments, in order
 @dataclasses.dataclass(frozen=True)
 class Routing:
     """How a MoE layer picks and weighs its top_k experts (`mk.reference.mlp_block`); the

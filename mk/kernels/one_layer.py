@@ -50,12 +50,13 @@ from mk.kernels.decode_attention import (AttentionScratch, KvStream, attend,
 from mk.kernels.deltanet import gated_deltanet_matrices, linear_mixer
 from mk.kernels.mla import (mla_buffers, mla_epilogue, mla_matrices, mla_prologue,
                             start_mla_loads)
-from mk.kernels.mlp import (EXPERT_WEIGHTS, SHARED_WEIGHTS, Routing, expert_slots, moe_body,
-                            moe_fetch, moe_segments, swiglu_body, swiglu_fetch,
-                            swiglu_segments)
+from mk.kernels.mlp import (DENSE_WEIGHTS, EXPERT_WEIGHTS, SHARED_WEIGHTS, Routing,
+                            expert_slots, moe_body, moe_fetch, moe_segments, swiglu_body,
+                            swiglu_fetch, swiglu_segments)
 from mk.kernels.ring import Ring, TileStream, ring_buffers
 from mk.kernels.weight_streaming import ring_weights, weight_stream
 from mk.reference import check_positions, rms_norm
+from mk.weights import names_of
 
 
 def mlp_kinds(config: ModelConfig) -> tuple[str, ...]:
@@ -193,19 +194,11 @@ def layer_scratch(config: ModelConfig, kinds: tuple[str, ...], batch: int, rows:
     return scratch
 
 
-MLP_WEIGHTS = {"dense": ("w_gate", "w_up", "w_down"),
-               "moe": ("router", "we_gate", "we_up", "we_down")}
-
-
 def mlp_weights(config: ModelConfig, kind: str) -> tuple[str, ...]:
-    """The weights of `config`'s MLP `kind`: MLP_WEIGHTS[kind], and for Kimi's MoE the
-    router bias (the sigmoid router) and the shared expert's SHARED_WEIGHTS."""
-    names = MLP_WEIGHTS[kind]
-    if kind == "moe" and config.router_score == "sigmoid":
-        names += ("router_bias",)
-    if kind == "moe" and config.shared_expert_ffn:
-        names += SHARED_WEIGHTS
-    return names
+    """The HBM weights of `config`'s MLP `kind` ("dense" or "moe": its rows of
+    `mk.weights`; a MoE's router, a sigmoid router's bias, the experts and a shared
+    expert)."""
+    return names_of(config, kind, "ring", "dma")
 
 
 def mlp_fetch(kinds, weights, s, row, is_moe) -> dict:
@@ -216,7 +209,7 @@ def mlp_fetch(kinds, weights, s, row, is_moe) -> dict:
     mixed = len(kinds) == 2
     if "dense" in kinds:
         dense_off = (lambda step: ~is_moe(step)) if mixed else None
-        fetch |= swiglu_fetch(*(weights[n] for n in MLP_WEIGHTS["dense"]), row, dense_off)
+        fetch |= swiglu_fetch(*(weights[n] for n in DENSE_WEIGHTS), row, dense_off)
     if "moe" in kinds:
         fetch |= moe_fetch(*(weights[n] for n in EXPERT_WEIGHTS), row, s.ids_smem,
                            s.count_smem)
@@ -426,7 +419,7 @@ def one_layer_kernel(inputs, outputs, *, config: ModelConfig, kind: str,
                      **scratch):
     """inputs: index [2] int32 (layer, its row in the stacked MLP weights), positions [B],
     x [M, D] f32, norms [2, D] f32 (attn, mlp), qk_norms [2, H] f32 (ones without
-    QK-norm), wq, wk, wv, wo and the MLP weights of `kind` (MLP_WEIGHTS), the caches;
+    QK-norm), wq, wk, wv, wo and the MLP weights of `kind` (`mlp_weights`), the caches;
     outputs: x_out [M, D] f32 and the caches (aliased); scratch: `layer_scratch` as
     "layer", `attend`'s as "attention"."""
     s = SimpleNamespace(**scratch["layer"])
@@ -483,7 +476,7 @@ def one_layer(config: ModelConfig, params, x, k_cache, v_cache, positions, *, la
     qk = [params[n][layer] if config.qk_norm else ones for n in ("q_norm", "k_norm")]
     attention_weights = ("wq", "wk", "wv", "wo")
     weights, weight_specs = ring_weights(
-        {n: params[n] for n in attention_weights + MLP_WEIGHTS[kind]}, stream)
+        {n: params[n] for n in attention_weights + mlp_weights(config, kind)}, stream)
     inputs = dict(index=jnp.array([layer, row], jnp.int32), positions=positions,
                   x=x.reshape(M, D).astype(jnp.float32),
                   norms=jnp.stack([params["attn_norm"][layer],
