@@ -1,7 +1,7 @@
 """Per-tile cost of the compiled megakernel, and what it does to HBM busy (issue 14).
 
-For each model and TPU chip: the megakernel's plan for the chip (`mk.sim.step_plan(chip=)`,
-the plan `DecodePlan.make(chip=)` makes for the cache the simulator replays:
+For each model and TPU chip: the megakernel's plan for the chip (`DecodePlan.make(chip=,
+position=)`, the plan for the cache the simulator replays:
 its tile, a ring sized by Little's law for `mk.kernels.plan.RING_COVER_S`, 2 us), compiled
 ahead of time with libtpu's bundle dump on (`mk.bundles.measure`: bundles per trip of
 `Ring.matmul`'s steady and edge loops), and the step is simulated (`mk.sim.simulate`) on
@@ -40,6 +40,7 @@ import jax.numpy as jnp  # noqa: E402
 import mk  # noqa: E402
 from mk import bundles, ledger, sim, tpu  # noqa: E402
 from mk.chips import chip as chip_spec  # noqa: E402
+from mk.kernels.plan import DecodePlan
 
 
 def row(preset: str, chip: str, *, tp: int = 1, topology: str | None = None, batch: int,
@@ -58,7 +59,8 @@ def row(preset: str, chip: str, *, tp: int = 1, topology: str | None = None, bat
     kw = dict(tp=tp, batch=batch, rows=rows, context=context)
     # what the simulator replays (every sequence `context` positions in, its cache just
     # holding its rows) and the kernel compiles: the plan for the chip (its ring)
-    plan = sim.step_plan(config, chip=spec, **kw)
+    plan = DecodePlan.make(config, chip=spec, tp=tp, batch=batch, rows=rows,
+                           position=context)
     block, compiled = plan.block, dict(kw, context=plan.context)
     fit = plan.fits(spec)
     out = dict(preset=preset, chip=chip, **kw, topology=topology or spec.topology,

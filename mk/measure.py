@@ -53,7 +53,7 @@ from mk.chips import ChipSpec, all_chips, chip as chip_spec
 from mk.config import ModelConfig
 from mk.kernels.common import LANES
 from mk.kernels.dma_probe import CHUNK_ROWS, SIZE_UNIT_BYTES, chunk_rows, dma_probe
-from mk.kernels.plan import capacity as cache_capacity
+from mk.kernels.plan import DecodePlan, capacity as cache_capacity
 
 SCHEMA = 1
 MODES = ("hardware", "interpret", "example")
@@ -368,9 +368,9 @@ def time_step(config: ModelConfig, *, batch: int = 1, rows: int = 1, context: in
     """One megakernel decode step of `config` (random weights of `seed`) timed on
     `backend`: every sequence reads a full cache of `context` positions before its `rows`
     new ones, as `mk.sim.simulate(..., context=context)` replays it."""
-    capacity = cache_capacity(context + rows)  # the cache `mk.sim.step_plan` replays
+    capacity = cache_capacity(context + rows)  # the cache `DecodePlan.make(position=)` holds
     config = dataclasses.replace(config, max_context=capacity)
-    plan = megakernel.step_plan(config, batch=batch, rows=rows, context=capacity)
+    plan = DecodePlan.make(config, batch=batch, rows=rows, context=capacity)
     params = init_params(config, seed)
     weights = megakernel.prepare(config, params, plan.block)
     cache = reference.init_cache(config, batch, capacity)

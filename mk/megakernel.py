@@ -24,9 +24,10 @@ look-ahead into a skipped region loads nothing, so it restarts at the region's e
 Kimi Linear (`config.is_mla`) is a hybrid whose full layers are multi-head latent
 attention (`mk.kernels.mla`): their ring segments are the matrices with D rows or
 columns (wq_a, or wq without a q low rank; wkv_a padded to whole tiles; wo), their narrow
-ones (wq after a q low rank, wkv_b, the low-rank norms) are DMA'd at the layer's start,
-and the cache is the `mk.reference.LatentCache`, its latent rows passed as the one "kv
-head" [La, B, 1, S, W] every query head reads (operand `latent_cache`, no V).
+ones (`mk.kernels.mla.mla_loads`: the up-projections, the low-rank norms) are DMA'd at
+the layer's start, and the cache is the `mk.reference.LatentCache`, its latent rows passed
+as the one "kv head" [La, B, 1, S, W] every query head reads (operand `latent_cache`, no
+V).
 
 Small per-layer vectors (attn/mlp norms, q/k norms) stay in HBM and are prefetched a
 layer ahead into two VMEM slots; a full layer's first KV tiles (`KvStream.prime`) are
@@ -57,7 +58,7 @@ after every layer's attention and MLP blocks, the same record `mk.reference.deco
 taps=True)` returns, and `first_divergence` compares the two op by op up to a
 `stop_after=(layer, op)` point and names the first op that differs.
 
-Here: `prepare` (weights in the megakernel's layout, once), `decode_step`, `step_plan`,
+Here: `prepare` (weights in the megakernel's layout, once), `decode_step`,
 `traced_step` (also what `mk.tpu.compile_megakernel` compiles), `first_divergence`,
 `generate`, `check_generate`, `progress_bar`. Not here: the compile-time benchmark
 (benchmarks/compile_time.py).
@@ -317,19 +318,6 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
         valid=vocab < config.vocab)  # not the padding columns
 
 
-def step_plan(config: ModelConfig, *, tp: int = 1, batch: int, rows: int = 1, context: int,
-              block: BlockSizes | None = None, formats=None, chip=None) -> DecodePlan:
-    """The `DecodePlan` the megakernel runs (every caller's one check): the plan's
-    limits, and a ring of >= 2 slots. formats: `mk.quant.formats_of` the params; chip:
-    the TPU it is compiled for (sizes the default ring, `DecodePlan.make`)."""
-    plan = DecodePlan.make(config, tp=tp, batch=batch, rows=rows, context=context,
-                           block=block, formats=formats, chip=chip)
-    if plan.block.slots < 2:
-        raise ValueError(f"BlockSizes.slots={plan.block.slots}: the megakernel's ring needs "
-                         ">= 2 slots so a tile loads while another computes")
-    return plan
-
-
 def decode_step(config: ModelConfig, weights, cache, tokens, positions, *,
                 block: BlockSizes | None = None, taps: bool = False,
                 row_states: bool = False):
@@ -348,7 +336,7 @@ def decode_step(config: ModelConfig, weights, cache, tokens, positions, *,
         raise ValueError(f"row_states=True needs a hybrid model; {config.name} has no "
                          "linear layers")
     tokens, positions = reference.validate_step(config, cache, tokens, positions)
-    plan = step_plan(config, batch=tokens.shape[0], rows=tokens.shape[1],
+    plan = DecodePlan.make(config, batch=tokens.shape[0], rows=tokens.shape[1],
                      context=reference.cache_capacity(config, cache), block=block,
                      formats=quant.formats_of(weights))
     backends.check_active()
@@ -376,7 +364,7 @@ def first_divergence(config: ModelConfig, params, cache: reference.KVCache, toke
         raise ValueError(f"stop_after={stop_after!r} must be (layer, op) with 0 <= layer < "
                          f"layers={config.layers} and op in {TAPS}")
     B, T = jnp.shape(tokens)
-    plan = step_plan(config, batch=B, rows=T, context=reference.cache_capacity(config, cache),
+    plan = DecodePlan.make(config, batch=B, rows=T, context=reference.cache_capacity(config, cache),
                      block=block, formats=quant.formats_of(params))
     _, _, want = reference.decode_step(config, quant.dequantize(params), cache, tokens,
                                        positions, taps=True)
@@ -506,7 +494,7 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, backend: str = 
     shows a `progress_bar` (interpret-mode calls take seconds each)."""
     prompt, S, steps, steps_per_call = check_generate(config, prompt, steps, steps_per_call,
                                                       max_context)
-    plan = step_plan(config, batch=prompt.shape[0], context=S, block=block,
+    plan = DecodePlan.make(config, batch=prompt.shape[0], context=S, block=block,
                      formats=quant.formats_of(params))
     values = quant.dequantize(params)  # what the kernel multiplies by, for the prefill
     reference.check_params(config, values)

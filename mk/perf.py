@@ -67,10 +67,10 @@ import numpy as np
 
 from mk.chips import DATA, ChipSpec, chip as named_chip
 from mk.config import DTYPE_BITS, ModelConfig, positive_int
-from mk.kernels.collectives import ICI_LATENCY_S, PARTIAL_SUM_BYTES, allreduce_s, ici_bandwidth
+from mk.kernels.collectives import PARTIAL_SUM_BYTES, allreduce_s
 from mk.kernels.one_layer import model_block
 from mk.kernels.plan import kv_layout, padded_vocab, shard_config, shard_weight_bytes
-from mk.weights import param_shapes
+from mk.weights import FAMILY, kind_of, names_of, param_shapes
 
 PUBLISHED_CSV = DATA / "published.csv"
 ROUTINGS = ("uniform", "shared", "disjoint")
@@ -365,15 +365,14 @@ def predict(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: 
 
 
 def _attention_params(config: ModelConfig) -> int:
-    """Matmul parameters of one full-attention layer's mixer (Qwen3.5's gate included;
-    MLA's projections and wkv_b, whose W_uk part the absorbed form multiplies into the
-    queries and whose W_uv part out of the latent)."""
-    if config.is_mla:  # one layer's of the stacked shapes (the config's one table of them)
-        shapes = param_shapes(config)
-        return sum(math.prod(shapes[n][0][1:]) for n in ("wq_a", "wq", "wkv_a", "wkv_b", "wo")
-                   if n in shapes)
-    gate = config.q_width if config.attn_output_gate else 0
-    return config.hidden * (2 * config.q_width + 2 * config.kv_width + gate)
+    """Matmul parameters of one full-attention layer's mixer: its kind's weights of the
+    attention family in `mk.weights` (Qwen3.5's gate included; MLA's projections and
+    wkv_b, whose W_uk part the absorbed form multiplies into the queries and whose W_uv
+    part out of the latent)."""
+    shapes = param_shapes(config)
+    return sum(math.prod(shapes[n][0][1:])
+               for n in names_of(config, kind_of(config, "full_layers"))
+               if FAMILY[n] == "attention")
 
 
 def _linear_params(config: ModelConfig) -> int:

@@ -53,6 +53,8 @@ from mk.config import ModelConfig
 from mk.kernels.attention_prologue import attention_prologue
 from mk.kernels.decode_attention import decode_attention
 from mk.kernels.mlp import moe, swiglu
+from mk.kernels.one_layer import mlp_weights
+from mk.kernels.plan import DecodePlan
 from mk.kernels.weight_streaming import stream_matmul
 
 VARIANTS = ("xla", "staged", "megakernel")
@@ -389,8 +391,7 @@ def staged_weights(config: ModelConfig, params) -> list[dict]:
     out = []
     for layer in range(config.layers):
         kind, row = config.mlp_index(layer)
-        mlp_names = (("w_gate", "w_up", "w_down") if kind == "dense"
-                     else ("router", "we_gate", "we_up", "we_down"))
+        mlp_names = mlp_weights(config, kind)
         out.append(dict(prologue={n: params[n][layer:layer + 1] for n in names},
                         wo=params["wo"][layer], mlp_norm=params["mlp_norm"][layer], kind=kind,
                         mlp=tuple(params[n][row] for n in mlp_names)))
@@ -421,7 +422,7 @@ def variants(config: ModelConfig, params, cache: reference.KVCache, tokens, posi
     weights are laid out once, here, not in the step. Call the kernels inside
     `mk.backend.use(...)`."""
     B, T = jnp.shape(tokens)
-    block = megakernel.step_plan(config, batch=B, rows=T,
+    block = DecodePlan.make(config, batch=B, rows=T,
                                  context=reference.cache_capacity(config, cache)).block
     weights = megakernel.prepare(config, params, block)
     layers = staged_weights(config, params)

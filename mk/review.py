@@ -16,7 +16,8 @@ import dataclasses
 from mk import perf
 from mk.chips import ChipSpec
 from mk.config import ModelConfig
-from mk.sim import Assumptions, simulate, step_plan
+from mk.kernels.plan import DecodePlan
+from mk.sim import Assumptions, simulate
 
 
 # -- Design sweeps ---------------------------------------------------------------------------
@@ -37,8 +38,8 @@ def sweep(config: ModelConfig, chip: ChipSpec | str, parameter: str, values, *,
         a = kw.pop("assumptions", None) or Assumptions()
         try:
             if parameter in ("slots", "tile", "kv_tile", "kv_slots"):
-                block = kw.pop("block", None) or step_plan(
-                    config, tp=kw.get("tp", 1), context=kw.get("context", 0),
+                block = kw.pop("block", None) or DecodePlan.make(
+                    config, tp=kw.get("tp", 1), position=kw.get("context", 0),
                     rows=kw.get("rows", 1), batch=kw.get("batch", 1)).block
                 change = ({"tile_rows": value, "tile_cols": value} if parameter == "tile"
                           else {parameter: value})

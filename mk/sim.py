@@ -1,11 +1,12 @@
 """The pipeline simulator: the megakernel's own tile schedule replayed on a model of a chip.
 
 `simulate(config, chip, ...)` makes the `DecodePlan` the kernel executes
-(`mk.kernels.plan`: its shard, tiles and `TileStream`; `step_plan`) and walks the stream in
+(`mk.kernels.plan`: its shard, tiles and `TileStream`; `DecodePlan.make(position=)`) and
+walks the stream in
 the kernel's program order (`mk.megakernel`; inside a layer the phases of
 `mk.kernels.one_layer.LAYER_PHASES`, the list `layer_body` checks it runs in order): prime
-the ring, per layer the prologue's wq/wk/wv (MLA's wq_a, wq, wkv_a, its DMA'd wkv_b and
-norms, the absorption), the KV stream of `attend` (MLA's latent tiles), wo (or a linear
+the ring, per layer the prologue's wq/wk/wv (MLA's ring matrices, its DMA'd `mla_loads`,
+the absorption), the KV stream of `attend` (MLA's latent tiles), wo (or a linear
 layer's mixer: the gated DeltaNet's or Kimi Delta Attention's projections, gates, conv and
 delta rule), the dense MLP or the router (Kimi's sigmoid router with its bias), a shared
 expert, expert selection and the expert slots, then the lm_head and argmax. Every
@@ -77,7 +78,7 @@ computes a weight tile: the ring is full, the tile is MXU-bound), "vector" (norm
 SwiGLU), "ring empty" (HBM idle while the lane waits for a tile still in its issue
 latency: too few slots in flight to hide it), "step end".
 
-Here: `Assumptions`, `step_plan` (the plan a simulated step replays), `active_experts`,
+Here: `Assumptions`, `active_experts`,
 `latency_slots` (Little's law), `simulate` -> `Simulation` (with its bytes per family),
 `replay_matmul` (a stream of plain matmuls: the synthetic case with a closed
 form). Not here: design sweeps and the published numbers (`mk.review`), drawing
@@ -101,17 +102,15 @@ from mk.kernels.common import BlockSizes
 from mk.kernels.decode_attention import block_rows, write_back_rows, write_back_slots
 from mk.kernels.deltanet import linear_layer_shapes, linear_weights
 from mk.kernels.mla import mla_loads
-from mk.kernels.mlp import expert_slots
+from mk.kernels.mlp import DENSE_WEIGHTS, EXPERT_WEIGHTS, SHARED_WEIGHTS, expert_slots
 from mk.kernels.one_layer import (FULL_PHASES, LAYER_PHASES, full_matrices, mlp_kinds,
                                   router_after_mixer)
-from mk.kernels.plan import DecodePlan, capacity, family_of, kv_layout, little_slots
+from mk.kernels.plan import DecodePlan, family_of, kv_layout, little_slots
 from mk.kernels.ring import TileStream
+from mk.weights import names_of, param_shapes
 
 CAUSES = ("step start", "layer boundary", "routing", "attention", "lm_head", "collective",
           "compute", "vector", "ring empty", "step end")
-DENSE_SEGMENTS = ("w_gate", "w_up", "w_down")
-EXPERT_SEGMENTS = ("we_gate", "we_up", "we_down")
-SHARED_SEGMENTS = ("ws_gate", "ws_up", "ws_down")  # Kimi's shared expert, in MoE layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,21 +157,6 @@ def active_experts(config: ModelConfig, m: int, routing: str = "uniform") -> int
     slots = expert_slots(config.experts, config.experts_per_token, m)
     mean = perf.experts_touched(config.experts, config.experts_per_token, m, routing)
     return max(1, min(slots, round(mean)))
-
-
-def step_plan(config: ModelConfig, *, batch: int = 1, rows: int = 1, context: int = 0,
-              tp: int = 1, block: BlockSizes | None = None, formats=None,
-              chip: ChipSpec | str | None = None) -> DecodePlan:
-    """The plan the simulator replays: every sequence at position `context`, in a cache
-    just large enough for its rows (`mk.kernels.plan.capacity`, or whole KV tiles of the
-    given block); without a block, the tiling the kernel compiled for `chip` has
-    (`DecodePlan.make`: its ring sized by Little's law)."""
-    if block is not None and not isinstance(block, BlockSizes):
-        raise ValueError(f"block={block!r} must be a BlockSizes or None")
-    positions = context + rows
-    S = capacity(positions) if block is None else -(-positions // block.kv_tile) * block.kv_tile
-    return DecodePlan.make(config, tp=tp, batch=batch, rows=rows, context=S, block=block,
-                           formats=formats, chip=chip)
 
 
 # -- The machine ---------------------------------------------------------------------------
@@ -341,7 +325,7 @@ class _Kernel:
         self.spec = spec
         bits = {"dense": DTYPE_BITS[dtypes["dense"]], "experts": DTYPE_BITS[dtypes["experts"]]}
         self.tile_bytes = {s.name: stream.segment_tile_bytes(s, bits[
-            "experts" if s.name in EXPERT_SEGMENTS else "dense"] / 8)
+            "experts" if s.name in EXPERT_WEIGHTS else "dense"] / 8)
             for s in stream.segments + stream.tail}  # a quantised one's: packed + scales
         self.landed: dict[int, float] = {}
         self.kv_sent: list[float] = []  # when each KV write-back of the step lands
@@ -354,7 +338,7 @@ class _Kernel:
         self.layer = 0  # the layer the kernel is in (for prefetch off)
         self.kinds = mlp_kinds(config) if config is not None else ()
         self.mixer_segments = {s.name for s in stream.segments} - set(
-            DENSE_SEGMENTS + EXPERT_SEGMENTS + SHARED_SEGMENTS + ("router",))
+            DENSE_WEIGHTS + EXPERT_WEIGHTS + SHARED_WEIGHTS + ("router",))
         self.period, self.total = stream.period, stream.total  # properties: sum each call
         self.layered = stream.layers * self.period
         # local tile offset -> (segment, copy, what) of one layer's period and of the tail
@@ -371,10 +355,10 @@ class _Kernel:
         return (self.s.layers,) + self.tail[g - self.layered]
 
     def active(self, layer, seg, copy) -> bool:
-        if seg.name in EXPERT_SEGMENTS:
+        if seg.name in EXPERT_WEIGHTS:
             return copy < self.count
-        if seg.name in DENSE_SEGMENTS + SHARED_SEGMENTS and len(self.kinds) == 2:
-            return (layer in self.c.moe_layers) == (seg.name in SHARED_SEGMENTS)
+        if seg.name in DENSE_WEIGHTS + SHARED_WEIGHTS and len(self.kinds) == 2:
+            return (layer in self.c.moe_layers) == (seg.name in SHARED_WEIGHTS)
         if self.c is not None and self.c.is_hybrid and layer < self.c.layers:
             return (seg.name in linear_weights(self.c)[0]) == (layer in self.c.linear_layers) \
                 or seg.name not in self.mixer_segments
@@ -569,13 +553,14 @@ class _Kernel:
         elif name == "mlp":  # the MoE segments come before the dense ones in the period
             if not is_moe:
                 if "moe" in self.kinds:
-                    first = "ws_gate" if c.shared_expert_ffn else "we_gate"
-                    self.skip(*self.region(first, "we_down"))
+                    first = (SHARED_WEIGHTS if c.shared_expert_ffn else EXPERT_WEIGHTS)[0]
+                    self.skip(*self.region(first, EXPERT_WEIGHTS[-1]))
                 self.swiglu()
             else:
                 self.experts()
                 if "dense" in self.kinds:
-                    self.skip(*self.region("w_gate", "w_down"), "layer boundary")
+                    self.skip(*self.region(DENSE_WEIGHTS[0], DENSE_WEIGHTS[-1]),
+                              "layer boundary")
         elif name == "linear":  # the linear segments come before the full ones
             if self.layer in c.linear_layers:
                 self.linear_mixer()
@@ -591,10 +576,10 @@ class _Kernel:
     def start_router(self):
         """The MoE layer's router and the sigmoid router's bias, issued where
         `router_after_mixer` says."""
-        c = self.c
-        self.router = max(self.mc.dma(n * c.experts * c.weight_bits / 8, self.layer, what)
-                          for n, what in ((c.hidden, "router"), (1, "router_bias"))
-                          if what == "router" or c.router_score == "sigmoid")
+        shapes = param_shapes(self.c)
+        self.router = max(self.mc.dma(math.prod(shapes[n][0][1:]) * DTYPE_BITS[shapes[n][1]]
+                                      / 8, self.layer, n)
+                          for n in names_of(self.c, "moe", "dma"))
 
     def mla_prologue(self):
         """`mk.kernels.mla.mla_prologue`: the layer's `mla_loads` issued at its start, wq_a,
@@ -703,7 +688,7 @@ class _Kernel:
         for seg in self.s.tail:
             self.matmul(seg.name)
 
-    def swiglu(self, names=DENSE_SEGMENTS, width=None):
+    def swiglu(self, names=DENSE_WEIGHTS, width=None):
         gate, up, down = names
         self.matmul(gate)
         self.matmul(up)
@@ -715,7 +700,7 @@ class _Kernel:
         the selected flags to SMEM, the expert slots, the off slots skipped."""
         c, M = self.c, self.m
         if c.shared_expert_ffn:
-            self.swiglu(SHARED_SEGMENTS, c.shared_expert_ffn)
+            self.swiglu(SHARED_WEIGHTS, c.shared_expert_ffn)
         E, X, Fe = c.experts, c.experts_per_token, c.expert_ffn
         self.mc.compute(2 * max(M, self.mxu) * c.hidden * E / self.peak, self.layer, "router")
         self.vector(M * E * (6 + 4 * X), "router")
@@ -952,11 +937,11 @@ def simulate(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows:
              routing: str = "uniform", experts_active: int | None = None,
              assumptions: Assumptions | None = None, formats=None) -> Simulation:
     """Replay one decode step of the megakernel (module docstring) on one device of `chip`:
-    the `DecodePlan` of `step_plan(config, batch=, rows=, context=, tp=, block=,
+    the `DecodePlan` of `DecodePlan.make(config, batch=, rows=, position=, tp=, block=,
     formats=)` (formats: the mk.quant schemes of the families stored quantised).
 
     context: the cached positions each sequence reads (its rows sit at positions context ..
-    context + T - 1); block defaults to the plan's for this chip (`step_plan`: the ring
+    context + T - 1); block defaults to the plan's for this chip (`DecodePlan.make`: the ring
     Little's law asks for at `mk.kernels.plan.ring_cover_s`); weight_dtypes as in
     `mk.perf.predict`;
     experts_active overrides the routing model (active expert slots per MoE layer).
@@ -966,8 +951,8 @@ def simulate(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows:
         raise ValueError(f"config={config!r} must be a ModelConfig")
     positive_int("rows", rows)
     _check_context(config, context, rows)
-    plan = step_plan(config, batch=batch, rows=rows, context=context, tp=tp, block=block,
-                     formats=formats, chip=spec)
+    plan = DecodePlan.make(config, batch=batch, rows=rows, position=context, tp=tp,
+                           block=block, formats=formats, chip=spec, kernel=False)
     a = assumptions or Assumptions()
     dtypes = perf.family_dtypes(config, weight_dtypes)
     on = 0

@@ -48,6 +48,7 @@ import numpy as np
 from mk import backend as backends
 from mk import megakernel, perf, reference, sim
 from mk.config import MAX_ROWS, ModelConfig
+from mk.kernels.plan import DecodePlan
 from mk.weights import param_shapes
 
 MAX_GAMMA = 7  # T = gamma + 1 <= 8 verification rows, as in the published runs
@@ -186,7 +187,7 @@ class Megakernel(Runner):
         self.block = self.weights = None  # set by `_init_cache` from the step's plan
 
     def _init_cache(self, batch, capacity):
-        plan = megakernel.step_plan(self.config, batch=batch, rows=self.rows,
+        plan = DecodePlan.make(self.config, batch=batch, rows=self.rows,
                                     context=capacity, block=self.tiling)
         if self.block is None or plan.block.tile_cols != self.block.tile_cols:
             self.weights = megakernel.prepare(self.config, self.params, plan.block)

@@ -156,7 +156,7 @@ def decode_step(config: ModelConfig, weights, cache: reference.KVCache, tokens, 
     unstacked = type(cache)(*(a[0] for a in cache))
     tokens, positions = reference.validate_step(local, unstacked, tokens, positions)
     B, T = tokens.shape
-    plan = megakernel.step_plan(config, tp=tp, batch=B, rows=T,
+    plan = DecodePlan.make(config, tp=tp, batch=B, rows=T,
                                 context=reference.cache_capacity(local, unstacked), block=block)
     nxt, logits, cache = _sharded_step(plan, mesh, weights, cache, tokens, positions)
     logits = jnp.moveaxis(logits, 0, -2).reshape(B, T, config.vocab)
@@ -211,7 +211,7 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, tp: int,
     check_interpret_devices(mesh)
     prompt, S, steps, steps_per_call = megakernel.check_generate(
         config, prompt, steps, steps_per_call, max_context)
-    plan = megakernel.step_plan(config, tp=tp, batch=prompt.shape[0], context=S,
+    plan = DecodePlan.make(config, tp=tp, batch=prompt.shape[0], context=S,
                                 block=block)
     reference.check_params(config, params)
     weights = prepare(plan, params)

@@ -31,6 +31,7 @@ from mk.chips import ChipSpec, chip as chip_spec
 from mk.config import ModelConfig
 from mk.kernels.collectives import AXIS
 from mk.kernels.common import BlockSizes, VmemBudget
+from mk.kernels.plan import DecodePlan
 from mk.weights import FORMAT_GROUPS, abstract_params
 
 
@@ -164,7 +165,7 @@ def compile_megakernel(config: ModelConfig, chip: str | ChipSpec, *, tp: int = 1
     weight family stored quantised ({"dense": "int8", ...}; `mk.quant.abstract_weight`).
     """
     spec = _tpu(chip)
-    plan = megakernel.step_plan(config, tp=tp, batch=batch, rows=rows, context=context,
+    plan = DecodePlan.make(config, tp=tp, batch=batch, rows=rows, context=context,
                                 block=block, formats=formats, chip=spec)
     cores = f" TP{plan.tp}" if plan.tp > 1 else ""
     name = f"megakernel {config.name}{cores} B={batch} T={rows} S={context}"

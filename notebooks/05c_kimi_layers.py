@@ -86,6 +86,7 @@ from IPython.display import display
 
 import mk
 import mk.backend
+from mk.kernels.plan import DecodePlan
 import mk.run
 from mk import course, megakernel, plots, reference
 from mk.kernels import decode_attention, deltanet, mla, mlp
@@ -349,7 +350,7 @@ print(f"megakernel {np.asarray(got_tokens).tolist()}\nreference  "
 # ring (`k_tiles`: R + Hr values a row, padded to whole 128-lane tiles in VMEM):
 
 # %%
-k3_plan = megakernel.step_plan(mk.preset(bytes_preset), tp=32, batch=1, rows=1,
+k3_plan = DecodePlan.make(mk.preset(bytes_preset), tp=32, batch=1, rows=1,
                                context=4096, chip=run.chip)
 k3_fit, k3, local = k3_plan.fits(run.chip), k3_plan.config, k3_plan.local
 display(plots.table(k3_fit.vmem.rows()[:12]))

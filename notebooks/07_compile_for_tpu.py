@@ -78,8 +78,8 @@ from IPython.display import display
 
 import mk
 import mk.run
-from mk import megakernel, plots, tpu
-from mk.kernels.plan import capacity
+from mk import plots, tpu
+from mk.kernels.plan import DecodePlan, capacity
 
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
@@ -144,7 +144,7 @@ def largest(candidates: list[int], ok) -> int | None:
     return candidates[lo] if lo >= 0 else None
 
 
-fit = megakernel.step_plan(config, batch=run.batch, rows=run.rows,
+fit = DecodePlan.make(config, batch=run.batch, rows=run.rows,
                            context=run.context).fits(spec)
 print(f"plan: weights and KV cache {fit.hbm_bytes / 2**30:.2f} GiB of "
       f"{fit.hbm_limit_bytes / 2**30:.2f} GiB per core: "

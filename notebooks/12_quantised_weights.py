@@ -90,7 +90,7 @@ import mk.run
 from mk import megakernel, perf, plots, quant
 from mk.config import PRESET_NAMES
 from mk.kernels.common import BlockSizes, dma_log
-from mk.kernels.plan import capacity
+from mk.kernels.plan import DecodePlan, capacity
 from mk.kernels.ring import Ring
 from mk.kernels.weight_streaming import stream_matmul
 
@@ -304,7 +304,7 @@ for name in QUANTISABLE:
     row = {"preset": name}
     for fmt, families in TABLE_FORMATS.items():
         formats = {f: q for f, q in schemes(config, *families).items() if q}
-        plan = megakernel.step_plan(config, batch=fit_batch, context=S, formats=formats)
+        plan = DecodePlan.make(config, batch=fit_batch, context=S, formats=formats)
         fits = [plan.fits(chip) for chip in ("v5e", "v6e")]
         row[fmt] = (f"{fits[0].hbm_bytes / 2**30:.1f} GiB "
                     f"({'/'.join(f.chip for f in fits if f.ok) or 'neither'})")

@@ -93,8 +93,8 @@ def test_the_recorded_single_core_kernels_stream_at_the_hbm_floor(row):
     in <= 0.9 x the tile's DMA time, and the simulator with that issue time and a 1 us DMA
     latency, replayed now, keeps HBM >= 90 % busy, as recorded."""
     config, spec = mk.preset(row["preset"]), mk.chip(row["chip"])
-    plan = sim.step_plan(config, batch=row["batch"], rows=row["rows"],
-                         context=row["context"], chip=spec)
+    plan = DecodePlan.make(config, batch=row["batch"], rows=row["rows"],
+                         position=row["context"], chip=spec)
     assert (plan.block.slots, plan.stream.tile_bytes * 2 / 1024) == (row["slots"],
                                                                       row["tile_KiB"])
     if not row["fits"]:  # the weights need more HBM than one core has: nothing to run
@@ -114,9 +114,10 @@ PUBLISHED = RECORDED.parent / "published.json"
 
 def _resimulated(row, block=None):
     config, spec = mk.preset(row["preset"]), mk.chip(row["chip"])
-    kw = dict(tp=row["tp"], batch=row["batch"], rows=row["rows"], context=row["context"])
-    plan = sim.step_plan(config, chip=spec, **kw)
-    return plan, sim.simulate(config, spec, block=block or plan.block, **kw,
+    kw = dict(tp=row["tp"], batch=row["batch"], rows=row["rows"])
+    plan = DecodePlan.make(config, chip=spec, position=row["context"], **kw)
+    return plan, sim.simulate(config, spec, block=block or plan.block, context=row["context"],
+                              **kw,
                               assumptions=sim.Assumptions(
                                   dma_latency_s=row["latency_us"] * 1e-6,
                                   tile_issue_s=row["tile_ns"] * 1e-9))

@@ -23,6 +23,7 @@ from mk import backend, course, reference, sim, spec
 from mk.kernels import collectives, mlp
 from mk.kernels.attention_prologue import attention_prologue
 from mk.kernels.common import BlockSizes
+from mk.kernels.plan import DecodePlan
 from mk.kernels.weight_streaming import stream_matmul
 from multidevice import run
 
@@ -119,7 +120,7 @@ def test_dropped_all_reduce_exercise_caught():
 def test_shallow_ring_exercise_caught_against_littles_law_depth():
     p = parameters("11_design_review")
     config, chip = mk.preset(p["preset"]), p["chip"]
-    block = sim.step_plan(config, context=p["context"]).block
+    block = DecodePlan.make(config, position=p["context"]).block
     deep = dataclasses.replace(block, slots=sim.latency_slots(config, chip, block))
 
     def step(b):

@@ -9,6 +9,7 @@ import pytest
 
 import mk
 from mk import ledger, perf
+from mk.kernels.plan import DecodePlan
 
 
 @pytest.fixture(scope="module")
@@ -111,8 +112,8 @@ def test_a_recorded_per_tile_cost_gives_the_compiled_kernels_simulated_step(monk
     r, = ledger.entries(simulate_tpu=True, tile_costs=[cost])
     want = mk.sim.simulate(
         run.config, run.spec, batch=batch, rows=rows, context=0, tp=tp,
-        block=dataclasses.replace(mk.sim.step_plan(run.config, batch=batch, rows=rows,
-                                                    tp=tp).block, slots=24),
+        block=dataclasses.replace(DecodePlan.make(run.config, batch=batch, rows=rows,
+                                                    tp=tp, position=0).block, slots=24),
         assumptions=mk.sim.Assumptions(dma_latency_s=1e-6, tile_issue_s=600e-9))
     assert r["compiled_ms"] == pytest.approx(want.step_ms)
     assert r["compiled_over_floor"] == pytest.approx(want.step_ms / r["hbm_floor_ms"])

@@ -204,7 +204,7 @@ def test_the_default_tiling_is_one_rule():
     assert deep.kv_slots == 13  # 12 MiB of KV tiles, as the ring's
     assert default_block(mk.preset("tiny"), 64).kv_tile == 64  # capped by the cache
     assert capacity(4097) == 4352 and capacity(100) == 112
-    assert sim.step_plan(config, batch=8, context=4096).block == dataclasses.replace(
+    assert DecodePlan.make(config, batch=8, position=4096).block == dataclasses.replace(
         plan.block)
 
 

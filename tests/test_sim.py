@@ -15,7 +15,7 @@ from mk import megakernel, perf, sim
 from mk.chips import chip
 from mk.config import PRESET_NAMES
 from mk.kernels.common import BlockSizes
-from mk.kernels.plan import shard_config
+from mk.kernels.plan import DecodePlan, shard_config
 from mk.kernels.ring import TileStream
 from mk.weights import param_shapes
 
@@ -57,7 +57,7 @@ def test_dense_step_streams_every_kernel_weight_array_once_and_its_kv_tiles():
 
 def test_moe_step_streams_only_the_active_expert_slots_and_the_routers():
     config, M = mk.preset("tiny-moe"), 4
-    plan = sim.step_plan(config, rows=M)
+    plan = DecodePlan.make(config, rows=M, position=0)
     block, stream = plan.block, plan.stream
     for active in (1, 3, 8):
         s = sim.simulate(config, "v6e", rows=M, block=block, experts_active=active)
@@ -75,7 +75,7 @@ def test_moe_step_streams_only_the_active_expert_slots_and_the_routers():
 
 def test_ring_tile_bytes_are_the_ring_buffer_the_kernel_allocates_per_slot():
     config = mk.preset("tiny-moe")
-    plan = sim.step_plan(config, rows=2)
+    plan = DecodePlan.make(config, rows=2, position=0)
     block, ring = plan.block, plan.buffers["ring"]
     s = sim.simulate(config, "v6e", rows=2, block=block)
     tiles = [e for e in s.events if e.lane == "dma" and e.what == "wq"]
@@ -135,7 +135,7 @@ def test_a_deeper_ring_pays_off_in_the_kernel_within_the_fifo_cost_of_kv_loads(n
     deeper ring can delay attention a little (seen: +3.4% on tiny from 10 to 15 slots).
     Below 5% of the best shallower ring, and the latency-covering depth beats the
     default and one slot."""
-    block = sim.step_plan(mk.preset(name), batch=2, rows=2, context=64).block
+    block = DecodePlan.make(mk.preset(name), batch=2, rows=2, position=64).block
     need = sim.latency_slots(mk.preset(name), "tpu7x", block)
     steps = [sim.simulate(mk.preset(name), "tpu7x", batch=2, rows=2, context=64,
                           block=dataclasses.replace(block, slots=n)).step_s
@@ -254,8 +254,8 @@ def test_a_four_bit_stream_moves_a_quarter_of_the_bf16_bytes():
 def test_fast_forwarded_bubbles_still_add_up_to_the_idle_time(name, kwargs):
     config = mk.preset(name).first_layers(2)
     for slots in (3, 16):
-        block = dataclasses.replace(sim.step_plan(config, tp=kwargs["tp"], rows=8).block,
-                                    slots=slots)
+        plan = DecodePlan.make(config, tp=kwargs["tp"], rows=8, position=0)
+        block = dataclasses.replace(plan.block, slots=slots)
         s = sim.simulate(config, "tpu7x", block=block, **kwargs)
         idle = s.step_s - s.dma_bytes / s.hbm_bandwidth
         assert sum(s.bubble_share().values()) == pytest.approx(idle, rel=1e-9)

@@ -2,7 +2,7 @@
 
 prologue (norm, Q/K/V, QK-norm, RoPE) -> decode attention over the cache -> output
 projection + residual -> norm -> SwiGLU or MoE -> residual. All weights of the layer are
-ONE `TileStream` (wq, wk, wv, wo, then w_gate, w_up, w_down or the expert slots), so the
+ONE `TileStream` (wq, wk, wv, wo, then the dense MLP's or the expert slots), so the
 ring never drains between sub-blocks: while attention walks the KV cache, the first tiles
 of wo are already in VMEM; while wo computes, the MLP's tiles are in flight. Expert tiles
 are the one exception: they can only be issued once the router has chosen (see

@@ -22,20 +22,20 @@ and answers `fits(chip)` (the one VMEM + HBM capacity check, made before any com
 `weight_bytes(experts)` (the bytes each weight family moves per step on one device, what
 `mk.perf` and `mk.sim` count and the kernel's DMAs move).
 
-The sharding model (one place; `mk.tensor_parallel` shards the weights to it):
+The sharding model (what one device holds; each weight's split rule is its row of
+`mk.weights`, `mk.tensor_parallel` lays the arrays out to them):
 
-    attention  N/tp query heads (wq and Qwen3.5's wq_gate by the same columns); K/tp kv
-               heads, or, when tp > K, the one kv head its query heads share (replicated
-               on tp/K devices); MLA: N/tp heads (wq and wkv_b by heads, wo by rows), the
-               low-rank wq_a, wkv_a and their norms replicated, and the latent cache
+    attention  N/tp query heads (the output gate's columns with them); K/tp kv heads, or,
+               when tp > K, the one kv head its query heads share (replicated on tp/K
+               devices); MLA: N/tp heads (the up-projections by heads, wo by rows), the
+               low-rank down-projections and their norms replicated, and the latent cache
                whole on every device (each computes the same latent rows)
-    linear     Nk/tp key heads and Nv/tp value heads of each gated-DeltaNet layer: their
-               q, k and v channels of in_proj_qkv and the conv, in_proj_z, in_proj_b/a,
-               A_log, dt_bias by heads, out_proj by rows (partial sums, all-reduced as
-               wo's), the conv and recurrent states by the same heads; the gated norm's
-               weight replicated; a KDA layer (Nk = Nv) the same, its low-rank gates'
-               up-projections (f_b, g_b) by heads, their down-projections replicated
-    dense MLP  F/tp columns of w_gate, w_up and rows of w_down, padded to whole 128-lane
+    linear     Nk/tp key heads and Nv/tp value heads of each linear layer (gated DeltaNet
+               or KDA): their q, k and v channels of the projection and the conv, the
+               per-head gates and vectors by heads, out_proj by rows (partial sums,
+               all-reduced as wo's), the conv and recurrent states by the same heads; the
+               gated norm and KDA's low-rank gates' down-projections replicated
+    dense MLP  F/tp columns of gate and up and rows of down, padded to whole 128-lane
                tiles with zeros (silu(0) * 0 = 0: exact, but the padding is streamed)
     MoE        every expert on every device, each split the same way (Fe/tp, padded); a
                shared expert as a dense MLP (Fs/tp, padded); the router (and a sigmoid
@@ -61,9 +61,10 @@ Here: the sharding model (`check_tp`, `shard_config`, `kv_heads_of`, `padded_wid
 `kv_layout` (a full layer's cache: K and V heads, or MLA's one latent row),
 `padded_vocab`, `default_block` (with `little_slots`, `ring_cover_s`, `kv_depth`),
 `model_stream`, `capacity`, `WEIGHT_FAMILIES`, `STEP_FAMILIES`, `family_of`,
-`shard_weight_bytes`, `QUANT_FAMILY`, `DecodePlan`, `Fit`. Not here: the kernel (`mk.megakernel`), the layer's
-phases (`mk.kernels.one_layer.LAYER_PHASES`), sharding arrays
-(`mk.tensor_parallel`), time (`mk.sim`, `mk.perf`).
+`shard_weight_bytes`, `QUANT_FAMILY`, `DecodePlan` (`DecodePlan.make`: the one way to make
+a plan), `Fit`. Not here: the kernel (`mk.megakernel`), the layer's phases
+(`mk.kernels.one_layer.LAYER_PHASES`), sharding arrays (`mk.tensor_parallel`), time
+(`mk.sim`, `mk.perf`).
 """
 
 from __future__ import annotations
@@ -362,20 +363,36 @@ class DecodePlan:
         return dict(self.named_buffers)
 
     @classmethod
-    def make(cls, config: ModelConfig, *, tp: int = 1, batch: int, rows: int = 1,
-             context: int, block: BlockSizes | None = None, formats=None,
-             chip: ChipSpec | str | None = None) -> DecodePlan:
-        """Check every limit of the step before anything is traced: tp splits the
-        model, M = B*T is in [1, MAX_ROWS], the tiles divide every matrix of the shard,
-        the KV tile divides the cache and holds the T rows, the quantised `formats` hold
-        whole groups per tile (and tp = 1: sharding quantised weights is not built).
-        Without a block, the tiling is `default_block`'s (for `chip`: a ring sized by
-        Little's law). (A one-slot ring is a plan the simulator replays; the kernel refuses
-        it, `mk.megakernel.step_plan`.)"""
+    def make(cls, config: ModelConfig, *, tp: int = 1, batch: int = 1, rows: int = 1,
+             context: int | None = None, position: int | None = None,
+             block: BlockSizes | None = None, formats=None,
+             chip: ChipSpec | str | None = None, kernel: bool = True) -> DecodePlan:
+        """The one way to make a plan. The cache holds `context` positions (S), or, given
+        `position` instead, every sequence is at `position` in a cache just large enough
+        for its rows (`capacity`, or whole KV tiles of the given block: the step the
+        simulator replays). Checks every limit of the step before anything is traced: tp
+        splits the model, M = B*T is in [1, MAX_ROWS], the tiles divide every matrix of
+        the shard, the KV tile divides the cache and holds the T rows, the quantised
+        `formats` hold whole groups per tile (and tp = 1: sharding quantised weights is
+        not built). Without a block, the tiling is `default_block`'s (for `chip`: a ring sized by Little's
+        law). The megakernel's ring needs >= 2 slots (a tile loads while another
+        computes); `kernel=False` makes a plan only the simulator replays, which may have
+        one."""
         if not isinstance(config, ModelConfig):
             raise ValueError(f"config={config!r} must be a ModelConfig")
         local = shard_config(config, tp)
         M = check_rows(batch, rows)
+        if (context is None) == (position is None):
+            raise ValueError(f"context={context!r}, position={position!r}: give one, the "
+                             "cache capacity S or every sequence's position")
+        if block is not None and not isinstance(block, BlockSizes):
+            raise ValueError(f"block={block!r} must be a BlockSizes or None")
+        if position is not None:
+            if isinstance(position, bool) or not isinstance(position, int) or position < 0:
+                raise ValueError(f"position={position!r} must be an integer >= 0")
+            end = position + rows
+            context = capacity(end) if block is None else -(-end // block.kv_tile) \
+                * block.kv_tile
         context = positive_int("context", context)
         spec = named_chip(chip) if isinstance(chip, str) else chip
         formats = quant.check_formats(config, dict(formats or {}))
@@ -384,8 +401,9 @@ class DecodePlan:
                              "is not built yet (issue 16); quantised plans run on tp=1")
         if block is None:
             block = _chip_block(local, int(tp), int(batch), int(rows), context, formats, spec)
-        elif not isinstance(block, BlockSizes):
-            raise ValueError(f"block={block!r} must be a BlockSizes or None")
+        if kernel and block.slots < 2:
+            raise ValueError(f"BlockSizes.slots={block.slots}: the megakernel's ring needs "
+                             ">= 2 slots so a tile loads while another computes")
         block.check_context(context)
         if rows > block.kv_tile:
             raise ValueError(f"rows={rows} new rows per sequence exceed "
