@@ -396,7 +396,8 @@ class _Walker:
         sub_names = {v: names[x] for v, x in zip(body.invars, eqn.invars)
                      if isinstance(x, core.Var) and x in names}
         carry = self._fixpoint(body, consts, carry, xs, steps, sub_names, closed.consts, nk)
-        outs = self.run(body, consts + carry + xs, sub_names, [_const(c) for c in closed.consts])
+        outs = self.run(body, consts + carry + xs, sub_names,
+                        [_const(c) for c in closed.consts])
         final = [(_add(c, (s, s)) if s else o) for c, o, s in zip(carry, outs[:nk], steps)]
         return final + [TOP] * (len(eqn.outvars) - nk)
 
@@ -501,7 +502,8 @@ def _upper_bound(cond: core.Jaxpr, nconsts: int, k: int, consts, carry, invarian
         return None
     out = cond.outvars[0]
     eqn = next((e for e in cond.eqns if out in e.outvars), None)
-    if eqn is None or eqn.primitive.name != "lt" or eqn.invars[0] is not cond.invars[nconsts + k]:
+    if eqn is None or eqn.primitive.name != "lt" \
+            or eqn.invars[0] is not cond.invars[nconsts + k]:
         return None
     upper = eqn.invars[1]
     if isinstance(upper, core.Literal):

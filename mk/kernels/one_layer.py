@@ -242,8 +242,8 @@ def mlp_block(ring: Ring, config: ModelConfig, kinds, s, *, step, is_moe):
     def experts():
         s.mlp_out[...] = jnp.zeros_like(s.mlp_out)
         moe_body(ring, step, s.h, s.router, s.combine, s.selected, s.selected_smem,
-                 s.small_sems.at[small_sem("selected")], s.ids_smem, s.count_smem, s.e_gate, s.e_up, s.down,
-                 s.mlp_out, routing=Routing.of(config),
+                 s.small_sems.at[small_sem("selected")], s.ids_smem, s.count_smem, s.e_gate,
+                 s.e_up, s.down, s.mlp_out, routing=Routing.of(config),
                  bias_vmem=getattr(s, "router_bias", None),
                  shared=(s.shared_gate, s.shared_up) if config.shared_expert_ffn else None)
 
