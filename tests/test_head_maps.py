@@ -8,10 +8,12 @@ a different output.
 - gated DeltaNet (`gated_deltanet`): Nk = 2 key heads, Nv = 4 value heads (G = 2),
   against `mk.reference.linear_decoder_layer` (blocked, as transformers' `repeat_interleave`);
   its guard: swapping the two key heads' weights changes the reference's output.
-- KDA: Nk = Nv by its config (G = 1: the map is the identity); its heads are told apart by
-  per-channel decays (tests/kernels/test_deltanet.py plants a decay per head).
-- MLA: every head reads the one latent row; the per-head map is the value up-projection's
-  head, which tests/test_kimi.py plants swapped (`swapped_heads`) in CI.
+- KDA (`gated_deltanet` on tiny-kimi): Nk = Nv by its config (G = 1, the map is the
+  identity); its two heads, with their own per-channel decays, under the same guard
+  (tests/kernels/test_deltanet.py also plants one decay per head).
+- MLA: all N query heads read the one latent row (G = N = 2 in tiny-kimi); what maps per
+  head is its slice of wkv_b (W_uk for the absorbed query, W_uv for the output), which
+  tests/test_kimi.py plants swapped between heads (`swapped_heads`) in CI.
 """
 
 import dataclasses
@@ -75,11 +77,11 @@ def _swap_key_heads(config, params, layer):
     return out
 
 
-def test_gated_deltanet_value_head_h_reads_key_head_h_over_g():
-    config, params = _two_key_heads()
-    assert config.linear_value_heads // config.linear_key_heads == 2
-    B, T, layer = 2, 2, 0
-    keys = jax.random.split(jax.random.key(5), 3)
+def _layer_and_guard(config, params, layer, seed):
+    """The kernel's and the reference's x after the linear mixer of `layer` and its state
+    rows, and the reference's x with the two key heads' weights swapped."""
+    B, T = 2, 2
+    keys = jax.random.split(jax.random.key(seed), 3)
     x = jax.random.normal(keys[0], (B, T, config.hidden))
     conv = jax.random.normal(keys[1], (B, config.conv_kernel - 1, config.conv_channels)
                              ).astype(config.dtype)
@@ -90,10 +92,30 @@ def test_gated_deltanet_value_head_h_reads_key_head_h_over_g():
         got = gated_deltanet(config, params, x, conv, state, layer=layer)
     *_, want_state, want_x = reference.linear_decoder_layer(config, params, layer, x, conv,
                                                             state)
-    scale = float(jnp.abs(want_x - x).max())
-    np.testing.assert_allclose(got[0], want_x, atol=2e-2 * scale, rtol=0)
-    np.testing.assert_allclose(got[2], want_state, atol=2e-2, rtol=2e-2)
-    # the guard: the two key heads are not interchangeable in these weights
     *_, swapped = reference.linear_decoder_layer(
         config, _swap_key_heads(config, params, layer), layer, x, conv, state)
+    return x, (got[0], got[2]), (want_x, want_state), swapped
+
+
+def _assert_heads_mapped(config, params, layer, seed):
+    x, (got_x, got_state), (want_x, want_state), swapped = _layer_and_guard(
+        config, params, layer, seed)
+    scale = float(jnp.abs(want_x - x).max())  # the mixer's output
+    np.testing.assert_allclose(got_x, want_x, atol=2e-2 * scale, rtol=0)
+    np.testing.assert_allclose(got_state, want_state, atol=2e-2, rtol=2e-2)
+    # the guard: the two key heads are not interchangeable in these weights
     assert float(jnp.abs(swapped - want_x).max()) > 0.2 * scale
+
+
+def test_gated_deltanet_value_head_h_reads_key_head_h_over_g():
+    config, params = _two_key_heads()
+    assert config.linear_value_heads // config.linear_key_heads == 2
+    _assert_heads_mapped(config, params, 0, seed=5)
+
+
+def test_kda_head_h_reads_its_own_key_head_and_decays():
+    """KDA (Nk = Nv, G = 1: the map is the identity) on tiny-kimi's two heads, whose
+    per-channel decays differ; a head reading the other's keys or decays changes x."""
+    config = mk.preset("tiny-kimi")
+    assert config.channel_decay and config.linear_key_heads == 2
+    _assert_heads_mapped(config, mk.init_params(config, seed=3), 0, seed=6)

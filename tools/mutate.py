@@ -91,6 +91,19 @@ MUTANTS = [
        "c, j = divmod(n, group)\n        stage[...] = src_vmem[:, pl.ds(n * H, H)]",
        "j, c = divmod(n, heads // group)\n        stage[...] = src_vmem[:, pl.ds(n * H, H)]",
        "tests/test_head_maps.py::test_gqa_query_head_n_reads_kv_head_n_over_g", T_DA),
+    _m("MLA: head n's value up-projection is the next head's", "mk/kernels/mla.py",
+       "w_uv = s.wkv_b[:, n * (Hn + Ho) + Hn:(n + 1) * (Hn + Ho)].astype(F32)",
+       "w_uv = s.wkv_b[:, (n + 1) % N * (Hn + Ho) + Hn:((n + 1) % N + 1) * (Hn + Ho)]"
+       ".astype(F32)", "tests/test_kimi.py::test_megakernel_32_greedy_tokens_match_transformers"
+       "_generate"),
+    _m("MLA: head n's absorbed query uses the next head's W_uk", "mk/kernels/mla.py",
+       "w_uk = s.wkv_b[:, n * (Hn + Ho):n * (Hn + Ho) + Hn].astype(F32)",
+       "w_uk = s.wkv_b[:, (n + 1) % N * (Hn + Ho):(n + 1) % N * (Hn + Ho) + Hn].astype(F32)",
+       "tests/test_kimi.py::test_megakernel_32_greedy_tokens_match_transformers_generate"),
+    _m("KDA: head h's decays read from key head 0", "mk/kernels/deltanet.py",
+       "decays[1][b, h, :T] = decays[0][m, pl.ds(key, Hk)]",
+       "decays[1][b, h, :T] = decays[0][m, pl.ds(0, Hk)]",
+       "tests/test_head_maps.py::test_kda_head_h_reads_its_own_key_head_and_decays"),
     # -- issue 21's round, by its names --
     _m("RoPE sign", "mk/kernels/attention_prologue.py",
        "return x * cos + partner * sign * sin", "return x * cos - partner * sign * sin",
@@ -222,11 +235,13 @@ def run_one(mutant: Mutant, copy: Path, python: str) -> tuple[str, float, str]:
         for target, text in saved.items():
             target.write_text(text)
     seconds = time.time() - start
-    failed = [line for line in done.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
+    lines = done.stdout.splitlines()
+    failed = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
+    failed += [line.strip() for line in lines if line.startswith("E ")][:1]  # why
     if done.returncode == 0:
         return "SURVIVED", seconds, ""
     if done.returncode == 1:
-        return "caught", seconds, "; ".join(failed[:2])
+        return "caught", seconds, "; ".join(failed[:1] + failed[-1:])
     return "error", seconds, (done.stdout + done.stderr).strip().splitlines()[-1:][0]
 
 
