@@ -1,10 +1,11 @@
 """Index bounds of a Pallas kernel, checked on its traced jaxpr: every semaphore, scratch,
 SMEM and HBM index the kernel can take, against the shape the kernel allocated.
 
-Interpret mode cannot see a semaphore index out of range: it holds a semaphore array as a
-jnp array of ids and indexes it the way jnp indexes (an index past the end is clamped), so
-signalling `sems.at[2]` of a `DMA((2,))` silently signals `sems.at[1]`; the race detector
-and the TPU compile accept it too. This module reads the kernel body instead: it walks the
+Interpret mode cannot see a semaphore index out of range: its `out_of_bounds_reads`
+check (`pltpu.InterpretParams`) covers buffer reads and writes, but it holds a semaphore
+array as an array of ids indexed by `lax.dynamic_slice`, which clamps, so signalling
+`sems.at[2]` of a `DMA((2,))` silently signals `sems.at[1]`; the race detector and the TPU
+compile accept it too. This module reads the kernel body instead: it walks the
 kernel's jaxpr (into every `cond` / `pl.when` branch, `fori_loop` / `scan` / `while` body
 and nested `jit`, branches that a run would not take included), carries an integer
 interval for each scalar it can bound, and checks every ref index (`NDIndexer`) of every
@@ -14,7 +15,8 @@ in [0, dim), a slice must end by dim.
 
 What bounds a dynamic index: literals; + - * min max clamp, integer // and % by a
 positive bound; iota; a `fori_loop` counter (a scan's trip count, or a while loop's
-`i < upper` with a bounded upper); `select_n` / `cond` outputs (the union of the cases);
+`i < upper` with a bounded upper; other carries joined over the trips until stable);
+`select_n` / `cond` outputs (the union of the cases); `&` with a non-negative operand;
 and the predicate of the `pl.when` / `cond` around the index (`i + 1 < L` bounds i inside
 the branch). A value read from a ref (positions, expert ids, counts in SMEM) has no bound
 here: its indices are counted as unbounded, not checked. An interval over-approximates
@@ -22,7 +24,8 @@ what a run can take, so "out of range" means the analysis could not exclude it.
 
 Here: `Access` (one checked index), `kernel_jaxprs` (the pallas_call kernel bodies in a
 traced function), `accesses` (every index of one kernel body), `check` (the out-of-range
-ones as a `ValueError`). Not here: what the kernel computes (the kernel tests), races
+ones as a `ValueError`), `describe` (counts). tests/test_bounds.py runs it on the
+megakernel of every model family. Not here: what the kernel computes (the kernel tests), races
 (`mk.backend`).
 """
 
@@ -112,6 +115,15 @@ def check(fn, *args, axis_env=(), **kwargs) -> list[Access]:
     if bad:
         raise ValueError("ref indices out of range:\n" + "\n".join(map(str, bad)))
     return found
+
+
+def describe(found: list[Access]) -> dict[str, int]:
+    """Counts of `found`: indices, bounded ones (static or of a known interval),
+    unbounded ones, those out of range, and the refs they index."""
+    return dict(indices=len(found), bounded=sum(a.bounded for a in found),
+                unbounded=sum(not a.bounded for a in found),
+                out_of_range=sum(not a.in_range for a in found),
+                refs=len({a.ref for a in found}))
 
 
 # -- Intervals ------------------------------------------------------------------------------
@@ -575,12 +587,3 @@ def _refine(pred, truth: bool, defs, env):
         if lo is not None and hi is not None and lo > hi:
             return False
     return found or None
-
-
-def describe(found: list[Access]) -> dict[str, int]:
-    """Counts of `found`: static / bounded dynamic / unbounded indices and out of range."""
-    return dict(indices=len(found), bounded=sum(a.bounded for a in found),
-                unbounded=sum(not a.bounded for a in found),
-                out_of_range=sum(not a.in_range for a in found),
-                refs=len({a.ref for a in found}))
-

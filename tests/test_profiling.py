@@ -290,10 +290,11 @@ def test_captures_go_to_mk_profiles_else_the_checkouts_profiles_else_the_working
     assert rule({}) == Path(profiling.__file__).resolve().parents[1] / "profiles"
 
 
+@pytest.mark.slow  # 47-86 s on the shared 2 cores; the rule's unit test above runs in CI
 def test_notebook_08_run_by_papermill_in_notebooks_writes_under_the_top_level_profiles(
         tmp_path):
     """A copy of the checkout (what the notebook reads), notebook 08 run the way Jupyter and
-    papermill run it: working directory notebooks/, no MK_PROFILES (CPU seconds: ~50)."""
+    papermill run it: working directory notebooks/, no MK_PROFILES."""
     import shutil
     import subprocess
     import sys
