@@ -1,5 +1,6 @@
 """mk.bounds: every semaphore, scratch, SMEM and HBM index of the megakernel on every model
-family lies inside what it allocated, checked on the traced jaxpr (nothing runs).
+family (tp 1, and tp 2 where the preset splits) and of the MoE, one-layer and linear-layer
+stage kernels lies inside what it allocated, checked on the traced jaxpr (nothing runs).
 
 Interpret mode clamps a semaphore index past the end (it signals the last semaphore
 instead), so these checks are the only ones that see such a bug: the planted too-small
@@ -16,7 +17,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 import mk
 from mk import bounds, megakernel, reference
+from mk.kernels import one_layer
 from mk.kernels import plan as plan_module
+from mk.kernels.deltanet import gated_deltanet
 from mk.kernels.mlp import MOE_SMALL_LOADS
 
 
@@ -156,3 +159,34 @@ def test_the_moe_stage_kernel_with_a_sigmoid_router_and_shared_expert_is_in_rang
         bf16((E,)), bf16((D, Fs)), bf16((D, Fs)), bf16((Fs, D)))
     assert {a.interval for a in found if a.ref.endswith("['small_sems']")} == {
         (i, i) for i in range(len(MOE_SMALL_LOADS))}
+
+
+def _abstract_params(config):
+    return {k: jax.ShapeDtypeStruct(shape, dtype)
+            for k, (shape, dtype) in config.param_shapes().items()}
+
+
+@pytest.mark.parametrize("layer", [0, 1])  # tiny-moe's dense layer, an MoE layer
+def test_the_one_layer_stage_kernel_is_in_range(layer):
+    config, B, T, S = mk.preset("tiny-moe"), 2, 2, 256
+    cache = jax.ShapeDtypeStruct((config.layers, B, config.kv_heads, S, config.head_dim),
+                                 jnp.dtype(config.dtype))
+    found = bounds.check(
+        lambda p, x, k, v, pos: one_layer.one_layer(config, p, x, k, v, pos, layer=layer),
+        _abstract_params(config), jax.ShapeDtypeStruct((B, T, config.hidden), jnp.float32),
+        cache, cache, jax.ShapeDtypeStruct((B,), jnp.int32))
+    assert bounds.describe(found)["bounded"] > 0
+
+
+@pytest.mark.parametrize("name", ["tiny-hybrid", "tiny-kimi"])
+def test_the_linear_layer_stage_kernel_is_in_range(name):
+    config, B, T = mk.preset(name), 2, 2
+    conv = jax.ShapeDtypeStruct((B, config.conv_kernel - 1, config.conv_channels),
+                                jnp.dtype(config.dtype))
+    state = jax.ShapeDtypeStruct((B, config.linear_value_heads, config.linear_key_dim,
+                                  config.linear_value_dim), jnp.float32)
+    found = bounds.check(
+        lambda p, x, c, s: gated_deltanet(config, p, x, c, s, layer=config.linear_layers[-1]),
+        _abstract_params(config), jax.ShapeDtypeStruct((B, T, config.hidden), jnp.float32),
+        conv, state)
+    assert any(a.ref.endswith("['small_sems']") for a in found)
