@@ -56,12 +56,12 @@ def test_plan_hbm_bytes_are_the_megakernels_operands_and_no_kv_for_linear_layers
     assert plan.hbm_bytes() == held
     # the KV part by hand: K and V (or MLA's one latent row) of the full layers only
     kv = _nbytes([a for k, a in cache._asdict().items() if k in ("k", "v", "latent")])
-    full = len(config.full_layers)
-    assert full < config.layers or name in ("tiny", "tiny-moe")
+    full, itemsize = len(config.full_layers), np.dtype(config.dtype).itemsize
+    assert config.is_hybrid == (full < config.layers)  # hybrids: a cache per layer differs
     if config.is_mla:
-        assert kv == full * B * S * config.latent_width * 2
+        assert kv == full * B * S * config.latent_width * itemsize
     else:
-        assert kv == 2 * full * B * config.kv_heads * S * config.head_dim * 2
+        assert kv == 2 * full * B * config.kv_heads * S * config.head_dim * itemsize
 
 
 @pytest.mark.parametrize("T", [1, 2, 3, 4])
