@@ -10,8 +10,8 @@ those stops in real profiles, for three ways of running the same step:
   by one from a Python loop over layers (`staged_step`);
 - (c) "megakernel": `mk.megakernel.decode_step`, one pallas_call per step.
 
-Here: `capture` (N annotated steps into `profiles/<name>/plugins/profile/<run>/`, the
-TensorBoard/XProf layout), `timeline` (the op events of a trace, per step), `bubbles` (idle
+Here: `capture` (N annotated steps into `PROFILES/<name>/plugins/profile/<run>/`, the
+TensorBoard/XProf layout; `profiles_dir` says where PROFILES is), `timeline` (the op events of a trace, per step), `bubbles` (idle
 time per step, definitions in its docstring), `staged_step`, `variants`, `trace_viewer`
 (XProf's own converter), the TPU compiler's static schedule (`compile_with_dumps`,
 `dump_schedule`, `read_schedule`) and the figures of notebook 08 (`gantt` for a measured

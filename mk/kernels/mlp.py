@@ -48,8 +48,9 @@ and scales and dequantises each tile in VMEM to h's dtype, the compute dtype. Th
 stays unquantised (mk.quant keeps it in config.dtype: its top-k flips on a small error).
 
 Here: the bodies (`swiglu_body`, `moe_body` and its steps `route_body`, `select_experts`,
-`experts_body`), their stream segments and Fetch callables, the buffer lists, and the
-stage wrappers `swiglu` / `moe`. Not here: the norm before the MLP and the residual add (the
+`experts_body`), their stream segments and Fetch callables, the buffer lists, the MoE
+layer's small DMAs by name (`MOE_SMALL_LOADS`, `small_sem`: every kernel's small_sems),
+and the stage wrappers `swiglu` / `moe`. Not here: the norm before the MLP and the residual add (the
 layer kernel), expert capacity limits. The megakernel runs Kimi's MoE through `moe_body`,
 on one device or tensor parallel (the shared expert split as a dense MLP).
 """
@@ -489,7 +490,7 @@ def moe_kernel(inputs, out_vmem, loaded_smem, *, stream: TileStream, dtype,
     experts we_* [Lm, E, ...] (weight dtype or tile-major `mk.quant.QuantWeight`s) and the
     shared expert's ws_* [Lm, ...] when there is one. outputs: out [M, D] f32, loaded [1]
     int32 (distinct experts loaded). scratch: `moe_buffers`' (`vmem_scratch` names), the
-    ring's DMA semaphores `sems`, small_sems (router, selected flags, router bias), the SMEM
+    ring's DMA semaphores `sems`, small_sems (`MOE_SMALL_LOADS`, by `small_sem`), the SMEM
     scalars; the rest are the ring's slots (as `swiglu_kernel`'s). dtype: the experts'
     compute dtype."""
     s = SimpleNamespace(**{n: scratch.pop(n) for n in MOE_SCRATCH if n in scratch})
@@ -515,8 +516,7 @@ def moe_kernel(inputs, out_vmem, loaded_smem, *, stream: TileStream, dtype,
     loaded_smem[0] = moe_body(
         ring, 0, inputs["h"], s.router_vmem, s.combine_vmem, s.selected_vmem, s.selected_smem,
         s.small_sems.at[small_sem("selected")], s.ids_smem, s.count_smem, s.gate_vmem,
-        s.up_vmem, s.down_vmem,
-        out_vmem, routing=routing, bias_vmem=getattr(s, "router_bias_vmem", None),
+        s.up_vmem, s.down_vmem, out_vmem, routing=routing, bias_vmem=getattr(s, "router_bias_vmem", None),
         shared=((s.shared_gate_vmem, s.shared_up_vmem) if "ws_gate" in inputs else None))
 
 
