@@ -14,15 +14,22 @@ export TPU_SKIP_MDS_QUERY := 1
 # Profiler captures (mk.profiling.PROFILES) land in this checkout's profiles/.
 export MK_PROFILES := $(CURDIR)/profiles
 
-.PHONY: test test-slow run check-site lab clean clean-runs
+.PHONY: test test-slow mutate run check-site lab clean clean-runs
 
 # loadgroup: tests marked xdist_group share one worker (and its module fixtures).
 test: $(VENV)/.stamp-test
 	$(PY) -m pytest -n 2 --dist loadgroup tests/
 
-# The tests marked slow (minutes each in interpret mode), which `make test` leaves out.
+# The tests marked slow (minutes each in interpret mode), which `make test` leaves out,
+# then the mutation score.
 test-slow: $(VENV)/.stamp-test
 	$(PY) -m pytest -n 2 -m slow tests/
+	$(MAKE) mutate
+
+# Realistic bugs planted one at a time in a copy of the checkout, each against the tests
+# CI runs (tools/mutate.py's list; hours on 2 cores): prints caught / survived per mutant.
+mutate: $(VENV)/.stamp-test
+	$(PY) tools/mutate.py
 
 # Configurations per notebook: notebooks/runs.yaml. Earlier runs are kept, never overwritten.
 run: $(VENV)/.stamp

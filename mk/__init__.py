@@ -6,8 +6,9 @@ Top-level names: `ModelConfig`, `preset`, `chip`, `init_params`, `load_checkpoin
 kernel), `mk.perf` (bytes, FLOPs and the roofline), `mk.sim` (the megakernel's tile
 schedule replayed on a chip model) and `mk.tpu` (ahead-of-time TPU compiles). The stage
 kernels are in `mk.kernels`; `mk.spec` (speculative decoding), `mk.profiling` and
-`mk.tensor_parallel`, `mk.ledger` (the published numbers and the words for step times)
-and `mk.xla_step` (XLA's own step, compiled and counted) are imported by name;
+`mk.tensor_parallel`, `mk.ledger` (the published numbers and the words for step times),
+`mk.xla_step` (XLA's own step, compiled and counted) and `mk.bounds` (every index of a
+kernel against its allocation, on the traced jaxpr) are imported by name;
 `mk.kernels.plan` is one device's step as data.
 
 Importing `mk` on a machine without a TPU pins JAX to the CPU (`JAX_PLATFORMS=cpu`,

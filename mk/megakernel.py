@@ -94,6 +94,7 @@ from mk.kernels.decode_attention import (AttentionScratch, KvStream, drain_write
 from mk.kernels.deltanet import (STATE_INPUTS, STATE_OUTPUTS, drain_linear,
                                  linear_weights, prepare_linear, prime_linear)
 from mk.kernels.mla import latent_columns, mla_loads
+from mk.kernels.mlp import small_sem
 from mk.kernels.one_layer import (full_matrices, layer_body, mlp_fetch, mlp_kinds,
                                   mlp_weights, router_after_mixer)
 from mk.kernels.plan import DecodePlan, model_stream, padded_vocab
@@ -264,8 +265,8 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
         if "moe" in kinds:
             mlp_row = inputs["mlp_row"][layer]
             routers = [(pltpu.make_async_copy(inputs[n].at[mlp_row], getattr(s, n),
-                                              s.small_sems.at[sem]), getattr(s, n), n)
-                       for n, sem in (("router", 0), ("router_bias", 2)) if n in inputs]
+                                              s.small_sems.at[small_sem(n)]), getattr(s, n), n)
+                       for n in ("router", "router_bias") if n in inputs]
 
         def start_routers():
             for copy, ref, name in routers:

@@ -10,8 +10,8 @@ those stops in real profiles, for three ways of running the same step:
   by one from a Python loop over layers (`staged_step`);
 - (c) "megakernel": `mk.megakernel.decode_step`, one pallas_call per step.
 
-Here: `capture` (N annotated steps into `profiles/<name>/plugins/profile/<run>/`, the
-TensorBoard/XProf layout), `timeline` (the op events of a trace, per step), `bubbles` (idle
+Here: `capture` (N annotated steps into `PROFILES/<name>/plugins/profile/<run>/`, the
+TensorBoard/XProf layout; `profiles_dir` says where PROFILES is), `timeline` (the op events of a trace, per step), `bubbles` (idle
 time per step, definitions in its docstring), `staged_step`, `variants`, `trace_viewer`
 (XProf's own converter), the TPU compiler's static schedule (`compile_with_dumps`,
 `dump_schedule`, `read_schedule`) and the figures of notebook 08 (`gantt` for a measured
@@ -59,9 +59,23 @@ from mk.kernels.weight_streaming import stream_matmul
 
 VARIANTS = ("xla", "staged", "megakernel")
 PHASE_FLAG = "--xla_enable_custom_call_region_trace=true"
-# Captures go to $MK_PROFILES, else to profiles/ in the working directory: never inside the
-# installed package. The Makefile and tools/run_notebooks.py point it at the checkout's.
-PROFILES = Path(os.environ.get("MK_PROFILES") or "profiles").absolute()
+
+
+def profiles_dir(environ=os.environ, package: Path = Path(__file__)) -> Path:
+    """Where captures go: $MK_PROFILES when set; else, when mk is imported from a checkout
+    (the package's parent holds pyproject.toml and the tracked profiles/README.md), the
+    checkout's top-level profiles/ from any working directory (a notebook run by Jupyter
+    or papermill runs in notebooks/); else ./profiles (an installed package: never inside
+    site-packages)."""
+    if environ.get("MK_PROFILES"):
+        return Path(environ["MK_PROFILES"]).absolute()
+    root = Path(package).resolve().parent.parent
+    if (root / "pyproject.toml").is_file() and (root / "profiles" / "README.md").is_file():
+        return root / "profiles"
+    return Path("profiles").absolute()
+
+
+PROFILES = profiles_dir()
 COLORS = {"busy": "#4c78a8", "bubble": "#e45756", "host": "#f2a541"}
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 

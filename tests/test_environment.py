@@ -83,9 +83,11 @@ def _profiles(cwd, **env_vars):
                           capture_output=True, check=True).stdout.strip()
 
 
-def test_profiles_go_to_mk_profiles_else_the_working_directory(tmp_path):
-    assert _profiles(tmp_path) == str(tmp_path / "profiles")
+def test_profiles_go_to_mk_profiles_else_the_checkouts_from_any_working_directory(tmp_path):
+    """mk imported from this checkout: its profiles/ from any working directory (the
+    rule's other branch, an installed package, is tests/test_profiling.py's and
+    tests/test_install.py's)."""
+    assert _profiles(tmp_path) == str(ROOT / "profiles")
+    assert _profiles(ROOT / "notebooks") == str(ROOT / "profiles")
     assert _profiles(tmp_path, MK_PROFILES=str(tmp_path / "elsewhere")) == str(
         tmp_path / "elsewhere")
-    # From the checkout's root (where make runs) the default is the checkout's profiles/.
-    assert _profiles(ROOT) == str(ROOT / "profiles")

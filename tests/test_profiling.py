@@ -7,6 +7,7 @@ in-kernel phase markers in a profile; the static dumps stand in for the latter.
 
 import dataclasses
 import os
+from pathlib import Path
 import re
 
 import jax
@@ -259,3 +260,60 @@ def test_xprof_fallback_line_is_dropped_and_other_stderr_lines_stay(capfd):
     err = capfd.readouterr().err
     assert "UnifiedProfileProcessor" not in err
     assert "E0001 a real failure" in err
+
+
+# -- Where captures go ------------------------------------------------------------------------
+def _tree(root, *files):
+    for name in files:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text("")
+    return root
+
+
+def test_captures_go_to_mk_profiles_else_the_checkouts_profiles_else_the_working_directory(
+        tmp_path, monkeypatch):
+    checkout = _tree(tmp_path / "checkout", "pyproject.toml", "profiles/README.md",
+                     "mk/profiling.py")
+    installed = _tree(tmp_path / "site-packages", "mk/profiling.py")
+    elsewhere = tmp_path / "notebooks"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # e.g. a notebook's folder
+    rule = profiling.profiles_dir
+    assert rule({}, checkout / "mk" / "profiling.py") == checkout / "profiles"
+    assert rule({}, installed / "mk" / "profiling.py") == elsewhere / "profiles"
+    assert rule({"MK_PROFILES": "here"}, checkout / "mk" / "profiling.py") == elsewhere / "here"
+    assert rule({"MK_PROFILES": ""}, checkout / "mk" / "profiling.py") == checkout / "profiles"
+    # a folder with a pyproject.toml but no profiles/README.md is not this checkout
+    other = _tree(tmp_path / "other", "pyproject.toml", "mk/profiling.py")
+    assert rule({}, other / "mk" / "profiling.py") == elsewhere / "profiles"
+    # this checkout, as the tests import it
+    assert rule({}) == Path(profiling.__file__).resolve().parents[1] / "profiles"
+
+
+@pytest.mark.slow  # 47-86 s on the shared 2 cores; the rule's unit test above runs in CI
+def test_notebook_08_run_by_papermill_in_notebooks_writes_under_the_top_level_profiles(
+        tmp_path):
+    """A copy of the checkout (what the notebook reads), notebook 08 run the way Jupyter and
+    papermill run it: working directory notebooks/, no MK_PROFILES."""
+    import shutil
+    import subprocess
+    import sys
+
+    root = Path(profiling.__file__).resolve().parents[1]
+    copy = tmp_path / "checkout"
+    for folder in ("mk", "data"):
+        shutil.copytree(root / folder, copy / folder,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "profiles/README.md",
+                 "notebooks/08_profile_bubbles.ipynb"):
+        (copy / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(root / name, copy / name)
+    env = {k: v for k, v in os.environ.items() if k not in ("MK_PROFILES", "PYTHONPATH")}
+    env.update(PYTHONPATH=str(copy), JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1")
+    subprocess.run([sys.executable, "-m", "papermill", "--cwd", "notebooks",
+                    "notebooks/08_profile_bubbles.ipynb", str(tmp_path / "out.ipynb"),
+                    "-p", "steps", "1", "-p", "preset", "tiny"], cwd=copy, env=env,
+                   check=True, capture_output=True)
+    captured = sorted(p.relative_to(copy) for p in copy.rglob("*.xplane.pb"))
+    assert captured and all(p.parts[0] == "profiles" for p in captured), captured
+    assert not (copy / "notebooks" / "profiles").exists()

@@ -48,8 +48,9 @@ and scales and dequantises each tile in VMEM to h's dtype, the compute dtype. Th
 stays unquantised (mk.quant keeps it in config.dtype: its top-k flips on a small error).
 
 Here: the bodies (`swiglu_body`, `moe_body` and its steps `route_body`, `select_experts`,
-`experts_body`), their stream segments and Fetch callables, the buffer lists, and the
-stage wrappers `swiglu` / `moe`. Not here: the norm before the MLP and the residual add (the
+`experts_body`), their stream segments and Fetch callables, the buffer lists, the MoE
+layer's small DMAs by name (`MOE_SMALL_LOADS`, `small_sem`: every kernel's small_sems),
+and the stage wrappers `swiglu` / `moe`. Not here: the norm before the MLP and the residual add (the
 layer kernel), expert capacity limits. The megakernel runs Kimi's MoE through `moe_body`,
 on one device or tensor parallel (the shared expert split as a dense MLP).
 """
@@ -245,6 +246,17 @@ def swiglu(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, 
 
 # -- Mixture of experts --------------------------------------------------------------------
 EXPERT_WEIGHTS = names("moe", family="experts")  # one slot's segments, in order
+# A MoE layer's small DMAs, one semaphore each in `small_sems` [len(MOE_SMALL_LOADS)]: the
+# router [D, E], the selected flags (VMEM -> SMEM, `select_experts`), the sigmoid router's
+# bias [1, E]. Every kernel allocates and indexes them from this list (`small_sem`).
+MOE_SMALL_LOADS = ("router", "selected", "router_bias")
+
+
+def small_sem(name: str) -> int:
+    """The index of the small DMA `name` (MOE_SMALL_LOADS) in a MoE layer's small_sems."""
+    return MOE_SMALL_LOADS.index(name)
+
+
 @dataclasses.dataclass(frozen=True)
 class Routing:
     """How a MoE layer picks and weighs its top_k experts (`mk.reference.mlp_block`); the
@@ -481,7 +493,7 @@ def moe_kernel(inputs, out_vmem, loaded_smem, *, stream: TileStream, dtype,
     experts we_* [Lm, E, ...] (weight dtype or tile-major `mk.quant.QuantWeight`s) and the
     shared expert's ws_* [Lm, ...] when there is one. outputs: out [M, D] f32, loaded [1]
     int32 (distinct experts loaded). scratch: `moe_buffers`' (`vmem_scratch` names), the
-    ring's DMA semaphores `sems`, small_sems (router, selected flags, router bias), the SMEM
+    ring's DMA semaphores `sems`, small_sems (`MOE_SMALL_LOADS`, by `small_sem`), the SMEM
     scalars; the rest are the ring's slots (as `swiglu_kernel`'s). dtype: the experts'
     compute dtype."""
     s = SimpleNamespace(**{n: scratch.pop(n) for n in MOE_SCRATCH if n in scratch})
@@ -489,8 +501,8 @@ def moe_kernel(inputs, out_vmem, loaded_smem, *, stream: TileStream, dtype,
     small = [("router", s.router_vmem)] + (
         [("router_bias", s.router_bias_vmem)] if "router_bias" in inputs else [])
     copies = []
-    for i, (name, ref) in enumerate(small):
-        sem = s.small_sems.at[0 if i == 0 else 2]  # 1: the selected flags
+    for name, ref in small:
+        sem = s.small_sems.at[small_sem(name)]
         copies.append(pltpu.make_async_copy(inputs[name].at[row], ref, sem))
         start_dma(copies[-1], name, ref.size * ref.dtype.itemsize)
     s.count_smem[0] = 0
@@ -506,8 +518,8 @@ def moe_kernel(inputs, out_vmem, loaded_smem, *, stream: TileStream, dtype,
         copy.wait()
     loaded_smem[0] = moe_body(
         ring, 0, inputs["h"], s.router_vmem, s.combine_vmem, s.selected_vmem, s.selected_smem,
-        s.small_sems.at[1], s.ids_smem, s.count_smem, s.gate_vmem, s.up_vmem, s.down_vmem,
-        out_vmem, routing=routing, bias_vmem=getattr(s, "router_bias_vmem", None),
+        s.small_sems.at[small_sem("selected")], s.ids_smem, s.count_smem, s.gate_vmem,
+        s.up_vmem, s.down_vmem, out_vmem, routing=routing, bias_vmem=getattr(s, "router_bias_vmem", None),
         shared=((s.shared_gate_vmem, s.shared_up_vmem) if "ws_gate" in inputs else None))
 
 
@@ -584,7 +596,7 @@ def moe(h: jax.Array, router: jax.Array, we_gate: jax.Array, we_up: jax.Array,
                    pl.BlockSpec(memory_space=pltpu.SMEM)),
         scratch_shapes=vmem_scratch(buffers) | dict(
             sems=pltpu.SemaphoreType.DMA((block.slots,)),
-            small_sems=pltpu.SemaphoreType.DMA((3,)),
+            small_sems=pltpu.SemaphoreType.DMA((len(MOE_SMALL_LOADS),)),
             selected_smem=pltpu.SMEM((1, E), jnp.int32),
             ids_smem=pltpu.SMEM((slots,), jnp.int32), count_smem=pltpu.SMEM((1,), jnp.int32)),
         compiler_params=pltpu.CompilerParams(vmem_limit_bytes=vmem_limit_bytes(buffers)),

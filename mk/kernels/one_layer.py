@@ -50,9 +50,10 @@ from mk.kernels.decode_attention import (AttentionScratch, KvStream, attend,
 from mk.kernels.deltanet import gated_deltanet_matrices, linear_mixer
 from mk.kernels.mla import (mla_buffers, mla_epilogue, mla_matrices, mla_prologue,
                             start_mla_loads)
-from mk.kernels.mlp import (DENSE_WEIGHTS, EXPERT_WEIGHTS, SHARED_WEIGHTS, Routing,
-                            expert_slots, moe_body, moe_fetch, moe_segments, swiglu_body,
-                            swiglu_fetch, swiglu_segments)
+from mk.kernels.mlp import (DENSE_WEIGHTS, EXPERT_WEIGHTS, MOE_SMALL_LOADS,
+                            SHARED_WEIGHTS, Routing, expert_slots, moe_body, moe_fetch,
+                            moe_segments, small_sem, swiglu_body, swiglu_fetch,
+                            swiglu_segments)
 from mk.kernels.ring import Ring, TileStream, ring_buffers
 from mk.kernels.weight_streaming import ring_weights, weight_stream
 from mk.reference import check_positions, rms_norm
@@ -187,7 +188,7 @@ def layer_scratch(config: ModelConfig, kinds: tuple[str, ...], batch: int, rows:
     scratch["sems"] = pltpu.SemaphoreType.DMA((block.slots,))
     if "moe" in kinds:
         slots = expert_slots(config.experts, config.experts_per_token, batch * rows)
-        scratch |= dict(small_sems=pltpu.SemaphoreType.DMA((3,)),  # router, flags, bias
+        scratch |= dict(small_sems=pltpu.SemaphoreType.DMA((len(MOE_SMALL_LOADS),)),
                         selected_smem=pltpu.SMEM((1, config.experts), jnp.int32),
                         ids_smem=pltpu.SMEM((slots,), jnp.int32),
                         count_smem=pltpu.SMEM((1,), jnp.int32))
@@ -235,8 +236,8 @@ def mlp_block(ring: Ring, config: ModelConfig, kinds, s, *, step, is_moe):
     def experts():
         s.mlp_out[...] = jnp.zeros_like(s.mlp_out)
         moe_body(ring, step, s.h, s.router, s.combine, s.selected, s.selected_smem,
-                 s.small_sems.at[1], s.ids_smem, s.count_smem, s.e_gate, s.e_up, s.down,
-                 s.mlp_out, routing=Routing.of(config),
+                 s.small_sems.at[small_sem("selected")], s.ids_smem, s.count_smem, s.e_gate,
+                 s.e_up, s.down, s.mlp_out, routing=Routing.of(config),
                  bias_vmem=getattr(s, "router_bias", None),
                  shared=(s.shared_gate, s.shared_up) if config.shared_expert_ffn else None)
 
@@ -432,7 +433,7 @@ def one_layer_kernel(inputs, outputs, *, config: ModelConfig, kind: str,
     fetch |= mlp_fetch((kind,), inputs, s, lambda step: row, None)
     if kind == "moe":
         router = pltpu.make_async_copy(inputs["router"].at[row], s.router,
-                                       s.small_sems.at[0])
+                                       s.small_sems.at[small_sem("router")])
         start_dma(router, "router", s.router.size * s.router.dtype.itemsize)
         s.count_smem[0] = 0  # expert tiles issued before routing are no-ops
     ring = Ring.in_scratch(stream, fetch, s, s.sems, config.dtype)

@@ -86,7 +86,7 @@ from mk.kernels.decode_attention import attention_semaphores, decode_attention_b
 from mk.kernels.deltanet import (linear_buffers, linear_layer_shapes,
                                  linear_scratch)
 from mk.kernels.mla import mla_loads, mla_matrices
-from mk.kernels.mlp import expert_slots
+from mk.kernels.mlp import MOE_SMALL_LOADS, expert_slots
 from mk.kernels.one_layer import (layer_buffers, layer_matrices, mixer_kinds, mlp_kinds,
                                   model_block)
 from mk.kernels.ring import TileStream, ring_buffers
@@ -459,7 +459,7 @@ class DecodePlan:
         if self.local.is_mla:
             layer["mla_sems"] = pltpu.SemaphoreType.DMA((len(mla_loads(self.local)),))
         if "moe" in self.kinds:
-            layer |= dict(small_sems=pltpu.SemaphoreType.DMA((2,)),
+            layer |= dict(small_sems=pltpu.SemaphoreType.DMA((len(MOE_SMALL_LOADS),)),
                           selected_smem=pltpu.SMEM((1, self.local.experts), jnp.int32),
                           ids_smem=pltpu.SMEM((self.expert_slots,), jnp.int32),
                           count_smem=pltpu.SMEM((1,), jnp.int32))

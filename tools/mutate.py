@@ -1,0 +1,305 @@
+"""Mutation testing: plant realistic bugs one at a time and run the tests CI runs against
+each, so a developer sees which bugs the suite would let through before a reviewer does.
+
+A mutant is data (`MUTANTS`): a name saying what it breaks, its edits (module path, the
+original snippet, which must occur exactly once, and the mutated one), the tests to run
+(pytest node ids or files, run as `make test` runs them: the `slow` ones deselected), or,
+for a mutant that cannot change behaviour, the reason it is equivalent. Each mutant is
+applied to a temporary copy of the repository's tracked files (never the live tree),
+its tests run there, and the copy restored before the next one.
+
+    python tools/mutate.py                 # every mutant (hours on 2 cores)
+    python tools/mutate.py --only plan     # the mutants whose name contains "plan"
+    python tools/mutate.py --list          # names, modules, tests; nothing runs
+    python tools/mutate.py --check         # every snippet still found once (seconds)
+
+Prints one line per mutant (caught / SURVIVED / error) and a score; exits 1 when a
+mutant survived or a snippet is stale. `make mutate` runs it; `make test-slow` runs
+`make mutate`. tests/test_mutate.py runs `--check` in CI, so the list cannot go stale
+silently.
+
+The names of the issue-21 round (17 behaviour-changing mutants) and of the issue-40 round
+(the five survivors, the small_sems allocation) are kept; the rest are reconstructed from
+the code they break.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    name: str  # what it breaks
+    edits: tuple[tuple[str, str, str], ...]  # (module path, original, mutated)
+    tests: tuple[str, ...] = ()  # pytest node ids or files
+    equivalent: str = ""  # why no test can catch it (then no tests)
+
+    def __post_init__(self):
+        if bool(self.tests) == bool(self.equivalent):
+            raise ValueError(f"mutant {self.name!r}: give tests or a reason it is "
+                             "equivalent, not both")
+
+
+def _m(name, path, original, mutated, *tests, equivalent=""):
+    return Mutant(name, ((path, original, mutated),), tuple(tests), equivalent)
+
+
+DA = "mk/kernels/decode_attention.py"
+T_DA = "tests/kernels/test_decode_attention.py"
+COUNTS = "tests/test_counts.py::"
+MULTIPLY = "            when_active(multiply)"
+ISSUE = ("                when_active(lambda: self._issue(seg, layer, copy, t + self.n, "
+         "g + self.n))")
+MUTANTS = [
+    # -- issue 40: the five that survived every CI test, and the semaphore allocation --
+    _m("plan: ring cover all-reduces one row, not M", "mk/kernels/plan.py",
+       "allreduce_s(M * local.hidden * PARTIAL_SUM_BYTES, tp, spec)",
+       "allreduce_s(local.hidden * PARTIAL_SUM_BYTES, tp, spec)",
+       COUNTS + "test_ring_cover_holds_one_all_reduce_of_all_m_rows_at_tp_2"),
+    _m("plan: HBM holds a KV cache for linear layers too", "mk/kernels/plan.py",
+       "cache = caches * K * H * len(c.full_layers) * self.batch",
+       "cache = caches * K * H * c.layers * self.batch",
+       COUNTS + "test_plan_hbm_bytes_are_the_megakernels_operands_and_no_kv_for_linear_layers"),
+    _m("plan: kv_tiles writes one tile too many at a tile's end", "mk/kernels/plan.py",
+       "return read, sum((p + T - 1) // tile - p // tile + 1 for p in positions)",
+       "return read, sum((p + T) // tile - p // tile + 1 for p in positions)",
+       COUNTS + "test_plan_kv_tiles_read_and_written_match_numpys_tile_index"),
+    _m("sim: KV tiles per sequence ignore the T new rows", "mk/sim.py",
+       "per_seq = (self.context + self.rows - 1) // self.s.block.kv_tile + 1",
+       "per_seq = self.context // self.s.block.kv_tile + 1",
+       COUNTS + "test_simulator_kv_bytes_count_the_new_rows_tiles_and_full_layers_only"),
+    _m("deltanet: value heads read key heads interleaved (h % Nk)",
+       "mk/kernels/deltanet.py", "key = pl.multiple_of((h // G) * Hk, LANES)",
+       "key = pl.multiple_of((h % config.linear_key_heads) * Hk, LANES)",
+       "tests/test_head_maps.py::test_gated_deltanet_value_head_h_reads_key_head_h_over_g"),
+    _m("plan: two small MoE semaphores under the router bias's index 2",
+       "mk/kernels/plan.py", "small_sems=pltpu.SemaphoreType.DMA((len(MOE_SMALL_LOADS),))",
+       "small_sems=pltpu.SemaphoreType.DMA((2,))",
+       "tests/test_bounds.py::test_every_megakernel_index_is_inside_its_allocation"),
+    _m("attention: query heads read kv heads interleaved", DA,
+       "c, j = divmod(n, group)\n        stage[...] = src_vmem[:, pl.ds(n * H, H)]",
+       "j, c = divmod(n, heads // group)\n        stage[...] = src_vmem[:, pl.ds(n * H, H)]",
+       "tests/test_head_maps.py::test_gqa_query_head_n_reads_kv_head_n_over_g", T_DA),
+    _m("MLA: head n's value up-projection is the next head's", "mk/kernels/mla.py",
+       "w_uv = s.wkv_b[:, n * (Hn + Ho) + Hn:(n + 1) * (Hn + Ho)].astype(F32)",
+       "w_uv = s.wkv_b[:, (n + 1) % N * (Hn + Ho) + Hn:((n + 1) % N + 1) * (Hn + Ho)]"
+       ".astype(F32)", "tests/test_kimi.py::test_megakernel_32_greedy_tokens_match_transformers"
+       "_generate"),
+    _m("MLA: head n's absorbed query uses the next head's W_uk", "mk/kernels/mla.py",
+       "w_uk = s.wkv_b[:, n * (Hn + Ho):n * (Hn + Ho) + Hn].astype(F32)",
+       "w_uk = s.wkv_b[:, (n + 1) % N * (Hn + Ho):(n + 1) % N * (Hn + Ho) + Hn].astype(F32)",
+       "tests/test_kimi.py::test_megakernel_32_greedy_tokens_match_transformers_generate"),
+    _m("KDA: head h's decays read from key head 0", "mk/kernels/deltanet.py",
+       "decays[1][b, h, :T] = decays[0][m, pl.ds(key, Hk)]",
+       "decays[1][b, h, :T] = decays[0][m, pl.ds(0, Hk)]",
+       "tests/test_head_maps.py::test_kda_head_h_reads_its_own_key_head_and_decays"),
+    # -- issue 21's round, by its names --
+    _m("RoPE sign", "mk/kernels/attention_prologue.py",
+       "return x * cos + partner * sign * sin", "return x * cos - partner * sign * sin",
+       "tests/kernels/test_attention_prologue.py"),
+    _m("softmax rescale: the running sum not rescaled", DA,
+       "s.l[rows, :] = alpha * s.l[rows, :] + jnp.sum(probs, 1, keepdims=True)",
+       "s.l[rows, :] = s.l[rows, :] + jnp.sum(probs, 1, keepdims=True)", T_DA),
+    _m("causal mask of new rows: every new row sees all of them", DA,
+       "visible = i * tile + column <= p + row_t  # [R, kv_tile]",
+       "visible = i * tile + column <= p + T - 1  # [R, kv_tile]", T_DA),
+    _m("one KV tile fewer", DA,
+       "+ self.T - 1) // self.block.kv_tile + 1\n", "+ self.T - 1) // self.block.kv_tile\n",
+       T_DA),
+    _m("short write-back window (one sublane tile short)", DA,
+       "return min(kv_tile, _round_up(rows - 1, sub) + sub)",
+       "return min(kv_tile, _round_up(rows, sub))", T_DA),
+    _m("MoE renormalisation inverted", "mk/kernels/mlp.py",
+       "    if routing.renormalise:\n        total",
+       "    if not routing.renormalise:\n        total",
+       "tests/kernels/test_mlp.py"),
+    _m("MoE slot for id: a slot's weight is expert s's, not ids[s]'s", "mk/kernels/mlp.py",
+       "jnp.where(expert == ids_smem[s], combine_vmem[...], 0.0)",
+       "jnp.where(expert == s, combine_vmem[...], 0.0)", "tests/kernels/test_mlp.py"),
+    _m("ring prefetch before read: tile g + slots issued into the slot being read",
+       "mk/kernels/ring.py", f"{MULTIPLY}\n            if steady:\n{ISSUE}",
+       f"            if steady:\n{ISSUE}\n{MULTIPLY}",
+       "tests/kernels/test_weight_streaming.py", "tests/kernels/test_mlp.py"),
+    _m("ring issues g + slots - 1 at the edge", "mk/kernels/ring.py",
+       "self.start(g + self.n, after)", "self.start(g + self.n - 1, after)",
+       "tests/kernels/test_weight_streaming.py", "tests/kernels/test_mlp.py"),
+    _m("ring duplicate issue: the prologue issues one tile too many", "mk/kernels/ring.py",
+       "lax.fori_loop(first, min(first + self.n, self.stream.total), issue, 0)",
+       "lax.fori_loop(first, min(first + self.n + 1, self.stream.total), issue, 0)",
+       "tests/kernels/test_weight_streaming.py", "tests/kernels/test_mlp.py"),
+    _m("argmax ties go to the highest id", "mk/kernels/collectives.py",
+       "index = jnp.min(jnp.where(logits == best, local, Vs), axis=1, keepdims=True)",
+       "index = jnp.max(jnp.where(logits == best, local, -1), axis=1, keepdims=True)",
+       "tests/test_collectives.py", "tests/test_megakernel.py"),
+    _m("all-reduce missing a peer: one reduce-scatter round short",
+       "mk/kernels/collectives.py",
+       'for r in reversed(range(check_devices(n, "n"))):  # d = n/2, ..., 1',
+       'for r in reversed(range(1, check_devices(n, "n"))):  # d = n/2, ..., 1',
+       "tests/test_collectives.py"),
+    _m("RMSNorm (1 + w): the norm offset dropped in the kernel's weights", "mk/megakernel.py",
+       "return params[name].astype(jnp.float32) + config.norm_offset",
+       "return params[name].astype(jnp.float32)", "tests/test_hybrid.py"),
+    _m("RMSNorm eps outside the sqrt", "mk/reference.py",
+       "lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)",
+       "(lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True)) + eps)",
+       "tests/test_reference.py"),
+    _m("greedy acceptance keeps one draft more", "mk/spec.py",
+       "n = np.cumprod(drafts == target[:, :-1], axis=1).sum(axis=1)",
+       "n = np.minimum(np.cumprod(drafts == target[:, :-1], axis=1).sum(axis=1) + 1, "
+       "drafts.shape[1])", "tests/test_spec.py"),
+    _m("K/V rows spliced at position - 1", DA, "        first = p - i * tile\n",
+       "        first = p - 1 - i * tile\n", T_DA),
+    _m("speculative sampling: the residual max(p - q, 0) unclipped", "mk/spec.py",
+       "    residual = np.maximum(residual, 0.0)\n", "", "tests/test_spec.py"),
+    # -- reconstructed from the code added since (issue 40's 31 new, by what they break) --
+    _m("int4 zero point 7, not 8", "mk/quant.py", "_grouped((codes - 8).astype(F32)",
+       "_grouped((codes - 7).astype(F32)", "tests/test_quant.py",
+       "tests/kernels/test_weight_streaming.py"),
+    _m("loader: Qwen3.5's gated q_proj split in halves, not per head", "mk/checkpoint.py",
+       "heads = tensor.reshape(-1, 2, head_dim, tensor.shape[1])",
+       "heads = tensor.reshape(2, -1, head_dim, tensor.shape[1]).swapaxes(0, 1)",
+       "tests/test_checkpoint.py", "tests/test_oracle_transformers.py"),
+    _m("plan: cache capacity rounded to 8 rows, not 16", "mk/kernels/plan.py",
+       'S = -(-positive_int("positions", positions) // 16) * 16',
+       'S = -(-positive_int("positions", positions) // 8) * 8', "tests/test_plan.py",
+       "tests/test_sim.py"),
+    _m("perf: collective time of one row, not M", "mk/perf.py",
+       "* allreduce_s(m * config.hidden * PARTIAL_SUM_BYTES, tp, spec)",
+       "* allreduce_s(config.hidden * PARTIAL_SUM_BYTES, tp, spec)", "tests/test_perf.py"),
+    _m("sim: all-reduce of one row, not M", "mk/sim.py",
+       "self.collective(M * D * perf.PARTIAL_SUM_BYTES)",
+       "self.collective(D * perf.PARTIAL_SUM_BYTES)",
+       COUNTS + "test_simulator_all_reduces_m_rows_twice_a_layer_at_tp_2"),
+    _m("delta rule: the state not decayed", "mk/kernels/deltanet.py",
+       "        s = s * decay(t)\n", "        s = s\n", "tests/kernels/test_deltanet.py"),
+    _m("delta rule: beta dropped", "mk/kernels/deltanet.py",
+       "delta = jnp.where(at_t, (v - remembered) * beta(t), 0.0)",
+       "delta = jnp.where(at_t, (v - remembered), 0.0)", "tests/kernels/test_deltanet.py"),
+    _m("profiles: captures relative to the working directory (notebooks/profiles/)",
+       "mk/profiling.py", 'return root / "profiles"', 'return Path("profiles").absolute()',
+       "tests/test_profiling.py::test_captures_go_to_mk_profiles_else_the_checkouts_profiles"
+       "_else_the_working_directory",
+       "tests/test_profiling.py::test_notebook_08_run_by_papermill_in_notebooks_writes_under"
+       "_the_top_level_profiles"),
+    _m("attention tile counts: reads one tile fewer", DA,
+       "read = sum((p + rows - 1) // kv_tile + 1 for p in pos)",
+       "read = sum((p + rows - 1) // kv_tile for p in pos)",
+       equivalent="tile_counts only sizes the pl.CostEstimate of the stage kernel, which no "
+                  "result reads"),
+]
+
+
+def tracked_copy(dest: Path) -> None:
+    """Copy the repository's files (tracked, and new ones git does not ignore; as they are
+    in the working tree) to dest."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others",
+                             "--exclude-standard"], cwd=ROOT, check=True, capture_output=True)
+    files = listed.stdout.decode().split("\0")
+    for name in filter(None, files):
+        src = ROOT / name
+        if src.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+
+
+def stale(mutant: Mutant, root: Path = ROOT) -> list[str]:
+    """Why the mutant's edits cannot be applied at `root` (empty when they can)."""
+    problems = []
+    for path, original, mutated in mutant.edits:
+        text = (root / path).read_text() if (root / path).is_file() else None
+        if text is None:
+            problems.append(f"{path}: no such file")
+        elif text.count(original) != 1:
+            problems.append(f"{path}: the original occurs {text.count(original)} times")
+        elif original == mutated:
+            problems.append(f"{path}: the mutation changes nothing")
+    for test in mutant.tests:
+        if not (root / test.split("::")[0]).is_file():
+            problems.append(f"{test}: no such test file")
+    return problems
+
+
+def run_one(mutant: Mutant, copy: Path, python: str) -> tuple[str, float, str]:
+    """(result, seconds, the failing tests' summary) of one mutant in `copy`."""
+    if mutant.equivalent:
+        return "equivalent", 0.0, mutant.equivalent
+    saved = {}
+    for path, original, mutated in mutant.edits:
+        target = copy / path
+        saved[target] = target.read_text()
+        target.write_text(saved[target].replace(original, mutated, 1))
+    env = dict(os.environ, PYTHONPATH=str(copy), JAX_PLATFORMS="cpu",
+               TPU_SKIP_MDS_QUERY="1", MK_PROFILES=str(copy / "profiles"))
+    start = time.time()
+    try:
+        done = subprocess.run([python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                               "-n", "0", *mutant.tests], cwd=copy, env=env,
+                              capture_output=True, text=True)
+    finally:
+        for target, text in saved.items():
+            target.write_text(text)
+    seconds = time.time() - start
+    lines = done.stdout.splitlines()
+    failed = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
+    failed += [line.strip() for line in lines if line.startswith("E ")][:1]  # why
+    if done.returncode == 0:
+        return "SURVIVED", seconds, ""
+    if done.returncode == 1:
+        return "caught", seconds, "; ".join(failed[:1] + failed[-1:])
+    return "error", seconds, (done.stdout + done.stderr).strip().splitlines()[-1:][0]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", action="append", default=[],
+                        help="run the mutants whose name contains this (repeatable)")
+    parser.add_argument("--list", action="store_true", help="list the mutants, run nothing")
+    parser.add_argument("--check", action="store_true",
+                        help="check every mutant applies to the tree, run nothing")
+    parser.add_argument("--python", default=sys.executable)
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTANTS if not args.only or any(o in m.name for o in args.only)]
+    if not chosen:
+        print(f"no mutant's name contains any of {args.only}")
+        return 2
+    problems = {m.name: stale(m) for m in chosen}
+    for name, why in problems.items():
+        for line in why:
+            print(f"STALE {name}: {line}")
+    if args.check or any(problems.values()):
+        print(f"{len(chosen)} mutants, {sum(bool(p) for p in problems.values())} stale")
+        return 1 if any(problems.values()) else 0
+    if args.list:
+        for m in chosen:
+            print(f"{m.name}\n    {', '.join(p for p, *_ in m.edits)}\n    "
+                  f"{', '.join(m.tests) or 'equivalent: ' + m.equivalent}")
+        return 0
+    counts: dict[str, int] = {}
+    with tempfile.TemporaryDirectory(prefix="mk-mutate-") as tmp:
+        copy = Path(tmp)
+        tracked_copy(copy)
+        for m in chosen:
+            result, seconds, detail = run_one(m, copy, args.python)
+            counts[result] = counts.get(result, 0) + 1
+            print(f"{result:10} {seconds:7.1f} s  {m.name}" + (f"\n{'':21}{detail}"
+                                                            if detail else ""), flush=True)
+    behavioural = len(chosen) - counts.get("equivalent", 0)
+    print(f"caught {counts.get('caught', 0)} of {behavioural} behaviour-changing mutants; "
+          f"survived {counts.get('SURVIVED', 0)}, errors {counts.get('error', 0)}, "
+          f"equivalent {counts.get('equivalent', 0)}")
+    return 1 if counts.get("SURVIVED") or counts.get("error") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
