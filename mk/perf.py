@@ -385,14 +385,20 @@ def _linear_params(config: ModelConfig) -> int:
 
 
 # -- The MXU floor ----------------------------------------------------------------------
+def mxu_flops(rows: float, elements: float, mxu_rows: float) -> float:
+    """The MXU rule, its one spelling (`mxu_floor_ms` and `mk.sim` charge it): a TPU's MXU
+    is weight-stationary, so loading an R x R weight block (R = `mxu_rows`) takes as long
+    as streaming R activation rows through it, and one pass of `rows` < R rows over
+    `elements` weights costs what R rows cost: 2 max(rows, R) elements FLOPs at peak."""
+    return 2.0 * max(rows, mxu_rows) * elements
+
+
 def mxu_floor_ms(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: int = 1,
                  context: int | None = None, tp: int = 1, routing: str = "uniform",
                  compute: str = "bf16") -> float:
     """The compute floor of one decode step with the MXU rule that `mk.sim` charges, ms.
 
-    A TPU's MXU is weight-stationary: loading an R x R weight block (R = chip.mxu_rows)
-    takes as long as streaming R activation rows through it, so one pass of M < R rows
-    over a [K, N] weight costs what R rows cost, 2 max(M, R) K N FLOPs at peak. Here every
+    By the MXU rule (`mxu_flops`: one pass of M < R rows costs what R rows cost), every
     weight a step reads is one pass of the step's M = B*T rows (attention projections,
     dense MLP, router, lm_head); the experts touched share the M*X routed rows, at least
     R rows each (the kernel and `mk.sim` push all M rows through every active expert, which
@@ -413,19 +419,20 @@ def mxu_floor_ms(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, r
               + len(config.linear_layers) * _linear_params(config)
               + n_dense * 3 * config.hidden * config.ffn + n_moe * config.hidden
               * config.experts + config.hidden * config.vocab)
-    flops = 2.0 * max(m, R) * passes
-    if config.is_moe:
+    flops = mxu_flops(m, passes, R)
+    if config.is_moe:  # the touched experts share the M*X routed rows, R each at least
         touched = experts_touched(config.experts, config.experts_per_token, m, routing)
-        flops += (2.0 * n_moe * config.expert_params
-                  * max(m * config.experts_per_token, touched * R))
+        flops += mxu_flops(m * config.experts_per_token, n_moe * config.expert_params,
+                           touched * R)
     K, H, _ = kv_layout(config)  # MLA: every head against one latent row of R + Hr
-    attention_rows = max(-(-config.heads // K * rows // 8) * 8, R)
-    flops += (4.0 * len(config.full_layers) * batch * K * H * (context + rows)
-              * attention_rows)
+    attention_rows = -(-config.heads // K * rows // 8) * 8  # G*T rows in whole sublanes
+    flops += 2 * mxu_flops(attention_rows, len(config.full_layers) * batch * K * H
+                           * (context + rows), R)  # q.k and p.v
     # The kernel's delta rule: per sequence, value head and row, three products of the
     # sequence's R = round_up(T, 8) rows (at least the MXU's) by the [Hk, Hv] state.
-    flops += (6.0 * len(config.linear_layers) * batch * rows * config.linear_value_heads
-              * max(-(-rows // 8) * 8, R) * config.linear_key_dim * config.linear_value_dim)
+    flops += 3 * mxu_flops(-(-rows // 8) * 8, len(config.linear_layers) * batch * rows
+                           * config.linear_value_heads * config.linear_key_dim
+                           * config.linear_value_dim, R)
     return 1e3 * flops / tp / (peak_flops(spec, compute) / spec.cores_per_chip)
 
 

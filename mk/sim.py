@@ -25,10 +25,9 @@ Modelling assumptions (`Assumptions` holds the numbers; none is fitted to a meas
   selection copy all share the engine. `Assumptions.measured(chip)` takes the latency and
   hbm_share from a TPU's measured file instead (`mk.measure`, data/measured/<chip>.json;
   `source` says which); `simulate` uses them only when passed them.
-- Compute is one in-order lane. A weight tile [tk, tn] against M rows costs
-  2 * max(M, mxu_rows) * tk * tn / peak: a weight-stationary MXU of mxu_rows x mxu_rows
-  takes as long to load a weight block as to stream mxu_rows rows through it, so fewer
-  rows cost the same (the chip's `mxu_rows`, from data/chips.csv, which gives each
+- Compute is one in-order lane. A weight tile [tk, tn] against M rows costs the MXU rule
+  (`mk.perf.mxu_flops`: 2 * max(M, mxu_rows) * tk * tn) / peak, fewer rows than the MXU
+  costing as many (the chip's `mxu_rows`, from data/chips.csv, which gives each
   number's source; TPU7x's is an assumption there). Peak is the
   device's dense bf16 (or fp8 with compute="fp8") FLOP/s. A tile also costs at least
   `tile_issue_s`, the TensorCore's issue time for one trip of the kernel's per-tile loop
@@ -376,6 +375,11 @@ class _Kernel:
     def wait(self, g):
         self.mc.wait(self.landed.pop(g))
 
+    def mxu_s(self, rows, elements) -> float:
+        """One pass of `rows` activation rows over `elements` weights at one core's peak,
+        by the MXU rule (`mk.perf.mxu_flops`)."""
+        return perf.mxu_flops(rows, elements, self.mxu) / self.peak
+
     def matmul(self, name, copy=0):
         """`Ring.matmul`: per tile wait, compute, issue the tile `slots` ahead. Once a tile
         repeats the previous one's timing exactly (same gaps, same issue), the rest of the
@@ -383,8 +387,8 @@ class _Kernel:
         seg = self.s.segment(name)
         base = self.s.base(self.layer, seg, copy)
         block, mc, n = self.s.block, self.mc, self.n
-        seconds = max(2 * max(self.m, self.mxu) * block.tile_rows * block.tile_cols
-                      / self.peak, self.a.tile_issue_s)
+        seconds = max(self.mxu_s(self.m, block.tile_rows * block.tile_cols),
+                      self.a.tile_issue_s)
         what = "lm_head" if name == "lm_head" else (f"{name}[{copy}]" if seg.stride else name)
         seen, history, t = {}, [], 0  # state -> tile index; (now, gaps) per tile
         while t < seg.tiles:
@@ -535,8 +539,8 @@ class _Kernel:
             self.attend()
         elif name == "wo":
             if c.is_mla:  # each head's P @ latent rows times its W_uv
-                self.mc.compute(2 * max(M, self.mxu) * c.latent_rank * c.value_dim
-                                * c.heads / self.peak, self.layer, "mla_up")
+                self.mc.compute(self.mxu_s(M, c.latent_rank * c.value_dim * c.heads),
+                                self.layer, "mla_up")
             if c.attn_output_gate:
                 self.vector(4 * M * c.q_width, "output_gate")
             self.matmul("wo")
@@ -594,16 +598,15 @@ class _Kernel:
             self.mc.wait(landed["q_a_norm"])
             self.vector(4 * M * c.q_rank, "norm")
             self.mc.wait(landed["wq"])
-            self.mc.compute(2 * max(M, self.mxu) * c.q_rank * c.q_width / self.peak,
-                            self.layer, "wq")
+            self.mc.compute(self.mxu_s(M, c.q_rank * c.q_width), self.layer, "wq")
         else:
             self.matmul("wq")
         self.matmul("wkv_a")
         self.mc.wait(landed["kv_a_norm"])
         self.vector(4 * M * c.latent_rank, "norm")
         self.mc.wait(landed["wkv_b"])
-        self.mc.compute(2 * max(M, self.mxu) * (c.head_dim - c.rope_dim) * c.latent_rank
-                        * c.heads / self.peak, self.layer, "mla_absorb")
+        self.mc.compute(self.mxu_s(M, (c.head_dim - c.rope_dim) * c.latent_rank * c.heads),
+                        self.layer, "mla_absorb")
 
     def linear_loads(self, row, tag=""):
         """`mk.kernels.deltanet.start_layer_loads`: linear row `row`'s DMA'd weights and
@@ -651,7 +654,7 @@ class _Kernel:
             self.matmul("lin_z")
             self.mc.wait(small)
             gate_elements = 2 * c.hidden * Nv
-        self.mc.compute(2 * max(M, self.mxu) * gate_elements / self.peak, layer, "gates")
+        self.mc.compute(self.mxu_s(M, gate_elements), layer, "gates")
         self.mc.wait(max(conv, self.conv_sent))
         self.vector(2 * W * M * C, "conv")
         self.conv_sent = self.mc.dma(B * T * (W - 1) * C * item, layer, "conv_rows",
@@ -665,8 +668,8 @@ class _Kernel:
                 self.state_load(n + 1)
             if n >= 2:
                 self.mc.wait(self.states_sent[n - 2])
-            self.mc.compute(T * Nv * (3 * 2 * max(rows, self.mxu) * Hk * Hv / self.peak
-                                      + 4 * Hk * Hv / self.vpu), layer, "delta_rule")
+            self.mc.compute(T * Nv * (3 * self.mxu_s(rows, Hk * Hv) + 4 * Hk * Hv / self.vpu),
+                            layer, "delta_rule")
             self.states_sent.append(self.mc.dma(T * Nv * Hk * Hv * 4, layer, "state_rows",
                                                 weight=False))
         self.vector(8 * M * Vw, "gated_norm")
@@ -702,7 +705,7 @@ class _Kernel:
         if c.shared_expert_ffn:
             self.swiglu(SHARED_WEIGHTS, c.shared_expert_ffn)
         E, X, Fe = c.experts, c.experts_per_token, c.expert_ffn
-        self.mc.compute(2 * max(M, self.mxu) * c.hidden * E / self.peak, self.layer, "router")
+        self.mc.compute(self.mxu_s(M, c.hidden * E), self.layer, "router")
         self.vector(M * E * (6 + 4 * X), "router")
         self.mc.wait(self.mc.dma(4 * E, self.layer, "selected", weight=False))  # VMEM -> SMEM flags
         self.mc.compute(E * self.a.scalar_op_s, self.layer, "router")
@@ -754,7 +757,7 @@ class _Kernel:
         tiles = self.kv_tiles()
         self.vector(3 * B * T * (c.heads + caches * K) * H, "attention")  # regrouping
         landed, issue = self.kv_landed, self.issue_kv
-        mxu = 2 * 2 * max(R, self.mxu) * tile * H * K / self.peak
+        mxu = 2 * self.mxu_s(R, tile * H * K)  # q.k and p.v
         vec = 8 * K * R * tile / self.vpu
         for j, (b, i) in enumerate(tiles):
             issue(j + block.kv_slots - 1)

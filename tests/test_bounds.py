@@ -21,6 +21,7 @@ from mk.kernels import one_layer
 from mk.kernels import plan as plan_module
 from mk.kernels.deltanet import gated_deltanet
 from mk.kernels.mlp import MOE_SMALL_LOADS
+from mk.weights import abstract_params
 
 
 def _kernel(body, n=4, sems=2):
@@ -96,7 +97,7 @@ def test_an_index_read_from_smem_is_counted_unbounded_not_flagged():
 def _megakernel_accesses(config, *, tp=1, batch=2, rows=2, context=256):
     """Every index of the megakernel's step for `config` at tp (one device's shard,
     traced with the tp mesh axis bound), and the plan."""
-    plan = megakernel.step_plan(config, tp=tp, batch=batch, rows=rows, context=context)
+    plan = plan_module.DecodePlan.make(config, tp=tp, batch=batch, rows=rows, context=context)
     local = plan.local
     weights = jax.eval_shape(
         lambda: megakernel.prepare(local, mk.init_params(local, seed=0), plan.block))
@@ -161,11 +162,6 @@ def test_the_moe_stage_kernel_with_a_sigmoid_router_and_shared_expert_is_in_rang
         (i, i) for i in range(len(MOE_SMALL_LOADS))}
 
 
-def _abstract_params(config):
-    return {k: jax.ShapeDtypeStruct(shape, dtype)
-            for k, (shape, dtype) in config.param_shapes().items()}
-
-
 @pytest.mark.parametrize("layer", [0, 1])  # tiny-moe's dense layer, an MoE layer
 def test_the_one_layer_stage_kernel_is_in_range(layer):
     config, B, T, S = mk.preset("tiny-moe"), 2, 2, 256
@@ -173,7 +169,7 @@ def test_the_one_layer_stage_kernel_is_in_range(layer):
                                  jnp.dtype(config.dtype))
     found = bounds.check(
         lambda p, x, k, v, pos: one_layer.one_layer(config, p, x, k, v, pos, layer=layer),
-        _abstract_params(config), jax.ShapeDtypeStruct((B, T, config.hidden), jnp.float32),
+        abstract_params(config), jax.ShapeDtypeStruct((B, T, config.hidden), jnp.float32),
         cache, cache, jax.ShapeDtypeStruct((B,), jnp.int32))
     assert bounds.describe(found)["bounded"] > 0
 
@@ -187,6 +183,6 @@ def test_the_linear_layer_stage_kernel_is_in_range(name):
                                   config.linear_value_dim), jnp.float32)
     found = bounds.check(
         lambda p, x, c, s: gated_deltanet(config, p, x, c, s, layer=config.linear_layers[-1]),
-        _abstract_params(config), jax.ShapeDtypeStruct((B, T, config.hidden), jnp.float32),
+        abstract_params(config), jax.ShapeDtypeStruct((B, T, config.hidden), jnp.float32),
         conv, state)
     assert any(a.ref.endswith("['small_sems']") for a in found)

@@ -19,6 +19,7 @@ from mk import megakernel, reference, sim
 from mk.kernels import plan as plan_module
 from mk.kernels.decode_attention import write_back_rows
 from mk.kernels.plan import DecodePlan
+from mk.weights import abstract_params
 
 FAMILIES = ["tiny", "tiny-moe", "tiny-hybrid", "tiny-kimi"]
 
@@ -45,8 +46,7 @@ def test_plan_hbm_bytes_are_the_megakernels_operands_and_no_kv_for_linear_layers
     states for linear ones) and the T row states a hybrid's step writes."""
     config, B, T, S = mk.preset(name), 2, 3, 512
     plan = DecodePlan.make(config, batch=B, rows=T, context=S)
-    params = {k: jax.ShapeDtypeStruct(shape, dtype)
-              for k, (shape, dtype) in config.param_shapes().items()}
+    params = abstract_params(config)
     weights = jax.eval_shape(lambda p: megakernel.prepare(config, p, plan.block), params)
     tables = ("is_moe", "mlp_row", "is_linear", "mixer_row")
     cache = jax.eval_shape(lambda: reference.init_cache(config, B, S))
