@@ -6,8 +6,9 @@ drawn from the `TileStream` the kernel executes), `timeline`, `bubble_bars`, `sw
 (a `mk.sim.Simulation`, its bubbles, a design sweep), `lines` (named series against one
 x), `tpu_picture` (one TPU chip's memories, units and paths, from its `ChipSpec`),
 `table` (an HTML table, `Table`), `escape` (untrusted text made safe for HTML and
-Markdown), `show_source` (a kernel's own code on the page, from its
-module) and `show`. Not here: any model or chip arithmetic (that is `mk.perf`); static image export (kaleido needs Chrome).
+Markdown), `show_source` (a kernel's own code on the page, from its module) and `show`.
+Not here: any model or chip arithmetic (that is `mk.perf`); static image export (kaleido
+needs Chrome).
 
 Why `show` and not `fig.show()`: plotly 7's default output is only the plotly JSON mime
 type, which JupyterLab draws but nbconvert's HTML export and GitHub do not. `show` emits
@@ -107,7 +108,8 @@ class Table:
         head = "".join(f"<th>{escape(c)}</th>" for c in self.columns)
         body = "".join("<tr>" + "".join(f"<td>{escape(v)}</td>" for v in r) + "</tr>"
                        for r in self.rows)
-        return f'<table class="mk-table"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+        return (f'<table class="mk-table"><thead><tr>{head}</tr></thead>'
+                f"<tbody>{body}</tbody></table>")
 
 
 def table(rows: Sequence[Mapping[str, object]]) -> Table:

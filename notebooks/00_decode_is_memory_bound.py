@@ -74,6 +74,7 @@ from mk.chips import all_chips
 from mk.config import PRESET_NAMES
 from IPython.display import display
 
+mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
 print(f"{run.config.name}: B={run.batch} T={run.rows} S={run.context} on {run.chip}")

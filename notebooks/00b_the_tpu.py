@@ -72,6 +72,7 @@ from IPython.display import display
 from mk import perf, plots
 from mk.chips import all_chips
 
+mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
 print(f"{run.config.name}: B={run.batch} T={run.rows} S={run.context} on {run.chip}")

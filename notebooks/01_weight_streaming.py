@@ -82,6 +82,7 @@ from mk.kernels.ring import Ring, TileStream
 from mk.kernels.weight_streaming import (stream_matmul, stream_matmul_buffers,
                                          stream_matmul_kernel)
 
+mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
 mode = mk.backend.resolve(run.backend)

@@ -80,6 +80,7 @@ from mk.kernels.attention_prologue import (attention_prologue, attention_prologu
                                            normalise_heads, prologue, rope_rows)
 from mk.kernels.common import BlockSizes, vmem_budget
 
+mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
 config, mode, spec = run.config, mk.backend.resolve(run.backend), mk.chip(run.chip)

@@ -81,6 +81,7 @@ from mk.kernels.common import BlockSizes, vmem_budget
 from mk.kernels.decode_attention import (decode_attention, decode_attention_buffers,
                                          tile_counts, write_back_rows)
 
+mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
 mode = mk.backend.resolve(run.backend)

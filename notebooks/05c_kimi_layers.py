@@ -91,6 +91,7 @@ from mk import course, megakernel, plots, reference
 from mk.kernels import decode_attention, deltanet, mla, mlp
 from mk.kernels.common import BlockSizes
 
+mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
 config, mode = run.config, mk.backend.resolve(run.backend)

@@ -82,6 +82,7 @@ from mk import perf, plots, reference, sim, tpu
 from mk.kernels.one_layer import layer_matrices
 from mk.kernels.plan import DecodePlan, default_block
 
+mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
 config, mode, spec = run.config, mk.backend.resolve(run.backend), mk.chip(run.chip)

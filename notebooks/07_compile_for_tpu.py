@@ -81,6 +81,7 @@ import mk.run
 from mk import megakernel, plots, tpu
 from mk.kernels.plan import capacity
 
+mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
 config, spec = run.config, mk.chip(run.chip)

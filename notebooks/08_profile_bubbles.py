@@ -83,6 +83,7 @@ import mk.backend
 import mk.run
 from mk import plots, profiling, reference
 
+mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
 config, mode = run.config, mk.backend.resolve(run.backend)

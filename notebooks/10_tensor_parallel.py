@@ -70,8 +70,10 @@ exercise_drop_all_reduce: bool = False  # the exercise: True skips the in-kernel
 # Virtual CPU devices must be asked for before jax starts its CPU backend; twice the devices
 # used, because a device blocked on a semaphore in interpret mode holds one of XLA's CPU
 # threads (`interpret_devices`). Importing the module starts no backend.
+import mk.run
 from mk.kernels.collectives import check_devices, interpret_devices
 
+mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
 check_devices(tp)  # a power of two >= 1, checked before anything uses it
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            f" --xla_force_host_platform_device_count={interpret_devices(tp)}")
@@ -83,7 +85,6 @@ from tqdm.auto import tqdm
 
 import mk
 import mk.backend
-import mk.run
 from mk import course, plots, reference, tpu
 from mk import tensor_parallel as tpar
 from mk.kernels import collectives

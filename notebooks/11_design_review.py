@@ -100,6 +100,7 @@ from mk.chips import chip as chip_spec
 from mk.kernels.common import BlockSizes, VmemBudget
 from mk.kernels.plan import DecodePlan
 
+mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
 spec = chip_spec(run.chip)

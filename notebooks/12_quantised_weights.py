@@ -94,6 +94,7 @@ from mk.kernels.plan import capacity
 from mk.kernels.ring import Ring
 from mk.kernels.weight_streaming import stream_matmul
 
+mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
 FORMATS = ("bf16", *quant.SCHEMES)

@@ -87,6 +87,7 @@ import mk.run
 from mk import measure, plots, sim
 from mk.kernels.dma_probe import dma_probe_kernel
 
+mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
 mode = mk.backend.resolve(run.backend)

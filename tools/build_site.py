@@ -13,16 +13,22 @@ Not here: executing notebooks (papermill, in run_notebooks), the index of every 
 from __future__ import annotations
 
 import html
+import importlib.util
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import nbformat
 
+from mk.plots import escape
+
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "docs"
 SITE = "site"  # the built pages, inside the run folder
+MATHJAX = "mathjax"  # MathJax's folder inside the site's _static/: a copied site keeps it
 MATHJAX_JS = "MathJax.js?config=TeX-AMS-MML_HTMLorMML-full,Safe"
 
 
@@ -40,6 +46,20 @@ def title(notebook: Path) -> str:
     return notebook.stem
 
 
+def retitle(notebook: Path, label: str) -> None:
+    """Append ` (label)` to the executed notebook's title, so the page of each configuration
+    has its own title (the browser tab, the navigation, search)."""
+    if not label:
+        return
+    nb = nbformat.read(notebook, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "markdown" and cell.source.startswith("# "):
+            first, _, rest = cell.source.partition("\n")
+            cell.source = f"{first} ({label})" + (f"\n{rest}" if rest else "")
+            nbformat.write(nb, notebook)
+            return
+
+
 def params_text(parameters: dict) -> str:
     if not parameters:
         return "notebook defaults"
@@ -47,17 +67,19 @@ def params_text(parameters: dict) -> str:
 
 
 def table(rows: list[dict], prefix: str) -> str:
-    """The HTML table of a run's rows; page links are `prefix` + the row's page."""
+    """The HTML table of a run's rows; page links are `prefix` + the row's page. Every value
+    from the run (parameters, error texts) goes through `escape`: no newline, backtick or
+    tag of theirs reaches the page, so none can end the raw block it sits in."""
     lines = ["<table><tr><th>notebook</th><th>configuration</th><th>parameters</th>"
              "<th>status</th><th>run time</th></tr>"]
     for row in rows:
-        name = html.escape(row["notebook"])
+        name = escape(row["notebook"])
         link = (f'<a href="{html.escape(prefix + row["page"])}">{name}</a>'
                 if row["page"] else name)
         status = row["status"] + (f": {row['error']}" if row["error"] else "")
-        lines.append(f'<tr><td>{link}</td><td>{html.escape(row["label"] or "-")}</td>'
-                     f'<td><code>{html.escape(params_text(row["parameters"]))}</code></td>'
-                     f'<td class="{row["status"]}">{html.escape(status)}</td>'
+        lines.append(f'<tr><td>{link}</td><td>{escape(row["label"] or "-")}</td>'
+                     f'<td><code>{escape(params_text(row["parameters"]))}</code></td>'
+                     f'<td class="{row["status"]}">{escape(status)}</td>'
                      f'<td>{row["seconds"]:.1f} s</td></tr>')
     lines.append("</table>")
     return "\n".join(lines)
@@ -67,11 +89,10 @@ def write_index(run_dir: Path, record: dict, summary: str) -> None:
     """`run_dir/index.md`: the run's table, then the pages in run order."""
     rows = [r for r in record["rows"] if r["page"]]
     toc = "\n".join(
-        f"{title(run_dir / (r['name'] + '.ipynb'))}"
-        f"{' (' + r['label'] + ')' if r['label'] else ''} <{r['name']}>" for r in rows)
+        f"{title(run_dir / (r['name'] + '.ipynb'))} <{r['name']}>" for r in rows)
     text = f"""# mk notebooks, run {run_dir.name}
 
-Executed headless on CPU ({html.escape(summary)}). Run times are wall-clock times on the
+Executed headless on CPU ({escape(summary)}). Run times are wall-clock times on the
 machine that ran them, with every Pallas kernel in TPU interpret mode: they say nothing
 about TPU time. <a href="../../../index.html">All runs</a>.
 
@@ -89,16 +110,49 @@ about TPU time. <a href="../../../index.html">All runs</a>.
     (run_dir / "index.md").write_text(text, encoding="utf-8")
 
 
-def build(run_dir: Path, mathjax: Path) -> None:
-    """Run Sphinx on `run_dir` (its index.md and executed notebooks) into `run_dir/site/`;
-    the pages load MathJax from `mathjax` (a folder with MathJax.js, inside the site)."""
-    static = run_dir / SITE / "_static"
-    env = dict(os.environ,
-               MK_MATHJAX=f"{Path(os.path.relpath(mathjax, static)).as_posix()}/{MATHJAX_JS}")
-    done = subprocess.run([sys.executable, "-m", "sphinx", "-b", "html", "-q", "-c",
-                           str(CONF), str(run_dir), str(run_dir / SITE)],
-                          env=env, text=True, capture_output=True)
+def install_mathjax(site: Path) -> Path:
+    """Copy MathJax (the pinned jupyter-server-mathjax) into `site/_static/mathjax`: into a
+    temporary folder first, checked file by file against the source's sizes, then renamed
+    into place, so a full disk or a kill never leaves a partial copy behind."""
+    # Located, not imported: importing it starts loading jupyter_server (seconds).
+    spec = importlib.util.find_spec("jupyter_server_mathjax")
+    if spec is None:
+        raise RuntimeError("jupyter-server-mathjax is not installed: pip install -r "
+                           "requirements.txt")
+    source = Path(spec.submodule_search_locations[0]) / "static"
+    target = site / "_static" / MATHJAX
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=".mathjax-", dir=target.parent))
+    try:
+        shutil.copytree(source, partial, dirs_exist_ok=True)
+        wanted = {p.relative_to(source): p.stat().st_size for p in source.rglob("*")
+                  if p.is_file()}
+        got = {p.relative_to(partial): p.stat().st_size for p in partial.rglob("*")
+               if p.is_file()}
+        if got != wanted:
+            bad = sorted(str(k) for k in wanted if got.get(k) != wanted[k])
+            raise RuntimeError(f"MathJax copy into {partial} differs from {source} "
+                               f"({len(bad)} of {len(wanted)} files: {bad[:3]})")
+        if target.exists():
+            shutil.rmtree(target)
+        partial.rename(target)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return target
+
+
+def build(run_dir: Path) -> None:
+    """Run Sphinx on `run_dir` (its index.md and executed notebooks) into `run_dir/site/`,
+    warnings as errors; the pages load MathJax from the site's own `_static/mathjax`. The
+    doctrees (Sphinx's cache) go to a temporary folder, not into the site."""
+    site = run_dir / SITE
+    env = dict(os.environ, MK_MATHJAX=f"{MATHJAX}/{MATHJAX_JS}")
+    with tempfile.TemporaryDirectory(prefix="mk-doctrees-") as doctrees:
+        done = subprocess.run([sys.executable, "-m", "sphinx", "-b", "html", "-q", "-W",
+                               "--keep-going", "-d", doctrees, "-c", str(CONF), str(run_dir),
+                               str(site)], env=env, text=True, capture_output=True)
     if done.returncode != 0:
         raise RuntimeError(f"sphinx-build failed:\n{done.stderr[-3000:]}")
     if done.stderr.strip():
         print(done.stderr.strip(), file=sys.stderr, flush=True)
+    install_mathjax(site)
