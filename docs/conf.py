@@ -33,8 +33,9 @@ suppress_warnings = ["mystnb.unknown_mime_type"]
 myst_enable_extensions = ["dollarmath"]
 
 mathjax_path = os.environ.get("MK_MATHJAX", "")
-mathjax2_config = {"HTML-CSS": {"availableFonts": [], "preferredFont": None,
-                                "webFont": "STIX-Web", "imageFont": None}}
+# MathJax 3; `ui/safe` filters what a formula may link or style (myst adds the classes to
+# typeset: only its own math elements, never a `$` in an output's text).
+mathjax3_config = {"loader": {"load": ["ui/safe"]}}
 
 html_theme = "sphinx_book_theme"
 html_theme_options = {

@@ -29,7 +29,9 @@ ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "docs"
 SITE = "site"  # the built pages, inside the run folder
 MATHJAX = "mathjax"  # MathJax's folder inside the site's _static/: a copied site keeps it
-MATHJAX_JS = "MathJax.js?config=TeX-AMS-MML_HTMLorMML-full,Safe"
+MATHJAX_PACKAGE = "sphinx-mathjax-offline"  # MathJax 3.2.2 (pinned in pyproject's docs extra)
+MATHJAX_JS = "tex-chtml.js"  # TeX in, CommonHTML out; with the parts it loads on demand:
+MATHJAX_PARTS = (MATHJAX_JS, "input", "output", "ui", "a11y")
 
 
 def page(name: str) -> str:
@@ -111,22 +113,26 @@ about TPU time. <a href="../../../index.html">All runs</a>.
 
 
 def install_mathjax(site: Path) -> Path:
-    """Copy MathJax (the pinned jupyter-server-mathjax) into `site/_static/mathjax`: into a
-    temporary folder first, checked file by file against the source's sizes, then renamed
-    into place, so a full disk or a kill never leaves a partial copy behind."""
-    # Located, not imported: importing it starts loading jupyter_server (seconds).
-    spec = importlib.util.find_spec("jupyter_server_mathjax")
+    """Copy MathJax (`MATHJAX_PARTS` of the pinned sphinx-mathjax-offline) into
+    `site/_static/mathjax`: into a temporary folder first, checked file by file against the
+    source's sizes, then renamed into place, so a full disk or a kill never leaves a
+    partial copy behind."""
+    spec = importlib.util.find_spec(MATHJAX_PACKAGE)
     if spec is None:
-        raise RuntimeError("jupyter-server-mathjax is not installed: pip install -r "
+        raise RuntimeError(f"{MATHJAX_PACKAGE} is not installed: pip install -r "
                            "requirements.txt")
-    source = Path(spec.submodule_search_locations[0]) / "static"
+    source = Path(spec.submodule_search_locations[0]) / "static" / "mathjax"
     target = site / "_static" / MATHJAX
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=".mathjax-", dir=target.parent))
     try:
-        shutil.copytree(source, partial, dirs_exist_ok=True)
-        wanted = {p.relative_to(source): p.stat().st_size for p in source.rglob("*")
-                  if p.is_file()}
+        for part in MATHJAX_PARTS:
+            if (source / part).is_dir():
+                shutil.copytree(source / part, partial / part)
+            else:
+                shutil.copy2(source / part, partial / part)
+        wanted = {p.relative_to(source): p.stat().st_size for part in MATHJAX_PARTS
+                  for p in [source / part, *(source / part).rglob("*")] if p.is_file()}
         got = {p.relative_to(partial): p.stat().st_size for p in partial.rglob("*")
                if p.is_file()}
         if got != wanted:
