@@ -280,3 +280,35 @@ def test_each_site_rule_fails_on_its_planted_defect(tmp_path):
             name, str(report))
     assert not [p for p in report.problems if p.startswith(("clean.html", "index.html"))], (
         str(report))
+
+
+# -- The front door -------------------------------------------------------------------------
+def test_course_map_names_every_notebook_once_in_course_order():
+    import build_site
+
+    parts = build_site.load_course()
+    stems = [e["notebook"] for part in parts for e in part["notebooks"]]
+    assert sorted(stems) == sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9]*_*.ipynb"))
+    assert len(stems) == len(set(stems))
+    assert [s.split("_")[0] for s in stems] == [
+        "00b", "00", "01", "13", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11",
+        "05b", "05c", "12"]
+    assert all(e["teaches"].strip() and "\n" not in e["teaches"]
+               for part in parts for e in part["notebooks"])
+
+
+def test_front_page_opens_with_the_course_map_linking_the_newest_pages(tmp_path):
+    run = tmp_path / "runs" / "20260101-000000"
+    (run / "site").mkdir(parents=True)
+    (run / "site" / "index.html").write_text("<title>t</title>")
+    rows = [run_notebooks._row(run_notebooks.Run(ROOT / "notebooks/06_megakernel.ipynb",
+                                                 label), "ok", "", 12.0,
+                               f"site/06_megakernel-{label}.html") for label in ("a", "b")]
+    run_notebooks.write_record(run, {"rows": rows, "finished": "now", "source": "x"})
+    run_notebooks.write_site_index(tmp_path)
+    index = (tmp_path / "index.html").read_text()
+    assert index.index("Part I") < index.index("Part II") < index.index("Newest run")
+    row = re.search(r'<tr class="course"><td>06 · The decode megakernel.*?</tr>', index)[0]
+    assert 'href="runs/20260101-000000/site/06_megakernel-a.html">a</a>' in row
+    assert "06_megakernel-b.html" in row and "24 s" in row
+    assert "not run yet" in index  # the notebooks no run has executed

@@ -112,6 +112,54 @@ about TPU time. <a href="../../../index.html">All runs</a>.
     (run_dir / "index.md").write_text(text, encoding="utf-8")
 
 
+COURSE = ROOT / "notebooks" / "course.yaml"
+
+
+def load_course(course_file: Path = COURSE) -> list[dict]:
+    """The parts of the course map: [{title, notebooks: [{notebook, teaches}]}]."""
+    import yaml  # only the map needs it
+
+    parts = yaml.safe_load(course_file.read_text(encoding="utf-8"))["parts"]
+    for part in parts:
+        for entry in part["notebooks"]:
+            if set(entry) != {"notebook", "teaches"}:
+                raise ValueError(f"{course_file.name}: {entry!r} must have the keys "
+                                 "'notebook' and 'teaches'")
+    return parts
+
+
+def course_map(parts: list[dict], records: list[tuple[str, dict]], notebooks: Path) -> str:
+    """The front page's course map as HTML: per part, each notebook in order with its title,
+    what it teaches and, from the newest run that ran it (`records`: (run name, record),
+    newest first), its configurations linked to their pages, status and run time."""
+    lines = []
+    for part in parts:
+        lines.append(f"<h2>{escape(part['title'])}</h2>\n<table class=\"course\"><tr>"
+                     "<th>notebook</th><th>what it teaches</th><th>configurations (newest "
+                     "run)</th><th>time</th></tr>")
+        for entry in part["notebooks"]:
+            stem = entry["notebook"]
+            found = next(((name, [r for r in rec["rows"] if r["notebook"] == stem])
+                          for name, rec in records
+                          if any(r["notebook"] == stem for r in rec["rows"])), (None, []))
+            name, rows = found
+            configs = ", ".join(_config_link(name, r) for r in rows) or "not run yet"
+            seconds = f"{sum(r['seconds'] for r in rows):.0f} s" if rows else "-"
+            name_cell = escape(title(notebooks / f"{stem}.ipynb"))
+            lines.append(f'<tr class="course"><td>{name_cell}</td>'
+                         f"<td>{escape(entry['teaches'])}</td><td>{configs}</td>"
+                         f"<td>{seconds}</td></tr>")
+        lines.append("</table>")
+    return "\n".join(lines)
+
+
+def _config_link(run_name: str, row: dict) -> str:
+    label = escape(row["label"] or "default")
+    href = html.escape(f"runs/{run_name}/{row['page']}")
+    link = f'<a href="{href}">{label}</a>' if row["page"] else label
+    return f'{link} <span class="{escape(row["status"])}">{escape(row["status"])}</span>'
+
+
 def install_mathjax(site: Path) -> Path:
     """Copy MathJax (`MATHJAX_PARTS` of the pinned sphinx-mathjax-offline) into
     `site/_static/mathjax`: into a temporary folder first, checked file by file against the

@@ -399,8 +399,9 @@ def write_record(run_dir: Path, record: dict) -> None:
 
 
 def write_site_index(out: Path) -> None:
-    """`out/index.html`: the newest run's table, then every run, newest first. A run whose
-    site was not built links no page."""
+    """`out/index.html`: the course map (notebooks/course.yaml: each notebook in course
+    order, what it teaches, its configurations, status and time from the newest run that
+    ran it), the newest run's table, then every run, newest first."""
     records, unreadable = [], []
     for path in sorted((out / "runs").glob("*/runs.json"), reverse=True):
         try:
@@ -423,11 +424,16 @@ def write_site_index(out: Path) -> None:
         def link(name):
             return (f'<a href="runs/{html.escape(name)}/{build_site.SITE}/index.html">'
                     f"{escape(name)}</a>" if site(name).exists() else escape(name))
+        # A run whose site was not built links no page.
+        records = [(n, r if site(n).exists() else dict(r, rows=[dict(row, page=None)
+                                                              for row in r["rows"]]))
+                   for n, r in records]
         name, newest = records[0]
-        rows = newest["rows"] if site(name).exists() else [
-            dict(r, page=None) for r in newest["rows"]]
+        rows = newest["rows"]
         listing = "\n".join(f"<li>{link(n)}: {escape(_summary(r))}</li>" for n, r in records)
-        body = (f"<h2>Newest run: {escape(name)} ({escape(_summary(newest))})</h2>\n"
+        course = (build_site.course_map(build_site.load_course(), records, ROOT / "notebooks")
+                  if build_site.COURSE.is_file() else "")
+        body = (f"{course}\n<h2>Newest run: {escape(name)} ({escape(_summary(newest))})</h2>\n"
                 f"{build_site.table(rows, f'runs/{name}/')}\n<h2>All runs</h2>\n"
                 f"<ul>\n{listing}\n</ul>")
     if unreadable:
