@@ -1,5 +1,7 @@
-# make test: the test suite on CPU.  make run: every notebook headless, into a new run
-# folder build/runs/<stamp>/ and build/index.html.  make check-site: build/ in a headless
+# make test: the test suite on CPU.  make run: every notebook headless in its default
+# configuration (make run-all: every configuration of notebooks/runs.yaml), into a new run
+# folder build/runs/<stamp>/ and build/index.html; an unchanged notebook is not executed
+# again (build/cache/, tools/run_cache.py).  make check-site: build/ in a headless
 # Chromium (Debian's `chromium`; no browser download).
 # make lab: JupyterLab on this checkout, the .py notebooks opening as notebooks.
 # All build .venv/ from the pins of pyproject.toml (Python 3.11 + pip: the package editable
@@ -14,7 +16,7 @@ export TPU_SKIP_MDS_QUERY := 1
 # Profiler captures (mk.profiling.PROFILES) land in this checkout's profiles/.
 export MK_PROFILES := $(CURDIR)/profiles
 
-.PHONY: test test-slow run check-site lab clean clean-runs
+.PHONY: test test-slow run run-all check-site lab clean clean-runs
 
 # loadgroup: tests marked xdist_group share one worker (and its module fixtures).
 test: $(VENV)/.stamp-test
@@ -27,6 +29,9 @@ test-slow: $(VENV)/.stamp-test
 # Configurations per notebook: notebooks/runs.yaml. Earlier runs are kept, never overwritten.
 run: $(VENV)/.stamp
 	$(PY) tools/run_notebooks.py --out build
+
+run-all: $(VENV)/.stamp
+	$(PY) tools/run_notebooks.py --out build --all
 
 check-site: $(VENV)/.stamp-test
 	$(PY) tools/check_site.py build
@@ -56,7 +61,7 @@ $(VENV)/.stamp-test: $(VENV)/.stamp
 # `make clean-runs` removes those too. Leaves .venv/ alone (minutes to rebuild); `rm -rf
 # .venv` for a fresh one.
 clean:
-	rm -rf .pytest_cache .hypothesis build/index.html build/_static
+	rm -rf .pytest_cache .hypothesis build/index.html build/cache
 
 clean-runs: clean
 	rm -rf build

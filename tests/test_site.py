@@ -97,7 +97,7 @@ def site(notebooks, tmp_path_factory):
     out = tmp_path_factory.mktemp("build")
     figures, fails = notebooks
     code, stdout = _main(figures, fails, "--out", out,
-                         "--runs", figures.parent / "runs.yaml")
+                         "--runs", figures.parent / "runs.yaml", "--all")
     (run_dir,) = (out / "runs").iterdir()
     record = json.loads((run_dir / "runs.json").read_text())
     return {"out": out, "code": code, "stdout": stdout, "run_dir": run_dir,

@@ -312,3 +312,39 @@ def test_front_page_opens_with_the_course_map_linking_the_newest_pages(tmp_path)
     assert 'href="runs/20260101-000000/site/06_megakernel-a.html">a</a>' in row
     assert "06_megakernel-b.html" in row and "24 s" in row
     assert "not run yet" in index  # the notebooks no run has executed
+
+
+# -- Quick to a first page ------------------------------------------------------------------
+def test_default_run_takes_first_configurations_and_unchanged_ones_come_from_the_cache(
+        typed, tmp_path):
+    runs_file = tmp_path / "runs.yaml"
+    runs_file.write_text("93_typed:\n  - {label: a, parameters: {points: 1}}\n"
+                         "  - {label: b, parameters: {points: 2}}\n")
+    out = tmp_path / "out"
+
+    def rows(*extra):
+        code, text = _main(typed, "--out", out, "--runs", runs_file, *extra)
+        assert code == 0, text
+        newest = sorted((out / "runs").iterdir())[-1]
+        return {r["name"]: r["cached"] for r in
+                json.loads((newest / "runs.json").read_text())["rows"]}, text
+
+    first, _ = rows()
+    assert first == {"93_typed-a": False}  # the default: the first configuration only
+    second, text = rows("--all")
+    assert second == {"93_typed-a": True, "93_typed-b": False}, text
+    assert "93_typed-a: ok, cached (executed in" in text
+    third, _ = rows("--all", "--no-cache")
+    assert third == {"93_typed-a": False, "93_typed-b": False}
+
+
+def test_cache_key_follows_notebook_parameters_and_sources(typed, tmp_path):
+    import run_cache
+
+    (tmp_path / "mk").mkdir()
+    (tmp_path / "mk" / "a.py").write_text("x = 1\n")
+    key = run_cache.Cache(tmp_path / "out", root=tmp_path).key(typed, {"points": 1})
+    assert run_cache.Cache(tmp_path / "out", root=tmp_path).key(typed, {"points": 1}) == key
+    assert run_cache.Cache(tmp_path / "out", root=tmp_path).key(typed, {"points": 2}) != key
+    (tmp_path / "mk" / "a.py").write_text("x = 2\n")
+    assert run_cache.Cache(tmp_path / "out", root=tmp_path).key(typed, {"points": 1}) != key

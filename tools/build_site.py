@@ -82,7 +82,8 @@ def table(rows: list[dict], prefix: str) -> str:
         lines.append(f'<tr><td>{link}</td><td>{escape(row["label"] or "-")}</td>'
                      f'<td><code>{escape(params_text(row["parameters"]))}</code></td>'
                      f'<td class="{row["status"]}">{escape(status)}</td>'
-                     f'<td>{row["seconds"]:.1f} s</td></tr>')
+                     f'<td>{row["seconds"]:.1f} s{" (cached)" if row.get("cached") else ""}'
+                     "</td></tr>")
     lines.append("</table>")
     return "\n".join(lines)
 

@@ -1,9 +1,11 @@
 """Execute the numbered notebooks headless on CPU and publish them as a static site.
 
 `make run` calls this. Each `notebooks/NN_*.ipynb` runs with papermill on the `python3`
-kernel, which must start the interpreter running this script (checked, not assumed), once
-per configuration that `notebooks/runs.yaml` lists for it (once with its own parameters
-cell if it is not listed; the file documents its format).
+kernel, which must start the interpreter running this script (checked, not assumed), in
+its default configuration: the first that `notebooks/runs.yaml` lists for it (its own
+parameters cell if it is not listed; the file documents its format); `--all` (`make
+run-all`) runs every configuration listed. An unchanged configuration is copied from the
+execution cache, not executed again (tools/run_cache.py; `--no-cache`).
 
 Nothing is overwritten: every invocation writes a new folder `OUT/runs/<YYYYmmdd-HHMMSS>/`
 with the executed notebooks, `runs.json`, and the run's site in `site/`, built by Sphinx
@@ -28,7 +30,7 @@ runs; the record (`runs.json`) says `finished` only once the site is built, and 
 steps hold SIGINT/SIGTERM until they are done; one run at a time per output folder (a lock
 file; a second is refused with exit code 2).
 
-Not here: skipping unchanged notebooks, running notebooks in parallel (2 cores).
+Not here: running notebooks in parallel (2 cores).
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ import yaml  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import build_site  # noqa: E402
+import run_cache  # noqa: E402
 import mk.run  # noqa: E402
 from mk.plots import escape  # noqa: E402
 from jupyter_client.manager import AsyncKernelManager, KernelManager  # noqa: E402
@@ -303,10 +306,18 @@ def _heartbeat(prefix: str, start: float, every: float = HEARTBEAT_SECONDS):
         thread.join()
 
 
-def run_one(run: Run, run_dir: Path, prefix: str = "") -> dict:
-    """Execute one configuration; return its row of the index (its page is built with the
-    run's site, `build_site`)."""
+def run_one(run: Run, run_dir: Path, prefix: str = "",
+            cache: run_cache.Cache | None = None) -> dict:
+    """Execute one configuration, or copy its executed notebook from `cache` when nothing it
+    depends on changed; return its row of the index (its page is built with the run's
+    site, `build_site`)."""
     executed = run_dir / f"{run.name}.ipynb"
+    key = cache.key(run.notebook, run.parameters) if cache else None
+    cached = cache.get(key, executed) if cache else None
+    if cached is not None:
+        print(f"{prefix}: ok, cached (executed in {cached:.1f} s)", flush=True)
+        build_site.retitle(executed, run.label)
+        return _row(run, "ok", "", cached, build_site.page(run.name), cached=True)
     start = time.perf_counter()
     error = ""
     print(f"{prefix}: running", flush=True)
@@ -319,6 +330,8 @@ def run_one(run: Run, run_dir: Path, prefix: str = "") -> dict:
     status = "failed" if error else "ok"
     print(f"{prefix}: {status} in {seconds:.1f} s" + (f" ({error.splitlines()[0]})"
                                                       if error else ""), flush=True)
+    if cache and not error:
+        cache.put(key, executed, seconds)
     page = None
     if executed.exists():
         build_site.retitle(executed, run.label)
@@ -326,10 +339,11 @@ def run_one(run: Run, run_dir: Path, prefix: str = "") -> dict:
     return _row(run, status, error, seconds, page)
 
 
-def _row(run: Run, status: str, error: str, seconds: float, page: str | None) -> dict:
+def _row(run: Run, status: str, error: str, seconds: float, page: str | None,
+         cached: bool = False) -> dict:
     return {"name": run.name, "notebook": run.notebook.stem, "label": run.label,
             "parameters": run.parameters, "status": status, "error": error,
-            "seconds": round(seconds, 2), "page": page}
+            "seconds": round(seconds, 2), "page": page, "cached": cached}
 
 
 # -- The site -------------------------------------------------------------------------------
@@ -461,7 +475,8 @@ def deferred_signals():
         raise SystemExit(128 + caught[0])
 
 
-def run_all(runs: list[Run], out: Path, argv: list[str]) -> tuple[Path, list[dict]]:
+def run_all(runs: list[Run], out: Path, argv: list[str], cache: run_cache.Cache | None = None
+            ) -> tuple[Path, list[dict]]:
     """Run every configuration into a new run folder, then build its site and the index.
     The record says `finished` only once the site is built; those final steps hold
     SIGINT/SIGTERM until they are done."""
@@ -474,7 +489,7 @@ def run_all(runs: list[Run], out: Path, argv: list[str]) -> tuple[Path, list[dic
             prefix = f"[{i}/{len(runs)}] {run.name:<{width}}"
             start = time.perf_counter()
             try:
-                record["rows"].append(run_one(run, run_dir, prefix))
+                record["rows"].append(run_one(run, run_dir, prefix, cache))
             except (KeyboardInterrupt, SystemExit) as stop:  # Ctrl-C or SIGTERM
                 record["interrupted"] = f"{type(stop).__name__} during {run.name}"
                 record["rows"].append(_row(run, "interrupted", record["interrupted"],
@@ -536,6 +551,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="site folder (default: build/)")
     parser.add_argument("--runs", type=Path, default=RUNS_FILE,
                         help="configurations per notebook (default: notebooks/runs.yaml)")
+    parser.add_argument("--all", action="store_true",
+                        help="every configuration (default: each notebook's first)")
+    parser.add_argument("--no-cache", action="store_true",
+                        help="execute every notebook, even one unchanged since it last ran")
     args = parser.parse_args(argv)
     notebooks = [p.resolve() for p in args.notebooks] or sorted(
         (ROOT / "notebooks").glob(PATTERN))
@@ -543,6 +562,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"no notebooks match notebooks/{PATTERN}")
     try:
         runs = load_runs(args.runs, notebooks)
+        if not args.all:  # each notebook's default: its first configuration
+            runs = [r for i, r in enumerate(runs)
+                    if r.notebook not in {q.notebook for q in runs[:i]}]
         args.out.mkdir(parents=True, exist_ok=True)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -558,7 +580,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         with locked(args.out):
-            run_dir, rows = run_all(runs, args.out, argv)
+            run_dir, rows = run_all(runs, args.out, argv,
+                                    None if args.no_cache else run_cache.Cache(args.out))
     except Busy as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
