@@ -4,8 +4,9 @@
 # again (build/cache/, tools/run_cache.py).  make check-site: build/ in a headless
 # Chromium (Debian's `chromium`; no browser download).
 # make lab: JupyterLab on this checkout, the .py notebooks opening as notebooks.
-# All build .venv/ from the pins of pyproject.toml (Python 3.11 + pip: the package editable
-# with its extras) and refresh it only when pyproject.toml changed.
+# All build .venv/ from pyproject.toml at the exact versions of constraints.txt (Python 3.11
+# + pip: the package editable with its extras; tools/pins.py writes constraints.txt), and
+# refresh it only when one of them changed.
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -45,16 +46,16 @@ lab: $(VENV)/.stamp
 # The python3 kernelspec written into the venv makes papermill start this venv's python;
 # the Lab settings written into it open a .py file as a notebook (jupytext).
 LAB_SETTINGS := $(VENV)/share/jupyter/lab/settings
-$(VENV)/.stamp: pyproject.toml tools/jupyterlab-overrides.json
+$(VENV)/.stamp: pyproject.toml constraints.txt tools/jupyterlab-overrides.json
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -e '.[notebooks,profile,docs]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[notebooks,profile,docs]'
 	$(PY) -m ipykernel install --sys-prefix --name python3
 	mkdir -p $(LAB_SETTINGS)
 	cp tools/jupyterlab-overrides.json $(LAB_SETTINGS)/overrides.json
 	touch $@
 
 $(VENV)/.stamp-test: $(VENV)/.stamp
-	$(PY) -m pip install -q -e '.[notebooks,profile,docs,test]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[notebooks,profile,docs,test]'
 	touch $@
 
 # Removes test caches and build/ except the runs (build/runs/, each make run's results);

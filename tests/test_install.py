@@ -51,7 +51,8 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     base = os.environ.get("MK_INSTALL_PYTHON", sys._base_executable)
     subprocess.run([base, "-m", "venv", str(venv)], check=True, env=env)
     python = venv / "bin" / "python"
-    subprocess.run([python, "-m", "pip", "install", "-q", f"{wheel}[notebooks,profile]"],
+    subprocess.run([python, "-m", "pip", "install", "-q", "-c", str(ROOT / "constraints.txt"),
+                    f"{wheel}[notebooks,profile]"],
                    check=True, env=env)
     subprocess.run([python, "-m", "ipykernel", "install", "--sys-prefix", "--name",
                     "python3"], check=True, env=env, capture_output=True)

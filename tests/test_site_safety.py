@@ -171,7 +171,7 @@ def test_signals_in_the_final_steps_wait_for_them():
 
 
 def _fake_run(monkeypatch, build):
-    def run_one(run, run_dir, prefix=""):
+    def run_one(run, run_dir, prefix="", cache=None):
         (run_dir / f"{run.name}.ipynb").write_text("{}")
         return run_notebooks._row(run, "ok", "", 0.1, f"site/{run.name}.html")
     monkeypatch.setattr(run_notebooks, "run_one", run_one)
