@@ -116,7 +116,7 @@ def entries(*, context: int = 0, routing: str = "uniform", compute: str = "bf16"
     `speculative_only`: only the rows with an acceptance length (the simulator replays a
     whole Kimi TP32 step in tens of seconds: a reader who needs only those skips the rest).
 
-    `tile_costs`: rows of `benchmarks/tile_costs.py --published` (data/tile_costs/
+    `tile_costs`: rows of `benchmarks/tile_costs.py --published` (mk/data/tile_costs/
     published.json), each the compiled kernel of one run (`Run.key`): its ring's slots,
     the DMA latency it was sized for and its per-tile issue time from libtpu's bundles.
     With `simulate_tpu`, a TPU row with a recorded cost also gets "compiled_ms" (the

@@ -64,14 +64,12 @@ backend: str = "auto"  # "auto" (Mosaic on a TPU, else interpret), "interpret" o
 seed: int = 0  # seed of the random weights and inputs
 checkpoint: str = ""  # a local Hugging Face checkpoint folder; "" for random weights
 measure_layers: list[int] = [2, 4]  # layer counts compiled live for the compile-time comparison
-recorded: str = "data/compile_time/qwen3-8b_v6e_s1024.json"  # a full run of the benchmark
+recorded: str = "compile_time/qwen3-8b_v6e_s1024.json"  # a full run of the benchmark, in mk/data
 
 # %%
 import functools
-import importlib.util
 import json
 import os
-import sys
 from pathlib import Path
 
 import plotly.graph_objects as go
@@ -88,7 +86,7 @@ run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context
 config, spec = run.config, mk.chip(run.chip)
 if spec.kind != "tpu":
     raise ValueError(f"chip={run.chip!r} is not a TPU; this notebook compiles for TPUs")
-ROOT = Path(mk.__file__).resolve().parent.parent  # the checkout (mk is installed editable)
+DATA = Path(mk.__file__).parent / "data"  # recorded runs ship in the package
 print(f"{config.name}: {config.layers} layers, D={config.hidden}, B={run.batch} "
       f"T={run.rows} S={run.context}, for {run.chip} ({spec.topology})")
 
@@ -185,18 +183,17 @@ display(plots.table([dict(model=m, chip=c, ok=r.ok, compile_s=round(r.compile_se
 # %% [markdown]
 # ## Compile time: the megakernel against XLA
 #
-# `benchmarks/compile_time.py` compiles one decode step three ways for the same model and
-# chip: XLA's reference step with the layers unrolled in Python, the same step as a
-# `lax.scan` over stacked layers, and the megakernel (a `fori_loop` inside one kernel).
+# `mk.compile_time` (`benchmarks/compile_time.py` on the command line) compiles one decode
+# step three ways for the same model and chip: XLA's reference step with the layers
+# unrolled in Python, the same step as a `lax.scan` over stacked layers, and the megakernel
+# (a `fori_loop` inside one kernel).
 # Here it runs live for `measure_layers` (compile times on this machine's CPU, cold caches),
 # then the recorded full run (4 to 64 layers) is drawn. The claim under test: the
 # megakernel compiles in well under 90 s where large XLA models take over 30 minutes.
 
 # %%
-spec_ = importlib.util.spec_from_file_location("compile_time",
-                                               ROOT / "benchmarks" / "compile_time.py")
-bench = sys.modules["compile_time"] = importlib.util.module_from_spec(spec_)
-spec_.loader.exec_module(bench)
+from mk import compile_time as bench  # noqa: E402
+
 live = bench.measure(config, run.chip, measure_layers, batch=run.batch, rows=run.rows,
                      context=min(run.context, 1024), megakernel=bench.megakernel_series()[0])
 print(bench.format_table(live))
@@ -204,7 +201,7 @@ print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs: compile 
       "wall clock on this machine and grow with whatever else it runs")
 
 # %%
-data = json.loads((ROOT / recorded).read_text())
+data = json.loads((DATA / recorded).read_text())
 records = [bench.Record(**r) for r in data["records"]]
 print(f"recorded: {data['model']} on {data['chip']}, B={data['batch']} T={data['rows']} "
       f"S={data['context']}, jax {data['jax']}")

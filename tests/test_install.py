@@ -11,6 +11,7 @@ git URL).
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -67,3 +68,22 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
                         f"{name}.ipynb", f"{name}.out.ipynb", "-p", "preset", "tiny"],
                        cwd=work, env=env, check=True, capture_output=True)
     assert any((work / "profiles").iterdir()), "notebook 08 wrote no capture into ./profiles"
+
+
+def test_wheel_ships_what_notebooks_07_and_11_read(tmp_path):
+    """In CI (fast: the wheel only): the recorded runs 07 and 11 draw and the compile-time
+    benchmark 07 runs are inside the package, where the notebooks look for them."""
+    import zipfile
+
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                    "--no-build-isolation", "-w", str(tmp_path), str(ROOT)], check=True,
+                   capture_output=True)
+    names = set(zipfile.ZipFile(next(tmp_path.glob("mk_megakernel-*.whl"))).namelist())
+    source = {n: (ROOT / "notebooks" / f"{n}.py").read_text()
+              for n in ("07_compile_for_tpu", "11_design_review")}
+    wanted = {"mk/compile_time.py"} | {
+        f"mk/data/{path}" for text in source.values()
+        for path in re.findall(r'^\w+: str = "((?:compile_time|tile_costs)/[^"]+)"', text, re.M)}
+    assert len(wanted) == 4 and wanted <= names, wanted - names
+    assert "from mk import compile_time" in source["07_compile_for_tpu"]
+    assert "benchmarks" not in "".join(re.findall(r"ROOT / .*", "".join(source.values())))
