@@ -292,8 +292,6 @@ def panel(tau=6, gamma=7, batch=1, chip="tpu7x", context=0, draft="none"):
           f"{t.draft_ms:.3f} ms -> {t.tokens_per_s_per_user:,.0f} tokens/s per user")
 
 
-print("The panel at its defaults (a static page has no kernel to move the sliders):")
-panel()
 display(widgets.interactive(
     panel, tau=(1, 8), gamma=(1, 7), batch=(1, 8), chip=list(sweep_chips),
     context=(0, 32768, 1024), draft=["none", "qwen3-0.6b", "qwen3-1.7b"]))

@@ -223,6 +223,7 @@ def hostile(tmp_path_factory):
         "from IPython.display import Markdown, display\nfrom mk import plots",
         'display(plots.table([{"name": name, "n": 1}]))',
         'display(Markdown(f"Config **{plots.escape(name)}**"))',
+        "from tqdm.auto import tqdm\nsum(tqdm(range(3), desc='planted bar'))",
         "raise ValueError(name)")
     (folder / "runs.yaml").write_text("92_untrusted:\n  - label: xss\n    parameters:\n"
                                       f"      name: {json.dumps(payload)}\n")
@@ -238,8 +239,28 @@ def test_xss_and_include_payloads_reach_the_site_only_as_text(hostile):
     (page,) = hostile["out"].glob("runs/*/site/92_untrusted-xss.html")
     html = page.read_text()
     assert "<img src=x" not in html and "onerror=&#34;" in html
+    # The tqdm widget's text where it ended (no widget manager on the page).
+    assert re.search(r"planted bar: 100%\|\u2588{10}\| 3/3", html), "tqdm bar not as text"
     report = check_site.check_site(hostile["out"], chromium=_chromium())
     assert not report.problems, str(report)
+
+
+def test_widget_text_is_rebuilt_from_the_saved_widget_state():
+    import build_site
+
+    ids = {"box": {"model_name": "VBoxModel", "state": {"children": [
+        "IPY_MODEL_s", "IPY_MODEL_d", "IPY_MODEL_o"]}},
+           "s": {"model_name": "IntSliderModel", "state": {"description": "tau", "value": 6}},
+           "d": {"model_name": "DropdownModel", "state": {
+               "description": "chip", "index": 1, "_options_labels": ["v5e", "v6e"]}},
+           "o": {"model_name": "OutputModel", "state": {"outputs": [
+               {"output_type": "stream", "text": "841 tokens/s\n"}]}},
+           "bar": {"model_name": "HBoxModel", "state": {"children": [
+               "IPY_MODEL_h", "IPY_MODEL_p"]}},
+           "h": {"model_name": "HTMLModel", "state": {"value": "x\u2007&lt;50%"}},
+           "p": {"model_name": "FloatProgressModel", "state": {"value": 1.0, "max": 2.0}}}
+    assert build_site.widget_text(ids, "box") == "tau=6\nchip=v6e\n841 tokens/s"
+    assert build_site.widget_text(ids, "bar") == "x <50%|\u2588\u2588\u2588\u2588\u2588     |"
 
 
 # -- check_site's rules, each on a planted defect ---------------------------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 import html
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -48,18 +49,59 @@ def title(notebook: Path) -> str:
     return notebook.stem
 
 
-def retitle(notebook: Path, label: str) -> None:
-    """Append ` (label)` to the executed notebook's title, so the page of each configuration
-    has its own title (the browser tab, the navigation, search)."""
-    if not label:
-        return
+def prepare(notebook: Path, label: str) -> None:
+    """Ready an executed notebook for its page: ` (label)` after its title, so the page of
+    each configuration has its own title (the browser tab, the navigation, search), and
+    each widget's text form rebuilt from the widget state saved at the end of the run
+    (`widget_text`), since the page has no widget manager: a tqdm bar shows where it
+    ended, not the 0% it was displayed at."""
     nb = nbformat.read(notebook, as_version=4)
     for cell in nb.cells:
-        if cell.cell_type == "markdown" and cell.source.startswith("# "):
+        if label and cell.cell_type == "markdown" and cell.source.startswith("# "):
             first, _, rest = cell.source.partition("\n")
             cell.source = f"{first} ({label})" + (f"\n{rest}" if rest else "")
-            nbformat.write(nb, notebook)
-            return
+            break
+    state = nb.metadata.get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            view = output.get("data", {}).get(WIDGET_VIEW)
+            if view and view.get("model_id") in state:
+                output["data"]["text/plain"] = widget_text(state, view["model_id"])
+    nbformat.write(nb, notebook)
+
+
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+_TAG = re.compile(r"<[^>]+>")
+
+
+def widget_text(state: dict, model_id: str) -> str:
+    """The text form of widget `model_id` in a notebook's saved widget `state`: text and
+    HTML as their text, a progress bar drawn in blocks, a control as `description=value`,
+    an Output widget's printed text, boxes as their children (side by side or stacked)."""
+    model = state.get(model_id, {})
+    name, s = model.get("model_name", ""), model.get("state", {})
+    children = [widget_text(state, ref.removeprefix("IPY_MODEL_"))
+                for ref in s.get("children", [])]
+    if name in ("HBoxModel", "GridBoxModel"):
+        return "".join(children)
+    if children or name.endswith("BoxModel"):
+        return "\n".join(c for c in children if c)
+    if name == "OutputModel":
+        return "".join(o.get("text") or o.get("data", {}).get("text/plain", "")
+                       for o in s.get("outputs", [])).rstrip("\n")
+    if "Progress" in name:
+        share = s.get("value", 0) / s["max"] if s.get("max") else 0.0
+        return "|" + "\u2588" * round(10 * share) + " " * (10 - round(10 * share)) + "|"
+    label = s.get("description", "")
+    if "_options_labels" in s and s.get("index") is not None:
+        value = s["_options_labels"][s["index"]]
+    elif name in ("HTMLModel", "HTMLMathModel", "LabelModel"):
+        value = html.unescape(_TAG.sub("", str(s.get("value", ""))))
+        return (f"{label} " if label else "") + value.replace("\u2007", " ")
+    else:
+        value = s.get("value", "")
+    return f"{label}={value}" if label else str(value)
 
 
 def params_text(parameters: dict) -> str:

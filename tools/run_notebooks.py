@@ -316,7 +316,7 @@ def run_one(run: Run, run_dir: Path, prefix: str = "",
     cached = cache.get(key, executed) if cache else None
     if cached is not None:
         print(f"{prefix}: ok, cached (executed in {cached:.1f} s)", flush=True)
-        build_site.retitle(executed, run.label)
+        build_site.prepare(executed, run.label)
         return _row(run, "ok", "", cached, build_site.page(run.name), cached=True)
     start = time.perf_counter()
     error = ""
@@ -334,7 +334,7 @@ def run_one(run: Run, run_dir: Path, prefix: str = "",
         cache.put(key, executed, seconds)
     page = None
     if executed.exists():
-        build_site.retitle(executed, run.label)
+        build_site.prepare(executed, run.label)
         page = build_site.page(run.name)
     return _row(run, status, error, seconds, page)
 
