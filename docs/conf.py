@@ -14,6 +14,8 @@ button serves the page's executed notebook (`_sources/<page>.ipynb`).
 """
 
 import os
+import tomllib
+from pathlib import Path
 
 project = "mk notebooks"
 author = "the mk authors"
@@ -42,7 +44,9 @@ mathjax3_config = {"loader": {"load": ["ui/safe"]}}
 
 html_theme = "sphinx_book_theme"
 html_theme_options = {
-    "repository_url": "https://github.com/mk-megakernel/mk",
+    # The repository's one URL: pyproject.toml's [project.urls].Source.
+    "repository_url": tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml")
+                                    .read_text(encoding="utf-8"))["project"]["urls"]["Source"],
     "use_repository_button": True,
     "show_navbar_depth": 1,
     "home_page_in_toc": True,

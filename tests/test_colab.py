@@ -11,6 +11,7 @@ Not here: Colab itself (never reachable from here), the notebooks on Colab.
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -67,3 +68,23 @@ def test_a_requirement_that_moves_a_colab_pin_fails_to_resolve(tmp_path):
     _index_reachable()
     done = _resolve(tmp_path, "--no-deps", "ipython>=8")
     assert done.returncode != 0 and "ipython" in done.stderr.lower(), done.stderr[-2000:]
+
+
+def test_every_colab_link_and_mk_source_point_at_the_release_tag():
+    """The repository URL is pyproject.toml's [project.urls].Source, the release tag of
+    version X is vX; every Colab link (README, notebook titles) and the bootstrap's
+    MK_SOURCE use both, and in a checkout that has tags the tag must be one of them."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import notebook_header
+
+    ref = notebook_header.release_ref(notebook_header.bootstrap())
+    assert ref == notebook_header.RELEASE_TAG
+    texts = [ROOT / "README.md", *sorted((ROOT / "notebooks").glob("[0-9]*_*.py"))]
+    links = {m for path in texts for m in re.findall(
+        r"https://colab\.research\.google\.com/github/[^)\s]+", path.read_text())}
+    assert links and all(link.startswith(f"{notebook_header.COLAB}/{ref}/notebooks/")
+                         for link in links), sorted(links)[:3]
+    tags = subprocess.run(["git", "tag", "--list"], cwd=ROOT, text=True,
+                          capture_output=True).stdout.split()
+    if tags:
+        assert ref in tags, f"the links point at {ref}; tags: {tags} (git tag {ref})"
