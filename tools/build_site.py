@@ -1,12 +1,15 @@
 """Build one run's site with Sphinx: myst-nb reads the executed notebooks of a run folder,
 the book theme gives each page its notebook's title, the navigation, prev/next and search.
 
-tools/run_notebooks.py calls `build(run_dir, out, record)` after a run (the execution step
-stays there); the configuration is docs/conf.py. It writes `run_dir/index.md` (the run's
-table and the table of contents, in run order) and the pages into `run_dir/site/`:
-`site/index.html` and one `site/<NN_topic[-label]>.html` per executed notebook.
+tools/run_notebooks.py calls `prepare` on each executed notebook (its configuration in its
+title, its widgets' text form from their saved state), `write_index` and `build(run_dir)`
+after a run (the execution step stays there); the configuration is docs/conf.py. It writes
+`run_dir/index.md` (the run's table, every run value through `mk.plots.escape`, and the
+table of contents, in run order) and the pages into `run_dir/site/`: `site/index.html` and
+one `site/<NN_topic[-label]>.html` per executed notebook, with MathJax copied inside
+(`install_mathjax`). `course_map` is the front page's course map (notebooks/course.yaml).
 
-Not here: executing notebooks (papermill, in run_notebooks), the index of every run
+Not here: executing notebooks (papermill, in run_notebooks), writing the index of every run
 (`OUT/index.html`, run_notebooks), checking the pages in a browser (tools/check_site.py).
 """
 
