@@ -41,7 +41,6 @@ import contextlib
 import dataclasses
 import fcntl
 import html
-import importlib.util
 import json
 import os
 import re
