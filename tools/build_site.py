@@ -145,7 +145,7 @@ machine that ran them, with every Pallas kernel in TPU interpret mode: they say 
 about TPU time. <a href="../../../index.html">All runs</a>.
 
 ```{{raw}} html
-{table(record["rows"], "../")}
+{table([dict(r, page=r["page"] and Path(r["page"]).name) for r in record["rows"]], "")}
 ```
 
 ```{{toctree}}
