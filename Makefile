@@ -46,17 +46,28 @@ lab: $(VENV)/.stamp
 # The python3 kernelspec written into the venv makes papermill start this venv's python;
 # the Lab settings written into it open a .py file as a notebook (jupytext).
 LAB_SETTINGS := $(VENV)/share/jupyter/lab/settings
+# Two makes at once (two `make run`s, say) build the venv one after the other: each rule
+# re-runs itself under a lock file, where the second finds it up to date.
+ifeq ($(VENV_LOCKED),)
+$(VENV)/.stamp $(VENV)/.stamp-test:
+	flock $(VENV).lock $(MAKE) --no-print-directory VENV_LOCKED=1 $@
+endif
+
 $(VENV)/.stamp: pyproject.toml constraints.txt tools/jupyterlab-overrides.json
+ifneq ($(VENV_LOCKED),)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -c constraints.txt -e '.[notebooks,profile,docs]'
 	$(PY) -m ipykernel install --sys-prefix --name python3
 	mkdir -p $(LAB_SETTINGS)
 	cp tools/jupyterlab-overrides.json $(LAB_SETTINGS)/overrides.json
 	touch $@
+endif
 
 $(VENV)/.stamp-test: $(VENV)/.stamp
+ifneq ($(VENV_LOCKED),)
 	$(PY) -m pip install -q -c constraints.txt -e '.[notebooks,profile,docs,test]'
 	touch $@
+endif
 
 # Removes test caches and build/ except the runs (build/runs/, each make run's results);
 # `make clean-runs` removes those too. Leaves .venv/ alone (minutes to rebuild); `rm -rf
