@@ -1,9 +1,12 @@
-# make test: the test suite on CPU.  make run: every notebook headless, into a new run
-# folder build/runs/<stamp>/ and build/index.html.  make check-site: build/ in a headless
+# make test: the test suite on CPU.  make run: every notebook headless in its default
+# configuration (make run-all: every configuration of notebooks/runs.yaml), into a new run
+# folder build/runs/<stamp>/ and build/index.html; an unchanged notebook is not executed
+# again (build/cache/, tools/run_cache.py).  make check-site: build/ in a headless
 # Chromium (Debian's `chromium`; no browser download).
 # make lab: JupyterLab on this checkout, the .py notebooks opening as notebooks.
-# All build .venv/ from the pins of pyproject.toml (Python 3.11 + pip: the package editable
-# with its extras) and refresh it only when pyproject.toml changed.
+# All build .venv/ from pyproject.toml at the exact versions of constraints.txt (Python 3.11
+# + pip: the package editable with its extras; tools/pins.py writes constraints.txt), and
+# refresh it only when one of them changed.
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -14,7 +17,7 @@ export TPU_SKIP_MDS_QUERY := 1
 # Profiler captures (mk.profiling.PROFILES) land in this checkout's profiles/.
 export MK_PROFILES := $(CURDIR)/profiles
 
-.PHONY: test test-slow mutate run check-site lab clean clean-runs
+.PHONY: test test-slow mutate run run-all check-site lab clean clean-runs
 
 # loadgroup: tests marked xdist_group share one worker (and its module fixtures).
 test: $(VENV)/.stamp-test
@@ -35,6 +38,9 @@ mutate: $(VENV)/.stamp-test
 run: $(VENV)/.stamp
 	$(PY) tools/run_notebooks.py --out build
 
+run-all: $(VENV)/.stamp
+	$(PY) tools/run_notebooks.py --out build --all
+
 check-site: $(VENV)/.stamp-test
 	$(PY) tools/check_site.py build
 
@@ -47,23 +53,34 @@ lab: $(VENV)/.stamp
 # The python3 kernelspec written into the venv makes papermill start this venv's python;
 # the Lab settings written into it open a .py file as a notebook (jupytext).
 LAB_SETTINGS := $(VENV)/share/jupyter/lab/settings
-$(VENV)/.stamp: pyproject.toml tools/jupyterlab-overrides.json
+# Two makes at once (two `make run`s, say) build the venv one after the other: each rule
+# re-runs itself under a lock file, where the second finds it up to date.
+ifeq ($(VENV_LOCKED),)
+$(VENV)/.stamp $(VENV)/.stamp-test:
+	flock $(VENV).lock $(MAKE) --no-print-directory VENV_LOCKED=1 $@
+endif
+
+$(VENV)/.stamp: pyproject.toml constraints.txt tools/jupyterlab-overrides.json
+ifneq ($(VENV_LOCKED),)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -e '.[notebooks,profile,docs]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[notebooks,profile,docs]'
 	$(PY) -m ipykernel install --sys-prefix --name python3
 	mkdir -p $(LAB_SETTINGS)
 	cp tools/jupyterlab-overrides.json $(LAB_SETTINGS)/overrides.json
 	touch $@
+endif
 
 $(VENV)/.stamp-test: $(VENV)/.stamp
-	$(PY) -m pip install -q -e '.[notebooks,profile,docs,test]'
+ifneq ($(VENV_LOCKED),)
+	$(PY) -m pip install -q -c constraints.txt -e '.[notebooks,profile,docs,test]'
 	touch $@
+endif
 
 # Removes test caches and build/ except the runs (build/runs/, each make run's results);
 # `make clean-runs` removes those too. Leaves .venv/ alone (minutes to rebuild); `rm -rf
 # .venv` for a fresh one.
 clean:
-	rm -rf .pytest_cache .hypothesis build/index.html build/_static
+	rm -rf .pytest_cache .hypothesis build/index.html build/cache
 
 clean-runs: clean
 	rm -rf build

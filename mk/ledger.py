@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from IPython.display import Markdown
-
-from mk import perf
+from mk import perf, plots
 from mk.chips import ChipSpec, chip as named_chip
 from mk.config import ModelConfig, preset as named_preset
 from mk.kernels.plan import shard_config
@@ -46,12 +44,11 @@ TERMS = {
 VERIFY_ROWS = 8  # rows each speculative step verifies in the published runs (issue #5)
 
 
-def glossary(*terms: str) -> Markdown:
-    """The definitions of `terms` (all of `TERMS` if none) as a Markdown table."""
+def glossary(*terms: str) -> plots.Table:
+    """The definitions of `terms` (all of `TERMS` if none) as a table."""
     for term in terms:
         perf.check_choice("term", term, tuple(TERMS))
-    rows = "\n".join(f"| {t} | {TERMS[t]} |" for t in (terms or TERMS))
-    return Markdown(f"| term | meaning |\n|---|---|\n{rows}")
+    return plots.table([{"term": t, "meaning": TERMS[t]} for t in (terms or TERMS)])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +116,7 @@ def entries(*, context: int = 0, routing: str = "uniform", compute: str = "bf16"
     `speculative_only`: only the rows with an acceptance length (the simulator replays a
     whole Kimi TP32 step in tens of seconds: a reader who needs only those skips the rest).
 
-    `tile_costs`: rows of `benchmarks/tile_costs.py --published` (data/tile_costs/
+    `tile_costs`: rows of `benchmarks/tile_costs.py --published` (mk/data/tile_costs/
     published.json), each the compiled kernel of one run (`Run.key`): its ring's slots,
     the DMA latency it was sized for and its per-tile issue time from libtpu's bundles.
     With `simulate_tpu`, a TPU row with a recorded cost also gets "compiled_ms" (the

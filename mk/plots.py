@@ -5,8 +5,10 @@ from numbers and records that `mk.perf` computed), `tile_stream` (the ring's sch
 drawn from the `TileStream` the kernel executes), `timeline`, `bubble_bars`, `sweep_lines`
 (a `mk.sim.Simulation`, its bubbles, a design sweep), `lines` (named series against one
 x), `tpu_picture` (one TPU chip's memories, units and paths, from its `ChipSpec`),
-`table` (a Markdown table), `show_source` (a kernel's own code on the page, from its
-module) and `show`. Not here: any model or chip arithmetic (that is `mk.perf`); static image export (kaleido needs Chrome).
+`table` (an HTML table, `Table`), `escape` (untrusted text made safe for HTML and
+Markdown), `show_source` (a kernel's own code on the page, from its module) and `show`.
+Not here: any model or chip arithmetic (that is `mk.perf`); static image export (kaleido
+needs Chrome).
 
 Why `show` and not `fig.show()`: plotly 7's default output is only the plotly JSON mime
 type, which JupyterLab draws but nbconvert's HTML export and GitHub do not. `show` emits
@@ -66,14 +68,53 @@ def show_source(*objects, lines: tuple[int, int] | None = None) -> Markdown:
     return Markdown("```python\n" + "\n\n".join(blocks) + "\n```")
 
 
-def table(rows: Sequence[Mapping[str, object]]) -> Markdown:
-    """A Markdown table of `rows` (dicts with the same keys, in column order)."""
-    if not rows:
-        raise ValueError("rows is empty: a table needs at least one row")
-    columns = list(rows[0])
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(str(row[c]) for c in columns) + " |" for row in rows]
-    return Markdown("\n".join(lines))
+# Characters that HTML or Markdown read as markup, as numeric character references: the
+# text shows as itself in HTML, in Markdown (a reference is never markup) and in a table
+# cell, and a newline or a backtick fence cannot start a block.
+_ESCAPES = {c: f"&#{ord(c)};" for c in "&<>\"'`|*_[]{}()#!$\\~\n\r"}
+
+
+def escape(value: object) -> str:
+    """`str(value)` safe to write into HTML or Markdown: every character either reads as
+    markup (`<`, `&`, quotes, backticks, `|`, `*`, `_`, brackets, `$`, `#`, newlines, ...)
+    becomes a numeric character reference, so untrusted text (a checkpoint's name, an
+    error message, a runs file's value) is shown as written and never runs or formats."""
+    return str(value).translate(str.maketrans(_ESCAPES))
+
+
+class Table:
+    """A table that renders as an HTML `<table>` in JupyterLab, on Colab and on the static
+    site alike (`_repr_html_`, every cell through `escape`); its text form (`data`, the
+    plain-text output) is a Markdown pipe table."""
+
+    def __init__(self, rows: Sequence[Mapping[str, object]]):
+        if not rows:
+            raise ValueError("rows is empty: a table needs at least one row")
+        self.columns = list(rows[0])
+        self.rows = [[row[c] for c in self.columns] for row in rows]
+
+    @property
+    def data(self) -> str:
+        def cell(value):
+            return " ".join(str(value).split()).replace("|", "\\|")
+        lines = ["| " + " | ".join(map(cell, self.columns)) + " |",
+                 "|" + "---|" * len(self.columns)]
+        return "\n".join(lines + ["| " + " | ".join(map(cell, r)) + " |" for r in self.rows])
+
+    def __repr__(self) -> str:
+        return self.data
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th>{escape(c)}</th>" for c in self.columns)
+        body = "".join("<tr>" + "".join(f"<td>{escape(v)}</td>" for v in r) + "</tr>"
+                       for r in self.rows)
+        return (f'<table class="mk-table"><thead><tr>{head}</tr></thead>'
+                f"<tbody>{body}</tbody></table>")
+
+
+def table(rows: Sequence[Mapping[str, object]]) -> Table:
+    """A `Table` of `rows` (dicts with the same keys, in column order)."""
+    return Table(rows)
 
 
 # -- Figures --------------------------------------------------------------------------------

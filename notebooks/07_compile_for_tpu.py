@@ -32,8 +32,9 @@
 # %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
 # pip installs MK_SOURCE (this release's tag; set the environment variable MK_SOURCE to
-# install another ref or a fork) with the notebook and profiler extras, then asks for a
-# restart. Anywhere, a folder named mk that is not the package stops here, saying so.
+# install another ref or a fork) with the `colab` extra (the profiler; nothing of Colab's
+# own Jupyter packages moves), then asks for a restart. Anywhere, a folder named mk that
+# is not the package stops here, saying so.
 import importlib.metadata
 import importlib.util
 import os
@@ -44,7 +45,7 @@ if "google.colab" in sys.modules:
     try:
         importlib.metadata.version("mk-megakernel")
     except importlib.metadata.PackageNotFoundError:
-        # %pip install -q "mk-megakernel[notebooks,profile] @ {MK_SOURCE}"
+        # %pip install -q "mk-megakernel[colab] @ {MK_SOURCE}"
         raise SystemExit("mk installed: Runtime > Restart session, then run all cells again.")
 mk_spec = importlib.util.find_spec("mk")
 if mk_spec is None or mk_spec.origin is None:
@@ -63,14 +64,12 @@ backend: str = "auto"  # "auto" (Mosaic on a TPU, else interpret), "interpret" o
 seed: int = 0  # seed of the random weights and inputs
 checkpoint: str = ""  # a local Hugging Face checkpoint folder; "" for random weights
 measure_layers: list[int] = [2, 4]  # layer counts compiled live for the compile-time comparison
-recorded: str = "data/compile_time/qwen3-8b_v6e_s1024.json"  # a full run of the benchmark
+recorded: str = "compile_time/qwen3-8b_v6e_s1024.json"  # a full run of the benchmark, in mk/data
 
 # %%
 import functools
-import importlib.util
 import json
 import os
-import sys
 from pathlib import Path
 
 import plotly.graph_objects as go
@@ -81,12 +80,13 @@ import mk.run
 from mk import plots, tpu
 from mk.kernels.plan import DecodePlan, capacity
 
+mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
 config, spec = run.config, mk.chip(run.chip)
 if spec.kind != "tpu":
     raise ValueError(f"chip={run.chip!r} is not a TPU; this notebook compiles for TPUs")
-ROOT = Path(mk.__file__).resolve().parent.parent  # the checkout (mk is installed editable)
+DATA = Path(mk.__file__).parent / "data"  # recorded runs ship in the package
 print(f"{config.name}: {config.layers} layers, D={config.hidden}, B={run.batch} "
       f"T={run.rows} S={run.context}, for {run.chip} ({spec.topology})")
 
@@ -183,18 +183,17 @@ display(plots.table([dict(model=m, chip=c, ok=r.ok, compile_s=round(r.compile_se
 # %% [markdown]
 # ## Compile time: the megakernel against XLA
 #
-# `benchmarks/compile_time.py` compiles one decode step three ways for the same model and
-# chip: XLA's reference step with the layers unrolled in Python, the same step as a
-# `lax.scan` over stacked layers, and the megakernel (a `fori_loop` inside one kernel).
+# `mk.compile_time` (`benchmarks/compile_time.py` on the command line) compiles one decode
+# step three ways for the same model and chip: XLA's reference step with the layers
+# unrolled in Python, the same step as a `lax.scan` over stacked layers, and the megakernel
+# (a `fori_loop` inside one kernel).
 # Here it runs live for `measure_layers` (compile times on this machine's CPU, cold caches),
 # then the recorded full run (4 to 64 layers) is drawn. The claim under test: the
 # megakernel compiles in well under 90 s where large XLA models take over 30 minutes.
 
 # %%
-spec_ = importlib.util.spec_from_file_location("compile_time",
-                                               ROOT / "benchmarks" / "compile_time.py")
-bench = sys.modules["compile_time"] = importlib.util.module_from_spec(spec_)
-spec_.loader.exec_module(bench)
+from mk import compile_time as bench  # noqa: E402
+
 live = bench.measure(config, run.chip, measure_layers, batch=run.batch, rows=run.rows,
                      context=min(run.context, 1024), megakernel=bench.megakernel_series()[0])
 print(bench.format_table(live))
@@ -202,7 +201,7 @@ print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs: compile 
       "wall clock on this machine and grow with whatever else it runs")
 
 # %%
-data = json.loads((ROOT / recorded).read_text())
+data = json.loads((DATA / recorded).read_text())
 records = [bench.Record(**r) for r in data["records"]]
 print(f"recorded: {data['model']} on {data['chip']}, B={data['batch']} T={data['rows']} "
       f"S={data['context']}, jax {data['jax']}")

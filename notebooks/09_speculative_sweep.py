@@ -39,8 +39,9 @@
 # %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
 # pip installs MK_SOURCE (this release's tag; set the environment variable MK_SOURCE to
-# install another ref or a fork) with the notebook and profiler extras, then asks for a
-# restart. Anywhere, a folder named mk that is not the package stops here, saying so.
+# install another ref or a fork) with the `colab` extra (the profiler; nothing of Colab's
+# own Jupyter packages moves), then asks for a restart. Anywhere, a folder named mk that
+# is not the package stops here, saying so.
 import importlib.metadata
 import importlib.util
 import os
@@ -51,7 +52,7 @@ if "google.colab" in sys.modules:
     try:
         importlib.metadata.version("mk-megakernel")
     except importlib.metadata.PackageNotFoundError:
-        # %pip install -q "mk-megakernel[notebooks,profile] @ {MK_SOURCE}"
+        # %pip install -q "mk-megakernel[colab] @ {MK_SOURCE}"
         raise SystemExit("mk installed: Runtime > Restart session, then run all cells again.")
 mk_spec = importlib.util.find_spec("mk")
 if mk_spec is None or mk_spec.origin is None:
@@ -78,6 +79,7 @@ tau_batch: int = 4  # sequences per run when measuring tau (more sequences, stea
 draft_checkpoint: str = ""  # a local HF folder of a draft model sharing checkpoint's vocab
 hf_target: str = ""  # a Hugging Face repo id to download (Colab has internet): "Qwen/Qwen3-1.7B"
 hf_draft: str = ""  # the draft model's repo id, e.g. "Qwen/Qwen3-0.6B"
+allow_download: bool = False  # True lets hf_target / hf_draft download from the hub
 sweep_preset: str = "qwen3.5-27b"  # the model of the throughput sweep
 sweep_draft: str = "qwen3-0.6b"  # the sweep's draft model (a preset), "" for none
 sweep_context: int = 4096  # cached positions per sequence in the sweep
@@ -92,6 +94,10 @@ import mk
 import mk.run
 from mk import ledger, perf, plots, reference, spec
 
+mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
+if (hf_target or hf_draft) and not allow_download:
+    raise ValueError(f"hf_target={hf_target!r} / hf_draft={hf_draft!r} would download from "
+                     "the Hugging Face hub: set allow_download=True as well to allow it")
 if hf_target or hf_draft:  # only when asked: this machine has no internet
     from huggingface_hub import snapshot_download
 
@@ -193,7 +199,8 @@ plots.show(fig)
 
 # %% [markdown]
 # With a real pair on Colab: set `hf_target = "Qwen/Qwen3-1.7B"` and
-# `hf_draft = "Qwen/Qwen3-0.6B"` (they share the vocab; the parameters cell downloads them),
+# `hf_draft = "Qwen/Qwen3-0.6B"` with `allow_download = True` (they share the vocab; the
+# cell after the parameters downloads them),
 # or point `checkpoint` and `draft_checkpoint` at local folders. The prompt is random token
 # ids (mk has no tokenizer), which lowers tau against real text.
 #
@@ -351,14 +358,15 @@ print(f"2. {kimi.acceptance_length:g} / {kimi.tokens_per_s:g} tokens/s = "
 # %%
 at_gamma = {n: measured[n][gamma - 1] for n in measured}
 display(Markdown(
-    f"Measured on {config.name} ({tau_batch} sequences x {tau_steps} tokens, gamma {gamma}): "
-    + ", ".join(f"**{n}** tau {s.acceptance_length:.2f} (a = {alpha[n]:.2f})"
+    f"Measured on {plots.escape(config.name)} ({tau_batch} sequences x {tau_steps} tokens, "
+    f"gamma {gamma}): "
+    + ", ".join(f"**{plots.escape(n)}** tau {s.acceptance_length:.2f} (a = {alpha[n]:.2f})"
                 for n, s in at_gamma.items())
     + f"; forced acceptance L gave tau = L for L = 1..{spec.MAX_GAMMA + 1}. Random tiny "
     "models are hard to draft for, so these are far below the published tau of 3 and 6.\n\n"
-    + "\n".join(f"- {r['run']}: published {r['published tok/s']}, HBM floor "
+    + "\n".join(f"- {plots.escape(r['run'])}: published {r['published tok/s']}, HBM floor "
                 f"{r['HBM floor tok/s']}, modelled step {r['modelled step tok/s']}, "
-                f"{r['system model']} {r['system model tok/s']}"
+                f"{plots.escape(r['system model'])} {r['system model tok/s']}"
                 for r in comparison)))
 
 # %% [markdown]

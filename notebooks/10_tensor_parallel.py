@@ -31,8 +31,9 @@
 # %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
 # pip installs MK_SOURCE (this release's tag; set the environment variable MK_SOURCE to
-# install another ref or a fork) with the notebook and profiler extras, then asks for a
-# restart. Anywhere, a folder named mk that is not the package stops here, saying so.
+# install another ref or a fork) with the `colab` extra (the profiler; nothing of Colab's
+# own Jupyter packages moves), then asks for a restart. Anywhere, a folder named mk that
+# is not the package stops here, saying so.
 import importlib.metadata
 import importlib.util
 import os
@@ -43,7 +44,7 @@ if "google.colab" in sys.modules:
     try:
         importlib.metadata.version("mk-megakernel")
     except importlib.metadata.PackageNotFoundError:
-        # %pip install -q "mk-megakernel[notebooks,profile] @ {MK_SOURCE}"
+        # %pip install -q "mk-megakernel[colab] @ {MK_SOURCE}"
         raise SystemExit("mk installed: Runtime > Restart session, then run all cells again.")
 mk_spec = importlib.util.find_spec("mk")
 if mk_spec is None or mk_spec.origin is None:
@@ -70,8 +71,10 @@ exercise_drop_all_reduce: bool = False  # the exercise: True skips the in-kernel
 # Virtual CPU devices must be asked for before jax starts its CPU backend; twice the devices
 # used, because a device blocked on a semaphore in interpret mode holds one of XLA's CPU
 # threads (`interpret_devices`). Importing the module starts no backend.
+import mk.run
 from mk.kernels.collectives import check_devices, interpret_devices
 
+mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
 check_devices(tp)  # a power of two >= 1, checked before anything uses it
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            f" --xla_force_host_platform_device_count={interpret_devices(tp)}")
@@ -83,7 +86,6 @@ from tqdm.auto import tqdm
 
 import mk
 import mk.backend
-import mk.run
 from mk import course, plots, reference, tpu
 from mk import tensor_parallel as tpar
 from mk.kernels import collectives

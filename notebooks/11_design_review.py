@@ -42,8 +42,9 @@
 # %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
 # pip installs MK_SOURCE (this release's tag; set the environment variable MK_SOURCE to
-# install another ref or a fork) with the notebook and profiler extras, then asks for a
-# restart. Anywhere, a folder named mk that is not the package stops here, saying so.
+# install another ref or a fork) with the `colab` extra (the profiler; nothing of Colab's
+# own Jupyter packages moves), then asks for a restart. Anywhere, a folder named mk that
+# is not the package stops here, saying so.
 import importlib.metadata
 import importlib.util
 import os
@@ -54,7 +55,7 @@ if "google.colab" in sys.modules:
     try:
         importlib.metadata.version("mk-megakernel")
     except importlib.metadata.PackageNotFoundError:
-        # %pip install -q "mk-megakernel[notebooks,profile] @ {MK_SOURCE}"
+        # %pip install -q "mk-megakernel[colab] @ {MK_SOURCE}"
         raise SystemExit("mk installed: Runtime > Restart session, then run all cells again.")
 mk_spec = importlib.util.find_spec("mk")
 if mk_spec is None or mk_spec.origin is None:
@@ -82,8 +83,8 @@ kv_slots: int = 0  # KV tiles in the VMEM ring; 0 for the plan's (`kv_depth`)
 compile_for_tpu: bool = True  # the ahead-of-time libtpu compile of the megakernel
 simulate_published: bool = False  # simulate the published TPU runs too (some seconds)
 xla_layers: int = 0  # layers of XLA's own step to compile and count; 0 for all of them
-recorded_tile_costs: str = "data/tile_costs/single_core.json"  # benchmarks/tile_costs.py's run
-published_tile_costs: str = "data/tile_costs/published.json"  # its --published run
+recorded_tile_costs: str = "tile_costs/single_core.json"  # benchmarks/tile_costs.py's, mk/data
+published_tile_costs: str = "tile_costs/published.json"  # its --published run
 before_commit: str = "fb8e92e"  # the recorded runs <name>_before_<commit>.json beside them
 exercise_ring_slots: int = 0  # the exercise: ring slots to check (0 is the Little law depth; try 2)
 
@@ -100,6 +101,7 @@ from mk.chips import chip as chip_spec
 from mk.kernels.common import BlockSizes, VmemBudget
 from mk.kernels.plan import DecodePlan
 
+mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
 spec = chip_spec(run.chip)
@@ -254,9 +256,8 @@ if report is not None and report.ok:
 # the pace of weight streaming.
 
 # %%
-checkout = Path(mk.__file__).resolve().parent.parent
-recorded_path, published_path = (checkout / recorded_tile_costs,
-                                 checkout / published_tile_costs)
+data = Path(mk.__file__).parent / "data"  # recorded runs ship in the package
+recorded_path, published_path = data / recorded_tile_costs, data / published_tile_costs
 published_costs = (json.loads(published_path.read_text()) if published_path.exists()
                    else [])
 if recorded_path.exists():
@@ -273,7 +274,7 @@ if recorded_path.exists():
              f"; measured on {r['measured_on']}" if "measured_on" in r else "")}
         for r in json.loads(recorded_path.read_text()) + published_costs]))
 else:
-    print(f"{recorded_path} is not here (a checkout has it); benchmarks/tile_costs.py makes it")
+    print(f"{recorded_path} is not here; benchmarks/tile_costs.py makes it")
 
 # %% [markdown]
 # Before and after the weights were laid out in stream order (issue 14): the same runs of

@@ -38,8 +38,9 @@
 # %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
 # pip installs MK_SOURCE (this release's tag; set the environment variable MK_SOURCE to
-# install another ref or a fork) with the notebook and profiler extras, then asks for a
-# restart. Anywhere, a folder named mk that is not the package stops here, saying so.
+# install another ref or a fork) with the `colab` extra (the profiler; nothing of Colab's
+# own Jupyter packages moves), then asks for a restart. Anywhere, a folder named mk that
+# is not the package stops here, saying so.
 import importlib.metadata
 import importlib.util
 import os
@@ -50,7 +51,7 @@ if "google.colab" in sys.modules:
     try:
         importlib.metadata.version("mk-megakernel")
     except importlib.metadata.PackageNotFoundError:
-        # %pip install -q "mk-megakernel[notebooks,profile] @ {MK_SOURCE}"
+        # %pip install -q "mk-megakernel[colab] @ {MK_SOURCE}"
         raise SystemExit("mk installed: Runtime > Restart session, then run all cells again.")
 mk_spec = importlib.util.find_spec("mk")
 if mk_spec is None or mk_spec.origin is None:
@@ -94,6 +95,7 @@ from mk.kernels.plan import DecodePlan, capacity
 from mk.kernels.ring import Ring
 from mk.kernels.weight_streaming import stream_matmul
 
+mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
 FORMATS = ("bf16", *quant.SCHEMES)

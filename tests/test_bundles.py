@@ -80,7 +80,7 @@ def test_a_plan_that_does_not_fit_is_reported_not_measured():
         cost.tile_s
 
 
-RECORDED = (Path(__file__).resolve().parent.parent / "data" / "tile_costs"
+RECORDED = (Path(__file__).resolve().parent.parent / "mk" / "data" / "tile_costs"
             / "single_core.json")
 
 
@@ -88,7 +88,7 @@ RECORDED = (Path(__file__).resolve().parent.parent / "data" / "tile_costs"
                          ids=lambda r: f"{r['preset']}-{r['chip']}")
 def test_the_recorded_single_core_kernels_stream_at_the_hbm_floor(row):
     """Issue 14's bar on every single-core preset and chip that benchmarks/tile_costs.py
-    recorded (data/tile_costs/single_core.json): the recorded kernel is the plan's own for
+    recorded (mk/data/tile_costs/single_core.json): the recorded kernel is the plan's own for
     the chip (a stale recording fails here: rebuild it), its costliest per-tile loop issues
     in <= 0.9 x the tile's DMA time, and the simulator with that issue time and a 1 us DMA
     latency, replayed now, keeps HBM >= 90 % busy, as recorded."""
@@ -126,7 +126,7 @@ def _resimulated(row, block=None):
 @pytest.mark.parametrize("row", json.loads(PUBLISHED.read_text()),
                          ids=lambda r: f"{r['preset']}-tp{r['tp']}-b{r['batch']}t{r['rows']}")
 def test_the_recorded_tensor_parallel_shards_stream_through_their_collectives(row):
-    """Issue 14's bar on the shards of the published runs (data/tile_costs/published.json):
+    """Issue 14's bar on the shards of the published runs (mk/data/tile_costs/published.json):
     the recorded kernel is the plan's own, its per-tile loops issue in <= 0.9 x a tile's
     DMA time, and the simulated step, replayed now with that cost and a 1 us DMA latency,
     is within 10 % of max(HBM floor, the compute lane's busy time: tiles, vectors and the

@@ -1,4 +1,4 @@
-"""benchmarks/compile_time.py: its scan step is the reference step, and its records are
+"""mk.compile_time (benchmarks/compile_time.py's benchmark): its scan step is the reference step, and its records are
 well formed.
 
 The XLA scan variant is checked against `mk.reference.decode_step` on the CPU with tiny real
@@ -9,8 +9,6 @@ Not here: how fast anything compiles (speed targets never go in tests; the bench
 the numbers), and the real megakernel (its own tests compile it).
 """
 
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -18,10 +16,8 @@ import numpy as np
 import pytest
 
 import mk
+from mk import compile_time as ct
 from mk import reference
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import compile_time as ct  # noqa: E402
 
 CHIP = "v6e"
 

@@ -1,4 +1,5 @@
-"""pyproject.toml is the one list of pins, the generated pin files agree with it, and
+"""pyproject.toml is the one list of dependencies (ranges) and pins (`[tool.mk].pins`, each
+inside its range), the generated pin files agree with it, and
 `import mk` chooses the CPU off a TPU.
 
 Not here: whether the pinned versions install together (`make test` on a fresh clone
@@ -10,34 +11,27 @@ import os
 import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
-from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 import pins  # noqa: E402
 
 
-def _not_exact(deps):
-    """The requirement strings of `deps` that are not one exact `name==version` pin."""
-    bad = []
-    for dep in deps:
-        specs = list(Requirement(dep).specifier)
-        if len(specs) != 1 or specs[0].operator != "==" or "*" in specs[0].version:
-            bad.append(dep)
-    return bad
-
-
-def test_every_pyproject_dependency_is_an_exact_pin():
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    deps = project["dependencies"] + [d for extra in project["optional-dependencies"].values()
-                                      for d in extra]
-    assert _not_exact(deps) == [], "pyproject.toml pins every dependency with =="
-    assert _not_exact(["numpy", "numpy>=2", "jax==0.10.*"]) == ["numpy", "numpy>=2",
-                                                              "jax==0.10.*"]  # control
+def test_every_declared_package_has_an_exact_pin_inside_its_range():
+    text = (ROOT / "pyproject.toml").read_text()
+    assert pins.problems(text) == [], "pyproject.toml: [tool.mk].pins and the ranges"
+    # Controls: a pin outside its range, a range with no pin, a pin that is not exact.
+    moved = text.replace('"numpy==2.4.6"', '"numpy==1.26.4"')
+    assert pins.problems(moved) == ["pin numpy==1.26.4 lies outside the declared range "
+                                    "numpy<3,>=2.0"]
+    assert pins.problems(text.replace('    "tqdm==4.70.1",\n', "")) == [
+        "tqdm>=4.64 has no pin in [tool.mk].pins"]
+    assert pins.problems(text.replace('"tqdm==4.70.1"', '"tqdm>=4"')) == [
+        "pin tqdm>=4 is not one exact name==version",
+        "pin tqdm>=4 lies outside the declared range tqdm>=4.64"]
 
 
 def test_generated_pin_files_match_pyproject(tmp_path):
@@ -48,7 +42,8 @@ def test_generated_pin_files_match_pyproject(tmp_path):
     text = (tmp_path / "pyproject.toml").read_text()
     assert '"numpy==2.4.6"' in text
     (tmp_path / "pyproject.toml").write_text(text.replace('"numpy==2.4.6"', '"numpy==2.4.5"'))
-    assert sorted(pins.stale(tmp_path)) == ["environment.yml", "requirements.txt"]
+    assert sorted(pins.stale(tmp_path)) == ["constraints.txt", "environment.yml",
+                                            "requirements.txt"]
 
 
 def _import_mk(**env_vars):

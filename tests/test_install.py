@@ -1,16 +1,21 @@
 """The built wheel works outside the checkout: installed non-editable with its `notebooks`
 and `profile` extras into a clean venv, it finds its chip table, runs a tiny megakernel
-generate, and papermill runs notebooks 00, 08 and 09 from a folder that is not the repo.
+generate, and papermill runs notebooks 00, 07, 08, 09 and 11 from a folder that is not the
+repo (07 and 11 draw recorded runs and run a benchmark that ship in the package; CI checks
+the wheel carries them).
 
-Marked slow: the wheel, the venv (jax, libtpu, Jupyter, TensorBoard from pip's cache) and
-the three notebooks took 218 s on 2 shared cores (`make test-slow` runs it).
+Marked slow: the wheel, the venv (jax, libtpu, Jupyter, TensorBoard; installed with
+`-c constraints.txt`) and the five notebooks took 307 s on 2 shared cores (2026-12-03;
+`make test-slow` runs it).
 
 The venv's Python is the one running the tests, or `MK_INSTALL_PYTHON` (e.g. python3.12,
 Colab's version). Not here: Colab itself (its bootstrap installs the same extras from a
 git URL).
 """
 
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -19,7 +24,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-NOTEBOOKS = ["00_decode_is_memory_bound", "08_profile_bubbles", "09_speculative_sweep"]
+# Each notebook on the tiny preset, with CI's knobs where it has them (tests/test_notebooks.py);
+# 07 and 11 read recorded runs and run a benchmark that ship inside the package.
+NOTEBOOKS = {"00_decode_is_memory_bound": {}, "07_compile_for_tpu": {"measure_layers": [2]},
+             "08_profile_bubbles": {}, "09_speculative_sweep": {}, "11_design_review": {}}
 
 SMOKE = """
 import jax, mk, mk.megakernel
@@ -51,7 +59,8 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     base = os.environ.get("MK_INSTALL_PYTHON", sys._base_executable)
     subprocess.run([base, "-m", "venv", str(venv)], check=True, env=env)
     python = venv / "bin" / "python"
-    subprocess.run([python, "-m", "pip", "install", "-q", f"{wheel}[notebooks,profile]"],
+    subprocess.run([python, "-m", "pip", "install", "-q", "-c", str(ROOT / "constraints.txt"),
+                    f"{wheel}[notebooks,profile]"],
                    check=True, env=env)
     subprocess.run([python, "-m", "ipykernel", "install", "--sys-prefix", "--name",
                     "python3"], check=True, env=env, capture_output=True)
@@ -60,9 +69,30 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     done = subprocess.run([python, "-c", SMOKE], cwd=work, env=env, text=True,
                           capture_output=True)
     assert done.returncode == 0 and "smoke ok" in done.stdout, done.stderr[-3000:]
-    for name in NOTEBOOKS:
+    for name, knobs in NOTEBOOKS.items():
         shutil.copy(ROOT / "notebooks" / f"{name}.ipynb", work)
-        subprocess.run([venv / "bin" / "papermill", "--no-progress-bar", "-k", "python3",
-                        f"{name}.ipynb", f"{name}.out.ipynb", "-p", "preset", "tiny"],
-                       cwd=work, env=env, check=True, capture_output=True)
+        done = subprocess.run([venv / "bin" / "papermill", "--no-progress-bar", "-k", "python3",
+                               f"{name}.ipynb", f"{name}.out.ipynb", "-p", "preset", "tiny",
+                               "-y", json.dumps(knobs)], cwd=work, env=env, text=True,
+                              capture_output=True)
+        assert done.returncode == 0, f"{name}: {done.stderr[-3000:]}"
     assert any((work / "profiles").iterdir()), "notebook 08 wrote no capture into ./profiles"
+
+
+def test_wheel_ships_what_notebooks_07_and_11_read(tmp_path):
+    """In CI (fast: the wheel only): the recorded runs 07 and 11 draw and the compile-time
+    benchmark 07 runs are inside the package, where the notebooks look for them."""
+    import zipfile
+
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                    "--no-build-isolation", "-w", str(tmp_path), str(ROOT)], check=True,
+                   capture_output=True)
+    names = set(zipfile.ZipFile(next(tmp_path.glob("mk_megakernel-*.whl"))).namelist())
+    source = {n: (ROOT / "notebooks" / f"{n}.py").read_text()
+              for n in ("07_compile_for_tpu", "11_design_review")}
+    wanted = {"mk/compile_time.py"} | {
+        f"mk/data/{path}" for text in source.values()
+        for path in re.findall(r'^\w+: str = "((?:compile_time|tile_costs)/[^"]+)"', text, re.M)}
+    assert len(wanted) == 4 and wanted <= names, wanted - names
+    assert "from mk import compile_time" in source["07_compile_for_tpu"]
+    assert "benchmarks" not in "".join(re.findall(r"ROOT / .*", "".join(source.values())))

@@ -133,12 +133,12 @@ def test_a_recorded_per_tile_cost_gives_the_compiled_kernels_simulated_step(monk
 
 
 def test_the_recorded_tile_costs_cover_every_published_tpu_run():
-    """data/tile_costs/published.json (benchmarks/tile_costs.py --published) holds one
+    """mk/data/tile_costs/published.json (benchmarks/tile_costs.py --published) holds one
     compiled kernel per TPU run of the ledger: a run added to published.csv without a
     recompile is caught here. A kernel that does not fit its core records why (the
     kimi-k3 TP32 shard: its FP4 experts a byte each, their 64 columns padded to 128)
     and is measured on a cut of its layers."""
-    recorded = json.loads((Path(__file__).parent.parent / "data" / "tile_costs"
+    recorded = json.loads((Path(__file__).parent.parent / "mk" / "data" / "tile_costs"
                            / "published.json").read_text())
     want = {run.key for run in ledger.runs() if run.spec and run.spec.kind == "tpu"}
     assert {ledger.cost_key(c) for c in recorded} == want

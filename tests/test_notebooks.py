@@ -185,7 +185,7 @@ def _run_bootstrap(monkeypatch, *, colab, installed, env=None):
 
 def test_bootstrap_installs_on_colab_only_when_the_package_is_missing(monkeypatch):
     magics, ended = _run_bootstrap(monkeypatch, colab=True, installed=False)
-    assert magics == [("pip", 'install -q "mk-megakernel[notebooks,profile] @ '
+    assert magics == [("pip", 'install -q "mk-megakernel[colab] @ '
                        'git+https://github.com/mk-megakernel/mk@v0.1.0"')]
     assert isinstance(ended, SystemExit) and "Restart session" in str(ended)
     assert _run_bootstrap(monkeypatch, colab=True, installed=True) == ([], None)
@@ -196,7 +196,7 @@ def test_bootstrap_source_is_overridable(monkeypatch):
     fork = "git+https://example.org/fork/mk@my-branch"
     magics, _ = _run_bootstrap(monkeypatch, colab=True, installed=False,
                                env={"MK_SOURCE": fork})
-    assert magics == [("pip", f'install -q "mk-megakernel[notebooks,profile] @ {fork}"')]
+    assert magics == [("pip", f'install -q "mk-megakernel[colab] @ {fork}"')]
 
 
 def test_bootstrap_names_a_folder_that_shadows_the_package(tmp_path):

@@ -285,7 +285,7 @@ def test_the_chips_ring_keeps_hbm_busy_where_fewer_slots_than_littles_law_do_not
 def test_every_single_core_preset_keeps_tpu7x_hbm_busy_at_one_microsecond(name):
     """Issue 14's bar on the plan's own ring, at B = 1, T = 1, S = 1024, a 1 us DMA
     latency and the MXU rule per tile (the compiled issue time per tile is below it:
-    data/tile_costs/single_core.json, notebook 11)."""
+    mk/data/tile_costs/single_core.json, notebook 11)."""
     s = sim.simulate(mk.preset(name), "tpu7x", context=1024,
                      assumptions=sim.Assumptions(dma_latency_s=1e-6))
     assert s.hbm_utilisation >= 0.9, s.bubble_share()

@@ -20,6 +20,7 @@ import io
 import json
 import os
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -97,7 +98,7 @@ def site(notebooks, tmp_path_factory):
     out = tmp_path_factory.mktemp("build")
     figures, fails = notebooks
     code, stdout = _main(figures, fails, "--out", out,
-                         "--runs", figures.parent / "runs.yaml")
+                         "--runs", figures.parent / "runs.yaml", "--all")
     (run_dir,) = (out / "runs").iterdir()
     record = json.loads((run_dir / "runs.json").read_text())
     return {"out": out, "code": code, "stdout": stdout, "run_dir": run_dir,
@@ -278,6 +279,18 @@ def test_browser_check_reports_broken_pages(tmp_path):
     assert "figure never was not drawn by plotly" in problems
     assert "figure inert: slider step 1 did not change the plot" in problems
     assert "request leaves the site: http://example.invalid/x.png" in problems
+
+
+def test_a_site_copied_elsewhere_still_works_offline(site, tmp_path):
+    """A run's `site/` alone, served from another folder: every page loads, its math is
+    typeset by the MathJax copied into it, nothing is requested from outside."""
+    copy = tmp_path / "copied-site"
+    shutil.copytree(site["run_dir"] / "site", copy)
+    assert (copy / "_static" / "mathjax" / "tex-chtml.js").is_file()
+    assert not list(copy.rglob(".doctrees")) and not list(copy.rglob("*.doctree"))
+    report = check_site.check_site(copy, chromium=_chromium())
+    assert not report.problems, str(report)
+    assert {f"{name}.html" for name in site["rows"]} <= set(report.pages)
 
 
 # Last: it adds a second run to the module's site.

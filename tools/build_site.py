@@ -1,29 +1,41 @@
 """Build one run's site with Sphinx: myst-nb reads the executed notebooks of a run folder,
 the book theme gives each page its notebook's title, the navigation, prev/next and search.
 
-tools/run_notebooks.py calls `build(run_dir, out, record)` after a run (the execution step
-stays there); the configuration is docs/conf.py. It writes `run_dir/index.md` (the run's
-table and the table of contents, in run order) and the pages into `run_dir/site/`:
-`site/index.html` and one `site/<NN_topic[-label]>.html` per executed notebook.
+tools/run_notebooks.py calls `prepare` on each executed notebook (its configuration in its
+title, its widgets' text form from their saved state), `write_index` and `build(run_dir)`
+after a run (the execution step stays there); the configuration is docs/conf.py. It writes
+`run_dir/index.md` (the run's table, every run value through `mk.plots.escape`, and the
+table of contents, in run order) and the pages into `run_dir/site/`: `site/index.html` and
+one `site/<NN_topic[-label]>.html` per executed notebook, with MathJax copied inside
+(`install_mathjax`). `course_map` is the front page's course map (notebooks/course.yaml).
 
-Not here: executing notebooks (papermill, in run_notebooks), the index of every run
+Not here: executing notebooks (papermill, in run_notebooks), writing the index of every run
 (`OUT/index.html`, run_notebooks), checking the pages in a browser (tools/check_site.py).
 """
 
 from __future__ import annotations
 
 import html
+import importlib.util
 import os
+import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import nbformat
 
+from mk.plots import escape
+
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "docs"
 SITE = "site"  # the built pages, inside the run folder
-MATHJAX_JS = "MathJax.js?config=TeX-AMS-MML_HTMLorMML-full,Safe"
+MATHJAX = "mathjax"  # MathJax's folder inside the site's _static/: a copied site keeps it
+MATHJAX_PACKAGE = "sphinx-mathjax-offline"  # MathJax 3.2.2 (pinned in pyproject's docs extra)
+MATHJAX_JS = "tex-chtml.js"  # TeX in, CommonHTML out; with the parts it loads on demand:
+MATHJAX_PARTS = (MATHJAX_JS, "input", "output", "ui", "a11y")
 
 
 def page(name: str) -> str:
@@ -40,6 +52,61 @@ def title(notebook: Path) -> str:
     return notebook.stem
 
 
+def prepare(notebook: Path, label: str) -> None:
+    """Ready an executed notebook for its page: ` (label)` after its title, so the page of
+    each configuration has its own title (the browser tab, the navigation, search), and
+    each widget's text form rebuilt from the widget state saved at the end of the run
+    (`widget_text`), since the page has no widget manager: a tqdm bar shows where it
+    ended, not the 0% it was displayed at."""
+    nb = nbformat.read(notebook, as_version=4)
+    for cell in nb.cells:
+        if label and cell.cell_type == "markdown" and cell.source.startswith("# "):
+            first, _, rest = cell.source.partition("\n")
+            cell.source = f"{first} ({label})" + (f"\n{rest}" if rest else "")
+            break
+    state = nb.metadata.get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            view = output.get("data", {}).get(WIDGET_VIEW)
+            if view and view.get("model_id") in state:
+                output["data"]["text/plain"] = widget_text(state, view["model_id"])
+    nbformat.write(nb, notebook)
+
+
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+_TAG = re.compile(r"<[^>]+>")
+
+
+def widget_text(state: dict, model_id: str) -> str:
+    """The text form of widget `model_id` in a notebook's saved widget `state`: text and
+    HTML as their text, a progress bar drawn in blocks, a control as `description=value`,
+    an Output widget's printed text, boxes as their children (side by side or stacked)."""
+    model = state.get(model_id, {})
+    name, s = model.get("model_name", ""), model.get("state", {})
+    children = [widget_text(state, ref.removeprefix("IPY_MODEL_"))
+                for ref in s.get("children", [])]
+    if name in ("HBoxModel", "GridBoxModel"):
+        return "".join(children)
+    if children or name.endswith("BoxModel"):
+        return "\n".join(c for c in children if c)
+    if name == "OutputModel":
+        return "".join(o.get("text") or o.get("data", {}).get("text/plain", "")
+                       for o in s.get("outputs", [])).rstrip("\n")
+    if "Progress" in name:
+        share = s.get("value", 0) / s["max"] if s.get("max") else 0.0
+        return "|" + "\u2588" * round(10 * share) + " " * (10 - round(10 * share)) + "|"
+    label = s.get("description", "")
+    if "_options_labels" in s and s.get("index") is not None:
+        value = s["_options_labels"][s["index"]]
+    elif name in ("HTMLModel", "HTMLMathModel", "LabelModel"):
+        value = html.unescape(_TAG.sub("", str(s.get("value", ""))))
+        return (f"{label} " if label else "") + value.replace("\u2007", " ")
+    else:
+        value = s.get("value", "")
+    return f"{label}={value}" if label else str(value)
+
+
 def params_text(parameters: dict) -> str:
     if not parameters:
         return "notebook defaults"
@@ -47,18 +114,21 @@ def params_text(parameters: dict) -> str:
 
 
 def table(rows: list[dict], prefix: str) -> str:
-    """The HTML table of a run's rows; page links are `prefix` + the row's page."""
+    """The HTML table of a run's rows; page links are `prefix` + the row's page. Every value
+    from the run (parameters, error texts) goes through `escape`: no newline, backtick or
+    tag of theirs reaches the page, so none can end the raw block it sits in."""
     lines = ["<table><tr><th>notebook</th><th>configuration</th><th>parameters</th>"
              "<th>status</th><th>run time</th></tr>"]
     for row in rows:
-        name = html.escape(row["notebook"])
+        name = escape(row["notebook"])
         link = (f'<a href="{html.escape(prefix + row["page"])}">{name}</a>'
                 if row["page"] else name)
         status = row["status"] + (f": {row['error']}" if row["error"] else "")
-        lines.append(f'<tr><td>{link}</td><td>{html.escape(row["label"] or "-")}</td>'
-                     f'<td><code>{html.escape(params_text(row["parameters"]))}</code></td>'
-                     f'<td class="{row["status"]}">{html.escape(status)}</td>'
-                     f'<td>{row["seconds"]:.1f} s</td></tr>')
+        lines.append(f'<tr><td>{link}</td><td>{escape(row["label"] or "-")}</td>'
+                     f'<td><code>{escape(params_text(row["parameters"]))}</code></td>'
+                     f'<td class="{row["status"]}">{escape(status)}</td>'
+                     f'<td>{row["seconds"]:.1f} s{" (cached)" if row.get("cached") else ""}'
+                     "</td></tr>")
     lines.append("</table>")
     return "\n".join(lines)
 
@@ -67,16 +137,15 @@ def write_index(run_dir: Path, record: dict, summary: str) -> None:
     """`run_dir/index.md`: the run's table, then the pages in run order."""
     rows = [r for r in record["rows"] if r["page"]]
     toc = "\n".join(
-        f"{title(run_dir / (r['name'] + '.ipynb'))}"
-        f"{' (' + r['label'] + ')' if r['label'] else ''} <{r['name']}>" for r in rows)
+        f"{title(run_dir / (r['name'] + '.ipynb'))} <{r['name']}>" for r in rows)
     text = f"""# mk notebooks, run {run_dir.name}
 
-Executed headless on CPU ({html.escape(summary)}). Run times are wall-clock times on the
+Executed headless on CPU ({escape(summary)}). Run times are wall-clock times on the
 machine that ran them, with every Pallas kernel in TPU interpret mode: they say nothing
 about TPU time. <a href="../../../index.html">All runs</a>.
 
 ```{{raw}} html
-{table(record["rows"], "../")}
+{table([dict(r, page=r["page"] and Path(r["page"]).name) for r in record["rows"]], "")}
 ```
 
 ```{{toctree}}
@@ -89,16 +158,101 @@ about TPU time. <a href="../../../index.html">All runs</a>.
     (run_dir / "index.md").write_text(text, encoding="utf-8")
 
 
-def build(run_dir: Path, mathjax: Path) -> None:
-    """Run Sphinx on `run_dir` (its index.md and executed notebooks) into `run_dir/site/`;
-    the pages load MathJax from `mathjax` (a folder with MathJax.js, inside the site)."""
-    static = run_dir / SITE / "_static"
-    env = dict(os.environ,
-               MK_MATHJAX=f"{Path(os.path.relpath(mathjax, static)).as_posix()}/{MATHJAX_JS}")
-    done = subprocess.run([sys.executable, "-m", "sphinx", "-b", "html", "-q", "-c",
-                           str(CONF), str(run_dir), str(run_dir / SITE)],
-                          env=env, text=True, capture_output=True)
+COURSE = ROOT / "notebooks" / "course.yaml"
+
+
+def load_course(course_file: Path = COURSE) -> list[dict]:
+    """The parts of the course map: [{title, notebooks: [{notebook, teaches}]}]."""
+    import yaml  # only the map needs it
+
+    parts = yaml.safe_load(course_file.read_text(encoding="utf-8"))["parts"]
+    for part in parts:
+        for entry in part["notebooks"]:
+            if set(entry) != {"notebook", "teaches"}:
+                raise ValueError(f"{course_file.name}: {entry!r} must have the keys "
+                                 "'notebook' and 'teaches'")
+    return parts
+
+
+def course_map(parts: list[dict], records: list[tuple[str, dict]], notebooks: Path) -> str:
+    """The front page's course map as HTML: per part, each notebook in order with its title,
+    what it teaches and, from the newest run that ran it (`records`: (run name, record),
+    newest first), its configurations linked to their pages, status and run time."""
+    lines = []
+    for part in parts:
+        lines.append(f"<h2>{escape(part['title'])}</h2>\n<table class=\"course\"><tr>"
+                     "<th>notebook</th><th>what it teaches</th><th>configurations (newest "
+                     "run)</th><th>time</th></tr>")
+        for entry in part["notebooks"]:
+            stem = entry["notebook"]
+            found = next(((name, [r for r in rec["rows"] if r["notebook"] == stem])
+                          for name, rec in records
+                          if any(r["notebook"] == stem for r in rec["rows"])), (None, []))
+            name, rows = found
+            configs = ", ".join(_config_link(name, r) for r in rows) or "not run yet"
+            seconds = f"{sum(r['seconds'] for r in rows):.0f} s" if rows else "-"
+            name_cell = escape(title(notebooks / f"{stem}.ipynb"))
+            lines.append(f'<tr class="course"><td>{name_cell}</td>'
+                         f"<td>{escape(entry['teaches'])}</td><td>{configs}</td>"
+                         f"<td>{seconds}</td></tr>")
+        lines.append("</table>")
+    return "\n".join(lines)
+
+
+def _config_link(run_name: str, row: dict) -> str:
+    label = escape(row["label"] or "default")
+    href = html.escape(f"runs/{run_name}/{row['page']}")
+    link = f'<a href="{href}">{label}</a>' if row["page"] else label
+    return f'{link} <span class="{escape(row["status"])}">{escape(row["status"])}</span>'
+
+
+def install_mathjax(site: Path) -> Path:
+    """Copy MathJax (`MATHJAX_PARTS` of the pinned sphinx-mathjax-offline) into
+    `site/_static/mathjax`: into a temporary folder first, checked file by file against the
+    source's sizes, then renamed into place, so a full disk or a kill never leaves a
+    partial copy behind."""
+    spec = importlib.util.find_spec(MATHJAX_PACKAGE)
+    if spec is None:
+        raise RuntimeError(f"{MATHJAX_PACKAGE} is not installed: pip install -r "
+                           "requirements.txt")
+    source = Path(spec.submodule_search_locations[0]) / "static" / "mathjax"
+    target = site / "_static" / MATHJAX
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=".mathjax-", dir=target.parent))
+    try:
+        for part in MATHJAX_PARTS:
+            if (source / part).is_dir():
+                shutil.copytree(source / part, partial / part)
+            else:
+                shutil.copy2(source / part, partial / part)
+        wanted = {p.relative_to(source): p.stat().st_size for part in MATHJAX_PARTS
+                  for p in [source / part, *(source / part).rglob("*")] if p.is_file()}
+        got = {p.relative_to(partial): p.stat().st_size for p in partial.rglob("*")
+               if p.is_file()}
+        if got != wanted:
+            bad = sorted(str(k) for k in wanted if got.get(k) != wanted[k])
+            raise RuntimeError(f"MathJax copy into {partial} differs from {source} "
+                               f"({len(bad)} of {len(wanted)} files: {bad[:3]})")
+        if target.exists():
+            shutil.rmtree(target)
+        partial.rename(target)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return target
+
+
+def build(run_dir: Path) -> None:
+    """Run Sphinx on `run_dir` (its index.md and executed notebooks) into `run_dir/site/`,
+    warnings as errors; the pages load MathJax from the site's own `_static/mathjax`. The
+    doctrees (Sphinx's cache) go to a temporary folder, not into the site."""
+    site = run_dir / SITE
+    env = dict(os.environ, MK_MATHJAX=f"{MATHJAX}/{MATHJAX_JS}")
+    with tempfile.TemporaryDirectory(prefix="mk-doctrees-") as doctrees:
+        done = subprocess.run([sys.executable, "-m", "sphinx", "-b", "html", "-q", "-W",
+                               "--keep-going", "-d", doctrees, "-c", str(CONF), str(run_dir),
+                               str(site)], env=env, text=True, capture_output=True)
     if done.returncode != 0:
         raise RuntimeError(f"sphinx-build failed:\n{done.stderr[-3000:]}")
     if done.stderr.strip():
         print(done.stderr.strip(), file=sys.stderr, flush=True)
+    install_mathjax(site)

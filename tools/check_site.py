@@ -1,4 +1,4 @@
-"""Check a site written by tools/run_notebooks.py in headless Chromium, as a reader sees it.
+r"""Check a site written by tools/run_notebooks.py in headless Chromium, as a reader sees it.
 
 `make check-site` runs it on `build/`; tests/test_site.py runs it on a small site it builds.
 A static server on 127.0.0.1 serves the site; Debian's Chromium (no browser download),
@@ -10,7 +10,18 @@ On each page it reports:
 - every plotly figure that did not render (no `.js-plotly-plot`, no visible trace in its
   data, or no drawn trace in its SVG);
 - for every figure with a slider: a click on the next step's tick must make the slider
-  active there and change the drawn plot (the slider works without a kernel).
+  active there and change the drawn plot (the slider works without a kernel);
+- a missing or empty `<title>`; a page file over `PAGE_BUDGET_MB`;
+- an unrendered Markdown table: a pipe row (`| a | b |`) in text outside `<table>`,
+  `<pre>` and `<code>`;
+- math left raw once MathJax has finished (`\(`, `\[` or `$...$` in text outside code), a
+  MathJax error, or MathJax never finishing;
+- an invisible output: a widget view with no widget manager to draw it, or a cell output
+  with nothing in it to see;
+- a link to a local target that does not exist, or to a folder without an index.html (a
+  static server answers 200 with a listing, an empty page to a reader);
+- an inline event handler (`onerror=`, `onload=`, ...) inside a cell's output: content
+  that scripts the page (untrusted text escaped nowhere).
 
 Not here: whether a page's content is right (the notebooks' own checks), how it looks.
 """
@@ -27,7 +38,7 @@ import shutil
 import sys
 import threading
 from pathlib import Path
-from urllib.parse import urljoin, urlparse
+from urllib.parse import unquote, urljoin, urlparse
 
 CHROMIUM = "/usr/bin/chromium"
 # What Chromium needs on this closed-network machine, as root (see the README).
@@ -36,6 +47,8 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
                  "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"]
 PAGE_TIMEOUT_MS = 60_000
+PAGE_BUDGET_MB = 25.0  # a page with plotly.js (4.6 MB) and its figures stays well under it
+MATHJAX_TIMEOUT_MS = 30_000
 
 # Per figure: is it a plotly plot, how many traces are visible in its data and drawn in its
 # SVG, and its sliders (steps, active step). Drawn trace groups by type: scatter/bar/pie
@@ -63,6 +76,38 @@ TICK_JS = """([id, k]) => { const gd = document.getElementById(id);
   const t = ticks[k].getBoundingClientRect();
   return [t.left + t.width / 2, rail.top + rail.height / 2]; }"""
 ACTIVE_JS = "id => document.getElementById(id)._fullLayout.sliders[0].active"
+# Resolves once MathJax has typeset the page ("none" without MathJax on the page); false
+# (keep waiting) while only its configuration is there.
+MATHJAX_DONE_JS = """() => { const M = window.MathJax;
+  if (!M) return 'none';
+  if (M.startup && M.startup.promise) return M.startup.promise.then(() => 'done');
+  if (M.Hub) return new Promise(done => M.Hub.Queue(() => done('done')));
+  return false; }"""
+# What the reader sees: text outside tables, code and scripts, then the problems in it.
+TEXT_JS = r"""() => { const out = {pipes: [], math: [], errors: 0, empty: 0, widgets: 0,
+                                 handlers: []};
+  const walk = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);
+  const skip = 'table,pre,code,script,style,textarea,mjx-container,.MathJax,' +
+               '.MathJax_Preview';
+  while (walk.nextNode()) {
+    const node = walk.currentNode, text = node.textContent;
+    if (!node.parentElement || node.parentElement.closest(skip)) continue;
+    if (/(^|\n)\s*\|[^\n]*\|[^\n]*\|\s*(\n|$)/.test(text))
+      out.pipes.push(text.trim().slice(0, 80));
+    if (/\\\(|\\\[|\$[^$\s][^$\n]*\$/.test(text)) out.math.push(text.trim().slice(0, 80));
+  }
+  out.errors = document.querySelectorAll('.MathJax_Error, merror, mjx-merror').length;
+  out.widgets = document.querySelectorAll(
+    'script[type="application/vnd.jupyter.widget-view+json"]').length;
+  const shown = 'img,svg,canvas,iframe,table,video,.plotly-graph-div';
+  for (const o of document.querySelectorAll('.cell_output .output')) {
+    if (!o.innerText.trim() && !o.querySelector(shown)) out.empty += 1;
+  }
+  for (const e of document.querySelectorAll('.cell_output, .cell_output *')) {
+    for (const a of e.attributes)
+      if (/^on/i.test(a.name)) out.handlers.push(`<${e.tagName.toLowerCase()} ${a.name}>`);
+  }
+  return out; }"""
 
 
 @dataclasses.dataclass
@@ -111,8 +156,8 @@ def serve(root: Path):
         thread.join()
 
 
-def check_site(root: Path, *, chromium: str | None = None, start: str = "index.html"
-               ) -> Report:
+def check_site(root: Path, *, chromium: str | None = None, start: str = "index.html",
+               budget_mb: float = PAGE_BUDGET_MB) -> Report:
     """Crawl `root` from `start` in headless Chromium and report what a reader would hit."""
     from playwright.sync_api import sync_playwright  # only the browser check needs it
 
@@ -131,17 +176,22 @@ def check_site(root: Path, *, chromium: str | None = None, start: str = "index.h
                 if url in seen:
                     continue
                 seen.add(url)
-                todo += _check_page(browser, base, url, report)
+                todo += _check_page(browser, base, url, report, root, budget_mb)
         finally:
             browser.close()
     return report
 
 
-def _check_page(browser, base: str, url: str, report: Report) -> list[str]:
+def _check_page(browser, base: str, url: str, report: Report, root: Path,
+                budget_mb: float) -> list[str]:
     """Check one page; return the site pages it links to."""
     name = url[len(base):]
     report.pages.append(name)
     problems = []
+    path = root / unquote(urlparse(url).path.lstrip("/"))
+    if path.is_file() and path.stat().st_size > budget_mb * 2**20:
+        problems.append(f"page is {path.stat().st_size / 2**20:.1f} MB, over the budget of "
+                        f"{budget_mb:g} MB")
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     page.set_default_timeout(PAGE_TIMEOUT_MS)
 
@@ -155,6 +205,14 @@ def _check_page(browser, base: str, url: str, report: Report) -> list[str]:
     try:
         page.goto(url, wait_until="networkidle")
         links = page.eval_on_selector_all("a[href]", "as => as.map(a => a.href)")
+        if not page.title().strip():
+            problems.append("the page has no title")
+        problems += _link_problems(root, base, links)
+        try:
+            page.wait_for_function(MATHJAX_DONE_JS, timeout=MATHJAX_TIMEOUT_MS)
+        except Exception:  # noqa: BLE001 - reported, the rest of the page is still checked
+            problems.append(f"MathJax did not finish in {MATHJAX_TIMEOUT_MS / 1000:g} s")
+        problems += _text_problems(page.evaluate(TEXT_JS))
         figures = page.evaluate(FIGURES_JS)
         report.figures += len(figures)
         for fig in figures:
@@ -173,6 +231,34 @@ def _check_page(browser, base: str, url: str, report: Report) -> list[str]:
     report.problems += [f"{name}: {p}" for p in problems]
     return [_without_fragment(link) for link in links
             if link.startswith(base) and urlparse(link).path.endswith(".html")]
+
+
+def _text_problems(seen: dict) -> list[str]:
+    problems = [f"unrendered Markdown table: {t!r}" for t in seen["pipes"][:3]]
+    problems += [f"math left untypeset: {t!r}" for t in seen["math"][:3]]
+    if seen["errors"]:
+        problems.append(f"{seen['errors']} MathJax errors")
+    if seen["widgets"]:
+        problems.append(f"{seen['widgets']} widget outputs show nothing (no widget manager "
+                        "on a static page: show their text form)")
+    if seen["empty"]:
+        problems.append(f"{seen['empty']} cell outputs show nothing")
+    problems += [f"inline event handler in a cell output: {h}" for h in seen["handlers"][:3]]
+    return problems
+
+
+def _link_problems(root: Path, base: str, links: list[str]) -> list[str]:
+    """Local links whose target is missing, or a folder with no index.html."""
+    problems = []
+    for link in sorted(set(links)):
+        if not link.startswith(base):
+            continue
+        target = root / unquote(urlparse(link).path.lstrip("/"))
+        if target.is_dir() and not (target / "index.html").is_file():
+            problems.append(f"link to a folder with no page: {link[len(base):]}")
+        elif not target.exists():
+            problems.append(f"link to nothing: {link[len(base):]}")
+    return problems
 
 
 def _figure_problems(fig: dict) -> list[str]:
@@ -213,10 +299,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("site", type=Path, nargs="?", default=Path("build"),
                         help="site folder with index.html (default: build/)")
+    parser.add_argument("--budget-mb", type=float, default=PAGE_BUDGET_MB,
+                        help=f"largest page file in MB (default {PAGE_BUDGET_MB:g})")
     args = parser.parse_args(argv)
     if not (args.site / "index.html").exists():
         parser.error(f"{args.site / 'index.html'} does not exist: make run first")
-    report = check_site(args.site)
+    report = check_site(args.site, budget_mb=args.budget_mb)
     print(report)
     return 1 if report.problems else 0
 

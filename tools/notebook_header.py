@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import jupytext
@@ -21,7 +22,13 @@ import jupytext
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
 SOURCES = "[0-9][0-9]*_*.py"
-COLAB = "https://colab.research.google.com/github/mk-megakernel/mk/blob"
+# The repository's URL is set once, in pyproject.toml ([project.urls].Source); the release
+# tag of version X is vX (git tag vX at a release). Everything here follows them.
+_PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+REPOSITORY = _PROJECT["urls"]["Source"]  # https://github.com/<owner>/<name>
+RELEASE_TAG = f"v{_PROJECT['version']}"
+COLAB = REPOSITORY.replace("https://github.com/", "https://colab.research.google.com/github/",
+                           1) + "/blob"
 BOOTSTRAP_TAG = "hide-input"  # myst-nb collapses the input of a cell with this tag
 LINK = re.compile(r"^\[Open in Colab\]\(.*\)$", re.M)
 
@@ -38,10 +45,10 @@ def bootstrap() -> str:
 
 def release_ref(code: str) -> str:
     """The git ref the bootstrap's default MK_SOURCE installs (`...@REF`)."""
-    match = re.search(r'"MK_SOURCE", "git\+https://github\.com/mk-megakernel/mk@([^"]+)"', code)
+    match = re.search(rf'"MK_SOURCE", "git\+{re.escape(REPOSITORY)}@([^"]+)"', code)
     if not match:
-        raise ValueError("the bootstrap's MK_SOURCE default is not a git URL of "
-                         "mk-megakernel/mk at a ref")
+        raise ValueError(f"the bootstrap's MK_SOURCE default is not a git URL of "
+                         f"{REPOSITORY} at a ref")
     return match[1]
 
 

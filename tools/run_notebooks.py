@@ -1,9 +1,11 @@
 """Execute the numbered notebooks headless on CPU and publish them as a static site.
 
 `make run` calls this. Each `notebooks/NN_*.ipynb` runs with papermill on the `python3`
-kernel, which must start the interpreter running this script (checked, not assumed), once
-per configuration that `notebooks/runs.yaml` lists for it (once with its own parameters
-cell if it is not listed; the file documents its format).
+kernel, which must start the interpreter running this script (checked, not assumed), in
+its default configuration: the first that `notebooks/runs.yaml` lists for it (its own
+parameters cell if it is not listed; the file documents its format); `--all` (`make
+run-all`) runs every configuration listed. An unchanged configuration is copied from the
+execution cache, not executed again (tools/run_cache.py; `--no-cache`).
 
 Nothing is overwritten: every invocation writes a new folder `OUT/runs/<YYYYmmdd-HHMMSS>/`
 with the executed notebooks, `runs.json`, and the run's site in `site/`, built by Sphinx
@@ -16,13 +18,19 @@ with its time and status. A failed notebook keeps its partial output (papermill 
 cells run so far and marks the failing one) and is marked failed in the index; the exit
 code is 1 if any notebook failed, 2 for a bad runs file or command line.
 
-The pages work offline: plotly figures carry plotly.js once per page (`mk.plots.show`),
-plotly's own sliders need no kernel, MathJax is served from `OUT/_static/` (copied once
-from the pinned jupyter-server-mathjax), and no widget manager is loaded (a widget needs a
-live kernel; the page shows its text form). The kernels talk over local sockets (ipc).
-`tools/check_site.py` checks the pages in headless Chromium.
+The pages work offline, also when a run's `site/` is copied elsewhere: plotly figures
+carry plotly.js once per page (`mk.plots.show`), plotly's own sliders need no kernel,
+MathJax is copied into each site (tools/build_site.py), and no widget manager is loaded
+(a widget needs a live kernel; the page shows its text form). The kernels talk over local
+sockets (ipc). `tools/check_site.py` checks the pages in headless Chromium.
 
-Not here: skipping unchanged notebooks, running notebooks in parallel (2 cores).
+Runs that cannot lie or collide: a runs.yaml value must be a YAML scalar (or a list or map
+of them) of the type the notebook's parameters cell annotates, checked before anything
+runs; the record (`runs.json`) says `finished` only once the site is built, and those last
+steps hold SIGINT/SIGTERM until they are done; one run at a time per output folder (a lock
+file; a second is refused with exit code 2).
+
+Not here: running notebooks in parallel (2 cores).
 """
 
 from __future__ import annotations
@@ -31,8 +39,8 @@ import argparse
 import ast
 import contextlib
 import dataclasses
+import fcntl
 import html
-import importlib.util
 import json
 import os
 import re
@@ -56,6 +64,9 @@ import yaml  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import build_site  # noqa: E402
+import run_cache  # noqa: E402
+import mk.run  # noqa: E402
+from mk.plots import escape  # noqa: E402
 from jupyter_client.manager import AsyncKernelManager, KernelManager  # noqa: E402
 from traitlets import default  # noqa: E402
 
@@ -64,7 +75,9 @@ PATTERN = "[0-9][0-9]*_*.ipynb"
 RUNS_FILE = ROOT / "notebooks" / "runs.yaml"
 LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,39}")
 HEARTBEAT_SECONDS = 60.0
-MATHJAX = "_static/mathjax"  # relative to the site root
+LOCK = ".make-run.lock"  # in OUT: one `make run` at a time writes there
+# The types a runs.yaml value may have: YAML's scalars, and lists and maps of them.
+YAML_SCALARS = (str, int, float, bool, type(None))
 # -- What to run ----------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Run:
@@ -81,8 +94,9 @@ class Run:
         return f"{stem}-{self.label}" if self.label else stem
 
 
-def notebook_parameters(notebook: Path) -> list[str]:
-    """The names the notebook's `parameters` cell assigns at top level, in order.
+def notebook_parameters(notebook: Path) -> dict[str, str | None]:
+    """{name: annotation text or None} of what the notebook's `parameters` cell assigns at
+    top level, in order.
 
     Read with `ast`, not papermill's line parser, which skips a line whose comment it
     cannot parse (an apostrophe is enough) and would make a real parameter unknown.
@@ -90,16 +104,35 @@ def notebook_parameters(notebook: Path) -> list[str]:
     nb = nbformat.read(notebook, as_version=4)
     cells = [c for c in nb.cells if "parameters" in c.get("metadata", {}).get("tags", [])]
     if not cells:
-        return []
-    names = []
+        return {}
+    names = {}
     for node in ast.parse(cells[0].source).body:
         targets = (node.targets if isinstance(node, ast.Assign)
                    else [node.target] if isinstance(node, ast.AnnAssign) else [])
+        annotation = (ast.unparse(node.annotation) if isinstance(node, ast.AnnAssign)
+                      else None)
         for target in targets:
             for name in ast.walk(target):
                 if isinstance(name, ast.Name) and name.id not in names:
-                    names.append(name.id)
+                    names[name.id] = annotation
     return names
+
+
+def _plain(field: str, value) -> None:
+    """Refuse a runs.yaml value that is not a YAML scalar (str, int, float, bool, null) or a
+    list or map of them: a date, bytes (`!!binary`), a set, ... never reach papermill."""
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            _plain(f"{field}[{i}]", v)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ValueError(f"{field} has the key {k!r}; keys must be strings")
+            _plain(f"{field}.{k}", v)
+    elif not isinstance(value, YAML_SCALARS):
+        raise ValueError(f"{field}={value!r} is a {type(value).__name__}; a parameter may "
+                         "be a string, integer, float, true/false, null, or a list or "
+                         "mapping of them (quote a date to pass it as a string)")
 
 
 def load_runs(runs_file: Path, notebooks: list[Path], known: list[Path] | None = None
@@ -181,7 +214,14 @@ def _entries(where: str, stem: str, entries, notebook: Path) -> list[Run]:
         extra = sorted(set(parameters) - set(allowed))
         if extra:
             raise ValueError(f"{field}.parameters has {extra}, which {notebook.name}'s "
-                             f"parameters cell does not assign (it assigns {allowed})")
+                             f"parameters cell does not assign (it assigns {list(allowed)})")
+        for key, value in parameters.items():
+            _plain(f"{field}.parameters.{key}", value)
+            if allowed[key] is not None:
+                try:
+                    mk.run.check_parameter(key, value, allowed[key])
+                except ValueError as err:
+                    raise ValueError(f"{field}.parameters: {err}") from None
         runs.append(Run(notebook, label, dict(parameters)))
     return runs
 
@@ -265,10 +305,18 @@ def _heartbeat(prefix: str, start: float, every: float = HEARTBEAT_SECONDS):
         thread.join()
 
 
-def run_one(run: Run, run_dir: Path, prefix: str = "") -> dict:
-    """Execute one configuration; return its row of the index (its page is built with the
-    run's site, `build_site`)."""
+def run_one(run: Run, run_dir: Path, prefix: str = "",
+            cache: run_cache.Cache | None = None) -> dict:
+    """Execute one configuration, or copy its executed notebook from `cache` when nothing it
+    depends on changed; return its row of the index (its page is built with the run's
+    site, `build_site`)."""
     executed = run_dir / f"{run.name}.ipynb"
+    key = cache.key(run.notebook, run.parameters) if cache else None
+    cached = cache.get(key, executed) if cache else None
+    if cached is not None:
+        print(f"{prefix}: ok, cached (executed in {cached:.1f} s)", flush=True)
+        build_site.prepare(executed, run.label)
+        return _row(run, "ok", "", cached, build_site.page(run.name), cached=True)
     start = time.perf_counter()
     error = ""
     print(f"{prefix}: running", flush=True)
@@ -281,14 +329,20 @@ def run_one(run: Run, run_dir: Path, prefix: str = "") -> dict:
     status = "failed" if error else "ok"
     print(f"{prefix}: {status} in {seconds:.1f} s" + (f" ({error.splitlines()[0]})"
                                                       if error else ""), flush=True)
-    page = build_site.page(run.name) if executed.exists() else None
+    if cache and not error:
+        cache.put(key, executed, seconds)
+    page = None
+    if executed.exists():
+        build_site.prepare(executed, run.label)
+        page = build_site.page(run.name)
     return _row(run, status, error, seconds, page)
 
 
-def _row(run: Run, status: str, error: str, seconds: float, page: str | None) -> dict:
+def _row(run: Run, status: str, error: str, seconds: float, page: str | None,
+         cached: bool = False) -> dict:
     return {"name": run.name, "notebook": run.notebook.stem, "label": run.label,
             "parameters": run.parameters, "status": status, "error": error,
-            "seconds": round(seconds, 2), "page": page}
+            "seconds": round(seconds, 2), "page": page, "cached": cached}
 
 
 # -- The site -------------------------------------------------------------------------------
@@ -307,19 +361,6 @@ def new_run_dir(out: Path) -> Path:
     raise RuntimeError(f"{runs} has 999 runs stamped {stamp}")
 
 
-def install_static(out: Path) -> None:
-    """Copy MathJax into the site once; later runs share it."""
-    target = out / MATHJAX
-    if not (target / "MathJax.js").exists():
-        # Located, not imported: importing it starts loading jupyter_server (seconds).
-        spec = importlib.util.find_spec("jupyter_server_mathjax")
-        if spec is None:
-            raise RuntimeError("jupyter-server-mathjax is not installed: pip install -r "
-                               "requirements.txt")
-        source = Path(spec.submodule_search_locations[0]) / "static"
-        shutil.copytree(source, target, dirs_exist_ok=True)
-
-
 def source_version() -> str:
     """The commit the notebooks ran from, `+changes` if the work tree differs from it."""
     def git(*args):
@@ -333,12 +374,14 @@ def source_version() -> str:
         return "unknown (not a git checkout)"
 
 
-def _summary(record: dict) -> str:
+def _summary(record: dict, *, building: bool = False) -> str:
+    """One line on a run; `building`: said by the run's own site, built once every notebook
+    ran (`executed`), before the record is `finished` (which it is only with its site)."""
     rows = record["rows"]
     failed = sum(r["status"] != "ok" for r in rows)
-    state = "" if record.get("finished") else (
+    state = "" if record.get("finished") or (building and record.get("executed")) else (
         f", interrupted ({record['interrupted']})" if record.get("interrupted")
-        else ", did not finish")
+        else ", site not built" if record.get("executed") else ", did not finish")
     return (f"{len(rows) - failed} ok, {failed} failed, "
             f"{sum(r['seconds'] for r in rows):.0f} s{state}; source {record.get('source')}")
 
@@ -356,17 +399,22 @@ with every Pallas kernel in TPU interpret mode: they say nothing about TPU time.
 """
 
 
-def write_run_index(run_dir: Path, record: dict) -> None:
-    """The run's runs.json and the index.md its site is built from."""
-    # Written whole then renamed: an interrupted write never leaves a truncated runs.json.
-    partial = run_dir / "runs.json.partial"
-    partial.write_text(json.dumps(record, indent=1, default=str), encoding="utf-8")
-    partial.replace(run_dir / "runs.json")
-    build_site.write_index(run_dir, record, _summary(record))
+def _write_atomic(path: Path, text: str) -> None:
+    """Written whole then renamed: an interrupted write never leaves a truncated file."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text, encoding="utf-8")
+    partial.replace(path)
+
+
+def write_record(run_dir: Path, record: dict) -> None:
+    """The run's runs.json."""
+    _write_atomic(run_dir / "runs.json", json.dumps(record, indent=1, default=str))
 
 
 def write_site_index(out: Path) -> None:
-    """`out/index.html`: the newest run's table, then every run, newest first."""
+    """`out/index.html`: the course map (notebooks/course.yaml: each notebook in course
+    order, what it teaches, its configurations, status and time from the newest run that
+    ran it), the newest run's table, then every run, newest first."""
     records, unreadable = [], []
     for path in sorted((out / "runs").glob("*/runs.json"), reverse=True):
         try:
@@ -376,52 +424,117 @@ def write_site_index(out: Path) -> None:
         except (OSError, UnicodeDecodeError, ValueError) as err:  # one bad old run folder
             print(f"warning: {path} is unreadable ({err}); it is listed, not shown",
                   file=sys.stderr, flush=True)
-            unreadable.append(f"<li>{html.escape(path.parent.name)}: runs.json unreadable "
-                              f"({html.escape(str(err)[:200])})</li>")
+            unreadable.append(f"<li>{escape(path.parent.name)}: runs.json unreadable "
+                              f"({escape(str(err)[:200])})</li>")
             continue
         records.append((path.parent.name, record))
     if not records:
         body = "<p>No runs yet: <code>make run</code>.</p>"
     else:
+        def site(name):
+            return out / "runs" / name / build_site.SITE / "index.html"
+
+        def link(name):
+            return (f'<a href="runs/{html.escape(name)}/{build_site.SITE}/index.html">'
+                    f"{escape(name)}</a>" if site(name).exists() else escape(name))
+        # A run whose site was not built links no page.
+        records = [(n, r if site(n).exists() else dict(r, rows=[dict(row, page=None)
+                                                              for row in r["rows"]]))
+                   for n, r in records]
         name, newest = records[0]
-        listing = "\n".join(f'<li><a href="runs/{html.escape(n)}/{build_site.SITE}/index.html">'
-                            f"{html.escape(n)}</a>: {_summary(r)}</li>" for n, r in records)
-        body = (f"<h2>Newest run: {html.escape(name)} ({_summary(newest)})</h2>\n"
-                f"{build_site.table(newest['rows'], f'runs/{name}/')}\n<h2>All runs</h2>\n"
+        rows = newest["rows"]
+        listing = "\n".join(f"<li>{link(n)}: {escape(_summary(r))}</li>" for n, r in records)
+        course = (build_site.course_map(build_site.load_course(), records, ROOT / "notebooks")
+                  if build_site.COURSE.is_file() else "")
+        body = (f"{course}\n<h2>Newest run: {escape(name)} ({escape(_summary(newest))})</h2>\n"
+                f"{build_site.table(rows, f'runs/{name}/')}\n<h2>All runs</h2>\n"
                 f"<ul>\n{listing}\n</ul>")
     if unreadable:
         body += "\n<h2>Unreadable runs</h2>\n<ul>\n" + "\n".join(unreadable) + "\n</ul>"
-    (out / "index.html").write_text(_page("mk notebooks", body), encoding="utf-8")
+    _write_atomic(out / "index.html", _page("mk notebooks", body))
 
 
-def run_all(runs: list[Run], out: Path, argv: list[str]) -> tuple[Path, list[dict]]:
-    """Run every configuration into a new run folder; the indexes are kept current."""
-    out.mkdir(parents=True, exist_ok=True)
-    install_static(out)
+@contextlib.contextmanager
+def deferred_signals():
+    """Hold SIGINT and SIGTERM until the block ends, then act on the first one (as Ctrl-C
+    or SystemExit): the record, the site and the index are written whole or not at all."""
+    caught = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if caught:
+        print(f"signal {caught[0]} arrived while the site was written; stopping now",
+              file=sys.stderr, flush=True)
+        if caught[0] == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + caught[0])
+
+
+def run_all(runs: list[Run], out: Path, argv: list[str], cache: run_cache.Cache | None = None
+            ) -> tuple[Path, list[dict]]:
+    """Run every configuration into a new run folder, then build its site and the index.
+    The record says `finished` only once the site is built; those final steps hold
+    SIGINT/SIGTERM until they are done."""
     run_dir = new_run_dir(out)
-    record = {"started": time.strftime("%Y-%m-%d %H:%M:%S %z"), "finished": None,
-              "source": source_version(),
-              "argv": argv, "rows": []}
+    record = {"started": time.strftime("%Y-%m-%d %H:%M:%S %z"), "executed": None,
+              "finished": None, "source": source_version(), "argv": argv, "rows": []}
     width = max(len(run.name) for run in runs)
     try:
         for i, run in enumerate(runs, 1):
             prefix = f"[{i}/{len(runs)}] {run.name:<{width}}"
             start = time.perf_counter()
             try:
-                record["rows"].append(run_one(run, run_dir, prefix))
+                record["rows"].append(run_one(run, run_dir, prefix, cache))
             except (KeyboardInterrupt, SystemExit) as stop:  # Ctrl-C or SIGTERM
                 record["interrupted"] = f"{type(stop).__name__} during {run.name}"
                 record["rows"].append(_row(run, "interrupted", record["interrupted"],
                                            time.perf_counter() - start, None))
                 raise
-            write_run_index(run_dir, record)
-        record["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %z")
+            write_record(run_dir, record)
+        record["executed"] = time.strftime("%Y-%m-%d %H:%M:%S %z")
     finally:
-        write_run_index(run_dir, record)
-        print(f"building the site: {run_dir / build_site.SITE}", flush=True)
-        build_site.build(run_dir, out / MATHJAX)
-        write_site_index(out)
+        with deferred_signals():
+            write_record(run_dir, record)
+            build_site.write_index(run_dir, record, _summary(record, building=True))
+            print(f"building the site: {run_dir / build_site.SITE}", flush=True)
+            try:
+                build_site.build(run_dir)
+                if record["executed"]:
+                    record["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %z")
+            finally:
+                write_record(run_dir, record)
+                write_site_index(out)
     return run_dir, record["rows"]
+
+
+class Busy(RuntimeError):
+    """Another run holds the output folder's lock."""
+
+
+@contextlib.contextmanager
+def locked(out: Path):
+    """Hold `out`'s lock file for the block; raise `Busy` if another run holds it
+    (two runs at once would share the index and the kernels' profiles folder)."""
+    handle = open(out / LOCK, "a+")  # noqa: SIM115 - closed below
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            raise Busy(f"another run is writing to {out} (process "
+                               f"{handle.read().strip() or '?'}; lock file {out / LOCK}); "
+                               f"wait for it, or pass another --out") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
+        yield
+    finally:
+        handle.close()
 
 
 def _terminate(signum, frame):
@@ -437,6 +550,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="site folder (default: build/)")
     parser.add_argument("--runs", type=Path, default=RUNS_FILE,
                         help="configurations per notebook (default: notebooks/runs.yaml)")
+    parser.add_argument("--all", action="store_true",
+                        help="every configuration (default: each notebook's first)")
+    parser.add_argument("--no-cache", action="store_true",
+                        help="execute every notebook, even one unchanged since it last ran")
     args = parser.parse_args(argv)
     notebooks = [p.resolve() for p in args.notebooks] or sorted(
         (ROOT / "notebooks").glob(PATTERN))
@@ -444,8 +561,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"no notebooks match notebooks/{PATTERN}")
     try:
         runs = load_runs(args.runs, notebooks)
+        if not args.all:  # each notebook's default: its first configuration
+            runs = [r for i, r in enumerate(runs)
+                    if r.notebook not in {q.notebook for q in runs[:i]}]
+        args.out.mkdir(parents=True, exist_ok=True)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        print(f"error: --out {args.out} must be a folder (or a path where one can be made): "
+              f"{err.strerror}: {err.filename}", file=sys.stderr)
         return 2
     check_kernel()
     # SIGTERM (a CI timeout, `kill`) ends the run like Ctrl-C: the interrupted row is
@@ -453,7 +578,12 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _terminate)
     start = time.perf_counter()
     try:
-        run_dir, rows = run_all(runs, args.out, argv)
+        with locked(args.out):
+            run_dir, rows = run_all(runs, args.out, argv,
+                                    None if args.no_cache else run_cache.Cache(args.out))
+    except Busy as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     finally:
         signal.signal(signal.SIGTERM, previous)
     failed = sum(row["status"] != "ok" for row in rows)

@@ -1,0 +1,371 @@
+"""What run data cannot do to `make run` and its site, and what `make check-site` catches.
+
+Untrusted text (a runs file's value, a notebook's error, a table cell, a config name) is
+escaped by one helper, `mk.plots.escape`: an XSS payload and an `{include}` payload are run
+through a real site build and checked in headless Chromium. runs.yaml values are YAML
+scalars of the notebook's annotated types; papermill's unknown `-p` names and mistyped
+values stop a notebook in the cell after its parameters (`mk.run.check_parameters`). A run
+is `finished` only with its site, the final steps hold SIGINT/SIGTERM, one run at a time per
+output folder, `--out` a file is a clear error. Each rule of tools/check_site.py fails on a
+page planted with its defect.
+
+Not here: the site's ordinary contents (tests/test_site.py).
+"""
+
+import contextlib
+import io
+import json
+import os
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import papermill
+import pytest
+
+from mk import plots
+import mk.run
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+import check_site  # noqa: E402
+import run_notebooks  # noqa: E402
+from test_site import _chromium  # noqa: E402
+
+pytestmark = pytest.mark.xdist_group("site")
+
+XSS = '<img src=x onerror="document.title=\'pwned\'">'
+
+
+def _notebook(path, parameters, *cells):
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    nb.cells = [nbformat.v4.new_markdown_cell(f"# {path.stem}"),
+                nbformat.v4.new_code_cell(parameters, metadata={"tags": ["parameters"]})]
+    nb.cells += [nbformat.v4.new_code_cell(source) for source in cells]
+    nbformat.write(nb, path)
+    return path
+
+
+def _main(*argv):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = run_notebooks.main([str(a) for a in argv])
+    return code, out.getvalue() + err.getvalue()
+
+
+# -- One escaping helper --------------------------------------------------------------------
+def test_escape_leaves_no_markup_in_html_or_markdown():
+    payload = XSS + "\n```{include} /etc/hostname\n```\n| a | b | $x$ **bold** [l](javascript:x)"
+    text = plots.escape(payload)
+    assert not re.search(r"[<>\"'`|*$\[\]\n]", text), text
+    assert plots.escape("plain text, 1.5 ms") == "plain text, 1.5 ms"
+    html = plots.table([{"name": payload, "n": 1}])._repr_html_()
+    assert "<img" not in html and "&#60;img src=x onerror=" in html
+    assert html.count("<tr>") == 2 and html.startswith("<table")
+
+
+# -- runs.yaml values and notebook parameters -----------------------------------------------
+@pytest.fixture(scope="module")
+def typed(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("typed")
+    return _notebook(folder / "93_typed.ipynb",
+                     'points: int = 3  # x values\nflag: bool = False  # a switch\n'
+                     'name: str = "x"  # a name',
+                     "import mk.run\nmk.run.check_parameters(globals())", "print(points)")
+
+
+@pytest.mark.parametrize("value, message", [
+    ("!!binary Ig==", "parameters.points=b'\"' is a bytes"),
+    ("2026-12-03", "parameters.points=datetime.date(2026, 12, 3) is a date"),
+    ("!!set {a: null}", "is a set"),
+    ('"3"', "parameter points='3' (str) must be int"),
+    ("4096.0", "parameter points=4096.0 (float) must be int"),
+    ("true", "parameter points=True (bool) must be int"),
+])
+def test_runs_yaml_refuses_values_of_other_types_naming_row_and_key(typed, tmp_path, value,
+                                                                   message):
+    runs_file = tmp_path / "runs.yaml"
+    runs_file.write_text(f"93_typed:\n  - label: a\n    parameters:\n      points: {value}\n")
+    with pytest.raises(ValueError, match=re.escape(message)) as err:
+        run_notebooks.load_runs(runs_file, [typed], known=[typed])
+    assert "93_typed[0]" in str(err.value)
+
+
+def test_runs_yaml_refuses_the_string_false_for_a_bool(typed, tmp_path):
+    runs_file = tmp_path / "runs.yaml"
+    runs_file.write_text('93_typed:\n  - parameters: {flag: "False"}\n')
+    with pytest.raises(ValueError, match=r"flag='False' \(str\) must be bool"):
+        run_notebooks.load_runs(runs_file, [typed], known=[typed])
+    runs_file.write_text("93_typed:\n  - parameters: {flag: false, points: 4}\n")
+    assert run_notebooks.load_runs(runs_file, [typed], known=[typed])[0].parameters == {
+        "flag": False, "points": 4}
+
+
+def test_check_parameters_names_an_unknown_injected_name_and_a_wrong_type():
+    annotations = {"preset": str, "sweep_context": int, "layers": list[int]}
+    ns = {"__annotations__": annotations, "preset": "tiny", "sweep_context": 4096,
+          "layers": [2, 4], "In": ["", "# Parameters\npresett = \"tiny\"\n", ""]}
+    with pytest.raises(ValueError, match=r"\['presett'\] are not parameters.*"
+                                         r"\['preset', 'sweep_context', 'layers'\]"):
+        mk.run.check_parameters(ns)
+    ns["In"] = ["", "# Parameters\nsweep_context = 4096.0\n"]
+    ns["sweep_context"] = 4096.0
+    with pytest.raises(ValueError, match=r"sweep_context=4096.0 \(float\) must be int"):
+        mk.run.check_parameters(ns)
+    ns["sweep_context"], ns["layers"] = 4096, [2, "4"]
+    with pytest.raises(ValueError, match=r"layers=\[2, '4'\] \(list\) must be list\[int\]"):
+        mk.run.check_parameters(ns)
+    ns["layers"] = [2, 4]
+    mk.run.check_parameters(ns)  # all good: no error
+
+
+def test_a_misspelled_papermill_parameter_stops_the_notebook(typed, tmp_path):
+    """A plain papermill call, as a user would type it: the kernel's own check fails."""
+    with pytest.raises(papermill.PapermillExecutionError) as err:
+        papermill.execute_notebook(str(typed), str(tmp_path / "out.ipynb"),
+                                   parameters={"pointz": 4}, kernel_name="python3",
+                                   progress_bar=False)
+    assert "['pointz'] are not parameters" in err.value.evalue
+    assert "['points', 'flag', 'name']" in err.value.evalue
+
+
+def test_every_notebook_checks_its_parameters_right_after_the_parameters_cell():
+    for path in sorted((ROOT / "notebooks").glob(run_notebooks.PATTERN)):
+        cells = nbformat.read(path, as_version=4).cells
+        at = next(i for i, c in enumerate(cells)
+                  if "parameters" in c.metadata.get("tags", []))
+        following = next(c for c in cells[at + 1:] if c.cell_type == "code")
+        assert "mk.run.check_parameters(globals())" in following.source, path.name
+        before = following.source.split("mk.run.check_parameters")[0]
+        assert all(line.startswith(("import ", "from ", "#", "    ", ")")) or not line.strip()
+                   for line in before.splitlines()), f"{path.name}: work before the check"
+
+
+# -- Runs that cannot lie or collide --------------------------------------------------------
+def test_out_pointing_at_a_file_is_a_clear_error(typed, tmp_path):
+    (tmp_path / "file").write_text("")
+    code, text = _main(typed, "--out", tmp_path / "file")
+    assert code == 2 and "--out" in text and "must be a folder" in text
+
+
+def test_a_second_run_into_the_same_folder_is_refused(typed, tmp_path):
+    with run_notebooks.locked(tmp_path):
+        code, text = _main(typed, "--out", tmp_path)
+    assert code == 2 and "another run is writing to" in text and str(os.getpid()) in text
+    assert not (tmp_path / "runs").exists()
+
+
+def test_signals_in_the_final_steps_wait_for_them():
+    done = []
+    with pytest.raises(SystemExit) as stop:
+        with run_notebooks.deferred_signals():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.1)
+            done.append("finished the block")
+    assert done and stop.value.code == 128 + signal.SIGTERM
+
+
+def _fake_run(monkeypatch, build):
+    def run_one(run, run_dir, prefix="", cache=None):
+        (run_dir / f"{run.name}.ipynb").write_text("{}")
+        return run_notebooks._row(run, "ok", "", 0.1, f"site/{run.name}.html")
+    monkeypatch.setattr(run_notebooks, "run_one", run_one)
+    monkeypatch.setattr(run_notebooks.build_site, "write_index", lambda *a: None)
+    monkeypatch.setattr(run_notebooks.build_site, "build", build)
+
+
+def test_a_run_whose_site_failed_is_not_finished_and_links_no_page(typed, tmp_path,
+                                                                  monkeypatch):
+    def build(run_dir):
+        raise RuntimeError("sphinx-build failed: planted")
+    _fake_run(monkeypatch, build)
+    with pytest.raises(RuntimeError, match="planted"):
+        run_notebooks.run_all([run_notebooks.Run(typed)], tmp_path, [])
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    record = json.loads((run_dir / "runs.json").read_text())
+    assert record["executed"] and record["finished"] is None
+    index = (tmp_path / "index.html").read_text()
+    assert "site not built" in index and "href=" not in index
+
+
+def test_sigterm_during_the_site_build_waits_for_it(typed, tmp_path, monkeypatch):
+    def build(run_dir):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
+        (run_dir / "site").mkdir()
+        (run_dir / "site" / "index.html").write_text("<title>t</title>")
+    _fake_run(monkeypatch, build)
+    previous = signal.signal(signal.SIGTERM, run_notebooks._terminate)
+    try:
+        with pytest.raises(SystemExit):
+            run_notebooks.run_all([run_notebooks.Run(typed)], tmp_path, [])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert json.loads((run_dir / "runs.json").read_text())["finished"]
+    assert "site/index.html" in (tmp_path / "index.html").read_text()
+
+
+# -- Payloads through a real site -----------------------------------------------------------
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hostile")
+    secret = folder / "secret.txt"
+    secret.write_text("SECRET-6f2b9c\n")
+    payload = f"{XSS}\n```\n```{{include}} {secret}\n```\n"
+    notebook = _notebook(
+        folder / "92_untrusted.ipynb", 'name: str = "x"  # untrusted text',
+        "from IPython.display import Markdown, display\nfrom mk import plots",
+        'display(plots.table([{"name": name, "n": 1}]))',
+        'display(Markdown(f"Config **{plots.escape(name)}**"))',
+        "from tqdm.auto import tqdm\nsum(tqdm(range(3), desc='planted bar'))",
+        "raise ValueError(name)")
+    (folder / "runs.yaml").write_text("92_untrusted:\n  - label: xss\n    parameters:\n"
+                                      f"      name: {json.dumps(payload)}\n")
+    out = tmp_path_factory.mktemp("hostile-build")
+    code, text = _main(notebook, "--out", out, "--runs", folder / "runs.yaml")
+    return {"out": out, "code": code, "text": text}
+
+
+def test_xss_and_include_payloads_reach_the_site_only_as_text(hostile):
+    assert hostile["code"] == 1, hostile["text"]  # the notebook fails; the site is built
+    files = [p for p in hostile["out"].rglob("*") if p.is_file()]
+    assert not [p for p in files if b"SECRET-6f2b9c" in p.read_bytes()]
+    (page,) = hostile["out"].glob("runs/*/site/92_untrusted-xss.html")
+    html = page.read_text()
+    assert "<img src=x" not in html and "onerror=&#34;" in html
+    # The tqdm widget's text where it ended (no widget manager on the page).
+    assert re.search(r"planted bar: 100%\|\u2588{10}\| 3/3", html), "tqdm bar not as text"
+    report = check_site.check_site(hostile["out"], chromium=_chromium())
+    assert not report.problems, str(report)
+
+
+def test_widget_text_is_rebuilt_from_the_saved_widget_state():
+    import build_site
+
+    ids = {"box": {"model_name": "VBoxModel", "state": {"children": [
+        "IPY_MODEL_s", "IPY_MODEL_d", "IPY_MODEL_o"]}},
+           "s": {"model_name": "IntSliderModel", "state": {"description": "tau", "value": 6}},
+           "d": {"model_name": "DropdownModel", "state": {
+               "description": "chip", "index": 1, "_options_labels": ["v5e", "v6e"]}},
+           "o": {"model_name": "OutputModel", "state": {"outputs": [
+               {"output_type": "stream", "text": "841 tokens/s\n"}]}},
+           "bar": {"model_name": "HBoxModel", "state": {"children": [
+               "IPY_MODEL_h", "IPY_MODEL_p"]}},
+           "h": {"model_name": "HTMLModel", "state": {"value": "x\u2007&lt;50%"}},
+           "p": {"model_name": "FloatProgressModel", "state": {"value": 1.0, "max": 2.0}}}
+    assert build_site.widget_text(ids, "box") == "tau=6\nchip=v6e\n841 tokens/s"
+    assert build_site.widget_text(ids, "bar") == "x <50%|\u2588\u2588\u2588\u2588\u2588     |"
+
+
+# -- check_site's rules, each on a planted defect ---------------------------------------------
+PLANTED = {
+    "table.html": ("<title>t</title><p>| a | b |\n|---|---|\n| 1 | 2 |</p>",
+                   "unrendered Markdown table"),
+    "math.html": (r"<title>t</title><p>Raw <span class='math'>\(a^2\)</span></p>",
+                  "math left untypeset"),
+    "widget.html": ('<title>t</title><div class="cell_output"><div class="output">'
+                    '<script type="application/vnd.jupyter.widget-view+json">{}</script>'
+                    "</div></div>", "widget outputs show nothing"),
+    "empty.html": ('<title>t</title><div class="cell_output"><div class="output"></div></div>',
+                   "cell outputs show nothing"),
+    "folder.html": ('<title>t</title><a href="assets/">assets</a>',
+                    "link to a folder with no page: assets/"),
+    "nothing.html": ('<title>t</title><a href="gone.ipynb">download</a>',
+                     "link to nothing: gone.ipynb"),
+    "untitled.html": ("<p>no title</p>", "the page has no title"),
+    "big.html": ("<title>t</title>" + "<p>x</p>" * 40_000, "over the budget of 0.2 MB"),
+    "handler.html": ('<title>t</title><div class="cell_output"><img alt="" src="data:," '
+                     'onerror="1"></div>', "inline event handler in a cell output"),
+}
+
+
+def test_each_site_rule_fails_on_its_planted_defect(tmp_path):
+    (tmp_path / "assets").mkdir()
+    (tmp_path / "index.html").write_text("<title>index</title>" + "".join(
+        f'<a href="{name}">{name}</a>' for name in [*PLANTED, "clean.html"]))
+    (tmp_path / "clean.html").write_text(
+        "<title>clean</title><table><tr><td>| a | b |</td></tr></table><pre>| x | y |</pre>"
+        '<div class="cell_output"><div class="output"><pre>text</pre></div></div>')
+    for name, (body, _) in PLANTED.items():
+        (tmp_path / name).write_text(f"<!doctype html><html><head></head><body>{body}"
+                                     "</body></html>")
+    report = check_site.check_site(tmp_path, chromium=_chromium(), budget_mb=0.2)
+    for name, (_, message) in PLANTED.items():
+        assert any(p.startswith(f"{name}: ") and message in p for p in report.problems), (
+            name, str(report))
+    assert not [p for p in report.problems if p.startswith(("clean.html", "index.html"))], (
+        str(report))
+
+
+# -- The front door -------------------------------------------------------------------------
+def test_course_map_names_every_notebook_once_in_course_order():
+    import build_site
+
+    parts = build_site.load_course()
+    stems = [e["notebook"] for part in parts for e in part["notebooks"]]
+    assert sorted(stems) == sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9]*_*.ipynb"))
+    assert len(stems) == len(set(stems))
+    assert [s.split("_")[0] for s in stems] == [
+        "00b", "00", "01", "13", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11",
+        "05b", "05c", "12"]
+    assert all(e["teaches"].strip() and "\n" not in e["teaches"]
+               for part in parts for e in part["notebooks"])
+
+
+def test_front_page_opens_with_the_course_map_linking_the_newest_pages(tmp_path):
+    run = tmp_path / "runs" / "20260101-000000"
+    (run / "site").mkdir(parents=True)
+    (run / "site" / "index.html").write_text("<title>t</title>")
+    rows = [run_notebooks._row(run_notebooks.Run(ROOT / "notebooks/06_megakernel.ipynb",
+                                                 label), "ok", "", 12.0,
+                               f"site/06_megakernel-{label}.html") for label in ("a", "b")]
+    run_notebooks.write_record(run, {"rows": rows, "finished": "now", "source": "x"})
+    run_notebooks.write_site_index(tmp_path)
+    index = (tmp_path / "index.html").read_text()
+    assert index.index("Part I") < index.index("Part II") < index.index("Newest run")
+    row = re.search(r'<tr class="course"><td>06 · The decode megakernel.*?</tr>', index)[0]
+    assert 'href="runs/20260101-000000/site/06_megakernel-a.html">a</a>' in row
+    assert "06_megakernel-b.html" in row and "24 s" in row
+    assert "not run yet" in index  # the notebooks no run has executed
+
+
+# -- Quick to a first page ------------------------------------------------------------------
+def test_default_run_takes_first_configurations_and_unchanged_ones_come_from_the_cache(
+        typed, tmp_path):
+    runs_file = tmp_path / "runs.yaml"
+    runs_file.write_text("93_typed:\n  - {label: a, parameters: {points: 1}}\n"
+                         "  - {label: b, parameters: {points: 2}}\n")
+    out = tmp_path / "out"
+
+    def rows(*extra):
+        code, text = _main(typed, "--out", out, "--runs", runs_file, *extra)
+        assert code == 0, text
+        newest = sorted((out / "runs").iterdir())[-1]
+        return {r["name"]: r["cached"] for r in
+                json.loads((newest / "runs.json").read_text())["rows"]}, text
+
+    first, _ = rows()
+    assert first == {"93_typed-a": False}  # the default: the first configuration only
+    second, text = rows("--all")
+    assert second == {"93_typed-a": True, "93_typed-b": False}, text
+    assert "93_typed-a: ok, cached (executed in" in text
+    third, _ = rows("--all", "--no-cache")
+    assert third == {"93_typed-a": False, "93_typed-b": False}
+
+
+def test_cache_key_follows_notebook_parameters_and_sources(typed, tmp_path):
+    import run_cache
+
+    (tmp_path / "mk").mkdir()
+    (tmp_path / "mk" / "a.py").write_text("x = 1\n")
+    key = run_cache.Cache(tmp_path / "out", root=tmp_path).key(typed, {"points": 1})
+    assert run_cache.Cache(tmp_path / "out", root=tmp_path).key(typed, {"points": 1}) == key
+    assert run_cache.Cache(tmp_path / "out", root=tmp_path).key(typed, {"points": 2}) != key
+    (tmp_path / "mk" / "a.py").write_text("x = 2\n")
+    assert run_cache.Cache(tmp_path / "out", root=tmp_path).key(typed, {"points": 1}) != key
