@@ -252,7 +252,8 @@ def excerpt(obj, callouts, *, title: str = "") -> Markdown:
         raise ValueError(f"excerpt of {name}: no line holding {anchor!r} after line "
                          f"{start + after}")
 
-    parts, at = [f"**{html.escape(title or name)}** (`{name}`, line {start})\n"], 0
+    head = f"{html.escape(title)}: " if title else ""
+    parts, at = [f"{head}`{name}`, from line {start} of its module\n"], 0
     for number, (first, last, callout) in enumerate(callouts, 1):
         a = find(first, at)
         b = find(last, a)

@@ -280,7 +280,7 @@ def test_teaching_versions_fit_on_a_page(kernel):
 def test_excerpt_follows_the_code_and_refuses_a_missing_anchor():
     page = teach.excerpt(ring.Ring.matmul, [("def tile(", "out_ref[:, cols] = part", "x")])
     start = inspect.getsourcelines(ring.Ring.matmul)[1]
-    assert f"line {start}" in page.data and "<details>" in page.data
+    assert f"from line {start}" in page.data and "<details>" in page.data
     with pytest.raises(ValueError, match="no line holding 'nowhere'"):
         teach.excerpt(ring.Ring.matmul, [("nowhere", "x", "y")])
 
