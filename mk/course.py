@@ -137,7 +137,8 @@ def _residual_dropped(x, block_out):
     return block_out  # the mistake: the stream x is not added back
 
 
-def _accept_on_the_next_row(drafts, target):
+def accept_on_the_next_row(drafts, target):
+    """`mk.spec.accept_greedy` with a mistake (notebook 09's exercise: find it)."""
     n = np.cumprod(drafts == target[:, 1:], axis=1).sum(axis=1)  # the mistake: row i + 1
     return n, target[np.arange(len(n)), n]
 
@@ -157,7 +158,7 @@ SEAMS = {"ring_race": (ring.Ring, "slot", _slot_of_next_tile),
          "conv_unshifted": (deltanet, "conv_state_after", _conv_state_before_row),
          "head_decay": (deltanet, "channel_column", _one_decay_per_head),
          "wrong_residual": (one_layer, "residual", _residual_dropped),
-         "accept_wrong_row": (spec, "accept_greedy", _accept_on_the_next_row)}
+         "accept_wrong_row": (spec, "accept_greedy", accept_on_the_next_row)}
 
 
 @contextlib.contextmanager

@@ -25,6 +25,11 @@
 # - What does the weight stream of one layer look like, tile by tile?
 # - Why does one ring for all the layer's matrices beat one kernel per op?
 # - Is the fused layer exactly the reference layer, and does it fit and compile on a TPU?
+#
+# **You will** run a whole decoder layer as one kernel on one ring and find a planted bug
+# in its residual stream. **You will be able to** read `layer_body` phase by phase and say
+# what fusing buys at a matrix edge. **Prerequisites:** 01 (the ring), 02-04 (the stage
+# kernels this layer calls).
 
 # %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
@@ -107,8 +112,9 @@ plots.show(plots.tile_stream(stream, title=f"{config.name} layer {layer}: {strea
 
 # %% [markdown]
 # One kernel per op would end the stream at every matrix edge: the next kernel's first
-# DMA is issued only after the previous kernel finished, so each edge costs one DMA latency
-# plus the kernel launch gap with HBM idle. Fused, the only waits left are data
+# DMA is issued only after the previous kernel finished, so each edge costs the previous
+# ring's drain and one DMA latency with HBM idle (inside one jitted program there is no
+# host launch between the kernels, but they still run one after the other). Fused, the only waits left are data
 # dependencies (attention needs q, k, v; the experts need the router).
 
 # %% [markdown]
@@ -151,6 +157,40 @@ print(f"max |kernel - reference| of the layer output: {error:.2e} "
       f"(largest value {float(jnp.abs(want_x).max()):.2f}); races found: {races}")
 print(f"wall {seconds:.2f} s on {mode}" + (" (a CPU simulation, not TPU time)"
                                           if mode == "interpret" else ""))
+
+# %% [markdown]
+# ## Exercise: a wrong residual
+#
+# `layer_body` adds each block's output to the residual stream with `residual(x, out)`.
+# Below, a version with a mistake is planted in the kernel (`course.planted("wrong_residual")`).
+# **Predict** before you run: the megakernel's debug path taps the stream after each
+# layer's attention ("attn") and MLP ("mlp"); which tap of layer 0 will `first_divergence`
+# name? **Fix** a copy: `my_residual` must make the fused layer match the reference.
+
+# %%
+plots.show_source(course.SEAMS["wrong_residual"][2])
+with course.planted("wrong_residual"), mk.backend.use(run.backend):
+    bad_x = one_layer(config, params, x, k_cache, v_cache, positions, layer=layer, block=block)[0]
+try:
+    course.check_close("layer output", bad_x, want_x, rtol=2e-2, atol=3e-2)
+except course.ExerciseFailed as caught:
+    print("the check catches it:", caught)
+
+# %% [markdown]
+# Your fix (folded on the site; `course.reveal("05-residual")` gives the answer to the
+# prediction in Jupyter or Colab, where you can also run `mk.megakernel.first_divergence`
+# inside `course.planted("wrong_residual")` to see it):
+
+# %% tags=["hide-cell"]
+def my_residual(x, block_out):
+    return x + block_out  # the stream plus the block's output
+
+
+with course.replaced("wrong_residual", my_residual), mk.backend.use(run.backend):
+    fixed_x = one_layer(config, params, x, k_cache, v_cache, positions, layer=layer,
+                        block=block)[0]
+course.check_close("layer output with your residual", fixed_x, want_x, rtol=2e-2, atol=3e-2)
+print("your residual passes")
 
 # %% [markdown]
 # ## VMEM budget
@@ -217,6 +257,23 @@ print(f"weights {(attention_bytes + mlp_bytes) / 1e6:.3f} MB + KV {kv_bytes / 1e
 #
 # **Takeaway:** a whole layer is one DMA schedule, and the fused kernel is exactly the
 # reference layer up to bf16 rounding.
+
+# %% [markdown]
+# ## Questions
+#
+# 1. The layer's stream is wq, wk, wv, wo, gate, up, down. While attention walks the KV
+#    cache, which weight tiles are in VMEM? <details><summary>Answer</summary>wo's first
+#    `slots` tiles: the ring issued them when wv's last tiles were consumed.</details>
+# 2. An MoE layer has 8 expert slots but the batch picks 3 experts. What happens to the 5
+#    other slots' tiles? <details><summary>Answer</summary>They are skipped: neither loaded
+#    nor computed, but "consumed" in order so the tiles behind them are issued
+#    (`Ring.skip`).</details>
+# 3. Why does the plant above change the layer output but not the KV cache?
+#    <details><summary>Answer</summary>The cache rows come from the layer's input x
+#    (normed and projected) before any residual add.</details>
+
+# %% [markdown]
+# ## Checks
 
 # %%
 course.check_close("layer output", got_x, want_x, rtol=2e-2, atol=3e-2)
