@@ -31,18 +31,36 @@ TERMS = {
                  "(datasheet peak, perfect sharding; `mk.perf.predict`): no step can be "
                  "shorter",
     "MXU floor": "the step's matmuls at the MXU rule, each weight pass costing at least "
-                 "the MXU's rows (`mk.perf.mxu_floor_ms`): no step can be shorter either",
+                 "the MXU's rows (`mk.perf.mxu_floor_ms`), at the rate of one feed: bf16 "
+                 "(compute=\"bf16\") or fp8 (compute=\"fp8\": 8- and 4-bit weights fed at "
+                 "the fp8/int8 rate, twice bf16 on TPU7x). At the fastest feed the chip has "
+                 "for the weights no TPU step can be shorter; at the bf16 feed FP4 experts "
+                 "are overcharged. A TPU quantity: a GPU row's value is the same rule at its "
+                 "tensor cores' rate, not a GPU floor",
     "modelled step": "max(HBM floor, MXU floor + the tensor-parallel collectives over "
                      "ICI) (`mk.perf`): the compute lane's matmuls and all-reduces run one "
-                     "after another while HBM streams beside them; a lower bound on a "
-                     "megakernel step under stated assumptions, not a simulation",
+                     "after another while HBM streams beside them. A model of a megakernel "
+                     "step under stated assumptions, not a bound and not a simulation: a "
+                     "published run faster than it shows an assumption failing for that "
+                     "run (at the bf16 feed, three Kimi K3 TPU rows are)",
     "conventional step": "the same step as one kernel per op, each op at its own floor "
                          "plus a launch gap (`mk.perf.conventional`): a GPU baseline",
-    "simulated step": "the megakernel's own tile schedule replayed on a model of the chip "
-                      "(`mk.sim`): DMA latency, ring depth, bubbles; not a TPU measurement",
+    "simulated step": "the megakernel's tile schedule for the run's plan (ring slots by "
+                      "Little's law at `mk.kernels.plan.ring_cover_s`, the simulator's "
+                      "default latencies) replayed on a model of the chip (`mk.sim`): DMA "
+                      "latency, ring depth, bubbles; not a TPU measurement",
+    "compiled-kernel step": "the simulated step of the kernel libtpu compiled for the run "
+                            "(`benchmarks/tile_costs.py --published`): its ring's slots, "
+                            "the DMA latency it was sized for and its per-tile issue time "
+                            "from the compiled bundles, replayed by `mk.sim`; a "
+                            "simulation, not a measurement",
     "measured": "timed or counted on this machine (CPU interpret mode: never TPU time) or, "
                 "for acceptance, counted from real drafts",
 }
+# The terms that claim no step can be shorter, each with the `entries` column and the
+# compute feed (`entries(compute=...)`) at which the claim is made; tests/test_ledger.py
+# checks every published TPU row against each.
+FLOORS = {"HBM floor": ("hbm_floor_ms", "bf16"), "MXU floor": ("mxu_floor_ms", "fp8")}
 VERIFY_ROWS = 8  # rows each speculative step verifies in the published runs (issue #5)
 
 
@@ -240,8 +258,8 @@ def _explain(row, config, spec, tp, batch, rows) -> str:
                      "expert layout is not published)")
     if row.acceptance_length:
         notes.append(f"each step verifies T={rows} rows and keeps the published mean "
-                     f"acceptance {row.acceptance_length:g} (whether the drafts were real "
-                     "or forced is not stated)")
+                     f"acceptance {row.acceptance_length:g} (forced acceptance in the "
+                     "release's benchmark scripts)")
     if row.batch is None:
         notes.append(f"batch not published: B={batch} assumed")
     if spec.kind == "gpu":
@@ -251,3 +269,27 @@ def _explain(row, config, spec, tp, batch, rows) -> str:
         notes.append(f"TP{tp} over {row.chips} chips, the collectives as mk.kernels.collectives "
                      "runs them")
     return "; ".join(notes)
+
+
+def headline(rows: list[dict], *, model: str = "Kimi K3", system: str = "tpu7x",
+             tau: float = 6) -> str:
+    """The distance between the course's kernel and the release for one published run,
+    from `entries(simulate_tpu=True, tile_costs=...)` rows: the published step against
+    the compiled-kernel step (else the simulated step), the modelled step and the HBM
+    floor, with what the ledger says differs."""
+    row = next((r for r in rows if r["model"] == model and r["system"] == system
+                and r["tau"] == tau), None)
+    if row is None or "simulated_ms" not in row:
+        raise ValueError(f"no simulated row for {model} on {system} at tau={tau}: call "
+                         "entries(simulate_tpu=True)")
+    ours, word = ((row["compiled_ms"], "compiled-kernel step") if "compiled_ms" in row
+                  else (row["simulated_ms"], "simulated step"))
+    published = row["published_step_ms"]
+    return (f"{model} on {system}, tau {tau:g}: the release publishes {row['published']:g} "
+            f"tokens/s per user, a {published:.2f} ms step. The course's kernel for it, "
+            f"simulated ({word}), takes {ours:.2f} ms: {ours / published:.2f}x the "
+            f"release's step, {published / ours:.0%} of its speed. The release also beats "
+            f"the course's modelled step ({row['modelled_ms']:.2f} ms) and stays above the "
+            f"HBM floor ({row['hbm_floor_ms']:.2f} ms). What differs: {row['note']}"
+            + (f". The compiled kernel: {row['compiled_note']}" if "compiled_note" in row
+               else ""))

@@ -144,3 +144,29 @@ def test_the_recorded_tile_costs_cover_every_published_tpu_run():
     assert all(c["tile_ns"] > 0 for c in recorded)
     assert all("HBM" in c["error"] and "layers" in c["measured_on"]
                for c in recorded if not c["fits"])
+
+
+def test_no_term_is_contradicted_by_a_published_row():
+    """Every term that claims no step can be shorter (`ledger.FLOORS`) holds for every
+    published TPU row at the feed it names; a term beaten by a published row (the
+    modelled step at the bf16 feed) does not call itself a bound."""
+    claims = [t for t, text in ledger.TERMS.items() if "no step can be shorter" in text
+              or "no TPU step can be shorter" in text]
+    assert set(claims) == set(ledger.FLOORS), claims
+    for term, (column, compute) in ledger.FLOORS.items():
+        for r in ledger.entries(compute=compute):
+            if column in r and mk.chip(r["system"]).kind == "tpu":
+                assert r["published_step_ms"] >= r[column] * (1 - 1e-9), (term, r["run"])
+    beaten = [r["run"] for r in ledger.entries() if "modelled_ms" in r
+              and r["published_step_ms"] < r["modelled_ms"]]
+    assert beaten, "no published row beats the modelled step: the term may say so"
+    assert "not a bound" in ledger.TERMS["modelled step"]
+    assert "lower bound" not in " ".join(ledger.TERMS.values())
+
+
+def test_headline_states_the_kernel_against_the_release():
+    rows = ledger.entries(speculative_only=True, simulate_tpu=True)
+    text = ledger.headline(rows)
+    assert "Kimi K3 on tpu7x, tau 6" in text and "simulated step" in text
+    with pytest.raises(ValueError, match="no simulated row"):
+        ledger.headline(ledger.entries(speculative_only=True))
