@@ -24,6 +24,11 @@ Teaching versions (each 30-40 lines, one idea each, none used by the real kernel
   stands for the n devices, each round's partner me XOR d; the kernel does the same with
   remote DMAs. Its sum order is `collectives.tree_sum`'s, so the results are bit-equal.
 
+`ring_schedule` is the ring rule in time, tile by tile (notebook 01's Gantt chart): the
+tiles of a `TileStream` with their issue, land and consume times under a stated DMA
+latency, transfer time and compute time per tile, the formula notebook 01 derives. A
+teaching twin of the simulator's weight lane (`mk.sim`, which adds everything else).
+
 `excerpt` shows a real function as numbered excerpts (line ranges found from anchors in
 the module's source via inspect, so they follow the code) with a callout each, and the
 full source folded under a <details>.
@@ -233,6 +238,25 @@ def all_reduce(x: jax.Array) -> jax.Array:
                 gathered[me ^ d][k] = before[me][k]
         d *= 2
     return jnp.stack([jnp.concatenate(g, axis=1) for g in gathered])
+
+
+# -- 01: the ring rule in time ----------------------------------------------------------------
+def ring_schedule(stream, *, slots: int, latency_s: float, dma_s: float,
+                  compute_s: float) -> list[dict]:
+    """Per tile of `stream` (a `mk.kernels.ring.TileStream`) with a `slots`-deep ring:
+    issue (tile g < slots at 0, else when tile g - slots was consumed: the ring rule),
+    land (latency after its issue, or when the DMA engine finishes the tile before it,
+    plus its transfer), consume start (landed and the compute lane free) and end."""
+    if slots < 1 or min(latency_s, dma_s, compute_s) < 0:
+        raise ValueError(f"slots={slots} must be >= 1 and the times >= 0")
+    out = []
+    for g, layer, name, _, _ in stream.tiles():
+        issue = 0.0 if g < slots else out[g - slots]["end"]
+        land = max(issue + latency_s, out[-1]["land"] if out else 0.0) + dma_s
+        start = max(land, out[-1]["end"] if out else 0.0)
+        out.append(dict(g=g, family=name.split("[")[0], slot=g % slots, issue=issue,
+                        land=land, start=start, end=start + compute_s))
+    return out
 
 
 # -- Annotated excerpts -----------------------------------------------------------------------
