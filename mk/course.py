@@ -99,6 +99,18 @@ def moe_inputs(config: ModelConfig, seed: int, router_seed: int, rows: int):
     return weights, h, sorted(set(np.asarray(experts).ravel().tolist()))
 
 
+def routed(config: ModelConfig, h, router):
+    """What the teaching experts (`mk.teach.moe_experts`) take from the reference router
+    for rows h [M, D]: (combine [M, E] routing weights, ids [slots] the distinct experts
+    sorted and padded with the last one, count)."""
+    weights, picked = reference.route(h, router, config.experts_per_token, config.norm_topk)
+    combine = jnp.zeros((h.shape[0], config.experts)).at[
+        jnp.arange(h.shape[0])[:, None], picked].set(weights)
+    experts = sorted(set(np.asarray(picked).ravel().tolist()))
+    slots = mlp.expert_slots(config.experts, config.experts_per_token, h.shape[0])
+    return combine, experts + [experts[-1]] * (slots - len(experts)), len(experts)
+
+
 def is_prefix(experts) -> bool:
     """Whether the experts are 0 .. count - 1, where loading slot s instead of ids[s] is
     harmless."""

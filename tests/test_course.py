@@ -251,13 +251,10 @@ def test_teaching_moe_experts_equal_the_moe_kernel():
     (router, gate, up, down), h, experts = course.moe_inputs(
         config, 0, parameters("04_mlp_and_moe")["router_seed"], 2)
     assert not course.is_prefix(experts), experts
-    weights, ids = reference.route(h, router, config.experts_per_token, config.norm_topk)
-    combine = jnp.zeros((h.shape[0], config.experts)).at[
-        jnp.arange(h.shape[0])[:, None], ids].set(weights)
-    slots = mlp.expert_slots(config.experts, config.experts_per_token, h.shape[0])
-    padded = experts + [experts[-1]] * (slots - len(experts))
+    combine, padded, count = course.routed(config, h, router)
+    assert count == len(experts)
     with backend.use("interpret"):
-        got = teach.moe_experts(h, combine, gate, up, down, padded, len(experts))
+        got = teach.moe_experts(h, combine, gate, up, down, padded, count)
         want = mlp.moe(h, router, gate, up, down, top_k=config.experts_per_token,
                        renormalise=config.norm_topk)
     course.check_close("teaching experts", got, want, atol=1e-5, rtol=1e-5)
