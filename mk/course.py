@@ -363,14 +363,23 @@ class Mystery:
     def suspect(self, where: str) -> Markdown:
         """`where`: "module.attribute" of a function you suspect (e.g.
         "mk.kernels.ring.Ring.slot"). Shows its planted code if you are right."""
-        owner, attr, fn = SEAMS[self._plant]
-        name = (f"{owner.__module__}.{owner.__qualname__}.{attr}" if isinstance(owner, type)
-                else f"{owner.__name__}.{attr}")
-        if where != name:
+        fn = SEAMS[self._plant][2]
+        if where != self.where():
             return Markdown(f"`{html.escape(where)}` runs as released: look elsewhere.")
         return Markdown("Found it. The code running in its place:\n```python\n"
                         + inspect.getsource(fn) + "```\nWrite a fixed copy with the same "
                         "arguments and pass it to `confirm`.")
+
+    def where(self) -> str:
+        """The answer: the planted function's module path (what `suspect` checks)."""
+        owner, attr, _ = SEAMS[self._plant]
+        return (f"{owner.__module__}.{owner.__qualname__}.{attr}" if isinstance(owner, type)
+                else f"{owner.__name__}.{attr}")
+
+    def released(self):
+        """The answer's fix: the function as released (what the plant replaces)."""
+        owner, attr, _ = SEAMS[self._plant]
+        return getattr(owner, attr)
 
     def confirm(self, fix) -> str:
         """Run the step with `fix` in the planted function's place; raises ExerciseFailed

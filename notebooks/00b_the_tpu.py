@@ -98,15 +98,17 @@ for c in tpus:
 # %% [markdown]
 # ## The four generations side by side
 #
-# Per chip as in `data/chips.csv`; "per core" divides by the TensorCores that share the
-# chip's HBM (two on TPU7x, each its own JAX device). "Fill VMEM" is how long one core's
+# Per chip as in `data/chips.csv`; "per core" divides by the JAX devices that share the
+# chip's HBM. v5p and TPU7x both have two TensorCores per chip: TPU7x runs each as its own
+# JAX device, v5p runs its two as one "megacore" device, so its "per core" numbers are the
+# megacore's (the column counts devices, not TensorCores). "Fill VMEM" is how long one core's
 # share of the HBM bandwidth takes to fill its VMEM once: the scale of one layer's
 # weight tiles in flight.
 
 # %%
 display(plots.table([{
     "chip": c.name, "HBM GiB": f"{c.hbm_bytes / 2**30:.0f}",
-    "HBM GB/s": f"{c.hbm_bw / 1e9:,.0f}", "TensorCores": c.cores_per_chip,
+    "HBM GB/s": f"{c.hbm_bw / 1e9:,.0f}", "JAX devices per chip": c.cores_per_chip,
     "VMEM MiB per core": f"{c.vmem_bytes / 2**20:.0f}", "MXU": f"{c.mxu_rows} x {c.mxu_rows}",
     "bf16 TFLOP/s per core": f"{c.bf16_flops / c.cores_per_chip / 1e12:,.0f}",
     "ICI GB/s": f"{c.ici_bw / 1e9:,.0f}",

@@ -28,6 +28,11 @@
 #   compile for a real TPU?
 # - How does one stream hold a hybrid's two token mixers (gated DeltaNet beside full
 #   attention), and which linear states does a verifier keep?
+#
+# **You will** run a whole decode step in one kernel, localise a planted bug with
+# `first_divergence`, and solve the mystery lab (an unnamed bug, found with the race
+# detector and the taps, fixed in a copy). **You will be able to** read the step's tile
+# schedule and debug a wrong step op by op. **Prerequisites:** 01-05.
 
 # %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
@@ -65,6 +70,7 @@ checkpoint: str = ""  # a local Hugging Face checkpoint folder; "" for random we
 steps: int = 6  # greedy tokens to generate
 slots: int = 3  # weight ring slots
 exercise_keep_row_k: bool = False  # the exercise: True keeps the states after row k, not k - 1
+mystery_seed: int = 1  # the mystery lab's seed (which unnamed bug it plants); -1 skips the lab
 
 # %%
 import time
@@ -78,7 +84,7 @@ import mk
 import mk.backend
 import mk.megakernel as megakernel
 import mk.run
-from mk import perf, plots, reference, sim, tpu
+from mk import course, perf, plots, reference, sim, tpu
 from mk.kernels.one_layer import layer_matrices
 from mk.kernels.plan import DecodePlan, default_block
 
@@ -195,6 +201,35 @@ planted_first, _ = megakernel.first_divergence(config, params, cache, debug_toke
                                                backend=run.backend, weights=planted)
 print(f"healthy: first divergence {first}; planted bug in layer 0's attention norm: "
       f"first divergence {planted_first}")
+
+# %% [markdown]
+# ## The mystery lab
+#
+# `course.mystery(seed)` plants one bug, unnamed, in the megakernel's code and gives you a
+# tiny-preset step (T = 2 rows straddling a KV tile edge) that no longer matches the
+# reference. **Find** it: `m.races()` runs the race detector, `m.divergence()` names the
+# first wrong tap; then read the code those point at and `m.suspect("module.function")`
+# tells you whether it is the planted one (and shows it). **Fix** a copy with the same
+# arguments and `m.confirm(my_fix)`. (About a minute per tool in interpret mode.)
+
+# %%
+lab = course.mystery(mystery_seed) if mystery_seed >= 0 else None
+if lab is not None:
+    try:
+        lab.check()
+    except course.ExerciseFailed as caught:
+        print("the step is wrong:", caught)
+    print("race detector flags the step:", lab.races())
+
+# %% [markdown]
+# Your investigation goes here. The worked answer below is folded on the site; in Jupyter
+# or Colab, run it only when you are done (`lab.where()` is the answer).
+
+# %% tags=["hide-cell"]
+if lab is not None:
+    print("first divergence:", lab.divergence()[0])
+    display(lab.suspect(lab.where()))
+    print(lab.confirm(lab.released()))  # the released function is the fix
 
 # %% [markdown]
 # ## Hybrids: two token mixers in one stream

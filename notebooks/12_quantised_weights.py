@@ -368,8 +368,11 @@ print(f"megakernel {np.asarray(kernel_tokens).tolist()}, reference "
 
 # %% [markdown]
 # On a TPU the ring moves fewer bytes and the vector unit does a few more integer operations
-# per value. v5e and v6e have no fp8 matrix unit, so they dequantise to bf16 either way;
-# tpu7x could feed fp8 tiles to its matrix unit directly (not built). Whether the vector
+# per value. This kernel dequantises every tile to bf16 on every chip. The MXUs could do
+# better: v5e, v6e and v5p multiply int8 at twice their bf16 rate (the `fp8_flops` column of
+# `data/chips.csv` holds that int8 peak) and TPU7x multiplies fp8 at twice bf16, so int8
+# tiles (with int8 activations) or fp8 tiles on TPU7x could be fed directly (not built).
+# Whether the vector
 # work stays hidden under the shorter DMAs is for the bundle dumps (`mk.bundles`, notebook
 # 11) and a real chip to say.
 #

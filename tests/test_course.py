@@ -194,6 +194,8 @@ def test_mystery_is_caught_localised_and_fixed(seed):
         m.check()
     real = {"ring_race": ring.Ring.slot, "rope_off": prologue_module.rope_rows,
             "wrong_residual": one_layer.residual}[m._plant]
+    assert m.released() is real
+    assert "Found it" in m.suspect(m.where()).data
     if m._plant == "ring_race":
         assert m.races()
     else:
