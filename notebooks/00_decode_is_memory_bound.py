@@ -29,6 +29,10 @@
 #
 # It is arithmetic on datasheet peaks (`mk.chips`, `data/chips.csv`) and model shapes
 # (`mk.config`) done by `mk.perf` and `mk.ledger`: no kernel runs and nothing is timed.
+#
+# **You will** compute a decode step's bytes and FLOPs and its floors. **You will be able
+# to** say which floor bounds a run and how far a published number is from it.
+# **Prerequisites:** 00b (the MXU rule); a matrix-vector product's bytes and FLOPs.
 
 # %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,

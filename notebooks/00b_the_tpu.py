@@ -30,6 +30,11 @@
 #
 # Every number comes from `data/chips.csv` (`mk.chips`) and `mk.perf`: nothing runs on a
 # TPU here and nothing is timed.
+#
+# **You will** draw each TPU generation's memories and units from its datasheet row and
+# apply the MXU rule. **You will be able to** say why a one-row step costs 128 or 256
+# rows of MXU time and where HBM takes over. **Prerequisites:** none (the course starts
+# here).
 
 # %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,

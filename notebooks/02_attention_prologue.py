@@ -25,6 +25,10 @@
 # - How do three weight matrices share one ring, so the K and V tiles load while Q computes?
 # - How are QK-norm and rotate-half RoPE done on TPU vregs (a lane roll, not a gather)?
 # - What does the prologue cost in bytes, and where is it on the roofline?
+#
+# **You will** run the attention prologue as one kernel on one ring and find RoPE
+# switched off. **You will be able to** explain rotate-half RoPE as a lane roll and why
+# position 0 hides it. **Prerequisites:** 01 (the ring).
 
 # %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,

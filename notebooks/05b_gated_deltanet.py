@@ -27,6 +27,10 @@
 # - How does the kernel stream the projections, the conv state and the recurrent state?
 # - How many bytes does a step move for the state, against a KV cache as context grows?
 # - Is it exactly the reference, including the state after every row a verifier needs?
+#
+# **You will** run a gated-DeltaNet layer's step and find an unshifted conv state.
+# **You will be able to** say what state a linear layer carries and what it costs
+# against a KV cache. **Prerequisites:** 05 (one fused layer). Part II: another layer kind.
 
 # %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,

@@ -37,6 +37,10 @@
 #
 # The sections run each piece as a stage kernel; the last runs the whole model in the
 # megakernel (`mk.kernels.mla` holds its MLA prologue and epilogue).
+#
+# **You will** run MLA, Kimi Delta Attention and the grouped router as stage kernels and
+# find a per-head decay where KDA has one per channel. **You will be able to** compare
+# MLA's cache bytes with GQA's. **Prerequisites:** 03, 04, 05b, 06. Part II.
 
 # %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,

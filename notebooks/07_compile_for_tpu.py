@@ -28,6 +28,10 @@
 # - What does a model that does not fit look like: a report with numbers, not a crash?
 # - How long does the megakernel take to compile against XLA's own decode step, and how
 #   does each grow with the number of layers?
+#
+# **You will** compile full-size megakernels ahead of time with libtpu and read their
+# VMEM budgets. **You will be able to** tell a kernel that fits from one that does not,
+# with numbers. **Prerequisites:** 06 (the megakernel).
 
 # %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,

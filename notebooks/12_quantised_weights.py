@@ -34,6 +34,10 @@
 # byte counts (`mk.perf.predict(..., formats=)`, the plan's own), the capacity check
 # (`DecodePlan.fits`), and the megakernel streaming packed tiles (interpret mode here, Mosaic
 # on a TPU).
+#
+# **You will** decode int8, fp8, int4 and fp4 weights bit by bit and stream packed tiles
+# through the ring. **You will be able to** say what each format saves in bytes and
+# costs in accuracy. **Prerequisites:** 01 (the ring), 06 (the megakernel). Part II.
 
 # %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,

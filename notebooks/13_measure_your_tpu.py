@@ -33,6 +33,10 @@
 # **On a CPU it measures nothing about a TPU.** The same code runs in TPU interpret mode:
 # every time below is then the interpreter's on this CPU, nothing is written under
 # `data/measured`, and the simulator is shown a labelled example file instead.
+#
+# **You will** measure DMA latency and HBM bandwidth on a TPU runtime and feed them to
+# the simulator. **You will be able to** size a ring from measured numbers.
+# **Prerequisites:** 01 (Little's law).
 
 # %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
