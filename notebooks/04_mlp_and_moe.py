@@ -383,6 +383,21 @@ print(f"on {compile_chip} at {mk.chip(compile_chip).hbm_bw / 1e12:.2f} TB/s (dat
 # loop), and let those scalars address the weight DMAs of a ring whose unused slots cost
 # nothing.
 
+# %% [markdown]
+# ## Questions
+#
+# 1. E = 128 experts, top-8, one row (M = 1). How many expert slots does the kernel
+#    allocate, and how many experts' bytes does the step read?
+#    <details><summary>Answer</summary>min(E, M x 8) = 8 slots, all 8 live: 8 experts'
+#    gate, up and down (`mlp.expert_slots`).</details>
+# 2. Why does the wrong-expert exercise need a router seed whose experts are not
+#    0 .. count - 1? <details><summary>Answer</summary>With those experts slot s holds
+#    expert s, so streaming expert s instead of ids[s] changes nothing.</details>
+# 3. In the teaching kernel, what does the index map return for a slot past `count`, and
+#    why that? <details><summary>Answer</summary>The last live slot's expert: the block
+#    index does not change, so the pipeline fetches nothing new, and `pl.when` skips the
+#    compute.</details>
+
 # %%
 assert moe_report.ok, moe_report.error
 assert dense_report.ok, dense_report.error

@@ -386,6 +386,21 @@ print(report.summary())
 # hybrid's two token mixers share that schedule, each layer skipping the other kind's
 # tiles, and its linear states after every row let a verifier keep any accepted prefix.
 
+# %% [markdown]
+# ## Questions
+#
+# 1. Where in the stream is layer l + 1's first wq tile, and when is it issued?
+#    <details><summary>Answer</summary>Right after layer l's last w_down tile: g runs on
+#    across the edge, so it is issued when the tile `slots` before it is consumed, while
+#    layer l's MLP computes.</details>
+# 2. `first_divergence` names (3, "mlp"). Where do you look?
+#    <details><summary>Answer</summary>Between the (3, "attn") tap and the (3, "mlp") tap:
+#    layer 3's first residual add, MLP norm, MLP and second add.</details>
+# 3. The race detector flags a step whose tokens are right. Is the kernel right?
+#    <details><summary>Answer</summary>No: a race reads a slot a DMA is writing, and the
+#    result depends on timing; interpret mode happened to order them well. On a TPU the
+#    same code can read a half-written tile.</details>
+
 # %%
 np.testing.assert_array_equal(got, want)
 np.testing.assert_array_equal(got_rows, want_rows)
