@@ -214,9 +214,12 @@ display(ledger.glossary("published", "HBM floor", "MXU floor"))
 # assumptions, not a fit.
 
 # %%
-uniform = [r for r in ledger.entries(context=published_context) if "hbm_floor" in r]
-shared = [r for r in ledger.entries(context=published_context, routing="shared")
-          if "hbm_floor" in r]
+# the MXU floor at the fastest feed the chip has for the weights (fp8: TPU7x feeds FP4 and
+# FP8 weights at twice bf16); at the bf16 feed FP4 experts are overcharged (TERMS)
+uniform = [r for r in ledger.entries(context=published_context, compute="fp8")
+           if "hbm_floor" in r]
+shared = [r for r in ledger.entries(context=published_context, routing="shared",
+                                    compute="fp8") if "hbm_floor" in r]
 label = [r["run"] for r in uniform]
 display(plots.table([{
     "run": u["run"], "metric": u["metric"], "published tok/s": f"{u['published']:g}",
@@ -248,11 +251,12 @@ plots.show(plots.published_vs_floor(label, [u["published"] for u in uniform], {
     "MXU floor bound": [u["mxu_floor"] for u in uniform]}))
 
 # %% [markdown]
-# The Kimi runs on TPU7x with many rows per step (the larger batches and the speculative
-# runs: the list above names the larger floor of each) are bound by the MXU floor, not HBM:
-# their FP4 experts stream a quarter of bf16's bytes, while the MXU rule charges 256 rows
-# per weight pass at the bf16 rate. A kernel that feeds FP4 weights to the MXU at its fp8
-# rate halves that floor.
+# The list above names the larger floor of each run at the fp8 feed. Charged at the bf16
+# feed instead, the Kimi runs on TPU7x with many rows per step (the larger batches, the
+# speculative runs) would look MXU-bound: their FP4 experts stream a quarter of bf16's
+# bytes while the MXU rule charges 256 rows per weight pass, at half the fp8 rate. That is
+# what a kernel feeding FP4 weights at bf16 would pay, not a floor (`mk.ledger.TERMS`).
+# For the GPU rows the same rule at the tensor cores' rate is shown for comparison only.
 #
 # ### Per user or aggregate?
 #
