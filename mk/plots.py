@@ -7,6 +7,7 @@ drawn from the `TileStream` the kernel executes), `timeline`, `bubble_bars`, `sw
 x), `tpu_picture` (one TPU chip's memories, units and paths, from its `ChipSpec`),
 `ring_gantt` (the ring rule slot by slot in time, one frame per ring depth, from
 `mk.teach.ring_schedule`), `family_colour` (one fixed colour per weight family),
+`kv_tile_map` (the KV tiles each ragged sequence reads, writes back and skips),
 `table` (a Markdown table), `show_source` (a kernel's own code on the page, from its
 module) and `show`. Not here: any model or chip arithmetic (that is `mk.perf`); static image export (kaleido needs Chrome).
 
@@ -208,7 +209,8 @@ def family_colour(family: str) -> str:
 
 def ring_gantt(schedules: Mapping[str, list], *, title: str) -> go.Figure:
     """Each tile's life in its ring slot: in flight (issue -> land, light) then consumed
-    (the compute lane, solid), one row per slot, coloured by weight family. `schedules`:
+    (the compute lane, solid), one row per slot, coloured by weight family (one legend
+    entry per family). `schedules`:
     {label: `mk.teach.ring_schedule` rows}, one animation frame each (a slider and a play
     button step through them; every frame has the same traces)."""
     families = sorted({t["family"] for rows in schedules.values() for t in rows})
@@ -221,8 +223,9 @@ def ring_gantt(schedules: Mapping[str, list], *, title: str) -> go.Figure:
             for f in families:
                 mine = [t for t in rows if t["family"] == f]
                 out.append(go.Bar(
-                    name=f"{f} {phase}", orientation="h", opacity=opacity,
-                    marker_color=family_colour(f), legendgroup=phase,
+                    name=f"{f} {phase}" if phase == "in flight" else f,
+                    showlegend=phase == "consumed", orientation="h", opacity=opacity,
+                    marker_color=family_colour(f), legendgroup=f,
                     y=[f"slot {t['slot']}" for t in mine],
                     base=[t[start] * 1e6 for t in mine],
                     x=[(t[end] - t[start]) * 1e6 for t in mine],
@@ -247,6 +250,35 @@ def ring_gantt(schedules: Mapping[str, list], *, title: str) -> go.Figure:
             label=k, method="animate",
             args=[[k], dict(mode="immediate", frame=dict(duration=0, redraw=True))])
             for k in labels])])
+    return fig
+
+
+KV_COLOURS = {"read": "#1f77b4", "read and written back": "#ff7f0e",
+              "skipped": IDLE_GREY}
+
+
+def kv_tile_map(positions, rows: int, kv_tile: int, context: int, *,
+                title: str = "") -> go.Figure:
+    """One row per sequence, one cell per KV tile of its cache: read (tiles 0 .. the one
+    holding its last new row), read and written back (those holding new rows), skipped
+    (never loaded)."""
+    cells = {k: ([], []) for k in KV_COLOURS}
+    for b, p in enumerate(int(p) for p in positions):
+        last, first_new = (p + rows - 1) // kv_tile, p // kv_tile
+        for i in range(context // kv_tile):
+            kind = ("skipped" if i > last else "read and written back" if i >= first_new
+                    else "read")
+            cells[kind][0].append(i)
+            cells[kind][1].append(f"sequence {b} (p={p})")
+    fig = go.Figure([go.Bar(name=k, orientation="h", x=[1] * len(xs), base=xs, y=ys,
+                            marker_color=KV_COLOURS[k], marker_line_color="white",
+                            marker_line_width=1,
+                            hovertemplate="tile %{base}: " + k + "<extra></extra>")
+                     for k, (xs, ys) in cells.items()])
+    fig.update_layout(title=title or f"KV tiles of {kv_tile} positions per sequence",
+                      barmode="overlay", height=180 + 30 * len(list(positions)),
+                      xaxis_title="KV tile index (tiles of kv_tile positions)",
+                      yaxis=dict(title="sequence", autorange="reversed"))
     return fig
 
 

@@ -259,6 +259,18 @@ def ring_schedule(stream, *, slots: int, latency_s: float, dma_s: float,
     return out
 
 
+def tile_times(spec, block, itemsize: int, rows: int) -> dict:
+    """`ring_schedule`'s times for one plain tile of `block` on chip `spec` (a
+    `mk.chips.ChipSpec`): the simulator's assumed DMA latency, the transfer at one core's
+    share of the datasheet bandwidth, the MXU rule's compute (`mk.sim`'s rule)."""
+    from mk import perf, sim  # the models, only for their numbers
+    cores = spec.cores_per_chip
+    return dict(latency_s=sim.Assumptions().dma_latency_s,
+                dma_s=block.tile_rows * block.tile_cols * itemsize / (spec.hbm_bw / cores),
+                compute_s=2 * max(rows, spec.mxu_rows) * block.tile_rows * block.tile_cols
+                / (perf.peak_flops(spec) / cores))
+
+
 # -- Annotated excerpts -----------------------------------------------------------------------
 def excerpt(obj, callouts, *, title: str = "") -> Markdown:
     """The real code of `obj` as excerpts: callouts [(first anchor, last anchor, callout)],

@@ -123,6 +123,8 @@ display(plots.table([{
     "tiles read": f"0 .. {(p + T - 1) // kv_tile}",
     "tiles written": f"{p // kv_tile} .. {(p + T - 1) // kv_tile}"}
     for b, p in enumerate(positions)]))
+plots.show(plots.kv_tile_map(positions, T, kv_tile, S, title=f"The KV tiles this step reads "
+                                                       f"(B={B}, T={T}, kv_tile={kv_tile})"))
 
 # %% [markdown]
 # **Online softmax.** Per query row, after tile j with scores $s_j$ (masked entries $-\infty$):

@@ -79,7 +79,7 @@ from IPython.display import display
 import mk
 import mk.backend
 import mk.run
-from mk import course, plots, reference, tpu
+from mk import course, plots, reference, teach, tpu
 from mk.kernels import one_layer as one_layer_module
 from mk.kernels.common import vmem_budget
 from mk.kernels.one_layer import layer_matrices, one_layer, one_layer_buffers
@@ -109,6 +109,19 @@ block = default_block(config, 128, slots=slots)  # KV tiles of 128 positions
 stream = TileStream.build(block, layer_matrices(config, (kind,), M))
 plots.show(plots.tile_stream(stream, title=f"{config.name} layer {layer}: {stream.total} "
                                            f"tiles of {block.tile_rows}x{block.tile_cols}"))
+
+# %% [markdown]
+# The same stream in time, slot by slot (`teach.ring_schedule` at the chip's modelled tile
+# times): at each matrix edge the next matrix's tiles are already in flight, in their own
+# colour, while the last tiles of the previous one compute. (Drawn for a dense layer: an
+# MoE layer's expert slots are switched on at run time.)
+
+# %%
+if kind == "dense" and spec.kind == "tpu":
+    times = teach.tile_times(spec, block, jnp.dtype(config.dtype).itemsize, M)
+    plots.show(plots.ring_gantt(
+        {f"{n} slots": teach.ring_schedule(stream, slots=n, **times) for n in sorted({2, slots})},
+        title=f"{config.name} layer {layer}: every tile in its slot on {spec.name} (modelled)"))
 
 # %% [markdown]
 # One kernel per op would end the stream at every matrix edge: the next kernel's first

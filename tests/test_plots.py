@@ -77,8 +77,8 @@ def _schedules(stream, depths=(1, 2, 6)):
 
 
 def test_ring_gantt_has_units_few_legend_entries_and_family_colours():
-    stream = TileStream.build(BlockSizes(slots=1, tile_rows=128, tile_cols=128),
-                              [("wq", 256, 512), ("wk", 256, 256), ("w_down", 256, 256)])
+    stream = TileStream.build(BlockSizes(slots=1, tile_rows=128, tile_cols=128), [
+        (n, 256, 256) for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")])
     fig = plots.ring_gantt(_schedules(stream), title="t")
     _figure_rules(fig)
     assert "µs" in fig.layout.xaxis.title.text
@@ -109,3 +109,15 @@ def test_ring_schedule_is_the_simulators_replay_of_one_matrix():
         assert rows[-1]["end"] == pytest.approx(sim.replay_matmul(stream, spec,
                                                                   rows=1).step_s, rel=1e-9)
         assert all(r["issue"] <= r["land"] <= r["start"] < r["end"] for r in rows)
+
+
+def test_kv_tile_map_counts_the_kernels_tiles_and_labels_its_axes():
+    from mk.kernels.decode_attention import tile_counts
+    positions, rows, tile = [127, 300, 5], 2, 128
+    fig = plots.kv_tile_map(positions, rows, tile, 512)
+    bars = {t.name: len(t.base) for t in fig.data}
+    read, written = tile_counts(positions, rows, tile)
+    assert bars["read"] + bars["read and written back"] == read
+    assert bars["read and written back"] == written
+    assert bars["skipped"] == 3 * 4 - read
+    assert fig.layout.xaxis.title.text and fig.layout.yaxis.title.text and len(fig.data) <= 10
