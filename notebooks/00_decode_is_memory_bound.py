@@ -319,7 +319,19 @@ print(f"2. ridge {v6e.ridge_flop_per_byte:.0f} FLOP/B: about {v6e.ridge_flop_per
 # *Takeaway:* one sequence uses a fraction of a percent of the MXU's FLOPs, though the MXU
 # is busy loading weights for up to $R$ / ridge of an HBM-bound step (notebook 00b);
 # batching and verifying drafted rows (09) are the ways to spend the idle FLOPs.
+
+# %% [markdown]
+# ## Questions
 #
+# 1. Going from batch 1 to batch 8, what happens to the HBM floor of a dense model at a
+#    short context, and why?
+#    <details><summary>Answer</summary>It barely moves: the weights, read once per step whatever the batch,
+#    dominate the bytes; only the KV bytes grow with B.</details>
+# 2. Why can no published run beat the HBM floor of its own bytes?
+#    <details><summary>Answer</summary>The floor is those bytes at the datasheet's peak bandwidth; only moving
+#    fewer bytes (a smaller format, shared experts) makes a step shorter.</details>
+
+# %% [markdown]
 # ## Checks
 
 # %%

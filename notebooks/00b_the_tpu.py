@@ -167,7 +167,19 @@ display(plots.table([{
 # makes its busy time far larger than the FLOP count suggests (the last column), close to
 # HBM's on TPU7x, and with 4-bit weights it becomes the limit. Notebook 01 writes that
 # stream as a Pallas kernel.
+
+# %% [markdown]
+# ## Questions
 #
+# 1. On a 256 x 256 MXU, a decode step multiplies 8 rows by a weight. How many rows does
+#    the MXU charge for that pass?
+#    <details><summary>Answer</summary>256: a weight loaded into the MXU serves up to its row count at the
+#    same cost, so 8 rows cost what 256 do.</details>
+# 2. Where does an array given `memory_space=pl.ANY` live, and who moves it?
+#    <details><summary>Answer</summary>It stays in HBM; the kernel copies what it needs into VMEM with its own
+#    DMAs (`pltpu.make_async_copy`).</details>
+
+# %% [markdown]
 # ## Checks
 
 # %%

@@ -194,6 +194,13 @@ print(f"qwen3-8b prologue weights {real_bytes / 2**20:.0f} MiB: HBM floor "
 # **Takeaway:** the prologue is bandwidth, not arithmetic; its only subtlety is the
 # per-row RoPE position, built in the kernel from the per-sequence positions in SMEM.
 
+# %% [markdown]
+# ## Questions
+#
+# 1. Why does the default put sequence 0 at position 127 with T = 2?
+#    <details><summary>Answer</summary>RoPE is the identity at position 0, so a bug there hides; rows 127 and
+#    128 also straddle the KV tile edge at 128.</details>
+
 # %%
 for n, g, w in zip("qkv", got, want):
     course.check_close(n, g, w, rtol=1e-5, atol=1e-4)

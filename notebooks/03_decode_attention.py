@@ -270,7 +270,8 @@ def my_update(m, l, acc, scores, v):
     alpha = jnp.exp(m - m_next)  # what tile 0 summed under the old max, in the new units
     probs = jnp.exp(scores - m_next)
     l_next = alpha * l + jnp.sum(probs, axis=1, keepdims=True)
-    acc_next = alpha * acc + jnp.dot(probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    pv = jnp.dot(probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    acc_next = alpha * acc + pv
     return m_next, l_next, acc_next
 
 

@@ -288,6 +288,13 @@ if spec.kind == "tpu":
 # fixed float32 state, read once and written once per row; the kernel matches the
 # reference on its output and on the state after every row.
 
+# %% [markdown]
+# ## Questions
+#
+# 1. What must a verifier get from a linear layer after T rows, and why?
+#    <details><summary>Answer</summary>The state after every row: after acceptance it restarts from the state
+#    after the last kept row (`mk.reference.rollback`).</details>
+
 # %%
 course.check_close("layer output x", got[0], want_x, rtol=1e-5, atol=1e-5)
 course.check_close("state rows", got[2], want_state, rtol=1e-5, atol=1e-5)

@@ -378,6 +378,13 @@ print(f"{k3_plan.local.name}: {k3_fit.vmem.total_bytes / 2**20:.1f} MiB of VMEM 
 # gated DeltaNet with a decay per key channel; Kimi's router and shared expert fit stage
 # 04's ring unchanged.
 
+# %% [markdown]
+# ## Questions
+#
+# 1. How many values per cached token does MLA's absorbed decode read, against GQA's?
+#    <details><summary>Answer</summary>W = kv_lora_rank + the shared key part, once for all heads; GQA reads
+#    2 x kv_heads x head_dim.</details>
+
 # %%
 course.check_close("MLA x after attention", got_mla, want_mla, atol=1e-2 * mla_scale, rtol=0)
 course.check_close("megakernel greedy tokens", got_tokens, want_tokens, atol=0, rtol=0)

@@ -240,6 +240,13 @@ plots.show(fig)
 # (read the ratio columns of the recorded table), so "XLA takes 30 minutes" is a claim about
 # unrolled multi-chip programs, not about a well-written XLA decode step.
 
+# %% [markdown]
+# ## Questions
+#
+# 1. A model does not fit one core. What does the compile report give instead of a crash?
+#    <details><summary>Answer</summary>The bytes it needs against the bytes the core has (VMEM by buffer, or HBM),
+#    with the model and the chip named.</details>
+
 # %%
 # Not fitting is an answer (the project's budget says "over", the compiler
 # RESOURCE_EXHAUSTED with its numbers); any other compiler error is a failure.

@@ -694,6 +694,18 @@ print(f"{config.name} on {spec.name}, B={run.batch} T={run.rows} S={position} tp
 # the KV prime, the collectives) are where the review looks.
 
 # %% [markdown]
+# ## Questions
+#
+# 1. The simulated step is bound by "ring empty". What do you change first?
+#    <details><summary>Answer</summary>The ring's depth (slots, by Little's law) or the tile size: more bytes in
+#    flight cover the DMA latency. The exercise (`exercise_ring_slots`) checks it.</details>
+# 2. What separates the compiled-kernel step from the simulated step?
+#    <details><summary>Answer</summary>The compiled kernel's own ring depth, the DMA latency it was sized for and
+#    its per-tile issue time from libtpu's bundles, where the simulated step uses the
+#    plan's Little's-law ring and the simulator's default latencies.</details>
+
+
+# %% [markdown]
 # ## Checks
 
 # %%

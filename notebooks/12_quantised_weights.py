@@ -387,6 +387,13 @@ print(f"megakernel {np.asarray(kernel_tokens).tolist()}, reference "
 # bytes, scales included, are what the ring moves and the HBM floor counts, and the
 # megakernel decodes the reference's tokens from them. The last cell checks this run.
 
+# %% [markdown]
+# ## Questions
+#
+# 1. Why is a quantised weight never stored transposed in the ring?
+#    <details><summary>Answer</summary>Its packing (and its scale blocks) run along K, the contraction; a
+#    transposed tile would cut across them (`BlockSizes.cut`).</details>
+
 # %%
 for name in quantised:
     counted = quant.storage_bytes(qparams[name].shape, qparams[name].scheme)

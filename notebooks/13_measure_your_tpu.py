@@ -292,6 +292,14 @@ print(f"simulator with {taken.source}: " + "; ".join(
     f"{r['model']} {r['numbers']} {r['simulated_step_us']} µs" for r in sims))
 
 # %% [markdown]
+# ## Questions
+#
+# 1. Why does a CPU run write nothing under data/measured?
+#    <details><summary>Answer</summary>Its times are the interpreter's on the CPU, not a TPU's: a simulator fed
+#    with them would model a machine that does not exist.</details>
+
+
+# %% [markdown]
 # ## Checks
 
 # %%
