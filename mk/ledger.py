@@ -35,8 +35,7 @@ TERMS = {
                  "(compute=\"bf16\") or fp8 (compute=\"fp8\": 8- and 4-bit weights fed at "
                  "the fp8/int8 rate, twice bf16 on TPU7x). At the fastest feed the chip has "
                  "for the weights no TPU step can be shorter; at the bf16 feed FP4 experts "
-                 "are overcharged. A TPU quantity: a GPU row's value is the same rule at its "
-                 "tensor cores' rate, not a GPU floor",
+                 "are overcharged. A TPU quantity: GPU rows have none",
     "modelled step": "max(HBM floor, MXU floor + the tensor-parallel collectives over "
                      "ICI) (`mk.perf`): the compute lane's matmuls and all-reduces run one "
                      "after another while HBM streams beside them. A model of a megakernel "
@@ -121,7 +120,8 @@ def entries(*, context: int = 0, routing: str = "uniform", compute: str = "bf16"
 
     Always: "run", "model", "preset", "system", "tau" (acceptance length or None), "batch",
     "rows", "metric", "published" (tokens/s), "published_step_ms". For a chip of
-    data/chips.csv also "hbm_floor_ms", "mxu_floor_ms", "collective_ms", "modelled_ms",
+    data/chips.csv also "hbm_floor_ms", "mxu_floor_ms" (TPU rows only: no GPU MXU floor),
+    "collective_ms", "modelled_ms",
     "bound" (what bounds the modelled step: "hbm", else the larger of "mxu" and
     "collective" on the compute lane), and
     "state_share" (the linear layers' state bytes over the step's bytes; 0 without
@@ -180,7 +180,10 @@ def entries(*, context: int = 0, routing: str = "uniform", compute: str = "bf16"
                           **kw)
         mxu = perf.mxu_floor_ms(config, spec, routing=routing, compute=compute, **kw)
         modelled = perf.modelled_step_ms(config, spec, routing=routing, compute=compute, **kw)
-        rec |= (timed("hbm_floor", est.hbm_floor_ms) | timed("mxu_floor", mxu)
+        # the MXU floor is a TPU quantity: a GPU has no MXU (its modelled step still
+        # charges its tensor cores by the same rule, inside `mk.perf`)
+        rec |= (timed("hbm_floor", est.hbm_floor_ms)
+                | (timed("mxu_floor", mxu) if spec.kind == "tpu" else {})
                 | timed("modelled", modelled)
                 | dict(collective_ms=est.collective_ms,
                        bound=perf.critical_term(est.hbm_floor_ms, mxu, est.collective_ms),
@@ -293,3 +296,15 @@ def headline(rows: list[dict], *, model: str = "Kimi K3", system: str = "tpu7x",
             f"HBM floor ({row['hbm_floor_ms']:.2f} ms). What differs: {row['note']}"
             + (f". The compiled kernel: {row['compiled_note']}" if "compiled_note" in row
                else ""))
+
+
+def floor_tokens(row: dict) -> float:
+    """The tokens/s bound of an `entries` row: the smallest over its floors (the HBM
+    floor, and the MXU floor on a TPU row)."""
+    return min(row[f] for f in ("hbm_floor", "mxu_floor") if f in row)
+
+
+def larger_floor(row: dict) -> tuple[str, float]:
+    """("HBM" or "MXU", ms) of the larger floor of an `entries` row."""
+    mxu = row.get("mxu_floor_ms", 0.0)
+    return ("HBM", row["hbm_floor_ms"]) if row["hbm_floor_ms"] >= mxu else ("MXU", mxu)

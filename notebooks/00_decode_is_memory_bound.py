@@ -224,31 +224,32 @@ label = [r["run"] for r in uniform]
 display(plots.table([{
     "run": u["run"], "metric": u["metric"], "published tok/s": f"{u['published']:g}",
     "published step ms": f"{u['published_step_ms']:.2f}",
-    "HBM floor ms": f"{u['hbm_floor_ms']:.3g}", "MXU floor ms": f"{u['mxu_floor_ms']:.3g}",
-    "bound tok/s": f"{min(u['hbm_floor'], u['mxu_floor']):,.0f}",
-    "bound, shared routing": f"{min(s['hbm_floor'], s['mxu_floor']):,.0f}",
-    "published / bound": f"{u['published'] / min(u['hbm_floor'], u['mxu_floor']):.2f}"}
+    "HBM floor ms": f"{u['hbm_floor_ms']:.3g}",
+    "MXU floor ms": f"{u['mxu_floor_ms']:.3g}" if "mxu_floor_ms" in u else "- (GPU)",
+    "bound tok/s": f"{ledger.floor_tokens(u):,.0f}",
+    "bound, shared routing": f"{ledger.floor_tokens(s):,.0f}",
+    "published / bound": f"{u['published'] / ledger.floor_tokens(u):.2f}"}
     for u, s in zip(uniform, shared)]))
 
 # %%
 skipped = [f"{r['model']} on {r['system']}" for r in ledger.entries()
            if "hbm_floor" not in r]
 print(f"no chip row, no bound: {skipped}")
-over = [u["run"] for u in uniform if u["published"] > min(u["hbm_floor"], u["mxu_floor"])]
+over = [u["run"] for u in uniform if u["published"] > ledger.floor_tokens(u)]
 print(f"published above the uniform-routing bound: {over or 'none'}")
 for u in uniform:
-    floor_ms = max(u["hbm_floor_ms"], u["mxu_floor_ms"])
+    which, floor_ms = ledger.larger_floor(u)
     gap_us = 1e3 * (u["published_step_ms"] - floor_ms) / mk.preset(u["preset"]).layers
     print(f"{u['run']:34} published step {u['published_step_ms']:5.2f} ms = "
           f"{u['published_step_ms'] / floor_ms:4.1f}x the larger floor "
-          f"({'HBM' if u['hbm_floor_ms'] >= u['mxu_floor_ms'] else 'MXU'}); "
+          f"({which}); "
           f"{gap_us:4.0f} µs per layer above it")
 
 # %%
 plots.show(plots.published_vs_floor(label, [u["published"] for u in uniform], {
     "HBM floor bound (uniform routing)": [u["hbm_floor"] for u in uniform],
     "HBM floor bound (shared routing)": [s["hbm_floor"] for s in shared],
-    "MXU floor bound": [u["mxu_floor"] for u in uniform]}))
+    "MXU floor bound (TPU rows)": [u.get("mxu_floor") for u in uniform]}))
 
 # %% [markdown]
 # The list above names the larger floor of each run at the fp8 feed. Charged at the bf16
@@ -256,18 +257,19 @@ plots.show(plots.published_vs_floor(label, [u["published"] for u in uniform], {
 # speculative runs) would look MXU-bound: their FP4 experts stream a quarter of bf16's
 # bytes while the MXU rule charges 256 rows per weight pass, at half the fp8 rate. That is
 # what a kernel feeding FP4 weights at bf16 would pay, not a floor (`mk.ledger.TERMS`).
-# For the GPU rows the same rule at the tensor cores' rate is shown for comparison only.
+# A GPU has no MXU: its rows have the HBM floor alone.
 #
 # ### Per user or aggregate?
 #
-# The no-speculation Kimi numbers rise with batch, so they are most likely aggregate over the
-# batch. Read as per-user numbers instead, each would have to fit under the per-user bound
+# The release's benchmark scripts plot aggregate throughput over the batch (as relayed in
+# `data/published.csv`), and the no-speculation Kimi numbers rise with batch. Read as
+# per-user numbers instead, each would have to fit under the per-user bound
 # (the aggregate bound over $B$):
 
 # %%
 for u, s in zip(uniform, shared):
     if u["metric"] == "aggregate_as_published" and u["batch"] > 1:
-        per_user = {k: min(r["hbm_floor"], r["mxu_floor"]) / r["batch"]
+        per_user = {k: ledger.floor_tokens(r) / r["batch"]
                     for k, r in (("uniform", u), ("shared", s))}
         verdict = "exceeds" if u["published"] > per_user["uniform"] else "fits under"
         print(f"{u['run']:34} {u['published']:4g} read per user {verdict} the per-user bound "
@@ -347,7 +349,7 @@ for c in all_chips("tpu"):
         assert (m > e.hbm_floor_ms) == (mk.preset(name).expert_bits < 8), (name, c.name)
 for u, s in zip(uniform, shared):
     # The strictest bound: nothing a real run does can beat it unless an assumption fails.
-    assert u["published"] <= min(s["hbm_floor"], s["mxu_floor"]), f"{u['run']} beats a floor"
+    assert u["published"] <= ledger.floor_tokens(s), f"{u['run']} beats a floor"
     tokens = u["tau"] or u["batch"]
     assert abs(u["published_step_ms"] - 1e3 * tokens / u["published"]) < 0.01, u["run"]
 print("checks passed")
