@@ -27,7 +27,9 @@ Teaching versions (each 30-40 lines, one idea each, none used by the real kernel
 `ring_schedule` is the ring rule in time, tile by tile (notebook 01's Gantt chart): the
 tiles of a `TileStream` with their issue, land and consume times under a stated DMA
 latency, transfer time and compute time per tile, the formula notebook 01 derives. A
-teaching twin of the simulator's weight lane (`mk.sim`, which adds everything else).
+teaching twin of the simulator's weight lane (`mk.sim`, which adds everything else;
+tests/test_plots.py checks they agree on one matrix); `tile_times` gives those three
+times for a chip and a tiling.
 
 `excerpt` shows a real function as numbered excerpts (line ranges found from anchors in
 the module's source via inspect, so they follow the code) with a callout each, and the
