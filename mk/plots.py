@@ -237,10 +237,11 @@ def ring_gantt(schedules: Mapping[str, list], *, title: str) -> go.Figure:
     labels = list(schedules)
     fig = go.Figure(data=traces(schedules[labels[0]]),
                     frames=[go.Frame(data=traces(schedules[k]), name=k) for k in labels])
-    span = max(t["end"] for rows in schedules.values() for t in rows) * 1e6
+    first = min(t["issue"] for rows in schedules.values() for t in rows) * 1e6
+    span = max(t["end"] for rows in schedules.values() for t in rows) * 1e6 - first
     fig.update_layout(
         title=title, barmode="overlay", height=200 + 24 * depth,
-        xaxis=dict(title="time (µs, modelled)", range=[0, span * 1.02]),
+        xaxis=dict(title="time (µs, modelled)", range=[first, first + span * 1.02]),
         yaxis=dict(title="ring slot", autorange="reversed", categoryorder="array",
                    categoryarray=[f"slot {s}" for s in range(depth)]),
         updatemenus=[dict(type="buttons", showactive=False, x=0, y=-0.25, buttons=[dict(

@@ -84,7 +84,7 @@ import mk
 import mk.backend
 import mk.megakernel as megakernel
 import mk.run
-from mk import course, perf, plots, reference, sim, tpu
+from mk import course, perf, plots, reference, sim, teach, tpu
 from mk.kernels.one_layer import layer_matrices
 from mk.kernels.plan import DecodePlan, default_block
 
@@ -129,6 +129,21 @@ table = stream.table(np.dtype(config.dtype).itemsize)
 display(plots.table([{**r, "in flight when g=" + str(edge - 1) + " is consumed":
                       "yes" if edge - 1 < r["g"] < edge - 1 + block.slots else ""}
                      for r in table[edge - 3:edge + block.slots]]))
+
+# %% [markdown]
+# The same edge in time, slot by slot (`teach.ring_schedule` at the chip's modelled tile
+# times, every tile active: drawn for a dense model, whose layers load every matrix): the
+# tiles around the edge, layer l's last matrix in its colour, layer l + 1's wq already in
+# flight in its own.
+
+# %%
+if not (config.is_moe or config.is_hybrid) and spec.kind == "tpu":
+    times = teach.tile_times(spec, block, np.dtype(config.dtype).itemsize, run.batch)
+    window = range(max(0, edge - 2 * block.slots), edge + 2 * block.slots)
+    plots.show(plots.ring_gantt({f"{block.slots} slots": [
+        t for t in teach.ring_schedule(stream, slots=block.slots, **times)
+        if t["g"] in window]}, title=f"{config.name}: the tiles around the layer edge at "
+                                     f"g={edge} on {spec.name} (modelled)"))
 
 # %% [markdown]
 # ## The megakernel on the page
