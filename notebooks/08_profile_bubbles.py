@@ -175,7 +175,8 @@ for name in profiling.VARIANTS:
     plots.show(profiling.gantt(timelines[name], per_step[name], row["median_step"], title=(
         f"({'abc'[profiling.VARIANTS.index(name)]}) {name}: {row['wall_ms']} ms per step, "
         f"{row['launches_per_step']:g} launches, {row['ops_per_step']:g} ops, bubble share "
-        f"{row['bubble_share']:.1%} (measured, {mode})")))
+        f"{row['bubble_share']:.1%} (measured, "
+        f"{'XLA:CPU' if name == 'xla' and not on_tpu else mode})")))
 
 # %% [markdown]
 # Which ops take the time (self time: an op's duration minus the ops nested in it):
