@@ -210,7 +210,8 @@ def family_colour(family: str) -> str:
 def ring_gantt(schedules: Mapping[str, list], *, title: str) -> go.Figure:
     """Each tile's life in its ring slot: in flight (issue -> land, light) then consumed
     (the compute lane, solid), one row per slot, coloured by weight family (one legend
-    entry per family). `schedules`:
+    entry per family); a skipped tile (switched off, e.g. an idle expert slot) is a grey
+    mark where the lane passes it. `schedules`:
     {label: `mk.teach.ring_schedule` rows}, one animation frame each (a slider and a play
     button step through them; every frame has the same traces)."""
     families = sorted({t["family"] for rows in schedules.values() for t in rows})
@@ -221,7 +222,7 @@ def ring_gantt(schedules: Mapping[str, list], *, title: str) -> go.Figure:
         for phase, opacity, start, end in (("in flight", 0.35, "issue", "land"),
                                            ("consumed", 1.0, "start", "end")):
             for f in families:
-                mine = [t for t in rows if t["family"] == f]
+                mine = [t for t in rows if t["family"] == f and not t.get("skipped")]
                 out.append(go.Bar(
                     name=f"{f} {phase}" if phase == "in flight" else f,
                     showlegend=phase == "consumed", orientation="h", opacity=opacity,
@@ -232,6 +233,14 @@ def ring_gantt(schedules: Mapping[str, list], *, title: str) -> go.Figure:
                     customdata=[t["g"] for t in mine],
                     hovertemplate=f"tile %{{customdata}} of {f}: {phase} "
                                   "%{base:.3f} .. +%{x:.3f} µs<extra></extra>"))
+        skipped = [t for t in rows if t.get("skipped")]  # switched off: never loaded
+        out.append(go.Scatter(
+            name="skipped (not loaded)", mode="markers", marker=dict(
+                color=IDLE_GREY, symbol="line-ns-open", size=12, line_width=2),
+            x=[t["end"] * 1e6 for t in skipped], y=[f"slot {t['slot']}" for t in skipped],
+            customdata=[(t["g"], t["family"]) for t in skipped],
+            hovertemplate="tile %{customdata[0]} of %{customdata[1]}: skipped at %{x:.3f} "
+                          "µs<extra></extra>"))
         return out
 
     labels = list(schedules)

@@ -244,21 +244,36 @@ def all_reduce(x: jax.Array) -> jax.Array:
 
 # -- 01: the ring rule in time ----------------------------------------------------------------
 def ring_schedule(stream, *, slots: int, latency_s: float, dma_s: float,
-                  compute_s: float) -> list[dict]:
+                  compute_s: float, active=None) -> list[dict]:
     """Per tile of `stream` (a `mk.kernels.ring.TileStream`) with a `slots`-deep ring:
     issue (tile g < slots at 0, else when tile g - slots was consumed: the ring rule),
     land (latency after its issue, or when the DMA engine finishes the tile before it,
-    plus its transfer), consume start (landed and the compute lane free) and end."""
+    plus its transfer), consume start (landed and the compute lane free) and end.
+    active(name) -> bool (name as `TileStream.tiles` gives it, "we_gate[3]"): a tile of
+    a switched-off segment is neither loaded nor computed, only consumed in order
+    (`Ring.skip`): "skipped", start = end = when the lane reaches it."""
     if slots < 1 or min(latency_s, dma_s, compute_s) < 0:
         raise ValueError(f"slots={slots} must be >= 1 and the times >= 0")
-    out = []
+    out, engine, lane = [], 0.0, 0.0  # when the DMA engine and the compute lane are free
     for g, layer, name, _, _ in stream.tiles():
         issue = 0.0 if g < slots else out[g - slots]["end"]
-        land = max(issue + latency_s, out[-1]["land"] if out else 0.0) + dma_s
-        start = max(land, out[-1]["end"] if out else 0.0)
+        on = active is None or active(name)
+        land = max(issue + latency_s, engine) + dma_s if on else issue
+        engine = land if on else engine
+        start = max(land, lane)
+        lane = start + (compute_s if on else 0.0)
         out.append(dict(g=g, family=name.split("[")[0], slot=g % slots, issue=issue,
-                        land=land, start=start, end=start + compute_s))
+                        land=land, start=start, end=lane, skipped=not on))
     return out
+
+
+def first_copies(count: int):
+    """An `active` for `ring_schedule`: copies 0 .. count - 1 of every repeated segment
+    (the live expert slots: `select_experts` compacts the picked experts to the front)
+    and every plain segment."""
+    def active(name: str) -> bool:
+        return "[" not in name or int(name.split("[")[1].rstrip("]")) < count
+    return active
 
 
 def tile_times(spec, block, itemsize: int, rows: int) -> dict:

@@ -261,6 +261,19 @@ print(f"weights {(attention_bytes + mlp_bytes) / 1e6:.3f} MB + KV {kv_bytes / 1e
       f"HBM floor {total / spec.hbm_bw * 1e6:.2f} µs on {spec.name} (datasheet peak)")
 
 # %% [markdown]
+# In an MoE layer the stream holds every expert slot, but only the slots of the experts this
+# batch picked are loaded; the others are skipped in order (grey marks), so the tiles behind
+# them are issued at once (modelled, every slot's tiles issued as if routing were done):
+
+# %%
+if kind == "moe" and spec.kind == "tpu":
+    times = teach.tile_times(spec, block, jnp.dtype(config.dtype).itemsize, M)
+    plots.show(plots.ring_gantt({f"{slots} slots": teach.ring_schedule(
+        stream, slots=slots, active=teach.first_copies(touched), **times)},
+        title=f"{config.name} layer {layer}: {touched} live expert slots of "
+              f"{stream.segment('we_gate').copies} on {spec.name} (modelled)"))
+
+# %% [markdown]
 # ## What a TPU does differently
 #
 # On hardware the fused layer's time is its bytes over HBM bandwidth plus the waits the

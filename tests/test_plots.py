@@ -64,6 +64,9 @@ def _figure_rules(fig):
     assert len(shown) <= 10, shown
     colours = {}
     for t in d["data"] + [t for f in d.get("frames", []) for t in f["data"]]:
+        if t["name"].startswith("skipped"):
+            assert t["marker"]["color"] == plots.IDLE_GREY
+            continue
         family = t["name"].split()[0].split("[")[0]
         colour = t.get("marker", {}).get("color")
         assert colours.setdefault(family, colour) == colour, (family, colour)
@@ -121,3 +124,19 @@ def test_kv_tile_map_counts_the_kernels_tiles_and_labels_its_axes():
     assert bars["read and written back"] == written
     assert bars["skipped"] == 3 * 4 - read
     assert fig.layout.xaxis.title.text and fig.layout.yaxis.title.text and len(fig.data) <= 10
+
+
+def test_idle_expert_slots_are_skipped_in_order_and_drawn_grey():
+    block = BlockSizes(slots=3, tile_rows=128, tile_cols=128)
+    stream = TileStream.build(block, [("wq", 256, 256), Repeat(4, (
+        ("we_gate", 256, 128), ("we_up", 256, 128), ("we_down", 128, 256)))])
+    active = teach.first_copies(2)  # the router picked two experts: slots 2 and 3 are off
+    times = dict(slots=3, latency_s=0.5e-6, dma_s=0.05e-6, compute_s=0.02e-6)
+    rows = teach.ring_schedule(stream, active=active, **times)
+    off = [r for r in rows if r["skipped"]]
+    assert len(off) == 2 * 6 and all(r["start"] == r["end"] for r in off)
+    assert rows[-1]["end"] < teach.ring_schedule(stream, **times)[-1]["end"]
+    fig = plots.ring_gantt({"3 slots": rows}, title="t")
+    _figure_rules(fig)
+    grey = next(t for t in fig.data if t.name.startswith("skipped"))
+    assert len(grey.x) == len(off)
