@@ -19,8 +19,25 @@ the student's mistake in it:
   restarts from is not).
 - "head_decay" (05c): Kimi Delta Attention decays every key channel of a head by the head's
   first channel's decay (the gated DeltaNet's one decay per head) instead of its own.
+- "wrong_residual" (05): the residual add returns the block's output alone, the stream it
+  should add to dropped (`one_layer.residual`).
+- "accept_wrong_row" (09): greedy acceptance compares draft i with the target's token of
+  row i + 1 instead of row i (`spec.accept_greedy`).
 A too-shallow ring (11) needs no patch: it is a `slots` parameter, and
 `check_ring_depth` catches it in the simulated step against a ring of Little's law depth.
+
+Fix exercises hand the student a broken piece to mend and check the mended copy:
+`update_without_rescale` (03: the online softmax's update with its rescale gone; checked by
+`check_attend_update` against the reference on two KV tiles). `replaced(name, fn)` runs
+the real kernels with the student's `fn` in the place the plant `name` patches.
+
+The mystery lab (`mystery(seed)`): one plant, picked by the seed and not named, in the
+megakernel's step; the student finds it with the race detector (`Mystery.races`) or
+`first_divergence` (`Mystery.divergence`), reads the suspect's code (`Mystery.suspect`),
+writes a fixed copy and `Mystery.confirm(fix)` runs the step with it in place.
+
+Worked answers are folded: `reveal(key)` shows one in Jupyter or Colab (the site folds
+the cells that run them, tag `hide-cell`).
 
 Checks raise `ExerciseFailed` (an AssertionError, so a notebook's last cell fails
 papermill) with a message naming what is wrong. Not here: the kernels themselves
@@ -30,19 +47,23 @@ papermill) with a message naming what is wrong. Not here: the kernels themselves
 from __future__ import annotations
 
 import contextlib
+import html
+import inspect
 from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mk import megakernel, reference
+from IPython.display import Markdown
+
+from mk import backend, megakernel, reference, spec, teach
 from mk.checkpoint import init_params
-from mk.config import ModelConfig
+from mk.config import ModelConfig, preset
 from mk.kernels import attention_prologue, collectives, deltanet, mlp, one_layer, ring
 
 PLANTS = ("ring_race", "rope_off", "wrong_expert", "dropped_all_reduce",
-          "conv_unshifted", "head_decay")
+          "conv_unshifted", "head_decay", "wrong_residual", "accept_wrong_row")
 
 
 class ExerciseFailed(AssertionError):
@@ -76,6 +97,18 @@ def moe_inputs(config: ModelConfig, seed: int, router_seed: int, rows: int):
     h = jax.random.normal(jax.random.key(router_seed), (rows, config.hidden))
     _, experts = reference.route(h, weights[0], config.experts_per_token, config.norm_topk)
     return weights, h, sorted(set(np.asarray(experts).ravel().tolist()))
+
+
+def routed(config: ModelConfig, h, router):
+    """What the teaching experts (`mk.teach.moe_experts`) take from the reference router
+    for rows h [M, D]: (combine [M, E] routing weights, ids [slots] the distinct experts
+    sorted and padded with the last one, count)."""
+    weights, picked = reference.route(h, router, config.experts_per_token, config.norm_topk)
+    combine = jnp.zeros((h.shape[0], config.experts)).at[
+        jnp.arange(h.shape[0])[:, None], picked].set(weights)
+    experts = sorted(set(np.asarray(picked).ravel().tolist()))
+    slots = mlp.expert_slots(config.experts, config.experts_per_token, h.shape[0])
+    return combine, experts + [experts[-1]] * (slots - len(experts)), len(experts)
 
 
 def is_prefix(experts) -> bool:
@@ -112,6 +145,50 @@ def _one_decay_per_head(row):
     return jnp.zeros((row.shape[1], 1), row.dtype) + row[:, :1]  # the mistake: channel 0's
 
 
+def _residual_dropped(x, block_out):
+    return block_out  # the mistake: the stream x is not added back
+
+
+def accept_on_the_next_row(drafts, target):
+    """`mk.spec.accept_greedy` with a mistake (notebook 09's exercise: find it)."""
+    n = np.cumprod(drafts == target[:, 1:], axis=1).sum(axis=1)  # the mistake: row i + 1
+    return n, target[np.arange(len(n)), n]
+
+
+def update_without_rescale(m, l, acc, scores, v):
+    """`mk.teach.online_softmax_update` with a mistake (notebook 03's exercise: find it)."""
+    m_next = jnp.maximum(m, jnp.max(scores, axis=1, keepdims=True))
+    probs = jnp.exp(scores - m_next)
+    l_next = l + jnp.sum(probs, axis=1, keepdims=True)
+    acc_next = acc + jnp.dot(probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return m_next, l_next, acc_next
+
+
+# The one place each single-seam plant patches, and what it puts there.
+SEAMS = {"ring_race": (ring.Ring, "slot", _slot_of_next_tile),
+         "rope_off": (attention_prologue, "rope_rows", _rope_off),
+         "conv_unshifted": (deltanet, "conv_state_after", _conv_state_before_row),
+         "head_decay": (deltanet, "channel_column", _one_decay_per_head),
+         "wrong_residual": (one_layer, "residual", _residual_dropped),
+         "accept_wrong_row": (spec, "accept_greedy", accept_on_the_next_row)}
+
+
+@contextlib.contextmanager
+def replaced(name: str, fn):
+    """Run the block with `fn` where plant `name` (a key of SEAMS) patches: the student's
+    fixed copy, or the plant itself. Jitted traces are dropped on entry and exit, so a
+    step traced before (or inside) does not keep the other code."""
+    if name not in SEAMS:
+        raise ValueError(f"replaced name={name!r} must be one of {tuple(SEAMS)}")
+    owner, attr, _ = SEAMS[name]
+    jax.clear_caches()
+    try:
+        with mock.patch.object(owner, attr, fn):
+            yield
+    finally:
+        jax.clear_caches()
+
+
 @contextlib.contextmanager
 def planted(name: str | None):
     """Run the block with the mistake `name` (one of PLANTS) in the kernel code; None or
@@ -121,12 +198,12 @@ def planted(name: str | None):
         return
     if name not in PLANTS:
         raise ValueError(f"planted name={name!r} must be one of {PLANTS}")
+    if name in SEAMS:
+        with replaced(name, SEAMS[name][2]):
+            yield
+        return
     with contextlib.ExitStack() as stack:
-        if name == "ring_race":
-            stack.enter_context(mock.patch.object(ring.Ring, "slot", _slot_of_next_tile))
-        elif name == "rope_off":
-            stack.enter_context(mock.patch.object(attention_prologue, "rope_rows", _rope_off))
-        elif name == "wrong_expert":
+        if name == "wrong_expert":
             real = mlp.moe_fetch
 
             def wrong(gate, up, down, row, ids_smem, count_smem):
@@ -135,12 +212,6 @@ def planted(name: str | None):
             for module in (mlp, one_layer):
                 if hasattr(module, "moe_fetch"):
                     stack.enter_context(mock.patch.object(module, "moe_fetch", wrong))
-        elif name == "conv_unshifted":
-            stack.enter_context(mock.patch.object(deltanet, "conv_state_after",
-                                                  _conv_state_before_row))
-        elif name == "head_decay":
-            stack.enter_context(mock.patch.object(deltanet, "channel_column",
-                                                  _one_decay_per_head))
         else:
             for module in (collectives, megakernel):
                 if hasattr(module, "all_reduce_body"):
@@ -162,9 +233,17 @@ def check_close(what: str, got, want, *, atol: float, rtol: float = 1e-5) -> flo
     error = np.abs(got - want)
     if got.shape != want.shape or not np.all(error <= atol + rtol * np.abs(want)):
         raise ExerciseFailed(f"{what}: kernel and reference differ (max |kernel - reference| "
-                             f"= {float(np.nanmax(error)) if error.size else 'n/a'}, "
+                             f"= {_largest(error)}, "
                              f"atol={atol}, rtol={rtol}, shapes {got.shape} {want.shape})")
     return float(error.max()) if error.size else 0.0
+
+
+def _largest(error) -> str:
+    if not error.size:
+        return "n/a"
+    if np.isnan(error).all():
+        return "nan everywhere"
+    return f"{float(np.nanmax(error))}"
 
 
 def check_tokens(what: str, got, want) -> None:
@@ -192,3 +271,156 @@ def check_ring_depth(sim, deep, *, tolerance: float = 0.05) -> float:
             f"the one with {deep.block.slots} slots (Little's law depth); HBM idles "
             f"{empty:.0%} of it waiting for tiles (ring empty)")
     return ratio
+
+
+def check_attend_update(update, *, kv_tile: int = 128, seed: int = 0) -> float:
+    """`mk.teach.attend` with the online-softmax step `update` against the reference, for
+    one sequence whose two rows sit just past the first KV tile edge: every row reads two
+    tiles, and a strong key at the start of the second moves every row's running max.
+    Returns the largest error."""
+    G, T, H, S = 2, 2, 128, 2 * kv_tile
+    keys = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(keys[0], (G * T, H))
+    k, v = (jax.random.normal(key, (S, H)).astype(jnp.bfloat16) for key in keys[1:])
+    p = kv_tile + 2
+    k = k.at[kv_tile].multiply(8.0)  # the second tile's first key: a new max for most rows
+    want = reference.attention(q.reshape(G, T, H).transpose(1, 0, 2)[None], k[None, None],
+                               v[None, None], jnp.asarray([p]))  # [1, T, G, H]
+    want = want[0].transpose(1, 0, 2).reshape(G * T, H)
+    with backend.use("interpret"):
+        got = teach.attend(q, k, v, p, rows=T, kv_tile=kv_tile, update=update)
+    return check_close("attention over two KV tiles", got, want, atol=2e-2, rtol=2e-2)
+
+
+def check_acceptance(config: ModelConfig, params, prompt, steps: int, *, gamma: int = 4,
+                     acceptance_length: int = 3) -> float:
+    """Speculative decoding with the forced drafter (L - 1 drafts of each step equal the
+    target's greedy tokens, the L-th does not) keeps exactly L tokens a step, and the tokens
+    are the target's greedy ones (the L = 1 run's). Returns the measured tau."""
+    def run(L):
+        return spec.generate(config, params, prompt, steps, drafter="forced", gamma=gamma,
+                             acceptance_length=L, verifier="reference")
+    want, _ = run(1)
+    got, stats = run(acceptance_length)
+    check_tokens("speculative decoding", got, want)
+    if abs(stats.acceptance_length - acceptance_length) > 1e-9:
+        raise ExerciseFailed(f"forced acceptance L={acceptance_length}: measured tau = "
+                             f"{stats.acceptance_length:.2f}; acceptance compares each draft "
+                             "with the wrong row of the target")
+    return stats.acceptance_length
+
+
+# -- The mystery lab --------------------------------------------------------------------------
+MYSTERIES = ("ring_race", "rope_off", "wrong_residual")
+
+
+class Mystery:
+    """One megakernel step of the tiny preset (B=1, T=2 rows straddling a KV tile edge)
+    with one unnamed plant of MYSTERIES in the kernel code (interpret mode)."""
+
+    def __init__(self, seed: int):
+        self._plant = MYSTERIES[seed % len(MYSTERIES)]
+        self.config = config = preset("tiny")
+        self.params = init_params(config, seed)
+        keys = jax.random.split(jax.random.key(seed), 3)
+        shape = (config.layers, 1, config.kv_heads, 256, config.head_dim)
+        self.cache = reference.KVCache(*(jax.random.normal(k, shape).astype(config.dtype)
+                                         for k in keys[:2]))
+        self.tokens = jax.random.randint(keys[2], (1, 2), 0, config.vocab)
+        self.positions = jnp.asarray(hard_positions(1, 2, 256))
+        self.want = reference.decode_step(config, self.params, self.cache, self.tokens,
+                                          self.positions)[0]
+
+    def _step(self, fix=None, detect_races=False):
+        patch = (replaced(self._plant, fix) if fix is not None else planted(self._plant))
+        with patch, backend.use("interpret", detect_races=detect_races):
+            block = megakernel.step_plan(self.config, batch=1, rows=2, context=256).block
+            weights = megakernel.prepare(self.config, self.params, block)
+            logits = megakernel.decode_step(self.config, weights, self.cache, self.tokens,
+                                            self.positions)[1]
+            return jax.block_until_ready(logits), backend.races_found()
+
+    def check(self, fix=None) -> float:
+        """The step's logits against the reference's, within 5 % of their largest magnitude
+        (the two round to bf16 in different places); raises ExerciseFailed. With the plant,
+        or with `fix` in its place."""
+        logits, _ = self._step(fix)
+        scale = float(jnp.abs(self.want).max())
+        return check_close("megakernel step", logits, self.want, atol=5e-2 * scale, rtol=0)
+
+    def races(self) -> bool:
+        """Whether the race detector flags the step."""
+        return self._step(detect_races=True)[1]
+
+    def divergence(self):
+        """`mk.megakernel.first_divergence` of the step with the plant in: (the first (layer,
+        op) off the reference, or None; the per-op report)."""
+        with planted(self._plant):
+            return megakernel.first_divergence(self.config, self.params, self.cache,
+                                               self.tokens, self.positions,
+                                               backend="interpret")
+
+    def suspect(self, where: str) -> Markdown:
+        """`where`: "module.attribute" of a function you suspect (e.g.
+        "mk.kernels.ring.Ring.slot"). Shows its planted code if you are right."""
+        fn = SEAMS[self._plant][2]
+        if where != self.where():
+            return Markdown(f"`{html.escape(where)}` runs as released: look elsewhere.")
+        return Markdown("Found it. The code running in its place:\n```python\n"
+                        + inspect.getsource(fn) + "```\nWrite a fixed copy with the same "
+                        "arguments and pass it to `confirm`.")
+
+    def where(self) -> str:
+        """The answer: the planted function's module path (what `suspect` checks)."""
+        owner, attr, _ = SEAMS[self._plant]
+        return (f"{owner.__module__}.{owner.__qualname__}.{attr}" if isinstance(owner, type)
+                else f"{owner.__name__}.{attr}")
+
+    def released(self):
+        """The answer's fix: the function as released (what the plant replaces)."""
+        owner, attr, _ = SEAMS[self._plant]
+        return getattr(owner, attr)
+
+    def confirm(self, fix) -> str:
+        """Run the step with `fix` in the planted function's place; raises ExerciseFailed
+        if the step is still wrong or still races."""
+        self.check(fix)
+        logits, races = self._step(fix, detect_races=True)
+        check_race_free("megakernel step with your fix", races)
+        return "fixed: the step matches the reference and the race detector is quiet"
+
+
+def mystery(seed: int) -> Mystery:
+    """The mystery lab's step with one plant picked by `seed` (not named)."""
+    return Mystery(seed)
+
+
+# -- Folded answers ---------------------------------------------------------------------------
+ANSWERS = {
+    "03-rescale": (
+        "The sum and the accumulator of the first tile were taken under the first tile's "
+        "max; when the second tile raises the max to m', those terms must be scaled by "
+        "alpha = exp(m - m') before the second tile's terms (taken under m') are added. "
+        "Without alpha the first tile's weight is too large by exp(m' - m). With one tile "
+        "(positions < kv_tile - T + 1) the error cannot show: alpha is 1 for the first "
+        "tile. Fixed: `alpha = jnp.exp(m - m_next)`, `l_next = alpha * l + ...`, "
+        "`acc_next = alpha * acc + ...` (as `mk.teach.online_softmax_update`)."),
+    "05-residual": (
+        "first_divergence names (layer 0, 'mlp'), not 'attn': the kernel's 'attn' tap is "
+        "written by the tap code itself (x + the attention output), so it is right, and the "
+        "first wrong value is the layer's output. Between the two taps run the first residual "
+        "add, the MLP norm, the MLP and the second add: read that stretch of `layer_body`; "
+        "both adds call `residual`, which drops x. Fixed: `return x + block_out`."),
+    "09-accept": (
+        "tau collapses to about 1: draft i is the guess for row i's greedy token, and the "
+        "plant compares it with row i + 1's, which it matches only by chance. The tokens "
+        "stay right (the bonus is still the target's token at the first reject), so only "
+        "the speed check catches it. Fixed: compare `drafts == target[:, :-1]`."),
+}
+
+
+def reveal(key: str) -> Markdown:
+    """A worked answer (one of ANSWERS), for Jupyter and Colab; the site folds them."""
+    if key not in ANSWERS:
+        raise ValueError(f"answer key={key!r} must be one of {tuple(ANSWERS)}")
+    return Markdown(f"**Answer ({key}).** {ANSWERS[key]}")

@@ -29,18 +29,35 @@ TERMS = {
                  "(datasheet peak, perfect sharding; `mk.perf.predict`): no step can be "
                  "shorter",
     "MXU floor": "the step's matmuls at the MXU rule, each weight pass costing at least "
-                 "the MXU's rows (`mk.perf.mxu_floor_ms`): no step can be shorter either",
+                 "the MXU's rows (`mk.perf.mxu_floor_ms`), at the rate of one feed: bf16 "
+                 "(compute=\"bf16\") or fp8 (compute=\"fp8\": 8- and 4-bit weights fed at "
+                 "the fp8/int8 rate, twice bf16 on TPU7x). At the fastest feed the chip has "
+                 "for the weights no TPU step can be shorter; at the bf16 feed FP4 experts "
+                 "are overcharged. A TPU quantity: GPU rows have none",
     "modelled step": "max(HBM floor, MXU floor + the tensor-parallel collectives over "
                      "ICI) (`mk.perf`): the compute lane's matmuls and all-reduces run one "
-                     "after another while HBM streams beside them; a lower bound on a "
-                     "megakernel step under stated assumptions, not a simulation",
+                     "after another while HBM streams beside them. A model of a megakernel "
+                     "step under stated assumptions, not a bound and not a simulation: a "
+                     "published run faster than it shows an assumption failing for that "
+                     "run (at the bf16 feed, three Kimi K3 TPU rows are)",
     "conventional step": "the same step as one kernel per op, each op at its own floor "
                          "plus a launch gap (`mk.perf.conventional`): a GPU baseline",
-    "simulated step": "the megakernel's own tile schedule replayed on a model of the chip "
-                      "(`mk.sim`): DMA latency, ring depth, bubbles; not a TPU measurement",
+    "simulated step": "the megakernel's tile schedule for the run's plan (ring slots by "
+                      "Little's law at `mk.kernels.plan.ring_cover_s`, the simulator's "
+                      "default latencies) replayed on a model of the chip (`mk.sim`): DMA "
+                      "latency, ring depth, bubbles; not a TPU measurement",
+    "compiled-kernel step": "the simulated step of the kernel libtpu compiled for the run "
+                            "(`benchmarks/tile_costs.py --published`): its ring's slots, "
+                            "the DMA latency it was sized for and its per-tile issue time "
+                            "from the compiled bundles, replayed by `mk.sim`; a "
+                            "simulation, not a measurement",
     "measured": "timed or counted on this machine (CPU interpret mode: never TPU time) or, "
                 "for acceptance, counted from real drafts",
 }
+# The terms that claim no step can be shorter, each with the `entries` column and the
+# compute feed (`entries(compute=...)`) at which the claim is made; tests/test_ledger.py
+# checks every published TPU row against each.
+FLOORS = {"HBM floor": ("hbm_floor_ms", "bf16"), "MXU floor": ("mxu_floor_ms", "fp8")}
 VERIFY_ROWS = 8  # rows each speculative step verifies in the published runs (issue #5)
 
 
@@ -100,7 +117,8 @@ def entries(*, context: int = 0, routing: str = "uniform", compute: str = "bf16"
 
     Always: "run", "model", "preset", "system", "tau" (acceptance length or None), "batch",
     "rows", "metric", "published" (tokens/s), "published_step_ms". For a chip of
-    data/chips.csv also "hbm_floor_ms", "mxu_floor_ms", "collective_ms", "modelled_ms",
+    data/chips.csv also "hbm_floor_ms", "mxu_floor_ms" (TPU rows only: no GPU MXU floor),
+    "collective_ms", "modelled_ms",
     "bound" (what bounds the modelled step: "hbm", else the larger of "mxu" and
     "collective" on the compute lane), and
     "state_share" (the linear layers' state bytes over the step's bytes; 0 without
@@ -159,7 +177,10 @@ def entries(*, context: int = 0, routing: str = "uniform", compute: str = "bf16"
                           **kw)
         mxu = perf.mxu_floor_ms(config, spec, routing=routing, compute=compute, **kw)
         modelled = perf.modelled_step_ms(config, spec, routing=routing, compute=compute, **kw)
-        rec |= (timed("hbm_floor", est.hbm_floor_ms) | timed("mxu_floor", mxu)
+        # the MXU floor is a TPU quantity: a GPU has no MXU (its modelled step still
+        # charges its tensor cores by the same rule, inside `mk.perf`)
+        rec |= (timed("hbm_floor", est.hbm_floor_ms)
+                | (timed("mxu_floor", mxu) if spec.kind == "tpu" else {})
                 | timed("modelled", modelled)
                 | dict(collective_ms=est.collective_ms,
                        bound=perf.critical_term(est.hbm_floor_ms, mxu, est.collective_ms),
@@ -237,8 +258,8 @@ def _explain(row, config, spec, tp, batch, rows) -> str:
                      "expert layout is not published)")
     if row.acceptance_length:
         notes.append(f"each step verifies T={rows} rows and keeps the published mean "
-                     f"acceptance {row.acceptance_length:g} (whether the drafts were real "
-                     "or forced is not stated)")
+                     f"acceptance {row.acceptance_length:g} (forced acceptance in the "
+                     "release's benchmark scripts)")
     if row.batch is None:
         notes.append(f"batch not published: B={batch} assumed")
     if spec.kind == "gpu":
@@ -248,3 +269,39 @@ def _explain(row, config, spec, tp, batch, rows) -> str:
         notes.append(f"TP{tp} over {row.chips} chips, the collectives as mk.kernels.collectives "
                      "runs them")
     return "; ".join(notes)
+
+
+def headline(rows: list[dict], *, model: str = "Kimi K3", system: str = "tpu7x",
+             tau: float = 6) -> str:
+    """The distance between the course's kernel and the release for one published run,
+    from `entries(simulate_tpu=True, tile_costs=...)` rows: the published step against
+    the compiled-kernel step (else the simulated step), the modelled step and the HBM
+    floor, with what the ledger says differs."""
+    row = next((r for r in rows if r["model"] == model and r["system"] == system
+                and r["tau"] == tau), None)
+    if row is None or "simulated_ms" not in row:
+        raise ValueError(f"no simulated row for {model} on {system} at tau={tau}: call "
+                         "entries(simulate_tpu=True)")
+    ours, word = ((row["compiled_ms"], "compiled-kernel step") if "compiled_ms" in row
+                  else (row["simulated_ms"], "simulated step"))
+    published = row["published_step_ms"]
+    return (f"{model} on {system}, tau {tau:g}: the release publishes {row['published']:g} "
+            f"tokens/s per user, a {published:.2f} ms step. The course's kernel for it, "
+            f"simulated ({word}), takes {ours:.2f} ms: {ours / published:.2f}x the "
+            f"release's step, {published / ours:.0%} of its speed. The release also beats "
+            f"the course's modelled step ({row['modelled_ms']:.2f} ms) and stays above the "
+            f"HBM floor ({row['hbm_floor_ms']:.2f} ms). What differs: {row['note']}"
+            + (f". The compiled kernel: {row['compiled_note']}" if "compiled_note" in row
+               else ""))
+
+
+def floor_tokens(row: dict) -> float:
+    """The tokens/s bound of an `entries` row: the smallest over its floors (the HBM
+    floor, and the MXU floor on a TPU row)."""
+    return min(row[f] for f in ("hbm_floor", "mxu_floor") if f in row)
+
+
+def larger_floor(row: dict) -> tuple[str, float]:
+    """("HBM" or "MXU", ms) of the larger floor of an `entries` row."""
+    mxu = row.get("mxu_floor_ms", 0.0)
+    return ("HBM", row["hbm_floor_ms"]) if row["hbm_floor_ms"] >= mxu else ("MXU", mxu)

@@ -5,6 +5,9 @@ from numbers and records that `mk.perf` computed), `tile_stream` (the ring's sch
 drawn from the `TileStream` the kernel executes), `timeline`, `bubble_bars`, `sweep_lines`
 (a `mk.sim.Simulation`, its bubbles, a design sweep), `lines` (named series against one
 x), `tpu_picture` (one TPU chip's memories, units and paths, from its `ChipSpec`),
+`ring_gantt` (the ring rule slot by slot in time, one frame per ring depth, from
+`mk.teach.ring_schedule`), `family_colour` (one fixed colour per weight family),
+`kv_tile_map` (the KV tiles each ragged sequence reads, writes back and skips),
 `table` (an HTML table, `Table`), `escape` (untrusted text made safe for HTML and
 Markdown), `show_source` (a kernel's own code on the page, from its module) and `show`.
 Not here: any model or chip arithmetic (that is `mk.perf`); static image export (kaleido
@@ -211,17 +214,122 @@ def tile_stream(stream, *, title: str = "") -> go.Figure:
     for name, tiles in by_name.items():
         fig.add_trace(go.Bar(
             name=name, orientation="h", y=[name] * len(tiles), x=[1] * len(tiles),
+            marker_color=family_colour(name),
             base=[t[0] for t in tiles],
             customdata=[(t[2], t[1], t[3], t[4], t[0] % slots) for t in tiles],
             hovertemplate="tile %{base} of %{customdata[0]}, layer %{customdata[1]}<br>"
                           "row tile %{customdata[2]}, col tile %{customdata[3]}, "
                           "slot %{customdata[4]}<extra></extra>"))
     fig.update_layout(title=title or f"{stream.total} weight tiles through a {slots}-slot ring",
-                      xaxis_title="tile index g (consumption order)", barmode="overlay",
+                      xaxis_title="tile index g (consumption order, tiles)",
+                      barmode="overlay",
                       # every row labelled: plotly would skip every other one when crowded
-                      yaxis=dict(autorange="reversed", tickmode="array",
+                      yaxis=dict(title="weight matrix", autorange="reversed", tickmode="array",
                                  tickvals=list(by_name)), bargap=0.2,
                       height=max(320, 120 + 22 * len(by_name)))
+    return fig
+
+
+# One colour per weight family in every figure that draws weights (STYLE.md); a family not
+# listed gets a fixed colour of the same palette from its name.
+FAMILY_COLOURS = {"wq": "#1f77b4", "wk": "#aec7e8", "wv": "#17becf", "wo": "#9edae5",
+                  "w_gate": "#ff7f0e", "w_up": "#ffbb78", "w_down": "#d62728",
+                  "we_gate": "#2ca02c", "we_up": "#98df8a", "we_down": "#8c564b",
+                  "ws_gate": "#e377c2", "ws_up": "#f7b6d2", "ws_down": "#c49c94",
+                  "lm_head": "#9467bd", "w": "#1f77b4"}
+IDLE_GREY = "#c7c7c7"  # skipped segments, idle expert slots
+
+
+def family_colour(family: str) -> str:
+    family = family.split("[")[0]
+    if family in FAMILY_COLOURS:
+        return FAMILY_COLOURS[family]
+    palette = sorted(set(FAMILY_COLOURS.values()))
+    return palette[sum(map(ord, family)) % len(palette)]
+
+
+def ring_gantt(schedules: Mapping[str, list], *, title: str) -> go.Figure:
+    """Each tile's life in its ring slot: in flight (issue -> land, light) then consumed
+    (the compute lane, solid), one row per slot, coloured by weight family (one legend
+    entry per family); a skipped tile (switched off, e.g. an idle expert slot) is a grey
+    mark where the lane passes it. `schedules`:
+    {label: `mk.teach.ring_schedule` rows}, one animation frame each (a slider and a play
+    button step through them; every frame has the same traces)."""
+    families = sorted({t["family"] for rows in schedules.values() for t in rows})
+    depth = max(t["slot"] for rows in schedules.values() for t in rows) + 1
+
+    def traces(rows):
+        out = []
+        for phase, opacity, start, end in (("in flight", 0.35, "issue", "land"),
+                                           ("consumed", 1.0, "start", "end")):
+            for f in families:
+                mine = [t for t in rows if t["family"] == f and not t.get("skipped")]
+                out.append(go.Bar(
+                    name=f"{f} {phase}" if phase == "in flight" else f,
+                    showlegend=phase == "consumed", orientation="h", opacity=opacity,
+                    marker_color=family_colour(f), legendgroup=f,
+                    y=[f"slot {t['slot']}" for t in mine],
+                    base=[t[start] * 1e6 for t in mine],
+                    x=[(t[end] - t[start]) * 1e6 for t in mine],
+                    customdata=[t["g"] for t in mine],
+                    hovertemplate=f"tile %{{customdata}} of {f}: {phase} "
+                                  "%{base:.3f} .. +%{x:.3f} µs<extra></extra>"))
+        skipped = [t for t in rows if t.get("skipped")]  # switched off: never loaded
+        out.append(go.Scatter(
+            name="skipped (not loaded)", mode="markers", marker=dict(
+                color=IDLE_GREY, symbol="line-ns-open", size=12, line_width=2),
+            x=[t["end"] * 1e6 for t in skipped], y=[f"slot {t['slot']}" for t in skipped],
+            customdata=[(t["g"], t["family"]) for t in skipped],
+            hovertemplate="tile %{customdata[0]} of %{customdata[1]}: skipped at %{x:.3f} "
+                          "µs<extra></extra>"))
+        return out
+
+    labels = list(schedules)
+    fig = go.Figure(data=traces(schedules[labels[0]]),
+                    frames=[go.Frame(data=traces(schedules[k]), name=k) for k in labels])
+    first = min(t["issue"] for rows in schedules.values() for t in rows) * 1e6
+    span = max(t["end"] for rows in schedules.values() for t in rows) * 1e6 - first
+    fig.update_layout(
+        title=title, barmode="overlay", height=200 + 24 * depth,
+        xaxis=dict(title="time (µs, modelled)", range=[first, first + span * 1.02]),
+        yaxis=dict(title="ring slot", autorange="reversed", categoryorder="array",
+                   categoryarray=[f"slot {s}" for s in range(depth)]),
+        updatemenus=[dict(type="buttons", showactive=False, x=0, y=-0.25, buttons=[dict(
+            label="play", method="animate",
+            args=[None, dict(frame=dict(duration=1200, redraw=True), fromcurrent=True)])])],
+        sliders=[dict(active=0, x=0.1, len=0.9, y=-0.15, steps=[dict(
+            label=k, method="animate",
+            args=[[k], dict(mode="immediate", frame=dict(duration=0, redraw=True))])
+            for k in labels])])
+    return fig
+
+
+KV_COLOURS = {"read": "#1f77b4", "read and written back": "#ff7f0e",
+              "skipped": IDLE_GREY}
+
+
+def kv_tile_map(positions, rows: int, kv_tile: int, context: int, *,
+                title: str = "") -> go.Figure:
+    """One row per sequence, one cell per KV tile of its cache: read (tiles 0 .. the one
+    holding its last new row), read and written back (those holding new rows), skipped
+    (never loaded)."""
+    cells = {k: ([], []) for k in KV_COLOURS}
+    for b, p in enumerate(int(p) for p in positions):
+        last, first_new = (p + rows - 1) // kv_tile, p // kv_tile
+        for i in range(context // kv_tile):
+            kind = ("skipped" if i > last else "read and written back" if i >= first_new
+                    else "read")
+            cells[kind][0].append(i)
+            cells[kind][1].append(f"sequence {b} (p={p})")
+    fig = go.Figure([go.Bar(name=k, orientation="h", x=[1] * len(xs), base=xs, y=ys,
+                            marker_color=KV_COLOURS[k], marker_line_color="white",
+                            marker_line_width=1,
+                            hovertemplate="tile %{base}: " + k + "<extra></extra>")
+                     for k, (xs, ys) in cells.items()])
+    fig.update_layout(title=title or f"KV tiles of {kv_tile} positions per sequence",
+                      barmode="overlay", height=180 + 30 * len(list(positions)),
+                      xaxis_title="KV tile index (tiles of kv_tile positions)",
+                      yaxis=dict(title="sequence", autorange="reversed"))
     return fig
 
 

@@ -29,6 +29,10 @@
 #
 # It is arithmetic on datasheet peaks (`mk.chips`, `data/chips.csv`) and model shapes
 # (`mk.config`) done by `mk.perf` and `mk.ledger`: no kernel runs and nothing is timed.
+#
+# **You will** compute a decode step's bytes and FLOPs and its floors. **You will be able
+# to** say which floor bounds a run and how far a published number is from it.
+# **Prerequisites:** 00b (the MXU rule); a matrix-vector product's bytes and FLOPs.
 
 # %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
@@ -212,56 +216,62 @@ display(ledger.glossary("published", "HBM floor", "MXU floor"))
 # assumptions, not a fit.
 
 # %%
-uniform = [r for r in ledger.entries(context=published_context) if "hbm_floor" in r]
-shared = [r for r in ledger.entries(context=published_context, routing="shared")
-          if "hbm_floor" in r]
+# the MXU floor at the fastest feed the chip has for the weights (fp8: TPU7x feeds FP4 and
+# FP8 weights at twice bf16); at the bf16 feed FP4 experts are overcharged (TERMS)
+uniform = [r for r in ledger.entries(context=published_context, compute="fp8")
+           if "hbm_floor" in r]
+shared = [r for r in ledger.entries(context=published_context, routing="shared",
+                                    compute="fp8") if "hbm_floor" in r]
 label = [r["run"] for r in uniform]
 display(plots.table([{
     "run": u["run"], "metric": u["metric"], "published tok/s": f"{u['published']:g}",
     "published step ms": f"{u['published_step_ms']:.2f}",
-    "HBM floor ms": f"{u['hbm_floor_ms']:.3g}", "MXU floor ms": f"{u['mxu_floor_ms']:.3g}",
-    "bound tok/s": f"{min(u['hbm_floor'], u['mxu_floor']):,.0f}",
-    "bound, shared routing": f"{min(s['hbm_floor'], s['mxu_floor']):,.0f}",
-    "published / bound": f"{u['published'] / min(u['hbm_floor'], u['mxu_floor']):.2f}"}
+    "HBM floor ms": f"{u['hbm_floor_ms']:.3g}",
+    "MXU floor ms": f"{u['mxu_floor_ms']:.3g}" if "mxu_floor_ms" in u else "- (GPU)",
+    "bound tok/s": f"{ledger.floor_tokens(u):,.0f}",
+    "bound, shared routing": f"{ledger.floor_tokens(s):,.0f}",
+    "published / bound": f"{u['published'] / ledger.floor_tokens(u):.2f}"}
     for u, s in zip(uniform, shared)]))
 
 # %%
 skipped = [f"{r['model']} on {r['system']}" for r in ledger.entries()
            if "hbm_floor" not in r]
 print(f"no chip row, no bound: {skipped}")
-over = [u["run"] for u in uniform if u["published"] > min(u["hbm_floor"], u["mxu_floor"])]
+over = [u["run"] for u in uniform if u["published"] > ledger.floor_tokens(u)]
 print(f"published above the uniform-routing bound: {over or 'none'}")
 for u in uniform:
-    floor_ms = max(u["hbm_floor_ms"], u["mxu_floor_ms"])
+    which, floor_ms = ledger.larger_floor(u)
     gap_us = 1e3 * (u["published_step_ms"] - floor_ms) / mk.preset(u["preset"]).layers
     print(f"{u['run']:34} published step {u['published_step_ms']:5.2f} ms = "
           f"{u['published_step_ms'] / floor_ms:4.1f}x the larger floor "
-          f"({'HBM' if u['hbm_floor_ms'] >= u['mxu_floor_ms'] else 'MXU'}); "
+          f"({which}); "
           f"{gap_us:4.0f} µs per layer above it")
 
 # %%
 plots.show(plots.published_vs_floor(label, [u["published"] for u in uniform], {
     "HBM floor bound (uniform routing)": [u["hbm_floor"] for u in uniform],
     "HBM floor bound (shared routing)": [s["hbm_floor"] for s in shared],
-    "MXU floor bound": [u["mxu_floor"] for u in uniform]}))
+    "MXU floor bound (TPU rows)": [u.get("mxu_floor") for u in uniform]}))
 
 # %% [markdown]
-# The Kimi runs on TPU7x with many rows per step (the larger batches and the speculative
-# runs: the list above names the larger floor of each) are bound by the MXU floor, not HBM:
-# their FP4 experts stream a quarter of bf16's bytes, while the MXU rule charges 256 rows
-# per weight pass at the bf16 rate. A kernel that feeds FP4 weights to the MXU at its fp8
-# rate halves that floor.
+# The list above names the larger floor of each run at the fp8 feed. Charged at the bf16
+# feed instead, the Kimi runs on TPU7x with many rows per step (the larger batches, the
+# speculative runs) would look MXU-bound: their FP4 experts stream a quarter of bf16's
+# bytes while the MXU rule charges 256 rows per weight pass, at half the fp8 rate. That is
+# what a kernel feeding FP4 weights at bf16 would pay, not a floor (`mk.ledger.TERMS`).
+# A GPU has no MXU: its rows have the HBM floor alone.
 #
 # ### Per user or aggregate?
 #
-# The no-speculation Kimi numbers rise with batch, so they are most likely aggregate over the
-# batch. Read as per-user numbers instead, each would have to fit under the per-user bound
+# The release's benchmark scripts plot aggregate throughput over the batch (as relayed in
+# `data/published.csv`), and the no-speculation Kimi numbers rise with batch. Read as
+# per-user numbers instead, each would have to fit under the per-user bound
 # (the aggregate bound over $B$):
 
 # %%
 for u, s in zip(uniform, shared):
     if u["metric"] == "aggregate_as_published" and u["batch"] > 1:
-        per_user = {k: min(r["hbm_floor"], r["mxu_floor"]) / r["batch"]
+        per_user = {k: ledger.floor_tokens(r) / r["batch"]
                     for k, r in (("uniform", u), ("shared", s))}
         verdict = "exceeds" if u["published"] > per_user["uniform"] else "fits under"
         print(f"{u['run']:34} {u['published']:4g} read per user {verdict} the per-user bound "
@@ -313,7 +323,19 @@ print(f"2. ridge {v6e.ridge_flop_per_byte:.0f} FLOP/B: about {v6e.ridge_flop_per
 # *Takeaway:* one sequence uses a fraction of a percent of the MXU's FLOPs, though the MXU
 # is busy loading weights for up to $R$ / ridge of an HBM-bound step (notebook 00b);
 # batching and verifying drafted rows (09) are the ways to spend the idle FLOPs.
+
+# %% [markdown]
+# ## Questions
 #
+# 1. Going from batch 1 to batch 8, what happens to the HBM floor of a dense model at a
+#    short context, and why?
+#    <details><summary>Answer</summary>It barely moves: the weights, read once per step whatever the batch,
+#    dominate the bytes; only the KV bytes grow with B.</details>
+# 2. Why can no published run beat the HBM floor of its own bytes?
+#    <details><summary>Answer</summary>The floor is those bytes at the datasheet's peak bandwidth; only moving
+#    fewer bytes (a smaller format, shared experts) makes a step shorter.</details>
+
+# %% [markdown]
 # ## Checks
 
 # %%
@@ -329,7 +351,7 @@ for c in all_chips("tpu"):
         assert (m > e.hbm_floor_ms) == (mk.preset(name).expert_bits < 8), (name, c.name)
 for u, s in zip(uniform, shared):
     # The strictest bound: nothing a real run does can beat it unless an assumption fails.
-    assert u["published"] <= min(s["hbm_floor"], s["mxu_floor"]), f"{u['run']} beats a floor"
+    assert u["published"] <= ledger.floor_tokens(s), f"{u['run']} beats a floor"
     tokens = u["tau"] or u["batch"]
     assert abs(u["published_step_ms"] - 1e3 * tokens / u["published"]) < 0.01, u["run"]
 print("checks passed")

@@ -30,6 +30,11 @@
 #
 # Every number comes from `data/chips.csv` (`mk.chips`) and `mk.perf`: nothing runs on a
 # TPU here and nothing is timed.
+#
+# **You will** draw each TPU generation's memories and units from its datasheet row and
+# apply the MXU rule. **You will be able to** say why a one-row step costs 128 or 256
+# rows of MXU time and where HBM takes over. **Prerequisites:** none (the course starts
+# here).
 
 # %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
@@ -100,15 +105,17 @@ for c in tpus:
 # %% [markdown]
 # ## The four generations side by side
 #
-# Per chip as in `data/chips.csv`; "per core" divides by the TensorCores that share the
-# chip's HBM (two on TPU7x, each its own JAX device). "Fill VMEM" is how long one core's
+# Per chip as in `data/chips.csv`; "per core" divides by the JAX devices that share the
+# chip's HBM. v5p and TPU7x both have two TensorCores per chip: TPU7x runs each as its own
+# JAX device, v5p runs its two as one "megacore" device, so its "per core" numbers are the
+# megacore's (the column counts devices, not TensorCores). "Fill VMEM" is how long one core's
 # share of the HBM bandwidth takes to fill its VMEM once: the scale of one layer's
 # weight tiles in flight.
 
 # %%
 display(plots.table([{
     "chip": c.name, "HBM GiB": f"{c.hbm_bytes / 2**30:.0f}",
-    "HBM GB/s": f"{c.hbm_bw / 1e9:,.0f}", "TensorCores": c.cores_per_chip,
+    "HBM GB/s": f"{c.hbm_bw / 1e9:,.0f}", "JAX devices per chip": c.cores_per_chip,
     "VMEM MiB per core": f"{c.vmem_bytes / 2**20:.0f}", "MXU": f"{c.mxu_rows} x {c.mxu_rows}",
     "bf16 TFLOP/s per core": f"{c.bf16_flops / c.cores_per_chip / 1e12:,.0f}",
     "ICI GB/s": f"{c.ici_bw / 1e9:,.0f}",
@@ -162,7 +169,19 @@ display(plots.table([{
 # makes its busy time far larger than the FLOP count suggests (the last column), close to
 # HBM's on TPU7x, and with 4-bit weights it becomes the limit. Notebook 01 writes that
 # stream as a Pallas kernel.
+
+# %% [markdown]
+# ## Questions
 #
+# 1. On a 256 x 256 MXU, a decode step multiplies 8 rows by a weight. How many rows does
+#    the MXU charge for that pass?
+#    <details><summary>Answer</summary>256: a weight loaded into the MXU serves up to its row count at the
+#    same cost, so 8 rows cost what 256 do.</details>
+# 2. Where does an array given `memory_space=pl.ANY` live, and who moves it?
+#    <details><summary>Answer</summary>It stays in HBM; the kernel copies what it needs into VMEM with its own
+#    DMAs (`pltpu.make_async_copy`).</details>
+
+# %% [markdown]
 # ## Checks
 
 # %%

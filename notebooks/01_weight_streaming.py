@@ -26,6 +26,11 @@
 # - What does a Pallas TPU kernel look like when it moves its own weights with DMAs?
 # - Why does a ring of N slots keep HBM busy where a single buffer cannot?
 # - How much VMEM does a ring cost, and what does the TPU compiler say about it?
+#
+# **You will build** a 30-line ring kernel (`mk.teach.ring_matmul`), check it equals the
+# real one, draw the ring slot by slot in time, and read the real `Ring.matmul`. **You will
+# be able to** size a ring by Little's law and spot a ring race. **Prerequisites:** 00
+# (why decode is memory-bound), 00b (HBM, VMEM, the DMA engine); `lax.fori_loop`.
 
 # %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
@@ -77,7 +82,7 @@ from IPython.display import display
 import mk
 import mk.backend
 import mk.run
-from mk import course, plots, reference, sim, tpu
+from mk import course, plots, reference, sim, teach, tpu
 from mk.kernels.common import BlockSizes, vmem_budget
 from mk.kernels.ring import Ring, TileStream
 from mk.kernels.weight_streaming import (stream_matmul, stream_matmul_buffers,
@@ -158,6 +163,23 @@ for n in sorted({1, 2, 3, need // 2, need, 2 * need}):
 display(plots.table(ring_rows))
 
 # %% [markdown]
+# **Slot by slot.** The same rule drawn per tile (`teach.ring_schedule`, which gives the
+# simulator's times for this matrix, tested equal): each tile's slot row shows it in
+# flight (issued -> landed, light) then consumed (solid). Press play or move the slider:
+# with 1 slot nothing is in flight while a tile computes; with 2, one tile; at Little's
+# law depth every latency overlaps the transfers before it.
+
+# %%
+gantt_stream = TileStream.build(BlockSizes(slots=1, tile_rows=tile_rows, tile_cols=tile_cols),
+                                [("wq", *w.shape)])
+gantt = {f"{n} slot{'s' * (n > 1)}": teach.ring_schedule(
+    gantt_stream, slots=n, latency_s=a.dma_latency_s, dma_s=d, compute_s=c)
+    for n in sorted({1, 2, need})}
+plots.show(plots.ring_gantt(gantt, title=f"wq {tuple(w.shape)}: each tile in its ring slot "
+                                         f"on {spec.name} (modelled)"))
+print(", ".join(f"{k}: {rows[-1]['end'] * 1e6:.2f} µs" for k, rows in gantt.items()))
+
+# %% [markdown]
 # ## VMEM budget
 #
 # Before anything runs: every VMEM buffer of the kernel with its padded size (minor dim to
@@ -185,6 +207,34 @@ lanes = {f"{n} slot{'s' * (n > 1)}": sim.replay_matmul(TileStream.build(
     spec, rows=M) for n in (1, 2, need)}
 plots.show(plots.timeline(lanes, title=f"x @ W [1024, 1024] through rings of 1, 2 and {need} "
                                        f"slots on {spec.name} (simulated)"))
+
+# %% [markdown]
+# ## The teaching version: 30 lines
+#
+# The whole idea with nothing else: W [K, N] stays in HBM (`pl.ANY`), a [slots, tile,
+# tile] VMEM scratch is the ring, one DMA semaphore per slot. Prime `slots` tiles; per
+# tile: wait, multiply, then issue tile g + slots into the slot just read.
+
+# %%
+plots.show_source(teach.ring_matmul_kernel)
+
+# %% [markdown]
+# It equals the real kernel on this run's x and wq (and the race detector stays quiet):
+
+# %%
+taught = {}
+if tile_rows == tile_cols:
+    for n in sorted({1, 2, slots}):
+        with mk.backend.use(run.backend, detect_races=(mode == "interpret")):
+            taught[n] = (teach.ring_matmul(x, w, slots=n, tile=tile_rows),
+                         mk.backend.races_found())
+        with mk.backend.use(run.backend):
+            real_n = stream_matmul(x, w, block=BlockSizes(slots=n, tile_rows=tile_rows,
+                                                          tile_cols=tile_cols))
+        print(f"slots={n}: max |teaching - real| = "
+              f"{float(jnp.abs(taught[n][0] - real_n).max()):.1e}, races: {taught[n][1]}")
+else:
+    print("the teaching kernel takes square tiles: tile_rows == tile_cols")
 
 # %% [markdown]
 # ## The kernel on the page
@@ -218,7 +268,23 @@ plots.show_source(stream_matmul_kernel, Ring.start, Ring._issue, Ring._copies)
 # inside the kernel:
 
 # %%
-plots.show_source(Ring.matmul)
+teach.excerpt(Ring.matmul, [
+    ("def tile(t, carry, *, steady: bool):", "i, j = t % steps, t // steps",
+     "Tile t of this matrix is global tile g = base + t: the slot is g % slots, the "
+     "teaching version's `g % slots` across matrices and layers."),
+    ("def multiply():", "self._wait(seg, layer, copy, t, g % self.n)",
+     "Wait for tile g: the teaching `dma(g).wait()`."),
+    ("xs = x[:, pl.ds(", "out_ref[:, cols] = jnp.where(i == 0, part",
+     "Multiply and accumulate into the output panel, as the teaching `consume`; "
+     "`_weights` dequantises a packed tile first (notebook 12)."),
+    ("when_active(multiply)", "self.start(g + self.n, after)",
+     "Then, and only then, issue tile g + slots: directly in the steady loop, through "
+     "`start`'s search of the following matrices in the last `slots` tiles (the teaching "
+     "`refill`)."),
+    ("after = self.stream.following(", "lax.fori_loop(edge, seg.tiles",
+     "Two loops: the steady one carries no search of the stream (notebook 11 counts its "
+     "bundles)."),
+])
 
 # %% [markdown]
 # Per tile: wait for tile g (this matrix's tile t: one wait, no search), read slot g mod
@@ -302,9 +368,10 @@ print(f"that matmul moves {real_bytes / 2**20:.0f} MiB: HBM floor "
 # **1.** The compiled matmul above streams 512 x 1024 bf16 tiles (1 MiB) on `compile_chip`.
 # How many slots does Little's law ask for? *Formula:* $s \ge \lceil \text{BW}\,\ell / b
 # \rceil + 2$. **2.** How long do 2 slots and that many slots take for its 96 tiles, by
-# $t_s = n \max(d, c, (\ell + d + c)/s)$ at M = 8 rows? *Answers* (computed):
+# $t_s = n \max(d, c, (\ell + d + c)/s)$ at M = 8 rows? Work them out, then open the
+# answers (the cell's output is folded on the site):
 
-# %%
+# %% tags=["hide-output"]
 big = mk.chip(compile_chip)
 b, big_bw = 512 * 1024 * 2, big.hbm_bw / big.cores_per_chip
 big_need = sim.latency_slots(mk.preset("qwen3-8b"), big, real)
@@ -320,8 +387,24 @@ print(f"2. 2 slots: {t[2]:.0f} µs; {big_need} slots: {t[big_need]:.0f} µs; HBM
 # *Takeaway:* with big tiles one latency is a fraction of a tile, so a 3-slot ring already
 # hides it; small tiles (the tiny preset's 32 KiB) need many more slots for the same bytes
 # in flight.
+#
+# ## Questions
+#
+# 1. In the teaching kernel, move `dma(g + slots).start()` above the `jnp.dot`. What does
+#    the race detector say, and why? <details><summary>Answer</summary>A race: tile g +
+#    slots lands in slot g % slots while the MXU still reads tile g from it.</details>
+# 2. With 1 slot, what fraction of the step is HBM busy, by the formula?
+#    <details><summary>Answer</summary>d / (l + d + c): one transfer per latency plus
+#    compute.</details>
+# 3. Why does the real kernel store W tile by tile (`ring_layout`) when the teaching one
+#    copies a strided [tile, tile] window of W?
+#    <details><summary>Answer</summary>One contiguous DMA per tile at one address, whatever
+#    the matrix's shape, and one tile shape for transposed matrices.</details>
 
 # %%
+for n, (got, races) in taught.items():
+    course.check_race_free(f"teaching ring, slots={n}", races)
+    course.check_close(f"teaching ring, slots={n}", got, want, rtol=1e-5, atol=1e-3)
 for n, (got, races, _) in results.items():
     course.check_race_free(f"slots={n}", races)
     course.check_close(f"slots={n}", got, want, rtol=1e-5, atol=1e-3)

@@ -25,6 +25,10 @@
 # - How do three weight matrices share one ring, so the K and V tiles load while Q computes?
 # - How are QK-norm and rotate-half RoPE done on TPU vregs (a lane roll, not a gather)?
 # - What does the prologue cost in bytes, and where is it on the roofline?
+#
+# **You will** run the attention prologue as one kernel on one ring and find RoPE
+# switched off. **You will be able to** explain rotate-half RoPE as a lane roll and why
+# position 0 hides it. **Prerequisites:** 01 (the ring).
 
 # %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
@@ -192,6 +196,13 @@ print(f"qwen3-8b prologue weights {real_bytes / 2**20:.0f} MiB: HBM floor "
 #
 # **Takeaway:** the prologue is bandwidth, not arithmetic; its only subtlety is the
 # per-row RoPE position, built in the kernel from the per-sequence positions in SMEM.
+
+# %% [markdown]
+# ## Questions
+#
+# 1. Why does the default put sequence 0 at position 127 with T = 2?
+#    <details><summary>Answer</summary>RoPE is the identity at position 0, so a bug there hides; rows 127 and
+#    128 also straddle the KV tile edge at 128.</details>
 
 # %%
 for n, g, w in zip("qkv", got, want):

@@ -28,6 +28,12 @@
 #   scores, and how do G query heads share one kv head's tile?
 # - How are the new K/V rows written into the cache in place?
 # - How many bytes does attention move per step, and what does the roofline say?
+#
+# **You will build** a 35-line online-softmax attention kernel (`mk.teach.attend`), check
+# it equals the real one, then read the real `attend` in annotated excerpts. **You will be
+# able to** say which KV tiles a step reads, derive the online-softmax rescale, and find
+# the bug when it is missing. **Prerequisites:** 01 (the weight ring: slots, DMA, wait)
+# and 02 (q, k, v rows after RoPE); softmax and $e^{a-b} = e^a / e^b$.
 
 # %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
@@ -77,7 +83,8 @@ from IPython.display import display
 import mk
 import mk.backend
 import mk.run
-from mk import plots, reference, tpu
+from mk import course, plots, reference, teach, tpu
+from mk.kernels import decode_attention as attention_module
 from mk.kernels.common import BlockSizes, vmem_budget
 from mk.kernels.decode_attention import (decode_attention, decode_attention_buffers,
                                          tile_counts, write_back_rows)
@@ -118,6 +125,8 @@ display(plots.table([{
     "tiles read": f"0 .. {(p + T - 1) // kv_tile}",
     "tiles written": f"{p // kv_tile} .. {(p + T - 1) // kv_tile}"}
     for b, p in enumerate(positions)]))
+plots.show(plots.kv_tile_map(positions, T, kv_tile, S, title=f"The KV tiles this step reads "
+                                                       f"(B={B}, T={T}, kv_tile={kv_tile})"))
 
 # %% [markdown]
 # **Online softmax.** Per query row, after tile j with scores $s_j$ (masked entries $-\infty$):
@@ -179,6 +188,97 @@ print(f"max |kernel - reference| = {float(jnp.abs(o - o_want).max()):.2e}, races
 # simulated DMA, plus tracing): it says nothing about a TPU. The difference from the
 # reference is the online softmax's rounding: it rounds unnormalised probabilities to the
 # cache dtype, the reference normalised ones.
+
+# %% [markdown]
+# ## The teaching version: 35 lines
+#
+# One sequence, one kv head: its G heads' T rows (G*T rows, row r is head r // T, new row
+# r % T) against that head's cache, which already holds the new rows. The grid runs over
+# KV tiles; the index map stops at the last visible tile (past it the block index repeats,
+# so the pipeline loads nothing new), and `pl.when` skips the compute there. The update is
+# the formula above, five lines:
+
+# %%
+plots.show_source(teach.online_softmax_update, teach.attend_kernel)
+
+# %% [markdown]
+# Run per (sequence, kv head) on this run's inputs, against the real kernel's output (the
+# caches it returned hold the new rows):
+
+# %%
+G = N // K
+
+
+def head_group(o, b, k):  # [B*T, N*H] -> rows (g, t) of sequence b's kv head k
+    return o.reshape(B, T, N, H)[b][:, k * G:(k + 1) * G].transpose(1, 0, 2).reshape(G * T, H)
+
+
+with mk.backend.use(run.backend):
+    taught = {(b, k): teach.attend(head_group(q, b, k), k_got[layer, b, k], v_got[layer, b, k],
+                                   pos[b], rows=T, kv_tile=kv_tile)
+              for b in range(B) for k in range(K)}
+teach_error = max(float(jnp.abs(t - head_group(o, b, k)).max()) for (b, k), t in taught.items())
+print(f"max |teaching - real kernel| = {teach_error:.1e} over {B * K} (sequence, kv head) pairs")
+
+# %% [markdown]
+# ## The real `attend`, annotated
+#
+# The real body does the same update for every sequence and kv head in one stream, pipelined
+# by hand (the teaching version lets the grid pipeline do it), and writes the new rows:
+
+# %%
+teach.excerpt(attention_module.attend, [
+    ("def attend_tile(", "s.m[rows, :] = m_next",
+     "The teaching update, per kv head k: R = G*T rows padded to 8 meet the K tile in one "
+     "matmul (GQA reads each K byte once for G heads); m, l, acc live in VMEM scratch."),
+    ("def step(g, carry):", "kv.start(ahead, (g + slots - 1) % slots)",
+     "The hand pipeline: one loop over every sequence's tiles; tile g + slots - 1 is "
+     "issued into the slot tile g - 1 left, so the next sequence's first tile is in "
+     "flight while this one finishes."),
+    ("def start_sequence():", "s.acc[...] = jnp.zeros",
+     "A new sequence restarts the running max, sum and accumulator (the teaching "
+     "version's `start` at grid step 0)."),
+    ("def write_new_rows():", "attend_tile(b, i, p, slot)",
+     "A tile holding new rows gets them merged in VMEM before attention reads it: the "
+     "new rows are attended to and written back from the same tile."),
+    ("def finish_sequence():", "out[...] = s.acc[...] / s.l[...]",
+     "After a sequence's last visible tile: the output is acc / l, as the teaching "
+     "`finish`."),
+])
+
+# %% [markdown]
+# ## Exercise: the missing rescale
+#
+# Below is the update with one line's worth of idea missing. **Predict** before you run:
+# (a) for a sequence whose rows all sit in tile 0 (position + T <= kv_tile), is the output
+# still right? (b) for rows that read two tiles, which way is the error: does tile 0 weigh
+# too much or too little? Then **fix** a copy: `my_update` must pass
+# `course.check_attend_update` (two KV tiles, a strong key at the start of the second).
+
+# %%
+plots.show_source(course.update_without_rescale)
+try:
+    course.check_attend_update(course.update_without_rescale)
+except course.ExerciseFailed as caught:
+    print("the check catches the broken update:", caught)
+
+# %% [markdown]
+# Write your fix in the next cell (it is folded on the site; in Jupyter or Colab,
+# `course.reveal("03-rescale")` explains it).
+
+# %% tags=["hide-cell"]
+def my_update(m, l, acc, scores, v):
+    m_next = jnp.maximum(m, jnp.max(scores, axis=1, keepdims=True))
+    alpha = jnp.exp(m - m_next)  # what tile 0 summed under the old max, in the new units
+    probs = jnp.exp(scores - m_next)
+    l_next = alpha * l + jnp.sum(probs, axis=1, keepdims=True)
+    pv = jnp.dot(probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    acc_next = alpha * acc + pv
+    return m_next, l_next, acc_next
+
+
+fix_error = course.check_attend_update(my_update)
+print(f"your update passes: max error {fix_error:.1e}")
 
 # %% [markdown]
 # ## Check
@@ -285,9 +385,30 @@ print(f"intensity {flops / full:.1f} FLOP/byte vs the ridge point "
 # head, and update the cache inside the same stream.
 
 # %% [markdown]
+# ## Questions
+#
+# 1. A batch has positions [5, 300] with T = 1 and kv_tile = 128. How many KV tiles does
+#    the step read?
+#    <details><summary>Answer</summary>1 + 3 = 4: sequence 0 reads tile 0, sequence 1
+#    tiles 0, 1, 2 (position 300 is in tile 2).</details>
+# 2. Why can the first tile's update skip the rescale, whatever its scores?
+#    <details><summary>Answer</summary>m starts at -inf and l, acc at 0: alpha = exp(-inf)
+#    = 0 multiplies zeros. Every row's first tile holds position 0, which every row sees,
+#    so m is finite after it.</details>
+# 3. G = 4 query heads share a kv head. How many times does the kernel read each K tile,
+#    and how many query rows meet it in one matmul for T = 2?
+#    <details><summary>Answer</summary>Once; G*T = 8 rows (padded to a multiple of 8).
+#    </details>
+# 4. Why does the kernel write back a 16-row window and not the one new row?
+#    <details><summary>Answer</summary>HBM row offsets of a DMA must be tile-aligned: a bf16
+#    tile has 16 sublane rows, so the aligned window around the row goes back.</details>
+
+# %% [markdown]
 # ## Checks
 
 # %%
+assert teach_error <= tolerance, f"the teaching attend differs from the kernel: {teach_error}"
+assert fix_error < 2e-2
 assert report.ok, report.error
 assert read == sum((int(p) + T - 1) // block.kv_tile + 1 for p in positions)
 assert read * block.kv_tile >= sum(int(p) + T for p in positions), "a visible row is unread"

@@ -27,6 +27,12 @@
 # - How does the router's output, a vector, become the scalars that address the expert
 #   DMAs, in a form Mosaic compiles for v5e, v6e and TPU7x?
 # - Does the kernel really read only the experts the batch selected?
+#
+# **You will build** a 35-line expert kernel addressed by scalar-prefetched ids
+# (`mk.teach.moe_experts`), check it equals the real one, and read the real
+# `experts_body`. **You will be able to** say which expert bytes a step reads and find a
+# slot that loads the wrong expert. **Prerequisites:** 01 (the ring), 03 (SMEM scalars,
+# `pl.when`).
 
 # %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
@@ -80,7 +86,7 @@ from IPython.display import display
 import mk
 import mk.backend
 import mk.run
-from mk import course, perf, plots, reference, tpu
+from mk import course, perf, plots, reference, teach, tpu
 from mk.kernels import mlp
 from mk.kernels.common import BlockSizes, vmem_budget
 from mk.kernels.weight_streaming import stage_block
@@ -230,6 +236,41 @@ print(f"experts loaded by the kernel: {int(loaded[0])}")
 # On CPU those wall times are the interpret-mode **simulation** of a TPU (milliseconds
 # per simulated DMA, plus tracing): they say nothing about a TPU.
 #
+# ## The experts in 35 lines
+#
+# The teaching version keeps one idea: one grid step per expert slot, the slot's expert id
+# read from SMEM by the weights' index maps (scalar prefetch), so slot s loads expert
+# `ids[s]`; a slot past `count` keeps the last live slot's id (its block index does not
+# change, so nothing new is loaded) and computes nothing. The routing comes from the
+# reference router here; the real kernel routes in the kernel (`route_body`).
+
+# %%
+plots.show_source(teach.moe_experts_kernel, teach.moe_experts)
+combine, padded_ids, count = course.routed(moe_config, h_moe, moe_w[0])
+with mk.backend.use(run.backend):
+    taught_moe = teach.moe_experts(h_moe, combine, *moe_w[1:], padded_ids, count)
+taught_error = float(jnp.abs(taught_moe - moe_got).max())
+print(f"slots hold experts {padded_ids} ({count} live); max |teaching - real kernel| = "
+      f"{taught_error:.1e}")
+
+# %% [markdown]
+# The real `experts_body`, annotated: the same loop, over the weight ring instead of the
+# grid pipeline.
+
+# %%
+teach.excerpt(mlp.experts_body, [
+    ("def expert_slot(s, carry):", 'ring.matmul("we_down", gate_vmem',
+     "One slot: gate, up, SwiGLU, down, each `ring.matmul` of copy s, whose tiles "
+     "`moe_fetch` addresses by `ids_smem[s]` (the teaching index map)."),
+    ("expert = lax.broadcasted_iota", "out_ref[...] += weight * down_vmem[...]",
+     "Each row's routing weight of expert ids[s] scales the slot's output, as in the "
+     "teaching version."),
+    ("lax.fori_loop(0, count, expert_slot, 0)", "ring.skip(base + count * per_slot, end)",
+     "Only `count` slots run; the off slots' tiles are skipped, neither loaded nor "
+     "computed, and the tiles behind them issued (the teaching clamp's job)."),
+])
+
+# %% [markdown]
 # **Only the selected experts are read.** Fill every expert nobody picked with NaN: a
 # single byte of them in a computation would turn the output into NaN.
 
@@ -254,6 +295,7 @@ tolerance = {"float32": 1e-5, "bfloat16": 1e-3}
 course.check_close("swiglu", dense_got, dense_want, atol=tolerance[dense_config.dtype])
 course.check_close("moe", moe_got, moe_want, atol=tolerance[moe_config.dtype])
 course.check_race_free("mlp kernels", dense_races or moe_races or poisoned_races)
+assert taught_error <= tolerance[moe_config.dtype], taught_error
 assert int(loaded[0]) == len(picked), f"loaded {int(loaded[0])} experts, picked {len(picked)}"
 np.testing.assert_array_equal(np.asarray(poisoned_got), np.asarray(moe_got))
 print("kernels match the reference; only the selected experts were loaded")
@@ -342,6 +384,21 @@ print(f"on {compile_chip} at {mk.chip(compile_chip).hbm_bw / 1e12:.2f} TB/s (dat
 # takes one idea: turn the router's vector output into SMEM scalars (a DMA and a scalar
 # loop), and let those scalars address the weight DMAs of a ring whose unused slots cost
 # nothing.
+
+# %% [markdown]
+# ## Questions
+#
+# 1. E = 128 experts, top-8, one row (M = 1). How many expert slots does the kernel
+#    allocate, and how many experts' bytes does the step read?
+#    <details><summary>Answer</summary>min(E, M x 8) = 8 slots, all 8 live: 8 experts'
+#    gate, up and down (`mlp.expert_slots`).</details>
+# 2. Why does the wrong-expert exercise need a router seed whose experts are not
+#    0 .. count - 1? <details><summary>Answer</summary>With those experts slot s holds
+#    expert s, so streaming expert s instead of ids[s] changes nothing.</details>
+# 3. In the teaching kernel, what does the index map return for a slot past `count`, and
+#    why that? <details><summary>Answer</summary>The last live slot's expert: the block
+#    index does not change, so the pipeline fetches nothing new, and `pl.when` skips the
+#    compute.</details>
 
 # %%
 assert moe_report.ok, moe_report.error

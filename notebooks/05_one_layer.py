@@ -25,6 +25,11 @@
 # - What does the weight stream of one layer look like, tile by tile?
 # - Why does one ring for all the layer's matrices beat one kernel per op?
 # - Is the fused layer exactly the reference layer, and does it fit and compile on a TPU?
+#
+# **You will** run a whole decoder layer as one kernel on one ring and find a planted bug
+# in its residual stream. **You will be able to** read `layer_body` phase by phase and say
+# what fusing buys at a matrix edge. **Prerequisites:** 01 (the ring), 02-04 (the stage
+# kernels this layer calls).
 
 # %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
@@ -75,7 +80,7 @@ from IPython.display import display
 import mk
 import mk.backend
 import mk.run
-from mk import course, plots, reference, tpu
+from mk import course, plots, reference, teach, tpu
 from mk.kernels import one_layer as one_layer_module
 from mk.kernels.common import vmem_budget
 from mk.kernels.one_layer import layer_matrices, one_layer, one_layer_buffers
@@ -109,9 +114,23 @@ plots.show(plots.tile_stream(stream, title=f"{config.name} layer {layer}: {strea
                                            f"tiles of {block.tile_rows}x{block.tile_cols}"))
 
 # %% [markdown]
+# The same stream in time, slot by slot (`teach.ring_schedule` at the chip's modelled tile
+# times): at each matrix edge the next matrix's tiles are already in flight, in their own
+# colour, while the last tiles of the previous one compute. (Drawn for a dense layer: an
+# MoE layer's expert slots are switched on at run time.)
+
+# %%
+if kind == "dense" and spec.kind == "tpu":
+    times = teach.tile_times(spec, block, jnp.dtype(config.dtype).itemsize, M)
+    plots.show(plots.ring_gantt(
+        {f"{n} slots": teach.ring_schedule(stream, slots=n, **times) for n in sorted({2, slots})},
+        title=f"{config.name} layer {layer}: every tile in its slot on {spec.name} (modelled)"))
+
+# %% [markdown]
 # One kernel per op would end the stream at every matrix edge: the next kernel's first
-# DMA is issued only after the previous kernel finished, so each edge costs one DMA latency
-# plus the kernel launch gap with HBM idle. Fused, the only waits left are data
+# DMA is issued only after the previous kernel finished, so each edge costs the previous
+# ring's drain and one DMA latency with HBM idle (inside one jitted program there is no
+# host launch between the kernels, but they still run one after the other). Fused, the only waits left are data
 # dependencies (attention needs q, k, v; the experts need the router).
 
 # %% [markdown]
@@ -154,6 +173,40 @@ print(f"max |kernel - reference| of the layer output: {error:.2e} "
       f"(largest value {float(jnp.abs(want_x).max()):.2f}); races found: {races}")
 print(f"wall {seconds:.2f} s on {mode}" + (" (a CPU simulation, not TPU time)"
                                           if mode == "interpret" else ""))
+
+# %% [markdown]
+# ## Exercise: a wrong residual
+#
+# `layer_body` adds each block's output to the residual stream with `residual(x, out)`.
+# Below, a version with a mistake is planted in the kernel (`course.planted("wrong_residual")`).
+# **Predict** before you run: the megakernel's debug path taps the stream after each
+# layer's attention ("attn") and MLP ("mlp"); which tap of layer 0 will `first_divergence`
+# name? **Fix** a copy: `my_residual` must make the fused layer match the reference.
+
+# %%
+plots.show_source(course.SEAMS["wrong_residual"][2])
+with course.planted("wrong_residual"), mk.backend.use(run.backend):
+    bad_x = one_layer(config, params, x, k_cache, v_cache, positions, layer=layer, block=block)[0]
+try:
+    course.check_close("layer output", bad_x, want_x, rtol=2e-2, atol=3e-2)
+except course.ExerciseFailed as caught:
+    print("the check catches it:", caught)
+
+# %% [markdown]
+# Your fix (folded on the site; `course.reveal("05-residual")` gives the answer to the
+# prediction in Jupyter or Colab, where you can also run `mk.megakernel.first_divergence`
+# inside `course.planted("wrong_residual")` to see it):
+
+# %% tags=["hide-cell"]
+def my_residual(x, block_out):
+    return x + block_out  # the stream plus the block's output
+
+
+with course.replaced("wrong_residual", my_residual), mk.backend.use(run.backend):
+    fixed_x = one_layer(config, params, x, k_cache, v_cache, positions, layer=layer,
+                        block=block)[0]
+course.check_close("layer output with your residual", fixed_x, want_x, rtol=2e-2, atol=3e-2)
+print("your residual passes")
 
 # %% [markdown]
 # ## VMEM budget
@@ -211,6 +264,19 @@ print(f"weights {(attention_bytes + mlp_bytes) / 1e6:.3f} MB + KV {kv_bytes / 1e
       f"HBM floor {total / spec.hbm_bw * 1e6:.2f} µs on {spec.name} (datasheet peak)")
 
 # %% [markdown]
+# In an MoE layer the stream holds every expert slot, but only the slots of the experts this
+# batch picked are loaded; the others are skipped in order (grey marks), so the tiles behind
+# them are issued at once (modelled, every slot's tiles issued as if routing were done):
+
+# %%
+if kind == "moe" and spec.kind == "tpu":
+    times = teach.tile_times(spec, block, jnp.dtype(config.dtype).itemsize, M)
+    plots.show(plots.ring_gantt({f"{slots} slots": teach.ring_schedule(
+        stream, slots=slots, active=teach.first_copies(touched), **times)},
+        title=f"{config.name} layer {layer}: {touched} live expert slots of "
+              f"{stream.segment('we_gate').copies} on {spec.name} (modelled)"))
+
+# %% [markdown]
 # ## What a TPU does differently
 #
 # On hardware the fused layer's time is its bytes over HBM bandwidth plus the waits the
@@ -220,6 +286,23 @@ print(f"weights {(attention_bytes + mlp_bytes) / 1e6:.3f} MB + KV {kv_bytes / 1e
 #
 # **Takeaway:** a whole layer is one DMA schedule, and the fused kernel is exactly the
 # reference layer up to bf16 rounding.
+
+# %% [markdown]
+# ## Questions
+#
+# 1. The layer's stream is wq, wk, wv, wo, gate, up, down. While attention walks the KV
+#    cache, which weight tiles are in VMEM? <details><summary>Answer</summary>wo's first
+#    `slots` tiles: the ring issued them when wv's last tiles were consumed.</details>
+# 2. An MoE layer has 8 expert slots but the batch picks 3 experts. What happens to the 5
+#    other slots' tiles? <details><summary>Answer</summary>They are skipped: neither loaded
+#    nor computed, but "consumed" in order so the tiles behind them are issued
+#    (`Ring.skip`).</details>
+# 3. Why does the plant above change the layer output but not the KV cache?
+#    <details><summary>Answer</summary>The cache rows come from the layer's input x
+#    (normed and projected) before any residual add.</details>
+
+# %% [markdown]
+# ## Checks
 
 # %%
 course.check_close("layer output", got_x, want_x, rtol=2e-2, atol=3e-2)

@@ -27,6 +27,10 @@
 # - How does the kernel stream the projections, the conv state and the recurrent state?
 # - How many bytes does a step move for the state, against a KV cache as context grows?
 # - Is it exactly the reference, including the state after every row a verifier needs?
+#
+# **You will** run a gated-DeltaNet layer's step and find an unshifted conv state.
+# **You will be able to** say what state a linear layer carries and what it costs
+# against a KV cache. **Prerequisites:** 05 (one fused layer). Part II: another layer kind.
 
 # %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
@@ -285,6 +289,13 @@ if spec.kind == "tpu":
 # **Takeaway:** a gated-DeltaNet layer trades a KV cache that grows with context for a
 # fixed float32 state, read once and written once per row; the kernel matches the
 # reference on its output and on the state after every row.
+
+# %% [markdown]
+# ## Questions
+#
+# 1. What must a verifier get from a linear layer after T rows, and why?
+#    <details><summary>Answer</summary>The state after every row: after acceptance it restarts from the state
+#    after the last kept row (`mk.reference.rollback`).</details>
 
 # %%
 course.check_close("layer output x", got[0], want_x, rtol=1e-5, atol=1e-5)

@@ -37,6 +37,10 @@
 #
 # The sections run each piece as a stage kernel; the last runs the whole model in the
 # megakernel (`mk.kernels.mla` holds its MLA prologue and epilogue).
+#
+# **You will** run MLA, Kimi Delta Attention and the grouped router as stage kernels and
+# find a per-head decay where KDA has one per channel. **You will be able to** compare
+# MLA's cache bytes with GQA's. **Prerequisites:** 03, 04, 05b, 06. Part II.
 
 # %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
@@ -376,6 +380,13 @@ print(f"{k3_plan.local.name}: {k3_fit.vmem.total_bytes / 2**20:.1f} MiB of VMEM 
 # the latent rows between a prologue and an epilogue of small products in VMEM; KDA is the
 # gated DeltaNet with a decay per key channel; Kimi's router and shared expert fit stage
 # 04's ring unchanged.
+
+# %% [markdown]
+# ## Questions
+#
+# 1. How many values per cached token does MLA's absorbed decode read, against GQA's?
+#    <details><summary>Answer</summary>W = kv_lora_rank + the shared key part, once for all heads; GQA reads
+#    2 x kv_heads x head_dim.</details>
 
 # %%
 course.check_close("MLA x after attention", got_mla, want_mla, atol=1e-2 * mla_scale, rtol=0)

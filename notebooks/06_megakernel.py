@@ -28,6 +28,11 @@
 #   compile for a real TPU?
 # - How does one stream hold a hybrid's two token mixers (gated DeltaNet beside full
 #   attention), and which linear states does a verifier keep?
+#
+# **You will** run a whole decode step in one kernel, localise a planted bug with
+# `first_divergence`, and solve the mystery lab (an unnamed bug, found with the race
+# detector and the taps, fixed in a copy). **You will be able to** read the step's tile
+# schedule and debug a wrong step op by op. **Prerequisites:** 01-05.
 
 # %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
@@ -66,6 +71,7 @@ checkpoint: str = ""  # a local Hugging Face checkpoint folder; "" for random we
 steps: int = 6  # greedy tokens to generate
 slots: int = 3  # weight ring slots
 exercise_keep_row_k: bool = False  # the exercise: True keeps the states after row k, not k - 1
+mystery_seed: int = 1  # the mystery lab's seed (which unnamed bug it plants); -1 skips the lab
 
 # %%
 import time
@@ -79,7 +85,7 @@ import mk
 import mk.backend
 import mk.megakernel as megakernel
 import mk.run
-from mk import perf, plots, reference, sim, tpu
+from mk import course, perf, plots, reference, sim, teach, tpu
 from mk.kernels.one_layer import layer_matrices
 from mk.kernels.plan import DecodePlan, default_block
 
@@ -125,6 +131,21 @@ table = stream.table(np.dtype(config.dtype).itemsize)
 display(plots.table([{**r, "in flight when g=" + str(edge - 1) + " is consumed":
                       "yes" if edge - 1 < r["g"] < edge - 1 + block.slots else ""}
                      for r in table[edge - 3:edge + block.slots]]))
+
+# %% [markdown]
+# The same edge in time, slot by slot (`teach.ring_schedule` at the chip's modelled tile
+# times, every tile active: drawn for a dense model, whose layers load every matrix): the
+# tiles around the edge, layer l's last matrix in its colour, layer l + 1's wq already in
+# flight in its own.
+
+# %%
+if not (config.is_moe or config.is_hybrid) and spec.kind == "tpu":
+    times = teach.tile_times(spec, block, np.dtype(config.dtype).itemsize, run.batch)
+    window = range(max(0, edge - 2 * block.slots), edge + 2 * block.slots)
+    plots.show(plots.ring_gantt({f"{block.slots} slots": [
+        t for t in teach.ring_schedule(stream, slots=block.slots, **times)
+        if t["g"] in window]}, title=f"{config.name}: the tiles around the layer edge at "
+                                     f"g={edge} on {spec.name} (modelled)"))
 
 # %% [markdown]
 # ## The megakernel on the page
@@ -197,6 +218,35 @@ planted_first, _ = megakernel.first_divergence(config, params, cache, debug_toke
                                                backend=run.backend, weights=planted)
 print(f"healthy: first divergence {first}; planted bug in layer 0's attention norm: "
       f"first divergence {planted_first}")
+
+# %% [markdown]
+# ## The mystery lab
+#
+# `course.mystery(seed)` plants one bug, unnamed, in the megakernel's code and gives you a
+# tiny-preset step (T = 2 rows straddling a KV tile edge) that no longer matches the
+# reference. **Find** it: `m.races()` runs the race detector, `m.divergence()` names the
+# first wrong tap; then read the code those point at and `m.suspect("module.function")`
+# tells you whether it is the planted one (and shows it). **Fix** a copy with the same
+# arguments and `m.confirm(my_fix)`. (About a minute per tool in interpret mode.)
+
+# %%
+lab = course.mystery(mystery_seed) if mystery_seed >= 0 else None
+if lab is not None:
+    try:
+        lab.check()
+    except course.ExerciseFailed as caught:
+        print("the step is wrong:", caught)
+    print("race detector flags the step:", lab.races())
+
+# %% [markdown]
+# Your investigation goes here. The worked answer below is folded on the site; in Jupyter
+# or Colab, run it only when you are done (`lab.where()` is the answer).
+
+# %% tags=["hide-cell"]
+if lab is not None:
+    print("first divergence:", lab.divergence()[0])
+    display(lab.suspect(lab.where()))
+    print(lab.confirm(lab.released()))  # the released function is the fix
 
 # %% [markdown]
 # ## Hybrids: two token mixers in one stream
@@ -352,6 +402,21 @@ print(report.summary())
 # schedule for the whole step, and it produces exactly the reference's greedy tokens. A
 # hybrid's two token mixers share that schedule, each layer skipping the other kind's
 # tiles, and its linear states after every row let a verifier keep any accepted prefix.
+
+# %% [markdown]
+# ## Questions
+#
+# 1. Where in the stream is layer l + 1's first wq tile, and when is it issued?
+#    <details><summary>Answer</summary>Right after layer l's last w_down tile: g runs on
+#    across the edge, so it is issued when the tile `slots` before it is consumed, while
+#    layer l's MLP computes.</details>
+# 2. `first_divergence` names (3, "mlp"). Where do you look?
+#    <details><summary>Answer</summary>Between the (3, "attn") tap and the (3, "mlp") tap:
+#    layer 3's first residual add, MLP norm, MLP and second add.</details>
+# 3. The race detector flags a step whose tokens are right. Is the kernel right?
+#    <details><summary>Answer</summary>No: a race reads a slot a DMA is writing, and the
+#    result depends on timing; interpret mode happened to order them well. On a TPU the
+#    same code can read a half-written tile.</details>
 
 # %%
 np.testing.assert_array_equal(got, want)

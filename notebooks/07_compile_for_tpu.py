@@ -28,6 +28,10 @@
 # - What does a model that does not fit look like: a report with numbers, not a crash?
 # - How long does the megakernel take to compile against XLA's own decode step, and how
 #   does each grow with the number of layers?
+#
+# **You will** compile full-size megakernels ahead of time with libtpu and read their
+# VMEM budgets. **You will be able to** tell a kernel that fits from one that does not,
+# with numbers. **Prerequisites:** 06 (the megakernel).
 
 # %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
@@ -234,6 +238,13 @@ plots.show(fig)
 # the layer): against it the megakernel's advantage is small and appears only at depth
 # (read the ratio columns of the recorded table), so "XLA takes 30 minutes" is a claim about
 # unrolled multi-chip programs, not about a well-written XLA decode step.
+
+# %% [markdown]
+# ## Questions
+#
+# 1. A model does not fit one core. What does the compile report give instead of a crash?
+#    <details><summary>Answer</summary>The bytes it needs against the bytes the core has (VMEM by buffer, or HBM),
+#    with the model and the chip named.</details>
 
 # %%
 # Not fitting is an answer (the project's budget says "over", the compiler

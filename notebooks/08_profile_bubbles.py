@@ -29,6 +29,12 @@
 #   kernels one `pallas_call` per op, (c) the megakernel, one call per step?
 # - What does the simulator predict for the same step on a TPU, and for qwen3-8b on TPU7x?
 # - What can the TPU compiler tell us about the megakernel without a TPU?
+#
+# **You will** capture three profiles, compute their bubbles, and count the compiled
+# megakernel's bundles per named phase. **You will be able to** capture and read a profile
+# on any backend, say what a CPU trace can and cannot show about a TPU, and find where in
+# the kernel's code a phase begins. **Prerequisites:** 05 (`layer_body`), 06 (the
+# megakernel), 07 (compiling for a TPU without one).
 
 # %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
@@ -82,7 +88,9 @@ from tqdm.auto import tqdm
 import mk
 import mk.backend
 import mk.run
-from mk import plots, profiling, reference
+from mk import megakernel as megakernel_module
+from mk import plots, profiling, reference, teach
+from mk.kernels import one_layer as one_layer_module
 
 mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
@@ -169,7 +177,8 @@ for name in profiling.VARIANTS:
     plots.show(profiling.gantt(timelines[name], per_step[name], row["median_step"], title=(
         f"({'abc'[profiling.VARIANTS.index(name)]}) {name}: {row['wall_ms']} ms per step, "
         f"{row['launches_per_step']:g} launches, {row['ops_per_step']:g} ops, bubble share "
-        f"{row['bubble_share']:.1%} (measured, {mode})")))
+        f"{row['bubble_share']:.1%} (measured, "
+        f"{'XLA:CPU' if name == 'xla' and not on_tpu else mode})")))
 
 # %% [markdown]
 # Which ops take the time (self time: an op's duration minus the ops nested in it):
@@ -244,9 +253,15 @@ if predictions:
 # %% [markdown]
 # The two savings side by side: a layer edge without prefetch costs one descriptor latency
 # and one tile once per layer, while a ring shallower than Little's law asks (bandwidth x
-# latency bytes in flight) pays a latency on every tile. So on a model with long layers
-# the ring depth, not the cross-layer prefetch, decides how busy HBM is; prefetch matters
-# where layers are short against the latency (small models, many devices per layer).
+# latency bytes in flight) pays a latency on every tile. Which one matters more here is a
+# number of this run, not a rule:
+
+# %%
+if predictions:
+    deeper = "a deeper ring" if 1 - best / three > 1 - on / off else "cross-layer prefetch"
+    print(f"{predict_preset} on {predict_chip} (simulated): {deeper} saves more "
+          f"({1 - best / three:.2%} for the best depth vs 3 slots, {1 - on / off:.2%} for "
+          f"prefetch); a saving under 1 % means the default already covers that latency")
 
 # %% [markdown]
 # ## Opening the captures in XProf or TensorBoard
@@ -273,15 +288,56 @@ if "google.colab" in sys.modules:  # Colab ships TensorBoard and its notebook ma
 # `jax.named_scope(...)` inside the kernel (Pallas lowers a scope to Mosaic's
 # `trace_start`/`trace_stop`) and compile with libtpu's
 # `LIBTPU_INIT_ARGS=--xla_enable_custom_call_region_trace=true`: the scopes become trace
-# markers in the kernel's code, and the device trace shows one event per phase. On this
-# CPU, interpret mode has no such markers: nothing inside the call is visible as a phase.
+# markers in the kernel's code, and the device trace shows one event per phase. The
+# megakernel's scopes, in its code:
+
+# %%
+teach.excerpt(megakernel_module.megakernel_kernel, [
+    ('with jax.named_scope("prime")', "ring.prime()",
+     "`prime`: the ring's first `slots` tiles issued before anything computes."),
+    ('with jax.named_scope("layers")', "x = lax.fori_loop",
+     "`layers`: the layer loop, compiled once, run L times: its bundles count once."),
+    ('with jax.named_scope("lm_head")', 'ring.matmul("lm_head"',
+     "`lm_head`: the final norm and the vocab projection, the stream's tail."),
+])
+
+# %% [markdown]
+# Inside the loop, `layer_body` (05) names each of its phases with `phase(name)`, a
+# `jax.named_scope` that also checks the order against `LAYER_PHASES` (the simulator
+# replays that list, so the kernel and the model cannot drift apart):
+
+# %%
+teach.excerpt(one_layer_module.layer_body, [
+    ('with phase("linear")', 'mixer("full", attend_cache)',
+     "The token mixer: a linear layer's phase, or the full layer's prologue and attend."),
+    ('with phase("mlp_norm")', 'x = residual(x, s.mlp_out[...])',
+     "The residual add, the MLP and its all-reduce: each its own scope."),
+])
+
+# %% [markdown]
+# **What a TPU trace would show, and what this CPU trace shows.** On a TPU the device
+# plane (`/device:TPU:0`) holds one event per kernel launch and, with the flag above, one
+# nested event per scope: `prime`, then `layers` (and inside it, per layer, `prologue`,
+# `attend`, `wo`, `mlp`, ...), then `lm_head`, with their real durations; the gaps between
+# launches are the chip's idle time. On this CPU there is no device plane: the capture holds
+# host threads running XLA:CPU programs, and an interpret-mode `pallas_call` is one such
+# program simulating the kernel, so its duration is the simulator's, its phases are
+# invisible, and only the launch count and the host's gaps carry over. No TPU trace was
+# recorded for this course; the compiler's static schedule below is the closest view of the
+# device side available without a TPU.
 #
 # Without a TPU, the compiler still shows its **static schedule**: compiled for `chip` with
 # its dump flags, the kernel is a list of VLIW bundles, each issuing to some units (MXU,
 # VALU, VLOAD, ...). Bundle counts are not cycles: a loop's body is listed once and DMA
-# latency is unknown. With the markers on, bundles are counted per named scope: the
-# megakernel names `prime`, `layers` and `lm_head` (a layer's own phases would need scopes
-# in `layer_body`).
+# latency is unknown. With the markers on, bundles are counted per named scope (the
+# innermost scope holding each bundle): the megakernel's `prime`, `layers` and `lm_head`,
+# and `layer_body`'s phases inside `layers`.
+#
+# **Predict** before you run: which layer phase has the most bundles, and is it the one
+# that moves the most bytes? <details><summary>Answer</summary>Bundles measure code, not
+# time: a phase whose code holds many ring loops (the MLP's three matrices, the prologue's
+# three projections, each with a steady and an edge loop) lists more bundles, whatever its
+# bytes. Compare the table below with the simulator's share of the step.</details>
 
 # %%
 schedule = None
@@ -332,6 +388,21 @@ for p in predictions:
     print(f"predicted by mk.sim for the megakernel: {p['model']} on {p['chip']}, "
           f"S={p['context']}, cross-layer prefetch {'on' if p['cross_layer_prefetch'] else 'off'}:"
           f" HBM idle {p['bubble_share']} of {p['step_us']} µs")
+
+# %% [markdown]
+# ## Questions
+#
+# 1. A CPU capture of the megakernel shows one 40 ms program per step. What does it say
+#    about the step on a TPU? <details><summary>Answer</summary>Only that the step is
+#    one launch: the 40 ms is the interpreter simulating the kernel; a TPU's time comes
+#    from a TPU profile or, as a model, from `mk.sim`.</details>
+# 2. The `layers` scope lists N bundles. How many does a 36-layer step execute in it?
+#    <details><summary>Answer</summary>Not 36 N: the loop body is listed once and runs 36
+#    times, and the ring loops inside it run once per tile, so an executed count needs
+#    every trip count. Bundles measure code size, not cycles.</details>
+# 3. Why does the staged variant (b) launch 2 + 4 L programs per step?
+#    <details><summary>Answer</summary>Per layer: the prologue, attention, the output
+#    projection and the MLP; per step: the embedding and the lm_head.</details>
 
 # %% [markdown]
 # ## Checks

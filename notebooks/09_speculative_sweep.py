@@ -92,7 +92,7 @@ from tqdm.auto import tqdm
 
 import mk
 import mk.run
-from mk import ledger, perf, plots, reference, spec
+from mk import course, ledger, perf, plots, reference, spec, teach
 
 mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
 if (hf_target or hf_draft) and not allow_download:
@@ -150,6 +150,65 @@ print("megakernel-verified:", np.asarray(mk_tokens).tolist())
 print("target greedy      :", want.tolist())
 print(f"{mk_stats.verifier_calls} megakernel calls of T={gamma + 1} rows, "
       f"{mk_stats.drafter_calls} drafter calls, tau={mk_stats.acceptance_length:.2f}")
+
+# %% [markdown]
+# ## The acceptance and rollback code
+#
+# What ran above, in the code. The acceptance rule is one line over the drafts and the
+# target's greedy tokens:
+
+# %%
+teach.excerpt(spec.accept_greedy, [
+    ("n = np.cumprod", "return n, target",
+     "Draft i (0-based) is compared with row i's greedy token: row i is fed the kept "
+     "token before draft i, so its argmax is what the target says draft i should be. "
+     "`cumprod` keeps the prefix up to the first disagreement; the bonus is row n's token."),
+])
+
+# %% [markdown]
+# and the loop of `generate` applies it, writes the kept tokens and rolls back what the
+# rejected rows changed:
+
+# %%
+teach.excerpt(spec.generate, [
+    ("target, logits, cache = verifier.step(", "target, logits, cache = verifier.step(",
+     "One verifier call of gamma + 1 rows writes KV rows p .. p + gamma."),
+    ("if sampling is None:", "n, bonus = accept_greedy(drafts, target)",
+     "Greedy: the exact rule above (sampling: rejection sampling)."),
+    ("for b in np.flatnonzero(active):", "cache = verifier.keep(cache, n + 1)",
+     "Kept drafts and the bonus go into the sequence; `keep` rolls a hybrid's linear "
+     "states back to row n (KV rows need none: the next step overwrites them first)."),
+])
+
+# %% [markdown]
+# ## Exercise: accept on the wrong row
+#
+# Here is an acceptance rule with one index wrong. **Predict**: with the forced drafter at
+# L = 3 (drafts 1 and 2 equal the target's greedy tokens, draft 3 does not), what tau does
+# it measure, and are the tokens still the target's greedy ones? Then **fix** a copy:
+# `my_accept` must pass `course.check_acceptance` run with it in `accept_greedy`'s place.
+
+# %%
+plots.show_source(course.accept_on_the_next_row)
+with course.planted("accept_wrong_row"):
+    try:
+        course.check_acceptance(config, params, prompt[:1], 8)
+    except course.ExerciseFailed as caught:
+        print("the check catches it:", caught)
+
+# %% [markdown]
+# Your fix (folded on the site; `course.reveal("09-accept")` explains it in Jupyter or
+# Colab):
+
+# %% tags=["hide-cell"]
+def my_accept(drafts, target):
+    n = np.cumprod(drafts == target[:, :-1], axis=1).sum(axis=1)  # draft i vs row i
+    return n, target[np.arange(len(n)), n]
+
+
+with course.replaced("accept_wrong_row", my_accept):
+    fixed_tau = course.check_acceptance(config, params, prompt[:1], 8)
+print(f"your rule passes: forced L=3 measures tau = {fixed_tau:.2f}")
 
 # %% [markdown]
 # ## Measured acceptance length of each drafter
@@ -339,9 +398,10 @@ for r in published:
 # verification step of t_v and a draft cost of t_d per step, what tau makes speculation
 # pay? *Formula:* tokens/s $= \tau / (t_v + t_d) > 1 / t_v \iff \tau > 1 + t_d / t_v$.
 # **2.** The published Kimi K3 run: 709 tokens/s at tau 6: how long is one verification
-# step? *Formula:* $t = \tau / \text{tokens/s}$. *Answers* (computed):
+# step? *Formula:* $t = \tau / \text{tokens/s}$. Work them out, then open the answers
+# (the cell's output is folded on the site):
 
-# %%
+# %% tags=["hide-output"]
 kimi = next(r for r in perf.published() if r.model == "Kimi K3" and r.system == "tpu7x")
 print(f"1. with a drafter costing 20 % of a verification step: tau > {1 + 0.2:.1f}")
 print(f"2. {kimi.acceptance_length:g} / {kimi.tokens_per_s:g} tokens/s = "
@@ -385,9 +445,25 @@ display(Markdown(
 # collective on the critical path; feeding the FP4 experts to the MXU at its fp8 rate
 # (`compute="fp8"`) or overlapping the collectives would each shorten it.
 #
+# ## Questions
+#
+# 1. gamma = 3 and every draft is right. How many tokens does the step keep, and which KV
+#    rows did it write? <details><summary>Answer</summary>4 (3 drafts and the bonus); rows
+#    p .. p + 3, all kept.</details>
+# 2. Draft 1 is wrong. Which rows of the KV cache now hold rejected tokens, and why is that
+#    harmless? <details><summary>Answer</summary>Rows p + 1 .. p + gamma. The next step
+#    starts at p + 1 and writes its rows before any row reads them; the causal mask hides
+#    rows past a row's own position.</details>
+# 3. Why does a hybrid model (gated DeltaNet, KDA) need `keep` and a plain transformer not?
+#    <details><summary>Answer</summary>A linear layer's state is advanced by every row fed,
+#    accepted or not, and is not indexed by position: the state after the last kept row
+#    must be restored. KV rows are indexed by position and overwritten.</details>
+
+# %% [markdown]
 # ## Checks
 
 # %%
+assert fixed_tau == 3, fixed_tau
 assert (np.asarray(mk_tokens) == want).all(), "megakernel speculative tokens != target greedy"
 assert mk_stats.acceptance_length > 1 or demo_drafter != "forced", "no draft was accepted"
 assert all(forced[L] == L for L in forced), f"forced acceptance is not exact: {forced}"

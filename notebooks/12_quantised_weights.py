@@ -34,6 +34,10 @@
 # byte counts (`mk.perf.predict(..., formats=)`, the plan's own), the capacity check
 # (`DecodePlan.fits`), and the megakernel streaming packed tiles (interpret mode here, Mosaic
 # on a TPU).
+#
+# **You will** decode int8, fp8, int4 and fp4 weights bit by bit and stream packed tiles
+# through the ring. **You will be able to** say what each format saves in bytes and
+# costs in accuracy. **Prerequisites:** 01 (the ring), 06 (the megakernel). Part II.
 
 # %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
@@ -370,8 +374,11 @@ print(f"megakernel {np.asarray(kernel_tokens).tolist()}, reference "
 
 # %% [markdown]
 # On a TPU the ring moves fewer bytes and the vector unit does a few more integer operations
-# per value. v5e and v6e have no fp8 matrix unit, so they dequantise to bf16 either way;
-# tpu7x could feed fp8 tiles to its matrix unit directly (not built). Whether the vector
+# per value. This kernel dequantises every tile to bf16 on every chip. The MXUs could do
+# better: v5e, v6e and v5p multiply int8 at twice their bf16 rate (the `fp8_flops` column of
+# `data/chips.csv` holds that int8 peak) and TPU7x multiplies fp8 at twice bf16, so int8
+# tiles (with int8 activations) or fp8 tiles on TPU7x could be fed directly (not built).
+# Whether the vector
 # work stays hidden under the shorter DMAs is for the bundle dumps (`mk.bundles`, notebook
 # 11) and a real chip to say.
 #
@@ -381,6 +388,13 @@ print(f"megakernel {np.asarray(kernel_tokens).tolist()}, reference "
 # powers of two, each one runs in interpret mode and lowers on every TPU generation, its
 # bytes, scales included, are what the ring moves and the HBM floor counts, and the
 # megakernel decodes the reference's tokens from them. The last cell checks this run.
+
+# %% [markdown]
+# ## Questions
+#
+# 1. Why is a quantised weight never stored transposed in the ring?
+#    <details><summary>Answer</summary>Its packing (and its scale blocks) run along K, the contraction; a
+#    transposed tile would cut across them (`BlockSizes.cut`).</details>
 
 # %%
 for name in quantised:

@@ -33,6 +33,10 @@
 # **On a CPU it measures nothing about a TPU.** The same code runs in TPU interpret mode:
 # every time below is then the interpreter's on this CPU, nothing is written under
 # `data/measured`, and the simulator is shown a labelled example file instead.
+#
+# **You will** measure DMA latency and HBM bandwidth on a TPU runtime and feed them to
+# the simulator. **You will be able to** size a ring from measured numbers.
+# **Prerequisites:** 01 (Little's law).
 
 # %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
@@ -288,6 +292,14 @@ print(f"{where}: latency {latency * 1e6:.4g} µs, best bandwidth {record.hbm_bw 
       f"GB/s, one {step.model} step {step.seconds * 1e6:.4g} µs")
 print(f"simulator with {taken.source}: " + "; ".join(
     f"{r['model']} {r['numbers']} {r['simulated_step_us']} µs" for r in sims))
+
+# %% [markdown]
+# ## Questions
+#
+# 1. Why does a CPU run write nothing under data/measured?
+#    <details><summary>Answer</summary>Its times are the interpreter's on the CPU, not a TPU's: a simulator fed
+#    with them would model a machine that does not exist.</details>
+
 
 # %% [markdown]
 # ## Checks

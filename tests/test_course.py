@@ -1,5 +1,8 @@
-"""mk.course: every break-it exercise's check fails with the planted mistake and passes
-without it (the real kernels on the tiny presets, interpret mode), and the notebooks'
+"""mk.course and mk.teach: every break-it exercise's check fails with the planted mistake
+and passes without it (the real kernels on the tiny presets, interpret mode); each fix
+exercise's check fails on the broken piece and passes on the fixed one; the mystery lab's
+plant is caught by its check and the named tool and a fixed copy passes; each teaching
+kernel equals the real module on the same inputs and stays short; and the notebooks'
 defaults hit the hard paths (non-zero, tile-straddling positions; experts that are not a
 prefix; accepted drafts), read from the notebooks' own parameters cells.
 
@@ -12,16 +15,20 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
+import inspect
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import mk
-from mk import backend, course, reference, sim, spec
-from mk.kernels import collectives, mlp
+from mk import backend, course, reference, sim, spec, teach
+from mk.kernels import attention_prologue as prologue_module
+from mk.kernels import collectives, mlp, one_layer, ring
 from mk.kernels.attention_prologue import attention_prologue
+from mk.kernels.decode_attention import decode_attention
 from mk.kernels.common import BlockSizes
 from mk.kernels.plan import DecodePlan
 from mk.kernels.weight_streaming import stream_matmul
@@ -109,10 +116,11 @@ def dropped_all_reduce_results(n):
     return out
 
 
-def test_dropped_all_reduce_exercise_caught():
+def test_dropped_all_reduce_exercise_caught_and_the_teaching_all_reduce_equals_the_kernel():
     got = run("test_course:dropped_all_reduce_results", 2)
     want = np.stack([collectives.tree_sum(got["x"])] * 2)  # each device: the same sum
     course.check_close("all-reduce", got["clean"], want, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(teach.all_reduce(got["x"])), got["clean"])
     with pytest.raises(course.ExerciseFailed, match="all-reduce: kernel and reference differ"):
         course.check_close("all-reduce", got["dropped_all_reduce"], want, atol=1e-5)
 
@@ -142,6 +150,139 @@ def test_planted_refuses_an_unknown_name():
     with pytest.raises(ValueError, match="planted name='rope'"):
         with course.planted("rope"):
             pass
+
+
+def test_missing_rescale_fails_the_attention_check_and_the_fix_passes():
+    with pytest.raises(course.ExerciseFailed, match="attention over two KV tiles"):
+        course.check_attend_update(course.update_without_rescale)
+    assert course.check_attend_update(teach.online_softmax_update) < 2e-2
+
+
+def _one_layer_error(plant):
+    config = mk.preset("tiny")
+    params = mk.init_params(config, 0)
+    keys = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(keys[0], (1, 2, config.hidden))
+    shape = (config.layers, 1, config.kv_heads, 256, config.head_dim)
+    k, v = (jax.random.normal(key, shape).astype(config.dtype) for key in keys[1:])
+    positions = jnp.asarray(course.hard_positions(1, 2, 256))
+    want = reference.decoder_layer(config, params, 0, x, k[0], v[0], positions)[0]
+    with course.planted(plant), backend.use("interpret"):
+        got = one_layer.one_layer(config, params, x, k, v, positions, layer=0)[0]
+    course.check_close("layer output", got, want, rtol=2e-2, atol=3e-2)
+
+
+def test_wrong_residual_exercise_caught_in_one_layer():
+    _one_layer_error(None)
+    with pytest.raises(course.ExerciseFailed, match="layer output"):
+        _one_layer_error("wrong_residual")
+
+
+def test_accept_on_the_wrong_row_caught_by_forced_acceptance():
+    config = mk.preset("tiny")
+    params = mk.init_params(config, 0)
+    prompt = jax.random.randint(jax.random.key(0), (1, 5), 0, config.vocab)
+    assert course.check_acceptance(config, params, prompt, 8) == 3
+    with course.planted("accept_wrong_row"), pytest.raises(course.ExerciseFailed,
+                                                           match="measured tau"):
+        course.check_acceptance(config, params, prompt, 8)
+
+
+@pytest.mark.parametrize("seed", range(len(course.MYSTERIES)))
+def test_mystery_is_caught_localised_and_fixed(seed):
+    m = course.mystery(seed)
+    with pytest.raises(course.ExerciseFailed, match="megakernel step"):
+        m.check()
+    real = {"ring_race": ring.Ring.slot, "rope_off": prologue_module.rope_rows,
+            "wrong_residual": one_layer.residual}[m._plant]
+    assert m.released() is real
+    assert "Found it" in m.suspect(m.where()).data
+    if m._plant == "ring_race":
+        assert m.races()
+    else:
+        first, _ = m.divergence()
+        assert first == (0, "attn" if m._plant == "rope_off" else "mlp"), first
+    assert "runs as released" in m.suspect("mk.kernels.mlp.moe_fetch").data
+    assert m.confirm(real).startswith("fixed")
+
+
+def test_reveal_refuses_an_unknown_key_and_shows_a_known_one():
+    assert "alpha" in course.reveal("03-rescale").data
+    with pytest.raises(ValueError, match="answer key='nope'"):
+        course.reveal("nope")
+
+
+# -- Teaching kernels equal the real modules -------------------------------------------------
+@pytest.mark.parametrize("slots", [1, 2, 3])
+def test_teaching_ring_equals_stream_matmul_and_is_race_free(slots):
+    x = jax.random.normal(jax.random.key(1), (2, 256))
+    w = jax.random.normal(jax.random.key(0), (256, 384)).astype("bfloat16")
+    with backend.use("interpret", detect_races=True):
+        got = teach.ring_matmul(x, w, slots=slots)
+        want = stream_matmul(x, w, block=BlockSizes(slots=slots, tile_rows=128,
+                                                     tile_cols=128))
+        assert not backend.races_found()
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_teaching_attend_equals_decode_attention():
+    config = mk.preset("tiny")
+    B, T, S, N, K, H = 2, 2, 256, config.heads, config.kv_heads, config.head_dim
+    G = N // K
+    keys = jax.random.split(jax.random.key(0), 5)
+    q = jax.random.normal(keys[0], (B * T, N * H))
+    k_new, v_new = (jax.random.normal(k, (B * T, K * H)) for k in keys[1:3])
+    k_cache, v_cache = (jax.random.normal(k, (1, B, K, S, H)).astype(config.dtype)
+                        for k in keys[3:])
+    positions = jnp.asarray(course.hard_positions(B, T, S), jnp.int32)
+
+    def head_group(o, b, k):  # [B*T, N*H] -> sequence b, kv head k's rows (g, t)
+        return o.reshape(B, T, N, H)[b][:, k * G:(k + 1) * G].transpose(1, 0, 2).reshape(
+            G * T, H)
+    with backend.use("interpret"):
+        o, k_got, v_got = decode_attention(q, k_new, v_new, k_cache, v_cache, positions)
+        for b in range(B):
+            for k in range(K):
+                got = teach.attend(head_group(q, b, k), k_got[0, b, k], v_got[0, b, k],
+                                   positions[b], rows=T)
+                np.testing.assert_allclose(np.asarray(got), np.asarray(head_group(o, b, k)),
+                                           rtol=1e-6, atol=1e-6)
+
+
+def test_teaching_moe_experts_equal_the_moe_kernel():
+    config = mk.preset("tiny-moe")
+    (router, gate, up, down), h, experts = course.moe_inputs(
+        config, 0, parameters("04_mlp_and_moe")["router_seed"], 2)
+    assert not course.is_prefix(experts), experts
+    combine, padded, count = course.routed(config, h, router)
+    assert count == len(experts)
+    with backend.use("interpret"):
+        got = teach.moe_experts(h, combine, gate, up, down, padded, count)
+        want = mlp.moe(h, router, gate, up, down, top_k=config.experts_per_token,
+                       renormalise=config.norm_topk)
+    course.check_close("teaching experts", got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_teaching_all_reduce_sums_in_the_kernels_tree_order():
+    x = np.random.default_rng(0).standard_normal((8, 8, 256), np.float32)
+    got = np.asarray(teach.all_reduce(jnp.asarray(x)))
+    for device in got:
+        np.testing.assert_array_equal(device, np.asarray(collectives.tree_sum(x)))
+
+
+@pytest.mark.parametrize("kernel", [teach.ring_matmul_kernel, teach.attend_kernel,
+                                    teach.online_softmax_update, teach.moe_experts_kernel,
+                                    teach.all_reduce])
+def test_teaching_versions_fit_on_a_page(kernel):
+    assert teach.lines_of(kernel) <= 40
+
+
+def test_excerpt_follows_the_code_and_refuses_a_missing_anchor():
+    page = teach.excerpt(ring.Ring.matmul, [("def tile(", "out_ref[:, cols] = part", "x")])
+    start = inspect.getsourcelines(ring.Ring.matmul)[1]
+    assert f"from line {start}" in page.data and "<details>" in page.data
+    with pytest.raises(ValueError, match="no line holding 'nowhere'"):
+        teach.excerpt(ring.Ring.matmul, [("nowhere", "x", "y")])
 
 
 # -- The notebooks' defaults hit the hard paths ----------------------------------------------

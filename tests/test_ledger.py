@@ -27,6 +27,9 @@ def test_modelled_step_streams_hbm_beside_the_mxu_and_collectives_and_errors_agr
     for r in rows:
         if "hbm_floor_ms" not in r:
             continue
+        if mk.chip(r["system"]).kind == "gpu":  # no GPU MXU floor
+            assert "mxu_floor_ms" not in r and "mxu_floor" not in r, r["run"]
+            continue
         lane = r["mxu_floor_ms"] + r["collective_ms"]  # the compute lane, one after another
         assert r["modelled_ms"] == pytest.approx(max(r["hbm_floor_ms"], lane))
         lane_bound = "collective" if r["collective_ms"] > r["mxu_floor_ms"] else "mxu"
@@ -74,7 +77,7 @@ def test_a_row_whose_tp_is_not_every_core_is_refused(monkeypatch):
 def test_no_published_speed_beats_either_floor_under_the_strictest_routing(monkeypatch):
     def beating(rows):
         return [r["run"] for r in rows
-                if "hbm_floor" in r and r["published"] > min(r["hbm_floor"], r["mxu_floor"])]
+                if "hbm_floor" in r and r["published"] > ledger.floor_tokens(r)]
 
     assert beating(ledger.entries(routing="shared")) == []
     # the control: a row claiming 100x its published speed beats its floors
@@ -145,3 +148,29 @@ def test_the_recorded_tile_costs_cover_every_published_tpu_run():
     assert all(c["tile_ns"] > 0 for c in recorded)
     assert all("HBM" in c["error"] and "layers" in c["measured_on"]
                for c in recorded if not c["fits"])
+
+
+def test_no_term_is_contradicted_by_a_published_row():
+    """Every term that claims no step can be shorter (`ledger.FLOORS`) holds for every
+    published TPU row at the feed it names; a term beaten by a published row (the
+    modelled step at the bf16 feed) does not call itself a bound."""
+    claims = [t for t, text in ledger.TERMS.items() if "no step can be shorter" in text
+              or "no TPU step can be shorter" in text]
+    assert set(claims) == set(ledger.FLOORS), claims
+    for term, (column, compute) in ledger.FLOORS.items():
+        for r in ledger.entries(compute=compute):
+            if column in r and mk.chip(r["system"]).kind == "tpu":
+                assert r["published_step_ms"] >= r[column] * (1 - 1e-9), (term, r["run"])
+    beaten = [r["run"] for r in ledger.entries() if "modelled_ms" in r
+              and r["published_step_ms"] < r["modelled_ms"]]
+    assert beaten, "no published row beats the modelled step: the term may say so"
+    assert "not a bound" in ledger.TERMS["modelled step"]
+    assert "lower bound" not in " ".join(ledger.TERMS.values())
+
+
+def test_headline_states_the_kernel_against_the_release():
+    rows = ledger.entries(speculative_only=True, simulate_tpu=True)
+    text = ledger.headline(rows)
+    assert "Kimi K3 on tpu7x, tau 6" in text and "simulated step" in text
+    with pytest.raises(ValueError, match="no simulated row"):
+        ledger.headline(ledger.entries(speculative_only=True))

@@ -298,6 +298,12 @@ def phases():
     return phase
 
 
+def residual(x, block_out):
+    """The residual stream after a block: its input x plus the block's output (both [M, D]
+    f32). A function of its own so the course can plant a wrong one (`mk.course`)."""
+    return x + block_out
+
+
 def layer_body(ring: Ring, config: ModelConfig, kinds, s, *, step, layer, is_moe, x, norms,
                positions_smem, k_cache_hbm, v_cache_hbm, attention: AttentionScratch,
                block: BlockSizes, batch: int, rows: int, after_mixer=None, before_mlp=None,
@@ -399,7 +405,7 @@ def layer_body(ring: Ring, config: ModelConfig, kinds, s, *, step, layer, is_moe
         if all_reduce is not None:  # tensor parallel: wo's rows are split, its sums partial
             s.attn_out[...] = all_reduce(s.attn_out[...], 0)
     with phase("mlp_norm"):
-        x = x + s.attn_out[...]
+        x = residual(x, s.attn_out[...])
         s.h[...] = rms_norm(x, mlp_norm, config.rms_eps).astype(s.h.dtype)
     with phase("before_mlp"):
         if before_mlp is not None:
@@ -410,7 +416,7 @@ def layer_body(ring: Ring, config: ModelConfig, kinds, s, *, step, layer, is_moe
         if all_reduce is not None:
             s.mlp_out[...] = all_reduce(s.mlp_out[...], 1)
     with phase("residual"):
-        x = x + s.mlp_out[...]
+        x = residual(x, s.mlp_out[...])
     phase.done()
     return x
 

@@ -1,0 +1,325 @@
+"""The course's kernels in two layers: a short teaching version of each idea, tested equal
+to the real module on the same inputs (tests/test_course.py), and the real code shown as
+annotated excerpts.
+
+Teaching versions (each 30-40 lines, one idea each, none used by the real kernels):
+- `ring_matmul` (01): y = x @ W with W in HBM, streamed through a `slots`-deep VMEM ring by
+  hand-written DMAs: prime `slots` tiles, then per tile wait, multiply, issue tile
+  g + slots into the slot just read. `mk.kernels.weight_streaming.stream_matmul` is the
+  same loop over a tile-major layout (one contiguous DMA a tile), across matrices, layers
+  and quantised tiles (`mk.kernels.ring.Ring`).
+- `attend` (03): one sequence's T rows of one kv head's G query heads against its KV cache,
+  an online softmax over only the visible KV tiles (a grid over tiles whose index map
+  stops at the last visible one, so the pipeline reads nothing past it).
+  `mk.kernels.decode_attention.attend` is the same update for every sequence and kv head
+  in one hand-pipelined stream, plus the in-place write of the new rows.
+  `online_softmax_update` is the five lines it is about (notebook 03's exercise replaces
+  them).
+- `moe_experts` (04): the selected experts' SwiGLU, one grid step per expert slot, the
+  expert id read from SMEM by the index maps (slot s loads expert ids[s]; slots past
+  `count` repeat the last id, so nothing new is loaded, and compute nothing).
+  `mk.kernels.mlp.experts_body` streams the same experts through the weight ring.
+- `all_reduce` (10): the reduce-scatter (recursive halving) and all-gather (recursive
+  doubling) of `mk.kernels.collectives`, written over a stacked [n, R, C] array that
+  stands for the n devices, each round's partner me XOR d; the kernel does the same with
+  remote DMAs. Its sum order is `collectives.tree_sum`'s, so the results are bit-equal.
+
+`ring_schedule` is the ring rule in time, tile by tile (notebook 01's Gantt chart): the
+tiles of a `TileStream` with their issue, land and consume times under a stated DMA
+latency, transfer time and compute time per tile, the formula notebook 01 derives. A
+teaching twin of the simulator's weight lane (`mk.sim`, which adds everything else;
+tests/test_plots.py checks they agree on one matrix); `tile_times` gives those three
+times for a chip and a tiling.
+
+`excerpt` shows a real function as numbered excerpts (line ranges found from anchors in
+the module's source via inspect, so they follow the code) with a callout each, and the
+full source folded under a <details>.
+
+Not here: the exercises and their checks (`mk.course`), the real kernels (`mk.kernels`).
+"""
+
+from __future__ import annotations
+
+import functools
+import html
+import inspect
+import math
+
+import jax
+import jax.numpy as jnp
+from IPython.display import Markdown
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+F32 = jnp.float32
+
+
+# -- 01: the ring -------------------------------------------------------------------------------
+def ring_matmul_kernel(x_vmem, w_hbm, out_vmem, slots_vmem, sems, *, tile: int):
+    K, N = w_hbm.shape
+    slots, steps = slots_vmem.shape[0], K // tile
+    total = steps * (N // tile)  # tile g: contraction step g % steps of panel g // steps
+
+    def dma(g):  # tile g of W, HBM -> ring slot g % slots
+        i, j = g % steps, g // steps
+        src = w_hbm.at[pl.ds(pl.multiple_of(i * tile, tile), tile),
+                       pl.ds(pl.multiple_of(j * tile, tile), tile)]
+        return pltpu.make_async_copy(src, slots_vmem.at[g % slots], sems.at[g % slots])
+
+    for g in range(min(slots, total)):  # prime: the first `slots` tiles in flight
+        dma(g).start()
+
+    def consume(g, carry):
+        i, j = g % steps, g // steps
+        dma(g).wait()  # tile g has landed in its slot
+        xs = x_vmem[:, pl.ds(pl.multiple_of(i * tile, tile), tile)]
+        part = jnp.dot(xs, slots_vmem[g % slots], preferred_element_type=F32)
+        cols = pl.ds(pl.multiple_of(j * tile, tile), tile)
+        out_vmem[:, cols] = jnp.where(i == 0, part, out_vmem[:, cols] + part)
+
+        @pl.when(g + slots < total)
+        def refill():  # the slot was just read: tile g + slots may now land in it
+            dma(g + slots).start()
+        return carry
+
+    lax.fori_loop(0, total, consume, 0)
+
+
+def ring_matmul(x: jax.Array, w: jax.Array, *, slots: int = 3, tile: int = 128):
+    """x [M, K] @ w [K, N] -> [M, N] float32, w left in HBM and streamed through `slots`
+    VMEM slots of [tile, tile] (x rounded to w's dtype, float32 accumulation)."""
+    (M, K), N = x.shape, w.shape[1]
+    if w.shape[0] != K or K % tile or N % tile or slots < 1:
+        raise ValueError(f"x {x.shape}, w {w.shape}: K and N must be multiples of "
+                         f"tile={tile}, slots={slots} >= 1")
+    vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
+    return pl.pallas_call(
+        functools.partial(ring_matmul_kernel, tile=tile),
+        out_shape=jax.ShapeDtypeStruct((M, N), F32),
+        in_specs=[vmem, pl.BlockSpec(memory_space=pl.ANY)], out_specs=vmem,
+        scratch_shapes=[pltpu.VMEM((slots, tile, tile), w.dtype),
+                        pltpu.SemaphoreType.DMA((slots,))],
+        name="teach_ring_matmul")(x.astype(w.dtype), w)
+
+
+# -- 03: online-softmax attention -------------------------------------------------------------
+def online_softmax_update(m, l, acc, scores, v):
+    """One KV tile into the running max m, sum l, accumulator acc ([R, 1], [R, 1], [R, H]
+    float32): scores [R, tile] float32 (masked -inf), v [tile, H] in the cache dtype."""
+    m_next = jnp.maximum(m, jnp.max(scores, axis=1, keepdims=True))
+    alpha = jnp.exp(m - m_next)  # rescales what earlier tiles summed under the old max
+    probs = jnp.exp(scores - m_next)
+    l_next = alpha * l + jnp.sum(probs, axis=1, keepdims=True)
+    acc_next = alpha * acc + jnp.dot(probs.astype(v.dtype), v, preferred_element_type=F32)
+    return m_next, l_next, acc_next
+
+
+def attend_kernel(pos_smem, q_vmem, k_vmem, v_vmem, o_vmem, m, l, acc, *, rows: int,
+                  update):
+    i, tile = pl.program_id(0), k_vmem.shape[0]
+    p = pos_smem[0]  # row t of the sequence sits at position p + t
+
+    @pl.when(i == 0)
+    def start():
+        m[...] = jnp.full(m.shape, -jnp.inf, F32)
+        l[...] = jnp.zeros(l.shape, F32)
+        acc[...] = jnp.zeros(acc.shape, F32)
+
+    @pl.when(i * tile <= p + rows - 1)  # tile i holds a position some row sees
+    def attend_tile():
+        q = q_vmem[...].astype(k_vmem.dtype)  # [G*T, H], row r is (head r // T, t = r % T)
+        scale = 1 / math.sqrt(q.shape[1])
+        scores = lax.dot_general(q, k_vmem[...], (((1,), (1,)), ((), ())),
+                                 preferred_element_type=F32) * scale  # [G*T, tile]
+        t = lax.broadcasted_iota(jnp.int32, scores.shape, 0) % rows
+        s = i * tile + lax.broadcasted_iota(jnp.int32, scores.shape, 1)
+        scores = jnp.where(s <= p + t, scores, -jnp.inf)  # causal: key s seen by row t
+        m[...], l[...], acc[...] = update(m[...], l[...], acc[...], scores, v_vmem[...])
+
+    @pl.when(i == pl.num_programs(0) - 1)
+    def finish():
+        o_vmem[...] = acc[...] / l[...]
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, position, *, rows: int,
+           kv_tile: int = 128, update=online_softmax_update):
+    """Attention of one sequence's query rows q [G*T, H] float32 (row r: head r // T, new
+    row t = r % T at position + t) over one kv head's cache k, v [S, H] (already holding
+    the new rows) -> [G*T, H] float32. `update`: the online-softmax step."""
+    S, H = k.shape
+    if S % kv_tile or q.shape[0] % rows or q.shape[1] != H:
+        raise ValueError(f"q {q.shape}, k {k.shape}: S must be a multiple of "
+                         f"kv_tile={kv_tile}, q [G*T, H] with T=rows={rows}")
+
+    def kv_map(i, pos):  # past the last visible tile, stay on it: nothing new is read
+        return jnp.minimum(i, (pos[0] + rows - 1) // kv_tile), 0
+    kv = pl.BlockSpec((kv_tile, H), kv_map)
+    whole = pl.BlockSpec(q.shape, lambda i, pos: (0, 0))
+    grid = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1, grid=(S // kv_tile,), in_specs=[whole, kv, kv],
+        out_specs=whole, scratch_shapes=[pltpu.VMEM((q.shape[0], 1), F32)] * 2
+        + [pltpu.VMEM(q.shape, F32)])
+    return pl.pallas_call(
+        functools.partial(attend_kernel, rows=rows, update=update), grid_spec=grid,
+        out_shape=jax.ShapeDtypeStruct(q.shape, F32), name="teach_attend",
+    )(jnp.reshape(jnp.asarray(position, jnp.int32), (1,)), q, k, v)
+
+
+# -- 04: the experts ------------------------------------------------------------------------------
+def moe_experts_kernel(ids_smem, count_smem, x_vmem, weight_vmem, gate_vmem, up_vmem,
+                       down_vmem, out_vmem):
+    s = pl.program_id(0)  # expert slot s holds expert ids_smem[s]
+
+    @pl.when(s == 0)
+    def start():
+        out_vmem[...] = jnp.zeros(out_vmem.shape, F32)
+
+    @pl.when(s < count_smem[0])  # slots past count are off: no load, no compute
+    def expert():
+        dtype = gate_vmem.dtype
+        x = x_vmem[...].astype(dtype)  # [M, D]
+        gate = jnp.dot(x, gate_vmem[0], preferred_element_type=F32)  # [M, Fe]
+        up = jnp.dot(x, up_vmem[0], preferred_element_type=F32)
+        hidden = (jax.nn.silu(gate) * up).astype(dtype)
+        y = jnp.dot(hidden, down_vmem[0], preferred_element_type=F32)  # [M, D]
+        e = lax.broadcasted_iota(jnp.int32, weight_vmem.shape, 1)
+        w = jnp.sum(jnp.where(e == ids_smem[s], weight_vmem[...], 0.0), 1, keepdims=True)
+        out_vmem[...] += w * y  # [M, 1] routing weight of expert ids[s] per row
+
+
+def moe_experts(x: jax.Array, combine: jax.Array, we_gate: jax.Array, we_up: jax.Array,
+                we_down: jax.Array, ids, count: int):
+    """sum over slots s < count of combine[:, ids[s]] * SwiGLU of expert ids[s]: x [M, D]
+    float32, combine [M, E] float32 routing weights, we_gate, we_up [E, D, Fe], we_down
+    [E, Fe, D]; ids [slots] int32 the selected experts (sorted, padded)."""
+    (M, D), (E, _, Fe) = x.shape, we_gate.shape
+    ids = jnp.asarray(ids, jnp.int32)
+
+    def expert(s, ids, count):  # an off slot keeps the last live slot's expert: no DMA
+        return ids[jnp.minimum(s, jnp.maximum(count[0] - 1, 0))], 0, 0
+    grid = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2, grid=(ids.shape[0],),
+        in_specs=[pl.BlockSpec((M, D), lambda s, *_: (0, 0)),
+                  pl.BlockSpec((M, E), lambda s, *_: (0, 0)),
+                  pl.BlockSpec((1, D, Fe), expert), pl.BlockSpec((1, D, Fe), expert),
+                  pl.BlockSpec((1, Fe, D), expert)],
+        out_specs=pl.BlockSpec((M, D), lambda s, *_: (0, 0)))
+    return pl.pallas_call(moe_experts_kernel, grid_spec=grid, name="teach_moe_experts",
+                          out_shape=jax.ShapeDtypeStruct((M, D), F32),
+                          )(ids, jnp.asarray([count], jnp.int32), x, combine, we_gate,
+                            we_up, we_down)
+
+
+# -- 10: the all-reduce ------------------------------------------------------------------------
+def all_reduce(x: jax.Array) -> jax.Array:
+    """x [n, R, C]: device i's partial sum at i (n a power of two, C a multiple of n) ->
+    [n, R, C], every device's copy of the sum. In each round every device `me` exchanges
+    with its partner me XOR d at once (what the kernel's remote DMAs do in parallel)."""
+    n, R, C = x.shape
+    if n & (n - 1) or C % n:
+        raise ValueError(f"x {x.shape}: n={n} must be a power of two dividing C={C}")
+    c = C // n
+    held = [[x[me, :, k * c:(k + 1) * c] for k in range(n)] for me in range(n)]
+    d = n // 2
+    while d >= 1:  # reduce-scatter by recursive halving: d = n/2, ..., 1
+        before = [list(h) for h in held]
+        for me in range(n):
+            first = (me & ~(2 * d - 1)) + (me & d)  # the half of the range holding chunk me
+            for k in range(first, first + d):  # plus the partner's partial of that half
+                held[me][k] = before[me][k] + before[me ^ d][k]
+        d //= 2
+    # now device me holds the whole sum of chunk me, and only that one
+    gathered = [[held[me][me] if k == me else None for k in range(n)] for me in range(n)]
+    d = 1
+    while d < n:  # all-gather by recursive doubling: d = 1, 2, ..., n/2
+        before = [list(g) for g in gathered]
+        for me in range(n):
+            first = me & ~(d - 1)  # the aligned block of d chunks gathered so far
+            for k in range(first, first + d):  # sent to the partner, same positions
+                gathered[me ^ d][k] = before[me][k]
+        d *= 2
+    return jnp.stack([jnp.concatenate(g, axis=1) for g in gathered])
+
+
+# -- 01: the ring rule in time ----------------------------------------------------------------
+def ring_schedule(stream, *, slots: int, latency_s: float, dma_s: float,
+                  compute_s: float, active=None) -> list[dict]:
+    """Per tile of `stream` (a `mk.kernels.ring.TileStream`) with a `slots`-deep ring:
+    issue (tile g < slots at 0, else when tile g - slots was consumed: the ring rule),
+    land (latency after its issue, or when the DMA engine finishes the tile before it,
+    plus its transfer), consume start (landed and the compute lane free) and end.
+    active(name) -> bool (name as `TileStream.tiles` gives it, "we_gate[3]"): a tile of
+    a switched-off segment is neither loaded nor computed, only consumed in order
+    (`Ring.skip`): "skipped", start = end = when the lane reaches it."""
+    if slots < 1 or min(latency_s, dma_s, compute_s) < 0:
+        raise ValueError(f"slots={slots} must be >= 1 and the times >= 0")
+    out, engine, lane = [], 0.0, 0.0  # when the DMA engine and the compute lane are free
+    for g, layer, name, _, _ in stream.tiles():
+        issue = 0.0 if g < slots else out[g - slots]["end"]
+        on = active is None or active(name)
+        land = max(issue + latency_s, engine) + dma_s if on else issue
+        engine = land if on else engine
+        start = max(land, lane)
+        lane = start + (compute_s if on else 0.0)
+        out.append(dict(g=g, family=name.split("[")[0], slot=g % slots, issue=issue,
+                        land=land, start=start, end=lane, skipped=not on))
+    return out
+
+
+def first_copies(count: int):
+    """An `active` for `ring_schedule`: copies 0 .. count - 1 of every repeated segment
+    (the live expert slots: `select_experts` compacts the picked experts to the front)
+    and every plain segment."""
+    def active(name: str) -> bool:
+        return "[" not in name or int(name.split("[")[1].rstrip("]")) < count
+    return active
+
+
+def tile_times(spec, block, itemsize: int, rows: int) -> dict:
+    """`ring_schedule`'s times for one plain tile of `block` on chip `spec` (a
+    `mk.chips.ChipSpec`): the simulator's assumed DMA latency, the transfer at one core's
+    share of the datasheet bandwidth, the MXU rule's compute (`mk.sim`'s rule)."""
+    from mk import perf, sim  # the models, only for their numbers
+    cores = spec.cores_per_chip
+    return dict(latency_s=sim.Assumptions().dma_latency_s,
+                dma_s=block.tile_rows * block.tile_cols * itemsize / (spec.hbm_bw / cores),
+                compute_s=2 * max(rows, spec.mxu_rows) * block.tile_rows * block.tile_cols
+                / (perf.peak_flops(spec) / cores))
+
+
+# -- Annotated excerpts -----------------------------------------------------------------------
+def excerpt(obj, callouts, *, title: str = "") -> Markdown:
+    """The real code of `obj` as excerpts: callouts [(first anchor, last anchor, callout)],
+    each anchor a piece of one source line (the first line holding it, searched from the
+    previous excerpt on); each excerpt shows its module line numbers and is followed by its
+    callout; then the whole source folded. Raises if an anchor is missing (the code moved
+    on and the page must too)."""
+    source, start = inspect.getsourcelines(obj)
+    name = f"{obj.__module__}.{obj.__qualname__}"
+
+    def find(anchor, after):
+        for i in range(after, len(source)):
+            if anchor in source[i]:
+                return i
+        raise ValueError(f"excerpt of {name}: no line holding {anchor!r} after line "
+                         f"{start + after}")
+
+    head = f"{html.escape(title)}: " if title else ""
+    parts, at = [f"{head}`{name}`, from line {start} of its module\n"], 0
+    for number, (first, last, callout) in enumerate(callouts, 1):
+        a = find(first, at)
+        b = find(last, a)
+        at = b + 1
+        lines = "".join(f"{start + i:4d}  {source[i]}" for i in range(a, b + 1))
+        parts.append(f"```python\n{lines.rstrip()}\n```\n**({number})** {callout}\n")
+    full = html.escape("".join(source))
+    parts.append(f"<details><summary>The whole of {name} ({len(source)} lines)</summary>"
+                 f"\n\n<pre><code>{full}</code></pre>\n\n</details>")
+    return Markdown("\n".join(parts))
+
+
+def lines_of(obj) -> int:
+    """Lines of the source of `obj` (for checking a teaching version stays short)."""
+    return len(inspect.getsourcelines(obj)[0])
+
