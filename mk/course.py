@@ -61,6 +61,7 @@ from mk import backend, megakernel, reference, spec, teach
 from mk.checkpoint import init_params
 from mk.config import ModelConfig, preset
 from mk.kernels import attention_prologue, collectives, deltanet, mlp, one_layer, ring
+from mk.kernels.plan import DecodePlan
 
 PLANTS = ("ring_race", "rope_off", "wrong_expert", "dropped_all_reduce",
           "conv_unshifted", "head_decay", "wrong_residual", "accept_wrong_row")
@@ -334,7 +335,7 @@ class Mystery:
     def _step(self, fix=None, detect_races=False):
         patch = (replaced(self._plant, fix) if fix is not None else planted(self._plant))
         with patch, backend.use("interpret", detect_races=detect_races):
-            block = megakernel.step_plan(self.config, batch=1, rows=2, context=256).block
+            block = DecodePlan.make(self.config, batch=1, rows=2, context=256).block
             weights = megakernel.prepare(self.config, self.params, block)
             logits = megakernel.decode_step(self.config, weights, self.cache, self.tokens,
                                             self.positions)[1]
