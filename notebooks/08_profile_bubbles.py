@@ -81,7 +81,7 @@ from tqdm.auto import tqdm
 import mk
 import mk.backend
 import mk.run
-from mk import plots, profiling, reference
+from mk import bundles, plots, profiling, reference
 
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
@@ -285,8 +285,8 @@ if "google.colab" in sys.modules:  # Colab ships TensorBoard and its notebook ma
 schedule = None
 if schedule_dump and mk.chip(run.chip).kind == "tpu" and not run.checkpoint:
     with tempfile.TemporaryDirectory(prefix="mk08-") as dump:  # ~80 MB of listings
-        schedule = profiling.read_schedule(profiling.dump_schedule(
-            config.name, run.chip, dump, batch=run.batch, rows=run.rows, context=run.context))
+        schedule = bundles.read_schedule(bundles.dump_schedule(
+            config, run.chip, dump, batch=run.batch, rows=run.rows, context=run.context))
     print(f"mk_megakernel on {run.chip}: {schedule.bundles} bundles ({schedule.empty} empty), "
           f"{schedule.in_loops} inside loops; {schedule.dmas} DMA issues, {schedule.waits} "
           f"DMA waits in the code")

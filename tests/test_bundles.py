@@ -39,6 +39,30 @@ def test_loops_are_read_from_a_dump_in_libtpus_format():
     assert (second.bundles, second.mxu, second.eup) == (2, 1, 1)
 
 
+# A bundle whose comment runs on over the next lines: a DMA's bounds check quotes the DMA
+# (v5e and v6e write one before each weight tile's DMA).
+CHECKED = """\
+  0x20 LB: > { %1 = shalt.err (!%p1_p1) /* BoundsCheck 0 [deref of %s2] for %3 = dma.hbm_to_vmem [thread:$0]  /*hbm=*/%s2, /*size_in_granules=*/16384, /*vmem=*/%s4
+hlo: mk_megakernel.1
+ */ }
+  0x21   : > { %3 = dma.hbm_to_vmem [thread:$0]  /*hbm=*/%s2_s2, /*size_in_granules=*/16384, /*vmem=*/%s4_s4  ;;  %5 = vmatpush1.bf16.msra.mxu0 %v1_v1 }
+  0x22   : > { %6 = dma.done.wait %s5_s5, 256 }
+"""
+
+
+def test_a_bundle_running_over_several_lines_is_one_bundle_and_its_quote_no_dma():
+    """The bounds check is a bundle (the schedule-analysis total counts it), its op is
+    shalt.err; the DMA it quotes in its comment is not issued there."""
+    check, dma, wait = bundles.read_bundles(CHECKED)
+    assert (check.mark, check.depth, check.ops, check.granules, check.dmas) == (
+        "LB", 1, ("shalt.err",), (), 0)
+    assert (dma.ops, dma.granules, dma.dmas, wait.waits) == (
+        ("dma.hbm_to_vmem", "vmatpush1.bf16.msra.mxu0"), (16384,), 1, 1)
+    loop, = bundles.loops(CHECKED)
+    assert (loop.bundles, loop.dma_granules, loop.waits, loop.scalar_only) == (
+        3, (16384,), 1, 1)
+
+
 def test_tile_loops_are_those_streaming_tiles_of_the_size_and_no_softmax():
     found = bundles.loops(DUMP)
     assert bundles.tile_loops(found, 512 * 512 * 2) == [found[0]]  # the EUP loop is not
@@ -156,3 +180,40 @@ def test_a_ring_not_sized_by_littles_law_misses_that_bar():
         _, run = _resimulated(row, dataclasses.replace(plan.block, slots=slots))
         bound[slots] = run.step_s / max(run.hbm_floor_s, run.compute_s)
     assert bound[SLOTS] > 1.1 >= bound[cover], bound
+
+
+# -- The static schedule ----------------------------------------------------------------------
+TOY = """import sys, jax, jax.numpy as jnp, mk
+from jax.experimental import pallas as pl
+
+def kernel(x_ref, o_ref):
+    with jax.named_scope("scale"):
+        y = x_ref[...] * 2.0
+    with jax.named_scope("shift"):
+        o_ref[...] = y + 1.0
+
+def f(x):
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          name="mk_toy")(x)
+
+r = mk.tpu.compile_for_chip(f, [jax.ShapeDtypeStruct((8, 128), jnp.float32)], sys.argv[1])
+sys.exit(0 if r.ok else 1)
+"""
+
+
+def test_named_scopes_become_phases_of_the_static_schedule(tmp_path):
+    jf = bundles.compile_with_dumps(TOY, ["v6e"], tmp_path)
+    s = bundles.read_schedule(jf, "mk_toy")
+    assert set(s.phases) == {"scale", "shift"} and all(n > 0 for n in s.phases.values())
+    assert s.bundles > sum(s.phases.values())
+    # every bundle is read, those running over several lines too (the analysis counts them)
+    text = bundles.dump_file(jf, "mk_toy", "final_bundles.txt").read_text()
+    assert len(bundles.read_bundles(text)) == s.bundles
+    assert (s.dmas, s.waits) == (2, 2)  # x in, o out; not the bounds checks quoting them
+    assert set(s.utilisation) >= {"MXU", "VALU", "VLOAD", "VSTORE"}
+    assert all(0 <= u <= 1 for u in s.utilisation.values())
+
+
+def test_reading_a_folder_without_dumps_says_which_flag(tmp_path):
+    with pytest.raises(ValueError, match="xla_jf_dump_to"):
+        bundles.read_schedule(tmp_path)
