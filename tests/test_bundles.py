@@ -217,3 +217,16 @@ def test_named_scopes_become_phases_of_the_static_schedule(tmp_path):
 def test_reading_a_folder_without_dumps_says_which_flag(tmp_path):
     with pytest.raises(ValueError, match="xla_jf_dump_to"):
         bundles.read_schedule(tmp_path)
+
+
+def test_a_failing_or_late_child_is_reported_with_its_stderr_tail(tmp_path):
+    """The one launcher's failure report: the exit code and the end of the child's stderr;
+    a child outliving the timeout is stopped and reported the same way."""
+    fail = "import sys; sys.stderr.write('x' * 5000 + 'the compiler said no'); sys.exit(3)"
+    with pytest.raises(RuntimeError, match=r"(?s)exit 3.*the compiler said no") as failed:
+        bundles.compile_with_dumps(fail, [], tmp_path)
+    assert len(str(failed.value)) < 2200  # the tail, not the whole stream
+    late = "import sys, time; sys.stderr.write('still compiling'); sys.stderr.flush(); " \
+           "time.sleep(30)"
+    with pytest.raises(RuntimeError, match=r"(?s)timeout=1.0 s.*still compiling"):
+        bundles.compile_with_dumps(late, [], tmp_path, timeout=1.0)
