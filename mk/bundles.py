@@ -73,12 +73,16 @@ class Bundle:
     @property
     def dmas(self) -> int:
         """DMAs it issues (dma.hbm_to_vmem, dma.general, ...; not their waits)."""
-        return sum(o.startswith("dma.") and not o.startswith("dma.done") for o in self.ops)
+        return sum(map(_issues_dma, self.ops))
 
     @property
     def waits(self) -> int:
         """DMA waits in it (dma.done.wait, vwait.*)."""
         return sum(o == "dma.done.wait" or o.startswith("vwait.") for o in self.ops)
+
+
+def _issues_dma(op: str) -> bool:
+    return op.startswith("dma.") and not op.startswith("dma.done")
 
 
 def read_bundles(text: str) -> list[Bundle]:
@@ -96,7 +100,7 @@ def read_bundles(text: str) -> list[Bundle]:
             if op:
                 ops.append(op[1])
                 size = _GRANULES.search(instruction)
-                if size and op[1].startswith("dma.") and not op[1].startswith("dma.done"):
+                if size and _issues_dma(op[1]):
                     granules.append(int(size[1]))
         found.append(Bundle(mark or "", len(depth) if body.strip() else None, tuple(ops),
                             tuple(granules), body))

@@ -1,7 +1,9 @@
 """mk.bundles: the per-tile loops read from libtpu's bundle dump of the compiled megakernel,
-and the simulator's use of their cost. The parser is checked on a hand-written dump in the
+and the simulator's use of their cost. The parser is checked on hand-written dumps in the
 real format; one real compile (qwen3-0.6b on TPU7x, ~20 s) checks the kernel's per-tile
-loops and the issue-time rule of issue 14 on it."""
+loops and the issue-time rule of issue 14 on it. The whole kernel's static schedule
+(`read_schedule`) is checked on a toy kernel compiled with the dumps, and the one launcher
+of those compiles on a child that fails and one that outlives its timeout."""
 
 import dataclasses
 import json
