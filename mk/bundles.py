@@ -8,44 +8,103 @@ weight tile) has a static trip count, so bundles per trip / the chip's clock is 
 one tile keeps the TensorCore busy, before any stall: a lower bound on the compute lane's
 time per tile, which must stay below the tile's DMA time for HBM never to idle.
 
-Here: `Loop` (one loop body: bundles, MXU and scalar-only bundles, the DMAs it issues and
-waits for), `loops(text)` (every loop of a dump), `tile_loops(loops, tile_bytes)` (the ring's
-per-tile loops: each issues weight tiles of `tile_bytes` and runs the MXU, and none runs the
-EUP, which attention's softmax does), and `measure(config, chip, ...)` -> `TileCost`, which
-compiles the megakernel in a subprocess with the dump on (libtpu reads its flags once per
-process) and reads it back.
+Here, the one reader of libtpu's dumps and the one way to make them: `read_bundles(text)`
+(every bundle of a `final_bundles.txt`: its loop marker and depth, each instruction's op,
+the sizes of the DMAs it issues), `compile_with_dumps` (any compile, in a child process
+with the dump flags: libtpu reads them once per process), `dump_file` (one dump of one
+program), `dump_megakernel` (the megakernel's compile in that child). On them: `Loop`
+(one loop body: bundles, MXU and scalar-only bundles, the DMAs it issues and waits for),
+`loops(text)` (every loop of a dump), `tile_loops(loops, tile_bytes)` (the ring's per-tile
+loops: each issues weight tiles of `tile_bytes` and runs the MXU, and none runs the EUP,
+which attention's softmax does), `measure(config, chip, ...)` -> `TileCost`; and the whole
+kernel's static schedule, `dump_schedule` -> `read_schedule` -> `Schedule` (total bundles,
+per-unit utilisation, DMAs, bundles per named scope with `PHASE_FLAG`; notebook 08).
 
-Not here: the compile itself (`mk.tpu.compile_megakernel`), what a tile's DMA time is
-(`mk.chips`: bandwidth; `mk.sim`: latency), cycle-accurate timing (branches skip predicated
-regions, so bundles per trip bound one trip's issue time from above when the body branches,
-and stalls on DMA waits or the MXU's result FIFO are not in the count).
+Not here: the compile itself (`mk.tpu`), profiles of running steps (`mk.profiling`), what
+a tile's DMA time is (`mk.chips`: bandwidth; `mk.sim`: latency), cycle-accurate timing
+(branches skip predicated regions, so bundles per trip bound one trip's issue time from
+above when the body branches, and stalls on DMA waits or the MXU's result FIFO are not in
+the count).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import glob
 import os
 import pickle
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
+from collections import defaultdict
+from pathlib import Path
 
 import jax.numpy as jnp
 
 from mk.chips import ChipSpec, chip as chip_spec
-from mk.config import ModelConfig
+from mk.config import ModelConfig, preset
 from mk.kernels.common import BlockSizes
 from mk.kernels.plan import DecodePlan
 from mk.sim import Assumptions
 from mk.tpu import CompileReport
 
 GRANULE_BYTES = 32  # a DMA's size_in_granules unit (a 512 x 512 bf16 tile is 16384)
-_BUNDLE = re.compile(r"^\s*(?:0x[0-9a-f]+|\d+)\s+(LB:|LH:|LE:|CT:|PB:|PF:)?\s*:?\s*(>*)\s*"
-                     r"\{(.*)\}")
-_OP = re.compile(r"=\s*([a-z][a-z0-9_.]*)")
+PHASE_FLAG = "--xla_enable_custom_call_region_trace=true"  # named scopes -> trace markers
+# A bundle's line: its address, a marker of the dump's key (LB: a loop body starts, ...),
+# one `>` per loop level, then `{` and the instructions, split by `;;`. A comment opened on
+# the line may run on over the next lines (a DMA's bounds check quotes the DMA there).
+_BUNDLE = re.compile(r"^\s*(?:0x[0-9a-f]+|\d+)\s+([A-Z]{2})?:?\s*(>*)\s*\{(.*?)\}?\s*$")
+_OP = re.compile(r"=\s*([a-z][a-z0-9_.]*)")  # an instruction's own op: its first `= name`
 _GRANULES = re.compile(r"size_in_granules=\*/\s*(\d+)")
+_MARK = re.compile(r"TraceMe(Start|End)\(([^)]*)\)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Bundle:
+    """One VLIW bundle of a `final_bundles.txt` dump (one issue cycle)."""
+
+    mark: str  # the dump's marker ("LB" where a loop body starts, "PF", ...), else ""
+    depth: int | None  # loop levels it is inside (`>` each); None for an empty bundle `{}`
+    ops: tuple[str, ...]  # each instruction's op, in the bundle's order
+    granules: tuple[int, ...]  # the size of each DMA it issues
+    text: str  # its line from `{` on (trace markers are comments there)
+
+    @property
+    def dmas(self) -> int:
+        """DMAs it issues (dma.hbm_to_vmem, dma.general, ...; not their waits)."""
+        return sum(map(_issues_dma, self.ops))
+
+    @property
+    def waits(self) -> int:
+        """DMA waits in it (dma.done.wait, vwait.*)."""
+        return sum(o == "dma.done.wait" or o.startswith("vwait.") for o in self.ops)
+
+
+def _issues_dma(op: str) -> bool:
+    return op.startswith("dma.") and not op.startswith("dma.done")
+
+
+def read_bundles(text: str) -> list[Bundle]:
+    """Every bundle of one kernel's `final_bundles.txt` text, in program order (the
+    `schedule-analysis` file's "total scheduled bundles" counts the same ones)."""
+    found = []
+    for line in text.splitlines():
+        m = _BUNDLE.match(line)
+        if not m:
+            continue
+        mark, depth, body = m.groups()
+        ops, granules = [], []
+        for instruction in body.split(";;"):
+            op = _OP.search(instruction)  # a bounds check's comment quotes its DMA: not it
+            if op:
+                ops.append(op[1])
+                size = _GRANULES.search(instruction)
+                if size and _issues_dma(op[1]):
+                    granules.append(int(size[1]))
+        found.append(Bundle(mark or "", len(depth) if body.strip() else None, tuple(ops),
+                            tuple(granules), body))
+    return found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,37 +124,32 @@ class Loop:
 
 def loops(text: str) -> list[Loop]:
     """Every loop of one kernel's `final_bundles.txt` text, in program order."""
-    rows = []  # (marker, depth, ops, granules); an empty bundle `{}` carries no depth
-    for line in text.splitlines():
-        m = _BUNDLE.match(line)
-        if m:
-            mark, depth, body = m.groups()
-            rows.append((mark, len(depth) if body.strip() else None, _OP.findall(body),
-                         [int(g) for g in _GRANULES.findall(body)]))
+    rows = read_bundles(text)
     found = []
-    for i, (mark, d, _, _) in enumerate(rows):
-        if mark != "LB:" or not d:
+    for i, b in enumerate(rows):
+        d = b.depth
+        if b.mark != "LB" or not d:
             continue
         end = i + 1  # one past the last bundle of the body
         for j in range(i + 1, len(rows)):
-            mark_j, d_j, _, _ = rows[j]
+            d_j = rows[j].depth
             if d_j is None:
                 continue
-            if d_j < d or (mark_j == "LB:" and d_j == d):
+            if d_j < d or (rows[j].mark == "LB" and d_j == d):
                 break
             end = j + 1
         body = rows[i:end]
-        own = [r for r in body if r[1] in (d, None)]
+        own = [r for r in body if r.depth in (d, None)]
         found.append(Loop(
             first=i, depth=d, bundles=len(own),
             mxu=sum(any(o.startswith("vmat") or "mxu" in o or o.endswith(".mrb")
-                        for o in r[2]) for r in own),
-            scalar_only=sum(bool(r[2]) and not any(o.startswith(("v", "dma")) for o in r[2])
+                        for o in r.ops) for r in own),
+            scalar_only=sum(bool(r.ops) and not any(o.startswith(("v", "dma")) for o in r.ops)
                             for r in own),
-            dma_granules=tuple(g for r in own for g in r[3]),
-            waits=sum(o == "dma.done.wait" for r in own for o in r[2]),
-            eup=sum(any("eup" in o for o in r[2]) for r in own),
-            nested=sum(r[0] == "LB:" and r[1] == d + 1 for r in body)))
+            dma_granules=tuple(g for r in own for g in r.granules),
+            waits=sum(r.waits for r in own),
+            eup=sum(any("eup" in o for o in r.ops) for r in own),
+            nested=sum(r.mark == "LB" and r.depth == d + 1 for r in body)))
     return found
 
 
@@ -160,15 +214,77 @@ class TileCost:
                     compile_s=self.report.compile_seconds)
 
 
-def _kernel_dump(folder: str) -> str:
-    """The megakernel's final bundles among a dump folder's files."""
-    paths = [p for p in glob.glob(os.path.join(folder, "*final_bundles.txt"))
-             if "mk_megakernel" in os.path.basename(p)
-             and "schedule-analysis" not in os.path.basename(p)]
-    if not paths:
-        raise RuntimeError(f"libtpu wrote no megakernel bundles under {folder} (the dump "
-                           "flag --xla_jf_dump_to is internal and may have changed)")
-    return max(paths, key=os.path.getsize)
+# -- The dump: a compile in a child process, its files -----------------------------------
+def compile_with_dumps(code: str, args, out: str | os.PathLike, *, phases: bool = True,
+                       timeout: float = 600.0) -> Path:
+    """Run Python `code` (a TPU compile, e.g. through `mk.tpu`; it sees `args` as
+    sys.argv[1:]) in a child process whose libtpu dumps its schedules into `out`/jf (and
+    Mosaic's passes into `out`/mosaic), its flags appended to any LIBTPU_INIT_ARGS already
+    set; with `phases`, also `PHASE_FLAG`, so named scopes inside kernels become trace
+    markers (it changes the code: `measure` leaves it off). Returns `out`/jf. Raises
+    RuntimeError with the tail of the child's stderr if it fails or outlives `timeout`
+    seconds.
+
+    A child process because libtpu reads LIBTPU_INIT_ARGS once, at its first use. It
+    compiles only (JAX_PLATFORMS=cpu: on a TPU VM the parent holds the chip)."""
+    out = Path(out)
+    for sub in ("jf", "mosaic"):  # a fresh dump, not mixed with an earlier one
+        shutil.rmtree(out / sub, ignore_errors=True)
+    flags = [os.environ.get("LIBTPU_INIT_ARGS", ""), f"--xla_jf_dump_to={out / 'jf'}",
+             f"--xla_mosaic_dump_to={out / 'mosaic'}", PHASE_FLAG if phases else ""]
+    env = dict(os.environ, LIBTPU_INIT_ARGS=" ".join(f for f in flags if f),
+               JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1", TPU_SKIP_MDS_QUERY="1")
+    try:
+        done = subprocess.run([sys.executable, "-c", code, *map(str, args)], env=env,
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as late:
+        raise RuntimeError(f"the dumping compile outlived timeout={timeout} s:\n"
+                           f"{_tail(late.stderr)}") from None
+    if done.returncode:
+        raise RuntimeError(f"the dumping compile failed (exit {done.returncode}):\n"
+                           f"{_tail(done.stderr)}")
+    return out / "jf"
+
+
+def _tail(stderr: str | bytes | None, chars: int = 2000) -> str:
+    text = stderr.decode(errors="replace") if isinstance(stderr, bytes) else stderr or ""
+    return text[-chars:]
+
+
+def dump_file(jf_dump: str | os.PathLike, kernel: str, suffix: str) -> Path:
+    """The dump `suffix` ("final_bundles.txt", "schedule-analysis_final_bundles.txt",
+    "final_hlo-static-per-bundle-utilization.txt") of the program whose name starts with
+    `kernel`, the largest if several (the kernel itself, not a small program named after
+    it)."""
+    found = list(Path(jf_dump).glob(f"*-{kernel}*-{suffix}"))
+    if not found:
+        raise ValueError(f"no '{kernel}*-{suffix}' in {jf_dump}: was it dumped with "
+                         "--xla_jf_dump_to (internal to libtpu, it may have changed)?")
+    return max(sorted(found), key=lambda p: p.stat().st_size)
+
+
+_COMPILE_MEGAKERNEL = """import pickle, sys
+from mk import tpu
+with open(sys.argv[1], "rb") as f:
+    config, chip, kw, out = pickle.load(f)
+report = tpu.compile_megakernel(config, chip, **kw)
+with open(out, "wb") as f:
+    pickle.dump(report, f)
+"""
+
+
+def dump_megakernel(config: ModelConfig, chip: str, out: str | os.PathLike, *,
+                    phases: bool, timeout: float = 600.0, **kw) -> tuple[CompileReport, Path]:
+    """`mk.tpu.compile_megakernel(config, chip, **kw)` with the dumps on
+    (`compile_with_dumps` into `out`) -> (its report, the dump folder)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    job, result = out / "job.pkl", out / "report.pkl"
+    with open(job, "wb") as f:
+        pickle.dump((config, chip, kw, str(result)), f)
+    jf = compile_with_dumps(_COMPILE_MEGAKERNEL, [job], out, phases=phases, timeout=timeout)
+    with open(result, "rb") as f:
+        return pickle.load(f), jf
 
 
 def measure(config: ModelConfig, chip: str | ChipSpec, *, tp: int = 1,
@@ -176,34 +292,23 @@ def measure(config: ModelConfig, chip: str | ChipSpec, *, tp: int = 1,
             context: int = 4096, block: BlockSizes | None = None,
             timeout: float = 600.0) -> TileCost:
     """Compile `config`'s megakernel for `chip` (`mk.tpu.compile_megakernel`, same
-    arguments) in a subprocess with libtpu's bundle dump on; return its report and per-tile
-    loops (none if it did not compile: `TileCost.report` says why). Raises RuntimeError if
-    the subprocess dies or a compiled kernel shows no per-tile loop."""
+    arguments) in a child process with libtpu's bundle dump on (`dump_megakernel`); return
+    its report and per-tile loops (none if it did not compile: `TileCost.report` says why).
+    Raises RuntimeError if the child fails or a compiled kernel shows no per-tile loop."""
     spec = chip_spec(chip) if isinstance(chip, str) else chip
     if spec.clock_hz is None:
         raise ValueError(f"chip={spec.name!r} has no clock_hz (not a TPU)")
-    kw = dict(tp=tp, topology=topology, batch=batch, rows=rows, context=context,
-              block=block)
     plan = DecodePlan.make(config, tp=tp, batch=batch, rows=rows, context=context,
                            block=block, chip=spec)
     tile_bytes = plan.stream.tile_bytes * jnp.dtype(config.dtype).itemsize
     found = ()
     with tempfile.TemporaryDirectory(prefix="mk-bundles-") as folder:
-        job, out = os.path.join(folder, "job.pkl"), os.path.join(folder, "report.pkl")
-        with open(job, "wb") as f:
-            pickle.dump((config, spec.name, kw, out), f)
-        env = dict(os.environ, JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1",
-                   LIBTPU_INIT_ARGS=(os.environ.get("LIBTPU_INIT_ARGS", "") +
-                                     f" --xla_jf_dump_to={folder}/dump").strip())
-        done = subprocess.run([sys.executable, "-m", "mk.bundles", job], env=env,
-                              capture_output=True, text=True, timeout=timeout)
-        if done.returncode != 0:
-            raise RuntimeError(f"the compile subprocess failed:\n{done.stderr[-2000:]}")
-        with open(out, "rb") as f:
-            report = pickle.load(f)
+        report, jf = dump_megakernel(config, spec.name, folder, phases=False,
+                                     timeout=timeout, tp=tp, topology=topology,
+                                     batch=batch, rows=rows, context=context, block=block)
         if report.ok:
-            with open(_kernel_dump(f"{folder}/dump"), encoding="utf-8") as f:
-                found = tuple(tile_loops(loops(f.read()), tile_bytes))
+            text = dump_file(jf, "mk_megakernel", "final_bundles.txt").read_text()
+            found = tuple(tile_loops(loops(text), tile_bytes))
             if not found:
                 raise RuntimeError(f"{report.name}: no per-tile loop of {tile_bytes} B "
                                    "tiles found in the bundle dump")
@@ -211,16 +316,61 @@ def measure(config: ModelConfig, chip: str | ChipSpec, *, tp: int = 1,
                     spec.hbm_bw / spec.cores_per_chip)
 
 
-def _compile_job(job: str) -> None:
-    """The subprocess's side of `measure`: compile, pickle the report."""
-    from mk import tpu
+# -- The whole kernel's static schedule -------------------------------------------------
+def dump_schedule(config: str | ModelConfig, chip: str, out: str | os.PathLike, *,
+                  batch: int = 1, rows: int = 1, context: int = 256,
+                  phases: bool = True) -> Path:
+    """The megakernel of `config` (a preset's name or a config) compiled for `chip` with
+    the schedule dumps on (`dump_megakernel`); read them with `read_schedule`. Raises
+    RuntimeError if it does not compile."""
+    config = preset(config) if isinstance(config, str) else config
+    report, jf = dump_megakernel(config, chip, out, phases=phases, batch=batch, rows=rows,
+                                 context=context)
+    if not report.ok:
+        raise RuntimeError(f"the dumping compile failed: {report.summary()}")
+    return jf
 
-    with open(job, "rb") as f:
-        config, chip, kw, out = pickle.load(f)
-    report = tpu.compile_megakernel(config, chip, **kw)
-    with open(out, "wb") as f:
-        pickle.dump(report, f)
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """The compiler's static schedule of one kernel (bundle counts: not cycles; loops
+    count once, DMA latency is unknown)."""
+
+    kernel: str
+    bundles: int  # total scheduled VLIW bundles
+    empty: int  # bundles with nothing issued
+    utilisation: dict  # unit -> mean share of its issue slots used over all bundles
+    dmas: int  # DMA issues (dma.hbm_to_vmem, dma.vmem_to_hbm, ...)
+    waits: int  # DMA waits (dma.done.wait, vwait.*)
+    in_loops: int  # bundles inside a loop (listed once, run once per trip)
+    phases: dict  # named scope -> bundles between its trace markers (PHASE_FLAG)
 
 
-if __name__ == "__main__":
-    _compile_job(sys.argv[1])
+def read_schedule(jf_dump: str | os.PathLike, kernel: str = "mk_megakernel") -> Schedule:
+    """Summarise the dumps of the program named `kernel` (`dump_file`): total bundles,
+    per-unit utilisation, DMA and wait counts, and bundles per named scope (the innermost
+    scope a bundle is in, when the trace markers are present)."""
+    analysis = dump_file(jf_dump, kernel, "schedule-analysis_final_bundles.txt").read_text()
+    count = {k: int(re.search(rf"{k} scheduled bundles:\s+(\d+)", analysis)[1])
+             for k in ("total", "empty")}
+    util_text = dump_file(jf_dump, kernel, "final_hlo-static-per-bundle-utilization.txt"
+                          ).read_text().splitlines()
+    units = [u.strip() for u in util_text[1].split(",")]
+    capacity = [int(c) for c in util_text[2].split()]
+    rows = [[int(v) for v in line.split()] for line in util_text[4:] if line.strip()]
+    utilisation = {u: round(sum(r[i] for r in rows) / (capacity[i] * len(rows)), 4)
+                   for i, u in enumerate(units)} if rows else {}
+    phases: dict = defaultdict(int)
+    scopes: list[str] = []
+    found = read_bundles(dump_file(jf_dump, kernel, "final_bundles.txt").read_text())
+    for bundle in found:
+        for kind, scope in _MARK.findall(bundle.text):
+            if kind == "Start":
+                scopes.append(scope)
+            elif scopes and scopes[-1] == scope:
+                scopes.pop()
+        if scopes:
+            phases[scopes[-1]] += 1
+    return Schedule(kernel, count["total"], count["empty"], utilisation,
+                    sum(b.dmas for b in found), sum(b.waits for b in found),
+                    sum(bool(b.depth) for b in found), dict(phases))

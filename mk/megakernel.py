@@ -60,8 +60,10 @@ taps=True)` returns, and `first_divergence` compares the two op by op up to a
 
 Here: `prepare` (weights in the megakernel's layout, once), `decode_step`,
 `traced_step` (also what `mk.tpu.compile_megakernel` compiles), `first_divergence`,
-`generate`, `check_generate`, `progress_bar`. Not here: the compile-time benchmark
-(benchmarks/compile_time.py).
+`generate` and the kernel's one greedy loop for one device and many (`greedy_loop` on the
+host, `greedy_steps` on the device; `mk.tensor_parallel.generate` passes its step),
+`check_generate`, `progress_bar`. Not here: the compile-time benchmark
+(benchmarks/compile_time.py), the reference's loop (`mk.reference.generate`).
 
 Tensor parallelism is the same kernel with a plan of tp > 1, run inside `jax.shard_map`
 on one device's shard (the plan's `local` config; `mk.tensor_parallel` shards the weights
@@ -452,19 +454,56 @@ def traced_step(plan: DecodePlan, weights, cache, tokens, positions, taps: bool 
     return result
 
 
-@functools.partial(jax.jit, static_argnames=("plan", "steps"), donate_argnames="cache")
-def _greedy_steps(plan: DecodePlan, weights, cache, token, position, steps: int):
-    """`steps` greedy decode steps in one dispatch: a device-side loop of megakernel calls
-    from token [B] at position [B]. Returns (tokens [B, steps], cache). The cache is
-    donated (updated in place: HBM holds it once, what `mk.tpu` compiles and
-    `DecodePlan.fits` counts)."""
-    def step(carry, _):
+def greedy_steps(step, cache, token, position, steps: int):
+    """`steps` greedy decode steps as one device-side loop (a `lax.scan`), from token [B]
+    at position [B]: step(cache, tokens [B, 1], positions [B]) -> (next tokens [B, 1],
+    cache) is one kernel call. Returns (tokens [B, steps], cache). Traced in the caller's
+    jit (one device) or inside its shard_map (each device its own shard)."""
+    def body(carry, _):
         cache, token, position = carry
-        nxt, _, cache, *_ = traced_step(plan, weights, cache, token[:, None], position)
+        nxt, cache = step(cache, token[:, None], position)
         return (cache, nxt[:, 0], position + 1), nxt[:, 0]
 
-    (cache, _, _), tokens = lax.scan(step, (cache, token, position), None, length=steps)
+    (cache, _, _), tokens = lax.scan(body, (cache, token, position), None, length=steps)
     return tokens.T, cache
+
+
+@functools.partial(jax.jit, static_argnames=("plan", "steps"), donate_argnames="cache")
+def _greedy_steps(plan: DecodePlan, weights, cache, token, position, steps: int):
+    """`greedy_steps` of the megakernel on one device. The cache is donated (updated in
+    place: HBM holds it once, what `mk.tpu` compiles and `DecodePlan.fits` counts)."""
+    def step(cache, tokens, positions):
+        nxt, _, cache, *_ = traced_step(plan, weights, cache, tokens, positions)
+        return nxt, cache
+
+    return greedy_steps(step, cache, token, position, steps)
+
+
+def greedy_loop(dispatch, config: ModelConfig, values, prompt, S: int, steps: int,
+                steps_per_call: int, *, progress: bool, desc: str,
+                shard=lambda cache: cache, copies: tuple[int, ...] = ()) -> jax.Array:
+    """The host side of greedy decoding with the kernel, on one device or many: the
+    reference prefills `prompt` [B, P] on `values` into a cache of capacity S (`shard`
+    lays it out for the devices) and picks the first token; then
+    `dispatch(cache, token [B], position [B], n) -> (tokens [*copies, B, n], cache)` runs
+    n = steps_per_call steps per host dispatch (fewer at the end) under a `progress_bar`.
+    Returns the `steps` tokens [*copies, B, steps]: `copies` are leading axes (the tp
+    devices' copies; the prefill's token is on each, and the next dispatch starts from
+    the first copy's last token)."""
+    logits, cache = reference.prefill(config, values, prompt, max_context=S)
+    token = reference.greedy(logits[:, -1])
+    cache = shard(cache)
+    B = prompt.shape[0]
+    out, done = [jnp.broadcast_to(token[:, None], (*copies, B, 1))], 1
+    position = jnp.full((B,), prompt.shape[1], jnp.int32)
+    with progress_bar(steps, progress, desc) as bar:
+        while done < steps:
+            n = min(steps_per_call, steps - done)
+            tokens, cache = dispatch(cache, token, position, n)
+            out.append(tokens)
+            token, position, done = tokens[(0,) * len(copies)][:, -1], position + n, done + n
+            bar.update(n)
+    return jnp.concatenate(out, axis=-1)
 
 
 def check_generate(config: ModelConfig, prompt, steps: int, steps_per_call: int,
@@ -500,15 +539,7 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, backend: str = 
     values = quant.dequantize(params)  # what the kernel multiplies by, for the prefill
     reference.check_params(config, values)
     weights = prepare(config, params, plan.block)
-    logits, cache = reference.prefill(config, values, prompt, max_context=S)
-    token = reference.greedy(logits[:, -1])
-    out, done = [token[:, None]], 1
-    position = jnp.full((prompt.shape[0],), prompt.shape[1], jnp.int32)
-    with backends.use(backend), progress_bar(steps, progress) as bar:
-        while done < steps:
-            n = min(steps_per_call, steps - done)
-            tokens, cache = _greedy_steps(plan, weights, cache, token, position, n)
-            out.append(tokens)
-            token, position, done = tokens[:, -1], position + n, done + n
-            bar.update(n)
-    return jnp.concatenate(out, axis=1)
+    with backends.use(backend):
+        return greedy_loop(functools.partial(_greedy_steps, plan, weights), config, values,
+                           prompt, S, steps, steps_per_call, progress=progress,
+                           desc="megakernel")

@@ -13,11 +13,11 @@ those stops in real profiles, for three ways of running the same step:
 Here: `capture` (N annotated steps into `PROFILES/<name>/plugins/profile/<run>/`, the
 TensorBoard/XProf layout; `profiles_dir` says where PROFILES is), `timeline` (the op events of a trace, per step), `bubbles` (idle
 time per step, definitions in its docstring), `staged_step`, `variants`, `trace_viewer`
-(XProf's own converter), the TPU compiler's static schedule (`compile_with_dumps`,
-`dump_schedule`, `read_schedule`) and the figures of notebook 08 (`gantt` for a measured
+(XProf's own converter) and the figures of notebook 08 (`gantt` for a measured
 step through `lanes_figure`; `share_bars`; a simulated step is drawn by
 `mk.plots.timeline`, the course's one lane timeline). Not here: the simulator itself
-(`mk.sim`), any TPU time: a CPU trace times CPU work.
+(`mk.sim`), the TPU compiler's static schedule (`mk.bundles.dump_schedule`,
+`read_schedule`), any TPU time: a CPU trace times CPU work.
 
 What a CPU trace shows: XLA:CPU runs an XLA program's ops (thunks) on a thread pool, two
 lines here, each op an event with stats `hlo_op`, `hlo_module`, `run_id` (one run_id = one
@@ -26,7 +26,7 @@ simulates the kernel (DMAs and semaphores are host callbacks), so on a CPU one k
 shows as thousands of small ops and its time says nothing about a TPU. A TPU trace
 (`/device:TPU:0`) shows each kernel as one op on the "XLA Ops" line; named scopes inside a
 kernel show as its phases only with libtpu's `--xla_enable_custom_call_region_trace=true`
-(`PHASE_FLAG`), which is a compile flag, not a profiler option.
+(`mk.bundles.PHASE_FLAG`), which is a compile flag, not a profiler option.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ import functools
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 from collections import defaultdict
@@ -58,7 +57,6 @@ from mk.kernels.plan import DecodePlan
 from mk.kernels.weight_streaming import stream_matmul
 
 VARIANTS = ("xla", "staged", "megakernel")
-PHASE_FLAG = "--xla_enable_custom_call_region_trace=true"
 
 
 def profiles_dir(environ=os.environ, package: Path = Path(__file__)) -> Path:
@@ -484,108 +482,6 @@ def benign_stderr_dropped(benign: re.Pattern):
             for line in captured.read().decode(errors="replace").splitlines(keepends=True):
                 if not benign.search(line):
                     sys.stderr.write(line)
-
-
-# -- The static schedule (TPU compiler dumps; no TPU needed) ---------------------------------
-def compile_with_dumps(code: str, args, out: str | os.PathLike, *,
-                       phases: bool = True) -> Path:
-    """Run Python `code` (a TPU compile, e.g. through `mk.tpu`; it sees `args` as
-    sys.argv[1:]) in a child process whose libtpu dumps its schedules into `out`/jf (and
-    Mosaic's passes into `out`/mosaic); with `phases`, also `PHASE_FLAG`, so named scopes
-    inside kernels become trace markers. Returns `out`/jf.
-
-    A child process because libtpu reads LIBTPU_INIT_ARGS once, at its first use."""
-    out = Path(out)
-    for sub in ("jf", "mosaic"):  # a fresh dump, not mixed with an earlier one
-        shutil.rmtree(out / sub, ignore_errors=True)
-    flags = f"--xla_jf_dump_to={out / 'jf'} --xla_mosaic_dump_to={out / 'mosaic'}"
-    env = dict(os.environ, LIBTPU_INIT_ARGS=flags + (f" {PHASE_FLAG}" if phases else ""),
-               # compile only: on a TPU VM the parent holds the chip, the child must not
-               JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1", TPU_SKIP_MDS_QUERY="1")
-    done = subprocess.run([sys.executable, "-c", code, *map(str, args)], env=env,
-                          capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"the dumping compile failed:\n{done.stdout}{done.stderr[-2000:]}")
-    return out / "jf"
-
-
-_COMPILE_MEGAKERNEL = """import sys, mk
-name, chip, batch, rows, context = sys.argv[1:]
-r = mk.tpu.compile_megakernel(mk.preset(name), chip, batch=int(batch), rows=int(rows),
-                              context=int(context))
-print(r.summary())
-sys.exit(0 if r.ok else 1)
-"""
-
-
-def dump_schedule(config_name: str, chip: str, out: str | os.PathLike, *, batch: int = 1,
-                  rows: int = 1, context: int = 256, phases: bool = True) -> Path:
-    """The megakernel of preset `config_name` compiled for `chip` with the schedule dumps
-    on (`compile_with_dumps`); read them with `read_schedule`."""
-    return compile_with_dumps(_COMPILE_MEGAKERNEL, [config_name, chip, batch, rows, context],
-                              out, phases=phases)
-
-
-@dataclasses.dataclass(frozen=True)
-class Schedule:
-    """The compiler's static schedule of one kernel (bundle counts: not cycles; loops
-    count once, DMA latency is unknown)."""
-
-    kernel: str
-    bundles: int  # total scheduled VLIW bundles
-    empty: int  # bundles with nothing issued
-    utilisation: dict  # unit -> mean share of its issue slots used over all bundles
-    dmas: int  # DMA issues (dma.hbm_to_vmem, dma.vmem_to_hbm, ...)
-    waits: int  # DMA waits (dma.done.wait, vwait.*)
-    in_loops: int  # bundles inside a loop (listed once, run once per trip)
-    phases: dict  # named scope -> bundles between its trace markers (PHASE_FLAG)
-
-
-_MARK = re.compile(r"TraceMe(Start|End)\(([^)]*)\)")
-_BUNDLE = re.compile(r"^\s*(?:0x[0-9a-f]+|\d+)\s+(?:[A-Z]{2})?:\s*(>*)\s*\{")
-
-
-def read_schedule(jf_dump: str | os.PathLike, kernel: str = "mk_megakernel") -> Schedule:
-    """Summarise the dumps of the first program whose name starts with `kernel`: total
-    bundles, per-unit utilisation, DMA and wait counts, and bundles per named scope (the
-    innermost scope a bundle is in, when the trace markers are present)."""
-    jf = Path(jf_dump)
-
-    def one(suffix):
-        found = sorted(jf.glob(f"*-{kernel}*-{suffix}"))
-        if not found:
-            raise ValueError(f"no '{kernel}*-{suffix}' in {jf}: was it dumped with "
-                             "--xla_jf_dump_to?")
-        return found[0].read_text()
-
-    analysis = one("schedule-analysis_final_bundles.txt")
-    count = {k: int(re.search(rf"{k} scheduled bundles:\s+(\d+)", analysis)[1])
-             for k in ("total", "empty")}
-    util_text = one("final_hlo-static-per-bundle-utilization.txt").splitlines()
-    units = [u.strip() for u in util_text[1].split(",")]
-    capacity = [int(c) for c in util_text[2].split()]
-    rows = [[int(v) for v in line.split()] for line in util_text[4:] if line.strip()]
-    utilisation = {u: round(sum(r[i] for r in rows) / (capacity[i] * len(rows)), 4)
-                   for i, u in enumerate(units)} if rows else {}
-    phases: dict = defaultdict(int)
-    scopes: list[str] = []
-    dmas = waits = in_loops = 0
-    for line in one("final_bundles.txt").splitlines():
-        bundle = _BUNDLE.match(line)
-        if not bundle:
-            continue
-        in_loops += bool(bundle[1])
-        for kind, scope in _MARK.findall(line):
-            if kind == "Start":
-                scopes.append(scope)
-            elif scopes and scopes[-1] == scope:
-                scopes.pop()
-        dmas += len(re.findall(r"= dma\.(?!done)", line))
-        waits += len(re.findall(r"= dma\.done\.wait|vwait\.", line))
-        if scopes:
-            phases[scopes[-1]] += 1
-    return Schedule(kernel, count["total"], count["empty"], utilisation, dmas, waits,
-                    in_loops, dict(phases))
 
 
 # -- Figures --------------------------------------------------------------------------------

@@ -181,15 +181,14 @@ def compile_target(plan: DecodePlan, mesh, weights, cache, tokens, positions):
 @functools.partial(jax.jit, static_argnames=("plan", "mesh", "steps"),
                    donate_argnames="cache")  # in place, as mk.megakernel's and mk.tpu's
 def _greedy_steps(plan, mesh, weights, cache, token, position, steps: int):
+    """`mk.megakernel.greedy_steps` on every device -> (tokens [tp, B, steps], cache)."""
     def per_device(weights, cache, token, position):
-        def step(carry, _):
-            cache, token, position = carry
-            nxt, _, cache = _step(plan, weights, cache, token[:, None], position)
-            return (cache, nxt[0, :, 0], position + 1), nxt[0, :, 0]
+        def step(cache, tokens, positions):
+            nxt, _, cache = _step(plan, weights, cache, tokens, positions)
+            return nxt[0], cache
 
-        (cache, _, _), tokens = jax.lax.scan(step, (cache, token, position), None,
-                                             length=steps)
-        return tokens.T[None], cache
+        tokens, cache = megakernel.greedy_steps(step, cache, token, position, steps)
+        return tokens[None], cache
 
     return jax.shard_map(per_device, mesh=mesh,
                          in_specs=(_specs(weights), _specs(cache), P(), P()),
@@ -215,19 +214,10 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, tp: int,
                                 block=block)
     reference.check_params(config, params)
     weights = prepare(plan, params)
-    logits, cache = reference.prefill(config, params, prompt, max_context=S)
-    cache = shard_cache(config, cache, tp)
-    token = reference.greedy(logits[:, -1])
-    out, done = [jnp.broadcast_to(token[None, :, None], (tp, token.shape[0], 1))], 1
-    position = jnp.full((prompt.shape[0],), prompt.shape[1], jnp.int32)
-    with megakernel.progress_bar(steps, progress, f"megakernel tp={tp}") as bar:
-        while done < steps:
-            n = min(steps_per_call, steps - done)
-            tokens, cache = _greedy_steps(plan, mesh, weights, cache, token, position, n)
-            out.append(tokens)
-            token, position, done = tokens[0, :, -1], position + n, done + n
-            bar.update(n)
-    return jnp.concatenate(out, axis=2)
+    return megakernel.greedy_loop(
+        functools.partial(_greedy_steps, plan, mesh, weights), config, params, prompt, S,
+        steps, steps_per_call, progress=progress, desc=f"megakernel tp={tp}",
+        shard=functools.partial(shard_cache, config, tp=tp), copies=(tp,))
 
 
 # -- What the collectives cost ------------------------------------------------------------

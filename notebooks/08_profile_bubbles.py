@@ -88,8 +88,8 @@ from tqdm.auto import tqdm
 import mk
 import mk.backend
 import mk.run
+from mk import bundles, plots, profiling, reference, teach
 from mk import megakernel as megakernel_module
-from mk import plots, profiling, reference, teach
 from mk.kernels import one_layer as one_layer_module
 
 mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
@@ -343,8 +343,8 @@ teach.excerpt(one_layer_module.layer_body, [
 schedule = None
 if schedule_dump and mk.chip(run.chip).kind == "tpu" and not run.checkpoint:
     with tempfile.TemporaryDirectory(prefix="mk08-") as dump:  # ~80 MB of listings
-        schedule = profiling.read_schedule(profiling.dump_schedule(
-            config.name, run.chip, dump, batch=run.batch, rows=run.rows, context=run.context))
+        schedule = bundles.read_schedule(bundles.dump_schedule(
+            config, run.chip, dump, batch=run.batch, rows=run.rows, context=run.context))
     print(f"mk_megakernel on {run.chip}: {schedule.bundles} bundles ({schedule.empty} empty), "
           f"{schedule.in_loops} inside loops; {schedule.dmas} DMA issues, {schedule.waits} "
           f"DMA waits in the code")

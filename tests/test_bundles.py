@@ -1,7 +1,9 @@
 """mk.bundles: the per-tile loops read from libtpu's bundle dump of the compiled megakernel,
-and the simulator's use of their cost. The parser is checked on a hand-written dump in the
+and the simulator's use of their cost. The parser is checked on hand-written dumps in the
 real format; one real compile (qwen3-0.6b on TPU7x, ~20 s) checks the kernel's per-tile
-loops and the issue-time rule of issue 14 on it."""
+loops and the issue-time rule of issue 14 on it. The whole kernel's static schedule
+(`read_schedule`) is checked on a toy kernel compiled with the dumps, and the one launcher
+of those compiles on a child that fails and one that outlives its timeout."""
 
 import dataclasses
 import json
@@ -37,6 +39,30 @@ def test_loops_are_read_from_a_dump_in_libtpus_format():
     assert (first.depth, first.bundles, first.mxu, first.scalar_only, first.dma_granules,
             first.waits, first.eup, first.nested) == (1, 5, 1, 1, (16384,), 1, 0, 0)
     assert (second.bundles, second.mxu, second.eup) == (2, 1, 1)
+
+
+# A bundle whose comment runs on over the next lines: a DMA's bounds check quotes the DMA
+# (v5e and v6e write one before each weight tile's DMA).
+CHECKED = """\
+  0x20 LB: > { %1 = shalt.err (!%p1_p1) /* BoundsCheck 0 [deref of %s2] for %3 = dma.hbm_to_vmem [thread:$0]  /*hbm=*/%s2, /*size_in_granules=*/16384, /*vmem=*/%s4
+hlo: mk_megakernel.1
+ */ }
+  0x21   : > { %3 = dma.hbm_to_vmem [thread:$0]  /*hbm=*/%s2_s2, /*size_in_granules=*/16384, /*vmem=*/%s4_s4  ;;  %5 = vmatpush1.bf16.msra.mxu0 %v1_v1 }
+  0x22   : > { %6 = dma.done.wait %s5_s5, 256 }
+"""
+
+
+def test_a_bundle_running_over_several_lines_is_one_bundle_and_its_quote_no_dma():
+    """The bounds check is a bundle (the schedule-analysis total counts it), its op is
+    shalt.err; the DMA it quotes in its comment is not issued there."""
+    check, dma, wait = bundles.read_bundles(CHECKED)
+    assert (check.mark, check.depth, check.ops, check.granules, check.dmas) == (
+        "LB", 1, ("shalt.err",), (), 0)
+    assert (dma.ops, dma.granules, dma.dmas, wait.waits) == (
+        ("dma.hbm_to_vmem", "vmatpush1.bf16.msra.mxu0"), (16384,), 1, 1)
+    loop, = bundles.loops(CHECKED)
+    assert (loop.bundles, loop.dma_granules, loop.waits, loop.scalar_only) == (
+        3, (16384,), 1, 1)
 
 
 def test_tile_loops_are_those_streaming_tiles_of_the_size_and_no_softmax():
@@ -156,3 +182,53 @@ def test_a_ring_not_sized_by_littles_law_misses_that_bar():
         _, run = _resimulated(row, dataclasses.replace(plan.block, slots=slots))
         bound[slots] = run.step_s / max(run.hbm_floor_s, run.compute_s)
     assert bound[SLOTS] > 1.1 >= bound[cover], bound
+
+
+# -- The static schedule ----------------------------------------------------------------------
+TOY = """import sys, jax, jax.numpy as jnp, mk
+from jax.experimental import pallas as pl
+
+def kernel(x_ref, o_ref):
+    with jax.named_scope("scale"):
+        y = x_ref[...] * 2.0
+    with jax.named_scope("shift"):
+        o_ref[...] = y + 1.0
+
+def f(x):
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          name="mk_toy")(x)
+
+r = mk.tpu.compile_for_chip(f, [jax.ShapeDtypeStruct((8, 128), jnp.float32)], sys.argv[1])
+sys.exit(0 if r.ok else 1)
+"""
+
+
+def test_named_scopes_become_phases_of_the_static_schedule(tmp_path):
+    jf = bundles.compile_with_dumps(TOY, ["v6e"], tmp_path)
+    s = bundles.read_schedule(jf, "mk_toy")
+    assert set(s.phases) == {"scale", "shift"} and all(n > 0 for n in s.phases.values())
+    assert s.bundles > sum(s.phases.values())
+    # every bundle is read, those running over several lines too (the analysis counts them)
+    text = bundles.dump_file(jf, "mk_toy", "final_bundles.txt").read_text()
+    assert len(bundles.read_bundles(text)) == s.bundles
+    assert (s.dmas, s.waits) == (2, 2)  # x in, o out; not the bounds checks quoting them
+    assert set(s.utilisation) >= {"MXU", "VALU", "VLOAD", "VSTORE"}
+    assert all(0 <= u <= 1 for u in s.utilisation.values())
+
+
+def test_reading_a_folder_without_dumps_says_which_flag(tmp_path):
+    with pytest.raises(ValueError, match="xla_jf_dump_to"):
+        bundles.read_schedule(tmp_path)
+
+
+def test_a_failing_or_late_child_is_reported_with_its_stderr_tail(tmp_path):
+    """The one launcher's failure report: the exit code and the end of the child's stderr;
+    a child outliving the timeout is stopped and reported the same way."""
+    fail = "import sys; sys.stderr.write('x' * 5000 + 'the compiler said no'); sys.exit(3)"
+    with pytest.raises(RuntimeError, match=r"(?s)exit 3.*the compiler said no") as failed:
+        bundles.compile_with_dumps(fail, [], tmp_path)
+    assert len(str(failed.value)) < 2200  # the tail, not the whole stream
+    late = "import sys, time; sys.stderr.write('still compiling'); sys.stderr.flush(); " \
+           "time.sleep(30)"
+    with pytest.raises(RuntimeError, match=r"(?s)timeout=1.0 s.*still compiling"):
+        bundles.compile_with_dumps(late, [], tmp_path, timeout=1.0)

@@ -218,39 +218,6 @@ def test_staged_step_is_one_launch_per_op_and_matches_the_reference(tmp_path):
                                want_cache.k.astype(jnp.float32), rtol=2e-2, atol=3e-2)
 
 
-# -- The static schedule ----------------------------------------------------------------------
-TOY = """import sys, jax, jax.numpy as jnp, mk
-from jax.experimental import pallas as pl
-
-def kernel(x_ref, o_ref):
-    with jax.named_scope("scale"):
-        y = x_ref[...] * 2.0
-    with jax.named_scope("shift"):
-        o_ref[...] = y + 1.0
-
-def f(x):
-    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-                          name="mk_toy")(x)
-
-r = mk.tpu.compile_for_chip(f, [jax.ShapeDtypeStruct((8, 128), jnp.float32)], sys.argv[1])
-sys.exit(0 if r.ok else 1)
-"""
-
-
-def test_named_scopes_become_phases_of_the_static_schedule(tmp_path):
-    jf = profiling.compile_with_dumps(TOY, ["v6e"], tmp_path)
-    s = profiling.read_schedule(jf, "mk_toy")
-    assert set(s.phases) == {"scale", "shift"} and all(n > 0 for n in s.phases.values())
-    assert s.bundles > sum(s.phases.values()) and s.dmas > 0
-    assert set(s.utilisation) >= {"MXU", "VALU", "VLOAD", "VSTORE"}
-    assert all(0 <= u <= 1 for u in s.utilisation.values())
-
-
-def test_reading_a_folder_without_dumps_says_which_flag(tmp_path):
-    with pytest.raises(ValueError, match="xla_jf_dump_to"):
-        profiling.read_schedule(tmp_path)
-
-
 def test_xprof_fallback_line_is_dropped_and_other_stderr_lines_stay(capfd):
     """The C++ ERROR line xprof prints on every conversion goes; a real error (the control,
     written the same way, to file descriptor 2) still reaches stderr."""
