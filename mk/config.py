@@ -2,8 +2,9 @@
 
 Here: the frozen `ModelConfig` for Qwen3 / Qwen3-MoE-shaped decoders, Qwen3.5's hybrid
 (gated-DeltaNet linear attention + gated full attention) and Kimi Linear (MLA + Kimi Delta
-Attention + shared-expert MoE with a grouped sigmoid router), its derived sizes (parameter
-count, weight bytes, KV or latent bytes per token, linear-attention state bytes per sequence),
+Attention + shared-expert MoE with a grouped sigmoid router), its derived sizes (KV or
+latent bytes per token, linear-attention state bytes per sequence; parameter counts and
+stored bytes are the weight table's, `mk.weights.param_count` and `stored_bytes`),
 `ModelConfig.from_hf` for Hugging Face `config.json` files and the named presets. Not here:
 weights (`mk.checkpoint`), chips (`mk.chips`), notebook parameters (`mk.run`), kernel
 tiling (each kernel's `BlockSizes`).
@@ -414,90 +415,9 @@ class ModelConfig:
         return DTYPE_BITS[self.expert_dtype or self.dtype]
 
     @property
-    def attention_params(self) -> int:
-        """Parameters of one layer's attention block, norms included."""
-        if self.is_mla:
-            return self.mla_params
-        gate = self.q_width if self.attn_output_gate else 0
-        proj = self.hidden * (2 * self.q_width + 2 * self.kv_width + gate)
-        norms = self.hidden + (2 * self.head_dim if self.qk_norm else 0)
-        return proj + norms
-
-    @property
-    def mla_params(self) -> int:
-        """Parameters of one MLA block (Kimi Linear's full layers), its input norm included."""
-        D, N, H, R, Rq = self.hidden, self.heads, self.head_dim, self.latent_rank, self.q_rank
-        q = D * Rq + Rq + Rq * N * H if Rq else D * N * H
-        kv = D * self.latent_width + R + R * N * (H - self.rope_dim + self.value_dim)
-        return q + kv + N * self.value_dim * D + D
-
-    @property
-    def kda_params(self) -> int:
-        """Parameters of one KDA layer (Kimi Delta Attention), its input norm included."""
-        D, C, Nv, Hk, Hv = (self.hidden, self.conv_channels, self.linear_value_heads,
-                            self.linear_key_dim, self.linear_value_dim)
-        gates = D * Hk + Hk * Nv * Hk + Nv * Hk + Nv + D * Nv + D * Hv + Hv * Nv * Hv
-        return D * C + C * self.conv_kernel + gates + Hv + Nv * Hv * D + D
-
-    @property
-    def linear_attention_params(self) -> int:
-        """Parameters of one gated-DeltaNet (or KDA) layer, its input norm included."""
-        if self.channel_decay:
-            return self.kda_params
-        D, C, Nv, Vw = self.hidden, self.conv_channels, self.linear_value_heads, \
-            self.linear_value_width
-        proj = D * (C + Vw + 2 * Nv) + Vw * D  # qkv, z, b, a; out
-        return proj + C * self.conv_kernel + 2 * Nv + self.linear_value_dim + D
-
-    def mixer_params(self, layer: int) -> int:
-        kind, _ = self.mixer_index(layer)
-        return self.attention_params if kind == "full" else self.linear_attention_params
-
-    @property
-    def dense_mlp_params(self) -> int:
-        return 3 * self.hidden * self.ffn + self.hidden
-
-    @property
     def expert_params(self) -> int:
         """Parameters of ONE expert (gate, up, down)."""
         return 3 * self.hidden * self.expert_ffn
-
-    @property
-    def router_params(self) -> int:
-        """Router (and its choice bias) + mlp_norm + the shared expert, of one MoE layer."""
-        bias = self.experts if self.router_score == "sigmoid" else 0
-        return self.hidden * self.experts + bias + self.hidden + self.shared_expert_params
-
-    @property
-    def shared_expert_params(self) -> int:
-        return 3 * self.hidden * self.shared_expert_ffn
-
-    @property
-    def embedding_params(self) -> int:
-        """Embedding, lm_head (unless tied) and final norm."""
-        heads = 1 if self.tie_embeddings else 2
-        return heads * self.vocab * self.hidden + self.hidden
-
-    @property
-    def param_count(self) -> int:
-        dense = len(self.dense_layers) * self.dense_mlp_params
-        moe = len(self.moe_layers) * (self.router_params + self.experts * self.expert_params)
-        mixers = sum(self.mixer_params(i) for i in range(self.layers))
-        return self.embedding_params + mixers + dense + moe
-
-    def layer_weight_bytes(self, layer: int) -> int:
-        """Bytes of all stored weights of one layer (every expert, not only the active)."""
-        attn = self.mixer_params(layer) * self.weight_bits // 8
-        kind, _ = self.mlp_index(layer)
-        if kind == "dense":
-            return attn + self.dense_mlp_params * self.weight_bits // 8
-        experts = self.experts * self.expert_params * self.expert_bits // 8
-        return attn + self.router_params * self.weight_bits // 8 + experts
-
-    @property
-    def weight_bytes(self) -> int:
-        embed = self.embedding_params * self.weight_bits // 8
-        return embed + sum(self.layer_weight_bytes(i) for i in range(self.layers))
 
     @property
     def kv_bytes_per_token(self) -> int:

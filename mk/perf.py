@@ -70,7 +70,7 @@ from mk.config import DTYPE_BITS, ModelConfig, positive_int
 from mk.kernels.collectives import PARTIAL_SUM_BYTES, allreduce_s
 from mk.kernels.one_layer import model_block
 from mk.kernels.plan import kv_layout, padded_vocab, shard_config, shard_weight_bytes
-from mk.weights import FAMILY, kind_of, names_of, param_shapes
+from mk.weights import FAMILY, kind_of, names_of, param_shapes, stored_bytes
 
 PUBLISHED_CSV = DATA / "published.csv"
 ROUTINGS = ("uniform", "shared", "disjoint")
@@ -219,7 +219,7 @@ class StepEstimate(_Throughput):
 
     @property
     def weight_bytes(self) -> float:
-        """Weight bytes read this step (not config.weight_bytes, the stored total)."""
+        """Weight bytes read this step (not `mk.weights.stored_bytes`, the stored total)."""
         return (self.attention_bytes + self.norm_bytes + self.dense_mlp_bytes
                 + self.router_bytes + self.expert_bytes + self.embed_bytes
                 + self.lm_head_bytes + self.linear_bytes)
@@ -595,7 +595,7 @@ def resident_bytes(config: ModelConfig, *, batch: int = 1, context: int | None =
     activations, workspace or replication."""
     context = config.max_context if context is None else context
     _validate_step(config, batch, 1, context, 1, 1, "uniform", "bf16")
-    return config.weight_bytes + batch * context * config.kv_bytes_per_token
+    return stored_bytes(config) + batch * context * config.kv_bytes_per_token
 
 
 def cache_bytes(config: ModelConfig, *, batch: int = 1, context: int | None = None

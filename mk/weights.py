@@ -46,11 +46,12 @@ and checks in `mk.config`, its kernel phases in `mk.kernels`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable
 
 import jax
 
-from mk.config import ModelConfig
+from mk.config import DTYPE_BITS, ModelConfig
 
 # Which layers stack a kind's weights: a ModelConfig field (a count or a list of layers),
 # or "" for the model's own weights.
@@ -375,3 +376,16 @@ def layer_rows(config: ModelConfig, kind: str) -> tuple[tuple[int, int], ...]:
     layers = getattr(config, field)
     layers = range(layers) if isinstance(layers, int) else layers
     return tuple((layer, row) for row, layer in enumerate(layers))
+
+
+def param_count(config: ModelConfig) -> int:
+    """Every parameter of `config` (each expert, the embedding, an untied lm_head)."""
+    return sum(math.prod(shape) for shape, _ in param_shapes(config).values())
+
+
+def stored_bytes(config: ModelConfig, kind: str | None = None) -> int:
+    """The bytes `config`'s weights take stored in their dtypes (`DTYPE_BITS`: FP4 experts
+    half a byte a value), of every kind or of `kind`'s weights only."""
+    bits = sum(math.prod(w.stacked(config)) * DTYPE_BITS[w.dtype(config)]
+               for w in weights_of(config) if kind is None or w.kind == kind)
+    return bits // 8

@@ -77,6 +77,7 @@ import mk.run
 from mk import ledger, perf, plots
 from mk.chips import all_chips
 from mk.config import PRESET_NAMES
+from mk.weights import stored_bytes
 from IPython.display import display
 
 mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
@@ -142,7 +143,7 @@ for name in PRESET_NAMES:
     s = min(table_context, c.max_position - run.rows)
     steps[name] = perf.predict(c, run.chip, batch=run.batch, rows=run.rows, context=s)
 display(plots.table([{
-    "preset": n, "S": e.context, "stored GB": f"{mk.preset(n).weight_bytes / 1e9:.3g}",
+    "preset": n, "S": e.context, "stored GB": f"{stored_bytes(mk.preset(n)) / 1e9:.3g}",
     "weights read GB": f"{e.weight_bytes / 1e9:.3g}",
     "experts GB": f"{e.expert_bytes / 1e9:.3g}", "KV GB": f"{e.kv_bytes / 1e9:.3g}",
     "GFLOP": f"{e.flops / 1e9:.3g}", "FLOP/B": f"{e.intensity_flop_per_byte:.3g}"}

@@ -357,7 +357,8 @@ dense_bytes = 3 * dense_config.hidden * dense_config.ffn * jnp.dtype(dense_confi
 moe_bytes = (D * E + int(loaded[0]) * 3 * D * Fe) * item
 all_experts = (D * E + E * 3 * D * Fe) * item
 n_big = perf.experts_touched(big.experts, big.experts_per_token, M)
-big_layer = (big.router_params * big.weight_bits + n_big * big.expert_params * big.expert_bits) / 8
+big_layer = (big.hidden * big.experts * big.weight_bits  # the router, then the experts
+             + n_big * big.expert_params * big.expert_bits) / 8
 display(plots.table([
     bytes_row(f"{dense_config.name} SwiGLU", dense_bytes),
     bytes_row(f"{moe_config.name} MoE, {int(loaded[0])} experts loaded", moe_bytes),

@@ -96,6 +96,7 @@ from mk import course, plots, reference, teach, tpu
 from mk import tensor_parallel as tpar
 from mk.kernels import collectives
 from mk.kernels.plan import shard_config
+from mk.weights import stored_bytes
 
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
@@ -125,7 +126,7 @@ def split_rows(config, tps):
         out.append(dict(model=config.name, tp=t, heads=local.heads, kv_heads=local.kv_heads,
                         ffn=local.ffn if config.dense_layers else "-",
                         expert_ffn=local.expert_ffn or "-", vocab=local.vocab,
-                        weights_GiB_per_device=f"{config.weight_bytes / t / 2**30:.3g}"))
+                        weights_GiB_per_device=f"{stored_bytes(config) / t / 2**30:.3g}"))
     return out
 
 
@@ -274,7 +275,7 @@ for report in reports:
 # %%
 for name, t in (("qwen3-30b-a3b", 4), ("kimi-k3-like", 32)):
     full, local = mk.preset(name), shard_config(mk.preset(name), t)
-    packed = full.weight_bytes / t  # the stored bytes (FP4 packed), split evenly
+    packed = stored_bytes(full) / t  # the stored bytes (FP4 packed), split evenly
     print(f"{name} TP{t}: expert width {full.expert_ffn}/{t} = {full.expert_ffn // t} -> "
           f"{local.expert_ffn} per device; packed weights / tp = {packed / 2**30:.1f} GiB")
 

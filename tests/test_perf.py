@@ -13,7 +13,7 @@ from mk import perf
 from mk.chips import all_chips, chip
 from mk.config import PRESET_NAMES
 from mk.kernels.one_layer import model_block
-from mk.weights import abstract_params
+from mk.weights import abstract_params, stored_bytes
 
 REAL_PRESETS = [n for n in PRESET_NAMES if not n.startswith("tiny")]
 DENSE_PRESETS = [n for n in REAL_PRESETS if not mk.preset(n).is_moe]
@@ -93,7 +93,7 @@ def test_fp4_experts_count_four_bits_per_weight():
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-moe", "qwen3-0.6b", "qwen3-30b-a3b"])
 def test_touching_every_expert_reads_every_stored_weight_once(name):
-    # With all experts touched, the weight families add up to config.weight_bytes, less the
+    # With all experts touched, the weight families add up to mk.weights.stored_bytes, less the
     # embedding table (only B*T rows are gathered) when lm_head is a separate tensor, with
     # the norms in float32 (config counts them in bf16) and the lm_head's columns padded
     # to whole tiles.
@@ -103,7 +103,7 @@ def test_touching_every_expert_reads_every_stored_weight_once(name):
     padding = e.lm_head_bytes - config.vocab * config.hidden * 2
     assert 0 <= padding < model_block(config).tile_cols * config.hidden * 2
     norms = e.norm_bytes / 2  # the same vectors in bf16
-    assert e.weight_bytes - e.embed_bytes - norms - padding + table == config.weight_bytes
+    assert e.weight_bytes - e.embed_bytes - norms - padding + table == stored_bytes(config)
 
 
 def test_floors_are_bytes_over_device_bandwidth_and_flops_over_device_peak():

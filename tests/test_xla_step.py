@@ -4,6 +4,7 @@ import pytest
 
 import mk
 from mk import xla_step
+from mk.weights import stored_bytes
 
 HLO = """HloModule m
 
@@ -39,6 +40,6 @@ def test_parse_entry_counts_each_instruction_with_its_bytes_and_memory_space():
 def test_tiny_xla_step_compiles_for_v6e_into_many_fusions_and_refuses_a_gpu():
     step = xla_step.compile_step(mk.preset("tiny"), "v6e", context=256)
     assert step.layers == 2 and step.fusions > 10 * step.layers
-    assert step.fusion_bytes > mk.preset("tiny").weight_bytes  # every weight is read
+    assert step.fusion_bytes > stored_bytes(mk.preset("tiny"))  # every weight is read
     with pytest.raises(ValueError, match="chip='h200' is a gpu"):
         xla_step.compile_step(mk.preset("tiny"), "h200")
