@@ -40,6 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
+from mk.kinds import KIND_CHECKS, brief
+
 # Bits per stored element; the byte accounting of every weight family reads this table.
 DTYPE_BITS = {
     "float32": 32,
@@ -52,8 +54,6 @@ DTYPE_BITS = {
 }
 # Token mixers a layer may have: full attention over a KV cache, or a gated DeltaNet.
 LAYER_TYPES = ("full", "linear")
-# How a router scores experts: Qwen's softmax, or DeepSeek/Kimi's sigmoid (+ choice bias).
-ROUTER_SCORES = ("softmax", "sigmoid")
 # Dtypes the reference and the kernels compute with; the others only count bytes.
 COMPUTE_DTYPES = ("float32", "bfloat16")
 # M = B * T activation rows of one decode step (decode and speculative verification).
@@ -69,41 +69,6 @@ def positive_int(field: str, value) -> int:
     return int(value)
 
 
-def check_routing(where: str, *, router_score, expert_groups, topk_groups, routed_scale,
-                  experts: int | None = None, top_k: int | None = None) -> None:
-    """A MoE router's settings (ModelConfig's fields, and `mk.kernels.mlp.Routing`'s):
-    raises ValueError naming the field, prefixed by `where`. Without `experts` only each
-    field's own type and value are checked; with it (and top_k), their agreement: the
-    softmax router has no groups or scale, the sigmoid router's groups split the experts
-    into groups of at least 2 (a group scores by its top 2) and the kept groups hold top_k
-    experts."""
-    if router_score not in ROUTER_SCORES:
-        raise ValueError(f"{where}: router_score={router_score!r} must be one of "
-                         f"{ROUTER_SCORES}")
-    if not (isinstance(routed_scale, (int, float, np.floating)) and math.isfinite(routed_scale)
-            and routed_scale > 0):
-        raise ValueError(f"{where}: routed_scale={routed_scale!r} must be a finite number > 0")
-    if experts is None:
-        return
-    if router_score == "softmax":
-        if (expert_groups, topk_groups, routed_scale) != (1, 1, 1.0):
-            raise ValueError(f"{where}: expert_groups={expert_groups}, topk_groups="
-                             f"{topk_groups} and routed_scale={routed_scale}: the softmax "
-                             "router has no groups or scale (the sigmoid router has)")
-        return
-    if isinstance(expert_groups, bool) or not isinstance(expert_groups, (int, np.integer)) \
-            or expert_groups < 1 or experts % expert_groups or experts // expert_groups < 2:
-        raise ValueError(f"{where}: expert_groups={expert_groups!r} must divide experts="
-                         f"{experts} into groups of at least 2 (a group scores by its top 2 "
-                         "experts)")
-    if isinstance(topk_groups, bool) or not isinstance(topk_groups, (int, np.integer)) \
-            or not 1 <= topk_groups <= expert_groups \
-            or topk_groups * experts // expert_groups < top_k:
-        raise ValueError(f"{where}: topk_groups={topk_groups!r} must be in [1, "
-                         f"expert_groups={expert_groups}] and its groups must hold top_k="
-                         f"{top_k} experts")
-
-
 def check_rows(batch: int, rows: int = 1) -> int:
     """M = batch * rows activation rows of one kernel step, checked against [1, MAX_ROWS]."""
     batch, rows = positive_int("batch", batch), positive_int("rows", rows)
@@ -111,15 +76,6 @@ def check_rows(batch: int, rows: int = 1) -> int:
         raise ValueError(f"batch={batch} x rows={rows} = {batch * rows} activation rows "
                          f"exceed MAX_ROWS={MAX_ROWS} of one decode step")
     return batch * rows
-
-
-def brief(items, limit: int = 10) -> str:
-    """A sequence for an error message: all of it when short, else its first `limit` items
-    and how many more there are (a 10**6-layer config must not give a 10**6-item error)."""
-    if len(items) <= limit:
-        return repr(items)
-    head = ", ".join(map(str, list(items[:limit])))
-    return f"({head}, ... {len(items) - limit} more, {len(items)} in all)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,7 +123,7 @@ class ModelConfig:
     value_dim: int = 0  # Ho, MLA's value head dim
     channel_decay: bool = False  # KDA: the forget gate decays each key channel
     shared_expert_ffn: int = 0  # Fs; every MoE layer adds a dense SwiGLU of this width
-    router_score: str = "softmax"  # one of ROUTER_SCORES
+    router_score: str = "softmax"  # one of mk.kinds.ROUTER_SCORES
     expert_groups: int = 1  # sigmoid router: experts come from the best topk_groups groups
     topk_groups: int = 1
     routed_scale: float = 1.0  # routed_scaling_factor: multiplies the routed weights
@@ -199,34 +155,11 @@ class ModelConfig:
             raise ValueError(f"{self.name}: expert_dtype={self.expert_dtype!r} must be one "
                              f"of {tuple(DTYPE_BITS)}")
         object.__setattr__(self, "moe_layers", tuple(int(i) for i in self.moe_layers))
-        self._validate_moe()
-        self._validate_hybrid()
-        self._validate_kimi()
+        self._validate_layer_types()
+        for check in KIND_CHECKS:  # each layer kind's own fields
+            check(self)
 
-    def _validate_moe(self):
-        moe_fields = (self.experts, self.experts_per_token, self.expert_ffn)
-        if not self.moe_layers:
-            if any(moe_fields):
-                raise ValueError(f"{self.name}: experts={self.experts}, experts_per_token="
-                                 f"{self.experts_per_token}, expert_ffn={self.expert_ffn} "
-                                 "are set but moe_layers is empty")
-            return
-        if min(moe_fields) < 1:
-            raise ValueError(f"{self.name}: an MoE model needs experts={self.experts}, "
-                             f"experts_per_token={self.experts_per_token} and expert_ffn="
-                             f"{self.expert_ffn} all >= 1")
-        if self.experts_per_token > self.experts:
-            raise ValueError(f"{self.name}: experts_per_token={self.experts_per_token} "
-                             f"exceeds experts={self.experts}")
-        bad = [i for i in self.moe_layers if not 0 <= i < self.layers]
-        if bad or len(set(self.moe_layers)) != len(self.moe_layers):
-            raise ValueError(f"{self.name}: moe_layers={brief(self.moe_layers)} must be "
-                             f"distinct layer indices in [0, {self.layers})")
-        if list(self.moe_layers) != sorted(self.moe_layers):
-            raise ValueError(f"{self.name}: moe_layers={brief(self.moe_layers)} must be "
-                             "sorted")
-
-    def _validate_hybrid(self):
+    def _validate_layer_types(self):
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
         if self.layer_types and len(self.layer_types) != self.layers:
             raise ValueError(f"{self.name}: layer_types has {len(self.layer_types)} entries, "
@@ -240,59 +173,6 @@ class ModelConfig:
             raise ValueError(f"{self.name}: partial_rotary_factor={self.partial_rotary_factor}"
                              f" must be in (0, 1] and give an even number of rotated dims "
                              f"(head_dim={self.head_dim} * factor = {rotary})")
-        linear = ("linear_key_heads", "linear_value_heads", "linear_key_dim",
-                  "linear_value_dim", "conv_kernel")
-        values = {field: getattr(self, field) for field in linear}
-        if not self.linear_layers:
-            if any(values.values()):
-                raise ValueError(f"{self.name}: {values} are set but layer_types has no "
-                                 "'linear' layer")
-            return
-        for field, value in values.items():
-            if not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"{self.name}: {field}={value!r} must be a positive "
-                                 "integer in a model with linear layers")
-        if self.linear_value_heads % self.linear_key_heads:
-            raise ValueError(f"{self.name}: linear_value_heads={self.linear_value_heads} "
-                             f"must be a multiple of linear_key_heads={self.linear_key_heads}")
-
-    def _validate_kimi(self):
-        mla = dict(q_rank=self.q_rank, rope_dim=self.rope_dim, value_dim=self.value_dim)
-        if not self.latent_rank and any(mla.values()):
-            raise ValueError(f"{self.name}: {mla} are set but latent_rank=0 (no MLA)")
-        if self.latent_rank:
-            for field, value in dict(latent_rank=self.latent_rank, **mla).items():
-                if not isinstance(value, (int, np.integer)) or value < (field != "q_rank"):
-                    raise ValueError(f"{self.name}: {field}={value!r} must be a "
-                                     f"{'non-negative' if field == 'q_rank' else 'positive'}"
-                                     " integer in an MLA model")
-            if not self.rope_dim < self.head_dim:
-                raise ValueError(f"{self.name}: rope_dim={self.rope_dim} must be below "
-                                 f"head_dim={self.head_dim} (H = Hn + Hr, Hn >= 1)")
-            if self.kv_heads != self.heads or self.qk_norm or self.attn_output_gate:
-                raise ValueError(f"{self.name}: MLA needs kv_heads=heads (got {self.kv_heads}"
-                                 f", {self.heads}), qk_norm=False (got {self.qk_norm}) and "
-                                 f"attn_output_gate=False (got {self.attn_output_gate})")
-        if self.channel_decay and (not self.linear_layers
-                                   or self.linear_key_heads != self.linear_value_heads):
-            raise ValueError(f"{self.name}: channel_decay (KDA) needs linear layers with "
-                             f"linear_key_heads={self.linear_key_heads} equal to "
-                             f"linear_value_heads={self.linear_value_heads}")
-        routing = dict(router_score=self.router_score, expert_groups=self.expert_groups,
-                       topk_groups=self.topk_groups, routed_scale=self.routed_scale)
-        if not self.moe_layers:
-            check_routing(self.name, **routing)  # the fields' own types and values
-            if routing | dict(shared_expert_ffn=self.shared_expert_ffn) != dict(
-                    router_score="softmax", expert_groups=1, topk_groups=1,
-                    routed_scale=1.0, shared_expert_ffn=0):
-                raise ValueError(f"{self.name}: {routing} and shared_expert_ffn="
-                                 f"{self.shared_expert_ffn} are set but moe_layers is empty")
-            return
-        if not isinstance(self.shared_expert_ffn, (int, np.integer)) \
-                or self.shared_expert_ffn < 0:
-            raise ValueError(f"{self.name}: shared_expert_ffn={self.shared_expert_ffn!r} "
-                             "must be a non-negative integer")
-        check_routing(self.name, experts=self.experts, top_k=self.experts_per_token, **routing)
 
     # -- Derived shapes -------------------------------------------------------------------
     @property

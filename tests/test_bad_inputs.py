@@ -8,6 +8,7 @@ The multi-device NaN argmax is in tests/test_collectives.py (its subprocess runs
 Each subprocess case has a timeout, so a hang is a failure, not a stuck run.
 """
 
+import html
 import json
 import math
 import os
@@ -232,7 +233,7 @@ def test_sigterm_marks_the_interrupted_run_newest_in_the_index(tmp_path):
     finally:
         proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-2000:]
-    index = (out / "index.html").read_text()
+    index = html.unescape((out / "index.html").read_text())  # run values are escaped
     newest = index.split("<h2>All runs</h2>")[0]
     assert "interrupted" in newest and "98_sleeps" in newest
     assert "20000101-000000: runs.json unreadable" in index

@@ -59,11 +59,14 @@ def prepare(notebook: Path, label: str) -> None:
     (`widget_text`), since the page has no widget manager: a tqdm bar shows where it
     ended, not the 0% it was displayed at."""
     nb = nbformat.read(notebook, as_version=4)
-    for cell in nb.cells:
-        if label and cell.cell_type == "markdown" and cell.source.startswith("# "):
-            first, _, rest = cell.source.partition("\n")
-            cell.source = f"{first} ({label})" + (f"\n{rest}" if rest else "")
-            break
+    heading = next((cell for cell in nb.cells
+                    if cell.cell_type == "markdown" and cell.source.startswith("# ")), None)
+    if heading is None:  # a page needs a title (Sphinx, warnings being errors)
+        heading = nbformat.v4.new_markdown_cell(f"# {escape(notebook.stem)}")
+        nb.cells.insert(0, heading)
+    if label:
+        first, _, rest = heading.source.partition("\n")
+        heading.source = f"{first} ({label})" + (f"\n{rest}" if rest else "")
     state = nb.metadata.get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
     for cell in nb.cells:
         for output in cell.get("outputs", []):
@@ -134,8 +137,13 @@ def table(rows: list[dict], prefix: str) -> str:
 
 
 def write_index(run_dir: Path, record: dict, summary: str) -> None:
-    """`run_dir/index.md`: the run's table, then the pages in run order."""
-    rows = [r for r in record["rows"] if r["page"]]
+    """`run_dir/index.md`: the run's table, then the pages in run order: every notebook
+    the run wrote, an interrupted one's partial outputs too (Sphinx reads every notebook
+    in the folder and, warnings being errors, refuses one outside the table of contents)."""
+    rows = [r for r in record["rows"] if (run_dir / (r["name"] + ".ipynb")).is_file()]
+    for r in rows:
+        if not r["page"]:  # interrupted before `prepare`: its partial outputs, titled
+            prepare(run_dir / (r["name"] + ".ipynb"), "")
     toc = "\n".join(
         f"{title(run_dir / (r['name'] + '.ipynb'))} <{r['name']}>" for r in rows)
     text = f"""# mk notebooks, run {run_dir.name}

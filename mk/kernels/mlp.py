@@ -69,7 +69,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mk import quant
-from mk.config import COMPUTE_DTYPES, MAX_ROWS, check_routing
+from mk.config import COMPUTE_DTYPES, MAX_ROWS
+from mk.kinds import check_routing
 from mk.kernels.common import BlockSizes, Buffer, start_dma, vmem_limit_bytes, vmem_scratch
 from mk.kernels.ring import Repeat, Ring, TileStream, ring_buffers
 from mk.kernels.weight_streaming import ring_weights, stage_block, weight_stream
@@ -282,7 +283,7 @@ class Routing:
                    config.expert_groups, config.topk_groups, config.routed_scale)
 
     def check(self, experts: int) -> Routing:
-        """Itself, after checking it against `experts` (`mk.config.check_routing`); raises
+        """Itself, after checking it against `experts` (`mk.kinds.check_routing`); raises
         ValueError naming the field."""
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) \
                 or not 1 <= self.top_k <= experts:
@@ -519,7 +520,8 @@ def moe_kernel(inputs, out_vmem, loaded_smem, *, stream: TileStream, dtype,
     loaded_smem[0] = moe_body(
         ring, 0, inputs["h"], s.router_vmem, s.combine_vmem, s.selected_vmem, s.selected_smem,
         s.small_sems.at[small_sem("selected")], s.ids_smem, s.count_smem, s.gate_vmem,
-        s.up_vmem, s.down_vmem, out_vmem, routing=routing, bias_vmem=getattr(s, "router_bias_vmem", None),
+        s.up_vmem, s.down_vmem, out_vmem, routing=routing,
+        bias_vmem=getattr(s, "router_bias_vmem", None),
         shared=((s.shared_gate_vmem, s.shared_up_vmem) if "ws_gate" in inputs else None))
 
 

@@ -1,0 +1,160 @@
+"""The layer kinds' own checks of a `mk.config.ModelConfig`: each kind (MoE layers, linear
+layers, MLA, KDA, the router) checks the fields that describe it, and that they are unset
+when the model has no layer of that kind. `ModelConfig` runs every one (`KIND_CHECKS`) on
+construction; a check reads the config's fields by name, so this module imports nothing
+of mk. Also here: `check_routing` (a router's settings, the config's and the MoE kernel's
+`Routing`), `ROUTER_SCORES` and `brief` (a sequence cut short for an error message).
+Not here: the kinds' weights (`mk.weights`), their kernels (`mk.kernels`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+# How a router scores experts: Qwen's softmax, or DeepSeek/Kimi's sigmoid (+ choice bias).
+ROUTER_SCORES = ("softmax", "sigmoid")
+
+
+def brief(items, limit: int = 10) -> str:
+    """A sequence for an error message: all of it when short, else its first `limit` items
+    and how many more there are (a 10**6-layer config must not give a 10**6-item error)."""
+    if len(items) <= limit:
+        return repr(items)
+    head = ", ".join(map(str, list(items[:limit])))
+    return f"({head}, ... {len(items) - limit} more, {len(items)} in all)"
+
+
+def check_routing(where: str, *, router_score, expert_groups, topk_groups, routed_scale,
+                  experts: int | None = None, top_k: int | None = None) -> None:
+    """A MoE router's settings (ModelConfig's fields, and `mk.kernels.mlp.Routing`'s):
+    raises ValueError naming the field, prefixed by `where`. Without `experts` only each
+    field's own type and value are checked; with it (and top_k), their agreement: the
+    softmax router has no groups or scale, the sigmoid router's groups split the experts
+    into groups of at least 2 (a group scores by its top 2) and the kept groups hold top_k
+    experts."""
+    if router_score not in ROUTER_SCORES:
+        raise ValueError(f"{where}: router_score={router_score!r} must be one of "
+                         f"{ROUTER_SCORES}")
+    if not (isinstance(routed_scale, (int, float, np.floating)) and math.isfinite(routed_scale)
+            and routed_scale > 0):
+        raise ValueError(f"{where}: routed_scale={routed_scale!r} must be a finite number > 0")
+    if experts is None:
+        return
+    if router_score == "softmax":
+        if (expert_groups, topk_groups, routed_scale) != (1, 1, 1.0):
+            raise ValueError(f"{where}: expert_groups={expert_groups}, topk_groups="
+                             f"{topk_groups} and routed_scale={routed_scale}: the softmax "
+                             "router has no groups or scale (the sigmoid router has)")
+        return
+    if isinstance(expert_groups, bool) or not isinstance(expert_groups, (int, np.integer)) \
+            or expert_groups < 1 or experts % expert_groups or experts // expert_groups < 2:
+        raise ValueError(f"{where}: expert_groups={expert_groups!r} must divide experts="
+                         f"{experts} into groups of at least 2 (a group scores by its top 2 "
+                         "experts)")
+    if isinstance(topk_groups, bool) or not isinstance(topk_groups, (int, np.integer)) \
+            or not 1 <= topk_groups <= expert_groups \
+            or topk_groups * experts // expert_groups < top_k:
+        raise ValueError(f"{where}: topk_groups={topk_groups!r} must be in [1, "
+                         f"expert_groups={expert_groups}] and its groups must hold top_k="
+                         f"{top_k} experts")
+
+
+def check_moe(c) -> None:
+    """MoE layers: experts, top-k and width set exactly when there are MoE layers, which
+    are distinct sorted layer indices."""
+    moe_fields = (c.experts, c.experts_per_token, c.expert_ffn)
+    if not c.moe_layers:
+        if any(moe_fields):
+            raise ValueError(f"{c.name}: experts={c.experts}, experts_per_token="
+                             f"{c.experts_per_token}, expert_ffn={c.expert_ffn} "
+                             "are set but moe_layers is empty")
+        return
+    if min(moe_fields) < 1:
+        raise ValueError(f"{c.name}: an MoE model needs experts={c.experts}, "
+                         f"experts_per_token={c.experts_per_token} and expert_ffn="
+                         f"{c.expert_ffn} all >= 1")
+    if c.experts_per_token > c.experts:
+        raise ValueError(f"{c.name}: experts_per_token={c.experts_per_token} "
+                         f"exceeds experts={c.experts}")
+    bad = [i for i in c.moe_layers if not 0 <= i < c.layers]
+    if bad or len(set(c.moe_layers)) != len(c.moe_layers):
+        raise ValueError(f"{c.name}: moe_layers={brief(c.moe_layers)} must be "
+                         f"distinct layer indices in [0, {c.layers})")
+    if list(c.moe_layers) != sorted(c.moe_layers):
+        raise ValueError(f"{c.name}: moe_layers={brief(c.moe_layers)} must be "
+                         "sorted")
+
+
+def check_linear(c) -> None:
+    """Linear layers (gated DeltaNet or KDA): their head counts, head dims and conv width
+    set exactly when layer_types has a linear layer; value heads a multiple of key heads."""
+    linear = ("linear_key_heads", "linear_value_heads", "linear_key_dim",
+              "linear_value_dim", "conv_kernel")
+    values = {field: getattr(c, field) for field in linear}
+    if not c.linear_layers:
+        if any(values.values()):
+            raise ValueError(f"{c.name}: {values} are set but layer_types has no "
+                             "'linear' layer")
+        return
+    for field, value in values.items():
+        if not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{c.name}: {field}={value!r} must be a positive "
+                             "integer in a model with linear layers")
+    if c.linear_value_heads % c.linear_key_heads:
+        raise ValueError(f"{c.name}: linear_value_heads={c.linear_value_heads} "
+                         f"must be a multiple of linear_key_heads={c.linear_key_heads}")
+
+
+def check_mla(c) -> None:
+    """MLA full layers (latent_rank > 0): its ranks and dims set only then; kv_heads =
+    heads, no QK-norm, no output gate."""
+    mla = dict(q_rank=c.q_rank, rope_dim=c.rope_dim, value_dim=c.value_dim)
+    if not c.latent_rank and any(mla.values()):
+        raise ValueError(f"{c.name}: {mla} are set but latent_rank=0 (no MLA)")
+    if c.latent_rank:
+        for field, value in dict(latent_rank=c.latent_rank, **mla).items():
+            if not isinstance(value, (int, np.integer)) or value < (field != "q_rank"):
+                raise ValueError(f"{c.name}: {field}={value!r} must be a "
+                                 f"{'non-negative' if field == 'q_rank' else 'positive'}"
+                                 " integer in an MLA model")
+        if not c.rope_dim < c.head_dim:
+            raise ValueError(f"{c.name}: rope_dim={c.rope_dim} must be below "
+                             f"head_dim={c.head_dim} (H = Hn + Hr, Hn >= 1)")
+        if c.kv_heads != c.heads or c.qk_norm or c.attn_output_gate:
+            raise ValueError(f"{c.name}: MLA needs kv_heads=heads (got {c.kv_heads}"
+                             f", {c.heads}), qk_norm=False (got {c.qk_norm}) and "
+                             f"attn_output_gate=False (got {c.attn_output_gate})")
+
+
+def check_kda(c) -> None:
+    """KDA linear layers (channel_decay): linear layers with as many key as value heads."""
+    if c.channel_decay and (not c.linear_layers
+                            or c.linear_key_heads != c.linear_value_heads):
+        raise ValueError(f"{c.name}: channel_decay (KDA) needs linear layers with "
+                         f"linear_key_heads={c.linear_key_heads} equal to "
+                         f"linear_value_heads={c.linear_value_heads}")
+
+
+def check_router(c) -> None:
+    """The router (`check_routing`) and the shared expert: set only with MoE layers."""
+    routing = dict(router_score=c.router_score, expert_groups=c.expert_groups,
+                   topk_groups=c.topk_groups, routed_scale=c.routed_scale)
+    if not c.moe_layers:
+        check_routing(c.name, **routing)  # the fields' own types and values
+        if routing | dict(shared_expert_ffn=c.shared_expert_ffn) != dict(
+                router_score="softmax", expert_groups=1, topk_groups=1,
+                routed_scale=1.0, shared_expert_ffn=0):
+            raise ValueError(f"{c.name}: {routing} and shared_expert_ffn="
+                             f"{c.shared_expert_ffn} are set but moe_layers is empty")
+        return
+    if not isinstance(c.shared_expert_ffn, (int, np.integer)) \
+            or c.shared_expert_ffn < 0:
+        raise ValueError(f"{c.name}: shared_expert_ffn={c.shared_expert_ffn!r} "
+                         "must be a non-negative integer")
+    check_routing(c.name, experts=c.experts, top_k=c.experts_per_token, **routing)
+
+
+# Every kind's check, in the order ModelConfig runs them.
+KIND_CHECKS = (check_moe, check_linear, check_mla, check_kda, check_router)
