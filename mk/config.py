@@ -319,80 +319,87 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, source: str | Path | dict, *, name: str | None = None,
                 dtype: str | None = None) -> ModelConfig:
-        """Read a Qwen3 / Qwen3-MoE `config.json` (a path, a folder, or the parsed dict).
+        """Read a Qwen3, Qwen3-MoE, Qwen3.5 or Kimi Linear `config.json` (a path, a folder,
+        or the parsed dict; `HF_MODEL_TYPES`).
 
         Both spellings are accepted: older (`rope_theta`, `num_experts`) and newer
         (`rope_parameters`, `num_local_experts`). `dtype` overrides the file's dtype.
         """
-        hf = _read_hf_dict(source)
-        where = name or hf.get("_name_or_path") or str(source if not isinstance(source, dict)
-                                                       else "config.json")
+        return _config_from_hf(cls, source, name=name, dtype=dtype)
+
+
+def _config_from_hf(cls, source, *, name: str | None = None, dtype: str | None = None):
+    """`ModelConfig.from_hf` (`cls`): the Qwen fields here, Qwen3.5's hybrid fields
+    (`_hybrid_fields`) and Kimi Linear's (`_kimi_fields`) beside it."""
+    hf = _read_hf_dict(source)
+    where = name or hf.get("_name_or_path") or str(source if not isinstance(source, dict)
+                                                   else "config.json")
+    model_type = hf.get("model_type")
+    if model_type == "qwen3_5":  # a full (vision-language) checkpoint: its text model
+        if not isinstance(hf.get("text_config"), dict):
+            raise ValueError(f"{where}: model_type='qwen3_5' without a text_config")
+        hf = {"dtype": hf.get("dtype") or hf.get("torch_dtype"), **hf["text_config"]}
         model_type = hf.get("model_type")
-        if model_type == "qwen3_5":  # a full (vision-language) checkpoint: its text model
-            if not isinstance(hf.get("text_config"), dict):
-                raise ValueError(f"{where}: model_type='qwen3_5' without a text_config")
-            hf = {"dtype": hf.get("dtype") or hf.get("torch_dtype"), **hf["text_config"]}
-            model_type = hf.get("model_type")
-        if model_type not in HF_MODEL_TYPES:
-            raise ValueError(f"{where}: model_type={model_type!r} is not supported; "
-                             f"expected one of {HF_MODEL_TYPES} or 'qwen3_5'")
+    if model_type not in HF_MODEL_TYPES:
+        raise ValueError(f"{where}: model_type={model_type!r} is not supported; "
+                         f"expected one of {HF_MODEL_TYPES} or 'qwen3_5'")
 
-        def need(*keys):
-            for key in keys:
-                if key in hf and hf[key] is not None:
-                    return hf[key]
-            raise ValueError(f"{where}: config.json has no field {' or '.join(keys)}")
+    def need(*keys):
+        for key in keys:
+            if key in hf and hf[key] is not None:
+                return hf[key]
+        raise ValueError(f"{where}: config.json has no field {' or '.join(keys)}")
 
-        if model_type == "kimi_linear":
-            return cls(name=name or Path(str(where)).name, **_kimi_fields(hf, where, need),
-                       dtype=dtype or hf.get("dtype") or hf.get("torch_dtype") or "bfloat16")
+    if model_type == "kimi_linear":
+        return cls(name=name or Path(str(where)).name, **_kimi_fields(hf, where, need),
+                   dtype=dtype or hf.get("dtype") or hf.get("torch_dtype") or "bfloat16")
 
-        hidden, heads = need("hidden_size"), need("num_attention_heads")
-        head_dim = hf.get("head_dim")
-        if head_dim is None:
-            if hidden % heads:
-                raise ValueError(f"{where}: num_attention_heads={heads} does not divide "
-                                 f"hidden_size={hidden} and no head_dim is given")
-            head_dim = hidden // heads
-        rope = hf.get("rope_parameters") or {}
-        rope_type = rope.get("rope_type", "default")
-        if rope_type != "default" or hf.get("rope_scaling"):
-            raise NotImplementedError(f"{where}: rope scaling {rope_type!r} / "
-                                      f"{hf.get('rope_scaling')!r} is not implemented")
-        if hf.get("use_sliding_window"):
-            raise NotImplementedError(f"{where}: use_sliding_window=True is not implemented")
-        if hf.get("attention_bias"):
-            raise NotImplementedError(f"{where}: attention_bias=True is not implemented")
-        if hf.get("hidden_act", "silu") != "silu":
-            raise NotImplementedError(f"{where}: hidden_act={hf['hidden_act']!r}")
-        rope_theta = rope.get("rope_theta", hf.get("rope_theta"))
-        if rope_theta is None:
-            raise ValueError(f"{where}: config.json has no rope_parameters.rope_theta or "
-                             "rope_theta")
-        layers = need("num_hidden_layers")
-        max_position = need("max_position_embeddings")
-        file_dtype = hf.get("dtype") or hf.get("torch_dtype") or "bfloat16"
-        fields = dict(
-            name=name or Path(str(where)).name, vocab=need("vocab_size"), hidden=hidden,
-            layers=layers, heads=heads, kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=head_dim, ffn=need("intermediate_size"), rope_theta=float(rope_theta),
-            rms_eps=float(need("rms_norm_eps")), qk_norm=True,
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            dtype=dtype or file_dtype, max_position=max_position,
-            max_context=min(4096, max_position))
-        if model_type == "qwen3_moe":
-            step = hf.get("decoder_sparse_step", 1) or 1
-            mlp_only = set(hf.get("mlp_only_layers") or [])
-            fields.update(
-                experts=need("num_local_experts", "num_experts"),
-                experts_per_token=need("num_experts_per_tok"),
-                expert_ffn=need("moe_intermediate_size"),
-                norm_topk=bool(hf.get("norm_topk_prob", False)),
-                moe_layers=tuple(i for i in range(layers)
-                                 if i not in mlp_only and (i + 1) % step == 0))
-        if model_type == "qwen3_5_text":
-            fields.update(_hybrid_fields(hf, rope, layers, where, need))
-        return cls(**fields)
+    hidden, heads = need("hidden_size"), need("num_attention_heads")
+    head_dim = hf.get("head_dim")
+    if head_dim is None:
+        if hidden % heads:
+            raise ValueError(f"{where}: num_attention_heads={heads} does not divide "
+                             f"hidden_size={hidden} and no head_dim is given")
+        head_dim = hidden // heads
+    rope = hf.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", "default")
+    if rope_type != "default" or hf.get("rope_scaling"):
+        raise NotImplementedError(f"{where}: rope scaling {rope_type!r} / "
+                                  f"{hf.get('rope_scaling')!r} is not implemented")
+    if hf.get("use_sliding_window"):
+        raise NotImplementedError(f"{where}: use_sliding_window=True is not implemented")
+    if hf.get("attention_bias"):
+        raise NotImplementedError(f"{where}: attention_bias=True is not implemented")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise NotImplementedError(f"{where}: hidden_act={hf['hidden_act']!r}")
+    rope_theta = rope.get("rope_theta", hf.get("rope_theta"))
+    if rope_theta is None:
+        raise ValueError(f"{where}: config.json has no rope_parameters.rope_theta or "
+                         "rope_theta")
+    layers = need("num_hidden_layers")
+    max_position = need("max_position_embeddings")
+    file_dtype = hf.get("dtype") or hf.get("torch_dtype") or "bfloat16"
+    fields = dict(
+        name=name or Path(str(where)).name, vocab=need("vocab_size"), hidden=hidden,
+        layers=layers, heads=heads, kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=head_dim, ffn=need("intermediate_size"), rope_theta=float(rope_theta),
+        rms_eps=float(need("rms_norm_eps")), qk_norm=True,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        dtype=dtype or file_dtype, max_position=max_position,
+        max_context=min(4096, max_position))
+    if model_type == "qwen3_moe":
+        step = hf.get("decoder_sparse_step", 1) or 1
+        mlp_only = set(hf.get("mlp_only_layers") or [])
+        fields.update(
+            experts=need("num_local_experts", "num_experts"),
+            experts_per_token=need("num_experts_per_tok"),
+            expert_ffn=need("moe_intermediate_size"),
+            norm_topk=bool(hf.get("norm_topk_prob", False)),
+            moe_layers=tuple(i for i in range(layers)
+                             if i not in mlp_only and (i + 1) % step == 0))
+    if model_type == "qwen3_5_text":
+        fields.update(_hybrid_fields(hf, rope, layers, where, need))
+    return cls(**fields)
 
 
 HF_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_5_text", "kimi_linear")
