@@ -151,8 +151,8 @@ print(f"BW x latency = {bw / 1e12:.2f} TB/s x {a.dma_latency_s * 1e6:.1f} µs = 
       f"{bw * a.dma_latency_s / tile_bytes:.1f} tiles of {tile_bytes / 1024:.0f} KiB "
       f"-> {need} slots (Little's law, + 2)")
 d, M, ring_rows = tile_bytes / bw, run.batch * run.rows, []
-c = 2 * max(M, spec.mxu_rows) * tile_rows * tile_cols / (
-    mk.perf.peak_flops(spec) / spec.cores_per_chip)  # the MXU rule of mk.sim
+c = mk.perf.mxu_flops(M, tile_rows * tile_cols, spec.mxu_rows) / (
+    mk.perf.peak_flops(spec) / spec.cores_per_chip)  # the MXU rule mk.sim charges
 n_tiles = (4096 // tile_rows) * (4096 // tile_cols)
 for n in sorted({1, 2, 3, need // 2, need, 2 * need}):
     s = sim.replay_matmul(TileStream.build(
@@ -375,7 +375,7 @@ print(f"that matmul moves {real_bytes / 2**20:.0f} MiB: HBM floor "
 big = mk.chip(compile_chip)
 b, big_bw = 512 * 1024 * 2, big.hbm_bw / big.cores_per_chip
 big_need = sim.latency_slots(mk.preset("qwen3-8b"), big, real)
-d1, c1 = b / big_bw, 2 * max(8, big.mxu_rows) * 512 * 1024 / (
+d1, c1 = b / big_bw, mk.perf.mxu_flops(8, 512 * 1024, big.mxu_rows) / (
     mk.perf.peak_flops(big) / big.cores_per_chip)
 t = {s: 96 * max(d1, c1, (a.dma_latency_s + d1 + c1) / s) * 1e6 for s in (2, big_need)}
 print(f"1. BW x latency = {big_bw * a.dma_latency_s / 2**20:.2f} MiB < one 1 MiB tile: "
