@@ -56,6 +56,7 @@ import dataclasses
 import functools
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -85,8 +86,17 @@ def positive_int(field: str, value) -> int:
     never a bool or a float); raises ValueError naming `field`."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
             or value < 1:
-        raise ValueError(f"{field}={value!r} must be a positive integer")
+        raise ValueError(f"{field}={shown(value)} must be a positive integer")
     return int(value)
+
+
+def check_seed(seed) -> int:
+    """A random seed as an int after checking it is a whole number >= 0 (numpy's seeding
+    refuses negatives with "expected non-negative integer", naming no field)."""
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) \
+            or seed < 0:
+        raise ValueError(f"seed={shown(seed)} must be a non-negative integer")
+    return int(seed)
 
 
 def check_routing(where: str, *, router_score, expert_groups, topk_groups, routed_scale,
@@ -98,11 +108,12 @@ def check_routing(where: str, *, router_score, expert_groups, topk_groups, route
     into groups of at least 2 (a group scores by its top 2) and the kept groups hold top_k
     experts."""
     if router_score not in ROUTER_SCORES:
-        raise ValueError(f"{where}: router_score={router_score!r} must be one of "
+        raise ValueError(f"{where}: router_score={shown(router_score)} must be one of "
                          f"{ROUTER_SCORES}")
     if not (isinstance(routed_scale, (int, float, np.floating)) and math.isfinite(routed_scale)
             and routed_scale > 0):
-        raise ValueError(f"{where}: routed_scale={routed_scale!r} must be a finite number > 0")
+        raise ValueError(f"{where}: routed_scale={shown(routed_scale)} must be a finite "
+                         "number > 0")
     if experts is None:
         return
     if router_score == "softmax":
@@ -113,13 +124,13 @@ def check_routing(where: str, *, router_score, expert_groups, topk_groups, route
         return
     if isinstance(expert_groups, bool) or not isinstance(expert_groups, (int, np.integer)) \
             or expert_groups < 1 or experts % expert_groups or experts // expert_groups < 2:
-        raise ValueError(f"{where}: expert_groups={expert_groups!r} must divide experts="
+        raise ValueError(f"{where}: expert_groups={shown(expert_groups)} must divide experts="
                          f"{experts} into groups of at least 2 (a group scores by its top 2 "
                          "experts)")
     if isinstance(topk_groups, bool) or not isinstance(topk_groups, (int, np.integer)) \
             or not 1 <= topk_groups <= expert_groups \
             or topk_groups * experts // expert_groups < top_k:
-        raise ValueError(f"{where}: topk_groups={topk_groups!r} must be in [1, "
+        raise ValueError(f"{where}: topk_groups={shown(topk_groups)} must be in [1, "
                          f"expert_groups={expert_groups}] and its groups must hold top_k="
                          f"{top_k} experts")
 
@@ -135,11 +146,21 @@ def check_rows(batch: int, rows: int = 1) -> int:
 
 def brief(items, limit: int = 10) -> str:
     """A sequence for an error message: all of it when short, else its first `limit` items
-    and how many more there are (a 10**6-layer config must not give a 10**6-item error)."""
+    and how many more there are (a 10**6-layer config must not give a 10**6-item error);
+    each item `shown`."""
     if len(items) <= limit:
-        return repr(items)
-    head = ", ".join(map(str, list(items[:limit])))
+        return shown(items, 40 * limit)
+    head = ", ".join(shown(item) for item in list(items[:limit]))
     return f"({head}, ... {len(items) - limit} more, {len(items)} in all)"
+
+
+def shown(value, limit: int = 80) -> str:
+    """`repr(value)` cut to `limit` characters, for an error message echoing a value read
+    from a checkpoint or a runs file: repr escapes newlines and control characters, the
+    cut bounds its length; markup (`<`, backticks) is for whatever shows the message to
+    escape (`mk.plots` on the site)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,7 +218,8 @@ class ModelConfig:
                       "max_position", "max_context"):
             value = getattr(self, field)
             if not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"{self.name}: {field}={value!r} must be a positive integer")
+                raise ValueError(f"{self.name}: {field}={shown(value)} must be a positive "
+                                 "integer")
         if self.heads % self.kv_heads:
             raise ValueError(f"{self.name}: heads={self.heads} must be a multiple of "
                              f"kv_heads={self.kv_heads} (grouped-query attention)")
@@ -211,13 +233,14 @@ class ModelConfig:
             value = getattr(self, field)
             if not (isinstance(value, (int, float, np.floating)) and math.isfinite(value)
                     and value > 0):
-                raise ValueError(f"{self.name}: {field}={value!r} must be a finite number > 0")
+                raise ValueError(f"{self.name}: {field}={shown(value)} must be a finite "
+                                 "number > 0")
         if self.dtype not in COMPUTE_DTYPES:
-            raise ValueError(f"{self.name}: dtype={self.dtype!r} must be one of "
+            raise ValueError(f"{self.name}: dtype={shown(self.dtype)} must be one of "
                              f"{COMPUTE_DTYPES}")
         if self.expert_dtype and self.expert_dtype not in DTYPE_BITS:
-            raise ValueError(f"{self.name}: expert_dtype={self.expert_dtype!r} must be one "
-                             f"of {tuple(DTYPE_BITS)}")
+            raise ValueError(f"{self.name}: expert_dtype={shown(self.expert_dtype)} must be "
+                             f"one of {tuple(DTYPE_BITS)}")
         object.__setattr__(self, "moe_layers", tuple(int(i) for i in self.moe_layers))
         self._validate_moe()
         self._validate_hybrid()
@@ -253,7 +276,7 @@ class ModelConfig:
                              f"expected layers={self.layers}")
         bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
         if bad:
-            raise ValueError(f"{self.name}: layer_types={bad} must each be one of "
+            raise ValueError(f"{self.name}: layer_types={brief(bad)} must each be one of "
                              f"{LAYER_TYPES}")
         rotary = self.head_dim * self.partial_rotary_factor
         if not 0 < self.partial_rotary_factor <= 1 or rotary != int(rotary) or rotary % 2:
@@ -265,12 +288,12 @@ class ModelConfig:
         values = {field: getattr(self, field) for field in linear}
         if not self.linear_layers:
             if any(values.values()):
-                raise ValueError(f"{self.name}: {values} are set but layer_types has no "
-                                 "'linear' layer")
+                raise ValueError(f"{self.name}: {shown(values, 400)} are set but layer_types "
+                                 "has no 'linear' layer")
             return
         for field, value in values.items():
             if not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"{self.name}: {field}={value!r} must be a positive "
+                raise ValueError(f"{self.name}: {field}={shown(value)} must be a positive "
                                  "integer in a model with linear layers")
         if self.linear_value_heads % self.linear_key_heads:
             raise ValueError(f"{self.name}: linear_value_heads={self.linear_value_heads} "
@@ -279,11 +302,12 @@ class ModelConfig:
     def _validate_kimi(self):
         mla = dict(q_rank=self.q_rank, rope_dim=self.rope_dim, value_dim=self.value_dim)
         if not self.latent_rank and any(mla.values()):
-            raise ValueError(f"{self.name}: {mla} are set but latent_rank=0 (no MLA)")
+            raise ValueError(f"{self.name}: {shown(mla, 300)} are set but latent_rank=0 (no "
+                             "MLA)")
         if self.latent_rank:
             for field, value in dict(latent_rank=self.latent_rank, **mla).items():
                 if not isinstance(value, (int, np.integer)) or value < (field != "q_rank"):
-                    raise ValueError(f"{self.name}: {field}={value!r} must be a "
+                    raise ValueError(f"{self.name}: {field}={shown(value)} must be a "
                                      f"{'non-negative' if field == 'q_rank' else 'positive'}"
                                      " integer in an MLA model")
             if not self.rope_dim < self.head_dim:
@@ -305,12 +329,14 @@ class ModelConfig:
             if routing | dict(shared_expert_ffn=self.shared_expert_ffn) != dict(
                     router_score="softmax", expert_groups=1, topk_groups=1,
                     routed_scale=1.0, shared_expert_ffn=0):
-                raise ValueError(f"{self.name}: {routing} and shared_expert_ffn="
-                                 f"{self.shared_expert_ffn} are set but moe_layers is empty")
+                raise ValueError(f"{self.name}: {shown(routing, 300)} and shared_expert_ffn="
+                                 f"{shown(self.shared_expert_ffn)} are set but moe_layers is "
+                                 "empty")
             return
         if not isinstance(self.shared_expert_ffn, (int, np.integer)) \
                 or self.shared_expert_ffn < 0:
-            raise ValueError(f"{self.name}: shared_expert_ffn={self.shared_expert_ffn!r} "
+            raise ValueError(f"{self.name}: shared_expert_ffn="
+                             f"{shown(self.shared_expert_ffn)} "
                              "must be a non-negative integer")
         check_routing(self.name, experts=self.experts, top_k=self.experts_per_token, **routing)
 
@@ -617,6 +643,8 @@ class ModelConfig:
         (`rope_parameters`, `num_local_experts`). `dtype` overrides the file's dtype.
         """
         hf = _read_hf_dict(source)
+        if name is None and hf.get("_name_or_path"):
+            check_hub_name(hf["_name_or_path"])
         where = name or hf.get("_name_or_path") or str(source if not isinstance(source, dict)
                                                        else "config.json")
         model_type = hf.get("model_type")
@@ -626,7 +654,7 @@ class ModelConfig:
             hf = {"dtype": hf.get("dtype") or hf.get("torch_dtype"), **hf["text_config"]}
             model_type = hf.get("model_type")
         if model_type not in HF_MODEL_TYPES:
-            raise ValueError(f"{where}: model_type={model_type!r} is not supported; "
+            raise ValueError(f"{where}: model_type={shown(model_type)} is not supported; "
                              f"expected one of {HF_MODEL_TYPES} or 'qwen3_5'")
 
         def need(*keys):
@@ -649,14 +677,14 @@ class ModelConfig:
         rope = hf.get("rope_parameters") or {}
         rope_type = rope.get("rope_type", "default")
         if rope_type != "default" or hf.get("rope_scaling"):
-            raise NotImplementedError(f"{where}: rope scaling {rope_type!r} / "
-                                      f"{hf.get('rope_scaling')!r} is not implemented")
+            raise NotImplementedError(f"{where}: rope scaling {shown(rope_type)} / "
+                                      f"{shown(hf.get('rope_scaling'))} is not implemented")
         if hf.get("use_sliding_window"):
             raise NotImplementedError(f"{where}: use_sliding_window=True is not implemented")
         if hf.get("attention_bias"):
             raise NotImplementedError(f"{where}: attention_bias=True is not implemented")
         if hf.get("hidden_act", "silu") != "silu":
-            raise NotImplementedError(f"{where}: hidden_act={hf['hidden_act']!r}")
+            raise NotImplementedError(f"{where}: hidden_act={shown(hf['hidden_act'])}")
         rope_theta = rope.get("rope_theta", hf.get("rope_theta"))
         if rope_theta is None:
             raise ValueError(f"{where}: config.json has no rope_parameters.rope_theta or "
@@ -688,6 +716,20 @@ class ModelConfig:
 
 
 HF_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_5_text", "kimi_linear")
+# A model name as config.json's `_name_or_path` may give it: a name or a hub-style
+# "org/name" of letters, digits, "_", "." and "-" (at most 96 each), no "..".
+HUB_NAME = re.compile(r"(?!.*\.\.)[\w][\w.-]{0,95}(/[\w][\w.-]{0,95})?", re.ASCII)
+
+
+def check_hub_name(value) -> str:
+    """config.json's `_name_or_path`, which names the model (`ModelConfig.name`, shown in
+    notebooks, plots and errors): raises ValueError unless it matches HUB_NAME (a
+    checkpoint is untrusted: no markup, newline, backtick or local path gets through)."""
+    if not (isinstance(value, str) and HUB_NAME.fullmatch(value)):
+        raise ValueError(f"config.json: _name_or_path={shown(value)} must be a model name "
+                         "or a hub-style 'org/name' of letters, digits, '_', '.' and '-' (at "
+                         "most 96 each); mk names the model after it: fix it or remove it")
+    return value
 
 
 def _hybrid_fields(hf: dict, rope: dict, layers: int, where, need) -> dict:
@@ -706,7 +748,8 @@ def _hybrid_fields(hf: dict, rope: dict, layers: int, where, need) -> dict:
     short = {"full_attention": "full", "linear_attention": "linear"}
     unknown = sorted({kind for kind in kinds if kind not in short})
     if unknown:
-        raise ValueError(f"{where}: layer_types holds {unknown}; expected 'full_attention' "
+        raise ValueError(f"{where}: layer_types holds {brief(unknown)}; expected "
+                         "'full_attention' "
                          "or 'linear_attention'")
     factor = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
     return dict(
@@ -725,8 +768,9 @@ def _kimi_fields(hf: dict, where, need) -> dict:
     kinds from layer_types / linear_attn_config / the every-4th default, MLP kinds from
     mlp_layer_types / first_k_dense_replace."""
     if hf.get("attention_bias") or hf.get("hidden_act", "silu") != "silu":
-        raise NotImplementedError(f"{where}: attention_bias={hf.get('attention_bias')!r}, "
-                                  f"hidden_act={hf.get('hidden_act')!r} are not implemented")
+        raise NotImplementedError(f"{where}: attention_bias={shown(hf.get('attention_bias'))},"
+                                  f" hidden_act={shown(hf.get('hidden_act'))} are not "
+                                  "implemented")
     layers, heads = need("num_hidden_layers"), need("num_attention_heads")
     if hf.get("num_key_value_heads", heads) not in (None, heads):
         raise NotImplementedError(f"{where}: num_key_value_heads={hf['num_key_value_heads']}"
@@ -747,9 +791,14 @@ def _kimi_fields(hf: dict, where, need) -> dict:
     unknown = sorted({str(kind) for kind in kinds if kind not in short})
     if unknown or len(kinds) != layers:
         raise ValueError(f"{where}: layer_types {brief(kinds)} must hold num_hidden_layers="
-                         f"{layers} of 'full_attention' / 'linear_attention' (got {unknown})")
+                         f"{layers} of 'full_attention' / 'linear_attention' (got "
+                         f"{brief(unknown)})")
     mlp = hf.get("mlp_layer_types") or [
         "dense" if i < hf.get("first_k_dense_replace", 1) else "sparse" for i in range(layers)]
+    unknown = sorted({str(kind) for kind in mlp if kind not in ("dense", "sparse")})
+    if unknown or len(mlp) != layers:  # transformers reads any other word as "dense"
+        raise ValueError(f"{where}: mlp_layer_types {brief(mlp)} must hold num_hidden_layers="
+                         f"{layers} of 'dense' / 'sparse' (got {brief(unknown)})")
     linear_heads = linear.get("num_heads", hf.get("linear_num_heads", 32))
     linear_dim = linear.get("head_dim", hf.get("linear_head_dim", 128))
     rope, nope = need("qk_rope_head_dim"), need("qk_nope_head_dim")

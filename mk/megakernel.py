@@ -87,11 +87,13 @@ from mk import quant, reference
 from mk.config import ModelConfig, positive_int
 from mk.kernels.collectives import (AXIS, COLLECTIVE_IDS, CollectiveScratch, all_reduce_body,
                                     argmax_body, barrier)
-from mk.kernels.common import BlockSizes, aliases, memory_specs, start_dma
+from mk.kernels.common import (BlockSizes, aliases, default_kv_tile, memory_specs,
+                               start_dma)
 from mk.kernels.decode_attention import (AttentionScratch, KvStream, drain_write_backs,
                                          start_write_backs)
-from mk.kernels.deltanet import (LINEAR_WEIGHTS, STATE_INPUTS, STATE_OUTPUTS, drain_linear,
-                                 linear_weights, prepare_linear, prime_linear)
+from mk.kernels.deltanet import (LINEAR_WEIGHTS, STATE_INPUTS, STATE_OUTPUTS,
+                                 check_conv_kernel, drain_linear, linear_weights,
+                                 prepare_linear, prime_linear)
 from mk.kernels.mla import latent_columns, mla_loads, mla_matrices
 from mk.kernels.one_layer import (full_matrices, layer_body, mixer_kinds, mlp_fetch, mlp_kinds,
                                   mlp_weights, router_after_mixer)
@@ -121,7 +123,9 @@ def attention_weights(config: ModelConfig) -> tuple[str, ...]:
     """The token mixers' weights `config`'s layers read (ATTENTION_WEIGHTS it has, or
     MLA's ring matrices and `mla_loads`, and its linear layers' `linear_weights` for a
     hybrid)."""
-    if config.is_mla:
+    if not config.full_layers:  # an all-linear hybrid: no attention operands at all
+        names = ()
+    elif config.is_mla:
         names = tuple(n for n, *_ in mla_matrices(config)) + tuple(mla_loads(config))
     else:
         names = tuple(n for n in ATTENTION_WEIGHTS
@@ -224,9 +228,9 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
 
     fetch = {name: mixer_weight(name, "full") for name, *_ in full_matrices(config)}
     if config.is_mla:  # the latent cache is the keys and the values
-        k_cache, v_cache = outputs["latent_cache"], None
-    else:
-        k_cache, v_cache = outputs["k_cache"], outputs["v_cache"]
+        k_cache, v_cache = outputs.get("latent_cache"), None
+    else:  # (none in an all-linear hybrid)
+        k_cache, v_cache = outputs.get("k_cache"), outputs.get("v_cache")
     mla = {n: inputs[n] for n in mla_loads(config)} if config.is_mla else None
     segments, dmas = linear_weights(config)
     fetch |= {name: mixer_weight(name, "linear") for name in segments if "linear" in mixers}
@@ -325,8 +329,9 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
 def step_plan(config: ModelConfig, *, tp: int = 1, batch: int, rows: int = 1, context: int,
               block: BlockSizes | None = None, formats=None, chip=None) -> DecodePlan:
     """The `DecodePlan` the megakernel runs (every caller's one check): the plan's
-    limits, and a ring of >= 2 slots. formats: `mk.quant.formats_of` the params; chip:
+    limits, a ring of >= 2 slots, and a hybrid's conv_kernel >= 2 (`check_conv_kernel`). formats: `mk.quant.formats_of` the params; chip:
     the TPU it is compiled for (sizes the default ring, `DecodePlan.make`)."""
+    check_conv_kernel(config)
     plan = DecodePlan.make(config, tp=tp, batch=batch, rows=rows, context=context,
                            block=block, formats=formats, chip=chip)
     if plan.block.slots < 2:
@@ -415,8 +420,10 @@ def traced_step(plan: DecodePlan, weights, cache, tokens, positions, taps: bool 
     inputs = {n: weights[n] for n in ("final_norm", "norms", "qk_norms", "lm_head", "is_moe",
                                       "mlp_row", "is_linear", "mixer_row",
                                       *attention_weights(config), *mlp)}
-    # MLA's latent cache [La, B, S, W] as one shared "kv head" [La, B, 1, S, W] (`attend`)
-    caches = (dict(latent_cache=cache.latent[:, :, None]) if config.is_mla else
+    # MLA's latent cache [La, B, S, W] as one shared "kv head" [La, B, 1, S, W] (`attend`);
+    # an all-linear hybrid's empty KV cache (La = 0) is no operand
+    caches = ({} if not config.full_layers else
+              dict(latent_cache=cache.latent[:, :, None]) if config.is_mla else
               dict(k_cache=cache.k, v_cache=cache.v))
     inputs |= dict(positions=positions, **caches,
                    x=weights["embed"][tokens].reshape(M, D).astype(jnp.float32))
@@ -450,7 +457,8 @@ def traced_step(plan: DecodePlan, weights, cache, tokens, positions, taps: bool 
             flops=2 * M * elements, transcendentals=0,
             bytes_accessed=weight_bytes + state_bytes),
     )(inputs)
-    kv = ((out["latent_cache"][:, :, 0],) if config.is_mla else
+    kv = (tuple(cache[:-2]) if not config.full_layers else
+          (out["latent_cache"][:, :, 0],) if config.is_mla else
           (out["k_cache"], out["v_cache"]))
     result = (out["next_tokens"].reshape(B, T),
               out["logits"][:, :config.vocab].reshape(B, T, -1))
@@ -488,6 +496,7 @@ def check_generate(config: ModelConfig, prompt, steps: int, steps_per_call: int,
     """`mk.reference.check_generate` and steps_per_call -> (prompt as int32, the cache
     capacity S, steps, steps_per_call as ints)."""
     prompt, S, steps = reference.check_generate(config, prompt, steps, max_context)
+    default_kv_tile(S, "max_context")  # the kernel's KV tiles must divide the cache
     return prompt, S, steps, positive_int("steps_per_call", steps_per_call)
 
 

@@ -47,7 +47,7 @@ import numpy as np
 
 from mk import backend as backends
 from mk import megakernel, perf, reference, sim
-from mk.config import MAX_ROWS, ModelConfig
+from mk.config import MAX_ROWS, ModelConfig, check_seed
 
 MAX_GAMMA = 7  # T = gamma + 1 <= 8 verification rows, as in the published runs
 DRAFTERS = ("model", "self", "ngram", "forced")
@@ -552,6 +552,7 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, drafter, gamma:
     P + steps + gamma - 1 <= max_context (default config.max_context) positions.
     progress=True shows a `mk.megakernel.progress_bar` of the tokens every sequence has."""
     check_gamma(gamma)
+    seed = check_seed(seed)
     prompt, S, steps = reference.check_generate(config, prompt, steps, max_context,
                                                 gamma=gamma)
     prompt = np.asarray(prompt)
@@ -570,7 +571,7 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, drafter, gamma:
     if not isinstance(verifier, str) and verifier.rows < gamma + 1:
         raise ValueError(f"the verifier's rows={verifier.rows} must be >= gamma + 1 = "
                          f"{gamma + 1}")
-    reference.check_params(config, params)
+    reference.check_params(config, params, "mk.spec.generate")
     if isinstance(drafter, str):
         drafter = make_drafter(drafter, config, params, gamma=gamma, batch=bucket,
                                **drafter_options)

@@ -35,7 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from mk import megakernel, perf, reference
+from mk import backend as backends
+from mk import megakernel, perf, quant, reference
 from mk.chips import chip as chip_spec
 from mk.config import ModelConfig
 from mk.kernels.collectives import (AXIS, all_reduce_bytes, check_devices,
@@ -79,6 +80,10 @@ def shard_params(config: ModelConfig, params, tp: int) -> dict:
     """Full params -> per-device params stacked on a leading [tp] axis, in the layout of
     `shard_config(config, tp)` (plus the whole `embed` [V, D], replicated)."""
     check_tp(config, tp)
+    if quant.formats_of(params):
+        raise ValueError(f"params hold quantised weights {quant.formats_of(params)}; "
+                         "mk.tensor_parallel.shard_params splits plain weights (quantised "
+                         "tensor parallelism: not yet): pass mk.quant.dequantize(params)")
     head = params["embed"].T if config.tie_embeddings else params["lm_head"]
     split = dict(wq=_columns(params["wq"], tp), wo=_rows(params["wo"], tp),
                  lm_head=_columns(head, tp))
@@ -222,7 +227,8 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, tp: int,
         config, prompt, steps, steps_per_call, max_context)
     plan = megakernel.step_plan(config, tp=tp, batch=prompt.shape[0], context=S,
                                 block=block)
-    reference.check_params(config, params)
+    reference.check_params(config, params, "mk.tensor_parallel.generate")
+    backends.check_active()
     weights = prepare(plan, params)
     logits, cache = reference.prefill(config, params, prompt, max_context=S)
     cache = shard_cache(config, cache, tp)

@@ -387,7 +387,15 @@ class DecodePlan:
             raise ValueError(f"formats={formats} with tp={tp}: sharding quantised weights "
                              "is not built yet (issue 16); quantised plans run on tp=1")
         if block is None:
-            block = _chip_block(local, int(tp), int(batch), int(rows), context, formats, spec)
+            try:
+                block = _chip_block(local, int(tp), int(batch), int(rows), context, formats,
+                                    spec)
+            except ValueError as err:  # name the model, the tp and the fields tp splits
+                split = [f"{f}={getattr(local, f)} of {getattr(config, f)}" for f in
+                         ("heads", "kv_heads", "linear_key_heads", "linear_value_heads")
+                         if getattr(local, f) != getattr(config, f)]
+                per_device = f" (per device: {', '.join(split)})" if split else ""
+                raise ValueError(f"{config.name} at tp={tp}{per_device}: {err}") from None
         elif not isinstance(block, BlockSizes):
             raise ValueError(f"block={block!r} must be a BlockSizes or None")
         block.check_context(context)
