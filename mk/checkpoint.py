@@ -434,9 +434,10 @@ def _problems(folder, config, problems, first: int = 20) -> str:
             f"problem{plural}):\n  " + "\n  ".join(map(_line, problems[:first])) + more)
 
 
-def _line(problem: str, limit: int = 400) -> str:
+def _line(problem: str, limit: int = 2000) -> str:
     """One problem as one bounded line: tensor names come from the files, so a newline or
-    control character in one is escaped (as repr does) and a long one cut."""
+    control character in one is escaped (as repr does) and a long line cut (a line may
+    list a shard's tensors)."""
     text = problem if problem.isprintable() else repr(problem)[1:-1]
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 

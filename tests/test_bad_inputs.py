@@ -170,7 +170,7 @@ def test_non_finite_config_json_numbers_are_refused(field, value):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(context=300), "context=300 is not a multiple of kv_tile=256"),
+    (dict(context=300), "context=300 must be a multiple of 16 for the megakernel"),
     (dict(block=BlockSizes(slots=1)), "slots=1"),
     (dict(batch=65), "batch=65 x rows=1 = 65 activation rows exceed MAX_ROWS=64"),
     (dict(batch=0), "batch=0 must be a positive integer"),
@@ -439,12 +439,12 @@ def test_config_errors_echo_checkpoint_text_escaped_and_bounded(field):
 
 
 def test_loader_errors_escape_tensor_names_from_the_file(tmp_path, params):
-    tensors = hf_tensors(TINY, params) | {"x\n```{include} /etc/os-release\n```" + "y" * 900:
+    tensors = hf_tensors(TINY, params) | {"x\n```{include} /etc/os-release\n```" + "y" * 9000:
                                           np.zeros(1, np.float32)}
     folder = write_hf_folder(hf_config_dict(TINY), tensors, tmp_path / "ckpt")
     with pytest.raises(ValueError, match=r"unexpected tensor x\\n```") as err:
         load_checkpoint(folder)
-    assert len(str(err.value).splitlines()) == 2 and len(str(err.value)) < 600
+    assert len(str(err.value).splitlines()) == 2 and len(str(err.value)) < 2200
 
 
 def test_a_tied_checkpoint_storing_a_quantised_lm_head_names_it(tmp_path):

@@ -391,11 +391,13 @@ class DecodePlan:
                 block = _chip_block(local, int(tp), int(batch), int(rows), context, formats,
                                     spec)
             except ValueError as err:  # name the model, the tp and the fields tp splits
+                if tp == 1:
+                    raise ValueError(f"{config.name}: {err}") from None
                 split = [f"{f}={getattr(local, f)} of {getattr(config, f)}" for f in
                          ("heads", "kv_heads", "linear_key_heads", "linear_value_heads")
                          if getattr(local, f) != getattr(config, f)]
-                per_device = f" (per device: {', '.join(split)})" if split else ""
-                raise ValueError(f"{config.name} at tp={tp}{per_device}: {err}") from None
+                raise ValueError(f"{config.name} at tp={tp} (per device: {', '.join(split)})"
+                                 f": {err}") from None
         elif not isinstance(block, BlockSizes):
             raise ValueError(f"block={block!r} must be a BlockSizes or None")
         block.check_context(context)
