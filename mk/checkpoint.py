@@ -5,7 +5,8 @@ Here: `init_params(config, seed)` (random weights in the layout of `mk.config`) 
 model of a full `qwen3_5` checkpoint) and Kimi Linear (`kimi_linear`) folders of
 safetensors files, including quantised ones in their own formats (`QUANT_FORMATS`: Hugging
 Face fine-grained FP8, gpt-oss MXFP4 experts), whose weights load as `mk.quant.QuantWeight`s.
-Not here: downloading (a notebook may call `huggingface_hub` when the user asks),
+A checkpoint is untrusted: its weight files must resolve inside its folder, and its text
+(tensor names, config values) reaches error messages escaped and bounded. Not here: downloading (a notebook may call `huggingface_hub` when the user asks),
 quantising bf16 weights (`mk.quant`).
 """
 

@@ -4,7 +4,9 @@ Here: the frozen `ModelConfig` for Qwen3 / Qwen3-MoE-shaped decoders, Qwen3.5's 
 (gated-DeltaNet linear attention + gated full attention) and Kimi Linear (MLA + Kimi Delta
 Attention + shared-expert MoE with a grouped sigmoid router), its derived sizes (parameter
 count, weight bytes, KV or latent bytes per token, linear-attention state bytes per sequence),
-`ModelConfig.from_hf` for Hugging Face `config.json` files and the named presets. Not here:
+`ModelConfig.from_hf` for Hugging Face `config.json` files and the named presets; the
+argument checks several modules share (`positive_int`, `check_seed`, `check_rows`,
+`check_routing`) and the error text of untrusted values (`shown`, `brief`). Not here:
 weights (`mk.checkpoint`), chips (`mk.chips`), notebook parameters (`mk.run`), kernel
 tiling (each kernel's `BlockSizes`).
 
@@ -641,6 +643,9 @@ class ModelConfig:
 
         Both spellings are accepted: older (`rope_theta`, `num_experts`) and newer
         (`rope_parameters`, `num_local_experts`). `dtype` overrides the file's dtype.
+        The model is named `name`, else after `_name_or_path` (`check_hub_name`: a
+        checkpoint is untrusted), else after the folder; errors echo the file's values
+        `shown` (escaped, bounded).
         """
         hf = _read_hf_dict(source)
         if name is None and hf.get("_name_or_path"):
@@ -749,8 +754,7 @@ def _hybrid_fields(hf: dict, rope: dict, layers: int, where, need) -> dict:
     unknown = sorted({kind for kind in kinds if kind not in short})
     if unknown:
         raise ValueError(f"{where}: layer_types holds {brief(unknown)}; expected "
-                         "'full_attention' "
-                         "or 'linear_attention'")
+                         "'full_attention' or 'linear_attention'")
     factor = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
     return dict(
         layer_types=tuple(short[kind] for kind in kinds),
@@ -773,7 +777,8 @@ def _kimi_fields(hf: dict, where, need) -> dict:
                                   "implemented")
     layers, heads = need("num_hidden_layers"), need("num_attention_heads")
     if hf.get("num_key_value_heads", heads) not in (None, heads):
-        raise NotImplementedError(f"{where}: num_key_value_heads={hf['num_key_value_heads']}"
+        raise NotImplementedError(f"{where}: num_key_value_heads="
+                                  f"{shown(hf['num_key_value_heads'])}"
                                   f" != num_attention_heads={heads} (transformers' MLA "
                                   "expands the latent to every head)")
     linear = hf.get("linear_attn_config") or {}

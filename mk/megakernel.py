@@ -19,7 +19,10 @@ states come from the `mk.reference.HybridCache` (HBM, round-tripped through VMEM
 `mk.kernels.deltanet.linear_mixer`), and the states after each of the T rows go out as
 `mk.reference.LinearRows` (what a verifier's `mk.reference.rollback` picks from; the
 returned cache keeps the last row's). The skip has a cost the simulator shows: the ring's
-look-ahead into a skipped region loads nothing, so it restarts at the region's end.
+look-ahead into a skipped region loads nothing, so it restarts at the region's end. A
+hybrid with no full layer (an all-linear Qwen3.5) has no attention operands and no KV
+cache operand at all; a conv of one tap (conv_kernel=1: no conv state) is not built
+(`step_plan` refuses it).
 
 Kimi Linear (`config.is_mla`) is a hybrid whose full layers are multi-head latent
 attention (`mk.kernels.mla`): their ring segments are the matrices with D rows or

@@ -1,7 +1,8 @@
 """Quantised weight storage: int8, fp8, int4 and fp4 (MXFP4), packed, checked and counted.
 
-Here: the four storage schemes (`SCHEMES`), each laid out exactly as below; `quantize`
-(bf16 params -> a params dict whose quantised weights are `QuantWeight`s), `dequantize`
+Here: the four storage schemes (`SCHEMES`), each laid out exactly as below (a
+`QuantWeight` checks its layout on construction: `check_layout`); `quantize` (finite bf16
+params -> a params dict whose quantised weights are `QuantWeight`s), `dequantize`
 (back to plain arrays: the oracle's weights, fed to the unchanged `mk.reference`), the
 element decoders a kernel calls on one streamed tile (`unpack_nibbles`, `e4m3_values`,
 `e2m1_values`, `dequantize_tile`), `check_error` (every group's error against its scale's
