@@ -20,8 +20,8 @@ states come from the `mk.reference.HybridCache` (HBM, round-tripped through VMEM
 `mk.reference.LinearRows` (what a verifier's `mk.reference.rollback` picks from; the
 returned cache keeps the last row's). The skip has a cost the simulator shows: the ring's
 look-ahead into a skipped region loads nothing, so it restarts at the region's end. A
-hybrid with no full layer (an all-linear Qwen3.5) has no attention operands and no KV
-cache operand at all; a conv of one tap (conv_kernel=1: no conv state) is not built
+hybrid with no full layer (an all-linear Qwen3.5 or Kimi Linear) has no attention or KV
+cache operands at all; a conv of one tap (conv_kernel=1: no conv state) is not built
 (`step_plan` refuses it).
 
 Kimi Linear (`config.is_mla`) is a hybrid whose full layers are multi-head latent
@@ -165,7 +165,8 @@ def prepare(config: ModelConfig, params, block: BlockSizes) -> dict:
     weights = {name: params[name] for name in ("embed", *names)} | {"lm_head": head}
     if "router_bias" in weights:  # [Lm, 1, E]: one DMA into the [1, E] buffer
         weights["router_bias"] = weights["router_bias"][:, None]
-    if config.is_mla:  # wkv_a's columns padded to whole tiles, the norms [La, 1, R] rows
+    if config.is_mla and config.full_layers:  # wkv_a's columns padded to whole tiles, the
+        #                                        norms [La, 1, R] rows
         pad = latent_columns(config) - config.latent_width
         weights["wkv_a"] = jnp.pad(weights["wkv_a"], ((0, 0), (0, 0), (0, pad)))
         weights |= {n: weights[n].astype(jnp.float32)[:, None]  # no norm_offset: MLA's
@@ -234,7 +235,8 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
         k_cache, v_cache = outputs.get("latent_cache"), None
     else:  # (none in an all-linear hybrid)
         k_cache, v_cache = outputs.get("k_cache"), outputs.get("v_cache")
-    mla = {n: inputs[n] for n in mla_loads(config)} if config.is_mla else None
+    mla = ({n: inputs[n] for n in mla_loads(config)} if config.is_mla and config.full_layers
+           else None)
     segments, dmas = linear_weights(config)
     fetch |= {name: mixer_weight(name, "linear") for name in segments if "linear" in mixers}
     fetch["lm_head"] = lambda step: (inputs["lm_head"], None)
@@ -332,8 +334,9 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
 def step_plan(config: ModelConfig, *, tp: int = 1, batch: int, rows: int = 1, context: int,
               block: BlockSizes | None = None, formats=None, chip=None) -> DecodePlan:
     """The `DecodePlan` the megakernel runs (every caller's one check): the plan's
-    limits, a ring of >= 2 slots, and a hybrid's conv_kernel >= 2 (`check_conv_kernel`). formats: `mk.quant.formats_of` the params; chip:
-    the TPU it is compiled for (sizes the default ring, `DecodePlan.make`)."""
+    limits, a ring of >= 2 slots, and a hybrid's conv_kernel >= 2 (`check_conv_kernel`).
+    formats: `mk.quant.formats_of` the params; chip: the TPU it is compiled for (sizes
+    the default ring, `DecodePlan.make`)."""
     check_conv_kernel(config)
     plan = DecodePlan.make(config, tp=tp, batch=batch, rows=rows, context=context,
                            block=block, formats=formats, chip=chip)

@@ -65,7 +65,8 @@ def _kv_columns(config: ModelConfig, w, tp: int):
     """wk / wv [L, D, K*H] -> [tp, L, D, K_local*H]."""
     heads = w.reshape(*w.shape[:-1], config.kv_heads, config.head_dim)
     picked = heads[..., np.array(kv_heads_of(config, tp)), :]  # [L, D, tp, K_local, H]
-    return jnp.moveaxis(picked.reshape(*w.shape[:-1], tp, -1), -2, 0)
+    width = picked.shape[-2] * picked.shape[-1]  # not -1: L = 0 in an all-linear hybrid
+    return jnp.moveaxis(picked.reshape(*w.shape[:-1], tp, width), -2, 0)
 
 
 def _linear_channels(config: ModelConfig, w, tp: int):

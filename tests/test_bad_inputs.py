@@ -388,20 +388,41 @@ def test_entry_points_without_quantised_weights_say_so_by_name(params):
         tpar.shard_params(TINY, q, 1)
 
 
-def test_an_all_linear_qwen3_5_runs_in_the_megakernel():
-    hybrid = preset("tiny-hybrid")  # 3 layers and transformers' default interval 4: no full
+def _all_linear(family: str) -> ModelConfig:
+    if family == "kimi":
+        return dataclasses.replace(preset("tiny-kimi"), layer_types=("linear",) * 4)
     hf = dict(model_type="qwen3_5_text", vocab_size=512, hidden_size=256, num_hidden_layers=3,
               num_attention_heads=2, num_key_value_heads=1, head_dim=128,
               intermediate_size=512, rms_norm_eps=1e-6, max_position_embeddings=4096,
               rope_parameters={"rope_type": "default", "rope_theta": 1e4},
               linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=128,
-              linear_value_head_dim=128, linear_conv_kernel_dim=hybrid.conv_kernel)
-    config = ModelConfig.from_hf(hf, name="all-linear")
-    assert config.layer_types == ("linear",) * 3 and not config.full_layers
+              linear_value_head_dim=128, linear_conv_kernel_dim=4)
+    return ModelConfig.from_hf(hf, name="all-linear")  # transformers' default interval 4
+
+
+@pytest.mark.parametrize("family", ["qwen3.5", pytest.param("kimi", marks=pytest.mark.slow)])
+def test_an_all_linear_hybrid_runs_in_the_megakernel(family):
+    config = _all_linear(family)
+    assert set(config.layer_types) == {"linear"} and not config.full_layers
     weights = init_params(config)
     want = reference.generate(config, weights, [[3, 1, 4]], 3, max_context=16)
     got = megakernel.generate(config, weights, [[3, 1, 4]], 3, max_context=16)
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.slow
+def test_an_all_linear_hybrid_runs_tensor_parallel():
+    code = ("import dataclasses, numpy as np, mk\nfrom mk import backend, reference\n"
+            "from mk import tensor_parallel as t\n"
+            "c = dataclasses.replace(mk.preset('tiny-hybrid'), layers=3, linear_key_heads=2,"
+            " layer_types=('linear',) * 3)\np = mk.init_params(c)\n"
+            "want = reference.generate(c, p, [[1, 2, 3]], 3, max_context=16)\n"
+            "with backend.use('interpret'):\n"
+            "    got = t.generate(c, p, [[1, 2, 3]], 3, tp=2, max_context=16)\n"
+            "assert (np.asarray(got) == np.asarray(want)).all(), (got, want)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=600, env=_subprocess_env(devices=4))
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_conv_kernel_1_is_refused_by_name_before_tracing():
