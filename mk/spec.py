@@ -48,6 +48,7 @@ import numpy as np
 from mk import backend as backends
 from mk import megakernel, perf, reference, sim
 from mk.config import MAX_ROWS, ModelConfig, check_seed
+from mk.kernels.common import default_kv_tile
 
 MAX_GAMMA = 7  # T = gamma + 1 <= 8 verification rows, as in the published runs
 DRAFTERS = ("model", "self", "ngram", "forced")
@@ -562,6 +563,8 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, drafter, gamma:
     if verifier == "megakernel" and B * (gamma + 1) > MAX_ROWS:
         raise ValueError(f"batch*(gamma+1)={B * (gamma + 1)} exceeds MAX_ROWS={MAX_ROWS} "
                          "activation rows of one megakernel step")
+    if verifier == "megakernel":
+        default_kv_tile(S, "max_context")  # the kernel's KV tiles must divide the cache
     if isinstance(verifier, str) and verifier not in VERIFIERS:
         raise ValueError(f"verifier={verifier!r} must be one of {VERIFIERS} or a Runner")
     if bucket is not None and bucket < B:

@@ -447,7 +447,9 @@ def test_a_shard_no_tile_cuts_names_the_weight_the_fields_and_the_tp():
 def test_a_max_context_no_kv_tile_divides_names_max_context(params):
     assert reference.generate(TINY, params, [[1, 2]], 2, max_context=200).shape == (1, 2)
     for call in (lambda: megakernel.generate(TINY, params, [[1, 2]], 2, max_context=200),
-                 lambda: tpar.generate(TINY, params, [[1, 2]], 2, tp=1, max_context=200)):
+                 lambda: tpar.generate(TINY, params, [[1, 2]], 2, tp=1, max_context=200),
+                 lambda: spec.generate(TINY, params, [[1, 2]], 2, drafter="ngram", gamma=2,
+                                       max_context=200)):
         with pytest.raises(ValueError, match="max_context=200 must be a multiple of 16 for the "
                                              "megakernel.*: use 208"):
             call()
