@@ -85,7 +85,8 @@ def check_active() -> None:
         return
     raise ValueError(f"this process runs on {jax.default_backend()!r}, not a TPU: run the "
                      "kernel inside `with mk.backend.use('interpret'):` (TPU interpret mode "
-                     "on the CPU), or call a generate function, which takes backend=")
+                     "on the CPU), or call mk.megakernel.generate or mk.spec.generate, "
+                     "which take backend=")
 
 
 def races_found() -> bool:

@@ -5,7 +5,8 @@ Here: `init_params(config, seed)` (random weights in the layout of `mk.config`) 
 model of a full `qwen3_5` checkpoint) and Kimi Linear (`kimi_linear`) folders of
 safetensors files, including quantised ones in their own formats (`QUANT_FORMATS`: Hugging
 Face fine-grained FP8, gpt-oss MXFP4 experts), whose weights load as `mk.quant.QuantWeight`s.
-Not here: downloading (a notebook may call `huggingface_hub` when the user asks),
+A checkpoint is untrusted: its weight files must resolve inside its folder, and its text
+(tensor names, config values) reaches error messages escaped and bounded. Not here: downloading (a notebook may call `huggingface_hub` when the user asks),
 quantising bf16 weights (`mk.quant`).
 """
 
@@ -22,7 +23,8 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from mk import quant
-from mk.config import COMPUTE_DTYPES, ModelConfig
+from mk.config import COMPUTE_DTYPES, ModelConfig, check_seed
+from mk.errors import shown
 from mk.weights import FORMAT_GROUPS, hf_names, hf_scheme, layer_rows, param_shapes, weights_of
 
 
@@ -36,6 +38,7 @@ def init_params(config: ModelConfig, seed: int = 0) -> dict[str, jax.Array]:
     norm weights are 1 + N(0, 0.1^2) so a kernel that skips a norm weight is caught (stored
     minus `config.norm_offset`, except the gated DeltaNet's own norm, which has no offset).
     """
+    seed = check_seed(seed)
     if (config.expert_dtype or config.dtype) not in COMPUTE_DTYPES:
         raise NotImplementedError(f"{config.name}: expert_dtype={config.expert_dtype!r} is "
                                   "counted in byte budgets but has no random init")
@@ -207,15 +210,16 @@ def quant_format(folder, hf: dict, config: ModelConfig) -> str | None:
         return None
     method = qc.get("quant_method") if isinstance(qc, dict) else None
     if method not in QUANT_FORMATS:
-        raise NotImplementedError(f"{folder}: quantization_config.quant_method={method!r} "
-                                  f"is not read; mk reads {QUANT_FORMATS}")
+        raise NotImplementedError(f"{folder}: quantization_config.quant_method="
+                                  f"{shown(method)} is not read; mk reads {QUANT_FORMATS}")
     if config.is_hybrid:
         raise NotImplementedError(f"{folder}: a quantised hybrid checkpoint is not read")
     if method == "fp8":
         block, fmt = qc.get("weight_block_size"), qc.get("fmt", "e4m3")
         if block != [128, 128] or fmt != "e4m3":
-            raise ValueError(f"{folder}: fp8 quantization_config weight_block_size={block}, "
-                             f"fmt={fmt!r}; mk reads [128, 128] blocks of e4m3")
+            raise ValueError(f"{folder}: fp8 quantization_config weight_block_size="
+                             f"{shown(block)}, fmt={shown(fmt)}; mk reads [128, 128] blocks "
+                             "of e4m3")
     if method == "mxfp4" and not config.is_moe:
         raise ValueError(f"{folder}: quant_method='mxfp4' stores experts, and "
                          f"{config.name} has none")
@@ -353,12 +357,20 @@ def _assemble_quantised(folder, handles, where, layout, shapes
             for param in data}
 
 
-def _problems(folder, config, problems, shown: int = 20) -> str:
-    """One error for many problems: the first `shown`, then how many more there are."""
+def _problems(folder, config, problems, first: int = 20) -> str:
+    """One error for many problems: the first `first`, then how many more there are."""
     plural = "s" if len(problems) > 1 else ""
-    more = (f"\n  ... and {len(problems) - shown} more" if len(problems) > shown else "")
+    more = (f"\n  ... and {len(problems) - first} more" if len(problems) > first else "")
     return (f"{folder}: cannot load the {config.name} checkpoint ({len(problems)} "
-            f"problem{plural}):\n  " + "\n  ".join(problems[:shown]) + more)
+            f"problem{plural}):\n  " + "\n  ".join(map(_line, problems[:first])) + more)
+
+
+def _line(problem: str, limit: int = 2000) -> str:
+    """One problem as one bounded line: tensor names come from the files, so a newline or
+    control character in one is escaped (as repr does) and a long line cut (a line may
+    list a shard's tensors)."""
+    text = problem if problem.isprintable() else repr(problem)[1:-1]
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 class _Renamed:
@@ -443,6 +455,7 @@ def _shard_files(folder: Path) -> dict[str, set[str] | None]:
         raise ValueError(f"{folder}: both {SINGLE_FILE} and {INDEX_FILE} exist; which "
                          "weights to load is ambiguous, remove one")
     if single.is_file():
+        _check_inside(folder, SINGLE_FILE, None)
         return {SINGLE_FILE: None}
     if not index.is_file():
         raise ValueError(f"{folder}: neither {SINGLE_FILE} nor {INDEX_FILE} exists")
@@ -455,8 +468,34 @@ def _shard_files(folder: Path) -> dict[str, set[str] | None]:
                          f"({type(err).__name__}: {err})") from None
     files: dict[str, set[str] | None] = {}
     for name, file in weight_map.items():
+        if not isinstance(file, str):
+            raise ValueError(f"{index}: weight_map maps {shown(name)} to {shown(file)}, not "
+                             "a file name")
         files.setdefault(file, set()).add(name)
+    for file, names in files.items():
+        _check_inside(folder, file, names)
     return files
+
+
+def _check_inside(folder: Path, file, names: set[str] | None) -> None:
+    """Raise ValueError unless `file` (a name from the index, or SINGLE_FILE) is a relative
+    path that resolves, symlinks followed, inside `folder`: a checkpoint must not make mk
+    read files elsewhere. One exception: the Hugging Face cache, whose
+    `snapshots/<revision>/` files are symlinks to the same repository's `blobs/`."""
+    home, path = folder.resolve(), Path(file) if isinstance(file, str) else None
+    if path is None or path.is_absolute() or ".." in path.parts:
+        why = "an absolute path or one through '..'"
+    else:
+        target = (folder / path).resolve()
+        cache = home.parent.parent / "blobs" if home.parent.name == "snapshots" else home
+        if target.is_relative_to(home) or target.is_relative_to(cache):
+            return
+        why = f"a symlink to {shown(str(target), 300)}"
+    what = (f"{INDEX_FILE} maps tensor {shown(min(names))}"
+            f"{f' and {len(names) - 1} more' if len(names) > 1 else ''} to" if names
+            else "its weights are")
+    raise ValueError(f"{folder}: {what} {shown(file)}, {why}, outside the checkpoint "
+                     "folder; mk reads only files inside it")
 
 
 def _check_tensor(file, name, view, layout, shapes) -> list[str]:
@@ -479,6 +518,14 @@ def _check_tensor(file, name, view, layout, shapes) -> list[str]:
 
 def _check_tied_head(handles, where, embed_name) -> list[str]:
     head_name = "lm_head.weight"
+    dtypes = {name: handles[where[name]].get_slice(name).get_dtype()
+              for name in (head_name, embed_name)}
+    if dtypes[head_name] not in STORED_DTYPES:  # e.g. a quantised head: not the embedding
+        return [f"{where[head_name]}: {head_name} is stored as {shown(dtypes[head_name])}, "
+                "but config.json says tie_word_embeddings=true: a tied lm_head is "
+                f"{embed_name}; remove {head_name} or untie the model"]
+    if dtypes[embed_name] not in STORED_DTYPES:
+        return []  # reported by _check_tensor
     embed = handles[where[embed_name]].get_tensor(embed_name)
     head = handles[where[head_name]].get_tensor(head_name)
     if head.shape == embed.shape and np.array_equal(head.astype(np.float32),

@@ -5,7 +5,9 @@ Here: the frozen `ModelConfig` for Qwen3 / Qwen3-MoE-shaped decoders, Qwen3.5's 
 Attention + shared-expert MoE with a grouped sigmoid router), its derived sizes (KV or
 latent bytes per token, linear-attention state bytes per sequence; parameter counts and
 stored bytes are the weight table's, `mk.weights.param_count` and `stored_bytes`),
-`ModelConfig.from_hf` for Hugging Face `config.json` files and the named presets. Not here:
+`ModelConfig.from_hf` for Hugging Face `config.json` files and the named presets; the
+argument checks several modules share (`positive_int`, `check_seed`, `check_rows`). Not
+here:
 weights (`mk.checkpoint`), chips (`mk.chips`), notebook parameters (`mk.run`), kernel
 tiling (each kernel's `BlockSizes`).
 
@@ -36,11 +38,13 @@ import dataclasses
 import functools
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
 
-from mk.kinds import KIND_CHECKS, brief
+from mk.errors import brief, shown
+from mk.kinds import KIND_CHECKS
 
 # Bits per stored element; the byte accounting of every weight family reads this table.
 DTYPE_BITS = {
@@ -65,8 +69,17 @@ def positive_int(field: str, value) -> int:
     never a bool or a float); raises ValueError naming `field`."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
             or value < 1:
-        raise ValueError(f"{field}={value!r} must be a positive integer")
+        raise ValueError(f"{field}={shown(value)} must be a positive integer")
     return int(value)
+
+
+def check_seed(seed) -> int:
+    """A random seed as an int after checking it is a whole number >= 0 (numpy's seeding
+    refuses negatives with "expected non-negative integer", naming no field)."""
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) \
+            or seed < 0:
+        raise ValueError(f"seed={shown(seed)} must be a non-negative integer")
+    return int(seed)
 
 
 def check_rows(batch: int, rows: int = 1) -> int:
@@ -133,7 +146,8 @@ class ModelConfig:
                       "max_position", "max_context"):
             value = getattr(self, field)
             if not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"{self.name}: {field}={value!r} must be a positive integer")
+                raise ValueError(f"{self.name}: {field}={shown(value)} must be a positive "
+                                 "integer")
         if self.heads % self.kv_heads:
             raise ValueError(f"{self.name}: heads={self.heads} must be a multiple of "
                              f"kv_heads={self.kv_heads} (grouped-query attention)")
@@ -147,13 +161,14 @@ class ModelConfig:
             value = getattr(self, field)
             if not (isinstance(value, (int, float, np.floating)) and math.isfinite(value)
                     and value > 0):
-                raise ValueError(f"{self.name}: {field}={value!r} must be a finite number > 0")
+                raise ValueError(f"{self.name}: {field}={shown(value)} must be a finite "
+                                 "number > 0")
         if self.dtype not in COMPUTE_DTYPES:
-            raise ValueError(f"{self.name}: dtype={self.dtype!r} must be one of "
+            raise ValueError(f"{self.name}: dtype={shown(self.dtype)} must be one of "
                              f"{COMPUTE_DTYPES}")
         if self.expert_dtype and self.expert_dtype not in DTYPE_BITS:
-            raise ValueError(f"{self.name}: expert_dtype={self.expert_dtype!r} must be one "
-                             f"of {tuple(DTYPE_BITS)}")
+            raise ValueError(f"{self.name}: expert_dtype={shown(self.expert_dtype)} must be "
+                             f"one of {tuple(DTYPE_BITS)}")
         object.__setattr__(self, "moe_layers", tuple(int(i) for i in self.moe_layers))
         self._validate_layer_types()
         for check in KIND_CHECKS:  # each layer kind's own fields
@@ -166,7 +181,7 @@ class ModelConfig:
                              f"expected layers={self.layers}")
         bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
         if bad:
-            raise ValueError(f"{self.name}: layer_types={bad} must each be one of "
+            raise ValueError(f"{self.name}: layer_types={brief(bad)} must each be one of "
                              f"{LAYER_TYPES}")
         rotary = self.head_dim * self.partial_rotary_factor
         if not 0 < self.partial_rotary_factor <= 1 or rotary != int(rotary) or rotary % 2:
@@ -324,6 +339,9 @@ class ModelConfig:
 
         Both spellings are accepted: older (`rope_theta`, `num_experts`) and newer
         (`rope_parameters`, `num_local_experts`). `dtype` overrides the file's dtype.
+        The model is named `name`, else after `_name_or_path` (`check_hub_name`: a
+        checkpoint is untrusted), else after the folder; errors echo the file's values
+        `shown` (escaped, bounded).
         """
         return _config_from_hf(cls, source, name=name, dtype=dtype)
 
@@ -332,6 +350,8 @@ def _config_from_hf(cls, source, *, name: str | None = None, dtype: str | None =
     """`ModelConfig.from_hf` (`cls`): the Qwen fields here, Qwen3.5's hybrid fields
     (`_hybrid_fields`) and Kimi Linear's (`_kimi_fields`) beside it."""
     hf = _read_hf_dict(source)
+    if name is None and hf.get("_name_or_path"):
+        check_hub_name(hf["_name_or_path"])
     where = name or hf.get("_name_or_path") or str(source if not isinstance(source, dict)
                                                    else "config.json")
     model_type = hf.get("model_type")
@@ -341,7 +361,7 @@ def _config_from_hf(cls, source, *, name: str | None = None, dtype: str | None =
         hf = {"dtype": hf.get("dtype") or hf.get("torch_dtype"), **hf["text_config"]}
         model_type = hf.get("model_type")
     if model_type not in HF_MODEL_TYPES:
-        raise ValueError(f"{where}: model_type={model_type!r} is not supported; "
+        raise ValueError(f"{where}: model_type={shown(model_type)} is not supported; "
                          f"expected one of {HF_MODEL_TYPES} or 'qwen3_5'")
 
     def need(*keys):
@@ -364,14 +384,14 @@ def _config_from_hf(cls, source, *, name: str | None = None, dtype: str | None =
     rope = hf.get("rope_parameters") or {}
     rope_type = rope.get("rope_type", "default")
     if rope_type != "default" or hf.get("rope_scaling"):
-        raise NotImplementedError(f"{where}: rope scaling {rope_type!r} / "
-                                  f"{hf.get('rope_scaling')!r} is not implemented")
+        raise NotImplementedError(f"{where}: rope scaling {shown(rope_type)} / "
+                                  f"{shown(hf.get('rope_scaling'))} is not implemented")
     if hf.get("use_sliding_window"):
         raise NotImplementedError(f"{where}: use_sliding_window=True is not implemented")
     if hf.get("attention_bias"):
         raise NotImplementedError(f"{where}: attention_bias=True is not implemented")
     if hf.get("hidden_act", "silu") != "silu":
-        raise NotImplementedError(f"{where}: hidden_act={hf['hidden_act']!r}")
+        raise NotImplementedError(f"{where}: hidden_act={shown(hf['hidden_act'])}")
     rope_theta = rope.get("rope_theta", hf.get("rope_theta"))
     if rope_theta is None:
         raise ValueError(f"{where}: config.json has no rope_parameters.rope_theta or "
@@ -403,6 +423,20 @@ def _config_from_hf(cls, source, *, name: str | None = None, dtype: str | None =
 
 
 HF_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_5_text", "kimi_linear")
+# A model name as config.json's `_name_or_path` may give it: a name or a hub-style
+# "org/name" of letters, digits, "_", "." and "-" (at most 96 each), no "..".
+HUB_NAME = re.compile(r"(?!.*\.\.)[\w][\w.-]{0,95}(/[\w][\w.-]{0,95})?", re.ASCII)
+
+
+def check_hub_name(value) -> str:
+    """config.json's `_name_or_path`, which names the model (`ModelConfig.name`, shown in
+    notebooks, plots and errors): raises ValueError unless it matches HUB_NAME (a
+    checkpoint is untrusted: no markup, newline, backtick or local path gets through)."""
+    if not (isinstance(value, str) and HUB_NAME.fullmatch(value)):
+        raise ValueError(f"config.json: _name_or_path={shown(value)} must be a model name "
+                         "or a hub-style 'org/name' of letters, digits, '_', '.' and '-' (at "
+                         "most 96 each); mk names the model after it: fix it or remove it")
+    return value
 
 
 def _hybrid_fields(hf: dict, rope: dict, layers: int, where, need) -> dict:
@@ -421,8 +455,8 @@ def _hybrid_fields(hf: dict, rope: dict, layers: int, where, need) -> dict:
     short = {"full_attention": "full", "linear_attention": "linear"}
     unknown = sorted({kind for kind in kinds if kind not in short})
     if unknown:
-        raise ValueError(f"{where}: layer_types holds {unknown}; expected 'full_attention' "
-                         "or 'linear_attention'")
+        raise ValueError(f"{where}: layer_types holds {brief(unknown)}; expected "
+                         "'full_attention' or 'linear_attention'")
     factor = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
     return dict(
         layer_types=tuple(short[kind] for kind in kinds),
@@ -440,11 +474,13 @@ def _kimi_fields(hf: dict, where, need) -> dict:
     kinds from layer_types / linear_attn_config / the every-4th default, MLP kinds from
     mlp_layer_types / first_k_dense_replace."""
     if hf.get("attention_bias") or hf.get("hidden_act", "silu") != "silu":
-        raise NotImplementedError(f"{where}: attention_bias={hf.get('attention_bias')!r}, "
-                                  f"hidden_act={hf.get('hidden_act')!r} are not implemented")
+        raise NotImplementedError(f"{where}: attention_bias={shown(hf.get('attention_bias'))},"
+                                  f" hidden_act={shown(hf.get('hidden_act'))} are not "
+                                  "implemented")
     layers, heads = need("num_hidden_layers"), need("num_attention_heads")
     if hf.get("num_key_value_heads", heads) not in (None, heads):
-        raise NotImplementedError(f"{where}: num_key_value_heads={hf['num_key_value_heads']}"
+        raise NotImplementedError(f"{where}: num_key_value_heads="
+                                  f"{shown(hf['num_key_value_heads'])}"
                                   f" != num_attention_heads={heads} (transformers' MLA "
                                   "expands the latent to every head)")
     linear = hf.get("linear_attn_config") or {}
@@ -462,9 +498,14 @@ def _kimi_fields(hf: dict, where, need) -> dict:
     unknown = sorted({str(kind) for kind in kinds if kind not in short})
     if unknown or len(kinds) != layers:
         raise ValueError(f"{where}: layer_types {brief(kinds)} must hold num_hidden_layers="
-                         f"{layers} of 'full_attention' / 'linear_attention' (got {unknown})")
+                         f"{layers} of 'full_attention' / 'linear_attention' (got "
+                         f"{brief(unknown)})")
     mlp = hf.get("mlp_layer_types") or [
         "dense" if i < hf.get("first_k_dense_replace", 1) else "sparse" for i in range(layers)]
+    unknown = sorted({str(kind) for kind in mlp if kind not in ("dense", "sparse")})
+    if unknown or len(mlp) != layers:  # transformers reads any other word as "dense"
+        raise ValueError(f"{where}: mlp_layer_types {brief(mlp)} must hold num_hidden_layers="
+                         f"{layers} of 'dense' / 'sparse' (got {brief(unknown)})")
     linear_heads = linear.get("num_heads", hf.get("linear_num_heads", 32))
     linear_dim = linear.get("head_dim", hf.get("linear_head_dim", 128))
     rope, nope = need("qk_rope_head_dim"), need("qk_nope_head_dim")

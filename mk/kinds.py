@@ -2,8 +2,8 @@
 layers, MLA, KDA, the router) checks the fields that describe it, and that they are unset
 when the model has no layer of that kind. `ModelConfig` runs every one (`KIND_CHECKS`) on
 construction; a check reads the config's fields by name, so this module imports nothing
-of mk. Also here: `check_routing` (a router's settings, the config's and the MoE kernel's
-`Routing`), `ROUTER_SCORES` and `brief` (a sequence cut short for an error message).
+of mk but its error texts (`mk.errors`). Also here: `check_routing` (a router's settings,
+the config's and the MoE kernel's `Routing`) and `ROUTER_SCORES`.
 Not here: the kinds' weights (`mk.weights`), their kernels (`mk.kernels`).
 """
 
@@ -13,17 +13,10 @@ import math
 
 import numpy as np
 
+from mk.errors import brief, shown
+
 # How a router scores experts: Qwen's softmax, or DeepSeek/Kimi's sigmoid (+ choice bias).
 ROUTER_SCORES = ("softmax", "sigmoid")
-
-
-def brief(items, limit: int = 10) -> str:
-    """A sequence for an error message: all of it when short, else its first `limit` items
-    and how many more there are (a 10**6-layer config must not give a 10**6-item error)."""
-    if len(items) <= limit:
-        return repr(items)
-    head = ", ".join(map(str, list(items[:limit])))
-    return f"({head}, ... {len(items) - limit} more, {len(items)} in all)"
 
 
 def check_routing(where: str, *, router_score, expert_groups, topk_groups, routed_scale,
@@ -35,11 +28,12 @@ def check_routing(where: str, *, router_score, expert_groups, topk_groups, route
     into groups of at least 2 (a group scores by its top 2) and the kept groups hold top_k
     experts."""
     if router_score not in ROUTER_SCORES:
-        raise ValueError(f"{where}: router_score={router_score!r} must be one of "
+        raise ValueError(f"{where}: router_score={shown(router_score)} must be one of "
                          f"{ROUTER_SCORES}")
     if not (isinstance(routed_scale, (int, float, np.floating)) and math.isfinite(routed_scale)
             and routed_scale > 0):
-        raise ValueError(f"{where}: routed_scale={routed_scale!r} must be a finite number > 0")
+        raise ValueError(f"{where}: routed_scale={shown(routed_scale)} must be a finite "
+                         "number > 0")
     if experts is None:
         return
     if router_score == "softmax":
@@ -50,13 +44,13 @@ def check_routing(where: str, *, router_score, expert_groups, topk_groups, route
         return
     if isinstance(expert_groups, bool) or not isinstance(expert_groups, (int, np.integer)) \
             or expert_groups < 1 or experts % expert_groups or experts // expert_groups < 2:
-        raise ValueError(f"{where}: expert_groups={expert_groups!r} must divide experts="
+        raise ValueError(f"{where}: expert_groups={shown(expert_groups)} must divide experts="
                          f"{experts} into groups of at least 2 (a group scores by its top 2 "
                          "experts)")
     if isinstance(topk_groups, bool) or not isinstance(topk_groups, (int, np.integer)) \
             or not 1 <= topk_groups <= expert_groups \
             or topk_groups * experts // expert_groups < top_k:
-        raise ValueError(f"{where}: topk_groups={topk_groups!r} must be in [1, "
+        raise ValueError(f"{where}: topk_groups={shown(topk_groups)} must be in [1, "
                          f"expert_groups={expert_groups}] and its groups must hold top_k="
                          f"{top_k} experts")
 
@@ -95,12 +89,12 @@ def check_linear(c) -> None:
     values = {field: getattr(c, field) for field in linear}
     if not c.linear_layers:
         if any(values.values()):
-            raise ValueError(f"{c.name}: {values} are set but layer_types has no "
-                             "'linear' layer")
+            raise ValueError(f"{c.name}: {shown(values, 400)} are set but layer_types "
+                             "has no 'linear' layer")
         return
     for field, value in values.items():
         if not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"{c.name}: {field}={value!r} must be a positive "
+            raise ValueError(f"{c.name}: {field}={shown(value)} must be a positive "
                              "integer in a model with linear layers")
     if c.linear_value_heads % c.linear_key_heads:
         raise ValueError(f"{c.name}: linear_value_heads={c.linear_value_heads} "
@@ -112,11 +106,11 @@ def check_mla(c) -> None:
     heads, no QK-norm, no output gate."""
     mla = dict(q_rank=c.q_rank, rope_dim=c.rope_dim, value_dim=c.value_dim)
     if not c.latent_rank and any(mla.values()):
-        raise ValueError(f"{c.name}: {mla} are set but latent_rank=0 (no MLA)")
+        raise ValueError(f"{c.name}: {shown(mla, 300)} are set but latent_rank=0 (no MLA)")
     if c.latent_rank:
         for field, value in dict(latent_rank=c.latent_rank, **mla).items():
             if not isinstance(value, (int, np.integer)) or value < (field != "q_rank"):
-                raise ValueError(f"{c.name}: {field}={value!r} must be a "
+                raise ValueError(f"{c.name}: {field}={shown(value)} must be a "
                                  f"{'non-negative' if field == 'q_rank' else 'positive'}"
                                  " integer in an MLA model")
         if not c.rope_dim < c.head_dim:
@@ -146,12 +140,12 @@ def check_router(c) -> None:
         if routing | dict(shared_expert_ffn=c.shared_expert_ffn) != dict(
                 router_score="softmax", expert_groups=1, topk_groups=1,
                 routed_scale=1.0, shared_expert_ffn=0):
-            raise ValueError(f"{c.name}: {routing} and shared_expert_ffn="
-                             f"{c.shared_expert_ffn} are set but moe_layers is empty")
+            raise ValueError(f"{c.name}: {shown(routing, 300)} and shared_expert_ffn="
+                             f"{shown(c.shared_expert_ffn)} are set but moe_layers is empty")
         return
     if not isinstance(c.shared_expert_ffn, (int, np.integer)) \
             or c.shared_expert_ffn < 0:
-        raise ValueError(f"{c.name}: shared_expert_ffn={c.shared_expert_ffn!r} "
+        raise ValueError(f"{c.name}: shared_expert_ffn={shown(c.shared_expert_ffn)} "
                          "must be a non-negative integer")
     check_routing(c.name, experts=c.experts, top_k=c.experts_per_token, **routing)
 

@@ -19,7 +19,10 @@ states come from the `mk.reference.HybridCache` (HBM, round-tripped through VMEM
 `mk.kernels.deltanet.linear_mixer`), and the states after each of the T rows go out as
 `mk.reference.LinearRows` (what a verifier's `mk.reference.rollback` picks from; the
 returned cache keeps the last row's). The skip has a cost the simulator shows: the ring's
-look-ahead into a skipped region loads nothing, so it restarts at the region's end.
+look-ahead into a skipped region loads nothing, so it restarts at the region's end. A
+hybrid with no full layer (an all-linear Qwen3.5 or Kimi Linear) has no attention or KV
+cache operands at all; a conv of one tap (conv_kernel=1: no conv state) is not built
+(`DecodePlan.make` refuses it).
 
 Kimi Linear (`config.is_mla`) is a hybrid whose full layers are multi-head latent
 attention (`mk.kernels.mla`): their ring segments are the matrices with D rows or
@@ -90,7 +93,8 @@ from mk import quant, reference
 from mk.config import ModelConfig, positive_int
 from mk.kernels.collectives import (AXIS, COLLECTIVE_IDS, CollectiveScratch, all_reduce_body,
                                     argmax_body, barrier)
-from mk.kernels.common import BlockSizes, aliases, memory_specs, start_dma
+from mk.kernels.common import (BlockSizes, aliases, default_kv_tile, memory_specs,
+                               start_dma)
 from mk.kernels.decode_attention import (AttentionScratch, KvStream, drain_write_backs,
                                          start_write_backs)
 from mk.kernels.deltanet import (STATE_INPUTS, STATE_OUTPUTS, drain_linear,
@@ -123,7 +127,7 @@ VECTORS = ("norms", "qk_norms")  # per-layer vectors, prefetched a layer ahead
 def attention_weights(config: ModelConfig) -> tuple[str, ...]:
     """The HBM weights of `config`'s token mixers (its full and linear kinds' rows of
     `mk.weights` that the kernel streams or DMAs; the q/k norms come with the layer's
-    vectors)."""
+    vectors; none of attention's in an all-linear hybrid)."""
     return tuple(name for layers in ("full_layers", "linear_layers")
                  for name in names_of(config, kind_of(config, layers), "ring", "dma"))
 
@@ -157,7 +161,8 @@ def prepare(config: ModelConfig, params, block: BlockSizes) -> dict:
     weights = {name: params[name] for name in ("embed", *names)} | {"lm_head": head}
     if "router_bias" in weights:  # [Lm, 1, E]: one DMA into the [1, E] buffer
         weights["router_bias"] = weights["router_bias"][:, None]
-    if config.is_mla:  # wkv_a's columns padded to whole tiles, the norms [La, 1, R] rows
+    if config.is_mla and config.full_layers:  # wkv_a's columns padded to whole tiles, the
+        #                                        norms [La, 1, R] rows
         pad = latent_columns(config) - config.latent_width
         weights["wkv_a"] = jnp.pad(weights["wkv_a"], ((0, 0), (0, 0), (0, pad)))
         weights |= {n: weights[n].astype(jnp.float32)[:, None]  # no norm_offset: MLA's
@@ -223,10 +228,11 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
 
     fetch = {name: mixer_weight(name, "full") for name, *_ in full_matrices(config)}
     if config.is_mla:  # the latent cache is the keys and the values
-        k_cache, v_cache = outputs["latent_cache"], None
-    else:
-        k_cache, v_cache = outputs["k_cache"], outputs["v_cache"]
-    mla = {n: inputs[n] for n in mla_loads(config)} if config.is_mla else None
+        k_cache, v_cache = outputs.get("latent_cache"), None
+    else:  # (none in an all-linear hybrid)
+        k_cache, v_cache = outputs.get("k_cache"), outputs.get("v_cache")
+    mla = ({n: inputs[n] for n in mla_loads(config)} if config.is_mla and config.full_layers
+           else None)
     segments, dmas = linear_weights(config)
     fetch |= {name: mixer_weight(name, "linear") for name in segments if "linear" in mixers}
     fetch["lm_head"] = lambda step: (inputs["lm_head"], None)
@@ -401,8 +407,10 @@ def traced_step(plan: DecodePlan, weights, cache, tokens, positions, taps: bool 
     inputs = {n: weights[n] for n in ("final_norm", "norms", "qk_norms", "lm_head", "is_moe",
                                       "mlp_row", "is_linear", "mixer_row",
                                       *attention_weights(config), *mlp)}
-    # MLA's latent cache [La, B, S, W] as one shared "kv head" [La, B, 1, S, W] (`attend`)
-    caches = (dict(latent_cache=cache.latent[:, :, None]) if config.is_mla else
+    # MLA's latent cache [La, B, S, W] as one shared "kv head" [La, B, 1, S, W] (`attend`);
+    # an all-linear hybrid's empty KV cache (La = 0) is no operand
+    caches = ({} if not config.full_layers else
+              dict(latent_cache=cache.latent[:, :, None]) if config.is_mla else
               dict(k_cache=cache.k, v_cache=cache.v))
     inputs |= dict(positions=positions, **caches,
                    x=weights["embed"][tokens].reshape(M, D).astype(jnp.float32))
@@ -436,7 +444,8 @@ def traced_step(plan: DecodePlan, weights, cache, tokens, positions, taps: bool 
             flops=2 * M * elements, transcendentals=0,
             bytes_accessed=weight_bytes + state_bytes),
     )(inputs)
-    kv = ((out["latent_cache"][:, :, 0],) if config.is_mla else
+    kv = (tuple(cache[:-2]) if not config.full_layers else
+          (out["latent_cache"][:, :, 0],) if config.is_mla else
           (out["k_cache"], out["v_cache"]))
     result = (out["next_tokens"].reshape(B, T),
               out["logits"][:, :config.vocab].reshape(B, T, -1))
@@ -511,6 +520,7 @@ def check_generate(config: ModelConfig, prompt, steps: int, steps_per_call: int,
     """`mk.reference.check_generate` and steps_per_call -> (prompt as int32, the cache
     capacity S, steps, steps_per_call as ints)."""
     prompt, S, steps = reference.check_generate(config, prompt, steps, max_context)
+    default_kv_tile(S, "max_context")  # the kernel's KV tiles must divide the cache
     return prompt, S, steps, positive_int("steps_per_call", steps_per_call)
 
 

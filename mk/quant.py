@@ -1,7 +1,8 @@
 """Quantised weight storage: int8, fp8, int4 and fp4 (MXFP4), packed, checked and counted.
 
-Here: the four storage schemes (`SCHEMES`), each laid out exactly as below; `quantize`
-(bf16 params -> a params dict whose quantised weights are `QuantWeight`s), `dequantize`
+Here: the four storage schemes (`SCHEMES`), each laid out exactly as below (a
+`QuantWeight` checks its layout on construction: `check_layout`); `quantize` (finite bf16
+params -> a params dict whose quantised weights are `QuantWeight`s), `dequantize`
 (back to plain arrays: the oracle's weights, fed to the unchanged `mk.reference`), the
 element decoders a kernel calls on one streamed tile (`unpack_nibbles`, `e4m3_values`,
 `e2m1_values`, `dequantize_tile`), `check_error` (every group's error against its scale's
@@ -93,6 +94,7 @@ import numpy as np
 
 from mk import reference
 from mk.config import DTYPE_BITS, ModelConfig
+from mk.errors import shown
 from mk.weights import FORMAT_GROUPS, param_shapes
 
 SCHEMES = ("int8", "fp8", "int4", "fp4")
@@ -115,6 +117,13 @@ class QuantWeight:
     scale: jax.Array
     scheme: str
 
+    def __post_init__(self):
+        if self.scheme not in SCHEMES:
+            raise ValueError(f"QuantWeight scheme={shown(self.scheme)} must be one of "
+                             f"{SCHEMES}")
+        if all(hasattr(a, "dtype") and hasattr(a, "shape") for a in (self.data, self.scale)):
+            check_layout(self.scheme, self.data, self.scale)  # not a pytree of specs
+
     @property
     def shape(self) -> tuple[int, ...]:
         """The logical [..., I, O] shape of the weight."""
@@ -130,6 +139,38 @@ class QuantWeight:
         """`q.at[index]` of a `QuantWeight` of kernel refs: the weight at leading index
         `index`, as `ref.at[index]` is for a plain weight (a ring's Fetch)."""
         return _At(self)
+
+
+# Each scheme's stored dtypes (module docstring): {scheme: (data, scale)}, and its scales.
+STORED = {"int8": ("int8", "float32"), "fp8": ("uint8", "float32"),
+          "int4": ("uint8", "bfloat16"), "fp4": ("uint8", "uint8")}
+SCALES = {"int8": "one per output column", "fp8": "one per 128 x 128 block",
+          "int4": "one per 128 rows of a column", "fp4": "one per 32 rows of a column"}
+
+
+def check_layout(scheme: str, data, scale) -> None:
+    """Raise ValueError unless `data` and `scale` (arrays, refs or shape-dtype structs:
+    anything with .shape and .dtype) are laid out as `scheme` stores them (module
+    docstring): their dtypes, the data's rows, and the scales of data [..., R, O]: int8
+    [..., 1, O], fp8 [..., R/128, O/128], int4 [..., R/64, O], fp4 [..., R/16, O] (int4 and
+    fp4 pack two rows a byte). A tile-major weight (`tile_major`: that per tile) passes."""
+    for field, array, want in (("data", data, STORED[scheme][0]),
+                               ("scale", scale, STORED[scheme][1])):
+        if str(array.dtype) != want:
+            raise ValueError(f"QuantWeight({scheme}): {field} dtype {array.dtype} must be "
+                             f"{want}")
+    shape = tuple(data.shape)
+    step = {"int8": 1, "fp8": GROUP["fp8"]}.get(scheme, PACK_ROWS // 2)
+    if len(shape) < 2 or shape[-2] % step or (scheme == "fp8" and shape[-1] % GROUP["fp8"]):
+        raise ValueError(f"QuantWeight({scheme}): data shape {shape} must be [..., R, O] "
+                         f"with R a multiple of {step}"
+                         + (f" and O of {GROUP['fp8']}" if scheme == "fp8" else ""))
+    *lead, R, O = shape
+    block = {"int8": (1, O), "fp8": (R // GROUP["fp8"], O // GROUP["fp8"]),
+             "int4": (2 * R // GROUP["int4"], O), "fp4": (2 * R // GROUP["fp4"], O)}[scheme]
+    if tuple(scale.shape) != (*lead, *block):
+        raise ValueError(f"QuantWeight({scheme}): scale shape {tuple(scale.shape)} must be "
+                         f"{(*lead, *block)} for data {shape} ({SCALES[scheme]})")
 
 
 class _At:
@@ -240,9 +281,13 @@ def _safe(scale: np.ndarray) -> np.ndarray:
 
 
 def quantize_weight(w, scheme: str, name: str = "weight") -> QuantWeight:
-    """One weight [..., I, O] (any float dtype) -> its `QuantWeight` in `scheme`."""
+    """One weight [..., I, O] (any float dtype, finite) -> its `QuantWeight` in `scheme`."""
     w = np.asarray(jnp.asarray(w, F32))
     check_shape(name, scheme, w.shape)
+    bad = w.size - int(np.isfinite(w).sum())
+    if bad:  # a scale is its group's absmax: an inf or NaN spoils the group, silently
+        raise ValueError(f"{name}: {bad} of {w.size} values are NaN or inf; quantize needs "
+                         "finite weights")
     rep = functools.partial(np.repeat, axis=-2)
     if scheme == "int8":
         scale = _safe(np.abs(w).max(axis=-2, keepdims=True) / np.float32(INT8_MAX))

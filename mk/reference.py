@@ -545,9 +545,10 @@ def checked_int32(field: str, x, low: int, high: int, limit: str = "") -> jax.Ar
     return jnp.asarray(a.astype(np.int32))
 
 
-def check_params(config: ModelConfig, params) -> None:
+def check_params(config: ModelConfig, params, entry: str = "mk.reference") -> None:
     """Raise ValueError naming the first parameter whose name, shape or dtype is not what
-    `param_shapes(config)` says (a missing or extra tensor, another model's params)."""
+    `param_shapes(config)` says (a missing or extra tensor, another model's params, a
+    quantised weight: `entry`, the caller, takes plain weights)."""
     want = param_shapes(config)
     if not hasattr(params, "keys"):
         raise ValueError(f"params is a {type(params).__name__}; expected a dict of "
@@ -557,6 +558,11 @@ def check_params(config: ModelConfig, params) -> None:
             raise ValueError(f"params has no {name!r}, which {config.name} needs "
                              f"({dtype}{list(shape)})")
         got = params[name]
+        if hasattr(got, "scheme"):  # an mk.quant.QuantWeight (mk.quant imports this module)
+            raise ValueError(f"params[{name!r}] is quantised ({got.scheme}); {entry} takes "
+                             f"plain {dtype} weights: pass mk.quant.dequantize(params), or "
+                             "decode with mk.megakernel.generate, which streams quantised "
+                             "weights")
         got_shape, got_dtype = tuple(getattr(got, "shape", ())), str(getattr(got, "dtype", ""))
         if got_shape != shape or got_dtype != dtype:
             raise ValueError(f"params[{name!r}] is {got_dtype}{list(got_shape)}; "

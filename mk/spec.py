@@ -47,7 +47,8 @@ import numpy as np
 
 from mk import backend as backends
 from mk import megakernel, perf, reference, sim
-from mk.config import MAX_ROWS, ModelConfig
+from mk.config import MAX_ROWS, ModelConfig, check_seed
+from mk.kernels.common import default_kv_tile
 from mk.kernels.plan import DecodePlan
 from mk.weights import param_shapes
 
@@ -554,6 +555,7 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, drafter, gamma:
     P + steps + gamma - 1 <= max_context (default config.max_context) positions.
     progress=True shows a `mk.megakernel.progress_bar` of the tokens every sequence has."""
     check_gamma(gamma)
+    seed = check_seed(seed)
     prompt, S, steps = reference.check_generate(config, prompt, steps, max_context,
                                                 gamma=gamma)
     prompt = np.asarray(prompt)
@@ -563,6 +565,8 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, drafter, gamma:
     if verifier == "megakernel" and B * (gamma + 1) > MAX_ROWS:
         raise ValueError(f"batch*(gamma+1)={B * (gamma + 1)} exceeds MAX_ROWS={MAX_ROWS} "
                          "activation rows of one megakernel step")
+    if verifier == "megakernel":
+        default_kv_tile(S, "max_context")  # the kernel's KV tiles must divide the cache
     if isinstance(verifier, str) and verifier not in VERIFIERS:
         raise ValueError(f"verifier={verifier!r} must be one of {VERIFIERS} or a Runner")
     if bucket is not None and bucket < B:
@@ -572,7 +576,7 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, drafter, gamma:
     if not isinstance(verifier, str) and verifier.rows < gamma + 1:
         raise ValueError(f"the verifier's rows={verifier.rows} must be >= gamma + 1 = "
                          f"{gamma + 1}")
-    reference.check_params(config, params)
+    reference.check_params(config, params, "mk.spec.generate")
     if isinstance(drafter, str):
         drafter = make_drafter(drafter, config, params, gamma=gamma, batch=bucket,
                                **drafter_options)

@@ -29,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from mk import megakernel, perf, reference
+from mk import backend as backends
+from mk import megakernel, perf, quant, reference
 from mk.chips import chip as chip_spec
 from mk.config import ModelConfig
 from mk.kernels.collectives import (AXIS, all_reduce_bytes, check_devices,
@@ -59,7 +60,8 @@ def _kv_columns(config: ModelConfig, w, tp: int):
     """wk / wv [L, D, K*H] -> [tp, L, D, K_local*H]."""
     heads = w.reshape(*w.shape[:-1], config.kv_heads, config.head_dim)
     picked = heads[..., np.array(kv_heads_of(config, tp)), :]  # [L, D, tp, K_local, H]
-    return jnp.moveaxis(picked.reshape(*w.shape[:-1], tp, -1), -2, 0)
+    width = picked.shape[-2] * picked.shape[-1]  # not -1: L = 0 in an all-linear hybrid
+    return jnp.moveaxis(picked.reshape(*w.shape[:-1], tp, width), -2, 0)
 
 
 def _linear_channels(config: ModelConfig, w, tp: int):
@@ -88,6 +90,10 @@ def shard_params(config: ModelConfig, params, tp: int) -> dict:
     split by its `mk.weights` split rule; a tied model's lm_head is embed.T's vocab
     columns."""
     check_tp(config, tp)
+    if quant.formats_of(params):
+        raise ValueError(f"params hold quantised weights {quant.formats_of(params)}; "
+                         "mk.tensor_parallel.shard_params splits plain weights (quantised "
+                         "tensor parallelism: not yet): pass mk.quant.dequantize(params)")
     split = {w.name: _SPLIT[w.split](config, params[w.name], tp)
              for w in weights_of(config) if w.split != "whole"}
     if config.tie_embeddings:
@@ -212,7 +218,8 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, tp: int,
         config, prompt, steps, steps_per_call, max_context)
     plan = DecodePlan.make(config, tp=tp, batch=prompt.shape[0], context=S,
                                 block=block)
-    reference.check_params(config, params)
+    reference.check_params(config, params, "mk.tensor_parallel.generate")
+    backends.check_active()
     weights = prepare(plan, params)
     return megakernel.greedy_loop(
         functools.partial(_greedy_steps, plan, mesh, weights), config, params, prompt, S,

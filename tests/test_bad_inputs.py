@@ -1,13 +1,16 @@
-"""Bad inputs and faults (issue 15): each case is a clear error naming the field, the value
-and the limit, or a correct result; none crashes deep in JAX, none hangs, none is silently
-wrong.
+"""Bad inputs and faults (issues 15 and 39): each case is a clear error naming the field,
+the value and the limit, or a correct result; none crashes deep in JAX, none hangs, none
+is silently wrong.
 
 Cheap by construction: every check runs before anything is traced, so most cases never
-compile; the few that run a kernel use the single-device argmax kernel or one XLA decode.
-The multi-device NaN argmax is in tests/test_collectives.py (its subprocess runs anyway).
-Each subprocess case has a timeout, so a hang is a failure, not a stuck run.
+compile; the few that run a kernel use the single-device argmax kernel, one XLA decode,
+or (an all-linear hybrid, which the megakernel runs) three interpret-mode megakernel
+steps. The multi-device NaN argmax is in tests/test_collectives.py (its subprocess runs
+anyway). Each subprocess case has a timeout, so a hang is a failure, not a stuck run.
+Untrusted checkpoints and quantised weights: tests/test_bad_checkpoints.py.
 """
 
+import dataclasses
 import html
 import json
 import math
@@ -31,7 +34,7 @@ from mk.checkpoint import init_params, load_checkpoint
 from mk.config import ModelConfig, preset
 from mk.kernels import collectives
 from mk.kernels.common import BlockSizes
-from mk.kernels.plan import check_tp
+from mk.kernels.plan import DecodePlan, check_tp
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = preset("tiny")
@@ -170,7 +173,7 @@ def test_non_finite_config_json_numbers_are_refused(field, value):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(context=300), "context=300 is not a multiple of kv_tile=256"),
+    (dict(context=300), "context=300 must be a multiple of 16 for the megakernel"),
     (dict(block=BlockSizes(slots=1)), "slots=1"),
     (dict(batch=65), "batch=65 x rows=1 = 65 activation rows exceed MAX_ROWS=64"),
     (dict(batch=0), "batch=0 must be a positive integer"),
@@ -367,3 +370,103 @@ def test_a_kernel_called_on_cpu_outside_backend_use_says_what_to_do(params):
     with pytest.raises(ValueError, match=r"inside `with mk.backend.use\('interpret'\):`"):
         megakernel.decode_step(TINY, megakernel.prepare(TINY, params, block), cache, [[1]],
                                [0], block=block)
+
+
+# -- Entry points and valid configs (issue 39): refused by name before tracing, or run ---------
+def test_entry_points_without_quantised_weights_say_so_by_name(params):
+    q = mk.quantize(TINY, params, dense="int8")
+    message = (r"params\['wq'\] is quantised \(int8\); {} takes plain bfloat16 weights: pass "
+               r"mk.quant.dequantize\(params\), or decode with mk.megakernel.generate")
+    for entry, call in (
+            ("mk.reference", lambda: reference.generate(TINY, q, [[1, 2]], 2)),
+            ("mk.spec.generate", lambda: spec.generate(TINY, q, [[1, 2]], 2, drafter="ngram",
+                                                       gamma=2)),
+            ("mk.tensor_parallel.generate", lambda: tpar.generate(TINY, q, [[1, 2]], 2, tp=1))):
+        with pytest.raises(ValueError, match=message.format(entry)):
+            call()
+    with pytest.raises(ValueError, match=r"params hold quantised weights \{'dense': 'int8'\}; "
+                                         "mk.tensor_parallel.shard_params splits plain"):
+        tpar.shard_params(TINY, q, 1)
+
+
+def _all_linear(family: str) -> ModelConfig:
+    if family == "kimi":
+        return dataclasses.replace(preset("tiny-kimi"), layer_types=("linear",) * 4)
+    hf = dict(model_type="qwen3_5_text", vocab_size=512, hidden_size=256, num_hidden_layers=3,
+              num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+              intermediate_size=512, rms_norm_eps=1e-6, max_position_embeddings=4096,
+              rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+              linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=128,
+              linear_value_head_dim=128, linear_conv_kernel_dim=4)
+    return ModelConfig.from_hf(hf, name="all-linear")  # transformers' default interval 4
+
+
+@pytest.mark.parametrize("family", ["qwen3.5", pytest.param("kimi", marks=pytest.mark.slow)])
+def test_an_all_linear_hybrid_runs_in_the_megakernel(family):
+    config = _all_linear(family)
+    assert set(config.layer_types) == {"linear"} and not config.full_layers
+    weights = init_params(config)
+    want = reference.generate(config, weights, [[3, 1, 4]], 3, max_context=16)
+    got = megakernel.generate(config, weights, [[3, 1, 4]], 3, max_context=16)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.slow
+def test_an_all_linear_hybrid_runs_tensor_parallel():
+    code = ("import dataclasses, numpy as np, mk\nfrom mk import backend, reference\n"
+            "from mk import tensor_parallel as t\n"
+            "c = dataclasses.replace(mk.preset('tiny-hybrid'), layers=3, linear_key_heads=2,"
+            " layer_types=('linear',) * 3)\np = mk.init_params(c)\n"
+            "want = reference.generate(c, p, [[1, 2, 3]], 3, max_context=16)\n"
+            "with backend.use('interpret'):\n"
+            "    got = t.generate(c, p, [[1, 2, 3]], 3, tp=2, max_context=16)\n"
+            "assert (np.asarray(got) == np.asarray(want)).all(), (got, want)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=600, env=_subprocess_env(devices=4))
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_conv_kernel_1_is_refused_by_name_before_tracing():
+    config = dataclasses.replace(preset("tiny-hybrid"), conv_kernel=1)
+    weights = init_params(config)
+    assert reference.generate(config, weights, [[1, 2]], 2).shape == (1, 2)
+    message = r"conv_kernel=1: the linear-attention kernels .* need conv_kernel >= 2"
+    for call in (lambda: megakernel.generate(config, weights, [[1, 2]], 2),
+                 lambda: tpar.generate(config, weights, [[1, 2]], 2, tp=1)):
+        with pytest.raises(NotImplementedError, match=message):
+            call()
+
+
+def test_a_shard_no_tile_cuts_names_the_weight_the_fields_and_the_tp():
+    assert check_tp(preset("tiny-kimi"), 2) == 2  # every width divides; one does not tile
+    with pytest.raises(ValueError, match=r"tiny-kimi at tp=2 \(per device: heads=1 of 2, .*\):"
+                                         r" no tile .* cuts every weight: wq \[256, 192\] \(a "
+                                         "side not a multiple of 128\\)"):
+        DecodePlan.make(preset("tiny-kimi"), tp=2, batch=1, context=256)
+
+
+def test_a_max_context_no_kv_tile_divides_names_max_context(params):
+    assert reference.generate(TINY, params, [[1, 2]], 2, max_context=200).shape == (1, 2)
+    for call in (lambda: megakernel.generate(TINY, params, [[1, 2]], 2, max_context=200),
+                 lambda: tpar.generate(TINY, params, [[1, 2]], 2, tp=1, max_context=200),
+                 lambda: spec.generate(TINY, params, [[1, 2]], 2, drafter="ngram", gamma=2,
+                                       max_context=200)):
+        with pytest.raises(ValueError, match="max_context=200 must be a multiple of 16 for the "
+                                             "megakernel.*: use 208"):
+            call()
+    plan = DecodePlan.make(TINY, batch=1, context=272)  # 17 x 16: the tile that divides
+    assert plan.block.kv_tile == 16
+
+
+@pytest.mark.parametrize("seed", [-1, 1.5, True])
+def test_a_seed_that_is_not_a_non_negative_integer_is_refused(params, seed):
+    for call in (lambda: init_params(TINY, seed),
+                 lambda: spec.generate(TINY, params, [[1, 2]], 2, drafter="ngram", gamma=2,
+                                       seed=seed, verifier="reference")):
+        with pytest.raises(ValueError, match=f"seed={seed!r} must be a non-negative integer"):
+            call()
+
+
+def test_tp_generate_outside_backend_use_says_what_to_do(params):
+    with pytest.raises(ValueError, match=r"inside `with mk.backend.use\('interpret'\):`"):
+        tpar.generate(TINY, params, [[1, 2]], 2, tp=1)

@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 LANES = 128  # the minor (lane) dimension of a vreg
+KV_ALIGN = 16  # a KV tile's positions are whole groups of 16 sublanes (bf16)
 SUBLANE_BITS = 8 * 32  # 8 sublanes of 32-bit words: 8 rows of f32, 16 of bf16, 32 of int8
 
 
@@ -76,7 +77,7 @@ class BlockSizes:
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"BlockSizes.{field}={value!r} must be an integer >= {low}")
         for field, multiple in (("tile_rows", LANES), ("tile_cols", LANES),
-                                ("kv_tile", 16)):
+                                ("kv_tile", KV_ALIGN)):
             value = getattr(self, field)
             if not isinstance(value, int) or value < multiple or value % multiple:
                 raise ValueError(f"BlockSizes.{field}={value!r} must be a positive multiple "
@@ -191,8 +192,8 @@ def default_block(matrices, *, context: int | None = None, slots: int = SLOTS,
     so one ring slot shape serves every matrix (`BlockSizes.cut`: plain or transposed; the
     `quantised` names plain only, and then at most QUANT_TILE_ELEMENTS a tile).
     `padded_rows`: the rows of matrices whose columns are padded to whole tiles (the
-    lm_head: only its rows must divide). KV tiles of min(KV_TILE, context) positions for a
-    kernel reading a cache of `context` positions.
+    lm_head: only its rows must divide). KV tiles of `default_kv_tile(context)` positions
+    for a kernel reading a cache of `context` positions.
 
     A decode matmul's cost is moving its weights, and each tile costs the TensorCore a
     fixed issue time besides (`mk.bundles`): big tiles amortise it. Tensor-parallel shards
@@ -217,10 +218,25 @@ def default_block(matrices, *, context: int | None = None, slots: int = SLOTS,
                                                                                quantised):
                 best = ((rows * cols, rows), block)
     if best is None:
-        raise ValueError(f"no tile of multiples of {LANES} up to {TILE_BYTES} bytes cuts "
-                         f"every weight {[(r, c) for _, r, c in shapes]}")
-    kv = {} if context is None else {"kv_tile": min(KV_TILE, context)}
+        uncut = [f"{name} [{r}, {c}]" for name, r, c in shapes if r % LANES or c % LANES]
+        raise ValueError(f"no tile of multiples of {LANES} up to {TILE_BYTES} bytes cuts every "
+                         "weight" + (f": {', '.join(uncut)} (a side not a multiple of {LANES})"
+                                     if uncut else f" {[(r, c) for _, r, c in shapes]}"))
+    kv = {} if context is None else {"kv_tile": default_kv_tile(context)}
     return dataclasses.replace(best[1], **kv)
+
+
+def default_kv_tile(context: int, name: str = "context") -> int:
+    """The default KV tile of a cache of `context` positions: the largest multiple of
+    KV_ALIGN up to KV_TILE that divides it; raises ValueError naming `name` (the caller's
+    word for the capacity: "max_context" in a generate call) when none does."""
+    if context % KV_ALIGN:
+        raise ValueError(f"{name}={context} must be a multiple of {KV_ALIGN} for the "
+                         f"megakernel, whose KV tiles hold whole groups of {KV_ALIGN} cached "
+                         f"positions (mk.reference takes any): use "
+                         f"{-(-context // KV_ALIGN) * KV_ALIGN}")
+    return max(tile for tile in range(KV_ALIGN, min(KV_TILE, context) + 1, KV_ALIGN)
+               if context % tile == 0)
 
 
 def _cuts(block: BlockSizes, shapes, quantised) -> bool:

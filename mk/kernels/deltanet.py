@@ -622,6 +622,16 @@ def gated_deltanet_kernel(inputs, outputs, *, config: ModelConfig, stream: TileS
     outputs["out"][...] = x + outputs["out"][...]
 
 
+def check_conv_kernel(config: ModelConfig) -> None:
+    """The kernels keep a conv state of W-1 rows (DMA'd, windowed, returned per row); W = 1
+    (a conv with no state) is not built: raises NotImplementedError before tracing."""
+    if config.linear_layers and config.conv_kernel < 2:
+        raise NotImplementedError(f"{config.name}: conv_kernel={config.conv_kernel}: the "
+                                  "linear-attention kernels keep a conv state of conv_kernel "
+                                  "- 1 rows and need conv_kernel >= 2 (mk.reference runs "
+                                  "conv_kernel=1)")
+
+
 def check_linear_layer(config: ModelConfig, x, conv_state, state, layer) -> tuple[int, int]:
     """(B, T) of a gated-DeltaNet layer step; raises ValueError naming a bad shape, row
     count or layer before anything is traced."""
@@ -632,6 +642,7 @@ def check_linear_layer(config: ModelConfig, x, conv_state, state, layer) -> tupl
             or config.mixer_index(layer)[0] != "linear":
         raise ValueError(f"layer={layer!r} must be one of the linear layers "
                          f"{config.linear_layers}")
+    check_conv_kernel(config)
     B, T, D = x.shape
     if D != config.hidden:
         raise ValueError(f"x [B, T, D={D}] does not match hidden={config.hidden}")

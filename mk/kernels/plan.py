@@ -83,7 +83,7 @@ from mk.kernels.collectives import (MAX_INDEX, PARTIAL_SUM_BYTES, allreduce_s, c
 from mk.kernels.common import (KV_TILE, LANES, SLOTS, VMEM_HEADROOM, VMEM_ROOM, BlockSizes,
                                Buffer, VmemBudget, vmem_budget, vmem_limit_bytes)
 from mk.kernels.decode_attention import attention_semaphores, decode_attention_buffers
-from mk.kernels.deltanet import (linear_buffers, linear_layer_shapes,
+from mk.kernels.deltanet import (check_conv_kernel, linear_buffers, linear_layer_shapes,
                                  linear_scratch)
 from mk.kernels.mla import mla_loads, mla_matrices
 from mk.kernels.mlp import MOE_SMALL_LOADS, expert_slots
@@ -376,8 +376,8 @@ class DecodePlan:
         `formats` hold whole groups per tile (and tp = 1: sharding quantised weights is
         not built). Without a block, the tiling is `default_block`'s (for `chip`: a ring sized by Little's
         law). The megakernel's ring needs >= 2 slots (a tile loads while another
-        computes); `kernel=False` makes a plan only the simulator replays, which may have
-        one."""
+        computes) and a linear layer's conv_kernel >= 2 (`check_conv_kernel`);
+        `kernel=False` makes a plan only the simulator replays, which may have neither."""
         if not isinstance(config, ModelConfig):
             raise ValueError(f"config={config!r} must be a ModelConfig")
         local = shard_config(config, tp)
@@ -400,10 +400,22 @@ class DecodePlan:
             raise ValueError(f"formats={formats} with tp={tp}: sharding quantised weights "
                              "is not built yet (issue 16); quantised plans run on tp=1")
         if block is None:
-            block = _chip_block(local, int(tp), int(batch), int(rows), context, formats, spec)
+            try:
+                block = _chip_block(local, int(tp), int(batch), int(rows), context, formats,
+                                    spec)
+            except ValueError as err:  # name the model, the tp and the fields tp splits
+                if tp == 1:
+                    raise ValueError(f"{config.name}: {err}") from None
+                split = [f"{f}={getattr(local, f)} of {getattr(config, f)}" for f in
+                         ("heads", "kv_heads", "linear_key_heads", "linear_value_heads")
+                         if getattr(local, f) != getattr(config, f)]
+                raise ValueError(f"{config.name} at tp={tp} (per device: {', '.join(split)})"
+                                 f": {err}") from None
         if kernel and block.slots < 2:
             raise ValueError(f"BlockSizes.slots={block.slots}: the megakernel's ring needs "
                              ">= 2 slots so a tile loads while another computes")
+        if kernel:
+            check_conv_kernel(config)
         block.check_context(context)
         if rows > block.kv_tile:
             raise ValueError(f"rows={rows} new rows per sequence exceed "
