@@ -9,7 +9,9 @@ kernels are in `mk.kernels`; `mk.spec` (speculative decoding), `mk.profiling` an
 `mk.tensor_parallel`, `mk.ledger` (the published numbers and the words for step times),
 `mk.xla_step` (XLA's own step, compiled and counted) and `mk.bounds` (every index of a
 kernel against its allocation, on the traced jaxpr) are imported by name;
-`mk.kernels.plan` is one device's step as data.
+`mk.kernels.plan` is one device's step as data; `mk.weights` is the table of every weight
+(owner, shape, byte family, path, split, format group, Hugging Face names) and `mk.kinds`
+each layer kind's config checks.
 
 Importing `mk` on a machine without a TPU pins JAX to the CPU (`JAX_PLATFORMS=cpu`,
 `TPU_SKIP_MDS_QUERY=1`) before JAX is imported, so libtpu does not print host-discovery

@@ -284,7 +284,7 @@ def tile_times(spec, block, itemsize: int, rows: int) -> dict:
     cores = spec.cores_per_chip
     return dict(latency_s=sim.Assumptions().dma_latency_s,
                 dma_s=block.tile_rows * block.tile_cols * itemsize / (spec.hbm_bw / cores),
-                compute_s=2 * max(rows, spec.mxu_rows) * block.tile_rows * block.tile_cols
+                compute_s=perf.mxu_flops(rows, block.tile_rows * block.tile_cols, spec.mxu_rows)
                 / (perf.peak_flops(spec) / cores))
 
 
