@@ -33,8 +33,8 @@ from mk import backend as backends
 from mk import megakernel, perf, quant, reference
 from mk.chips import chip as chip_spec
 from mk.config import ModelConfig
-from mk.kernels.collectives import (AXIS, all_reduce_bytes, check_devices,
-                                    check_interpret_devices, tp_mesh)
+from mk.kernels.collectives import (AXIS, ICI_LATENCY_S, all_reduce_bytes, check_devices,
+                                    check_interpret_devices, ici_bandwidth, tp_mesh)
 from mk.kernels.common import BlockSizes
 from mk.kernels.plan import (DecodePlan, check_tp, kv_heads_of, padded_width,
                              shard_config)
@@ -245,7 +245,7 @@ def collective_terms(config: ModelConfig, tp: int, chip: str, *, batch: int = 8,
     return dict(
         tp=tp, all_reduces=reduces, all_reduce_KiB=message / 1024,
         sent_MiB_per_device=sent / 2**20, message_rounds=messages,
-        latency_ms=messages * perf.ICI_LATENCY_S * 1e3,
-        bandwidth_ms=sent / perf.ici_bandwidth(spec) * 1e3,
+        latency_ms=messages * ICI_LATENCY_S * 1e3,
+        bandwidth_ms=sent / ici_bandwidth(spec) * 1e3,
         perf_model_collective_ms=estimate.collective_ms,
         hbm_floor_ms=estimate.hbm_floor_ms)
