@@ -299,7 +299,8 @@ def ring_gantt(schedules: Mapping[str, list], *, title: str) -> go.Figure:
             args=[None, dict(frame=dict(duration=1200, redraw=True), fromcurrent=True)])])],
         sliders=[dict(active=0, x=0.1, len=0.9, y=-0.15, steps=[dict(
             label=k, method="animate",
-            args=[[k], dict(mode="immediate", frame=dict(duration=0, redraw=True))])
+            args=[[k], dict(mode="immediate", frame=dict(duration=0, redraw=True),
+                            transition=dict(duration=0))])  # no 500 ms tween to interrupt
             for k in labels])])
     return fig
 

@@ -101,7 +101,9 @@ TEXT_JS = r"""() => { const out = {pipes: [], math: [], errors: 0, empty: 0, wid
     'script[type="application/vnd.jupyter.widget-view+json"]').length;
   const shown = 'img,svg,canvas,iframe,table,video,.plotly-graph-div';
   for (const o of document.querySelectorAll('.cell_output .output')) {
-    if (!o.innerText.trim() && !o.querySelector(shown)) out.empty += 1;
+    // a folded output (a worked answer in a closed <details>) shows its text when opened
+    const text = o.closest('details:not([open])') ? o.textContent : o.innerText;
+    if (!text.trim() && !o.querySelector(shown)) out.empty += 1;
   }
   for (const e of document.querySelectorAll('.cell_output, .cell_output *')) {
     for (const a of e.attributes)
