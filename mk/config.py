@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from mk.errors import brief, shown
-from mk.kinds import KIND_CHECKS
+from mk.kinds import KIND_CHECKS, check_positive_ints
 
 # Bits per stored element; the byte accounting of every weight family reads this table.
 DTYPE_BITS = {
@@ -142,12 +142,8 @@ class ModelConfig:
     routed_scale: float = 1.0  # routed_scaling_factor: multiplies the routed weights
 
     def __post_init__(self):
-        for field in ("vocab", "hidden", "layers", "heads", "kv_heads", "head_dim", "ffn",
-                      "max_position", "max_context"):
-            value = getattr(self, field)
-            if not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"{self.name}: {field}={shown(value)} must be a positive "
-                                 "integer")
+        check_positive_ints(self, ("vocab", "hidden", "layers", "heads", "kv_heads",
+                                   "head_dim", "ffn", "max_position", "max_context"))
         if self.heads % self.kv_heads:
             raise ValueError(f"{self.name}: heads={self.heads} must be a multiple of "
                              f"kv_heads={self.kv_heads} (grouped-query attention)")

@@ -3,7 +3,8 @@ layers, MLA, KDA, the router) checks the fields that describe it, and that they 
 when the model has no layer of that kind. `ModelConfig` runs every one (`KIND_CHECKS`) on
 construction; a check reads the config's fields by name, so this module imports nothing
 of mk but its error texts (`mk.errors`). Also here: `check_routing` (a router's settings,
-the config's and the MoE kernel's `Routing`) and `ROUTER_SCORES`.
+the config's and the MoE kernel's `Routing`), `check_positive_ints` (ModelConfig's too)
+and `ROUTER_SCORES`.
 Not here: the kinds' weights (`mk.weights`), their kernels (`mk.kernels`).
 """
 
@@ -17,6 +18,16 @@ from mk.errors import brief, shown
 
 # How a router scores experts: Qwen's softmax, or DeepSeek/Kimi's sigmoid (+ choice bias).
 ROUTER_SCORES = ("softmax", "sigmoid")
+
+
+def check_positive_ints(c, fields, context: str = "") -> None:
+    """Each of config `c`'s `fields` a whole number >= 1; raises ValueError naming the
+    field, its value and `context` (why it must be)."""
+    for field in fields:
+        value = getattr(c, field)
+        if not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{c.name}: {field}={shown(value)} must be a positive "
+                             f"integer{context}")
 
 
 def check_routing(where: str, *, router_score, expert_groups, topk_groups, routed_scale,
@@ -92,10 +103,7 @@ def check_linear(c) -> None:
             raise ValueError(f"{c.name}: {shown(values, 400)} are set but layer_types "
                              "has no 'linear' layer")
         return
-    for field, value in values.items():
-        if not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"{c.name}: {field}={shown(value)} must be a positive "
-                             "integer in a model with linear layers")
+    check_positive_ints(c, linear, " in a model with linear layers")
     if c.linear_value_heads % c.linear_key_heads:
         raise ValueError(f"{c.name}: linear_value_heads={c.linear_value_heads} "
                          f"must be a multiple of linear_key_heads={c.linear_key_heads}")
