@@ -11,7 +11,8 @@ kernels are in `mk.kernels`; `mk.spec` (speculative decoding), `mk.profiling` an
 kernel against its allocation, on the traced jaxpr) are imported by name;
 `mk.kernels.plan` is one device's step as data; `mk.weights` is the table of every weight
 (owner, shape, byte family, path, split, format group, Hugging Face names) and `mk.kinds`
-each layer kind's config checks.
+the layer kinds (each one object: its weights, buffers, kernel phases, simulator twin and
+config checks; the kernel, the plan and the simulator loop over them).
 
 Importing `mk` on a machine without a TPU pins JAX to the CPU (`JAX_PLATFORMS=cpu`,
 `TPU_SKIP_MDS_QUERY=1`) before JAX is imported, so libtpu does not print host-discovery

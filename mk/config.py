@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from mk.errors import brief, shown
-from mk.kinds import KIND_CHECKS, check_positive_ints
+from mk.kinds.checks import KIND_CHECKS, check_positive_ints
 
 # Bits per stored element; the byte accounting of every weight family reads this table.
 DTYPE_BITS = {
@@ -136,7 +136,7 @@ class ModelConfig:
     value_dim: int = 0  # Ho, MLA's value head dim
     channel_decay: bool = False  # KDA: the forget gate decays each key channel
     shared_expert_ffn: int = 0  # Fs; every MoE layer adds a dense SwiGLU of this width
-    router_score: str = "softmax"  # one of mk.kinds.ROUTER_SCORES
+    router_score: str = "softmax"  # one of mk.kinds.checks.ROUTER_SCORES
     expert_groups: int = 1  # sigmoid router: experts come from the best topk_groups groups
     topk_groups: int = 1
     routed_scale: float = 1.0  # routed_scaling_factor: multiplies the routed weights

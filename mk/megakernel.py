@@ -8,13 +8,15 @@ wq tiles load while this layer's MLP computes, and the lm_head's while the last 
 does. A `lax.fori_loop` over layers runs `layer_body` (stage 05), built from the stage
 pieces: prologue, attend, the output projection, SwiGLU or MoE. A model mixing dense and
 MoE layers holds both kinds of MLP segments in every layer's period and skips the kind a
-layer does not use (its tiles are neither loaded nor computed).
+layer does not use (its tiles are neither loaded nor computed). The kernel knows no layer
+kind itself: it asks the plan's kinds (`mk.kinds`) for their weights, fetches, start and
+finish, and `layer_body` runs each layer's.
 
 Hybrids (Qwen3.5: gated-DeltaNet layers beside gated full attention) mix token mixers the
 same way: every layer's period holds the attention segments and the linear ones
-(lin_qkv, lin_z, lin_out), and a layer skips the kind it does not use; `is_linear` and
-`mixer_row` (SMEM tables) say each layer's kind and its row in that kind's stacked weights
-(a full layer's row is also its KV-cache layer). A linear layer's conv and recurrent
+(lin_qkv, lin_z, lin_out), and a layer skips the kind it does not use; SMEM tables
+(`mk.kinds.layers.layer_tables`) say each layer's kind and its row in that kind's stacked
+weights per role (a full layer's row is also its KV-cache layer). A linear layer's conv and recurrent
 states come from the `mk.reference.HybridCache` (HBM, round-tripped through VMEM by
 `mk.kernels.deltanet.linear_mixer`), and the states after each of the T rows go out as
 `mk.reference.LinearRows` (what a verifier's `mk.reference.rollback` picks from; the
@@ -24,7 +26,7 @@ hybrid with no full layer (an all-linear Qwen3.5 or Kimi Linear) has no attentio
 cache operands at all; a conv of one tap (conv_kernel=1: no conv state) is not built
 (`DecodePlan.make` refuses it).
 
-Kimi Linear (`config.is_mla`) is a hybrid whose full layers are multi-head latent
+Kimi Linear (`mk.kinds.attention.MLA`) is a hybrid whose full layers are multi-head latent
 attention (`mk.kernels.mla`): their ring segments are the matrices with D rows or
 columns (wq_a, or wq without a q low rank; wkv_a padded to whole tiles; wo), their narrow
 ones (`mk.kernels.mla.mla_loads`: the up-projections, the low-rank norms) are DMA'd at
@@ -41,7 +43,7 @@ new KV rows' write-backs are waited for a layer later (at the step's end the las
 linear layer before it (`prime_linear` at the step's start) and its row states waited for
 a layer later (`drain_linear`); each MoE
 layer's router [D, E] is DMA'd at the layer's start or, at tp > 1, after its token mixer
-(`mk.kernels.one_layer.router_after_mixer`, `layer_body(..., after_mixer=)`) and waited for
+(`mk.kinds.mlp.router_after_mixer`: in `layer_body`'s "after_mixer" phase) and waited for
 just before routing;
 the final norm is DMA'd at the step's start and waited for before the lm_head. Kept
 outside the kernel: the embedding gather of the step's B*T tokens (an XLA gather before
@@ -95,26 +97,20 @@ from mk.kernels.collectives import (AXIS, COLLECTIVE_IDS, CollectiveScratch, all
                                     argmax_body, barrier)
 from mk.kernels.common import (BlockSizes, aliases, default_kv_tile, memory_specs,
                                start_dma)
-from mk.kernels.decode_attention import (AttentionScratch, KvStream, drain_write_backs,
-                                         start_write_backs)
-from mk.kernels.deltanet import (STATE_INPUTS, STATE_OUTPUTS, drain_linear,
-                                 linear_weights, prepare_linear, prime_linear)
-from mk.kernels.mla import latent_columns, mla_loads
-from mk.kernels.mlp import small_sem
-from mk.kernels.one_layer import (full_matrices, layer_body, mlp_fetch, mlp_kinds,
-                                  mlp_weights, router_after_mixer)
+from mk.kernels.decode_attention import AttentionScratch
+from mk.kernels.deltanet import STATE_INPUTS, STATE_OUTPUTS
+from mk.kernels.one_layer import layer_body
 from mk.kernels.plan import DecodePlan, model_stream, padded_vocab
 from mk.kernels.ring import Ring, ring_layout
+from mk.kinds.base import Step
+from mk.kinds.layers import TABLES, kind_at, layer_kinds, layer_tables, of_role
 from mk.reference import rms_norm
-from mk.weights import kind_of, names_of
 
 TAPS = ("attn", "mlp")  # where the residual stream is tapped in each layer (debug path)
 # Where each operand of the kernel lives: SMEM scalars, VMEM, or HBM (pl.ANY, DMA'd by
-# hand). The weights of an MLP kind the model has and its token mixers' (`mlp_weights`,
-# `attention_weights`) are HBM operands too (`traced_step` adds them); a hybrid's linear
-# states too (STATE_INPUTS and its outputs STATE_OUTPUTS).
-INPUT_SPACES = dict(positions=pltpu.SMEM, is_moe=pltpu.SMEM, mlp_row=pltpu.SMEM,
-                    is_linear=pltpu.SMEM, mixer_row=pltpu.SMEM,
+# hand). The kinds' weights (`operands`) are HBM operands too (`traced_step` adds them); a
+# hybrid's linear states too (STATE_INPUTS and its outputs STATE_OUTPUTS).
+INPUT_SPACES = dict(positions=pltpu.SMEM, **{n: pltpu.SMEM for n in TABLES},
                     x=pltpu.VMEM, final_norm=pl.ANY, norms=pl.ANY, qk_norms=pl.ANY,
                     lm_head=pl.ANY, k_cache=pl.ANY, v_cache=pl.ANY, latent_cache=pl.ANY,
                     **{n: pl.ANY for n in STATE_INPUTS})
@@ -124,77 +120,83 @@ OUTPUT_SPACES = dict(next_tokens=pltpu.VMEM, logits=pltpu.VMEM, k_cache=pl.ANY,
 VECTORS = ("norms", "qk_norms")  # per-layer vectors, prefetched a layer ahead
 
 
-def attention_weights(config: ModelConfig) -> tuple[str, ...]:
-    """The HBM weights of `config`'s token mixers (its full and linear kinds' rows of
-    `mk.weights` that the kernel streams or DMAs; the q/k norms come with the layer's
-    vectors; none of attention's in an all-linear hybrid)."""
-    return tuple(name for layers in ("full_layers", "linear_layers")
-                 for name in names_of(config, kind_of(config, layers), "ring", "dma"))
+def operands(config: ModelConfig) -> tuple[str, ...]:
+    """The HBM weights of `config`'s layer kinds that the kernel streams or DMAs, in
+    stream order (`mk.kinds.base.Kind.weights`; the norms come as the layer's vectors)."""
+    return tuple(n for kind in layer_kinds(config) for n in kind.weights("ring", "dma"))
 
 
 def prepare(config: ModelConfig, params, block: BlockSizes) -> dict:
-    """The megakernel's weights for the model (or shard) `config`, made once: the ring's
-    weights in stream order for `block` (`mk.kernels.ring.ring_layout`: each stacked
-    matrix [..., tiles, tile_rows, tile_cols], transposed where `BlockSizes.cut` says;
-    quantised ones `mk.quant.tile_major`), a hybrid's small linear weights as
-    `prepare_linear` lays them out, the other DMA'd weights as they are, the norms
-    stacked per layer in float32 (norm_offset added; a linear layer's q/k norms are ones),
-    the lm_head [D, V] (embed.T when tied) padded with zero columns to whole tiles, and
-    the per-layer tables of the MLP (kind, stacked row) and of the token
-    mixer (linear or not, stacked row: a full layer's is its KV-cache layer)."""
+    """The megakernel's weights for the model (or shard) `config`, made once: each layer
+    kind's (`Kind.prepare`) with the ring's in stream order for `block`
+    (`mk.kernels.ring.ring_layout`: each stacked matrix [..., tiles, tile_rows,
+    tile_cols], transposed where `BlockSizes.cut` says; quantised ones
+    `mk.quant.tile_major`), the norms stacked per layer in float32 (norm_offset added; a
+    layer whose mixer has no q/k norms gets ones), the lm_head [D, V] (embed.T when tied)
+    padded with zero columns to whole tiles, and the per-layer tables of each role's kind
+    and row (`mk.kinds.layers.layer_tables`)."""
     V, Vp = config.vocab, padded_vocab(config, block)
     head = params["embed"].T if config.tie_embeddings else params["lm_head"]
     if isinstance(head, quant.QuantWeight):
         head = quant.pad_columns(head, Vp - V)
     else:
         head = jnp.pad(head, ((0, 0), (0, Vp - V)))
+
     def norm(name):  # RMSNorm scales by norm_offset + weight (Qwen3.5: 1 + w): added here
         return params[name].astype(jnp.float32) + config.norm_offset
 
-    kinds = [config.mlp_index(layer) for layer in range(config.layers)]
-    mixers = [config.mixer_index(layer) for layer in range(config.layers)]
+    kinds = layer_kinds(config)
+    mixers = [kind_at(kinds, "mixer", layer) for layer in range(config.layers)]
     ones = jnp.ones((config.head_dim,), jnp.float32)
-    qk = [jnp.stack([norm(n)[row] if config.qk_norm and kind == "full" else ones
+    qk = [jnp.stack([norm(n)[row] if n in kind.weights("vector") else ones
                      for kind, row in mixers]) for n in ("q_norm", "k_norm")]
-    names = (*attention_weights(config),
-             *(n for kind in mlp_kinds(config) for n in mlp_weights(config, kind)))
-    weights = {name: params[name] for name in ("embed", *names)} | {"lm_head": head}
-    if "router_bias" in weights:  # [Lm, 1, E]: one DMA into the [1, E] buffer
-        weights["router_bias"] = weights["router_bias"][:, None]
-    if config.is_mla and config.full_layers:  # wkv_a's columns padded to whole tiles, the
-        #                                        norms [La, 1, R] rows
-        pad = latent_columns(config) - config.latent_width
-        weights["wkv_a"] = jnp.pad(weights["wkv_a"], ((0, 0), (0, 0), (0, pad)))
-        weights |= {n: weights[n].astype(jnp.float32)[:, None]  # no norm_offset: MLA's
-                    for n in ("kv_a_norm", "q_a_norm") if n in weights}  # norms have none
-    if config.linear_layers:
-        weights |= prepare_linear(config, params)
+    weights = {"embed": params["embed"], "lm_head": head}
+    for kind in kinds:
+        weights |= kind.prepare(params)
     weights = ring_layout(weights, model_stream(config, block, 1, quant.formats_of(params)))
     return weights | dict(
         norms=jnp.stack([norm("attn_norm"), norm("mlp_norm")], 1),
         qk_norms=jnp.stack(qk, 1),
         final_norm=norm("final_norm")[None],
-        is_moe=jnp.array([kind == "moe" for kind, _ in kinds], jnp.int32),
-        mlp_row=jnp.array([row for _, row in kinds], jnp.int32),
-        is_linear=jnp.array([kind == "linear" for kind, _ in mixers], jnp.int32),
-        mixer_row=jnp.array([row for _, row in mixers], jnp.int32))
+        **{n: jnp.asarray(t) for n, t in layer_tables(config).items()})
+
+
+def _step(plan: DecodePlan, inputs, outputs, scratch) -> Step:
+    """The `Step` the kinds' code acts on: a layer's row in a kind's stacked weights and
+    whether it is of that kind come from the per-layer tables, unless every layer of the
+    kind's role is of that kind (its row is then the layer)."""
+    kinds = plan.kinds
+
+    def row(kind):
+        table = inputs[f"{kind.role}_row"]
+        return (lambda step: step) if len(of_role(kinds, kind.role)) == 1 else (
+            lambda step: table[step])
+
+    def on(kind):
+        ours, table = of_role(kinds, kind.role), inputs[f"{kind.role}_kind"]
+        return None if len(ours) == 1 else (lambda step: table[step] == ours.index(kind))
+
+    groups = {name: scratch[name] for name in ("attention", "linear") if name in scratch}
+    return Step(plan.local, plan.block, plan.batch, plan.rows, plan.tp,
+                SimpleNamespace(**scratch["layer"]), inputs, outputs, row=row, on=on,
+                attention=AttentionScratch(**groups["attention"]) if "attention" in groups
+                else None,
+                linear=SimpleNamespace(**groups["linear"]) if "linear" in groups else None,
+                prime_next=True)
 
 
 def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratch):
-    """One decode step. inputs (`INPUT_SPACES`): positions [B], is_moe [L] (1 for an MoE
-    layer), mlp_row [L] (the layer's row in the stacked dense or MoE weights), x [M, D]
-    f32 (the embedded tokens), final_norm [1, D], norms [L, 2, D] (attn, mlp), qk_norms
-    [L, 2, H] f32, the ring's weights in stream order (`prepare`: wq, wk, wv, wo, the MLP's
-    [L, tiles, tile_rows, tile_cols], the experts' [Lm, E, tiles, ...], lm_head [tiles,
-    tile_rows, tile_cols] of [D, Vp]), the router [Lm, D, E], the caches [L, B, K, S, H]
-    (MLA: latent_cache [La, B, 1, S, W] and `mk.kernels.mla.mla_loads`' weights);
-    outputs: next_tokens [M, 1]
-    int32, logits [M, Vp] f32, the caches (aliased), with taps taps [L, 2, M, D] f32;
-    scratch: `plan.scratch()`."""
-    config, block, tp, kinds = plan.local, plan.block, plan.tp, plan.kinds
-    s = SimpleNamespace(**scratch["layer"])
-    vectors = scratch["vectors"]
-    attention = AttentionScratch(**scratch["attention"])
+    """One decode step. inputs (`INPUT_SPACES`): positions [B], the per-layer tables
+    (`mk.kinds.layers.layer_tables`), x [M, D] f32 (the embedded tokens), final_norm
+    [1, D], norms [L, 2, D] (attn, mlp), qk_norms [L, 2, H] f32, the kinds' weights
+    (`prepare`: the ring's in stream order, e.g. wq [L, tiles, tile_rows, tile_cols], the
+    experts' [Lm, E, tiles, ...], lm_head [tiles, tile_rows, tile_cols] of [D, Vp]; the
+    DMA'd ones whole), the caches [L, B, K, S, H] (MLA: latent_cache [La, B, 1, S, W]);
+    outputs: next_tokens [M, 1] int32, logits [M, Vp] f32, the caches (aliased), with taps
+    taps [L, 2, M, D] f32; scratch: `plan.scratch()`."""
+    config, tp, kinds = plan.local, plan.tp, plan.kinds
+    k = _step(plan, inputs, outputs, scratch)
+    s, vectors = k.s, scratch["vectors"]
     if tp > 1:
         reduce_scratch = CollectiveScratch(**scratch["all_reduce"])
         argmax_scratch = CollectiveScratch(**scratch["argmax"])
@@ -212,38 +214,11 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
         for copy, name in vector_copies(layer):
             start_dma(copy, name, vectors[name].shape[1] * vectors[name].shape[2] * 4)
 
-    # A token mixer's weights: layer `step`'s row of its kind (the layer itself when every
-    # layer is a full one); in a hybrid, off for layers of the other kind.
-    mixers = plan.mixers
-    row = (lambda step: step) if mixers == ("full",) else (
-        lambda step: inputs["mixer_row"][step])
-    is_linear = (lambda step: inputs["is_linear"][step] == 1) if len(mixers) == 2 else None
-
-    def mixer_weight(name, kind):
-        def fetch(step):
-            on = None if is_linear is None else (
-                is_linear(step) if kind == "linear" else ~is_linear(step))
-            return inputs[name].at[row(step)], on
-        return fetch
-
-    fetch = {name: mixer_weight(name, "full") for name, *_ in full_matrices(config)}
-    if config.is_mla:  # the latent cache is the keys and the values
-        k_cache, v_cache = outputs.get("latent_cache"), None
-    else:  # (none in an all-linear hybrid)
-        k_cache, v_cache = outputs.get("k_cache"), outputs.get("v_cache")
-    mla = ({n: inputs[n] for n in mla_loads(config)} if config.is_mla and config.full_layers
-           else None)
-    segments, dmas = linear_weights(config)
-    fetch |= {name: mixer_weight(name, "linear") for name in segments if "linear" in mixers}
+    fetch = {name: f for kind in kinds for name, f in kind.fetch(k).items()}
     fetch["lm_head"] = lambda step: (inputs["lm_head"], None)
-    linear_hbm = {n: inputs[n] for n in dmas + STATE_INPUTS if n in inputs}
-    linear_hbm |= {n: outputs[n] for n in STATE_OUTPUTS if n in outputs}
-    linear_vmem = SimpleNamespace(**scratch["linear"]) if "linear" in mixers else None
-    fetch |= mlp_fetch(kinds, inputs, s, lambda step: inputs["mlp_row"][step],
-                       lambda step: inputs["is_moe"][step] == 1)
-    if "moe" in kinds:
-        s.count_smem[0] = 0  # expert tiles issued before routing are no-ops
-    ring = Ring.in_scratch(plan.stream, fetch, s, s.sems, config.dtype)
+    for kind in kinds:
+        kind.setup(k)
+    k.ring = ring = Ring.in_scratch(plan.stream, fetch, s, s.sems, config.dtype)
     # Named scopes mark the kernel's phases: trace markers on a TPU compiled with
     # --xla_enable_custom_call_region_trace=true (mk.profiling), nothing otherwise.
     with jax.named_scope("prime"):
@@ -253,12 +228,8 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
                                        vectors["final_sem"].at[0])
     start_dma(final_norm, "final_norm", config.hidden * 4)  # waited before the lm_head
     start_vectors(0)
-    if "linear" in mixers:  # the first linear layer's loads; each primes the next one's
-        prime_linear(config, linear_vmem, linear_hbm)
-    if "full" in plan.mixers:  # the first full layer's first KV tiles; each full layer
-        start_write_backs(attention)
-        KvStream(inputs["positions"], k_cache, v_cache, attention, rows=plan.rows, layer=0,
-                 block=block).prime()  # primes the next one's
+    for kind in kinds:  # e.g. the first linear layer's loads, the first full layer's KV
+        kind.start(k)  # tiles: each such layer issues the next one's
 
     def one_layer(layer, x):
         for copy, _ in vector_copies(layer):
@@ -268,42 +239,10 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
         def prefetch_next_layer_vectors():
             start_vectors(layer + 1)
 
-        is_moe = inputs["is_moe"][layer] == 1
-        routers = []  # the router and (the sigmoid router) its bias, waited before the MLP
-        if "moe" in kinds:
-            mlp_row = inputs["mlp_row"][layer]
-            routers = [(pltpu.make_async_copy(inputs[n].at[mlp_row], getattr(s, n),
-                                              s.small_sems.at[small_sem(n)]), getattr(s, n), n)
-                       for n in ("router", "router_bias") if n in inputs]
-
-        def start_routers():
-            for copy, ref, name in routers:
-                start_dma(copy, name, ref.size * ref.dtype.itemsize)
-
-        late = router_after_mixer(tp)
-        if routers and not late:
-            pl.when(is_moe)(start_routers)
-
-        def wait_routers():
-            for copy, _, _ in routers:
-                copy.wait()
         norms, qk = vectors["norms"][layer % 2], vectors["qk_norms"][layer % 2]
-        linear = None
-        if "linear" in mixers:
-            linear = (None if is_linear is None else is_linear(layer), row(layer),
-                      linear_vmem, linear_hbm)
-        x_out = layer_body(
-            ring, config, kinds, s, step=layer, layer=row(layer), is_moe=is_moe, x=x,
-            norms=(norms[0:1], norms[1:2], qk[0:1], qk[1:2]),
-            positions_smem=inputs["positions"], k_cache_hbm=k_cache, v_cache_hbm=v_cache,
-            attention=attention, block=block,
-            batch=plan.batch, rows=plan.rows,
-            after_mixer=(lambda: pl.when(is_moe)(start_routers)) if routers and late
-            else None,
-            before_mlp=(lambda: pl.when(is_moe)(wait_routers)) if routers else None,
-            all_reduce=None if tp == 1 else (  # slot k: the attention's 0, the MLP's 1
-                lambda value, k: all_reduce_body(value, reduce_scratch, n=tp, slot=k)),
-            linear=linear, kv_next=row(layer) + 1, mla=mla)
+        k.step, k.x, k.norms = layer, x, (norms[0:1], norms[1:2], qk[0:1], qk[1:2])
+        x_out = layer_body(k, kinds, all_reduce=None if tp == 1 else (  # slot j: the
+            lambda value, j: all_reduce_body(value, reduce_scratch, n=tp, slot=j)))  # MLP's 1
         if taps:  # s.attn_out still holds this layer's attention output
             outputs["taps"][layer, 0] = x + s.attn_out[...]
             outputs["taps"][layer, 1] = x_out
@@ -315,10 +254,8 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
         final_norm.wait()
         s.h[...] = rms_norm(x, vectors["final_norm"][...], config.rms_eps).astype(s.h.dtype)
         ring.matmul("lm_head", s.h, outputs["logits"], layer=config.layers)
-    if "full" in plan.mixers:
-        drain_write_backs(attention, k_cache, v_cache)
-    if "linear" in mixers:
-        drain_linear(linear_vmem, linear_hbm)
+    for kind in reversed(kinds):  # e.g. the last write-backs and row states
+        kind.finish(k)
     logits = outputs["logits"][...]
     vocab = lax.broadcasted_iota(jnp.int32, logits.shape, 1)
     first_id = 0 if tp == 1 else lax.axis_index(AXIS) * config.vocab  # this vocab shard's
@@ -403,10 +340,9 @@ def traced_step(plan: DecodePlan, weights, cache, tokens, positions, taps: bool 
     if tokens.shape != (B, T):
         raise ValueError(f"tokens {tokens.shape} are not the plan's [B={B}, T={T}]")
     D, L = config.hidden, config.layers
-    mlp = [n for kind in plan.kinds for n in mlp_weights(config, kind)]
-    inputs = {n: weights[n] for n in ("final_norm", "norms", "qk_norms", "lm_head", "is_moe",
-                                      "mlp_row", "is_linear", "mixer_row",
-                                      *attention_weights(config), *mlp)}
+    weight_names = operands(config)
+    inputs = {n: weights[n] for n in ("final_norm", "norms", "qk_norms", "lm_head",
+                                      *TABLES, *weight_names)}
     # MLA's latent cache [La, B, S, W] as one shared "kv head" [La, B, 1, S, W] (`attend`);
     # an all-linear hybrid's empty KV cache (La = 0) is no operand
     caches = ({} if not config.full_layers else
@@ -422,12 +358,12 @@ def traced_step(plan: DecodePlan, weights, cache, tokens, positions, taps: bool 
                     for out, a in zip(STATE_OUTPUTS, (cache.conv, cache.state))}
     if taps:
         outputs["taps"] = jax.ShapeDtypeStruct((L, 2, M, D), jnp.float32)
-    streamed = [inputs[n] for n in (*attention_weights(config), "lm_head", *mlp)]
+    streamed = [inputs[n] for n in (*weight_names, "lm_head")]
     state_bytes = sum(math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(
         [inputs.get(n) for n in STATE_INPUTS] + [outputs.get(n) for n in STATE_OUTPUTS]))
     weight_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(streamed))
     elements = sum(math.prod(w.shape) for w in streamed)  # a QuantWeight's logical shape
-    specs = memory_specs(INPUT_SPACES | {n: pl.ANY for n in (*attention_weights(config), *mlp)})
+    specs = memory_specs(INPUT_SPACES | {n: pl.ANY for n in weight_names})
     out = pl.pallas_call(
         functools.partial(megakernel_kernel, plan=plan, taps=taps),
         out_shape=outputs,

@@ -52,9 +52,9 @@ from mk.config import ModelConfig
 from mk.kernels.attention_prologue import attention_prologue
 from mk.kernels.decode_attention import decode_attention
 from mk.kernels.mlp import moe, swiglu
-from mk.kernels.one_layer import mlp_weights
 from mk.kernels.plan import DecodePlan
 from mk.kernels.weight_streaming import stream_matmul
+from mk.weights import names_of
 
 VARIANTS = ("xla", "staged", "megakernel")
 
@@ -403,7 +403,7 @@ def staged_weights(config: ModelConfig, params) -> list[dict]:
     out = []
     for layer in range(config.layers):
         kind, row = config.mlp_index(layer)
-        mlp_names = mlp_weights(config, kind)
+        mlp_names = names_of(config, kind, "ring", "dma")
         out.append(dict(prologue={n: params[n][layer:layer + 1] for n in names},
                         wo=params["wo"][layer], mlp_norm=params["mlp_norm"][layer], kind=kind,
                         mlp=tuple(params[n][row] for n in mlp_names)))

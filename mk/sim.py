@@ -4,7 +4,8 @@
 (`mk.kernels.plan`: its shard, tiles and `TileStream`; `DecodePlan.make(position=)`) and
 walks the stream in
 the kernel's program order (`mk.megakernel`; inside a layer the phases of
-`mk.kernels.one_layer.LAYER_PHASES`, the list `layer_body` checks it runs in order): prime
+`mk.kinds.base.LAYER_PHASES`, the list `layer_body` runs, each layer kind's part by its
+twin, `mk.kinds`): prime
 the ring, per layer the prologue's wq/wk/wv (MLA's ring matrices, its DMA'd `mla_loads`,
 the absorption), the KV stream of `attend` (MLA's latent tiles), wo (or a linear
 layer's mixer: the gated DeltaNet's or Kimi Delta Attention's projections, gates, conv and
@@ -92,21 +93,16 @@ the cycle it repeats (tests compare both against the tile-by-tile replay).
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from mk import measure, perf
 from mk.chips import ChipSpec, chip as named_chip
 from mk.config import DTYPE_BITS, ModelConfig, positive_int
 from mk.kernels.common import BlockSizes
-from mk.kernels.decode_attention import block_rows, write_back_rows, write_back_slots
-from mk.kernels.deltanet import linear_layer_shapes, linear_weights
-from mk.kernels.mla import mla_loads
-from mk.kernels.mlp import DENSE_WEIGHTS, EXPERT_WEIGHTS, SHARED_WEIGHTS, expert_slots
-from mk.kernels.one_layer import (FULL_PHASES, LAYER_PHASES, full_matrices, mlp_kinds,
-                                  router_after_mixer)
-from mk.kernels.plan import DecodePlan, family_of, kv_layout, little_slots
+from mk.kernels.mlp import EXPERT_WEIGHTS, expert_slots
+from mk.kernels.plan import DecodePlan, family_of, little_slots
 from mk.kernels.ring import TileStream
-from mk.weights import names_of, param_shapes
+from mk.kinds.base import LAYER_PHASES
+from mk.kinds.layers import KINDS, kind_at, layer_kinds
 
 CAUSES = ("step start", "layer boundary", "routing", "attention", "lm_head", "collective",
           "compute", "vector", "ring empty", "step end")
@@ -306,8 +302,13 @@ class _Machine:
 
 
 # -- The replay of the megakernel ----------------------------------------------------------
+# The phases a layer kind acts in; the others are `_Kernel.phase`'s own.
+_KIND_PHASES = {phase for kind in KINDS for phase in kind.phases}
+
+
 class _Kernel:
-    """`mk.megakernel.megakernel_kernel`, step by step, on a `_Machine`."""
+    """`mk.megakernel.megakernel_kernel`, step by step, on a `_Machine`: the ring and the
+    step's frame here, each layer kind's part by its twin (`mk.kinds.base.Twin`)."""
 
     def __init__(self, config, stream: TileStream, machine: _Machine, *, m, batch, rows,
                  context, spec, tp, dtypes, experts_on, prefetch, a: Assumptions,
@@ -327,17 +328,11 @@ class _Kernel:
             "experts" if s.name in EXPERT_WEIGHTS else "dense"] / 8)
             for s in stream.segments + stream.tail}  # a quantised one's: packed + scales
         self.landed: dict[int, float] = {}
-        self.kv_sent: list[float] = []  # when each KV write-back of the step lands
-        self.states_landed: dict[int, float] = {}  # linear states' stream: item -> landed
-        self.states_sent: list[float] = []  # when each item's row states land in HBM
-        self.conv_sent = 0.0  # when the last linear layer's conv rows land in HBM
-        self.linear_landed = (0.0, 0.0)  # the next linear layer's small weights, conv state
-        self.count = 0  # count_smem[0]: active expert slots, 0 outside routing
-        self.router = None  # when this MoE layer's router lands (`start_router`)
         self.layer = 0  # the layer the kernel is in (for prefetch off)
-        self.kinds = mlp_kinds(config) if config is not None else ()
-        self.mixer_segments = {s.name for s in stream.segments} - set(
-            DENSE_WEIGHTS + EXPERT_WEIGHTS + SHARED_WEIGHTS + ("router",))
+        self.kinds = layer_kinds(config) if config is not None else ()
+        self.twins = {kind: kind.twin(self) for kind in self.kinds}  # `mk.kinds`' twins
+        self.owner = {name: twin for kind, twin in self.twins.items()  # segment -> twin
+                      for name in kind.segment_names()}
         self.period, self.total = stream.period, stream.total  # properties: sum each call
         self.layered = stream.layers * self.period
         # local tile offset -> (segment, copy, what) of one layer's period and of the tail
@@ -354,14 +349,9 @@ class _Kernel:
         return (self.s.layers,) + self.tail[g - self.layered]
 
     def active(self, layer, seg, copy) -> bool:
-        if seg.name in EXPERT_WEIGHTS:
-            return copy < self.count
-        if seg.name in DENSE_WEIGHTS + SHARED_WEIGHTS and len(self.kinds) == 2:
-            return (layer in self.c.moe_layers) == (seg.name in SHARED_WEIGHTS)
-        if self.c is not None and self.c.is_hybrid and layer < self.c.layers:
-            return (seg.name in linear_weights(self.c)[0]) == (layer in self.c.linear_layers) \
-                or seg.name not in self.mixer_segments
-        return True
+        """Whether a tile loads: its kind's rule (`mk.kinds.base.Twin.active`)."""
+        owner = self.owner.get(seg.name)
+        return owner is None or owner.active(layer, seg.name, copy)
 
     def start(self, g, tag=""):
         if g >= self.total:
@@ -482,198 +472,58 @@ class _Kernel:
 
     # The kernel
     def run(self):
+        """`megakernel_kernel`: prime the ring, the final norm, the first norms, each
+        kind's start; per layer its kinds' `begin` and `LAYER_PHASES` (`layer_body`); the
+        lm_head, each kind's finish, argmax."""
         c, M, D = self.c, self.m, self.c.hidden
+        twins = self.twins
         self.prime_layer(0, "step start")
         final_norm = self.mc.dma(4 * D, c.layers, "final_norm", "step start")
         vectors = self.vectors(0, "step start")
-        if c.linear_layers:  # `prime_linear`
-            self.linear_loads(0, "step start")
-            self.state_load(0, "step start")
-        if c.full_layers:
-            self.prime_kv(c.full_layers[0], "step start")
+        for twin in twins.values():
+            twin.start()
         for layer in range(c.layers):
             self.layer = layer
+            ours = [kind_at(self.kinds, role, layer)[0] for role in ("mixer", "mlp")]
             self.mc.wait(vectors)
             if layer and not self.prefetch:  # a kernel that primes each layer at its start:
                 self.prime_layer(layer * self.period, "layer boundary")  # these close the
-                if layer in c.full_layers:  # layer edge's gap
-                    self.prime_kv(layer, "layer boundary")
+                for kind in ours:  # layer edge's gap
+                    twins[kind].boundary()
             if layer + 1 < c.layers:  # the ring's next tiles, not these, close a layer
                 vectors = self.vectors(layer + 1)  # edge's gap
-            self.router = None
-            if layer in c.moe_layers and not router_after_mixer(self.tp):
-                self.start_router()
+            for kind in ours:
+                twins[kind].begin()
             for phase in LAYER_PHASES:  # the kernel's own order (`layer_body`)
-                if layer in c.linear_layers and phase in FULL_PHASES:
-                    continue
-                self.phase(phase, layer in c.moe_layers)
+                for kind, twin in twins.items():
+                    mine = kind in ours
+                    if phase == kind.stream_phase and not mine:
+                        self.skip(*self.region(*kind.region()), kind.skip_tag)
+                    if phase in kind.phases and mine:
+                        twin.run(phase)
+                self.phase(phase)
         self.layer = c.layers
         if not self.prefetch:
             self.prime_layer(self.layered, "layer boundary")
         self.mc.wait(final_norm)
         self.vector(4 * M * D, "final_norm")
         self.matmul("lm_head")
-        if self.kv_sent:  # `drain_write_backs`
-            self.mc.wait(max(self.kv_sent[-write_back_slots(self.batch):]))
-        if c.linear_layers:
-            self.drain_linear()
+        for twin in reversed(twins.values()):
+            twin.finish()
         self.vector(4 * M * self.vocab, "argmax")
         self.collective(8 * M)
 
-    def phase(self, name: str, is_moe: bool):
-        """One phase of `layer_body` (`mk.kernels.one_layer.LAYER_PHASES`) on the machine."""
-        c, M, D = self.c, self.m, self.c.hidden
-        if name == "kv_prime":  # without cross-layer prefetch, at the layer's start
-            later = [layer for layer in c.full_layers if layer > self.layer]
-            if later and self.prefetch:
-                self.prime_kv(later[0])
-        elif name == "prologue":
-            self.vector(4 * M * D, "norm")
-            if c.is_mla:
-                self.mla_prologue()
-            else:
-                for matrix, *_ in full_matrices(c)[:-1]:
-                    self.matmul(matrix)
-                self.vector(10 * M * (c.q_width + c.kv_width), "qk_norm_rope")
-        elif name == "attend":
-            self.attend()
-        elif name == "wo":
-            if c.is_mla:  # each head's P @ latent rows times its W_uv
-                self.mc.compute(self.mxu_s(M, c.latent_rank * c.value_dim * c.heads),
-                                self.layer, "mla_up")
-            if c.attn_output_gate:
-                self.vector(4 * M * c.q_width, "output_gate")
-            self.matmul("wo")
-        elif name in ("attn_all_reduce", "mlp_all_reduce"):
+    def phase(self, name: str):
+        """A phase's own part of `layer_body` (the kinds' parts are their twins')."""
+        M, D = self.m, self.c.hidden
+        if name in ("attn_all_reduce", "mlp_all_reduce"):
             self.collective(M * D * perf.PARTIAL_SUM_BYTES)
         elif name == "mlp_norm":
             self.vector(5 * M * D, "norm")
-        elif name == "after_mixer":
-            if is_moe and router_after_mixer(self.tp):
-                self.start_router()
-        elif name == "before_mlp":
-            if self.router is not None:
-                self.mc.wait(self.router)
-        elif name == "mlp":  # the MoE segments come before the dense ones in the period
-            if not is_moe:
-                if "moe" in self.kinds:
-                    first = (SHARED_WEIGHTS if c.shared_expert_ffn else EXPERT_WEIGHTS)[0]
-                    self.skip(*self.region(first, EXPERT_WEIGHTS[-1]))
-                self.swiglu()
-            else:
-                self.experts()
-                if "dense" in self.kinds:
-                    self.skip(*self.region(DENSE_WEIGHTS[0], DENSE_WEIGHTS[-1]),
-                              "layer boundary")
-        elif name == "linear":  # the linear segments come before the full ones
-            if self.layer in c.linear_layers:
-                self.linear_mixer()
-                if c.full_layers:
-                    self.skip(*self.region(full_matrices(c)[0][0], "wo"), "skipped mixer")
-            elif c.linear_layers:
-                self.skip(*self.region("lin_qkv", "lin_out"), "skipped mixer")
         elif name == "residual":
             self.vector(M * D, "residual")
-        else:
+        elif name not in _KIND_PHASES:
             raise ValueError(f"no cost model for layer phase {name!r}")
-
-    def start_router(self):
-        """The MoE layer's router and the sigmoid router's bias, issued where
-        `router_after_mixer` says."""
-        shapes = param_shapes(self.c)
-        self.router = max(self.mc.dma(math.prod(shapes[n][0][1:]) * DTYPE_BITS[shapes[n][1]]
-                                      / 8, self.layer, n)
-                          for n in names_of(self.c, "moe", "dma"))
-
-    def mla_prologue(self):
-        """`mk.kernels.mla.mla_prologue`: the layer's `mla_loads` issued at its start, wq_a,
-        its norm and the DMA'd wq (or wq through the ring), wkv_a and the latent's norm,
-        each load waited for at first use; the absorption of each head's query (float32,
-        at the MXU rule, as wq's product in VMEM)."""
-        c, M = self.c, self.m
-        landed = {name: self.mc.dma(math.prod(shape) * DTYPE_BITS[dtype] / 8, self.layer,
-                                    name) for name, (shape, dtype) in mla_loads(c).items()}
-        if c.q_rank:
-            self.matmul("wq_a")
-            self.mc.wait(landed["q_a_norm"])
-            self.vector(4 * M * c.q_rank, "norm")
-            self.mc.wait(landed["wq"])
-            self.mc.compute(self.mxu_s(M, c.q_rank * c.q_width), self.layer, "wq")
-        else:
-            self.matmul("wq")
-        self.matmul("wkv_a")
-        self.mc.wait(landed["kv_a_norm"])
-        self.vector(4 * M * c.latent_rank, "norm")
-        self.mc.wait(landed["wkv_b"])
-        self.mc.compute(self.mxu_s(M, (c.head_dim - c.rope_dim) * c.latent_rank * c.heads),
-                        self.layer, "mla_absorb")
-
-    def linear_loads(self, row, tag=""):
-        """`mk.kernels.deltanet.start_layer_loads`: linear row `row`'s DMA'd weights and
-        conv state (issued by the linear layer before it, the first at the step's start)."""
-        c, item = self.c, self.c.weight_bits / 8
-        layer, shapes = c.linear_layers[row], linear_layer_shapes(c)
-        small = max(self.mc.dma(math.prod(shapes[what]) * item, layer, what, tag)
-                    for what in linear_weights(c)[1])
-        conv = self.mc.dma(self.batch * (c.conv_kernel - 1) * c.conv_channels * item, layer,
-                           "conv_load", tag, weight=False)
-        self.linear_landed = (small, conv)
-
-    def state_load(self, n, tag=""):
-        """Item n = row * B + b of the recurrent states' stream (`StateCopies`)."""
-        c = self.c
-        self.states_landed[n] = self.mc.dma(
-            c.linear_value_heads * c.linear_key_dim * c.linear_value_dim * 4,
-            c.linear_layers[n // self.batch], "state_load", tag, weight=False)
-
-    def drain_linear(self):
-        """`drain_linear`: the last conv rows and the last two items' row states."""
-        self.mc.wait(max([self.conv_sent] + self.states_sent[-2:]))
-
-    def linear_mixer(self):
-        """`mk.kernels.deltanet.linear_mixer`: its weights, conv state and first state were
-        issued by the linear layer before; it issues the next one's; lin_qkv and lin_z; the
-        gates; the conv (its row states sent once the row before's have landed); per
-        sequence the delta rule (the next item's state issued, item n - 2's row states
-        waited for, this one's sent); the gated norm; lin_out."""
-        c, B, T, M, layer = self.c, self.batch, self.rows, self.m, self.layer
-        C, W, Vw, Nv = c.conv_channels, c.conv_kernel, c.linear_value_width, \
-            c.linear_value_heads
-        Hk, Hv, item = c.linear_key_dim, c.linear_value_dim, c.weight_bits / 8
-        row = c.linear_layers.index(layer)
-        small, conv = self.linear_landed
-        if row + 1 < len(c.linear_layers):
-            self.linear_loads(row + 1)
-        self.vector(4 * M * c.hidden, "norm")
-        self.matmul("lin_qkv")
-        if c.channel_decay:  # KDA: b, then the low-rank forget and output gates
-            self.mc.wait(small)
-            D = c.hidden
-            gate_elements = D * Nv + D * Hk + Hk * Nv * Hk + D * Hv + Hv * Nv * Hv
-        else:  # the gated DeltaNet: lin_z through the ring, then b and a
-            self.matmul("lin_z")
-            self.mc.wait(small)
-            gate_elements = 2 * c.hidden * Nv
-        self.mc.compute(self.mxu_s(M, gate_elements), layer, "gates")
-        self.mc.wait(max(conv, self.conv_sent))
-        self.vector(2 * W * M * C, "conv")
-        self.conv_sent = self.mc.dma(B * T * (W - 1) * C * item, layer, "conv_rows",
-                                     weight=False)
-        self.vector(6 * M * C, "l2norm")
-        rows = block_rows(1, T)
-        for b in range(B):
-            n = row * B + b
-            self.mc.wait(self.states_landed.pop(n))
-            if n + 1 < len(c.linear_layers) * B:
-                self.state_load(n + 1)
-            if n >= 2:
-                self.mc.wait(self.states_sent[n - 2])
-            self.mc.compute(T * Nv * (3 * self.mxu_s(rows, Hk * Hv) + 4 * Hk * Hv / self.vpu),
-                            layer, "delta_rule")
-            self.states_sent.append(self.mc.dma(T * Nv * Hk * Hv * 4, layer, "state_rows",
-                                                weight=False))
-        self.vector(8 * M * Vw, "gated_norm")
-        self.matmul("lin_out")
 
     def run_matmuls(self):
         """A stream of plain matmuls (no attention, no MLP logic): `replay_matmul`."""
@@ -690,88 +540,6 @@ class _Kernel:
             self.prime_layer(self.layered, "layer boundary")
         for seg in self.s.tail:
             self.matmul(seg.name)
-
-    def swiglu(self, names=DENSE_WEIGHTS, width=None):
-        gate, up, down = names
-        self.matmul(gate)
-        self.matmul(up)
-        self.vector(6 * self.m * (width or self.c.ffn), "swiglu")
-        self.matmul(down)
-
-    def experts(self):
-        """`mk.kernels.mlp.moe_body`: the shared expert (Kimi) through the ring, routing,
-        the selected flags to SMEM, the expert slots, the off slots skipped."""
-        c, M = self.c, self.m
-        if c.shared_expert_ffn:
-            self.swiglu(SHARED_WEIGHTS, c.shared_expert_ffn)
-        E, X, Fe = c.experts, c.experts_per_token, c.expert_ffn
-        self.mc.compute(self.mxu_s(M, c.hidden * E), self.layer, "router")
-        self.vector(M * E * (6 + 4 * X), "router")
-        self.mc.wait(self.mc.dma(4 * E, self.layer, "selected", weight=False))  # VMEM -> SMEM flags
-        self.mc.compute(E * self.a.scalar_op_s, self.layer, "router")
-        self.count = self.experts_on
-        gate = self.s.segment("we_gate")
-        base = self.s.base(self.layer, gate)
-        for t in range(min(self.n, gate.copies * gate.stride)):
-            self.start(base + t, "routing")
-        first, end = self.region("we_gate", "we_down")
-        for copy in range(self.count):
-            self.matmul("we_gate", copy=copy)
-            self.matmul("we_up", copy=copy)
-            self.vector(6 * M * Fe, "swiglu")
-            self.matmul("we_down", copy=copy)
-            self.vector(3 * M * c.hidden + M * E, "combine")
-        self.skip(first + self.count * gate.stride, end, "layer boundary")
-        self.count = 0
-
-    def kv_tiles(self) -> list[tuple[int, int]]:
-        """(sequence, tile) of every KV tile a layer's attention reads, in order."""
-        per_seq = (self.context + self.rows - 1) // self.s.block.kv_tile + 1
-        return [(b, i) for b in range(self.batch) for i in range(per_seq)]
-
-    def issue_kv(self, j, tag="", layer=None):
-        """KV tile j of the attending layer (`layer`, default the current one)."""
-        c, tile = self.c, self.s.block.kv_tile
-        layer = self.layer if layer is None else layer
-        if j < len(self.kv_tiles()):
-            K, H, caches = kv_layout(c)
-            kv_bytes = K * tile * H * (c.weight_bits // 8)
-            self.kv_landed[j] = max(self.mc.dma(kv_bytes, layer, what, tag, False)
-                                    for what in ("k_tile", "v_tile")[:caches])
-
-    def prime_kv(self, layer, tag=""):
-        """Full layer `layer`'s first kv_slots - 1 KV tiles (`KvStream.prime`): issued at
-        the step's start for the first full layer, then by each full layer right after its
-        attention for the next (`layer_body`'s "kv_prime"): they load across the layer
-        edge."""
-        self.kv_landed = {}
-        for j in range(self.s.block.kv_slots - 1):
-            self.issue_kv(j, tag, layer)
-
-    def attend(self):
-        c, B, T, block = self.c, self.batch, self.rows, self.s.block
-        (K, H, caches), tile = kv_layout(c), block.kv_tile
-        G, itemsize = c.heads // K, c.weight_bits // 8
-        R = block_rows(G, T)
-        W = write_back_rows(T, tile, c.dtype)
-        tiles = self.kv_tiles()
-        self.vector(3 * B * T * (c.heads + caches * K) * H, "attention")  # regrouping
-        landed, issue = self.kv_landed, self.issue_kv
-        mxu = 2 * self.mxu_s(R, tile * H * K)  # q.k and p.v
-        vec = 8 * K * R * tile / self.vpu
-        for j, (b, i) in enumerate(tiles):
-            issue(j + block.kv_slots - 1)
-            self.mc.wait(landed.pop(j))
-            written = i >= self.context // tile
-            self.mc.compute(mxu + vec, self.layer, "attention")
-            if written:  # its staging slot is free once write-back n - 2B has landed
-                n, backs = len(self.kv_sent), write_back_slots(B)
-                if n >= backs:
-                    self.mc.wait(self.kv_sent[n - backs])
-                self.kv_sent.append(max(self.mc.dma(K * W * H * itemsize, self.layer,
-                                                 f"{kv}_write_back", weight=False)
-                                     for kv in "kv"[:caches]))
-        self.vector(3 * B * T * c.heads * H, "attention")
 
 
 # -- The result ----------------------------------------------------------------------------

@@ -83,9 +83,10 @@ import mk.run
 from mk import course, plots, reference, teach, tpu
 from mk.kernels import one_layer as one_layer_module
 from mk.kernels.common import vmem_budget
-from mk.kernels.one_layer import layer_matrices, one_layer, one_layer_buffers
+from mk.kernels.one_layer import one_layer, one_layer_buffers
 from mk.kernels.plan import default_block
 from mk.kernels.ring import TileStream
+from mk.kinds.layers import kinds_at, layer_matrices
 from mk.weights import abstract_params
 
 mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
@@ -93,7 +94,8 @@ run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context
                           backend=backend, seed=seed, checkpoint=checkpoint)
 config, mode, spec = run.config, mk.backend.resolve(run.backend), mk.chip(run.chip)
 layer = layer % config.layers
-kind, _ = config.mlp_index(layer)
+kinds = kinds_at(config, layer)  # its token mixer and its MLP (`mk.kinds`)
+kind = kinds[1].name
 M = run.batch * run.rows
 print(f"{config.name} layer {layer} ({kind}): B={run.batch} T={run.rows} S={run.context}; "
       f"kernels run on: {mode}")
@@ -109,7 +111,7 @@ print(f"{config.name} layer {layer} ({kind}): B={run.batch} T={run.rows} S={run.
 
 # %%
 block = default_block(config, 128, slots=slots)  # KV tiles of 128 positions
-stream = TileStream.build(block, layer_matrices(config, (kind,), M))
+stream = TileStream.build(block, layer_matrices(kinds, M))
 plots.show(plots.tile_stream(stream, title=f"{config.name} layer {layer}: {stream.total} "
                                            f"tiles of {block.tile_rows}x{block.tile_cols}"))
 
@@ -213,7 +215,7 @@ print("your residual passes")
 
 # %%
 if spec.kind == "tpu":
-    budget = vmem_budget("one_layer", one_layer_buffers(config, (kind,), run.batch, run.rows,
+    budget = vmem_budget("one_layer", one_layer_buffers(config, kinds, run.batch, run.rows,
                                                         block), spec)
     display(plots.table(budget.rows()[:8]))
     print(f"total {budget.total_bytes / 2**20:.2f} MiB of {budget.limit_bytes / 2**20:.0f} MiB")
@@ -236,7 +238,7 @@ for name in ("qwen3-8b", "qwen3-30b-a3b"):
         lambda p, a, k, v, pos: one_layer(real, p, a, k, v, pos, layer=1, block=real_block),
         [shapes, jax.ShapeDtypeStruct((8, 1, real.hidden), jnp.float32), cache, cache,
          jax.ShapeDtypeStruct((8,), jnp.int32)], compile_chip, name=f"{name} layer",
-        vmem=vmem_budget("one_layer", one_layer_buffers(real, (real.mlp_index(1)[0],), 8, 1,
+        vmem=vmem_budget("one_layer", one_layer_buffers(real, kinds_at(real, 1), 8, 1,
                                                         real_block), mk.chip(compile_chip)))
     print(reports[name].summary())
 

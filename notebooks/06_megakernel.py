@@ -86,7 +86,6 @@ import mk.backend
 import mk.megakernel as megakernel
 import mk.run
 from mk import course, perf, plots, reference, sim, teach, tpu
-from mk.kernels.one_layer import layer_matrices
 from mk.kernels.plan import DecodePlan, default_block
 
 mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
@@ -267,9 +266,9 @@ if not hybrid:
     print(f"{config.name} has no linear layers: every layer is full attention and nothing "
           "is skipped (run this notebook with preset='tiny-hybrid' for this section)")
 else:
-    mixer = {n: kind for kind in ("full", "linear")
-             for n, _, _ in layer_matrices(config, (), plan.M, (kind,))}
-    loaded_in = {"full": config.full_layers, "linear": config.linear_layers}
+    mixers = [kind for kind in plan.kinds if kind.role == "mixer"]  # `mk.kinds`
+    mixer = {n: kind.name for kind in mixers for n in kind.segment_names()}
+    loaded_in = {kind.name: kind.layers for kind in mixers}
     display(plots.table([{
         "segment": s.name, "mixer": mixer.get(s.name, "MLP"),
         "tiles": f"{s.in_tiles} x {s.out_tiles}" + (" transposed" * s.transposed),

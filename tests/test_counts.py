@@ -19,6 +19,7 @@ from mk import megakernel, reference, sim
 from mk.kernels import plan as plan_module
 from mk.kernels.decode_attention import write_back_rows
 from mk.kernels.plan import DecodePlan
+from mk.kinds.layers import TABLES
 from mk.weights import abstract_params
 
 FAMILIES = ["tiny", "tiny-moe", "tiny-hybrid", "tiny-kimi"]
@@ -51,7 +52,7 @@ def test_plan_hbm_bytes_are_the_megakernels_operands_and_no_kv_for_linear_layers
     tables = ("is_moe", "mlp_row", "is_linear", "mixer_row")
     cache = jax.eval_shape(lambda: reference.init_cache(config, B, S))
     rows = T * _nbytes([cache.conv, cache.state]) if config.linear_layers else 0
-    held = (_nbytes({k: w for k, w in weights.items() if k not in tables})
+    held = (_nbytes({k: w for k, w in weights.items() if k not in TABLES})
             + _nbytes(cache) + rows)
     assert plan.hbm_bytes() == held
     # the KV part by hand: K and V (or MLA's one latent row) of the full layers only

@@ -252,7 +252,8 @@ def test_megakernel_t4_steps_predict_transformers_tokens_race_free(tpu_case, bat
 def test_planted_wrong_head_in_mla_value_projection_diverges(tpu_case, monkeypatch):
     """The guard of the two checks above, in the same run: each head's attention output
     multiplied by the other head's value up-projection must change the tokens."""
-    from mk.kernels import mla, one_layer
+    from mk.kernels import mla
+    from mk.kinds import attention
 
     model, config, params, prompt = tpu_case
     right = mla.mla_epilogue
@@ -266,7 +267,7 @@ def test_planted_wrong_head_in_mla_value_projection_diverges(tpu_case, monkeypat
             w_uv = s.wkv_b[:, m * (Hn + Ho) + Hn:(m + 1) * (Hn + Ho)].astype(jnp.float32)
             s.o[:, n * Ho:(n + 1) * Ho] = jnp.dot(s.o_latent[:, n * W:n * W + R], w_uv)
 
-    monkeypatch.setattr(one_layer, "mla_epilogue", swapped_heads)
+    monkeypatch.setattr(attention, "mla_epilogue", swapped_heads)
     planted = dataclasses.replace(config, name="planted-heads")  # a new trace
     with pytest.raises(AssertionError):
         assert_greedy_matches_hf(model, planted, params, prompt[:1], 8, megakernel_generate)

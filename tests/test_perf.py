@@ -390,7 +390,7 @@ def test_weight_bytes_are_the_arrays_the_megakernel_streams_plus_norms_and_embed
     # expert touched the rest is equal.
     import jax
     from mk import megakernel
-    from mk.kernels.one_layer import mlp_weights
+    from mk.weights import names_of
     from mk.kernels.plan import default_block
 
     config = mk.preset(name)
@@ -399,7 +399,7 @@ def test_weight_bytes_are_the_arrays_the_megakernel_streams_plus_norms_and_embed
     weights = jax.eval_shape(lambda p: megakernel.prepare(config, p, block), params)
     streamed = ["wq", "wk", "wv", "wo", "lm_head"] + [
         n for kind in ("dense", "moe") if getattr(config, f"{kind}_layers")
-        for n in mlp_weights(config, kind)]
+        for n in names_of(config, kind, "ring", "dma")]
     arrays = sum(weights[n].size * weights[n].dtype.itemsize for n in streamed)
     e = perf.predict(config, "v6e", batch=64, context=0, routing="disjoint")
     norms = (config.layers * (2 * config.hidden + 2 * config.head_dim) + config.hidden) * 4

@@ -274,33 +274,24 @@ def test_a_hybrid_shards_its_linear_heads_and_output_gate_and_names_what_does_no
         DecodePlan.make(mk.preset("tiny-hybrid"), tp=2, batch=1, context=128)
 
 
-def test_the_layers_program_order_is_data_the_kernel_checks_and_the_simulator_walks(
+def test_the_layers_program_order_is_data_the_kinds_declare_and_the_simulator_walks(
         monkeypatch):
-    from mk.kernels import one_layer
+    """`layer_body` runs LAYER_PHASES in order, each kind in the phases it declares; a
+    kind declaring a phase outside the list (which neither the kernel nor the simulator
+    would run) is refused, and the simulator names a phase it has no cost model for."""
+    from mk.kinds.base import LAYER_PHASES
+    from mk.kinds.layers import KINDS, check_kind
+    from mk.kinds.mlp import MoE
 
-    config = mk.preset("tiny")
-    plan = DecodePlan.make(config, batch=1, context=128)
-    params = abstract_params(config)
-    weights = jax.eval_shape(lambda p: megakernel.prepare(config, p, plan.block), params)
-    cache = reference.KVCache(*[jax.ShapeDtypeStruct((2, 1, 2, 128, 128), "bfloat16")] * 2)
-    args = (weights, cache, jax.ShapeDtypeStruct((1, 1), "int32"),
-            jax.ShapeDtypeStruct((1,), "int32"))
+    for kind in KINDS:
+        assert check_kind(kind) is kind
 
-    def trace():
-        megakernel.traced_step.clear_cache()  # jitted: trace the kernel body again
-        return jax.eval_shape(lambda *a: megakernel.traced_step(plan, *a), *args)
+    class Stray(MoE):
+        phases = ("mlp", "after_lm_head")
 
-    trace()  # the kernel runs the phases in LAYER_PHASES' order
-    swapped = list(one_layer.LAYER_PHASES)
-    first = swapped.index("prologue")
-    swapped[first:first + 2] = ["attend", "prologue"]  # attend before the prologue
-    monkeypatch.setattr(one_layer, "LAYER_PHASES", tuple(swapped))
-    with pytest.raises(AssertionError, match="runs 'prologue' where LAYER_PHASES has "
-                                             "'attend'"):
-        trace()
-    monkeypatch.undo()
-    megakernel.traced_step.clear_cache()
-    # The simulator walks the same list: a phase it has no cost model for is named.
-    monkeypatch.setattr(sim, "LAYER_PHASES", (*one_layer.LAYER_PHASES, "new_phase"))
+    with pytest.raises(ValueError, match="layer kind moe: .*'after_lm_head'.* among "
+                                         "LAYER_PHASES"):
+        check_kind(Stray)
+    monkeypatch.setattr(sim, "LAYER_PHASES", (*LAYER_PHASES, "new_phase"))
     with pytest.raises(ValueError, match="no cost model for layer phase 'new_phase'"):
-        sim.simulate(config, "v5e")
+        sim.simulate(mk.preset("tiny"), "v5e")

@@ -70,7 +70,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mk import quant
 from mk.config import COMPUTE_DTYPES, MAX_ROWS
-from mk.kinds import check_routing
+from mk.kinds.checks import check_routing
 from mk.kernels.common import BlockSizes, Buffer, start_dma, vmem_limit_bytes, vmem_scratch
 from mk.kernels.ring import Repeat, Ring, TileStream, ring_buffers
 from mk.kernels.weight_streaming import ring_weights, stage_block, weight_stream
@@ -283,7 +283,7 @@ class Routing:
                    config.expert_groups, config.topk_groups, config.routed_scale)
 
     def check(self, experts: int) -> Routing:
-        """Itself, after checking it against `experts` (`mk.kinds.check_routing`); raises
+        """Itself, after checking it against `experts` (`mk.kinds.checks.check_routing`); raises
         ValueError naming the field."""
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) \
                 or not 1 <= self.top_k <= experts:

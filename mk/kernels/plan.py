@@ -63,7 +63,7 @@ Here: the sharding model (`check_tp`, `shard_config`, `kv_heads_of`, `padded_wid
 `model_stream`, `capacity`, `WEIGHT_FAMILIES`, `STEP_FAMILIES`, `family_of`,
 `shard_weight_bytes`, `QUANT_FAMILY`, `DecodePlan` (`DecodePlan.make`: the one way to make
 a plan), `Fit`. Not here: the kernel (`mk.megakernel`), the layer's phases
-(`mk.kernels.one_layer.LAYER_PHASES`), sharding arrays (`mk.tensor_parallel`), time
+(`mk.kinds.base.LAYER_PHASES`), sharding arrays (`mk.tensor_parallel`), time
 (`mk.sim`, `mk.perf`).
 """
 
@@ -82,13 +82,11 @@ from mk.kernels.collectives import (MAX_INDEX, PARTIAL_SUM_BYTES, allreduce_s, c
                                     collective_buffers, collective_semaphores)
 from mk.kernels.common import (KV_TILE, LANES, SLOTS, VMEM_HEADROOM, VMEM_ROOM, BlockSizes,
                                Buffer, VmemBudget, vmem_budget, vmem_limit_bytes)
-from mk.kernels.decode_attention import attention_semaphores, decode_attention_buffers
-from mk.kernels.deltanet import (check_conv_kernel, linear_buffers, linear_layer_shapes,
-                                 linear_scratch)
+from mk.kernels.deltanet import check_conv_kernel, linear_layer_shapes
 from mk.kernels.mla import mla_loads, mla_matrices
-from mk.kernels.mlp import MOE_SMALL_LOADS, expert_slots
-from mk.kernels.one_layer import (layer_buffers, layer_matrices, mixer_kinds, mlp_kinds,
-                                  model_block)
+from mk.kernels.mlp import expert_slots
+from mk.kernels.one_layer import layer_buffers, layer_scratch, model_block
+from mk.kinds.layers import full_attention, layer_kinds, layer_matrices
 from mk.kernels.ring import TileStream, ring_buffers
 from mk.weights import FAMILIES, FAMILY, FORMAT_GROUP
 
@@ -175,10 +173,8 @@ def shard_config(config: ModelConfig, tp: int) -> ModelConfig:
 def kv_layout(local: ModelConfig) -> tuple[int, int, int]:
     """(heads, row width, caches) of one full layer's cache on a device holding `local`:
     (K, H, 2) for K and V, (1, R + Hr, 1) for MLA's latent cache (one row every head
-    reads as keys and values)."""
-    if local.is_mla:
-        return 1, local.latent_width, 1
-    return local.kv_heads, local.head_dim, 2
+    reads as keys and values): its full-attention kind's `kv_layout`."""
+    return full_attention(local).kv_layout()
 
 
 def kv_heads_of(config: ModelConfig, tp: int) -> list[list[int]]:
@@ -254,8 +250,7 @@ def model_stream(local: ModelConfig, block: BlockSizes, M: int, formats=None) ->
     """Every weight tile of one step of the shard `local` for M = B*T rows (`block`'s
     tiles; the quantised `formats`' segments packed): each layer's `layer_matrices`, then
     the lm_head [D, V padded to whole tiles]."""
-    return TileStream.build(block, layer_matrices(local, mlp_kinds(local), M,
-                                                  mixer_kinds(local)),
+    return TileStream.build(block, layer_matrices(layer_kinds(local), M),
                             layers=local.layers,
                             tail=[("lm_head", local.hidden, padded_vocab(local, block))],
                             schemes=quant.schemes_of(formats))
@@ -443,12 +438,9 @@ class DecodePlan:
         return padded_vocab(self.local, self.block)
 
     @property
-    def kinds(self) -> tuple[str, ...]:
-        return mlp_kinds(self.local)
-
-    @property
-    def mixers(self) -> tuple[str, ...]:
-        return mixer_kinds(self.local)
+    def kinds(self) -> tuple:
+        """The shard's layer kinds (`mk.kinds`), in stream order."""
+        return layer_kinds(self.local)
 
     @property
     def expert_slots(self) -> int:
@@ -458,33 +450,18 @@ class DecodePlan:
         return {n: b for n, b in self.buffers.items() if b.group == group}
 
     def scratch(self) -> dict:
-        """The kernel's Pallas scratch by name: every VMEM buffer that is not an operand
-        (the "layer" group as one dict, the others by their group), the DMA semaphores
-        and the SMEM scalars."""
-        vmem = {n: pltpu.VMEM(b.shape, b.dtype) for n, b in self.buffers.items()
-                if b.group != "operand"}
-        groups: dict = {}
-        for name, b in self.buffers.items():
-            if b.group != "operand":
-                groups.setdefault(b.group, {})[name.removeprefix(b.group + ".")] = vmem[name]
-        layer = groups.pop("layer") | {"sems": pltpu.SemaphoreType.DMA((self.block.slots,))}
-        if self.local.is_mla:
-            layer["mla_sems"] = pltpu.SemaphoreType.DMA((len(mla_loads(self.local)),))
-        if "moe" in self.kinds:
-            layer |= dict(small_sems=pltpu.SemaphoreType.DMA((len(MOE_SMALL_LOADS),)),
-                          selected_smem=pltpu.SMEM((1, self.local.experts), jnp.int32),
-                          ids_smem=pltpu.SMEM((self.expert_slots,), jnp.int32),
-                          count_smem=pltpu.SMEM((1,), jnp.int32))
-        groups["attention"] |= attention_semaphores(self.block, self.batch,
-                                                    caches=kv_layout(self.local)[2])
-        vectors = groups.pop("vectors") | {"sems": pltpu.SemaphoreType.DMA((2, 2)),
-                                           "final_sem": pltpu.SemaphoreType.DMA((1,))}
-        out = dict(layer=layer, vectors=vectors, attention=groups.pop("attention"))
-        if groups.pop("linear", None) is not None:  # the same buffers, with SMEM and sems
-            out["linear"] = linear_scratch(self.local, self.batch, self.rows)
-        for name, group in groups.items():  # the collectives (tp > 1)
-            out[name] = group | {"sems": collective_semaphores(self.tp)}
-        return out
+        """The kernel's Pallas scratch by group and name: every VMEM buffer that is not
+        an operand, the ring's and each kind's semaphores and SMEM
+        (`mk.kernels.one_layer.layer_scratch`), the norm vectors' and the collectives'
+        semaphores."""
+        groups = layer_scratch(self.kinds, self.buffers.values(), self.batch, self.rows,
+                               self.block)
+        groups["vectors"] |= {"sems": pltpu.SemaphoreType.DMA((2, 2)),
+                              "final_sem": pltpu.SemaphoreType.DMA((1,))}
+        for name in ("all_reduce", "argmax"):  # the collectives (tp > 1)
+            if name in groups:
+                groups[name] |= {"sems": collective_semaphores(self.tp)}
+        return groups
 
     def weight_bytes(self, experts: float | None = None, dtypes=None) -> dict[str, float]:
         """`shard_weight_bytes` of this plan's shard and tiles; `experts` defaults to
@@ -573,13 +550,9 @@ def _buffers(local: ModelConfig, tp: int, batch: int, rows: int, block: BlockSiz
     """Every VMEM buffer of the megakernel by name (module docstring)."""
     M, D, H, dt = batch * rows, local.hidden, local.head_dim, local.dtype
     f32 = "float32"
-    linear = linear_buffers(local, batch, rows) if local.linear_layers else []
     buffers = [
-        *layer_buffers(local, mlp_kinds(local), batch, rows, block,
+        *layer_buffers(local, layer_kinds(local), batch, rows, block,
                        ring=ring_buffers(stream, dt)),
-        *linear,
-        *decode_attention_buffers(batch, rows, local.heads, *kv_layout(local)[:2], dt, block,
-                                  latent=local.is_mla),
         Buffer("norms", (2, 2, D), f32, "vectors"),  # a layer's norms, two layers' slots
         Buffer("qk_norms", (2, 2, H), f32, "vectors"),
         Buffer("final_norm", (1, D), f32, "vectors"),

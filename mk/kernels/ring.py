@@ -412,6 +412,12 @@ class Ring:
     def slot(self, g):
         return self.slots_vmem.at[g % self.n]
 
+    def region(self, step, first: str, last: str):
+        """[first tile, end) of the segments `first` .. `last` of layer `step`."""
+        a, b = self.stream.segment(first), self.stream.segment(last)
+        return (self.stream.base(step, a),
+                self.stream.base(step, b) + (b.copies - 1) * b.stride + b.tiles)
+
     def skip(self, first, end):
         """Consume tiles [first, end) of switched-off segments without loading or computing:
         only the tiles they would issue past `end` (the next weights) are issued."""

@@ -21,6 +21,7 @@ from mk import backend, quant, reference, tpu
 from mk.kernels.common import vmem_budget
 from mk.kernels.one_layer import one_layer, one_layer_buffers
 from mk.kernels.plan import default_block
+from mk.kinds.layers import kinds_at
 from mk.weights import FORMAT_GROUPS, abstract_params
 from builders import plant_double_scale, quantised_cases
 from tolerances import ROUTER_TIE, TOLERANCE as ALL_TOLERANCES
@@ -233,9 +234,8 @@ def test_compiles_for_tpu_at_real_shapes(name, chip, formats):
                for family, scheme in formats.items() for n in FORMAT_GROUPS[family]
                if n in params}
     cache = jax.ShapeDtypeStruct((2, B, config.kv_heads, S, config.head_dim), config.dtype)
-    kind = config.mlp_index(1)[0]
-    budget = vmem_budget("one_layer", one_layer_buffers(config, (kind,), B, T, block,
-                                                        formats), mk.chip(chip))
+    budget = vmem_budget("one_layer", one_layer_buffers(config, kinds_at(config, 1), B, T,
+                                                        block, formats), mk.chip(chip))
     report = tpu.compile_for_chip(
         lambda p, x, k, v, pos: one_layer(config, p, x, k, v, pos, layer=1, block=block),
         [params, jax.ShapeDtypeStruct((B, T, config.hidden), jnp.float32), cache, cache,

@@ -1,0 +1,43 @@
+"""Layer kinds: each kind of token mixer and MLP is one object that owns everything about
+itself, and the rooms that run a model loop over the kinds it has.
+
+    module                  what is there
+    mk.kinds.base           `Kind` (what a kind owns: weights, ring segments, buffers,
+                            semaphores, preparation, fetches, in-kernel hooks, simulator
+                            twin), `Step` (what its kernel code acts on), `Twin`,
+                            `LAYER_PHASES` (a layer's program order)
+    mk.kinds.attention      `GQA` (Qwen3; Qwen3.5's gated output, partial RoPE), `MLA`
+    mk.kinds.linear         `DeltaNet` (Qwen3.5), `KDA` (Kimi Linear)
+    mk.kinds.mlp            `Dense` (SwiGLU), `MoE` (softmax or sigmoid router, shared
+                            expert), `router_after_mixer`
+    mk.kinds.layers         `KINDS` (the registry, in stream order), `layer_kinds(config)`,
+                            a layer's kinds and rows, the kernel's per-layer tables
+    mk.kinds.checks         each kind's checks of a `mk.config.ModelConfig` (run by the
+                            config on construction; this module imports no kernel)
+
+Who asks the kinds: the whole-model kernel (`mk.megakernel`: operands, preparation,
+fetches, start and finish), `mk.kernels.one_layer.layer_body` (each layer's phases and
+skips), the stage-05 kernel (`one_layer`), the plan (`mk.kernels.plan`: the stream, the
+buffers, the scratch, the KV layout) and the simulator (`mk.sim`: each kind's twin).
+
+How to add a layer kind (e.g. gpt-oss's sliding-window attention with sinks):
+1. Its weights: rows in `mk.weights.WEIGHTS` with the kind's name (shape rule, byte
+   family, ring/dma path, split, format group, Hugging Face names), its layers' field in
+   `mk.weights.KIND_LAYERS`, and the rule that selects it in `mk.weights.kinds_of`.
+2. Its config fields on `mk.config.ModelConfig` and their check in `mk.kinds.checks`
+   (`KIND_CHECKS`); its Hugging Face fields in `mk.config.ModelConfig.from_hf`.
+3. Its reference math in `mk.reference` (the oracle every kernel is compared with).
+4. Its kernel body in `mk.kernels` (a module of its own, as `mk.kernels.mla`), and its
+   class here: a `Kind` subclass (a variant of an existing kind subclasses it and
+   overrides what differs, as `MLA` does `GQA`) with `matrices`, `buffers`, `scratch`,
+   `prepare`, `fetch`, the hooks it needs and `run` for each of its `phases`; and its
+   `Twin`, the same hooks costed on the simulator's machine. Register it in
+   `mk.kinds.layers.KINDS` at its place in the stream.
+5. Its cost in `mk.perf` if its MXU or byte count is not the table's (the bytes come from
+   the weight table).
+6. Tests: the reference against transformers on a tiny random checkpoint, the megakernel
+   against the reference (exact greedy tokens), the race detector, the byte counts
+   (kernel = plan = simulator = `mk.perf`, tests/test_counts.py) and the DMA order
+   (kernel = simulator), an AOT compile for a TPU generation.
+Nothing else changes: the kernel, the plan and the simulator loop over the kinds.
+"""

@@ -1,0 +1,310 @@
+"""The full-attention layer kinds: grouped-query attention (`GQA`: Qwen3, and Qwen3.5's
+variant with a gated output and partial RoPE) and multi-head latent attention (`MLA`:
+Kimi Linear), each with its simulator twin.
+
+Both read a KV cache through `mk.kernels.decode_attention.attend` (`KvStream`: a full
+layer primes the next full layer's first KV tiles right after its own attention, across
+the layer edge; the first full layer's at the step's start) and leave their new rows'
+write-backs in flight until the step's end. GQA's prologue is `mk.kernels.attention_prologue`
+(wq, wk, wv, a gated model's wq_gate through the ring; QK-norm, RoPE); MLA's is
+`mk.kernels.mla` (its ring matrices and its DMA'd `mla_loads`, the absorbed queries), over
+the latent cache (one "kv head" of R + Hr values every query head reads as its keys and
+values). Not here: the kernels' bodies (those modules), the loop over kinds
+(`mk.kernels.one_layer.layer_body`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from mk.config import DTYPE_BITS
+from mk.kernels.attention_prologue import prologue, prologue_matrices
+from mk.kernels.common import Buffer
+from mk.kernels.decode_attention import (KvStream, attend, attention_semaphores,
+                                         block_rows, decode_attention_buffers,
+                                         drain_write_backs, start_write_backs,
+                                         write_back_rows, write_back_slots)
+from mk.kernels.mla import (latent_columns, mla_buffers, mla_epilogue, mla_loads,
+                            mla_matrices, mla_prologue, start_mla_loads)
+from mk.kinds.base import Kind, Step, Twin
+
+FULL_PHASES = ("prologue", "attend", "kv_prime", "wo")
+
+
+class GQA(Kind):
+    """Grouped-query attention over a K/V cache [L, B, K, S, H]."""
+
+    name = "gqa"
+    role = "mixer"
+    phases = FULL_PHASES
+    stream_phase = "prologue"
+    skip_tag = "skipped mixer"
+
+    def kv_layout(self) -> tuple[int, int, int]:
+        """(heads, row width, caches) of one layer's cache on a device."""
+        return self.config.kv_heads, self.config.head_dim, 2
+
+    def matrices(self, M: int) -> list:
+        c = self.config
+        return prologue_matrices(c) + [("wo", c.q_width, c.hidden)]
+
+    def attention_buffers(self, batch: int, rows: int, block) -> list:
+        K, H, caches = self.kv_layout()
+        return decode_attention_buffers(batch, rows, self.config.heads, K, H,
+                                        self.config.dtype, block, latent=caches == 1)
+
+    def buffers(self, batch: int, rows: int, block) -> list:
+        c, M, f32 = self.config, batch * rows, "float32"
+        own = [Buffer("q", (M, c.q_width), f32), Buffer("k", (M, c.kv_width), f32),
+               Buffer("v", (M, c.kv_width), f32), Buffer("o", (M, c.q_width), f32)]
+        if c.attn_output_gate:
+            own.append(Buffer("q_gate", (M, c.q_width), f32))
+        return own + self.attention_buffers(batch, rows, block)
+
+    def scratch(self, batch: int, rows: int, block) -> dict:
+        return {"attention": attention_semaphores(block, batch, caches=self.kv_layout()[2])}
+
+    def caches(self, k: Step):
+        """The HBM caches its `attend` reads and writes (keys, values)."""
+        return k.outputs["k_cache"], k.outputs["v_cache"]
+
+    def fetch(self, k: Step) -> dict:
+        row, on = k.row(self), k.on(self)
+
+        def at_row(name):
+            return lambda step: (k.inputs[name].at[row(step)], None if on is None else on(step))
+        return {name: at_row(name) for name, *_ in self.matrices(k.batch * k.rows)}
+
+    def _kv_stream(self, k: Step, layer) -> KvStream:
+        return KvStream(k.positions, *self.caches(k), k.attention, rows=k.rows, layer=layer,
+                        block=k.block)
+
+    def start(self, k: Step) -> None:
+        start_write_backs(k.attention)
+        self._kv_stream(k, k.first_row).prime()  # each full layer primes the next one's
+
+    def run(self, k: Step, phase: str) -> None:
+        row = k.row(self)(k.step)
+        if phase == "prologue":
+            self.prologue(k, row)
+        elif phase == "attend":  # its first KV tiles were primed
+            self.attend(k, row)
+        elif phase == "kv_prime" and k.prime_next:  # the next full layer's first KV
+            @pl.when(row + 1 < self.caches(k)[0].shape[0])  # tiles need only the
+            def prime():  # positions: they load across the layer edge, behind this
+                self._kv_stream(k, row + 1).prime()  # layer's weight tiles
+        elif phase == "wo":
+            self.output(k)
+            k.ring.matmul("wo", k.s.o, k.s.attn_out, layer=k.step)
+
+    def prologue(self, k: Step, row) -> None:
+        s, (attn_norm, _, q_norm, k_norm) = k.s, k.norms
+        if not self.config.qk_norm:  # the tables hold ones; RMSNorm by ones is not identity
+            q_norm = k_norm = None
+        prologue(k.ring, self.config, layer=k.step, x=k.x, attn_norm=attn_norm, q_norm=q_norm,
+                 k_norm=k_norm, positions_smem=k.positions, batch=k.batch, rows=k.rows,
+                 h_vmem=s.h, q_vmem=s.q, k_vmem=s.k, v_vmem=s.v,
+                 gate_vmem=getattr(s, "q_gate", None))
+
+    def attend(self, k: Step, row) -> None:
+        s = k.s
+        attend(s.q, s.k, s.v, k.positions, *self.caches(k), s.o, k.attention, layer=row,
+               block=k.block, primed=True)
+
+    def output(self, k: Step) -> None:
+        """s.o as wo reads it: Qwen3.5's gate, o * sigmoid(h @ wq_gate)."""
+        if self.config.attn_output_gate:
+            k.s.o[...] = k.s.o[...] * jax.nn.sigmoid(k.s.q_gate[...])
+
+    def finish(self, k: Step) -> None:
+        drain_write_backs(k.attention, *self.caches(k))
+
+    def twin(self, sim) -> AttentionTwin:
+        return AttentionTwin(self, sim)
+
+
+class MLA(GQA):
+    """Multi-head latent attention over the latent cache [La, B, S, R + Hr] (passed to
+    `attend` as one shared kv head [La, B, 1, S, W]); the narrow weights (`mla_loads`)
+    are DMA'd whole at the layer's start, wkv_a's columns padded to whole tiles."""
+
+    name = "mla"
+
+    def kv_layout(self) -> tuple[int, int, int]:
+        return 1, self.config.latent_width, 1
+
+    def matrices(self, M: int) -> list:
+        return mla_matrices(self.config)
+
+    def buffers(self, batch: int, rows: int, block) -> list:
+        return mla_buffers(self.config, batch * rows) + self.attention_buffers(batch, rows,
+                                                                              block)
+
+    def scratch(self, batch: int, rows: int, block) -> dict:
+        return super().scratch(batch, rows, block) | {
+            "layer": {"mla_sems": pltpu.SemaphoreType.DMA((len(mla_loads(self.config)),))}}
+
+    def caches(self, k: Step):
+        return k.outputs["latent_cache"], None
+
+    def prepare(self, params) -> dict:
+        """wkv_a's columns padded to whole tiles; the low-rank norms as float32 [La, 1, R]
+        rows (no norm_offset: MLA's norms have none)."""
+        weights = super().prepare(params)
+        pad = latent_columns(self.config) - self.config.latent_width
+        weights["wkv_a"] = jnp.pad(weights["wkv_a"], ((0, 0), (0, 0), (0, pad)))
+        return weights | {n: weights[n].astype(jnp.float32)[:, None]
+                          for n in ("kv_a_norm", "q_a_norm") if n in weights}
+
+    def prologue(self, k: Step, row) -> None:
+        loads = start_mla_loads(self.config, k.s, {n: k.inputs[n] for n in
+                                                   mla_loads(self.config)}, row)
+        mla_prologue(k.ring, self.config, k.s, loads, layer=k.step, x=k.x,
+                     attn_norm=k.norms[0])
+
+    def attend(self, k: Step, row) -> None:  # the latent rows are the keys and the values
+        s = k.s
+        attend(s.queries, s.latent_new, None, k.positions, self.caches(k)[0], None,
+               s.o_latent, k.attention, layer=row, block=k.block, primed=True,
+               scale=1 / math.sqrt(self.config.head_dim))  # the unabsorbed head's
+
+    def output(self, k: Step) -> None:
+        mla_epilogue(self.config, k.s)
+
+    def twin(self, sim) -> MLATwin:
+        return MLATwin(self, sim)
+
+
+class AttentionTwin(Twin):
+    """A full layer on the simulator: its KV stream (`KvStream`: every sequence at
+    `sim.context`), the prologue's matrices and vector work, attention's per-tile MXU and
+    vector cost, the write-backs (waited for when their staging slot comes round and at
+    the step's end), wo."""
+
+    def __init__(self, kind: GQA, sim):
+        super().__init__(kind, sim)
+        self.landed: dict[int, float] = {}  # KV tile j of the attending layer -> landed
+        self.sent: list[float] = []  # when each KV write-back of the step lands
+
+    def start(self) -> None:
+        self.prime(self.kind.layers[0], "step start")
+
+    def boundary(self) -> None:
+        self.prime(self.sim.layer, "layer boundary")
+
+    def finish(self) -> None:  # `drain_write_backs`
+        if self.sent:
+            self.sim.mc.wait(max(self.sent[-write_back_slots(self.sim.batch):]))
+
+    def run(self, phase: str) -> None:
+        sim, c = self.sim, self.kind.config
+        M = sim.m
+        if phase == "prologue":
+            sim.vector(4 * M * c.hidden, "norm")
+            self.prologue()
+        elif phase == "attend":
+            self.attend()
+        elif phase == "kv_prime":  # without cross-layer prefetch, at the layer's start
+            later = [layer for layer in self.kind.layers if layer > sim.layer]
+            if later and sim.prefetch:
+                self.prime(later[0])
+        elif phase == "wo":
+            self.output()
+            sim.matmul("wo")
+
+    def prologue(self):
+        """`prologue`: wq, wk, wv (and wq_gate) through the ring, QK-norm and RoPE."""
+        sim, c = self.sim, self.kind.config
+        for matrix, *_ in self.kind.matrices(sim.m)[:-1]:
+            sim.matmul(matrix)
+        sim.vector(10 * sim.m * (c.q_width + c.kv_width), "qk_norm_rope")
+
+    def output(self):
+        """Qwen3.5's output gate before wo."""
+        c = self.kind.config
+        if c.attn_output_gate:
+            self.sim.vector(4 * self.sim.m * c.q_width, "output_gate")
+
+    def tiles(self) -> list[tuple[int, int]]:
+        """(sequence, tile) of every KV tile a layer's attention reads, in order."""
+        sim = self.sim
+        per_seq = (sim.context + sim.rows - 1) // sim.s.block.kv_tile + 1
+        return [(b, i) for b in range(sim.batch) for i in range(per_seq)]
+
+    def issue(self, j, tag="", layer=None):
+        """KV tile j of the attending layer (`layer`, default the current one)."""
+        sim, c, tile = self.sim, self.kind.config, self.sim.s.block.kv_tile
+        layer = sim.layer if layer is None else layer
+        if j < len(self.tiles()):
+            K, H, caches = self.kind.kv_layout()
+            kv_bytes = K * tile * H * (c.weight_bits // 8)
+            self.landed[j] = max(sim.mc.dma(kv_bytes, layer, what, tag, False)
+                                 for what in ("k_tile", "v_tile")[:caches])
+
+    def prime(self, layer, tag=""):
+        """Full layer `layer`'s first kv_slots - 1 KV tiles (`KvStream.prime`)."""
+        self.landed = {}
+        for j in range(self.sim.s.block.kv_slots - 1):
+            self.issue(j, tag, layer)
+
+    def attend(self):
+        sim, c = self.sim, self.kind.config
+        B, T, block = sim.batch, sim.rows, sim.s.block
+        (K, H, caches), tile = self.kind.kv_layout(), block.kv_tile
+        G, itemsize = c.heads // K, c.weight_bits // 8
+        R = block_rows(G, T)
+        W = write_back_rows(T, tile, c.dtype)
+        sim.vector(3 * B * T * (c.heads + caches * K) * H, "attention")  # regrouping
+        mxu = 2 * sim.mxu_s(R, tile * H * K)  # q.k and p.v
+        vec = 8 * K * R * tile / sim.vpu
+        for j, (b, i) in enumerate(self.tiles()):
+            self.issue(j + block.kv_slots - 1)
+            sim.mc.wait(self.landed.pop(j))
+            sim.mc.compute(mxu + vec, sim.layer, "attention")
+            if i >= sim.context // tile:  # written: its staging slot is free once
+                n, backs = len(self.sent), write_back_slots(B)  # write-back n - 2B landed
+                if n >= backs:
+                    sim.mc.wait(self.sent[n - backs])
+                self.sent.append(max(sim.mc.dma(K * W * H * itemsize, sim.layer,
+                                                f"{kv}_write_back", weight=False)
+                                     for kv in "kv"[:caches]))
+        sim.vector(3 * B * T * c.heads * H, "attention")
+
+
+
+class MLATwin(AttentionTwin):
+    """An MLA layer on the simulator: its prologue and its value up-projection."""
+
+    def output(self):  # each head's P @ latent rows times its W_uv
+        sim, c = self.sim, self.kind.config
+        sim.mc.compute(sim.mxu_s(sim.m, c.latent_rank * c.value_dim * c.heads), sim.layer,
+                       "mla_up")
+
+    def prologue(self):
+        """`mk.kernels.mla.mla_prologue`: the layer's `mla_loads` issued at its start, wq_a,
+        its norm and the DMA'd wq (or wq through the ring), wkv_a and the latent's norm,
+        each load waited for at first use; the absorption of each head's query (float32,
+        at the MXU rule, as wq's product in VMEM)."""
+        sim, c = self.sim, self.kind.config
+        M = sim.m
+        landed = {name: sim.mc.dma(math.prod(shape) * DTYPE_BITS[dtype] / 8, sim.layer,
+                                   name) for name, (shape, dtype) in mla_loads(c).items()}
+        if c.q_rank:
+            sim.matmul("wq_a")
+            sim.mc.wait(landed["q_a_norm"])
+            sim.vector(4 * M * c.q_rank, "norm")
+            sim.mc.wait(landed["wq"])
+            sim.mc.compute(sim.mxu_s(M, c.q_rank * c.q_width), sim.layer, "wq")
+        else:
+            sim.matmul("wq")
+        sim.matmul("wkv_a")
+        sim.mc.wait(landed["kv_a_norm"])
+        sim.vector(4 * M * c.latent_rank, "norm")
+        sim.mc.wait(landed["wkv_b"])
+        sim.mc.compute(sim.mxu_s(M, (c.head_dim - c.rope_dim) * c.latent_rank * c.heads),
+                       sim.layer, "mla_absorb")

@@ -1,0 +1,183 @@
+"""What a layer kind is: the `Kind` base class, the kernel's `Step` it acts on, and the
+simulator's `Twin` base.
+
+A kind is bound to the model (or the shard) it runs in (`Kind(config)`). The whole-model
+kernel, the stage kernel, the plan and the simulator know nothing of any one kind: each
+asks the model's kinds (`mk.kinds.layers.layer_kinds`) and calls the hooks below. What a
+kind owns:
+
+    weights     its rows of `mk.weights` (`Kind.weights`)
+    matrices    its ring segments of one layer, in consumption order
+    buffers     its VMEM (the "layer" group: attributes of the layer scratch `Step.s`;
+                or a group of its own) and `scratch`: its semaphores and SMEM by group
+    prepare     its weights as the megakernel reads them
+    fetch       the ring's Fetch callables of its segments
+    setup / start / begin / run / finish
+                its in-kernel code: before the ring is primed, at the step's start, at
+                each of its layers' start, in each of its `phases` of `LAYER_PHASES`, at
+                the step's end
+    twin        its simulator twin (`Twin`): the same hooks, on the simulated machine
+
+A layer of another kind of the same role (a hybrid's linear layer beside a full one, a
+dense layer beside MoE ones) skips this kind's region of the stream where this kind
+would consume it (`stream_phase`): its tiles are neither loaded nor computed.
+
+Not here: the kinds themselves (`mk.kinds.attention`, `mk.kinds.linear`, `mk.kinds.mlp`),
+the loop over them (`mk.kernels.one_layer.layer_body`, `mk.sim`), their config checks
+(`mk.kinds.checks`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, ClassVar
+
+from mk.config import ModelConfig
+from mk.kernels.ring import Repeat
+from mk.weights import KIND_LAYERS, names_of
+
+# The phases of one layer in program order, as data: `layer_body` runs them in this order
+# (each under a named scope it checks at trace time), and `mk.sim` replays the same list.
+# The token mixers' phases come first (the linear kinds' "linear", then full attention's
+# four), in the order their segments sit in the stream.
+LAYER_PHASES = ("linear", "prologue", "attend", "kv_prime", "wo", "after_mixer",
+                "attn_all_reduce", "mlp_norm", "before_mlp", "mlp", "mlp_all_reduce",
+                "residual")
+ROLES = ("mixer", "mlp")  # every layer has one kind of each role
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    """One layer kind of `config` (module docstring). Subclasses set the class fields and
+    override the hooks they need; a hook they do not override does nothing."""
+
+    config: ModelConfig
+    name: ClassVar[str] = ""  # its rows' kind in `mk.weights`
+    role: ClassVar[str] = ""  # one of ROLES
+    phases: ClassVar[tuple[str, ...]] = ()  # the LAYER_PHASES it acts in
+    stream_phase: ClassVar[str] = ""  # the phase that consumes its segments
+    skip_tag: ClassVar[str] = ""  # the simulator's cause for an HBM gap its skip leaves
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """The model's layers of this kind."""
+        layers = getattr(self.config, KIND_LAYERS[self.name])
+        return tuple(range(layers)) if isinstance(layers, int) else tuple(layers)
+
+    def weights(self, *paths: str) -> tuple[str, ...]:
+        """Its weights the megakernel moves by one of `paths` (`mk.weights.names_of`)."""
+        return names_of(self.config, self.name, *paths)
+
+    def matrices(self, M: int) -> list:
+        """Its ring segments of one layer (M = B*T activation rows), in consumption order."""
+        return []
+
+    def segment_names(self) -> tuple[str, ...]:
+        """The names of its segments, in stream order (a repeated group's once)."""
+        return tuple(name for m in self.matrices(1)
+                     for name, *_ in (m.matrices if isinstance(m, Repeat) else (m,)))
+
+    def region(self) -> tuple[str, str]:
+        """The first and last of its segments: the region a layer of another kind skips."""
+        names = self.segment_names()
+        return names[0], names[-1]
+
+    def buffers(self, batch: int, rows: int, block) -> list:
+        """Its VMEM buffers (`mk.kernels.common.Buffer`)."""
+        return []
+
+    def scratch(self, batch: int, rows: int, block) -> dict[str, dict]:
+        """Its semaphores and SMEM by buffer group ({group: {name: scratch}})."""
+        return {}
+
+    def prepare(self, params) -> dict:
+        """Its weights as the megakernel reads them (before `mk.kernels.ring.ring_layout`)."""
+        return {n: params[n] for n in self.weights("ring", "dma")}
+
+    def fetch(self, k: Step) -> dict:
+        """The ring's Fetch callables of its segments."""
+        return {}
+
+    def setup(self, k: Step) -> None:
+        """In the kernel, before the ring is primed."""
+
+    def start(self, k: Step) -> None:
+        """In the kernel, at the step's start (after the ring and the norms are issued)."""
+
+    def begin(self, k: Step) -> None:
+        """At the start of each of its layers."""
+
+    def run(self, k: Step, phase: str) -> None:
+        """Its part of `phase` (one of its `phases`) in one of its layers."""
+
+    def finish(self, k: Step) -> None:
+        """In the kernel, at the step's end."""
+
+    def twin(self, sim) -> Twin:
+        """Its simulator twin on `sim` (`mk.sim`'s kernel replay)."""
+        return Twin(self, sim)
+
+
+@dataclasses.dataclass
+class Step:
+    """What a kind's kernel code acts on: the step's fixed parts (set by the kernel) and
+    the layer's (set by `layer_body` before each layer). row(kind)(step): the layer's row
+    in that kind's stacked weights; on(kind): None when every layer of the kind's role is
+    of that kind, else on(kind)(step) is a traced flag, whether the layer is."""
+
+    config: ModelConfig
+    block: Any
+    batch: int
+    rows: int
+    tp: int
+    s: Any  # the layer scratch by name (attributes)
+    inputs: dict
+    outputs: dict
+    row: Callable
+    on: Callable
+    attention: Any = None  # `attend`'s scratch
+    linear: Any = None  # `linear_mixer`'s scratch
+    ring: Any = None
+    prime_next: bool = False  # a full layer primes the next one's KV tiles
+    first_row: Any = 0  # the row of the kernel's first layer of each kind
+    step: Any = 0  # the layer's index in the stream
+    x: Any = None  # the residual stream [M, D] f32
+    norms: tuple = ()  # (attn_norm, mlp_norm, q_norm, k_norm) values
+
+    @property
+    def positions(self):
+        return self.inputs["positions"]
+
+    def here(self, kind: Kind):
+        """Whether this layer is of `kind`: a traced flag, or None when every layer of its
+        role is."""
+        on = self.on(kind)
+        return None if on is None else on(self.step)
+
+
+class Twin:
+    """A kind's simulator twin: the same hooks as its kernel code, on `mk.sim`'s replay
+    `sim` (its ring: start, matmul, skip, region; its machine `sim.mc`: dma, wait,
+    compute). `active` says whether a tile of one of its segments loads."""
+
+    def __init__(self, kind: Kind, sim):
+        self.kind, self.sim = kind, sim
+        self.layers = frozenset(kind.layers)
+
+    def active(self, layer: int, segment: str, copy: int) -> bool:
+        return layer in self.layers
+
+    def start(self) -> None:
+        """At the step's start."""
+
+    def begin(self) -> None:
+        """At the start of each of its layers (`Kind.begin`)."""
+
+    def boundary(self) -> None:
+        """At the start of each of its layers, in a kernel without cross-layer prefetch."""
+
+    def run(self, phase: str) -> None:
+        """Its part of `phase` in one of its layers."""
+
+    def finish(self) -> None:
+        """At the step's end."""

@@ -1,0 +1,172 @@
+"""The linear-attention layer kinds: the gated DeltaNet (`DeltaNet`: Qwen3.5) and Kimi Delta
+Attention (`KDA`: Kimi Linear, a per-channel forget gate), each with its simulator twin.
+
+Both run `mk.kernels.deltanet.linear_mixer`: their big projections through the ring, their
+small weights and conv state DMA'd by the linear layer before (the first at the step's
+start: `prime_linear`), the recurrent states streamed per sequence, the conv and recurrent
+states after each of the T rows written to HBM (waited for a linear layer later, the last
+at the step's end: `drain_linear`). Not here: the kernel (`mk.kernels.deltanet`), the
+loop over kinds (`mk.kernels.one_layer.layer_body`).
+"""
+
+from __future__ import annotations
+
+import math
+
+from mk.kernels.decode_attention import block_rows
+from mk.kernels.deltanet import (STATE_INPUTS, STATE_OUTPUTS, drain_linear,
+                                 gated_deltanet_matrices, linear_buffers, linear_layer_shapes,
+                                 linear_mixer, linear_scratch, prepare_linear, prime_linear)
+from mk.kinds.base import Kind, Step, Twin
+
+
+class DeltaNet(Kind):
+    """The gated DeltaNet token mixer."""
+
+    name = "deltanet"
+    role = "mixer"
+    phases = ("linear",)
+    stream_phase = "linear"
+    skip_tag = "skipped mixer"
+
+    def matrices(self, M: int) -> list:
+        return gated_deltanet_matrices(self.config)
+
+    def buffers(self, batch: int, rows: int, block) -> list:
+        return linear_buffers(self.config, batch, rows)
+
+    def scratch(self, batch: int, rows: int, block) -> dict:
+        return {"linear": linear_scratch(self.config, batch, rows)}
+
+    def prepare(self, params) -> dict:
+        return {n: params[n] for n in self.weights("ring")} | prepare_linear(self.config,
+                                                                             params)
+
+    def fetch(self, k: Step) -> dict:
+        row, on = k.row(self), k.on(self)
+
+        def at_row(name):
+            return lambda step: (k.inputs[name].at[row(step)], None if on is None else on(step))
+        return {name: at_row(name) for name in self.weights("ring")}
+
+    def hbm(self, k: Step) -> dict:
+        """The HBM refs `linear_mixer` reads by name: its DMA'd weights, the states in and
+        the states after each row out."""
+        return ({n: k.inputs[n] for n in self.weights("dma") + STATE_INPUTS}
+                | {n: k.outputs[n] for n in STATE_OUTPUTS})
+
+    def start(self, k: Step) -> None:  # the first linear layer's loads; each primes the next
+        prime_linear(self.config, k.linear, self.hbm(k))
+
+    def run(self, k: Step, phase: str) -> None:
+        linear_mixer(k.ring, self.config, k.linear, self.hbm(k), step=k.step,
+                     row=k.row(self)(k.step), x=k.x, attn_norm=k.norms[0], h_vmem=k.s.h,
+                     out_vmem=k.s.attn_out, batch=k.batch, rows=k.rows)
+
+    def finish(self, k: Step) -> None:
+        drain_linear(k.linear, self.hbm(k))
+
+    def twin(self, sim) -> LinearTwin:
+        return LinearTwin(self, sim)
+
+
+class KDA(DeltaNet):
+    """Kimi Delta Attention: the gated DeltaNet's kernel with config.channel_decay (its
+    low-rank forget and output gates DMA'd, no lin_z segment)."""
+
+    name = "kda"
+
+    def twin(self, sim) -> KDATwin:
+        return KDATwin(self, sim)
+
+
+class LinearTwin(Twin):
+    """A linear layer on the simulator (`linear_mixer`, step by step)."""
+
+    def __init__(self, kind: DeltaNet, sim):
+        super().__init__(kind, sim)
+        self.states_landed: dict[int, float] = {}  # the states' stream: item -> landed
+        self.states_sent: list[float] = []  # when each item's row states land in HBM
+        self.conv_sent = 0.0  # when the last linear layer's conv rows land in HBM
+        self.loads = (0.0, 0.0)  # the next linear layer's small weights, conv state landed
+
+    def start(self) -> None:  # `prime_linear`
+        self.layer_loads(0, "step start")
+        self.state_load(0, "step start")
+
+    def finish(self) -> None:  # `drain_linear`: the last conv rows and row states
+        self.sim.mc.wait(max([self.conv_sent] + self.states_sent[-2:]))
+
+    def layer_loads(self, row, tag=""):
+        """`mk.kernels.deltanet.start_layer_loads`: linear row `row`'s DMA'd weights and
+        conv state (issued by the linear layer before it, the first at the step's start)."""
+        sim, c = self.sim, self.kind.config
+        item, layer = c.weight_bits / 8, self.kind.layers[row]
+        shapes = linear_layer_shapes(c)
+        small = max(sim.mc.dma(math.prod(shapes[what]) * item, layer, what, tag)
+                    for what in self.kind.weights("dma"))
+        conv = sim.mc.dma(sim.batch * (c.conv_kernel - 1) * c.conv_channels * item, layer,
+                          "conv_load", tag, weight=False)
+        self.loads = (small, conv)
+
+    def state_load(self, n, tag=""):
+        """Item n = row * B + b of the recurrent states' stream (`StateCopies`)."""
+        c = self.kind.config
+        self.states_landed[n] = self.sim.mc.dma(
+            c.linear_value_heads * c.linear_key_dim * c.linear_value_dim * 4,
+            self.kind.layers[n // self.sim.batch], "state_load", tag, weight=False)
+
+    def run(self, phase: str) -> None:
+        """`linear_mixer`: its weights, conv state and first state were issued by the
+        linear layer before; it issues the next one's; lin_qkv and lin_z; the gates; the
+        conv (its row states sent once the row before's have landed); per sequence the
+        delta rule (the next item's state issued, item n - 2's row states waited for, this
+        one's sent); the gated norm; lin_out."""
+        sim, c = self.sim, self.kind.config
+        B, T, M, layer, layers = sim.batch, sim.rows, sim.m, sim.layer, self.kind.layers
+        C, W, Vw, Nv = c.conv_channels, c.conv_kernel, c.linear_value_width, \
+            c.linear_value_heads
+        Hk, Hv, item = c.linear_key_dim, c.linear_value_dim, c.weight_bits / 8
+        row = layers.index(layer)
+        small, conv = self.loads
+        if row + 1 < len(layers):
+            self.layer_loads(row + 1)
+        sim.vector(4 * M * c.hidden, "norm")
+        sim.matmul("lin_qkv")
+        sim.mc.compute(sim.mxu_s(M, self.gates(small)), layer, "gates")
+        sim.mc.wait(max(conv, self.conv_sent))
+        sim.vector(2 * W * M * C, "conv")
+        self.conv_sent = sim.mc.dma(B * T * (W - 1) * C * item, layer, "conv_rows",
+                                    weight=False)
+        sim.vector(6 * M * C, "l2norm")
+        rows = block_rows(1, T)
+        for b in range(B):
+            n = row * B + b
+            sim.mc.wait(self.states_landed.pop(n))
+            if n + 1 < len(layers) * B:
+                self.state_load(n + 1)
+            if n >= 2:
+                sim.mc.wait(self.states_sent[n - 2])
+            sim.mc.compute(T * Nv * (3 * sim.mxu_s(rows, Hk * Hv) + 4 * Hk * Hv / sim.vpu),
+                           layer, "delta_rule")
+            self.states_sent.append(sim.mc.dma(T * Nv * Hk * Hv * 4, layer, "state_rows",
+                                               weight=False))
+        sim.vector(8 * M * Vw, "gated_norm")
+        sim.matmul("lin_out")
+
+    def gates(self, small) -> int:
+        """The gated DeltaNet: lin_z through the ring, then b and a (waited for); returns
+        the gates' weight elements."""
+        self.sim.matmul("lin_z")
+        self.sim.mc.wait(small)
+        c = self.kind.config
+        return 2 * c.hidden * c.linear_value_heads
+
+
+class KDATwin(LinearTwin):
+    def gates(self, small) -> int:
+        """KDA: b, then the low-rank forget and output gates (waited for)."""
+        self.sim.mc.wait(small)
+        c = self.kind.config
+        D, Nv, Hk, Hv = c.hidden, c.linear_value_heads, c.linear_key_dim, c.linear_value_dim
+        return D * Nv + D * Hk + Hk * Nv * Hk + D * Hv + Hv * Nv * Hv

@@ -1,0 +1,223 @@
+"""The MLP layer kinds: the dense SwiGLU (`Dense`) and the mixture of experts (`MoE`:
+Qwen3-MoE's softmax router, or DeepSeek/Kimi's sigmoid router with its bias, and Kimi's
+shared expert), each with its simulator twin.
+
+A MoE layer DMAs its router (and the sigmoid router's bias) whole: at the layer's start,
+or at tp > 1 behind the token mixer's tiles (`router_after_mixer`), and waits for it just
+before routing; its shared expert streams through the ring before routing, its expert
+slots after (`mk.kernels.mlp.moe_body`). Not here: the kernels' bodies
+(`mk.kernels.mlp`), the loop over kinds (`mk.kernels.one_layer.layer_body`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
+
+from mk.config import DTYPE_BITS
+from mk.kernels.common import Buffer, start_dma
+from mk.kernels.mlp import (DENSE_WEIGHTS, EXPERT_WEIGHTS, MOE_SMALL_LOADS, SHARED_WEIGHTS,
+                            Routing, expert_slots, moe_body, moe_fetch, moe_segments,
+                            small_sem, swiglu_body, swiglu_fetch, swiglu_segments)
+from mk.kinds.base import Kind, Step, Twin
+from mk.weights import param_shapes
+
+
+def router_after_mixer(tp: int) -> bool:
+    """Where an MoE layer's router DMA is issued (the kernel's rule, the simulator's too):
+    at tp > 1 in "after_mixer", behind all of the token mixer's tiles (a router issued
+    first would delay them), loading during the mixer's all-reduce; at tp = 1, with no
+    all-reduce to hide it, at the layer's start, behind the ring's look-ahead, loading
+    during attention."""
+    return tp > 1
+
+
+class Dense(Kind):
+    """The dense SwiGLU MLP."""
+
+    name = "dense"
+    role = "mlp"
+    phases = ("mlp",)
+    stream_phase = "mlp"
+    skip_tag = "layer boundary"
+
+    def matrices(self, M: int) -> list:
+        return swiglu_segments(self.config.hidden, self.config.ffn)
+
+    def buffers(self, batch: int, rows: int, block) -> list:
+        M, F = batch * rows, self.config.ffn
+        return [Buffer("gate", (M, F), "float32"), Buffer("up", (M, F), "float32")]
+
+    def fetch(self, k: Step) -> dict:
+        return swiglu_fetch(*(k.inputs[n] for n in DENSE_WEIGHTS), k.row(self), k.on(self))
+
+    def run(self, k: Step, phase: str) -> None:
+        swiglu_body(k.ring, k.step, k.s.h, k.s.gate, k.s.up, k.s.mlp_out)
+
+    def twin(self, sim) -> DenseTwin:
+        return DenseTwin(self, sim)
+
+
+class MoE(Kind):
+    """The mixture of experts: router, expert slots, an optional shared expert."""
+
+    name = "moe"
+    role = "mlp"
+    phases = ("after_mixer", "before_mlp", "mlp")
+    stream_phase = "mlp"
+
+    def slots(self, M: int) -> int:
+        c = self.config
+        return expert_slots(c.experts, c.experts_per_token, M)
+
+    def matrices(self, M: int) -> list:
+        c = self.config
+        return moe_segments(c.hidden, c.expert_ffn, self.slots(M), c.shared_expert_ffn)
+
+    def buffers(self, batch: int, rows: int, block) -> list:
+        c, M, f32 = self.config, batch * rows, "float32"
+        E, Fe, D = c.experts, c.expert_ffn, c.hidden
+        buffers = [Buffer("router", (D, E), c.dtype), Buffer("combine", (M, E), f32),
+                   Buffer("selected", (1, E), "int32"), Buffer("e_gate", (M, Fe), f32),
+                   Buffer("e_up", (M, Fe), f32), Buffer("down", (M, D), f32)]
+        if "router_bias" in self.weights():
+            buffers.append(Buffer("router_bias", (1, E), c.dtype))
+        if c.shared_expert_ffn:
+            Fs = c.shared_expert_ffn
+            buffers += [Buffer("shared_gate", (M, Fs), f32), Buffer("shared_up", (M, Fs), f32)]
+        return buffers
+
+    def scratch(self, batch: int, rows: int, block) -> dict:
+        return {"layer": dict(
+            small_sems=pltpu.SemaphoreType.DMA((len(MOE_SMALL_LOADS),)),
+            selected_smem=pltpu.SMEM((1, self.config.experts), jnp.int32),
+            ids_smem=pltpu.SMEM((self.slots(batch * rows),), jnp.int32),
+            count_smem=pltpu.SMEM((1,), jnp.int32))}
+
+    def prepare(self, params) -> dict:
+        weights = super().prepare(params)
+        if "router_bias" in weights:  # [Lm, 1, E]: one DMA into the [1, E] buffer
+            weights["router_bias"] = weights["router_bias"][:, None]
+        return weights
+
+    def fetch(self, k: Step) -> dict:
+        row, s = k.row(self), k.s
+        fetch = moe_fetch(*(k.inputs[n] for n in EXPERT_WEIGHTS), row, s.ids_smem,
+                          s.count_smem)
+        if self.config.shared_expert_ffn:
+            fetch |= swiglu_fetch(*(k.inputs[n] for n in SHARED_WEIGHTS), row, k.on(self),
+                                  names=SHARED_WEIGHTS)
+        return fetch
+
+    def setup(self, k: Step) -> None:
+        k.s.count_smem[0] = 0  # expert tiles issued before routing are no-ops
+
+    def routers(self, k: Step) -> list:
+        """The router's (and the sigmoid router's bias's) DMA of this layer, by name."""
+        row = k.row(self)(k.step)
+        return [(pltpu.make_async_copy(k.inputs[n].at[row], getattr(k.s, n),
+                                       k.s.small_sems.at[small_sem(n)]), getattr(k.s, n), n)
+                for n in self.weights("dma")]
+
+    def start_routers(self, k: Step) -> None:
+        for copy, ref, name in self.routers(k):
+            start_dma(copy, name, ref.size * ref.dtype.itemsize)
+
+    def begin(self, k: Step) -> None:
+        if not router_after_mixer(k.tp):
+            self.start_routers(k)
+
+    def run(self, k: Step, phase: str) -> None:
+        if phase == "after_mixer" and router_after_mixer(k.tp):
+            self.start_routers(k)
+        elif phase == "before_mlp":
+            for copy, _, _ in self.routers(k):
+                copy.wait()
+        elif phase == "mlp":
+            s, c = k.s, self.config
+            s.mlp_out[...] = jnp.zeros_like(s.mlp_out)
+            moe_body(k.ring, k.step, s.h, s.router, s.combine, s.selected, s.selected_smem,
+                     s.small_sems.at[small_sem("selected")], s.ids_smem, s.count_smem,
+                     s.e_gate, s.e_up, s.down, s.mlp_out, routing=Routing.of(c),
+                     bias_vmem=getattr(s, "router_bias", None),
+                     shared=(s.shared_gate, s.shared_up) if c.shared_expert_ffn else None)
+
+    def twin(self, sim) -> MoETwin:
+        return MoETwin(self, sim)
+
+
+def swiglu(sim, names, width: int) -> None:
+    """`swiglu_body` on the simulator: the segments `names` (gate, up, down) of width
+    `width` through the ring, the activation between."""
+    gate, up, down = names
+    sim.matmul(gate)
+    sim.matmul(up)
+    sim.vector(6 * sim.m * width, "swiglu")
+    sim.matmul(down)
+
+
+class DenseTwin(Twin):
+    def run(self, phase: str) -> None:
+        swiglu(self.sim, DENSE_WEIGHTS, self.kind.config.ffn)
+
+
+class MoETwin(Twin):
+    """A MoE layer on the simulator: its router's DMA, routing, the active expert slots
+    (`sim.experts_on` of them) and the off ones skipped."""
+
+    def __init__(self, kind: MoE, sim):
+        super().__init__(kind, sim)
+        self.count = 0  # count_smem[0]: active expert slots, 0 outside routing
+        self.router = 0.0  # when this layer's router lands
+
+    def active(self, layer: int, segment: str, copy: int) -> bool:
+        if segment in EXPERT_WEIGHTS:
+            return copy < self.count
+        return super().active(layer, segment, copy)
+
+    def start_router(self):
+        sim = self.sim
+        shapes = param_shapes(self.kind.config)
+        self.router = max(sim.mc.dma(math.prod(shapes[n][0][1:]) * DTYPE_BITS[shapes[n][1]]
+                                     / 8, sim.layer, n) for n in self.kind.weights("dma"))
+
+    def begin(self) -> None:
+        if not router_after_mixer(self.sim.tp):
+            self.start_router()
+
+    def run(self, phase: str) -> None:
+        if phase == "after_mixer" and router_after_mixer(self.sim.tp):
+            self.start_router()
+        elif phase == "before_mlp":
+            self.sim.mc.wait(self.router)
+        elif phase == "mlp":
+            self.experts()
+
+    def experts(self):
+        """`mk.kernels.mlp.moe_body`: the shared expert (Kimi) through the ring, routing,
+        the selected flags to SMEM, the expert slots, the off slots skipped."""
+        sim, c = self.sim, self.kind.config
+        M = sim.m
+        if c.shared_expert_ffn:
+            swiglu(sim, SHARED_WEIGHTS, c.shared_expert_ffn)
+        E, X, Fe = c.experts, c.experts_per_token, c.expert_ffn
+        sim.mc.compute(sim.mxu_s(M, c.hidden * E), sim.layer, "router")
+        sim.vector(M * E * (6 + 4 * X), "router")
+        sim.mc.wait(sim.mc.dma(4 * E, sim.layer, "selected", weight=False))  # flags to SMEM
+        sim.mc.compute(E * sim.a.scalar_op_s, sim.layer, "router")
+        self.count = sim.experts_on
+        gate = sim.s.segment("we_gate")
+        base = sim.s.base(sim.layer, gate)
+        for t in range(min(sim.n, gate.copies * gate.stride)):
+            sim.start(base + t, "routing")
+        first, end = sim.region("we_gate", "we_down")
+        for copy in range(self.count):
+            sim.matmul("we_gate", copy=copy)
+            sim.matmul("we_up", copy=copy)
+            sim.vector(6 * M * Fe, "swiglu")
+            sim.matmul("we_down", copy=copy)
+            sim.vector(3 * M * c.hidden + M * E, "combine")
+        sim.skip(first + self.count * gate.stride, end, "layer boundary")
+        self.count = 0
