@@ -25,7 +25,6 @@ from mk.kernels.common import BlockSizes, Cut, dma_log
 from mk.kernels.plan import (DTYPE_FAMILY, RING_COVER_S, WEIGHT_FAMILIES,
                              DecodePlan, capacity, default_block, family_of, little_slots,
                              shard_config)
-from mk.weights import abstract_params
 from multidevice import run
 
 POSITION = 37  # the one sequence's cached positions before its new row
