@@ -44,7 +44,10 @@ def show(fig: go.Figure) -> None:
     if "google.colab" in sys.modules:
         fig.show(renderer="colab")
         return
-    html = pio.to_html(fig, include_plotlyjs=False, full_html=False,
+    # auto_play=False as in plotly's own renderers (Colab's too): to_html would start the
+    # frames playing on load, and a slider click in that second interrupts the play, whose
+    # unhandled promise rejection is a JavaScript error ("undefined") on the page.
+    html = pio.to_html(fig, include_plotlyjs=False, full_html=False, auto_play=False,
                        default_width="100%", default_height=500)
     if not _state["plotlyjs_embedded"]:
         html = f'<script type="text/javascript">{get_plotlyjs()}</script>\n{html}'
@@ -300,7 +303,7 @@ def ring_gantt(schedules: Mapping[str, list], *, title: str) -> go.Figure:
         sliders=[dict(active=0, x=0.1, len=0.9, y=-0.15, steps=[dict(
             label=k, method="animate",
             args=[[k], dict(mode="immediate", frame=dict(duration=0, redraw=True),
-                            transition=dict(duration=0))])  # no 500 ms tween to interrupt
+                            transition=dict(duration=0))])  # a step jumps, no tween
             for k in labels])])
     return fig
 

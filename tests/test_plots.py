@@ -89,6 +89,20 @@ def test_ring_gantt_has_units_few_legend_entries_and_family_colours():
     assert [s.label for s in fig.layout.sliders[0].steps] == ["1 slots", "2 slots", "6 slots"]
 
 
+def test_show_adds_a_figures_frames_without_playing_them_on_load(monkeypatch):
+    """plotly's to_html plays the frames on load unless told not to; a slider click during
+    that play rejects its promise, an uncaught JavaScript error ("undefined") on the page."""
+    stream = TileStream.build(BlockSizes(slots=1, tile_rows=128, tile_cols=128),
+                              [("wq", 256, 256)])
+    shown = []
+    monkeypatch.setattr(plots, "display", lambda bundle, raw: shown.append(bundle))
+    plots.show(plots.ring_gantt(_schedules(stream), title="t"))
+    html = shown[0]["text/html"]
+    assert "Plotly.addFrames(" in html and "Plotly.animate(" not in html
+    assert [f["name"] for f in shown[0]["application/vnd.plotly.v1+json"]["frames"]] == [
+        "1 slots", "2 slots", "6 slots"]
+
+
 def test_tile_stream_colours_each_family_once_in_every_figure():
     block = BlockSizes(slots=3, tile_rows=128, tile_cols=128)
     moe = TileStream.build(block, [("wq", 256, 256), Repeat(4, (("we_gate", 256, 128),

@@ -281,6 +281,39 @@ def test_browser_check_reports_broken_pages(tmp_path):
     assert "request leaves the site: http://example.invalid/x.png" in problems
 
 
+def test_an_animated_figures_slider_steps_and_playing_on_load_is_caught(tmp_path,
+                                                                         monkeypatch):
+    """A figure with frames (the ring Gantt) drawn by `mk.plots.show`: its slider steps
+    without error. Planted: the same figure from plotly's to_html as is, which plays the
+    frames on load (slowed here so the click surely lands in the play); the click
+    interrupts the play, whose rejected promise is an uncaught error "undefined"."""
+    import plotly.io as pio
+
+    from mk import plots, teach
+    from mk.kernels.ring import BlockSizes, TileStream
+
+    stream = TileStream.build(BlockSizes(slots=1, tile_rows=128, tile_cols=128),
+                              [("wq", 256, 256), ("wo", 256, 256)])
+    fig = plots.ring_gantt({f"{n} slots": teach.ring_schedule(
+        stream, slots=n, latency_s=0.5e-6, dma_s=0.05e-6, compute_s=0.02e-6)
+        for n in (1, 2, 3)}, title="ring")
+    shown = []
+    monkeypatch.setattr(plots, "display", lambda bundle, raw: shown.append(bundle))
+    monkeypatch.setitem(plots._state, "plotlyjs_embedded", True)  # loaded once, below
+    plots.show(fig)
+    playing = pio.to_html(fig, include_plotlyjs=False, full_html=False,
+                          animation_opts={"frame": {"duration": 20_000}})
+    (tmp_path / "index.html").write_text(
+        '<title>i</title><a href="shown.html">a</a> <a href="playing.html">b</a>')
+    for name, html in (("shown", shown[0]["text/html"]), ("playing", playing)):
+        (tmp_path / f"{name}.html").write_text(
+            f"<!doctype html><html><head><title>{name}</title></head><body>"
+            f"<script>{get_plotlyjs()}</script>{html}</body></html>")
+    report = check_site.check_site(tmp_path, chromium=_chromium())
+    assert report.figures == 2 and report.sliders_stepped == 2, str(report)
+    assert report.problems == ["playing.html: JavaScript error: undefined"], str(report)
+
+
 def test_a_site_copied_elsewhere_still_works_offline(site, tmp_path):
     """A run's `site/` alone, served from another folder: every page loads, its math is
     typeset by the MathJax copied into it, nothing is requested from outside."""
