@@ -44,6 +44,7 @@ import mk
 from mk import backend, megakernel, reference, sim
 from mk.kernels.common import dma_log
 from mk.kernels.plan import DecodePlan, family_of
+from builders import replay_tile_by_tile
 
 pytestmark = pytest.mark.xdist_group("dma_order")  # one worker runs each kernel once
 
@@ -79,12 +80,7 @@ def simulated_dmas(name: str, monkeypatch) -> list:
     issue order, tile by tile, normalised as the module docstring says."""
     issued = []
     monkeypatch.setattr(sim._Machine, "issued", issued)
-    run = sim._Kernel.run
-
-    def one_by_one(self):  # the fast-forward records no transfer (`_Machine.shift`)
-        self.fast = False
-        run(self)
-    monkeypatch.setattr(sim._Kernel, "run", one_by_one)
+    replay_tile_by_tile(monkeypatch)  # the fast-forward records no transfer
     plan = _plan(name)
     config = plan.config
     sim.simulate(config, "v5e", batch=BATCH, rows=1, context=POSITION, block=plan.block,
