@@ -109,7 +109,8 @@ def family_totals(dmas: list) -> dict:
     return out
 
 
-# CPU seconds (kernel step and replay): ~6, 14, 13, 14; the planted bugs reuse the logs
+# Seconds (kernel step and replay) on the shared 2 cores: 6-12, 14-19, 13-18, 14-24; the
+# planted bugs reuse the logs
 @pytest.mark.parametrize("name", FAMILIES)
 def test_the_kernel_issues_its_dmas_in_the_simulators_order(name, monkeypatch):
     kernel = kernel_dmas(name)
