@@ -96,7 +96,7 @@ from mk.config import ModelConfig, positive_int
 from mk.kernels.collectives import (AXIS, COLLECTIVE_IDS, CollectiveScratch, all_reduce_body,
                                     argmax_body, barrier)
 from mk.kernels.common import (BlockSizes, aliases, default_kv_tile, memory_specs,
-                               start_dma)
+                               sequenced, start_dma)
 from mk.kernels.decode_attention import AttentionScratch
 from mk.kernels.deltanet import STATE_INPUTS, STATE_OUTPUTS
 from mk.kernels.one_layer import layer_body
@@ -365,7 +365,7 @@ def traced_step(plan: DecodePlan, weights, cache, tokens, positions, taps: bool 
     elements = sum(math.prod(w.shape) for w in streamed)  # a QuantWeight's logical shape
     specs = memory_specs(INPUT_SPACES | {n: pl.ANY for n in weight_names})
     out = pl.pallas_call(
-        functools.partial(megakernel_kernel, plan=plan, taps=taps),
+        sequenced(functools.partial(megakernel_kernel, plan=plan, taps=taps)),
         out_shape=outputs,
         in_specs=({n: jax.tree.map(lambda _, n=n: specs[n], inputs[n]) for n in inputs},),
         out_specs=memory_specs({n: OUTPUT_SPACES[n] for n in outputs}),

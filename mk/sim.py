@@ -220,9 +220,14 @@ class _Machine:
         if self.recent and self.recent[0][1] <= first:
             self.recent = [r for r in self.recent if r[1] > first]
 
+    issued: list | None = None  # a list (a test's): (what, bytes) of every `dma`, in
+    #                              issue order; `shift` records none (fast-forward off)
+
     def dma(self, nbytes: float, layer: int, what: str, tag: str = "",
             weight: bool = True) -> float:
         """Issue a transfer now; returns when it has landed."""
+        if self.issued is not None:
+            self.issued.append((what, nbytes))
         start = max(self.now + self.latency, self.dma_free)
         if start > self.dma_free:
             if tag in _WHOLE_GAP:

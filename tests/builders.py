@@ -2,7 +2,8 @@
 `bar_count` reads what a text progress bar drew; `tiny_moe_in_ci` picks the preset CI runs;
 `quantised_cases` and `plant_double_scale`
 for the tests of kernels on quantised weights; `assert_verify_steps` feeds a perfect draft
-to the megakernel, T rows per step.
+to the megakernel, T rows per step; `replay_tile_by_tile` switches the simulator's
+fast-forward off.
 
 The HF names below are spelled out by hand, independently of `mk.checkpoint.hf_layout`, so
 a round trip through them tests the loader's mapping rather than repeating it.
@@ -21,7 +22,7 @@ import pytest
 from safetensors.numpy import save_file
 
 import mk
-from mk import quant
+from mk import quant, sim
 from mk.config import ModelConfig
 
 
@@ -308,3 +309,13 @@ def plant_double_scale(q: quant.QuantWeight, at: tuple[int, ...] | None = None
     at = (0,) * scale.ndim if at is None else at
     scale[at] = scale[at] + 1 if q.scheme == "fp4" else scale[at] * 2  # e8m0: +1
     return dataclasses.replace(q, scale=jnp.asarray(scale))
+
+
+def replay_tile_by_tile(monkeypatch) -> None:
+    """Switch the simulator's fast-forward off: every tile is replayed one by one."""
+    run = sim._Kernel.run
+
+    def one_by_one(self):
+        self.fast = False
+        run(self)
+    monkeypatch.setattr(sim._Kernel, "run", one_by_one)

@@ -18,18 +18,9 @@ from mk.kernels.common import BlockSizes
 from mk.kernels.plan import DecodePlan, shard_config
 from mk.kernels.ring import TileStream
 from mk.weights import param_shapes
+from builders import replay_tile_by_tile
 
 NO_LATENCY = sim.Assumptions(dma_latency_s=0.0)
-
-
-def _slow(monkeypatch):
-    """Switch the fast-forward off: every tile is replayed one by one."""
-    run = sim._Kernel.run
-
-    def one_by_one(self):
-        self.fast = False
-        run(self)
-    monkeypatch.setattr(sim._Kernel, "run", one_by_one)
 
 
 # -- Bytes ----------------------------------------------------------------------------------
@@ -170,7 +161,7 @@ def test_moe_layers_wait_for_routing_before_their_experts_load():
 def test_fast_forward_is_the_exact_replay(name, kwargs, monkeypatch):
     config = mk.preset(name).first_layers(3)
     fast = sim.simulate(config, "tpu7x", **kwargs)
-    _slow(monkeypatch)
+    replay_tile_by_tile(monkeypatch)
     slow = sim.simulate(config, "tpu7x", **kwargs)
     assert fast.step_s == pytest.approx(slow.step_s, rel=1e-12)
     assert fast.dma_bytes == slow.dma_bytes and len(fast.events) == len(slow.events)

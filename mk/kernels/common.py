@@ -7,9 +7,11 @@ stored as it is, or transposed when only its transpose is a whole number of tile
 `vmem_budget`, the list of every VMEM buffer of one kernel configuration with its padded
 size, checked against the chip's VMEM per core before anything is compiled.
 
-`dma_log` / `start_dma`: every HBM DMA a kernel starts, recorded with its name and bytes
-while a `dma_log()` is open (interpret mode: a host callback runs where the DMA starts, so
-a DMA under a false `pl.when` is not recorded); the byte-count test reads it.
+`dma_log` / `start_dma` / `sequenced`: every HBM DMA a kernel starts, recorded with its
+name and bytes while a `dma_log()` is open (interpret mode: a host callback runs where the
+DMA starts, so a DMA under a false `pl.when` is not recorded); the byte-count test reads
+it. Interpret mode runs a kernel's host callbacks in no fixed order; a kernel body wrapped
+in `sequenced` (the megakernel) records in issue order (the DMA order test reads that).
 
 Not here: the ring itself (`mk.kernels.ring`), compiling (`mk.tpu`). Block sizes change
 speed, never numerics.
@@ -19,10 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -280,6 +285,7 @@ def memory_specs(spaces: dict) -> dict:
 
 
 _DMA_LOG: list | None = None  # (what, bytes) of every DMA started while a dma_log is open
+_DMA_SEQ = None  # the DMA counter (SMEM [1] int32) of the `sequenced` kernel being traced
 
 
 @contextlib.contextmanager
@@ -287,7 +293,11 @@ def dma_log(*jitted):
     """Record (what, bytes) of every DMA `start_dma` starts while open; yields the list.
     The recording is part of a kernel's trace: the jit caches of `jitted` (the functions
     whose traces hold the kernels, e.g. `mk.megakernel.traced_step`) are cleared on entry
-    and on exit, so they are traced with the recording and never reused without it."""
+    and on exit, so they are traced with the recording and never reused without it.
+
+    Order: a `sequenced` kernel's records are in the order it issues its DMAs (per device;
+    one call after another); any other kernel's are in the order interpret mode happened to
+    run their host callbacks (right for totals, not for order)."""
     global _DMA_LOG
     for fn in jitted:
         fn.clear_cache()
@@ -300,9 +310,45 @@ def dma_log(*jitted):
             fn.clear_cache()
 
 
+def sequenced(kernel):
+    """A pallas_call body `kernel` as it is, unless a `dma_log` is open when it is built:
+    then with a DMA counter around it (an SMEM scalar, `pl.run_scoped`) that chains its
+    `start_dma` records in issue order. Interpret mode orders a kernel's memory operations
+    (an SMEM read or write is an ordered host callback) but not its other host callbacks:
+    each record reads the counter, is the callback that returns the counter plus one, and
+    that value is written back, so the next record's read waits for it. A kernel built
+    without a log open has no counter: nothing in the compiled kernel."""
+    if _DMA_LOG is None:
+        return kernel
+
+    @functools.wraps(kernel)
+    def counted(*args, **kwargs):
+        def body(seq_smem):
+            global _DMA_SEQ
+            seq_smem[0] = jnp.int32(0)
+            _DMA_SEQ = seq_smem
+            try:
+                kernel(*args, **kwargs)
+            finally:
+                _DMA_SEQ = None
+        pl.run_scoped(body, pltpu.SMEM((1,), jnp.int32))
+    return counted
+
+
 def start_dma(copy, what: str, nbytes: int) -> None:
-    """copy.start(), recorded as (what, nbytes) while a `dma_log` is open."""
+    """copy.start(), recorded as (what, nbytes) while a `dma_log` is open (in issue order
+    inside a `sequenced` kernel)."""
     copy.start()
-    if _DMA_LOG is not None:
-        log = _DMA_LOG
+    if _DMA_LOG is None:
+        return
+    log = _DMA_LOG
+    if _DMA_SEQ is None:
         jax.debug.callback(lambda: log.append((what, nbytes)))
+        return
+
+    def record(n):
+        log.append((what, nbytes))
+        return n + 1
+
+    seq = _DMA_SEQ
+    seq[0] = io_callback(record, jax.ShapeDtypeStruct((), jnp.int32), seq[0])
