@@ -548,12 +548,12 @@ print(f"no speculation (T=1): {1 / one.step_s:,.0f} tokens/s per user simulated;
 #
 # Each published run against the models of `mk.ledger`, under the assumptions it names
 # once for notebooks 00, 09 and 11 (batch 1 where unstated, T = 8 verification rows,
-# context 0, every device in the tensor-parallel group): the modelled step, the simulated
-# step for TPU rows (the default ring, and one sized by Little's law), the conventional
-# step for GPU rows. The note says what the modelled run does not share with the published
-# one. The "compiled-kernel step" is the simulated step of the run's own compiled shard: the ring it
-# was compiled with and the per-tile issue time libtpu's bundles give it (the recorded
-# `--published` rows above), against the HBM floor.
+# each row's own context, every device in the tensor-parallel group): the modelled step,
+# the simulated step for TPU rows (the default ring, and one sized by Little's law), the
+# conventional step for GPU rows. The note says what the modelled run does not share with
+# the published one. The "compiled-kernel step" is the simulated step of the run's own
+# compiled shard: the ring it was compiled with and the per-tile issue time libtpu's
+# bundles give it (the recorded `--published` rows above), against the HBM floor.
 
 # %% tags=["hide-input"]
 display(ledger.glossary("published", "HBM floor", "modelled step", "simulated step",

@@ -45,7 +45,8 @@ def test_modelled_step_streams_hbm_beside_the_mxu_and_collectives_and_errors_agr
 def test_speculative_rows_verify_the_published_rows_on_every_core(rows):
     kimi = next(r for r in rows if r["system"] == "tpu7x" and r["tau"] == 6)
     assert (kimi["rows"], kimi["batch"]) == (ledger.VERIFY_ROWS, 1)
-    want = perf.predict(mk.preset("kimi-k3"), "tpu7x", batch=1, rows=8, context=0,
+    assert kimi["context"] == 1152  # the release's benchmark scripts (published.csv)
+    want = perf.predict(mk.preset("kimi-k3"), "tpu7x", batch=1, rows=8, context=1152,
                         tp=32, accepted=6)
     assert kimi["hbm_floor_ms"] == pytest.approx(want.hbm_floor_ms)
     assert kimi["preset"] == "kimi-k3" and "23 MLA layers" in kimi["note"]
@@ -56,7 +57,8 @@ def test_the_27b_row_is_the_hybrid_at_tp8_with_its_state_bytes_share(rows):
     """The release's "Qwen3.8-27B" is modelled as qwen3.5-27b (48 gated-DeltaNet layers): its
     row states the linear states' share of the step's bytes, which the floor counts."""
     qwen = next(r for r in rows if r["system"] == "tpu7x" and r["preset"] == "qwen3.5-27b")
-    e = perf.predict(mk.preset("qwen3.5-27b"), "tpu7x", batch=1, rows=8, context=0, tp=8,
+    assert qwen["context"] == 2048  # the release's benchmark scripts (published.csv)
+    e = perf.predict(mk.preset("qwen3.5-27b"), "tpu7x", batch=1, rows=8, context=2048, tp=8,
                      accepted=6)
     assert e.state_read_bytes > 0 and e.state_write_bytes == 8 * e.state_read_bytes
     assert qwen["state_share"] == pytest.approx(e.state_bytes / e.total_bytes)
@@ -65,6 +67,25 @@ def test_the_27b_row_is_the_hybrid_at_tp8_with_its_state_bytes_share(rows):
     assert qwen["published"] == 1515 and "gated-DeltaNet" in qwen["note"]
     kimi = [r for r in rows if r["preset"] == "kimi-k3" and "state_share" in r]
     assert kimi and all(0 < r["state_share"] < qwen["state_share"] for r in kimi)
+
+
+def test_each_row_is_modelled_at_its_own_context_and_an_unstated_one_is_noted(monkeypatch,
+                                                                               qwen27b_row):
+    """The ledger reads the context from the row (not a constant): the 27B run at its
+    2048 positions moves more KV bytes than the same row with context 0, and a row that
+    states no context is modelled at 0 with a note saying so."""
+    monkeypatch.setattr(ledger.perf, "published", lambda: (qwen27b_row,))
+    stated, = ledger.entries()
+    monkeypatch.setattr(ledger.perf, "published",
+                        lambda: (dataclasses.replace(qwen27b_row, context=0),))
+    zero, = ledger.entries()
+    monkeypatch.setattr(ledger.perf, "published",
+                        lambda: (dataclasses.replace(qwen27b_row, context=None),))
+    unstated, = ledger.entries()
+    assert (stated["context"], zero["context"], unstated["context"]) == (2048, 0, 0)
+    assert stated["hbm_floor_ms"] > zero["hbm_floor_ms"] == unstated["hbm_floor_ms"]
+    assert "context not published: S=0 assumed" in unstated["note"]
+    assert "context not published" not in stated["note"] + zero["note"]
 
 
 def test_a_row_whose_tp_is_not_every_core_is_refused(monkeypatch):
@@ -114,9 +135,10 @@ def test_a_recorded_per_tile_cost_gives_the_compiled_kernels_simulated_step(monk
                 slots=24, latency_us=1.0, tile_ns=600.0, dma_ns=355.0)
     r, = ledger.entries(simulate_tpu=True, tile_costs=[cost])
     want = mk.sim.simulate(
-        run.config, run.spec, batch=batch, rows=rows, context=0, tp=tp,
+        run.config, run.spec, batch=batch, rows=rows, context=run.context, tp=tp,
         block=dataclasses.replace(DecodePlan.make(run.config, batch=batch, rows=rows,
-                                                    tp=tp, position=0).block, slots=24),
+                                                    tp=tp, position=run.context).block,
+                                  slots=24),
         assumptions=mk.sim.Assumptions(dma_latency_s=1e-6, tile_issue_s=600e-9))
     assert r["compiled_ms"] == pytest.approx(want.step_ms)
     assert r["compiled_over_floor"] == pytest.approx(want.step_ms / r["hbm_floor_ms"])
