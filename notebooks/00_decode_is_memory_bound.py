@@ -197,18 +197,22 @@ plots.show(plots.roofline(curves, sweep, title=f"Decode steps on the {run.chip} 
                                                f"(T=1, S up to {table_context})"))
 
 # %% [markdown]
-# ## Published numbers against the floors
+# ## The ledger: the words for numbers, and the published runs against the floors
 #
+# Every step time the course states is one of these, and each word means one thing in
+# every notebook. They are defined here, once (`mk.ledger.TERMS`); notebooks 09 and 11
+# link back to this table instead of restating it:
+
+# %%
+display(ledger.glossary())
+
+# %% [markdown]
 # `data/published.csv` holds the September 2026 release's numbers; `mk.ledger` sets each
 # run on a chip of `data/chips.csv` against its `-like` preset under one set of
 # assumptions, the same in notebooks 09 and 11: $S$ = the row's own context (the cached
 # positions the release's benchmark scripts ran at, the `S` column below), batch 1 where
 # not stated, $T$ = 8 verification rows for a speculative run that keeps its
-# mean acceptance length $\tau$, every device of the run sharing the step. The words, each
-# defined once in `mk.ledger.TERMS`:
-
-# %%
-display(ledger.glossary("published", "HBM floor", "MXU floor"))
+# mean acceptance length $\tau$, every device of the run sharing the step.
 
 # %% [markdown]
 # Each floor is a step time no run can beat, so $\tau / t_\text{floor}$ bounds tokens/s

@@ -34,8 +34,9 @@
 #   scripts)?
 #
 # Kernel runs here are TPU interpret mode on a CPU: their times say nothing about a TPU.
-# Every TPU or GPU time below is a modelled, conventional or simulated step in the words of
-# `mk.ledger.TERMS` (`mk.perf`, `mk.sim`); tau is measured (counted from real drafts).
+# Every TPU or GPU time below is a modelled, conventional or simulated step in the words
+# defined once in [notebook 00's ledger](00_decode_is_memory_bound.ipynb) (its section
+# "The ledger", `mk.ledger.TERMS`); tau is measured (counted from real drafts).
 
 # %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
@@ -267,8 +268,8 @@ plots.show(fig)
 #
 # `data/published.csv` records the published 709 and 1,515 tokens/s as runs with a *mean*
 # acceptance length (6 for both); the release's benchmark scripts force that acceptance
-# (the rows' source, and `mk.ledger`'s note). To study a given tau without a drafter that reaches it,
-# `drafter="forced"` keeps a fixed number of tokens per step losslessly: an oracle that
+# (the rows' source, and `mk.ledger`'s note). To study a given tau without a drafter
+# that reaches it, `drafter="forced"` keeps a fixed number of tokens per step losslessly: an oracle that
 # knows the target's greedy continuation spoils draft number L, so each step keeps exactly
 # L tokens (its own cost is not draft time). A mean tau of L and a forced tau of L give the
 # same tokens per verification step; they differ in the step-to-step spread.
@@ -364,11 +365,10 @@ display(widgets.interactive(
 # scripts, `mk.perf.Published.context`), no draft time. The
 # model of each system: the simulated step for TPU rows (the ring's slots sized by Little's
 # law), the conventional step for the GB200 rows. Nothing is fitted; error = model /
-# published - 1.
+# published - 1. The words (published, HBM floor, modelled, simulated and conventional
+# step) are those of [notebook 00's ledger](00_decode_is_memory_bound.ipynb).
 
 # %%
-display(ledger.glossary("published", "HBM floor", "modelled step", "simulated step",
-                        "conventional step"))
 published = [r for r in ledger.entries(simulate_tpu=True, speculative_only=True)
              if "modelled" in r]
 model_of = {r["run"]: ("simulated step", "simulated") if "simulated" in r

@@ -3,6 +3,10 @@ under one set of assumptions, in one vocabulary."""
 
 import dataclasses
 import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -196,3 +200,70 @@ def test_headline_states_the_kernel_against_the_release():
     assert "Kimi K3 on tpu7x, tau 6" in text and "simulated step" in text
     with pytest.raises(ValueError, match="no simulated row"):
         ledger.headline(ledger.entries(speculative_only=True))
+
+
+# -- One table of the words, in notebook 00; 09 and 11 link to it ------------------------------
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = ROOT / "notebooks"
+LEDGER_PAGE = "00_decode_is_memory_bound"
+NOTEBOOK_LINK = re.compile(r"\]\((\d\d[a-z]?_[a-z0-9_]+)\.ipynb\)")
+
+
+def test_the_words_are_shown_once_in_notebook_00_and_09_and_11_link_to_it():
+    """Notebook 00 shows every term (`glossary()`, no subset) in its section "The ledger";
+    no other notebook re-prints definitions, and 09 and 11 link to 00's page."""
+    shown = {p.stem: p.read_text(encoding="utf-8").count("ledger.glossary(")
+             for p in NOTEBOOKS.glob("[0-9][0-9]*.py")}
+    assert {k: v for k, v in shown.items() if v} == {LEDGER_PAGE: 1}
+    zero = (NOTEBOOKS / f"{LEDGER_PAGE}.py").read_text(encoding="utf-8")
+    assert "display(ledger.glossary())" in zero and "\n# ## The ledger" in zero
+    for stem in ("09_speculative_sweep", "11_design_review"):
+        text = (NOTEBOOKS / f"{stem}.py").read_text(encoding="utf-8")
+        assert LEDGER_PAGE in NOTEBOOK_LINK.findall(text), stem
+
+
+def test_a_notebook_link_names_a_notebook_whose_page_has_its_name():
+    """A link `[..](NN_topic.ipynb)` opens the notebook in Jupyter and, on the site, the
+    page myst makes of it: that page exists under that name only if the notebook's default
+    run is unlabelled (notebooks/runs.yaml), so a label added later is caught here."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import run_notebooks
+
+    linked = {stem for p in NOTEBOOKS.glob("[0-9][0-9]*.py")
+              for stem in NOTEBOOK_LINK.findall(p.read_text(encoding="utf-8"))}
+    assert LEDGER_PAGE in linked
+    targets = [NOTEBOOKS / f"{stem}.ipynb" for stem in sorted(linked)]
+    assert all(t.exists() for t in targets), targets
+    runs = run_notebooks.load_runs(NOTEBOOKS / "runs.yaml", targets)
+    first = {r.notebook.stem: r.name for r in reversed(runs)}
+    assert first == {stem: stem for stem in linked}
+
+
+def _site(folder: Path, *notebooks: tuple[str, str]) -> str:
+    """Build a two-page site with the project's Sphinx configuration (warnings as
+    errors); return the second page's HTML."""
+    import nbformat
+
+    folder.mkdir()
+    for name, text in notebooks:
+        nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(text)])
+        nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                     "language": "python"}
+        nbformat.write(nb, folder / f"{name}.ipynb")
+    toc = "\n".join(name for name, _ in notebooks)
+    (folder / "index.md").write_text(f"# Runs\n\n```{{toctree}}\n{toc}\n```\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "sphinx", "-b", "html", "-q", "-W", "-d",
+         str(folder / ".doctrees"), "-c", str(ROOT / "docs"), str(folder), str(folder / "site")],
+        capture_output=True, text=True, env=dict(os.environ, MK_MATHJAX="mathjax/x.js"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    return (folder / "site" / f"{notebooks[-1][0]}.html").read_text(encoding="utf-8")
+
+
+def test_a_notebook_link_is_the_pages_link_on_the_site_and_text_without_that_page(tmp_path):
+    link = f"See [notebook 00's ledger]({LEDGER_PAGE}.ipynb)."
+    both = _site(tmp_path / "both", (LEDGER_PAGE, "# Zero\n\n## The ledger\n"),
+                 ("09_speculative_sweep", f"# Nine\n\n{link}"))
+    assert f'href="{LEDGER_PAGE}.html"' in both
+    alone = _site(tmp_path / "alone", ("09_speculative_sweep", f"# Nine\n\n{link}"))
+    assert f'href="{LEDGER_PAGE}.html"' not in alone and "notebook 00" in alone
