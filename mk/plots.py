@@ -2,9 +2,10 @@
 
 Here: `roofline`, `bytes_breakdown`, `published_vs_floor` (figures built
 from numbers and records that `mk.perf` computed), `tile_stream` (the ring's schedule,
-drawn from the `TileStream` the kernel executes), `timeline`, `bubble_bars`, `sweep_lines`
-(a `mk.sim.Simulation`, its bubbles, a design sweep), `lines` (named series against one
-x), `tpu_picture` (one TPU chip's memories, units and paths, from its `ChipSpec`),
+drawn from the `TileStream` the kernel executes), `timeline`, `collective_timeline` (one
+collective of a tensor-parallel step and what the ring loads meanwhile), `bubble_bars`,
+`sweep_lines` (a `mk.sim.Simulation`, its bubbles, a design sweep), `lines` (named series
+against one x), `tpu_picture` (one TPU chip's memories, units and paths, from its `ChipSpec`),
 `ring_gantt` (the ring rule slot by slot in time, one frame per ring depth, from
 `mk.teach.ring_schedule`), `family_colour` (one fixed colour per weight family),
 `kv_tile_map` (the KV tiles each ragged sequence reads, writes back and skips),
@@ -24,6 +25,7 @@ each output is its own iframe, so there every figure loads plotly.js (Colab is o
 from __future__ import annotations
 
 import inspect
+import math
 import sys
 import textwrap
 from collections.abc import Mapping, Sequence
@@ -441,18 +443,21 @@ def timeline(sims, *, layers: tuple[int, int] | None = None,
     run of merged intervals; its opacity is the share of that span the lane was busy (or
     HBM idle), so a run that is idle 44 % of its span is not drawn solid.
     `layers=(first, last)` keeps the events of those layers (inclusive), so a big model
-    stays drawable; `window_s` zooms the x axis to that interval. Times in microseconds."""
+    stays drawable; `window_s` zooms the x axis to that interval and keeps only what
+    overlaps it. Times in microseconds."""
     sims = sims if isinstance(sims, Mapping) else {"": sims}
     lo, hi = layers if layers is not None else (None, None)
+    w0, w1 = window_s if window_s is not None else (-math.inf, math.inf)
 
-    def keep(layer):
-        return layers is None or (layer is not None and lo <= layer <= hi)
+    def keep(layer, start_s=0.0, end_s=0.0):
+        return ((layers is None or (layer is not None and lo <= layer <= hi))
+                and end_s >= w0 and start_s <= w1)
 
     traces: dict[tuple[str, str], dict] = {}
     for label, sim in sims.items():
         prefix = f"{label} " if label else ""
         for e in sim.events:
-            if keep(e.layer):
+            if keep(e.layer, e.start_s, e.end_s):
                 lane = prefix + ("DMA" if e.lane == "dma" else "compute")
                 t = traces.setdefault((category(e.lane, e.what), lane),
                                       dict(x=[], base=[], y=[], text=[], share=[]))
@@ -463,7 +468,7 @@ def timeline(sims, *, layers: tuple[int, int] | None = None,
                 t["text"].append(f"{e.what}, layer {e.layer}: {e.count} interval(s), busy "
                                  f"{e.busy_s * 1e6:.3g} µs")
         for b in sim.bubbles:
-            if keep(b.layer):
+            if keep(b.layer, b.start_s, b.end_s):
                 lane = prefix + "HBM idle"
                 t = traces.setdefault(("idle: " + b.cause, lane), dict(x=[], base=[], y=[],
                                                                        text=[], share=[]))
@@ -487,11 +492,33 @@ def timeline(sims, *, layers: tuple[int, int] | None = None,
     first = next(iter(sims.values()))
     fig.update_layout(barmode="overlay", bargap=0.3, xaxis_title="time (µs, simulated)",
                       title=title or f"Simulated step of {first.config_name} on "
-                                     f"{first.chip_name}", yaxis=dict(autorange="reversed"),
+                                     f"{first.chip_name}",
+                      yaxis=dict(title="lane", autorange="reversed"),
                       height=200 + 60 * len(sims) * 3)
     if window_s is not None:
         fig.update_xaxes(range=[window_s[0] * 1e6, window_s[1] * 1e6])
     return fig
+
+
+def collective_timeline(sim, *, index: int, pad: float = 0.5, title: str = "") -> go.Figure:
+    """`timeline` around the `index`-th collective of a tensor-parallel `mk.sim.Simulation`
+    (its "collective" compute events in program order: per layer the all-reduce after
+    attention or the mixer, then after the MLP; the argmax's gather last): the compute
+    lane blocked on it, the DMA lane loading the ring's next tiles meanwhile, HBM idle
+    once the ring is full. `pad`: the share of the collective's length shown each side."""
+    found = [e for e in sim.events if e.what == "collective"]
+    if not found:
+        raise ValueError(f"the simulation of {sim.config_name} at tp={sim.tp} has no "
+                         "collective: simulate a tp > 1 shard")
+    if not -len(found) <= index < len(found):
+        raise ValueError(f"index={index} must be in [-{len(found)}, {len(found)}): the "
+                         "step's collectives")
+    c = found[index]
+    span = (c.end_s - c.start_s) * pad
+    where = f"layer {c.layer}" if c.layer is not None else "after the lm_head"
+    return timeline(sim, window_s=(c.start_s - span, c.end_s + span), title=title or (
+        f"{sim.config_name} TP{sim.tp} on {sim.chip_name}: collective {index % len(found)} "
+        f"({where}), simulated"))
 
 
 def _share(part_s: float, start_s: float, end_s: float) -> float:
