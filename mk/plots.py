@@ -157,6 +157,7 @@ def roofline(curves: Mapping[str, tuple], points: Mapping[str, Mapping[str, obje
 
 _BYTE_PARTS = (  # (StepEstimate field(s), legend name)
     (("attention_bytes",), "attention weights"),
+    (("norm_bytes",), "norm weights"),
     (("dense_mlp_bytes",), "dense MLP weights"),
     (("router_bytes",), "routers"),
     (("expert_bytes",), "experts touched"),
@@ -182,7 +183,7 @@ def bytes_breakdown(estimates: Mapping[str, object], *, relative: bool = True,
         y = [g / t for g, t in zip(gb, total)] if relative else gb
         fig.add_trace(go.Bar(x=labels, y=y, name=name, customdata=gb,
                              hovertemplate=f"{name}: %{{customdata:.4g}} GB<extra></extra>"))
-    fig.update_layout(barmode="stack", title=title,
+    fig.update_layout(barmode="stack", title=title, xaxis_title="step",
                       yaxis=dict(title="share of step bytes" if relative else "GB",
                                  tickformat=".0%" if relative else None))
     return fig
@@ -200,7 +201,7 @@ def published_vs_floor(labels: Sequence[str], published: Sequence[float],
                              f"{len(labels)} labels")
         fig.add_trace(go.Bar(x=list(labels), y=list(values), name=name,
                              hovertemplate="%{x}: %{y:.4g} tokens/s<extra></extra>"))
-    fig.update_layout(barmode="group", title=title,
+    fig.update_layout(barmode="group", title=title, xaxis_title="published run",
                       yaxis=dict(type="log", title="tokens/s (log)"))
     return fig
 
@@ -419,7 +420,7 @@ CATEGORY_COLOURS = {"DMA": "#1f77b4", "MXU": "#ff7f0e", "vector": "#2ca02c",
 IDLE_COLOURS = {"step start": "#c7c7c7", "layer boundary": "#d62728", "routing": "#e377c2",
                 "attention": "#8c564b", "lm_head": "#bcbd22", "collective": "#c5b0d5",
                 "compute": "#ffbb78", "vector": "#98df8a", "ring empty": "#ff9896",
-                "step end": "#7f7f7f"}
+                "step end": "#7f7f7f", "skipped mixer": "#dbdb8d"}
 _VECTOR_WORK = ("norm", "qk_norm_rope", "residual", "final_norm", "swiglu", "router",
                 "combine", "selected", "argmax")
 
@@ -534,12 +535,15 @@ def bubble_bars(sims: Mapping[str, object], *, title: str = "Where the step goes
     for sim in sims.values():
         causes += [c for c in sim.bubble_share() if c not in causes]
     fig = go.Figure(go.Bar(x=labels, y=[s.hbm_floor_s * 1e3 for s in sims.values()],
-                           name="HBM busy", hovertemplate="HBM busy %{y:.4g} ms<extra></extra>"))
+                           name="HBM busy", marker_color=CATEGORY_COLOURS["DMA"],
+                           hovertemplate="HBM busy %{y:.4g} ms<extra></extra>"))
     for cause in causes:
         fig.add_trace(go.Bar(x=labels, y=[s.bubble_share().get(cause, 0.0) * 1e3
                                           for s in sims.values()], name=cause,
+                             marker_color=IDLE_COLOURS[cause],
                              hovertemplate=f"{cause}: %{{y:.4g}} ms<extra></extra>"))
-    fig.update_layout(barmode="stack", title=title, yaxis_title="ms per step (simulated)")
+    fig.update_layout(barmode="stack", title=title, xaxis_title="configuration",
+                      yaxis_title="ms per step (simulated)")
     return fig
 
 

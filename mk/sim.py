@@ -75,7 +75,9 @@ active expert), "routing" (expert tiles cannot be issued until the router has ch
 "lm_head" (argmax, the last tiles), "collective", "compute" (HBM idle while the lane
 computes a weight tile: the ring is full, the tile is MXU-bound), "vector" (norms, RoPE,
 SwiGLU), "ring empty" (HBM idle while the lane waits for a tile still in its issue
-latency: too few slots in flight to hide it), "step end".
+latency: too few slots in flight to hide it), "step end", "skipped mixer" (a hybrid
+layer's switched-off mixer region: `ring.skip` issues the tiles past it only when the lane
+reaches it).
 
 Here: `Assumptions`, `active_experts`,
 `latency_slots` (Little's law), `simulate` -> `Simulation` (with its bytes per family),
@@ -109,7 +111,7 @@ from mk.kernels.ring import TileStream
 from mk.weights import names_of, param_shapes
 
 CAUSES = ("step start", "layer boundary", "routing", "attention", "lm_head", "collective",
-          "compute", "vector", "ring empty", "step end")
+          "compute", "vector", "ring empty", "step end", "skipped mixer")
 
 
 @dataclasses.dataclass(frozen=True)
