@@ -31,8 +31,8 @@ Fix exercises hand the student a broken piece to mend and check the mended copy:
 `check_attend_update` against the reference on two KV tiles); `norm_then_matmul` (08: a
 small kernel whose norm is in no named scope; the student adds one, `scoped_bundles`
 compiles the kernel's source for a TPU with libtpu's dumps in a child process and groups
-its bundles by scope, `check_scope` checks the new scope has bundles). `replaced(name, fn)` runs
-the real kernels with the student's `fn` in the place the plant `name` patches.
+its bundles by scope, `check_scope` checks the new scope has bundles). `replaced(name, fn)`
+runs the real kernels with the student's `fn` in the place the plant `name` patches.
 
 The mystery lab (`mystery(seed)`): one plant, picked by the seed and not named, in the
 megakernel's step; the student finds it with the race detector (`Mystery.races`) or
@@ -62,7 +62,7 @@ import numpy as np
 
 from IPython.display import Markdown
 
-from mk import backend, megakernel, reference, spec, teach
+from mk import backend, bundles, megakernel, reference, spec, teach
 from mk.checkpoint import init_params
 from mk.config import ModelConfig, preset
 from mk.kernels import attention_prologue, collectives, deltanet, mlp, one_layer, ring
@@ -439,7 +439,6 @@ def scoped_bundles(kernel, chip: str = "v6e") -> dict[str, list]:
     source, `inspect.getsource`), and return {scope: its bundles, in program order}: the
     innermost scope holding each bundle (`mk.bundles.scopes`). Raises RuntimeError with the
     compiler's words if it does not compile."""
-    from mk import bundles  # the compile's child process and the dump reader: a TPU compile
     try:
         source = textwrap.dedent(inspect.getsource(kernel))
     except (OSError, TypeError):
@@ -448,8 +447,8 @@ def scoped_bundles(kernel, chip: str = "v6e") -> dict[str, list]:
                          "cell") from None
     code = _COMPILE_SCOPED.format(source=source, name=kernel.__name__,
                                   shapes=SCOPE_SHAPES)
-    with tempfile.TemporaryDirectory(prefix="mk-scoped-") as out:
-        jf = bundles.compile_with_dumps(code, [chip], out)
+    with tempfile.TemporaryDirectory(prefix="mk-scoped-") as folder:
+        jf = bundles.compile_with_dumps(code, [chip], folder)
         found = bundles.read_bundles(bundles.dump_file(jf, "mk_scoped",
                                                        "final_bundles.txt").read_text())
     out: dict[str, list] = {}
