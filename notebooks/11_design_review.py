@@ -279,8 +279,8 @@ if report is not None and report.ok:
 # topology), recorded by `benchmarks/tile_costs.py` (the plan's ring for the chip: Little's
 # law at `ring_cover_s`, `RING_COVER_S` = 2 us and at tp > 1 one all-reduce more, fewer
 # slots where VMEM is short; simulated at a 1 us DMA latency; single-core rows B=1, T=1,
-# S=1024; published runs at the ledger's batch and rows; compile seconds on the 2-core
-# machine that recorded it). A ratio above 0.9 is a kernel whose TensorCore, not HBM, sets
+# S=1024; published runs at the ledger's batch, rows and each row's context; compile
+# seconds on the 2-core machine that recorded it, shared with other jobs). A ratio above 0.9 is a kernel whose TensorCore, not HBM, sets
 # the pace of weight streaming.
 
 # %%
