@@ -417,6 +417,7 @@ def _family(what: str) -> str:
 # One colour per category in every figure (STYLE.md): the busy lanes, then HBM idle by cause.
 CATEGORY_COLOURS = {"DMA": "#1f77b4", "MXU": "#ff7f0e", "vector": "#2ca02c",
                     "collective": "#9467bd"}
+LEGEND_ENTRIES = 10  # the most a figure's legend lists (no scrolling legends)
 IDLE_COLOURS = {"step start": "#c7c7c7", "layer boundary": "#d62728", "routing": "#e377c2",
                 "attention": "#8c564b", "lm_head": "#bcbd22", "collective": "#c5b0d5",
                 "compute": "#ffbb78", "vector": "#98df8a", "ring empty": "#ff9896",
@@ -442,7 +443,9 @@ def timeline(sims, *, layers: tuple[int, int] | None = None,
     lane (bubbles coloured by cause; the colours of `CATEGORY_COLOURS` and `IDLE_COLOURS`
     in every notebook); `sims` is one `mk.sim.Simulation` or {label: sim}. A bar spans a
     run of merged intervals; its opacity is the share of that span the lane was busy (or
-    HBM idle), so a run that is idle 44 % of its span is not drawn solid.
+    HBM idle), so a run that is idle 44 % of its span is not drawn solid. The legend keeps
+    `LEGEND_ENTRIES`: every busy category, then the idle causes with the most idle time
+    (the others are named on hover, in their fixed colours).
     `layers=(first, last)` keeps the events of those layers (inclusive), so a big model
     stays drawable; `window_s` zooms the x axis to that interval and keeps only what
     overlaps it. Times in microseconds."""
@@ -455,6 +458,7 @@ def timeline(sims, *, layers: tuple[int, int] | None = None,
                 and end_s >= w0 and start_s <= w1)
 
     traces: dict[tuple[str, str], dict] = {}
+    idle: dict[str, float] = {}  # HBM idle seconds per cause, over what is drawn
     for label, sim in sims.items():
         prefix = f"{label} " if label else ""
         for e in sim.events:
@@ -473,11 +477,16 @@ def timeline(sims, *, layers: tuple[int, int] | None = None,
                 lane = prefix + "HBM idle"
                 t = traces.setdefault(("idle: " + b.cause, lane), dict(x=[], base=[], y=[],
                                                                        text=[], share=[]))
+                idle[b.cause] = idle.get(b.cause, 0.0) + b.idle_s
                 t["share"].append(_share(b.idle_s, b.start_s, b.end_s))
                 t["x"].append((b.end_s - b.start_s) * 1e6)
                 t["base"].append(b.start_s * 1e6)
                 t["y"].append(lane)
                 t["text"].append(f"{b.cause}, layer {b.layer}: idle {b.idle_s * 1e6:.3g} µs")
+    # at most LEGEND_ENTRIES: every busy category, then the causes with the most idle time
+    busy = {name for name, _ in traces if not name.startswith("idle: ")}
+    keyed = busy | {"idle: " + c for c in sorted(idle, key=lambda c: -idle[c])[
+        :max(0, LEGEND_ENTRIES - len(busy))]}
     fig = go.Figure()
     shown = set()
     for (name, _), t in traces.items():
@@ -485,7 +494,8 @@ def timeline(sims, *, layers: tuple[int, int] | None = None,
             "idle: ") else CATEGORY_COLOURS[name]
         fig.add_trace(go.Bar(orientation="h", name=name, legendgroup=name, marker_color=colour,
                              marker_opacity=[max(0.2, x) for x in t["share"]],
-                             showlegend=name not in shown, x=t["x"], base=t["base"],
+                             showlegend=name in keyed and name not in shown,
+                             x=t["x"], base=t["base"],
                              y=t["y"], hovertext=t["text"],
                              hovertemplate="%{hovertext}<br>%{base:.4g} µs + %{x:.3g} µs"
                                            "<extra></extra>"))

@@ -252,6 +252,23 @@ def test_timeline_draws_every_event_and_bubble_on_its_lane(sims):
     assert len(legend(two)) <= 10
 
 
+def test_timeline_legend_keeps_ten_entries_the_longest_idle_causes_first():
+    """A tensor-parallel MoE step has 4 busy categories and more idle causes than the
+    legend's 10 entries hold: the legend keeps the causes with the most idle time; every
+    cause is still drawn, in its colour, named on hover."""
+    s = sim.simulate(mk.preset("qwen3-30b-a3b"), mk.chip("v6e"), batch=8, context=512, tp=4)
+    fig = plots.timeline(s)
+    names = legend(fig)
+    drawn = {t.name[len("idle: "):] for t in fig.data if t.name.startswith("idle: ")}
+    kept = [n[len("idle: "):] for n in names if n.startswith("idle: ")]
+    assert len(names) == plots.LEGEND_ENTRIES < 4 + len(drawn)
+    share = s.bubble_share()
+    assert drawn == set(share) and len(kept) == plots.LEGEND_ENTRIES - 4
+    assert min(share[c] for c in kept) >= max(share[c] for c in drawn - set(kept))
+    assert all(t.marker.color == plots.IDLE_COLOURS[t.name[len("idle: "):]]
+               for t in fig.data if t.name.startswith("idle: "))
+
+
 def test_every_bubble_cause_of_every_kind_of_model_has_its_colour(sims):
     """A hybrid's switched-off mixer is a cause of its own (it was drawn in the step-end
     grey, not in the list of causes)."""
