@@ -539,18 +539,23 @@ def _share(part_s: float, start_s: float, end_s: float) -> float:
 
 def bubble_bars(sims: Mapping[str, object], *, title: str = "Where the step goes "
                 "(simulated): HBM busy and each bubble cause") -> go.Figure:
-    """Stacked bars per label -> Simulation: HBM busy time and the idle time per cause, ms."""
+    """Stacked bars per label -> Simulation: HBM busy time and the idle time per cause, ms;
+    the legend lists HBM busy and the causes with the most idle time (`LEGEND_ENTRIES` in
+    all), the others named on hover."""
     labels = list(sims)
-    causes: list[str] = []
+    idle: dict[str, float] = {}
     for sim in sims.values():
-        causes += [c for c in sim.bubble_share() if c not in causes]
+        for c, seconds in sim.bubble_share().items():
+            idle[c] = idle.get(c, 0.0) + seconds
+    causes = sorted(idle, key=lambda c: -idle[c])
     fig = go.Figure(go.Bar(x=labels, y=[s.hbm_floor_s * 1e3 for s in sims.values()],
                            name="HBM busy", marker_color=CATEGORY_COLOURS["DMA"],
                            hovertemplate="HBM busy %{y:.4g} ms<extra></extra>"))
-    for cause in causes:
+    for i, cause in enumerate(causes):
         fig.add_trace(go.Bar(x=labels, y=[s.bubble_share().get(cause, 0.0) * 1e3
                                           for s in sims.values()], name=cause,
                              marker_color=IDLE_COLOURS[cause],
+                             showlegend=i < LEGEND_ENTRIES - 1,
                              hovertemplate=f"{cause}: %{{y:.4g}} ms<extra></extra>"))
     fig.update_layout(barmode="stack", title=title, xaxis_title="configuration",
                       yaxis_title="ms per step (simulated)")

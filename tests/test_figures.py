@@ -289,6 +289,15 @@ def test_bubble_bars_stack_hbm_busy_and_each_cause_to_the_step(sims):
         assert fig.data[0].y[i] == pytest.approx(s.hbm_floor_s * 1e3)
     for t in fig.data[1:]:
         assert t.marker.color == plots.IDLE_COLOURS[t.name]  # the timeline's colours
+    idle = [sum(t.y) for t in fig.data[1:]]
+    assert idle == sorted(idle, reverse=True)  # the longest causes first, into the legend
+    # every cause at once: HBM busy and the nine longest in the legend, all drawn
+    from types import SimpleNamespace
+    every = {c: (i + 1) * 1e-6 for i, c in enumerate(sim.CAUSES)}
+    fake = SimpleNamespace(hbm_floor_s=1e-3, bubble_share=lambda: every)
+    fig = plots.bubble_bars({"all causes": fake})
+    assert len(fig.data) == 1 + len(sim.CAUSES) and len(legend(fig)) == plots.LEGEND_ENTRIES
+    assert set(legend(fig)[1:]) == set(sorted(every, key=every.get)[-9:])
 
 
 def test_sweep_lines_and_lines_draw_their_inputs():
