@@ -90,16 +90,17 @@ def row(preset: str, chip: str, *, tp: int = 1, topology: str | None = None, bat
                 hbm_floor_ms=run.hbm_floor_s * 1e3, compute_ms=run.compute_s * 1e3)
 
 
-def published_runs(context: int) -> list[dict]:
+def published_runs() -> list[dict]:
     """The TPU runs of the published-numbers ledger (`mk.ledger.runs`), each once: the
-    arguments of `row` for it, its topology named by `mk.tpu.topology_for`."""
+    arguments of `row` for it (its context the published row's), its topology named by
+    `mk.tpu.topology_for`."""
     jobs = {}
     for run in ledger.runs():
         if run.spec is not None and run.spec.kind == "tpu":
             jobs.setdefault(run.key, dict(
                 preset=run.config.name, chip=run.spec.name, tp=run.tp,
                 topology=tpu.topology_for(run.spec, run.row.chips), batch=run.batch,
-                rows=run.rows, context=context))
+                rows=run.rows, context=run.context))
     return list(jobs.values())
 
 
@@ -116,12 +117,13 @@ def main(argv=None) -> None:
                         "first N layers (0: not measured)")
     p.add_argument("--published", action="store_true",
                    help="instead of --chips x --presets: every TPU run of the published-"
-                        "numbers ledger (its preset, chip, TP width, batch and rows)")
+                        "numbers ledger (its preset, chip, TP width, batch, rows and "
+                        "context; --context is ignored)")
     p.add_argument("--json", type=Path, help="write the rows here (refuses an existing file)")
     args = p.parse_args(argv)
     if args.json and args.json.exists():
         raise SystemExit(f"--json {args.json} exists; choose a new path")
-    jobs = published_runs(args.context) if args.published else [
+    jobs = published_runs() if args.published else [
         dict(preset=preset, chip=chip, batch=args.batch, rows=args.rows,
              context=args.context) for chip in args.chips for preset in args.presets]
     table = []

@@ -10,7 +10,7 @@ time per tile, which must stay below the tile's DMA time for HBM never to idle.
 
 Here, the one reader of libtpu's dumps and the one way to make them: `read_bundles(text)`
 (every bundle of a `final_bundles.txt`: its loop marker and depth, each instruction's op,
-the sizes of the DMAs it issues), `compile_with_dumps` (any compile, in a child process
+the sizes of the DMAs it issues), `scopes(bundles)` (the named scope holding each), `compile_with_dumps` (any compile, in a child process
 with the dump flags: libtpu reads them once per process), `dump_file` (one dump of one
 program), `dump_megakernel` (the megakernel's compile in that child). On them: `Loop`
 (one loop body: bundles, MXU and scalar-only bundles, the DMAs it issues and waits for),
@@ -79,6 +79,22 @@ class Bundle:
     def waits(self) -> int:
         """DMA waits in it (dma.done.wait, vwait.*)."""
         return sum(o == "dma.done.wait" or o.startswith("vwait.") for o in self.ops)
+
+
+def scopes(found: list[Bundle]) -> list[str | None]:
+    """The innermost named scope holding each of `found` (a kernel's bundles in program
+    order, compiled with `PHASE_FLAG`: a scope's trace markers open and close it), None
+    for a bundle outside every scope. A bundle opening a scope is in it; one closing it
+    is not."""
+    out, open_ = [], []
+    for bundle in found:
+        for kind, scope in _MARK.findall(bundle.text):
+            if kind == "Start":
+                open_.append(scope)
+            elif open_ and open_[-1] == scope:
+                open_.pop()
+        out.append(open_[-1] if open_ else None)
+    return out
 
 
 def _issues_dma(op: str) -> bool:
@@ -361,16 +377,10 @@ def read_schedule(jf_dump: str | os.PathLike, kernel: str = "mk_megakernel") -> 
     utilisation = {u: round(sum(r[i] for r in rows) / (capacity[i] * len(rows)), 4)
                    for i, u in enumerate(units)} if rows else {}
     phases: dict = defaultdict(int)
-    scopes: list[str] = []
     found = read_bundles(dump_file(jf_dump, kernel, "final_bundles.txt").read_text())
-    for bundle in found:
-        for kind, scope in _MARK.findall(bundle.text):
-            if kind == "Start":
-                scopes.append(scope)
-            elif scopes and scopes[-1] == scope:
-                scopes.pop()
-        if scopes:
-            phases[scopes[-1]] += 1
+    for scope in scopes(found):
+        if scope is not None:
+            phases[scope] += 1
     return Schedule(kernel, count["total"], count["empty"], utilisation,
                     sum(b.dmas for b in found), sum(b.waits for b in found),
                     sum(bool(b.depth) for b in found), dict(phases))

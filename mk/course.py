@@ -28,8 +28,11 @@ A too-shallow ring (11) needs no patch: it is a `slots` parameter, and
 
 Fix exercises hand the student a broken piece to mend and check the mended copy:
 `update_without_rescale` (03: the online softmax's update with its rescale gone; checked by
-`check_attend_update` against the reference on two KV tiles). `replaced(name, fn)` runs
-the real kernels with the student's `fn` in the place the plant `name` patches.
+`check_attend_update` against the reference on two KV tiles); `norm_then_matmul` (08: a
+small kernel whose norm is in no named scope; the student adds one, `scoped_bundles`
+compiles the kernel's source for a TPU with libtpu's dumps in a child process and groups
+its bundles by scope, `check_scope` checks the new scope has bundles). `replaced(name, fn)`
+runs the real kernels with the student's `fn` in the place the plant `name` patches.
 
 The mystery lab (`mystery(seed)`): one plant, picked by the seed and not named, in the
 megakernel's step; the student finds it with the race detector (`Mystery.races`) or
@@ -49,6 +52,8 @@ from __future__ import annotations
 import contextlib
 import html
 import inspect
+import tempfile
+import textwrap
 from unittest import mock
 
 import jax
@@ -57,7 +62,7 @@ import numpy as np
 
 from IPython.display import Markdown
 
-from mk import backend, megakernel, reference, spec, teach
+from mk import backend, bundles, megakernel, reference, spec, teach
 from mk.checkpoint import init_params
 from mk.config import ModelConfig, preset
 from mk.kernels import attention_prologue, collectives, deltanet, mlp, one_layer, ring
@@ -396,6 +401,72 @@ def mystery(seed: int) -> Mystery:
     return Mystery(seed)
 
 
+# -- Named scopes in the compiled code (08) ----------------------------------------------------
+def norm_then_matmul(x_ref, w_ref, o_ref):
+    """The 08 exercise's kernel: an RMS norm of x [M, D] f32, then x @ w [D, N] bf16 in a
+    scope named "matmul"; the norm is in no scope."""
+    x = x_ref[...]
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+    with jax.named_scope("matmul"):
+        o_ref[...] = jnp.dot(x.astype(w_ref.dtype), w_ref[...],
+                             preferred_element_type=jnp.float32)
+
+
+SCOPE_SHAPES = ((8, 256), (256, 256))  # x [M, D] f32 and w [D, N] bf16 of `scoped_bundles`
+_COMPILE_SCOPED = """import sys, jax, jax.numpy as jnp
+from jax.experimental import pallas as pl
+import mk.tpu
+
+{source}
+
+def call(x, w):
+    return pl.pallas_call({name}, out_shape=jax.ShapeDtypeStruct((x.shape[0], w.shape[1]),
+                                                               jnp.float32), name="mk_scoped")(x, w)
+
+(m, d), (_, n) = {shapes}
+report = mk.tpu.compile_for_chip(call, [jax.ShapeDtypeStruct((m, d), jnp.float32),
+                                        jax.ShapeDtypeStruct((d, n), jnp.bfloat16)], sys.argv[1])
+if not report.ok:
+    sys.exit(report.summary())
+"""
+
+
+def scoped_bundles(kernel, chip: str = "v6e") -> dict[str, list]:
+    """Compile `kernel(x_ref, w_ref, o_ref)` (a Pallas kernel on x [M, D] f32 and w [D, N]
+    bf16, `SCOPE_SHAPES`, writing o [M, N] f32; its source may use `jax`, `jnp` and `pl`)
+    for `chip` ahead of time with libtpu's dumps and the named-scope markers on
+    (`mk.bundles.compile_with_dumps`: a child process, so the kernel goes there as its
+    source, `inspect.getsource`), and return {scope: its bundles, in program order}: the
+    innermost scope holding each bundle (`mk.bundles.scopes`). Raises RuntimeError with the
+    compiler's words if it does not compile."""
+    try:
+        source = textwrap.dedent(inspect.getsource(kernel))
+    except (OSError, TypeError):
+        raise ValueError(f"kernel={getattr(kernel, '__name__', kernel)!r}: its source is "
+                         "compiled in a child process; define it in a file or a notebook "
+                         "cell") from None
+    code = _COMPILE_SCOPED.format(source=source, name=kernel.__name__,
+                                  shapes=SCOPE_SHAPES)
+    with tempfile.TemporaryDirectory(prefix="mk-scoped-") as folder:
+        jf = bundles.compile_with_dumps(code, [chip], folder)
+        found = bundles.read_bundles(bundles.dump_file(jf, "mk_scoped",
+                                                       "final_bundles.txt").read_text())
+    out: dict[str, list] = {}
+    for bundle, scope in zip(found, bundles.scopes(found)):
+        if scope is not None:
+            out.setdefault(scope, []).append(bundle)
+    return out
+
+
+def check_scope(found: dict[str, list], scope: str) -> int:
+    """The number of bundles in `scope` (of `scoped_bundles`); ExerciseFailed if none."""
+    if not found.get(scope):
+        raise ExerciseFailed(f"no bundle lies in a scope named {scope!r} (scopes with "
+                             f"bundles: {sorted(found)}): wrap the code in "
+                             f"`with jax.named_scope({scope!r}):`")
+    return len(found[scope])
+
+
 # -- Folded answers ---------------------------------------------------------------------------
 ANSWERS = {
     "03-rescale": (
@@ -412,6 +483,14 @@ ANSWERS = {
         "first wrong value is the layer's output. Between the two taps run the first residual "
         "add, the MLP norm, the MLP and the second add: read that stretch of `layer_body`; "
         "both adds call `residual`, which drops x. Fixed: `return x + block_out`."),
+    "08-scope": (
+        "Inside the scope, the norm's bundles are a handful of vector instructions: vld "
+        "loads x into vector registers, vmul squares it, a cross-lane vadd (on the XLU) "
+        "sums each row, vrsqrt takes the reciprocal square root, vmul scales; the first "
+        "bundle, vtrace, is the scope's own marker. The matmul lists several times more: "
+        "vld of w's tiles, vmatprep/vmatpush feeding them into the MXU, one vmatmul "
+        "streaming x, vst of the result. Bundles count code, not time: on a TPU the trace "
+        "event of each scope gives its time."),
     "09-accept": (
         "tau collapses to about 1: draft i is the guess for row i's greedy token, and the "
         "plant compares it with row i + 1's, which it matches only by chance. The tokens "

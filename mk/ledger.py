@@ -1,12 +1,13 @@
 """One ledger of the published numbers and one vocabulary for every time the course states.
 
 `TERMS` defines each word once; notebooks 00, 09 and 11 (and any other that states a step
-time) use these words and no others for these quantities, and show the definitions with
-`glossary(...)`. `entries(...)` sets every row of data/published.csv against the models
+time) use these words and no others for these quantities; notebook 00 shows the
+definitions (`glossary()`, its section "The ledger") and the others link to it. `entries(...)` sets every row of data/published.csv against the models
 under one set of assumptions, named once here (`runs()`: `VERIFY_ROWS`, batch 1 where
-unstated, every device of the run in one tensor-parallel group; `context` cached
-positions), and, where `benchmarks/tile_costs.py --published` recorded it, against the
-simulated step of the run's compiled kernel. Nothing is fitted to the published numbers.
+unstated, every device of the run in one tensor-parallel group, each row's own context:
+the cached positions its benchmark scripts ran at, `mk.perf.Published.context`), and,
+where `benchmarks/tile_costs.py --published` recorded it, against the simulated step of
+the run's compiled kernel. Nothing is fitted to the published numbers.
 
 Not here: the models themselves (`mk.perf` floors and collectives, `mk.sim` the simulated
 schedule), the published rows' parsing (`mk.perf.published`), drawing (`mk.plots`).
@@ -71,7 +72,8 @@ def glossary(*terms: str) -> plots.Table:
 @dataclasses.dataclass(frozen=True)
 class Run:
     """How the ledger models one published row: the preset, the chip (None: no row for the
-    system in data/chips.csv), the tensor-parallel width, batch and verified rows."""
+    system in data/chips.csv), the tensor-parallel width, batch, verified rows and cached
+    positions (the row's context; 0 where it states none)."""
 
     row: perf.Published
     config: ModelConfig
@@ -79,6 +81,7 @@ class Run:
     tp: int
     batch: int
     rows: int
+    context: int
 
     @property
     def key(self) -> tuple:
@@ -90,33 +93,36 @@ class Run:
 def runs(*, speculative_only: bool = False) -> list[Run]:
     """Every row of data/published.csv (only those with an acceptance length if
     `speculative_only`) under the ledger's assumptions: batch 1 where unstated,
-    `VERIFY_ROWS` rows per speculative step, every device of the run in one group."""
+    `VERIFY_ROWS` rows per speculative step, every device of the run in one group, the
+    row's context (0 where unstated)."""
     out = []
     for row in perf.published():
         if speculative_only and not row.acceptance_length:
             continue
         config = named_preset(row.preset)
         batch, rows = row.batch or 1, VERIFY_ROWS if row.acceptance_length else 1
+        context = row.context or 0
         try:
             spec = named_chip(row.system)
         except ValueError:
-            out.append(Run(row, config, None, 0, batch, rows))
+            out.append(Run(row, config, None, 0, batch, rows, context))
             continue
         tp = row.chips * spec.cores_per_chip
         if row.tp is not None and row.tp != tp:
             raise ValueError(f"published row {row.model} on {row.system}: tp={row.tp} is "
                              f"not chips*cores_per_chip={tp}")
-        out.append(Run(row, config, spec, tp, batch, rows))
+        out.append(Run(row, config, spec, tp, batch, rows, context))
     return out
 
 
-def entries(*, context: int = 0, routing: str = "uniform", compute: str = "bf16",
+def entries(*, routing: str = "uniform", compute: str = "bf16",
             simulate_tpu: bool = False, assumptions: Assumptions | None = None,
             speculative_only: bool = False, tile_costs=()) -> list[dict]:
     """Every row of data/published.csv against the models, one dict each.
 
     Always: "run", "model", "preset", "system", "tau" (acceptance length or None), "batch",
-    "rows", "metric", "published" (tokens/s), "published_step_ms". For a chip of
+    "rows", "context" (the cached positions modelled: the row's), "metric", "published"
+    (tokens/s), "published_step_ms". For a chip of
     data/chips.csv also "hbm_floor_ms", "mxu_floor_ms" (TPU rows only: no GPU MXU floor),
     "collective_ms", "modelled_ms",
     "bound" (what bounds the modelled step: "hbm", else the larger of "mxu" and
@@ -154,11 +160,12 @@ def entries(*, context: int = 0, routing: str = "uniform", compute: str = "bf16"
 
     for run in runs(speculative_only=speculative_only):
         row, config, spec, tau = run.row, run.config, run.spec, run.row.acceptance_length
-        batch, rows, tp = run.batch, run.rows, run.tp
+        batch, rows, tp, context = run.batch, run.rows, run.tp, run.context
         rec = dict(run=f"{config.name} on {row.chips or '?'} {row.system}, "
                        + (f"tau={tau:g}" if tau else f"B={row.batch}"),
                    model=row.model, preset=row.preset, system=row.system, tau=tau,
-                   batch=batch, rows=rows, metric=row.metric, published=row.tokens_per_s,
+                   batch=batch, rows=rows, context=context, metric=row.metric,
+                   published=row.tokens_per_s,
                    published_step_ms=row.step_ms)
         if spec is None:
             out.append(rec | dict(note=f"no row for {row.system} in data/chips.csv: "
@@ -212,7 +219,7 @@ def entries(*, context: int = 0, routing: str = "uniform", compute: str = "bf16"
                                      compute=compute, **kw)
             rec |= timed("conventional", conv.step_ms) | dict(
                 conventional_gap_ms=conv.gap_ms)
-        out.append(rec | dict(note=_explain(row, config, spec, tp, batch, rows)))
+        out.append(rec | dict(note=_explain(run)))
     return out
 
 
@@ -233,8 +240,10 @@ def _bound(sim: Simulation) -> str:
     return "hbm" if sim.hbm_floor_s >= idle else cause
 
 
-def _explain(row, config, spec, tp, batch, rows) -> str:
+def _explain(run: Run) -> str:
     """What differs between the published run and the modelled one (facts, not fits)."""
+    row, config, spec, tp, batch, rows = (run.row, run.config, run.spec, run.tp, run.batch,
+                                          run.rows)
     notes = []
     if config.is_mla:
         notes.append(f"{config.name}: Kimi Linear's architecture ({len(config.linear_layers)}"
@@ -262,6 +271,8 @@ def _explain(row, config, spec, tp, batch, rows) -> str:
                      "release's benchmark scripts)")
     if row.batch is None:
         notes.append(f"batch not published: B={batch} assumed")
+    if row.context is None:
+        notes.append(f"context not published: S={run.context} assumed")
     if spec.kind == "gpu":
         notes.append(f"baseline modelled as one kernel per op (vLLM-like) with TP{tp} over "
                      f"{row.chips} GPUs (layout not published)")

@@ -626,8 +626,8 @@ def min_chips(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1,
 # -- Published measurements ---------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Published:
-    """One row of data/published.csv; empty cells are None (batch and acceptance length
-    None: not stated / no speculation)."""
+    """One row of data/published.csv; empty cells are None (batch, context and acceptance
+    length None: not stated / not stated / no speculation)."""
 
     model: str
     preset: str
@@ -636,6 +636,7 @@ class Published:
     cores: int | None
     tp: int | None
     batch: int | None
+    context: int | None  # cached positions of the benchmark run (its scripts, see source)
     acceptance_length: float | None
     tokens_per_s: float
     metric: str  # "per_user" or "aggregate_as_published"
@@ -647,6 +648,9 @@ class Published:
         check_choice("metric", self.metric, METRICS)
         if not self.source.strip():
             raise ValueError(f"published row {self.model} on {self.system} has no source")
+        if self.context is not None and self.context < 0:
+            raise ValueError(f"published row {self.model} on {self.system}: "
+                             f"context={self.context} must be >= 0")
 
 
 def published(path=PUBLISHED_CSV) -> tuple[Published, ...]:
@@ -658,7 +662,8 @@ def published(path=PUBLISHED_CSV) -> tuple[Published, ...]:
         return tuple(Published(
             model=r["model"], preset=r["preset"], system=r["system"],
             chips=num(r["chips"], int), cores=num(r["cores"], int), tp=num(r["tp"], int),
-            batch=num(r["batch"], int), acceptance_length=num(r["acceptance_length"], float),
+            batch=num(r["batch"], int), context=num(r["context"], int),
+            acceptance_length=num(r["acceptance_length"], float),
             tokens_per_s=float(r["tokens_per_s"]), metric=r["metric"],
             step_ms=num(r["step_ms"], float), source=r["source"], notes=r["notes"])
             for r in csv.DictReader(f))

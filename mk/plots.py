@@ -2,9 +2,10 @@
 
 Here: `roofline`, `bytes_breakdown`, `published_vs_floor` (figures built
 from numbers and records that `mk.perf` computed), `tile_stream` (the ring's schedule,
-drawn from the `TileStream` the kernel executes), `timeline`, `bubble_bars`, `sweep_lines`
-(a `mk.sim.Simulation`, its bubbles, a design sweep), `lines` (named series against one
-x), `tpu_picture` (one TPU chip's memories, units and paths, from its `ChipSpec`),
+drawn from the `TileStream` the kernel executes), `timeline`, `collective_timeline` (one
+collective of a tensor-parallel step and what the ring loads meanwhile), `bubble_bars`,
+`sweep_lines` (a `mk.sim.Simulation`, its bubbles, a design sweep), `lines` (named series
+against one x), `tpu_picture` (one TPU chip's memories, units and paths, from its `ChipSpec`),
 `ring_gantt` (the ring rule slot by slot in time, one frame per ring depth, from
 `mk.teach.ring_schedule`), `family_colour` (one fixed colour per weight family),
 `kv_tile_map` (the KV tiles each ragged sequence reads, writes back and skips),
@@ -24,6 +25,7 @@ each output is its own iframe, so there every figure loads plotly.js (Colab is o
 from __future__ import annotations
 
 import inspect
+import math
 import sys
 import textwrap
 from collections.abc import Mapping, Sequence
@@ -158,6 +160,7 @@ def roofline(curves: Mapping[str, tuple], points: Mapping[str, Mapping[str, obje
 
 _BYTE_PARTS = (  # (StepEstimate field(s), legend name)
     (("attention_bytes",), "attention weights"),
+    (("norm_bytes",), "norm weights"),
     (("dense_mlp_bytes",), "dense MLP weights"),
     (("router_bytes",), "routers"),
     (("expert_bytes",), "experts touched"),
@@ -183,7 +186,7 @@ def bytes_breakdown(estimates: Mapping[str, object], *, relative: bool = True,
         y = [g / t for g, t in zip(gb, total)] if relative else gb
         fig.add_trace(go.Bar(x=labels, y=y, name=name, customdata=gb,
                              hovertemplate=f"{name}: %{{customdata:.4g}} GB<extra></extra>"))
-    fig.update_layout(barmode="stack", title=title,
+    fig.update_layout(barmode="stack", title=title, xaxis_title="step",
                       yaxis=dict(title="share of step bytes" if relative else "GB",
                                  tickformat=".0%" if relative else None))
     return fig
@@ -201,7 +204,7 @@ def published_vs_floor(labels: Sequence[str], published: Sequence[float],
                              f"{len(labels)} labels")
         fig.add_trace(go.Bar(x=list(labels), y=list(values), name=name,
                              hovertemplate="%{x}: %{y:.4g} tokens/s<extra></extra>"))
-    fig.update_layout(barmode="group", title=title,
+    fig.update_layout(barmode="group", title=title, xaxis_title="published run",
                       yaxis=dict(type="log", title="tokens/s (log)"))
     return fig
 
@@ -417,10 +420,11 @@ def _family(what: str) -> str:
 # One colour per category in every figure (STYLE.md): the busy lanes, then HBM idle by cause.
 CATEGORY_COLOURS = {"DMA": "#1f77b4", "MXU": "#ff7f0e", "vector": "#2ca02c",
                     "collective": "#9467bd"}
+LEGEND_ENTRIES = 10  # the most a figure's legend lists (no scrolling legends)
 IDLE_COLOURS = {"step start": "#c7c7c7", "layer boundary": "#d62728", "routing": "#e377c2",
                 "attention": "#8c564b", "lm_head": "#bcbd22", "collective": "#c5b0d5",
                 "compute": "#ffbb78", "vector": "#98df8a", "ring empty": "#ff9896",
-                "step end": "#7f7f7f"}
+                "step end": "#7f7f7f", "skipped mixer": "#dbdb8d"}
 _VECTOR_WORK = ("norm", "qk_norm_rope", "residual", "final_norm", "swiglu", "router",
                 "combine", "selected", "argmax")
 
@@ -442,20 +446,26 @@ def timeline(sims, *, layers: tuple[int, int] | None = None,
     lane (bubbles coloured by cause; the colours of `CATEGORY_COLOURS` and `IDLE_COLOURS`
     in every notebook); `sims` is one `mk.sim.Simulation` or {label: sim}. A bar spans a
     run of merged intervals; its opacity is the share of that span the lane was busy (or
-    HBM idle), so a run that is idle 44 % of its span is not drawn solid.
+    HBM idle), so a run that is idle 44 % of its span is not drawn solid. The legend keeps
+    `LEGEND_ENTRIES`: every busy category, then the idle causes with the most idle time
+    (the others are named on hover, in their fixed colours).
     `layers=(first, last)` keeps the events of those layers (inclusive), so a big model
-    stays drawable; `window_s` zooms the x axis to that interval. Times in microseconds."""
+    stays drawable; `window_s` zooms the x axis to that interval and keeps only what
+    overlaps it. Times in microseconds."""
     sims = sims if isinstance(sims, Mapping) else {"": sims}
     lo, hi = layers if layers is not None else (None, None)
+    w0, w1 = window_s if window_s is not None else (-math.inf, math.inf)
 
-    def keep(layer):
-        return layers is None or (layer is not None and lo <= layer <= hi)
+    def keep(layer, start_s=0.0, end_s=0.0):
+        return ((layers is None or (layer is not None and lo <= layer <= hi))
+                and end_s >= w0 and start_s <= w1)
 
     traces: dict[tuple[str, str], dict] = {}
+    idle: dict[str, float] = {}  # HBM idle seconds per cause, over what is drawn
     for label, sim in sims.items():
         prefix = f"{label} " if label else ""
         for e in sim.events:
-            if keep(e.layer):
+            if keep(e.layer, e.start_s, e.end_s):
                 lane = prefix + ("DMA" if e.lane == "dma" else "compute")
                 t = traces.setdefault((category(e.lane, e.what), lane),
                                       dict(x=[], base=[], y=[], text=[], share=[]))
@@ -466,15 +476,20 @@ def timeline(sims, *, layers: tuple[int, int] | None = None,
                 t["text"].append(f"{e.what}, layer {e.layer}: {e.count} interval(s), busy "
                                  f"{e.busy_s * 1e6:.3g} µs")
         for b in sim.bubbles:
-            if keep(b.layer):
+            if keep(b.layer, b.start_s, b.end_s):
                 lane = prefix + "HBM idle"
                 t = traces.setdefault(("idle: " + b.cause, lane), dict(x=[], base=[], y=[],
                                                                        text=[], share=[]))
+                idle[b.cause] = idle.get(b.cause, 0.0) + b.idle_s
                 t["share"].append(_share(b.idle_s, b.start_s, b.end_s))
                 t["x"].append((b.end_s - b.start_s) * 1e6)
                 t["base"].append(b.start_s * 1e6)
                 t["y"].append(lane)
                 t["text"].append(f"{b.cause}, layer {b.layer}: idle {b.idle_s * 1e6:.3g} µs")
+    # at most LEGEND_ENTRIES: every busy category, then the causes with the most idle time
+    busy = {name for name, _ in traces if not name.startswith("idle: ")}
+    keyed = busy | {"idle: " + c for c in sorted(idle, key=lambda c: -idle[c])[
+        :max(0, LEGEND_ENTRIES - len(busy))]}
     fig = go.Figure()
     shown = set()
     for (name, _), t in traces.items():
@@ -482,7 +497,8 @@ def timeline(sims, *, layers: tuple[int, int] | None = None,
             "idle: ") else CATEGORY_COLOURS[name]
         fig.add_trace(go.Bar(orientation="h", name=name, legendgroup=name, marker_color=colour,
                              marker_opacity=[max(0.2, x) for x in t["share"]],
-                             showlegend=name not in shown, x=t["x"], base=t["base"],
+                             showlegend=name in keyed and name not in shown,
+                             x=t["x"], base=t["base"],
                              y=t["y"], hovertext=t["text"],
                              hovertemplate="%{hovertext}<br>%{base:.4g} µs + %{x:.3g} µs"
                                            "<extra></extra>"))
@@ -490,11 +506,33 @@ def timeline(sims, *, layers: tuple[int, int] | None = None,
     first = next(iter(sims.values()))
     fig.update_layout(barmode="overlay", bargap=0.3, xaxis_title="time (µs, simulated)",
                       title=title or f"Simulated step of {first.config_name} on "
-                                     f"{first.chip_name}", yaxis=dict(autorange="reversed"),
+                                     f"{first.chip_name}",
+                      yaxis=dict(title="lane", autorange="reversed"),
                       height=200 + 60 * len(sims) * 3)
     if window_s is not None:
         fig.update_xaxes(range=[window_s[0] * 1e6, window_s[1] * 1e6])
     return fig
+
+
+def collective_timeline(sim, *, index: int, pad: float = 0.5, title: str = "") -> go.Figure:
+    """`timeline` around the `index`-th collective of a tensor-parallel `mk.sim.Simulation`
+    (its "collective" compute events in program order: per layer the all-reduce after
+    attention or the mixer, then after the MLP; the argmax's gather last): the compute
+    lane blocked on it, the DMA lane loading the ring's next tiles meanwhile, HBM idle
+    once the ring is full. `pad`: the share of the collective's length shown each side."""
+    found = [e for e in sim.events if e.what == "collective"]
+    if not found:
+        raise ValueError(f"the simulation of {sim.config_name} at tp={sim.tp} has no "
+                         "collective: simulate a tp > 1 shard")
+    if not -len(found) <= index < len(found):
+        raise ValueError(f"index={index} must be in [-{len(found)}, {len(found)}): the "
+                         "step's collectives")
+    c = found[index]
+    span = (c.end_s - c.start_s) * pad
+    where = f"layer {c.layer}" if c.layer is not None else "after the lm_head"
+    return timeline(sim, window_s=(c.start_s - span, c.end_s + span), title=title or (
+        f"{sim.config_name} TP{sim.tp} on {sim.chip_name}: collective {index % len(found)} "
+        f"({where}), simulated"))
 
 
 def _share(part_s: float, start_s: float, end_s: float) -> float:
@@ -504,18 +542,26 @@ def _share(part_s: float, start_s: float, end_s: float) -> float:
 
 def bubble_bars(sims: Mapping[str, object], *, title: str = "Where the step goes "
                 "(simulated): HBM busy and each bubble cause") -> go.Figure:
-    """Stacked bars per label -> Simulation: HBM busy time and the idle time per cause, ms."""
+    """Stacked bars per label -> Simulation: HBM busy time and the idle time per cause, ms;
+    the legend lists HBM busy and the causes with the most idle time (`LEGEND_ENTRIES` in
+    all), the others named on hover."""
     labels = list(sims)
-    causes: list[str] = []
+    idle: dict[str, float] = {}
     for sim in sims.values():
-        causes += [c for c in sim.bubble_share() if c not in causes]
+        for c, seconds in sim.bubble_share().items():
+            idle[c] = idle.get(c, 0.0) + seconds
+    causes = sorted(idle, key=lambda c: -idle[c])
     fig = go.Figure(go.Bar(x=labels, y=[s.hbm_floor_s * 1e3 for s in sims.values()],
-                           name="HBM busy", hovertemplate="HBM busy %{y:.4g} ms<extra></extra>"))
-    for cause in causes:
+                           name="HBM busy", marker_color=CATEGORY_COLOURS["DMA"],
+                           hovertemplate="HBM busy %{y:.4g} ms<extra></extra>"))
+    for i, cause in enumerate(causes):
         fig.add_trace(go.Bar(x=labels, y=[s.bubble_share().get(cause, 0.0) * 1e3
                                           for s in sims.values()], name=cause,
+                             marker_color=IDLE_COLOURS[cause],
+                             showlegend=i < LEGEND_ENTRIES - 1,
                              hovertemplate=f"{cause}: %{{y:.4g}} ms<extra></extra>"))
-    fig.update_layout(barmode="stack", title=title, yaxis_title="ms per step (simulated)")
+    fig.update_layout(barmode="stack", title=title, xaxis_title="configuration",
+                      yaxis_title="ms per step (simulated)")
     return fig
 
 

@@ -506,7 +506,7 @@ def lanes_figure(lanes: dict, idle, host=(), *, title: str = "", x_title: str = 
                 base=[a for a, _ in spans], orientation="h", marker_color=color, name=label,
                 hovertemplate=f"{label}: %{{x:.2f}}<extra></extra>"))
     fig.update_layout(title=title, barmode="overlay", height=height, xaxis_title=x_title,
-                      yaxis=dict(autorange="reversed"))
+                      yaxis=dict(title="lane", autorange="reversed"))
     return fig
 
 
@@ -544,7 +544,7 @@ def share_bars(rows: list[dict], *, title: str = "Bubble share per variant") -> 
     fig = go.Figure([
         go.Bar(x=labels, y=idle, name="idle inside the step", marker_color=COLORS["bubble"]),
         go.Bar(x=labels, y=host, name="host gap", marker_color=COLORS["host"])])
-    fig.update_layout(barmode="stack", title=title,
+    fig.update_layout(barmode="stack", title=title, xaxis_title="variant",
                       yaxis=dict(title="share of the step's wall time", tickformat=".0%",
                                  range=[0, 1]))
     return fig

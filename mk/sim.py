@@ -76,7 +76,9 @@ active expert), "routing" (expert tiles cannot be issued until the router has ch
 "lm_head" (argmax, the last tiles), "collective", "compute" (HBM idle while the lane
 computes a weight tile: the ring is full, the tile is MXU-bound), "vector" (norms, RoPE,
 SwiGLU), "ring empty" (HBM idle while the lane waits for a tile still in its issue
-latency: too few slots in flight to hide it), "step end".
+latency: too few slots in flight to hide it), "step end", "skipped mixer" (a hybrid
+layer's switched-off mixer region: `ring.skip` issues the tiles past it only when the lane
+reaches it).
 
 Here: `Assumptions`, `active_experts`,
 `latency_slots` (Little's law), `simulate` -> `Simulation` (with its bytes per family),
@@ -105,7 +107,7 @@ from mk.kinds.base import LAYER_PHASES
 from mk.kinds.layers import KINDS, kind_at, layer_kinds
 
 CAUSES = ("step start", "layer boundary", "routing", "attention", "lm_head", "collective",
-          "compute", "vector", "ring empty", "step end")
+          "compute", "vector", "ring empty", "step end", "skipped mixer")
 
 
 @dataclasses.dataclass(frozen=True)

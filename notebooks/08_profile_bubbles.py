@@ -88,7 +88,7 @@ from tqdm.auto import tqdm
 import mk
 import mk.backend
 import mk.run
-from mk import bundles, plots, profiling, reference, teach
+from mk import bundles, course, plots, profiling, reference, teach
 from mk import megakernel as megakernel_module
 from mk.kernels import one_layer as one_layer_module
 
@@ -366,6 +366,51 @@ if schedule_dump and mk.chip(run.chip).kind == "tpu" and not run.checkpoint:
 # splits between the named phases. It does not give time: loops are listed once and DMA
 # latency is unknown. For time, a TPU profile.
 #
+# ## Exercise: add a scope and find its bundles
+#
+# A phase gets its own bundles (and, on a TPU, its own trace event) only inside a named
+# scope. `course.norm_then_matmul` is a small kernel: an RMS norm of x, then x @ w in a
+# scope named "matmul"; its norm is in no scope. `course.scoped_bundles` compiles it for
+# `chip` in a child process with the same dump flags (a patch made here would not reach
+# that process, so the kernel goes there as its source) and groups its bundles by scope;
+# `course.check_scope(found, "norm")` fails on it. **Predict**: will the norm list more or
+# fewer bundles than the matmul, and which units will its bundles use? Then **add** the
+# scope: the next hidden cell is a copy of the kernel; wrap its two norm lines in
+# `with jax.named_scope("norm"):` and find the norm's bundles in the dump.
+
+# %%
+scoped = mk.chip(run.chip).kind == "tpu" and schedule_dump
+plots.show_source(course.norm_then_matmul)
+if scoped:
+    given = course.scoped_bundles(course.norm_then_matmul, run.chip)
+    print("bundles per scope of the given kernel:", {k: len(v) for k, v in given.items()})
+    try:
+        course.check_scope(given, "norm")
+    except course.ExerciseFailed as caught:
+        print("the check:", caught)
+
+# %% [markdown]
+# Your copy, with the scope added (folded on the site; in Jupyter or Colab,
+# `course.reveal("08-scope")` explains what the bundles show):
+
+# %% tags=["hide-cell"]
+def my_kernel(x_ref, w_ref, o_ref):
+    with jax.named_scope("norm"):  # the added scope
+        x = x_ref[...]
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+    with jax.named_scope("matmul"):
+        o_ref[...] = jnp.dot(x.astype(w_ref.dtype), w_ref[...],
+                             preferred_element_type=jnp.float32)
+
+
+if scoped:
+    found = course.scoped_bundles(my_kernel, run.chip)
+    counts = {k: course.check_scope(found, k) for k in ("norm", "matmul")}
+    print(f"bundles per scope: {counts}; the norm's first bundles, their ops:")
+    display(plots.table([{"bundle": i, "ops": ", ".join(b.ops) or "(empty)"}
+                         for i, b in enumerate(found["norm"][:8])]))
+
+# %% [markdown]
 # ## On a TPU runtime
 #
 # Run this notebook on a Colab TPU: `backend="auto"` picks the hardware, the same

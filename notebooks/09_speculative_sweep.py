@@ -30,11 +30,13 @@
 #   (1 - a^(gamma+1)) / (1 - a) explain it?
 # - How do tokens/s per user = tau / (t_verify(gamma + 1 rows) + t_draft) move with tau,
 #   gamma, batch and the chip, and how do they compare with the published 350 / 709 / 1,515
-#   tokens/s (published with a mean acceptance length; real or forced drafts not stated)?
+#   tokens/s (published with a mean acceptance length, forced by the release's benchmark
+#   scripts)?
 #
 # Kernel runs here are TPU interpret mode on a CPU: their times say nothing about a TPU.
-# Every TPU or GPU time below is a modelled, conventional or simulated step in the words of
-# `mk.ledger.TERMS` (`mk.perf`, `mk.sim`); tau is measured (counted from real drafts).
+# Every TPU or GPU time below is a modelled, conventional or simulated step in the words
+# defined once in [notebook 00's ledger](00_decode_is_memory_bound.ipynb) (its section
+# "The ledger", `mk.ledger.TERMS`); tau is measured (counted from real drafts).
 
 # %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
@@ -83,7 +85,6 @@ allow_download: bool = False  # True lets hf_target / hf_draft download from the
 sweep_preset: str = "qwen3.5-27b"  # the model of the throughput sweep
 sweep_draft: str = "qwen3-0.6b"  # the sweep's draft model (a preset), "" for none
 sweep_context: int = 4096  # cached positions per sequence in the sweep
-published_context: int = 0  # cached positions assumed for the published runs (not stated)
 
 # %%
 import numpy as np
@@ -266,9 +267,9 @@ plots.show(fig)
 # ## Forced acceptance: the benchmarking device
 #
 # `data/published.csv` records the published 709 and 1,515 tokens/s as runs with a *mean*
-# acceptance length (6 for both); whether the drafts were real or forced is not stated
-# (`mk.ledger`'s note says so too). To study a given tau without a drafter that reaches it,
-# `drafter="forced"` keeps a fixed number of tokens per step losslessly: an oracle that
+# acceptance length (6 for both); the release's benchmark scripts force that acceptance
+# (the rows' source, and `mk.ledger`'s note). To study a given tau without a drafter
+# that reaches it, `drafter="forced"` keeps a fixed number of tokens per step losslessly: an oracle that
 # knows the target's greedy continuation spoils draft number L, so each step keeps exactly
 # L tokens (its own cost is not draft time). A mean tau of L and a forced tau of L give the
 # same tokens per verification step; they differ in the step-to-step spread.
@@ -360,20 +361,20 @@ display(widgets.interactive(
 #
 # From `mk.ledger`, under the assumptions it names once for notebooks 00, 09 and 11: batch 1,
 # T = 8 verification rows keeping the published mean tau, every device of the run sharing
-# the step, `published_context` cached positions (not published), no draft time. The
+# the step, each row's own context (the cached positions of the release's benchmark
+# scripts, `mk.perf.Published.context`), no draft time. The
 # model of each system: the simulated step for TPU rows (the ring's slots sized by Little's
 # law), the conventional step for the GB200 rows. Nothing is fitted; error = model /
-# published - 1.
+# published - 1. The words (published, HBM floor, modelled, simulated and conventional
+# step) are those of [notebook 00's ledger](00_decode_is_memory_bound.ipynb).
 
 # %%
-display(ledger.glossary("published", "HBM floor", "modelled step", "simulated step",
-                        "conventional step"))
-published = [r for r in ledger.entries(context=published_context, simulate_tpu=True,
-                                       speculative_only=True) if "modelled" in r]
+published = [r for r in ledger.entries(simulate_tpu=True, speculative_only=True)
+             if "modelled" in r]
 model_of = {r["run"]: ("simulated step", "simulated") if "simulated" in r
             else ("conventional step", "conventional") for r in published}
 comparison = [{
-    "run": r["run"], "published tok/s": f"{r['published']:,.0f}",
+    "run": r["run"], "S": r["context"], "published tok/s": f"{r['published']:,.0f}",
     "HBM floor tok/s": f"{r['hbm_floor']:,.0f}",
     "modelled step tok/s": f"{r['modelled']:,.0f} ({r['modelled_error']:+.0%})",
     "system model": model_of[r["run"]][0],

@@ -71,6 +71,7 @@ checkpoint: str = ""  # a local Hugging Face checkpoint folder; "" for random we
 tp: int = 2  # devices of the token check (virtual CPU devices)
 steps: int = 4  # greedy tokens of the token check
 draw_devices: int = 8  # devices in the collective pictures
+collective_layer: int = 4  # the 27B TP8 layer whose all-reduce after the MLP is drawn in time
 exercise_drop_all_reduce: bool = False  # the exercise: True skips the in-kernel all-reduce
 
 # %%
@@ -92,7 +93,7 @@ from tqdm.auto import tqdm
 
 import mk
 import mk.backend
-from mk import course, plots, reference, teach, tpu
+from mk import course, plots, reference, sim, teach, tpu
 from mk import tensor_parallel as tpar
 from mk.kernels import collectives
 from mk.kernels.plan import shard_config
@@ -226,6 +227,40 @@ print(f"TP8: {t8['message_rounds']} message rounds cost {t8['latency_ms']:.2f} m
 # At batch 8 the messages are small (160 KiB), so the latency term (the number of rounds)
 # dominates the collectives, not the bytes: that is why the all-reduce uses log2(n)-round
 # algorithms rather than a ring's n-1 rounds.
+#
+# ## The weight ring during an all-reduce (simulated)
+#
+# While the compute lane waits on an all-reduce, no tile is consumed, so the ring can only
+# fill: the DMA engine keeps loading the next tiles into the free slots, then HBM idles
+# until the collective returns. `mk.sim` replays the kernel's own schedule for the same
+# 27B TP8 shard at batch 8 (its plan's ring; the all-reduce timed by the ICI model above;
+# a simulation, not a TPU measurement). Below, the all-reduce after layer
+# `collective_layer`'s MLP: the compute lane blocked on it, the DMA lane's transfers (hover:
+# which matrix, how many tiles), and the HBM idle it causes.
+
+# %%
+big = mk.preset("qwen3.5-27b")
+shard = sim.simulate(big, mk.chip("tpu7x"), batch=8, context=4096, tp=8)
+found = [e for e in shard.events if e.what == "collective"]
+index = max(i for i, e in enumerate(found) if e.layer == collective_layer)  # after the MLP
+plots.show(plots.collective_timeline(shard, index=index))
+c = found[index]
+during = [e for e in shard.events
+          if e.lane == "dma" and e.end_s > c.start_s and e.start_s < c.end_s]
+display(plots.table([{
+    "DMA": e.what, "layer": e.layer, "transfers": e.count, "MiB": f"{e.bytes / 2**20:.3g}",
+    "from (µs into the all-reduce)": f"{(e.start_s - c.start_s) * 1e6:+.2f}",
+    "to (µs)": f"{(e.end_s - c.start_s) * 1e6:+.2f}"} for e in during]))
+last = max((e.end_s for e in during), default=c.start_s) - c.start_s
+length = c.end_s - c.start_s
+print(f"all-reduce {length * 1e6:.2f} µs; the tiles its {shard.block.slots}-slot ring had "
+      f"issued before it land until {min(last, length) * 1e6:.2f} µs into it"
+      + (f", then HBM idles {(length - last) * 1e6:.2f} µs" if last < length else ""))
+idle = shard.bubble_share().get("collective", 0.0)
+print(f"over the step: HBM idle on collectives {idle * 1e3:.3f} ms of a "
+      f"{shard.step_ms:.3f} ms step (simulated)")
+
+# %% [markdown]
 #
 # ## The token check on virtual devices
 #

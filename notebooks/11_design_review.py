@@ -25,7 +25,8 @@
 #
 # - Does the kernel fit (VMEM by buffer) and compile for the TPU, ahead of time?
 # - How many bytes and FLOPs does one step move, and what are its HBM floor, MXU floor
-#   and modelled step (the words of `mk.ledger.TERMS`)?
+#   and modelled step (the words defined once in
+#   [notebook 00's ledger](00_decode_is_memory_bound.ipynb))?
 # - Replayed on a model of the chip, where does the megakernel's own tile schedule leave
 #   HBM idle, and why?
 # - What does each design choice (ring depth, tile size, KV tile, cross-layer prefetch,
@@ -135,7 +136,7 @@ if not 0 <= xla_layers <= config.layers:
 #
 # The headline, from `mk.ledger` (the published row, and the same run's kernel as this
 # course compiles it, replayed by the simulator; "compiled-kernel step" and the other
-# words are defined in the glossary further down):
+# words are defined once in [notebook 00's ledger](00_decode_is_memory_bound.ipynb)):
 
 # %%
 published_costs_path = Path(mk.__file__).resolve().parent.parent / published_tile_costs
@@ -278,8 +279,8 @@ if report is not None and report.ok:
 # topology), recorded by `benchmarks/tile_costs.py` (the plan's ring for the chip: Little's
 # law at `ring_cover_s`, `RING_COVER_S` = 2 us and at tp > 1 one all-reduce more, fewer
 # slots where VMEM is short; simulated at a 1 us DMA latency; single-core rows B=1, T=1,
-# S=1024; published runs at the ledger's batch and rows; compile seconds on the 2-core
-# machine that recorded it). A ratio above 0.9 is a kernel whose TensorCore, not HBM, sets
+# S=1024; published runs at the ledger's batch, rows and each row's context; compile
+# seconds on the 2-core machine that recorded it, shared with other jobs). A ratio above 0.9 is a kernel whose TensorCore, not HBM, sets
 # the pace of weight streaming.
 
 # %%
@@ -359,9 +360,10 @@ display(plots.table([
 # `mk.perf.predict`: every weight read once (the experts the batch touches under uniform
 # routing), the KV cache read, plus the all-reduces of tensor parallelism; the MXU
 # floor charges every weight pass the MXU's rows (`mk.perf.mxu_floor_ms`, notebook 00b).
+# HBM floor, MXU floor, modelled and simulated step are the words of
+# [notebook 00's ledger](00_decode_is_memory_bound.ipynb).
 
 # %%
-display(ledger.glossary("HBM floor", "MXU floor", "modelled step", "simulated step"))
 display(plots.table([
     {"term": "weights read (all devices)", "value": f"{est.weight_bytes / 1e9:.4g} GB"},
     {"term": "KV read + written", "value": f"{est.kv_bytes / 1e9:.4g} GB"},
@@ -548,16 +550,15 @@ print(f"no speculation (T=1): {1 / one.step_s:,.0f} tokens/s per user simulated;
 #
 # Each published run against the models of `mk.ledger`, under the assumptions it names
 # once for notebooks 00, 09 and 11 (batch 1 where unstated, T = 8 verification rows,
-# context 0, every device in the tensor-parallel group): the modelled step, the simulated
-# step for TPU rows (the default ring, and one sized by Little's law), the conventional
-# step for GPU rows. The note says what the modelled run does not share with the published
-# one. The "compiled-kernel step" is the simulated step of the run's own compiled shard: the ring it
-# was compiled with and the per-tile issue time libtpu's bundles give it (the recorded
-# `--published` rows above), against the HBM floor.
+# each row's own context, every device in the tensor-parallel group): the modelled step,
+# the simulated step for TPU rows (the default ring, and one sized by Little's law), the
+# conventional step for GPU rows. The note says what the modelled run does not share with
+# the published one. The "compiled-kernel step" is the simulated step of the run's own
+# compiled shard: the ring it was compiled with and the per-tile issue time libtpu's
+# bundles give it (the recorded `--published` rows above), against the HBM floor. The
+# words are those of [notebook 00's ledger](00_decode_is_memory_bound.ipynb).
 
 # %% tags=["hide-input"]
-display(ledger.glossary("published", "HBM floor", "modelled step", "simulated step",
-                        "compiled-kernel step", "conventional step"))
 pub = ledger.entries(simulate_tpu=simulate_published, tile_costs=published_costs)
 
 

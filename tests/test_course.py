@@ -320,3 +320,29 @@ def test_default_megakernel_demo_of_09_accepts_drafts():
                              drafter=p["demo_drafter"], gamma=p["gamma"],
                              verifier="reference", max_context=p["context"], **options)
     assert stats.acceptance_length > 1, stats
+
+
+def _norm_in_its_scope(x_ref, w_ref, o_ref):
+    """08's exercise, done: course.norm_then_matmul with its norm in a scope "norm"."""
+    with jax.named_scope("norm"):
+        x = x_ref[...]
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+    with jax.named_scope("matmul"):
+        o_ref[...] = jnp.dot(x.astype(w_ref.dtype), w_ref[...],
+                             preferred_element_type=jnp.float32)
+
+
+def test_a_scope_added_to_the_kernel_has_its_own_bundles_in_the_dump():
+    """08's exercise both ways, compiled for v6e by libtpu with the dumps on: the given
+    kernel's norm lies in no scope (the check fails), the kernel with the scope added has
+    bundles in it, among them the norm's reciprocal square root; the matmul scope stays."""
+    given = course.scoped_bundles(course.norm_then_matmul)
+    with pytest.raises(course.ExerciseFailed, match="no bundle lies in a scope named 'norm'"):
+        course.check_scope(given, "norm")
+    done = course.scoped_bundles(_norm_in_its_scope)
+    assert course.check_scope(done, "norm") > 0 and course.check_scope(done, "matmul") > 0
+    ops = {op for b in done["norm"] for op in b.ops}
+    assert any("rsqrt" in op for op in ops), sorted(ops)
+    assert not any("rsqrt" in op for b in given.get("matmul", []) for op in b.ops)
+    with pytest.raises(ValueError, match="its source is compiled in a child process"):
+        course.scoped_bundles(eval("lambda x_ref, w_ref, o_ref: None"))

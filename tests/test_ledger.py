@@ -3,6 +3,10 @@ under one set of assumptions, in one vocabulary."""
 
 import dataclasses
 import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -45,7 +49,8 @@ def test_modelled_step_streams_hbm_beside_the_mxu_and_collectives_and_errors_agr
 def test_speculative_rows_verify_the_published_rows_on_every_core(rows):
     kimi = next(r for r in rows if r["system"] == "tpu7x" and r["tau"] == 6)
     assert (kimi["rows"], kimi["batch"]) == (ledger.VERIFY_ROWS, 1)
-    want = perf.predict(mk.preset("kimi-k3"), "tpu7x", batch=1, rows=8, context=0,
+    assert kimi["context"] == 1152  # the release's benchmark scripts (published.csv)
+    want = perf.predict(mk.preset("kimi-k3"), "tpu7x", batch=1, rows=8, context=1152,
                         tp=32, accepted=6)
     assert kimi["hbm_floor_ms"] == pytest.approx(want.hbm_floor_ms)
     assert kimi["preset"] == "kimi-k3" and "23 MLA layers" in kimi["note"]
@@ -56,7 +61,8 @@ def test_the_27b_row_is_the_hybrid_at_tp8_with_its_state_bytes_share(rows):
     """The release's "Qwen3.8-27B" is modelled as qwen3.5-27b (48 gated-DeltaNet layers): its
     row states the linear states' share of the step's bytes, which the floor counts."""
     qwen = next(r for r in rows if r["system"] == "tpu7x" and r["preset"] == "qwen3.5-27b")
-    e = perf.predict(mk.preset("qwen3.5-27b"), "tpu7x", batch=1, rows=8, context=0, tp=8,
+    assert qwen["context"] == 2048  # the release's benchmark scripts (published.csv)
+    e = perf.predict(mk.preset("qwen3.5-27b"), "tpu7x", batch=1, rows=8, context=2048, tp=8,
                      accepted=6)
     assert e.state_read_bytes > 0 and e.state_write_bytes == 8 * e.state_read_bytes
     assert qwen["state_share"] == pytest.approx(e.state_bytes / e.total_bytes)
@@ -65,6 +71,25 @@ def test_the_27b_row_is_the_hybrid_at_tp8_with_its_state_bytes_share(rows):
     assert qwen["published"] == 1515 and "gated-DeltaNet" in qwen["note"]
     kimi = [r for r in rows if r["preset"] == "kimi-k3" and "state_share" in r]
     assert kimi and all(0 < r["state_share"] < qwen["state_share"] for r in kimi)
+
+
+def test_each_row_is_modelled_at_its_own_context_and_an_unstated_one_is_noted(monkeypatch,
+                                                                               qwen27b_row):
+    """The ledger reads the context from the row (not a constant): the 27B run at its
+    2048 positions moves more KV bytes than the same row with context 0, and a row that
+    states no context is modelled at 0 with a note saying so."""
+    monkeypatch.setattr(ledger.perf, "published", lambda: (qwen27b_row,))
+    stated, = ledger.entries()
+    monkeypatch.setattr(ledger.perf, "published",
+                        lambda: (dataclasses.replace(qwen27b_row, context=0),))
+    zero, = ledger.entries()
+    monkeypatch.setattr(ledger.perf, "published",
+                        lambda: (dataclasses.replace(qwen27b_row, context=None),))
+    unstated, = ledger.entries()
+    assert (stated["context"], zero["context"], unstated["context"]) == (2048, 0, 0)
+    assert stated["hbm_floor_ms"] > zero["hbm_floor_ms"] == unstated["hbm_floor_ms"]
+    assert "context not published: S=0 assumed" in unstated["note"]
+    assert "context not published" not in stated["note"] + zero["note"]
 
 
 def test_a_row_whose_tp_is_not_every_core_is_refused(monkeypatch):
@@ -114,9 +139,10 @@ def test_a_recorded_per_tile_cost_gives_the_compiled_kernels_simulated_step(monk
                 slots=24, latency_us=1.0, tile_ns=600.0, dma_ns=355.0)
     r, = ledger.entries(simulate_tpu=True, tile_costs=[cost])
     want = mk.sim.simulate(
-        run.config, run.spec, batch=batch, rows=rows, context=0, tp=tp,
+        run.config, run.spec, batch=batch, rows=rows, context=run.context, tp=tp,
         block=dataclasses.replace(DecodePlan.make(run.config, batch=batch, rows=rows,
-                                                    tp=tp, position=0).block, slots=24),
+                                                    tp=tp, position=run.context).block,
+                                  slots=24),
         assumptions=mk.sim.Assumptions(dma_latency_s=1e-6, tile_issue_s=600e-9))
     assert r["compiled_ms"] == pytest.approx(want.step_ms)
     assert r["compiled_over_floor"] == pytest.approx(want.step_ms / r["hbm_floor_ms"])
@@ -174,3 +200,70 @@ def test_headline_states_the_kernel_against_the_release():
     assert "Kimi K3 on tpu7x, tau 6" in text and "simulated step" in text
     with pytest.raises(ValueError, match="no simulated row"):
         ledger.headline(ledger.entries(speculative_only=True))
+
+
+# -- One table of the words, in notebook 00; 09 and 11 link to it ------------------------------
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = ROOT / "notebooks"
+LEDGER_PAGE = "00_decode_is_memory_bound"
+NOTEBOOK_LINK = re.compile(r"\]\((\d\d[a-z]?_[a-z0-9_]+)\.ipynb\)")
+
+
+def test_the_words_are_shown_once_in_notebook_00_and_09_and_11_link_to_it():
+    """Notebook 00 shows every term (`glossary()`, no subset) in its section "The ledger";
+    no other notebook re-prints definitions, and 09 and 11 link to 00's page."""
+    shown = {p.stem: p.read_text(encoding="utf-8").count("ledger.glossary(")
+             for p in NOTEBOOKS.glob("[0-9][0-9]*.py")}
+    assert {k: v for k, v in shown.items() if v} == {LEDGER_PAGE: 1}
+    zero = (NOTEBOOKS / f"{LEDGER_PAGE}.py").read_text(encoding="utf-8")
+    assert "display(ledger.glossary())" in zero and "\n# ## The ledger" in zero
+    for stem in ("09_speculative_sweep", "11_design_review"):
+        text = (NOTEBOOKS / f"{stem}.py").read_text(encoding="utf-8")
+        assert LEDGER_PAGE in NOTEBOOK_LINK.findall(text), stem
+
+
+def test_a_notebook_link_names_a_notebook_whose_page_has_its_name():
+    """A link `[..](NN_topic.ipynb)` opens the notebook in Jupyter and, on the site, the
+    page myst makes of it: that page exists under that name only if the notebook's default
+    run is unlabelled (notebooks/runs.yaml), so a label added later is caught here."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import run_notebooks
+
+    linked = {stem for p in NOTEBOOKS.glob("[0-9][0-9]*.py")
+              for stem in NOTEBOOK_LINK.findall(p.read_text(encoding="utf-8"))}
+    assert LEDGER_PAGE in linked
+    targets = [NOTEBOOKS / f"{stem}.ipynb" for stem in sorted(linked)]
+    assert all(t.exists() for t in targets), targets
+    runs = run_notebooks.load_runs(NOTEBOOKS / "runs.yaml", targets)
+    first = {r.notebook.stem: r.name for r in reversed(runs)}
+    assert first == {stem: stem for stem in linked}
+
+
+def _site(folder: Path, *notebooks: tuple[str, str]) -> str:
+    """Build a two-page site with the project's Sphinx configuration (warnings as
+    errors); return the second page's HTML."""
+    import nbformat
+
+    folder.mkdir()
+    for name, text in notebooks:
+        nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(text)])
+        nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                     "language": "python"}
+        nbformat.write(nb, folder / f"{name}.ipynb")
+    toc = "\n".join(name for name, _ in notebooks)
+    (folder / "index.md").write_text(f"# Runs\n\n```{{toctree}}\n{toc}\n```\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "sphinx", "-b", "html", "-q", "-W", "-d",
+         str(folder / ".doctrees"), "-c", str(ROOT / "docs"), str(folder), str(folder / "site")],
+        capture_output=True, text=True, env=dict(os.environ, MK_MATHJAX="mathjax/x.js"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    return (folder / "site" / f"{notebooks[-1][0]}.html").read_text(encoding="utf-8")
+
+
+def test_a_notebook_link_is_the_pages_link_on_the_site_and_text_without_that_page(tmp_path):
+    link = f"See [notebook 00's ledger]({LEDGER_PAGE}.ipynb)."
+    both = _site(tmp_path / "both", (LEDGER_PAGE, "# Zero\n\n## The ledger\n"),
+                 ("09_speculative_sweep", f"# Nine\n\n{link}"))
+    assert f'href="{LEDGER_PAGE}.html"' in both
+    alone = _site(tmp_path / "alone", ("09_speculative_sweep", f"# Nine\n\n{link}"))
+    assert f'href="{LEDGER_PAGE}.html"' not in alone and "notebook 00" in alone
