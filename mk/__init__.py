@@ -1,6 +1,6 @@
 """mk: a TPU decode megakernel in JAX Pallas, built stage by stage and checked on CPU.
 
-Top-level names: `ModelConfig`, `preset` (`mk.presets.preset`), `chip`, `init_params`, `load_checkpoint`; modules
+Top-level names: `ModelConfig`, `preset`, `chip`, `init_params`, `load_checkpoint`; modules
 `mk.reference` (the pure-JAX oracle), `mk.quant` (int8, fp8, int4 and fp4 weight storage;
 `quantize` is `mk.quant.quantize`), `mk.megakernel` (the whole decode step in one
 kernel), `mk.perf` (bytes, FLOPs and the roofline), `mk.sim` (the megakernel's tile

@@ -973,8 +973,8 @@ def simulate(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows:
     bw = spec.hbm_bw / spec.cores_per_chip * a.hbm_share
     machine = _Machine(bw, a.dma_latency_s)
     kernel = _Kernel(plan.local, plan.stream, machine, m=plan.M, batch=batch, rows=rows,
-                     context=context, spec=spec, tp=plan.tp, formats=dict(plan.formats), experts_on=on,
-                     prefetch=cross_layer_prefetch, a=a, vocab=plan.vocab)
+                     context=context, spec=spec, tp=plan.tp, formats=dict(plan.formats),
+                     experts_on=on, prefetch=cross_layer_prefetch, a=a, vocab=plan.vocab)
     kernel.run()
     step_s = machine.finish()
     return Simulation(
