@@ -40,7 +40,7 @@ import jax.numpy as jnp  # noqa: E402
 import mk  # noqa: E402
 from mk import bundles, ledger, sim, tpu  # noqa: E402
 from mk.chips import chip as chip_spec  # noqa: E402
-from mk.kernels.plan import DecodePlan
+from mk.kernels.plan import DecodePlan, packed_formats  # noqa: E402
 
 
 def row(preset: str, chip: str, *, tp: int = 1, topology: str | None = None, batch: int,
@@ -50,17 +50,20 @@ def row(preset: str, chip: str, *, tp: int = 1, topology: str | None = None, bat
 
     cut_layers: when the whole model's weights do not fit one core's HBM (its VMEM plan
     does), measure the per-tile loops on its first `cut_layers` layers instead (the same
-    shard, tiles and ring: the loops do not depend on the layer count; experts stored
-    narrower than the ring, e.g. kimi-k3-like's FP4, in the ring's dtype) and simulate the
+    shard, tiles and ring: the loops do not depend on the layer count) and simulate the
     whole model with that cost; the row keeps `fits` false and the reason, and says
     `measured_on`. 0: no cut, such a row is not measured. A compile that fails is
-    recorded with the compiler's first line."""
+    recorded with the compiler's first line. A preset's `formats` the kernel does not
+    pack (`mk.kernels.plan.packed_formats`: at tp > 1, e.g. kimi-k3's FP4 experts) are
+    simulated as formats on the plain tiles and compiled in the config's dtype (the same
+    tiles and ring)."""
     config, spec = mk.preset(preset), chip_spec(chip)
     kw = dict(tp=tp, batch=batch, rows=rows, context=context)
     # what the simulator replays (every sequence `context` positions in, its cache just
-    # holding its rows) and the kernel compiles: the plan for the chip (its ring)
+    # holding its rows) and the kernel compiles: the plan for the chip (its ring; the
+    # kernel's own plan has the same tiles and ring, `measured` below)
     plan = DecodePlan.make(config, chip=spec, tp=tp, batch=batch, rows=rows,
-                           position=context)
+                           position=context, kernel=False)
     block, compiled = plan.block, dict(kw, context=plan.context)
     fit = plan.fits(spec)
     out = dict(preset=preset, chip=chip, **kw, topology=topology or spec.topology,
@@ -68,19 +71,20 @@ def row(preset: str, chip: str, *, tp: int = 1, topology: str | None = None, bat
                ring_KiB=block.slots * plan.stream.tile_bytes
                * jnp.dtype(config.dtype).itemsize / 1024,
                vmem_MiB=fit.vmem.total_bytes / 2**20 if fit.vmem else None, fits=fit.ok)
-    measured = config
+    measured, on = config, []
+    if dict(plan.formats) != packed_formats(config, tp, dict(plan.formats)):
+        measured = dataclasses.replace(config, formats=())  # what the kernel streams
+        on.append(f"{dict(config.formats)} in {config.dtype} (the kernel does not pack "
+                  f"them at tp={tp})")
     if not fit.ok:
         if fit.vmem is None or fit.hbm_bytes <= fit.hbm_limit_bytes or not cut_layers:
             return dict(out, error=fit.error)
-        measured = config.first_layers(cut_layers)
-        on = f"its first {cut_layers} of {config.layers} layers"
-        if measured.expert_dtype:
-            # The ring streams narrower experts only as mk.quant's packed formats, which
-            # tp > 1 refuses: Mosaic rejects a float4 -> bf16 slot DMA. Same tiles, wider.
-            measured = dataclasses.replace(measured, expert_dtype="")
-            on += f", experts in {config.dtype} instead of {config.expert_dtype}"
-        out |= dict(error=fit.error, measured_on=on + " (the whole shard does not fit one "
-                                                      "core's HBM)")
+        measured = measured.first_layers(cut_layers)
+        on.insert(0, f"its first {cut_layers} of {config.layers} layers (the whole shard "
+                     "does not fit one core's HBM)")
+        out["error"] = fit.error
+    if on:
+        out["measured_on"] = ", ".join(on)
     cost = bundles.measure(measured, spec, topology=topology, block=block, **compiled)
     if not cost.report.ok:
         return dict(out, fits=False, error=cost.report.error.splitlines()[0][:300])

@@ -44,7 +44,8 @@ if not _tpu_present():
 from mk import megakernel, perf, quant, reference, sim, tpu  # noqa: E402
 from mk.checkpoint import init_params, load_checkpoint  # noqa: E402
 from mk.chips import ChipSpec, chip  # noqa: E402
-from mk.config import ModelConfig, preset  # noqa: E402
+from mk.config import ModelConfig  # noqa: E402
+from mk.presets import preset  # noqa: E402
 from mk.quant import quantize  # noqa: E402
 
 __all__ = ["ChipSpec", "ModelConfig", "chip", "init_params", "load_checkpoint", "megakernel",

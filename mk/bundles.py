@@ -43,7 +43,8 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from mk.chips import ChipSpec, chip as chip_spec
-from mk.config import ModelConfig, preset
+from mk.config import ModelConfig
+from mk.presets import preset
 from mk.kernels.common import BlockSizes
 from mk.kernels.plan import DecodePlan
 from mk.sim import Assumptions

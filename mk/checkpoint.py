@@ -23,13 +23,15 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from mk import quant
-from mk.config import COMPUTE_DTYPES, ModelConfig, check_seed
+from mk.config import ModelConfig, check_seed
 from mk.errors import shown
 from mk.weights import FORMAT_GROUPS, hf_names, hf_scheme, layer_rows, param_shapes, weights_of
 
 
 def init_params(config: ModelConfig, seed: int = 0) -> dict[str, jax.Array]:
-    """Random parameters; the same (config, seed) always gives the same arrays.
+    """Random parameters in `config.dtype`; the same (config, seed) always gives the same
+    arrays. A config stored quantised (`config.formats`) gets them plain too:
+    `mk.quant.quantize(config, params, **dict(config.formats))` packs them.
 
     Each tensor's generator is seeded by (seed, its name), so adding a tensor never
     changes another.
@@ -39,9 +41,6 @@ def init_params(config: ModelConfig, seed: int = 0) -> dict[str, jax.Array]:
     minus `config.norm_offset`, except the gated DeltaNet's own norm, which has no offset).
     """
     seed = check_seed(seed)
-    if (config.expert_dtype or config.dtype) not in COMPUTE_DTYPES:
-        raise NotImplementedError(f"{config.name}: expert_dtype={config.expert_dtype!r} is "
-                                  "counted in byte budgets but has no random init")
     params = {}
     for name, (shape, dtype) in param_shapes(config).items():
         rng = np.random.default_rng([seed, zlib.crc32(name.encode())])

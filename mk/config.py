@@ -1,15 +1,15 @@
-"""Model descriptions: `ModelConfig`, the presets, and the dimension legend.
+"""Model descriptions: `ModelConfig`, its storage formats, and the dimension legend.
 
 Here: the frozen `ModelConfig` for Qwen3 / Qwen3-MoE-shaped decoders, Qwen3.5's hybrid
 (gated-DeltaNet linear attention + gated full attention) and Kimi Linear (MLA + Kimi Delta
 Attention + shared-expert MoE with a grouped sigmoid router), its derived sizes (KV or
 latent bytes per token, linear-attention state bytes per sequence; parameter counts and
-stored bytes are the weight table's, `mk.weights.param_count` and `stored_bytes`),
-`ModelConfig.from_hf` for Hugging Face `config.json` files and the named presets; the
-argument checks several modules share (`positive_int`, `check_seed`, `check_rows`). Not
-here:
-weights (`mk.checkpoint`), chips (`mk.chips`), notebook parameters (`mk.run`), kernel
-tiling (each kernel's `BlockSizes`).
+stored bytes are `mk.weights.param_count` and `mk.quant.stored_bytes`), how its weights
+are stored (`formats`, checked by `check_formats`: the one precision knob),
+`ModelConfig.from_hf` for Hugging Face `config.json` files; the argument checks several
+modules share (`positive_int`, `check_seed`, `check_rows`). Not here: the named presets
+(`mk.presets`), weights (`mk.checkpoint`), chips (`mk.chips`), notebook parameters
+(`mk.run`), kernel tiling (each kernel's `BlockSizes`).
 
 Dimension legend, used in every shape comment of the project:
 
@@ -46,20 +46,18 @@ import numpy as np
 from mk.errors import brief, shown
 from mk.kinds.checks import KIND_CHECKS, check_positive_ints
 
-# Bits per stored element; the byte accounting of every weight family reads this table.
-DTYPE_BITS = {
-    "float32": 32,
-    "bfloat16": 16,
-    "float16": 16,
-    "float8_e4m3fn": 8,
-    "int8": 8,
-    "float4_e2m1fn": 4,
-    "int4": 4,
-}
+# Bits per element of the dtypes weights, activations and caches are held in.
+DTYPE_BITS = {"float32": 32, "bfloat16": 16}
+# How weights may be stored instead: a `formats` dict {format group: scheme} (the one
+# precision knob: a `ModelConfig`'s default, or a caller's) stores each weight of a group
+# (`mk.weights.FORMAT_GROUPS`) packed in its `mk.quant` scheme, with scales; the others stay
+# in `dtype`. Data bits per value of each scheme (its scales are `mk.quant`'s layouts).
+SCHEME_BITS = {"int8": 8, "fp8": 8, "int4": 4, "fp4": 4}
+FORMAT_GROUP_NAMES = ("dense", "experts", "lm_head")
 # Token mixers a layer may have: full attention over a KV cache, or a gated DeltaNet.
 LAYER_TYPES = ("full", "linear")
-# Dtypes the reference and the kernels compute with; the others only count bytes.
-COMPUTE_DTYPES = ("float32", "bfloat16")
+# Dtypes the reference and the kernels compute with.
+COMPUTE_DTYPES = tuple(DTYPE_BITS)
 # M = B * T activation rows of one decode step (decode and speculative verification).
 MAX_ROWS = 64
 
@@ -91,6 +89,34 @@ def check_rows(batch: int, rows: int = 1) -> int:
     return batch * rows
 
 
+def check_formats(config: ModelConfig, formats) -> dict[str, str]:
+    """A `formats` dict ({format group: scheme or None}, or its items) checked against
+    `config` -> {group: scheme} of the groups stored quantised (None: left in `dtype`)."""
+    try:
+        items = dict(formats or {})
+    except (TypeError, ValueError):
+        raise ValueError(f"{config.name}: formats={brief(formats)} must be a dict "
+                         "{format group: scheme}") from None
+    chosen = {}
+    for group, scheme in items.items():
+        if group not in FORMAT_GROUP_NAMES:
+            raise ValueError(f"{config.name}: formats group={shown(group)} must be one of "
+                             f"{FORMAT_GROUP_NAMES} (mk.weights.FORMAT_GROUPS)")
+        if scheme is None:
+            continue
+        if scheme not in SCHEME_BITS:
+            raise ValueError(f"{config.name}: formats {group}={shown(scheme)} must be one of "
+                             f"{tuple(SCHEME_BITS)} or None")
+        if group == "experts" and not config.moe_layers:
+            raise ValueError(f"{config.name}: formats experts={scheme!r}: {config.name} has "
+                             "no experts")
+        if group == "lm_head" and config.tie_embeddings:
+            raise ValueError(f"{config.name}: formats lm_head={scheme!r}: {config.name} ties "
+                             "its lm_head to the embedding table, which stays in dtype")
+        chosen[group] = scheme
+    return chosen
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """A Qwen3-architecture decoder. Validates itself on construction."""
@@ -116,7 +142,6 @@ class ModelConfig:
     expert_ffn: int = 0  # Fe
     moe_layers: tuple[int, ...] = ()
     norm_topk: bool = False  # renormalise the top-k router weights to sum to 1
-    expert_dtype: str = ""  # storage dtype of expert weights; "" means `dtype`
     # Hybrid linear attention (Qwen3.5). Empty layer_types: every layer is full attention.
     layer_types: tuple[str, ...] = ()  # per layer, one of LAYER_TYPES
     linear_key_heads: int = 0  # Nk
@@ -140,6 +165,10 @@ class ModelConfig:
     expert_groups: int = 1  # sigmoid router: experts come from the best topk_groups groups
     topk_groups: int = 1
     routed_scale: float = 1.0  # routed_scaling_factor: multiplies the routed weights
+    # How the model's weights are stored (`check_formats`; a dict is kept as its sorted
+    # items): the byte model (mk.perf, mk.sim, the plan) charges it wherever a caller gives
+    # no formats of its own; () stores every weight in `dtype`.
+    formats: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
         check_positive_ints(self, ("vocab", "hidden", "layers", "heads", "kv_heads",
@@ -162,10 +191,9 @@ class ModelConfig:
         if self.dtype not in COMPUTE_DTYPES:
             raise ValueError(f"{self.name}: dtype={shown(self.dtype)} must be one of "
                              f"{COMPUTE_DTYPES}")
-        if self.expert_dtype and self.expert_dtype not in DTYPE_BITS:
-            raise ValueError(f"{self.name}: expert_dtype={shown(self.expert_dtype)} must be "
-                             f"one of {tuple(DTYPE_BITS)}")
         object.__setattr__(self, "moe_layers", tuple(int(i) for i in self.moe_layers))
+        object.__setattr__(self, "formats", tuple(sorted(check_formats(self, self.formats)
+                                                         .items())))
         self._validate_layer_types()
         for check in KIND_CHECKS:  # each layer kind's own fields
             check(self)
@@ -284,7 +312,8 @@ class ModelConfig:
         moe = tuple(i for i in self.moe_layers if i < n)
         # A cut with no MoE layer left is a dense model: no expert fields to validate.
         dense_only = {} if moe or not self.is_moe else dict(
-            experts=0, experts_per_token=0, expert_ffn=0, norm_topk=False, expert_dtype="")
+            experts=0, experts_per_token=0, expert_ffn=0, norm_topk=False,
+            formats=tuple((g, q) for g, q in self.formats if g != "experts"))
         kinds = self.layer_types[:n]
         # Likewise a cut with no linear layer left has no linear-attention fields.
         full_only = {} if "linear" in kinds or not self.is_hybrid else dict(
@@ -303,7 +332,9 @@ class ModelConfig:
 
     @property
     def expert_bits(self) -> int:
-        return DTYPE_BITS[self.expert_dtype or self.dtype]
+        """Data bits of one stored expert value (its `formats` scheme's, scales aside)."""
+        scheme = dict(self.formats).get("experts")
+        return SCHEME_BITS[scheme] if scheme else self.weight_bits
 
     @property
     def expert_params(self) -> int:
@@ -553,137 +584,3 @@ def _read_hf_dict(source) -> dict:
         raise ValueError(f"{path}: config.json holds a {type(hf).__name__}; expected a JSON "
                          "object of model fields")
     return hf
-
-
-# -- Presets ------------------------------------------------------------------------------
-def _qwen3(name, *, hidden, layers, heads, kv_heads, ffn, tie, **extra):
-    return ModelConfig(name=name, vocab=151_936, hidden=hidden, layers=layers, heads=heads,
-                       kv_heads=kv_heads, head_dim=128, ffn=ffn, rope_theta=1_000_000.0,
-                       tie_embeddings=tie, **extra)
-
-
-def _qwen3_5(name, *, hidden, layers, heads, kv_heads, ffn, linear_value_heads, **extra):
-    """A Qwen3.5 text model: 3 gated-DeltaNet layers for every full-attention layer."""
-    kinds = tuple("full" if (i + 1) % 4 == 0 else "linear" for i in range(layers))
-    return ModelConfig(name=name, vocab=248_320, hidden=hidden, layers=layers, heads=heads,
-                       kv_heads=kv_heads, head_dim=256, ffn=ffn, layer_types=kinds,
-                       linear_key_heads=16, linear_value_heads=linear_value_heads,
-                       linear_key_dim=128, linear_value_dim=128, conv_kernel=4,
-                       attn_output_gate=True, partial_rotary_factor=0.25, norm_offset=1.0,
-                       **extra)
-
-
-_PRESETS = {
-    # Tiny TPU-legal shapes (head dim 128, widths multiples of 128) that run on CPU in
-    # seconds; every test and notebook default uses them.
-    "tiny": lambda: ModelConfig(
-        name="tiny", vocab=512, hidden=256, layers=2, heads=4, kv_heads=2, head_dim=128,
-        ffn=512, rope_theta=10_000.0, dtype="bfloat16", max_position=4096, max_context=256),
-    "tiny-moe": lambda: ModelConfig(
-        name="tiny-moe", vocab=512, hidden=256, layers=3, heads=4, kv_heads=2, head_dim=128,
-        ffn=512, rope_theta=10_000.0, dtype="bfloat16", max_position=4096, max_context=256,
-        experts=8, experts_per_token=2, expert_ffn=128, moe_layers=(1, 2), norm_topk=True),
-    # Real shapes, from each model's config.json on the Hugging Face hub (Qwen/Qwen3-*).
-    "qwen3-0.6b": lambda: _qwen3("qwen3-0.6b", hidden=1024, layers=28, heads=16,
-                                 kv_heads=8, ffn=3072, tie=True),
-    "qwen3-1.7b": lambda: _qwen3("qwen3-1.7b", hidden=2048, layers=28, heads=16,
-                                 kv_heads=8, ffn=6144, tie=True),
-    "qwen3-4b": lambda: _qwen3("qwen3-4b", hidden=2560, layers=36, heads=32, kv_heads=8,
-                               ffn=9728, tie=True),
-    "qwen3-8b": lambda: _qwen3("qwen3-8b", hidden=4096, layers=36, heads=32, kv_heads=8,
-                               ffn=12288, tie=False),
-    # Qwen/Qwen3-30B-A3B: 48 layers, all MoE, 128 experts, top-8 renormalised, no shared
-    # expert.
-    "qwen3-30b-a3b": lambda: _qwen3(
-        "qwen3-30b-a3b", hidden=2048, layers=48, heads=32, kv_heads=4, ffn=6144, tie=False,
-        experts=128, experts_per_token=8, expert_ffn=768, moe_layers=tuple(range(48)),
-        norm_topk=True),
-    # Seed-scale stand-in for the release's "Kimi K3": 93 layers, hidden 7168, 896 experts,
-    # 16 per token, FP4 experts. The published model uses MLA / linear attention and a
-    # shared expert; it is modelled here as GQA (64 heads, 8 kv heads, head dim 128) with
-    # Kimi K2's first dense layer (FFN 18432), expert width 2048 and vocab 163840, no
-    # shared expert.
-    "kimi-k3-like": lambda: ModelConfig(
-        name="kimi-k3-like", vocab=163_840, hidden=7168, layers=93, heads=64, kv_heads=8,
-        head_dim=128, ffn=18_432, rope_theta=50_000.0, max_position=131_072,
-        experts=896, experts_per_token=16, expert_ffn=2048, moe_layers=tuple(range(1, 93)),
-        norm_topk=True, expert_dtype="float4_e2m1fn"),
-}
-
-# Qwen3.5 hybrids (gated DeltaNet + gated full attention): every module runs them (the
-# megakernel on one device or tensor parallel), so PRESET_NAMES holds them too.
-_HYBRID_PRESETS = {
-    # Tiny Qwen3.5 hybrid: linear, linear, full, linear (a linear layer last), TPU-legal.
-    "tiny-hybrid": lambda: ModelConfig(
-        name="tiny-hybrid", vocab=512, hidden=256, layers=4, heads=2, kv_heads=1,
-        head_dim=128, ffn=512, rope_theta=10_000.0, dtype="bfloat16", max_position=4096,
-        max_context=256, layer_types=("linear", "linear", "full", "linear"),
-        linear_key_heads=1, linear_value_heads=2, linear_key_dim=128, linear_value_dim=128,
-        conv_kernel=4, attn_output_gate=True, partial_rotary_factor=0.25, norm_offset=1.0),
-    # Qwen/Qwen3.5-27B (the hybrid the release's "Qwen3.8-27B" numbers are of), text model:
-    # shapes from its config.json as quoted by several public projects (not read from the
-    # hub here): 64 layers, hidden 5120, every 4th layer full attention (24 heads, 4 kv
-    # heads, head dim 256, output gate, RoPE on 1/4 of each head, theta 1e7), the others
-    # gated DeltaNet (16 key heads, 48 value heads, head dims 128, conv width 4), FFN 17408,
-    # vocab 248320, untied, context 262144.
-    "qwen3.5-27b": lambda: _qwen3_5("qwen3.5-27b", hidden=5120, layers=64, heads=24,
-                                    kv_heads=4, ffn=17_408, linear_value_heads=48,
-                                    rope_theta=10_000_000.0, max_position=262_144),
-    # A 9B Qwen3.5: transformers' Qwen3_5TextConfig defaults ("Qwen3.5-9B style" in its
-    # docstring): 32 layers, hidden 4096, 16 heads, 4 kv heads, 32 linear value heads,
-    # FFN 12288. 17.9 GB of bf16 weights: fits one v6e-1 chip (32 GB), not a v5e-1.
-    # rope_theta 1e7 is assumed (the 27B's; the defaults say 1e4).
-    "qwen3.5-9b": lambda: _qwen3_5("qwen3.5-9b", hidden=4096, layers=32, heads=16,
-                                   kv_heads=4, ffn=12_288, linear_value_heads=32,
-                                   rope_theta=10_000_000.0, max_position=262_144),
-}
-
-# Kimi Linear models (MLA + KDA + shared-expert MoE): the reference, the loader, the
-# megakernel (tensor-parallel too), mk.sim and mk.perf run them. They are listed apart
-# (KIMI_PRESET_NAMES), as "kimi-k3-like", their GQA stand-in, is in PRESET_NAMES.
-_KIMI_PRESETS = {
-    # Tiny Kimi Linear: KDA, KDA, MLA, KDA (a KDA layer last), a dense first layer, then
-    # MoE with a shared expert and two expert groups. Head dims 128 (MLA: nope 128 + 64).
-    "tiny-kimi": lambda: ModelConfig(
-        name="tiny-kimi", vocab=512, hidden=256, layers=4, heads=2, kv_heads=2,
-        head_dim=192, ffn=512, qk_norm=False, rope_theta=10_000.0, dtype="bfloat16",
-        max_position=4096, max_context=256, layer_types=("linear", "linear", "full", "linear"),
-        latent_rank=128, rope_dim=64, value_dim=128, linear_key_heads=2,
-        linear_value_heads=2, linear_key_dim=128, linear_value_dim=128, conv_kernel=4,
-        channel_decay=True, experts=8, experts_per_token=2, expert_ffn=128,
-        moe_layers=(1, 2, 3), norm_topk=True, shared_expert_ffn=128, router_score="sigmoid",
-        expert_groups=2, topk_groups=1, routed_scale=2.5),
-    # The release's "Kimi K3" as Kimi Linear. Published (the issue): 93 layers, hidden 7168,
-    # MLA every 4th layer (here layers 3, 7, ..., 91, Kimi-Linear-48B's 1-indexed
-    # full_attn_layers convention; the rest KDA), 896 experts, 16 per token, vocab 163840,
-    # FP4 experts. From Kimi K2's config.json (moonshotai/Kimi-K2-Instruct, as quoted
-    # publicly, not read here): 64 heads, q_lora_rank 1536, kv_lora_rank 512, qk_nope 128,
-    # qk_rope 64, v_head_dim 128, expert FFN 2048, one shared expert, one first dense layer
-    # of FFN 18432, routed_scaling_factor 2.827, renormalised top-k, rms eps 1e-6, 128K
-    # context. From Kimi-Linear-48B-A3B (transformers' KimiLinearConfig defaults): KDA head
-    # dim 128, conv width 4, n_group = topk_group = 1. ASSUMED: 64 KDA heads (K2's head
-    # count; Kimi-Linear-48B has 32 at hidden 2304), MLA without RoPE as in Kimi Linear.
-    "kimi-k3": lambda: ModelConfig(
-        name="kimi-k3", vocab=163_840, hidden=7168, layers=93, heads=64, kv_heads=64,
-        head_dim=192, ffn=18_432, qk_norm=False, rms_eps=1e-6, max_position=131_072,
-        layer_types=tuple("full" if (i + 1) % 4 == 0 else "linear" for i in range(93)),
-        latent_rank=512, q_rank=1536, rope_dim=64, value_dim=128, linear_key_heads=64,
-        linear_value_heads=64, linear_key_dim=128, linear_value_dim=128, conv_kernel=4,
-        channel_decay=True, experts=896, experts_per_token=16, expert_ffn=2048,
-        moe_layers=tuple(range(1, 93)), norm_topk=True, expert_dtype="float4_e2m1fn",
-        shared_expert_ffn=2048, router_score="sigmoid", routed_scale=2.827),
-}
-
-PRESET_NAMES = tuple(_PRESETS) + tuple(_HYBRID_PRESETS)
-HYBRID_PRESET_NAMES = tuple(_HYBRID_PRESETS)
-KIMI_PRESET_NAMES = tuple(_KIMI_PRESETS)
-
-
-def preset(name: str) -> ModelConfig:
-    """A named `ModelConfig`; `PRESET_NAMES`, `HYBRID_PRESET_NAMES` and `KIMI_PRESET_NAMES`
-    list them."""
-    presets = {**_PRESETS, **_HYBRID_PRESETS, **_KIMI_PRESETS}
-    if name not in presets:
-        raise ValueError(f"preset={name!r} does not exist; choose one of "
-                         f"{PRESET_NAMES + HYBRID_PRESET_NAMES + KIMI_PRESET_NAMES}")
-    return presets[name]()

@@ -64,7 +64,8 @@ from IPython.display import Markdown
 
 from mk import backend, bundles, megakernel, reference, spec, teach
 from mk.checkpoint import init_params
-from mk.config import ModelConfig, preset
+from mk.config import ModelConfig
+from mk.presets import preset
 from mk.kernels import attention_prologue, collectives, deltanet, mlp, one_layer, ring
 from mk.kernels.plan import DecodePlan
 

@@ -19,7 +19,8 @@ import dataclasses
 
 from mk import perf, plots
 from mk.chips import ChipSpec, chip as named_chip
-from mk.config import ModelConfig, preset as named_preset
+from mk.config import ModelConfig
+from mk.presets import preset as named_preset
 from mk.kernels.plan import shard_config
 from mk.sim import Assumptions, Simulation, simulate
 
@@ -256,9 +257,10 @@ def _explain(run: Run) -> str:
                      "layers, shapes from its config.json as quoted in mk.config) for the "
                      "release's 'Qwen3.8-27B'; the linear states are read once and written "
                      "after every verified row")
-    if config.expert_dtype:
+    if config.formats:
         cost = ", at the MXU rule's full cost per element" if spec.kind == "tpu" else ""
-        notes.append(f"experts stored as {config.expert_dtype} (the release's FP4){cost}")
+        stored = ", ".join(f"{group} as {scheme}" for group, scheme in config.formats)
+        notes.append(f"{stored} (mk.quant's packed data and scales; the release's FP4){cost}")
     Fe = config.expert_ffn
     width = shard_config(config, tp).expert_ffn if config.is_moe and tp > 1 else 0
     if width > Fe // tp:

@@ -2,14 +2,14 @@
 collectives of tensor parallelism, and the conventional one-kernel-per-op execution.
 
 Here: `predict(config, chip, ...)` -> `StepEstimate` (HBM bytes and FLOPs of one step of B
-sequences x T query rows over S cached positions, with a storage dtype per weight family,
+sequences x T query rows over S cached positions, with the weights' storage `formats`,
 split tp ways; the two floors t >= bytes / bandwidth and t >= FLOPs / peak; the all-reduces
 of tensor parallelism over ICI); `experts_touched`, `attainable_flops` and `roofline_curve`
 (the roofline itself); `allreduce_s` (one all-reduce); `conventional(...)` ->
 `ConventionalEstimate` (the same step as one kernel per op, each paying a launch gap);
 `mxu_floor_ms` (the compute floor with the MXU rule of `mk.sim`) and `modelled_step_ms`
 (max(HBM floor, MXU floor + the collectives));
-`family_dtypes` (storage dtype per weight family); `resident_bytes` / `min_chips`
+`resident_bytes` / `min_chips`
 (capacity); `published()` (the rows of data/published.csv; `mk.ledger` sets them against the
 models).
 
@@ -30,11 +30,14 @@ Assumptions, each stated where it is used:
   (`mk.kernels.plan.check_tp`). FLOPs are split evenly (each device computes FLOPs / tp).
 - Every byte crosses HBM once per step: weights and the S cached K/V positions are read
   once; the T new K/V rows are written once and attended from on-chip copies.
-- Weight families: "dense" (attention, dense MLP, router, embedding, lm_head) and
-  "experts" each have one storage dtype (`WEIGHT_DTYPES` names them: bf16, int8, fp8, int4,
-  fp4, ...); the KV cache stays in config.dtype. The dtype changes bytes only; which peak
-  bounds the matmuls is `compute` ("fp8" = a kernel that feeds 8- or 4-bit weights to the
-  MXU at its fp8/int8 rate, "bf16" = one that dequantises to bf16 first).
+- Weight storage: config.dtype, but the format groups of `formats` (the one precision
+  knob: {"dense" | "experts" | "lm_head": an mk.quant scheme}, default the config's own,
+  e.g. kimi-k3's FP4 experts) at their packed bytes plus scales per tile
+  (`mk.quant.tile_bytes`: FP4 0.5 + 1/32 bytes a value), at any tp (the kernel packs them
+  at tp = 1 only: `mk.kernels.plan.packed_formats`); the embedding, router, norms and KV
+  cache stay in theirs. Formats change bytes only; which peak bounds the matmuls is
+  `compute` ("fp8" = a kernel that feeds 8- or 4-bit weights to the MXU at its fp8/int8
+  rate, "bf16" = one that dequantises to bf16 first).
 - Routing: each of the B*T tokens picks X of E experts; "uniform" assumes independent,
   uniformly random choices (expected distinct experts E * (1 - (1 - X/E)^(B*T))),
   "shared" that all tokens pick the same X (the fewest bytes), "disjoint" that they
@@ -66,21 +69,18 @@ from numbers import Real
 import numpy as np
 
 from mk.chips import DATA, ChipSpec, chip as named_chip
-from mk.config import DTYPE_BITS, ModelConfig, positive_int
+from mk.config import DTYPE_BITS, ModelConfig, check_formats, positive_int
 from mk.kernels.collectives import PARTIAL_SUM_BYTES, allreduce_s
 from mk.kernels.one_layer import model_block
-from mk.kernels.plan import kv_layout, padded_vocab, shard_config, shard_weight_bytes
-from mk.weights import FAMILY, kind_of, names_of, param_shapes, stored_bytes
+from mk.kernels.plan import (kv_layout, packed_formats, padded_vocab, shard_config,
+                             shard_weight_bytes)
+from mk.quant import stored_bytes
+from mk.weights import FAMILY, kind_of, names_of, param_shapes
 
 PUBLISHED_CSV = DATA / "published.csv"
 ROUTINGS = ("uniform", "shared", "disjoint")
 COMPUTES = ("bf16", "fp8")  # which peak bounds the matmuls (fp8 = int8 on v5e/v6e/v5p)
 METRICS = ("per_user", "aggregate_as_published")
-WEIGHT_FAMILIES = ("dense", "experts")
-# Short names a reader types -> the storage dtypes of mk.config.DTYPE_BITS.
-WEIGHT_DTYPES = {"f32": "float32", "bf16": "bfloat16", "fp16": "float16",
-                 "fp8": "float8_e4m3fn", "int8": "int8", "fp4": "float4_e2m1fn",
-                 "int4": "int4"}
 KERNEL_GAP_S = 1.3e-6  # launch gap of one kernel in the conventional execution
 ACTIVATION_BYTES = 2  # bf16 activations between kernels and on the wire (one kernel per op)
 
@@ -90,20 +90,6 @@ def check_choice(field, value, choices):
     mk.sim's or mk.review's functions)."""
     if value not in choices:
         raise ValueError(f"{field}={value!r} must be one of {choices}")
-
-
-def family_dtypes(config: ModelConfig, overrides=None) -> dict[str, str]:
-    """Storage dtype of each weight family ("dense", "experts"): the config's own, with
-    `overrides` ({family: dtype}, short names like "fp4" allowed) on top."""
-    dtypes = {"dense": config.dtype, "experts": config.expert_dtype or config.dtype}
-    for family, dtype in dict(overrides or {}).items():
-        check_choice("weight family", family, WEIGHT_FAMILIES)
-        dtype = WEIGHT_DTYPES.get(dtype, dtype)
-        if dtype not in DTYPE_BITS:
-            raise ValueError(f"weight_dtypes[{family!r}]={dtype!r} must be one of "
-                             f"{tuple(WEIGHT_DTYPES)} or {tuple(DTYPE_BITS)}")
-        dtypes[family] = dtype
-    return dtypes
 
 
 # -- Collectives ---------------------------------------------------------------------------
@@ -195,7 +181,7 @@ class StepEstimate(_Throughput):
     attention_bytes: float  # q/k/v/o projections (and Qwen3.5's output gate), full layers
     dense_mlp_bytes: float  # dense SwiGLU layers
     router_bytes: float  # routers of MoE layers
-    expert_bytes: float  # the experts touched, at config.expert_bits
+    expert_bytes: float  # the experts touched, in their format
     embed_bytes: float  # the B*T gathered embedding rows (an XLA gather before the kernel)
     lm_head_bytes: float  # the [D, V] output projection, padded to whole tiles
     kv_read_bytes: float  # B * S cached positions
@@ -210,8 +196,7 @@ class StepEstimate(_Throughput):
     step_ms: float
     attainable_flops_per_chip: float  # where the step sits on its chip's roofline
     collective_ms: float = 0.0  # the tp all-reduces, on the compute lane's critical path
-    dense_dtype: str = "bfloat16"  # storage dtype of the dense weight family
-    expert_dtype: str = "bfloat16"  # storage dtype of the experts
+    formats: tuple[tuple[str, str], ...] = ()  # the format groups stored quantised
     norm_bytes: float = 0.0  # every norm vector (float32), the final norm included
     linear_bytes: float = 0.0  # a hybrid's gated-DeltaNet weights, every linear layer
     state_read_bytes: float = 0.0  # their conv and recurrent states, B sequences, once
@@ -219,7 +204,7 @@ class StepEstimate(_Throughput):
 
     @property
     def weight_bytes(self) -> float:
-        """Weight bytes read this step (not `mk.weights.stored_bytes`, the stored total)."""
+        """Weight bytes read this step (not `mk.quant.stored_bytes`, the stored total)."""
         return (self.attention_bytes + self.norm_bytes + self.dense_mlp_bytes
                 + self.router_bytes + self.expert_bytes + self.embed_bytes
                 + self.lm_head_bytes + self.linear_bytes)
@@ -287,32 +272,32 @@ def _validate_step(config, batch, rows, context, tp, accepted, routing, compute)
 
 def predict(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: int = 1,
             context: int | None = None, tp: int = 1, accepted: float | None = None,
-            routing: str = "uniform", compute: str = "bf16", weight_dtypes=None,
-            collectives: bool = True, formats=None) -> StepEstimate:
+            routing: str = "uniform", compute: str = "bf16", collectives: bool = True,
+            formats=None) -> StepEstimate:
     """Floors and collectives of one decode step of `config` on `tp` devices of `chip`.
 
     `context` defaults to config.max_context; `accepted` (tokens each sequence keeps per
-    step, e.g. a speculative acceptance length) defaults to `rows`; `weight_dtypes`
-    ({"dense": ..., "experts": ...}) overrides the config's storage dtypes;
+    step, e.g. a speculative acceptance length) defaults to `rows`;
     `collectives=False` leaves the all-reduces out (a pure floor); `formats`
-    ({"dense": "int8", ...}) streams those families in mk.quant's schemes, packed data
-    plus scales per tile of the default tiling (`mk.kernels.plan.shard_weight_bytes`).
+    ({"dense": "int8", ...}; default `config.formats`, {} for none) stores those groups
+    in mk.quant's schemes, packed data plus scales per tile of the default tiling
+    (`mk.kernels.plan.shard_weight_bytes`).
     """
     spec = named_chip(chip) if isinstance(chip, str) else chip
     context = config.max_context if context is None else context
     accepted = rows if accepted is None else accepted
     _validate_step(config, batch, rows, context, tp, accepted, routing, compute)
-    dtypes = family_dtypes(config, weight_dtypes)
+    formats = check_formats(config, config.formats if formats is None else formats)
     m = batch * rows  # M activation rows
-    wb = DTYPE_BITS[dtypes["dense"]] / 8
+    wb = DTYPE_BITS[config.dtype] / 8
     n_dense, n_moe = len(config.dense_layers), len(config.moe_layers)
     touched = (experts_touched(config.experts, config.experts_per_token, m, routing)
                if config.is_moe else 0.0)
     local = shard_config(config, tp)
-    block = model_block(local, formats=formats)
+    block = model_block(local, formats=packed_formats(config, tp, formats))
     vocab = padded_vocab(local, block)
-    family = {f: tp * b for f, b in shard_weight_bytes(local, vocab, touched, dtypes,
-                                                       formats, block).items()}
+    family = {f: tp * b for f, b in shard_weight_bytes(local, vocab, touched, formats,
+                                                       block).items()}
     embed_bytes = min(m, config.vocab) * config.hidden * wb
     kv_per_token = tp * local.kv_bytes_per_token  # kv heads replicated when tp > K
     kv_read_bytes = batch * context * kv_per_token
@@ -359,8 +344,8 @@ def predict(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: 
         hbm_floor_ms=hbm_floor_ms, compute_floor_ms=compute_floor_ms,
         step_ms=max(hbm_floor_ms, compute_floor_ms + collective_ms),
         attainable_flops_per_chip=attainable_flops(spec, flops / total_bytes, compute),
-        collective_ms=collective_ms, dense_dtype=dtypes["dense"],
-        expert_dtype=dtypes["experts"], linear_bytes=family["linear"],
+        collective_ms=collective_ms, formats=tuple(sorted(formats.items())),
+        linear_bytes=family["linear"],
         state_read_bytes=state_read_bytes, state_write_bytes=state_write_bytes)
 
 
@@ -439,12 +424,12 @@ def mxu_floor_ms(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, r
 def modelled_step_ms(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1,
                      rows: int = 1, context: int | None = None, tp: int = 1,
                      routing: str = "uniform", compute: str = "bf16",
-                     weight_dtypes=None) -> float:
+                     formats=None) -> float:
     """The modelled step (`mk.ledger.TERMS`): max(HBM floor, MXU floor + the collectives of
     tensor parallelism), ms: HBM streams beside the compute lane, whose matmuls and
-    all-reduces are serial. `weight_dtypes` changes the bytes (`predict`), not the MXU."""
+    all-reduces are serial. `formats` changes the bytes (`predict`), not the MXU."""
     kw = dict(batch=batch, rows=rows, context=context, tp=tp, routing=routing, compute=compute)
-    e = predict(config, chip, weight_dtypes=weight_dtypes, **kw)
+    e = predict(config, chip, formats=formats, **kw)
     return max(e.hbm_floor_ms, mxu_floor_ms(config, chip, **kw) + e.collective_ms)
 
 
@@ -498,7 +483,7 @@ class ConventionalEstimate(_Throughput):
 
 def conventional(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: int = 1,
                  context: int | None = None, tp: int = 1, accepted: float | None = None,
-                 routing: str = "uniform", compute: str = "bf16", weight_dtypes=None,
+                 routing: str = "uniform", compute: str = "bf16", formats=None,
                  gap_s: float = KERNEL_GAP_S) -> ConventionalEstimate:
     """The step of `predict` run as one kernel per op: per layer norm, QKV, QK-norm+RoPE,
     attention, output projection (a linear layer: its projections, the conv, the delta
@@ -509,8 +494,7 @@ def conventional(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, r
     are `predict`'s, split over ops; each op also reads and writes its activations."""
     spec = named_chip(chip) if isinstance(chip, str) else chip
     e = predict(config, spec, batch=batch, rows=rows, context=context, tp=tp,
-                accepted=accepted, routing=routing, compute=compute,
-                weight_dtypes=weight_dtypes)
+                accepted=accepted, routing=routing, compute=compute, formats=formats)
     if not gap_s >= 0:
         raise ValueError(f"gap_s={gap_s!r} must be >= 0 seconds")
     bw = spec.hbm_bw / spec.cores_per_chip

@@ -7,14 +7,17 @@ params -> a params dict whose quantised weights are `QuantWeight`s), `dequantize
 element decoders a kernel calls on one streamed tile (`unpack_nibbles`, `e4m3_values`,
 `e2m1_values`, `dequantize_tile`), `check_error` (every group's error against its scale's
 bound), `accuracy` (a quantised model's logits and greedy tokens against the bf16 model's)
-and `storage_bytes` / `group_bytes` (packed bytes plus scales), the kernel's tile layout
+and `storage_bytes` / `group_bytes` / `stored_bytes` (packed bytes plus scales; a model's
+own `formats` by default), `check_quantisable`, the kernel's tile layout
 (`tile_shapes`, `tile_bytes`, `tile_major`, `pad_columns`), `formats_of` (the scheme of
 each group of a params dict) and `schemes_of` (the scheme of each weight name). Not here:
 reading quantised Hugging Face checkpoints (`mk.checkpoint`), the ring that streams packed tiles (`mk.kernels.ring`).
 
 Which weights. The three format groups of `mk.weights.FORMAT_GROUPS` ("dense": attention's
 projections and the dense and shared-expert SwiGLUs; "experts"; "lm_head", an untied model
-only), each with one scheme or None (stays `config.dtype`). The embedding (B*T rows
+only), each with one scheme or None (stays `config.dtype`): a `formats` dict, the one
+precision knob (`mk.config.check_formats`; a `ModelConfig`'s own `formats` are its
+default, e.g. kimi-k3's FP4 experts). The embedding (B*T rows
 gathered per step), the router (small, and its top-k flips on a small error), norms and
 biases stay in `config.dtype`. Hybrid (linear-attention) models are not quantised.
 
@@ -93,11 +96,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from mk import reference
-from mk.config import DTYPE_BITS, ModelConfig
+from mk.config import DTYPE_BITS, SCHEME_BITS, ModelConfig, check_formats
 from mk.errors import shown
-from mk.weights import FORMAT_GROUPS, param_shapes
+from mk.weights import FORMAT_GROUPS, param_shapes, weights_of
 
-SCHEMES = ("int8", "fp8", "int4", "fp4")
+SCHEMES = tuple(SCHEME_BITS)  # each laid out as the module docstring says
 PACK_ROWS = 128  # rows of I packed together (low nibbles: first 64, high: last 64)
 # Rows of I sharing one scale (int8: all of I; fp8 also 128 columns of O).
 GROUP = {"int4": 128, "fp4": 32, "fp8": 128}
@@ -313,26 +316,15 @@ def quantize_weight(w, scheme: str, name: str = "weight") -> QuantWeight:
     return QuantWeight(pack_nibbles(q), jnp.asarray(code), scheme)
 
 
-def check_formats(config: ModelConfig, schemes: dict) -> dict[str, str]:
-    """{group: scheme or None} checked against `config` -> the groups to quantise."""
-    if config.is_hybrid and any(schemes.values()):
-        raise NotImplementedError(f"{config.name}: mk.quant does not quantise hybrid "
-                                  "(linear-attention) models")
-    chosen = {}
-    for group, scheme in schemes.items():
-        if group not in FORMAT_GROUPS:
-            raise ValueError(f"formats: group={group!r} must be one of "
-                             f"{tuple(FORMAT_GROUPS)} (mk.weights.FORMAT_GROUPS)")
-        if scheme is None:
-            continue
-        if scheme not in SCHEMES:
-            raise ValueError(f"{group}={scheme!r} must be one of {SCHEMES} or None")
-        if group == "experts" and not config.is_moe:
-            raise ValueError(f"experts={scheme!r}: {config.name} has no experts")
-        if group == "lm_head" and config.tie_embeddings:
-            raise ValueError(f"lm_head={scheme!r}: {config.name} ties its lm_head to the "
-                             "embedding table, which stays in config.dtype")
-        chosen[group] = scheme
+def check_quantisable(config: ModelConfig, formats) -> dict[str, str]:
+    """`formats` checked (`mk.config.check_formats`) and quantisable here -> {group:
+    scheme}: mk.quant does not quantise a hybrid (linear-attention) model's weights, so
+    neither `quantize` nor the megakernel's plan takes formats for one (the byte model
+    charges them: `mk.kernels.plan.DecodePlan.make(kernel=False)`)."""
+    chosen = check_formats(config, formats)
+    if config.is_hybrid and chosen:
+        raise NotImplementedError(f"{config.name}: formats={chosen}: mk.quant does not "
+                                  "quantise hybrid (linear-attention) models")
     return chosen
 
 
@@ -340,7 +332,7 @@ def quantize(config: ModelConfig, params: dict, *, dense: str | None = None,
              experts: str | None = None, lm_head: str | None = None) -> dict:
     """bf16 (or float32) params -> the same dict with each weight of a chosen group
     replaced by a `QuantWeight` in that group's scheme (None: left as it is)."""
-    chosen = check_formats(config, dict(dense=dense, experts=experts, lm_head=lm_head))
+    chosen = check_quantisable(config, dict(dense=dense, experts=experts, lm_head=lm_head))
     shapes = param_shapes(config)
     for group, scheme in chosen.items():  # every problem before any work
         for name in FORMAT_GROUPS[group]:
@@ -553,13 +545,12 @@ def storage_bytes(shape: tuple[int, ...], scheme: str | None, dtype: str = "bflo
             for part, a in (("data", q.data), ("scales", q.scale))}
 
 
-def group_bytes(config: ModelConfig, *, dense: str | None = None,
-                 experts: str | None = None, lm_head: str | None = None
-                 ) -> dict[str, dict[str, int]]:
+def group_bytes(config: ModelConfig, formats=None) -> dict[str, dict[str, int]]:
     """Stored bytes of each weight group ("dense", "experts", "lm_head" and "other": the
-    embedding, router and norms), {"data": ..., "scales": ...} each, with the chosen
-    schemes; `quantize(config, ..., same schemes)` gives arrays of exactly these sizes."""
-    chosen = check_formats(config, dict(dense=dense, experts=experts, lm_head=lm_head))
+    embedding, router and norms), {"data": ..., "scales": ...} each, with the groups of
+    `formats` ({group: scheme}; default `config.formats`) in their schemes;
+    `quantize(config, ..., same schemes)` gives arrays of exactly these sizes."""
+    chosen = check_formats(config, config.formats if formats is None else formats)
     group_of = {name: group for group, names in FORMAT_GROUPS.items() for name in names}
     totals = {group: {"data": 0, "scales": 0} for group in (*FORMAT_GROUPS, "other")}
     for name, (shape, dtype) in param_shapes(config).items():
@@ -568,3 +559,12 @@ def group_bytes(config: ModelConfig, *, dense: str | None = None,
         for part in ("data", "scales"):
             totals[group][part] += counted[part]
     return totals
+
+
+def stored_bytes(config: ModelConfig, kind: str | None = None) -> int:
+    """The bytes `config`'s weights take stored as its `formats` say (FP4: half a byte a
+    value plus a byte of scale per 32, `storage_bytes`), the rest in `config.dtype`; of
+    every kind or of `kind`'s weights only (`mk.weights.WEIGHTS`' kinds)."""
+    schemes = schemes_of(config.formats)
+    return sum(sum(storage_bytes(w.stacked(config), schemes.get(w.name), config.dtype)
+                   .values()) for w in weights_of(config) if kind is None or w.kind == kind)

@@ -18,7 +18,8 @@ import numpy as np
 
 from mk.backend import BACKENDS
 from mk.chips import CHIP_NAMES
-from mk.config import ModelConfig, check_rows, positive_int, preset as named_preset
+from mk.config import ModelConfig, check_rows, positive_int
+from mk.presets import preset as named_preset
 
 SCALARS = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,)}
 INJECTED = "# Parameters\n"  # the first line of the cell papermill injects

@@ -34,9 +34,11 @@ Modelling assumptions (`Assumptions` holds the numbers; none is fitted to a meas
   `tile_issue_s`, the TensorCore's issue time for one trip of the kernel's per-tile loop
   (`Ring.matmul`'s costliest: bundles per trip / clock, read from the compiled kernel by
   `mk.bundles`; 0, the default, leaves only the MXU rule).
-- Weight dtypes: the kernel streams config.dtype today; another storage dtype per family
-  (`mk.perf.family_dtypes`) models a kernel that streams tiles of that many bits and
-  dequantises them in VMEM, at the same MXU cost per tile.
+- Weight formats: a plan's `formats` (default the config's, e.g. kimi-k3's FP4 experts)
+  move each tile of their groups at `mk.quant.tile_bytes` (packed data and scales), at the
+  same MXU cost per tile; where the kernel does not pack them (tp > 1, a hybrid:
+  `mk.kernels.plan.packed_formats`) this models a kernel that streams the plain tiles so
+  packed and dequantises them in VMEM.
 - Vector work (norms, RoPE, softmax, SwiGLU, the router's top-k, argmax) runs at
   `vpu_flops_ratio` (1/64) of the MXU bf16 peak in elementwise ops/s, an assumption (not on
   any datasheet); it is small in decode. The expert compaction loop runs on the scalar
@@ -96,11 +98,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from mk import measure, perf
+from mk import measure, perf, quant
 from mk.chips import ChipSpec, chip as named_chip
-from mk.config import DTYPE_BITS, ModelConfig, positive_int
+from mk.config import DTYPE_BITS, ModelConfig, check_formats, positive_int
 from mk.kernels.common import BlockSizes
-from mk.kernels.mlp import EXPERT_WEIGHTS, expert_slots
+from mk.kernels.mlp import expert_slots
 from mk.kernels.plan import DecodePlan, family_of, little_slots
 from mk.kernels.ring import TileStream
 from mk.kinds.base import LAYER_PHASES
@@ -318,7 +320,7 @@ class _Kernel:
     step's frame here, each layer kind's part by its twin (`mk.kinds.base.Twin`)."""
 
     def __init__(self, config, stream: TileStream, machine: _Machine, *, m, batch, rows,
-                 context, spec, tp, dtypes, experts_on, prefetch, a: Assumptions,
+                 context, spec, tp, formats, experts_on, prefetch, a: Assumptions,
                  vocab: int):
         self.c, self.s, self.mc, self.a = config, stream, machine, a
         self.vocab = vocab  # the logits' columns (the shard's vocab, padded to tiles)
@@ -330,10 +332,12 @@ class _Kernel:
         self.vpu = spec.bf16_flops / spec.cores_per_chip * a.vpu_flops_ratio
         self.mxu = spec.mxu_rows
         self.spec = spec
-        bits = {"dense": DTYPE_BITS[dtypes["dense"]], "experts": DTYPE_BITS[dtypes["experts"]]}
-        self.tile_bytes = {s.name: stream.segment_tile_bytes(s, bits[
-            "experts" if s.name in EXPERT_WEIGHTS else "dense"] / 8)
-            for s in stream.segments + stream.tail}  # a quantised one's: packed + scales
+        schemes = quant.schemes_of(formats)  # packed, or charged so on plain tiles
+        item = DTYPE_BITS[config.dtype if config is not None else "bfloat16"] / 8
+        k, n = stream.block.tile_rows, stream.block.tile_cols
+        self.tile_bytes = {s.name: quant.tile_bytes(schemes[s.name], k, n) if s.name in
+                           schemes else stream.segment_tile_bytes(s, item)
+                           for s in stream.segments + stream.tail}
         self.landed: dict[int, float] = {}
         self.layer = 0  # the layer the kernel is in (for prefetch off)
         self.kinds = layer_kinds(config) if config is not None else ()
@@ -695,33 +699,34 @@ def _check_context(config: ModelConfig, context, rows: int) -> None:
 
 
 def latency_slots(config: ModelConfig, chip: ChipSpec | str, block: BlockSizes, *,
-                  weight_dtypes=None, assumptions: Assumptions | None = None) -> int:
+                  formats=None, assumptions: Assumptions | None = None) -> int:
     """Ring slots that keep HBM busy through one descriptor latency (Little's law): the
-    bytes in flight must cover bandwidth x latency with the smallest tile of the stream,
-    plus one slot being computed and one landing."""
+    bytes in flight must cover bandwidth x latency with the smallest tile of the stream
+    (in config.dtype or a scheme of `formats`, default the config's), plus one slot being
+    computed and one landing."""
     spec = named_chip(chip) if isinstance(chip, str) else chip
     a = assumptions or Assumptions()
-    dtypes = perf.family_dtypes(config, weight_dtypes)
-    bits = min(DTYPE_BITS[dtypes["dense"]], DTYPE_BITS[dtypes["experts"]]
-               if config.is_moe else 99)
-    tile_bytes = block.tile_rows * block.tile_cols * bits / 8
+    k, n = block.tile_rows, block.tile_cols
+    formats = check_formats(config, config.formats if formats is None else formats)
+    tile_bytes = min([k * n * DTYPE_BITS[config.dtype] / 8]
+                     + [quant.tile_bytes(scheme, k, n) for scheme in formats.values()])
     bw = spec.hbm_bw / spec.cores_per_chip * a.hbm_share
     return little_slots(bw, a.dma_latency_s, tile_bytes)
 
 
 def simulate(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: int = 1,
              context: int = 0, block: BlockSizes | None = None, tp: int = 1,
-             weight_dtypes=None, cross_layer_prefetch: bool = True,
+             cross_layer_prefetch: bool = True,
              routing: str = "uniform", experts_active: int | None = None,
              assumptions: Assumptions | None = None, formats=None) -> Simulation:
     """Replay one decode step of the megakernel (module docstring) on one device of `chip`:
     the `DecodePlan` of `DecodePlan.make(config, batch=, rows=, position=, tp=, block=,
-    formats=)` (formats: the mk.quant schemes of the families stored quantised).
+    formats=)` (formats: the mk.quant schemes of the groups stored quantised; default
+    the config's own, {} for none).
 
     context: the cached positions each sequence reads (its rows sit at positions context ..
     context + T - 1); block defaults to the plan's for this chip (`DecodePlan.make`: the ring
-    Little's law asks for at `mk.kernels.plan.ring_cover_s`); weight_dtypes as in
-    `mk.perf.predict`;
+    Little's law asks for at `mk.kernels.plan.ring_cover_s`);
     experts_active overrides the routing model (active expert slots per MoE layer).
     """
     spec = _tpu(chip)
@@ -732,7 +737,6 @@ def simulate(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows:
     plan = DecodePlan.make(config, batch=batch, rows=rows, position=context, tp=tp,
                            block=block, formats=formats, chip=spec, kernel=False)
     a = assumptions or Assumptions()
-    dtypes = perf.family_dtypes(config, weight_dtypes)
     on = 0
     if config.is_moe:
         on = experts_active if experts_active is not None else active_experts(
@@ -744,8 +748,8 @@ def simulate(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows:
     bw = spec.hbm_bw / spec.cores_per_chip * a.hbm_share
     machine = _Machine(bw, a.dma_latency_s)
     kernel = _Kernel(plan.local, plan.stream, machine, m=plan.M, batch=batch, rows=rows,
-                     context=context, spec=spec, tp=plan.tp, dtypes=dtypes, experts_on=on,
-                     prefetch=cross_layer_prefetch, a=a, vocab=plan.vocab)
+                     context=context, spec=spec, tp=plan.tp, formats=dict(plan.formats),
+                     experts_on=on, prefetch=cross_layer_prefetch, a=a, vocab=plan.vocab)
     kernel.run()
     step_s = machine.finish()
     return Simulation(
@@ -758,22 +762,20 @@ def simulate(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows:
 
 
 def replay_matmul(stream: TileStream, chip: ChipSpec | str, *, rows: int = 1,
-                  weight_dtype: str = "bfloat16", cross_layer_prefetch: bool = True,
+                  cross_layer_prefetch: bool = True,
                   assumptions: Assumptions | None = None) -> Simulation:
-    """Replay a stream of plain matmuls (every segment of every layer, then the tail):
-    the synthetic case. With N tiles of DMA time d = tile bytes / bandwidth, compute time
-    c, latency l and s >= 2 slots with l small enough, the step is l + N*d + c if c <= d
-    and l + d + N*c if c > d; with one slot it is N*(l + d + c)."""
+    """Replay a stream of plain matmuls (every segment of every layer, then the tail; bf16
+    tiles, or a quantised segment's packed ones): the synthetic case. With N tiles of DMA
+    time d = tile bytes / bandwidth, compute time c, latency l and s >= 2 slots with l
+    small enough, the step is l + N*d + c if c <= d and l + d + N*c if c > d; with one
+    slot it is N*(l + d + c)."""
     spec = _tpu(chip)
     positive_int("rows", rows)
-    weight_dtype = perf.WEIGHT_DTYPES.get(weight_dtype, weight_dtype)
-    if weight_dtype not in DTYPE_BITS:
-        raise ValueError(f"weight_dtype={weight_dtype!r} must be one of {tuple(DTYPE_BITS)}")
     a = assumptions or Assumptions()
     bw = spec.hbm_bw / spec.cores_per_chip * a.hbm_share
     machine = _Machine(bw, a.dma_latency_s)
     kernel = _Kernel(None, stream, machine, m=rows, batch=rows, rows=1, context=0,
-                     spec=spec, tp=1, dtypes={"dense": weight_dtype, "experts": weight_dtype},
+                     spec=spec, tp=1, formats={},
                      experts_on=0, prefetch=cross_layer_prefetch, a=a, vocab=0)
     kernel.run_matmuls()
     step_s = machine.finish()

@@ -51,7 +51,7 @@ from typing import Callable
 
 import jax
 
-from mk.config import DTYPE_BITS, ModelConfig
+from mk.config import FORMAT_GROUP_NAMES, ModelConfig
 
 # Which layers stack a kind's weights: a ModelConfig field (a count or a list of layers),
 # or "" for the model's own weights.
@@ -91,7 +91,6 @@ class Weight:
     quant: str | None = None
     hf: dict = dataclasses.field(default_factory=dict)
     when: Callable[[ModelConfig], object] | None = None
-    storage: str = "dense"  # "experts": stored in the config's expert dtype
 
     def __post_init__(self):
         for field, value, allowed in (("kind", self.kind, KIND_LAYERS),
@@ -123,10 +122,6 @@ class Weight:
         lead = (_layer_count(config, self.kind),) if KIND_LAYERS[self.kind] else ()
         return lead + self.shape(config)
 
-    def dtype(self, config: ModelConfig) -> str:
-        return config.expert_dtype or config.dtype if self.storage == "experts" \
-            else config.dtype
-
 
 def _layer_count(config: ModelConfig, kind: str) -> int:
     """How many layers stack `kind`'s weights in `config` (0 for the model's own)."""
@@ -134,9 +129,8 @@ def _layer_count(config: ModelConfig, kind: str) -> int:
     return layers if isinstance(layers, int) else len(layers)
 
 
-def _w(name, kind, shape, family, path, split, quant=None, hf=None, when=None,
-       storage="dense"):
-    return Weight(name, kind, shape, family, path, split, quant, hf or {}, when, storage)
+def _w(name, kind, shape, family, path, split, quant=None, hf=None, when=None):
+    return Weight(name, kind, shape, family, path, split, quant, hf or {}, when)
 
 
 def _qkv_parts(prefix, suffix):
@@ -252,15 +246,15 @@ WEIGHTS = (
        hf={"kimi": "block_sparse_moe.gate.e_score_correction_bias"},
        when=lambda c: c.router_score == "sigmoid"),
     _w("we_gate", "moe", lambda c: (c.experts, c.hidden, c.expert_ffn), "experts", "ring",
-       "ffn_columns", quant="experts", storage="experts",
+       "ffn_columns", quant="experts",
        hf={"qwen": "mlp.experts.{e}.gate_proj.weight",
            "kimi": "block_sparse_moe.experts.{e}.w1.weight"}),
     _w("we_up", "moe", lambda c: (c.experts, c.hidden, c.expert_ffn), "experts", "ring",
-       "ffn_columns", quant="experts", storage="experts",
+       "ffn_columns", quant="experts",
        hf={"qwen": "mlp.experts.{e}.up_proj.weight",
            "kimi": "block_sparse_moe.experts.{e}.w3.weight"}),
     _w("we_down", "moe", lambda c: (c.experts, c.expert_ffn, c.hidden), "experts", "ring",
-       "ffn_rows", quant="experts", storage="experts",
+       "ffn_rows", quant="experts",
        hf={"qwen": "mlp.experts.{e}.down_proj.weight",
            "kimi": "block_sparse_moe.experts.{e}.w2.weight"}),
     _w("ws_gate", "moe", lambda c: (c.hidden, c.shared_expert_ffn), "dense_mlp", "ring",
@@ -315,7 +309,7 @@ def weight(config: ModelConfig, name: str) -> Weight:
 def param_shapes(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
     """Name -> (shape, dtype) of every parameter of `config` (the layout of `mk.config`'s
     docstring: per-layer tensors stacked on a leading layer axis of their kind's layers)."""
-    return {w.name: (w.stacked(config), w.dtype(config)) for w in weights_of(config)}
+    return {w.name: (w.stacked(config), config.dtype) for w in weights_of(config)}
 
 
 def _by_name(field: str) -> dict[str, object]:
@@ -333,7 +327,7 @@ FORMAT_GROUP = {name: group for name, group in _by_name("quant").items() if grou
 # The format groups a `formats` dict names ({group: mk.quant scheme}): group -> the weights
 # stored in its scheme. Only these weights may be quantised.
 FORMAT_GROUPS = {group: tuple(n for n, g in FORMAT_GROUP.items() if g == group)
-                 for group in ("dense", "experts", "lm_head")}
+                 for group in FORMAT_GROUP_NAMES}
 
 
 def names(kind: str | None = None, *, family: str | None = None, path: str | None = None,
@@ -381,11 +375,3 @@ def layer_rows(config: ModelConfig, kind: str) -> tuple[tuple[int, int], ...]:
 def param_count(config: ModelConfig) -> int:
     """Every parameter of `config` (each expert, the embedding, an untied lm_head)."""
     return sum(math.prod(shape) for shape, _ in param_shapes(config).values())
-
-
-def stored_bytes(config: ModelConfig, kind: str | None = None) -> int:
-    """The bytes `config`'s weights take stored in their dtypes (`DTYPE_BITS`: FP4 experts
-    half a byte a value), of every kind or of `kind`'s weights only."""
-    bits = sum(math.prod(w.stacked(config)) * DTYPE_BITS[w.dtype(config)]
-               for w in weights_of(config) if kind is None or w.kind == kind)
-    return bits // 8

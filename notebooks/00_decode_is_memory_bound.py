@@ -60,7 +60,7 @@ if mk_spec is None or mk_spec.origin is None:
            "package: rename it or work in another directory" if mk_spec else ""))
 
 # %% tags=["parameters"]
-preset: str = "tiny"  # a name from mk.config.PRESET_NAMES
+preset: str = "tiny"  # a name from mk.presets.PRESET_NAMES
 batch: int = 1  # B, sequences decoded together
 rows: int = 1  # T, query rows per sequence in one step (1 is plain decode)
 context: int = 256  # S, cached positions per sequence (the KV cache's capacity)
@@ -75,8 +75,8 @@ import mk
 import mk.run
 from mk import ledger, perf, plots
 from mk.chips import all_chips
-from mk.config import PRESET_NAMES
-from mk.weights import stored_bytes
+from mk.presets import PRESET_NAMES
+from mk.quant import stored_bytes
 from IPython.display import display
 
 mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type

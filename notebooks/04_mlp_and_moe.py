@@ -60,7 +60,7 @@ if mk_spec is None or mk_spec.origin is None:
            "package: rename it or work in another directory" if mk_spec else ""))
 
 # %% tags=["parameters"]
-preset: str = "tiny"  # a name from mk.config.PRESET_NAMES
+preset: str = "tiny"  # a name from mk.presets.PRESET_NAMES
 batch: int = 1  # B, sequences decoded together
 rows: int = 1  # T, query rows per sequence in one step (1 is plain decode)
 context: int = 256  # S, cached positions per sequence (the KV cache's capacity)
@@ -115,7 +115,8 @@ print(f"M = B*T = {M} rows; dense SwiGLU of {dense_config.name}, MoE of {moe_con
 # $$n(M) = E\,\big(1 - (1 - X/E)^{M}\big),$$
 #
 # between X (every row agrees) and $\min(E, M X)$ (no two rows agree); `mk.perf.experts_touched`
-# computes all three. Bytes per MoE layer, at the expert dtype:
+# computes all three. Bytes per MoE layer, at the experts' data bits (`expert_bits`, a
+# preset's `formats`; scales aside):
 
 # %%
 def moe_layer_row(config, m):

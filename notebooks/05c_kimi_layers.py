@@ -68,7 +68,7 @@ if mk_spec is None or mk_spec.origin is None:
            "package: rename it or work in another directory" if mk_spec else ""))
 
 # %% tags=["parameters"]
-preset: str = "tiny-kimi"  # a name from mk.config.PRESET_NAMES
+preset: str = "tiny-kimi"  # a name from mk.presets.PRESET_NAMES
 batch: int = 2  # B, sequences decoded together
 rows: int = 2  # T, query rows per sequence in one step (1 is plain decode)
 context: int = 256  # S, cached positions per sequence (the KV cache's capacity)
@@ -103,7 +103,7 @@ run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context
 config, mode = run.config, mk.backend.resolve(run.backend)
 if not (config.is_mla and config.channel_decay and config.shared_expert_ffn):
     raise ValueError(f"preset={config.name!r} is not Kimi Linear (MLA, KDA and a shared "
-                     f"expert): choose one of {mk.config.KIMI_PRESET_NAMES}")
+                     f"expert): choose one of {mk.presets.KIMI_PRESET_NAMES}")
 B, T, S = run.batch, run.rows, run.context
 params = mk.load_checkpoint(run.checkpoint)[1] if run.checkpoint else mk.init_params(
     config, run.seed)
@@ -353,16 +353,19 @@ print(f"megakernel {np.asarray(got_tokens).tolist()}\nreference  "
 # the MLA and KDA heads, the low-rank wq_a and wkv_a whole on each, the latent cache whole
 # on each), its VMEM by buffer as the plan sizes it for the chip. The ring and the router
 # (E x D, DMA'd per MoE layer) dominate; MLA adds its loaded wq and wkv_b and a latent KV
-# ring (`k_tiles`: R + Hr values a row, padded to whole 128-lane tiles in VMEM):
+# ring (`k_tiles`: R + Hr values a row, padded to whole 128-lane tiles in VMEM). Its FP4
+# experts (the preset's `formats`) are charged packed, but the kernel does not pack them
+# at tp > 1 yet, so this is the plan the simulator replays (`kernel=False`):
 
 # %%
 k3_plan = DecodePlan.make(mk.preset(bytes_preset), tp=32, batch=1, rows=1,
-                               context=4096, chip=run.chip)
+                          context=4096, chip=run.chip, kernel=False)
 k3_fit, k3, local = k3_plan.fits(run.chip), k3_plan.config, k3_plan.local
 display(plots.table(k3_fit.vmem.rows()[:12]))
 print(f"a device: {local.heads} MLA heads, {local.linear_value_heads} KDA heads; each "
       f"expert's {k3.expert_ffn // k3_plan.tp} of {k3.expert_ffn} columns padded to "
-      f"{local.expert_ffn} lanes, stored as {k3.expert_dtype} (a byte a value in HBM)")
+      f"{local.expert_ffn} lanes, stored as {dict(k3.formats)['experts']} (half a byte a "
+      "value and a scale byte per 32 values in HBM)")
 print(f"{k3_plan.local.name}: {k3_fit.vmem.total_bytes / 2**20:.1f} MiB of VMEM in "
       f"{len(k3_fit.vmem.buffers)} buffers, {k3_plan.block.slots} ring slots of "
       f"{k3_plan.block.tile_rows} x {k3_plan.block.tile_cols}; HBM "

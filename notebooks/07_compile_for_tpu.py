@@ -59,7 +59,7 @@ if mk_spec is None or mk_spec.origin is None:
            "package: rename it or work in another directory" if mk_spec else ""))
 
 # %% tags=["parameters"]
-preset: str = "qwen3-8b"  # a name from mk.config.PRESET_NAMES
+preset: str = "qwen3-8b"  # a name from mk.presets.PRESET_NAMES
 batch: int = 8  # B, sequences decoded together
 rows: int = 1  # T, query rows per sequence in one step (1 is plain decode)
 context: int = 4096  # S, cached positions per sequence (the KV cache's capacity)

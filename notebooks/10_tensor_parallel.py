@@ -60,7 +60,7 @@ if mk_spec is None or mk_spec.origin is None:
            "package: rename it or work in another directory" if mk_spec else ""))
 
 # %% tags=["parameters"]
-preset: str = "tiny"  # a name from mk.config.PRESET_NAMES
+preset: str = "tiny"  # a name from mk.presets.PRESET_NAMES
 batch: int = 1  # B, sequences decoded together
 rows: int = 1  # T, query rows per sequence in one step (1 is plain decode)
 context: int = 256  # S, cached positions per sequence (the KV cache's capacity)
@@ -97,7 +97,7 @@ from mk import course, plots, reference, sim, teach, tpu
 from mk import tensor_parallel as tpar
 from mk.kernels import collectives
 from mk.kernels.plan import shard_config
-from mk.weights import stored_bytes
+from mk.quant import stored_bytes
 
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
@@ -296,16 +296,17 @@ targets = [("qwen3.5-27b", "tpu7x:2x2x1", "tpu7x"),  # TP8: 4 chips, 8 TensorCor
            ("qwen3-30b-a3b", "v5e:2x2", "v5e"),  # TP4: 4 chips
            ("qwen3-30b-a3b", "v5e:2x4", "v5e"),  # TP8: 8 chips
            ("kimi-k3-like", "tpu7x:2x2x4", "tpu7x")]  # TP32: 16 chips, 32 TensorCores
+# the kernel packs quantised weights on one device only: at TP it streams them in bf16
 reports = [tpu.compile_megakernel(mk.preset(name), chip_name, tp=len(tpu.devices(topology)),
-                                  topology=topology)
+                                  topology=topology, formats={})
            for name, topology, chip_name in tqdm(targets, desc="compiles")]
 for report in reports:
     print(report.summary())
 
 # %% [markdown]
 # Reading the reports: a shard's split MLP widths are padded with zeros to whole 128-lane
-# tiles, and JAX stores an FP4 weight in one byte. The widths and bytes behind the two
-# failures:
+# tiles, and `kimi-k3-like`'s FP4 experts are compiled in bf16. The widths and bytes
+# behind the two failures:
 
 # %%
 for name, t in (("qwen3-30b-a3b", 4), ("kimi-k3-like", 32)):
@@ -319,8 +320,8 @@ for name, t in (("qwen3-30b-a3b", 4), ("kimi-k3-like", 32)):
 # padded (with the KV cache and the replicated embedding); on eight it fits.
 # `kimi-k3-like`: `tpu7x:2x2x4` is a topology libtpu accepts (32 TensorCores), but
 # splitting each expert's width 32 ways leaves slivers narrower than a tile, and its FP4
-# experts take a byte each here; whole experts per device (expert parallelism) and packed
-# FP4 storage would make it fit, and neither is implemented.
+# experts stream in bf16 here; whole experts per device (expert parallelism) and packed
+# FP4 storage at tp > 1 would make it fit, and neither is implemented.
 #
 # **Takeaway:** tensor parallelism is the same kernel on a smaller model plus three
 # in-kernel collectives; a fixed summation order makes every device's residual stream

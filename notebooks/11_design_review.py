@@ -20,8 +20,8 @@
 # [Open in Colab](https://colab.research.google.com/github/mk-megakernel/mk/blob/v0.1.0/notebooks/11_design_review.ipynb)
 #
 # The page a kernel-design review reads. For one model (a preset or a checkpoint), one
-# chip, a batch B, T rows per sequence, a context, a tensor-parallel degree, weight dtypes
-# and block sizes, it answers:
+# chip, a batch B, T rows per sequence, a context, a tensor-parallel degree, the weights'
+# storage formats and block sizes, it answers:
 #
 # - Does the kernel fit (VMEM by buffer) and compile for the TPU, ahead of time?
 # - How many bytes and FLOPs does one step move, and what are its HBM floor, MXU floor
@@ -72,7 +72,7 @@ if mk_spec is None or mk_spec.origin is None:
            "package: rename it or work in another directory" if mk_spec else ""))
 
 # %% tags=["parameters"]
-preset: str = "tiny"  # a name from mk.config.PRESET_NAMES
+preset: str = "tiny"  # a name from mk.presets.PRESET_NAMES
 batch: int = 1  # B, sequences decoded together
 rows: int = 1  # T, query rows per sequence in one step (1 is plain decode)
 context: int = 256  # S, cached positions per sequence (the KV cache's capacity)
@@ -81,8 +81,8 @@ backend: str = "auto"  # "auto" (Mosaic on a TPU, else interpret), "interpret" o
 seed: int = 0  # seed of the random weights and inputs
 checkpoint: str = ""  # a local Hugging Face checkpoint folder; "" for random weights
 tp: int = 1  # tensor-parallel devices; the kernel reviewed is the shard of one device
-dense_dtype: str = ""  # attention/MLP/lm_head storage: bf16, int8, fp8, int4, fp4; "" keeps it
-expert_dtype: str = ""  # expert storage dtype, the same names; "" keeps it
+dense_format: str = ""  # attention/MLP storage: int8, fp8, int4, fp4, none; "" keeps the preset's
+expert_format: str = ""  # the experts' storage, the same names; "" keeps the preset's
 slots: int = 0  # weight ring slots; 0 for the plan's ring for the chip (Little's law)
 tile: int = 0  # square weight tile side; 0 for the plan's (largest cutting every matrix)
 kv_tile: int = 0  # cached positions per KV tile; 0 for min(256, context)
@@ -106,7 +106,7 @@ from IPython.display import display
 from mk import bundles, course, ledger, perf, plots, review, sim, xla_step
 from mk.chips import chip as chip_spec
 from mk.kernels.common import BlockSizes, VmemBudget
-from mk.kernels.plan import DecodePlan
+from mk.kernels.plan import DecodePlan, packed_formats
 
 mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
@@ -116,18 +116,21 @@ if spec.kind != "tpu":
     raise ValueError(f"chip={run.chip!r} is a {spec.kind}: the review compiles and simulates "
                      "a TPU core")
 config = run.config
-dtypes = {k: v for k, v in (("dense", dense_dtype), ("experts", expert_dtype)) if v}
+formats = mk.config.check_formats(config, dict(config.formats) | {  # the byte model's
+    g: None if f == "none" else f for g, f in (("dense", dense_format),
+                                               ("experts", expert_format)) if f})
+packed = packed_formats(config, tp, formats)  # the kernel's (tp = 1, not a hybrid)
 position = run.context - run.rows  # every sequence reads a full cache: the worst case
 default = DecodePlan.make(config, tp=tp, batch=run.batch, rows=run.rows,
-                          context=run.context, chip=spec).block
+                          context=run.context, chip=spec, formats=packed).block
 block = BlockSizes(slots=slots or default.slots, tile_rows=tile or default.tile_rows,
                    tile_cols=tile or default.tile_cols, kv_tile=kv_tile or default.kv_tile,
                    kv_slots=kv_slots or default.kv_slots)
 plan = DecodePlan.make(config, tp=tp, batch=run.batch, rows=run.rows, context=run.context,
-                       block=block)
+                       block=block, formats=packed)
 device = plan.local  # what one device's kernel holds
 step_args = dict(batch=run.batch, rows=run.rows, context=position, tp=tp,
-                 weight_dtypes=dtypes)
+                 formats=formats)
 if not 0 <= xla_layers <= config.layers:
     raise ValueError(f"xla_layers={xla_layers} must be in [0, layers={config.layers}]")
 
@@ -163,17 +166,18 @@ budget = VmemBudget("megakernel", tuple(plan.buffers.values()), spec.name, spec.
 fits = budget.total_bytes <= budget.limit_bytes
 # the compile, with libtpu's bundle dump read back: the kernel's cost per weight tile
 cost = bundles.measure(
-    dataclasses.replace(device, max_context=run.context), spec, batch=run.batch,
+    dataclasses.replace(device, max_context=run.context, formats=packed), spec,
+    batch=run.batch,
     rows=run.rows, context=run.context, block=block) if compile_for_tpu else None
 report = cost.report if cost else None
 est = perf.predict(config, spec, **step_args)
-floor_args = {k: v for k, v in step_args.items() if k != "weight_dtypes"}
+floor_args = {k: v for k, v in step_args.items() if k != "formats"}
 mxu_ms = perf.mxu_floor_ms(config, spec, **floor_args)
-modelled_ms = perf.modelled_step_ms(config, spec, weight_dtypes=dtypes, **floor_args)
+modelled_ms = perf.modelled_step_ms(config, spec, formats=formats, **floor_args)
 s = sim.simulate(config, spec, block=block, **step_args)
 share = s.bubble_share()
 top = list(share.items())[:3]
-need = sim.latency_slots(config, spec, block, weight_dtypes=dtypes)
+need = sim.latency_slots(config, spec, block, formats=formats)
 deep = sim.simulate(config, spec, block=dataclasses.replace(block, slots=need), **step_args)
 xla_config = config.first_layers(xla_layers) if xla_layers else config
 xla = xla_step.compile_step(xla_config, spec, batch=run.batch, rows=run.rows,
@@ -219,7 +223,8 @@ display(plots.table([
                           f"bf16 per device, VMEM {spec.vmem_bytes / 2**20:.0f} MiB"},
     {"": "step", "value": f"B={run.batch} T={run.rows}, cache S={run.context} (rows at "
                           f"position {position})"},
-    {"": "weight dtypes", "value": str(perf.family_dtypes(config, dtypes))},
+    {"": "weight formats", "value": f"{formats or 'none'} (the kernel packs "
+                                    f"{packed or 'none'}), the rest {config.dtype}"},
     {"": "block", "value": str(block)}]))
 
 # %% [markdown]
@@ -444,7 +449,7 @@ for what, x in saved.items():
 # linear row states) are waited for a layer later, when their buffer comes round again.
 
 # %% tags=["hide-input"]
-common = dict(weight_dtypes=dtypes, tp=tp, context=position)
+common = dict(formats=formats, tp=tp, context=position)
 sweeps = {
     "slots": review.sweep(config, spec, "slots", sorted({1, 2, 3, 4, 8, need, 2 * need}),
                           batch=run.batch, rows=run.rows, block=block, **common),
@@ -527,7 +532,7 @@ print(f"{xla.fusions / xla.layers:.1f} fusions per layer compiled (embedding and
 # %% tags=["hide-input"]
 verify = ledger.VERIFY_ROWS
 sim_t = sim.simulate(config, spec, block=block, **(step_args | {"rows": verify}))
-modelled_t = perf.modelled_step_ms(config, spec, weight_dtypes=dtypes,
+modelled_t = perf.modelled_step_ms(config, spec, formats=formats,
                                    **(floor_args | {"rows": verify})) / 1e3
 one = sim.simulate(config, spec, block=block, **(step_args | {"rows": 1}))
 curve = [{"tau": t, "simulated step tok/s/user": f"{t / sim_t.step_s:,.0f}",

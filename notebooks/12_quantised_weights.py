@@ -65,7 +65,7 @@ if mk_spec is None or mk_spec.origin is None:
            "package: rename it or work in another directory" if mk_spec else ""))
 
 # %% tags=["parameters"]
-preset: str = "tiny-moe"  # a name from mk.config.PRESET_NAMES
+preset: str = "tiny-moe"  # a name from mk.presets.PRESET_NAMES
 batch: int = 1  # B, sequences decoded together
 rows: int = 1  # T, query rows per sequence in one step (1 is plain decode)
 context: int = 256  # S, cached positions per sequence (the KV cache's capacity)
@@ -73,9 +73,9 @@ chip: str = "v5e"  # a name from mk.chips.CHIP_NAMES: the chip of rooflines and 
 backend: str = "auto"  # "auto" (Mosaic on a TPU, else interpret), "interpret" or "hardware"
 seed: int = 0  # seed of the random weights and inputs
 checkpoint: str = ""  # a local Hugging Face checkpoint folder; "" for random weights
-dense_dtype: str = "int8"  # storage of the dense projections: bf16, int8, fp8, int4 or fp4
-expert_dtype: str = "int4"  # storage of the experts (MoE models): bf16, int8, fp8, int4 or fp4
-lm_head_dtype: str = "int8"  # storage of an untied lm_head: bf16, int8, fp8, int4 or fp4
+dense_format: str = "int8"  # storage of the dense projections: bf16, int8, fp8, int4 or fp4
+expert_format: str = "int4"  # storage of the experts (MoE models): bf16, int8, fp8, int4, fp4
+lm_head_format: str = "int8"  # storage of an untied lm_head: bf16, int8, fp8, int4 or fp4
 accuracy_steps: int = 64  # greedy tokens of the accuracy comparison
 fit_batch: int = 8  # B of the per-preset byte and capacity tables
 fit_context: int = 4096  # S of the per-preset byte and capacity tables
@@ -93,7 +93,7 @@ from tqdm.auto import tqdm
 import mk
 import mk.run
 from mk import megakernel, perf, plots, quant
-from mk.config import PRESET_NAMES
+from mk.presets import PRESET_NAMES
 from mk.kernels.common import BlockSizes, dma_log
 from mk.kernels.plan import DecodePlan, capacity
 from mk.kernels.ring import Ring
@@ -103,8 +103,8 @@ mk.run.check_parameters(globals())  # papermill's -p names, every parameter's ty
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
 FORMATS = ("bf16", *quant.SCHEMES)
-for field, value in (("dense_dtype", dense_dtype), ("expert_dtype", expert_dtype),
-                     ("lm_head_dtype", lm_head_dtype)):
+for field, value in (("dense_format", dense_format), ("expert_format", expert_format),
+                     ("lm_head_format", lm_head_format)):
     perf.check_choice(field, value, FORMATS)
 
 
@@ -115,7 +115,7 @@ def schemes(config, dense, experts, lm_head):
                 lm_head=None if lm_head == "bf16" or config.tie_embeddings else lm_head)
 
 
-MIX = (dense_dtype, expert_dtype, lm_head_dtype)  # this run's formats, per family
+MIX = (dense_format, expert_format, lm_head_format)  # this run's formats, per family
 TABLE_FORMATS = {**{fmt: (fmt,) * 3 for fmt in FORMATS}, "mix": MIX}
 chosen = schemes(run.config, *MIX)
 print(f"{run.config.name}: B={run.batch} T={run.rows} S={run.context} on {run.chip}; {chosen}")
@@ -233,7 +233,7 @@ print(f"every element of {len(quantised)} quantised weights is within its format
 # (`quant.dequantize`, then the unchanged `mk.reference`). Both models read the bf16
 # model's greedy tokens (teacher forcing), and are compared at each of `accuracy_steps`
 # positions: relative RMS of the logits and the fraction of steps whose argmax agrees ("mix"
-# is this run's `dense_dtype`, `expert_dtype` and `lm_head_dtype`). The
+# is this run's `dense_format`, `expert_format` and `lm_head_format`). The
 # free-running common prefix is shown too: once one token differs the sequences part. These
 # are random weights, whose logits are flatter than a trained model's, so argmax flips more
 # easily; `tests/test_quant.py` measures the same on a transformers-written checkpoint.
@@ -289,8 +289,8 @@ fig.update_layout(title=f"HBM floor of one step on {run.chip} (B={fit_batch}, S 
 plots.show(fig)
 
 # %% [markdown]
-# The bf16 row of `kimi-k3-like` already stores its experts in fp4 (its config says so,
-# without scales): the formats replace that too.
+# A caller's `formats` replace a preset's own: the bf16 row stores `kimi-k3-like`'s experts
+# in bf16 too, though its preset stores them in fp4 (`formats={"experts": "fp4"}`).
 #
 # ## What fits which Colab chip
 #
@@ -406,10 +406,9 @@ for name in quantised:
 rms = {label: a.rel_rms for label, a in measured.items()}
 assert all(0 < r < 1 for r in rms.values()), rms
 assert max(rms["int8"], rms["fp8"]) < min(rms["int4"], rms["fp4"]), rms
-# Fewer bits per weight, fewer bytes per step (unless the config already stores fp4).
+# Fewer bits per weight, fewer bytes per step.
 for i, name in enumerate(QUANTISABLE):
-    if not mk.preset(name).expert_dtype:
-        assert floors["int4"][i] < floors["int8"][i] < floors["bf16"][i], name
+    assert floors["int4"][i] < floors["int8"][i] < floors["bf16"][i], name
 # The ring moved each format's tiles (two DMAs each when packed) and multiplied right.
 for row in wire_rows:
     fmt = row["format"]

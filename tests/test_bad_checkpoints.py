@@ -22,7 +22,8 @@ from builders import hf_config_dict, hf_tensors, save_hf_checkpoint, write_hf_fo
 import mk
 from mk import quant
 from mk.checkpoint import init_params, load_checkpoint
-from mk.config import ModelConfig, preset
+from mk.config import ModelConfig
+from mk.presets import preset
 
 TINY = preset("tiny")
 

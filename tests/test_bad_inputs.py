@@ -31,7 +31,8 @@ import mk  # noqa: F401  (sets the CPU platform before jax initialises)
 from mk import backend, megakernel, reference, spec, tpu
 from mk import tensor_parallel as tpar
 from mk.checkpoint import init_params, load_checkpoint
-from mk.config import ModelConfig, preset
+from mk.config import ModelConfig
+from mk.presets import preset
 from mk.kernels import collectives
 from mk.kernels.common import BlockSizes
 from mk.kernels.plan import DecodePlan, check_tp

@@ -141,7 +141,7 @@ PUBLISHED = RECORDED.parent / "published.json"
 def _resimulated(row, block=None):
     config, spec = mk.preset(row["preset"]), mk.chip(row["chip"])
     kw = dict(tp=row["tp"], batch=row["batch"], rows=row["rows"])
-    plan = DecodePlan.make(config, chip=spec, position=row["context"], **kw)
+    plan = DecodePlan.make(config, chip=spec, position=row["context"], kernel=False, **kw)
     return plan, sim.simulate(config, spec, block=block or plan.block, context=row["context"],
                               **kw,
                               assumptions=sim.Assumptions(

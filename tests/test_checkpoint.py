@@ -13,7 +13,7 @@ import pytest
 from builders import hf_config_dict, hf_tensors, save_hf_checkpoint, write_hf_folder
 
 from mk.checkpoint import hf_layout, init_params, load_checkpoint
-from mk.config import preset
+from mk.presets import preset
 from mk.weights import param_shapes
 
 # from_hf sets max_context = min(4096, max_position); tiny presets use max_position 4096.

@@ -4,8 +4,10 @@ import dataclasses
 
 import pytest
 
-from mk.config import PRESET_NAMES, ModelConfig, preset
-from mk.weights import param_count, stored_bytes
+from mk.config import ModelConfig
+from mk.presets import PRESET_NAMES, preset
+from mk.quant import stored_bytes
+from mk.weights import param_count
 
 
 def test_every_preset_builds():
@@ -38,11 +40,24 @@ def test_tiny_weight_bytes_by_hand():
     assert c.kv_bytes_per_token == 2 * 2 * 256 * 2
 
 
-def test_fp4_experts_count_half_a_byte_each():
-    c = preset("kimi-k3-like")
+def test_fp4_experts_count_half_a_byte_each_and_a_scale_byte_per_32():
+    c = preset("kimi-k3-like")  # formats={"experts": "fp4"}: mk.quant's packed MXFP4
+    assert c.formats == (("experts", "fp4"),) and c.expert_bits == 4
     layers = len(c.moe_layers)
-    experts = layers * c.experts * c.expert_params // 2
+    experts = layers * c.experts * c.expert_params * (16 + 1) // 32
     assert stored_bytes(c, "moe") == experts + layers * c.hidden * c.experts * 2  # + router
+    plain = dataclasses.replace(c, formats=())
+    assert stored_bytes(plain, "moe") == 2 * layers * (c.experts * c.expert_params
+                                                        + c.hidden * c.experts)
+
+
+def test_formats_are_kept_as_sorted_items_and_follow_a_cut_to_dense_layers():
+    c = dataclasses.replace(preset("tiny-moe"), formats={"experts": "int4", "dense": "int8",
+                                                         "lm_head": None})
+    assert c.formats == (("dense", "int8"), ("experts", "int4"))
+    assert hash(c) == hash(dataclasses.replace(c))
+    assert c.first_layers(1).formats == (("dense", "int8"),)  # layer 0 is dense
+    assert c.first_layers(2).formats == c.formats
 
 
 def test_unknown_preset_names_the_choices():
@@ -56,10 +71,19 @@ def test_unknown_preset_names_the_choices():
     (dict(max_context=5000), r"max_context=5000 exceeds max_position=4096"),
     (dict(dtype="int8"), r"dtype='int8' must be one of"),
     (dict(experts=4), r"moe_layers is empty"),
+    (dict(formats={"mlp": "int8"}), r"formats group='mlp' must be one of"),
+    (dict(formats={"dense": "int3"}), r"formats dense='int3' must be one of"),
+    (dict(formats={"experts": "fp4"}), r"experts='fp4': tiny has no experts"),
+    (dict(formats="fp4"), r"formats='fp4' must be a dict"),
 ])
 def test_bad_fields_are_named_in_the_error(change, message):
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(preset("tiny"), **change)
+
+
+def test_a_tied_lm_head_has_no_format_of_its_own():
+    with pytest.raises(ValueError, match="lm_head='int8'.*ties its lm_head"):
+        dataclasses.replace(preset("qwen3-0.6b"), formats={"lm_head": "int8"})
 
 
 def test_moe_layers_out_of_range_is_an_error():

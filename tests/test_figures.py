@@ -9,7 +9,6 @@ and the ring's Gantt; this module does not repeat them.
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 

@@ -27,7 +27,8 @@ from mk import linear_attention as la
 from mk import megakernel
 from mk import reference as R
 from mk import spec
-from mk.weights import param_count, param_shapes, stored_bytes
+from mk.quant import stored_bytes
+from mk.weights import param_count, param_shapes
 
 SLOW = pytest.mark.slow
 

@@ -341,9 +341,9 @@ def test_megakernel_t2_step_gives_the_reference_kda_row_states_race_free(tiny_ki
 
 # -- Config ---------------------------------------------------------------------------------
 def test_kimi_presets_build_beside_their_gqa_stand_in():
-    for name in mk.config.KIMI_PRESET_NAMES:
+    for name in mk.presets.KIMI_PRESET_NAMES:
         assert mk.preset(name).name == name
-    assert "kimi-k3-like" in mk.config.PRESET_NAMES  # the GQA stand-in stays for the kernel
+    assert "kimi-k3-like" in mk.presets.PRESET_NAMES  # the GQA stand-in stays for the kernel
 
 
 def test_kimi_k3_sizes():

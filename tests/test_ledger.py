@@ -165,7 +165,8 @@ def test_the_recorded_tile_costs_cover_every_published_tpu_run():
     """mk/data/tile_costs/published.json (benchmarks/tile_costs.py --published) holds one
     compiled kernel per TPU run of the ledger: a run added to published.csv without a
     recompile is caught here. A kernel that does not fit its core records why (the
-    kimi-k3 TP32 shard: its FP4 experts a byte each, their 64 columns padded to 128)
+    kimi-k3 TP32 shard: its experts' 64 columns padded to 128; the recorded runs counted
+    its FP4 a byte a value, the plan now counts mk.quant's packed half byte and scales)
     and is measured on a cut of its layers."""
     recorded = json.loads((Path(__file__).parent.parent / "mk" / "data" / "tile_costs"
                            / "published.json").read_text())

@@ -10,11 +10,13 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import mk
-from mk import perf
+from mk import perf, quant
 from mk.chips import all_chips, chip
-from mk.config import PRESET_NAMES
 from mk.kernels.one_layer import model_block
-from mk.weights import abstract_params, stored_bytes
+from mk.kernels.plan import shard_config
+from mk.presets import PRESET_NAMES
+from mk.quant import stored_bytes
+from mk.weights import abstract_params
 
 REAL_PRESETS = [n for n in PRESET_NAMES if not n.startswith("tiny")]
 DENSE_PRESETS = [n for n in REAL_PRESETS if not mk.preset(n).is_moe]
@@ -85,11 +87,16 @@ def test_tiny_moe_reads_only_the_experts_its_tokens_touch():
     assert two.router_bytes == 2 * 256 * 8 * 2
 
 
-def test_fp4_experts_count_four_bits_per_weight():
-    config = mk.preset("kimi-k3-like")
+def test_fp4_experts_count_four_bits_per_weight_and_a_scale_byte_per_32():
+    config = mk.preset("kimi-k3-like")  # formats={"experts": "fp4"}, mk.quant's MXFP4
     assert config.expert_bits == 4
-    e = perf.predict(config, "tpu7x", context=0, routing="shared")
-    assert e.expert_bytes == 92 * 16 * 3 * 7168 * 2048 / 2
+    for tp in (1, 32):  # charged at any tp (the kernel packs them at tp = 1 only)
+        e = perf.predict(config, "tpu7x", context=0, routing="shared", tp=tp)
+        Fe = shard_config(config, tp).expert_ffn * tp  # padded to 128 lanes a device
+        assert e.expert_bytes == 92 * 16 * 3 * 7168 * Fe * (1 / 2 + 1 / 32)
+        assert e.formats == (("experts", "fp4"),)
+    bf16 = perf.predict(config, "tpu7x", context=0, routing="shared", formats={})
+    assert bf16.expert_bytes == 92 * 16 * 3 * 7168 * 2048 * 2 and bf16.formats == ()
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-moe", "qwen3-0.6b", "qwen3-30b-a3b"])
@@ -305,33 +312,37 @@ def test_published_rows_carry_the_context_their_source_states():
 
 
 # -- Weight dtypes per family ---------------------------------------------------------------
-@pytest.mark.parametrize("dtype,bits", [("bf16", 16), ("int8", 8), ("fp8", 8), ("int4", 4),
-                                        ("fp4", 4), ("float8_e4m3fn", 8)])
-def test_dense_weight_dtype_scales_every_dense_family_and_leaves_kv_alone(dtype, bits):
+@pytest.mark.parametrize("scheme", quant.SCHEMES)
+def test_dense_formats_scale_every_dense_family_and_leave_embedding_and_kv_alone(scheme):
     config = mk.preset("tiny")
     bf16 = perf.predict(config, "v6e", batch=2, context=10)
-    e = perf.predict(config, "v6e", batch=2, context=10, weight_dtypes={"dense": dtype})
-    for field in ("attention_bytes", "dense_mlp_bytes", "embed_bytes", "lm_head_bytes"):
-        assert getattr(e, field) == getattr(bf16, field) * bits / 16, field
+    formats = {"dense": scheme, "lm_head": scheme}
+    e = perf.predict(config, "v6e", batch=2, context=10, formats=formats)
+    block = model_block(config, formats=formats)  # quantised weights are never transposed
+    k, n = block.tile_rows, block.tile_cols
+    per = quant.tile_bytes(scheme, k, n) / (k * n)  # packed data and scales
+    for field in ("attention_bytes", "dense_mlp_bytes", "lm_head_bytes"):
+        assert getattr(e, field) == pytest.approx(getattr(bf16, field) * per / 2), field
+    assert e.embed_bytes == bf16.embed_bytes and e.norm_bytes == bf16.norm_bytes
     assert e.kv_bytes == bf16.kv_bytes and e.flops == bf16.flops
 
 
-def test_expert_dtype_changes_only_the_expert_bytes():
+def test_expert_formats_change_only_the_expert_bytes():
     config = mk.preset("tiny-moe")
     bf16 = perf.predict(config, "v6e", context=0, routing="shared")
     fp4 = perf.predict(config, "v6e", context=0, routing="shared",
-                       weight_dtypes={"experts": "fp4"})
-    assert fp4.expert_bytes == bf16.expert_bytes / 4 == 2 * 2 * 3 * 256 * 128 / 2
+                       formats={"experts": "fp4"})
+    assert fp4.expert_bytes == bf16.expert_bytes * 17 / 64 == 2 * 2 * 3 * 256 * 128 * 17 / 32
     assert fp4.weight_bytes - fp4.expert_bytes == bf16.weight_bytes - bf16.expert_bytes
-    assert (fp4.dense_dtype, fp4.expert_dtype) == ("bfloat16", "float4_e2m1fn")
+    assert (fp4.formats, bf16.formats) == ((("experts", "fp4"),), ())
 
 
-@pytest.mark.parametrize("overrides,match", [
-    ({"attention": "bf16"}, "weight family='attention'"),
-    ({"experts": "fp2"}, "weight_dtypes\\['experts'\\]='fp2'")])
-def test_weight_dtypes_reject_unknown_families_and_dtypes(overrides, match):
+@pytest.mark.parametrize("formats,match", [
+    ({"attention": "int8"}, "formats group='attention'"),
+    ({"experts": "fp2"}, "formats experts='fp2'")])
+def test_formats_reject_unknown_groups_and_schemes(formats, match):
     with pytest.raises(ValueError, match=match):
-        perf.predict(mk.preset("tiny-moe"), "v6e", weight_dtypes=overrides)
+        perf.predict(mk.preset("tiny-moe"), "v6e", formats=formats)
 
 
 # -- Collectives ----------------------------------------------------------------------------

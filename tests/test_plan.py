@@ -22,9 +22,8 @@ from mk import backend, megakernel, perf, quant, reference, sim
 from mk import tensor_parallel as tpar
 from mk.kernels.collectives import tp_mesh
 from mk.kernels.common import BlockSizes, Cut, dma_log
-from mk.kernels.plan import (DTYPE_FAMILY, RING_COVER_S, WEIGHT_FAMILIES,
-                             DecodePlan, capacity, default_block, family_of, little_slots,
-                             shard_config)
+from mk.kernels.plan import (RING_COVER_S, WEIGHT_FAMILIES, DecodePlan, capacity,
+                             default_block, family_of, little_slots, shard_config)
 from multidevice import run
 
 POSITION = 37  # the one sequence's cached positions before its new row
@@ -155,6 +154,9 @@ def test_quantised_plans_refuse_what_is_not_built_by_name():
         DecodePlan.make(config, batch=1, context=256, formats={"dense": "int3"})
     with pytest.raises(ValueError, match="group='mlp'"):
         DecodePlan.make(config, batch=1, context=256, formats={"mlp": "int8"})
+    with pytest.raises(NotImplementedError, match="hybrid"):
+        DecodePlan.make(mk.preset("tiny-kimi"), batch=1, context=256,
+                        formats={"experts": "fp4"})
     plan = DecodePlan.make(config, batch=1, context=256, formats={"experts": "fp4"})
     assert {"ring", "ring_fp4", "ring_fp4_scales"} <= set(plan.buffers)
     assert plan.buffers["ring_fp4"].shape == (plan.block.slots, plan.block.tile_rows // 2,
@@ -173,7 +175,7 @@ def test_weight_bytes_are_the_shards_matrices_padded_and_the_norms_in_float32():
     assert bytes_["experts"] == len(local.moe_layers) * 2 * 3 * D * 128 * 2
     assert bytes_["norms"] == (local.layers * 2 * (D + local.head_dim) + D) * 4
     assert bytes_["lm_head"] == D * plan.vocab * 2
-    assert set(bytes_) == set(WEIGHT_FAMILIES) == set(DTYPE_FAMILY)
+    assert set(bytes_) == set(WEIGHT_FAMILIES)
 
 
 def test_every_buffer_is_named_once_and_the_scratch_comes_from_them():
@@ -207,6 +209,26 @@ def test_the_default_tiling_is_one_rule():
         plan.block)
 
 
+def test_a_presets_formats_are_charged_at_any_tp_and_packed_only_where_the_kernel_is():
+    """kimi-k3 stores its experts in FP4 (`formats`): a kernel plan refuses it at tp > 1
+    (sharding quantised weights is not built) and for a hybrid; the simulator's plan
+    (kernel=False) streams the plain tiles and charges every expert element mk.quant's
+    packed FP4 bytes, half a byte and a scale byte per 32; formats={} is bf16."""
+    k3 = mk.preset("kimi-k3").first_layers(2)
+    assert k3.formats == (("experts", "fp4"),)
+    with pytest.raises(ValueError, match="tp=32"):
+        DecodePlan.make(k3, tp=32, batch=1, context=256)
+    fp4 = DecodePlan.make(k3, tp=32, batch=1, context=256, kernel=False)
+    bf16 = DecodePlan.make(k3, tp=32, batch=1, context=256, formats={})
+    assert fp4.block == bf16.block and fp4.stream.schemes == ()  # plain tiles
+    assert dict(fp4.formats) == {"experts": "fp4"} and bf16.formats == ()
+    got, plain = fp4.weight_bytes(), bf16.weight_bytes()
+    assert got["experts"] == plain["experts"] / 2 * (1 / 2 + 1 / 32)
+    assert {f: b for f, b in got.items() if f != "experts"} == {
+        f: b for f, b in plain.items() if f != "experts"}
+    assert fp4.hbm_bytes() < bf16.hbm_bytes()
+
+
 @pytest.mark.parametrize("name, tp", [("qwen3-0.6b", 1), ("qwen3-4b", 1), ("qwen3-8b", 1),
                                       ("qwen3-30b-a3b", 1), ("qwen3.5-27b", 8),
                                       ("kimi-k3-like", 32)])
@@ -214,8 +236,8 @@ def test_a_shard_streams_tiles_of_a_mebibyte_or_more_cut_d_major(name, tp):
     """Every matrix of the shard is cut by one tile of >= 1 MiB of bf16 (issue 14: 128 x
     128, 32 KiB, was what divided both sides of every matrix of a TP shard): the
     row-sharded [narrow, D] ones transposed, every tile D rows or a divisor of D."""
-    config = mk.preset(name)
-    plan = DecodePlan.make(config, tp=tp, batch=1, context=1024)
+    config = mk.preset(name)  # kimi-k3-like's kernel at TP32 streams bf16 experts
+    plan = DecodePlan.make(config, tp=tp, batch=1, context=1024, formats={})
     block, D = plan.block, config.hidden
     assert block.tile_rows * block.tile_cols * 2 >= 2**20
     assert D % block.tile_rows == 0

@@ -111,13 +111,24 @@ def test_quantize_rejects_bad_families_and_shapes_by_name():
     tied = dataclasses.replace(TINY, tie_embeddings=True)
     with pytest.raises(ValueError, match="ties its lm_head"):
         mk.quantize(tied, mk.init_params(tied), lm_head="int8")
+    hybrid = mk.preset("tiny-hybrid")
+    with pytest.raises(NotImplementedError, match="does not quantise hybrid"):
+        mk.quantize(hybrid, mk.init_params(hybrid), dense="int8")
+
+
+def test_a_configs_own_formats_are_its_stored_bytes_and_group_bytes_default():
+    config = dataclasses.replace(TINY_MOE, formats={"experts": "fp4", "dense": "int8"})
+    groups = quant.group_bytes(config)
+    assert groups == quant.group_bytes(TINY_MOE, dict(config.formats))
+    assert quant.stored_bytes(config) == sum(sum(g.values()) for g in groups.values())
+    assert quant.stored_bytes(config) < quant.stored_bytes(TINY_MOE)
 
 
 @pytest.mark.parametrize("scheme", quant.SCHEMES)
 def test_group_bytes_equal_the_quantised_arrays(scheme):
     config = TINY_MOE
     qparams = quantise_all(config, mk.init_params(config), scheme)
-    counted = quant.group_bytes(config, dense=scheme, experts=scheme, lm_head=scheme)
+    counted = quant.group_bytes(config, dict(dense=scheme, experts=scheme, lm_head=scheme))
     for family, names in FORMAT_GROUPS.items():
         held = [qparams[n] for n in names if n in qparams]
         assert counted[family] == {"data": sum(q.data.nbytes for q in held),

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from mk import reference as R
-from mk.config import preset
+from mk.presets import preset
 from builders import tiny_moe_in_ci
 
 

@@ -13,7 +13,7 @@ import pytest
 import mk
 from mk import megakernel, perf, sim
 from mk.chips import chip
-from mk.config import PRESET_NAMES
+from mk.presets import PRESET_NAMES
 from mk.kernels.common import BlockSizes
 from mk.kernels.plan import DecodePlan, shard_config
 from mk.kernels.ring import TileStream
@@ -230,14 +230,15 @@ def test_simulate_rejects_bad_inputs_naming_field_and_value(kwargs, match):
         sim.simulate(mk.preset("tiny-moe"), kwargs.pop("chip"), **kwargs)
 
 
-def test_a_four_bit_stream_moves_a_quarter_of_the_bf16_bytes():
-    stream = TileStream.build(BlockSizes(slots=2, tile_rows=128, tile_cols=128),
-                              [("w", 512, 512)])
-    bf16 = sim.replay_matmul(stream, "v6e")
-    fp4 = sim.replay_matmul(stream, "v6e", weight_dtype="fp4")
-    assert fp4.dma_bytes == bf16.dma_bytes / 4 == 16 * 128 * 128 / 2
-    with pytest.raises(ValueError, match="weight_dtype='fp3'"):
-        sim.replay_matmul(stream, "v6e", weight_dtype="fp3")
+def test_a_packed_fp4_stream_moves_half_a_byte_a_value_and_a_scale_byte_per_32():
+    block = BlockSizes(slots=2, tile_rows=128, tile_cols=128)
+    bf16 = sim.replay_matmul(TileStream.build(block, [("w", 512, 512)]), "v6e")
+    fp4 = sim.replay_matmul(TileStream.build(block, [("w", 512, 512)], schemes={"w": "fp4"}),
+                            "v6e")
+    assert bf16.dma_bytes == 16 * 128 * 128 * 2
+    assert fp4.dma_bytes == 16 * 128 * 128 * (1 / 2 + 1 / 32) == bf16.dma_bytes * 17 / 64
+    with pytest.raises(ValueError, match="scheme='fp3'"):
+        TileStream.build(block, [("w", 512, 512)], schemes={"w": "fp3"})
 
 
 @pytest.mark.parametrize("name,kwargs", [("kimi-k3-like", dict(rows=8, tp=32)),
@@ -245,7 +246,7 @@ def test_a_four_bit_stream_moves_a_quarter_of_the_bf16_bytes():
 def test_fast_forwarded_bubbles_still_add_up_to_the_idle_time(name, kwargs):
     config = mk.preset(name).first_layers(2)
     for slots in (3, 16):
-        plan = DecodePlan.make(config, tp=kwargs["tp"], rows=8, position=0)
+        plan = DecodePlan.make(config, tp=kwargs["tp"], rows=8, position=0, kernel=False)
         block = dataclasses.replace(plan.block, slots=slots)
         s = sim.simulate(config, "tpu7x", block=block, **kwargs)
         idle = s.step_s - s.dma_bytes / s.hbm_bandwidth

@@ -274,16 +274,26 @@ def test_sharded_model_compiles_for_a_multi_chip_topology(name, topology, chip):
 
 def test_kimi_k3s_tp32_shard_compiles_on_its_first_layers_and_is_refused_whole_by_hbm():
     """One device's shard of Kimi K3 (Kimi Linear: MLA, KDA, a shared-expert MoE) at TP32
-    on 16 TPU7x chips: whole, it needs more HBM than a core has (FP4 experts a byte each,
-    their 64 columns a device padded to 128), reported with the numbers before any
-    compile; cut to its first 4 layers (3 KDA, 1 MLA; bf16 experts, as the tile-cost
-    benchmark measures it: Mosaic rejects a float4 slot DMA) it compiles, VMEM in budget."""
+    on 16 TPU7x chips: its FP4 experts (`formats`) are not packed by the kernel at tp > 1,
+    so the kernel is refused them; charged packed (the plan the simulator replays) the
+    shard needs more HBM than a core has (FP4 half a byte a value and a scale byte per 32,
+    their 64 columns a device padded to 128), and with bf16 experts far more, reported
+    with the numbers before any compile; cut to its first 4 layers (3 KDA, 1 MLA; bf16
+    experts, as the tile-cost benchmark measures it) it compiles, VMEM in budget."""
     k3 = mk.preset("kimi-k3")
-    whole = tpu.compile_megakernel(k3, "tpu7x", tp=32, topology="tpu7x:2x2x4", batch=1,
+    with pytest.raises(ValueError, match=r"formats=\{'experts': 'fp4'\} with tp=32"):
+        tpu.compile_megakernel(k3, "tpu7x", tp=32, topology="tpu7x:2x2x4", batch=1,
+                               context=4096)
+    packed = plan.DecodePlan.make(k3, tp=32, batch=1, context=4096, chip="tpu7x",
+                                  kernel=False)
+    assert re.search(r"need 1\d\d\.\d\d GiB of HBM, over the 94\.75 GiB",
+                     packed.fits("tpu7x").error)
+    bf16 = dataclasses.replace(k3, formats=())
+    whole = tpu.compile_megakernel(bf16, "tpu7x", tp=32, topology="tpu7x:2x2x4", batch=1,
                                    context=4096)
-    assert not whole.ok and re.search(r"need 2\d\d\.\d\d GiB of HBM, over the 94\.75 GiB",
+    assert not whole.ok and re.search(r"need 4\d\d\.\d\d GiB of HBM, over the 94\.75 GiB",
                                       whole.error)
-    cut = dataclasses.replace(k3.first_layers(4), expert_dtype="")
+    cut = bf16.first_layers(4)
     assert cut.layer_types == ("linear", "linear", "linear", "full") and cut.is_mla
     report = tpu.compile_megakernel(cut, "tpu7x", tp=32, topology="tpu7x:2x2x4", batch=1,
                                     context=4096)

@@ -4,7 +4,7 @@ import pytest
 
 import mk
 from mk import xla_step
-from mk.weights import stored_bytes
+from mk.quant import stored_bytes
 
 HLO = """HloModule m
 

@@ -8,10 +8,12 @@ holds, frozen:
     local         the shard one device holds, as a smaller `ModelConfig` (`shard_config`)
     batch, rows   B sequences x T rows each (M = B*T activation rows); context = S, the
                   cache capacity in positions
-    formats       {family: mk.quant scheme} of the weight families stored quantised
-                  ("dense", "experts", "lm_head"; `mk.quant.formats_of` a params dict):
-                  their segments stream packed tiles and scales (`mk.kernels.ring`), and
-                  every byte count below counts those (`mk.quant.tile_bytes`)
+    formats       {group: mk.quant scheme} of the format groups stored quantised
+                  ("dense", "experts", "lm_head"; default `config.formats`;
+                  `mk.quant.formats_of` a params dict): every byte count below counts
+                  them (`mk.quant.tile_bytes`), and where the kernel streams them packed
+                  (`packed_formats`: tp = 1, not a hybrid) their segments stream packed
+                  tiles and scales (`mk.kernels.ring`)
     block         the tiling (`default_block` unless given)
     stream        the `TileStream`: every weight tile of the step in program order
     buffers       every VMEM buffer by name (`Buffer`, with its group): the VMEM budget,
@@ -61,9 +63,9 @@ Here: the sharding model (`check_tp`, `shard_config`, `kv_heads_of`, `padded_wid
 `kv_layout` (a full layer's cache: K and V heads, or MLA's one latent row),
 `padded_vocab`, `default_block` (with `little_slots`, `ring_cover_s`, `kv_depth`),
 `model_stream`, `capacity`, `WEIGHT_FAMILIES`, `STEP_FAMILIES`, `family_of`,
-`shard_weight_bytes`, `QUANT_FAMILY`, `DecodePlan` (`DecodePlan.make`: the one way to make
-a plan), `Fit`. Not here: the kernel (`mk.megakernel`), the layer's phases
-(`mk.kinds.base.LAYER_PHASES`), sharding arrays (`mk.tensor_parallel`), time
+`packed_formats`, `shard_weight_bytes`, `QUANT_FAMILY`, `DecodePlan` (`DecodePlan.make`:
+the one way to make a plan), `Fit`. Not here: the kernel (`mk.megakernel`), the layer's
+phases (`mk.kinds.base.LAYER_PHASES`), sharding arrays (`mk.tensor_parallel`), time
 (`mk.sim`, `mk.perf`).
 """
 
@@ -77,7 +79,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mk import quant
 from mk.chips import ChipSpec, chip as named_chip
-from mk.config import DTYPE_BITS, ModelConfig, check_rows, positive_int
+from mk.config import DTYPE_BITS, ModelConfig, check_formats, check_rows, positive_int
 from mk.kernels.collectives import (MAX_INDEX, PARTIAL_SUM_BYTES, allreduce_s, check_devices,
                                     collective_buffers, collective_semaphores)
 from mk.kernels.common import (KV_TILE, LANES, SLOTS, VMEM_HEADROOM, VMEM_ROOM, BlockSizes,
@@ -100,9 +102,6 @@ STEP_FAMILIES = {"norms": ("norms", "qk_norms"),
                  "kv_read": ("k_tile", "v_tile"), "kv_write": ("k_write_back", "v_write_back"),
                  "state_read": ("state_load", "conv_load"),
                  "state_write": ("state_rows", "conv_rows")}
-# Storage dtype family of each weight family (mk.perf.family_dtypes); norms are float32.
-DTYPE_FAMILY = {"attention": "dense", "dense_mlp": "dense", "router": "dense",
-                "lm_head": "dense", "experts": "experts", "norms": None, "linear": "dense"}
 # The format group (`mk.weights.FORMAT_GROUPS`) of each byte family that holds quantisable
 # weights; the router and the norms stay in their dtypes.
 QUANT_FAMILY = {FAMILY[name]: group for name, group in FORMAT_GROUP.items()}
@@ -263,27 +262,32 @@ def capacity(positions: int) -> int:
     return S if S <= KV_TILE else -(-S // KV_TILE) * KV_TILE
 
 
-def shard_weight_bytes(local: ModelConfig, vocab: int, experts: float,
-                       dtypes=None, formats=None, block: BlockSizes | None = None
-                       ) -> dict[str, float]:
+def packed_formats(config: ModelConfig, tp: int, formats: dict[str, str]
+                   ) -> dict[str, str]:
+    """The `formats` whose packed tiles the megakernel's ring streams: all on one device
+    for a model `mk.quant` quantises; none at tp > 1 (not built yet, issue 34) or for a
+    hybrid, where `mk.perf` and the simulator's plans charge their bytes on plain tiles."""
+    return dict(formats) if tp == 1 and not config.is_hybrid else {}
+
+
+def shard_weight_bytes(local: ModelConfig, vocab: int, experts: float, formats=None,
+                       block: BlockSizes | None = None) -> dict[str, float]:
     """Bytes each weight family moves in one step on one device holding `local` (a
     `shard_config`), as the kernel streams them: every matrix of the shard (widths padded
     to tiles), the lm_head's `vocab` columns (padded to tiles), the norm vectors in
-    float32, `experts` active experts per MoE layer. `dtypes`: storage dtype per dtype
-    family ({"dense": ..., "experts": ...}; default the config's); `formats`: the
-    mk.quant scheme of the families stored quantised (`DecodePlan`), whose tiles of
-    `block` carry their scales. What `DecodePlan`, `mk.sim` (through the plan) and
-    `mk.perf` count."""
-    per = _bytes_per_element(local, dtypes, formats, block)
+    float32, `experts` active experts per MoE layer; in `local.dtype` but the families of
+    `formats` ({group: mk.quant scheme}; default `local.formats`), whose tiles of `block`
+    carry their scales (`mk.quant.tile_bytes`: FP4 half a byte a value and a byte of
+    scale per 32). What `DecodePlan`, `mk.sim` (through the plan) and `mk.perf` count."""
+    per = _bytes_per_element(local, formats, block)
     return {f: n * per[f] for f, n in _weight_elements(local, vocab, experts).items()}
 
 
-def _bytes_per_element(local: ModelConfig, dtypes=None, formats=None,
+def _bytes_per_element(local: ModelConfig, formats=None,
                        block: BlockSizes | None = None) -> dict[str, float]:
-    """Streamed bytes per weight element of each weight family (`shard_weight_bytes`)."""
-    c, formats = local, quant.check_formats(local, dict(formats or {}))
-    dtypes = dtypes or {"dense": c.dtype, "experts": c.expert_dtype or c.dtype}
-    per = {f: 4 if d is None else DTYPE_BITS[dtypes[d]] / 8 for f, d in DTYPE_FAMILY.items()}
+    """Bytes per weight element of each weight family (`shard_weight_bytes`)."""
+    formats = check_formats(local, local.formats if formats is None else formats)
+    per = {f: 4 if f == "norms" else DTYPE_BITS[local.dtype] / 8 for f in WEIGHT_FAMILIES}
     for family, scheme in formats.items():
         if block is None:
             raise ValueError(f"formats={formats}: quantised bytes need the tiling (block)")
@@ -368,8 +372,9 @@ class DecodePlan:
         simulator replays). Checks every limit of the step before anything is traced: tp
         splits the model, M = B*T is in [1, MAX_ROWS], the tiles divide every matrix of
         the shard, the KV tile divides the cache and holds the T rows, the quantised
-        `formats` hold whole groups per tile (and tp = 1: sharding quantised weights is
-        not built). Without a block, the tiling is `default_block`'s (for `chip`: a ring sized by Little's
+        `formats` (default `config.formats`; {} for none) hold whole groups per tile
+        (and, for a kernel, `packed_formats` packs them all: tp = 1 and not a hybrid).
+        Without a block, the tiling is `default_block`'s (for `chip`: a ring sized by Little's
         law). The megakernel's ring needs >= 2 slots (a tile loads while another
         computes) and a linear layer's conv_kernel >= 2 (`check_conv_kernel`);
         `kernel=False` makes a plan only the simulator replays, which may have neither."""
@@ -390,13 +395,17 @@ class DecodePlan:
                 * block.kv_tile
         context = positive_int("context", context)
         spec = named_chip(chip) if isinstance(chip, str) else chip
-        formats = quant.check_formats(config, dict(formats or {}))
-        if formats and tp != 1:
+        formats = check_formats(config, config.formats if formats is None else formats)
+        packed = packed_formats(config, tp, formats)
+        if kernel and packed != formats:
+            if tp == 1:  # a hybrid: NotImplementedError
+                quant.check_quantisable(config, formats)
             raise ValueError(f"formats={formats} with tp={tp}: sharding quantised weights "
-                             "is not built yet (issue 16); quantised plans run on tp=1")
+                             "is not built yet (issue 34); quantised kernels run on tp=1 "
+                             "(formats={} keeps them in dtype; kernel=False charges them)")
         if block is None:
             try:
-                block = _chip_block(local, int(tp), int(batch), int(rows), context, formats,
+                block = _chip_block(local, int(tp), int(batch), int(rows), context, packed,
                                     spec)
             except ValueError as err:  # name the model, the tp and the fields tp splits
                 if tp == 1:
@@ -415,7 +424,7 @@ class DecodePlan:
         if rows > block.kv_tile:
             raise ValueError(f"rows={rows} new rows per sequence exceed "
                              f"kv_tile={block.kv_tile}")
-        stream = model_stream(local, block, M, formats)
+        stream = model_stream(local, block, M, packed)
         buffers = _buffers(local, int(tp), int(batch), int(rows), block,
                            padded_vocab(local, block), stream)
         return cls(config, int(tp), local, int(batch), int(rows), context, block, stream,
@@ -463,11 +472,11 @@ class DecodePlan:
                 groups[name] |= {"sems": collective_semaphores(self.tp)}
         return groups
 
-    def weight_bytes(self, experts: float | None = None, dtypes=None) -> dict[str, float]:
-        """`shard_weight_bytes` of this plan's shard and tiles; `experts` defaults to
-        every expert slot of the stream."""
+    def weight_bytes(self, experts: float | None = None) -> dict[str, float]:
+        """`shard_weight_bytes` of this plan's shard, tiles and formats; `experts`
+        defaults to every expert slot of the stream."""
         return shard_weight_bytes(self.local, self.vocab,
-                                  self.expert_slots if experts is None else experts, dtypes,
+                                  self.expert_slots if experts is None else experts,
                                   dict(self.formats), self.block)
 
     def kv_tiles(self, positions) -> tuple[int, int]:
@@ -479,22 +488,16 @@ class DecodePlan:
 
     def hbm_bytes(self) -> int:
         """HBM one device holds: its weights as `mk.megakernel.prepare` lays them out (every
-        expert, the whole embedding table; arrays of their dtype's itemsize: JAX stores a
-        4-bit value in a byte), its KV cache and, with linear layers, their states and the
-        states after each of the T rows (`state_bytes`)."""
-        c = self.local
-        itemsize = {None: 4, "dense": jnp.dtype(c.dtype).itemsize,
-                    "experts": jnp.dtype(c.expert_dtype or c.dtype).itemsize}
-        per = {f: itemsize[d] for f, d in DTYPE_FAMILY.items()}
-        formats = dict(self.formats)
-        per |= {f: b for f, b in _bytes_per_element(c, None, formats, self.block).items()
-                if QUANT_FAMILY.get(f) in formats}  # mk.quant.tile_major, as streamed
+        expert, the whole embedding table; its formats' packed as `mk.quant.tile_major`:
+        FP4 half a byte a value, and scales), its KV cache and, with linear layers, their
+        states and the states after each of the T rows (`state_bytes`)."""
+        c, itemsize = self.local, DTYPE_BITS[self.local.dtype] // 8
+        per = _bytes_per_element(c, dict(self.formats), self.block)
         elements = _weight_elements(c, self.vocab, c.experts if c.is_moe else 0)
         weights = sum(n * per[f] for f, n in elements.items())
-        embed = self.config.vocab * c.hidden * itemsize["dense"]
+        embed = self.config.vocab * c.hidden * itemsize
         K, H, caches = kv_layout(c)
-        cache = caches * K * H * len(c.full_layers) * self.batch * self.context \
-            * itemsize["dense"]
+        cache = caches * K * H * len(c.full_layers) * self.batch * self.context * itemsize
         return int(weights + embed + cache + sum(self.state_bytes().values()))
 
     def state_bytes(self) -> dict[str, int]:

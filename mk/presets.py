@@ -1,0 +1,147 @@
+"""The named models: `preset(name)` -> a `mk.config.ModelConfig`, and the lists of names.
+
+Here: tiny TPU-legal models every test and notebook default uses, and real shapes from
+each family's published config.json (Qwen3 dense and MoE, Qwen3.5 hybrids, Kimi Linear and
+its GQA stand-in), each with its sources; a preset stored quantised says so with `formats`
+(the release's FP4 experts: `formats={"experts": "fp4"}`). `PRESET_NAMES` lists the GQA
+and Qwen3.5 models, `HYBRID_PRESET_NAMES` the Qwen3.5 hybrids, `KIMI_PRESET_NAMES` the
+Kimi Linear ones. Not here: what a config means and its checks (`mk.config`), reading a
+Hugging Face config.json (`mk.config.ModelConfig.from_hf`).
+"""
+
+from __future__ import annotations
+
+from mk.config import ModelConfig
+
+
+def _qwen3(name, *, hidden, layers, heads, kv_heads, ffn, tie, **extra):
+    return ModelConfig(name=name, vocab=151_936, hidden=hidden, layers=layers, heads=heads,
+                       kv_heads=kv_heads, head_dim=128, ffn=ffn, rope_theta=1_000_000.0,
+                       tie_embeddings=tie, **extra)
+
+
+def _qwen3_5(name, *, hidden, layers, heads, kv_heads, ffn, linear_value_heads, **extra):
+    """A Qwen3.5 text model: 3 gated-DeltaNet layers for every full-attention layer."""
+    kinds = tuple("full" if (i + 1) % 4 == 0 else "linear" for i in range(layers))
+    return ModelConfig(name=name, vocab=248_320, hidden=hidden, layers=layers, heads=heads,
+                       kv_heads=kv_heads, head_dim=256, ffn=ffn, layer_types=kinds,
+                       linear_key_heads=16, linear_value_heads=linear_value_heads,
+                       linear_key_dim=128, linear_value_dim=128, conv_kernel=4,
+                       attn_output_gate=True, partial_rotary_factor=0.25, norm_offset=1.0,
+                       **extra)
+
+
+_PRESETS = {
+    # Tiny TPU-legal shapes (head dim 128, widths multiples of 128) that run on CPU in
+    # seconds; every test and notebook default uses them.
+    "tiny": lambda: ModelConfig(
+        name="tiny", vocab=512, hidden=256, layers=2, heads=4, kv_heads=2, head_dim=128,
+        ffn=512, rope_theta=10_000.0, dtype="bfloat16", max_position=4096, max_context=256),
+    "tiny-moe": lambda: ModelConfig(
+        name="tiny-moe", vocab=512, hidden=256, layers=3, heads=4, kv_heads=2, head_dim=128,
+        ffn=512, rope_theta=10_000.0, dtype="bfloat16", max_position=4096, max_context=256,
+        experts=8, experts_per_token=2, expert_ffn=128, moe_layers=(1, 2), norm_topk=True),
+    # Real shapes, from each model's config.json on the Hugging Face hub (Qwen/Qwen3-*).
+    "qwen3-0.6b": lambda: _qwen3("qwen3-0.6b", hidden=1024, layers=28, heads=16,
+                                 kv_heads=8, ffn=3072, tie=True),
+    "qwen3-1.7b": lambda: _qwen3("qwen3-1.7b", hidden=2048, layers=28, heads=16,
+                                 kv_heads=8, ffn=6144, tie=True),
+    "qwen3-4b": lambda: _qwen3("qwen3-4b", hidden=2560, layers=36, heads=32, kv_heads=8,
+                               ffn=9728, tie=True),
+    "qwen3-8b": lambda: _qwen3("qwen3-8b", hidden=4096, layers=36, heads=32, kv_heads=8,
+                               ffn=12288, tie=False),
+    # Qwen/Qwen3-30B-A3B: 48 layers, all MoE, 128 experts, top-8 renormalised, no shared
+    # expert.
+    "qwen3-30b-a3b": lambda: _qwen3(
+        "qwen3-30b-a3b", hidden=2048, layers=48, heads=32, kv_heads=4, ffn=6144, tie=False,
+        experts=128, experts_per_token=8, expert_ffn=768, moe_layers=tuple(range(48)),
+        norm_topk=True),
+    # Seed-scale stand-in for the release's "Kimi K3": 93 layers, hidden 7168, 896 experts,
+    # 16 per token, FP4 experts. The published model uses MLA / linear attention and a
+    # shared expert; it is modelled here as GQA (64 heads, 8 kv heads, head dim 128) with
+    # Kimi K2's first dense layer (FFN 18432), expert width 2048 and vocab 163840, no
+    # shared expert.
+    "kimi-k3-like": lambda: ModelConfig(
+        name="kimi-k3-like", vocab=163_840, hidden=7168, layers=93, heads=64, kv_heads=8,
+        head_dim=128, ffn=18_432, rope_theta=50_000.0, max_position=131_072,
+        experts=896, experts_per_token=16, expert_ffn=2048, moe_layers=tuple(range(1, 93)),
+        norm_topk=True, formats={"experts": "fp4"}),
+}
+
+# Qwen3.5 hybrids (gated DeltaNet + gated full attention): every module runs them (the
+# megakernel on one device or tensor parallel), so PRESET_NAMES holds them too.
+_HYBRID_PRESETS = {
+    # Tiny Qwen3.5 hybrid: linear, linear, full, linear (a linear layer last), TPU-legal.
+    "tiny-hybrid": lambda: ModelConfig(
+        name="tiny-hybrid", vocab=512, hidden=256, layers=4, heads=2, kv_heads=1,
+        head_dim=128, ffn=512, rope_theta=10_000.0, dtype="bfloat16", max_position=4096,
+        max_context=256, layer_types=("linear", "linear", "full", "linear"),
+        linear_key_heads=1, linear_value_heads=2, linear_key_dim=128, linear_value_dim=128,
+        conv_kernel=4, attn_output_gate=True, partial_rotary_factor=0.25, norm_offset=1.0),
+    # Qwen/Qwen3.5-27B (the hybrid the release's "Qwen3.8-27B" numbers are of), text model:
+    # shapes from its config.json as quoted by several public projects (not read from the
+    # hub here): 64 layers, hidden 5120, every 4th layer full attention (24 heads, 4 kv
+    # heads, head dim 256, output gate, RoPE on 1/4 of each head, theta 1e7), the others
+    # gated DeltaNet (16 key heads, 48 value heads, head dims 128, conv width 4), FFN 17408,
+    # vocab 248320, untied, context 262144.
+    "qwen3.5-27b": lambda: _qwen3_5("qwen3.5-27b", hidden=5120, layers=64, heads=24,
+                                    kv_heads=4, ffn=17_408, linear_value_heads=48,
+                                    rope_theta=10_000_000.0, max_position=262_144),
+    # A 9B Qwen3.5: transformers' Qwen3_5TextConfig defaults ("Qwen3.5-9B style" in its
+    # docstring): 32 layers, hidden 4096, 16 heads, 4 kv heads, 32 linear value heads,
+    # FFN 12288. 17.9 GB of bf16 weights: fits one v6e-1 chip (32 GB), not a v5e-1.
+    # rope_theta 1e7 is assumed (the 27B's; the defaults say 1e4).
+    "qwen3.5-9b": lambda: _qwen3_5("qwen3.5-9b", hidden=4096, layers=32, heads=16,
+                                   kv_heads=4, ffn=12_288, linear_value_heads=32,
+                                   rope_theta=10_000_000.0, max_position=262_144),
+}
+
+# Kimi Linear models (MLA + KDA + shared-expert MoE): the reference, the loader, the
+# megakernel (tensor-parallel too), mk.sim and mk.perf run them. They are listed apart
+# (KIMI_PRESET_NAMES), as "kimi-k3-like", their GQA stand-in, is in PRESET_NAMES.
+_KIMI_PRESETS = {
+    # Tiny Kimi Linear: KDA, KDA, MLA, KDA (a KDA layer last), a dense first layer, then
+    # MoE with a shared expert and two expert groups. Head dims 128 (MLA: nope 128 + 64).
+    "tiny-kimi": lambda: ModelConfig(
+        name="tiny-kimi", vocab=512, hidden=256, layers=4, heads=2, kv_heads=2,
+        head_dim=192, ffn=512, qk_norm=False, rope_theta=10_000.0, dtype="bfloat16",
+        max_position=4096, max_context=256, layer_types=("linear", "linear", "full", "linear"),
+        latent_rank=128, rope_dim=64, value_dim=128, linear_key_heads=2,
+        linear_value_heads=2, linear_key_dim=128, linear_value_dim=128, conv_kernel=4,
+        channel_decay=True, experts=8, experts_per_token=2, expert_ffn=128,
+        moe_layers=(1, 2, 3), norm_topk=True, shared_expert_ffn=128, router_score="sigmoid",
+        expert_groups=2, topk_groups=1, routed_scale=2.5),
+    # The release's "Kimi K3" as Kimi Linear. Published (the issue): 93 layers, hidden 7168,
+    # MLA every 4th layer (here layers 3, 7, ..., 91, Kimi-Linear-48B's 1-indexed
+    # full_attn_layers convention; the rest KDA), 896 experts, 16 per token, vocab 163840,
+    # FP4 experts. From Kimi K2's config.json (moonshotai/Kimi-K2-Instruct, as quoted
+    # publicly, not read here): 64 heads, q_lora_rank 1536, kv_lora_rank 512, qk_nope 128,
+    # qk_rope 64, v_head_dim 128, expert FFN 2048, one shared expert, one first dense layer
+    # of FFN 18432, routed_scaling_factor 2.827, renormalised top-k, rms eps 1e-6, 128K
+    # context. From Kimi-Linear-48B-A3B (transformers' KimiLinearConfig defaults): KDA head
+    # dim 128, conv width 4, n_group = topk_group = 1. ASSUMED: 64 KDA heads (K2's head
+    # count; Kimi-Linear-48B has 32 at hidden 2304), MLA without RoPE as in Kimi Linear.
+    "kimi-k3": lambda: ModelConfig(
+        name="kimi-k3", vocab=163_840, hidden=7168, layers=93, heads=64, kv_heads=64,
+        head_dim=192, ffn=18_432, qk_norm=False, rms_eps=1e-6, max_position=131_072,
+        layer_types=tuple("full" if (i + 1) % 4 == 0 else "linear" for i in range(93)),
+        latent_rank=512, q_rank=1536, rope_dim=64, value_dim=128, linear_key_heads=64,
+        linear_value_heads=64, linear_key_dim=128, linear_value_dim=128, conv_kernel=4,
+        channel_decay=True, experts=896, experts_per_token=16, expert_ffn=2048,
+        moe_layers=tuple(range(1, 93)), norm_topk=True, formats={"experts": "fp4"},
+        shared_expert_ffn=2048, router_score="sigmoid", routed_scale=2.827),
+}
+
+PRESET_NAMES = tuple(_PRESETS) + tuple(_HYBRID_PRESETS)
+HYBRID_PRESET_NAMES = tuple(_HYBRID_PRESETS)
+KIMI_PRESET_NAMES = tuple(_KIMI_PRESETS)
+
+
+def preset(name: str) -> ModelConfig:
+    """A named `ModelConfig`; `PRESET_NAMES`, `HYBRID_PRESET_NAMES` and `KIMI_PRESET_NAMES`
+    list them."""
+    presets = {**_PRESETS, **_HYBRID_PRESETS, **_KIMI_PRESETS}
+    if name not in presets:
+        raise ValueError(f"preset={name!r} does not exist; choose one of "
+                         f"{PRESET_NAMES + HYBRID_PRESET_NAMES + KIMI_PRESET_NAMES}")
+    return presets[name]()
