@@ -85,7 +85,7 @@ import mk
 import mk.backend
 import mk.run
 from mk import course, linear_attention, plots, reference
-from mk.kernels import deltanet
+from mk.kernels import delta_rule, deltanet
 from mk.kernels.common import vmem_budget
 from mk.kernels.weight_streaming import stage_block
 from mk.kernels.ring import TileStream
@@ -188,11 +188,12 @@ plots.show_source(deltanet.gated_deltanet_kernel)
 plots.show_source(deltanet.conv_body, deltanet.conv_state_after)
 
 # %% [markdown]
-# The delta rule (the body `delta_rule_step` runs alone too): sequence b+1's state copies
-# in while sequence b computes, and b's T row states copy out while b+1 computes:
+# The delta rule (`mk.kernels.delta_rule`, whose `delta_rule_step` runs it alone too):
+# sequence b+1's state copies in while sequence b computes, and b's T row states copy out
+# while b+1 computes:
 
 # %%
-plots.show_source(deltanet.delta_rule_body, deltanet.delta_rule_head)
+plots.show_source(delta_rule.delta_rule_body, delta_rule.delta_rule_head)
 
 # %% [markdown]
 # ## The check against the reference
