@@ -95,10 +95,9 @@ from mk.kernels.collectives import (AXIS, COLLECTIVE_IDS, CollectiveScratch, all
                                     argmax_body, barrier)
 from mk.kernels.common import (BlockSizes, aliases, default_kv_tile, memory_specs,
                                start_dma)
-from mk.kernels.decode_attention import (AttentionScratch, KvStream, drain_write_backs,
-                                         start_write_backs)
 from mk.kernels.deltanet import (STATE_INPUTS, STATE_OUTPUTS, drain_linear,
                                  linear_weights, prepare_linear, prime_linear)
+from mk.kernels.kv_stream import AttentionScratch, KvStream, drain_write_backs, start_write_backs
 from mk.kernels.mla import latent_columns, mla_loads
 from mk.kernels.mlp import small_sem
 from mk.kernels.one_layer import (full_matrices, layer_body, mlp_fetch, mlp_kinds,

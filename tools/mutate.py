@@ -115,7 +115,7 @@ MUTANTS = [
     _m("causal mask of new rows: every new row sees all of them", DA,
        "visible = i * tile + column <= p + row_t  # [R, kv_tile]",
        "visible = i * tile + column <= p + T - 1  # [R, kv_tile]", T_DA),
-    _m("one KV tile fewer", DA,
+    _m("one KV tile fewer", "mk/kernels/kv_stream.py",
        "+ self.T - 1) // self.block.kv_tile + 1\n", "+ self.T - 1) // self.block.kv_tile\n",
        T_DA),
     _m("short write-back window (one sublane tile short)", DA,

@@ -44,10 +44,9 @@ from mk.config import ModelConfig
 from mk.kernels.attention_prologue import check_layer_inputs, prologue, prologue_matrices
 from mk.kernels.common import (SLOTS, BlockSizes, Buffer, aliases, default_block,
                                memory_specs, start_dma, vmem_limit_bytes)
-from mk.kernels.decode_attention import (AttentionScratch, KvStream, attend,
-                                         decode_attention_buffers, decode_attention_scratch,
-                                         drain_write_backs, start_write_backs)
+from mk.kernels.decode_attention import attend, decode_attention_buffers, decode_attention_scratch
 from mk.kernels.deltanet import gated_deltanet_matrices, linear_mixer
+from mk.kernels.kv_stream import AttentionScratch, KvStream, drain_write_backs, start_write_backs
 from mk.kernels.mla import (mla_buffers, mla_epilogue, mla_matrices, mla_prologue,
                             start_mla_loads)
 from mk.kernels.mlp import (DENSE_WEIGHTS, EXPERT_WEIGHTS, MOE_SMALL_LOADS,
