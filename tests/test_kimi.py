@@ -458,7 +458,7 @@ def test_moonshot_config_json_is_read_as_transformers_reads_it():
 def test_speculative_decoding_is_lossless_with_every_drafter(tiny_kimi):
     """Greedy speculative decoding of Kimi Linear (the reference verifier) equals the
     reference's greedy tokens with every drafter: the KDA states rolled back to the last
-    kept row as the gated DeltaNet's are (`mk.spec.Runner.keep`)."""
+    kept row as the gated DeltaNet's are (`mk.runners.Runner.keep`)."""
     from mk import spec
     config, params = tiny_kimi
     prompt = np.random.default_rng(2).integers(0, config.vocab, (2, 6))
