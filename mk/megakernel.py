@@ -104,7 +104,7 @@ from mk.kernels.one_layer import (full_matrices, layer_body, mlp_fetch, mlp_kind
                                   mlp_weights, router_after_mixer)
 from mk.kernels.plan import DecodePlan, model_stream, padded_vocab
 from mk.kernels.ring import Ring, ring_layout
-from mk.reference import rms_norm
+from mk.ops import rms_norm
 from mk.weights import kind_of, names_of
 
 TAPS = ("attn", "mlp")  # where the residual stream is tapped in each layer (debug path)

@@ -84,7 +84,7 @@ from plotly.subplots import make_subplots
 import mk
 import mk.backend
 import mk.run
-from mk import course, linear_attention, plots, reference
+from mk import course, linear_attention, ops, plots, reference
 from mk.kernels import delta_rule, deltanet
 from mk.kernels.common import vmem_budget
 from mk.kernels.weight_streaming import stage_block
@@ -133,10 +133,10 @@ keys = jax.random.split(jax.random.key(run.seed), 3)
 x = jax.random.normal(keys[0], (run.batch, run.rows, config.hidden))
 conv = jax.random.normal(keys[1], (run.batch, W - 1, C)).astype(config.dtype)
 state = 0.1 * jax.random.normal(keys[2], (run.batch, Nv, Hk, Hv))  # a state mid-sequence
-h = reference.rms_norm(x, params["attn_norm"][layer], config.rms_eps, config.norm_offset)
+h = ops.rms_norm(x, params["attn_norm"][layer], config.rms_eps, config.norm_offset)
 i = config.mixer_index(layer)[1]
-q, k, v, _ = reference.conv_qkv(config, params, i, h, conv)
-beta = jax.nn.sigmoid(reference.matmul(h, params["lin_b"][i]))
+q, k, v, _ = linear_attention.conv_qkv(config, params, i, h, conv)
+beta = jax.nn.sigmoid(ops.matmul(h, params["lin_b"][i]))
 k0, v0, b0, s0 = k[0, 0, 0], v[0, 0, 0], beta[0, 0, 0], state[0, 0]  # value head 0: key head 0
 write = b0 * jnp.outer(k0, v0 - k0 @ s0)  # decay left out: exp(g) only scales S
 recalled = k0 @ (s0 + write)  # what S returns for key k after the write

@@ -151,7 +151,7 @@ MUTANTS = [
     _m("RMSNorm (1 + w): the norm offset dropped in the kernel's weights", "mk/megakernel.py",
        "return params[name].astype(jnp.float32) + config.norm_offset",
        "return params[name].astype(jnp.float32)", "tests/test_hybrid.py"),
-    _m("RMSNorm eps outside the sqrt", "mk/reference.py",
+    _m("RMSNorm eps outside the sqrt", "mk/ops.py",
        "lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)",
        "(lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True)) + eps)",
        "tests/test_reference.py"),

@@ -27,7 +27,7 @@ rows start at b*T. So a prologue regroups q (and the new rows) with static strid
 into 8-row-aligned blocks, one per (sequence, kv head): rows (g, t), padded to
 R = round_up(G*T, 8); an epilogue scatters the outputs back to [B*T, N*H].
 
-Numerics (mk.reference.attention): q and k rounded to the cache dtype, scores float32
+Numerics (mk.ops.attention): q and k rounded to the cache dtype, scores float32
 scaled by 1/sqrt(H), probabilities cast to the cache dtype before P @ V, float32
 accumulation; only the online-softmax rounding differs.
 

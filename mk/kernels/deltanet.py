@@ -19,7 +19,7 @@ later (`drain_linear` at the kernel's end): a DMA issued and waited for within t
 would queue behind every weight tile in flight, and a ring deep enough to stream through
 a collective holds a layer's worth of them.
 Kimi Delta Attention (KDA, Kimi Linear's linear layers, config.channel_decay) is the same
-layer with three changes (mk.reference.kimi_delta_attention): the decay is one per key
+layer with three changes (mk.linear_attention.kimi_delta_attention): the decay is one per key
 channel, from a low-rank forget gate (h f_a f_b); the output gate is a low-rank sigmoid
 gate (h g_a g_b) in place of z; Nk = Nv. The four low-rank weights come by their own DMA
 (`linear_weights`), the ring streams lin_qkv and lin_out. A row's decays sit in
@@ -61,7 +61,7 @@ from mk.kernels.common import (LANES, BlockSizes, Buffer, memory_specs, start_dm
 from mk.kernels.delta_rule import ALIGN, StateCopies, delta_rule_body
 from mk.kernels.ring import Ring, TileStream, ring_layout
 from mk.kernels.weight_streaming import stage_block
-from mk.reference import rms_norm
+from mk.ops import rms_norm
 from mk.weights import kind_of, names_of, param_shapes
 
 F32 = jnp.float32
@@ -180,7 +180,7 @@ def gated_deltanet_buffers(config: ModelConfig, batch: int, rows: int,
 
 def gates_body(h, lin_b, lin_a, a_log, dt_bias):
     """(decay = exp(g), beta) [M, Nv] f32 of the normed rows h [M, D]: beta = sigmoid(h b),
-    g = -exp(A_log) softplus(h a + dt_bias) (mk.reference.linear_attention)."""
+    g = -exp(A_log) softplus(h a + dt_bias) (mk.linear_attention.linear_attention)."""
     def project(w):
         return jnp.dot(h.astype(w.dtype), w, preferred_element_type=F32)
 
@@ -191,7 +191,7 @@ def gates_body(h, lin_b, lin_a, a_log, dt_bias):
 
 def low_rank(h, a, b):
     """h [M, D] @ a [D, r] @ b [r, n] f32, each product's input rounded to its weight's
-    dtype (mk.reference.matmul twice)."""
+    dtype (mk.ops.matmul twice)."""
     inner = jnp.dot(h.astype(a.dtype), a, preferred_element_type=F32)
     return jnp.dot(inner.astype(b.dtype), b, preferred_element_type=F32)
 
@@ -199,7 +199,7 @@ def low_rank(h, a, b):
 def kda_gates_body(h, lin_b, f_a, f_b, a_log, dt_bias, decay_vmem):
     """KDA's gates of the normed rows h [M, D]: decay_vmem [M, Nv*Hk] f32 <- exp(g), g =
     -exp(A_log[head]) softplus(h f_a f_b + dt_bias) (one per key channel); returns beta =
-    sigmoid(h b) [M, Nv] (mk.reference.kimi_delta_attention)."""
+    sigmoid(h b) [M, Nv] (mk.linear_attention.kimi_delta_attention)."""
     Nv = a_log.shape[1]
     Hk = decay_vmem.shape[1] // Nv
     forget = low_rank(h, f_a, f_b) + dt_bias.astype(F32)

@@ -42,7 +42,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mk.config import ModelConfig
 from mk.kernels.common import LANES, Buffer, start_dma
-from mk.reference import rms_norm
+from mk.ops import rms_norm
 
 F32 = jnp.float32
 NT = (((1,), (1,)), ((), ()))  # dot_general dims of a @ b.T

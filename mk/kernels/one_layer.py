@@ -55,7 +55,8 @@ from mk.kernels.mlp import (DENSE_WEIGHTS, EXPERT_WEIGHTS, MOE_SMALL_LOADS,
                             swiglu_segments)
 from mk.kernels.ring import Ring, TileStream, ring_buffers
 from mk.kernels.weight_streaming import ring_weights, weight_stream
-from mk.reference import check_positions, rms_norm
+from mk.ops import rms_norm
+from mk.reference import check_positions
 from mk.weights import names_of
 
 
