@@ -118,7 +118,7 @@ def test_planted_positional_encoding_in_mla_diverges(case, monkeypatch):
         return attention(ops.rope(q, rows, 1e4), k.transpose(0, 2, 1, 3).astype(k_cache.dtype),
                          v_cache, positions)
 
-    monkeypatch.setattr(R, "attention", rotated)
+    monkeypatch.setattr(R, "attention", rotated)  # the name mla_decoder_layer looks up
     planted = dataclasses.replace(config, name="planted-rope")  # a new trace of forward
     got = np.asarray(R.prefill(planted, params, prompt)[0])
     assert np.abs(got - want).max() > 100 * LOGIT_RTOL_OF_SCALE * np.abs(want).max()
