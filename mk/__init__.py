@@ -1,11 +1,13 @@
 """mk: a TPU decode megakernel in JAX Pallas, built stage by stage and checked on CPU.
 
 Top-level names: `ModelConfig`, `preset`, `chip`, `init_params`, `load_checkpoint`; modules
-`mk.reference` (the pure-JAX oracle), `mk.quant` (int8, fp8, int4 and fp4 weight storage;
-`quantize` is `mk.quant.quantize`), `mk.megakernel` (the whole decode step in one
-kernel), `mk.perf` (bytes, FLOPs and the roofline), `mk.sim` (the megakernel's tile
+`mk.reference` (the pure-JAX oracle, built from `mk.ops`, its array-level blocks, and
+`mk.linear_attention`, the gated DeltaNet's math), `mk.quant` (int8, fp8, int4 and fp4
+weight storage; `quantize` is `mk.quant.quantize`), `mk.megakernel` (the whole decode step
+in one kernel), `mk.perf` (bytes, FLOPs and the roofline), `mk.sim` (the megakernel's tile
 schedule replayed on a chip model) and `mk.tpu` (ahead-of-time TPU compiles). The stage
-kernels are in `mk.kernels`; `mk.spec` (speculative decoding), `mk.profiling` and
+kernels are in `mk.kernels`; `mk.spec` (speculative decoding; its drafters are
+`mk.drafters`, the models it steps `mk.runners`), `mk.profiling` and
 `mk.tensor_parallel`, `mk.ledger` (the published numbers and the words for step times),
 `mk.xla_step` (XLA's own step, compiled and counted) and `mk.bounds` (every index of a
 kernel against its allocation, on the traced jaxpr) are imported by name;

@@ -62,7 +62,7 @@ import numpy as np
 
 from IPython.display import Markdown
 
-from mk import backend, bundles, megakernel, reference, spec, teach
+from mk import backend, bundles, megakernel, ops, reference, spec, teach
 from mk.checkpoint import init_params
 from mk.config import ModelConfig
 from mk.presets import preset
@@ -102,7 +102,7 @@ def moe_inputs(config: ModelConfig, seed: int, router_seed: int, rows: int):
     params = init_params(config, seed)
     weights = [params[n][0] for n in ("router", "we_gate", "we_up", "we_down")]
     h = jax.random.normal(jax.random.key(router_seed), (rows, config.hidden))
-    _, experts = reference.route(h, weights[0], config.experts_per_token, config.norm_topk)
+    _, experts = ops.route(h, weights[0], config.experts_per_token, config.norm_topk)
     return weights, h, sorted(set(np.asarray(experts).ravel().tolist()))
 
 
@@ -110,7 +110,7 @@ def routed(config: ModelConfig, h, router):
     """What the teaching experts (`mk.teach.moe_experts`) take from the reference router
     for rows h [M, D]: (combine [M, E] routing weights, ids [slots] the distinct experts
     sorted and padded with the last one, count)."""
-    weights, picked = reference.route(h, router, config.experts_per_token, config.norm_topk)
+    weights, picked = ops.route(h, router, config.experts_per_token, config.norm_topk)
     combine = jnp.zeros((h.shape[0], config.experts)).at[
         jnp.arange(h.shape[0])[:, None], picked].set(weights)
     experts = sorted(set(np.asarray(picked).ravel().tolist()))
@@ -291,8 +291,8 @@ def check_attend_update(update, *, kv_tile: int = 128, seed: int = 0) -> float:
     k, v = (jax.random.normal(key, (S, H)).astype(jnp.bfloat16) for key in keys[1:])
     p = kv_tile + 2
     k = k.at[kv_tile].multiply(8.0)  # the second tile's first key: a new max for most rows
-    want = reference.attention(q.reshape(G, T, H).transpose(1, 0, 2)[None], k[None, None],
-                               v[None, None], jnp.asarray([p]))  # [1, T, G, H]
+    want = ops.attention(q.reshape(G, T, H).transpose(1, 0, 2)[None], k[None, None],
+                         v[None, None], jnp.asarray([p]))  # [1, T, G, H]
     want = want[0].transpose(1, 0, 2).reshape(G * T, H)
     with backend.use("interpret"):
         got = teach.attend(q, k, v, p, rows=T, kv_tile=kv_tile, update=update)

@@ -3,10 +3,14 @@ per-channel-decay variant), in float32, for `mk.reference`.
 
 Here: the depthwise causal conv with its state, the gated delta rule with its recurrent
 state, and the gated RMSNorm, each returning the state after EVERY row so a speculative
-verifier can restart from any accepted prefix. Not here: parameters and projections
-(`mk.reference.linear_attention`), kernels (`mk.kernels`). Conventions follow transformers'
-`modeling_qwen3_5.py` (`causal_conv1d_update`, `torch_recurrent_gated_delta_rule`,
-`Qwen3_5RMSNormGated`); the recurrence is run row by row, exact at any T.
+verifier can restart from any accepted prefix; and a linear layer's token mixer from its
+parameters on normed rows: `conv_qkv` (the projection, the conv and the L2 norms both
+kinds share), `linear_attention` (the gated DeltaNet), `kda_decay` and
+`kimi_delta_attention` (KDA). Not here: the layer around a mixer (its norm, residual and
+MLP: `mk.reference.linear_decoder_layer`), kernels (`mk.kernels`). Conventions follow
+transformers' `modeling_qwen3_5.py` (`causal_conv1d_update`,
+`torch_recurrent_gated_delta_rule`, `Qwen3_5RMSNormGated`); the recurrence is run row by
+row, exact at any T.
 
 For one value head with state S [Hk, Hv], a row's q, k (L2-normalised, q also / sqrt(Hk)),
 v, decay g <= 0 and rate beta in (0, 1):
@@ -18,7 +22,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+
+from mk.config import ModelConfig
+from mk.ops import matmul
 
 F32 = jnp.float32
 HIGHEST = lax.Precision.HIGHEST
@@ -74,3 +82,67 @@ def gated_rms_norm(x: jax.Array, z: jax.Array, weight: jax.Array, eps: float,
     x = x.astype(F32)
     h = x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * weight.astype(F32)
     return h * gate(z.astype(F32))
+
+
+# -- A linear layer's mixer, from its parameters -----------------------------------------
+def conv_qkv(config: ModelConfig, params, i: int, h, conv_state):
+    """The prologue of linear layer i (gated DeltaNet or KDA) on normed rows h [B, T, D]:
+    q, k, v projected together, through the causal conv, q and k L2-normalised per head
+    and q / sqrt(Hk). Returns (q, k [B, T, Nk, Hk], v [B, T, Nv, Hv] float32, conv states
+    [B, T, W-1, C] after each row)."""
+    B, T, _ = h.shape
+    Nk, Nv, Hk, Hv = (config.linear_key_heads, config.linear_value_heads,
+                      config.linear_key_dim, config.linear_value_dim)
+    # The conv input is stored in the conv state, so it is rounded to the cache dtype.
+    qkv = matmul(h, params["lin_qkv"][i]).astype(conv_state.dtype)
+    mixed, conv_rows = causal_conv(qkv, conv_state, params["lin_conv"][i])
+    kw = config.linear_key_width
+    q = l2norm(mixed[..., :kw].reshape(B, T, Nk, Hk)) / np.float32(np.sqrt(Hk))
+    k = l2norm(mixed[..., kw:2 * kw].reshape(B, T, Nk, Hk))
+    return q, k, mixed[..., 2 * kw:].reshape(B, T, Nv, Hv), conv_rows
+
+
+def linear_attention(config: ModelConfig, params, i: int, h, conv_state, state):
+    """The gated DeltaNet of linear layer i on normed rows h [B, T, D].
+
+    conv_state [B, W-1, C], state [B, Nv, Hk, Hv] float32. Returns (y [B, T, D] float32,
+    conv states [B, T, W-1, C] and recurrent states [B, T, Nv, Hk, Hv] after each row).
+    """
+    B, T, _ = h.shape
+    Nk, Nv, Hv = config.linear_key_heads, config.linear_value_heads, config.linear_value_dim
+    q, k, v, conv_rows = conv_qkv(config, params, i, h, conv_state)
+    # Key head j serves value heads j * Nv/Nk .. (j + 1) * Nv/Nk - 1.
+    q, k = (jnp.repeat(a, Nv // Nk, axis=2) for a in (q, k))
+    beta = jax.nn.sigmoid(matmul(h, params["lin_b"][i]))
+    decay = jnp.exp(params["lin_a_log"][i].astype(F32))
+    g = -decay * jax.nn.softplus(matmul(h, params["lin_a"][i])
+                                 + params["lin_dt_bias"][i].astype(F32))
+    o, state_rows = delta_rule(q, k, v, g, beta, state)
+    z = matmul(h, params["lin_z"][i]).reshape(B, T, Nv, Hv)
+    o = gated_rms_norm(o, z, params["lin_norm"][i], config.rms_eps).reshape(B, T, -1)
+    return matmul(o, params["lin_out"][i]), conv_rows, state_rows
+
+
+def kda_decay(config: ModelConfig, params, i: int, h):
+    """KDA's log-decay g [..., Nv, Hk] of linear layer i's normed rows h [..., D]: one per
+    key channel, g = -exp(A_log[head]) softplus(h f_a f_b + dt_bias) (the state decays by
+    exp(g))."""
+    N, Hk = config.linear_value_heads, config.linear_key_dim
+    forget = matmul(matmul(h, params["kda_f_a"][i]), params["kda_f_b"][i])
+    forget = (forget + params["lin_dt_bias"][i].astype(F32)).reshape(*h.shape[:-1], N, Hk)
+    return -jnp.exp(params["lin_a_log"][i].astype(F32))[:, None] * jax.nn.softplus(forget)
+
+
+def kimi_delta_attention(config: ModelConfig, params, i: int, h, conv_state, state):
+    """Kimi Delta Attention (KDA) of linear layer i on normed rows h [B, T, D]: the gated
+    DeltaNet with a per-channel forget gate (low rank: D -> Hk -> Nv*Hk), one head count
+    for q, k and v, and a low-rank sigmoid output gate. Arguments and results as
+    `linear_attention`'s (transformers' KimiLinearDeltaAttention)."""
+    B, T, _ = h.shape
+    N, Hv = config.linear_value_heads, config.linear_value_dim
+    q, k, v, conv_rows = conv_qkv(config, params, i, h, conv_state)
+    beta = jax.nn.sigmoid(matmul(h, params["lin_b"][i]))
+    o, state_rows = delta_rule(q, k, v, kda_decay(config, params, i, h), beta, state)
+    gate = matmul(matmul(h, params["kda_g_a"][i]), params["kda_g_b"][i]).reshape(B, T, N, Hv)
+    o = gated_rms_norm(o, gate, params["lin_norm"][i], config.rms_eps, jax.nn.sigmoid)
+    return matmul(o.reshape(B, T, -1), params["lin_out"][i]), conv_rows, state_rows

@@ -97,14 +97,14 @@ from mk.kernels.collectives import (AXIS, COLLECTIVE_IDS, CollectiveScratch, all
                                     argmax_body, barrier)
 from mk.kernels.common import (BlockSizes, aliases, default_kv_tile, memory_specs,
                                sequenced, start_dma)
-from mk.kernels.decode_attention import AttentionScratch
 from mk.kernels.deltanet import STATE_INPUTS, STATE_OUTPUTS
+from mk.kernels.kv_stream import AttentionScratch
 from mk.kernels.one_layer import layer_body
 from mk.kernels.plan import DecodePlan, model_stream, padded_vocab
 from mk.kernels.ring import Ring, ring_layout
 from mk.kinds.base import Step
 from mk.kinds.layers import TABLES, kind_at, layer_kinds, layer_tables, of_role
-from mk.reference import rms_norm
+from mk.ops import rms_norm
 
 TAPS = ("attn", "mlp")  # where the residual stream is tapped in each layer (debug path)
 # Where each operand of the kernel lives: SMEM scalars, VMEM, or HBM (pl.ANY, DMA'd by

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 import plotly.graph_objects as go
 
-from mk import megakernel, reference
+from mk import megakernel, ops, reference
 from mk.config import ModelConfig
 from mk.kernels.attention_prologue import attention_prologue
 from mk.kernels.decode_attention import decode_attention
@@ -376,7 +376,7 @@ def output_projection(o, x, wo):
 @functools.partial(jax.jit, static_argnames=("config", "kind"))
 def mlp(config: ModelConfig, kind: str, x, mlp_norm, weights):
     B, T, D = x.shape
-    h = reference.rms_norm(x, mlp_norm, config.rms_eps).reshape(B * T, D)
+    h = ops.rms_norm(x, mlp_norm, config.rms_eps).reshape(B * T, D)
     if kind == "dense":
         y = swiglu(h, *weights)
     else:
@@ -387,7 +387,7 @@ def mlp(config: ModelConfig, kind: str, x, mlp_norm, weights):
 @functools.partial(jax.jit, static_argnames=("config",))
 def head(config: ModelConfig, x, final_norm, w):
     B, T, D = x.shape
-    h = reference.rms_norm(x, final_norm, config.rms_eps).reshape(B * T, D)
+    h = ops.rms_norm(x, final_norm, config.rms_eps).reshape(B * T, D)
     return stream_matmul(h, w).reshape(B, T, -1)
 
 

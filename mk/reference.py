@@ -2,26 +2,28 @@
 
 Here: the Qwen3 / Qwen3-MoE forward pass (RMSNorm, GQA with QK-norm, RoPE, SwiGLU, a softmax
 top-k router with optional renormalisation, tied or untied lm_head) as `prefill`,
-`decode_step` and greedy `generate`, plus the small pieces kernels reuse as their own
-oracles (`rms_norm`, `rope`, `attention_inputs`, `attention`, `swiglu`, `moe`, `greedy`,
-`write_rows`); `forward` is `decode_step` without its checks.
+`decode_step` and greedy `generate`, built from the array-level blocks of `mk.ops`; the
+layers and their pieces kernels reuse as their own oracles (`attention_inputs`,
+`decoder_layer`, `mlp_block`, `lm_head`, `greedy`); the caches, `rollback` and the checks
+every decode driver runs (`validate_step`, `check_params`, `check_generate`, ...);
+`forward` is `decode_step` without its checks.
 Qwen3.5 hybrids (`config.is_hybrid`) run through the same `prefill`, `decode_step` and
 `generate`: their full-attention layers gate the output and rotate part of each head, their
-gated-DeltaNet layers (`linear_attention`, math in `mk.linear_attention`) keep a conv and a
-recurrent state instead of KV rows, and every RMSNorm scales by (norm_offset + weight).
+gated-DeltaNet layers (`linear_decoder_layer` around `mk.linear_attention.linear_attention`)
+keep a conv and a recurrent state instead of KV rows, and every RMSNorm scales by
+(norm_offset + weight).
 Kimi Linear (`config.is_mla`, transformers' `kimi_linear`) runs through them too: its full
 layers are multi-head latent attention (`mla_decoder_layer`) over a latent cache, its
-linear layers Kimi Delta Attention (`kimi_delta_attention`, the gated delta rule with a
-per-channel decay), its MoE layers a grouped sigmoid router (`route_grouped`) plus a shared
-expert. MLA's absorbed form, the one a decode kernel runs, is here too (`mla_absorbed`,
-`mla_output`): the oracle of `mk.kernels.decode_attention.latent_attention`.
+linear layers Kimi Delta Attention (`mk.linear_attention.kimi_delta_attention`, the gated
+delta rule with a per-channel decay), its MoE layers a grouped sigmoid router
+(`mk.ops.route_grouped`) plus a shared expert. MLA's absorbed form, the one a decode kernel
+runs, is here too (`mla_absorbed`, `mla_output`): the oracle of
+`mk.kernels.decode_attention.latent_attention`.
 No Pallas, no sharding, no sampling (speculative decoding lives in `mk.spec`).
 
-Numerics (kernels mirror these cast points, so their tolerances stay tight):
-- the residual stream, norms, RoPE, softmax and router are float32;
-- every matmul casts its activation input to the weight dtype and accumulates in float32;
-- the KV cache is stored in `config.dtype`; attention probabilities are cast to it
-  before multiplying V.
+Numerics: the residual stream is float32 and the KV cache is stored in `config.dtype`;
+every block's cast points (which kernels mirror, so their tolerances stay tight) are
+`mk.ops`'s.
 
 KV cache: `KVCache(k, v)`, each [L, B, K, S, H] with capacity S = `max_context`. A decode
 step writes its T new rows at `positions[b] .. positions[b] + T - 1` and attends causally;
@@ -47,6 +49,8 @@ from jax import lax
 
 from mk import linear_attention as la
 from mk.config import ModelConfig, positive_int
+from mk.ops import (attention, matmul, mix_experts, moe, rms_norm, rope, route_grouped, swiglu,
+                    write_rows)
 from mk.weights import param_shapes
 
 F32 = jnp.float32
@@ -77,131 +81,7 @@ class LinearRows(NamedTuple):
     state: jax.Array  # [Ll, B, T, Nv, Hk, Hv] float32
 
 
-# -- Building blocks (each is also the oracle of a stage kernel) ---------------------------
-def dot(spec: str, a: jax.Array, b: jax.Array, dtype) -> jax.Array:
-    """einsum of a and b rounded to `dtype`, multiplied and accumulated in float32.
-
-    This is what the MXU does with bf16 inputs (products of bf16 values are exact in f32).
-    The upcast is explicit because XLA:CPU has no bf16 x bf16 -> f32 dot.
-    """
-    a, b = (t.astype(dtype).astype(F32) for t in (a, b))
-    return jnp.einsum(spec, a, b, precision=HIGHEST)
-
-
-def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., in] @ w [in, out] with x rounded to w's dtype, accumulated in float32."""
-    return dot("...i,io->...o", x, w, w.dtype)
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
-    """RMSNorm over the last axis, in float32, scaled by (offset + weight)."""
-    x = x.astype(F32)
-    scale = weight.astype(F32) + offset
-    return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * scale
-
-
-def rope(x: jax.Array, positions: jax.Array, theta: float,
-         dims: int | None = None) -> jax.Array:
-    """Rotate-half RoPE (the Qwen/Llama convention) in float32 on the first `dims` (default
-    all) dims of each head; the rest pass through (partial RoPE).
-
-    x [..., T, heads, H]; positions [..., T] integer absolute positions.
-    """
-    if dims is not None and dims < x.shape[-1]:
-        rotated = rope(x[..., :dims], positions, theta)
-        return jnp.concatenate([rotated, x[..., dims:].astype(F32)], axis=-1)
-    half = x.shape[-1] // 2
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, 2 * half, 2, dtype=F32) / (2 * half)))
-    angles = positions.astype(F32)[..., None] * inv_freq  # [..., T, H/2]
-    cos = jnp.cos(angles)[..., None, :]
-    sin = jnp.sin(angles)[..., None, :]
-    x = x.astype(F32)
-    x1, x2 = x[..., :half], x[..., half:]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-
-
-def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-              positions: jax.Array) -> jax.Array:
-    """Causal GQA of T new rows against a cache that already holds them.
-
-    q [B, T, N, H] float32; k_cache [B, K, S, H], v_cache [B, K, S, Hv]; positions [B]: row t
-    of sequence b sits at positions[b] + t and sees cache positions <= that.
-    Returns [B, T, N, Hv] float32.
-    """
-    B, T, N, H = q.shape
-    K, S = k_cache.shape[1], k_cache.shape[2]
-    q = q.reshape(B, T, K, N // K, H)
-    scores = dot("btkgh,bksh->bkgts", q, k_cache, k_cache.dtype) / np.float32(np.sqrt(H))
-    row_pos = positions[:, None] + jnp.arange(T)  # [B, T]
-    visible = jnp.arange(S)[None, None, :] <= row_pos[:, :, None]  # [B, T, S]
-    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = dot("bkgts,bksh->btkgh", probs, v_cache, v_cache.dtype)
-    return out.reshape(B, T, N, -1)  # v's head dim (MLA's differs from q's)
-
-
-def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    """down(silu(x @ gate) * (x @ up)); x [M, D] -> [M, D] float32."""
-    h = jax.nn.silu(matmul(x, w_gate)) * matmul(x, w_up)
-    return matmul(h, w_down)
-
-
-def route(x: jax.Array, router: jax.Array, top_k: int, renormalise: bool):
-    """Softmax router: x [M, D] -> (weights [M, X] float32, experts [M, X] int32).
-
-    Top-k ties go to the lower expert id (lax.top_k is stable).
-    """
-    probs = jax.nn.softmax(matmul(x, router), axis=-1)
-    weights, experts = lax.top_k(probs, top_k)
-    if renormalise:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights, experts
-
-
-def moe(x: jax.Array, router, we_gate, we_up, we_down, top_k: int,
-        renormalise: bool) -> jax.Array:
-    """Qwen3-MoE sparse block; x [M, D] -> [M, D] float32.
-
-    Every expert is evaluated on every row and the unselected ones get weight zero: clear,
-    and exact, at the cost of E/X times the FLOPs (fine for an oracle).
-    """
-    weights, experts = route(x, router, top_k, renormalise)
-    return mix_experts(x, weights, experts, we_gate, we_up, we_down)
-
-
-def route_grouped(x: jax.Array, router, bias, top_k: int, groups: int, topk_groups: int,
-                  renormalise: bool, scale: float):
-    """DeepSeek-V3 / Kimi's sigmoid router: x [M, D] -> (weights [M, X], experts [M, X]).
-
-    Scores sigmoid(x @ router); the choice adds `bias` [E] to them, keeps the `topk_groups`
-    of `groups` expert groups whose two best biased scores sum highest, and takes the top_k
-    experts there; the weights are the unbiased scores, renormalised (+1e-20) if asked, then
-    times `scale` (transformers' KimiLinearTopkRouter).
-    """
-    M, E = x.shape[0], router.shape[-1]
-    scores = jax.nn.sigmoid(matmul(x, router))
-    choice = scores + bias.astype(F32)
-    group_scores = lax.top_k(choice.reshape(M, groups, E // groups), 2)[0].sum(-1)
-    _, best = lax.top_k(group_scores, topk_groups)
-    keep = jnp.zeros((M, groups), bool).at[jnp.arange(M)[:, None], best].set(True)
-    choice = jnp.where(jnp.repeat(keep, E // groups, axis=1), choice, -jnp.inf)
-    _, experts = lax.top_k(choice, top_k)
-    weights = jnp.take_along_axis(scores, experts, axis=-1)
-    if renormalise:
-        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
-    return weights * np.float32(scale), experts
-
-
-def mix_experts(x: jax.Array, weights, experts, we_gate, we_up, we_down) -> jax.Array:
-    """sum_j weights[:, j] * expert_{experts[:, j]}(x) for x [M, D] -> [M, D] float32."""
-    combine = jnp.zeros((x.shape[0], we_gate.shape[0]), F32)
-    combine = combine.at[jnp.arange(x.shape[0])[:, None], experts].add(weights)  # [M, E]
-    gate = dot("md,edf->mef", x, we_gate, we_gate.dtype)
-    up = dot("md,edf->mef", x, we_up, we_up.dtype)
-    out = dot("mef,efd->med", jax.nn.silu(gate) * up, we_down, we_down.dtype)
-    return jnp.einsum("me,med->md", combine, out, precision=HIGHEST)
-
-
+# -- Logits and the greedy token -----------------------------------------------------------
 def greedy(logits: jax.Array) -> jax.Array:
     """Argmax over the vocab axis; ties go to the lowest token id.
 
@@ -219,13 +99,6 @@ def lm_head(config: ModelConfig, params, x: jax.Array) -> jax.Array:
 
 
 # -- One layer and one step ----------------------------------------------------------------
-def write_rows(cache_layer, new, positions):
-    """cache_layer [B, K, S, H] <- new [B, T, K, H] at rows positions[b] ..."""
-    def one(c, n, p):
-        return lax.dynamic_update_slice(c, n.transpose(1, 0, 2).astype(c.dtype), (0, p, 0))
-    return jax.vmap(one)(cache_layer, new, positions)
-
-
 def attention_inputs(config: ModelConfig, params, layer: int, x, positions):
     """The attention prologue: x [B, T, D] -> q [B, T, N, H], k, v [B, T, K, H] float32,
     q and k QK-normed and RoPE'd at positions[b] + t."""
@@ -282,75 +155,12 @@ def mlp_block(config: ModelConfig, params, layer: int, x) -> jax.Array:
     return x + y.reshape(B, T, -1)
 
 
-def conv_qkv(config: ModelConfig, params, i: int, h, conv_state):
-    """The prologue of linear layer i (gated DeltaNet or KDA) on normed rows h [B, T, D]:
-    q, k, v projected together, through the causal conv, q and k L2-normalised per head
-    and q / sqrt(Hk). Returns (q, k [B, T, Nk, Hk], v [B, T, Nv, Hv] float32, conv states
-    [B, T, W-1, C] after each row)."""
-    B, T, _ = h.shape
-    Nk, Nv, Hk, Hv = (config.linear_key_heads, config.linear_value_heads,
-                      config.linear_key_dim, config.linear_value_dim)
-    # The conv input is stored in the conv state, so it is rounded to the cache dtype.
-    qkv = matmul(h, params["lin_qkv"][i]).astype(conv_state.dtype)
-    mixed, conv_rows = la.causal_conv(qkv, conv_state, params["lin_conv"][i])
-    kw = config.linear_key_width
-    q = la.l2norm(mixed[..., :kw].reshape(B, T, Nk, Hk)) / np.float32(np.sqrt(Hk))
-    k = la.l2norm(mixed[..., kw:2 * kw].reshape(B, T, Nk, Hk))
-    return q, k, mixed[..., 2 * kw:].reshape(B, T, Nv, Hv), conv_rows
-
-
-def linear_attention(config: ModelConfig, params, i: int, h, conv_state, state):
-    """The gated DeltaNet of linear layer i on normed rows h [B, T, D].
-
-    conv_state [B, W-1, C], state [B, Nv, Hk, Hv] float32. Returns (y [B, T, D] float32,
-    conv states [B, T, W-1, C] and recurrent states [B, T, Nv, Hk, Hv] after each row).
-    """
-    B, T, _ = h.shape
-    Nk, Nv, Hv = config.linear_key_heads, config.linear_value_heads, config.linear_value_dim
-    q, k, v, conv_rows = conv_qkv(config, params, i, h, conv_state)
-    # Key head j serves value heads j * Nv/Nk .. (j + 1) * Nv/Nk - 1.
-    q, k = (jnp.repeat(a, Nv // Nk, axis=2) for a in (q, k))
-    beta = jax.nn.sigmoid(matmul(h, params["lin_b"][i]))
-    decay = jnp.exp(params["lin_a_log"][i].astype(F32))
-    g = -decay * jax.nn.softplus(matmul(h, params["lin_a"][i])
-                                 + params["lin_dt_bias"][i].astype(F32))
-    o, state_rows = la.delta_rule(q, k, v, g, beta, state)
-    z = matmul(h, params["lin_z"][i]).reshape(B, T, Nv, Hv)
-    o = la.gated_rms_norm(o, z, params["lin_norm"][i], config.rms_eps).reshape(B, T, -1)
-    return matmul(o, params["lin_out"][i]), conv_rows, state_rows
-
-
-def kda_decay(config: ModelConfig, params, i: int, h):
-    """KDA's log-decay g [..., Nv, Hk] of linear layer i's normed rows h [..., D]: one per
-    key channel, g = -exp(A_log[head]) softplus(h f_a f_b + dt_bias) (the state decays by
-    exp(g))."""
-    N, Hk = config.linear_value_heads, config.linear_key_dim
-    forget = matmul(matmul(h, params["kda_f_a"][i]), params["kda_f_b"][i])
-    forget = (forget + params["lin_dt_bias"][i].astype(F32)).reshape(*h.shape[:-1], N, Hk)
-    return -jnp.exp(params["lin_a_log"][i].astype(F32))[:, None] * jax.nn.softplus(forget)
-
-
-def kimi_delta_attention(config: ModelConfig, params, i: int, h, conv_state, state):
-    """Kimi Delta Attention (KDA) of linear layer i on normed rows h [B, T, D]: the gated
-    DeltaNet with a per-channel forget gate (low rank: D -> Hk -> Nv*Hk), one head count
-    for q, k and v, and a low-rank sigmoid output gate. Arguments and results as
-    `linear_attention`'s (transformers' KimiLinearDeltaAttention)."""
-    B, T, _ = h.shape
-    N, Hv = config.linear_value_heads, config.linear_value_dim
-    q, k, v, conv_rows = conv_qkv(config, params, i, h, conv_state)
-    beta = jax.nn.sigmoid(matmul(h, params["lin_b"][i]))
-    o, state_rows = la.delta_rule(q, k, v, kda_decay(config, params, i, h), beta, state)
-    gate = matmul(matmul(h, params["kda_g_a"][i]), params["kda_g_b"][i]).reshape(B, T, N, Hv)
-    o = la.gated_rms_norm(o, gate, params["lin_norm"][i], config.rms_eps, jax.nn.sigmoid)
-    return matmul(o.reshape(B, T, -1), params["lin_out"][i]), conv_rows, state_rows
-
-
 def linear_decoder_layer(config: ModelConfig, params, layer: int, x, conv_state, state):
     """A gated-DeltaNet (or KDA) decoder layer; x [B, T, D] float32. Returns (x, conv
     states, recurrent states after each row, x_after_mixer)."""
     _, i = config.mixer_index(layer)
     h = rms_norm(x, params["attn_norm"][layer], config.rms_eps, config.norm_offset)
-    mixer = kimi_delta_attention if config.channel_decay else linear_attention
+    mixer = la.kimi_delta_attention if config.channel_decay else la.linear_attention
     y, conv_rows, state_rows = mixer(config, params, i, h, conv_state, state)
     x = x + y
     return mlp_block(config, params, layer, x), conv_rows, state_rows, x

@@ -52,7 +52,7 @@ Modelling assumptions (`Assumptions` holds the numbers; none is fitted to a meas
   head at the MXU rule above with R = round_up(G*T, 8) rows, plus ~8 vector ops per
   score; the one or two tiles holding the new rows are written back from a staging slot,
   waited for only when write-back n + 2B needs that slot (normally a full layer later) and
-  at the step's end (`mk.kernels.decode_attention.drain_write_backs`).
+  at the step's end (`mk.kernels.kv_stream.drain_write_backs`).
 - Tensor parallelism (tp > 1): each device runs the kernel on the plan's shard (the
   kernel's own: `mk.kernels.plan`'s sharding model): query heads, FFN, each expert's width
   and the vocab split tp ways and padded to whole tiles, KV heads split or replicated when

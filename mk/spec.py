@@ -3,36 +3,28 @@ verifies gamma + 1 rows in one call (one pass over its weights), and the longest
 prefix plus one bonus token is kept.
 
 Here: `generate(config, params, prompt, steps, drafter=..., gamma=...)` -> (tokens,
-`SpecStats`); the drafters behind one interface (`Drafter`): "model" (a separate model
-with the target's vocab), "self" (the target's first layers and its lm_head), "ngram"
-(prompt lookup) and "forced" (a benchmarking device, see `Forced`); the verifiers
-(`Runner`): "megakernel" (`mk.megakernel.decode_step`, T = gamma + 1 rows) and "reference"
-(the XLA oracle); greedy acceptance and exact speculative rejection sampling
-(Leviathan et al. 2023, Chen et al. 2023) for temperature / top-p sampling; the
-expected-length formula and tokens/s per user = tau / (t_verify(gamma + 1 rows) + t_draft).
+`SpecStats`); the drafters by name (`make_drafter`): "model" (a separate model with the
+target's vocab, by default `noisy_copy`), "self" (the target's first layers and its
+lm_head, `first_layers`), "ngram" (prompt lookup) and "forced" (a benchmarking device);
+the verifiers by name: "megakernel" (`mk.megakernel.decode_step`, T = gamma + 1 rows)
+and "reference" (the XLA oracle), or any `mk.runners.Runner`; `Sampling` (temperature /
+top-p), greedy acceptance and exact speculative rejection sampling (Leviathan et al.
+2023, Chen et al. 2023); the acceptance statistics (`SpecStats`, `fit_rate`), the
+expected-length formula and tokens/s per user = tau / (t_verify(gamma + 1 rows) +
+t_draft).
 
-Not here: a tree of drafts (one chain per step), drafting on the megakernel (drafters run
-on the XLA reference), per-sequence gamma, paged caches.
+Not here: the drafters themselves (`mk.drafters`), the models a step runs and their
+shape buckets and linear-state rollback (`mk.runners`); a tree of drafts (one chain per
+step), drafting on the megakernel (drafters run on the XLA reference), per-sequence
+gamma, paged caches.
 
 Rejected rows of the KV cache. A step writes rows p .. p + gamma (p = the position of the
 last kept token); when n drafts are kept, rows p + n + 1 .. p + gamma hold rejected tokens.
 The next step starts at p' = p + n + 1 and writes rows p' .. p' + gamma, which covers every
 rejected row before any row is read, and the causal mask hides rows past a row's own
 position. So nothing rejected is ever read; tests/test_spec.py poisons every row at or past
-p before each verification to check it.
-
-Linear states (hybrid models: Qwen3.5's gated DeltaNet, Kimi's KDA) are not rows: every
-row fed advances them. The verifier's step keeps the states after each row
-(`mk.reference.LinearRows`) and `Runner.keep` rolls each sequence back to its last kept
-row after acceptance; padded rows are rolled back at once (`Runner.step(..., real=)`); a
-model drafter rewinds its own states to the position it re-feeds from
-(`ModelDrafter._rewind`). tests/test_hybrid.py plants each missing.
-
-Shape buckets. The XLA reference compiles once per input shape (~3 s on a 2-core CPU for
-the tiny presets, against ~10 ms to run), so `XLA` pads every call to one [batch, rows]
-shape: padded rows come after a sequence's real rows (causality keeps them out of the real
-rows' outputs) and write cache rows the next call overwrites; padded sequences copy the
-first one. The megakernel runs the exact [B, gamma + 1] shape: that shape is the point.
+p before each verification to check it. Linear states are not rows: the verifier rolls
+them back to each sequence's kept rows (`mk.runners`).
 """
 
 from __future__ import annotations
@@ -45,11 +37,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mk import backend as backends
 from mk import megakernel, perf, reference, sim
 from mk.config import MAX_ROWS, ModelConfig, check_seed
+from mk.drafters import Drafter, Forced, ModelDrafter, NGram, draw
 from mk.kernels.common import default_kv_tile
-from mk.kernels.plan import DecodePlan
+from mk.runners import XLA, Megakernel
 from mk.weights import param_shapes
 
 MAX_GAMMA = 7  # T = gamma + 1 <= 8 verification rows, as in the published runs
@@ -88,297 +80,7 @@ class Sampling:
         return p
 
 
-def draw(p: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """One token per row of p [..., V] (inverse CDF; each row's own uniform)."""
-    u = rng.random(p.shape[:-1])[..., None]
-    cdf = np.cumsum(p, axis=-1)
-    return np.minimum((cdf < u * cdf[..., -1:]).sum(-1), p.shape[-1] - 1).astype(np.int32)
-
-
-# -- Runners: a model stepped T rows at a time ------------------------------------------------
-class Runner:
-    """A model stepped `rows` rows at a time: `step(cache, tokens [B, T <= rows], positions
-    [B], real=None) -> (greedy next tokens [B, T], logits [B, T, V] float32, cache)` as
-    numpy, a chunked `prefill`, and `keep`. Subclasses implement `_init_cache` and `_call`
-    (exactly [B, rows]; a hybrid model's `_call` also sets `last_rows`, the linear states
-    after each row, `mk.reference.LinearRows`).
-
-    Linear states (hybrid models): every row fed advances them, padded rows too. `step`
-    leaves each sequence's states after its real[b] rows (default T); `keep(cache, kept)`
-    rolls them back to its first kept[b] rows of the last step (`mk.reference.rollback`):
-    what a verifier keeps of a step. A KV cache needs neither (module docstring)."""
-
-    name = ""
-
-    def __init__(self, config: ModelConfig, rows: int):
-        self.config, self.rows, self.calls = config, rows, 0
-        self.last_rows = None
-
-    def prefill(self, prompt: np.ndarray, capacity: int):
-        """prompt [B, P] in chunks of `rows` rows -> (logits of the last row [B, V], cache)."""
-        B, P = prompt.shape
-        cache = self._init_cache(B, capacity)
-        for start in range(0, P, self.rows):
-            chunk = prompt[:, start:start + self.rows]
-            _, logits, cache = self.step(cache, chunk, np.full(B, start, np.int32))
-        return logits[:, -1], cache
-
-    def step(self, cache, tokens, positions, real=None):
-        tokens = np.asarray(tokens, np.int32)
-        B, T = tokens.shape
-        pad = np.repeat(tokens[:, -1:], self.rows - T, axis=1)  # rows after the real ones
-        nxt, logits, cache = self._call(cache, np.concatenate([tokens, pad], axis=1),
-                                        np.asarray(positions, np.int32))
-        self.calls += 1
-        cache = self.keep(cache, np.full(B, T) if real is None else real)
-        return np.asarray(nxt)[:B, :T], np.asarray(logits)[:B, :T], cache
-
-    def keep(self, cache, kept):
-        """`cache` after the last step with each sequence's linear states after its first
-        kept[b] rows (class docstring); a KV cache as it is."""
-        if not self.config.is_hybrid:
-            return cache
-        kept = np.asarray(kept, np.int32)
-        extra = self.last_rows.state.shape[1] - len(kept)  # a bucket's padded sequences
-        return reference.rollback(cache, self.last_rows, np.pad(kept, (0, extra),
-                                                                constant_values=1))
-
-
-class XLA(Runner):
-    """The XLA reference (`mk.reference.decode_step`), padded to a [batch, rows] bucket
-    (module docstring); `batch=None` runs the caller's batch. Its cache holds `rows` spare
-    positions past the capacity asked for, where padded rows land."""
-
-    name = "reference"
-
-    def __init__(self, config: ModelConfig, params, *, rows: int, batch: int | None = None):
-        super().__init__(config, rows)
-        self.params, self.batch = params, batch
-
-    def _init_cache(self, batch, capacity):
-        if self.batch is not None and batch > self.batch:
-            raise ValueError(f"batch={batch} exceeds the XLA bucket's batch={self.batch}")
-        return reference.init_cache(self.config, self.batch or batch, capacity,
-                                    spare=self.rows)
-
-    def _call(self, cache, tokens, positions):
-        # padded sequences copy the first one; every cache is [layers, B, ...]
-        extra = jax.tree.leaves(cache)[0].shape[1] - tokens.shape[0]
-        tokens = np.concatenate([tokens, np.repeat(tokens[:1], extra, 0)])
-        positions = np.concatenate([positions, np.repeat(positions[:1], extra)])
-        if not self.config.is_hybrid:
-            logits, cache = reference.decode_step(self.config, self.params, cache, tokens,
-                                                  positions)
-        else:
-            logits, cache, self.last_rows = reference.decode_step(
-                self.config, self.params, cache, tokens, positions, row_states=True)
-        return reference.greedy(logits), logits, cache
-
-
-class Megakernel(Runner):
-    """The decode megakernel (`mk.megakernel.decode_step`) on `backend`, T = rows."""
-
-    name = "megakernel"
-
-    def __init__(self, config: ModelConfig, params, *, rows: int, backend: str = "auto",
-                 block=None):
-        super().__init__(config, rows)
-        self.backend = backends.resolve(backend)
-        self.tiling, self.params = block, params  # None: each plan's default
-        self.block = self.weights = None  # set by `_init_cache` from the step's plan
-
-    def _init_cache(self, batch, capacity):
-        plan = DecodePlan.make(self.config, batch=batch, rows=self.rows,
-                                    context=capacity, block=self.tiling)
-        if self.block is None or plan.block.tile_cols != self.block.tile_cols:
-            self.weights = megakernel.prepare(self.config, self.params, plan.block)
-        self.block = plan.block
-        return reference.init_cache(self.config, batch, capacity)
-
-    def _call(self, cache, tokens, positions):
-        with backends.use(self.backend):
-            out = megakernel.decode_step(self.config, self.weights, cache, tokens, positions,
-                                         block=self.block, row_states=self.config.is_hybrid)
-        if self.config.is_hybrid:
-            *out, self.last_rows = out
-        return tuple(out)
-
-
-# -- Drafters ---------------------------------------------------------------------------------
-class Drafter:
-    """Proposes gamma tokens per sequence. `start(prompt, capacity)` once, then
-    `propose(seq [B, W], length [B], gamma, sampling, rng) -> (drafts [B, gamma] int32,
-    q [B, gamma, V] or None)`: seq[b, :length[b]] are sequence b's kept tokens, q the
-    distributions the drafts were drawn from (None: deterministic drafts). `cost` is the
-    model whose steps t_draft counts (None: free), `calls` its forward passes."""
-
-    name = ""
-    cost: ModelConfig | None = None
-    calls = 0
-
-    def start(self, prompt: np.ndarray, capacity: int) -> None:
-        pass
-
-    def propose(self, seq, length, gamma, sampling, rng):
-        raise NotImplementedError
-
-
-class ModelDrafter(Drafter):
-    """Drafts with a model of the target's vocab, one row per draft token, keeping its own
-    KV cache: rows that disagree with the kept tokens are re-fed (at most 2 per step: the
-    last draft when all were kept, and the bonus token)."""
-
-    name = "model"
-
-    def __init__(self, config: ModelConfig, params, *, batch: int | None = None,
-                 rows: int = 2):
-        self.runner = XLA(config, params, rows=rows, batch=batch)
-        self.cost = config
-
-    @property
-    def calls(self):
-        return self.runner.calls
-
-    def start(self, prompt, capacity):
-        self.fed = np.array(prompt, np.int32)  # the tokens whose K/V rows the cache holds
-        _, self.cache = self.runner.prefill(self.fed, capacity)
-        # A hybrid drafter's linear states after position first + j - 1, j = 0, 1, ...: the
-        # states a later re-feed from position first + j starts from.
-        self.saved, self.first = [self.cache], np.full(len(prompt), prompt.shape[1])
-
-    def _rewind(self, start):
-        """The drafter's cache with sequence b's linear states after position start[b] - 1
-        (`saved`; its KV rows from there on are overwritten by the re-feed)."""
-        j = start - self.first[:len(start)]
-        j = np.pad(j, (0, self.cache.state.shape[1] - len(j)))  # padded sequences: any
-        b = np.arange(len(j))
-
-        def pick(*versions):  # [Ll, B, ...] each -> sequence b's from version j[b]
-            return jnp.moveaxis(jnp.stack(versions)[j, :, b], 0, 1)
-
-        return self.cache._replace(conv=pick(*(c.conv for c in self.saved)),
-                                   state=pick(*(c.state for c in self.saved)))
-
-    def propose(self, seq, length, gamma, sampling, rng):
-        B, V = len(length), self.runner.config.vocab
-        width = min(self.fed.shape[1], seq.shape[1])
-        same = np.cumprod(self.fed[:, :width] == seq[:, :width], axis=1).sum(1)
-        start = np.minimum(same, length - 1)  # re-feed at least the last kept token
-        if self.runner.config.is_hybrid:
-            self.cache = self._rewind(start)
-        feed = [seq[b, start[b]:length[b]] for b in range(B)]
-        T = max(len(f) for f in feed)
-        tokens = np.stack([np.pad(f, (0, T - len(f)), mode="edge") for f in feed])
-        _, logits, self.cache = self.runner.step(self.cache, tokens, start,
-                                                 [len(f) for f in feed])
-        self.saved, self.first = [self.cache], length.copy()
-        logits = logits[np.arange(B), length - start - 1]
-        drafts, qs = [], []
-        for i in range(gamma):
-            if sampling is None:
-                d = np.argmax(logits, axis=-1).astype(np.int32)
-            else:
-                qs.append(sampling.probs(logits))
-                d = draw(qs[-1], rng)
-            drafts.append(d)
-            if i + 1 < gamma:
-                _, logits, self.cache = self.runner.step(self.cache, d[:, None], length + i)
-                self.saved.append(self.cache)
-                logits = logits[:, 0]
-        drafts = np.stack(drafts, axis=1)
-        self.fed = np.zeros((B, seq.shape[1] + gamma), np.int32)
-        for b in range(B):
-            kept = np.concatenate([seq[b, :length[b]], drafts[b, :gamma - 1]])
-            self.fed[b, :len(kept)] = kept
-            self.fed[b, len(kept):] = -1  # never matches a token
-        return drafts, (np.stack(qs, axis=1) if qs else None)
-
-
-class NGram(Drafter):
-    """Prompt lookup: find the latest earlier occurrence of the sequence's last n tokens
-    (n = max_n .. 1) and propose what followed it; with no match, repeat the last token.
-    Proposals shorter than gamma are padded with their last token. Free: no model runs."""
-
-    name = "ngram"
-
-    def __init__(self, max_n: int = 3):
-        self.max_n = max_n
-
-    def propose(self, seq, length, gamma, sampling, rng):
-        drafts = np.zeros((len(length), gamma), np.int32)
-        for b, n_kept in enumerate(length):
-            h = seq[b, :n_kept]
-            found = h[-1:]
-            for n in range(min(self.max_n, n_kept - 1), 0, -1):
-                windows = np.lib.stride_tricks.sliding_window_view(h[:-1], n)
-                hits = np.flatnonzero((windows == h[-n:]).all(axis=1))
-                if hits.size:
-                    found = h[hits[-1] + n:hits[-1] + n + gamma]
-                    break
-            drafts[b] = np.pad(found, (0, gamma - len(found)), mode="edge")
-        return drafts, None
-
-
-class Forced(ModelDrafter):
-    """A benchmarking device, not a drafter: an oracle that knows the target's greedy
-    continuation and spoils draft number L, so every step keeps exactly L - 1 drafts plus
-    the bonus token: tau = L. (The published runs state a mean acceptance length; whether
-    their drafts were real or forced is not stated.) Its oracle's cost is not draft time
-    (cost None). Greedy only: no drafter can force acceptance under sampling and stay exact.
-
-    The oracle drafts with the target on the XLA reference (as a `ModelDrafter`), whose
-    rounding can differ from the verifier's (the bf16 megakernel): `settle` then replaces
-    the first draft the verifier disagrees with by the verifier's own token and verifies
-    again, so the count is exact whatever the verifier. Those extra verifications (usually
-    none, at most L - 1 per step) are counted in `settled`, and in the verifier's calls.
-    Its runner takes `rows` >= L rows: after a replaced draft it re-feeds up to L tokens."""
-
-    name = "forced"
-
-    def __init__(self, config, params, acceptance_length: int, *, batch=None, rows: int):
-        if rows < acceptance_length:
-            raise ValueError(f"rows={rows} must be >= acceptance_length={acceptance_length}")
-        super().__init__(config, params, batch=batch, rows=rows)
-        self.cost = None
-        self.L = acceptance_length
-        self.settled = 0  # extra verifier calls made by `settle`
-
-    def propose(self, seq, length, gamma, sampling, rng):
-        drafts, _ = super().propose(seq, length, gamma, None, rng)
-        if self.L <= gamma:
-            drafts[:, self.L - 1] = (drafts[:, self.L - 1] + 1) % self.runner.config.vocab
-        return drafts, None
-
-    def settle(self, verifier: Runner, before, cache, rows, positions, target):
-        """After `verifier.step(before, rows, positions) -> (target, _, cache)`: -> (drafts,
-        target, cache) with drafts [B, gamma] whose first L - 1 equal the verifier's own
-        greedy tokens and whose L-th (if any) does not, so `accept_greedy` keeps exactly L.
-        Target token i depends on drafts before i only: each pass fixes the first wrong
-        draft of each sequence and verifies again from `before` (the same rows)."""
-        rows = np.array(rows, np.int32)
-        must = self.L - 1  # drafts every step keeps
-
-        def wrong():
-            return rows[:, 1:must + 1] != target[:, :must]
-
-        for _ in range(must):
-            if not wrong().any():
-                break
-            b = np.flatnonzero(wrong().any(axis=1))
-            i = wrong()[b].argmax(axis=1)
-            rows[b, i + 1] = target[b, i]
-            target, _, cache = verifier.step(before, rows, positions)
-            self.settled += 1
-        if wrong().any():
-            raise RuntimeError(f"verifier {verifier.name!r} changed an earlier row's token "
-                               "when a later row changed: its rows are not causal")
-        drafts = rows[:, 1:]
-        if must < drafts.shape[1]:  # spoil draft L against the verifier's token (no re-run:
-            hit = drafts[:, must] == target[:, must]  # target[:, must] precedes it)
-            drafts[hit, must] = (target[hit, must] + 1) % self.runner.config.vocab
-        return drafts, target, cache
-
-
+# -- Drafters by name -----------------------------------------------------------------------
 def first_layers(config: ModelConfig, params, n: int):
     """(config, params) of the target's first n layers with its embedding, final norm and
     lm_head: the self-drafter's model."""

@@ -82,7 +82,7 @@ from IPython.display import display
 import mk
 import mk.backend
 import mk.run
-from mk import course, plots, reference, sim, teach, tpu
+from mk import course, ops, plots, sim, teach, tpu
 from mk.kernels.common import BlockSizes, vmem_budget
 from mk.kernels.ring import Ring, TileStream
 from mk.kernels.weight_streaming import (stream_matmul, stream_matmul_buffers,
@@ -129,7 +129,7 @@ print(f"{run.config.name}: M = B*T = {run.batch * run.rows} rows; kernels run on
 # ## The reference
 #
 # Layer 0's query projection `wq` [D, N*H] of the run's model, times random activations.
-# `mk.reference.matmul` rounds x to the weight dtype and accumulates in float32, as the
+# `mk.ops.matmul` rounds x to the weight dtype and accumulates in float32, as the
 # MXU does.
 
 # %%
@@ -137,7 +137,7 @@ params = mk.load_checkpoint(run.checkpoint)[1] if run.checkpoint else mk.init_pa
     run.config, run.seed)
 w = params["wq"][0]
 x = jax.random.normal(jax.random.key(run.seed), (run.batch * run.rows, w.shape[0]))
-want = reference.matmul(x, w)
+want = ops.matmul(x, w)
 print(f"x {x.shape} @ wq {w.shape} {w.dtype} -> {want.shape}")
 
 # %%

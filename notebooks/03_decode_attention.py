@@ -83,7 +83,7 @@ from IPython.display import display
 import mk
 import mk.backend
 import mk.run
-from mk import course, plots, reference, teach, tpu
+from mk import course, ops, plots, teach, tpu
 from mk.kernels import decode_attention as attention_module
 from mk.kernels.common import BlockSizes, vmem_budget
 from mk.kernels.decode_attention import (decode_attention, decode_attention_buffers,
@@ -148,8 +148,8 @@ plots.show(plots.kv_tile_map(positions, T, kv_tile, S, title=f"The KV tiles this
 # ## The reference
 #
 # Random q, new K/V rows and a random cache with `c.layers` layers; the step works on the
-# last layer. `mk.reference.write_rows` puts the new rows in the cache, then
-# `mk.reference.attention` attends causally (q and k rounded to the cache dtype, f32
+# last layer. `mk.ops.write_rows` puts the new rows in the cache, then
+# `mk.ops.attention` attends causally (q and k rounded to the cache dtype, f32
 # scores, probabilities rounded to the cache dtype before P @ V).
 
 # %%
@@ -159,10 +159,10 @@ k_new, v_new = (jax.random.normal(k, (B * T, K * H), jnp.float32) for k in keys[
 k_cache, v_cache = (jax.random.normal(k, (c.layers, B, K, S, H), jnp.float32).astype(c.dtype)
                     for k in keys[3:])
 pos, layer = jnp.asarray(positions, jnp.int32), c.layers - 1
-k_want, v_want = (cache.at[layer].set(reference.write_rows(cache[layer],
-                                                            new.reshape(B, T, K, H), pos))
+k_want, v_want = (cache.at[layer].set(ops.write_rows(cache[layer],
+                                                     new.reshape(B, T, K, H), pos))
                   for cache, new in ((k_cache, k_new), (v_cache, v_new)))
-o_want = reference.attention(q.reshape(B, T, N, H), k_want[layer], v_want[layer], pos)
+o_want = ops.attention(q.reshape(B, T, N, H), k_want[layer], v_want[layer], pos)
 o_want = o_want.reshape(B * T, N * H)
 print(f"q {q.shape}, k_new {k_new.shape}, caches {k_cache.shape} -> o {o_want.shape}")
 

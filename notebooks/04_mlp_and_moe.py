@@ -86,7 +86,7 @@ from IPython.display import display
 import mk
 import mk.backend
 import mk.run
-from mk import course, perf, plots, reference, teach, tpu
+from mk import course, ops, perf, plots, teach, tpu
 from mk.kernels import mlp
 from mk.kernels.common import BlockSizes, vmem_budget
 from mk.kernels.weight_streaming import stage_block
@@ -173,7 +173,7 @@ print(f"{expert_slots} expert slots of {per_slot} tiles: {stream.total} tiles wh
 # %% [markdown]
 # ## The reference
 #
-# `mk.reference.swiglu` and `mk.reference.moe` (which runs *every* expert and weights the
+# `mk.ops.swiglu` and `mk.ops.moe` (which runs *every* expert and weights the
 # unselected ones by zero) on random rows h [M, D]; every matmul rounds its input to the
 # weight dtype and accumulates in float32.
 
@@ -183,8 +183,8 @@ dense_w = [dense_params[n][0] for n in ("w_gate", "w_up", "w_down")]
 h_dense = jax.random.normal(jax.random.key(run.seed), (M, dense_config.hidden))
 moe_w, h_moe, picked = course.moe_inputs(moe_config, run.seed, router_seed, M)
 picked = np.asarray(picked)
-dense_want = reference.swiglu(h_dense, *dense_w)
-moe_want = reference.moe(h_moe, *moe_w, X, moe_config.norm_topk)
+dense_want = ops.swiglu(h_dense, *dense_w)
+moe_want = ops.moe(h_moe, *moe_w, X, moe_config.norm_topk)
 print(f"dense: h {h_dense.shape} -> {dense_want.shape}; MoE: the {M} rows pick experts "
       f"{picked.tolist()} ({len(picked)} distinct of {E}); a prefix 0..count-1: "
       f"{course.is_prefix(picked)}")

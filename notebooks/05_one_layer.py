@@ -80,7 +80,7 @@ from IPython.display import display
 import mk
 import mk.backend
 import mk.run
-from mk import course, plots, reference, teach, tpu
+from mk import course, ops, plots, reference, teach, tpu
 from mk.kernels import one_layer as one_layer_module
 from mk.kernels.common import vmem_budget
 from mk.kernels.one_layer import one_layer, one_layer_buffers
@@ -253,9 +253,9 @@ attention_bytes = config.hidden * (2 * config.q_width + 2 * config.kv_width) * i
 if kind == "dense":
     mlp_bytes = 3 * config.hidden * config.ffn * itemsize
 else:  # the experts the router picks for this batch (the reference's routing)
-    h = reference.rms_norm(x_attn, params["mlp_norm"][layer], config.rms_eps).reshape(M, -1)
-    _, experts = reference.route(h, params["router"][config.mlp_index(layer)[1]],
-                                 config.experts_per_token, config.norm_topk)
+    h = ops.rms_norm(x_attn, params["mlp_norm"][layer], config.rms_eps).reshape(M, -1)
+    _, experts = ops.route(h, params["router"][config.mlp_index(layer)[1]],
+                           config.experts_per_token, config.norm_topk)
     touched = len(np.unique(np.asarray(experts)))
     mlp_bytes = touched * config.expert_params * itemsize
     print(f"{touched} of {config.experts} experts touched by {M} rows")

@@ -84,8 +84,8 @@ from plotly.subplots import make_subplots
 import mk
 import mk.backend
 import mk.run
-from mk import course, linear_attention, plots, reference
-from mk.kernels import deltanet
+from mk import course, linear_attention, ops, plots, reference
+from mk.kernels import delta_rule, deltanet
 from mk.kernels.common import vmem_budget
 from mk.kernels.weight_streaming import stage_block
 from mk.kernels.ring import TileStream
@@ -133,10 +133,10 @@ keys = jax.random.split(jax.random.key(run.seed), 3)
 x = jax.random.normal(keys[0], (run.batch, run.rows, config.hidden))
 conv = jax.random.normal(keys[1], (run.batch, W - 1, C)).astype(config.dtype)
 state = 0.1 * jax.random.normal(keys[2], (run.batch, Nv, Hk, Hv))  # a state mid-sequence
-h = reference.rms_norm(x, params["attn_norm"][layer], config.rms_eps, config.norm_offset)
+h = ops.rms_norm(x, params["attn_norm"][layer], config.rms_eps, config.norm_offset)
 i = config.mixer_index(layer)[1]
-q, k, v, _ = reference.conv_qkv(config, params, i, h, conv)
-beta = jax.nn.sigmoid(reference.matmul(h, params["lin_b"][i]))
+q, k, v, _ = linear_attention.conv_qkv(config, params, i, h, conv)
+beta = jax.nn.sigmoid(ops.matmul(h, params["lin_b"][i]))
 k0, v0, b0, s0 = k[0, 0, 0], v[0, 0, 0], beta[0, 0, 0], state[0, 0]  # value head 0: key head 0
 write = b0 * jnp.outer(k0, v0 - k0 @ s0)  # decay left out: exp(g) only scales S
 recalled = k0 @ (s0 + write)  # what S returns for key k after the write
@@ -188,11 +188,12 @@ plots.show_source(deltanet.gated_deltanet_kernel)
 plots.show_source(deltanet.conv_body, deltanet.conv_state_after)
 
 # %% [markdown]
-# The delta rule (the body `delta_rule_step` runs alone too): sequence b+1's state copies
-# in while sequence b computes, and b's T row states copy out while b+1 computes:
+# The delta rule (`mk.kernels.delta_rule`, whose `delta_rule_step` runs it alone too):
+# sequence b+1's state copies in while sequence b computes, and b's T row states copy out
+# while b+1 computes:
 
 # %%
-plots.show_source(deltanet.delta_rule_body, deltanet.delta_rule_head)
+plots.show_source(delta_rule.delta_rule_body, delta_rule.delta_rule_head)
 
 # %% [markdown]
 # ## The check against the reference

@@ -93,7 +93,7 @@ import mk
 import mk.backend
 from mk.kernels.plan import DecodePlan
 import mk.run
-from mk import course, megakernel, plots, reference
+from mk import course, linear_attention, megakernel, ops, plots, reference
 from mk.kernels import decode_attention, deltanet, mla, mlp
 from mk.kernels.common import BlockSizes
 
@@ -197,7 +197,7 @@ cache = (0.5 * jax.random.normal(keys[1], (1, B, S, config.latent_width))).astyp
 positions = jnp.array([3 + 130 * (b % 2) for b in range(B)], jnp.int32)
 _, want_latent, want_mla = reference.mla_decoder_layer(config, params, layer, x, cache[a],
                                                        positions)
-h = reference.rms_norm(x, params["attn_norm"][layer], config.rms_eps).reshape(B * T, -1)
+h = ops.rms_norm(x, params["attn_norm"][layer], config.rms_eps).reshape(B * T, -1)
 queries, latent, up_v = reference.mla_absorbed(config, params, a, h)
 start = time.perf_counter()
 with mk.backend.use(run.backend, detect_races=(mode == "interpret")):
@@ -205,8 +205,8 @@ with mk.backend.use(run.backend, detect_races=(mode == "interpret")):
         queries, latent, cache, positions, layer=a, scale=1 / np.sqrt(config.head_dim),
         block=BlockSizes(kv_tile=128, kv_slots=2)))
 mla_seconds, mla_races = time.perf_counter() - start, mk.backend.races_found()
-got_mla = x + reference.matmul(reference.mla_output(config, o, up_v),
-                               params["wo"][a]).reshape(B, T, -1)
+got_mla = x + ops.matmul(reference.mla_output(config, o, up_v),
+                         params["wo"][a]).reshape(B, T, -1)
 mla_scale = float(jnp.abs(want_mla - x).max())
 print(f"x after MLA: max |kernel - reference| = {float(jnp.abs(got_mla - want_mla).max()):.2e}"
       f" (the attention output's scale {mla_scale:.2f}); latent rows written equal: "
@@ -227,13 +227,13 @@ print(f"x after MLA: max |kernel - reference| = {float(jnp.abs(got_mla - want_ml
 # gate (h g_a g_b) where the gated DeltaNet had z and SiLU; and q, k and v have the same
 # head count. So the state update reads S <- diag(exp(g)) S: each row of a head's state
 # [Hk, Hv] fades at its own rate. One step's decays for sequence 0, row 0, from the
-# reference (`mk.reference.kda_decay`):
+# reference (`mk.linear_attention.kda_decay`):
 
 # %%
 linear = config.linear_layers[-1]
 i = config.mixer_index(linear)[1]
-h_lin = reference.rms_norm(x, params["attn_norm"][linear], config.rms_eps)
-decay = np.exp(np.asarray(reference.kda_decay(config, params, i, h_lin))[0, 0])  # [Nv, Hk]
+h_lin = ops.rms_norm(x, params["attn_norm"][linear], config.rms_eps)
+decay = np.exp(np.asarray(linear_attention.kda_decay(config, params, i, h_lin))[0, 0])  # [Nv, Hk]
 fig = go.Figure(go.Heatmap(z=decay, colorscale="Viridis", colorbar=dict(title="exp(g)")))
 fig.update_layout(title=f"KDA layer {linear}: the decay of each key channel (row 0)",
                   xaxis_title="key channel", yaxis_title="head", height=300)
@@ -303,10 +303,10 @@ h_moe = jax.random.normal(keys[4], (B * T, config.hidden))
 experts = [params[n][row] for n in mlp.EXPERT_WEIGHTS]
 shared = [params[n][row] for n in mlp.SHARED_WEIGHTS]
 routing = mlp.Routing.of(config)
-weights, chosen = reference.route_grouped(
+weights, chosen = ops.route_grouped(
     h_moe, params["router"][row], params["router_bias"][row], routing.top_k,
     routing.expert_groups, routing.topk_groups, routing.renormalise, routing.routed_scale)
-want_moe = reference.mix_experts(h_moe, weights, chosen, *experts) + reference.swiglu(
+want_moe = ops.mix_experts(h_moe, weights, chosen, *experts) + ops.swiglu(
     h_moe, *shared)
 with mk.backend.use(run.backend, detect_races=(mode == "interpret")):
     got_moe, loaded = jax.block_until_ready(mlp.moe(

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import mk
-from mk import backend, course, reference, sim, spec, teach
+from mk import backend, course, ops, reference, sim, spec, teach
 from mk.kernels import attention_prologue as prologue_module
 from mk.kernels import collectives, mlp, one_layer, ring
 from mk.kernels.attention_prologue import attention_prologue
@@ -88,7 +88,7 @@ def test_rope_off_is_caught_at_a_nonzero_position_and_missed_at_zero():
 def _moe_check(plant, router_seed):
     config = mk.preset("tiny-moe")
     weights, h, _ = course.moe_inputs(config, 0, router_seed, 1)
-    want = reference.moe(h, *weights, config.experts_per_token, config.norm_topk)
+    want = ops.moe(h, *weights, config.experts_per_token, config.norm_topk)
     with course.planted(plant), backend.use("interpret"):
         got = jax.block_until_ready(mlp.moe(
             h, *weights, top_k=config.experts_per_token, renormalise=config.norm_topk,

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import mk
-from mk import backend, reference
+from mk import backend, ops, reference
 from mk.kernels.common import BlockSizes
 from mk.kernels.decode_attention import decode_attention
 from mk.kernels.deltanet import gated_deltanet
@@ -52,9 +52,9 @@ def test_gqa_query_head_n_reads_kv_head_n_over_g():
     interleaved = np.arange(N) % K + 1
     assert (blocked != interleaved).any()  # the case tells the maps apart
     np.testing.assert_array_equal(np.rint(o.mean(-1)), np.broadcast_to(blocked, (B * T, N)))
-    k, v = (reference.write_rows(c[0], n.reshape(B, T, K, H), positions)
+    k, v = (ops.write_rows(c[0], n.reshape(B, T, K, H), positions)
             for c, n in ((k_cache, k_new), (v_cache, v_new)))
-    want = reference.attention(q.reshape(B, T, N, H), k, v, positions)
+    want = ops.attention(q.reshape(B, T, N, H), k, v, positions)
     np.testing.assert_allclose(o, np.asarray(want).reshape(B * T, N, H), atol=2e-2, rtol=0)
 
 
@@ -67,7 +67,7 @@ def _two_key_heads():
 
 def _swap_key_heads(config, params, layer):
     """params with key heads 0 and 1 swapped in the q and k channels of lin_qkv and
-    the conv (`mk.reference.conv_qkv`'s channel order: q | k | v, each by key head)."""
+    the conv (`mk.linear_attention.conv_qkv`'s channel order: q | k | v, each by key head)."""
     Hk, Nk = config.linear_key_dim, config.linear_key_heads
     order = np.arange(config.conv_channels)
     for part in range(2):  # q, then k

@@ -26,7 +26,8 @@ from builders import (assert_greedy_matches_hf, assert_prefill_matches_hf, asser
 from mk import linear_attention as la
 from mk import megakernel
 from mk import reference as R
-from mk import spec
+from mk import runners, spec
+from mk.drafters import ModelDrafter
 from mk.quant import stored_bytes
 from mk.weights import param_count, param_shapes
 
@@ -244,10 +245,10 @@ def test_a_missing_rollback_is_caught_in_the_verifier_and_in_the_drafter(
 
     assert settled() == 0
     with monkeypatch.context() as patch:
-        patch.setattr(spec.ModelDrafter, "_rewind", lambda self, start: self.cache)
+        patch.setattr(ModelDrafter, "_rewind", lambda self, start: self.cache)
         assert settled() > 0
     with monkeypatch.context() as patch:
-        patch.setattr(spec.Runner, "keep", lambda self, cache, kept: cache)
+        patch.setattr(runners.Runner, "keep", lambda self, cache, kept: cache)
         got, _ = _spec(config, params, prompt, "ngram", 3)
     assert (np.asarray(got) != want).any()
 
@@ -272,7 +273,7 @@ def test_the_megakernel_verifies_a_hybrid_losslessly_and_a_missing_rollback_show
         for gamma in gammas:
             got, _ = _spec(config, params, prompt, drafter, gamma, "megakernel")
             np.testing.assert_array_equal(got, want, err_msg=f"{drafter} gamma={gamma}")
-    monkeypatch.setattr(spec.Runner, "keep", lambda self, cache, kept: cache)
+    monkeypatch.setattr(runners.Runner, "keep", lambda self, cache, kept: cache)
     got, _ = _spec(config, params, prompt, "ngram", gammas[-1], "megakernel")
     assert (np.asarray(got) != want).any()
 

@@ -25,6 +25,7 @@ from builders import (assert_greedy_matches_hf, assert_prefill_matches_hf, asser
                       assert_t4_steps_predict_hf_tokens, build_hf_model, hf_greedy, hf_logits,
                       kimi_gqa)
 from mk import linear_attention as la
+from mk import ops
 from mk import reference as R
 from mk.kernels.plan import DecodePlan
 from mk.weights import param_count, param_shapes
@@ -109,15 +110,15 @@ def test_planted_positional_encoding_in_mla_diverges(case, monkeypatch):
     at their cache positions) must miss the tolerance the real run meets."""
     model, _, config, params, prompt = case
     want = hf_logits(model, prompt)
-    attention = R.attention
+    attention = ops.attention
 
     def rotated(q, k_cache, v_cache, positions):
         rows = positions[:, None] + jnp.arange(q.shape[1])
-        k = R.rope(k_cache.transpose(0, 2, 1, 3), jnp.arange(k_cache.shape[2])[None], 1e4)
-        return attention(R.rope(q, rows, 1e4), k.transpose(0, 2, 1, 3).astype(k_cache.dtype),
+        k = ops.rope(k_cache.transpose(0, 2, 1, 3), jnp.arange(k_cache.shape[2])[None], 1e4)
+        return attention(ops.rope(q, rows, 1e4), k.transpose(0, 2, 1, 3).astype(k_cache.dtype),
                          v_cache, positions)
 
-    monkeypatch.setattr(R, "attention", rotated)
+    monkeypatch.setattr(R, "attention", rotated)  # the name mla_decoder_layer looks up
     planted = dataclasses.replace(config, name="planted-rope")  # a new trace of forward
     got = np.asarray(R.prefill(planted, params, prompt)[0])
     assert np.abs(got - want).max() > 100 * LOGIT_RTOL_OF_SCALE * np.abs(want).max()
@@ -145,8 +146,8 @@ def test_grouped_router_by_hand():
     scores, renormalised, times the scale."""
     logits = jnp.array([[3.0, 0, 0, 0, 1, 1, 0, 0]])
     bias = jnp.array([0, 0, 0, 0, 1.0, 1.0, 0, 0])
-    w, e = R.route_grouped(logits, jnp.eye(8), bias, top_k=2, groups=2, topk_groups=1,
-                           renormalise=True, scale=2.0)
+    w, e = ops.route_grouped(logits, jnp.eye(8), bias, top_k=2, groups=2, topk_groups=1,
+                             renormalise=True, scale=2.0)
     assert sorted(np.asarray(e)[0].tolist()) == [4, 5]
     np.testing.assert_allclose(np.asarray(w)[0], [1.0, 1.0], rtol=1e-6)
 
@@ -459,7 +460,7 @@ def test_moonshot_config_json_is_read_as_transformers_reads_it():
 def test_speculative_decoding_is_lossless_with_every_drafter(tiny_kimi):
     """Greedy speculative decoding of Kimi Linear (the reference verifier) equals the
     reference's greedy tokens with every drafter: the KDA states rolled back to the last
-    kept row as the gated DeltaNet's are (`mk.spec.Runner.keep`)."""
+    kept row as the gated DeltaNet's are (`mk.runners.Runner.keep`)."""
     from mk import spec
     config, params = tiny_kimi
     prompt = np.random.default_rng(2).integers(0, config.vocab, (2, 6))

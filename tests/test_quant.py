@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import mk
-from mk import quant, reference
+from mk import ops, quant, reference
 from mk.kernels.plan import default_block
 from mk.weights import FORMAT_GROUPS, param_shapes
 
@@ -404,7 +404,7 @@ def test_one_tile_dequantises_in_interpret_mode_and_compiles_for_v5e_v6e_tpu7x(s
     with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
         got = jax.jit(functools.partial(dequant_matmul, scheme))(q.data, q.scale, x)
     w = quant.dequantize_tile(scheme, q.data, q.scale).astype(jnp.bfloat16)
-    want = reference.dot("mi,io->mo", x, w, jnp.bfloat16)
+    want = ops.dot("mi,io->mo", x, w, jnp.bfloat16)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     for chip in ("v5e", "v6e", "tpu7x"):
         report = mk.tpu.compile_for_chip(functools.partial(dequant_matmul, scheme),

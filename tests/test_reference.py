@@ -1,4 +1,5 @@
-"""mk.reference: hand-computed cases for each op, and the decoder's self-consistency.
+"""mk.reference and its blocks (mk.ops): hand-computed cases for each op, and the decoder's
+self-consistency.
 
 The external oracle (transformers) is in test_oracle_transformers.py; here the reference
 is checked against arithmetic done by hand and against itself (prefill vs. step by step,
@@ -10,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mk import ops
 from mk import reference as R
 from mk.presets import preset
 from builders import tiny_moe_in_ci
@@ -25,14 +27,14 @@ def _check_rms_norm_by_hand(rms_norm):
 
 
 def test_rms_norm_by_hand():
-    _check_rms_norm_by_hand(R.rms_norm)
+    _check_rms_norm_by_hand(ops.rms_norm)
 
 
 RMS_NORM_MUTANTS = {  # planted bugs the by-hand cases must reject
     "eps outside the sqrt": lambda x, w, eps: x / (
         jnp.sqrt(jnp.mean(x * x, -1, keepdims=True)) + eps) * w,
-    "(1 + w) weight": lambda x, w, eps: R.rms_norm(x, 1 + w, eps),
-    "eps ignored": lambda x, w, eps: R.rms_norm(x, w, 0.0),
+    "(1 + w) weight": lambda x, w, eps: ops.rms_norm(x, 1 + w, eps),
+    "eps ignored": lambda x, w, eps: ops.rms_norm(x, w, 0.0),
 }
 
 
@@ -46,11 +48,11 @@ def test_rope_rotates_each_half_pair_by_position_times_frequency():
     # H=4: pairs (x0, x2) rotate at frequency 1, (x1, x3) at theta^(-1/2).
     x = jnp.array([1.0, 0.0, 0.0, 1.0]).reshape(1, 1, 4)  # [T, heads, H]
     theta, p = 100.0, 3
-    out = R.rope(x, jnp.array([p]), theta)[0, 0]
+    out = ops.rope(x, jnp.array([p]), theta)[0, 0]
     a0, a1 = p * 1.0, p / 10.0
     expected = [np.cos(a0), -np.sin(a1), np.sin(a0), np.cos(a1)]
     np.testing.assert_allclose(out, expected, atol=1e-6)
-    np.testing.assert_allclose(R.rope(x, jnp.array([0]), theta), x)
+    np.testing.assert_allclose(ops.rope(x, jnp.array([0]), theta), x)
 
 
 def test_attention_by_hand_two_keys_and_causal_mask():
@@ -58,7 +60,7 @@ def test_attention_by_hand_two_keys_and_causal_mask():
     k = jnp.array([[[[1.0, 0.0], [0.0, 1.0]]]])  # [B, K, S, H]
     v = jnp.array([[[[10.0, 0.0], [0.0, 20.0]]]])
     q = jnp.array([[[[2.0, 0.0]], [[0.0, 2.0]]]])  # [B, T=2, N=1, H]
-    out = R.attention(q, k, v, jnp.array([0]))
+    out = ops.attention(q, k, v, jnp.array([0]))
     np.testing.assert_allclose(out[0, 0, 0], [10.0, 0.0])  # row 0 sees only key 0
     s = 2 / np.sqrt(2)
     w = np.exp([0.0, s]) / np.exp([0.0, s]).sum()  # row 1 sees both keys
@@ -69,18 +71,18 @@ def test_swiglu_by_hand():
     x = jnp.array([[1.0, 2.0]])
     gate, up, down = jnp.eye(2), 2 * jnp.eye(2), jnp.array([[1.0], [1.0]])
     silu = lambda z: z / (1 + np.exp(-z))  # noqa: E731
-    np.testing.assert_allclose(R.swiglu(x, gate, up, down),
+    np.testing.assert_allclose(ops.swiglu(x, gate, up, down),
                                [[silu(1) * 2 + silu(2) * 4]], rtol=1e-6)
 
 
 def test_router_renormalises_top_k_and_breaks_ties_to_the_lower_expert():
     x = jnp.array([[1.0, 0.0]])
     router = jnp.array([[2.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
-    w, e = R.route(x, router, top_k=2, renormalise=False)
+    w, e = ops.route(x, router, top_k=2, renormalise=False)
     p = np.exp([2.0, 1, 1, 0]) / np.exp([2.0, 1, 1, 0]).sum()
     assert e.tolist() == [[0, 1]]
     np.testing.assert_allclose(w, [[p[0], p[1]]], rtol=1e-6)
-    w, _ = R.route(x, router, top_k=2, renormalise=True)
+    w, _ = ops.route(x, router, top_k=2, renormalise=True)
     np.testing.assert_allclose(w, [[p[0] / (p[0] + p[1]), p[1] / (p[0] + p[1])]], rtol=1e-6)
 
 
@@ -91,10 +93,10 @@ def test_moe_equals_the_weighted_sum_of_the_selected_experts():
     router = jax.random.normal(key[1], (D, E))
     wg, wu = jax.random.normal(key[2], (2, E, D, F))
     wd = jax.random.normal(key[3], (E, F, D))
-    out = R.moe(x, router, wg, wu, wd, X, renormalise=True)
-    weights, experts = R.route(x, router, X, True)
+    out = ops.moe(x, router, wg, wu, wd, X, renormalise=True)
+    weights, experts = ops.route(x, router, X, True)
     for m in range(M):
-        expected = sum(weights[m, j] * R.swiglu(x[m:m + 1], wg[e], wu[e], wd[e])[0]
+        expected = sum(weights[m, j] * ops.swiglu(x[m:m + 1], wg[e], wu[e], wd[e])[0]
                        for j, e in enumerate(experts[m].tolist()))
         np.testing.assert_allclose(out[m], expected, rtol=1e-5, atol=1e-5)
 

@@ -27,7 +27,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 import mk
-from mk import perf, reference, spec
+from mk import perf, reference, runners, spec
 from mk.config import ModelConfig
 from builders import bar_count
 
@@ -88,7 +88,7 @@ def test_bad_options_are_named_before_anything_runs():
         spec.make_drafter("model", config, {}, gamma=3, draft=(other, {}))
     with pytest.raises(ValueError, match=r"the verifier's rows=2 must be >= gamma \+ 1 = 4"):
         spec.generate(config, {}, prompt, 4, drafter="ngram", gamma=3,
-                      verifier=spec.XLA(config, {}, rows=2))
+                      verifier=runners.XLA(config, {}, rows=2))
     with pytest.raises(ValueError, match="top_p=0 must be in"):
         spec.Sampling(top_p=0)
 
@@ -170,7 +170,7 @@ def test_forced_acceptance_is_exact_with_the_bf16_megakernel_verifier():
     assert oracle.settled > 0, "the oracle agreed with the verifier: pick params that differ"
     assert stats.verifier == "megakernel" and stats.acceptance_length == L
     assert stats.histogram[L - 1] == stats.steps
-    runner = spec.Megakernel(config, params, rows=gamma + 1, backend="interpret")
+    runner = runners.Megakernel(config, params, rows=gamma + 1, backend="interpret")
     last, cache = runner.prefill(prompts, config.max_context)
     greedy, fed, P = [np.argmax(last, -1)[:, None]], np.asarray(got)[:, :-1], prompts.shape[1]
     for start in range(0, steps - 1, runner.rows):
@@ -181,7 +181,7 @@ def test_forced_acceptance_is_exact_with_the_bf16_megakernel_verifier():
 
 
 # -- Rejected rows of the KV cache ------------------------------------------------------------
-class Poisoned(spec.Runner):
+class Poisoned(runners.Runner):
     """Wraps a verifier; before each step writes `value` into every cache row at or past
     each sequence's position (`below=True`: the rows before it instead)."""
 
@@ -213,8 +213,8 @@ def test_rows_past_the_position_are_never_read(models, verifier):
     while the same poison on the kept rows does (so the poison is strong enough)."""
     config, params, prompts, want, _ = models["tiny"]
     batch, gamma = 4, 7  # the megakernel's shape is MEGAKERNEL_RUNS[0]'s: compiled once
-    inner = (spec.XLA(config, params, rows=8, batch=BUCKET) if verifier == "reference"
-             else spec.Megakernel(config, params, rows=8, backend="interpret"))
+    inner = (runners.XLA(config, params, rows=8, batch=BUCKET) if verifier == "reference"
+             else runners.Megakernel(config, params, rows=8, backend="interpret"))
     run = dict(drafter="ngram", gamma=gamma, bucket=BUCKET)  # ngram: mostly rejected
     got, stats = spec.generate(config, params, prompts[:batch], MK_STEPS,
                                verifier=Poisoned(inner), **run)

@@ -34,7 +34,7 @@ from mk.config import MAX_ROWS, ModelConfig
 from mk.kernels.common import BlockSizes, Buffer
 from mk.kernels.ring import Ring, TileStream, ring_buffers
 from mk.kernels.weight_streaming import ring_weights, stage_block, weight_stream
-from mk.reference import rms_norm
+from mk.ops import rms_norm
 
 
 
@@ -57,7 +57,7 @@ def row_positions(positions_smem, batch: int, rows: int):
 
 def rope_rows(x, pos, theta: float, dims: int | None = None):
     """Rotate-half RoPE of x [M, H] float32 at positions pos [M, 1] on the first `dims`
-    (default all) lanes, the rest passed through (mk.reference.rope)."""
+    (default all) lanes, the rest passed through (mk.ops.rope)."""
     M, H = x.shape
     d = dims or H
     half = d // 2

@@ -3,9 +3,8 @@
 Each sequence b holds positions[b] cached rows and brings T new ones (row t sits at
 positions[b] + t). The kernel leaves the cache k_cache, v_cache [L, B, K, S, H] in HBM
 (`memory_space=pl.ANY`) and streams, per sequence, ONLY its KV tiles 0 .. (positions[b] +
-T - 1) // kv_tile through a `kv_slots`-deep VMEM ring: the trip count is dynamic, and a
-tile past a sequence's end is never read. All sequences' tiles form one stream, so the
-prefetch runs across sequence boundaries as the weight ring runs across layers.
+T - 1) // kv_tile through a `kv_slots`-deep VMEM ring (`mk.kernels.kv_stream.KvStream`):
+the trip count is dynamic, and a tile past a sequence's end is never read.
 
 Per tile, each kv head's G*T query rows meet its K tile at once (one MXU pass for the
 whole GQA group) and update an online softmax (running max m, running sum l, float32
@@ -20,20 +19,15 @@ new ones (`write_back_rows`: 16 rows of bf16 for T=1) goes back to HBM. A DMA of
 alone does not lower: HBM row offsets must be tile-aligned. Each HBM tile is read once and
 written at most once, after its read, so no read can meet a write-back.
 
-A write-back is not waited for where it starts: it would queue behind every weight and KV
-tile in flight. The window is copied into one of `write_back_slots(B)` = 2B staging slots
-(a layer's write-backs: at most two tiles per sequence) and sent from there; write-back n
-is waited for only when write-back n + 2B needs its slot, normally a full layer later,
-and the kernel waits for the rest at its end (`drain_write_backs`). The count n lives in
-SMEM (`writes`) across the layers of a kernel: the kernel sets it to 0 at its start
-(`start_write_backs`).
+The window is sent from a staging slot and not waited for where it starts: the slots,
+and the drain at a kernel's end, are `mk.kernels.kv_stream`'s.
 
 Layout: Mosaic loads and stores only at 8-row-aligned dynamic offsets, and sequence b's
 rows start at b*T. So a prologue regroups q (and the new rows) with static strided copies
 into 8-row-aligned blocks, one per (sequence, kv head): rows (g, t), padded to
 R = round_up(G*T, 8); an epilogue scatters the outputs back to [B*T, N*H].
 
-Numerics (mk.reference.attention): q and k rounded to the cache dtype, scores float32
+Numerics (mk.ops.attention): q and k rounded to the cache dtype, scores float32
 scaled by 1/sqrt(H), probabilities cast to the cache dtype before P @ V, float32
 accumulation; only the online-softmax rounding differs.
 
@@ -45,20 +39,20 @@ head's key up-projection), a tile is loaded once and serves as keys and, its lat
 as values; the caller multiplies each head's P @ latent rows by the head's value
 up-projection. So a step reads W values per cached token, not 2 x heads x head_dim.
 
-Here: `attend` (the in-kernel body the fused layer and the megakernel call),
-`start_write_backs` / `drain_write_backs` (around every kernel's attention layers),
-`write_back_slots`, `decode_attention_buffers` / `decode_attention_scratch` (its VMEM and
-semaphores, `attention_semaphores`) and the stage wrappers `decode_attention` and
-`latent_attention`. Not here: Q/K/V projections,
-norms and RoPE (`attention_prologue`), MLA's absorption of the up-projections (its
-prologue and epilogue: `mk.kernels.mla`), the output projection.
+Here: `attend` (the in-kernel body the fused layer and the megakernel call), the sizes
+of its blocks and write-back windows (`block_rows`, `write_back_rows`,
+`write_back_slots`), `decode_attention_buffers` / `decode_attention_scratch` (its VMEM
+and semaphores, `attention_semaphores`) and the stage wrappers `decode_attention` and
+`latent_attention`. Not here: the scratch refs by name, the KV tile stream and the
+write-backs' drain (`mk.kernels.kv_stream`), Q/K/V projections, norms and RoPE
+(`attention_prologue`), MLA's absorption of the up-projections (its prologue and
+epilogue: `mk.kernels.mla`), the output projection.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -69,6 +63,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mk.config import COMPUTE_DTYPES, MAX_ROWS
 from mk.kernels.common import LANES, BlockSizes, Buffer, start_dma, sublanes
+from mk.kernels.kv_stream import (AttentionScratch, KvStream, drain_write_backs,
+                                  start_write_backs)
 from mk.reference import check_positions, concrete
 
 ALIGN = 8  # rows of an f32 (8, 128) tile: dynamic row offsets must be multiples of it
@@ -94,27 +90,6 @@ def write_back_rows(rows: int, kv_tile: int, dtype) -> int:
 def write_back_slots(batch: int) -> int:
     """Staging slots of the write-backs: one layer's, at most two tiles per sequence."""
     return 2 * batch
-
-
-class AttentionScratch(NamedTuple):
-    """The scratch refs of `attend`, by the names `decode_attention_scratch` gives them
-    (with values in the keys, the latent cache's, there are no v_tiles and v_rows)."""
-
-    k_tiles: Any = None  # [kv_slots, K, kv_tile, H] cache dtype: the KV ring
-    v_tiles: Any = None  # [kv_slots, K, kv_tile, H] cache dtype
-    q_blocks: Any = None  # [B*K*R, H] f32: rows (g, t) of block (b, k)
-    out_blocks: Any = None  # [B*K*R, H] f32: attention output, same layout
-    k_rows: Any = None  # [B*K*Rt, H] f32, Rt = round_up(T, 8): new K rows t of block (b, k)
-    v_rows: Any = None  # [B*K*Rt, H] f32
-    stage: Any = None  # [B*T, H] f32: one head's column, for the strided regrouping
-    m: Any = None  # [K*R, 1] f32 running max of the current sequence
-    l: Any = None  # [K*R, 1] f32 running sum
-    acc: Any = None  # [K*R, H] f32 running P @ V
-    k_back: Any = None  # [2B, K, W, H] cache dtype: write-backs in flight (staging slots)
-    v_back: Any = None  # [2B, K, W, H] cache dtype
-    load_sems: Any = None  # DMA semaphores [2, kv_slots]: K and V tile loads
-    write_sems: Any = None  # DMA semaphores [2, 2B]: K and V write-backs, one per staging slot
-    writes: Any = None  # SMEM [1] int32: write-backs started since the kernel's start
 
 
 def decode_attention_buffers(B: int, T: int, N: int, K: int, H: int, dtype,
@@ -206,89 +181,6 @@ def _scatter_blocks(src_vmem, dst_vmem, stage, *, rows: int, group: int, block: 
 
 
 # -- The body -------------------------------------------------------------------------------
-def start_write_backs(scratch: AttentionScratch) -> None:
-    """At a kernel's start, before its first `attend`: no write-back is in flight."""
-    scratch.writes[0] = 0
-
-
-def drain_write_backs(scratch: AttentionScratch, k_cache_hbm, v_cache_hbm=None) -> None:
-    """At a kernel's end: wait for the write-backs `attend` left in flight (the last 2B
-    started, or all if fewer), on the caches it wrote (v_cache_hbm None: the latent one)."""
-    s = scratch
-    backs, _, W, _ = s.k_back.shape
-    pairs = [(s.k_back, k_cache_hbm)] + ([] if v_cache_hbm is None else
-                                         [(s.v_back, v_cache_hbm)])
-
-    n = s.writes[0]
-
-    def wait(i, carry):  # staging slot (n - 1 - i) % 2B holds write-back n - 1 - i, the one
-        staged = (n - 1 - i) % backs  # DMA on its semaphore, of this size
-        for j, (back, cache) in enumerate(pairs):
-            pltpu.make_async_copy(back.at[staged], cache.at[0, 0, :, pl.ds(0, W), :],
-                                  s.write_sems.at[j, staged]).wait()
-        return carry
-
-    lax.fori_loop(0, jnp.minimum(n, backs), wait, 0)
-    s.writes[0] = 0
-
-
-class KvStream:
-    """The KV tiles one layer's attention reads, in order: sequence by sequence, each
-    sequence's tiles 0 .. (positions[b] + T - 1) // kv_tile, through a `kv_slots` ring.
-
-    `prime()` issues the first kv_slots - 1 loads; it needs only the positions and the
-    cache, so a fused layer issues them at the layer's start, before its projections, and
-    `attend(..., primed=True)` carries on from there.
-    """
-
-    def __init__(self, positions_smem, k_cache_hbm, v_cache_hbm, scratch: AttentionScratch,
-                 *, rows: int, layer, block: BlockSizes):
-        # v_cache_hbm None: the values are the keys (MLA's latent cache), one load a tile
-        self.positions_smem = positions_smem
-        self.caches = (k_cache_hbm,) if v_cache_hbm is None else (k_cache_hbm, v_cache_hbm)
-        self.s, self.T, self.layer, self.block = scratch, rows, layer, block
-        B = positions_smem.shape[0]
-        self.total = lax.fori_loop(0, B, lambda b, n: n + self.tiles_of(b), jnp.int32(0))
-
-    def tiles_of(self, b):  # KV tiles sequence b reads: those up to its last new row
-        B = self.positions_smem.shape[0]
-        return (self.positions_smem[jnp.minimum(b, B - 1)] + self.T - 1) // self.block.kv_tile + 1
-
-    def advance(self, cursor):  # (b, i) -> the next tile of the stream
-        b, i = cursor
-        last = i + 1 == self.tiles_of(b)
-        return jnp.where(last, b + 1, b), jnp.where(last, 0, i + 1)
-
-    def copies(self, cursor, slot):  # the K and V loads of tile (b, i) (K only: latent)
-        b, i = cursor
-        tile = self.block.kv_tile
-        rows = pl.ds(pl.multiple_of(i * tile, tile), tile)
-        return [pltpu.make_async_copy(cache.at[self.layer, b, :, rows, :], tiles.at[slot],
-                                      self.s.load_sems.at[j, slot])
-                for j, (cache, tiles) in enumerate(zip(self.caches, (self.s.k_tiles,
-                                                                     self.s.v_tiles)))]
-
-    def start(self, cursor, slot):  # issue the K and V loads of tile (b, i)
-        k_tiles = self.s.k_tiles
-        nbytes = math.prod(k_tiles.shape[1:]) * k_tiles.dtype.itemsize
-        for c, what in zip(self.copies(cursor, slot), ("k_tile", "v_tile")):
-            start_dma(c, what, nbytes)
-
-    def prime(self, issue: bool = True):
-        """Issue tiles 0 .. kv_slots - 2 (those that exist); return the cursor of the next
-        tile to issue. `issue=False` only computes the cursor (the stream was primed). A
-        loop: the kernel's code does not grow with kv_slots."""
-        def tile(j, ahead):
-            if issue:
-                @pl.when(j < self.total)
-                def prime_tile():
-                    self.start(ahead, j)
-            return self.advance(ahead)
-
-        return lax.fori_loop(0, self.block.kv_slots - 1, tile,
-                             (jnp.int32(0), jnp.int32(0)))
-
-
 def attend(
     # Inputs
     q_vmem,  # [B*T, N*H] f32, normed and RoPE'd

@@ -2,22 +2,10 @@
 recurrent state and a conv state that live in HBM.
 
 A gated-DeltaNet layer keeps, per sequence and value head, a float32 state S [Hk, Hv]
-instead of KV rows. Each decode row t decays it, writes the row's correction into it and
-reads it (`mk.linear_attention.delta_rule`, the oracle):
-
-    S <- decay_t S;   S <- S + k_t (beta_t (v_t - k_t^T S))^T;   out_t = q_t^T S
-
-The delta rule (`delta_rule_body`): the state [B, Nv, Hk, Hv] stays in HBM
-(`memory_space=pl.ANY`). Sequence b's state comes into VMEM by an async copy issued while
-sequence b-1 computes (two slots), and the T states after each of b's rows leave by one
-async copy waited for only when sequence b+2 needs its slot (two slots): a verifier that
-accepts k of the T rows restarts from row k-1's state. In a kernel of several linear
-layers the sequences of all of them are one stream (`StateCopies`): the next layer's first
-state loads while this layer's last sequence computes. Bytes per step: B * Nv * Hk * Hv * 4
-in and T times that out, whatever the context length. Rows of a sequence sit in one
-8-row-aligned block [R, H] (R = T rounded up to 8); row t is picked by a row mask, so every
-product is an [R, .] matmul (rows other than t are zero) and no dynamic sublane slicing is
-needed. decay (= exp(g)) and beta are per-row scalars in SMEM.
+instead of KV rows; each decode row decays it, writes the row's correction into it and
+reads it. That recurrence, with the stream of its states through HBM, is
+`mk.kernels.delta_rule` (`delta_rule_body`, `StateCopies`); this module builds the layer
+around it.
 
 The layer (`gated_deltanet`, mk.reference.linear_decoder_layer up to the residual): the
 input RMSNorm; in_proj_qkv and in_proj_z through one weight ring; in_proj_b/in_proj_a
@@ -31,7 +19,7 @@ later (`drain_linear` at the kernel's end): a DMA issued and waited for within t
 would queue behind every weight tile in flight, and a ring deep enough to stream through
 a collective holds a layer's worth of them.
 Kimi Delta Attention (KDA, Kimi Linear's linear layers, config.channel_decay) is the same
-layer with three changes (mk.reference.kimi_delta_attention): the decay is one per key
+layer with three changes (mk.linear_attention.kimi_delta_attention): the decay is one per key
 channel, from a low-rank forget gate (h f_a f_b); the output gate is a low-rank sigmoid
 gate (h g_a g_b) in place of z; Nk = Nv. The four low-rank weights come by their own DMA
 (`linear_weights`), the ring streams lin_qkv and lin_out. A row's decays sit in
@@ -42,11 +30,13 @@ The layer's token mixer is one in-kernel body, `linear_mixer` (its weights and s
 read by name from HBM, its scratch `linear_scratch`): the stage kernel runs it on one
 layer, the megakernel on every linear layer of a hybrid (`mk.kernels.one_layer.layer_body`).
 
-Here: `delta_rule_step` (the delta rule alone), `linear_mixer` and `gated_deltanet` (the
-layer, either kind), their bodies, buffers (`linear_buffers`, `gated_deltanet_buffers`),
-`linear_weights` and `linear_layer_shapes` (each kind's weights, counted once) and
-`prepare_linear`. Not here: the MLP after the layer (stage 04), the megakernel's mixed
-full/linear layer stream (`mk.megakernel`), the sharding of heads (`mk.tensor_parallel`).
+Here: `linear_mixer` and `gated_deltanet` (the layer, either kind), their bodies (the
+gates, the conv, the head blocks, the gated norm), buffers (`linear_buffers`,
+`gated_deltanet_buffers`), `linear_weights` and `linear_layer_shapes` (each kind's
+weights, counted once) and `prepare_linear`. Not here: the delta rule and its state
+copies (`mk.kernels.delta_rule`, whose `delta_rule_step` runs the rule alone), the MLP
+after the layer (stage 04), the megakernel's mixed full/linear layer stream
+(`mk.megakernel`), the sharding of heads (`mk.tensor_parallel`).
 The megakernel runs KDA layers through the same `linear_mixer`, on one device or tensor
 parallel (split by heads as the gated DeltaNet's).
 """
@@ -65,194 +55,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mk import linear_attention as la
-from mk.config import MAX_ROWS, ModelConfig, check_rows
+from mk.config import ModelConfig, check_rows
 from mk.kernels.common import (LANES, BlockSizes, Buffer, memory_specs, start_dma,
                                vmem_limit_bytes)
+from mk.kernels.delta_rule import ALIGN, StateCopies, delta_rule_body
 from mk.kernels.ring import Ring, TileStream, ring_layout
 from mk.kernels.weight_streaming import stage_block
-from mk.reference import rms_norm
+from mk.ops import rms_norm
 from mk.weights import kind_of, names_of, param_shapes
 
-ALIGN = 8  # rows of an f32 (8, 128) tile
 F32 = jnp.float32
-TN = (((0,), (0,)), ((), ()))  # dot_general dims of a.T @ b
-
-
-class RowStore:
-    """rows_vmem[slot, t, h] <- the state after row t (what a verifier's rollback needs)."""
-
-    def __init__(self, rows_vmem, slot, h, rows: int):
-        self.rows_vmem, self.slot, self.h, self.rows = rows_vmem, slot, h, range(rows)
-
-    def __call__(self, t, s):
-        self.rows_vmem[self.slot, t, self.h] = s
-
-
-def delta_rule_head(q, k, v, s, decay, beta, rows_out):
-    """T rows of one value head, in VMEM: q, k [R, Hk], v [R, Hv] values; s [Hk, Hv] the
-    state before row 0; decay(t), beta(t) the row's scalars; rows_out(t, s) stores the
-    state after row t. Returns out [R, Hv] float32 (rows >= T zero)."""
-    row_id = lax.broadcasted_iota(jnp.int32, (q.shape[0], 1), 0)
-    out = jnp.zeros(v.shape, F32)
-    for t in range(len(rows_out.rows)):
-        at_t = row_id == t
-        k_t = jnp.where(at_t, k, 0.0)
-        s = s * decay(t)
-        remembered = jnp.dot(k_t, s, preferred_element_type=F32)
-        delta = jnp.where(at_t, (v - remembered) * beta(t), 0.0)
-        s = s + lax.dot_general(k_t, delta, TN, preferred_element_type=F32)
-        rows_out(t, s)
-        out = out + jnp.where(at_t, jnp.dot(q, s, preferred_element_type=F32), 0.0)
-    return out
-
-
-class StateCopies:
-    """The recurrent states' HBM <-> VMEM copies of every linear layer a kernel runs, as one
-    stream of items n = row * B + b (sequence b of linear row `row`): item n's state comes
-    into slot n % 2 while item n - 1 computes (across the layer edge too), and its T row
-    states leave from slot n % 2, waited for only when item n + 2 needs the slot or at the
-    kernel's end (`drain`). state_hbm [Ll, B, Nv, Hk, Hv], rows_hbm [Ll, B, T, Nv, Hk, Hv]."""
-
-    def __init__(self, state_hbm, rows_hbm, state_vmem, rows_vmem, load_sems, store_sems):
-        self.state_hbm, self.rows_hbm = state_hbm, rows_hbm
-        self.state_vmem, self.rows_vmem = state_vmem, rows_vmem
-        self.load_sems, self.store_sems = load_sems, store_sems
-        self.batch = state_hbm.shape[1]
-        self.items = state_hbm.shape[0] * self.batch
-
-    def load(self, n):
-        row, b, slot = n // self.batch, n % self.batch, n % 2
-        return pltpu.make_async_copy(self.state_hbm.at[row, b], self.state_vmem.at[slot],
-                                     self.load_sems.at[slot])
-
-    def store(self, n):
-        row, b, slot = n // self.batch, n % self.batch, n % 2
-        return pltpu.make_async_copy(self.rows_vmem.at[slot], self.rows_hbm.at[row, b],
-                                     self.store_sems.at[slot])
-
-    def start_load(self, n):
-        start_dma(self.load(n), "state_load", math.prod(self.state_vmem.shape[1:]) * 4)
-
-    def start_store(self, n):
-        start_dma(self.store(n), "state_rows", math.prod(self.rows_vmem.shape[1:]) * 4)
-
-    def drain(self):
-        """At the kernel's end: wait for the last two items' row states."""
-        for n in range(max(self.items - 2, 0), self.items):
-            self.store(n).wait()
-
-
-def delta_rule_body(q_vmem, k_vmem, v_vmem, scalars, out_vmem, copies: StateCopies, *,
-                    rows: int, row=0):
-    """The delta rule of linear row `row`'s B sequences inside a kernel: q, k [B, Nv, R, Hk],
-    v and out [B, Nv, R, Hv] f32 VMEM refs; scalars(b, h) -> (decay(t), beta(t)). Expects
-    item row * B's state load started (`prime_linear`, or the row before's last sequence);
-    starts the next item's load, even the next row's; leaves the row states in flight
-    (`StateCopies`)."""
-    B, Nv = q_vmem.shape[:2]
-
-    def sequence(b, carry):
-        n = row * B + b
-        slot = n % 2
-        copies.load(n).wait()
-
-        @pl.when(n + 1 < copies.items)
-        def prefetch_next_state():
-            copies.start_load(n + 1)
-
-        @pl.when(n >= 2)
-        def free_row_slot():  # the write-back of item n - 2 used this slot
-            copies.store(n - 2).wait()
-
-        def head(h, carry):
-            out_vmem[b, h] = delta_rule_head(
-                q_vmem[b, h], k_vmem[b, h], v_vmem[b, h], copies.state_vmem[slot, h],
-                *scalars(b, h), RowStore(copies.rows_vmem, slot, h, rows))
-            return carry
-
-        lax.fori_loop(0, Nv, head, 0)
-        copies.start_store(n)
-        return carry
-
-    lax.fori_loop(0, B, sequence, 0)
-
-
-def delta_rule_kernel(
-    # Inputs
-    q_vmem,  # [B, Nv, R, Hk] f32, rows >= T zero
-    k_vmem,  # [B, Nv, R, Hk] f32
-    v_vmem,  # [B, Nv, R, Hv] f32
-    decay_smem,  # [B * Nv * T] f32, exp(g)
-    beta_smem,  # [B * Nv * T] f32
-    state_hbm,  # [1, B, Nv, Hk, Hv] f32, left in HBM
-    # Outputs
-    out_vmem,  # [B, Nv, R, Hv] f32
-    rows_hbm,  # [1, B, T, Nv, Hk, Hv] f32: the state after each row
-    # Scratch
-    state_vmem,  # [2, Nv, Hk, Hv] f32
-    rows_vmem,  # [2, T, Nv, Hk, Hv] f32
-    load_sems,  # DMA [2]
-    store_sems,  # DMA [2]
-    *,
-    rows: int,
-):
-    Nv = q_vmem.shape[1]
-    copies = StateCopies(state_hbm, rows_hbm, state_vmem, rows_vmem, load_sems, store_sems)
-
-    def scalars(b, h):
-        first = (b * Nv + h) * rows
-        return lambda t: decay_smem[first + t], lambda t: beta_smem[first + t]
-
-    copies.start_load(0)
-    delta_rule_body(q_vmem, k_vmem, v_vmem, scalars, out_vmem, copies, rows=rows)
-    copies.drain()
-
-
-def delta_rule_step(q, k, v, decay, beta, state, *, kernel=None):
-    """The gated delta rule over T rows of B sequences, state in HBM.
-
-    q, k [B, T, Nv, Hk] (normalised, q scaled, one per value head); v [B, T, Nv, Hv];
-    decay (= exp(g)), beta [B, T, Nv]; state [B, Nv, Hk, Hv] float32. Returns
-    (out [B, T, Nv, Hv] float32, rows [B, T, Nv, Hk, Hv] float32: the state after each row).
-    `kernel` replaces `delta_rule_kernel` (same arguments): tests plant bugs through it.
-    """
-    B, T, Nv, Hk = q.shape
-    Hv = v.shape[-1]
-    if k.shape != q.shape or v.shape[:3] != (B, T, Nv) or decay.shape != (B, T, Nv) \
-            or beta.shape != (B, T, Nv) or state.shape != (B, Nv, Hk, Hv):
-        raise ValueError(f"shapes disagree: q {q.shape}, k {k.shape}, v {v.shape}, decay "
-                         f"{decay.shape}, beta {beta.shape}, state {state.shape}")
-    if Hk % LANES or Hv % LANES:
-        raise ValueError(f"head dims Hk={Hk}, Hv={Hv} must be multiples of {LANES} on TPU")
-    if not 1 <= B * T <= MAX_ROWS:
-        raise ValueError(f"rows M=B*T={B * T} must be in [1, {MAX_ROWS}]")
-    R = -(-T // ALIGN) * ALIGN
-
-    def blocks(x):  # [B, T, Nv, H] -> [B, Nv, R, H] f32, rows >= T zero
-        x = jnp.moveaxis(x.astype(F32), 2, 1)
-        return jnp.pad(x, ((0, 0), (0, 0), (0, R - T), (0, 0)))
-
-    def scalars(x):  # [B, T, Nv] -> [B * Nv * T], index (b * Nv + h) * T + t
-        return jnp.moveaxis(x.astype(F32), 1, 2).reshape(-1)
-
-    vmem, smem = pl.BlockSpec(memory_space=pltpu.VMEM), pl.BlockSpec(memory_space=pltpu.SMEM)
-    any_ = pl.BlockSpec(memory_space=pl.ANY)
-    state_bytes = B * Nv * Hk * Hv * 4
-    out, rows = pl.pallas_call(
-        functools.partial(kernel or delta_rule_kernel, rows=T),
-        out_shape=(jax.ShapeDtypeStruct((B, Nv, R, Hv), F32),
-                   jax.ShapeDtypeStruct((1, B, T, Nv, Hk, Hv), F32)),
-        in_specs=[vmem, vmem, vmem, smem, smem, any_],
-        out_specs=(vmem, any_),
-        scratch_shapes=[pltpu.VMEM((2, Nv, Hk, Hv), F32), pltpu.VMEM((2, T, Nv, Hk, Hv), F32),
-                        pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA((2,))],
-        name="mk_delta_rule_step",
-        cost_estimate=pl.CostEstimate(
-            flops=B * T * Nv * 3 * 2 * R * Hk * Hv, transcendentals=0,
-            bytes_accessed=(1 + T) * state_bytes + B * Nv * R * (2 * Hk + 2 * Hv) * 4),
-    )(blocks(q), blocks(k), blocks(v), scalars(decay), scalars(beta),
-      state.astype(F32)[None])
-    return jnp.moveaxis(out[:, :, :T], 1, 2), rows[0]
 
 
 # -- The whole layer: stage 05b ------------------------------------------------------------
@@ -368,7 +180,7 @@ def gated_deltanet_buffers(config: ModelConfig, batch: int, rows: int,
 
 def gates_body(h, lin_b, lin_a, a_log, dt_bias):
     """(decay = exp(g), beta) [M, Nv] f32 of the normed rows h [M, D]: beta = sigmoid(h b),
-    g = -exp(A_log) softplus(h a + dt_bias) (mk.reference.linear_attention)."""
+    g = -exp(A_log) softplus(h a + dt_bias) (mk.linear_attention.linear_attention)."""
     def project(w):
         return jnp.dot(h.astype(w.dtype), w, preferred_element_type=F32)
 
@@ -379,7 +191,7 @@ def gates_body(h, lin_b, lin_a, a_log, dt_bias):
 
 def low_rank(h, a, b):
     """h [M, D] @ a [D, r] @ b [r, n] f32, each product's input rounded to its weight's
-    dtype (mk.reference.matmul twice)."""
+    dtype (mk.ops.matmul twice)."""
     inner = jnp.dot(h.astype(a.dtype), a, preferred_element_type=F32)
     return jnp.dot(inner.astype(b.dtype), b, preferred_element_type=F32)
 
@@ -387,7 +199,7 @@ def low_rank(h, a, b):
 def kda_gates_body(h, lin_b, f_a, f_b, a_log, dt_bias, decay_vmem):
     """KDA's gates of the normed rows h [M, D]: decay_vmem [M, Nv*Hk] f32 <- exp(g), g =
     -exp(A_log[head]) softplus(h f_a f_b + dt_bias) (one per key channel); returns beta =
-    sigmoid(h b) [M, Nv] (mk.reference.kimi_delta_attention)."""
+    sigmoid(h b) [M, Nv] (mk.linear_attention.kimi_delta_attention)."""
     Nv = a_log.shape[1]
     Hk = decay_vmem.shape[1] // Nv
     forget = low_rank(h, f_a, f_b) + dt_bias.astype(F32)

@@ -23,7 +23,7 @@ low rank, wkv_a, wo; wkv_a's W columns padded with zeros to whole 128-lane tiles
 [R, ...], the two low-rank norms) would force small tiles on every matrix of the stream:
 each MLA layer DMAs them whole into VMEM at its start (`start_mla_loads`) and waits for
 each where it is first used, behind the ring's tiles already in flight (wq_a's come
-after them in the one DMA queue). wq's product is `mk.reference.matmul`'s (q cast to wq's
+after them in the one DMA queue). wq's product is `mk.ops.matmul`'s (q cast to wq's
 dtype, float32 sums); the absorption and the value up-projection are float32 products in
 VMEM (`mk.reference.mla_absorbed`'s numerics); attention's own numerics are `attend`'s.
 
@@ -42,7 +42,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mk.config import ModelConfig
 from mk.kernels.common import LANES, Buffer, start_dma
-from mk.reference import rms_norm
+from mk.ops import rms_norm
 
 F32 = jnp.float32
 NT = (((1,), (1,)), ((), ()))  # dot_general dims of a @ b.T

@@ -263,9 +263,9 @@ class Routing:
     """How a MoE layer picks and weighs its top_k experts (`mk.reference.mlp_block`); the
     fields after renormalise are ModelConfig's of the same names.
 
-    router_score "softmax" (Qwen3-MoE, `mk.reference.route`): softmax probabilities, the
+    router_score "softmax" (Qwen3-MoE, `mk.ops.route`): softmax probabilities, the
     top_k picked, renormalised if asked. "sigmoid" (DeepSeek-V3 / Kimi,
-    `mk.reference.route_grouped`): sigmoid scores; the choice adds a per-expert bias and
+    `mk.ops.route_grouped`): sigmoid scores; the choice adds a per-expert bias and
     keeps the topk_groups of expert_groups groups whose two best biased scores sum
     highest; the weights are the unbiased scores, renormalised (+1e-20) if asked, times
     routed_scale. Ties go to the lower expert (and group) id, as lax.top_k's."""
@@ -349,8 +349,8 @@ def kept_groups(choice, expert, routing: Routing):
 
 def route_body(x, router_vmem, combine_vmem, routing: Routing, bias_vmem=None):
     """Write combine_vmem [M, E] f32 (routing weights, 0 where not picked); return the
-    selected flags [1, E] int32. The numerics of `mk.reference.route` (softmax) or
-    `mk.reference.route_grouped` (sigmoid: bias_vmem [1, E] holds the layer's bias)."""
+    selected flags [1, E] int32. The numerics of `mk.ops.route` (softmax) or
+    `mk.ops.route_grouped` (sigmoid: bias_vmem [1, E] holds the layer's bias)."""
     w = router_vmem[...]  # [D, E]
     logits = jnp.dot(x[...].astype(w.dtype), w, preferred_element_type=jnp.float32)
     M, E = logits.shape

@@ -38,12 +38,13 @@ from mk.config import ModelConfig
 from mk.kernels.attention_prologue import check_layer_inputs
 from mk.kernels.common import (SLOTS, BlockSizes, Buffer, aliases, default_block,
                                memory_specs, vmem_limit_bytes)
-from mk.kernels.decode_attention import AttentionScratch
+from mk.kernels.kv_stream import AttentionScratch
 from mk.kernels.ring import Ring, TileStream, ring_buffers
 from mk.kernels.weight_streaming import ring_weights, weight_stream
 from mk.kinds.base import LAYER_PHASES, Kind, Step
 from mk.kinds.layers import kinds_at, layer_kinds, layer_matrices
-from mk.reference import check_positions, rms_norm
+from mk.ops import rms_norm
+from mk.reference import check_positions
 
 
 def model_block(config: ModelConfig, *, context: int | None = None, slots: int = SLOTS,

@@ -434,7 +434,7 @@ class Ring:
 
         x is a VMEM ref (its contraction steps are dynamic lane slices, which Mosaic takes
         from refs, not values); each step is cast to the weight dtype and the products
-        accumulate in float32 in out_ref's panel (the `mk.reference.matmul` numerics). A
+        accumulate in float32 in out_ref's panel (the `mk.ops.matmul` numerics). A
         transposed segment's tile is W^T's: x's step times the tile transposed. Every tile
         consumed issues tile g + slots.
 

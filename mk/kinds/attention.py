@@ -25,10 +25,10 @@ from jax.experimental.pallas import tpu as pltpu
 from mk.config import DTYPE_BITS
 from mk.kernels.attention_prologue import prologue, prologue_matrices
 from mk.kernels.common import Buffer
-from mk.kernels.decode_attention import (KvStream, attend, attention_semaphores,
-                                         block_rows, decode_attention_buffers,
-                                         drain_write_backs, start_write_backs,
-                                         write_back_rows, write_back_slots)
+from mk.kernels.decode_attention import (attend, attention_semaphores, block_rows,
+                                         decode_attention_buffers, write_back_rows,
+                                         write_back_slots)
+from mk.kernels.kv_stream import KvStream, drain_write_backs, start_write_backs
 from mk.kernels.mla import (latent_columns, mla_buffers, mla_epilogue, mla_loads,
                             mla_matrices, mla_prologue, start_mla_loads)
 from mk.kinds.base import Kind, Step, Twin

@@ -1,5 +1,5 @@
-"""Stage 03: decode attention against mk.reference.attention, with the cache updated in
-place exactly as mk.reference.write_rows does, race-free, at the tile-boundary positions;
+"""Stage 03: decode attention against mk.ops.attention, with the cache updated in
+place exactly as mk.ops.write_rows does, race-free, at the tile-boundary positions;
 the stage wrapper's errors; ahead-of-time compiles at qwen3-8b attention shapes.
 
 The caches hold random rows below each sequence's new rows, large finite values in the
@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import mk
-from mk import backend, reference, tpu
+from mk import backend, ops, reference, tpu
 from mk.kernels import decode_attention as stage
 from mk.kernels.common import BlockSizes, sublanes, vmem_budget
 from mk.kernels.decode_attention import decode_attention, decode_attention_buffers
@@ -46,12 +46,12 @@ def _inputs(B, T, positions, dtype, *, S=384, L=2, kv_tile=KV_TILE, seed=0):
 
 def _expected(q, k_new, v_new, k_cache, v_cache, positions, layer):
     B, T = positions.shape[0], q.shape[0] // positions.shape[0]
-    k, v = (c.at[layer].set(reference.write_rows(c[layer], new.reshape(B, T, K, H),
-                                                  positions))
+    k, v = (c.at[layer].set(ops.write_rows(c[layer], new.reshape(B, T, K, H),
+                                           positions))
             for c, new in ((k_cache, k_new), (v_cache, v_new)))
     # NaN tiles are never visible: zero them so the oracle's 0 * NaN stays 0.
     k_seen, v_seen = (jnp.where(jnp.isnan(c[layer]), 0, c[layer]) for c in (k, v))
-    o = reference.attention(q.reshape(B, T, N, H), k_seen, v_seen, positions)
+    o = ops.attention(q.reshape(B, T, N, H), k_seen, v_seen, positions)
     return o.reshape(B * T, N * H), k, v
 
 
@@ -143,7 +143,7 @@ def test_a_traced_layer_and_traced_positions_give_the_same_result():
 def test_the_garbage_past_the_last_tile_poisons_any_reader():
     # What makes "reads only its tiles" checkable: attention over the raw cache is NaN.
     q, k_new, v_new, k_cache, v_cache, positions = _inputs(2, 1, [0, 200], "bfloat16")
-    o = reference.attention(q.reshape(2, 1, N, H), k_cache[1], v_cache[1], positions)
+    o = ops.attention(q.reshape(2, 1, N, H), k_cache[1], v_cache[1], positions)
     assert np.isnan(np.asarray(o)).all()
 
 
@@ -237,7 +237,7 @@ def test_latent_attention_gives_the_mla_layer_of_the_reference_without_races(B, 
     positions = jnp.array([[3], [130]][:B], jnp.int32)[:, 0]  # the second across a tile
     _, want_cache, want_x = reference.mla_decoder_layer(config, params, layer, x, cache[a],
                                                         positions)
-    h = reference.rms_norm(x, params["attn_norm"][layer], config.rms_eps).reshape(B * T, -1)
+    h = ops.rms_norm(x, params["attn_norm"][layer], config.rms_eps).reshape(B * T, -1)
     queries, latent, up_v = reference.mla_absorbed(config, params, a, h)
     with backend.use("interpret", detect_races=True):
         o, got_cache = jax.block_until_ready(stage.latent_attention(
@@ -245,7 +245,7 @@ def test_latent_attention_gives_the_mla_layer_of_the_reference_without_races(B, 
             scale=1 / np.sqrt(config.head_dim), block=BlockSizes(kv_tile=128, kv_slots=2)))
         races = backend.races_found()
     o = reference.mla_output(config, o, up_v)
-    got_x = x + reference.matmul(o, params["wo"][a]).reshape(B, T, -1)
+    got_x = x + ops.matmul(o, params["wo"][a]).reshape(B, T, -1)
     np.testing.assert_array_equal(np.asarray(got_cache[a], np.float32),
                                   np.asarray(want_cache, np.float32))
     scale = float(jnp.abs(want_x - x).max())  # the attention output's

@@ -25,12 +25,13 @@ from jax.experimental.pallas import tpu as pltpu
 import mk
 from mk import backend, course, tpu
 from mk import linear_attention as la
-from mk.kernels import deltanet
+from mk.kernels import delta_rule, deltanet
 from mk import reference as R
 from mk.chips import chip
 from mk.kernels.common import BlockSizes, vmem_budget
 from mk.kernels.weight_streaming import stage_block
-from mk.kernels.deltanet import delta_rule_step, gated_deltanet
+from mk.kernels.delta_rule import delta_rule_step
+from mk.kernels.deltanet import gated_deltanet
 from mk.weights import param_shapes
 
 TOLERANCE = dict(rtol=2e-5, atol=2e-5)
@@ -79,10 +80,10 @@ def _write_back_before_compute(q_vmem, k_vmem, v_vmem, decay_smem, beta_smem, st
 
         def head(h, carry):
             first = (b * Nv + h) * rows
-            out_vmem[b, h] = deltanet.delta_rule_head(
+            out_vmem[b, h] = delta_rule.delta_rule_head(
                 q_vmem[b, h], k_vmem[b, h], v_vmem[b, h], state_vmem[0, h],
                 lambda t: decay_smem[first + t], lambda t: beta_smem[first + t],
-                deltanet.RowStore(rows_vmem, 0, h, rows))
+                delta_rule.RowStore(rows_vmem, 0, h, rows))
             return carry
 
         lax.fori_loop(0, Nv, head, 0)

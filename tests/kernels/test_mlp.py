@@ -1,4 +1,4 @@
-"""Stage 04: dense SwiGLU and the MoE block against mk.reference.swiglu / moe, race-free,
+"""Stage 04: dense SwiGLU and the MoE block against mk.ops.swiglu / moe, race-free,
 with plain or quantised (packed) weights; only the selected experts are loaded; router ties
 go to the lower expert id; the MoE body runs inside a bigger stream over layers; a planted
 ring bug in the expert slots is caught; both kernels compile for TPUs at real shapes; the
@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import mk
-from mk import backend, quant, reference, tpu
+from mk import backend, ops, quant, tpu
 from mk.kernels import mlp
 from mk.kernels.common import BlockSizes, vmem_budget
 from mk.kernels.ring import Ring, TileStream, ring_layout
@@ -53,8 +53,8 @@ def _moe_args(params, row):
 
 
 def _distinct_experts(h, config, params, row):
-    _, experts = reference.route(h, params["router"][row], config.experts_per_token,
-                                 config.norm_topk)
+    _, experts = ops.route(h, params["router"][row], config.experts_per_token,
+                           config.norm_topk)
     return len(np.unique(np.asarray(experts)))
 
 
@@ -74,7 +74,7 @@ def test_swiglu_matches_the_reference_on_the_tiny_preset_without_races(dtype):
     # The layer row is traced: the kernel picks w_hbm.at[row] at run time.
     got, races = _interpret(jax.jit(lambda layer: mlp.swiglu(h, *w, layer=layer,
                                                              block=BLOCK)), 1)
-    np.testing.assert_allclose(got, reference.swiglu(h, *(x[1] for x in w)),
+    np.testing.assert_allclose(got, ops.swiglu(h, *(x[1] for x in w)),
                                **TOLERANCE[dtype])
     assert not races
 
@@ -87,7 +87,7 @@ def test_swiglu_matches_the_reference_for_any_batch_and_rows(batch, rows, dtype)
     h = _rows(batch * rows, config.hidden, seed=batch * 8 + rows)
     w = [params[n][0] for n in ("w_gate", "w_up", "w_down")]
     got, races = _interpret(functools.partial(mlp.swiglu, block=BLOCK), h, *w)
-    np.testing.assert_allclose(got, reference.swiglu(h, *w), **TOLERANCE[dtype])
+    np.testing.assert_allclose(got, ops.swiglu(h, *w), **TOLERANCE[dtype])
     assert not races
 
 
@@ -106,7 +106,7 @@ def test_quantised_swiglu_streams_packed_tiles_and_matches_the_reference(scheme,
 
     def matches(qparams):
         values = quant.dequantize(qparams)
-        np.testing.assert_allclose(got, reference.swiglu(h, *(values[n][1] for n in names)),
+        np.testing.assert_allclose(got, ops.swiglu(h, *(values[n][1] for n in names)),
                                    **TOLERANCE[dtype])
 
     matches(qparams)
@@ -126,7 +126,7 @@ def test_moe_matches_the_reference_on_the_tiny_moe_preset_without_races(dtype):
     h = _rows(5, config.hidden)
     stacked = [params[n] for n in ("router", "we_gate", "we_up", "we_down")]
     (got, loaded), races = _interpret(lambda: _moe(config, h, stacked, layer=1))
-    want = reference.moe(h, *_moe_args(params, 1), config.experts_per_token, config.norm_topk)
+    want = ops.moe(h, *_moe_args(params, 1), config.experts_per_token, config.norm_topk)
     np.testing.assert_allclose(got, want, **TOLERANCE[dtype])
     assert int(loaded[0]) == _distinct_experts(h, config, params, 1)
     assert not races
@@ -141,7 +141,7 @@ def test_moe_matches_the_reference_for_any_batch_rows_and_top_k(batch, rows, top
     config = dataclasses.replace(config, experts_per_token=top_k, norm_topk=renormalise)
     h = _rows(batch * rows, config.hidden, seed=batch * 8 + rows)
     (got, loaded), races = _interpret(lambda: _moe(config, h, _moe_args(params, 0)))
-    want = reference.moe(h, *_moe_args(params, 0), top_k, renormalise)
+    want = ops.moe(h, *_moe_args(params, 0), top_k, renormalise)
     np.testing.assert_allclose(got, want, **TOLERANCE[dtype])
     assert int(loaded[0]) == _distinct_experts(h, config, params, 0)
     assert not races
@@ -161,13 +161,13 @@ def test_quantised_experts_stream_packed_tiles_and_match_the_reference(scheme, d
     assert int(loaded[0]) == _distinct_experts(h, config, params, 1)
 
     def matches(qparams):
-        want = reference.moe(h, *_moe_args(quant.dequantize(qparams), 1),
-                             config.experts_per_token, config.norm_topk)
+        want = ops.moe(h, *_moe_args(quant.dequantize(qparams), 1),
+                       config.experts_per_token, config.norm_topk)
         np.testing.assert_allclose(got, want, **TOLERANCE[dtype])
 
     matches(qparams)
-    _, experts = reference.route(h, params["router"][1], config.experts_per_token,
-                                 config.norm_topk)
+    _, experts = ops.route(h, params["router"][1], config.experts_per_token,
+                           config.norm_topk)
     planted = plant_double_scale(qparams["we_down"], at=(1, int(experts[0, 0]), 0, 0))
     with pytest.raises(AssertionError, match="Mismatched elements"):
         matches(dict(qparams, we_down=planted))
@@ -178,15 +178,15 @@ def test_only_the_selected_experts_are_loaded():
     config, params = _model("tiny-moe", "float32")
     h = _rows(2, config.hidden, seed=3)
     router, we_gate, we_up, we_down = _moe_args(params, 0)
-    _, experts = reference.route(h, router, config.experts_per_token, config.norm_topk)
+    _, experts = ops.route(h, router, config.experts_per_token, config.norm_topk)
     picked = np.unique(np.asarray(experts))
     assert len(picked) < config.experts, "pick rows that leave some expert unselected"
     unused = jnp.asarray(~np.isin(np.arange(config.experts), picked))[:, None, None]
     poisoned = [jnp.where(unused, jnp.nan, w) for w in (we_gate, we_up, we_down)]
     (got, loaded), races = _interpret(lambda: _moe(config, h, [router, *poisoned]))
     assert np.isfinite(np.asarray(got)).all()
-    want = reference.moe(h, router, we_gate, we_up, we_down, config.experts_per_token,
-                         config.norm_topk)
+    want = ops.moe(h, router, we_gate, we_up, we_down, config.experts_per_token,
+                   config.norm_topk)
     np.testing.assert_allclose(got, want, **TOLERANCE["float32"])
     assert int(loaded[0]) == len(picked)
     assert not races
@@ -201,13 +201,13 @@ def test_router_ties_go_to_the_lower_expert_id():
     router[:, 0] = -1.0 / config.hidden
     _, we_gate, we_up, we_down = _moe_args(params, 0)
     args = [jnp.asarray(router), we_gate, we_up, we_down]
-    weights, experts = reference.route(h, args[0], 2, False)
+    weights, experts = ops.route(h, args[0], 2, False)
     assert sorted(np.asarray(experts)[0]) == [2, 5]
     # Poison expert 6: if the kernel broke the tie the other way, the output would be NaN.
     args[1] = args[1].at[6].set(jnp.nan)
     (got, loaded), races = _interpret(lambda: mlp.moe(h, *args, top_k=2, renormalise=False,
                                                       block=BLOCK, return_loaded=True))
-    want = reference.moe(h, jnp.asarray(router), we_gate, we_up, we_down, 2, False)
+    want = ops.moe(h, jnp.asarray(router), we_gate, we_up, we_down, 2, False)
     np.testing.assert_allclose(got, want, **TOLERANCE["float32"])
     assert int(loaded[0]) == 2 and not races
 
@@ -281,11 +281,11 @@ def test_moe_body_runs_inside_a_bigger_stream_over_layers():
         *(laid[n] for n in ("w_pre", "router", "we_gate", "we_up", "we_down", "w_post")),
         dma_execution_mode="eager")
     for layer in range(2):
-        want = reference.moe(h, *_moe_args(params, layer), X, True)
-        np.testing.assert_allclose(pre[layer], reference.matmul(h, w_pre[layer]),
+        want = ops.moe(h, *_moe_args(params, layer), X, True)
+        np.testing.assert_allclose(pre[layer], ops.matmul(h, w_pre[layer]),
                                    **TOLERANCE["float32"])
         np.testing.assert_allclose(moe[layer], want, **TOLERANCE["float32"])
-        np.testing.assert_allclose(post[layer], reference.matmul(want, w_post[layer]),
+        np.testing.assert_allclose(post[layer], ops.matmul(want, w_post[layer]),
                                    rtol=1e-5, atol=1e-4)
         assert int(loaded[layer]) == _distinct_experts(h, config, params, layer) < slots
     assert not races
@@ -384,9 +384,9 @@ def _kimi_moe(seed=0):
 
 def _route_grouped(config, params, h, groups=None, bias=True):
     bias = params["router_bias"][0] if bias else jnp.zeros_like(params["router_bias"][0])
-    return reference.route_grouped(h, params["router"][0], bias, config.experts_per_token,
-                                   groups or config.expert_groups, config.topk_groups,
-                                   config.norm_topk, config.routed_scale)
+    return ops.route_grouped(h, params["router"][0], bias, config.experts_per_token,
+                             groups or config.expert_groups, config.topk_groups,
+                             config.norm_topk, config.routed_scale)
 
 
 def test_kimi_moe_matches_the_reference_without_races():
@@ -400,8 +400,8 @@ def test_kimi_moe_matches_the_reference_without_races():
                   _route_grouped(config, params, h, bias=False)):
         assert not np.array_equal(np.sort(other[1]), np.sort(experts))
     shared = [params[n][0] for n in mlp.SHARED_WEIGHTS]
-    want = (reference.mix_experts(h, weights, experts, *_moe_args(params, 0)[1:])
-            + reference.swiglu(h, *shared))
+    want = (ops.mix_experts(h, weights, experts, *_moe_args(params, 0)[1:])
+            + ops.swiglu(h, *shared))
     (got, loaded), races = _interpret(lambda: mlp.moe(
         h, *_moe_args(params, 0), top_k=config.experts_per_token,
         renormalise=config.norm_topk, router_score="sigmoid",

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import example, given, settings, strategies as st
 
 import mk
-from mk import backend, quant, reference, tpu
+from mk import backend, ops, quant, reference, tpu
 from mk.kernels.common import vmem_budget
 from mk.kernels.one_layer import one_layer, one_layer_buffers
 from mk.kernels.plan import default_block
@@ -55,9 +55,9 @@ def _assert_one_rounding_apart(got, want):
 
 def _router_inputs(config, params, layer, x_attn):
     """(h [M, D], router logits [M, E]) of MoE layer `layer` in the reference."""
-    h = reference.rms_norm(x_attn, params["mlp_norm"][layer], config.rms_eps,
-                           config.norm_offset).reshape(-1, config.hidden)
-    return h, np.asarray(reference.matmul(h, params["router"][config.mlp_index(layer)[1]]))
+    h = ops.rms_norm(x_attn, params["mlp_norm"][layer], config.rms_eps,
+                     config.norm_offset).reshape(-1, config.hidden)
+    return h, np.asarray(ops.matmul(h, params["router"][config.mlp_index(layer)[1]]))
 
 
 def _admitted_experts(config, params, layer, x_attn) -> dict[int, list[tuple[int, ...]]]:
@@ -82,14 +82,14 @@ def _routed(config, params, layer, x_attn, token: int, experts) -> np.ndarray:
     """x [D] of `token` after MoE layer `layer` with its router forced to `experts`."""
     h, _ = _router_inputs(config, params, layer, x_attn)
     i = config.mlp_index(layer)[1]
-    probs, ids = reference.route(h[token:token + 1], params["router"][i], config.experts,
-                                 renormalise=False)  # every expert, best first
+    probs, ids = ops.route(h[token:token + 1], params["router"][i], config.experts,
+                           renormalise=False)  # every expert, best first
     weights = np.asarray(probs[0])[np.argsort(np.asarray(ids[0]))][list(experts)]
     if config.norm_topk:
         weights = weights / weights.sum()
-    y = reference.mix_experts(h[token:token + 1], jnp.asarray(weights)[None],
-                              jnp.asarray(experts)[None],
-                              *(params[n][i] for n in ("we_gate", "we_up", "we_down")))
+    y = ops.mix_experts(h[token:token + 1], jnp.asarray(weights)[None],
+                        jnp.asarray(experts)[None],
+                        *(params[n][i] for n in ("we_gate", "we_up", "we_down")))
     return np.asarray(x_attn.reshape(-1, config.hidden)[token] + y[0])
 
 

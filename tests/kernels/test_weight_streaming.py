@@ -1,4 +1,4 @@
-"""Stage 01: the streamed matmul against mk.reference.matmul, race-free, for every slot
+"""Stage 01: the streamed matmul against mk.ops.matmul, race-free, for every slot
 count of the teaching progression; planted ring bugs prove the race check and the DMA
 bookkeeping check (`strict_dma`) can fail; the VMEM budget and the TPU compiler both
 reject an oversized ring.
@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import mk
-from mk import backend, quant, reference, tpu
+from mk import backend, ops, quant, tpu
 from mk.kernels.common import BlockSizes, default_block, dma_log, vmem_budget
 from mk.kernels.plan import DecodePlan
 from mk.kernels.ring import Ring, TileStream, ring_layout
@@ -48,7 +48,7 @@ def _run(x, w, block):
 def test_every_slot_count_matches_the_reference_without_races(slots, dtype):
     x, w = _operands(8, 384, 256, dtype)
     y, races = _run(x, w, BlockSizes(slots=slots, tile_rows=128, tile_cols=128))
-    np.testing.assert_allclose(y, reference.matmul(x, w), **TOLERANCE[dtype])
+    np.testing.assert_allclose(y, ops.matmul(x, w), **TOLERANCE[dtype])
     assert not races
 
 
@@ -62,8 +62,8 @@ def test_a_quantised_weight_streams_packed_tiles_and_scales_race_free(scheme):
     block = BlockSizes(slots=3, tile_rows=128, tile_cols=128)
     with dma_log() as log:
         y, races = _run(x, q, block)
-    want = reference.matmul(x.astype(jnp.bfloat16),
-                            quant.dequantize_tile(scheme, q.data, q.scale).astype(jnp.bfloat16))
+    want = ops.matmul(x.astype(jnp.bfloat16),
+                      quant.dequantize_tile(scheme, q.data, q.scale).astype(jnp.bfloat16))
     np.testing.assert_allclose(y, want, **TOLERANCE["bfloat16"])
     assert not races
     assert sum(n for _, n in log) == 3 * 2 * quant.tile_bytes(scheme, 128, 128)
@@ -75,7 +75,7 @@ def test_a_quantised_weight_streams_packed_tiles_and_scales_race_free(scheme):
 def test_any_small_shape_matches_the_reference(M, k_tiles, n_tiles, slots):
     x, w = _operands(M, 128 * k_tiles, 128 * n_tiles, "bfloat16", seed=M)
     y, races = _run(x, w, BlockSizes(slots=slots, tile_rows=128, tile_cols=128))
-    np.testing.assert_allclose(y, reference.matmul(x, w), **TOLERANCE["bfloat16"])
+    np.testing.assert_allclose(y, ops.matmul(x, w), **TOLERANCE["bfloat16"])
     assert not races
 
 
@@ -152,7 +152,7 @@ def test_the_dma_bookkeeping_check_catches_a_planted_ring_bug(mutant, dma_execut
     monkeypatch.setattr(Ring, name, plant(getattr(Ring, name)))
     with backend.use("interpret", detect_races=True, dma_execution_mode=dma_execution_mode):
         y = jax.block_until_ready(stream_matmul(x, w, block=block))
-    np.testing.assert_allclose(y, reference.matmul(x, w), **TOLERANCE["float32"])
+    np.testing.assert_allclose(y, ops.matmul(x, w), **TOLERANCE["float32"])
     assert not backend.races_found()
     assert backend.dma_leftovers()
     with pytest.raises(RuntimeError, match=r"DMA bookkeeping left at kernel exit"):
@@ -169,7 +169,7 @@ def test_a_weight_only_its_transpose_tiles_streams_transposed_and_matches(dtype)
     assert TileStream.build(block, [("w", 384, 256)]).segments[0].transposed
     with dma_log() as log:
         y, races = _run(x, w, block)
-    np.testing.assert_allclose(y, reference.matmul(x, w), **TOLERANCE[dtype])
+    np.testing.assert_allclose(y, ops.matmul(x, w), **TOLERANCE[dtype])
     assert not races
     assert sum(n for _, n in log) == w.nbytes
 

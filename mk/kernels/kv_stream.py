@@ -1,0 +1,142 @@
+"""The KV cache's traffic around decode attention's body
+(`mk.kernels.decode_attention.attend`): the named scratch refs (`AttentionScratch`), the
+stream of KV tiles in (`KvStream`) and the write-backs' staging slots, drained at a
+kernel's end (`start_write_backs`, `drain_write_backs`). The stage kernels, the fused
+layer and the megakernel drive these around their attention layers.
+
+The tile stream: per sequence b, ONLY its KV tiles 0 .. (positions[b] + T - 1) // kv_tile
+come from HBM, through a `kv_slots`-deep VMEM ring; all sequences' tiles form one stream,
+so the prefetch runs across sequence boundaries as the weight ring runs across layers.
+`KvStream.prime` issues the first kv_slots - 1 loads; it needs only the positions and the
+cache, so a fused layer issues them at the layer's start, before its projections.
+
+The write-backs: a write-back of new rows is not waited for where it starts: it would
+queue behind every weight and KV tile in flight. The window is copied into one of 2B
+staging slots (`mk.kernels.decode_attention.write_back_slots`: a layer's write-backs,
+at most two tiles per sequence) and sent from there; write-back n is waited for only
+when write-back n + 2B needs its slot, normally a full layer later, and the kernel waits
+for the rest at its end (`drain_write_backs`). The count n lives in SMEM (`writes`)
+across the layers of a kernel: the kernel sets it to 0 at its start
+(`start_write_backs`).
+
+Not here: the attention body that reads the tiles, merges the new rows and starts the
+write-backs (`attend`), the sizes and allocation of the scratch
+(`decode_attention_buffers`, `decode_attention_scratch`, `attention_semaphores`), the
+stage wrappers (all `mk.kernels.decode_attention`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from mk.kernels.common import BlockSizes, start_dma
+
+
+class AttentionScratch(NamedTuple):
+    """The scratch refs of `attend`, by the names `decode_attention_scratch` gives them
+    (with values in the keys, the latent cache's, there are no v_tiles and v_rows)."""
+
+    k_tiles: Any = None  # [kv_slots, K, kv_tile, H] cache dtype: the KV ring
+    v_tiles: Any = None  # [kv_slots, K, kv_tile, H] cache dtype
+    q_blocks: Any = None  # [B*K*R, H] f32: rows (g, t) of block (b, k)
+    out_blocks: Any = None  # [B*K*R, H] f32: attention output, same layout
+    k_rows: Any = None  # [B*K*Rt, H] f32, Rt = round_up(T, 8): new K rows t of block (b, k)
+    v_rows: Any = None  # [B*K*Rt, H] f32
+    stage: Any = None  # [B*T, H] f32: one head's column, for the strided regrouping
+    m: Any = None  # [K*R, 1] f32 running max of the current sequence
+    l: Any = None  # [K*R, 1] f32 running sum
+    acc: Any = None  # [K*R, H] f32 running P @ V
+    k_back: Any = None  # [2B, K, W, H] cache dtype: write-backs in flight (staging slots)
+    v_back: Any = None  # [2B, K, W, H] cache dtype
+    load_sems: Any = None  # DMA semaphores [2, kv_slots]: K and V tile loads
+    write_sems: Any = None  # DMA semaphores [2, 2B]: K and V write-backs, one per staging slot
+    writes: Any = None  # SMEM [1] int32: write-backs started since the kernel's start
+
+
+def start_write_backs(scratch: AttentionScratch) -> None:
+    """At a kernel's start, before its first `attend`: no write-back is in flight."""
+    scratch.writes[0] = 0
+
+
+def drain_write_backs(scratch: AttentionScratch, k_cache_hbm, v_cache_hbm=None) -> None:
+    """At a kernel's end: wait for the write-backs `attend` left in flight (the last 2B
+    started, or all if fewer), on the caches it wrote (v_cache_hbm None: the latent one)."""
+    s = scratch
+    backs, _, W, _ = s.k_back.shape
+    pairs = [(s.k_back, k_cache_hbm)] + ([] if v_cache_hbm is None else
+                                         [(s.v_back, v_cache_hbm)])
+
+    n = s.writes[0]
+
+    def wait(i, carry):  # staging slot (n - 1 - i) % 2B holds write-back n - 1 - i, the one
+        staged = (n - 1 - i) % backs  # DMA on its semaphore, of this size
+        for j, (back, cache) in enumerate(pairs):
+            pltpu.make_async_copy(back.at[staged], cache.at[0, 0, :, pl.ds(0, W), :],
+                                  s.write_sems.at[j, staged]).wait()
+        return carry
+
+    lax.fori_loop(0, jnp.minimum(n, backs), wait, 0)
+    s.writes[0] = 0
+
+
+class KvStream:
+    """The KV tiles one layer's attention reads, in order: sequence by sequence, each
+    sequence's tiles 0 .. (positions[b] + T - 1) // kv_tile, through a `kv_slots` ring.
+
+    `prime()` issues the first kv_slots - 1 loads; it needs only the positions and the
+    cache, so a fused layer issues them at the layer's start, before its projections, and
+    `attend(..., primed=True)` carries on from there.
+    """
+
+    def __init__(self, positions_smem, k_cache_hbm, v_cache_hbm, scratch: AttentionScratch,
+                 *, rows: int, layer, block: BlockSizes):
+        # v_cache_hbm None: the values are the keys (MLA's latent cache), one load a tile
+        self.positions_smem = positions_smem
+        self.caches = (k_cache_hbm,) if v_cache_hbm is None else (k_cache_hbm, v_cache_hbm)
+        self.s, self.T, self.layer, self.block = scratch, rows, layer, block
+        B = positions_smem.shape[0]
+        self.total = lax.fori_loop(0, B, lambda b, n: n + self.tiles_of(b), jnp.int32(0))
+
+    def tiles_of(self, b):  # KV tiles sequence b reads: those up to its last new row
+        B = self.positions_smem.shape[0]
+        return (self.positions_smem[jnp.minimum(b, B - 1)] + self.T - 1) // self.block.kv_tile + 1
+
+    def advance(self, cursor):  # (b, i) -> the next tile of the stream
+        b, i = cursor
+        last = i + 1 == self.tiles_of(b)
+        return jnp.where(last, b + 1, b), jnp.where(last, 0, i + 1)
+
+    def copies(self, cursor, slot):  # the K and V loads of tile (b, i) (K only: latent)
+        b, i = cursor
+        tile = self.block.kv_tile
+        rows = pl.ds(pl.multiple_of(i * tile, tile), tile)
+        return [pltpu.make_async_copy(cache.at[self.layer, b, :, rows, :], tiles.at[slot],
+                                      self.s.load_sems.at[j, slot])
+                for j, (cache, tiles) in enumerate(zip(self.caches, (self.s.k_tiles,
+                                                                     self.s.v_tiles)))]
+
+    def start(self, cursor, slot):  # issue the K and V loads of tile (b, i)
+        k_tiles = self.s.k_tiles
+        nbytes = math.prod(k_tiles.shape[1:]) * k_tiles.dtype.itemsize
+        for c, what in zip(self.copies(cursor, slot), ("k_tile", "v_tile")):
+            start_dma(c, what, nbytes)
+
+    def prime(self, issue: bool = True):
+        """Issue tiles 0 .. kv_slots - 2 (those that exist); return the cursor of the next
+        tile to issue. `issue=False` only computes the cursor (the stream was primed). A
+        loop: the kernel's code does not grow with kv_slots."""
+        def tile(j, ahead):
+            if issue:
+                @pl.when(j < self.total)
+                def prime_tile():
+                    self.start(ahead, j)
+            return self.advance(ahead)
+
+        return lax.fori_loop(0, self.block.kv_slots - 1, tile,
+                             (jnp.int32(0), jnp.int32(0)))

@@ -1,0 +1,159 @@
+"""The reference's building blocks: functions of arrays (no config, no parameter dict),
+each the oracle of a stage kernel's piece and each a piece `mk.reference` builds the
+decoder from.
+
+Here: the matmul numerics (`dot`, `matmul`), `rms_norm`, `rope` (full or partial), causal
+GQA `attention` over a cache and `write_rows` (a step's new rows into it), the SwiGLU MLP
+(`swiglu`), the softmax router and the MoE block (`route`, `moe`), DeepSeek-V3 / Kimi's
+grouped sigmoid router (`route_grouped`) and the weighted sum of chosen experts
+(`mix_experts`). Not here: anything that reads a config or a parameter dict (a layer, the
+lm_head, the caches, greedy decoding: `mk.reference`), the gated DeltaNet's math
+(`mk.linear_attention`), kernels (`mk.kernels`).
+
+Numerics (kernels mirror these cast points, so their tolerances stay tight):
+- norms, RoPE, softmax and routers are float32;
+- every matmul casts its activation input to the weight dtype and accumulates in float32;
+- attention rounds q and k to the cache dtype, and its probabilities to it before
+  multiplying V.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+F32 = jnp.float32
+HIGHEST = lax.Precision.HIGHEST
+
+
+def dot(spec: str, a: jax.Array, b: jax.Array, dtype) -> jax.Array:
+    """einsum of a and b rounded to `dtype`, multiplied and accumulated in float32.
+
+    This is what the MXU does with bf16 inputs (products of bf16 values are exact in f32).
+    The upcast is explicit because XLA:CPU has no bf16 x bf16 -> f32 dot.
+    """
+    a, b = (t.astype(dtype).astype(F32) for t in (a, b))
+    return jnp.einsum(spec, a, b, precision=HIGHEST)
+
+
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., in] @ w [in, out] with x rounded to w's dtype, accumulated in float32."""
+    return dot("...i,io->...o", x, w, w.dtype)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """RMSNorm over the last axis, in float32, scaled by (offset + weight)."""
+    x = x.astype(F32)
+    scale = weight.astype(F32) + offset
+    return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * scale
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float,
+         dims: int | None = None) -> jax.Array:
+    """Rotate-half RoPE (the Qwen/Llama convention) in float32 on the first `dims` (default
+    all) dims of each head; the rest pass through (partial RoPE).
+
+    x [..., T, heads, H]; positions [..., T] integer absolute positions.
+    """
+    if dims is not None and dims < x.shape[-1]:
+        rotated = rope(x[..., :dims], positions, theta)
+        return jnp.concatenate([rotated, x[..., dims:].astype(F32)], axis=-1)
+    half = x.shape[-1] // 2
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, 2 * half, 2, dtype=F32) / (2 * half)))
+    angles = positions.astype(F32)[..., None] * inv_freq  # [..., T, H/2]
+    cos = jnp.cos(angles)[..., None, :]
+    sin = jnp.sin(angles)[..., None, :]
+    x = x.astype(F32)
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+              positions: jax.Array) -> jax.Array:
+    """Causal GQA of T new rows against a cache that already holds them.
+
+    q [B, T, N, H] float32; k_cache [B, K, S, H], v_cache [B, K, S, Hv]; positions [B]: row t
+    of sequence b sits at positions[b] + t and sees cache positions <= that.
+    Returns [B, T, N, Hv] float32.
+    """
+    B, T, N, H = q.shape
+    K, S = k_cache.shape[1], k_cache.shape[2]
+    q = q.reshape(B, T, K, N // K, H)
+    scores = dot("btkgh,bksh->bkgts", q, k_cache, k_cache.dtype) / np.float32(np.sqrt(H))
+    row_pos = positions[:, None] + jnp.arange(T)  # [B, T]
+    visible = jnp.arange(S)[None, None, :] <= row_pos[:, :, None]  # [B, T, S]
+    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = dot("bkgts,bksh->btkgh", probs, v_cache, v_cache.dtype)
+    return out.reshape(B, T, N, -1)  # v's head dim (MLA's differs from q's)
+
+
+def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """down(silu(x @ gate) * (x @ up)); x [M, D] -> [M, D] float32."""
+    h = jax.nn.silu(matmul(x, w_gate)) * matmul(x, w_up)
+    return matmul(h, w_down)
+
+
+def route(x: jax.Array, router: jax.Array, top_k: int, renormalise: bool):
+    """Softmax router: x [M, D] -> (weights [M, X] float32, experts [M, X] int32).
+
+    Top-k ties go to the lower expert id (lax.top_k is stable).
+    """
+    probs = jax.nn.softmax(matmul(x, router), axis=-1)
+    weights, experts = lax.top_k(probs, top_k)
+    if renormalise:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts
+
+
+def moe(x: jax.Array, router, we_gate, we_up, we_down, top_k: int,
+        renormalise: bool) -> jax.Array:
+    """Qwen3-MoE sparse block; x [M, D] -> [M, D] float32.
+
+    Every expert is evaluated on every row and the unselected ones get weight zero: clear,
+    and exact, at the cost of E/X times the FLOPs (fine for an oracle).
+    """
+    weights, experts = route(x, router, top_k, renormalise)
+    return mix_experts(x, weights, experts, we_gate, we_up, we_down)
+
+
+def route_grouped(x: jax.Array, router, bias, top_k: int, groups: int, topk_groups: int,
+                  renormalise: bool, scale: float):
+    """DeepSeek-V3 / Kimi's sigmoid router: x [M, D] -> (weights [M, X], experts [M, X]).
+
+    Scores sigmoid(x @ router); the choice adds `bias` [E] to them, keeps the `topk_groups`
+    of `groups` expert groups whose two best biased scores sum highest, and takes the top_k
+    experts there; the weights are the unbiased scores, renormalised (+1e-20) if asked, then
+    times `scale` (transformers' KimiLinearTopkRouter).
+    """
+    M, E = x.shape[0], router.shape[-1]
+    scores = jax.nn.sigmoid(matmul(x, router))
+    choice = scores + bias.astype(F32)
+    group_scores = lax.top_k(choice.reshape(M, groups, E // groups), 2)[0].sum(-1)
+    _, best = lax.top_k(group_scores, topk_groups)
+    keep = jnp.zeros((M, groups), bool).at[jnp.arange(M)[:, None], best].set(True)
+    choice = jnp.where(jnp.repeat(keep, E // groups, axis=1), choice, -jnp.inf)
+    _, experts = lax.top_k(choice, top_k)
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if renormalise:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * np.float32(scale), experts
+
+
+def mix_experts(x: jax.Array, weights, experts, we_gate, we_up, we_down) -> jax.Array:
+    """sum_j weights[:, j] * expert_{experts[:, j]}(x) for x [M, D] -> [M, D] float32."""
+    combine = jnp.zeros((x.shape[0], we_gate.shape[0]), F32)
+    combine = combine.at[jnp.arange(x.shape[0])[:, None], experts].add(weights)  # [M, E]
+    gate = dot("md,edf->mef", x, we_gate, we_gate.dtype)
+    up = dot("md,edf->mef", x, we_up, we_up.dtype)
+    out = dot("mef,efd->med", jax.nn.silu(gate) * up, we_down, we_down.dtype)
+    return jnp.einsum("me,med->md", combine, out, precision=HIGHEST)
+
+
+def write_rows(cache_layer, new, positions):
+    """cache_layer [B, K, S, H] <- new [B, T, K, H] at rows positions[b] ..."""
+    def one(c, n, p):
+        return lax.dynamic_update_slice(c, n.transpose(1, 0, 2).astype(c.dtype), (0, p, 0))
+    return jax.vmap(one)(cache_layer, new, positions)

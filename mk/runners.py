@@ -1,0 +1,141 @@
+"""The models speculative decoding steps: a `Runner` is a model stepped `rows` rows at a
+time (numpy in and out, a chunked `prefill`, `keep` to roll linear states back); `XLA`
+runs the reference (`mk.reference.decode_step`) padded to a shape bucket, `Megakernel`
+the decode megakernel (`mk.megakernel.decode_step`). A verifier is a Runner of T =
+gamma + 1 rows; a model drafter (`mk.drafters.ModelDrafter`) drives an `XLA` one.
+
+Linear states (hybrid models: Qwen3.5's gated DeltaNet, Kimi's KDA) are not rows: every
+row fed advances them. The verifier's step keeps the states after each row
+(`mk.reference.LinearRows`) and `Runner.keep` rolls each sequence back to its last kept
+row after acceptance; padded rows are rolled back at once (`Runner.step(..., real=)`); a
+model drafter rewinds its own states to the position it re-feeds from
+(`mk.drafters.ModelDrafter._rewind`). tests/test_hybrid.py plants each missing.
+
+Shape buckets. The XLA reference compiles once per input shape (~3 s on a 2-core CPU for
+the tiny presets, against ~10 ms to run), so `XLA` pads every call to one [batch, rows]
+shape: padded rows come after a sequence's real rows (causality keeps them out of the real
+rows' outputs) and write cache rows the next call overwrites; padded sequences copy the
+first one. The megakernel runs the exact [B, gamma + 1] shape: that shape is the point.
+
+Not here: the drafters (`mk.drafters`), acceptance, the loop and its statistics
+(`mk.spec`).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from mk import backend as backends
+from mk import megakernel, reference
+from mk.config import ModelConfig
+from mk.kernels.plan import DecodePlan
+
+
+class Runner:
+    """A model stepped `rows` rows at a time: `step(cache, tokens [B, T <= rows], positions
+    [B], real=None) -> (greedy next tokens [B, T], logits [B, T, V] float32, cache)` as
+    numpy, a chunked `prefill`, and `keep`. Subclasses implement `_init_cache` and `_call`
+    (exactly [B, rows]; a hybrid model's `_call` also sets `last_rows`, the linear states
+    after each row, `mk.reference.LinearRows`).
+
+    Linear states (hybrid models): every row fed advances them, padded rows too. `step`
+    leaves each sequence's states after its real[b] rows (default T); `keep(cache, kept)`
+    rolls them back to its first kept[b] rows of the last step (`mk.reference.rollback`):
+    what a verifier keeps of a step. A KV cache needs neither (`mk.spec`'s module
+    docstring)."""
+
+    name = ""
+
+    def __init__(self, config: ModelConfig, rows: int):
+        self.config, self.rows, self.calls = config, rows, 0
+        self.last_rows = None
+
+    def prefill(self, prompt: np.ndarray, capacity: int):
+        """prompt [B, P] in chunks of `rows` rows -> (logits of the last row [B, V], cache)."""
+        B, P = prompt.shape
+        cache = self._init_cache(B, capacity)
+        for start in range(0, P, self.rows):
+            chunk = prompt[:, start:start + self.rows]
+            _, logits, cache = self.step(cache, chunk, np.full(B, start, np.int32))
+        return logits[:, -1], cache
+
+    def step(self, cache, tokens, positions, real=None):
+        tokens = np.asarray(tokens, np.int32)
+        B, T = tokens.shape
+        pad = np.repeat(tokens[:, -1:], self.rows - T, axis=1)  # rows after the real ones
+        nxt, logits, cache = self._call(cache, np.concatenate([tokens, pad], axis=1),
+                                        np.asarray(positions, np.int32))
+        self.calls += 1
+        cache = self.keep(cache, np.full(B, T) if real is None else real)
+        return np.asarray(nxt)[:B, :T], np.asarray(logits)[:B, :T], cache
+
+    def keep(self, cache, kept):
+        """`cache` after the last step with each sequence's linear states after its first
+        kept[b] rows (class docstring); a KV cache as it is."""
+        if not self.config.is_hybrid:
+            return cache
+        kept = np.asarray(kept, np.int32)
+        extra = self.last_rows.state.shape[1] - len(kept)  # a bucket's padded sequences
+        return reference.rollback(cache, self.last_rows, np.pad(kept, (0, extra),
+                                                                constant_values=1))
+
+
+class XLA(Runner):
+    """The XLA reference (`mk.reference.decode_step`), padded to a [batch, rows] bucket
+    (module docstring); `batch=None` runs the caller's batch. Its cache holds `rows` spare
+    positions past the capacity asked for, where padded rows land."""
+
+    name = "reference"
+
+    def __init__(self, config: ModelConfig, params, *, rows: int, batch: int | None = None):
+        super().__init__(config, rows)
+        self.params, self.batch = params, batch
+
+    def _init_cache(self, batch, capacity):
+        if self.batch is not None and batch > self.batch:
+            raise ValueError(f"batch={batch} exceeds the XLA bucket's batch={self.batch}")
+        return reference.init_cache(self.config, self.batch or batch, capacity,
+                                    spare=self.rows)
+
+    def _call(self, cache, tokens, positions):
+        # padded sequences copy the first one; every cache is [layers, B, ...]
+        extra = jax.tree.leaves(cache)[0].shape[1] - tokens.shape[0]
+        tokens = np.concatenate([tokens, np.repeat(tokens[:1], extra, 0)])
+        positions = np.concatenate([positions, np.repeat(positions[:1], extra)])
+        if not self.config.is_hybrid:
+            logits, cache = reference.decode_step(self.config, self.params, cache, tokens,
+                                                  positions)
+        else:
+            logits, cache, self.last_rows = reference.decode_step(
+                self.config, self.params, cache, tokens, positions, row_states=True)
+        return reference.greedy(logits), logits, cache
+
+
+class Megakernel(Runner):
+    """The decode megakernel (`mk.megakernel.decode_step`) on `backend`, T = rows."""
+
+    name = "megakernel"
+
+    def __init__(self, config: ModelConfig, params, *, rows: int, backend: str = "auto",
+                 block=None):
+        super().__init__(config, rows)
+        self.backend = backends.resolve(backend)
+        self.tiling, self.params = block, params  # None: each plan's default
+        self.block = self.weights = None  # set by `_init_cache` from the step's plan
+
+    def _init_cache(self, batch, capacity):
+        plan = DecodePlan.make(self.config, batch=batch, rows=self.rows,
+                                    context=capacity, block=self.tiling)
+        if self.block is None or plan.block.tile_cols != self.block.tile_cols:
+            self.weights = megakernel.prepare(self.config, self.params, plan.block)
+        self.block = plan.block
+        return reference.init_cache(self.config, batch, capacity)
+
+    def _call(self, cache, tokens, positions):
+        with backends.use(self.backend):
+            out = megakernel.decode_step(self.config, self.weights, cache, tokens, positions,
+                                         block=self.block, row_states=self.config.is_hybrid)
+        if self.config.is_hybrid:
+            *out, self.last_rows = out
+        return tuple(out)
