@@ -16,8 +16,8 @@ Hybrids (Qwen3.5: gated-DeltaNet layers beside gated full attention) mix token m
 same way: every layer's period holds the attention segments and the linear ones
 (lin_qkv, lin_z, lin_out), and a layer skips the kind it does not use; SMEM tables
 (`mk.kinds.layers.layer_tables`) say each layer's kind and its row in that kind's stacked
-weights per role (a full layer's row is also its KV-cache layer). A linear layer's conv and recurrent
-states come from the `mk.reference.HybridCache` (HBM, round-tripped through VMEM by
+weights per role (a full layer's row is also its KV-cache layer). A linear layer's conv
+and recurrent states come from the `mk.reference.HybridCache` (HBM, round-tripped through VMEM by
 `mk.kernels.deltanet.linear_mixer`), and the states after each of the T rows go out as
 `mk.reference.LinearRows` (what a verifier's `mk.reference.rollback` picks from; the
 returned cache keeps the last row's). The skip has a cost the simulator shows: the ring's
@@ -98,7 +98,6 @@ from mk.kernels.collectives import (AXIS, COLLECTIVE_IDS, CollectiveScratch, all
 from mk.kernels.common import (BlockSizes, aliases, default_kv_tile, memory_specs,
                                sequenced, start_dma)
 from mk.kernels.deltanet import STATE_INPUTS, STATE_OUTPUTS
-from mk.kernels.kv_stream import AttentionScratch
 from mk.kernels.one_layer import layer_body
 from mk.kernels.plan import DecodePlan, model_stream, padded_vocab
 from mk.kernels.ring import Ring, ring_layout
@@ -176,13 +175,9 @@ def _step(plan: DecodePlan, inputs, outputs, scratch) -> Step:
         ours, table = of_role(kinds, kind.role), inputs[f"{kind.role}_kind"]
         return None if len(ours) == 1 else (lambda step: table[step] == ours.index(kind))
 
-    groups = {name: scratch[name] for name in ("attention", "linear") if name in scratch}
     return Step(plan.local, plan.block, plan.batch, plan.rows, plan.tp,
                 SimpleNamespace(**scratch["layer"]), inputs, outputs, row=row, on=on,
-                attention=AttentionScratch(**groups["attention"]) if "attention" in groups
-                else None,
-                linear=SimpleNamespace(**groups["linear"]) if "linear" in groups else None,
-                prime_next=True)
+                groups=scratch, prime_next=True)
 
 
 def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratch):
@@ -343,19 +338,16 @@ def traced_step(plan: DecodePlan, weights, cache, tokens, positions, taps: bool 
     weight_names = operands(config)
     inputs = {n: weights[n] for n in ("final_norm", "norms", "qk_norms", "lm_head",
                                       *TABLES, *weight_names)}
-    # MLA's latent cache [La, B, S, W] as one shared "kv head" [La, B, 1, S, W] (`attend`);
-    # an all-linear hybrid's empty KV cache (La = 0) is no operand
-    caches = ({} if not config.full_layers else
-              dict(latent_cache=cache.latent[:, :, None]) if config.is_mla else
-              dict(k_cache=cache.k, v_cache=cache.v))
+    kinds = plan.kinds
+    caches = {n: a for kind in kinds for n, a in kind.cache_operands(cache).items()}
     inputs |= dict(positions=positions, **caches,
                    x=weights["embed"][tokens].reshape(M, D).astype(jnp.float32))
     outputs = dict(next_tokens=jax.ShapeDtypeStruct((M, 1), jnp.int32),
                    logits=jax.ShapeDtypeStruct((M, plan.vocab), jnp.float32), **caches)
-    if config.linear_layers:  # the states in, the states after every row out
-        inputs |= dict(conv_state=cache.conv, state=cache.state)
-        outputs |= {out: jax.ShapeDtypeStruct((a.shape[0], B, T, *a.shape[2:]), a.dtype)
-                    for out, a in zip(STATE_OUTPUTS, (cache.conv, cache.state))}
+    for kind in kinds:  # e.g. a linear layer's states in, its states after every row out
+        states_in, states_out = kind.state_operands(cache, B, T)
+        inputs |= states_in
+        outputs |= states_out
     if taps:
         outputs["taps"] = jax.ShapeDtypeStruct((L, 2, M, D), jnp.float32)
     streamed = [inputs[n] for n in (*weight_names, "lm_head")]
@@ -380,19 +372,11 @@ def traced_step(plan: DecodePlan, weights, cache, tokens, positions, taps: bool 
             flops=2 * M * elements, transcendentals=0,
             bytes_accessed=weight_bytes + state_bytes),
     )(inputs)
-    kv = (tuple(cache[:-2]) if not config.full_layers else
-          (out["latent_cache"][:, :, 0],) if config.is_mla else
-          (out["k_cache"], out["v_cache"]))
+    fields = {f: a for kind in kinds for f, a in kind.cache_fields(out).items()}
     result = (out["next_tokens"].reshape(B, T),
-              out["logits"][:, :config.vocab].reshape(B, T, -1))
-    kind = reference.LatentCache if config.is_mla else reference.HybridCache
-    if config.linear_layers:  # the cache keeps the states after the last row
-        rows = reference.LinearRows(out["conv_rows"], out["state_rows"])
-        result += (kind(*kv, rows.conv[:, :, -1], rows.state[:, :, -1]), rows)
-    elif config.is_mla:  # cut to its full layers: its empty linear states stay
-        result += (cache._replace(latent=kv[0]),)
-    else:
-        result += (reference.KVCache(*kv),)
+              out["logits"][:, :config.vocab].reshape(B, T, -1), cache._replace(**fields))
+    if STATE_OUTPUTS[0] in out:  # the linear layers' states after each row
+        result += (reference.LinearRows(*(out[n] for n in STATE_OUTPUTS)),)
     if taps:
         residual = out["taps"].reshape(L, 2, B, T, D)
         result += ({op: residual[:, i] for i, op in enumerate(TAPS)},)

@@ -35,9 +35,8 @@ from mk.chips import chip as chip_spec
 from mk.config import ModelConfig
 from mk.kernels.collectives import (AXIS, ICI_LATENCY_S, all_reduce_bytes, check_devices,
                                     check_interpret_devices, ici_bandwidth, tp_mesh)
-from mk.kernels.common import BlockSizes
-from mk.kernels.plan import (DecodePlan, check_tp, kv_heads_of, padded_width,
-                             shard_config)
+from mk.kernels.common import BlockSizes, padded_width
+from mk.kernels.plan import DecodePlan, check_tp, kv_heads_of, shard_config
 from mk.weights import weights_of
 
 

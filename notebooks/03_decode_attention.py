@@ -87,7 +87,8 @@ from mk import course, ops, plots, teach, tpu
 from mk.kernels import decode_attention as attention_module
 from mk.kernels.common import BlockSizes, vmem_budget
 from mk.kernels.decode_attention import (decode_attention, decode_attention_buffers,
-                                         tile_counts, write_back_rows)
+                                         write_back_rows)
+from mk.kernels.kv_stream import tile_counts
 
 mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,

@@ -129,7 +129,7 @@ def test_ring_schedule_is_the_simulators_replay_of_one_matrix():
 
 
 def test_kv_tile_map_counts_the_kernels_tiles_and_labels_its_axes():
-    from mk.kernels.decode_attention import tile_counts
+    from mk.kernels.kv_stream import tile_counts
     positions, rows, tile = [127, 300, 5], 2, 128
     fig = plots.kv_tile_map(positions, rows, tile, 512)
     bars = {t.name: len(t.base) for t in fig.data}

@@ -64,7 +64,7 @@ from jax.experimental.pallas import tpu as pltpu
 from mk.config import COMPUTE_DTYPES, MAX_ROWS
 from mk.kernels.common import LANES, BlockSizes, Buffer, start_dma, sublanes
 from mk.kernels.kv_stream import (AttentionScratch, KvStream, drain_write_backs,
-                                  start_write_backs)
+                                  start_write_backs, tile_counts)
 from mk.reference import check_positions, concrete
 
 ALIGN = 8  # rows of an f32 (8, 128) tile: dynamic row offsets must be multiples of it
@@ -402,14 +402,6 @@ def _validate(q, k_new, v_new, k_cache, v_cache, positions, layer, block, *,
         raise ValueError(f"layer={int(lay)} must be in [0, L={L})")
     check_positions(positions, T, S)
     return B, T, N, K, H
-
-
-def tile_counts(positions, rows: int, kv_tile: int) -> tuple[int, int]:
-    """(tiles read, tiles written back) of one layer; a tile is K and V of all K heads,
-    and a written tile sends `write_back_rows` rows of it back."""
-    pos = [int(p) for p in np.asarray(positions)]
-    read = sum((p + rows - 1) // kv_tile + 1 for p in pos)
-    return read, sum((p + rows - 1) // kv_tile - p // kv_tile + 1 for p in pos)
 
 
 def decode_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: jax.Array,

@@ -5,8 +5,9 @@ kernel's end (`start_write_backs`, `drain_write_backs`). The stage kernels, the 
 layer and the megakernel drive these around their attention layers.
 
 The tile stream: per sequence b, ONLY its KV tiles 0 .. (positions[b] + T - 1) // kv_tile
-come from HBM, through a `kv_slots`-deep VMEM ring; all sequences' tiles form one stream,
-so the prefetch runs across sequence boundaries as the weight ring runs across layers.
+(`kv_tiles`, the one count; `tile_counts`, a layer's reads and write-backs) come from
+HBM, through a `kv_slots`-deep VMEM ring; all sequences' tiles form one stream, so the
+prefetch runs across sequence boundaries as the weight ring runs across layers.
 `KvStream.prime` issues the first kv_slots - 1 loads; it needs only the positions and the
 cache, so a fused layer issues them at the layer's start, before its projections.
 
@@ -31,11 +32,27 @@ import math
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mk.kernels.common import BlockSizes, start_dma
+
+
+def kv_tiles(position, rows: int, kv_tile: int):
+    """The KV tiles a sequence at `position` reads for its `rows` new rows: tiles 0 ..
+    (position + rows - 1) // kv_tile (a traced or a host integer): the one count the
+    kernel, `tile_counts`, the plan and the simulator use."""
+    return (position + rows - 1) // kv_tile + 1
+
+
+def tile_counts(positions, rows: int, kv_tile: int) -> tuple[int, int]:
+    """(tiles read, tiles written back) of one layer for sequences at `positions`; a tile
+    is K and V of all K heads, and a written tile sends `write_back_rows` rows of it back."""
+    pos = [int(p) for p in np.asarray(positions)]
+    read = sum(kv_tiles(p, rows, kv_tile) for p in pos)
+    return read, sum(kv_tiles(p, rows, kv_tile) - p // kv_tile for p in pos)
 
 
 class AttentionScratch(NamedTuple):
@@ -105,7 +122,7 @@ class KvStream:
 
     def tiles_of(self, b):  # KV tiles sequence b reads: those up to its last new row
         B = self.positions_smem.shape[0]
-        return (self.positions_smem[jnp.minimum(b, B - 1)] + self.T - 1) // self.block.kv_tile + 1
+        return kv_tiles(self.positions_smem[jnp.minimum(b, B - 1)], self.T, self.block.kv_tile)
 
     def advance(self, cursor):  # (b, i) -> the next tile of the stream
         b, i = cursor

@@ -38,7 +38,6 @@ from mk.config import ModelConfig
 from mk.kernels.attention_prologue import check_layer_inputs
 from mk.kernels.common import (SLOTS, BlockSizes, Buffer, aliases, default_block,
                                memory_specs, vmem_limit_bytes)
-from mk.kernels.kv_stream import AttentionScratch
 from mk.kernels.ring import Ring, TileStream, ring_buffers
 from mk.kernels.weight_streaming import ring_weights, weight_stream
 from mk.kinds.base import LAYER_PHASES, Kind, Step
@@ -163,7 +162,7 @@ def one_layer_kernel(inputs, outputs, *, config: ModelConfig, kinds, stream: Til
     index = inputs["index"]
     k = Step(config, block, batch, rows, 1, SimpleNamespace(**scratch["layer"]), inputs,
              outputs, row=lambda kind: lambda step: index[1 if kind.role == "mlp" else 0],
-             on=lambda kind: None, attention=AttentionScratch(**scratch["attention"]),
+             on=lambda kind: None, groups=scratch,
              first_row=index[0])
     fetch = {name: f for kind in kinds for name, f in kind.fetch(k).items()}
     for kind in kinds:
@@ -201,7 +200,8 @@ def one_layer(config: ModelConfig, params, x, k_cache, v_cache, positions, *, la
     row = mlp.layers.index(layer)
     stream = weight_stream(block, layer_matrices(kinds, M), formats)
     ones = jnp.ones((config.head_dim,), jnp.float32)
-    qk = [params[n][layer] if config.qk_norm else ones for n in ("q_norm", "k_norm")]
+    qk = [params[n][layer] if n in mixer.weights("vector") else ones
+          for n in ("q_norm", "k_norm")]
     weights, weight_specs = ring_weights(
         {n: w for kind in kinds for n, w in kind.prepare(params).items()}, stream)
     inputs = dict(index=jnp.array([layer, row], jnp.int32), positions=positions,

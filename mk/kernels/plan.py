@@ -59,7 +59,7 @@ Adding a VMEM buffer to the megakernel is one line in `_buffers` (its group says
 kernel finds it: "layer" buffers are attributes of the layer scratch, the others are
 their own scratch entry or an operand).
 
-Here: the sharding model (`check_tp`, `shard_config`, `kv_heads_of`, `padded_width`),
+Here: the sharding model (`check_tp`, `shard_config`, `kv_heads_of`),
 `kv_layout` (a full layer's cache: K and V heads, or MLA's one latent row),
 `padded_vocab`, `default_block` (with `little_slots`, `ring_cover_s`, `kv_depth`),
 `model_stream`, `capacity`, `WEIGHT_FAMILIES`, `STEP_FAMILIES`, `family_of`,
@@ -85,6 +85,7 @@ from mk.kernels.collectives import (MAX_INDEX, PARTIAL_SUM_BYTES, allreduce_s, c
 from mk.kernels.common import (KV_TILE, LANES, SLOTS, VMEM_HEADROOM, VMEM_ROOM, BlockSizes,
                                Buffer, VmemBudget, vmem_budget, vmem_limit_bytes)
 from mk.kernels.deltanet import check_conv_kernel, linear_layer_shapes
+from mk.kernels.kv_stream import tile_counts
 from mk.kernels.mla import mla_loads, mla_matrices
 from mk.kernels.mlp import expert_slots
 from mk.kernels.one_layer import layer_buffers, layer_scratch, model_block
@@ -119,25 +120,14 @@ def family_of(what: str) -> str:
 
 
 # -- The sharding model -------------------------------------------------------------------
-def padded_width(width: int) -> int:
-    """A split MLP width rounded up to whole 128-lane tiles."""
-    return -(-width // LANES) * LANES
-
-
 def check_tp(config: ModelConfig, tp: int) -> int:
     """tp as an int after checking every width it splits splits evenly; raises ValueError
     naming the field."""
     check_devices(tp)
-    need = [("heads", config.heads), ("vocab", config.vocab), ("hidden", config.hidden)]
-    if config.linear_layers:
-        need.append(("linear_key_heads", config.linear_key_heads))
-    if config.dense_layers:
-        need.append(("ffn", config.ffn))
-    if config.moe_layers:
-        need.append(("expert_ffn", config.expert_ffn))
-    if config.shared_expert_ffn:
-        need.append(("shared_expert_ffn", config.shared_expert_ffn))
-    for field, value in need:
+    need = dict(heads=config.heads, vocab=config.vocab, hidden=config.hidden)
+    for kind in layer_kinds(config):  # the widths each layer kind splits
+        need |= kind.split_widths()
+    for field, value in need.items():
         if value % tp:
             raise ValueError(f"{config.name}: {field}={value} is not a multiple of tp={tp}")
     K = config.kv_heads
@@ -152,21 +142,18 @@ def check_tp(config: ModelConfig, tp: int) -> int:
 
 def shard_config(config: ModelConfig, tp: int) -> ModelConfig:
     """The model one device holds (module docstring): N/tp heads, max(K/tp, 1) kv heads,
-    Nk/tp and Nv/tp linear heads, F/tp, Fe/tp and Fs/tp padded to whole 128-lane tiles,
-    V/tp."""
+    V/tp, and each layer kind's split fields (`Kind.shard_fields`: Nk/tp and Nv/tp linear
+    heads, F/tp, Fe/tp and Fs/tp padded to whole 128-lane tiles)."""
     tp = check_tp(config, tp)
     if tp == 1:
         return config
+    fields = {}
+    for kind in layer_kinds(config):
+        fields |= kind.shard_fields(tp)
     return dataclasses.replace(
         config, name=f"{config.name}/tp{tp}", heads=config.heads // tp,
-        kv_heads=max(config.kv_heads // tp, 1),
-        linear_key_heads=config.linear_key_heads // tp,
-        linear_value_heads=config.linear_value_heads // tp,
-        ffn=padded_width(config.ffn // tp) if config.dense_layers else config.ffn,
-        expert_ffn=padded_width(config.expert_ffn // tp) if config.moe_layers else 0,
-        shared_expert_ffn=padded_width(config.shared_expert_ffn // tp)
-        if config.shared_expert_ffn else 0,
-        vocab=config.vocab // tp, tie_embeddings=False)
+        kv_heads=max(config.kv_heads // tp, 1), vocab=config.vocab // tp,
+        tie_embeddings=False, **fields)
 
 
 def kv_layout(local: ModelConfig) -> tuple[int, int, int]:
@@ -482,9 +469,7 @@ class DecodePlan:
     def kv_tiles(self, positions) -> tuple[int, int]:
         """(KV tiles read, tiles written back) of one layer for sequences at `positions`
         (a tile is K and V of the shard's kv heads)."""
-        tile, T = self.block.kv_tile, self.rows
-        read = sum((p + T - 1) // tile + 1 for p in positions)
-        return read, sum((p + T - 1) // tile - p // tile + 1 for p in positions)
+        return tile_counts(positions, self.rows, self.block.kv_tile)
 
     def hbm_bytes(self) -> int:
         """HBM one device holds: its weights as `mk.megakernel.prepare` lays them out (every

@@ -28,7 +28,8 @@ from mk.kernels.common import Buffer
 from mk.kernels.decode_attention import (attend, attention_semaphores, block_rows,
                                          decode_attention_buffers, write_back_rows,
                                          write_back_slots)
-from mk.kernels.kv_stream import KvStream, drain_write_backs, start_write_backs
+from mk.kernels.kv_stream import (AttentionScratch, KvStream, drain_write_backs,
+                                  kv_tiles, start_write_backs)
 from mk.kernels.mla import (latent_columns, mla_buffers, mla_epilogue, mla_loads,
                             mla_matrices, mla_prologue, start_mla_loads)
 from mk.kinds.base import Kind, Step, Twin
@@ -73,6 +74,12 @@ class GQA(Kind):
         """The HBM caches its `attend` reads and writes (keys, values)."""
         return k.outputs["k_cache"], k.outputs["v_cache"]
 
+    def cache_operands(self, cache) -> dict:
+        return dict(k_cache=cache.k, v_cache=cache.v)
+
+    def cache_fields(self, out) -> dict:
+        return dict(k=out["k_cache"], v=out["v_cache"])
+
     def fetch(self, k: Step) -> dict:
         row, on = k.row(self), k.on(self)
 
@@ -80,12 +87,17 @@ class GQA(Kind):
             return lambda step: (k.inputs[name].at[row(step)], None if on is None else on(step))
         return {name: at_row(name) for name, *_ in self.matrices(k.batch * k.rows)}
 
+    @staticmethod
+    def attention(k: Step) -> AttentionScratch:
+        """`attend`'s scratch (the "attention" group)."""
+        return AttentionScratch(**k.groups["attention"])
+
     def _kv_stream(self, k: Step, layer) -> KvStream:
-        return KvStream(k.positions, *self.caches(k), k.attention, rows=k.rows, layer=layer,
-                        block=k.block)
+        return KvStream(k.positions, *self.caches(k), self.attention(k), rows=k.rows,
+                        layer=layer, block=k.block)
 
     def start(self, k: Step) -> None:
-        start_write_backs(k.attention)
+        start_write_backs(self.attention(k))
         self._kv_stream(k, k.first_row).prime()  # each full layer primes the next one's
 
     def run(self, k: Step, phase: str) -> None:
@@ -113,7 +125,7 @@ class GQA(Kind):
 
     def attend(self, k: Step, row) -> None:
         s = k.s
-        attend(s.q, s.k, s.v, k.positions, *self.caches(k), s.o, k.attention, layer=row,
+        attend(s.q, s.k, s.v, k.positions, *self.caches(k), s.o, self.attention(k), layer=row,
                block=k.block, primed=True)
 
     def output(self, k: Step) -> None:
@@ -122,7 +134,7 @@ class GQA(Kind):
             k.s.o[...] = k.s.o[...] * jax.nn.sigmoid(k.s.q_gate[...])
 
     def finish(self, k: Step) -> None:
-        drain_write_backs(k.attention, *self.caches(k))
+        drain_write_backs(self.attention(k), *self.caches(k))
 
     def twin(self, sim) -> AttentionTwin:
         return AttentionTwin(self, sim)
@@ -152,6 +164,12 @@ class MLA(GQA):
     def caches(self, k: Step):
         return k.outputs["latent_cache"], None
 
+    def cache_operands(self, cache) -> dict:  # [La, B, S, W] as one shared "kv head"
+        return dict(latent_cache=cache.latent[:, :, None])
+
+    def cache_fields(self, out) -> dict:
+        return dict(latent=out["latent_cache"][:, :, 0])
+
     def prepare(self, params) -> dict:
         """wkv_a's columns padded to whole tiles; the low-rank norms as float32 [La, 1, R]
         rows (no norm_offset: MLA's norms have none)."""
@@ -170,7 +188,7 @@ class MLA(GQA):
     def attend(self, k: Step, row) -> None:  # the latent rows are the keys and the values
         s = k.s
         attend(s.queries, s.latent_new, None, k.positions, self.caches(k)[0], None,
-               s.o_latent, k.attention, layer=row, block=k.block, primed=True,
+               s.o_latent, self.attention(k), layer=row, block=k.block, primed=True,
                scale=1 / math.sqrt(self.config.head_dim))  # the unabsorbed head's
 
     def output(self, k: Step) -> None:
@@ -233,7 +251,7 @@ class AttentionTwin(Twin):
     def tiles(self) -> list[tuple[int, int]]:
         """(sequence, tile) of every KV tile a layer's attention reads, in order."""
         sim = self.sim
-        per_seq = (sim.context + sim.rows - 1) // sim.s.block.kv_tile + 1
+        per_seq = kv_tiles(sim.context, sim.rows, sim.s.block.kv_tile)
         return [(b, i) for b in range(sim.batch) for i in range(per_seq)]
 
     def issue(self, j, tag="", layer=None):

@@ -7,11 +7,15 @@ asks the model's kinds (`mk.kinds.layers.layer_kinds`) and calls the hooks below
 kind owns:
 
     weights     its rows of `mk.weights` (`Kind.weights`)
+    split_widths / shard_fields
+                the widths tensor parallelism splits, its fields on one device
     matrices    its ring segments of one layer, in consumption order
     buffers     its VMEM (the "layer" group: attributes of the layer scratch `Step.s`;
                 or a group of its own) and `scratch`: its semaphores and SMEM by group
     prepare     its weights as the megakernel reads them
     fetch       the ring's Fetch callables of its segments
+    cache_operands / state_operands / cache_fields
+                its parts of the decode cache as kernel operands, and after the step
     setup / start / begin / run / finish
                 its in-kernel code: before the ring is primed, at the step's start, at
                 each of its layers' start, in each of its `phases` of `LAYER_PHASES`, at
@@ -68,6 +72,14 @@ class Kind:
         """Its weights the megakernel moves by one of `paths` (`mk.weights.names_of`)."""
         return names_of(self.config, self.name, *paths)
 
+    def split_widths(self) -> dict[str, int]:
+        """The config widths tensor parallelism splits tp ways (each a multiple of tp)."""
+        return {}
+
+    def shard_fields(self, tp: int) -> dict:
+        """Its config fields on one of tp devices (`mk.kernels.plan.shard_config`)."""
+        return {}
+
     def matrices(self, M: int) -> list:
         """Its ring segments of one layer (M = B*T activation rows), in consumption order."""
         return []
@@ -96,6 +108,20 @@ class Kind:
 
     def fetch(self, k: Step) -> dict:
         """The ring's Fetch callables of its segments."""
+        return {}
+
+    def cache_operands(self, cache) -> dict:
+        """Its parts of the decode cache the kernel updates in place (aliased operands)."""
+        return {}
+
+    def state_operands(self, cache, batch: int, rows: int) -> tuple[dict, dict]:
+        """Its states the kernel reads (inputs) and writes after each of the `rows` rows
+        (outputs, as shapes)."""
+        return {}, {}
+
+    def cache_fields(self, out) -> dict:
+        """Its fields of the cache after the step (for `cache._replace`), from the
+        kernel's outputs by name."""
         return {}
 
     def setup(self, k: Step) -> None:
@@ -135,8 +161,7 @@ class Step:
     outputs: dict
     row: Callable
     on: Callable
-    attention: Any = None  # `attend`'s scratch
-    linear: Any = None  # `linear_mixer`'s scratch
+    groups: dict = dataclasses.field(default_factory=dict)  # the scratch by group
     ring: Any = None
     prime_next: bool = False  # a full layer primes the next one's KV tiles
     first_row: Any = 0  # the row of the kernel's first layer of each kind

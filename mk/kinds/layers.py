@@ -4,10 +4,11 @@
 mixers first (linear ones before full attention), then MLPs (MoE before dense): the order
 their segments sit in each layer's period of the stream and the order `layer_body` runs
 them. Which kinds a config has is `mk.weights.kinds_of`'s one rule. Also here:
-`full_attention`, `of_role`, `kind_at` (a layer's kind of a role and its row in that kind's stacked
-weights), `kinds_at` (a layer's two kinds), `layer_tables` / `TABLES` (the kernel's SMEM tables: each layer's kind and row per role),
-`layer_matrices` (one layer's ring segments) and `check_kind` (run on every kind at
-import: each acts only in `LAYER_PHASES`).
+`full_attention`, `of_role`, `kind_at` (a layer's kind of a role and its row in that
+kind's stacked weights), `kinds_at` (a layer's two kinds), `layer_tables` / `TABLES` (the
+kernel's SMEM tables: each layer's kind and row per role), `layer_matrices` (one layer's
+ring segments) and `check_kind` (run on every kind at import: each acts only in
+`LAYER_PHASES`).
 """
 
 from __future__ import annotations

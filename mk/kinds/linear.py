@@ -12,6 +12,9 @@ loop over kinds (`mk.kernels.one_layer.layer_body`).
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
+
+import jax
 
 from mk.kernels.decode_attention import block_rows
 from mk.kernels.deltanet import (STATE_INPUTS, STATE_OUTPUTS, drain_linear,
@@ -28,6 +31,14 @@ class DeltaNet(Kind):
     phases = ("linear",)
     stream_phase = "linear"
     skip_tag = "skipped mixer"
+
+    def split_widths(self) -> dict[str, int]:
+        return dict(linear_key_heads=self.config.linear_key_heads)
+
+    def shard_fields(self, tp: int) -> dict:
+        c = self.config
+        return dict(linear_key_heads=c.linear_key_heads // tp,
+                    linear_value_heads=c.linear_value_heads // tp)
 
     def matrices(self, M: int) -> list:
         return gated_deltanet_matrices(self.config)
@@ -49,6 +60,21 @@ class DeltaNet(Kind):
             return lambda step: (k.inputs[name].at[row(step)], None if on is None else on(step))
         return {name: at_row(name) for name in self.weights("ring")}
 
+    def state_operands(self, cache, batch: int, rows: int) -> tuple[dict, dict]:
+        """The conv and recurrent states in; the states after every row out."""
+        states = (cache.conv, cache.state)
+        return (dict(zip(STATE_INPUTS, states)),
+                {out: jax.ShapeDtypeStruct((a.shape[0], batch, rows, *a.shape[2:]), a.dtype)
+                 for out, a in zip(STATE_OUTPUTS, states)})
+
+    def cache_fields(self, out) -> dict:  # the cache keeps the states after the last row
+        return dict(conv=out["conv_rows"][:, :, -1], state=out["state_rows"][:, :, -1])
+
+    @staticmethod
+    def scratch_of(k: Step) -> SimpleNamespace:
+        """`linear_mixer`'s scratch (the "linear" group) by field name."""
+        return SimpleNamespace(**k.groups["linear"])
+
     def hbm(self, k: Step) -> dict:
         """The HBM refs `linear_mixer` reads by name: its DMA'd weights, the states in and
         the states after each row out."""
@@ -56,15 +82,15 @@ class DeltaNet(Kind):
                 | {n: k.outputs[n] for n in STATE_OUTPUTS})
 
     def start(self, k: Step) -> None:  # the first linear layer's loads; each primes the next
-        prime_linear(self.config, k.linear, self.hbm(k))
+        prime_linear(self.config, self.scratch_of(k), self.hbm(k))
 
     def run(self, k: Step, phase: str) -> None:
-        linear_mixer(k.ring, self.config, k.linear, self.hbm(k), step=k.step,
+        linear_mixer(k.ring, self.config, self.scratch_of(k), self.hbm(k), step=k.step,
                      row=k.row(self)(k.step), x=k.x, attn_norm=k.norms[0], h_vmem=k.s.h,
                      out_vmem=k.s.attn_out, batch=k.batch, rows=k.rows)
 
     def finish(self, k: Step) -> None:
-        drain_linear(k.linear, self.hbm(k))
+        drain_linear(self.scratch_of(k), self.hbm(k))
 
     def twin(self, sim) -> LinearTwin:
         return LinearTwin(self, sim)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 from mk.config import DTYPE_BITS
-from mk.kernels.common import Buffer, start_dma
+from mk.kernels.common import Buffer, padded_width, start_dma
 from mk.kernels.mlp import (DENSE_WEIGHTS, EXPERT_WEIGHTS, MOE_SMALL_LOADS, SHARED_WEIGHTS,
                             Routing, expert_slots, moe_body, moe_fetch, moe_segments,
                             small_sem, swiglu_body, swiglu_fetch, swiglu_segments)
@@ -42,6 +42,12 @@ class Dense(Kind):
     phases = ("mlp",)
     stream_phase = "mlp"
     skip_tag = "layer boundary"
+
+    def split_widths(self) -> dict[str, int]:
+        return dict(ffn=self.config.ffn)
+
+    def shard_fields(self, tp: int) -> dict:  # columns padded to whole lane tiles
+        return dict(ffn=padded_width(self.config.ffn // tp))
 
     def matrices(self, M: int) -> list:
         return swiglu_segments(self.config.hidden, self.config.ffn)
@@ -71,6 +77,16 @@ class MoE(Kind):
     def slots(self, M: int) -> int:
         c = self.config
         return expert_slots(c.experts, c.experts_per_token, M)
+
+    def split_widths(self) -> dict[str, int]:
+        c = self.config
+        return dict(expert_ffn=c.expert_ffn, shared_expert_ffn=c.shared_expert_ffn)
+
+    def shard_fields(self, tp: int) -> dict:  # each expert's columns padded to whole tiles
+        c = self.config
+        return dict(expert_ffn=padded_width(c.expert_ffn // tp),
+                    shared_expert_ffn=padded_width(c.shared_expert_ffn // tp)
+                    if c.shared_expert_ffn else 0)
 
     def matrices(self, M: int) -> list:
         c = self.config
