@@ -245,6 +245,16 @@ WEIGHTS = (
     _w("router_bias", "moe", lambda c: (c.experts,), "router", "dma", "whole",
        hf={"kimi": "block_sparse_moe.gate.e_score_correction_bias"},
        when=lambda c: c.router_score == "sigmoid"),
+    # the shared expert streams before routing, the expert slots after (stream order)
+    _w("ws_gate", "moe", lambda c: (c.hidden, c.shared_expert_ffn), "dense_mlp", "ring",
+       "ffn_columns", quant="dense", when=lambda c: c.shared_expert_ffn,
+       hf={"kimi": "block_sparse_moe.shared_experts.gate_proj.weight"}),
+    _w("ws_up", "moe", lambda c: (c.hidden, c.shared_expert_ffn), "dense_mlp", "ring",
+       "ffn_columns", quant="dense", when=lambda c: c.shared_expert_ffn,
+       hf={"kimi": "block_sparse_moe.shared_experts.up_proj.weight"}),
+    _w("ws_down", "moe", lambda c: (c.shared_expert_ffn, c.hidden), "dense_mlp", "ring",
+       "ffn_rows", quant="dense", when=lambda c: c.shared_expert_ffn,
+       hf={"kimi": "block_sparse_moe.shared_experts.down_proj.weight"}),
     _w("we_gate", "moe", lambda c: (c.experts, c.hidden, c.expert_ffn), "experts", "ring",
        "ffn_columns", quant="experts",
        hf={"qwen": "mlp.experts.{e}.gate_proj.weight",
@@ -257,15 +267,6 @@ WEIGHTS = (
        "ffn_rows", quant="experts",
        hf={"qwen": "mlp.experts.{e}.down_proj.weight",
            "kimi": "block_sparse_moe.experts.{e}.w2.weight"}),
-    _w("ws_gate", "moe", lambda c: (c.hidden, c.shared_expert_ffn), "dense_mlp", "ring",
-       "ffn_columns", quant="dense", when=lambda c: c.shared_expert_ffn,
-       hf={"kimi": "block_sparse_moe.shared_experts.gate_proj.weight"}),
-    _w("ws_up", "moe", lambda c: (c.hidden, c.shared_expert_ffn), "dense_mlp", "ring",
-       "ffn_columns", quant="dense", when=lambda c: c.shared_expert_ffn,
-       hf={"kimi": "block_sparse_moe.shared_experts.up_proj.weight"}),
-    _w("ws_down", "moe", lambda c: (c.shared_expert_ffn, c.hidden), "dense_mlp", "ring",
-       "ffn_rows", quant="dense", when=lambda c: c.shared_expert_ffn,
-       hf={"kimi": "block_sparse_moe.shared_experts.down_proj.weight"}),
 )
 
 

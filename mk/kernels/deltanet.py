@@ -133,7 +133,8 @@ def linear_buffers(config: ModelConfig, batch: int, rows: int, *,
     fields += [("decay", (M, Nv * Hk if config.channel_decay else Nv), f32),
                ("beta", (M, Nv), f32),
                ("qkv", (M, C), f32), ("z", (M, Vw), f32), ("o", (M, Vw), f32),
-               ("conv_state", (layers, batch, W - 1, C), dt), ("window", (batch, W - 1 + T, C), f32),
+               ("conv_state", (layers, batch, W - 1, C), dt),
+               ("window", (batch, W - 1 + T, C), f32),
                ("conv_rows", (batch, T, W - 1, C), dt),
                ("q", (batch, Nv, R, Hk), f32), ("k", (batch, Nv, R, Hk), f32),
                ("v", (batch, Nv, R, Hv), f32), ("heads", (batch, Nv, R, Hv), f32),
@@ -145,12 +146,18 @@ def linear_buffers(config: ModelConfig, batch: int, rows: int, *,
 
 def linear_scratch(config: ModelConfig, batch: int, rows: int, *, layers: int = 2) -> dict:
     """The Pallas scratch of `linear_mixer` by field name: `linear_buffers` (`layers` as
-    there) in VMEM, the `smem_gates` in SMEM and the DMA semaphores."""
-    M, Nv = batch * rows, config.linear_value_heads
+    there) in VMEM and its `linear_semaphores`."""
     vmem = {b.name.removeprefix("linear."): pltpu.VMEM(b.shape, b.dtype)
             for b in linear_buffers(config, batch, rows, layers=layers)}
+    return vmem | linear_semaphores(config, batch, rows, layers=layers)
+
+
+def linear_semaphores(config: ModelConfig, batch: int, rows: int, *, layers: int = 2) -> dict:
+    """`linear_mixer`'s scratch outside VMEM by field name: the `smem_gates` in SMEM and
+    the DMA semaphores (`layers` slots of the small loads, as `linear_buffers`')."""
+    M, Nv = batch * rows, config.linear_value_heads
     gates = smem_gates(config)
-    return vmem | {f"{n}_smem": pltpu.SMEM((M, Nv), F32) for n in gates} | dict(
+    return {f"{n}_smem": pltpu.SMEM((M, Nv), F32) for n in gates} | dict(
         load_sems=pltpu.SemaphoreType.DMA((2,)), store_sems=pltpu.SemaphoreType.DMA((2,)),
         # per slot: the weights' DMAs, then the conv state in (`layer_loads`)
         small_sems=pltpu.SemaphoreType.DMA((layers, len(linear_weights(config)[1]) + 1)),
@@ -417,7 +424,8 @@ def gated_deltanet_kernel(inputs, outputs, *, config: ModelConfig, stream: TileS
                           batch: int, rows: int, h_vmem, ring_vmem, sems, linear):
     """inputs: x [M, D] f32, attn_norm [1, D] f32 (VMEM), the ring's weights and the
     DMA'd ones (`linear_weights`) and STATE_INPUTS (HBM, the one layer's, [1, ...]);
-    outputs: out [M, D] f32 (x + the mixer), STATE_OUTPUTS (HBM, [1, ...]); scratch: h, the ring and its sems,
+    outputs: out [M, D] f32 (x + the mixer), STATE_OUTPUTS (HBM, [1, ...]); scratch: h, the
+    ring and its sems,
     `linear_scratch` as `linear`."""
     row = 0
     fetch = {n: (lambda layer, n=n: (inputs[n].at[row], None))

@@ -76,7 +76,8 @@ def layer_buffers(config: ModelConfig, kinds, batch: int, rows: int, block: Bloc
 def layer_scratch(kinds, buffers, batch: int, rows: int, block: BlockSizes) -> dict:
     """The Pallas scratch of a kernel holding `kinds` by group and name: its non-operand
     `buffers` in VMEM (a name loses its "<group>." prefix), the ring's semaphores (layer
-    group "sems") and each kind's semaphores and SMEM (`Kind.scratch`)."""
+    group "sems") and each kind's semaphores and SMEM (`Kind.scratch`); a name allocated
+    twice raises ValueError naming it."""
     groups: dict = {}
     for b in buffers:
         if b.group != "operand":
@@ -85,7 +86,11 @@ def layer_scratch(kinds, buffers, batch: int, rows: int, block: BlockSizes) -> d
     groups["layer"]["sems"] = pltpu.SemaphoreType.DMA((block.slots,))
     for kind in kinds:
         for group, extra in kind.scratch(batch, rows, block).items():
-            groups.setdefault(group, {}).update(extra)
+            taken = sorted(set(extra) & set(groups.setdefault(group, {})))
+            if taken:  # one name, two allocations: the kernel would index only one
+                raise ValueError(f"layer kind {kind.name}: scratch {group}.{taken} is "
+                                 "already allocated (a buffer or another kind's)")
+            groups[group] |= extra
     return groups
 
 

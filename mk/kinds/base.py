@@ -41,7 +41,7 @@ from mk.kernels.ring import Repeat
 from mk.weights import KIND_LAYERS, names_of
 
 # The phases of one layer in program order, as data: `layer_body` runs them in this order
-# (each under a named scope it checks at trace time), and `mk.sim` replays the same list.
+# (each under a named scope: the profiler's markers), and `mk.sim` replays the same list.
 # The token mixers' phases come first (the linear kinds' "linear", then full attention's
 # four), in the order their segments sit in the stream.
 LAYER_PHASES = ("linear", "prologue", "attend", "kv_prime", "wo", "after_mixer",

@@ -19,7 +19,8 @@ import jax
 from mk.kernels.decode_attention import block_rows
 from mk.kernels.deltanet import (STATE_INPUTS, STATE_OUTPUTS, drain_linear,
                                  gated_deltanet_matrices, linear_buffers, linear_layer_shapes,
-                                 linear_mixer, linear_scratch, prepare_linear, prime_linear)
+                                 linear_mixer, linear_semaphores, prepare_linear,
+                                 prime_linear)
 from mk.kinds.base import Kind, Step, Twin
 
 
@@ -47,7 +48,7 @@ class DeltaNet(Kind):
         return linear_buffers(self.config, batch, rows)
 
     def scratch(self, batch: int, rows: int, block) -> dict:
-        return {"linear": linear_scratch(self.config, batch, rows)}
+        return {"linear": linear_semaphores(self.config, batch, rows)}
 
     def prepare(self, params) -> dict:
         return {n: params[n] for n in self.weights("ring")} | prepare_linear(self.config,
