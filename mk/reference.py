@@ -51,7 +51,7 @@ from mk import linear_attention as la
 from mk.config import ModelConfig, positive_int
 from mk.ops import (attention, matmul, mix_experts, moe, rms_norm, rope, route_grouped, swiglu,
                     write_rows)
-from mk.weights import param_shapes
+from mk.weights import kind_of, param_shapes
 
 F32 = jnp.float32
 HIGHEST = lax.Precision.HIGHEST
@@ -229,45 +229,55 @@ def mla_output(config: ModelConfig, o, up_v):
     return jnp.einsum("mnr,rnv->mnv", o, up_v, precision=HIGHEST).reshape(o.shape[0], -1)
 
 
+def _full(config: ModelConfig, params, layer: int, x, cache, i: int, positions):
+    x, k, v, x_attn = decoder_layer(config, params, layer, x, cache.k[i], cache.v[i],
+                                    positions)
+    return x, dict(k=k, v=v), x_attn
+
+
+def _latent(config: ModelConfig, params, layer: int, x, cache, i: int, positions):
+    x, latent, x_attn = mla_decoder_layer(config, params, layer, x, cache.latent[i],
+                                          positions)
+    return x, dict(latent=latent), x_attn  # an MLA layer's "keys" are its latent rows
+
+
+def _linear(config: ModelConfig, params, layer: int, x, cache, i: int, positions):
+    x, conv, state, x_attn = linear_decoder_layer(config, params, layer, x, cache.conv[i],
+                                                  cache.state[i])
+    return x, dict(conv=conv, state=state), x_attn  # the states after each row
+
+
+# Each token-mixer kind's layer, by its `mk.weights` kind name: (config, params, layer, x,
+# cache, its row i in the kind's stack, positions) -> (x, the new values of the cache
+# fields it owns at row i, x after the mixer).
+MIXER_LAYERS = {"gqa": _full, "mla": _latent, "deltanet": _linear, "kda": _linear}
+
+
 @functools.partial(jax.jit, static_argnames=("config", "taps", "row_states"))
 def forward(config: ModelConfig, params, cache, tokens, positions, taps=False,
             row_states=False):
     """`decode_step` as traced, with no host-side checks (callers validate first; the
     compile-time benchmark lowers it)."""
     x = params["embed"][tokens].astype(F32)  # [B, T, D]
-    ks, vs, convs, states, after_attn, after_mlp = [], [], [], [], [], []
+    fields, after_attn, after_mlp = {}, [], []
     for layer in range(config.layers):
-        kind, i = config.mixer_index(layer)
-        if kind == "full" and config.is_mla:
-            x, latent, x_attn = mla_decoder_layer(config, params, layer, x, cache.latent[i],
-                                                  positions)
-            ks.append(latent)  # an MLA layer's "keys" are its latent rows
-        elif kind == "full":
-            x, k, v, x_attn = decoder_layer(config, params, layer, x, cache.k[i], cache.v[i],
-                                            positions)
-            ks.append(k)
-            vs.append(v)
-        else:
-            x, conv, state, x_attn = linear_decoder_layer(config, params, layer, x,
-                                                          cache.conv[i], cache.state[i])
-            convs.append(conv)
-            states.append(state)
+        role, i = config.mixer_index(layer)
+        kind = kind_of(config, f"{role}_layers")
+        x, new, x_attn = MIXER_LAYERS[kind](config, params, layer, x, cache, i, positions)
+        for field, value in new.items():
+            fields.setdefault(field, []).append(value)
         after_attn.append(x_attn)
         after_mlp.append(x)
     logits = lm_head(config, params, x)
-    # A model cut to linear layers only has an empty KV cache.
-    if config.is_mla:
-        out = [logits, cache._replace(latent=jnp.stack(ks)) if ks else cache]
-    else:
-        out = [logits, KVCache(jnp.stack(ks), jnp.stack(vs)) if ks
-               else KVCache(cache.k, cache.v)]
-    if config.is_hybrid:
-        rows = LinearRows(jnp.stack(convs), jnp.stack(states))
-        linear = dict(conv=rows.conv[:, :, -1], state=rows.state[:, :, -1])
-        out[1] = (out[1]._replace(**linear) if config.is_mla
-                  else HybridCache(*out[1], **linear))
-        if row_states:
-            out.append(rows)
+    # the fields of the kinds the model has (an all-linear model keeps its empty KV cache)
+    fields = {field: jnp.stack(values) for field, values in fields.items()}
+    rows = None
+    if "state" in fields:  # the linear layers' states after each row; the cache the last
+        rows = LinearRows(fields["conv"], fields["state"])
+        fields |= dict(conv=rows.conv[:, :, -1], state=rows.state[:, :, -1])
+    out = [logits, cache._replace(**fields)]
+    if row_states and rows is not None:
+        out.append(rows)
     if taps:
         out.append({"attn": jnp.stack(after_attn), "mlp": jnp.stack(after_mlp)})
     return tuple(out)
@@ -400,8 +410,8 @@ def check_cache(config: ModelConfig, cache) -> None:
     La = len(config.full_layers)
     if (L, K, H) != (La, config.kv_heads, config.head_dim) or B < 1 or S < 1:
         raise ValueError(f"cache [L, B, K, S, H]={k.shape} does not fit {config.name} "
-                         f"(L={La} full-attention layers, K={config.kv_heads}, H={config.head_dim}, "
-                         "B >= 1, S >= 1)")
+                         f"(L={La} full-attention layers, K={config.kv_heads}, "
+                         f"H={config.head_dim}, B >= 1, S >= 1)")
     if k.dtype != config.dtype or v.dtype != config.dtype:
         raise ValueError(f"cache dtype k={k.dtype}, v={v.dtype} must be "
                          f"{config.name}'s dtype={config.dtype}")
