@@ -41,7 +41,7 @@ TERMS = {
                      "after another while HBM streams beside them. A model of a megakernel "
                      "step under stated assumptions, not a bound and not a simulation: a "
                      "published run faster than it shows an assumption failing for that "
-                     "run (at the bf16 feed, three Kimi K3 TPU rows are)",
+                     "run (at the bf16 feed, two Kimi K3 TPU rows are)",
     "conventional step": "the same step as one kernel per op, each op at its own floor "
                          "plus a launch gap (`mk.perf.conventional`): a GPU baseline",
     "simulated step": "the megakernel's tile schedule for the run's plan (ring slots by "

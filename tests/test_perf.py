@@ -14,6 +14,7 @@ from mk import perf, quant
 from mk.chips import all_chips, chip
 from mk.kernels.one_layer import model_block
 from mk.kernels.plan import shard_config
+from mk.kinds.layers import layer_kinds
 from mk.presets import PRESET_NAMES
 from mk.quant import stored_bytes
 from mk.weights import abstract_params
@@ -167,6 +168,25 @@ def test_mxu_floor_of_tiny_on_v6e_by_hand():
     attention = 4 * c.layers * c.kv_heads * c.head_dim * (10 + 1) * 256  # G*T rows -> R
     want = 1e3 * (2 * 256 * passes + attention) / v6e.bf16_flops
     assert perf.mxu_floor_ms(c, v6e, context=10) == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("name", ["tiny-hybrid", "tiny-kimi"])
+def test_a_linear_layer_multiplies_by_its_own_weights_by_hand(name):
+    # The gated DeltaNet: qkv, z, b, a, out. KDA (Kimi Linear): qkv, b, the low-rank
+    # forget gate (f_a, f_b) and output gate (g_a, g_b), out: no z, no a.
+    c = mk.preset(name)
+    D, C, Vw, Nv = c.hidden, c.conv_channels, c.linear_value_width, c.linear_value_heads
+    Hk, Hv = c.linear_key_dim, c.linear_value_dim
+    deltanet = D * (C + Vw + 2 * Nv) + Vw * D
+    kda = D * C + D * Nv + D * Hk + Hk * Nv * Hk + D * Hv + Hv * Vw + Vw * D
+    want = kda if c.channel_decay else deltanet
+    assert kda != deltanet  # (the gated DeltaNet's count was once charged for KDA too)
+    kinds = layer_kinds(c)
+    (linear,) = [k for k in kinds if k.name in ("deltanet", "kda")]
+    assert linear.params() == want
+    others = sum(len(k.layers) * k.params() for k in kinds if k is not linear)
+    e = perf.predict(c, "v6e", context=0)
+    assert e.matmul_flops == 2 * (len(c.linear_layers) * want + others + D * c.vocab)
 
 
 @pytest.mark.parametrize("name", ["qwen3-8b", "qwen3-30b-a3b"])
