@@ -1,5 +1,5 @@
-"""Bytes, FLOPs and time floors of one decode step, the published numbers they bound, the
-collectives of tensor parallelism, and the conventional one-kernel-per-op execution.
+"""Bytes, FLOPs and time floors of one decode step, the collectives of tensor parallelism,
+and the conventional one-kernel-per-op execution.
 
 Here: `predict(config, chip, ...)` -> `StepEstimate` (HBM bytes and FLOPs of one step of B
 sequences x T query rows over S cached positions, with the weights' storage `formats`,
@@ -9,14 +9,15 @@ of tensor parallelism over ICI); `experts_touched`, `attainable_flops` and `roof
 `ConventionalEstimate` (the same step as one kernel per op, each paying a launch gap);
 `mxu_floor_ms` (the compute floor with the MXU rule of `mk.sim`) and `modelled_step_ms`
 (max(HBM floor, MXU floor + the collectives));
-`resident_bytes` / `min_chips`
-(capacity); `published()` (the rows of data/published.csv; `mk.ledger` sets them against the
-models).
+`resident_bytes` / `min_chips` (capacity).
 
 Not here: each layer kind's share of the step (its matmul parameters, token-mixing FLOPs,
 MXU passes and ops: the cost section of its class in `mk.kinds`, which this module sums
 over `mk.kinds.layers.layer_kinds`), the megakernel's own schedule and its bubbles
-(`mk.sim` replays it), anything measured. `step_ms` is max(HBM floor, compute floor + the collectives): a LOWER bound on a
+(`mk.sim` replays it), the published numbers (`mk.published`; `mk.ledger` sets them
+against these models), anything measured.
+
+`step_ms` is max(HBM floor, compute floor + the collectives): a LOWER bound on a
 real step under the assumptions below, not a simulation of one. The collectives sit on the
 compute lane's critical path (each all-reduce needs the partial sums before it and is
 needed by the matmul after it) but not on HBM's: the megakernel's ring keeps streaming
@@ -63,14 +64,13 @@ Assumptions, each stated where it is used:
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import math
 from numbers import Real
 
 import numpy as np
 
-from mk.chips import DATA, ChipSpec, chip as named_chip
+from mk.chips import ChipSpec, chip as named_chip
 from mk.config import DTYPE_BITS, ModelConfig, check_formats, positive_int
 from mk.kernels.collectives import PARTIAL_SUM_BYTES, allreduce_s
 from mk.kernels.one_layer import model_block
@@ -79,17 +79,15 @@ from mk.kinds.base import ROLES
 from mk.kinds.layers import kind_at, layer_kinds
 from mk.quant import stored_bytes
 
-PUBLISHED_CSV = DATA / "published.csv"
 ROUTINGS = ("uniform", "shared", "disjoint")
 COMPUTES = ("bf16", "fp8")  # which peak bounds the matmuls (fp8 = int8 on v5e/v6e/v5p)
-METRICS = ("per_user", "aggregate_as_published")
 KERNEL_GAP_S = 1.3e-6  # launch gap of one kernel in the conventional execution
 ACTIVATION_BYTES = 2  # bf16 activations between kernels and on the wire (one kernel per op)
 
 
 def check_choice(field, value, choices):
     """Raise ValueError unless `value` is one of `choices` (a parameter of this module's,
-    mk.sim's or mk.review's functions)."""
+    mk.sim's or mk.review's functions, a field of `mk.published`'s rows)."""
     if value not in choices:
         raise ValueError(f"{field}={value!r} must be one of {choices}")
 
@@ -365,8 +363,8 @@ def mxu_floor_ms(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, r
     layer kind's `mxu_passes`: its projections or dense MLP; an MoE layer's router, its
     touched experts sharing the M*X routed rows, at least R rows each; attention per
     sequence and kv head, G*T query rows padded to 8 sublanes against the S + T positions,
-    twice; the delta rule). Perfect sharding over tp devices, as `predict`. On a GPU (no mxu_rows) it is `predict`'s FLOP
-    floor. The HBM floor stays `predict(...).hbm_floor_ms`.
+    twice; the delta rule). Perfect sharding over tp devices, as `predict`. On a GPU (no
+    mxu_rows) it is `predict`'s FLOP floor. The HBM floor stays `predict(...).hbm_floor_ms`.
     """
     spec = named_chip(chip) if isinstance(chip, str) else chip
     context = config.max_context if context is None else context
@@ -525,49 +523,3 @@ def min_chips(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1,
             raise ValueError(f"{config.name} needs {need / 1e9:.0f} GB, more than "
                              f"limit={limit} {spec.name} chips hold")
     return chips
-
-
-# -- Published measurements ---------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Published:
-    """One row of data/published.csv; empty cells are None (batch, context and acceptance
-    length None: not stated / not stated / no speculation)."""
-
-    model: str
-    preset: str
-    system: str
-    chips: int | None
-    cores: int | None
-    tp: int | None
-    batch: int | None
-    context: int | None  # cached positions of the benchmark run (its scripts, see source)
-    acceptance_length: float | None
-    tokens_per_s: float
-    metric: str  # "per_user" or "aggregate_as_published"
-    step_ms: float | None  # derived from tokens_per_s, see the row's notes
-    source: str
-    notes: str
-
-    def __post_init__(self):
-        check_choice("metric", self.metric, METRICS)
-        if not self.source.strip():
-            raise ValueError(f"published row {self.model} on {self.system} has no source")
-        if self.context is not None and self.context < 0:
-            raise ValueError(f"published row {self.model} on {self.system}: "
-                             f"context={self.context} must be >= 0")
-
-
-def published(path=PUBLISHED_CSV) -> tuple[Published, ...]:
-    """Every row of data/published.csv, in file order."""
-    def num(text, kind):
-        return kind(text) if text.strip() else None
-
-    with open(path, newline="", encoding="utf-8") as f:
-        return tuple(Published(
-            model=r["model"], preset=r["preset"], system=r["system"],
-            chips=num(r["chips"], int), cores=num(r["cores"], int), tp=num(r["tp"], int),
-            batch=num(r["batch"], int), context=num(r["context"], int),
-            acceptance_length=num(r["acceptance_length"], float),
-            tokens_per_s=float(r["tokens_per_s"]), metric=r["metric"],
-            step_ms=num(r["step_ms"], float), source=r["source"], notes=r["notes"])
-            for r in csv.DictReader(f))

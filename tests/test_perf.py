@@ -306,31 +306,6 @@ def test_kimi_k3_like_needs_sixteen_tpu7x_chips():
     assert perf.min_chips(mk.preset("kimi-k3-like"), "tpu7x", context=0) == 16
 
 
-# -- Published measurements -----------------------------------------------------------------
-def test_published_rows_parse_with_sources_and_consistent_step_times():
-    rows = perf.published()
-    assert len(rows) == 15
-    for r in rows:
-        assert r.source and r.tokens_per_s > 0
-        if r.step_ms is not None:
-            tokens = r.acceptance_length or r.batch
-            assert r.step_ms == pytest.approx(1e3 * tokens / r.tokens_per_s, abs=0.006)
-
-
-def test_published_rows_carry_the_context_their_source_states():
-    """The benchmark scripts' context is a column (1152 for Kimi, 2048 for Qwen), the same
-    number the row's source quotes; a system whose setup is not stated has none."""
-    rows = perf.published()
-    for r in rows:
-        if r.system == "cerebras":
-            assert r.context is None
-            continue
-        want = 1152 if r.model == "Kimi K3" else 2048
-        assert r.context == want and f"context {want} (" in r.source, (r.model, r.system)
-    with pytest.raises(ValueError, match="context=-1 must be >= 0"):
-        dataclasses.replace(rows[0], context=-1)
-
-
 # -- Weight dtypes per family ---------------------------------------------------------------
 @pytest.mark.parametrize("scheme", quant.SCHEMES)
 def test_dense_formats_scale_every_dense_family_and_leave_embedding_and_kv_alone(scheme):
