@@ -1,8 +1,7 @@
 """mk.perf: the bytes and FLOPs of one decode step, checked by hand on the tiny presets, and
-the properties the floors and the roofline must have. The published rows parse (tests/
-test_ledger.py sets them against the floors)."""
+the properties the floors and the roofline must have (the published rows: tests/
+test_published.py; set against the floors: tests/test_ledger.py)."""
 
-import dataclasses
 import math
 
 import numpy as np
