@@ -59,6 +59,7 @@ class Dense(Kind):
     def twin(self, sim) -> DenseTwin:
         return DenseTwin(self, sim)
 
+    # -- Its cost (`mk.perf`): `params` and `mxu_passes` are the base's (gate, up, down)
     def conventional(self, e) -> list:
         """gate+up, SwiGLU, down over its share of the dense-MLP bytes (a shared expert's
         too: they are of that byte family)."""
