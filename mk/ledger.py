@@ -5,12 +5,12 @@ time) use these words and no others for these quantities; notebook 00 shows the
 definitions (`glossary()`, its section "The ledger") and the others link to it. `entries(...)` sets every row of data/published.csv against the models
 under one set of assumptions, named once here (`runs()`: `VERIFY_ROWS`, batch 1 where
 unstated, every device of the run in one tensor-parallel group, each row's own context:
-the cached positions its benchmark scripts ran at, `mk.perf.Published.context`), and,
+the cached positions its benchmark scripts ran at, `mk.published.Published.context`), and,
 where `benchmarks/tile_costs.py --published` recorded it, against the simulated step of
 the run's compiled kernel. Nothing is fitted to the published numbers.
 
 Not here: the models themselves (`mk.perf` floors and collectives, `mk.sim` the simulated
-schedule), the published rows' parsing (`mk.perf.published`), drawing (`mk.plots`).
+schedule), the published rows' parsing (`mk.published`), drawing (`mk.plots`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from mk import perf, plots
 from mk.chips import ChipSpec, chip as named_chip
 from mk.config import ModelConfig
 from mk.presets import preset as named_preset
+from mk.published import Published, published
 from mk.kernels.plan import shard_config
 from mk.sim import Assumptions, Simulation, simulate
 
@@ -41,7 +42,7 @@ TERMS = {
                      "after another while HBM streams beside them. A model of a megakernel "
                      "step under stated assumptions, not a bound and not a simulation: a "
                      "published run faster than it shows an assumption failing for that "
-                     "run (at the bf16 feed, three Kimi K3 TPU rows are)",
+                     "run (at the bf16 feed, two Kimi K3 TPU rows are)",
     "conventional step": "the same step as one kernel per op, each op at its own floor "
                          "plus a launch gap (`mk.perf.conventional`): a GPU baseline",
     "simulated step": "the megakernel's tile schedule for the run's plan (ring slots by "
@@ -76,7 +77,7 @@ class Run:
     system in data/chips.csv), the tensor-parallel width, batch, verified rows and cached
     positions (the row's context; 0 where it states none)."""
 
-    row: perf.Published
+    row: Published
     config: ModelConfig
     spec: ChipSpec | None
     tp: int
@@ -97,7 +98,7 @@ def runs(*, speculative_only: bool = False) -> list[Run]:
     `VERIFY_ROWS` rows per speculative step, every device of the run in one group, the
     row's context (0 where unstated)."""
     out = []
-    for row in perf.published():
+    for row in published():
         if speculative_only and not row.acceptance_length:
             continue
         config = named_preset(row.preset)

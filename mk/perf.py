@@ -1,5 +1,5 @@
-"""Bytes, FLOPs and time floors of one decode step, the published numbers they bound, the
-collectives of tensor parallelism, and the conventional one-kernel-per-op execution.
+"""Bytes, FLOPs and time floors of one decode step, the collectives of tensor parallelism,
+and the conventional one-kernel-per-op execution.
 
 Here: `predict(config, chip, ...)` -> `StepEstimate` (HBM bytes and FLOPs of one step of B
 sequences x T query rows over S cached positions, with the weights' storage `formats`,
@@ -9,12 +9,15 @@ of tensor parallelism over ICI); `experts_touched`, `attainable_flops` and `roof
 `ConventionalEstimate` (the same step as one kernel per op, each paying a launch gap);
 `mxu_floor_ms` (the compute floor with the MXU rule of `mk.sim`) and `modelled_step_ms`
 (max(HBM floor, MXU floor + the collectives));
-`resident_bytes` / `min_chips`
-(capacity); `published()` (the rows of data/published.csv; `mk.ledger` sets them against the
-models).
+`resident_bytes` / `min_chips` (capacity).
 
-Not here: the megakernel's own schedule and its bubbles (`mk.sim` replays it), anything
-measured. `step_ms` is max(HBM floor, compute floor + the collectives): a LOWER bound on a
+Not here: each layer kind's share of the step (its matmul parameters, token-mixing FLOPs,
+MXU passes and ops: the cost section of its class in `mk.kinds`, which this module sums
+over `mk.kinds.layers.layer_kinds`), the megakernel's own schedule and its bubbles
+(`mk.sim` replays it), the published numbers (`mk.published`; `mk.ledger` sets them
+against these models), anything measured.
+
+`step_ms` is max(HBM floor, compute floor + the collectives): a LOWER bound on a
 real step under the assumptions below, not a simulation of one. The collectives sit on the
 compute lane's critical path (each all-reduce needs the partial sums before it and is
 needed by the matmul after it) but not on HBM's: the megakernel's ring keeps streaming
@@ -61,33 +64,30 @@ Assumptions, each stated where it is used:
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import math
 from numbers import Real
 
 import numpy as np
 
-from mk.chips import DATA, ChipSpec, chip as named_chip
+from mk.chips import ChipSpec, chip as named_chip
 from mk.config import DTYPE_BITS, ModelConfig, check_formats, positive_int
 from mk.kernels.collectives import PARTIAL_SUM_BYTES, allreduce_s
 from mk.kernels.one_layer import model_block
-from mk.kernels.plan import (kv_layout, packed_formats, padded_vocab, shard_config,
-                             shard_weight_bytes)
+from mk.kernels.plan import packed_formats, padded_vocab, shard_config, shard_weight_bytes
+from mk.kinds.base import ROLES
+from mk.kinds.layers import kind_at, layer_kinds
 from mk.quant import stored_bytes
-from mk.weights import FAMILY, kind_of, names_of, param_shapes
 
-PUBLISHED_CSV = DATA / "published.csv"
 ROUTINGS = ("uniform", "shared", "disjoint")
 COMPUTES = ("bf16", "fp8")  # which peak bounds the matmuls (fp8 = int8 on v5e/v6e/v5p)
-METRICS = ("per_user", "aggregate_as_published")
 KERNEL_GAP_S = 1.3e-6  # launch gap of one kernel in the conventional execution
 ACTIVATION_BYTES = 2  # bf16 activations between kernels and on the wire (one kernel per op)
 
 
 def check_choice(field, value, choices):
     """Raise ValueError unless `value` is one of `choices` (a parameter of this module's,
-    mk.sim's or mk.review's functions)."""
+    mk.sim's or mk.review's functions, a field of `mk.published`'s rows)."""
     if value not in choices:
         raise ValueError(f"{field}={value!r} must be one of {choices}")
 
@@ -198,7 +198,7 @@ class StepEstimate(_Throughput):
     collective_ms: float = 0.0  # the tp all-reduces, on the compute lane's critical path
     formats: tuple[tuple[str, str], ...] = ()  # the format groups stored quantised
     norm_bytes: float = 0.0  # every norm vector (float32), the final norm included
-    linear_bytes: float = 0.0  # a hybrid's gated-DeltaNet weights, every linear layer
+    linear_bytes: float = 0.0  # the linear layers' weights (DeltaNet, KDA), every one
     state_read_bytes: float = 0.0  # their conv and recurrent states, B sequences, once
     state_write_bytes: float = 0.0  # the states after every one of the T rows (rollback)
 
@@ -290,9 +290,8 @@ def predict(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: 
     formats = check_formats(config, config.formats if formats is None else formats)
     m = batch * rows  # M activation rows
     wb = DTYPE_BITS[config.dtype] / 8
-    n_dense, n_moe = len(config.dense_layers), len(config.moe_layers)
-    touched = (experts_touched(config.experts, config.experts_per_token, m, routing)
-               if config.is_moe else 0.0)
+    kinds = layer_kinds(config)
+    touched = _touched(kinds, m, routing)
     local = shard_config(config, tp)
     block = model_block(local, formats=packed_formats(config, tp, formats))
     vocab = padded_vocab(local, block)
@@ -305,22 +304,13 @@ def predict(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: 
     state_read_bytes = batch * config.linear_state_bytes  # split by heads over tp
     state_write_bytes = rows * state_read_bytes
 
-    # Matmul parameters one token multiplies by; norms are elementwise and left out.
-    per_token = (len(config.full_layers) * _attention_params(config)
-                 + len(config.linear_layers) * _linear_params(config)
-                 + n_dense * 3 * config.hidden * config.ffn
-                 + n_moe * (config.hidden * config.experts
-                            + config.experts_per_token * config.expert_params)
+    # Matmul parameters one token multiplies by (each kind's `params`; norms are
+    # elementwise and left out), and each kind's token mixing (attention, the delta rule).
+    per_token = (sum(len(k.layers) * k.params() for k in kinds)
                  + config.hidden * config.vocab)
     matmul_flops = 2.0 * per_token * m
-    # Token mixing. Row t of T attends to S cached positions plus new rows 0..t:
-    # T*S + T(T+1)/2 pairs, each 2 FLOPs per head dim for q.k and 2 for p.v. A linear
-    # layer's delta rule: per row and value head, three [Hk] x [Hk, Hv] products.
-    pairs = batch * (rows * context + rows * (rows + 1) / 2)
-    attention_flops = (4.0 * len(config.full_layers) * config.heads * kv_layout(config)[1]
-                       * pairs
-                       + 6.0 * len(config.linear_layers) * m * config.linear_value_heads
-                       * config.linear_key_dim * config.linear_value_dim)
+    attention_flops = sum(len(k.layers) * k.mixing_flops(batch, rows, context)
+                          for k in kinds)
 
     total_bytes = (sum(family.values()) + embed_bytes + kv_read_bytes + kv_write_bytes
                    + state_read_bytes + state_write_bytes)
@@ -349,24 +339,9 @@ def predict(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: 
         state_read_bytes=state_read_bytes, state_write_bytes=state_write_bytes)
 
 
-def _attention_params(config: ModelConfig) -> int:
-    """Matmul parameters of one full-attention layer's mixer: its kind's weights of the
-    attention family in `mk.weights` (Qwen3.5's gate included; MLA's projections and
-    wkv_b, whose W_uk part the absorbed form multiplies into the queries and whose W_uv
-    part out of the latent)."""
-    shapes = param_shapes(config)
-    return sum(math.prod(shapes[n][0][1:])
-               for n in names_of(config, kind_of(config, "full_layers"))
-               if FAMILY[n] == "attention")
-
-
-def _linear_params(config: ModelConfig) -> int:
-    """Matmul parameters of one gated-DeltaNet layer's mixer: in_proj_qkv, z, b, a and
-    out_proj."""
-    if not config.linear_layers:
-        return 0
-    D, Vw = config.hidden, config.linear_value_width
-    return D * (config.conv_channels + 2 * Vw + 2 * config.linear_value_heads)
+def _touched(kinds, m: int, routing: str) -> float:
+    """Distinct experts each routed layer reads (0 without one)."""
+    return sum(experts_touched(*k.routes, m, routing) for k in kinds if k.routes)
 
 
 # -- The MXU floor ----------------------------------------------------------------------
@@ -384,13 +359,12 @@ def mxu_floor_ms(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, r
     """The compute floor of one decode step with the MXU rule that `mk.sim` charges, ms.
 
     By the MXU rule (`mxu_flops`: one pass of M < R rows costs what R rows cost), every
-    weight a step reads is one pass of the step's M = B*T rows (attention projections,
-    dense MLP, router, lm_head); the experts touched share the M*X routed rows, at least
-    R rows each (the kernel and `mk.sim` push all M rows through every active expert, which
-    costs more once M > R); attention per sequence and kv head runs G*T query rows (padded
-    to 8 sublanes, at least R) against the S + T positions, twice (q.k and p.v). Perfect
-    sharding over tp devices, as `predict`. On a GPU (no mxu_rows) it is `predict`'s FLOP
-    floor. The HBM floor stays `predict(...).hbm_floor_ms`.
+    weight a step reads is one pass of the step's M = B*T rows (the lm_head's, and each
+    layer kind's `mxu_passes`: its projections or dense MLP; an MoE layer's router, its
+    touched experts sharing the M*X routed rows, at least R rows each; attention per
+    sequence and kv head, G*T query rows padded to 8 sublanes against the S + T positions,
+    twice; the delta rule). Perfect sharding over tp devices, as `predict`. On a GPU (no
+    mxu_rows) it is `predict`'s FLOP floor. The HBM floor stays `predict(...).hbm_floor_ms`.
     """
     spec = named_chip(chip) if isinstance(chip, str) else chip
     context = config.max_context if context is None else context
@@ -399,25 +373,11 @@ def mxu_floor_ms(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, r
         return predict(config, spec, batch=batch, rows=rows, context=context, tp=tp,
                        routing=routing, compute=compute).compute_floor_ms
     R, m = spec.mxu_rows, batch * rows
-    n_dense, n_moe = len(config.dense_layers), len(config.moe_layers)
-    passes = (len(config.full_layers) * _attention_params(config)
-              + len(config.linear_layers) * _linear_params(config)
-              + n_dense * 3 * config.hidden * config.ffn + n_moe * config.hidden
-              * config.experts + config.hidden * config.vocab)
-    flops = mxu_flops(m, passes, R)
-    if config.is_moe:  # the touched experts share the M*X routed rows, R each at least
-        touched = experts_touched(config.experts, config.experts_per_token, m, routing)
-        flops += mxu_flops(m * config.experts_per_token, n_moe * config.expert_params,
-                           touched * R)
-    K, H, _ = kv_layout(config)  # MLA: every head against one latent row of R + Hr
-    attention_rows = -(-config.heads // K * rows // 8) * 8  # G*T rows in whole sublanes
-    flops += 2 * mxu_flops(attention_rows, len(config.full_layers) * batch * K * H
-                           * (context + rows), R)  # q.k and p.v
-    # The kernel's delta rule: per sequence, value head and row, three products of the
-    # sequence's R = round_up(T, 8) rows (at least the MXU's) by the [Hk, Hv] state.
-    flops += 3 * mxu_flops(-(-rows // 8) * 8, len(config.linear_layers) * batch * rows
-                           * config.linear_value_heads * config.linear_key_dim
-                           * config.linear_value_dim, R)
+    kinds = layer_kinds(config)
+    touched = _touched(kinds, m, routing)
+    flops = mxu_flops(m, config.hidden * config.vocab, R) + sum(
+        mxu_flops(rows_, len(k.layers) * elements, loads * R) for k in kinds
+        for rows_, elements, loads in k.mxu_passes(batch, rows, context, touched))
     return 1e3 * flops / tp / (peak_flops(spec, compute) / spec.cores_per_chip)
 
 
@@ -507,59 +467,17 @@ def conventional(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, r
         return Kernel(name, layer, nbytes, flops / tp, max(nbytes / bw, flops / tp / peak))
 
     allreduce = allreduce_s(m * D * ACTIVATION_BYTES, tp, spec)
-    La, Ll = len(config.full_layers), len(config.linear_layers)
-    delta_flops = (6.0 * m * config.linear_value_heads * config.linear_key_dim
-                   * config.linear_value_dim)  # per linear layer
-    share = {"attention": e.attention_bytes / max(La, 1), "kv": e.kv_bytes / max(La, 1),
-             "attn_flops": (e.attention_flops - Ll * delta_flops) / max(La, 1),
-             "linear": e.linear_bytes / max(Ll, 1), "state": e.state_bytes / max(Ll, 1)}
-    q_cols = config.q_width * (2 if config.attn_output_gate else 1)  # with the gate
-    proj = D * (q_cols + config.q_width + 2 * config.kv_width)
-    qkv_share = (D * (q_cols + 2 * config.kv_width)) / proj
+    kinds = layer_kinds(config)
+    ops = {k.name: k.conventional(e) for k in kinds}  # each kind's ops of one layer
     kernels = [op("embed", None, e.embed_bytes, 0, [D])]
     for layer in range(L):
-        kind, _ = config.mlp_index(layer)
-        if config.mixer_index(layer)[0] == "linear":
-            C, Vw = config.conv_channels, config.linear_value_width
-            inputs = _linear_params(config) // D - Vw  # qkv, z, b, a columns
-            kernels += [op("attn_norm", layer, 0, 0, [D, D]),
-                        op("in_proj", layer, share["linear"] * inputs / (inputs + Vw),
-                           2 * m * D * inputs, [D, inputs]),
-                        op("conv_gates", layer, 0, 0, [2 * C]),
-                        op("delta_rule", layer, share["state"], delta_flops, [C, Vw]),
-                        op("gated_norm", layer, 0, 0, [3 * Vw]),
-                        op("out_proj", layer, share["linear"] * Vw / (inputs + Vw),
-                           2 * m * Vw * D, [Vw, D])]
-        else:
-            qkv, wo = share["attention"] * qkv_share, share["attention"] * (1 - qkv_share)
-            kernels += [op("attn_norm", layer, 0, 0, [D, D]),
-                        op("qkv", layer, qkv, 2 * m * D * (q_cols + 2 * config.kv_width),
-                           [D, q_cols + 2 * config.kv_width]),
-                        op("qk_norm_rope", layer, 0, 0,
-                           [2 * (config.q_width + config.kv_width)]),
-                        op("attention", layer, share["kv"], share["attn_flops"],
-                           [config.q_width + 2 * config.kv_width, config.q_width]),
-                        op("wo", layer, wo, 2 * m * config.q_width * D, [config.q_width, D])]
+        mixer, mlp = (kind_at(kinds, role, layer)[0] for role in ROLES)
+        kernels.append(op("attn_norm", layer, 0, 0, [D, D]))
+        kernels += [op(name, layer, *cost) for name, *cost in ops[mixer.name]]
         if tp > 1:
             kernels.append(Kernel("all_reduce", layer, 0.0, 0.0, allreduce))
         kernels.append(op("residual_norm", layer, 0, 0, [3 * D]))
-        if kind == "dense":
-            F, w = config.ffn, e.dense_mlp_bytes / len(config.dense_layers)
-            kernels += [op("gate_up", layer, 2 * w / 3, 4 * m * D * F, [D, 2 * F]),
-                        op("swiglu", layer, 0, 0, [3 * F]),
-                        op("down", layer, w / 3, 2 * m * F * D, [F, D])]
-        else:
-            E, Fe, X = config.experts, config.expert_ffn, config.experts_per_token
-            n = len(config.moe_layers)
-            experts, router = e.expert_bytes / n, e.router_bytes / n
-            kernels += [op("router", layer, router, 2 * m * D * E, [D, E]),
-                        op("top_k", layer, 0, 0, [2 * E]),
-                        op("experts_gate_up", layer, 2 * experts / 3, 4 * m * X * D * Fe,
-                           [D, 2 * X * Fe]),
-                        op("swiglu", layer, 0, 0, [3 * X * Fe]),
-                        op("experts_down", layer, experts / 3, 2 * m * X * Fe * D,
-                           [X * Fe, X * D]),
-                        op("combine", layer, 0, 0, [X * D, D])]
+        kernels += [op(name, layer, *cost) for name, *cost in ops[mlp.name]]
         if tp > 1:
             kernels.append(Kernel("all_reduce", layer, 0.0, 0.0, allreduce))
         kernels.append(op("residual", layer, 0, 0, [3 * D]))
@@ -605,49 +523,3 @@ def min_chips(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1,
             raise ValueError(f"{config.name} needs {need / 1e9:.0f} GB, more than "
                              f"limit={limit} {spec.name} chips hold")
     return chips
-
-
-# -- Published measurements ---------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Published:
-    """One row of data/published.csv; empty cells are None (batch, context and acceptance
-    length None: not stated / not stated / no speculation)."""
-
-    model: str
-    preset: str
-    system: str
-    chips: int | None
-    cores: int | None
-    tp: int | None
-    batch: int | None
-    context: int | None  # cached positions of the benchmark run (its scripts, see source)
-    acceptance_length: float | None
-    tokens_per_s: float
-    metric: str  # "per_user" or "aggregate_as_published"
-    step_ms: float | None  # derived from tokens_per_s, see the row's notes
-    source: str
-    notes: str
-
-    def __post_init__(self):
-        check_choice("metric", self.metric, METRICS)
-        if not self.source.strip():
-            raise ValueError(f"published row {self.model} on {self.system} has no source")
-        if self.context is not None and self.context < 0:
-            raise ValueError(f"published row {self.model} on {self.system}: "
-                             f"context={self.context} must be >= 0")
-
-
-def published(path=PUBLISHED_CSV) -> tuple[Published, ...]:
-    """Every row of data/published.csv, in file order."""
-    def num(text, kind):
-        return kind(text) if text.strip() else None
-
-    with open(path, newline="", encoding="utf-8") as f:
-        return tuple(Published(
-            model=r["model"], preset=r["preset"], system=r["system"],
-            chips=num(r["chips"], int), cores=num(r["cores"], int), tp=num(r["tp"], int),
-            batch=num(r["batch"], int), context=num(r["context"], int),
-            acceptance_length=num(r["acceptance_length"], float),
-            tokens_per_s=float(r["tokens_per_s"]), metric=r["metric"],
-            step_ms=num(r["step_ms"], float), source=r["source"], notes=r["notes"])
-            for r in csv.DictReader(f))

@@ -15,7 +15,8 @@ expert, expert selection and the expert slots, then the lm_head and argmax. Ever
 g + slots, a switched-off segment's tiles are neither loaded nor waited for, expert tiles
 issued before routing are no-ops, `ring.skip` issues the tiles past the off expert slots.
 The result, `Simulation`, has the step time, the HBM utilisation, a timeline of DMA and
-compute events and the bubbles (HBM idle) with their causes.
+compute events and the bubbles (HBM idle) with their causes (`mk.machine`: the DMA engine
+and the compute lane they are replayed on, its records and the causes).
 
 Modelling assumptions (`Assumptions` holds the numbers; none is fitted to a measurement):
 - One DMA engine per device, first in first out, at `hbm_share` x the device's datasheet
@@ -70,23 +71,13 @@ Modelling assumptions (`Assumptions` holds the numbers; none is fitted to a meas
   vectors (two DMAs a layer, issued a layer ahead) and the final norm are DMAs here as in
   the kernel.
 
-Bubble causes (HBM idle intervals): "step start" (before the first tile lands), "layer
-boundary" (the next layer's tiles issued late: cross-layer prefetch off, or after an MoE
-layer whose last expert slots were off, so `ring.skip` issued them only after the last
-active expert), "routing" (expert tiles cannot be issued until the router has chosen),
-"attention" (KV stream latency and attention compute while the weight ring is full),
-"lm_head" (argmax, the last tiles), "collective", "compute" (HBM idle while the lane
-computes a weight tile: the ring is full, the tile is MXU-bound), "vector" (norms, RoPE,
-SwiGLU), "ring empty" (HBM idle while the lane waits for a tile still in its issue
-latency: too few slots in flight to hide it), "step end", "skipped mixer" (a hybrid
-layer's switched-off mixer region: `ring.skip` issues the tiles past it only when the lane
-reaches it).
-
 Here: `Assumptions`, `active_experts`,
 `latency_slots` (Little's law), `simulate` -> `Simulation` (with its bytes per family),
 `replay_matmul` (a stream of plain matmuls: the synthetic case with a closed
-form). Not here: design sweeps and the published numbers (`mk.review`), drawing
-(`mk.plots.timeline`, `bubble_bars`, `sweep_lines`).
+form). Not here: the DMA engine and the compute lane, their records and the bubble
+causes (`mk.machine`), each layer kind's twin (`mk.kinds`), design sweeps and the
+published numbers (`mk.review`), drawing (`mk.plots.timeline`, `bubble_bars`,
+`sweep_lines`).
 
 Speed: runs of identical tiles are fast-forwarded once the ring's state (landed times and
 the engine's clock, relative to the compute clock) repeats, which is exact for the step
@@ -107,9 +98,7 @@ from mk.kernels.plan import DecodePlan, family_of, little_slots
 from mk.kernels.ring import TileStream
 from mk.kinds.base import LAYER_PHASES
 from mk.kinds.layers import KINDS, kind_at, layer_kinds
-
-CAUSES = ("step start", "layer boundary", "routing", "attention", "lm_head", "collective",
-          "compute", "vector", "ring empty", "step end", "skipped mixer")
+from mk.machine import Bubble, Event, Machine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,168 +147,16 @@ def active_experts(config: ModelConfig, m: int, routing: str = "uniform") -> int
     return max(1, min(slots, round(mean)))
 
 
-# -- The machine ---------------------------------------------------------------------------
-_WHOLE_GAP = ("step start", "layer boundary", "routing", "attention",  # DMA issue tags
-              "skipped mixer")
-
-
-class _Machine:
-    """A FIFO DMA engine and an in-order compute lane. Intervals are merged into runs of
-    one (layer, what) as they happen. An HBM-idle gap is classified once the compute lane
-    has passed its end: by the compute phase running during it, "ring empty" where the
-    lane was waiting, or whole by the tag of the transfer that ends it (module
-    docstring). Memory grows with the runs, not with the tiles."""
-
-    def __init__(self, bw: float, latency: float):
-        self.bw, self.latency = bw, latency
-        self.now = 0.0  # the compute lane's clock
-        self.dma_free = 0.0  # when the engine has moved everything issued so far
-        self.dma_bytes = 0.0
-        self.weight_bytes = 0.0
-        self.events = {"dma": [], "compute": []}  # finished runs
-        self.run = {"dma": None, "compute": None}  # [layer, what, start, end, busy, n, bytes]
-        self.recent = []  # compute intervals (start, end, what) that pending gaps may need
-        self.pending = []  # HBM-idle gaps (start, end, layer) not yet classified
-        self.bubbles = []  # [start, end, cause, layer, idle]
-        self.gap_log = []  # (bubble record, idle) since the caller last cleared it
-
-    def _extend(self, lane, layer, what, start, end, nbytes=0.0):
-        run = self.run[lane]
-        if run is not None and run[0] == layer and run[1] == what:
-            run[3] = end
-            run[4] += end - start
-            run[5] += 1
-            run[6] += nbytes
-            return
-        if run is not None:
-            self.events[lane].append(tuple(run))
-        self.run[lane] = [layer, what, start, end, end - start, 1, nbytes]
-
-    def _bubble(self, start, end, cause, layer):
-        if end <= start:
-            return
-        for last in self.bubbles[-1:-4:-1]:  # alternating causes extend their own record
-            if last[2] == cause and last[3] == layer:
-                last[1] = end
-                last[4] += end - start
-                self.gap_log.append((last, end - start))
-                return
-        self.bubbles.append([start, end, cause, layer, end - start])
-        self.gap_log.append((self.bubbles[-1], end - start))
-
-    def _resolve(self, until: float, idle: str = "ring empty") -> None:
-        """Classify the pending gaps that end by `until` (all of them at the step end)."""
-        while self.pending and (self.pending[0][1] <= until or idle == "step end"):
-            start, end, layer = self.pending.pop(0)
-            t = start
-            for a, b, what in self.recent:
-                if b <= t or a >= end:
-                    continue
-                if a > t:
-                    self._bubble(t, a, idle, layer)
-                self._bubble(max(a, t), min(b, end), _cause(what), layer)
-                t = min(b, end)
-            self._bubble(t, end, idle, layer)
-        first = self.pending[0][0] if self.pending else self.dma_free
-        if self.recent and self.recent[0][1] <= first:
-            self.recent = [r for r in self.recent if r[1] > first]
-
-    issued: list | None = None  # a list (a test's): (what, bytes) of every `dma`, in
-    #                              issue order; `shift` records none (fast-forward off)
-
-    def dma(self, nbytes: float, layer: int, what: str, tag: str = "",
-            weight: bool = True) -> float:
-        """Issue a transfer now; returns when it has landed."""
-        if self.issued is not None:
-            self.issued.append((what, nbytes))
-        start = max(self.now + self.latency, self.dma_free)
-        if start > self.dma_free:
-            if tag in _WHOLE_GAP:
-                self._bubble(self.dma_free, start, tag, layer)
-            else:
-                self.pending.append((self.dma_free, start, layer))
-        end = start + nbytes / self.bw
-        self.dma_free = end
-        self.dma_bytes += nbytes
-        self.weight_bytes += nbytes if weight else 0.0
-        self._extend("dma", layer, what, start, end, nbytes)
-        return end
-
-    def compute(self, seconds: float, layer: int, what: str) -> None:
-        if seconds > 0:
-            end = self.now + seconds
-            self._extend("compute", layer, what, self.now, end)
-            if self.pending or end > self.dma_free:
-                self.recent.append((self.now, end, what))
-            self.now = end
-            if self.pending and self.pending[0][1] <= end:
-                self._resolve(end)
-
-    def wait(self, t: float) -> None:
-        if t > self.now:
-            self.now = t
-            if self.pending and self.pending[0][1] <= t:
-                self._resolve(t)
-
-    def state(self) -> tuple:
-        """dma_free relative to the compute clock (0.1 ps grid): with the ring's landed
-        times, all the next tiles' timing depends on."""
-        return (round((self.dma_free - self.now) * 1e13),)
-
-    def shift(self, cycles: int, tiles: int, period: float, gaps: list, busy: float,
-              nbytes: float) -> None:
-        """Fast-forward `cycles` repetitions of the last `tiles` tiles, which advanced every
-        clock by `period` and classified the `gaps` (bubble record, idle) pairs; each tile
-        computes `busy` seconds and moves `nbytes`. The recurrence is shift-invariant, so
-        this is the exact replay of those repetitions."""
-        dt = cycles * period
-        # HBM idle time one cycle opens: the engine moves `tiles` tiles per period
-        created = period - tiles * nbytes / self.bw
-        resolved = sum(idle for _, idle in gaps)
-        if created > 1e-18 and resolved <= 0:  # nothing classified yet: by the lane's use
-            cause = "compute" if period <= tiles * busy * (1 + 1e-9) else "ring empty"
-            self.bubbles.append([self.now, self.now, cause, self.run["compute"][0], 0.0])
-            gaps, resolved = [(self.bubbles[-1], created)], created
-        self.now += dt
-        self.dma_free += dt
-        for record in {id(r): r for r, _ in gaps}.values():
-            record[1] += dt
-        for record, idle in gaps:  # the cycle's mix of causes, scaled to what it opened
-            record[4] += cycles * idle * (created / resolved if resolved > 0 else 0.0)
-        n = cycles * tiles
-        for lane, seconds, moved in (("compute", busy, 0.0), ("dma", nbytes / self.bw, nbytes)):
-            run = self.run[lane]
-            run[3] += dt
-            run[4] += n * seconds
-            run[5] += n
-            run[6] += n * moved
-        self.dma_bytes += n * nbytes
-        self.weight_bytes += n * nbytes
-        self.recent = [(a + dt, b + dt, w) for a, b, w in self.recent]
-        self.pending = [(a + dt, b + dt, layer) for a, b, layer in self.pending]
-
-    def finish(self) -> float:
-        """Close the runs; the step ends when both lanes are done."""
-        step = max(self.now, self.dma_free)
-        if step > self.dma_free:
-            self.pending.append((self.dma_free, step, None))
-        self._resolve(step, "step end")
-        for lane, run in self.run.items():
-            if run is not None:
-                self.events[lane].append(tuple(run))
-        return step
-
-
 # -- The replay of the megakernel ----------------------------------------------------------
 # The phases a layer kind acts in; the others are `_Kernel.phase`'s own.
 _KIND_PHASES = {phase for kind in KINDS for phase in kind.phases}
 
 
 class _Kernel:
-    """`mk.megakernel.megakernel_kernel`, step by step, on a `_Machine`: the ring and the
+    """`mk.megakernel.megakernel_kernel`, step by step, on a `Machine`: the ring and the
     step's frame here, each layer kind's part by its twin (`mk.kinds.base.Twin`)."""
 
-    def __init__(self, config, stream: TileStream, machine: _Machine, *, m, batch, rows,
+    def __init__(self, config, stream: TileStream, machine: Machine, *, m, batch, rows,
                  context, spec, tp, formats, experts_on, prefetch, a: Assumptions,
                  vocab: int):
         self.c, self.s, self.mc, self.a = config, stream, machine, a
@@ -384,7 +221,7 @@ class _Kernel:
     def matmul(self, name, copy=0):
         """`Ring.matmul`: per tile wait, compute, issue the tile `slots` ahead. Once a tile
         repeats the previous one's timing exactly (same gaps, same issue), the rest of the
-        run of identical tiles is fast-forwarded (`_Machine.shift`)."""
+        run of identical tiles is fast-forwarded (`Machine.shift`)."""
         seg = self.s.segment(name)
         base = self.s.base(self.layer, seg, copy)
         block, mc, n = self.s.block, self.mc, self.n
@@ -555,31 +392,6 @@ class _Kernel:
 
 # -- The result ----------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
-class Event:
-    """A run of consecutive intervals of one lane with the same layer and `what`."""
-
-    lane: str  # "dma" or "compute"
-    start_s: float
-    end_s: float
-    layer: int | None  # None for the lm_head and what follows it
-    what: str  # a matrix ("wq", "we_gate[3]", "lm_head"), "k_tile", "attention", ...
-    busy_s: float  # time the lane was busy within [start_s, end_s]
-    count: int  # intervals merged
-    bytes: float = 0.0  # DMA bytes
-
-
-@dataclasses.dataclass(frozen=True)
-class Bubble:
-    """A run of HBM-idle gaps with one cause in one layer."""
-
-    start_s: float
-    end_s: float
-    cause: str
-    layer: int | None
-    idle_s: float  # HBM idle time within [start_s, end_s]
-
-
-@dataclasses.dataclass(frozen=True)
 class Simulation:
     """One simulated decode step on one device (the busiest, with expert parallelism)."""
 
@@ -655,33 +467,6 @@ class Simulation:
                      MB=e.bytes / 1e6) for e in self.events]
 
 
-_PHASE_CAUSE = {"attention": "attention", "k_tile": "attention", "v_tile": "attention",
-                "k_write_back": "attention", "v_write_back": "attention",
-                "lm_head": "lm_head", "argmax": "lm_head", "final_norm": "lm_head",
-                "collective": "collective", "router": "routing", "selected": "routing"}
-_VECTOR = ("norm", "qk_norm_rope", "swiglu", "combine", "residual")
-
-
-def _cause(what: str) -> str:
-    if what in _PHASE_CAUSE:
-        return _PHASE_CAUSE[what]
-    return "vector" if what in _VECTOR else "compute"
-
-
-def _events(machine: _Machine, layers: int) -> tuple[Event, ...]:
-    def layer_of(layer):
-        return layer if layer is not None and layer < layers else None
-    out = [Event(lane, start, end, layer_of(layer), what, busy, n, nbytes)
-           for lane, runs in machine.events.items()
-           for layer, what, start, end, busy, n, nbytes in runs]
-    return tuple(sorted(out, key=lambda e: (e.start_s, e.lane)))
-
-
-def _bubble_records(machine: _Machine, layers: int) -> tuple[Bubble, ...]:
-    return tuple(Bubble(a, b, cause, layer if layer is not None and layer < layers else None,
-                        idle) for a, b, cause, layer, idle in machine.bubbles)
-
-
 def _tpu(chip) -> ChipSpec:
     spec = named_chip(chip) if isinstance(chip, str) else chip
     if spec.kind != "tpu":
@@ -746,7 +531,7 @@ def simulate(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows:
             raise ValueError(f"experts_active={on} must be in [1, {limit}] (the expert "
                              "slots of the stream)")
     bw = spec.hbm_bw / spec.cores_per_chip * a.hbm_share
-    machine = _Machine(bw, a.dma_latency_s)
+    machine = Machine(bw, a.dma_latency_s)
     kernel = _Kernel(plan.local, plan.stream, machine, m=plan.M, batch=batch, rows=rows,
                      context=context, spec=spec, tp=plan.tp, formats=dict(plan.formats),
                      experts_on=on, prefetch=cross_layer_prefetch, a=a, vocab=plan.vocab)
@@ -757,8 +542,8 @@ def simulate(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows:
         context=context, tp=plan.tp, block=plan.block,
         cross_layer_prefetch=cross_layer_prefetch, experts_active=on, hbm_bandwidth=bw,
         step_s=step_s, dma_bytes=machine.dma_bytes, weight_bytes=machine.weight_bytes,
-        events=_events(machine, plan.local.layers),
-        bubbles=_bubble_records(machine, plan.local.layers), assumptions=a, plan=plan)
+        events=machine.event_records(plan.local.layers),
+        bubbles=machine.bubble_records(plan.local.layers), assumptions=a, plan=plan)
 
 
 def replay_matmul(stream: TileStream, chip: ChipSpec | str, *, rows: int = 1,
@@ -773,7 +558,7 @@ def replay_matmul(stream: TileStream, chip: ChipSpec | str, *, rows: int = 1,
     positive_int("rows", rows)
     a = assumptions or Assumptions()
     bw = spec.hbm_bw / spec.cores_per_chip * a.hbm_share
-    machine = _Machine(bw, a.dma_latency_s)
+    machine = Machine(bw, a.dma_latency_s)
     kernel = _Kernel(None, stream, machine, m=rows, batch=rows, rows=1, context=0,
                      spec=spec, tp=1, formats={},
                      experts_on=0, prefetch=cross_layer_prefetch, a=a, vocab=0)
@@ -783,5 +568,5 @@ def replay_matmul(stream: TileStream, chip: ChipSpec | str, *, rows: int = 1,
         config_name="matmul stream", chip_name=spec.name, batch=rows, rows=1, context=0,
         tp=1, block=stream.block, cross_layer_prefetch=cross_layer_prefetch,
         experts_active=0, hbm_bandwidth=bw, step_s=step_s, dma_bytes=machine.dma_bytes,
-        weight_bytes=machine.weight_bytes, events=_events(machine, stream.layers),
-        bubbles=_bubble_records(machine, stream.layers), assumptions=a)
+        weight_bytes=machine.weight_bytes, events=machine.event_records(stream.layers),
+        bubbles=machine.bubble_records(stream.layers), assumptions=a)

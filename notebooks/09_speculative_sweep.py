@@ -92,6 +92,7 @@ from IPython.display import Markdown, display
 from tqdm.auto import tqdm
 
 import mk
+import mk.published
 import mk.run
 from mk import course, ledger, perf, plots, reference, spec, teach
 
@@ -362,7 +363,7 @@ display(widgets.interactive(
 # From `mk.ledger`, under the assumptions it names once for notebooks 00, 09 and 11: batch 1,
 # T = 8 verification rows keeping the published mean tau, every device of the run sharing
 # the step, each row's own context (the cached positions of the release's benchmark
-# scripts, `mk.perf.Published.context`), no draft time. The
+# scripts, `mk.published.Published.context`), no draft time. The
 # model of each system: the simulated step for TPU rows (the ring's slots sized by Little's
 # law), the conventional step for the GB200 rows. Nothing is fitted; error = model /
 # published - 1. The words (published, HBM floor, modelled, simulated and conventional
@@ -403,7 +404,7 @@ for r in published:
 # (the cell's output is folded on the site):
 
 # %% tags=["hide-output"]
-kimi = next(r for r in perf.published() if r.model == "Kimi K3" and r.system == "tpu7x")
+kimi = next(r for r in mk.published.published() if r.model == "Kimi K3" and r.system == "tpu7x")
 print(f"1. with a drafter costing 20 % of a verification step: tau > {1 + 0.2:.1f}")
 print(f"2. {kimi.acceptance_length:g} / {kimi.tokens_per_s:g} tokens/s = "
       f"{1e3 * kimi.acceptance_length / kimi.tokens_per_s:.2f} ms per step")

@@ -107,6 +107,7 @@ from mk import bundles, course, ledger, perf, plots, review, sim, xla_step
 from mk.chips import chip as chip_spec
 from mk.kernels.common import BlockSizes, VmemBudget
 from mk.kernels.plan import DecodePlan, packed_formats
+from mk.published import published
 
 mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
@@ -725,7 +726,7 @@ assert off.step_s >= s.step_s * (1 - 1e-12), "prefetch across layers made a step
 steps = [r["step_ms"] for r in sweeps["slots"]
          if r["step_ms"] and r["slots"] <= plan.stream.period]
 assert all(b <= min(steps[:i + 1]) * 1.05 for i, b in enumerate(steps[1:])), "more slots, slower"
-assert len(pub) == len(perf.published())
+assert len(pub) == len(published())
 assert s.step_ms >= est.hbm_floor_ms * (1 - 1e-9), "a simulated step beat its HBM floor"
 assert modelled_ms >= max(est.hbm_floor_ms, mxu_ms) and xla.fusions > xla.layers
 assert report is None or report.ok or not fits, f"compile failed: {report.error[:300]}"

@@ -7,7 +7,7 @@ with every DMA the kernel starts recorded in issue order (`mk.kernels.common.dma
 the megakernel is `sequenced`: its records are chained through an SMEM counter, since
 interpret mode runs a kernel's host callbacks in no fixed order). The simulator replays
 the same plan tile by tile (its fast-forward off) with every transfer recorded
-(`mk.sim._Machine.issued`). The two lists of (what, bytes) must be equal element by
+(`mk.machine.Machine.issued`). The two lists of (what, bytes) must be equal element by
 element: the same DMA names (so the same byte families, `mk.kernels.plan.family_of`),
 the same bytes, in the same sequence. Only two things are normalised:
 - the simulator's "selected" (the routing flags' VMEM -> SMEM copy) is dropped: it is
@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import pytest
 
 import mk
-from mk import backend, megakernel, reference, sim
+from mk import backend, machine, megakernel, reference, sim
 from mk.kernels.common import dma_log
 from mk.kernels.plan import DecodePlan, family_of
 from mk.kinds import mlp as kinds_mlp
@@ -80,7 +80,7 @@ def simulated_dmas(name: str, monkeypatch) -> list:
     """(what, bytes) of every transfer the simulator's replay of the same step issues, in
     issue order, tile by tile, normalised as the module docstring says."""
     issued = []
-    monkeypatch.setattr(sim._Machine, "issued", issued)
+    monkeypatch.setattr(machine.Machine, "issued", issued)
     replay_tile_by_tile(monkeypatch)  # the fast-forward records no transfer
     plan = _plan(name)
     config = plan.config

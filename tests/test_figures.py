@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 import mk
-from mk import perf, plots, profiling, sim
+from mk import machine, perf, plots, profiling, sim
 
 
 def legend(fig) -> list[str]:
@@ -273,7 +273,7 @@ def test_every_bubble_cause_of_every_kind_of_model_has_its_colour(sims):
     grey, not in the list of causes)."""
     hybrid = sim.simulate(mk.preset("qwen3.5-27b"), mk.chip("tpu7x"), context=0, tp=8)
     for s in [*sims.values(), hybrid]:
-        assert set(s.bubble_share()) <= set(plots.IDLE_COLOURS) == set(sim.CAUSES)
+        assert set(s.bubble_share()) <= set(plots.IDLE_COLOURS) == set(machine.CAUSES)
     assert "skipped mixer" in hybrid.bubble_share()
 
 
@@ -292,10 +292,10 @@ def test_bubble_bars_stack_hbm_busy_and_each_cause_to_the_step(sims):
     assert idle == sorted(idle, reverse=True)  # the longest causes first, into the legend
     # every cause at once: HBM busy and the nine longest in the legend, all drawn
     from types import SimpleNamespace
-    every = {c: (i + 1) * 1e-6 for i, c in enumerate(sim.CAUSES)}
+    every = {c: (i + 1) * 1e-6 for i, c in enumerate(machine.CAUSES)}
     fake = SimpleNamespace(hbm_floor_s=1e-3, bubble_share=lambda: every)
     fig = plots.bubble_bars({"all causes": fake})
-    assert len(fig.data) == 1 + len(sim.CAUSES) and len(legend(fig)) == plots.LEGEND_ENTRIES
+    assert len(fig.data) == 1 + len(machine.CAUSES) and len(legend(fig)) == plots.LEGEND_ENTRIES
     assert set(legend(fig)[1:]) == set(sorted(every, key=every.get)[-9:])
 
 

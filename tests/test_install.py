@@ -30,11 +30,11 @@ NOTEBOOKS = {"00_decode_is_memory_bound": {}, "07_compile_for_tpu": {"measure_la
              "08_profile_bubbles": {}, "09_speculative_sweep": {}, "11_design_review": {}}
 
 SMOKE = """
-import jax, mk, mk.megakernel
+import jax, mk, mk.megakernel, mk.published
 from pathlib import Path
 assert "site-packages" in mk.__file__, mk.__file__
 assert mk.chip("v6e").hbm_bytes > 0 and len(mk.chips.CHIP_NAMES) > 3
-assert len(mk.perf.published()) > 0
+assert len(mk.published.published()) > 0
 config = mk.preset("tiny")
 prompt = jax.random.randint(jax.random.key(0), (1, 4), 0, config.vocab)
 tokens = mk.megakernel.generate(config, mk.init_params(config), prompt, 2,

@@ -14,6 +14,7 @@ import pytest
 import mk
 from mk import ledger, perf
 from mk.kernels.plan import DecodePlan
+from mk.published import published
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +23,7 @@ def rows():
 
 
 def test_every_published_row_is_an_entry_and_a_system_without_a_chip_row_has_no_model(rows):
-    assert len(rows) == len(perf.published())
+    assert len(rows) == len(published())
     cerebras = [r for r in rows if r["system"] == "cerebras"]
     assert cerebras and "hbm_floor_ms" not in cerebras[0] and "chips.csv" in cerebras[0]["note"]
 
@@ -78,12 +79,12 @@ def test_each_row_is_modelled_at_its_own_context_and_an_unstated_one_is_noted(mo
     """The ledger reads the context from the row (not a constant): the 27B run at its
     2048 positions moves more KV bytes than the same row with context 0, and a row that
     states no context is modelled at 0 with a note saying so."""
-    monkeypatch.setattr(ledger.perf, "published", lambda: (qwen27b_row,))
+    monkeypatch.setattr(ledger, "published", lambda: (qwen27b_row,))
     stated, = ledger.entries()
-    monkeypatch.setattr(ledger.perf, "published",
+    monkeypatch.setattr(ledger, "published",
                         lambda: (dataclasses.replace(qwen27b_row, context=0),))
     zero, = ledger.entries()
-    monkeypatch.setattr(ledger.perf, "published",
+    monkeypatch.setattr(ledger, "published",
                         lambda: (dataclasses.replace(qwen27b_row, context=None),))
     unstated, = ledger.entries()
     assert (stated["context"], zero["context"], unstated["context"]) == (2048, 0, 0)
@@ -93,8 +94,8 @@ def test_each_row_is_modelled_at_its_own_context_and_an_unstated_one_is_noted(mo
 
 
 def test_a_row_whose_tp_is_not_every_core_is_refused(monkeypatch):
-    kimi = next(r for r in perf.published() if r.system == "tpu7x" and r.tp)
-    monkeypatch.setattr(ledger.perf, "published", lambda: (dataclasses.replace(kimi, tp=8),))
+    kimi = next(r for r in published() if r.system == "tpu7x" and r.tp)
+    monkeypatch.setattr(ledger, "published", lambda: (dataclasses.replace(kimi, tp=8),))
     with pytest.raises(ValueError, match=r"tp=8 is not chips\*cores_per_chip=32"):
         ledger.entries()
 
@@ -106,9 +107,9 @@ def test_no_published_speed_beats_either_floor_under_the_strictest_routing(monke
 
     assert beating(ledger.entries(routing="shared")) == []
     # the control: a row claiming 100x its published speed beats its floors
-    kimi = next(r for r in perf.published() if r.system == "tpu7x" and r.tp)
+    kimi = next(r for r in published() if r.system == "tpu7x" and r.tp)
     fast = dataclasses.replace(kimi, tokens_per_s=100 * kimi.tokens_per_s)
-    monkeypatch.setattr(ledger.perf, "published", lambda: (fast,))
+    monkeypatch.setattr(ledger, "published", lambda: (fast,))
     assert len(beating(ledger.entries(routing="shared"))) == 1
 
 
@@ -122,7 +123,7 @@ def test_glossary_defines_each_term_once_and_refuses_an_unknown_one():
 
 @pytest.fixture(scope="module")
 def qwen27b_row():
-    return next(r for r in perf.published()
+    return next(r for r in published()
                 if r.preset == "qwen3.5-27b" and r.system == "tpu7x")
 
 
@@ -131,7 +132,7 @@ def test_a_recorded_per_tile_cost_gives_the_compiled_kernels_simulated_step(monk
     """The "compiled" column replays the recorded kernel (its ring, latency and per-tile
     issue time); a dearer tile makes a slower step (the control), a recorded kernel that
     did not fit says so, and a row that is not the benchmark's is refused."""
-    monkeypatch.setattr(ledger.perf, "published", lambda: (qwen27b_row,))
+    monkeypatch.setattr(ledger, "published", lambda: (qwen27b_row,))
     run, = ledger.runs()
     preset, chip, tp, batch, rows = run.key
     # an issue time over the 1.25 MiB tile's 355 ns of DMA, so it bounds the step

@@ -4,7 +4,7 @@ TPU picture from the chip rows."""
 import pytest
 
 import mk
-from mk import plots, sim, teach
+from mk import machine, plots, sim, teach
 from mk.kernels.common import BlockSizes
 from mk.kernels.ring import Repeat, TileStream
 from mk.chips import all_chips
@@ -12,8 +12,8 @@ from mk.kernels.ring import Ring
 
 
 def test_every_bubble_cause_has_its_own_fixed_colour():
-    assert set(plots.IDLE_COLOURS) == set(sim.CAUSES)
-    assert len(set(plots.IDLE_COLOURS.values())) == len(sim.CAUSES)
+    assert set(plots.IDLE_COLOURS) == set(machine.CAUSES)
+    assert len(set(plots.IDLE_COLOURS.values())) == len(machine.CAUSES)
 
 
 def test_timeline_colours_by_category_the_same_in_every_figure():
@@ -46,8 +46,8 @@ def test_timeline_draws_a_partly_idle_run_translucent_and_a_fully_idle_one_solid
     from types import SimpleNamespace
     run = SimpleNamespace(
         config_name="x", chip_name="v6e", events=[],
-        bubbles=[sim.Bubble(0.0, 10e-6, "ring empty", 0, 4.4e-6),  # idle 44 % of its span
-                 sim.Bubble(10e-6, 11e-6, "step end", None, 1e-6)])
+        bubbles=[machine.Bubble(0.0, 10e-6, "ring empty", 0, 4.4e-6),  # idle 44 % of its span
+                 machine.Bubble(10e-6, 11e-6, "step end", None, 1e-6)])
     opacity = {t.name: list(t.marker.opacity) for t in plots.timeline(run).data}
     assert opacity["idle: ring empty"] == pytest.approx([0.44])
     assert opacity["idle: step end"] == pytest.approx([1.0])

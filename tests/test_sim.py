@@ -11,7 +11,7 @@ import jax
 import pytest
 
 import mk
-from mk import megakernel, perf, sim
+from mk import machine, megakernel, perf, sim
 from mk.chips import chip
 from mk.presets import PRESET_NAMES
 from mk.kernels.common import BlockSizes
@@ -79,7 +79,7 @@ def test_step_is_never_below_the_hbm_floor_and_bubbles_fill_the_rest(name):
     busy = s.dma_bytes / s.hbm_bandwidth
     assert s.step_s >= busy and 0 < s.hbm_utilisation <= 1
     assert sum(s.bubble_share().values()) == pytest.approx(s.step_s - busy, rel=1e-9)
-    assert set(s.bubble_share()) <= set(sim.CAUSES)
+    assert set(s.bubble_share()) <= set(machine.CAUSES)
 
 
 # -- The pipeline ---------------------------------------------------------------------------

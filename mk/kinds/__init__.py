@@ -33,8 +33,10 @@ How to add a layer kind (e.g. gpt-oss's sliding-window attention with sinks):
    `prepare`, `fetch`, the hooks it needs and `run` for each of its `phases`; and its
    `Twin`, the same hooks costed on the simulator's machine. Register it in
    `mk.kinds.layers.KINDS` at its place in the stream.
-5. Its cost in `mk.perf` if its MXU or byte count is not the table's (the bytes come from
-   the weight table).
+5. Its cost, the cost section of its class (`mk.perf` loops over the kinds): `params`
+   (its table rows' matmul elements but its `elementwise` weights), and where it has
+   them `mixing_flops`, `mxu_passes`, `routes` and `conventional` (its ops in the
+   one-kernel-per-op execution). The bytes come from the weight table.
 6. Tests: the reference against transformers on a tiny random checkpoint, the megakernel
    against the reference (exact greedy tokens), the race detector, the byte counts
    (kernel = plan = simulator = `mk.perf`, tests/test_counts.py) and the DMA order

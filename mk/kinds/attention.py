@@ -139,6 +139,37 @@ class GQA(Kind):
     def twin(self, sim) -> AttentionTwin:
         return AttentionTwin(self, sim)
 
+    # -- Its cost (`mk.perf`)
+    def mixing_flops(self, batch: int, rows: int, context: int) -> float:
+        """Row t of T attends to the S cached positions plus new rows 0..t: T*S + T(T+1)/2
+        pairs per sequence, each 2 FLOPs per cache row value for q.k and 2 for p.v."""
+        pairs = batch * (rows * context + rows * (rows + 1) / 2)
+        return 4.0 * self.config.heads * self.kv_layout()[1] * pairs
+
+    def mxu_passes(self, batch: int, rows: int, context: int, touched: float) -> list:
+        """Its projections, then attention: per sequence and kv head, G*T query rows (in
+        whole 8-row sublanes) against the S + T positions, twice (q.k and p.v). MLA: every
+        head against one latent row of R + Hr."""
+        K, H, _ = self.kv_layout()
+        attention_rows = -(-self.config.heads // K * rows // 8) * 8  # G*T rows in sublanes
+        return super().mxu_passes(batch, rows, context, touched) + [
+            (attention_rows, 2 * batch * K * H * (context + rows), 1)]
+
+    def conventional(self, e) -> list:
+        """QKV, QK-norm+RoPE, attention over its share of the KV bytes, the output
+        projection (MLA: costed by the same widths)."""
+        c, m, layers = self.config, e.batch * e.rows, len(self.layers)
+        D, q, kv = c.hidden, c.q_width, c.kv_width
+        q_cols = q * (2 if c.attn_output_gate else 1)  # with the gate
+        qkv_share = (D * (q_cols + 2 * kv)) / (D * (q_cols + q + 2 * kv))
+        weights = e.attention_bytes / layers
+        return [("qkv", weights * qkv_share, 2 * m * D * (q_cols + 2 * kv),
+                 [D, q_cols + 2 * kv]),
+                ("qk_norm_rope", 0, 0, [2 * (q + kv)]),
+                ("attention", e.kv_bytes / layers,
+                 self.mixing_flops(e.batch, e.rows, e.context), [q + 2 * kv, q]),
+                ("wo", weights * (1 - qkv_share), 2 * m * q * D, [q, D])]
+
 
 class MLA(GQA):
     """Multi-head latent attention over the latent cache [La, B, S, R + Hr] (passed to

@@ -21,6 +21,9 @@ kind owns:
                 each of its layers' start, in each of its `phases` of `LAYER_PHASES`, at
                 the step's end
     twin        its simulator twin (`Twin`): the same hooks, on the simulated machine
+    cost        its share of `mk.perf`'s step: matmul parameters (`params`), token-mixing
+                FLOPs, MXU passes (costed by `mk.perf.mxu_flops`, the one MXU rule) and
+                its ops in the conventional one-kernel-per-op execution
 
 A layer of another kind of the same role (a hybrid's linear layer beside a full one, a
 dense layer beside MoE ones) skips this kind's region of the stream where this kind
@@ -34,11 +37,12 @@ the loop over them (`mk.kernels.one_layer.layer_body`, `mk.sim`), their config c
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, ClassVar
 
 from mk.config import ModelConfig
 from mk.kernels.ring import Repeat
-from mk.weights import KIND_LAYERS, names_of
+from mk.weights import FAMILY, KIND_LAYERS, names_of, param_shapes
 
 # The phases of one layer in program order, as data: `layer_body` runs them in this order
 # (each under a named scope: the profiler's markers), and `mk.sim` replays the same list.
@@ -61,6 +65,7 @@ class Kind:
     phases: ClassVar[tuple[str, ...]] = ()  # the LAYER_PHASES it acts in
     stream_phase: ClassVar[str] = ""  # the phase that consumes its segments
     skip_tag: ClassVar[str] = ""  # the simulator's cause for an HBM gap its skip leaves
+    elementwise: ClassVar[tuple[str, ...]] = ()  # its weights applied off the MXU
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -142,6 +147,43 @@ class Kind:
     def twin(self, sim) -> Twin:
         """Its simulator twin on `sim` (`mk.sim`'s kernel replay)."""
         return Twin(self, sim)
+
+    # -- Its cost (`mk.perf`): one layer's, in a step of `batch` sequences x `rows` query
+    #    rows over `context` cached positions (M = batch * rows activation rows)
+    @property
+    def routes(self) -> tuple[int, int] | None:
+        """(experts, experts per token) its tokens are routed among, or None."""
+        return None
+
+    def matmuls(self) -> tuple[str, ...]:
+        """Its weights a token multiplies by (on the MXU): all but the norms and its
+        `elementwise` ones, in table order."""
+        return tuple(n for n in self.weights()
+                     if FAMILY[n] != "norms" and n not in self.elementwise)
+
+    def params(self) -> int:
+        """Matmul parameters one token multiplies by in one layer (its `matmuls`' elements
+        per layer in the weight table)."""
+        shapes = param_shapes(self.config)
+        return sum(math.prod(shapes[n][0][1:]) for n in self.matmuls())
+
+    def mixing_flops(self, batch: int, rows: int, context: int) -> float:
+        """Its FLOPs besides its weights' matmuls (attention over the cache, the delta
+        rule) in one layer."""
+        return 0.0
+
+    def mxu_passes(self, batch: int, rows: int, context: int, touched: float) -> list:
+        """Its MXU passes of one layer, each (rows, weight elements, weight loads): what
+        `mk.perf.mxu_flops(rows, elements, loads * mxu_rows)` charges (`touched`: the
+        distinct experts a routed layer reads). By default the M rows through `params`."""
+        return [(batch * rows, self.params(), 1)]
+
+    def conventional(self, e) -> list:
+        """Its ops in one layer of the conventional one-kernel-per-op execution
+        (`mk.perf.conventional`), after the layer's norm: (name, weight bytes of all
+        devices, FLOPs, activation widths read and written) each, its bytes a share of the
+        step estimate `e`'s (`mk.perf.StepEstimate`)."""
+        return []
 
 
 @dataclasses.dataclass

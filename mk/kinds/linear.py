@@ -22,6 +22,7 @@ from mk.kernels.deltanet import (STATE_INPUTS, STATE_OUTPUTS, drain_linear,
                                  linear_mixer, linear_semaphores, prepare_linear,
                                  prime_linear)
 from mk.kinds.base import Kind, Step, Twin
+from mk.weights import param_shapes
 
 
 class DeltaNet(Kind):
@@ -32,6 +33,9 @@ class DeltaNet(Kind):
     phases = ("linear",)
     stream_phase = "linear"
     skip_tag = "skipped mixer"
+    # Off the MXU: the conv, the decay and bias vectors, the gated norm (its matmuls are
+    # the rest: DeltaNet's qkv, z, b, a, out; KDA's qkv, b, the low-rank gates, out).
+    elementwise = ("lin_conv", "lin_a_log", "lin_dt_bias", "lin_norm")
 
     def split_widths(self) -> dict[str, int]:
         return dict(linear_key_heads=self.config.linear_key_heads)
@@ -95,6 +99,37 @@ class DeltaNet(Kind):
 
     def twin(self, sim) -> LinearTwin:
         return LinearTwin(self, sim)
+
+    # -- Its cost (`mk.perf`)
+    def mixing_flops(self, batch: int, rows: int, context: int) -> float:
+        """The delta rule: per row and value head, three [Hk] x [Hk, Hv] products."""
+        c = self.config
+        return (6.0 * batch * rows * c.linear_value_heads * c.linear_key_dim
+                * c.linear_value_dim)
+
+    def mxu_passes(self, batch: int, rows: int, context: int, touched: float) -> list:
+        """Its projections, then the kernel's delta rule: per sequence, value head and row,
+        three products of the sequence's round_up(T, 8) rows by the [Hk, Hv] state."""
+        c = self.config
+        return super().mxu_passes(batch, rows, context, touched) + [
+            (-(-rows // 8) * 8, 3 * batch * rows * c.linear_value_heads * c.linear_key_dim
+             * c.linear_value_dim, 1)]
+
+    def conventional(self, e) -> list:
+        """Its input projections (qkv, gates), the conv, the delta rule over its share of
+        the state bytes, the gated norm, out_proj."""
+        c, m, layers = self.config, e.batch * e.rows, len(self.layers)
+        D, C, Vw = c.hidden, c.conv_channels, c.linear_value_width
+        params, shapes = self.params(), param_shapes(c)
+        inputs = params - Vw * D  # every matmul but out_proj
+        columns = sum(shapes[n][0][-1] for n in self.matmuls() if n != "lin_out")
+        weights = e.linear_bytes / layers
+        return [("in_proj", weights * inputs / params, 2 * m * inputs, [D, columns]),
+                ("conv_gates", 0, 0, [2 * C]),
+                ("delta_rule", e.state_bytes / layers,
+                 self.mixing_flops(e.batch, e.rows, e.context), [C, Vw]),
+                ("gated_norm", 0, 0, [3 * Vw]),
+                ("out_proj", weights * Vw * D / params, 2 * m * Vw * D, [Vw, D])]
 
 
 class KDA(DeltaNet):

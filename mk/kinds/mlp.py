@@ -65,6 +65,16 @@ class Dense(Kind):
     def twin(self, sim) -> DenseTwin:
         return DenseTwin(self, sim)
 
+    # -- Its cost (`mk.perf`): `params` and `mxu_passes` are the base's (gate, up, down)
+    def conventional(self, e) -> list:
+        """gate+up, SwiGLU, down over its share of the dense-MLP bytes (a shared expert's
+        too: they are of that byte family)."""
+        c, m = self.config, e.batch * e.rows
+        D, F, w = c.hidden, c.ffn, e.dense_mlp_bytes / len(self.layers)
+        return [("gate_up", 2 * w / 3, 4 * m * D * F, [D, 2 * F]),
+                ("swiglu", 0, 0, [3 * F]),
+                ("down", w / 3, 2 * m * F * D, [F, D])]
+
 
 class MoE(Kind):
     """The mixture of experts: router, expert slots, an optional shared expert."""
@@ -162,6 +172,36 @@ class MoE(Kind):
 
     def twin(self, sim) -> MoETwin:
         return MoETwin(self, sim)
+
+    # -- Its cost (`mk.perf`)
+    @property
+    def routes(self) -> tuple[int, int]:
+        return self.config.experts, self.config.experts_per_token
+
+    def params(self) -> int:
+        """The router and the X experts a token picks (the shared expert is not counted)."""
+        c = self.config
+        return c.hidden * c.experts + c.experts_per_token * c.expert_params
+
+    def mxu_passes(self, batch: int, rows: int, context: int, touched: float) -> list:
+        """The router over the M rows; the `touched` experts share the M*X routed rows, at
+        least the MXU's rows each (the kernel pushes all M rows through every active expert,
+        which costs more once M > mxu_rows)."""
+        c, m = self.config, batch * rows
+        return [(m, c.hidden * c.experts, 1),
+                (m * c.experts_per_token, c.expert_params, touched)]
+
+    def conventional(self, e) -> list:
+        """Router, top-k, the experts' gate+up, SwiGLU, down, the combine."""
+        c, m, n = self.config, e.batch * e.rows, len(self.layers)
+        D, E, Fe, X = c.hidden, c.experts, c.expert_ffn, c.experts_per_token
+        experts, router = e.expert_bytes / n, e.router_bytes / n
+        return [("router", router, 2 * m * D * E, [D, E]),
+                ("top_k", 0, 0, [2 * E]),
+                ("experts_gate_up", 2 * experts / 3, 4 * m * X * D * Fe, [D, 2 * X * Fe]),
+                ("swiglu", 0, 0, [3 * X * Fe]),
+                ("experts_down", experts / 3, 2 * m * X * Fe * D, [X * Fe, X * D]),
+                ("combine", 0, 0, [X * D, D])]
 
 
 def swiglu(sim, names, width: int) -> None:

@@ -1,0 +1,239 @@
+"""The simulator's machine: one device as a FIFO DMA engine beside an in-order compute
+lane (`Machine`), and its records: `Event` (a run of one lane's intervals) and `Bubble` (a
+run of HBM-idle time with its cause, one of `CAUSES`).
+
+`mk.sim` replays the megakernel's schedule on it: each DMA the kernel issues is
+`Machine.dma` (it starts at max(issue + latency, the end of the transfer before it)),
+each compute phase `Machine.compute`, each wait `Machine.wait`. Intervals are merged into
+runs of one (layer, what) as they happen; `Machine.shift` fast-forwards repetitions of a
+run of identical tiles exactly. Not here: what is issued and computed when (`mk.sim`'s
+replay and the layer kinds' twins, `mk.kinds`), the numbers of the model
+(`mk.sim.Assumptions`), the result of a step (`mk.sim.Simulation`).
+
+Bubble causes (HBM idle intervals): "step start" (before the first tile lands), "layer
+boundary" (the next layer's tiles issued late: cross-layer prefetch off, or after an MoE
+layer whose last expert slots were off, so `ring.skip` issued them only after the last
+active expert), "routing" (expert tiles cannot be issued until the router has chosen),
+"attention" (KV stream latency and attention compute while the weight ring is full),
+"lm_head" (argmax, the last tiles), "collective", "compute" (HBM idle while the lane
+computes a weight tile: the ring is full, the tile is MXU-bound), "vector" (norms, RoPE,
+SwiGLU), "ring empty" (HBM idle while the lane waits for a tile still in its issue
+latency: too few slots in flight to hide it), "step end", "skipped mixer" (a hybrid
+layer's switched-off mixer region: `ring.skip` issues the tiles past it only when the lane
+reaches it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+CAUSES = ("step start", "layer boundary", "routing", "attention", "lm_head", "collective",
+          "compute", "vector", "ring empty", "step end", "skipped mixer")
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """A run of consecutive intervals of one lane with the same layer and `what`."""
+
+    lane: str  # "dma" or "compute"
+    start_s: float
+    end_s: float
+    layer: int | None  # None for the lm_head and what follows it
+    what: str  # a matrix ("wq", "we_gate[3]", "lm_head"), "k_tile", "attention", ...
+    busy_s: float  # time the lane was busy within [start_s, end_s]
+    count: int  # intervals merged
+    bytes: float = 0.0  # DMA bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Bubble:
+    """A run of HBM-idle gaps with one cause in one layer."""
+
+    start_s: float
+    end_s: float
+    cause: str
+    layer: int | None
+    idle_s: float  # HBM idle time within [start_s, end_s]
+
+
+_PHASE_CAUSE = {"attention": "attention", "k_tile": "attention", "v_tile": "attention",
+                "k_write_back": "attention", "v_write_back": "attention",
+                "lm_head": "lm_head", "argmax": "lm_head", "final_norm": "lm_head",
+                "collective": "collective", "router": "routing", "selected": "routing"}
+_VECTOR = ("norm", "qk_norm_rope", "swiglu", "combine", "residual")
+
+
+def _cause(what: str) -> str:
+    if what in _PHASE_CAUSE:
+        return _PHASE_CAUSE[what]
+    return "vector" if what in _VECTOR else "compute"
+
+
+def _layer(layer, layers: int):
+    """A run's layer, None past the model's `layers`."""
+    return layer if layer is not None and layer < layers else None
+
+
+_WHOLE_GAP = ("step start", "layer boundary", "routing", "attention",  # DMA issue tags
+              "skipped mixer")
+
+
+class Machine:
+    """A FIFO DMA engine and an in-order compute lane. Intervals are merged into runs of
+    one (layer, what) as they happen. An HBM-idle gap is classified once the compute lane
+    has passed its end: by the compute phase running during it, "ring empty" where the
+    lane was waiting, or whole by the tag of the transfer that ends it (module
+    docstring). Memory grows with the runs, not with the tiles."""
+
+    def __init__(self, bw: float, latency: float):
+        self.bw, self.latency = bw, latency
+        self.now = 0.0  # the compute lane's clock
+        self.dma_free = 0.0  # when the engine has moved everything issued so far
+        self.dma_bytes = 0.0
+        self.weight_bytes = 0.0
+        self.events = {"dma": [], "compute": []}  # finished runs
+        self.run = {"dma": None, "compute": None}  # [layer, what, start, end, busy, n, bytes]
+        self.recent = []  # compute intervals (start, end, what) that pending gaps may need
+        self.pending = []  # HBM-idle gaps (start, end, layer) not yet classified
+        self.bubbles = []  # [start, end, cause, layer, idle]
+        self.gap_log = []  # (bubble record, idle) since the caller last cleared it
+
+    def _extend(self, lane, layer, what, start, end, nbytes=0.0):
+        run = self.run[lane]
+        if run is not None and run[0] == layer and run[1] == what:
+            run[3] = end
+            run[4] += end - start
+            run[5] += 1
+            run[6] += nbytes
+            return
+        if run is not None:
+            self.events[lane].append(tuple(run))
+        self.run[lane] = [layer, what, start, end, end - start, 1, nbytes]
+
+    def _bubble(self, start, end, cause, layer):
+        if end <= start:
+            return
+        for last in self.bubbles[-1:-4:-1]:  # alternating causes extend their own record
+            if last[2] == cause and last[3] == layer:
+                last[1] = end
+                last[4] += end - start
+                self.gap_log.append((last, end - start))
+                return
+        self.bubbles.append([start, end, cause, layer, end - start])
+        self.gap_log.append((self.bubbles[-1], end - start))
+
+    def _resolve(self, until: float, idle: str = "ring empty") -> None:
+        """Classify the pending gaps that end by `until` (all of them at the step end)."""
+        while self.pending and (self.pending[0][1] <= until or idle == "step end"):
+            start, end, layer = self.pending.pop(0)
+            t = start
+            for a, b, what in self.recent:
+                if b <= t or a >= end:
+                    continue
+                if a > t:
+                    self._bubble(t, a, idle, layer)
+                self._bubble(max(a, t), min(b, end), _cause(what), layer)
+                t = min(b, end)
+            self._bubble(t, end, idle, layer)
+        first = self.pending[0][0] if self.pending else self.dma_free
+        if self.recent and self.recent[0][1] <= first:
+            self.recent = [r for r in self.recent if r[1] > first]
+
+    issued: list | None = None  # a list (a test's): (what, bytes) of every `dma`, in
+    #                              issue order; `shift` records none (fast-forward off)
+
+    def dma(self, nbytes: float, layer: int, what: str, tag: str = "",
+            weight: bool = True) -> float:
+        """Issue a transfer now; returns when it has landed."""
+        if self.issued is not None:
+            self.issued.append((what, nbytes))
+        start = max(self.now + self.latency, self.dma_free)
+        if start > self.dma_free:
+            if tag in _WHOLE_GAP:
+                self._bubble(self.dma_free, start, tag, layer)
+            else:
+                self.pending.append((self.dma_free, start, layer))
+        end = start + nbytes / self.bw
+        self.dma_free = end
+        self.dma_bytes += nbytes
+        self.weight_bytes += nbytes if weight else 0.0
+        self._extend("dma", layer, what, start, end, nbytes)
+        return end
+
+    def compute(self, seconds: float, layer: int, what: str) -> None:
+        if seconds > 0:
+            end = self.now + seconds
+            self._extend("compute", layer, what, self.now, end)
+            if self.pending or end > self.dma_free:
+                self.recent.append((self.now, end, what))
+            self.now = end
+            if self.pending and self.pending[0][1] <= end:
+                self._resolve(end)
+
+    def wait(self, t: float) -> None:
+        if t > self.now:
+            self.now = t
+            if self.pending and self.pending[0][1] <= t:
+                self._resolve(t)
+
+    def state(self) -> tuple:
+        """dma_free relative to the compute clock (0.1 ps grid): with the ring's landed
+        times, all the next tiles' timing depends on."""
+        return (round((self.dma_free - self.now) * 1e13),)
+
+    def shift(self, cycles: int, tiles: int, period: float, gaps: list, busy: float,
+              nbytes: float) -> None:
+        """Fast-forward `cycles` repetitions of the last `tiles` tiles, which advanced every
+        clock by `period` and classified the `gaps` (bubble record, idle) pairs; each tile
+        computes `busy` seconds and moves `nbytes`. The recurrence is shift-invariant, so
+        this is the exact replay of those repetitions."""
+        dt = cycles * period
+        # HBM idle time one cycle opens: the engine moves `tiles` tiles per period
+        created = period - tiles * nbytes / self.bw
+        resolved = sum(idle for _, idle in gaps)
+        if created > 1e-18 and resolved <= 0:  # nothing classified yet: by the lane's use
+            cause = "compute" if period <= tiles * busy * (1 + 1e-9) else "ring empty"
+            self.bubbles.append([self.now, self.now, cause, self.run["compute"][0], 0.0])
+            gaps, resolved = [(self.bubbles[-1], created)], created
+        self.now += dt
+        self.dma_free += dt
+        for record in {id(r): r for r, _ in gaps}.values():
+            record[1] += dt
+        for record, idle in gaps:  # the cycle's mix of causes, scaled to what it opened
+            record[4] += cycles * idle * (created / resolved if resolved > 0 else 0.0)
+        n = cycles * tiles
+        for lane, seconds, moved in (("compute", busy, 0.0), ("dma", nbytes / self.bw, nbytes)):
+            run = self.run[lane]
+            run[3] += dt
+            run[4] += n * seconds
+            run[5] += n
+            run[6] += n * moved
+        self.dma_bytes += n * nbytes
+        self.weight_bytes += n * nbytes
+        self.recent = [(a + dt, b + dt, w) for a, b, w in self.recent]
+        self.pending = [(a + dt, b + dt, layer) for a, b, layer in self.pending]
+
+    def finish(self) -> float:
+        """Close the runs; the step ends when both lanes are done."""
+        step = max(self.now, self.dma_free)
+        if step > self.dma_free:
+            self.pending.append((self.dma_free, step, None))
+        self._resolve(step, "step end")
+        for lane, run in self.run.items():
+            if run is not None:
+                self.events[lane].append(tuple(run))
+        return step
+
+    # -- Its records
+    def event_records(self, layers: int) -> tuple[Event, ...]:
+        """The finished runs (`finish` first) as `Event`s in start order; a layer past
+        `layers` (the lm_head's and what follows) is None."""
+        out = [Event(lane, start, end, _layer(layer, layers), what, busy, n, nbytes)
+               for lane, runs in self.events.items()
+               for layer, what, start, end, busy, n, nbytes in runs]
+        return tuple(sorted(out, key=lambda e: (e.start_s, e.lane)))
+
+    def bubble_records(self, layers: int) -> tuple[Bubble, ...]:
+        """The classified HBM-idle runs as `Bubble`s (layers as `event_records`)."""
+        return tuple(Bubble(a, b, cause, _layer(layer, layers), idle)
+                     for a, b, cause, layer, idle in self.bubbles)
