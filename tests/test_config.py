@@ -140,3 +140,38 @@ def test_from_hf_rejects_what_the_reference_does_not_implement():
     with pytest.raises(NotImplementedError, match="rope scaling"):
         ModelConfig.from_hf(_hf_qwen3(rope_parameters={"rope_theta": 1e6,
                                                        "rope_type": "yarn"}))
+
+
+def _hf_kimi(**extra) -> dict:
+    d = dict(model_type="kimi_linear", vocab_size=512, hidden_size=256, intermediate_size=512,
+             moe_intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
+             kv_lora_rank=128, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+             num_experts=8, num_experts_per_token=2, rms_norm_eps=1e-6, model_max_length=4096)
+    d.update(extra)
+    return d
+
+
+@pytest.mark.parametrize("field", ["hidden_size", "num_hidden_layers", "num_attention_heads"])
+@pytest.mark.parametrize("value", [0, "x", True, pytest.param(
+    "<b>\n```{include} /etc/os-release\n```", id="markup")])
+def test_from_hf_counts_the_readers_compute_with_are_checked_by_their_file_name(field, value):
+    """Every family's layer count, width and heads: a ValueError naming config.json's field
+    and its value, escaped (not a TypeError, a ZeroDivisionError or a raw echo later)."""
+    for hf in (_hf_qwen3(), _hf_kimi()):
+        with pytest.raises(ValueError, match=f"{field}=.* must be a positive integer") as err:
+            ModelConfig.from_hf(hf | {field: value})
+        assert "\n" not in str(err.value)
+
+
+def test_from_hf_layer_types_name_the_layer_count_in_every_family():
+    qwen3_5 = _hf_qwen3(model_type="qwen3_5_text", num_hidden_layers=3,
+                        layer_types=["linear_attention", "full_attention"],
+                        linear_num_key_heads=1, linear_num_value_heads=2,
+                        linear_key_head_dim=64, linear_value_head_dim=64,
+                        linear_conv_kernel_dim=4)
+    for hf in (qwen3_5, _hf_kimi(num_hidden_layers=3)):
+        with pytest.raises(ValueError, match=r"layer_types .* must hold num_hidden_layers=3 of "
+                                             "'full_attention' / 'linear_attention'"):
+            ModelConfig.from_hf(hf | {"layer_types": ["linear_attention", "full_attention"]})
+    assert ModelConfig.from_hf(qwen3_5 | {"num_hidden_layers": 2}).layer_types == (
+        "linear", "full")
