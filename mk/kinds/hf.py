@@ -9,9 +9,12 @@ layer kinds: full attention (`gqa`: Qwen3; `gated_gqa`: Qwen3.5's gated output a
 RoPE), `mla` (Kimi Linear), `deltanet` (Qwen3.5's gated DeltaNet), `kda` (Kimi Delta
 Attention), MoE with its router (`softmax_moe`: Qwen3-MoE's spelling; `sigmoid_moe`: Kimi
 Linear's grouped sigmoid router and shared expert). A reader returns the fields its kind
-owns, read from the file and from the fields read before it (the layer and head counts);
-its errors name the field, the file's value (`shown`: a checkpoint is untrusted) and what
-was expected. Also here: `check_hub_name` (the model's name from `_name_or_path`).
+owns, read from the file (`HfConfig`: `need`, and `count`, `whole`, `number`, `table`,
+which check a value's type before a reader computes with it) and from the fields read
+before it (the layer and head counts); its errors name the file's field, its value
+(`shown`: a checkpoint is untrusted) and what was expected, and leave the fields' limits
+to the config's checks. Also here: `check_hub_name` (the model's name from
+`_name_or_path`).
 
 This module imports nothing of mk but the error texts (`mk.errors`): `mk.config` imports it.
 Not here: the checks of the fields read (`mk.config.ModelConfig`, `mk.kinds.checks`), the
@@ -49,18 +52,41 @@ class HfConfig:
     def need(self, *keys):
         """The value of the first of `keys` the file sets (not null); raises ValueError
         naming them all when it sets none."""
+        return self._first(keys)[1]
+
+    def count(self, *keys):
+        """`need(*keys)`, a whole number >= 1 (`whole`)."""
+        return self.whole(*self._first(keys))
+
+    def whole(self, key: str, value, positive: bool = True):
+        """`value` (the file's `key`) after checking it is a whole number >= 1 (>= 0 unless
+        `positive`): the sizes and layer counts readers and checks compute with."""
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
+                or value < positive:
+            raise ValueError(f"{self.where}: {key}={shown(value)} must be a "
+                             f"{'positive' if positive else 'non-negative'} integer")
+        return value
+
+    def number(self, key: str, value) -> float:
+        """`value` (the file's `key`) as a float; raises ValueError naming it when it is
+        not a number."""
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{self.where}: {key}={shown(value)} must be a number") from None
+
+    def table(self, key: str) -> dict:
+        """The file's `key`, a JSON object ({} when absent or null)."""
+        value = self.fields.get(key) or {}
+        if not isinstance(value, dict):
+            raise ValueError(f"{self.where}: {key}={shown(value)} must be a JSON object")
+        return value
+
+    def _first(self, keys) -> tuple:
         for key in keys:
             if self.fields.get(key) is not None:
-                return self.fields[key]
+                return key, self.fields[key]
         raise ValueError(f"{self.where}: config.json has no field {' or '.join(keys)}")
-
-    def count(self, key: str) -> int:
-        """`need(key)`, a whole number >= 1 (the readers compute with it: layer lists,
-        head dims); raises ValueError naming the field and its value."""
-        value = self.need(key)
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-            raise ValueError(f"{self.where}: {key}={shown(value)} must be a positive integer")
-        return value
 
 
 # -- The fields every model has -------------------------------------------------------------
@@ -74,9 +100,10 @@ def decoder(hf: HfConfig, got: dict, *, max_position=("max_position_embeddings",
     if hf.get("hidden_act", "silu") != "silu":
         raise NotImplementedError(f"{hf.where}: hidden_act={shown(hf.get('hidden_act'))} is "
                                   "not implemented (every MLP is SwiGLU: 'silu')")
-    fields = dict(vocab=hf.need("vocab_size"), hidden=hf.count("hidden_size"),
+    fields = dict(vocab=hf.count("vocab_size"), hidden=hf.count("hidden_size"),
                   layers=hf.count("num_hidden_layers"), heads=hf.count("num_attention_heads"),
-                  rms_eps=float(hf.need("rms_norm_eps")), max_position=hf.need(*max_position),
+                  rms_eps=hf.number("rms_norm_eps", hf.need("rms_norm_eps")),
+                  max_position=hf.count(*max_position),
                   tie_embeddings=bool(hf.get("tie_word_embeddings", False)) and ties)
     if norm_offset:
         fields["norm_offset"] = norm_offset
@@ -86,7 +113,7 @@ def decoder(hf: HfConfig, got: dict, *, max_position=("max_position_embeddings",
 def dense(hf: HfConfig, got: dict) -> dict:
     """The dense SwiGLU MLP's width (every family's; its dense layers are the ones
     `moe_layers` leaves)."""
-    return dict(ffn=hf.need("intermediate_size"))
+    return dict(ffn=hf.count("intermediate_size"))
 
 
 def no_experts(hf: HfConfig, got: dict) -> dict:
@@ -110,12 +137,14 @@ def gqa(hf: HfConfig, got: dict) -> dict:
     window, no bias."""
     hidden, heads = got["hidden"], got["heads"]
     head_dim = hf.get("head_dim")
-    if head_dim is None:
+    if head_dim is not None:
+        hf.whole("head_dim", head_dim)
+    else:
         if hidden % heads:
             raise ValueError(f"{hf.where}: num_attention_heads={heads} does not divide "
                              f"hidden_size={hidden} and no head_dim is given")
         head_dim = hidden // heads
-    rope = hf.get("rope_parameters") or {}
+    rope = hf.table("rope_parameters")
     rope_type = rope.get("rope_type", "default")
     if rope_type != "default" or hf.get("rope_scaling"):
         raise NotImplementedError(f"{hf.where}: rope scaling {shown(rope_type)} / "
@@ -127,8 +156,9 @@ def gqa(hf: HfConfig, got: dict) -> dict:
     if rope_theta is None:
         raise ValueError(f"{hf.where}: config.json has no rope_parameters.rope_theta or "
                          "rope_theta")
-    return dict(kv_heads=hf.get("num_key_value_heads") or heads, head_dim=head_dim,
-                rope_theta=float(rope_theta), qk_norm=True)
+    kv_heads = hf.whole("num_key_value_heads", hf.get("num_key_value_heads") or heads)
+    return dict(kv_heads=kv_heads, head_dim=head_dim, qk_norm=True,
+                rope_theta=hf.number("rope_theta", rope_theta))
 
 
 def gated_gqa(hf: HfConfig, got: dict) -> dict:
@@ -138,9 +168,10 @@ def gated_gqa(hf: HfConfig, got: dict) -> dict:
     if hf.get("attn_output_gate") is False:
         raise NotImplementedError(f"{hf.where}: attn_output_gate=False (transformers' Qwen3.5 "
                                   "always gates full attention)")
-    rope = hf.get("rope_parameters") or {}
-    factor = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
-    return gqa(hf, got) | dict(attn_output_gate=True, partial_rotary_factor=float(factor))
+    factor = hf.table("rope_parameters").get("partial_rotary_factor",
+                                             hf.get("partial_rotary_factor", 0.25))
+    return gqa(hf, got) | dict(attn_output_gate=True, partial_rotary_factor=hf.number(
+        "partial_rotary_factor", factor))
 
 
 def mla(hf: HfConfig, got: dict) -> dict:
@@ -154,15 +185,21 @@ def mla(hf: HfConfig, got: dict) -> dict:
                                   f"{shown(hf.get('num_key_value_heads'))}"
                                   f" != num_attention_heads={heads} (transformers' MLA "
                                   "expands the latent to every head)")
-    rope, nope = hf.need("qk_rope_head_dim"), hf.need("qk_nope_head_dim")
+    rope, nope = hf.count("qk_rope_head_dim"), hf.count("qk_nope_head_dim")
     return dict(kv_heads=heads, head_dim=nope + rope, qk_norm=False,
-                latent_rank=hf.need("kv_lora_rank"), q_rank=hf.get("q_lora_rank") or 0,
-                rope_dim=rope, value_dim=hf.need("v_head_dim"))
+                latent_rank=hf.count("kv_lora_rank"), q_rank=hf.get("q_lora_rank") or 0,
+                rope_dim=rope, value_dim=hf.count("v_head_dim"))
 
 
 # -- Linear attention -------------------------------------------------------------------------
+def _check_list(hf: HfConfig, key: str, value) -> None:
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{hf.where}: {key}={shown(value)} must be a list")
+
+
 def _mixers(hf: HfConfig, kinds, layers: int) -> tuple[str, ...]:
     """transformers' per-layer mixer names -> `layer_types`."""
+    _check_list(hf, "layer_types", kinds)
     unknown = sorted({str(kind) for kind in kinds if kind not in MIXERS})
     if unknown or len(kinds) != layers:
         raise ValueError(f"{hf.where}: layer_types {brief(kinds)} must hold num_hidden_layers="
@@ -176,15 +213,15 @@ def deltanet(hf: HfConfig, got: dict) -> dict:
     full_attention_interval-th, default 4) and their heads, head dims and conv width."""
     layers, kinds = got["layers"], hf.get("layer_types")
     if kinds is None:
-        interval = hf.get("full_attention_interval", 4)
+        interval = hf.whole("full_attention_interval", hf.get("full_attention_interval", 4))
         kinds = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
                  for i in range(layers)]
     return dict(layer_types=_mixers(hf, kinds, layers),
-                linear_key_heads=hf.need("linear_num_key_heads"),
-                linear_value_heads=hf.need("linear_num_value_heads"),
-                linear_key_dim=hf.need("linear_key_head_dim"),
-                linear_value_dim=hf.need("linear_value_head_dim"),
-                conv_kernel=hf.need("linear_conv_kernel_dim"))
+                linear_key_heads=hf.count("linear_num_key_heads"),
+                linear_value_heads=hf.count("linear_num_value_heads"),
+                linear_key_dim=hf.count("linear_key_head_dim"),
+                linear_value_dim=hf.count("linear_value_head_dim"),
+                conv_kernel=hf.count("linear_conv_kernel_dim"))
 
 
 def kda(hf: HfConfig, got: dict) -> dict:
@@ -194,36 +231,47 @@ def kda(hf: HfConfig, got: dict) -> dict:
     and every 4th), and their heads (as many key as value heads), head dim and conv
     width."""
     layers, kinds = got["layers"], hf.get("layer_types")
-    linear = hf.get("linear_attn_config") or {}
+    linear = hf.table("linear_attn_config")
     if kinds is None and {"full_attn_layers", "kda_layers"} <= set(linear):
         kinds = [None] * layers
         for kind, key in (("full_attention", "full_attn_layers"),
                           ("linear_attention", "kda_layers")):
+            _check_list(hf, f"linear_attn_config.{key}", linear[key])
             for i in linear[key]:
+                if hf.whole(f"linear_attn_config.{key}", i) > layers:
+                    raise ValueError(f"{hf.where}: linear_attn_config.{key} holds layer {i}; "
+                                     f"layers count from 1 to num_hidden_layers={layers}")
                 kinds[i - 1] = kind
     if kinds is None:
         kinds = ["full_attention" if i and i % 4 == 0 else "linear_attention"
                  for i in range(layers)]
     layer_types = _mixers(hf, kinds, layers)
-    heads = linear.get("num_heads", hf.get("linear_num_heads", 32))
-    dim = linear.get("head_dim", hf.get("linear_head_dim", 128))
     if "linear" not in layer_types:
         return dict(layer_types=layer_types)
+
+    def size(key, flat_key, default):  # linear_attn_config's, else the flat attribute's
+        if key in linear:
+            return hf.whole(f"linear_attn_config.{key}", linear[key])
+        return hf.whole(flat_key, hf.get(flat_key, default))
+
+    heads = size("num_heads", "linear_num_heads", 32)
+    dim = size("head_dim", "linear_head_dim", 128)
     return dict(layer_types=layer_types, linear_key_heads=heads, linear_value_heads=heads,
                 linear_key_dim=dim, linear_value_dim=dim, channel_decay=True,
-                conv_kernel=linear.get("short_conv_kernel_size",
-                                       hf.get("linear_conv_kernel_dim", 4)))
+                conv_kernel=size("short_conv_kernel_size", "linear_conv_kernel_dim", 4))
 
 
 # -- Mixture of experts -----------------------------------------------------------------------
 def softmax_moe(hf: HfConfig, got: dict) -> dict:
     """Qwen3-MoE's experts and softmax router: MoE layers every decoder_sparse_step-th
     but mlp_only_layers, E, X, Fe, top-k renormalisation (norm_topk_prob, default off)."""
-    step = hf.get("decoder_sparse_step", 1) or 1
-    mlp_only = set(hf.get("mlp_only_layers") or [])
-    return dict(experts=hf.need("num_local_experts", "num_experts"),
-                experts_per_token=hf.need("num_experts_per_tok"),
-                expert_ffn=hf.need("moe_intermediate_size"),
+    step = hf.whole("decoder_sparse_step", hf.get("decoder_sparse_step", 1) or 1)
+    mlp_only = hf.get("mlp_only_layers") or []
+    _check_list(hf, "mlp_only_layers", mlp_only)
+    mlp_only = {hf.whole("mlp_only_layers", i, positive=False) for i in mlp_only}
+    return dict(experts=hf.count("num_local_experts", "num_experts"),
+                experts_per_token=hf.count("num_experts_per_tok"),
+                expert_ffn=hf.count("moe_intermediate_size"),
                 norm_topk=bool(hf.get("norm_topk_prob", False)),
                 moe_layers=tuple(i for i in range(got["layers"])
                                  if i not in mlp_only and (i + 1) % step == 0))
@@ -234,9 +282,12 @@ def sigmoid_moe(hf: HfConfig, got: dict) -> dict:
     from mlp_layer_types ("sparse"; else all but the first_k_dense_replace first), E, X,
     Fe, the shared expert (num_shared_experts x Fe), the grouped sigmoid router (groups,
     kept groups, routed scale, renormalisation: default on)."""
-    layers = got["layers"]
-    mlp = hf.get("mlp_layer_types") or [
-        "dense" if i < hf.get("first_k_dense_replace", 1) else "sparse" for i in range(layers)]
+    layers, mlp = got["layers"], hf.get("mlp_layer_types")
+    if not mlp:
+        first = hf.whole("first_k_dense_replace", hf.get("first_k_dense_replace", 1),
+                         positive=False)
+        mlp = ["dense" if i < first else "sparse" for i in range(layers)]
+    _check_list(hf, "mlp_layer_types", mlp)
     unknown = sorted({str(kind) for kind in mlp if kind not in ("dense", "sparse")})
     if unknown or len(mlp) != layers:  # transformers reads any other word as "dense"
         raise ValueError(f"{hf.where}: mlp_layer_types {brief(mlp)} must hold "
@@ -245,16 +296,17 @@ def sigmoid_moe(hf: HfConfig, got: dict) -> dict:
     moe_layers = tuple(i for i, kind in enumerate(mlp) if kind == "sparse")
     if not moe_layers:
         return {}
+    expert_ffn = hf.count("moe_intermediate_size")
+    shared_key = "num_shared_experts" if "num_shared_experts" in hf.fields else "n_shared_experts"
+    shared = hf.whole(shared_key, hf.get(shared_key, 1), positive=False)
     return dict(
-        moe_layers=moe_layers, experts=hf.need("num_experts", "num_local_experts"),
-        experts_per_token=hf.need("num_experts_per_token", "num_experts_per_tok"),
-        expert_ffn=hf.need("moe_intermediate_size"),
+        moe_layers=moe_layers, experts=hf.count("num_experts", "num_local_experts"),
+        experts_per_token=hf.count("num_experts_per_token", "num_experts_per_tok"),
+        expert_ffn=expert_ffn, shared_expert_ffn=expert_ffn * shared,
         norm_topk=bool(hf.get("moe_renormalize", hf.get("norm_topk_prob", True))),
-        shared_expert_ffn=hf.need("moe_intermediate_size") * hf.get(
-            "num_shared_experts", hf.get("n_shared_experts", 1)),
         router_score="sigmoid", expert_groups=hf.get("num_expert_group", hf.get("n_group", 1)),
-        topk_groups=hf.get("topk_group") or 1,
-        routed_scale=float(hf.get("routed_scaling_factor", 2.446)))
+        topk_groups=hf.get("topk_group") or 1, routed_scale=hf.number(
+            "routed_scaling_factor", hf.get("routed_scaling_factor", 2.446)))
 
 
 # Each model type: its readers, in order (a reader may read the fields of those before it).
