@@ -4,17 +4,17 @@
 dict) and returns a `ModelConfig`'s keyword arguments; `ModelConfig.from_hf` is the entry
 point (the config then checks itself: `mk.kinds.checks`). A model type (`HF_MODEL_TYPES`,
 the keys of `FAMILIES`) is the list of readers its model is made of: `decoder` (the fields
-every model has, in its family's spelling), `dense` (the dense SwiGLU MLP), then each of its
-layer kinds: full attention (`gqa`: Qwen3; `gated_gqa`: Qwen3.5's gated output and partial
-RoPE), `mla` (Kimi Linear), `deltanet` (Qwen3.5's gated DeltaNet), `kda` (Kimi Delta
-Attention), MoE with its router (`softmax_moe`: Qwen3-MoE's spelling; `sigmoid_moe`: Kimi
-Linear's grouped sigmoid router and shared expert). A reader returns the fields its kind
-owns, read from the file (`HfConfig`: `need`, and `count`, `whole`, `number`, `table`,
-which check a value's type before a reader computes with it) and from the fields read
-before it (the layer and head counts); its errors name the file's field, its value
-(`shown`: a checkpoint is untrusted) and what was expected, and leave the fields' limits
-to the config's checks. Also here: `check_hub_name` (the model's name from
-`_name_or_path`).
+every model has, in its family's spelling), `dense` (the dense SwiGLU MLP; `no_experts`:
+Qwen3.5's text model has no other), then each of its layer kinds: full attention (`gqa`:
+Qwen3; `gated_gqa`: Qwen3.5's gated output and partial RoPE), `mla` (Kimi Linear),
+`deltanet` (Qwen3.5's gated DeltaNet), `kda` (Kimi Delta Attention), MoE with its router
+(`softmax_moe`: Qwen3-MoE's spelling; `sigmoid_moe`: Kimi Linear's grouped sigmoid router
+and shared expert). A reader returns the fields its kind owns, read from the file
+(`HfConfig`: `need`; `count`, `whole`, `number`, `table` and `listed` check a value's type
+before a reader computes with it) and from the fields read before it (the layer and head
+counts). Its errors name the file's field, its value (`shown`: a checkpoint is untrusted)
+and what was expected; the fields' limits are the config's checks. Also here:
+`check_hub_name` (the model's name from `_name_or_path`).
 
 This module imports nothing of mk but the error texts (`mk.errors`): `mk.config` imports it.
 Not here: the checks of the fields read (`mk.config.ModelConfig`, `mk.kinds.checks`), the
@@ -80,6 +80,12 @@ class HfConfig:
         value = self.fields.get(key) or {}
         if not isinstance(value, dict):
             raise ValueError(f"{self.where}: {key}={shown(value)} must be a JSON object")
+        return value
+
+    def listed(self, key: str, value):
+        """`value` (the file's `key`) after checking it is a list."""
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{self.where}: {key}={shown(value)} must be a list")
         return value
 
     def _first(self, keys) -> tuple:
@@ -192,15 +198,10 @@ def mla(hf: HfConfig, got: dict) -> dict:
 
 
 # -- Linear attention -------------------------------------------------------------------------
-def _check_list(hf: HfConfig, key: str, value) -> None:
-    if not isinstance(value, (list, tuple)):
-        raise ValueError(f"{hf.where}: {key}={shown(value)} must be a list")
-
-
 def _mixers(hf: HfConfig, kinds, layers: int) -> tuple[str, ...]:
     """transformers' per-layer mixer names -> `layer_types`."""
-    _check_list(hf, "layer_types", kinds)
-    unknown = sorted({str(kind) for kind in kinds if kind not in MIXERS})
+    unknown = sorted({str(kind) for kind in hf.listed("layer_types", kinds)
+                      if not isinstance(kind, str) or kind not in MIXERS})
     if unknown or len(kinds) != layers:
         raise ValueError(f"{hf.where}: layer_types {brief(kinds)} must hold num_hidden_layers="
                          f"{layers} of 'full_attention' / 'linear_attention' (got "
@@ -236,8 +237,7 @@ def kda(hf: HfConfig, got: dict) -> dict:
         kinds = [None] * layers
         for kind, key in (("full_attention", "full_attn_layers"),
                           ("linear_attention", "kda_layers")):
-            _check_list(hf, f"linear_attn_config.{key}", linear[key])
-            for i in linear[key]:
+            for i in hf.listed(f"linear_attn_config.{key}", linear[key]):
                 if hf.whole(f"linear_attn_config.{key}", i) > layers:
                     raise ValueError(f"{hf.where}: linear_attn_config.{key} holds layer {i}; "
                                      f"layers count from 1 to num_hidden_layers={layers}")
@@ -266,9 +266,8 @@ def softmax_moe(hf: HfConfig, got: dict) -> dict:
     """Qwen3-MoE's experts and softmax router: MoE layers every decoder_sparse_step-th
     but mlp_only_layers, E, X, Fe, top-k renormalisation (norm_topk_prob, default off)."""
     step = hf.whole("decoder_sparse_step", hf.get("decoder_sparse_step", 1) or 1)
-    mlp_only = hf.get("mlp_only_layers") or []
-    _check_list(hf, "mlp_only_layers", mlp_only)
-    mlp_only = {hf.whole("mlp_only_layers", i, positive=False) for i in mlp_only}
+    mlp_only = {hf.whole("mlp_only_layers", i, positive=False)
+                for i in hf.listed("mlp_only_layers", hf.get("mlp_only_layers") or [])}
     return dict(experts=hf.count("num_local_experts", "num_experts"),
                 experts_per_token=hf.count("num_experts_per_tok"),
                 expert_ffn=hf.count("moe_intermediate_size"),
@@ -287,8 +286,8 @@ def sigmoid_moe(hf: HfConfig, got: dict) -> dict:
         first = hf.whole("first_k_dense_replace", hf.get("first_k_dense_replace", 1),
                          positive=False)
         mlp = ["dense" if i < first else "sparse" for i in range(layers)]
-    _check_list(hf, "mlp_layer_types", mlp)
-    unknown = sorted({str(kind) for kind in mlp if kind not in ("dense", "sparse")})
+    unknown = sorted({str(kind) for kind in hf.listed("mlp_layer_types", mlp)
+                      if kind not in ("dense", "sparse")})
     if unknown or len(mlp) != layers:  # transformers reads any other word as "dense"
         raise ValueError(f"{hf.where}: mlp_layer_types {brief(mlp)} must hold "
                          f"num_hidden_layers={layers} of 'dense' / 'sparse' (got "
