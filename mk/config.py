@@ -368,8 +368,8 @@ class ModelConfig:
 
         Both spellings are accepted: older (`rope_theta`, `num_experts`) and newer
         (`rope_parameters`, `num_local_experts`). `dtype` overrides the file's dtype.
-        The model is named `name`, else after `_name_or_path` (`mk.kinds.hf.check_hub_name`: a
-        checkpoint is untrusted), else after the folder; errors echo the file's values
-        `shown` (escaped, bounded).
+        The model is named `name`, else after `_name_or_path`
+        (`mk.kinds.hf.check_hub_name`: a checkpoint is untrusted), else after the folder;
+        errors echo the file's values `shown` (escaped, bounded).
         """
         return cls(**fields_from_hf(source, name=name, dtype=dtype))
