@@ -6,8 +6,10 @@ Attention + shared-expert MoE with a grouped sigmoid router), its derived sizes 
 latent bytes per token, linear-attention state bytes per sequence; parameter counts and
 stored bytes are `mk.weights.param_count` and `mk.quant.stored_bytes`), how its weights
 are stored (`formats`, checked by `check_formats`: the one precision knob),
-`ModelConfig.from_hf` for Hugging Face `config.json` files; the argument checks several
-modules share (`positive_int`, `check_seed`, `check_rows`). Not here: the named presets
+`ModelConfig.from_hf` (the one entry point for Hugging Face `config.json` files); the
+argument checks several modules share (`positive_int`, `check_seed`, `check_rows`). Not
+here: each layer kind's checks of its fields (`mk.kinds.checks`, run on construction) and
+its Hugging Face fields (`mk.kinds.hf`, read by `from_hf`), the named presets
 (`mk.presets`), weights (`mk.checkpoint`), chips (`mk.chips`), notebook parameters
 (`mk.run`), kernel tiling (each kernel's `BlockSizes`).
 
@@ -36,15 +38,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
-import re
 from pathlib import Path
 
 import numpy as np
 
 from mk.errors import brief, shown
 from mk.kinds.checks import KIND_CHECKS, check_positive_ints
+from mk.kinds.hf import fields_from_hf
 
 # Bits per element of the dtypes weights, activations and caches are held in.
 DTYPE_BITS = {"float32": 32, "bfloat16": 16}
@@ -362,225 +363,13 @@ class ModelConfig:
     def from_hf(cls, source: str | Path | dict, *, name: str | None = None,
                 dtype: str | None = None) -> ModelConfig:
         """Read a Qwen3, Qwen3-MoE, Qwen3.5 or Kimi Linear `config.json` (a path, a folder,
-        or the parsed dict; `HF_MODEL_TYPES`).
+        or the parsed dict; `mk.kinds.hf.HF_MODEL_TYPES`), each layer kind's fields read
+        by its reader in `mk.kinds.hf`.
 
         Both spellings are accepted: older (`rope_theta`, `num_experts`) and newer
         (`rope_parameters`, `num_local_experts`). `dtype` overrides the file's dtype.
-        The model is named `name`, else after `_name_or_path` (`check_hub_name`: a
-        checkpoint is untrusted), else after the folder; errors echo the file's values
-        `shown` (escaped, bounded).
+        The model is named `name`, else after `_name_or_path`
+        (`mk.kinds.hf.check_hub_name`: a checkpoint is untrusted), else after the folder;
+        errors echo the file's values `shown` (escaped, bounded).
         """
-        return _config_from_hf(cls, source, name=name, dtype=dtype)
-
-
-def _config_from_hf(cls, source, *, name: str | None = None, dtype: str | None = None):
-    """`ModelConfig.from_hf` (`cls`): the Qwen fields here, Qwen3.5's hybrid fields
-    (`_hybrid_fields`) and Kimi Linear's (`_kimi_fields`) beside it."""
-    hf = _read_hf_dict(source)
-    if name is None and hf.get("_name_or_path"):
-        check_hub_name(hf["_name_or_path"])
-    where = name or hf.get("_name_or_path") or str(source if not isinstance(source, dict)
-                                                   else "config.json")
-    model_type = hf.get("model_type")
-    if model_type == "qwen3_5":  # a full (vision-language) checkpoint: its text model
-        if not isinstance(hf.get("text_config"), dict):
-            raise ValueError(f"{where}: model_type='qwen3_5' without a text_config")
-        hf = {"dtype": hf.get("dtype") or hf.get("torch_dtype"), **hf["text_config"]}
-        model_type = hf.get("model_type")
-    if model_type not in HF_MODEL_TYPES:
-        raise ValueError(f"{where}: model_type={shown(model_type)} is not supported; "
-                         f"expected one of {HF_MODEL_TYPES} or 'qwen3_5'")
-
-    def need(*keys):
-        for key in keys:
-            if key in hf and hf[key] is not None:
-                return hf[key]
-        raise ValueError(f"{where}: config.json has no field {' or '.join(keys)}")
-
-    if model_type == "kimi_linear":
-        return cls(name=name or Path(str(where)).name, **_kimi_fields(hf, where, need),
-                   dtype=dtype or hf.get("dtype") or hf.get("torch_dtype") or "bfloat16")
-
-    hidden, heads = need("hidden_size"), need("num_attention_heads")
-    head_dim = hf.get("head_dim")
-    if head_dim is None:
-        if hidden % heads:
-            raise ValueError(f"{where}: num_attention_heads={heads} does not divide "
-                             f"hidden_size={hidden} and no head_dim is given")
-        head_dim = hidden // heads
-    rope = hf.get("rope_parameters") or {}
-    rope_type = rope.get("rope_type", "default")
-    if rope_type != "default" or hf.get("rope_scaling"):
-        raise NotImplementedError(f"{where}: rope scaling {shown(rope_type)} / "
-                                  f"{shown(hf.get('rope_scaling'))} is not implemented")
-    if hf.get("use_sliding_window"):
-        raise NotImplementedError(f"{where}: use_sliding_window=True is not implemented")
-    if hf.get("attention_bias"):
-        raise NotImplementedError(f"{where}: attention_bias=True is not implemented")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise NotImplementedError(f"{where}: hidden_act={shown(hf['hidden_act'])}")
-    rope_theta = rope.get("rope_theta", hf.get("rope_theta"))
-    if rope_theta is None:
-        raise ValueError(f"{where}: config.json has no rope_parameters.rope_theta or "
-                         "rope_theta")
-    layers = need("num_hidden_layers")
-    max_position = need("max_position_embeddings")
-    file_dtype = hf.get("dtype") or hf.get("torch_dtype") or "bfloat16"
-    fields = dict(
-        name=name or Path(str(where)).name, vocab=need("vocab_size"), hidden=hidden,
-        layers=layers, heads=heads, kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=head_dim, ffn=need("intermediate_size"), rope_theta=float(rope_theta),
-        rms_eps=float(need("rms_norm_eps")), qk_norm=True,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        dtype=dtype or file_dtype, max_position=max_position,
-        max_context=min(4096, max_position))
-    if model_type == "qwen3_moe":
-        step = hf.get("decoder_sparse_step", 1) or 1
-        mlp_only = set(hf.get("mlp_only_layers") or [])
-        fields.update(
-            experts=need("num_local_experts", "num_experts"),
-            experts_per_token=need("num_experts_per_tok"),
-            expert_ffn=need("moe_intermediate_size"),
-            norm_topk=bool(hf.get("norm_topk_prob", False)),
-            moe_layers=tuple(i for i in range(layers)
-                             if i not in mlp_only and (i + 1) % step == 0))
-    if model_type == "qwen3_5_text":
-        fields.update(_hybrid_fields(hf, rope, layers, where, need))
-    return cls(**fields)
-
-
-HF_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_5_text", "kimi_linear")
-# A model name as config.json's `_name_or_path` may give it: a name or a hub-style
-# "org/name" of letters, digits, "_", "." and "-" (at most 96 each), no "..".
-HUB_NAME = re.compile(r"(?!.*\.\.)[\w][\w.-]{0,95}(/[\w][\w.-]{0,95})?", re.ASCII)
-
-
-def check_hub_name(value) -> str:
-    """config.json's `_name_or_path`, which names the model (`ModelConfig.name`, shown in
-    notebooks, plots and errors): raises ValueError unless it matches HUB_NAME (a
-    checkpoint is untrusted: no markup, newline, backtick or local path gets through)."""
-    if not (isinstance(value, str) and HUB_NAME.fullmatch(value)):
-        raise ValueError(f"config.json: _name_or_path={shown(value)} must be a model name "
-                         "or a hub-style 'org/name' of letters, digits, '_', '.' and '-' (at "
-                         "most 96 each); mk names the model after it: fix it or remove it")
-    return value
-
-
-def _hybrid_fields(hf: dict, rope: dict, layers: int, where, need) -> dict:
-    """The Qwen3.5 (`qwen3_5_text`) fields, as transformers' Qwen3_5TextConfig reads them."""
-    if hf.get("attn_output_gate") is False:
-        raise NotImplementedError(f"{where}: attn_output_gate=False (transformers' Qwen3.5 "
-                                  "always gates full attention)")
-    if hf.get("mlp_only_layers") or hf.get("num_experts"):
-        raise NotImplementedError(f"{where}: an MoE Qwen3.5 text config (qwen3_5_moe) is not "
-                                  "implemented")
-    kinds = hf.get("layer_types")
-    if kinds is None:
-        interval = hf.get("full_attention_interval", 4)
-        kinds = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                 for i in range(layers)]
-    short = {"full_attention": "full", "linear_attention": "linear"}
-    unknown = sorted({kind for kind in kinds if kind not in short})
-    if unknown:
-        raise ValueError(f"{where}: layer_types holds {brief(unknown)}; expected "
-                         "'full_attention' or 'linear_attention'")
-    factor = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
-    return dict(
-        layer_types=tuple(short[kind] for kind in kinds),
-        linear_key_heads=need("linear_num_key_heads"),
-        linear_value_heads=need("linear_num_value_heads"),
-        linear_key_dim=need("linear_key_head_dim"),
-        linear_value_dim=need("linear_value_head_dim"),
-        conv_kernel=need("linear_conv_kernel_dim"), attn_output_gate=True,
-        partial_rotary_factor=float(factor), norm_offset=1.0)
-
-
-def _kimi_fields(hf: dict, where, need) -> dict:
-    """The Kimi Linear (`kimi_linear`) fields but name and dtype, as transformers'
-    KimiLinearConfig reads them: its attribute names or the saved (Moonshot) ones, layer
-    kinds from layer_types / linear_attn_config / the every-4th default, MLP kinds from
-    mlp_layer_types / first_k_dense_replace."""
-    if hf.get("attention_bias") or hf.get("hidden_act", "silu") != "silu":
-        raise NotImplementedError(f"{where}: attention_bias={shown(hf.get('attention_bias'))},"
-                                  f" hidden_act={shown(hf.get('hidden_act'))} are not "
-                                  "implemented")
-    layers, heads = need("num_hidden_layers"), need("num_attention_heads")
-    if hf.get("num_key_value_heads", heads) not in (None, heads):
-        raise NotImplementedError(f"{where}: num_key_value_heads="
-                                  f"{shown(hf['num_key_value_heads'])}"
-                                  f" != num_attention_heads={heads} (transformers' MLA "
-                                  "expands the latent to every head)")
-    linear = hf.get("linear_attn_config") or {}
-    kinds = hf.get("layer_types")
-    if kinds is None and {"full_attn_layers", "kda_layers"} <= set(linear):
-        kinds = [None] * layers  # the checkpoint's lists count layers from 1
-        for kind, key in (("full_attention", "full_attn_layers"),
-                          ("linear_attention", "kda_layers")):
-            for i in linear[key]:
-                kinds[i - 1] = kind
-    if kinds is None:
-        kinds = ["full_attention" if i and i % 4 == 0 else "linear_attention"
-                 for i in range(layers)]
-    short = {"full_attention": "full", "linear_attention": "linear"}
-    unknown = sorted({str(kind) for kind in kinds if kind not in short})
-    if unknown or len(kinds) != layers:
-        raise ValueError(f"{where}: layer_types {brief(kinds)} must hold num_hidden_layers="
-                         f"{layers} of 'full_attention' / 'linear_attention' (got "
-                         f"{brief(unknown)})")
-    mlp = hf.get("mlp_layer_types") or [
-        "dense" if i < hf.get("first_k_dense_replace", 1) else "sparse" for i in range(layers)]
-    unknown = sorted({str(kind) for kind in mlp if kind not in ("dense", "sparse")})
-    if unknown or len(mlp) != layers:  # transformers reads any other word as "dense"
-        raise ValueError(f"{where}: mlp_layer_types {brief(mlp)} must hold num_hidden_layers="
-                         f"{layers} of 'dense' / 'sparse' (got {brief(unknown)})")
-    linear_heads = linear.get("num_heads", hf.get("linear_num_heads", 32))
-    linear_dim = linear.get("head_dim", hf.get("linear_head_dim", 128))
-    rope, nope = need("qk_rope_head_dim"), need("qk_nope_head_dim")
-    fields = dict(
-        vocab=need("vocab_size"), hidden=need("hidden_size"), layers=layers, heads=heads,
-        kv_heads=heads, head_dim=nope + rope, ffn=need("intermediate_size"), qk_norm=False,
-        # transformers never ties Kimi Linear's lm_head (its _tied_weights_keys is empty).
-        rms_eps=float(need("rms_norm_eps")), tie_embeddings=False,
-        max_position=need("model_max_length", "max_position_embeddings"),
-        layer_types=tuple(short[kind] for kind in kinds), latent_rank=need("kv_lora_rank"),
-        q_rank=hf.get("q_lora_rank") or 0, rope_dim=rope, value_dim=need("v_head_dim"))
-    fields["max_context"] = min(4096, fields["max_position"])
-    if "linear" in fields["layer_types"]:
-        fields.update(linear_key_heads=linear_heads, linear_value_heads=linear_heads,
-                      linear_key_dim=linear_dim, linear_value_dim=linear_dim,
-                      conv_kernel=linear.get("short_conv_kernel_size",
-                                             hf.get("linear_conv_kernel_dim", 4)),
-                      channel_decay=True)
-    moe_layers = tuple(i for i, kind in enumerate(mlp) if kind == "sparse")
-    if moe_layers:
-        fields.update(
-            moe_layers=moe_layers, experts=need("num_experts", "num_local_experts"),
-            experts_per_token=need("num_experts_per_token", "num_experts_per_tok"),
-            expert_ffn=need("moe_intermediate_size"),
-            norm_topk=bool(hf.get("moe_renormalize", hf.get("norm_topk_prob", True))),
-            shared_expert_ffn=need("moe_intermediate_size") * hf.get(
-                "num_shared_experts", hf.get("n_shared_experts", 1)),
-            router_score="sigmoid", expert_groups=hf.get("num_expert_group",
-                                                         hf.get("n_group", 1)),
-            topk_groups=hf.get("topk_group") or 1,
-            routed_scale=float(hf.get("routed_scaling_factor", 2.446)))
-    return fields
-
-
-def _read_hf_dict(source) -> dict:
-    if isinstance(source, dict):
-        return source
-    path = Path(source)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"no Hugging Face config.json at {path}")
-    try:
-        hf = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path}: not a JSON config.json ({type(err).__name__}: "
-                         f"{str(err)[:200]})") from None
-    if not isinstance(hf, dict):
-        raise ValueError(f"{path}: config.json holds a {type(hf).__name__}; expected a JSON "
-                         "object of model fields")
-    return hf
+        return cls(**fields_from_hf(source, name=name, dtype=dtype))

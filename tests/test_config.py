@@ -1,6 +1,7 @@
 """mk.config: presets, validation, derived sizes and Hugging Face config parsing."""
 
 import dataclasses
+import re
 
 import pytest
 
@@ -140,3 +141,76 @@ def test_from_hf_rejects_what_the_reference_does_not_implement():
     with pytest.raises(NotImplementedError, match="rope scaling"):
         ModelConfig.from_hf(_hf_qwen3(rope_parameters={"rope_theta": 1e6,
                                                        "rope_type": "yarn"}))
+
+
+def _hf_kimi(**extra) -> dict:
+    d = dict(model_type="kimi_linear", vocab_size=512, hidden_size=256, intermediate_size=512,
+             moe_intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
+             kv_lora_rank=128, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+             num_experts=8, num_experts_per_token=2, rms_norm_eps=1e-6, model_max_length=4096)
+    d.update(extra)
+    return d
+
+
+@pytest.mark.parametrize("field", ["hidden_size", "num_hidden_layers", "num_attention_heads"])
+@pytest.mark.parametrize("value", [0, "x", True, pytest.param(
+    "<b>\n```{include} /etc/os-release\n```", id="markup")])
+def test_from_hf_counts_the_readers_compute_with_are_checked_by_their_file_name(field, value):
+    """Every family's layer count, width and heads: a ValueError naming config.json's field
+    and its value, escaped (not a TypeError, a ZeroDivisionError or a raw echo later)."""
+    for hf in (_hf_qwen3(), _hf_kimi()):
+        with pytest.raises(ValueError, match=f"{field}=.* must be a positive integer") as err:
+            ModelConfig.from_hf(hf | {field: value})
+        assert "\n" not in str(err.value)
+
+
+def test_from_hf_layer_types_name_the_layer_count_in_every_family():
+    qwen3_5 = _hf_qwen3(model_type="qwen3_5_text", num_hidden_layers=3,
+                        layer_types=["linear_attention", "full_attention"],
+                        linear_num_key_heads=1, linear_num_value_heads=2,
+                        linear_key_head_dim=64, linear_value_head_dim=64,
+                        linear_conv_kernel_dim=4)
+    for hf in (qwen3_5, _hf_kimi(num_hidden_layers=3)):
+        with pytest.raises(ValueError, match=r"layer_types .* must hold num_hidden_layers=3 of "
+                                             "'full_attention' / 'linear_attention'"):
+            ModelConfig.from_hf(hf | {"layer_types": ["linear_attention", "full_attention"]})
+    assert ModelConfig.from_hf(qwen3_5 | {"num_hidden_layers": 2}).layer_types == (
+        "linear", "full")
+
+
+def _hf_qwen3_5(**extra) -> dict:
+    return _hf_qwen3(model_type="qwen3_5_text", linear_num_key_heads=1,
+                     linear_num_value_heads=2, linear_key_head_dim=64, linear_value_head_dim=64,
+                     linear_conv_kernel_dim=4, **extra)
+
+
+MOE = dict(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2,
+           moe_intermediate_size=128)
+# (config.json, field, value): each raised a TypeError, AttributeError, IndexError or
+# ZeroDivisionError naming no field before the readers checked their fields.
+MALFORMED = {
+    "rope_parameters": (_hf_qwen3(), "rope_parameters", 1),
+    "rms_norm_eps": (_hf_qwen3(), "rms_norm_eps", []),
+    "mlp_only_layers": (_hf_qwen3(**MOE), "mlp_only_layers", 1),
+    "decoder_sparse_step": (_hf_qwen3(**MOE), "decoder_sparse_step", "x"),
+    "full_attention_interval": (_hf_qwen3_5(), "full_attention_interval", 0),
+    "partial_rotary_factor": (_hf_qwen3_5(), "partial_rotary_factor", [1]),
+    "kimi layer_types": (_hf_kimi(), "layer_types", 1),
+    "linear_attn_config": (_hf_kimi(), "linear_attn_config", "x"),
+    "full_attn_layers": (_hf_kimi(), "linear_attn_config.full_attn_layers", [99]),
+    "first_k_dense_replace": (_hf_kimi(), "first_k_dense_replace", "x"),
+    "qk_rope_head_dim": (_hf_kimi(), "qk_rope_head_dim", "x"),
+    "routed_scaling_factor": (_hf_kimi(), "routed_scaling_factor", {}),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_from_hf_names_a_malformed_field_instead_of_crashing(case):
+    hf, field, value = MALFORMED[case]
+    if field.startswith("linear_attn_config."):
+        hf = hf | {"layer_types": None, "linear_attn_config": {
+            "full_attn_layers": value, "kda_layers": [1, 2, 3]}}
+    else:
+        hf = hf | {field: value}
+    with pytest.raises(ValueError, match=re.escape(field)):
+        ModelConfig.from_hf(hf)

@@ -14,6 +14,9 @@ itself, and the rooms that run a model loop over the kinds it has.
                             a layer's kinds and rows, the kernel's per-layer tables
     mk.kinds.checks         each kind's checks of a `mk.config.ModelConfig` (run by the
                             config on construction; this module imports no kernel)
+    mk.kinds.hf             each kind's reader of its fields from a Hugging Face
+                            config.json, a model type's list of readers (`FAMILIES`, read
+                            by `ModelConfig.from_hf`; this module imports no kernel)
 
 Who asks the kinds: the whole-model kernel (`mk.megakernel`: operands, preparation,
 fetches, start and finish), `mk.kernels.one_layer.layer_body` (each layer's phases and
@@ -25,7 +28,10 @@ How to add a layer kind (e.g. gpt-oss's sliding-window attention with sinks):
    family, ring/dma path, split, format group, Hugging Face names), its layers' field in
    `mk.weights.KIND_LAYERS`, and the rule that selects it in `mk.weights.kinds_of`.
 2. Its config fields on `mk.config.ModelConfig` and their check in `mk.kinds.checks`
-   (`KIND_CHECKS`); its Hugging Face fields in `mk.config.ModelConfig.from_hf`.
+   (`KIND_CHECKS`); its Hugging Face fields: a reader in `mk.kinds.hf` (a function of the
+   file and the fields read before it, returning the kind's fields), listed in
+   `mk.kinds.hf.FAMILIES` under each model type that has the kind (a new model type is a
+   new entry there: `HF_MODEL_TYPES` follows).
 3. Its reference math in `mk.reference` (the oracle every kernel is compared with).
 4. Its kernel body in `mk.kernels` (a module of its own, as `mk.kernels.mla`), and its
    class here: a `Kind` subclass (a variant of an existing kind subclasses it and

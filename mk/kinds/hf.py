@@ -1,0 +1,377 @@
+"""Hugging Face `config.json` -> the fields of a `mk.config.ModelConfig`, kind by kind.
+
+`fields_from_hf(source, name=, dtype=)` reads a config.json (a path, a folder or the parsed
+dict) and returns a `ModelConfig`'s keyword arguments; `ModelConfig.from_hf` is the entry
+point (the config then checks itself: `mk.kinds.checks`). A model type (`HF_MODEL_TYPES`,
+the keys of `FAMILIES`) is the list of readers its model is made of: `decoder` (the fields
+every model has, in its family's spelling), `dense` (the dense SwiGLU MLP; `no_experts`:
+Qwen3.5's text model has no other), then each of its layer kinds: full attention (`gqa`:
+Qwen3; `gated_gqa`: Qwen3.5's gated output and partial RoPE), `mla` (Kimi Linear),
+`deltanet` (Qwen3.5's gated DeltaNet), `kda` (Kimi Delta Attention), MoE with its router
+(`softmax_moe`: Qwen3-MoE's spelling; `sigmoid_moe`: Kimi Linear's grouped sigmoid router
+and shared expert). A reader returns the fields its kind owns, read from the file
+(`HfConfig`: `need`; `count`, `whole`, `number`, `table` and `listed` check a value's type
+before a reader computes with it) and from the fields read before it (the layer and head
+counts). Its errors name the file's field, its value (`shown`: a checkpoint is untrusted)
+and what was expected; the fields' limits are the config's checks. Also here:
+`check_hub_name` (the model's name from `_name_or_path`).
+
+This module imports nothing of mk but the error texts (`mk.errors`): `mk.config` imports it.
+Not here: the checks of the fields read (`mk.config.ModelConfig`, `mk.kinds.checks`), the
+weights' Hugging Face names (`mk.weights`), reading tensors (`mk.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import numbers
+import re
+from pathlib import Path
+
+from mk.errors import brief, shown
+
+# transformers' names of the token mixers -> mk's (`mk.config.LAYER_TYPES`).
+MIXERS = {"full_attention": "full", "linear_attention": "linear"}
+# A model name as config.json's `_name_or_path` may give it: a name or a hub-style
+# "org/name" of letters, digits, "_", "." and "-" (at most 96 each), no "..".
+HUB_NAME = re.compile(r"(?!.*\.\.)[\w][\w.-]{0,95}(/[\w][\w.-]{0,95})?", re.ASCII)
+
+
+@dataclasses.dataclass(frozen=True)
+class HfConfig:
+    """A config.json's fields, and what errors call it (`where`)."""
+
+    fields: dict
+    where: str
+
+    def get(self, key, default=None):
+        return self.fields.get(key, default)
+
+    def need(self, *keys):
+        """The value of the first of `keys` the file sets (not null); raises ValueError
+        naming them all when it sets none."""
+        return self._first(keys)[1]
+
+    def count(self, *keys):
+        """`need(*keys)`, a whole number >= 1 (`whole`)."""
+        return self.whole(*self._first(keys))
+
+    def whole(self, key: str, value, positive: bool = True):
+        """`value` (the file's `key`) after checking it is a whole number >= 1 (>= 0 unless
+        `positive`): the sizes and layer counts readers and checks compute with."""
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
+                or value < positive:
+            raise ValueError(f"{self.where}: {key}={shown(value)} must be a "
+                             f"{'positive' if positive else 'non-negative'} integer")
+        return value
+
+    def number(self, key: str, value) -> float:
+        """`value` (the file's `key`) as a float; raises ValueError naming it when it is
+        not a number."""
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{self.where}: {key}={shown(value)} must be a number") from None
+
+    def table(self, key: str) -> dict:
+        """The file's `key`, a JSON object ({} when absent or null)."""
+        value = self.fields.get(key) or {}
+        if not isinstance(value, dict):
+            raise ValueError(f"{self.where}: {key}={shown(value)} must be a JSON object")
+        return value
+
+    def listed(self, key: str, value):
+        """`value` (the file's `key`) after checking it is a list."""
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{self.where}: {key}={shown(value)} must be a list")
+        return value
+
+    def _first(self, keys) -> tuple:
+        for key in keys:
+            if self.fields.get(key) is not None:
+                return key, self.fields[key]
+        raise ValueError(f"{self.where}: config.json has no field {' or '.join(keys)}")
+
+
+# -- The fields every model has -------------------------------------------------------------
+def decoder(hf: HfConfig, got: dict, *, max_position=("max_position_embeddings",),
+            ties: bool = True, norm_offset: float = 0.0) -> dict:
+    """Vocabulary, width, depth, query heads, RMSNorm (its eps; `norm_offset` 1 scales by
+    1 + weight, Qwen3.5), the longest position (the first of `max_position` the file
+    sets) and the default context (min(4096, it)), tied embeddings (`ties`: read from
+    tie_word_embeddings; False: transformers never ties, as Kimi Linear's lm_head). Every
+    MLP (dense, expert, shared) is SwiGLU: hidden_act must be silu."""
+    if hf.get("hidden_act", "silu") != "silu":
+        raise NotImplementedError(f"{hf.where}: hidden_act={shown(hf.get('hidden_act'))} is "
+                                  "not implemented (every MLP is SwiGLU: 'silu')")
+    fields = dict(vocab=hf.count("vocab_size"), hidden=hf.count("hidden_size"),
+                  layers=hf.count("num_hidden_layers"), heads=hf.count("num_attention_heads"),
+                  rms_eps=hf.number("rms_norm_eps", hf.need("rms_norm_eps")),
+                  max_position=hf.count(*max_position),
+                  tie_embeddings=bool(hf.get("tie_word_embeddings", False)) and ties)
+    if norm_offset:
+        fields["norm_offset"] = norm_offset
+    return fields | dict(max_context=min(4096, fields["max_position"]))
+
+
+def dense(hf: HfConfig, got: dict) -> dict:
+    """The dense SwiGLU MLP's width (every family's; its dense layers are the ones
+    `moe_layers` leaves)."""
+    return dict(ffn=hf.count("intermediate_size"))
+
+
+def no_experts(hf: HfConfig, got: dict) -> dict:
+    """Qwen3.5's text model: every MLP is dense (its MoE variant is qwen3_5_moe)."""
+    if hf.get("mlp_only_layers") or hf.get("num_experts"):
+        raise NotImplementedError(f"{hf.where}: an MoE Qwen3.5 text config (qwen3_5_moe) is "
+                                  "not implemented")
+    return {}
+
+
+# -- Full attention ---------------------------------------------------------------------------
+def _refuse_attention_bias(hf: HfConfig) -> None:
+    if hf.get("attention_bias"):
+        raise NotImplementedError(f"{hf.where}: attention_bias="
+                                  f"{shown(hf.get('attention_bias'))} is not implemented")
+
+
+def gqa(hf: HfConfig, got: dict) -> dict:
+    """Grouped-query attention (Qwen3): kv heads, head dim (else hidden / heads), RoPE of
+    the default type (rope_parameters.rope_theta or rope_theta), QK-norm; no sliding
+    window, no bias."""
+    hidden, heads = got["hidden"], got["heads"]
+    head_dim = hf.get("head_dim")
+    if head_dim is not None:
+        hf.whole("head_dim", head_dim)
+    else:
+        if hidden % heads:
+            raise ValueError(f"{hf.where}: num_attention_heads={heads} does not divide "
+                             f"hidden_size={hidden} and no head_dim is given")
+        head_dim = hidden // heads
+    rope = hf.table("rope_parameters")
+    rope_type = rope.get("rope_type", "default")
+    if rope_type != "default" or hf.get("rope_scaling"):
+        raise NotImplementedError(f"{hf.where}: rope scaling {shown(rope_type)} / "
+                                  f"{shown(hf.get('rope_scaling'))} is not implemented")
+    if hf.get("use_sliding_window"):
+        raise NotImplementedError(f"{hf.where}: use_sliding_window=True is not implemented")
+    _refuse_attention_bias(hf)
+    rope_theta = rope.get("rope_theta", hf.get("rope_theta"))
+    if rope_theta is None:
+        raise ValueError(f"{hf.where}: config.json has no rope_parameters.rope_theta or "
+                         "rope_theta")
+    kv_heads = hf.whole("num_key_value_heads", hf.get("num_key_value_heads") or heads)
+    return dict(kv_heads=kv_heads, head_dim=head_dim, qk_norm=True,
+                rope_theta=hf.number("rope_theta", rope_theta))
+
+
+def gated_gqa(hf: HfConfig, got: dict) -> dict:
+    """Qwen3.5's full attention, as transformers' Qwen3_5TextConfig reads it: `gqa`, its
+    output times sigmoid(h @ wq_gate) (always: attn_output_gate=False is refused), RoPE
+    on the first partial_rotary_factor of each head (default 0.25)."""
+    if hf.get("attn_output_gate") is False:
+        raise NotImplementedError(f"{hf.where}: attn_output_gate=False (transformers' Qwen3.5 "
+                                  "always gates full attention)")
+    factor = hf.table("rope_parameters").get("partial_rotary_factor",
+                                             hf.get("partial_rotary_factor", 0.25))
+    return gqa(hf, got) | dict(attn_output_gate=True, partial_rotary_factor=hf.number(
+        "partial_rotary_factor", factor))
+
+
+def mla(hf: HfConfig, got: dict) -> dict:
+    """Multi-head latent attention (Kimi Linear; transformers' MLA has no RoPE and no
+    QK-norm): kv heads = heads (the latent expands to every head), H = Hn + Hr, the
+    latent rank R, the query rank Rq (0: none), Ho."""
+    _refuse_attention_bias(hf)
+    heads = got["heads"]
+    if hf.get("num_key_value_heads", heads) not in (None, heads):
+        raise NotImplementedError(f"{hf.where}: num_key_value_heads="
+                                  f"{shown(hf.get('num_key_value_heads'))}"
+                                  f" != num_attention_heads={heads} (transformers' MLA "
+                                  "expands the latent to every head)")
+    rope, nope = hf.count("qk_rope_head_dim"), hf.count("qk_nope_head_dim")
+    return dict(kv_heads=heads, head_dim=nope + rope, qk_norm=False,
+                latent_rank=hf.count("kv_lora_rank"), q_rank=hf.get("q_lora_rank") or 0,
+                rope_dim=rope, value_dim=hf.count("v_head_dim"))
+
+
+# -- Linear attention -------------------------------------------------------------------------
+def _mixers(hf: HfConfig, kinds, layers: int) -> tuple[str, ...]:
+    """transformers' per-layer mixer names -> `layer_types`."""
+    unknown = sorted({str(kind) for kind in hf.listed("layer_types", kinds)
+                      if not isinstance(kind, str) or kind not in MIXERS})
+    if unknown or len(kinds) != layers:
+        raise ValueError(f"{hf.where}: layer_types {brief(kinds)} must hold num_hidden_layers="
+                         f"{layers} of 'full_attention' / 'linear_attention' (got "
+                         f"{brief(unknown)})")
+    return tuple(MIXERS[kind] for kind in kinds)
+
+
+def deltanet(hf: HfConfig, got: dict) -> dict:
+    """Qwen3.5's gated DeltaNet: which layers are linear (layer_types, else all but every
+    full_attention_interval-th, default 4) and their heads, head dims and conv width."""
+    layers, kinds = got["layers"], hf.get("layer_types")
+    if kinds is None:
+        interval = hf.whole("full_attention_interval", hf.get("full_attention_interval", 4))
+        kinds = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                 for i in range(layers)]
+    return dict(layer_types=_mixers(hf, kinds, layers),
+                linear_key_heads=hf.count("linear_num_key_heads"),
+                linear_value_heads=hf.count("linear_num_value_heads"),
+                linear_key_dim=hf.count("linear_key_head_dim"),
+                linear_value_dim=hf.count("linear_value_head_dim"),
+                conv_kernel=hf.count("linear_conv_kernel_dim"))
+
+
+def kda(hf: HfConfig, got: dict) -> dict:
+    """Kimi Delta Attention, as transformers' KimiLinearConfig reads it (its attribute
+    names or the saved Moonshot ones): which layers are linear (layer_types, else
+    linear_attn_config's 1-indexed full_attn_layers / kda_layers, else all but layer 0
+    and every 4th), and their heads (as many key as value heads), head dim and conv
+    width."""
+    layers, kinds = got["layers"], hf.get("layer_types")
+    linear = hf.table("linear_attn_config")
+    if kinds is None and {"full_attn_layers", "kda_layers"} <= set(linear):
+        kinds = [None] * layers
+        for kind, key in (("full_attention", "full_attn_layers"),
+                          ("linear_attention", "kda_layers")):
+            for i in hf.listed(f"linear_attn_config.{key}", linear[key]):
+                if hf.whole(f"linear_attn_config.{key}", i) > layers:
+                    raise ValueError(f"{hf.where}: linear_attn_config.{key} holds layer {i}; "
+                                     f"layers count from 1 to num_hidden_layers={layers}")
+                kinds[i - 1] = kind
+    if kinds is None:
+        kinds = ["full_attention" if i and i % 4 == 0 else "linear_attention"
+                 for i in range(layers)]
+    layer_types = _mixers(hf, kinds, layers)
+    if "linear" not in layer_types:
+        return dict(layer_types=layer_types)
+
+    def size(key, flat_key, default):  # linear_attn_config's, else the flat attribute's
+        if key in linear:
+            return hf.whole(f"linear_attn_config.{key}", linear[key])
+        return hf.whole(flat_key, hf.get(flat_key, default))
+
+    heads = size("num_heads", "linear_num_heads", 32)
+    dim = size("head_dim", "linear_head_dim", 128)
+    return dict(layer_types=layer_types, linear_key_heads=heads, linear_value_heads=heads,
+                linear_key_dim=dim, linear_value_dim=dim, channel_decay=True,
+                conv_kernel=size("short_conv_kernel_size", "linear_conv_kernel_dim", 4))
+
+
+# -- Mixture of experts -----------------------------------------------------------------------
+def softmax_moe(hf: HfConfig, got: dict) -> dict:
+    """Qwen3-MoE's experts and softmax router: MoE layers every decoder_sparse_step-th
+    but mlp_only_layers, E, X, Fe, top-k renormalisation (norm_topk_prob, default off)."""
+    step = hf.whole("decoder_sparse_step", hf.get("decoder_sparse_step", 1) or 1)
+    mlp_only = {hf.whole("mlp_only_layers", i, positive=False)
+                for i in hf.listed("mlp_only_layers", hf.get("mlp_only_layers") or [])}
+    return dict(experts=hf.count("num_local_experts", "num_experts"),
+                experts_per_token=hf.count("num_experts_per_tok"),
+                expert_ffn=hf.count("moe_intermediate_size"),
+                norm_topk=bool(hf.get("norm_topk_prob", False)),
+                moe_layers=tuple(i for i in range(got["layers"])
+                                 if i not in mlp_only and (i + 1) % step == 0))
+
+
+def sigmoid_moe(hf: HfConfig, got: dict) -> dict:
+    """Kimi Linear's experts, as transformers' KimiLinearConfig reads them: MoE layers
+    from mlp_layer_types ("sparse"; else all but the first_k_dense_replace first), E, X,
+    Fe, the shared expert (num_shared_experts x Fe), the grouped sigmoid router (groups,
+    kept groups, routed scale, renormalisation: default on)."""
+    layers, mlp = got["layers"], hf.get("mlp_layer_types")
+    if not mlp:
+        first = hf.whole("first_k_dense_replace", hf.get("first_k_dense_replace", 1),
+                         positive=False)
+        mlp = ["dense" if i < first else "sparse" for i in range(layers)]
+    unknown = sorted({str(kind) for kind in hf.listed("mlp_layer_types", mlp)
+                      if kind not in ("dense", "sparse")})
+    if unknown or len(mlp) != layers:  # transformers reads any other word as "dense"
+        raise ValueError(f"{hf.where}: mlp_layer_types {brief(mlp)} must hold "
+                         f"num_hidden_layers={layers} of 'dense' / 'sparse' (got "
+                         f"{brief(unknown)})")
+    moe_layers = tuple(i for i, kind in enumerate(mlp) if kind == "sparse")
+    if not moe_layers:
+        return {}
+    expert_ffn = hf.count("moe_intermediate_size")
+    shared_key = "num_shared_experts" if "num_shared_experts" in hf.fields else "n_shared_experts"
+    shared = hf.whole(shared_key, hf.get(shared_key, 1), positive=False)
+    return dict(
+        moe_layers=moe_layers, experts=hf.count("num_experts", "num_local_experts"),
+        experts_per_token=hf.count("num_experts_per_token", "num_experts_per_tok"),
+        expert_ffn=expert_ffn, shared_expert_ffn=expert_ffn * shared,
+        norm_topk=bool(hf.get("moe_renormalize", hf.get("norm_topk_prob", True))),
+        router_score="sigmoid", expert_groups=hf.get("num_expert_group", hf.get("n_group", 1)),
+        topk_groups=hf.get("topk_group") or 1, routed_scale=hf.number(
+            "routed_scaling_factor", hf.get("routed_scaling_factor", 2.446)))
+
+
+# Each model type: its readers, in order (a reader may read the fields of those before it).
+FAMILIES = {
+    "qwen3": (decoder, dense, gqa),
+    "qwen3_moe": (decoder, dense, gqa, softmax_moe),
+    "qwen3_5_text": (functools.partial(decoder, norm_offset=1.0), dense, no_experts,
+                     gated_gqa, deltanet),
+    "kimi_linear": (functools.partial(decoder, ties=False, max_position=(
+        "model_max_length", "max_position_embeddings")), dense, mla, kda, sigmoid_moe),
+}
+HF_MODEL_TYPES = tuple(FAMILIES)
+
+
+def fields_from_hf(source, *, name: str | None = None, dtype: str | None = None) -> dict:
+    """`ModelConfig.from_hf`'s fields: read `source` (a config.json path, its folder or
+    the parsed dict), name the model (`name`, else `_name_or_path` checked by
+    `check_hub_name`, else the file's folder), unwrap a full qwen3_5 (vision-language)
+    config to its text model, run the model type's readers; `dtype` overrides the file's."""
+    raw = _read_json(source)
+    if name is None and raw.get("_name_or_path"):
+        check_hub_name(raw["_name_or_path"])
+    where = name or raw.get("_name_or_path") or str(source if not isinstance(source, dict)
+                                                    else "config.json")
+    model_type = raw.get("model_type")
+    if model_type == "qwen3_5":  # a full (vision-language) checkpoint: its text model
+        if not isinstance(raw.get("text_config"), dict):
+            raise ValueError(f"{where}: model_type='qwen3_5' without a text_config")
+        raw = {"dtype": raw.get("dtype") or raw.get("torch_dtype"), **raw["text_config"]}
+        model_type = raw.get("model_type")
+    if model_type not in HF_MODEL_TYPES:
+        raise ValueError(f"{where}: model_type={shown(model_type)} is not supported; "
+                         f"expected one of {HF_MODEL_TYPES} or 'qwen3_5'")
+    hf = HfConfig(raw, where)
+    fields = dict(name=name or Path(str(where)).name,
+                  dtype=dtype or raw.get("dtype") or raw.get("torch_dtype") or "bfloat16")
+    for reader in FAMILIES[model_type]:
+        fields |= reader(hf, fields)
+    return fields
+
+
+def check_hub_name(value) -> str:
+    """config.json's `_name_or_path`, which names the model (`ModelConfig.name`, shown in
+    notebooks, plots and errors): raises ValueError unless it matches HUB_NAME (a
+    checkpoint is untrusted: no markup, newline, backtick or local path gets through)."""
+    if not (isinstance(value, str) and HUB_NAME.fullmatch(value)):
+        raise ValueError(f"config.json: _name_or_path={shown(value)} must be a model name "
+                         "or a hub-style 'org/name' of letters, digits, '_', '.' and '-' (at "
+                         "most 96 each); mk names the model after it: fix it or remove it")
+    return value
+
+
+def _read_json(source) -> dict:
+    if isinstance(source, dict):
+        return source
+    path = Path(source)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no Hugging Face config.json at {path}")
+    try:
+        hf = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not a JSON config.json ({type(err).__name__}: "
+                         f"{str(err)[:200]})") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{path}: config.json holds a {type(hf).__name__}; expected a JSON "
+                         "object of model fields")
+    return hf
