@@ -302,16 +302,18 @@ teach.excerpt(megakernel_module.megakernel_kernel, [
 ])
 
 # %% [markdown]
-# Inside the loop, `layer_body` (05) names each of its phases with `phase(name)`, a
-# `jax.named_scope` that also checks the order against `LAYER_PHASES` (the simulator
-# replays that list, so the kernel and the model cannot drift apart):
+# Inside the loop, `layer_body` (05) runs the phases of `LAYER_PHASES` in order, each under
+# a `jax.named_scope` of its name, and in each phase every layer kind's part (`mk.kinds`:
+# attention, a linear mixer, the dense MLP or the experts). The simulator replays the same
+# list with each kind's twin, so the kernel and the model cannot drift apart:
 
 # %%
 teach.excerpt(one_layer_module.layer_body, [
-    ('with phase("linear")', 'mixer("full", attend_cache)',
-     "The token mixer: a linear layer's phase, or the full layer's prologue and attend."),
-    ('with phase("mlp_norm")', 'x = residual(x, s.mlp_out[...])',
-     "The residual add, the MLP and its all-reduce: each its own scope."),
+    ("for name in LAYER_PHASES:", "_when(on, lambda kind=kind, name=name: kind.run(k, name))",
+     "Each phase its own scope: a kind runs its part in its own layers and, in a layer of "
+     "another kind, skips its region of the weight stream."),
+    ('if name == "attn_all_reduce"', "x = residual(x, s.mlp_out[...])",
+     "The layer's own phases: the all-reduces, the residual adds and the MLP's norm."),
 ])
 
 # %% [markdown]
