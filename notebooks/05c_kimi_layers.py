@@ -95,6 +95,7 @@ from mk.kernels.plan import DecodePlan
 import mk.run
 from mk import course, linear_attention, megakernel, ops, plots, reference
 from mk.kernels import decode_attention, deltanet, mla, mlp
+from mk.kernels import routing as routing_module
 from mk.kernels.common import BlockSizes
 
 mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
@@ -285,11 +286,11 @@ print(f"races found: {kda_races}; wall {kda_seconds:.2f} s on {mode}"
 # The router scores are sigmoids; a per-expert bias shifts the choice (not the weights);
 # the choice keeps the `topk_groups` expert groups whose two best biased scores sum
 # highest; the weights are renormalised and scaled. A shared expert, a SwiGLU every row
-# runs, is added. In the kernel (`mk.kernels.mlp.Routing`) the group choice is a few
+# runs, is added. In the kernel (`mk.kernels.routing.Routing`) the group choice is a few
 # rounds of row maxima, as stage 04's top-k is:
 
 # %%
-plots.show_source(mlp.kept_groups)
+plots.show_source(routing_module.kept_groups)
 
 # %% [markdown]
 # The shared expert's segments come before the expert slots in the stream: their
@@ -302,7 +303,7 @@ _, row = config.mlp_index(moe_layer)
 h_moe = jax.random.normal(keys[4], (B * T, config.hidden))
 experts = [params[n][row] for n in mlp.EXPERT_WEIGHTS]
 shared = [params[n][row] for n in mlp.SHARED_WEIGHTS]
-routing = mlp.Routing.of(config)
+routing = routing_module.Routing.of(config)
 weights, chosen = ops.route_grouped(
     h_moe, params["router"][row], params["router_bias"][row], routing.top_k,
     routing.expert_groups, routing.topk_groups, routing.renormalise, routing.routed_scale)

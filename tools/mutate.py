@@ -122,7 +122,7 @@ MUTANTS = [
     _m("short write-back window (one sublane tile short)", DA,
        "return min(kv_tile, _round_up(rows - 1, sub) + sub)",
        "return min(kv_tile, _round_up(rows, sub))", T_DA),
-    _m("MoE renormalisation inverted", "mk/kernels/mlp.py",
+    _m("MoE renormalisation inverted", "mk/kernels/routing.py",
        "    if routing.renormalise:\n        total",
        "    if not routing.renormalise:\n        total",
        "tests/kernels/test_mlp.py"),

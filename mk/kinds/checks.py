@@ -32,7 +32,7 @@ def check_positive_ints(c, fields, context: str = "") -> None:
 
 def check_routing(where: str, *, router_score, expert_groups, topk_groups, routed_scale,
                   experts: int | None = None, top_k: int | None = None) -> None:
-    """A MoE router's settings (ModelConfig's fields, and `mk.kernels.mlp.Routing`'s):
+    """A MoE router's settings (ModelConfig's fields, and `mk.kernels.routing.Routing`'s):
     raises ValueError naming the field, prefixed by `where`. Without `experts` only each
     field's own type and value are checked; with it (and top_k), their agreement: the
     softmax router has no groups or scale, the sigmoid router's groups split the experts

@@ -18,9 +18,10 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mk.config import DTYPE_BITS
 from mk.kernels.common import Buffer, padded_width, start_dma
-from mk.kernels.mlp import (DENSE_WEIGHTS, EXPERT_WEIGHTS, MOE_SMALL_LOADS, SHARED_WEIGHTS,
-                            Routing, expert_slots, moe_body, moe_fetch, moe_segments,
+from mk.kernels.mlp import (DENSE_WEIGHTS, EXPERT_WEIGHTS, MOE_SMALL_LOADS,
+                            SHARED_WEIGHTS, expert_slots, moe_body, moe_fetch, moe_segments,
                             small_sem, swiglu_body, swiglu_fetch, swiglu_segments)
+from mk.kernels.routing import Routing
 from mk.kinds.base import Kind, Step, Twin
 from mk.weights import param_shapes
 

@@ -27,6 +27,7 @@ from jax.experimental.pallas import tpu as pltpu
 import mk
 from mk import backend, ops, quant, tpu
 from mk.kernels import mlp
+from mk.kernels.routing import Routing
 from mk.kernels.common import BlockSizes, vmem_budget
 from mk.kernels.ring import Ring, TileStream, ring_layout
 from mk.kernels.weight_streaming import stage_block
@@ -236,7 +237,7 @@ def _fused_kernel(h_vmem, w_pre_hbm, router_hbm, we_gate_hbm, we_up_hbm, we_down
         loaded_smem[layer] = mlp.moe_body(
             ring, layer, h_vmem, router_vmem, combine_vmem, selected_vmem, selected_smem,
             small_sems.at[1], ids_smem, count_smem, gate_vmem, up_vmem, down_vmem,
-            moe_vmem.at[layer], routing=mlp.Routing(top_k, renormalise))
+            moe_vmem.at[layer], routing=Routing(top_k, renormalise))
         ring.matmul("w_post", moe_vmem.at[layer], post_vmem.at[layer], layer=layer)
         return carry
 

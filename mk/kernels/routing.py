@@ -1,0 +1,120 @@
+"""The MoE router inside a kernel: `Routing` (how a layer picks and weighs its experts) and
+`route_body`, the first of the MoE block's four steps (`mk.kernels.mlp`): logits = h @
+router [D, E] in f32, softmax (Qwen3-MoE) or sigmoid plus a choice bias within the best
+expert groups (`kept_groups`: DeepSeek-V3 / Kimi), top-k by k rounds of (row max, lowest
+lane holding it) so ties go to the lower expert id, the weights renormalised and scaled as
+asked. Its numerics are `mk.ops.route` / `mk.ops.route_grouped`'s. Not here: turning the
+selected flags into expert slots and streaming them (`mk.kernels.mlp.select_experts`,
+`experts_body`), the router's DMA (`mk.kinds.mlp.MoE`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from mk.kinds.checks import check_routing
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """How a MoE layer picks and weighs its top_k experts (`mk.reference.mlp_block`); the
+    fields after renormalise are ModelConfig's of the same names.
+
+    router_score "softmax" (Qwen3-MoE, `mk.ops.route`): softmax probabilities, the
+    top_k picked, renormalised if asked. "sigmoid" (DeepSeek-V3 / Kimi,
+    `mk.ops.route_grouped`): sigmoid scores; the choice adds a per-expert bias and
+    keeps the topk_groups of expert_groups groups whose two best biased scores sum
+    highest; the weights are the unbiased scores, renormalised (+1e-20) if asked, times
+    routed_scale. Ties go to the lower expert (and group) id, as lax.top_k's."""
+    top_k: int
+    renormalise: bool
+    router_score: str = "softmax"
+    expert_groups: int = 1
+    topk_groups: int = 1
+    routed_scale: float = 1.0
+
+    @classmethod
+    def of(cls, config) -> Routing:
+        """The routing of `config`'s MoE layers."""
+        return cls(config.experts_per_token, config.norm_topk, config.router_score,
+                   config.expert_groups, config.topk_groups, config.routed_scale)
+
+    def check(self, experts: int) -> Routing:
+        """Itself, after checking it against `experts` (`mk.kinds.checks.check_routing`); raises
+        ValueError naming the field."""
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) \
+                or not 1 <= self.top_k <= experts:
+            raise ValueError(f"top_k={self.top_k!r} must be an integer in [1, experts={experts}]")
+        check_routing("moe", experts=experts, top_k=self.top_k,
+                      **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)[2:]})
+        return self
+
+
+def _first_max(values, lane, n):
+    """(the row max [M, 1] of values [M, n], a mask of the lowest lane holding it)."""
+    best = jnp.max(values, axis=1, keepdims=True)
+    first = jnp.min(jnp.where(values == best, lane, n), axis=1, keepdims=True)
+    return best, lane == first
+
+
+def kept_groups(choice, expert, routing: Routing):
+    """[M, E] bool: the experts of each row's topk_groups best groups, a group scored by the
+    sum of its two best `choice` values (the lowest-id group among ties)."""
+    M, E = choice.shape
+    group = expert // (E // routing.expert_groups)
+    scores = []
+    for g in range(routing.expert_groups):  # static: a handful of groups
+        inside = jnp.where(group == g, choice, -jnp.inf)
+        best, hit = _first_max(inside, expert, E)
+        scores.append(best + jnp.max(jnp.where(hit, -jnp.inf, inside), axis=1, keepdims=True))
+    taken = [jnp.zeros((M, 1), jnp.bool_) for _ in scores]
+    kept = jnp.zeros((M, E), jnp.bool_)
+    for _ in range(routing.topk_groups):
+        open_scores = [jnp.where(t, -jnp.inf, sc) for t, sc in zip(taken, scores)]
+        best = functools.reduce(jnp.maximum, open_scores)
+        chosen = jnp.full((M, 1), routing.expert_groups, jnp.int32)
+        for g in reversed(range(routing.expert_groups)):  # the lowest group id holding the best
+            chosen = jnp.where(open_scores[g] == best, g, chosen)
+        for g in range(routing.expert_groups):
+            hit = chosen == g
+            taken[g] = taken[g] | hit
+            kept = kept | (hit & (group == g))
+    return kept
+
+
+def route_body(x, router_vmem, combine_vmem, routing: Routing, bias_vmem=None):
+    """Write combine_vmem [M, E] f32 (routing weights, 0 where not picked); return the
+    selected flags [1, E] int32. The numerics of `mk.ops.route` (softmax) or
+    `mk.ops.route_grouped` (sigmoid: bias_vmem [1, E] holds the layer's bias)."""
+    w = router_vmem[...]  # [D, E]
+    logits = jnp.dot(x[...].astype(w.dtype), w, preferred_element_type=jnp.float32)
+    M, E = logits.shape
+    expert = lax.broadcasted_iota(jnp.int32, (M, E), 1)
+    if routing.router_score == "softmax":
+        exp = jnp.exp(logits - jnp.max(logits, axis=1, keepdims=True))
+        scores = choice = exp / jnp.sum(exp, axis=1, keepdims=True)  # [M, E]
+    else:
+        scores = jax.nn.sigmoid(logits)
+        choice = scores + bias_vmem[...].astype(jnp.float32)
+        if routing.expert_groups > 1:
+            choice = jnp.where(kept_groups(choice, expert, routing), choice, -jnp.inf)
+    picked = jnp.zeros((M, E), jnp.bool_)
+    left = choice
+    for _ in range(routing.top_k):
+        _, hit = _first_max(left, expert, E)  # the lowest expert id among the ties
+        picked = picked | hit
+        left = jnp.where(hit, -jnp.inf, left)  # never picked again
+    weights = jnp.where(picked, scores, 0.0)
+    if routing.renormalise:
+        total = jnp.sum(weights, axis=1, keepdims=True)
+        weights = weights / (total if routing.router_score == "softmax" else total + 1e-20)
+    if routing.routed_scale != 1.0:
+        weights = weights * np.float32(routing.routed_scale)
+    combine_vmem[...] = weights
+    return jnp.max(picked.astype(jnp.int32), axis=0, keepdims=True)
