@@ -153,7 +153,7 @@ def roofline(curves: Mapping[str, tuple], points: Mapping[str, Mapping[str, obje
              for i, step in enumerate(points)]
     fig.update_layout(
         title=title, xaxis=dict(type="log", title="arithmetic intensity (FLOP per HBM byte)"),
-        yaxis=dict(type="log", title="attainable TFLOP/s per chip"),
+        yaxis=dict(type="log", title="attainable (TFLOP/s per chip)"),
         sliders=[dict(steps=steps, active=0, pad=dict(t=50))] if len(steps) > 1 else [])
     return fig
 
@@ -187,7 +187,7 @@ def bytes_breakdown(estimates: Mapping[str, object], *, relative: bool = True,
         fig.add_trace(go.Bar(x=labels, y=y, name=name, customdata=gb,
                              hovertemplate=f"{name}: %{{customdata:.4g}} GB<extra></extra>"))
     fig.update_layout(barmode="stack", title=title, xaxis_title="step",
-                      yaxis=dict(title="share of step bytes" if relative else "GB",
+                      yaxis=dict(title="share of step bytes (fraction)" if relative else "step bytes (GB)",
                                  tickformat=".0%" if relative else None))
     return fig
 
@@ -556,13 +556,16 @@ def bubble_bars(sims: Mapping[str, object], *, title: str = "Where the step goes
                            hovertemplate="HBM busy %{y:.4g} ms<extra></extra>"))
     for i, cause in enumerate(causes):
         fig.add_trace(go.Bar(x=labels, y=[s.bubble_share().get(cause, 0.0) * 1e3
-                                          for s in sims.values()], name=cause,
+                                          for s in sims.values()], name=f"idle: {cause}",
                              marker_color=IDLE_COLOURS[cause],
                              showlegend=i < LEGEND_ENTRIES - 1,
                              hovertemplate=f"{cause}: %{{y:.4g}} ms<extra></extra>"))
     fig.update_layout(barmode="stack", title=title, xaxis_title="configuration",
-                      yaxis_title="ms per step (simulated)")
+                      yaxis_title="step (ms, simulated)")
     return fig
+
+
+_SWEPT = {"step_ms": "step (ms, simulated)", "hbm_utilisation": "HBM busy (share of the step)"}
 
 
 def sweep_lines(rows: Sequence[Mapping[str, object]], parameter: str, *,
@@ -577,7 +580,7 @@ def sweep_lines(rows: Sequence[Mapping[str, object]], parameter: str, *,
         hovertemplate="%{x}: %{y:.4g}<br>HBM busy %{customdata[0]:.0%}, largest bubble "
                       "%{customdata[1]}<extra></extra>"))
     fig.update_layout(title=title or f"{y} against {parameter} (simulated)",
-                      xaxis_title=parameter, yaxis_title=y)
+                      xaxis_title=parameter, yaxis_title=_SWEPT.get(y, y))
     return fig
 
 

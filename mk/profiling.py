@@ -545,6 +545,6 @@ def share_bars(rows: list[dict], *, title: str = "Bubble share per variant") -> 
         go.Bar(x=labels, y=idle, name="idle inside the step", marker_color=COLORS["bubble"]),
         go.Bar(x=labels, y=host, name="host gap", marker_color=COLORS["host"])])
     fig.update_layout(barmode="stack", title=title, xaxis_title="variant",
-                      yaxis=dict(title="share of the step's wall time", tickformat=".0%",
+                      yaxis=dict(title="share of the step's wall time (fraction)", tickformat=".0%",
                                  range=[0, 1]))
     return fig

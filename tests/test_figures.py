@@ -3,6 +3,7 @@ function of mk.plots (and mk.profiling's, which notebook 08 draws), built on tin
 its traces (how many, their names), its axes' titles and units, at most 10 legend
 entries, and the drawn values against the inputs.
 
+The rules every figure keeps (mk.figure_rules) are tested here against planted defects;
 tests/test_plots.py has the colour rules (one colour per category and per weight family)
 and the ring's Gantt; this module does not repeat them.
 """
@@ -13,18 +14,11 @@ from __future__ import annotations
 import pytest
 
 import mk
-from mk import machine, perf, plots, profiling, sim
+from mk import figure_rules, machine, perf, plots, profiling, sim
 
 
 def legend(fig) -> list[str]:
-    """The legend's entries: one per shown trace name (a legend group shows once)."""
-    d = fig.to_dict()
-    if d["layout"].get("showlegend") is False:
-        return []
-    shown = [t for t in d["data"] if t.get("showlegend", True) is not False]
-    if len(shown) == 1 and "showlegend" not in shown[0]:
-        return []  # plotly hides the legend of a lone trace
-    return list(dict.fromkeys(t.get("name", "") for t in shown))
+    return figure_rules.legend(fig.to_dict())
 
 
 def axes(fig) -> tuple[str, str]:
@@ -34,14 +28,61 @@ def axes(fig) -> tuple[str, str]:
 
 
 def check_rules(fig, *, x_unit: str | None = None, y_unit: str | None = None) -> None:
-    """Both axes titled (with the unit where the axis has one), a title, <= 10 legend
-    entries."""
+    """The figure rules (mk.figure_rules), a title, and these units on its axes."""
+    assert figure_rules.check(fig) == []
     x, y = axes(fig)
-    assert x and y, (x, y)
     assert x_unit is None or x_unit in x, x
     assert y_unit is None or y_unit in y, y
     assert fig.layout.title.text
-    assert len(legend(fig)) <= 10, legend(fig)
+
+
+# -- The rules themselves, against planted defects ---------------------------------------------
+def _good():
+    return {"data": [{"type": "bar", "name": "wq", "marker": {"color": plots.FAMILY_COLOURS["wq"]},
+                      "x": [0.5, 1.0], "y": ["slot 0", "slot 1"], "orientation": "h"}],
+            "layout": {"xaxis": {"title": {"text": "time (µs, modelled)"}},
+                       "yaxis": {"title": {"text": "ring slot"}}}}
+
+
+def test_figure_rules_pass_a_good_figure_and_report_each_planted_defect():
+    good = _good()
+    assert figure_rules.check(good) == []
+    untitled = _good()
+    untitled["layout"]["yaxis"] = {}
+    assert figure_rules.check(untitled) == ["yaxis carries data but has no title"]
+    no_unit = _good()
+    no_unit["layout"]["xaxis"]["title"]["text"] = "time"
+    assert figure_rules.check(no_unit) == [
+        "xaxis is a quantity but its title 'time' names no unit in parentheses or brackets"]
+    eleven = _good()
+    eleven["data"] += [{"type": "scatter", "name": f"series {i}", "x": [1], "y": ["slot 0"]}
+                       for i in range(10)]
+    assert figure_rules.check(eleven) == [
+        f"the legend has 11 entries, more than 10: {['wq'] + [f'series {i}' for i in range(10)]}"]
+    grouped = _good()  # ten legend groups of two traces each are ten entries
+    grouped["data"] = [{"type": "scatter", "name": f"s{i} {half}", "legendgroup": f"s{i}",
+                        "x": [1], "y": ["a"]} for i in range(10) for half in ("a", "b")]
+    assert figure_rules.check(grouped) == []
+    wrong = _good()
+    wrong["data"][0]["marker"]["color"] = plots.FAMILY_COLOURS["wk"]
+    assert figure_rules.check(wrong) == [
+        f"trace 'wq' is drawn in {plots.FAMILY_COLOURS['wk']}, not its colour "
+        f"{plots.FAMILY_COLOURS['wq']}"]
+    frame = _good()  # a frame's traces are held to the same colours
+    frame["frames"] = [{"name": "2 slots", "data": [{"type": "bar", "name": "w_up[3]",
+                                                      "x": [1.0], "y": ["slot 0"]}]}]
+    assert figure_rules.check(frame) == [
+        "frame '2 slots': trace 'w_up[3]' has no colour of its own: it must be "
+        f"{plots.FAMILY_COLOURS['w_up']}"]
+    hidden = _good()  # an axis drawn without ticks or title carries nothing to read
+    hidden["layout"]["yaxis"] = {"visible": False}
+    assert figure_rules.check(hidden) == []
+    index = {"data": [{"type": "heatmap", "z": [[1.0, 2.0]]}],  # implicit index axes
+             "layout": {"xaxis": {"title": {"text": "key channel"}},
+                        "yaxis": {"title": {"text": "head (index)"}}}}
+    assert figure_rules.check(index) == [
+        "xaxis is a quantity but its title 'key channel' names no unit in parentheses "
+        "or brackets"]
 
 
 # -- The simulator's timeline, and one collective of a tensor-parallel step -----------------
@@ -281,13 +322,13 @@ def test_bubble_bars_stack_hbm_busy_and_each_cause_to_the_step(sims):
     fig = plots.bubble_bars(sims)
     check_rules(fig, y_unit="ms")
     assert fig.data[0].name == "HBM busy"
-    causes = [t.name for t in fig.data[1:]]
+    causes = [t.name[len("idle: "):] for t in fig.data[1:]]
     assert set(causes) == {c for s in sims.values() for c in s.bubble_share()}
     for i, s in enumerate(sims.values()):
         assert sum(t.y[i] for t in fig.data) == pytest.approx(s.step_ms)
         assert fig.data[0].y[i] == pytest.approx(s.hbm_floor_s * 1e3)
     for t in fig.data[1:]:
-        assert t.marker.color == plots.IDLE_COLOURS[t.name]  # the timeline's colours
+        assert t.marker.color == plots.IDLE_COLOURS[t.name[len("idle: "):]]  # the timeline's
     idle = [sum(t.y) for t in fig.data[1:]]
     assert idle == sorted(idle, reverse=True)  # the longest causes first, into the legend
     # every cause at once: HBM busy and the nine longest in the legend, all drawn
@@ -296,7 +337,7 @@ def test_bubble_bars_stack_hbm_busy_and_each_cause_to_the_step(sims):
     fake = SimpleNamespace(hbm_floor_s=1e-3, bubble_share=lambda: every)
     fig = plots.bubble_bars({"all causes": fake})
     assert len(fig.data) == 1 + len(machine.CAUSES) and len(legend(fig)) == plots.LEGEND_ENTRIES
-    assert set(legend(fig)[1:]) == set(sorted(every, key=every.get)[-9:])
+    assert set(legend(fig)[1:]) == {f"idle: {c}" for c in sorted(every, key=every.get)[-9:]}
 
 
 def test_sweep_lines_and_lines_draw_their_inputs():
@@ -307,7 +348,7 @@ def test_sweep_lines_and_lines_draw_their_inputs():
     assert list(fig.data[0].x) == ["2", "4"] and list(fig.data[0].y) == [3.0, 2.0]
     assert [c[0] for c in fig.data[0].customdata] == [0.5, 0.8]
     fig = plots.lines([1, 2, 4], {"a": [1.0, 2.0, 3.0], "b": [3.0, 2.0, 1.0]}, title="t",
-                      xaxis="tau (tokens)", yaxis="tokens/s")
+                      xaxis="tau (tokens)", yaxis="throughput (tokens/s)")
     check_rules(fig, x_unit="tokens", y_unit="tokens/s")
     assert legend(fig) == ["a", "b"] and list(fig.data[1].y) == [3.0, 2.0, 1.0]
     with pytest.raises(ValueError, match="series 'a' has 1 values for 3 x values"):
@@ -325,7 +366,7 @@ def _trace():
 def test_lanes_figure_and_gantt_draw_each_busy_lane_and_the_gaps():
     fig = profiling.lanes_figure({"a": [(0.0, 1.0, "x"), (2.0, 3.0, "y")]},
                                  idle=[(1.0, 2.0), (3.0, 3.0)], host=[(3.0, 4.0)],
-                                 title="t", x_title="µs")
+                                 title="t", x_title="time (µs)")
     check_rules(fig, x_unit="µs")
     assert [t.name for t in fig.data][1:] == ["idle: no op running", "host gap"]
     assert fig.data[0].base == (0.0, 2.0) and fig.data[0].x == (1.0, 1.0)

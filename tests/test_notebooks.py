@@ -8,8 +8,9 @@ folder that shadows the package) and a `parameters` cell whose every parameter h
 and a one-line help; then papermill executes, on the CPU, every configuration `make run`
 executes (notebooks/runs.yaml; an unlisted notebook once with its own parameters), and the
 tiny preset of a notebook whose configurations are all too slow for CI. A run passes when no
-cell raises: each notebook's last cell holds its checks (asserts that fail on a wrong
-result). The configurations CI cannot afford (`SLOW_RUNS`) run in `make test-slow`, and so
+cell raises (each notebook's last cell holds its checks: asserts that fail on a wrong
+result) and every figure it displays keeps the figure rules of `mk.figure_rules` (titled
+axes with units, at most 10 legend entries, the weight families' colours). The configurations CI cannot afford (`SLOW_RUNS`) run in `make test-slow`, and so
 do the runs with the notebook's own values of the knobs CI turns down (`CI_KNOBS`).
 
 Not here: whether the prose's numbers match the cell outputs (review), and how long a
@@ -37,6 +38,7 @@ import pytest
 from IPython.core.inputtransformer2 import TransformerManager
 
 import mk.run
+from mk import figure_rules
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
@@ -305,7 +307,38 @@ def test_ci_knobs_are_parameters_of_their_notebooks():
         assert set(knobs) <= set(read), (stem, set(knobs) - set(read))
 
 
+def _broken_figures(nb) -> list[str]:
+    """Each figure an executed notebook displays that breaks the course's figure rules
+    (mk.figure_rules), with its cell and title, and the rules it breaks."""
+    out = []
+    for cell, fig in figure_rules.notebook_figures(nb):
+        problems = figure_rules.check(fig)
+        if problems:
+            title = fig.get("layout", {}).get("title", {})
+            title = title.get("text") if isinstance(title, dict) else title
+            out.append(f"cell {cell} ({title!r}): " + "; ".join(problems))
+    return out
+
+
+def test_broken_figures_are_found_in_a_notebooks_outputs():
+    """The check test_notebook_runs makes, against a planted untitled axis."""
+    good = {"data": [{"type": "bar", "x": ["a"], "y": [1.0]}],
+            "layout": {"title": {"text": "t"}, "xaxis": {"title": {"text": "run"}},
+                       "yaxis": {"title": {"text": "step (ms)"}}}}
+    bad = json.loads(json.dumps(good))
+    del bad["layout"]["yaxis"]["title"]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x", outputs=[
+        nbformat.v4.new_output("display_data", data={figure_rules.PLOTLY_MIME: fig,
+                                                     "text/plain": "fig"})])
+        for fig in (good, bad)])
+    assert _broken_figures(nb) == ["cell 1 ('t'): yaxis carries data but has no title"]
+
+
 @pytest.mark.parametrize("run", _params())
 def test_notebook_runs(run, tmp_path):
-    # papermill raises PapermillExecutionError, with the failing cell, if any cell raises.
-    run_notebooks.execute(run.notebook, tmp_path / f"{run.name}.ipynb", run.parameters)
+    # papermill raises PapermillExecutionError, with the failing cell, if any cell raises;
+    # then every figure the run displays must keep the figure rules.
+    out = tmp_path / f"{run.name}.ipynb"
+    run_notebooks.execute(run.notebook, out, run.parameters)
+    broken = _broken_figures(json.loads(out.read_text(encoding="utf-8")))
+    assert not broken, "figures that break mk.figure_rules:\n" + "\n".join(broken)

@@ -4,7 +4,7 @@ TPU picture from the chip rows."""
 import pytest
 
 import mk
-from mk import machine, plots, sim, teach
+from mk import figure_rules, machine, plots, sim, teach
 from mk.kernels.common import BlockSizes
 from mk.kernels.ring import Repeat, TileStream
 from mk.chips import all_chips
@@ -53,26 +53,6 @@ def test_timeline_draws_a_partly_idle_run_translucent_and_a_fully_idle_one_solid
     assert opacity["idle: step end"] == pytest.approx([1.0])
 
 
-def _figure_rules(fig):
-    """The course's figure rules over a figure's JSON: axes titled with units (or a
-    category axis), at most 10 legend entries, each weight family one fixed colour."""
-    d = fig.to_dict()
-    layout = d["layout"]
-    for axis in ("xaxis", "yaxis"):
-        assert layout[axis]["title"]["text"], (axis, layout.get("title"))
-    shown = {t["name"] for t in d["data"] if t.get("showlegend", True)}
-    assert len(shown) <= 10, shown
-    colours = {}
-    for t in d["data"] + [t for f in d.get("frames", []) for t in f["data"]]:
-        if t["name"].startswith("skipped"):
-            assert t["marker"]["color"] == plots.IDLE_GREY
-            continue
-        family = t["name"].split()[0].split("[")[0]
-        colour = t.get("marker", {}).get("color")
-        assert colours.setdefault(family, colour) == colour, (family, colour)
-        assert colour == plots.family_colour(family), (family, colour)
-
-
 def _schedules(stream, depths=(1, 2, 6)):
     return {f"{n} slots": teach.ring_schedule(stream, slots=n, latency_s=0.5e-6,
                                               dma_s=0.05e-6, compute_s=0.02e-6)
@@ -83,7 +63,7 @@ def test_ring_gantt_has_units_few_legend_entries_and_family_colours():
     stream = TileStream.build(BlockSizes(slots=1, tile_rows=128, tile_cols=128), [
         (n, 256, 256) for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")])
     fig = plots.ring_gantt(_schedules(stream), title="t")
-    _figure_rules(fig)
+    assert figure_rules.check(fig) == []
     assert "µs" in fig.layout.xaxis.title.text
     assert [f.name for f in fig.frames] == ["1 slots", "2 slots", "6 slots"]
     assert [s.label for s in fig.layout.sliders[0].steps] == ["1 slots", "2 slots", "6 slots"]
@@ -108,7 +88,7 @@ def test_tile_stream_colours_each_family_once_in_every_figure():
     moe = TileStream.build(block, [("wq", 256, 256), Repeat(4, (("we_gate", 256, 128),
                                                                 ("we_up", 256, 128),
                                                                 ("we_down", 128, 256)))])
-    _figure_rules(plots.tile_stream(moe))
+    assert figure_rules.check(plots.tile_stream(moe)) == []
     assert plots.family_colour("we_gate[3]") == plots.FAMILY_COLOURS["we_gate"]
 
 
@@ -151,6 +131,6 @@ def test_idle_expert_slots_are_skipped_in_order_and_drawn_grey():
     assert len(off) == 2 * 6 and all(r["start"] == r["end"] for r in off)
     assert rows[-1]["end"] < teach.ring_schedule(stream, **times)[-1]["end"]
     fig = plots.ring_gantt({"3 slots": rows}, title="t")
-    _figure_rules(fig)
+    assert figure_rules.check(fig) == []
     grey = next(t for t in fig.data if t.name.startswith("skipped"))
     assert len(grey.x) == len(off)
