@@ -12,8 +12,9 @@ figure a notebook displays, however the cell built it.
   category, or string data) needs a title but no unit.
 - **Legend.** At most `LEGEND_ENTRIES` entries, so the legend never scrolls: the traces
   with a name whose `showlegend` is not False (True for the trace types whose default is
-  off, e.g. heatmaps), one entry per `legendgroup` (or name); none when the layout hides
-  the legend or plotly hides a lone trace's.
+  off, e.g. heatmaps), one entry per trace, as plotly lists them (a `legendgroup` toggles
+  its traces together but lists each); none when the layout hides the legend or plotly
+  hides a lone trace's.
 - **Family colours.** A trace named after a weight family (its first word, before any
   "[i]", is a key of `mk.plots.FAMILY_COLOURS`) is drawn in that family's colour
   (`marker.color`, or `line.color` for a line), in the figure and in every frame; a
@@ -70,7 +71,8 @@ def _axes_of(trace: Mapping) -> dict[str, bool]:
 
 
 def legend(fig: Mapping) -> list[str]:
-    """The legend's entries, in order: one per legend group (or name) of a shown trace."""
+    """The legend's entries, in order: one per shown trace (plotly lists every trace of a
+    legend group; the group only toggles them together)."""
     if fig.get("layout", {}).get("showlegend") is False:
         return []
     data = fig.get("data", [])
@@ -79,7 +81,7 @@ def legend(fig: Mapping) -> list[str]:
                                         and t.get("type", "scatter") not in NO_LEGEND_BY_DEFAULT))]
     if len(data) == 1 and "showlegend" not in data[0]:
         return []  # plotly hides the legend of a lone trace
-    return list(dict.fromkeys(t.get("legendgroup") or t["name"] for t in shown))
+    return [t["name"] for t in shown]
 
 
 def _colour_problems(trace: Mapping, where: str) -> list[str]:

@@ -128,7 +128,7 @@ def table(rows: Sequence[Mapping[str, object]]) -> Table:
 # -- Figures --------------------------------------------------------------------------------
 def roofline(curves: Mapping[str, tuple], points: Mapping[str, Mapping[str, object]], *,
              title: str = "Roofline: attainable FLOP/s per chip") -> go.Figure:
-    """Roofline lines and decode-step points.
+    """Roofline lines (the legend) and decode-step points (each named beside its marker).
 
     `curves`: chip name -> (intensity FLOP/byte, attainable FLOP/s), e.g. from
     `mk.perf.roofline_curve`. `points`: slider label -> {point label -> StepEstimate};
@@ -145,7 +145,8 @@ def roofline(curves: Mapping[str, tuple], points: Mapping[str, Mapping[str, obje
         for label, e in estimates.items():
             fig.add_trace(go.Scatter(
                 x=[e.intensity_flop_per_byte], y=[e.attainable_flops_per_chip / TERA],
-                mode="markers", name=label, visible=i == 0, marker=dict(size=11),
+                mode="markers+text", name=label, visible=i == 0, marker=dict(size=11),
+                text=[label], textposition="top center", showlegend=False,  # named in place
                 hovertemplate=f"{label}: %{{x:.3g}} FLOP/B, %{{y:.4g}} TFLOP/s<extra></extra>"))
             owner.append(i)
     steps = [dict(method="update", label=step,

@@ -59,10 +59,13 @@ def test_figure_rules_pass_a_good_figure_and_report_each_planted_defect():
                        for i in range(10)]
     assert figure_rules.check(eleven) == [
         f"the legend has 11 entries, more than 10: {['wq'] + [f'series {i}' for i in range(10)]}"]
-    grouped = _good()  # ten legend groups of two traces each are ten entries
+    grouped = _good()  # a group's hidden-in-legend traces are no entries; its shown ones are
     grouped["data"] = [{"type": "scatter", "name": f"s{i} {half}", "legendgroup": f"s{i}",
-                        "x": [1], "y": ["a"]} for i in range(10) for half in ("a", "b")]
+                        "showlegend": half == "a", "x": [1], "y": ["a"]}
+                       for i in range(10) for half in ("a", "b")]
     assert figure_rules.check(grouped) == []
+    grouped["data"][1]["showlegend"] = True
+    assert len(figure_rules.legend(grouped)) == 11 and len(figure_rules.check(grouped)) == 1
     wrong = _good()
     wrong["data"][0]["marker"]["color"] = plots.FAMILY_COLOURS["wk"]
     assert figure_rules.check(wrong) == [
