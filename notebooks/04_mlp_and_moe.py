@@ -138,8 +138,8 @@ fig = go.Figure([go.Scatter(x=ms, y=[perf.experts_touched(big.experts, big.exper
                                                           int(m), r) for m in ms], name=r)
                  for r in perf.ROUTINGS])
 fig.update_layout(title=f"Distinct experts one {big.name} layer reads (E={big.experts}, "
-                  f"X={big.experts_per_token})", xaxis_title="activation rows M",
-                  yaxis_title="experts")
+                  f"X={big.experts_per_token})", xaxis_title="activation rows M (rows)",
+                  yaxis_title="distinct experts read (experts)")
 plots.show(fig)
 
 # %% [markdown]

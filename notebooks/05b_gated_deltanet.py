@@ -151,6 +151,8 @@ for col, m in enumerate((s0, write, s0 + write), start=1):
     fig.add_trace(go.Heatmap(z=np.asarray(m)[:32, :32], coloraxis="coloraxis"), 1, col)
 fig.update_layout(title="The delta rule on one head (first 32 x 32 of the state): a rank-1 "
                   "write", coloraxis=dict(colorscale="RdBu", cmid=0))
+fig.update_xaxes(title_text="value channel (index)")
+fig.update_yaxes(title_text="key channel (index)")
 plots.show(fig)
 
 # %% [markdown]
@@ -244,7 +246,8 @@ series = {f"linear state ({len(big.linear_layers)} layers)":
               [big.kv_bytes_per_token * big.layers / len(big.full_layers) * s / 2**20
                for s in contexts]}
 fig = plots.lines(contexts, series, title=f"{big.name}: bytes per sequence per step (T = 1)",
-                  xaxis="context (cached positions)", yaxis="MiB")
+                  xaxis="context (cached positions)",
+                  yaxis="bytes per sequence (MiB)")
 fig.update_xaxes(type="log")
 plots.show(fig)
 even = state_bytes / big.kv_bytes_per_token

@@ -137,8 +137,8 @@ per_layer = {
     f"{gqa.name}: GQA K and V ({gqa.kv_heads} kv heads of {gqa.head_dim})":
         2 * gqa.kv_width * gqa.weight_bits // 8}
 fig = go.Figure(go.Bar(x=list(per_layer.values()), y=list(per_layer), orientation="h"))
-fig.update_layout(title="Cache bytes per token, one attention layer", xaxis_title="bytes",
-                  height=300, margin=dict(l=380))
+fig.update_layout(title="Cache bytes per token, one attention layer", xaxis_title="cache (bytes per token)",
+                  yaxis_title="layer", height=300, margin=dict(l=380))
 plots.show(fig)
 for label, n in per_layer.items():
     print(f"{label}: {n:,} bytes")
@@ -158,7 +158,8 @@ series = {f"{big.name}: latent cache + KDA state":
                for s in contexts],
           f"{gqa.name}: KV cache": [gqa.kv_bytes_per_token * s / 2**20 for s in contexts]}
 fig = plots.lines(contexts, series, title="Cache and state bytes per sequence per step "
-                  "(T = 1)", xaxis="context (cached positions)", yaxis="MiB")
+                  "(T = 1)", xaxis="context (cached positions)",
+                  yaxis="bytes per sequence (MiB)")
 fig.update_xaxes(type="log")
 plots.show(fig)
 
@@ -237,7 +238,8 @@ h_lin = ops.rms_norm(x, params["attn_norm"][linear], config.rms_eps)
 decay = np.exp(np.asarray(linear_attention.kda_decay(config, params, i, h_lin))[0, 0])  # [Nv, Hk]
 fig = go.Figure(go.Heatmap(z=decay, colorscale="Viridis", colorbar=dict(title="exp(g)")))
 fig.update_layout(title=f"KDA layer {linear}: the decay of each key channel (row 0)",
-                  xaxis_title="key channel", yaxis_title="head", height=300)
+                  xaxis_title="key channel (index)", yaxis_title="head (index)",
+                  height=300)
 plots.show(fig)
 print(f"decays from {decay.min():.3f} to {decay.max():.3f}; the spread within a head: up "
       f"to {float(np.max(decay.max(1) - decay.min(1))):.3f} (a gated DeltaNet's is 0)")

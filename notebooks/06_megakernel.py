@@ -306,7 +306,7 @@ if hybrid:
     series = {"weights": [e.weight_bytes / 2**30 for e in estimates],
               "KV cache (read + written)": [e.kv_bytes / 2**30 for e in estimates],
               "linear state (read + written)": [e.state_bytes / 2**30 for e in estimates]}
-    fig = plots.lines(contexts, series, xaxis="context (cached positions)", yaxis="GiB",
+    fig = plots.lines(contexts, series, xaxis="context (cached positions)", yaxis="HBM bytes (GiB)",
                       title=f"{big.name}, TP8 on tpu7x: one decode step's HBM bytes")
     fig.update_xaxes(type="log")
     plots.show(fig)

@@ -116,7 +116,7 @@ if report.vmem is not None:
                            y=[r["MiB"] for r in rows_]))
     fig.update_layout(title=f"VMEM by buffer: {report.vmem.total_bytes / 2**20:.1f} of "
                             f"{report.vmem.limit_bytes / 2**20:.0f} MiB on {run.chip}",
-                      yaxis_title="MiB", xaxis_title="buffer")
+                      yaxis_title="VMEM (MiB)", xaxis_title="buffer")
     plots.show(fig)
 
 # %% [markdown]
@@ -217,7 +217,8 @@ for series in ("xla_unrolled", "xla_scan", "megakernel"):
                              mode="lines+markers", name=series))
 fig.update_layout(title=f"TPU compile time of one decode step ({data['model']}, "
                         f"{data['chip']}), on this machine's CPU",
-                  xaxis_title="layers (log)", yaxis_title="compile seconds (wall clock, log)",
+                  xaxis_title="decoder layers (layers, log scale)",
+                  yaxis_title="compile time (s, wall clock, log scale)",
                   # every measured layer count labelled, y labelled at decades only (plotly's
                   # default log ticks label 20 and 30 as "2" and "3")
                   xaxis=dict(type="log", tickvals=sorted({r.layers for r in records})),

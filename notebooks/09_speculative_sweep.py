@@ -323,11 +323,11 @@ for (c, b, g), ys in sweep.items():
 fig.update_layout(
     title=f"{target.name}: tokens/s per user, modelled step (S={sweep_context}, "
           f"draft {sweep_draft or 'none'})",
-    yaxis_title="tokens/s per user", sliders=[dict(active=0, pad=dict(t=40), steps=[
+    yaxis_title="throughput (tokens/s per user)", sliders=[dict(active=0, pad=dict(t=40), steps=[
         dict(method="update", label=f"batch {b}", args=[{"visible": [o == b for o in owner]}])
         for b in batches])])
 for i in range(len(sweep_chips)):
-    fig.update_xaxes(title_text="tau", row=1, col=i + 1)
+    fig.update_xaxes(title_text="tau (accepted tokens per step)", row=1, col=i + 1)
 plots.show(fig)
 for c in sweep_chips:
     one, eight = (spec.step_ms(target, c, batch=1, rows=r, context=sweep_context,

@@ -191,8 +191,8 @@ def draw_exchanges(n):
                               f"{e['first']}..{last} to {e['partner']}"))
             x += 1
     fig.update_layout(title=f"All-reduce on {n} devices: reduce-scatter then all-gather "
-                            "(hover: which chunks)", xaxis_title="round",
-                      yaxis_title="device", height=380)
+                            "(hover: which chunks)", xaxis_title="round (index)",
+                      yaxis_title="device (index)", height=380)
     return fig
 
 

@@ -546,7 +546,8 @@ plots.show(plots.lines(accept, {
     f"modelled step, T={verify}": [t / modelled_t for t in accept],
     "simulated step, no speculation": [1 / one.step_s] * verify},
     title=f"Tokens/s per user against acceptance length ({config.name}, {spec.name})",
-    xaxis="mean accepted tokens per step tau", yaxis="tokens/s per user"))
+    xaxis="mean accepted tokens per step tau (tokens)",
+    yaxis="throughput (tokens/s per user)"))
 print(f"no speculation (T=1): {1 / one.step_s:,.0f} tokens/s per user simulated; a T={verify} "
       f"step costs {sim_t.step_s / one.step_s:.2f} T=1 steps, so speculation pays from a mean "
       f"acceptance of {sim_t.step_s / one.step_s:.2f} tokens")

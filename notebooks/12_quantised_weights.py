@@ -152,7 +152,8 @@ for fmt, fields in FIELDS.items():
                     text=label, textposition="inside", showlegend=False, hovertext=label)
         start += bits
 fig.update_layout(title="One stored byte per format (bit 7 on the left)", barmode="stack",
-                  xaxis=dict(title="bit", tickvals=list(range(9)),
+                  yaxis_title="format",
+                  xaxis=dict(title="bit (position in the byte)", tickvals=list(range(9)),
                              ticktext=[str(7 - b) for b in range(8)] + [""]), height=320)
 plots.show(fig)
 
@@ -284,8 +285,8 @@ display(plots.table(step_rows))
 # %%
 fig = go.Figure([go.Bar(name=fmt, x=QUANTISABLE, y=ms) for fmt, ms in floors.items()])
 fig.update_layout(title=f"HBM floor of one step on {run.chip} (B={fit_batch}, S up to "
-                        f"{fit_context})", barmode="group",
-                  yaxis=dict(title="ms", type="log"))
+                        f"{fit_context})", barmode="group", xaxis_title="preset",
+                  yaxis=dict(title="HBM floor (ms, log scale)", type="log"))
 plots.show(fig)
 
 # %% [markdown]

@@ -155,7 +155,8 @@ latency, slope = record.latency_fit()
 fig = plots.lines([p.bytes / 1024 for p in ones], {
     "µs per copy": [p.seconds * 1e6 for p in ones],
     "fit: latency + bytes / B": [(latency + slope * p.bytes) * 1e6 for p in ones]},
-    title=f"One copy in flight ({where})", xaxis="KiB per copy", yaxis="µs per copy")
+    title=f"One copy in flight ({where})", xaxis="copy size (KiB)",
+    yaxis="time per copy (µs)")
 fig.update_xaxes(type="log")
 plots.show(fig)
 print(f"latency (intercept): {latency * 1e6:.4g} µs ({where}); the simulator assumes "
@@ -176,7 +177,7 @@ datasheet = spec.hbm_bw / spec.cores_per_chip
 if on_tpu:
     series[f"datasheet, one device of {spec.name}"] = [datasheet / 1e9] * len(deep)
 fig = plots.lines(x, series, title=f"Bandwidth against bytes in flight ({where})",
-                  xaxis="KiB in flight", yaxis="GB/s")
+                  xaxis="bytes in flight (KiB)", yaxis="bandwidth (GB/s)")
 if on_tpu:
     fig.add_vline(x=datasheet * latency / 1024, line_dash="dot",
                   annotation_text="Little's law: B x latency")
@@ -257,7 +258,7 @@ steps_us = [sim.simulate(cfg, spec, batch=run.batch, rows=run.rows, context=ctx,
                          ).step_s * 1e6 for us in grid]
 fig = plots.lines(grid, {f"{sim_preset} on {spec.name}": steps_us},
                   title="Simulated step against DMA latency (simulated)",
-                  xaxis="DMA latency, µs", yaxis="simulated step, µs")
+                  xaxis="DMA latency (µs)", yaxis="simulated step (µs)")
 for us, text in ((assumed.dma_latency_s * 1e6, "assumed"),
                  (taken.dma_latency_s * 1e6, "measured" if on_tpu else "example")):
     fig.add_vline(x=us, line_dash="dot", annotation_text=text)
