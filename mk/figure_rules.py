@@ -12,9 +12,10 @@ figure a notebook displays, however the cell built it.
   category, or string data) needs a title but no unit.
 - **Legend.** At most `LEGEND_ENTRIES` entries, so the legend never scrolls: the traces
   with a name whose `showlegend` is not False (True for the trace types whose default is
-  off, e.g. heatmaps), one entry per trace, as plotly lists them (a `legendgroup` toggles
-  its traces together but lists each); none when the layout hides the legend or plotly
-  hides a lone trace's.
+  off, e.g. heatmaps) and `visible` is not False, one entry per trace, as plotly lists
+  them (a `legendgroup` toggles its traces together but lists each); none when the layout
+  hides the legend or plotly hides a lone trace's; the most over the states a slider or
+  button step sets with `update`/`restyle` of `visible`.
 - **Family colours.** A trace named after a weight family (its first word, before any
   "[i]", is a key of `mk.plots.FAMILY_COLOURS`) is drawn in that family's colour
   (`marker.color`, or `line.color` for a line), in the figure and in every frame; a
@@ -70,18 +71,37 @@ def _axes_of(trace: Mapping) -> dict[str, bool]:
     return out
 
 
+def _visibility(fig: Mapping) -> list[list]:
+    """Each trace's `visible` as drawn, then after each slider or button step that restyles
+    it (a list of per-trace values in the step's first argument)."""
+    data = fig.get("data", [])
+    states = [[t.get("visible", True) for t in data]]
+    layout = fig.get("layout", {})
+    for control in [*layout.get("sliders", []), *layout.get("updatemenus", [])]:
+        for step in control.get("steps", control.get("buttons", [])):
+            args = step.get("args") or [None]
+            if step.get("method") in ("update", "restyle") and isinstance(args[0], Mapping):
+                visible = args[0].get("visible")
+                if isinstance(visible, list) and len(visible) == len(data):
+                    states.append(visible)
+    return states
+
+
 def legend(fig: Mapping) -> list[str]:
-    """The legend's entries, in order: one per shown trace (plotly lists every trace of a
-    legend group; the group only toggles them together)."""
+    """The legend's longest list of entries over the figure's slider and button states:
+    one per shown trace that is not `visible=False` (plotly lists every trace of a legend
+    group; the group only toggles them together)."""
     if fig.get("layout", {}).get("showlegend") is False:
         return []
     data = fig.get("data", [])
-    shown = [t for t in data if t.get("name") and (
-        t.get("showlegend") is True or (t.get("showlegend") is not False
-                                        and t.get("type", "scatter") not in NO_LEGEND_BY_DEFAULT))]
     if len(data) == 1 and "showlegend" not in data[0]:
         return []  # plotly hides the legend of a lone trace
-    return [t["name"] for t in shown]
+    listed = [bool(t.get("name")) and (
+        t.get("showlegend") is True or (t.get("showlegend") is not False
+                                        and t.get("type", "scatter") not in NO_LEGEND_BY_DEFAULT))
+        for t in data]
+    return max(([t["name"] for t, shown, v in zip(data, listed, state) if shown and v is not False]
+                for state in _visibility(fig)), key=len)
 
 
 def _colour_problems(trace: Mapping, where: str) -> list[str]:

@@ -66,6 +66,16 @@ def test_figure_rules_pass_a_good_figure_and_report_each_planted_defect():
     assert figure_rules.check(grouped) == []
     grouped["data"][1]["showlegend"] = True
     assert len(figure_rules.legend(grouped)) == 11 and len(figure_rules.check(grouped)) == 1
+    # a slider showing one set of ten traces at a time lists ten; a step showing 11 is found
+    sets = _good()
+    sets["data"] = [{"type": "scatter", "name": f"gamma={g}", "visible": b == 0, "x": [1],
+                     "y": ["a"]} for b in range(2) for g in range(10)]
+    steps = [{"method": "update", "args": [{"visible": [b == s for b in range(2)
+                                                        for g in range(10)]}]} for s in range(2)]
+    sets["layout"]["sliders"] = [{"steps": steps}]
+    assert figure_rules.check(sets) == []
+    steps[1]["args"][0]["visible"][0] = True
+    assert len(figure_rules.legend(sets)) == 11
     wrong = _good()
     wrong["data"][0]["marker"]["color"] = plots.FAMILY_COLOURS["wk"]
     assert figure_rules.check(wrong) == [
