@@ -188,8 +188,8 @@ def bytes_breakdown(estimates: Mapping[str, object], *, relative: bool = True,
         fig.add_trace(go.Bar(x=labels, y=y, name=name, customdata=gb,
                              hovertemplate=f"{name}: %{{customdata:.4g}} GB<extra></extra>"))
     fig.update_layout(barmode="stack", title=title, xaxis_title="step",
-                      yaxis=dict(title="share of step bytes (fraction)" if relative else "step bytes (GB)",
-                                 tickformat=".0%" if relative else None))
+                      yaxis=dict(title="share of step bytes (fraction)" if relative
+                                 else "step bytes (GB)", tickformat=".0%" if relative else None))
     return fig
 
 

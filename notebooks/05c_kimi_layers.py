@@ -137,8 +137,9 @@ per_layer = {
     f"{gqa.name}: GQA K and V ({gqa.kv_heads} kv heads of {gqa.head_dim})":
         2 * gqa.kv_width * gqa.weight_bits // 8}
 fig = go.Figure(go.Bar(x=list(per_layer.values()), y=list(per_layer), orientation="h"))
-fig.update_layout(title="Cache bytes per token, one attention layer", xaxis_title="cache (bytes per token)",
-                  yaxis_title="layer", height=300, margin=dict(l=380))
+fig.update_layout(title="Cache bytes per token, one attention layer",
+                  xaxis_title="cache (bytes per token)", yaxis_title="layer", height=300,
+                  margin=dict(l=380))
 plots.show(fig)
 for label, n in per_layer.items():
     print(f"{label}: {n:,} bytes")
