@@ -206,7 +206,7 @@ def published_vs_floor(labels: Sequence[str], published: Sequence[float],
         fig.add_trace(go.Bar(x=list(labels), y=list(values), name=name,
                              hovertemplate="%{x}: %{y:.4g} tokens/s<extra></extra>"))
     fig.update_layout(barmode="group", title=title, xaxis_title="published run",
-                      yaxis=dict(type="log", title="tokens/s (log)"))
+                      yaxis=dict(type="log", title="throughput (tokens/s, log scale)"))
     return fig
 
 
