@@ -80,13 +80,6 @@ class GQA(Kind):
     def cache_fields(self, out) -> dict:
         return dict(k=out["k_cache"], v=out["v_cache"])
 
-    def fetch(self, k: Step) -> dict:
-        row, on = k.row(self), k.on(self)
-
-        def at_row(name):
-            return lambda step: (k.inputs[name].at[row(step)], None if on is None else on(step))
-        return {name: at_row(name) for name, *_ in self.matrices(k.batch * k.rows)}
-
     @staticmethod
     def attention(k: Step) -> AttentionScratch:
         """`attend`'s scratch (the "attention" group)."""

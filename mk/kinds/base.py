@@ -112,8 +112,13 @@ class Kind:
         return {n: params[n] for n in self.weights("ring", "dma")}
 
     def fetch(self, k: Step) -> dict:
-        """The ring's Fetch callables of its segments."""
-        return {}
+        """The ring's Fetch callables of its segments: by default each ring weight's row
+        of this layer (`Step.row`), switched off in a layer of another kind (`Step.on`)."""
+        row, on = k.row(self), k.on(self)
+
+        def at_row(name):
+            return lambda step: (k.inputs[name].at[row(step)], None if on is None else on(step))
+        return {name: at_row(name) for name in self.weights("ring")}
 
     def cache_operands(self, cache) -> dict:
         """Its parts of the decode cache the kernel updates in place (aliased operands)."""

@@ -58,13 +58,6 @@ class DeltaNet(Kind):
         return {n: params[n] for n in self.weights("ring")} | prepare_linear(self.config,
                                                                              params)
 
-    def fetch(self, k: Step) -> dict:
-        row, on = k.row(self), k.on(self)
-
-        def at_row(name):
-            return lambda step: (k.inputs[name].at[row(step)], None if on is None else on(step))
-        return {name: at_row(name) for name in self.weights("ring")}
-
     def state_operands(self, cache, batch: int, rows: int) -> tuple[dict, dict]:
         """The conv and recurrent states in; the states after every row out."""
         states = (cache.conv, cache.state)
