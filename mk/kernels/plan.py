@@ -12,7 +12,7 @@ holds, frozen:
                   ("dense", "experts", "lm_head"; default `config.formats`;
                   `mk.quant.formats_of` a params dict): every byte count below counts
                   them (`mk.quant.tile_bytes`), and where the kernel streams them packed
-                  (`packed_formats`: tp = 1, not a hybrid) their segments stream packed
+                  (`packed_formats`: tp = 1, kinds that pack) their segments stream packed
                   tiles and scales (`mk.kernels.ring`)
     block         the tiling (`default_block` unless given)
     stream        the `TileStream`: every weight tile of the step in program order
@@ -84,9 +84,8 @@ from mk.kernels.collectives import (MAX_INDEX, PARTIAL_SUM_BYTES, allreduce_s, c
                                     collective_buffers, collective_semaphores)
 from mk.kernels.common import (KV_TILE, LANES, SLOTS, VMEM_HEADROOM, VMEM_ROOM, BlockSizes,
                                Buffer, VmemBudget, vmem_budget, vmem_limit_bytes)
-from mk.kernels.deltanet import check_conv_kernel, linear_layer_shapes
+from mk.kernels.deltanet import check_conv_kernel
 from mk.kernels.kv_stream import tile_counts
-from mk.kernels.mla import mla_loads, mla_matrices
 from mk.kernels.mlp import expert_slots
 from mk.kernels.one_layer import layer_buffers, layer_scratch, model_block
 from mk.kinds.layers import full_attention, layer_kinds, layer_matrices
@@ -252,9 +251,11 @@ def capacity(positions: int) -> int:
 def packed_formats(config: ModelConfig, tp: int, formats: dict[str, str]
                    ) -> dict[str, str]:
     """The `formats` whose packed tiles the megakernel's ring streams: all on one device
-    for a model `mk.quant` quantises; none at tp > 1 (not built yet, issue 34) or for a
-    hybrid, where `mk.perf` and the simulator's plans charge their bytes on plain tiles."""
-    return dict(formats) if tp == 1 and not config.is_hybrid else {}
+    when every layer kind of the model streams packed tiles (`Kind.packs`); none at tp > 1
+    (not built yet, issue 34) or otherwise, where `mk.perf` and the simulator's plans
+    charge their bytes on plain tiles."""
+    packs = all(kind.packs for kind in layer_kinds(config))
+    return dict(formats) if tp == 1 and packs else {}
 
 
 def shard_weight_bytes(local: ModelConfig, vocab: int, experts: float, formats=None,
@@ -285,28 +286,18 @@ def _bytes_per_element(local: ModelConfig, formats=None,
 
 
 def _weight_elements(local: ModelConfig, vocab: int, experts: float) -> dict[str, float]:
-    """Elements of each weight family one device streams in a step (`shard_weight_bytes`)."""
-    c, D, H = local, local.hidden, local.head_dim
-    gate = c.q_width if c.attn_output_gate else 0
-    linear = 0
-    if c.linear_layers:  # the ring's matrices and the DMA'd weights
-        linear = len(c.linear_layers) * sum(math.prod(shape) for shape
-                                            in linear_layer_shapes(c).values())
-    attention = D * (2 * c.q_width + 2 * c.kv_width + gate)
-    norms = 0  # an MLA layer's low-rank norms
-    if c.is_mla:  # its ring matrices (wkv_a padded) and its DMA'd weights and norms
-        loads = {n: math.prod(shape) for n, (shape, _) in mla_loads(c).items()}
-        attention = sum(r * k for _, r, k in mla_matrices(c)) + sum(
-            n for name, n in loads.items() if family_of(name) == "attention")
-        norms = sum(n for name, n in loads.items() if family_of(name) == "norms")
-    return dict(attention=len(c.full_layers) * attention,
-                norms=c.layers * 2 * (D + H) + D + len(c.full_layers) * norms,
-                dense_mlp=(len(c.dense_layers) * 3 * D * c.ffn
-                           + len(c.moe_layers) * 3 * D * c.shared_expert_ffn),
-                router=len(c.moe_layers) * c.experts * (
-                    D + (c.router_score == "sigmoid")),  # the bias
-                experts=len(c.moe_layers) * experts * 3 * D * c.expert_ffn,
-                lm_head=D * vocab, linear=linear)
+    """Elements of each weight family one device streams in a step (`shard_weight_bytes`):
+    each layer kind's (`Kind.streamed`), the norm vectors as `mk.megakernel.prepare` lays
+    them out (two of D and the q/k norms' two of H per layer, the final norm) and the
+    lm_head's `vocab` columns."""
+    D, H = local.hidden, local.head_dim
+    out = dict.fromkeys(WEIGHT_FAMILIES, 0)
+    out["norms"] = local.layers * 2 * (D + H) + D
+    out["lm_head"] = D * vocab
+    for kind in layer_kinds(local):
+        for family, n in kind.streamed(experts).items():
+            out[family] += len(kind.layers) * n
+    return out
 
 
 # -- The plan -------------------------------------------------------------------------------
@@ -360,7 +351,7 @@ class DecodePlan:
         splits the model, M = B*T is in [1, MAX_ROWS], the tiles divide every matrix of
         the shard, the KV tile divides the cache and holds the T rows, the quantised
         `formats` (default `config.formats`; {} for none) hold whole groups per tile
-        (and, for a kernel, `packed_formats` packs them all: tp = 1 and not a hybrid).
+        (and, for a kernel, `packed_formats` packs them all: tp = 1, kinds that pack).
         Without a block, the tiling is `default_block`'s (for `chip`: a ring sized by Little's
         law). The megakernel's ring needs >= 2 slots (a tile loads while another
         computes) and a linear layer's conv_kernel >= 2 (`check_conv_kernel`);
@@ -478,7 +469,7 @@ class DecodePlan:
         states and the states after each of the T rows (`state_bytes`)."""
         c, itemsize = self.local, DTYPE_BITS[self.local.dtype] // 8
         per = _bytes_per_element(c, dict(self.formats), self.block)
-        elements = _weight_elements(c, self.vocab, c.experts if c.is_moe else 0)
+        elements = _weight_elements(c, self.vocab, c.experts)  # every expert
         weights = sum(n * per[f] for f, n in elements.items())
         embed = self.config.vocab * c.hidden * itemsize
         K, H, caches = kv_layout(c)

@@ -66,6 +66,7 @@ class Kind:
     stream_phase: ClassVar[str] = ""  # the phase that consumes its segments
     skip_tag: ClassVar[str] = ""  # the simulator's cause for an HBM gap its skip leaves
     elementwise: ClassVar[tuple[str, ...]] = ()  # its weights applied off the MXU
+    packs: ClassVar[bool] = True  # its kernel streams a format's packed tiles (mk.quant)
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -165,6 +166,20 @@ class Kind:
         `elementwise` ones, in table order."""
         return tuple(n for n in self.weights()
                      if FAMILY[n] != "norms" and n not in self.elementwise)
+
+    def streamed(self, experts: float) -> dict[str, float]:
+        """Elements of each weight family (`mk.weights.FAMILY`) one of its layers moves
+        in a step: its ring segments as the ring lays them out (a repeated group once per
+        active expert: `experts`, a mean) and its weights moved by whole DMA."""
+        out: dict[str, float] = {}
+        for m in self.matrices(1):
+            group, copies = (m.matrices, experts) if isinstance(m, Repeat) else ((m,), 1)
+            for name, rows, cols in group:
+                out[FAMILY[name]] = out.get(FAMILY[name], 0) + copies * rows * cols
+        shapes = param_shapes(self.config)
+        for name in self.weights("dma"):
+            out[FAMILY[name]] = out.get(FAMILY[name], 0) + math.prod(shapes[name][0][1:])
+        return out
 
     def params(self) -> int:
         """Matmul parameters one token multiplies by in one layer (its `matmuls`' elements

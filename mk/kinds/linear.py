@@ -36,6 +36,7 @@ class DeltaNet(Kind):
     # Off the MXU: the conv, the decay and bias vectors, the gated norm (its matmuls are
     # the rest: DeltaNet's qkv, z, b, a, out; KDA's qkv, b, the low-rank gates, out).
     elementwise = ("lin_conv", "lin_a_log", "lin_dt_bias", "lin_norm")
+    packs = False  # mk.quant quantises no model with linear layers (issue 34)
 
     def split_widths(self) -> dict[str, int]:
         return dict(linear_key_heads=self.config.linear_key_heads)
