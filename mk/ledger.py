@@ -23,6 +23,7 @@ from mk.config import ModelConfig
 from mk.presets import preset as named_preset
 from mk.published import Published, published
 from mk.kernels.plan import shard_config
+from mk.kinds.layers import layer_kinds
 from mk.sim import Assumptions, Simulation, simulate
 
 TERMS = {
@@ -247,23 +248,16 @@ def _explain(run: Run) -> str:
     row, config, spec, tp, batch, rows = (run.row, run.config, run.spec, run.tp, run.batch,
                                           run.rows)
     notes = []
-    if config.is_mla:
-        notes.append(f"{config.name}: Kimi Linear's architecture ({len(config.linear_layers)}"
-                     f" KDA and {len(config.full_layers)} MLA layers, a shared expert; shapes "
-                     "from Kimi K2's and Kimi-Linear's configs as quoted in mk.config, the KDA "
-                     "head count assumed) for the release's Kimi K3")
-    elif config.is_hybrid:
-        notes.append(f"{config.name}: Qwen3.5's architecture ({len(config.linear_layers)} "
-                     f"gated-DeltaNet and {len(config.full_layers)} gated full-attention "
-                     "layers, shapes from its config.json as quoted in mk.config) for the "
-                     "release's 'Qwen3.8-27B'; the linear states are read once and written "
-                     "after every verified row")
+    kinds = layer_kinds(config)
+    notes.append(f"{config.name} ({', '.join(kind.described() for kind in kinds)}; its "
+                 f"sources and assumptions in mk.presets) for the release's {row.model}")
+    notes += list(dict.fromkeys(kind.note for kind in kinds if kind.note))
     if config.formats:
         cost = ", at the MXU rule's full cost per element" if spec.kind == "tpu" else ""
         stored = ", ".join(f"{group} as {scheme}" for group, scheme in config.formats)
         notes.append(f"{stored} (mk.quant's packed data and scales; the release's FP4){cost}")
     Fe = config.expert_ffn
-    width = shard_config(config, tp).expert_ffn if config.is_moe and tp > 1 else 0
+    width = shard_config(config, tp).expert_ffn if tp > 1 else 0  # 0: no experts
     if width > Fe // tp:
         notes.append(f"each expert's {Fe // tp} columns a device (of {Fe}) padded to "
                      f"{width} lanes: {width * tp / Fe:g}x the expert bytes (the release's "

@@ -41,6 +41,7 @@ class GQA(Kind):
     """Grouped-query attention over a K/V cache [L, B, K, S, H]."""
 
     name = "gqa"
+    title = "full-attention"
     role = "mixer"
     phases = FULL_PHASES
     stream_phase = "prologue"
@@ -170,6 +171,7 @@ class MLA(GQA):
     are DMA'd whole at the layer's start, wkv_a's columns padded to whole tiles."""
 
     name = "mla"
+    title = "MLA"
 
     def kv_layout(self) -> tuple[int, int, int]:
         return 1, self.config.latent_width, 1

@@ -66,7 +66,9 @@ class Kind:
     stream_phase: ClassVar[str] = ""  # the phase that consumes its segments
     skip_tag: ClassVar[str] = ""  # the simulator's cause for an HBM gap its skip leaves
     elementwise: ClassVar[tuple[str, ...]] = ()  # its weights applied off the MXU
+    title: ClassVar[str] = ""  # what its layers are called in prose (`described`)
     packs: ClassVar[bool] = True  # its kernel streams a format's packed tiles (mk.quant)
+    note: ClassVar[str] = ""  # what the ledger says of a modelled run with its layers
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -166,6 +168,11 @@ class Kind:
         `elementwise` ones, in table order."""
         return tuple(n for n in self.weights()
                      if FAMILY[n] != "norms" and n not in self.elementwise)
+
+    def described(self) -> str:
+        """Its layers in prose, e.g. "23 MLA layers" (the ledger's notes)."""
+        n = len(self.layers)
+        return f"{n} {self.title} layer{'s' * (n != 1)}"
 
     def streamed(self, experts: float) -> dict[str, float]:
         """Elements of each weight family (`mk.weights.FAMILY`) one of its layers moves

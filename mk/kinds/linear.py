@@ -29,6 +29,8 @@ class DeltaNet(Kind):
     """The gated DeltaNet token mixer."""
 
     name = "deltanet"
+    title = "gated-DeltaNet"
+    note = "the linear states are read once and written after every verified row"
     role = "mixer"
     phases = ("linear",)
     stream_phase = "linear"
@@ -131,6 +133,7 @@ class KDA(DeltaNet):
     low-rank forget and output gates DMA'd, no lin_z segment)."""
 
     name = "kda"
+    title = "KDA"
 
     def twin(self, sim) -> KDATwin:
         return KDATwin(self, sim)

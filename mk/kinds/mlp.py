@@ -39,6 +39,7 @@ class Dense(Kind):
     """The dense SwiGLU MLP."""
 
     name = "dense"
+    title = "dense-MLP"
     role = "mlp"
     phases = ("mlp",)
     stream_phase = "mlp"
@@ -81,9 +82,14 @@ class MoE(Kind):
     """The mixture of experts: router, expert slots, an optional shared expert."""
 
     name = "moe"
+    title = "MoE"
     role = "mlp"
     phases = ("after_mixer", "before_mlp", "mlp")
     stream_phase = "mlp"
+
+    def described(self) -> str:
+        shared = " with a shared expert" if self.config.shared_expert_ffn else ""
+        return super().described() + shared
 
     def slots(self, M: int) -> int:
         c = self.config
