@@ -25,6 +25,7 @@ from safetensors import SafetensorError, safe_open
 from mk import quant
 from mk.config import ModelConfig, check_seed
 from mk.errors import shown
+from mk.kinds.layers import packs
 from mk.weights import FORMAT_GROUPS, hf_names, hf_scheme, layer_rows, param_shapes, weights_of
 
 
@@ -60,8 +61,9 @@ INDEX_FILE = "model.safetensors.index.json"
 STORED_DTYPES = ("F32", "BF16", "F16")
 
 
-# Tensors of a Qwen3.5 checkpoint that mk does not run (multi-token prediction, vision).
-QWEN3_5_SKIPPED = ("mtp.", "model.visual.")
+# Tensors mk does not run, by the checkpoint's model_type: Qwen3.5's multi-token
+# prediction and vision tower.
+SKIPPED = dict.fromkeys(("qwen3_5", "qwen3_5_text"), ("mtp.", "model.visual."))
 
 
 def _parts(config: ModelConfig) -> dict[str, tuple[str, slice]]:
@@ -150,7 +152,7 @@ def load_checkpoint(path: str | Path, *, dtype: str | None = None
                               _header_dtypes(folder))
     shapes = param_shapes(config)
     shapes["wq+wq_gate"] = shapes["wq"]  # the q_proj of a gated model fills wq and wq_gate
-    if config.is_moe:  # gpt-oss's fused gate_up fills we_gate and we_up
+    if "we_gate" in shapes:  # gpt-oss's fused gate_up fills we_gate and we_up
         shapes["we_gate+up"] = shapes["we_gate"]
     for pseudo, (param, cut) in _parts(config).items():
         if param in shapes:
@@ -159,7 +161,7 @@ def load_checkpoint(path: str | Path, *, dtype: str | None = None
     with contextlib.ExitStack() as stack:
         handles, where, problems = _open_tensors(folder, layout, shapes, stack,
                                                  hf_aliases(config))
-        skipped = QWEN3_5_SKIPPED if config.is_hybrid else ()
+        skipped = SKIPPED.get(hf.get("model_type"), ())
         for name in where:
             if name.startswith(skipped):
                 continue
@@ -211,15 +213,17 @@ def quant_format(folder, hf: dict, config: ModelConfig) -> str | None:
     if method not in QUANT_FORMATS:
         raise NotImplementedError(f"{folder}: quantization_config.quant_method="
                                   f"{shown(method)} is not read; mk reads {QUANT_FORMATS}")
-    if config.is_hybrid:
-        raise NotImplementedError(f"{folder}: a quantised hybrid checkpoint is not read")
+    if not packs(config):
+        raise NotImplementedError(f"{folder}: a quantised hybrid checkpoint is not read (a "
+                                  "layer kind that streams no packed tiles: "
+                                  "mk.kinds.layers.packs)")
     if method == "fp8":
         block, fmt = qc.get("weight_block_size"), qc.get("fmt", "e4m3")
         if block != [128, 128] or fmt != "e4m3":
             raise ValueError(f"{folder}: fp8 quantization_config weight_block_size="
                              f"{shown(block)}, fmt={shown(fmt)}; mk reads [128, 128] blocks "
                              "of e4m3")
-    if method == "mxfp4" and not config.is_moe:
+    if method == "mxfp4" and not config.experts:
         raise ValueError(f"{folder}: quant_method='mxfp4' stores experts, and "
                          f"{config.name} has none")
     return method
@@ -400,7 +404,7 @@ def hf_aliases(config: ModelConfig) -> dict[str, str]:
         return {}
     return {f"model.layers.{i}.mlp.{proj}_proj.weight":
             f"model.layers.{i}.block_sparse_moe.{proj}_proj.weight"
-            for i in range(config.layers) if config.mlp_index(i)[0] == "dense"
+            for i in config.dense_layers
             for proj in ("gate", "up", "down")}
 
 

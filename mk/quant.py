@@ -321,10 +321,13 @@ def check_quantisable(config: ModelConfig, formats) -> dict[str, str]:
     scheme}: mk.quant does not quantise a hybrid (linear-attention) model's weights, so
     neither `quantize` nor the megakernel's plan takes formats for one (the byte model
     charges them: `mk.kernels.plan.DecodePlan.make(kernel=False)`)."""
+    from mk.kinds.layers import packs  # here: the kinds' kernels import mk.quant
+
     chosen = check_formats(config, formats)
-    if config.is_hybrid and chosen:
+    if chosen and not packs(config):
         raise NotImplementedError(f"{config.name}: formats={chosen}: mk.quant does not "
-                                  "quantise hybrid (linear-attention) models")
+                                  "quantise hybrid (linear-attention) models (a layer kind "
+                                  "that streams no packed tiles: mk.kinds.layers.packs)")
     return chosen
 
 

@@ -88,7 +88,7 @@ from mk.kernels.deltanet import check_conv_kernel
 from mk.kernels.kv_stream import tile_counts
 from mk.kernels.mlp import expert_slots
 from mk.kernels.one_layer import layer_buffers, layer_scratch, model_block
-from mk.kinds.layers import full_attention, layer_kinds, layer_matrices
+from mk.kinds.layers import full_attention, layer_kinds, layer_matrices, packs
 from mk.kernels.ring import TileStream, ring_buffers
 from mk.weights import FAMILIES, FAMILY, FORMAT_GROUP
 
@@ -254,8 +254,7 @@ def packed_formats(config: ModelConfig, tp: int, formats: dict[str, str]
     when every layer kind of the model streams packed tiles (`Kind.packs`); none at tp > 1
     (not built yet, issue 34) or otherwise, where `mk.perf` and the simulator's plans
     charge their bytes on plain tiles."""
-    packs = all(kind.packs for kind in layer_kinds(config))
-    return dict(formats) if tp == 1 and packs else {}
+    return dict(formats) if tp == 1 and packs(config) else {}
 
 
 def shard_weight_bytes(local: ModelConfig, vocab: int, experts: float, formats=None,
