@@ -48,6 +48,8 @@ from jax import lax
 import mk
 from mk import reference
 from mk.config import ModelConfig
+from mk.kinds.base import ROLES
+from mk.kinds.layers import layer_kinds, of_role
 from mk.weights import abstract_params
 
 # (config, batch, rows, context) -> (fn, args); args are pytrees of ShapeDtypeStructs.
@@ -80,9 +82,8 @@ def model_at(config: ModelConfig, layers: int) -> ModelConfig:
     """`config` with `layers` layers: its first layers, or more layers like its last one."""
     if layers <= config.layers:
         return config.first_layers(layers)
-    extra = range(config.layers, layers)
-    moe = config.moe_layers + (tuple(extra) if config.layers - 1 in config.moe_layers else ())
-    return dataclasses.replace(config, layers=layers, moe_layers=moe)
+    return config.pick_layers([*range(config.layers)] + [config.layers - 1] * (
+        layers - config.layers))
 
 
 def step_shapes(config: ModelConfig, batch: int, rows: int, context: int) -> list:
@@ -96,11 +97,15 @@ def step_shapes(config: ModelConfig, batch: int, rows: int, context: int) -> lis
 
 # -- The XLA decode step written with lax.scan --------------------------------------------
 def check_uniform(config: ModelConfig) -> None:
-    """A scan needs one layer body: every layer dense, or every layer MoE."""
-    if config.moe_layers and config.dense_layers:
+    """A scan needs one layer body: every layer of one kind per role (all dense or all
+    MoE, ...)."""
+    kinds = layer_kinds(config)
+    mixed = [k.name for role in ROLES if len(of_role(kinds, role)) > 1
+             for k in of_role(kinds, role)]
+    if mixed:
         raise NotImplementedError(
             f"{config.name}: a lax.scan over layers needs every layer of one kind; "
-            f"moe_layers={config.moe_layers} mixes MoE and dense layers")
+            f"its layers mix the kinds {mixed}")
 
 
 @functools.partial(jax.jit, static_argnames=("config",))

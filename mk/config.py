@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from mk.errors import brief, shown
-from mk.kinds.checks import KIND_CHECKS, check_positive_ints
+from mk.kinds.checks import FORMAT_LAYERS, KIND_CHECKS, UNSET, check_positive_ints
 from mk.kinds.hf import fields_from_hf
 
 # Bits per element of the dtypes weights, activations and caches are held in.
@@ -108,9 +108,10 @@ def check_formats(config: ModelConfig, formats) -> dict[str, str]:
         if scheme not in SCHEME_BITS:
             raise ValueError(f"{config.name}: formats {group}={shown(scheme)} must be one of "
                              f"{tuple(SCHEME_BITS)} or None")
-        if group == "experts" and not config.moe_layers:
-            raise ValueError(f"{config.name}: formats experts={scheme!r}: {config.name} has "
-                             "no experts")
+        needs = FORMAT_LAYERS.get(group)  # the layers holding the group's weights
+        if needs and not getattr(config, needs):
+            raise ValueError(f"{config.name}: formats {group}={scheme!r}: {config.name} has "
+                             f"no {group} (no {needs})")
         if group == "lm_head" and config.tie_embeddings:
             raise ValueError(f"{config.name}: formats lm_head={scheme!r}: {config.name} ties "
                              "its lm_head to the embedding table, which stays in dtype")
@@ -310,21 +311,25 @@ class ModelConfig:
         if not 1 <= n <= self.layers:
             raise ValueError(f"{self.name}: first_layers(n={n}) needs 1 <= n <= "
                              f"layers={self.layers}")
-        moe = tuple(i for i in self.moe_layers if i < n)
-        # A cut with no MoE layer left is a dense model: no expert fields to validate.
-        dense_only = {} if moe or not self.is_moe else dict(
-            experts=0, experts_per_token=0, expert_ffn=0, norm_topk=False,
-            formats=tuple((g, q) for g, q in self.formats if g != "experts"))
-        kinds = self.layer_types[:n]
-        # Likewise a cut with no linear layer left has no linear-attention fields.
-        full_only = {} if "linear" in kinds or not self.is_hybrid else dict(
-            linear_key_heads=0, linear_value_heads=0, linear_key_dim=0, linear_value_dim=0,
-            conv_kernel=0, channel_decay=False)
-        if dense_only:
-            dense_only.update(shared_expert_ffn=0, router_score="softmax", expert_groups=1,
-                              topk_groups=1, routed_scale=1.0)
-        return dataclasses.replace(self, layers=n, moe_layers=moe, layer_types=kinds,
-                                   **dense_only, **full_only)
+        return self.pick_layers(range(n))
+
+    def pick_layers(self, layers) -> ModelConfig:
+        """A model of the given layers of this one, in order (indices; a repeat makes a
+        deeper model like it): its layer i is this one's layers[i]. A layer kind none of
+        them has leaves its fields unset (`mk.kinds.checks.UNSET`) and its format groups
+        (`FORMAT_LAYERS`)."""
+        layers = tuple(int(i) for i in layers)
+
+        def like(field):  # the new layers that are like this model's `field` layers
+            old = set(getattr(self, field))
+            return tuple(i for i, was in enumerate(layers) if was in old)
+
+        gone = [field for field in UNSET if getattr(self, field) and not like(field)]
+        types = tuple(self.layer_types[i] for i in layers) if self.layer_types else ()
+        return dataclasses.replace(
+            self, layers=len(layers), moe_layers=like("moe_layers"), layer_types=types,
+            formats=tuple((g, q) for g, q in self.formats if FORMAT_LAYERS.get(g) not in gone),
+            **{f: v for field in gone for f, v in UNSET[field].items()})
 
     # -- Derived sizes --------------------------------------------------------------------
     @property

@@ -2,7 +2,8 @@
 layers, MLA, KDA, the router) checks the fields that describe it, and that they are unset
 when the model has no layer of that kind. `ModelConfig` runs every one (`KIND_CHECKS`) on
 construction; a check reads the config's fields by name, so this module imports nothing
-of mk but its error texts (`mk.errors`). Also here: `check_routing` (a router's settings,
+of mk but its error texts (`mk.errors`). Also here: `UNSET` and `FORMAT_LAYERS` (what a model without a kind's layers has),
+`check_routing` (a router's settings,
 the config's and the MoE kernel's `Routing`), `check_positive_ints` (ModelConfig's too)
 and `ROUTER_SCORES`.
 Not here: the kinds' weights (`mk.weights`), their kernels (`mk.kernels`).
@@ -15,6 +16,20 @@ import math
 import numpy as np
 
 from mk.errors import brief, shown
+
+# Each layer kind's config fields at their values in a model with none of its layers, by
+# the ModelConfig property that lists those layers: `ModelConfig.pick_layers` sets them
+# when a kind's layers are all cut away, and check_moe, check_linear and check_router
+# refuse any other value.
+UNSET = {
+    "moe_layers": dict(experts=0, experts_per_token=0, expert_ffn=0, norm_topk=False,
+                       shared_expert_ffn=0, router_score="softmax", expert_groups=1,
+                       topk_groups=1, routed_scale=1.0),
+    "linear_layers": dict(linear_key_heads=0, linear_value_heads=0, linear_key_dim=0,
+                          linear_value_dim=0, conv_kernel=0, channel_decay=False),
+}
+# A format group (`mk.config.check_formats`) -> the layers that hold its weights.
+FORMAT_LAYERS = {"experts": "moe_layers"}
 
 # How a router scores experts: Qwen's softmax, or DeepSeek/Kimi's sigmoid (+ choice bias).
 ROUTER_SCORES = ("softmax", "sigmoid")
@@ -145,9 +160,8 @@ def check_router(c) -> None:
                    topk_groups=c.topk_groups, routed_scale=c.routed_scale)
     if not c.moe_layers:
         check_routing(c.name, **routing)  # the fields' own types and values
-        if routing | dict(shared_expert_ffn=c.shared_expert_ffn) != dict(
-                router_score="softmax", expert_groups=1, topk_groups=1,
-                routed_scale=1.0, shared_expert_ffn=0):
+        fields = routing | dict(shared_expert_ffn=c.shared_expert_ffn)
+        if fields != {f: UNSET["moe_layers"][f] for f in fields}:
             raise ValueError(f"{c.name}: {shown(routing, 300)} and shared_expert_ffn="
                              f"{shown(c.shared_expert_ffn)} are set but moe_layers is empty")
         return
