@@ -341,8 +341,8 @@ class Mystery:
     def _step(self, fix=None, detect_races=False):
         patch = (replaced(self._plant, fix) if fix is not None else planted(self._plant))
         with patch, backend.use("interpret", detect_races=detect_races):
-            block = DecodePlan.make(self.config, batch=1, rows=2, context=256).block
-            weights = megakernel.prepare(self.config, self.params, block)
+            plan = DecodePlan.make(self.config, batch=1, rows=2, context=256)
+            weights = megakernel.prepare(plan, self.params)
             logits = megakernel.decode_step(self.config, weights, self.cache, self.tokens,
                                             self.positions)[1]
             return jax.block_until_ready(logits), backend.races_found()

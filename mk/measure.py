@@ -372,7 +372,7 @@ def time_step(config: ModelConfig, *, batch: int = 1, rows: int = 1, context: in
     config = dataclasses.replace(config, max_context=capacity)
     plan = DecodePlan.make(config, batch=batch, rows=rows, context=capacity)
     params = init_params(config, seed)
-    weights = megakernel.prepare(config, params, plan.block)
+    weights = megakernel.prepare(plan, params)
     cache = reference.init_cache(config, batch, capacity)
     tokens, positions = reference.validate_step(
         config, cache, np.zeros((batch, rows), np.int32), np.full((batch,), context, np.int32))

@@ -104,6 +104,7 @@ from mk.kernels.ring import Ring, ring_layout
 from mk.kinds.base import Step
 from mk.kinds.layers import TABLES, kind_at, layer_kinds, layer_tables, of_role
 from mk.ops import rms_norm
+from mk.shards import shard_params
 
 TAPS = ("attn", "mlp")  # where the residual stream is tapped in each layer (debug path)
 # Where each operand of the kernel lives: SMEM scalars, VMEM, or HBM (pl.ANY, DMA'd by
@@ -125,9 +126,19 @@ def operands(config: ModelConfig) -> tuple[str, ...]:
     return tuple(n for kind in layer_kinds(config) for n in kind.weights("ring", "dma"))
 
 
-def prepare(config: ModelConfig, params, block: BlockSizes) -> dict:
-    """The megakernel's weights for the model (or shard) `config`, made once: each layer
-    kind's (`Kind.prepare`) with the ring's in stream order for `block`
+def prepare(plan: DecodePlan, params) -> dict:
+    """The megakernel's weights for `plan`, made once from the model's params: one
+    device's (`_device_weights`), or at tp > 1 each device's stacked [tp, ...] (split by
+    `mk.shards.shard_params`, then laid out per device)."""
+    if plan.tp == 1:
+        return _device_weights(plan.local, params, plan.block)
+    stacked = shard_params(plan.config, params, plan.tp)
+    return jax.vmap(lambda p: _device_weights(plan.local, p, plan.block))(stacked)
+
+
+def _device_weights(config: ModelConfig, params, block: BlockSizes) -> dict:
+    """One device's megakernel weights for the model (or shard) `config` (`prepare`): each
+    layer kind's (`Kind.prepare`) with the ring's in stream order for `block`
     (`mk.kernels.ring.ring_layout`: each stacked matrix [..., tiles, tile_rows,
     tile_cols], transposed where `BlockSizes.cut` says; quantised ones
     `mk.quant.tile_major`), the norms stacked per layer in float32 (norm_offset added; a
@@ -264,7 +275,7 @@ def decode_step(config: ModelConfig, weights, cache, tokens, positions, *,
                 row_states: bool = False):
     """One decode step in one kernel: tokens [B, T] at positions [B] -> (next tokens
     [B, T] int32 (greedy, ties to the lowest id), logits [B, T, V] float32, cache).
-    `weights` from `prepare(config, params, plan.block)`; block: the tiling (default the
+    `weights` from `prepare(plan, params)` (the plan's block); block: the tiling (default the
     plan's, `mk.kernels.plan.default_block`). A hybrid's cache is a
     `mk.reference.HybridCache`; with `row_states=True` the step also returns its linear
     layers' states after each row (`mk.reference.LinearRows`, for `mk.reference.rollback`),
@@ -292,8 +303,8 @@ def first_divergence(config: ModelConfig, params, cache: reference.KVCache, toke
                      rtol: float = 1e-2, backend: str = "auto", weights=None):
     """Run the reference and the megakernel on one step and compare the residual stream
     op by op, in execution order, up to `stop_after=(layer, op)` (op in TAPS; default: the
-    last layer's MLP). `weights`: the megakernel's own (default `prepare(config, params,
-    block)`), to test a preparation or a planted bug. Returns (the first (layer, op) whose
+    last layer's MLP). `weights`: the megakernel's own (default `prepare(plan, params)` of
+    this step's plan), to test a preparation or a planted bug. Returns (the first (layer, op) whose
     max |mk - ref| exceeds rtol times the reference's max |x| there, or None; a list of
     dicts, one per compared op, with layer, op, max_abs_err, scale).
 
@@ -310,7 +321,7 @@ def first_divergence(config: ModelConfig, params, cache: reference.KVCache, toke
     _, _, want = reference.decode_step(config, quant.dequantize(params), cache, tokens,
                                        positions, taps=True)
     with backends.use(backend):
-        weights = prepare(config, params, plan.block) if weights is None else weights
+        weights = prepare(plan, params) if weights is None else weights
         *_, got = decode_step(config, weights, cache, tokens, positions, block=plan.block,
                               taps=True)
     report = []
@@ -468,7 +479,7 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, backend: str = 
                      formats=quant.formats_of(params))
     values = quant.dequantize(params)  # what the kernel multiplies by, for the prefill
     reference.check_params(config, values)
-    weights = prepare(config, params, plan.block)
+    weights = prepare(plan, params)
     with backends.use(backend):
         return greedy_loop(functools.partial(_greedy_steps, plan, weights), config, values,
                            prompt, S, steps, steps_per_call, progress=progress,

@@ -20,9 +20,14 @@ def _qwen3(name, *, hidden, layers, heads, kv_heads, ffn, tie, **extra):
                        tie_embeddings=tie, **extra)
 
 
+def _every_fourth_full(layers: int) -> tuple[str, ...]:
+    """layer_types of 3 linear layers for every full-attention layer (the 4th, 8th, ...)."""
+    return tuple("full" if (i + 1) % 4 == 0 else "linear" for i in range(layers))
+
+
 def _qwen3_5(name, *, hidden, layers, heads, kv_heads, ffn, linear_value_heads, **extra):
     """A Qwen3.5 text model: 3 gated-DeltaNet layers for every full-attention layer."""
-    kinds = tuple("full" if (i + 1) % 4 == 0 else "linear" for i in range(layers))
+    kinds = _every_fourth_full(layers)
     return ModelConfig(name=name, vocab=248_320, hidden=hidden, layers=layers, heads=heads,
                        kv_heads=kv_heads, head_dim=256, ffn=ffn, layer_types=kinds,
                        linear_key_heads=16, linear_value_heads=linear_value_heads,
@@ -124,7 +129,7 @@ _KIMI_PRESETS = {
     "kimi-k3": lambda: ModelConfig(
         name="kimi-k3", vocab=163_840, hidden=7168, layers=93, heads=64, kv_heads=64,
         head_dim=192, ffn=18_432, qk_norm=False, rms_eps=1e-6, max_position=131_072,
-        layer_types=tuple("full" if (i + 1) % 4 == 0 else "linear" for i in range(93)),
+        layer_types=_every_fourth_full(93),
         latent_rank=512, q_rank=1536, rope_dim=64, value_dim=128, linear_key_heads=64,
         linear_value_heads=64, linear_key_dim=128, linear_value_dim=128, conv_kernel=4,
         channel_decay=True, experts=896, experts_per_token=16, expert_ffn=2048,

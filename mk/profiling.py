@@ -434,9 +434,9 @@ def variants(config: ModelConfig, params, cache: reference.KVCache, tokens, posi
     weights are laid out once, here, not in the step. Call the kernels inside
     `mk.backend.use(...)`."""
     B, T = jnp.shape(tokens)
-    block = DecodePlan.make(config, batch=B, rows=T,
-                                 context=reference.cache_capacity(config, cache)).block
-    weights = megakernel.prepare(config, params, block)
+    plan = DecodePlan.make(config, batch=B, rows=T,
+                           context=reference.cache_capacity(config, cache))
+    block, weights = plan.block, megakernel.prepare(plan, params)
     layers = staged_weights(config, params)
     return {
         "xla": lambda: reference.decode_step(config, params, cache, tokens, positions),

@@ -128,7 +128,7 @@ class Megakernel(Runner):
         plan = DecodePlan.make(self.config, batch=batch, rows=self.rows,
                                     context=capacity, block=self.tiling)
         if self.block is None or plan.block.tile_cols != self.block.tile_cols:
-            self.weights = megakernel.prepare(self.config, self.params, plan.block)
+            self.weights = megakernel.prepare(plan, self.params)
         self.block = plan.block
         return reference.init_cache(self.config, batch, capacity)
 

@@ -523,7 +523,7 @@ def simulate(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows:
                            block=block, formats=formats, chip=spec, kernel=False)
     a = assumptions or Assumptions()
     on = 0
-    if config.is_moe:
+    if plan.expert_slots:  # 0 without MoE layers
         on = experts_active if experts_active is not None else active_experts(
             config, plan.M, routing)
         limit = plan.expert_slots

@@ -3,8 +3,8 @@
 Every device runs the SAME megakernel (`mk.megakernel`, a `DecodePlan` with tp > 1) on its
 shard of the weights; the sharding model (which device holds which heads, columns and
 rows, and the padding to whole tiles) is `mk.kernels.plan`'s, each weight's split rule is
-its row of `mk.weights` (`mk.weights.SPLITS`), and this module lays the arrays out to them
-(`_SPLIT`); MLA's latent cache is whole on every device, a linear layer's conv and
+its row of `mk.weights` (`mk.weights.SPLITS`), `mk.shards` lays the weights out to them
+(`mk.megakernel.prepare` calls it for a plan with tp > 1); MLA's latent cache is whole on every device, a linear layer's conv and
 recurrent states are split by its heads as its weights are.
 
 Inside the kernel, `wo`, `lin_out` and `w_down` (and each expert's down) produce partial
@@ -13,8 +13,7 @@ sums; one in-kernel all-reduce after the token mixer and one after the MLP make 
 residuals, and its routing and argmax agree without an exchange). The lm_head's shards end
 in the cross-shard greedy argmax.
 
-Here: `shard_params` (params -> per-device stacks [tp, ...]), `shard_cache`,
-`check_sharded_cache`, `prepare`, `decode_step`, `generate` (each a `jax.shard_map` over
+Here: `shard_cache`, `check_sharded_cache`, `decode_step`, `generate` (each a `jax.shard_map` over
 the mesh), `compile_target` (what `mk.tpu.compile_megakernel` compiles for tp > 1),
 `collective_terms` (their cost by the `mk.perf` ICI model). Not here: sequence or expert
 parallelism, a vocab-sharded embedding, meshes with more than one axis.
@@ -35,70 +34,9 @@ from mk.chips import chip as chip_spec
 from mk.config import ModelConfig
 from mk.kernels.collectives import (AXIS, ICI_LATENCY_S, all_reduce_bytes, check_devices,
                                     check_interpret_devices, ici_bandwidth, tp_mesh)
-from mk.kernels.common import BlockSizes, padded_width
+from mk.kernels.common import BlockSizes
 from mk.kernels.plan import DecodePlan, check_tp, kv_heads_of, shard_config
-from mk.weights import weights_of
-
-
-def _columns(w, tp: int, pad: bool = False):
-    """[..., C] -> [tp, ..., C/tp]: device i holds columns [i C/tp, (i+1) C/tp); with pad,
-    zero columns up to whole 128-lane tiles."""
-    out = jnp.moveaxis(w.reshape(*w.shape[:-1], tp, w.shape[-1] // tp), -2, 0)
-    extra = padded_width(out.shape[-1]) - out.shape[-1] if pad else 0
-    return jnp.pad(out, [(0, 0)] * (out.ndim - 1) + [(0, extra)]) if extra else out
-
-
-def _rows(w, tp: int, pad: bool = False):
-    """[..., R, C] -> [tp, ..., R/tp, C]; with pad, zero rows up to whole 128-row tiles."""
-    out = jnp.moveaxis(w.reshape(*w.shape[:-2], tp, w.shape[-2] // tp, w.shape[-1]), -3, 0)
-    extra = padded_width(out.shape[-2]) - out.shape[-2] if pad else 0
-    return jnp.pad(out, [(0, 0)] * (out.ndim - 2) + [(0, extra), (0, 0)]) if extra else out
-
-
-def _kv_columns(config: ModelConfig, w, tp: int):
-    """wk / wv [L, D, K*H] -> [tp, L, D, K_local*H]."""
-    heads = w.reshape(*w.shape[:-1], config.kv_heads, config.head_dim)
-    picked = heads[..., np.array(kv_heads_of(config, tp)), :]  # [L, D, tp, K_local, H]
-    width = picked.shape[-2] * picked.shape[-1]  # not -1: L = 0 in an all-linear hybrid
-    return jnp.moveaxis(picked.reshape(*w.shape[:-1], tp, width), -2, 0)
-
-
-def _linear_channels(config: ModelConfig, w, tp: int):
-    """A gated-DeltaNet layer's conv channels [..., C] (q | k | v: Nk*Hk, Nk*Hk, Nv*Hv)
-    -> [tp, ..., C/tp]: device i's q, k and v heads, in the same order."""
-    kw = config.linear_key_width
-    parts = [_columns(w[..., a:b], tp) for a, b in ((0, kw), (kw, 2 * kw), (2 * kw, None))]
-    return jnp.concatenate(parts, axis=-1)
-
-
-# How each split rule of `mk.weights.SPLITS` lays one weight out over tp devices.
-_SPLIT = {
-    "columns": lambda config, w, tp: _columns(w, tp),
-    "vocab": lambda config, w, tp: _columns(w, tp),
-    "rows": lambda config, w, tp: _rows(w, tp),
-    "kv_heads": _kv_columns,
-    "channels": _linear_channels,
-    "ffn_columns": lambda config, w, tp: _columns(w, tp, pad=tp > 1),
-    "ffn_rows": lambda config, w, tp: _rows(w, tp, pad=tp > 1),
-}
-
-
-def shard_params(config: ModelConfig, params, tp: int) -> dict:
-    """Full params -> per-device params stacked on a leading [tp] axis, in the layout of
-    `shard_config(config, tp)` (plus the whole `embed` [V, D], replicated): each weight
-    split by its `mk.weights` split rule; a tied model's lm_head is embed.T's vocab
-    columns."""
-    check_tp(config, tp)
-    if quant.formats_of(params):
-        raise ValueError(f"params hold quantised weights {quant.formats_of(params)}; "
-                         "mk.tensor_parallel.shard_params splits plain weights (quantised "
-                         "tensor parallelism: not yet): pass mk.quant.dequantize(params)")
-    split = {w.name: _SPLIT[w.split](config, params[w.name], tp)
-             for w in weights_of(config) if w.split != "whole"}
-    if config.tie_embeddings:
-        split["lm_head"] = _SPLIT["vocab"](config, params["embed"].T, tp)
-    whole = {k: v for k, v in params.items() if k not in split}
-    return split | {k: jnp.broadcast_to(v, (tp, *v.shape)) for k, v in whole.items()}
+from mk.shards import split_channels
 
 
 def check_sharded_cache(config: ModelConfig, cache, tp: int) -> None:
@@ -115,7 +53,7 @@ def check_sharded_cache(config: ModelConfig, cache, tp: int) -> None:
 def shard_cache(config: ModelConfig, cache, tp: int):
     """[L, B, K, S, H] caches -> [tp, L, B, K_local, S, H] (each device's kv heads); MLA's
     latent cache [La, B, S, W] whole on every device (every head reads it); a hybrid's
-    linear states too: conv [tp, Ll, B, W-1, C/tp] (`_linear_channels`), state [tp, Ll, B,
+    linear states too: conv [tp, Ll, B, W-1, C/tp] (`mk.shards.split_channels`), state [tp, Ll, B,
     Nv/tp, Hk, Hv]."""
     if config.is_mla:
         kv = [jnp.broadcast_to(cache.latent, (tp, *cache.latent.shape))]
@@ -126,14 +64,7 @@ def shard_cache(config: ModelConfig, cache, tp: int):
         return reference.KVCache(*kv)
     state = cache.state.reshape(*cache.state.shape[:2], tp, -1, *cache.state.shape[3:])
     kind = reference.LatentCache if config.is_mla else reference.HybridCache
-    return kind(*kv, _linear_channels(config, cache.conv, tp), jnp.moveaxis(state, 2, 0))
-
-
-def prepare(plan: DecodePlan, params) -> dict:
-    """Each device's megakernel weights for `plan`, stacked [tp, ...] (shard, then
-    `mk.megakernel.prepare`)."""
-    stacked = shard_params(plan.config, params, plan.tp)
-    return jax.vmap(lambda p: megakernel.prepare(plan.local, p, plan.block))(stacked)
+    return kind(*kv, split_channels(config, cache.conv, tp), jnp.moveaxis(state, 2, 0))
 
 
 def _specs(tree):
@@ -219,7 +150,7 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, tp: int,
                                 block=block)
     reference.check_params(config, params, "mk.tensor_parallel.generate")
     backends.check_active()
-    weights = prepare(plan, params)
+    weights = megakernel.prepare(plan, params)
     return megakernel.greedy_loop(
         functools.partial(_greedy_steps, plan, mesh, weights), config, params, prompt, S,
         steps, steps_per_call, progress=progress, desc=f"megakernel tp={tp}",

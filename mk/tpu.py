@@ -181,8 +181,8 @@ def compile_megakernel(config: ModelConfig, chip: str | ChipSpec, *, tp: int = 1
     cache = jax.eval_shape(lambda: reference.init_cache(plan.local, batch, context))
     tokens = jax.ShapeDtypeStruct((batch, rows), jnp.int32)
     positions = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    weights = jax.eval_shape(lambda p: megakernel.prepare(plan, p), params)  # tp > 1: [tp, ...]
     if plan.tp == 1:
-        weights = jax.eval_shape(lambda p: megakernel.prepare(config, p, plan.block), params)
         report = compile_for_chip(
             lambda w, c, t, p: megakernel.traced_step(plan, w, c, t, p),
             [weights, cache, tokens, positions], spec, name=name, vmem=fit.vmem,
@@ -193,7 +193,6 @@ def compile_megakernel(config: ModelConfig, chip: str | ChipSpec, *, tp: int = 1
         raise ValueError(f"topology={topology or spec.topology!r} has {len(available)} "
                          f"cores, fewer than tp={plan.tp}")
     mesh = Mesh(np.array(available[:plan.tp]), (AXIS,))
-    weights = jax.eval_shape(lambda p: tensor_parallel.prepare(plan, p), params)
     cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct((plan.tp, *a.shape), a.dtype), cache)
     sharded, replicated = NamedSharding(mesh, PartitionSpec(AXIS)), NamedSharding(
         mesh, PartitionSpec())

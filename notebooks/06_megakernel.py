@@ -190,7 +190,7 @@ drafted, positions = want[:, :run.rows], jnp.full((run.batch,), prompt.shape[1],
 want_rows = reference.greedy(reference.decode_step(config, params, cache, drafted,
                                                    positions)[0])
 with mk.backend.use(run.backend):
-    got_rows, _, _ = megakernel.decode_step(config, megakernel.prepare(config, params, block),
+    got_rows, _, _ = megakernel.decode_step(config, megakernel.prepare(plan, params),
                                             cache, drafted, positions, block=block)
 print(f"T={run.rows}: reference {want_rows.tolist()}, megakernel {got_rows.tolist()}")
 
@@ -210,7 +210,7 @@ debug_tokens, debug_positions = want[:, :1], jnp.full((run.batch,), prompt.shape
 first, report_ = megakernel.first_divergence(config, params, cache, debug_tokens,
                                              debug_positions, block=block, backend=run.backend)
 display(plots.table(report_))
-weights = megakernel.prepare(config, params, block)
+weights = megakernel.prepare(plan, params)
 planted = weights | {"norms": weights["norms"].at[0, 0].mul(1.5)}
 planted_first, _ = megakernel.first_divergence(config, params, cache, debug_tokens,
                                                debug_positions, block=block,

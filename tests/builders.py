@@ -266,10 +266,11 @@ def assert_verify_steps(config, params, values, prompt, want, rows: int, tokens:
     import jax.numpy as jnp
 
     from mk import backend, megakernel, quant, reference
-    from mk.kernels.plan import default_block
+    from mk.kernels.plan import DecodePlan, default_block
 
     block = default_block(config, 128, formats=quant.formats_of(params))
-    weights = megakernel.prepare(config, params, block)
+    weights = megakernel.prepare(DecodePlan.make(config, batch=prompt.shape[0], rows=rows,
+                                                 context=128, block=block), params)
     _, cache = reference.prefill(config, values, prompt[:, :-1], max_context=128)
     fed = jnp.concatenate([prompt[:, -1:], want], axis=1)
     P = prompt.shape[1]

@@ -29,6 +29,7 @@ from builders import hf_config_dict, save_hf_checkpoint, write_hf_folder
 
 import mk  # noqa: F401  (sets the CPU platform before jax initialises)
 from mk import backend, megakernel, reference, spec, tpu
+from mk import shards
 from mk import tensor_parallel as tpar
 from mk.checkpoint import init_params, load_checkpoint
 from mk.config import ModelConfig
@@ -369,8 +370,9 @@ def test_a_kernel_called_on_cpu_outside_backend_use_says_what_to_do(params):
     cache = reference.init_cache(TINY, 1, 16)
     block = BlockSizes(kv_tile=16)
     with pytest.raises(ValueError, match=r"inside `with mk.backend.use\('interpret'\):`"):
-        megakernel.decode_step(TINY, megakernel.prepare(TINY, params, block), cache, [[1]],
-                               [0], block=block)
+        weights = megakernel.prepare(DecodePlan.make(TINY, batch=1, context=16, block=block),
+                                     params)
+        megakernel.decode_step(TINY, weights, cache, [[1]], [0], block=block)
 
 
 # -- Entry points and valid configs (issue 39): refused by name before tracing, or run ---------
@@ -386,8 +388,8 @@ def test_entry_points_without_quantised_weights_say_so_by_name(params):
         with pytest.raises(ValueError, match=message.format(entry)):
             call()
     with pytest.raises(ValueError, match=r"params hold quantised weights \{'dense': 'int8'\}; "
-                                         "mk.tensor_parallel.shard_params splits plain"):
-        tpar.shard_params(TINY, q, 1)
+                                         "mk.shards.shard_params splits plain"):
+        shards.shard_params(TINY, q, 1)
 
 
 def _all_linear(family: str) -> ModelConfig:

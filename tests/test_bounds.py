@@ -99,8 +99,9 @@ def _megakernel_accesses(config, *, tp=1, batch=2, rows=2, context=256):
     traced with the tp mesh axis bound), and the plan."""
     plan = plan_module.DecodePlan.make(config, tp=tp, batch=batch, rows=rows, context=context)
     local = plan.local
-    weights = jax.eval_shape(
-        lambda: megakernel.prepare(local, mk.init_params(local, seed=0), plan.block))
+    weights = jax.eval_shape(lambda: megakernel.prepare(plan, mk.init_params(config, seed=0)))
+    if tp > 1:  # one device's: [tp, ...] less its leading axis
+        weights = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), weights)
     cache = jax.eval_shape(lambda: reference.init_cache(local, batch, context))
     tokens = jax.ShapeDtypeStruct((batch, rows), jnp.int32)
     positions = jax.ShapeDtypeStruct((batch,), jnp.int32)

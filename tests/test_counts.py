@@ -48,7 +48,7 @@ def test_plan_hbm_bytes_are_the_megakernels_operands_and_no_kv_for_linear_layers
     config, B, T, S = mk.preset(name), 2, 3, 512
     plan = DecodePlan.make(config, batch=B, rows=T, context=S)
     params = abstract_params(config)
-    weights = jax.eval_shape(lambda p: megakernel.prepare(config, p, plan.block), params)
+    weights = jax.eval_shape(lambda p: megakernel.prepare(plan, p), params)
     cache = jax.eval_shape(lambda: reference.init_cache(config, B, S))
     rows = T * _nbytes([cache.conv, cache.state]) if config.linear_layers else 0
     held = (_nbytes({k: w for k, w in weights.items() if k not in TABLES})

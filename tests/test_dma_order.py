@@ -69,7 +69,7 @@ def kernel_dmas(name: str) -> list:
         tokens = jnp.full((BATCH, 1), 5, jnp.int32)
         positions = jnp.full((BATCH,), POSITION, jnp.int32)
         with dma_log(megakernel.traced_step) as log, backend.use("interpret"):
-            weights = megakernel.prepare(config, mk.init_params(config), plan.block)
+            weights = megakernel.prepare(plan, mk.init_params(config))
             jax.block_until_ready(megakernel.decode_step(config, weights, cache, tokens,
                                                          positions))
         _KERNEL[name] = [(what, int(nbytes)) for what, nbytes in log]
@@ -150,7 +150,7 @@ def test_the_dma_counter_is_in_the_kernel_only_while_a_log_is_open():
     plan = _plan("tiny")
     config = plan.config
     params = jax.eval_shape(lambda: mk.init_params(config))
-    weights = jax.eval_shape(lambda p: megakernel.prepare(config, p, plan.block), params)
+    weights = jax.eval_shape(lambda p: megakernel.prepare(plan, p), params)
     cache = jax.eval_shape(lambda: reference.init_cache(config, BATCH))
     tokens = jax.ShapeDtypeStruct((BATCH, 1), jnp.int32)
     positions = jax.ShapeDtypeStruct((BATCH,), jnp.int32)

@@ -235,8 +235,8 @@ def test_megakernel_t4_steps_predict_transformers_tokens_race_free(tpu_case, bat
     """8 megakernel steps of T = 4 rows (32 tokens) fed transformers' tokens predict its
     next ones; the first step runs under the race detector."""
     model, config, params, prompt = tpu_case
-    weights = megakernel.prepare(config, params, DecodePlan.make(
-        config, batch=batch, rows=4, context=CONTEXT).block)
+    weights = megakernel.prepare(DecodePlan.make(config, batch=batch, rows=4,
+                                                 context=CONTEXT), params)
     races = []
 
     def step(cache, rows, positions):
@@ -327,8 +327,8 @@ def test_megakernel_t2_step_gives_the_reference_kda_row_states_race_free(tiny_ki
     tokens, positions = prompt[:, 4:], jnp.full((2,), 4, jnp.int32)
     want_logits, _, want_rows = R.decode_step(config, params, cache, tokens, positions,
                                               row_states=True)
-    weights = megakernel.prepare(config, params, DecodePlan.make(
-        config, batch=2, rows=2, context=64).block)
+    weights = megakernel.prepare(DecodePlan.make(config, batch=2, rows=2, context=64),
+                                 params)
     with backend.use("interpret", detect_races=True):
         got_tokens, got_logits, _, got_rows = megakernel.decode_step(
             config, weights, cache, tokens, positions, row_states=True)

@@ -16,7 +16,7 @@ import mk
 import mk.megakernel as megakernel
 from mk import backend, quant, reference, tpu
 from mk.kernels.common import BlockSizes
-from mk.kernels.plan import default_block
+from mk.kernels.plan import DecodePlan, default_block
 from mk.weights import param_shapes
 from builders import assert_verify_steps, bar_count
 
@@ -152,8 +152,9 @@ def test_t_rows_verify_in_one_pass_race_free(name):
     want_logits, want_cache = reference.decode_step(config, params, cache, tokens, positions)
     with backend.use("interpret", detect_races=True):
         got, logits, got_cache = megakernel.decode_step(
-            config, megakernel.prepare(config, params, block), cache, tokens, positions,
-            block=block)
+            config, megakernel.prepare(DecodePlan.make(
+                config, batch=2, rows=4, context=reference.cache_capacity(config, cache),
+                block=block), params), cache, tokens, positions, block=block)
     assert not backend.races_found()
     np.testing.assert_array_equal(got, reference.greedy(want_logits))
     # bf16 roundings through every layer and the lm_head: compared at the logits' scale.
@@ -181,7 +182,9 @@ def test_a_reused_write_back_slot_sends_each_layers_rows_to_that_layer_race_free
     block = default_block(config, 64)
     with backend.use("interpret", detect_races=True):
         _, _, got = megakernel.decode_step(
-            config, megakernel.prepare(config, params, block), cache, tokens, positions)
+            config, megakernel.prepare(DecodePlan.make(config, batch=1, context=64,
+                                                       block=block), params),
+            cache, tokens, positions)
     assert not backend.races_found()
     for name in ("k", "v"):
         np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=0,
@@ -276,7 +279,8 @@ def test_first_divergence_names_the_op_of_a_planted_bug(plant, where):
     args = (config, params, cache, jnp.array([[3, 4]]), jnp.array([6]))
     first, report = megakernel.first_divergence(*args, backend="interpret")
     assert first is None and len(report) == 2 * config.layers
-    weights = plant(megakernel.prepare(config, params, default_block(config, 128)))
+    weights = plant(megakernel.prepare(DecodePlan.make(config, batch=1, rows=2, context=128),
+                                       params))
     first, report = megakernel.first_divergence(*args, backend="interpret", weights=weights,
                                                 stop_after=where)
     assert first == where and (report[-1]["layer"], report[-1]["op"]) == where

@@ -411,12 +411,13 @@ def test_weight_bytes_are_the_arrays_the_megakernel_streams_plus_norms_and_embed
     import jax
     from mk import megakernel
     from mk.weights import names_of
-    from mk.kernels.plan import default_block
+    from mk.kernels.plan import DecodePlan, default_block
 
     config = mk.preset(name)
     block = default_block(config, 64)
+    plan = DecodePlan.make(config, batch=1, context=64, block=block)
     params = abstract_params(config)
-    weights = jax.eval_shape(lambda p: megakernel.prepare(config, p, block), params)
+    weights = jax.eval_shape(lambda p: megakernel.prepare(plan, p), params)
     streamed = ["wq", "wk", "wv", "wo", "lm_head"] + [
         n for kind in ("dense", "moe") if getattr(config, f"{kind}_layers")
         for n in names_of(config, kind, "ring", "dma")]

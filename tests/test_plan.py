@@ -53,11 +53,11 @@ def counted(name: str, tp: int, formats=None) -> dict:
                                  max_context=config.max_context)
     tokens, positions = jnp.array([[5]], jnp.int32), jnp.array([POSITION], jnp.int32)
     with dma_log(megakernel.traced_step) as log, backend.use("interpret"):
+        weights = megakernel.prepare(plan, params)
         if tp == 1:
-            weights = megakernel.prepare(config, params, plan.block)
             out = megakernel.decode_step(config, weights, cache, tokens, positions)
         else:
-            out = tpar.decode_step(config, tpar.prepare(plan, params),
+            out = tpar.decode_step(config, weights,
                                    tpar.shard_cache(config, cache, tp), tokens, positions,
                                    mesh=tp_mesh(tp))
         jax.block_until_ready(out)

@@ -29,7 +29,7 @@ def test_dense_step_streams_every_kernel_weight_array_once_and_its_kv_tiles():
     s = sim.simulate(config, "v6e", batch=B, rows=T, context=S)
     params = {k: jax.ShapeDtypeStruct(shape, d)
               for k, (shape, d) in param_shapes(config).items()}
-    weights = jax.eval_shape(lambda p: megakernel.prepare(config, p, s.block), params)
+    weights = jax.eval_shape(lambda p: megakernel.prepare(s.plan, p), params)
     streamed = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head", "norms",
                 "qk_norms", "final_norm")
     assert s.weight_bytes == sum(weights[n].size * weights[n].dtype.itemsize

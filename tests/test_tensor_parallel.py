@@ -27,6 +27,7 @@ import pytest
 
 import mk
 from mk import backend, reference, tpu
+from mk.shards import shard_params
 from mk import tensor_parallel as tpar
 from mk.config import ModelConfig
 from mk.kernels import plan
@@ -140,7 +141,7 @@ def test_shards_put_back_together_are_the_weights():
     rng = np.random.default_rng(0)
     params = {name: rng.standard_normal(shape).astype(np.float32)
               for name, (shape, _) in param_shapes(config).items()}
-    shards = tpar.shard_params(config, params, 4)
+    shards = shard_params(config, params, 4)
     np.testing.assert_array_equal(jnp.concatenate(list(shards["wq"]), axis=-1),
                                   params["wq"])
     np.testing.assert_array_equal(jnp.concatenate(list(shards["wo"]), axis=-2),
@@ -165,7 +166,7 @@ def test_a_linear_layer_is_split_by_its_heads_q_k_and_v_channels_each():
     rng = np.random.default_rng(0)
     params = {name: rng.standard_normal(shape).astype(np.float32)
               for name, (shape, _) in param_shapes(config).items()}
-    shards = tpar.shard_params(config, params, 2)
+    shards = shard_params(config, params, 2)
     kw, Hk, Hv = config.linear_key_width, config.linear_key_dim, config.linear_value_dim
     qkv = params["lin_qkv"]
     want = np.concatenate([qkv[..., Hk:2 * Hk], qkv[..., kw + Hk:kw + 2 * Hk],
@@ -186,7 +187,7 @@ def test_a_split_width_short_of_a_tile_is_padded_with_zeros():
     rng = np.random.default_rng(0)
     params = {name: rng.standard_normal(shape).astype(np.float32)
               for name, (shape, _) in param_shapes(config).items()}
-    shards = tpar.shard_params(config, params, 4)
+    shards = shard_params(config, params, 4)
     assert plan.shard_config(config, 4).expert_ffn == 128
     assert shards["we_gate"].shape[-1] == shards["we_down"].shape[-2] == 128
     np.testing.assert_array_equal(shards["we_gate"][1, ..., :64],
@@ -204,7 +205,7 @@ def test_kimis_mla_kda_gates_and_shared_expert_are_split_by_heads_and_width():
     rng = np.random.default_rng(0)
     params = {name: rng.standard_normal(shape).astype(np.float32)
               for name, (shape, _) in param_shapes(config).items()}
-    shards = tpar.shard_params(config, params, 2)
+    shards = shard_params(config, params, 2)
     half = config.linear_value_heads // 2 * config.linear_key_dim  # one device's channels
     for name in ("kda_f_b", "kda_g_b", "lin_dt_bias"):
         np.testing.assert_array_equal(shards[name][1], params[name][..., half:])
