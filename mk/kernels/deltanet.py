@@ -32,12 +32,13 @@ read by name from HBM, its scratch `linear_scratch`): the stage kernel runs it o
 layer, the megakernel on every linear layer of a hybrid (`mk.kernels.one_layer.layer_body`).
 
 Here: `linear_mixer` and `gated_deltanet` (the layer, either kind), their bodies (the
-gates, the conv, the head blocks, the gated norm), the kinds' `Gates`, buffers (`linear_buffers`,
-`gated_deltanet_buffers`), `linear_weights` and `linear_layer_shapes` (each kind's
-weights, counted once) and `prepare_linear`. Not here: the delta rule and its state
-copies (`mk.kernels.delta_rule`, whose `delta_rule_step` runs the rule alone), the MLP
-after the layer (stage 04), the megakernel's mixed full/linear layer stream
-(`mk.megakernel`), the sharding of heads (`mk.tensor_parallel`).
+gates, the conv, the head blocks, the gated norm), the kinds' `Gates`, buffers
+(`linear_buffers`, `gated_deltanet_buffers`), `linear_weights` and `linear_layer_shapes`
+(each kind's weights, counted once), `decay_width`, `prepare_linear` and `linear_kind`
+(the stage kernel's question to the kinds). Not here: the delta rule and its state copies
+(`mk.kernels.delta_rule`, whose `delta_rule_step` runs the rule alone), the MLP after the
+layer (stage 04), the megakernel's mixed full/linear layer stream (`mk.megakernel`), the
+sharding of heads (`mk.tensor_parallel`).
 The megakernel runs KDA layers through the same `linear_mixer`, on one device or tensor
 parallel (split by heads as the gated DeltaNet's).
 """
@@ -111,30 +112,26 @@ def gated_deltanet_matrices(config: ModelConfig) -> list[tuple[str, int, int]]:
 
 @dataclasses.dataclass(frozen=True)
 class Gates:
-    """What differs between the linear kinds inside `linear_mixer`: the gates and how a
-    row's decay reaches the delta rule. A linear kind holds one (`mk.kinds.linear.DeltaNet`
-    `.gates`: `HEAD_GATES`; `KDA`'s: `CHANNEL_GATES`) and hands it to this module's
-    builders and body.
-
-    compute(ring, ls, h_vmem, h, landed, step): fills ls.decay, ls.beta and ls.z from the
-    normed rows (h_vmem [M, D], its value h); landed(*names): the layer's DMA'd weights.
-    decay(ls, b, head, rows): row t -> the factor that decays sequence b's state of value
-    head `head` at row t. smem: the [M, Nv] gates copied to SMEM (a scalar per row and
-    head). blocks: the delta rule's extra [B, Nv, R, Hk] blocks beside q and k (ls.decay's
-    per-key-channel columns, blocked as k's). output_gate: the gated norm's gate of z.
-    per_channel: one decay per key channel (a row's decays [Nv*Hk]) instead of per head."""
+    """What differs between the linear kinds in `linear_mixer`, held by the kind
+    (`mk.kinds.linear.DeltaNet.gates`: `HEAD_GATES`; `KDA`'s: `CHANNEL_GATES`).
+    compute(ring, ls, h_vmem, h, landed, step) fills ls.decay, ls.beta and ls.z (landed:
+    the layer's DMA'd weights by name); decay(ls, b, head, rows): row t -> the factor that
+    decays sequence b's state of head `head`; smem: the [M, Nv] gates copied to SMEM;
+    blocks: extra [B, Nv, R, Hk] blocks beside q and k (ls.decay's per-key-channel
+    columns); output_gate: the gated norm's gate of z."""
 
     compute: Callable
     decay: Callable
     smem: tuple[str, ...]
     blocks: tuple[str, ...]
     output_gate: Callable
-    per_channel: bool
 
-    def decay_width(self, config: ModelConfig) -> int:
-        """A row's decays: Nv, or Nv*Hk per key channel."""
-        Nv = config.linear_value_heads
-        return Nv * config.linear_key_dim if self.per_channel else Nv
+
+def decay_width(config: ModelConfig) -> int:
+    """A row's decays: one per value head (the gated DeltaNet's Nv) or per key channel
+    (KDA's Nv*Hk), the width of dt_bias (added to the decay's pre-activation) in the
+    weight table."""
+    return linear_layer_shapes(config)["lin_dt_bias"][-1]
 
 
 def linear_buffers(config: ModelConfig, gates: Gates, batch: int, rows: int, *,
@@ -142,12 +139,11 @@ def linear_buffers(config: ModelConfig, gates: Gates, batch: int, rows: int, *,
     """The VMEM scratch of `linear_mixer` (group "linear", names "linear.<field>"): the
     weights brought by DMA (`linear_weights`; a vector as a [1, n] row), the gates, the
     projections (z: the gated DeltaNet's z or KDA's output gate), the conv window and row
-    states, the delta rule's blocks (KDA adds its per-channel decays); the recurrent state:
-    two slots of one sequence's state in, two of its T row states out (`gates`: the
-    kind's `Gates`, the decay's width and blocks). The DMA'd weights
-    and the conv state have `layers` slots (linear row r's in slot r % layers): 2 in a
-    kernel of several linear layers (the next one's load while this one computes), 1 in the
-    one-layer stage kernel."""
+    states, the delta rule's blocks (and the kind's `Gates.blocks`: KDA's per-channel
+    decays); the recurrent state: two slots of one sequence's state in, two of its T row
+    states out. The DMA'd weights and the conv state have `layers` slots (linear row r's
+    in slot r % layers): 2 in a kernel of several linear layers (the next one's load while
+    this one computes), 1 in the one-layer stage kernel."""
     M, T, R = batch * rows, rows, -(-rows // ALIGN) * ALIGN
     C, W, dt = config.conv_channels, config.conv_kernel, config.dtype
     Vw = config.linear_value_width
@@ -156,7 +152,7 @@ def linear_buffers(config: ModelConfig, gates: Gates, batch: int, rows: int, *,
     shapes = linear_layer_shapes(config)
     fields = [(n, (layers, *shapes[n]) if len(shapes[n]) == 2 else (layers, 1, *shapes[n]),
                dt) for n in linear_weights(config)[1]]
-    fields += [("decay", (M, gates.decay_width(config)), f32),
+    fields += [("decay", (M, decay_width(config)), f32),
                ("beta", (M, Nv), f32),
                ("qkv", (M, C), f32), ("z", (M, Vw), f32), ("o", (M, Vw), f32),
                ("conv_state", (layers, batch, W - 1, C), dt),
@@ -200,10 +196,8 @@ def prepare_linear(config: ModelConfig, params) -> dict:
 
 
 def linear_kind(config: ModelConfig):
-    """`config`'s linear kind (`mk.kinds.linear.DeltaNet`, or its subclass `KDA`), or None
-    without linear layers: what the stage kernel asks of its layer. Imported when called:
-    `mk.kinds` imports this module (the megakernel's kinds hand `linear_mixer` their own
-    `Gates`)."""
+    """`config`'s linear kind (`mk.kinds.linear.DeltaNet` or `KDA`; None without linear
+    layers), for the stage kernel; imported when called (`mk.kinds` imports this module)."""
     from mk.kinds.layers import layer_kinds
     from mk.kinds.linear import DeltaNet
     return next((kind for kind in layer_kinds(config) if isinstance(kind, DeltaNet)), None)
@@ -281,22 +275,22 @@ def kda_gates(ring: Ring, ls, h_vmem, h, landed, step) -> None:
     ls.z[...] = low_rank(h, *landed("kda_g_a", "kda_g_b"))
 
 
-def head_decay(ls, b: int, head, rows: int):
+def scalar_decay(ls, b: int, head, rows: int):
     """`Gates.decay` of a decay per head: row t's scalar, from SMEM."""
     return lambda t: ls.decay_smem[b * rows + t, head]
 
 
-def channel_decays(ls, b: int, head, rows: int):
+def column_decay(ls, b: int, head, rows: int):
     """`Gates.decay` of a decay per key channel: row t's [Hk] decays (head `head`'s block,
     `head_blocks`) as the column that scales the state's rows."""
     decays = ls.decays[b, head]  # [R, Hk]
     return lambda t: channel_column(decays[t:t + 1])
 
 
-HEAD_GATES = Gates(deltanet_gates, head_decay, smem=("decay", "beta"), blocks=(),
-                   output_gate=jax.nn.silu, per_channel=False)
-CHANNEL_GATES = Gates(kda_gates, channel_decays, smem=("beta",), blocks=("decays",),
-                      output_gate=jax.nn.sigmoid, per_channel=True)
+HEAD_GATES = Gates(deltanet_gates, scalar_decay, smem=("decay", "beta"), blocks=(),
+                   output_gate=jax.nn.silu)
+CHANNEL_GATES = Gates(kda_gates, column_decay, smem=("beta",), blocks=("decays",),
+                      output_gate=jax.nn.sigmoid)
 
 
 def conv_state_after(window_vmem, b: int, t: int, taps: int):
@@ -576,7 +570,7 @@ def gated_deltanet(config: ModelConfig, params, x, conv_state, state, *, layer: 
     weight_bytes = weight_elements * dt.itemsize
     state_bytes = B * Nv * Hk * Hv * 4
     conv_bytes = B * (W - 1) * C * dt.itemsize
-    decays = kind.gates.decay_width(config)
+    decays = decay_width(config)
     out = pl.pallas_call(
         functools.partial(gated_deltanet_kernel, config=config, gates=kind.gates,
                           stream=stream, batch=B, rows=T),
