@@ -536,8 +536,8 @@ def check_linear_layer(config: ModelConfig, kind, x, conv_state, state,
 
 def gated_deltanet(config: ModelConfig, params, x, conv_state, state, *, layer: int,
                    block: BlockSizes | None = None):
-    """One linear layer's decode step (the gated DeltaNet, or Kimi Delta Attention with
-    config.channel_decay) for B sequences x T rows, up to the residual:
+    """One linear layer's decode step (the gated DeltaNet or Kimi Delta Attention: the
+    model's `linear_kind` and its `Gates`) for B sequences x T rows, up to the residual:
     x + out_proj(GatedNorm(DeltaRule(conv(qkv)))) (mk.reference.linear_decoder_layer's
     x after the mixer; the MLP is stage 04's).
 
