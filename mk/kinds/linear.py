@@ -5,8 +5,10 @@ Both run `mk.kernels.deltanet.linear_mixer`: their big projections through the r
 small weights and conv state DMA'd by the linear layer before (the first at the step's
 start: `prime_linear`), the recurrent states streamed per sequence, the conv and recurrent
 states after each of the T rows written to HBM (waited for a linear layer later, the last
-at the step's end: `drain_linear`). Not here: the kernel (`mk.kernels.deltanet`), the
-loop over kinds (`mk.kernels.one_layer.layer_body`).
+at the step's end: `drain_linear`). What differs between them there is their `gates`
+(`mk.kernels.deltanet.Gates`: the gates' code, where a row's decay lives, the output
+gate). Not here: the kernel (`mk.kernels.deltanet`), the loop over kinds
+(`mk.kernels.one_layer.layer_body`).
 """
 
 from __future__ import annotations
