@@ -51,10 +51,10 @@ from mk import megakernel, ops, reference
 from mk.config import ModelConfig
 from mk.kernels.attention_prologue import attention_prologue
 from mk.kernels.decode_attention import decode_attention
-from mk.kernels.mlp import moe, swiglu
 from mk.kernels.plan import DecodePlan
 from mk.kernels.weight_streaming import stream_matmul
-from mk.weights import names_of
+from mk.kinds.base import ROLES, Kind
+from mk.kinds.layers import kind_at, layer_kinds
 
 VARIANTS = ("xla", "staged", "megakernel")
 
@@ -373,15 +373,11 @@ def output_projection(o, x, wo):
     return x + stream_matmul(o.reshape(B * T, -1), wo).reshape(x.shape)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "kind"))
-def mlp(config: ModelConfig, kind: str, x, mlp_norm, weights):
+@functools.partial(jax.jit, static_argnames=("kind",))
+def mlp(kind: Kind, x, mlp_norm, weights):
     B, T, D = x.shape
-    h = ops.rms_norm(x, mlp_norm, config.rms_eps).reshape(B * T, D)
-    if kind == "dense":
-        y = swiglu(h, *weights)
-    else:
-        y = moe(h, *weights, top_k=config.experts_per_token, renormalise=config.norm_topk)
-    return x + y.reshape(x.shape)
+    h = ops.rms_norm(x, mlp_norm, kind.config.rms_eps).reshape(B * T, D)
+    return x + kind.stage(h, weights).reshape(x.shape)  # the MLP kind's stage kernel
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
@@ -397,16 +393,17 @@ def embed(table, tokens):
 
 
 def staged_weights(config: ModelConfig, params) -> list[dict]:
-    """Per-layer weights of `staged_step`, sliced once: layer l's entries keep a leading
-    axis of 1 (the stage wrappers index row 0)."""
-    names = ["attn_norm", "wq", "wk", "wv"] + (["q_norm", "k_norm"] if config.qk_norm else [])
-    out = []
+    """Per-layer weights of `staged_step`, sliced once: the prologue's (the norm and the
+    token mixer's weights but wo) keep a leading axis of 1 (the stage wrapper indexes row
+    0); the MLP's are its kind's (`kind`) by name."""
+    kinds, out = layer_kinds(config), []
     for layer in range(config.layers):
-        kind, row = config.mlp_index(layer)
-        mlp_names = names_of(config, kind, "ring", "dma")
-        out.append(dict(prologue={n: params[n][layer:layer + 1] for n in names},
-                        wo=params["wo"][layer], mlp_norm=params["mlp_norm"][layer], kind=kind,
-                        mlp=tuple(params[n][row] for n in mlp_names)))
+        (mixer, row), (kind, mlp_row) = (kind_at(kinds, role, layer) for role in ROLES)
+        prologue = {n: params[n][row:row + 1] for n in mixer.weights() if n != "wo"}
+        out.append(dict(prologue={"attn_norm": params["attn_norm"][layer:layer + 1]}
+                        | prologue, wo=params["wo"][row], mlp_norm=params["mlp_norm"][layer],
+                        kind=kind, mlp={n: params[n][mlp_row] for n in kind.weights("ring",
+                                                                                   "dma")}))
     return out
 
 
@@ -424,7 +421,7 @@ def staged_step(config: ModelConfig, params, layers: list[dict], cache: referenc
         o, k_cache, v_cache = attention(q, k, v, k_cache, v_cache, positions,
                                         np.int32(layer))  # a host scalar: no launch
         x = output_projection(o, x, w["wo"])
-        x = mlp(config, w["kind"], x, w["mlp_norm"], w["mlp"])
+        x = mlp(w["kind"], x, w["mlp_norm"], w["mlp"])
     lm_head = params["embed"].T if config.tie_embeddings else params["lm_head"]
     return head(config, x, params["final_norm"], lm_head), reference.KVCache(k_cache, v_cache)
 

@@ -35,15 +35,18 @@ from mk.kernels.common import BlockSizes, Buffer
 from mk.kernels.ring import Ring, TileStream, ring_buffers
 from mk.kernels.weight_streaming import ring_weights, stage_block, weight_stream
 from mk.ops import rms_norm
+from mk.weights import names_of, param_shapes
 
+# The token mixer the stage kernels build (Qwen3's attention): its ring weights in order
+STAGE_MIXER = ("wq", "wk", "wv", "wo")
 
 
 def prologue_matrices(config: ModelConfig) -> list[tuple[str, int, int]]:
-    """The ring segments of the prologue, in consumption order: (name, rows, cols)."""
-    D = config.hidden
-    gate = [("wq_gate", D, config.q_width)] if config.attn_output_gate else []
-    return [("wq", D, config.q_width), ("wk", D, config.kv_width),
-            ("wv", D, config.kv_width), *gate]
+    """The ring segments of the prologue, in consumption order: (name, rows, cols), the
+    grouped-query attention's ring weights of `mk.weights` before wo (wq, wk, wv and a
+    gated model's wq_gate)."""
+    shapes, ring = param_shapes(config), names_of(config, "gqa", "ring")
+    return [(n, *shapes[n][0][1:]) for n in ring if n != "wo"]
 
 
 def row_positions(positions_smem, batch: int, rows: int):
@@ -91,33 +94,44 @@ def prologue(ring: Ring, config: ModelConfig, *, layer, x, attn_norm, q_norm, k_
     """The prologue of one layer inside a kernel; x [M, D] f32 and the norms are values
     (any norm offset already added: `mk.megakernel.prepare`), h_vmem [M, D] is scratch for
     the normed activations; gate_vmem [M, N*H] f32 receives h @ wq_gate when the model
-    gates its attention output."""
+    gates its attention output (None: it has no wq_gate); q_norm, k_norm: None without
+    the QK norms."""
     h_vmem[...] = rms_norm(x, attn_norm, config.rms_eps).astype(h_vmem.dtype)
     ring.matmul("wq", h_vmem, q_vmem, layer=layer)
     ring.matmul("wk", h_vmem, k_vmem, layer=layer)
     ring.matmul("wv", h_vmem, v_vmem, layer=layer)
-    if config.attn_output_gate:
+    if gate_vmem is not None:
         ring.matmul("wq_gate", h_vmem, gate_vmem, layer=layer)
     pos = row_positions(positions_smem, batch, rows)
     normalise_heads(q_vmem, config.heads, q_norm, pos, config)
     normalise_heads(k_vmem, config.kv_heads, k_norm, pos, config)
 
 
+def layer_mixer(config: ModelConfig, layer: int):
+    """Layer `layer`'s token-mixer kind (`mk.kinds.layers.kinds_at`), asked when called:
+    `mk.kinds` imports this module."""
+    from mk.kinds.layers import kinds_at
+    return kinds_at(config, layer)[0]
+
+
 def check_layer_inputs(config: ModelConfig, x, positions, layer) -> tuple[int, int, int]:
     """(B, T, D) of a layer-level stage's residual stream x [B, T, D]; raises ValueError
-    naming a bad shape, row count or layer before anything is traced."""
+    naming a bad shape, row count or layer (one whose token mixer is not `STAGE_MIXER`,
+    or a norm offset: the wrappers pass the checkpoint's norms) before anything is
+    traced."""
     B, T, D = x.shape
-    other = {f: getattr(config, f) for f in ("attn_output_gate", "norm_offset",
-                                             "latent_rank") if getattr(config, f)}
-    if other:  # the wrappers pass the checkpoint's norms and build no gate and no MLA
-        raise ValueError(f"{config.name}: {other}: the stage kernels build Qwen3's layer; "
-                         "Qwen3.5's gated attention and Kimi's MLA run in the megakernel")
     if D != config.hidden:
         raise ValueError(f"x [B, T, D={D}] does not match hidden={config.hidden}")
     if not 1 <= B * T <= MAX_ROWS:
         raise ValueError(f"B*T={B * T} activation rows must be in [1, {MAX_ROWS}]")
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < config.layers:
         raise ValueError(f"layer={layer!r} must be an integer in [0, layers={config.layers})")
+    mixer = layer_mixer(config, layer)
+    if mixer.weights("ring") != STAGE_MIXER or config.norm_offset:
+        raise ValueError(f"{config.name}: layer {layer}'s token mixer ({mixer.name}) streams "
+                         f"{mixer.weights('ring')}, norm_offset={config.norm_offset}: the "
+                         f"stage kernels build Qwen3's layer ({', '.join(STAGE_MIXER)}, no "
+                         "norm offset); Qwen3.5's and Kimi's layers run in the megakernel")
     if positions.shape != (B,):
         raise ValueError(f"positions shape {positions.shape} must be [B={B}]")
     return B, T, D
@@ -145,8 +159,7 @@ def attention_prologue_kernel(
     positions_smem,  # [B] int32
     x_vmem,  # [M, D] f32
     attn_norm_vmem,  # [1, D]
-    q_norm_vmem,  # [1, H]
-    k_norm_vmem,  # [1, H]
+    head_norms_vmem,  # {"q_norm", "k_norm": [1, H]}: the layer's QK-norms ({} without)
     wq_hbm,  # [tiles, tile_rows, tile_cols] config dtype (`ring_layout` of [D, N*H]), or
     #          an mk.quant.QuantWeight (tile-major)
     wk_hbm,  # [tiles, tile_rows, tile_cols] (of [D, K*H])
@@ -170,10 +183,10 @@ def attention_prologue_kernel(
     s = SimpleNamespace(**scratch)
     ring = Ring.in_scratch(stream, fetch, s, sems, config.dtype)
     ring.prime()
-    qk = config.qk_norm
+    q_norm, k_norm = (head_norms_vmem[n][...] if n in head_norms_vmem else None
+                      for n in ("q_norm", "k_norm"))
     prologue(ring, config, layer=0, x=x_vmem[...], attn_norm=attn_norm_vmem[...],
-             q_norm=q_norm_vmem[...] if qk else None, k_norm=k_norm_vmem[...] if qk else None,
-             positions_smem=positions_smem, batch=batch, rows=rows,
+             q_norm=q_norm, k_norm=k_norm, positions_smem=positions_smem, batch=batch, rows=rows,
              h_vmem=s.h, q_vmem=q_vmem, k_vmem=k_vmem, v_vmem=v_vmem)
 
 
@@ -194,15 +207,14 @@ def attention_prologue(config: ModelConfig, params, x, positions, *, layer: int 
     weights, weight_specs = ring_weights(weights, stream)
     buffers = attention_prologue_buffers(config, M, block, formats)
     H = config.head_dim
-    ones = jnp.ones((1, H), jnp.float32)
-    norm = (lambda name: params[name][layer][None]) if config.qk_norm else (lambda _: ones)
+    head_norms = {n: params[n][layer][None] for n in layer_mixer(config, layer).weights("vector")}
     vmem, smem = (pl.BlockSpec(memory_space=s) for s in (pltpu.VMEM, pltpu.SMEM))
     q, k, v = pl.pallas_call(
         functools.partial(attention_prologue_kernel, config=config, stream=stream,
                           batch=B, rows=T),
         out_shape=[jax.ShapeDtypeStruct((M, w), jnp.float32)
                    for w in (config.q_width, config.kv_width, config.kv_width)],
-        in_specs=[smem, vmem, vmem, vmem, vmem, *weight_specs.values()],
+        in_specs=[smem, vmem, vmem, dict.fromkeys(head_norms, vmem), *weight_specs.values()],
         out_specs=[vmem, vmem, vmem],
         scratch_shapes=[{b.name: pltpu.VMEM(b.shape, b.dtype) for b in buffers
                          if b.group != "operand"},
@@ -213,7 +225,7 @@ def attention_prologue(config: ModelConfig, params, x, positions, *, layer: int 
             transcendentals=2 * M * (config.q_width + config.kv_width),
             bytes_accessed=sum(a.nbytes for a in jax.tree.leaves(weights))),
     )(positions.astype(jnp.int32), x.reshape(M, D).astype(jnp.float32),
-      params["attn_norm"][layer][None], norm("q_norm"), norm("k_norm"),
+      params["attn_norm"][layer][None], head_norms,
       *weights.values())
     N, K = config.heads, config.kv_heads
     return q.reshape(B, T, N, H), k.reshape(B, T, K, H), v.reshape(B, T, K, H)

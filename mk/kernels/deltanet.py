@@ -18,34 +18,38 @@ kernel's start, `prime_linear`), and the conv rows and row states are waited for
 later (`drain_linear` at the kernel's end): a DMA issued and waited for within the layer
 would queue behind every weight tile in flight, and a ring deep enough to stream through
 a collective holds a layer's worth of them.
-Kimi Delta Attention (KDA, Kimi Linear's linear layers, config.channel_decay) is the same
+Kimi Delta Attention (KDA, Kimi Linear's linear layers) is the same
 layer with three changes (mk.linear_attention.kimi_delta_attention): the decay is one per key
 channel, from a low-rank forget gate (h f_a f_b); the output gate is a low-rank sigmoid
 gate (h g_a g_b) in place of z; Nk = Nv. The four low-rank weights come by their own DMA
 (`linear_weights`), the ring streams lin_qkv and lin_out. A row's decays sit in
 blocks [R, Hk] beside q and k, and `channel_column` turns row t's into the column that
-scales the state's rows.
+scales the state's rows. What differs is one `Gates` object per kind (`HEAD_GATES`,
+`CHANNEL_GATES`), which the kind (`mk.kinds.linear`) hands to the builders and the body.
 
 The layer's token mixer is one in-kernel body, `linear_mixer` (its weights and states
 read by name from HBM, its scratch `linear_scratch`): the stage kernel runs it on one
 layer, the megakernel on every linear layer of a hybrid (`mk.kernels.one_layer.layer_body`).
 
 Here: `linear_mixer` and `gated_deltanet` (the layer, either kind), their bodies (the
-gates, the conv, the head blocks, the gated norm), buffers (`linear_buffers`,
-`gated_deltanet_buffers`), `linear_weights` and `linear_layer_shapes` (each kind's
-weights, counted once) and `prepare_linear`. Not here: the delta rule and its state
-copies (`mk.kernels.delta_rule`, whose `delta_rule_step` runs the rule alone), the MLP
-after the layer (stage 04), the megakernel's mixed full/linear layer stream
-(`mk.megakernel`), the sharding of heads (`mk.tensor_parallel`).
+gates, the conv, the head blocks, the gated norm), the kinds' `Gates`, buffers
+(`linear_buffers`, `gated_deltanet_buffers`), `linear_weights` and `linear_layer_shapes`
+(each kind's weights, counted once), `decay_width`, `prepare_linear` and `linear_kind`
+(the stage kernel's question to the kinds). Not here: the delta rule and its state copies
+(`mk.kernels.delta_rule`, whose `delta_rule_step` runs the rule alone), the MLP after the
+layer (stage 04), the megakernel's mixed full/linear layer stream (`mk.megakernel`), the
+sharding of heads (`mk.tensor_parallel`).
 The megakernel runs KDA layers through the same `linear_mixer`, on one device or tensor
 parallel (split by heads as the gated DeltaNet's).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from types import SimpleNamespace
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -106,22 +110,40 @@ def gated_deltanet_matrices(config: ModelConfig) -> list[tuple[str, int, int]]:
     return [(n, *shapes[n]) for n in linear_weights(config)[0]]
 
 
-def smem_gates(config: ModelConfig) -> tuple[str, ...]:
-    """The per-row gates `linear_mixer` copies to SMEM (a scalar per row and head): the
-    gated DeltaNet's decay and beta; KDA's beta (its decay is a vector per head, in VMEM)."""
-    return ("beta",) if config.channel_decay else ("decay", "beta")
+@dataclasses.dataclass(frozen=True)
+class Gates:
+    """What differs between the linear kinds in `linear_mixer`, held by the kind
+    (`mk.kinds.linear.DeltaNet.gates`: `HEAD_GATES`; `KDA`'s: `CHANNEL_GATES`).
+    compute(ring, ls, h_vmem, h, landed, step) fills ls.decay, ls.beta and ls.z (landed:
+    the layer's DMA'd weights by name); decay(ls, b, head, rows): row t -> the factor that
+    decays sequence b's state of head `head`; smem: the [M, Nv] gates copied to SMEM;
+    blocks: extra [B, Nv, R, Hk] blocks beside q and k (ls.decay's per-key-channel
+    columns); output_gate: the gated norm's gate of z."""
+
+    compute: Callable
+    decay: Callable
+    smem: tuple[str, ...]
+    blocks: tuple[str, ...]
+    output_gate: Callable
 
 
-def linear_buffers(config: ModelConfig, batch: int, rows: int, *,
+def decay_width(config: ModelConfig) -> int:
+    """A row's decays: one per value head (the gated DeltaNet's Nv) or per key channel
+    (KDA's Nv*Hk), the width of dt_bias (added to the decay's pre-activation) in the
+    weight table."""
+    return linear_layer_shapes(config)["lin_dt_bias"][-1]
+
+
+def linear_buffers(config: ModelConfig, gates: Gates, batch: int, rows: int, *,
                    layers: int = 2) -> list[Buffer]:
     """The VMEM scratch of `linear_mixer` (group "linear", names "linear.<field>"): the
     weights brought by DMA (`linear_weights`; a vector as a [1, n] row), the gates, the
     projections (z: the gated DeltaNet's z or KDA's output gate), the conv window and row
-    states, the delta rule's blocks (KDA adds its per-channel decays); the recurrent state:
-    two slots of one sequence's state in, two of its T row states out. The DMA'd weights
-    and the conv state have `layers` slots (linear row r's in slot r % layers): 2 in a
-    kernel of several linear layers (the next one's load while this one computes), 1 in the
-    one-layer stage kernel."""
+    states, the delta rule's blocks (and the kind's `Gates.blocks`: KDA's per-channel
+    decays); the recurrent state: two slots of one sequence's state in, two of its T row
+    states out. The DMA'd weights and the conv state have `layers` slots (linear row r's
+    in slot r % layers): 2 in a kernel of several linear layers (the next one's load while
+    this one computes), 1 in the one-layer stage kernel."""
     M, T, R = batch * rows, rows, -(-rows // ALIGN) * ALIGN
     C, W, dt = config.conv_channels, config.conv_kernel, config.dtype
     Vw = config.linear_value_width
@@ -130,7 +152,7 @@ def linear_buffers(config: ModelConfig, batch: int, rows: int, *,
     shapes = linear_layer_shapes(config)
     fields = [(n, (layers, *shapes[n]) if len(shapes[n]) == 2 else (layers, 1, *shapes[n]),
                dt) for n in linear_weights(config)[1]]
-    fields += [("decay", (M, Nv * Hk if config.channel_decay else Nv), f32),
+    fields += [("decay", (M, decay_width(config)), f32),
                ("beta", (M, Nv), f32),
                ("qkv", (M, C), f32), ("z", (M, Vw), f32), ("o", (M, Vw), f32),
                ("conv_state", (layers, batch, W - 1, C), dt),
@@ -139,30 +161,30 @@ def linear_buffers(config: ModelConfig, batch: int, rows: int, *,
                ("q", (batch, Nv, R, Hk), f32), ("k", (batch, Nv, R, Hk), f32),
                ("v", (batch, Nv, R, Hv), f32), ("heads", (batch, Nv, R, Hv), f32),
                ("state", (2, Nv, Hk, Hv), f32), ("state_rows", (2, T, Nv, Hk, Hv), f32)]
-    if config.channel_decay:
-        fields.append(("decays", (batch, Nv, R, Hk), f32))
+    fields += [(name, (batch, Nv, R, Hk), f32) for name in gates.blocks]
     return [Buffer(f"linear.{name}", shape, dtype, "linear") for name, shape, dtype in fields]
 
 
-def linear_scratch(config: ModelConfig, batch: int, rows: int, *, layers: int = 2) -> dict:
+def linear_scratch(config: ModelConfig, gates: Gates, batch: int, rows: int, *,
+                   layers: int = 2) -> dict:
     """The Pallas scratch of `linear_mixer` by field name: `linear_buffers` (`layers` as
     there) in VMEM and its `linear_semaphores`."""
     vmem = {b.name.removeprefix("linear."): pltpu.VMEM(b.shape, b.dtype)
-            for b in linear_buffers(config, batch, rows, layers=layers)}
-    return vmem | linear_semaphores(config, batch, rows, layers=layers)
+            for b in linear_buffers(config, gates, batch, rows, layers=layers)}
+    return vmem | linear_semaphores(config, gates, batch, rows, layers=layers)
 
 
-def linear_semaphores(config: ModelConfig, batch: int, rows: int, *, layers: int = 2) -> dict:
-    """`linear_mixer`'s scratch outside VMEM by field name: the `smem_gates` in SMEM and
-    the DMA semaphores (`layers` slots of the small loads, as `linear_buffers`')."""
+def linear_semaphores(config: ModelConfig, gates: Gates, batch: int, rows: int, *,
+                      layers: int = 2) -> dict:
+    """`linear_mixer`'s scratch outside VMEM by field name: the gates' `Gates.smem` in
+    SMEM and the DMA semaphores (`layers` slots of the small loads, as `linear_buffers`')."""
     M, Nv = batch * rows, config.linear_value_heads
-    gates = smem_gates(config)
-    return {f"{n}_smem": pltpu.SMEM((M, Nv), F32) for n in gates} | dict(
+    return {f"{n}_smem": pltpu.SMEM((M, Nv), F32) for n in gates.smem} | dict(
         load_sems=pltpu.SemaphoreType.DMA((2,)), store_sems=pltpu.SemaphoreType.DMA((2,)),
         # per slot: the weights' DMAs, then the conv state in (`layer_loads`)
         small_sems=pltpu.SemaphoreType.DMA((layers, len(linear_weights(config)[1]) + 1)),
         # the conv rows out, the gates to SMEM
-        out_sems=pltpu.SemaphoreType.DMA((1 + len(gates),)))
+        out_sems=pltpu.SemaphoreType.DMA((1 + len(gates.smem),)))
 
 
 def prepare_linear(config: ModelConfig, params) -> dict:
@@ -173,16 +195,25 @@ def prepare_linear(config: ModelConfig, params) -> dict:
             for n in linear_weights(config)[1]}
 
 
+def linear_kind(config: ModelConfig):
+    """`config`'s linear kind (`mk.kinds.linear.DeltaNet` or `KDA`; None without linear
+    layers), for the stage kernel; imported when called (`mk.kinds` imports this module)."""
+    from mk.kinds.layers import layer_kinds
+    from mk.kinds.linear import DeltaNet
+    return next((kind for kind in layer_kinds(config) if isinstance(kind, DeltaNet)), None)
+
+
 def gated_deltanet_buffers(config: ModelConfig, batch: int, rows: int,
                            block: BlockSizes) -> list[Buffer]:
     """Every VMEM buffer of the stage-05b kernel (the budget and the scratch come from
-    here): its operands, the normed rows, the ring and `linear_buffers`."""
+    here): its operands, the normed rows, the ring and `linear_buffers` (of the model's
+    linear kind's `Gates`)."""
     M, D, dt = batch * rows, config.hidden, config.dtype
     return [Buffer("x", (M, D), "float32", "operand"),
             Buffer("out", (M, D), "float32", "operand"),
             Buffer("h", (M, D), dt),
             Buffer("ring", (block.slots, block.tile_rows, block.tile_cols), dt),
-            *linear_buffers(config, batch, rows, layers=1)]
+            *linear_buffers(config, linear_kind(config).gates, batch, rows, layers=1)]
 
 
 def gates_body(h, lin_b, lin_a, a_log, dt_bias):
@@ -224,6 +255,42 @@ def channel_column(row):
     diagonal = (lax.broadcasted_iota(jnp.int32, (n, n), 0)
                 == lax.broadcasted_iota(jnp.int32, (n, n), 1))
     return jnp.sum(jnp.where(diagonal, row, 0.0), axis=1, keepdims=True)
+
+
+def deltanet_gates(ring: Ring, ls, h_vmem, h, landed, step) -> None:
+    """The gated DeltaNet's gates (`Gates.compute`): z = h @ in_proj_z through the ring
+    (the first out_proj tiles load meanwhile), then decay and beta (`gates_body`) from the
+    DMA'd in_proj_b and in_proj_a."""
+    ring.matmul("lin_z", h_vmem, ls.z, layer=step)
+    ls.decay[...], ls.beta[...] = gates_body(
+        h, *landed("lin_b", "lin_a", "lin_a_log", "lin_dt_bias"))
+
+
+def kda_gates(ring: Ring, ls, h_vmem, h, landed, step) -> None:
+    """KDA's gates (`Gates.compute`), from its DMA'd low-rank pairs while the ring brings
+    lin_out's first tiles: the per-channel decays and beta (`kda_gates_body`), and the
+    output gate's z = h g_a g_b."""
+    ls.beta[...] = kda_gates_body(h, *landed("lin_b", "kda_f_a", "kda_f_b", "lin_a_log",
+                                             "lin_dt_bias"), ls.decay)
+    ls.z[...] = low_rank(h, *landed("kda_g_a", "kda_g_b"))
+
+
+def scalar_decay(ls, b: int, head, rows: int):
+    """`Gates.decay` of a decay per head: row t's scalar, from SMEM."""
+    return lambda t: ls.decay_smem[b * rows + t, head]
+
+
+def column_decay(ls, b: int, head, rows: int):
+    """`Gates.decay` of a decay per key channel: row t's [Hk] decays (head `head`'s block,
+    `head_blocks`) as the column that scales the state's rows."""
+    decays = ls.decays[b, head]  # [R, Hk]
+    return lambda t: channel_column(decays[t:t + 1])
+
+
+HEAD_GATES = Gates(deltanet_gates, scalar_decay, smem=("decay", "beta"), blocks=(),
+                   output_gate=jax.nn.silu)
+CHANNEL_GATES = Gates(kda_gates, column_decay, smem=("beta",), blocks=("decays",),
+                      output_gate=jax.nn.sigmoid)
 
 
 def conv_state_after(window_vmem, b: int, t: int, taps: int):
@@ -296,11 +363,11 @@ def gated_norm_rows(heads_vmem, z_vmem, o_vmem, norm, *, batch: int, rows: int, 
     lax.fori_loop(0, Nv, head, 0)
 
 
-def linear_mixer(ring: Ring, config: ModelConfig, ls, hbm: dict, *, step, row, x, attn_norm,
-                 h_vmem, out_vmem, batch: int, rows: int):
-    """One linear layer's token mixer inside a kernel (the gated DeltaNet, or KDA with
-    config.channel_decay): out_vmem [M, D] f32 <- out_proj(GatedNorm(DeltaRule(conv(qkv))))
-    of RMSNorm(x) (no residual), and the layer's conv and recurrent states after each row
+def linear_mixer(ring: Ring, config: ModelConfig, gates: Gates, ls, hbm: dict, *, step, row,
+                 x, attn_norm, h_vmem, out_vmem, batch: int, rows: int):
+    """One linear layer's token mixer inside a kernel (the gated DeltaNet, or KDA: its
+    kind's `gates`): out_vmem [M, D] f32 <- out_proj(GatedNorm(DeltaRule(conv(qkv)))) of
+    RMSNorm(x) (no residual), and the layer's conv and recurrent states after each row
     written to HBM.
 
     step: the layer's index in the ring's stream; row: its row in the stacked linear
@@ -314,7 +381,6 @@ def linear_mixer(ring: Ring, config: ModelConfig, ls, hbm: dict, *, step, row, x
     states in flight (waited for by the next linear layer, or `drain_linear`). KDA's gates
     come from its DMA'd low-rank pairs while the ring brings lin_out's first tiles (the
     gated DeltaNet's while it brings them behind lin_z)."""
-    kda = config.channel_decay
     copies = state_copies(ls, hbm)
     slot, rows_total = row % ls.conv_state.shape[0], hbm["state"].shape[0]
     small = layer_loads(config, ls, hbm, row)
@@ -330,18 +396,10 @@ def linear_mixer(ring: Ring, config: ModelConfig, ls, hbm: dict, *, step, row, x
 
     h_vmem[...] = rms_norm(x, attn_norm, config.rms_eps).astype(h_vmem.dtype)
     ring.matmul("lin_qkv", h_vmem, ls.qkv, layer=step)
-    h = h_vmem[...]
-    if kda:  # the gates while lin_out's first tiles load
-        ls.beta[...] = kda_gates_body(h, *landed("lin_b", "kda_f_a", "kda_f_b", "lin_a_log",
-                                                 "lin_dt_bias"), ls.decay)
-        ls.z[...] = low_rank(h, *landed("kda_g_a", "kda_g_b"))
-    else:
-        ring.matmul("lin_z", h_vmem, ls.z, layer=step)  # the first out_proj tiles now load
-        ls.decay[...], ls.beta[...] = gates_body(
-            h, *landed("lin_b", "lin_a", "lin_a_log", "lin_dt_bias"))
+    gates.compute(ring, ls, h_vmem, h_vmem[...], landed, step)
     to_smem = [pltpu.make_async_copy(getattr(ls, n), getattr(ls, f"{n}_smem"),
                                      ls.out_sems.at[1 + i])
-               for i, n in enumerate(smem_gates(config))]
+               for i, n in enumerate(gates.smem)]
     for copy in to_smem:
         copy.start()
 
@@ -356,25 +414,20 @@ def linear_mixer(ring: Ring, config: ModelConfig, ls, hbm: dict, *, step, row, x
               rows=rows)
     start_dma(conv_rows_out(ls, hbm, row), "conv_rows",
               ls.conv_rows.size * ls.conv_rows.dtype.itemsize)
+    blocks = [getattr(ls, name) for name in gates.blocks]
     head_blocks(ls.qkv, ls.q, ls.k, ls.v, config=config, batch=batch, rows=rows,
-                decays=(ls.decay, ls.decays) if kda else None)
+                decays=(ls.decay, *blocks) if blocks else None)
 
     for copy in to_smem:
         copy.wait()
 
     def scalars(b, h):
-        def beta(t):
-            return ls.beta_smem[b * rows + t, h]
-
-        if kda:
-            decays = ls.decays[b, h]  # [R, Hk]: row t scales the state's rows
-            return (lambda t: channel_column(decays[t:t + 1])), beta
-        return (lambda t: ls.decay_smem[b * rows + t, h]), beta
+        return gates.decay(ls, b, h, rows), lambda t: ls.beta_smem[b * rows + t, h]
 
     delta_rule_body(ls.q, ls.k, ls.v, scalars, ls.heads, copies, rows=rows, row=row)
     (norm,) = landed("lin_norm")
     gated_norm_rows(ls.heads, ls.z, ls.o, norm, batch=batch, rows=rows, eps=config.rms_eps,
-                    gate=jax.nn.sigmoid if kda else jax.nn.silu)
+                    gate=gates.output_gate)
     ring.matmul("lin_out", ls.o, out_vmem, layer=step)
 
 
@@ -420,8 +473,9 @@ def drain_linear(ls, hbm: dict) -> None:
     state_copies(ls, hbm).drain()
 
 
-def gated_deltanet_kernel(inputs, outputs, *, config: ModelConfig, stream: TileStream,
-                          batch: int, rows: int, h_vmem, ring_vmem, sems, linear):
+def gated_deltanet_kernel(inputs, outputs, *, config: ModelConfig, gates: Gates,
+                          stream: TileStream, batch: int, rows: int, h_vmem, ring_vmem, sems,
+                          linear):
     """inputs: x [M, D] f32, attn_norm [1, D] f32 (VMEM), the ring's weights and the
     DMA'd ones (`linear_weights`) and STATE_INPUTS (HBM, the one layer's, [1, ...]);
     outputs: out [M, D] f32 (x + the mixer), STATE_OUTPUTS (HBM, [1, ...]); scratch: h, the
@@ -435,7 +489,7 @@ def gated_deltanet_kernel(inputs, outputs, *, config: ModelConfig, stream: TileS
     ls, hbm = SimpleNamespace(**linear), inputs | outputs
     prime_linear(config, ls, hbm)
     x = inputs["x"][...]
-    linear_mixer(ring, config, ls, hbm, step=0, row=row, x=x,
+    linear_mixer(ring, config, gates, ls, hbm, step=0, row=row, x=x,
                  attn_norm=inputs["attn_norm"][...], h_vmem=h_vmem, out_vmem=outputs["out"],
                  batch=batch, rows=rows)
     drain_linear(ls, hbm)
@@ -444,24 +498,25 @@ def gated_deltanet_kernel(inputs, outputs, *, config: ModelConfig, stream: TileS
 
 def check_conv_kernel(config: ModelConfig) -> None:
     """The kernels keep a conv state of W-1 rows (DMA'd, windowed, returned per row); W = 1
-    (a conv with no state) is not built: raises NotImplementedError before tracing."""
-    if config.linear_layers and config.conv_kernel < 2:
+    (a conv with no state) is not built: raises NotImplementedError before tracing when
+    the model has conv taps (a linear kind's lin_conv)."""
+    if "lin_conv" in param_shapes(config) and config.conv_kernel < 2:
         raise NotImplementedError(f"{config.name}: conv_kernel={config.conv_kernel}: the "
                                   "linear-attention kernels keep a conv state of conv_kernel "
                                   "- 1 rows and need conv_kernel >= 2 (mk.reference runs "
                                   "conv_kernel=1)")
 
 
-def check_linear_layer(config: ModelConfig, x, conv_state, state, layer) -> tuple[int, int]:
-    """(B, T) of a gated-DeltaNet layer step; raises ValueError naming a bad shape, row
-    count or layer before anything is traced."""
-    if not config.linear_layers:
+def check_linear_layer(config: ModelConfig, kind, x, conv_state, state,
+                       layer) -> tuple[int, int]:
+    """(B, T) of a linear layer step of `kind` (`linear_kind`: None without linear
+    layers); raises ValueError naming a bad shape, row count or layer before anything is
+    traced."""
+    if kind is None:
         raise ValueError(f"{config.name} has no linear layers (layer_types="
                          f"{config.layer_types})")
-    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < config.layers \
-            or config.mixer_index(layer)[0] != "linear":
-        raise ValueError(f"layer={layer!r} must be one of the linear layers "
-                         f"{config.linear_layers}")
+    if isinstance(layer, bool) or not isinstance(layer, int) or layer not in kind.layers:
+        raise ValueError(f"layer={layer!r} must be one of the linear layers {kind.layers}")
     check_conv_kernel(config)
     B, T, D = x.shape
     if D != config.hidden:
@@ -481,8 +536,8 @@ def check_linear_layer(config: ModelConfig, x, conv_state, state, layer) -> tupl
 
 def gated_deltanet(config: ModelConfig, params, x, conv_state, state, *, layer: int,
                    block: BlockSizes | None = None):
-    """One linear layer's decode step (the gated DeltaNet, or Kimi Delta Attention with
-    config.channel_decay) for B sequences x T rows, up to the residual:
+    """One linear layer's decode step (the gated DeltaNet or Kimi Delta Attention: the
+    model's `linear_kind` and its `Gates`) for B sequences x T rows, up to the residual:
     x + out_proj(GatedNorm(DeltaRule(conv(qkv)))) (mk.reference.linear_decoder_layer's
     x after the mixer; the MLP is stage 04's).
 
@@ -491,8 +546,9 @@ def gated_deltanet(config: ModelConfig, params, x, conv_state, state, *, layer: 
     [B, T, W-1, C] and recurrent states [B, T, Nv, Hk, Hv] after each row: a verifier that
     accepts k rows keeps row k-1's).
     """
-    B, T = check_linear_layer(config, x, conv_state, state, layer)
-    M, D, (_, i) = B * T, config.hidden, config.mixer_index(layer)
+    kind = linear_kind(config)
+    B, T = check_linear_layer(config, kind, x, conv_state, state, layer)
+    M, D, i = B * T, config.hidden, kind.layers.index(layer)
     C, W, Vw = config.conv_channels, config.conv_kernel, config.linear_value_width
     Nv, Hk, Hv = config.linear_value_heads, config.linear_key_dim, config.linear_value_dim
     dt = jnp.dtype(config.dtype)
@@ -514,10 +570,10 @@ def gated_deltanet(config: ModelConfig, params, x, conv_state, state, *, layer: 
     weight_bytes = weight_elements * dt.itemsize
     state_bytes = B * Nv * Hk * Hv * 4
     conv_bytes = B * (W - 1) * C * dt.itemsize
-    decays = Nv * Hk if config.channel_decay else Nv
+    decays = decay_width(config)
     out = pl.pallas_call(
-        functools.partial(gated_deltanet_kernel, config=config, stream=stream, batch=B,
-                          rows=T),
+        functools.partial(gated_deltanet_kernel, config=config, gates=kind.gates,
+                          stream=stream, batch=B, rows=T),
         out_shape=outputs,
         in_specs=(memory_specs(spaces),),
         out_specs=memory_specs(dict(out=pltpu.VMEM, conv_rows=pl.ANY, state_rows=pl.ANY)),
@@ -525,7 +581,7 @@ def gated_deltanet(config: ModelConfig, params, x, conv_state, state, *, layer: 
                             ring_vmem=pltpu.VMEM((block.slots, block.tile_rows,
                                                   block.tile_cols), dt),
                             sems=pltpu.SemaphoreType.DMA((block.slots,)),
-                            linear=linear_scratch(config, B, T, layers=1)),
+                            linear=linear_scratch(config, kind.gates, B, T, layers=1)),
         compiler_params=pltpu.CompilerParams(vmem_limit_bytes=vmem_limit_bytes(buffers)),
         name="mk_gated_deltanet",
         cost_estimate=pl.CostEstimate(

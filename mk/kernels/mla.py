@@ -27,11 +27,12 @@ after them in the one DMA queue). wq's product is `mk.ops.matmul`'s (q cast to w
 dtype, float32 sums); the absorption and the value up-projection are float32 products in
 VMEM (`mk.reference.mla_absorbed`'s numerics); attention's own numerics are `attend`'s.
 
-Here: `mla_matrices`, `mla_loads` (the DMA'd weights' shapes), `latent_columns`,
-`mla_buffers` (VMEM, group "layer"), `start_mla_loads`,
-`mla_prologue`, `mla_epilogue`. Not here: `attend` (`mk.kernels.decode_attention`), the
-layer around them (`mk.kernels.one_layer.layer_body`), the stage kernels (MLA runs in the
-megakernel only; `latent_attention` is attention's stage wrapper).
+Here: `mla_weights` (its rows of `mk.weights`), `low_rank_q`, `mla_matrices`, `mla_loads`
+(the DMA'd weights' shapes), `latent_columns`, `mla_buffers` (VMEM, group "layer"),
+`start_mla_loads`, `mla_prologue`, `mla_epilogue`. Not here: `attend`
+(`mk.kernels.decode_attention`), the layer around them (`mk.kernels.one_layer.layer_body`),
+the stage kernels (MLA runs in the megakernel only; `latent_attention` is attention's stage
+wrapper).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from jax.experimental.pallas import tpu as pltpu
 from mk.config import ModelConfig
 from mk.kernels.common import LANES, Buffer, start_dma
 from mk.ops import rms_norm
+from mk.weights import FAMILY, names_of, param_shapes
 
 F32 = jnp.float32
 NT = (((1,), (1,)), ((), ()))  # dot_general dims of a @ b.T
@@ -53,22 +55,33 @@ def latent_columns(config: ModelConfig) -> int:
     return -(-config.latent_width // LANES) * LANES
 
 
+def mla_weights(config: ModelConfig, *paths: str) -> tuple[str, ...]:
+    """An MLA layer's weights moved by one of `paths` (all without), in table order
+    (`mk.weights.names_of`): with a q low rank, wq_a streams and wq is DMA'd."""
+    return names_of(config, "mla", *paths)
+
+
+def low_rank_q(config: ModelConfig) -> bool:
+    """Whether the queries come through a low rank: q = RMSNorm(h @ wq_a) @ wq."""
+    return "wq_a" in mla_weights(config)
+
+
 def mla_matrices(config: ModelConfig) -> list[tuple[str, int, int]]:
-    """The ring segments of an MLA layer in consumption order: (name, rows, cols)."""
-    D, N, Rq = config.hidden, config.heads, config.q_rank
-    q = [("wq_a", D, Rq)] if Rq else [("wq", D, N * config.head_dim)]
-    return [*q, ("wkv_a", D, latent_columns(config)), ("wo", N * config.value_dim, D)]
+    """The ring segments of an MLA layer in consumption order (its ring weights in table
+    order: wq_a or wq, wkv_a, wo): (name, rows, cols), wkv_a's `latent_columns`."""
+    shapes = param_shapes(config)
+    return [(n, shapes[n][0][1], latent_columns(config) if n == "wkv_a" else shapes[n][0][2])
+            for n in mla_weights(config, "ring")]
 
 
 def mla_loads(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
-    """The weights an MLA layer DMAs whole, by name, in the order it uses them: (shape of
-    one layer's, dtype). The norms are float32 rows (`mk.megakernel.prepare` lays them
-    out so)."""
-    N, R, Rq = config.heads, config.latent_rank, config.q_rank
-    Hn, dt = config.head_dim - config.rope_dim, config.dtype
-    q = dict(q_a_norm=((1, Rq), "float32"), wq=((Rq, N * config.head_dim), dt)) if Rq else {}
-    return q | dict(kv_a_norm=((1, R), "float32"),
-                    wkv_b=((R, N * (Hn + config.value_dim)), dt))
+    """The weights an MLA layer DMAs whole, by name, in the order it uses them (table
+    order: q_a_norm and wq with a q low rank, kv_a_norm, wkv_b): (shape of one layer's,
+    dtype). The norms are float32 rows (`mk.kinds.attention.MLA.prepare` lays them out
+    so)."""
+    shapes = param_shapes(config)
+    return {n: ((1, *shapes[n][0][1:]), "float32") if FAMILY[n] == "norms"
+            else (shapes[n][0][1:], shapes[n][1]) for n in mla_weights(config, "dma")}
 
 
 def mla_buffers(config: ModelConfig, M: int) -> list[Buffer]:
@@ -80,7 +93,7 @@ def mla_buffers(config: ModelConfig, M: int) -> list[Buffer]:
                Buffer("latent_new", (M, W), f32), Buffer("queries", (M, N * W), f32),
                Buffer("o_latent", (M, N * W), f32),
                Buffer("o", (M, N * config.value_dim), f32)]
-    if config.q_rank:
+    if low_rank_q(config):
         buffers.append(Buffer("q_a", (M, config.q_rank), f32))
     return buffers + [Buffer(name, shape, dtype) for name, (shape, dtype)
                       in mla_loads(config).items()]
@@ -104,7 +117,7 @@ def mla_prologue(ring, config: ModelConfig, s, loads: dict, *, layer, x, attn_no
     N, H, R, W = config.heads, config.head_dim, config.latent_rank, config.latent_width
     Hn, Ho, eps = H - config.rope_dim, config.value_dim, config.rms_eps
     s.h[...] = rms_norm(x, attn_norm, eps).astype(s.h.dtype)
-    if config.q_rank:
+    if low_rank_q(config):
         ring.matmul("wq_a", s.h, s.q_a, layer=layer)
         loads["q_a_norm"].wait()
         q_a = rms_norm(s.q_a[...], s.q_a_norm[...], eps).astype(s.wq.dtype)

@@ -364,18 +364,18 @@ def moe_body(ring: Ring, layer, x, router_vmem, combine_vmem, selected_vmem, sel
 
 def moe_buffers(M: int, D: int, E: int, Fe: int, dtype, block: BlockSizes,
                 x_dtype="float32", formats=None, *, shared_ffn: int = 0,
-                router_score: str = "softmax") -> list[Buffer]:
+                router_bias: bool = False) -> list[Buffer]:
     """Every VMEM buffer of `moe` (the budget and the scratch come from here); dtype: the
     router's (and plain experts'); formats: {family: mk.quant scheme} of quantised weights
     (the ring's packed slots); shared_ffn: the shared expert's width (0: none);
-    router_score: a sigmoid router's bias has a buffer."""
+    router_bias: whether the router has a bias (the sigmoid router's: a [1, E] buffer)."""
     stream = weight_stream(block, moe_segments(D, Fe, 1, shared_ffn), formats)  # any slots
     dt = str(jnp.dtype(dtype))
     buffers = _stage_buffers(M, D, dtype, stream, x_dtype) + [
         Buffer("router", (D, E), dt), Buffer("combine", (M, E), "float32"),
         Buffer("selected", (1, E), "int32"), Buffer("gate", (M, Fe), "float32"),
         Buffer("up", (M, Fe), "float32"), Buffer("down", (M, D), "float32")]
-    if router_score == "sigmoid":
+    if router_bias:
         buffers.append(Buffer("router_bias", (1, E), dt))
     if shared_ffn:
         buffers += [Buffer("shared_gate", (M, shared_ffn), "float32"),
@@ -449,11 +449,7 @@ def moe(h: jax.Array, router: jax.Array, we_gate: jax.Array, we_up: jax.Array,
     Lm, E, D, Fe = we_gate.shape
     weights = dict(router=router, we_gate=we_gate, we_up=we_up, we_down=we_down)
     routing = Routing(top_k, renormalise, router_score, expert_groups, topk_groups,
-                      routed_scale).check(E)
-    if (router_bias is not None) != (router_score == "sigmoid"):
-        raise ValueError(f"router_bias is {'missing' if router_bias is None else 'given'}: "
-                         f"the sigmoid router needs one, the softmax router has none "
-                         f"(router_score={router_score!r})")
+                      routed_scale).check(E, biased=router_bias is not None)
     if router_bias is not None:
         weights["router_bias"] = _stacked(router_bias, 1, "router_bias")[:, None]
     Fs = 0
@@ -481,7 +477,7 @@ def moe(h: jax.Array, router: jax.Array, we_gate: jax.Array, we_up: jax.Array,
     stream = weight_stream(block, moe_segments(D, Fe, slots, Fs), formats)
     ring_inputs, specs = ring_weights({n: weights[n] for n in streamed}, stream)
     buffers = moe_buffers(M, D, E, Fe, router.dtype, block, h.dtype, formats, shared_ffn=Fs,
-                          router_score=router_score)
+                          router_bias=router_bias is not None)
     expert_bytes = sum(a.nbytes for n in EXPERT_WEIGHTS
                        for a in jax.tree.leaves(ring_inputs[n])) // (Lm * E)
     shared_bytes = sum(a.nbytes for n in streamed if n in SHARED_WEIGHTS

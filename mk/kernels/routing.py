@@ -45,13 +45,13 @@ class Routing:
         return cls(config.experts_per_token, config.norm_topk, config.router_score,
                    config.expert_groups, config.topk_groups, config.routed_scale)
 
-    def check(self, experts: int) -> Routing:
-        """Itself, after checking it against `experts` (`mk.kinds.checks.check_routing`); raises
-        ValueError naming the field."""
+    def check(self, experts: int, *, biased: bool | None = None) -> Routing:
+        """Itself, after checking it against `experts` (and whether a router bias is given:
+        `biased`; `mk.kinds.checks.check_routing`); raises ValueError naming the field."""
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) \
                 or not 1 <= self.top_k <= experts:
             raise ValueError(f"top_k={self.top_k!r} must be an integer in [1, experts={experts}]")
-        check_routing("moe", experts=experts, top_k=self.top_k,
+        check_routing("moe", experts=experts, top_k=self.top_k, biased=biased,
                       **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)[2:]})
         return self
 
@@ -99,8 +99,9 @@ def route_body(x, router_vmem, combine_vmem, routing: Routing, bias_vmem=None):
     if routing.router_score == "softmax":
         exp = jnp.exp(logits - jnp.max(logits, axis=1, keepdims=True))
         scores = choice = exp / jnp.sum(exp, axis=1, keepdims=True)  # [M, E]
+        floor = 0.0  # the renormalisation's: x + 0.0 is x exactly
     else:
-        scores = jax.nn.sigmoid(logits)
+        scores, floor = jax.nn.sigmoid(logits), 1e-20
         choice = scores + bias_vmem[...].astype(jnp.float32)
         if routing.expert_groups > 1:
             choice = jnp.where(kept_groups(choice, expert, routing), choice, -jnp.inf)
@@ -113,7 +114,7 @@ def route_body(x, router_vmem, combine_vmem, routing: Routing, bias_vmem=None):
     weights = jnp.where(picked, scores, 0.0)
     if routing.renormalise:
         total = jnp.sum(weights, axis=1, keepdims=True)
-        weights = weights / (total if routing.router_score == "softmax" else total + 1e-20)
+        weights = weights / (total + floor)
     if routing.routed_scale != 1.0:
         weights = weights * np.float32(routing.routed_scale)
     combine_vmem[...] = weights

@@ -30,8 +30,8 @@ from mk.kernels.decode_attention import (attend, attention_semaphores, block_row
                                          write_back_slots)
 from mk.kernels.kv_stream import (AttentionScratch, KvStream, drain_write_backs,
                                   kv_tiles, start_write_backs)
-from mk.kernels.mla import (latent_columns, mla_buffers, mla_epilogue, mla_loads,
-                            mla_matrices, mla_prologue, start_mla_loads)
+from mk.kernels.mla import (latent_columns, low_rank_q, mla_buffers, mla_epilogue,
+                            mla_loads, mla_matrices, mla_prologue, start_mla_loads)
 from mk.kinds.base import Kind, Step, Twin
 
 FULL_PHASES = ("prologue", "attend", "kv_prime", "wo")
@@ -64,7 +64,7 @@ class GQA(Kind):
         c, M, f32 = self.config, batch * rows, "float32"
         own = [Buffer("q", (M, c.q_width), f32), Buffer("k", (M, c.kv_width), f32),
                Buffer("v", (M, c.kv_width), f32), Buffer("o", (M, c.q_width), f32)]
-        if c.attn_output_gate:
+        if "wq_gate" in self.weights():  # Qwen3.5's output gate
             own.append(Buffer("q_gate", (M, c.q_width), f32))
         return own + self.attention_buffers(batch, rows, block)
 
@@ -110,12 +110,13 @@ class GQA(Kind):
 
     def prologue(self, k: Step, row) -> None:
         s, (attn_norm, _, q_norm, k_norm) = k.s, k.norms
-        if not self.config.qk_norm:  # the tables hold ones; RMSNorm by ones is not identity
+        weights = self.weights()
+        if "q_norm" not in weights:  # the tables hold ones; RMSNorm by ones is not identity
             q_norm = k_norm = None
         prologue(k.ring, self.config, layer=k.step, x=k.x, attn_norm=attn_norm, q_norm=q_norm,
                  k_norm=k_norm, positions_smem=k.positions, batch=k.batch, rows=k.rows,
                  h_vmem=s.h, q_vmem=s.q, k_vmem=s.k, v_vmem=s.v,
-                 gate_vmem=getattr(s, "q_gate", None))
+                 gate_vmem=s.q_gate if "wq_gate" in weights else None)
 
     def attend(self, k: Step, row) -> None:
         s = k.s
@@ -124,7 +125,7 @@ class GQA(Kind):
 
     def output(self, k: Step) -> None:
         """s.o as wo reads it: Qwen3.5's gate, o * sigmoid(h @ wq_gate)."""
-        if self.config.attn_output_gate:
+        if "wq_gate" in self.weights():
             k.s.o[...] = k.s.o[...] * jax.nn.sigmoid(k.s.q_gate[...])
 
     def finish(self, k: Step) -> None:
@@ -154,7 +155,7 @@ class GQA(Kind):
         projection (MLA: costed by the same widths)."""
         c, m, layers = self.config, e.batch * e.rows, len(self.layers)
         D, q, kv = c.hidden, c.q_width, c.kv_width
-        q_cols = q * (2 if c.attn_output_gate else 1)  # with the gate
+        q_cols = q * (2 if "wq_gate" in self.weights() else 1)  # with the gate
         qkv_share = (D * (q_cols + 2 * kv)) / (D * (q_cols + q + 2 * kv))
         weights = e.attention_bytes / layers
         return [("qkv", weights * qkv_share, 2 * m * D * (q_cols + 2 * kv),
@@ -270,9 +271,8 @@ class AttentionTwin(Twin):
 
     def output(self):
         """Qwen3.5's output gate before wo."""
-        c = self.kind.config
-        if c.attn_output_gate:
-            self.sim.vector(4 * self.sim.m * c.q_width, "output_gate")
+        if "wq_gate" in self.kind.weights():
+            self.sim.vector(4 * self.sim.m * self.kind.config.q_width, "output_gate")
 
     def tiles(self) -> list[tuple[int, int]]:
         """(sequence, tile) of every KV tile a layer's attention reads, in order."""
@@ -338,7 +338,7 @@ class MLATwin(AttentionTwin):
         M = sim.m
         landed = {name: sim.mc.dma(math.prod(shape) * DTYPE_BITS[dtype] / 8, sim.layer,
                                    name) for name, (shape, dtype) in mla_loads(c).items()}
-        if c.q_rank:
+        if low_rank_q(c):
             sim.matmul("wq_a")
             sim.mc.wait(landed["q_a_norm"])
             sim.vector(4 * M * c.q_rank, "norm")

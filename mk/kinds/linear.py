@@ -5,8 +5,10 @@ Both run `mk.kernels.deltanet.linear_mixer`: their big projections through the r
 small weights and conv state DMA'd by the linear layer before (the first at the step's
 start: `prime_linear`), the recurrent states streamed per sequence, the conv and recurrent
 states after each of the T rows written to HBM (waited for a linear layer later, the last
-at the step's end: `drain_linear`). Not here: the kernel (`mk.kernels.deltanet`), the
-loop over kinds (`mk.kernels.one_layer.layer_body`).
+at the step's end: `drain_linear`). What differs between them there is their `gates`
+(`mk.kernels.deltanet.Gates`: the gates' code, where a row's decay lives, the output
+gate). Not here: the kernel (`mk.kernels.deltanet`), the loop over kinds
+(`mk.kernels.one_layer.layer_body`).
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ from types import SimpleNamespace
 import jax
 
 from mk.kernels.decode_attention import block_rows
-from mk.kernels.deltanet import (STATE_INPUTS, STATE_OUTPUTS, drain_linear,
-                                 gated_deltanet_matrices, linear_buffers, linear_layer_shapes,
-                                 linear_mixer, linear_semaphores, prepare_linear,
-                                 prime_linear)
+from mk.kernels.deltanet import (CHANNEL_GATES, HEAD_GATES, STATE_INPUTS, STATE_OUTPUTS,
+                                 drain_linear, gated_deltanet_matrices, linear_buffers,
+                                 linear_layer_shapes, linear_mixer, linear_semaphores,
+                                 prepare_linear, prime_linear)
 from mk.kinds.base import Kind, Step, Twin
 from mk.weights import param_shapes
 
@@ -39,6 +41,9 @@ class DeltaNet(Kind):
     # the rest: DeltaNet's qkv, z, b, a, out; KDA's qkv, b, the low-rank gates, out).
     elementwise = ("lin_conv", "lin_a_log", "lin_dt_bias", "lin_norm")
     packs = False  # mk.quant quantises no model with linear layers (issue 34)
+    # What `linear_mixer` does differently per kind (`mk.kernels.deltanet.Gates`): a decay
+    # per value head (to SMEM with beta), z through the ring, the SiLU output gate
+    gates = HEAD_GATES
 
     def split_widths(self) -> dict[str, int]:
         return dict(linear_key_heads=self.config.linear_key_heads)
@@ -52,10 +57,10 @@ class DeltaNet(Kind):
         return gated_deltanet_matrices(self.config)
 
     def buffers(self, batch: int, rows: int, block) -> list:
-        return linear_buffers(self.config, batch, rows)
+        return linear_buffers(self.config, self.gates, batch, rows)
 
     def scratch(self, batch: int, rows: int, block) -> dict:
-        return {"linear": linear_semaphores(self.config, batch, rows)}
+        return {"linear": linear_semaphores(self.config, self.gates, batch, rows)}
 
     def prepare(self, params) -> dict:
         return {n: params[n] for n in self.weights("ring")} | prepare_linear(self.config,
@@ -86,9 +91,9 @@ class DeltaNet(Kind):
         prime_linear(self.config, self.scratch_of(k), self.hbm(k))
 
     def run(self, k: Step, phase: str) -> None:
-        linear_mixer(k.ring, self.config, self.scratch_of(k), self.hbm(k), step=k.step,
-                     row=k.row(self)(k.step), x=k.x, attn_norm=k.norms[0], h_vmem=k.s.h,
-                     out_vmem=k.s.attn_out, batch=k.batch, rows=k.rows)
+        linear_mixer(k.ring, self.config, self.gates, self.scratch_of(k), self.hbm(k),
+                     step=k.step, row=k.row(self)(k.step), x=k.x, attn_norm=k.norms[0],
+                     h_vmem=k.s.h, out_vmem=k.s.attn_out, batch=k.batch, rows=k.rows)
 
     def finish(self, k: Step) -> None:
         drain_linear(self.scratch_of(k), self.hbm(k))
@@ -129,11 +134,13 @@ class DeltaNet(Kind):
 
 
 class KDA(DeltaNet):
-    """Kimi Delta Attention: the gated DeltaNet's kernel with config.channel_decay (its
-    low-rank forget and output gates DMA'd, no lin_z segment)."""
+    """Kimi Delta Attention: the gated DeltaNet's kernel with a decay per key channel (its
+    low-rank forget and output gates DMA'd, no lin_z segment; the decays blocked beside q
+    and k, a sigmoid output gate: `CHANNEL_GATES`)."""
 
     name = "kda"
     title = "KDA"
+    gates = CHANNEL_GATES
 
     def twin(self, sim) -> KDATwin:
         return KDATwin(self, sim)

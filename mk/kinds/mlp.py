@@ -1,6 +1,7 @@
 """The MLP layer kinds: the dense SwiGLU (`Dense`) and the mixture of experts (`MoE`:
 Qwen3-MoE's softmax router, or DeepSeek/Kimi's sigmoid router with its bias, and Kimi's
-shared expert), each with its simulator twin.
+shared expert), each with its simulator twin and its stage kernel (`stage`: the MLP as
+one pallas_call, `mk.profiling`'s staged step).
 
 A MoE layer DMAs its router (and the sigmoid router's bias) whole: at the layer's start,
 or at tp > 1 behind the token mixer's tiles (`router_after_mixer`), and waits for it just
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 from mk.config import DTYPE_BITS
+from mk.kernels import mlp as mlp_kernels
 from mk.kernels.common import Buffer, padded_width, start_dma
 from mk.kernels.mlp import (DENSE_WEIGHTS, EXPERT_WEIGHTS, MOE_SMALL_LOADS,
                             SHARED_WEIGHTS, expert_slots, moe_body, moe_fetch, moe_segments,
@@ -63,6 +65,11 @@ class Dense(Kind):
 
     def run(self, k: Step, phase: str) -> None:
         swiglu_body(k.ring, k.step, k.s.h, k.s.gate, k.s.up, k.s.mlp_out)
+
+    def stage(self, h, weights: dict):
+        """Its stage kernel on the normed rows h [M, D] (`mk.kernels.mlp.swiglu`): one
+        layer's weights by name -> [M, D] float32."""
+        return mlp_kernels.swiglu(h, *(weights[n] for n in DENSE_WEIGHTS))
 
     def twin(self, sim) -> DenseTwin:
         return DenseTwin(self, sim)
@@ -176,6 +183,18 @@ class MoE(Kind):
                      s.e_gate, s.e_up, s.down, s.mlp_out, routing=Routing.of(c),
                      bias_vmem=getattr(s, "router_bias", None),
                      shared=(s.shared_gate, s.shared_up) if c.shared_expert_ffn else None)
+
+    def stage(self, h, weights: dict):
+        """Its stage kernel on the normed rows h [M, D] (`mk.kernels.mlp.moe`): one layer's
+        weights by name (its router's bias and shared expert where it has them) -> [M, D]
+        float32."""
+        shared = tuple(weights[n] for n in SHARED_WEIGHTS if n in weights) or None
+        routing = Routing.of(self.config)
+        return mlp_kernels.moe(
+            h, weights["router"], *(weights[n] for n in EXPERT_WEIGHTS), top_k=routing.top_k,
+            renormalise=routing.renormalise, router_score=routing.router_score,
+            router_bias=weights.get("router_bias"), expert_groups=routing.expert_groups,
+            topk_groups=routing.topk_groups, routed_scale=routing.routed_scale, shared=shared)
 
     def twin(self, sim) -> MoETwin:
         return MoETwin(self, sim)

@@ -86,6 +86,20 @@ def test_bad_inputs_are_named():
         attention_prologue(config, params, jnp.zeros((9, 8, 256)), jnp.zeros(9, int))
 
 
+@pytest.mark.parametrize("name, layer, streams", [
+    ("tiny-hybrid", 2, r"\(gqa\) streams \('wq', 'wk', 'wv', 'wq_gate', 'wo'\)"),  # the gate
+    ("tiny-hybrid", 0, r"\(deltanet\) streams \('lin_qkv', 'lin_z', 'lin_out'\)"),
+    ("tiny-kimi", 2, r"\(mla\) streams \('wq', 'wkv_a', 'wo'\)")])
+def test_a_layer_whose_mixer_is_not_qwen3s_attention_is_refused_by_its_kind(name, layer,
+                                                                           streams):
+    """The stage kernels build Qwen3's attention: a layer's mixer kind streaming other
+    weights (Qwen3.5's gated attention or its linear layers, Kimi's MLA) is named."""
+    config = mk.preset(name)
+    x = jnp.zeros((1, 1, config.hidden))
+    with pytest.raises(ValueError, match=f"layer {layer}'s token mixer {streams}"):
+        attention_prologue(config, abstract_params(config), x, jnp.zeros(1, int), layer=layer)
+
+
 @pytest.mark.parametrize("chip", ["v5e", "v6e", "tpu7x"])
 def test_compiles_for_tpu_at_qwen3_8b_shapes(chip):
     config = dataclasses.replace(mk.preset("qwen3-8b"), layers=1)

@@ -476,7 +476,7 @@ def test_kimi_moe_compiles_for_tpu7x_at_kimi_k3s_tp32_shard(groups, topk_groups)
     Fe = Fs = 128
     block = stage_block(mlp.moe_segments(D, Fe, 1, Fs), "bfloat16")
     budget = vmem_budget("mk_moe", mlp.moe_buffers(M, D, E, Fe, "bfloat16", block,
-                                                   shared_ffn=Fs, router_score="sigmoid"),
+                                                   shared_ffn=Fs, router_bias=True),
                          mk.chip("tpu7x"))
     bf16 = jnp.bfloat16
     report = tpu.compile_for_chip(
