@@ -34,7 +34,7 @@ layer, the megakernel on every linear layer of a hybrid (`mk.kernels.one_layer.l
 Here: `linear_mixer` and `gated_deltanet` (the layer, either kind), their bodies (the
 gates, the conv, the head blocks, the gated norm), the kinds' `Gates`, buffers
 (`linear_buffers`, `gated_deltanet_buffers`), `linear_weights` and `linear_layer_shapes`
-(each kind's weights, counted once), `decay_width`, `prepare_linear` and `linear_kind`
+(each kind's weights, counted once), `decay_width` and `linear_kind`
 (the stage kernel's question to the kinds). Not here: the delta rule and its state copies
 (`mk.kernels.delta_rule`, whose `delta_rule_step` runs the rule alone), the MLP after the
 layer (stage 04), the megakernel's mixed full/linear layer stream (`mk.megakernel`), the
@@ -76,7 +76,7 @@ F32 = jnp.float32
 # ring streams the matrices with D rows or columns (in_proj_qkv, in_proj_z, out_proj); the
 # narrow ones come whole by their own DMA at the layer's start, in table order: in_proj_b
 # and in_proj_a ([D, Nv], Nv = 48 lanes in the 27B: narrower than a ring tile, as a MoE
-# router is), the conv taps, A_log, dt_bias and the gated norm's weight (`prepare_linear`
+# router is), the conv taps, A_log, dt_bias and the gated norm's weight (`Kind.prepare`
 # gives the vectors a [1, n] row each). Kimi Delta Attention has no in_proj_z and no
 # in_proj_a: its forget gate (one decay per key channel) and its output gate are low-rank
 # pairs, D -> Hk -> Nv*Hk and D -> Hv -> Nv*Hv, whose rank (128) is narrower than a ring
@@ -185,14 +185,6 @@ def linear_semaphores(config: ModelConfig, gates: Gates, batch: int, rows: int, 
         small_sems=pltpu.SemaphoreType.DMA((layers, len(linear_weights(config)[1]) + 1)),
         # the conv rows out, the gates to SMEM
         out_sems=pltpu.SemaphoreType.DMA((1 + len(gates.smem),)))
-
-
-def prepare_linear(config: ModelConfig, params) -> dict:
-    """The DMA'd weights of every linear layer (`linear_weights`) as `linear_mixer` reads
-    them: the vectors as [Ll, 1, n] rows (one DMA each into a [1, n] buffer), the rest as
-    they are."""
-    return {n: params[n][:, None] if params[n].ndim == 2 else params[n]
-            for n in linear_weights(config)[1]}
 
 
 def linear_kind(config: ModelConfig):
@@ -559,8 +551,9 @@ def gated_deltanet(config: ModelConfig, params, x, conv_state, state, *, layer: 
     inputs = dict(x=x.reshape(M, D).astype(F32),
                   attn_norm=(params["attn_norm"][layer].astype(F32) + config.norm_offset)[None],
                   conv_state=conv_state.astype(dt)[None], state=state.astype(F32)[None])
-    inputs |= ring_layout({n: layer_params[n] for n in segments}, stream)
-    inputs |= prepare_linear(config, layer_params)
+    prepared = kind.prepare(layer_params)  # the DMA'd vectors as [1, 1, n] rows
+    inputs |= ring_layout({n: prepared[n] for n in segments}, stream)
+    inputs |= {n: prepared[n] for n in dmas}
     outputs = dict(out=jax.ShapeDtypeStruct((M, D), F32),
                    conv_rows=jax.ShapeDtypeStruct((1, B, T, W - 1, C), dt),
                    state_rows=jax.ShapeDtypeStruct((1, B, T, Nv, Hk, Hv), F32))

@@ -198,13 +198,12 @@ class MLA(GQA):
         return dict(latent=out["latent_cache"][:, :, 0])
 
     def prepare(self, params) -> dict:
-        """wkv_a's columns padded to whole tiles; the low-rank norms as float32 [La, 1, R]
-        rows (no norm_offset: MLA's norms have none)."""
+        """wkv_a's columns padded to whole tiles (the low-rank norms are the base's float32
+        rows: no norm_offset, MLA's norms have none)."""
         weights = super().prepare(params)
         pad = latent_columns(self.config) - self.config.latent_width
         weights["wkv_a"] = jnp.pad(weights["wkv_a"], ((0, 0), (0, 0), (0, pad)))
-        return weights | {n: weights[n].astype(jnp.float32)[:, None]
-                          for n in ("kv_a_norm", "q_a_norm") if n in weights}
+        return weights
 
     def prologue(self, k: Step, row) -> None:
         loads = start_mla_loads(self.config, k.s, {n: k.inputs[n] for n in

@@ -40,6 +40,9 @@ import dataclasses
 import math
 from typing import Any, Callable, ClassVar
 
+import jax
+import jax.numpy as jnp
+
 from mk.config import ModelConfig
 from mk.kernels.ring import Repeat
 from mk.weights import FAMILY, KIND_LAYERS, names_of, param_shapes
@@ -111,8 +114,16 @@ class Kind:
         return {}
 
     def prepare(self, params) -> dict:
-        """Its weights as the megakernel reads them (before `mk.kernels.ring.ring_layout`)."""
-        return {n: params[n] for n in self.weights("ring", "dma")}
+        """Its weights as the megakernel reads them (before `mk.kernels.ring.ring_layout`):
+        as stored, but a DMA'd vector (one [n] per layer: [L, n]) as [L, 1, n] rows, one
+        DMA each into a [1, n] VMEM buffer, float32 if it is a norm."""
+        out = {}
+        for name in self.weights("ring", "dma"):
+            w = params[name]
+            if name in self.weights("dma") and isinstance(w, jax.Array) and w.ndim == 2:
+                w = w[:, None].astype(jnp.float32 if FAMILY[name] == "norms" else w.dtype)
+            out[name] = w
+        return out
 
     def fetch(self, k: Step) -> dict:
         """The ring's Fetch callables of its segments: by default each ring weight's row

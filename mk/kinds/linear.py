@@ -22,7 +22,7 @@ from mk.kernels.decode_attention import block_rows
 from mk.kernels.deltanet import (CHANNEL_GATES, HEAD_GATES, STATE_INPUTS, STATE_OUTPUTS,
                                  drain_linear, gated_deltanet_matrices, linear_buffers,
                                  linear_layer_shapes, linear_mixer, linear_semaphores,
-                                 prepare_linear, prime_linear)
+                                 prime_linear)
 from mk.kinds.base import Kind, Step, Twin
 from mk.weights import param_shapes
 
@@ -61,10 +61,6 @@ class DeltaNet(Kind):
 
     def scratch(self, batch: int, rows: int, block) -> dict:
         return {"linear": linear_semaphores(self.config, self.gates, batch, rows)}
-
-    def prepare(self, params) -> dict:
-        return {n: params[n] for n in self.weights("ring")} | prepare_linear(self.config,
-                                                                             params)
 
     def state_operands(self, cache, batch: int, rows: int) -> tuple[dict, dict]:
         """The conv and recurrent states in; the states after every row out."""

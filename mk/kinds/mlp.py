@@ -136,12 +136,6 @@ class MoE(Kind):
             ids_smem=pltpu.SMEM((self.slots(batch * rows),), jnp.int32),
             count_smem=pltpu.SMEM((1,), jnp.int32))}
 
-    def prepare(self, params) -> dict:
-        weights = super().prepare(params)
-        if "router_bias" in weights:  # [Lm, 1, E]: one DMA into the [1, E] buffer
-            weights["router_bias"] = weights["router_bias"][:, None]
-        return weights
-
     def fetch(self, k: Step) -> dict:
         row, s = k.row(self), k.s
         fetch = moe_fetch(*(k.inputs[n] for n in EXPERT_WEIGHTS), row, s.ids_smem,
