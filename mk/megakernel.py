@@ -92,6 +92,7 @@ from tqdm.auto import tqdm
 
 from mk import backend as backends
 from mk import quant, reference
+from mk.cache import has_states
 from mk.config import ModelConfig, positive_int
 from mk.kernels.collectives import (AXIS, COLLECTIVE_IDS, CollectiveScratch, all_reduce_body,
                                     argmax_body, barrier)
@@ -273,16 +274,16 @@ def decode_step(config: ModelConfig, weights, cache, tokens, positions, *,
     With `taps=True` also returns {"attn", "mlp"}: the residual stream [L, B, T, D] after
     each layer's attention and MLP blocks, as `mk.reference.decode_step(..., taps=True)`.
     """
-    if row_states and not config.is_hybrid:
+    if row_states and not has_states(cache):
         raise ValueError(f"row_states=True needs a hybrid model; {config.name} has no "
                          "linear layers")
     tokens, positions = reference.validate_step(config, cache, tokens, positions)
     plan = DecodePlan.make(config, batch=tokens.shape[0], rows=tokens.shape[1],
-                     context=reference.cache_capacity(config, cache), block=block,
+                     context=cache.capacity, block=block,
                      formats=quant.formats_of(weights))
     backends.check_active()
     out = traced_step(plan, weights, cache, tokens, positions, taps=taps)
-    if config.is_hybrid and not row_states:
+    if has_states(cache) and not row_states:
         out = out[:3] + out[4:]
     return out
 
@@ -305,7 +306,7 @@ def first_divergence(config: ModelConfig, params, cache: reference.KVCache, toke
         raise ValueError(f"stop_after={stop_after!r} must be (layer, op) with 0 <= layer < "
                          f"layers={config.layers} and op in {TAPS}")
     B, T = jnp.shape(tokens)
-    plan = DecodePlan.make(config, batch=B, rows=T, context=reference.cache_capacity(config, cache),
+    plan = DecodePlan.make(config, batch=B, rows=T, context=cache.capacity,
                      block=block, formats=quant.formats_of(params))
     _, _, want = reference.decode_step(config, quant.dequantize(params), cache, tokens,
                                        positions, taps=True)

@@ -435,7 +435,7 @@ def variants(config: ModelConfig, params, cache: reference.KVCache, tokens, posi
     `mk.backend.use(...)`."""
     B, T = jnp.shape(tokens)
     block = DecodePlan.make(config, batch=B, rows=T,
-                                 context=reference.cache_capacity(config, cache)).block
+                                 context=cache.capacity).block
     weights = megakernel.prepare(config, params, block)
     layers = staged_weights(config, params)
     return {

@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from mk import backend as backends
 from mk import megakernel, perf, quant, reference
+from mk.cache import FIELDS, check_cache_type
 from mk.chips import chip as chip_spec
 from mk.config import ModelConfig
 from mk.kernels.collectives import (AXIS, ICI_LATENCY_S, all_reduce_bytes, check_devices,
@@ -102,31 +103,45 @@ def shard_params(config: ModelConfig, params, tp: int) -> dict:
 
 
 def check_sharded_cache(config: ModelConfig, cache, tp: int) -> None:
-    """Refuse a cache that is not `shard_cache`'s layout: [tp, ...] on every array, the
-    KV cache [tp, L, B, K_local, S, H] (MLA's latent cache [tp, La, B, S, W])."""
-    first, want = ((cache.latent, "latent: [tp, La, B, S, W]") if config.is_mla else
-                   (cache.k, "k: [tp, L, B, K_local, S, H]"))
-    if first.ndim != (5 if config.is_mla else 6) or any(a.shape[0] != tp for a in cache):
-        raise ValueError(f"cache shapes {[a.shape for a in cache]} must each be [tp={tp}, "
-                         f"...] ({want}); shard a cache with "
-                         "mk.tensor_parallel.shard_cache(config, cache, tp)")
+    """Refuse a cache that is not `shard_cache`'s layout: each field [tp, ...] of its
+    unsharded dims, the split one local (the KV cache [tp, L, B, K_local, S, H])."""
+    for name, a in zip(check_cache_type(config, cache)._fields, cache):
+        field = FIELDS[name]
+        if a.ndim != len(field.dims) + 1 or a.shape[0] != tp:
+            dims = [d + "_local" if d == field.split_dim else d for d in field.dims]
+            raise ValueError(f"cache shapes {[a.shape for a in cache]} must each be [tp={tp}, "
+                             f"...] ({name}: [tp, {', '.join(dims)}]); shard a cache with "
+                             "mk.tensor_parallel.shard_cache(config, cache, tp)")
+
+
+def _take(a, axis: int, index):
+    """a's entries index[i] along `axis`, for each device i -> [tp, ...]."""
+    return jnp.moveaxis(jnp.take(a, np.asarray(index), axis=axis), axis, 0)
+
+
+# How each split rule of a cache field (`mk.cache.FIELDS`) lays it out over tp devices
+# along the field's split axis: as the weights that write it are split.
+_CACHE_SPLIT = {
+    "whole": lambda config, a, axis, tp: jnp.broadcast_to(a, (tp, *a.shape)),
+    "kv_heads": lambda config, a, axis, tp: _take(a, axis, kv_heads_of(config, tp)),
+    "columns": lambda config, a, axis, tp: _take(
+        a, axis, np.arange(a.shape[axis]).reshape(tp, a.shape[axis] // tp)),
+    "channels": lambda config, a, axis, tp: _linear_channels(config, a, tp),  # C is last
+}
 
 
 def shard_cache(config: ModelConfig, cache, tp: int):
-    """[L, B, K, S, H] caches -> [tp, L, B, K_local, S, H] (each device's kv heads); MLA's
-    latent cache [La, B, S, W] whole on every device (every head reads it); a hybrid's
-    linear states too: conv [tp, Ll, B, W-1, C/tp] (`_linear_channels`), state [tp, Ll, B,
-    Nv/tp, Hk, Hv]."""
-    if config.is_mla:
-        kv = [jnp.broadcast_to(cache.latent, (tp, *cache.latent.shape))]
-    else:
-        heads = np.array(kv_heads_of(config, tp))
-        kv = [jnp.moveaxis(c[:, :, heads], 2, 0) for c in (cache.k, cache.v)]
-    if not config.is_hybrid:
-        return reference.KVCache(*kv)
-    state = cache.state.reshape(*cache.state.shape[:2], tp, -1, *cache.state.shape[3:])
-    kind = reference.LatentCache if config.is_mla else reference.HybridCache
-    return kind(*kv, _linear_channels(config, cache.conv, tp), jnp.moveaxis(state, 2, 0))
+    """A cache of `config` -> each field stacked [tp, ...] by its split rule
+    (`mk.cache.FIELDS`): K/V [tp, L, B, K_local, S, H] (each device's kv heads), MLA's
+    latent whole on every device (every head reads it), the linear states by the heads
+    their layer's weights are split by: conv [tp, Ll, B, W-1, C/tp] (`_linear_channels`),
+    state [tp, Ll, B, Nv/tp, Hk, Hv]."""
+    check_cache_type(config, cache)
+
+    def shard(name, a):
+        field = FIELDS[name]
+        return _CACHE_SPLIT[field.split](config, a, field.split_axis, tp)
+    return cache._replace(**{name: shard(name, a) for name, a in cache._asdict().items()})
 
 
 def prepare(plan: DecodePlan, params) -> dict:
@@ -162,7 +177,7 @@ def decode_step(config: ModelConfig, weights, cache: reference.KVCache, tokens, 
     tokens, positions = reference.validate_step(local, unstacked, tokens, positions)
     B, T = tokens.shape
     plan = DecodePlan.make(config, tp=tp, batch=B, rows=T,
-                                context=reference.cache_capacity(local, unstacked), block=block)
+                                context=unstacked.capacity, block=block)
     nxt, logits, cache = _sharded_step(plan, mesh, weights, cache, tokens, positions)
     logits = jnp.moveaxis(logits, 0, -2).reshape(B, T, config.vocab)
     return nxt[0], logits, cache
