@@ -30,8 +30,9 @@ The cache types, and the token-mixer kinds (`mk.weights.kinds_of`) each serves:
 A model's cache type (`cache_type`) is the first that serves all of its mixers. Each type
 has `batch` and `capacity` (read through the table). Here too: `init_cache`,
 `check_cache` (the one check of a cache against a config, every field against its row),
-`state_fields`, `has_states`, `rollback`. Not here: what a layer does with its fields (`mk.reference`'s
-oracle, the kinds' kernel code in `mk.kinds`), the sharding itself (`mk.tensor_parallel`).
+`state_fields`, `has_states`, `rollback`. Not here: what a layer does with its fields
+(`mk.reference`'s oracle, the kinds' kernel code in `mk.kinds`), the sharding itself
+(`mk.tensor_parallel`).
 """
 
 from __future__ import annotations

@@ -17,9 +17,9 @@ same way: every layer's period holds the attention segments and the linear ones
 (lin_qkv, lin_z, lin_out), and a layer skips the kind it does not use; SMEM tables
 (`mk.kinds.layers.layer_tables`) say each layer's kind and its row in that kind's stacked
 weights per role (a full layer's row is also its KV-cache layer). A linear layer's conv
-and recurrent states come from the `mk.reference.HybridCache` (HBM, round-tripped through VMEM by
+and recurrent states come from the `mk.cache.HybridCache` (HBM, round-tripped through VMEM by
 `mk.kernels.deltanet.linear_mixer`), and the states after each of the T rows go out as
-`mk.reference.LinearRows` (what a verifier's `mk.reference.rollback` picks from; the
+`mk.cache.LinearRows` (what a verifier's `mk.cache.rollback` picks from; the
 returned cache keeps the last row's). The skip has a cost the simulator shows: the ring's
 look-ahead into a skipped region loads nothing, so it restarts at the region's end. A
 hybrid with no full layer (an all-linear Qwen3.5 or Kimi Linear) has no attention or KV
@@ -30,7 +30,7 @@ Kimi Linear (`mk.kinds.attention.MLA`) is a hybrid whose full layers are multi-h
 attention (`mk.kernels.mla`): their ring segments are the matrices with D rows or
 columns (wq_a, or wq without a q low rank; wkv_a padded to whole tiles; wo), their narrow
 ones (`mk.kernels.mla.mla_loads`: the up-projections, the low-rank norms) are DMA'd at
-the layer's start, and the cache is the `mk.reference.LatentCache`, its latent rows passed
+the layer's start, and the cache is the `mk.cache.LatentCache`, its latent rows passed
 as the one "kv head" [La, B, 1, S, W] every query head reads (operand `latent_cache`, no
 V).
 
@@ -267,8 +267,8 @@ def decode_step(config: ModelConfig, weights, cache, tokens, positions, *,
     [B, T] int32 (greedy, ties to the lowest id), logits [B, T, V] float32, cache).
     `weights` from `prepare(config, params, plan.block)`; block: the tiling (default the
     plan's, `mk.kernels.plan.default_block`). A hybrid's cache is a
-    `mk.reference.HybridCache`; with `row_states=True` the step also returns its linear
-    layers' states after each row (`mk.reference.LinearRows`, for `mk.reference.rollback`),
+    `mk.cache.HybridCache`; with `row_states=True` the step also returns its linear
+    layers' states after each row (`mk.cache.LinearRows`, for `mk.cache.rollback`),
     as `mk.reference.decode_step` does.
 
     With `taps=True` also returns {"attn", "mlp"}: the residual stream [L, B, T, D] after
