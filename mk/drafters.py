@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from mk.cache import has_states, state_fields
 from mk.config import ModelConfig
 from mk.runners import XLA, Runner
 
@@ -71,21 +72,21 @@ class ModelDrafter(Drafter):
         """The drafter's cache with sequence b's linear states after position start[b] - 1
         (`saved`; its KV rows from there on are overwritten by the re-feed)."""
         j = start - self.first[:len(start)]
-        j = np.pad(j, (0, self.cache.state.shape[1] - len(j)))  # padded sequences: any
+        j = np.pad(j, (0, self.cache.batch - len(j)))  # padded sequences: any
         b = np.arange(len(j))
 
         def pick(*versions):  # [Ll, B, ...] each -> sequence b's from version j[b]
             return jnp.moveaxis(jnp.stack(versions)[j, :, b], 0, 1)
 
-        return self.cache._replace(conv=pick(*(c.conv for c in self.saved)),
-                                   state=pick(*(c.state for c in self.saved)))
+        return self.cache._replace(**{name: pick(*(getattr(c, name) for c in self.saved))
+                                      for name in state_fields(self.cache)})
 
     def propose(self, seq, length, gamma, sampling, rng):
         B = len(length)
         width = min(self.fed.shape[1], seq.shape[1])
         same = np.cumprod(self.fed[:, :width] == seq[:, :width], axis=1).sum(1)
         start = np.minimum(same, length - 1)  # re-feed at least the last kept token
-        if self.runner.config.is_hybrid:
+        if has_states(self.cache):
             self.cache = self._rewind(start)
         feed = [seq[b, start[b]:length[b]] for b in range(B)]
         T = max(len(f) for f in feed)

@@ -17,9 +17,9 @@ same way: every layer's period holds the attention segments and the linear ones
 (lin_qkv, lin_z, lin_out), and a layer skips the kind it does not use; SMEM tables
 (`mk.kinds.layers.layer_tables`) say each layer's kind and its row in that kind's stacked
 weights per role (a full layer's row is also its KV-cache layer). A linear layer's conv
-and recurrent states come from the `mk.reference.HybridCache` (HBM, round-tripped through VMEM by
+and recurrent states come from the `mk.cache.HybridCache` (HBM, round-tripped through VMEM by
 `mk.kernels.deltanet.linear_mixer`), and the states after each of the T rows go out as
-`mk.reference.LinearRows` (what a verifier's `mk.reference.rollback` picks from; the
+`mk.cache.LinearRows` (what a verifier's `mk.cache.rollback` picks from; the
 returned cache keeps the last row's). The skip has a cost the simulator shows: the ring's
 look-ahead into a skipped region loads nothing, so it restarts at the region's end. A
 hybrid with no full layer (an all-linear Qwen3.5 or Kimi Linear) has no attention or KV
@@ -30,7 +30,7 @@ Kimi Linear (`mk.kinds.attention.MLA`) is a hybrid whose full layers are multi-h
 attention (`mk.kernels.mla`): their ring segments are the matrices with D rows or
 columns (wq_a, or wq without a q low rank; wkv_a padded to whole tiles; wo), their narrow
 ones (`mk.kernels.mla.mla_loads`: the up-projections, the low-rank norms) are DMA'd at
-the layer's start, and the cache is the `mk.reference.LatentCache`, its latent rows passed
+the layer's start, and the cache is the `mk.cache.LatentCache`, its latent rows passed
 as the one "kv head" [La, B, 1, S, W] every query head reads (operand `latent_cache`, no
 V).
 
@@ -92,6 +92,7 @@ from tqdm.auto import tqdm
 
 from mk import backend as backends
 from mk import quant, reference
+from mk.cache import has_states
 from mk.config import ModelConfig, positive_int
 from mk.kernels.collectives import (AXIS, COLLECTIVE_IDS, CollectiveScratch, all_reduce_body,
                                     argmax_body, barrier)
@@ -277,23 +278,23 @@ def decode_step(config: ModelConfig, weights, cache, tokens, positions, *,
     [B, T] int32 (greedy, ties to the lowest id), logits [B, T, V] float32, cache).
     `weights` from `prepare(plan, params)` (the plan's block); block: the tiling (default the
     plan's, `mk.kernels.plan.default_block`). A hybrid's cache is a
-    `mk.reference.HybridCache`; with `row_states=True` the step also returns its linear
-    layers' states after each row (`mk.reference.LinearRows`, for `mk.reference.rollback`),
+    `mk.cache.HybridCache`; with `row_states=True` the step also returns its linear
+    layers' states after each row (`mk.cache.LinearRows`, for `mk.cache.rollback`),
     as `mk.reference.decode_step` does.
 
     With `taps=True` also returns {"attn", "mlp"}: the residual stream [L, B, T, D] after
     each layer's attention and MLP blocks, as `mk.reference.decode_step(..., taps=True)`.
     """
-    if row_states and not config.is_hybrid:
+    if row_states and not has_states(cache):
         raise ValueError(f"row_states=True needs a hybrid model; {config.name} has no "
                          "linear layers")
     tokens, positions = reference.validate_step(config, cache, tokens, positions)
     plan = DecodePlan.make(config, batch=tokens.shape[0], rows=tokens.shape[1],
-                     context=reference.cache_capacity(config, cache), block=block,
+                     context=cache.capacity, block=block,
                      formats=quant.formats_of(weights))
     backends.check_active()
     out = traced_step(plan, weights, cache, tokens, positions, taps=taps)
-    if config.is_hybrid and not row_states:
+    if has_states(cache) and not row_states:
         out = out[:3] + out[4:]
     return out
 
@@ -316,7 +317,7 @@ def first_divergence(config: ModelConfig, params, cache: reference.KVCache, toke
         raise ValueError(f"stop_after={stop_after!r} must be (layer, op) with 0 <= layer < "
                          f"layers={config.layers} and op in {TAPS}")
     B, T = jnp.shape(tokens)
-    plan = DecodePlan.make(config, batch=B, rows=T, context=reference.cache_capacity(config, cache),
+    plan = DecodePlan.make(config, batch=B, rows=T, context=cache.capacity,
                      block=block, formats=quant.formats_of(params))
     _, _, want = reference.decode_step(config, quant.dequantize(params), cache, tokens,
                                        positions, taps=True)

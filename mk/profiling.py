@@ -431,8 +431,7 @@ def variants(config: ModelConfig, params, cache: reference.KVCache, tokens, posi
     weights are laid out once, here, not in the step. Call the kernels inside
     `mk.backend.use(...)`."""
     B, T = jnp.shape(tokens)
-    plan = DecodePlan.make(config, batch=B, rows=T,
-                           context=reference.cache_capacity(config, cache))
+    plan = DecodePlan.make(config, batch=B, rows=T, context=cache.capacity)
     block, weights = plan.block, megakernel.prepare(plan, params)
     layers = staged_weights(config, params)
     return {

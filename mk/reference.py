@@ -1,53 +1,49 @@
 """The pure-JAX reference decoder: the oracle every kernel is checked against.
 
-Here: the Qwen3 / Qwen3-MoE forward pass (RMSNorm, GQA with QK-norm, RoPE, SwiGLU, a softmax
-top-k router with optional renormalisation, tied or untied lm_head) as `prefill`,
-`decode_step` and greedy `generate`, built from the array-level blocks of `mk.ops`; the
-layers and their pieces kernels reuse as their own oracles (`attention_inputs`,
-`decoder_layer`, `mlp_block`, `lm_head`, `greedy`); the caches, `rollback` and the checks
-every decode driver runs (`validate_step`, `check_params`, `check_generate`, ...);
-`forward` is `decode_step` without its checks.
-Qwen3.5 hybrids (`config.is_hybrid`) run through the same `prefill`, `decode_step` and
-`generate`: their full-attention layers gate the output and rotate part of each head, their
-gated-DeltaNet layers (`linear_decoder_layer` around `mk.linear_attention.linear_attention`)
-keep a conv and a recurrent state instead of KV rows, and every RMSNorm scales by
-(norm_offset + weight).
-Kimi Linear (`config.is_mla`, transformers' `kimi_linear`) runs through them too: its full
-layers are multi-head latent attention (`mla_decoder_layer`) over a latent cache, its
-linear layers Kimi Delta Attention (`mk.linear_attention.kimi_delta_attention`, the gated
-delta rule with a per-channel decay), its MoE layers a grouped sigmoid router
-(`mk.ops.route_grouped`) plus a shared expert. MLA's absorbed form, the one a decode kernel
-runs, is here too (`mla_absorbed`, `mla_output`): the oracle of
-`mk.kernels.decode_attention.latent_attention`.
-No Pallas, no sharding, no sampling (speculative decoding lives in `mk.spec`).
+Here: the forward pass as `prefill`, `decode_step` and greedy `generate`, built from the
+array-level blocks of `mk.ops`, one oracle per layer kind (by its `mk.weights` kind name):
+    gqa       `decoder_layer` (`attention_inputs`: RMSNorm, q/k/v, QK norm, RoPE; then
+              attention, the output gate, wo): Qwen3's, and Qwen3.5's full layers (gated
+              output, partial RoPE)
+    mla       `mla_decoder_layer`: Kimi Linear's multi-head latent attention (NoPE, as in
+              transformers) over a latent cache; its absorbed form, the one a decode
+              kernel runs, is `mla_absorbed` and `mla_output` (the oracle of
+              `mk.kernels.decode_attention.latent_attention`)
+    deltanet, kda   `linear_decoder_layer` around `LINEAR_MIXERS`: Qwen3.5's gated
+              DeltaNet and Kimi Delta Attention (`mk.linear_attention`), a conv and a
+              recurrent state instead of KV rows
+    dense, moe      `mlp_block` around `MLPS`: SwiGLU; routed experts under a softmax top-k
+              router or a grouped sigmoid router, plus a shared expert
+(`MIXER_LAYERS` and `MLPS` are the tables `forward` dispatches on.) A variant inside a kind
+follows the weights the model has (`mk.weights`): QK norm when it has `q_norm`, the output
+gate with `wq_gate`, MLA's q low rank with `wq_a`, the sigmoid router with `router_bias`,
+the shared expert with `ws_gate`. Also here: `lm_head`, `greedy`, and the checks every
+decode driver runs (`validate_step`, `check_params`, `check_generate`, ...); `forward` is
+`decode_step` without its checks. No Pallas, no sharding, no sampling (speculative
+decoding lives in `mk.spec`).
 
 Numerics: the residual stream is float32 and the KV cache is stored in `config.dtype`;
 every block's cast points (which kernels mirror, so their tolerances stay tight) are
-`mk.ops`'s.
+`mk.ops`'s; every RMSNorm scales by (norm_offset + weight).
 
-KV cache: `KVCache(k, v)`, each [L, B, K, S, H] with capacity S = `max_context`. A decode
-step writes its T new rows at `positions[b] .. positions[b] + T - 1` and attends causally;
-a row at or past S is an error, never a silent wrap (XLA would clamp the write).
-A hybrid's cache is `HybridCache(k, v, conv, state)`: KV [La, ...] for its full layers only,
-conv [Ll, B, W-1, C] (config.dtype) and state [Ll, B, Nv, Hk, Hv] (float32) for its linear
-layers. `decode_step(..., row_states=True)` also returns the linear states after every row
-(`LinearRows`); `rollback` picks each sequence's last accepted row from them.
-Kimi Linear's cache is `LatentCache(latent, conv, state)`: latent [La, B, S, R + Hr]
-(config.dtype; the normed latent, then the shared rope-part key) for its MLA layers, conv
-and state as a hybrid's for its KDA layers. `cache_capacity` reads S from any of them.
+Caches (`mk.cache`: the table of fields, the cache types, `init_cache`, `check_cache`,
+`rollback`; `KVCache`, `LinearRows` and `init_cache` are imported here too, for this
+module's many callers). A decode step writes its T new rows at `positions[b] ..
+positions[b] + T - 1` and attends causally; a row at or past S is an error, never a
+silent wrap (XLA would clamp the write). `decode_step(..., row_states=True)` also returns
+the states after every row (`LinearRows`), which `mk.cache.rollback` picks from.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from mk import linear_attention as la
+from mk.cache import KVCache, LinearRows, check_cache, has_states, init_cache
 from mk.config import ModelConfig, positive_int
 from mk.ops import (attention, matmul, mix_experts, moe, rms_norm, rope, route_grouped, swiglu,
                     write_rows)
@@ -55,30 +51,6 @@ from mk.weights import kind_of, param_shapes
 
 F32 = jnp.float32
 HIGHEST = lax.Precision.HIGHEST
-
-
-class KVCache(NamedTuple):
-    k: jax.Array  # [L, B, K, S, H] config.dtype
-    v: jax.Array  # [L, B, K, S, H] config.dtype
-
-
-class HybridCache(NamedTuple):
-    k: jax.Array  # [La, B, K, S, H] config.dtype
-    v: jax.Array  # [La, B, K, S, H] config.dtype
-    conv: jax.Array  # [Ll, B, W-1, C] config.dtype
-    state: jax.Array  # [Ll, B, Nv, Hk, Hv] float32
-
-
-class LatentCache(NamedTuple):
-    latent: jax.Array  # [La, B, S, R + Hr] config.dtype
-    conv: jax.Array  # [Ll, B, W-1, C] config.dtype
-    state: jax.Array  # [Ll, B, Nv, Hk, Hv] float32
-
-
-class LinearRows(NamedTuple):
-    """The linear layers' states after each of a step's T rows."""
-    conv: jax.Array  # [Ll, B, T, W-1, C] config.dtype
-    state: jax.Array  # [Ll, B, T, Nv, Hk, Hv] float32
 
 
 # -- Logits and the greedy token -----------------------------------------------------------
@@ -109,7 +81,7 @@ def attention_inputs(config: ModelConfig, params, layer: int, x, positions):
     q = matmul(h, params["wq"][a]).reshape(B, T, N, H)
     k = matmul(h, params["wk"][a]).reshape(B, T, K, H)
     v = matmul(h, params["wv"][a]).reshape(B, T, K, H)
-    if config.qk_norm:
+    if "q_norm" in params:  # Qwen3's QK norm (no such weights: no norm)
         q = rms_norm(q, params["q_norm"][a], eps, off)
         k = rms_norm(k, params["k_norm"][a], eps, off)
     row_pos = positions[:, None] + jnp.arange(T)
@@ -126,7 +98,7 @@ def decoder_layer(config: ModelConfig, params, layer: int, x, k_cache, v_cache, 
     k_cache = write_rows(k_cache, k, positions)
     v_cache = write_rows(v_cache, v, positions)
     o = attention(q, k_cache, v_cache, positions).reshape(B, T, -1)
-    if config.attn_output_gate:
+    if "wq_gate" in params:  # Qwen3.5's gated output
         h = rms_norm(x, params["attn_norm"][layer], config.rms_eps, config.norm_offset)
         o = o * jax.nn.sigmoid(matmul(h, params["wq_gate"][a]))
     x = x + matmul(o, params["wo"][a])
@@ -134,36 +106,58 @@ def decoder_layer(config: ModelConfig, params, layer: int, x, k_cache, v_cache, 
 
 
 def mlp_block(config: ModelConfig, params, layer: int, x) -> jax.Array:
-    """x + MLP(RMSNorm(x)) of layer `layer` (dense SwiGLU or MoE); x [B, T, D] float32."""
+    """x + MLP(RMSNorm(x)) of layer `layer` (its MLP kind's oracle, `MLPS`); x [B, T, D]
+    float32."""
     B, T, _ = x.shape
     h = rms_norm(x, params["mlp_norm"][layer], config.rms_eps,
                  config.norm_offset).reshape(B * T, -1)
-    kind, i = config.mlp_index(layer)
-    experts = [params[name][i] for name in ("we_gate", "we_up", "we_down")] \
-        if kind == "moe" else ()
-    if kind == "dense":
-        y = swiglu(h, params["w_gate"][i], params["w_up"][i], params["w_down"][i])
-    elif config.router_score == "sigmoid":
+    role, i = config.mlp_index(layer)
+    y = MLPS[kind_of(config, f"{role}_layers")](config, params, i, h)
+    return x + y.reshape(B, T, -1)
+
+
+def dense_mlp(config: ModelConfig, params, i: int, h) -> jax.Array:
+    """Dense layer i's SwiGLU of its normed rows h [M, D] -> [M, D] float32."""
+    return swiglu(h, params["w_gate"][i], params["w_up"][i], params["w_down"][i])
+
+
+def moe_mlp(config: ModelConfig, params, i: int, h) -> jax.Array:
+    """MoE layer i's routed experts (plus its shared expert, when the model has one) of
+    its normed rows h [M, D] -> [M, D] float32. The router is the one its weights say: a
+    per-expert bias (`router_bias`) is the grouped sigmoid router's (`route_grouped`),
+    else the softmax top-k (`moe`)."""
+    experts = [params[name][i] for name in ("we_gate", "we_up", "we_down")]
+    if "router_bias" in params:
         weights, chosen = route_grouped(
             h, params["router"][i], params["router_bias"][i], config.experts_per_token,
             config.expert_groups, config.topk_groups, config.norm_topk, config.routed_scale)
         y = mix_experts(h, weights, chosen, *experts)
     else:
         y = moe(h, params["router"][i], *experts, config.experts_per_token, config.norm_topk)
-    if kind == "moe" and config.shared_expert_ffn:
+    if "ws_gate" in params:  # the shared expert every token passes through
         y = y + swiglu(h, params["ws_gate"][i], params["ws_up"][i], params["ws_down"][i])
-    return x + y.reshape(B, T, -1)
+    return y
+
+
+# Each MLP kind's oracle, by its `mk.weights` kind name: (config, params, its row i in the
+# kind's stack, normed rows h [M, D]) -> [M, D] float32.
+MLPS = {"dense": dense_mlp, "moe": moe_mlp}
 
 
 def linear_decoder_layer(config: ModelConfig, params, layer: int, x, conv_state, state):
-    """A gated-DeltaNet (or KDA) decoder layer; x [B, T, D] float32. Returns (x, conv
-    states, recurrent states after each row, x_after_mixer)."""
-    _, i = config.mixer_index(layer)
+    """A linear-attention decoder layer (its kind's mixer, `LINEAR_MIXERS`: gated
+    DeltaNet or KDA); x [B, T, D] float32. Returns (x, conv states, recurrent states after
+    each row, x_after_mixer)."""
+    role, i = config.mixer_index(layer)
     h = rms_norm(x, params["attn_norm"][layer], config.rms_eps, config.norm_offset)
-    mixer = la.kimi_delta_attention if config.channel_decay else la.linear_attention
+    mixer = LINEAR_MIXERS[kind_of(config, f"{role}_layers")]
     y, conv_rows, state_rows = mixer(config, params, i, h, conv_state, state)
     x = x + y
     return mlp_block(config, params, layer, x), conv_rows, state_rows, x
+
+
+# Each linear kind's token mixer, by its `mk.weights` kind name (`mk.linear_attention`).
+LINEAR_MIXERS = {"deltanet": la.linear_attention, "kda": la.kimi_delta_attention}
 
 
 def mla_decoder_layer(config: ModelConfig, params, layer: int, x, latent_cache, positions):
@@ -197,8 +191,9 @@ def mla_projections(config: ModelConfig, params, a: int, h):
     latent rows [..., R + Hr] float32: RMSNorm(h wkv_a[:R]), then the shared key part
     h wkv_a[R:])."""
     R, eps = config.latent_rank, config.rms_eps
-    q_in = h if not config.q_rank else rms_norm(matmul(h, params["wq_a"][a]),
-                                                 params["q_a_norm"][a], eps)
+    q_in = h  # with a q low rank (its weights wq_a, q_a_norm) q goes through it
+    if "wq_a" in params:
+        q_in = rms_norm(matmul(h, params["wq_a"][a]), params["q_a_norm"][a], eps)
     q = matmul(q_in, params["wq"][a]).reshape(*h.shape[:-1], config.heads, config.head_dim)
     kv = matmul(h, params["wkv_a"][a])
     return q, jnp.concatenate([rms_norm(kv[..., :R], params["kv_a_norm"][a], eps),
@@ -272,9 +267,9 @@ def forward(config: ModelConfig, params, cache, tokens, positions, taps=False,
     # the fields of the kinds the model has (an all-linear model keeps its empty KV cache)
     fields = {field: jnp.stack(values) for field, values in fields.items()}
     rows = None
-    if "state" in fields:  # the linear layers' states after each row; the cache the last
-        rows = LinearRows(fields["conv"], fields["state"])
-        fields |= dict(conv=rows.conv[:, :, -1], state=rows.state[:, :, -1])
+    if set(LinearRows._fields) <= set(fields):  # the states after each row; the cache keeps
+        rows = LinearRows(**{f: fields[f] for f in LinearRows._fields})  # the last row's
+        fields |= {f: a[:, :, -1] for f, a in rows._asdict().items()}
     out = [logits, cache._replace(**fields)]
     if row_states and rows is not None:
         out.append(rows)
@@ -284,50 +279,6 @@ def forward(config: ModelConfig, params, cache, tokens, positions, taps=False,
 
 
 # -- Public API -----------------------------------------------------------------------------
-def init_cache(config: ModelConfig, batch: int, max_context: int | None = None, *,
-               spare: int = 0):
-    """An empty cache of capacity `max_context` (default `config.max_context`), plus `spare`
-    rows past it that no real position uses (where a padded bucket's extra rows land): a
-    `KVCache`, for a hybrid a `HybridCache` with zero linear states, for Kimi Linear a
-    `LatentCache`."""
-    S = config.max_context if max_context is None else max_context
-    if not 1 <= S <= config.max_position:
-        raise ValueError(f"max_context={S} must be in [1, max_position={config.max_position}]")
-    batch, La = positive_int("batch", batch), len(config.full_layers)
-    if config.is_mla:
-        cache = (jnp.zeros((La, batch, S + spare, config.latent_width), config.dtype),)
-    else:
-        shape = (La, batch, config.kv_heads, S + spare, config.head_dim)
-        cache = KVCache(jnp.zeros(shape, config.dtype), jnp.zeros(shape, config.dtype))
-        if not config.is_hybrid:
-            return cache
-    # An MLA model cut to its full layers keeps empty linear states.
-    Ll = len(config.linear_layers)
-    conv = (Ll, batch, max(config.conv_kernel - 1, 0), config.conv_channels)
-    state = (Ll, batch, config.linear_value_heads, config.linear_key_dim,
-             config.linear_value_dim)
-    linear = jnp.zeros(conv, config.dtype), jnp.zeros(state, F32)
-    return LatentCache(*cache, *linear) if config.is_mla else HybridCache(*cache, *linear)
-
-
-def rollback(cache, rows: LinearRows, accepted):
-    """The cache (a HybridCache or LatentCache) with each sequence's linear states after its
-    first accepted[b] rows.
-
-    accepted [B] ints in [1, T]. KV (and latent) rows need no rollback: rows past the
-    accepted prefix are overwritten by the next step and never attended before that.
-    """
-    accepted = jnp.asarray(accepted, jnp.int32)
-    T = rows.state.shape[2]
-    got = concrete(accepted)
-    if got is not None and (got.shape != (rows.state.shape[1],) or got.min() < 1
-                            or got.max() > T):
-        raise ValueError(f"accepted={got.tolist()} must be [B={rows.state.shape[1]}] counts "
-                         f"in [1, T={T}]")
-    pick = jax.vmap(lambda a, r: a[:, r - 1], in_axes=(1, 0), out_axes=1)
-    return cache._replace(conv=pick(rows.conv, accepted), state=pick(rows.state, accepted))
-
-
 def concrete(x):
     """x as a numpy array, or None when it is traced (inside jit nothing can be checked)."""
     try:
@@ -393,41 +344,6 @@ def check_params(config: ModelConfig, params, entry: str = "mk.reference") -> No
                              f"(its tensors: {sorted(want)}); another model's params?")
 
 
-def check_cache(config: ModelConfig, cache) -> None:
-    """Raise ValueError if `cache` is not a KVCache of two equal [L, B, K, S, H] arrays of
-    config.dtype fitting `config`."""
-    need = LatentCache if config.is_mla else HybridCache if config.is_hybrid else None
-    if not isinstance(cache, need) if need else isinstance(cache, (HybridCache, LatentCache)):
-        raise ValueError(f"{config.name} needs a {need.__name__ if need else 'KVCache'}, got "
-                         f"a {type(cache).__name__} (use init_cache)")
-    if config.is_mla:
-        check_latent_cache(config, cache)
-        return
-    k, v = cache[:2]
-    if k.ndim != 5 or k.shape != v.shape:
-        raise ValueError(f"cache k {k.shape} and v {v.shape} must both be [L, B, K, S, H]")
-    L, B, K, S, H = k.shape
-    La = len(config.full_layers)
-    if (L, K, H) != (La, config.kv_heads, config.head_dim) or B < 1 or S < 1:
-        raise ValueError(f"cache [L, B, K, S, H]={k.shape} does not fit {config.name} "
-                         f"(L={La} full-attention layers, K={config.kv_heads}, "
-                         f"H={config.head_dim}, B >= 1, S >= 1)")
-    if k.dtype != config.dtype or v.dtype != config.dtype:
-        raise ValueError(f"cache dtype k={k.dtype}, v={v.dtype} must be "
-                         f"{config.name}'s dtype={config.dtype}")
-
-
-def check_latent_cache(config: ModelConfig, cache: LatentCache) -> None:
-    """Raise ValueError if a LatentCache's latent [La, B, S, R + Hr] does not fit `config`."""
-    latent = cache.latent
-    want = (len(config.full_layers), config.latent_width)
-    if latent.ndim != 4 or (latent.shape[0], latent.shape[3]) != want \
-            or min(latent.shape[1:3]) < 1 or latent.dtype != config.dtype:
-        raise ValueError(f"cache latent {config.dtype}[La, B, S, R + Hr] is {latent.dtype}"
-                         f"{list(latent.shape)}; {config.name} needs La={want[0]}, R + Hr="
-                         f"{want[1]}, B >= 1, S >= 1")
-
-
 def validate_step(config: ModelConfig, cache: KVCache, tokens, positions):
     """Check a decode step's inputs before anything is cast or traced -> (tokens [B, T],
     positions [B]) as int32. Raises ValueError for a cache that does not fit the config, a
@@ -435,8 +351,7 @@ def validate_step(config: ModelConfig, cache: KVCache, tokens, positions):
     that would read or write outside the cache. The one check of reference, megakernel,
     tensor-parallel and speculative steps."""
     check_cache(config, cache)
-    B = cache.latent.shape[1] if config.is_mla else cache.k.shape[1]
-    S = cache_capacity(config, cache)
+    B, S = cache.batch, cache.capacity
     shape = np.shape(tokens)
     if len(shape) != 2 or shape[0] != B or shape[1] < 1:
         raise ValueError(f"tokens shape {shape} must be [B={B}, T >= 1]")
@@ -446,12 +361,6 @@ def validate_step(config: ModelConfig, cache: KVCache, tokens, positions):
     positions = checked_int32("positions", positions, 0, S, "max_context")
     check_positions(positions, shape[1], S)
     return tokens, positions
-
-
-def cache_capacity(config: ModelConfig, cache) -> int:
-    """S: the positions `cache` (a KVCache, HybridCache or LatentCache) holds per sequence
-    (latent [La, B, S, W]; k [L, B, K, S, H])."""
-    return cache.latent.shape[2] if config.is_mla else cache.k.shape[3]
 
 
 def check_positions(positions, rows: int, capacity: int) -> None:
@@ -487,10 +396,10 @@ def decode_step(config: ModelConfig, params, cache, tokens, positions, *,
     stream [L, B, T, D] after each layer's attention and MLP blocks (for finding the first
     diverging op).
     """
-    if row_states and not config.is_hybrid:
+    tokens, positions = validate_step(config, cache, tokens, positions)
+    if row_states and not has_states(cache):
         raise ValueError(f"row_states=True needs a hybrid model; {config.name} has no "
                          "linear layers")
-    tokens, positions = validate_step(config, cache, tokens, positions)
     check_params(config, params)
     return forward(config, params, cache, tokens, positions, taps=taps,
                     row_states=row_states)

@@ -6,7 +6,7 @@ gamma + 1 rows; a model drafter (`mk.drafters.ModelDrafter`) drives an `XLA` one
 
 Linear states (hybrid models: Qwen3.5's gated DeltaNet, Kimi's KDA) are not rows: every
 row fed advances them. The verifier's step keeps the states after each row
-(`mk.reference.LinearRows`) and `Runner.keep` rolls each sequence back to its last kept
+(`mk.cache.LinearRows`) and `Runner.keep` rolls each sequence back to its last kept
 row after acceptance; padded rows are rolled back at once (`Runner.step(..., real=)`); a
 model drafter rewinds its own states to the position it re-feeds from
 (`mk.drafters.ModelDrafter._rewind`). tests/test_hybrid.py plants each missing.
@@ -23,11 +23,11 @@ Not here: the drafters (`mk.drafters`), acceptance, the loop and its statistics
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 
 from mk import backend as backends
 from mk import megakernel, reference
+from mk.cache import has_states, rollback
 from mk.config import ModelConfig
 from mk.kernels.plan import DecodePlan
 
@@ -36,12 +36,12 @@ class Runner:
     """A model stepped `rows` rows at a time: `step(cache, tokens [B, T <= rows], positions
     [B], real=None) -> (greedy next tokens [B, T], logits [B, T, V] float32, cache)` as
     numpy, a chunked `prefill`, and `keep`. Subclasses implement `_init_cache` and `_call`
-    (exactly [B, rows]; a hybrid model's `_call` also sets `last_rows`, the linear states
-    after each row, `mk.reference.LinearRows`).
+    (exactly [B, rows]; on a cache with linear states (`mk.cache.has_states`) `_call` also
+    sets `last_rows`, the states after each row, `mk.cache.LinearRows`; else None).
 
     Linear states (hybrid models): every row fed advances them, padded rows too. `step`
     leaves each sequence's states after its real[b] rows (default T); `keep(cache, kept)`
-    rolls them back to its first kept[b] rows of the last step (`mk.reference.rollback`):
+    rolls them back to its first kept[b] rows of the last step (`mk.cache.rollback`):
     what a verifier keeps of a step. A KV cache needs neither (`mk.spec`'s module
     docstring)."""
 
@@ -72,13 +72,12 @@ class Runner:
 
     def keep(self, cache, kept):
         """`cache` after the last step with each sequence's linear states after its first
-        kept[b] rows (class docstring); a KV cache as it is."""
-        if not self.config.is_hybrid:
+        kept[b] rows (class docstring); a cache without states as it is."""
+        if self.last_rows is None:
             return cache
         kept = np.asarray(kept, np.int32)
         extra = self.last_rows.state.shape[1] - len(kept)  # a bucket's padded sequences
-        return reference.rollback(cache, self.last_rows, np.pad(kept, (0, extra),
-                                                                constant_values=1))
+        return rollback(cache, self.last_rows, np.pad(kept, (0, extra), constant_values=1))
 
 
 class XLA(Runner):
@@ -99,16 +98,12 @@ class XLA(Runner):
                                     spare=self.rows)
 
     def _call(self, cache, tokens, positions):
-        # padded sequences copy the first one; every cache is [layers, B, ...]
-        extra = jax.tree.leaves(cache)[0].shape[1] - tokens.shape[0]
+        extra = cache.batch - tokens.shape[0]  # padded sequences copy the first one
         tokens = np.concatenate([tokens, np.repeat(tokens[:1], extra, 0)])
         positions = np.concatenate([positions, np.repeat(positions[:1], extra)])
-        if not self.config.is_hybrid:
-            logits, cache = reference.decode_step(self.config, self.params, cache, tokens,
-                                                  positions)
-        else:
-            logits, cache, self.last_rows = reference.decode_step(
-                self.config, self.params, cache, tokens, positions, row_states=True)
+        logits, cache, *rows = reference.decode_step(self.config, self.params, cache, tokens,
+                                                     positions, row_states=has_states(cache))
+        self.last_rows = rows[0] if rows else None
         return reference.greedy(logits), logits, cache
 
 
@@ -134,8 +129,8 @@ class Megakernel(Runner):
 
     def _call(self, cache, tokens, positions):
         with backends.use(self.backend):
-            out = megakernel.decode_step(self.config, self.weights, cache, tokens, positions,
-                                         block=self.block, row_states=self.config.is_hybrid)
-        if self.config.is_hybrid:
-            *out, self.last_rows = out
-        return tuple(out)
+            nxt, logits, cache, *rows = megakernel.decode_step(
+                self.config, self.weights, cache, tokens, positions, block=self.block,
+                row_states=has_states(cache))
+        self.last_rows = rows[0] if rows else None
+        return nxt, logits, cache

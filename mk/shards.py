@@ -1,11 +1,11 @@
-"""How tensor parallelism lays each weight out over tp devices: `shard_params` (full
-params -> each device's, stacked on a leading [tp] axis) by each weight's split rule in
-`mk.weights` (`mk.weights.SPLITS`; `_SPLIT` here applies them), and `split_channels` (a
-linear layer's conv channels, q | k | v, split by heads: its weights' and its conv
-state's rule). Which device holds which heads and the padding to whole tiles are
-`mk.kernels.plan`'s (`kv_heads_of`, `shard_config`). `mk.megakernel.prepare` calls
-`shard_params` for a plan with tp > 1. Not here: the caches' split
-(`mk.tensor_parallel.shard_cache`), the sharded step.
+"""How tensor parallelism lays weights and caches out over tp devices, each stacked on a
+leading [tp] axis: `shard_params` (full params -> each device's) by each weight's split
+rule in `mk.weights` (`mk.weights.SPLITS`; `_SPLIT` applies them), `shard_cache` and
+`check_sharded_cache` by each cache field's rule in `mk.cache.FIELDS` (`_CACHE_SPLIT`), and
+`split_channels` (a linear layer's conv channels, q | k | v, split by heads: its weights'
+and its conv state's rule). Which device holds which heads and the padding to whole tiles
+are `mk.kernels.plan`'s (`kv_heads_of`, `shard_config`). `mk.megakernel.prepare` calls
+`shard_params` for a plan with tp > 1. Not here: the sharded step (`mk.tensor_parallel`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mk import quant
+from mk.cache import FIELDS, check_cache_type
 from mk.config import ModelConfig
 from mk.kernels.common import padded_width
 from mk.kernels.plan import check_tp, kv_heads_of
@@ -79,3 +80,45 @@ def shard_params(config: ModelConfig, params, tp: int) -> dict:
         split["lm_head"] = _SPLIT["vocab"](config, params["embed"].T, tp)
     whole = {k: v for k, v in params.items() if k not in split}
     return split | {k: jnp.broadcast_to(v, (tp, *v.shape)) for k, v in whole.items()}
+
+
+def check_sharded_cache(config: ModelConfig, cache, tp: int) -> None:
+    """Refuse a cache that is not `shard_cache`'s layout: each field [tp, ...] of its
+    unsharded dims, the split one local (the KV cache [tp, L, B, K_local, S, H])."""
+    for name, a in zip(check_cache_type(config, cache)._fields, cache):
+        field = FIELDS[name]
+        if a.ndim != len(field.dims) + 1 or a.shape[0] != tp:
+            dims = [d + "_local" if d == field.split_dim else d for d in field.dims]
+            raise ValueError(f"cache shapes {[a.shape for a in cache]} must each be [tp={tp}, "
+                             f"...] ({name}: [tp, {', '.join(dims)}]); shard a cache with "
+                             "mk.shards.shard_cache(config, cache, tp)")
+
+
+def _take(a, axis: int, index):
+    """a's entries index[i] along `axis`, for each device i -> [tp, ...]."""
+    return jnp.moveaxis(jnp.take(a, np.asarray(index), axis=axis), axis, 0)
+
+
+# How each split rule of a cache field (`mk.cache.FIELDS`) lays it out over tp devices
+# along the field's split axis: as the weights that write it are split.
+_CACHE_SPLIT = {
+    "whole": lambda config, a, axis, tp: jnp.broadcast_to(a, (tp, *a.shape)),
+    "kv_heads": lambda config, a, axis, tp: _take(a, axis, kv_heads_of(config, tp)),
+    "columns": lambda config, a, axis, tp: _take(
+        a, axis, np.arange(a.shape[axis]).reshape(tp, a.shape[axis] // tp)),
+    "channels": lambda config, a, axis, tp: split_channels(config, a, tp),  # C is last
+}
+
+
+def shard_cache(config: ModelConfig, cache, tp: int):
+    """A cache of `config` -> each field stacked [tp, ...] by its split rule
+    (`mk.cache.FIELDS`): K/V [tp, L, B, K_local, S, H] (each device's kv heads), MLA's
+    latent whole on every device (every head reads it), the linear states by the heads
+    their layer's weights are split by: conv [tp, Ll, B, W-1, C/tp] (`split_channels`),
+    state [tp, Ll, B, Nv/tp, Hk, Hv]."""
+    check_cache_type(config, cache)
+
+    def shard(name, a):
+        field = FIELDS[name]
+        return _CACHE_SPLIT[field.split](config, a, field.split_axis, tp)
+    return cache._replace(**{name: shard(name, a) for name, a in cache._asdict().items()})

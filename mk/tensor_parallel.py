@@ -3,9 +3,11 @@
 Every device runs the SAME megakernel (`mk.megakernel`, a `DecodePlan` with tp > 1) on its
 shard of the weights; the sharding model (which device holds which heads, columns and
 rows, and the padding to whole tiles) is `mk.kernels.plan`'s, each weight's split rule is
-its row of `mk.weights` (`mk.weights.SPLITS`), `mk.shards` lays the weights out to them
-(`mk.megakernel.prepare` calls it for a plan with tp > 1); MLA's latent cache is whole on every device, a linear layer's conv and
-recurrent states are split by its heads as its weights are.
+its row of `mk.weights` (`mk.weights.SPLITS`), each cache field's its row of
+`mk.cache.FIELDS`, and `mk.shards` lays weights and caches out to them
+(`mk.megakernel.prepare` shards the weights for a plan with tp > 1): MLA's latent cache
+whole on every device, a linear layer's conv and recurrent states split by its heads as
+its weights are.
 
 Inside the kernel, `wo`, `lin_out` and `w_down` (and each expert's down) produce partial
 sums; one in-kernel all-reduce after the token mixer and one after the MLP make them whole
@@ -13,9 +15,8 @@ sums; one in-kernel all-reduce after the token mixer and one after the MLP make 
 residuals, and its routing and argmax agree without an exchange). The lm_head's shards end
 in the cross-shard greedy argmax.
 
-Here: `shard_cache`, `check_sharded_cache`, `decode_step`, `generate` (each a `jax.shard_map` over
-the mesh), `compile_target` (what `mk.tpu.compile_megakernel` compiles for tp > 1),
-`collective_terms` (their cost by the `mk.perf` ICI model). Not here: sequence or expert
+Here: `decode_step`, `generate` (each a `jax.shard_map` over the mesh), `compile_target`
+(what `mk.tpu.compile_megakernel` compiles for tp > 1), `collective_terms` (their cost by the `mk.perf` ICI model). Not here: sequence or expert
 parallelism, a vocab-sharded embedding, meshes with more than one axis.
 """
 
@@ -36,35 +37,7 @@ from mk.kernels.collectives import (AXIS, ICI_LATENCY_S, all_reduce_bytes, check
                                     check_interpret_devices, ici_bandwidth, tp_mesh)
 from mk.kernels.common import BlockSizes
 from mk.kernels.plan import DecodePlan, check_tp, kv_heads_of, shard_config
-from mk.shards import split_channels
-
-
-def check_sharded_cache(config: ModelConfig, cache, tp: int) -> None:
-    """Refuse a cache that is not `shard_cache`'s layout: [tp, ...] on every array, the
-    KV cache [tp, L, B, K_local, S, H] (MLA's latent cache [tp, La, B, S, W])."""
-    first, want = ((cache.latent, "latent: [tp, La, B, S, W]") if config.is_mla else
-                   (cache.k, "k: [tp, L, B, K_local, S, H]"))
-    if first.ndim != (5 if config.is_mla else 6) or any(a.shape[0] != tp for a in cache):
-        raise ValueError(f"cache shapes {[a.shape for a in cache]} must each be [tp={tp}, "
-                         f"...] ({want}); shard a cache with "
-                         "mk.tensor_parallel.shard_cache(config, cache, tp)")
-
-
-def shard_cache(config: ModelConfig, cache, tp: int):
-    """[L, B, K, S, H] caches -> [tp, L, B, K_local, S, H] (each device's kv heads); MLA's
-    latent cache [La, B, S, W] whole on every device (every head reads it); a hybrid's
-    linear states too: conv [tp, Ll, B, W-1, C/tp] (`mk.shards.split_channels`), state [tp, Ll, B,
-    Nv/tp, Hk, Hv]."""
-    if config.is_mla:
-        kv = [jnp.broadcast_to(cache.latent, (tp, *cache.latent.shape))]
-    else:
-        heads = np.array(kv_heads_of(config, tp))
-        kv = [jnp.moveaxis(c[:, :, heads], 2, 0) for c in (cache.k, cache.v)]
-    if not config.is_hybrid:
-        return reference.KVCache(*kv)
-    state = cache.state.reshape(*cache.state.shape[:2], tp, -1, *cache.state.shape[3:])
-    kind = reference.LatentCache if config.is_mla else reference.HybridCache
-    return kind(*kv, split_channels(config, cache.conv, tp), jnp.moveaxis(state, 2, 0))
+from mk.shards import check_sharded_cache, shard_cache
 
 
 def _specs(tree):
@@ -82,7 +55,8 @@ def _step(plan: DecodePlan, weights, cache, tokens, positions):
 
 def decode_step(config: ModelConfig, weights, cache: reference.KVCache, tokens, positions,
                 *, mesh: jax.sharding.Mesh, block: BlockSizes | None = None):
-    """One tensor-parallel decode step: weights from `prepare`, cache from `shard_cache`
+    """One tensor-parallel decode step: weights from `mk.megakernel.prepare`, cache from
+    `mk.shards.shard_cache`
     -> (next tokens [B, T] int32, logits [B, T, V] float32, cache), like
     `mk.megakernel.decode_step`."""
     tp = mesh.shape[AXIS]
@@ -93,7 +67,7 @@ def decode_step(config: ModelConfig, weights, cache: reference.KVCache, tokens, 
     tokens, positions = reference.validate_step(local, unstacked, tokens, positions)
     B, T = tokens.shape
     plan = DecodePlan.make(config, tp=tp, batch=B, rows=T,
-                                context=reference.cache_capacity(local, unstacked), block=block)
+                                context=unstacked.capacity, block=block)
     nxt, logits, cache = _sharded_step(plan, mesh, weights, cache, tokens, positions)
     logits = jnp.moveaxis(logits, 0, -2).reshape(B, T, config.vocab)
     return nxt[0], logits, cache

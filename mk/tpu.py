@@ -177,7 +177,7 @@ def compile_megakernel(config: ModelConfig, chip: str | ChipSpec, *, tp: int = 1
     params |= {name: quant.abstract_weight(params[name].shape, scheme)
                for family, scheme in dict(plan.formats).items()
                for name in FORMAT_GROUPS[family] if name in params}
-    # One device's cache; with tp > 1 stacked [tp, ...] (`mk.tensor_parallel.shard_cache`).
+    # One device's cache; with tp > 1 stacked [tp, ...] (`mk.shards.shard_cache`).
     cache = jax.eval_shape(lambda: reference.init_cache(plan.local, batch, context))
     tokens = jax.ShapeDtypeStruct((batch, rows), jnp.int32)
     positions = jax.ShapeDtypeStruct((batch,), jnp.int32)

@@ -299,7 +299,7 @@ if spec.kind == "tpu":
 #
 # 1. What must a verifier get from a linear layer after T rows, and why?
 #    <details><summary>Answer</summary>The state after every row: after acceptance it restarts from the state
-#    after the last kept row (`mk.reference.rollback`).</details>
+#    after the last kept row (`mk.cache.rollback`).</details>
 
 # %%
 course.check_close("layer output x", got[0], want_x, rtol=1e-5, atol=1e-5)

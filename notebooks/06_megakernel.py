@@ -83,6 +83,7 @@ from IPython.display import display
 
 import mk
 import mk.backend
+import mk.cache
 import mk.megakernel as megakernel
 import mk.run
 from mk import course, perf, plots, reference, sim, teach, tpu
@@ -320,7 +321,7 @@ if hybrid:
 #
 # A verifier accepts a prefix of its T rows, so a linear layer must be able to restart
 # from the state after any row: with `row_states=True` the step also returns
-# `mk.reference.LinearRows`, the conv and recurrent states after each row. One megakernel
+# `mk.cache.LinearRows`, the conv and recurrent states after each row. One megakernel
 # step of T = 4 rows: the last accepted token and three drafts, the second of which is
 # wrong, checked against `mk.reference.decode_step(..., row_states=True)`. Row 0 is always
 # kept and draft t while it equals row t - 1's prediction: k rows are accepted.
@@ -344,7 +345,7 @@ if hybrid:
 # %% [markdown]
 # The cache the step returns keeps the states after the last row; after accepting k rows
 # the next step must start from the states after row k - 1, `states.state[:, :, k - 1]`,
-# which is what `mk.reference.rollback` keeps (KV needs no rollback: rows past the accepted
+# which is what `mk.cache.rollback` keeps (KV needs no rollback: rows past the accepted
 # prefix are overwritten before anything attends to them). The oracle: a fresh reference
 # step over only the k accepted rows.
 #
@@ -356,7 +357,7 @@ if hybrid:
 if hybrid:
     keep = accepted - 1 + exercise_keep_row_k  # per sequence, the row the next step starts from
     kept = states.state[:, jnp.arange(run.batch), keep]  # [Ll, B, Nv, Hk, Hv] float32
-    rolled = reference.rollback(after, states, accepted)
+    rolled = mk.cache.rollback(after, states, accepted)
     fresh = jnp.concatenate([reference.decode_step(
         config, params, jax.tree.map(lambda a, b=b: a[:, b:b + 1], cache), drafts[b:b + 1, :k],
         positions[b:b + 1])[1].state for b, k in enumerate(accepted.tolist())], axis=1)

@@ -234,6 +234,7 @@ def assert_rollback_exact(config, params, *, rows: int, accepted):
     import jax.numpy as jnp
 
     from mk import reference as R
+    from mk.cache import rollback
 
     accepted = np.asarray(accepted)
     assert accepted[0] < rows, "sequence 0 is the planted bug's witness"
@@ -246,7 +247,7 @@ def assert_rollback_exact(config, params, *, rows: int, accepted):
     def next_logits(c, shift):
         return np.asarray(R.decode_step(config, params, c, draft[:, :1], pos + shift)[0])
 
-    got = next_logits(R.rollback(after, states, accepted), jnp.asarray(accepted))
+    got = next_logits(rollback(after, states, accepted), jnp.asarray(accepted))
     for k in sorted(set(accepted.tolist())):
         _, exact = R.decode_step(config, params, cache, draft[:, :k], pos)
         want = next_logits(exact, k)[accepted == k]

@@ -340,7 +340,7 @@ def test_a_topology_name_without_its_shape_is_refused():
 def test_an_unsharded_cache_to_the_tp_step_says_to_shard_it():
     cache = reference.init_cache(TINY, 1, 16)
     with pytest.raises(ValueError, match=r"must each be \[tp=1, \.\.\.\] \(k: \[tp, L, B, "
-                                         r"K_local, S, H\]\); shard .*shard_cache"):
+                                         r"K_local, S, H\]\); shard .*mk.shards.shard_cache"):
         tpar.decode_step(TINY, {}, cache, [[1]], [0], block=BlockSizes(kv_tile=16),
                          mesh=collectives.tp_mesh(1))
 

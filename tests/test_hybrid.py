@@ -27,6 +27,7 @@ from mk import linear_attention as la
 from mk import megakernel
 from mk import reference as R
 from mk import runners, spec
+from mk.cache import rollback
 from mk.drafters import ModelDrafter
 from mk.quant import stored_bytes
 from mk.weights import param_count, param_shapes
@@ -286,7 +287,7 @@ def test_hybrid_calls_are_checked(tiny_hybrid):
     with pytest.raises(ValueError, match="accepted"):
         _, c, rows = R.decode_step(config, params, cache, [[1, 2], [3, 4]], [0, 0],
                                    row_states=True)
-        R.rollback(c, rows, [0, 2])
+        rollback(c, rows, [0, 2])
     with pytest.raises(ValueError, match="row_states"):
         R.decode_step(mk.preset("tiny"), mk.init_params(mk.preset("tiny")),
                       R.init_cache(mk.preset("tiny"), 1), [[1]], [0], row_states=True)

@@ -27,6 +27,7 @@ from builders import (assert_greedy_matches_hf, assert_prefill_matches_hf, asser
 from mk import linear_attention as la
 from mk import ops
 from mk import reference as R
+from mk.cache import LatentCache
 from mk.kernels.plan import DecodePlan
 from mk.weights import param_count, param_shapes
 
@@ -170,7 +171,7 @@ def test_rollback_restores_the_kda_states_of_the_accepted_prefix(tiny_kimi):
     the planted bug (no rollback: keep the KDA states after both rows) does not. (T = 2
     keeps the compiles few; test_hybrid checks the shared rollback at T = 4.)"""
     after2, rows = assert_rollback_exact(*tiny_kimi, rows=2, accepted=[1, 2, 1])
-    assert isinstance(after2, R.LatentCache) and rows.state.shape[2] == 2
+    assert isinstance(after2, LatentCache) and rows.state.shape[2] == 2
 
 
 def test_kimi_calls_are_checked(tiny_kimi):

@@ -19,6 +19,7 @@ import pytest
 
 import mk
 from mk import backend, megakernel, perf, quant, reference, sim
+from mk import shards
 from mk import tensor_parallel as tpar
 from mk.kernels.collectives import tp_mesh
 from mk.kernels.common import BlockSizes, Cut, dma_log
@@ -58,7 +59,7 @@ def counted(name: str, tp: int, formats=None) -> dict:
             out = megakernel.decode_step(config, weights, cache, tokens, positions)
         else:
             out = tpar.decode_step(config, weights,
-                                   tpar.shard_cache(config, cache, tp), tokens, positions,
+                                   shards.shard_cache(config, cache, tp), tokens, positions,
                                    mesh=tp_mesh(tp))
         jax.block_until_ready(out)
     families: dict = {}

@@ -27,7 +27,7 @@ import pytest
 
 import mk
 from mk import backend, reference, tpu
-from mk.shards import shard_params
+from mk.shards import shard_cache, shard_params
 from mk import tensor_parallel as tpar
 from mk.config import ModelConfig
 from mk.kernels import plan
@@ -177,7 +177,7 @@ def test_a_linear_layer_is_split_by_its_heads_q_k_and_v_channels_each():
                                   params["wq_gate"][..., :config.q_width // 2])
     cache = reference.init_cache(config, 1, 16)
     cache = cache._replace(state=jnp.asarray(rng.standard_normal(cache.state.shape)))
-    sharded = tpar.shard_cache(config, cache, 2)
+    sharded = shard_cache(config, cache, 2)
     np.testing.assert_array_equal(sharded.state[1], cache.state[:, :, 2:])
     assert sharded.conv.shape[-1] == config.conv_channels // 2
 

@@ -464,7 +464,7 @@ def latent_attention(q: jax.Array, latent_new: jax.Array, latent_cache: jax.Arra
     q [B*T, N*W] float32: each head's query absorbed into the latent space (its no-RoPE
     part times the head's key up-projection, then its shared-key part); latent_new
     [B*T, W] float32: the new rows (the normed latent, then the shared key part);
-    latent_cache [La, B, S, W] (`mk.reference.LatentCache.latent`); scale: the
+    latent_cache [La, B, S, W] (`mk.cache.LatentCache.latent`); scale: the
     unabsorbed head's 1/sqrt(head_dim). Row n*W + j of o is head n's P @ latent rows: its
     first kv_lora_rank lanes times the head's value up-projection give the head's output.
     """

@@ -1,0 +1,242 @@
+"""The decode caches: what a model keeps between steps, described once.
+
+A cache is a NamedTuple of fields; each field is one row of `FIELDS`:
+
+    field   dims                  dtype          layers         tensor-parallel split
+    k       [L, B, K, S, H]       config.dtype   full_layers    kv_heads on K
+    v       [L, B, K, S, H]       config.dtype   full_layers    kv_heads on K
+    latent  [L, B, S, R + Hr]     config.dtype   full_layers    whole
+    conv    [L, B, W-1, C]        config.dtype   linear_layers  channels on C
+    state   [L, B, Nv, Hk, Hv]    float32        linear_layers  columns on Nv
+
+L is the count of the field's layers, B the batch, S the capacity (`max_context`, plus
+any spare rows a padded bucket writes into); the other dims come from the config
+(`FIELDS[name].sizes`). A field with S holds one row per position: a decode step writes
+its T rows at positions[b] .. positions[b] + T - 1, and rows past the accepted prefix of a
+speculative step are simply overwritten by the next one. A field without S is a state:
+every row fed advances it, so a step can also return the states after each of its rows
+(`LinearRows`) and a verifier rolls each sequence back to its last accepted row
+(`rollback`). The split names the rule `mk.shards.shard_cache` applies along the
+named dim (the vocabulary of `mk.weights.SPLITS`: a cache is split as the weights that
+write it are).
+
+The cache types, and the token-mixer kinds (`mk.weights.kinds_of`) each serves:
+
+    KVCache(k, v)                   gqa
+    HybridCache(k, v, conv, state)  gqa, deltanet (Qwen3.5: an all-linear cut keeps L=0 KV)
+    LatentCache(latent, conv, state)  mla, kda (Kimi Linear: a cut to its full layers
+                                    keeps L=0 linear states)
+
+A model's cache type (`cache_type`) is the first that serves all of its mixers. Each type
+has `batch` and `capacity` (read through the table). Here too: `init_cache`,
+`check_cache` (the one check of a cache against a config, every field against its row),
+`state_fields`, `has_states`, `rollback`. Not here: what a layer does with its fields
+(`mk.reference`'s oracle, the kinds' kernel code in `mk.kinds`), the sharding itself
+(`mk.tensor_parallel`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mk.config import ModelConfig, positive_int
+from mk.weights import kind_of
+
+FREE = ("B", "S")  # the dims a cache chooses (batch, capacity); the rest the config fixes
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """One cache field: its row of the table (module docstring)."""
+
+    name: str
+    dims: tuple[str, ...]
+    dtype: str  # "config": config.dtype; else a dtype name
+    layers: str  # the ModelConfig field listing its layers (`mk.weights.KIND_LAYERS`)
+    split: str  # its tensor-parallel rule (`mk.weights.SPLITS`)
+    split_dim: str | None = None  # the dim it splits (None when whole)
+
+    @property
+    def is_state(self) -> bool:
+        """A state (no capacity dim): advanced by every row, rolled back by `rollback`."""
+        return "S" not in self.dims
+
+    @property
+    def split_axis(self) -> int | None:
+        """The axis `split` cuts (None when the field is whole on every device)."""
+        return self.dims.index(self.split_dim) if self.split_dim else None
+
+    def sizes(self, config: ModelConfig) -> dict[str, int]:
+        """The dims `config` fixes (all but B and S)."""
+        return {"L": len(getattr(config, self.layers)), "K": config.kv_heads,
+                "H": config.head_dim, "R + Hr": config.latent_width,
+                "W-1": max(config.conv_kernel - 1, 0), "C": config.conv_channels,
+                "Nv": config.linear_value_heads, "Hk": config.linear_key_dim,
+                "Hv": config.linear_value_dim}
+
+    def shape(self, config: ModelConfig, batch: int, capacity: int) -> tuple[int, ...]:
+        sizes = self.sizes(config) | {"B": batch, "S": capacity}
+        return tuple(sizes[d] for d in self.dims)
+
+    def dtype_of(self, config: ModelConfig) -> str:
+        return config.dtype if self.dtype == "config" else self.dtype
+
+
+FIELDS = {f.name: f for f in (
+    Field("k", ("L", "B", "K", "S", "H"), "config", "full_layers", "kv_heads", "K"),
+    Field("v", ("L", "B", "K", "S", "H"), "config", "full_layers", "kv_heads", "K"),
+    Field("latent", ("L", "B", "S", "R + Hr"), "config", "full_layers", "whole"),
+    Field("conv", ("L", "B", "W-1", "C"), "config", "linear_layers", "channels", "C"),
+    Field("state", ("L", "B", "Nv", "Hk", "Hv"), "float32", "linear_layers", "columns",
+          "Nv"),
+)}
+
+
+def _axis(cache, dim: str) -> int:
+    """The size of `dim` in the first of the cache's fields that has it."""
+    name = next(n for n in cache._fields if dim in FIELDS[n].dims)
+    return getattr(cache, name).shape[FIELDS[name].dims.index(dim)]
+
+
+def _cache_type(*serves: str):
+    """Give a cache NamedTuple its mixer kinds (`serves`) and `batch` / `capacity`."""
+    def mark(cls):
+        cls.serves = frozenset(serves)
+        cls.batch = property(lambda self: _axis(self, "B"), doc="B: sequences held")
+        cls.capacity = property(lambda self: _axis(self, "S"),
+                                doc="S: positions held per sequence")
+        return cls
+    return mark
+
+
+@_cache_type("gqa")
+class KVCache(NamedTuple):
+    k: jax.Array  # [L, B, K, S, H] config.dtype
+    v: jax.Array  # [L, B, K, S, H] config.dtype
+
+
+@_cache_type("gqa", "deltanet")
+class HybridCache(NamedTuple):
+    k: jax.Array  # [La, B, K, S, H] config.dtype
+    v: jax.Array  # [La, B, K, S, H] config.dtype
+    conv: jax.Array  # [Ll, B, W-1, C] config.dtype
+    state: jax.Array  # [Ll, B, Nv, Hk, Hv] float32
+
+
+@_cache_type("mla", "kda")
+class LatentCache(NamedTuple):
+    latent: jax.Array  # [La, B, S, R + Hr] config.dtype
+    conv: jax.Array  # [Ll, B, W-1, C] config.dtype
+    state: jax.Array  # [Ll, B, Nv, Hk, Hv] float32
+
+
+CACHE_TYPES = (KVCache, HybridCache, LatentCache)  # the first serving a model's mixers wins
+
+
+class LinearRows(NamedTuple):
+    """The state fields after each of a step's T rows (a row axis after B)."""
+    conv: jax.Array  # [Ll, B, T, W-1, C] config.dtype
+    state: jax.Array  # [Ll, B, T, Nv, Hk, Hv] float32
+
+
+def mixers_of(config: ModelConfig) -> frozenset[str]:
+    """The token-mixer kinds of `config`'s layers (`mk.weights.kind_of` of each layer's
+    mixer role)."""
+    roles = {config.mixer_index(layer)[0] for layer in range(config.layers)}
+    return frozenset(kind_of(config, f"{role}_layers") for role in roles)
+
+
+def cache_type(config: ModelConfig) -> type:
+    """The first of `CACHE_TYPES` serving every token-mixer kind `config` has."""
+    mixers = mixers_of(config)
+    for kind in CACHE_TYPES:
+        if mixers <= kind.serves:
+            return kind
+    raise NotImplementedError(f"{config.name}: no cache type serves its token mixers "
+                              f"{sorted(mixers)} (mk.cache.CACHE_TYPES)")
+
+
+def init_cache(config: ModelConfig, batch: int, max_context: int | None = None, *,
+               spare: int = 0):
+    """An empty cache of `config`'s type (`cache_type`) of capacity `max_context`
+    (default `config.max_context`), plus `spare` rows past it that no real position uses
+    (where a padded bucket's extra rows land); states zero."""
+    S = config.max_context if max_context is None else max_context
+    if not 1 <= S <= config.max_position:
+        raise ValueError(f"max_context={S} must be in [1, max_position={config.max_position}]")
+    batch, kind = positive_int("batch", batch), cache_type(config)
+    return kind(*(jnp.zeros(FIELDS[n].shape(config, batch, S + spare),
+                            FIELDS[n].dtype_of(config)) for n in kind._fields))
+
+
+def check_cache_type(config: ModelConfig, cache) -> type:
+    """Raise ValueError unless `cache` is of `config`'s cache type; returns the type."""
+    kind = cache_type(config)
+    if not isinstance(cache, kind):
+        raise ValueError(f"{config.name} needs a {kind.__name__}, got a "
+                         f"{type(cache).__name__} (use init_cache)")
+    return kind
+
+
+def check_cache(config: ModelConfig, cache) -> None:
+    """Raise ValueError naming the field, its value and the limit unless `cache` is of
+    `config`'s type and every field fits its row of `FIELDS`: the dims the config fixes,
+    B >= 1 and S >= 1 the same in every field that has them, its dtype."""
+    kind, chosen = check_cache_type(config, cache), {}
+    for name in kind._fields:
+        field, a = FIELDS[name], getattr(cache, name)
+        shape, want = tuple(a.shape), field.sizes(config)
+        fits = len(shape) == len(field.dims) and all(
+            got >= 1 if dim in FREE else got == want[dim]
+            for dim, got in zip(field.dims, shape))
+        if not fits:
+            fixed = ", ".join(f"{d}={want[d]}" + (f" {field.layers}" if d == "L" else "")
+                              for d in field.dims if d not in FREE)
+            raise ValueError(f"cache {name} [{', '.join(field.dims)}]={shape} does not fit "
+                             f"{config.name} ({fixed}, B >= 1, S >= 1)")
+        for dim in FREE:
+            if dim in field.dims:
+                got = shape[field.dims.index(dim)]
+                first, value = chosen.setdefault(dim, (name, got))
+                if got != value:
+                    raise ValueError(f"cache {name} has {dim}={got}; cache {first} has "
+                                     f"{dim}={value}: every field must hold the same {dim}")
+        dtype = field.dtype_of(config)
+        if a.dtype != dtype:
+            owner = f"{config.name}'s dtype=" if field.dtype == "config" else ""
+            raise ValueError(f"cache dtype {name}={a.dtype} must be {owner}{dtype}")
+
+
+def state_fields(cache) -> tuple[str, ...]:
+    """The names of `cache`'s state fields (`Field.is_state`; none for anything not a
+    cache)."""
+    return tuple(n for n in getattr(cache, "_fields", ()) if n in FIELDS and FIELDS[n].is_state)
+
+
+def has_states(cache) -> bool:
+    """Whether `cache` carries states of at least one layer (its linear layers'): what a
+    step's `LinearRows` hold and `rollback` picks from."""
+    return any(getattr(cache, n).shape[0] for n in state_fields(cache))
+
+
+def rollback(cache, rows: LinearRows, accepted):
+    """`cache` with each sequence's states after its first accepted[b] rows of the step
+    whose `rows` they are.
+
+    accepted [B] ints in [1, T]. Rows of a field with S need no rollback: rows past the
+    accepted prefix are overwritten by the next step and never attended before that.
+    """
+    accepted = jnp.asarray(accepted, jnp.int32)
+    B, T = rows.state.shape[1:3]
+    if not isinstance(accepted, jax.core.Tracer):  # inside jit nothing can be checked
+        got = np.asarray(accepted)
+        if got.shape != (B,) or got.min() < 1 or got.max() > T:
+            raise ValueError(f"accepted={got.tolist()} must be [B={B}] counts in "
+                             f"[1, T={T}]")
+    pick = jax.vmap(lambda a, r: a[:, r - 1], in_axes=(1, 0), out_axes=1)
+    return cache._replace(**{name: pick(a, accepted) for name, a in rows._asdict().items()})
