@@ -30,7 +30,8 @@ The cache types, and the token-mixer kinds (`mk.weights.kinds_of`) each serves:
 A model's cache type (`cache_type`) is the first that serves all of its mixers. Each type
 has `batch` and `capacity` (read through the table). Here too: `init_cache`,
 `check_cache` (the one check of a cache against a config, every field against its row),
-`state_fields`, `has_states`, `rollback`. Not here: what a layer does with its fields
+`state_fields`, `has_states`, `rollback`, `bytes_per_position` and
+`state_bytes_per_sequence` (what one position and one sequence's states take). Not here: what a layer does with its fields
 (`mk.reference`'s oracle, the kinds' kernel code in `mk.kinds`), the sharding itself
 (`mk.tensor_parallel`).
 """
@@ -38,6 +39,7 @@ has `batch` and `capacity` (read through the table). Here too: `init_cache`,
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import jax
@@ -240,3 +242,29 @@ def rollback(cache, rows: LinearRows, accepted):
                              f"[1, T={T}]")
     pick = jax.vmap(lambda a, r: a[:, r - 1], in_axes=(1, 0), out_axes=1)
     return cache._replace(**{name: pick(a, accepted) for name, a in rows._asdict().items()})
+
+
+def _bytes(config: ModelConfig, states: bool) -> int:
+    """Bytes of one sequence's fields of `config`'s cache that are states (`states`), or of
+    one position of its fields that are not."""
+    total = 0
+    for name in cache_type(config)._fields:
+        field = FIELDS[name]
+        if field.is_state == states:
+            total += math.prod(field.shape(config, 1, 1)) * jnp.dtype(
+                field.dtype_of(config)).itemsize
+    return total
+
+
+def bytes_per_position(config: ModelConfig) -> int:
+    """Bytes one cached position of one sequence takes, all layers: K and V of the full
+    layers in the cache dtype (MLA: the latent and the shared rope part, R + Hr values a
+    layer)."""
+    return _bytes(config, states=False)
+
+
+def state_bytes_per_sequence(config: ModelConfig) -> int:
+    """Bytes of one sequence's states, all linear layers: the conv state [W-1, C] (cache
+    dtype) and the recurrent state [Nv, Hk, Hv] (float32). Fixed: they do not grow with
+    the context."""
+    return _bytes(config, states=True)

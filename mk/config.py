@@ -347,22 +347,6 @@ class ModelConfig:
         """Parameters of ONE expert (gate, up, down)."""
         return 3 * self.hidden * self.expert_ffn
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """K and V of one position, all full-attention layers, in the cache dtype (MLA: the
-        latent and the shared rope part, R + Hr values per layer)."""
-        if self.is_mla:
-            return len(self.full_layers) * self.latent_width * self.weight_bits // 8
-        return 2 * len(self.full_layers) * self.kv_width * self.weight_bits // 8
-
-    @property
-    def linear_state_bytes(self) -> int:
-        """Per sequence, all linear layers: the conv state [W-1, C] (cache dtype) and the
-        recurrent state [Nv, Hk, Hv] (float32). Fixed: it does not grow with context."""
-        conv = (self.conv_kernel - 1) * self.conv_channels * self.weight_bits // 8
-        recurrent = self.linear_value_heads * self.linear_key_dim * self.linear_value_dim * 4
-        return len(self.linear_layers) * (conv + recurrent)
-
     # -- Hugging Face ---------------------------------------------------------------------
     @classmethod
     def from_hf(cls, source: str | Path | dict, *, name: str | None = None,

@@ -70,6 +70,7 @@ from numbers import Real
 
 import numpy as np
 
+from mk.cache import bytes_per_position, state_bytes_per_sequence
 from mk.chips import ChipSpec, chip as named_chip
 from mk.config import DTYPE_BITS, ModelConfig, check_formats, positive_int
 from mk.kernels.collectives import PARTIAL_SUM_BYTES, allreduce_s
@@ -298,10 +299,10 @@ def predict(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: 
     family = {f: tp * b for f, b in shard_weight_bytes(local, vocab, touched, formats,
                                                        block).items()}
     embed_bytes = min(m, config.vocab) * config.hidden * wb
-    kv_per_token = tp * local.kv_bytes_per_token  # kv heads replicated when tp > K
+    kv_per_token = tp * bytes_per_position(local)  # kv heads replicated when tp > K
     kv_read_bytes = batch * context * kv_per_token
     kv_write_bytes = m * kv_per_token
-    state_read_bytes = batch * config.linear_state_bytes  # split by heads over tp
+    state_read_bytes = batch * state_bytes_per_sequence(config)  # split by heads over tp
     state_write_bytes = rows * state_read_bytes
 
     # Matmul parameters one token multiplies by (each kind's `params`; norms are
@@ -497,18 +498,18 @@ def resident_bytes(config: ModelConfig, *, batch: int = 1, context: int | None =
     activations, workspace or replication."""
     context = config.max_context if context is None else context
     _validate_step(config, batch, 1, context, 1, 1, "uniform", "bf16")
-    return stored_bytes(config) + batch * context * config.kv_bytes_per_token
+    return stored_bytes(config) + batch * context * bytes_per_position(config)
 
 
 def cache_bytes(config: ModelConfig, *, batch: int = 1, context: int | None = None
                 ) -> dict[str, int]:
     """The caches of `batch` sequences at `context` positions: "kv" (K and V rows, or for
-    MLA the latent rows, R + Hr values per token and MLA layer: `kv_bytes_per_token`), and
+    MLA the latent rows, R + Hr values per token and MLA layer: `mk.cache.bytes_per_position`), and
     "linear" (the linear layers' conv and recurrent states, fixed per sequence)."""
     context = config.max_context if context is None else context
     _validate_step(config, batch, 1, context, 1, 1, "uniform", "bf16")
-    return {"kv": batch * context * config.kv_bytes_per_token,
-            "linear": batch * config.linear_state_bytes}
+    return {"kv": batch * context * bytes_per_position(config),
+            "linear": batch * state_bytes_per_sequence(config)}
 
 
 def min_chips(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1,

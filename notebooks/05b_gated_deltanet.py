@@ -82,6 +82,7 @@ from IPython.display import display
 from plotly.subplots import make_subplots
 
 import mk
+import mk.cache
 import mk.backend
 import mk.run
 from mk import course, linear_attention, ops, plots, reference
@@ -237,23 +238,25 @@ print(f"races found: {races}; wall {seconds:.2f} s on {mode}"
 # %%
 big = mk.preset(bytes_preset)
 contexts = [2**p for p in range(10, 19)]
-state_bytes = 2 * big.linear_state_bytes  # read, plus the state after the one row written
+per_position = mk.cache.bytes_per_position(big)  # KV of the full layers
+per_sequence = mk.cache.state_bytes_per_sequence(big)  # the linear layers' states
+state_bytes = 2 * per_sequence  # read, plus the state after the one row written
 series = {f"linear state ({len(big.linear_layers)} layers)":
               [state_bytes / 2**20] * len(contexts),
           f"KV read ({len(big.full_layers)} full layers)":
-              [big.kv_bytes_per_token * s / 2**20 for s in contexts],
+              [per_position * s / 2**20 for s in contexts],
           f"KV if all {big.layers} layers were full":
-              [big.kv_bytes_per_token * big.layers / len(big.full_layers) * s / 2**20
+              [per_position * big.layers / len(big.full_layers) * s / 2**20
                for s in contexts]}
 fig = plots.lines(contexts, series, title=f"{big.name}: bytes per sequence per step (T = 1)",
                   xaxis="context (cached positions)",
                   yaxis="bytes per sequence (MiB)")
 fig.update_xaxes(type="log")
 plots.show(fig)
-even = state_bytes / big.kv_bytes_per_token
-print(f"{big.name}: linear state {big.linear_state_bytes / 2**20:.1f} MiB per sequence "
+even = state_bytes / per_position
+print(f"{big.name}: linear state {per_sequence / 2**20:.1f} MiB per sequence "
       f"(read + written: {state_bytes / 2**20:.1f} MiB per step); KV "
-      f"{big.kv_bytes_per_token / 1024:.0f} KiB per position: the state costs as much as "
+      f"{per_position / 1024:.0f} KiB per position: the state costs as much as "
       f"{even:,.0f} cached positions of the full layers")
 
 # %% [markdown]

@@ -90,6 +90,7 @@ import plotly.graph_objects as go
 from IPython.display import display
 
 import mk
+import mk.cache
 import mk.backend
 from mk.kernels.plan import DecodePlan
 import mk.run
@@ -143,10 +144,11 @@ fig.update_layout(title="Cache bytes per token, one attention layer",
 plots.show(fig)
 for label, n in per_layer.items():
     print(f"{label}: {n:,} bytes")
-print(f"whole model per token: {big.name} {big.kv_bytes_per_token:,} bytes "
-      f"({len(big.full_layers)} MLA layers), {gqa.name} {gqa.kv_bytes_per_token:,} bytes "
+big_position, gqa_position = mk.cache.bytes_per_position(big), mk.cache.bytes_per_position(gqa)
+print(f"whole model per token: {big.name} {big_position:,} bytes "
+      f"({len(big.full_layers)} MLA layers), {gqa.name} {gqa_position:,} bytes "
       f"({len(gqa.full_layers)} GQA layers): "
-      f"{gqa.kv_bytes_per_token / big.kv_bytes_per_token:.1f}x")
+      f"{gqa_position / big_position:.1f}x")
 
 # %% [markdown]
 # With only one layer in four MLA and the rest KDA (a fixed state per sequence), the
@@ -155,9 +157,9 @@ print(f"whole model per token: {big.name} {big.kv_bytes_per_token:,} bytes "
 # %%
 contexts = [2**p for p in range(10, 18)]
 series = {f"{big.name}: latent cache + KDA state":
-              [(big.kv_bytes_per_token * s + 2 * big.linear_state_bytes) / 2**20
+              [(big_position * s + 2 * mk.cache.state_bytes_per_sequence(big)) / 2**20
                for s in contexts],
-          f"{gqa.name}: KV cache": [gqa.kv_bytes_per_token * s / 2**20 for s in contexts]}
+          f"{gqa.name}: KV cache": [gqa_position * s / 2**20 for s in contexts]}
 fig = plots.lines(contexts, series, title="Cache and state bytes per sequence per step "
                   "(T = 1)", xaxis="context (cached positions)",
                   yaxis="bytes per sequence (MiB)")

@@ -5,6 +5,7 @@ import re
 
 import pytest
 
+from mk.cache import bytes_per_position
 from mk.config import ModelConfig
 from mk.presets import PRESET_NAMES, preset
 from mk.quant import stored_bytes
@@ -38,7 +39,7 @@ def test_tiny_weight_bytes_by_hand():
     mlp = 3 * 256 * 512 + 256
     embed = 2 * 512 * 256 + 256
     assert stored_bytes(c) == 2 * (embed + 2 * (attn + mlp))
-    assert c.kv_bytes_per_token == 2 * 2 * 256 * 2
+    assert bytes_per_position(c) == 2 * 2 * 256 * 2
 
 
 def test_fp4_experts_count_half_a_byte_each_and_a_scale_byte_per_32():

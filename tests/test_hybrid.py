@@ -299,10 +299,10 @@ def test_presets_sizes():
     assert param_count(big) == pytest.approx(26.9e9, rel=0.01)
     assert (len(big.full_layers), len(big.linear_layers)) == (16, 48)
     # KV only for the 16 full layers: 2 * 16 * 4 * 256 * 2 bytes per token.
-    assert big.kv_bytes_per_token == 2 * 16 * 4 * 256 * 2
+    assert mk.cache.bytes_per_position(big) == 2 * 16 * 4 * 256 * 2
     # Per sequence and linear layer: conv 3 x C bf16 + recurrent 48 x 128 x 128 float32.
     C = 2 * 16 * 128 + 48 * 128
-    assert big.linear_state_bytes == 48 * (3 * C * 2 + 48 * 128 * 128 * 4)
+    assert mk.cache.state_bytes_per_sequence(big) == 48 * (3 * C * 2 + 48 * 128 * 128 * 4)
     assert stored_bytes(mk.preset("qwen3.5-9b")) < 32e9  # one v6e-1 chip
     tiny = mk.preset("tiny-hybrid")
     assert tiny.layer_types[-1] == "linear" and tiny.first_layers(3).full_layers == (2,)

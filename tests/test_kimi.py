@@ -355,14 +355,14 @@ def test_kimi_k3_sizes():
     assert k3.full_layers == tuple(range(3, 93, 4)) and len(k3.linear_layers) == 70
     # MLA caches R + Hr = 576 bf16 values per token and MLA layer; the GQA stand-in caches
     # K and V of 8 heads x 128 in all 93 layers: 14x more.
-    assert k3.kv_bytes_per_token == 23 * 576 * 2
-    assert mk.preset("kimi-k3-like").kv_bytes_per_token == 2 * 93 * 8 * 128 * 2
+    assert mk.cache.bytes_per_position(k3) == 23 * 576 * 2
+    assert mk.cache.bytes_per_position(mk.preset("kimi-k3-like")) == 2 * 93 * 8 * 128 * 2
     # Per sequence and KDA layer: conv 3 x (3 * 64 * 128) bf16 + state 64 x 128 x 128 f32.
-    assert k3.linear_state_bytes == 70 * (3 * 3 * 64 * 128 * 2 + 64 * 128 * 128 * 4)
+    assert mk.cache.state_bytes_per_sequence(k3) == 70 * (3 * 3 * 64 * 128 * 2 + 64 * 128 * 128 * 4)
     # At 64K context one sequence's caches: 1.7 GB of latent rows + 0.3 GB of KDA state,
     # against 25 GB of K and V for the GQA stand-in.
     got = mk.perf.cache_bytes(k3, context=65_536)
-    assert got == {"kv": 65_536 * 26_496, "linear": k3.linear_state_bytes}
+    assert got == {"kv": 65_536 * 26_496, "linear": mk.cache.state_bytes_per_sequence(k3)}
     assert mk.perf.cache_bytes(mk.preset("kimi-k3-like"), context=65_536) == {
         "kv": 65_536 * 380_928, "linear": 0}
     cut = mk.preset("tiny-kimi").first_layers(1)  # one KDA layer, dense MLP

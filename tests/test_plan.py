@@ -291,7 +291,7 @@ def test_a_hybrid_shards_its_linear_heads_and_output_gate_and_names_what_does_no
     assert shape(shapes["wq_gate"]) == shape(shapes["wq"])
     assert shape(shapes["lin_qkv"])[1] == config.conv_channels // 2
     assert shape(shapes["lin_out"])[0] == config.linear_value_width // 2
-    assert plan.state_bytes()["state_read"] == config.linear_state_bytes // 2
+    assert plan.state_bytes()["state_read"] == mk.cache.state_bytes_per_sequence(config) // 2
     with pytest.raises(ValueError, match="linear_key_heads=1 is not a multiple of tp=2"):
         DecodePlan.make(mk.preset("tiny-hybrid"), tp=2, batch=1, context=128)
 

@@ -78,6 +78,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 from mk import quant
+from mk.cache import state_bytes_per_sequence
 from mk.chips import ChipSpec, chip as named_chip
 from mk.config import DTYPE_BITS, ModelConfig, check_formats, check_rows, positive_int
 from mk.kernels.collectives import (MAX_INDEX, PARTIAL_SUM_BYTES, allreduce_s, check_devices,
@@ -479,7 +480,7 @@ class DecodePlan:
         """The linear layers' state bytes one step moves on one device: "state_read" (the
         conv and recurrent states, once) and "state_write" (both after every one of the T
         rows, what a verifier's rollback picks from). Fixed: no context in them."""
-        per_row = self.batch * self.local.linear_state_bytes
+        per_row = self.batch * state_bytes_per_sequence(self.local)
         return {"state_read": per_row, "state_write": self.rows * per_row}
 
     def fits(self, chip: ChipSpec | str) -> Fit:
