@@ -85,7 +85,8 @@ class ChipSpec:
         for field in ("mxus_per_core", "tensorcores_per_chip", "clock_low_hz",
                       "clock_high_hz"):
             value = getattr(self, field)
-            if (self.kind == "tpu") != (value is not None) or not (value or 1) > 0:
+            if (self.kind == "tpu") != (value is not None) or (value is not None
+                                                                and not value > 0):
                 raise ValueError(f"chip {self.name}: {field}={value!r} must be positive for "
                                  "a TPU and empty for a GPU")
         if self.kind == "tpu" and self.clock_low_hz > self.clock_high_hz:
