@@ -150,7 +150,7 @@ if not 0 <= xla_layers <= config.layers:
 # words are defined once in [notebook 00's ledger](00_decode_is_memory_bound.ipynb)):
 
 # %%
-published_costs_path = Path(mk.__file__).resolve().parent.parent / published_tile_costs
+published_costs_path = Path(mk.__file__).parent / "data" / published_tile_costs
 headline_rows = ledger.entries(speculative_only=True, simulate_tpu=True, tile_costs=(
     json.loads(published_costs_path.read_text()) if published_costs_path.exists() else []))
 print(ledger.headline(headline_rows))
