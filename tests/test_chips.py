@@ -132,10 +132,10 @@ CLOCK_PROBES = chips.DATA / "clock_probes.json"
 def test_mxus_per_core_are_jaxs_tpu_info_counts():
     """The datasheet derivation's MXU count is the one JAX's Pallas TPU info has (and the
     dumps address: tests/test_bundles.py); TPU7x has 2, not the 4 once assumed."""
-    from jax._src.pallas.mosaic import tpu_info
+    from jax.experimental.pallas import tpu as pltpu
     version = {"v5e": "TPU_V5E", "v6e": "TPU_V6E", "v5p": "TPU_V5P", "tpu7x": "TPU_7X"}
     for spec in all_chips("tpu"):
-        info = tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion[version[spec.name]], 1)
+        info = pltpu.get_tpu_info_for_chip(pltpu.ChipVersion[version[spec.name]], 1)
         assert (spec.mxus_per_core, spec.mxu_rows) == (info.num_mxus,
                                                        info.mxu_column_size), spec.name
     assert {c.name: c.tensorcores_per_chip for c in all_chips("tpu")} == {
