@@ -10,8 +10,9 @@ the same plan with a DMA latency (`--latency-us`, default 1 us) and those per-ti
 tile, issue time per tile against the tile's DMA time at the core's bandwidth, the
 simulated HBM busy share, and the compile's seconds on this machine.
 
-Clocks come from `mk/data/chips.csv` (`clock_hz`; derived from the bf16 peak or marked
-assumed in its notes). Interpret nothing here as a TPU measurement: the bundle counts are
+Clocks come from `mk/data/chips.csv`: a range per chip (`clock_low_hz`, `clock_high_hz`;
+its notes give each end's source); a row gives the issue time at both ends and simulates
+at the low end. Interpret nothing here as a TPU measurement: the bundle counts are
 the compiler's static schedule, the rest is the simulator's model.
 
     .venv/bin/python benchmarks/tile_costs.py --chips tpu7x v6e v5e \

@@ -19,6 +19,10 @@ loops: each issues weight tiles of `tile_bytes` and runs the MXU, and none runs 
 which attention's softmax does), `measure(config, chip, ...)` -> `TileCost`; and the whole
 kernel's static schedule, `dump_schedule` -> `read_schedule` -> `Schedule` (total bundles,
 per-unit utilisation, DMAs, bundles per named scope with `PHASE_FLAG`; notebook 08).
+And the clock a schedule implies: `probe_clock(chip)` -> `ClockProbe` (one straight-line
+bf16 matmul compiled for the chip: the clock at which its bundles would run at the
+datasheet bf16 peak, one end of the chip's clock range in data/chips.csv; recorded in
+data/clock_probes.json, `recorded_clock_probes()`, by `benchmarks/clock_probe.py`).
 
 Not here: the compile itself (`mk.tpu`), profiles of running steps (`mk.profiling`), what
 a tile's DMA time is (`mk.chips`: bandwidth; `mk.sim`: latency), cycle-accurate timing
@@ -30,6 +34,8 @@ the count).
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
+import json
 import os
 import pickle
 import re
@@ -37,12 +43,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections import defaultdict
 from pathlib import Path
 
 import jax.numpy as jnp
 
-from mk.chips import ChipSpec, chip as chip_spec
+from mk.chips import DATA, ChipSpec, chip as chip_spec
 from mk.config import ModelConfig
 from mk.presets import preset
 from mk.kernels.common import BlockSizes
@@ -96,6 +103,11 @@ def scopes(found: list[Bundle]) -> list[str | None]:
                 open_.pop()
         out.append(open_[-1] if open_ else None)
     return out
+
+
+def _drives_mxu(op: str) -> bool:
+    """Whether an instruction pushes weights to, multiplies on or pops results from an MXU."""
+    return op.startswith("vmat") or "mxu" in op or op.endswith(".mrb")
 
 
 def _issues_dma(op: str) -> bool:
@@ -159,8 +171,7 @@ def loops(text: str) -> list[Loop]:
         own = [r for r in body if r.depth in (d, None)]
         found.append(Loop(
             first=i, depth=d, bundles=len(own),
-            mxu=sum(any(o.startswith("vmat") or "mxu" in o or o.endswith(".mrb")
-                        for o in r.ops) for r in own),
+            mxu=sum(any(map(_drives_mxu, r.ops)) for r in own),
             scalar_only=sum(bool(r.ops) and not any(o.startswith(("v", "dma")) for o in r.ops)
                             for r in own),
             dma_granules=tuple(g for r in own for g in r.granules),
@@ -190,8 +201,7 @@ class TileCost:
     report: CompileReport  # the compile's (the dump costs it a little time)
     tile_bytes: int  # one weight tile (tile_rows x tile_cols x the weight's itemsize)
     loops: tuple[Loop, ...]  # the per-tile loops, in program order; () if not compiled
-    clock_hz: float
-    dma_bw: float  # one core's HBM bandwidth, bytes/s
+    spec: ChipSpec  # the chip: its clock range turns bundles into seconds
 
     @property
     def worst(self) -> Loop:
@@ -201,11 +211,15 @@ class TileCost:
                              f"{self.report.error.splitlines()[0] if self.report.error else ''}")
         return max(self.loops, key=lambda lp: lp.bundles)
 
-    @property
-    def tile_s(self) -> float:
+    def issue_s(self, end: str = "low") -> float:
         """Seconds one tile keeps the TensorCore issuing (the costliest loop): bundles /
-        clock."""
-        return self.worst.bundles / self.clock_hz
+        the clock at `end` of the chip's range ("low": the longer time)."""
+        return self.worst.bundles / self.spec.clock(end)
+
+    @property
+    def dma_bw(self) -> float:
+        """One core's HBM bandwidth, bytes/s."""
+        return self.spec.hbm_bw / self.spec.cores_per_chip
 
     @property
     def dma_s(self) -> float:
@@ -213,21 +227,25 @@ class TileCost:
         return self.tile_bytes / self.dma_bw
 
     def assumptions(self, **kw) -> Assumptions:
-        """`mk.sim.Assumptions` with this per-tile cost (and any other field in kw)."""
-        return Assumptions(tile_issue_s=self.tile_s, **kw)
+        """`mk.sim.Assumptions` with this per-tile cost in bundles (and any other field in
+        kw, e.g. the clock end)."""
+        return Assumptions(tile_bundles=self.worst.bundles, **kw)
 
     def row(self) -> dict:
         """One row of a table: bundles per trip (the range over the per-tile loops; the
         costliest one's MXU and scalar-only bundles and DMA sites), issue against DMA time
-        per tile."""
-        worst = self.worst
+        per tile at the low end of the clock range (tile_ns, tile_over_dma) and at its high
+        end (tile_high_ns, tile_over_dma_high)."""
+        worst, low, high = self.worst, self.issue_s("low"), self.issue_s("high")
         return dict(kernel=self.report.name, chip=self.report.chip,
                     tile_KiB=self.tile_bytes / 1024,
                     tile_loops=len(self.loops),
                     bundles_per_tile=f"{min(lp.bundles for lp in self.loops)}-{worst.bundles}",
                     mxu_bundles=worst.mxu, scalar_only_bundles=worst.scalar_only,
-                    dma_sites=len(worst.dma_granules), tile_ns=self.tile_s * 1e9,
-                    dma_ns=self.dma_s * 1e9, tile_over_dma=self.tile_s / self.dma_s,
+                    dma_sites=len(worst.dma_granules), clock_low_hz=self.spec.clock("low"),
+                    clock_high_hz=self.spec.clock("high"), tile_ns=low * 1e9,
+                    tile_high_ns=high * 1e9, dma_ns=self.dma_s * 1e9,
+                    tile_over_dma=low / self.dma_s, tile_over_dma_high=high / self.dma_s,
                     compile_s=self.report.compile_seconds)
 
 
@@ -313,8 +331,8 @@ def measure(config: ModelConfig, chip: str | ChipSpec, *, tp: int = 1,
     its report and per-tile loops (none if it did not compile: `TileCost.report` says why).
     Raises RuntimeError if the child fails or a compiled kernel shows no per-tile loop."""
     spec = chip_spec(chip) if isinstance(chip, str) else chip
-    if spec.clock_hz is None:
-        raise ValueError(f"chip={spec.name!r} has no clock_hz (not a TPU)")
+    if spec.kind != "tpu":
+        raise ValueError(f"chip={spec.name!r} is a {spec.kind}: no TPU compile to measure")
     plan = DecodePlan.make(config, tp=tp, batch=batch, rows=rows, context=context,
                            block=block, chip=spec)
     tile_bytes = plan.stream.tile_bytes * jnp.dtype(config.dtype).itemsize
@@ -329,8 +347,7 @@ def measure(config: ModelConfig, chip: str | ChipSpec, *, tp: int = 1,
             if not found:
                 raise RuntimeError(f"{report.name}: no per-tile loop of {tile_bytes} B "
                                    "tiles found in the bundle dump")
-    return TileCost(report, tile_bytes, found, spec.clock_hz,
-                    spec.hbm_bw / spec.cores_per_chip)
+    return TileCost(report, tile_bytes, found, spec)
 
 
 # -- The whole kernel's static schedule -------------------------------------------------
@@ -385,3 +402,100 @@ def read_schedule(jf_dump: str | os.PathLike, kernel: str = "mk_megakernel") -> 
     return Schedule(kernel, count["total"], count["empty"], utilisation,
                     sum(b.dmas for b in found), sum(b.waits for b in found),
                     sum(bool(b.depth) for b in found), dict(phases))
+
+
+# -- The clock a schedule implies -----------------------------------------------------------
+CLOCK_PROBE_SHAPE = (512, 4096, 512)  # x[M, K] @ w[K, N]: compiles in seconds on every chip
+CLOCK_PROBES = DATA / "clock_probes.json"  # benchmarks/clock_probe.py's record
+_MXU_ID = re.compile(r"\.mxu(\d+)\b")
+_COMPILE_MATMUL = """import sys, jax, jax.numpy as jnp, mk
+from jax.experimental import pallas as pl
+m, k, n = map(int, sys.argv[2:5])
+
+def kernel(x_ref, w_ref, o_ref):
+    o_ref[...] = jnp.dot(x_ref[...], w_ref[...], preferred_element_type=jnp.float32)
+
+def f(x, w):
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
+                          name="mk_clock_probe")(x, w)
+
+report = mk.tpu.compile_for_chip(f, [jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+                                     jax.ShapeDtypeStruct((k, n), jnp.bfloat16)], sys.argv[1])
+sys.stderr.write(report.error)
+print(report.compile_seconds)
+sys.exit(0 if report.ok else 1)
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class ClockProbe:
+    """One straight-line bf16 matmul x[M, K] @ w[K, N] (f32 out) compiled for one
+    TensorCore of a chip, and the clock at which its schedule would run at the datasheet
+    peak: one bundle a cycle, its MXU span takes bundles / clock seconds for 2 M K N FLOP.
+
+    The schedule cannot beat the peak, so if each bundle took one cycle this clock would
+    bound the real one from above; a bundle that stalls (the MXU's result FIFO, a DMA)
+    takes more, so it bounds nothing. It depends on the shape (the MXU's weight pushes and
+    result pops are amortised over M): compare probes of the same shape only."""
+
+    chip: str
+    shape: tuple[int, int, int]  # (M, K, N)
+    bundles: int  # from the first to the last bundle driving an MXU (the matmul itself)
+    total_bundles: int  # the whole kernel's (with its input and output DMAs)
+    mxus: tuple[int, ...]  # the MXU ids the schedule addresses (mxuN in its ops)
+    peak_flops: float  # one TensorCore's datasheet bf16 peak, FLOP/s
+    libtpu: str  # the libtpu version that compiled it
+    compile_s: float  # the compile's seconds on this machine (with the dumps)
+
+    @property
+    def flops(self) -> int:
+        m, k, n = self.shape
+        return 2 * m * k * n
+
+    @property
+    def clock_hz(self) -> float:
+        """The clock at which `bundles` cycles do `flops` at `peak_flops`."""
+        return self.peak_flops * self.bundles / self.flops
+
+    def row(self) -> dict:
+        """The record of data/clock_probes.json."""
+        return dict(chip=self.chip, shape=list(self.shape), bundles=self.bundles,
+                    total_bundles=self.total_bundles, mxus=list(self.mxus),
+                    flops=self.flops, peak_flops=self.peak_flops,
+                    clock_hz=self.clock_hz, libtpu=self.libtpu,
+                    compile_s=round(self.compile_s, 2))
+
+
+def probe_clock(chip: str | ChipSpec, shape: tuple[int, int, int] = CLOCK_PROBE_SHAPE, *,
+                timeout: float = 300.0) -> ClockProbe:
+    """Compile the `ClockProbe` matmul of `shape` for one TensorCore of `chip` with the
+    dumps on (`compile_with_dumps`) and read its bundles. Raises ValueError for a GPU or a
+    shape that is not three positive multiples of 128, RuntimeError if it does not compile
+    or its schedule is not straight-line (a loop: bundles would not be cycles)."""
+    spec = chip_spec(chip) if isinstance(chip, str) else chip
+    if spec.kind != "tpu":
+        raise ValueError(f"chip={spec.name!r} is a {spec.kind}: no TPU schedule to probe")
+    if len(shape) != 3 or not all(isinstance(d, int) and d > 0 and d % 128 == 0
+                                  for d in shape):
+        raise ValueError(f"shape={shape!r} must be (M, K, N), positive multiples of 128")
+    with tempfile.TemporaryDirectory(prefix="mk-clock-") as folder:
+        start = time.perf_counter()
+        jf = compile_with_dumps(_COMPILE_MATMUL, [spec.name, *shape], folder, phases=False,
+                                timeout=timeout)
+        seconds = time.perf_counter() - start
+        found = read_bundles(dump_file(jf, "mk_clock_probe", "final_bundles.txt").read_text())
+    if any(b.mark == "LB" for b in found):
+        raise RuntimeError(f"the clock probe on {spec.name} compiled to a loop: its "
+                           "bundles are not its cycles")
+    mxu = [i for i, b in enumerate(found) if any(map(_drives_mxu, b.ops))]
+    if not mxu:
+        raise RuntimeError(f"the clock probe on {spec.name} drives no MXU")
+    ids = sorted({int(i) for b in found for o in b.ops for i in _MXU_ID.findall(o)})
+    return ClockProbe(spec.name, tuple(shape), mxu[-1] - mxu[0] + 1, len(found), tuple(ids),
+                      spec.bf16_flops / spec.tensorcores_per_chip,
+                      importlib.metadata.version("libtpu"), seconds)
+
+
+def recorded_clock_probes(path=CLOCK_PROBES) -> dict[str, dict]:
+    """The recorded `ClockProbe.row`s by chip (data/clock_probes.json)."""
+    return {r["chip"]: r for r in json.loads(Path(path).read_text(encoding="utf-8"))}

@@ -2,10 +2,20 @@
 
 One row of `mk/data/chips.csv` per chip: vendor peak numbers (HBM size and bandwidth, dense
 bf16 and fp8 FLOP/s, interconnect bandwidth) plus, for TPUs, the VMEM per core that the
-libtpu compiler enforces, the side of the (square, weight-stationary) MXU, the TensorCore's
-clock (one VLIW bundle issues per cycle; derived from the bf16 peak or marked assumed in
-the row's notes) and the topology name to compile for one chip. Each row names the
-vendor document it comes from.
+libtpu compiler enforces, the side of the (square, weight-stationary) MXU and how many a
+TensorCore has (JAX's `tpu_info`; the dumps address as many), the TensorCores per chip,
+the TensorCore's clock as a range (`clock_low_hz`, `clock_high_hz`; `ChipSpec.clock(end)`)
+and the topology name to compile for one chip. Each row names the vendor document it
+comes from.
+
+The clock is not published. One VLIW bundle issues per cycle, so the clock turns the
+compiler's bundle counts into seconds (`mk.bundles`, `mk.sim`), and no one clock is known:
+the range spans the two estimates in the row's notes, which say which end is which. One is
+the datasheet derivation (`ChipSpec.datasheet_clock_hz`: the bf16 peak over TensorCores x
+MXUs x mxu_rows^2 x 2 FLOP, one activation row per MXU per cycle); the other is the clock
+at which libtpu's own schedule of one bf16 matmul would run at that peak
+(`mk.bundles.probe_clock`, recorded with the libtpu version in data/clock_probes.json and
+re-checked by tests/test_bundles.py).
 
 Not here: anything derived from a model (bytes, FLOPs, floors: `mk.perf`), measured or
 sustained bandwidths (these are datasheet peaks), multi-chip topologies.
@@ -27,6 +37,7 @@ from pathlib import Path
 DATA = importlib.resources.files("mk") / "data"
 CHIPS_CSV = DATA / "chips.csv"
 KINDS = ("tpu", "gpu")
+CLOCK_ENDS = ("low", "high")  # the ends of a TPU's clock range
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +54,10 @@ class ChipSpec:
     fp8_flops: float  # dense fp8 peak per chip, FLOP/s (int8 TOP/s on v5e, v6e, v5p)
     vmem_bytes: int | None  # VMEM per TensorCore enforced by the compiler; None on GPUs
     mxu_rows: int | None  # the MXU is mxu_rows x mxu_rows multiply-accumulators; None on GPUs
-    clock_hz: float | None  # the TensorCore's clock (bundles per second); None on GPUs
+    mxus_per_core: int | None  # MXUs per TensorCore (JAX's tpu_info); None on GPUs
+    tensorcores_per_chip: int | None  # TensorCores sharing bf16_flops; None on GPUs
+    clock_low_hz: float | None  # the TensorCore's clock (bundles per second): the range's
+    clock_high_hz: float | None  # low and high end (module docstring); None on GPUs
     cores_per_chip: int  # JAX devices per chip
     ici_bw: float  # chip-to-chip bandwidth per chip, bytes/s (NVLink on GPUs)
     topology: str  # libtpu topology name that compiles for one chip; "" on GPUs
@@ -68,15 +82,40 @@ class ChipSpec:
         if (self.kind == "tpu") != (self.mxu_rows is not None) or (self.mxu_rows or 1) < 1:
             raise ValueError(f"chip {self.name}: mxu_rows={self.mxu_rows!r} must be a positive "
                              "integer for a TPU and empty for a GPU")
-        if (self.kind == "tpu") != (self.clock_hz is not None) or not (self.clock_hz or 1) > 0:
-            raise ValueError(f"chip {self.name}: clock_hz={self.clock_hz!r} must be positive "
-                             "for a TPU and empty for a GPU")
+        for field in ("mxus_per_core", "tensorcores_per_chip", "clock_low_hz",
+                      "clock_high_hz"):
+            value = getattr(self, field)
+            if (self.kind == "tpu") != (value is not None) or (value is not None
+                                                                and not value > 0):
+                raise ValueError(f"chip {self.name}: {field}={value!r} must be positive for "
+                                 "a TPU and empty for a GPU")
+        if self.kind == "tpu" and self.clock_low_hz > self.clock_high_hz:
+            raise ValueError(f"chip {self.name}: clock_low_hz={self.clock_low_hz!r} is above "
+                             f"clock_high_hz={self.clock_high_hz!r}: the low end must not "
+                             "exceed the high end")
         if (self.kind == "tpu") != bool(self.topology):
             raise ValueError(f"chip {self.name}: topology={self.topology!r} must be set for "
                              "a TPU and empty for a GPU")
         if not self.source.strip():
             raise ValueError(f"chip {self.name}: source is empty; every row names its "
                              "vendor document")
+
+    def clock(self, end: str = "low") -> float:
+        """The TensorCore's clock in Hz at `end` ("low" or "high") of its range."""
+        if end not in CLOCK_ENDS:
+            raise ValueError(f"end={end!r} must be one of {CLOCK_ENDS}")
+        if self.kind != "tpu":
+            raise ValueError(f"chip {self.name} is a {self.kind}: no TensorCore clock")
+        return self.clock_low_hz if end == "low" else self.clock_high_hz
+
+    @property
+    def datasheet_clock_hz(self) -> float:
+        """The clock at which the bf16 peak is tensorcores x MXUs x mxu_rows^2
+        multiply-accumulates (2 FLOP) a cycle: one activation row per MXU per cycle."""
+        if self.kind != "tpu":
+            raise ValueError(f"chip {self.name} is a {self.kind}: no MXU")
+        return self.bf16_flops / (self.tensorcores_per_chip * self.mxus_per_core
+                                  * self.mxu_rows ** 2 * 2)
 
     @property
     def ridge_flop_per_byte(self) -> float:
@@ -89,6 +128,10 @@ def _optional_int(text: str) -> int | None:
     return int(text) if text.strip() else None
 
 
+def _optional_float(text: str) -> float | None:
+    return float(text) if text.strip() else None
+
+
 def _row_to_spec(row: dict[str, str]) -> ChipSpec:
     return ChipSpec(
         name=row["name"], kind=row["kind"], hbm_bytes=int(row["hbm_bytes"]),
@@ -97,7 +140,10 @@ def _row_to_spec(row: dict[str, str]) -> ChipSpec:
         hbm_compile_bytes=_optional_int(row["hbm_compile_bytes_per_core"]),
         vmem_bytes=_optional_int(row["vmem_bytes_per_core"]),
         mxu_rows=_optional_int(row["mxu_rows"]),
-        clock_hz=float(row["clock_hz"]) if row["clock_hz"].strip() else None,
+        mxus_per_core=_optional_int(row["mxus_per_core"]),
+        tensorcores_per_chip=_optional_int(row["tensorcores_per_chip"]),
+        clock_low_hz=_optional_float(row["clock_low_hz"]),
+        clock_high_hz=_optional_float(row["clock_high_hz"]),
         cores_per_chip=int(row["cores_per_chip"]), ici_bw=float(row["ici_bw"]),
         topology=row["topology"], source=row["source"], notes=row["notes"])
 

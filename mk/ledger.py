@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 from mk import perf, plots
-from mk.chips import ChipSpec, chip as named_chip
+from mk.chips import CLOCK_ENDS, ChipSpec, chip as named_chip
 from mk.config import ModelConfig
 from mk.presets import preset as named_preset
 from mk.published import Published, published
@@ -49,12 +49,15 @@ TERMS = {
     "simulated step": "the megakernel's tile schedule for the run's plan (ring slots by "
                       "Little's law at `mk.kernels.plan.ring_cover_s`, the simulator's "
                       "default latencies) replayed on a model of the chip (`mk.sim`): DMA "
-                      "latency, ring depth, bubbles; not a TPU measurement",
+                      "latency, ring depth, bubbles; no per-tile issue time, so the same at "
+                      "either end of the clock range; not a TPU measurement",
     "compiled-kernel step": "the simulated step of the kernel libtpu compiled for the run "
                             "(`benchmarks/tile_costs.py --published`): its ring's slots, "
                             "the DMA latency it was sized for and its per-tile issue time "
-                            "from the compiled bundles, replayed by `mk.sim`; a "
-                            "simulation, not a measurement",
+                            "(the compiled bundles per tile / the TensorCore's clock), "
+                            "replayed by `mk.sim` at the low and at the high end of the "
+                            "chip's clock range (the clock is not published: "
+                            "`mk.chips.ChipSpec.clock`); a simulation, not a measurement",
     "measured": "timed or counted on this machine (CPU interpret mode: never TPU time) or, "
                 "for acceptance, counted from real drafts",
 }
@@ -146,10 +149,12 @@ def entries(*, routing: str = "uniform", compute: str = "bf16",
     `tile_costs`: rows of `benchmarks/tile_costs.py --published` (mk/data/tile_costs/
     published.json), each the compiled kernel of one run (`Run.key`): its ring's slots,
     the DMA latency it was sized for and its per-tile issue time from libtpu's bundles.
-    With `simulate_tpu`, a TPU row with a recorded cost also gets "compiled_ms" (the
-    simulated step of that kernel: that ring, that latency, that issue time per tile),
-    "compiled_over_floor" (its step / the HBM floor), "compiled_slots",
-    "compiled_utilisation", "compiled_bound", "tile_ns" and "tile_dma_ns". A recorded
+    With `simulate_tpu`, a TPU row with a recorded cost also gets, at each end E ("low",
+    "high") of the chip's clock range (`mk.chips.CLOCK_ENDS`), "compiled_E_ms" (the
+    simulated step of that kernel: that ring, that latency, its costliest per-tile loop's
+    bundles at that clock), "compiled_E_over_floor" (its step / the HBM floor),
+    "compiled_E_utilisation", "compiled_E_bound" and "tile_E_ns" (the issue time per
+    tile); and "compiled_slots", "tile_bundles", "tile_dma_ns". A recorded
     kernel that does not fit its core gets "compiled_note" with the reason, and the
     columns above only if its per-tile cost was measured on a cut of it (`measured_on`)."""
     out, sims = [], {}
@@ -206,17 +211,21 @@ def entries(*, routing: str = "uniform", compute: str = "bf16",
                     f"; its per-tile cost measured on {cost['measured_on']}"
                     if "tile_ns" in cost else ""))
             if cost is not None and "tile_ns" in cost:
-                a = dataclasses.replace(assumptions or Assumptions(),
-                                        dma_latency_s=cost["latency_us"] * 1e-6,
-                                        tile_issue_s=cost["tile_ns"] * 1e-9)
                 ring = dataclasses.replace(sim.block, slots=cost["slots"])
-                compiled = simulated(config, spec, a, block=ring, **kw)
-                rec |= timed("compiled", compiled.step_ms) | dict(
-                    compiled_over_floor=compiled.step_ms / est.hbm_floor_ms,
-                    compiled_slots=cost["slots"],
-                    compiled_utilisation=compiled.hbm_utilisation,
-                    compiled_bound=_bound(compiled), tile_ns=cost["tile_ns"],
-                    tile_dma_ns=cost["dma_ns"])
+                bundles = tile_bundles(cost)
+                rec |= dict(compiled_slots=cost["slots"], tile_bundles=bundles,
+                            tile_dma_ns=cost["dma_ns"])
+                for end in CLOCK_ENDS:
+                    a = dataclasses.replace(assumptions or Assumptions(),
+                                            dma_latency_s=cost["latency_us"] * 1e-6,
+                                            tile_issue_s=0.0, tile_bundles=bundles,
+                                            clock=end)
+                    compiled = simulated(config, spec, a, block=ring, **kw)
+                    rec |= timed(f"compiled_{end}", compiled.step_ms) | {
+                        f"compiled_{end}_over_floor": compiled.step_ms / est.hbm_floor_ms,
+                        f"compiled_{end}_utilisation": compiled.hbm_utilisation,
+                        f"compiled_{end}_bound": _bound(compiled),
+                        f"tile_{end}_ns": a.issue_s(spec) * 1e9}
         elif spec.kind == "gpu":
             conv = perf.conventional(config, spec, accepted=accepted, routing=routing,
                                      compute=compute, **kw)
@@ -224,6 +233,16 @@ def entries(*, routing: str = "uniform", compute: str = "bf16",
                 conventional_gap_ms=conv.gap_ms)
         out.append(rec | dict(note=_explain(run)))
     return out
+
+
+def tile_bundles(cost: dict) -> int:
+    """The costliest per-tile loop's bundles of a recorded per-tile cost (its
+    "bundles_per_tile", "least-most": `mk.bundles.TileCost.row`)."""
+    text = str(cost.get("bundles_per_tile", ""))
+    if not text.rpartition("-")[2].isdigit():
+        raise ValueError(f"tile cost row {cost.get('preset')!r}: bundles_per_tile={text!r} "
+                         "must read 'least-most' (a row of benchmarks/tile_costs.py)")
+    return int(text.rpartition("-")[2])
 
 
 def cost_key(cost: dict) -> tuple:
@@ -283,20 +302,27 @@ def headline(rows: list[dict], *, model: str = "Kimi K3", system: str = "tpu7x",
              tau: float = 6) -> str:
     """The distance between the course's kernel and the release for one published run,
     from `entries(simulate_tpu=True, tile_costs=...)` rows: the published step against
-    the compiled-kernel step (else the simulated step), the modelled step and the HBM
-    floor, with what the ledger says differs."""
+    the compiled-kernel step at both ends of the clock range (else the simulated step),
+    the modelled step and the HBM floor, with what the ledger says differs."""
     row = next((r for r in rows if r["model"] == model and r["system"] == system
                 and r["tau"] == tau), None)
     if row is None or "simulated_ms" not in row:
         raise ValueError(f"no simulated row for {model} on {system} at tau={tau}: call "
                          "entries(simulate_tpu=True)")
-    ours, word = ((row["compiled_ms"], "compiled-kernel step") if "compiled_ms" in row
-                  else (row["simulated_ms"], "simulated step"))
     published = row["published_step_ms"]
+    if "compiled_low_ms" in row:
+        low, high = row["compiled_low_ms"], row["compiled_high_ms"]
+        ours = (f"simulated (compiled-kernel step), takes {low:.2f} ms at the low end of the "
+                f"clock range and {high:.2f} ms at its high end: {low / published:.2f}x "
+                f"and {high / published:.2f}x the release's step, {published / low:.0%} "
+                f"and {published / high:.0%} of its speed")
+    else:
+        low = row["simulated_ms"]
+        ours = (f"simulated (simulated step), takes {low:.2f} ms: {low / published:.2f}x "
+                f"the release's step, {published / low:.0%} of its speed")
     return (f"{model} on {system}, tau {tau:g}: the release publishes {row['published']:g} "
             f"tokens/s per user, a {published:.2f} ms step. The course's kernel for it, "
-            f"simulated ({word}), takes {ours:.2f} ms: {ours / published:.2f}x the "
-            f"release's step, {published / ours:.0%} of its speed. The release also beats "
+            f"{ours}. The release also beats "
             f"the course's modelled step ({row['modelled_ms']:.2f} ms) and stays above the "
             f"HBM floor ({row['hbm_floor_ms']:.2f} ms). What differs: {row['note']}"
             + (f". The compiled kernel: {row['compiled_note']}" if "compiled_note" in row

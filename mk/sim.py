@@ -32,9 +32,11 @@ Modelling assumptions (`Assumptions` holds the numbers; none is fitted to a meas
   costing as many (the chip's `mxu_rows`, from data/chips.csv, which gives each
   number's source; TPU7x's is an assumption there). Peak is the
   device's dense bf16 (or fp8 with compute="fp8") FLOP/s. A tile also costs at least
-  `tile_issue_s`, the TensorCore's issue time for one trip of the kernel's per-tile loop
-  (`Ring.matmul`'s costliest: bundles per trip / clock, read from the compiled kernel by
-  `mk.bundles`; 0, the default, leaves only the MXU rule).
+  the TensorCore's issue time for one trip of the kernel's per-tile loop (`Ring.matmul`'s
+  costliest, read from the compiled kernel by `mk.bundles`): `tile_bundles` / the chip's
+  clock at the `clock` end of its range (`mk.chips.ChipSpec.clock`: the clock is not
+  known, so a step is simulated at each end), or `tile_issue_s` seconds given directly;
+  neither, the default, leaves only the MXU rule.
 - Weight formats: a plan's `formats` (default the config's, e.g. kimi-k3's FP4 experts)
   move each tile of their groups at `mk.quant.tile_bytes` (packed data and scales), at the
   same MXU cost per tile; where the kernel does not pack them (tp > 1, a hybrid:
@@ -90,7 +92,7 @@ from __future__ import annotations
 import dataclasses
 
 from mk import measure, perf, quant
-from mk.chips import ChipSpec, chip as named_chip
+from mk.chips import CLOCK_ENDS, ChipSpec, chip as named_chip
 from mk.config import DTYPE_BITS, ModelConfig, check_formats, positive_int
 from mk.kernels.common import BlockSizes
 from mk.kernels.mlp import expert_slots
@@ -110,7 +112,9 @@ class Assumptions:
     vpu_flops_ratio: float = 1 / 64
     scalar_op_s: float = 2e-9
     compute: str = "bf16"
-    tile_issue_s: float = 0.0  # the per-tile loop's issue time (`mk.bundles.TileCost`)
+    tile_issue_s: float = 0.0  # the per-tile loop's issue time in seconds, or
+    tile_bundles: int = 0  # its bundles per trip (`mk.bundles.TileCost`), at the clock
+    clock: str = "low"  # end of the chip's range (`mk.chips.CLOCK_ENDS`)
     source: str = "assumed"  # where dma_latency_s and hbm_share come from (`measured`)
 
     def __post_init__(self):
@@ -121,12 +125,28 @@ class Assumptions:
         for field in ("dma_latency_s", "scalar_op_s", "tile_issue_s"):
             if not getattr(self, field) >= 0:
                 raise ValueError(f"Assumptions.{field}={getattr(self, field)!r} must be >= 0")
+        if isinstance(self.tile_bundles, bool) or not isinstance(self.tile_bundles, int) \
+                or self.tile_bundles < 0:
+            raise ValueError(f"Assumptions.tile_bundles={self.tile_bundles!r} must be an "
+                             "integer >= 0")
+        if self.tile_bundles and self.tile_issue_s:
+            raise ValueError(f"Assumptions: tile_bundles={self.tile_bundles} and "
+                             f"tile_issue_s={self.tile_issue_s!r} both set; give the issue "
+                             "time one way")
+        if self.clock not in CLOCK_ENDS:
+            raise ValueError(f"Assumptions.clock={self.clock!r} must be one of {CLOCK_ENDS}")
         if self.compute not in perf.COMPUTES:
             raise ValueError(f"Assumptions.compute={self.compute!r} must be one of "
                              f"{perf.COMPUTES}")
         if not isinstance(self.source, str) or not self.source:
             raise ValueError(f"Assumptions.source={self.source!r} must say where the DMA "
                              "numbers come from")
+
+    def issue_s(self, spec: ChipSpec) -> float:
+        """The per-tile issue time on `spec`: `tile_bundles` at its `clock` end, else
+        `tile_issue_s`."""
+        return (self.tile_bundles / spec.clock(self.clock) if self.tile_bundles
+                else self.tile_issue_s)
 
     # -- A measured file (mk.measure) ----------------------------------------------------
     @classmethod
@@ -226,7 +246,7 @@ class _Kernel:
         base = self.s.base(self.layer, seg, copy)
         block, mc, n = self.s.block, self.mc, self.n
         seconds = max(self.mxu_s(self.m, block.tile_rows * block.tile_cols),
-                      self.a.tile_issue_s)
+                      self.a.issue_s(self.spec))
         what = "lm_head" if name == "lm_head" else (f"{name}[{copy}]" if seg.stride else name)
         seen, history, t = {}, [], 0  # state -> tile index; (now, gaps) per tile
         while t < seg.tiles:

@@ -2,6 +2,7 @@
 the TPU rows agree with what libtpu itself reports for their topology names."""
 
 import dataclasses
+import json
 import re
 
 import jax
@@ -122,3 +123,58 @@ def test_hbm_compile_bytes_is_what_libtpu_says_one_core_holds():
         assert not report.ok and available, report.error[:300]
         assert spec.hbm_compile_bytes / 2**30 == pytest.approx(float(available.group(1)),
                                                                abs=0.005), spec.name
+
+
+# -- The clock: a range with its sources ---------------------------------------------------
+CLOCK_PROBES = chips.DATA / "clock_probes.json"
+
+
+def test_mxus_per_core_are_jaxs_tpu_info_counts():
+    """The datasheet derivation's MXU count is the one JAX's Pallas TPU info has (and the
+    dumps address: tests/test_bundles.py); TPU7x has 2, not the 4 once assumed."""
+    from jax.experimental.pallas import tpu as pltpu
+    version = {"v5e": "TPU_V5E", "v6e": "TPU_V6E", "v5p": "TPU_V5P", "tpu7x": "TPU_7X"}
+    for spec in all_chips("tpu"):
+        info = pltpu.get_tpu_info_for_chip(pltpu.ChipVersion[version[spec.name]], 1)
+        assert (spec.mxus_per_core, spec.mxu_rows) == (info.num_mxus,
+                                                       info.mxu_column_size), spec.name
+    assert {c.name: c.tensorcores_per_chip for c in all_chips("tpu")} == {
+        "v5e": 1, "v6e": 1, "v5p": 2, "tpu7x": 2}
+
+
+def test_each_tpu_clock_range_spans_the_datasheet_derivation_and_the_schedule_probe():
+    """The two ends are the two sources the row's notes name, each at its end: the
+    datasheet derivation (bf16 peak / (TensorCores x MXUs x rows^2 x 2)) and the clock
+    libtpu's schedule of one bf16 matmul implies (data/clock_probes.json), to the MHz."""
+    probes = {r["chip"]: r for r in json.loads(CLOCK_PROBES.read_text())}
+    for spec in all_chips("tpu"):
+        derived, probed = spec.datasheet_clock_hz, probes[spec.name]["clock_hz"]
+        low, high = sorted((derived, probed))
+        assert spec.clock("low") == pytest.approx(low, abs=0.5e6), spec.name
+        assert spec.clock("high") == pytest.approx(high, abs=0.5e6), spec.name
+        ends = {"low": low, "high": high}
+        for end, value in ends.items():
+            source = "derived" if value == derived else "libtpu's schedule"
+            assert re.search(rf"{end.capitalize()} end {value / 1e9:.2f} GHz "
+                             rf"(from )?{source}", spec.notes), (spec.name, end)
+    assert chip("tpu7x").datasheet_clock_hz == pytest.approx(2307e12 / (2 * 2 * 256**2 * 2))
+
+
+def test_a_clock_range_upside_down_or_not_positive_is_refused_naming_the_field():
+    v6e = chip("v6e")
+    with pytest.raises(ValueError, match=r"clock_low_hz=4000000000.0 is above clock_high_hz=3502000000.0"):
+        dataclasses.replace(v6e, clock_low_hz=4e9)
+    with pytest.raises(ValueError, match=r"clock_low_hz=0.0 must be positive"):
+        dataclasses.replace(v6e, clock_low_hz=0.0)
+    with pytest.raises(ValueError, match=r"clock_high_hz=-1.0 must be positive"):
+        dataclasses.replace(v6e, clock_high_hz=-1.0)
+    with pytest.raises(ValueError, match=r"clock_low_hz=None must be positive"):
+        dataclasses.replace(v6e, clock_low_hz=None)
+    with pytest.raises(ValueError, match=r"mxus_per_core=2 must be positive for a TPU and "
+                                         "empty for a GPU"):
+        dataclasses.replace(chip("h200"), mxus_per_core=2)
+    with pytest.raises(ValueError, match=r"end='mid'"):
+        v6e.clock("mid")
+    with pytest.raises(ValueError, match="no TensorCore clock"):
+        chip("h200").clock("low")
+    assert v6e.clock() == v6e.clock("low") < v6e.clock("high")

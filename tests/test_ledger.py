@@ -129,37 +129,49 @@ def qwen27b_row():
 
 def test_a_recorded_per_tile_cost_gives_the_compiled_kernels_simulated_step(monkeypatch,
                                                                              qwen27b_row):
-    """The "compiled" column replays the recorded kernel (its ring, latency and per-tile
-    issue time); a dearer tile makes a slower step (the control), a recorded kernel that
-    did not fit says so, and a row that is not the benchmark's is refused."""
+    """The "compiled" columns replay the recorded kernel (its ring, latency and costliest
+    per-tile loop's bundles) at each end of the chip's clock range: the low end's slower
+    clock makes the slower step; a dearer tile makes a slower step (the control), a
+    recorded kernel that did not fit says so, and a row that is not the benchmark's is
+    refused."""
     monkeypatch.setattr(ledger, "published", lambda: (qwen27b_row,))
     run, = ledger.runs()
     preset, chip, tp, batch, rows = run.key
-    # an issue time over the 1.25 MiB tile's 355 ns of DMA, so it bounds the step
+    # 1300 bundles: 1.26 us at TPU7x's low end, 0.30 us at its high end, against the
+    # 1.25 MiB tile's 355 ns of DMA: it bounds the step at the low end only
     cost = dict(preset=preset, chip=chip, tp=tp, batch=batch, rows=rows, fits=True,
-                slots=24, latency_us=1.0, tile_ns=600.0, dma_ns=355.0)
+                slots=24, latency_us=1.0, bundles_per_tile="900-1300", tile_ns=600.0,
+                dma_ns=355.0)
     r, = ledger.entries(simulate_tpu=True, tile_costs=[cost])
-    want = mk.sim.simulate(
-        run.config, run.spec, batch=batch, rows=rows, context=run.context, tp=tp,
-        block=dataclasses.replace(DecodePlan.make(run.config, batch=batch, rows=rows,
-                                                    tp=tp, position=run.context).block,
-                                  slots=24),
-        assumptions=mk.sim.Assumptions(dma_latency_s=1e-6, tile_issue_s=600e-9))
-    assert r["compiled_ms"] == pytest.approx(want.step_ms)
-    assert r["compiled_over_floor"] == pytest.approx(want.step_ms / r["hbm_floor_ms"])
-    assert r["compiled_slots"] == 24 and r["tile_ns"] == 600.0 and r["compiled_bound"]
-    cheap, = ledger.entries(simulate_tpu=True, tile_costs=[cost | dict(tile_ns=0.0)])
-    assert cheap["compiled_ms"] < r["compiled_ms"]
+    block = dataclasses.replace(DecodePlan.make(run.config, batch=batch, rows=rows, tp=tp,
+                                                position=run.context).block, slots=24)
+    for end in ("low", "high"):
+        want = mk.sim.simulate(
+            run.config, run.spec, batch=batch, rows=rows, context=run.context, tp=tp,
+            block=block, assumptions=mk.sim.Assumptions(dma_latency_s=1e-6,
+                                                        tile_bundles=1300, clock=end))
+        assert r[f"compiled_{end}_ms"] == pytest.approx(want.step_ms)
+        assert r[f"compiled_{end}_over_floor"] == pytest.approx(want.step_ms
+                                                                / r["hbm_floor_ms"])
+        assert r[f"tile_{end}_ns"] == pytest.approx(1300 / run.spec.clock(end) * 1e9)
+        assert r[f"compiled_{end}_bound"]
+    assert r["compiled_low_ms"] > r["compiled_high_ms"]
+    assert r["compiled_slots"] == 24 and r["tile_bundles"] == 1300
+    cheap, = ledger.entries(simulate_tpu=True, tile_costs=[cost | dict(
+        bundles_per_tile="1-1")])
+    assert cheap["compiled_low_ms"] < r["compiled_low_ms"]
     refused, = ledger.entries(simulate_tpu=True, tile_costs=[
         {k: v for k, v in cost.items() if k not in ("tile_ns", "dma_ns")}
         | dict(fits=False, error="VMEM 70 MiB of 64")])
-    assert "compiled_ms" not in refused and "VMEM 70 MiB" in refused["compiled_note"]
+    assert "compiled_low_ms" not in refused and "VMEM 70 MiB" in refused["compiled_note"]
     cut, = ledger.entries(simulate_tpu=True, tile_costs=[
         dict(cost, fits=False, error="216 GiB of HBM", measured_on="its first 4 layers")])
-    assert cut["compiled_ms"] == pytest.approx(want.step_ms)
+    assert cut["compiled_low_ms"] == pytest.approx(r["compiled_low_ms"])
     assert "216 GiB" in cut["compiled_note"] and "first 4 layers" in cut["compiled_note"]
     with pytest.raises(ValueError, match=r"missing \['tp'\]"):
         ledger.entries(tile_costs=[{k: v for k, v in cost.items() if k != "tp"}])
+    with pytest.raises(ValueError, match=r"bundles_per_tile='many'"):
+        ledger.entries(simulate_tpu=True, tile_costs=[cost | dict(bundles_per_tile="many")])
 
 
 def test_the_recorded_tile_costs_cover_every_published_tpu_run():
@@ -200,6 +212,10 @@ def test_headline_states_the_kernel_against_the_release():
     rows = ledger.entries(speculative_only=True, simulate_tpu=True)
     text = ledger.headline(rows)
     assert "Kimi K3 on tpu7x, tau 6" in text and "simulated step" in text
+    both = ledger.headline([r | dict(compiled_low_ms=9.87, compiled_high_ms=6.54)
+                            for r in rows])
+    assert "compiled-kernel step" in both and "9.87 ms at the low end of the clock" in both
+    assert "6.54 ms at its high end" in both
     with pytest.raises(ValueError, match="no simulated row"):
         ledger.headline(ledger.entries(speculative_only=True))
 
