@@ -17,9 +17,9 @@ figure a notebook displays, however the cell built it.
   hides the legend or plotly hides a lone trace's; the most over the states a slider or
   button step sets with `update`/`restyle` of `visible`.
 - **Family colours.** A trace named after a weight family (its first word, before any
-  "[i]", is a key of `mk.plots.FAMILY_COLOURS`) is drawn in that family's colour
+  "[i]", is a key of `mk.colours.WEIGHT_COLOURS`) is drawn in that weight's colour
   (`marker.color`, or `line.color` for a line), in the figure and in every frame; a
-  trace named "skipped ..." is `mk.plots.IDLE_GREY`.
+  trace named "skipped ..." is `mk.colours.IDLE_GREY`.
 
 `notebook_figures(nb)` lists the figures of an executed notebook's outputs. Not here:
 drawing figures (`mk.plots`), whether a figure's values are right (tests/test_figures.py).
@@ -30,7 +30,8 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from mk.plots import FAMILY_COLOURS, IDLE_GREY, LEGEND_ENTRIES, family_colour
+from mk.colours import IDLE_GREY, WEIGHT_COLOURS, weight_colour
+from mk.plots import LEGEND_ENTRIES
 
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 CARTESIAN = frozenset({"scatter", "scattergl", "bar", "heatmap", "histogram", "box",
@@ -106,11 +107,11 @@ def legend(fig: Mapping) -> list[str]:
 
 def _colour_problems(trace: Mapping, where: str) -> list[str]:
     name = trace.get("name") or ""
-    family = name.split()[0].split("[")[0] if name.split() else ""
+    weight = name.split()[0].split("[")[0] if name.split() else ""
     if name.startswith("skipped"):
         want = IDLE_GREY
-    elif family in FAMILY_COLOURS:
-        want = family_colour(family)
+    elif weight in WEIGHT_COLOURS:
+        want = weight_colour(weight)
     else:
         return []
     set_ = [c for c in (trace.get("marker", {}).get("color"), trace.get("line", {}).get("color"))

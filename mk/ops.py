@@ -90,10 +90,10 @@ def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     return out.reshape(B, T, N, -1)  # v's head dim (MLA's differs from q's)
 
 
-def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
     """down(silu(x @ gate) * (x @ up)); x [M, D] -> [M, D] float32."""
-    h = jax.nn.silu(matmul(x, w_gate)) * matmul(x, w_up)
-    return matmul(h, w_down)
+    h = jax.nn.silu(matmul(x, gate)) * matmul(x, up)
+    return matmul(h, down)
 
 
 def route(x: jax.Array, router: jax.Array, top_k: int, renormalise: bool):

@@ -7,12 +7,11 @@ collective of a tensor-parallel step and what the ring loads meanwhile), `bubble
 `sweep_lines` (a `mk.sim.Simulation`, its bubbles, a design sweep), `lines` (named series
 against one x), `tpu_picture` (one TPU chip's memories, units and paths, from its `ChipSpec`),
 `ring_gantt` (the ring rule slot by slot in time, one frame per ring depth, from
-`mk.teach.ring_schedule`), `family_colour` (one fixed colour per weight family),
-`kv_tile_map` (the KV tiles each ragged sequence reads, writes back and skips),
+`mk.teach.ring_schedule`), `kv_tile_map` (the KV tiles each ragged sequence reads, writes back and skips),
 `table` (an HTML table, `Table`), `escape` (untrusted text made safe for HTML and
 Markdown), `show_source` (a kernel's own code on the page, from its module) and `show`.
-Not here: any model or chip arithmetic (that is `mk.perf`); static image export (kaleido
-needs Chrome).
+Not here: any model or chip arithmetic (that is `mk.perf`); the colours (`mk.colours`);
+static image export (kaleido needs Chrome).
 
 Why `show` and not `fig.show()`: plotly 7's default output is only the plotly JSON mime
 type, which JupyterLab draws but nbconvert's HTML export and GitHub do not. `show` emits
@@ -34,6 +33,9 @@ import plotly.graph_objects as go
 import plotly.io as pio
 from IPython.display import Markdown, display
 from plotly.offline import get_plotlyjs
+
+from mk.colours import (CATEGORY_COLOURS, IDLE_COLOURS, IDLE_GREY, KV_COLOURS,
+                        weight_colour)
 
 TERA = 1e12
 GIGA = 1e9
@@ -221,7 +223,7 @@ def tile_stream(stream, *, title: str = "") -> go.Figure:
     for name, tiles in by_name.items():
         fig.add_trace(go.Bar(
             name=name, orientation="h", y=[name] * len(tiles), x=[1] * len(tiles),
-            marker_color=family_colour(name),
+            marker_color=weight_colour(name),
             base=[t[0] for t in tiles],
             customdata=[(t[2], t[1], t[3], t[4], t[0] % slots) for t in tiles],
             hovertemplate="tile %{base} of %{customdata[0]}, layer %{customdata[1]}<br>"
@@ -235,24 +237,6 @@ def tile_stream(stream, *, title: str = "") -> go.Figure:
                                  tickvals=list(by_name)), bargap=0.2,
                       height=max(320, 120 + 22 * len(by_name)))
     return fig
-
-
-# One colour per weight family in every figure that draws weights (STYLE.md); a family not
-# listed gets a fixed colour of the same palette from its name.
-FAMILY_COLOURS = {"wq": "#1f77b4", "wk": "#aec7e8", "wv": "#17becf", "wo": "#9edae5",
-                  "w_gate": "#ff7f0e", "w_up": "#ffbb78", "w_down": "#d62728",
-                  "we_gate": "#2ca02c", "we_up": "#98df8a", "we_down": "#8c564b",
-                  "ws_gate": "#e377c2", "ws_up": "#f7b6d2", "ws_down": "#c49c94",
-                  "lm_head": "#9467bd", "w": "#1f77b4"}
-IDLE_GREY = "#c7c7c7"  # skipped segments, idle expert slots
-
-
-def family_colour(family: str) -> str:
-    family = family.split("[")[0]
-    if family in FAMILY_COLOURS:
-        return FAMILY_COLOURS[family]
-    palette = sorted(set(FAMILY_COLOURS.values()))
-    return palette[sum(map(ord, family)) % len(palette)]
 
 
 def ring_gantt(schedules: Mapping[str, list], *, title: str) -> go.Figure:
@@ -274,7 +258,7 @@ def ring_gantt(schedules: Mapping[str, list], *, title: str) -> go.Figure:
                 out.append(go.Bar(
                     name=f"{f} {phase}" if phase == "in flight" else f,
                     showlegend=phase == "consumed", orientation="h", opacity=opacity,
-                    marker_color=family_colour(f), legendgroup=f,
+                    marker_color=weight_colour(f), legendgroup=f,
                     y=[f"slot {t['slot']}" for t in mine],
                     base=[t[start] * 1e6 for t in mine],
                     x=[(t[end] - t[start]) * 1e6 for t in mine],
@@ -311,9 +295,6 @@ def ring_gantt(schedules: Mapping[str, list], *, title: str) -> go.Figure:
             for k in labels])])
     return fig
 
-
-KV_COLOURS = {"read": "#1f77b4", "read and written back": "#ff7f0e",
-              "skipped": IDLE_GREY}
 
 
 def kv_tile_map(positions, rows: int, kv_tile: int, context: int, *,
@@ -418,14 +399,7 @@ def _family(what: str) -> str:
     return what.split("[")[0]
 
 
-# One colour per category in every figure (STYLE.md): the busy lanes, then HBM idle by cause.
-CATEGORY_COLOURS = {"DMA": "#1f77b4", "MXU": "#ff7f0e", "vector": "#2ca02c",
-                    "collective": "#9467bd"}
 LEGEND_ENTRIES = 10  # the most a figure's legend lists (no scrolling legends)
-IDLE_COLOURS = {"step start": "#c7c7c7", "layer boundary": "#d62728", "routing": "#e377c2",
-                "attention": "#8c564b", "lm_head": "#bcbd22", "collective": "#c5b0d5",
-                "compute": "#ffbb78", "vector": "#98df8a", "ring empty": "#ff9896",
-                "step end": "#7f7f7f", "skipped mixer": "#dbdb8d"}
 _VECTOR_WORK = ("norm", "qk_norm_rope", "residual", "final_norm", "swiglu", "router",
                 "combine", "selected", "argmax")
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 import mk
-from mk import figure_rules, machine, perf, plots, profiling, sim
+from mk import colours, figure_rules, machine, perf, plots, profiling, sim
 
 
 def legend(fig) -> list[str]:
@@ -38,7 +38,7 @@ def check_rules(fig, *, x_unit: str | None = None, y_unit: str | None = None) ->
 
 # -- The rules themselves, against planted defects ---------------------------------------------
 def _good():
-    return {"data": [{"type": "bar", "name": "wq", "marker": {"color": plots.FAMILY_COLOURS["wq"]},
+    return {"data": [{"type": "bar", "name": "wq", "marker": {"color": colours.WEIGHT_COLOURS["wq"]},
                       "x": [0.5, 1.0], "y": ["slot 0", "slot 1"], "orientation": "h"}],
             "layout": {"xaxis": {"title": {"text": "time (µs, modelled)"}},
                        "yaxis": {"title": {"text": "ring slot"}}}}
@@ -77,16 +77,16 @@ def test_figure_rules_pass_a_good_figure_and_report_each_planted_defect():
     steps[1]["args"][0]["visible"][0] = True
     assert len(figure_rules.legend(sets)) == 11
     wrong = _good()
-    wrong["data"][0]["marker"]["color"] = plots.FAMILY_COLOURS["wk"]
+    wrong["data"][0]["marker"]["color"] = colours.WEIGHT_COLOURS["wk"]
     assert figure_rules.check(wrong) == [
-        f"trace 'wq' is drawn in {plots.FAMILY_COLOURS['wk']}, not its colour "
-        f"{plots.FAMILY_COLOURS['wq']}"]
+        f"trace 'wq' is drawn in {colours.WEIGHT_COLOURS['wk']}, not its colour "
+        f"{colours.WEIGHT_COLOURS['wq']}"]
     frame = _good()  # a frame's traces are held to the same colours
     frame["frames"] = [{"name": "2 slots", "data": [{"type": "bar", "name": "w_up[3]",
                                                       "x": [1.0], "y": ["slot 0"]}]}]
     assert figure_rules.check(frame) == [
         "frame '2 slots': trace 'w_up[3]' has no colour of its own: it must be "
-        f"{plots.FAMILY_COLOURS['w_up']}"]
+        f"{colours.WEIGHT_COLOURS['w_up']}"]
     hidden = _good()  # an axis drawn without ticks or title carries nothing to read
     hidden["layout"]["yaxis"] = {"visible": False}
     assert figure_rules.check(hidden) == []
@@ -318,7 +318,7 @@ def test_timeline_legend_keeps_ten_entries_the_longest_idle_causes_first():
     share = s.bubble_share()
     assert drawn == set(share) and len(kept) == plots.LEGEND_ENTRIES - 4
     assert min(share[c] for c in kept) >= max(share[c] for c in drawn - set(kept))
-    assert all(t.marker.color == plots.IDLE_COLOURS[t.name[len("idle: "):]]
+    assert all(t.marker.color == colours.IDLE_COLOURS[t.name[len("idle: "):]]
                for t in fig.data if t.name.startswith("idle: "))
 
 
@@ -327,7 +327,7 @@ def test_every_bubble_cause_of_every_kind_of_model_has_its_colour(sims):
     grey, not in the list of causes)."""
     hybrid = sim.simulate(mk.preset("qwen3.5-27b"), mk.chip("tpu7x"), context=0, tp=8)
     for s in [*sims.values(), hybrid]:
-        assert set(s.bubble_share()) <= set(plots.IDLE_COLOURS) == set(machine.CAUSES)
+        assert set(s.bubble_share()) <= set(colours.IDLE_COLOURS) == set(machine.CAUSES)
     assert "skipped mixer" in hybrid.bubble_share()
 
 
@@ -341,7 +341,7 @@ def test_bubble_bars_stack_hbm_busy_and_each_cause_to_the_step(sims):
         assert sum(t.y[i] for t in fig.data) == pytest.approx(s.step_ms)
         assert fig.data[0].y[i] == pytest.approx(s.hbm_floor_s * 1e3)
     for t in fig.data[1:]:
-        assert t.marker.color == plots.IDLE_COLOURS[t.name[len("idle: "):]]  # the timeline's
+        assert t.marker.color == colours.IDLE_COLOURS[t.name[len("idle: "):]]  # the timeline's
     idle = [sum(t.y) for t in fig.data[1:]]
     assert idle == sorted(idle, reverse=True)  # the longest causes first, into the legend
     # every cause at once: HBM busy and the nine longest in the legend, all drawn

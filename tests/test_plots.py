@@ -4,7 +4,7 @@ TPU picture from the chip rows."""
 import pytest
 
 import mk
-from mk import figure_rules, machine, plots, sim, teach
+from mk import colours, figure_rules, machine, plots, sim, teach
 from mk.kernels.common import BlockSizes
 from mk.kernels.ring import Repeat, TileStream
 from mk.chips import all_chips
@@ -12,18 +12,18 @@ from mk.kernels.ring import Ring
 
 
 def test_every_bubble_cause_has_its_own_fixed_colour():
-    assert set(plots.IDLE_COLOURS) == set(machine.CAUSES)
-    assert len(set(plots.IDLE_COLOURS.values())) == len(machine.CAUSES)
+    assert set(colours.IDLE_COLOURS) == set(machine.CAUSES)
+    assert len(set(colours.IDLE_COLOURS.values())) == len(machine.CAUSES)
 
 
 def test_timeline_colours_by_category_the_same_in_every_figure():
-    colours = {}
+    seen = {}
     for name in ("tiny", "tiny-moe"):
         fig = plots.timeline(sim.simulate(mk.preset(name), "v6e", context=64))
         for trace in fig.data:
-            assert colours.setdefault(trace.name, trace.marker.color) == trace.marker.color
-    busy = {n for n in colours if not n.startswith("idle: ")}
-    assert busy <= set(plots.CATEGORY_COLOURS) and {"DMA", "MXU", "vector"} <= busy
+            assert seen.setdefault(trace.name, trace.marker.color) == trace.marker.color
+    busy = {n for n in seen if not n.startswith("idle: ")}
+    assert busy <= set(colours.CATEGORY_COLOURS) and {"DMA", "MXU", "vector"} <= busy
 
 
 def test_show_source_is_the_modules_code():
@@ -59,7 +59,7 @@ def _schedules(stream, depths=(1, 2, 6)):
             for n in depths}
 
 
-def test_ring_gantt_has_units_few_legend_entries_and_family_colours():
+def test_ring_gantt_has_units_few_legend_entries_and_weight_colours():
     stream = TileStream.build(BlockSizes(slots=1, tile_rows=128, tile_cols=128), [
         (n, 256, 256) for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")])
     fig = plots.ring_gantt(_schedules(stream), title="t")
@@ -89,7 +89,7 @@ def test_tile_stream_colours_each_family_once_in_every_figure():
                                                                 ("we_up", 256, 128),
                                                                 ("we_down", 128, 256)))])
     assert figure_rules.check(plots.tile_stream(moe)) == []
-    assert plots.family_colour("we_gate[3]") == plots.FAMILY_COLOURS["we_gate"]
+    assert colours.weight_colour("we_gate[3]") == colours.WEIGHT_COLOURS["we_gate"]
 
 
 def test_ring_schedule_is_the_simulators_replay_of_one_matrix():

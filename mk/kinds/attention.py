@@ -335,19 +335,20 @@ class MLATwin(AttentionTwin):
         at the MXU rule, as wq's product in VMEM)."""
         sim, c = self.sim, self.kind.config
         M = sim.m
-        landed = {name: sim.mc.dma(math.prod(shape) * DTYPE_BITS[dtype] / 8, sim.layer,
-                                   name) for name, (shape, dtype) in mla_loads(c).items()}
+        # issued at the layer's start, waited for in the order the kernel uses them
+        landed = iter([sim.mc.dma(math.prod(shape) * DTYPE_BITS[dtype] / 8, sim.layer, name)
+                       for name, (shape, dtype) in mla_loads(c).items()])
         if low_rank_q(c):
             sim.matmul("wq_a")
-            sim.mc.wait(landed["q_a_norm"])
+            sim.mc.wait(next(landed))  # q_a's norm
             sim.vector(4 * M * c.q_rank, "norm")
-            sim.mc.wait(landed["wq"])
+            sim.mc.wait(next(landed))  # wq
             sim.mc.compute(sim.mxu_s(M, c.q_rank * c.q_width), sim.layer, "wq")
         else:
             sim.matmul("wq")
         sim.matmul("wkv_a")
-        sim.mc.wait(landed["kv_a_norm"])
+        sim.mc.wait(next(landed))  # the latent's norm
         sim.vector(4 * M * c.latent_rank, "norm")
-        sim.mc.wait(landed["wkv_b"])
+        sim.mc.wait(next(landed))  # the up-projection W_uk | W_uv
         sim.mc.compute(sim.mxu_s(M, (c.head_dim - c.rope_dim) * c.latent_rank * c.heads),
                        sim.layer, "mla_absorb")
