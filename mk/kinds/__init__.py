@@ -32,17 +32,21 @@ How to add a layer kind (e.g. gpt-oss's sliding-window attention with sinks):
    file and the fields read before it, returning the kind's fields), listed in
    `mk.kinds.hf.FAMILIES` under each model type that has the kind (a new model type is a
    new entry there: `HF_MODEL_TYPES` follows).
-3. Its reference math in `mk.reference` (the oracle every kernel is compared with).
+3. Its reference math in `mk.reference` (the oracle every kernel is compared with), an
+   oracle function registered by the kind's name (`MIXER_LAYERS` or `MLPS` there); what
+   it caches: its fields' rows in `mk.cache.FIELDS` (dims, dtype, layers, split) and the
+   cache type that serves it (`mk.cache.CACHE_TYPES`).
 4. Its kernel body in `mk.kernels` (a module of its own, as `mk.kernels.mla`), and its
    class here: a `Kind` subclass (a variant of an existing kind subclasses it and
    overrides what differs, as `MLA` does `GQA`) with `matrices`, `buffers`, `scratch`,
-   `prepare`, `fetch`, the hooks it needs and `run` for each of its `phases`; and its
+   `prepare` (the base's: ring weights as stored, DMA'd vectors as rows), `fetch`, the
+   hooks it needs, `run` for each of its `phases`, its `title` and `packs`; and its
    `Twin`, the same hooks costed on the simulator's machine. Register it in
    `mk.kinds.layers.KINDS` at its place in the stream.
 5. Its cost, the cost section of its class (`mk.perf` loops over the kinds): `params`
    (its table rows' matmul elements but its `elementwise` weights), and where it has
    them `mixing_flops`, `mxu_passes`, `routes` and `conventional` (its ops in the
-   one-kernel-per-op execution). The bytes come from the weight table.
+   one-kernel-per-op execution). The bytes come from the weight table (`streamed`).
 6. Tests: the reference against transformers on a tiny random checkpoint, the megakernel
    against the reference (exact greedy tokens), the race detector, the byte counts
    (kernel = plan = simulator = `mk.perf`, tests/test_counts.py) and the DMA order
