@@ -109,7 +109,7 @@ def test_the_stage_kernels_refuse_qwen35_attention_by_name():
     config = dataclasses.replace(mk.preset("tiny"), **QWEN35_ATTENTION)
     params = mk.init_params(config)
     _, cache = reference.prefill(config, params, jnp.ones((1, 4), jnp.int32))
-    with pytest.raises(ValueError, match="'attn_output_gate': True, 'norm_offset': 1.0"):
+    with pytest.raises(ValueError, match=r"streams \('wq', 'wk', 'wv', 'wq_gate', 'wo'\), norm_offset=1.0"):
         one_layer(config, params, jnp.zeros((1, 1, config.hidden)), cache.k, cache.v,
                   jnp.array([4], jnp.int32), layer=0)
 
@@ -153,7 +153,7 @@ def test_t_rows_verify_in_one_pass_race_free(name):
     with backend.use("interpret", detect_races=True):
         got, logits, got_cache = megakernel.decode_step(
             config, megakernel.prepare(DecodePlan.make(
-                config, batch=2, rows=4, context=reference.cache_capacity(config, cache),
+                config, batch=2, rows=4, context=cache.capacity,
                 block=block), params), cache, tokens, positions, block=block)
     assert not backend.races_found()
     np.testing.assert_array_equal(got, reference.greedy(want_logits))
