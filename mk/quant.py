@@ -402,11 +402,37 @@ def tile_major(q: QuantWeight, tile_rows: int, tile_cols: int) -> QuantWeight:
     return QuantWeight(data, scale.reshape(*lead, rows * cols, r, c), q.scheme)
 
 
+# Each scheme's code of the value zero (int4: offset binary) and its scale of one (fp4:
+# e8m0 code 127): what padding holds, so a padded value dequantises to zero.
+ZERO_CODE = {"int8": 0, "fp8": 0, "int4": 8, "fp4": 0}
+UNIT_SCALE = {"int8": 1, "fp8": 1, "int4": 1, "fp4": E8M0_BIAS}
+
+
+def scale_block(scheme: str) -> tuple[int | None, int]:
+    """(rows of I, columns of O) of the values sharing one scale of `scheme` (None: all of
+    I, int8's per-channel scale)."""
+    return {"int8": (None, 1), "fp8": (GROUP["fp8"], GROUP["fp8"]),
+            "int4": (GROUP["int4"], 1), "fp4": (GROUP["fp4"], 1)}[scheme]
+
+
+def codes_of(q: QuantWeight) -> jax.Array:
+    """`q`'s element codes [..., I, O], one per value (int4/fp4 unpacked, int32)."""
+    return unpack_nibbles(q.data) if q.scheme in ("int4", "fp4") else q.data
+
+
+def from_codes(scheme: str, codes: jax.Array, scale: jax.Array) -> QuantWeight:
+    """Element codes [..., I, O] (`codes_of`'s) and their scales -> the `QuantWeight`
+    (int4/fp4 packed two a byte, in the module docstring's nibble order)."""
+    if scheme in ("int4", "fp4"):
+        return QuantWeight(pack_nibbles(codes), scale, scheme)
+    return QuantWeight(codes.astype(STORED[scheme][0]), scale, scheme)
+
+
 def pad_columns(q: QuantWeight, columns: int) -> QuantWeight:
-    """`q` (mk.quant's layout) with `columns` more output columns of value zero (code 0;
-    int4's zero is code 8 in both nibbles) and scale 1 (e8m0 code 127)."""
-    data_zero = {"int4": 0x88}.get(q.scheme, 0)
-    scale_one = E8M0_BIAS if q.scheme == "fp4" else 1
+    """`q` (mk.quant's layout) with `columns` more output columns of value zero
+    (`ZERO_CODE`, in both nibbles of a packed byte) and scale one (`UNIT_SCALE`)."""
+    data_zero = ZERO_CODE[q.scheme] * (17 if q.scheme == "int4" else 1)
+    scale_one = UNIT_SCALE[q.scheme]
     cols = columns // GROUP["fp8"] if q.scheme == "fp8" else columns
     if q.scheme == "fp8" and columns % GROUP["fp8"]:
         raise ValueError(f"columns={columns}: fp8 pads whole 128-column blocks")

@@ -1,0 +1,160 @@
+"""Quantised weights on every shard: `mk.shards.shard_params` splits `mk.quant.QuantWeight`s
+by their weights' split rules, and the tensor-parallel megakernel streams each device's
+packed tiles.
+
+Here: the identity a device's quantised shard must keep (its dequantised values are the
+shard of the dequantised weight, exactly, for every scheme, every split rule the tiny
+models have, padding included); the clear error where a split would cut a scale block
+(before tracing: the plan refuses it); greedy tokens of the megakernel at tp 2 on
+quantised params against the reference on their dequantised values (subprocesses with
+virtual devices, tests/multidevice.py, race detector on, a planted race guarding its
+silence). Not here: bytes (tests/test_counts.py, tests/test_plan.py).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mk
+from mk import quant, reference, tpu
+from mk import tensor_parallel as tpar
+from mk import backend
+from mk.kernels.plan import DecodePlan
+from mk.shards import check_quantised_splits, shard_params
+from multidevice import planted_race_caught, race_free, run
+
+F32 = jnp.float32
+
+
+def _quantised(config, scheme: str) -> tuple[dict, dict]:
+    """(params, params with every format group `config` has in `scheme`)."""
+    params = mk.init_params(config, seed=1)
+    groups = dict(dense=scheme) | (dict(experts=scheme) if config.experts else {}) | (
+        {} if config.tie_embeddings else dict(lm_head=scheme))
+    return params, quant.quantize(config, params, **groups)
+
+
+@pytest.mark.parametrize("name, tp", [("tiny-moe", 2), ("tiny-moe", 4), ("tiny", 2)])
+@pytest.mark.parametrize("scheme", quant.SCHEMES)
+def test_a_quantised_shard_dequantises_to_the_shard_of_the_dequantised_weight(
+        name, tp, scheme):
+    """Every split rule of the model (columns, rows, kv heads, the experts' and the FFN's
+    columns and rows padded to whole tiles: tiny-moe's 128 expert columns are 64 a device
+    at tp 2, 32 at tp 4), every scheme: exact."""
+    config = mk.preset(name)
+    _, q = _quantised(config, scheme)
+    shards = shard_params(config, q, tp)
+    got = quant.dequantize(shards, F32)
+    want = shard_params(config, quant.dequantize(q, F32), tp)
+    assert {n for n, p in shards.items() if isinstance(p, quant.QuantWeight)} == {
+        n for n, p in q.items() if isinstance(p, quant.QuantWeight)}
+    for n in want:
+        np.testing.assert_array_equal(np.asarray(got[n]), np.asarray(want[n]), n)
+
+
+def test_a_shards_padding_is_zero_values_and_its_blocks_its_own():
+    """tiny-moe's expert columns at tp 2: each device's 64 columns and 64 of padding; the
+    padding dequantises to zero (its codes the scheme's zero) and device 1's data are the
+    second half of the full weight's codes (a control that the split moved them)."""
+    config = mk.preset("tiny-moe")
+    _, q = _quantised(config, "int4")
+    shards = shard_params(config, q, 2)
+    values = np.asarray(quant.dequantize(shards, F32)["we_down"])  # rows split: [2, Lm, E, 128, D]
+    assert not values[:, :, :, 64:].any()
+    full = np.asarray(quant.dequantize(q, F32)["we_down"])
+    np.testing.assert_array_equal(values[1, :, :, :64], full[:, :, 64:])
+    assert values[1, :, :, :64].any()
+
+
+@pytest.mark.parametrize("name, tp, formats, match", [
+    # 768 expert columns at tp 4: 192 a device, padded to 256: device 1's second block of
+    # 128 holds columns 320..383 and 128..191's neighbour block: two fp8 scale blocks
+    ("qwen3-30b-a3b", 4, dict(experts="fp8"),
+     r"we_gate \(fp8\): its ffn_columns split at tp=4 cuts a scale block of 128 columns"),
+    ("qwen3-30b-a3b", 8, dict(experts="int4"),
+     r"we_down \(int4\): its ffn_rows split at tp=8 cuts a scale block of 128 rows"),
+    ("kimi-k3-like", 32, dict(dense="fp8"), r"w_gate \(fp8\).*tp=32.*128 columns"),
+])
+def test_a_split_that_cuts_a_scale_block_is_refused_by_name_before_tracing(
+        name, tp, formats, match):
+    config = mk.preset(name)
+    with pytest.raises(ValueError, match=match):
+        check_quantised_splits(config, formats, tp)
+    with pytest.raises(ValueError, match=match):  # the plan: before anything is traced
+        DecodePlan.make(config, tp=tp, batch=1, context=4096, formats=formats)
+
+
+def test_a_split_leaving_part_of_a_block_is_refused_with_the_block_size():
+    """wo's rows at tp 4 of a model of 2 heads of 128 a device... cut to 64-row halves:
+    int4 packs and scales 128 rows, so a 64-row share is refused naming 128."""
+    config = dataclasses.replace(mk.preset("tiny"), heads=4, kv_heads=4, head_dim=64,
+                                 name="tiny-h64")
+    with pytest.raises(ValueError, match=r"wo \(int4\): its rows split at tp=4 gives each "
+                                         r"device 64 rows, not a multiple of 128"):
+        check_quantised_splits(config, dict(dense="int4"), 4)
+    check_quantised_splits(config, dict(dense="int8"), 4)  # int8: per channel, any rows
+
+
+@pytest.mark.parametrize("name, tp, formats", [
+    ("kimi-k3-like", 32, dict(experts="fp4")), ("qwen3-30b-a3b", 8, dict(experts="fp4")),
+    ("qwen3-30b-a3b", 2, dict(experts="fp8", dense="int4", lm_head="int8"))])
+def test_the_headline_shards_split_whole(name, tp, formats):
+    """FP4 experts split whole at Kimi K3's TP32 (2048 columns: 64 a device, padded) and
+    every scheme of 30B-A3B at tp 2; the plan packs them (`packed_formats` at tp > 1)."""
+    check_quantised_splits(mk.preset(name), formats, tp)
+    plan = DecodePlan.make(mk.preset(name), tp=tp, batch=1, context=4096, formats=formats,
+                           kernel=True)
+    assert set(plan.stream.schemes) == set(formats.values())
+
+
+# -- Greedy tokens at tp 2 (subprocesses with virtual devices) ----------------------------
+STEPS = 6
+
+
+def _tokens(config, groups: dict, tp: int) -> dict:
+    """Reference greedy tokens on the dequantised params against the megakernel at tp on
+    the quantised ones (race detector on), then the planted race."""
+    params = quant.quantize(config, mk.init_params(config, seed=tp), **groups)
+    prompt = jax.random.randint(jax.random.key(tp), (2, 5), 0, config.vocab)
+    want = reference.generate(config, quant.dequantize(params), prompt, STEPS)
+    with backend.use("interpret", detect_races=True):
+        got = tpar.generate(config, params, prompt, STEPS, tp=tp, steps_per_call=STEPS)
+        jax.block_until_ready(got)
+        races = backend.races_found()
+    return dict(want=want, got=got, races=races, planted_caught=planted_race_caught(tp))
+
+
+def _tiny_moe():
+    return dataclasses.replace(mk.preset("tiny-moe"), dtype="float32")
+
+
+def moe_int8(tp):
+    return _tokens(_tiny_moe(), dict(experts="int8", dense="int8"), tp)
+
+
+def moe_fp4(tp):
+    return _tokens(_tiny_moe(), dict(experts="fp4"), tp)
+
+
+def moe_fp8(tp):
+    return _tokens(_tiny_moe(), dict(experts="fp8", lm_head="fp8"), tp)
+
+
+def moe_int4(tp):
+    return _tokens(_tiny_moe(), dict(experts="int4", dense="fp4"), tp)
+
+
+@pytest.mark.parametrize("target, tp", [
+    ("moe_int8", 2), ("moe_fp4", 2),
+    pytest.param("moe_fp8", 2, marks=pytest.mark.slow),
+    pytest.param("moe_int4", 2, marks=pytest.mark.slow),
+    pytest.param("moe_fp4", 4, marks=pytest.mark.slow)])
+def test_quantised_greedy_tokens_at_tp_equal_the_reference_race_free(target, tp):
+    out = run(f"test_quant_shards:{target}", tp)
+    assert out["got"].shape == (tp, *out["want"].shape)
+    for device in range(tp):
+        np.testing.assert_array_equal(out["got"][device], out["want"], f"device {device}")
+    race_free(out["races"], out["planted_caught"])
