@@ -19,7 +19,9 @@ only), each with one scheme or None (stays `config.dtype`): a `formats` dict, th
 precision knob (`mk.config.check_formats`; a `ModelConfig`'s own `formats` are its
 default, e.g. kimi-k3's FP4 experts). The embedding (B*T rows
 gathered per step), the router (small, and its top-k flips on a small error), norms and
-biases stay in `config.dtype`. Hybrid (linear-attention) models are not quantised.
+biases stay in `config.dtype`, and so do the linear-attention kinds' weights (in no group),
+so a hybrid's groups quantise as any model's; a group holding a weight the megakernel
+moves whole (not as ring tiles) is refused (`check_streamed`).
 
 Layouts. A weight is [..., I, O] (mk's [in, out], leading stacked axes; I is the
 contraction axis). Every scheme groups values along I so a tile of whole groups along I
@@ -316,18 +318,37 @@ def quantize_weight(w, scheme: str, name: str = "weight") -> QuantWeight:
     return QuantWeight(pack_nibbles(q), jnp.asarray(code), scheme)
 
 
+def unstreamed(config: ModelConfig, names) -> tuple[str, ...]:
+    """The weights of `names` (those stored quantised) that `config` has and the
+    megakernel does not stream as ring tiles (`mk.weights` path other than "ring"): the
+    ring dequantises packed tiles; a weight its kernel DMAs whole (MLA's wq under a q low
+    rank, Kimi K3's) is multiplied plain, so it cannot be stored packed."""
+    names = set(names)
+    return tuple(w.name for w in weights_of(config)
+                 if w.name in names and w.path_of(config) != "ring")
+
+
+def check_streamed(config: ModelConfig, names) -> None:
+    """Raise NotImplementedError naming the `unstreamed` weights of `names`, if any."""
+    whole = [f"{w.name} ({w.kind}, path {w.path_of(config)!r})" for w in weights_of(config)
+             if w.name in unstreamed(config, names)]
+    if whole:
+        raise NotImplementedError(f"{config.name}: {', '.join(whole)} would be stored "
+                                  "quantised, but the megakernel moves "
+                                  f"{'it' if len(whole) == 1 else 'them'} whole, not as ring "
+                                  "tiles it dequantises (mk.quant.unstreamed); keep the "
+                                  "group plain")
+
+
 def check_quantisable(config: ModelConfig, formats) -> dict[str, str]:
     """`formats` checked (`mk.config.check_formats`) and quantisable here -> {group:
-    scheme}: mk.quant does not quantise a hybrid (linear-attention) model's weights, so
-    neither `quantize` nor the megakernel's plan takes formats for one (the byte model
-    charges them: `mk.kernels.plan.DecodePlan.make(kernel=False)`)."""
-    from mk.kinds.layers import packs  # here: the kinds' kernels import mk.quant
-
+    scheme}: every weight of the chosen groups is streamed through the ring
+    (`check_streamed`), so neither `quantize` nor the megakernel's plan takes formats
+    that would quantise another (the byte model charges them:
+    `mk.kernels.plan.DecodePlan.make(kernel=False)`). A model's linear-attention weights
+    are in no format group: a hybrid's dense, expert and lm_head groups quantise."""
     chosen = check_formats(config, formats)
-    if chosen and not packs(config):
-        raise NotImplementedError(f"{config.name}: formats={chosen}: mk.quant does not "
-                                  "quantise hybrid (linear-attention) models (a layer kind "
-                                  "that streams no packed tiles: mk.kinds.layers.packs)")
+    check_streamed(config, schemes_of(chosen))
     return chosen
 
 

@@ -148,15 +148,18 @@ def test_quantised_tiles_move_the_packed_bytes_and_scales_the_plan_and_perf_coun
 
 def test_quantised_plans_refuse_what_is_not_built_by_name():
     config = mk.preset("tiny-moe")
-    with pytest.raises(ValueError, match="tp=2"):
-        DecodePlan.make(config, tp=2, batch=1, context=256, formats={"experts": "int4"})
+    with pytest.raises(ValueError, match=r"we_gate \(fp8\).*tp=4 cuts a scale block"):
+        DecodePlan.make(dataclasses.replace(config, expert_ffn=768), tp=4, batch=1,
+                        context=256, formats={"experts": "fp8"})
     with pytest.raises(ValueError, match="scheme='int3'|'int3'"):
         DecodePlan.make(config, batch=1, context=256, formats={"dense": "int3"})
     with pytest.raises(ValueError, match="group='mlp'"):
         DecodePlan.make(config, batch=1, context=256, formats={"mlp": "int8"})
-    with pytest.raises(NotImplementedError, match="hybrid"):
-        DecodePlan.make(mk.preset("tiny-kimi"), batch=1, context=256,
-                        formats={"experts": "fp4"})
+    low_rank_q = dataclasses.replace(mk.preset("tiny-kimi"), q_rank=128)
+    with pytest.raises(NotImplementedError, match=r"wq \(mla, path 'dma'\)"):
+        DecodePlan.make(low_rank_q, batch=1, context=256, formats={"dense": "int8"})
+    assert DecodePlan.make(low_rank_q, tp=2, batch=1, context=256,
+                           formats={"experts": "fp4"}).stream.schemes == ("fp4",)
     plan = DecodePlan.make(config, batch=1, context=256, formats={"experts": "fp4"})
     assert {"ring", "ring_fp4", "ring_fp4_scales"} <= set(plan.buffers)
     assert plan.buffers["ring_fp4"].shape == (plan.block.slots, plan.block.tile_rows // 2,

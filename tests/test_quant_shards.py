@@ -25,6 +25,7 @@ from mk import backend
 from mk.kernels.plan import DecodePlan
 from mk.shards import check_quantised_splits, shard_params
 from multidevice import planted_race_caught, race_free, run
+from test_tensor_parallel import tp_hybrid_config, tp_kimi_config
 
 F32 = jnp.float32
 
@@ -147,11 +148,26 @@ def moe_int4(tp):
     return _tokens(_tiny_moe(), dict(experts="int4", dense="fp4"), tp)
 
 
+def hybrid_int8(tp):
+    """Qwen3.5's layers (tests/test_tensor_parallel.py's model for tp): its gated full
+    attention and dense MLP (the "dense" group) and lm_head quantised, DeltaNet plain."""
+    return _tokens(tp_hybrid_config(tp), dict(dense="int8", lm_head="fp4"), tp)
+
+
+def kimi_fp4(tp):
+    """Kimi Linear's layers with FP4 experts, its MLA (wq streamed: no q low rank), shared
+    expert and dense MLP in int4, its lm_head in fp8; KDA plain."""
+    config = dataclasses.replace(tp_kimi_config(tp), q_rank=0)
+    return _tokens(config, dict(experts="fp4", dense="int4", lm_head="fp8"), tp)
+
+
 @pytest.mark.parametrize("target, tp", [
-    ("moe_int8", 2), ("moe_fp4", 2),
+    ("moe_int8", 2), ("moe_fp4", 2), ("hybrid_int8", 2), ("kimi_fp4", 2),
     pytest.param("moe_fp8", 2, marks=pytest.mark.slow),
     pytest.param("moe_int4", 2, marks=pytest.mark.slow),
-    pytest.param("moe_fp4", 4, marks=pytest.mark.slow)])
+    pytest.param("moe_fp4", 4, marks=pytest.mark.slow),
+    pytest.param("hybrid_int8", 4, marks=pytest.mark.slow),
+    pytest.param("kimi_fp4", 4, marks=pytest.mark.slow)])
 def test_quantised_greedy_tokens_at_tp_equal_the_reference_race_free(target, tp):
     out = run(f"test_quant_shards:{target}", tp)
     assert out["got"].shape == (tp, *out["want"].shape)

@@ -12,7 +12,7 @@ holds, frozen:
                   ("dense", "experts", "lm_head"; default `config.formats`;
                   `mk.quant.formats_of` a params dict): every byte count below counts
                   them (`mk.quant.tile_bytes`), and where the kernel streams them packed
-                  (`packed_formats`: tp = 1, kinds that pack) their segments stream packed
+                  (`packed_formats`: at any tp, groups of ring weights) their segments stream packed
                   tiles and scales (`mk.kernels.ring`)
     block         the tiling (`default_block` unless given)
     stream        the `TileStream`: every weight tile of the step in program order
@@ -88,7 +88,7 @@ from mk.kernels.deltanet import check_conv_kernel
 from mk.kernels.kv_stream import tile_counts
 from mk.kernels.mlp import expert_slots
 from mk.kernels.one_layer import layer_buffers, layer_scratch, model_block
-from mk.kinds.layers import full_attention, layer_kinds, layer_matrices, packs
+from mk.kinds.layers import full_attention, layer_kinds, layer_matrices
 from mk.kernels.ring import TileStream, ring_buffers
 from mk.weights import FAMILIES, FAMILY, FORMAT_GROUP
 
@@ -251,10 +251,10 @@ def capacity(positions: int) -> int:
 def packed_formats(config: ModelConfig, tp: int, formats: dict[str, str]
                    ) -> dict[str, str]:
     """The `formats` whose packed tiles the megakernel's ring streams, at any tp (each
-    device its shard's, `mk.shards.shard_params`): all when every layer kind of the model
-    streams packed tiles (`Kind.packs`), else none, where `mk.perf` and the simulator's
-    plans charge their bytes on plain tiles."""
-    return dict(formats) if packs(config) else {}
+    device its shard's, `mk.shards.shard_params`): all when every weight of their groups
+    is a ring weight (none `mk.quant.unstreamed`), else none, where `mk.perf` and the
+    simulator's plans charge their bytes on plain tiles."""
+    return {} if quant.unstreamed(config, quant.schemes_of(formats)) else dict(formats)
 
 
 def shard_weight_bytes(local: ModelConfig, vocab: int, experts: float, formats=None,
