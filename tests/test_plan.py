@@ -212,18 +212,16 @@ def test_the_default_tiling_is_one_rule():
         plan.block)
 
 
-def test_a_presets_formats_are_charged_at_any_tp_and_packed_only_where_the_kernel_is():
-    """kimi-k3 stores its experts in FP4 (`formats`): a kernel plan refuses it at tp > 1
-    (sharding quantised weights is not built) and for a hybrid; the simulator's plan
-    (kernel=False) streams the plain tiles and charges every expert element mk.quant's
-    packed FP4 bytes, half a byte and a scale byte per 32; formats={} is bf16."""
+def test_a_presets_formats_are_charged_and_packed_at_any_tp():
+    """kimi-k3 stores its experts in FP4 (`formats`): its plan at tp 32 streams them
+    packed (each device's shard of the packed experts, `mk.shards`) and charges every
+    expert element mk.quant's packed FP4 bytes, half a byte and a scale byte per 32, on
+    the same tiles as formats={} (bf16)."""
     k3 = mk.preset("kimi-k3").first_layers(2)
     assert k3.formats == (("experts", "fp4"),)
-    with pytest.raises(ValueError, match="tp=32"):
-        DecodePlan.make(k3, tp=32, batch=1, context=256)
-    fp4 = DecodePlan.make(k3, tp=32, batch=1, context=256, kernel=False)
-    bf16 = DecodePlan.make(k3, tp=32, batch=1, context=256, formats={})
-    assert fp4.block == bf16.block and fp4.stream.schemes == ()  # plain tiles
+    fp4 = DecodePlan.make(k3, tp=32, batch=1, context=256)
+    bf16 = DecodePlan.make(k3, tp=32, batch=1, context=256, formats={}, block=fp4.block)
+    assert fp4.stream.schemes == ("fp4",) and bf16.stream.schemes == ()
     assert dict(fp4.formats) == {"experts": "fp4"} and bf16.formats == ()
     got, plain = fp4.weight_bytes(), bf16.weight_bytes()
     assert got["experts"] == plain["experts"] / 2 * (1 / 2 + 1 / 32)

@@ -8,7 +8,8 @@ models have, padding included); the clear error where a split would cut a scale 
 (before tracing: the plan refuses it); greedy tokens of the megakernel at tp 2 on
 quantised params against the reference on their dequantised values (subprocesses with
 virtual devices, tests/multidevice.py, race detector on, a planted race guarding its
-silence). Not here: bytes (tests/test_counts.py, tests/test_plan.py).
+silence); the bytes a tp 2 step of packed tiles moves, counted from the kernel's own
+DMAs, against the plan, the simulator and mk.perf (tests/test_plan.py's `counted`).
 """
 
 import dataclasses
@@ -19,12 +20,13 @@ import numpy as np
 import pytest
 
 import mk
-from mk import quant, reference, tpu
+from mk import perf, quant, reference, sim
 from mk import tensor_parallel as tpar
 from mk import backend
 from mk.kernels.plan import DecodePlan
 from mk.shards import check_quantised_splits, shard_params
 from multidevice import planted_race_caught, race_free, run
+from test_plan import POSITION, counted
 from test_tensor_parallel import tp_hybrid_config, tp_kimi_config
 
 F32 = jnp.float32
@@ -174,3 +176,43 @@ def test_quantised_greedy_tokens_at_tp_equal_the_reference_race_free(target, tp)
     for device in range(tp):
         np.testing.assert_array_equal(out["got"][device], out["want"], f"device {device}")
     race_free(out["races"], out["planted_caught"])
+
+
+# -- Bytes at tp 2: kernel = plan = simulator = mk.perf ------------------------------------
+BYTES_FORMATS = dict(dense="int8", experts="fp4", lm_head="int4")
+
+
+def counted_quantised(tp):
+    return counted("tiny-moe", tp, BYTES_FORMATS)
+
+
+def test_a_quantised_shards_dmas_move_the_bytes_the_plan_the_simulator_and_perf_count():
+    """tiny-moe at tp 2, every group packed (experts 64 columns a device padded to 128):
+    the bytes its DMAs move per family, summed over both devices, are the plan's, the
+    simulator's and mk.perf's, and the packed families' are their schemes' share of the
+    plain tiles' (a kernel streaming the dequantised tiles would move 2-4x more)."""
+    tp, formats = 2, BYTES_FORMATS
+    got = {f: int(b) for f, b in run("test_quant_shards:counted_quantised", tp).items()}
+    config = mk.preset("tiny-moe")
+    plan = DecodePlan.make(config, tp=tp, batch=1, rows=1, context=config.max_context,
+                           formats=formats)
+    assert set(plan.stream.schemes) == {"int8", "fp4", "int4"}
+    active = config.experts_per_token
+    want = {f: tp * b for f, b in plan.weight_bytes(active).items() if b}
+    assert {f: got[f] for f in want} == want
+    replay = sim.simulate(config, "v5e", batch=1, rows=1, context=POSITION, tp=tp,
+                          block=plan.block, experts_active=active, formats=formats)
+    assert {f: tp * b for f, b in replay.family_bytes().items()} == got
+    roof = perf.predict(config, "v5e", batch=1, rows=1, context=POSITION, tp=tp,
+                        routing="shared", formats=formats)
+    by_perf = dict(attention=roof.attention_bytes, norms=roof.norm_bytes,
+                   dense_mlp=roof.dense_mlp_bytes, router=roof.router_bytes,
+                   experts=roof.expert_bytes, lm_head=roof.lm_head_bytes)
+    assert {f: b for f, b in by_perf.items() if b} == want
+    plain = DecodePlan.make(config, tp=tp, batch=1, rows=1, context=config.max_context,
+                            formats={}, block=plan.block)
+    elements = {f: tp * b / 2 for f, b in plain.weight_bytes(active).items()}
+    rows = plan.block.tile_rows
+    for family, per in (("attention", 1 + 4 / rows), ("experts", 0.5 + 1 / 32),
+                        ("lm_head", 0.5 + 2 / 128)):
+        assert got[family] == pytest.approx(elements[family] * per, rel=1e-12), family
