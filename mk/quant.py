@@ -8,10 +8,12 @@ element decoders a kernel calls on one streamed tile (`unpack_nibbles`, `e4m3_va
 `e2m1_values`, `dequantize_tile`), `check_error` (every group's error against its scale's
 bound), `accuracy` (a quantised model's logits and greedy tokens against the bf16 model's)
 and `storage_bytes` / `group_bytes` / `stored_bytes` (packed bytes plus scales; a model's
-own `formats` by default), `check_quantisable`, the kernel's tile layout
-(`tile_shapes`, `tile_bytes`, `tile_major`, `pad_columns`), `formats_of` (the scheme of
-each group of a params dict) and `schemes_of` (the scheme of each weight name). Not here:
-reading quantised Hugging Face checkpoints (`mk.checkpoint`), the ring that streams packed tiles (`mk.kernels.ring`).
+own `formats` by default), `check_quantisable` / `unstreamed`, the kernel's tile layout
+(`tile_shapes`, `tile_bytes`, `tile_major`, `pad_columns`, `ZERO_CODE`, `UNIT_SCALE`),
+`formats_of` (the scheme of each group of a params dict) and `schemes_of` (the scheme of
+each weight name). Not here: reading quantised Hugging Face checkpoints
+(`mk.checkpoint`), the ring that streams packed tiles (`mk.kernels.ring`), splitting
+them for tensor parallelism (`mk.shards`).
 
 Which weights. The three format groups of `mk.weights.FORMAT_GROUPS` ("dense": attention's
 projections and the dense and shared-expert SwiGLUs; "experts"; "lm_head", an untied model
@@ -319,25 +321,19 @@ def quantize_weight(w, scheme: str, name: str = "weight") -> QuantWeight:
 
 
 def unstreamed(config: ModelConfig, names) -> tuple[str, ...]:
-    """The weights of `names` (those stored quantised) that `config` has and the
-    megakernel does not stream as ring tiles (`mk.weights` path other than "ring"): the
-    ring dequantises packed tiles; a weight its kernel DMAs whole (MLA's wq under a q low
-    rank, Kimi K3's) is multiplied plain, so it cannot be stored packed."""
-    names = set(names)
-    return tuple(w.name for w in weights_of(config)
-                 if w.name in names and w.path_of(config) != "ring")
+    """The weights of `names` (stored quantised) that `config` has and the megakernel does
+    not stream as ring tiles (path not "ring": MLA's wq under a q low rank, Kimi K3's, is
+    DMA'd whole and multiplied plain), so they cannot be stored packed."""
+    return tuple(f"{w.name} ({w.kind}, path {w.path_of(config)!r})" for w in
+                 weights_of(config) if w.name in set(names) and w.path_of(config) != "ring")
 
 
 def check_streamed(config: ModelConfig, names) -> None:
     """Raise NotImplementedError naming the `unstreamed` weights of `names`, if any."""
-    whole = [f"{w.name} ({w.kind}, path {w.path_of(config)!r})" for w in weights_of(config)
-             if w.name in unstreamed(config, names)]
-    if whole:
-        raise NotImplementedError(f"{config.name}: {', '.join(whole)} would be stored "
-                                  "quantised, but the megakernel moves "
-                                  f"{'it' if len(whole) == 1 else 'them'} whole, not as ring "
-                                  "tiles it dequantises (mk.quant.unstreamed); keep the "
-                                  "group plain")
+    if unstreamed(config, names):
+        raise NotImplementedError(f"{config.name}: {', '.join(unstreamed(config, names))} "
+                                  "would be stored quantised, but the megakernel moves it "
+                                  "whole, not as ring tiles it dequantises; keep it plain")
 
 
 def check_quantisable(config: ModelConfig, formats) -> dict[str, str]:
@@ -427,26 +423,6 @@ def tile_major(q: QuantWeight, tile_rows: int, tile_cols: int) -> QuantWeight:
 # e8m0 code 127): what padding holds, so a padded value dequantises to zero.
 ZERO_CODE = {"int8": 0, "fp8": 0, "int4": 8, "fp4": 0}
 UNIT_SCALE = {"int8": 1, "fp8": 1, "int4": 1, "fp4": E8M0_BIAS}
-
-
-def scale_block(scheme: str) -> tuple[int | None, int]:
-    """(rows of I, columns of O) of the values sharing one scale of `scheme` (None: all of
-    I, int8's per-channel scale)."""
-    return {"int8": (None, 1), "fp8": (GROUP["fp8"], GROUP["fp8"]),
-            "int4": (GROUP["int4"], 1), "fp4": (GROUP["fp4"], 1)}[scheme]
-
-
-def codes_of(q: QuantWeight) -> jax.Array:
-    """`q`'s element codes [..., I, O], one per value (int4/fp4 unpacked, int32)."""
-    return unpack_nibbles(q.data) if q.scheme in ("int4", "fp4") else q.data
-
-
-def from_codes(scheme: str, codes: jax.Array, scale: jax.Array) -> QuantWeight:
-    """Element codes [..., I, O] (`codes_of`'s) and their scales -> the `QuantWeight`
-    (int4/fp4 packed two a byte, in the module docstring's nibble order)."""
-    if scheme in ("int4", "fp4"):
-        return QuantWeight(pack_nibbles(codes), scale, scheme)
-    return QuantWeight(codes.astype(STORED[scheme][0]), scale, scheme)
 
 
 def pad_columns(q: QuantWeight, columns: int) -> QuantWeight:

@@ -4,8 +4,17 @@ params -> each device's, stacked on a leading [tp] axis) by each weight's split 
 linear layer's conv channels, q | k | v, split by heads: its weights' and its conv
 state's rule). Which device holds which heads and the padding to whole tiles are
 `mk.kernels.plan`'s (`kv_heads_of`, `shard_config`). `mk.megakernel.prepare` calls
-`shard_params` for a plan with tp > 1. Not here: the caches' split
-(`mk.tensor_parallel.shard_cache`), the sharded step.
+`shard_params` for a plan with tp > 1.
+
+Quantised weights (`mk.quant.QuantWeight`) split by the same rule: `split_index` applies
+the rule to the indices of the cut axis, and each device gets those values' codes and
+scale blocks, packed again (padding: zero codes under unit scales), so that dequantising
+a device's shard gives exactly the shard of the dequantised weight. A split is refused
+(`check_quantised_splits`, which the plan runs before anything is traced) where a device's
+share is not whole packing units (int4/fp4: 128 rows) and scale blocks, or where one of
+its blocks would hold values of two of the full weight's scale blocks.
+
+Not here: the caches' split (`mk.tensor_parallel.shard_cache`), the sharded step.
 """
 
 from __future__ import annotations
@@ -67,6 +76,13 @@ _SPLIT = {
 }
 
 
+# (rows of I, columns of O) sharing one scale of each scheme (None: all of I, int8's
+# per-channel scale): `mk.quant`'s layouts.
+_SCALE_BLOCK = {"int8": (None, 1), "fp8": (quant.GROUP["fp8"], quant.GROUP["fp8"]),
+                "int4": (quant.GROUP["int4"], 1), "fp4": (quant.GROUP["fp4"], 1)}
+_NIBBLES = ("int4", "fp4")  # two codes a byte
+
+
 def split_index(config: ModelConfig, split: str, n: int, tp: int) -> np.ndarray:
     """Which of a weight's `n` rows (columns) along `split`'s axis each device holds:
     int [tp, n_local], -1 where the device holds padding. The split's own function applied
@@ -85,8 +101,8 @@ def _scale_sources(name: str, split: str, scheme: str, index: np.ndarray, axis: 
     along `axis` (int8's per-channel scale, rows); raises ValueError where a device's
     share is not whole blocks (scale blocks, or int4/fp4's 128-row packing units) or one
     of its blocks would mix values of two scale blocks of the full weight."""
-    block = quant.scale_block(scheme)[axis]
-    packed = scheme in ("int4", "fp4") and axis == -2
+    block = _SCALE_BLOCK[scheme][axis]
+    packed = scheme in _NIBBLES and axis == -2
     unit = math.lcm(block or 1, quant.PACK_ROWS if packed else 1)
     what = "rows" if axis == -2 else "columns"
     n = index.shape[1]
@@ -105,12 +121,23 @@ def _scale_sources(name: str, split: str, scheme: str, index: np.ndarray, axis: 
         device, k = map(int, mixed[0])
         held = sorted(set(source[device, k][source[device, k] >= 0].tolist()))
         raise ValueError(f"{name} ({scheme}): its {split} split at tp={tp} cuts a scale "
-                         f"block of {block} {what}: device {device}'s {what} "
+                         f"block of {block} {what}: device {device}'s local {what} "
                          f"[{k * block}, {(k + 1) * block}) hold values of the full "
                          f"weight's blocks {held}, which have different scales (shard "
                          f"it in plain weights, or choose a tp or a scheme whose blocks "
                          "the split keeps whole)")
     return first
+
+
+def _codes(q: quant.QuantWeight) -> jax.Array:
+    """`q`'s element codes [..., I, O], one per value (int4/fp4 unpacked)."""
+    return quant.unpack_nibbles(q.data) if q.scheme in _NIBBLES else q.data
+
+
+def _from_codes(scheme: str, codes, scale) -> quant.QuantWeight:
+    data = (quant.pack_nibbles(codes) if scheme in _NIBBLES
+            else codes.astype(quant.STORED[scheme][0]))
+    return quant.QuantWeight(data, scale, scheme)
 
 
 def _split_quantised(config: ModelConfig, name: str, split: str, q: quant.QuantWeight,
@@ -125,7 +152,7 @@ def _split_quantised(config: ModelConfig, name: str, split: str, q: quant.QuantW
     axis = _SPLIT[split][0]
     index = split_index(config, split, q.shape[axis], tp)
     sources = _scale_sources(name, split, q.scheme, index, axis, tp)
-    codes, shards = quant.codes_of(q), []
+    codes, shards = _codes(q), []
     for device in range(tp):
         held = index[device]
         kept = jnp.take(codes, jnp.asarray(np.maximum(held, 0)), axis=axis)
@@ -138,7 +165,7 @@ def _split_quantised(config: ModelConfig, name: str, split: str, q: quant.QuantW
             smask = (src >= 0).reshape((-1, 1) if axis == -2 else (-1,))
             scale = jnp.where(smask, scale,
                               jnp.asarray(quant.UNIT_SCALE[q.scheme], scale.dtype))
-        shards.append(quant.from_codes(q.scheme, kept, scale))
+        shards.append(_from_codes(q.scheme, kept, scale))
     return jax.tree.map(lambda *a: jnp.stack(a), *shards)
 
 
@@ -164,11 +191,10 @@ def shard_params(config: ModelConfig, params, tp: int) -> dict:
     check_quantised_splits(config, quant.formats_of(params), tp)  # every problem first
     split = {}
     for w in weights_of(config):
-        p = params[w.name]
-        if isinstance(p, quant.QuantWeight):
-            split[w.name] = _split_quantised(config, w.name, w.split, p, tp)
+        if isinstance(params.get(w.name), quant.QuantWeight):
+            split[w.name] = _split_quantised(config, w.name, w.split, params[w.name], tp)
         elif w.split != "whole":
-            split[w.name] = _SPLIT[w.split][1](config, p, tp)
+            split[w.name] = _SPLIT[w.split][1](config, params[w.name], tp)
     if config.tie_embeddings:
         split["lm_head"] = _SPLIT["vocab"][1](config, params["embed"].T, tp)
     whole = {k: v for k, v in params.items() if k not in split}
