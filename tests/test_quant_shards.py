@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import mk
-from mk import backend, perf, quant, reference, sim
+from mk import backend, perf, quant, reference, sim, tpu
 from mk import tensor_parallel as tpar
 from mk.kernels.plan import DecodePlan
 from mk.shards import check_quantised_splits, shard_params
@@ -110,6 +110,29 @@ def test_the_headline_shards_split_whole(name, tp, formats):
     plan = DecodePlan.make(mk.preset(name), tp=tp, batch=1, context=4096, formats=formats,
                            kernel=True)
     assert set(plan.stream.schemes) == set(formats.values())
+
+
+@pytest.mark.parametrize("formats", [dict(dense="fp8", lm_head="int4"),
+                                     dict(dense="int8", lm_head="fp4")])
+def test_the_27bs_tp8_shard_compiles_for_tpu7x_with_its_weights_packed(formats):
+    """Qwen3.5-27B (48 DeltaNet layers, plain; its gated attention and FFN quantised) at
+    TP8 on 4 TPU7x chips, ahead of time (~10 s). A 256-slot ring: the default sizes every
+    ring (plain and each scheme's) by the smallest packed tile, 876 slots of 128 x 128
+    tiles, 71 MiB of VMEM (issue 34's ring sizing and tile size for packed formats). An
+    fp8 lm_head is refused: 248320 / 8 = 31040 vocab columns a device are not whole
+    128-column scale blocks."""
+    config = mk.preset("qwen3.5-27b")
+    default = DecodePlan.make(config, tp=8, batch=8, context=4096, chip="tpu7x",
+                              formats=formats)
+    block = dataclasses.replace(default.block, slots=256)
+    report = tpu.compile_megakernel(config, "tpu7x", tp=8, topology="tpu7x:2x2x1", batch=8,
+                                    context=4096, formats=formats, block=block)
+    assert report.ok, report.error
+    assert 0 < report.vmem.total_bytes < report.vmem.limit_bytes
+    assert {f"ring_{s}" for s in formats.values()} <= {b.name for b in report.vmem.buffers}
+    with pytest.raises(ValueError, match=r"lm_head \(fp8\): its vocab split at tp=8 gives "
+                                         r"each device 31040 columns, not a multiple of 128"):
+        DecodePlan.make(config, tp=8, batch=8, context=4096, formats=dict(lm_head="fp8"))
 
 
 # -- Greedy tokens at tp 2 (subprocesses with virtual devices) ----------------------------
