@@ -39,14 +39,26 @@ def _quantised(config, scheme: str) -> tuple[dict, dict]:
     return params, quant.quantize(config, params, **groups)
 
 
-@pytest.mark.parametrize("name, tp", [("tiny-moe", 2), ("tiny-moe", 4), ("tiny", 2)])
+def _model(name: str, tp: int):
+    """A preset, or tests/test_tensor_parallel.py's hybrid / Kimi model for tp (Kimi's wq
+    streamed: no q low rank, so its "dense" group quantises)."""
+    if name == "hybrid":
+        return tp_hybrid_config(tp)
+    if name == "kimi":
+        return dataclasses.replace(tp_kimi_config(tp), q_rank=0)
+    return mk.preset(name)
+
+
+@pytest.mark.parametrize("name, tp", [("tiny-moe", 2), ("tiny-moe", 4), ("tiny", 2),
+                                      ("hybrid", 2), ("kimi", 4)])
 @pytest.mark.parametrize("scheme", quant.SCHEMES)
 def test_a_quantised_shard_dequantises_to_the_shard_of_the_dequantised_weight(
         name, tp, scheme):
-    """Every split rule of the model (columns, rows, kv heads, the experts' and the FFN's
-    columns and rows padded to whole tiles: tiny-moe's 128 expert columns are 64 a device
-    at tp 2, 32 at tp 4), every scheme: exact."""
-    config = mk.preset(name)
+    """Every split rule the models' quantised weights have (columns, rows, kv heads
+    replicated at tp > K, vocab, the experts' and FFN's columns and rows padded to whole
+    tiles: tiny-moe's 128 expert columns are 64 a device at tp 2, 32 at tp 4; a hybrid's
+    gated attention, Kimi's MLA and shared expert), every scheme: exact."""
+    config = _model(name, tp)
     _, q = _quantised(config, scheme)
     shards = shard_params(config, q, tp)
     got = quant.dequantize(shards, F32)
