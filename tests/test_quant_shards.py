@@ -5,11 +5,13 @@ packed tiles.
 Here: the identity a device's quantised shard must keep (its dequantised values are the
 shard of the dequantised weight, exactly, for every scheme, every split rule the tiny
 models have, padding included); the clear error where a split would cut a scale block
-(before tracing: the plan refuses it); greedy tokens of the megakernel at tp 2 on
-quantised params against the reference on their dequantised values (subprocesses with
-virtual devices, tests/multidevice.py, race detector on, a planted race guarding its
-silence); the bytes a tp 2 step of packed tiles moves, counted from the kernel's own
-DMAs, against the plan, the simulator and mk.perf (tests/test_plan.py's `counted`).
+(before tracing: the plan refuses it); ahead-of-time compiles of the 27B's TP8 shard
+with packed weights; greedy tokens of the megakernel at tp 2 (CI) and 4 on quantised
+params of a Qwen3-MoE, a Qwen3.5 hybrid and a Kimi Linear model against the reference on
+their dequantised values (subprocesses with virtual devices, tests/multidevice.py, race
+detector on, a planted race guarding its silence); the bytes a tp 2 step of packed
+tiles moves, counted from the kernel's own DMAs, against the plan, the simulator and
+mk.perf (tests/test_plan.py's `counted`).
 """
 
 import dataclasses
@@ -31,12 +33,11 @@ from test_tensor_parallel import tp_hybrid_config, tp_kimi_config
 F32 = jnp.float32
 
 
-def _quantised(config, scheme: str) -> tuple[dict, dict]:
-    """(params, params with every format group `config` has in `scheme`)."""
-    params = mk.init_params(config, seed=1)
+def _quantised(config, scheme: str) -> dict:
+    """`config`'s params with every format group it has in `scheme`."""
     groups = dict(dense=scheme) | (dict(experts=scheme) if config.experts else {}) | (
         {} if config.tie_embeddings else dict(lm_head=scheme))
-    return params, quant.quantize(config, params, **groups)
+    return quant.quantize(config, mk.init_params(config, seed=1), **groups)
 
 
 def _model(name: str, tp: int):
@@ -59,7 +60,7 @@ def test_a_quantised_shard_dequantises_to_the_shard_of_the_dequantised_weight(
     tiles: tiny-moe's 128 expert columns are 64 a device at tp 2, 32 at tp 4; a hybrid's
     gated attention, Kimi's MLA and shared expert), every scheme: exact."""
     config = _model(name, tp)
-    _, q = _quantised(config, scheme)
+    q = _quantised(config, scheme)
     shards = shard_params(config, q, tp)
     got = quant.dequantize(shards, F32)
     want = shard_params(config, quant.dequantize(q, F32), tp)
@@ -69,14 +70,15 @@ def test_a_quantised_shard_dequantises_to_the_shard_of_the_dequantised_weight(
         np.testing.assert_array_equal(np.asarray(got[n]), np.asarray(want[n]), n)
 
 
-def test_a_shards_padding_is_zero_values_and_its_blocks_its_own():
-    """tiny-moe's expert columns at tp 2: each device's 64 columns and 64 of padding; the
-    padding dequantises to zero (its codes the scheme's zero) and device 1's data are the
-    second half of the full weight's codes (a control that the split moved them)."""
+def test_a_shards_padding_is_zero_values_and_its_rows_the_full_weights():
+    """tiny-moe's we_down at tp 2 in int4: each device's 64 of the 128 expert rows and 64
+    rows of padding, repacked (a 128-row packing unit: the padding fills the high
+    nibbles); the padding dequantises to zero and device 1's rows are the full weight's
+    second half (a control that the split moved them)."""
     config = mk.preset("tiny-moe")
-    _, q = _quantised(config, "int4")
+    q = _quantised(config, "int4")
     shards = shard_params(config, q, 2)
-    values = np.asarray(quant.dequantize(shards, F32)["we_down"])  # rows split: [2, Lm, E, 128, D]
+    values = np.asarray(quant.dequantize(shards, F32)["we_down"])  # [2, Lm, E, 128, D]
     assert not values[:, :, :, 64:].any()
     full = np.asarray(quant.dequantize(q, F32)["we_down"])
     np.testing.assert_array_equal(values[1, :, :, :64], full[:, :, 64:])
@@ -84,8 +86,8 @@ def test_a_shards_padding_is_zero_values_and_its_blocks_its_own():
 
 
 @pytest.mark.parametrize("name, tp, formats, match", [
-    # 768 expert columns at tp 4: 192 a device, padded to 256: device 1's second block of
-    # 128 holds columns 320..383 and 128..191's neighbour block: two fp8 scale blocks
+    # 768 expert columns at tp 4: 192 a device, padded to 256; device 1's first block of
+    # 128 holds columns 192..319, of the full weight's fp8 blocks 1 and 2
     ("qwen3-30b-a3b", 4, dict(experts="fp8"),
      r"we_gate \(fp8\): its ffn_columns split at tp=4 cuts a scale block of 128 columns"),
     ("qwen3-30b-a3b", 8, dict(experts="int4"),
@@ -102,8 +104,8 @@ def test_a_split_that_cuts_a_scale_block_is_refused_by_name_before_tracing(
 
 
 def test_a_split_leaving_part_of_a_block_is_refused_with_the_block_size():
-    """wo's rows at tp 4 of a model of 2 heads of 128 a device... cut to 64-row halves:
-    int4 packs and scales 128 rows, so a 64-row share is refused naming 128."""
+    """wo's 256 rows (4 heads of 64) at tp 4: 64 rows a device; int4 packs and scales
+    128 rows, so the share is refused naming 128; int8 (per channel) takes any rows."""
     config = dataclasses.replace(mk.preset("tiny"), heads=4, kv_heads=4, head_dim=64,
                                  name="tiny-h64")
     with pytest.raises(ValueError, match=r"wo \(int4\): its rows split at tp=4 gives each "
@@ -148,17 +150,17 @@ def test_the_27bs_tp8_shard_compiles_for_tpu7x_with_its_weights_packed(formats):
 
 
 # -- Greedy tokens at tp 2 (subprocesses with virtual devices) ----------------------------
-STEPS = 6
+STEPS, FULL_STEPS = 6, 32  # CI's runs; the issue's check (`make test-slow`)
 
 
-def _tokens(config, groups: dict, tp: int) -> dict:
+def _tokens(config, groups: dict, tp: int, steps: int = STEPS) -> dict:
     """Reference greedy tokens on the dequantised params against the megakernel at tp on
     the quantised ones (race detector on), then the planted race."""
     params = quant.quantize(config, mk.init_params(config, seed=tp), **groups)
     prompt = jax.random.randint(jax.random.key(tp), (2, 5), 0, config.vocab)
-    want = reference.generate(config, quant.dequantize(params), prompt, STEPS)
+    want = reference.generate(config, quant.dequantize(params), prompt, steps)
     with backend.use("interpret", detect_races=True):
-        got = tpar.generate(config, params, prompt, STEPS, tp=tp, steps_per_call=STEPS)
+        got = tpar.generate(config, params, prompt, steps, tp=tp, steps_per_call=steps)
         jax.block_until_ready(got)
         races = backend.races_found()
     return dict(want=want, got=got, races=races, planted_caught=planted_race_caught(tp))
@@ -198,6 +200,33 @@ def kimi_fp4(tp):
     return _tokens(config, dict(experts="fp4", dense="int4", lm_head="fp8"), tp)
 
 
+# The issue's check, 32 tokens: each scheme in the experts (tiny-moe, Kimi) and in the dense
+# group (all three models) at tp 2 or 4, an lm_head in each.
+FULL = {("moe", 2): dict(experts="int8", dense="fp8", lm_head="fp4"),
+        ("moe", 4): dict(experts="int4", dense="fp4", lm_head="int8"),
+        ("hybrid", 2): dict(dense="int4", lm_head="fp8"),
+        ("hybrid", 4): dict(dense="fp8", lm_head="int4"),
+        ("kimi", 2): dict(experts="fp8", dense="int8", lm_head="fp4"),
+        ("kimi", 4): dict(experts="fp4", dense="int4", lm_head="int8")}
+
+
+def _full(name: str, tp: int) -> dict:
+    config = _tiny_moe() if name == "moe" else _model(name, tp)
+    return _tokens(config, FULL[name, tp], tp, FULL_STEPS)
+
+
+def moe_full(tp):
+    return _full("moe", tp)
+
+
+def hybrid_full(tp):
+    return _full("hybrid", tp)
+
+
+def kimi_full(tp):
+    return _full("kimi", tp)
+
+
 # CPU seconds at tp 2 (one subprocess each, compile included): ~30-40. CI runs tiny-moe
 # (fp4 experts, int8 dense), the hybrid and Kimi; `make test-slow` the other schemes and tp 4.
 @pytest.mark.parametrize("target, tp", [
@@ -207,7 +236,8 @@ def kimi_fp4(tp):
     pytest.param("moe_int4", 2, marks=pytest.mark.slow),
     pytest.param("moe_fp4", 4, marks=pytest.mark.slow),
     pytest.param("hybrid_int8", 4, marks=pytest.mark.slow),
-    pytest.param("kimi_fp4", 4, marks=pytest.mark.slow)])
+    pytest.param("kimi_fp4", 4, marks=pytest.mark.slow),
+    *(pytest.param(f"{name}_full", tp, marks=pytest.mark.slow) for name, tp in FULL)])
 def test_quantised_greedy_tokens_at_tp_equal_the_reference_race_free(target, tp):
     out = run(f"test_quant_shards:{target}", tp)
     assert out["got"].shape == (tp, *out["want"].shape)
