@@ -25,7 +25,6 @@ from safetensors import SafetensorError, safe_open
 from mk import quant
 from mk.config import ModelConfig, check_seed
 from mk.errors import shown
-from mk.kinds.layers import packs
 from mk.weights import FORMAT_GROUPS, hf_names, hf_scheme, layer_rows, param_shapes, weights_of
 
 
@@ -150,6 +149,8 @@ def load_checkpoint(path: str | Path, *, dtype: str | None = None
     layout = hf_layout(config, "model.language_model." if full_qwen3_5 else "model.")
     layout = quantised_layout(config, quant_format(folder, hf, config), layout,
                               _header_dtypes(folder))
+    quant.check_streamed(config, {param for param, _, how in layout.values()
+                                  if how in ("fp8", "mxfp4_blocks")})
     shapes = param_shapes(config)
     shapes["wq+wq_gate"] = shapes["wq"]  # the q_proj of a gated model fills wq and wq_gate
     if "we_gate" in shapes:  # gpt-oss's fused gate_up fills we_gate and we_up
@@ -213,10 +214,6 @@ def quant_format(folder, hf: dict, config: ModelConfig) -> str | None:
     if method not in QUANT_FORMATS:
         raise NotImplementedError(f"{folder}: quantization_config.quant_method="
                                   f"{shown(method)} is not read; mk reads {QUANT_FORMATS}")
-    if not packs(config):
-        raise NotImplementedError(f"{folder}: a quantised hybrid checkpoint is not read (a "
-                                  "layer kind that streams no packed tiles: "
-                                  "mk.kinds.layers.packs)")
     if method == "fp8":
         block, fmt = qc.get("weight_block_size"), qc.get("fmt", "e4m3")
         if block != [128, 128] or fmt != "e4m3":

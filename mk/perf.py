@@ -36,8 +36,8 @@ Assumptions, each stated where it is used:
 - Weight storage: config.dtype, but the format groups of `formats` (the one precision
   knob: {"dense" | "experts" | "lm_head": an mk.quant scheme}, default the config's own,
   e.g. kimi-k3's FP4 experts) at their packed bytes plus scales per tile
-  (`mk.quant.tile_bytes`: FP4 0.5 + 1/32 bytes a value), at any tp (the kernel packs them
-  at tp = 1 only: `mk.kernels.plan.packed_formats`); the embedding, router, norms and KV
+  (`mk.quant.tile_bytes`: FP4 0.5 + 1/32 bytes a value), at any tp (as the kernel packs them
+  on every shard: `mk.kernels.plan.packed_formats`); the embedding, router, norms and KV
   cache stay in theirs. Formats change bytes only; which peak bounds the matmuls is
   `compute` ("fp8" = a kernel that feeds 8- or 4-bit weights to the MXU at its fp8/int8
   rate, "bf16" = one that dequantises to bf16 first).

@@ -8,10 +8,12 @@ element decoders a kernel calls on one streamed tile (`unpack_nibbles`, `e4m3_va
 `e2m1_values`, `dequantize_tile`), `check_error` (every group's error against its scale's
 bound), `accuracy` (a quantised model's logits and greedy tokens against the bf16 model's)
 and `storage_bytes` / `group_bytes` / `stored_bytes` (packed bytes plus scales; a model's
-own `formats` by default), `check_quantisable`, the kernel's tile layout
-(`tile_shapes`, `tile_bytes`, `tile_major`, `pad_columns`), `formats_of` (the scheme of
-each group of a params dict) and `schemes_of` (the scheme of each weight name). Not here:
-reading quantised Hugging Face checkpoints (`mk.checkpoint`), the ring that streams packed tiles (`mk.kernels.ring`).
+own `formats` by default), `check_quantisable` / `unstreamed`, the kernel's tile layout
+(`tile_shapes`, `tile_bytes`, `tile_major`, `pad_columns`, `ZERO_CODE`, `UNIT_SCALE`),
+`formats_of` (the scheme of each group of a params dict) and `schemes_of` (the scheme of
+each weight name). Not here: reading quantised Hugging Face checkpoints
+(`mk.checkpoint`), the ring that streams packed tiles (`mk.kernels.ring`), splitting
+them for tensor parallelism (`mk.shards`).
 
 Which weights. The three format groups of `mk.weights.FORMAT_GROUPS` ("dense": attention's
 projections and the dense and shared-expert SwiGLUs; "experts"; "lm_head", an untied model
@@ -19,7 +21,9 @@ only), each with one scheme or None (stays `config.dtype`): a `formats` dict, th
 precision knob (`mk.config.check_formats`; a `ModelConfig`'s own `formats` are its
 default, e.g. kimi-k3's FP4 experts). The embedding (B*T rows
 gathered per step), the router (small, and its top-k flips on a small error), norms and
-biases stay in `config.dtype`. Hybrid (linear-attention) models are not quantised.
+biases stay in `config.dtype`, and so do the linear-attention kinds' weights (in no group),
+so a hybrid's groups quantise as any model's; a group holding a weight the megakernel
+moves whole (not as ring tiles) is refused (`check_streamed`).
 
 Layouts. A weight is [..., I, O] (mk's [in, out], leading stacked axes; I is the
 contraction axis). Every scheme groups values along I so a tile of whole groups along I
@@ -316,18 +320,31 @@ def quantize_weight(w, scheme: str, name: str = "weight") -> QuantWeight:
     return QuantWeight(pack_nibbles(q), jnp.asarray(code), scheme)
 
 
+def unstreamed(config: ModelConfig, names) -> tuple[str, ...]:
+    """The weights of `names` (stored quantised) that `config` has and the megakernel does
+    not stream as ring tiles (path not "ring": MLA's wq under a q low rank, Kimi K3's, is
+    DMA'd whole and multiplied plain), so they cannot be stored packed."""
+    return tuple(f"{w.name} ({w.kind}, path {w.path_of(config)!r})" for w in
+                 weights_of(config) if w.name in set(names) and w.path_of(config) != "ring")
+
+
+def check_streamed(config: ModelConfig, names) -> None:
+    """Raise NotImplementedError naming the `unstreamed` weights of `names`, if any."""
+    if unstreamed(config, names):
+        raise NotImplementedError(f"{config.name}: {', '.join(unstreamed(config, names))} "
+                                  "would be stored quantised, but the megakernel moves it "
+                                  "whole, not as ring tiles it dequantises; keep it plain")
+
+
 def check_quantisable(config: ModelConfig, formats) -> dict[str, str]:
     """`formats` checked (`mk.config.check_formats`) and quantisable here -> {group:
-    scheme}: mk.quant does not quantise a hybrid (linear-attention) model's weights, so
-    neither `quantize` nor the megakernel's plan takes formats for one (the byte model
-    charges them: `mk.kernels.plan.DecodePlan.make(kernel=False)`)."""
-    from mk.kinds.layers import packs  # here: the kinds' kernels import mk.quant
-
+    scheme}: every weight of the chosen groups is streamed through the ring
+    (`check_streamed`), so neither `quantize` nor the megakernel's plan takes formats
+    that would quantise another (the byte model charges them:
+    `mk.kernels.plan.DecodePlan.make(kernel=False)`). A model's linear-attention weights
+    are in no format group: a hybrid's dense, expert and lm_head groups quantise."""
     chosen = check_formats(config, formats)
-    if chosen and not packs(config):
-        raise NotImplementedError(f"{config.name}: formats={chosen}: mk.quant does not "
-                                  "quantise hybrid (linear-attention) models (a layer kind "
-                                  "that streams no packed tiles: mk.kinds.layers.packs)")
+    check_streamed(config, schemes_of(chosen))
     return chosen
 
 
@@ -402,11 +419,17 @@ def tile_major(q: QuantWeight, tile_rows: int, tile_cols: int) -> QuantWeight:
     return QuantWeight(data, scale.reshape(*lead, rows * cols, r, c), q.scheme)
 
 
+# Each scheme's code of the value zero (int4: offset binary) and its scale of one (fp4:
+# e8m0 code 127): what padding holds, so a padded value dequantises to zero.
+ZERO_CODE = {"int8": 0, "fp8": 0, "int4": 8, "fp4": 0}
+UNIT_SCALE = {"int8": 1, "fp8": 1, "int4": 1, "fp4": E8M0_BIAS}
+
+
 def pad_columns(q: QuantWeight, columns: int) -> QuantWeight:
-    """`q` (mk.quant's layout) with `columns` more output columns of value zero (code 0;
-    int4's zero is code 8 in both nibbles) and scale 1 (e8m0 code 127)."""
-    data_zero = {"int4": 0x88}.get(q.scheme, 0)
-    scale_one = E8M0_BIAS if q.scheme == "fp4" else 1
+    """`q` (mk.quant's layout) with `columns` more output columns of value zero
+    (`ZERO_CODE`, in both nibbles of a packed byte) and scale one (`UNIT_SCALE`)."""
+    data_zero = ZERO_CODE[q.scheme] * (17 if q.scheme == "int4" else 1)
+    scale_one = UNIT_SCALE[q.scheme]
     cols = columns // GROUP["fp8"] if q.scheme == "fp8" else columns
     if q.scheme == "fp8" and columns % GROUP["fp8"]:
         raise ValueError(f"columns={columns}: fp8 pads whole 128-column blocks")

@@ -5,11 +5,24 @@ rule in `mk.weights` (`mk.weights.SPLITS`; `_SPLIT` applies them), `shard_cache`
 `split_channels` (a linear layer's conv channels, q | k | v, split by heads: its weights'
 and its conv state's rule). Which device holds which heads and the padding to whole tiles
 are `mk.kernels.plan`'s (`kv_heads_of`, `shard_config`). `mk.megakernel.prepare` calls
-`shard_params` for a plan with tp > 1. Not here: the sharded step (`mk.tensor_parallel`).
+`shard_params` for a plan with tp > 1.
+
+Quantised weights (`mk.quant.QuantWeight`) split by the same rule: `split_index` applies
+the rule to the indices of the cut axis, and each device gets those values' codes and
+scale blocks, packed again (padding: zero codes under unit scales), so that dequantising
+a device's shard gives exactly the shard of the dequantised weight. A split is refused
+(`check_quantised_splits`, which the plan runs before anything is traced) where a device's
+share is not whole packing units (int4/fp4: 128 rows) and scale blocks, or where one of
+its blocks would hold values of two of the full weight's scale blocks.
+
+Not here: the sharded step (`mk.tensor_parallel`).
 """
 
 from __future__ import annotations
 
+import math
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -52,32 +65,140 @@ def split_channels(config: ModelConfig, w, tp: int):
     return jnp.concatenate(parts, axis=-1)
 
 
-# How each split rule of `mk.weights.SPLITS` lays one weight out over tp devices.
+# How each split rule of `mk.weights.SPLITS` lays one weight out over tp devices: the axis
+# it cuts (-1 columns, -2 rows) and the function doing it.
 _SPLIT = {
-    "columns": lambda config, w, tp: _columns(w, tp),
-    "vocab": lambda config, w, tp: _columns(w, tp),
-    "rows": lambda config, w, tp: _rows(w, tp),
-    "kv_heads": _kv_columns,
-    "channels": split_channels,
-    "ffn_columns": lambda config, w, tp: _columns(w, tp, pad=tp > 1),
-    "ffn_rows": lambda config, w, tp: _rows(w, tp, pad=tp > 1),
+    "columns": (-1, lambda config, w, tp: _columns(w, tp)),
+    "vocab": (-1, lambda config, w, tp: _columns(w, tp)),
+    "rows": (-2, lambda config, w, tp: _rows(w, tp)),
+    "kv_heads": (-1, _kv_columns),
+    "channels": (-1, split_channels),
+    "ffn_columns": (-1, lambda config, w, tp: _columns(w, tp, pad=tp > 1)),
+    "ffn_rows": (-2, lambda config, w, tp: _rows(w, tp, pad=tp > 1)),
 }
+
+
+# (rows of I, columns of O) sharing one scale of each scheme (None: all of I, int8's
+# per-channel scale): `mk.quant`'s layouts.
+_SCALE_BLOCK = {"int8": (None, 1), "fp8": (quant.GROUP["fp8"], quant.GROUP["fp8"]),
+                "int4": (quant.GROUP["int4"], 1), "fp4": (quant.GROUP["fp4"], 1)}
+_NIBBLES = ("int4", "fp4")  # two codes a byte
+
+
+def split_index(config: ModelConfig, split: str, n: int, tp: int) -> np.ndarray:
+    """Which of a weight's `n` rows (columns) along `split`'s axis each device holds:
+    int [tp, n_local], -1 where the device holds padding. The split's own function applied
+    to the indices, so a quantised weight is cut exactly as its plain one."""
+    axis, cut = _SPLIT[split]
+    probe = np.arange(1, n + 1, dtype=np.int32).reshape((n, 1) if axis == -2 else (1, n))
+    with jax.ensure_compile_time_eval():  # static even inside a trace (mk.tpu's eval_shape)
+        held = np.asarray(cut(config, jnp.asarray(probe), tp))
+    return held.reshape(tp, -1) - 1
+
+
+def _scale_sources(name: str, split: str, scheme: str, index: np.ndarray, axis: int,
+                   tp: int) -> np.ndarray | None:
+    """Each device's scale blocks along `axis` -> the full weight's block each one copies
+    (int [tp, n_local / block], -1 for padding only), or None when the scales are not cut
+    along `axis` (int8's per-channel scale, rows); raises ValueError where a device's
+    share is not whole blocks (scale blocks, or int4/fp4's 128-row packing units) or one
+    of its blocks would mix values of two scale blocks of the full weight."""
+    block = _SCALE_BLOCK[scheme][axis]
+    packed = scheme in _NIBBLES and axis == -2
+    unit = math.lcm(block or 1, quant.PACK_ROWS if packed else 1)
+    what = "rows" if axis == -2 else "columns"
+    n = index.shape[1]
+    if n % unit:
+        raise ValueError(f"{name} ({scheme}): its {split} split at tp={tp} gives each "
+                         f"device {n} {what}, not a multiple of {unit} ({scheme} "
+                         f"{'packs and ' if packed else ''}scales whole blocks of {unit} "
+                         f"{what})")
+    if block is None:
+        return None
+    groups = index.reshape(tp, n // block, block)
+    source = np.where(groups >= 0, groups // block, -1)
+    first = source.max(axis=-1)
+    mixed = np.argwhere(((source != first[..., None]) & (source >= 0)).any(-1))
+    if len(mixed):
+        device, k = map(int, mixed[0])
+        held = sorted(set(source[device, k][source[device, k] >= 0].tolist()))
+        raise ValueError(f"{name} ({scheme}): its {split} split at tp={tp} cuts a scale "
+                         f"block of {block} {what}: device {device}'s local {what} "
+                         f"[{k * block}, {(k + 1) * block}) hold values of the full "
+                         f"weight's blocks {held}, which have different scales (shard "
+                         f"it in plain weights, or choose a tp or a scheme whose blocks "
+                         "the split keeps whole)")
+    return first
+
+
+def _codes(q: quant.QuantWeight) -> jax.Array:
+    """`q`'s element codes [..., I, O], one per value (int4/fp4 unpacked)."""
+    return quant.unpack_nibbles(q.data) if q.scheme in _NIBBLES else q.data
+
+
+def _from_codes(scheme: str, codes, scale) -> quant.QuantWeight:
+    data = (quant.pack_nibbles(codes) if scheme in _NIBBLES
+            else codes.astype(quant.STORED[scheme][0]))
+    return quant.QuantWeight(data, scale, scheme)
+
+
+def _split_quantised(config: ModelConfig, name: str, split: str, q: quant.QuantWeight,
+                     tp: int) -> quant.QuantWeight:
+    """A `QuantWeight` cut by `split` as its plain weight would be: each device's element
+    codes and scale blocks gathered by `split_index` (padding: `quant.ZERO_CODE` values
+    under `quant.UNIT_SCALE` scales), packed again; stacked on a leading [tp] axis.
+    `quant.dequantize` of a device's shard equals that device's shard of the dequantised
+    weight, exactly."""
+    if split == "whole":
+        return jax.tree.map(lambda a: jnp.broadcast_to(a, (tp, *a.shape)), q)
+    axis = _SPLIT[split][0]
+    index = split_index(config, split, q.shape[axis], tp)
+    sources = _scale_sources(name, split, q.scheme, index, axis, tp)
+    codes, shards = _codes(q), []
+    for device in range(tp):
+        held = index[device]
+        kept = jnp.take(codes, jnp.asarray(np.maximum(held, 0)), axis=axis)
+        mask = (held >= 0).reshape((-1, 1) if axis == -2 else (-1,))
+        kept = jnp.where(mask, kept, jnp.asarray(quant.ZERO_CODE[q.scheme], kept.dtype))
+        scale = q.scale
+        if sources is not None:
+            src = sources[device]
+            scale = jnp.take(scale, jnp.asarray(np.maximum(src, 0)), axis=axis)
+            smask = (src >= 0).reshape((-1, 1) if axis == -2 else (-1,))
+            scale = jnp.where(smask, scale,
+                              jnp.asarray(quant.UNIT_SCALE[q.scheme], scale.dtype))
+        shards.append(_from_codes(q.scheme, kept, scale))
+    return jax.tree.map(lambda *a: jnp.stack(a), *shards)
+
+
+def check_quantised_splits(config: ModelConfig, formats, tp: int) -> None:
+    """Raise ValueError (`_scale_sources`: the weight, its split, tp and the block) if any
+    weight of `formats`' groups ({group: mk.quant scheme}) would not split into whole
+    packed bytes and scale blocks at `tp`; from the config alone, before any tracing."""
+    schemes = quant.schemes_of(formats)
+    for w in weights_of(config):
+        if w.name in schemes and w.split != "whole" and tp > 1:
+            axis = _SPLIT[w.split][0]
+            _scale_sources(w.name, w.split, schemes[w.name],
+                           split_index(config, w.split, w.stacked(config)[axis], tp),
+                           axis, tp)
 
 
 def shard_params(config: ModelConfig, params, tp: int) -> dict:
     """Full params -> per-device params stacked on a leading [tp] axis, in the layout of
     `shard_config(config, tp)` (plus the whole `embed` [V, D], replicated): each weight
-    split by its `mk.weights` split rule; a tied model's lm_head is embed.T's vocab
-    columns."""
+    split by its `mk.weights` split rule (a `mk.quant.QuantWeight` too, its codes and
+    scales: `_split_quantised`); a tied model's lm_head is embed.T's vocab columns."""
     check_tp(config, tp)
-    if quant.formats_of(params):
-        raise ValueError(f"params hold quantised weights {quant.formats_of(params)}; "
-                         "mk.shards.shard_params splits plain weights (quantised "
-                         "tensor parallelism: not yet): pass mk.quant.dequantize(params)")
-    split = {w.name: _SPLIT[w.split](config, params[w.name], tp)
-             for w in weights_of(config) if w.split != "whole"}
+    check_quantised_splits(config, quant.formats_of(params), tp)  # every problem first
+    split = {}
+    for w in weights_of(config):
+        if isinstance(params.get(w.name), quant.QuantWeight):
+            split[w.name] = _split_quantised(config, w.name, w.split, params[w.name], tp)
+        elif w.split != "whole":
+            split[w.name] = _SPLIT[w.split][1](config, params[w.name], tp)
     if config.tie_embeddings:
-        split["lm_head"] = _SPLIT["vocab"](config, params["embed"].T, tp)
+        split["lm_head"] = _SPLIT["vocab"][1](config, params["embed"].T, tp)
     whole = {k: v for k, v in params.items() if k not in split}
     return split | {k: jnp.broadcast_to(v, (tp, *v.shape)) for k, v in whole.items()}
 

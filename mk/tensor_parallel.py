@@ -67,7 +67,8 @@ def decode_step(config: ModelConfig, weights, cache: reference.KVCache, tokens, 
     tokens, positions = reference.validate_step(local, unstacked, tokens, positions)
     B, T = tokens.shape
     plan = DecodePlan.make(config, tp=tp, batch=B, rows=T,
-                                context=unstacked.capacity, block=block)
+                                context=unstacked.capacity, block=block,
+                                formats=quant.formats_of(weights))
     nxt, logits, cache = _sharded_step(plan, mesh, weights, cache, tokens, positions)
     logits = jnp.moveaxis(logits, 0, -2).reshape(B, T, config.vocab)
     return nxt[0], logits, cache
@@ -121,12 +122,13 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, tp: int,
     prompt, S, steps, steps_per_call = megakernel.check_generate(
         config, prompt, steps, steps_per_call, max_context)
     plan = DecodePlan.make(config, tp=tp, batch=prompt.shape[0], context=S,
-                                block=block)
-    reference.check_params(config, params, "mk.tensor_parallel.generate")
+                                block=block, formats=quant.formats_of(params))
+    values = quant.dequantize(params)  # what the kernel multiplies by, for the prefill
+    reference.check_params(config, values, "mk.tensor_parallel.generate")
     backends.check_active()
     weights = megakernel.prepare(plan, params)
     return megakernel.greedy_loop(
-        functools.partial(_greedy_steps, plan, mesh, weights), config, params, prompt, S,
+        functools.partial(_greedy_steps, plan, mesh, weights), config, values, prompt, S,
         steps, steps_per_call, progress=progress, desc=f"megakernel tp={tp}",
         shard=functools.partial(shard_cache, config, tp=tp), copies=(tp,))
 

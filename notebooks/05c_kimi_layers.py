@@ -81,6 +81,7 @@ gqa_preset: str = "kimi-k3-like"  # the GQA model it is drawn against
 exercise_head_decay: bool = False  # the exercise: True decays all of a head's channels alike
 
 # %%
+import dataclasses
 import time
 
 import jax
@@ -360,12 +361,17 @@ print(f"megakernel {np.asarray(got_tokens).tolist()}\nreference  "
 # on each), its VMEM by buffer as the plan sizes it for the chip. The ring and the router
 # (E x D, DMA'd per MoE layer) dominate; MLA adds its loaded wq and wkv_b and a latent KV
 # ring (`k_tiles`: R + Hr values a row, padded to whole 128-lane tiles in VMEM). Its FP4
-# experts (the preset's `formats`) are charged packed, but the kernel does not pack them
-# at tp > 1 yet, so this is the plan the simulator replays (`kernel=False`):
+# experts (the preset's `formats`) stream packed on each device (`mk.shards` splits the
+# packed bytes and their scales), through a ring of their own beside the plain one. The
+# default ring gives both rings the slots of the small FP4 tiles and overflows VMEM, so
+# this plan takes 256 slots (the ring's sizing for packed formats is open, issue 34):
 
 # %%
-k3_plan = DecodePlan.make(mk.preset(bytes_preset), tp=32, batch=1, rows=1,
-                          context=4096, chip=run.chip, kernel=False)
+k3_default = DecodePlan.make(mk.preset(bytes_preset), tp=32, batch=1, rows=1,
+                             context=4096, chip=run.chip, kernel=False)
+k3_plan = DecodePlan.make(mk.preset(bytes_preset), tp=32, batch=1, rows=1, context=4096,
+                          chip=run.chip, kernel=False,
+                          block=dataclasses.replace(k3_default.block, slots=256))
 k3_fit, k3, local = k3_plan.fits(run.chip), k3_plan.config, k3_plan.local
 display(plots.table(k3_fit.vmem.rows()[:12]))
 print(f"a device: {local.heads} MLA heads, {local.linear_value_heads} KDA heads; each "
@@ -379,10 +385,9 @@ print(f"{k3_plan.local.name}: {k3_fit.vmem.total_bytes / 2**20:.1f} MiB of VMEM 
       f"GiB: {'fits' if k3_fit.ok else k3_fit.error}")
 
 # %% [markdown]
-# The shard does not fit one core's HBM: each expert's columns a device are padded to
-# whole lanes and JAX stores a 4-bit value in a byte (both printed above), so every
-# expert takes four times its FP4 bytes (notebook 11 reads the ledger's distances;
-# sharding packed weights, or whole experts a device, is not built).
+# The shard does not fit one core's HBM: each expert's 64 columns a device are padded to
+# 128 lanes (printed above), so every expert takes twice its FP4 bytes (notebook 11
+# reads the ledger's distances; whole experts a device is not built).
 #
 # **Takeaway:** MLA makes a cached token cost R + Hr values per layer whatever the head
 # count, and its absorbed form reads nothing else; in the megakernel it is `attend` over

@@ -296,7 +296,8 @@ targets = [("qwen3.5-27b", "tpu7x:2x2x1", "tpu7x"),  # TP8: 4 chips, 8 TensorCor
            ("qwen3-30b-a3b", "v5e:2x2", "v5e"),  # TP4: 4 chips
            ("qwen3-30b-a3b", "v5e:2x4", "v5e"),  # TP8: 8 chips
            ("kimi-k3-like", "tpu7x:2x2x4", "tpu7x")]  # TP32: 16 chips, 32 TensorCores
-# the kernel packs quantised weights on one device only: at TP it streams them in bf16
+# bf16 weights (formats={}); each shard streams packed ones too (tests/test_tensor_parallel.py
+# compiles Kimi K3's TP32 cut with its FP4 experts packed)
 reports = [tpu.compile_megakernel(mk.preset(name), chip_name, tp=len(tpu.devices(topology)),
                                   topology=topology, formats={})
            for name, topology, chip_name in tqdm(targets, desc="compiles")]

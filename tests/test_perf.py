@@ -90,7 +90,7 @@ def test_tiny_moe_reads_only_the_experts_its_tokens_touch():
 def test_fp4_experts_count_four_bits_per_weight_and_a_scale_byte_per_32():
     config = mk.preset("kimi-k3-like")  # formats={"experts": "fp4"}, mk.quant's MXFP4
     assert config.expert_bits == 4
-    for tp in (1, 32):  # charged at any tp (the kernel packs them at tp = 1 only)
+    for tp in (1, 32):  # charged (and packed by the kernel) at any tp
         e = perf.predict(config, "tpu7x", context=0, routing="shared", tp=tp)
         Fe = shard_config(config, tp).expert_ffn * tp  # padded to 128 lanes a device
         assert e.expert_bytes == 92 * 16 * 3 * 7168 * Fe * (1 / 2 + 1 / 32)

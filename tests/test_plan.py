@@ -149,15 +149,18 @@ def test_quantised_tiles_move_the_packed_bytes_and_scales_the_plan_and_perf_coun
 
 def test_quantised_plans_refuse_what_is_not_built_by_name():
     config = mk.preset("tiny-moe")
-    with pytest.raises(ValueError, match="tp=2"):
-        DecodePlan.make(config, tp=2, batch=1, context=256, formats={"experts": "int4"})
+    with pytest.raises(ValueError, match=r"we_gate \(fp8\).*tp=4 cuts a scale block"):
+        DecodePlan.make(dataclasses.replace(config, expert_ffn=768), tp=4, batch=1,
+                        context=256, formats={"experts": "fp8"})
     with pytest.raises(ValueError, match="scheme='int3'|'int3'"):
         DecodePlan.make(config, batch=1, context=256, formats={"dense": "int3"})
     with pytest.raises(ValueError, match="group='mlp'"):
         DecodePlan.make(config, batch=1, context=256, formats={"mlp": "int8"})
-    with pytest.raises(NotImplementedError, match="hybrid"):
-        DecodePlan.make(mk.preset("tiny-kimi"), batch=1, context=256,
-                        formats={"experts": "fp4"})
+    low_rank_q = dataclasses.replace(mk.preset("tiny-kimi"), q_rank=128)
+    with pytest.raises(NotImplementedError, match=r"wq \(mla, path 'dma'\)"):
+        DecodePlan.make(low_rank_q, batch=1, context=256, formats={"dense": "int8"})
+    assert DecodePlan.make(low_rank_q, tp=2, batch=1, context=256,
+                           formats={"experts": "fp4"}).stream.schemes == ("fp4",)
     plan = DecodePlan.make(config, batch=1, context=256, formats={"experts": "fp4"})
     assert {"ring", "ring_fp4", "ring_fp4_scales"} <= set(plan.buffers)
     assert plan.buffers["ring_fp4"].shape == (plan.block.slots, plan.block.tile_rows // 2,
@@ -210,18 +213,16 @@ def test_the_default_tiling_is_one_rule():
         plan.block)
 
 
-def test_a_presets_formats_are_charged_at_any_tp_and_packed_only_where_the_kernel_is():
-    """kimi-k3 stores its experts in FP4 (`formats`): a kernel plan refuses it at tp > 1
-    (sharding quantised weights is not built) and for a hybrid; the simulator's plan
-    (kernel=False) streams the plain tiles and charges every expert element mk.quant's
-    packed FP4 bytes, half a byte and a scale byte per 32; formats={} is bf16."""
+def test_a_presets_formats_are_charged_and_packed_at_any_tp():
+    """kimi-k3 stores its experts in FP4 (`formats`): its plan at tp 32 streams them
+    packed (each device's shard of the packed experts, `mk.shards`) and charges every
+    expert element mk.quant's packed FP4 bytes, half a byte and a scale byte per 32, on
+    the same tiles as formats={} (bf16)."""
     k3 = mk.preset("kimi-k3").first_layers(2)
     assert k3.formats == (("experts", "fp4"),)
-    with pytest.raises(ValueError, match="tp=32"):
-        DecodePlan.make(k3, tp=32, batch=1, context=256)
-    fp4 = DecodePlan.make(k3, tp=32, batch=1, context=256, kernel=False)
-    bf16 = DecodePlan.make(k3, tp=32, batch=1, context=256, formats={})
-    assert fp4.block == bf16.block and fp4.stream.schemes == ()  # plain tiles
+    fp4 = DecodePlan.make(k3, tp=32, batch=1, context=256)
+    bf16 = DecodePlan.make(k3, tp=32, batch=1, context=256, formats={}, block=fp4.block)
+    assert fp4.stream.schemes == ("fp4",) and bf16.stream.schemes == ()
     assert dict(fp4.formats) == {"experts": "fp4"} and bf16.formats == ()
     got, plain = fp4.weight_bytes(), bf16.weight_bytes()
     assert got["experts"] == plain["experts"] / 2 * (1 / 2 + 1 / 32)

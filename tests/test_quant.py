@@ -111,9 +111,9 @@ def test_quantize_rejects_bad_families_and_shapes_by_name():
     tied = dataclasses.replace(TINY, tie_embeddings=True)
     with pytest.raises(ValueError, match="ties its lm_head"):
         mk.quantize(tied, mk.init_params(tied), lm_head="int8")
-    hybrid = mk.preset("tiny-hybrid")
-    with pytest.raises(NotImplementedError, match="does not quantise hybrid"):
-        mk.quantize(hybrid, mk.init_params(hybrid), dense="int8")
+    low_rank_q = dataclasses.replace(mk.preset("tiny-kimi"), q_rank=128)  # wq DMA'd whole
+    with pytest.raises(NotImplementedError, match=r"wq \(mla, path 'dma'\) would be stored"):
+        mk.quantize(low_rank_q, mk.init_params(low_rank_q), dense="int8")
 
 
 def test_a_configs_own_formats_are_its_stored_bytes_and_group_bytes_default():

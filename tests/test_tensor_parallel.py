@@ -275,18 +275,20 @@ def test_sharded_model_compiles_for_a_multi_chip_topology(name, topology, chip):
 
 def test_kimi_k3s_tp32_shard_compiles_on_its_first_layers_and_is_refused_whole_by_hbm():
     """One device's shard of Kimi K3 (Kimi Linear: MLA, KDA, a shared-expert MoE) at TP32
-    on 16 TPU7x chips: its FP4 experts (`formats`) are not packed by the kernel at tp > 1,
-    so the kernel is refused them; charged packed (the plan the simulator replays) the
-    shard needs more HBM than a core has (FP4 half a byte a value and a scale byte per 32,
-    their 64 columns a device padded to 128), and with bf16 experts far more, reported
-    with the numbers before any compile; cut to its first 4 layers (3 KDA, 1 MLA; bf16
-    experts, as the tile-cost benchmark measures it) it compiles, VMEM in budget."""
+    on 16 TPU7x chips, its FP4 experts packed (`formats`; 2048 expert columns, 64 a
+    device padded to 128: whole scale blocks, `mk.shards`): charged packed (the plan) the
+    whole shard needs more HBM than a core has (FP4 half a byte a value and a scale byte
+    per 32), and with bf16 experts far more, reported with the numbers before any compile;
+    cut to its first 4 layers (3 KDA, 1 MLA, FP4 experts packed) it compiles, VMEM in
+    budget. The ring is given 256 slots: the default for tpu7x sizes the plain ring
+    and the FP4 ring each by the smallest (FP4) tile, 850 slots, 71 MiB of VMEM (issue 34's
+    ring sizing for packed formats)."""
     k3 = mk.preset("kimi-k3")
-    with pytest.raises(ValueError, match=r"formats=\{'experts': 'fp4'\} with tp=32"):
-        tpu.compile_megakernel(k3, "tpu7x", tp=32, topology="tpu7x:2x2x4", batch=1,
-                               context=4096)
+    block = dataclasses.replace(plan.DecodePlan.make(k3, tp=32, batch=1, context=4096,
+                                                     chip="tpu7x").block, slots=256)
     packed = plan.DecodePlan.make(k3, tp=32, batch=1, context=4096, chip="tpu7x",
-                                  kernel=False)
+                                  block=block)
+    assert packed.stream.schemes == ("fp4",)
     assert re.search(r"need 1\d\d\.\d\d GiB of HBM, over the 94\.75 GiB",
                      packed.fits("tpu7x").error)
     bf16 = dataclasses.replace(k3, formats=())
@@ -294,14 +296,15 @@ def test_kimi_k3s_tp32_shard_compiles_on_its_first_layers_and_is_refused_whole_b
                                    context=4096)
     assert not whole.ok and re.search(r"need 4\d\d\.\d\d GiB of HBM, over the 94\.75 GiB",
                                       whole.error)
-    cut = bf16.first_layers(4)
+    cut = k3.first_layers(4)
     assert cut.layer_types == ("linear", "linear", "linear", "full") and cut.is_mla
     report = tpu.compile_megakernel(cut, "tpu7x", tp=32, topology="tpu7x:2x2x4", batch=1,
-                                    context=4096)
+                                    context=4096, block=block)
     assert report.ok, report.error
     assert 0 < report.vmem.total_bytes < report.vmem.limit_bytes
     names = {b.name for b in report.vmem.buffers}
-    assert {"wq", "wkv_b", "latent_new", "queries", "k_tiles"} <= names
+    assert {"wq", "wkv_b", "latent_new", "queries", "k_tiles", "ring_fp4",
+            "ring_fp4_scales"} <= names
     assert "v_tiles" not in names  # the latent rows are keys and values
 
 

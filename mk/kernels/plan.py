@@ -12,7 +12,7 @@ holds, frozen:
                   ("dense", "experts", "lm_head"; default `config.formats`;
                   `mk.quant.formats_of` a params dict): every byte count below counts
                   them (`mk.quant.tile_bytes`), and where the kernel streams them packed
-                  (`packed_formats`: tp = 1, kinds that pack) their segments stream packed
+                  (`packed_formats`: at any tp, groups of ring weights) their segments stream packed
                   tiles and scales (`mk.kernels.ring`)
     block         the tiling (`default_block` unless given)
     stream        the `TileStream`: every weight tile of the step in program order
@@ -89,7 +89,7 @@ from mk.kernels.deltanet import check_conv_kernel
 from mk.kernels.kv_stream import tile_counts
 from mk.kernels.mlp import expert_slots
 from mk.kernels.one_layer import layer_buffers, layer_scratch, model_block
-from mk.kinds.layers import full_attention, layer_kinds, layer_matrices, packs
+from mk.kinds.layers import full_attention, layer_kinds, layer_matrices
 from mk.kernels.ring import TileStream, ring_buffers
 from mk.weights import FAMILIES, FAMILY, FORMAT_GROUP
 
@@ -251,11 +251,11 @@ def capacity(positions: int) -> int:
 
 def packed_formats(config: ModelConfig, tp: int, formats: dict[str, str]
                    ) -> dict[str, str]:
-    """The `formats` whose packed tiles the megakernel's ring streams: all on one device
-    when every layer kind of the model streams packed tiles (`Kind.packs`); none at tp > 1
-    (not built yet, issue 34) or otherwise, where `mk.perf` and the simulator's plans
-    charge their bytes on plain tiles."""
-    return dict(formats) if tp == 1 and packs(config) else {}
+    """The `formats` whose packed tiles the megakernel's ring streams, at any tp (each
+    device its shard's, `mk.shards.shard_params`): all when every weight of their groups
+    is a ring weight (none `mk.quant.unstreamed`), else none, where `mk.perf` and the
+    simulator's plans charge their bytes on plain tiles."""
+    return {} if quant.unstreamed(config, quant.schemes_of(formats)) else dict(formats)
 
 
 def shard_weight_bytes(local: ModelConfig, vocab: int, experts: float, formats=None,
@@ -351,7 +351,8 @@ class DecodePlan:
         splits the model, M = B*T is in [1, MAX_ROWS], the tiles divide every matrix of
         the shard, the KV tile divides the cache and holds the T rows, the quantised
         `formats` (default `config.formats`; {} for none) hold whole groups per tile
-        (and, for a kernel, `packed_formats` packs them all: tp = 1, kinds that pack).
+        (and, for a kernel, `packed_formats` packs them all, and each device's shard of
+        them is whole packed bytes and scale blocks: `mk.shards.check_quantised_splits`).
         Without a block, the tiling is `default_block`'s (for `chip`: a ring sized by Little's
         law). The megakernel's ring needs >= 2 slots (a tile loads while another
         computes) and a linear layer's conv_kernel >= 2 (`check_conv_kernel`);
@@ -376,11 +377,10 @@ class DecodePlan:
         formats = check_formats(config, config.formats if formats is None else formats)
         packed = packed_formats(config, tp, formats)
         if kernel and packed != formats:
-            if tp == 1:  # a hybrid: NotImplementedError
-                quant.check_quantisable(config, formats)
-            raise ValueError(f"formats={formats} with tp={tp}: sharding quantised weights "
-                             "is not built yet (issue 34); quantised kernels run on tp=1 "
-                             "(formats={} keeps them in dtype; kernel=False charges them)")
+            quant.check_quantisable(config, formats)  # NotImplementedError
+        if kernel and tp > 1:
+            from mk.shards import check_quantised_splits  # here: mk.shards imports this
+            check_quantised_splits(config, formats, tp)
         if block is None:
             try:
                 block = _chip_block(local, int(tp), int(batch), int(rows), context, packed,

@@ -40,7 +40,7 @@ How to add a layer kind (e.g. gpt-oss's sliding-window attention with sinks):
    class here: a `Kind` subclass (a variant of an existing kind subclasses it and
    overrides what differs, as `MLA` does `GQA`) with `matrices`, `buffers`, `scratch`,
    `prepare` (the base's: ring weights as stored, DMA'd vectors as rows), `fetch`, the
-   hooks it needs, `run` for each of its `phases`, its `title` and `packs`; and its
+   hooks it needs, `run` for each of its `phases`, its `title`; and its
    `Twin`, the same hooks costed on the simulator's machine. Register it in
    `mk.kinds.layers.KINDS` at its place in the stream.
 5. Its cost, the cost section of its class (`mk.perf` loops over the kinds): `params`

@@ -70,7 +70,6 @@ class Kind:
     skip_tag: ClassVar[str] = ""  # the simulator's cause for an HBM gap its skip leaves
     elementwise: ClassVar[tuple[str, ...]] = ()  # its weights applied off the MXU
     title: ClassVar[str] = ""  # what its layers are called in prose (`described`)
-    packs: ClassVar[bool] = True  # its kernel streams a format's packed tiles (mk.quant)
     note: ClassVar[str] = ""  # what the ledger says of a modelled run with its layers
 
     @property

@@ -3,7 +3,7 @@
 `layer_kinds(config)`: its kinds (`mk.kinds.base.Kind` objects bound to `config`), token
 mixers first (linear ones before full attention), then MLPs (MoE before dense): the order
 their segments sit in each layer's period of the stream and the order `layer_body` runs
-them. Which kinds a config has is `mk.weights.kinds_of`'s one rule. Also here: `packs`,
+them. Which kinds a config has is `mk.weights.kinds_of`'s one rule. Also here:
 `full_attention`, `of_role`, `kind_at` (a layer's kind of a role and its row in that
 kind's stacked weights), `kinds_at` (a layer's two kinds), `layer_tables` / `TABLES` (the
 kernel's SMEM tables: each layer's kind and row per role), `layer_matrices` (one layer's
@@ -47,12 +47,6 @@ def layer_kinds(config: ModelConfig) -> tuple[Kind, ...]:
     """The kinds `config` has, in stream order."""
     names = kinds_of(config)
     return tuple(kind(config) for kind in KINDS if kind.name in names)
-
-
-def packs(config: ModelConfig) -> bool:
-    """Whether every layer kind of `config` streams a format's packed tiles (`Kind.packs`):
-    mk.quant quantises, and the loader reads quantised checkpoints of, only such models."""
-    return all(kind.packs for kind in layer_kinds(config))
 
 
 def full_attention(config: ModelConfig) -> GQA:

@@ -40,7 +40,6 @@ class DeltaNet(Kind):
     # Off the MXU: the conv, the decay and bias vectors, the gated norm (its matmuls are
     # the rest: DeltaNet's qkv, z, b, a, out; KDA's qkv, b, the low-rank gates, out).
     elementwise = ("lin_conv", "lin_a_log", "lin_dt_bias", "lin_norm")
-    packs = False  # mk.quant quantises no model with linear layers (issue 34)
     # What `linear_mixer` does differently per kind (`mk.kernels.deltanet.Gates`): a decay
     # per value head (to SMEM with beta), z through the ring, the SiLU output gate
     gates = HEAD_GATES
