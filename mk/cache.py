@@ -28,12 +28,12 @@ The cache types, and the token-mixer kinds (`mk.weights.kinds_of`) each serves:
                                     keeps L=0 linear states)
 
 A model's cache type (`cache_type`) is the first that serves all of its mixers. Each type
-has `batch` and `capacity` (read through the table). Here too: `init_cache`,
-`check_cache` (the one check of a cache against a config, every field against its row),
-`state_fields`, `has_states`, `rollback`, `bytes_per_position` and
-`state_bytes_per_sequence` (what one position and one sequence's states take). Not here: what a layer does with its fields
+has `batch` and `capacity` (read through the table). Here too: `init_cache`, `check_cache`
+(the one check of a cache against a config, every field against its row), `state_fields`,
+`has_states`, `rollback`, `bytes_per_position` and `state_bytes_per_sequence` (what one
+position and one sequence's states take). Not here: what a layer does with its fields
 (`mk.reference`'s oracle, the kinds' kernel code in `mk.kinds`), the sharding itself
-(`mk.tensor_parallel`).
+(`mk.shards`).
 """
 
 from __future__ import annotations

@@ -1,17 +1,17 @@
 """Plotly figures and tables for the notebooks, and `show` that keeps them self-contained.
 
-Here: `roofline`, `bytes_breakdown`, `published_vs_floor` (figures built
-from numbers and records that `mk.perf` computed), `tile_stream` (the ring's schedule,
-drawn from the `TileStream` the kernel executes), `timeline`, `collective_timeline` (one
-collective of a tensor-parallel step and what the ring loads meanwhile), `bubble_bars`,
-`sweep_lines` (a `mk.sim.Simulation`, its bubbles, a design sweep), `lines` (named series
-against one x), `tpu_picture` (one TPU chip's memories, units and paths, from its `ChipSpec`),
-`ring_gantt` (the ring rule slot by slot in time, one frame per ring depth, from
-`mk.teach.ring_schedule`), `kv_tile_map` (the KV tiles each ragged sequence reads, writes back and skips),
-`table` (an HTML table, `Table`), `escape` (untrusted text made safe for HTML and
-Markdown), `show_source` (a kernel's own code on the page, from its module) and `show`.
-Not here: any model or chip arithmetic (that is `mk.perf`); the colours (`mk.colours`);
-static image export (kaleido needs Chrome).
+Here: `roofline`, `bytes_breakdown`, `published_vs_floor` (figures built from numbers and
+records that `mk.perf` computed), `tile_stream` (the ring's schedule, drawn from the
+`TileStream` the kernel executes), `timeline`, `collective_timeline` (one collective of a
+tensor-parallel step and what the ring loads meanwhile), `bubble_bars`, `sweep_lines` (a
+`mk.sim.Simulation`, its bubbles, a design sweep), `lines` (named series against one x),
+`tpu_picture` (one TPU chip's memories, units and paths, from its `ChipSpec`), `ring_gantt`
+(the ring rule slot by slot in time, one frame per ring depth, from
+`mk.teach.ring_schedule`), `kv_tile_map` (the KV tiles each ragged sequence reads, writes
+back and skips), `table` (an HTML table, `Table`), `escape` (untrusted text made safe for
+HTML and Markdown), `show_source` (a kernel's own code on the page, from its module) and
+`show`. Not here: any model or chip arithmetic (that is `mk.perf`); the colours
+(`mk.colours`); static image export (kaleido needs Chrome).
 
 Why `show` and not `fig.show()`: plotly 7's default output is only the plotly JSON mime
 type, which JupyterLab draws but nbconvert's HTML export and GitHub do not. `show` emits

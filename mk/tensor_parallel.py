@@ -16,8 +16,9 @@ residuals, and its routing and argmax agree without an exchange). The lm_head's 
 in the cross-shard greedy argmax.
 
 Here: `decode_step`, `generate` (each a `jax.shard_map` over the mesh), `compile_target`
-(what `mk.tpu.compile_megakernel` compiles for tp > 1), `collective_terms` (their cost by the `mk.perf` ICI model). Not here: sequence or expert
-parallelism, a vocab-sharded embedding, meshes with more than one axis.
+(what `mk.tpu.compile_megakernel` compiles for tp > 1), `collective_terms` (their cost by
+the `mk.perf` ICI model). Not here: sequence or expert parallelism, a vocab-sharded
+embedding, meshes with more than one axis.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from mk import backend as backends
@@ -36,7 +36,7 @@ from mk.config import ModelConfig
 from mk.kernels.collectives import (AXIS, ICI_LATENCY_S, all_reduce_bytes, check_devices,
                                     check_interpret_devices, ici_bandwidth, tp_mesh)
 from mk.kernels.common import BlockSizes
-from mk.kernels.plan import DecodePlan, check_tp, kv_heads_of, shard_config
+from mk.kernels.plan import DecodePlan, check_tp, shard_config
 from mk.shards import check_sharded_cache, shard_cache
 
 

@@ -370,7 +370,8 @@ display(plots.table([
      "bundles/tile": f"{before[k].get('bundles_per_tile', '-')} -> "
                      f"{after[k].get('bundles_per_tile', '-')}",
      "issue/DMA (recorded clock)": then_now(k, "tile_over_dma", ".2f"),
-     "HBM busy (recorded clock)": then_now(k, "hbm_busy", ".1%"), "VMEM MiB": then_now(k, "vmem_MiB", ".1f"),
+     "HBM busy (recorded clock)": then_now(k, "hbm_busy", ".1%"),
+     "VMEM MiB": then_now(k, "vmem_MiB", ".1f"),
      "ring KiB": then_now(k, "ring_KiB", ".0f"), "compile s": then_now(k, "compile_s", ".1f")}
     for k in after if k in before]))
 

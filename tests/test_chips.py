@@ -162,7 +162,8 @@ def test_each_tpu_clock_range_spans_the_datasheet_derivation_and_the_schedule_pr
 
 def test_a_clock_range_upside_down_or_not_positive_is_refused_naming_the_field():
     v6e = chip("v6e")
-    with pytest.raises(ValueError, match=r"clock_low_hz=4000000000.0 is above clock_high_hz=3502000000.0"):
+    with pytest.raises(ValueError,
+                       match=r"clock_low_hz=4000000000.0 is above clock_high_hz=3502000000.0"):
         dataclasses.replace(v6e, clock_low_hz=4e9)
     with pytest.raises(ValueError, match=r"clock_low_hz=0.0 must be positive"):
         dataclasses.replace(v6e, clock_low_hz=0.0)

@@ -38,7 +38,8 @@ def check_rules(fig, *, x_unit: str | None = None, y_unit: str | None = None) ->
 
 # -- The rules themselves, against planted defects ---------------------------------------------
 def _good():
-    return {"data": [{"type": "bar", "name": "wq", "marker": {"color": colours.WEIGHT_COLOURS["wq"]},
+    wq = colours.WEIGHT_COLOURS["wq"]
+    return {"data": [{"type": "bar", "name": "wq", "marker": {"color": wq},
                       "x": [0.5, 1.0], "y": ["slot 0", "slot 1"], "orientation": "h"}],
             "layout": {"xaxis": {"title": {"text": "time (µs, modelled)"}},
                        "yaxis": {"title": {"text": "ring slot"}}}}

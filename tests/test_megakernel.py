@@ -109,7 +109,8 @@ def test_the_stage_kernels_refuse_qwen35_attention_by_name():
     config = dataclasses.replace(mk.preset("tiny"), **QWEN35_ATTENTION)
     params = mk.init_params(config)
     _, cache = reference.prefill(config, params, jnp.ones((1, 4), jnp.int32))
-    with pytest.raises(ValueError, match=r"streams \('wq', 'wk', 'wv', 'wq_gate', 'wo'\), norm_offset=1.0"):
+    with pytest.raises(ValueError,
+                       match=r"streams \('wq', 'wk', 'wv', 'wq_gate', 'wo'\), norm_offset=1.0"):
         one_layer(config, params, jnp.zeros((1, 1, config.hidden)), cache.k, cache.v,
                   jnp.array([4], jnp.int32), layer=0)
 

@@ -1,12 +1,11 @@
 """The layer kinds' own checks of a `mk.config.ModelConfig`: each kind (MoE layers, linear
 layers, MLA, KDA, the router) checks the fields that describe it, and that they are unset
 when the model has no layer of that kind. `ModelConfig` runs every one (`KIND_CHECKS`) on
-construction; a check reads the config's fields by name, so this module imports nothing
-of mk but its error texts (`mk.errors`). Also here: `UNSET` and `FORMAT_LAYERS` (what a model without a kind's layers has),
-`check_routing` (a router's settings,
-the config's and the MoE kernel's `Routing`), `check_positive_ints` (ModelConfig's too)
-and `ROUTER_SCORES`.
-Not here: the kinds' weights (`mk.weights`), their kernels (`mk.kernels`).
+construction; a check reads the config's fields by name, so this module imports nothing of
+mk but its error texts (`mk.errors`). Also here: `UNSET` and `FORMAT_LAYERS` (what a model
+without a kind's layers has), `check_routing` (a router's settings, the config's and the
+MoE kernel's `Routing`), `check_positive_ints` (ModelConfig's too) and `ROUTER_SCORES`. Not
+here: the kinds' weights (`mk.weights`), their kernels (`mk.kernels`).
 """
 
 from __future__ import annotations
