@@ -449,7 +449,11 @@ def moe(h: jax.Array, router: jax.Array, we_gate: jax.Array, we_up: jax.Array,
     Lm, E, D, Fe = we_gate.shape
     weights = dict(router=router, we_gate=we_gate, we_up=we_up, we_down=we_down)
     routing = Routing(top_k, renormalise, router_score, expert_groups, topk_groups,
-                      routed_scale).check(E, biased=router_bias is not None)
+                      routed_scale).check(E)
+    if (router_bias is not None) != (router_score == "sigmoid"):
+        raise ValueError(f"moe: router_bias is {'missing' if router_bias is None else 'given'}"
+                         ": the sigmoid router needs one, the softmax router has none "
+                         f"(router_score={router_score!r})")
     if router_bias is not None:
         weights["router_bias"] = _stacked(router_bias, 1, "router_bias")[:, None]
     Fs = 0
@@ -507,3 +511,15 @@ def moe(h: jax.Array, router: jax.Array, we_gate: jax.Array, we_up: jax.Array,
             + shared_bytes + h.size * h.dtype.itemsize + M * D * 4),
     )(inputs)
     return (out, loaded) if return_loaded else out
+
+
+def moe_of(routing: Routing, h: jax.Array, weights: dict, **kw):
+    """`moe` on h [M, D] with one layer's weights by their `mk.weights` names (the router,
+    the experts, and the router's bias and a shared expert where the model has them) and a
+    model's `routing` (`Routing.of(config)`); kw: `moe`'s others."""
+    shared = tuple(weights[n] for n in SHARED_WEIGHTS if n in weights) or None
+    return moe(h, weights["router"], *(weights[n] for n in EXPERT_WEIGHTS), top_k=routing.top_k,
+               renormalise=routing.renormalise, router_score=routing.router_score,
+               router_bias=weights.get("router_bias"), expert_groups=routing.expert_groups,
+               topk_groups=routing.topk_groups, routed_scale=routing.routed_scale,
+               shared=shared, **kw)

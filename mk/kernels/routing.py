@@ -45,13 +45,13 @@ class Routing:
         return cls(config.experts_per_token, config.norm_topk, config.router_score,
                    config.expert_groups, config.topk_groups, config.routed_scale)
 
-    def check(self, experts: int, *, biased: bool | None = None) -> Routing:
-        """Itself, after checking it against `experts` (and whether a router bias is given:
-        `biased`; `mk.kinds.checks.check_routing`); raises ValueError naming the field."""
+    def check(self, experts: int) -> Routing:
+        """Itself, after checking it against `experts` (`mk.kinds.checks.check_routing`);
+        raises ValueError naming the field."""
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) \
                 or not 1 <= self.top_k <= experts:
             raise ValueError(f"top_k={self.top_k!r} must be an integer in [1, experts={experts}]")
-        check_routing("moe", experts=experts, top_k=self.top_k, biased=biased,
+        check_routing("moe", experts=experts, top_k=self.top_k,
                       **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)[2:]})
         return self
 

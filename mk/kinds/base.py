@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from mk.config import ModelConfig
+from mk.kernels.common import Buffer
 from mk.kernels.ring import Repeat
 from mk.weights import FAMILY, KIND_LAYERS, names_of, param_shapes
 
@@ -122,6 +123,17 @@ class Kind:
             if name in self.weights("dma") and isinstance(w, jax.Array) and w.ndim == 2:
                 w = w[:, None].astype(jnp.float32 if FAMILY[name] == "norms" else w.dtype)
             out[name] = w
+        return out
+
+    def dma_buffers(self) -> list:
+        """A VMEM buffer per weight it moves by whole DMA, named after it: one layer's, as
+        `prepare` lays it out (a vector as a [1, n] row, float32 if a norm)."""
+        shapes = param_shapes(self.config)
+        out = []
+        for name in self.weights("dma"):
+            shape = shapes[name][0][1:]
+            dtype = "float32" if FAMILY[name] == "norms" else self.config.dtype
+            out.append(Buffer(name, (1, *shape) if len(shape) == 1 else shape, dtype))
         return out
 
     def fetch(self, k: Step) -> dict:

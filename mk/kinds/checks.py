@@ -45,15 +45,13 @@ def check_positive_ints(c, fields, context: str = "") -> None:
 
 
 def check_routing(where: str, *, router_score, expert_groups, topk_groups, routed_scale,
-                  experts: int | None = None, top_k: int | None = None,
-                  biased: bool | None = None) -> None:
+                  experts: int | None = None, top_k: int | None = None) -> None:
     """A MoE router's settings (ModelConfig's fields, and `mk.kernels.routing.Routing`'s):
     raises ValueError naming the field, prefixed by `where`. Without `experts` only each
     field's own type and value are checked; with it (and top_k), their agreement: the
     softmax router has no groups or scale, the sigmoid router's groups split the experts
     into groups of at least 2 (a group scores by its top 2) and the kept groups hold top_k
-    experts. With `biased` (whether a router bias is given: the MoE kernel's), that the
-    sigmoid router has one and the softmax router none."""
+    experts."""
     if router_score not in ROUTER_SCORES:
         raise ValueError(f"{where}: router_score={shown(router_score)} must be one of "
                          f"{ROUTER_SCORES}")
@@ -61,10 +59,6 @@ def check_routing(where: str, *, router_score, expert_groups, topk_groups, route
             and routed_scale > 0):
         raise ValueError(f"{where}: routed_scale={shown(routed_scale)} must be a finite "
                          "number > 0")
-    if biased is not None and biased != (router_score == "sigmoid"):
-        raise ValueError(f"{where}: router_bias is {'given' if biased else 'missing'}: the "
-                         "sigmoid router needs one, the softmax router has none "
-                         f"(router_score={router_score!r})")
     if experts is None:
         return
     if router_score == "softmax":

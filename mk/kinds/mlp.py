@@ -119,11 +119,10 @@ class MoE(Kind):
     def buffers(self, batch: int, rows: int, block) -> list:
         c, M, f32 = self.config, batch * rows, "float32"
         E, Fe, D = c.experts, c.expert_ffn, c.hidden
-        buffers = [Buffer("router", (D, E), c.dtype), Buffer("combine", (M, E), f32),
-                   Buffer("selected", (1, E), "int32"), Buffer("e_gate", (M, Fe), f32),
-                   Buffer("e_up", (M, Fe), f32), Buffer("down", (M, D), f32)]
-        if "router_bias" in self.weights():
-            buffers.append(Buffer("router_bias", (1, E), c.dtype))
+        buffers = self.dma_buffers() + [  # the router (and the sigmoid router's bias)
+            Buffer("combine", (M, E), f32), Buffer("selected", (1, E), "int32"),
+            Buffer("e_gate", (M, Fe), f32), Buffer("e_up", (M, Fe), f32),
+            Buffer("down", (M, D), f32)]
         if c.shared_expert_ffn:
             Fs = c.shared_expert_ffn
             buffers += [Buffer("shared_gate", (M, Fs), f32), Buffer("shared_up", (M, Fs), f32)]
@@ -172,23 +171,18 @@ class MoE(Kind):
         elif phase == "mlp":
             s, c = k.s, self.config
             s.mlp_out[...] = jnp.zeros_like(s.mlp_out)
-            moe_body(k.ring, k.step, s.h, s.router, s.combine, s.selected, s.selected_smem,
+            router, *bias = (getattr(s, n) for n in self.weights("dma"))  # table order
+            moe_body(k.ring, k.step, s.h, router, s.combine, s.selected, s.selected_smem,
                      s.small_sems.at[small_sem("selected")], s.ids_smem, s.count_smem,
                      s.e_gate, s.e_up, s.down, s.mlp_out, routing=Routing.of(c),
-                     bias_vmem=getattr(s, "router_bias", None),
+                     bias_vmem=next(iter(bias), None),
                      shared=(s.shared_gate, s.shared_up) if c.shared_expert_ffn else None)
 
     def stage(self, h, weights: dict):
         """Its stage kernel on the normed rows h [M, D] (`mk.kernels.mlp.moe`): one layer's
         weights by name (its router's bias and shared expert where it has them) -> [M, D]
         float32."""
-        shared = tuple(weights[n] for n in SHARED_WEIGHTS if n in weights) or None
-        routing = Routing.of(self.config)
-        return mlp_kernels.moe(
-            h, weights["router"], *(weights[n] for n in EXPERT_WEIGHTS), top_k=routing.top_k,
-            renormalise=routing.renormalise, router_score=routing.router_score,
-            router_bias=weights.get("router_bias"), expert_groups=routing.expert_groups,
-            topk_groups=routing.topk_groups, routed_scale=routing.routed_scale, shared=shared)
+        return mlp_kernels.moe_of(Routing.of(self.config), h, weights)
 
     def twin(self, sim) -> MoETwin:
         return MoETwin(self, sim)
