@@ -294,7 +294,7 @@ def predict(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: 
     kinds = layer_kinds(config)
     touched = _touched(kinds, m, routing)
     local = shard_config(config, tp)
-    block = model_block(local, formats=packed_formats(config, tp, formats))
+    block = model_block(local, formats=packed_formats(config, formats))
     vocab = padded_vocab(local, block)
     family = {f: tp * b for f, b in shard_weight_bytes(local, vocab, touched, formats,
                                                        block).items()}

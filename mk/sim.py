@@ -39,9 +39,9 @@ Modelling assumptions (`Assumptions` holds the numbers; none is fitted to a meas
   neither, the default, leaves only the MXU rule.
 - Weight formats: a plan's `formats` (default the config's, e.g. kimi-k3's FP4 experts)
   move each tile of their groups at `mk.quant.tile_bytes` (packed data and scales), at the
-  same MXU cost per tile; where the kernel does not pack them (tp > 1, a hybrid:
-  `mk.kernels.plan.packed_formats`) this models a kernel that streams the plain tiles so
-  packed and dequantises them in VMEM.
+  same MXU cost per tile; where the kernel does not pack them (a group with a weight
+  moved by whole DMA: `mk.kernels.plan.packed_formats`) this models a kernel that streams
+  the plain tiles so packed and dequantises them in VMEM.
 - Vector work (norms, RoPE, softmax, SwiGLU, the router's top-k, argmax) runs at
   `vpu_flops_ratio` (1/64) of the MXU bf16 peak in elementwise ops/s, an assumption (not on
   any datasheet); it is small in decode. The expert compaction loop runs on the scalar

@@ -127,7 +127,7 @@ config = run.config
 formats = mk.config.check_formats(config, dict(config.formats) | {  # the byte model's
     g: None if f == "none" else f for g, f in (("dense", dense_format),
                                                ("experts", expert_format)) if f})
-packed = packed_formats(config, tp, formats)  # the kernel's (tp = 1, not a hybrid)
+packed = packed_formats(config, formats)  # what the kernel streams packed
 position = run.context - run.rows  # every sequence reads a full cache: the worst case
 default = DecodePlan.make(config, tp=tp, batch=run.batch, rows=run.rows,
                           context=run.context, chip=spec, formats=packed).block

@@ -249,8 +249,7 @@ def capacity(positions: int) -> int:
     return S if S <= KV_TILE else -(-S // KV_TILE) * KV_TILE
 
 
-def packed_formats(config: ModelConfig, tp: int, formats: dict[str, str]
-                   ) -> dict[str, str]:
+def packed_formats(config: ModelConfig, formats: dict[str, str]) -> dict[str, str]:
     """The `formats` whose packed tiles the megakernel's ring streams, at any tp (each
     device its shard's, `mk.shards.shard_params`): all when every weight of their groups
     is a ring weight (none `mk.quant.unstreamed`), else none, where `mk.perf` and the
@@ -375,7 +374,7 @@ class DecodePlan:
         context = positive_int("context", context)
         spec = named_chip(chip) if isinstance(chip, str) else chip
         formats = check_formats(config, config.formats if formats is None else formats)
-        packed = packed_formats(config, tp, formats)
+        packed = packed_formats(config, formats)
         if kernel and packed != formats:
             quant.check_quantisable(config, formats)  # NotImplementedError
         if kernel and tp > 1:
