@@ -73,7 +73,7 @@ def row(preset: str, chip: str, *, tp: int = 1, topology: str | None = None, bat
                * jnp.dtype(config.dtype).itemsize / 1024,
                vmem_MiB=fit.vmem.total_bytes / 2**20 if fit.vmem else None, fits=fit.ok)
     measured, on = config, []
-    if dict(plan.formats) != packed_formats(config, tp, dict(plan.formats)):
+    if dict(plan.formats) != packed_formats(config, dict(plan.formats)):
         measured = dataclasses.replace(config, formats=())  # what the kernel streams
         on.append(f"{dict(config.formats)} in {config.dtype} (the kernel does not pack "
                   f"them at tp={tp})")
