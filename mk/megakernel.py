@@ -29,7 +29,7 @@ cache operands at all; a conv of one tap (conv_kernel=1: no conv state) is not b
 Kimi Linear (`mk.kinds.attention.MLA`) is a hybrid whose full layers are multi-head latent
 attention (`mk.kernels.mla`): their ring segments are the matrices with D rows or
 columns (wq_a, or wq without a q low rank; wkv_a padded to whole tiles; wo), their narrow
-ones (`mk.kernels.mla.mla_loads`: the up-projections, the low-rank norms) are DMA'd at
+ones (`mk.kernels.mla.mla_weights`: the up-projections, the low-rank norms) are DMA'd at
 the layer's start, and the cache is the `mk.cache.LatentCache`, its latent rows passed
 as the one "kv head" [La, B, 1, S, W] every query head reads (operand `latent_cache`, no
 V).

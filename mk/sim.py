@@ -6,7 +6,7 @@ walks the stream in
 the kernel's program order (`mk.megakernel`; inside a layer the phases of
 `mk.kinds.base.LAYER_PHASES`, the list `layer_body` runs, each layer kind's part by its
 twin, `mk.kinds`): prime
-the ring, per layer the prologue's wq/wk/wv (MLA's ring matrices, its DMA'd `mla_loads`,
+the ring, per layer the prologue's wq/wk/wv (MLA's ring matrices, its DMA'd weights,
 the absorption), the KV stream of `attend` (MLA's latent tiles), wo (or a linear
 layer's mixer: the gated DeltaNet's or Kimi Delta Attention's projections, gates, conv and
 delta rule), the dense MLP or the router (Kimi's sigmoid router with its bias), a shared

@@ -337,7 +337,7 @@ print(f"{routing}\nexperts chosen per row: {np.asarray(chosen).tolist()}; distin
 # start and waits for each where it first uses it:
 
 # %%
-plots.show_source(mla.mla_matrices, mla.mla_loads, mla.mla_prologue, mla.mla_epilogue)
+plots.show_source(mla.mla_matrices, mla.mla_prologue, mla.mla_epilogue)
 
 # %% [markdown]
 # The whole model, every layer in one kernel, against the reference's greedy tokens (the

@@ -19,15 +19,15 @@ step as keys and values at once: W values per cached token, not 2 x N x H.
 The ring streams the matrices with D rows or columns (`mla_matrices`: wq_a, wq without a q
 low rank, wkv_a, wo; wkv_a's W columns padded with zeros to whole 128-lane tiles,
 `latent_columns`: the padding's products are never read), so a shard's tiles stay D x 128
-(`mk.kernels.ring`). The narrow ones (`mla_loads`: wq with a q low rank [Rq, N*H], wkv_b
-[R, ...], the two low-rank norms) would force small tiles on every matrix of the stream:
-each MLA layer DMAs them whole into VMEM at its start (`start_mla_loads`) and waits for
+(`mk.kernels.ring`). The narrow ones (`mla_weights(config, "dma")`: wq with a q low
+rank [Rq, N*H], wkv_b [R, ...], the two low-rank norms) would force small tiles on every
+matrix of the stream: each MLA layer DMAs them whole into VMEM at its start (`start_mla_loads`) and waits for
 each where it is first used, behind the ring's tiles already in flight (wq_a's come
 after them in the one DMA queue). wq's product is `mk.ops.matmul`'s (q cast to wq's
 dtype, float32 sums); the absorption and the value up-projection are float32 products in
 VMEM (`mk.reference.mla_absorbed`'s numerics); attention's own numerics are `attend`'s.
 
-Here: `mla_weights` (its rows of `mk.weights`), `low_rank_q`, `mla_matrices`, `mla_loads`
+Here: `mla_weights` (its rows of `mk.weights`), `low_rank_q`, `mla_matrices`
 (the DMA'd weights' shapes), `latent_columns`, `mla_buffers` (VMEM, group "layer"),
 `start_mla_loads`, `mla_prologue`, `mla_epilogue`. Not here: `attend`
 (`mk.kernels.decode_attention`), the layer around them (`mk.kernels.one_layer.layer_body`),
@@ -44,7 +44,7 @@ from jax.experimental.pallas import tpu as pltpu
 from mk.config import ModelConfig
 from mk.kernels.common import LANES, Buffer, start_dma
 from mk.ops import rms_norm
-from mk.weights import FAMILY, names_of, param_shapes
+from mk.weights import names_of, param_shapes
 
 F32 = jnp.float32
 NT = (((1,), (1,)), ((), ()))  # dot_general dims of a @ b.T
@@ -74,20 +74,11 @@ def mla_matrices(config: ModelConfig) -> list[tuple[str, int, int]]:
             for n in mla_weights(config, "ring")]
 
 
-def mla_loads(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
-    """The weights an MLA layer DMAs whole, by name, in the order it uses them (table
-    order: q_a_norm and wq with a q low rank, kv_a_norm, wkv_b): (shape of one layer's,
-    dtype). The norms are float32 rows (`mk.kinds.attention.MLA.prepare` lays them out
-    so)."""
-    shapes = param_shapes(config)
-    return {n: ((1, *shapes[n][0][1:]), "float32") if FAMILY[n] == "norms"
-            else (shapes[n][0][1:], shapes[n][1]) for n in mla_weights(config, "dma")}
-
-
 def mla_buffers(config: ModelConfig, M: int) -> list[Buffer]:
     """An MLA layer's VMEM (group "layer": attributes of the layer scratch): q, the low-rank
     q (with q_rank), kv (wkv_a's padded product), the new latent rows, the absorbed
-    queries, attention's output, the heads' outputs o, and the DMA'd `mla_loads`."""
+    queries, attention's output, the heads' outputs o, (its DMA'd weights' buffers are the kind's:
+    `mk.kinds.base.Kind.dma_buffers`)."""
     N, H, W, f32 = config.heads, config.head_dim, config.latent_width, "float32"
     buffers = [Buffer("q", (M, N * H), f32), Buffer("kv_a", (M, latent_columns(config)), f32),
                Buffer("latent_new", (M, W), f32), Buffer("queries", (M, N * W), f32),
@@ -95,15 +86,15 @@ def mla_buffers(config: ModelConfig, M: int) -> list[Buffer]:
                Buffer("o", (M, N * config.value_dim), f32)]
     if low_rank_q(config):
         buffers.append(Buffer("q_a", (M, config.q_rank), f32))
-    return buffers + [Buffer(name, shape, dtype) for name, (shape, dtype)
-                      in mla_loads(config).items()]
+    return buffers
 
 
 def start_mla_loads(config: ModelConfig, s, hbm: dict, row) -> dict:
-    """Issue MLA layer `row`'s `mla_loads` (HBM refs `hbm` by name) into the layer scratch
+    """Issue MLA layer `row`'s DMA'd weights (`mla_weights(config, "dma")`, table order;
+    HBM refs `hbm` by name) into the layer scratch
     `s` (semaphores s.mla_sems); returns their copies by name, to wait for at first use."""
     copies = {}
-    for i, name in enumerate(mla_loads(config)):
+    for i, name in enumerate(mla_weights(config, "dma")):
         into = getattr(s, name)
         copies[name] = pltpu.make_async_copy(hbm[name].at[row], into, s.mla_sems.at[i])
         start_dma(copies[name], name, into.size * into.dtype.itemsize)

@@ -7,7 +7,7 @@ layer primes the next full layer's first KV tiles right after its own attention,
 the layer edge; the first full layer's at the step's start) and leave their new rows'
 write-backs in flight until the step's end. GQA's prologue is `mk.kernels.attention_prologue`
 (wq, wk, wv, a gated model's wq_gate through the ring; QK-norm, RoPE); MLA's is
-`mk.kernels.mla` (its ring matrices and its DMA'd `mla_loads`, the absorbed queries), over
+`mk.kernels.mla` (its ring matrices and its DMA'd weights, the absorbed queries), over
 the latent cache (one "kv head" of R + Hr values every query head reads as its keys and
 values). Not here: the kernels' bodies (those modules), the loop over kinds
 (`mk.kernels.one_layer.layer_body`).
@@ -31,7 +31,7 @@ from mk.kernels.decode_attention import (attend, attention_semaphores, block_row
 from mk.kernels.kv_stream import (AttentionScratch, KvStream, drain_write_backs,
                                   kv_tiles, start_write_backs)
 from mk.kernels.mla import (latent_columns, low_rank_q, mla_buffers, mla_epilogue,
-                            mla_loads, mla_matrices, mla_prologue, start_mla_loads)
+                            mla_matrices, mla_prologue, start_mla_loads)
 from mk.kinds.base import Kind, Step, Twin
 
 FULL_PHASES = ("prologue", "attend", "kv_prime", "wo")
@@ -168,7 +168,7 @@ class GQA(Kind):
 
 class MLA(GQA):
     """Multi-head latent attention over the latent cache [La, B, S, R + Hr] (passed to
-    `attend` as one shared kv head [La, B, 1, S, W]); the narrow weights (`mla_loads`)
+    `attend` as one shared kv head [La, B, 1, S, W]); the narrow weights (its DMA'd ones)
     are DMA'd whole at the layer's start, wkv_a's columns padded to whole tiles."""
 
     name = "mla"
@@ -181,12 +181,12 @@ class MLA(GQA):
         return mla_matrices(self.config)
 
     def buffers(self, batch: int, rows: int, block) -> list:
-        return mla_buffers(self.config, batch * rows) + self.attention_buffers(batch, rows,
-                                                                              block)
+        return (mla_buffers(self.config, batch * rows) + self.dma_buffers()
+                + self.attention_buffers(batch, rows, block))
 
     def scratch(self, batch: int, rows: int, block) -> dict:
         return super().scratch(batch, rows, block) | {
-            "layer": {"mla_sems": pltpu.SemaphoreType.DMA((len(mla_loads(self.config)),))}}
+            "layer": {"mla_sems": pltpu.SemaphoreType.DMA((len(self.weights("dma")),))}}
 
     def caches(self, k: Step):
         return k.outputs["latent_cache"], None
@@ -207,7 +207,7 @@ class MLA(GQA):
 
     def prologue(self, k: Step, row) -> None:
         loads = start_mla_loads(self.config, k.s, {n: k.inputs[n] for n in
-                                                   mla_loads(self.config)}, row)
+                                                   self.weights("dma")}, row)
         mla_prologue(k.ring, self.config, k.s, loads, layer=k.step, x=k.x,
                      attn_norm=k.norms[0])
 
@@ -329,15 +329,15 @@ class MLATwin(AttentionTwin):
                        "mla_up")
 
     def prologue(self):
-        """`mk.kernels.mla.mla_prologue`: the layer's `mla_loads` issued at its start, wq_a,
+        """`mk.kernels.mla.mla_prologue`: the layer's DMA'd weights issued at its start, wq_a,
         its norm and the DMA'd wq (or wq through the ring), wkv_a and the latent's norm,
         each load waited for at first use; the absorption of each head's query (float32,
         at the MXU rule, as wq's product in VMEM)."""
         sim, c = self.sim, self.kind.config
         M = sim.m
         # issued at the layer's start, waited for in the order the kernel uses them
-        landed = iter([sim.mc.dma(math.prod(shape) * DTYPE_BITS[dtype] / 8, sim.layer, name)
-                       for name, (shape, dtype) in mla_loads(c).items()])
+        landed = iter([sim.mc.dma(math.prod(b.shape) * DTYPE_BITS[b.dtype] / 8, sim.layer,
+                                  b.name) for b in self.kind.dma_buffers()])
         if low_rank_q(c):
             sim.matmul("wq_a")
             sim.mc.wait(next(landed))  # q_a's norm
