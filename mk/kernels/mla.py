@@ -19,13 +19,13 @@ step as keys and values at once: W values per cached token, not 2 x N x H.
 The ring streams the matrices with D rows or columns (`mla_matrices`: wq_a, wq without a q
 low rank, wkv_a, wo; wkv_a's W columns padded with zeros to whole 128-lane tiles,
 `latent_columns`: the padding's products are never read), so a shard's tiles stay D x 128
-(`mk.kernels.ring`). The narrow ones (`mla_weights(config, "dma")`: wq with a q low
-rank [Rq, N*H], wkv_b [R, ...], the two low-rank norms) would force small tiles on every
-matrix of the stream: each MLA layer DMAs them whole into VMEM at its start (`start_mla_loads`) and waits for
-each where it is first used, behind the ring's tiles already in flight (wq_a's come
-after them in the one DMA queue). wq's product is `mk.ops.matmul`'s (q cast to wq's
-dtype, float32 sums); the absorption and the value up-projection are float32 products in
-VMEM (`mk.reference.mla_absorbed`'s numerics); attention's own numerics are `attend`'s.
+(`mk.kernels.ring`). The narrow ones (`mla_weights(config, "dma")`: wq with a q low rank
+[Rq, N*H], wkv_b [R, ...], the two low-rank norms) would force small tiles on every matrix
+of the stream: each MLA layer DMAs them whole into VMEM at its start (`start_mla_loads`)
+and waits for each where it is first used, behind the ring's tiles already in flight
+(wq_a's come after them in the one DMA queue). wq's product is `mk.ops.matmul`'s (q cast to
+wq's dtype, float32 sums); the absorption and the value up-projection are float32 products
+in VMEM (`mk.reference.mla_absorbed`'s numerics); attention's own numerics are `attend`'s.
 
 Here: `mla_weights` (its rows of `mk.weights`), `low_rank_q`, `mla_matrices`
 (the DMA'd weights' shapes), `latent_columns`, `mla_buffers` (VMEM, group "layer"),
