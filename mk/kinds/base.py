@@ -115,26 +115,30 @@ class Kind:
 
     def prepare(self, params) -> dict:
         """Its weights as the megakernel reads them (before `mk.kernels.ring.ring_layout`):
-        as stored, but a DMA'd vector (one [n] per layer: [L, n]) as [L, 1, n] rows, one
-        DMA each into a [1, n] VMEM buffer, float32 if it is a norm."""
+        as stored, but each weight it moves by whole DMA laid out per layer as its
+        `dma_buffers` buffer (`dma_layout`)."""
         out = {}
         for name in self.weights("ring", "dma"):
             w = params[name]
-            if name in self.weights("dma") and isinstance(w, jax.Array) and w.ndim == 2:
-                w = w[:, None].astype(jnp.float32 if FAMILY[name] == "norms" else w.dtype)
+            if name in self.weights("dma") and isinstance(w, jax.Array):
+                shape, dtype = self.dma_layout(name, w.shape[1:], w.dtype)
+                w = w.reshape(w.shape[:1] + shape).astype(dtype)
             out[name] = w
         return out
 
+    @staticmethod
+    def dma_layout(name: str, shape: tuple, dtype) -> tuple[tuple, object]:
+        """One layer's VMEM layout of a weight moved by whole DMA (its stored `shape` and
+        `dtype` a layer): a vector [n] as a [1, n] row, one DMA each; float32 if a norm."""
+        return ((1, *shape) if len(shape) == 1 else tuple(shape),
+                "float32" if FAMILY[name] == "norms" else dtype)
+
     def dma_buffers(self) -> list:
         """A VMEM buffer per weight it moves by whole DMA, named after it: one layer's, as
-        `prepare` lays it out (a vector as a [1, n] row, float32 if a norm)."""
+        `prepare` lays it out (`dma_layout`)."""
         shapes = param_shapes(self.config)
-        out = []
-        for name in self.weights("dma"):
-            shape = shapes[name][0][1:]
-            dtype = "float32" if FAMILY[name] == "norms" else self.config.dtype
-            out.append(Buffer(name, (1, *shape) if len(shape) == 1 else shape, dtype))
-        return out
+        return [Buffer(name, *self.dma_layout(name, shapes[name][0][1:], self.config.dtype))
+                for name in self.weights("dma")]
 
     def fetch(self, k: Step) -> dict:
         """The ring's Fetch callables of its segments: by default each ring weight's row

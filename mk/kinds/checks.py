@@ -3,9 +3,9 @@ layers, MLA, KDA, the router) checks the fields that describe it, and that they 
 when the model has no layer of that kind. `ModelConfig` runs every one (`KIND_CHECKS`) on
 construction; a check reads the config's fields by name, so this module imports nothing of
 mk but its error texts (`mk.errors`). Also here: `UNSET` and `FORMAT_LAYERS` (what a model
-without a kind's layers has), `check_routing` (a router's settings, the config's and the
-MoE kernel's `Routing`), `check_positive_ints` (ModelConfig's too) and `ROUTER_SCORES`. Not
-here: the kinds' weights (`mk.weights`), their kernels (`mk.kernels`).
+without a kind's layers has; `check_unset`), `check_routing` (a router's settings, the
+config's and the MoE kernel's `Routing`), `check_positive_ints` (ModelConfig's too) and
+`ROUTER_SCORES`. Not here: the kinds' weights (`mk.weights`), their kernels (`mk.kernels`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from mk.errors import brief, shown
 # Each layer kind's config fields at their values in a model with none of its layers, by
 # the ModelConfig property that lists those layers: `ModelConfig.pick_layers` sets them
 # when a kind's layers are all cut away, and check_moe, check_linear and check_router
-# refuse any other value.
+# refuse any other value of theirs (`check_unset`); check_kda refuses channel_decay.
 UNSET = {
     "moe_layers": dict(experts=0, experts_per_token=0, expert_ffn=0, norm_topk=False,
                        shared_expert_ffn=0, router_score="softmax", expert_groups=1,
@@ -80,17 +80,22 @@ def check_routing(where: str, *, router_score, expert_groups, topk_groups, route
                          f"{top_k} experts")
 
 
+def check_unset(c, layers: str, fields, why: str) -> None:
+    """Config `c`'s `fields` at their `UNSET[layers]` values (it has none of those layers:
+    `why`); raises ValueError naming every field set."""
+    found = {f: getattr(c, f) for f in fields if getattr(c, f) != UNSET[layers][f]}
+    if found:
+        raise ValueError(f"{c.name}: {shown(found, 400)} are set but {why}")
+
+
 def check_moe(c) -> None:
     """MoE layers: experts, top-k and width set exactly when there are MoE layers, which
     are distinct sorted layer indices."""
-    moe_fields = (c.experts, c.experts_per_token, c.expert_ffn)
     if not c.moe_layers:
-        if any(moe_fields):
-            raise ValueError(f"{c.name}: experts={c.experts}, experts_per_token="
-                             f"{c.experts_per_token}, expert_ffn={c.expert_ffn} "
-                             "are set but moe_layers is empty")
+        check_unset(c, "moe_layers", ("experts", "experts_per_token", "expert_ffn"),
+                    "moe_layers is empty")
         return
-    if min(moe_fields) < 1:
+    if min(c.experts, c.experts_per_token, c.expert_ffn) < 1:
         raise ValueError(f"{c.name}: an MoE model needs experts={c.experts}, "
                          f"experts_per_token={c.experts_per_token} and expert_ffn="
                          f"{c.expert_ffn} all >= 1")
@@ -111,11 +116,8 @@ def check_linear(c) -> None:
     set exactly when layer_types has a linear layer; value heads a multiple of key heads."""
     linear = ("linear_key_heads", "linear_value_heads", "linear_key_dim",
               "linear_value_dim", "conv_kernel")
-    values = {field: getattr(c, field) for field in linear}
     if not c.linear_layers:
-        if any(values.values()):
-            raise ValueError(f"{c.name}: {shown(values, 400)} are set but layer_types "
-                             "has no 'linear' layer")
+        check_unset(c, "linear_layers", linear, "layer_types has no 'linear' layer")
         return
     check_positive_ints(c, linear, " in a model with linear layers")
     if c.linear_value_heads % c.linear_key_heads:
@@ -159,10 +161,7 @@ def check_router(c) -> None:
                    topk_groups=c.topk_groups, routed_scale=c.routed_scale)
     if not c.moe_layers:
         check_routing(c.name, **routing)  # the fields' own types and values
-        fields = routing | dict(shared_expert_ffn=c.shared_expert_ffn)
-        if fields != {f: UNSET["moe_layers"][f] for f in fields}:
-            raise ValueError(f"{c.name}: {shown(routing, 300)} and shared_expert_ffn="
-                             f"{shown(c.shared_expert_ffn)} are set but moe_layers is empty")
+        check_unset(c, "moe_layers", (*routing, "shared_expert_ffn"), "moe_layers is empty")
         return
     if not isinstance(c.shared_expert_ffn, (int, np.integer)) \
             or c.shared_expert_ffn < 0:
