@@ -75,6 +75,7 @@ import dataclasses
 import math
 
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
 from mk import quant
@@ -196,26 +197,59 @@ def little_slots(bandwidth: float, latency_s: float, slot_bytes: float) -> int:
     return math.ceil(bandwidth * latency_s / slot_bytes) + 2
 
 
+def ring_slots(stream: TileStream, itemsize: int, in_flight: float) -> int:
+    """The ring slots Little's law asks for over `stream`'s own tile sequence, where tiles
+    of different bytes (plain and each scheme's packed ones) share one slot index
+    (`mk.kernels.ring`): 2 (one slot computed, one landing) plus the fewest n such that
+    every n consecutive tiles of the stream, across layer edges and into the tail, carry
+    at least `in_flight` bytes (bandwidth x cover time); a layer's period plus 2 when no
+    run of a period's tiles does. On a stream of one tile size, `little_slots`; with
+    packed tiles, a run of them as long as the window sets it (their bytes are fewer)."""
+    if isinstance(itemsize, bool) or not isinstance(itemsize, int) or itemsize < 1:
+        raise ValueError(f"itemsize={itemsize!r} must be an integer >= 1")
+
+    def tile_bytes(segments, tiles):  # bytes of each tile of one layer (or the tail)
+        owners = stream.owners(segments)
+        return [stream.segment_tile_bytes(owners[t][0], itemsize) for t in range(tiles)]
+
+    tail = sum(s.copies * s.tiles for s in stream.tail)
+    order = tile_bytes(stream.segments, stream.period) * min(stream.layers, 2) \
+        + tile_bytes(stream.tail, tail)
+    sums = np.concatenate([[0], np.cumsum(order, dtype=np.float64)])
+
+    def covers(n: int) -> bool:  # every run of n tiles carries in_flight bytes
+        return n <= len(order) and float((sums[n:] - sums[:-n]).min()) >= in_flight
+
+    low, high = 1, stream.period
+    if not covers(high):
+        return high + 2
+    while low < high:  # bytes are >= 0: a longer run covers whenever a shorter one does
+        mid = (low + high) // 2
+        low, high = (low, mid) if covers(mid) else (mid + 1, high)
+    return low + 2
+
+
 def default_block(local: ModelConfig, context: int, *, slots: int | None = None,
                   formats=None, chip: ChipSpec | str | None = None,
                   cover_s: float = RING_COVER_S) -> BlockSizes:
     """The default tiling of a shard with a cache of `context` positions and the
     quantised `formats`: `mk.kernels.one_layer.model_block`'s tile (the largest cutting
     every matrix of the shard, plain or transposed); `slots` ring slots, default the
-    `little_slots` of `chip` (one core's bandwidth, `cover_s`, the smallest tile the
-    stream moves; at most a layer's period of tiles) or, without a chip, SLOTS; and as
+    `ring_slots` of `chip` (one core's bandwidth x `cover_s` in flight over the stream's
+    tile sequence; at most a layer's period of tiles) or, without a chip, SLOTS; and as
     many KV slots as prefetch one sequence's whole cache or the ring's bytes of KV tiles,
     whichever is fewer (a layer's first KV tiles are issued behind the weight tiles in
-    flight: `kv_depth`)."""
+    flight: `kv_depth`). Not the VMEM: `DecodePlan.make` shortens a chip's ring to fit."""
     block = model_block(local, context=positive_int("context", context), formats=formats)
     stream = model_stream(local, block, 1, formats)
-    smallest = min(stream.segment_tile_bytes(s, jnp.dtype(local.dtype).itemsize)
+    itemsize = jnp.dtype(local.dtype).itemsize
+    smallest = min(stream.segment_tile_bytes(s, itemsize)
                    for s in stream.segments + stream.tail)  # what a slot moves, at least
     if slots is None and chip is not None:
         spec = named_chip(chip) if isinstance(chip, str) else chip
         # at most one layer's period: a deeper ring issues the next layer's weight tiles
         # before this layer's KV tiles, which then queue behind them (one DMA queue)
-        slots = min(little_slots(spec.hbm_bw / spec.cores_per_chip, cover_s, smallest),
+        slots = min(ring_slots(stream, itemsize, spec.hbm_bw / spec.cores_per_chip * cover_s),
                     max(SLOTS, stream.period))
     block = dataclasses.replace(block, slots=SLOTS if slots is None else slots)
     return dataclasses.replace(block, kv_slots=kv_depth(local, block, context,
@@ -502,25 +536,34 @@ class DecodePlan:
 
 def _chip_block(local: ModelConfig, tp: int, batch: int, rows: int, context: int, formats,
                 spec: ChipSpec | None) -> BlockSizes:
-    """`default_block` for the chip: a ring covering `ring_cover_s`, shortened where its
-    buffers would leave Mosaic less than `vmem_limit_bytes`' room in the chip's VMEM (never
-    below RING_COVER_S's ring)."""
+    """`default_block` for the chip: the ring `ring_slots` asks for over `ring_cover_s`,
+    shortened while the step's buffers would leave Mosaic less than `vmem_limit_bytes`'
+    room in the chip's VMEM (every ring buffer, plain and each scheme's, is slots deep:
+    they share the slot index), never below the ring covering RING_COVER_S unless that
+    ring does not fit the chip's VMEM at all (many small packed tiles): then down to 2
+    slots; raises ValueError naming the biggest buffers when even 2 do not fit."""
     if spec is None:
         return default_block(local, context, formats=formats)
-    block = default_block(local, context, formats=formats, chip=spec,
-                          cover_s=ring_cover_s(local, tp, batch * rows, spec))
-    floor = default_block(local, context, formats=formats, chip=spec).slots
-    if block.slots == floor:
-        return block
-    stream = model_stream(local, block, batch * rows, formats)
-    buffers = _buffers(local, tp, batch, rows, block, padded_vocab(local, block), stream)
+
+    def made(slots=None, cover_s=RING_COVER_S):  # the block and its buffers' bytes
+        block = default_block(local, context, formats=formats, chip=spec, slots=slots,
+                              cover_s=cover_s)
+        stream = model_stream(local, block, batch * rows, formats)
+        buffers = _buffers(local, tp, batch, rows, block, padded_vocab(local, block), stream)
+        ring = sum(b.bytes for b in ring_buffers(stream, local.dtype))
+        return block, buffers, ring
+
+    floor, buffers, _ = made()
+    if sum(b.bytes for b in buffers.values()) > spec.vmem_bytes:
+        floor = dataclasses.replace(floor, slots=2)
+    block, buffers, ring = made(cover_s=ring_cover_s(local, tp, batch * rows, spec))
     room = (spec.vmem_bytes - VMEM_ROOM) / VMEM_HEADROOM  # the buffers Mosaic's room allows
-    over = sum(b.bytes for b in buffers.values()) - room
-    if over <= 0:
-        return block
-    slot = sum(b.bytes for b in ring_buffers(stream, local.dtype)) / block.slots
-    slots = max(floor, block.slots - math.ceil(over / slot))
-    return default_block(local, context, formats=formats, chip=spec, slots=slots)
+    while (over := sum(b.bytes for b in buffers.values()) - room) > 0 \
+            and block.slots > floor.slots:
+        slots = max(floor.slots, block.slots - math.ceil(over / (ring / block.slots)))
+        block, buffers, ring = made(slots)
+    vmem_budget(f"megakernel {local.name} ({block.slots}-slot ring)", buffers.values(), spec)
+    return block
 
 
 def _buffers(local: ModelConfig, tp: int, batch: int, rows: int, block: BlockSizes,
