@@ -537,11 +537,11 @@ class DecodePlan:
 def _chip_block(local: ModelConfig, tp: int, batch: int, rows: int, context: int, formats,
                 spec: ChipSpec | None) -> BlockSizes:
     """`default_block` for the chip: the ring `ring_slots` asks for over `ring_cover_s`,
-    shortened while the step's buffers would leave Mosaic less than `vmem_limit_bytes`'
-    room in the chip's VMEM (every ring buffer, plain and each scheme's, is slots deep:
-    they share the slot index), never below the ring covering RING_COVER_S unless that
-    ring does not fit the chip's VMEM at all (many small packed tiles): then down to 2
-    slots; raises ValueError naming the biggest buffers when even 2 do not fit."""
+    or the deepest shorter one whose step's buffers leave Mosaic `vmem_limit_bytes`' room
+    in the chip's VMEM (every ring buffer, plain and each scheme's, is slots deep: they
+    share the slot index), never below the ring covering RING_COVER_S unless that ring
+    does not fit the chip's VMEM at all (many small packed tiles): then down to 2 slots;
+    raises ValueError naming the biggest buffers when even 2 do not fit."""
     if spec is None:
         return default_block(local, context, formats=formats)
 
@@ -550,18 +550,21 @@ def _chip_block(local: ModelConfig, tp: int, batch: int, rows: int, context: int
                               cover_s=cover_s)
         stream = model_stream(local, block, batch * rows, formats)
         buffers = _buffers(local, tp, batch, rows, block, padded_vocab(local, block), stream)
-        ring = sum(b.bytes for b in ring_buffers(stream, local.dtype))
-        return block, buffers, ring
+        return block, buffers
 
-    floor, buffers, _ = made()
-    if sum(b.bytes for b in buffers.values()) > spec.vmem_bytes:
-        floor = dataclasses.replace(floor, slots=2)
-    block, buffers, ring = made(cover_s=ring_cover_s(local, tp, batch * rows, spec))
+    def total(buffers) -> int:
+        return sum(b.bytes for b in buffers.values())
+
+    block, buffers = made(cover_s=ring_cover_s(local, tp, batch * rows, spec))
     room = (spec.vmem_bytes - VMEM_ROOM) / VMEM_HEADROOM  # the buffers Mosaic's room allows
-    while (over := sum(b.bytes for b in buffers.values()) - room) > 0 \
-            and block.slots > floor.slots:
-        slots = max(floor.slots, block.slots - math.ceil(over / (ring / block.slots)))
-        block, buffers, ring = made(slots)
+    if total(buffers) > room:
+        floor, floor_buffers = made()
+        low = floor.slots if total(floor_buffers) <= spec.vmem_bytes else 2
+        high = block.slots  # the deepest in [low, high] that leaves the room, else low
+        while low < high:  # the buffers grow with the slots (the ring's and the KV's)
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if total(made(mid)[1]) <= room else (low, mid - 1)
+        block, buffers = made(low)
     vmem_budget(f"megakernel {local.name} ({block.slots}-slot ring)", buffers.values(), spec)
     return block
 
