@@ -51,9 +51,21 @@ every matrix of the shard, with the cache's context: the largest tile of at most
 row-sharded [narrow, D] matrix is stored D-major, so a shard's tiles are D x 128 and more),
 3 ring slots or, for a chip, as many as Little's law asks for `ring_cover_s` at one core's
 bandwidth (`RING_COVER_S`, 2 µs, and at tp > 1 one all-reduce more, so weight DMAs stream
-through the collectives; at most a layer's period of tiles; fewer where the chip's VMEM
-would leave Mosaic too little room), KV tiles of min(256, S) positions, KV slots by
-`kv_depth`.
+through the collectives; at most a layer's period of tiles), KV tiles of min(256, S)
+positions, KV slots by `kv_depth`.
+
+The ring's slot count when tiles of different bytes share it. Plain tiles and each
+scheme's packed tiles (data and scales) have buffers of their own, but one slot index (tile
+g in slot g % slots of whichever buffer its segment uses), so every ring buffer is slots
+deep. One rule (`ring_slots`): Little's law on the bytes in flight counted over the
+stream's own tile sequence, the fewest slots whose every run of consecutive tiles carries
+bandwidth x cover time. A stream of one tile size gets `little_slots`; a long run of small
+packed tiles (FP4 experts, 128 x 128 tiles on a shard) asks for hundreds of slots, whose
+buffers a chip does not hold. So, for a chip (`DecodePlan.make`), the ring is the deepest
+whose buffers leave Mosaic its room (`vmem_limit_bytes`' 1.5 x buffers + 8 MiB within the
+core's VMEM), never below the ring covering RING_COVER_S unless that ring does not fit the
+VMEM at all, then down to 2 slots, and a kernel's plan that does not fit at 2 is refused
+by name.
 
 Adding a VMEM buffer to the megakernel is one line in `_buffers` (its group says where the
 kernel finds it: "layer" buffers are attributes of the layer scratch, the others are
@@ -61,7 +73,8 @@ their own scratch entry or an operand).
 
 Here: the sharding model (`check_tp`, `shard_config`, `kv_heads_of`),
 `kv_layout` (a full layer's cache: K and V heads, or MLA's one latent row),
-`padded_vocab`, `default_block` (with `little_slots`, `ring_cover_s`, `kv_depth`),
+`padded_vocab`, `default_block` (with `ring_slots`, `little_slots`, `ring_cover_s`,
+`kv_depth`),
 `model_stream`, `capacity`, `WEIGHT_FAMILIES`, `STEP_FAMILIES`, `family_of`,
 `packed_formats`, `shard_weight_bytes`, `QUANT_FAMILY`, `DecodePlan` (`DecodePlan.make`:
 the one way to make a plan), `Fit`. Not here: the kernel (`mk.megakernel`), the layer's
@@ -387,9 +400,11 @@ class DecodePlan:
         (and, for a kernel, `packed_formats` packs them all, and each device's shard of
         them is whole packed bytes and scale blocks: `mk.shards.check_quantised_splits`).
         Without a block, the tiling is `default_block`'s (for `chip`: a ring sized by Little's
-        law). The megakernel's ring needs >= 2 slots (a tile loads while another
-        computes) and a linear layer's conv_kernel >= 2 (`check_conv_kernel`);
-        `kernel=False` makes a plan only the simulator replays, which may have neither."""
+        law and fitted to the chip's VMEM, module docstring; a kernel's plan whose buffers
+        exceed the VMEM even at 2 slots raises, naming them). The megakernel's ring needs
+        >= 2 slots (a tile loads while another computes) and a linear layer's
+        conv_kernel >= 2 (`check_conv_kernel`); `kernel=False` makes a plan only the
+        simulator replays, which may have neither."""
         if not isinstance(config, ModelConfig):
             raise ValueError(f"config={config!r} must be a ModelConfig")
         local = shard_config(config, tp)
@@ -417,7 +432,7 @@ class DecodePlan:
         if block is None:
             try:
                 block = _chip_block(local, int(tp), int(batch), int(rows), context, packed,
-                                    spec)
+                                    spec, kernel)
             except ValueError as err:  # name the model, the tp and the fields tp splits
                 if tp == 1:
                     raise ValueError(f"{config.name}: {err}") from None
@@ -535,13 +550,14 @@ class DecodePlan:
 
 
 def _chip_block(local: ModelConfig, tp: int, batch: int, rows: int, context: int, formats,
-                spec: ChipSpec | None) -> BlockSizes:
+                spec: ChipSpec | None, kernel: bool) -> BlockSizes:
     """`default_block` for the chip: the ring `ring_slots` asks for over `ring_cover_s`,
     or the deepest shorter one whose step's buffers leave Mosaic `vmem_limit_bytes`' room
     in the chip's VMEM (every ring buffer, plain and each scheme's, is slots deep: they
     share the slot index), never below the ring covering RING_COVER_S unless that ring
-    does not fit the chip's VMEM at all (many small packed tiles): then down to 2 slots;
-    raises ValueError naming the biggest buffers when even 2 do not fit."""
+    does not fit the chip's VMEM at all (many small packed tiles): then down to 2 slots.
+    When even 2 do not fit, a `kernel` plan raises ValueError naming the biggest buffers;
+    the simulator's (a step no core holds, replayed) keeps 2 and `fits` says the same."""
     if spec is None:
         return default_block(local, context, formats=formats)
 
@@ -565,7 +581,9 @@ def _chip_block(local: ModelConfig, tp: int, batch: int, rows: int, context: int
             mid = (low + high + 1) // 2
             low, high = (mid, high) if total(made(mid)[1]) <= room else (low, mid - 1)
         block, buffers = made(low)
-    vmem_budget(f"megakernel {local.name} ({block.slots}-slot ring)", buffers.values(), spec)
+    if kernel:
+        vmem_budget(f"megakernel {local.name} ({block.slots}-slot ring)", buffers.values(),
+                    spec)
     return block
 
 
