@@ -142,15 +142,10 @@ def prepare(plan: DecodePlan, params) -> dict:
 def check_weights(plan: DecodePlan, params) -> None:
     """Raise ValueError naming the field, before anything is traced, unless `params` are
     the plan's model's (every tensor's name, shape and dtype, a quantised one's logical
-    shape: `mk.reference.check_params`) in the plan's formats (what its ring streams) and
-    every quantised weight's concrete values decode to finite numbers
-    (`mk.quant.check_values`: NaN or inf scales, NaN codes)."""
+    shape: `mk.reference.check_params`) and every quantised weight's concrete values
+    decode to finite numbers (`mk.quant.check_values`: NaN or inf scales, NaN codes).
+    Their formats are theirs (`mk.quant.formats_of`: what `prepare` lays out packed)."""
     reference.check_params(plan.config, params, "mk.megakernel.prepare", quantised=True)
-    got, want = quant.formats_of(params), dict(plan.formats)
-    if got != want:
-        raise ValueError(f"params are stored in formats={got}, the plan in formats={want} "
-                         "(what its ring streams): make the plan with "
-                         "formats=mk.quant.formats_of(params)")
     for name, p in params.items():
         if isinstance(p, quant.QuantWeight):
             quant.check_values(name, p)
