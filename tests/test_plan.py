@@ -263,7 +263,8 @@ def test_a_packed_shards_default_ring_is_shortened_to_leave_mosaic_its_room(
 def test_a_default_ring_that_cannot_fit_at_two_slots_is_refused_naming_the_buffers():
     """Never a kernel's plan over the chip's VMEM by default: when even a 2-slot ring
     leaves the step's buffers over a core's VMEM, the plan raises, naming the biggest
-    buffers; the simulator's plan keeps the 2 slots and its fit names them."""
+    buffers; the simulator's plan keeps the ring Little's law asks for and its fit names
+    them."""
     small = dataclasses.replace(mk.chip("tpu7x"), vmem_bytes=8 * 2**20)
     with pytest.raises(ValueError, match=r"qwen3-8b: megakernel qwen3-8b \(2-slot ring\): "
                                          r"VMEM buffers need [\d.]+ MiB, over tpu7x's 8 MiB "
@@ -271,7 +272,8 @@ def test_a_default_ring_that_cannot_fit_at_two_slots_is_refused_naming_the_buffe
         DecodePlan.make(mk.preset("qwen3-8b"), batch=8, context=4096, chip=small)
     replayed = DecodePlan.make(mk.preset("qwen3-8b"), batch=8, context=4096, chip=small,
                                kernel=False)  # the simulator's: fits() says the same
-    assert replayed.block.slots == 2
+    assert replayed.block == DecodePlan.make(mk.preset("qwen3-8b"), batch=8, context=4096,
+                                             chip="tpu7x").block  # Little's law's ring
     assert "VMEM buffers need" in replayed.fits(small).error
 
 

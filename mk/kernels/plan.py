@@ -64,8 +64,8 @@ packed tiles (FP4 experts, 128 x 128 tiles on a shard) asks for hundreds of slot
 buffers a chip does not hold. So, for a chip (`DecodePlan.make`), the ring is the deepest
 whose buffers leave Mosaic its room (`vmem_limit_bytes`' 1.5 x buffers + 8 MiB within the
 core's VMEM), never below the ring covering RING_COVER_S unless that ring does not fit the
-VMEM at all, then down to 2 slots, and a kernel's plan that does not fit at 2 is refused
-by name.
+VMEM at all, then down to 2 slots; a kernel's plan that does not fit at 2 is refused by
+name (the simulator's keeps the RING_COVER_S ring: its `fits` says why).
 
 Adding a VMEM buffer to the megakernel is one line in `_buffers` (its group says where the
 kernel finds it: "layer" buffers are attributes of the layer scratch, the others are
@@ -557,7 +557,8 @@ def _chip_block(local: ModelConfig, tp: int, batch: int, rows: int, context: int
     share the slot index), never below the ring covering RING_COVER_S unless that ring
     does not fit the chip's VMEM at all (many small packed tiles): then down to 2 slots.
     When even 2 do not fit, a `kernel` plan raises ValueError naming the biggest buffers;
-    the simulator's (a step no core holds, replayed) keeps 2 and `fits` says the same."""
+    the simulator's (a step no core holds, replayed) keeps the RING_COVER_S ring, and
+    `fits` says the same."""
     if spec is None:
         return default_block(local, context, formats=formats)
 
@@ -573,18 +574,21 @@ def _chip_block(local: ModelConfig, tp: int, batch: int, rows: int, context: int
 
     block, buffers = made(cover_s=ring_cover_s(local, tp, batch * rows, spec))
     room = (spec.vmem_bytes - VMEM_ROOM) / VMEM_HEADROOM  # the buffers Mosaic's room allows
-    if total(buffers) > room:
-        floor, floor_buffers = made()
-        low = floor.slots if total(floor_buffers) <= spec.vmem_bytes else 2
-        high = block.slots  # the deepest in [low, high] that leaves the room, else low
-        while low < high:  # the buffers grow with the slots (the ring's and the KV's)
-            mid = (low + high + 1) // 2
-            low, high = (mid, high) if total(made(mid)[1]) <= room else (low, mid - 1)
-        block, buffers = made(low)
+    if total(buffers) <= room:
+        return block
+    floor, floor_buffers = made()
+    low = floor.slots if total(floor_buffers) <= spec.vmem_bytes else 2
+    high = block.slots  # the deepest in [low, high] that leaves the room, else low
+    while low < high:  # the buffers grow with the slots (the ring's and the KV's)
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if total(made(mid)[1]) <= room else (low, mid - 1)
+    block, buffers = made(low)
+    if total(buffers) <= spec.vmem_bytes:
+        return block
     if kernel:
         vmem_budget(f"megakernel {local.name} ({block.slots}-slot ring)", buffers.values(),
                     spec)
-    return block
+    return floor
 
 
 def _buffers(local: ModelConfig, tp: int, batch: int, rows: int, block: BlockSizes,
