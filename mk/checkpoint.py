@@ -134,7 +134,9 @@ def load_checkpoint(path: str | Path, *, dtype: str | None = None
     All problems are collected into one `ValueError` before any weight is converted.
     A quantised checkpoint (`quant_format`) may store its projections as fp8 or its experts
     as MXFP4 instead; those parameters come back as `mk.quant.QuantWeight`s (run the
-    reference on `mk.quant.dequantize(params)`).
+    reference on `mk.quant.dequantize(params)`), their NaN or inf scales and NaN codes
+    refused by field (`mk.quant.check_values`); every weight must be finite in the
+    config's dtype.
     Parameters are cast to `config.dtype`; `dtype` overrides the file's dtype. A Qwen3.5
     checkpoint's multi-token-prediction (`mtp.*`) and vision (`model.visual.*`) tensors
     are not run by mk and are skipped.
@@ -177,12 +179,21 @@ def load_checkpoint(path: str | Path, *, dtype: str | None = None
             raise ValueError(_problems(folder, config, problems))
         params = _assemble(handles, where, layout, shapes, config)
         params.update(_assemble_quantised(folder, handles, where, layout, shapes))
+    bad = []
+    for name, p in params.items():  # a NaN or inf scale or NaN code, named by its field
+        if isinstance(p, quant.QuantWeight):
+            try:
+                quant.check_values(f"mk {name}", p)
+            except ValueError as err:
+                bad.append(str(err))
+    if bad:
+        raise ValueError(_problems(folder, config, bad))
     values = quant.dequantize(params)
     bad = [f"mk {name}: {np.size(x) - int(np.isfinite(x).sum())} values are NaN or inf "
            f"in {x.dtype}" for name, x in ((n, np.asarray(v, np.float32))
                                           for n, v in values.items())
            if not np.isfinite(x).all()]
-    if bad:  # a NaN weight (or fp8 NaN code, e8m0 scale 255), or a value past bf16's range
+    if bad:  # a NaN weight, or a value past bf16's range (a plain one, or code x scale)
         raise ValueError(_problems(folder, config, bad) + f"\n(weights must be finite in "
                          f"{config.dtype}; its largest value is "
                          f"{float(jnp.finfo(config.dtype).max):.4g})")

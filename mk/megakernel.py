@@ -63,11 +63,11 @@ after every layer's attention and MLP blocks, the same record `mk.reference.deco
 taps=True)` returns, and `first_divergence` compares the two op by op up to a
 `stop_after=(layer, op)` point and names the first op that differs.
 
-Here: `prepare` (weights in the megakernel's layout, once), `decode_step`,
-`traced_step` (also what `mk.tpu.compile_megakernel` compiles), `first_divergence`,
-`generate` and the kernel's one greedy loop for one device and many (`greedy_loop` on the
-host, `greedy_steps` on the device; `mk.tensor_parallel.generate` passes its step),
-`check_generate`, `progress_bar`. Not here: the compile-time benchmark
+Here: `prepare` (weights in the megakernel's layout, once; `check_weights` first),
+`decode_step`, `traced_step` (also what `mk.tpu.compile_megakernel` compiles),
+`first_divergence`, `generate` and the kernel's one greedy loop for one device and many
+(`greedy_loop` on the host, `greedy_steps` on the device; `mk.tensor_parallel.generate`
+passes its step), `check_generate`, `progress_bar`. Not here: the compile-time benchmark
 (benchmarks/compile_time.py), the reference's loop (`mk.reference.generate`).
 
 Tensor parallelism is the same kernel with a plan of tp > 1, run inside `jax.shard_map`
@@ -128,13 +128,27 @@ def operands(config: ModelConfig) -> tuple[str, ...]:
 
 
 def prepare(plan: DecodePlan, params) -> dict:
-    """The megakernel's weights for `plan`, made once from the model's params: one
-    device's (`_device_weights`), or at tp > 1 each device's stacked [tp, ...] (split by
-    `mk.shards.shard_params`, then laid out per device)."""
+    """The megakernel's weights for `plan`, made once from the model's params (checked
+    first: `check_weights`): one device's (`_device_weights`), or at tp > 1 each
+    device's stacked [tp, ...] (split by `mk.shards.shard_params`, then laid out per
+    device)."""
+    check_weights(plan, params)
     if plan.tp == 1:
         return _device_weights(plan.local, params, plan.block)
     stacked = shard_params(plan.config, params, plan.tp)
     return jax.vmap(lambda p: _device_weights(plan.local, p, plan.block))(stacked)
+
+
+def check_weights(plan: DecodePlan, params) -> None:
+    """Raise ValueError naming the field, before anything is traced, unless `params` are
+    the plan's model's (every tensor's name, shape and dtype, a quantised one's logical
+    shape: `mk.reference.check_params`) and every quantised weight's concrete values
+    decode to finite numbers (`mk.quant.check_values`: NaN or inf scales, NaN codes).
+    Their formats are theirs (`mk.quant.formats_of`: what `prepare` lays out packed)."""
+    reference.check_params(plan.config, params, "mk.megakernel.prepare", quantised=True)
+    for name, p in params.items():
+        if isinstance(p, quant.QuantWeight):
+            quant.check_values(name, p)
 
 
 def _device_weights(config: ModelConfig, params, block: BlockSizes) -> dict:

@@ -1,7 +1,8 @@
 """Quantised weight storage: int8, fp8, int4 and fp4 (MXFP4), packed, checked and counted.
 
 Here: the four storage schemes (`SCHEMES`), each laid out exactly as below (a
-`QuantWeight` checks its layout on construction: `check_layout`); `quantize` (finite bf16
+`QuantWeight` checks its layout on construction: `check_layout`; its values where they
+are concrete, NaN or inf scales and NaN codes: `check_values`); `quantize` (finite bf16
 params -> a params dict whose quantised weights are `QuantWeight`s), `dequantize`
 (back to plain arrays: the oracle's weights, fed to the unchanged `mk.reference`), the
 element decoders a kernel calls on one streamed tile (`unpack_nibbles`, `e4m3_values`,
@@ -180,6 +181,37 @@ def check_layout(scheme: str, data, scale) -> None:
                          f"{(*lead, *block)} for data {shape} ({SCALES[scheme]})")
 
 
+# The codes a scheme's layout holds that decode to NaN, by (scheme, field); `quantize`
+# never writes them (module docstring's layouts).
+NAN_CODES = {("fp8", "data"): (0x7F, 0xFF), ("fp4", "scale"): (255,)}
+
+
+def check_values(name: str, q: QuantWeight) -> None:
+    """Raise ValueError naming the weight, the field, how many values and the first one's
+    index if the concrete arrays of `q` hold a NaN or inf scale (int8, fp8 and int4 store
+    float scales) or a code that decodes to NaN (`NAN_CODES`: fp8 data 0x7f / 0xff, fp4's
+    e8m0 scale 255): either would spoil a whole group of weights. Arrays with nothing to
+    read (tracers, shape structs) pass."""
+    for field in ("data", "scale"):
+        a = getattr(q, field)
+        if isinstance(a, jax.core.Tracer) or not isinstance(a, (np.ndarray, jax.Array)):
+            continue
+        codes = NAN_CODES.get((q.scheme, field))
+        if codes:
+            bad, what = jnp.isin(a, jnp.asarray(codes, a.dtype)), "codes " + " / ".join(
+                f"{c:#04x}" for c in codes) + " (NaN)"
+        elif jnp.issubdtype(a.dtype, jnp.floating):
+            bad, what = ~jnp.isfinite(a), "NaN or inf"
+        else:
+            continue
+        count = int(bad.sum())
+        if count:
+            first = tuple(int(i) for i in np.argwhere(np.asarray(bad))[0])
+            raise ValueError(f"{name} ({q.scheme}): {count} of {a.size} {field} values are "
+                             f"{what}, the first at {first}; a quantised weight's "
+                             f"{field} must decode to finite numbers")
+
+
 class _At:
     def __init__(self, q: QuantWeight):
         self.q = q
@@ -351,13 +383,22 @@ def check_quantisable(config: ModelConfig, formats) -> dict[str, str]:
 def quantize(config: ModelConfig, params: dict, *, dense: str | None = None,
              experts: str | None = None, lm_head: str | None = None) -> dict:
     """bf16 (or float32) params -> the same dict with each weight of a chosen group
-    replaced by a `QuantWeight` in that group's scheme (None: left as it is)."""
+    replaced by a `QuantWeight` in that group's scheme (None: left as it is). A weight of
+    another group may be a `QuantWeight` already (kept, its values checked:
+    `check_values`); one of a chosen group may not."""
     chosen = check_quantisable(config, dict(dense=dense, experts=experts, lm_head=lm_head))
     shapes = param_shapes(config)
     for group, scheme in chosen.items():  # every problem before any work
         for name in FORMAT_GROUPS[group]:
             if name in shapes:
                 check_shape(name, scheme, shapes[name][0])
+    chosen_names = {name for group in chosen for name in FORMAT_GROUPS[group]}
+    for name, p in params.items():  # quantised already: kept as it is, if finite
+        if isinstance(p, QuantWeight):
+            if name in chosen_names:
+                raise ValueError(f"params[{name!r}] is quantised already ({p.scheme}); "
+                                 "quantize takes plain weights (mk.quant.dequantize)")
+            check_values(name, p)
     out = dict(params)
     for group, scheme in chosen.items():
         for name in FORMAT_GROUPS[group]:

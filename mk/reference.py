@@ -316,10 +316,12 @@ def checked_int32(field: str, x, low: int, high: int, limit: str = "") -> jax.Ar
     return jnp.asarray(a.astype(np.int32))
 
 
-def check_params(config: ModelConfig, params, entry: str = "mk.reference") -> None:
+def check_params(config: ModelConfig, params, entry: str = "mk.reference", *,
+                 quantised: bool = False) -> None:
     """Raise ValueError naming the first parameter whose name, shape or dtype is not what
     `param_shapes(config)` says (a missing or extra tensor, another model's params, a
-    quantised weight: `entry`, the caller, takes plain weights)."""
+    quantised weight: `entry`, the caller, takes plain weights unless `quantised`, then
+    a `mk.quant.QuantWeight`'s logical shape is checked, its dtypes being its scheme's)."""
     want = param_shapes(config)
     if not hasattr(params, "keys"):
         raise ValueError(f"params is a {type(params).__name__}; expected a dict of "
@@ -329,6 +331,11 @@ def check_params(config: ModelConfig, params, entry: str = "mk.reference") -> No
             raise ValueError(f"params has no {name!r}, which {config.name} needs "
                              f"({dtype}{list(shape)})")
         got = params[name]
+        if hasattr(got, "scheme") and quantised:  # dtypes: its layout's (check_layout)
+            if tuple(got.shape) != shape:
+                raise ValueError(f"params[{name!r}] is {got.scheme}{list(got.shape)}; "
+                                 f"{config.name} needs {list(shape)}")
+            continue
         if hasattr(got, "scheme"):  # an mk.quant.QuantWeight (mk.quant imports this module)
             raise ValueError(f"params[{name!r}] is quantised ({got.scheme}); {entry} takes "
                              f"plain {dtype} weights: pass mk.quant.dequantize(params), or "

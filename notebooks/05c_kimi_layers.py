@@ -81,7 +81,6 @@ gqa_preset: str = "kimi-k3-like"  # the GQA model it is drawn against
 exercise_head_decay: bool = False  # the exercise: True decays all of a head's channels alike
 
 # %%
-import dataclasses
 import time
 
 import jax
@@ -362,16 +361,14 @@ print(f"megakernel {np.asarray(got_tokens).tolist()}\nreference  "
 # (E x D, DMA'd per MoE layer) dominate; MLA adds its loaded wq and wkv_b and a latent KV
 # ring (`k_tiles`: R + Hr values a row, padded to whole 128-lane tiles in VMEM). Its FP4
 # experts (the preset's `formats`) stream packed on each device (`mk.shards` splits the
-# packed bytes and their scales), through a ring of their own beside the plain one. The
-# default ring gives both rings the slots of the small FP4 tiles and overflows VMEM, so
-# this plan takes 256 slots (the ring's sizing for packed formats is open, issue 34):
+# packed bytes and their scales), through a ring of their own beside the plain one. Both
+# rings share one slot index, so Little's law over the stream's tiles (long runs of small
+# FP4 tiles) would make each of them hundreds of slots deep, over VMEM: the plan shortens
+# the ring to what leaves Mosaic its room (`DecodePlan.make`, printed below):
 
 # %%
-k3_default = DecodePlan.make(mk.preset(bytes_preset), tp=32, batch=1, rows=1,
-                             context=4096, chip=run.chip, kernel=False)
 k3_plan = DecodePlan.make(mk.preset(bytes_preset), tp=32, batch=1, rows=1, context=4096,
-                          chip=run.chip, kernel=False,
-                          block=dataclasses.replace(k3_default.block, slots=256))
+                          chip=run.chip, kernel=False)
 k3_fit, k3, local = k3_plan.fits(run.chip), k3_plan.config, k3_plan.local
 display(plots.table(k3_fit.vmem.rows()[:12]))
 print(f"a device: {local.heads} MLA heads, {local.linear_value_heads} KDA heads; each "

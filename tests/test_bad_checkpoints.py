@@ -20,9 +20,10 @@ import pytest
 from builders import hf_config_dict, hf_tensors, save_hf_checkpoint, write_hf_folder
 
 import mk
-from mk import quant
+from mk import megakernel, quant
 from mk.checkpoint import init_params, load_checkpoint
 from mk.config import ModelConfig
+from mk.kernels.plan import DecodePlan
 from mk.presets import preset
 
 TINY = preset("tiny")
@@ -188,3 +189,55 @@ def test_quant_weights_in_every_valid_layout_still_construct():
         quant.abstract_weight((2, 256, 512), scheme)
     with pytest.raises(ValueError, match="QuantWeight scheme='int3' must be one of"):
         quant.QuantWeight(q.data, q.scale, "int3")
+
+
+def _planted(params, scheme, field, index, value):
+    """TINY's params with the dense group in `scheme`, and wq's `field` holding `value` at
+    `index` (written through float32 for bf16 scales)."""
+    q = mk.quantize(TINY, params, dense=scheme)
+    wq = q["wq"]
+    a = np.asarray(getattr(wq, field))
+    planted = a.astype(np.float32) if a.dtype == jnp.bfloat16 else a.copy()
+    planted[index] = value
+    parts = {"data": wq.data, "scale": wq.scale} | {
+        field: jnp.asarray(planted, getattr(wq, field).dtype)}
+    return q | {"wq": quant.QuantWeight(parts["data"], parts["scale"], scheme)}
+
+
+@pytest.mark.parametrize("scheme, field, value, what", [
+    ("int8", "scale", np.nan, "NaN or inf"), ("fp8", "scale", np.inf, "NaN or inf"),
+    ("int4", "scale", -np.inf, "NaN or inf"), ("fp4", "scale", 255, r"codes 0xff \(NaN\)"),
+    ("fp8", "data", 0x7F, r"codes 0x7f / 0xff \(NaN\)")])
+def test_nan_scales_and_codes_are_refused_where_quantised_weights_enter(params, scheme,
+                                                                         field, value, what):
+    """A NaN or inf scale (or a code that decodes to NaN) spoils a whole group of weights:
+    `mk.quant.check_values` names the weight, the field, the count and the first index,
+    before anything is traced, wherever concrete quantised weights enter: quantize (a
+    weight it keeps quantised), mk.megakernel.prepare, and the loader
+    (tests/test_quant.py: fp8 and MXFP4 checkpoints)."""
+    bad = _planted(params, scheme, field, (1, 0, 2), value)
+    size = getattr(bad["wq"], field).size
+    message = (rf"wq \({scheme}\): 1 of {size} {field} values are {what}, the first at "
+               rf"\(1, 0, 2\); a quantised weight's {field} must decode to finite numbers")
+    with pytest.raises(ValueError, match=message):
+        mk.quantize(TINY, bad, lm_head="int8")
+    plan = DecodePlan.make(TINY, batch=1, context=256, formats=dict(dense=scheme))
+    with pytest.raises(ValueError, match=message):
+        megakernel.prepare(plan, bad)
+    megakernel.prepare(plan, mk.quantize(TINY, params, dense=scheme))  # the good ones
+
+
+def test_prepare_refuses_params_that_are_not_the_plans_by_name(params):
+    """The plan's model's tensors, a quantised weight by its logical shape; quantize
+    refuses to quantise a weight twice."""
+    q = mk.quantize(TINY, params, dense="int8")
+    plan = DecodePlan.make(TINY, batch=1, context=256, formats=dict(dense="int8"))
+    with pytest.raises(ValueError, match=r"params has no 'wq', which tiny needs"):
+        megakernel.prepare(plan, {k: v for k, v in q.items() if k != "wq"})
+    wrong = quant.quantize_weight(jnp.swapaxes(params["wo"], -1, -2), "int8", "wo")
+    with pytest.raises(ValueError, match=r"params\['wo'\] is int8\[2, 256, 512\]; "
+                                         r"tiny needs \[2, 512, 256\]"):
+        megakernel.prepare(plan, q | {"wo": wrong})
+    with pytest.raises(ValueError, match=r"params\['wq'\] is quantised already \(int8\); "
+                                         "quantize takes plain weights"):
+        mk.quantize(TINY, q, dense="int8")

@@ -22,9 +22,11 @@ from mk import backend, megakernel, perf, quant, reference, sim
 from mk import shards
 from mk import tensor_parallel as tpar
 from mk.kernels.collectives import tp_mesh
-from mk.kernels.common import BlockSizes, Cut, dma_log
+from mk.kernels.common import VMEM_HEADROOM, VMEM_ROOM, BlockSizes, Cut, dma_log
 from mk.kernels.plan import (RING_COVER_S, WEIGHT_FAMILIES, DecodePlan, capacity,
-                             default_block, family_of, little_slots, shard_config)
+                             default_block, family_of, little_slots, ring_slots,
+                             ring_cover_s, shard_config)
+from mk.kernels.ring import TileStream
 from multidevice import run
 
 POSITION = 37  # the one sequence's cached positions before its new row
@@ -211,6 +213,68 @@ def test_the_default_tiling_is_one_rule():
     assert capacity(4097) == 4352 and capacity(100) == 112
     assert DecodePlan.make(config, batch=8, position=4096).block == dataclasses.replace(
         plan.block)
+
+
+def test_the_ring_holds_its_bytes_in_flight_over_the_streams_own_tiles():
+    """Little's law counted over the stream's tile sequence (`ring_slots`): on tiles of one
+    size it is `little_slots`; 4 small FP4 tiles among 60 plain ones cost 9 tiles more
+    than the plain tiles' 8 of the bytes (the window must hold the FP4 run and 7 plain
+    tiles), not the 31 FP4 tiles the smallest tile alone would ask for."""
+    block = BlockSizes(tile_rows=128, tile_cols=128)
+    plain, fp4 = 128 * 128 * 2, quant.tile_bytes("fp4", 128, 128)  # 32768, 8704 bytes
+    uniform = TileStream.build(block, [("a", 128, 128 * 64)])
+    assert ring_slots(uniform, 2, 8 * plain) == little_slots(1, 8 * plain, plain) == 10
+    mixed = TileStream.build(block, [("a", 128, 128 * 30), ("b", 128, 128 * 4),
+                                     ("c", 128, 128 * 30)], schemes={"b": "fp4"})
+    assert [s.scheme for s in mixed.segments] == [None, "fp4", None]
+    assert ring_slots(mixed, 2, 8 * plain) == 4 + 7 + 2  # 4 * fp4 + 7 * plain >= 8 * plain
+    assert little_slots(1, 8 * plain, fp4) == 33
+    # a window no run of a layer's period reaches: the period, plus 2
+    assert ring_slots(mixed, 2, 64 * plain) == mixed.period + 2
+
+
+@pytest.mark.parametrize("name, tp, batch, formats", [
+    ("qwen3.5-27b", 8, 8, dict(dense="fp8", lm_head="int4")),
+    ("qwen3.5-27b", 8, 8, dict(dense="int8", lm_head="fp4")),
+    ("kimi-k3", 32, 1, None)])  # its preset's FP4 experts
+def test_a_packed_shards_default_ring_is_shortened_to_leave_mosaic_its_room(
+        name, tp, batch, formats):
+    """Plain and packed tiles share the ring's slot index, so every ring buffer is as deep
+    as Little's law asks over the small packed tiles: over TPU7x's VMEM (the 27B's TP8
+    shard: 876 slots, 71 MiB). The default plan's ring is the deepest whose buffers
+    leave Mosaic its room (1.5 x buffers + 8 MiB within the core's 64 MiB)."""
+    config, spec = mk.preset(name), mk.chip("tpu7x")
+    plan = DecodePlan.make(config, tp=tp, batch=batch, context=4096, chip=spec,
+                           formats=formats)
+    little = ring_slots(plan.stream, 2, spec.hbm_bw / spec.cores_per_chip
+                        * ring_cover_s(plan.local, tp, batch, spec))
+    assert 2 <= plan.block.slots < little
+    assert plan.stream.schemes and plan.stream.has_plain
+    total = sum(b.bytes for b in plan.buffers.values())
+    assert total * VMEM_HEADROOM + VMEM_ROOM <= spec.vmem_bytes
+    assert plan.fits(spec).vmem is not None
+    deeper = DecodePlan.make(config, tp=tp, batch=batch, context=4096, chip=spec,
+                             formats=formats, block=dataclasses.replace(
+                                 plan.block, slots=plan.block.slots + 1))
+    assert sum(b.bytes for b in deeper.buffers.values()) * VMEM_HEADROOM + VMEM_ROOM \
+        > spec.vmem_bytes
+
+
+def test_a_default_ring_that_cannot_fit_at_two_slots_is_refused_naming_the_buffers():
+    """Never a kernel's plan over the chip's VMEM by default: when even a 2-slot ring
+    leaves the step's buffers over a core's VMEM, the plan raises, naming the biggest
+    buffers; the simulator's plan keeps the ring Little's law asks for and its fit names
+    them."""
+    small = dataclasses.replace(mk.chip("tpu7x"), vmem_bytes=8 * 2**20)
+    with pytest.raises(ValueError, match=r"qwen3-8b: megakernel qwen3-8b \(2-slot ring\): "
+                                         r"VMEM buffers need [\d.]+ MiB, over tpu7x's 8 MiB "
+                                         r"per core; biggest: .*ring \(2, 4096, 256\)"):
+        DecodePlan.make(mk.preset("qwen3-8b"), batch=8, context=4096, chip=small)
+    replayed = DecodePlan.make(mk.preset("qwen3-8b"), batch=8, context=4096, chip=small,
+                               kernel=False)  # the simulator's: fits() says the same
+    assert replayed.block == DecodePlan.make(mk.preset("qwen3-8b"), batch=8, context=4096,
+                                             chip="tpu7x").block  # Little's law's ring
+    assert "VMEM buffers need" in replayed.fits(small).error
 
 
 def test_a_presets_formats_are_charged_and_packed_at_any_tp():

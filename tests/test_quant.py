@@ -267,14 +267,23 @@ def test_a_bad_fp8_checkpoint_names_every_problem_in_one_error(tmp_path):
         mk.load_checkpoint(tmp_path)
 
 
-def test_fp8_nan_codes_and_unknown_quant_methods_are_refused(tmp_path):
+def test_fp8_nan_codes_and_scales_and_unknown_quant_methods_are_refused(tmp_path):
+    """A NaN code in a weight and a NaN scale in another, each named by its mk weight and
+    field (`mk.quant.check_values`), in one error."""
     _, _, hf, tensors = fp8_checkpoint(TINY)
     name = "model.layers.0.mlp.down_proj.weight"
     codes = tensors[name].view(np.uint8).copy()
     codes[3, 5] = 0x7F  # e4m3's NaN
     tensors[name] = codes.view(jnp.float8_e4m3fn)
+    scale = "model.layers.1.self_attn.o_proj.weight_scale_inv"
+    tensors[scale] = tensors[scale].copy()
+    tensors[scale][0, 1] = np.nan  # [O/128, I/128]: mk's [1 (layer), 1, 0]
     write_hf_folder(hf, tensors, tmp_path)
-    with pytest.raises(ValueError, match="mk w_down: 1 values are NaN or inf"):
+    with pytest.raises(ValueError, match=r"\(2 problems\):\n  mk wo \(fp8\): 1 of 16 scale "
+                                         r"values are NaN or inf, the first at \(1, 1, 0\);.*"
+                                         r"\n  mk w_down \(fp8\): 1 of 262144 data values "
+                                         r"are codes 0x7f / 0xff \(NaN\), the first at "
+                                         r"\(0, 5, 3\)"):
         mk.load_checkpoint(tmp_path)
     hf["quantization_config"] = {"quant_method": "gptq", "bits": 4}
     (tmp_path / "config.json").write_text(json.dumps(hf))
@@ -324,10 +333,17 @@ def test_gpt_oss_mxfp4_experts_load_bit_exactly_and_match_transformers_dequantis
     for name, rows in (("we_gate", slice(0, None, 2)), ("we_up", slice(1, None, 2))):
         np.testing.assert_array_equal(np.asarray(deq[name][1], np.float32),
                                       hf_gate_up[..., rows], name)
-    tensors[prefix + "down_proj_scales"] = tensors[prefix + "down_proj_scales"][:, :, :2]
+    scales = tensors[prefix + "down_proj_scales"]
+    tensors[prefix + "down_proj_scales"] = scales[:, :, :2]
     write_hf_folder(hf, tensors, tmp_path)
     with pytest.raises(ValueError, match=r"down_proj_scales has shape \(8, 256, 2\), "
                                          r"expected \(8, 256, 4\)"):
+        mk.load_checkpoint(tmp_path)
+    tensors[prefix + "down_proj_scales"] = scales.copy()
+    tensors[prefix + "down_proj_scales"][2, 7, 1] = 255  # e8m0's NaN: mk [layer 1, 2, 1, 7]
+    write_hf_folder(hf, tensors, tmp_path)
+    with pytest.raises(ValueError, match=r"mk we_down \(fp4\): 1 of \d+ scale values are "
+                                         r"codes 0xff \(NaN\), the first at \(1, 2, 1, 7\)"):
         mk.load_checkpoint(tmp_path)
 
 

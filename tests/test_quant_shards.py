@@ -130,17 +130,14 @@ def test_the_headline_shards_split_whole(name, tp, formats):
                                      dict(dense="int8", lm_head="fp4")])
 def test_the_27bs_tp8_shard_compiles_for_tpu7x_with_its_weights_packed(formats):
     """Qwen3.5-27B (48 DeltaNet layers, plain; its gated attention and FFN quantised) at
-    TP8 on 4 TPU7x chips, ahead of time (~10 s). A 256-slot ring: the default sizes every
-    ring (plain and each scheme's) by the smallest packed tile, 876 slots of 128 x 128
-    tiles, 71 MiB of VMEM (issue 34's ring sizing and tile size for packed formats). An
-    fp8 lm_head is refused: 248320 / 8 = 31040 vocab columns a device are not whole
-    128-column scale blocks."""
+    TP8 on 4 TPU7x chips, ahead of time (~10 s), with the plan's own ring: Little's law
+    would give every ring (plain and each scheme's, one slot index) the slots of 128 x 128
+    packed tiles, over VMEM, so the plan shortens it to leave Mosaic its room
+    (`DecodePlan.make`). An fp8 lm_head is refused: 248320 / 8 = 31040 vocab columns a
+    device are not whole 128-column scale blocks."""
     config = mk.preset("qwen3.5-27b")
-    default = DecodePlan.make(config, tp=8, batch=8, context=4096, chip="tpu7x",
-                              formats=formats)
-    block = dataclasses.replace(default.block, slots=256)
     report = tpu.compile_megakernel(config, "tpu7x", tp=8, topology="tpu7x:2x2x1", batch=8,
-                                    context=4096, formats=formats, block=block)
+                                    context=4096, formats=formats)
     assert report.ok, report.error
     assert 0 < report.vmem.total_bytes < report.vmem.limit_bytes
     assert {f"ring_{s}" for s in formats.values()} <= {b.name for b in report.vmem.buffers}

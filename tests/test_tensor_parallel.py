@@ -280,14 +280,10 @@ def test_kimi_k3s_tp32_shard_compiles_on_its_first_layers_and_is_refused_whole_b
     whole shard needs more HBM than a core has (FP4 half a byte a value and a scale byte
     per 32), and with bf16 experts far more, reported with the numbers before any compile;
     cut to its first 4 layers (3 KDA, 1 MLA, FP4 experts packed) it compiles, VMEM in
-    budget. The ring is given 256 slots: the default for tpu7x sizes the plain ring
-    and the FP4 ring each by the smallest (FP4) tile, 850 slots, 71 MiB of VMEM (issue 34's
-    ring sizing for packed formats)."""
+    budget, with the plan's own ring (Little's law would give the plain and the FP4 ring,
+    one slot index, the slots of the small FP4 tiles, over VMEM: the plan shortens it)."""
     k3 = mk.preset("kimi-k3")
-    block = dataclasses.replace(plan.DecodePlan.make(k3, tp=32, batch=1, context=4096,
-                                                     chip="tpu7x").block, slots=256)
-    packed = plan.DecodePlan.make(k3, tp=32, batch=1, context=4096, chip="tpu7x",
-                                  block=block)
+    packed = plan.DecodePlan.make(k3, tp=32, batch=1, context=4096, chip="tpu7x")
     assert packed.stream.schemes == ("fp4",)
     assert re.search(r"need 1\d\d\.\d\d GiB of HBM, over the 94\.75 GiB",
                      packed.fits("tpu7x").error)
@@ -299,7 +295,7 @@ def test_kimi_k3s_tp32_shard_compiles_on_its_first_layers_and_is_refused_whole_b
     cut = k3.first_layers(4)
     assert cut.layer_types == ("linear", "linear", "linear", "full") and cut.is_mla
     report = tpu.compile_megakernel(cut, "tpu7x", tp=32, topology="tpu7x:2x2x4", batch=1,
-                                    context=4096, block=block)
+                                    context=4096)
     assert report.ok, report.error
     assert 0 < report.vmem.total_bytes < report.vmem.limit_bytes
     names = {b.name for b in report.vmem.buffers}

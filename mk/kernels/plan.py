@@ -51,9 +51,21 @@ every matrix of the shard, with the cache's context: the largest tile of at most
 row-sharded [narrow, D] matrix is stored D-major, so a shard's tiles are D x 128 and more),
 3 ring slots or, for a chip, as many as Little's law asks for `ring_cover_s` at one core's
 bandwidth (`RING_COVER_S`, 2 µs, and at tp > 1 one all-reduce more, so weight DMAs stream
-through the collectives; at most a layer's period of tiles; fewer where the chip's VMEM
-would leave Mosaic too little room), KV tiles of min(256, S) positions, KV slots by
-`kv_depth`.
+through the collectives; at most a layer's period of tiles), KV tiles of min(256, S)
+positions, KV slots by `kv_depth`.
+
+The ring's slot count when tiles of different bytes share it. Plain tiles and each
+scheme's packed tiles (data and scales) have buffers of their own, but one slot index (tile
+g in slot g % slots of whichever buffer its segment uses), so every ring buffer is slots
+deep. One rule (`ring_slots`): Little's law on the bytes in flight counted over the
+stream's own tile sequence, the fewest slots whose every run of consecutive tiles carries
+bandwidth x cover time. A stream of one tile size gets `little_slots`; a long run of small
+packed tiles (FP4 experts, 128 x 128 tiles on a shard) asks for hundreds of slots, whose
+buffers a chip does not hold. So, for a chip (`DecodePlan.make`), the ring is the deepest
+whose buffers leave Mosaic its room (`vmem_limit_bytes`' 1.5 x buffers + 8 MiB within the
+core's VMEM), never below the ring covering RING_COVER_S unless that ring does not fit the
+VMEM at all, then down to 2 slots; a kernel's plan that does not fit at 2 is refused by
+name (the simulator's keeps the RING_COVER_S ring: its `fits` says why).
 
 Adding a VMEM buffer to the megakernel is one line in `_buffers` (its group says where the
 kernel finds it: "layer" buffers are attributes of the layer scratch, the others are
@@ -61,7 +73,8 @@ their own scratch entry or an operand).
 
 Here: the sharding model (`check_tp`, `shard_config`, `kv_heads_of`),
 `kv_layout` (a full layer's cache: K and V heads, or MLA's one latent row),
-`padded_vocab`, `default_block` (with `little_slots`, `ring_cover_s`, `kv_depth`),
+`padded_vocab`, `default_block` (with `ring_slots`, `little_slots`, `ring_cover_s`,
+`kv_depth`),
 `model_stream`, `capacity`, `WEIGHT_FAMILIES`, `STEP_FAMILIES`, `family_of`,
 `packed_formats`, `shard_weight_bytes`, `QUANT_FAMILY`, `DecodePlan` (`DecodePlan.make`:
 the one way to make a plan), `Fit`. Not here: the kernel (`mk.megakernel`), the layer's
@@ -75,6 +88,7 @@ import dataclasses
 import math
 
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
 from mk import quant
@@ -196,26 +210,59 @@ def little_slots(bandwidth: float, latency_s: float, slot_bytes: float) -> int:
     return math.ceil(bandwidth * latency_s / slot_bytes) + 2
 
 
+def ring_slots(stream: TileStream, itemsize: int, in_flight: float) -> int:
+    """The ring slots Little's law asks for over `stream`'s own tile sequence, where tiles
+    of different bytes (plain and each scheme's packed ones) share one slot index
+    (`mk.kernels.ring`): 2 (one slot computed, one landing) plus the fewest n such that
+    every n consecutive tiles of the stream, across layer edges and into the tail, carry
+    at least `in_flight` bytes (bandwidth x cover time); a layer's period plus 2 when no
+    run of a period's tiles does. On a stream of one tile size, `little_slots`; with
+    packed tiles, a run of them as long as the window sets it (their bytes are fewer)."""
+    if isinstance(itemsize, bool) or not isinstance(itemsize, int) or itemsize < 1:
+        raise ValueError(f"itemsize={itemsize!r} must be an integer >= 1")
+
+    def tile_bytes(segments, tiles):  # bytes of each tile of one layer (or the tail)
+        owners = stream.owners(segments)
+        return [stream.segment_tile_bytes(owners[t][0], itemsize) for t in range(tiles)]
+
+    tail = sum(s.copies * s.tiles for s in stream.tail)
+    order = tile_bytes(stream.segments, stream.period) * min(stream.layers, 2) \
+        + tile_bytes(stream.tail, tail)
+    sums = np.concatenate([[0], np.cumsum(order, dtype=np.float64)])
+
+    def covers(n: int) -> bool:  # every run of n tiles carries in_flight bytes
+        return n <= len(order) and float((sums[n:] - sums[:-n]).min()) >= in_flight
+
+    low, high = 1, stream.period
+    if not covers(high):
+        return high + 2
+    while low < high:  # bytes are >= 0: a longer run covers whenever a shorter one does
+        mid = (low + high) // 2
+        low, high = (low, mid) if covers(mid) else (mid + 1, high)
+    return low + 2
+
+
 def default_block(local: ModelConfig, context: int, *, slots: int | None = None,
                   formats=None, chip: ChipSpec | str | None = None,
                   cover_s: float = RING_COVER_S) -> BlockSizes:
     """The default tiling of a shard with a cache of `context` positions and the
     quantised `formats`: `mk.kernels.one_layer.model_block`'s tile (the largest cutting
     every matrix of the shard, plain or transposed); `slots` ring slots, default the
-    `little_slots` of `chip` (one core's bandwidth, `cover_s`, the smallest tile the
-    stream moves; at most a layer's period of tiles) or, without a chip, SLOTS; and as
+    `ring_slots` of `chip` (one core's bandwidth x `cover_s` in flight over the stream's
+    tile sequence; at most a layer's period of tiles) or, without a chip, SLOTS; and as
     many KV slots as prefetch one sequence's whole cache or the ring's bytes of KV tiles,
     whichever is fewer (a layer's first KV tiles are issued behind the weight tiles in
-    flight: `kv_depth`)."""
+    flight: `kv_depth`). Not the VMEM: `DecodePlan.make` shortens a chip's ring to fit."""
     block = model_block(local, context=positive_int("context", context), formats=formats)
     stream = model_stream(local, block, 1, formats)
-    smallest = min(stream.segment_tile_bytes(s, jnp.dtype(local.dtype).itemsize)
+    itemsize = jnp.dtype(local.dtype).itemsize
+    smallest = min(stream.segment_tile_bytes(s, itemsize)
                    for s in stream.segments + stream.tail)  # what a slot moves, at least
     if slots is None and chip is not None:
         spec = named_chip(chip) if isinstance(chip, str) else chip
         # at most one layer's period: a deeper ring issues the next layer's weight tiles
         # before this layer's KV tiles, which then queue behind them (one DMA queue)
-        slots = min(little_slots(spec.hbm_bw / spec.cores_per_chip, cover_s, smallest),
+        slots = min(ring_slots(stream, itemsize, spec.hbm_bw / spec.cores_per_chip * cover_s),
                     max(SLOTS, stream.period))
     block = dataclasses.replace(block, slots=SLOTS if slots is None else slots)
     return dataclasses.replace(block, kv_slots=kv_depth(local, block, context,
@@ -353,9 +400,11 @@ class DecodePlan:
         (and, for a kernel, `packed_formats` packs them all, and each device's shard of
         them is whole packed bytes and scale blocks: `mk.shards.check_quantised_splits`).
         Without a block, the tiling is `default_block`'s (for `chip`: a ring sized by Little's
-        law). The megakernel's ring needs >= 2 slots (a tile loads while another
-        computes) and a linear layer's conv_kernel >= 2 (`check_conv_kernel`);
-        `kernel=False` makes a plan only the simulator replays, which may have neither."""
+        law and fitted to the chip's VMEM, module docstring; a kernel's plan whose buffers
+        exceed the VMEM even at 2 slots raises, naming them). The megakernel's ring needs
+        >= 2 slots (a tile loads while another computes) and a linear layer's
+        conv_kernel >= 2 (`check_conv_kernel`); `kernel=False` makes a plan only the
+        simulator replays, which may have neither."""
         if not isinstance(config, ModelConfig):
             raise ValueError(f"config={config!r} must be a ModelConfig")
         local = shard_config(config, tp)
@@ -383,7 +432,7 @@ class DecodePlan:
         if block is None:
             try:
                 block = _chip_block(local, int(tp), int(batch), int(rows), context, packed,
-                                    spec)
+                                    spec, kernel)
             except ValueError as err:  # name the model, the tp and the fields tp splits
                 if tp == 1:
                     raise ValueError(f"{config.name}: {err}") from None
@@ -501,26 +550,45 @@ class DecodePlan:
 
 
 def _chip_block(local: ModelConfig, tp: int, batch: int, rows: int, context: int, formats,
-                spec: ChipSpec | None) -> BlockSizes:
-    """`default_block` for the chip: a ring covering `ring_cover_s`, shortened where its
-    buffers would leave Mosaic less than `vmem_limit_bytes`' room in the chip's VMEM (never
-    below RING_COVER_S's ring)."""
+                spec: ChipSpec | None, kernel: bool) -> BlockSizes:
+    """`default_block` for the chip: the ring `ring_slots` asks for over `ring_cover_s`,
+    or the deepest shorter one whose step's buffers leave Mosaic `vmem_limit_bytes`' room
+    in the chip's VMEM (every ring buffer, plain and each scheme's, is slots deep: they
+    share the slot index), never below the ring covering RING_COVER_S unless that ring
+    does not fit the chip's VMEM at all (many small packed tiles): then down to 2 slots.
+    When even 2 do not fit, a `kernel` plan raises ValueError naming the biggest buffers;
+    the simulator's (a step no core holds, replayed) keeps the RING_COVER_S ring, and
+    `fits` says the same."""
     if spec is None:
         return default_block(local, context, formats=formats)
-    block = default_block(local, context, formats=formats, chip=spec,
-                          cover_s=ring_cover_s(local, tp, batch * rows, spec))
-    floor = default_block(local, context, formats=formats, chip=spec).slots
-    if block.slots == floor:
-        return block
-    stream = model_stream(local, block, batch * rows, formats)
-    buffers = _buffers(local, tp, batch, rows, block, padded_vocab(local, block), stream)
+
+    def made(slots=None, cover_s=RING_COVER_S):  # the block and its buffers' bytes
+        block = default_block(local, context, formats=formats, chip=spec, slots=slots,
+                              cover_s=cover_s)
+        stream = model_stream(local, block, batch * rows, formats)
+        buffers = _buffers(local, tp, batch, rows, block, padded_vocab(local, block), stream)
+        return block, buffers
+
+    def total(buffers) -> int:
+        return sum(b.bytes for b in buffers.values())
+
+    block, buffers = made(cover_s=ring_cover_s(local, tp, batch * rows, spec))
     room = (spec.vmem_bytes - VMEM_ROOM) / VMEM_HEADROOM  # the buffers Mosaic's room allows
-    over = sum(b.bytes for b in buffers.values()) - room
-    if over <= 0:
+    if total(buffers) <= room:
         return block
-    slot = sum(b.bytes for b in ring_buffers(stream, local.dtype)) / block.slots
-    slots = max(floor, block.slots - math.ceil(over / slot))
-    return default_block(local, context, formats=formats, chip=spec, slots=slots)
+    floor, floor_buffers = made()
+    low = floor.slots if total(floor_buffers) <= spec.vmem_bytes else 2
+    high = block.slots  # the deepest in [low, high] that leaves the room, else low
+    while low < high:  # the buffers grow with the slots (the ring's and the KV's)
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if total(made(mid)[1]) <= room else (low, mid - 1)
+    block, buffers = made(low)
+    if total(buffers) <= spec.vmem_bytes:
+        return block
+    if kernel:
+        vmem_budget(f"megakernel {local.name} ({block.slots}-slot ring)", buffers.values(),
+                    spec)
+    return floor
 
 
 def _buffers(local: ModelConfig, tp: int, batch: int, rows: int, block: BlockSizes,
