@@ -67,8 +67,12 @@ def test_a_bundle_running_over_several_lines_is_one_bundle_and_its_quote_no_dma(
 
 def test_tile_loops_are_those_streaming_tiles_of_the_size_and_no_softmax():
     found = bundles.loops(DUMP)
-    assert bundles.tile_loops(found, 512 * 512 * 2) == [found[0]]  # the EUP loop is not
-    assert bundles.tile_loops(found, 256 * 256 * 2) == []  # another tile size: none
+    plain = bundles.tile_parts(None, 512, 512)
+    assert bundles.tile_loops(found, plain) == [found[0]]  # the EUP loop is not
+    assert bundles.tile_loops(found, bundles.tile_parts(None, 256, 256)) == []  # another size
+    # a packed tile of the same data size issues its scale block too: not this loop
+    assert bundles.tile_loops(found, (*plain, 2048)) == []
+    assert bundles.tile_parts("fp4", 2048, 128) == (2048 * 128 // 2, 2048 // 32 * 128)
 
 
 def test_the_simulator_charges_the_issue_time_per_tile():
