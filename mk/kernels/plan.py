@@ -63,7 +63,7 @@ Here: the sharding model (`check_tp`, `shard_config`, `kv_heads_of`),
 `kv_layout` (a full layer's cache: K and V heads, or MLA's one latent row),
 `padded_vocab`, `default_block` (with `little_slots`, `ring_cover_s`, `kv_depth`),
 `model_stream`, `capacity`, `WEIGHT_FAMILIES`, `STEP_FAMILIES`, `family_of`,
-`packed_formats`, `shard_weight_bytes`, `QUANT_FAMILY`, `DecodePlan` (`DecodePlan.make`:
+`packed_formats`, `shard_weight_bytes` (from `shard_weight_elements`), `QUANT_FAMILY`, `DecodePlan` (`DecodePlan.make`:
 the one way to make a plan), `Fit`. Not here: the kernel (`mk.megakernel`), the layer's
 phases (`mk.kinds.base.LAYER_PHASES`), sharding arrays (`mk.tensor_parallel`), time
 (`mk.sim`, `mk.perf`).
@@ -267,7 +267,7 @@ def shard_weight_bytes(local: ModelConfig, vocab: int, experts: float, formats=N
     carry their scales (`mk.quant.tile_bytes`: FP4 half a byte a value and a byte of
     scale per 32). What `DecodePlan`, `mk.sim` (through the plan) and `mk.perf` count."""
     per = _bytes_per_element(local, formats, block)
-    return {f: n * per[f] for f, n in _weight_elements(local, vocab, experts).items()}
+    return {f: n * per[f] for f, n in shard_weight_elements(local, vocab, experts).items()}
 
 
 def _bytes_per_element(local: ModelConfig, formats=None,
@@ -284,7 +284,7 @@ def _bytes_per_element(local: ModelConfig, formats=None,
     return per
 
 
-def _weight_elements(local: ModelConfig, vocab: int, experts: float) -> dict[str, float]:
+def shard_weight_elements(local: ModelConfig, vocab: int, experts: float) -> dict[str, float]:
     """Elements of each weight family one device streams in a step (`shard_weight_bytes`):
     each layer kind's (`Kind.streamed`), the norm vectors as `mk.megakernel.prepare` lays
     them out (two of D and the q/k norms' two of H per layer, the final norm) and the
@@ -468,7 +468,7 @@ class DecodePlan:
         states and the states after each of the T rows (`state_bytes`)."""
         c, itemsize = self.local, DTYPE_BITS[self.local.dtype] // 8
         per = _bytes_per_element(c, dict(self.formats), self.block)
-        elements = _weight_elements(c, self.vocab, c.experts)  # every expert
+        elements = shard_weight_elements(c, self.vocab, c.experts)  # every expert
         weights = sum(n * per[f] for f, n in elements.items())
         embed = self.config.vocab * c.hidden * itemsize
         K, H, caches = kv_layout(c)
