@@ -12,7 +12,9 @@ lower bound on the compute lane's time per tile (stalls are not in the count).
 
 The record, data/tile_feed_costs.json (`FEED_COSTS`), holds one row per (chip, weight
 dtype, feed, M) with the tile it was measured on and the libtpu version; `recorded()`
-reads it, `FeedCost` is a row. `bundles_per_element(chip, dtype, m)` is the one lookup:
+reads it, `FeedCost` is a row; `DTYPES`, `FEEDS` (with `FEED_DTYPES`, each feed's jnp
+dtype) and `M_BUCKETS` are its keys, `weight_dtype` names a weight's storage in them.
+`bundles_per_element(chip, dtype, m)` is the one lookup:
 the row of the smallest recorded M at or above m (`bucket`), its bundles per trip over
 the tile's elements. `tile_s` turns that into seconds for a tile of any size at one end
 of the chip's clock range. `mk.sim` charges every weight tile so and `mk.perf`'s compute
