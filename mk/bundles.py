@@ -10,19 +10,29 @@ time per tile, which must stay below the tile's DMA time for HBM never to idle.
 
 Here, the one reader of libtpu's dumps and the one way to make them: `read_bundles(text)`
 (every bundle of a `final_bundles.txt`: its loop marker and depth, each instruction's op,
-the sizes of the DMAs it issues), `scopes(bundles)` (the named scope holding each), `compile_with_dumps` (any compile, in a child process
-with the dump flags: libtpu reads them once per process), `dump_file` (one dump of one
-program), `dump_megakernel` (the megakernel's compile in that child). On them: `Loop`
-(one loop body: bundles, MXU and scalar-only bundles, the DMAs it issues and waits for),
-`loops(text)` (every loop of a dump), `tile_loops(loops, tile_bytes)` (the ring's per-tile
-loops: each issues weight tiles of `tile_bytes` and runs the MXU, and none runs the EUP,
-which attention's softmax does), `measure(config, chip, ...)` -> `TileCost`; and the whole
-kernel's static schedule, `dump_schedule` -> `read_schedule` -> `Schedule` (total bundles,
-per-unit utilisation, DMAs, bundles per named scope with `PHASE_FLAG`; notebook 08).
-And the clock a schedule implies: `probe_clock(chip)` -> `ClockProbe` (one straight-line
-bf16 matmul compiled for the chip: the clock at which its bundles would run at the
-datasheet bf16 peak, one end of the chip's clock range in data/chips.csv; recorded in
-data/clock_probes.json, `recorded_clock_probes()`, by `benchmarks/clock_probe.py`).
+the sizes of the DMAs it issues), `scopes(bundles)` (the named scope holding each),
+`compile_with_dumps` (any compile, in a child process with the dump flags: libtpu reads
+them once per process), `dump_file` (one dump of one program), `dump_megakernel` (the
+megakernel's compile in that child). On them: `Loop` (one loop body: bundles, MXU and
+scalar-only bundles, the DMAs it issues and waits for), `loops(text)` (every loop of a
+dump), `tile_loops(loops, *tiles)` (the ring's per-tile loops: each issues the DMAs of one
+tile, `tile_parts`: a plain tile's one or a packed tile's data and scale block, runs the
+MXU, and none runs the EUP, which attention's softmax does), `measure(config, chip, ...)`
+-> `TileCost` (a whole megakernel's per-tile loops: the recorded loop the simulator may
+take instead of the table below).
+
+One weight tile by storage, feed and M: `probe_tile(chip, dtype, m, feed)` ->
+`mk.feed_costs.FeedCost` (the stage-01 ring kernel over one weight, `TILE_PROBE_SHAPE`,
+compiled with the weight kept in HBM, `KEEP_IN_HBM`: one trip of its steady per-tile
+loop), the rows of the tile cost table that `mk.sim` and `mk.perf` charge
+(`benchmarks/tile_feed_costs.py` records them; `mk.feed_costs` reads them).
+
+The whole kernel's static schedule, `dump_schedule` -> `read_schedule` -> `Schedule`
+(total bundles, per-unit utilisation, DMAs, bundles per named scope with `PHASE_FLAG`;
+notebook 08). And the clock a schedule implies: `probe_clock(chip)` -> `ClockProbe` (one
+straight-line bf16 matmul compiled for the chip: the clock at which its bundles would run
+at the datasheet bf16 peak, one end of the chip's clock range in data/chips.csv; recorded
+in data/clock_probes.json, `recorded_clock_probes()`, by `benchmarks/clock_probe.py`).
 
 Not here: the compile itself (`mk.tpu`), profiles of running steps (`mk.profiling`), what
 a tile's DMA time is (`mk.chips`: bandwidth; `mk.sim`: latency), cycle-accurate timing
@@ -36,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import json
+import math
 import os
 import pickle
 import re
@@ -48,12 +59,15 @@ from collections import defaultdict
 from pathlib import Path
 
 import jax.numpy as jnp
+import numpy as np
 
+from mk import feed_costs, quant
 from mk.chips import DATA, ChipSpec, chip as chip_spec
 from mk.config import ModelConfig
 from mk.presets import preset
 from mk.kernels.common import BlockSizes
 from mk.kernels.plan import DecodePlan
+from mk.kernels.weight_streaming import stream_matmul_block
 from mk.sim import Assumptions
 from mk.tpu import CompileReport
 
@@ -181,12 +195,28 @@ def loops(text: str) -> list[Loop]:
     return found
 
 
-def tile_loops(found: list[Loop], tile_bytes: int) -> list[Loop]:
-    """The ring's per-tile loops among `found`: they issue weight tiles of `tile_bytes`
-    and only those, drive the MXU, and never the EUP."""
-    granules = tile_bytes // GRANULE_BYTES
-    return [lp for lp in found if lp.dma_granules and set(lp.dma_granules) == {granules}
-            and lp.mxu and not lp.eup and not lp.nested]
+def tile_loops(found: list[Loop], *tiles: tuple[int, ...]) -> list[Loop]:
+    """The ring's per-tile loops among `found`: they issue the DMAs of one of `tiles`
+    (each the bytes of the DMAs that bring one tile in, `tile_parts`: a plain tile one, a
+    packed tile its data and its scale block) and no others, drive the MXU, and never the
+    EUP (attention's softmax). A loop matches a tile when its DMAs come in as many sizes
+    as the tile has parts and the largest is the tile's largest part: a small scale
+    block's DMA moves its HBM layout's padded tiles, not its bytes, so only the data part
+    is matched by size."""
+    kinds = {(max(parts) // GRANULE_BYTES, len(parts)) for parts in tiles}
+    return [lp for lp in found if lp.dma_granules and lp.mxu and not lp.eup
+            and not lp.nested
+            and (max(lp.dma_granules), len(set(lp.dma_granules))) in kinds]
+
+
+def tile_parts(scheme: str | None, tile_rows: int, tile_cols: int, itemsize: int = 2
+               ) -> tuple[int, ...]:
+    """The bytes of each DMA `Ring` issues for one tile: a plain tile of `itemsize` bytes
+    an element, or a packed one's data and scale block (`mk.quant.tile_shapes`)."""
+    if scheme is None:
+        return (tile_rows * tile_cols * itemsize,)
+    return tuple(math.prod(shape) * np.dtype(dtype).itemsize
+                 for shape, dtype in quant.tile_shapes(scheme, tile_rows, tile_cols).values())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,12 +281,13 @@ class TileCost:
 
 # -- The dump: a compile in a child process, its files -----------------------------------
 def compile_with_dumps(code: str, args, out: str | os.PathLike, *, phases: bool = True,
-                       timeout: float = 600.0) -> Path:
+                       flags: tuple[str, ...] = (), timeout: float = 600.0) -> Path:
     """Run Python `code` (a TPU compile, e.g. through `mk.tpu`; it sees `args` as
     sys.argv[1:]) in a child process whose libtpu dumps its schedules into `out`/jf (and
     Mosaic's passes into `out`/mosaic), its flags appended to any LIBTPU_INIT_ARGS already
     set; with `phases`, also `PHASE_FLAG`, so named scopes inside kernels become trace
-    markers (it changes the code: `measure` leaves it off). Returns `out`/jf. Raises
+    markers (it changes the code: `measure` leaves it off); `flags`: more libtpu flags
+    (`probe_tile`'s `KEEP_IN_HBM`). Returns `out`/jf. Raises
     RuntimeError with the tail of the child's stderr if it fails or outlives `timeout`
     seconds.
 
@@ -266,7 +297,8 @@ def compile_with_dumps(code: str, args, out: str | os.PathLike, *, phases: bool 
     for sub in ("jf", "mosaic"):  # a fresh dump, not mixed with an earlier one
         shutil.rmtree(out / sub, ignore_errors=True)
     flags = [os.environ.get("LIBTPU_INIT_ARGS", ""), f"--xla_jf_dump_to={out / 'jf'}",
-             f"--xla_mosaic_dump_to={out / 'mosaic'}", PHASE_FLAG if phases else ""]
+             f"--xla_mosaic_dump_to={out / 'mosaic'}", PHASE_FLAG if phases else "",
+             *flags]
     env = dict(os.environ, LIBTPU_INIT_ARGS=" ".join(f for f in flags if f),
                JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1", TPU_SKIP_MDS_QUERY="1")
     try:
@@ -335,7 +367,11 @@ def measure(config: ModelConfig, chip: str | ChipSpec, *, tp: int = 1,
         raise ValueError(f"chip={spec.name!r} is a {spec.kind}: no TPU compile to measure")
     plan = DecodePlan.make(config, tp=tp, batch=batch, rows=rows, context=context,
                            block=block, chip=spec)
-    tile_bytes = plan.stream.tile_bytes * jnp.dtype(config.dtype).itemsize
+    itemsize = jnp.dtype(config.dtype).itemsize
+    tile_bytes = plan.stream.tile_bytes * itemsize
+    b = plan.stream.block
+    kinds = [tile_parts(q, b.tile_rows, b.tile_cols, itemsize) for q in
+             ((None,) if plan.stream.has_plain else ()) + plan.stream.schemes]
     found = ()
     with tempfile.TemporaryDirectory(prefix="mk-bundles-") as folder:
         report, jf = dump_megakernel(config, spec.name, folder, phases=False,
@@ -343,11 +379,73 @@ def measure(config: ModelConfig, chip: str | ChipSpec, *, tp: int = 1,
                                      batch=batch, rows=rows, context=context, block=block)
         if report.ok:
             text = dump_file(jf, "mk_megakernel", "final_bundles.txt").read_text()
-            found = tuple(tile_loops(loops(text), tile_bytes))
+            found = tuple(tile_loops(loops(text), *kinds))
             if not found:
-                raise RuntimeError(f"{report.name}: no per-tile loop of {tile_bytes} B "
-                                   "tiles found in the bundle dump")
+                raise RuntimeError(f"{report.name}: no per-tile loop of tiles {kinds} B "
+                                   "found in the bundle dump")
     return TileCost(report, tile_bytes, found, spec)
+
+
+# -- One weight tile by weight dtype, feed and M: the stage kernel's own loop ------------
+TILE_PROBE_SHAPE = (4096, 2048)  # w [K, N]: 8 bf16 tiles of 4096 x 256, 32 packed 2048 x 128
+# XLA's memory-space assignment moves a small program's weight (the probe relays it out
+# into the ring's layout, a temporary) into VMEM, and the ring's DMAs become vector copy
+# loops; a model's weights never fit VMEM. Off, the probe's weight stays in HBM, as theirs.
+KEEP_IN_HBM = ("--xla_msa_enable=false",)
+_COMPILE_STREAM = """import functools, sys, jax, jax.numpy as jnp, mk
+from mk import feed_costs, quant
+from mk.kernels.weight_streaming import stream_matmul
+chip, dtype, feed = sys.argv[1:4]
+m, k, n = map(int, sys.argv[4:7])
+w = (jax.ShapeDtypeStruct((k, n), jnp.bfloat16) if dtype == "bf16"
+     else quant.abstract_weight((k, n), dtype))
+fn = functools.partial(stream_matmul, dtype=feed_costs.FEED_DTYPES[feed])
+report = mk.tpu.compile_for_chip(fn, [jax.ShapeDtypeStruct((m, k), jnp.bfloat16), w], chip)
+sys.stderr.write(report.error)
+sys.exit(0 if report.ok else 1)
+"""
+
+
+def probe_tile(chip: str | ChipSpec, dtype: str, m: int, feed: str = feed_costs.FEED, *,
+               shape: tuple[int, int] = TILE_PROBE_SHAPE, timeout: float = 300.0
+               ) -> feed_costs.FeedCost:
+    """Compile the stage-01 ring kernel (`stream_matmul`: `Ring.matmul` over one weight
+    [K, N] = `shape` at its default tiling, `stream_matmul_block`) for one TensorCore of
+    `chip`, the weight stored as `dtype` (bf16, or an mk.quant scheme: `abstract_weight`,
+    the `QuantWeight` `quantize_weight` makes) and fed to the MXU as `feed`, against m
+    bf16 rows, with the dumps on and the weight kept in HBM (`KEEP_IN_HBM`); read one trip
+    of its steady per-tile loop (the first of `Ring.matmul`'s two in program order: the
+    edge loop follows it). Raises ValueError for a GPU or a dtype, feed or m the table
+    does not hold, RuntimeError if it does not compile or shows not exactly
+    `Ring.matmul`'s per-tile loops."""
+    spec = chip_spec(chip) if isinstance(chip, str) else chip
+    if spec.kind != "tpu":
+        raise ValueError(f"chip={spec.name!r} is a {spec.kind}: no TPU compile to probe")
+    for field, value, choices in (("dtype", dtype, feed_costs.DTYPES),
+                                  ("feed", feed, feed_costs.FEEDS),
+                                  ("m", m, feed_costs.M_BUCKETS)):
+        if value not in choices:
+            raise ValueError(f"{field}={value!r} must be one of {choices}")
+    scheme = None if dtype == "bf16" else dtype
+    block = stream_matmul_block(*shape, feed_costs.FEED_DTYPES[feed], scheme)
+    parts = tile_parts(scheme, block.tile_rows, block.tile_cols)
+    with tempfile.TemporaryDirectory(prefix="mk-tile-") as folder:
+        start = time.perf_counter()
+        jf = compile_with_dumps(_COMPILE_STREAM, [spec.name, dtype, feed, m, *shape], folder,
+                                phases=False, flags=KEEP_IN_HBM, timeout=timeout)
+        seconds = time.perf_counter() - start
+        text = dump_file(jf, "mk_stream_matmul", "final_bundles.txt").read_text()
+    found = tile_loops(loops(text), parts)
+    if not 1 <= len(found) <= 2:  # the steady loop, and the edge loop unless unrolled
+        raise RuntimeError(f"{spec.name} {dtype} M={m}: {len(found)} per-tile loops of "
+                           f"{parts} B DMAs in the dump, not Ring.matmul's steady and edge")
+    steady = found[0]
+    return feed_costs.FeedCost(
+        chip=spec.name, dtype=dtype, feed=feed, m=m, shape=tuple(shape),
+        tile=(block.tile_rows, block.tile_cols), tile_bytes=sum(parts),
+        bundles=steady.bundles, mxu_bundles=steady.mxu,
+        scalar_only_bundles=steady.scalar_only,
+        libtpu=importlib.metadata.version("libtpu"), compile_s=seconds)
 
 
 # -- The whole kernel's static schedule -------------------------------------------------

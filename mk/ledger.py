@@ -24,7 +24,7 @@ from mk.presets import preset as named_preset
 from mk.published import Published, published
 from mk.kernels.plan import shard_config
 from mk.kinds.layers import layer_kinds
-from mk.sim import Assumptions, Simulation, simulate
+from mk.sim import Assumptions, Simulation, simulate, tile_seconds
 
 TERMS = {
     "published": "a number of data/published.csv as the release states it (tokens/s), and "
@@ -32,25 +32,32 @@ TERMS = {
     "HBM floor": "bytes one step moves / the HBM bandwidth of the devices sharing it "
                  "(datasheet peak, perfect sharding; `mk.perf.predict`): no step can be "
                  "shorter",
-    "MXU floor": "the step's matmuls at the MXU rule, each weight pass costing at least "
+    "MXU floor": "a labelled bound, not the simulator's cost: the step's matmuls at the "
+                 "MXU rule, each weight pass costing at least "
                  "the MXU's rows (`mk.perf.mxu_floor_ms`), at the rate of one feed: bf16 "
                  "(compute=\"bf16\") or fp8 (compute=\"fp8\": 8- and 4-bit weights fed at "
                  "the fp8/int8 rate, twice bf16 on TPU7x). At the fastest feed the chip has "
                  "for the weights no TPU step can be shorter; at the bf16 feed FP4 experts "
                  "are overcharged. A TPU quantity: GPU rows have none",
-    "modelled step": "max(HBM floor, MXU floor + the tensor-parallel collectives over "
+    "tile floor": "the weights' compute at the measured tile cost table (bundles per "
+                  "weight by chip, storage, feed and M, compiled from the ring kernel's own "
+                  "per-tile loop: `mk.feed_costs`, `mk.perf.tile_floor_ms`) over the "
+                  "TensorCore's clock at one end of its range: the cost `mk.sim` charges "
+                  "each weight tile",
+    "modelled step": "max(HBM floor, tile floor at the low end of the clock range + the "
+                     "tensor-parallel collectives over "
                      "ICI) (`mk.perf`): the compute lane's matmuls and all-reduces run one "
                      "after another while HBM streams beside them. A model of a megakernel "
                      "step under stated assumptions, not a bound and not a simulation: a "
                      "published run faster than it shows an assumption failing for that "
-                     "run (at the bf16 feed, two Kimi K3 TPU rows are)",
+                     "run",
     "conventional step": "the same step as one kernel per op, each op at its own floor "
                          "plus a launch gap (`mk.perf.conventional`): a GPU baseline",
     "simulated step": "the megakernel's tile schedule for the run's plan (ring slots by "
                       "Little's law at `mk.kernels.plan.ring_cover_s`, the simulator's "
                       "default latencies) replayed on a model of the chip (`mk.sim`): DMA "
-                      "latency, ring depth, bubbles; no per-tile issue time, so the same at "
-                      "either end of the clock range; not a TPU measurement",
+                      "latency, ring depth, bubbles, each weight tile at the tile cost "
+                      "table at the low end of the clock range; not a TPU measurement",
     "compiled-kernel step": "the simulated step of the kernel libtpu compiled for the run "
                             "(`benchmarks/tile_costs.py --published`): its ring's slots, "
                             "the DMA latency it was sized for and its per-tile issue time "
@@ -129,15 +136,19 @@ def entries(*, routing: str = "uniform", compute: str = "bf16",
     Always: "run", "model", "preset", "system", "tau" (acceptance length or None), "batch",
     "rows", "context" (the cached positions modelled: the row's), "metric", "published"
     (tokens/s), "published_step_ms". For a chip of
-    data/chips.csv also "hbm_floor_ms", "mxu_floor_ms" (TPU rows only: no GPU MXU floor),
-    "collective_ms", "modelled_ms",
-    "bound" (what bounds the modelled step: "hbm", else the larger of "mxu" and
-    "collective" on the compute lane), and
+    data/chips.csv also "hbm_floor_ms", "mxu_floor_ms" (TPU rows only, a labelled bound:
+    no GPU MXU floor), "tile_floor_ms" and "tile_floor_high_ms" (TPU rows: the tile
+    floor at the low and the high end of the clock range), "collective_ms",
+    "modelled_ms" (its compute lane the tile floor at the low end; a GPU's, its FLOP floor),
+    "bound" (what bounds the modelled step: "hbm", else the larger of "tile" (GPU:
+    "compute") and "collective" on the compute lane), and
     "state_share" (the linear layers' state bytes over the step's bytes; 0 without
     linear layers); TPU rows
     with `simulate_tpu` "simulated_ms" (the plan's ring for the chip: the slots Little's
     law asks for at `mk.kernels.plan.ring_cover_s`) with "simulated_slots",
-    "simulated_utilisation", "simulated_bound"; GPU
+    "simulated_utilisation", "simulated_bound" and, at each end E of the clock range,
+    "table_tile_E_ns" (the tile cost table's time for the plan's costliest weight tile,
+    `mk.sim.tile_seconds`); GPU
     rows "conventional_ms", "conventional_gap_ms". Each X_ms has X (tokens/s in the row's
     metric) and X_error (X / published - 1). A system without a chip row gets a "note" and
     nothing else; every other row's "note" says what differs from the published run.
@@ -192,19 +203,33 @@ def entries(*, routing: str = "uniform", compute: str = "bf16",
                           **kw)
         mxu = perf.mxu_floor_ms(config, spec, routing=routing, compute=compute, **kw)
         modelled = perf.modelled_step_ms(config, spec, routing=routing, compute=compute, **kw)
-        # the MXU floor is a TPU quantity: a GPU has no MXU (its modelled step still
-        # charges its tensor cores by the same rule, inside `mk.perf`)
+        # the MXU and tile floors are TPU quantities: a GPU has no MXU and no tile table
+        # (its modelled step's compute lane is its FLOP floor, inside `mk.perf`)
+        tpu = spec.kind == "tpu"
+        tiles = {end: perf.tile_floor_ms(config, spec, routing=routing, clock=end, batch=batch,
+                                         rows=rows, tp=tp) for end in CLOCK_ENDS} if tpu else {}
+        lane = tiles["low"] if tpu else est.compute_floor_ms
         rec |= (timed("hbm_floor", est.hbm_floor_ms)
-                | (timed("mxu_floor", mxu) if spec.kind == "tpu" else {})
+                | (timed("mxu_floor", mxu) | dict(tile_floor_ms=tiles["low"],
+                                                  tile_floor_high_ms=tiles["high"])
+                   if tpu else {})
                 | timed("modelled", modelled)
                 | dict(collective_ms=est.collective_ms,
-                       bound=perf.critical_term(est.hbm_floor_ms, mxu, est.collective_ms),
+                       bound=perf.critical_term(est.hbm_floor_ms, lane, est.collective_ms,
+                                                "tile" if tpu else "compute"),
                        state_share=est.state_bytes / est.total_bytes))
         if spec.kind == "tpu" and simulate_tpu:
             sim = simulated(config, spec, **kw)
             rec |= timed("simulated", sim.step_ms) | dict(
                 simulated_slots=sim.block.slots, simulated_utilisation=sim.hbm_utilisation,
                 simulated_bound=_bound(sim))
+            plan = sim.plan
+            for end in CLOCK_ENDS:  # the table's costliest weight tile of the run's plan
+                table = dataclasses.replace(assumptions or Assumptions(), tile_issue_s=0.0,
+                                            tile_bundles=0, clock=end)
+                rec[f"table_tile_{end}_ns"] = 1e9 * max(tile_seconds(
+                    plan.stream, spec, plan.M, dict(plan.formats), plan.local.dtype,
+                    table).values())
             cost = recorded.get(run.key)
             if cost is not None and not cost["fits"]:
                 rec["compiled_note"] = (f"the whole kernel: {cost['error']}" + (
@@ -272,7 +297,8 @@ def _explain(run: Run) -> str:
                  f"sources and assumptions in mk.presets) for the release's {row.model}")
     notes += list(dict.fromkeys(kind.note for kind in kinds if kind.note))
     if config.formats:
-        cost = ", at the MXU rule's full cost per element" if spec.kind == "tpu" else ""
+        cost = (", at the tile cost table's row for the scheme (its dequantisation)"
+                if spec.kind == "tpu" else "")
         stored = ", ".join(f"{group} as {scheme}" for group, scheme in config.formats)
         notes.append(f"{stored} (mk.quant's packed data and scales; the release's FP4){cost}")
     Fe = config.expert_ffn

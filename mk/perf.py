@@ -7,8 +7,10 @@ split tp ways; the two floors t >= bytes / bandwidth and t >= FLOPs / peak; the 
 of tensor parallelism over ICI); `experts_touched`, `attainable_flops` and `roofline_curve`
 (the roofline itself); `allreduce_s` (one all-reduce); `conventional(...)` ->
 `ConventionalEstimate` (the same step as one kernel per op, each paying a launch gap);
-`mxu_floor_ms` (the compute floor with the MXU rule of `mk.sim`) and `modelled_step_ms`
-(max(HBM floor, MXU floor + the collectives));
+`tile_floor_ms` (the compute floor: the weights at the measured tile cost table of
+`mk.feed_costs`, the one `mk.sim` charges, at one end of the clock range), `mxu_floor_ms`
+(a labelled bound: every weight pass at the bf16 MXU rule, `mxu_flops`, whatever its
+storage) and `modelled_step_ms` (max(HBM floor, tile floor + the collectives));
 `resident_bytes` / `min_chips` (capacity).
 
 Not here: each layer kind's share of the step (its matmul parameters, token-mixing FLOPs,
@@ -38,9 +40,16 @@ Assumptions, each stated where it is used:
   e.g. kimi-k3's FP4 experts) at their packed bytes plus scales per tile
   (`mk.quant.tile_bytes`: FP4 0.5 + 1/32 bytes a value), at any tp (as the kernel packs them
   on every shard: `mk.kernels.plan.packed_formats`); the embedding, router, norms and KV
-  cache stay in theirs. Formats change bytes only; which peak bounds the matmuls is
-  `compute` ("fp8" = a kernel that feeds 8- or 4-bit weights to the MXU at its fp8/int8
-  rate, "bf16" = one that dequantises to bf16 first).
+  cache stay in theirs. Formats change the bytes and, in the tile floor, the table row
+  each weight costs (its dequantisation); in the FLOP floor (`predict`) and the MXU bound
+  (`mxu_floor_ms`) which peak bounds the matmuls is `compute` ("fp8" = a kernel that
+  feeds 8- or 4-bit weights to the MXU at its fp8/int8 rate, "bf16" = one that
+  dequantises to bf16 first).
+- The tile floor (`tile_floor_ms`, the compute lane of `modelled_step_ms`): every weight
+  a device multiplies at the measured tile cost table (`mk.feed_costs`: bundles per
+  weight by chip, storage, feed and M bucket, from compiles of the ring kernel's own
+  per-tile loop) over the TensorCore's clock at one end of its range; attention's
+  products and vector work are not in it.
 - Routing: each of the B*T tokens picks X of E experts; "uniform" assumes independent,
   uniformly random choices (expected distinct experts E * (1 - (1 - X/E)^(B*T))),
   "shared" that all tokens pick the same X (the fewest bytes), "disjoint" that they
@@ -70,12 +79,14 @@ from numbers import Real
 
 import numpy as np
 
+from mk import feed_costs
 from mk.cache import bytes_per_position, state_bytes_per_sequence
 from mk.chips import ChipSpec, chip as named_chip
 from mk.config import DTYPE_BITS, ModelConfig, check_formats, positive_int
 from mk.kernels.collectives import PARTIAL_SUM_BYTES, allreduce_s
 from mk.kernels.one_layer import model_block
-from mk.kernels.plan import packed_formats, padded_vocab, shard_config, shard_weight_bytes
+from mk.kernels.plan import (QUANT_FAMILY, packed_formats, padded_vocab, shard_config,
+                             shard_weight_bytes, shard_weight_elements)
 from mk.kinds.base import ROLES
 from mk.kinds.layers import kind_at, layer_kinds
 from mk.quant import stored_bytes
@@ -382,16 +393,45 @@ def mxu_floor_ms(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, r
     return 1e3 * flops / tp / (peak_flops(spec, compute) / spec.cores_per_chip)
 
 
+# -- The tile floor: the measured cost table ---------------------------------------------
+def tile_floor_ms(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1,
+                  rows: int = 1, tp: int = 1, routing: str = "uniform", formats=None,
+                  clock: str = "low") -> float:
+    """The compute floor of one decode step from the tile cost table (`mk.feed_costs`), ms:
+    every weight element one device multiplies (`shard_weight_elements`: its shard, the
+    touched experts, the lm_head's padded vocab; the router's too; not the norms) at the
+    table's bundles per element for its storage (its group's scheme of `formats`, default
+    the config's, else plain), the feed and M = B*T rows, over the TensorCore's clock at
+    `clock` ("low" or "high", `mk.chips.ChipSpec.clock`). Attention's products and vector
+    work are not in it (`mk.sim` has them): the issue time of the weights alone."""
+    spec = named_chip(chip) if isinstance(chip, str) else chip
+    _validate_step(config, batch, rows, 0, tp, rows, routing, "bf16")
+    formats = check_formats(config, config.formats if formats is None else formats)
+    m = batch * rows
+    local = shard_config(config, tp)
+    block = model_block(local, formats=packed_formats(config, formats))
+    elements = shard_weight_elements(local, padded_vocab(local, block),
+                                     _touched(layer_kinds(config), m, routing))
+    bundles = sum(n * feed_costs.bundles_per_element(
+        spec.name, feed_costs.weight_dtype(config.dtype, formats.get(QUANT_FAMILY.get(f))), m)
+        for f, n in elements.items() if f != "norms" and n)
+    return 1e3 * bundles / spec.clock(clock)
+
+
 def modelled_step_ms(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1,
                      rows: int = 1, context: int | None = None, tp: int = 1,
-                     routing: str = "uniform", compute: str = "bf16",
-                     formats=None) -> float:
-    """The modelled step (`mk.ledger.TERMS`): max(HBM floor, MXU floor + the collectives of
-    tensor parallelism), ms: HBM streams beside the compute lane, whose matmuls and
-    all-reduces are serial. `formats` changes the bytes (`predict`), not the MXU."""
-    kw = dict(batch=batch, rows=rows, context=context, tp=tp, routing=routing, compute=compute)
-    e = predict(config, chip, formats=formats, **kw)
-    return max(e.hbm_floor_ms, mxu_floor_ms(config, chip, **kw) + e.collective_ms)
+                     routing: str = "uniform", compute: str = "bf16", formats=None,
+                     clock: str = "low") -> float:
+    """The modelled step (`mk.ledger.TERMS`): max(HBM floor, compute lane + the collectives
+    of tensor parallelism), ms: HBM streams beside the compute lane, whose weight tiles and
+    all-reduces are serial. The lane is, on a TPU, the tile floor (`tile_floor_ms`, at the
+    `clock` end); on a GPU (no tile table) `predict`'s FLOP floor at `compute`'s rate."""
+    spec = named_chip(chip) if isinstance(chip, str) else chip
+    kw = dict(batch=batch, rows=rows, tp=tp, routing=routing, formats=formats)
+    e = predict(config, spec, context=context, compute=compute, **kw)
+    lane = (tile_floor_ms(config, spec, clock=clock, **kw) if spec.kind == "tpu"
+            else e.compute_floor_ms)
+    return max(e.hbm_floor_ms, lane + e.collective_ms)
 
 
 def critical_term(hbm_ms: float, compute_ms: float, collective_ms: float,

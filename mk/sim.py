@@ -27,21 +27,28 @@ Modelling assumptions (`Assumptions` holds the numbers; none is fitted to a meas
   selection copy all share the engine. `Assumptions.measured(chip)` takes the latency and
   hbm_share from a TPU's measured file instead (`mk.measure`, data/measured/<chip>.json;
   `source` says which); `simulate` uses them only when passed them.
-- Compute is one in-order lane. A weight tile [tk, tn] against M rows costs the MXU rule
-  (`mk.perf.mxu_flops`: 2 * max(M, mxu_rows) * tk * tn) / peak, fewer rows than the MXU
-  costing as many (the chip's `mxu_rows`, from data/chips.csv, which gives each
-  number's source; TPU7x's is an assumption there). Peak is the
-  device's dense bf16 (or fp8 with compute="fp8") FLOP/s. A tile also costs at least
-  the TensorCore's issue time for one trip of the kernel's per-tile loop (`Ring.matmul`'s
-  costliest, read from the compiled kernel by `mk.bundles`): `tile_bundles` / the chip's
-  clock at the `clock` end of its range (`mk.chips.ChipSpec.clock`: the clock is not
-  known, so a step is simulated at each end), or `tile_issue_s` seconds given directly;
-  neither, the default, leaves only the MXU rule.
+- Compute is one in-order lane. A weight tile [tk, tn] of the ring against M rows costs
+  what the tile cost table says (`mk.feed_costs`, measured by compiling the ring kernel's
+  own per-tile loop: `mk.bundles.probe_tile`): its bundles per element for the chip, the
+  weight's storage (its segment's scheme, or the format it is charged in, else the
+  plain dtype), the feed (bf16 for every scheme today) and M rounded up to the next
+  recorded M bucket, x tk*tn / the chip's clock at the `Assumptions.clock` end of its
+  range (`mk.chips.ChipSpec.clock`: the clock is not known, so a step is simulated at
+  each end). A chip with no rows, or M past the largest bucket, is an error, not a
+  fallback to a rule. One alternative, as before: a whole compiled kernel's recorded
+  per-tile loop (`Assumptions.tile_bundles` at the clock, or `tile_issue_s` seconds:
+  `Ring.matmul`'s costliest loop, read from that kernel by `mk.bundles.measure`) is, when
+  given, every weight tile's cost instead of the table: it is the same quantity measured
+  on that very kernel. Products that are not ring tiles (KV tiles, the router and other
+  weights moved by whole DMA, the delta rule) cost the MXU rule (`mk.perf.mxu_flops`:
+  2 * max(M, mxu_rows) * elements / peak, fewer rows than the MXU costing as many; the
+  chip's `mxu_rows` from data/chips.csv; peak the device's dense bf16, or fp8 with
+  compute="fp8", FLOP/s).
 - Weight formats: a plan's `formats` (default the config's, e.g. kimi-k3's FP4 experts)
-  move each tile of their groups at `mk.quant.tile_bytes` (packed data and scales), at the
-  same MXU cost per tile; where the kernel does not pack them (a group with a weight
-  moved by whole DMA: `mk.kernels.plan.packed_formats`) this models a kernel that streams
-  the plain tiles so packed and dequantises them in VMEM.
+  move each tile of their groups at `mk.quant.tile_bytes` (packed data and scales) and
+  cost the table's row of their scheme; where the kernel does not pack them (a group with
+  a weight moved by whole DMA: `mk.kernels.plan.packed_formats`) this models a kernel that
+  streams the plain tiles so packed and dequantises them in VMEM.
 - Vector work (norms, RoPE, softmax, SwiGLU, the router's top-k, argmax) runs at
   `vpu_flops_ratio` (1/64) of the MXU bf16 peak in elementwise ops/s, an assumption (not on
   any datasheet); it is small in decode. The expert compaction loop runs on the scalar
@@ -52,7 +59,7 @@ Modelling assumptions (`Assumptions` holds the numbers; none is fitted to a meas
   through `kv_slots` (the kernel primes kv_slots - 1 of them right after the previous full
   layer's attention, across the layer edge, the first full layer's at the step's start);
   per tile 2 matmuls per kv
-  head at the MXU rule above with R = round_up(G*T, 8) rows, plus ~8 vector ops per
+  head at the MXU rule with R = round_up(G*T, 8) rows, plus ~8 vector ops per
   score; the one or two tiles holding the new rows are written back from a staging slot,
   waited for only when write-back n + 2B needs that slot (normally a full layer later) and
   at the step's end (`mk.kernels.kv_stream.drain_write_backs`).
@@ -73,7 +80,7 @@ Modelling assumptions (`Assumptions` holds the numbers; none is fitted to a meas
   vectors (two DMAs a layer, issued a layer ahead) and the final norm are DMAs here as in
   the kernel.
 
-Here: `Assumptions`, `active_experts`,
+Here: `Assumptions`, `tile_seconds` (each ring segment's tile cost), `active_experts`,
 `latency_slots` (Little's law), `simulate` -> `Simulation` (with its bytes per family),
 `replay_matmul` (a stream of plain matmuls: the synthetic case with a closed
 form). Not here: the DMA engine and the compute lane, their records and the bubble
@@ -91,7 +98,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from mk import measure, perf, quant
+from mk import feed_costs, measure, perf, quant
 from mk.chips import CLOCK_ENDS, ChipSpec, chip as named_chip
 from mk.config import DTYPE_BITS, ModelConfig, check_formats, positive_int
 from mk.kernels.common import BlockSizes
@@ -142,9 +149,15 @@ class Assumptions:
             raise ValueError(f"Assumptions.source={self.source!r} must say where the DMA "
                              "numbers come from")
 
+    @property
+    def recorded_loop(self) -> bool:
+        """Whether a whole kernel's per-tile loop is given (`tile_bundles` or
+        `tile_issue_s`): then it, not the tile cost table, is every weight tile's cost."""
+        return bool(self.tile_bundles or self.tile_issue_s)
+
     def issue_s(self, spec: ChipSpec) -> float:
-        """The per-tile issue time on `spec`: `tile_bundles` at its `clock` end, else
-        `tile_issue_s`."""
+        """The given per-tile issue time on `spec`: `tile_bundles` at its `clock` end,
+        else `tile_issue_s` (0 when neither is given)."""
         return (self.tile_bundles / spec.clock(self.clock) if self.tile_bundles
                 else self.tile_issue_s)
 
@@ -156,6 +169,19 @@ class Assumptions:
         saying which; without a file the defaults, source "assumed". `others` set the
         other fields."""
         return cls(**others, **measure.sim_fields(chip, path))
+
+
+def tile_seconds(stream: TileStream, spec: ChipSpec, m: int, formats, dtype: str,
+                 a: Assumptions) -> dict[str, float]:
+    """{segment name: seconds} one weight tile of each segment of `stream` keeps the
+    compute lane busy against m rows (module docstring): the recorded loop of `a` when
+    given, else the tile cost table's row for the segment's storage (its group's scheme
+    of `formats`, its own scheme, else plain `dtype`) at `a.clock`."""
+    schemes = quant.schemes_of(formats)
+    elements = stream.block.tile_rows * stream.block.tile_cols
+    return {s.name: a.issue_s(spec) if a.recorded_loop else feed_costs.tile_s(
+        spec, feed_costs.weight_dtype(dtype, schemes.get(s.name, s.scheme)), m, elements,
+        a.clock) for s in stream.segments + stream.tail}
 
 
 def active_experts(config: ModelConfig, m: int, routing: str = "uniform") -> int:
@@ -195,6 +221,8 @@ class _Kernel:
         self.tile_bytes = {s.name: quant.tile_bytes(schemes[s.name], k, n) if s.name in
                            schemes else stream.segment_tile_bytes(s, item)
                            for s in stream.segments + stream.tail}
+        self.tile_s = tile_seconds(stream, spec, m, formats, config.dtype if config is not None
+                                   else "bfloat16", a)
         self.landed: dict[int, float] = {}
         self.layer = 0  # the layer the kernel is in (for prefetch off)
         self.kinds = layer_kinds(config) if config is not None else ()
@@ -235,7 +263,8 @@ class _Kernel:
 
     def mxu_s(self, rows, elements) -> float:
         """One pass of `rows` activation rows over `elements` weights at one core's peak,
-        by the MXU rule (`mk.perf.mxu_flops`)."""
+        by the MXU rule (`mk.perf.mxu_flops`): what the products that are not ring tiles
+        cost (KV tiles, weights moved by whole DMA)."""
         return perf.mxu_flops(rows, elements, self.mxu) / self.peak
 
     def matmul(self, name, copy=0):
@@ -244,9 +273,8 @@ class _Kernel:
         run of identical tiles is fast-forwarded (`Machine.shift`)."""
         seg = self.s.segment(name)
         base = self.s.base(self.layer, seg, copy)
-        block, mc, n = self.s.block, self.mc, self.n
-        seconds = max(self.mxu_s(self.m, block.tile_rows * block.tile_cols),
-                      self.a.issue_s(self.spec))
+        mc, n = self.mc, self.n
+        seconds = self.tile_s[name]
         what = "lm_head" if name == "lm_head" else (f"{name}[{copy}]" if seg.stride else name)
         seen, history, t = {}, [], 0  # state -> tile index; (now, gaps) per tile
         while t < seg.tiles:
@@ -454,7 +482,8 @@ class Simulation:
 
     @property
     def compute_s(self) -> float:
-        """The compute lane's busy time (weight tiles at max(MXU rule, issue time), vector
+        """The compute lane's busy time (weight tiles at the tile cost table or the recorded
+        loop, the other products at the MXU rule, vector
         work, collectives): the step's critical path where HBM never holds the lane up, so
         a step is at least max(hbm_floor_s, compute_s)."""
         return sum(e.busy_s for e in self.events if e.lane == "compute")

@@ -289,7 +289,8 @@ print("forced L -> measured tau:", forced)
 # t_\text{draft}}$$
 #
 # with $t_\text{verify}$ the modelled step (`mk.spec.step_ms`: the larger of the HBM floor
-# and the MXU floor plus the collectives, checked below) for the `sweep_preset` model on the
+# and the tile floor (the measured tile cost table, low clock end) plus the collectives,
+# checked below) for the `sweep_preset` model on the
 # fewest chips (a power of two) of each kind that hold it, all devices sharing the step, and
 # $t_\text{draft} = \gamma$ steps of the `sweep_draft` model on the same chips. Without a
 # drafter ($t_\text{draft} = 0$) every gamma gives the same line, because verifying 8 rows

@@ -110,7 +110,7 @@ from pathlib import Path
 import mk
 import mk.run
 from IPython.display import display
-from mk import bundles, course, ledger, perf, plots, review, sim, xla_step
+from mk import bundles, course, feed_costs, ledger, perf, plots, review, sim, xla_step
 from mk.chips import CLOCK_ENDS, chip as chip_spec
 from mk.kernels.common import BlockSizes, VmemBudget
 from mk.kernels.plan import DecodePlan, packed_formats
@@ -180,7 +180,10 @@ cost = bundles.measure(
 report = cost.report if cost else None
 est = perf.predict(config, spec, **step_args)
 floor_args = {k: v for k, v in step_args.items() if k != "formats"}
-mxu_ms = perf.mxu_floor_ms(config, spec, **floor_args)
+mxu_ms = perf.mxu_floor_ms(config, spec, **floor_args)  # a labelled bound
+tile_ms = {end: perf.tile_floor_ms(config, spec, formats=formats, clock=end,
+                                   **{k: v for k, v in floor_args.items() if k != "context"})
+           for end in CLOCK_ENDS}  # the compute floor: the tile cost table
 modelled_ms = perf.modelled_step_ms(config, spec, formats=formats, **floor_args)
 s = sim.simulate(config, spec, block=block, **step_args)
 share = s.bubble_share()
@@ -201,9 +204,13 @@ display(plots.table([
           + "; ".join(f"{cost.issue_s(end) * 1e9:.0f} ns at the clock's {end} end, "
                       + ("HBM-bound" if cost.issue_s(end) <= 0.9 * cost.dma_s
                          else "ISSUE-BOUND") for end in CLOCK_ENDS)},
-    {"": "floors", "verdict": f"HBM floor {est.hbm_floor_ms:.4g} ms, MXU floor "
-                              f"{mxu_ms:.4g} ms: "
-                              + ("HBM" if est.hbm_floor_ms >= mxu_ms else "MXU") + "-bound"},
+    {"": "floors", "verdict": f"HBM floor {est.hbm_floor_ms:.4g} ms; tile floor "
+                              + ", ".join(f"{tile_ms[end]:.4g} ms at the clock's {end} end"
+                                          for end in CLOCK_ENDS)
+                              + (": HBM-bound at the low end"
+                                 if est.hbm_floor_ms >= tile_ms["low"] else
+                                 ": COMPUTE-BOUND at the low end")
+                              + f" (the MXU rule's bound: {mxu_ms:.4g} ms)"},
     {"": "modelled step", "verdict": f"{modelled_ms:.4g} ms (collectives "
                                      f"{est.collective_ms:.3g} ms)"},
     {"": "simulated step", "verdict": f"{s.step_ms:.4g} ms, HBM busy {s.hbm_utilisation:.0%}"
@@ -282,7 +289,7 @@ if report is not None and report.ok:
               for end in CLOCK_ENDS}
     print(f"costliest loop {cost.worst.bundles} bundles; the tile's DMA "
           f"{cost.dma_s * 1e9:.0f} ns ({cost.tile_bytes / 1024:.0f} KiB at "
-          f"{cost.dma_bw / 1e9:.0f} GB/s); without an issue time the simulated step is "
+          f"{cost.dma_bw / 1e9:.0f} GB/s); with the tile cost table the simulated step is "
           f"{s.step_ms:.4g} ms, HBM busy {s.hbm_utilisation:.1%}")
     display(plots.table([{
         "clock end": end, "clock GHz": f"{spec.clock(end) / 1e9:.2f}",
@@ -291,6 +298,37 @@ if report is not None and report.ok:
         "simulated step ms": f"{issued[end].step_ms:.4g}",
         "HBM busy (simulated)": f"{issued[end].hbm_utilisation:.1%}"}
         for end in CLOCK_ENDS]))
+
+# %% [markdown]
+# ## The tile cost table: one weight tile by storage, feed and M
+#
+# Without a compile of the whole kernel the simulator charges each weight tile from a
+# table measured the same way on the stage-01 ring kernel (`mk.feed_costs`, recorded by
+# `benchmarks/tile_feed_costs.py`: one trip of `Ring.matmul`'s steady loop over one weight
+# per chip, storage, feed and M, compiled by libtpu): bundles per weight x the tile's
+# weights / the clock. A packed tile is smaller on the wire but pays its dequantisation
+# here. Below, each storage this plan streams, at this step's M, against its tile's DMA
+# at both ends of the clock range (simulation inputs, not TPU measurements).
+
+# %%
+rows_, cols_ = plan.block.tile_rows, plan.block.tile_cols
+
+
+def table_row(dtype: str) -> dict:
+    """One storage's tile at this step's M: the table's cost against the tile's DMA."""
+    nbytes = (mk.quant.tile_bytes(dtype, rows_, cols_) if dtype in mk.quant.SCHEMES
+              else rows_ * cols_ * mk.config.DTYPE_BITS[config.dtype] // 8)
+    dma = nbytes / (spec.hbm_bw / spec.cores_per_chip) * 1e9
+    ns = {e: feed_costs.tile_s(spec, dtype, plan.M, rows_ * cols_, e) * 1e9 for e in CLOCK_ENDS}
+    per_mi = feed_costs.bundles_per_element(spec.name, dtype, plan.M) * 2**20
+    return {"storage": dtype, "feed": feed_costs.FEED, "M bucket": feed_costs.bucket(plan.M),
+            "bundles per Mi weights": f"{per_mi:.0f}", "DMA ns": f"{dma:.0f}",
+            **{f"ns per tile, clock {e}": f"{ns[e]:.0f}" for e in CLOCK_ENDS},
+            **{f"tile / DMA, clock {e}": f"{ns[e] / dma:.2f}" for e in CLOCK_ENDS}}
+
+
+display(plots.table([table_row(d) for d in sorted(
+    {feed_costs.weight_dtype(config.dtype, q) for q in [None, *formats.values()]})]))
 
 # %% [markdown]
 # The same measurement for every single-core preset and chip, and for the tensor-parallel
@@ -401,7 +439,9 @@ display(plots.table([
 #
 # `mk.perf.predict`: every weight read once (the experts the batch touches under uniform
 # routing), the KV cache read, plus the all-reduces of tensor parallelism; the MXU
-# floor charges every weight pass the MXU's rows (`mk.perf.mxu_floor_ms`, notebook 00b).
+# floor charges every weight pass the MXU's rows (`mk.perf.mxu_floor_ms`, notebook 00b), a
+# bound kept for reference; the tile floor is the weights at the tile cost table
+# (`mk.perf.tile_floor_ms`), the compute lane of the modelled step (at the low end).
 # HBM floor, MXU floor, modelled and simulated step are the words of
 # [notebook 00's ledger](00_decode_is_memory_bound.ipynb).
 
@@ -411,8 +451,10 @@ display(plots.table([
     {"term": "KV read + written", "value": f"{est.kv_bytes / 1e9:.4g} GB"},
     {"term": "FLOPs", "value": f"{est.flops / 1e9:.4g} GFLOP"},
     {"term": "HBM floor", "value": f"{est.hbm_floor_ms:.4g} ms"},
-    {"term": "MXU floor", "value": f"{mxu_ms:.4g} ms (FLOPs alone: "
-                                   f"{est.compute_floor_ms:.3g} ms)"},
+    *({"term": f"tile floor, clock {end}", "value": f"{tile_ms[end]:.4g} ms"}
+      for end in CLOCK_ENDS),
+    {"term": "MXU floor (a bound)", "value": f"{mxu_ms:.4g} ms (FLOPs alone: "
+                                             f"{est.compute_floor_ms:.3g} ms)"},
     {"term": "collectives", "value": f"{est.collective_ms:.4g} ms"},
     {"term": "modelled step", "value": f"{modelled_ms:.4g} ms"}]))
 

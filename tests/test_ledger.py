@@ -28,16 +28,18 @@ def test_every_published_row_is_an_entry_and_a_system_without_a_chip_row_has_no_
     assert cerebras and "hbm_floor_ms" not in cerebras[0] and "chips.csv" in cerebras[0]["note"]
 
 
-def test_modelled_step_streams_hbm_beside_the_mxu_and_collectives_and_errors_agree(rows):
+def test_modelled_step_streams_hbm_beside_the_tile_floor_and_collectives_and_errors_agree(
+        rows):
     for r in rows:
         if "hbm_floor_ms" not in r:
             continue
         if mk.chip(r["system"]).kind == "gpu":  # no GPU MXU floor
             assert "mxu_floor_ms" not in r and "mxu_floor" not in r, r["run"]
             continue
-        lane = r["mxu_floor_ms"] + r["collective_ms"]  # the compute lane, one after another
+        lane = r["tile_floor_ms"] + r["collective_ms"]  # the compute lane, one after another
         assert r["modelled_ms"] == pytest.approx(max(r["hbm_floor_ms"], lane))
-        lane_bound = "collective" if r["collective_ms"] > r["mxu_floor_ms"] else "mxu"
+        assert r["tile_floor_high_ms"] < r["tile_floor_ms"]  # the clock's high end
+        lane_bound = "collective" if r["collective_ms"] > r["tile_floor_ms"] else "tile"
         assert r["bound"] == ("hbm" if r["hbm_floor_ms"] >= lane else lane_bound)
         assert r["note"]
         for name in ("hbm_floor", "mxu_floor", "modelled", "conventional"):

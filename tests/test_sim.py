@@ -11,7 +11,7 @@ import jax
 import pytest
 
 import mk
-from mk import machine, megakernel, perf, sim
+from mk import feed_costs, machine, megakernel, perf, sim
 from mk.chips import chip
 from mk.presets import PRESET_NAMES
 from mk.kernels.common import BlockSizes
@@ -85,16 +85,16 @@ def test_step_is_never_below_the_hbm_floor_and_bubbles_fill_the_rest(name):
 # -- The pipeline ---------------------------------------------------------------------------
 @pytest.mark.parametrize("c_over_d", [0.5, 3.0])
 def test_synthetic_stream_matches_its_closed_form(c_over_d):
-    # v6e: d = 256*256*2 B / 1.64 TB/s; c = 2*max(M, 256)*256*256 / 918 TFLOP/s. M=256
-    # gives c/d = 0.36; M=2000 rows would exceed the MXU rows: c grows with M.
+    # v6e: d = 256*256*2 B / 1.64 TB/s; c, the compute per tile, given directly (a
+    # recorded loop's issue time) on either side of d.
     spec = chip("v6e")
     d = 256 * 256 * 2 / spec.hbm_bw
-    rows = max(256, round(c_over_d * d * spec.bf16_flops / (2 * 256 * 256)))
-    c = 2 * rows * 256 * 256 / spec.bf16_flops
+    c = c_over_d * d
     stream = TileStream.build(BlockSizes(slots=3, tile_rows=256, tile_cols=256),
                               [("w", 1024, 2048)], layers=2)
     n = stream.total
-    s = sim.replay_matmul(stream, spec, rows=rows, assumptions=NO_LATENCY)
+    s = sim.replay_matmul(stream, spec, rows=8,
+                          assumptions=dataclasses.replace(NO_LATENCY, tile_issue_s=c))
     expected = n * d + c if c <= d else d + n * c
     assert s.step_s == pytest.approx(expected, rel=1e-12)
 
@@ -105,7 +105,7 @@ def test_one_slot_serialises_every_tile_latency_load_and_compute():
                               [("a", 256, 512), ("b", 512, 256)])
     s = sim.replay_matmul(stream, spec, rows=8,
                           assumptions=sim.Assumptions(dma_latency_s=latency))
-    d, c = 128 * 256 * 2 / spec.hbm_bw, 2 * 128 * 128 * 256 / spec.bf16_flops
+    d, c = 128 * 256 * 2 / spec.hbm_bw, feed_costs.tile_s(spec, "bf16", 8, 128 * 256)
     assert s.step_s == pytest.approx(stream.total * (latency + d + c), rel=1e-12)
 
 
@@ -276,8 +276,9 @@ def test_the_chips_ring_keeps_hbm_busy_where_fewer_slots_than_littles_law_do_not
                                   "qwen3-30b-a3b"])
 def test_every_single_core_preset_keeps_tpu7x_hbm_busy_at_one_microsecond(name):
     """Issue 14's bar on the plan's own ring, at B = 1, T = 1, S = 1024, a 1 us DMA
-    latency and the MXU rule per tile (the compiled issue time per tile is below it:
-    mk/data/tile_costs/single_core.json, notebook 11)."""
+    latency and each weight tile at the tile cost table at the low end of the clock range
+    (`mk.feed_costs`; the whole kernels' recorded loops: mk/data/tile_costs/single_core.json,
+    notebook 11)."""
     s = sim.simulate(mk.preset(name), "tpu7x", context=1024,
                      assumptions=sim.Assumptions(dma_latency_s=1e-6))
     assert s.hbm_utilisation >= 0.9, s.bubble_share()

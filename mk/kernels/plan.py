@@ -76,8 +76,8 @@ Here: the sharding model (`check_tp`, `shard_config`, `kv_heads_of`),
 `padded_vocab`, `default_block` (with `ring_slots`, `little_slots`, `ring_cover_s`,
 `kv_depth`),
 `model_stream`, `capacity`, `WEIGHT_FAMILIES`, `STEP_FAMILIES`, `family_of`,
-`packed_formats`, `shard_weight_bytes`, `QUANT_FAMILY`, `DecodePlan` (`DecodePlan.make`:
-the one way to make a plan), `Fit`. Not here: the kernel (`mk.megakernel`), the layer's
+`packed_formats`, `shard_weight_bytes` (from `shard_weight_elements`), `QUANT_FAMILY`,
+`DecodePlan` (`DecodePlan.make`: the one way to make a plan), `Fit`. Not here: the kernel (`mk.megakernel`), the layer's
 phases (`mk.kinds.base.LAYER_PHASES`), sharding arrays (`mk.tensor_parallel`), time
 (`mk.sim`, `mk.perf`).
 """
@@ -314,7 +314,7 @@ def shard_weight_bytes(local: ModelConfig, vocab: int, experts: float, formats=N
     carry their scales (`mk.quant.tile_bytes`: FP4 half a byte a value and a byte of
     scale per 32). What `DecodePlan`, `mk.sim` (through the plan) and `mk.perf` count."""
     per = _bytes_per_element(local, formats, block)
-    return {f: n * per[f] for f, n in _weight_elements(local, vocab, experts).items()}
+    return {f: n * per[f] for f, n in shard_weight_elements(local, vocab, experts).items()}
 
 
 def _bytes_per_element(local: ModelConfig, formats=None,
@@ -331,7 +331,7 @@ def _bytes_per_element(local: ModelConfig, formats=None,
     return per
 
 
-def _weight_elements(local: ModelConfig, vocab: int, experts: float) -> dict[str, float]:
+def shard_weight_elements(local: ModelConfig, vocab: int, experts: float) -> dict[str, float]:
     """Elements of each weight family one device streams in a step (`shard_weight_bytes`):
     each layer kind's (`Kind.streamed`), the norm vectors as `mk.megakernel.prepare` lays
     them out (two of D and the q/k norms' two of H per layer, the final norm) and the
@@ -517,7 +517,7 @@ class DecodePlan:
         states and the states after each of the T rows (`state_bytes`)."""
         c, itemsize = self.local, DTYPE_BITS[self.local.dtype] // 8
         per = _bytes_per_element(c, dict(self.formats), self.block)
-        elements = _weight_elements(c, self.vocab, c.experts)  # every expert
+        elements = shard_weight_elements(c, self.vocab, c.experts)  # every expert
         weights = sum(n * per[f] for f, n in elements.items())
         embed = self.config.vocab * c.hidden * itemsize
         K, H, caches = kv_layout(c)

@@ -15,7 +15,8 @@ packed tiles and their scales and dequantises each tile in VMEM (notebook 12). T
 steps every stage wrapper takes for the weights it streams, whether plain or quantised,
 are here too: `stage_block` (its default tiling), `weight_stream` (the stream, with each
 quantised family's scheme) and `ring_weights` (the weights in the ring's layout, with a
-BlockSpec per array).
+BlockSpec per array). `stream_matmul_block` is this kernel's default tiling (what
+`mk.bundles.probe_tile` compiles the tile cost table's rows at).
 
 Not here: the ring mechanics (`mk.kernels.ring`), fused layers (`one_layer`).
 """
@@ -31,9 +32,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mk import quant
-from mk.config import MAX_ROWS
 from mk.kernels.common import BlockSizes, Buffer, default_block
 from mk.kernels.ring import Ring, TileStream, ring_buffers, ring_layout
+
+
+# Rows this stage kernel takes: a decode step's MAX_ROWS (mk.config) up to one pass of the
+# largest MXU (256 rows on v6e and TPU7x), the largest M of the tile cost table
+# (`mk.feed_costs`, measured on this kernel by `mk.bundles.probe_tile`).
+STAGE_ROWS = 256
 
 
 def weight_stream(block: BlockSizes, matrices, formats=None, **kwargs) -> TileStream:
@@ -73,6 +79,13 @@ def _stream(K: int, N: int, block: BlockSizes, scheme: str | None) -> TileStream
     return TileStream.build(block, [("w", K, N)], schemes={"w": scheme} if scheme else None)
 
 
+def stream_matmul_block(K: int, N: int, dtype, scheme: str | None = None) -> BlockSizes:
+    """`stream_matmul`'s default tiling of w [K, N]: plain in `dtype`, or stored in the
+    mk.quant `scheme` (never transposed, at most QUANT_TILE_ELEMENTS a tile)."""
+    return default_block([("w", K, N)], itemsize=jnp.dtype(dtype).itemsize,
+                         quantised=("w",) if scheme else ())
+
+
 def stream_matmul_kernel(
     # Inputs
     x_vmem,  # [M, K] compute dtype
@@ -101,13 +114,12 @@ def stream_matmul(x: jax.Array, w, *, block: BlockSizes | None = None,
     K2, N = w.shape
     if K2 != K:
         raise ValueError(f"x [M, K={K}] and w [K={K2}, N] disagree on K")
-    if not 1 <= M <= MAX_ROWS:
-        raise ValueError(f"rows M={M} must be in [1, {MAX_ROWS}]")
+    if not 1 <= M <= STAGE_ROWS:
+        raise ValueError(f"rows M={M} must be in [1, {STAGE_ROWS}]")
     packed = isinstance(w, quant.QuantWeight)
     scheme, dtype = (w.scheme, jnp.dtype(dtype)) if packed else (None, w.dtype)
     if block is None:
-        block = default_block([("w", K, N)], itemsize=dtype.itemsize,
-                              quantised=("w",) if packed else ())
+        block = stream_matmul_block(K, N, dtype, scheme)
     stream = _stream(K, N, block, scheme)
     weights, specs = ring_weights({"w": w}, stream)
     ring = stream_matmul_buffers(M, K, N, dtype, block, scheme)[2:]

@@ -1,0 +1,68 @@
+"""The compute cost of one weight tile per chip, weight dtype, feed and M (issue 34).
+
+For each row `mk.bundles.probe_tile` compiles the stage-01 ring kernel
+(`mk.kernels.weight_streaming.stream_matmul`, the megakernel's own `Ring.matmul`) over one
+weight w[4096, 2048] (`mk.bundles.TILE_PROBE_SHAPE`, at the kernel's default tiling: bf16
+tiles of 4096 x 256, packed tiles of 2048 x 128) stored as the dtype (bf16 or an
+`mk.quant` scheme, dequantised in VMEM to the feed) against M bf16 rows, for one
+TensorCore of the chip, with libtpu's bundle dump on, and counts one trip of the steady
+per-tile loop. The table `mk.feed_costs` reads (the simulator's and `mk.perf`'s compute
+cost per weight tile):
+
+    .venv/bin/python benchmarks/tile_feed_costs.py --json mk/data/tile_feed_costs.json
+
+Nothing here runs on a TPU: bundle counts are the compiler's static schedule (one bundle a
+cycle, stalls not counted); a row's seconds are bundles / the clock, which is a range
+(`mk.chips.ChipSpec.clock`). tests/test_feed_costs.py re-compiles rows and compares.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `mk` importable from a checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from mk import bundles, feed_costs  # noqa: E402
+from mk.chips import all_chips  # noqa: E402
+
+
+def table(rows: list[dict]) -> str:
+    """Bundles per Mi weights, one line per (chip, dtype, feed), one column per M."""
+    ms = sorted({r["m"] for r in rows})
+    lines = [f"{'chip':6} {'dtype':5} {'feed':5} " + " ".join(f"{'M=' + str(m):>7}"
+                                                            for m in ms)]
+    cells = {(r["chip"], r["dtype"], r["feed"], r["m"]): r["bundles_per_mi"] for r in rows}
+    for key in dict.fromkeys((r["chip"], r["dtype"], r["feed"]) for r in rows):
+        lines.append(f"{key[0]:6} {key[1]:5} {key[2]:5} " + " ".join(
+            f"{cells.get((*key, m), float('nan')):7.0f}" for m in ms))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--chips", nargs="+", default=[c.name for c in all_chips("tpu")])
+    p.add_argument("--dtypes", nargs="+", default=list(feed_costs.DTYPES))
+    p.add_argument("--feeds", nargs="+", default=list(feed_costs.FEEDS))
+    p.add_argument("--m", nargs="+", type=int, default=list(feed_costs.M_BUCKETS))
+    p.add_argument("--json", type=Path, help="write the rows here (rewritten after each "
+                                             "row, so a stopped run keeps its rows)")
+    args = p.parse_args(argv)
+    rows = []
+    for chip in args.chips:
+        for dtype in args.dtypes:
+            for feed in args.feeds:
+                for m in args.m:
+                    rows.append(bundles.probe_tile(chip, dtype, m, feed).row())
+                    print(json.dumps(rows[-1]), flush=True)
+                    if args.json:
+                        args.json.write_text(json.dumps(rows, indent=1) + "\n",
+                                             encoding="utf-8")
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
