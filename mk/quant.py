@@ -267,60 +267,37 @@ def dequantize_tile(scheme: str, data: jax.Array, scale: jax.Array) -> jax.Array
 FEEDS = MXU_FEEDS  # what a packed tile is turned into for the MXU (module docstring)
 # The feeds each scheme reaches exactly: int8 and int4 values are not e4m3 values.
 FEEDABLE = {"int8": ("bf16",), "int4": ("bf16",), "fp8": FEEDS, "fp4": FEEDS}
-FEED_ROWS = 128  # rows of I per fp8-fed product: fp8's scale block, fp4's fold span
-FOLD_SHIFTS = (-5, 6)  # 2^shift an e2m1 value may be folded by and stay a normal e4m3
 
 
-def e2m1_to_e4m3(code: jax.Array, shift: jax.Array) -> jax.Array:
+def e2m1_to_e4m3(code: jax.Array) -> jax.Array:
     """float4_e2m1fn codes (low 4 bits of an integer array) -> the float8_e4m3fn bit
-    patterns (int32) of their values times 2^shift: exact for shift in FOLD_SHIFTS (the
-    result stays a normal e4m3 value; zero stays zero whatever the shift)."""
+    patterns (int32) of the same values: every e2m1 value is an e4m3 value (exact)."""
     c = code.astype(jnp.int32)
     mag = c & 7  # e2m1 magnitude 2e + m
     # e > 0: (1 + m/2) 2^(e-1) is e4m3 exponent field e + 6, mantissa m << 2, so the
     # pattern is 8e + 4m + 48 = 4 mag + 48; mag 1 (0.5 = 2^-1): field 6, mantissa 0 (48).
-    field = jnp.where(mag == 1, 48, 4 * mag + 48) + (shift.astype(jnp.int32) << 3)
+    field = jnp.where(mag == 1, 48, 4 * mag + 48)
     return ((c & 8) << 4) | jnp.where(mag == 0, 0, field)
-
-
-def fold_shifts(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """fp4's e8m0 scales [..., I/32, O] -> (shift [..., I/32, O], block exponent [...,
-    I/FEED_ROWS, O]): each 32-row group's 2^(code - 127) is 2^shift x 2^(block - 127),
-    block = max(1, the largest code of its FEED_ROWS rows - 6), so shift <= 6 and the
-    block's power of two is a float32 normal."""
-    s = scale.astype(jnp.int32)
-    *lead, groups, cols = s.shape
-    per = FEED_ROWS // GROUP["fp4"]
-    top = s.reshape(*lead, groups // per, per, cols).max(axis=-2)
-    block = jnp.maximum(top - FOLD_SHIFTS[1], 1)
-    shift = s - jnp.broadcast_to(block[..., :, None, :], (*lead, groups // per, per, cols)
-                                 ).reshape(s.shape)
-    return shift, block
 
 
 def fp8_feed_tile(scheme: str, data: jax.Array, scale: jax.Array
                   ) -> tuple[jax.Array, jax.Array]:
-    """A tile_rows x tile_cols tile of an fp8 or fp4 weight as the MXU's fp8 feed takes it:
-    (its values as float8_e4m3fn [tile_rows, tile_cols], float32 scales [tile_rows /
-    FEED_ROWS, tile_cols]); value = e4m3 x the scale of its FEED_ROWS block and column,
-    exactly (fp4: `fold_shifts` folds each group's power of two into the e4m3 exponent;
-    exact while every non-zero group's shift is in FOLD_SHIFTS: `check_feed`)."""
-    rows, cols = data.shape[-2], data.shape[-1]
+    """A tile of an fp8 or fp4 weight as the MXU's fp8 feed takes it: (its codes as
+    float8_e4m3fn [tile_rows, tile_cols], float32 scales [s, tile_cols]), the weight being
+    e4m3 x the scale of its row's block of tile_rows / s rows and its column, exactly:
+    fp8's codes as they are with each 128 x 128 block's scale repeated over its columns
+    (s = tile_rows / 128); fp4's codes turned into e4m3 (`e2m1_to_e4m3`) with each 32-row
+    group's power of two (s = tile_rows / 32)."""
     if scheme == "fp8":
-        codes = data
         per = GROUP["fp8"]
         scales = jnp.concatenate([jnp.broadcast_to(scale[:, c:c + 1], (scale.shape[0], per))
-                                  for c in range(cols // per)], axis=-1)
-    elif scheme == "fp4":
-        shift, block = fold_shifts(scale)
-        g = GROUP["fp4"]
-        spread = jnp.broadcast_to(shift[:, None, :], (shift.shape[0], g, cols))
-        codes = e2m1_to_e4m3(unpack_nibbles(data), spread.reshape(2 * rows, cols))
-        codes = codes.astype(jnp.uint8)
-        scales = pow2(block - E8M0_BIAS)
-    else:
-        raise ValueError(f"scheme={scheme!r} has no fp8 feed; {FEEDABLE}")
-    return jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn), scales
+                                  for c in range(data.shape[-1] // per)], axis=-1)
+        return jax.lax.bitcast_convert_type(data, jnp.float8_e4m3fn), scales
+    if scheme == "fp4":
+        codes = e2m1_to_e4m3(unpack_nibbles(data)).astype(jnp.uint8)
+        return (jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn),
+                pow2(scale.astype(jnp.int32) - E8M0_BIAS))
+    raise ValueError(f"scheme={scheme!r} has no fp8 feed; {FEEDABLE}")
 
 
 def choose_feeds(formats: dict[str, str], feeds=None, chip: ChipSpec | None = None
@@ -346,25 +323,6 @@ def choose_feeds(formats: dict[str, str], feeds=None, chip: ChipSpec | None = No
     native = () if chip is None else chip.mxu_feeds
     return {group: feeds.get(group, "fp8" if "fp8" in native and "fp8" in FEEDABLE[scheme]
                              else "bf16") for group, scheme in formats.items()}
-
-
-def check_feed(name: str, q: QuantWeight, feed: str) -> None:
-    """Raise ValueError if `q` fed `feed` would not be multiplied by its dequantised values
-    exactly: an fp4 weight fed fp8 with a non-zero 32-row group whose power of two lies
-    more than FOLD_SHIFTS from its FEED_ROWS block's (`fold_shifts`). Arrays only (an
-    abstract weight, as compiles use, has no values to check)."""
-    if feed != "fp8" or q.scheme != "fp4" or not all(
-            isinstance(a, (np.ndarray, jax.Array)) and not isinstance(a, jax.core.Tracer)
-            for a in (q.data, q.scale)):
-        return
-    shift, _ = fold_shifts(q.scale)
-    codes = unpack_nibbles(q.data) & 7
-    used = codes.reshape(*codes.shape[:-2], -1, GROUP["fp4"], codes.shape[-1]).max(-2) > 0
-    low = np.asarray(jnp.where(used, shift, 0)).min()
-    if low < FOLD_SHIFTS[0]:
-        raise ValueError(f"{name} (fp4, fed fp8): a non-zero 32-row group's scale is 2^{low} "
-                         f"of its {FEED_ROWS}-row block's, below 2^{FOLD_SHIFTS[0]}: its "
-                         "values would not be e4m3 values; feed it bf16")
 
 
 def oracle_dtype(scheme: str, feed: str, dtype):

@@ -34,8 +34,11 @@ reach the MXU as the segment's feed says (`Segment.feed`, chosen per chip by the
 (`mk.quant.dequantize_tile`) to the ring's compute dtype right before one product. Fed
 fp8 (fp8 and fp4 on TPU7x, whose MXU multiplies bf16 by float8_e4m3fn), its values go to
 the MXU as e4m3 (`mk.quant.fp8_feed_tile`: fp8's codes as they are, fp4's turned into e4m3
-codes exactly), one product per FEED_ROWS-row block, each float32 product scaled by its
-block's row of scales and summed in float32. Either way the product is the reference's
+codes exactly), one product per block of rows sharing a scale (fp8 128, fp4 32), each
+float32 product scaled by its block's row of scales and summed in float32. fp4's 32-row
+products measured cheaper than one 128-row product of codes with each group's power of two
+folded into their e4m3 exponents (tpu7x bundles: the fold's VPU work outweighs the
+pushes it saves), and they are exact for every scale. Either way the product is the reference's
 on `mk.quant.dequantize(params, feeds=...)`'s weights.
 
 A run of matrices may be repeated (`Repeat`), e.g. gate, up, down once per expert slot:
@@ -378,8 +381,9 @@ class Ring:
 
     def _product(self, segment: Segment, g, xs, contract):
         """xs [M, step] times tile g of `segment`, float32 [M, panel]: one product with the
-        tile in the compute dtype, or, fed fp8, one per FEED_ROWS-row block of e4m3 values,
-        each scaled by its block's row of scales (`mk.quant.fp8_feed_tile`)."""
+        tile in the compute dtype, or, fed fp8, one per block of rows sharing a scale (fp8
+        128, fp4 32) of e4m3 values, each scaled by its block's row of scales
+        (`mk.quant.fp8_feed_tile`)."""
         xs = xs.astype(self.dtype)
         if segment.feed != "fp8":
             return lax.dot_general(xs, self._weights(segment, g), contract,
@@ -387,8 +391,8 @@ class Ring:
         data, scales = self.packed[segment.scheme]
         w8, block_scales = quant.fp8_feed_tile(segment.scheme, data[g % self.n],
                                                scales[g % self.n])
-        total, rows = None, quant.FEED_ROWS
-        for b in range(self.tk // rows):  # quantised segments are never transposed
+        total, rows = None, self.tk // block_scales.shape[0]  # quantised: never transposed
+        for b in range(block_scales.shape[0]):
             block = slice(b * rows, (b + 1) * rows)
             part = lax.dot_general(xs[:, block], w8[block], contract,
                                    preferred_element_type=jnp.float32) * block_scales[b:b + 1]

@@ -100,7 +100,7 @@ def stream_matmul(x: jax.Array, w, *, block: BlockSizes | None = None,
     """x [M, K] @ w [K, N] -> [M, N] float32, w streamed through a `block.slots`-slot ring.
     w: an array (multiplied in its own dtype), or an `mk.quant.QuantWeight` (in mk.quant's
     layout; its packed tiles and scales are streamed and, in VMEM, dequantised to `dtype`
-    or, `feed="fp8"`, fed to the MXU as e4m3: `mk.quant.FEEDABLE`, `mk.quant.check_feed`).
+    or, `feed="fp8"`, fed to the MXU as e4m3: `mk.quant.FEEDABLE`).
     The product is `mk.ops.matmul(x.astype(dtype), w)` of `mk.quant.dequantize_tile(w)`
     in `mk.quant.oracle_dtype`."""
     M, K = x.shape
@@ -113,7 +113,6 @@ def stream_matmul(x: jax.Array, w, *, block: BlockSizes | None = None,
     scheme, dtype = (w.scheme, jnp.dtype(dtype)) if packed else (None, w.dtype)
     if packed:
         quant.oracle_dtype(scheme, feed, dtype)  # raises for a feed the scheme lacks
-        quant.check_feed("w", w, feed)
     elif feed != "bf16":
         raise ValueError(f"feed={feed!r}: a plain {dtype} weight is multiplied as it is")
     if block is None:
