@@ -52,21 +52,57 @@ def test_every_slot_count_matches_the_reference_without_races(slots, dtype):
     assert not races
 
 
-@pytest.mark.parametrize("scheme", quant.SCHEMES)
-def test_a_quantised_weight_streams_packed_tiles_and_scales_race_free(scheme):
+FEEDS = [(scheme, feed) for scheme in quant.SCHEMES for feed in quant.FEEDABLE[scheme]]
+
+
+def _oracle(x, q, feed):
+    """The reference's product with `q` dequantised as its feed multiplies it
+    (`mk.quant.oracle_dtype`), x rounded to bf16 as the kernel rounds it."""
+    w = quant.dequantize_tile(q.scheme, q.data, q.scale)
+    return ops.matmul(x.astype(jnp.bfloat16),
+                      w.astype(quant.oracle_dtype(q.scheme, feed, jnp.bfloat16)))
+
+
+@pytest.mark.parametrize("scheme, feed", FEEDS)
+def test_a_quantised_weight_streams_packed_tiles_and_scales_race_free(scheme, feed):
     """Each tile is two DMAs on its slot's semaphore (packed data, scale block), both
-    waited for (strict_dma), dequantised in VMEM: the reference's product with the
-    dequantised weight; the DMAs move `mk.quant.tile_bytes` per tile."""
+    waited for (strict_dma), and reaches the MXU as its feed says (bf16: dequantised in
+    VMEM; fp8: e4m3 codes, one product per scale block, 256 rows of 384 so fp4's 32-row
+    groups and fp8's 128-row blocks both straddle tiles' edges); the product is the
+    reference's on `mk.quant.oracle_dtype`'s weights; the DMAs move `mk.quant.tile_bytes`
+    per tile whatever the feed."""
     x, w = _operands(8, 384, 256, "float32")
     q = quant.quantize_weight(w, scheme)
     block = BlockSizes(slots=3, tile_rows=128, tile_cols=128)
-    with dma_log() as log:
-        y, races = _run(x, q, block)
-    want = ops.matmul(x.astype(jnp.bfloat16),
-                      quant.dequantize_tile(scheme, q.data, q.scale).astype(jnp.bfloat16))
-    np.testing.assert_allclose(y, want, **TOLERANCE["bfloat16"])
-    assert not races
+    with dma_log() as log, backend.use("interpret", detect_races=True, strict_dma=True):
+        y = jax.block_until_ready(stream_matmul(x, q, block=block, feed=feed))
+    exact = quant.oracle_dtype(scheme, feed, jnp.bfloat16) == jnp.bfloat16
+    np.testing.assert_allclose(y, _oracle(x, q, feed), **TOLERANCE["float32"])
+    assert not backend.races_found()
     assert sum(n for _, n in log) == 3 * 2 * quant.tile_bytes(scheme, 128, 128)
+    if not exact:  # fp8 fed fp8: the bf16 feed's oracle is visibly another product
+        assert np.abs(np.asarray(y - _oracle(x, q, "bf16"))).max() > 100 * (
+            TOLERANCE["float32"]["atol"] + TOLERANCE["float32"]["rtol"] * np.abs(y).max())
+
+
+def test_a_feed_a_scheme_cannot_reach_exactly_is_refused_by_name():
+    x, w = _operands(8, 256, 256, "float32")
+    with pytest.raises(ValueError, match=r"feed='fp8': int8 feeds as \('bf16',\)"):
+        stream_matmul(x, quant.quantize_weight(w, "int8"), feed="fp8")
+    with pytest.raises(ValueError, match=r"feed='fp8': a plain float32 weight"):
+        stream_matmul(x, w, feed="fp8")
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "fp4"])
+def test_fp8_fed_tiles_compile_for_tpu7x(scheme):
+    """bf16 x float8_e4m3fn lowers for TPU7x at a shard's tile (4096 x 256, 32 fp8 scale
+    blocks or 128 fp4 groups per tile): the path `DecodePlan.make` chooses there."""
+    x = jax.ShapeDtypeStruct((8, 4096), jnp.bfloat16)
+    q = quant.abstract_weight((4096, 1024), scheme)
+    block = BlockSizes(slots=3, tile_rows=4096, tile_cols=256)
+    report = tpu.compile_for_chip(functools.partial(stream_matmul, block=block, feed="fp8"),
+                                  [x, q], "tpu7x")
+    assert report.ok, report.error
 
 
 @settings(max_examples=6, deadline=None)
