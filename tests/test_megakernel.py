@@ -79,6 +79,31 @@ def test_64_greedy_tokens_equal_the_reference(name, batch, rows, formats):
     assert_verify_steps(config, params, values, prompt, want, rows, TOKENS)
 
 
+FP8_FED = {"tiny": dict(dense="fp4", lm_head="fp8"),  # groups TPU7x feeds fp8
+           "tiny-moe": dict(experts="fp8", dense="fp4", lm_head="fp8")}
+
+
+# CPU seconds: tiny ~15, tiny-moe ~50 (`make test-slow`).
+@pytest.mark.parametrize("name", ["tiny", pytest.param("tiny-moe", marks=SLOW)])
+def test_fp8_fed_weights_decode_the_references_tokens(name):
+    """The fp8 feed (TPU7x's default for fp8 and fp4, asked for here without a chip): fp4
+    attention and dense MLP, fp8 experts and lm_head; the stream's quantised segments are
+    fed fp8, and 8 greedy tokens equal the reference's on the feed's oracle weights
+    (`mk.quant.dequantize(params, feeds=)`; float32, as above). The same at tp 2:
+    tests/test_quant_shards.py."""
+    config = dataclasses.replace(mk.preset(name), dtype="float32")
+    params = quant.quantize(config, mk.init_params(config), **FP8_FED[name])
+    feeds = dict.fromkeys(FP8_FED[name], "fp8")
+    plan = DecodePlan.make(config, batch=2, context=128, formats=FP8_FED[name], feeds=feeds)
+    assert {s.feed for s in plan.stream.segments + plan.stream.tail if s.scheme} == {"fp8"}
+    prompt = jax.random.randint(jax.random.key(5), (2, 5), 0, config.vocab)
+    want = reference.generate(config, quant.dequantize(params, feeds=dict(plan.feeds)),
+                              prompt, 8, max_context=128)
+    got = megakernel.generate(config, params, prompt, 8, backend="interpret",
+                              max_context=128, steps_per_call=7, feeds=feeds)
+    np.testing.assert_array_equal(got, want)
+
+
 QWEN35_ATTENTION = dict(attn_output_gate=True, partial_rotary_factor=0.25, norm_offset=1.0)
 
 
