@@ -259,6 +259,17 @@ def test_quantised_models_compile_for_the_chip_they_fit(name, chip, batch, forma
     assert report.argument_bytes == pytest.approx(report.hbm_bytes, rel=0.01)
 
 
+def test_a_tiny_model_fed_fp8_compiles_for_tpu7x():
+    """tiny with fp4 attention and dense MLP and an fp8 lm_head: on TPU7x the plan feeds
+    them fp8 (its default there) and the whole megakernel compiles (~2 s; tiny-moe's
+    60-slot ring takes ~15 s, fed bf16 or fp8)."""
+    config, formats = mk.preset("tiny"), FP8_FED["tiny"]
+    plan = DecodePlan.make(config, batch=8, context=1024, formats=formats, chip="tpu7x")
+    assert dict(plan.feeds) == dict.fromkeys(formats, "fp8")
+    report = tpu.compile_megakernel(config, "tpu7x", batch=8, context=1024, formats=formats)
+    assert report.ok, report.error
+
+
 def test_int4_experts_alone_do_not_fit_v5e_and_the_numbers_say_so():
     report = tpu.compile_megakernel(mk.preset("qwen3-30b-a3b"), "v5e", batch=1, context=4096,
                                     formats=dict(experts="int4"))
