@@ -3,11 +3,13 @@
 Here: the four storage schemes (`SCHEMES`), each laid out exactly as below (a
 `QuantWeight` checks its layout on construction: `check_layout`); `quantize` (finite bf16
 params -> a params dict whose quantised weights are `QuantWeight`s), `dequantize`
-(back to plain arrays: the oracle's weights, fed to the unchanged `mk.reference`), the
-element decoders a kernel calls on one streamed tile (`unpack_nibbles`, `e4m3_values`,
-`e2m1_values`, `dequantize_tile`), `check_error` (every group's error against its scale's
-bound), `accuracy` (a quantised model's logits and greedy tokens against the bf16 model's)
-and `storage_bytes` / `group_bytes` / `stored_bytes` (packed bytes plus scales; a model's
+(back to plain arrays: the oracle's weights, fed to the unchanged `mk.reference`, in the
+dtype each group's MXU feed calls for: `oracle_dtype`), the element decoders a kernel
+calls on one streamed tile (`unpack_nibbles`, `e4m3_values`, `e2m1_values`,
+`dequantize_tile`; for the fp8 feed `e2m1_to_e4m3`, `fp8_feed_tile`), the feeds
+(`FEEDS`, `FEEDABLE`, `choose_feeds`: each packed group's, per chip), `check_error`
+(every group's error against its scale's bound), `accuracy` (a quantised model's logits
+and greedy tokens against the bf16 model's) and `storage_bytes` / `group_bytes` / `stored_bytes` (packed bytes plus scales; a model's
 own `formats` by default), `check_quantisable` / `unstreamed`, the kernel's tile layout
 (`tile_shapes`, `tile_bytes`, `tile_major`, `pad_columns`, `ZERO_CODE`, `UNIT_SCALE`),
 `formats_of` (the scheme of each group of a params dict) and `schemes_of` (the scheme of
@@ -81,6 +83,27 @@ bytes in HBM the bytes of the documented layout (a sub-byte array's packing is t
 compiler's choice). The decoders use only integer shifts, masks, compares, selects, int ->
 float casts, a bitcast of int32 to float32 (powers of two: exact, no transcendental) and
 float multiplies.
+
+Feeds: what a packed tile becomes for the MXU, chosen per chip from what its MXU takes
+beside bf16 activations (`mk.chips.ChipSpec.mxu_feeds`; `choose_feeds`, carried by the
+plan and its stream's segments). "bf16": `dequantize_tile` in float32, rounded once to the
+compute dtype (every scheme, every chip). "fp8" (fp8 and fp4; TPU7x multiplies bf16 by
+float8_e4m3fn): `fp8_feed_tile` hands the MXU e4m3 codes, fp8's as stored (a bitcast of
+the uint8 bytes, which lowers for tpu7x and v6e and runs in interpret mode) and fp4's turned
+into the e4m3 codes of the same values (`e2m1_to_e4m3`: integer ops, exact), with a float32
+scale row per block of rows sharing a scale (fp8 128 rows, its block's scale over each
+128 columns; fp4 32 rows, each column's power of two) that multiplies the block's float32
+product (`mk.kernels.ring.Ring`). bf16 x e4m3 products are exact in float32, so the fp8
+feed computes x_bf16 @ (e4m3 x scale) without rounding the weight: its oracle is the
+weight dequantised to float32 for fp8 and to the compute dtype for fp4 (e2m1 x a power of
+two is a bf16 value), `oracle_dtype`. int8 and int4 are fed bf16 (their values are not
+e4m3 values; the MXUs' int8 paths want int8 activations too). Measured on tpu7x
+(stream_matmul's per-tile loop, libtpu 0.0.42.1, 1024 x 256 tiles, bundles per Mi weights
+at M 1 / 8): fp8 fed bf16 15408 / 15392, fed fp8 696 / 664 (`vmatpush1.f8e4m3`); fp4 fed
+bf16 6040 / 5996, fed fp8 3892 / 3836; plain bf16 1296 / 1268. For fp4, one product per
+32-row group measured cheaper than folding each group's power of two into the e4m3
+exponents for 128-row products (4400 / 4344: the fold's vector work outweighs the pushes
+it saves) and is exact for every scale.
 
 Accuracy against bf16 (tests/test_quant.py, every group quantised, a transformers-written
 tiny Qwen3-MoE, 2 x 64 teacher-forced steps; random weights, so flatter logits than a

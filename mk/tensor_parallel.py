@@ -112,8 +112,8 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, tp: int,
              max_context: int | None = None, steps_per_call: int = 1,
              progress: bool = False, feeds=None) -> jax.Array:
     """Greedy decoding with the megakernel on tp devices: the contract of
-    `mk.megakernel.generate`, `progress` and `feeds` included. Returns [tp, B, steps]: every device's
-    copy of the tokens (they must agree; a test checks it)."""
+    `mk.megakernel.generate`, `progress` and `feeds` included. Returns [tp, B, steps]:
+    every device's copy of the tokens (they must agree; a test checks it)."""
     tp = check_tp(config, tp)
     mesh = mesh or tp_mesh(tp)
     if mesh.shape.get(AXIS) != tp:
