@@ -1,21 +1,21 @@
 """Quantised weight storage: int8, fp8, int4 and fp4 (MXFP4), packed, checked and counted.
 
-Here: the four storage schemes (`SCHEMES`), each laid out exactly as below (a
-`QuantWeight` checks its layout on construction: `check_layout`); `quantize` (finite bf16
-params -> a params dict whose quantised weights are `QuantWeight`s), `dequantize`
-(back to plain arrays: the oracle's weights, fed to the unchanged `mk.reference`, in the
-dtype each group's MXU feed calls for: `oracle_dtype`), the element decoders a kernel
-calls on one streamed tile (`unpack_nibbles`, `e4m3_values`, `e2m1_values`,
-`dequantize_tile`; for the fp8 feed `e2m1_to_e4m3`, `fp8_feed_tile`), the feeds
-(`FEEDS`, `FEEDABLE`, `choose_feeds`: each packed group's, per chip), `check_error`
-(every group's error against its scale's bound), `accuracy` (a quantised model's logits
-and greedy tokens against the bf16 model's) and `storage_bytes` / `group_bytes` / `stored_bytes` (packed bytes plus scales; a model's
+Here: the four storage schemes (`SCHEMES`), each laid out exactly as below (a `QuantWeight`
+checks its layout on construction: `check_layout`); `quantize` (finite bf16 params -> a
+params dict whose quantised weights are `QuantWeight`s), `dequantize` (back to plain
+arrays: the oracle's weights, fed to the unchanged `mk.reference`, in the dtype each
+group's MXU feed calls for: `oracle_dtype`), the element decoders a kernel calls on one
+streamed tile (`unpack_nibbles`, `e4m3_values`, `e2m1_values`, `dequantize_tile`; for the
+fp8 feed `e2m1_to_e4m3`, `fp8_feed_tile`), the feeds (`FEEDS`, `FEEDABLE`, `choose_feeds`:
+each packed group's, per chip), `check_error` (every group's error against its scale's
+bound), `accuracy` (a quantised model's logits and greedy tokens against the bf16 model's)
+and `storage_bytes` / `group_bytes` / `stored_bytes` (packed bytes plus scales; a model's
 own `formats` by default), `check_quantisable` / `unstreamed`, the kernel's tile layout
 (`tile_shapes`, `tile_bytes`, `tile_major`, `pad_columns`, `ZERO_CODE`, `UNIT_SCALE`),
 `formats_of` (the scheme of each group of a params dict) and `schemes_of` (the scheme of
-each weight name). Not here: reading quantised Hugging Face checkpoints
-(`mk.checkpoint`), the ring that streams packed tiles (`mk.kernels.ring`), splitting
-them for tensor parallelism (`mk.shards`).
+each weight name). Not here: reading quantised Hugging Face checkpoints (`mk.checkpoint`),
+the ring that streams packed tiles (`mk.kernels.ring`), splitting them for tensor
+parallelism (`mk.shards`).
 
 Which weights. The three format groups of `mk.weights.FORMAT_GROUPS` ("dense": attention's
 projections and the dense and shared-expert SwiGLUs; "experts"; "lm_head", an untied model
