@@ -82,7 +82,10 @@ three (and interpret). Plain bytes (uint8; int8 for int8) for all four schemes a
 bytes in HBM the bytes of the documented layout (a sub-byte array's packing is the
 compiler's choice). The decoders use only integer shifts, masks, compares, selects, int ->
 float casts, a bitcast of int32 to float32 (powers of two: exact, no transcendental) and
-float multiplies.
+float multiplies, but for fp8's: its uint8 bytes bitcast to float8_e4m3fn and converted to
+float32 lower on all three chips, and cost fewer bundles than the integer decoder they
+replaced (stream_matmul's per-tile loop fed bf16, 1024 x 256 tiles, M 8, bundles per Mi
+weights: tpu7x 5912 against 15392, v6e 7416 against 15560, v5e 9852 against 23612).
 
 Feeds: what a packed tile becomes for the MXU, chosen per chip from what its MXU takes
 beside bf16 activations (`mk.chips.ChipSpec.mxu_feeds`; `choose_feeds`, carried by the
@@ -220,14 +223,12 @@ def pow2(exponent: jax.Array) -> jax.Array:
 
 
 def e4m3_values(code: jax.Array) -> jax.Array:
-    """float8_e4m3fn bit patterns (uint8) -> float32 values; 0x7f and 0xff are NaN."""
-    c = code.astype(jnp.int32)
-    exp, man = (c >> 3) & 15, c & 7
-    # normal (8 + m) * 2^(e - 10); subnormal (e = 0): m * 2^-9, the same with e -> 1.
-    mag = ((exp > 0).astype(jnp.int32) * 8 + man).astype(F32) * pow2(
-        jnp.maximum(exp, 1) - 10)
-    mag = jnp.where((c & 127) == 127, jnp.float32(jnp.nan), mag)
-    return jnp.where((c >> 7) == 1, -mag, mag)
+    """float8_e4m3fn bit patterns (uint8) -> float32 values; 0x7f and 0xff are NaN. The
+    bytes reinterpreted as float8_e4m3fn and converted (exact: every e4m3 value is a
+    float32 value), which lowers on v5e, v6e and tpu7x and costs 2.1-2.6x fewer bundles per
+    tile than decoding the fields with integer ops (module docstring)."""
+    return jax.lax.bitcast_convert_type(code.astype(jnp.uint8), jnp.float8_e4m3fn
+                                        ).astype(F32)
 
 
 def e2m1_values(code: jax.Array) -> jax.Array:
