@@ -35,11 +35,9 @@ reach the MXU as the segment's feed says (`Segment.feed`, chosen per chip by the
 fp8 (fp8 and fp4 on TPU7x, whose MXU multiplies bf16 by float8_e4m3fn), its values go to
 the MXU as e4m3 (`mk.quant.fp8_feed_tile`: fp8's codes as they are, fp4's turned into e4m3
 codes exactly), one product per block of rows sharing a scale (fp8 128, fp4 32), each
-float32 product scaled by its block's row of scales and summed in float32. fp4's 32-row
-products measured cheaper than one 128-row product of codes with each group's power of two
-folded into their e4m3 exponents (tpu7x bundles: the fold's VPU work outweighs the
-pushes it saves), and they are exact for every scale. Either way the product is the reference's
-on `mk.quant.dequantize(params, feeds=...)`'s weights.
+float32 product scaled by its block's row of scales and summed in float32 (why 32-row
+products for fp4, and what each feed costs: `mk.quant`'s docstring). Either way the
+product is the reference's on `mk.quant.dequantize(params, feeds=...)`'s weights.
 
 A run of matrices may be repeated (`Repeat`), e.g. gate, up, down once per expert slot:
 copy c's Fetch gets (layer, c) and `matmul(..., copy=c)` takes a traced c, so a kernel
