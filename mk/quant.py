@@ -102,8 +102,9 @@ weight dequantised to float32 for fp8 and to the compute dtype for fp4 (e2m1 x a
 two is a bf16 value), `oracle_dtype`. int8 and int4 are fed bf16 (their values are not
 e4m3 values; the MXUs' int8 paths want int8 activations too). Measured on tpu7x
 (stream_matmul's per-tile loop, libtpu 0.0.42.1, 1024 x 256 tiles, bundles per Mi weights
-at M 1 / 8): fp8 fed bf16 15408 / 15392, fed fp8 696 / 664 (`vmatpush1.f8e4m3`); fp4 fed
-bf16 6040 / 5996, fed fp8 3892 / 3836; plain bf16 1296 / 1268. For fp4, one product per
+at M 1 / 8; the loop's own bundles and its nested loops'): fp8 fed bf16 5952 / 5912, fed
+fp8 696 / 664 (`vmatpush1.f8e4m3`); fp4 fed bf16 6040 / 5996, fed fp8 3892 / 3836; plain
+bf16 1296 / 1268. For fp4, one product per
 32-row group measured cheaper than folding each group's power of two into the e4m3
 exponents for 128-row products (4400 / 4344: the fold's vector work outweighs the pushes
 it saves) and is exact for every scale.
