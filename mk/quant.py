@@ -88,26 +88,25 @@ replaced (stream_matmul's per-tile loop fed bf16, 1024 x 256 tiles, M 8, bundles
 weights: tpu7x 5912 against 15392, v6e 7416 against 15560, v5e 9852 against 23612).
 
 Feeds: what a packed tile becomes for the MXU, chosen per chip from what its MXU takes
-beside bf16 activations (`mk.chips.ChipSpec.mxu_feeds`; `choose_feeds`, carried by the
-plan and its stream's segments). "bf16": `dequantize_tile` in float32, rounded once to the
+beside bf16 activations (`mk.chips.ChipSpec.mxu_feeds`; `choose_feeds`, carried by the plan
+and its stream's segments). "bf16": `dequantize_tile` in float32, rounded once to the
 compute dtype (every scheme, every chip). "fp8" (fp8 and fp4; TPU7x multiplies bf16 by
-float8_e4m3fn): `fp8_feed_tile` hands the MXU e4m3 codes, fp8's as stored (a bitcast of
-the uint8 bytes, which lowers for tpu7x and v6e and runs in interpret mode) and fp4's turned
+float8_e4m3fn): `fp8_feed_tile` hands the MXU e4m3 codes, fp8's as stored (a bitcast of the
+uint8 bytes, which lowers for tpu7x and v6e and runs in interpret mode) and fp4's turned
 into the e4m3 codes of the same values (`e2m1_to_e4m3`: integer ops, exact), with a float32
-scale row per block of rows sharing a scale (fp8 128 rows, its block's scale over each
-128 columns; fp4 32 rows, each column's power of two) that multiplies the block's float32
+scale row per block of rows sharing a scale (fp8 128 rows, its block's scale over each 128
+columns; fp4 32 rows, each column's power of two) that multiplies the block's float32
 product (`mk.kernels.ring.Ring`). bf16 x e4m3 products are exact in float32, so the fp8
-feed computes x_bf16 @ (e4m3 x scale) without rounding the weight: its oracle is the
-weight dequantised to float32 for fp8 and to the compute dtype for fp4 (e2m1 x a power of
-two is a bf16 value), `oracle_dtype`. int8 and int4 are fed bf16 (their values are not
-e4m3 values; the MXUs' int8 paths want int8 activations too). Measured on tpu7x
-(stream_matmul's per-tile loop, libtpu 0.0.42.1, 1024 x 256 tiles, bundles per Mi weights
-at M 1 / 8; the loop's own bundles and its nested loops'): fp8 fed bf16 5952 / 5912, fed
-fp8 696 / 664 (`vmatpush1.f8e4m3`); fp4 fed bf16 6040 / 5996, fed fp8 3892 / 3836; plain
-bf16 1296 / 1268. For fp4, one product per
-32-row group measured cheaper than folding each group's power of two into the e4m3
-exponents for 128-row products (4400 / 4344: the fold's vector work outweighs the pushes
-it saves) and is exact for every scale.
+feed computes x_bf16 @ (e4m3 x scale) without rounding the weight: its oracle is the weight
+dequantised to float32 for fp8 and to the compute dtype for fp4 (e2m1 x a power of two is a
+bf16 value), `oracle_dtype`. int8 and int4 are fed bf16 (their values are not e4m3 values;
+the MXUs' int8 paths want int8 activations too). Measured on tpu7x (stream_matmul's
+per-tile loop, libtpu 0.0.42.1, 1024 x 256 tiles, bundles per Mi weights at M 1 / 8; the
+loop's own bundles and its nested loops'): fp8 fed bf16 5952 / 5912, fed fp8 696 / 664
+(`vmatpush1.f8e4m3`); fp4 fed bf16 6040 / 5996, fed fp8 3892 / 3836; plain bf16 1296 /
+1268. For fp4, one product per 32-row group measured cheaper than folding each group's
+power of two into the e4m3 exponents for 128-row products (4400 / 4344: the fold's vector
+work outweighs the pushes it saves) and is exact for every scale.
 
 Accuracy against bf16 (tests/test_quant.py, every group quantised, a transformers-written
 tiny Qwen3-MoE, 2 x 64 teacher-forced steps; random weights, so flatter logits than a
