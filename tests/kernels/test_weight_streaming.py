@@ -1,5 +1,6 @@
 """Stage 01: the streamed matmul against mk.ops.matmul, race-free, for every slot
-count of the teaching progression; planted ring bugs prove the race check and the DMA
+count of the teaching progression and every quantised scheme and MXU feed (its oracle
+`mk.quant.oracle_dtype`; tpu7x compiles and pushes of the fp8 feed); planted ring bugs prove the race check and the DMA
 bookkeeping check (`strict_dma`) can fail; the VMEM budget and the TPU compiler both
 reject an oversized ring.
 
@@ -239,6 +240,30 @@ def test_compiles_for_tpu_at_qwen3_8b_mlp_shapes(chip):
                                   vmem=budget)
     assert report.ok, report.error
     assert report.code_bytes > 0
+
+
+PUSHES = """import functools
+import jax, jax.numpy as jnp
+from mk import quant, tpu
+from mk.kernels.common import BlockSizes
+from mk.kernels.weight_streaming import stream_matmul
+block = BlockSizes(slots=2, tile_rows=256, tile_cols=256)
+report = tpu.compile_for_chip(functools.partial(stream_matmul, block=block, feed="fp8"),
+                              [jax.ShapeDtypeStruct((8, 512), jnp.bfloat16),
+                               quant.abstract_weight((512, 256), "fp8")], "tpu7x")
+assert report.ok, report.error
+"""
+
+
+def test_an_fp8_fed_tile_reaches_tpu7xs_mxu_as_e4m3_pushes(tmp_path):
+    """In libtpu's bundles (`mk.bundles`, a child compile), fed fp8 the weights are pushed
+    into the MXU as e4m3 (`vmatpush1.f8e4m3`; fed bf16 they are `vmatpush1.bf16`): the fp8
+    feed is native, not converted on the way."""
+    from mk import bundles
+    jf = bundles.compile_with_dumps(PUSHES, [], tmp_path, phases=False)
+    text = bundles.dump_file(jf, "mk_stream_matmul", "final_bundles.txt").read_text()
+    assert {op.split(".")[1] for b in bundles.read_bundles(text) for op in b.ops
+            if op.startswith("vmatpush")} == {"f8e4m3"}
 
 
 def test_an_oversized_ring_is_refused_by_the_budget_and_by_the_compiler():
