@@ -1,8 +1,8 @@
-"""Stage 01: the streamed matmul against mk.ops.matmul, race-free, for every slot
-count of the teaching progression and every quantised scheme and MXU feed (its oracle
-`mk.quant.oracle_dtype`; tpu7x compiles and pushes of the fp8 feed); planted ring bugs prove the race check and the DMA
-bookkeeping check (`strict_dma`) can fail; the VMEM budget and the TPU compiler both
-reject an oversized ring.
+"""Stage 01: the streamed matmul against mk.ops.matmul, race-free, for every slot count of the
+teaching progression and every quantised scheme and MXU feed (its oracle
+`mk.quant.oracle_dtype`; tpu7x compiles and pushes of the fp8 feed); planted ring bugs
+prove the race check and the DMA bookkeeping check (`strict_dma`) can fail; the VMEM budget
+and the TPU compiler both reject an oversized ring.
 
 Interpret mode checks numerics, DMA/semaphore pairing (every start waited for exactly
 once, no semaphore count left at exit) and races; it says nothing about time or the
