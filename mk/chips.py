@@ -3,7 +3,12 @@
 One row of `mk/data/chips.csv` per chip: vendor peak numbers (HBM size and bandwidth, dense
 bf16 and fp8 FLOP/s, interconnect bandwidth) plus, for TPUs, the VMEM per core that the
 libtpu compiler enforces, the side of the (square, weight-stationary) MXU and how many a
-TensorCore has (JAX's `tpu_info`; the dumps address as many), the TensorCores per chip,
+TensorCore has (JAX's `tpu_info`; the dumps address as many), the weight dtypes its MXU
+takes beside bf16 activations (`mxu_feeds`, `MXU_FEEDS`: from JAX's
+`tpu_info.TpuInfo.is_matmul_supported`, jax 0.10.2: generation 7 multiplies bf16 by
+float8_e4m3fn, generations 5 and 6 only bf16 by bf16 (their fp8 is e5m2 / e4m3b11fnuz on
+both sides, their int8 int8 x int8); a tpu7x compile of a bf16 x fp8 dot issues
+`vmatpush1.f8e4m3`), the TensorCores per chip,
 the TensorCore's clock as a range (`clock_low_hz`, `clock_high_hz`; `ChipSpec.clock(end)`)
 and the topology name to compile for one chip. Each row names the vendor document it
 comes from.
@@ -38,6 +43,9 @@ DATA = importlib.resources.files("mk") / "data"
 CHIPS_CSV = DATA / "chips.csv"
 KINDS = ("tpu", "gpu")
 CLOCK_ENDS = ("low", "high")  # the ends of a TPU's clock range
+# The weight dtypes an MXU may be fed beside bf16 activations (a row's `mxu_feeds`):
+# "bf16" (every TPU), "fp8" (float8_e4m3fn: TPU7x).
+MXU_FEEDS = ("bf16", "fp8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +63,8 @@ class ChipSpec:
     vmem_bytes: int | None  # VMEM per TensorCore enforced by the compiler; None on GPUs
     mxu_rows: int | None  # the MXU is mxu_rows x mxu_rows multiply-accumulators; None on GPUs
     mxus_per_core: int | None  # MXUs per TensorCore (JAX's tpu_info); None on GPUs
+    mxu_feeds: tuple[str, ...]  # weight dtypes the MXU takes with bf16 activations
+    #                             (`MXU_FEEDS`; module docstring); () on GPUs
     tensorcores_per_chip: int | None  # TensorCores sharing bf16_flops; None on GPUs
     clock_low_hz: float | None  # the TensorCore's clock (bundles per second): the range's
     clock_high_hz: float | None  # low and high end (module docstring); None on GPUs
@@ -79,6 +89,10 @@ class ChipSpec:
         if (self.kind == "tpu") != (self.vmem_bytes is not None):
             raise ValueError(f"chip {self.name}: vmem_bytes={self.vmem_bytes!r} must be set "
                              "for a TPU and empty for a GPU")
+        if (self.kind == "tpu") != ("bf16" in self.mxu_feeds) or not set(
+                self.mxu_feeds) <= set(MXU_FEEDS):
+            raise ValueError(f"chip {self.name}: mxu_feeds={self.mxu_feeds!r} must be some of "
+                             f"{MXU_FEEDS} with bf16 for a TPU and empty for a GPU")
         if (self.kind == "tpu") != (self.mxu_rows is not None) or (self.mxu_rows or 1) < 1:
             raise ValueError(f"chip {self.name}: mxu_rows={self.mxu_rows!r} must be a positive "
                              "integer for a TPU and empty for a GPU")
@@ -141,6 +155,7 @@ def _row_to_spec(row: dict[str, str]) -> ChipSpec:
         vmem_bytes=_optional_int(row["vmem_bytes_per_core"]),
         mxu_rows=_optional_int(row["mxu_rows"]),
         mxus_per_core=_optional_int(row["mxus_per_core"]),
+        mxu_feeds=tuple(row["mxu_feeds"].split()),
         tensorcores_per_chip=_optional_int(row["tensorcores_per_chip"]),
         clock_low_hz=_optional_float(row["clock_low_hz"]),
         clock_high_hz=_optional_float(row["clock_high_hz"]),

@@ -51,9 +51,11 @@ the call).
 
 Quantised weights (`mk.quant.quantize`'s `QuantWeight`s, any of its schemes per family) go
 in as they are: `prepare` lays them out tile-major (`mk.quant.tile_major`), the plan
-reads their formats (`mk.quant.formats_of`), and the ring streams their packed tiles and
-dequantises them in VMEM; `generate` prefills with the reference on `mk.quant.dequantize`d
-params, the same values the kernel multiplies by. Quantised tensor parallelism: not yet.
+reads their formats (`mk.quant.formats_of`) and chooses each packed group's MXU feed
+(`feeds=`: bf16 or, fp8 and fp4 on TPU7x, fp8), and the ring streams their packed tiles
+and feeds them to the MXU in VMEM; `generate` prefills with the reference on
+`mk.quant.dequantize`d params (config.dtype values; the decode oracle's are
+`dequantize(params, feeds=dict(plan.feeds))`).
 
 Every operand, output and scratch buffer is passed by name (dicts: `INPUT_SPACES`,
 `OUTPUT_SPACES`, `DecodePlan.scratch()`); the cache aliases are found by name.
@@ -287,11 +289,12 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
 
 def decode_step(config: ModelConfig, weights, cache, tokens, positions, *,
                 block: BlockSizes | None = None, taps: bool = False,
-                row_states: bool = False):
+                row_states: bool = False, feeds=None):
     """One decode step in one kernel: tokens [B, T] at positions [B] -> (next tokens
     [B, T] int32 (greedy, ties to the lowest id), logits [B, T, V] float32, cache).
     `weights` from `prepare(plan, params)` (the plan's block); block: the tiling (default the
-    plan's, `mk.kernels.plan.default_block`). A hybrid's cache is a
+    plan's, `mk.kernels.plan.default_block`); feeds: the packed groups' MXU feeds
+    (`DecodePlan.make(feeds=)`, the plan `prepare` was given). A hybrid's cache is a
     `mk.cache.HybridCache`; with `row_states=True` the step also returns its linear
     layers' states after each row (`mk.cache.LinearRows`, for `mk.cache.rollback`),
     as `mk.reference.decode_step` does.
@@ -305,7 +308,7 @@ def decode_step(config: ModelConfig, weights, cache, tokens, positions, *,
     tokens, positions = reference.validate_step(config, cache, tokens, positions)
     plan = DecodePlan.make(config, batch=tokens.shape[0], rows=tokens.shape[1],
                      context=cache.capacity, block=block,
-                     formats=quant.formats_of(weights))
+                     formats=quant.formats_of(weights), feeds=feeds)
     backends.check_active()
     out = traced_step(plan, weights, cache, tokens, positions, taps=taps)
     if has_states(cache) and not row_states:
@@ -315,7 +318,7 @@ def decode_step(config: ModelConfig, weights, cache, tokens, positions, *,
 
 def first_divergence(config: ModelConfig, params, cache: reference.KVCache, tokens,
                      positions, *, block: BlockSizes | None = None, stop_after=None,
-                     rtol: float = 1e-2, backend: str = "auto", weights=None):
+                     rtol: float = 1e-2, backend: str = "auto", weights=None, feeds=None):
     """Run the reference and the megakernel on one step and compare the residual stream
     op by op, in execution order, up to `stop_after=(layer, op)` (op in TAPS; default: the
     last layer's MLP). `weights`: the megakernel's own (default `prepare(plan, params)` of
@@ -332,13 +335,13 @@ def first_divergence(config: ModelConfig, params, cache: reference.KVCache, toke
                          f"layers={config.layers} and op in {TAPS}")
     B, T = jnp.shape(tokens)
     plan = DecodePlan.make(config, batch=B, rows=T, context=cache.capacity,
-                     block=block, formats=quant.formats_of(params))
-    _, _, want = reference.decode_step(config, quant.dequantize(params), cache, tokens,
-                                       positions, taps=True)
+                     block=block, formats=quant.formats_of(params), feeds=feeds)
+    _, _, want = reference.decode_step(config, quant.dequantize(params, feeds=dict(
+        plan.feeds)), cache, tokens, positions, taps=True)
     with backends.use(backend):
         weights = prepare(plan, params) if weights is None else weights
         *_, got = decode_step(config, weights, cache, tokens, positions, block=plan.block,
-                              taps=True)
+                              taps=True, feeds=dict(plan.feeds))
     report = []
     for layer_i in range(layer + 1):
         for op_i in TAPS[:TAPS.index(op) + 1] if layer_i == layer else TAPS:
@@ -482,17 +485,18 @@ def progress_bar(steps: int, progress: bool, desc: str = "megakernel") -> tqdm:
 
 def generate(config: ModelConfig, params, prompt, steps: int, *, backend: str = "auto",
              block: BlockSizes | None = None, max_context: int | None = None,
-             steps_per_call: int = 1, progress: bool = False) -> jax.Array:
+             steps_per_call: int = 1, progress: bool = False, feeds=None) -> jax.Array:
     """Greedy decoding with the megakernel: prompt [B, P] -> the next `steps` tokens
-    [B, steps] int32, the same contract as `mk.reference.generate`. The prompt is
+    [B, steps] int32, the same contract as `mk.reference.generate`; feeds: the packed
+    groups' MXU feeds (`DecodePlan.make(feeds=)`). The prompt is
     prefilled by the XLA reference; every later token comes from one megakernel call, and
     `steps_per_call` of them run per host dispatch (a device-side loop). progress=True
     shows a `progress_bar` (interpret-mode calls take seconds each)."""
     prompt, S, steps, steps_per_call = check_generate(config, prompt, steps, steps_per_call,
                                                       max_context)
     plan = DecodePlan.make(config, batch=prompt.shape[0], context=S, block=block,
-                     formats=quant.formats_of(params))
-    values = quant.dequantize(params)  # what the kernel multiplies by, for the prefill
+                     formats=quant.formats_of(params), feeds=feeds)
+    values = quant.dequantize(params)  # the reference's prefill: config.dtype weights
     reference.check_params(config, values)
     weights = prepare(plan, params)
     with backends.use(backend):

@@ -54,7 +54,7 @@ def _step(plan: DecodePlan, weights, cache, tokens, positions):
 
 
 def decode_step(config: ModelConfig, weights, cache: reference.KVCache, tokens, positions,
-                *, mesh: jax.sharding.Mesh, block: BlockSizes | None = None):
+                *, mesh: jax.sharding.Mesh, block: BlockSizes | None = None, feeds=None):
     """One tensor-parallel decode step: weights from `mk.megakernel.prepare`, cache from
     `mk.shards.shard_cache`
     -> (next tokens [B, T] int32, logits [B, T, V] float32, cache), like
@@ -68,7 +68,7 @@ def decode_step(config: ModelConfig, weights, cache: reference.KVCache, tokens, 
     B, T = tokens.shape
     plan = DecodePlan.make(config, tp=tp, batch=B, rows=T,
                                 context=unstacked.capacity, block=block,
-                                formats=quant.formats_of(weights))
+                                formats=quant.formats_of(weights), feeds=feeds)
     nxt, logits, cache = _sharded_step(plan, mesh, weights, cache, tokens, positions)
     logits = jnp.moveaxis(logits, 0, -2).reshape(B, T, config.vocab)
     return nxt[0], logits, cache
@@ -110,10 +110,10 @@ def _greedy_steps(plan, mesh, weights, cache, token, position, steps: int):
 def generate(config: ModelConfig, params, prompt, steps: int, *, tp: int,
              mesh: jax.sharding.Mesh | None = None, block: BlockSizes | None = None,
              max_context: int | None = None, steps_per_call: int = 1,
-             progress: bool = False) -> jax.Array:
+             progress: bool = False, feeds=None) -> jax.Array:
     """Greedy decoding with the megakernel on tp devices: the contract of
-    `mk.megakernel.generate`, `progress` included. Returns [tp, B, steps]: every device's
-    copy of the tokens (they must agree; a test checks it)."""
+    `mk.megakernel.generate`, `progress` and `feeds` included. Returns [tp, B, steps]:
+    every device's copy of the tokens (they must agree; a test checks it)."""
     tp = check_tp(config, tp)
     mesh = mesh or tp_mesh(tp)
     if mesh.shape.get(AXIS) != tp:
@@ -122,8 +122,8 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, tp: int,
     prompt, S, steps, steps_per_call = megakernel.check_generate(
         config, prompt, steps, steps_per_call, max_context)
     plan = DecodePlan.make(config, tp=tp, batch=prompt.shape[0], context=S,
-                                block=block, formats=quant.formats_of(params))
-    values = quant.dequantize(params)  # what the kernel multiplies by, for the prefill
+                                block=block, formats=quant.formats_of(params), feeds=feeds)
+    values = quant.dequantize(params)  # the reference's prefill: config.dtype weights
     reference.check_params(config, values, "mk.tensor_parallel.generate")
     backends.check_active()
     weights = megakernel.prepare(plan, params)

@@ -152,7 +152,7 @@ def _tpu(chip: str | ChipSpec) -> ChipSpec:
 def compile_megakernel(config: ModelConfig, chip: str | ChipSpec, *, tp: int = 1,
                        topology: str | None = None, batch: int = 8, rows: int = 1,
                        context: int = 4096, block: BlockSizes | None = None,
-                       formats=None) -> CompileReport:
+                       formats=None, feeds=None) -> CompileReport:
     """Compile the whole-model decode step of `config` for `chip`: the megakernel on one
     core (tp=1), or its tensor-parallel step on tp cores of `topology` (a libtpu name,
     e.g. "tpu7x:2x2x1"; default the chip's own single-chip topology). Without a block, the
@@ -162,11 +162,12 @@ def compile_megakernel(config: ModelConfig, chip: str | ChipSpec, *, tp: int = 1
     holds it once. Its `DecodePlan` is made first (what the runtime refuses raises ValueError here too);
     a plan that does not fit the core (`DecodePlan.fits`: VMEM or HBM) is reported
     (ok=False, with the numbers), not compiled. formats: the mk.quant scheme of each
-    weight family stored quantised ({"dense": "int8", ...}; `mk.quant.abstract_weight`).
+    weight family stored quantised ({"dense": "int8", ...}; `mk.quant.abstract_weight`);
+    feeds: their MXU feeds (default the chip's, `DecodePlan.make(feeds=)`).
     """
     spec = _tpu(chip)
     plan = DecodePlan.make(config, tp=tp, batch=batch, rows=rows, context=context,
-                                block=block, formats=formats, chip=spec)
+                                block=block, formats=formats, chip=spec, feeds=feeds)
     cores = f" TP{plan.tp}" if plan.tp > 1 else ""
     name = f"megakernel {config.name}{cores} B={batch} T={rows} S={context}"
     fit = plan.fits(spec)

@@ -329,10 +329,11 @@ display(plots.table(fit_rows))
 # (`quant.tile_major`: tile t's data and scale block at index t) so each is one contiguous
 # DMA: Mosaic refuses the lane slice fp8's [I/128, O/128] scales would need. A quantised
 # weight is never stored transposed (its packing runs along I), so its tiles cut it as it
-# is. The tile is dequantised in VMEM right before its product:
+# is. The tile is dequantised in VMEM right before its product or, fed fp8 (below), its
+# codes go to the MXU as e4m3 and the scales multiply the products:
 
 # %%
-plots.show_source(Ring._copies, Ring._weights)
+plots.show_source(Ring._copies, Ring._weights, Ring._product)
 
 # %% [markdown]
 # One streamed matrix, the stage-01 kernel (`stream_matmul`) in each format, with every DMA
@@ -375,11 +376,12 @@ print(f"megakernel {np.asarray(kernel_tokens).tolist()}, reference "
 
 # %% [markdown]
 # On a TPU the ring moves fewer bytes and the vector unit does a few more integer operations
-# per value. This kernel dequantises every tile to bf16 on every chip. The MXUs could do
-# better: v5e, v6e and v5p multiply int8 at twice their bf16 rate (the `fp8_flops` column of
-# `data/chips.csv` holds that int8 peak) and TPU7x multiplies fp8 at twice bf16, so int8
-# tiles (with int8 activations) or fp8 tiles on TPU7x could be fed directly (not built).
-# Whether the vector
+# per value. What a tile becomes for the MXU (its feed) is chosen per chip from what its
+# MXU takes beside bf16 activations (`mxu_feeds` in `data/chips.csv`, from JAX's
+# `tpu_info`): TPU7x multiplies bf16 by fp8 e4m3, so there the plan feeds fp8 tiles as
+# they are and fp4 tiles turned exactly into e4m3 (`quant.fp8_feed_tile`), one product per
+# scale block; v5e, v6e and v5p take bf16 only, and int8 and int4 are dequantised to bf16
+# everywhere (an int8 MXU wants int8 activations too). Whether the vector
 # work stays hidden under the shorter DMAs is for the bundle dumps (`mk.bundles`, notebook
 # 11) and a real chip to say.
 #

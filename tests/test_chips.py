@@ -142,6 +142,24 @@ def test_mxus_per_core_are_jaxs_tpu_info_counts():
         "v5e": 1, "v6e": 1, "v5p": 2, "tpu7x": 2}
 
 
+def test_mxu_feeds_are_what_jaxs_tpu_info_says_bf16_multiplies_natively():
+    """A chip takes fp8 weights beside bf16 activations exactly where JAX's Pallas TPU
+    info says bf16 x float8_e4m3fn is native (TPU7x; v5e, v6e and v5p only bf16); a row
+    claiming a feed its MXU lacks, or a GPU with feeds, is refused by name."""
+    from jax.experimental.pallas import tpu as pltpu
+    version = {"v5e": "TPU_V5E", "v6e": "TPU_V6E", "v5p": "TPU_V5P", "tpu7x": "TPU_7X"}
+    for spec in all_chips("tpu"):
+        info = pltpu.get_tpu_info_for_chip(pltpu.ChipVersion[version[spec.name]], 1)
+        native = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}
+        assert spec.mxu_feeds == tuple(f for f, t in native.items()
+                                       if info.is_matmul_supported(jnp.bfloat16, t)), spec.name
+    assert chip("tpu7x").mxu_feeds == ("bf16", "fp8") and chip("v6e").mxu_feeds == ("bf16",)
+    with pytest.raises(ValueError, match=r"chip v6e: mxu_feeds=\('bf16', 'int4'\)"):
+        dataclasses.replace(chip("v6e"), mxu_feeds=("bf16", "int4"))
+    with pytest.raises(ValueError, match=r"chip h200: mxu_feeds=\('bf16',\)"):
+        dataclasses.replace(chip("h200"), mxu_feeds=("bf16",))
+
+
 def test_each_tpu_clock_range_spans_the_datasheet_derivation_and_the_schedule_probe():
     """The two ends are the two sources the row's notes name, each at its end: the
     datasheet derivation (bf16 peak / (TensorCores x MXUs x rows^2 x 2)) and the clock

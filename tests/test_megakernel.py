@@ -79,6 +79,31 @@ def test_64_greedy_tokens_equal_the_reference(name, batch, rows, formats):
     assert_verify_steps(config, params, values, prompt, want, rows, TOKENS)
 
 
+FP8_FED = {"tiny": dict(dense="fp4", lm_head="fp8"),  # groups TPU7x feeds fp8
+           "tiny-moe": dict(experts="fp8", dense="fp4", lm_head="fp8")}
+
+
+# CPU seconds: tiny ~15, tiny-moe ~50 (`make test-slow`).
+@pytest.mark.parametrize("name", ["tiny", pytest.param("tiny-moe", marks=SLOW)])
+def test_fp8_fed_weights_decode_the_references_tokens(name):
+    """The fp8 feed (TPU7x's default for fp8 and fp4, asked for here without a chip): fp4
+    attention and dense MLP, fp8 experts and lm_head; the stream's quantised segments are
+    fed fp8, and 8 greedy tokens equal the reference's on the feed's oracle weights
+    (`mk.quant.dequantize(params, feeds=)`; float32, as above). The same at tp 2:
+    tests/test_quant_shards.py."""
+    config = dataclasses.replace(mk.preset(name), dtype="float32")
+    params = quant.quantize(config, mk.init_params(config), **FP8_FED[name])
+    feeds = dict.fromkeys(FP8_FED[name], "fp8")
+    plan = DecodePlan.make(config, batch=2, context=128, formats=FP8_FED[name], feeds=feeds)
+    assert {s.feed for s in plan.stream.segments + plan.stream.tail if s.scheme} == {"fp8"}
+    prompt = jax.random.randint(jax.random.key(5), (2, 5), 0, config.vocab)
+    want = reference.generate(config, quant.dequantize(params, feeds=dict(plan.feeds)),
+                              prompt, 8, max_context=128)
+    got = megakernel.generate(config, params, prompt, 8, backend="interpret",
+                              max_context=128, steps_per_call=7, feeds=feeds)
+    np.testing.assert_array_equal(got, want)
+
+
 QWEN35_ATTENTION = dict(attn_output_gate=True, partial_rotary_factor=0.25, norm_offset=1.0)
 
 
@@ -232,6 +257,17 @@ def test_quantised_models_compile_for_the_chip_they_fit(name, chip, batch, forma
     # the weights in HBM are the packed bytes and scales (mk.quant.tile_major), KV cache
     # once: what the compiler reports for the arguments, within its own rounding
     assert report.argument_bytes == pytest.approx(report.hbm_bytes, rel=0.01)
+
+
+def test_a_tiny_model_fed_fp8_compiles_for_tpu7x():
+    """tiny with fp4 attention and dense MLP and an fp8 lm_head: on TPU7x the plan feeds
+    them fp8 (its default there) and the whole megakernel compiles (~2 s; tiny-moe's
+    60-slot ring takes ~15 s, fed bf16 or fp8)."""
+    config, formats = mk.preset("tiny"), FP8_FED["tiny"]
+    plan = DecodePlan.make(config, batch=8, context=1024, formats=formats, chip="tpu7x")
+    assert dict(plan.feeds) == dict.fromkeys(formats, "fp8")
+    report = tpu.compile_megakernel(config, "tpu7x", batch=8, context=1024, formats=formats)
+    assert report.ok, report.error
 
 
 def test_int4_experts_alone_do_not_fit_v5e_and_the_numbers_say_so():

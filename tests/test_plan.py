@@ -11,6 +11,7 @@ routes to exactly top-k experts per MoE layer, so the active experts are known.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -170,6 +171,45 @@ def test_quantised_plans_refuse_what_is_not_built_by_name():
     every = DecodePlan.make(config, batch=1, context=256,
                             formats=dict(dense="int8", experts="int8", lm_head="int8"))
     assert "ring" not in every.buffers  # no plain segment: no bf16 slots
+
+
+FEED_FORMATS = dict(dense="int8", experts="fp4", lm_head="fp8")
+
+
+@pytest.mark.parametrize("chip, fed", [("tpu7x", "fp8"), ("v6e", "bf16"), ("v5e", "bf16"),
+                                       (None, "bf16")])
+def test_each_chip_feeds_fp8_and_fp4_as_its_mxu_takes_them_and_int_as_bf16(chip, fed):
+    """The plan's feeds follow the chip's `mxu_feeds`: fp8 and fp4 fed fp8 where the MXU
+    takes e4m3 (TPU7x), bf16 elsewhere and without a chip; int8 always bf16. The stream's
+    segments carry them, and the bytes and buffers do not depend on them."""
+    config = mk.preset("tiny-moe")
+    plan = DecodePlan.make(config, batch=1, context=256, formats=FEED_FORMATS, chip=chip)
+    assert dict(plan.feeds) == dict(dense="bf16", experts=fed, lm_head=fed)
+    got = {s.name: s.feed for s in plan.stream.segments + plan.stream.tail if s.scheme}
+    assert got == {n: f for n, f in quant.schemes_of(dict(plan.feeds)).items() if n in got}
+    assert set(got.values()) == {"bf16", fed}
+    bf16 = DecodePlan.make(config, batch=1, context=256, formats=FEED_FORMATS, chip=chip,
+                           feeds=dict(experts="bf16", lm_head="bf16"))
+    assert dict(bf16.feeds) == dict.fromkeys(FEED_FORMATS, "bf16")
+    assert (bf16.buffers, bf16.weight_bytes()) == (plan.buffers, plan.weight_bytes())
+
+
+def test_a_feed_the_chip_or_the_scheme_cannot_take_is_refused_before_tracing():
+    config = mk.preset("tiny-moe")
+    make = functools.partial(DecodePlan.make, config, batch=1, context=256,
+                             formats=FEED_FORMATS)
+    with pytest.raises(ValueError, match=r"feeds\['experts'\]='fp8': v6e's MXU takes "
+                                         r"\('bf16',\) \(mxu_feeds"):
+        make(chip="v6e", feeds=dict(experts="fp8"))
+    with pytest.raises(ValueError, match=r"feeds\['dense'\]='fp8': int8 weights feed the "
+                                         r"MXU exactly only as \('bf16',\)"):
+        make(chip="tpu7x", feeds=dict(dense="fp8"))
+    with pytest.raises(ValueError, match=r"feeds\['experts'\]='fp16'"):
+        make(feeds=dict(experts="fp16"))
+    with pytest.raises(ValueError, match=r"feeds\['lm_head'\]='fp8': lm_head is not "
+                                         r"stored packed"):
+        make(formats=dict(experts="fp4"), feeds=dict(lm_head="fp8"))
+    assert dict(make(feeds=dict(experts="fp8")).feeds)["experts"] == "fp8"  # no chip: any
 
 
 def test_weight_bytes_are_the_shards_matrices_padded_and_the_norms_in_float32():

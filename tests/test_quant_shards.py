@@ -150,14 +150,16 @@ def test_the_27bs_tp8_shard_compiles_for_tpu7x_with_its_weights_packed(formats):
 STEPS, FULL_STEPS = 6, 32  # CI's runs; the issue's check (`make test-slow`)
 
 
-def _tokens(config, groups: dict, tp: int, steps: int = STEPS) -> dict:
-    """Reference greedy tokens on the dequantised params against the megakernel at tp on
+def _tokens(config, groups: dict, tp: int, steps: int = STEPS, feeds=None) -> dict:
+    """Reference greedy tokens on the dequantised params (as `feeds`, {group: MXU feed},
+    has the kernel multiply them: `mk.quant.dequantize`) against the megakernel at tp on
     the quantised ones (race detector on), then the planted race."""
     params = quant.quantize(config, mk.init_params(config, seed=tp), **groups)
     prompt = jax.random.randint(jax.random.key(tp), (2, 5), 0, config.vocab)
-    want = reference.generate(config, quant.dequantize(params), prompt, steps)
+    want = reference.generate(config, quant.dequantize(params, feeds=feeds), prompt, steps)
     with backend.use("interpret", detect_races=True):
-        got = tpar.generate(config, params, prompt, steps, tp=tp, steps_per_call=steps)
+        got = tpar.generate(config, params, prompt, steps, tp=tp, steps_per_call=steps,
+                            feeds=feeds)
         jax.block_until_ready(got)
         races = backend.races_found()
     return dict(want=want, got=got, races=races, planted_caught=planted_race_caught(tp))
@@ -182,6 +184,12 @@ def moe_fp8(tp):
 
 def moe_int4(tp):
     return _tokens(_tiny_moe(), dict(experts="int4", dense="fp4"), tp)
+
+
+def moe_fp8_fed(tp):
+    """fp8 experts and fp4 attention and dense MLP fed to the MXU as fp8 (TPU7x's path)."""
+    groups = dict(experts="fp8", dense="fp4")
+    return _tokens(_tiny_moe(), groups, tp, feeds=dict.fromkeys(groups, "fp8"))
 
 
 def hybrid_int8(tp):
@@ -231,6 +239,7 @@ def kimi_full(tp):
     pytest.param("moe_int8", 2, marks=pytest.mark.slow),
     pytest.param("moe_fp8", 2, marks=pytest.mark.slow),
     pytest.param("moe_int4", 2, marks=pytest.mark.slow),
+    pytest.param("moe_fp8_fed", 2, marks=pytest.mark.slow),
     pytest.param("moe_fp4", 4, marks=pytest.mark.slow),
     pytest.param("hybrid_int8", 4, marks=pytest.mark.slow),
     pytest.param("kimi_fp4", 4, marks=pytest.mark.slow),

@@ -14,6 +14,12 @@ holds, frozen:
                   them (`mk.quant.tile_bytes`), and where the kernel streams them packed
                   (`packed_formats`: at any tp, groups of ring weights) their segments stream packed
                   tiles and scales (`mk.kernels.ring`)
+    feeds         {group: feed} of each packed group: what its tiles reach the MXU as
+                  (`mk.quant.choose_feeds`: "fp8" for fp8 and fp4 where the chip's MXU
+                  takes e4m3, `ChipSpec.mxu_feeds`, else "bf16", dequantised to the
+                  compute dtype; `make(feeds=)` overrides; without a chip "bf16"); the
+                  stream's segments carry it, and `mk.quant.dequantize(params,
+                  feeds=dict(plan.feeds))` is the oracle's weights
     block         the tiling (`default_block` unless given)
     stream        the `TileStream`: every weight tile of the step in program order
     buffers       every VMEM buffer by name (`Buffer`, with its group): the VMEM budget,
@@ -279,14 +285,16 @@ def kv_depth(local: ModelConfig, block: BlockSizes, context: int, ring_bytes: in
     return max(2, tiles + 1)
 
 
-def model_stream(local: ModelConfig, block: BlockSizes, M: int, formats=None) -> TileStream:
+def model_stream(local: ModelConfig, block: BlockSizes, M: int, formats=None,
+                 feeds=None) -> TileStream:
     """Every weight tile of one step of the shard `local` for M = B*T rows (`block`'s
-    tiles; the quantised `formats`' segments packed): each layer's `layer_matrices`, then
-    the lm_head [D, V padded to whole tiles]."""
+    tiles; the quantised `formats`' segments packed, fed as `feeds` says, {group: feed},
+    bf16 by default): each layer's `layer_matrices`, then the lm_head [D, V padded to
+    whole tiles]."""
     return TileStream.build(block, layer_matrices(layer_kinds(local), M),
                             layers=local.layers,
                             tail=[("lm_head", local.hidden, padded_vocab(local, block))],
-                            schemes=quant.schemes_of(formats))
+                            schemes=quant.schemes_of(formats), feeds=quant.schemes_of(feeds))
 
 
 def capacity(positions: int) -> int:
@@ -379,6 +387,7 @@ class DecodePlan:
     named_buffers: tuple[tuple[str, Buffer], ...]  # `buffers` as a hashable field
     chip: str | None = None  # the TPU the plan is for (`make(chip=)`): it sizes the
     #                          default ring and caps the scoped VMEM (`vmem_limit`)
+    feeds: tuple[tuple[str, str], ...] = ()  # {group: feed} of the packed groups, hashable
 
     @property
     def buffers(self) -> dict[str, Buffer]:
@@ -389,7 +398,8 @@ class DecodePlan:
     def make(cls, config: ModelConfig, *, tp: int = 1, batch: int = 1, rows: int = 1,
              context: int | None = None, position: int | None = None,
              block: BlockSizes | None = None, formats=None,
-             chip: ChipSpec | str | None = None, kernel: bool = True) -> DecodePlan:
+             chip: ChipSpec | str | None = None, kernel: bool = True,
+             feeds=None) -> DecodePlan:
         """The one way to make a plan. The cache holds `context` positions (S), or, given
         `position` instead, every sequence is at `position` in a cache just large enough
         for its rows (`capacity`, or whole KV tiles of the given block: the step the
@@ -404,7 +414,10 @@ class DecodePlan:
         exceed the VMEM even at 2 slots raises, naming them). The megakernel's ring needs
         >= 2 slots (a tile loads while another computes) and a linear layer's
         conv_kernel >= 2 (`check_conv_kernel`); `kernel=False` makes a plan only the
-        simulator replays, which may have neither."""
+        simulator replays, which may have neither. `feeds` ({group: feed}) overrides the
+        chip's choice of what each packed group reaches the MXU as
+        (`mk.quant.choose_feeds`: a feed the chip's MXU does not take, or one the group's
+        scheme cannot reach exactly, is a ValueError here)."""
         if not isinstance(config, ModelConfig):
             raise ValueError(f"config={config!r} must be a ModelConfig")
         local = shard_config(config, tp)
@@ -424,6 +437,7 @@ class DecodePlan:
         spec = named_chip(chip) if isinstance(chip, str) else chip
         formats = check_formats(config, config.formats if formats is None else formats)
         packed = packed_formats(config, formats)
+        feeds = quant.choose_feeds(packed, feeds, spec)
         if kernel and packed != formats:
             quant.check_quantisable(config, formats)  # NotImplementedError
         if kernel and tp > 1:
@@ -450,12 +464,12 @@ class DecodePlan:
         if rows > block.kv_tile:
             raise ValueError(f"rows={rows} new rows per sequence exceed "
                              f"kv_tile={block.kv_tile}")
-        stream = model_stream(local, block, M, packed)
+        stream = model_stream(local, block, M, packed, feeds)
         buffers = _buffers(local, int(tp), int(batch), int(rows), block,
                            padded_vocab(local, block), stream)
         return cls(config, int(tp), local, int(batch), int(rows), context, block, stream,
                    tuple(sorted(formats.items())), tuple(buffers.items()),
-                   None if spec is None else spec.name)
+                   None if spec is None else spec.name, tuple(sorted(feeds.items())))
 
     @property
     def M(self) -> int:

@@ -28,9 +28,16 @@ the tiles behind it are issued.
 
 A segment may be stored quantised (`Segment.scheme`, one of `mk.quant.SCHEMES`): its tiles
 travel as packed data plus their scale block (two DMAs on the slot's semaphore, both waited
-for) into that scheme's own slots (`ring_buffers`), tile g still in slot g % slots, and are
-dequantised in VMEM (`mk.quant.dequantize_tile`) to the ring's compute dtype right before
-the product: the reference's numerics on `mk.quant.dequantize`d weights.
+for) into that scheme's own slots (`ring_buffers`), tile g still in slot g % slots, and
+reach the MXU as the segment's feed says (`Segment.feed`, chosen per chip by the plan:
+`mk.quant.choose_feeds`). Fed bf16, a tile is dequantised in VMEM
+(`mk.quant.dequantize_tile`) to the ring's compute dtype right before one product. Fed
+fp8 (fp8 and fp4 on TPU7x, whose MXU multiplies bf16 by float8_e4m3fn), its values go to
+the MXU as e4m3 (`mk.quant.fp8_feed_tile`: fp8's codes as they are, fp4's turned into e4m3
+codes exactly), one product per block of rows sharing a scale (fp8 128, fp4 32), each
+float32 product scaled by its block's row of scales and summed in float32 (why 32-row
+products for fp4, and what each feed costs: `mk.quant`'s docstring). Either way the
+product is the reference's on `mk.quant.dequantize(params, feeds=...)`'s weights.
 
 A run of matrices may be repeated (`Repeat`), e.g. gate, up, down once per expert slot:
 copy c's Fetch gets (layer, c) and `matmul(..., copy=c)` takes a traced c, so a kernel
@@ -69,6 +76,8 @@ class Segment:
     stride: int = 0  # tiles from one copy to the next (a Repeat's tiles per copy); 0 if
     #                  the segment is not repeated
     scheme: str | None = None  # mk.quant storage scheme of its tiles; None: plain
+    feed: str = "bf16"  # what its tiles reach the MXU as (mk.quant.FEEDS): "bf16"
+    #                     dequantised to the compute dtype, "fp8" as e4m3 with scales after
 
     @property
     def tiles(self) -> int:
@@ -130,17 +139,21 @@ class TileStream:
 
     @classmethod
     def build(cls, block: BlockSizes, matrices, *, layers: int = 1, tail=(),
-              schemes=None) -> TileStream:
+              schemes=None, feeds=None) -> TileStream:
         """matrices / tail: (name, rows, cols) of each weight, or a `Repeat` of such
         triples, in consumption order; schemes: {name: mk.quant scheme} of the weights
-        stored quantised."""
-        schemes = dict(schemes or {})
+        stored quantised; feeds: {name: mk.quant feed} of those not fed bf16."""
+        schemes, feeds = dict(schemes or {}), dict(feeds or {})
         for name, scheme in schemes.items():
             quant.tile_shapes(scheme, block.tile_rows, block.tile_cols)  # raises if not
+        for name, feed in feeds.items():
+            if feed not in quant.FEEDABLE.get(schemes.get(name), ("bf16",)):
+                raise ValueError(f"feeds[{name!r}]={feed!r}: weight {name} stored "
+                                 f"{schemes.get(name) or 'plain'} cannot be fed {feed}")
 
         def segs(items):
             return [Segment(name, cut.in_tiles, cut.out_tiles, cut.transposed,
-                            scheme=schemes.get(name))
+                            scheme=schemes.get(name), feed=feeds.get(name, "bf16"))
                     for name, rows, cols in items
                     for cut in [block.cut(name, rows, cols, transpose=name not in schemes)]]
 
@@ -364,6 +377,26 @@ class Ring:
         return quant.dequantize_tile(segment.scheme, data[g % self.n],
                                      scales[g % self.n]).astype(self.dtype)
 
+    def _product(self, segment: Segment, g, xs, contract):
+        """xs [M, step] times tile g of `segment`, float32 [M, panel]: one product with the
+        tile in the compute dtype, or, fed fp8, one per block of rows sharing a scale (fp8
+        128, fp4 32) of e4m3 values, each scaled by its block's row of scales
+        (`mk.quant.fp8_feed_tile`)."""
+        xs = xs.astype(self.dtype)
+        if segment.feed != "fp8":
+            return lax.dot_general(xs, self._weights(segment, g), contract,
+                                   preferred_element_type=jnp.float32)
+        data, scales = self.packed[segment.scheme]
+        w8, block_scales = quant.fp8_feed_tile(segment.scheme, data[g % self.n],
+                                               scales[g % self.n])
+        total, rows = None, self.tk // block_scales.shape[0]  # quantised: never transposed
+        for b in range(block_scales.shape[0]):
+            block = slice(b * rows, (b + 1) * rows)
+            part = lax.dot_general(xs[:, block], w8[block], contract,
+                                   preferred_element_type=jnp.float32) * block_scales[b:b + 1]
+            total = part if total is None else total + part
+        return total
+
     def _each_segment(self, g, action, candidates=None):
         """Call action(segment, layer, copy, t) for the segment holding tile g (g traced),
         searching only `candidates` (segments that may hold g; default all of them)."""
@@ -465,8 +498,7 @@ class Ring:
             def multiply():
                 self._wait(seg, layer, copy, t, g % self.n)  # tile g: one wait, no search
                 xs = x[:, pl.ds(pl.multiple_of(i * step, step), step)]
-                part = lax.dot_general(xs.astype(self.dtype), self._weights(seg, g),
-                                       contract, preferred_element_type=jnp.float32)
+                part = self._product(seg, g, xs, contract)
                 cols = pl.ds(pl.multiple_of(j * panel, panel), panel)
                 if steps == 1:
                     out_ref[:, cols] = part

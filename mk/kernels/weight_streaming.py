@@ -11,7 +11,8 @@ The teaching progression is one parameter, `BlockSizes.slots`:
 - slots=N, the ring: N-1 tiles in flight hide DMA latency and jitter.
 
 The weight may be stored quantised (an `mk.quant.QuantWeight`): the ring then streams its
-packed tiles and their scales and dequantises each tile in VMEM (notebook 12). The two
+packed tiles and their scales and, in VMEM, dequantises each tile to the compute dtype or
+(`feed="fp8"`, fp8 and fp4) hands its values to the MXU as e4m3 (notebook 12). The two
 steps every stage wrapper takes for the weights it streams, whether plain or quantised,
 are here too: `stage_block` (its default tiling), `weight_stream` (the stream, with each
 quantised family's scheme) and `ring_weights` (the weights in the ring's layout, with a
@@ -75,8 +76,10 @@ def stream_matmul_buffers(M: int, K: int, N: int, dtype, block: BlockSizes,
             *ring_buffers(stream, dtype)]
 
 
-def _stream(K: int, N: int, block: BlockSizes, scheme: str | None) -> TileStream:
-    return TileStream.build(block, [("w", K, N)], schemes={"w": scheme} if scheme else None)
+def _stream(K: int, N: int, block: BlockSizes, scheme: str | None,
+            feed: str = "bf16") -> TileStream:
+    return TileStream.build(block, [("w", K, N)], schemes={"w": scheme} if scheme else None,
+                            feeds={"w": feed})
 
 
 def stream_matmul_block(K: int, N: int, dtype, scheme: str | None = None) -> BlockSizes:
@@ -106,10 +109,13 @@ def stream_matmul_kernel(
 
 
 def stream_matmul(x: jax.Array, w, *, block: BlockSizes | None = None,
-                  dtype=jnp.bfloat16):
+                  dtype=jnp.bfloat16, feed: str = "bf16"):
     """x [M, K] @ w [K, N] -> [M, N] float32, w streamed through a `block.slots`-slot ring.
     w: an array (multiplied in its own dtype), or an `mk.quant.QuantWeight` (in mk.quant's
-    layout; its packed tiles and scales are streamed and dequantised in VMEM to `dtype`)."""
+    layout; its packed tiles and scales are streamed and, in VMEM, dequantised to `dtype`
+    or, `feed="fp8"`, fed to the MXU as e4m3: `mk.quant.FEEDABLE`).
+    The product is `mk.ops.matmul(x.astype(dtype), w)` of `mk.quant.dequantize_tile(w)`
+    in `mk.quant.oracle_dtype`."""
     M, K = x.shape
     K2, N = w.shape
     if K2 != K:
@@ -118,9 +124,13 @@ def stream_matmul(x: jax.Array, w, *, block: BlockSizes | None = None,
         raise ValueError(f"rows M={M} must be in [1, {STAGE_ROWS}]")
     packed = isinstance(w, quant.QuantWeight)
     scheme, dtype = (w.scheme, jnp.dtype(dtype)) if packed else (None, w.dtype)
+    if packed:
+        quant.oracle_dtype(scheme, feed, dtype)  # raises for a feed the scheme lacks
+    elif feed != "bf16":
+        raise ValueError(f"feed={feed!r}: a plain {dtype} weight is multiplied as it is")
     if block is None:
         block = stream_matmul_block(K, N, dtype, scheme)
-    stream = _stream(K, N, block, scheme)
+    stream = _stream(K, N, block, scheme, feed)
     weights, specs = ring_weights({"w": w}, stream)
     ring = stream_matmul_buffers(M, K, N, dtype, block, scheme)[2:]
     return pl.pallas_call(

@@ -1,7 +1,8 @@
-"""Stage 01: the streamed matmul against mk.ops.matmul, race-free, for every slot
-count of the teaching progression; planted ring bugs prove the race check and the DMA
-bookkeeping check (`strict_dma`) can fail; the VMEM budget and the TPU compiler both
-reject an oversized ring.
+"""Stage 01: the streamed matmul against mk.ops.matmul, race-free, for every slot count of the
+teaching progression and every quantised scheme and MXU feed (its oracle
+`mk.quant.oracle_dtype`; tpu7x compiles and pushes of the fp8 feed); planted ring bugs
+prove the race check and the DMA bookkeeping check (`strict_dma`) can fail; the VMEM budget
+and the TPU compiler both reject an oversized ring.
 
 Interpret mode checks numerics, DMA/semaphore pairing (every start waited for exactly
 once, no semaphore count left at exit) and races; it says nothing about time or the
@@ -52,21 +53,57 @@ def test_every_slot_count_matches_the_reference_without_races(slots, dtype):
     assert not races
 
 
-@pytest.mark.parametrize("scheme", quant.SCHEMES)
-def test_a_quantised_weight_streams_packed_tiles_and_scales_race_free(scheme):
+FEEDS = [(scheme, feed) for scheme in quant.SCHEMES for feed in quant.FEEDABLE[scheme]]
+
+
+def _oracle(x, q, feed):
+    """The reference's product with `q` dequantised as its feed multiplies it
+    (`mk.quant.oracle_dtype`), x rounded to bf16 as the kernel rounds it."""
+    w = quant.dequantize_tile(q.scheme, q.data, q.scale)
+    return ops.matmul(x.astype(jnp.bfloat16),
+                      w.astype(quant.oracle_dtype(q.scheme, feed, jnp.bfloat16)))
+
+
+@pytest.mark.parametrize("scheme, feed", FEEDS)
+def test_a_quantised_weight_streams_packed_tiles_and_scales_race_free(scheme, feed):
     """Each tile is two DMAs on its slot's semaphore (packed data, scale block), both
-    waited for (strict_dma), dequantised in VMEM: the reference's product with the
-    dequantised weight; the DMAs move `mk.quant.tile_bytes` per tile."""
+    waited for (strict_dma), and reaches the MXU as its feed says (bf16: dequantised in
+    VMEM; fp8: e4m3 codes, one product per scale block, 256 rows of 384 so fp4's 32-row
+    groups and fp8's 128-row blocks both straddle tiles' edges); the product is the
+    reference's on `mk.quant.oracle_dtype`'s weights; the DMAs move `mk.quant.tile_bytes`
+    per tile whatever the feed."""
     x, w = _operands(8, 384, 256, "float32")
     q = quant.quantize_weight(w, scheme)
     block = BlockSizes(slots=3, tile_rows=128, tile_cols=128)
-    with dma_log() as log:
-        y, races = _run(x, q, block)
-    want = ops.matmul(x.astype(jnp.bfloat16),
-                      quant.dequantize_tile(scheme, q.data, q.scale).astype(jnp.bfloat16))
-    np.testing.assert_allclose(y, want, **TOLERANCE["bfloat16"])
-    assert not races
+    with dma_log() as log, backend.use("interpret", detect_races=True, strict_dma=True):
+        y = jax.block_until_ready(stream_matmul(x, q, block=block, feed=feed))
+    exact = quant.oracle_dtype(scheme, feed, jnp.bfloat16) == jnp.bfloat16
+    np.testing.assert_allclose(y, _oracle(x, q, feed), **TOLERANCE["float32"])
+    assert not backend.races_found()
     assert sum(n for _, n in log) == 3 * 2 * quant.tile_bytes(scheme, 128, 128)
+    if not exact:  # fp8 fed fp8: the bf16 feed's oracle is visibly another product
+        assert np.abs(np.asarray(y - _oracle(x, q, "bf16"))).max() > 100 * (
+            TOLERANCE["float32"]["atol"] + TOLERANCE["float32"]["rtol"] * np.abs(y).max())
+
+
+def test_a_feed_a_scheme_cannot_reach_exactly_is_refused_by_name():
+    x, w = _operands(8, 256, 256, "float32")
+    with pytest.raises(ValueError, match=r"feed='fp8': int8 feeds as \('bf16',\)"):
+        stream_matmul(x, quant.quantize_weight(w, "int8"), feed="fp8")
+    with pytest.raises(ValueError, match=r"feed='fp8': a plain float32 weight"):
+        stream_matmul(x, w, feed="fp8")
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "fp4"])
+def test_fp8_fed_tiles_compile_for_tpu7x(scheme):
+    """bf16 x float8_e4m3fn lowers for TPU7x at a shard's tile (4096 x 256, 32 fp8 scale
+    blocks or 128 fp4 groups per tile): the path `DecodePlan.make` chooses there."""
+    x = jax.ShapeDtypeStruct((8, 4096), jnp.bfloat16)
+    q = quant.abstract_weight((4096, 1024), scheme)
+    block = BlockSizes(slots=3, tile_rows=4096, tile_cols=256)
+    report = tpu.compile_for_chip(functools.partial(stream_matmul, block=block, feed="fp8"),
+                                  [x, q], "tpu7x")
+    assert report.ok, report.error
 
 
 @settings(max_examples=6, deadline=None)
@@ -203,6 +240,30 @@ def test_compiles_for_tpu_at_qwen3_8b_mlp_shapes(chip):
                                   vmem=budget)
     assert report.ok, report.error
     assert report.code_bytes > 0
+
+
+PUSHES = """import functools
+import jax, jax.numpy as jnp
+from mk import quant, tpu
+from mk.kernels.common import BlockSizes
+from mk.kernels.weight_streaming import stream_matmul
+block = BlockSizes(slots=2, tile_rows=256, tile_cols=256)
+report = tpu.compile_for_chip(functools.partial(stream_matmul, block=block, feed="fp8"),
+                              [jax.ShapeDtypeStruct((8, 512), jnp.bfloat16),
+                               quant.abstract_weight((512, 256), "fp8")], "tpu7x")
+assert report.ok, report.error
+"""
+
+
+def test_an_fp8_fed_tile_reaches_tpu7xs_mxu_as_e4m3_pushes(tmp_path):
+    """In libtpu's bundles (`mk.bundles`, a child compile), fed fp8 the weights are pushed
+    into the MXU as e4m3 (`vmatpush1.f8e4m3`; fed bf16 they are `vmatpush1.bf16`): the fp8
+    feed is native, not converted on the way."""
+    from mk import bundles
+    jf = bundles.compile_with_dumps(PUSHES, [], tmp_path, phases=False)
+    text = bundles.dump_file(jf, "mk_stream_matmul", "final_bundles.txt").read_text()
+    assert {op.split(".")[1] for b in bundles.read_bundles(text) for op in b.ops
+            if op.startswith("vmatpush")} == {"f8e4m3"}
 
 
 def test_an_oversized_ring_is_refused_by_the_budget_and_by_the_compiler():
