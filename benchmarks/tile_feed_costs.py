@@ -11,6 +11,9 @@ cost per weight tile):
 
     .venv/bin/python benchmarks/tile_feed_costs.py --json mk/data/tile_feed_costs.json
 
+(each chip's (dtype, feed) pairs its kernel uses, `mk.feed_costs.rows`; `--chips`,
+`--dtypes`, `--feeds`, `--m` re-measure some rows, the others staying as recorded).
+
 Nothing here runs on a TPU: bundle counts are the compiler's static schedule (one bundle a
 cycle, stalls not counted); a row's seconds are bundles / the clock, which is a range
 (`mk.chips.ChipSpec.clock`). tests/test_feed_costs.py re-compiles rows and compares.
@@ -27,7 +30,7 @@ if __package__ in (None, ""):  # run as a script: make `mk` importable from a ch
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mk import bundles, feed_costs  # noqa: E402
-from mk.chips import all_chips  # noqa: E402
+from mk.chips import all_chips, chip as chip_spec  # noqa: E402
 
 
 def table(rows: list[dict]) -> str:
@@ -48,21 +51,32 @@ def main(argv=None) -> None:
     p.add_argument("--dtypes", nargs="+", default=list(feed_costs.DTYPES))
     p.add_argument("--feeds", nargs="+", default=list(feed_costs.FEEDS))
     p.add_argument("--m", nargs="+", type=int, default=list(feed_costs.M_BUCKETS))
-    p.add_argument("--json", type=Path, help="write the rows here (rewritten after each "
-                                             "row, so a stopped run keeps its rows)")
+    p.add_argument("--json", type=Path, help="the record: rows measured here replace its "
+                                             "rows of the same key, the others stay (it is "
+                                             "rewritten after each row, so a stopped run "
+                                             "keeps its rows)")
     args = p.parse_args(argv)
+    record = {}
+    if args.json and args.json.exists():
+        record = {feed_costs.FeedCost(**{k: tuple(v) if isinstance(v, list) else v
+                                         for k, v in r.items()
+                                         if k in feed_costs.FeedCost.__dataclass_fields__}
+                                      ).key: r
+                  for r in json.loads(args.json.read_text(encoding="utf-8"))}
     rows = []
     for chip in args.chips:
-        for dtype in args.dtypes:
-            for feed in args.feeds:
-                for m in args.m:
-                    rows.append(bundles.probe_tile(chip, dtype, m, feed).row())
-                    print(json.dumps(rows[-1]), flush=True)
-                    if args.json:
-                        args.json.write_text(json.dumps(rows, indent=1) + "\n",
-                                             encoding="utf-8")
+        for dtype, feed in feed_costs.rows(chip_spec(chip)):  # what its kernel feeds
+            if dtype not in args.dtypes or feed not in args.feeds:
+                continue
+            for m in args.m:
+                cost = bundles.probe_tile(chip, dtype, m, feed)
+                rows.append(cost.row())
+                record[cost.key] = rows[-1]
+                print(json.dumps(rows[-1]), flush=True)
+                if args.json:
+                    args.json.write_text(json.dumps(list(record.values()), indent=1) + "\n",
+                                         encoding="utf-8")
     print(table(rows))
-
 
 if __name__ == "__main__":
     main()

@@ -393,20 +393,20 @@ TILE_PROBE_SHAPE = (4096, 2048)  # w [K, N]: 8 bf16 tiles of 4096 x 256, 32 pack
 # loops; a model's weights never fit VMEM. Off, the probe's weight stays in HBM, as theirs.
 KEEP_IN_HBM = ("--xla_msa_enable=false",)
 _COMPILE_STREAM = """import functools, sys, jax, jax.numpy as jnp, mk
-from mk import feed_costs, quant
+from mk import quant
 from mk.kernels.weight_streaming import stream_matmul
 chip, dtype, feed = sys.argv[1:4]
 m, k, n = map(int, sys.argv[4:7])
 w = (jax.ShapeDtypeStruct((k, n), jnp.bfloat16) if dtype == "bf16"
      else quant.abstract_weight((k, n), dtype))
-fn = functools.partial(stream_matmul, dtype=feed_costs.FEED_DTYPES[feed])
+fn = functools.partial(stream_matmul, dtype=jnp.bfloat16, feed=feed)
 report = mk.tpu.compile_for_chip(fn, [jax.ShapeDtypeStruct((m, k), jnp.bfloat16), w], chip)
 sys.stderr.write(report.error)
 sys.exit(0 if report.ok else 1)
 """
 
 
-def probe_tile(chip: str | ChipSpec, dtype: str, m: int, feed: str = feed_costs.FEED, *,
+def probe_tile(chip: str | ChipSpec, dtype: str, m: int, feed: str = "bf16", *,
                shape: tuple[int, int] = TILE_PROBE_SHAPE, timeout: float = 300.0
                ) -> feed_costs.FeedCost:
     """Compile the stage-01 ring kernel (`stream_matmul`: `Ring.matmul` over one weight
@@ -422,12 +422,14 @@ def probe_tile(chip: str | ChipSpec, dtype: str, m: int, feed: str = feed_costs.
     if spec.kind != "tpu":
         raise ValueError(f"chip={spec.name!r} is a {spec.kind}: no TPU compile to probe")
     for field, value, choices in (("dtype", dtype, feed_costs.DTYPES),
-                                  ("feed", feed, feed_costs.FEEDS),
                                   ("m", m, feed_costs.M_BUCKETS)):
         if value not in choices:
             raise ValueError(f"{field}={value!r} must be one of {choices}")
+    if (dtype, feed) not in feed_costs.rows(spec):
+        raise ValueError(f"feed={feed!r}: {spec.name}'s kernel does not feed {dtype} "
+                         f"weights so (it does: {feed_costs.rows(spec)})")
     scheme = None if dtype == "bf16" else dtype
-    block = stream_matmul_block(*shape, feed_costs.FEED_DTYPES[feed], scheme)
+    block = stream_matmul_block(*shape, jnp.bfloat16, scheme)
     parts = tile_parts(scheme, block.tile_rows, block.tile_cols)
     with tempfile.TemporaryDirectory(prefix="mk-tile-") as folder:
         start = time.perf_counter()

@@ -12,8 +12,8 @@ lower bound on the compute lane's time per tile (stalls are not in the count).
 
 The record, data/tile_feed_costs.json (`FEED_COSTS`), holds one row per (chip, weight
 dtype, feed, M) with the tile it was measured on and the libtpu version; `recorded()`
-reads it, `FeedCost` is a row; `DTYPES`, `FEEDS` (with `FEED_DTYPES`, each feed's jnp
-dtype) and `M_BUCKETS` are its keys, `weight_dtype` names a weight's storage in them.
+reads it, `FeedCost` is a row; `DTYPES`, `FEEDS` and `M_BUCKETS` are its keys (`rows`:
+the (dtype, feed) pairs a chip's kernel uses), `weight_dtype` names a weight's storage.
 `bundles_per_element(chip, dtype, m)` is the one lookup:
 the row of the smallest recorded M at or above m (`bucket`), its bundles per trip over
 the tile's elements. `tile_s` turns that into seconds for a tile of any size at one end
@@ -26,7 +26,7 @@ sizes; part of a trip is fixed per tile (the ring's bookkeeping), so a much smal
 costs more per element than the table says.
 
 Not here: the compiles and the dump reading (`mk.bundles`), which feed a kernel uses for a
-scheme (every scheme is dequantised to bf16 today: `FEED`), the clock (`mk.chips`).
+scheme (`mk.quant.choose_feeds`, the plan's `feeds`), the clock (`mk.chips`).
 """
 
 from __future__ import annotations
@@ -36,13 +36,12 @@ import json
 from functools import cache
 from pathlib import Path
 
-from mk.chips import DATA, ChipSpec
+from mk.chips import DATA, MXU_FEEDS, ChipSpec
+from mk.quant import FEEDABLE
 
 FEED_COSTS = DATA / "tile_feed_costs.json"  # benchmarks/tile_feed_costs.py's record
 DTYPES = ("bf16", "fp8", "int8", "int4", "fp4")  # a weight stored plain (bf16) or packed
-FEEDS = ("bf16",)  # what a tile is multiplied in on the MXU
-FEED_DTYPES = {"bf16": "bfloat16"}  # a feed's jnp dtype (what a packed tile dequantises to)
-FEED = "bf16"  # the feed of every weight dtype in today's kernel (dequantised to bf16)
+FEEDS = MXU_FEEDS  # what a tile reaches the MXU as (a plain tile: bf16; `mk.quant.FEEDABLE`)
 M_BUCKETS = (1, 8, 64, 256)  # the rows the table is measured at
 PLAIN = {"bfloat16": "bf16"}  # config.dtype -> the table's name for a plain weight
 
@@ -142,7 +141,15 @@ def bucket(m: int) -> int:
                      f"{M_BUCKETS[-1]}")
 
 
-def bundles_per_element(chip: str, dtype: str, m: int, feed: str = FEED,
+def rows(spec: ChipSpec) -> list[tuple[str, str]]:
+    """The (dtype, feed) pairs the table holds for `spec`: each dtype with each feed the
+    chip's MXU takes (`ChipSpec.mxu_feeds`) that the dtype reaches exactly (a plain bf16
+    tile is fed bf16; `mk.quant.FEEDABLE`)."""
+    return [(d, f) for d in DTYPES for f in spec.mxu_feeds
+            if f in (FEEDABLE[d] if d in FEEDABLE else ("bf16",))]
+
+
+def bundles_per_element(chip: str, dtype: str, m: int, feed: str = "bf16",
                         path: Path = FEED_COSTS) -> float:
     """Bundles one weight of a tile stored as `dtype` costs against m rows fed as `feed`
     on `chip`: the recorded row of M = `bucket(m)`."""
@@ -158,7 +165,7 @@ def bundles_per_element(chip: str, dtype: str, m: int, feed: str = FEED,
 
 
 def tile_s(spec: ChipSpec, dtype: str, m: int, elements: int, end: str = "low",
-           feed: str = FEED) -> float:
+           feed: str = "bf16") -> float:
     """Seconds a tile of `elements` weights stored as `dtype` keeps the TensorCore
     issuing against m rows: the table's bundles per element x elements / the chip's clock
     at `end` of its range."""

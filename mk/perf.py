@@ -89,7 +89,7 @@ from mk.kernels.plan import (QUANT_FAMILY, packed_formats, padded_vocab, shard_c
                              shard_weight_bytes, shard_weight_elements)
 from mk.kinds.base import ROLES
 from mk.kinds.layers import kind_at, layer_kinds
-from mk.quant import stored_bytes
+from mk.quant import choose_feeds, stored_bytes
 
 ROUTINGS = ("uniform", "shared", "disjoint")
 COMPUTES = ("bf16", "fp8")  # which peak bounds the matmuls (fp8 = int8 on v5e/v6e/v5p)
@@ -401,19 +401,23 @@ def tile_floor_ms(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1,
     every weight element one device multiplies (`shard_weight_elements`: its shard, the
     touched experts, the lm_head's padded vocab; the router's too; not the norms) at the
     table's bundles per element for its storage (its group's scheme of `formats`, default
-    the config's, else plain), the feed and M = B*T rows, over the TensorCore's clock at
-    `clock` ("low" or "high", `mk.chips.ChipSpec.clock`). Attention's products and vector
-    work are not in it (`mk.sim` has them): the issue time of the weights alone."""
+    the config's, else plain), its feed (the chip's default, `mk.quant.choose_feeds`) and
+    M = B*T rows, over the TensorCore's clock at `clock` ("low" or "high",
+    `mk.chips.ChipSpec.clock`). Attention's products and vector work are not in it
+    (`mk.sim` has them): the issue time of the weights alone."""
     spec = named_chip(chip) if isinstance(chip, str) else chip
     _validate_step(config, batch, rows, 0, tp, rows, routing, "bf16")
     formats = check_formats(config, config.formats if formats is None else formats)
     m = batch * rows
     local = shard_config(config, tp)
-    block = model_block(local, formats=packed_formats(config, formats))
+    packed = packed_formats(config, formats)
+    feeds = choose_feeds(packed, chip=spec)  # the plan's default: what each group is fed
+    block = model_block(local, formats=packed)
     elements = shard_weight_elements(local, padded_vocab(local, block),
                                      _touched(layer_kinds(config), m, routing))
     bundles = sum(n * feed_costs.bundles_per_element(
-        spec.name, feed_costs.weight_dtype(config.dtype, formats.get(QUANT_FAMILY.get(f))), m)
+        spec.name, feed_costs.weight_dtype(config.dtype, formats.get(QUANT_FAMILY.get(f))),
+        m, feeds.get(QUANT_FAMILY.get(f), "bf16"))
         for f, n in elements.items() if f != "norms" and n)
     return 1e3 * bundles / spec.clock(clock)
 

@@ -176,12 +176,12 @@ def tile_seconds(stream: TileStream, spec: ChipSpec, m: int, formats, dtype: str
     """{segment name: seconds} one weight tile of each segment of `stream` keeps the
     compute lane busy against m rows (module docstring): the recorded loop of `a` when
     given, else the tile cost table's row for the segment's storage (its group's scheme
-    of `formats`, its own scheme, else plain `dtype`) at `a.clock`."""
+    of `formats`, its own scheme, else plain `dtype`) and its feed at `a.clock`."""
     schemes = quant.schemes_of(formats)
     elements = stream.block.tile_rows * stream.block.tile_cols
     return {s.name: a.issue_s(spec) if a.recorded_loop else feed_costs.tile_s(
         spec, feed_costs.weight_dtype(dtype, schemes.get(s.name, s.scheme)), m, elements,
-        a.clock) for s in stream.segments + stream.tail}
+        a.clock, s.feed) for s in stream.segments + stream.tail}
 
 
 def active_experts(config: ModelConfig, m: int, routing: str = "uniform") -> int:

@@ -319,9 +319,11 @@ def table_row(dtype: str) -> dict:
     nbytes = (mk.quant.tile_bytes(dtype, rows_, cols_) if dtype in mk.quant.SCHEMES
               else rows_ * cols_ * mk.config.DTYPE_BITS[config.dtype] // 8)
     dma = nbytes / (spec.hbm_bw / spec.cores_per_chip) * 1e9
-    ns = {e: feed_costs.tile_s(spec, dtype, plan.M, rows_ * cols_, e) * 1e9 for e in CLOCK_ENDS}
-    per_mi = feed_costs.bundles_per_element(spec.name, dtype, plan.M) * 2**20
-    return {"storage": dtype, "feed": feed_costs.FEED, "M bucket": feed_costs.bucket(plan.M),
+    feed = {formats[g]: f for g, f in plan.feeds}.get(dtype, "bf16")  # the plan's feed
+    ns = {e: feed_costs.tile_s(spec, dtype, plan.M, rows_ * cols_, e, feed) * 1e9
+          for e in CLOCK_ENDS}
+    per_mi = feed_costs.bundles_per_element(spec.name, dtype, plan.M, feed) * 2**20
+    return {"storage": dtype, "feed": feed, "M bucket": feed_costs.bucket(plan.M),
             "bundles per Mi weights": f"{per_mi:.0f}", "DMA ns": f"{dma:.0f}",
             **{f"ns per tile, clock {e}": f"{ns[e]:.0f}" for e in CLOCK_ENDS},
             **{f"tile / DMA, clock {e}": f"{ns[e] / dma:.2f}" for e in CLOCK_ENDS}}

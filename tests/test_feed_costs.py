@@ -33,8 +33,9 @@ def _recheck(row: dict) -> None:
 
 def test_the_table_covers_every_chip_dtype_feed_and_m_bucket():
     table = feed_costs.recorded()
-    want = {(c, d, f, m) for c in ("tpu7x", "v6e", "v5e") for d in feed_costs.DTYPES
-            for f in feed_costs.FEEDS for m in feed_costs.M_BUCKETS}
+    want = {(c, d, f, m) for c in ("tpu7x", "v6e", "v5e")
+            for d, f in feed_costs.rows(mk.chip(c)) for m in feed_costs.M_BUCKETS}
+    assert {f for _, _, f, _ in want} == set(feed_costs.FEEDS)  # tpu7x's fp8 feed too
     assert want <= set(table), sorted(want - set(table))
     assert all(r.libtpu and r.compile_s > 0 for r in table.values())
 
@@ -73,8 +74,10 @@ def test_the_lookup_rounds_m_up_to_a_bucket_and_names_what_is_missing():
     with pytest.raises(NotImplementedError, match=r"dtype='float32'"):
         feed_costs.weight_dtype("float32", None)
     assert feed_costs.weight_dtype("bfloat16", "fp4") == "fp4"
-    with pytest.raises(ValueError, match=r"feed='fp8' must be one of"):
-        bundles.probe_tile("tpu7x", "fp8", 1, "fp8")
+    with pytest.raises(ValueError, match=r"feed='fp8': v6e's kernel does not feed fp8"):
+        bundles.probe_tile("v6e", "fp8", 1, "fp8")
+    with pytest.raises(ValueError, match=r"feed='fp8': tpu7x's kernel does not feed int8"):
+        bundles.probe_tile("tpu7x", "int8", 1, "fp8")
 
 
 def _tile_events(run, name):
@@ -114,6 +117,19 @@ def test_a_packed_format_costs_its_own_row():
                                          rel=1e-9), name
     assert run.family_bytes()["experts"] < sim.simulate(
         config, spec, context=256).family_bytes()["experts"] / 3
+
+
+def test_a_tile_fed_fp8_costs_the_fp8_feed_row():
+    """On tpu7x the plan feeds fp8 experts to the MXU as fp8 (`mk.quant.choose_feeds`):
+    an expert tile costs that row, cheaper than the same storage's bf16-feed row."""
+    config, spec = mk.preset("qwen3-30b-a3b"), mk.chip("tpu7x")
+    run = sim.simulate(config, spec, context=256, formats={"experts": "fp8"})
+    assert dict(run.plan.feeds) == {"experts": "fp8"}
+    tile = run.plan.block.tile_rows * run.plan.block.tile_cols
+    e = _tile_events(run, "we_gate[0]")[0]
+    fed = feed_costs.tile_s(spec, "fp8", 1, tile, feed="fp8")
+    assert e.busy_s == pytest.approx(e.count * fed, rel=1e-9)
+    assert fed < feed_costs.tile_s(spec, "fp8", 1, tile, feed="bf16")
 
 
 def test_perfs_tile_floor_sums_the_same_table():
