@@ -55,7 +55,7 @@ def row(preset: str, chip: str, *, tp: int = 1, topology: str | None = None, bat
     whole model with that cost; the row keeps `fits` false and the reason, and says
     `measured_on`. 0: no cut, such a row is not measured. A compile that fails is
     recorded with the compiler's first line. A preset's `formats` the kernel does not
-    pack (`mk.kernels.plan.packed_formats`: at tp > 1, e.g. kimi-k3's FP4 experts) are
+    pack (`mk.kernels.plan.packed_formats`: a group holding a weight moved whole) are
     simulated as formats on the plain tiles and compiled in the config's dtype (the same
     tiles and ring)."""
     config, spec = mk.preset(preset), chip_spec(chip)
@@ -76,7 +76,7 @@ def row(preset: str, chip: str, *, tp: int = 1, topology: str | None = None, bat
     if dict(plan.formats) != packed_formats(config, dict(plan.formats)):
         measured = dataclasses.replace(config, formats=())  # what the kernel streams
         on.append(f"{dict(config.formats)} in {config.dtype} (the kernel does not pack "
-                  f"them at tp={tp})")
+                  "a group holding a weight it moves whole: mk.quant.unstreamed)")
     if not fit.ok:
         if fit.vmem is None or fit.hbm_bytes <= fit.hbm_limit_bytes or not cut_layers:
             return dict(out, error=fit.error)

@@ -225,21 +225,54 @@ class TileCost:
 
     `Ring.matmul` runs two loops per matrix: the steady one issues the matrix's own next
     tile, the edge one (a matrix's last `slots` tiles) looks up which of the segments that
-    can follow holds the next tile. The costliest loop bounds every tile.
+    can follow holds the next tile. A stream moves tiles of one or more storages (plain
+    tiles in the config's dtype, each packed scheme's data and scales: `tiles`); a loop
+    belongs to the storage whose DMAs it issues (`tile_loops`' rule), and the costliest
+    loop of a storage bounds its every tile. `worst`, `issue_s`, `dma_s` and
+    `assumptions` are the plain tiles' (a stream of packed tiles only: its first
+    storage's); `by_storage` has each.
     """
 
     report: CompileReport  # the compile's (the dump costs it a little time)
-    tile_bytes: int  # one weight tile (tile_rows x tile_cols x the weight's itemsize)
+    tiles: tuple[tuple[str, tuple[int, ...]], ...]  # (storage, `tile_parts`) per storage
     loops: tuple[Loop, ...]  # the per-tile loops, in program order; () if not compiled
     spec: ChipSpec  # the chip: its clock range turns bundles into seconds
 
-    @property
-    def worst(self) -> Loop:
-        """The costliest per-tile loop."""
+    def storage_of(self, lp: Loop) -> str:
+        """The storage ("plain" or an mk.quant scheme) whose tiles loop `lp` brings in."""
+        for storage, parts in self.tiles:
+            if tile_loops([lp], parts):
+                return storage
+        raise ValueError(f"a loop issuing DMAs of {lp.dma_granules} granules brings no "
+                         f"tile of {dict(self.tiles)}")
+
+    def by_storage(self) -> dict[str, tuple[Loop, int]]:
+        """{storage: (its costliest per-tile loop, the bytes one of its tiles moves)}, for
+        the storages whose loops the dump shows."""
         if not self.loops:
             raise ValueError(f"{self.report.name} on {self.report.chip} did not compile: "
                              f"{self.report.error.splitlines()[0] if self.report.error else ''}")
-        return max(self.loops, key=lambda lp: lp.bundles)
+        out = {}
+        for lp in self.loops:
+            storage = self.storage_of(lp)
+            if storage not in out or lp.bundles > out[storage][0].bundles:
+                out[storage] = (lp, sum(dict(self.tiles)[storage]))
+        return out
+
+    @property
+    def _first(self) -> str:
+        found = self.by_storage()
+        return "plain" if "plain" in found else next(iter(found))
+
+    @property
+    def worst(self) -> Loop:
+        """The costliest per-tile loop of the plain tiles (module docstring)."""
+        return self.by_storage()[self._first][0]
+
+    @property
+    def tile_bytes(self) -> int:
+        """The bytes one plain tile moves."""
+        return self.by_storage()[self._first][1]
 
     def issue_s(self, end: str = "low") -> float:
         """Seconds one tile keeps the TensorCore issuing (the costliest loop): bundles /
@@ -257,26 +290,35 @@ class TileCost:
         return self.tile_bytes / self.dma_bw
 
     def assumptions(self, **kw) -> Assumptions:
-        """`mk.sim.Assumptions` with this per-tile cost in bundles (and any other field in
-        kw, e.g. the clock end)."""
+        """`mk.sim.Assumptions` with the plain tiles' per-tile cost in bundles (packed
+        tiles keep the tile cost table's: `mk.sim.tile_seconds`), and any other field in
+        kw, e.g. the clock end."""
         return Assumptions(tile_bundles=self.worst.bundles, **kw)
 
     def row(self) -> dict:
-        """One row of a table: bundles per trip (the range over the per-tile loops; the
-        costliest one's MXU and scalar-only bundles and DMA sites), issue against DMA time
-        per tile at the low end of the clock range (tile_ns, tile_over_dma) and at its high
-        end (tile_high_ns, tile_over_dma_high)."""
+        """One row of a table: bundles per trip (the range over the plain tiles' loops;
+        the costliest one's MXU and scalar-only bundles and DMA sites), issue against DMA
+        time per tile at the low end of the clock range (tile_ns, tile_over_dma) and at its
+        high end (tile_high_ns, tile_over_dma_high); with packed tiles, "packed": the same
+        per scheme (bundles, tile_KiB, dma_ns, tile_over_dma, tile_over_dma_high)."""
         worst, low, high = self.worst, self.issue_s("low"), self.issue_s("high")
-        return dict(kernel=self.report.name, chip=self.report.chip,
-                    tile_KiB=self.tile_bytes / 1024,
-                    tile_loops=len(self.loops),
-                    bundles_per_tile=f"{min(lp.bundles for lp in self.loops)}-{worst.bundles}",
-                    mxu_bundles=worst.mxu, scalar_only_bundles=worst.scalar_only,
-                    dma_sites=len(worst.dma_granules), clock_low_hz=self.spec.clock("low"),
-                    clock_high_hz=self.spec.clock("high"), tile_ns=low * 1e9,
-                    tile_high_ns=high * 1e9, dma_ns=self.dma_s * 1e9,
-                    tile_over_dma=low / self.dma_s, tile_over_dma_high=high / self.dma_s,
-                    compile_s=self.report.compile_seconds)
+        own = [lp for lp in self.loops if self.storage_of(lp) == self._first]
+        out = dict(kernel=self.report.name, chip=self.report.chip,
+                   tile_KiB=self.tile_bytes / 1024,
+                   tile_loops=len(self.loops),
+                   bundles_per_tile=f"{min(lp.bundles for lp in own)}-{worst.bundles}",
+                   mxu_bundles=worst.mxu, scalar_only_bundles=worst.scalar_only,
+                   dma_sites=len(worst.dma_granules), clock_low_hz=self.spec.clock("low"),
+                   clock_high_hz=self.spec.clock("high"), tile_ns=low * 1e9,
+                   tile_high_ns=high * 1e9, dma_ns=self.dma_s * 1e9,
+                   tile_over_dma=low / self.dma_s, tile_over_dma_high=high / self.dma_s,
+                   compile_s=self.report.compile_seconds)
+        packed = {storage: dict(
+            bundles=lp.bundles, tile_KiB=nbytes / 1024, dma_ns=nbytes / self.dma_bw * 1e9,
+            **{f"tile_over_dma{suffix}": lp.bundles / self.spec.clock(end)
+               / (nbytes / self.dma_bw) for end, suffix in (("low", ""), ("high", "_high"))})
+            for storage, (lp, nbytes) in self.by_storage().items() if storage != self._first}
+        return out | (dict(packed=packed) if packed else {})
 
 
 # -- The dump: a compile in a child process, its files -----------------------------------
@@ -367,11 +409,10 @@ def measure(config: ModelConfig, chip: str | ChipSpec, *, tp: int = 1,
         raise ValueError(f"chip={spec.name!r} is a {spec.kind}: no TPU compile to measure")
     plan = DecodePlan.make(config, tp=tp, batch=batch, rows=rows, context=context,
                            block=block, chip=spec)
-    itemsize = jnp.dtype(config.dtype).itemsize
-    tile_bytes = plan.stream.tile_bytes * itemsize
     b = plan.stream.block
-    kinds = [tile_parts(q, b.tile_rows, b.tile_cols, itemsize) for q in
-             ((None,) if plan.stream.has_plain else ()) + plan.stream.schemes]
+    tiles = tuple((q or "plain", tile_parts(q, b.tile_rows, b.tile_cols,
+                                            jnp.dtype(config.dtype).itemsize))
+                  for q in ((None,) if plan.stream.has_plain else ()) + plan.stream.schemes)
     found = ()
     with tempfile.TemporaryDirectory(prefix="mk-bundles-") as folder:
         report, jf = dump_megakernel(config, spec.name, folder, phases=False,
@@ -379,11 +420,11 @@ def measure(config: ModelConfig, chip: str | ChipSpec, *, tp: int = 1,
                                      batch=batch, rows=rows, context=context, block=block)
         if report.ok:
             text = dump_file(jf, "mk_megakernel", "final_bundles.txt").read_text()
-            found = tuple(tile_loops(loops(text), *kinds))
+            found = tuple(tile_loops(loops(text), *dict(tiles).values()))
             if not found:
-                raise RuntimeError(f"{report.name}: no per-tile loop of tiles {kinds} B "
+                raise RuntimeError(f"{report.name}: no per-tile loop of tiles {tiles} B "
                                    "found in the bundle dump")
-    return TileCost(report, tile_bytes, found, spec)
+    return TileCost(report, tiles, found, spec)
 
 
 # -- One weight tile by weight dtype, feed and M: the stage kernel's own loop ------------

@@ -31,15 +31,16 @@ Modelling assumptions (`Assumptions` holds the numbers; none is fitted to a meas
   what the tile cost table says (`mk.feed_costs`, measured by compiling the ring kernel's
   own per-tile loop: `mk.bundles.probe_tile`): its bundles per element for the chip, the
   weight's storage (its segment's scheme, or the format it is charged in, else the
-  plain dtype), the feed (bf16 for every scheme today) and M rounded up to the next
+  plain dtype), the segment's feed (the plan's `feeds`) and M rounded up to the next
   recorded M bucket, x tk*tn / the chip's clock at the `Assumptions.clock` end of its
   range (`mk.chips.ChipSpec.clock`: the clock is not known, so a step is simulated at
   each end). A chip with no rows, or M past the largest bucket, is an error, not a
   fallback to a rule. One alternative, as before: a whole compiled kernel's recorded
   per-tile loop (`Assumptions.tile_bundles` at the clock, or `tile_issue_s` seconds:
-  `Ring.matmul`'s costliest loop, read from that kernel by `mk.bundles.measure`) is, when
-  given, every weight tile's cost instead of the table: it is the same quantity measured
-  on that very kernel. Products that are not ring tiles (KV tiles, the router and other
+  `Ring.matmul`'s costliest loop over plain tiles, read from that kernel by
+  `mk.bundles.measure`) is, when given, every plain tile's cost instead of the table: it
+  is the same quantity measured on that very kernel (packed tiles keep the table's row;
+  `mk.bundles.TileCost.row` reports their own loops). Products that are not ring tiles (KV tiles, the router and other
   weights moved by whole DMA, the delta rule) cost the MXU rule (`mk.perf.mxu_flops`:
   2 * max(M, mxu_rows) * elements / peak, fewer rows than the MXU costing as many; the
   chip's `mxu_rows` from data/chips.csv; peak the device's dense bf16, or fp8 with
@@ -152,7 +153,7 @@ class Assumptions:
     @property
     def recorded_loop(self) -> bool:
         """Whether a whole kernel's per-tile loop is given (`tile_bundles` or
-        `tile_issue_s`): then it, not the tile cost table, is every weight tile's cost."""
+        `tile_issue_s`): then it, not the tile cost table, is every plain tile's cost."""
         return bool(self.tile_bundles or self.tile_issue_s)
 
     def issue_s(self, spec: ChipSpec) -> float:
@@ -174,14 +175,15 @@ class Assumptions:
 def tile_seconds(stream: TileStream, spec: ChipSpec, m: int, formats, dtype: str,
                  a: Assumptions) -> dict[str, float]:
     """{segment name: seconds} one weight tile of each segment of `stream` keeps the
-    compute lane busy against m rows (module docstring): the recorded loop of `a` when
-    given, else the tile cost table's row for the segment's storage (its group's scheme
+    compute lane busy against m rows (module docstring): for a plain tile the recorded
+    loop of `a` when given, else the tile cost table's row for the segment's storage (its group's scheme
     of `formats`, its own scheme, else plain `dtype`) and its feed at `a.clock`."""
     schemes = quant.schemes_of(formats)
     elements = stream.block.tile_rows * stream.block.tile_cols
-    return {s.name: a.issue_s(spec) if a.recorded_loop else feed_costs.tile_s(
-        spec, feed_costs.weight_dtype(dtype, schemes.get(s.name, s.scheme)), m, elements,
-        a.clock, s.feed) for s in stream.segments + stream.tail}
+    return {s.name: a.issue_s(spec) if a.recorded_loop and s.scheme is None
+            else feed_costs.tile_s(spec, feed_costs.weight_dtype(
+                dtype, schemes.get(s.name, s.scheme)), m, elements, a.clock, s.feed)
+            for s in stream.segments + stream.tail}
 
 
 def active_experts(config: ModelConfig, m: int, routing: str = "uniform") -> int:

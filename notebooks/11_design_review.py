@@ -157,11 +157,13 @@ print(ledger.headline(headline_rows))
 
 # %% [markdown]
 # What explains the gap, as far as the ledger can say: the course's Kimi K3 stand-in is
-# Kimi Linear's architecture with assumed shapes, its per-tile cost was measured on a cut
-# of the kernel with bf16 experts, and its expert shards are padded to whole lanes; the
-# release's expert layout and kernel are not published. The release beating the modelled
-# step says at least one of the model's assumptions (experts fed at bf16, every collective
-# on the critical path) does not hold for it.
+# Kimi Linear's architecture with assumed shapes; its kernel streams the FP4 experts
+# packed, but then the whole stream takes 128 x 128 tiles (one tile shape, packed weights
+# never transposed) whose per-tile loops, and the FP4 tiles' unpack in VMEM, issue for far
+# longer than their DMA (the recorded rows below); its expert shards are padded to whole
+# lanes. The release's expert layout and kernel are not published. The release beating
+# the modelled step says at least one of the model's assumptions (the tile costs of mk's
+# own loop, every collective on the critical path) does not hold for it.
 
 # %% [markdown]
 # ## Verdict
@@ -341,9 +343,11 @@ display(plots.table([table_row(d) for d in sorted(
 # S=1024; published runs at the ledger's batch, rows and each row's context; compile
 # seconds on the 2-core machine that recorded it, shared with other jobs). A ratio above 0.9 is a kernel whose TensorCore, not HBM, sets
 # the pace of weight streaming. The issue time and its ratio are the recorded bundles at
-# each end of today's clock range; the HBM busy share was simulated when the row was
-# recorded, at the one clock `chips.csv` had then (2.2 GHz on TPU7x, 1.75 on v6e, 1.5 on
-# v5e).
+# each end of today's clock range, for the plain tiles and, where the stream has them, for
+# each packed scheme's tiles against their own (smaller) DMA. The HBM busy share was
+# simulated when the row was recorded: the single-core rows at the one clock `chips.csv`
+# had then (2.2 GHz on TPU7x, 1.75 on v6e, 1.5 on v5e), the published runs' rows
+# (re-recorded with packed formats) at the low end of today's range.
 
 # %%
 data = Path(mk.__file__).parent / "data"  # recorded runs ship in the package
@@ -368,12 +372,16 @@ if recorded_path.exists():
              "DMA ns": f"{r['dma_ns']:.0f}",
              **{f"issue/DMA, clock {end}": f"{issue_ns(r, end) / r['dma_ns']:.2f}"
                 for end in CLOCK_ENDS},
+             "packed tiles' issue/DMA, clock low / high": "; ".join(
+                 f"{q}: {p['tile_over_dma']:.1f} / {p['tile_over_dma_high']:.1f}"
+                 for q, p in r.get("packed", {}).items()),
              "HBM busy (recorded clock)": f"{r['hbm_busy']:.1%}",
              "compile s": f"{r['compile_s']:.1f}"}
             if "tile_ns" in r else dict.fromkeys(
                 ["bundles/tile"] + [f"issue ns, clock {end}" for end in CLOCK_ENDS]
                 + ["DMA ns"] + [f"issue/DMA, clock {end}" for end in CLOCK_ENDS]
-                + ["HBM busy (recorded clock)", "compile s"], "")),
+                + ["packed tiles' issue/DMA, clock low / high", "HBM busy (recorded clock)",
+                   "compile s"], "")),
          "note": "" if r["fits"] else r["error"][:80] + (
              f"; measured on {r['measured_on']}" if "measured_on" in r else "")}
         for r in json.loads(recorded_path.read_text()) + published_costs]))
@@ -713,12 +721,12 @@ if shown:
 
 # %% [markdown]
 # Reading the numbers: a published run faster than its modelled step (listed above) breaks
-# an assumption of the model for that run: the modelled step charges the MXU at its bf16
-# rate (the Kimi runs are MXU-bound: FP4 experts stream few bytes per weight pass) and puts
-# every collective on the critical path. Feeding the FP4 experts to the MXU at its fp8
-# rate, or overlapping the collectives with the weight stream, would each shorten it.
-# Where the simulated schedule is bound by "compute" (the Kimi runs), the compute lane is
-# the step's critical path: each FP4 expert tile costs the MXU what a bf16 one does, and
+# an assumption of the model for that run: the modelled step charges each weight the tile
+# cost table's issue time (the Kimi runs are issue-bound: an FP4 expert tile's unpack in
+# VMEM costs far more than its few bytes take to stream) and puts every collective on the
+# critical path. A cheaper unpack, tiles with more weights a trip, or overlapping the
+# collectives with the weight stream would each shorten it. Where the simulated schedule
+# is bound by "compute" (the Kimi runs), the compute lane is the step's critical path, and
 # every layer adds two all-reduces. At TP32 each expert's 64 columns a device are padded
 # to 128 lanes (the note of each Kimi row says so), which doubles the expert bytes, and
 # the shard does not fit one core's HBM (its compiled kernel was measured on its first
