@@ -125,6 +125,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.pallas import tpu as pltpu
 
 from mk import reference
 from mk.chips import MXU_FEEDS, ChipSpec
@@ -264,23 +265,41 @@ def e4m3_values(code: jax.Array) -> jax.Array:
 
 
 def e2m1_values(code: jax.Array) -> jax.Array:
-    """float4_e2m1fn codes (low 4 bits of an integer array) -> float32 values."""
-    c = code.astype(jnp.int32)
-    exp, man = (c >> 1) & 3, c & 1
-    # normal (2 + m) * 2^(e - 2); subnormal (e = 0): m * 2^-1, the same with e -> 1.
-    mag = ((exp > 0).astype(jnp.int32) * 2 + man).astype(F32) * pow2(
-        jnp.maximum(exp, 1) - 2)
-    return jnp.where((c >> 3) == 1, -mag, mag)
+    """float4_e2m1fn codes (low 4 bits of an integer array) -> float32 values: their e4m3
+    patterns (`e2m1_to_e4m3`) decoded (`e4m3_values`), as `dequantize_tile` does."""
+    return e4m3_values(e2m1_to_e4m3(code))
+
+
+ONES = 0x01010101  # bit 0 of each byte of an int32 word
+NIBBLES = 0x0F0F0F0F  # the low nibble of each byte
+
+
+@jax.jit  # pltpu.bitcast has no eager rule: traced, it runs anywhere
+def nibble_words(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """uint8 [..., R, O] (R a multiple of 4) -> its (low, high) nibbles as int32 words
+    [..., R/4, O], each byte of a word one code in [0, 16): byte k of word r is row 4r + k
+    (`pltpu.bitcast`'s order, `nibble_bytes` undoes it). Two 32-bit ops a nibble of four
+    bytes, and no widening of each byte to 32 bits."""
+    words = pltpu.bitcast(packed, jnp.int32)
+    return words & NIBBLES, (words >> 4) & NIBBLES  # the mask drops the shifted-in bits
+
+
+@functools.partial(jax.jit, static_argnames="dtype")
+def nibble_bytes(lo: jax.Array, hi: jax.Array, dtype=jnp.uint8) -> jax.Array:
+    """Words of bytes [..., R/4, O] from `nibble_words` (or made from them byte-wise) ->
+    [..., 2R, O] bytes of `dtype` (8-bit) in the module docstring's row order: per unit of
+    64 byte rows, the low nibbles' 64 rows then the high nibbles'."""
+    lo, hi = pltpu.bitcast(lo, dtype), pltpu.bitcast(hi, dtype)
+    *lead, half, cols = lo.shape
+    lo = lo.reshape(*lead, half // 64, 64, cols)
+    hi = hi.reshape(*lead, half // 64, 64, cols)
+    return jnp.concatenate([lo, hi], axis=-2).reshape(*lead, 2 * half, cols)
 
 
 def unpack_nibbles(packed: jax.Array) -> jax.Array:
     """uint8 [..., I/2, O] -> int32 codes [..., I, O] in the nibble order of the module
     docstring (I/2 a multiple of 64)."""
-    p = packed.astype(jnp.int32)
-    *lead, half, cols = p.shape
-    lo = (p & 15).reshape(*lead, half // 64, 64, cols)
-    hi = (p >> 4).reshape(*lead, half // 64, 64, cols)
-    return jnp.concatenate([lo, hi], axis=-2).reshape(*lead, 2 * half, cols)
+    return nibble_bytes(*nibble_words(packed)).astype(jnp.int32)
 
 
 @jax.jit
@@ -307,14 +326,15 @@ def _grouped(values, scale, rows: int, cols: int = 0):
 def dequantize_tile(scheme: str, data: jax.Array, scale: jax.Array) -> jax.Array:
     """Float32 values of a weight (or a tile of whole groups of one) in `scheme`'s layout."""
     if scheme == "int8":
-        return data.astype(jnp.int32).astype(F32) * scale
+        return data.astype(F32) * scale
     if scheme == "fp8":
         return _grouped(e4m3_values(data), scale, GROUP["fp8"], GROUP["fp8"])
-    codes = unpack_nibbles(data)
     if scheme == "int4":
-        return _grouped((codes - 8).astype(F32), scale, GROUP["int4"])
+        q = nibble_bytes(*map(int4_values, nibble_words(data)), jnp.int8)
+        return _grouped(q.astype(F32), scale, GROUP["int4"])
     if scheme == "fp4":
-        return _grouped(e2m1_values(codes), pow2(scale.astype(jnp.int32) - E8M0_BIAS),
+        e4m3 = nibble_bytes(*map(e2m1_to_e4m3, nibble_words(data)))
+        return _grouped(e4m3_values(e4m3), pow2(scale.astype(jnp.int32) - E8M0_BIAS),
                         GROUP["fp4"])
     raise ValueError(f"scheme={scheme!r} must be one of {SCHEMES}")
 
@@ -325,15 +345,27 @@ FEEDS = MXU_FEEDS  # what a packed tile is turned into for the MXU (module docst
 FEEDABLE = {"int8": ("bf16",), "int4": ("bf16",), "fp8": FEEDS, "fp4": FEEDS}
 
 
+def int4_values(code: jax.Array) -> jax.Array:
+    """int4 codes (offset binary, q + 8) in the low nibble of each byte of an int32 array
+    (`nibble_words`) -> q in the same bytes as int8 (two's complement): flipping bit 3
+    gives q's 4-bit two's complement, whose sign bit 8 x 0x1e = 0xf0 extends, per byte."""
+    flipped = code ^ 0x08080808
+    return flipped | ((flipped & 0x08080808) * 0x1E)
+
+
 def e2m1_to_e4m3(code: jax.Array) -> jax.Array:
-    """float4_e2m1fn codes (low 4 bits of an integer array) -> the float8_e4m3fn bit
-    patterns (int32) of the same values: every e2m1 value is an e4m3 value (exact)."""
+    """float4_e2m1fn codes in the low nibble of each byte of an int32 array (one code an
+    element, or four a word: `nibble_words`) -> the float8_e4m3fn bit patterns of the same
+    values in the same bytes: every e2m1 value is an e4m3 value (exact). Byte-wise integer
+    ops that never carry into the next byte, so one 32-bit op turns four codes."""
     c = code.astype(jnp.int32)
-    mag = c & 7  # e2m1 magnitude 2e + m
+    mag = c & 0x07070707  # e2m1 magnitude 2e + m, per byte
+    big = ((mag >> 1) | (mag >> 2)) & ONES  # 1 where e > 0 (mag >= 2)
+    nonzero = (big | mag) & ONES
     # e > 0: (1 + m/2) 2^(e-1) is e4m3 exponent field e + 6, mantissa m << 2, so the
-    # pattern is 8e + 4m + 48 = 4 mag + 48; mag 1 (0.5 = 2^-1): field 6, mantissa 0 (48).
-    field = jnp.where(mag == 1, 48, 4 * mag + 48)
-    return ((c & 8) << 4) | jnp.where(mag == 0, 0, field)
+    # pattern is 8e + 4m + 48 = 4 mag + 48; mag 1 (0.5 = 2^-1): field 6, mantissa 0 (48),
+    # 4 (mag - 1) + 48; mag 0: 0. Per byte at most 76: no carry.
+    return ((mag + nonzero * 12 - (nonzero ^ big)) << 2) | ((c & 0x08080808) << 4)
 
 
 def fp8_feed_tile(scheme: str, data: jax.Array, scale: jax.Array
@@ -350,9 +382,8 @@ def fp8_feed_tile(scheme: str, data: jax.Array, scale: jax.Array
                                   for c in range(data.shape[-1] // per)], axis=-1)
         return jax.lax.bitcast_convert_type(data, jnp.float8_e4m3fn), scales
     if scheme == "fp4":
-        codes = e2m1_to_e4m3(unpack_nibbles(data)).astype(jnp.uint8)
-        return (jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn),
-                pow2(scale.astype(jnp.int32) - E8M0_BIAS))
+        codes = nibble_bytes(*map(e2m1_to_e4m3, nibble_words(data)), jnp.float8_e4m3fn)
+        return codes, pow2(scale.astype(jnp.int32) - E8M0_BIAS)
     raise ValueError(f"scheme={scheme!r} has no fp8 feed; {FEEDABLE}")
 
 
