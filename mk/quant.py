@@ -6,8 +6,9 @@ are concrete, NaN or inf scales and NaN codes: `check_values`); `quantize` (fini
 params -> a params dict whose quantised weights are `QuantWeight`s), `dequantize` (back
 to plain arrays: the oracle's weights, fed to the unchanged `mk.reference`, in the dtype
 each group's MXU feed calls for: `oracle_dtype`), the element decoders a kernel calls on
-one streamed tile (`unpack_nibbles`, `e4m3_values`, `e2m1_values`, `dequantize_tile`; for
-the fp8 feed `e2m1_to_e4m3`, `fp8_feed_tile`), the feeds (`FEEDS`, `FEEDABLE`,
+one streamed tile (`nibble_words` / `nibble_bytes`, `int4_values`, `e2m1_to_e4m3`,
+`e4m3_values`, `dequantize_tile`, `fp8_feed_tile`; `unpack_nibbles` and `e2m1_values`, the
+same decoders one code an element), the feeds (`FEEDS`, `FEEDABLE`,
 `choose_feeds`: each packed group's, per chip), `check_error` (every group's error
 against its scale's bound), `accuracy` (a quantised model's logits and greedy tokens
 against the bf16 model's) and `storage_bytes` / `group_bytes` / `stored_bytes` (packed bytes plus scales; a model's
@@ -81,12 +82,23 @@ float4_e2m1fn ref fails on v5e and v6e ("Unsupported type vector<...xf4E2M1FN>",
 unpack_subelements) and compiles only for tpu7x; int4 and float8_e4m3fn refs compile on all
 three (and interpret). Plain bytes (uint8; int8 for int8) for all four schemes also make the
 bytes in HBM the bytes of the documented layout (a sub-byte array's packing is the
-compiler's choice). The decoders use only integer shifts, masks, compares, selects, int ->
-float casts, a bitcast of int32 to float32 (powers of two: exact, no transcendental) and
-float multiplies, but for fp8's: its uint8 bytes bitcast to float8_e4m3fn and converted to
-float32 lower on all three chips, and cost fewer bundles than the integer decoder they
-replaced (stream_matmul's per-tile loop fed bf16, 1024 x 256 tiles, M 8, bundles per Mi
-weights: tpu7x 5912 against 15392, v6e 7416 against 15560, v5e 9852 against 23612).
+compiler's choice). Packed bytes are worked on four at a time: `pltpu.bitcast` views a
+tile's uint8 [R, O] as int32 words [R/4, O] and back (free on all three chips), and the
+nibble split, int4's offset and e2m1 -> e4m3 are byte-wise integer ops that never carry
+into the next byte (SWAR): one 32-bit op handles four codes, where widening each byte to
+int32 first costs a 32-bit op a code. 16-bit integer vectors do not help: uint8 -> int16
+lowers, but int16 shifts do not ("failed to legalize arith.shli", all three chips). fp4 is
+then decoded as the e4m3 it equals (`e4m3_values`: the bytes bitcast to float8_e4m3fn and
+converted to float32, which lowers on all three chips and cost 2.1-2.6x fewer bundles per
+tile than the integer decoder of fp8 it replaced), int4 as int8 bytes converted to
+float32, int8 converted to float32 directly. Every decoder computes value x scale in
+float32 and rounds once, bit-identical to the int32 decoders they replaced (every code,
+every fp4 scale code). Bundles per Mi weights (stream_matmul's steady per-tile loop, 2048
+x 128 packed tiles, M 8, libtpu 0.0.42.1; the int32 decoders -> these): tpu7x fp4 fed
+bf16 6016 -> 2192, fed fp8 3964 -> 2224, int4 1876 -> 1716, int8 1244 -> 1244; v6e fp4
+6016 -> 3724, int4 1876 -> 1684 (mk/data/tile_feed_costs.json holds every chip and M).
+What is left is the float work per value: int8's 1244 is one unpack, one int -> float
+convert and one multiply a value, the loop's VALU slots full.
 
 Feeds: what a packed tile becomes for the MXU, chosen per chip from what its MXU takes
 beside bf16 activations (`mk.chips.ChipSpec.mxu_feeds`; `choose_feeds`, carried by the plan
@@ -102,12 +114,16 @@ feed computes x_bf16 @ (e4m3 x scale) without rounding the weight: its oracle is
 dequantised to float32 for fp8 and to the compute dtype for fp4 (e2m1 x a power of two is a
 bf16 value), `oracle_dtype`. int8 and int4 are fed bf16 (their values are not e4m3 values;
 the MXUs' int8 paths want int8 activations too). Measured on tpu7x (stream_matmul's
-per-tile loop, libtpu 0.0.42.1, 1024 x 256 tiles, bundles per Mi weights at M 1 / 8; the
-loop's own bundles and its nested loops'): fp8 fed bf16 5952 / 5912, fed fp8 696 / 664
-(`vmatpush1.f8e4m3`); fp4 fed bf16 6040 / 5996, fed fp8 3892 / 3836; plain bf16 1296 /
-1268. For fp4, one product per 32-row group measured cheaper than folding each group's
-power of two into the e4m3 exponents for 128-row products (4400 / 4344: the fold's vector
-work outweighs the pushes it saves) and is exact for every scale.
+per-tile loop, libtpu 0.0.42.1, 1024 x 256 tiles, bundles per Mi weights at M 1 / 8, with
+the int32 decoders: fp8 fed bf16 5952 / 5912, fed fp8 696 / 664 (`vmatpush1.f8e4m3`);
+plain bf16 1296 / 1268; at the probe's 2048 x 128 tiles with today's decoders, fp4 fed fp8
+2244 / 2224, fed bf16 as above). For fp4, one product per 32-row group measured
+cheaper than folding each group's power of two into the e4m3 exponents for 128-row
+products (4400 / 4344 with the int32 decoders: the fold's vector work outweighed the
+pushes it saves) and is exact for every scale; the fold cannot be exact byte-wise either
+(a group's exponent shift can leave e4m3's range). Scaling the activations instead is not
+separable (a 32-column group of x times a power of two per output column), so fed fp8,
+fp4's loop is now mostly its 64 products (390 of 556 bundles drive the MXU at M 8).
 
 Accuracy against bf16 (tests/test_quant.py, every group quantised, a transformers-written
 tiny Qwen3-MoE, 2 x 64 teacher-forced steps; random weights, so flatter logits than a
