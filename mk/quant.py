@@ -95,8 +95,9 @@ float32, int8 converted to float32 directly. Every decoder computes value x scal
 float32 and rounds once, bit-identical to the int32 decoders they replaced (every code,
 every fp4 scale code). Bundles per Mi weights (stream_matmul's steady per-tile loop, 2048
 x 128 packed tiles, M 8, libtpu 0.0.42.1; the int32 decoders -> these): tpu7x fp4 fed
-bf16 6016 -> 2192, fed fp8 3964 -> 2224, int4 1876 -> 1716, int8 1244 -> 1244; v6e fp4
-6016 -> 3724, int4 1876 -> 1684 (mk/data/tile_feed_costs.json holds every chip and M).
+bf16 6016 -> 2192, fed fp8 3964 -> 2224 (1852 with the ring's stacked products, below),
+int4 1876 -> 1716, int8 1244 -> 1244; v6e fp4 6016 -> 3724, int4 1876 -> 1684
+(mk/data/tile_feed_costs.json: the bf16 feed's rows for every chip and M).
 What is left is the float work per value: int8's 1244 is one unpack, one int -> float
 convert and one multiply a value, the loop's VALU slots full.
 
@@ -116,14 +117,16 @@ bf16 value), `oracle_dtype`. int8 and int4 are fed bf16 (their values are not e4
 the MXUs' int8 paths want int8 activations too). Measured on tpu7x (stream_matmul's
 per-tile loop, libtpu 0.0.42.1, 1024 x 256 tiles, bundles per Mi weights at M 1 / 8, with
 the int32 decoders: fp8 fed bf16 5952 / 5912, fed fp8 696 / 664 (`vmatpush1.f8e4m3`);
-plain bf16 1296 / 1268; at the probe's 2048 x 128 tiles with today's decoders, fp4 fed fp8
-2244 / 2224, fed bf16 as above). For fp4, one product per 32-row group measured
-cheaper than folding each group's power of two into the e4m3 exponents for 128-row
-products (4400 / 4344 with the int32 decoders: the fold's vector work outweighed the
-pushes it saves) and is exact for every scale; the fold cannot be exact byte-wise either
-(a group's exponent shift can leave e4m3's range). Scaling the activations instead is not
-separable (a 32-column group of x times a power of two per output column), so fed fp8,
-fp4's loop is now mostly its 64 products (390 of 556 bundles drive the MXU at M 8).
+plain bf16 1296 / 1268). fp4's scales cannot move onto the activations (a 32-column group
+of x times a power of two per output column is not separable), nor be folded into the e4m3
+exponents exactly (a group's shift can leave e4m3's range; measured slower too, 4400 /
+4344 with the int32 decoders). So each 32-row group gets its own product rows, but not its
+own product: the ring stacks x masked to each group's 32 columns along M, one [4M, 128] x
+[128, 128] product per 128 rows (the masked columns add exact zeros: bit-identical to four
+32-row products, checked on CPU). At the probe's 2048 x 128 tiles, M 1 / 8 / 64 / 256:
+fp4 fed fp8 3952 / 3964 / 4932 / 9964 with the int32 decoders and 32-row products, 2244 /
+2224 / 3368 / 9560 byte-wise, 1964 / 1852 / 3480 / 10000 stacked (half the MXU bundles at
+M 8; a little dearer from M 64, where 4M rows outweigh the pushes saved).
 
 Accuracy against bf16 (tests/test_quant.py, every group quantised, a transformers-written
 tiny Qwen3-MoE, 2 x 64 teacher-forced steps; random weights, so flatter logits than a
