@@ -6,8 +6,9 @@ are concrete, NaN or inf scales and NaN codes: `check_values`); `quantize` (fini
 params -> a params dict whose quantised weights are `QuantWeight`s), `dequantize` (back
 to plain arrays: the oracle's weights, fed to the unchanged `mk.reference`, in the dtype
 each group's MXU feed calls for: `oracle_dtype`), the element decoders a kernel calls on
-one streamed tile (`unpack_nibbles`, `e4m3_values`, `e2m1_values`, `dequantize_tile`; for
-the fp8 feed `e2m1_to_e4m3`, `fp8_feed_tile`), the feeds (`FEEDS`, `FEEDABLE`,
+one streamed tile (`nibble_words` / `nibble_bytes`, `int4_values`, `e2m1_to_e4m3`,
+`e4m3_values`, `dequantize_tile`, `fp8_feed_tile`; `unpack_nibbles` and `e2m1_values`, the
+same decoders one code an element), the feeds (`FEEDS`, `FEEDABLE`,
 `choose_feeds`: each packed group's, per chip), `check_error` (every group's error
 against its scale's bound), `accuracy` (a quantised model's logits and greedy tokens
 against the bf16 model's) and `storage_bytes` / `group_bytes` / `stored_bytes` (packed bytes plus scales; a model's
@@ -81,12 +82,24 @@ float4_e2m1fn ref fails on v5e and v6e ("Unsupported type vector<...xf4E2M1FN>",
 unpack_subelements) and compiles only for tpu7x; int4 and float8_e4m3fn refs compile on all
 three (and interpret). Plain bytes (uint8; int8 for int8) for all four schemes also make the
 bytes in HBM the bytes of the documented layout (a sub-byte array's packing is the
-compiler's choice). The decoders use only integer shifts, masks, compares, selects, int ->
-float casts, a bitcast of int32 to float32 (powers of two: exact, no transcendental) and
-float multiplies, but for fp8's: its uint8 bytes bitcast to float8_e4m3fn and converted to
-float32 lower on all three chips, and cost fewer bundles than the integer decoder they
-replaced (stream_matmul's per-tile loop fed bf16, 1024 x 256 tiles, M 8, bundles per Mi
-weights: tpu7x 5912 against 15392, v6e 7416 against 15560, v5e 9852 against 23612).
+compiler's choice). Packed bytes are worked on four at a time: `pltpu.bitcast` views a
+tile's uint8 [R, O] as int32 words [R/4, O] and back (free on all three chips), and the
+nibble split, int4's offset and e2m1 -> e4m3 are byte-wise integer ops that never carry
+into the next byte (SWAR): one 32-bit op handles four codes, where widening each byte to
+int32 first costs a 32-bit op a code. 16-bit integer vectors do not help: uint8 -> int16
+lowers, but int16 shifts do not ("failed to legalize arith.shli", all three chips). fp4 is
+then decoded as the e4m3 it equals (`e4m3_values`: the bytes bitcast to float8_e4m3fn and
+converted to float32, which lowers on all three chips and cost 2.1-2.6x fewer bundles per
+tile than the integer decoder of fp8 it replaced), int4 as int8 bytes converted to
+float32, int8 converted to float32 directly. Every decoder computes value x scale in
+float32 and rounds once, bit-identical to the int32 decoders they replaced (every code,
+every fp4 scale code). Bundles per Mi weights (stream_matmul's steady per-tile loop, 2048
+x 128 packed tiles, M 8, libtpu 0.0.42.1; the int32 decoders -> these): tpu7x fp4 fed
+bf16 6016 -> 2192, fed fp8 3964 -> 2224 (1852 with the ring's stacked products, below),
+int4 1876 -> 1716, int8 1244 -> 1244; v6e fp4 6016 -> 3724, int4 1876 -> 1684
+(mk/data/tile_feed_costs.json: the bf16 feed's rows for every chip and M).
+What is left is the float work per value: int8's 1244 is one unpack, one int -> float
+convert and one multiply a value, the loop's VALU slots full.
 
 Feeds: what a packed tile becomes for the MXU, chosen per chip from what its MXU takes
 beside bf16 activations (`mk.chips.ChipSpec.mxu_feeds`; `choose_feeds`, carried by the plan
@@ -102,12 +115,18 @@ feed computes x_bf16 @ (e4m3 x scale) without rounding the weight: its oracle is
 dequantised to float32 for fp8 and to the compute dtype for fp4 (e2m1 x a power of two is a
 bf16 value), `oracle_dtype`. int8 and int4 are fed bf16 (their values are not e4m3 values;
 the MXUs' int8 paths want int8 activations too). Measured on tpu7x (stream_matmul's
-per-tile loop, libtpu 0.0.42.1, 1024 x 256 tiles, bundles per Mi weights at M 1 / 8; the
-loop's own bundles and its nested loops'): fp8 fed bf16 5952 / 5912, fed fp8 696 / 664
-(`vmatpush1.f8e4m3`); fp4 fed bf16 6040 / 5996, fed fp8 3892 / 3836; plain bf16 1296 /
-1268. For fp4, one product per 32-row group measured cheaper than folding each group's
-power of two into the e4m3 exponents for 128-row products (4400 / 4344: the fold's vector
-work outweighs the pushes it saves) and is exact for every scale.
+per-tile loop, libtpu 0.0.42.1, 1024 x 256 tiles, bundles per Mi weights at M 1 / 8, with
+the int32 decoders: fp8 fed bf16 5952 / 5912, fed fp8 696 / 664 (`vmatpush1.f8e4m3`);
+plain bf16 1296 / 1268). fp4's scales cannot move onto the activations (a 32-column group
+of x times a power of two per output column is not separable), nor be folded into the e4m3
+exponents exactly (a group's shift can leave e4m3's range; measured slower too, 4400 /
+4344 with the int32 decoders). So each 32-row group gets its own product rows, but not its
+own product: the ring stacks x masked to each group's 32 columns along M, one [4M, 128] x
+[128, 128] product per 128 rows (the masked columns add exact zeros: bit-identical to four
+32-row products, checked on CPU). At the probe's 2048 x 128 tiles, M 1 / 8 / 64 / 256:
+fp4 fed fp8 3952 / 3964 / 4932 / 9964 with the int32 decoders and 32-row products, 2244 /
+2224 / 3368 / 9560 byte-wise, 1964 / 1852 / 3480 / 10000 stacked (half the MXU bundles at
+M 8; a little dearer from M 64, where 4M rows outweigh the pushes saved).
 
 Accuracy against bf16 (tests/test_quant.py, every group quantised, a transformers-written
 tiny Qwen3-MoE, 2 x 64 teacher-forced steps; random weights, so flatter logits than a
@@ -125,6 +144,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.pallas import tpu as pltpu
 
 from mk import reference
 from mk.chips import MXU_FEEDS, ChipSpec
@@ -264,23 +284,41 @@ def e4m3_values(code: jax.Array) -> jax.Array:
 
 
 def e2m1_values(code: jax.Array) -> jax.Array:
-    """float4_e2m1fn codes (low 4 bits of an integer array) -> float32 values."""
-    c = code.astype(jnp.int32)
-    exp, man = (c >> 1) & 3, c & 1
-    # normal (2 + m) * 2^(e - 2); subnormal (e = 0): m * 2^-1, the same with e -> 1.
-    mag = ((exp > 0).astype(jnp.int32) * 2 + man).astype(F32) * pow2(
-        jnp.maximum(exp, 1) - 2)
-    return jnp.where((c >> 3) == 1, -mag, mag)
+    """float4_e2m1fn codes (low 4 bits of an integer array) -> float32 values: their e4m3
+    patterns (`e2m1_to_e4m3`) decoded (`e4m3_values`), as `dequantize_tile` does."""
+    return e4m3_values(e2m1_to_e4m3(code))
+
+
+ONES = 0x01010101  # bit 0 of each byte of an int32 word
+NIBBLES = 0x0F0F0F0F  # the low nibble of each byte
+
+
+@jax.jit  # pltpu.bitcast has no eager rule: traced, it runs anywhere
+def nibble_words(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """uint8 [..., R, O] (R a multiple of 4) -> its (low, high) nibbles as int32 words
+    [..., R/4, O], each byte of a word one code in [0, 16): byte k of word r is row 4r + k
+    (`pltpu.bitcast`'s order, `nibble_bytes` undoes it). Two 32-bit ops a nibble of four
+    bytes, and no widening of each byte to 32 bits."""
+    words = pltpu.bitcast(packed, jnp.int32)
+    return words & NIBBLES, (words >> 4) & NIBBLES  # the mask drops the shifted-in bits
+
+
+@functools.partial(jax.jit, static_argnames="dtype")
+def nibble_bytes(lo: jax.Array, hi: jax.Array, dtype=jnp.uint8) -> jax.Array:
+    """Words of bytes [..., R/4, O] from `nibble_words` (or made from them byte-wise) ->
+    [..., 2R, O] bytes of `dtype` (8-bit) in the module docstring's row order: per unit of
+    64 byte rows, the low nibbles' 64 rows then the high nibbles'."""
+    lo, hi = pltpu.bitcast(lo, dtype), pltpu.bitcast(hi, dtype)
+    *lead, half, cols = lo.shape
+    lo = lo.reshape(*lead, half // 64, 64, cols)
+    hi = hi.reshape(*lead, half // 64, 64, cols)
+    return jnp.concatenate([lo, hi], axis=-2).reshape(*lead, 2 * half, cols)
 
 
 def unpack_nibbles(packed: jax.Array) -> jax.Array:
     """uint8 [..., I/2, O] -> int32 codes [..., I, O] in the nibble order of the module
     docstring (I/2 a multiple of 64)."""
-    p = packed.astype(jnp.int32)
-    *lead, half, cols = p.shape
-    lo = (p & 15).reshape(*lead, half // 64, 64, cols)
-    hi = (p >> 4).reshape(*lead, half // 64, 64, cols)
-    return jnp.concatenate([lo, hi], axis=-2).reshape(*lead, 2 * half, cols)
+    return nibble_bytes(*nibble_words(packed)).astype(jnp.int32)
 
 
 @jax.jit
@@ -307,14 +345,15 @@ def _grouped(values, scale, rows: int, cols: int = 0):
 def dequantize_tile(scheme: str, data: jax.Array, scale: jax.Array) -> jax.Array:
     """Float32 values of a weight (or a tile of whole groups of one) in `scheme`'s layout."""
     if scheme == "int8":
-        return data.astype(jnp.int32).astype(F32) * scale
+        return data.astype(F32) * scale
     if scheme == "fp8":
         return _grouped(e4m3_values(data), scale, GROUP["fp8"], GROUP["fp8"])
-    codes = unpack_nibbles(data)
     if scheme == "int4":
-        return _grouped((codes - 8).astype(F32), scale, GROUP["int4"])
+        q = nibble_bytes(*map(int4_values, nibble_words(data)), jnp.int8)
+        return _grouped(q.astype(F32), scale, GROUP["int4"])
     if scheme == "fp4":
-        return _grouped(e2m1_values(codes), pow2(scale.astype(jnp.int32) - E8M0_BIAS),
+        e4m3 = nibble_bytes(*map(e2m1_to_e4m3, nibble_words(data)))
+        return _grouped(e4m3_values(e4m3), pow2(scale.astype(jnp.int32) - E8M0_BIAS),
                         GROUP["fp4"])
     raise ValueError(f"scheme={scheme!r} must be one of {SCHEMES}")
 
@@ -325,15 +364,27 @@ FEEDS = MXU_FEEDS  # what a packed tile is turned into for the MXU (module docst
 FEEDABLE = {"int8": ("bf16",), "int4": ("bf16",), "fp8": FEEDS, "fp4": FEEDS}
 
 
+def int4_values(code: jax.Array) -> jax.Array:
+    """int4 codes (offset binary, q + 8) in the low nibble of each byte of an int32 array
+    (`nibble_words`) -> q in the same bytes as int8 (two's complement): flipping bit 3
+    gives q's 4-bit two's complement, whose sign bit 8 x 0x1e = 0xf0 extends, per byte."""
+    flipped = code ^ 0x08080808
+    return flipped | ((flipped & 0x08080808) * 0x1E)
+
+
 def e2m1_to_e4m3(code: jax.Array) -> jax.Array:
-    """float4_e2m1fn codes (low 4 bits of an integer array) -> the float8_e4m3fn bit
-    patterns (int32) of the same values: every e2m1 value is an e4m3 value (exact)."""
+    """float4_e2m1fn codes in the low nibble of each byte of an int32 array (one code an
+    element, or four a word: `nibble_words`) -> the float8_e4m3fn bit patterns of the same
+    values in the same bytes: every e2m1 value is an e4m3 value (exact). Byte-wise integer
+    ops that never carry into the next byte, so one 32-bit op turns four codes."""
     c = code.astype(jnp.int32)
-    mag = c & 7  # e2m1 magnitude 2e + m
+    mag = c & 0x07070707  # e2m1 magnitude 2e + m, per byte
+    big = ((mag >> 1) | (mag >> 2)) & ONES  # 1 where e > 0 (mag >= 2)
+    nonzero = (big | mag) & ONES
     # e > 0: (1 + m/2) 2^(e-1) is e4m3 exponent field e + 6, mantissa m << 2, so the
-    # pattern is 8e + 4m + 48 = 4 mag + 48; mag 1 (0.5 = 2^-1): field 6, mantissa 0 (48).
-    field = jnp.where(mag == 1, 48, 4 * mag + 48)
-    return ((c & 8) << 4) | jnp.where(mag == 0, 0, field)
+    # pattern is 8e + 4m + 48 = 4 mag + 48; mag 1 (0.5 = 2^-1): field 6, mantissa 0 (48),
+    # 4 (mag - 1) + 48; mag 0: 0. Per byte at most 76: no carry.
+    return ((mag + nonzero * 12 - (nonzero ^ big)) << 2) | ((c & 0x08080808) << 4)
 
 
 def fp8_feed_tile(scheme: str, data: jax.Array, scale: jax.Array
@@ -350,9 +401,8 @@ def fp8_feed_tile(scheme: str, data: jax.Array, scale: jax.Array
                                   for c in range(data.shape[-1] // per)], axis=-1)
         return jax.lax.bitcast_convert_type(data, jnp.float8_e4m3fn), scales
     if scheme == "fp4":
-        codes = e2m1_to_e4m3(unpack_nibbles(data)).astype(jnp.uint8)
-        return (jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn),
-                pow2(scale.astype(jnp.int32) - E8M0_BIAS))
+        codes = nibble_bytes(*map(e2m1_to_e4m3, nibble_words(data)), jnp.float8_e4m3fn)
+        return codes, pow2(scale.astype(jnp.int32) - E8M0_BIAS)
     raise ValueError(f"scheme={scheme!r} has no fp8 feed; {FEEDABLE}")
 
 

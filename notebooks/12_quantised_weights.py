@@ -159,7 +159,8 @@ plots.show(fig)
 
 # %% [markdown]
 # The decoders build every value from integer fields and powers of two: no lookup table, no
-# native 4- or 8-bit float type (a float4 ref does not even lower on v5e or v6e). They are
+# native 4-bit float type (a float4 ref does not even lower on v5e or v6e); an e2m1 code
+# becomes the e4m3 byte of the same value, and e4m3 bytes are converted as float8. They are
 # exact: every e4m3 and e2m1 code decodes to ml_dtypes' value.
 
 # %%
@@ -178,14 +179,15 @@ print(f"e4m3: {np.isfinite(e4m3).sum()} finite codes, largest {np.nanmax(e4m3)},
 # ## The kernel's dequantisation code
 #
 # What a kernel runs on one tile in VMEM, after the DMA brought its packed bytes and scales:
-# shifts and masks split the nibbles, the exponent fields become powers of two through a
-# bitcast, one multiply applies the group's scale. The same code runs in interpret mode on the
-# CPU and compiles with Mosaic for v5e, v6e and tpu7x (`tests/test_quant.py` compiles one tile
-# per format per chip).
+# the bytes are viewed as 32-bit words and shifts and masks split the nibbles of four bytes
+# at once (int4's offset and e2m1 -> e4m3 are byte-wise too), the scale's exponent becomes
+# a power of two through a bitcast, one multiply applies the group's scale. The same code
+# runs in interpret mode on the CPU and compiles with Mosaic for v5e, v6e and tpu7x
+# (`tests/test_quant.py` compiles one tile per format per chip).
 
 # %%
-plots.show_source(quant.dequantize_tile, quant.unpack_nibbles, quant.e2m1_values,
-                  quant.e4m3_values, quant.pow2)
+plots.show_source(quant.dequantize_tile, quant.nibble_words, quant.nibble_bytes,
+                  quant.int4_values, quant.e2m1_to_e4m3, quant.e4m3_values, quant.pow2)
 
 # %% [markdown]
 # ## Quantising the run's model
@@ -380,7 +382,7 @@ print(f"megakernel {np.asarray(kernel_tokens).tolist()}, reference "
 # MXU takes beside bf16 activations (`mxu_feeds` in `data/chips.csv`, from JAX's
 # `tpu_info`): TPU7x multiplies bf16 by fp8 e4m3, so there the plan feeds fp8 tiles as
 # they are and fp4 tiles turned exactly into e4m3 (`quant.fp8_feed_tile`), one product per
-# scale block; v5e, v6e and v5p take bf16 only, and int8 and int4 are dequantised to bf16
+# 128 rows; v5e, v6e and v5p take bf16 only, and int8 and int4 are dequantised to bf16
 # everywhere (an int8 MXU wants int8 activations too). Whether the vector
 # work stays hidden under the shorter DMAs is for the bundle dumps (`mk.bundles`, notebook
 # 11) and a real chip to say.

@@ -1,7 +1,8 @@
 """`mk.quant` (int8, fp8, int4, fp4 storage) and the quantised checkpoints `load_checkpoint`
 reads (Hugging Face fine-grained FP8, gpt-oss MXFP4 experts).
 
-Bit level: the element decoders against ml_dtypes for every code, packing round trips,
+Bit level: the element decoders against ml_dtypes for every code, a packed tile's
+byte-wise decode against numpy's for every byte at every position, packing round trips,
 re-quantising a dequantised weight gives the same bytes. Checks: every element within its
 scheme's error bound, and a planted 2x scale caught. Checkpoints: fixtures written here with
 safetensors in each documented layout, decoded by an independent formula (numpy for FP8,
@@ -52,6 +53,29 @@ def test_e2m1_decoder_equals_ml_dtypes_for_all_16_codes():
     codes = np.arange(16, dtype=np.uint8)
     want = codes.view(jnp.float4_e2m1fn).astype(np.float32)
     np.testing.assert_array_equal(np.asarray(quant.e2m1_values(jnp.asarray(codes))), want)
+
+
+@pytest.mark.parametrize("scheme", ["int4", "fp4"])
+def test_a_packed_tile_decodes_byte_wise_to_ml_dtypes_values_times_its_scales(scheme):
+    """`dequantize_tile` works on four packed bytes per 32-bit op (`nibble_words`): every
+    byte value at every byte position of a word, between random neighbours, decodes to the
+    value ml_dtypes gives its nibble (numpy unpacks the documented order) times its group's
+    scale, in float32 and rounded once to bf16: no carry crosses a byte."""
+    rng = np.random.default_rng(0)
+    packed = rng.integers(0, 256, (256, 256), dtype=np.uint8)
+    packed[:, :64] = np.arange(256, dtype=np.uint8).reshape(256, 1) ^ np.arange(64)
+    units = packed.reshape(2, 2, 64, 256)  # 2 tiles' worth of 128-row units
+    nibbles = np.concatenate([units & 15, units >> 4], axis=2).reshape(512, 256)
+    if scheme == "int4":
+        scale = rng.normal(size=(4, 256)).astype(jnp.bfloat16)
+        values = (nibbles.astype(np.float32) - 8) * np.repeat(scale.astype(np.float32), 128, 0)
+    else:
+        scale = rng.integers(100, 155, (16, 256), dtype=np.uint8)
+        values = nibbles.view(jnp.float4_e2m1fn).astype(np.float32) * np.repeat(
+            np.ldexp(np.float32(1), scale.astype(np.int32) - 127), 32, 0)
+    got = quant.dequantize_tile(scheme, jnp.asarray(packed), jnp.asarray(scale))
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.bfloat16)).view(np.uint16),
+                                  values.astype(jnp.bfloat16).view(np.uint16))
 
 
 def test_nibble_packing_round_trips_bit_exactly_in_the_documented_order():

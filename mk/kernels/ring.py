@@ -34,9 +34,11 @@ reach the MXU as the segment's feed says (`Segment.feed`, chosen per chip by the
 (`mk.quant.dequantize_tile`) to the ring's compute dtype right before one product. Fed
 fp8 (fp8 and fp4 on TPU7x, whose MXU multiplies bf16 by float8_e4m3fn), its values go to
 the MXU as e4m3 (`mk.quant.fp8_feed_tile`: fp8's codes as they are, fp4's turned into e4m3
-codes exactly), one product per block of rows sharing a scale (fp8 128, fp4 32), each
-float32 product scaled by its block's row of scales and summed in float32 (why 32-row
-products for fp4, and what each feed costs: `mk.quant`'s docstring). Either way the
+codes exactly), one product per 128 rows: each block of rows sharing a scale (fp8 128,
+fp4 32) gets its own float32 product rows, scaled by its block's row of scales and summed
+in float32; fp4's four groups by stacking the activations masked to each group's columns
+along M (`Ring._product`; why, and what each feed costs: `mk.quant`'s docstring). Either
+way the
 product is the reference's on `mk.quant.dequantize(params, feeds=...)`'s weights.
 
 A run of matrices may be repeated (`Repeat`), e.g. gate, up, down once per expert slot:
@@ -379,9 +381,12 @@ class Ring:
 
     def _product(self, segment: Segment, g, xs, contract):
         """xs [M, step] times tile g of `segment`, float32 [M, panel]: one product with the
-        tile in the compute dtype, or, fed fp8, one per block of rows sharing a scale (fp8
-        128, fp4 32) of e4m3 values, each scaled by its block's row of scales
-        (`mk.quant.fp8_feed_tile`)."""
+        tile in the compute dtype, or, fed fp8, one per 128 rows of e4m3 values
+        (`mk.quant.fp8_feed_tile`), each block of rows sharing a scale (fp8 128, fp4 32)
+        scaled by its row of scales. fp4's four 32-row groups share one product: xs's 128
+        columns masked to each group's 32 are stacked along M, so the unit's weights are
+        pushed once and row block k of the product is group k's (the masked columns add
+        exact zeros)."""
         xs = xs.astype(self.dtype)
         if segment.feed != "fp8":
             return lax.dot_general(xs, self._weights(segment, g), contract,
@@ -389,12 +394,21 @@ class Ring:
         data, scales = self.packed[segment.scheme]
         w8, block_scales = quant.fp8_feed_tile(segment.scheme, data[g % self.n],
                                                scales[g % self.n])
-        total, rows = None, self.tk // block_scales.shape[0]  # quantised: never transposed
-        for b in range(block_scales.shape[0]):
-            block = slice(b * rows, (b + 1) * rows)
-            part = lax.dot_general(xs[:, block], w8[block], contract,
-                                   preferred_element_type=jnp.float32) * block_scales[b:b + 1]
-            total = part if total is None else total + part
+        unit = quant.GROUP["fp8"]  # rows of one product: an fp8 block, four fp4 groups
+        per = self.tk // block_scales.shape[0]  # rows sharing a scale (never transposed)
+        groups, m = unit // per, xs.shape[0]
+        group_of_column = lax.broadcasted_iota(jnp.int32, (1, unit), 1) // per
+        total = None
+        for u in range(self.tk // unit):
+            xu = xs[:, u * unit:(u + 1) * unit]
+            stacked = jnp.concatenate([jnp.where(group_of_column == k, xu, 0)
+                                       for k in range(groups)]) if groups > 1 else xu
+            product = lax.dot_general(stacked, w8[u * unit:(u + 1) * unit], contract,
+                                      preferred_element_type=jnp.float32)
+            for k in range(groups):
+                b = u * groups + k
+                part = product[k * m:(k + 1) * m] * block_scales[b:b + 1]
+                total = part if total is None else total + part
         return total
 
     def _each_segment(self, g, action, candidates=None):

@@ -68,7 +68,7 @@ def _oracle(x, q, feed):
 def test_a_quantised_weight_streams_packed_tiles_and_scales_race_free(scheme, feed):
     """Each tile is two DMAs on its slot's semaphore (packed data, scale block), both
     waited for (strict_dma), and reaches the MXU as its feed says (bf16: dequantised in
-    VMEM; fp8: e4m3 codes, one product per scale block, 256 rows of 384 so fp4's 32-row
+    VMEM; fp8: e4m3 codes, one product per 128 rows, 256 rows of 384 so fp4's 32-row
     groups and fp8's 128-row blocks both straddle tiles' edges); the product is the
     reference's on `mk.quant.oracle_dtype`'s weights; the DMAs move `mk.quant.tile_bytes`
     per tile whatever the feed."""
