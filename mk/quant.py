@@ -11,9 +11,10 @@ one streamed tile (`nibble_words` / `nibble_bytes`, `int4_values`, `e2m1_to_e4m3
 same decoders one code an element), the feeds (`FEEDS`, `FEEDABLE`,
 `choose_feeds`: each packed group's, per chip), `check_error` (every group's error
 against its scale's bound), `accuracy` (a quantised model's logits and greedy tokens
-against the bf16 model's) and `storage_bytes` / `group_bytes` / `stored_bytes` (packed bytes plus scales; a model's
-own `formats` by default), `check_quantisable` / `unstreamed`, the kernel's tile layout
-(`tile_shapes`, `tile_bytes`, `tile_major`, `pad_columns`, `ZERO_CODE`, `UNIT_SCALE`),
+against the bf16 model's) and `storage_bytes` / `group_bytes` / `stored_bytes` (packed
+bytes plus scales; a model's own `formats` by default), `check_quantisable` / `unstreamed`, the
+kernel's tile layout (`tile_shapes`, `tile_bytes`, `tile_major`, `pad_columns`, `ZERO_CODE`,
+`UNIT_SCALE`),
 `formats_of` (the scheme of each group of a params dict) and `schemes_of` (the scheme of
 each weight name). Not here: reading quantised Hugging Face checkpoints (`mk.checkpoint`),
 the ring that streams packed tiles (`mk.kernels.ring`), splitting them for tensor

@@ -40,10 +40,10 @@ Modelling assumptions (`Assumptions` holds the numbers; none is fitted to a meas
   `Ring.matmul`'s costliest loop over plain tiles, read from that kernel by
   `mk.bundles.measure`) is, when given, every plain tile's cost instead of the table: it
   is the same quantity measured on that very kernel (packed tiles keep the table's row;
-  `mk.bundles.TileCost.row` reports their own loops). Products that are not ring tiles (KV tiles, the router and other
-  weights moved by whole DMA, the delta rule) cost the MXU rule (`mk.perf.mxu_flops`:
-  2 * max(M, mxu_rows) * elements / peak, fewer rows than the MXU costing as many; the
-  chip's `mxu_rows` from data/chips.csv; peak the device's dense bf16, or fp8 with
+  `mk.bundles.TileCost.row` reports their own loops). Products that are not ring tiles
+  (KV tiles, the router and other weights moved by whole DMA, the delta rule) cost the MXU rule
+  (`mk.perf.mxu_flops`: 2 * max(M, mxu_rows) * elements / peak, fewer rows than the MXU costing as
+  many; the chip's `mxu_rows` from data/chips.csv; peak the device's dense bf16, or fp8 with
   compute="fp8", FLOP/s).
 - Weight formats: a plan's `formats` (default the config's, e.g. kimi-k3's FP4 experts)
   move each tile of their groups at `mk.quant.tile_bytes` (packed data and scales) and
@@ -176,8 +176,9 @@ def tile_seconds(stream: TileStream, spec: ChipSpec, m: int, formats, dtype: str
                  a: Assumptions) -> dict[str, float]:
     """{segment name: seconds} one weight tile of each segment of `stream` keeps the
     compute lane busy against m rows (module docstring): for a plain tile the recorded
-    loop of `a` when given, else the tile cost table's row for the segment's storage (its group's scheme
-    of `formats`, its own scheme, else plain `dtype`) and its feed at `a.clock`."""
+    loop of `a` when given, else the tile cost table's row for the segment's storage (its
+    group's scheme of `formats`, its own scheme, else plain `dtype`) and its feed at
+    `a.clock`."""
     schemes = quant.schemes_of(formats)
     elements = stream.block.tile_rows * stream.block.tile_cols
     return {s.name: a.issue_s(spec) if a.recorded_loop and s.scheme is None

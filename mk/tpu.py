@@ -159,9 +159,9 @@ def compile_megakernel(config: ModelConfig, chip: str | ChipSpec, *, tp: int = 1
     plan's tiling for the chip (its ring sized by Little's law: `DecodePlan.make`).
 
     The KV cache is donated, as `generate`'s device loop donates it: updated in place, HBM
-    holds it once. Its `DecodePlan` is made first (what the runtime refuses raises ValueError here too);
-    a plan that does not fit the core (`DecodePlan.fits`: VMEM or HBM) is reported
-    (ok=False, with the numbers), not compiled. formats: the mk.quant scheme of each
+    holds it once. Its `DecodePlan` is made first (what the runtime refuses raises
+    ValueError here too); a plan that does not fit the core (`DecodePlan.fits`: VMEM or HBM) is
+    reported (ok=False, with the numbers), not compiled. formats: the mk.quant scheme of each
     weight family stored quantised ({"dense": "int8", ...}; `mk.quant.abstract_weight`);
     feeds: their MXU feeds (default the chip's, `DecodePlan.make(feeds=)`).
     """

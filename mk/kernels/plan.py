@@ -83,8 +83,8 @@ Here: the sharding model (`check_tp`, `shard_config`, `kv_heads_of`),
 `kv_depth`),
 `model_stream`, `capacity`, `WEIGHT_FAMILIES`, `STEP_FAMILIES`, `family_of`,
 `packed_formats`, `shard_weight_bytes` (from `shard_weight_elements`), `QUANT_FAMILY`,
-`DecodePlan` (`DecodePlan.make`: the one way to make a plan), `Fit`. Not here: the kernel (`mk.megakernel`), the layer's
-phases (`mk.kinds.base.LAYER_PHASES`), sharding arrays (`mk.tensor_parallel`), time
+`DecodePlan` (`DecodePlan.make`: the one way to make a plan), `Fit`. Not here: the kernel
+(`mk.megakernel`), the layer's phases (`mk.kinds.base.LAYER_PHASES`), sharding arrays (`mk.tensor_parallel`), time
 (`mk.sim`, `mk.perf`).
 """
 

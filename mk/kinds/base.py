@@ -41,7 +41,6 @@ import math
 from typing import Any, Callable, ClassVar
 
 import jax
-import jax.numpy as jnp
 
 from mk.config import ModelConfig
 from mk.kernels.common import Buffer
