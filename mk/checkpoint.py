@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from mk import quant
+from mk import quant, unpack
 from mk.config import ModelConfig, check_seed
 from mk.errors import shown
 from mk.weights import FORMAT_GROUPS, hf_names, hf_scheme, layer_rows, param_shapes, weights_of
@@ -360,7 +360,7 @@ def _assemble_quantised(folder, handles, where, layout, shapes
             d, s = slot(target, "fp4")
             part = tensor[..., rows, :, :] if how == "mxfp4_blocks" else tensor[..., rows, :]
             if how == "mxfp4_blocks":
-                d[index] = np.asarray(quant.pack_nibbles(_gpt_oss_codes(part)))
+                d[index] = np.asarray(unpack.pack_nibbles(_gpt_oss_codes(part)))
             else:
                 s[index] = np.swapaxes(part, -1, -2)
     return {param: quant.QuantWeight(jnp.asarray(data[param]), jnp.asarray(scales[param]),

@@ -26,7 +26,7 @@ sizes; part of a trip is fixed per tile (the ring's bookkeeping), so a much smal
 costs more per element than the table says.
 
 Not here: the compiles and the dump reading (`mk.bundles`), which feed a kernel uses for a
-scheme (`mk.quant.choose_feeds`, the plan's `feeds`), the clock (`mk.chips`).
+scheme (`mk.unpack.choose_feeds`, the plan's `feeds`), the clock (`mk.chips`).
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ from functools import cache
 from pathlib import Path
 
 from mk.chips import DATA, MXU_FEEDS, ChipSpec
-from mk.quant import FEEDABLE
+from mk.unpack import FEEDABLE
 
 FEED_COSTS = DATA / "tile_feed_costs.json"  # benchmarks/tile_feed_costs.py's record
 DTYPES = ("bf16", "fp8", "int8", "int4", "fp4")  # a weight stored plain (bf16) or packed
-FEEDS = MXU_FEEDS  # what a tile reaches the MXU as (a plain tile: bf16; `mk.quant.FEEDABLE`)
+FEEDS = MXU_FEEDS  # what a tile reaches the MXU as (a plain tile: bf16; `mk.unpack.FEEDABLE`)
 M_BUCKETS = (1, 8, 64, 256)  # the rows the table is measured at
 PLAIN = {"bfloat16": "bf16"}  # config.dtype -> the table's name for a plain weight
 
@@ -144,7 +144,7 @@ def bucket(m: int) -> int:
 def rows(spec: ChipSpec) -> list[tuple[str, str]]:
     """The (dtype, feed) pairs the table holds for `spec`: each dtype with each feed the
     chip's MXU takes (`ChipSpec.mxu_feeds`) that the dtype reaches exactly (a plain bf16
-    tile is fed bf16; `mk.quant.FEEDABLE`)."""
+    tile is fed bf16; `mk.unpack.FEEDABLE`)."""
     return [(d, f) for d in DTYPES for f in spec.mxu_feeds
             if f in (FEEDABLE[d] if d in FEEDABLE else ("bf16",))]
 

@@ -89,7 +89,8 @@ from mk.kernels.plan import (QUANT_FAMILY, packed_formats, padded_vocab, shard_c
                              shard_weight_bytes, shard_weight_elements)
 from mk.kinds.base import ROLES
 from mk.kinds.layers import kind_at, layer_kinds
-from mk.quant import choose_feeds, stored_bytes
+from mk.quant import stored_bytes
+from mk.unpack import choose_feeds
 
 ROUTINGS = ("uniform", "shared", "disjoint")
 COMPUTES = ("bf16", "fp8")  # which peak bounds the matmuls (fp8 = int8 on v5e/v6e/v5p)
@@ -401,7 +402,7 @@ def tile_floor_ms(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1,
     every weight element one device multiplies (`shard_weight_elements`: its shard, the
     touched experts, the lm_head's padded vocab; the router's too; not the norms) at the
     table's bundles per element for its storage (its group's scheme of `formats`, default
-    the config's, else plain), its feed (the chip's default, `mk.quant.choose_feeds`) and
+    the config's, else plain), its feed (the chip's default, `mk.unpack.choose_feeds`) and
     M = B*T rows, over the TensorCore's clock at `clock` ("low" or "high",
     `mk.chips.ChipSpec.clock`). Attention's products and vector work are not in it
     (`mk.sim` has them): the issue time of the weights alone."""

@@ -5,20 +5,17 @@ Here: the four storage schemes (`SCHEMES`), each laid out exactly as below (a
 are concrete, NaN or inf scales and NaN codes: `check_values`); `quantize` (finite bf16
 params -> a params dict whose quantised weights are `QuantWeight`s), `dequantize` (back
 to plain arrays: the oracle's weights, fed to the unchanged `mk.reference`, in the dtype
-each group's MXU feed calls for: `oracle_dtype`), the element decoders a kernel calls on
-one streamed tile (`nibble_words` / `nibble_bytes`, `int4_values`, `e2m1_to_e4m3`,
-`e4m3_values`, `dequantize_tile`, `fp8_feed_tile`; `unpack_nibbles` and `e2m1_values`, the
-same decoders one code an element), the feeds (`FEEDS`, `FEEDABLE`,
-`choose_feeds`: each packed group's, per chip), `check_error` (every group's error
-against its scale's bound), `accuracy` (a quantised model's logits and greedy tokens
-against the bf16 model's) and `storage_bytes` / `group_bytes` / `stored_bytes` (packed
-bytes plus scales; a model's own `formats` by default), `check_quantisable` / `unstreamed`, the
-kernel's tile layout (`tile_shapes`, `tile_bytes`, `tile_major`, `pad_columns`, `ZERO_CODE`,
-`UNIT_SCALE`),
-`formats_of` (the scheme of each group of a params dict) and `schemes_of` (the scheme of
-each weight name). Not here: reading quantised Hugging Face checkpoints (`mk.checkpoint`),
-the ring that streams packed tiles (`mk.kernels.ring`), splitting them for tensor
-parallelism (`mk.shards`).
+each group's MXU feed calls for: `mk.unpack.oracle_dtype`), `check_error` (every group's
+error against its scale's bound), `accuracy` (a quantised model's logits and greedy
+tokens against the bf16 model's) and `storage_bytes` / `group_bytes` / `stored_bytes`
+(packed bytes plus scales; a model's own `formats` by default), `check_quantisable` /
+`unstreamed`, the kernel's tile layout (`tile_shapes`, `tile_bytes`, `tile_major`,
+`pad_columns`, `ZERO_CODE`, `UNIT_SCALE`), `formats_of` (the scheme of each group of a
+params dict) and `schemes_of` (the scheme of each weight name). Not here: what a kernel
+does to one packed tile in VMEM, the element decoders, the nibble order and the MXU feeds
+(`mk.unpack`, with the packing units `PACK_ROWS`, `GROUP` and `E8M0_BIAS`), reading
+quantised Hugging Face checkpoints (`mk.checkpoint`), the ring that streams packed tiles
+(`mk.kernels.ring`), splitting them for tensor parallelism (`mk.shards`).
 
 Which weights. The three format groups of `mk.weights.FORMAT_GROUPS` ("dense": attention's
 projections and the dense and shared-expert SwiGLUs; "experts"; "lm_head", an untied model
@@ -68,67 +65,6 @@ tile_rows 512.
 `tile_bytes` is what one streamed tile moves (data plus scale block): the byte count of
 the plan, `mk.perf` and the kernel's DMAs.
 
-Nibble order (int4 and fp4): rows of I are packed in units of 128; byte row 64u + j holds
-row 128u + j in its low nibble and row 128u + 64 + j in its high nibble. Unpacking a tile
-of 64n byte rows is then two shifts/masks, a concatenation of two aligned [64, O] halves
-per unit, and no lane shuffle; an interleaved order (gpt-oss packs rows 2k and 2k + 1 into
-one byte) would need a sublane interleave. `mk.checkpoint` repacks gpt-oss MXFP4 bytes into
-this order at load: a permutation of nibbles, bit-exact.
-
-Why uint8 with shifts. Measured with libtpu ahead-of-time compiles of a one-tile
-dequantise-and-matmul pallas_call (tests/test_quant.py keeps one per scheme per chip):
-the uint8 decoders below lower for v5e, v6e and tpu7x, with bf16 or float32 output, and
-run unchanged in TPU interpret mode on CPU. Native element types do not all lower: a
-float4_e2m1fn ref fails on v5e and v6e ("Unsupported type vector<...xf4E2M1FN>", Mosaic's
-unpack_subelements) and compiles only for tpu7x; int4 and float8_e4m3fn refs compile on all
-three (and interpret). Plain bytes (uint8; int8 for int8) for all four schemes also make the
-bytes in HBM the bytes of the documented layout (a sub-byte array's packing is the
-compiler's choice). Packed bytes are worked on four at a time: `pltpu.bitcast` views a
-tile's uint8 [R, O] as int32 words [R/4, O] and back (free on all three chips), and the
-nibble split, int4's offset and e2m1 -> e4m3 are byte-wise integer ops that never carry
-into the next byte (SWAR): one 32-bit op handles four codes, where widening each byte to
-int32 first costs a 32-bit op a code. 16-bit integer vectors do not help: uint8 -> int16
-lowers, but int16 shifts do not ("failed to legalize arith.shli", all three chips). fp4 is
-then decoded as the e4m3 it equals (`e4m3_values`: the bytes bitcast to float8_e4m3fn and
-converted to float32, which lowers on all three chips and cost 2.1-2.6x fewer bundles per
-tile than the integer decoder of fp8 it replaced), int4 as int8 bytes converted to
-float32, int8 converted to float32 directly. Every decoder computes value x scale in
-float32 and rounds once, bit-identical to the int32 decoders they replaced (every code,
-every fp4 scale code). Bundles per Mi weights (stream_matmul's steady per-tile loop, 2048
-x 128 packed tiles, M 8, libtpu 0.0.42.1; the int32 decoders -> these): tpu7x fp4 fed
-bf16 6016 -> 2192, fed fp8 3964 -> 2224 (1852 with the ring's stacked products, below),
-int4 1876 -> 1716, int8 1244 -> 1244; v6e fp4 6016 -> 3724, int4 1876 -> 1684
-(mk/data/tile_feed_costs.json: the bf16 feed's rows for every chip and M).
-What is left is the float work per value: int8's 1244 is one unpack, one int -> float
-convert and one multiply a value, the loop's VALU slots full.
-
-Feeds: what a packed tile becomes for the MXU, chosen per chip from what its MXU takes
-beside bf16 activations (`mk.chips.ChipSpec.mxu_feeds`; `choose_feeds`, carried by the plan
-and its stream's segments). "bf16": `dequantize_tile` in float32, rounded once to the
-compute dtype (every scheme, every chip). "fp8" (fp8 and fp4; TPU7x multiplies bf16 by
-float8_e4m3fn): `fp8_feed_tile` hands the MXU e4m3 codes, fp8's as stored (a bitcast of the
-uint8 bytes, which lowers for tpu7x and v6e and runs in interpret mode) and fp4's turned
-into the e4m3 codes of the same values (`e2m1_to_e4m3`: integer ops, exact), with a float32
-scale row per block of rows sharing a scale (fp8 128 rows, its block's scale over each 128
-columns; fp4 32 rows, each column's power of two) that multiplies the block's float32
-product (`mk.kernels.ring.Ring`). bf16 x e4m3 products are exact in float32, so the fp8
-feed computes x_bf16 @ (e4m3 x scale) without rounding the weight: its oracle is the weight
-dequantised to float32 for fp8 and to the compute dtype for fp4 (e2m1 x a power of two is a
-bf16 value), `oracle_dtype`. int8 and int4 are fed bf16 (their values are not e4m3 values;
-the MXUs' int8 paths want int8 activations too). Measured on tpu7x (stream_matmul's
-per-tile loop, libtpu 0.0.42.1, 1024 x 256 tiles, bundles per Mi weights at M 1 / 8, with
-the int32 decoders: fp8 fed bf16 5952 / 5912, fed fp8 696 / 664 (`vmatpush1.f8e4m3`);
-plain bf16 1296 / 1268). fp4's scales cannot move onto the activations (a 32-column group
-of x times a power of two per output column is not separable), nor be folded into the e4m3
-exponents exactly (a group's shift can leave e4m3's range; measured slower too, 4400 /
-4344 with the int32 decoders). So each 32-row group gets its own product rows, but not its
-own product: the ring stacks x masked to each group's 32 columns along M, one [4M, 128] x
-[128, 128] product per 128 rows (the masked columns add exact zeros: bit-identical to four
-32-row products, checked on CPU). At the probe's 2048 x 128 tiles, M 1 / 8 / 64 / 256:
-fp4 fed fp8 3952 / 3964 / 4932 / 9964 with the int32 decoders and 32-row products, 2244 /
-2224 / 3368 / 9560 byte-wise, 1964 / 1852 / 3480 / 10000 stacked (half the MXU bundles at
-M 8; a little dearer from M 64, where 4M rows outweigh the pushes saved).
-
 Accuracy against bf16 (tests/test_quant.py, every group quantised, a transformers-written
 tiny Qwen3-MoE, 2 x 64 teacher-forced steps; random weights, so flatter logits than a
 trained model's): relative RMS of logits int8 0.020, fp8 0.072, int4 0.24, fp4 0.23; argmax
@@ -145,20 +81,16 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.pallas import tpu as pltpu
 
 from mk import reference
-from mk.chips import MXU_FEEDS, ChipSpec
 from mk.config import DTYPE_BITS, SCHEME_BITS, ModelConfig, check_formats
 from mk.errors import shown
+from mk.unpack import (E8M0_BIAS, GROUP, PACK_ROWS, dequantize_tile, grouped, oracle_dtype,
+                       pack_nibbles, pow2)
 from mk.weights import FORMAT_GROUPS, param_shapes, weights_of
 
 SCHEMES = tuple(SCHEME_BITS)  # each laid out as the module docstring says
-PACK_ROWS = 128  # rows of I packed together (low nibbles: first 64, high: last 64)
-# Rows of I sharing one scale (int8: all of I; fp8 also 128 columns of O).
-GROUP = {"int4": 128, "fp4": 32, "fp8": 128}
 FP8_MAX, INT8_MAX, INT4_MAX, FP4_MAX = 448.0, 127, 7, 6.0
-E8M0_BIAS = 127
 F32 = jnp.float32
 
 
@@ -266,181 +198,6 @@ class _At:
 
     def __getitem__(self, index) -> QuantWeight:
         return QuantWeight(self.q.data.at[index], self.q.scale.at[index], self.q.scheme)
-
-
-# -- Element decoders (pure jnp; a kernel applies them to one tile in VMEM) ----------------
-def pow2(exponent: jax.Array) -> jax.Array:
-    """2.0 ** exponent in float32 for integer exponents in [-126, 127], built by placing
-    exponent + 127 in float32's exponent field (a bitcast: exact, no transcendental)."""
-    return jax.lax.bitcast_convert_type((exponent.astype(jnp.int32) + 127) << 23, F32)
-
-
-def e4m3_values(code: jax.Array) -> jax.Array:
-    """float8_e4m3fn bit patterns (uint8) -> float32 values; 0x7f and 0xff are NaN. The
-    bytes reinterpreted as float8_e4m3fn and converted (exact: every e4m3 value is a
-    float32 value), which lowers on v5e, v6e and tpu7x and costs 2.1-2.6x fewer bundles per
-    tile than decoding the fields with integer ops (module docstring)."""
-    return jax.lax.bitcast_convert_type(code.astype(jnp.uint8), jnp.float8_e4m3fn
-                                        ).astype(F32)
-
-
-def e2m1_values(code: jax.Array) -> jax.Array:
-    """float4_e2m1fn codes (low 4 bits of an integer array) -> float32 values: their e4m3
-    patterns (`e2m1_to_e4m3`) decoded (`e4m3_values`), as `dequantize_tile` does."""
-    return e4m3_values(e2m1_to_e4m3(code))
-
-
-ONES = 0x01010101  # bit 0 of each byte of an int32 word
-NIBBLES = 0x0F0F0F0F  # the low nibble of each byte
-
-
-@jax.jit  # pltpu.bitcast has no eager rule: traced, it runs anywhere
-def nibble_words(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """uint8 [..., R, O] (R a multiple of 4) -> its (low, high) nibbles as int32 words
-    [..., R/4, O], each byte of a word one code in [0, 16): byte k of word r is row 4r + k
-    (`pltpu.bitcast`'s order, `nibble_bytes` undoes it). Two 32-bit ops a nibble of four
-    bytes, and no widening of each byte to 32 bits."""
-    words = pltpu.bitcast(packed, jnp.int32)
-    return words & NIBBLES, (words >> 4) & NIBBLES  # the mask drops the shifted-in bits
-
-
-@functools.partial(jax.jit, static_argnames="dtype")
-def nibble_bytes(lo: jax.Array, hi: jax.Array, dtype=jnp.uint8) -> jax.Array:
-    """Words of bytes [..., R/4, O] from `nibble_words` (or made from them byte-wise) ->
-    [..., 2R, O] bytes of `dtype` (8-bit) in the module docstring's row order: per unit of
-    64 byte rows, the low nibbles' 64 rows then the high nibbles'."""
-    lo, hi = pltpu.bitcast(lo, dtype), pltpu.bitcast(hi, dtype)
-    *lead, half, cols = lo.shape
-    lo = lo.reshape(*lead, half // 64, 64, cols)
-    hi = hi.reshape(*lead, half // 64, 64, cols)
-    return jnp.concatenate([lo, hi], axis=-2).reshape(*lead, 2 * half, cols)
-
-
-def unpack_nibbles(packed: jax.Array) -> jax.Array:
-    """uint8 [..., I/2, O] -> int32 codes [..., I, O] in the nibble order of the module
-    docstring (I/2 a multiple of 64)."""
-    return nibble_bytes(*nibble_words(packed)).astype(jnp.int32)
-
-
-@jax.jit
-def pack_nibbles(codes: jax.Array) -> jax.Array:
-    """int codes in [0, 16) [..., I, O] -> uint8 [..., I/2, O]; inverse of unpack_nibbles."""
-    c = jnp.asarray(codes).astype(jnp.uint8)
-    *lead, rows, cols = c.shape
-    c = c.reshape(*lead, rows // PACK_ROWS, 2, PACK_ROWS // 2, cols)
-    return (c[..., 0, :, :] | (c[..., 1, :, :] << 4)).reshape(*lead, rows // 2, cols)
-
-
-def _grouped(values, scale, rows: int, cols: int = 0):
-    """values [..., I, O] * scale repeated over groups of `rows` along I (and `cols`
-    along O when given), in float32."""
-    *lead, I, O = values.shape
-    if cols:
-        v = values.reshape(*lead, I // rows, rows, O // cols, cols)
-        return (v * scale[..., :, None, :, None]).reshape(values.shape)
-    v = values.reshape(*lead, I // rows, rows, O)
-    return (v * scale[..., :, None, :].astype(F32)).reshape(values.shape)
-
-
-@functools.partial(jax.jit, static_argnames="scheme")
-def dequantize_tile(scheme: str, data: jax.Array, scale: jax.Array) -> jax.Array:
-    """Float32 values of a weight (or a tile of whole groups of one) in `scheme`'s layout."""
-    if scheme == "int8":
-        return data.astype(F32) * scale
-    if scheme == "fp8":
-        return _grouped(e4m3_values(data), scale, GROUP["fp8"], GROUP["fp8"])
-    if scheme == "int4":
-        q = nibble_bytes(*map(int4_values, nibble_words(data)), jnp.int8)
-        return _grouped(q.astype(F32), scale, GROUP["int4"])
-    if scheme == "fp4":
-        e4m3 = nibble_bytes(*map(e2m1_to_e4m3, nibble_words(data)))
-        return _grouped(e4m3_values(e4m3), pow2(scale.astype(jnp.int32) - E8M0_BIAS),
-                        GROUP["fp4"])
-    raise ValueError(f"scheme={scheme!r} must be one of {SCHEMES}")
-
-
-# -- Feeding the MXU fp8 (mk.chips' `mxu_feeds`: TPU7x takes bf16 x float8_e4m3fn) -------
-FEEDS = MXU_FEEDS  # what a packed tile is turned into for the MXU (module docstring)
-# The feeds each scheme reaches exactly: int8 and int4 values are not e4m3 values.
-FEEDABLE = {"int8": ("bf16",), "int4": ("bf16",), "fp8": FEEDS, "fp4": FEEDS}
-
-
-def int4_values(code: jax.Array) -> jax.Array:
-    """int4 codes (offset binary, q + 8) in the low nibble of each byte of an int32 array
-    (`nibble_words`) -> q in the same bytes as int8 (two's complement): flipping bit 3
-    gives q's 4-bit two's complement, whose sign bit 8 x 0x1e = 0xf0 extends, per byte."""
-    flipped = code ^ 0x08080808
-    return flipped | ((flipped & 0x08080808) * 0x1E)
-
-
-def e2m1_to_e4m3(code: jax.Array) -> jax.Array:
-    """float4_e2m1fn codes in the low nibble of each byte of an int32 array (one code an
-    element, or four a word: `nibble_words`) -> the float8_e4m3fn bit patterns of the same
-    values in the same bytes: every e2m1 value is an e4m3 value (exact). Byte-wise integer
-    ops that never carry into the next byte, so one 32-bit op turns four codes."""
-    c = code.astype(jnp.int32)
-    mag = c & 0x07070707  # e2m1 magnitude 2e + m, per byte
-    big = ((mag >> 1) | (mag >> 2)) & ONES  # 1 where e > 0 (mag >= 2)
-    nonzero = (big | mag) & ONES
-    # e > 0: (1 + m/2) 2^(e-1) is e4m3 exponent field e + 6, mantissa m << 2, so the
-    # pattern is 8e + 4m + 48 = 4 mag + 48; mag 1 (0.5 = 2^-1): field 6, mantissa 0 (48),
-    # 4 (mag - 1) + 48; mag 0: 0. Per byte at most 76: no carry.
-    return ((mag + nonzero * 12 - (nonzero ^ big)) << 2) | ((c & 0x08080808) << 4)
-
-
-def fp8_feed_tile(scheme: str, data: jax.Array, scale: jax.Array
-                  ) -> tuple[jax.Array, jax.Array]:
-    """A tile of an fp8 or fp4 weight as the MXU's fp8 feed takes it: (its codes as
-    float8_e4m3fn [tile_rows, tile_cols], float32 scales [s, tile_cols]), the weight being
-    e4m3 x the scale of its row's block of tile_rows / s rows and its column, exactly:
-    fp8's codes as they are with each 128 x 128 block's scale repeated over its columns
-    (s = tile_rows / 128); fp4's codes turned into e4m3 (`e2m1_to_e4m3`) with each 32-row
-    group's power of two (s = tile_rows / 32)."""
-    if scheme == "fp8":
-        per = GROUP["fp8"]
-        scales = jnp.concatenate([jnp.broadcast_to(scale[:, c:c + 1], (scale.shape[0], per))
-                                  for c in range(data.shape[-1] // per)], axis=-1)
-        return jax.lax.bitcast_convert_type(data, jnp.float8_e4m3fn), scales
-    if scheme == "fp4":
-        codes = nibble_bytes(*map(e2m1_to_e4m3, nibble_words(data)), jnp.float8_e4m3fn)
-        return codes, pow2(scale.astype(jnp.int32) - E8M0_BIAS)
-    raise ValueError(f"scheme={scheme!r} has no fp8 feed; {FEEDABLE}")
-
-
-def choose_feeds(formats: dict[str, str], feeds=None, chip: ChipSpec | None = None
-                 ) -> dict[str, str]:
-    """{group: feed} of each group of `formats` ({group: scheme}, the packed ones): the
-    group's entry of `feeds` if given, else fp8 for fp8 and fp4 where `chip`'s MXU takes
-    fp8 (`ChipSpec.mxu_feeds`), else bf16 (without a chip: bf16; any feed may be asked,
-    e.g. to run the fp8 path in interpret mode). Raises ValueError for a feed of a group
-    not in `formats`, a feed its scheme cannot reach exactly (`FEEDABLE`) or one the chip's
-    MXU does not take."""
-    feeds = dict(feeds or {})
-    for group, feed in feeds.items():
-        if group not in formats:
-            raise ValueError(f"feeds[{group!r}]={feed!r}: {group} is not stored packed "
-                             f"(formats {formats})")
-        if feed not in FEEDABLE[formats[group]]:
-            raise ValueError(f"feeds[{group!r}]={feed!r}: {formats[group]} weights feed "
-                             f"the MXU exactly only as {FEEDABLE[formats[group]]}")
-        if chip is not None and feed not in chip.mxu_feeds:
-            raise ValueError(f"feeds[{group!r}]={feed!r}: {chip.name}'s MXU takes "
-                             f"{chip.mxu_feeds} (mxu_feeds, mk/data/chips.csv); feed "
-                             f"{formats[group]} {group} as bf16 there")
-    native = () if chip is None else chip.mxu_feeds
-    return {group: feeds.get(group, "fp8" if "fp8" in native and "fp8" in FEEDABLE[scheme]
-                             else "bf16") for group, scheme in formats.items()}
-
-
-def oracle_dtype(scheme: str, feed: str, dtype):
-    """The dtype a `scheme` weight fed `feed` is dequantised to for the reference to
-    multiply by what the kernel does (the one rule, `dequantize`): fed bf16, `dtype` (the
-    tile is dequantised to it); fp8 fed fp8, float32 (the kernel multiplies the exact e4m3
-    values and scales the float32 product: value x scale is never rounded to `dtype`); fp4
-    fed fp8, `dtype` (e2m1 x a power of two is a bf16 value: nothing to round)."""
-    if feed not in FEEDABLE[scheme]:
-        raise ValueError(f"feed={feed!r}: {scheme} feeds as {FEEDABLE[scheme]}")
-    return F32 if (scheme, feed) == ("fp8", "fp8") else dtype
 
 
 # -- Quantising ---------------------------------------------------------------------------
@@ -682,10 +439,10 @@ def element_steps(q: QuantWeight) -> jax.Array:
     if q.scheme == "int8":
         return ones * q.scale
     if q.scheme == "fp8":
-        return _grouped(ones, q.scale, GROUP["fp8"], GROUP["fp8"])
+        return grouped(ones, q.scale, GROUP["fp8"], GROUP["fp8"])
     scale = (q.scale.astype(F32) if q.scheme == "int4"
              else pow2(q.scale.astype(jnp.int32) - E8M0_BIAS))
-    return _grouped(ones, scale, GROUP[q.scheme])
+    return grouped(ones, scale, GROUP[q.scheme])
 
 
 @jax.jit

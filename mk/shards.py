@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mk import quant
+from mk import quant, unpack
 from mk.cache import FIELDS, check_cache_type
 from mk.config import ModelConfig
 from mk.kernels.common import padded_width
@@ -80,8 +80,8 @@ _SPLIT = {
 
 # (rows of I, columns of O) sharing one scale of each scheme (None: all of I, int8's
 # per-channel scale): `mk.quant`'s layouts.
-_SCALE_BLOCK = {"int8": (None, 1), "fp8": (quant.GROUP["fp8"], quant.GROUP["fp8"]),
-                "int4": (quant.GROUP["int4"], 1), "fp4": (quant.GROUP["fp4"], 1)}
+_SCALE_BLOCK = {"int8": (None, 1), "fp8": (unpack.GROUP["fp8"], unpack.GROUP["fp8"]),
+                "int4": (unpack.GROUP["int4"], 1), "fp4": (unpack.GROUP["fp4"], 1)}
 _NIBBLES = ("int4", "fp4")  # two codes a byte
 
 
@@ -105,7 +105,7 @@ def _scale_sources(name: str, split: str, scheme: str, index: np.ndarray, axis: 
     of its blocks would mix values of two scale blocks of the full weight."""
     block = _SCALE_BLOCK[scheme][axis]
     packed = scheme in _NIBBLES and axis == -2
-    unit = math.lcm(block or 1, quant.PACK_ROWS if packed else 1)
+    unit = math.lcm(block or 1, unpack.PACK_ROWS if packed else 1)
     what = "rows" if axis == -2 else "columns"
     n = index.shape[1]
     if n % unit:
@@ -133,11 +133,11 @@ def _scale_sources(name: str, split: str, scheme: str, index: np.ndarray, axis: 
 
 def _codes(q: quant.QuantWeight) -> jax.Array:
     """`q`'s element codes [..., I, O], one per value (int4/fp4 unpacked)."""
-    return quant.unpack_nibbles(q.data) if q.scheme in _NIBBLES else q.data
+    return unpack.unpack_nibbles(q.data) if q.scheme in _NIBBLES else q.data
 
 
 def _from_codes(scheme: str, codes, scale) -> quant.QuantWeight:
-    data = (quant.pack_nibbles(codes) if scheme in _NIBBLES
+    data = (unpack.pack_nibbles(codes) if scheme in _NIBBLES
             else codes.astype(quant.STORED[scheme][0]))
     return quant.QuantWeight(data, scale, scheme)
 

@@ -92,7 +92,7 @@ from tqdm.auto import tqdm
 
 import mk
 import mk.run
-from mk import megakernel, perf, plots, quant
+from mk import megakernel, perf, plots, quant, unpack
 from mk.presets import PRESET_NAMES
 from mk.kernels.common import BlockSizes, dma_log
 from mk.kernels.plan import DecodePlan, capacity
@@ -165,8 +165,8 @@ plots.show(fig)
 
 # %%
 codes = np.arange(256, dtype=np.uint8)
-e4m3 = np.asarray(quant.e4m3_values(jnp.asarray(codes)))
-e2m1 = np.asarray(quant.e2m1_values(jnp.asarray(codes[:16])))
+e4m3 = np.asarray(unpack.e4m3_values(jnp.asarray(codes)))
+e2m1 = np.asarray(unpack.e2m1_values(jnp.asarray(codes[:16])))
 assert np.array_equal(e4m3, codes.view(jnp.float8_e4m3fn).astype(np.float32),
                       equal_nan=True), "e4m3 decoder"
 assert np.array_equal(e2m1, codes[:16].view(jnp.float4_e2m1fn).astype(np.float32)), \
@@ -186,8 +186,8 @@ print(f"e4m3: {np.isfinite(e4m3).sum()} finite codes, largest {np.nanmax(e4m3)},
 # (`tests/test_quant.py` compiles one tile per format per chip).
 
 # %%
-plots.show_source(quant.dequantize_tile, quant.nibble_words, quant.nibble_bytes,
-                  quant.int4_values, quant.e2m1_to_e4m3, quant.e4m3_values, quant.pow2)
+plots.show_source(unpack.dequantize_tile, unpack.nibble_words, unpack.nibble_bytes,
+                  unpack.int4_values, unpack.e2m1_to_e4m3, unpack.e4m3_values, unpack.pow2)
 
 # %% [markdown]
 # ## Quantising the run's model
@@ -351,7 +351,7 @@ for fmt in FORMATS:
     q = jnp.asarray(w, jnp.bfloat16) if fmt == "bf16" else quant.quantize_weight(w, fmt)
     with dma_log() as log, mk.backend.use(run.backend):
         y = stream_matmul(x, q, block=tile)
-    values = q if fmt == "bf16" else quant.dequantize_tile(fmt, q.data, q.scale)
+    values = q if fmt == "bf16" else unpack.dequantize_tile(fmt, q.data, q.scale)
     want = np.asarray(x.astype(jnp.bfloat16), np.float32) @ np.asarray(
         jnp.asarray(values, jnp.bfloat16), np.float32)
     wire_rows.append({"format": fmt, "DMAs": len(log),
@@ -381,7 +381,7 @@ print(f"megakernel {np.asarray(kernel_tokens).tolist()}, reference "
 # per value. What a tile becomes for the MXU (its feed) is chosen per chip from what its
 # MXU takes beside bf16 activations (`mxu_feeds` in `data/chips.csv`, from JAX's
 # `tpu_info`): TPU7x multiplies bf16 by fp8 e4m3, so there the plan feeds fp8 tiles as
-# they are and fp4 tiles turned exactly into e4m3 (`quant.fp8_feed_tile`), one product per
+# they are and fp4 tiles turned exactly into e4m3 (`unpack.fp8_feed_tile`), one product per
 # 128 rows; v5e, v6e and v5p take bf16 only, and int8 and int4 are dequantised to bf16
 # everywhere (an int8 MXU wants int8 activations too). Whether the vector
 # work stays hidden under the shorter DMAs is for the bundle dumps (`mk.bundles`, notebook

@@ -120,7 +120,7 @@ def test_a_packed_format_costs_its_own_row():
 
 
 def test_a_tile_fed_fp8_costs_the_fp8_feed_row():
-    """On tpu7x the plan feeds fp8 experts to the MXU as fp8 (`mk.quant.choose_feeds`):
+    """On tpu7x the plan feeds fp8 experts to the MXU as fp8 (`mk.unpack.choose_feeds`):
     an expert tile costs that row, cheaper than the same storage's bf16-feed row."""
     config, spec = mk.preset("qwen3-30b-a3b"), mk.chip("tpu7x")
     run = sim.simulate(config, spec, context=256, formats={"experts": "fp8"})

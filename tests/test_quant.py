@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import mk
-from mk import ops, quant, reference
+from mk import ops, quant, reference, unpack
 from mk.kernels.plan import default_block
 from mk.weights import FORMAT_GROUPS, param_shapes
 
@@ -44,7 +44,7 @@ def quantise_all(config, params, scheme):
 def test_e4m3_decoder_equals_ml_dtypes_for_all_256_codes():
     codes = np.arange(256, dtype=np.uint8)
     want = codes.view(jnp.float8_e4m3fn).astype(np.float32)
-    got = np.asarray(quant.e4m3_values(jnp.asarray(codes)))
+    got = np.asarray(unpack.e4m3_values(jnp.asarray(codes)))
     np.testing.assert_array_equal(got, want)  # NaN codes 0x7f, 0xff included
     assert np.isnan(got[[0x7F, 0xFF]]).all()
 
@@ -52,7 +52,7 @@ def test_e4m3_decoder_equals_ml_dtypes_for_all_256_codes():
 def test_e2m1_decoder_equals_ml_dtypes_for_all_16_codes():
     codes = np.arange(16, dtype=np.uint8)
     want = codes.view(jnp.float4_e2m1fn).astype(np.float32)
-    np.testing.assert_array_equal(np.asarray(quant.e2m1_values(jnp.asarray(codes))), want)
+    np.testing.assert_array_equal(np.asarray(unpack.e2m1_values(jnp.asarray(codes))), want)
 
 
 @pytest.mark.parametrize("scheme", ["int4", "fp4"])
@@ -73,7 +73,7 @@ def test_a_packed_tile_decodes_byte_wise_to_ml_dtypes_values_times_its_scales(sc
         scale = rng.integers(100, 155, (16, 256), dtype=np.uint8)
         values = nibbles.view(jnp.float4_e2m1fn).astype(np.float32) * np.repeat(
             np.ldexp(np.float32(1), scale.astype(np.int32) - 127), 32, 0)
-    got = quant.dequantize_tile(scheme, jnp.asarray(packed), jnp.asarray(scale))
+    got = unpack.dequantize_tile(scheme, jnp.asarray(packed), jnp.asarray(scale))
     np.testing.assert_array_equal(np.asarray(got.astype(jnp.bfloat16)).view(np.uint16),
                                   values.astype(jnp.bfloat16).view(np.uint16))
 
@@ -81,8 +81,8 @@ def test_a_packed_tile_decodes_byte_wise_to_ml_dtypes_values_times_its_scales(sc
 def test_nibble_packing_round_trips_bit_exactly_in_the_documented_order():
     rng = np.random.default_rng(0)
     packed = rng.integers(0, 256, (2, 128, 256), dtype=np.uint8)
-    codes = np.asarray(quant.unpack_nibbles(jnp.asarray(packed)))
-    np.testing.assert_array_equal(np.asarray(quant.pack_nibbles(codes)), packed)
+    codes = np.asarray(unpack.unpack_nibbles(jnp.asarray(packed)))
+    np.testing.assert_array_equal(np.asarray(unpack.pack_nibbles(codes)), packed)
     # The order: byte row 64u + j holds row 128u + j (low) and 128u + 64 + j (high).
     np.testing.assert_array_equal(codes[:, 128 + 5], packed[:, 64 + 5] & 15)
     np.testing.assert_array_equal(codes[:, 128 + 64 + 5], packed[:, 64 + 5] >> 4)
@@ -92,13 +92,13 @@ def test_nibble_packing_round_trips_bit_exactly_in_the_documented_order():
 def test_requantising_the_dequantised_weight_gives_the_same_codes(scheme):
     w = np.random.default_rng(1).standard_normal((2, 256, 384)).astype(np.float32)
     q = quant.quantize_weight(w, scheme)
-    values = quant.dequantize_tile(scheme, q.data, q.scale)
+    values = unpack.dequantize_tile(scheme, q.data, q.scale)
     again = quant.quantize_weight(values, scheme)
     if scheme == "fp4":
         # A group whose absmax rounds down to <= 3 * 2^e comes back with scale 2^(e-1) and
         # doubled codes (1.5 = 3 x 0.5 = 6 x 0.25): other bytes, the same values.
         np.testing.assert_array_equal(
-            np.asarray(quant.dequantize_tile(scheme, again.data, again.scale)),
+            np.asarray(unpack.dequantize_tile(scheme, again.data, again.scale)),
             np.asarray(values))
     else:
         np.testing.assert_array_equal(np.asarray(again.data), np.asarray(q.data))
@@ -318,7 +318,7 @@ def test_fp8_nan_codes_and_scales_and_unknown_quant_methods_are_refused(tmp_path
 def gpt_oss_blocks(q: quant.QuantWeight, layer: int):
     """mk fp4 [E, I/2, O] -> gpt-oss blocks [E, O, I/32, 16], scales [E, O, I/32]:
     values 2k (low nibble) and 2k + 1 (high) of each 32-value block along I."""
-    codes = np.swapaxes(np.asarray(quant.unpack_nibbles(q.data[layer])), -1, -2)  # [E, O, I]
+    codes = np.swapaxes(np.asarray(unpack.unpack_nibbles(q.data[layer])), -1, -2)  # [E, O, I]
     pairs = codes.reshape(*codes.shape[:-1], -1, 16, 2).astype(np.uint8)
     return pairs[..., 0] | (pairs[..., 1] << 4), np.swapaxes(np.asarray(q.scale[layer]), -1, -2)
 
@@ -427,7 +427,7 @@ def dequant_matmul(scheme: str, data, scale, x):
     """x [M, I] @ (the tile dequantised to bf16) -> [M, O] float32, as one pallas_call whose
     body is mk.quant's decoder: the code a streaming kernel runs on each tile."""
     def kernel(data_ref, scale_ref, x_ref, out_ref):
-        w = quant.dequantize_tile(scheme, data_ref[...], scale_ref[...]).astype(jnp.bfloat16)
+        w = unpack.dequantize_tile(scheme, data_ref[...], scale_ref[...]).astype(jnp.bfloat16)
         out_ref[...] = jnp.dot(x_ref[...].astype(jnp.bfloat16), w,
                                preferred_element_type=jnp.float32)
 
@@ -443,7 +443,7 @@ def test_one_tile_dequantises_in_interpret_mode_and_compiles_for_v5e_v6e_tpu7x(s
     x = jnp.asarray(rng.standard_normal((TILE_ROWS, 256)), jnp.float32)
     with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
         got = jax.jit(functools.partial(dequant_matmul, scheme))(q.data, q.scale, x)
-    w = quant.dequantize_tile(scheme, q.data, q.scale).astype(jnp.bfloat16)
+    w = unpack.dequantize_tile(scheme, q.data, q.scale).astype(jnp.bfloat16)
     want = ops.dot("mi,io->mo", x, w, jnp.bfloat16)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     for chip in ("v5e", "v6e", "tpu7x"):

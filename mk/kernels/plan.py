@@ -15,7 +15,7 @@ holds, frozen:
                   (`packed_formats`: at any tp, groups of ring weights) their segments stream packed
                   tiles and scales (`mk.kernels.ring`)
     feeds         {group: feed} of each packed group: what its tiles reach the MXU as
-                  (`mk.quant.choose_feeds`: "fp8" for fp8 and fp4 where the chip's MXU
+                  (`mk.unpack.choose_feeds`: "fp8" for fp8 and fp4 where the chip's MXU
                   takes e4m3, `ChipSpec.mxu_feeds`, else "bf16", dequantised to the
                   compute dtype; `make(feeds=)` overrides; without a chip "bf16"); the
                   stream's segments carry it, and `mk.quant.dequantize(params,
@@ -97,7 +97,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
-from mk import quant
+from mk import quant, unpack
 from mk.cache import state_bytes_per_sequence
 from mk.chips import ChipSpec, chip as named_chip
 from mk.config import DTYPE_BITS, ModelConfig, check_formats, check_rows, positive_int
@@ -416,7 +416,7 @@ class DecodePlan:
         conv_kernel >= 2 (`check_conv_kernel`); `kernel=False` makes a plan only the
         simulator replays, which may have neither. `feeds` ({group: feed}) overrides the
         chip's choice of what each packed group reaches the MXU as
-        (`mk.quant.choose_feeds`: a feed the chip's MXU does not take, or one the group's
+        (`mk.unpack.choose_feeds`: a feed the chip's MXU does not take, or one the group's
         scheme cannot reach exactly, is a ValueError here)."""
         if not isinstance(config, ModelConfig):
             raise ValueError(f"config={config!r} must be a ModelConfig")
@@ -437,7 +437,7 @@ class DecodePlan:
         spec = named_chip(chip) if isinstance(chip, str) else chip
         formats = check_formats(config, config.formats if formats is None else formats)
         packed = packed_formats(config, formats)
-        feeds = quant.choose_feeds(packed, feeds, spec)
+        feeds = unpack.choose_feeds(packed, feeds, spec)
         if kernel and packed != formats:
             quant.check_quantisable(config, formats)  # NotImplementedError
         if kernel and tp > 1:

@@ -30,10 +30,10 @@ A segment may be stored quantised (`Segment.scheme`, one of `mk.quant.SCHEMES`):
 travel as packed data plus their scale block (two DMAs on the slot's semaphore, both waited
 for) into that scheme's own slots (`ring_buffers`), tile g still in slot g % slots, and
 reach the MXU as the segment's feed says (`Segment.feed`, chosen per chip by the plan:
-`mk.quant.choose_feeds`). Fed bf16, a tile is dequantised in VMEM
-(`mk.quant.dequantize_tile`) to the ring's compute dtype right before one product. Fed
+`mk.unpack.choose_feeds`). Fed bf16, a tile is dequantised in VMEM
+(`mk.unpack.dequantize_tile`) to the ring's compute dtype right before one product. Fed
 fp8 (fp8 and fp4 on TPU7x, whose MXU multiplies bf16 by float8_e4m3fn), its values go to
-the MXU as e4m3 (`mk.quant.fp8_feed_tile`: fp8's codes as they are, fp4's turned into e4m3
+the MXU as e4m3 (`mk.unpack.fp8_feed_tile`: fp8's codes as they are, fp4's turned into e4m3
 codes exactly), one product per 128 rows: each block of rows sharing a scale (fp8 128,
 fp4 32) gets its own float32 product rows, scaled by its block's row of scales and summed
 in float32; fp4's four groups by stacking the activations masked to each group's columns
@@ -61,7 +61,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mk import quant
+from mk import quant, unpack
 from mk.kernels.common import BlockSizes, Buffer, start_dma
 
 
@@ -78,7 +78,7 @@ class Segment:
     stride: int = 0  # tiles from one copy to the next (a Repeat's tiles per copy); 0 if
     #                  the segment is not repeated
     scheme: str | None = None  # mk.quant storage scheme of its tiles; None: plain
-    feed: str = "bf16"  # what its tiles reach the MXU as (mk.quant.FEEDS): "bf16"
+    feed: str = "bf16"  # what its tiles reach the MXU as (mk.unpack.FEEDS): "bf16"
     #                     dequantised to the compute dtype, "fp8" as e4m3 with scales after
 
     @property
@@ -149,7 +149,7 @@ class TileStream:
         for name, scheme in schemes.items():
             quant.tile_shapes(scheme, block.tile_rows, block.tile_cols)  # raises if not
         for name, feed in feeds.items():
-            if feed not in quant.FEEDABLE.get(schemes.get(name), ("bf16",)):
+            if feed not in unpack.FEEDABLE.get(schemes.get(name), ("bf16",)):
                 raise ValueError(f"feeds[{name!r}]={feed!r}: weight {name} stored "
                                  f"{schemes.get(name) or 'plain'} cannot be fed {feed}")
 
@@ -376,13 +376,13 @@ class Ring:
         if segment.scheme is None:
             return self.slot(g)[...]
         data, scales = self.packed[segment.scheme]
-        return quant.dequantize_tile(segment.scheme, data[g % self.n],
+        return unpack.dequantize_tile(segment.scheme, data[g % self.n],
                                      scales[g % self.n]).astype(self.dtype)
 
     def _product(self, segment: Segment, g, xs, contract):
         """xs [M, step] times tile g of `segment`, float32 [M, panel]: one product with the
         tile in the compute dtype, or, fed fp8, one per 128 rows of e4m3 values
-        (`mk.quant.fp8_feed_tile`), each block of rows sharing a scale (fp8 128, fp4 32)
+        (`mk.unpack.fp8_feed_tile`), each block of rows sharing a scale (fp8 128, fp4 32)
         scaled by its row of scales. fp4's four 32-row groups share one product: xs's 128
         columns masked to each group's 32 are stacked along M, so the unit's weights are
         pushed once and row block k of the product is group k's (the masked columns add
@@ -392,9 +392,9 @@ class Ring:
             return lax.dot_general(xs, self._weights(segment, g), contract,
                                    preferred_element_type=jnp.float32)
         data, scales = self.packed[segment.scheme]
-        w8, block_scales = quant.fp8_feed_tile(segment.scheme, data[g % self.n],
+        w8, block_scales = unpack.fp8_feed_tile(segment.scheme, data[g % self.n],
                                                scales[g % self.n])
-        unit = quant.GROUP["fp8"]  # rows of one product: an fp8 block, four fp4 groups
+        unit = unpack.GROUP["fp8"]  # rows of one product: an fp8 block, four fp4 groups
         per = self.tk // block_scales.shape[0]  # rows sharing a scale (never transposed)
         groups, m = unit // per, xs.shape[0]
         group_of_column = lax.broadcasted_iota(jnp.int32, (1, unit), 1) // per

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mk import quant
+from mk import quant, unpack
 from mk.kernels.common import BlockSizes, Buffer, default_block
 from mk.kernels.ring import Ring, TileStream, ring_buffers, ring_layout
 
@@ -113,9 +113,9 @@ def stream_matmul(x: jax.Array, w, *, block: BlockSizes | None = None,
     """x [M, K] @ w [K, N] -> [M, N] float32, w streamed through a `block.slots`-slot ring.
     w: an array (multiplied in its own dtype), or an `mk.quant.QuantWeight` (in mk.quant's
     layout; its packed tiles and scales are streamed and, in VMEM, dequantised to `dtype`
-    or, `feed="fp8"`, fed to the MXU as e4m3: `mk.quant.FEEDABLE`).
-    The product is `mk.ops.matmul(x.astype(dtype), w)` of `mk.quant.dequantize_tile(w)`
-    in `mk.quant.oracle_dtype`."""
+    or, `feed="fp8"`, fed to the MXU as e4m3: `mk.unpack.FEEDABLE`).
+    The product is `mk.ops.matmul(x.astype(dtype), w)` of `mk.unpack.dequantize_tile(w)`
+    in `mk.unpack.oracle_dtype`."""
     M, K = x.shape
     K2, N = w.shape
     if K2 != K:
@@ -125,7 +125,7 @@ def stream_matmul(x: jax.Array, w, *, block: BlockSizes | None = None,
     packed = isinstance(w, quant.QuantWeight)
     scheme, dtype = (w.scheme, jnp.dtype(dtype)) if packed else (None, w.dtype)
     if packed:
-        quant.oracle_dtype(scheme, feed, dtype)  # raises for a feed the scheme lacks
+        unpack.oracle_dtype(scheme, feed, dtype)  # raises for a feed the scheme lacks
     elif feed != "bf16":
         raise ValueError(f"feed={feed!r}: a plain {dtype} weight is multiplied as it is")
     if block is None:

@@ -1,6 +1,6 @@
 """Stage 01: the streamed matmul against mk.ops.matmul, race-free, for every slot count of the
 teaching progression and every quantised scheme and MXU feed (its oracle
-`mk.quant.oracle_dtype`; tpu7x compiles and pushes of the fp8 feed); planted ring bugs
+`mk.unpack.oracle_dtype`; tpu7x compiles and pushes of the fp8 feed); planted ring bugs
 prove the race check and the DMA bookkeeping check (`strict_dma`) can fail; the VMEM budget
 and the TPU compiler both reject an oversized ring.
 
@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import mk
-from mk import backend, ops, quant, tpu
+from mk import backend, ops, quant, tpu, unpack
 from mk.kernels.common import BlockSizes, default_block, dma_log, vmem_budget
 from mk.kernels.plan import DecodePlan
 from mk.kernels.ring import Ring, TileStream, ring_layout
@@ -53,15 +53,15 @@ def test_every_slot_count_matches_the_reference_without_races(slots, dtype):
     assert not races
 
 
-FEEDS = [(scheme, feed) for scheme in quant.SCHEMES for feed in quant.FEEDABLE[scheme]]
+FEEDS = [(scheme, feed) for scheme in quant.SCHEMES for feed in unpack.FEEDABLE[scheme]]
 
 
 def _oracle(x, q, feed):
     """The reference's product with `q` dequantised as its feed multiplies it
-    (`mk.quant.oracle_dtype`), x rounded to bf16 as the kernel rounds it."""
-    w = quant.dequantize_tile(q.scheme, q.data, q.scale)
+    (`mk.unpack.oracle_dtype`), x rounded to bf16 as the kernel rounds it."""
+    w = unpack.dequantize_tile(q.scheme, q.data, q.scale)
     return ops.matmul(x.astype(jnp.bfloat16),
-                      w.astype(quant.oracle_dtype(q.scheme, feed, jnp.bfloat16)))
+                      w.astype(unpack.oracle_dtype(q.scheme, feed, jnp.bfloat16)))
 
 
 @pytest.mark.parametrize("scheme, feed", FEEDS)
@@ -70,14 +70,14 @@ def test_a_quantised_weight_streams_packed_tiles_and_scales_race_free(scheme, fe
     waited for (strict_dma), and reaches the MXU as its feed says (bf16: dequantised in
     VMEM; fp8: e4m3 codes, one product per 128 rows, 256 rows of 384 so fp4's 32-row
     groups and fp8's 128-row blocks both straddle tiles' edges); the product is the
-    reference's on `mk.quant.oracle_dtype`'s weights; the DMAs move `mk.quant.tile_bytes`
+    reference's on `mk.unpack.oracle_dtype`'s weights; the DMAs move `mk.quant.tile_bytes`
     per tile whatever the feed."""
     x, w = _operands(8, 384, 256, "float32")
     q = quant.quantize_weight(w, scheme)
     block = BlockSizes(slots=3, tile_rows=128, tile_cols=128)
     with dma_log() as log, backend.use("interpret", detect_races=True, strict_dma=True):
         y = jax.block_until_ready(stream_matmul(x, q, block=block, feed=feed))
-    exact = quant.oracle_dtype(scheme, feed, jnp.bfloat16) == jnp.bfloat16
+    exact = unpack.oracle_dtype(scheme, feed, jnp.bfloat16) == jnp.bfloat16
     np.testing.assert_allclose(y, _oracle(x, q, feed), **TOLERANCE["float32"])
     assert not backend.races_found()
     assert sum(n for _, n in log) == 3 * 2 * quant.tile_bytes(scheme, 128, 128)
