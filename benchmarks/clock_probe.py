@@ -1,7 +1,7 @@
 """The clock each TPU's schedule implies: one straight-line bf16 matmul per chip.
 
-For each chip, `mk.bundles.probe_clock` compiles x[M, K] @ w[K, N] (bf16 in, f32 out; the
-shape `mk.bundles.CLOCK_PROBE_SHAPE`) for one TensorCore with libtpu's bundle dump on and
+For each chip, `mk.probes.probe_clock` compiles x[M, K] @ w[K, N] (bf16 in, f32 out; the
+shape `mk.probes.CLOCK_PROBE_SHAPE`) for one TensorCore with libtpu's bundle dump on and
 asks at what clock its MXU span would run at the datasheet bf16 peak of one TensorCore.
 That is one end of the chip's clock range in `mk/data/chips.csv` (the other is the
 datasheet derivation, `ChipSpec.datasheet_clock_hz`); tests/test_bundles.py re-compiles
@@ -22,20 +22,20 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `mk` importable from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mk import bundles  # noqa: E402
+from mk import probes  # noqa: E402
 from mk.chips import all_chips  # noqa: E402
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--chips", nargs="+", default=[c.name for c in all_chips("tpu")])
-    p.add_argument("--shape", nargs=3, type=int, default=list(bundles.CLOCK_PROBE_SHAPE),
+    p.add_argument("--shape", nargs=3, type=int, default=list(probes.CLOCK_PROBE_SHAPE),
                    metavar=("M", "K", "N"))
     p.add_argument("--json", type=Path, help="write the rows here (replaces the file)")
     args = p.parse_args(argv)
     table = []
     for chip in args.chips:
-        probe = bundles.probe_clock(chip, tuple(args.shape))
+        probe = probes.probe_clock(chip, tuple(args.shape))
         table.append(probe.row())
         print(json.dumps(table[-1]), flush=True)
     if args.json:

@@ -1,8 +1,8 @@
 """The compute cost of one weight tile per chip, weight dtype, feed and M (issue 34).
 
-For each row `mk.bundles.probe_tile` compiles the stage-01 ring kernel
+For each row `mk.probes.probe_tile` compiles the stage-01 ring kernel
 (`mk.kernels.weight_streaming.stream_matmul`, the megakernel's own `Ring.matmul`) over one
-weight w[4096, 2048] (`mk.bundles.TILE_PROBE_SHAPE`, at the kernel's default tiling: bf16
+weight w[4096, 2048] (`mk.probes.TILE_PROBE_SHAPE`, at the kernel's default tiling: bf16
 tiles of 4096 x 256, packed tiles of 2048 x 128) stored as the dtype (bf16 or an
 `mk.quant` scheme, dequantised in VMEM to the feed) against M bf16 rows, for one
 TensorCore of the chip, with libtpu's bundle dump on, and counts one trip of the steady
@@ -29,7 +29,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `mk` importable from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mk import bundles, feed_costs  # noqa: E402
+from mk import feed_costs, probes  # noqa: E402
 from mk.chips import all_chips, chip as chip_spec  # noqa: E402
 
 
@@ -69,7 +69,7 @@ def main(argv=None) -> None:
             if dtype not in args.dtypes or feed not in args.feeds:
                 continue
             for m in args.m:
-                cost = bundles.probe_tile(chip, dtype, m, feed)
+                cost = probes.probe_tile(chip, dtype, m, feed)
                 rows.append(cost.row())
                 record[cost.key] = rows[-1]
                 print(json.dumps(rows[-1]), flush=True)

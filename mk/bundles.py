@@ -21,31 +21,21 @@ MXU, and none runs the EUP, which attention's softmax does), `measure(config, ch
 -> `TileCost` (a whole megakernel's per-tile loops: the recorded loop the simulator may
 take instead of the table below).
 
-One weight tile by storage, feed and M: `probe_tile(chip, dtype, m, feed)` ->
-`mk.feed_costs.FeedCost` (the stage-01 ring kernel over one weight, `TILE_PROBE_SHAPE`,
-compiled with the weight kept in HBM, `KEEP_IN_HBM`: one trip of its steady per-tile
-loop), the rows of the tile cost table that `mk.sim` and `mk.perf` charge
-(`benchmarks/tile_feed_costs.py` records them; `mk.feed_costs` reads them).
-
 The whole kernel's static schedule, `dump_schedule` -> `read_schedule` -> `Schedule`
 (total bundles, per-unit utilisation, DMAs, bundles per named scope with `PHASE_FLAG`;
-notebook 08). And the clock a schedule implies: `probe_clock(chip)` -> `ClockProbe` (one
-straight-line bf16 matmul compiled for the chip: the clock at which its bundles would run
-at the datasheet bf16 peak, one end of the chip's clock range in data/chips.csv; recorded
-in data/clock_probes.json, `recorded_clock_probes()`, by `benchmarks/clock_probe.py`).
+notebook 08).
 
-Not here: the compile itself (`mk.tpu`), profiles of running steps (`mk.profiling`), what
-a tile's DMA time is (`mk.chips`: bandwidth; `mk.sim`: latency), cycle-accurate timing
-(branches skip predicated regions, so bundles per trip bound one trip's issue time from
-above when the body branches, and stalls on DMA waits or the MXU's result FIFO are not in
-the count).
+Not here: the small probes compiled to read one number each (one weight tile's cost, the
+clock a schedule implies: `mk.probes`), the compile itself (`mk.tpu`), profiles of running
+steps (`mk.profiling`), what a tile's DMA time is (`mk.chips`: bandwidth; `mk.sim`:
+latency), cycle-accurate timing (branches skip predicated regions, so bundles per trip
+bound one trip's issue time from above when the body branches, and stalls on DMA waits or
+the MXU's result FIFO are not in the count).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
-import json
 import math
 import os
 import pickle
@@ -54,20 +44,18 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from collections import defaultdict
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 
-from mk import feed_costs, quant
-from mk.chips import DATA, ChipSpec, chip as chip_spec
+from mk import quant
+from mk.chips import ChipSpec, chip as chip_spec
 from mk.config import ModelConfig
 from mk.presets import preset
 from mk.kernels.common import BlockSizes
 from mk.kernels.plan import DecodePlan
-from mk.kernels.weight_streaming import stream_matmul_block
 from mk.sim import Assumptions
 from mk.tpu import CompileReport
 
@@ -119,7 +107,7 @@ def scopes(found: list[Bundle]) -> list[str | None]:
     return out
 
 
-def _drives_mxu(op: str) -> bool:
+def drives_mxu(op: str) -> bool:
     """Whether an instruction pushes weights to, multiplies on or pops results from an MXU."""
     return op.startswith("vmat") or "mxu" in op or op.endswith(".mrb")
 
@@ -185,7 +173,7 @@ def loops(text: str) -> list[Loop]:
         own = [r for r in body if r.depth in (d, None)]
         found.append(Loop(
             first=i, depth=d, bundles=len(own),
-            mxu=sum(any(map(_drives_mxu, r.ops)) for r in own),
+            mxu=sum(any(map(drives_mxu, r.ops)) for r in own),
             scalar_only=sum(bool(r.ops) and not any(o.startswith(("v", "dma")) for o in r.ops)
                             for r in own),
             dma_granules=tuple(g for r in own for g in r.granules),
@@ -427,70 +415,6 @@ def measure(config: ModelConfig, chip: str | ChipSpec, *, tp: int = 1,
     return TileCost(report, tiles, found, spec)
 
 
-# -- One weight tile by weight dtype, feed and M: the stage kernel's own loop ------------
-TILE_PROBE_SHAPE = (4096, 2048)  # w [K, N]: 8 bf16 tiles of 4096 x 256, 32 packed 2048 x 128
-# XLA's memory-space assignment moves a small program's weight (the probe relays it out
-# into the ring's layout, a temporary) into VMEM, and the ring's DMAs become vector copy
-# loops; a model's weights never fit VMEM. Off, the probe's weight stays in HBM, as theirs.
-KEEP_IN_HBM = ("--xla_msa_enable=false",)
-_COMPILE_STREAM = """import functools, sys, jax, jax.numpy as jnp, mk
-from mk import quant
-from mk.kernels.weight_streaming import stream_matmul
-chip, dtype, feed = sys.argv[1:4]
-m, k, n = map(int, sys.argv[4:7])
-w = (jax.ShapeDtypeStruct((k, n), jnp.bfloat16) if dtype == "bf16"
-     else quant.abstract_weight((k, n), dtype))
-fn = functools.partial(stream_matmul, dtype=jnp.bfloat16, feed=feed)
-report = mk.tpu.compile_for_chip(fn, [jax.ShapeDtypeStruct((m, k), jnp.bfloat16), w], chip)
-sys.stderr.write(report.error)
-sys.exit(0 if report.ok else 1)
-"""
-
-
-def probe_tile(chip: str | ChipSpec, dtype: str, m: int, feed: str = "bf16", *,
-               shape: tuple[int, int] = TILE_PROBE_SHAPE, timeout: float = 300.0
-               ) -> feed_costs.FeedCost:
-    """Compile the stage-01 ring kernel (`stream_matmul`: `Ring.matmul` over one weight
-    [K, N] = `shape` at its default tiling, `stream_matmul_block`) for one TensorCore of
-    `chip`, the weight stored as `dtype` (bf16, or an mk.quant scheme: `abstract_weight`,
-    the `QuantWeight` `quantize_weight` makes) and fed to the MXU as `feed`, against m
-    bf16 rows, with the dumps on and the weight kept in HBM (`KEEP_IN_HBM`); read one trip
-    of its steady per-tile loop (the first of `Ring.matmul`'s two in program order: the
-    edge loop follows it). Raises ValueError for a GPU or a dtype, feed or m the table
-    does not hold, RuntimeError if it does not compile or shows not exactly
-    `Ring.matmul`'s per-tile loops."""
-    spec = chip_spec(chip) if isinstance(chip, str) else chip
-    if spec.kind != "tpu":
-        raise ValueError(f"chip={spec.name!r} is a {spec.kind}: no TPU compile to probe")
-    for field, value, choices in (("dtype", dtype, feed_costs.DTYPES),
-                                  ("m", m, feed_costs.M_BUCKETS)):
-        if value not in choices:
-            raise ValueError(f"{field}={value!r} must be one of {choices}")
-    if (dtype, feed) not in feed_costs.rows(spec):
-        raise ValueError(f"feed={feed!r}: {spec.name}'s kernel does not feed {dtype} "
-                         f"weights so (it does: {feed_costs.rows(spec)})")
-    scheme = None if dtype == "bf16" else dtype
-    block = stream_matmul_block(*shape, jnp.bfloat16, scheme)
-    parts = tile_parts(scheme, block.tile_rows, block.tile_cols)
-    with tempfile.TemporaryDirectory(prefix="mk-tile-") as folder:
-        start = time.perf_counter()
-        jf = compile_with_dumps(_COMPILE_STREAM, [spec.name, dtype, feed, m, *shape], folder,
-                                phases=False, flags=KEEP_IN_HBM, timeout=timeout)
-        seconds = time.perf_counter() - start
-        text = dump_file(jf, "mk_stream_matmul", "final_bundles.txt").read_text()
-    found = tile_loops(loops(text), parts)
-    if not 1 <= len(found) <= 2:  # the steady loop, and the edge loop unless unrolled
-        raise RuntimeError(f"{spec.name} {dtype} M={m}: {len(found)} per-tile loops of "
-                           f"{parts} B DMAs in the dump, not Ring.matmul's steady and edge")
-    steady = found[0]
-    return feed_costs.FeedCost(
-        chip=spec.name, dtype=dtype, feed=feed, m=m, shape=tuple(shape),
-        tile=(block.tile_rows, block.tile_cols), tile_bytes=sum(parts),
-        bundles=steady.bundles, mxu_bundles=steady.mxu,
-        scalar_only_bundles=steady.scalar_only,
-        libtpu=importlib.metadata.version("libtpu"), compile_s=seconds)
-
-
 # -- The whole kernel's static schedule -------------------------------------------------
 def dump_schedule(config: str | ModelConfig, chip: str, out: str | os.PathLike, *,
                   batch: int = 1, rows: int = 1, context: int = 256,
@@ -543,100 +467,3 @@ def read_schedule(jf_dump: str | os.PathLike, kernel: str = "mk_megakernel") -> 
     return Schedule(kernel, count["total"], count["empty"], utilisation,
                     sum(b.dmas for b in found), sum(b.waits for b in found),
                     sum(bool(b.depth) for b in found), dict(phases))
-
-
-# -- The clock a schedule implies -----------------------------------------------------------
-CLOCK_PROBE_SHAPE = (512, 4096, 512)  # x[M, K] @ w[K, N]: compiles in seconds on every chip
-CLOCK_PROBES = DATA / "clock_probes.json"  # benchmarks/clock_probe.py's record
-_MXU_ID = re.compile(r"\.mxu(\d+)\b")
-_COMPILE_MATMUL = """import sys, jax, jax.numpy as jnp, mk
-from jax.experimental import pallas as pl
-m, k, n = map(int, sys.argv[2:5])
-
-def kernel(x_ref, w_ref, o_ref):
-    o_ref[...] = jnp.dot(x_ref[...], w_ref[...], preferred_element_type=jnp.float32)
-
-def f(x, w):
-    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
-                          name="mk_clock_probe")(x, w)
-
-report = mk.tpu.compile_for_chip(f, [jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
-                                     jax.ShapeDtypeStruct((k, n), jnp.bfloat16)], sys.argv[1])
-sys.stderr.write(report.error)
-print(report.compile_seconds)
-sys.exit(0 if report.ok else 1)
-"""
-
-
-@dataclasses.dataclass(frozen=True)
-class ClockProbe:
-    """One straight-line bf16 matmul x[M, K] @ w[K, N] (f32 out) compiled for one
-    TensorCore of a chip, and the clock at which its schedule would run at the datasheet
-    peak: one bundle a cycle, its MXU span takes bundles / clock seconds for 2 M K N FLOP.
-
-    The schedule cannot beat the peak, so if each bundle took one cycle this clock would
-    bound the real one from above; a bundle that stalls (the MXU's result FIFO, a DMA)
-    takes more, so it bounds nothing. It depends on the shape (the MXU's weight pushes and
-    result pops are amortised over M): compare probes of the same shape only."""
-
-    chip: str
-    shape: tuple[int, int, int]  # (M, K, N)
-    bundles: int  # from the first to the last bundle driving an MXU (the matmul itself)
-    total_bundles: int  # the whole kernel's (with its input and output DMAs)
-    mxus: tuple[int, ...]  # the MXU ids the schedule addresses (mxuN in its ops)
-    peak_flops: float  # one TensorCore's datasheet bf16 peak, FLOP/s
-    libtpu: str  # the libtpu version that compiled it
-    compile_s: float  # the compile's seconds on this machine (with the dumps)
-
-    @property
-    def flops(self) -> int:
-        m, k, n = self.shape
-        return 2 * m * k * n
-
-    @property
-    def clock_hz(self) -> float:
-        """The clock at which `bundles` cycles do `flops` at `peak_flops`."""
-        return self.peak_flops * self.bundles / self.flops
-
-    def row(self) -> dict:
-        """The record of data/clock_probes.json."""
-        return dict(chip=self.chip, shape=list(self.shape), bundles=self.bundles,
-                    total_bundles=self.total_bundles, mxus=list(self.mxus),
-                    flops=self.flops, peak_flops=self.peak_flops,
-                    clock_hz=self.clock_hz, libtpu=self.libtpu,
-                    compile_s=round(self.compile_s, 2))
-
-
-def probe_clock(chip: str | ChipSpec, shape: tuple[int, int, int] = CLOCK_PROBE_SHAPE, *,
-                timeout: float = 300.0) -> ClockProbe:
-    """Compile the `ClockProbe` matmul of `shape` for one TensorCore of `chip` with the
-    dumps on (`compile_with_dumps`) and read its bundles. Raises ValueError for a GPU or a
-    shape that is not three positive multiples of 128, RuntimeError if it does not compile
-    or its schedule is not straight-line (a loop: bundles would not be cycles)."""
-    spec = chip_spec(chip) if isinstance(chip, str) else chip
-    if spec.kind != "tpu":
-        raise ValueError(f"chip={spec.name!r} is a {spec.kind}: no TPU schedule to probe")
-    if len(shape) != 3 or not all(isinstance(d, int) and d > 0 and d % 128 == 0
-                                  for d in shape):
-        raise ValueError(f"shape={shape!r} must be (M, K, N), positive multiples of 128")
-    with tempfile.TemporaryDirectory(prefix="mk-clock-") as folder:
-        start = time.perf_counter()
-        jf = compile_with_dumps(_COMPILE_MATMUL, [spec.name, *shape], folder, phases=False,
-                                timeout=timeout)
-        seconds = time.perf_counter() - start
-        found = read_bundles(dump_file(jf, "mk_clock_probe", "final_bundles.txt").read_text())
-    if any(b.mark == "LB" for b in found):
-        raise RuntimeError(f"the clock probe on {spec.name} compiled to a loop: its "
-                           "bundles are not its cycles")
-    mxu = [i for i, b in enumerate(found) if any(map(_drives_mxu, b.ops))]
-    if not mxu:
-        raise RuntimeError(f"the clock probe on {spec.name} drives no MXU")
-    ids = sorted({int(i) for b in found for o in b.ops for i in _MXU_ID.findall(o)})
-    return ClockProbe(spec.name, tuple(shape), mxu[-1] - mxu[0] + 1, len(found), tuple(ids),
-                      spec.bf16_flops / spec.tensorcores_per_chip,
-                      importlib.metadata.version("libtpu"), seconds)
-
-
-def recorded_clock_probes(path=CLOCK_PROBES) -> dict[str, dict]:
-    """The recorded `ClockProbe.row`s by chip (data/clock_probes.json)."""
-    return {r["chip"]: r for r in json.loads(Path(path).read_text(encoding="utf-8"))}

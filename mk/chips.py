@@ -19,7 +19,7 @@ the range spans the two estimates in the row's notes, which say which end is whi
 the datasheet derivation (`ChipSpec.datasheet_clock_hz`: the bf16 peak over TensorCores x
 MXUs x mxu_rows^2 x 2 FLOP, one activation row per MXU per cycle); the other is the clock
 at which libtpu's own schedule of one bf16 matmul would run at that peak
-(`mk.bundles.probe_clock`, recorded with the libtpu version in data/clock_probes.json and
+(`mk.probes.probe_clock`, recorded with the libtpu version in data/clock_probes.json and
 re-checked by tests/test_bundles.py).
 
 Not here: anything derived from a model (bytes, FLOPs, floors: `mk.perf`), measured or

@@ -6,7 +6,7 @@ costs the TensorCore depends on the chip, on how the weight is stored (bf16 or a
 (the feed) and on M. `benchmarks/tile_feed_costs.py` measures it: for each row it compiles
 the stage-01 ring kernel (`mk.kernels.weight_streaming.stream_matmul`, the same
 `Ring.matmul` as the megakernel) over one weight matrix with libtpu's bundle dump on
-(`mk.bundles.probe_tile`) and counts the bundles of one trip of its steady per-tile loop.
+(`mk.probes.probe_tile`) and counts the bundles of one trip of its steady per-tile loop.
 One bundle issues per cycle, so bundles per trip / the clock is one tile's issue time, a
 lower bound on the compute lane's time per tile (stalls are not in the count).
 
@@ -21,7 +21,7 @@ of the chip's clock range. `mk.sim` charges every weight tile so and `mk.perf`'s
 floor sums the same; the MXU rule (`mk.perf.mxu_flops`) is left as a labelled bound.
 
 Approximation: a row is measured at one tile (the stage kernel's default tiling of the
-probe matrix, `mk.bundles.TILE_PROBE_SHAPE`) and applied per element to tiles of other
+probe matrix, `mk.probes.TILE_PROBE_SHAPE`) and applied per element to tiles of other
 sizes; part of a trip is fixed per tile (the ring's bookkeeping), so a much smaller tile
 costs more per element than the table says.
 

@@ -29,7 +29,7 @@ Modelling assumptions (`Assumptions` holds the numbers; none is fitted to a meas
   `source` says which); `simulate` uses them only when passed them.
 - Compute is one in-order lane. A weight tile [tk, tn] of the ring against M rows costs
   what the tile cost table says (`mk.feed_costs`, measured by compiling the ring kernel's
-  own per-tile loop: `mk.bundles.probe_tile`): its bundles per element for the chip, the
+  own per-tile loop: `mk.probes.probe_tile`): its bundles per element for the chip, the
   weight's storage (its segment's scheme, or the format it is charged in, else the
   plain dtype), the segment's feed (the plan's `feeds`) and M rounded up to the next
   recorded M bucket, x tk*tn / the chip's clock at the `Assumptions.clock` end of its

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import mk
-from mk import bundles, ledger, perf, sim
+from mk import bundles, ledger, perf, probes, sim
 from mk.kernels.common import SLOTS
 from mk.kernels.plan import RING_COVER_S, DecodePlan, little_slots
 
@@ -313,7 +313,7 @@ def test_a_failing_or_late_child_is_reported_with_its_stderr_tail(tmp_path):
 
 
 # -- The clock a schedule implies ------------------------------------------------------------
-CLOCK_PROBES = json.loads(bundles.CLOCK_PROBES.read_text())
+CLOCK_PROBES = json.loads(probes.CLOCK_PROBES.read_text())
 
 
 @pytest.mark.parametrize("row", CLOCK_PROBES, ids=lambda r: r["chip"])
@@ -322,7 +322,7 @@ def test_the_recorded_schedule_implied_clock_is_libtpus_today(row):
     clock range in chips.csv) against a fresh compile (~5 s a chip): a libtpu that
     schedules the probe matmul in other bundles, or addresses other MXUs, fails here
     (then rerun the benchmark and update chips.csv's ends and notes)."""
-    probe = bundles.probe_clock(row["chip"], tuple(row["shape"]))
+    probe = probes.probe_clock(row["chip"], tuple(row["shape"]))
     assert (probe.bundles, list(probe.mxus)) == (row["bundles"], row["mxus"]), (
         f"libtpu {probe.libtpu} (recorded with {row['libtpu']}): {probe.row()}")
     assert probe.clock_hz == pytest.approx(row["clock_hz"], rel=1e-12)
@@ -335,12 +335,12 @@ def test_the_clock_probe_measures_the_mxu_span_of_a_straight_line_matmul():
     asked of a GPU or a shape the MXU does not tile."""
     tpu7x = next(r for r in CLOCK_PROBES if r["chip"] == "tpu7x")
     m, k, n = tpu7x["shape"]
-    probe = bundles.probe_clock("tpu7x", (m, k // 2, n))
+    probe = probes.probe_clock("tpu7x", (m, k // 2, n))
     assert 2 * probe.flops == tpu7x["flops"] and probe.bundles < tpu7x["bundles"]
     assert probe.total_bundles >= probe.bundles
     assert probe.clock_hz == pytest.approx(probe.peak_flops * probe.bundles / probe.flops)
     assert probe.peak_flops == mk.chip("tpu7x").bf16_flops / 2
     with pytest.raises(ValueError, match="h200.*gpu"):
-        bundles.probe_clock("h200")
+        probes.probe_clock("h200")
     with pytest.raises(ValueError, match=r"shape=\(512, 100, 512\)"):
-        bundles.probe_clock("v6e", (512, 100, 512))
+        probes.probe_clock("v6e", (512, 100, 512))

@@ -1,6 +1,6 @@
 """mk.feed_costs: the tile cost table (data/tile_feed_costs.json) that the simulator and
 mk.perf's compute floor read, its lookup, and its re-check against a fresh compile of the
-ring kernel's per-tile loop (`mk.bundles.probe_tile`: one cheap row in CI, ~10 s; every
+ring kernel's per-tile loop (`mk.probes.probe_tile`: one cheap row in CI, ~10 s; every
 row under `slow`, ~15 min)."""
 
 import json
@@ -8,7 +8,7 @@ import json
 import pytest
 
 import mk
-from mk import bundles, feed_costs, perf, sim
+from mk import feed_costs, perf, probes, sim
 from mk.kernels.one_layer import model_block
 from mk.kernels.plan import padded_vocab, shard_weight_elements
 
@@ -24,7 +24,7 @@ def _differences(fresh: feed_costs.FeedCost, row: dict) -> dict:
 
 
 def _recheck(row: dict) -> None:
-    fresh = bundles.probe_tile(row["chip"], row["dtype"], row["m"], row["feed"],
+    fresh = probes.probe_tile(row["chip"], row["dtype"], row["m"], row["feed"],
                                shape=tuple(row["shape"]))
     assert not _differences(fresh, row), (
         f"libtpu {fresh.libtpu} (recorded with {row['libtpu']}): {_differences(fresh, row)}; "
@@ -45,7 +45,7 @@ def test_a_recorded_row_is_todays_compile_and_a_tampered_one_is_caught(tmp_path)
     comparison flags a row whose bundles were changed, and the reader refuses a row whose
     derived bundles per Mi no longer follow from its bundles."""
     row = next(r for r in ROWS if (r["chip"], r["dtype"], r["m"]) == ("tpu7x", "bf16", 8))
-    fresh = bundles.probe_tile("tpu7x", "bf16", 8)
+    fresh = probes.probe_tile("tpu7x", "bf16", 8)
     assert not _differences(fresh, row), _differences(fresh, row)
     tampered = dict(row, bundles=row["bundles"] - 40)
     assert set(_differences(fresh, tampered)) == {"bundles"}
@@ -75,9 +75,9 @@ def test_the_lookup_rounds_m_up_to_a_bucket_and_names_what_is_missing():
         feed_costs.weight_dtype("float32", None)
     assert feed_costs.weight_dtype("bfloat16", "fp4") == "fp4"
     with pytest.raises(ValueError, match=r"feed='fp8': v6e's kernel does not feed fp8"):
-        bundles.probe_tile("v6e", "fp8", 1, "fp8")
+        probes.probe_tile("v6e", "fp8", 1, "fp8")
     with pytest.raises(ValueError, match=r"feed='fp8': tpu7x's kernel does not feed int8"):
-        bundles.probe_tile("tpu7x", "int8", 1, "fp8")
+        probes.probe_tile("tpu7x", "int8", 1, "fp8")
 
 
 def _tile_events(run, name):

@@ -17,7 +17,7 @@ steps every stage wrapper takes for the weights it streams, whether plain or qua
 are here too: `stage_block` (its default tiling), `weight_stream` (the stream, with each
 quantised family's scheme) and `ring_weights` (the weights in the ring's layout, with a
 BlockSpec per array). `stream_matmul_block` is this kernel's default tiling (what
-`mk.bundles.probe_tile` compiles the tile cost table's rows at).
+`mk.probes.probe_tile` compiles the tile cost table's rows at).
 
 Not here: the ring mechanics (`mk.kernels.ring`), fused layers (`one_layer`).
 """
@@ -39,7 +39,7 @@ from mk.kernels.ring import Ring, TileStream, ring_buffers, ring_layout
 
 # Rows this stage kernel takes: a decode step's MAX_ROWS (mk.config) up to one pass of the
 # largest MXU (256 rows on v6e and TPU7x), the largest M of the tile cost table
-# (`mk.feed_costs`, measured on this kernel by `mk.bundles.probe_tile`).
+# (`mk.feed_costs`, measured on this kernel by `mk.probes.probe_tile`).
 STAGE_ROWS = 256
 
 
