@@ -266,7 +266,7 @@ def check_tokens(what: str, got, want) -> None:
 
 
 def check_ring_depth(sim, deep, *, tolerance: float = 0.05) -> float:
-    """`sim` and `deep` are simulated steps (`mk.sim.Simulation`) of one configuration,
+    """`sim` and `deep` are simulated steps (`mk.machine.Simulation`) of one configuration,
     `deep` with a ring as deep as Little's law asks (`mk.sim.latency_slots`). Returns
     sim's step / deep's; raises when `sim` is more than `tolerance` slower: its ring holds
     too few bytes in flight to cover the DMA latency, and HBM idles ("ring empty")."""

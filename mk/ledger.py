@@ -24,7 +24,8 @@ from mk.presets import preset as named_preset
 from mk.published import Published, published
 from mk.kernels.plan import shard_config
 from mk.kinds.layers import layer_kinds
-from mk.sim import Assumptions, Simulation, simulate, tile_seconds
+from mk.machine import Simulation
+from mk.sim import Assumptions, simulate, tile_seconds
 
 TERMS = {
     "published": "a number of data/published.csv as the release states it (tokens/s), and "

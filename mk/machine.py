@@ -8,7 +8,8 @@ each compute phase `Machine.compute`, each wait `Machine.wait`. Intervals are me
 runs of one (layer, what) as they happen; `Machine.shift` fast-forwards repetitions of a
 run of identical tiles exactly. Not here: what is issued and computed when (`mk.sim`'s
 replay and the layer kinds' twins, `mk.kinds`), the numbers of the model
-(`mk.sim.Assumptions`), the result of a step (`mk.sim.Simulation`).
+(`mk.sim.Assumptions`). Also here: `Simulation`, the result of one simulated step (its
+events, bubbles, bytes and the views on them), which `mk.sim.simulate` returns.
 
 Bubble causes (HBM idle intervals): "step start" (before the first tile lands), "layer
 boundary" (the next layer's tiles issued late: cross-layer prefetch off, or after an MoE
@@ -26,6 +27,14 @@ reaches it).
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
+
+from mk.kernels.plan import family_of
+
+if TYPE_CHECKING:
+    from mk.kernels.common import BlockSizes
+    from mk.kernels.plan import DecodePlan
+    from mk.sim import Assumptions
 
 CAUSES = ("step start", "layer boundary", "routing", "attention", "lm_head", "collective",
           "compute", "vector", "ring empty", "step end", "skipped mixer")
@@ -237,3 +246,81 @@ class Machine:
         """The classified HBM-idle runs as `Bubble`s (layers as `event_records`)."""
         return tuple(Bubble(a, b, cause, _layer(layer, layers), idle)
                      for a, b, cause, layer, idle in self.bubbles)
+
+
+# -- The result of a simulated step ----------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Simulation:
+    """One simulated decode step on one device (the busiest, with expert parallelism)."""
+
+    config_name: str
+    chip_name: str
+    batch: int
+    rows: int
+    context: int
+    tp: int
+    block: BlockSizes
+    cross_layer_prefetch: bool
+    experts_active: int  # per MoE layer on this device; 0 for a dense model
+    hbm_bandwidth: float  # bytes/s of this device's DMA engine
+    step_s: float
+    dma_bytes: float
+    weight_bytes: float  # of the DMA bytes: weight tiles, routers
+    events: tuple[Event, ...]
+    bubbles: tuple[Bubble, ...]
+    assumptions: Assumptions
+    plan: DecodePlan | None = None  # what was replayed (None for `replay_matmul`)
+
+    def family_bytes(self) -> dict[str, float]:
+        """DMA bytes per byte family (`mk.kernels.plan.family_of`); the flags' local
+        VMEM -> SMEM copy ("selected") is not HBM traffic and is left out."""
+        out: dict[str, float] = {}
+        for e in self.events:
+            if e.lane == "dma" and e.what != "selected":
+                family = family_of(e.what)
+                out[family] = out.get(family, 0.0) + e.bytes
+        return out
+
+    @property
+    def hbm_utilisation(self) -> float:
+        """Bytes moved / (bandwidth x step time): the DMA engine's busy share."""
+        return self.dma_bytes / self.hbm_bandwidth / self.step_s
+
+    @property
+    def hbm_floor_s(self) -> float:
+        return self.dma_bytes / self.hbm_bandwidth
+
+    @property
+    def compute_s(self) -> float:
+        """The compute lane's busy time (weight tiles at the tile cost table or the recorded
+        loop, the other products at the MXU rule, vector work, collectives): the step's
+        critical path where HBM never holds the lane up, so a step is at least
+        max(hbm_floor_s, compute_s)."""
+        return sum(e.busy_s for e in self.events if e.lane == "compute")
+
+    @property
+    def step_ms(self) -> float:
+        return 1e3 * self.step_s
+
+    def bubble_share(self) -> dict[str, float]:
+        """{cause: seconds of HBM idle time}, largest first."""
+        out: dict[str, float] = {}
+        for b in self.bubbles:
+            out[b.cause] = out.get(b.cause, 0.0) + b.idle_s
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+    def tokens_per_s_per_user(self, accepted: float | None = None) -> float:
+        """Tokens each sequence keeps per second, `accepted` (default T) per step."""
+        return (self.rows if accepted is None else accepted) / self.step_s
+
+    def table(self, kind: str = "events") -> list[dict]:
+        """The events or the bubbles as dicts (times in microseconds), for a table."""
+        if kind not in ("events", "bubbles"):
+            raise ValueError(f"kind={kind!r} must be 'events' or 'bubbles'")
+        us = 1e6
+        if kind == "bubbles":
+            return [dict(start_us=b.start_s * us, end_us=b.end_s * us, cause=b.cause,
+                         layer=b.layer, idle_us=b.idle_s * us) for b in self.bubbles]
+        return [dict(lane=e.lane, start_us=e.start_s * us, end_us=e.end_s * us,
+                     layer=e.layer, what=e.what, busy_us=e.busy_s * us, count=e.count,
+                     MB=e.bytes / 1e6) for e in self.events]

@@ -4,7 +4,7 @@ Here: `roofline`, `bytes_breakdown`, `published_vs_floor` (figures built from nu
 records that `mk.perf` computed), `tile_stream` (the ring's schedule, drawn from the
 `TileStream` the kernel executes), `timeline`, `collective_timeline` (one collective of a
 tensor-parallel step and what the ring loads meanwhile), `bubble_bars`, `sweep_lines` (a
-`mk.sim.Simulation`, its bubbles, a design sweep), `lines` (named series against one x),
+`mk.machine.Simulation`, its bubbles, a design sweep), `lines` (named series against one x),
 `tpu_picture` (one TPU chip's memories, units and paths, from its `ChipSpec`), `ring_gantt`
 (the ring rule slot by slot in time, one frame per ring depth, from
 `mk.teach.ring_schedule`), `kv_tile_map` (the KV tiles each ragged sequence reads, writes
@@ -419,7 +419,7 @@ def timeline(sims, *, layers: tuple[int, int] | None = None,
              window_s: tuple[float, float] | None = None, title: str = "") -> go.Figure:
     """The simulated timeline: per simulation, a DMA lane, a compute lane and an HBM-idle
     lane (bubbles coloured by cause; the colours of `CATEGORY_COLOURS` and `IDLE_COLOURS`
-    in every notebook); `sims` is one `mk.sim.Simulation` or {label: sim}. A bar spans a
+    in every notebook); `sims` is one `mk.machine.Simulation` or {label: sim}. A bar spans a
     run of merged intervals; its opacity is the share of that span the lane was busy (or
     HBM idle), so a run that is idle 44 % of its span is not drawn solid. The legend keeps
     `LEGEND_ENTRIES`: every busy category, then the idle causes with the most idle time
@@ -490,7 +490,7 @@ def timeline(sims, *, layers: tuple[int, int] | None = None,
 
 
 def collective_timeline(sim, *, index: int, pad: float = 0.5, title: str = "") -> go.Figure:
-    """`timeline` around the `index`-th collective of a tensor-parallel `mk.sim.Simulation`
+    """`timeline` around the `index`-th collective of a tensor-parallel `mk.machine.Simulation`
     (its "collective" compute events in program order: per layer the all-reduce after
     attention or the mixer, then after the MLP; the argmax's gather last): the compute
     lane blocked on it, the DMA lane loading the ring's next tiles meanwhile, HBM idle

@@ -11,11 +11,11 @@ the absorption), the KV stream of `attend` (MLA's latent tiles), wo (or a linear
 layer's mixer: the gated DeltaNet's or Kimi Delta Attention's projections, gates, conv and
 delta rule), the dense MLP or the router (Kimi's sigmoid router with its bias), a shared
 expert, expert selection and the expert slots, then the lm_head and argmax. Every
-`start(g)` / `wait(g)` of the kernel is a DMA issue / a compute-lane wait here, with the kernel's rule: consuming tile g issues tile
-g + slots, a switched-off segment's tiles are neither loaded nor waited for, expert tiles
-issued before routing are no-ops, `ring.skip` issues the tiles past the off expert slots.
-The result, `Simulation`, has the step time, the HBM utilisation, a timeline of DMA and
-compute events and the bubbles (HBM idle) with their causes (`mk.machine`: the DMA engine
+`start(g)` / `wait(g)` of the kernel is a DMA issue / a compute-lane wait here, with the
+kernel's rule: consuming tile g issues tile g + slots, a switched-off segment's tiles are
+neither loaded nor waited for, expert tiles issued before routing are no-ops, `ring.skip`
+issues the tiles past the off expert slots. The result, `mk.machine.Simulation`, has the
+step time, the HBM utilisation, a timeline of DMA and compute events and the bubbles (HBM idle) with their causes (`mk.machine`: the DMA engine
 and the compute lane they are replayed on, its records and the causes).
 
 Modelling assumptions (`Assumptions` holds the numbers; none is fitted to a measurement):
@@ -82,8 +82,8 @@ Modelling assumptions (`Assumptions` holds the numbers; none is fitted to a meas
   the kernel.
 
 Here: `Assumptions`, `tile_seconds` (each ring segment's tile cost), `active_experts`,
-`latency_slots` (Little's law), `simulate` -> `Simulation` (with its bytes per family),
-`replay_matmul` (a stream of plain matmuls: the synthetic case with a closed
+`latency_slots` (Little's law), `simulate` -> `mk.machine.Simulation` (with its bytes per
+family), `replay_matmul` (a stream of plain matmuls: the synthetic case with a closed
 form). Not here: the DMA engine and the compute lane, their records and the bubble
 causes (`mk.machine`), each layer kind's twin (`mk.kinds`), design sweeps and the
 published numbers (`mk.review`), drawing (`mk.plots.timeline`, `bubble_bars`,
@@ -104,11 +104,11 @@ from mk.chips import CLOCK_ENDS, ChipSpec, chip as named_chip
 from mk.config import DTYPE_BITS, ModelConfig, check_formats, positive_int
 from mk.kernels.common import BlockSizes
 from mk.kernels.mlp import expert_slots
-from mk.kernels.plan import DecodePlan, family_of, little_slots
+from mk.kernels.plan import DecodePlan, little_slots
 from mk.kernels.ring import TileStream
 from mk.kinds.base import LAYER_PHASES
 from mk.kinds.layers import KINDS, kind_at, layer_kinds
-from mk.machine import Bubble, Event, Machine
+from mk.machine import Machine, Simulation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -439,84 +439,6 @@ class _Kernel:
             self.prime_layer(self.layered, "layer boundary")
         for seg in self.s.tail:
             self.matmul(seg.name)
-
-
-# -- The result ----------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Simulation:
-    """One simulated decode step on one device (the busiest, with expert parallelism)."""
-
-    config_name: str
-    chip_name: str
-    batch: int
-    rows: int
-    context: int
-    tp: int
-    block: BlockSizes
-    cross_layer_prefetch: bool
-    experts_active: int  # per MoE layer on this device; 0 for a dense model
-    hbm_bandwidth: float  # bytes/s of this device's DMA engine
-    step_s: float
-    dma_bytes: float
-    weight_bytes: float  # of the DMA bytes: weight tiles, routers
-    events: tuple[Event, ...]
-    bubbles: tuple[Bubble, ...]
-    assumptions: Assumptions
-    plan: DecodePlan | None = None  # what was replayed (None for `replay_matmul`)
-
-    def family_bytes(self) -> dict[str, float]:
-        """DMA bytes per byte family (`mk.kernels.plan.family_of`); the flags' local
-        VMEM -> SMEM copy ("selected") is not HBM traffic and is left out."""
-        out: dict[str, float] = {}
-        for e in self.events:
-            if e.lane == "dma" and e.what != "selected":
-                family = family_of(e.what)
-                out[family] = out.get(family, 0.0) + e.bytes
-        return out
-
-    @property
-    def hbm_utilisation(self) -> float:
-        """Bytes moved / (bandwidth x step time): the DMA engine's busy share."""
-        return self.dma_bytes / self.hbm_bandwidth / self.step_s
-
-    @property
-    def hbm_floor_s(self) -> float:
-        return self.dma_bytes / self.hbm_bandwidth
-
-    @property
-    def compute_s(self) -> float:
-        """The compute lane's busy time (weight tiles at the tile cost table or the recorded
-        loop, the other products at the MXU rule, vector
-        work, collectives): the step's critical path where HBM never holds the lane up, so
-        a step is at least max(hbm_floor_s, compute_s)."""
-        return sum(e.busy_s for e in self.events if e.lane == "compute")
-
-    @property
-    def step_ms(self) -> float:
-        return 1e3 * self.step_s
-
-    def bubble_share(self) -> dict[str, float]:
-        """{cause: seconds of HBM idle time}, largest first."""
-        out: dict[str, float] = {}
-        for b in self.bubbles:
-            out[b.cause] = out.get(b.cause, 0.0) + b.idle_s
-        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
-
-    def tokens_per_s_per_user(self, accepted: float | None = None) -> float:
-        """Tokens each sequence keeps per second, `accepted` (default T) per step."""
-        return (self.rows if accepted is None else accepted) / self.step_s
-
-    def table(self, kind: str = "events") -> list[dict]:
-        """The events or the bubbles as dicts (times in microseconds), for a table."""
-        if kind not in ("events", "bubbles"):
-            raise ValueError(f"kind={kind!r} must be 'events' or 'bubbles'")
-        us = 1e6
-        if kind == "bubbles":
-            return [dict(start_us=b.start_s * us, end_us=b.end_s * us, cause=b.cause,
-                         layer=b.layer, idle_us=b.idle_s * us) for b in self.bubbles]
-        return [dict(lane=e.lane, start_us=e.start_s * us, end_us=e.end_s * us,
-                     layer=e.layer, what=e.what, busy_us=e.busy_s * us, count=e.count,
-                     MB=e.bytes / 1e6) for e in self.events]
 
 
 def _tpu(chip) -> ChipSpec:

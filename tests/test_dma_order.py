@@ -13,7 +13,7 @@ the same bytes, in the same sequence. Only two things are normalised:
 - the simulator's "selected" (the routing flags' VMEM -> SMEM copy) is dropped: it is
   not HBM traffic, the kernel makes it without `start_dma` (as it makes a linear layer's
   gates' VMEM -> SMEM copies, which the simulator does not model), and
-  `mk.sim.Simulation.family_bytes` leaves it out too;
+  `mk.machine.Simulation.family_bytes` leaves it out too;
 - a repeated segment's copy ("we_gate[1]" in the simulator) goes by its segment's name
   (the kernel's record).
 No phase is compared as a multiset: where the kernel issues several DMAs at one point (a
