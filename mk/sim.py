@@ -15,8 +15,9 @@ expert, expert selection and the expert slots, then the lm_head and argmax. Ever
 kernel's rule: consuming tile g issues tile g + slots, a switched-off segment's tiles are
 neither loaded nor waited for, expert tiles issued before routing are no-ops, `ring.skip`
 issues the tiles past the off expert slots. The result, `mk.machine.Simulation`, has the
-step time, the HBM utilisation, a timeline of DMA and compute events and the bubbles (HBM idle) with their causes (`mk.machine`: the DMA engine
-and the compute lane they are replayed on, its records and the causes).
+step time, the HBM utilisation, a timeline of DMA and compute events and the bubbles
+(HBM idle) with their causes (`mk.machine`: the DMA engine and the compute lane they are
+replayed on, its records and the causes).
 
 Modelling assumptions (`Assumptions` holds the numbers; none is fitted to a measurement):
 - One DMA engine per device, first in first out, at `hbm_share` x the device's datasheet
