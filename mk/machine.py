@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from mk.kernels.plan import family_of
+from mk.step_bytes import family_of
 
 if TYPE_CHECKING:
     from mk.kernels.common import BlockSizes
@@ -272,7 +272,7 @@ class Simulation:
     plan: DecodePlan | None = None  # what was replayed (None for `replay_matmul`)
 
     def family_bytes(self) -> dict[str, float]:
-        """DMA bytes per byte family (`mk.kernels.plan.family_of`); the flags' local
+        """DMA bytes per byte family (`mk.step_bytes.family_of`); the flags' local
         VMEM -> SMEM copy ("selected") is not HBM traffic and is left out."""
         out: dict[str, float] = {}
         for e in self.events:

@@ -28,7 +28,7 @@ many).
 
 Assumptions, each stated where it is used:
 - Weights are counted as the kernel streams them: each of the tp devices moves its shard
-  of `mk.kernels.plan` (`shard_weight_bytes` with the default tiles, the bytes `mk.sim`
+  of `mk.step_bytes` (`shard_weight_bytes` with the default tiles, the bytes `mk.sim`
   replays and the kernel's own DMAs move, checked in tests/test_plan.py: widths padded to
   whole tiles, norms in float32, the router on every device); the KV cache moves each
   device's kv heads (replicated when tp > K). So tp must be a split the kernel can make
@@ -85,11 +85,11 @@ from mk.chips import ChipSpec, chip as named_chip
 from mk.config import DTYPE_BITS, ModelConfig, check_formats, positive_int
 from mk.kernels.collectives import PARTIAL_SUM_BYTES, allreduce_s
 from mk.kernels.one_layer import model_block
-from mk.kernels.plan import (QUANT_FAMILY, packed_formats, padded_vocab, shard_config,
-                             shard_weight_bytes, shard_weight_elements)
+from mk.kernels.plan import packed_formats, padded_vocab, shard_config
 from mk.kinds.base import ROLES
 from mk.kinds.layers import kind_at, layer_kinds
 from mk.quant import stored_bytes
+from mk.step_bytes import QUANT_FAMILY, shard_weight_bytes, shard_weight_elements
 from mk.unpack import choose_feeds
 
 ROUTINGS = ("uniform", "shared", "disjoint")
@@ -294,7 +294,7 @@ def predict(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: 
     `collectives=False` leaves the all-reduces out (a pure floor); `formats`
     ({"dense": "int8", ...}; default `config.formats`, {} for none) stores those groups
     in mk.quant's schemes, packed data plus scales per tile of the default tiling
-    (`mk.kernels.plan.shard_weight_bytes`).
+    (`mk.step_bytes.shard_weight_bytes`).
     """
     spec = named_chip(chip) if isinstance(chip, str) else chip
     context = config.max_context if context is None else context

@@ -8,7 +8,7 @@ the megakernel is `sequenced`: its records are chained through an SMEM counter, 
 interpret mode runs a kernel's host callbacks in no fixed order). The simulator replays
 the same plan tile by tile (its fast-forward off) with every transfer recorded
 (`mk.machine.Machine.issued`). The two lists of (what, bytes) must be equal element by
-element: the same DMA names (so the same byte families, `mk.kernels.plan.family_of`),
+element: the same DMA names (so the same byte families, `mk.step_bytes.family_of`),
 the same bytes, in the same sequence. Only two things are normalised:
 - the simulator's "selected" (the routing flags' VMEM -> SMEM copy) is dropped: it is
   not HBM traffic, the kernel makes it without `start_dma` (as it makes a linear layer's
@@ -43,7 +43,8 @@ import pytest
 import mk
 from mk import backend, machine, megakernel, reference, sim
 from mk.kernels.common import dma_log
-from mk.kernels.plan import DecodePlan, family_of
+from mk.kernels.plan import DecodePlan
+from mk.step_bytes import family_of
 from mk.kinds import mlp as kinds_mlp
 from builders import replay_tile_by_tile
 

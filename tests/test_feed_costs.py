@@ -10,7 +10,8 @@ import pytest
 import mk
 from mk import feed_costs, perf, probes, sim
 from mk.kernels.one_layer import model_block
-from mk.kernels.plan import padded_vocab, shard_weight_elements
+from mk.kernels.plan import padded_vocab
+from mk.step_bytes import shard_weight_elements
 
 ROWS = json.loads(feed_costs.FEED_COSTS.read_text())
 CHECKED = ("chip", "dtype", "feed", "m", "shape", "tile", "tile_bytes", "bundles",

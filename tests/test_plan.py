@@ -24,10 +24,10 @@ from mk import shards
 from mk import tensor_parallel as tpar
 from mk.kernels.collectives import tp_mesh
 from mk.kernels.common import VMEM_HEADROOM, VMEM_ROOM, BlockSizes, Cut, dma_log
-from mk.kernels.plan import (RING_COVER_S, WEIGHT_FAMILIES, DecodePlan, capacity,
-                             default_block, family_of, little_slots, ring_slots,
-                             ring_cover_s, shard_config)
+from mk.kernels.plan import (RING_COVER_S, DecodePlan, capacity, default_block,
+                             little_slots, ring_slots, ring_cover_s, shard_config)
 from mk.kernels.ring import TileStream
+from mk.step_bytes import WEIGHT_FAMILIES, family_of
 from multidevice import run
 
 POSITION = 37  # the one sequence's cached positions before its new row

@@ -1,0 +1,88 @@
+"""The bytes one device's decode step moves, by byte family.
+
+A byte family is a `mk.weights.FAMILIES` row's `family` (attention, experts, lm_head, the
+norms, ...) for a weight, and one of `STEP_FAMILIES` for the step's other DMAs (KV rows,
+the linear layers' states); `family_of` names the family of a DMA by its name, the way
+`mk.kernels.plan`, `mk.sim`, `mk.machine.Simulation` and the tests sum bytes.
+`shard_weight_elements` counts the weight elements of a shard (`mk.kernels.plan.shard_config`)
+by family from its layer kinds (`Kind.streamed`), `bytes_per_element` prices them
+(`local.dtype`, float32 norms, a quantised group's `mk.quant.tile_bytes` per element of
+its tile) and `shard_weight_bytes` multiplies the two: the bytes `DecodePlan`, `mk.sim`
+(through the plan) and `mk.perf` count. `QUANT_FAMILY` maps a byte family to its format
+group. Not here: the plan and its tiling (`mk.kernels.plan`), time (`mk.sim`, `mk.perf`).
+"""
+
+from __future__ import annotations
+
+from mk import quant
+from mk.config import DTYPE_BITS, ModelConfig, check_formats
+from mk.kernels.common import BlockSizes
+from mk.kinds.layers import layer_kinds
+from mk.weights import FAMILIES, FAMILY, FORMAT_GROUP
+
+# The byte families of one step's weights (`mk.weights.FAMILIES` but the embedding, whose
+# rows are gathered outside the kernel); a weight's is its row's `family`.
+WEIGHT_FAMILIES = tuple(f for f in FAMILIES if f != "embed")
+# The step's DMAs that are not weights of the table, by byte family: a layer's norm rows
+# (attn and mlp norm, q and k norm), KV rows, and the linear layers' conv and recurrent
+# states (read once, written after every row).
+STEP_FAMILIES = {"norms": ("norms", "qk_norms"),
+                 "kv_read": ("k_tile", "v_tile"), "kv_write": ("k_write_back", "v_write_back"),
+                 "state_read": ("state_load", "conv_load"),
+                 "state_write": ("state_rows", "conv_rows")}
+# The format group (`mk.weights.FORMAT_GROUPS`) of each byte family that holds quantisable
+# weights; the router and the norms stay in their dtypes.
+QUANT_FAMILY = {FAMILY[name]: group for name, group in FORMAT_GROUP.items()}
+
+
+def family_of(what: str) -> str:
+    """The byte family of a DMA named `what` ("wq", "we_gate[3]", "k_tile", ...)."""
+    name = what.split("[")[0]
+    if name in FAMILY:
+        return FAMILY[name]
+    for family, names in STEP_FAMILIES.items():
+        if name in names:
+            return family
+    raise KeyError(f"no byte family holds {what!r}")
+
+
+def shard_weight_bytes(local: ModelConfig, vocab: int, experts: float, formats=None,
+                       block: BlockSizes | None = None) -> dict[str, float]:
+    """Bytes each weight family moves in one step on one device holding `local` (a
+    `shard_config`), as the kernel streams them: every matrix of the shard (widths padded
+    to tiles), the lm_head's `vocab` columns (padded to tiles), the norm vectors in
+    float32, `experts` active experts per MoE layer; in `local.dtype` but the families of
+    `formats` ({group: mk.quant scheme}; default `local.formats`), whose tiles of `block`
+    carry their scales (`mk.quant.tile_bytes`: FP4 half a byte a value and a byte of
+    scale per 32). What `DecodePlan`, `mk.sim` (through the plan) and `mk.perf` count."""
+    per = bytes_per_element(local, formats, block)
+    return {f: n * per[f] for f, n in shard_weight_elements(local, vocab, experts).items()}
+
+
+def bytes_per_element(local: ModelConfig, formats=None,
+                       block: BlockSizes | None = None) -> dict[str, float]:
+    """Bytes per weight element of each weight family (`shard_weight_bytes`)."""
+    formats = check_formats(local, local.formats if formats is None else formats)
+    per = {f: 4 if f == "norms" else DTYPE_BITS[local.dtype] / 8 for f in WEIGHT_FAMILIES}
+    for family, scheme in formats.items():
+        if block is None:
+            raise ValueError(f"formats={formats}: quantised bytes need the tiling (block)")
+        tile = block.tile_rows * block.tile_cols
+        per |= {f: quant.tile_bytes(scheme, block.tile_rows, block.tile_cols) / tile
+                for f, q in QUANT_FAMILY.items() if q == family}
+    return per
+
+
+def shard_weight_elements(local: ModelConfig, vocab: int, experts: float) -> dict[str, float]:
+    """Elements of each weight family one device streams in a step (`shard_weight_bytes`):
+    each layer kind's (`Kind.streamed`), the norm vectors as `mk.megakernel.prepare` lays
+    them out (two of D and the q/k norms' two of H per layer, the final norm) and the
+    lm_head's `vocab` columns."""
+    D, H = local.hidden, local.head_dim
+    out = dict.fromkeys(WEIGHT_FAMILIES, 0)
+    out["norms"] = local.layers * 2 * (D + H) + D
+    out["lm_head"] = D * vocab
+    for kind in layer_kinds(local):
+        for family, n in kind.streamed(experts).items():
+            out[family] += len(kind.layers) * n
+    return out
