@@ -105,7 +105,7 @@ from mk.chips import CLOCK_ENDS, ChipSpec, chip as named_chip
 from mk.config import DTYPE_BITS, ModelConfig, check_formats, positive_int
 from mk.kernels.common import BlockSizes
 from mk.kernels.mlp import expert_slots
-from mk.kernels.plan import DecodePlan, little_slots
+from mk.kernels.plan import DecodePlan, model_stream, ring_slots
 from mk.kernels.ring import TileStream
 from mk.kinds.base import LAYER_PHASES
 from mk.kinds.layers import KINDS, kind_at, layer_kinds
@@ -460,18 +460,16 @@ def _check_context(config: ModelConfig, context, rows: int) -> None:
 
 def latency_slots(config: ModelConfig, chip: ChipSpec | str, block: BlockSizes, *,
                   formats=None, assumptions: Assumptions | None = None) -> int:
-    """Ring slots that keep HBM busy through one descriptor latency (Little's law): the
-    bytes in flight must cover bandwidth x latency with the smallest tile of the stream
-    (in config.dtype or a scheme of `formats`, default the config's), plus one slot being
-    computed and one landing."""
+    """Ring slots that keep HBM busy through one descriptor latency: the plan's rule
+    (`mk.kernels.plan.ring_slots`, Little's law over the stream's own tiles, in config.dtype
+    or their scheme of `formats`, default the config's) with bandwidth x latency in
+    flight, at the assumed share of one core's bandwidth."""
     spec = named_chip(chip) if isinstance(chip, str) else chip
     a = assumptions or Assumptions()
-    k, n = block.tile_rows, block.tile_cols
     formats = check_formats(config, config.formats if formats is None else formats)
-    tile_bytes = min([k * n * DTYPE_BITS[config.dtype] / 8]
-                     + [quant.tile_bytes(scheme, k, n) for scheme in formats.values()])
+    stream = model_stream(config, block, 1, formats)
     bw = spec.hbm_bw / spec.cores_per_chip * a.hbm_share
-    return little_slots(bw, a.dma_latency_s, tile_bytes)
+    return ring_slots(stream, DTYPE_BITS[config.dtype] // 8, bw * a.dma_latency_s)
 
 
 def simulate(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: int = 1,
