@@ -146,7 +146,7 @@ def rows(spec: ChipSpec) -> list[tuple[str, str]]:
     chip's MXU takes (`ChipSpec.mxu_feeds`) that the dtype reaches exactly (a plain bf16
     tile is fed bf16; `mk.unpack.FEEDABLE`)."""
     return [(d, f) for d in DTYPES for f in spec.mxu_feeds
-            if f in (FEEDABLE[d] if d in FEEDABLE else ("bf16",))]
+            if f in FEEDABLE.get(d, FEEDABLE[None])]  # a plain dtype: the plain entry
 
 
 def bundles_per_element(chip: str, dtype: str, m: int, feed: str = "bf16",

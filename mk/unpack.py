@@ -207,8 +207,10 @@ def e2m1_to_e4m3(code: jax.Array) -> jax.Array:
 
 # -- Feeds (mk.chips' `mxu_feeds`: TPU7x takes bf16 x float8_e4m3fn) -----------------------
 FEEDS = MXU_FEEDS  # what a packed tile is turned into for the MXU (module docstring)
-# The feeds each scheme reaches exactly: int8 and int4 values are not e4m3 values.
-FEEDABLE = {"int8": ("bf16",), "int4": ("bf16",), "fp8": FEEDS, "fp4": FEEDS}
+# The feeds each scheme (None: a plain weight) reaches exactly: int8 and int4 values are
+# not e4m3 values.
+FEEDABLE = {None: ("bf16",), "int8": ("bf16",), "int4": ("bf16",), "fp8": FEEDS,
+            "fp4": FEEDS}
 
 
 def fp8_feed_tile(scheme: str, data: jax.Array, scale: jax.Array

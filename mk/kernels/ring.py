@@ -37,9 +37,8 @@ the MXU as e4m3 (`mk.unpack.fp8_feed_tile`: fp8's codes as they are, fp4's turne
 codes exactly), one product per 128 rows: each block of rows sharing a scale (fp8 128,
 fp4 32) gets its own float32 product rows, scaled by its block's row of scales and summed
 in float32; fp4's four groups by stacking the activations masked to each group's columns
-along M (`Ring._product`; why, and what each feed costs: `mk.quant`'s docstring). Either
-way the
-product is the reference's on `mk.quant.dequantize(params, feeds=...)`'s weights.
+along M (`Ring._product`; why, and what each feed costs: `mk.unpack`'s docstring). Either
+way the product is the reference's on `mk.quant.dequantize(params, feeds=...)`'s weights.
 
 A run of matrices may be repeated (`Repeat`), e.g. gate, up, down once per expert slot:
 copy c's Fetch gets (layer, c) and `matmul(..., copy=c)` takes a traced c, so a kernel
@@ -149,7 +148,7 @@ class TileStream:
         for name, scheme in schemes.items():
             quant.tile_shapes(scheme, block.tile_rows, block.tile_cols)  # raises if not
         for name, feed in feeds.items():
-            if feed not in unpack.FEEDABLE.get(schemes.get(name), ("bf16",)):
+            if feed not in unpack.FEEDABLE[schemes.get(name)]:
                 raise ValueError(f"feeds[{name!r}]={feed!r}: weight {name} stored "
                                  f"{schemes.get(name) or 'plain'} cannot be fed {feed}")
 
