@@ -21,7 +21,7 @@ export MK_PROFILES := $(CURDIR)/profiles
 
 # loadgroup: tests marked xdist_group share one worker (and its module fixtures).
 test: $(VENV)/.stamp-test
-	$(PY) -m pytest -n 2 --dist loadgroup tests/
+	$(PY) -m pytest -n 2 --dist loadgroup --durations=60 tests/
 
 # The tests marked slow (minutes each in interpret mode), which `make test` leaves out,
 # then the mutation score.

@@ -128,7 +128,7 @@ print(f"{run.config.name}: B={run.batch} T={run.rows} S={run.context} on {run.ch
 
 # %%
 doc = quant.__doc__
-print(doc[doc.index("Layouts."):doc.index("Why uint8")])
+print(doc[doc.index("Layouts."):doc.index("Accuracy against bf16")])
 
 # %% [markdown]
 # One stored byte of each format. int8 and fp8 hold one value per byte; int4 and fp4 hold two,
