@@ -14,6 +14,12 @@ cost per weight tile):
 (each chip's (dtype, feed) pairs its kernel uses, `mk.feed_costs.rows`; `--chips`,
 `--dtypes`, `--feeds`, `--m` re-measure some rows, the others staying as recorded).
 
+The floor under it, `--floors`: per chip, feed its MXU takes and M, one straight-line
+matmul x[M, 4096] @ w[4096, N] with w in VMEM in the feed's dtype, the least over N
+(`mk.probes.probe_floor`), the least any loop feeding that dtype can issue a weight in:
+
+    .venv/bin/python benchmarks/tile_feed_costs.py --floors --json mk/data/feed_floors.json
+
 Nothing here runs on a TPU: bundle counts are the compiler's static schedule (one bundle a
 cycle, stalls not counted); a row's seconds are bundles / the clock, which is a range
 (`mk.chips.ChipSpec.clock`). tests/test_feed_costs.py re-compiles rows and compares.
@@ -55,7 +61,11 @@ def main(argv=None) -> None:
                                              "rows of the same key, the others stay (it is "
                                              "rewritten after each row, so a stopped run "
                                              "keeps its rows)")
+    p.add_argument("--floors", action="store_true", help="measure the MXU floors "
+                                                            "(mk.probes.probe_floor) instead")
     args = p.parse_args(argv)
+    if args.floors:
+        return floors(args)
     record = {}
     if args.json and args.json.exists():
         record = {feed_costs.FeedCost(**{k: tuple(v) if isinstance(v, list) else v
@@ -77,6 +87,26 @@ def main(argv=None) -> None:
                     args.json.write_text(json.dumps(list(record.values()), indent=1) + "\n",
                                          encoding="utf-8")
     print(table(rows))
+
+def floors(args) -> None:
+    """The --floors run: each chip's feeds at each M, merged into --json by key."""
+    record = {}
+    if args.json and args.json.exists():
+        record = {tuple(k): r for k, r in ((
+            (r["chip"], r["feed"], r["shape"][0]), r)
+            for r in json.loads(args.json.read_text(encoding="utf-8")))}
+    for chip in args.chips:
+        for feed in chip_spec(chip).mxu_feeds:
+            if feed not in args.feeds:
+                continue
+            for m in args.m:
+                floor = probes.probe_floor(chip, feed, m)
+                record[floor.key] = floor.row()
+                print(json.dumps(floor.row()), flush=True)
+                if args.json:
+                    args.json.write_text(json.dumps(list(record.values()), indent=1) + "\n",
+                                         encoding="utf-8")
+
 
 if __name__ == "__main__":
     main()

@@ -270,7 +270,7 @@ class TileCost:
     @property
     def dma_bw(self) -> float:
         """One core's HBM bandwidth, bytes/s."""
-        return self.spec.hbm_bw / self.spec.cores_per_chip
+        return self.spec.device_hbm_bw
 
     @property
     def dma_s(self) -> float:

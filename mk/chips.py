@@ -123,6 +123,12 @@ class ChipSpec:
         return self.clock_low_hz if end == "low" else self.clock_high_hz
 
     @property
+    def device_hbm_bw(self) -> float:
+        """HBM bytes/s of one JAX device: the chip's bandwidth shared by its
+        cores_per_chip devices."""
+        return self.hbm_bw / self.cores_per_chip
+
+    @property
     def datasheet_clock_hz(self) -> float:
         """The clock at which the bf16 peak is tensorcores x MXUs x mxu_rows^2
         multiply-accumulates (2 FLOP) a cycle: one activation row per MXU per cycle."""

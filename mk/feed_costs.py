@@ -25,6 +25,17 @@ probe matrix, `mk.probes.TILE_PROBE_SHAPE`) and applied per element to tiles of 
 sizes; part of a trip is fixed per tile (the ring's bookkeeping), so a much smaller tile
 costs more per element than the table says.
 
+The floor under the table (data/feed_floors.json, `FLOORS`; `recorded_floors()`, a row a
+`FeedFloor`): per (chip, feed, M) the bundles per weight of one straight-line matmul whose
+weight already sits in VMEM in the feed's dtype (`mk.probes.probe_floor`): what libtpu
+needs to take a weight into the MXU with nothing else to do. `floor_per_element` is the
+least of it and of the table's own loops feeding that dtype (at M 64 on v5e and v5p the
+ring's loop beats the straight-line schedule): the fewest bundles a weight libtpu has been
+seen to need, taken as what no lean loop goes under (an empirical floor, not a proof).
+`floor_issue_over_dma` (that floor's issue time over the weight's own DMA time at one
+device's HBM bandwidth, at one end of the clock) says which storages can stream at HBM
+rate at all: above 0.9 no ring loop, however lean, keeps up.
+
 Not here: the compiles and the dump reading (`mk.bundles`), which feed a kernel uses for a
 scheme (`mk.unpack.choose_feeds`, the plan's `feeds`), the clock (`mk.chips`).
 """
@@ -40,6 +51,7 @@ from mk.chips import DATA, MXU_FEEDS, ChipSpec
 from mk.unpack import FEEDABLE
 
 FEED_COSTS = DATA / "tile_feed_costs.json"  # benchmarks/tile_feed_costs.py's record
+FLOORS = DATA / "feed_floors.json"  # benchmarks/tile_feed_costs.py --floors's record
 DTYPES = ("bf16", "fp8", "int8", "int4", "fp4")  # a weight stored plain (bf16) or packed
 FEEDS = MXU_FEEDS  # what a tile reaches the MXU as (a plain tile: bf16; `mk.unpack.FEEDABLE`)
 M_BUCKETS = (1, 8, 64, 256)  # the rows the table is measured at
@@ -170,3 +182,92 @@ def tile_s(spec: ChipSpec, dtype: str, m: int, elements: int, end: str = "low",
     issuing against m rows: the table's bundles per element x elements / the chip's clock
     at `end` of its range."""
     return bundles_per_element(spec.name, dtype, m, feed) * elements / spec.clock(end)
+
+
+# -- The floor under the table: the MXU taking a weight, nothing else -----------------------
+@dataclasses.dataclass(frozen=True)
+class FeedFloor:
+    """One straight-line x[M, K] bf16 @ w[K, N] (f32 out), w already in VMEM as `feed`,
+    compiled for one TensorCore of `chip` (`mk.probes.probe_floor`): its MXU span's
+    bundles per weight are the least any kernel feeding that dtype spends taking a weight
+    into the MXU against M rows. A floor, not a cost: a ring's loop adds its DMAs, waits
+    and bookkeeping, a packed tile its decode."""
+
+    chip: str
+    feed: str  # FEEDS
+    shape: tuple[int, int, int]  # (M, K, N)
+    bundles: int  # from the first to the last bundle driving an MXU
+    libtpu: str
+    compile_s: float
+
+    def __post_init__(self):
+        if self.feed not in FEEDS or self.shape[0] not in M_BUCKETS:
+            raise ValueError(f"feed floor row {self.chip}: feed={self.feed!r} must be one of "
+                             f"{FEEDS} and M={self.shape[0]} one of {M_BUCKETS}")
+
+    @property
+    def bundles_per_element(self) -> float:
+        _, k, n = self.shape
+        return self.bundles / (k * n)
+
+    @property
+    def key(self) -> tuple:
+        return (self.chip, self.feed, self.shape[0])
+
+    def row(self) -> dict:
+        """The record of data/feed_floors.json (with bundles per Mi weights)."""
+        return dict(chip=self.chip, feed=self.feed, shape=list(self.shape),
+                    bundles=self.bundles,
+                    bundles_per_mi=round(self.bundles_per_element * 2**20, 2),
+                    libtpu=self.libtpu, compile_s=round(self.compile_s, 2))
+
+
+@cache
+def recorded_floors(path: Path = FLOORS) -> dict[tuple, FeedFloor]:
+    """The recorded floors by (chip, feed, M); a bundles_per_mi that disagrees with its
+    row's bundles (tampered or stale), or a key recorded twice, is an error."""
+    out = {}
+    for r in json.loads(Path(path).read_text(encoding="utf-8")):
+        floor = FeedFloor(r["chip"], r["feed"], tuple(r["shape"]), r["bundles"],
+                          r["libtpu"], r["compile_s"])
+        if floor.row() != r or floor.key in out:
+            raise ValueError(f"{path}: row {floor.key} disagrees with its own bundles or is "
+                             "recorded twice")
+        out[floor.key] = floor
+    return out
+
+
+def floor_per_element(chip: str, feed: str, m: int, path: Path = FLOORS) -> float:
+    """The fewest bundles per weight libtpu has been seen to need for a weight fed `feed`
+    against m rows on `chip` (M bucket of m): the recorded straight-line floor, or a
+    table row's loop feeding that dtype where one does better."""
+    floors = recorded_floors(path)
+    key = (chip, feed, bucket(m))
+    if key not in floors:
+        raise ValueError(f"no feed floor for chip={chip!r}, feed={feed!r}, M bucket "
+                         f"{key[2]} in {Path(path).name}: run benchmarks/tile_feed_costs.py "
+                         "--floors")
+    loops = [c.bundles_per_element for k, c in recorded().items()
+             if (k[0], k[2], k[3]) == key]
+    return min([floors[key].bundles_per_element, *loops])
+
+
+def floor_issue_over_dma(spec: ChipSpec, dtype: str, m: int, end: str = "low",
+                         feed: str | None = None, path: Path = FLOORS) -> tuple[str, float]:
+    """(feed, ratio): the least issue time over own DMA time a weight stored as `dtype`
+    can reach against m rows on `spec` at `end` of its clock, whatever the loop around it:
+    fed `feed`, or (None) the best of the feeds its kernel may use (`rows`),
+    `floor_per_element` over the clock against the weight's bytes (the table's row at that
+    M: its tile's bytes, packed data and scales, per weight) at one device's HBM
+    bandwidth."""
+    table, found = recorded(), []
+    for d, f in rows(spec):
+        if d == dtype and feed in (None, f):
+            cost = table[(spec.name, dtype, f, bucket(m))]
+            issue_s = floor_per_element(spec.name, f, m, path) / spec.clock(end)
+            dma_s = cost.tile_bytes / cost.tile_elements / spec.device_hbm_bw
+            found.append((f, issue_s / dma_s))
+    if not found:
+        raise ValueError(f"chip={spec.name!r} feeds no {dtype!r} weight"
+                         + (f" as {feed!r}" if feed else "") + f" (it feeds {rows(spec)})")
+    return min(found, key=lambda f_ratio: f_ratio[1])

@@ -256,10 +256,10 @@ class Measured:
 
     def hbm_share(self, spec: ChipSpec) -> float:
         """hbm_bw over the datasheet bandwidth of one device of `spec`."""
-        share = self.hbm_bw / (spec.hbm_bw / spec.cores_per_chip)
+        share = self.hbm_bw / spec.device_hbm_bw
         if not 0 < share <= 1 + 1e-9:  # an example at the datasheet rounds to 1 + eps
             raise ValueError(f"dma: {self.hbm_bw / 1e9:.1f} GB/s is {share:.2f} x {spec.name}'s "
-                             f"datasheet {spec.hbm_bw / spec.cores_per_chip / 1e9:.0f} GB/s "
+                             f"datasheet {spec.device_hbm_bw / 1e9:.0f} GB/s "
                              "per device; the share must be in (0, 1]")
         return min(share, 1.0)
 
@@ -417,7 +417,7 @@ def example(chip: str | ChipSpec, *, dma_latency_s: float, hbm_share: float = 1.
     _number("dma_latency_s", dma_latency_s)
     if not 0 < hbm_share <= 1:
         raise ValueError(f"hbm_share={hbm_share!r} must be in (0, 1]")
-    bw = spec.hbm_bw / spec.cores_per_chip * hbm_share
+    bw = spec.device_hbm_bw * hbm_share
     dma = tuple(DmaPoint(n, d, max(n / bw, (dma_latency_s + n / bw) / d))
                 for n, d in sweep.points())
     return Measured(mode="example", label=EXAMPLE_LABEL, chip=spec.name, device_kind="",

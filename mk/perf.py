@@ -328,7 +328,7 @@ def predict(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: 
     total_bytes = (sum(family.values()) + embed_bytes + kv_read_bytes + kv_write_bytes
                    + state_read_bytes + state_write_bytes)
     flops = matmul_flops + attention_flops
-    device_bw = spec.hbm_bw / spec.cores_per_chip
+    device_bw = spec.device_hbm_bw
     device_peak = peak_flops(spec, compute) / spec.cores_per_chip
     hbm_floor_ms = 1e3 * total_bytes / tp / device_bw
     compute_floor_ms = 1e3 * flops / tp / device_peak
@@ -503,7 +503,7 @@ def conventional(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, r
                 accepted=accepted, routing=routing, compute=compute, formats=formats)
     if not gap_s >= 0:
         raise ValueError(f"gap_s={gap_s!r} must be >= 0 seconds")
-    bw = spec.hbm_bw / spec.cores_per_chip
+    bw = spec.device_hbm_bw
     peak = peak_flops(spec, compute) / spec.cores_per_chip
     m, D, L = batch * rows, config.hidden, config.layers
     act = m * ACTIVATION_BYTES / tp  # bytes of one activation column per device

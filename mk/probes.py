@@ -13,6 +13,13 @@ dumps), recorded in data/ with the libtpu version and re-checked by tests:
   bf16 matmul compiled for the chip: the clock at which its bundles would run at the
   datasheet bf16 peak, one end of the chip's clock range in data/chips.csv; recorded in
   data/clock_probes.json, `recorded_clock_probes()`, by `benchmarks/clock_probe.py`).
+- The MXU's own floor per feed: `probe_floor(chip, feed, m)` -> `mk.feed_costs.FeedFloor`
+  (the same straight-line matmul at decode M over a few weight shapes, its weight
+  already in VMEM in the feed's dtype: no ring, no decode, no scales; the fewest bundles
+  per weight libtpu schedules for taking a weight into the MXU, which a loop feeding
+  that dtype can match, not beat; recorded in data/feed_floors.json by
+  `benchmarks/tile_feed_costs.py --floors`; read by `mk.feed_costs.recorded_floors` and
+  `floor_issue_over_dma`).
 
 Not here: a whole megakernel's per-tile loops and schedule (`mk.bundles.measure`,
 `dump_schedule`), the compile itself (`mk.tpu`).
@@ -108,16 +115,17 @@ _MXU_ID = re.compile(r"\.mxu(\d+)\b")
 _COMPILE_MATMUL = """import sys, jax, jax.numpy as jnp, mk
 from jax.experimental import pallas as pl
 m, k, n = map(int, sys.argv[2:5])
+w_dtype = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}[sys.argv[5]]
 
 def kernel(x_ref, w_ref, o_ref):
     o_ref[...] = jnp.dot(x_ref[...], w_ref[...], preferred_element_type=jnp.float32)
 
 def f(x, w):
     return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
-                          name="mk_clock_probe")(x, w)
+                          name="mk_matmul_probe")(x, w)
 
 report = mk.tpu.compile_for_chip(f, [jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
-                                     jax.ShapeDtypeStruct((k, n), jnp.bfloat16)], sys.argv[1])
+                                     jax.ShapeDtypeStruct((k, n), w_dtype)], sys.argv[1])
 sys.stderr.write(report.error)
 print(report.compile_seconds)
 sys.exit(0 if report.ok else 1)
@@ -163,6 +171,34 @@ class ClockProbe:
                     compile_s=round(self.compile_s, 2))
 
 
+def _mxu_span(spec: ChipSpec, shape: tuple[int, int, int], feed: str, what: str,
+              timeout: float) -> tuple[int, int, tuple[int, ...], float]:
+    """Compile the straight-line x[M, K] bf16 @ w[K, N] `feed` (f32 out) for one
+    TensorCore of `spec` with the dumps on: (bundles from the first to the last driving an
+    MXU, all bundles, the MXU ids addressed, the compile's seconds). `what` names the
+    probe in errors."""
+    if spec.kind != "tpu":
+        raise ValueError(f"chip={spec.name!r} is a {spec.kind}: no TPU schedule to probe")
+    if len(shape) != 3 or not all(isinstance(d, int) and d > 0 for d in shape) or any(
+            d % 128 for d in shape[1:]):
+        raise ValueError(f"shape={shape!r} must be (M, K, N): positive, K and N multiples "
+                         "of 128")
+    with tempfile.TemporaryDirectory(prefix="mk-matmul-") as folder:
+        start = time.perf_counter()
+        jf = compile_with_dumps(_COMPILE_MATMUL, [spec.name, *shape, feed], folder,
+                                phases=False, timeout=timeout)
+        seconds = time.perf_counter() - start
+        found = read_bundles(dump_file(jf, "mk_matmul_probe", "final_bundles.txt").read_text())
+    if any(b.mark == "LB" for b in found):
+        raise RuntimeError(f"the {what} on {spec.name} compiled to a loop: its bundles are "
+                           "not its cycles")
+    mxu = [i for i, b in enumerate(found) if any(map(drives_mxu, b.ops))]
+    if not mxu:
+        raise RuntimeError(f"the {what} on {spec.name} drives no MXU")
+    ids = sorted({int(i) for b in found for o in b.ops for i in _MXU_ID.findall(o)})
+    return mxu[-1] - mxu[0] + 1, len(found), tuple(ids), seconds
+
+
 def probe_clock(chip: str | ChipSpec, shape: tuple[int, int, int] = CLOCK_PROBE_SHAPE, *,
                 timeout: float = 300.0) -> ClockProbe:
     """Compile the `ClockProbe` matmul of `shape` for one TensorCore of `chip` with the
@@ -170,27 +206,41 @@ def probe_clock(chip: str | ChipSpec, shape: tuple[int, int, int] = CLOCK_PROBE_
     shape that is not three positive multiples of 128, RuntimeError if it does not compile
     or its schedule is not straight-line (a loop: bundles would not be cycles)."""
     spec = chip_spec(chip) if isinstance(chip, str) else chip
-    if spec.kind != "tpu":
-        raise ValueError(f"chip={spec.name!r} is a {spec.kind}: no TPU schedule to probe")
-    if len(shape) != 3 or not all(isinstance(d, int) and d > 0 and d % 128 == 0
-                                  for d in shape):
+    if len(shape) == 3 and shape[0] % 128:
         raise ValueError(f"shape={shape!r} must be (M, K, N), positive multiples of 128")
-    with tempfile.TemporaryDirectory(prefix="mk-clock-") as folder:
-        start = time.perf_counter()
-        jf = compile_with_dumps(_COMPILE_MATMUL, [spec.name, *shape], folder, phases=False,
-                                timeout=timeout)
-        seconds = time.perf_counter() - start
-        found = read_bundles(dump_file(jf, "mk_clock_probe", "final_bundles.txt").read_text())
-    if any(b.mark == "LB" for b in found):
-        raise RuntimeError(f"the clock probe on {spec.name} compiled to a loop: its "
-                           "bundles are not its cycles")
-    mxu = [i for i, b in enumerate(found) if any(map(drives_mxu, b.ops))]
-    if not mxu:
-        raise RuntimeError(f"the clock probe on {spec.name} drives no MXU")
-    ids = sorted({int(i) for b in found for o in b.ops for i in _MXU_ID.findall(o)})
-    return ClockProbe(spec.name, tuple(shape), mxu[-1] - mxu[0] + 1, len(found), tuple(ids),
+    span, total, ids, seconds = _mxu_span(spec, shape, "bf16", "clock probe", timeout)
+    return ClockProbe(spec.name, tuple(shape), span, total, ids,
                       spec.bf16_flops / spec.tensorcores_per_chip,
                       importlib.metadata.version("libtpu"), seconds)
+
+
+# -- The MXU's own floor per feed ----------------------------------------------------------
+# w [K, N] of the floor probes: at most 8 MiB of bf16, so with x and the output it fits
+# v5e's 16 MiB of scoped VMEM (the probe takes whole operands into VMEM). libtpu's
+# straight-line schedules are not monotone in N (tpu7x bf16 at M 8: 424, 289, 478 bundles
+# per Mi weights at N 256, 512, 1024), so the floor is the least of these.
+FLOOR_PROBE_SHAPES = ((4096, 256), (4096, 512), (4096, 1024), (2048, 2048))
+
+
+def probe_floor(chip: str | ChipSpec, feed: str, m: int, *,
+                shapes: tuple[tuple[int, int], ...] = FLOOR_PROBE_SHAPES,
+                timeout: float = 300.0) -> feed_costs.FeedFloor:
+    """Compile the straight-line matmul x[m, K] bf16 @ w[K, N], w already in VMEM as
+    `feed`, for one TensorCore of `chip`, at each [K, N] of `shapes`, and read each MXU
+    span: the `mk.feed_costs.FeedFloor` of the fewest bundles per weight. Raises
+    ValueError for a GPU, a feed the chip's MXU does not take (`ChipSpec.mxu_feeds`), an M
+    the table does not hold or a shape the MXU does not tile."""
+    spec = chip_spec(chip) if isinstance(chip, str) else chip
+    if spec.kind == "tpu" and feed not in spec.mxu_feeds:
+        raise ValueError(f"feed={feed!r}: {spec.name}'s MXU takes {spec.mxu_feeds}")
+    if m not in feed_costs.M_BUCKETS:
+        raise ValueError(f"m={m!r} must be one of {feed_costs.M_BUCKETS}")
+    found = []
+    for kn in shapes:
+        span, _, _, seconds = _mxu_span(spec, (m, *kn), feed, "floor probe", timeout)
+        found.append(feed_costs.FeedFloor(spec.name, feed, (m, *kn), span,
+                                          importlib.metadata.version("libtpu"), seconds))
+    return min(found, key=lambda f: f.bundles_per_element)
 
 
 def recorded_clock_probes(path=CLOCK_PROBES) -> dict[str, dict]:

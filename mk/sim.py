@@ -21,7 +21,7 @@ replayed on, its records and the causes).
 
 Modelling assumptions (`Assumptions` holds the numbers; none is fitted to a measurement):
 - One DMA engine per device, first in first out, at `hbm_share` x the device's datasheet
-  HBM bandwidth (chip hbm_bw / cores_per_chip; hbm_share = 1.0, optimistic). A transfer
+  HBM bandwidth (`ChipSpec.device_hbm_bw`; hbm_share = 1.0, optimistic). A transfer
   issued at t starts moving at max(t + `dma_latency_s`, end of the transfer before it):
   the per-descriptor latency (0.5 us, an assumption, not measured) is hidden when the
   engine is busy. Weight tiles, KV tiles, KV write-backs, routers and the 4-byte-per-expert
@@ -468,7 +468,7 @@ def latency_slots(config: ModelConfig, chip: ChipSpec | str, block: BlockSizes, 
     a = assumptions or Assumptions()
     formats = check_formats(config, config.formats if formats is None else formats)
     stream = model_stream(config, block, 1, formats)
-    bw = spec.hbm_bw / spec.cores_per_chip * a.hbm_share
+    bw = spec.device_hbm_bw * a.hbm_share
     return ring_slots(stream, DTYPE_BITS[config.dtype] // 8, bw * a.dma_latency_s)
 
 
@@ -503,7 +503,7 @@ def simulate(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows:
         if not 1 <= on <= limit:
             raise ValueError(f"experts_active={on} must be in [1, {limit}] (the expert "
                              "slots of the stream)")
-    bw = spec.hbm_bw / spec.cores_per_chip * a.hbm_share
+    bw = spec.device_hbm_bw * a.hbm_share
     machine = Machine(bw, a.dma_latency_s)
     kernel = _Kernel(plan.local, plan.stream, machine, m=plan.M, batch=batch, rows=rows,
                      context=context, spec=spec, tp=plan.tp, formats=dict(plan.formats),
@@ -530,7 +530,7 @@ def replay_matmul(stream: TileStream, chip: ChipSpec | str, *, rows: int = 1,
     spec = _tpu(chip)
     positive_int("rows", rows)
     a = assumptions or Assumptions()
-    bw = spec.hbm_bw / spec.cores_per_chip * a.hbm_share
+    bw = spec.device_hbm_bw * a.hbm_share
     machine = Machine(bw, a.dma_latency_s)
     kernel = _Kernel(None, stream, machine, m=rows, batch=rows, rows=1, context=0,
                      spec=spec, tp=1, formats={},

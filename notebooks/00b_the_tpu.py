@@ -119,7 +119,7 @@ display(plots.table([{
     "VMEM MiB per core": f"{c.vmem_bytes / 2**20:.0f}", "MXU": f"{c.mxu_rows} x {c.mxu_rows}",
     "bf16 TFLOP/s per core": f"{c.bf16_flops / c.cores_per_chip / 1e12:,.0f}",
     "ICI GB/s": f"{c.ici_bw / 1e9:,.0f}",
-    "fill VMEM µs": f"{c.vmem_bytes / (c.hbm_bw / c.cores_per_chip) * 1e6:.0f}",
+    "fill VMEM µs": f"{c.vmem_bytes / c.device_hbm_bw * 1e6:.0f}",
     "ridge FLOP/B": f"{c.ridge_flop_per_byte:.0f}"} for c in tpus]))
 
 # %% [markdown]

@@ -144,7 +144,7 @@ print(f"x {x.shape} @ wq {w.shape} {w.dtype} -> {want.shape}")
 block = BlockSizes(slots=slots, tile_rows=tile_rows, tile_cols=tile_cols)
 a = sim.Assumptions()
 tile_bytes = tile_rows * tile_cols * w.dtype.itemsize
-bw = spec.hbm_bw / spec.cores_per_chip
+bw = spec.device_hbm_bw
 need = sim.latency_slots(run.config, spec, block)
 print(f"BW x latency = {bw / 1e12:.2f} TB/s x {a.dma_latency_s * 1e6:.1f} µs = "
       f"{bw * a.dma_latency_s / 1024:.0f} KiB in flight = "
@@ -373,7 +373,7 @@ print(f"that matmul moves {real_bytes / 2**20:.0f} MiB: HBM floor "
 
 # %% tags=["hide-output"]
 big = mk.chip(compile_chip)
-b, big_bw = 512 * 1024 * 2, big.hbm_bw / big.cores_per_chip
+b, big_bw = 512 * 1024 * 2, big.device_hbm_bw
 big_need = sim.latency_slots(mk.preset("qwen3-8b"), big, real)
 d1, c1 = b / big_bw, mk.perf.mxu_flops(8, 512 * 1024, big.mxu_rows) / (
     mk.perf.peak_flops(big) / big.cores_per_chip)

@@ -236,7 +236,7 @@ display(plots.table([
                                         f"F={device.ffn} V={device.vocab}"
                                         + (f" E={device.experts} Fe={device.expert_ffn}"
                                            if config.is_moe else "")},
-    {"": "chip", "value": f"{spec.name}: {spec.hbm_bw / spec.cores_per_chip / 1e12:.3g} TB/s "
+    {"": "chip", "value": f"{spec.name}: {spec.device_hbm_bw / 1e12:.3g} TB/s "
                           f"and {spec.bf16_flops / spec.cores_per_chip / 1e12:.0f} TFLOP/s "
                           f"bf16 per device, VMEM {spec.vmem_bytes / 2**20:.0f} MiB"},
     {"": "step", "value": f"B={run.batch} T={run.rows}, cache S={run.context} (rows at "
@@ -310,7 +310,12 @@ if report is not None and report.ok:
 # per chip, storage, feed and M, compiled by libtpu): bundles per weight x the tile's
 # weights / the clock. A packed tile is smaller on the wire but pays its dequantisation
 # here. Below, each storage this plan streams, at this step's M, against its tile's DMA
-# at both ends of the clock range (simulation inputs, not TPU measurements).
+# at both ends of the clock range (simulation inputs, not TPU measurements). The floor
+# columns: the same ratio for the MXU alone taking the weights in its feed's dtype (one
+# straight-line matmul, nothing else to do: `mk.feed_costs.floor_issue_over_dma`). No
+# loop, however lean, goes under it: a floor over 0.9 says this storage cannot stream at
+# HBM rate on this chip at that end of the clock, a table ratio over a floor under 0.9
+# says the loop can still get leaner.
 
 # %%
 rows_, cols_ = plan.block.tile_rows, plan.block.tile_cols
@@ -320,7 +325,7 @@ def table_row(dtype: str) -> dict:
     """One storage's tile at this step's M: the table's cost against the tile's DMA."""
     nbytes = (mk.quant.tile_bytes(dtype, rows_, cols_) if dtype in mk.quant.SCHEMES
               else rows_ * cols_ * mk.config.DTYPE_BITS[config.dtype] // 8)
-    dma = nbytes / (spec.hbm_bw / spec.cores_per_chip) * 1e9
+    dma = nbytes / spec.device_hbm_bw * 1e9
     feed = {formats[g]: f for g, f in plan.feeds}.get(dtype, "bf16")  # the plan's feed
     ns = {e: feed_costs.tile_s(spec, dtype, plan.M, rows_ * cols_, e, feed) * 1e9
           for e in CLOCK_ENDS}
@@ -328,7 +333,10 @@ def table_row(dtype: str) -> dict:
     return {"storage": dtype, "feed": feed, "M bucket": feed_costs.bucket(plan.M),
             "bundles per Mi weights": f"{per_mi:.0f}", "DMA ns": f"{dma:.0f}",
             **{f"ns per tile, clock {e}": f"{ns[e]:.0f}" for e in CLOCK_ENDS},
-            **{f"tile / DMA, clock {e}": f"{ns[e] / dma:.2f}" for e in CLOCK_ENDS}}
+            **{f"tile / DMA, clock {e}": f"{ns[e] / dma:.2f}" for e in CLOCK_ENDS},
+            **{f"MXU floor / DMA, clock {e}":
+               f"{feed_costs.floor_issue_over_dma(spec, dtype, plan.M, e, feed)[1]:.2f}"
+               for e in CLOCK_ENDS}}
 
 
 display(plots.table([table_row(d) for d in sorted(

@@ -173,7 +173,7 @@ print(f"latency (intercept): {latency * 1e6:.4g} µs ({where}); the simulator as
 deep = sorted((p for p in record.dma if p.bytes == probe_sweep.chunk), key=lambda p: p.in_flight)
 x = [p.bytes_in_flight / 1024 for p in deep]
 series = {"GB/s reached": [p.bandwidth / 1e9 for p in deep]}
-datasheet = spec.hbm_bw / spec.cores_per_chip
+datasheet = spec.device_hbm_bw
 if on_tpu:
     series[f"datasheet, one device of {spec.name}"] = [datasheet / 1e9] * len(deep)
 fig = plots.lines(x, series, title=f"Bandwidth against bytes in flight ({where})",

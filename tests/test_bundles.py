@@ -251,7 +251,7 @@ def test_a_ring_not_sized_by_littles_law_misses_that_bar():
     row = next(r for r in json.loads(PUBLISHED.read_text()) if r["preset"] == "qwen3.5-27b")
     plan, _ = _resimulated(row)
     spec = mk.chip(row["chip"])
-    cover = little_slots(spec.hbm_bw / spec.cores_per_chip, RING_COVER_S,
+    cover = little_slots(spec.device_hbm_bw, RING_COVER_S,
                          plan.stream.tile_bytes * 2)  # bf16 tiles
     assert SLOTS < cover < plan.block.slots
     bound = {}

@@ -63,6 +63,79 @@ def test_every_recorded_row_is_todays_compile(row):
     _recheck(row)
 
 
+# -- The floor under the table ---------------------------------------------------------------
+FLOOR_ROWS = json.loads(feed_costs.FLOORS.read_text())
+# The storages whose MXU floor alone issues for more than 0.9 x their own DMA (the
+# `floor_issue_over_dma` of the best feed, M = 8) at each end of the clock range: on these
+# no ring loop, however lean, streams at HBM rate. A re-recording, a clock range or a
+# bandwidth that moves one fails the test below (and the closing note that quotes it).
+# TPU7x at 1.03 GHz: int8 0.99, int4 1.91, fp4 (fed fp8) 0.99 (bf16 0.49, fp8 0.53). v5p
+# (2,765 GB/s on v5e's MXU schedule, which v5e meets with 819): its 1-byte storages at the
+# low end, its 4-bit ones at both (int4 1.88 / 1.56). v5e, v6e: all under 0.9 at both.
+MXU_BOUND = {("tpu7x", "int8", "low"), ("tpu7x", "int4", "low"), ("tpu7x", "fp4", "low"),
+             ("v5p", "fp8", "low"), ("v5p", "int8", "low"), ("v5p", "int4", "low"),
+             ("v5p", "fp4", "low"), ("v5p", "int4", "high"), ("v5p", "fp4", "high")}
+
+
+# Where the ring's own loop (a table row) takes a weight in fewer bundles than the
+# straight-line probe: the floor is the loop's there (`floor_per_element`).
+LOOP_UNDER_PROBE = {("v5e", "bf16", "bf16", 64), ("v5p", "bf16", "bf16", 64)}
+
+
+def test_the_floors_cover_every_chip_feed_and_m_and_lie_under_the_table():
+    """Every chip's feeds at every M bucket are recorded; the straight-line probe is
+    under every table row of its (chip, feed, M) except LOOP_UNDER_PROBE's, and the floor
+    read is the lesser of the two."""
+    floors, table = feed_costs.recorded_floors(), feed_costs.recorded()
+    want = {(c, f, m) for c in {k[0] for k in table} for f in mk.chip(c).mxu_feeds
+            for m in feed_costs.M_BUCKETS}
+    assert want == set(floors), sorted(want ^ set(floors))
+    under = {key for key, cost in table.items()
+             if cost.bundles_per_element < floors[(key[0], key[2], key[3])].bundles_per_element}
+    assert under == LOOP_UNDER_PROBE
+    for chip, dtype, feed, m in LOOP_UNDER_PROBE:
+        assert feed_costs.floor_per_element(chip, feed, m) == \
+            table[(chip, dtype, feed, m)].bundles_per_element
+    assert feed_costs.floor_per_element("tpu7x", "fp8", 8) == \
+        floors[("tpu7x", "fp8", 8)].bundles_per_element
+
+
+def test_a_recorded_floor_is_todays_compile_and_a_tampered_one_is_caught(tmp_path):
+    """tpu7x's fp8 floor at M 8 re-compiled at its recorded shape (~6 s) equals its record;
+    the reader refuses a row whose bundles per Mi no longer follow from its bundles."""
+    row = next(r for r in FLOOR_ROWS if (r["chip"], r["feed"], r["shape"][0])
+               == ("tpu7x", "fp8", 8))
+    fresh = probes.probe_floor("tpu7x", "fp8", 8, shapes=(tuple(row["shape"][1:]),))
+    assert fresh.bundles == row["bundles"], (fresh.row(), row)
+    path = tmp_path / "tampered.json"
+    path.write_text(json.dumps([dict(row, bundles=row["bundles"] - 40)]))
+    with pytest.raises(ValueError, match="disagrees with its own bundles"):
+        feed_costs.recorded_floors(path)
+    with pytest.raises(ValueError, match="v6e's MXU takes"):
+        probes.probe_floor("v6e", "fp8", 8)
+
+
+def test_which_storages_the_mxu_alone_keeps_from_hbm_rate():
+    """MXU_BOUND, recomputed from the floors, the table's bytes and chips.csv's clock
+    ends and bandwidths: on TPU7x at the low end a bf16 or an fp8-fed weight can stream at
+    HBM rate, int8 and the 4-bit formats cannot (half or a quarter of the bytes for the
+    same MXU work); at the high end all can."""
+    bound = set()
+    for chip in sorted({k[0] for k in feed_costs.recorded()}):
+        spec = mk.chip(chip)
+        for dtype in feed_costs.DTYPES:
+            for end in ("low", "high"):
+                feed, ratio = feed_costs.floor_issue_over_dma(spec, dtype, 8, end)
+                if ratio > 0.9:
+                    bound.add((chip, dtype, end))
+    assert bound == MXU_BOUND
+    # the best feed is the cheaper: fp4 on TPU7x is fed fp8, not bf16
+    fp8, bf16 = (feed_costs.floor_issue_over_dma(mk.chip("tpu7x"), "fp4", 8, "low", f)
+                 for f in ("fp8", "bf16"))
+    assert feed_costs.floor_issue_over_dma(mk.chip("tpu7x"), "fp4", 8) == fp8
+    assert fp8[1] < bf16[1]
+
+
 def test_the_lookup_rounds_m_up_to_a_bucket_and_names_what_is_missing():
     table = feed_costs.recorded()
     at = {m: feed_costs.bundles_per_element("v6e", "int8", m) for m in (1, 2, 8, 9, 64, 65)}

@@ -286,7 +286,7 @@ def test_a_packed_shards_default_ring_is_shortened_to_leave_mosaic_its_room(
     config, spec = mk.preset(name), mk.chip("tpu7x")
     plan = DecodePlan.make(config, tp=tp, batch=batch, context=4096, chip=spec,
                            formats=formats)
-    little = ring_slots(plan.stream, 2, spec.hbm_bw / spec.cores_per_chip
+    little = ring_slots(plan.stream, 2, spec.device_hbm_bw
                         * ring_cover_s(plan.local, tp, batch, spec))
     assert 2 <= plan.block.slots < little
     assert plan.stream.schemes and plan.stream.has_plain

@@ -95,7 +95,7 @@ def test_tile_stream_colours_each_family_once_in_every_figure():
 def test_ring_schedule_is_the_simulators_replay_of_one_matrix():
     spec = mk.chip("v6e")
     a = sim.Assumptions()
-    bw = spec.hbm_bw / spec.cores_per_chip
+    bw = spec.device_hbm_bw
     d = 128 * 128 * 2 / bw
     c = feed_costs.tile_s(spec, "bf16", 1, 128 * 128, a.clock)  # the simulator's cost
     for n in (1, 2, 3, 14):

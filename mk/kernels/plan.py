@@ -241,7 +241,7 @@ def default_block(local: ModelConfig, context: int, *, slots: int | None = None,
         spec = named_chip(chip) if isinstance(chip, str) else chip
         # at most one layer's period: a deeper ring issues the next layer's weight tiles
         # before this layer's KV tiles, which then queue behind them (one DMA queue)
-        slots = min(ring_slots(stream, itemsize, spec.hbm_bw / spec.cores_per_chip * cover_s),
+        slots = min(ring_slots(stream, itemsize, spec.device_hbm_bw * cover_s),
                     max(SLOTS, stream.period))
     block = dataclasses.replace(block, slots=SLOTS if slots is None else slots)
     return dataclasses.replace(block, kv_slots=kv_depth(local, block, context,
