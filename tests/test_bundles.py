@@ -316,7 +316,9 @@ def test_a_failing_or_late_child_is_reported_with_its_stderr_tail(tmp_path):
 CLOCK_PROBES = json.loads(probes.CLOCK_PROBES.read_text())
 
 
-@pytest.mark.parametrize("row", CLOCK_PROBES, ids=lambda r: r["chip"])
+@pytest.mark.parametrize("row", [pytest.param(r, marks=() if r["chip"] == "tpu7x"
+                                              else pytest.mark.slow) for r in CLOCK_PROBES],
+                         ids=lambda r: r["chip"])  # tpu7x in CI, the others under slow
 def test_the_recorded_schedule_implied_clock_is_libtpus_today(row):
     """benchmarks/clock_probe.py's record (data/clock_probes.json, one end of each TPU's
     clock range in chips.csv) against a fresh compile (~5 s a chip): a libtpu that

@@ -50,8 +50,9 @@ def _model(name: str, tp: int):
     return mk.preset(name)
 
 
-@pytest.mark.parametrize("name, tp", [("tiny-moe", 2), ("tiny-moe", 4), ("tiny", 2),
-                                      ("hybrid", 2), ("kimi", 4)])
+@pytest.mark.parametrize("name, tp", [("tiny-moe", 2), pytest.param("tiny-moe", 4,
+                                                                    marks=pytest.mark.slow),
+                                      ("tiny", 2), ("hybrid", 2), ("kimi", 4)])  # tp 4: kimi
 @pytest.mark.parametrize("scheme", quant.SCHEMES)
 def test_a_quantised_shard_dequantises_to_the_shard_of_the_dequantised_weight(
         name, tp, scheme):
