@@ -85,8 +85,8 @@ import numpy as np
 from mk import reference
 from mk.config import DTYPE_BITS, SCHEME_BITS, ModelConfig, check_formats
 from mk.errors import shown
-from mk.unpack import (E8M0_BIAS, GROUP, PACK_ROWS, dequantize_tile, grouped, oracle_dtype,
-                       pack_nibbles, pow2)
+from mk.unpack import (E8M0_BIAS, GROUP, PACK_ROWS, block_scale_rows, dequantize_tile, grouped,
+                       oracle_dtype, pack_nibbles, pow2)
 from mk.weights import FORMAT_GROUPS, param_shapes, weights_of
 
 SCHEMES = tuple(SCHEME_BITS)  # each laid out as the module docstring says
@@ -439,7 +439,7 @@ def element_steps(q: QuantWeight) -> jax.Array:
     if q.scheme == "int8":
         return ones * q.scale
     if q.scheme == "fp8":
-        return grouped(ones, q.scale, GROUP["fp8"], GROUP["fp8"])
+        return grouped(ones, block_scale_rows(q.scale), GROUP["fp8"])
     scale = (q.scale.astype(F32) if q.scheme == "int4"
              else pow2(q.scale.astype(jnp.int32) - E8M0_BIAS))
     return grouped(ones, scale, GROUP[q.scheme])

@@ -44,7 +44,10 @@ bf16 6016 -> 2192, fed fp8 3964 -> 2224 (1852 with the ring's stacked products, 
 int4 1876 -> 1716, int8 1244 -> 1244; v6e fp4 6016 -> 3724, int4 1876 -> 1684
 (mk/data/tile_feed_costs.json: the bf16 feed's rows for every chip and M).
 What is left is the float work per value: int8's 1244 is one unpack, one int -> float
-convert and one multiply a value, the loop's VALU slots full.
+convert and one multiply a value, the loop's VALU slots full. fp8's block scales reach
+the values as one row of scales per 128 rows (`block_scale_rows`, a lane broadcast): the
+[.., 128, O/128, 128] view of the values it replaced cost a relayout per tile (fp8 fed
+bf16 at M 8: v6e 21280 -> 2576, tpu7x 20012 -> 1148 bundles per Mi weights; bit-identical).
 
 Feeds: what a packed tile becomes for the MXU, chosen per chip from what its MXU takes
 beside bf16 activations (`mk.chips.ChipSpec.mxu_feeds`; `choose_feeds`, carried by the plan
@@ -154,13 +157,19 @@ def pack_nibbles(codes: jax.Array) -> jax.Array:
     return (c[..., 0, :, :] | (c[..., 1, :, :] << 4)).reshape(*lead, rows // 2, cols)
 
 
-def grouped(values, scale, rows: int, cols: int = 0):
-    """values [..., I, O] * scale repeated over groups of `rows` along I (and `cols`
-    along O when given), in float32."""
+def block_scale_rows(scale: jax.Array) -> jax.Array:
+    """fp8's block scales [..., I/128, O/128] -> one row per block of rows [..., I/128, O]:
+    each block's scale repeated over its 128 columns (a lane broadcast; a [.., I/128, 128,
+    O/128, 128] view of the values instead costs a relayout per tile)."""
+    *lead, r, c = scale.shape
+    per = GROUP["fp8"]
+    return jnp.broadcast_to(scale[..., None], (*lead, r, c, per)).reshape(*lead, r, c * per)
+
+
+def grouped(values, scale, rows: int):
+    """values [..., I, O] * scale [..., I/rows, O] repeated over groups of `rows` along
+    I, in float32."""
     *lead, I, O = values.shape
-    if cols:
-        v = values.reshape(*lead, I // rows, rows, O // cols, cols)
-        return (v * scale[..., :, None, :, None]).reshape(values.shape)
     v = values.reshape(*lead, I // rows, rows, O)
     return (v * scale[..., :, None, :].astype(F32)).reshape(values.shape)
 
@@ -171,7 +180,7 @@ def dequantize_tile(scheme: str, data: jax.Array, scale: jax.Array) -> jax.Array
     if scheme == "int8":
         return data.astype(F32) * scale
     if scheme == "fp8":
-        return grouped(e4m3_values(data), scale, GROUP["fp8"], GROUP["fp8"])
+        return grouped(e4m3_values(data), block_scale_rows(scale), GROUP["fp8"])
     if scheme == "int4":
         q = nibble_bytes(*map(int4_values, nibble_words(data)), jnp.int8)
         return grouped(q.astype(F32), scale, GROUP["int4"])
@@ -222,10 +231,7 @@ def fp8_feed_tile(scheme: str, data: jax.Array, scale: jax.Array
     (s = tile_rows / 128); fp4's codes turned into e4m3 (`e2m1_to_e4m3`) with each 32-row
     group's power of two (s = tile_rows / 32)."""
     if scheme == "fp8":
-        per = GROUP["fp8"]
-        scales = jnp.concatenate([jnp.broadcast_to(scale[:, c:c + 1], (scale.shape[0], per))
-                                  for c in range(data.shape[-1] // per)], axis=-1)
-        return jax.lax.bitcast_convert_type(data, jnp.float8_e4m3fn), scales
+        return jax.lax.bitcast_convert_type(data, jnp.float8_e4m3fn), block_scale_rows(scale)
     if scheme == "fp4":
         codes = nibble_bytes(*map(e2m1_to_e4m3, nibble_words(data)), jnp.float8_e4m3fn)
         return codes, pow2(scale.astype(jnp.int32) - E8M0_BIAS)
