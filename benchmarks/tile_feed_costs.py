@@ -61,7 +61,7 @@ def main(argv=None) -> None:
                                              "rows of the same key, the others stay (it is "
                                              "rewritten after each row, so a stopped run "
                                              "keeps its rows)")
-    p.add_argument("--floors", action="store_true", help="measure the MXU floors "
+    p.add_argument("--floors", action="store_true", help="measure the feed floors "
                                                             "(mk.probes.probe_floor) instead")
     args = p.parse_args(argv)
     if args.floors:
@@ -92,9 +92,8 @@ def floors(args) -> None:
     """The --floors run: each chip's feeds at each M, merged into --json by key."""
     record = {}
     if args.json and args.json.exists():
-        record = {tuple(k): r for k, r in ((
-            (r["chip"], r["feed"], r["shape"][0]), r)
-            for r in json.loads(args.json.read_text(encoding="utf-8")))}
+        record = {(r["chip"], r["feed"], r["shape"][0]): r
+                  for r in json.loads(args.json.read_text(encoding="utf-8"))}
     for chip in args.chips:
         for feed in chip_spec(chip).mxu_feeds:
             if feed not in args.feeds:

@@ -25,16 +25,18 @@ probe matrix, `mk.probes.TILE_PROBE_SHAPE`) and applied per element to tiles of 
 sizes; part of a trip is fixed per tile (the ring's bookkeeping), so a much smaller tile
 costs more per element than the table says.
 
-The floor under the table (data/feed_floors.json, `FLOORS`; `recorded_floors()`, a row a
-`FeedFloor`): per (chip, feed, M) the bundles per weight of one straight-line matmul whose
-weight already sits in VMEM in the feed's dtype (`mk.probes.probe_floor`): what libtpu
-needs to take a weight into the MXU with nothing else to do. `floor_per_element` is the
-least of it and of the table's own loops feeding that dtype (at M 64 on v5e and v5p the
-ring's loop beats the straight-line schedule): the fewest bundles a weight libtpu has been
-seen to need, taken as what no lean loop goes under (an empirical floor, not a proof).
-`floor_issue_over_dma` (that floor's issue time over the weight's own DMA time at one
-device's HBM bandwidth, at one end of the clock) says which storages can stream at HBM
-rate at all: above 0.9 no ring loop, however lean, keeps up.
+The feed floor under the table (data/feed_floors.json, `FEED_FLOORS`;
+`recorded_feed_floors()`, a row a `FeedFloor`): per (chip, feed, M) the bundles per weight
+of one straight-line matmul whose weight already sits in VMEM in the feed's dtype
+(`mk.probes.probe_floor`): what libtpu needs to take a weight into the MXU with nothing
+else to do. Not the ledger's "MXU floor" (`mk.perf.mxu_floor_ms`: a step's FLOPs at the
+datasheet peak). `feed_floor_per_element` is the least of it and of the table's own loops
+feeding that dtype (at M 64 on v5e and v5p the ring's loop beats the straight-line
+schedule): the fewest bundles a weight libtpu has been seen to need, taken as what no
+lean loop goes under (an empirical floor, not a proof). `feed_floor_over_dma` (that
+floor's issue time over the weight's own DMA time at one device's HBM bandwidth, at one
+end of the clock) says which storages can stream at HBM rate at all: above 0.9 no ring
+loop, however lean, keeps up.
 
 Not here: the compiles and the dump reading (`mk.bundles`), which feed a kernel uses for a
 scheme (`mk.unpack.choose_feeds`, the plan's `feeds`), the clock (`mk.chips`).
@@ -51,7 +53,7 @@ from mk.chips import DATA, MXU_FEEDS, ChipSpec
 from mk.unpack import FEEDABLE
 
 FEED_COSTS = DATA / "tile_feed_costs.json"  # benchmarks/tile_feed_costs.py's record
-FLOORS = DATA / "feed_floors.json"  # benchmarks/tile_feed_costs.py --floors's record
+FEED_FLOORS = DATA / "feed_floors.json"  # benchmarks/tile_feed_costs.py --floors's record
 DTYPES = ("bf16", "fp8", "int8", "int4", "fp4")  # a weight stored plain (bf16) or packed
 FEEDS = MXU_FEEDS  # what a tile reaches the MXU as (a plain tile: bf16; `mk.unpack.FEEDABLE`)
 M_BUCKETS = (1, 8, 64, 256)  # the rows the table is measured at
@@ -223,7 +225,7 @@ class FeedFloor:
 
 
 @cache
-def recorded_floors(path: Path = FLOORS) -> dict[tuple, FeedFloor]:
+def recorded_feed_floors(path: Path = FEED_FLOORS) -> dict[tuple, FeedFloor]:
     """The recorded floors by (chip, feed, M); a bundles_per_mi that disagrees with its
     row's bundles (tampered or stale), or a key recorded twice, is an error."""
     out = {}
@@ -237,11 +239,12 @@ def recorded_floors(path: Path = FLOORS) -> dict[tuple, FeedFloor]:
     return out
 
 
-def floor_per_element(chip: str, feed: str, m: int, path: Path = FLOORS) -> float:
+def feed_floor_per_element(chip: str, feed: str, m: int, path: Path = FEED_FLOORS
+                           ) -> float:
     """The fewest bundles per weight libtpu has been seen to need for a weight fed `feed`
     against m rows on `chip` (M bucket of m): the recorded straight-line floor, or a
     table row's loop feeding that dtype where one does better."""
-    floors = recorded_floors(path)
+    floors = recorded_feed_floors(path)
     key = (chip, feed, bucket(m))
     if key not in floors:
         raise ValueError(f"no feed floor for chip={chip!r}, feed={feed!r}, M bucket "
@@ -252,19 +255,20 @@ def floor_per_element(chip: str, feed: str, m: int, path: Path = FLOORS) -> floa
     return min([floors[key].bundles_per_element, *loops])
 
 
-def floor_issue_over_dma(spec: ChipSpec, dtype: str, m: int, end: str = "low",
-                         feed: str | None = None, path: Path = FLOORS) -> tuple[str, float]:
+def feed_floor_over_dma(spec: ChipSpec, dtype: str, m: int, end: str = "low",
+                        feed: str | None = None, path: Path = FEED_FLOORS
+                        ) -> tuple[str, float]:
     """(feed, ratio): the least issue time over own DMA time a weight stored as `dtype`
     can reach against m rows on `spec` at `end` of its clock, whatever the loop around it:
     fed `feed`, or (None) the best of the feeds its kernel may use (`rows`),
-    `floor_per_element` over the clock against the weight's bytes (the table's row at that
-    M: its tile's bytes, packed data and scales, per weight) at one device's HBM
+    `feed_floor_per_element` over the clock against the weight's bytes (the table's row at
+    that M: its tile's bytes, packed data and scales, per weight) at one device's HBM
     bandwidth."""
     table, found = recorded(), []
     for d, f in rows(spec):
         if d == dtype and feed in (None, f):
             cost = table[(spec.name, dtype, f, bucket(m))]
-            issue_s = floor_per_element(spec.name, f, m, path) / spec.clock(end)
+            issue_s = feed_floor_per_element(spec.name, f, m, path) / spec.clock(end)
             dma_s = cost.tile_bytes / cost.tile_elements / spec.device_hbm_bw
             found.append((f, issue_s / dma_s))
     if not found:

@@ -13,13 +13,13 @@ dumps), recorded in data/ with the libtpu version and re-checked by tests:
   bf16 matmul compiled for the chip: the clock at which its bundles would run at the
   datasheet bf16 peak, one end of the chip's clock range in data/chips.csv; recorded in
   data/clock_probes.json, `recorded_clock_probes()`, by `benchmarks/clock_probe.py`).
-- The MXU's own floor per feed: `probe_floor(chip, feed, m)` -> `mk.feed_costs.FeedFloor`
+- The feed floor: `probe_floor(chip, feed, m)` -> `mk.feed_costs.FeedFloor`
   (the same straight-line matmul at decode M over a few weight shapes, its weight
   already in VMEM in the feed's dtype: no ring, no decode, no scales; the fewest bundles
-  per weight libtpu schedules for taking a weight into the MXU, which a loop feeding
-  that dtype can match, not beat; recorded in data/feed_floors.json by
-  `benchmarks/tile_feed_costs.py --floors`; read by `mk.feed_costs.recorded_floors` and
-  `floor_issue_over_dma`).
+  per weight libtpu schedules for taking a weight into the MXU with nothing else to do;
+  at M 64 on v5e and v5p the ring's own loop does better, and
+  `mk.feed_costs.feed_floor_per_element` takes the lesser; recorded in
+  data/feed_floors.json by `benchmarks/tile_feed_costs.py --floors`).
 
 Not here: a whole megakernel's per-tile loops and schedule (`mk.bundles.measure`,
 `dump_schedule`), the compile itself (`mk.tpu`).
@@ -214,7 +214,7 @@ def probe_clock(chip: str | ChipSpec, shape: tuple[int, int, int] = CLOCK_PROBE_
                       importlib.metadata.version("libtpu"), seconds)
 
 
-# -- The MXU's own floor per feed ----------------------------------------------------------
+# -- The feed floor: the MXU taking one feed's weights, nothing else -------------------
 # w [K, N] of the floor probes: at most 8 MiB of bf16, so with x and the output it fits
 # v5e's 16 MiB of scoped VMEM (the probe takes whole operands into VMEM). libtpu's
 # straight-line schedules are not monotone in N (tpu7x bf16 at M 8: 424, 289, 478 bundles

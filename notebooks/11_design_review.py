@@ -310,12 +310,13 @@ if report is not None and report.ok:
 # per chip, storage, feed and M, compiled by libtpu): bundles per weight x the tile's
 # weights / the clock. A packed tile is smaller on the wire but pays its dequantisation
 # here. Below, each storage this plan streams, at this step's M, against its tile's DMA
-# at both ends of the clock range (simulation inputs, not TPU measurements). The floor
-# columns: the same ratio for the MXU alone taking the weights in its feed's dtype (one
-# straight-line matmul, nothing else to do: `mk.feed_costs.floor_issue_over_dma`). No
-# loop, however lean, goes under it: a floor over 0.9 says this storage cannot stream at
-# HBM rate on this chip at that end of the clock, a table ratio over a floor under 0.9
-# says the loop can still get leaner.
+# at both ends of the clock range (simulation inputs, not TPU measurements). The feed
+# floor columns (not the MXU floor of the step, below: that is FLOPs at the datasheet
+# peak): the same ratio for the MXU alone taking the weights in its feed's dtype, one
+# straight-line matmul with nothing else to do (`mk.feed_costs.feed_floor_over_dma`). No
+# loop, however lean, is expected under it: a feed floor over 0.9 says this storage cannot
+# stream at HBM rate on this chip at that end of the clock; a tile ratio over a feed floor
+# under 0.9 says the loop can still get leaner.
 
 # %%
 rows_, cols_ = plan.block.tile_rows, plan.block.tile_cols
@@ -334,8 +335,8 @@ def table_row(dtype: str) -> dict:
             "bundles per Mi weights": f"{per_mi:.0f}", "DMA ns": f"{dma:.0f}",
             **{f"ns per tile, clock {e}": f"{ns[e]:.0f}" for e in CLOCK_ENDS},
             **{f"tile / DMA, clock {e}": f"{ns[e] / dma:.2f}" for e in CLOCK_ENDS},
-            **{f"MXU floor / DMA, clock {e}":
-               f"{feed_costs.floor_issue_over_dma(spec, dtype, plan.M, e, feed)[1]:.2f}"
+            **{f"feed floor / DMA, clock {e}":
+               f"{feed_costs.feed_floor_over_dma(spec, dtype, plan.M, e, feed)[1]:.2f}"
                for e in CLOCK_ENDS}}
 
 

@@ -64,9 +64,9 @@ def test_every_recorded_row_is_todays_compile(row):
 
 
 # -- The floor under the table ---------------------------------------------------------------
-FLOOR_ROWS = json.loads(feed_costs.FLOORS.read_text())
-# The storages whose MXU floor alone issues for more than 0.9 x their own DMA (the
-# `floor_issue_over_dma` of the best feed, M = 8) at each end of the clock range: on these
+FLOOR_ROWS = json.loads(feed_costs.FEED_FLOORS.read_text())
+# The storages whose feed floor alone issues for more than 0.9 x their own DMA (the
+# `feed_floor_over_dma` of the best feed, M = 8) at each end of the clock range: on these
 # no ring loop, however lean, streams at HBM rate. A re-recording, a clock range or a
 # bandwidth that moves one fails the test below (and the closing note that quotes it).
 # TPU7x at 1.03 GHz: int8 0.99, int4 1.91, fp4 (fed fp8) 0.99 (bf16 0.49, fp8 0.53). v5p
@@ -78,7 +78,7 @@ MXU_BOUND = {("tpu7x", "int8", "low"), ("tpu7x", "int4", "low"), ("tpu7x", "fp4"
 
 
 # Where the ring's own loop (a table row) takes a weight in fewer bundles than the
-# straight-line probe: the floor is the loop's there (`floor_per_element`).
+# straight-line probe: the floor is the loop's there (`feed_floor_per_element`).
 LOOP_UNDER_PROBE = {("v5e", "bf16", "bf16", 64), ("v5p", "bf16", "bf16", 64)}
 
 
@@ -86,7 +86,7 @@ def test_the_floors_cover_every_chip_feed_and_m_and_lie_under_the_table():
     """Every chip's feeds at every M bucket are recorded; the straight-line probe is
     under every table row of its (chip, feed, M) except LOOP_UNDER_PROBE's, and the floor
     read is the lesser of the two."""
-    floors, table = feed_costs.recorded_floors(), feed_costs.recorded()
+    floors, table = feed_costs.recorded_feed_floors(), feed_costs.recorded()
     want = {(c, f, m) for c in {k[0] for k in table} for f in mk.chip(c).mxu_feeds
             for m in feed_costs.M_BUCKETS}
     assert want == set(floors), sorted(want ^ set(floors))
@@ -94,9 +94,9 @@ def test_the_floors_cover_every_chip_feed_and_m_and_lie_under_the_table():
              if cost.bundles_per_element < floors[(key[0], key[2], key[3])].bundles_per_element}
     assert under == LOOP_UNDER_PROBE
     for chip, dtype, feed, m in LOOP_UNDER_PROBE:
-        assert feed_costs.floor_per_element(chip, feed, m) == \
+        assert feed_costs.feed_floor_per_element(chip, feed, m) == \
             table[(chip, dtype, feed, m)].bundles_per_element
-    assert feed_costs.floor_per_element("tpu7x", "fp8", 8) == \
+    assert feed_costs.feed_floor_per_element("tpu7x", "fp8", 8) == \
         floors[("tpu7x", "fp8", 8)].bundles_per_element
 
 
@@ -110,7 +110,7 @@ def test_a_recorded_floor_is_todays_compile_and_a_tampered_one_is_caught(tmp_pat
     path = tmp_path / "tampered.json"
     path.write_text(json.dumps([dict(row, bundles=row["bundles"] - 40)]))
     with pytest.raises(ValueError, match="disagrees with its own bundles"):
-        feed_costs.recorded_floors(path)
+        feed_costs.recorded_feed_floors(path)
     with pytest.raises(ValueError, match="v6e's MXU takes"):
         probes.probe_floor("v6e", "fp8", 8)
 
@@ -125,14 +125,14 @@ def test_which_storages_the_mxu_alone_keeps_from_hbm_rate():
         spec = mk.chip(chip)
         for dtype in feed_costs.DTYPES:
             for end in ("low", "high"):
-                feed, ratio = feed_costs.floor_issue_over_dma(spec, dtype, 8, end)
+                feed, ratio = feed_costs.feed_floor_over_dma(spec, dtype, 8, end)
                 if ratio > 0.9:
                     bound.add((chip, dtype, end))
     assert bound == MXU_BOUND
     # the best feed is the cheaper: fp4 on TPU7x is fed fp8, not bf16
-    fp8, bf16 = (feed_costs.floor_issue_over_dma(mk.chip("tpu7x"), "fp4", 8, "low", f)
+    fp8, bf16 = (feed_costs.feed_floor_over_dma(mk.chip("tpu7x"), "fp4", 8, "low", f)
                  for f in ("fp8", "bf16"))
-    assert feed_costs.floor_issue_over_dma(mk.chip("tpu7x"), "fp4", 8) == fp8
+    assert feed_costs.feed_floor_over_dma(mk.chip("tpu7x"), "fp4", 8) == fp8
     assert fp8[1] < bf16[1]
 
 
