@@ -36,12 +36,12 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `mk` importable from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import jax.numpy as jnp  # noqa: E402
 
 import mk  # noqa: E402
 from mk import bundles, ledger, sim, tpu  # noqa: E402
 from mk.chips import chip as chip_spec  # noqa: E402
 from mk.kernels.plan import DecodePlan, packed_formats  # noqa: E402
+from mk.kernels.ring import ring_buffers  # noqa: E402
 
 
 def row(preset: str, chip: str, *, tp: int = 1, topology: str | None = None, batch: int,
@@ -69,9 +69,10 @@ def row(preset: str, chip: str, *, tp: int = 1, topology: str | None = None, bat
     fit = plan.fits(spec)
     out = dict(preset=preset, chip=chip, **kw, topology=topology or spec.topology,
                latency_us=latency_s * 1e6, slots=block.slots,
-               ring_KiB=block.slots * plan.stream.tile_bytes
-               * jnp.dtype(config.dtype).itemsize / 1024,
+               ring_KiB=sum(b.bytes for b in ring_buffers(plan.stream, config.dtype)) / 1024,
                vmem_MiB=fit.vmem.total_bytes / 2**20 if fit.vmem else None, fits=fit.ok)
+    if block.tiles:  # weights in tiles of their own shape
+        out["tiles"] = {name: list(tile) for name, tile in block.tiles}
     measured, on = config, []
     if dict(plan.formats) != packed_formats(config, dict(plan.formats)):
         measured = dataclasses.replace(config, formats=())  # what the kernel streams

@@ -67,6 +67,7 @@ PHASE_FLAG = "--xla_enable_custom_call_region_trace=true"  # named scopes -> tra
 _BUNDLE = re.compile(r"^\s*(?:0x[0-9a-f]+|\d+)\s+([A-Z]{2})?:?\s*(>*)\s*\{(.*?)\}?\s*$")
 _OP = re.compile(r"=\s*([a-z][a-z0-9_.]*)")  # an instruction's own op: its first `= name`
 _GRANULES = re.compile(r"size_in_granules=\*/\s*(\d+)")
+_WAITED = re.compile(r",\s*(\d+)\s*(?:/\*.*)?$")  # a dma.done.wait's last operand: granules
 _MARK = re.compile(r"TraceMe(Start|End)\(([^)]*)\)")
 
 
@@ -79,6 +80,7 @@ class Bundle:
     ops: tuple[str, ...]  # each instruction's op, in the bundle's order
     granules: tuple[int, ...]  # the size of each DMA it issues
     text: str  # its line from `{` on (trace markers are comments there)
+    waited: tuple[int, ...] = ()  # the size of each DMA it waits for (dma.done.wait)
 
     @property
     def dmas(self) -> int:
@@ -125,7 +127,7 @@ def read_bundles(text: str) -> list[Bundle]:
         if not m:
             continue
         mark, depth, body = m.groups()
-        ops, granules = [], []
+        ops, granules, waited = [], [], []
         for instruction in body.split(";;"):
             op = _OP.search(instruction)  # a bounds check's comment quotes its DMA: not it
             if op:
@@ -133,8 +135,11 @@ def read_bundles(text: str) -> list[Bundle]:
                 size = _GRANULES.search(instruction)
                 if size and _issues_dma(op[1]):
                     granules.append(int(size[1]))
+                size = _WAITED.search(instruction.strip())
+                if size and op[1] == "dma.done.wait":
+                    waited.append(int(size[1]))
         found.append(Bundle(mark or "", len(depth) if body.strip() else None, tuple(ops),
-                            tuple(granules), body))
+                            tuple(granules), body, tuple(waited)))
     return found
 
 
@@ -149,6 +154,7 @@ class Loop:
     scalar_only: int  # bundles with only scalar-unit work (address arithmetic, branches)
     dma_granules: tuple[int, ...]  # the size of each DMA the body issues
     waits: int  # DMA waits in the body
+    wait_granules: tuple[int, ...]  # the size of each DMA it waits for
     eup: int  # bundles using the EUP (exp, rsqrt: softmax and norms, never a weight tile)
     nested: int  # loops inside it
 
@@ -178,23 +184,28 @@ def loops(text: str) -> list[Loop]:
                             for r in own),
             dma_granules=tuple(g for r in own for g in r.granules),
             waits=sum(r.waits for r in own),
+            wait_granules=tuple(g for r in own for g in r.waited),
             eup=sum(any("eup" in o for o in r.ops) for r in own),
             nested=sum(r.mark == "LB" and r.depth == d + 1 for r in body)))
     return found
 
 
 def tile_loops(found: list[Loop], *tiles: tuple[int, ...]) -> list[Loop]:
-    """The ring's per-tile loops among `found`: they issue the DMAs of one of `tiles`
+    """The ring's per-tile loops among `found`: they wait for the DMAs of one of `tiles`
     (each the bytes of the DMAs that bring one tile in, `tile_parts`: a plain tile one, a
-    packed tile its data and its scale block) and no others, drive the MXU, and never the
-    EUP (attention's softmax). A loop matches a tile when its DMAs come in as many sizes
-    as the tile has parts and the largest is the tile's largest part: a small scale
-    block's DMA moves its HBM layout's padded tiles, not its bytes, so only the data part
-    is matched by size."""
-    kinds = {(max(parts) // GRANULE_BYTES, len(parts)) for parts in tiles}
-    return [lp for lp in found if lp.dma_granules and lp.mxu and not lp.eup
-            and not lp.nested
-            and (max(lp.dma_granules), len(set(lp.dma_granules))) in kinds]
+    packed tile its data and its scale block), issue DMAs (the tile slots ahead, which may
+    be of another storage), drive the MXU, and never the EUP (attention's softmax). The
+    DMAs of one slot share a semaphore, so a packed tile's two are waited for at once:
+    a loop waiting for as many granules as a plain tile's one part brings it; one waiting
+    for more than a packed tile's data part, but less than twice it, brings that (a scale
+    block's DMA moves its HBM layout's padded tiles, not its bytes, and is always smaller
+    than its data)."""
+    def brings(lp: Loop, parts) -> bool:
+        data, waited = max(parts) // GRANULE_BYTES, max(lp.wait_granules)
+        return waited == data if len(parts) == 1 else data < waited < 2 * data
+
+    return [lp for lp in found if lp.dma_granules and lp.wait_granules and lp.mxu
+            and not lp.eup and not lp.nested and any(brings(lp, p) for p in tiles)]
 
 
 def tile_parts(scheme: str | None, tile_rows: int, tile_cols: int, itemsize: int = 2
@@ -207,6 +218,13 @@ def tile_parts(scheme: str | None, tile_rows: int, tile_cols: int, itemsize: int
                  for shape, dtype in quant.tile_shapes(scheme, tile_rows, tile_cols).values())
 
 
+def storage_name(stream, scheme: str | None, tile: tuple[int, int]) -> str:
+    """A storage's name in a `TileCost` row: "plain" or the scheme, and the tile's shape
+    when it is not the stream's block's ("plain 2048x768")."""
+    own = (stream.block.tile_rows, stream.block.tile_cols)
+    return (scheme or "plain") + ("" if tile == own else f" {tile[0]}x{tile[1]}")
+
+
 @dataclasses.dataclass(frozen=True)
 class TileCost:
     """The per-tile loops of one compiled megakernel and what they cost on its chip.
@@ -214,9 +232,10 @@ class TileCost:
     `Ring.matmul` runs two loops per matrix: the steady one issues the matrix's own next
     tile, the edge one (a matrix's last `slots` tiles) looks up which of the segments that
     can follow holds the next tile. A stream moves tiles of one or more storages (plain
-    tiles in the config's dtype, each packed scheme's data and scales: `tiles`); a loop
-    belongs to the storage whose DMAs it issues (`tile_loops`' rule), and the costliest
-    loop of a storage bounds its every tile. `worst`, `issue_s`, `dma_s` and
+    tiles in the config's dtype, each packed scheme's data and scales, and either in a
+    tile shape of their own: `tiles`, named by `storage_name`); a loop belongs to the
+    storage whose DMAs it waits for (`tile_loops`' rule), and the costliest loop of a
+    storage bounds its every tile. `worst`, `issue_s`, `dma_s` and
     `assumptions` are the plain tiles' (a stream of packed tiles only: its first
     storage's); `by_storage` has each.
     """
@@ -231,8 +250,8 @@ class TileCost:
         for storage, parts in self.tiles:
             if tile_loops([lp], parts):
                 return storage
-        raise ValueError(f"a loop issuing DMAs of {lp.dma_granules} granules brings no "
-                         f"tile of {dict(self.tiles)}")
+        raise ValueError(f"a loop waiting for DMAs of {lp.wait_granules} granules brings "
+                         f"no tile of {dict(self.tiles)}")
 
     def by_storage(self) -> dict[str, tuple[Loop, int]]:
         """{storage: (its costliest per-tile loop, the bytes one of its tiles moves)}, for
@@ -397,10 +416,9 @@ def measure(config: ModelConfig, chip: str | ChipSpec, *, tp: int = 1,
         raise ValueError(f"chip={spec.name!r} is a {spec.kind}: no TPU compile to measure")
     plan = DecodePlan.make(config, tp=tp, batch=batch, rows=rows, context=context,
                            block=block, chip=spec)
-    b = plan.stream.block
-    tiles = tuple((q or "plain", tile_parts(q, b.tile_rows, b.tile_cols,
-                                            jnp.dtype(config.dtype).itemsize))
-                  for q in ((None,) if plan.stream.has_plain else ()) + plan.stream.schemes)
+    tiles = tuple((storage_name(plan.stream, q, tile),
+                   tile_parts(q, *tile, jnp.dtype(config.dtype).itemsize))
+                  for q, tile in plan.stream.storages)
     found = ()
     with tempfile.TemporaryDirectory(prefix="mk-bundles-") as folder:
         report, jf = dump_megakernel(config, spec.name, folder, phases=False,

@@ -125,8 +125,9 @@ def is_prefix(experts) -> bool:
 
 
 # -- Planted mistakes -------------------------------------------------------------------------
-def _slot_of_next_tile(ring, g):
-    return ring.slots_vmem.at[(g + 1) % ring.n]  # the mistake: g + 1, not g
+def _slot_of_next_tile(ring, g, segment=None):
+    name = "ring" if segment is None else ring.stream.buffer_name(segment)
+    return ring.buffers[name].at[(g + 1) % ring.n]  # the mistake: g + 1, not g
 
 
 def _rope_off(x, pos, theta, dims=None):

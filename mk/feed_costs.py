@@ -31,8 +31,9 @@ of one straight-line matmul whose weight already sits in VMEM in the feed's dtyp
 (`mk.probes.probe_floor`): what libtpu needs to take a weight into the MXU with nothing
 else to do. Not the ledger's "MXU floor" (`mk.perf.mxu_floor_ms`: a step's FLOPs at the
 datasheet peak). `feed_floor_per_element` is the least of it and of the table's own loops
-feeding that dtype (at M 64 on v5e and v5p the ring's loop beats the straight-line
-schedule): the fewest bundles a weight libtpu has been seen to need, taken as what no
+feeding that dtype (at M 64 on v5e and v5p the ring's loop beat the straight-line schedule
+with 4096 x 256 tiles; with today's none does): the fewest bundles a weight libtpu has
+been seen to need, taken as what no
 lean loop goes under (an empirical floor, not a proof). `feed_floor_over_dma` (that
 floor's issue time over the weight's own DMA time at one device's HBM bandwidth, at one
 end of the clock) says which storages can stream at HBM rate at all: above 0.9 no ring

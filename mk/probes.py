@@ -17,7 +17,7 @@ dumps), recorded in data/ with the libtpu version and re-checked by tests:
   (the same straight-line matmul at decode M over a few weight shapes, its weight
   already in VMEM in the feed's dtype: no ring, no decode, no scales; the fewest bundles
   per weight libtpu schedules for taking a weight into the MXU with nothing else to do;
-  at M 64 on v5e and v5p the ring's own loop does better, and
+  a ring loop may do better (at M 64 on v5e and v5p it did with 4096 x 256 tiles), and
   `mk.feed_costs.feed_floor_per_element` takes the lesser; recorded in
   data/feed_floors.json by `benchmarks/tile_feed_costs.py --floors`).
 
@@ -45,7 +45,7 @@ from mk.kernels.weight_streaming import stream_matmul_block
 
 
 # -- One weight tile by storage, feed and M: the stage kernel's own loop ---------------
-TILE_PROBE_SHAPE = (4096, 2048)  # w [K, N]: 8 bf16 tiles of 4096 x 256, 32 packed 2048 x 128
+TILE_PROBE_SHAPE = (4096, 2048)  # w [K, N]: 8 bf16 tiles of 2048 x 512, 32 packed 512 x 512
 # XLA's memory-space assignment moves a small program's weight (the probe relays it out
 # into the ring's layout, a temporary) into VMEM, and the ring's DMAs become vector copy
 # loops; a model's weights never fit VMEM. Off, the probe's weight stays in HBM, as theirs.

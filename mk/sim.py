@@ -39,8 +39,9 @@ Modelling assumptions (`Assumptions` holds the numbers; none is fitted to a meas
   fallback to a rule. One alternative, as before: a whole compiled kernel's recorded
   per-tile loop (`Assumptions.tile_bundles` at the clock, or `tile_issue_s` seconds:
   `Ring.matmul`'s costliest loop over plain tiles, read from that kernel by
-  `mk.bundles.measure`) is, when given, every plain tile's cost instead of the table: it
-  is the same quantity measured on that very kernel (packed tiles keep the table's row;
+  `mk.bundles.measure`) is, when given, the cost of every plain tile of the block's shape
+  instead of the table: it is the same quantity measured on that very kernel (packed
+  tiles and tiles of a shape of their own keep the table's row;
   `mk.bundles.TileCost.row` reports their own loops). Products that are not ring tiles
   (KV tiles, the router and other weights moved by whole DMA, the delta rule) cost the MXU rule
   (`mk.perf.mxu_flops`: 2 * max(M, mxu_rows) * elements / peak, fewer rows than the MXU costing as
@@ -99,6 +100,7 @@ the cycle it repeats (tests compare both against the tile-by-tile replay).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from mk import feed_costs, measure, perf, quant
 from mk.chips import CLOCK_ENDS, ChipSpec, chip as named_chip
@@ -176,15 +178,15 @@ class Assumptions:
 def tile_seconds(stream: TileStream, spec: ChipSpec, m: int, formats, dtype: str,
                  a: Assumptions) -> dict[str, float]:
     """{segment name: seconds} one weight tile of each segment of `stream` keeps the
-    compute lane busy against m rows (module docstring): for a plain tile the recorded
-    loop of `a` when given, else the tile cost table's row for the segment's storage (its
-    group's scheme of `formats`, its own scheme, else plain `dtype`) and its feed at
-    `a.clock`."""
+    compute lane busy against m rows (module docstring): for a plain tile of the block's
+    shape the recorded loop of `a` when given, else the tile cost table's row for the
+    segment's storage (its group's scheme of `formats`, its own scheme, else plain
+    `dtype`) and its feed at `a.clock`, for its tile's elements."""
     schemes = quant.schemes_of(formats)
-    elements = stream.block.tile_rows * stream.block.tile_cols
-    return {s.name: a.issue_s(spec) if a.recorded_loop and s.scheme is None
+    own = (stream.block.tile_rows, stream.block.tile_cols)
+    return {s.name: a.issue_s(spec) if a.recorded_loop and (s.scheme, s.tile) == (None, own)
             else feed_costs.tile_s(spec, feed_costs.weight_dtype(
-                dtype, schemes.get(s.name, s.scheme)), m, elements, a.clock, s.feed)
+                dtype, schemes.get(s.name, s.scheme)), m, math.prod(s.tile), a.clock, s.feed)
             for s in stream.segments + stream.tail}
 
 
@@ -221,8 +223,7 @@ class _Kernel:
         self.spec = spec
         schemes = quant.schemes_of(formats)  # packed, or charged so on plain tiles
         item = DTYPE_BITS[config.dtype if config is not None else "bfloat16"] / 8
-        k, n = stream.block.tile_rows, stream.block.tile_cols
-        self.tile_bytes = {s.name: quant.tile_bytes(schemes[s.name], k, n) if s.name in
+        self.tile_bytes = {s.name: quant.tile_bytes(schemes[s.name], *s.tile) if s.name in
                            schemes else stream.segment_tile_bytes(s, item)
                            for s in stream.segments + stream.tail}
         self.tile_s = tile_seconds(stream, spec, m, formats, config.dtype if config is not None

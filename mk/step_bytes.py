@@ -18,7 +18,7 @@ from mk import quant
 from mk.config import DTYPE_BITS, ModelConfig, check_formats
 from mk.kernels.common import BlockSizes
 from mk.kinds.layers import layer_kinds
-from mk.weights import FAMILIES, FAMILY, FORMAT_GROUP
+from mk.weights import FAMILIES, FAMILY, FORMAT_GROUP, FORMAT_GROUPS
 
 # The byte families of one step's weights (`mk.weights.FAMILIES` but the embedding, whose
 # rows are gathered outside the kernel); a weight's is its row's `family`.
@@ -64,12 +64,14 @@ def bytes_per_element(local: ModelConfig, formats=None,
     """Bytes per weight element of each weight family (`shard_weight_bytes`)."""
     formats = check_formats(local, local.formats if formats is None else formats)
     per = {f: 4 if f == "norms" else DTYPE_BITS[local.dtype] / 8 for f in WEIGHT_FAMILIES}
-    for family, scheme in formats.items():
+    for group, scheme in formats.items():
         if block is None:
             raise ValueError(f"formats={formats}: quantised bytes need the tiling (block)")
-        tile = block.tile_rows * block.tile_cols
-        per |= {f: quant.tile_bytes(scheme, block.tile_rows, block.tile_cols) / tile
-                for f, q in QUANT_FAMILY.items() if q == family}
+        own = dict(block.tiles)  # a group's weights share their tile (`model_block`)
+        r, c = next((own[n] for n in FORMAT_GROUPS[group] if n in own),
+                    (block.tile_rows, block.tile_cols))
+        per |= {f: quant.tile_bytes(scheme, r, c) / (r * c)
+                for f, q in QUANT_FAMILY.items() if q == group}
     return per
 
 

@@ -71,7 +71,8 @@ exponents exactly (a group's shift can leave e4m3's range; measured slower too, 
 4344 with the int32 decoders). So each 32-row group gets its own product rows, but not its
 own product: the ring stacks x masked to each group's 32 columns along M, one [4M, 128] x
 [128, 128] product per 128 rows (the masked columns add exact zeros: bit-identical to four
-32-row products, checked on CPU). At the probe's 2048 x 128 tiles, M 1 / 8 / 64 / 256:
+32-row products, checked on CPU). At 2048 x 128 tiles (the probe's before the panel rule,
+`mk.kernels.common.PANEL_COLS`), M 1 / 8 / 64 / 256:
 fp4 fed fp8 3952 / 3964 / 4932 / 9964 with the int32 decoders and 32-row products, 2244 /
 2224 / 3368 / 9560 byte-wise, 1964 / 1852 / 3480 / 10000 stacked (half the MXU bundles at
 M 8; a little dearer from M 64, where 4M rows outweigh the pushes saved).

@@ -353,10 +353,10 @@ display(plots.table([table_row(d) for d in sorted(
 # seconds on the 2-core machine that recorded it, shared with other jobs). A ratio above 0.9 is a kernel whose TensorCore, not HBM, sets
 # the pace of weight streaming. The issue time and its ratio are the recorded bundles at
 # each end of today's clock range, for the plain tiles and, where the stream has them, for
-# each packed scheme's tiles against their own (smaller) DMA. The HBM busy share was
-# simulated when the row was recorded: the single-core rows at the one clock `chips.csv`
-# had then (2.2 GHz on TPU7x, 1.75 on v6e, 1.5 on v5e), the published runs' rows
-# (re-recorded with packed formats) at the low end of today's range.
+# each other storage's tiles against their own DMA: a packed scheme's (smaller), or tiles
+# of a shape of their own (qwen3-30b-a3b's experts, 2048 x 768 beside 2048 x 512:
+# `BlockSizes.tiles`). The HBM busy share was simulated when the row was recorded, at the
+# low end of today's range.
 
 # %%
 data = Path(mk.__file__).parent / "data"  # recorded runs ship in the package
@@ -381,15 +381,15 @@ if recorded_path.exists():
              "DMA ns": f"{r['dma_ns']:.0f}",
              **{f"issue/DMA, clock {end}": f"{issue_ns(r, end) / r['dma_ns']:.2f}"
                 for end in CLOCK_ENDS},
-             "packed tiles' issue/DMA, clock low / high": "; ".join(
+             "other tiles' issue/DMA, clock low / high": "; ".join(
                  f"{q}: {p['tile_over_dma']:.1f} / {p['tile_over_dma_high']:.1f}"
                  for q, p in r.get("packed", {}).items()),
-             "HBM busy (recorded clock)": f"{r['hbm_busy']:.1%}",
+             "HBM busy, clock low": f"{r['hbm_busy']:.1%}",
              "compile s": f"{r['compile_s']:.1f}"}
             if "tile_ns" in r else dict.fromkeys(
                 ["bundles/tile"] + [f"issue ns, clock {end}" for end in CLOCK_ENDS]
                 + ["DMA ns"] + [f"issue/DMA, clock {end}" for end in CLOCK_ENDS]
-                + ["packed tiles' issue/DMA, clock low / high", "HBM busy (recorded clock)",
+                + ["other tiles' issue/DMA, clock low / high", "HBM busy, clock low",
                    "compile s"], "")),
          "note": "" if r["fits"] else r["error"][:80] + (
              f"; measured on {r['measured_on']}" if "measured_on" in r else "")}
@@ -437,17 +437,16 @@ display(plots.table([
 # busy time), the lane's tiles, vector work and collectives (`Simulation.compute_s`): within
 # 10 %, weight streaming does not wait on the all-reduces (each collective costs
 # `mk.kernels.collectives.allreduce_s`: 1 us per message round, a model, not a measurement).
-# These steps were simulated when the rows were recorded, at the one clock `chips.csv` had
-# then (2.2 GHz on TPU7x, inside today's range); at its low end the compute lane is longer
-# than shown, and the cell after the published runs below names the shards whose issue
-# time per tile then exceeds 0.9 x its DMA.
+# These steps were simulated when the rows were recorded, at the low end of today's clock
+# range; the cell after the published runs below names the shards whose issue time per
+# tile exceeds 0.9 x its DMA.
 
 # %%
 display(plots.table([
     {"model": r["preset"], "TP": r["tp"], "B x T": f"{r['batch']} x {r['rows']}",
-     "simulated step ms (recorded clock)": f"{r['sim_step_ms']:.3f}",
+     "simulated step ms, clock low": f"{r['sim_step_ms']:.3f}",
      "HBM floor ms": f"{r['hbm_floor_ms']:.3f}",
-     "compute lane ms (recorded clock)": f"{r['compute_ms']:.3f}",
+     "compute lane ms, clock low": f"{r['compute_ms']:.3f}",
      "over max(floor, lane)":
          f"{r['sim_step_ms'] / max(r['hbm_floor_ms'], r['compute_ms']) - 1:+.1%}",
      "bound": "compute lane" if r["compute_ms"] > r["hbm_floor_ms"] else "HBM"}

@@ -258,18 +258,20 @@ def assert_rollback_exact(config, params, *, rows: int, accepted):
 
 
 def assert_verify_steps(config, params, values, prompt, want, rows: int, tokens: int,
-                        want_logits=None, rtol_of_scale: float = 0.0):
+                        want_logits=None, rtol_of_scale: float = 0.0, block=None):
     """Feed the reference's (or transformers') greedy tokens `want` [B, >= tokens] `rows`
     at a time (a perfect draft): each megakernel step (race detector on) must predict the
     next `rows`. values: what the reference's prefill runs on (the dequantised params, or
     params). want_logits [B, P + tokens, V] (the logits of the whole sequence, e.g.
-    transformers' forward): each step's logits within rtol_of_scale x their max |.|."""
+    transformers' forward): each step's logits within rtol_of_scale x their max |.|.
+    block: the tiling (default `default_block`'s, KV tiles of a 128-position cache)."""
     import jax.numpy as jnp
 
     from mk import backend, megakernel, quant, reference
     from mk.kernels.plan import DecodePlan, default_block
 
-    block = default_block(config, 128, formats=quant.formats_of(params))
+    if block is None:
+        block = default_block(config, 128, formats=quant.formats_of(params))
     weights = megakernel.prepare(DecodePlan.make(config, batch=prompt.shape[0], rows=rows,
                                                  context=128, block=block), params)
     _, cache = reference.prefill(config, values, prompt[:, :-1], max_context=128)

@@ -104,6 +104,32 @@ def test_fp8_fed_weights_decode_the_references_tokens(name):
     np.testing.assert_array_equal(got, want)
 
 
+# CPU seconds: ~20 (tiny, fp4 MLP, CI), ~25 (tiny-moe, plain experts, make test-slow)
+@pytest.mark.parametrize("name", ["tiny", pytest.param("tiny-moe", marks=SLOW)])
+def test_weights_in_tiles_of_their_own_decode_the_references_tokens(name):
+    """Weights cut into tiles of their own shape (`BlockSizes.tiles`: ring buffers of their
+    own on the one slot index, as qwen3-30b-a3b's plan cuts its experts 2048 x 768 beside
+    2048 x 512 tiles): tiny's MLP stored FP4, packed in 256 x 128 tiles beside the block's
+    256 x 256; tiny-moe's expert slots plain in 256 x 128 tiles (w_down transposed) beside
+    the block's 128 x 256. The 4 greedy tokens of a T = 4 verification step equal the
+    reference's (float32), race detector on."""
+    config = dataclasses.replace(mk.preset(name), dtype="float32")
+    formats, names = (({"dense": "fp4"}, ("w_gate", "w_up", "w_down")) if name == "tiny"
+                      else ({}, ("we_gate", "we_up", "we_down")))
+    params = quant.quantize(config, mk.init_params(config), **formats)
+    own = (256, 128)
+    block = dataclasses.replace(default_block(config, 128),
+                                tiles=tuple((n, own) for n in names))
+    plan = DecodePlan.make(config, batch=2, rows=4, context=128, block=block, formats=formats)
+    assert (block.tile_rows, block.tile_cols) != own
+    assert ("ring_fp4_256x128" if formats else "ring_256x128") in plan.buffers
+    assert [plan.stream.segment(n).tile for n in names] == [own] * 3
+    values = quant.dequantize(params)
+    prompt = jax.random.randint(jax.random.key(3), (2, 5), 0, config.vocab)
+    want = reference.generate(config, values, prompt, 4, max_context=128)
+    assert_verify_steps(config, params, values, prompt, want, 4, 4, block=block)
+
+
 QWEN35_ATTENTION = dict(attn_output_gate=True, partial_rotary_factor=0.25, norm_offset=1.0)
 
 

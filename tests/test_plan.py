@@ -23,7 +23,8 @@ from mk import backend, megakernel, perf, quant, reference, sim
 from mk import shards
 from mk import tensor_parallel as tpar
 from mk.kernels.collectives import tp_mesh
-from mk.kernels.common import VMEM_HEADROOM, VMEM_ROOM, BlockSizes, Cut, dma_log
+from mk.chips import all_chips
+from mk.kernels.common import PANEL_COLS, VMEM_HEADROOM, VMEM_ROOM, BlockSizes, Cut, dma_log
 from mk.kernels.plan import (RING_COVER_S, DecodePlan, capacity, default_block,
                              little_slots, ring_slots, ring_cover_s, shard_config)
 from mk.kernels.ring import TileStream
@@ -71,11 +72,11 @@ def counted(name: str, tp: int, formats=None) -> dict:
     return {f: np.array(b) for f, b in families.items()}
 
 
-# CPU seconds: 17, ~20, 29, 50, 59, 79. CI runs the dense model and Kimi's MLA, KDA, shared
-# expert and sigmoid router (tiny-kimi); `make test-slow` the hybrid (its linear
-# weights and states) and the MoE model at tp 1, 2 and 4 (every family, the collectives'
-# shard).
-@pytest.mark.parametrize("name, tp", [("tiny", 1), ("tiny-kimi", 1),
+# CPU seconds: 17, ~34, 29, 50, 59, 79. CI runs the dense model (and, in
+# tests/test_quant_shards.py, a packed MoE shard's bytes at tp 2); `make test-slow` Kimi's
+# MLA, KDA, shared expert and sigmoid router (tiny-kimi), the hybrid (its linear weights
+# and states) and the MoE model at tp 1, 2 and 4 (every family, the collectives' shard).
+@pytest.mark.parametrize("name, tp", [("tiny", 1), pytest.param("tiny-kimi", 1, marks=SLOW),
                                       pytest.param("tiny-hybrid", 1, marks=SLOW),
                                       pytest.param("tiny-moe", 1, marks=SLOW),
                                       pytest.param("tiny-moe", 2, marks=SLOW),
@@ -241,7 +242,7 @@ def test_the_default_tiling_is_one_rule():
     config = mk.preset("qwen3-8b")
     plan = DecodePlan.make(config, batch=8, context=4096)
     assert plan.block == default_block(config, 4096) == BlockSizes(
-        slots=3, tile_rows=4096, tile_cols=256, kv_tile=256,  # 2 MiB, the tallest
+        slots=3, tile_rows=2048, tile_cols=512, kv_tile=256,  # 2 MiB, panels of 512
         kv_slots=7)  # 6 KV tiles of 1 MiB (K and V of 8 heads) hold the ring's 6 MiB
     # for a chip, the ring Little's law asks for: one core's bandwidth x 2 us in whole
     # tiles, plus one computing and one landing
@@ -253,6 +254,33 @@ def test_the_default_tiling_is_one_rule():
     assert capacity(4097) == 4352 and capacity(100) == 112
     assert DecodePlan.make(config, batch=8, position=4096).block == dataclasses.replace(
         plan.block)
+
+
+def test_tiles_feed_every_mxu_and_experts_take_tiles_of_their_own():
+    """PANEL_COLS is every TPU's MXUs x their width (data/chips.csv). Of tiles as large,
+    the plan takes the one whose output panels feed every MXU: qwen3-4b's 1280 x 512, not
+    2560 x 256 (whose loops issued in 1.06x their DMA at TPU7x's low clock; now 0.89x).
+    qwen3-30b-a3b's expert slots take 2048 x 768 tiles of their own beside 2048 x 512
+    ones (2048 x 256 for all issued in 1.22x; now 0.68x and 0.81x), in a ring buffer of
+    their own on the one slot index; Kimi K3's TP32 shard keeps one tile for all (its FP4
+    experts' tiles would be far smaller than the rest's)."""
+    assert {s.mxus_per_core * s.mxu_rows for s in all_chips() if s.kind == "tpu"} == {
+        PANEL_COLS}
+    four = DecodePlan.make(mk.preset("qwen3-4b"), context=1024, chip="tpu7x").block
+    assert (four.tile_rows, four.tile_cols, four.tiles) == (1280, 512, ())
+    plan = DecodePlan.make(mk.preset("qwen3-30b-a3b"), context=1024, chip="tpu7x")
+    b = plan.block
+    assert (b.tile_rows, b.tile_cols) == (2048, 512)
+    assert dict(b.tiles) == dict.fromkeys(("we_gate", "we_up", "we_down"), (2048, 768))
+    assert [(n, x.shape) for n, x in plan.buffers.items() if n.startswith("ring")] == [
+        ("ring", (b.slots, 2048, 512)), ("ring_2048x768", (b.slots, 2048, 768))]
+    assert plan.stream.segment("we_down").transposed  # [768, 2048] stored [2048, 768]
+    kimi = DecodePlan.make(mk.preset("kimi-k3"), tp=32, context=1152, chip="tpu7x",
+                           kernel=False).block
+    assert (kimi.tile_rows, kimi.tile_cols, kimi.tiles) == (128, 128, ())
+    for tiles, field in (((("wq", (100, 128)),), "wq"), ((("wq", (128, 128)),) * 2, "twice")):
+        with pytest.raises(ValueError, match=rf"BlockSizes.tiles.*{field}"):
+            BlockSizes(tiles=tiles)
 
 
 def test_the_ring_holds_its_bytes_in_flight_over_the_streams_own_tiles():
@@ -308,7 +336,7 @@ def test_a_default_ring_that_cannot_fit_at_two_slots_is_refused_naming_the_buffe
     small = dataclasses.replace(mk.chip("tpu7x"), vmem_bytes=8 * 2**20)
     with pytest.raises(ValueError, match=r"qwen3-8b: megakernel qwen3-8b \(2-slot ring\): "
                                          r"VMEM buffers need [\d.]+ MiB, over tpu7x's 8 MiB "
-                                         r"per core; biggest: .*ring \(2, 4096, 256\)"):
+                                         r"per core; biggest: .*ring \(2, 2048, 512\)"):
         DecodePlan.make(mk.preset("qwen3-8b"), batch=8, context=4096, chip=small)
     replayed = DecodePlan.make(mk.preset("qwen3-8b"), batch=8, context=4096, chip=small,
                                kernel=False)  # the simulator's: fits() says the same

@@ -73,6 +73,9 @@ class BlockSizes:
     tile_cols: columns of a stored weight tile; a multiple of 128 lanes.
     kv_tile:   cached positions per attention tile; a multiple of 16 sublanes (bf16).
     kv_slots:  KV tiles in flight (>= 2).
+    tiles:     ((weight name, (tile_rows, tile_cols)), ...) of the weights whose tiles
+               are not tile_rows x tile_cols (`mk.kernels.ring`: each such shape has ring
+               buffers of its own, on the one slot index); multiples of 128.
     """
 
     slots: int = 3
@@ -80,6 +83,7 @@ class BlockSizes:
     tile_cols: int = 256
     kv_tile: int = 128
     kv_slots: int = 2
+    tiles: tuple[tuple[str, tuple[int, int]], ...] = ()
 
     def __post_init__(self):
         for field, low in (("slots", 1), ("kv_slots", 2)):
@@ -92,6 +96,16 @@ class BlockSizes:
             if not isinstance(value, int) or value < multiple or value % multiple:
                 raise ValueError(f"BlockSizes.{field}={value!r} must be a positive multiple "
                                  f"of {multiple} (TPU (8, 128) tiling)")
+        for item in self.tiles:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+                    and isinstance(item[1], tuple) and len(item[1]) == 2
+                    and all(isinstance(d, int) and not isinstance(d, bool) and d >= LANES
+                            and d % LANES == 0 for d in item[1])):
+                raise ValueError(f"BlockSizes.tiles entry {item!r} must be (weight name, "
+                                 f"(tile_rows, tile_cols)), positive multiples of {LANES}")
+        names = [name for name, _ in self.tiles]
+        if len(set(names)) != len(names):
+            raise ValueError(f"BlockSizes.tiles={self.tiles!r} names a weight twice")
 
     def cut(self, name: str, rows: int, cols: int, *, transpose: bool = True) -> Cut:
         """The tiles of weight `name` [rows=K, cols=N]: plain when the tiles divide it, else
@@ -187,20 +201,30 @@ def vmem_limit_bytes(buffers, cap: int | None = None) -> int:
 
 SLOTS = 3  # default weight ring slots
 TILE_BYTES = 2 * 2**20  # default weight tiles hold at most this many bytes
+REPEAT_TILE_BYTES = 2 * TILE_BYTES  # an expert slot's own tiles (`model_block`): at most
 # A quantised tile is dequantised in VMEM through float32 temporaries that Mosaic keeps in
 # its scoped VMEM (qwen3-8b's int4 megakernel with 4096 x 256 tiles asked 35 MiB on TPU7x);
 # the default keeps quantised tiles to this size.
 QUANT_TILE_ELEMENTS = 512 * 512
 KV_TILE = 256  # default cached positions per KV tile, capped by the cache
+# The output panel (a tile's output columns) that feeds every MXU of a TensorCore at once
+# (mxus_per_core x mxu width in data/chips.csv: 4 x 128 on v5e and v5p, 2 x 256 on v6e
+# and TPU7x): of two tiles as large, the one whose panels reach it streams faster (TPU7x,
+# M 1, bundles per Mi weights of the stage kernel's steady loop: 2560 x 256 tiles 469,
+# 1280 x 512 376).
+PANEL_COLS = 512
 
 
 def default_block(matrices, *, context: int | None = None, slots: int = SLOTS,
-                  itemsize: int = 2, quantised=(), padded_rows=()) -> BlockSizes:
+                  itemsize: int = 2, quantised=(), padded_rows=(),
+                  most_bytes: int = TILE_BYTES) -> BlockSizes:
     """The default tiling, the one rule every kernel uses: the largest weight tile of at
-    most TILE_BYTES (elements of `itemsize` bytes) that cuts every matrix of `matrices`
-    ((name, K, N) triples, or `mk.kernels.ring.Repeat`s of them), ties to the taller tile,
-    so one ring slot shape serves every matrix (`BlockSizes.cut`: plain or transposed; the
-    `quantised` names plain only, and then at most QUANT_TILE_ELEMENTS a tile).
+    most `most_bytes` (TILE_BYTES; elements of `itemsize` bytes) that cuts every matrix of
+    `matrices` ((name, K, N) triples, or `mk.kernels.ring.Repeat`s of them), so one ring
+    slot shape serves every matrix (`BlockSizes.cut`: plain or transposed; the `quantised`
+    names plain only, and then at most QUANT_TILE_ELEMENTS a tile); of tiles as large,
+    the one cutting more weights into output panels that feed every MXU (at least
+    PANEL_COLS wide: a plain cut's columns, a transposed one's rows), then the taller.
     `padded_rows`: the rows of matrices whose columns are padded to whole tiles (the
     lm_head: only its rows must divide). KV tiles of `default_kv_tile(context)` positions
     for a kernel reading a cache of `context` positions.
@@ -216,20 +240,29 @@ def default_block(matrices, *, context: int | None = None, slots: int = SLOTS,
         for name, rows, cols in getattr(item, "matrices", (item,)):
             shapes.append((name, rows, cols))
     widest = max([d for _, r, c in shapes for d in (r, c)] + list(padded_rows) + [LANES])
-    most = TILE_BYTES // itemsize if not quantised else min(TILE_BYTES // itemsize,
+    most = most_bytes // itemsize if not quantised else min(most_bytes // itemsize,
                                                             QUANT_TILE_ELEMENTS)
     best = None
     for rows in range(LANES, widest + 1, LANES):
         if any(d % rows for d in padded_rows):
             continue
         for cols in range(LANES, min(widest, most // rows) + 1, LANES):
+            if best and rows * cols < best[0][0]:
+                continue
             block = BlockSizes(slots=slots, tile_rows=rows, tile_cols=cols)
-            if (rows * cols, rows) > (best[0] if best else (0, 0)) and _cuts(block, shapes,
-                                                                               quantised):
-                best = ((rows * cols, rows), block)
+            cuts = _cuts(block, shapes, quantised)
+            if cuts is None:
+                continue
+            # weights whose output panels feed every MXU (a transposed cut's panel is
+            # the tile's rows)
+            fed = sum(r * c * min(rows if cut.transposed else cols, PANEL_COLS)
+                      for (_, r, c), cut in zip(shapes, cuts))
+            key = (rows * cols, fed, rows)
+            if key > (best[0] if best else (0,)):
+                best = (key, block)
     if best is None:
         uncut = [f"{name} [{r}, {c}]" for name, r, c in shapes if r % LANES or c % LANES]
-        raise ValueError(f"no tile of multiples of {LANES} up to {TILE_BYTES} bytes cuts every "
+        raise ValueError(f"no tile of multiples of {LANES} up to {most_bytes} bytes cuts every "
                          "weight" + (f": {', '.join(uncut)} (a side not a multiple of {LANES})"
                                      if uncut else f" {[(r, c) for _, r, c in shapes]}"))
     kv = {} if context is None else {"kv_tile": default_kv_tile(context)}
@@ -249,13 +282,13 @@ def default_kv_tile(context: int, name: str = "context") -> int:
                if context % tile == 0)
 
 
-def _cuts(block: BlockSizes, shapes, quantised) -> bool:
+def _cuts(block: BlockSizes, shapes, quantised) -> list[Cut] | None:
+    """Each of `shapes` cut by `block`, or None if one is not."""
     try:
-        for name, rows, cols in shapes:
-            block.cut(name, rows, cols, transpose=name not in quantised)
+        return [block.cut(name, rows, cols, transpose=name not in quantised)
+                for name, rows, cols in shapes]
     except ValueError:
-        return False
-    return True
+        return None
 
 
 def vmem_budget(kernel: str, buffers, chip) -> VmemBudget:

@@ -476,7 +476,7 @@ def gated_deltanet_kernel(inputs, outputs, *, config: ModelConfig, gates: Gates,
     row = 0
     fetch = {n: (lambda layer, n=n: (inputs[n].at[row], None))
              for n in linear_weights(config)[0]}
-    ring = Ring(stream, fetch, ring_vmem, sems)
+    ring = Ring(stream, fetch, {"ring": ring_vmem}, sems)
     ring.prime()
     ls, hbm = SimpleNamespace(**linear), inputs | outputs
     prime_linear(config, ls, hbm)

@@ -24,6 +24,7 @@ cross-layer ring (`mk.megakernel`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from types import SimpleNamespace
@@ -36,9 +37,9 @@ from jax.experimental.pallas import tpu as pltpu
 from mk import quant
 from mk.config import ModelConfig
 from mk.kernels.attention_prologue import check_layer_inputs
-from mk.kernels.common import (SLOTS, BlockSizes, Buffer, aliases, default_block,
-                               memory_specs, vmem_limit_bytes)
-from mk.kernels.ring import Ring, TileStream, ring_buffers
+from mk.kernels.common import (REPEAT_TILE_BYTES, SLOTS, BlockSizes, Buffer, aliases,
+                               default_block, memory_specs, vmem_limit_bytes)
+from mk.kernels.ring import Repeat, Ring, TileStream, ring_buffers
 from mk.kernels.weight_streaming import ring_weights, weight_stream
 from mk.kinds.base import LAYER_PHASES, Kind, Step
 from mk.kinds.layers import kinds_at, layer_kinds, layer_matrices
@@ -49,14 +50,52 @@ from mk.reference import check_positions
 def model_block(config: ModelConfig, *, context: int | None = None, slots: int = SLOTS,
                 formats=None) -> BlockSizes:
     """The default tiling of a whole-model kernel of `config` (or of one of its layers):
-    `default_block` over every ring matrix of its layers (`layer_matrices`), the lm_head's
-    D rows (its columns are padded to whole tiles), the weights of quantised `formats`
-    ({family: mk.quant scheme}) never transposed."""
+    `default_block` over every ring matrix of its layers (`layer_matrices`) and the
+    lm_head's D rows (its columns are padded to whole tiles), the weights of quantised
+    `formats` ({family: mk.quant scheme}) never transposed.
+
+    The expert slots' matrices (a `Repeat`) may take tiles of their own (`BlockSizes.tiles`:
+    ring buffers of their own shape on the one slot index): an expert's matrices are small
+    and narrow (qwen3-30b-a3b's [2048, 768]), and one tile cutting them and every other
+    matrix is small and narrow too (2048 x 256 there: its loop issues in 1.2x its DMA at
+    TPU7x's low clock). So the other matrices take `default_block`'s tile among
+    themselves, and each Repeat the largest of at most REPEAT_TILE_BYTES cutting its own
+    (2048 x 512 and 2048 x 768 there: 0.68x and 0.81x), where every Repeat's tile holds
+    at least the others' bytes; otherwise (small packed experts: Kimi K3's 128 x 128 FP4
+    tiles, whose runs a shared slot index could not keep in flight beside big tiles) one
+    tile for all, as before; likewise where no part's tiles would grow."""
     matrices = layer_matrices(layer_kinds(config), 1)
-    return default_block(matrices, context=context, slots=slots,
-                         itemsize=jnp.dtype(config.dtype).itemsize,
-                         quantised=tuple(quant.schemes_of(formats)),
-                         padded_rows=(config.hidden,))
+    itemsize, schemes = jnp.dtype(config.dtype).itemsize, quant.schemes_of(formats)
+    common = dict(context=context, slots=slots, itemsize=itemsize, quantised=tuple(schemes))
+    one = default_block(matrices, padded_rows=(config.hidden,), **common)
+    repeats = [m for m in matrices if isinstance(m, Repeat)]
+    rest = [m for m in matrices if not isinstance(m, Repeat)]
+    if not repeats or not rest:
+        return one
+    try:
+        block = default_block(rest, padded_rows=(config.hidden,), **common)
+        own = [default_block([r], most_bytes=REPEAT_TILE_BYTES, **common) for r in repeats]
+    except ValueError:  # no tile cuts a part alone: the one tile for all
+        return one
+
+    def tile_bytes(b: BlockSizes, names) -> float:  # the most a tile of `names` moves
+        return max(quant.tile_bytes(schemes[n], b.tile_rows, b.tile_cols) if n in schemes
+                   else b.tile_rows * b.tile_cols * itemsize for n in names)
+
+    def elements(b: BlockSizes) -> int:
+        return b.tile_rows * b.tile_cols
+
+    rest_names = [n for m in rest for n, _, _ in getattr(m, "matrices", (m,))]
+    tiles = []
+    for r, b in zip(repeats, own):
+        names = [n for n, _, _ in r.matrices]
+        if tile_bytes(b, names) < tile_bytes(block, rest_names):
+            return one
+        if (b.tile_rows, b.tile_cols) != (block.tile_rows, block.tile_cols):
+            tiles += [(n, (b.tile_rows, b.tile_cols)) for n in names]
+    if max(map(elements, [block, *own])) <= elements(one):
+        return one  # no part's tiles grow: one ring buffer, not several
+    return dataclasses.replace(block, tiles=tuple(tiles))
 
 
 def layer_buffers(config: ModelConfig, kinds, batch: int, rows: int, block: BlockSizes,

@@ -51,17 +51,21 @@ The sharding model (what one device holds; each weight's split rule is its row o
     lm_head    V/tp vocab columns, padded to whole tiles (masked before the argmax)
     replicated the residual stream, the norms, the router, the embedding table
 
-The default tiling is `mk.kernels.common.default_block` (the rule every kernel uses) over
-every matrix of the shard, with the cache's context: the largest tile of at most
-`TILE_BYTES` (2 MiB) that cuts each matrix plain or transposed (`BlockSizes.cut`: a
-row-sharded [narrow, D] matrix is stored D-major, so a shard's tiles are D x 128 and more),
-3 ring slots or, for a chip, as many as Little's law asks for `ring_cover_s` at one core's
-bandwidth (`RING_COVER_S`, 2 µs, and at tp > 1 one all-reduce more, so weight DMAs stream
-through the collectives; at most a layer's period of tiles), KV tiles of min(256, S)
-positions, KV slots by `kv_depth`.
+The default tiling is `mk.kernels.one_layer.model_block` over the shard's matrices
+(`mk.kernels.common.default_block`, the rule every kernel uses), with the cache's context:
+the largest tile of at most `TILE_BYTES` (2 MiB) that cuts each matrix plain or transposed
+(`BlockSizes.cut`: a row-sharded [narrow, D] matrix is stored D-major, so a shard's tiles
+are D x 128 and more), its output panels as wide as every MXU of a core where a tie
+allows (`PANEL_COLS`); the expert slots' matrices in tiles of their own where that makes
+tiles bigger (`BlockSizes.tiles`, `model_block` says when), 3 ring slots or, for a chip,
+as many as Little's law asks for `ring_cover_s` at one core's bandwidth (`RING_COVER_S`,
+2 µs, and at tp > 1 one all-reduce more, so weight DMAs stream through the collectives;
+at most a layer's period of tiles), KV tiles of min(256, S) positions, KV slots by
+`kv_depth`.
 
-The ring's slot count when tiles of different bytes share it. Plain tiles and each
-scheme's packed tiles (data and scales) have buffers of their own, but one slot index (tile
+The ring's slot count when tiles of different bytes share it. Plain tiles, each
+scheme's packed tiles (data and scales) and each tile shape have buffers of their own, but
+one slot index (tile
 g in slot g % slots of whichever buffer its segment uses), so every ring buffer is slots
 deep. One rule (`ring_slots`): Little's law on the bytes in flight counted over the
 stream's own tile sequence, the fewest slots whose every run of consecutive tiles carries

@@ -2,7 +2,8 @@
 
 A kernel consumes an ordered list of weight tiles, `TileStream`: segments (one weight
 matrix each, cut into tile_rows x tile_cols tiles by `BlockSizes.cut`, output panel by
-output panel), repeated once per layer, then an optional tail (the lm_head). Tile g of the
+output panel; a weight `BlockSizes.tiles` names in tiles of its own shape), repeated once
+per layer, then an optional tail (the lm_head). Tile g of the
 stream lives in ring slot g % slots. The rule that makes the ring work: when tile g has
 been consumed, tile g + slots is issued into the slot it just freed. Because g runs across
 segment and layer boundaries, the loads for the next matrix, the next layer and the lm_head
@@ -22,13 +23,20 @@ tensor-parallel shard the row-sharded wo and w_down: [narrow, D]) is stored tran
 and multiplied as x @ tile^T, so one tall tile shape (D x 128 and more) serves every
 matrix of a shard.
 
+Tiles of different shapes and storages share the one slot index: tile g lands in slot
+g % slots of its segment's own ring buffer (`ring_buffers`: one per `TileStream.storages`
+entry, plain or packed, each tile shape; `TileStream.buffer_name`), so every buffer is
+slots deep and the prefetch rule is unchanged. What that costs: VMEM for slots tiles of
+every shape, and one depth for all (`mk.kernels.plan.ring_slots`: Little's law over the
+stream's own tile sequence), so shapes of very different bytes do not mix well.
+
 A segment may be switched off at run time (`active`), e.g. the slot of an expert no token
 selected: its tiles are neither loaded nor waited for, but still "consumed" in order so
 the tiles behind it are issued.
 
 A segment may be stored quantised (`Segment.scheme`, one of `mk.quant.SCHEMES`): its tiles
 travel as packed data plus their scale block (two DMAs on the slot's semaphore, both waited
-for) into that scheme's own slots (`ring_buffers`), tile g still in slot g % slots, and
+for) into that scheme's own buffers (`ring_buffers`), tile g still in slot g % slots, and
 reach the MXU as the segment's feed says (`Segment.feed`, chosen per chip by the plan:
 `mk.unpack.choose_feeds`). Fed bf16, a tile is dequantised in VMEM
 (`mk.unpack.dequantize_tile`) to the ring's compute dtype right before one product. Fed
@@ -79,6 +87,7 @@ class Segment:
     scheme: str | None = None  # mk.quant storage scheme of its tiles; None: plain
     feed: str = "bf16"  # what its tiles reach the MXU as (mk.unpack.FEEDS): "bf16"
     #                     dequantised to the compute dtype, "fp8" as e4m3 with scales after
+    tile: tuple[int, int] = (0, 0)  # (rows, cols) of its stored tiles (`TileStream.build`)
 
     @property
     def tiles(self) -> int:
@@ -143,20 +152,27 @@ class TileStream:
               schemes=None, feeds=None) -> TileStream:
         """matrices / tail: (name, rows, cols) of each weight, or a `Repeat` of such
         triples, in consumption order; schemes: {name: mk.quant scheme} of the weights
-        stored quantised; feeds: {name: mk.quant feed} of those not fed bf16."""
-        schemes, feeds = dict(schemes or {}), dict(feeds or {})
-        for name, scheme in schemes.items():
-            quant.tile_shapes(scheme, block.tile_rows, block.tile_cols)  # raises if not
+        stored quantised; feeds: {name: mk.quant feed} of those not fed bf16. Each weight
+        is cut into the block's tiles, or those `block.tiles` gives it."""
+        schemes, feeds, tiles = dict(schemes or {}), dict(feeds or {}), dict(block.tiles)
+        own = (block.tile_rows, block.tile_cols)
         for name, feed in feeds.items():
             if feed not in unpack.FEEDABLE[schemes.get(name)]:
                 raise ValueError(f"feeds[{name!r}]={feed!r}: weight {name} stored "
                                  f"{schemes.get(name) or 'plain'} cannot be fed {feed}")
 
         def segs(items):
-            return [Segment(name, cut.in_tiles, cut.out_tiles, cut.transposed,
-                            scheme=schemes.get(name), feed=feeds.get(name, "bf16"))
-                    for name, rows, cols in items
-                    for cut in [block.cut(name, rows, cols, transpose=name not in schemes)]]
+            out = []
+            for name, rows, cols in items:
+                shaped = block if name not in tiles else dataclasses.replace(
+                    block, tile_rows=tiles[name][0], tile_cols=tiles[name][1])
+                if name in schemes:  # raises if its tiles do not hold whole groups
+                    quant.tile_shapes(schemes[name], shaped.tile_rows, shaped.tile_cols)
+                cut = shaped.cut(name, rows, cols, transpose=name not in schemes)
+                out.append(Segment(name, cut.in_tiles, cut.out_tiles, cut.transposed,
+                                   scheme=schemes.get(name), feed=feeds.get(name, "bf16"),
+                                   tile=tiles.get(name, own)))
+            return out
 
         def groups(items):
             return _place((i.copies, segs(i.matrices)) if isinstance(i, Repeat)
@@ -179,7 +195,7 @@ class TileStream:
 
     def shape(self, segment: Segment) -> tuple[int, int]:
         """(K, N) of the matrix `segment` cuts (its logical [K, N], not the stored one)."""
-        r, c = self.block.tile_rows, self.block.tile_cols
+        r, c = segment.tile
         step, panel = (c, r) if segment.transposed else (r, c)
         return segment.in_tiles * step, segment.out_tiles * panel
 
@@ -219,11 +235,26 @@ class TileStream:
                 for g, layer, name, i, j in self.tiles()]
 
     def segment_tile_bytes(self, segment: Segment, itemsize: int) -> int:
-        """Bytes one tile of `segment` moves: tile_rows x tile_cols x itemsize when plain,
+        """Bytes one tile of `segment` moves: its tile's elements x itemsize when plain,
         its packed data and scale block when quantised (`mk.quant.tile_bytes`)."""
-        k, n = self.block.tile_rows, self.block.tile_cols
+        k, n = segment.tile
         return k * n * itemsize if segment.scheme is None else quant.tile_bytes(
             segment.scheme, k, n)
+
+    @property
+    def storages(self) -> tuple[tuple[str | None, tuple[int, int]], ...]:
+        """(scheme or None for plain, tile shape) of each set of ring buffers the stream's
+        segments need, in a fixed order: plain first, then `mk.quant.SCHEMES`' order;
+        within each, the block's tile first."""
+        found = {(s.scheme, s.tile) for s in self.segments + self.tail}
+        order, own = (None, *quant.SCHEMES), (self.block.tile_rows, self.block.tile_cols)
+        return tuple(sorted(found, key=lambda st: (order.index(st[0]), st[1] != own, st[1])))
+
+    def buffer_name(self, segment: Segment) -> str:
+        """The ring buffer `segment`'s tiles land in (`ring_buffers`): "ring" for plain
+        tiles of the block's shape, "ring_<scheme>" for packed ones, with "_<rows>x<cols>"
+        for tiles of another shape (a packed one's scale block: the name + "_scales")."""
+        return _buffer_name(segment.scheme, segment.tile, self.block)
 
     @property
     def schemes(self) -> tuple[str, ...]:
@@ -265,15 +296,22 @@ class TileStream:
 
     @property
     def tile_bytes(self) -> int:
-        return self.block.tile_rows * self.block.tile_cols  # times the weight itemsize
+        """Elements of the block's tile (times the weight itemsize: its bytes); a segment
+        with a tile of its own moves `segment_tile_bytes`."""
+        return self.block.tile_rows * self.block.tile_cols
 
 
-def tile_major(w, segment: Segment, block: BlockSizes):
+def _buffer_name(scheme: str | None, tile: tuple[int, int], block: BlockSizes) -> str:
+    shaped = "" if tile == (block.tile_rows, block.tile_cols) else f"_{tile[0]}x{tile[1]}"
+    return "ring" + (f"_{scheme}" if scheme else "") + shaped
+
+
+def tile_major(w, segment: Segment):
     """Weight w [..., K, N] (leading stacked axes) in the ring's HBM layout for `segment`:
-    [..., tiles, tile_rows, tile_cols], tile t the stream's t-th (output panel t //
-    in_tiles, contraction step t % in_tiles; transposed segments tiled from W^T). A
+    [..., tiles, tile_rows, tile_cols] of its tile, tile t the stream's t-th (output panel
+    t // in_tiles, contraction step t % in_tiles; transposed segments tiled from W^T). A
     `mk.quant.QuantWeight` (never transposed) becomes `mk.quant.tile_major`'s."""
-    r, c = block.tile_rows, block.tile_cols
+    r, c = segment.tile
     if isinstance(w, quant.QuantWeight):
         return quant.tile_major(w, r, c)
     *lead, K, N = w.shape
@@ -290,23 +328,25 @@ def ring_layout(weights: dict, stream: TileStream) -> dict:
     """Weights by name as the ring reads them: each of the stream's segments `tile_major`
     (its tiles in stream order, one contiguous DMA each), the others as they are."""
     names = {s.name: s for s in stream.segments + stream.tail}
-    return {name: tile_major(w, names[name], stream.block) if name in names else w
+    return {name: tile_major(w, names[name]) if name in names else w
             for name, w in weights.items()}
 
 
 def ring_buffers(stream: TileStream, dtype) -> list[Buffer]:
-    """The ring's VMEM slots ("layer" group): "ring" [slots, tile_rows, tile_cols] of
-    `dtype` for the plain segments (if any), and for each quantised scheme "ring_<scheme>"
-    (its packed data) and "ring_<scheme>_scales" (`mk.quant.tile_shapes`), slots deep
-    each."""
-    b = stream.block
-    out = ([Buffer("ring", (b.slots, b.tile_rows, b.tile_cols), dtype)]
-           if stream.has_plain else [])
-    for scheme in stream.schemes:
-        shapes = quant.tile_shapes(scheme, b.tile_rows, b.tile_cols)
+    """The ring's VMEM slots ("layer" group), one set per `TileStream.storages` entry,
+    named by `TileStream.buffer_name`: plain tiles [slots, tile_rows, tile_cols] of
+    `dtype`; a quantised scheme's packed data and its "_scales" (`mk.quant.tile_shapes`).
+    All are slots deep: tile g lands in slot g % slots of its segment's buffer."""
+    out = []
+    for scheme, (r, c) in stream.storages:
+        name = _buffer_name(scheme, (r, c), stream.block)
+        if scheme is None:
+            out.append(Buffer(name, (stream.block.slots, r, c), dtype))
+            continue
+        shapes = quant.tile_shapes(scheme, r, c)
         for part, suffix in (("data", ""), ("scale", "_scales")):
             shape, part_dtype = shapes[part]
-            out.append(Buffer(f"ring_{scheme}{suffix}", (b.slots, *shape), part_dtype))
+            out.append(Buffer(name + suffix, (stream.block.slots, *shape), part_dtype))
     return out
 
 
@@ -316,10 +356,10 @@ Fetch = Callable[..., tuple[object, object]]
 
 
 class Ring:
-    """The in-kernel ring over `stream`: slots_vmem [slots, tile_rows, tile_cols] (None when
-    every segment is quantised), sems [slots]; packed: {scheme: (data slots, scale slots)}
-    of the quantised segments (`ring_buffers`' "ring_<scheme>" and "ring_<scheme>_scales");
-    dtype: what tiles are multiplied in (default slots_vmem's).
+    """The in-kernel ring over `stream`: buffers, {name: VMEM ref} of every ring buffer
+    `ring_buffers` names (e.g. "ring" [slots, tile_rows, tile_cols]; "ring_fp4" and
+    "ring_fp4_scales"); sems [slots]; dtype: what tiles are multiplied in (default the
+    plain ring's).
 
     fetch: segment name -> Fetch (a quantised segment's returns an `mk.quant.QuantWeight`
     of refs in `mk.quant.tile_major` layout). Every tile started is waited for by the
@@ -327,27 +367,26 @@ class Ring:
     was read.
     """
 
-    def __init__(self, stream: TileStream, fetch: dict[str, Fetch], slots_vmem, sems, *,
-                 packed=None, dtype=None):
-        self.stream, self.fetch = stream, fetch
-        self.slots_vmem, self.sems = slots_vmem, sems
-        self.packed = dict(packed or {})
-        missing = set(stream.schemes) - set(self.packed)
-        if missing or (stream.has_plain and slots_vmem is None):
-            raise ValueError(f"Ring: no slots for {sorted(missing) or 'the plain segments'}")
-        self.dtype = jnp.dtype(dtype or slots_vmem.dtype)
+    def __init__(self, stream: TileStream, fetch: dict[str, Fetch], buffers: dict, sems, *,
+                 dtype=None):
+        self.stream, self.fetch, self.sems = stream, fetch, sems
+        self.buffers = dict(buffers)
+        missing = [b.name for b in ring_buffers(stream, "float32")
+                   if b.name not in self.buffers]
+        if missing:
+            raise ValueError(f"Ring: no buffers {missing} for the stream's segments")
+        if dtype is None and "ring" not in self.buffers:
+            raise ValueError("Ring: dtype is needed when no plain ring holds the tiles")
+        self.dtype = jnp.dtype(dtype or self.buffers["ring"].dtype)
         self.n = stream.block.slots
-        self.tk, self.tn = stream.block.tile_rows, stream.block.tile_cols
 
     @classmethod
     def in_scratch(cls, stream: TileStream, fetch: dict[str, Fetch], scratch, sems, dtype
                    ) -> Ring:
-        """The ring over the slots `ring_buffers` named, found as attributes of
+        """The ring over the buffers `ring_buffers` names, found as attributes of
         `scratch` (a kernel's layer scratch namespace)."""
-        packed = {q: (getattr(scratch, f"ring_{q}"), getattr(scratch, f"ring_{q}_scales"))
-                  for q in stream.schemes}
-        return cls(stream, fetch, getattr(scratch, "ring", None), sems, packed=packed,
-                   dtype=dtype)
+        return cls(stream, fetch, {b.name: getattr(scratch, b.name)
+                                   for b in ring_buffers(stream, dtype)}, sems, dtype=dtype)
 
     def _fetch(self, segment: Segment, layer, copy):
         fetch = self.fetch[segment.name]
@@ -358,11 +397,11 @@ class Ring:
         contiguous copy for a plain tile (`tile_major`); its packed data and its scale
         block for a quantised one, both on the slot's semaphore."""
         src, _ = self._fetch(segment, layer, copy)
+        into = self.buffers[self.stream.buffer_name(segment)]
         if segment.scheme is None:
-            parts = [(src, self.slots_vmem)]
+            parts = [(src, into)]
         else:
-            data, scales = self.packed[segment.scheme]
-            parts = [(src.data, data), (src.scale, scales)]
+            parts = [(src.data, into), (src.scale, self._scales(segment))]
         return [(pltpu.make_async_copy(source.at[t], into.at[slot], self.sems.at[slot]),
                  math.prod(into.shape[1:]) * into.dtype.itemsize) for source, into in parts]
 
@@ -370,13 +409,16 @@ class Ring:
         for dma, _ in self._copies(segment, layer, copy, t, slot):
             dma.wait()
 
+    def _scales(self, segment: Segment):
+        return self.buffers[self.stream.buffer_name(segment) + "_scales"]
+
     def _weights(self, segment: Segment, g):
         """Tile g's weights in VMEM: a [tile_rows, tile_cols] value of the compute dtype."""
+        data = self.slot(g, segment)[...]
         if segment.scheme is None:
-            return self.slot(g)[...]
-        data, scales = self.packed[segment.scheme]
-        return unpack.dequantize_tile(segment.scheme, data[g % self.n],
-                                     scales[g % self.n]).astype(self.dtype)
+            return data
+        return unpack.dequantize_tile(segment.scheme, data,
+                                     self._scales(segment)[g % self.n]).astype(self.dtype)
 
     def _product(self, segment: Segment, g, xs, contract):
         """xs [M, step] times tile g of `segment`, float32 [M, panel]: one product with the
@@ -390,15 +432,15 @@ class Ring:
         if segment.feed != "fp8":
             return lax.dot_general(xs, self._weights(segment, g), contract,
                                    preferred_element_type=jnp.float32)
-        data, scales = self.packed[segment.scheme]
-        w8, block_scales = unpack.fp8_feed_tile(segment.scheme, data[g % self.n],
-                                               scales[g % self.n])
+        w8, block_scales = unpack.fp8_feed_tile(segment.scheme, self.slot(g, segment)[...],
+                                               self._scales(segment)[g % self.n])
         unit = unpack.GROUP["fp8"]  # rows of one product: an fp8 block, four fp4 groups
-        per = self.tk // block_scales.shape[0]  # rows sharing a scale (never transposed)
+        rows = segment.tile[0]
+        per = rows // block_scales.shape[0]  # rows sharing a scale (never transposed)
         groups, m = unit // per, xs.shape[0]
         group_of_column = lax.broadcasted_iota(jnp.int32, (1, unit), 1) // per
         total = None
-        for u in range(self.tk // unit):
+        for u in range(rows // unit):
             xu = xs[:, u * unit:(u + 1) * unit]
             stacked = jnp.concatenate([jnp.where(group_of_column == k, xu, 0)
                                        for k in range(groups)]) if groups > 1 else xu
@@ -455,8 +497,11 @@ class Ring:
 
         lax.fori_loop(first, min(first + self.n, self.stream.total), issue, 0)
 
-    def slot(self, g):
-        return self.slots_vmem.at[g % self.n]
+    def slot(self, g, segment: Segment | None = None):
+        """Slot g % slots of `segment`'s ring buffer (its packed data if quantised); by
+        default the plain ring of the block's tile ("ring")."""
+        name = "ring" if segment is None else self.stream.buffer_name(segment)
+        return self.buffers[name].at[g % self.n]
 
     def region(self, step, first: str, last: str):
         """[first tile, end) of the segments `first` .. `last` of layer `step`."""
@@ -493,7 +538,7 @@ class Ring:
         seg = self.stream.segment(name)
         base = self.stream.base(layer, seg, copy)
         # widths of one contraction step and one output panel
-        step, panel = (self.tn, self.tk) if seg.transposed else (self.tk, self.tn)
+        step, panel = seg.tile[::-1] if seg.transposed else seg.tile
         steps = seg.in_tiles
         active = self._active(seg, layer, copy)
         contract = (((1,), (1,)), ((), ())) if seg.transposed else (((1,), (0,)), ((), ()))

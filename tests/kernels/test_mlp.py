@@ -224,7 +224,7 @@ def _fused_kernel(h_vmem, w_pre_hbm, router_hbm, we_gate_hbm, we_up_hbm, we_down
              "w_post": lambda layer: (w_post_hbm.at[layer], None),
              **mlp.moe_fetch(we_gate_hbm, we_up_hbm, we_down_hbm, lambda layer: layer,
                              ids_smem, count_smem)}
-    ring = Ring(stream, fetch, ring_vmem, sems)
+    ring = Ring(stream, fetch, {"ring": ring_vmem}, sems)
     count_smem[0] = 0
     ring.prime()
 
@@ -299,7 +299,7 @@ def _expert_slots_with_early_prefetch(ids_smem, count_smem, x_vmem, we_gate_hbm,
     """The planted bug: tile g + slots is issued BEFORE tile g (same slot) is read."""
     ring = Ring(stream, mlp.moe_fetch(we_gate_hbm, we_up_hbm, we_down_hbm,
                                       lambda layer: 0, ids_smem, count_smem),
-                ring_vmem, sems)
+                {"ring": ring_vmem}, sems)
     ring.prime()
     n, tk = stream.block.slots, stream.block.tile_rows
 

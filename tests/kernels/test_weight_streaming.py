@@ -119,7 +119,7 @@ def test_any_small_shape_matches_the_reference(M, k_tiles, n_tiles, slots):
 def _prefetch_into_the_slot_being_read(x_vmem, w_hbm, out_vmem, ring_vmem, sems, *, stream):
     """The planted bug: tile g + slots is issued BEFORE tile g (same slot) is read.
     w_hbm is the weight in the ring's layout (`ring_layout`: tile g at w_hbm[g])."""
-    ring = Ring(stream, {"w": lambda layer: (w_hbm, None)}, ring_vmem, sems)
+    ring = Ring(stream, {"w": lambda layer: (w_hbm, None)}, {"ring": ring_vmem}, sems)
     ring.prime()
     nk, tk, tn = (stream.segments[0].in_tiles, stream.block.tile_rows,
                   stream.block.tile_cols)
@@ -211,13 +211,19 @@ def test_a_weight_only_its_transpose_tiles_streams_transposed_and_matches(dtype)
     assert sum(n for _, n in log) == w.nbytes
 
 
-def test_the_default_tile_is_the_largest_that_cuts_the_weight_ties_to_the_tallest():
-    assert default_block([("w", 4096, 12288)]) == BlockSizes(tile_rows=4096, tile_cols=256)
+def test_the_default_tile_is_the_largest_that_cuts_the_weight_ties_to_wide_panels():
+    """Of the tiles as large, the one cutting more weights into output panels of
+    PANEL_COLS (every MXU of a core at once), then the taller."""
+    assert default_block([("w", 4096, 12288)]) == BlockSizes(tile_rows=2048, tile_cols=512)
     assert default_block([("w", 4096, 12288)], itemsize=4) == BlockSizes(
-        tile_rows=4096, tile_cols=128)  # 2 MiB of float32
+        tile_rows=1024, tile_cols=512)  # 2 MiB of float32
     shard = [("wq", 5120, 768), ("wk", 5120, 256), ("wo", 768, 5120)]  # a TP shard's
-    # 2560 x 256 holds as many elements: the tie goes to the taller tile
-    assert default_block(shard) == BlockSizes(tile_rows=5120, tile_cols=128)
+    # 5120 x 128 holds as many elements, but its panels are narrower (wq and wk 128 wide
+    # plain against 256; wo's transposed 5120 and 2560 both feed every MXU)
+    assert default_block(shard) == BlockSizes(tile_rows=2560, tile_cols=256)
+    # where the panels are as wide, the taller tile
+    assert default_block([("w", 5120, 128), ("wo", 128, 5120)]) == BlockSizes(
+        tile_rows=5120, tile_cols=128)
 
 
 def test_tiles_that_do_not_divide_the_weight_are_named():
