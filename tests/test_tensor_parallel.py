@@ -114,15 +114,16 @@ def kimi_tokens(tp: int) -> dict:
 
 
 @pytest.mark.parametrize("target, tp", [
-    # bf16 MoE at tp 2 in slow: CI runs Kimi's MoE at tp 2 below and the fp4 MoE at tp 2
-    # (tests/test_quant_shards.py), both through the same all-reduces and routing
+    # bf16 MoE at tp 2 in slow: CI runs the fp4 MoE at tp 2 (tests/test_quant_shards.py),
+    # through the same all-reduces and routing
     *(pytest.param("tokens", t, marks=pytest.mark.slow) for t, _ in CASES),
     *(pytest.param("tokens_full", t, marks=pytest.mark.slow) for t in (2, 4, 8)),
     # a hybrid: ~45 CPU s at tp 2; CI compiles the 27B at TP8 and checks the linear shards
     pytest.param("hybrid_tokens", 2, marks=pytest.mark.slow),
     pytest.param("hybrid_tokens", 4, marks=pytest.mark.slow),
-    # Kimi's MLA, KDA and MoE (shared expert, sigmoid router): ~35 CPU s at tp 2
-    pytest.param("kimi_tokens", 2)],
+    # Kimi's MLA, KDA and MoE (shared expert, sigmoid router): ~54 CPU s at tp 2, over
+    # CI's budget; CI compiles Kimi K3's TP32 shard (its first layers) below
+    pytest.param("kimi_tokens", 2, marks=pytest.mark.slow)],
     ids=[f"tp{t}-{'moe' if m else 'dense'}-6" for t, m in CASES]
     + [f"tp{t}-moe-{FULL_STEPS}" for t in (2, 4, 8)]
     + ["tp2-hybrid-6", "tp4-hybrid-6", "tp2-kimi-6"])
