@@ -15,9 +15,10 @@ the sizes of the DMAs it issues), `scopes(bundles)` (the named scope holding eac
 them once per process), `dump_file` (one dump of one program), `dump_megakernel` (the
 megakernel's compile in that child). On them: `Loop` (one loop body: bundles, MXU and
 scalar-only bundles, the DMAs it issues and waits for), `loops(text)` (every loop of a
-dump), `tile_loops(loops, *tiles)` (the ring's per-tile loops: each issues the DMAs of one
-tile, `tile_parts`: a plain tile's one or a packed tile's data and scale block, runs the
-MXU, and none runs the EUP, which attention's softmax does), `measure(config, chip, ...)`
+dump), `tile_loops(loops, *tiles)` (the ring's per-tile loops: each waits for the DMAs of
+one tile, `tile_parts`: a plain tile's one or a packed tile's data and scale block, issues
+the tile slots ahead, runs the MXU, and none runs the EUP, which attention's softmax
+does), `storage_name` (a storage's name in a row), `measure(config, chip, ...)`
 -> `TileCost` (a whole megakernel's per-tile loops: the recorded loop the simulator may
 take instead of the table below).
 
