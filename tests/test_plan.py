@@ -281,6 +281,10 @@ def test_tiles_feed_every_mxu_and_experts_take_tiles_of_their_own():
     for tiles, field in (((("wq", (100, 128)),), "wq"), ((("wq", (128, 128)),) * 2, "twice")):
         with pytest.raises(ValueError, match=rf"BlockSizes.tiles.*{field}"):
             BlockSizes(tiles=tiles)
+    for name in ("lm_head", "we_gatee"):  # padded to the block's tile; a typo
+        with pytest.raises(ValueError, match=rf"BlockSizes.tiles names \['{name}'\]"):
+            DecodePlan.make(mk.preset("tiny-moe"), context=128, block=BlockSizes(
+                tile_rows=128, tile_cols=256, tiles=((name, (256, 128)),)))
 
 
 def test_the_ring_holds_its_bytes_in_flight_over_the_streams_own_tiles():

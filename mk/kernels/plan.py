@@ -400,6 +400,11 @@ class DecodePlan:
             raise ValueError(f"rows={rows} new rows per sequence exceed "
                              f"kv_tile={block.kv_tile}")
         stream = model_stream(local, block, M, packed, feeds)
+        layer_weights = {s.name for s in stream.segments}
+        stray = sorted(set(dict(block.tiles)) - layer_weights)
+        if stray:  # the lm_head's columns are padded to the block's tile (`padded_vocab`)
+            raise ValueError(f"BlockSizes.tiles names {stray}: only a layer's ring weights "
+                             f"take tiles of their own ({sorted(layer_weights)})")
         buffers = _buffers(local, int(tp), int(batch), int(rows), block,
                            padded_vocab(local, block), stream)
         return cls(config, int(tp), local, int(batch), int(rows), context, block, stream,
