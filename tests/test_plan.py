@@ -321,7 +321,7 @@ def test_a_packed_shards_default_ring_is_shortened_to_leave_mosaic_its_room(
     little = ring_slots(plan.stream, 2, spec.device_hbm_bw
                         * ring_cover_s(plan.local, tp, batch, spec))
     assert 2 <= plan.block.slots < little
-    assert plan.stream.schemes and plan.stream.has_plain
+    assert plan.stream.schemes and None in {q for q, _ in plan.stream.storages}
     total = sum(b.bytes for b in plan.buffers.values())
     assert total * VMEM_HEADROOM + VMEM_ROOM <= spec.vmem_bytes
     assert plan.fits(spec).vmem is not None

@@ -201,7 +201,7 @@ def vmem_limit_bytes(buffers, cap: int | None = None) -> int:
 
 SLOTS = 3  # default weight ring slots
 TILE_BYTES = 2 * 2**20  # default weight tiles hold at most this many bytes
-REPEAT_TILE_BYTES = 2 * TILE_BYTES  # an expert slot's own tiles (`model_block`): at most
+REPEAT_TILE_BYTES = 2 * TILE_BYTES  # at most this many bytes in an expert slot's own tiles
 # A quantised tile is dequantised in VMEM through float32 temporaries that Mosaic keeps in
 # its scoped VMEM (qwen3-8b's int4 megakernel with 4096 x 256 tiles asked 35 MiB on TPU7x);
 # the default keeps quantised tiles to this size.

@@ -262,9 +262,6 @@ class TileStream:
         found = {s.scheme for s in self.segments + self.tail}
         return tuple(q for q in quant.SCHEMES if q in found)
 
-    @property
-    def has_plain(self) -> bool:
-        return any(s.scheme is None for s in self.segments + self.tail)
 
     @staticmethod
     def owners(segments) -> dict[int, tuple[Segment, int]]:
