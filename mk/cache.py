@@ -22,7 +22,8 @@ write it are).
 
 The cache types, and the token-mixer kinds (`mk.weights.kinds_of`) each serves:
 
-    KVCache(k, v)                   gqa
+    KVCache(k, v)                   gqa, sink_gqa (gpt-oss: its sliding layers keep every
+                                    position too, and read their window's)
     HybridCache(k, v, conv, state)  gqa, deltanet (Qwen3.5: an all-linear cut keeps L=0 KV)
     LatentCache(latent, conv, state)  mla, kda (Kimi Linear: a cut to its full layers
                                     keeps L=0 linear states)
@@ -116,7 +117,7 @@ def _cache_type(*serves: str):
     return mark
 
 
-@_cache_type("gqa")
+@_cache_type("gqa", "sink_gqa")
 class KVCache(NamedTuple):
     k: jax.Array  # [L, B, K, S, H] config.dtype
     v: jax.Array  # [L, B, K, S, H] config.dtype

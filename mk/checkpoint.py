@@ -2,7 +2,7 @@
 
 Here: `init_params(config, seed)` (random weights in the layout of `mk.config`) and
 `load_checkpoint(path)` for Qwen3 / Qwen3-MoE / Qwen3.5 (`qwen3_5_text`, and the language
-model of a full `qwen3_5` checkpoint) and Kimi Linear (`kimi_linear`) folders of
+model of a full `qwen3_5` checkpoint), Kimi Linear (`kimi_linear`) and gpt-oss folders of
 safetensors files, including quantised ones in their own formats (`QUANT_FORMATS`: Hugging
 Face fine-grained FP8, gpt-oss MXFP4 experts), whose weights load as `mk.quant.QuantWeight`s.
 A checkpoint is untrusted: its weight files must resolve inside its folder, and its text
@@ -60,6 +60,10 @@ INDEX_FILE = "model.safetensors.index.json"
 STORED_DTYPES = ("F32", "BF16", "F16")
 
 
+# gpt-oss's fused expert tensors: [..., 2F] whose even columns are the first weight's and
+# odd ones the second's (`mk.weights`: both name the same tensor).
+INTERLEAVED = {"we_gate+we_up": ("we_gate", "we_up"), "be_gate+be_up": ("be_gate", "be_up")}
+
 # Tensors mk does not run, by the checkpoint's model_type: Qwen3.5's multi-token
 # prediction and vision tower.
 SKIPPED = dict.fromkeys(("qwen3_5", "qwen3_5_text"), ("mtp.", "model.visual."))
@@ -81,12 +85,14 @@ def hf_layout(config: ModelConfig, model: str = "model."
     """HF tensor name -> (mk parameter, index into its stacked axes, transposed?), from the
     Hugging Face names of `mk.weights` (in the config's naming scheme).
 
-    HF stores a projection as [out, in]; mk stores [in, out], so every matrix except the
-    embedding table is transposed (and a conv weight [C, 1, W] becomes [W, C]). A tied
-    model has no `lm_head.weight` entry. `model` prefixes the decoder's names
-    ("model.language_model." in a full qwen3_5 checkpoint). Two weights stored in one HF
-    tensor fill the pseudo-parameter "a+b" (Qwen3.5's q_proj: "wq+wq_gate"); a weight
-    stored in parts fills "param:part" (`_parts`).
+    HF stores a projection (an nn.Linear's `.weight`) as [out, in]; mk stores [in, out], so
+    every such matrix but the embedding table is transposed (and a conv weight [C, 1, W]
+    becomes [W, C]); a matrix stored as a bare parameter (gpt-oss's experts [E, in, out])
+    is not. A tied model has no `lm_head.weight` entry. `model` prefixes the decoder's
+    names ("model.language_model." in a full qwen3_5 checkpoint). Two weights stored in
+    one HF tensor fill the pseudo-parameter "a+b" (Qwen3.5's q_proj: "wq+wq_gate";
+    gpt-oss's interleaved gate_up tensors: `INTERLEAVED`); a weight stored in parts fills
+    "param:part" (`_parts`).
     """
     layout: dict[str, tuple[str, tuple[int, ...], bool]] = {}
     for w in weights_of(config):
@@ -105,10 +111,10 @@ def hf_layout(config: ModelConfig, model: str = "model."
                     name = prefix + rel.format(model=model, e=e)
                     index = (() if layer is None else (row,)) + (() if e is None else (e,))
                     if name in layout:  # one HF tensor holding two weights
-                        param_before, index_before, _ = layout[name]
-                        layout[name] = (f"{param_before}+{param}", index_before, True)
+                        param_before, index_before, transposed = layout[name]
+                        layout[name] = (f"{param_before}+{param}", index_before, transposed)
                     else:
-                        layout[name] = (param, index, matrix)
+                        layout[name] = (param, index, matrix and name.endswith(".weight"))
     return layout
 
 
@@ -120,6 +126,8 @@ def _hf_shape(param: str, mk_shape: tuple[int, ...], transposed: bool) -> tuple[
         return (1, 1, mk_shape[0], 1)
     if param == "wq+wq_gate":
         return (2 * mk_shape[1], mk_shape[0])
+    if param in INTERLEAVED:
+        return (*mk_shape[:-1], 2 * mk_shape[-1])
     return tuple(reversed(mk_shape)) if transposed else tuple(mk_shape)
 
 
@@ -155,8 +163,9 @@ def load_checkpoint(path: str | Path, *, dtype: str | None = None
                                   if how in ("fp8", "mxfp4_blocks")})
     shapes = param_shapes(config)
     shapes["wq+wq_gate"] = shapes["wq"]  # the q_proj of a gated model fills wq and wq_gate
-    if "we_gate" in shapes:  # gpt-oss's fused gate_up fills we_gate and we_up
-        shapes["we_gate+up"] = shapes["we_gate"]
+    for pair, (first, _) in INTERLEAVED.items():  # gpt-oss's gate_up tensors
+        if first in shapes:
+            shapes[pair] = shapes[first]
     for pseudo, (param, cut) in _parts(config).items():
         if param in shapes:
             (*lead, last), dtype = shapes[param]
@@ -267,11 +276,11 @@ def quantised_layout(config: ModelConfig, fmt: str | None, layout: dict, dtypes:
                 out[name + "_scale_inv"] = (param, index, "fp8_scale")
         return out
     for name, (param, index, _) in layout.items():
-        if param in ("we_gate", "we_up", "we_down"):
+        if param in ("we_gate", "we_up", "we_down", "we_gate+we_up"):
             del out[name]
-        elif param == "router":
-            experts = name.removesuffix("gate.weight") + "experts."
-            for fused, target in (("gate_up_proj", "we_gate+up"), ("down_proj", "we_down")):
+        elif param == "router":  # "<layer>.mlp.gate.weight" or "<layer>.mlp.router.weight"
+            experts = name.rsplit(".", 2)[0] + ".experts."
+            for fused, target in (("gate_up_proj", "we_gate+we_up"), ("down_proj", "we_down")):
                 out[f"{experts}{fused}_blocks"] = (target, index, "mxfp4_blocks")
                 out[f"{experts}{fused}_scales"] = (target, index, "mxfp4_scales")
     return out
@@ -284,7 +293,7 @@ def _quantised_shape(param: str, how: str, mk_shape) -> tuple[tuple[int, ...], t
         return (O, I), ("F8_E4M3",)
     if how == "fp8_scale":
         return (-(-O // 128), -(-I // 128)), ("F32", "BF16")
-    O = 2 * O if param == "we_gate+up" else O
+    O = 2 * O if param in INTERLEAVED else O
     if how == "mxfp4_blocks":
         return (*lead, O, I // 32, 16), ("U8",)
     return (*lead, O, I // 32), ("U8",)
@@ -354,8 +363,8 @@ def _assemble_quantised(folder, handles, where, layout, shapes
             else:
                 s[index] = tensor.astype(np.float32).T
             continue
-        pairs = ({"we_gate": slice(0, None, 2), "we_up": slice(1, None, 2)}
-                 if param == "we_gate+up" else {param: slice(None)})
+        pairs = (dict(zip(INTERLEAVED[param], (slice(0, None, 2), slice(1, None, 2))))
+                 if param in INTERLEAVED else {param: slice(None)})
         for target, rows in pairs.items():  # gpt-oss interleaves gate and up rows
             d, s = slot(target, "fp4")
             part = tensor[..., rows, :, :] if how == "mxfp4_blocks" else tensor[..., rows, :]
@@ -550,12 +559,12 @@ def _assemble(handles, where, layout, shapes, config) -> dict[str, jax.Array]:
     """Stack the validated tensors per parameter in numpy, then one device copy each."""
     head_dim, parts = config.head_dim, _parts(config)
     quantised = {param for param, _, how in layout.values() if isinstance(how, str)}
-    quantised |= {"we_gate", "we_up"} if "we_gate+up" in quantised else set()
+    quantised |= {w for pair in quantised & set(INTERLEAVED) for w in INTERLEAVED[pair]}
     stacks = {param: np.empty(shape, jnp.dtype(dtype)) for param, (shape, dtype)
               in shapes.items()
-              if param not in ("wq+wq_gate", "we_gate+up", *quantised) and param not in parts}
+              if param not in ("wq+wq_gate", *INTERLEAVED, *quantised) and param not in parts}
     for name, (param, index, transposed) in layout.items():
-        if param in quantised or param == "we_gate+up":
+        if param in quantised:
             continue
         tensor = handles[where[name]].get_tensor(name)
         if param.startswith("lin_conv"):
@@ -563,6 +572,10 @@ def _assemble(handles, where, layout, shapes, config) -> dict[str, jax.Array]:
         if param in parts:  # a part of the last axis (or A_log's [1, 1, Nv, 1])
             param, cut = parts[param]
             stacks[param][index][..., cut] = tensor.T if transposed else tensor.reshape(-1)
+            continue
+        elif param in INTERLEAVED:  # gpt-oss's [..., 2F]: gate's columns even, up's odd
+            for target, start in zip(INTERLEAVED[param], (0, 1)):
+                stacks[target][index] = tensor[..., start::2]
             continue
         elif param == "wq+wq_gate":  # [N*2H, D]: per head, H query rows then H gate rows
             heads = tensor.reshape(-1, 2, head_dim, tensor.shape[1])

@@ -1,8 +1,9 @@
 """Model descriptions: `ModelConfig`, its storage formats, and the dimension legend.
 
 Here: the frozen `ModelConfig` for Qwen3 / Qwen3-MoE-shaped decoders, Qwen3.5's hybrid
-(gated-DeltaNet linear attention + gated full attention) and Kimi Linear (MLA + Kimi Delta
-Attention + shared-expert MoE with a grouped sigmoid router), its derived sizes (KV or
+(gated-DeltaNet linear attention + gated full attention), Kimi Linear (MLA + Kimi Delta
+Attention + shared-expert MoE with a grouped sigmoid router) and gpt-oss (attention with
+sinks, sliding-window layers, YaRN RoPE (`Yarn`), clamped-SwiGLU experts), its derived sizes (KV or
 latent bytes per token, linear-attention state bytes per sequence; parameter counts and
 stored bytes are `mk.weights.param_count` and `mk.quant.stored_bytes`), how its weights
 are stored (`formats`, checked by `check_formats`: the one precision knob),
@@ -120,6 +121,44 @@ def check_formats(config: ModelConfig, formats) -> dict[str, str]:
 
 
 @dataclasses.dataclass(frozen=True)
+class Yarn:
+    """YaRN RoPE scaling (transformers' rope_type "yarn", gpt-oss's): each rotated pair's
+    frequency moves from theta's (pairs turning more than `beta_fast` times over the
+    `original_max_position` the model was trained at: kept) to theta's / `factor` (pairs
+    turning fewer than `beta_slow` times: interpolated) along a linear ramp of the pair
+    index between the two (its ends floored and ceiled when `truncate`); cos and sin are
+    scaled by `attention_factor` (None: 0.1 ln(factor) + 1). `mk.ops.rope_frequencies`
+    computes them."""
+
+    factor: float
+    original_max_position: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
+
+    def __post_init__(self):
+        positive_int("yarn.original_max_position", self.original_max_position)
+        for field in ("factor", "beta_fast", "beta_slow", "attention_factor"):
+            value = getattr(self, field)
+            if value is None and field == "attention_factor":
+                continue
+            if not (isinstance(value, (int, float, np.floating))
+                    and not isinstance(value, bool) and math.isfinite(value) and value > 0):
+                raise ValueError(f"yarn.{field}={shown(value)} must be a finite number > 0")
+        if self.factor < 1 or self.beta_fast <= self.beta_slow:
+            raise ValueError(f"yarn: factor={self.factor} must be >= 1 and beta_fast="
+                             f"{self.beta_fast} above beta_slow={self.beta_slow}")
+
+    @property
+    def scale(self) -> float:
+        """What cos and sin are multiplied by."""
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+        return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """A Qwen3-architecture decoder. Validates itself on construction."""
 
@@ -167,6 +206,20 @@ class ModelConfig:
     expert_groups: int = 1  # sigmoid router: experts come from the best topk_groups groups
     topk_groups: int = 1
     routed_scale: float = 1.0  # routed_scaling_factor: multiplies the routed weights
+    # gpt-oss (transformers' gpt_oss). attention_sinks: every full layer is attention with
+    # a learned sink logit per head (an extra term in each head's softmax denominator),
+    # biases on q, k, v and o where attention_bias; the `sliding_layers` among them see
+    # only their last `sliding_window` positions (their own included). swiglu_limit > 0:
+    # every MoE layer's router adds a bias to its logits and takes the softmax of the
+    # top-k, and its experts (with biases) are the clamped SwiGLU (up + 1) * gate *
+    # sigmoid(swiglu_alpha * gate), gate <= limit, |up| <= limit.
+    attention_sinks: bool = False
+    attention_bias: bool = False
+    sliding_window: int = 0
+    sliding_layers: tuple[int, ...] = ()
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.0
+    yarn: Yarn | None = None  # YaRN RoPE scaling (gpt-oss); None: plain RoPE
     # How the model's weights are stored (`check_formats`; a dict is kept as its sorted
     # items): the byte model (mk.perf, mk.sim, the plan) charges it wherever a caller gives
     # no formats of its own; () stores every weight in `dtype`.
@@ -194,6 +247,11 @@ class ModelConfig:
             raise ValueError(f"{self.name}: dtype={shown(self.dtype)} must be one of "
                              f"{COMPUTE_DTYPES}")
         object.__setattr__(self, "moe_layers", tuple(int(i) for i in self.moe_layers))
+        object.__setattr__(self, "sliding_layers", tuple(int(i) for i in self.sliding_layers))
+        if isinstance(self.yarn, dict):  # its fields (`mk.kinds.hf.yarn`)
+            object.__setattr__(self, "yarn", Yarn(**self.yarn))
+        if self.yarn is not None and not isinstance(self.yarn, Yarn):
+            raise ValueError(f"{self.name}: yarn={shown(self.yarn)} must be a mk.config.Yarn")
         object.__setattr__(self, "formats", tuple(sorted(check_formats(self, self.formats)
                                                          .items())))
         self._validate_layer_types()
@@ -288,6 +346,11 @@ class ModelConfig:
         """C: the q, k and v channels the causal conv runs over."""
         return 2 * self.linear_key_width + self.linear_value_width
 
+    def window(self, layer: int) -> int:
+        """How many positions up to its own each row of layer `layer` attends to: its
+        sliding window, or 0 for every cached position."""
+        return self.sliding_window if layer in self.sliding_layers else 0
+
     def mlp_index(self, layer: int) -> tuple[str, int]:
         """("dense", i) or ("moe", i): which stacked MLP tensor row layer `layer` uses."""
         return self._layer_rows()[layer][1]
@@ -328,6 +391,7 @@ class ModelConfig:
         types = tuple(self.layer_types[i] for i in layers) if self.layer_types else ()
         return dataclasses.replace(
             self, layers=len(layers), moe_layers=like("moe_layers"), layer_types=types,
+            sliding_layers=like("sliding_layers"),
             formats=tuple((g, q) for g, q in self.formats if FORMAT_LAYERS.get(g) not in gone),
             **{f: v for field in gone for f, v in UNSET[field].items()})
 

@@ -2,11 +2,13 @@
 each the oracle of a stage kernel's piece and each a piece `mk.reference` builds the
 decoder from.
 
-Here: the matmul numerics (`dot`, `matmul`), `rms_norm`, `rope` (full or partial), causal
-GQA `attention` over a cache and `write_rows` (a step's new rows into it), the SwiGLU MLP
-(`swiglu`), the softmax router and the MoE block (`route`, `moe`), DeepSeek-V3 / Kimi's
-grouped sigmoid router (`route_grouped`) and the weighted sum of chosen experts
-(`mix_experts`). Not here: anything that reads a config or a parameter dict (a layer, the
+Here: the matmul numerics (`dot`, `matmul`), `rms_norm`, `rope` (full or partial; YaRN
+scaling: `rope_frequencies`), causal GQA `attention` over a cache (a sliding window,
+sinks) and `write_rows` (a step's new rows into it), the SwiGLU MLP (`swiglu`), the
+softmax router and the MoE block (`route`, `moe`), DeepSeek-V3 / Kimi's grouped sigmoid
+router (`route_grouped`), the weighted sum of chosen experts (`mix_experts`), gpt-oss's
+router (`route_logits`) and biased clamped-SwiGLU experts (`clamped_swiglu`,
+`mix_biased_experts`). Not here: anything that reads a config or a parameter dict (a layer, the
 lm_head, the caches, greedy decoding: `mk.reference`), the gated DeltaNet's math
 (`mk.linear_attention`), kernels (`mk.kernels`).
 
@@ -18,6 +20,8 @@ Numerics (kernels mirror these cast points, so their tolerances stay tight):
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -50,42 +54,77 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -
     return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * scale
 
 
+def rope_frequencies(dims: int, theta: float, yarn=None) -> tuple[jax.Array, float]:
+    """RoPE's frequency of each of the `dims` / 2 rotated pairs (float32) and what cos and
+    sin are scaled by: theta^(-2i / dims) and 1, or under YaRN scaling (`yarn`, a
+    `mk.config.Yarn`) each pair's frequency moved toward theta's / factor along the ramp
+    transformers' "yarn" rope type draws, and its attention factor."""
+    if yarn is None:
+        return 1.0 / (theta ** (jnp.arange(0, dims, 2, dtype=F32) / dims)), 1.0
+    base = theta ** (np.arange(0, dims, 2, dtype=np.float64) / dims)
+
+    def pair(turns):  # the pair index turning `turns` times over the original context
+        return dims * math.log(yarn.original_max_position / (turns * 2 * math.pi)) / (
+            2 * math.log(theta))
+
+    low, high = pair(yarn.beta_fast), pair(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dims - 1)
+    ramp = np.clip((np.arange(dims // 2) - low)
+                   / ((high - low) or 0.001), 0, 1)
+    kept = 1 - ramp  # 1: theta's frequency (extrapolation); 0: interpolated by the factor
+    freq = (1.0 / (yarn.factor * base)) * (1 - kept) + (1.0 / base) * kept
+    return jnp.asarray(freq, F32), yarn.scale
+
+
 def rope(x: jax.Array, positions: jax.Array, theta: float,
-         dims: int | None = None) -> jax.Array:
+         dims: int | None = None, yarn=None) -> jax.Array:
     """Rotate-half RoPE (the Qwen/Llama convention) in float32 on the first `dims` (default
-    all) dims of each head; the rest pass through (partial RoPE).
+    all) dims of each head; the rest pass through (partial RoPE); frequencies and scale
+    from `rope_frequencies` (YaRN scaling with `yarn`).
 
     x [..., T, heads, H]; positions [..., T] integer absolute positions.
     """
     if dims is not None and dims < x.shape[-1]:
-        rotated = rope(x[..., :dims], positions, theta)
+        rotated = rope(x[..., :dims], positions, theta, yarn=yarn)
         return jnp.concatenate([rotated, x[..., dims:].astype(F32)], axis=-1)
+    inv_freq, scale = rope_frequencies(x.shape[-1], theta, yarn)
     half = x.shape[-1] // 2
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, 2 * half, 2, dtype=F32) / (2 * half)))
     angles = positions.astype(F32)[..., None] * inv_freq  # [..., T, H/2]
-    cos = jnp.cos(angles)[..., None, :]
-    sin = jnp.sin(angles)[..., None, :]
+    cos = jnp.cos(angles)[..., None, :] * np.float32(scale)
+    sin = jnp.sin(angles)[..., None, :] * np.float32(scale)
     x = x.astype(F32)
     x1, x2 = x[..., :half], x[..., half:]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
 def attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-              positions: jax.Array) -> jax.Array:
+              positions: jax.Array, *, window: int = 0, sinks=None) -> jax.Array:
     """Causal GQA of T new rows against a cache that already holds them.
 
     q [B, T, N, H] float32; k_cache [B, K, S, H], v_cache [B, K, S, Hv]; positions [B]: row t
-    of sequence b sits at positions[b] + t and sees cache positions <= that.
-    Returns [B, T, N, Hv] float32.
+    of sequence b sits at positions[b] + t and sees cache positions <= that, only its last
+    `window` ones when window > 0 (a sliding window, its own position included). sinks [N]
+    (gpt-oss): a learned logit per head, one more term of each row's softmax denominator
+    that weighs no value. Returns [B, T, N, Hv] float32.
     """
     B, T, N, H = q.shape
     K, S = k_cache.shape[1], k_cache.shape[2]
     q = q.reshape(B, T, K, N // K, H)
     scores = dot("btkgh,bksh->bkgts", q, k_cache, k_cache.dtype) / np.float32(np.sqrt(H))
     row_pos = positions[:, None] + jnp.arange(T)  # [B, T]
-    visible = jnp.arange(S)[None, None, :] <= row_pos[:, :, None]  # [B, T, S]
+    cached = jnp.arange(S)[None, None, :]
+    visible = cached <= row_pos[:, :, None]  # [B, T, S]
+    if window:
+        visible &= cached > row_pos[:, :, None] - window
     scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:  # the sink as one more logit, dropped after the softmax
+        sink = jnp.broadcast_to(sinks.astype(F32).reshape(1, K, N // K, 1, 1),
+                                (*scores.shape[:-1], 1))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
     out = dot("bkgts,bksh->btkgh", probs, v_cache, v_cache.dtype)
     return out.reshape(B, T, N, -1)  # v's head dim (MLA's differs from q's)
 
@@ -149,6 +188,34 @@ def mix_experts(x: jax.Array, weights, experts, we_gate, we_up, we_down) -> jax.
     gate = dot("md,edf->mef", x, we_gate, we_gate.dtype)
     up = dot("md,edf->mef", x, we_up, we_up.dtype)
     out = dot("mef,efd->med", jax.nn.silu(gate) * up, we_down, we_down.dtype)
+    return jnp.einsum("me,med->md", combine, out, precision=HIGHEST)
+
+
+def route_logits(x: jax.Array, router, bias, top_k: int):
+    """gpt-oss's router: x [M, D] -> (weights [M, X] float32, experts [M, X] int32), the
+    softmax of the top_k of the logits x @ router + bias (ties to the lower expert id)."""
+    logits, experts = lax.top_k(matmul(x, router) + bias.astype(F32), top_k)
+    return jax.nn.softmax(logits, axis=-1), experts
+
+
+def clamped_swiglu(gate: jax.Array, up: jax.Array, limit: float, alpha: float) -> jax.Array:
+    """gpt-oss's expert activation of the projections gate and up (float32): gate clamped
+    to <= limit, up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate = jnp.minimum(gate, np.float32(limit))
+    up = jnp.clip(up, -np.float32(limit), np.float32(limit))
+    return (up + 1) * gate * jax.nn.sigmoid(np.float32(alpha) * gate)
+
+
+def mix_biased_experts(x: jax.Array, weights, experts, we_gate, we_up, we_down, be_gate,
+                       be_up, be_down, limit: float, alpha: float) -> jax.Array:
+    """`mix_experts` of gpt-oss's experts: each x @ we_gate + be_gate and x @ we_up + be_up
+    through `clamped_swiglu`, then @ we_down + be_down; x [M, D] -> [M, D] float32."""
+    combine = jnp.zeros((x.shape[0], we_gate.shape[0]), F32)
+    combine = combine.at[jnp.arange(x.shape[0])[:, None], experts].add(weights)  # [M, E]
+    gate = dot("md,edf->mef", x, we_gate, we_gate.dtype) + be_gate.astype(F32)
+    up = dot("md,edf->mef", x, we_up, we_up.dtype) + be_up.astype(F32)
+    h = clamped_swiglu(gate, up, limit, alpha)
+    out = dot("mef,efd->med", h, we_down, we_down.dtype) + be_down.astype(F32)
     return jnp.einsum("me,med->md", combine, out, precision=HIGHEST)
 
 

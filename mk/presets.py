@@ -1,17 +1,17 @@
 """The named models: `preset(name)` -> a `mk.config.ModelConfig`, and the lists of names.
-
 Here: tiny TPU-legal models every test and notebook default uses, and real shapes from
 each family's published config.json (Qwen3 dense and MoE, Qwen3.5 hybrids, Kimi Linear and
 its GQA stand-in), each with its sources; a preset stored quantised says so with `formats`
 (the release's FP4 experts: `formats={"experts": "fp4"}`). `PRESET_NAMES` lists the GQA
 and Qwen3.5 models, `HYBRID_PRESET_NAMES` the Qwen3.5 hybrids, `KIMI_PRESET_NAMES` the
-Kimi Linear ones. Not here: what a config means and its checks (`mk.config`), reading a
-Hugging Face config.json (`mk.config.ModelConfig.from_hf`).
+Kimi Linear ones, `GPT_OSS_PRESET_NAMES` gpt-oss (tiny, 20b, 120b). Not here: what a
+config means and its checks (`mk.config`), reading a Hugging Face config.json
+(`mk.config.ModelConfig.from_hf`).
 """
 
 from __future__ import annotations
 
-from mk.config import ModelConfig
+from mk.config import ModelConfig, Yarn
 
 
 def _qwen3(name, *, hidden, layers, heads, kv_heads, ffn, tie, **extra):
@@ -137,16 +137,53 @@ _KIMI_PRESETS = {
         shared_expert_ffn=2048, router_score="sigmoid", routed_scale=2.827),
 }
 
+# gpt-oss (attention with sinks on alternating sliding-window and full layers, YaRN RoPE,
+# clamped-SwiGLU experts stored MXFP4): the reference and the loader run them; the
+# megakernel does not yet (issue 38), so they are listed apart (GPT_OSS_PRESET_NAMES).
+def _gpt_oss(name, *, layers, experts, **extra):
+    """openai/gpt-oss-20b's and -120b's config.json (as quoted publicly, not read from the
+    hub here; transformers' GptOssConfig defaults are the 120b's): hidden 2880, 64 heads
+    of 64, 8 kv heads, a 128-position window on the even layers (the first sliding),
+    biases, sinks, rope_theta 150000 with YaRN (factor 32 over 4096 positions, beta
+    32 / 1, not truncated), 131072 positions, top-4 experts of width 2880 (swiglu_limit 7,
+    transformers' alpha 1.702), vocab 201088, untied, rms eps 1e-5, MXFP4 experts."""
+    return ModelConfig(
+        name=name, vocab=201_088, hidden=2880, layers=layers, heads=64, kv_heads=8,
+        head_dim=64, ffn=2880, qk_norm=False, rope_theta=150_000.0, rms_eps=1e-5,
+        max_position=131_072, attention_sinks=True, attention_bias=True,
+        sliding_window=128, sliding_layers=tuple(range(0, layers, 2)),
+        yarn=Yarn(factor=32.0, original_max_position=4096, truncate=False),
+        experts=experts, experts_per_token=4, expert_ffn=2880,
+        moe_layers=tuple(range(layers)), norm_topk=True, swiglu_limit=7.0,
+        swiglu_alpha=1.702, formats={"experts": "fp4"}, **extra)
+
+
+_GPT_OSS_PRESETS = {
+    # Tiny gpt-oss: sliding, full, sliding, full; a 16-position window (below the tests'
+    # contexts, so it matters), gpt-oss's head dim 64, its RoPE and SwiGLU constants.
+    "tiny-gpt-oss": lambda: ModelConfig(
+        name="tiny-gpt-oss", vocab=512, hidden=256, layers=4, heads=4, kv_heads=2,
+        head_dim=64, ffn=128, qk_norm=False, rope_theta=150_000.0, rms_eps=1e-5,
+        dtype="bfloat16", max_position=4096, max_context=256, attention_sinks=True,
+        attention_bias=True, sliding_window=16, sliding_layers=(0, 2),
+        yarn=Yarn(factor=32.0, original_max_position=4096, truncate=False), experts=8,
+        experts_per_token=2, expert_ffn=128, moe_layers=(0, 1, 2, 3), norm_topk=True,
+        swiglu_limit=7.0, swiglu_alpha=1.702),
+    "gpt-oss-20b": lambda: _gpt_oss("gpt-oss-20b", layers=24, experts=32),
+    "gpt-oss-120b": lambda: _gpt_oss("gpt-oss-120b", layers=36, experts=128),
+}
+
 PRESET_NAMES = tuple(_PRESETS) + tuple(_HYBRID_PRESETS)
 HYBRID_PRESET_NAMES = tuple(_HYBRID_PRESETS)
 KIMI_PRESET_NAMES = tuple(_KIMI_PRESETS)
+GPT_OSS_PRESET_NAMES = tuple(_GPT_OSS_PRESETS)
 
 
 def preset(name: str) -> ModelConfig:
-    """A named `ModelConfig`; `PRESET_NAMES`, `HYBRID_PRESET_NAMES` and `KIMI_PRESET_NAMES`
-    list them."""
-    presets = {**_PRESETS, **_HYBRID_PRESETS, **_KIMI_PRESETS}
+    """A named `ModelConfig`; `PRESET_NAMES`, `HYBRID_PRESET_NAMES`, `KIMI_PRESET_NAMES`
+    and `GPT_OSS_PRESET_NAMES` list them."""
+    presets = {**_PRESETS, **_HYBRID_PRESETS, **_KIMI_PRESETS, **_GPT_OSS_PRESETS}
     if name not in presets:
         raise ValueError(f"preset={name!r} does not exist; choose one of "
-                         f"{PRESET_NAMES + HYBRID_PRESET_NAMES + KIMI_PRESET_NAMES}")
+                         f"{PRESET_NAMES + KIMI_PRESET_NAMES + GPT_OSS_PRESET_NAMES}")
     return presets[name]()

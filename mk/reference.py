@@ -2,9 +2,9 @@
 
 Here: the forward pass as `prefill`, `decode_step` and greedy `generate`, built from the
 array-level blocks of `mk.ops`, one oracle per layer kind (by its `mk.weights` kind name):
-    gqa       `decoder_layer` (`attention_inputs`: RMSNorm, q/k/v, QK norm, RoPE; then
-              attention, the output gate, wo): Qwen3's, and Qwen3.5's full layers (gated
-              output, partial RoPE)
+    gqa, sink_gqa   `decoder_layer` (`attention_inputs`: RMSNorm, q/k/v, QK norm, RoPE;
+              then attention, the output gate, wo): Qwen3's, Qwen3.5's full layers (gated
+              output, partial RoPE) and gpt-oss's (biases, sinks, sliding windows, YaRN)
     mla       `mla_decoder_layer`: Kimi Linear's multi-head latent attention (NoPE, as in
               transformers) over a latent cache; its absorbed form, the one a decode
               kernel runs, is `mla_absorbed` and `mla_output` (the oracle of
@@ -12,15 +12,17 @@ array-level blocks of `mk.ops`, one oracle per layer kind (by its `mk.weights` k
     deltanet, kda   `linear_decoder_layer` around `LINEAR_MIXERS`: Qwen3.5's gated
               DeltaNet and Kimi Delta Attention (`mk.linear_attention`), a conv and a
               recurrent state instead of KV rows
-    dense, moe      `mlp_block` around `MLPS`: SwiGLU; routed experts under a softmax top-k
-              router or a grouped sigmoid router, plus a shared expert
-(`MIXER_LAYERS` and `MLPS` are the tables `forward` dispatches on.) A variant inside a kind
-follows the weights the model has (`mk.weights`): QK norm when it has `q_norm`, the output
-gate with `wq_gate`, MLA's q low rank with `wq_a`, the sigmoid router with `router_bias`,
-the shared expert with `ws_gate`. Also here: `lm_head`, `greedy`, and the checks every
-decode driver runs (`validate_step`, `check_params`, `check_generate`, ...); `forward` is
-`decode_step` without its checks. No Pallas, no sharding, no sampling (speculative
-decoding lives in `mk.spec`).
+    dense, moe, clamped_moe   `mlp_block` around `MLPS`: SwiGLU; routed experts under a
+              softmax top-k router or a grouped sigmoid router, plus a shared expert;
+              gpt-oss's biased router and clamped-SwiGLU experts
+(`MIXER_LAYERS` and `MLPS` are the tables `forward` dispatches on.) A variant inside a
+kind follows the weights the model has (`mk.weights`): QK norm when it has `q_norm`, the
+output gate with `wq_gate`, biases with `bq` .. `bo`, sinks with `sinks` (a sliding window
+where `ModelConfig.window` says), MLA's q low rank with `wq_a`, the sigmoid router with
+`router_bias`, the shared expert with `ws_gate`. Also here: `lm_head`, `greedy`, and the
+checks every decode driver runs (`validate_step`, `check_params`, `check_generate`, ...);
+`forward` is `decode_step` without its checks. No Pallas, no sharding, no sampling
+(speculative decoding lives in `mk.spec`).
 
 Numerics: the residual stream is float32 and the KV cache is stored in `config.dtype`;
 every block's cast points (which kernels mirror, so their tolerances stay tight) are
@@ -45,8 +47,8 @@ from jax import lax
 from mk import linear_attention as la
 from mk.cache import KVCache, LinearRows, check_cache, has_states, init_cache
 from mk.config import ModelConfig, positive_int
-from mk.ops import (attention, matmul, mix_experts, moe, rms_norm, rope, route_grouped, swiglu,
-                    write_rows)
+from mk.ops import (attention, matmul, mix_biased_experts, mix_experts, moe, rms_norm, rope,
+                    route_grouped, route_logits, swiglu, write_rows)
 from mk.weights import kind_of, param_shapes
 
 F32 = jnp.float32
@@ -78,15 +80,20 @@ def attention_inputs(config: ModelConfig, params, layer: int, x, positions):
     N, K, H, eps = config.heads, config.kv_heads, config.head_dim, config.rms_eps
     off, (_, a) = config.norm_offset, config.mixer_index(layer)
     h = rms_norm(x, params["attn_norm"][layer], eps, off)
-    q = matmul(h, params["wq"][a]).reshape(B, T, N, H)
-    k = matmul(h, params["wk"][a]).reshape(B, T, K, H)
-    v = matmul(h, params["wv"][a]).reshape(B, T, K, H)
+    q, k, v = (_projection(params, w, a, h) for w in ("q", "k", "v"))
+    q, k, v = q.reshape(B, T, N, H), k.reshape(B, T, K, H), v.reshape(B, T, K, H)
     if "q_norm" in params:  # Qwen3's QK norm (no such weights: no norm)
         q = rms_norm(q, params["q_norm"][a], eps, off)
         k = rms_norm(k, params["k_norm"][a], eps, off)
     row_pos = positions[:, None] + jnp.arange(T)
-    theta, dims = config.rope_theta, config.rotary_dim
-    return rope(q, row_pos, theta, dims), rope(k, row_pos, theta, dims), v
+    theta, dims, yarn = config.rope_theta, config.rotary_dim, config.yarn
+    return rope(q, row_pos, theta, dims, yarn), rope(k, row_pos, theta, dims, yarn), v
+
+
+def _projection(params, w: str, a: int, h) -> jax.Array:
+    """h @ w{w} of full layer a, plus its bias b{w} where the model has one (gpt-oss)."""
+    y = matmul(h, params[f"w{w}"][a])
+    return y + params[f"b{w}"][a].astype(F32) if f"b{w}" in params else y
 
 
 def decoder_layer(config: ModelConfig, params, layer: int, x, k_cache, v_cache, positions):
@@ -97,11 +104,13 @@ def decoder_layer(config: ModelConfig, params, layer: int, x, k_cache, v_cache, 
     q, k, v = attention_inputs(config, params, layer, x, positions)
     k_cache = write_rows(k_cache, k, positions)
     v_cache = write_rows(v_cache, v, positions)
-    o = attention(q, k_cache, v_cache, positions).reshape(B, T, -1)
+    sinks = params["sinks"][a] if "sinks" in params else None  # gpt-oss's
+    o = attention(q, k_cache, v_cache, positions, window=config.window(layer),
+                  sinks=sinks).reshape(B, T, -1)
     if "wq_gate" in params:  # Qwen3.5's gated output
         h = rms_norm(x, params["attn_norm"][layer], config.rms_eps, config.norm_offset)
         o = o * jax.nn.sigmoid(matmul(h, params["wq_gate"][a]))
-    x = x + matmul(o, params["wo"][a])
+    x = x + _projection(params, "o", a, o)
     return mlp_block(config, params, layer, x), k_cache, v_cache, x
 
 
@@ -139,9 +148,20 @@ def moe_mlp(config: ModelConfig, params, i: int, h) -> jax.Array:
     return y
 
 
+def clamped_moe_mlp(config: ModelConfig, params, i: int, h) -> jax.Array:
+    """gpt-oss's MoE layer i of its normed rows h [M, D] -> [M, D] float32: the softmax of
+    the top-k biased router logits, the biased clamped-SwiGLU experts."""
+    weights, chosen = route_logits(h, params["router"][i], params["router_logit_bias"][i],
+                                   config.experts_per_token)
+    return mix_biased_experts(h, weights, chosen,
+                              *(params[n][i] for n in ("we_gate", "we_up", "we_down",
+                                                       "be_gate", "be_up", "be_down")),
+                              config.swiglu_limit, config.swiglu_alpha)
+
+
 # Each MLP kind's oracle, by its `mk.weights` kind name: (config, params, its row i in the
 # kind's stack, normed rows h [M, D]) -> [M, D] float32.
-MLPS = {"dense": dense_mlp, "moe": moe_mlp}
+MLPS = {"dense": dense_mlp, "moe": moe_mlp, "clamped_moe": clamped_moe_mlp}
 
 
 def linear_decoder_layer(config: ModelConfig, params, layer: int, x, conv_state, state):
@@ -245,7 +265,8 @@ def _linear(config: ModelConfig, params, layer: int, x, cache, i: int, positions
 # Each token-mixer kind's layer, by its `mk.weights` kind name: (config, params, layer, x,
 # cache, its row i in the kind's stack, positions) -> (x, the new values of the cache
 # fields it owns at row i, x after the mixer).
-MIXER_LAYERS = {"gqa": _full, "mla": _latent, "deltanet": _linear, "kda": _linear}
+MIXER_LAYERS = {"gqa": _full, "sink_gqa": _full, "mla": _latent, "deltanet": _linear,
+                "kda": _linear}
 
 
 @functools.partial(jax.jit, static_argnames=("config", "taps", "row_states"))

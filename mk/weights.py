@@ -56,8 +56,9 @@ from mk.config import FORMAT_GROUP_NAMES, ModelConfig
 # Which layers stack a kind's weights: a ModelConfig field (a count or a list of layers),
 # or "" for the model's own weights.
 KIND_LAYERS = {"model": "", "layer": "layers", "gqa": "full_layers", "mla": "full_layers",
-               "deltanet": "linear_layers", "kda": "linear_layers",
-               "dense": "dense_layers", "moe": "moe_layers"}
+               "sink_gqa": "full_layers", "deltanet": "linear_layers",
+               "kda": "linear_layers", "dense": "dense_layers", "moe": "moe_layers",
+               "clamped_moe": "moe_layers"}
 # Byte families: what one step moves, by family (the plan, the simulator and mk.perf count
 # each; "embed" is gathered, never streamed).
 FAMILIES = ("embed", "attention", "norms", "linear", "dense_mlp", "router", "experts",
@@ -73,9 +74,9 @@ PATHS = ("ring", "dma", "vector", "gather")
 #   vocab     the lm_head's vocab columns (from the embedding when tied)
 SPLITS = ("whole", "columns", "rows", "kv_heads", "channels", "ffn_columns", "ffn_rows",
           "vocab")
-# Hugging Face naming schemes: "qwen" (qwen3, qwen3_moe, qwen3_5) and "kimi" (kimi_linear,
-# as transformers' save_pretrained writes it).
-HF_SCHEMES = ("qwen", "kimi")
+# Hugging Face naming schemes: "qwen" (qwen3, qwen3_moe, qwen3_5), "kimi" (kimi_linear,
+# as transformers' save_pretrained writes it) and "gpt_oss".
+HF_SCHEMES = ("qwen", "kimi", "gpt_oss")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +134,11 @@ def _w(name, kind, shape, family, path, split, quant=None, hf=None, when=None):
     return Weight(name, kind, shape, family, path, split, quant, hf or {}, when)
 
 
+def _everywhere(name: str) -> dict[str, str]:
+    """A tensor every naming scheme spells alike."""
+    return dict.fromkeys(HF_SCHEMES, name)
+
+
 def _qkv_parts(prefix, suffix):
     return {part: f"{prefix}{part}{suffix}" for part in "qkv"}
 
@@ -140,17 +146,16 @@ def _qkv_parts(prefix, suffix):
 WEIGHTS = (
     # -- the model's own, and every layer's two norms --------------------------------------
     _w("embed", "model", lambda c: (c.vocab, c.hidden), "embed", "gather", "whole",
-       hf={"qwen": "{model}embed_tokens.weight", "kimi": "{model}embed_tokens.weight"}),
+       hf=_everywhere("{model}embed_tokens.weight")),
     _w("final_norm", "model", lambda c: (c.hidden,), "norms", "vector", "whole",
-       hf={"qwen": "{model}norm.weight", "kimi": "{model}norm.weight"}),
+       hf=_everywhere("{model}norm.weight")),
     _w("lm_head", "model", lambda c: (c.hidden, c.vocab), "lm_head", "ring", "vocab",
-       quant="lm_head", hf={"qwen": "lm_head.weight", "kimi": "lm_head.weight"},
+       quant="lm_head", hf=_everywhere("lm_head.weight"),
        when=lambda c: not c.tie_embeddings),
     _w("attn_norm", "layer", lambda c: (c.hidden,), "norms", "vector", "whole",
-       hf={"qwen": "input_layernorm.weight", "kimi": "input_layernorm.weight"}),
+       hf=_everywhere("input_layernorm.weight")),
     _w("mlp_norm", "layer", lambda c: (c.hidden,), "norms", "vector", "whole",
-       hf={"qwen": "post_attention_layernorm.weight",
-           "kimi": "post_attention_layernorm.weight"}),
+       hf=_everywhere("post_attention_layernorm.weight")),
     # -- grouped-query attention (Qwen3; Qwen3.5's q_proj also holds the output gate) ----
     _w("wq", "gqa", lambda c: (c.hidden, c.q_width), "attention", "ring", "columns",
        quant="dense", hf={"qwen": "self_attn.q_proj.weight"}),
@@ -167,6 +172,27 @@ WEIGHTS = (
        hf={"qwen": "self_attn.q_norm.weight"}, when=lambda c: c.qk_norm),
     _w("k_norm", "gqa", lambda c: (c.head_dim,), "norms", "vector", "whole",
        hf={"qwen": "self_attn.k_norm.weight"}, when=lambda c: c.qk_norm),
+    # -- gpt-oss's attention: GQA with a learned sink logit per head, biases, and a
+    #    sliding window on some layers (`ModelConfig.window`) ---------------------------------
+    _w("wq", "sink_gqa", lambda c: (c.hidden, c.q_width), "attention", "ring", "columns",
+       quant="dense", hf={"gpt_oss": "self_attn.q_proj.weight"}),
+    _w("wk", "sink_gqa", lambda c: (c.hidden, c.kv_width), "attention", "ring", "kv_heads",
+       quant="dense", hf={"gpt_oss": "self_attn.k_proj.weight"}),
+    _w("wv", "sink_gqa", lambda c: (c.hidden, c.kv_width), "attention", "ring", "kv_heads",
+       quant="dense", hf={"gpt_oss": "self_attn.v_proj.weight"}),
+    _w("wo", "sink_gqa", lambda c: (c.q_width, c.hidden), "attention", "ring", "rows",
+       quant="dense", hf={"gpt_oss": "self_attn.o_proj.weight"}),
+    _w("bq", "sink_gqa", lambda c: (c.q_width,), "attention", "dma", "columns",
+       hf={"gpt_oss": "self_attn.q_proj.bias"}, when=lambda c: c.attention_bias),
+    _w("bk", "sink_gqa", lambda c: (c.kv_width,), "attention", "dma", "kv_heads",
+       hf={"gpt_oss": "self_attn.k_proj.bias"}, when=lambda c: c.attention_bias),
+    _w("bv", "sink_gqa", lambda c: (c.kv_width,), "attention", "dma", "kv_heads",
+       hf={"gpt_oss": "self_attn.v_proj.bias"}, when=lambda c: c.attention_bias),
+    # added once, after the all-reduce of wo's partial sums
+    _w("bo", "sink_gqa", lambda c: (c.hidden,), "attention", "dma", "whole",
+       hf={"gpt_oss": "self_attn.o_proj.bias"}, when=lambda c: c.attention_bias),
+    _w("sinks", "sink_gqa", lambda c: (c.heads,), "attention", "dma", "columns",
+       hf={"gpt_oss": "self_attn.sinks"}),
     # -- multi-head latent attention (Kimi Linear's full layers) ----------------------------
     _w("wq_a", "mla", lambda c: (c.hidden, c.q_rank), "attention", "ring", "whole",
        hf={"kimi": "self_attn.q_a_proj.weight"}, when=lambda c: c.q_rank),
@@ -267,14 +293,35 @@ WEIGHTS = (
        "ffn_rows", quant="experts",
        hf={"qwen": "mlp.experts.{e}.down_proj.weight",
            "kimi": "block_sparse_moe.experts.{e}.w2.weight"}),
+    # -- gpt-oss's experts: a router with a bias on its logits, experts with biases (the
+    #    clamped SwiGLU: `ModelConfig.swiglu_limit`). gate_up_proj and its bias interleave
+    #    gate (even columns) and up (odd); the experts are stored [E, in, out] ------------
+    _w("router", "clamped_moe", lambda c: (c.hidden, c.experts), "router", "dma", "whole",
+       hf={"gpt_oss": "mlp.router.weight"}),
+    _w("router_logit_bias", "clamped_moe", lambda c: (c.experts,), "router", "dma", "whole",
+       hf={"gpt_oss": "mlp.router.bias"}),
+    _w("we_gate", "clamped_moe", lambda c: (c.experts, c.hidden, c.expert_ffn), "experts",
+       "ring", "ffn_columns", quant="experts", hf={"gpt_oss": "mlp.experts.gate_up_proj"}),
+    _w("we_up", "clamped_moe", lambda c: (c.experts, c.hidden, c.expert_ffn), "experts",
+       "ring", "ffn_columns", quant="experts", hf={"gpt_oss": "mlp.experts.gate_up_proj"}),
+    _w("we_down", "clamped_moe", lambda c: (c.experts, c.expert_ffn, c.hidden), "experts",
+       "ring", "ffn_rows", quant="experts", hf={"gpt_oss": "mlp.experts.down_proj"}),
+    _w("be_gate", "clamped_moe", lambda c: (c.experts, c.expert_ffn), "experts", "dma",
+       "ffn_columns", hf={"gpt_oss": "mlp.experts.gate_up_proj_bias"}),
+    _w("be_up", "clamped_moe", lambda c: (c.experts, c.expert_ffn), "experts", "dma",
+       "ffn_columns", hf={"gpt_oss": "mlp.experts.gate_up_proj_bias"}),
+    _w("be_down", "clamped_moe", lambda c: (c.experts, c.hidden), "experts", "dma", "whole",
+       hf={"gpt_oss": "mlp.experts.down_proj_bias"}),
 )
 
 
 def kinds_of(config: ModelConfig) -> tuple[str, ...]:
     """The layer kinds `config` has: "model", "layer", its token mixers, its MLPs."""
-    mixers = {"full_layers": "mla" if config.is_mla else "gqa",
+    full = "mla" if config.is_mla else "sink_gqa" if config.attention_sinks else "gqa"
+    mixers = {"full_layers": full,
               "linear_layers": "kda" if config.channel_decay else "deltanet"}
-    mlps = {"dense_layers": "dense", "moe_layers": "moe"}
+    mlps = {"dense_layers": "dense",
+            "moe_layers": "clamped_moe" if config.swiglu_limit else "moe"}
     return ("model", "layer") + tuple(kind for layers, kind in (mixers | mlps).items()
                               if getattr(config, layers))
 
@@ -342,11 +389,15 @@ def names(kind: str | None = None, *, family: str | None = None, path: str | Non
 
 
 def hf_scheme(config: ModelConfig) -> str:
-    """The Hugging Face naming scheme of `config`'s checkpoints: "kimi" when any of its
-    kinds is named only there (MLA, KDA), else "qwen"."""
-    kinds = set(kinds_of(config))
-    return "kimi" if any(all(set(w.hf) == {"kimi"} for w in WEIGHTS if w.kind == kind)
-                         for kind in kinds) else "qwen"
+    """The Hugging Face naming scheme of `config`'s checkpoints: the first of HF_SCHEMES
+    naming every weight it has (Kimi's MLA and KDA are named only in "kimi", gpt-oss's
+    kinds only in "gpt_oss")."""
+    have = weights_of(config)
+    for scheme in HF_SCHEMES:
+        if all(scheme in w.hf for w in have):
+            return scheme
+    raise ValueError(f"{config.name}: no Hugging Face naming scheme of {HF_SCHEMES} names "
+                     f"all of its weights")
 
 
 def hf_names(w: Weight, config: ModelConfig) -> dict[str, str] | str | None:

@@ -130,13 +130,14 @@ def save_hf_checkpoint(config: ModelConfig, params: dict, folder: str | Path,
 
 
 def build_hf_model(kind: str, config_kwargs: dict, seed: int = 0):
-    """A random float32 transformers Qwen3 ("qwen3"), Qwen3-MoE ("qwen3_moe") or Kimi
-    Linear ("kimi_linear") model.
+    """A random float32 transformers Qwen3 ("qwen3"), Qwen3-MoE ("qwen3_moe"), Kimi
+    Linear ("kimi_linear") or gpt-oss ("gpt_oss") model.
 
     Every parameter, norm weights included, is re-drawn at a scale that keeps activations
     and router logits O(1), so a swapped norm, a mistransposed square matrix or a wrong
     router choice shows up in the logits (transformers' default init leaves norms at 1).
-    Kimi's decay parameters and its routers' choice bias (a buffer) are re-drawn too.
+    Kimi's decay parameters and its routers' choice bias (a buffer) are re-drawn too, and
+    so are gpt-oss's biases and sinks (transformers zeroes the experts' biases).
     """
     import torch
     import transformers
@@ -145,6 +146,7 @@ def build_hf_model(kind: str, config_kwargs: dict, seed: int = 0):
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "kimi_linear": (transformers.KimiLinearConfig, transformers.KimiLinearForCausalLM),
+        "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
     }[kind]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**config_kwargs)).float().eval()
@@ -156,8 +158,12 @@ def build_hf_model(kind: str, config_kwargs: dict, seed: int = 0):
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
             elif name.endswith(("A_log", "dt_bias", "e_score_correction_bias")):
                 param.copy_(0.5 * torch.randn_like(param))
+            elif name.endswith(("bias", "sinks")):  # gpt-oss's
+                param.copy_(0.5 * torch.randn_like(param))
             elif name == "model.embed_tokens.weight":
                 param.copy_(torch.randn_like(param))
+            elif kind == "gpt_oss" and name.endswith(("gate_up_proj", "down_proj")):
+                param.copy_(torch.randn_like(param) / param.shape[-2] ** 0.5)  # [E, in, out]
             else:  # [.., out, in] (experts fused as [E, out, in]), conv [C, 1, W]:
                 param.copy_(torch.randn_like(param) / param.shape[-1] ** 0.5)  # 1/fan_in
     return model

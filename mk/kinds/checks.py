@@ -1,11 +1,12 @@
 """The layer kinds' own checks of a `mk.config.ModelConfig`: each kind (MoE layers, linear
-layers, MLA, KDA, the router) checks the fields that describe it, and that they are unset
-when the model has no layer of that kind. `ModelConfig` runs every one (`KIND_CHECKS`) on
-construction; a check reads the config's fields by name, so this module imports nothing of
-mk but its error texts (`mk.errors`). Also here: `UNSET` and `FORMAT_LAYERS` (what a model
-without a kind's layers has; `check_unset`), `check_routing` (a router's settings, the
-config's and the MoE kernel's `Routing`), `check_positive_ints` (ModelConfig's too) and
-`ROUTER_SCORES`. Not here: the kinds' weights (`mk.weights`), their kernels (`mk.kernels`).
+layers, MLA, KDA, the router, gpt-oss's attention with sinks and its clamped experts)
+checks the fields that describe it, and that they are unset when the model has no layer of
+that kind. `ModelConfig` runs every one (`KIND_CHECKS`) on construction; a check reads the
+config's fields by name, so this module imports nothing of mk but its error texts
+(`mk.errors`). Also here: `UNSET` and `FORMAT_LAYERS` (what a model without a kind's
+layers has; `check_unset`), `check_routing` (a router's settings, the config's and the MoE
+kernel's `Routing`), `check_positive_ints` (ModelConfig's too), `ROUTER_SCORES` and
+`UNCLAMPED` (the clamped experts' fields unset). Not here: the kinds' weights (`mk.weights`), their kernels (`mk.kernels`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,11 @@ UNSET = {
                        topk_groups=1, routed_scale=1.0),
     "linear_layers": dict(linear_key_heads=0, linear_value_heads=0, linear_key_dim=0,
                           linear_value_dim=0, conv_kernel=0, channel_decay=False),
+    "sliding_layers": dict(sliding_window=0),
 }
+# The clamped-SwiGLU experts' fields unset (a model without them, `check_clamped`).
+UNCLAMPED = dict(swiglu_limit=0.0, swiglu_alpha=1.0)
+UNSET["moe_layers"] |= UNCLAMPED
 # A format group (`mk.config.check_formats`) -> the layers that hold its weights.
 FORMAT_LAYERS = {"experts": "moe_layers"}
 
@@ -170,5 +175,64 @@ def check_router(c) -> None:
     check_routing(c.name, experts=c.experts, top_k=c.experts_per_token, **routing)
 
 
+def _finite(c, field: str, low: float) -> float:
+    value = getattr(c, field)
+    if isinstance(value, bool) or not (isinstance(value, (int, float, np.floating))
+                                       and math.isfinite(value) and value >= low):
+        raise ValueError(f"{c.name}: {field}={shown(value)} must be a finite number >= {low}")
+    return value
+
+
+def check_sinks(c) -> None:
+    """gpt-oss's attention (attention_sinks): its biases and sliding layers come with it
+    (the only attention kind that has them); the sliding layers are distinct sorted full
+    layers, with a window >= 1 exactly when there are some; not MLA, no output gate."""
+    if not c.attention_sinks:
+        found = {f: getattr(c, f) for f in ("attention_bias", "sliding_window",
+                                           "sliding_layers") if getattr(c, f)}
+        if found:
+            raise ValueError(f"{c.name}: {shown(found, 300)} are set but attention_sinks="
+                             "False: attention biases and sliding windows are implemented "
+                             "in gpt-oss's attention kind (attention_sinks=True) only")
+        return
+    if c.latent_rank or c.attn_output_gate or not c.full_layers:
+        raise ValueError(f"{c.name}: attention_sinks needs full GQA layers (latent_rank="
+                         f"{c.latent_rank}, attn_output_gate={c.attn_output_gate}, "
+                         f"{len(c.full_layers)} full layers)")
+    layers = c.sliding_layers
+    if not set(layers) <= set(c.full_layers) or len(set(layers)) != len(layers) \
+            or list(layers) != sorted(layers):
+        raise ValueError(f"{c.name}: sliding_layers={brief(layers)} must be distinct sorted "
+                         f"full-attention layers (of {brief(c.full_layers)})")
+    window = c.sliding_window
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) \
+            or window < 0 or bool(window) != bool(layers):
+        raise ValueError(f"{c.name}: sliding_window={shown(window)} must be a positive "
+                         f"integer when sliding_layers={brief(layers)} is set, else 0")
+    if window > c.max_position:  # it would never cut: a mistaken config
+        raise ValueError(f"{c.name}: sliding_window={window} exceeds max_position="
+                         f"{c.max_position}, the longest context the model sees")
+
+
+def check_clamped(c) -> None:
+    """gpt-oss's experts (swiglu_limit > 0): MoE layers under the softmax router over the
+    selected logits (norm_topk), no shared expert; swiglu_alpha > 0. Without them both
+    fields keep their UNCLAMPED values."""
+    if not c.swiglu_limit or not c.moe_layers:
+        check_unset(c, "moe_layers", tuple(UNCLAMPED), "the model has no clamped-SwiGLU "
+                    "experts (swiglu_limit=0 or no moe_layers)")
+        return
+    _finite(c, "swiglu_limit", 0.0)
+    if _finite(c, "swiglu_alpha", 0.0) <= 0:
+        raise ValueError(f"{c.name}: swiglu_alpha={c.swiglu_alpha} must be > 0")
+    if c.router_score != "softmax" or not c.norm_topk or c.shared_expert_ffn:
+        raise ValueError(f"{c.name}: clamped-SwiGLU experts (swiglu_limit={c.swiglu_limit}) "
+                         "come with the softmax over the selected logits (router_score="
+                         f"'softmax', norm_topk=True; got {c.router_score!r}, "
+                         f"{c.norm_topk}) and no shared expert (shared_expert_ffn="
+                         f"{c.shared_expert_ffn})")
+
+
 # Every kind's check, in the order ModelConfig runs them.
-KIND_CHECKS = (check_moe, check_linear, check_mla, check_kda, check_router)
+KIND_CHECKS = (check_moe, check_linear, check_mla, check_kda, check_router, check_sinks,
+               check_clamped)

@@ -9,7 +9,8 @@ Qwen3.5's text model has no other), then each of its layer kinds: full attention
 Qwen3; `gated_gqa`: Qwen3.5's gated output and partial RoPE), `mla` (Kimi Linear),
 `deltanet` (Qwen3.5's gated DeltaNet), `kda` (Kimi Delta Attention), MoE with its router
 (`softmax_moe`: Qwen3-MoE's spelling; `sigmoid_moe`: Kimi Linear's grouped sigmoid router
-and shared expert). A reader returns the fields its kind owns, read from the file
+and shared expert); gpt-oss's `sink_gqa` (sinks, biases, sliding layers, YaRN: `yarn`) and
+`clamped_moe`. A reader returns the fields its kind owns, read from the file
 (`HfConfig`: `need`; `count`, `whole`, `number`, `table` and `listed` check a value's type
 before a reader computes with it) and from the fields read before it (the layer and head
 counts). Its errors name the file's field, its value (`shown`: a checkpoint is untrusted)
@@ -197,6 +198,61 @@ def mla(hf: HfConfig, got: dict) -> dict:
                 rope_dim=rope, value_dim=hf.count("v_head_dim"))
 
 
+def sink_gqa(hf: HfConfig, got: dict) -> dict:
+    """gpt-oss's attention, as transformers' GptOssConfig reads it: grouped-query heads
+    (head_dim), a learned sink per head (always), q/k/v/o biases (attention_bias, default
+    on), the sliding window (sliding_window positions) on the layers layer_types names
+    "sliding_attention" (else every other layer from the first), RoPE of theta
+    rope_parameters.rope_theta (else rope_theta) with YaRN scaling when rope_type is
+    "yarn" (`yarn`; rope_scaling in the older spelling, the published config.json's); no
+    QK-norm."""
+    layers, heads = got["layers"], got["heads"]
+    kinds = hf.get("layer_types")
+    if kinds is None:
+        kinds = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                 for i in range(layers)]
+    unknown = sorted({str(k) for k in hf.listed("layer_types", kinds)
+                      if k not in ("sliding_attention", "full_attention")})
+    if unknown or len(kinds) != layers:
+        raise ValueError(f"{hf.where}: layer_types {brief(kinds)} must hold num_hidden_layers="
+                         f"{layers} of 'sliding_attention' / 'full_attention' (got "
+                         f"{brief(unknown)})")
+    sliding = tuple(i for i, kind in enumerate(kinds) if kind == "sliding_attention")
+    window = hf.whole("sliding_window", hf.get("sliding_window")) if sliding else 0
+    rope = hf.table("rope_parameters") or hf.table("rope_scaling")  # newer, older spelling
+    theta = rope.get("rope_theta", hf.get("rope_theta"))
+    if theta is None:
+        raise ValueError(f"{hf.where}: config.json has no rope_parameters.rope_theta or "
+                         "rope_theta")
+    return dict(kv_heads=hf.whole("num_key_value_heads", hf.get("num_key_value_heads") or heads),
+                head_dim=hf.count("head_dim"), qk_norm=False, attention_sinks=True,
+                attention_bias=bool(hf.get("attention_bias", True)), sliding_layers=sliding,
+                sliding_window=window, rope_theta=hf.number("rope_theta", theta),
+                yarn=yarn(hf, rope))
+
+
+def yarn(hf: HfConfig, rope: dict) -> dict | None:
+    """rope_parameters' YaRN scaling (`mk.config.Yarn`'s fields, which check them), or
+    None for rope_type "default"; another type, or DeepSeek's mscale / mscale_all_dim, is
+    refused."""
+    kind = rope.get("rope_type", "default")
+    if kind == "default":
+        return None
+    if kind != "yarn" or rope.get("mscale") or rope.get("mscale_all_dim"):
+        raise NotImplementedError(f"{hf.where}: rope_parameters {shown(rope, 300)}: mk reads "
+                                  "rope_type 'default' and 'yarn' without mscale")
+    number = {key: hf.number(f"rope_parameters.{key}", rope[key])
+              for key in ("factor", "beta_fast", "beta_slow", "attention_factor")
+              if rope.get(key) is not None}
+    original = rope.get("original_max_position_embeddings")
+    if original is None:
+        raise ValueError(f"{hf.where}: YaRN rope_parameters without "
+                         "original_max_position_embeddings")
+    return dict(original_max_position=hf.whole(
+        "rope_parameters.original_max_position_embeddings", original),
+        truncate=bool(rope.get("truncate", True)), **number)
+
+
 # -- Linear attention -------------------------------------------------------------------------
 def _mixers(hf: HfConfig, kinds, layers: int) -> tuple[str, ...]:
     """transformers' per-layer mixer names -> `layer_types`."""
@@ -308,6 +364,18 @@ def sigmoid_moe(hf: HfConfig, got: dict) -> dict:
             "routed_scaling_factor", hf.get("routed_scaling_factor", 2.446)))
 
 
+def clamped_moe(hf: HfConfig, got: dict) -> dict:
+    """gpt-oss's experts: every layer MoE, E (num_local_experts), X, Fe (intermediate_size),
+    the router's softmax over the selected logits (norm_topk), the clamped SwiGLU's
+    swiglu_limit (default 7) and swiglu_alpha (transformers' default 1.702)."""
+    return dict(experts=hf.count("num_local_experts", "num_experts"),
+                experts_per_token=hf.count("num_experts_per_tok", "experts_per_token"),
+                expert_ffn=hf.count("intermediate_size"), norm_topk=True,
+                moe_layers=tuple(range(got["layers"])),
+                swiglu_limit=hf.number("swiglu_limit", hf.get("swiglu_limit", 7.0)),
+                swiglu_alpha=hf.number("swiglu_alpha", hf.get("swiglu_alpha", 1.702)))
+
+
 # Each model type: its readers, in order (a reader may read the fields of those before it).
 FAMILIES = {
     "qwen3": (decoder, dense, gqa),
@@ -316,6 +384,7 @@ FAMILIES = {
                      gated_gqa, deltanet),
     "kimi_linear": (functools.partial(decoder, ties=False, max_position=(
         "model_max_length", "max_position_embeddings")), dense, mla, kda, sigmoid_moe),
+    "gpt_oss": (decoder, dense, sink_gqa, clamped_moe),
 }
 HF_MODEL_TYPES = tuple(FAMILIES)
 
