@@ -127,7 +127,7 @@ class Yarn:
     `original_max_position` the model was trained at: kept) to theta's / `factor` (pairs
     turning fewer than `beta_slow` times: interpolated) along a linear ramp of the pair
     index between the two (its ends floored and ceiled when `truncate`); cos and sin are
-    scaled by `attention_factor` (None: 0.1 ln(factor) + 1). `mk.ops.rope_frequencies`
+    scaled by `attention_factor` (None: 0.1 ln(factor) + 1). `mk.ops.rope_inv_freq`
     computes them."""
 
     factor: float

@@ -3,7 +3,7 @@ each the oracle of a stage kernel's piece and each a piece `mk.reference` builds
 decoder from.
 
 Here: the matmul numerics (`dot`, `matmul`), `rms_norm`, `rope` (full or partial; YaRN
-scaling: `rope_frequencies`), causal GQA `attention` over a cache (a sliding window,
+scaling: `rope_inv_freq`), causal GQA `attention` over a cache (a sliding window,
 sinks) and `write_rows` (a step's new rows into it), the SwiGLU MLP (`swiglu`), the
 softmax router and the MoE block (`route`, `moe`), DeepSeek-V3 / Kimi's grouped sigmoid
 router (`route_grouped`), the weighted sum of chosen experts (`mix_experts`), gpt-oss's
@@ -54,14 +54,15 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -
     return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * scale
 
 
-def rope_frequencies(dims: int, theta: float, yarn=None) -> tuple[jax.Array, float]:
-    """RoPE's frequency of each of the `dims` / 2 rotated pairs (float32) and what cos and
-    sin are scaled by: theta^(-2i / dims) and 1, or under YaRN scaling (`yarn`, a
-    `mk.config.Yarn`) each pair's frequency moved toward theta's / factor along the ramp
-    transformers' "yarn" rope type draws, and its attention factor."""
+def rope_inv_freq(pairs: jax.Array, dims: int, theta: float, yarn=None) -> jax.Array:
+    """RoPE's frequency of rotated pair `pairs` (a float32 array of pair indices < dims / 2):
+    theta^(-2i / dims), or under YaRN scaling (`yarn`, a `mk.config.Yarn`) moved toward
+    theta's / factor along transformers' "yarn" ramp of the pair index. The reference
+    (`rope`) and the kernels' RoPE (`mk.kernels.attention_prologue.rope_rows`) both call
+    it, on an arange and on a lane iota."""
+    inv = 1.0 / (theta ** (2 * pairs / dims))
     if yarn is None:
-        return 1.0 / (theta ** (jnp.arange(0, dims, 2, dtype=F32) / dims)), 1.0
-    base = theta ** (np.arange(0, dims, 2, dtype=np.float64) / dims)
+        return inv
 
     def pair(turns):  # the pair index turning `turns` times over the original context
         return dims * math.log(yarn.original_max_position / (turns * 2 * math.pi)) / (
@@ -71,26 +72,24 @@ def rope_frequencies(dims: int, theta: float, yarn=None) -> tuple[jax.Array, flo
     if yarn.truncate:
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dims - 1)
-    ramp = np.clip((np.arange(dims // 2) - low)
-                   / ((high - low) or 0.001), 0, 1)
-    kept = 1 - ramp  # 1: theta's frequency (extrapolation); 0: interpolated by the factor
-    freq = (1.0 / (yarn.factor * base)) * (1 - kept) + (1.0 / base) * kept
-    return jnp.asarray(freq, F32), yarn.scale
+    ramp = jnp.clip((pairs - np.float32(low)) / np.float32((high - low) or 0.001), 0, 1)
+    return inv / np.float32(yarn.factor) * ramp + inv * (1 - ramp)
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float,
          dims: int | None = None, yarn=None) -> jax.Array:
     """Rotate-half RoPE (the Qwen/Llama convention) in float32 on the first `dims` (default
-    all) dims of each head; the rest pass through (partial RoPE); frequencies and scale
-    from `rope_frequencies` (YaRN scaling with `yarn`).
+    all) dims of each head; the rest pass through (partial RoPE); frequencies from
+    `rope_inv_freq`, cos and sin scaled by YaRN's attention factor (with `yarn`).
 
     x [..., T, heads, H]; positions [..., T] integer absolute positions.
     """
     if dims is not None and dims < x.shape[-1]:
         rotated = rope(x[..., :dims], positions, theta, yarn=yarn)
         return jnp.concatenate([rotated, x[..., dims:].astype(F32)], axis=-1)
-    inv_freq, scale = rope_frequencies(x.shape[-1], theta, yarn)
     half = x.shape[-1] // 2
+    inv_freq = rope_inv_freq(jnp.arange(half, dtype=F32), 2 * half, theta, yarn)
+    scale = 1.0 if yarn is None else yarn.scale
     angles = positions.astype(F32)[..., None] * inv_freq  # [..., T, H/2]
     cos = jnp.cos(angles)[..., None, :] * np.float32(scale)
     sin = jnp.sin(angles)[..., None, :] * np.float32(scale)

@@ -197,7 +197,7 @@ class StepEstimate(_Throughput):
     expert_bytes: float  # the experts touched, in their format
     embed_bytes: float  # the B*T gathered embedding rows (an XLA gather before the kernel)
     lm_head_bytes: float  # the [D, V] output projection, padded to whole tiles
-    kv_read_bytes: float  # B * S cached positions
+    kv_read_bytes: float  # B * S cached positions (a sliding layer's window: `seen_positions`)
     kv_write_bytes: float  # B * T new positions
     experts_touched: float  # distinct experts per MoE layer
     # FLOPs of one step, all devices
@@ -283,6 +283,15 @@ def _validate_step(config, batch, rows, context, tp, accepted, routing, compute)
     check_choice("compute", compute, COMPUTES)
 
 
+def seen_positions(config: ModelConfig, context: int) -> float:
+    """Cached positions a full layer reads at `context`, on average over the full layers:
+    `context`, or a sliding layer's window where it is shorter (gpt-oss)."""
+    full = config.full_layers
+    if not config.sliding_layers or not full:
+        return context
+    return sum(min(context, config.window(layer) or context) for layer in full) / len(full)
+
+
 def predict(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: int = 1,
             context: int | None = None, tp: int = 1, accepted: float | None = None,
             routing: str = "uniform", compute: str = "bf16", collectives: bool = True,
@@ -312,7 +321,7 @@ def predict(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: 
                                                        block).items()}
     embed_bytes = min(m, config.vocab) * config.hidden * wb
     kv_per_token = tp * bytes_per_position(local)  # kv heads replicated when tp > K
-    kv_read_bytes = batch * context * kv_per_token
+    kv_read_bytes = batch * seen_positions(config, context) * kv_per_token
     kv_write_bytes = m * kv_per_token
     state_read_bytes = batch * state_bytes_per_sequence(config)  # split by heads over tp
     state_write_bytes = rows * state_read_bytes

@@ -22,7 +22,7 @@ from mk.kernels.plan import DecodePlan
 from mk.kinds.layers import TABLES
 from mk.weights import abstract_params
 
-FAMILIES = ["tiny", "tiny-moe", "tiny-hybrid", "tiny-kimi"]
+FAMILIES = ["tiny", "tiny-moe", "tiny-hybrid", "tiny-kimi", "tiny-gpt-oss"]
 
 
 def _nbytes(tree) -> int:
@@ -33,6 +33,12 @@ def _read_tiles(p: int, T: int, tile: int) -> int:
     """Tiles a sequence whose T new rows sit at p .. p + T - 1 reads: every position it
     attends to, 0 .. p + T - 1."""
     return np.unique(np.arange(p + T) // tile).size
+
+
+def _window_tiles(p: int, T: int, tile: int, window: int) -> int:
+    """Tiles a sequence reads in a layer with a sliding window: the positions its rows
+    see, p - window + 1 (its first row's oldest) .. p + T - 1."""
+    return np.unique(np.arange(max(p - window + 1, 0), p + T) // tile).size
 
 
 def _written_tiles(p: int, T: int, tile: int) -> int:
@@ -97,6 +103,25 @@ def test_simulator_kv_bytes_count_the_new_rows_tiles_and_full_layers_only(name, 
     assert got["kv_read"] == full * B * _read_tiles(p, T, tile) * tile * row
     W = write_back_rows(T, tile, config.dtype)
     assert got["kv_write"] == full * B * _written_tiles(p, T, tile) * W * row
+
+
+@pytest.mark.parametrize("p, T", [(300, 4), (143, 1), (40, 3), (0, 2)])
+def test_a_sliding_layers_kv_reads_are_its_windows_tiles(p, T):
+    """gpt-oss: a sliding layer reads the tiles of positions p - window + 1 .. p + T - 1
+    (the plan's count, and the simulator's bytes: tiny-gpt-oss's two sliding and two full
+    layers), its full layers every tile; writes as any full layer."""
+    config, B = mk.preset("tiny-gpt-oss"), 2
+    window, sliding = config.sliding_window, len(config.sliding_layers)
+    plan = DecodePlan.make(config, batch=1, rows=T, context=512)
+    tile = plan.block.kv_tile
+    assert plan.kv_tiles([p], window) == (_window_tiles(p, T, tile, window),
+                                          _written_tiles(p, T, tile))
+    s = sim.simulate(config, "v5e", batch=B, rows=T, context=p, block=plan.block)
+    cache = jax.eval_shape(lambda: reference.init_cache(config, B, tile))
+    row = sum(_nbytes(a) // (a.shape[0] * B * tile) for a in (cache.k, cache.v))
+    full = len(config.full_layers) - sliding
+    assert s.family_bytes()["kv_read"] == B * tile * row * (
+        full * _read_tiles(p, T, tile) + sliding * _window_tiles(p, T, tile, window))
 
 
 def test_ring_cover_holds_one_all_reduce_of_all_m_rows_at_tp_2(monkeypatch):

@@ -2,7 +2,8 @@
 
 One decode step of each family's tiny preset (tiny: Qwen3 dense; tiny-moe: Qwen3 MoE with
 a dense layer 0; tiny-hybrid: Qwen3.5's gated DeltaNet beside gated full attention;
-tiny-kimi: MLA, KDA, a shared expert and the sigmoid router) runs in TPU interpret mode
+tiny-kimi: MLA, KDA, a shared expert and the sigmoid router; tiny-gpt-oss: attention with
+sinks, biases and sliding layers, biased clamped experts) runs in TPU interpret mode
 with every DMA the kernel starts recorded in issue order (`mk.kernels.common.dma_log`;
 the megakernel is `sequenced`: its records are chained through an SMEM counter, since
 interpret mode runs a kernel's host callbacks in no fixed order). The simulator replays
@@ -50,7 +51,7 @@ from builders import replay_tile_by_tile
 
 pytestmark = pytest.mark.xdist_group("dma_order")  # one worker runs each kernel once
 
-FAMILIES = ["tiny", "tiny-moe", "tiny-hybrid", "tiny-kimi"]
+FAMILIES = ["tiny", "tiny-moe", "tiny-hybrid", "tiny-kimi", "tiny-gpt-oss"]
 BATCH, POSITION = 2, 37  # two copies of one sequence, each with 37 cached positions
 LOCAL = ("selected",)  # the simulator's transfers that are no HBM DMA of the kernel
 _KERNEL: dict = {}  # preset -> its kernel's DMA log (each kernel runs once per session)

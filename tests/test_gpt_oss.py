@@ -22,12 +22,14 @@ import numpy as np
 import pytest
 import torch
 from builders import (assert_greedy_matches_hf, assert_prefill_matches_hf,
-                      assert_t4_steps_predict_hf_tokens, build_hf_model, hf_logits)
+                      assert_t4_steps_predict_hf_tokens, assert_verify_steps, build_hf_model,
+                      hf_greedy, hf_logits)
 from safetensors.numpy import load_file, save_file
 
 import mk
-from mk import quant, unpack
+from mk import megakernel, quant, spec, tpu, unpack
 from mk import reference as R
+from mk.kinds import layers
 from mk.kinds.layers import layer_kinds
 from mk.presets import GPT_OSS_PRESET_NAMES
 from mk.weights import param_count, param_shapes
@@ -129,37 +131,41 @@ def gpt_oss_blocks(q: quant.QuantWeight):
             np.ascontiguousarray(np.swapaxes(np.asarray(q.scale), -1, -2)))
 
 
-def test_mxfp4_experts_in_gpt_oss_layout_load_bit_exactly_and_decode_like_transformers(
-        tmp_path):
-    """The experts quantised to MXFP4 and written as gpt-oss stores them (interleaved
-    gate | up rows); transformers' model runs the weights its own converter
-    (`convert_moe_packed_tensors`) decodes from those bytes; mk loads the packed bytes
-    (`mk.quant`'s fp4) and its reference, on their dequantised values, must give the same
-    logits and 32 greedy tokens."""
+def written_with_mxfp4_experts(fields: dict, folder):
+    """A random gpt_oss model saved by transformers, its experts then quantised to MXFP4
+    and rewritten as gpt-oss stores them (`*_blocks`, `*_scales`; interleaved gate | up
+    rows, quantization_config mxfp4), and the model's experts set to the values
+    transformers' own converter (`convert_moe_packed_tensors`) decodes from those bytes ->
+    (model, the tensors written, layer 0's mk.quant fp4 weights by fused name)."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    fields = {**COMMON, **CASES["alternating"], "hidden_size": 128, "intermediate_size": 128}
     model = build_hf_model("gpt_oss", fields)
-    model.save_pretrained(tmp_path)
-    tensors = load_file(tmp_path / "model.safetensors")
-    packed = {}
+    model.save_pretrained(folder)
+    tensors, first = load_file(folder / "model.safetensors"), {}
     for i, layer in enumerate(model.model.layers):
-        experts = layer.mlp.experts
         for fused in ("gate_up_proj", "down_proj"):
             name = f"model.layers.{i}.mlp.experts.{fused}"
             q = quant.quantize_weight(tensors.pop(name), "fp4", name)  # [E, in, out]
             blocks, scales = gpt_oss_blocks(q)
             tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
-            packed[fused] = q
-            with torch.no_grad():  # transformers' model: its converter's values
-                getattr(experts, fused).copy_(convert_moe_packed_tensors(
+            first.setdefault(fused, q)
+            with torch.no_grad():
+                getattr(layer.mlp.experts, fused).copy_(convert_moe_packed_tensors(
                     torch.from_numpy(blocks), torch.from_numpy(scales)).float())
-        if i == 0:
-            first = dict(packed)
-    save_file(tensors, tmp_path / "model.safetensors")
-    hf = json.loads((tmp_path / "config.json").read_text())
+    save_file(tensors, folder / "model.safetensors")
+    hf = json.loads((folder / "config.json").read_text())
     hf["quantization_config"] = {"quant_method": "mxfp4"}
-    (tmp_path / "config.json").write_text(json.dumps(hf))
+    (folder / "config.json").write_text(json.dumps(hf))
+    return model, tensors, first
+
+
+def test_mxfp4_experts_in_gpt_oss_layout_load_bit_exactly_and_decode_like_transformers(
+        tmp_path):
+    """The experts in gpt-oss's MXFP4 layout (`written_with_mxfp4_experts`): mk loads the
+    packed bytes into `mk.quant`'s fp4 bit-exactly, and its reference, on their dequantised
+    values, gives transformers' logits and 32 greedy tokens."""
+    fields = {**COMMON, **CASES["alternating"], "hidden_size": 128, "intermediate_size": 128}
+    model, tensors, first = written_with_mxfp4_experts(fields, tmp_path)
     config, params = mk.load_checkpoint(tmp_path)
     config = dataclasses.replace(config, max_context=CONTEXT)
     gate_up = first["gate_up_proj"]  # layer 0's: columns 2f gate, 2f + 1 up
@@ -182,20 +188,95 @@ def test_mxfp4_experts_in_gpt_oss_layout_load_bit_exactly_and_decode_like_transf
         mk.load_checkpoint(tmp_path)
 
 
+# -- The megakernel ----------------------------------------------------------------------
+# A transformers-written model at the megakernel's tiles (widths of 128, gpt-oss's head dim
+# 64), MXFP4 experts in gpt-oss's layout, a window of 16 below the 20-token prompt.
+KERNEL_WINDOW, KERNEL_PROMPT = 16, 20
+KERNEL = {**COMMON, "vocab_size": 512, "hidden_size": 256, "intermediate_size": 128,
+          "head_dim": 64, "num_hidden_layers": 2, "sliding_window": KERNEL_WINDOW,
+          "swiglu_limit": 1.0}  # layer 0 sliding, layer 1 full
+
+
+@pytest.fixture(scope="module")
+def kernel_case(tmp_path_factory):
+    """(transformers model, mk config (float32, S = 128), mk params (fp4 experts), their
+    dequantised values, a prompt [4, KERNEL_PROMPT], transformers' 32 greedy tokens)."""
+    model, _, _ = written_with_mxfp4_experts(KERNEL, tmp_path_factory.mktemp("kernel"))
+    folder = tmp_path_factory.getbasetemp() / "kernel0"
+    config, params = mk.load_checkpoint(folder)
+    config = dataclasses.replace(config, max_context=128)
+    prompt = np.random.default_rng(4).integers(0, KERNEL["vocab_size"], (4, KERNEL_PROMPT))
+    return model, config, params, quant.dequantize(params), prompt, hf_greedy(model, prompt,
+                                                                            STEPS)
+
+
+# ~45 s (B = 4) of interpret mode: `make test-slow`; CI runs the T = 4 steps below
+@pytest.mark.slow
+@pytest.mark.parametrize("batch", [1, 4])
+def test_the_megakernel_decodes_transformers_32_greedy_tokens(kernel_case, batch):
+    """T = 1, the context past every window, fp4 experts streamed packed."""
+    _, config, params, _, prompt, want = kernel_case
+    got = megakernel.generate(config, params, prompt[:batch], STEPS, backend="interpret",
+                              max_context=128, steps_per_call=STEPS)
+    np.testing.assert_array_equal(np.asarray(got), want[:batch])
+
+
+def test_megakernel_verification_steps_predict_transformers_tokens_race_free(kernel_case):
+    """T = 4: each step fed 4 of transformers' tokens predicts the next 4, its logits
+    within 1e-4 of transformers' forward's scale; the race detector on."""
+    model, config, params, values, prompt, want = kernel_case
+    logits = hf_logits(model, np.concatenate([prompt, want], axis=1))
+    assert_verify_steps(config, params, values, prompt, want, 4, 16, want_logits=logits,
+                        rtol_of_scale=LOGIT_RTOL_OF_SCALE)
+
+
+@pytest.mark.parametrize("verifier, drafters", [
+    ("reference", spec.DRAFTERS),
+    pytest.param("megakernel", ("ngram",), marks=pytest.mark.slow)])  # ~30 s
+def test_speculative_decoding_is_lossless(kernel_case, verifier, drafters):
+    """Drafts of 3 (the "self" drafter: the model's first layer, its sliding one),
+    verified 4 rows a step: the target's greedy tokens."""
+    _, config, params, values, prompt, want = kernel_case
+    for drafter in drafters:
+        extra = {"acceptance_length": 2} if drafter == "forced" else {}
+        extra |= {"draft": spec.noisy_copy(config, values)} if drafter == "model" else {}
+        got, stats = spec.generate(config, values, prompt[:2], 8, drafter=drafter, gamma=3,
+                                   verifier=verifier, backend="interpret", **extra)
+        np.testing.assert_array_equal(np.asarray(got), want[:2, :8], err_msg=drafter)
+        assert stats.verifier == verifier
+
+
+@pytest.mark.parametrize("chip, formats", [
+    ("tpu7x", {"experts": "fp4"}),
+    pytest.param("v6e", None, marks=pytest.mark.slow),
+    pytest.param("v5e", {"experts": "fp4"}, marks=pytest.mark.slow)])
+def test_tiny_gpt_oss_compiles_for_tpu(chip, formats):
+    """Mosaic lowers every new piece (the sinks, the windows' first tiles and masks, the
+    biases, YaRN, the clamped experts, head dim 64) for a TPU generation (~10 s each)."""
+    report = tpu.compile_megakernel(mk.preset("tiny-gpt-oss"), chip, batch=4, context=1024,
+                                    formats=formats)
+    assert report.ok, report.error
+
+
 @pytest.mark.parametrize("name", GPT_OSS_PRESET_NAMES)
-def test_presets_are_gpt_oss_shaped_and_the_megakernel_refuses_them_by_kind(name):
+def test_presets_are_gpt_oss_shaped(name):
     """The presets' sizes against the published parameter counts (gpt-oss-20b: 20.9B,
-    120b: 116.8B, the model card's), and a clear error from every kernel path until the
-    kinds have kernels."""
+    120b: 116.8B, the model card's); their kinds are gpt-oss's."""
     config = mk.preset(name)
     assert config.attention_sinks and config.swiglu_limit and config.yarn is not None
     assert config.sliding_window and config.sliding_layers == tuple(range(0, config.layers, 2))
     published = {"gpt-oss-20b": 20.9e9, "gpt-oss-120b": 116.8e9}
     if name in published:
         assert param_count(config) == pytest.approx(published[name], rel=0.01)
-    with pytest.raises(NotImplementedError, match=r"layer kinds \['clamped_moe', "
-                                                  r"'sink_gqa'\] have no kernel yet"):
-        layer_kinds(config)
+    assert [k.name for k in layer_kinds(config)] == ["sink_gqa", "clamped_moe"]
+
+
+def test_a_layer_kind_without_a_kernel_is_refused_by_name(monkeypatch):
+    monkeypatch.setattr(layers, "KINDS", tuple(k for k in layers.KINDS
+                                               if k.name != "sink_gqa"))
+    with pytest.raises(NotImplementedError, match=r"layer kinds \['sink_gqa'\] have no "
+                                                  "kernel yet"):
+        layers.layer_kinds(mk.preset("tiny-gpt-oss"))
 
 
 def _folder(tmp_path, fields=None, edit=None):

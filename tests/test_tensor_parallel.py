@@ -29,7 +29,7 @@ import mk
 from mk import backend, reference, tpu
 from mk.shards import shard_cache, shard_params
 from mk import tensor_parallel as tpar
-from mk.config import ModelConfig
+from mk.config import ModelConfig, Yarn
 from mk.kernels import plan
 from mk.weights import param_shapes
 from builders import bar_count
@@ -78,6 +78,17 @@ def tp_kimi_config(tp: int) -> ModelConfig:
                      topk_groups=1, routed_scale=2.5)
 
 
+def tp_gpt_oss_config(tp: int) -> ModelConfig:
+    """gpt-oss's layers in float32: attention with sinks and biases (a 3-position sliding
+    window on layer 0, full on layer 1), YaRN RoPE, a dense layer then the biased
+    clamped-SwiGLU experts (a clamp of 1, low enough to bind); every shard whole 128-lane
+    tiles."""
+    return tp_config(tp, name=f"tp{tp}-gpt-oss", dtype="float32", qk_norm=False,
+                     attention_sinks=True, attention_bias=True, sliding_window=3,
+                     sliding_layers=(0,), yarn=Yarn(factor=32.0, original_max_position=4096),
+                     swiglu_limit=1.0, swiglu_alpha=1.702)
+
+
 def _tokens(tp: int, moe: bool, steps: int, config: ModelConfig | None = None) -> dict:
     config = config or tp_config(tp, moe)
     params = mk.init_params(config, seed=tp)
@@ -113,6 +124,10 @@ def kimi_tokens(tp: int) -> dict:
     return _tokens(tp, True, 6, tp_kimi_config(tp))
 
 
+def gpt_oss_tokens(tp: int) -> dict:
+    return _tokens(tp, True, 6, tp_gpt_oss_config(tp))
+
+
 @pytest.mark.parametrize("target, tp", [
     # bf16 MoE at tp 2 in slow: CI runs the fp4 MoE at tp 2 (tests/test_quant_shards.py),
     # through the same all-reduces and routing
@@ -123,10 +138,12 @@ def kimi_tokens(tp: int) -> dict:
     pytest.param("hybrid_tokens", 4, marks=pytest.mark.slow),
     # Kimi's MLA, KDA and MoE (shared expert, sigmoid router): ~54 CPU s at tp 2, over
     # CI's budget; CI compiles Kimi K3's TP32 shard (its first layers) below
-    pytest.param("kimi_tokens", 2, marks=pytest.mark.slow)],
+    pytest.param("kimi_tokens", 2, marks=pytest.mark.slow),
+    # gpt-oss's sinks, window, biases (o's and the experts' down added once) and clamp
+    ("gpt_oss_tokens", 2)],
     ids=[f"tp{t}-{'moe' if m else 'dense'}-6" for t, m in CASES]
     + [f"tp{t}-moe-{FULL_STEPS}" for t in (2, 4, 8)]
-    + ["tp2-hybrid-6", "tp4-hybrid-6", "tp2-kimi-6"])
+    + ["tp2-hybrid-6", "tp4-hybrid-6", "tp2-kimi-6", "tp2-gpt-oss-6"])
 def test_greedy_tokens_equal_the_reference_on_every_device_race_free(target, tp):
     out = run(f"test_tensor_parallel:{target}", tp)
     assert out["got"].shape == (tp, *out["want"].shape)

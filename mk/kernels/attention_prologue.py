@@ -25,6 +25,7 @@ from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -34,18 +35,18 @@ from mk.config import MAX_ROWS, ModelConfig
 from mk.kernels.common import BlockSizes, Buffer
 from mk.kernels.ring import Ring, TileStream, ring_buffers
 from mk.kernels.weight_streaming import ring_weights, stage_block, weight_stream
-from mk.ops import rms_norm
+from mk.ops import rms_norm, rope_inv_freq
 from mk.weights import names_of, param_shapes
 
 # The token mixer the stage kernels build (Qwen3's attention): its ring weights in order
 STAGE_MIXER = ("wq", "wk", "wv", "wo")
 
 
-def prologue_matrices(config: ModelConfig) -> list[tuple[str, int, int]]:
+def prologue_matrices(config: ModelConfig, kind: str = "gqa") -> list[tuple[str, int, int]]:
     """The ring segments of the prologue, in consumption order: (name, rows, cols), the
-    grouped-query attention's ring weights of `mk.weights` before wo (wq, wk, wv and a
+    ring weights of `mk.weights` before wo of the attention kind `kind` (wq, wk, wv and a
     gated model's wq_gate)."""
-    shapes, ring = param_shapes(config), names_of(config, "gqa", "ring")
+    shapes, ring = param_shapes(config), names_of(config, kind, "ring")
     return [(n, *shapes[n][0][1:]) for n in ring if n != "wo"]
 
 
@@ -58,15 +59,21 @@ def row_positions(positions_smem, batch: int, rows: int):
     return pos
 
 
-def rope_rows(x, pos, theta: float, dims: int | None = None):
+def rope_rows(x, pos, theta: float, dims: int | None = None, yarn=None):
     """Rotate-half RoPE of x [M, H] float32 at positions pos [M, 1] on the first `dims`
-    (default all) lanes, the rest passed through (mk.ops.rope)."""
+    (default all) lanes, the rest passed through (mk.ops.rope); with `yarn` (a
+    `mk.config.Yarn`) each pair's frequency is `mk.ops.rope_inv_freq`'s and cos and sin
+    are scaled by its attention factor."""
     M, H = x.shape
     d = dims or H
     half = d // 2
     lane = lax.broadcasted_iota(jnp.int32, (M, H), 1)
-    exponent = (2 * (lane % half)).astype(jnp.float32) / d
-    angle = pos.astype(jnp.float32) / jnp.power(jnp.float32(theta), exponent)
+    if yarn is None:
+        exponent = (2 * (lane % half)).astype(jnp.float32) / d
+        angle = pos.astype(jnp.float32) / jnp.power(jnp.float32(theta), exponent)
+    else:
+        inv_freq = rope_inv_freq((lane % half).astype(jnp.float32), d, theta, yarn)
+        angle = pos.astype(jnp.float32) * inv_freq
     sign = jnp.where(lane < half, -1.0, 1.0)
     if d == H:  # lane i's partner is i + H/2 mod H
         partner = pltpu.roll(x, half, 1)
@@ -75,6 +82,8 @@ def rope_rows(x, pos, theta: float, dims: int | None = None):
     rotated = lane < d
     cos = jnp.where(rotated, jnp.cos(angle), 1.0)
     sin = jnp.where(rotated, jnp.sin(angle), 0.0)
+    if yarn is not None:
+        cos, sin = cos * np.float32(yarn.scale), sin * np.float32(yarn.scale)
     return x * cos + partner * sign * sin
 
 
@@ -85,21 +94,24 @@ def normalise_heads(ref, heads: int, norm, pos, config: ModelConfig):
         x = ref[:, n * H:(n + 1) * H]
         if norm is not None:
             x = rms_norm(x, norm, config.rms_eps)
-        ref[:, n * H:(n + 1) * H] = rope_rows(x, pos, config.rope_theta, config.rotary_dim)
+        ref[:, n * H:(n + 1) * H] = rope_rows(x, pos, config.rope_theta, config.rotary_dim,
+                                              config.yarn)
 
 
 def prologue(ring: Ring, config: ModelConfig, *, layer, x, attn_norm, q_norm, k_norm,
              positions_smem, batch: int, rows: int, h_vmem, q_vmem, k_vmem, v_vmem,
-             gate_vmem=None):
+             gate_vmem=None, biases=None):
     """The prologue of one layer inside a kernel; x [M, D] f32 and the norms are values
     (any norm offset already added: `mk.megakernel.prepare`), h_vmem [M, D] is scratch for
     the normed activations; gate_vmem [M, N*H] f32 receives h @ wq_gate when the model
     gates its attention output (None: it has no wq_gate); q_norm, k_norm: None without
-    the QK norms."""
+    the QK norms; biases: a callable giving the [1, width] biases of q, k and v ("q",
+    "k", "v"; gpt-oss's), waited for at first use, or None."""
     h_vmem[...] = rms_norm(x, attn_norm, config.rms_eps).astype(h_vmem.dtype)
-    ring.matmul("wq", h_vmem, q_vmem, layer=layer)
-    ring.matmul("wk", h_vmem, k_vmem, layer=layer)
-    ring.matmul("wv", h_vmem, v_vmem, layer=layer)
+    for name, out in (("q", q_vmem), ("k", k_vmem), ("v", v_vmem)):
+        ring.matmul(f"w{name}", h_vmem, out, layer=layer)
+        if biases is not None:
+            out[...] = out[...] + biases(name).astype(jnp.float32)
     if gate_vmem is not None:
         ring.matmul("wq_gate", h_vmem, gate_vmem, layer=layer)
     pos = row_positions(positions_smem, batch, rows)

@@ -9,7 +9,11 @@ the trip count is dynamic, and a tile past a sequence's end is never read.
 Per tile, each kv head's G*T query rows meet its K tile at once (one MXU pass for the
 whole GQA group) and update an online softmax (running max m, running sum l, float32
 accumulator). Rows are causal among themselves: key s is visible to row t iff
-s <= positions[b] + t.
+s <= positions[b] + t. gpt-oss's attention adds two things (`attend(sinks=, window=)`):
+a learned sink logit per head, where each row's online softmax starts (m = the sink,
+l = 1: a term of the denominator that weighs no value), and on its sliding layers a
+window: key s is visible iff also s > positions[b] + t - window, and a sequence's tiles
+start at the one holding positions[b] - window + 1.
 
 The new K/V rows are written in place by a read-modify-write of the tile(s) holding
 positions[b] .. positions[b] + T - 1 (one tile, or two when the rows straddle a tile
@@ -199,12 +203,19 @@ def attend(
     block: BlockSizes,
     primed: bool = False,  # the caller ran KvStream(...).prime() for this layer
     scale: float | None = None,  # of the scores; default 1/sqrt(H)
+    sinks=None,  # [1, N] f32 value: a learned logit per query head (gpt-oss), or None
+    window=0,  # int or traced int32: the layer's sliding window (positions; 0: none)
 ):
     """Causal GQA of q against layer `layer` of the cache, after writing k_new, v_new.
 
     Without values (v_cache_hbm None) the key rows are the values too: MLA's absorbed
     decode, multi-query attention over the latent cache, whose output is P @ latent rows
     (the caller keeps the latent part of it); its scale is the unabsorbed head's.
+    With `sinks` each head's softmax has one more logit that weighs no value: the online
+    softmax starts from it (running max the sink, running sum 1) instead of from nothing,
+    so a row none of a tile's keys are visible to never divides 0 by 0. With a `window`
+    (it needs the sinks) a row at position q sees keys q - window < s <= q, and only the
+    tiles holding some come in (`mk.kernels.kv_stream.first_kv_tile`).
     Every DMA it starts (or `KvStream.prime` started) is waited for before it returns,
     but the write-backs of the new rows: they stay in flight from their staging slots
     (module docstring; the kernel ran `start_write_backs` and runs `drain_write_backs`).
@@ -214,6 +225,9 @@ def attend(
     T = q_vmem.shape[0] // B
     _, _, K, _, H = k_cache_hbm.shape
     G = q_vmem.shape[1] // H // K
+    windowed = not (isinstance(window, int) and window == 0)
+    if windowed and sinks is None:  # a row could then see no key of a whole tile
+        raise ValueError("attend: a sliding window needs the sinks (gpt-oss's attention)")
     R, Rt = block_rows(G, T), _round_up(T)
     tile, slots, dtype = block.kv_tile, block.kv_slots, k_cache_hbm.dtype
     sub, W = sublanes(dtype), write_back_rows(T, block.kv_tile, dtype)
@@ -232,8 +246,8 @@ def attend(
         _gather_blocks(new, rows_vmem, s.stage, rows=T, group=1, block=Rt)
 
     kv = KvStream(positions_smem, k_cache_hbm, v_cache_hbm, s, rows=T, layer=layer,
-                  block=block)
-    tiles_of, total, advance, copies = kv.tiles_of, kv.total, kv.advance, kv.copies
+                  block=block, window=window)
+    total, advance, copies = kv.total, kv.advance, kv.copies
 
     def write_back(cursor, slot, first):  # rows [first, first + T) of tile (b, i) to HBM
         b, i = cursor
@@ -264,8 +278,17 @@ def attend(
     row_t = r - T * sum((r >= j * T).astype(jnp.int32) for j in range(1, G))
     column = lax.broadcasted_iota(jnp.int32, (R, tile), 1)
 
+    if sinks is not None:  # block row r of kv head k is head k*G + r // T (or padding)
+        head = lax.broadcasted_iota(jnp.int32, (K * R, 1), 0)
+        head = head // R * G + (head % R) // T
+        sink_rows = jnp.zeros((K * R, 1), F32)
+        for n in range(K * G):
+            sink_rows = jnp.where(head == n, sinks[:, n:n + 1].astype(F32), sink_rows)
+
     def attend_tile(b, i, p, slot):
         visible = i * tile + column <= p + row_t  # [R, kv_tile]
+        if windowed:  # a traced window of 0: this layer has none
+            visible &= (window == 0) | (i * tile + column > p + row_t - window)
         for k in range(K):
             rows = pl.ds(k * R, R)
             q = s.q_blocks[pl.ds(qblock(b, k), R), :].astype(dtype)  # [R, H]
@@ -310,10 +333,14 @@ def attend(
         def prefetch():
             kv.start(ahead, (g + slots - 1) % slots)
 
-        @pl.when(i == 0)
-        def start_sequence():
-            s.m[...] = jnp.full(s.m.shape, -jnp.inf, F32)
-            s.l[...] = jnp.zeros(s.l.shape, F32)
+        @pl.when(i == kv.first_of(b))
+        def start_sequence():  # from nothing, or from the sink: its logit, weight 1
+            if sinks is None:
+                s.m[...] = jnp.full(s.m.shape, -jnp.inf, F32)
+                s.l[...] = jnp.zeros(s.l.shape, F32)
+            else:
+                s.m[...] = sink_rows
+                s.l[...] = jnp.ones(s.l.shape, F32)
             s.acc[...] = jnp.zeros(s.acc.shape, F32)
 
         for c in copies(cursor, slot):
@@ -330,14 +357,14 @@ def attend(
         def send_new_rows():
             write_back(cursor, slot, p - i * tile)
 
-        @pl.when(i == tiles_of(b) - 1)
+        @pl.when(i == kv.last_of(b))
         def finish_sequence():
             out = s.out_blocks.at[pl.ds(qblock(b, 0), K * R), :]
             out[...] = s.acc[...] / s.l[...]
 
         return advance(cursor), advance(ahead)
 
-    lax.fori_loop(0, total, step, ((jnp.int32(0), jnp.int32(0)), ahead))
+    lax.fori_loop(0, total, step, (kv.first(), ahead))
     _scatter_blocks(s.out_blocks, o_vmem, s.stage, rows=T, group=G, block=R)
 
 
@@ -348,6 +375,7 @@ def decode_attention_kernel(
     q_vmem,  # [B*T, N*H] f32
     k_new_vmem,  # [B*T, K*H] f32
     v_new_vmem,  # [B*T, K*H] f32
+    sinks_vmem,  # [1, N] f32: each head's sink logit (zeros and unread without sinks)
     k_cache_in_hbm,  # [L, B, K, S, H], aliased to k_cache_hbm
     v_cache_in_hbm,  # [L, B, K, S, H], aliased to v_cache_hbm
     # Outputs
@@ -356,13 +384,16 @@ def decode_attention_kernel(
     v_cache_hbm,  # [L, B, K, S, H] cache dtype
     *,
     block: BlockSizes,
+    sinks: bool,  # whether the heads have sinks
+    window: int,  # the sliding window (0: none)
     **scratch,  # decode_attention_scratch, by name
 ):
     del k_cache_in_hbm, v_cache_in_hbm  # the same buffers as the outputs
     s = AttentionScratch(**scratch)
     start_write_backs(s)
     attend(q_vmem, k_new_vmem, v_new_vmem, positions_smem, k_cache_hbm, v_cache_hbm, o_vmem,
-           s, layer=layer_smem[0], block=block)
+           s, layer=layer_smem[0], block=block, sinks=sinks_vmem[...] if sinks else None,
+           window=window)
     drain_write_backs(s, k_cache_hbm, v_cache_hbm)
 
 
@@ -406,33 +437,44 @@ def _validate(q, k_new, v_new, k_cache, v_cache, positions, layer, block, *,
 
 def decode_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: jax.Array,
                      v_cache: jax.Array, positions: jax.Array, *, layer=0,
-                     block: BlockSizes | None = None):
+                     block: BlockSizes | None = None, sinks=None, window: int = 0):
     """-> (o [B*T, N*H] float32, k_cache, v_cache with the new rows of `layer` written).
 
     q [B*T, N*H], k_new, v_new [B*T, K*H] float32 (normed, RoPE'd); caches [L, B, K, S,
     H]; positions [B] int32 (row t of sequence b sits at positions[b] + t); `layer` may be
-    traced. Positions and layer are checked when they are concrete.
+    traced; sinks [N] (gpt-oss's: a logit per head) and a sliding `window` (> 0, with
+    sinks; positions) as `mk.ops.attention`'s. Positions and layer are checked when they
+    are concrete.
     """
     positions = jnp.asarray(positions, jnp.int32)
     block = block or BlockSizes()
     B, T, N, K, H = _validate(q, k_new, v_new, k_cache, v_cache, positions, layer, block)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0 \
+            or (window and sinks is None):
+        raise ValueError(f"window={window!r} must be an integer >= 0, and > 0 only with "
+                         "sinks")
+    if sinks is not None and jnp.shape(sinks) != (N,):
+        raise ValueError(f"sinks shape {jnp.shape(sinks)} must be [N={N}]")
+    sinks_row = (jnp.zeros((1, N), F32) if sinks is None
+                 else jnp.asarray(sinks, F32).reshape(1, N))
     pos = concrete(positions)
     if pos is None:  # traced: the estimate assumes full caches
         read, written = B * k_cache.shape[3] // block.kv_tile, 2 * B
     else:
-        read, written = tile_counts(pos, T, block.kv_tile)
+        read, written = tile_counts(pos, T, block.kv_tile, window)
     row_bytes = 2 * K * H * k_cache.dtype.itemsize  # K and V of one position
     W = write_back_rows(T, block.kv_tile, k_cache.dtype)
     smem, vmem, hbm = (pl.BlockSpec(memory_space=m) for m in (pltpu.SMEM, pltpu.VMEM, pl.ANY))
     return pl.pallas_call(
-        functools.partial(decode_attention_kernel, block=block),
+        functools.partial(decode_attention_kernel, block=block, sinks=sinks is not None,
+                          window=window),
         out_shape=(jax.ShapeDtypeStruct(q.shape, F32),
                    jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                    jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
-        in_specs=[smem, smem, vmem, vmem, vmem, hbm, hbm],
+        in_specs=[smem, smem, vmem, vmem, vmem, vmem, hbm, hbm],
         out_specs=(vmem, hbm, hbm),
         scratch_shapes=decode_attention_scratch(B, T, N, K, H, k_cache.dtype, block),
-        input_output_aliases={5: 1, 6: 2},
+        input_output_aliases={6: 1, 7: 2},
         name="mk_decode_attention",
         cost_estimate=pl.CostEstimate(
             flops=4 * read * N * T * block.kv_tile * H,
@@ -440,7 +482,7 @@ def decode_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: 
             bytes_accessed=(read * block.kv_tile + written * W) * row_bytes
             + 4 * (2 * q.size + k_new.size + v_new.size)),
     )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), positions, q, k_new, v_new,
-      k_cache, v_cache)
+      sinks_row, k_cache, v_cache)
 
 
 # -- MLA's absorbed decode over the latent cache -------------------------------------------

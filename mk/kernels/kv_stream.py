@@ -5,18 +5,18 @@ kernel's end (`start_write_backs`, `drain_write_backs`). The stage kernels, the 
 layer and the megakernel drive these around their attention layers.
 
 The tile stream: per sequence b, ONLY its KV tiles 0 .. (positions[b] + T - 1) // kv_tile
-(`kv_tiles`, the one count; `tile_counts`, a layer's reads and write-backs) come from
-HBM, through a `kv_slots`-deep VMEM ring; all sequences' tiles form one stream, so the
-prefetch runs across sequence boundaries as the weight ring runs across layers.
-`KvStream.prime` issues the first kv_slots - 1 loads; it needs only the positions and the
-cache, so a fused layer issues them at the layer's start, before its projections.
-
+(in a layer with a sliding window, from the tile holding positions[b] - window + 1:
+`first_kv_tile`; `kv_tiles`, the one count; `tile_counts`, a layer's reads and write-
+backs) come from HBM, through a `kv_slots`-deep VMEM ring; all sequences' tiles form one
+stream, so the prefetch runs across sequence boundaries as the weight ring runs across
+layers. `KvStream.prime` issues the first kv_slots - 1 loads; it needs only the positions
+and the cache, so a fused layer issues them at the layer's start, before its projections.
 The write-backs: a write-back of new rows is not waited for where it starts: it would
 queue behind every weight and KV tile in flight. The window is copied into one of 2B
-staging slots (`mk.kernels.decode_attention.write_back_slots`: a layer's write-backs,
-at most two tiles per sequence) and sent from there; write-back n is waited for only
-when write-back n + 2B needs its slot, normally a full layer later, and the kernel waits
-for the rest at its end (`drain_write_backs`). The count n lives in SMEM (`writes`)
+staging slots (`mk.kernels.decode_attention.write_back_slots`: a layer's write-backs, at
+most two tiles per sequence) and sent from there; write-back n is waited for only when
+write-back n + 2B needs its slot, normally a full layer later, and the kernel waits for
+the rest at its end (`drain_write_backs`). The count n lives in SMEM (`writes`)
 across the layers of a kernel: the kernel sets it to 0 at its start
 (`start_write_backs`).
 
@@ -40,19 +40,38 @@ from jax.experimental.pallas import tpu as pltpu
 from mk.kernels.common import BlockSizes, start_dma
 
 
-def kv_tiles(position, rows: int, kv_tile: int):
-    """The KV tiles a sequence at `position` reads for its `rows` new rows: tiles 0 ..
-    (position + rows - 1) // kv_tile (a traced or a host integer): the one count the
-    kernel, `tile_counts`, the plan and the simulator use."""
-    return (position + rows - 1) // kv_tile + 1
+def first_kv_tile(position, kv_tile: int, window=0):
+    """The first KV tile a sequence at `position` reads: tile 0, or in a layer with a
+    sliding window of `window` positions (> 0; a traced or a host integer) the tile
+    holding position - window + 1, the oldest position its first new row sees."""
+    if isinstance(window, (int, np.integer)) and not window:
+        return 0
+    if isinstance(window, (int, np.integer)) and isinstance(position, (int, np.integer)):
+        return max(position - window + 1, 0) // kv_tile
+    return jnp.where(window > 0, jnp.maximum(position - window + 1, 0) // kv_tile, 0)
 
 
-def tile_counts(positions, rows: int, kv_tile: int) -> tuple[int, int]:
-    """(tiles read, tiles written back) of one layer for sequences at `positions`; a tile
-    is K and V of all K heads, and a written tile sends `write_back_rows` rows of it back."""
+def last_kv_tile(position, rows: int, kv_tile: int):
+    """The last KV tile a sequence at `position` reads: the one holding its last new row."""
+    return (position + rows - 1) // kv_tile
+
+
+def kv_tiles(position, rows: int, kv_tile: int, window=0):
+    """How many KV tiles a sequence at `position` reads for its `rows` new rows: tiles
+    `first_kv_tile` .. `last_kv_tile` (0 .. (position + rows - 1) // kv_tile without a
+    window): the one count the kernel, `tile_counts`, the plan and the simulator use."""
+    first = first_kv_tile(position, kv_tile, window)
+    end = last_kv_tile(position, rows, kv_tile) + 1
+    return end if isinstance(first, int) and first == 0 else end - first
+
+
+def tile_counts(positions, rows: int, kv_tile: int, window: int = 0) -> tuple[int, int]:
+    """(tiles read, tiles written back) of one layer (with a sliding window of `window`
+    positions, or 0) for sequences at `positions`; a tile is K and V of all K heads, and a
+    written tile sends `write_back_rows` rows of it back."""
     pos = [int(p) for p in np.asarray(positions)]
-    read = sum(kv_tiles(p, rows, kv_tile) for p in pos)
-    return read, sum(kv_tiles(p, rows, kv_tile) - p // kv_tile for p in pos)
+    read = sum(kv_tiles(p, rows, kv_tile, window) for p in pos)
+    return read, sum(last_kv_tile(p, rows, kv_tile) + 1 - p // kv_tile for p in pos)
 
 
 class AttentionScratch(NamedTuple):
@@ -104,7 +123,9 @@ def drain_write_backs(scratch: AttentionScratch, k_cache_hbm, v_cache_hbm=None) 
 
 class KvStream:
     """The KV tiles one layer's attention reads, in order: sequence by sequence, each
-    sequence's tiles 0 .. (positions[b] + T - 1) // kv_tile, through a `kv_slots` ring.
+    sequence's tiles `first_kv_tile` .. `last_kv_tile` (0 .. (positions[b] + T - 1) //
+    kv_tile, or from its window's first), through a `kv_slots` ring; a cursor (b, i) names
+    tile i of sequence b's cache.
 
     `prime()` issues the first kv_slots - 1 loads; it needs only the positions and the
     cache, so a fused layer issues them at the layer's start, before its projections, and
@@ -112,22 +133,44 @@ class KvStream:
     """
 
     def __init__(self, positions_smem, k_cache_hbm, v_cache_hbm, scratch: AttentionScratch,
-                 *, rows: int, layer, block: BlockSizes):
-        # v_cache_hbm None: the values are the keys (MLA's latent cache), one load a tile
+                 *, rows: int, layer, block: BlockSizes, window=0):
+        # v_cache_hbm None: the values are the keys (MLA's latent cache), one load a tile;
+        # window: the layer's sliding window (a traced or host integer; 0: none)
         self.positions_smem = positions_smem
         self.caches = (k_cache_hbm,) if v_cache_hbm is None else (k_cache_hbm, v_cache_hbm)
         self.s, self.T, self.layer, self.block = scratch, rows, layer, block
+        self.window = window
         B = positions_smem.shape[0]
         self.total = lax.fori_loop(0, B, lambda b, n: n + self.tiles_of(b), jnp.int32(0))
 
-    def tiles_of(self, b):  # KV tiles sequence b reads: those up to its last new row
-        B = self.positions_smem.shape[0]
-        return kv_tiles(self.positions_smem[jnp.minimum(b, B - 1)], self.T, self.block.kv_tile)
+    def _position(self, b):  # sequence b's position (the last one's past the end)
+        return self.positions_smem[jnp.minimum(b, self.positions_smem.shape[0] - 1)]
+
+    def tiles_of(self, b):  # KV tiles sequence b reads: its window's up to its last new row
+        return kv_tiles(self._position(b), self.T, self.block.kv_tile, self.window)
+
+    def first_of(self, b):  # the first tile sequence b reads
+        return first_kv_tile(self._position(b), self.block.kv_tile, self.window)
+
+    @property
+    def windowed(self) -> bool:
+        return not (isinstance(self.window, int) and self.window == 0)
+
+    def last_of(self, b):  # the last tile sequence b reads (without a window: its count - 1)
+        if not self.windowed:
+            return self.tiles_of(b) - 1
+        return last_kv_tile(self._position(b), self.T, self.block.kv_tile)
+
+    def first(self):  # the stream's first cursor
+        return jnp.int32(0), jnp.asarray(self.first_of(0), jnp.int32)
 
     def advance(self, cursor):  # (b, i) -> the next tile of the stream
         b, i = cursor
-        last = i + 1 == self.tiles_of(b)
-        return jnp.where(last, b + 1, b), jnp.where(last, 0, i + 1)
+        if not self.windowed:  # every sequence from its tile 0
+            last, first = i + 1 == self.tiles_of(b), 0
+        else:
+            last, first = i == self.last_of(b), self.first_of(b + 1)
+        return jnp.where(last, b + 1, b), jnp.where(last, first, i + 1)
 
     def copies(self, cursor, slot):  # the K and V loads of tile (b, i) (K only: latent)
         b, i = cursor
@@ -155,5 +198,4 @@ class KvStream:
                     self.start(ahead, j)
             return self.advance(ahead)
 
-        return lax.fori_loop(0, self.block.kv_slots - 1, tile,
-                             (jnp.int32(0), jnp.int32(0)))
+        return lax.fori_loop(0, self.block.kv_slots - 1, tile, self.first())

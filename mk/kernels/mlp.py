@@ -42,6 +42,11 @@ weights are scaled; and a shared expert, a SwiGLU every row runs, is added. Its 
 the layer's start, and they run first, while the count is still 0, so the ring's
 invariant above holds unchanged.
 
+gpt-oss's MoE block (`mk.kinds.mlp.ClampedMoE`) adds a bias to the softmax router's
+logits (`route_body`'s bias_vmem), a bias to each expert's three projections and another
+activation (`experts_body`'s bias and activation: the clamped SwiGLU of
+`mk.ops.clamped_swiglu`).
+
 The streamed weights (gate, up, down; the experts') may be stored quantised
 (`mk.quant.QuantWeight`s, one scheme for the three): the ring streams their packed tiles
 and scales and dequantises each tile in VMEM to h's dtype, the compute dtype. The router
@@ -249,8 +254,9 @@ def swiglu(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, 
 EXPERT_WEIGHTS = names("moe", family="experts")  # one slot's segments, in order
 # A MoE layer's small DMAs, one semaphore each in `small_sems` [len(MOE_SMALL_LOADS)]: the
 # router [D, E], the selected flags (VMEM -> SMEM, `select_experts`), the sigmoid router's
-# bias [1, E]. Every kernel allocates and indexes them from this list (`small_sem`).
-MOE_SMALL_LOADS = ("router", "selected", "router_bias")
+# bias [1, E], gpt-oss's router bias [1, E] and every expert's biases [E, Fe] / [E, D]. Every kernel allocates and indexes them from this list (`small_sem`).
+MOE_SMALL_LOADS = ("router", "selected", "router_bias", "router_logit_bias", "be_gate",
+                   "be_up", "be_down")  # the last four: gpt-oss's biases
 
 
 def small_sem(name: str) -> int:
@@ -310,9 +316,17 @@ def _expert_region(stream: TileStream, layer):
     return base, base + gate.copies * gate.stride, gate.stride
 
 
+def silu_gate(gate, up):
+    """The SwiGLU experts' activation of their gate and up projections (f32)."""
+    return jax.nn.silu(gate) * up
+
+
 def experts_body(ring: Ring, layer, x, combine_vmem, ids_smem, count_smem, gate_vmem,
-                 up_vmem, down_vmem, out_ref):
-    """out_ref [M, D] f32 += sum over active slots of combine[:, id] * SwiGLU_id(x).
+                 up_vmem, down_vmem, out_ref, *, activation=silu_gate, bias=None):
+    """out_ref [M, D] f32 += sum over active slots of combine[:, id] * expert_id(x), an
+    expert being down(activation(x @ gate, x @ up)) (`silu_gate`: SwiGLU); bias(j, e):
+    the [1, width] f32 bias of expert e's gate (j = 0), up (1) and down (2) projections
+    (gpt-oss's), or None.
 
     Assumes the active slots' first tiles were issued (see `moe_body`).
     """
@@ -323,8 +337,13 @@ def experts_body(ring: Ring, layer, x, combine_vmem, ids_smem, count_smem, gate_
     def expert_slot(s, carry):
         ring.matmul("we_gate", x, gate_vmem, layer=layer, copy=s)
         ring.matmul("we_up", x, up_vmem, layer=layer, copy=s)
-        gate_vmem[...] = jax.nn.silu(gate_vmem[...]) * up_vmem[...]
+        gate, up = gate_vmem[...], up_vmem[...]
+        if bias is not None:
+            gate, up = gate + bias(0, ids_smem[s]), up + bias(1, ids_smem[s])
+        gate_vmem[...] = activation(gate, up)
         ring.matmul("we_down", gate_vmem, down_vmem, layer=layer, copy=s)
+        if bias is not None:
+            down_vmem[...] = down_vmem[...] + bias(2, ids_smem[s])
         expert = lax.broadcasted_iota(jnp.int32, (M, E), 1)
         weight = jnp.sum(jnp.where(expert == ids_smem[s], combine_vmem[...], 0.0),
                          axis=1, keepdims=True)  # [M, 1]
@@ -338,9 +357,11 @@ def experts_body(ring: Ring, layer, x, combine_vmem, ids_smem, count_smem, gate_
 
 def moe_body(ring: Ring, layer, x, router_vmem, combine_vmem, selected_vmem, selected_smem,
              sem, ids_smem, count_smem, gate_vmem, up_vmem, down_vmem, out_ref, *,
-             routing: Routing, bias_vmem=None, shared=None):
+             routing: Routing, bias_vmem=None, shared=None, **experts):
     """out_ref [M, D] f32 += the MoE block of x [M, D] (a VMEM ref); router_vmem [D, E]
-    holds this layer's router (bias_vmem [1, E] its bias, for the sigmoid router).
+    holds this layer's router (bias_vmem [1, E] its bias: the sigmoid router's, or
+    gpt-oss's on the softmax router's logits); experts: `experts_body`'s activation and
+    bias.
     shared: the shared expert's (gate, up) [M, Fs] f32 scratch when the stream holds its
     segments (`moe_segments`): it runs first, through the ring, while count is still 0.
     Needs count_smem[0] == 0 while the tiles before the expert region were consumed
@@ -356,7 +377,7 @@ def moe_body(ring: Ring, layer, x, router_vmem, combine_vmem, selected_vmem, sel
     for t in range(min(ring.n, gate.copies * gate.stride)):  # were no-ops when issued
         ring.start(base + t)
     experts_body(ring, layer, x, combine_vmem, ids_smem, count_smem, gate_vmem, up_vmem,
-                 down_vmem, out_ref)
+                 down_vmem, out_ref, **experts)
     loaded = count_smem[0]
     count_smem[0] = 0
     return loaded

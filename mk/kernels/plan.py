@@ -459,10 +459,11 @@ class DecodePlan:
                                   self.expert_slots if experts is None else experts,
                                   dict(self.formats), self.block)
 
-    def kv_tiles(self, positions) -> tuple[int, int]:
-        """(KV tiles read, tiles written back) of one layer for sequences at `positions`
-        (a tile is K and V of the shard's kv heads)."""
-        return tile_counts(positions, self.rows, self.block.kv_tile)
+    def kv_tiles(self, positions, window: int = 0) -> tuple[int, int]:
+        """(KV tiles read, tiles written back) of one layer (with a sliding window of
+        `window` positions, or 0) for sequences at `positions` (a tile is K and V of the
+        shard's kv heads)."""
+        return tile_counts(positions, self.rows, self.block.kv_tile, window)
 
     def hbm_bytes(self) -> int:
         """HBM one device holds: its weights as `mk.megakernel.prepare` lays them out (every

@@ -90,10 +90,14 @@ def kept_groups(choice, expert, routing: Routing):
 
 def route_body(x, router_vmem, combine_vmem, routing: Routing, bias_vmem=None):
     """Write combine_vmem [M, E] f32 (routing weights, 0 where not picked); return the
-    selected flags [1, E] int32. The numerics of `mk.ops.route` (softmax) or
-    `mk.ops.route_grouped` (sigmoid: bias_vmem [1, E] holds the layer's bias)."""
+    selected flags [1, E] int32. The numerics of `mk.ops.route` (softmax; with bias_vmem
+    [1, E], gpt-oss's bias on the logits: `mk.ops.route_logits`, the softmax over the
+    picked logits being the renormalised softmax's weights) or `mk.ops.route_grouped`
+    (sigmoid: bias_vmem [1, E] holds the layer's choice bias)."""
     w = router_vmem[...]  # [D, E]
     logits = jnp.dot(x[...].astype(w.dtype), w, preferred_element_type=jnp.float32)
+    if routing.router_score == "softmax" and bias_vmem is not None:
+        logits = logits + bias_vmem[...].astype(jnp.float32)
     M, E = logits.shape
     expert = lax.broadcasted_iota(jnp.int32, (M, E), 1)
     if routing.router_score == "softmax":

@@ -6,10 +6,11 @@ itself, and the rooms that run a model loop over the kinds it has.
                             semaphores, preparation, fetches, in-kernel hooks, simulator
                             twin), `Step` (what its kernel code acts on), `Twin`,
                             `LAYER_PHASES` (a layer's program order)
-    mk.kinds.attention      `GQA` (Qwen3; Qwen3.5's gated output, partial RoPE), `MLA`
+    mk.kinds.attention      `GQA` (Qwen3; Qwen3.5's gated output, partial RoPE),
+                            `SinkGQA` (gpt-oss: sinks, biases, sliding windows), `MLA`
     mk.kinds.linear         `DeltaNet` (Qwen3.5), `KDA` (Kimi Linear)
     mk.kinds.mlp            `Dense` (SwiGLU), `MoE` (softmax or sigmoid router, shared
-                            expert), `router_after_mixer`
+                            expert), `ClampedMoE` (gpt-oss), `router_after_mixer`
     mk.kinds.layers         `KINDS` (the registry, in stream order), `layer_kinds(config)`,
                             a layer's kinds and rows, the kernel's per-layer tables
     mk.kinds.checks         each kind's checks of a `mk.config.ModelConfig` (run by the
@@ -23,7 +24,7 @@ fetches, start and finish), `mk.kernels.one_layer.layer_body` (each layer's phas
 skips), the stage-05 kernel (`one_layer`), the plan (`mk.kernels.plan`: the stream, the
 buffers, the scratch, the KV layout) and the simulator (`mk.sim`: each kind's twin).
 
-How to add a layer kind (e.g. gpt-oss's sliding-window attention with sinks):
+How to add a layer kind (gpt-oss's `SinkGQA` and `ClampedMoE` were added so):
 1. Its weights: rows in `mk.weights.WEIGHTS` with the kind's name (shape rule, byte
    family, ring/dma path, split, format group, Hugging Face names), its layers' field in
    `mk.weights.KIND_LAYERS`, and the rule that selects it in `mk.weights.kinds_of`.

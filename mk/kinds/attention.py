@@ -1,5 +1,6 @@
 """The full-attention layer kinds: grouped-query attention (`GQA`: Qwen3, and Qwen3.5's
-variant with a gated output and partial RoPE) and multi-head latent attention (`MLA`:
+variant with a gated output and partial RoPE), gpt-oss's variant with sinks, biases,
+sliding-window layers and YaRN RoPE (`SinkGQA`) and multi-head latent attention (`MLA`:
 Kimi Linear), each with its simulator twin.
 
 Both read a KV cache through `mk.kernels.decode_attention.attend` (`KvStream`: a full
@@ -19,17 +20,19 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mk.config import DTYPE_BITS
 from mk.kernels.attention_prologue import prologue, prologue_matrices
-from mk.kernels.common import Buffer
+from mk.kernels.collectives import AXIS
+from mk.kernels.common import Buffer, start_dma
 from mk.kernels.decode_attention import (attend, attention_semaphores, block_rows,
                                          decode_attention_buffers, write_back_rows,
                                          write_back_slots)
 from mk.kernels.kv_stream import (AttentionScratch, KvStream, drain_write_backs,
-                                  kv_tiles, start_write_backs)
+                                  first_kv_tile, kv_tiles, start_write_backs)
 from mk.kernels.mla import (latent_columns, low_rank_q, mla_buffers, mla_epilogue,
                             mla_matrices, mla_prologue, start_mla_loads)
 from mk.kinds.base import Kind, Step, Twin
@@ -53,7 +56,7 @@ class GQA(Kind):
 
     def matrices(self, M: int) -> list:
         c = self.config
-        return prologue_matrices(c) + [("wo", c.q_width, c.hidden)]
+        return prologue_matrices(c, self.name) + [("wo", c.q_width, c.hidden)]
 
     def attention_buffers(self, batch: int, rows: int, block) -> list:
         K, H, caches = self.kv_layout()
@@ -166,6 +169,85 @@ class GQA(Kind):
                 ("wo", weights * (1 - qkv_share), 2 * m * q * D, [q, D])]
 
 
+class SinkGQA(GQA):
+    """gpt-oss's attention: GQA without QK-norm, with biases on q, k, v and o, a learned
+    sink logit per head (`attend(..., sinks=)`), a sliding window on its sliding layers
+    (`attend(..., window=)`: only the window's KV tiles come in) and YaRN RoPE (the
+    prologue's `rope_rows`). Its vectors (the biases and the sinks, its DMA'd weights) are
+    DMA'd at each of its layers' start and waited for at first use; its layers' windows
+    are an SMEM table (by its row) written at the step's start. At tp > 1 the device
+    holding the first shard adds o's bias (the others' partial sums have none)."""
+
+    name = "sink_gqa"
+    title = "sink-attention"
+
+    def buffers(self, batch: int, rows: int, block) -> list:
+        return super().buffers(batch, rows, block) + self.dma_buffers()
+
+    def scratch(self, batch: int, rows: int, block) -> dict:
+        return super().scratch(batch, rows, block) | {"layer": {
+            "sink_sems": pltpu.SemaphoreType.DMA((len(self.weights("dma")),)),
+            "windows_smem": pltpu.SMEM((len(self.layers),), jnp.int32)}}
+
+    def setup(self, k: Step) -> None:
+        for row, layer in enumerate(self.layers):  # static: a few scalar stores
+            k.s.windows_smem[row] = self.config.window(layer)
+
+    def _kv_stream(self, k: Step, layer) -> KvStream:
+        return KvStream(k.positions, *self.caches(k), self.attention(k), rows=k.rows,
+                        layer=layer, block=k.block, window=k.s.windows_smem[layer])
+
+    def load(self, k: Step, name: str):
+        """The copy of this layer's vector `name` (to start, or to wait for)."""
+        return pltpu.make_async_copy(k.inputs[name].at[k.row(self)(k.step)],
+                                     getattr(k.s, name),
+                                     k.s.sink_sems.at[self.weights("dma").index(name)])
+
+    def vector(self, k: Step, name: str):
+        """Vector `name` of this layer, after waiting for its copy."""
+        self.load(k, name).wait()
+        return getattr(k.s, name)[...]
+
+    def begin(self, k: Step) -> None:
+        for name in self.weights("dma"):
+            ref = getattr(k.s, name)
+            start_dma(self.load(k, name), name, ref.size * ref.dtype.itemsize)
+
+    def prologue(self, k: Step, row) -> None:
+        s = k.s
+        biases = ((lambda name: self.vector(k, f"b{name}")) if self.config.attention_bias
+                  else None)
+        prologue(k.ring, self.config, layer=k.step, x=k.x, attn_norm=k.norms[0], q_norm=None,
+                 k_norm=None, positions_smem=k.positions, batch=k.batch, rows=k.rows,
+                 h_vmem=s.h, q_vmem=s.q, k_vmem=s.k, v_vmem=s.v, biases=biases)
+
+    def attend(self, k: Step, row) -> None:
+        s = k.s
+        attend(s.q, s.k, s.v, k.positions, *self.caches(k), s.o, self.attention(k), layer=row,
+               block=k.block, primed=True, sinks=self.vector(k, "sinks"),
+               window=s.windows_smem[row])
+
+    def run(self, k: Step, phase: str) -> None:
+        super().run(k, phase)
+        if phase == "wo" and self.config.attention_bias:  # once over the devices' sums
+            bias = self.vector(k, "bo").astype(jnp.float32)
+            if k.tp > 1:
+                bias = jnp.where(lax.axis_index(AXIS) == 0, bias, 0.0)
+            k.s.attn_out[...] = k.s.attn_out[...] + bias
+
+    def twin(self, sim) -> SinkTwin:
+        return SinkTwin(self, sim)
+
+    # -- Its cost (`mk.perf`): a sliding layer attends to at most its window
+    def mixing_flops(self, batch: int, rows: int, context: int) -> float:
+        """GQA's, a sliding layer's over min(context, window) cached positions; the mean
+        over its layers (`mk.perf` counts it once per layer)."""
+        c = self.config
+        return sum(super(SinkGQA, self).mixing_flops(
+            batch, rows, min(context, c.window(layer) or context))
+            for layer in self.layers) / len(self.layers)
+
+
 class MLA(GQA):
     """Multi-head latent attention over the latent cache [La, B, S, R + Hr] (passed to
     `attend` as one shared kv head [La, B, 1, S, W]); the narrow weights (its DMA'd ones)
@@ -273,17 +355,25 @@ class AttentionTwin(Twin):
         if "wq_gate" in self.kind.weights():
             self.sim.vector(4 * self.sim.m * self.kind.config.q_width, "output_gate")
 
-    def tiles(self) -> list[tuple[int, int]]:
-        """(sequence, tile) of every KV tile a layer's attention reads, in order."""
+    def window(self, layer) -> int:
+        """Layer `layer`'s sliding window (0: none)."""
+        return 0
+
+    def tiles(self, layer=None) -> list[tuple[int, int]]:
+        """(sequence, tile) of every KV tile layer `layer`'s attention reads (default the
+        current one's), in order."""
         sim = self.sim
-        per_seq = kv_tiles(sim.context, sim.rows, sim.s.block.kv_tile)
-        return [(b, i) for b in range(sim.batch) for i in range(per_seq)]
+        layer = sim.layer if layer is None else layer
+        tile, window = sim.s.block.kv_tile, self.window(layer)
+        first = first_kv_tile(sim.context, tile, window)
+        return [(b, i) for b in range(sim.batch)
+                for i in range(first, first + kv_tiles(sim.context, sim.rows, tile, window))]
 
     def issue(self, j, tag="", layer=None):
         """KV tile j of the attending layer (`layer`, default the current one)."""
         sim, c, tile = self.sim, self.kind.config, self.sim.s.block.kv_tile
         layer = sim.layer if layer is None else layer
-        if j < len(self.tiles()):
+        if j < len(self.tiles(layer)):
             K, H, caches = self.kind.kv_layout()
             kv_bytes = K * tile * H * (c.weight_bits // 8)
             self.landed[j] = max(sim.mc.dma(kv_bytes, layer, what, tag, False)
@@ -318,6 +408,32 @@ class AttentionTwin(Twin):
                                      for kv in "kv"[:caches]))
         sim.vector(3 * B * T * c.heads * H, "attention")
 
+
+
+class SinkTwin(AttentionTwin):
+    """A gpt-oss attention layer on the simulator: its vectors DMA'd at the layer's start
+    and waited for at first use, its sliding layers' KV tiles only their window's."""
+
+    def begin(self) -> None:
+        sim = self.sim
+        self.loads = {b.name: sim.mc.dma(math.prod(b.shape) * DTYPE_BITS[b.dtype] / 8,
+                                         sim.layer, b.name) for b in self.kind.dma_buffers()}
+
+    def prologue(self):
+        if self.kind.config.attention_bias:
+            self.sim.mc.wait(max(self.loads[n] for n in ("bq", "bk", "bv")))
+        super().prologue()
+
+    def attend(self):
+        self.sim.mc.wait(self.loads["sinks"])
+        super().attend()
+
+    def output(self):
+        if self.kind.config.attention_bias:
+            self.sim.mc.wait(self.loads["bo"])
+
+    def window(self, layer) -> int:
+        return self.kind.config.window(layer)
 
 
 class MLATwin(AttentionTwin):

@@ -16,13 +16,13 @@ from __future__ import annotations
 import numpy as np
 
 from mk.config import ModelConfig
-from mk.kinds.attention import GQA, MLA
+from mk.kinds.attention import GQA, MLA, SinkGQA
 from mk.kinds.base import LAYER_PHASES, ROLES, Kind
 from mk.kinds.linear import KDA, DeltaNet
-from mk.kinds.mlp import Dense, MoE
+from mk.kinds.mlp import ClampedMoE, Dense, MoE
 from mk.weights import kinds_of
 
-KINDS = (DeltaNet, KDA, GQA, MLA, MoE, Dense)  # in stream order
+KINDS = (DeltaNet, KDA, GQA, SinkGQA, MLA, MoE, ClampedMoE, Dense)  # in stream order
 TABLES = tuple(f"{role}_{what}" for role in ROLES for what in ("kind", "row"))  # SMEM [L]
 
 

@@ -1,7 +1,8 @@
-"""The MLP layer kinds: the dense SwiGLU (`Dense`) and the mixture of experts (`MoE`:
+"""The MLP layer kinds: the dense SwiGLU (`Dense`), the mixture of experts (`MoE`:
 Qwen3-MoE's softmax router, or DeepSeek/Kimi's sigmoid router with its bias, and Kimi's
-shared expert), each with its simulator twin and its stage kernel (`stage`: the MLP as
-one pallas_call, `mk.profiling`'s staged step).
+shared expert) and gpt-oss's (`ClampedMoE`: a bias on the router's logits, biased
+clamped-SwiGLU experts), each with its simulator twin and, but gpt-oss's, its stage
+kernel (`stage`: the MLP as one pallas_call, `mk.profiling`'s staged step).
 
 A MoE layer DMAs its router (and the sigmoid router's bias) whole: at the layer's start,
 or at tp > 1 behind the token mixer's tiles (`router_after_mixer`), and waits for it just
@@ -12,19 +13,23 @@ slots after (`mk.kernels.mlp.moe_body`). Not here: the kernels' bodies
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
 from mk.config import DTYPE_BITS
 from mk.kernels import mlp as mlp_kernels
+from mk.kernels.collectives import AXIS
 from mk.kernels.common import Buffer, padded_width, start_dma
 from mk.kernels.mlp import (DENSE_WEIGHTS, EXPERT_WEIGHTS, MOE_SMALL_LOADS,
                             SHARED_WEIGHTS, expert_slots, moe_body, moe_fetch, moe_segments,
                             small_sem, swiglu_body, swiglu_fetch, swiglu_segments)
 from mk.kernels.routing import Routing
 from mk.kinds.base import Kind, Step, Twin
+from mk.ops import clamped_swiglu
 from mk.weights import param_shapes
 
 
@@ -216,6 +221,43 @@ class MoE(Kind):
                 ("swiglu", 0, 0, [3 * X * Fe]),
                 ("experts_down", experts / 3, 2 * m * X * Fe * D, [X * Fe, X * D]),
                 ("combine", 0, 0, [X * D, D])]
+
+
+class ClampedMoE(MoE):
+    """gpt-oss's mixture of experts: the softmax router with a bias on its logits (the
+    softmax over the picked logits), experts with biases on their three projections and
+    the clamped SwiGLU (`mk.ops.clamped_swiglu`). Its vectors (the router's bias, every
+    expert's biases: its DMA'd weights besides the router) load with the router; an
+    expert slot picks its expert's bias rows. At tp > 1 the device holding the first
+    shard adds the down projection's bias (the others' partial sums have none)."""
+
+    name = "clamped_moe"
+    title = "clamped-MoE"
+
+    def run(self, k: Step, phase: str) -> None:
+        if phase != "mlp":
+            return super().run(k, phase)
+        s, c = k.s, self.config
+        s.mlp_out[...] = jnp.zeros_like(s.mlp_out)
+        first = jnp.float32(1.0) if k.tp == 1 else (
+            lax.axis_index(AXIS) == 0).astype(jnp.float32)  # adds the down bias
+
+        def bias(j, expert):  # [1, width] f32: expert's row of bias j (gate, up, down)
+            table = getattr(s, ("be_gate", "be_up", "be_down")[j])[...].astype(jnp.float32)
+            rows = lax.broadcasted_iota(jnp.int32, table.shape, 0)
+            row = jnp.sum(jnp.where(rows == expert, table, 0.0), axis=0, keepdims=True)
+            return row * first if j == 2 else row
+
+        moe_body(k.ring, k.step, s.h, s.router, s.combine, s.selected, s.selected_smem,
+                 s.small_sems.at[small_sem("selected")], s.ids_smem, s.count_smem,
+                 s.e_gate, s.e_up, s.down, s.mlp_out, routing=Routing.of(c),
+                 bias_vmem=s.router_logit_bias, bias=bias,
+                 activation=functools.partial(clamped_swiglu, limit=c.swiglu_limit,
+                                              alpha=c.swiglu_alpha))
+
+    def stage(self, h, weights: dict):
+        raise NotImplementedError("clamped_moe has no stage kernel: it runs in the "
+                                  "megakernel")
 
 
 def swiglu(sim, names, width: int) -> None:

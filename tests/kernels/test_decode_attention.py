@@ -29,29 +29,34 @@ K, N, H, KV_TILE = 2, 4, 128, 128  # tiny GQA: G = 2 query heads per kv head
 GARBAGE = 1e4  # the rest of a sequence's last tile
 
 
-def _inputs(B, T, positions, dtype, *, S=384, L=2, kv_tile=KV_TILE, seed=0):
+def _inputs(B, T, positions, dtype, *, S=384, L=2, kv_tile=KV_TILE, seed=0, window=0):
+    """q, k_new, v_new, the caches and the positions; the caches hold NaN in every tile a
+    sequence must not read: past its last one, and (with a sliding `window`) before the
+    first its window reaches."""
     keys = jax.random.split(jax.random.key(seed), 5)
     q = jax.random.normal(keys[0], (B * T, N * H), jnp.float32)
     k_new, v_new = (jax.random.normal(k, (B * T, K * H), jnp.float32) for k in keys[1:3])
     s = np.arange(S)[None, :, None]  # [1, S, 1] broadcast over [B, K, S, H]
     pos = np.asarray(positions)[:, None, None, None]
     end = ((pos + T - 1) // kv_tile + 1) * kv_tile  # one past the last tile read
+    start = np.maximum(pos - window + 1, 0) // kv_tile * kv_tile if window else 0 * pos
     caches = []
     for key in keys[3:]:
         c = np.asarray(jax.random.normal(key, (L, B, K, S, H), jnp.float32))
         c = np.where(s[None] >= pos + T, GARBAGE, c)
-        caches.append(jnp.asarray(np.where(s[None] >= end, np.nan, c), dtype))
+        c = np.where((s[None] >= end) | (s[None] < start), np.nan, c)
+        caches.append(jnp.asarray(c, dtype))
     return q, k_new, v_new, *caches, jnp.asarray(positions, jnp.int32)
 
 
-def _expected(q, k_new, v_new, k_cache, v_cache, positions, layer):
+def _expected(q, k_new, v_new, k_cache, v_cache, positions, layer, **attention):
     B, T = positions.shape[0], q.shape[0] // positions.shape[0]
     k, v = (c.at[layer].set(ops.write_rows(c[layer], new.reshape(B, T, K, H),
                                            positions))
             for c, new in ((k_cache, k_new), (v_cache, v_new)))
     # NaN tiles are never visible: zero them so the oracle's 0 * NaN stays 0.
     k_seen, v_seen = (jnp.where(jnp.isnan(c[layer]), 0, c[layer]) for c in (k, v))
-    o = ops.attention(q.reshape(B, T, N, H), k_seen, v_seen, positions)
+    o = ops.attention(q.reshape(B, T, N, H), k_seen, v_seen, positions, **attention)
     return o.reshape(B * T, N * H), k, v
 
 
@@ -99,6 +104,35 @@ DTYPE_CASES = [(c, "bfloat16") for c in CASES] + [
 def test_matches_the_reference_and_writes_only_the_new_rows_without_races(case, dtype):
     B, T, positions, slots, kv_tile = CASES[case]
     _check(B, T, positions, dtype, slots=slots, kv_tile=kv_tile)
+
+
+SINKS = jnp.array([0.5, -1.0, 3.0, 8.0])  # [N]: one far above the scores
+
+
+@pytest.mark.parametrize("window, positions, T", [
+    (0, [5, 300], 2),  # sinks alone
+    (16, [5, 200], 4),  # a window inside one tile, and one reaching back a tile
+    (200, [130, 383], 1),  # a window of more than a tile: sequences from tiles 0 and 1
+    (3, [129, 30], 4),  # rows t > 0 see none of the first tile's keys: the sink carries them
+])
+def test_sinks_and_a_sliding_window_match_the_reference_reading_only_the_windows_tiles(
+        window, positions, T):
+    """gpt-oss's attention: the tiles before a window's first hold NaN, so reading one
+    poisons the output; the written rows are exact; no race."""
+    B, dtype = len(positions), "bfloat16"
+    args = _inputs(B, T, positions, dtype, kv_tile=KV_TILE, window=window)
+    block = BlockSizes(kv_tile=KV_TILE, kv_slots=2)
+    with backend.use("interpret", detect_races=True, strict_dma=True):
+        o, k, v = jax.block_until_ready(decode_attention(*args, layer=1, block=block,
+                                                         sinks=SINKS, window=window))
+        races = backend.races_found()
+    o_ref, k_ref, v_ref = _expected(*args, 1, window=window, sinks=SINKS)
+    np.testing.assert_allclose(o, o_ref, **TOLERANCE[dtype])
+    np.testing.assert_array_equal(_bits(k), _bits(k_ref))
+    np.testing.assert_array_equal(_bits(v), _bits(v_ref))
+    assert not races
+    if window:  # the same without the window: the oracle's own output moves
+        assert not np.allclose(o_ref, _expected(*args, 1, sinks=SINKS)[0], **TOLERANCE[dtype])
 
 
 def _one_sublane_tile_short(rows, kv_tile, dtype):
