@@ -14,17 +14,19 @@ IDLE_GREY = "#c7c7c7"  # skipped segments, idle expert slots
 
 # Each byte family's palette (`mk.weights.FAMILIES`): one colour per weight in every figure
 # that draws weights (STYLE.md), given to the family's rows of the weight table in table
-# order (`WEIGHT_COLOURS`); "w" (a teaching matrix) is drawn as the first attention weight.
+# order (`WEIGHT_COLOURS`: a weight added to the table needs a colour here, or the import
+# fails); "w" (a teaching matrix) is drawn as the first attention weight.
 FAMILY_PALETTES = {
     "embed": ("#7b4173",),
-    "attention": ("#1f77b4", "#aec7e8", "#17becf", "#9edae5", "#393b79", "#6b6ecf",
-                  "#9c9ede", "#5254a3"),
+    "attention": ("#1f77b4", "#aec7e8", "#17becf", "#9edae5", "#393b79", "#3182bd",
+                  "#6baed6", "#9ecae1", "#c6dbef", "#08519c", "#6b6ecf", "#9c9ede",
+                  "#5254a3"),
     "norms": ("#7f7f7f", "#525252", "#969696", "#636363", "#a5a5a5", "#3f3f3f", "#b5b5b5"),
     "linear": ("#637939", "#8ca252", "#b5cf6b", "#cedb9c", "#8c6d31", "#bd9e39", "#e7ba52",
                "#e7cb94", "#843c39", "#ad494a", "#d6616b", "#e7969c", "#a55194"),
     "dense_mlp": ("#ff7f0e", "#ffbb78", "#d62728", "#e377c2", "#f7b6d2", "#c49c94"),
-    "router": ("#bcbd22", "#dbdb8d"),
-    "experts": ("#2ca02c", "#98df8a", "#8c564b"),
+    "router": ("#bcbd22", "#dbdb8d", "#8c8c17"),
+    "experts": ("#2ca02c", "#98df8a", "#8c564b", "#74c476", "#c7e9c0", "#bd9e8b"),
     "lm_head": ("#9467bd",),
 }
 WEIGHT_COLOURS = {name: FAMILY_PALETTES[family][i] for family in FAMILY_PALETTES
