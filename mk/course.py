@@ -23,6 +23,9 @@ the student's mistake in it:
   should add to dropped (`one_layer.residual`).
 - "accept_wrong_row" (09): greedy acceptance compares draft i with the target's token of
   row i + 1 instead of row i (`spec.accept_greedy`).
+- "window_unskipped" (05d): a sliding layer's KV tiles start at tile 0, as a full layer's
+  do (`kv_stream.first_kv_tile`): the window is masked but not skipped, so its bytes are
+  loaded (and a tile the window leaves out is read).
 A too-shallow ring (11) needs no patch: it is a `slots` parameter, and
 `check_ring_depth` catches it in the simulated step against a ring of Little's law depth.
 
@@ -66,11 +69,13 @@ from mk import backend, bundles, megakernel, ops, reference, spec, teach
 from mk.checkpoint import init_params
 from mk.config import ModelConfig
 from mk.presets import preset
-from mk.kernels import attention_prologue, collectives, deltanet, mlp, one_layer, ring
+from mk.kernels import (attention_prologue, collectives, deltanet, kv_stream, mlp,
+                        one_layer, ring)
 from mk.kernels.plan import DecodePlan
 
 PLANTS = ("ring_race", "rope_off", "wrong_expert", "dropped_all_reduce",
-          "conv_unshifted", "head_decay", "wrong_residual", "accept_wrong_row")
+          "conv_unshifted", "head_decay", "wrong_residual", "accept_wrong_row",
+          "window_unskipped")
 
 
 class ExerciseFailed(AssertionError):
@@ -130,7 +135,7 @@ def _slot_of_next_tile(ring, g, segment=None):
     return ring.buffers[name].at[(g + 1) % ring.n]  # the mistake: g + 1, not g
 
 
-def _rope_off(x, pos, theta, dims=None):
+def _rope_off(x, pos, theta, dims=None, yarn=None):
     return x  # the mistake: no rotation
 
 
@@ -172,13 +177,20 @@ def update_without_rescale(m, l, acc, scores, v):
     return m_next, l_next, acc_next
 
 
+def _from_tile_zero(position, kv_tile, window=0):
+    """`kv_stream.first_kv_tile` with a mistake (05d's exercise): every sequence's tiles
+    start at tile 0, the window's or not."""
+    return 0
+
+
 # The one place each single-seam plant patches, and what it puts there.
 SEAMS = {"ring_race": (ring.Ring, "slot", _slot_of_next_tile),
          "rope_off": (attention_prologue, "rope_rows", _rope_off),
          "conv_unshifted": (deltanet, "conv_state_after", _conv_state_before_row),
          "head_decay": (deltanet, "channel_column", _one_decay_per_head),
          "wrong_residual": (one_layer, "residual", _residual_dropped),
-         "accept_wrong_row": (spec, "accept_greedy", accept_on_the_next_row)}
+         "accept_wrong_row": (spec, "accept_greedy", accept_on_the_next_row),
+         "window_unskipped": (kv_stream, "first_kv_tile", _from_tile_zero)}
 
 
 @contextlib.contextmanager

@@ -36,6 +36,7 @@ from plotly.offline import get_plotlyjs
 
 from mk.colours import (CATEGORY_COLOURS, IDLE_COLOURS, IDLE_GREY, KV_COLOURS,
                         weight_colour)
+from mk.kernels.kv_stream import first_kv_tile
 
 TERA = 1e12
 GIGA = 1e9
@@ -297,17 +298,19 @@ def ring_gantt(schedules: Mapping[str, list], *, title: str) -> go.Figure:
 
 
 
-def kv_tile_map(positions, rows: int, kv_tile: int, context: int, *,
+def kv_tile_map(positions, rows: int, kv_tile: int, context: int, *, window: int = 0,
                 title: str = "") -> go.Figure:
-    """One row per sequence, one cell per KV tile of its cache: read (tiles 0 .. the one
-    holding its last new row), read and written back (those holding new rows), skipped
-    (never loaded)."""
+    """One row per sequence, one cell per KV tile of its cache: read (tiles 0, or with a
+    sliding `window` its first (`mk.kernels.kv_stream.first_kv_tile`), .. the one holding
+    its last new row), read and written back (those holding new rows), skipped (never
+    loaded)."""
     cells = {k: ([], []) for k in KV_COLOURS}
     for b, p in enumerate(int(p) for p in positions):
         last, first_new = (p + rows - 1) // kv_tile, p // kv_tile
+        first = first_kv_tile(p, kv_tile, window)
         for i in range(context // kv_tile):
-            kind = ("skipped" if i > last else "read and written back" if i >= first_new
-                    else "read")
+            kind = ("skipped" if i > last or i < first else "read and written back"
+                    if i >= first_new else "read")
             cells[kind][0].append(i)
             cells[kind][1].append(f"sequence {b} (p={p})")
     fig = go.Figure([go.Bar(name=k, orientation="h", x=[1] * len(xs), base=xs, y=ys,

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 import mk
+import mk.kernels.common
 from mk import backend, course, ops, reference, sim, spec, teach
 from mk.kernels import attention_prologue as prologue_module
 from mk.kernels import collectives, mlp, one_layer, ring
@@ -186,6 +187,31 @@ def test_accept_on_the_wrong_row_caught_by_forced_acceptance():
     with course.planted("accept_wrong_row"), pytest.raises(course.ExerciseFailed,
                                                            match="measured tau"):
         course.check_acceptance(config, params, prompt, 8)
+
+
+def test_a_window_masked_but_not_skipped_loads_tiles_it_need_not():
+    """05d's exercise: with "window_unskipped" the kernel's output is unchanged on a finite
+    cache (the mask keeps the window) but it loads every tile from 0: the count the
+    notebook checks sees it."""
+    W, tile, H = 16, 16, 128
+    positions = jnp.array([70], jnp.int32)
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (1, 4 * H))
+    new = [jax.random.normal(k, (1, 2 * H)) for k in keys[1:3]]
+    cache = jax.random.normal(keys[3], (1, 1, 2, 128, H))
+
+    def loaded():
+        with mk.kernels.common.dma_log() as log, backend.use("interpret"):
+            o, _, _ = decode_attention(q, *new, cache, cache, positions, sinks=jnp.zeros(4),
+                                       window=W, block=BlockSizes(kv_tile=tile, kv_slots=2))
+            jax.block_until_ready(o)
+        return o, sum(what == "k_tile" for what, _ in log)
+
+    right, tiles = loaded()
+    with course.planted("window_unskipped"):
+        wrong, planted_tiles = loaded()
+    np.testing.assert_allclose(wrong, right, rtol=1e-5, atol=1e-5)
+    assert (tiles, planted_tiles) == (2, 5)  # positions 55 .. 70: tiles 3, 4; or 0 .. 4
 
 
 # Mystery 0 in CI (and notebook 06 runs its lab); the others, ~25 CPU s each, under slow.

@@ -275,7 +275,7 @@ def test_slow_runs_name_configurations():
 # values 07 (tiny), 08, 09, 10 and 12 took 46, 56, 115, 49 and 76 s headless. `make
 # test-slow` also runs each configuration with the notebook's own values (id
 # "<run>-own-knobs").
-CI_KNOBS = {"05c_kimi_layers": {"batch": 1},
+CI_KNOBS = {"05c_kimi_layers": {"batch": 1}, "05d_gpt_oss_layers": {"batch": 1},
             "07_compile_for_tpu": {"measure_layers": [2]},
             "08_profile_bubbles": {"steps": 1},
             "09_speculative_sweep": {"tau_steps": 4, "tau_batch": 2, "megakernel_steps": 2},

@@ -139,8 +139,9 @@ def gpt_oss_tokens(tp: int) -> dict:
     # Kimi's MLA, KDA and MoE (shared expert, sigmoid router): ~54 CPU s at tp 2, over
     # CI's budget; CI compiles Kimi K3's TP32 shard (its first layers) below
     pytest.param("kimi_tokens", 2, marks=pytest.mark.slow),
-    # gpt-oss's sinks, window, biases (o's and the experts' down added once) and clamp
-    ("gpt_oss_tokens", 2)],
+    # gpt-oss's sinks, window, biases (o's and the experts' down added once) and clamp:
+    # ~40 s, over CI's budget (CI runs the fp4 MoE at tp 2 through the same collectives)
+    pytest.param("gpt_oss_tokens", 2, marks=pytest.mark.slow)],
     ids=[f"tp{t}-{'moe' if m else 'dense'}-6" for t, m in CASES]
     + [f"tp{t}-moe-{FULL_STEPS}" for t in (2, 4, 8)]
     + ["tp2-hybrid-6", "tp4-hybrid-6", "tp2-kimi-6", "tp2-gpt-oss-6"])

@@ -254,9 +254,9 @@ def swiglu(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, 
 EXPERT_WEIGHTS = names("moe", family="experts")  # one slot's segments, in order
 # A MoE layer's small DMAs, one semaphore each in `small_sems` [len(MOE_SMALL_LOADS)]: the
 # router [D, E], the selected flags (VMEM -> SMEM, `select_experts`), the sigmoid router's
-# bias [1, E], gpt-oss's router bias [1, E] and every expert's biases [E, Fe] / [E, D]. Every kernel allocates and indexes them from this list (`small_sem`).
-MOE_SMALL_LOADS = ("router", "selected", "router_bias", "router_logit_bias", "be_gate",
-                   "be_up", "be_down")  # the last four: gpt-oss's biases
+# bias [1, E]. The stage kernel allocates and indexes them from this list (`small_sem`);
+# a layer kind from its own (`mk.kinds.mlp.MoE.small_loads`, which starts with it).
+MOE_SMALL_LOADS = ("router", "selected", "router_bias")
 
 
 def small_sem(name: str) -> int:

@@ -26,7 +26,7 @@ from mk.kernels.collectives import AXIS
 from mk.kernels.common import Buffer, padded_width, start_dma
 from mk.kernels.mlp import (DENSE_WEIGHTS, EXPERT_WEIGHTS, MOE_SMALL_LOADS,
                             SHARED_WEIGHTS, expert_slots, moe_body, moe_fetch, moe_segments,
-                            small_sem, swiglu_body, swiglu_fetch, swiglu_segments)
+                            swiglu_body, swiglu_fetch, swiglu_segments)
 from mk.kernels.routing import Routing
 from mk.kinds.base import Kind, Step, Twin
 from mk.ops import clamped_swiglu
@@ -133,9 +133,16 @@ class MoE(Kind):
             buffers += [Buffer("shared_gate", (M, Fs), f32), Buffer("shared_up", (M, Fs), f32)]
         return buffers
 
+    @property
+    def small_loads(self) -> tuple[str, ...]:
+        """Its small DMAs, one semaphore each in `small_sems`: the router, the selected
+        flags (`mk.kernels.mlp.MOE_SMALL_LOADS`' first two), then its other DMA'd weights
+        (the sigmoid router's bias; gpt-oss's router and expert biases)."""
+        return (*MOE_SMALL_LOADS[:2], *(n for n in self.weights("dma") if n != "router"))
+
     def scratch(self, batch: int, rows: int, block) -> dict:
         return {"layer": dict(
-            small_sems=pltpu.SemaphoreType.DMA((len(MOE_SMALL_LOADS),)),
+            small_sems=pltpu.SemaphoreType.DMA((len(self.small_loads),)),
             selected_smem=pltpu.SMEM((1, self.config.experts), jnp.int32),
             ids_smem=pltpu.SMEM((self.slots(batch * rows),), jnp.int32),
             count_smem=pltpu.SMEM((1,), jnp.int32))}
@@ -156,8 +163,8 @@ class MoE(Kind):
         """The router's (and the sigmoid router's bias's) DMA of this layer, by name."""
         row = k.row(self)(k.step)
         return [(pltpu.make_async_copy(k.inputs[n].at[row], getattr(k.s, n),
-                                       k.s.small_sems.at[small_sem(n)]), getattr(k.s, n), n)
-                for n in self.weights("dma")]
+                                       k.s.small_sems.at[self.small_loads.index(n)]),
+                 getattr(k.s, n), n) for n in self.weights("dma")]
 
     def start_routers(self, k: Step) -> None:
         for copy, ref, name in self.routers(k):
@@ -178,8 +185,8 @@ class MoE(Kind):
             s.mlp_out[...] = jnp.zeros_like(s.mlp_out)
             router, *bias = (getattr(s, n) for n in self.weights("dma"))  # table order
             moe_body(k.ring, k.step, s.h, router, s.combine, s.selected, s.selected_smem,
-                     s.small_sems.at[small_sem("selected")], s.ids_smem, s.count_smem,
-                     s.e_gate, s.e_up, s.down, s.mlp_out, routing=Routing.of(c),
+                     s.small_sems.at[self.small_loads.index("selected")], s.ids_smem,
+                     s.count_smem, s.e_gate, s.e_up, s.down, s.mlp_out, routing=Routing.of(c),
                      bias_vmem=next(iter(bias), None),
                      shared=(s.shared_gate, s.shared_up) if c.shared_expert_ffn else None)
 
@@ -249,7 +256,8 @@ class ClampedMoE(MoE):
             return row * first if j == 2 else row
 
         moe_body(k.ring, k.step, s.h, s.router, s.combine, s.selected, s.selected_smem,
-                 s.small_sems.at[small_sem("selected")], s.ids_smem, s.count_smem,
+                 s.small_sems.at[self.small_loads.index("selected")], s.ids_smem,
+                 s.count_smem,
                  s.e_gate, s.e_up, s.down, s.mlp_out, routing=Routing.of(c),
                  bias_vmem=s.router_logit_bias, bias=bias,
                  activation=functools.partial(clamped_swiglu, limit=c.swiglu_limit,

@@ -110,9 +110,9 @@ SINKS = jnp.array([0.5, -1.0, 3.0, 8.0])  # [N]: one far above the scores
 
 
 @pytest.mark.parametrize("window, positions, T", [
-    (0, [5, 300], 2),  # sinks alone
+    pytest.param(0, [5, 300], 2, marks=pytest.mark.slow),  # sinks alone
     (16, [5, 200], 4),  # a window inside one tile, and one reaching back a tile
-    (200, [130, 383], 1),  # a window of more than a tile: sequences from tiles 0 and 1
+    pytest.param(200, [130, 383], 1, marks=pytest.mark.slow),  # a window over a tile
     (3, [129, 30], 4),  # rows t > 0 see none of the first tile's keys: the sink carries them
 ])
 def test_sinks_and_a_sliding_window_match_the_reference_reading_only_the_windows_tiles(
