@@ -344,11 +344,16 @@ class AttentionTwin(Twin):
             sim.matmul("wo")
 
     def prologue(self):
-        """`prologue`: wq, wk, wv (and wq_gate) through the ring, QK-norm and RoPE."""
+        """`prologue`: wq, wk, wv (and wq_gate) through the ring (each followed by
+        `projected`), QK-norm and RoPE."""
         sim, c = self.sim, self.kind.config
         for matrix, *_ in self.kind.matrices(sim.m)[:-1]:
             sim.matmul(matrix)
+            self.projected(matrix)
         sim.vector(10 * sim.m * (c.q_width + c.kv_width), "qk_norm_rope")
+
+    def projected(self, matrix: str) -> None:
+        """After the prologue's matmul of `matrix`."""
 
     def output(self):
         """Qwen3.5's output gate before wo."""
@@ -419,17 +424,17 @@ class SinkTwin(AttentionTwin):
         self.loads = {b.name: sim.mc.dma(math.prod(b.shape) * DTYPE_BITS[b.dtype] / 8,
                                          sim.layer, b.name) for b in self.kind.dma_buffers()}
 
-    def prologue(self):
+    def projected(self, matrix: str) -> None:  # q, k, v: their bias waited for, added
         if self.kind.config.attention_bias:
-            self.sim.mc.wait(max(self.loads[n] for n in ("bq", "bk", "bv")))
-        super().prologue()
+            self.sim.mc.wait(self.loads["b" + matrix[1:]])
 
     def attend(self):
         self.sim.mc.wait(self.loads["sinks"])
         super().attend()
 
-    def output(self):
-        if self.kind.config.attention_bias:
+    def run(self, phase: str) -> None:
+        super().run(phase)
+        if phase == "wo" and self.kind.config.attention_bias:  # after wo, o's bias
             self.sim.mc.wait(self.loads["bo"])
 
     def window(self, layer) -> int:

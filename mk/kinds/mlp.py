@@ -181,14 +181,19 @@ class MoE(Kind):
             for copy, _, _ in self.routers(k):
                 copy.wait()
         elif phase == "mlp":
-            s, c = k.s, self.config
+            s = k.s
             s.mlp_out[...] = jnp.zeros_like(s.mlp_out)
-            router, *bias = (getattr(s, n) for n in self.weights("dma"))  # table order
-            moe_body(k.ring, k.step, s.h, router, s.combine, s.selected, s.selected_smem,
+            moe_body(k.ring, k.step, s.h, s.router, s.combine, s.selected, s.selected_smem,
                      s.small_sems.at[self.small_loads.index("selected")], s.ids_smem,
-                     s.count_smem, s.e_gate, s.e_up, s.down, s.mlp_out, routing=Routing.of(c),
-                     bias_vmem=next(iter(bias), None),
-                     shared=(s.shared_gate, s.shared_up) if c.shared_expert_ffn else None)
+                     s.count_smem, s.e_gate, s.e_up, s.down, s.mlp_out,
+                     routing=Routing.of(self.config), **self.body_options(k))
+
+    def body_options(self, k: Step) -> dict:
+        """`moe_body`'s options of this kind: the sigmoid router's bias, the shared expert's
+        scratch."""
+        c, s = self.config, k.s
+        return dict(bias_vmem=getattr(s, "router_bias", None),
+                    shared=(s.shared_gate, s.shared_up) if c.shared_expert_ffn else None)
 
     def stage(self, h, weights: dict):
         """Its stage kernel on the normed rows h [M, D] (`mk.kernels.mlp.moe`): one layer's
@@ -241,11 +246,9 @@ class ClampedMoE(MoE):
     name = "clamped_moe"
     title = "clamped-MoE"
 
-    def run(self, k: Step, phase: str) -> None:
-        if phase != "mlp":
-            return super().run(k, phase)
+    def body_options(self, k: Step) -> dict:
+        """The router's logit bias, each expert's bias rows, the clamped SwiGLU."""
         s, c = k.s, self.config
-        s.mlp_out[...] = jnp.zeros_like(s.mlp_out)
         first = jnp.float32(1.0) if k.tp == 1 else (
             lax.axis_index(AXIS) == 0).astype(jnp.float32)  # adds the down bias
 
@@ -255,13 +258,9 @@ class ClampedMoE(MoE):
             row = jnp.sum(jnp.where(rows == expert, table, 0.0), axis=0, keepdims=True)
             return row * first if j == 2 else row
 
-        moe_body(k.ring, k.step, s.h, s.router, s.combine, s.selected, s.selected_smem,
-                 s.small_sems.at[self.small_loads.index("selected")], s.ids_smem,
-                 s.count_smem,
-                 s.e_gate, s.e_up, s.down, s.mlp_out, routing=Routing.of(c),
-                 bias_vmem=s.router_logit_bias, bias=bias,
-                 activation=functools.partial(clamped_swiglu, limit=c.swiglu_limit,
-                                              alpha=c.swiglu_alpha))
+        return dict(bias_vmem=s.router_logit_bias, bias=bias,
+                    activation=functools.partial(clamped_swiglu, limit=c.swiglu_limit,
+                                                 alpha=c.swiglu_alpha))
 
     def stage(self, h, weights: dict):
         raise NotImplementedError("clamped_moe has no stage kernel: it runs in the "
