@@ -139,6 +139,17 @@ def _everywhere(name: str) -> dict[str, str]:
     return dict.fromkeys(HF_SCHEMES, name)
 
 
+def _gqa_projections(kind: str, scheme: str) -> tuple[Weight, ...]:
+    """wq, wk, wv and wo of a grouped-query attention kind, named in HF `scheme`."""
+    return tuple(_w(f"w{p}", kind, shape, "attention", "ring", split, quant="dense",
+                    hf={scheme: f"self_attn.{p}_proj.weight"})
+                 for p, shape, split in (
+                     ("q", lambda c: (c.hidden, c.q_width), "columns"),
+                     ("k", lambda c: (c.hidden, c.kv_width), "kv_heads"),
+                     ("v", lambda c: (c.hidden, c.kv_width), "kv_heads"),
+                     ("o", lambda c: (c.q_width, c.hidden), "rows")))
+
+
 def _qkv_parts(prefix, suffix):
     return {part: f"{prefix}{part}{suffix}" for part in "qkv"}
 
@@ -157,31 +168,18 @@ WEIGHTS = (
     _w("mlp_norm", "layer", lambda c: (c.hidden,), "norms", "vector", "whole",
        hf=_everywhere("post_attention_layernorm.weight")),
     # -- grouped-query attention (Qwen3; Qwen3.5's q_proj also holds the output gate) ----
-    _w("wq", "gqa", lambda c: (c.hidden, c.q_width), "attention", "ring", "columns",
-       quant="dense", hf={"qwen": "self_attn.q_proj.weight"}),
-    _w("wk", "gqa", lambda c: (c.hidden, c.kv_width), "attention", "ring", "kv_heads",
-       quant="dense", hf={"qwen": "self_attn.k_proj.weight"}),
-    _w("wv", "gqa", lambda c: (c.hidden, c.kv_width), "attention", "ring", "kv_heads",
-       quant="dense", hf={"qwen": "self_attn.v_proj.weight"}),
+    *_gqa_projections("gqa", "qwen")[:3],
     _w("wq_gate", "gqa", lambda c: (c.hidden, c.q_width), "attention", "ring", "columns",
        quant="dense", hf={"qwen": "self_attn.q_proj.weight"},
        when=lambda c: c.attn_output_gate),
-    _w("wo", "gqa", lambda c: (c.q_width, c.hidden), "attention", "ring", "rows",
-       quant="dense", hf={"qwen": "self_attn.o_proj.weight"}),
+    _gqa_projections("gqa", "qwen")[3],
     _w("q_norm", "gqa", lambda c: (c.head_dim,), "norms", "vector", "whole",
        hf={"qwen": "self_attn.q_norm.weight"}, when=lambda c: c.qk_norm),
     _w("k_norm", "gqa", lambda c: (c.head_dim,), "norms", "vector", "whole",
        hf={"qwen": "self_attn.k_norm.weight"}, when=lambda c: c.qk_norm),
     # -- gpt-oss's attention: GQA with a learned sink logit per head, biases, and a
     #    sliding window on some layers (`ModelConfig.window`) ---------------------------------
-    _w("wq", "sink_gqa", lambda c: (c.hidden, c.q_width), "attention", "ring", "columns",
-       quant="dense", hf={"gpt_oss": "self_attn.q_proj.weight"}),
-    _w("wk", "sink_gqa", lambda c: (c.hidden, c.kv_width), "attention", "ring", "kv_heads",
-       quant="dense", hf={"gpt_oss": "self_attn.k_proj.weight"}),
-    _w("wv", "sink_gqa", lambda c: (c.hidden, c.kv_width), "attention", "ring", "kv_heads",
-       quant="dense", hf={"gpt_oss": "self_attn.v_proj.weight"}),
-    _w("wo", "sink_gqa", lambda c: (c.q_width, c.hidden), "attention", "ring", "rows",
-       quant="dense", hf={"gpt_oss": "self_attn.o_proj.weight"}),
+    *_gqa_projections("sink_gqa", "gpt_oss"),
     _w("bq", "sink_gqa", lambda c: (c.q_width,), "attention", "dma", "columns",
        hf={"gpt_oss": "self_attn.q_proj.bias"}, when=lambda c: c.attention_bias),
     _w("bk", "sink_gqa", lambda c: (c.kv_width,), "attention", "dma", "kv_heads",
