@@ -14,7 +14,7 @@ tokens against the bf16 model's) and `storage_bytes` / `group_bytes` / `stored_b
 params dict) and `schemes_of` (the scheme of each weight name). Not here: what a kernel
 does to one packed tile in VMEM, the element decoders, the nibble order and the MXU feeds
 (`mk.unpack`, with the packing units `PACK_ROWS`, `GROUP` and `E8M0_BIAS`), reading
-quantised Hugging Face checkpoints (`mk.checkpoint`), the ring that streams packed tiles
+quantised Hugging Face checkpoints (`mk.hf_quant`), the ring that streams packed tiles
 (`mk.kernels.ring`), splitting them for tensor parallelism (`mk.shards`).
 
 Which weights. The three format groups of `mk.weights.FORMAT_GROUPS` ("dense": attention's

@@ -16,7 +16,7 @@ Nibble order (int4 and fp4): rows of I are packed in units of 128; byte row 64u 
 row 128u + j in its low nibble and row 128u + 64 + j in its high nibble. Unpacking a tile
 of 64n byte rows is then two shifts/masks, a concatenation of two aligned [64, O] halves
 per unit, and no lane shuffle; an interleaved order (gpt-oss packs rows 2k and 2k + 1 into
-one byte) would need a sublane interleave. `mk.checkpoint` repacks gpt-oss MXFP4 bytes into
+one byte) would need a sublane interleave. `mk.hf_quant` repacks gpt-oss MXFP4 bytes into
 this order at load: a permutation of nibbles, bit-exact.
 
 Why uint8 with shifts. Measured with libtpu ahead-of-time compiles of a one-tile
