@@ -28,7 +28,7 @@ from mk.config import ModelConfig, check_seed
 from mk.errors import shown
 from mk.hf_quant import (INTERLEAVED, assemble_quantised, quant_format, quantised_layout,
                          quantised_problems, quantised_shape)
-from mk.weights import hf_names, hf_scheme, layer_rows, param_shapes, weights_of
+from mk.weights import hf_names, hf_scheme, layer_rows, param_shapes, put_corner, weights_of
 
 
 def init_params(config: ModelConfig, seed: int = 0) -> dict[str, jax.Array]:
@@ -42,16 +42,21 @@ def init_params(config: ModelConfig, seed: int = 0) -> dict[str, jax.Array]:
     N(0, 1) so logits are well separated (greedy decoding is then robust to rounding);
     norm weights are 1 + N(0, 0.1^2) so a kernel that skips a norm weight is caught (stored
     minus `config.norm_offset`, except the gated DeltaNet's own norm, which has no offset).
+    A lane-padded model (`ModelConfig.lane_padded`) gets its own widths' values (the
+    unpadded model's) and zeros in the padding, as the loader gives.
     """
     seed = check_seed(seed)
-    params = {}
+    params, own = {}, param_shapes(config.unpadded())
     for name, (shape, dtype) in param_shapes(config).items():
         rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-        x = rng.standard_normal(shape, np.float32)
+        x = rng.standard_normal(own[name][0], np.float32)
         if name.endswith("norm"):
             x = 1.0 - (config.norm_offset if name != "lin_norm" else 0.0) + 0.1 * x
         elif name not in ("embed", "lm_head"):
-            x = x / np.sqrt(shape[-2], dtype=np.float32)  # fan_in of an [.., in, out] weight
+            x = x / np.sqrt(x.shape[-2], dtype=np.float32)  # fan_in of an [.., in, out] weight
+        if x.shape != shape:  # a lane-padded model's padding: zeros
+            x, values = np.zeros(shape, np.float32), x
+            put_corner(x, values)
         params[name] = jnp.asarray(x, dtype)
     return params
 
@@ -153,22 +158,15 @@ def load_checkpoint(path: str | Path, *, dtype: str | None = None
         raise ValueError(f"path={str(path)!r} is not a folder; a checkpoint is a folder "
                          f"holding config.json and {SINGLE_FILE} or {INDEX_FILE}")
     config = ModelConfig.from_hf(folder, dtype=dtype)
+    own = config.unpadded()  # the file's widths; mk holds `config`'s (lane-padded)
     hf = json.loads((folder / "config.json").read_text())
     full_qwen3_5 = hf.get("model_type") == "qwen3_5"
-    layout = hf_layout(config, "model.language_model." if full_qwen3_5 else "model.")
-    layout = quantised_layout(config, quant_format(folder, hf, config), layout,
+    layout = hf_layout(own, "model.language_model." if full_qwen3_5 else "model.")
+    layout = quantised_layout(own, quant_format(folder, hf, own), layout,
                               _header_dtypes(folder))
     quant.check_streamed(config, {param for param, _, how in layout.values()
                                   if how in ("fp8", "mxfp4_blocks")})
-    shapes = param_shapes(config)
-    shapes["wq+wq_gate"] = shapes["wq"]  # the q_proj of a gated model fills wq and wq_gate
-    for pair, (first, _) in INTERLEAVED.items():  # gpt-oss's gate_up tensors
-        if first in shapes:
-            shapes[pair] = shapes[first]
-    for pseudo, (param, cut) in _parts(config).items():
-        if param in shapes:
-            (*lead, last), dtype = shapes[param]
-            shapes[pseudo] = ((*lead, len(range(last)[cut])), dtype)
+    shapes, padded = _slot_shapes(own), _slot_shapes(config)
     with contextlib.ExitStack() as stack:
         handles, where, problems = _open_tensors(folder, layout, shapes, stack,
                                                  hf_aliases(config))
@@ -182,11 +180,11 @@ def load_checkpoint(path: str | Path, *, dtype: str | None = None
         embed = next(name for name, (param, _, _) in layout.items() if param == "embed")
         if config.tie_embeddings and {"lm_head.weight", embed} <= set(where):
             problems += _check_tied_head(handles, where, embed)
-        problems += quantised_problems(layout, shapes)
+        problems += quantised_problems(layout, padded)
         if problems:
             raise ValueError(_problems(folder, config, problems))
-        params = _assemble(handles, where, layout, shapes, config)
-        params.update(assemble_quantised(folder, handles, where, layout, shapes))
+        params = _assemble(handles, where, layout, config)
+        params.update(assemble_quantised(folder, handles, where, layout, padded))
     bad = []
     for name, p in params.items():  # a NaN or inf scale or NaN code, named by its field
         if isinstance(p, quant.QuantWeight):
@@ -363,6 +361,21 @@ def _check_inside(folder: Path, file, names: set[str] | None) -> None:
                      "folder; mk reads only files inside it")
 
 
+def _slot_shapes(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+    """`param_shapes` and the shapes of the pseudo-parameters HF tensors fill (two weights
+    in one tensor, `hf_layout`; a part of a weight's last axis, `_parts`)."""
+    shapes = param_shapes(config)
+    shapes["wq+wq_gate"] = shapes["wq"]  # the q_proj of a gated model fills wq and wq_gate
+    for pair, (first, _) in INTERLEAVED.items():  # gpt-oss's gate_up tensors
+        if first in shapes:
+            shapes[pair] = shapes[first]
+    for pseudo, (param, cut) in _parts(config).items():
+        if param in shapes:
+            (*lead, last), dtype = shapes[param]
+            shapes[pseudo] = ((*lead, len(range(last)[cut])), dtype)
+    return shapes
+
+
 def _check_tensor(file, name, view, layout, shapes) -> list[str]:
     if name not in layout:
         return []  # reported as unexpected by the caller
@@ -400,14 +413,14 @@ def _check_tied_head(handles, where, embed_name) -> list[str]:
             "says tie_word_embeddings=true"]
 
 
-def _assemble(handles, where, layout, shapes, config) -> dict[str, jax.Array]:
-    """Stack the validated tensors per parameter in numpy, then one device copy each."""
-    head_dim, parts = config.head_dim, _parts(config)
+def _assemble(handles, where, layout, config) -> dict[str, jax.Array]:
+    """Stack the validated tensors per parameter in numpy, each in the leading corner of
+    its (lane-padded) slot, the padding zeros; then one device copy each."""
+    head_dim, parts = config.head_dim, _parts(config.unpadded())
     quantised = {param for param, _, how in layout.values() if isinstance(how, str)}
     quantised |= {w for pair in quantised & set(INTERLEAVED) for w in INTERLEAVED[pair]}
-    stacks = {param: np.empty(shape, jnp.dtype(dtype)) for param, (shape, dtype)
-              in shapes.items()
-              if param not in ("wq+wq_gate", *INTERLEAVED, *quantised) and param not in parts}
+    stacks = {param: np.zeros(shape, jnp.dtype(dtype)) for param, (shape, dtype)
+              in param_shapes(config).items() if param not in quantised}
     for name, (param, index, transposed) in layout.items():
         if param in quantised:
             continue
@@ -416,18 +429,17 @@ def _assemble(handles, where, layout, shapes, config) -> dict[str, jax.Array]:
             tensor = tensor[:, 0, :]
         if param in parts:  # a part of the last axis (or A_log's [1, 1, Nv, 1])
             param, cut = parts[param]
-            stacks[param][index][..., cut] = tensor.T if transposed else tensor.reshape(-1)
-            continue
+            put_corner(stacks[param][index][..., cut],
+                       tensor.T if transposed else tensor.reshape(-1))
         elif param in INTERLEAVED:  # gpt-oss's [..., 2F]: gate's columns even, up's odd
             for target, start in zip(INTERLEAVED[param], (0, 1)):
-                stacks[target][index] = tensor[..., start::2]
-            continue
+                put_corner(stacks[target][index], tensor[..., start::2])
         elif param == "wq+wq_gate":  # [N*2H, D]: per head, H query rows then H gate rows
             heads = tensor.reshape(-1, 2, head_dim, tensor.shape[1])
-            stacks["wq"][index] = heads[:, 0].reshape(-1, tensor.shape[1]).T
-            stacks["wq_gate"][index] = heads[:, 1].reshape(-1, tensor.shape[1]).T
-            continue
-        stacks[param][index] = tensor.T if transposed else tensor
+            put_corner(stacks["wq"][index], heads[:, 0].reshape(-1, tensor.shape[1]).T)
+            put_corner(stacks["wq_gate"][index], heads[:, 1].reshape(-1, tensor.shape[1]).T)
+        else:
+            put_corner(stacks[param][index], tensor.T if transposed else tensor)
     return {param: jnp.asarray(stacked) for param, stacked in stacks.items()}
 
 

@@ -3,16 +3,17 @@
 Here: the frozen `ModelConfig` for Qwen3 / Qwen3-MoE-shaped decoders, Qwen3.5's hybrid
 (gated-DeltaNet linear attention + gated full attention), Kimi Linear (MLA + Kimi Delta
 Attention + shared-expert MoE with a grouped sigmoid router) and gpt-oss (attention with
-sinks, sliding-window layers, YaRN RoPE (`Yarn`), clamped-SwiGLU experts), its derived sizes (KV or
-latent bytes per token, linear-attention state bytes per sequence; parameter counts and
-stored bytes are `mk.weights.param_count` and `mk.quant.stored_bytes`), how its weights
-are stored (`formats`, checked by `check_formats`: the one precision knob),
-`ModelConfig.from_hf` (the one entry point for Hugging Face `config.json` files); the
-argument checks several modules share (`positive_int`, `check_seed`, `check_rows`). Not
-here: each layer kind's checks of its fields (`mk.kinds.checks`, run on construction) and
-its Hugging Face fields (`mk.kinds.hf`, read by `from_hf`), the named presets
-(`mk.presets`), weights (`mk.checkpoint`), chips (`mk.chips`), notebook parameters
-(`mk.run`), kernel tiling (each kernel's `BlockSizes`).
+sinks, sliding-window layers, YaRN RoPE (`Yarn`), clamped-SwiGLU experts), its derived
+sizes (KV or latent bytes per token, linear-attention state bytes per sequence; parameter
+counts and stored bytes are `mk.weights.param_count` and `mk.quant.stored_bytes`), how its
+weights are stored (`formats`, checked by `check_formats`: the one precision knob), lane
+padding (`lane_padded`, `padding`, `norm_width`: widths that are not whole 128-lane tiles
+held with zero lanes, exactly), `ModelConfig.from_hf` (the one entry point for Hugging
+Face `config.json` files); the argument checks several modules share (`positive_int`,
+`check_seed`, `check_rows`). Not here: each layer kind's checks of its fields
+(`mk.kinds.checks`, run on construction) and its Hugging Face fields (`mk.kinds.hf`, read
+by `from_hf`), the named presets (`mk.presets`), weights (`mk.checkpoint`), chips
+(`mk.chips`), notebook parameters (`mk.run`), kernel tiling (each kernel's `BlockSizes`).
 
 Dimension legend, used in every shape comment of the project:
 
@@ -45,6 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from mk.errors import brief, shown
+from mk.kernels.common import padded_width
 from mk.kinds.checks import FORMAT_LAYERS, KIND_CHECKS, UNSET, check_positive_ints
 from mk.kinds.hf import fields_from_hf
 
@@ -62,6 +64,9 @@ LAYER_TYPES = ("full", "linear")
 COMPUTE_DTYPES = tuple(DTYPE_BITS)
 # M = B * T activation rows of one decode step (decode and speculative verification).
 MAX_ROWS = 64
+# The widths `ModelConfig.lane_padded` rounds up to whole 128-lane tiles: the residual
+# stream's and the MLPs' (every other width is whole heads, tiled as they are).
+PADDED_FIELDS = ("hidden", "ffn", "expert_ffn", "shared_expert_ffn")
 
 
 def positive_int(field: str, value) -> int:
@@ -224,6 +229,12 @@ class ModelConfig:
     # items): the byte model (mk.perf, mk.sim, the plan) charges it wherever a caller gives
     # no formats of its own; () stores every weight in `dtype`.
     formats: tuple[tuple[str, str], ...] = ()
+    # Zero lanes appended to widths that are not whole 128-lane tiles ({field of
+    # PADDED_FIELDS: zeros}, kept as sorted items; `lane_padded` sets it): the kernels tile
+    # whole lanes and fp4 packs 128 rows, so gpt-oss's 2880 is held as 2944. Exact: the
+    # padded rows and columns are zeros, the residual stream's padding lanes stay zero, and
+    # its RMSNorms average over the model's own width (`norm_width`).
+    padding: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self):
         check_positive_ints(self, ("vocab", "hidden", "layers", "heads", "kv_heads",
@@ -254,9 +265,26 @@ class ModelConfig:
             raise ValueError(f"{self.name}: yarn={shown(self.yarn)} must be a mk.config.Yarn")
         object.__setattr__(self, "formats", tuple(sorted(check_formats(self, self.formats)
                                                          .items())))
+        object.__setattr__(self, "padding", tuple(sorted(self._checked_padding().items())))
         self._validate_layer_types()
         for check in KIND_CHECKS:  # each layer kind's own fields
             check(self)
+
+    def _checked_padding(self) -> dict[str, int]:
+        try:
+            padding = dict(self.padding)
+        except (TypeError, ValueError):
+            raise ValueError(f"{self.name}: padding={brief(self.padding)} must be a dict "
+                             "{field: zero lanes}") from None
+        for field, zeros in padding.items():
+            if field not in PADDED_FIELDS:
+                raise ValueError(f"{self.name}: padding field={shown(field)} must be one of "
+                                 f"{PADDED_FIELDS}")
+            width = getattr(self, field)
+            if isinstance(zeros, bool) or not isinstance(zeros, int) or not 0 < zeros < width:
+                raise ValueError(f"{self.name}: padding {field}={shown(zeros)} must be a "
+                                 f"whole number of zero lanes in [1, {field}={width})")
+        return padding
 
     def _validate_layer_types(self):
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
@@ -272,6 +300,32 @@ class ModelConfig:
             raise ValueError(f"{self.name}: partial_rotary_factor={self.partial_rotary_factor}"
                              f" must be in (0, 1] and give an even number of rotated dims "
                              f"(head_dim={self.head_dim} * factor = {rotary})")
+
+    # -- Lane padding ---------------------------------------------------------------------
+    @property
+    def norm_width(self) -> int:
+        """The width the residual stream's RMSNorms average over: D less its zero lanes."""
+        return self.hidden - dict(self.padding).get("hidden", 0)
+
+    def lane_padded(self) -> ModelConfig:
+        """This model with each width of PADDED_FIELDS rounded up to whole 128-lane tiles
+        (`padding` records the zeros); itself when every width is whole already. The
+        loader and `init_params` fill the padding with zeros (`mk.checkpoint`)."""
+        widths = {f: getattr(self, f) for f in PADDED_FIELDS if getattr(self, f)}
+        grown = {f: padded_width(w) for f, w in widths.items() if padded_width(w) != w}
+        if not grown:
+            return self
+        padding = dict(self.padding)
+        for field, width in grown.items():
+            padding[field] = padding.get(field, 0) + width - widths[field]
+        return dataclasses.replace(self, padding=padding, **grown)
+
+    def unpadded(self) -> ModelConfig:
+        """The model in its own widths (a checkpoint's shapes): `lane_padded` undone."""
+        if not self.padding:
+            return self
+        return dataclasses.replace(self, padding=(), **{
+            field: getattr(self, field) - zeros for field, zeros in self.padding})
 
     # -- Derived shapes -------------------------------------------------------------------
     @property
@@ -415,9 +469,10 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, source: str | Path | dict, *, name: str | None = None,
                 dtype: str | None = None) -> ModelConfig:
-        """Read a Qwen3, Qwen3-MoE, Qwen3.5 or Kimi Linear `config.json` (a path, a folder,
-        or the parsed dict; `mk.kinds.hf.HF_MODEL_TYPES`), each layer kind's fields read
-        by its reader in `mk.kinds.hf`.
+        """Read a Qwen3, Qwen3-MoE, Qwen3.5, Kimi Linear or gpt-oss `config.json` (a path,
+        a folder, or the parsed dict; `mk.kinds.hf.HF_MODEL_TYPES`), each layer kind's
+        fields read by its reader in `mk.kinds.hf`, as the model mk holds: `lane_padded`
+        (`unpadded()` is the file's own widths).
 
         Both spellings are accepted: older (`rope_theta`, `num_experts`) and newer
         (`rope_parameters`, `num_local_experts`). `dtype` overrides the file's dtype.
@@ -425,4 +480,4 @@ class ModelConfig:
         (`mk.kinds.hf.check_hub_name`: a checkpoint is untrusted), else after the folder;
         errors echo the file's values `shown` (escaped, bounded).
         """
-        return cls(**fields_from_hf(source, name=name, dtype=dtype))
+        return cls(**fields_from_hf(source, name=name, dtype=dtype)).lane_padded()

@@ -18,7 +18,7 @@ import numpy as np
 from mk import quant, unpack
 from mk.config import ModelConfig
 from mk.errors import shown
-from mk.weights import FORMAT_GROUPS
+from mk.weights import FORMAT_GROUPS, put_corner
 
 # gpt-oss's fused expert tensors: [..., 2F] whose even columns are the first weight's and
 # odd ones the second's (`mk.weights`: both name the same tensor).
@@ -139,17 +139,23 @@ def _raw_bytes(path: Path, name: str) -> np.ndarray:
 
 def assemble_quantised(folder, handles, where, layout, shapes
                         ) -> dict[str, quant.QuantWeight]:
-    """The validated quantised tensors as `QuantWeight`s in mk.quant's layouts."""
+    """The validated quantised tensors as `QuantWeight`s in mk.quant's layouts, of the
+    slots' `shapes` (mk's: a lane-padded model's codes and scales fill each slot's
+    leading corner, its padding zero codes under unit scales, `mk.quant.ZERO_CODE` and
+    `UNIT_SCALE`)."""
     data, scales = {}, {}
 
     def slot(param, scheme):
         if param not in data:
             shape = shapes[param][0]
-            packed = (*shape[:-2], shape[-2] // 2, shape[-1])
-            data[param] = np.empty(shape if scheme == "fp8" else packed, np.uint8)
             lead, (I, O) = shape[:-2], shape[-2:]
-            scales[param] = (np.empty((*lead, I // 128, O // 128), np.float32)
-                             if scheme == "fp8" else np.empty((*lead, I // 32, O), np.uint8))
+            if scheme == "fp8":
+                data[param] = np.full(shape, quant.ZERO_CODE["fp8"], np.uint8)
+                scales[param] = np.full((*lead, I // 128, O // 128), quant.UNIT_SCALE["fp8"],
+                                        np.float32)
+            else:  # fp4 codes packed two a byte (`unpack.pack_nibbles`)
+                data[param] = np.zeros((*lead, I // 2, O), np.uint8)
+                scales[param] = np.full((*lead, I // 32, O), quant.UNIT_SCALE["fp4"], np.uint8)
         return data[param], scales[param]
 
     for name, (param, index, how) in layout.items():
@@ -160,19 +166,22 @@ def assemble_quantised(folder, handles, where, layout, shapes
         if how in ("fp8", "fp8_scale"):
             d, s = slot(param, "fp8")
             if how == "fp8":
-                d[index] = tensor.T
+                put_corner(d[index], tensor.T)
             else:
-                s[index] = tensor.astype(np.float32).T
+                put_corner(s[index], tensor.astype(np.float32).T)
             continue
         pairs = (dict(zip(INTERLEAVED[param], (slice(0, None, 2), slice(1, None, 2))))
                  if param in INTERLEAVED else {param: slice(None)})
         for target, rows in pairs.items():  # gpt-oss interleaves gate and up rows
             d, s = slot(target, "fp4")
             part = tensor[..., rows, :, :] if how == "mxfp4_blocks" else tensor[..., rows, :]
-            if how == "mxfp4_blocks":
-                d[index] = np.asarray(unpack.pack_nibbles(_gpt_oss_codes(part)))
+            if how == "mxfp4_blocks":  # codes padded with zero codes, then packed
+                codes = np.full(d[index].shape[:-2] + (2 * d.shape[-2], d.shape[-1]),
+                                quant.ZERO_CODE["fp4"], np.uint8)
+                put_corner(codes, _gpt_oss_codes(part))
+                d[index] = np.asarray(unpack.pack_nibbles(codes))
             else:
-                s[index] = np.swapaxes(part, -1, -2)
+                put_corner(s[index], np.swapaxes(part, -1, -2))
     return {param: quant.QuantWeight(jnp.asarray(data[param]), jnp.asarray(scales[param]),
                                      "fp8" if scales[param].dtype == np.float32 else "fp4")
             for param in data}

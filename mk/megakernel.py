@@ -275,7 +275,8 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
         x = lax.fori_loop(0, config.layers, one_layer, inputs["x"][...])
     with jax.named_scope("lm_head"):
         final_norm.wait()
-        s.h[...] = rms_norm(x, vectors["final_norm"][...], config.rms_eps).astype(s.h.dtype)
+        s.h[...] = rms_norm(x, vectors["final_norm"][...], config.rms_eps,
+                            width=config.norm_width).astype(s.h.dtype)
         ring.matmul("lm_head", s.h, outputs["logits"], layer=config.layers)
     for kind in reversed(kinds):  # e.g. the last write-backs and row states
         kind.finish(k)

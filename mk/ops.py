@@ -47,11 +47,15 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     return dot("...i,io->...o", x, w, w.dtype)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
-    """RMSNorm over the last axis, in float32, scaled by (offset + weight)."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0,
+             width: int | None = None) -> jax.Array:
+    """RMSNorm over the last axis, in float32, scaled by (offset + weight). `width`: the
+    count the mean of squares divides by, where the last axis ends in zero lanes (the
+    residual stream of a lane-padded model: `ModelConfig.norm_width`); None: all of it."""
     x = x.astype(F32)
     scale = weight.astype(F32) + offset
-    return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * scale
+    squares = jnp.sum(x * x, axis=-1, keepdims=True) / (width or x.shape[-1])
+    return x * lax.rsqrt(squares + eps) * scale
 
 
 def rope_inv_freq(pairs: jax.Array, dims: int, theta: float, yarn=None) -> jax.Array:

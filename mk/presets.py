@@ -138,15 +138,17 @@ _KIMI_PRESETS = {
 }
 
 # gpt-oss (attention with sinks on alternating sliding-window and full layers, YaRN RoPE,
-# clamped-SwiGLU experts stored MXFP4): the reference and the loader run them; the
-# megakernel does not yet (issue 38), so they are listed apart (GPT_OSS_PRESET_NAMES).
+# clamped-SwiGLU experts stored MXFP4): the reference, the loader, the megakernel
+# (tensor-parallel too), mk.sim and mk.perf run them. They are listed apart
+# (GPT_OSS_PRESET_NAMES), as Kimi's are.
 def _gpt_oss(name, *, layers, experts, **extra):
     """openai/gpt-oss-20b's and -120b's config.json (as quoted publicly, not read from the
     hub here; transformers' GptOssConfig defaults are the 120b's): hidden 2880, 64 heads
     of 64, 8 kv heads, a 128-position window on the even layers (the first sliding),
     biases, sinks, rope_theta 150000 with YaRN (factor 32 over 4096 positions, beta
     32 / 1, not truncated), 131072 positions, top-4 experts of width 2880 (swiglu_limit 7,
-    transformers' alpha 1.702), vocab 201088, untied, rms eps 1e-5, MXFP4 experts."""
+    transformers' alpha 1.702), vocab 201088, untied, rms eps 1e-5, MXFP4 experts; held
+    lane-padded as the loader holds the checkpoint (2880 -> 2944: `lane_padded`)."""
     return ModelConfig(
         name=name, vocab=201_088, hidden=2880, layers=layers, heads=64, kv_heads=8,
         head_dim=64, ffn=2880, qk_norm=False, rope_theta=150_000.0, rms_eps=1e-5,
@@ -155,7 +157,7 @@ def _gpt_oss(name, *, layers, experts, **extra):
         yarn=Yarn(factor=32.0, original_max_position=4096, truncate=False),
         experts=experts, experts_per_token=4, expert_ffn=2880,
         moe_layers=tuple(range(layers)), norm_topk=True, swiglu_limit=7.0,
-        swiglu_alpha=1.702, formats={"experts": "fp4"}, **extra)
+        swiglu_alpha=1.702, formats={"experts": "fp4"}, **extra).lane_padded()
 
 
 _GPT_OSS_PRESETS = {

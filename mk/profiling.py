@@ -376,14 +376,15 @@ def output_projection(o, x, wo):
 @functools.partial(jax.jit, static_argnames=("kind",))
 def mlp(kind: Kind, x, mlp_norm, weights):
     B, T, D = x.shape
-    h = ops.rms_norm(x, mlp_norm, kind.config.rms_eps).reshape(B * T, D)
+    h = ops.rms_norm(x, mlp_norm, kind.config.rms_eps,
+                     width=kind.config.norm_width).reshape(B * T, D)
     return x + kind.stage(h, weights).reshape(x.shape)  # the MLP kind's stage kernel
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
 def head(config: ModelConfig, x, final_norm, w):
     B, T, D = x.shape
-    h = ops.rms_norm(x, final_norm, config.rms_eps).reshape(B * T, D)
+    h = ops.rms_norm(x, final_norm, config.rms_eps, width=config.norm_width).reshape(B * T, D)
     return stream_matmul(h, w).reshape(B, T, -1)
 
 

@@ -67,7 +67,8 @@ def greedy(logits: jax.Array) -> jax.Array:
 
 def lm_head(config: ModelConfig, params, x: jax.Array) -> jax.Array:
     """Final norm and vocab projection: x [..., D] -> logits [..., V] float32."""
-    h = rms_norm(x, params["final_norm"], config.rms_eps, config.norm_offset)
+    h = rms_norm(x, params["final_norm"], config.rms_eps, config.norm_offset,
+                 config.norm_width)
     w = params["embed"].T if config.tie_embeddings else params["lm_head"]
     return matmul(h, w)
 
@@ -79,7 +80,7 @@ def attention_inputs(config: ModelConfig, params, layer: int, x, positions):
     B, T, _ = x.shape
     N, K, H, eps = config.heads, config.kv_heads, config.head_dim, config.rms_eps
     off, (_, a) = config.norm_offset, config.mixer_index(layer)
-    h = rms_norm(x, params["attn_norm"][layer], eps, off)
+    h = rms_norm(x, params["attn_norm"][layer], eps, off, config.norm_width)
     q, k, v = (_projection(params, w, a, h) for w in ("q", "k", "v"))
     q, k, v = q.reshape(B, T, N, H), k.reshape(B, T, K, H), v.reshape(B, T, K, H)
     if "q_norm" in params:  # Qwen3's QK norm (no such weights: no norm)
@@ -108,7 +109,8 @@ def decoder_layer(config: ModelConfig, params, layer: int, x, k_cache, v_cache, 
     o = attention(q, k_cache, v_cache, positions, window=config.window(layer),
                   sinks=sinks).reshape(B, T, -1)
     if "wq_gate" in params:  # Qwen3.5's gated output
-        h = rms_norm(x, params["attn_norm"][layer], config.rms_eps, config.norm_offset)
+        h = rms_norm(x, params["attn_norm"][layer], config.rms_eps, config.norm_offset,
+                     config.norm_width)
         o = o * jax.nn.sigmoid(matmul(h, params["wq_gate"][a]))
     x = x + _projection(params, "o", a, o)
     return mlp_block(config, params, layer, x), k_cache, v_cache, x
@@ -118,8 +120,8 @@ def mlp_block(config: ModelConfig, params, layer: int, x) -> jax.Array:
     """x + MLP(RMSNorm(x)) of layer `layer` (its MLP kind's oracle, `MLPS`); x [B, T, D]
     float32."""
     B, T, _ = x.shape
-    h = rms_norm(x, params["mlp_norm"][layer], config.rms_eps,
-                 config.norm_offset).reshape(B * T, -1)
+    h = rms_norm(x, params["mlp_norm"][layer], config.rms_eps, config.norm_offset,
+                 config.norm_width).reshape(B * T, -1)
     role, i = config.mlp_index(layer)
     y = MLPS[kind_of(config, f"{role}_layers")](config, params, i, h)
     return x + y.reshape(B, T, -1)
@@ -169,7 +171,8 @@ def linear_decoder_layer(config: ModelConfig, params, layer: int, x, conv_state,
     DeltaNet or KDA); x [B, T, D] float32. Returns (x, conv states, recurrent states after
     each row, x_after_mixer)."""
     role, i = config.mixer_index(layer)
-    h = rms_norm(x, params["attn_norm"][layer], config.rms_eps, config.norm_offset)
+    h = rms_norm(x, params["attn_norm"][layer], config.rms_eps, config.norm_offset,
+                 config.norm_width)
     mixer = LINEAR_MIXERS[kind_of(config, f"{role}_layers")]
     y, conv_rows, state_rows = mixer(config, params, i, h, conv_state, state)
     x = x + y
@@ -192,7 +195,7 @@ def mla_decoder_layer(config: ModelConfig, params, layer: int, x, latent_cache, 
     B, T, _ = x.shape
     N, H, R, Hr = config.heads, config.head_dim, config.latent_rank, config.rope_dim
     _, a = config.mixer_index(layer)
-    h = rms_norm(x, params["attn_norm"][layer], config.rms_eps)
+    h = rms_norm(x, params["attn_norm"][layer], config.rms_eps, width=config.norm_width)
     q, latent = mla_projections(config, params, a, h)
     latent_cache = write_rows(latent_cache[:, None], latent[:, :, None], positions)[:, 0]
     S = latent_cache.shape[1]

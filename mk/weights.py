@@ -33,11 +33,11 @@ A row (`Weight`) says everything one weight's consumers need to know of it:
               always: e.g. the lm_head only when the embedding is not tied)
 
 Everything that needs a weight's facts reads its row: `param_shapes` (the params layout of
-`mk.config`'s docstring), the checkpoint loader (`mk.checkpoint.hf_layout`), the plan's
-byte families (`mk.kernels.plan`), tensor-parallel sharding (`mk.tensor_parallel`) and the
-format groups of quantised weights (`mk.quant`). "Family" means a byte family only. Not
-here: how a kind's kernel runs (`mk.kernels.*`), the model's shape and its checks
-(`mk.config`).
+`mk.config`'s docstring; `put_corner` fills a lane-padded one), the checkpoint loader
+(`mk.checkpoint.hf_layout`), the plan's byte families (`mk.kernels.plan`), tensor-parallel
+sharding (`mk.tensor_parallel`) and the format groups of quantised weights (`mk.quant`).
+"Family" means a byte family only. Not here: how a kind's kernel runs (`mk.kernels.*`),
+the model's shape and its checks (`mk.config`).
 
 Adding a layer kind: its rows here (with `KIND_LAYERS` and `kinds_of`), its config fields
 and checks in `mk.config`, its kernel phases in `mk.kernels`.
@@ -50,6 +50,7 @@ import math
 from typing import Callable
 
 import jax
+import numpy as np
 
 from mk.config import FORMAT_GROUP_NAMES, ModelConfig
 
@@ -356,6 +357,17 @@ def param_shapes(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
     """Name -> (shape, dtype) of every parameter of `config` (the layout of `mk.config`'s
     docstring: per-layer tensors stacked on a leading layer axis of their kind's layers)."""
     return {w.name: (w.stacked(config), config.dtype) for w in weights_of(config)}
+
+
+def put_corner(target, values) -> None:
+    """Write `values` into the leading corner of `target` (a numpy array or view of its
+    own rank): a weight of a lane-padded model (`ModelConfig.lane_padded`) from the
+    values of its own widths, the rest of `target` left as it is (zeros, or zero codes
+    under unit scales)."""
+    values = np.asarray(values)
+    if values.ndim != target.ndim or any(v > t for v, t in zip(values.shape, target.shape)):
+        raise ValueError(f"values {values.shape} do not fit in the corner of {target.shape}")
+    target[tuple(slice(0, n) for n in values.shape)] = values
 
 
 def _by_name(field: str) -> dict[str, object]:

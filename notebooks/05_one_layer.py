@@ -253,7 +253,8 @@ attention_bytes = config.hidden * (2 * config.q_width + 2 * config.kv_width) * i
 if kind == "dense":
     mlp_bytes = 3 * config.hidden * config.ffn * itemsize
 else:  # the experts the router picks for this batch (the reference's routing)
-    h = ops.rms_norm(x_attn, params["mlp_norm"][layer], config.rms_eps).reshape(M, -1)
+    h = ops.rms_norm(x_attn, params["mlp_norm"][layer], config.rms_eps,
+                     width=config.norm_width).reshape(M, -1)
     _, experts = ops.route(h, params["router"][config.mlp_index(layer)[1]],
                            config.experts_per_token, config.norm_topk)
     touched = len(np.unique(np.asarray(experts)))

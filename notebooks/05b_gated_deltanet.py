@@ -134,7 +134,8 @@ keys = jax.random.split(jax.random.key(run.seed), 3)
 x = jax.random.normal(keys[0], (run.batch, run.rows, config.hidden))
 conv = jax.random.normal(keys[1], (run.batch, W - 1, C)).astype(config.dtype)
 state = 0.1 * jax.random.normal(keys[2], (run.batch, Nv, Hk, Hv))  # a state mid-sequence
-h = ops.rms_norm(x, params["attn_norm"][layer], config.rms_eps, config.norm_offset)
+h = ops.rms_norm(x, params["attn_norm"][layer], config.rms_eps, config.norm_offset,
+                 config.norm_width)
 i = config.mixer_index(layer)[1]
 q, k, v, _ = linear_attention.conv_qkv(config, params, i, h, conv)
 beta = jax.nn.sigmoid(ops.matmul(h, params["lin_b"][i]))

@@ -202,7 +202,8 @@ cache = (0.5 * jax.random.normal(keys[1], (1, B, S, config.latent_width))).astyp
 positions = jnp.array([3 + 130 * (b % 2) for b in range(B)], jnp.int32)
 _, want_latent, want_mla = reference.mla_decoder_layer(config, params, layer, x, cache[a],
                                                        positions)
-h = ops.rms_norm(x, params["attn_norm"][layer], config.rms_eps).reshape(B * T, -1)
+h = ops.rms_norm(x, params["attn_norm"][layer], config.rms_eps,
+                 width=config.norm_width).reshape(B * T, -1)
 queries, latent, up_v = reference.mla_absorbed(config, params, a, h)
 start = time.perf_counter()
 with mk.backend.use(run.backend, detect_races=(mode == "interpret")):
@@ -237,7 +238,7 @@ print(f"x after MLA: max |kernel - reference| = {float(jnp.abs(got_mla - want_ml
 # %%
 linear = config.linear_layers[-1]
 i = config.mixer_index(linear)[1]
-h_lin = ops.rms_norm(x, params["attn_norm"][linear], config.rms_eps)
+h_lin = ops.rms_norm(x, params["attn_norm"][linear], config.rms_eps, width=config.norm_width)
 decay = np.exp(np.asarray(linear_attention.kda_decay(config, params, i, h_lin))[0, 0])  # [Nv, Hk]
 fig = go.Figure(go.Heatmap(z=decay, colorscale="Viridis", colorbar=dict(title="exp(g)")))
 fig.update_layout(title=f"KDA layer {linear}: the decay of each key channel (row 0)",

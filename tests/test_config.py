@@ -3,9 +3,11 @@
 import dataclasses
 import re
 
+import numpy as np
 import pytest
 
 from mk.cache import bytes_per_position
+from mk.checkpoint import init_params
 from mk.config import ModelConfig
 from mk.presets import PRESET_NAMES, preset
 from mk.quant import stored_bytes
@@ -215,3 +217,32 @@ def test_from_hf_names_a_malformed_field_instead_of_crashing(case):
         hf = hf | {field: value}
     with pytest.raises(ValueError, match=re.escape(field)):
         ModelConfig.from_hf(hf)
+
+
+# -- Lane padding --------------------------------------------------------------------------
+def test_lane_padding_holds_each_width_in_whole_lanes_and_undoes_exactly():
+    """200 and 100 wide (as gpt-oss's 2880): held as 256 and 128, the norms over 200; the
+    random weights are the unpadded model's in each slot's corner, zeros in the padding."""
+    own = dataclasses.replace(preset("tiny-moe"), hidden=200, expert_ffn=100)
+    held = own.lane_padded()
+    assert (held.hidden, held.expert_ffn, held.ffn, held.norm_width) == (256, 128, 512, 200)
+    assert dict(held.padding) == {"hidden": 56, "expert_ffn": 28}
+    assert held.unpadded() == own and held.lane_padded() is held
+    mine, theirs = init_params(held), init_params(own)
+    for name, x in mine.items():
+        x, want = np.asarray(x, np.float32), np.asarray(theirs[name], np.float32)
+        corner = tuple(slice(0, n) for n in want.shape)
+        np.testing.assert_array_equal(x[corner], want, name)
+        x[corner] = 0
+        assert not x.any(), f"{name}: its padding is not zero"
+
+
+@pytest.mark.parametrize("padding, message", [
+    ({"heads": 8}, r"padding field='heads' must be one of \('hidden'"),
+    ({"hidden": 0}, r"padding hidden=0 must be a whole number of zero lanes in \[1, hidden=256\)"),
+    ({"hidden": 256}, r"padding hidden=256 must be"),
+    ({"hidden": 1.5}, r"padding hidden=1.5 must be"),
+    ("lanes", r"padding='lanes' must be a dict")])
+def test_bad_padding_is_refused_by_field_value_and_limit(padding, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(preset("tiny"), padding=padding)

@@ -29,6 +29,7 @@ from safetensors.numpy import load_file, save_file
 import mk
 from mk import megakernel, quant, spec, tpu, unpack
 from mk import reference as R
+from mk.kernels.common import padded_width
 from mk.kinds import layers
 from mk.kinds.layers import layer_kinds
 from mk.presets import GPT_OSS_PRESET_NAMES
@@ -75,7 +76,8 @@ def test_loaded_config_and_sizes_match_the_transformers_model(case):
                                           if t == SLIDE)
     assert config.sliding_window == WINDOW and config.moe_layers == tuple(range(config.layers))
     assert config.attention_bias == hf.attention_bias and config.yarn.factor == 32
-    assert param_count(config) == sum(p.numel() for p in model.parameters())
+    assert param_count(config.unpadded()) == sum(p.numel() for p in model.parameters())
+    assert (config.hidden, config.norm_width, config.expert_ffn) == (128, 64, 128)
     assert {k: v.shape for k, v in params.items()} == {
         k: shape for k, (shape, _) in param_shapes(config).items()}
 
@@ -107,6 +109,8 @@ PLANTED = {  # each feature left out: the run must miss the tolerance the real o
     "no sinks": _without_sinks,
     "no clamp": lambda c, p: (dataclasses.replace(c, swiglu_limit=1e30), p),
     "no yarn": lambda c, p: (dataclasses.replace(c, yarn=None), p),
+    # the loader holds hidden 64 lane-padded to 128: norms averaging over the padding too
+    "norms over the padding": lambda c, p: (dataclasses.replace(c, padding=()), p),
 }
 
 
@@ -136,7 +140,9 @@ def written_with_mxfp4_experts(fields: dict, folder):
     and rewritten as gpt-oss stores them (`*_blocks`, `*_scales`; interleaved gate | up
     rows, quantization_config mxfp4), and the model's experts set to the values
     transformers' own converter (`convert_moe_packed_tensors`) decodes from those bytes ->
-    (model, the tensors written, layer 0's mk.quant fp4 weights by fused name)."""
+    (model, the tensors written, layer 0's mk.quant fp4 weights by fused name). An input
+    width that is not whole 128-row packing units (a multiple of the 32-value block) is
+    quantised with zero rows to the next unit, the written blocks cut back to its own."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     model = build_hf_model("gpt_oss", fields)
@@ -145,8 +151,13 @@ def written_with_mxfp4_experts(fields: dict, folder):
     for i, layer in enumerate(model.model.layers):
         for fused in ("gate_up_proj", "down_proj"):
             name = f"model.layers.{i}.mlp.experts.{fused}"
-            q = quant.quantize_weight(tensors.pop(name), "fp4", name)  # [E, in, out]
+            w = tensors.pop(name)  # [E, in, out]
+            rows = w.shape[1]
+            w = np.pad(w, ((0, 0), (0, padded_width(rows) - rows), (0, 0)))
+            q = quant.quantize_weight(w, "fp4", name)
             blocks, scales = gpt_oss_blocks(q)
+            blocks, scales = (np.ascontiguousarray(blocks[..., :rows // 32, :]),
+                              np.ascontiguousarray(scales[..., :rows // 32]))
             tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
             first.setdefault(fused, q)
             with torch.no_grad():
@@ -161,21 +172,32 @@ def written_with_mxfp4_experts(fields: dict, folder):
 
 def test_mxfp4_experts_in_gpt_oss_layout_load_bit_exactly_and_decode_like_transformers(
         tmp_path):
-    """The experts in gpt-oss's MXFP4 layout (`written_with_mxfp4_experts`): mk loads the
-    packed bytes into `mk.quant`'s fp4 bit-exactly, and its reference, on their dequantised
-    values, gives transformers' logits and 32 greedy tokens."""
-    fields = {**COMMON, **CASES["alternating"], "hidden_size": 128, "intermediate_size": 128}
+    """The experts in gpt-oss's MXFP4 layout (`written_with_mxfp4_experts`), at widths of
+    96 (as gpt-oss's 2880, not whole 128-lane tiles): mk loads them lane-padded to 128,
+    each packed code and scale of the file bit-exactly in its slot's corner, zero codes
+    under unit scales in the padding; its reference, on their dequantised values, gives
+    transformers' logits and 32 greedy tokens (the norms over the model's own 96)."""
+    fields = {**COMMON, **CASES["alternating"], "hidden_size": 96, "intermediate_size": 96}
     model, tensors, first = written_with_mxfp4_experts(fields, tmp_path)
     config, params = mk.load_checkpoint(tmp_path)
+    assert (config.hidden, config.expert_ffn, config.norm_width) == (128, 128, 96)
     config = dataclasses.replace(config, max_context=CONTEXT)
-    gate_up = first["gate_up_proj"]  # layer 0's: columns 2f gate, 2f + 1 up
+    codes = {name: np.asarray(unpack.unpack_nibbles(params[name].data[0]))
+             for name in ("we_gate", "we_up", "we_down")}
+    gate_up, down = first["gate_up_proj"], first["down_proj"]  # layer 0's, rows padded
+    file_codes = np.asarray(unpack.unpack_nibbles(gate_up.data))  # columns 2f gate, 2f + 1 up
     for name, start in (("we_gate", 0), ("we_up", 1)):
-        np.testing.assert_array_equal(np.asarray(params[name].data[0]),
-                                      np.asarray(gate_up.data)[..., start::2], name)
-        np.testing.assert_array_equal(np.asarray(params[name].scale[0]),
-                                      np.asarray(gate_up.scale)[..., start::2], name)
-    np.testing.assert_array_equal(np.asarray(params["we_down"].data[0]),
-                                  np.asarray(first["down_proj"].data))
+        np.testing.assert_array_equal(codes[name][:, :96, :96],
+                                      file_codes[:, :96, start::2], name)
+        np.testing.assert_array_equal(np.asarray(params[name].scale[0])[:, :3, :96],
+                                      np.asarray(gate_up.scale)[:, :3, start::2], name)
+    np.testing.assert_array_equal(codes["we_down"][:, :96, :96],
+                                  np.asarray(unpack.unpack_nibbles(down.data))[:, :96])
+    for name, c in codes.items():  # the padding: zero codes under unit scales
+        scale = np.asarray(params[name].scale[0])
+        assert not c[:, 96:].any() and not c[:, :, 96:].any(), name
+        assert (scale[:, 3:] == quant.UNIT_SCALE["fp4"]).all(), name
+        assert (scale[:, :, 96:] == quant.UNIT_SCALE["fp4"]).all(), name
     values = quant.dequantize(params)
     prompt = np.random.default_rng(3).integers(0, fields["vocab_size"], (4, PROMPT))
     assert_prefill_matches_hf(model, config, values, prompt, LOGIT_RTOL_OF_SCALE)
@@ -183,16 +205,17 @@ def test_mxfp4_experts_in_gpt_oss_layout_load_bit_exactly_and_decode_like_transf
     name = "model.layers.1.mlp.experts.gate_up_proj_blocks"  # a block of 16 values, not 32
     tensors[name] = np.ascontiguousarray(tensors[name][..., :8])
     save_file(tensors, tmp_path / "model.safetensors")
-    with pytest.raises(ValueError, match=r"gate_up_proj_blocks has shape \(8, 256, 4, 8\), "
-                                         r"expected \(8, 256, 4, 16\)"):
+    with pytest.raises(ValueError, match=r"gate_up_proj_blocks has shape \(8, 192, 3, 8\), "
+                                         r"expected \(8, 192, 3, 16\)"):
         mk.load_checkpoint(tmp_path)
 
 
 # -- The megakernel ----------------------------------------------------------------------
-# A transformers-written model at the megakernel's tiles (widths of 128, gpt-oss's head dim
-# 64), MXFP4 experts in gpt-oss's layout, a window of 16 below the 20-token prompt.
+# A transformers-written model with gpt-oss's head dim 64 and, like gpt-oss's 2880, widths
+# the megakernel holds lane-padded (224 -> 256, 96 -> 128: its norms over 224), MXFP4
+# experts in gpt-oss's layout, a window of 16 below the 20-token prompt.
 KERNEL_WINDOW, KERNEL_PROMPT = 16, 20
-KERNEL = {**COMMON, "vocab_size": 512, "hidden_size": 256, "intermediate_size": 128,
+KERNEL = {**COMMON, "vocab_size": 512, "hidden_size": 224, "intermediate_size": 96,
           "head_dim": 64, "num_hidden_layers": 2, "sliding_window": KERNEL_WINDOW,
           "swiglu_limit": 1.0}  # layer 0 sliding, layer 1 full
 
@@ -260,6 +283,18 @@ def test_tiny_gpt_oss_compiles_for_tpu(chip, formats):
     assert report.ok, report.error
 
 
+# The published 20b whole on one core of each Colab TPU (v5e: ~35 s; v6e, ~60 s, under make
+# test-slow), lane-padded (2880 -> 2944), its experts streamed fp4.
+@pytest.mark.parametrize("chip", ["v5e", pytest.param("v6e", marks=pytest.mark.slow)])
+def test_gpt_oss_20b_compiles_whole_for_one_colab_chip(chip):
+    config = mk.preset("gpt-oss-20b")
+    report = tpu.compile_megakernel(config, chip, batch=1, context=4096)
+    assert report.ok, report.error
+    assert {"ring_fp4", "ring_fp4_scales"} <= {b.name for b in report.vmem.buffers}
+    # the compiler's arguments are the plan's HBM bytes (packed experts, KV cache once)
+    assert report.argument_bytes == pytest.approx(report.hbm_bytes, rel=0.01)
+
+
 @pytest.mark.parametrize("name", GPT_OSS_PRESET_NAMES)
 def test_presets_are_gpt_oss_shaped(name):
     """The presets' sizes against the published parameter counts (gpt-oss-20b: 20.9B,
@@ -268,8 +303,9 @@ def test_presets_are_gpt_oss_shaped(name):
     assert config.attention_sinks and config.swiglu_limit and config.yarn is not None
     assert config.sliding_window and config.sliding_layers == tuple(range(0, config.layers, 2))
     published = {"gpt-oss-20b": 20.9e9, "gpt-oss-120b": 116.8e9}
-    if name in published:
-        assert param_count(config) == pytest.approx(published[name], rel=0.01)
+    if name in published:  # held lane-padded: 2880 -> 2944, zeros
+        assert param_count(config.unpadded()) == pytest.approx(published[name], rel=0.01)
+        assert (config.hidden, config.expert_ffn, config.norm_width) == (2944, 2944, 2880)
     assert [k.name for k in layer_kinds(config)] == ["sink_gqa", "clamped_moe"]
 
 

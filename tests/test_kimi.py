@@ -77,10 +77,10 @@ def test_loaded_config_and_sizes_match_the_transformers_model(case):
     assert config.layer_types == kinds
     assert config.moe_layers == tuple(i for i, t in enumerate(hf.mlp_layer_types)
                                       if t == "sparse")
-    assert config.shared_expert_ffn == hf.moe_intermediate_size * hf.n_shared_experts
+    assert config.unpadded().shared_expert_ffn == hf.moe_intermediate_size * hf.n_shared_experts
     counted = sum(p.numel() for p in model.parameters()) + sum(
         b.numel() for b in model.buffers())  # + the routers' choice bias
-    assert param_count(config) == counted
+    assert param_count(config.unpadded()) == counted
     assert {k: v.shape for k, v in params.items()} == {
         k: shape for k, (shape, _) in param_shapes(config).items()}
 
@@ -455,7 +455,7 @@ def test_moonshot_config_json_is_read_as_transformers_reads_it():
         hf.linear_num_heads, hf.linear_head_dim, hf.linear_conv_kernel_dim)
     with torch.device("meta"):  # shapes only: the 48B model's 49.1e9 parameters, exactly
         model = transformers.KimiLinearForCausalLM(hf)
-    assert param_count(config) == sum(t.numel() for t in [*model.parameters(),
+    assert param_count(config.unpadded()) == sum(t.numel() for t in [*model.parameters(),
                                                           *model.buffers()])
 
 

@@ -61,8 +61,10 @@ def test_loaded_config_matches_the_transformers_config(case):
     _, model, _, config, _, _ = case
     hf = model.config
     assert config.dtype == "float32"
-    assert (config.vocab, config.hidden, config.layers) == (hf.vocab_size, hf.hidden_size,
-                                                            hf.num_hidden_layers)
+    own = config.unpadded()  # mk holds the widths lane-padded (64 -> 128)
+    assert (own.vocab, own.hidden, own.layers) == (hf.vocab_size, hf.hidden_size,
+                                                   hf.num_hidden_layers)
+    assert (config.hidden, config.norm_width) == (128, hf.hidden_size)
     assert (config.heads, config.kv_heads, config.head_dim) == (
         hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim)
     assert config.tie_embeddings == hf.tie_word_embeddings

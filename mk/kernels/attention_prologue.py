@@ -107,7 +107,8 @@ def prologue(ring: Ring, config: ModelConfig, *, layer, x, attn_norm, q_norm, k_
     gates its attention output (None: it has no wq_gate); q_norm, k_norm: None without
     the QK norms; biases: a callable giving the [1, width] biases of q, k and v ("q",
     "k", "v"; gpt-oss's), waited for at first use, or None."""
-    h_vmem[...] = rms_norm(x, attn_norm, config.rms_eps).astype(h_vmem.dtype)
+    h_vmem[...] = rms_norm(x, attn_norm, config.rms_eps,
+                           width=config.norm_width).astype(h_vmem.dtype)
     for name, out in (("q", q_vmem), ("k", k_vmem), ("v", v_vmem)):
         ring.matmul(f"w{name}", h_vmem, out, layer=layer)
         if biases is not None:

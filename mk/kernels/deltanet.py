@@ -386,7 +386,8 @@ def linear_mixer(ring: Ring, config: ModelConfig, gates: Gates, ls, hbm: dict, *
             small[name].wait()
         return [getattr(ls, name)[slot] for name in names]
 
-    h_vmem[...] = rms_norm(x, attn_norm, config.rms_eps).astype(h_vmem.dtype)
+    h_vmem[...] = rms_norm(x, attn_norm, config.rms_eps,
+                           width=config.norm_width).astype(h_vmem.dtype)
     ring.matmul("lin_qkv", h_vmem, ls.qkv, layer=step)
     gates.compute(ring, ls, h_vmem, h_vmem[...], landed, step)
     to_smem = [pltpu.make_async_copy(getattr(ls, n), getattr(ls, f"{n}_smem"),

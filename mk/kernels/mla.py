@@ -107,7 +107,7 @@ def mla_prologue(ring, config: ModelConfig, s, loads: dict, *, layer, x, attn_no
     layer's `start_mla_loads` copies (each waited for here)."""
     N, H, R, W = config.heads, config.head_dim, config.latent_rank, config.latent_width
     Hn, Ho, eps = H - config.rope_dim, config.value_dim, config.rms_eps
-    s.h[...] = rms_norm(x, attn_norm, eps).astype(s.h.dtype)
+    s.h[...] = rms_norm(x, attn_norm, eps, width=config.norm_width).astype(s.h.dtype)
     if low_rank_q(config):
         ring.matmul("wq_a", s.h, s.q_a, layer=layer)
         loads["q_a_norm"].wait()

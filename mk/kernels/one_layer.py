@@ -189,7 +189,8 @@ def layer_body(k: Step, kinds, *, all_reduce=None):
                 s.attn_out[...] = all_reduce(s.attn_out[...], 0)  # wo's sums are partial
             elif name == "mlp_norm":
                 x = residual(x, s.attn_out[...])
-                s.h[...] = rms_norm(x, mlp_norm, k.config.rms_eps).astype(s.h.dtype)
+                s.h[...] = rms_norm(x, mlp_norm, k.config.rms_eps,
+                                    width=k.config.norm_width).astype(s.h.dtype)
             elif name == "mlp_all_reduce" and all_reduce is not None:
                 s.mlp_out[...] = all_reduce(s.mlp_out[...], 1)
             elif name == "residual":
