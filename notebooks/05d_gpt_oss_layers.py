@@ -30,6 +30,7 @@
 # - What is a sink, and where does the kernel's online softmax take it?
 # - How does gpt-oss's expert activation differ from SwiGLU?
 # - Is the megakernel's gpt-oss the reference's, token for token?
+# - How does gpt-oss-20b, 2880 wide, fit the kernel's 128-lane tiles and one Colab chip?
 #
 # **You will** run attention with sinks and a window as a stage kernel, count the KV tiles
 # it loads, and find a kernel that masks the window but still loads every tile. **You will
@@ -70,26 +71,37 @@ chip: str = "v6e"  # a name from mk.chips.CHIP_NAMES: the chip of rooflines and 
 backend: str = "auto"  # "auto" (Mosaic on a TPU, else interpret), "interpret" or "hardware"
 seed: int = 0  # seed of the random weights and inputs
 checkpoint: str = ""  # a local Hugging Face checkpoint folder; "" for random weights
-bytes_preset: str = "gpt-oss-20b"  # the gpt-oss model whose KV bytes are drawn
+bytes_preset: str = "gpt-oss-20b"  # the gpt-oss model whose KV bytes and chip fit are shown
+hf_model: str = ""  # on a TPU (Colab): "openai/gpt-oss-20b" decodes the real model
+allow_download: bool = False  # True lets hf_model download from the hub (~13 GB)
+hf_text: str = "The three primary colors are"  # its prompt (token ids "1 2 3" without a tokenizer)
+hf_steps: int = 16  # greedy tokens of the real model
 exercise_window_unskipped: bool = False  # the exercise: the window masked, not skipped
 
 # %%
+import json
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from IPython.display import display
 
 import mk
 import mk.backend
 import mk.cache
 import mk.run
-from mk import course, megakernel, ops, perf, plots, reference, teach
+from mk import course, ledger, megakernel, ops, perf, plots, reference, sim, teach
 from mk.kernels import decode_attention, kv_stream
 from mk.kernels.common import BlockSizes, dma_log
 from mk.kernels.plan import DecodePlan
+from mk.weights import param_count
 
 mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
+if hf_model and not allow_download:
+    raise ValueError(f"hf_model={hf_model!r} would download from the Hugging Face hub: set "
+                     "allow_download=True as well to allow it")
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
 config, mode = run.config, mk.backend.resolve(run.backend)
@@ -276,17 +288,105 @@ print(f"megakernel {np.asarray(got_tokens).tolist()}\nreference  "
       + (" (a CPU simulation, not TPU time)" if mode == "interpret" else ""))
 
 # %% [markdown]
+# ## gpt-oss-20b on one chip
+#
+# gpt-oss's width, 2880, is 22.5 lane tiles, and so is its experts' width: no weight tile
+# of whole 128-lane units cuts it, and fp4 packs 128 rows together. So mk holds it
+# *lane-padded* (`ModelConfig.lane_padded`, which the loader and the presets apply): 2944
+# wide, the 64 extra lanes zero in every weight, bias and norm, so the residual stream's
+# padding lanes stay zero. One thing must change for that to be exact: an RMSNorm of the
+# residual stream averages the squares over the model's own 2880 lanes, not 2944
+# (`ModelConfig.norm_width`, passed as `width` by every residual norm, the kernel's too):
+
+# %%
+plots.show_source(ops.rms_norm)
+own = big.unpadded()
+print(f"{big.name}: width {own.hidden} -> {big.hidden}, expert width {own.expert_ffn} -> "
+      f"{big.expert_ffn} (padding {dict(big.padding)}); {param_count(own) / 1e9:.2f}B "
+      f"values as published, {param_count(big) / 1e9:.2f}B held (+"
+      f"{param_count(big) / param_count(own) - 1:.1%}, all zeros, all streamed)")
+
+# %% [markdown]
+# The plan for one core of each Colab TPU at B = 1 and 4,096 cached positions: its HBM
+# (the fp4 experts packed, the rest bf16, the KV cache) against the core's and its VMEM;
+# then the **simulated step** (`mk.sim`: a model, not a TPU measurement) with the per-tile
+# cost libtpu's bundle dump gives the whole compiled kernel (its costliest loop,
+# mk/data/tile_costs/gpt_oss.json, recorded by benchmarks/tile_costs.py; a 1 us DMA
+# latency), at both ends of the chip's clock range, against the **HBM floor** (the step's
+# bytes at the core's bandwidth). The tiles are 128 x 128: the experts' fp4 tiles must
+# cut 2944 = 23 x 128 both ways within `QUANT_TILE_ELEMENTS`, and one tile shape serves
+# the stream (`model_block`), so each tile's loop issues for longer than its DMA and HBM
+# idles most of the step:
+
+# %%
+recorded = {r["chip"]: r for r in json.loads(
+    (Path(mk.__file__).parent / "data" / "tile_costs" / "gpt_oss.json").read_text())
+    if r["preset"] == big.name}
+fits = []
+for chip_name in ("v6e", "v5e"):
+    plan = DecodePlan.make(big, batch=1, context=4096, chip=chip_name)
+    fit, row = plan.fits(chip_name), recorded.get(chip_name)
+    line = {"chip": chip_name, "HBM GiB": f"{fit.hbm_bytes / 2**30:.2f}",
+            "of GiB": f"{fit.hbm_limit_bytes / 2**30:.2f}",
+            "VMEM MiB": f"{fit.vmem.total_bytes / 2**20:.1f}" if fit.vmem else "-",
+            "ring": f"{plan.block.slots} x {plan.block.tile_rows} x {plan.block.tile_cols}",
+            "fits": fit.ok or fit.error}
+    for end in ("low", "high") if row else ():  # recorded for gpt-oss-20b only
+        step = sim.simulate(big, chip_name, batch=1, context=4096, assumptions=sim.Assumptions(
+            dma_latency_s=row["latency_us"] * 1e-6, tile_bundles=ledger.tile_bundles(row),
+            clock=end))
+        line |= {"HBM floor ms": f"{step.hbm_floor_s * 1e3:.2f}",
+                 f"simulated step ms, {end} clock": f"{step.step_ms:.2f}",
+                 f"HBM busy, {end} clock": f"{step.hbm_utilisation:.0%}"}
+    fits.append(line)
+display(plots.table(fits))
+display(plots.table(fit.vmem.rows()[:8]))  # the last chip's biggest VMEM buffers
+
+# %% [markdown]
+# ### On a Colab TPU: the real gpt-oss-20b
+#
+# With `hf_model = "openai/gpt-oss-20b"` and `allow_download = True` on a TPU runtime
+# (v6e-1; v5e-1's 15.75 GiB holds it at this context, with little to spare), the cell
+# below downloads the checkpoint (~13 GB, MXFP4 experts), loads it (`mk.load_checkpoint`:
+# lane-padded, the experts kept fp4), prints the plan's fit for this chip and decodes
+# `hf_text` greedily in the megakernel. Elsewhere it says why it skips.
+
+# %%
+on_tpu = mode == "hardware"
+if hf_model and on_tpu:
+    from huggingface_hub import snapshot_download
+
+    from mk import measure
+
+    folder = snapshot_download(hf_model, allow_patterns=["*.json", "*.safetensors"])
+    real_config, real_params = mk.load_checkpoint(folder)
+    this_chip = measure.chip_of(jax.devices()[0].device_kind)
+    real_fit = DecodePlan.make(real_config, batch=1, context=4096,
+                               chip=this_chip).fits(this_chip)
+    print(f"{real_config.name} on {this_chip}: HBM {real_fit.hbm_bytes / 2**30:.2f} of "
+          f"{real_fit.hbm_limit_bytes / 2**30:.2f} GiB; "
+          f"{'fits' if real_fit.ok else real_fit.error}")
+    try:
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        ids = tokenizer(hf_text)["input_ids"]
+    except (ImportError, OSError):  # no tokenizer here: token ids "1 2 3"
+        tokenizer, ids = None, [int(t) for t in hf_text.split()]
+    out = megakernel.generate(real_config, real_params, np.asarray([ids]), hf_steps,
+                              max_context=4096)
+    print(np.asarray(out).tolist() if tokenizer is None
+          else hf_text + tokenizer.decode(np.asarray(out)[0]))
+else:
+    print("skipped: " + ("set hf_model='openai/gpt-oss-20b' and allow_download=True"
+                         if on_tpu else f"kernels run on {mode}, not a TPU (Colab: "
+                         "Runtime > Change runtime type > TPU)"))
+
+# %% [markdown]
 # **Takeaway:** a sliding layer reads only its window's tiles, so half of gpt-oss's KV
 # traffic stops growing with the context; a sink is the online softmax's starting point
 # (its logit, weight 1); the clamped experts are stage 04's expert slots with another
-# activation and a bias row per slot. The published gpt-oss-20b is not yet built whole:
-# its width, 2880, is not a whole number of 128-lane tiles (the plan's refusal, printed):
-
-# %%
-try:
-    DecodePlan.make(big, batch=1, context=4096, chip=run.chip)
-except ValueError as err:
-    print(f"{big.name}: {err}")
+# activation and a bias row per slot; a width that is not whole lane tiles is held
+# padded with zeros, exactly, if the norms average over the model's own width.
 
 # %% [markdown]
 # ## Questions
