@@ -1,5 +1,6 @@
-"""Shared fixtures: the tiny models every test runs on CPU; and the xdist_group suffix that
-makes `--dist loadgroup` keep a group on one worker under pytest 9."""
+"""Shared fixtures: the tiny models every test runs on CPU; and, under `--dist loadgroup`,
+the xdist_group suffix that keeps a group on one worker under pytest 9 and the order that
+hands the workers the longest tests first."""
 
 import os
 import tempfile
@@ -24,7 +25,8 @@ def pytest_collection_modifyitems(config, items):
     """pytest-xdist 3.8 groups the tests marked `xdist_group` by suffixing "@group" to
     `item._nodeid`, which pytest 9 no longer reads (a node's id is `item._id`), so its
     groups were spread over both workers and their module fixtures built twice. Put the
-    same suffix where pytest 9 reads it (a worker's collection; `make test`)."""
+    same suffix where pytest 9 reads it (a worker's collection; `make test`); and take the
+    longest tests first (`LONGEST_FIRST`)."""
     if not getattr(config.option, "loadgroup", False):
         return
     for item in items:
@@ -32,6 +34,12 @@ def pytest_collection_modifyitems(config, items):
                          for m in item.iter_markers("xdist_group")})
         if groups and not item.nodeid.endswith("@" + "_".join(groups)):
             item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(groups)}")
+    # The notebook runs (the longest tests, ~20-90 s each) first: the workers take tests in
+    # this order, so the short ones fill both workers' ends instead of one long run.
+    items.sort(key=lambda item: not item.nodeid.startswith(LONGEST_FIRST))
+
+
+LONGEST_FIRST = "tests/test_notebooks.py::test_notebook_runs"
 
 
 @pytest.fixture(scope="session", params=["tiny", "tiny-moe"])

@@ -220,9 +220,14 @@ def test_bad_inputs_are_named():
         one_layer(config, params, x, k, v, jnp.array([0]), layer=2)
 
 
+# CI: one model per chip (~15 s each); `make test-slow` the other three.
+IN_CI = (("qwen3-8b", "tpu7x"), ("qwen3-30b-a3b", "v6e"))
+
+
 @pytest.mark.parametrize("name, chip, formats", [
-    *(pytest.param(name, chip, {}, id=f"{name}-{chip}") for name in ("qwen3-8b", "qwen3-30b-a3b")
-      for chip in ("v5e", "v6e", "tpu7x")),
+    *(pytest.param(name, chip, {}, id=f"{name}-{chip}",
+                   marks=() if (name, chip) in IN_CI else pytest.mark.slow)
+      for name in ("qwen3-8b", "qwen3-30b-a3b") for chip in ("v5e", "v6e", "tpu7x")),
     pytest.param("qwen3-30b-a3b", "v5e", {"dense": "int8", "experts": "fp4"},
                  id="qwen3-30b-a3b-v5e-int8-dense-fp4-experts")])  # packed tiles lower too
 def test_compiles_for_tpu_at_real_shapes(name, chip, formats):
