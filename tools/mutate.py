@@ -156,6 +156,8 @@ MUTANTS = [
        "x * lax.rsqrt(squares + eps) * scale",
        "x * (lax.rsqrt(squares) + eps) * scale",
        "tests/test_reference.py"),
+    _m("residual RMSNorm over a lane-padded model's padding too", "mk/ops.py",
+       "/ (width or x.shape[-1])", "/ x.shape[-1]", "tests/test_gpt_oss.py"),
     _m("greedy acceptance keeps one draft more", "mk/spec.py",
        "n = np.cumprod(drafts == target[:, :-1], axis=1).sum(axis=1)",
        "n = np.minimum(np.cumprod(drafts == target[:, :-1], axis=1).sum(axis=1) + 1, "
