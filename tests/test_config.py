@@ -9,6 +9,7 @@ import pytest
 from mk.cache import bytes_per_position
 from mk.checkpoint import init_params
 from mk.config import ModelConfig
+from mk.kernels.plan import shard_config
 from mk.presets import PRESET_NAMES, preset
 from mk.quant import stored_bytes
 from mk.weights import param_count
@@ -228,6 +229,9 @@ def test_lane_padding_holds_each_width_in_whole_lanes_and_undoes_exactly():
     assert (held.hidden, held.expert_ffn, held.ffn, held.norm_width) == (256, 128, 512, 200)
     assert dict(held.padding) == {"hidden": 56, "expert_ffn": 28}
     assert held.unpadded() == own and held.lane_padded() is held
+    local = shard_config(held, 2)  # a split width's padding is the shard's own
+    assert (local.norm_width, local.expert_ffn, dict(local.padding)) == (200, 128,
+                                                                        {"hidden": 56})
     mine, theirs = init_params(held), init_params(own)
     for name, x in mine.items():
         x, want = np.asarray(x, np.float32), np.asarray(theirs[name], np.float32)

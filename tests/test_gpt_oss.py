@@ -283,8 +283,8 @@ def test_tiny_gpt_oss_compiles_for_tpu(chip, formats):
     assert report.ok, report.error
 
 
-# The published 20b whole on one core of each Colab TPU (v5e: ~35 s; v6e, ~60 s, under make
-# test-slow), lane-padded (2880 -> 2944), its experts streamed fp4.
+# The published 20b whole on one core of each Colab TPU (v5e: 28-32 s in make test; v6e,
+# ~100 s, under make test-slow), lane-padded (2880 -> 2944), its experts streamed fp4.
 @pytest.mark.parametrize("chip", ["v5e", pytest.param("v6e", marks=pytest.mark.slow)])
 def test_gpt_oss_20b_compiles_whole_for_one_colab_chip(chip):
     config = mk.preset("gpt-oss-20b")

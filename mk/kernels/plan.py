@@ -147,10 +147,13 @@ def shard_config(config: ModelConfig, tp: int) -> ModelConfig:
     fields = {}
     for kind in layer_kinds(config):
         fields |= kind.shard_fields(tp)
+    # a split width's lane padding is the shard's own (`shard_fields`), not the model's:
+    # only the unsplit widths keep theirs (D's, which the norms read: `norm_width`)
+    padding = {f: zeros for f, zeros in config.padding if f not in fields}
     return dataclasses.replace(
         config, name=f"{config.name}/tp{tp}", heads=config.heads // tp,
         kv_heads=max(config.kv_heads // tp, 1), vocab=config.vocab // tp,
-        tie_embeddings=False, **fields)
+        tie_embeddings=False, padding=padding, **fields)
 
 
 def kv_layout(local: ModelConfig) -> tuple[int, int, int]:
