@@ -2,9 +2,10 @@
 
 Each device count n runs in one subprocess with 2n virtual CPU devices (tests/multidevice.py
 says why), in TPU interpret mode with the race detector on; the parent compares every
-device's copy with jnp. The all-reduce must be bit-identical to `tree_sum` (its fixed
-order) on every device; three collectives run back to back in one kernel so the second
-buffer slot and the reuse of the first are exercised. Interpret mode does not cover time,
+device's copy with jnp, for each algorithm (`collectives.ALGORITHMS`). The all-reduce
+must be bit-identical to `tree_sum` (its fixed order) on every device by either
+algorithm; three collectives run back to back in one kernel so the second buffer slot and
+the reuse of the first are exercised. Interpret mode does not cover time,
 ICI routing or the scoped VMEM limit; the ahead-of-time compiles cover lowering for real
 multi-chip topologies.
 """
@@ -43,17 +44,20 @@ def inputs(n: int):
 
 
 def collective_results(_) -> dict:
-    """Runs in the subprocess: every collective on 2, 4 and 8 devices, race detector on."""
+    """Runs in the subprocess: every collective by each algorithm on 2, 4 and 8 devices,
+    race detector on."""
     out = {}
     with backend.use("interpret", detect_races=True):
         for n in DEVICES:
             x, logits, vocab = inputs(n)
             mesh = collectives.tp_mesh(n)
-            out[f"all_reduce_{n}"] = collectives.all_reduce(x, mesh)
-            out[f"all_gather_{n}"] = collectives.all_gather(
-                x[:n * TIMES["all_gather"]], mesh)
-            out[f"argmax_{n}"] = collectives.greedy_argmax(logits, mesh, vocab=vocab)
-            jax.block_until_ready(out)
+            for a in collectives.ALGORITHMS:
+                out[f"all_reduce_{a}_{n}"] = collectives.all_reduce(x, mesh, algorithm=a)
+                out[f"all_gather_{a}_{n}"] = collectives.all_gather(
+                    x[:n * TIMES["all_gather"]], mesh, algorithm=a)
+                out[f"argmax_{a}_{n}"] = collectives.greedy_argmax(logits, mesh, vocab=vocab,
+                                                                   algorithm=a)
+                jax.block_until_ready(out)
         out["races"] = backend.races_found()
     out["planted_caught"] = planted_race_caught(2)
     return out
@@ -82,14 +86,15 @@ def test_collectives_equal_numpy_on_every_device_race_free():
             1, 0, 2, 3)
         want_tokens = np.argmax(logits[..., :vocab], axis=-1)  # the first maximum
         assert want_tokens[0, 0] == 0  # all real logits tied: the lowest id wins
-        reduced = got[f"all_reduce_{n}"].reshape(n, *want_sum.shape)
-        gathered = got[f"all_gather_{n}"].reshape(n, *want_gather.shape)
-        tokens = got[f"argmax_{n}"].reshape(n, *want_tokens.shape)
-        for device in range(n):
-            where = f"n={n} device {device}"
-            np.testing.assert_array_equal(reduced[device], want_sum, where)
-            np.testing.assert_array_equal(gathered[device], want_gather, where)
-            np.testing.assert_array_equal(tokens[device], want_tokens, where)
+        for a in collectives.ALGORITHMS:
+            reduced = got[f"all_reduce_{a}_{n}"].reshape(n, *want_sum.shape)
+            gathered = got[f"all_gather_{a}_{n}"].reshape(n, *want_gather.shape)
+            tokens = got[f"argmax_{a}_{n}"].reshape(n, *want_tokens.shape)
+            for device in range(n):
+                where = f"{a} n={n} device {device}"
+                np.testing.assert_array_equal(reduced[device], want_sum, where)
+                np.testing.assert_array_equal(gathered[device], want_gather, where)
+                np.testing.assert_array_equal(tokens[device], want_tokens, where)
         np.testing.assert_allclose(want_sum, parts.sum(0), rtol=1e-5, atol=1e-5)
         assert want_tokens[1, 2] == VOCAB_SHARD - 1 and want_tokens[1, 3] == 0  # NaN wins
     # The planted race ran in the same subprocess: only a detector that caught it there
@@ -119,6 +124,29 @@ def test_exchange_schedule_leaves_chunk_i_on_device_i_then_everything_everywhere
     assert sent == 2 * (n - 1) * 1024  # the bandwidth optimum, 2 (n-1)/n of the array
 
 
+@pytest.mark.parametrize("n", DEVICES)
+def test_two_phase_sends_each_chunk_to_its_owner_then_each_sum_to_every_peer(n):
+    rows = collectives.exchanges(n, "two_phase")
+    assert {r["round"] for r in rows} == {0}  # one message round a phase
+    for phase, chunk in (("reduce-scatter", lambda r: r["partner"]),
+                         ("all-gather", lambda r: r["device"])):
+        mine = [r for r in rows if r["phase"] == phase]
+        pairs = sorted((r["device"], r["partner"]) for r in mine)
+        assert pairs == sorted((a, b) for a in range(n) for b in range(n) if a != b)
+        assert all(r["first"] == chunk(r) and r["count"] == 1 for r in mine)
+    # as many bytes as "recursive" sends, in 2 rounds instead of 2 log2(n)
+    assert sum(r["count"] for r in rows if r["device"] == 0) == sum(
+        r["count"] for r in collectives.exchanges(n) if r["device"] == 0)
+    assert collectives.rounds("two_phase", n) == 1
+    assert collectives.rounds("recursive", n) == n.bit_length() - 1
+    assert collectives.choose_algorithm(n) == ("recursive" if n == 2 else "two_phase")
+
+
+def test_an_unknown_collective_algorithm_is_refused():
+    with pytest.raises(ValueError, match=r"algorithm='ring' must be one of"):
+        collectives.choose_algorithm(4, "ring")
+
+
 @pytest.mark.parametrize("bad", [0, 3, 6, True, 2.0])
 def test_a_device_count_that_is_not_a_power_of_two_is_refused(bad):
     with pytest.raises(ValueError, match=r"tp=.* must be a power of two"):
@@ -143,8 +171,10 @@ def test_collectives_compile_for_a_multi_chip_topology(topology):
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         for fn, arg in ((collectives.all_reduce, x), (collectives.all_gather, x),
                         (collectives.greedy_argmax, logits)):
-            compiled = jax.jit(lambda a, fn=fn: fn(a, mesh)).lower(arg).compile()
-            assert compiled.memory_analysis() is not None
+            for a in collectives.ALGORITHMS:
+                compiled = jax.jit(lambda v, fn=fn, a=a: fn(v, mesh, algorithm=a)).lower(
+                    arg).compile()
+                assert compiled.memory_analysis() is not None
 
 
 def test_a_missed_planted_race_makes_the_run_inconclusive_not_green():

@@ -7,27 +7,45 @@ argmax after the vocab-parallel lm_head. These are kernel-side helpers (they tak
 values and issue `make_async_remote_copy` DMAs), plus standalone kernels wrapping each one
 for tests and compiles. `n` is any power of two; device i is mesh index i on the axis.
 
-Algorithms (log2(n) rounds, each with one partner at distance d, partner = me XOR d):
+Two algorithms (`ALGORITHMS`), the same bytes, different message rounds:
+
+"recursive": log2(n) rounds a phase, each with one partner at distance d (me XOR d):
 
     all-reduce = reduce-scatter by recursive halving (d = n/2, n/4, ..., 1: keep the half of
                  the current chunk range holding chunk `me`, send the other half to the
                  partner, add what it sent) + all-gather by recursive doubling.
     all-gather = recursive doubling (d = 1, 2, ..., n/2: send the d items gathered so far to
                  the partner, which stores them at the same positions).
-    argmax     = all-gather of each shard's (best value, its global index), then the same
-                 static scan over shards on every device (strictly greater wins: ties go
-                 to the lower shard, hence to the lowest token id).
+
+"two_phase": one round a phase, every peer at once (peer me + k mod n, k = 1 .. n-1, so
+the n devices' k-th sends form a permutation):
+
+    all-reduce = reduce-scatter direct (send chunk p of my partial to device p, which
+                 stores it at my index and sums its n partials of chunk p in `tree_sum`
+                 order) + all-gather direct (send my summed chunk to every peer).
+    all-gather = every device sends its item to every peer's position `me`.
+
+    argmax     = (either) all-gather of each shard's (best value, its global index), then
+                 the same static scan over shards on every device (strictly greater wins:
+                 ties go to the lower shard, hence to the lowest token id).
 
 Bytes per device: the all-reduce sends 2 (n-1)/n of the array (the bandwidth optimum),
-the all-gather (n-1) items, in log2(n) latency terms each (not n-1, as a ring would).
+the all-gather (n-1) items; in 2 log2(n) and log2(n) latency terms ("recursive") or 2 and
+1 ("two_phase"), not n-1 as a ring would. `allreduce_s` models both; the plan takes the
+one with fewer rounds (`choose_algorithm`: "two_phase" from n = 4; at n = 2 they are the
+same exchange). What the model leaves out: a direct send to a peer several ICI hops away
+shares links with others' sends (both algorithms send beyond their neighbours; neither
+is charged for it), and issuing n-1 DMAs costs the scalar unit n-1 descriptors.
 
-Why the results are bit-identical on every device: chunk c of the all-reduce is summed on
-exactly one device (device c) and then copied, and the summation order is one fixed tree
-for every chunk: round d adds the partial sums of the two halves of each aligned block of
-2d devices, so the sum of 8 is ((x0+x4)+(x2+x6))+((x1+x5)+(x3+x7)) (`tree_sum`, the
-reference). Float addition is commutative, so which operand is "mine" does not matter;
-only the tree does. Routing and argmax downstream then agree on every device with no
-further exchange.
+Why the results are bit-identical on every device, and across the two algorithms: chunk
+c of the all-reduce is summed on exactly one device (device c) and then copied, and the
+summation order is one fixed tree for every chunk: the partial sums of the two halves of
+each aligned block of 2d devices are added, so the sum of 8 is
+((x0+x4)+(x2+x6))+((x1+x5)+(x3+x7)) (`tree_sum`, the reference). "recursive" adds them
+round by round; "two_phase" gathers the n partials of its chunk and runs `tree_sum` on
+them. Float addition is commutative, so which operand is "mine" does not matter; only
+the tree does. Routing and argmax downstream then agree on every device with no further
+exchange.
 
 Why two buffer slots suffice (`slot` = the collective's running count mod 2): a device
 finishes collective k only after it has received data that depends on every device's
@@ -41,9 +59,11 @@ same reason (a DMA of k+1 must not satisfy a wait of k). The local staging buffe
 send semaphores are drained before a collective returns, so they need one slot.
 
 Before the first remote DMA, every device waits at `barrier` until all its partners have
-entered the kernel (a DMA into a device still running an earlier kernel would corrupt it).
+entered the kernel (a DMA into a device still running an earlier kernel would corrupt it):
+its log2(n) XOR partners ("recursive"), every peer ("two_phase").
 
-Here: `check_devices`, `tp_mesh`, `exchanges` (the schedule as data), `all_reduce_bytes`,
+Here: `check_devices`, `tp_mesh`, `ALGORITHMS`, `rounds`, `choose_algorithm`,
+`exchanges` (the schedule as data), `all_reduce_bytes`,
 `CollectiveScratch` and its shapes, `barrier`, `all_reduce_body`, `all_gather_body`,
 `argmax_body`, `tree_sum` (the reference order), the time model of one all-reduce
 (`allreduce_s`, `ICI_LATENCY_S`, `ici_bandwidth`: the simulator's, `mk.perf`'s and the
@@ -81,16 +101,47 @@ ICI_LATENCY_S = 1e-6
 PARTIAL_SUM_BYTES = 4  # the megakernel all-reduces float32 partial sums
 
 
-def allreduce_s(nbytes: float, tp: int, spec: ChipSpec) -> float:
+ALGORITHMS = ("recursive", "two_phase")  # module docstring
+
+
+def rounds(algorithm: str, n: int) -> int:
+    """Message rounds of one phase (a reduce-scatter, an all-gather) of `algorithm` over n
+    devices: ceil(log2 n) ("recursive"), 1 ("two_phase"), 0 for n = 1."""
+    check_algorithm(algorithm)
+    positive_int("n", n)
+    if n == 1:
+        return 0
+    return math.ceil(math.log2(n)) if algorithm == "recursive" else 1
+
+
+def check_algorithm(algorithm) -> str:
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"collective algorithm={algorithm!r} must be one of {ALGORITHMS}")
+    return algorithm
+
+
+def choose_algorithm(n: int, algorithm: str | None = None) -> str:
+    """`algorithm` checked, or by default the one of fewer message rounds over n devices
+    ("recursive" where they tie: n <= 2, the same single exchange)."""
+    if algorithm is not None:
+        return check_algorithm(algorithm)
+    return "two_phase" if rounds("two_phase", n) < rounds("recursive", n) else "recursive"
+
+
+def allreduce_s(nbytes: float, tp: int, spec: ChipSpec, algorithm: str | None = None,
+                latency_s: float = ICI_LATENCY_S) -> float:
     """Seconds of one all-reduce of `nbytes` per device over `tp` devices, as
-    `all_reduce_body` runs it: a reduce-scatter then an all-gather, ceil(log2 tp) rounds
-    each of one `ICI_LATENCY_S`, each device sending 2 (tp - 1) / tp of the message at its
-    one-way ICI bandwidth (`ici_bandwidth`). 0 for tp = 1. A model of time, not measured."""
+    `all_reduce_body` runs it with `algorithm` (default `choose_algorithm(tp)`'s): a
+    reduce-scatter then an all-gather, `rounds` each of one `latency_s` (default
+    ICI_LATENCY_S), each device sending 2 (tp - 1) / tp of the message at its one-way ICI
+    bandwidth (`ici_bandwidth`). 0 for tp = 1. A model of time, not measured."""
     positive_int("tp", tp)
     if nbytes < 0:
         raise ValueError(f"nbytes={nbytes} must be >= 0")
-    rounds = 2 * math.ceil(math.log2(tp))
-    return rounds * ICI_LATENCY_S + 2 * (tp - 1) / tp * nbytes / ici_bandwidth(spec)
+    if not latency_s >= 0:
+        raise ValueError(f"latency_s={latency_s} must be >= 0")
+    phases = 2 * rounds(choose_algorithm(tp, algorithm), tp)
+    return phases * latency_s + 2 * (tp - 1) / tp * nbytes / ici_bandwidth(spec)
 
 
 def ici_bandwidth(spec: ChipSpec) -> float:
@@ -152,11 +203,20 @@ def tree_sum(parts: jax.Array) -> jax.Array:
     return parts[0]
 
 
-def exchanges(n: int) -> list[dict]:
+def exchanges(n: int, algorithm: str = "recursive") -> list[dict]:
     """The all-reduce's schedule as data (the kernel derives the same from its traced
-    index): one row per (phase, round, device) with its partner and the chunk range
+    index): one row per (phase, round, device, partner) with the chunk range
     [first, first + count) it sends, in units of 1/n of the array."""
+    check_devices(n, "n")
     rows = []
+    if check_algorithm(algorithm) == "two_phase":
+        for phase in ("reduce-scatter", "all-gather"):
+            for me in range(n):
+                for k in range(1, n):  # chunk p to device p; then my sum to every peer
+                    p = (me + k) % n
+                    rows.append(dict(phase=phase, round=0, device=me, partner=p,
+                                     first=p if phase == "reduce-scatter" else me, count=1))
+        return rows
     for phase, distances in (("reduce-scatter", [1 << r for r in reversed(range(
             check_devices(n, "n")))]), ("all-gather", [1 << r for r in range(
             check_devices(n, "n"))])):
@@ -182,37 +242,46 @@ class CollectiveScratch(NamedTuple):
     names `collective_scratch` gives them."""
 
     gathered: Any  # [2, n, R, C/n] f32 (all-reduce) or [2, n, R, C] (all-gather)
-    sems: Any  # DMA semaphores [2, 2, 2, log2 n]: (slot, send/recv, phase, round)
+    sems: Any  # DMA semaphores [2, 2, 2, rounds]: (slot, send/recv, phase, round), with
+    #            "two_phase" (slot, send/recv, phase, peer offset k - 1)
     stage: Any = None  # [n, R, C/n] f32: this device's partial, chunked (all-reduce only)
-    recv: Any = None  # [2, n-1, R, C/n] f32: reduce-scatter receive regions, per slot
+    recv: Any = None  # reduce-scatter receive regions per slot, f32: [2, n-1, R, C/n]
+    #                   ("recursive"), [2, n, R, C/n] ("two_phase": device j's at j)
 
 
-def collective_buffers(name: str, rows: int, cols: int, n: int, *,
-                       reduce: bool) -> list[Buffer]:
+def collective_buffers(name: str, rows: int, cols: int, n: int, *, reduce: bool,
+                       algorithm: str = "recursive") -> list[Buffer]:
     """The VMEM buffers of one collective called `name` (its group; each buffer is
     "name.field" of `CollectiveScratch`, semaphores aside); reduce=False is an all-gather,
     which needs no staging or reduce-scatter regions."""
+    check_algorithm(algorithm)
     if not reduce:
         return [Buffer(f"{name}.gathered", (2, n, rows, cols), "float32", name)]
     if cols % n:
         raise ValueError(f"{name}: cols={cols} must be a multiple of the devices n={n}")
     c = cols // n
+    regions = n if algorithm == "two_phase" else max(n - 1, 1)
     return [Buffer(f"{name}.stage", (n, rows, c), "float32", name),
-            Buffer(f"{name}.recv", (2, max(n - 1, 1), rows, c), "float32", name),
+            Buffer(f"{name}.recv", (2, regions, rows, c), "float32", name),
             Buffer(f"{name}.gathered", (2, n, rows, c), "float32", name)]
 
 
-def collective_semaphores(n: int):
-    """The DMA semaphores of one collective over n devices."""
-    return pltpu.SemaphoreType.DMA((2, 2, 2, max(check_devices(n, "n"), 1)))
+def collective_semaphores(n: int, algorithm: str = "recursive"):
+    """The DMA semaphores of one collective over n devices: one per (slot, send/recv,
+    phase, round) ("recursive") or per peer offset ("two_phase")."""
+    check_devices(n, "n")
+    last = n - 1 if check_algorithm(algorithm) == "two_phase" else rounds(algorithm, n)
+    return pltpu.SemaphoreType.DMA((2, 2, 2, max(last, 1)))
 
 
-def collective_scratch(rows: int, cols: int, n: int, *, reduce: bool) -> dict:
+def collective_scratch(rows: int, cols: int, n: int, *, reduce: bool,
+                       algorithm: str = "recursive") -> dict:
     """The pallas scratch of one collective by `CollectiveScratch` field:
     `CollectiveScratch(**refs)`."""
     return {b.name.partition(".")[2]: pltpu.VMEM(b.shape, b.dtype)
-            for b in collective_buffers("c", rows, cols, n, reduce=reduce)} | {
-        "sems": collective_semaphores(n)}
+            for b in collective_buffers("c", rows, cols, n, reduce=reduce,
+                                        algorithm=algorithm)} | {
+        "sems": collective_semaphores(n, algorithm)}
 
 
 # -- Kernel-side helpers -------------------------------------------------------------------
@@ -220,18 +289,24 @@ def _peer(me, d: int):
     return (lax.bitwise_xor(me, jnp.int32(d)),)
 
 
-def barrier(n: int, axis: str = AXIS):
-    """Wait until each partner (me XOR 2^r) has entered the kernel; the kernel must be
-    compiled with a `collective_id` (`compiler_params`)."""
+def _offset_peer(me, k: int, n: int):
+    return (lax.rem(me + jnp.int32(k), jnp.int32(n)),)
+
+
+def barrier(n: int, axis: str = AXIS, algorithm: str = "recursive"):
+    """Wait until each partner (me XOR 2^r; with "two_phase" every peer) has entered the
+    kernel; the kernel must be compiled with a `collective_id` (`compiler_params`)."""
     if n == 1:
         return
     me = lax.axis_index(axis)
     sem = pltpu.get_barrier_semaphore()
-    rounds = check_devices(n, "n")
-    for r in range(rounds):
-        pl.semaphore_signal(sem, 1, device_id=_peer(me, 1 << r),
-                            device_id_type=pl.DeviceIdType.MESH)
-    pl.semaphore_wait(sem, rounds)
+    check_devices(n, "n")
+    peers = ([_offset_peer(me, k, n) for k in range(1, n)]
+             if check_algorithm(algorithm) == "two_phase"
+             else [_peer(me, 1 << r) for r in range(rounds(algorithm, n))])
+    for peer in peers:
+        pl.semaphore_signal(sem, 1, device_id=peer, device_id_type=pl.DeviceIdType.MESH)
+    pl.semaphore_wait(sem, len(peers))
 
 
 def _exchange(src, dst, sems, slot, phase: int, r: int, peer):
@@ -244,6 +319,32 @@ def _exchange(src, dst, sems, slot, phase: int, r: int, peer):
     copy.wait_recv()  # the peer's copy has the same shape and semaphores
 
 
+def _direct(src_of, dst_of, sems, slot, me, n: int, phase: int):
+    """One "two_phase" round: send src_of(peer) to dst_of(k) on each peer = me + k mod n
+    (k = 1 .. n-1), all in flight at once, then wait for every send and for the n-1
+    matching sends into this device (from me - k, same shape, same semaphores)."""
+    copies = []
+    for k in range(1, n):
+        peer = _offset_peer(me, k, n)
+        copy = pltpu.make_async_remote_copy(src_of(peer[0]), dst_of(k),
+                                            sems.at[slot, 0, phase, k - 1],
+                                            sems.at[slot, 1, phase, k - 1], device_id=peer,
+                                            device_id_type=pl.DeviceIdType.MESH)
+        copy.start()
+        copies.append(copy)
+    for copy in copies:
+        copy.wait_send()
+    for copy in copies:
+        copy.wait_recv()
+
+
+def _gather_direct(gathered, sems, slot, me, n: int, phase: int):
+    """"two_phase" all-gather on gathered [n, ...] (this slot's view): item `me` is in
+    place; send it to position `me` of every peer."""
+    mine = gathered.at[pl.ds(me, 1)]
+    _direct(lambda peer: mine, lambda k: mine, sems, slot, me, n, phase)
+
+
 def _gather_rounds(gathered, sems, slot, me, n: int, phase: int):
     """Recursive doubling on gathered [n, ...] (this slot's view): item `me` is in place;
     after round d every device holds the 2d items of its aligned block."""
@@ -254,7 +355,12 @@ def _gather_rounds(gathered, sems, slot, me, n: int, phase: int):
         _exchange(block, block, sems, slot, phase, r, _peer(me, d))
 
 
-def all_gather_body(x, s: CollectiveScratch, *, n: int, slot=0, axis: str = AXIS):
+def _gather(algorithm: str):
+    return _gather_direct if check_algorithm(algorithm) == "two_phase" else _gather_rounds
+
+
+def all_gather_body(x, s: CollectiveScratch, *, n: int, slot=0, axis: str = AXIS,
+                    algorithm: str = "recursive"):
     """x [R, C] on every device -> [n, R, C] value (device i's x at i); s.gathered is
     [2, n, R, C]; `slot` (int or traced) alternates between consecutive collectives."""
     if n == 1:
@@ -262,13 +368,16 @@ def all_gather_body(x, s: CollectiveScratch, *, n: int, slot=0, axis: str = AXIS
     me = lax.axis_index(axis)
     gathered = s.gathered.at[slot]
     gathered[pl.ds(me, 1)] = x[None].astype(gathered.dtype)
-    _gather_rounds(gathered, s.sems, slot, me, n, phase=1)
+    _gather(algorithm)(gathered, s.sems, slot, me, n, phase=1)
     return gathered[...]
 
 
-def all_reduce_body(x, s: CollectiveScratch, *, n: int, slot=0, axis: str = AXIS):
+def all_reduce_body(x, s: CollectiveScratch, *, n: int, slot=0, axis: str = AXIS,
+                    algorithm: str = "recursive"):
     """x [R, C] f32 partial on every device -> the [R, C] sum over devices, bit-identical
-    on every device and summed in `tree_sum` order; `slot` as in `all_gather_body`."""
+    on every device and summed in `tree_sum` order by either `algorithm` (module
+    docstring; its scratch `collective_scratch(..., algorithm=)`); `slot` as in
+    `all_gather_body`."""
     if n == 1:
         return x
     me = lax.axis_index(axis)
@@ -277,6 +386,14 @@ def all_reduce_body(x, s: CollectiveScratch, *, n: int, slot=0, axis: str = AXIS
     stage, recv = s.stage, s.recv.at[slot]
     for i in range(n):
         stage[i] = x[:, i * c:(i + 1) * c].astype(stage.dtype)
+    gathered = s.gathered.at[slot]
+    if check_algorithm(algorithm) == "two_phase":  # device j's partial of my chunk at j
+        recv[pl.ds(me, 1)] = stage[pl.ds(me, 1)]
+        _direct(lambda peer: stage.at[pl.ds(peer, 1)], lambda k: recv.at[pl.ds(me, 1)],
+                s.sems, slot, me, n, phase=0)
+        gathered[pl.ds(me, 1)] = tree_sum(recv[...])[None]
+        _gather_direct(gathered, s.sems, slot, me, n, phase=1)
+        return jnp.concatenate([gathered[i] for i in range(n)], axis=1)
     offset = 0
     for r in reversed(range(check_devices(n, "n"))):  # d = n/2, ..., 1
         d = 1 << r
@@ -288,14 +405,13 @@ def all_reduce_body(x, s: CollectiveScratch, *, n: int, slot=0, axis: str = AXIS
         _exchange(stage.at[pl.ds(give, d)], region, s.sems, slot, 0, r, _peer(me, d))
         stage[pl.ds(keep, d)] = stage[pl.ds(keep, d)] + region[...]
         offset += d
-    gathered = s.gathered.at[slot]
     gathered[pl.ds(me, 1)] = stage[pl.ds(me, 1)]
     _gather_rounds(gathered, s.sems, slot, me, n, phase=1)
     return jnp.concatenate([gathered[i] for i in range(n)], axis=1)
 
 
 def argmax_body(logits, first_id, s: CollectiveScratch, *, n: int, valid=None, slot=0,
-                axis: str = AXIS):
+                axis: str = AXIS, algorithm: str = "recursive"):
     """Greedy token of each row over every shard's logits: logits [M, Vs] f32 holding ids
     first_id + [0, Vs) on this device (`valid` [M, Vs] bool masks padding) -> [M, 1]
     int32, ties to the lowest id, the same on every device. s.gathered is
@@ -318,7 +434,7 @@ def argmax_body(logits, first_id, s: CollectiveScratch, *, n: int, valid=None, s
     index = index + first_id
     lane = lax.broadcasted_iota(jnp.int32, (M, 128), 1)
     packed = jnp.where(lane == 0, best, jnp.where(lane == 1, index.astype(jnp.float32), 0.0))
-    gathered = all_gather_body(packed, s, n=n, slot=slot, axis=axis)
+    gathered = all_gather_body(packed, s, n=n, slot=slot, axis=axis, algorithm=algorithm)
     best, index = gathered[0, :, 0:1], gathered[0, :, 1:2]
     for i in range(1, n):  # strictly greater: a tie keeps the lower shard's (lower) id;
         value, other = gathered[i, :, 0:1], gathered[i, :, 1:2]  # a NaN beats a number
@@ -360,36 +476,41 @@ def _smap(mesh, fn, x, out_spec):
                          check_vma=False)(x)
 
 
-def all_reduce_kernel(x_vmem, out_vmem, *, n: int, **scratch):
+def all_reduce_kernel(x_vmem, out_vmem, *, n: int, algorithm: str, **scratch):
     """x_vmem [times, R, C] f32 -> out_vmem [times, R, C]: `times` all-reduces in a row
     (slots 0, 1, 0, ...), so a test sees the double buffering reused."""
     s = CollectiveScratch(**scratch)
-    barrier(n)
+    barrier(n, algorithm=algorithm)
     for k in range(x_vmem.shape[0]):
-        out_vmem[k] = all_reduce_body(x_vmem[k], s, n=n, slot=k % 2)
+        out_vmem[k] = all_reduce_body(x_vmem[k], s, n=n, slot=k % 2, algorithm=algorithm)
 
 
-def all_reduce(x: jax.Array, mesh: jax.sharding.Mesh) -> jax.Array:
+def all_reduce(x: jax.Array, mesh: jax.sharding.Mesh, *,
+               algorithm: str | None = None) -> jax.Array:
     """x [n*times, R, C] float32, device i holding rows [i*times, (i+1)*times) -> the
-    per-device results [n*times, R, C]: block i is device i's copy of the `times` sums."""
+    per-device results [n*times, R, C]: block i is device i's copy of the `times` sums
+    (`algorithm`: default `choose_algorithm(n)`'s)."""
     n = mesh.shape[AXIS]
     times, R, C = _check_stack(x, n, "all_reduce", n)
+    algorithm = choose_algorithm(n, algorithm)
 
-    per_device = _standalone(functools.partial(all_reduce_kernel, n=n), "all_reduce", n,
-                             jax.ShapeDtypeStruct((times, R, C), jnp.float32),
-                             collective_scratch(R, C, n, reduce=True), "mk_all_reduce")
+    per_device = _standalone(functools.partial(all_reduce_kernel, n=n, algorithm=algorithm),
+                             "all_reduce", n, jax.ShapeDtypeStruct((times, R, C), jnp.float32),
+                             collective_scratch(R, C, n, reduce=True, algorithm=algorithm),
+                             "mk_all_reduce")
     return _smap(mesh, per_device, x.astype(jnp.float32), P(AXIS))
 
 
-def all_gather_kernel(x_vmem, out_vmem, *, n: int, slots: int, **scratch):
+def all_gather_kernel(x_vmem, out_vmem, *, n: int, slots: int, algorithm: str, **scratch):
     """x_vmem [times, R, C] -> out_vmem [times, n, R, C]."""
     s = CollectiveScratch(**scratch)
-    barrier(n)
+    barrier(n, algorithm=algorithm)
     for k in range(x_vmem.shape[0]):
-        out_vmem[k] = all_gather_body(x_vmem[k], s, n=n, slot=k % slots)
+        out_vmem[k] = all_gather_body(x_vmem[k], s, n=n, slot=k % slots, algorithm=algorithm)
 
 
-def all_gather(x: jax.Array, mesh: jax.sharding.Mesh, *, slots: int = 2) -> jax.Array:
+def all_gather(x: jax.Array, mesh: jax.sharding.Mesh, *, slots: int = 2,
+               algorithm: str | None = None) -> jax.Array:
     """x [n*times, R, C] float32 (device i: rows [i*times, (i+1)*times)) -> per-device
     results [n*times, n, R, C]. slots=1 reuses one buffer slot: the planted bug that the
     race detector must flag (module docstring)."""
@@ -397,28 +518,30 @@ def all_gather(x: jax.Array, mesh: jax.sharding.Mesh, *, slots: int = 2) -> jax.
     times, R, C = _check_stack(x, n, "all_gather", 1)
     if slots not in (1, 2):
         raise ValueError(f"all_gather: slots={slots!r} must be 1 or 2")
+    algorithm = choose_algorithm(n, algorithm)
 
-    per_device = _standalone(functools.partial(all_gather_kernel, n=n, slots=slots),
-                             "all_gather", n,
-                             jax.ShapeDtypeStruct((times, n, R, C), jnp.float32),
-                             collective_scratch(R, C, n, reduce=False), "mk_all_gather")
+    per_device = _standalone(
+        functools.partial(all_gather_kernel, n=n, slots=slots, algorithm=algorithm),
+        "all_gather", n, jax.ShapeDtypeStruct((times, n, R, C), jnp.float32),
+        collective_scratch(R, C, n, reduce=False, algorithm=algorithm), "mk_all_gather")
     return _smap(mesh, per_device, x.astype(jnp.float32), P(AXIS))
 
 
-def greedy_argmax_kernel(logits_vmem, tokens_vmem, *, n: int, vocab: int, **scratch):
+def greedy_argmax_kernel(logits_vmem, tokens_vmem, *, n: int, vocab: int, algorithm: str,
+                         **scratch):
     """logits_vmem [times, M, Vs] f32 (this shard's ids) -> tokens_vmem [times, M, 1]."""
     s = CollectiveScratch(**scratch)
-    barrier(n)
+    barrier(n, algorithm=algorithm)
     Vs = logits_vmem.shape[2]
     first = lax.axis_index(AXIS) * Vs if n > 1 else 0
     for k in range(logits_vmem.shape[0]):
         ids = lax.broadcasted_iota(jnp.int32, logits_vmem.shape[1:], 1) + first
         tokens_vmem[k] = argmax_body(logits_vmem[k], first, s, n=n, valid=ids < vocab,
-                                     slot=k % 2)
+                                     slot=k % 2, algorithm=algorithm)
 
 
 def greedy_argmax(logits: jax.Array, mesh: jax.sharding.Mesh, *,
-                  vocab: int | None = None) -> jax.Array:
+                  vocab: int | None = None, algorithm: str | None = None) -> jax.Array:
     """logits [times, M, n*Vs] float32, the vocab split in n column shards (ids >= vocab
     are padding) -> per-device greedy tokens [n*times, M, 1] int32, ties to the lowest id."""
     n = mesh.shape[AXIS]
@@ -432,8 +555,10 @@ def greedy_argmax(logits: jax.Array, mesh: jax.sharding.Mesh, *,
         raise ValueError(f"greedy_argmax: vocab={vocab} must be in [1, {V}] and "
                          f"the padded vocab {V} <= {MAX_INDEX} (ids travel as float32)")
 
-    per_device = _standalone(functools.partial(greedy_argmax_kernel, n=n, vocab=vocab),
-                             "argmax", n, jax.ShapeDtypeStruct((times, M, 1), jnp.int32),
-                             collective_scratch(M, 128, n, reduce=False), "mk_greedy_argmax")
+    algorithm = choose_algorithm(n, algorithm)
+    per_device = _standalone(
+        functools.partial(greedy_argmax_kernel, n=n, vocab=vocab, algorithm=algorithm),
+        "argmax", n, jax.ShapeDtypeStruct((times, M, 1), jnp.int32),
+        collective_scratch(M, 128, n, reduce=False, algorithm=algorithm), "mk_greedy_argmax")
     return jax.shard_map(per_device, mesh=mesh, in_specs=P(None, None, AXIS),
                          out_specs=P(AXIS), check_vma=False)(logits.astype(jnp.float32))
