@@ -246,7 +246,8 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
     # --xla_enable_custom_call_region_trace=true (mk.profiling), nothing otherwise.
     with jax.named_scope("prime"):
         ring.prime()
-    barrier(tp)  # every peer is in the kernel before the first all-reduce writes to it
+    barrier(tp, algorithm=plan.collective)  # every peer is in the kernel before the first
+    #                                          all-reduce writes to it
     final_norm = pltpu.make_async_copy(inputs["final_norm"], vectors["final_norm"],
                                        vectors["final_sem"].at[0])
     start_dma(final_norm, "final_norm", config.hidden * 4)  # waited before the lm_head
@@ -265,7 +266,8 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
         norms, qk = vectors["norms"][layer % 2], vectors["qk_norms"][layer % 2]
         k.step, k.x, k.norms = layer, x, (norms[0:1], norms[1:2], qk[0:1], qk[1:2])
         x_out = layer_body(k, kinds, all_reduce=None if tp == 1 else (  # slot j: the
-            lambda value, j: all_reduce_body(value, reduce_scratch, n=tp, slot=j)))  # MLP's 1
+            lambda value, j: all_reduce_body(value, reduce_scratch, n=tp, slot=j,  # MLP's 1
+                                             algorithm=plan.collective)))
         if taps:  # s.attn_out still holds this layer's attention output
             outputs["taps"][layer, 0] = x + s.attn_out[...]
             outputs["taps"][layer, 1] = x_out
@@ -285,7 +287,7 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
     first_id = 0 if tp == 1 else lax.axis_index(AXIS) * config.vocab  # this vocab shard's
     outputs["next_tokens"][...] = argmax_body(  # ties to the lowest id, on every device
         logits, first_id, None if tp == 1 else argmax_scratch, n=tp,
-        valid=vocab < config.vocab)  # not the padding columns
+        valid=vocab < config.vocab, algorithm=plan.collective)  # not the padding columns
 
 
 def decode_step(config: ModelConfig, weights, cache, tokens, positions, *,

@@ -60,11 +60,13 @@ Assumptions, each stated where it is used:
   the attention output projection and after the MLP, as in Megatron-style tensor
   parallelism; an expert-parallel MoE combines its partial sums the same way) and one
   small all-gather for the sharded lm_head's argmax. One all-reduce takes
-  `mk.kernels.collectives.allreduce_s` (the kernel's algorithm: ceil(log2 tp) rounds of a
-  reduce-scatter and of an all-gather, each round one message latency `ICI_LATENCY_S`,
-  1 µs, whose source that module gives, and 2 (tp - 1) / tp of the message at one
-  device's one-way ICI bandwidth). The megakernel sums float32 partial sums
-  (`PARTIAL_SUM_BYTES`); the one-kernel-per-op baseline moves bf16 activations.
+  `mk.kernels.collectives.allreduce_s` (the kernel's algorithm, the plan's default
+  `choose_algorithm`: 1 round of a reduce-scatter and 1 of an all-gather ("two_phase")
+  from tp = 4, ceil(log2 tp) each ("recursive") below; each round one message latency
+  `ICI_LATENCY_S`, 1 µs, whose source that module gives, and 2 (tp - 1) / tp of the
+  message at one device's one-way ICI bandwidth). The megakernel sums float32 partial
+  sums (`PARTIAL_SUM_BYTES`); the one-kernel-per-op baseline moves bf16 activations in
+  log-depth rounds ("recursive": a GPU library's tree, not mk's kernel).
 - Conventional execution: one kernel per op, each op's time is its own floor plus a gap
   `KERNEL_GAP_S` (1.3 µs: the launch cost per kernel Hazy Research measured on an H100 with
   CUDA graphs, "Look Ma, No Bubbles", hazyresearch.stanford.edu/blog/2025-05-27-no-bubbles),
@@ -83,7 +85,7 @@ from mk import feed_costs
 from mk.cache import bytes_per_position, state_bytes_per_sequence
 from mk.chips import ChipSpec, chip as named_chip
 from mk.config import DTYPE_BITS, ModelConfig, check_formats, positive_int
-from mk.kernels.collectives import PARTIAL_SUM_BYTES, allreduce_s
+from mk.kernels.collectives import ICI_LATENCY_S, PARTIAL_SUM_BYTES, allreduce_s
 from mk.kernels.one_layer import model_block
 from mk.kernels.plan import packed_formats, padded_vocab, shard_config
 from mk.kinds.base import ROLES
@@ -295,7 +297,7 @@ def seen_positions(config: ModelConfig, context: int) -> float:
 def predict(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: int = 1,
             context: int | None = None, tp: int = 1, accepted: float | None = None,
             routing: str = "uniform", compute: str = "bf16", collectives: bool = True,
-            formats=None) -> StepEstimate:
+            formats=None, ici_latency_s: float = ICI_LATENCY_S) -> StepEstimate:
     """Floors and collectives of one decode step of `config` on `tp` devices of `chip`.
 
     `context` defaults to config.max_context; `accepted` (tokens each sequence keeps per
@@ -303,7 +305,8 @@ def predict(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: 
     `collectives=False` leaves the all-reduces out (a pure floor); `formats`
     ({"dense": "int8", ...}; default `config.formats`, {} for none) stores those groups
     in mk.quant's schemes, packed data plus scales per tile of the default tiling
-    (`mk.step_bytes.shard_weight_bytes`).
+    (`mk.step_bytes.shard_weight_bytes`); `ici_latency_s`: one message round of a
+    collective (`allreduce_s`).
     """
     spec = named_chip(chip) if isinstance(chip, str) else chip
     context = config.max_context if context is None else context
@@ -342,7 +345,8 @@ def predict(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: 
     hbm_floor_ms = 1e3 * total_bytes / tp / device_bw
     compute_floor_ms = 1e3 * flops / tp / device_peak
     collective_ms = (1e3 * collectives_per_step(config)
-                     * allreduce_s(m * config.hidden * PARTIAL_SUM_BYTES, tp, spec)
+                     * allreduce_s(m * config.hidden * PARTIAL_SUM_BYTES, tp, spec,
+                                   latency_s=ici_latency_s)
                      if collectives else 0.0)
     return StepEstimate(
         config_name=config.name, chip_name=spec.name, batch=batch, rows=rows,
@@ -435,14 +439,15 @@ def tile_floor_ms(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1,
 def modelled_step_ms(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1,
                      rows: int = 1, context: int | None = None, tp: int = 1,
                      routing: str = "uniform", compute: str = "bf16", formats=None,
-                     clock: str = "low") -> float:
+                     clock: str = "low", ici_latency_s: float = ICI_LATENCY_S) -> float:
     """The modelled step (`mk.ledger.TERMS`): max(HBM floor, compute lane + the collectives
     of tensor parallelism), ms: HBM streams beside the compute lane, whose weight tiles and
     all-reduces are serial. The lane is, on a TPU, the tile floor (`tile_floor_ms`, at the
     `clock` end); on a GPU (no tile table) `predict`'s FLOP floor at `compute`'s rate."""
     spec = named_chip(chip) if isinstance(chip, str) else chip
     kw = dict(batch=batch, rows=rows, tp=tp, routing=routing, formats=formats)
-    e = predict(config, spec, context=context, compute=compute, **kw)
+    e = predict(config, spec, context=context, compute=compute, ici_latency_s=ici_latency_s,
+                **kw)
     lane = (tile_floor_ms(config, spec, clock=clock, **kw) if spec.kind == "tpu"
             else e.compute_floor_ms)
     return max(e.hbm_floor_ms, lane + e.collective_ms)
@@ -521,7 +526,7 @@ def conventional(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, r
         nbytes = weight_bytes / tp + act * sum(widths)
         return Kernel(name, layer, nbytes, flops / tp, max(nbytes / bw, flops / tp / peak))
 
-    allreduce = allreduce_s(m * D * ACTIVATION_BYTES, tp, spec)
+    allreduce = allreduce_s(m * D * ACTIVATION_BYTES, tp, spec, "recursive")
     kinds = layer_kinds(config)
     ops = {k.name: k.conventional(e) for k in kinds}  # each kind's ops of one layer
     kernels = [op("embed", None, e.embed_bytes, 0, [D])]
@@ -541,7 +546,8 @@ def conventional(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, r
                    [D, config.vocab]),
                 op("argmax", None, 0, 0, [config.vocab])]
     if tp > 1:
-        kernels.append(Kernel("all_gather", None, 0.0, 0.0, allreduce_s(8 * m, tp, spec)))
+        kernels.append(Kernel("all_gather", None, 0.0, 0.0,
+                              allreduce_s(8 * m, tp, spec, "recursive")))
     return ConventionalEstimate(config.name, spec.name, batch, rows, tp, e.accepted,
                                 float(gap_s), tuple(kernels))
 

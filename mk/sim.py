@@ -72,7 +72,8 @@ Modelling assumptions (`Assumptions` holds the numbers; none is fitted to a meas
   tp > K, every expert on every device. The collectives are the kernel's
   (`mk.kernels.collectives`): an all-reduce of the [M, D] float32 partial sums after wo and
   after the MLP, and the argmax's all-gather after the lm_head, each blocking the compute
-  lane (`mk.perf.allreduce_s`).
+  lane (`mk.perf.allreduce_s` by the plan's algorithm, `DecodePlan.collective`, each
+  message round `Assumptions.ici_latency_s`: ICI_LATENCY_S, 1 us, by default).
 - Active experts per MoE layer: the expected distinct experts of `mk.perf.experts_touched`
   (routing "uniform" by default), rounded; the same every layer and on every device (all
   route identically).
@@ -105,6 +106,7 @@ import math
 from mk import feed_costs, measure, perf, quant
 from mk.chips import CLOCK_ENDS, ChipSpec, chip as named_chip
 from mk.config import DTYPE_BITS, ModelConfig, check_formats, positive_int
+from mk.kernels.collectives import ICI_LATENCY_S
 from mk.kernels.common import BlockSizes
 from mk.kernels.mlp import expert_slots
 from mk.kernels.plan import DecodePlan, model_stream, ring_slots
@@ -126,6 +128,7 @@ class Assumptions:
     tile_issue_s: float = 0.0  # the per-tile loop's issue time in seconds, or
     tile_bundles: int = 0  # its bundles per trip (`mk.bundles.TileCost`), at the clock
     clock: str = "low"  # end of the chip's range (`mk.chips.CLOCK_ENDS`)
+    ici_latency_s: float = ICI_LATENCY_S  # one message round of a collective
     source: str = "assumed"  # where dma_latency_s and hbm_share come from (`measured`)
 
     def __post_init__(self):
@@ -133,7 +136,7 @@ class Assumptions:
             if not 0 < getattr(self, field) <= 1:
                 raise ValueError(f"Assumptions.{field}={getattr(self, field)!r} must be "
                                  "in (0, 1]")
-        for field in ("dma_latency_s", "scalar_op_s", "tile_issue_s"):
+        for field in ("dma_latency_s", "scalar_op_s", "tile_issue_s", "ici_latency_s"):
             if not getattr(self, field) >= 0:
                 raise ValueError(f"Assumptions.{field}={getattr(self, field)!r} must be >= 0")
         if isinstance(self.tile_bundles, bool) or not isinstance(self.tile_bundles, int) \
@@ -210,10 +213,11 @@ class _Kernel:
 
     def __init__(self, config, stream: TileStream, machine: Machine, *, m, batch, rows,
                  context, spec, tp, formats, experts_on, prefetch, a: Assumptions,
-                 vocab: int):
+                 vocab: int, collective: str = "recursive"):
         self.c, self.s, self.mc, self.a = config, stream, machine, a
         self.vocab = vocab  # the logits' columns (the shard's vocab, padded to tiles)
         self.m, self.batch, self.rows, self.context, self.tp = m, batch, rows, context, tp
+        self.collective_algorithm = collective
         self.prefetch, self.experts_on = prefetch, experts_on
         self.fast = True  # fast-forward runs of identical tiles (tests compare both ways)
         self.n = stream.block.slots
@@ -361,8 +365,9 @@ class _Kernel:
 
     def collective(self, nbytes):
         if self.tp > 1:
-            self.mc.compute(perf.allreduce_s(nbytes, self.tp, self.spec), self.layer,
-                            "collective")
+            self.mc.compute(perf.allreduce_s(nbytes, self.tp, self.spec,
+                                             self.collective_algorithm,
+                                             self.a.ici_latency_s), self.layer, "collective")
 
     def vectors(self, layer, tag=""):
         """Issue layer `layer`'s norm vectors (two DMAs, issued at the previous layer's
@@ -477,11 +482,13 @@ def simulate(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows:
              context: int = 0, block: BlockSizes | None = None, tp: int = 1,
              cross_layer_prefetch: bool = True,
              routing: str = "uniform", experts_active: int | None = None,
-             assumptions: Assumptions | None = None, formats=None) -> Simulation:
+             assumptions: Assumptions | None = None, formats=None,
+             collective: str | None = None) -> Simulation:
     """Replay one decode step of the megakernel (module docstring) on one device of `chip`:
     the `DecodePlan` of `DecodePlan.make(config, batch=, rows=, position=, tp=, block=,
-    formats=)` (formats: the mk.quant schemes of the groups stored quantised; default
-    the config's own, {} for none).
+    formats=, collective=)` (formats: the mk.quant schemes of the groups stored
+    quantised; default the config's own, {} for none; collective: the collectives'
+    algorithm, default the plan's choice).
 
     context: the cached positions each sequence reads (its rows sit at positions context ..
     context + T - 1); block defaults to the plan's for this chip (`DecodePlan.make`: the ring
@@ -494,7 +501,8 @@ def simulate(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows:
     positive_int("rows", rows)
     _check_context(config, context, rows)
     plan = DecodePlan.make(config, batch=batch, rows=rows, position=context, tp=tp,
-                           block=block, formats=formats, chip=spec, kernel=False)
+                           block=block, formats=formats, chip=spec, kernel=False,
+                           collective=collective)
     a = assumptions or Assumptions()
     on = 0
     if plan.expert_slots:  # 0 without MoE layers
@@ -508,7 +516,8 @@ def simulate(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows:
     machine = Machine(bw, a.dma_latency_s)
     kernel = _Kernel(plan.local, plan.stream, machine, m=plan.M, batch=batch, rows=rows,
                      context=context, spec=spec, tp=plan.tp, formats=dict(plan.formats),
-                     experts_on=on, prefetch=cross_layer_prefetch, a=a, vocab=plan.vocab)
+                     experts_on=on, prefetch=cross_layer_prefetch, a=a, vocab=plan.vocab,
+                     collective=plan.collective)
     kernel.run()
     step_s = machine.finish()
     return Simulation(

@@ -33,8 +33,9 @@ from mk import backend as backends
 from mk import megakernel, perf, quant, reference
 from mk.chips import chip as chip_spec
 from mk.config import ModelConfig
-from mk.kernels.collectives import (AXIS, ICI_LATENCY_S, all_reduce_bytes, check_devices,
-                                    check_interpret_devices, ici_bandwidth, tp_mesh)
+from mk.kernels.collectives import (AXIS, ICI_LATENCY_S, all_reduce_bytes,
+                                    check_interpret_devices, choose_algorithm, ici_bandwidth,
+                                    rounds as message_rounds, tp_mesh)
 from mk.kernels.common import BlockSizes
 from mk.kernels.plan import DecodePlan, check_tp, shard_config
 from mk.shards import check_sharded_cache, shard_cache
@@ -54,11 +55,13 @@ def _step(plan: DecodePlan, weights, cache, tokens, positions):
 
 
 def decode_step(config: ModelConfig, weights, cache: reference.KVCache, tokens, positions,
-                *, mesh: jax.sharding.Mesh, block: BlockSizes | None = None, feeds=None):
+                *, mesh: jax.sharding.Mesh, block: BlockSizes | None = None, feeds=None,
+                collective: str | None = None):
     """One tensor-parallel decode step: weights from `mk.megakernel.prepare`, cache from
     `mk.shards.shard_cache`
     -> (next tokens [B, T] int32, logits [B, T, V] float32, cache), like
-    `mk.megakernel.decode_step`."""
+    `mk.megakernel.decode_step`; `collective`: the collectives' algorithm
+    (`DecodePlan.make`'s)."""
     tp = mesh.shape[AXIS]
     local = shard_config(config, tp)
     check_sharded_cache(config, cache, tp)
@@ -68,7 +71,8 @@ def decode_step(config: ModelConfig, weights, cache: reference.KVCache, tokens, 
     B, T = tokens.shape
     plan = DecodePlan.make(config, tp=tp, batch=B, rows=T,
                                 context=unstacked.capacity, block=block,
-                                formats=quant.formats_of(weights), feeds=feeds)
+                                formats=quant.formats_of(weights), feeds=feeds,
+                                collective=collective)
     nxt, logits, cache = _sharded_step(plan, mesh, weights, cache, tokens, positions)
     logits = jnp.moveaxis(logits, 0, -2).reshape(B, T, config.vocab)
     return nxt[0], logits, cache
@@ -110,9 +114,10 @@ def _greedy_steps(plan, mesh, weights, cache, token, position, steps: int):
 def generate(config: ModelConfig, params, prompt, steps: int, *, tp: int,
              mesh: jax.sharding.Mesh | None = None, block: BlockSizes | None = None,
              max_context: int | None = None, steps_per_call: int = 1,
-             progress: bool = False, feeds=None) -> jax.Array:
+             progress: bool = False, feeds=None, collective: str | None = None) -> jax.Array:
     """Greedy decoding with the megakernel on tp devices: the contract of
-    `mk.megakernel.generate`, `progress` and `feeds` included. Returns [tp, B, steps]:
+    `mk.megakernel.generate`, `progress` and `feeds` included; `collective` as in
+    `decode_step`. Returns [tp, B, steps]:
     every device's copy of the tokens (they must agree; a test checks it)."""
     tp = check_tp(config, tp)
     mesh = mesh or tp_mesh(tp)
@@ -122,7 +127,8 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, tp: int,
     prompt, S, steps, steps_per_call = megakernel.check_generate(
         config, prompt, steps, steps_per_call, max_context)
     plan = DecodePlan.make(config, tp=tp, batch=prompt.shape[0], context=S,
-                                block=block, formats=quant.formats_of(params), feeds=feeds)
+                                block=block, formats=quant.formats_of(params), feeds=feeds,
+                                collective=collective)
     values = quant.dequantize(params)  # the reference's prefill: config.dtype weights
     reference.check_params(config, values, "mk.tensor_parallel.generate")
     backends.check_active()
@@ -135,21 +141,24 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, tp: int,
 
 # -- What the collectives cost ------------------------------------------------------------
 def collective_terms(config: ModelConfig, tp: int, chip: str, *, batch: int = 8,
-                     rows: int = 1) -> dict:
-    """The in-kernel collectives of one TP step on `chip`, by the `mk.perf` ICI model
-    (ICI_LATENCY_S per message round, one device's one-way ICI bandwidth): bytes, rounds
-    and the latency and bandwidth terms, next to `mk.perf.predict`'s own collective term
-    and HBM floor for the same step. The kernel all-reduces float32 partial sums."""
+                     rows: int = 1, collective: str | None = None) -> dict:
+    """The in-kernel collectives of one TP step on `chip` by the `collective` algorithm
+    (default the plan's, `choose_algorithm`), by the `mk.perf` ICI model (ICI_LATENCY_S
+    per message round, one device's one-way ICI bandwidth): bytes, rounds and the latency
+    and bandwidth terms, next to `mk.perf.predict`'s own collective term (the default
+    algorithm's) and HBM floor for the same step. The kernel all-reduces float32 partial
+    sums."""
     check_tp(config, tp)
     spec = chip_spec(chip)
-    M, rounds = batch * rows, check_devices(tp)
+    algorithm = choose_algorithm(tp, collective)
+    M, rounds = batch * rows, message_rounds(algorithm, tp)
     message = M * config.hidden * 4
     reduces = 2 * config.layers if tp > 1 else 0
     sent = reduces * all_reduce_bytes(message, tp) + (tp - 1) * M * 128 * 4
-    messages = reduces * 2 * rounds + rounds  # the argmax gather: log2(tp) rounds
+    messages = reduces * 2 * rounds + rounds  # and the argmax's gather
     estimate = perf.predict(config, spec, batch=batch, rows=rows, tp=tp)
     return dict(
-        tp=tp, all_reduces=reduces, all_reduce_KiB=message / 1024,
+        tp=tp, algorithm=algorithm, all_reduces=reduces, all_reduce_KiB=message / 1024,
         sent_MiB_per_device=sent / 2**20, message_rounds=messages,
         latency_ms=messages * ICI_LATENCY_S * 1e3,
         bandwidth_ms=sent / ici_bandwidth(spec) * 1e3,

@@ -145,6 +145,13 @@ display(plots.table(split_rows(config, [1, tp]) +
 # whole sum of chunk i, summed in one fixed tree order, and the all-gather copies it to
 # everyone, so every device ends with bit-identical values. `collectives.exchanges` is the
 # schedule as data (the kernel computes the same partner and range from its index).
+#
+# That is the "recursive" algorithm. The kernel also has a "two_phase" one
+# (`collectives.ALGORITHMS`), the plan's default from n = 4: the same bytes, but one round a
+# phase, every peer at once. In the reduce-scatter each device sends chunk p of its partial
+# straight to device p, which stores the n partials of its chunk side by side and adds them
+# with the same `tree_sum`; in the all-gather each device sends its sum to every peer. The
+# same tree, so the same bits as "recursive", in 2 message rounds instead of 2 log2(n).
 
 # %%
 plots.show_source(teach.all_reduce)
@@ -161,6 +168,11 @@ print(f"{len(parts)} stand-in devices: every copy bit-equal to the kernel's tree
 teach.excerpt(collectives.all_reduce_body, [
     ("for i in range(n):", "stage[i] = x[:, i * c:(i + 1) * c]",
      "This device's partial, cut into n chunks (the teaching `held[me]`)."),
+    ('if check_algorithm(algorithm) == "two_phase"', "return jnp.concatenate(",
+     '"two_phase": chunk p to device p, each landing at the sender\'s index of `recv` '
+     "(`_direct`: n-1 remote DMAs in flight at once, then every send and every matching "
+     "receive waited for), the n partials of this device's chunk summed by `tree_sum`, the "
+     "sum sent to every peer (`_gather_direct`)."),
     ("for r in reversed(range(", "offset += d",
      "Reduce-scatter: per round d, keep the half holding chunk `me`, send the other half "
      "to `me XOR d` (`_exchange`: a remote DMA, then waits on both semaphores), add what "
@@ -175,12 +187,11 @@ teach.excerpt(collectives.all_reduce_body, [
 # an add; then the all-gather rounds copy the finished chunks back. Its schedule, drawn:
 
 # %%
-def draw_exchanges(n):
-    fig, x = go.Figure(), 0
+def draw_exchanges(n, algorithm="recursive"):
+    fig, x, rows = go.Figure(), 0, collectives.exchanges(n, algorithm)
     for phase in ("reduce-scatter", "all-gather"):
-        for r in sorted({e["round"] for e in collectives.exchanges(n)}):
-            for e in [e for e in collectives.exchanges(n)
-                      if e["phase"] == phase and e["round"] == r]:
+        for r in sorted({e["round"] for e in rows}):
+            for e in [e for e in rows if e["phase"] == phase and e["round"] == r]:
                 fig.add_annotation(x=x + 0.9, y=e["partner"], ax=x, ay=e["device"],
                                    xref="x", yref="y", axref="x", ayref="y", arrowhead=2,
                                    showarrow=True, opacity=0.6)
@@ -190,13 +201,14 @@ def draw_exchanges(n):
                     hovertext=f"{phase} round {r}: device {e['device']} sends chunks "
                               f"{e['first']}..{last} to {e['partner']}"))
             x += 1
-    fig.update_layout(title=f"All-reduce on {n} devices: reduce-scatter then all-gather "
-                            "(hover: which chunks)", xaxis_title="round (index)",
+    fig.update_layout(title=f"All-reduce on {n} devices, {algorithm}: reduce-scatter then "
+                            "all-gather (hover: which chunks)", xaxis_title="round (index)",
                       yaxis_title="device (index)", height=380)
     return fig
 
 
-plots.show(draw_exchanges(draw_devices))
+for algorithm in collectives.ALGORITHMS:
+    plots.show(draw_exchanges(draw_devices, algorithm))
 display(plots.table([e for e in collectives.exchanges(4) if e["device"] == 0]))
 
 # %% [markdown]
@@ -209,24 +221,28 @@ display(plots.table([e for e in collectives.exchanges(4) if e["device"] == 0]))
 # ## What the collectives cost
 #
 # Per step: 2 L all-reduces of the [M, D] float32 partial sums (each device sends 2(n-1)/n
-# of it, in 2 log2(n) message rounds) and one small gather for the argmax. Below, by the
-# ICI model of `mk.perf` (1 µs per message round, one device's one-way ICI bandwidth),
-# next to that model's own collective term and the step's HBM floor per device:
+# of it, in 2 log2(n) message rounds by "recursive", 2 by "two_phase") and one small
+# gather for the argmax. Below, by the ICI model of `mk.perf` (1 µs per message round, one
+# device's one-way ICI bandwidth), next to that model's own collective term (the plan's
+# algorithm) and the step's HBM floor per device:
 
 # %%
-terms = [tpar.collective_terms(mk.preset("qwen3.5-27b"), t, "tpu7x", batch=8)
-         for t in (2, 4, 8)]
+terms = [tpar.collective_terms(mk.preset("qwen3.5-27b"), t, "tpu7x", batch=8, collective=a)
+         for t in (2, 4, 8) for a in collectives.ALGORITHMS]
 display(plots.table([{k: f"{v:.3g}" if isinstance(v, float) else v for k, v in t.items()}
                      for t in terms]))
-t8 = terms[-1]
-print(f"TP8: {t8['message_rounds']} message rounds cost {t8['latency_ms']:.2f} ms of latency "
-      f"vs {t8['bandwidth_ms']:.2f} ms of bandwidth; the HBM floor is "
-      f"{t8['hbm_floor_ms']:.2f} ms")
+for t8 in terms[-2:]:
+    print(f"TP8 {t8['algorithm']}: {t8['message_rounds']} message rounds cost "
+          f"{t8['latency_ms']:.2f} ms of latency vs {t8['bandwidth_ms']:.2f} ms of bandwidth; "
+          f"the HBM floor is {t8['hbm_floor_ms']:.2f} ms")
 
 # %% [markdown]
 # At batch 8 the messages are small (160 KiB), so the latency term (the number of rounds)
 # dominates the collectives, not the bytes: that is why the all-reduce uses log2(n)-round
-# algorithms rather than a ring's n-1 rounds.
+# algorithms rather than a ring's n-1 rounds, and from n = 4 the two-round one. What the
+# model leaves out, and a TPU would charge: a direct send to a peer several ICI hops away
+# shares links with the others' sends, and n-1 DMAs in flight at once cost n-1 descriptor
+# issues; the latency of one round (1 µs here) is an assumption nothing here measured.
 #
 # ## The weight ring during an all-reduce (simulated)
 #
@@ -334,7 +350,8 @@ for name, t in (("qwen3-30b-a3b", 4), ("kimi-k3-like", 32)):
 # 1. n = 8: how many rounds does the all-reduce take, and how many bytes does one device
 #    send for an array of b bytes? <details><summary>Answer</summary>3 reduce-scatter
 #    rounds and 3 all-gather rounds; 2 (n - 1)/n b = 1.75 b (`all_reduce_bytes`), the
-#    bandwidth optimum, in 6 latency terms where a ring would take 14.</details>
+#    bandwidth optimum, in 6 latency terms where a ring would take 14 ("recursive";
+#    "two_phase": 1 round each, 2 latency terms, the same bytes).</details>
 # 2. Why must every device's sum be bit-identical, and what makes it so?
 #    <details><summary>Answer</summary>Routing and the greedy token are computed on every
 #    device from the summed stream: a last-bit difference could pick another expert or
@@ -343,6 +360,9 @@ for name, t in (("qwen3-30b-a3b", 4), ("kimi-k3-like", 32)):
 
 # %%
 assert same, "the teaching all-reduce differs from the kernel's tree order"
+L27 = mk.preset("qwen3.5-27b").layers  # TP8: 2 L all-reduces of 2 phases, then the gather
+assert [t["message_rounds"] for t in terms[-2:]] == [4 * L27 * 3 + 3, 4 * L27 + 1], \
+    "TP8's message rounds per step: log2(8) = 3 a phase (recursive), 1 (two_phase)"
 for device in range(tp):
     course.check_tokens(f"tp={tp} device {device}", got[device], want)
 course.check_race_free("TP megakernel", races)

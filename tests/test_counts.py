@@ -130,9 +130,9 @@ def test_ring_cover_holds_one_all_reduce_of_all_m_rows_at_tp_2(monkeypatch):
     sizes = []
     real = plan_module.allreduce_s
 
-    def recorded(nbytes, tp, spec):
+    def recorded(nbytes, tp, spec, *how):
         sizes.append((nbytes, tp))
-        return real(nbytes, tp, spec)
+        return real(nbytes, tp, spec, *how)
 
     monkeypatch.setattr(plan_module, "allreduce_s", recorded)
     config, B, T = mk.preset("tiny"), 4, 2
@@ -151,9 +151,9 @@ def test_simulator_all_reduces_m_rows_twice_a_layer_at_tp_2(monkeypatch):
     sizes = []
     real = sim.perf.allreduce_s
 
-    def recorded(nbytes, tp, spec):
+    def recorded(nbytes, tp, spec, *how):
         sizes.append(nbytes)
-        return real(nbytes, tp, spec)
+        return real(nbytes, tp, spec, *how)
 
     monkeypatch.setattr(sim.perf, "allreduce_s", recorded)
     config, B, T = mk.preset("tiny"), 2, 3

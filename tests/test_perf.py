@@ -340,13 +340,20 @@ def test_formats_reject_unknown_groups_and_schemes(formats, match):
 
 
 # -- Collectives ----------------------------------------------------------------------------
-def test_one_allreduce_is_a_reduce_scatter_and_an_all_gather_of_log2_rounds_each():
+def test_one_allreduce_is_a_reduce_scatter_and_an_all_gather_of_their_rounds_each():
     spec = chip("tpu7x")
     one_way = spec.ici_bw / 2 / 2  # per device, one direction
+    wire = 2 * 7 / 8 * 1e6 / one_way  # the same bytes by either algorithm
     assert perf.allreduce_s(1e6, 1, spec) == 0
-    assert perf.allreduce_s(1e6, 8, spec) == pytest.approx(6e-6 + 2 * 7 / 8 * 1e6 / one_way)
-    assert perf.allreduce_s(0, 32, spec) == pytest.approx(10e-6)
-    assert perf.allreduce_s(0, 5, spec) == pytest.approx(6e-6)  # ceil(log2 5) rounds each
+    assert perf.allreduce_s(1e6, 8, spec, "recursive") == pytest.approx(6e-6 + wire)
+    assert perf.allreduce_s(1e6, 8, spec, "two_phase") == pytest.approx(2e-6 + wire)
+    assert perf.allreduce_s(1e6, 8, spec) == perf.allreduce_s(1e6, 8, spec, "two_phase")
+    assert perf.allreduce_s(0, 32, spec, "recursive") == pytest.approx(10e-6)
+    assert perf.allreduce_s(0, 5, spec, "recursive") == pytest.approx(6e-6)  # ceil(log2 5)
+    assert perf.allreduce_s(0, 32, spec, latency_s=4e-6) == pytest.approx(8e-6)
+    assert perf.allreduce_s(0, 2, spec) == perf.allreduce_s(0, 2, spec, "recursive")
+    with pytest.raises(ValueError, match=r"latency_s=-1e-06 must be >= 0"):
+        perf.allreduce_s(0, 2, spec, latency_s=-1e-6)
 
 
 def test_collective_term_counts_two_allreduces_per_layer_and_one_for_the_lm_head():

@@ -151,16 +151,18 @@ def test_the_27bs_tp8_shard_compiles_for_tpu7x_with_its_weights_packed(formats):
 STEPS, FULL_STEPS = 6, 32  # CI's runs; the issue's check (`make test-slow`)
 
 
-def _tokens(config, groups: dict, tp: int, steps: int = STEPS, feeds=None) -> dict:
+def _tokens(config, groups: dict, tp: int, steps: int = STEPS, feeds=None,
+            collective=None) -> dict:
     """Reference greedy tokens on the dequantised params (as `feeds`, {group: MXU feed},
     has the kernel multiply them: `mk.quant.dequantize`) against the megakernel at tp on
-    the quantised ones (race detector on), then the planted race."""
+    the quantised ones (race detector on; `collective`: the collectives' algorithm,
+    default the plan's), then the planted race."""
     params = quant.quantize(config, mk.init_params(config, seed=tp), **groups)
     prompt = jax.random.randint(jax.random.key(tp), (2, 5), 0, config.vocab)
     want = reference.generate(config, quant.dequantize(params, feeds=feeds), prompt, steps)
     with backend.use("interpret", detect_races=True):
         got = tpar.generate(config, params, prompt, steps, tp=tp, steps_per_call=steps,
-                            feeds=feeds)
+                            feeds=feeds, collective=collective)
         jax.block_until_ready(got)
         races = backend.races_found()
     return dict(want=want, got=got, races=races, planted_caught=planted_race_caught(tp))
@@ -171,8 +173,10 @@ def _tiny_moe():
 
 
 def moe_fp4(tp):
-    """FP4 experts (64 columns a device at tp 2, padded), int8 attention and dense MLP."""
-    return _tokens(_tiny_moe(), dict(experts="fp4", dense="int8"), tp)
+    """FP4 experts (64 columns a device at tp 2, padded), int8 attention and dense MLP;
+    the collectives "two_phase" (the plan's default from tp 4; at tp 2 CI's one case of
+    it in the megakernel, where the plan's default is "recursive", the slow cases' path)."""
+    return _tokens(_tiny_moe(), dict(experts="fp4", dense="int8"), tp, collective="two_phase")
 
 
 def moe_int8(tp):

@@ -105,7 +105,8 @@ from mk.cache import state_bytes_per_sequence
 from mk.chips import ChipSpec, chip as named_chip
 from mk.config import DTYPE_BITS, ModelConfig, check_formats, check_rows, positive_int
 from mk.kernels.collectives import (MAX_INDEX, PARTIAL_SUM_BYTES, allreduce_s, check_devices,
-                                    collective_buffers, collective_semaphores)
+                                    choose_algorithm, collective_buffers,
+                                    collective_semaphores)
 from mk.kernels.common import (KV_TILE, LANES, SLOTS, VMEM_HEADROOM, VMEM_ROOM, BlockSizes,
                                Buffer, VmemBudget, vmem_budget, vmem_limit_bytes)
 from mk.kernels.deltanet import check_conv_kernel
@@ -181,11 +182,14 @@ RING_COVER_S = 2e-6  # the time a chip's ring keeps HBM streaming (Little's law)
 #   measures it on one); at tp > 1 one all-reduce more (`ring_cover_s`)
 
 
-def ring_cover_s(local: ModelConfig, tp: int, M: int, spec: ChipSpec) -> float:
+def ring_cover_s(local: ModelConfig, tp: int, M: int, spec: ChipSpec,
+                 collective: str | None = None) -> float:
     """The time a chip's ring keeps HBM streaming: RING_COVER_S, and at tp > 1 one
-    all-reduce of the [M, D] float32 partial sums (`allreduce_s`), so the weight DMAs
-    stream on through the collective instead of draining the ring."""
-    reduce = allreduce_s(M * local.hidden * PARTIAL_SUM_BYTES, tp, spec) if tp > 1 else 0.0
+    all-reduce of the [M, D] float32 partial sums (`allreduce_s` by the `collective`
+    algorithm), so the weight DMAs stream on through the collective instead of draining
+    the ring."""
+    reduce = (allreduce_s(M * local.hidden * PARTIAL_SUM_BYTES, tp, spec, collective)
+              if tp > 1 else 0.0)
     return RING_COVER_S + reduce
 
 
@@ -326,6 +330,8 @@ class DecodePlan:
     chip: str | None = None  # the TPU the plan is for (`make(chip=)`): it sizes the
     #                          default ring and caps the scoped VMEM (`vmem_limit`)
     feeds: tuple[tuple[str, str], ...] = ()  # {group: feed} of the packed groups, hashable
+    collective: str = "recursive"  # the all-reduce and argmax gather's algorithm
+    #                                (`mk.kernels.collectives.ALGORITHMS`)
 
     @property
     def buffers(self) -> dict[str, Buffer]:
@@ -337,7 +343,7 @@ class DecodePlan:
              context: int | None = None, position: int | None = None,
              block: BlockSizes | None = None, formats=None,
              chip: ChipSpec | str | None = None, kernel: bool = True,
-             feeds=None) -> DecodePlan:
+             feeds=None, collective: str | None = None) -> DecodePlan:
         """The one way to make a plan. The cache holds `context` positions (S), or, given
         `position` instead, every sequence is at `position` in a cache just large enough
         for its rows (`capacity`, or whole KV tiles of the given block: the step the
@@ -355,7 +361,9 @@ class DecodePlan:
         simulator replays, which may have neither. `feeds` ({group: feed}) overrides the
         chip's choice of what each packed group reaches the MXU as
         (`mk.unpack.choose_feeds`: a feed the chip's MXU does not take, or one the group's
-        scheme cannot reach exactly, is a ValueError here)."""
+        scheme cannot reach exactly, is a ValueError here). `collective`: the algorithm
+        of the in-kernel collectives (`mk.kernels.collectives.ALGORITHMS`), default the
+        one of fewer message rounds at this tp (`choose_algorithm`)."""
         if not isinstance(config, ModelConfig):
             raise ValueError(f"config={config!r} must be a ModelConfig")
         local = shard_config(config, tp)
@@ -373,6 +381,7 @@ class DecodePlan:
                 * block.kv_tile
         context = positive_int("context", context)
         spec = named_chip(chip) if isinstance(chip, str) else chip
+        collective = choose_algorithm(tp, collective)
         formats = check_formats(config, config.formats if formats is None else formats)
         packed = packed_formats(config, formats)
         feeds = unpack.choose_feeds(packed, feeds, spec)
@@ -384,7 +393,7 @@ class DecodePlan:
         if block is None:
             try:
                 block = _chip_block(local, int(tp), int(batch), int(rows), context, packed,
-                                    spec, kernel)
+                                    spec, kernel, collective)
             except ValueError as err:  # name the model, the tp and the fields tp splits
                 if tp == 1:
                     raise ValueError(f"{config.name}: {err}") from None
@@ -409,10 +418,11 @@ class DecodePlan:
             raise ValueError(f"BlockSizes.tiles names {stray}: only a layer's ring weights "
                              f"take tiles of their own ({sorted(layer_weights)})")
         buffers = _buffers(local, int(tp), int(batch), int(rows), block,
-                           padded_vocab(local, block), stream)
+                           padded_vocab(local, block), stream, collective)
         return cls(config, int(tp), local, int(batch), int(rows), context, block, stream,
                    tuple(sorted(formats.items())), tuple(buffers.items()),
-                   None if spec is None else spec.name, tuple(sorted(feeds.items())))
+                   None if spec is None else spec.name, tuple(sorted(feeds.items())),
+                   collective)
 
     @property
     def M(self) -> int:
@@ -452,7 +462,7 @@ class DecodePlan:
                               "final_sem": pltpu.SemaphoreType.DMA((1,))}
         for name in ("all_reduce", "argmax"):  # the collectives (tp > 1)
             if name in groups:
-                groups[name] |= {"sems": collective_semaphores(self.tp)}
+                groups[name] |= {"sems": collective_semaphores(self.tp, self.collective)}
         return groups
 
     def weight_bytes(self, experts: float | None = None) -> dict[str, float]:
@@ -508,7 +518,7 @@ class DecodePlan:
 
 
 def _chip_block(local: ModelConfig, tp: int, batch: int, rows: int, context: int, formats,
-                spec: ChipSpec | None, kernel: bool) -> BlockSizes:
+                spec: ChipSpec | None, kernel: bool, collective: str) -> BlockSizes:
     """`default_block` for the chip: the ring `ring_slots` asks for over `ring_cover_s`,
     or the deepest shorter one whose step's buffers leave Mosaic `vmem_limit_bytes`' room
     in the chip's VMEM (every ring buffer, plain and each scheme's, is slots deep: they
@@ -524,13 +534,14 @@ def _chip_block(local: ModelConfig, tp: int, batch: int, rows: int, context: int
         block = default_block(local, context, formats=formats, chip=spec, slots=slots,
                               cover_s=cover_s)
         stream = model_stream(local, block, batch * rows, formats)
-        buffers = _buffers(local, tp, batch, rows, block, padded_vocab(local, block), stream)
+        buffers = _buffers(local, tp, batch, rows, block, padded_vocab(local, block), stream,
+                           collective)
         return block, buffers
 
     def total(buffers) -> int:
         return sum(b.bytes for b in buffers.values())
 
-    block, buffers = made(cover_s=ring_cover_s(local, tp, batch * rows, spec))
+    block, buffers = made(cover_s=ring_cover_s(local, tp, batch * rows, spec, collective))
     room = (spec.vmem_bytes - VMEM_ROOM) / VMEM_HEADROOM  # the buffers Mosaic's room allows
     if total(buffers) <= room:
         return block
@@ -550,7 +561,7 @@ def _chip_block(local: ModelConfig, tp: int, batch: int, rows: int, context: int
 
 
 def _buffers(local: ModelConfig, tp: int, batch: int, rows: int, block: BlockSizes,
-             vocab: int, stream: TileStream) -> dict[str, Buffer]:
+             vocab: int, stream: TileStream, collective: str) -> dict[str, Buffer]:
     """Every VMEM buffer of the megakernel by name (module docstring)."""
     M, D, H, dt = batch * rows, local.hidden, local.head_dim, local.dtype
     f32 = "float32"
@@ -565,8 +576,10 @@ def _buffers(local: ModelConfig, tp: int, batch: int, rows: int, block: BlockSiz
         Buffer("next_tokens", (M, 1), "int32", "operand"),
     ]
     if tp > 1:  # one all-reduce of [M, D] (two slots) and the argmax's gather
-        buffers += collective_buffers("all_reduce", M, D, tp, reduce=True)
-        buffers += collective_buffers("argmax", M, LANES, tp, reduce=False)
+        buffers += collective_buffers("all_reduce", M, D, tp, reduce=True,
+                                      algorithm=collective)
+        buffers += collective_buffers("argmax", M, LANES, tp, reduce=False,
+                                      algorithm=collective)
     out = {b.name: b for b in buffers}
     if len(out) != len(buffers):
         raise ValueError(f"duplicate buffer names in {[b.name for b in buffers]}")
