@@ -7,7 +7,9 @@ under one set of assumptions, named once here (`runs()`: `VERIFY_ROWS`, batch 1 
 unstated, every device of the run in one tensor-parallel group, each row's own context:
 the cached positions its benchmark scripts ran at, `mk.published.Published.context`), and,
 where `benchmarks/tile_costs.py --published` recorded it, against the simulated step of
-the run's compiled kernel. Nothing is fitted to the published numbers.
+the run's compiled kernel. `latency_grid` lays its TPU rows out over
+`COLLECTIVE_LATENCIES_US`, the assumed latency of one collective message round. Nothing is
+fitted to the published numbers.
 
 Not here: the models themselves (`mk.perf` floors and collectives, `mk.sim` the simulated
 schedule), the published rows' parsing (`mk.published`), drawing (`mk.plots`).
@@ -22,6 +24,7 @@ from mk.chips import CLOCK_ENDS, ChipSpec, chip as named_chip
 from mk.config import ModelConfig
 from mk.presets import preset as named_preset
 from mk.published import Published, published
+from mk.kernels.collectives import choose_algorithm, rounds
 from mk.kernels.plan import shard_config
 from mk.kinds.layers import layer_kinds
 from mk.machine import Simulation
@@ -154,7 +157,9 @@ def entries(*, routing: str = "uniform", compute: str = "bf16",
     metric) and X_error (X / published - 1). A system without a chip row gets a "note" and
     nothing else; every other row's "note" says what differs from the published run.
     `routing` and `compute` are `mk.perf.predict`'s (compute="fp8": the MXU runs 8- and
-    4-bit weights at its fp8/int8 rate; the simulator keeps its own `assumptions`).
+    4-bit weights at its fp8/int8 rate; the simulator keeps its own `assumptions`, whose
+    `ici_latency_s`, one message round of a collective, every column uses: `mk.perf`'s
+    collective term too).
     `speculative_only`: only the rows with an acceptance length (the simulator replays a
     whole Kimi TP32 step in tens of seconds: a reader who needs only those skips the rest).
 
@@ -200,10 +205,12 @@ def entries(*, routing: str = "uniform", compute: str = "bf16",
             return {f"{name}_ms": ms, name: tokens, f"{name}_error":
                     tokens / row.tokens_per_s - 1}
 
+        ici = dict(ici_latency_s=(assumptions or Assumptions()).ici_latency_s)
         est = perf.predict(config, spec, accepted=accepted, routing=routing, compute=compute,
-                          **kw)
+                           **ici, **kw)
         mxu = perf.mxu_floor_ms(config, spec, routing=routing, compute=compute, **kw)
-        modelled = perf.modelled_step_ms(config, spec, routing=routing, compute=compute, **kw)
+        modelled = perf.modelled_step_ms(config, spec, routing=routing, compute=compute,
+                                         **ici, **kw)
         # the MXU and tile floors are TPU quantities: a GPU has no MXU and no tile table
         # (its modelled step's compute lane is its FLOP floor, inside `mk.perf`)
         tpu = spec.kind == "tpu"
@@ -320,8 +327,10 @@ def _explain(run: Run) -> str:
         notes.append(f"baseline modelled as one kernel per op (vLLM-like) with TP{tp} over "
                      f"{row.chips} GPUs (layout not published)")
     else:
+        algorithm = choose_algorithm(tp)
         notes.append(f"TP{tp} over {row.chips} chips, the collectives as mk.kernels.collectives "
-                     "runs them")
+                     f"runs them ({algorithm}: {2 * rounds(algorithm, tp)} message rounds an "
+                     "all-reduce)")
     return "; ".join(notes)
 
 
@@ -354,6 +363,32 @@ def headline(rows: list[dict], *, model: str = "Kimi K3", system: str = "tpu7x",
             f"HBM floor ({row['hbm_floor_ms']:.2f} ms). What differs: {row['note']}"
             + (f". The compiled kernel: {row['compiled_note']}" if "compiled_note" in row
                else ""))
+
+
+COLLECTIVE_LATENCIES_US = (0.5, 1.0, 2.0, 4.0)  # one message round of a collective: the
+#   grid the ledger's TPU rows are shown over (nothing here measured it; mk.sim's default
+#   is ICI_LATENCY_S, 1 us)
+
+
+def latency_grid(rows_by_latency: dict[float, list[dict]]) -> list[dict]:
+    """One table row per (TPU run, collective latency) of {latency_us: `entries(
+    simulate_tpu=True, assumptions=Assumptions(ici_latency_s=latency_us * 1e-6), ...)`}:
+    the published step beside the HBM floor, the collective chain (`collective_ms`) and
+    the simulated steps (the plan's, and the compiled kernel's at each end of the clock
+    range where recorded), in ms."""
+    out = []
+    for us, rows in sorted(rows_by_latency.items()):
+        for r in rows:
+            if "simulated_ms" not in r:
+                continue
+            out.append({"run": r["run"], "round (µs)": us,
+                        "published (ms)": r["published_step_ms"],
+                        "HBM floor (ms)": r["hbm_floor_ms"],
+                        "collective chain (ms)": r["collective_ms"],
+                        "simulated (ms)": r["simulated_ms"]}
+                       | {f"compiled, {end} clock (ms)": r[f"compiled_{end}_ms"]
+                          for end in CLOCK_ENDS if f"compiled_{end}_ms" in r})
+    return sorted(out, key=lambda r: (r["run"], r["round (µs)"]))
 
 
 def floor_tokens(row: dict) -> float:

@@ -99,6 +99,7 @@ simulate_published: bool = False  # simulate the published TPU runs too (some se
 xla_layers: int = 0  # layers of XLA's own step to compile and count; 0 for all of them
 recorded_tile_costs: str = "tile_costs/single_core.json"  # benchmarks/tile_costs.py's, mk/data
 published_tile_costs: str = "tile_costs/published.json"  # its --published run
+collective_latencies_us: list[float] = []  # one collective message round (µs) of the headline grid; [] for the ledger's
 before_commit: str = "fb8e92e"  # the recorded runs <name>_before_<commit>.json beside them
 exercise_ring_slots: int = 0  # the exercise: ring slots to check (0 is the Little law depth; try 2)
 
@@ -151,9 +152,27 @@ if not 0 <= xla_layers <= config.layers:
 
 # %%
 published_costs_path = Path(mk.__file__).parent / "data" / published_tile_costs
-headline_rows = ledger.entries(speculative_only=True, simulate_tpu=True, tile_costs=(
-    json.loads(published_costs_path.read_text()) if published_costs_path.exists() else []))
+published_costs = (json.loads(published_costs_path.read_text())
+                   if published_costs_path.exists() else [])
+headline_rows = ledger.entries(speculative_only=True, simulate_tpu=True,
+                               tile_costs=published_costs)
 print(ledger.headline(headline_rows))
+
+# %% [markdown]
+# Every collective in that step pays the latency of its message rounds (two for each
+# all-reduce with the kernel's "two_phase" algorithm at TP8 and TP32, [notebook
+# 10](10_tensor_parallel.ipynb)), and that latency is an assumption: 1 µs a round, never
+# measured here. The same rows over a grid of it (each simulated again: the collectives
+# block the compute lane, so the ring's timeline moves with them):
+
+# %%
+default_round_us = sim.Assumptions().ici_latency_s * 1e6  # the headline's
+grid = {us: headline_rows if us == default_round_us else ledger.entries(
+    speculative_only=True, simulate_tpu=True, tile_costs=published_costs,
+    assumptions=sim.Assumptions(ici_latency_s=us * 1e-6))
+    for us in collective_latencies_us or ledger.COLLECTIVE_LATENCIES_US}
+display(plots.table([{k: f"{v:.3g}" if isinstance(v, float) else v for k, v in r.items()}
+                     for r in ledger.latency_grid(grid)]))
 
 # %% [markdown]
 # What explains the gap, as far as the ledger can say: the course's Kimi K3 stand-in is
@@ -877,5 +896,11 @@ assert modelled_ms >= max(est.hbm_floor_ms, mxu_ms) and xla.fusions > xla.layers
 assert report is None or report.ok or not fits, f"compile failed: {report.error[:300]}"
 if report is not None and report.ok:  # a slower clock never makes a step faster
     assert issued["low"].step_s >= issued["high"].step_s >= s.step_s * (1 - 1e-12)
+table = ledger.latency_grid(grid)
+assert len(table) == len(grid) * sum("simulated_ms" in r for r in headline_rows)
+for run_name in {r["run"] for r in table}:  # a longer round never makes a step shorter
+    by_us = sorted((r["round (µs)"], r) for r in table if r["run"] == run_name)
+    for key in ("collective chain (ms)", "simulated (ms)"):
+        assert all(a[1][key] <= b[1][key] * (1 + 1e-12) for a, b in zip(by_us, by_us[1:]))
 course.check_ring_depth(tried, deep)
 print("checks passed")

@@ -15,6 +15,7 @@ import mk
 from mk import ledger, perf
 from mk.kernels.plan import DecodePlan
 from mk.published import published
+from mk.sim import Assumptions
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +114,28 @@ def test_no_published_speed_beats_either_floor_under_the_strictest_routing(monke
     fast = dataclasses.replace(kimi, tokens_per_s=100 * kimi.tokens_per_s)
     monkeypatch.setattr(ledger, "published", lambda: (fast,))
     assert len(beating(ledger.entries(routing="shared"))) == 1
+
+
+def test_the_collective_chain_moves_with_the_assumed_latency_of_a_message_round(rows):
+    """Issue 35: every TPU row at another latency of one collective message round: its
+    collective chain grows by that much per round of the step (two_phase at TP8 and TP32:
+    2 an all-reduce, 2 L all-reduces, and 2 for the argmax's gather as `mk.perf` charges
+    it), and the grid lays such rows out by latency."""
+    slow = ledger.entries(assumptions=Assumptions(ici_latency_s=2e-6))
+    for one, two in zip(rows, slow):
+        if "collective_ms" not in one or mk.chip(one["system"]).kind != "tpu":
+            continue
+        config = mk.preset(one["preset"])
+        assert "two_phase: 2 message rounds" in one["note"]
+        extra_ms = perf.collectives_per_step(config) * 2 * 1e-3  # 1 us more a round
+        assert two["collective_ms"] - one["collective_ms"] == pytest.approx(extra_ms)
+        assert two["modelled_ms"] >= one["modelled_ms"]
+    fake = [dict(run="r", published_step_ms=3.0, hbm_floor_ms=1.0, collective_ms=0.5,
+                 simulated_ms=2.0, compiled_low_ms=4.0, compiled_high_ms=2.5),
+            dict(run="gpu", published_step_ms=5.0)]
+    table = ledger.latency_grid({2.0: fake, 1.0: fake[:1]})
+    assert [(r["run"], r["round (µs)"]) for r in table] == [("r", 1.0), ("r", 2.0)]
+    assert table[0]["compiled, low clock (ms)"] == 4.0 and "compiled, high clock (ms)" in table[0]
 
 
 def test_glossary_defines_each_term_once_and_refuses_an_unknown_one():

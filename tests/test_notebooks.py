@@ -273,7 +273,9 @@ def test_slow_runs_name_configurations():
 # Knobs CI turns down (fewer tokens, steps, sequences or live compiles; the same cells and
 # checks run), per notebook, where a configuration does not set them itself: with their own
 # values 07 (tiny), 08, 09, 10 and 12 took 46, 56, 115, 49 and 76 s headless. 06 skips
-# its mystery lab (~35 s; tests/test_course.py runs a mystery with its checks). `make
+# its mystery lab (~35 s; tests/test_course.py runs a mystery with its checks); 11 shows
+# its headline rows at the default collective latency only (each other latency of the
+# grid simulates Kimi K3's TP32 step again, ~40 s). `make
 # test-slow` also runs each configuration with the notebook's own values (id
 # "<run>-own-knobs").
 CI_KNOBS = {"05c_kimi_layers": {"batch": 1}, "05d_gpt_oss_layers": {"batch": 1},
@@ -282,6 +284,7 @@ CI_KNOBS = {"05c_kimi_layers": {"batch": 1}, "05d_gpt_oss_layers": {"batch": 1},
             "08_profile_bubbles": {"steps": 1},
             "09_speculative_sweep": {"tau_steps": 4, "tau_batch": 2, "megakernel_steps": 2},
             "10_tensor_parallel": {"steps": 2},
+            "11_design_review": {"collective_latencies_us": [1.0]},
             "12_quantised_weights": {"accuracy_steps": 8}}
 
 
