@@ -14,6 +14,7 @@ may call `huggingface_hub` when the user asks), quantising bf16 weights (`mk.qua
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import zlib
 from pathlib import Path
@@ -26,9 +27,10 @@ from safetensors import SafetensorError, safe_open
 from mk import quant
 from mk.config import ModelConfig, check_seed
 from mk.errors import shown
+from mk.hf_layout import every, fill_slots, hf_layout, hf_shape, placements
 from mk.hf_quant import (INTERLEAVED, assemble_quantised, quant_format, quantised_layout,
                          quantised_problems, quantised_shape)
-from mk.weights import hf_names, hf_scheme, layer_rows, param_shapes, put_corner, weights_of
+from mk.weights import hf_scheme, param_shapes, put_corner
 
 
 def init_params(config: ModelConfig, seed: int = 0) -> dict[str, jax.Array]:
@@ -73,86 +75,69 @@ STORED_DTYPES = ("F32", "BF16", "F16")
 SKIPPED = dict.fromkeys(("qwen3_5", "qwen3_5_text"), ("mtp.", "model.visual."))
 
 
-def _parts(config: ModelConfig) -> dict[str, tuple[str, slice]]:
-    """Pseudo-parameter "param:part" -> (param, the slice of its last axis it fills): the
-    weights whose Hugging Face tensors are parts (`mk.weights`: KDA's q, k and v
-    projections and convs; "kda" is A_log stored as [1, 1, Nv, 1], the whole vector)."""
-    kw = config.linear_key_width
-    cols = {"q": slice(0, kw), "k": slice(kw, 2 * kw), "v": slice(2 * kw, None),
-            "kda": slice(None)}
-    return {f"{w.name}:{part}": (w.name, cols[part]) for w in weights_of(config)
-            if isinstance(hf_names(w, config), dict) for part in hf_names(w, config)}
-
-
-def hf_layout(config: ModelConfig, model: str = "model."
-              ) -> dict[str, tuple[str, tuple[int, ...], bool]]:
-    """HF tensor name -> (mk parameter, index into its stacked axes, transposed?), from the
-    Hugging Face names of `mk.weights` (in the config's naming scheme).
-
-    HF stores a projection (an nn.Linear's `.weight`) as [out, in]; mk stores [in, out], so
-    every such matrix but the embedding table is transposed (and a conv weight [C, 1, W]
-    becomes [W, C]); a matrix stored as a bare parameter (gpt-oss's experts [E, in, out])
-    is not. A tied model has no `lm_head.weight` entry. `model` prefixes the decoder's
-    names ("model.language_model." in a full qwen3_5 checkpoint). Two weights stored in
-    one HF tensor fill the pseudo-parameter "a+b" (Qwen3.5's q_proj: "wq+wq_gate";
-    gpt-oss's interleaved gate_up tensors: `INTERLEAVED`); a weight stored in parts fills
-    "param:part" (`_parts`).
-    """
-    layout: dict[str, tuple[str, tuple[int, ...], bool]] = {}
-    for w in weights_of(config):
-        names = hf_names(w, config)
-        if names is None:
-            continue
-        experts = "{e}" in str(names)
-        matrix = w.name != "embed" and len(w.shape(config)) - experts >= 2
-        parts = names if isinstance(names, dict) else {"": names}
-        rows = layer_rows(config, w.kind) or ((None, ()),)
-        for part, rel in parts.items():
-            param = f"{w.name}:{part}" if part else w.name
-            for layer, row in rows:
-                prefix = "" if layer is None else f"{model}layers.{layer}."
-                for e in range(config.experts) if experts else (None,):
-                    name = prefix + rel.format(model=model, e=e)
-                    index = (() if layer is None else (row,)) + (() if e is None else (e,))
-                    if name in layout:  # one HF tensor holding two weights
-                        param_before, index_before, transposed = layout[name]
-                        layout[name] = (f"{param_before}+{param}", index_before, transposed)
-                    else:
-                        layout[name] = (param, index, matrix and name.endswith(".weight"))
-    return layout
-
-
-def _hf_shape(param: str, mk_shape: tuple[int, ...], transposed: bool) -> tuple[int, ...]:
-    """The HF shape of one tensor that fills an mk slot of shape `mk_shape`."""
-    if param.startswith("lin_conv"):
-        return (mk_shape[1], 1, mk_shape[0])
-    if param == "lin_a_log:kda":
-        return (1, 1, mk_shape[0], 1)
-    if param == "wq+wq_gate":
-        return (2 * mk_shape[1], mk_shape[0])
-    if param in INTERLEAVED:
-        return (*mk_shape[:-1], 2 * mk_shape[-1])
-    return tuple(reversed(mk_shape)) if transposed else tuple(mk_shape)
-
-
 def load_checkpoint(path: str | Path, *, dtype: str | None = None
                     ) -> tuple[ModelConfig, dict[str, jax.Array]]:
     """Read a Qwen3 / Qwen3-MoE / Qwen3.5 Hugging Face folder into (config, params).
 
     The folder holds `config.json` and either `model.safetensors` or shards listed by
-    `model.safetensors.index.json`. Loading is strict: every tensor of `hf_layout` must be
-    present once with the right shape and a float32/bfloat16/float16 dtype, and nothing
-    else may be there (a tied checkpoint may repeat the embedding as `lm_head.weight`).
-    All problems are collected into one `ValueError` before any weight is converted.
+    `model.safetensors.index.json`. Loading is strict (`open_checkpoint`): every tensor of
+    `hf_layout` must be present once with the right shape and a float32/bfloat16/float16
+    dtype, and nothing else may be there (a tied checkpoint may repeat the embedding as
+    `lm_head.weight`). All problems are collected into one `ValueError` before any weight
+    is converted.
     A quantised checkpoint (`quant_format`) may store its projections as fp8 or its experts
     as MXFP4 instead; those parameters come back as `mk.quant.QuantWeight`s (run the
     reference on `mk.quant.dequantize(params)`), their NaN or inf scales and NaN codes
     refused by field (`mk.quant.check_values`); every weight must be finite in the
-    config's dtype.
+    config's dtype (`check_values`).
     Parameters are cast to `config.dtype`; `dtype` overrides the file's dtype. A Qwen3.5
     checkpoint's multi-token-prediction (`mtp.*`) and vision (`model.visual.*`) tensors
     are not run by mk and are skipped.
     """
+    with open_checkpoint(path, dtype=dtype) as checkpoint:
+        params = _assemble(checkpoint)
+        params.update(assemble_quantised(checkpoint.folder, checkpoint.handles,
+                                         checkpoint.where, checkpoint.layout,
+                                         checkpoint.padded))
+    check_values(checkpoint.folder, checkpoint.config, params)
+    return checkpoint.config, params
+
+
+@dataclasses.dataclass(frozen=True)
+class OpenCheckpoint:
+    """A checkpoint whose files and tensor headers passed the strict checks
+    (`open_checkpoint`): its model as mk holds it (`config`, lane-padded), its tensors by
+    name (`layout`: `mk.hf_layout.hf_layout` with `mk.hf_quant`'s quantised tensors; each
+    file's open handle, `handles`, by the file holding it, `where`), where each plain
+    tensor's values go (`placed`: `mk.hf_layout.placements`) and the slot shapes of the
+    quantised ones (`padded`)."""
+
+    folder: Path
+    config: ModelConfig
+    layout: dict
+    handles: dict
+    where: dict[str, str]
+    placed: dict
+    padded: dict
+
+    @property
+    def quantised(self) -> frozenset[str]:
+        """The mk parameters stored quantised (read whole by `mk.hf_quant`)."""
+        params = {param for param, _, how in self.layout.values() if isinstance(how, str)}
+        return frozenset(params | {w for pair in params & set(INTERLEAVED)
+                                   for w in INTERLEAVED[pair]})
+
+    def view(self, name: str):
+        """Tensor `name` unread: a safetensors slice (`mk.hf_layout.fill_slots` reads it)."""
+        return self.handles[self.where[name]].get_slice(name)
+
+
+@contextlib.contextmanager
+def open_checkpoint(path: str | Path, *, dtype: str | None = None):
+    """The checkpoint folder at `path` opened and checked as `load_checkpoint` checks it
+    (its config, every file inside the folder, every tensor's name, shape and dtype, a
+    tied lm_head equal to the embedding), before any weight is read -> `OpenCheckpoint`,
+    its files open until the block ends. Weights' values are `check_values`'s."""
     folder = Path(path)
     if not folder.is_dir():
         raise ValueError(f"path={str(path)!r} is not a folder; a checkpoint is a folder "
@@ -166,9 +151,10 @@ def load_checkpoint(path: str | Path, *, dtype: str | None = None
                               _header_dtypes(folder))
     quant.check_streamed(config, {param for param, _, how in layout.values()
                                   if how in ("fp8", "mxfp4_blocks")})
+    placed = placements(own, layout)
     shapes, padded = _slot_shapes(own), _slot_shapes(config)
     with contextlib.ExitStack() as stack:
-        handles, where, problems = _open_tensors(folder, layout, shapes, stack,
+        handles, where, problems = _open_tensors(folder, layout, placed, shapes, stack,
                                                  hf_aliases(config))
         skipped = SKIPPED.get(hf.get("model_type"), ())
         for name in where:
@@ -183,8 +169,13 @@ def load_checkpoint(path: str | Path, *, dtype: str | None = None
         problems += quantised_problems(layout, padded)
         if problems:
             raise ValueError(_problems(folder, config, problems))
-        params = _assemble(handles, where, layout, config)
-        params.update(assemble_quantised(folder, handles, where, layout, padded))
+        yield OpenCheckpoint(folder, config, layout, handles, where, placed, padded)
+
+
+def check_values(folder: Path, config: ModelConfig, params) -> None:
+    """Raise ValueError (naming each parameter) unless every weight of `params` (a
+    checkpoint's, or shards of them) is finite in `config.dtype`: a quantised one's scales
+    and codes (`mk.quant.check_values`), then every value as the reference reads it."""
     bad = []
     for name, p in params.items():  # a NaN or inf scale or NaN code, named by its field
         if isinstance(p, quant.QuantWeight):
@@ -203,7 +194,6 @@ def load_checkpoint(path: str | Path, *, dtype: str | None = None
         raise ValueError(_problems(folder, config, bad) + f"\n(weights must be finite in "
                          f"{config.dtype}; its largest value is "
                          f"{float(jnp.finfo(config.dtype).max):.4g})")
-    return config, params
 
 
 def _header_dtypes(folder: Path) -> dict[str, str]:
@@ -268,7 +258,7 @@ def hf_aliases(config: ModelConfig) -> dict[str, str]:
             for proj in ("gate", "up", "down")}
 
 
-def _open_tensors(folder, layout, shapes, stack, aliases=None):
+def _open_tensors(folder, layout, placed, shapes, stack, aliases=None):
     """Open every file, check every tensor's header; (handles, tensor -> file, problems).
 
     A tensor the index places in a missing or unreadable file is reported with that file,
@@ -305,7 +295,8 @@ def _open_tensors(folder, layout, shapes, stack, aliases=None):
             held &= listed
         for name in sorted(held):  # the index maps each name to one file: no duplicates
             where[name] = file
-            problems += _check_tensor(file, name, handle.get_slice(name), layout, shapes)
+            problems += _check_tensor(file, name, handle.get_slice(name), layout, placed,
+                                      shapes)
     problems += [f"missing tensor {name} ({_slot(*layout[name][:2])})"
                  for name in layout if name not in where and name not in reported]
     return handles, where, problems
@@ -362,27 +353,21 @@ def _check_inside(folder: Path, file, names: set[str] | None) -> None:
 
 
 def _slot_shapes(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
-    """`param_shapes` and the shapes of the pseudo-parameters HF tensors fill (two weights
-    in one tensor, `hf_layout`; a part of a weight's last axis, `_parts`)."""
+    """`param_shapes` and the shapes of gpt-oss's fused gate|up pseudo-parameters
+    (`INTERLEAVED`: what a quantised one's layout is checked against)."""
     shapes = param_shapes(config)
-    shapes["wq+wq_gate"] = shapes["wq"]  # the q_proj of a gated model fills wq and wq_gate
-    for pair, (first, _) in INTERLEAVED.items():  # gpt-oss's gate_up tensors
+    for pair, (first, _) in INTERLEAVED.items():
         if first in shapes:
             shapes[pair] = shapes[first]
-    for pseudo, (param, cut) in _parts(config).items():
-        if param in shapes:
-            (*lead, last), dtype = shapes[param]
-            shapes[pseudo] = ((*lead, len(range(last)[cut])), dtype)
     return shapes
 
 
-def _check_tensor(file, name, view, layout, shapes) -> list[str]:
+def _check_tensor(file, name, view, layout, placed, shapes) -> list[str]:
     if name not in layout:
         return []  # reported as unexpected by the caller
     param, index, how = layout[name]
-    mk_shape = shapes[param][0][len(index):]
-    want, dtypes = (quantised_shape(param, how, mk_shape) if isinstance(how, str)
-                    else (_hf_shape(param, mk_shape, how), STORED_DTYPES))
+    want, dtypes = (quantised_shape(param, how, shapes[param][0][len(index):])
+                    if isinstance(how, str) else (hf_shape(placed[name]), STORED_DTYPES))
     got = tuple(view.get_shape())
     problems = []
     if got != want:
@@ -413,33 +398,16 @@ def _check_tied_head(handles, where, embed_name) -> list[str]:
             "says tie_word_embeddings=true"]
 
 
-def _assemble(handles, where, layout, config) -> dict[str, jax.Array]:
-    """Stack the validated tensors per parameter in numpy, each in the leading corner of
-    its (lane-padded) slot, the padding zeros; then one device copy each."""
-    head_dim, parts = config.head_dim, _parts(config.unpadded())
-    quantised = {param for param, _, how in layout.values() if isinstance(how, str)}
-    quantised |= {w for pair in quantised & set(INTERLEAVED) for w in INTERLEAVED[pair]}
+def _assemble(checkpoint: OpenCheckpoint) -> dict[str, jax.Array]:
+    """Stack the validated plain tensors per parameter in numpy, each value where its
+    placement puts it (`mk.hf_layout.fill_slots`; a lane-padded slot's padding zeros);
+    then one device copy each."""
     stacks = {param: np.zeros(shape, jnp.dtype(dtype)) for param, (shape, dtype)
-              in param_shapes(config).items() if param not in quantised}
-    for name, (param, index, transposed) in layout.items():
-        if param in quantised:
-            continue
-        tensor = handles[where[name]].get_tensor(name)
-        if param.startswith("lin_conv"):
-            tensor = tensor[:, 0, :]
-        if param in parts:  # a part of the last axis (or A_log's [1, 1, Nv, 1])
-            param, cut = parts[param]
-            put_corner(stacks[param][index][..., cut],
-                       tensor.T if transposed else tensor.reshape(-1))
-        elif param in INTERLEAVED:  # gpt-oss's [..., 2F]: gate's columns even, up's odd
-            for target, start in zip(INTERLEAVED[param], (0, 1)):
-                put_corner(stacks[target][index], tensor[..., start::2])
-        elif param == "wq+wq_gate":  # [N*2H, D]: per head, H query rows then H gate rows
-            heads = tensor.reshape(-1, 2, head_dim, tensor.shape[1])
-            put_corner(stacks["wq"][index], heads[:, 0].reshape(-1, tensor.shape[1]).T)
-            put_corner(stacks["wq_gate"][index], heads[:, 1].reshape(-1, tensor.shape[1]).T)
-        else:
-            put_corner(stacks[param][index], tensor.T if transposed else tensor)
+              in param_shapes(checkpoint.config).items() if param not in checkpoint.quantised}
+    for name, placed in checkpoint.placed.items():
+        fill_slots(checkpoint.view(name),
+                   [(p, every(stacks[p.param].shape[len(p.index):]), stacks[p.param][p.index])
+                    for p in placed])
     return {param: jnp.asarray(stacked) for param, stacked in stacks.items()}
 
 

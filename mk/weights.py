@@ -34,7 +34,7 @@ A row (`Weight`) says everything one weight's consumers need to know of it:
 
 Everything that needs a weight's facts reads its row: `param_shapes` (the params layout of
 `mk.config`'s docstring; `put_corner` fills a lane-padded one), the checkpoint loader
-(`mk.checkpoint.hf_layout`), the plan's byte families (`mk.kernels.plan`), tensor-parallel
+(`mk.hf_layout`), the plan's byte families (`mk.kernels.plan`), tensor-parallel
 sharding (`mk.tensor_parallel`) and the format groups of quantised weights (`mk.quant`).
 "Family" means a byte family only. Not here: how a kind's kernel runs (`mk.kernels.*`),
 the model's shape and its checks (`mk.config`).

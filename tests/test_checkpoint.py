@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from builders import hf_config_dict, hf_tensors, save_hf_checkpoint, write_hf_folder
 
-from mk.checkpoint import hf_layout, init_params, load_checkpoint
+from mk.checkpoint import init_params, load_checkpoint
+from mk.hf_layout import hf_layout
 from mk.presets import preset
 from mk.weights import param_shapes
 
