@@ -65,7 +65,8 @@ after every layer's attention and MLP blocks, the same record `mk.reference.deco
 taps=True)` returns, and `first_divergence` compares the two op by op up to a
 `stop_after=(layer, op)` point and names the first op that differs.
 
-Here: `prepare` (weights in the megakernel's layout, once; `check_weights` first),
+Here: `prepare` (weights in the megakernel's layout, once; `check_weights` first;
+`prepare_shards` from shards already split),
 `decode_step`, `traced_step` (also what `mk.tpu.compile_megakernel` compiles),
 `first_divergence`, `generate` and the kernel's one greedy loop for one device and many
 (`greedy_loop` on the host, `greedy_steps` on the device; `mk.tensor_parallel.generate`
@@ -137,8 +138,15 @@ def prepare(plan: DecodePlan, params) -> dict:
     check_weights(plan, params)
     if plan.tp == 1:
         return _device_weights(plan.local, params, plan.block)
-    stacked = shard_params(plan.config, params, plan.tp)
-    return jax.vmap(lambda p: _device_weights(plan.local, p, plan.block))(stacked)
+    return prepare_shards(plan, shard_params(plan.config, params, plan.tp))
+
+
+def prepare_shards(plan: DecodePlan, shards) -> dict:
+    """The megakernel's weights for `plan` (tp > 1) from its devices' params shards
+    stacked [tp, ...] (`mk.shards.shard_params`' layout; also the global arrays of
+    `mk.distributed.load_process_shards`), each device's laid out as `prepare` lays it
+    out. Checks nothing: the shards' loader did."""
+    return jax.vmap(lambda p: _device_weights(plan.local, p, plan.block))(shards)
 
 
 def check_weights(plan: DecodePlan, params) -> None:

@@ -1,10 +1,12 @@
 """How tensor parallelism lays weights and caches out over tp devices, each stacked on a
 leading [tp] axis: `shard_params` (full params -> each device's) by each weight's split
-rule in `mk.weights` (`mk.weights.SPLITS`; `_SPLIT` applies them), `shard_cache` and
-`check_sharded_cache` by each cache field's rule in `mk.cache.FIELDS` (`_CACHE_SPLIT`), and
-`split_channels` (a linear layer's conv channels, q | k | v, split by heads: its weights'
-and its conv state's rule). Which device holds which heads and the padding to whole tiles
-are `mk.kernels.plan`'s (`kv_heads_of`, `shard_config`). `mk.megakernel.prepare` calls
+rule in `mk.weights` (`mk.weights.SPLITS`; `_SPLIT` applies them; `split_axis` and
+`split_index` say which axis each cuts and which of its indices each device holds; a tied
+model's lm_head is `tied_lm_head`), `shard_cache` and `check_sharded_cache` by each
+cache field's rule in `mk.cache.FIELDS` (`_CACHE_SPLIT`), and `split_channels` (a linear
+layer's conv channels, q | k | v, split by heads: its weights' and its conv state's
+rule). Which device holds which heads and the padding to whole tiles are
+`mk.kernels.plan`'s (`kv_heads_of`, `shard_config`). `mk.megakernel.prepare` calls
 `shard_params` for a plan with tp > 1.
 
 Quantised weights (`mk.quant.QuantWeight`) split by the same rule: `split_index` applies
@@ -15,7 +17,8 @@ a device's shard gives exactly the shard of the dequantised weight. A split is r
 share is not whole packing units (int4/fp4: 128 rows) and scale blocks, or where one of
 its blocks would hold values of two of the full weight's scale blocks.
 
-Not here: the sharded step (`mk.tensor_parallel`).
+Not here: the sharded step (`mk.tensor_parallel`); reading each device's shards from a
+checkpoint without the whole model (`mk.distributed.load_shards`, by `split_index`).
 """
 
 from __future__ import annotations
@@ -85,6 +88,15 @@ _SCALE_BLOCK = {"int8": (None, 1), "fp8": (unpack.GROUP["fp8"], unpack.GROUP["fp
 _NIBBLES = ("int4", "fp4")  # two codes a byte
 
 
+def split_axis(split: str) -> int:
+    """The axis a split rule of `mk.weights.SPLITS` cuts (-1 columns, -2 rows); ValueError
+    for "whole" (nothing is cut) or an unknown rule."""
+    if split not in _SPLIT:
+        raise ValueError(f"split={split!r} cuts no axis; the rules that cut one are "
+                         f"{tuple(_SPLIT)}")
+    return _SPLIT[split][0]
+
+
 def split_index(config: ModelConfig, split: str, n: int, tp: int) -> np.ndarray:
     """Which of a weight's `n` rows (columns) along `split`'s axis each device holds:
     int [tp, n_local], -1 where the device holds padding. The split's own function applied
@@ -151,7 +163,7 @@ def _split_quantised(config: ModelConfig, name: str, split: str, q: quant.QuantW
     weight, exactly."""
     if split == "whole":
         return jax.tree.map(lambda a: jnp.broadcast_to(a, (tp, *a.shape)), q)
-    axis = _SPLIT[split][0]
+    axis = split_axis(split)
     index = split_index(config, split, q.shape[axis], tp)
     sources = _scale_sources(name, split, q.scheme, index, axis, tp)
     codes, shards = _codes(q), []
@@ -178,7 +190,7 @@ def check_quantised_splits(config: ModelConfig, formats, tp: int) -> None:
     schemes = quant.schemes_of(formats)
     for w in weights_of(config):
         if w.name in schemes and w.split != "whole" and tp > 1:
-            axis = _SPLIT[w.split][0]
+            axis = split_axis(w.split)
             _scale_sources(w.name, w.split, schemes[w.name],
                            split_index(config, w.split, w.stacked(config)[axis], tp),
                            axis, tp)
@@ -198,9 +210,14 @@ def shard_params(config: ModelConfig, params, tp: int) -> dict:
         elif w.split != "whole":
             split[w.name] = _SPLIT[w.split][1](config, params[w.name], tp)
     if config.tie_embeddings:
-        split["lm_head"] = _SPLIT["vocab"][1](config, params["embed"].T, tp)
+        split["lm_head"] = tied_lm_head(config, params["embed"], tp)
     whole = {k: v for k, v in params.items() if k not in split}
     return split | {k: jnp.broadcast_to(v, (tp, *v.shape)) for k, v in whole.items()}
+
+
+def tied_lm_head(config: ModelConfig, embed, tp: int):
+    """A tied model's lm_head shards [tp, D, V/tp]: the vocab columns of embed.T."""
+    return _SPLIT["vocab"][1](config, embed.T, tp)
 
 
 def check_sharded_cache(config: ModelConfig, cache, tp: int) -> None:
