@@ -5,7 +5,7 @@ for the tests of kernels on quantised weights; `assert_verify_steps` feeds a per
 to the megakernel, T rows per step; `replay_tile_by_tile` switches the simulator's
 fast-forward off.
 
-The HF names below are spelled out by hand, independently of `mk.checkpoint.hf_layout`, so
+The HF names below are spelled out by hand, independently of `mk.hf_layout.hf_layout`, so
 a round trip through them tests the loader's mapping rather than repeating it.
 """
 
@@ -147,6 +147,7 @@ def build_hf_model(kind: str, config_kwargs: dict, seed: int = 0):
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "kimi_linear": (transformers.KimiLinearConfig, transformers.KimiLinearForCausalLM),
         "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
+        "qwen3_5_text": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
     }[kind]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**config_kwargs)).float().eval()
