@@ -5,10 +5,14 @@ Here: `init_params(config, seed)` (random weights in the layout of `mk.config`) 
 model of a full `qwen3_5` checkpoint), Kimi Linear (`kimi_linear`) and gpt-oss folders of
 safetensors files, including quantised ones in their own formats (`mk.hf_quant`: Hugging
 Face fine-grained FP8, gpt-oss MXFP4 experts), whose weights load as
-`mk.quant.QuantWeight`s. A checkpoint is untrusted: its weight files must resolve inside
-its folder, and its text (tensor names, config values) reaches error messages escaped and
-bounded. Not here: the quantised formats' layouts (`mk.hf_quant`), downloading (a notebook
-may call `huggingface_hub` when the user asks), quantising bf16 weights (`mk.quant`).
+`mk.quant.QuantWeight`s. Its strict checks are two seams other loaders share:
+`open_checkpoint` (files and tensor headers, before any weight is read) and `check_values`
+(finite weights). A checkpoint is untrusted: its weight files must resolve inside its
+folder, and its text (tensor names, config values) reaches error messages escaped and
+bounded. Not here: where each tensor's values go in mk's params (`mk.hf_layout`), the
+quantised formats' layouts (`mk.hf_quant`), loading only some devices' shards
+(`mk.distributed`), downloading (a notebook may call `huggingface_hub` when the user
+asks), quantising bf16 weights (`mk.quant`).
 """
 
 from __future__ import annotations
