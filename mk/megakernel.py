@@ -67,9 +67,10 @@ taps=True)` returns, and `first_divergence` compares the two op by op up to a
 
 Here: `prepare` (weights in the megakernel's layout, once; `check_weights` first;
 `prepare_shards` from shards already split), `decode_step`, `traced_step` (also what
-`mk.tpu.compile_megakernel` compiles), `first_divergence`, `generate` and the kernel's one greedy loop for one device and many
-(`greedy_loop` on the host, `greedy_steps` on the device; `mk.tensor_parallel.generate`
-passes its step), `check_generate`, `progress_bar`. Not here: the compile-time benchmark
+`mk.tpu.compile_megakernel` compiles), `first_divergence`, `generate` and the kernel's
+one greedy loop for one device and many (`greedy_loop` on the host, `greedy_steps` on
+the device; `mk.tensor_parallel.generate` passes its step), `check_generate`,
+`progress_bar`. Not here: the compile-time benchmark
 (benchmarks/compile_time.py), the reference's loop (`mk.reference.generate`).
 
 Tensor parallelism is the same kernel with a plan of tp > 1, run inside `jax.shard_map`
