@@ -340,9 +340,6 @@ for c in sweep_chips:
 # the context and a draft model's time; a draft model shares the target's chips.
 
 # %%
-import ipywidgets as widgets
-
-
 def panel(tau=6, gamma=7, batch=1, chip="tpu7x", context=0, draft="none"):
     if tau > gamma + 1:
         print(f"tau={tau} needs gamma >= {tau - 1}")
@@ -354,9 +351,8 @@ def panel(tau=6, gamma=7, batch=1, chip="tpu7x", context=0, draft="none"):
           f"{t.draft_ms:.3f} ms -> {t.tokens_per_s_per_user:,.0f} tokens/s per user")
 
 
-display(widgets.interactive(
-    panel, tau=(1, 8), gamma=(1, 7), batch=(1, 8), chip=list(sweep_chips),
-    context=(0, 32768, 1024), draft=["none", "qwen3-0.6b", "qwen3-1.7b"]))
+plots.knobs(panel, tau=(1, 8), gamma=(1, 7), batch=(1, 8), chip=list(sweep_chips),
+            context=(0, 32768, 1024), draft=["none", "qwen3-0.6b", "qwen3-1.7b"])
 
 # %% [markdown]
 # ## The published acceptance-length runs, side by side

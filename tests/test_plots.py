@@ -134,3 +134,21 @@ def test_idle_expert_slots_are_skipped_in_order_and_drawn_grey():
     assert figure_rules.check(fig) == []
     grey = next(t for t in fig.data if t.name.startswith("skipped"))
     assert len(grey.x) == len(off)
+
+
+def test_knobs_are_a_widget_for_a_reader_and_the_defaults_in_a_headless_run(monkeypatch):
+    import ipywidgets
+
+    calls, shown = [], []
+    monkeypatch.setattr(plots, "display", shown.append)
+
+    def panel(tau=6, chip="tpu7x"):
+        calls.append((tau, chip))
+
+    monkeypatch.setenv(plots.HEADLESS, "1")
+    plots.knobs(panel, tau=(1, 8), chip=["v5e", "tpu7x"])
+    assert calls == [(6, "tpu7x")] and shown == []  # the defaults, no widget
+    monkeypatch.delenv(plots.HEADLESS)
+    plots.knobs(panel, tau=(1, 8), chip=["v5e", "tpu7x"])
+    assert len(shown) == 1 and isinstance(shown[0], ipywidgets.interactive)
+    assert calls[-1] == (6, "tpu7x")  # interactive draws its first state at once

@@ -66,7 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import build_site  # noqa: E402
 import run_cache  # noqa: E402
 import mk.run  # noqa: E402
-from mk.plots import escape  # noqa: E402
+from mk.plots import HEADLESS, escape  # noqa: E402
 from jupyter_client.manager import AsyncKernelManager, KernelManager  # noqa: E402
 from traitlets import default  # noqa: E402
 
@@ -270,7 +270,9 @@ CELL_TIMEOUT_S = 900
 
 
 def execute(notebook: Path, output: Path, parameters: dict | None = None) -> None:
-    """Run `notebook` into `output`; on failure papermill keeps the partial output."""
+    """Run `notebook` into `output`; on failure papermill keeps the partial output. Its
+    kernel runs headless (`mk.plots.HEADLESS`: a panel of knobs shows its defaults)."""
+    os.environ[HEADLESS] = "1"  # the kernel inherits this process's environment
     papermill.execute_notebook(str(notebook), str(output), parameters=parameters or {},
                                kernel_name=KERNEL, cwd=str(notebook.parent),
                                progress_bar=False, kernel_manager_class=_PatientKernelManager,
