@@ -107,17 +107,19 @@ class Run:
         return (self.config.name, self.row.system, self.tp, self.batch, self.rows)
 
 
-def runs(*, speculative_only: bool = False) -> list[Run]:
+def runs(*, speculative_only: bool = False, batches=None) -> list[Run]:
     """Every row of data/published.csv (only those with an acceptance length if
-    `speculative_only`) under the ledger's assumptions: batch 1 where unstated,
-    `VERIFY_ROWS` rows per speculative step, every device of the run in one group, the
-    row's context (0 where unstated)."""
+    `speculative_only`; only those of a batch in `batches`, if given) under the ledger's
+    assumptions: batch 1 where unstated, `VERIFY_ROWS` rows per speculative step, every
+    device of the run in one group, the row's context (0 where unstated)."""
     out = []
     for row in published():
-        if speculative_only and not row.acceptance_length:
+        batch = row.batch or 1
+        if (speculative_only and not row.acceptance_length) or (
+                batches is not None and batch not in batches):
             continue
         config = named_preset(row.preset)
-        batch, rows = row.batch or 1, VERIFY_ROWS if row.acceptance_length else 1
+        rows = VERIFY_ROWS if row.acceptance_length else 1
         context = row.context or 0
         try:
             spec = named_chip(row.system)
@@ -134,7 +136,7 @@ def runs(*, speculative_only: bool = False) -> list[Run]:
 
 def entries(*, routing: str = "uniform", compute: str = "bf16",
             simulate_tpu: bool = False, assumptions: Assumptions | None = None,
-            speculative_only: bool = False, tile_costs=()) -> list[dict]:
+            speculative_only: bool = False, batches=None, tile_costs=()) -> list[dict]:
     """Every row of data/published.csv against the models, one dict each.
 
     Always: "run", "model", "preset", "system", "tau" (acceptance length or None), "batch",
@@ -161,7 +163,9 @@ def entries(*, routing: str = "uniform", compute: str = "bf16",
     `ici_latency_s`, one message round of a collective, every column uses: `mk.perf`'s
     collective term too).
     `speculative_only`: only the rows with an acceptance length (the simulator replays a
-    whole Kimi TP32 step in tens of seconds: a reader who needs only those skips the rest).
+    whole Kimi TP32 step in tens of seconds: a reader who needs only those skips the rest);
+    `batches`: only the rows of these batches (`(1,)`: the speculative runs and batch 1,
+    the runs of the release's headline).
 
     `tile_costs`: rows of `benchmarks/tile_costs.py --published` (mk/data/tile_costs/
     published.json), each the compiled kernel of one run (`Run.key`): its ring's slots,
@@ -183,7 +187,7 @@ def entries(*, routing: str = "uniform", compute: str = "bf16",
             sims[key] = simulate(config, spec, assumptions=a, **kw)
         return sims[key]
 
-    for run in runs(speculative_only=speculative_only):
+    for run in runs(speculative_only=speculative_only, batches=batches):
         row, config, spec, tau = run.row, run.config, run.spec, run.row.acceptance_length
         batch, rows, tp, context = run.batch, run.rows, run.tp, run.context
         rec = dict(run=f"{config.name} on {row.chips or '?'} {row.system}, "

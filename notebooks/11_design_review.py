@@ -154,7 +154,7 @@ if not 0 <= xla_layers <= config.layers:
 published_costs_path = Path(mk.__file__).parent / "data" / published_tile_costs
 published_costs = (json.loads(published_costs_path.read_text())
                    if published_costs_path.exists() else [])
-headline_rows = ledger.entries(speculative_only=True, simulate_tpu=True,
+headline_rows = ledger.entries(batches=(1,), simulate_tpu=True,  # the speculative runs, B=1
                                tile_costs=published_costs)
 print(ledger.headline(headline_rows))
 
@@ -162,13 +162,14 @@ print(ledger.headline(headline_rows))
 # Every collective in that step pays the latency of its message rounds (two for each
 # all-reduce with the kernel's "two_phase" algorithm at TP8 and TP32, [notebook
 # 10](10_tensor_parallel.ipynb)), and that latency is an assumption: 1 µs a round, never
-# measured here. The same rows over a grid of it (each simulated again: the collectives
+# measured here. The release's headline runs (the speculative ones, and Kimi K3 at B=1 with
+# its published 4.02 ms step) over a grid of it, each simulated again (the collectives
 # block the compute lane, so the ring's timeline moves with them):
 
 # %%
 default_round_us = sim.Assumptions().ici_latency_s * 1e6  # the headline's
 grid = {us: headline_rows if us == default_round_us else ledger.entries(
-    speculative_only=True, simulate_tpu=True, tile_costs=published_costs,
+    batches=(1,), simulate_tpu=True, tile_costs=published_costs,
     assumptions=sim.Assumptions(ici_latency_s=us * 1e-6))
     for us in collective_latencies_us or ledger.COLLECTIVE_LATENCIES_US}
 display(plots.table([{k: f"{v:.3g}" if isinstance(v, float) else v for k, v in r.items()}

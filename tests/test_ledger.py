@@ -133,6 +133,10 @@ def test_the_collective_chain_moves_with_the_assumed_latency_of_a_message_round(
     fake = [dict(run="r", published_step_ms=3.0, hbm_floor_ms=1.0, collective_ms=0.5,
                  simulated_ms=2.0, compiled_low_ms=4.0, compiled_high_ms=2.5),
             dict(run="gpu", published_step_ms=5.0)]
+    headline_runs = {r["run"] for r in ledger.entries(batches=(1,))}
+    assert {r["run"] for r in rows if r["batch"] == 1} == headline_runs
+    assert "kimi-k3 on 16 tpu7x, B=1" in headline_runs and not any(
+        "B=2" in run for run in headline_runs)
     table = ledger.latency_grid({2.0: fake, 1.0: fake[:1]})
     assert [(r["run"], r["round (µs)"]) for r in table] == [("r", 1.0), ("r", 2.0)]
     assert table[0]["compiled, low clock (ms)"] == 4.0 and "compiled, high clock (ms)" in table[0]
