@@ -99,7 +99,7 @@ simulate_published: bool = False  # simulate the published TPU runs too (some se
 xla_layers: int = 0  # layers of XLA's own step to compile and count; 0 for all of them
 recorded_tile_costs: str = "tile_costs/single_core.json"  # benchmarks/tile_costs.py's, mk/data
 published_tile_costs: str = "tile_costs/published.json"  # its --published run
-collective_latencies_us: list[float] = []  # one collective message round (µs) of the headline grid; [] for the ledger's
+collective_latencies_us: list[float] = []  # µs per collective message round; [] for the ledger's grid
 before_commit: str = "fb8e92e"  # the recorded runs <name>_before_<commit>.json beside them
 exercise_ring_slots: int = 0  # the exercise: ring slots to check (0 is the Little law depth; try 2)
 
