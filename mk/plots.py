@@ -70,8 +70,8 @@ def knobs(fn, **controls) -> None:
     """`fn`'s panel: ipywidgets' `interactive(fn, **controls)` displayed, where a reader can
     turn the knobs; in a headless run (the `HEADLESS` variable set: `make run`, the tests)
     `fn()` once at its defaults, which is what the panel first shows. A widget nobody
-    can turn is only comm traffic there, and papermill's client has waited out its cell
-    timeout at such a cell three times (notebook 09's panel, its kernel idle)."""
+    can turn is only comm traffic there, and papermill's client has sat waiting at such
+    a cell, its kernel idle, three times for 9 to 16 minutes (notebook 09's panel)."""
     if os.environ.get(HEADLESS):
         fn()
         return

@@ -275,7 +275,7 @@ def test_slow_runs_name_configurations():
 # values 07 (tiny), 08, 09, 10 and 12 took 46, 56, 115, 49 and 76 s headless. 06 skips
 # its mystery lab (~35 s; tests/test_course.py runs a mystery with its checks); 11 shows
 # its headline rows at the default collective latency only (each other latency of the
-# grid simulates Kimi K3's TP32 step again, ~40 s). `make
+# grid simulates the release's headline runs again, ~50 s). `make
 # test-slow` also runs each configuration with the notebook's own values (id
 # "<run>-own-knobs").
 CI_KNOBS = {"05c_kimi_layers": {"batch": 1}, "05d_gpt_oss_layers": {"batch": 1},
