@@ -33,16 +33,25 @@ nibble split, int4's offset and e2m1 -> e4m3 are byte-wise integer ops that neve
 into the next byte (SWAR): one 32-bit op handles four codes, where widening each byte to
 int32 first costs a 32-bit op a code. 16-bit integer vectors do not help: uint8 -> int16
 lowers, but int16 shifts do not ("failed to legalize arith.shli", all three chips). fp4 is
-then decoded as the e4m3 it equals (`e4m3_values`: the bytes bitcast to float8_e4m3fn and
+then decoded through e4m3 (`e4m3_values`: the bytes bitcast to float8_e4m3fn and
 converted to float32, which lowers on all three chips and cost 2.1-2.6x fewer bundles per
-tile than the integer decoder of fp8 it replaced), int4 as int8 bytes converted to
-float32, int8 converted to float32 directly. Every decoder computes value x scale in
-float32 and rounds once, bit-identical to the int32 decoders they replaced (every code,
-every fp4 scale code). Bundles per Mi weights (stream_matmul's steady per-tile loop, 2048
-x 128 packed tiles, M 8, libtpu 0.0.42.1; the int32 decoders -> these): tpu7x fp4 fed
-bf16 6016 -> 2192, fed fp8 3964 -> 2224 (1852 with the ring's stacked products, below),
-int4 1876 -> 1716, int8 1244 -> 1244; v6e fp4 6016 -> 3724, int4 1876 -> 1684
-(mk/data/tile_feed_costs.json: the bf16 feed's rows for every chip and M).
+tile than the integer decoder of fp8 it replaced): its bits placed in an e4m3 byte
+(`e2m1_to_e4m3`, `fp4_words_to_e4m3`) read value / 64, and the 64 (`E2M1_GAIN`) comes back
+as one float32 multiply, a value fed bf16, a tile's product fed fp8. int4 is decoded as
+int8 bytes converted to float32, int8 converted to float32 directly. Every decoder
+computes value x scale in float32 and rounds once, bit-identical to the int32 decoders
+they replaced (every code, every fp4 scale code). Bundles per Mi weights (stream_matmul's
+steady per-tile loop, 2048 x 128 packed tiles, M 8, libtpu 0.0.42.1; the int32 decoders ->
+these): tpu7x fp4 fed bf16 6016 -> 2192, fed fp8 3964 -> 2224 (1852 with the ring's
+stacked products, below), int4 1876 -> 1716, int8 1244 -> 1244; v6e fp4 6016 -> 3724, int4
+1876 -> 1684. Then fp4's exact-value e4m3 (bias 6 added to the normal codes, 0.5 and 0
+mapped apart: fifteen 32-bit ops a word and a nibble split, where the placement takes
+seven for both nibbles), 512 x 512 tiles, M 1 / 8 / 64 / 256 -> the placement: tpu7x fed
+fp8 1468 / 1680 / 3264 / 9328 -> 600 / 884 / 2888 / 9044, fed bf16 2232 / 2200 / 2360 /
+2956 -> 1688 / 1644 / 1804 / 2376; v6e fed bf16 3776 / 3680 / 3976 / 4736 -> 3236 / 3128 /
+3460 / 4280 (mk/data/tile_feed_costs.json: every chip and M). Folding the 64 into a fed-bf16
+group's scale instead of each value would save 8-15% more (tpu7x 1644 -> 1396, v6e 3128
+-> 2876 at M 8) but overflows float32 for scale codes above 248: not taken.
 What is left is the float work per value: int8's 1244 is one unpack, one int -> float
 convert and one multiply a value, the loop's VALU slots full. fp8's block scales reach
 the values as one row of scales per 128 rows (`block_scale_rows`, a lane broadcast): the
@@ -113,8 +122,9 @@ def e4m3_values(code: jax.Array) -> jax.Array:
 
 def e2m1_values(code: jax.Array) -> jax.Array:
     """float4_e2m1fn codes (low 4 bits of an integer array) -> float32 values: their e4m3
-    patterns (`e2m1_to_e4m3`) decoded (`e4m3_values`), as `dequantize_tile` does."""
-    return e4m3_values(e2m1_to_e4m3(code))
+    patterns (`e2m1_to_e4m3`) decoded (`e4m3_values`) and scaled back by `E2M1_GAIN`, as
+    `dequantize_tile` does."""
+    return e4m3_values(e2m1_to_e4m3(code)) * E2M1_GAIN
 
 
 ONES = 0x01010101  # bit 0 of each byte of an int32 word
@@ -186,9 +196,9 @@ def dequantize_tile(scheme: str, data: jax.Array, scale: jax.Array) -> jax.Array
         q = nibble_bytes(*map(int4_values, nibble_words(data)), jnp.int8)
         return grouped(q.astype(F32), scale, GROUP["int4"])
     if scheme == "fp4":
-        e4m3 = nibble_bytes(*map(e2m1_to_e4m3, nibble_words(data)))
-        return grouped(e4m3_values(e4m3), pow2(scale.astype(jnp.int32) - E8M0_BIAS),
-                        GROUP["fp4"])
+        e4m3 = nibble_bytes(*fp4_words_to_e4m3(pltpu.bitcast(data, jnp.int32)))
+        return grouped(e4m3_values(e4m3) * E2M1_GAIN,
+                       pow2(scale.astype(jnp.int32) - E8M0_BIAS), GROUP["fp4"])
     raise ValueError(f"scheme={scheme!r} must be one of {tuple(SCHEME_BITS)}")
 
 
@@ -200,19 +210,32 @@ def int4_values(code: jax.Array) -> jax.Array:
     return flipped | ((flipped & 0x08080808) * 0x1E)
 
 
+E2M1_GAIN = 64.0  # 2 ** (e4m3's exponent bias 7 - e2m1's 1): `e2m1_to_e4m3`'s factor
+SIGNS = -0x7F7F7F80  # 0x80808080 as an int32: the top bit of each byte
+
+
 def e2m1_to_e4m3(code: jax.Array) -> jax.Array:
     """float4_e2m1fn codes in the low nibble of each byte of an int32 array (one code an
-    element, or four a word: `nibble_words`) -> the float8_e4m3fn bit patterns of the same
-    values in the same bytes: every e2m1 value is an e4m3 value (exact). Byte-wise integer
-    ops that never carry into the next byte, so one 32-bit op turns four codes."""
+    element, four a word; the high nibbles are ignored) -> in the same bytes, the
+    float8_e4m3fn bit patterns of each value / `E2M1_GAIN`, exactly: the code's magnitude
+    bits (2 exponent, 1 mantissa) move up two places to the bottom of e4m3's exponent and
+    the top of its mantissa, its sign up four. The two formats' exponent biases (1, 7)
+    differ by 6, so every normal code lands on the e4m3 of its value / 64, and the
+    subnormal 0.5 on e4m3's subnormal 2^-7 (both formats' subnormal mantissas count the
+    same halves): no code needs a special case. Three 32-bit ops and an or a word: the
+    exact-value decoder it replaced (bias 6 added to the normal codes, 0.5 and 0 mapped
+    apart) took fifteen and cost tpu7x 1.6-1.9x the bundles a tile (module docstring).
+    Fed to the MXU, the small values are e4m3 subnormals, as fp8's own small codes are."""
     c = code.astype(jnp.int32)
-    mag = c & 0x07070707  # e2m1 magnitude 2e + m, per byte
-    big = ((mag >> 1) | (mag >> 2)) & ONES  # 1 where e > 0 (mag >= 2)
-    nonzero = (big | mag) & ONES
-    # e > 0: (1 + m/2) 2^(e-1) is e4m3 exponent field e + 6, mantissa m << 2, so the
-    # pattern is 8e + 4m + 48 = 4 mag + 48; mag 1 (0.5 = 2^-1): field 6, mantissa 0 (48),
-    # 4 (mag - 1) + 48; mag 0: 0. Per byte at most 76: no carry.
-    return ((mag + nonzero * 12 - (nonzero ^ big)) << 2) | ((c & 0x08080808) << 4)
+    return ((c & 0x07070707) << 2) | ((c & 0x08080808) << 4)
+
+
+def fp4_words_to_e4m3(words: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Packed fp4 bytes as int32 words [..., R/4, O] (`pltpu.bitcast`) -> the e4m3 patterns
+    (`e2m1_to_e4m3`: value / `E2M1_GAIN`) of their (low, high) nibbles, words of four bytes
+    each, for `nibble_bytes`: the high nibbles' bits moved into place without splitting
+    the nibbles first (the masks drop the other nibble)."""
+    return e2m1_to_e4m3(words), ((words >> 2) & 0x1C1C1C1C) | (words & SIGNS)
 
 
 # -- Feeds (mk.chips' `mxu_feeds`: TPU7x takes bf16 x float8_e4m3fn) -----------------------
@@ -224,18 +247,22 @@ FEEDABLE = {None: ("bf16",), "int8": ("bf16",), "int4": ("bf16",), "fp8": FEEDS,
 
 
 def fp8_feed_tile(scheme: str, data: jax.Array, scale: jax.Array
-                  ) -> tuple[jax.Array, jax.Array]:
+                  ) -> tuple[jax.Array, jax.Array, float]:
     """A tile of an fp8 or fp4 weight as the MXU's fp8 feed takes it: (its codes as
-    float8_e4m3fn [tile_rows, tile_cols], float32 scales [s, tile_cols]), the weight being
-    e4m3 x the scale of its row's block of tile_rows / s rows and its column, exactly:
-    fp8's codes as they are with each 128 x 128 block's scale repeated over its columns
-    (s = tile_rows / 128); fp4's codes turned into e4m3 (`e2m1_to_e4m3`) with each 32-row
-    group's power of two (s = tile_rows / 32)."""
+    float8_e4m3fn [tile_rows, tile_cols], float32 scales [s, tile_cols], a gain), the
+    weight being e4m3 x the scale of its row's block of tile_rows / s rows and its column
+    x the gain, exactly: fp8's codes as they are with each 128 x 128 block's scale repeated
+    over its columns (s = tile_rows / 128), gain 1; fp4's codes turned into the e4m3 of
+    value / `E2M1_GAIN` (`e2m1_to_e4m3`) with each 32-row group's power of two (s =
+    tile_rows / 32), gain `E2M1_GAIN` (one multiply of the tile's float32 product: powers
+    of two, so the product rounds as the unscaled one would)."""
     if scheme == "fp8":
-        return jax.lax.bitcast_convert_type(data, jnp.float8_e4m3fn), block_scale_rows(scale)
+        return (jax.lax.bitcast_convert_type(data, jnp.float8_e4m3fn),
+                block_scale_rows(scale), 1.0)
     if scheme == "fp4":
-        codes = nibble_bytes(*map(e2m1_to_e4m3, nibble_words(data)), jnp.float8_e4m3fn)
-        return codes, pow2(scale.astype(jnp.int32) - E8M0_BIAS)
+        codes = nibble_bytes(*fp4_words_to_e4m3(pltpu.bitcast(data, jnp.int32)),
+                             jnp.float8_e4m3fn)
+        return codes, pow2(scale.astype(jnp.int32) - E8M0_BIAS), E2M1_GAIN
     raise ValueError(f"scheme={scheme!r} has no fp8 feed; {FEEDABLE}")
 
 

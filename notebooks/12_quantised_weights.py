@@ -159,9 +159,11 @@ plots.show(fig)
 
 # %% [markdown]
 # The decoders build every value from integer fields and powers of two: no lookup table, no
-# native 4-bit float type (a float4 ref does not even lower on v5e or v6e); an e2m1 code
-# becomes the e4m3 byte of the same value, and e4m3 bytes are converted as float8. They are
-# exact: every e4m3 and e2m1 code decodes to ml_dtypes' value.
+# native 4-bit float type (a float4 ref does not even lower on v5e or v6e); e4m3 bytes are
+# converted as float8, and an e2m1 code's bits, moved two places up into an e4m3 byte (its
+# sign four), read as its value / 64: the formats' exponent biases (1 and 7) differ by 6,
+# and e2m1's one subnormal (0.5) lands on e4m3's subnormal 2^-7. One multiply by 64 puts the
+# value back. They are exact: every e4m3 and e2m1 code decodes to ml_dtypes' value.
 
 # %%
 codes = np.arange(256, dtype=np.uint8)
@@ -180,14 +182,17 @@ print(f"e4m3: {np.isfinite(e4m3).sum()} finite codes, largest {np.nanmax(e4m3)},
 #
 # What a kernel runs on one tile in VMEM, after the DMA brought its packed bytes and scales:
 # the bytes are viewed as 32-bit words and shifts and masks split the nibbles of four bytes
-# at once (int4's offset and e2m1 -> e4m3 are byte-wise too), the scale's exponent becomes
-# a power of two through a bitcast, one multiply applies the group's scale. The same code
+# at once (int4's offset and fp4's move into e4m3 are byte-wise too; fp4's skips the
+# split: `fp4_words_to_e4m3` masks each nibble's bits straight into place), the scale's
+# exponent becomes a power of two through a bitcast, one multiply applies the group's
+# scale. The same code
 # runs in interpret mode on the CPU and compiles with Mosaic for v5e, v6e and tpu7x
 # (`tests/test_quant.py` compiles one tile per format per chip).
 
 # %%
 plots.show_source(unpack.dequantize_tile, unpack.nibble_words, unpack.nibble_bytes,
-                  unpack.int4_values, unpack.e2m1_to_e4m3, unpack.e4m3_values, unpack.pow2)
+                  unpack.int4_values, unpack.fp4_words_to_e4m3, unpack.e2m1_to_e4m3,
+                  unpack.e4m3_values, unpack.pow2)
 
 # %% [markdown]
 # ## Quantising the run's model
@@ -381,11 +386,11 @@ print(f"megakernel {np.asarray(kernel_tokens).tolist()}, reference "
 # per value. What a tile becomes for the MXU (its feed) is chosen per chip from what its
 # MXU takes beside bf16 activations (`mxu_feeds` in `data/chips.csv`, from JAX's
 # `tpu_info`): TPU7x multiplies bf16 by fp8 e4m3, so there the plan feeds fp8 tiles as
-# they are and fp4 tiles turned exactly into e4m3 (`unpack.fp8_feed_tile`), one product per
-# 128 rows; v5e, v6e and v5p take bf16 only, and int8 and int4 are dequantised to bf16
-# everywhere (an int8 MXU wants int8 activations too). Whether the vector
-# work stays hidden under the shorter DMAs is for the bundle dumps (`mk.bundles`, notebook
-# 11) and a real chip to say.
+# they are and fp4 tiles moved into e4m3 at value / 64 (`unpack.fp8_feed_tile`), one
+# product per 128 rows, the tile's product times 64; v5e, v6e and v5p take bf16 only, and
+# int8 and int4 are dequantised to bf16 everywhere (an int8 MXU wants int8 activations
+# too). Whether the vector work stays hidden under the shorter DMAs is for the bundle
+# dumps (`mk.bundles`, notebook 11) and a real chip to say.
 #
 # ## Takeaway
 #

@@ -429,8 +429,8 @@ class Ring:
         if segment.feed != "fp8":
             return lax.dot_general(xs, self._weights(segment, g), contract,
                                    preferred_element_type=jnp.float32)
-        w8, block_scales = unpack.fp8_feed_tile(segment.scheme, self.slot(g, segment)[...],
-                                               self._scales(segment)[g % self.n])
+        w8, block_scales, gain = unpack.fp8_feed_tile(
+            segment.scheme, self.slot(g, segment)[...], self._scales(segment)[g % self.n])
         unit = unpack.GROUP["fp8"]  # rows of one product: an fp8 block, four fp4 groups
         rows = segment.tile[0]
         per = rows // block_scales.shape[0]  # rows sharing a scale (never transposed)
@@ -447,7 +447,7 @@ class Ring:
                 b = u * groups + k
                 part = product[k * m:(k + 1) * m] * block_scales[b:b + 1]
                 total = part if total is None else total + part
-        return total
+        return total if gain == 1.0 else total * gain
 
     def _each_segment(self, g, action, candidates=None):
         """Call action(segment, layer, copy, t) for the segment holding tile g (g traced),
