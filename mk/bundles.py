@@ -17,10 +17,11 @@ megakernel's compile in that child). On them: `Loop` (one loop body: bundles, MX
 scalar-only bundles, the DMAs it issues and waits for), `loops(text)` (every loop of a
 dump), `tile_loops(loops, *tiles)` (the ring's per-tile loops: each waits for the DMAs of
 one tile, `tile_parts`: a plain tile's one or a packed tile's data and scale block, issues
-the tile slots ahead, runs the MXU, and none runs the EUP, which attention's softmax
-does), `storage_name` (a storage's name in a row), `measure(config, chip, ...)`
--> `TileCost` (a whole megakernel's per-tile loops: the recorded loop the simulator may
-take instead of the table below).
+the tile slots ahead, runs the MXU, and none bringing plain tiles runs the EUP, which
+attention's softmax does), `per_tile` (a loop's bundles a tile), `storage_name` (a
+storage's name in a row), `measure(config, chip, ...)` -> `TileCost` (a whole
+megakernel's per-tile loops: the recorded loops the simulator may take instead of the
+table below; `packed_bundles` reads a recorded row's packed ones back).
 
 The whole kernel's static schedule, `dump_schedule` -> `read_schedule` -> `Schedule`
 (total bundles, per-unit utilisation, DMAs, bundles per named scope with `PHASE_FLAG`;
@@ -200,13 +201,24 @@ def tile_loops(found: list[Loop], *tiles: tuple[int, ...]) -> list[Loop]:
     a loop waiting for as many granules as a plain tile's one part brings it; one waiting
     for more than a packed tile's data part, but less than twice it, brings that (a scale
     block's DMA moves its HBM layout's padded tiles, not its bytes, and is always smaller
-    than its data)."""
+    than its data). A size that distinctive lets a loop bringing packed tiles run the
+    EUP: a trip of an expert slot whose matrices are one tile each (Kimi K3's FP4 experts
+    on a TP32 shard) brings gate, up and down and runs the activation between them
+    (`per_tile` divides its trip among them)."""
     def brings(lp: Loop, parts) -> bool:
         data, waited = max(parts) // GRANULE_BYTES, max(lp.wait_granules)
         return waited == data if len(parts) == 1 else data < waited < 2 * data
 
     return [lp for lp in found if lp.dma_granules and lp.wait_granules and lp.mxu
-            and not lp.eup and not lp.nested and any(brings(lp, p) for p in tiles)]
+            and not lp.nested and any(brings(lp, p) and (len(p) > 1 or not lp.eup)
+                                      for p in tiles)]
+
+
+def per_tile(lp: Loop) -> int:
+    """Bundles one tile of a per-tile loop costs: its trip's bundles over the tiles a trip
+    waits for (the waits of its largest size: one, but for a trip through an expert slot
+    of one-tile matrices, `tile_loops`), rounded up."""
+    return -(-lp.bundles // lp.wait_granules.count(max(lp.wait_granules)))
 
 
 def tile_parts(scheme: str | None, tile_rows: int, tile_cols: int, itemsize: int = 2
@@ -245,26 +257,30 @@ class TileCost:
     tiles: tuple[tuple[str, tuple[int, ...]], ...]  # (storage, `tile_parts`) per storage
     loops: tuple[Loop, ...]  # the per-tile loops, in program order; () if not compiled
     spec: ChipSpec  # the chip: its clock range turns bundles into seconds
+    # (storage, scheme or None, (tile_rows, tile_cols)) per storage, as `tiles`
+    shapes: tuple[tuple[str, str | None, tuple[int, int]], ...] = ()
 
-    def storage_of(self, lp: Loop) -> str:
-        """The storage ("plain" or an mk.quant scheme) whose tiles loop `lp` brings in."""
-        for storage, parts in self.tiles:
-            if tile_loops([lp], parts):
-                return storage
-        raise ValueError(f"a loop waiting for DMAs of {lp.wait_granules} granules brings "
-                         f"no tile of {dict(self.tiles)}")
+    def storages_of(self, lp: Loop) -> list[str]:
+        """The storages ("plain" or an mk.quant scheme, and a shape of their own) whose
+        tiles loop `lp` brings in: one, or packed tiles of several shapes moving the same
+        bytes (Kimi K3's experts: gate and up [7168, 128], down [128, 7168])."""
+        found = [storage for storage, parts in self.tiles if tile_loops([lp], parts)]
+        if not found:
+            raise ValueError(f"a loop waiting for DMAs of {lp.wait_granules} granules "
+                             f"brings no tile of {dict(self.tiles)}")
+        return found
 
     def by_storage(self) -> dict[str, tuple[Loop, int]]:
-        """{storage: (its costliest per-tile loop, the bytes one of its tiles moves)}, for
-        the storages whose loops the dump shows."""
+        """{storage: (its costliest per-tile loop by `per_tile`, the bytes one of its
+        tiles moves)}, for the storages whose loops the dump shows."""
         if not self.loops:
             raise ValueError(f"{self.report.name} on {self.report.chip} did not compile: "
                              f"{self.report.error.splitlines()[0] if self.report.error else ''}")
         out = {}
         for lp in self.loops:
-            storage = self.storage_of(lp)
-            if storage not in out or lp.bundles > out[storage][0].bundles:
-                out[storage] = (lp, sum(dict(self.tiles)[storage]))
+            for storage in self.storages_of(lp):
+                if storage not in out or per_tile(lp) > per_tile(out[storage][0]):
+                    out[storage] = (lp, sum(dict(self.tiles)[storage]))
         return out
 
     @property
@@ -285,7 +301,7 @@ class TileCost:
     def issue_s(self, end: str = "low") -> float:
         """Seconds one tile keeps the TensorCore issuing (the costliest loop): bundles /
         the clock at `end` of the chip's range ("low": the longer time)."""
-        return self.worst.bundles / self.spec.clock(end)
+        return per_tile(self.worst) / self.spec.clock(end)
 
     @property
     def dma_bw(self) -> float:
@@ -298,10 +314,12 @@ class TileCost:
         return self.tile_bytes / self.dma_bw
 
     def assumptions(self, **kw) -> Assumptions:
-        """`mk.sim.Assumptions` with the plain tiles' per-tile cost in bundles (packed
-        tiles keep the tile cost table's: `mk.sim.tile_seconds`), and any other field in
-        kw, e.g. the clock end."""
-        return Assumptions(tile_bundles=self.worst.bundles, **kw)
+        """`mk.sim.Assumptions` with the plain tiles' per-tile cost in bundles and each
+        packed storage's whose loop the dump shows (`packed_bundles`; the others keep the
+        tile cost table's: `mk.sim.tile_seconds`), and any other field in kw, e.g. the
+        clock end."""
+        return Assumptions(tile_bundles=per_tile(self.worst),
+                           packed_bundles=packed_bundles(self.row()), **kw)
 
     def row(self) -> dict:
         """One row of a table: bundles per trip (the range over the plain tiles' loops;
@@ -310,23 +328,34 @@ class TileCost:
         high end (tile_high_ns, tile_over_dma_high); with packed tiles, "packed": the same
         per scheme (bundles, tile_KiB, dma_ns, tile_over_dma, tile_over_dma_high)."""
         worst, low, high = self.worst, self.issue_s("low"), self.issue_s("high")
-        own = [lp for lp in self.loops if self.storage_of(lp) == self._first]
+        own = [lp for lp in self.loops if self._first in self.storages_of(lp)]
         out = dict(kernel=self.report.name, chip=self.report.chip,
                    tile_KiB=self.tile_bytes / 1024,
                    tile_loops=len(self.loops),
-                   bundles_per_tile=f"{min(lp.bundles for lp in own)}-{worst.bundles}",
+                   bundles_per_tile=f"{min(map(per_tile, own))}-{per_tile(worst)}",
                    mxu_bundles=worst.mxu, scalar_only_bundles=worst.scalar_only,
                    dma_sites=len(worst.dma_granules), clock_low_hz=self.spec.clock("low"),
                    clock_high_hz=self.spec.clock("high"), tile_ns=low * 1e9,
                    tile_high_ns=high * 1e9, dma_ns=self.dma_s * 1e9,
                    tile_over_dma=low / self.dma_s, tile_over_dma_high=high / self.dma_s,
                    compile_s=self.report.compile_seconds)
+        shapes = {storage: (scheme, tile) for storage, scheme, tile in self.shapes}
         packed = {storage: dict(
-            bundles=lp.bundles, tile_KiB=nbytes / 1024, dma_ns=nbytes / self.dma_bw * 1e9,
-            **{f"tile_over_dma{suffix}": lp.bundles / self.spec.clock(end)
-               / (nbytes / self.dma_bw) for end, suffix in (("low", ""), ("high", "_high"))})
+            bundles=per_tile(lp), tile_KiB=nbytes / 1024, dma_ns=nbytes / self.dma_bw * 1e9,
+            **{f"tile_over_dma{suffix}": per_tile(lp) / self.spec.clock(end)
+               / (nbytes / self.dma_bw) for end, suffix in (("low", ""), ("high", "_high"))},
+            **(dict(scheme=shapes[storage][0], tile=list(shapes[storage][1]))
+               if storage in shapes else {}))
             for storage, (lp, nbytes) in self.by_storage().items() if storage != self._first}
         return out | (dict(packed=packed) if packed else {})
+
+
+def packed_bundles(row: dict) -> tuple[tuple[str, int, int, int], ...]:
+    """`mk.sim.Assumptions.packed_bundles` of a recorded row (`TileCost.row`, a row of
+    benchmarks/tile_costs.py): each packed storage's per-tile bundles with its scheme and
+    tile, for the rows that name them (older rows: none)."""
+    return tuple((p["scheme"], *p["tile"], p["bundles"])
+                 for p in row.get("packed", {}).values() if p.get("scheme"))
 
 
 # -- The dump: a compile in a child process, its files -----------------------------------
@@ -420,6 +449,8 @@ def measure(config: ModelConfig, chip: str | ChipSpec, *, tp: int = 1,
     tiles = tuple((storage_name(plan.stream, q, tile),
                    tile_parts(q, *tile, jnp.dtype(config.dtype).itemsize))
                   for q, tile in plan.stream.storages)
+    shapes = tuple((storage_name(plan.stream, q, tile), q, tuple(tile))
+                   for q, tile in plan.stream.storages)
     found = ()
     with tempfile.TemporaryDirectory(prefix="mk-bundles-") as folder:
         report, jf = dump_megakernel(config, spec.name, folder, phases=False,
@@ -431,7 +462,7 @@ def measure(config: ModelConfig, chip: str | ChipSpec, *, tp: int = 1,
             if not found:
                 raise RuntimeError(f"{report.name}: no per-tile loop of tiles {tiles} B "
                                    "found in the bundle dump")
-    return TileCost(report, tiles, found, spec)
+    return TileCost(report, tiles, found, spec, shapes)
 
 
 # -- The whole kernel's static schedule -------------------------------------------------

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 from mk import perf, plots
+from mk.bundles import packed_bundles
 from mk.chips import CLOCK_ENDS, ChipSpec, chip as named_chip
 from mk.config import ModelConfig
 from mk.presets import preset as named_preset
@@ -173,7 +174,8 @@ def entries(*, routing: str = "uniform", compute: str = "bf16",
     With `simulate_tpu`, a TPU row with a recorded cost also gets, at each end E ("low",
     "high") of the chip's clock range (`mk.chips.CLOCK_ENDS`), "compiled_E_ms" (the
     simulated step of that kernel: that ring, that latency, its costliest per-tile loop's
-    bundles at that clock), "compiled_E_over_floor" (its step / the HBM floor),
+    bundles at that clock, and each packed tile's own loop where the row has it:
+    `mk.bundles.packed_bundles`), "compiled_E_over_floor" (its step / the HBM floor),
     "compiled_E_utilisation", "compiled_E_bound" and "tile_E_ns" (the issue time per
     tile); and "compiled_slots", "tile_bundles", "tile_dma_ns". A recorded
     kernel that does not fit its core gets "compiled_note" with the reason, and the
@@ -238,7 +240,7 @@ def entries(*, routing: str = "uniform", compute: str = "bf16",
             plan = sim.plan
             for end in CLOCK_ENDS:  # the table's costliest weight tile of the run's plan
                 table = dataclasses.replace(assumptions or Assumptions(), tile_issue_s=0.0,
-                                            tile_bundles=0, clock=end)
+                                            tile_bundles=0, packed_bundles=(), clock=end)
                 rec[f"table_tile_{end}_ns"] = 1e9 * max(tile_seconds(
                     plan.stream, spec, plan.M, dict(plan.formats), plan.local.dtype,
                     table).values())
@@ -253,10 +255,7 @@ def entries(*, routing: str = "uniform", compute: str = "bf16",
                 rec |= dict(compiled_slots=cost["slots"], tile_bundles=bundles,
                             tile_dma_ns=cost["dma_ns"])
                 for end in CLOCK_ENDS:
-                    a = dataclasses.replace(assumptions or Assumptions(),
-                                            dma_latency_s=cost["latency_us"] * 1e-6,
-                                            tile_issue_s=0.0, tile_bundles=bundles,
-                                            clock=end)
+                    a = recorded_assumptions(cost, assumptions, clock=end)
                     compiled = simulated(config, spec, a, block=ring, **kw)
                     rec |= timed(f"compiled_{end}", compiled.step_ms) | {
                         f"compiled_{end}_over_floor": compiled.step_ms / est.hbm_floor_ms,
@@ -280,6 +279,16 @@ def tile_bundles(cost: dict) -> int:
         raise ValueError(f"tile cost row {cost.get('preset')!r}: bundles_per_tile={text!r} "
                          "must read 'least-most' (a row of benchmarks/tile_costs.py)")
     return int(text.rpartition("-")[2])
+
+
+def recorded_assumptions(cost: dict, base: Assumptions | None = None, **kw) -> Assumptions:
+    """The `mk.sim.Assumptions` a recorded per-tile cost (a row of
+    benchmarks/tile_costs.py) is replayed with: its DMA latency, its costliest plain
+    loop's bundles (`tile_bundles`) and its packed loops' (`mk.bundles.packed_bundles`),
+    over `base`'s other fields (default `Assumptions()`), then `kw`'s (the clock end)."""
+    return dataclasses.replace(base or Assumptions(), dma_latency_s=cost["latency_us"] * 1e-6,
+                               tile_issue_s=0.0, tile_bundles=tile_bundles(cost),
+                               packed_bundles=packed_bundles(cost), **kw)
 
 
 def cost_key(cost: dict) -> tuple:
@@ -309,7 +318,8 @@ def _explain(run: Run) -> str:
                  f"sources and assumptions in mk.presets) for the release's {row.model}")
     notes += list(dict.fromkeys(kind.note for kind in kinds if kind.note))
     if config.formats:
-        cost = (", at the tile cost table's row for the scheme (its dequantisation)"
+        cost = (", at the tile cost table's row for the scheme (its dequantisation; the "
+                "compiled columns: the compiled kernel's own loop where it was recorded)"
                 if spec.kind == "tpu" else "")
         stored = ", ".join(f"{group} as {scheme}" for group, scheme in config.formats)
         notes.append(f"{stored} (mk.quant's packed data and scales; the release's FP4){cost}")

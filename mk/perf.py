@@ -318,7 +318,8 @@ def predict(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: 
     kinds = layer_kinds(config)
     touched = _touched(kinds, m, routing)
     local = shard_config(config, tp)
-    block = model_block(local, formats=packed_formats(config, formats))
+    packed = packed_formats(config, formats)  # tiled as the chip's plan tiles them
+    block = model_block(local, formats=packed, feeds=choose_feeds(packed, chip=spec))
     vocab = padded_vocab(local, block)
     family = {f: tp * b for f, b in shard_weight_bytes(local, vocab, touched, formats,
                                                        block).items()}
@@ -426,7 +427,7 @@ def tile_floor_ms(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1,
     local = shard_config(config, tp)
     packed = packed_formats(config, formats)
     feeds = choose_feeds(packed, chip=spec)  # the plan's default: what each group is fed
-    block = model_block(local, formats=packed)
+    block = model_block(local, formats=packed, feeds=feeds)
     elements = shard_weight_elements(local, padded_vocab(local, block),
                                      _touched(layer_kinds(config), m, routing))
     bundles = sum(n * feed_costs.bundles_per_element(

@@ -40,9 +40,10 @@ Modelling assumptions (`Assumptions` holds the numbers; none is fitted to a meas
   per-tile loop (`Assumptions.tile_bundles` at the clock, or `tile_issue_s` seconds:
   `Ring.matmul`'s costliest loop over plain tiles, read from that kernel by
   `mk.bundles.measure`) is, when given, the cost of every plain tile of the block's shape
-  instead of the table: it is the same quantity measured on that very kernel (packed
-  tiles and tiles of a shape of their own keep the table's row;
-  `mk.bundles.TileCost.row` reports their own loops). Products that are not ring tiles
+  instead of the table: it is the same quantity measured on that very kernel; likewise
+  the packed tiles of a scheme and shape whose loop that kernel shows
+  (`Assumptions.packed_bundles`; plain tiles of a shape of their own keep the table's
+  row, `mk.bundles.TileCost.row` reports their loops). Products that are not ring tiles
   (KV tiles, the router and other weights moved by whole DMA, the delta rule) cost the MXU rule
   (`mk.perf.mxu_flops`: 2 * max(M, mxu_rows) * elements / peak, fewer rows than the MXU costing as
   many; the chip's `mxu_rows` from data/chips.csv; peak the device's dense bf16, or fp8 with
@@ -127,6 +128,9 @@ class Assumptions:
     compute: str = "bf16"
     tile_issue_s: float = 0.0  # the per-tile loop's issue time in seconds, or
     tile_bundles: int = 0  # its bundles per trip (`mk.bundles.TileCost`), at the clock
+    # ((scheme, tile_rows, tile_cols, bundles), ...): a whole kernel's per-tile loop of the
+    # packed tiles of a scheme and shape, at the clock (`mk.bundles.TileCost.assumptions`)
+    packed_bundles: tuple[tuple[str, int, int, int], ...] = ()
     clock: str = "low"  # end of the chip's range (`mk.chips.CLOCK_ENDS`)
     ici_latency_s: float = ICI_LATENCY_S  # one message round of a collective
     source: str = "assumed"  # where dma_latency_s and hbm_share come from (`measured`)
@@ -143,6 +147,13 @@ class Assumptions:
                 or self.tile_bundles < 0:
             raise ValueError(f"Assumptions.tile_bundles={self.tile_bundles!r} must be an "
                              "integer >= 0")
+        for item in self.packed_bundles:
+            if not (isinstance(item, tuple) and len(item) == 4 and item[0] in quant.SCHEMES
+                    and all(isinstance(v, int) and not isinstance(v, bool) and v > 0
+                            for v in item[1:])):
+                raise ValueError(f"Assumptions.packed_bundles entry {item!r} must be "
+                                 f"(scheme of {quant.SCHEMES}, tile_rows, tile_cols, "
+                                 "bundles), positive integers")
         if self.tile_bundles and self.tile_issue_s:
             raise ValueError(f"Assumptions: tile_bundles={self.tile_bundles} and "
                              f"tile_issue_s={self.tile_issue_s!r} both set; give the issue "
@@ -182,15 +193,23 @@ def tile_seconds(stream: TileStream, spec: ChipSpec, m: int, formats, dtype: str
                  a: Assumptions) -> dict[str, float]:
     """{segment name: seconds} one weight tile of each segment of `stream` keeps the
     compute lane busy against m rows (module docstring): for a plain tile of the block's
-    shape the recorded loop of `a` when given, else the tile cost table's row for the
-    segment's storage (its group's scheme of `formats`, its own scheme, else plain
-    `dtype`) and its feed at `a.clock`, for its tile's elements."""
+    shape the recorded loop of `a` when given, for a packed tile the recorded loop of its
+    scheme and shape (`Assumptions.packed_bundles`) when given, else the tile cost
+    table's row for the segment's storage (its group's scheme of `formats`, its own
+    scheme, else plain `dtype`) and its feed at `a.clock`, for its tile's elements."""
     schemes = quant.schemes_of(formats)
     own = (stream.block.tile_rows, stream.block.tile_cols)
-    return {s.name: a.issue_s(spec) if a.recorded_loop and (s.scheme, s.tile) == (None, own)
-            else feed_costs.tile_s(spec, feed_costs.weight_dtype(
-                dtype, schemes.get(s.name, s.scheme)), m, math.prod(s.tile), a.clock, s.feed)
-            for s in stream.segments + stream.tail}
+    packed = {(q, (r, c)): bundles for q, r, c, bundles in a.packed_bundles}
+
+    def seconds(s) -> float:
+        if a.recorded_loop and (s.scheme, s.tile) == (None, own):
+            return a.issue_s(spec)
+        if (s.scheme, s.tile) in packed:
+            return packed[s.scheme, s.tile] / spec.clock(a.clock)
+        return feed_costs.tile_s(spec, feed_costs.weight_dtype(
+            dtype, schemes.get(s.name, s.scheme)), m, math.prod(s.tile), a.clock, s.feed)
+
+    return {s.name: seconds(s) for s in stream.segments + stream.tail}
 
 
 def active_experts(config: ModelConfig, m: int, routing: str = "uniform") -> int:

@@ -67,11 +67,15 @@ def bytes_per_element(local: ModelConfig, formats=None,
     for group, scheme in formats.items():
         if block is None:
             raise ValueError(f"formats={formats}: quantised bytes need the tiling (block)")
-        own = dict(block.tiles)  # a group's weights share their tile (`model_block`)
-        r, c = next((own[n] for n in FORMAT_GROUPS[group] if n in own),
-                    (block.tile_rows, block.tile_cols))
-        per |= {f: quant.tile_bytes(scheme, r, c) / (r * c)
-                for f, q in QUANT_FAMILY.items() if q == group}
+        own = dict(block.tiles)  # an expert slot's matrices: a tile each (`model_block`)
+
+        def per_element(family: str) -> float:  # equal-sized gate, up and down: the mean
+            tiles = [own[n] for n in FORMAT_GROUPS[group]
+                     if n in own and FAMILY[n] == family] or [(block.tile_rows,
+                                                                block.tile_cols)]
+            return sum(quant.tile_bytes(scheme, r, c) / (r * c) for r, c in tiles) / len(tiles)
+
+        per |= {f: per_element(f) for f, q in QUANT_FAMILY.items() if q == group}
     return per
 
 

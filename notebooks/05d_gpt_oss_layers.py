@@ -313,9 +313,10 @@ print(f"{big.name}: width {own.hidden} -> {big.hidden}, expert width {own.expert
 # cost libtpu's bundle dump gives the whole compiled kernel (its costliest loop,
 # mk/data/tile_costs/gpt_oss.json, recorded by benchmarks/tile_costs.py; a 1 us DMA
 # latency), at both ends of the chip's clock range, against the **HBM floor** (the step's
-# bytes at the core's bandwidth). The tiles are 128 x 128: the experts' fp4 tiles must
-# cut 2944 = 23 x 128 both ways within `QUANT_TILE_ELEMENTS`, and one tile shape serves
-# the stream (`model_block`), so each tile's loop issues for longer than its DMA and HBM
+# bytes at the core's bandwidth). The tiles are 128 x 128: the experts' fp4 tiles, fed
+# bf16 on both chips, must cut 2944 = 23 x 128 both ways within `QUANT_TILE_ELEMENTS`, and
+# the other weights' tiles move no more bytes than theirs (`model_block`), so each tile's
+# loop issues for longer than its DMA (an fp4 tile's dequantisation for 10-20x) and HBM
 # idles most of the step:
 
 # %%
@@ -332,9 +333,8 @@ for chip_name in ("v6e", "v5e"):
             "ring": f"{plan.block.slots} x {plan.block.tile_rows} x {plan.block.tile_cols}",
             "fits": fit.ok or fit.error}
     for end in ("low", "high") if row else ():  # recorded for gpt-oss-20b only
-        step = sim.simulate(big, chip_name, batch=1, context=4096, assumptions=sim.Assumptions(
-            dma_latency_s=row["latency_us"] * 1e-6, tile_bundles=ledger.tile_bundles(row),
-            clock=end))
+        step = sim.simulate(big, chip_name, batch=1, context=4096,
+                            assumptions=ledger.recorded_assumptions(row, clock=end))
         line |= {"HBM floor ms": f"{step.hbm_floor_s * 1e3:.2f}",
                  f"simulated step ms, {end} clock": f"{step.step_ms:.2f}",
                  f"HBM busy, {end} clock": f"{step.hbm_utilisation:.0%}"}

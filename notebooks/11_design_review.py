@@ -91,7 +91,7 @@ tp: int = 1  # tensor-parallel devices; the kernel reviewed is the shard of one 
 dense_format: str = ""  # attention/MLP storage: int8, fp8, int4, fp4, none; "" keeps the preset's
 expert_format: str = ""  # the experts' storage, the same names; "" keeps the preset's
 slots: int = 0  # weight ring slots; 0 for the plan's ring for the chip (Little's law)
-tile: int = 0  # square weight tile side; 0 for the plan's (largest cutting every matrix)
+tile: int = 0  # square weight tile side for every weight; 0 for the plan's tiles
 kv_tile: int = 0  # cached positions per KV tile; 0 for min(256, context)
 kv_slots: int = 0  # KV tiles in the VMEM ring; 0 for the plan's (`kv_depth`)
 compile_for_tpu: bool = True  # the ahead-of-time libtpu compile of the megakernel
@@ -113,7 +113,7 @@ import mk.run
 from IPython.display import display
 from mk import bundles, course, feed_costs, ledger, perf, plots, review, sim, xla_step
 from mk.chips import CLOCK_ENDS, chip as chip_spec
-from mk.kernels.common import BlockSizes, VmemBudget
+from mk.kernels.common import VmemBudget
 from mk.kernels.plan import DecodePlan, packed_formats
 from mk.published import published
 
@@ -132,9 +132,10 @@ packed = packed_formats(config, formats)  # what the kernel streams packed
 position = run.context - run.rows  # every sequence reads a full cache: the worst case
 default = DecodePlan.make(config, tp=tp, batch=run.batch, rows=run.rows,
                           context=run.context, chip=spec, formats=packed).block
-block = BlockSizes(slots=slots or default.slots, tile_rows=tile or default.tile_rows,
-                   tile_cols=tile or default.tile_cols, kv_tile=kv_tile or default.kv_tile,
-                   kv_slots=kv_slots or default.kv_slots)
+block = dataclasses.replace(  # a square `tile` serves every weight; else the plan's tiles
+    default, slots=slots or default.slots, kv_tile=kv_tile or default.kv_tile,
+    kv_slots=kv_slots or default.kv_slots,
+    **(dict(tile_rows=tile, tile_cols=tile, tiles=()) if tile else {}))
 plan = DecodePlan.make(config, tp=tp, batch=run.batch, rows=run.rows, context=run.context,
                        block=block, formats=packed)
 device = plan.local  # what one device's kernel holds
@@ -178,10 +179,13 @@ display(plots.table([{k: f"{v:.3g}" if isinstance(v, float) else v for k, v in r
 # %% [markdown]
 # What explains the gap, as far as the ledger can say: the course's Kimi K3 stand-in is
 # Kimi Linear's architecture with assumed shapes; its kernel streams the FP4 experts
-# packed, but then the whole stream takes 128 x 128 tiles (one tile shape, packed weights
-# never transposed) whose per-tile loops, and the FP4 tiles' unpack in VMEM, issue for far
-# longer than their DMA (the recorded rows below); its expert shards are padded to whole
-# lanes. The release's expert layout and kernel are not published. The release beating
+# packed, in tiles of their own (an expert's slice of gate, up and down, one tile each)
+# and the other weights in tiles of no more bytes, so the ring's one slot index keeps as
+# many bytes in flight over both; at the low end of the clock range its per-tile loops
+# issue for several times their DMA, and at the high end a trip through an expert's FP4
+# tiles (unpacked to e4m3 in VMEM, its 32-row groups' products stacked) still does (the
+# recorded rows below); its expert shards are padded to whole lanes. The release's
+# expert layout and kernel are not published. The release beating
 # the modelled step says at least one of the model's assumptions (the tile costs of mk's
 # own loop, every collective on the critical path) does not hold for it.
 

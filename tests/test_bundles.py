@@ -75,6 +75,33 @@ def test_tile_loops_are_those_streaming_tiles_of_the_size_and_no_softmax():
     assert bundles.tile_parts("fp4", 2048, 128) == (2048 * 128 // 2, 2048 // 32 * 128)
 
 
+def test_a_trip_through_an_expert_of_one_tile_matrices_costs_each_tile_its_share():
+    """Kimi K3's TP32 expert slot (three FP4 tiles, gate and up [7168, 128], down [128,
+    7168]: the same bytes) is one trip of a loop that waits for all three, data and scales
+    at once, and runs the activation on the EUP between them: a per-tile loop of those
+    packed tiles, each a third of the trip; the simulator charges a packed tile its
+    recorded loop (`Assumptions.packed_bundles`) and the table's row without one."""
+    parts = bundles.tile_parts("fp4", 7168, 128)
+    assert parts == bundles.tile_parts("fp4", 128, 7168) == (458752, 28672)
+    trip = bundles.Loop(first=0, depth=2, bundles=2741, mxu=1431, scalar_only=40,
+                        dma_granules=(14336, 896), waits=3, wait_granules=(15232,) * 3,
+                        eup=2, nested=0)
+    assert bundles.tile_loops([trip], parts) == [trip] and bundles.per_tile(trip) == 914
+    plain = dataclasses.replace(trip, wait_granules=(14336,))  # a plain tile's bytes
+    assert bundles.tile_loops([plain], (458752,)) == []  # with the EUP: softmax's, not a tile
+    plan = DecodePlan.make(mk.preset("kimi-k3"), tp=32, rows=8, context=1152, chip="tpu7x",
+                           kernel=False)
+    spec, formats = mk.chip("tpu7x"), dict(plan.formats)
+    table = sim.tile_seconds(plan.stream, spec, plan.M, formats, plan.local.dtype,
+                             sim.Assumptions())
+    recorded = sim.tile_seconds(plan.stream, spec, plan.M, formats, plan.local.dtype,
+                                sim.Assumptions(packed_bundles=(("fp4", 7168, 128, 914),)))
+    assert recorded["we_gate"] == recorded["we_up"] == 914 / spec.clock("low")
+    assert recorded["we_down"] == table["we_down"] != recorded["we_gate"]  # [128, 7168]
+    with pytest.raises(ValueError, match="packed_bundles entry"):
+        sim.Assumptions(packed_bundles=(("fp5", 7168, 128, 914),))
+
+
 def test_the_simulator_charges_the_issue_time_per_tile():
     config = mk.preset("qwen3-0.6b")
     plain = sim.simulate(config, "tpu7x", context=256)
@@ -158,8 +185,7 @@ def test_the_recorded_single_core_kernels_stream_at_the_hbm_floor(row):
     assert _issue_over(row) == {}, row
     again = sim.simulate(config, spec, batch=row["batch"], rows=row["rows"],
                          context=row["context"], block=plan.block,
-                         assumptions=sim.Assumptions(dma_latency_s=row["latency_us"] * 1e-6,
-                                                     tile_bundles=ledger.tile_bundles(row)))
+                         assumptions=ledger.recorded_assumptions(row))
     assert again.hbm_utilisation == pytest.approx(row["hbm_busy"], rel=1e-9)
     assert again.hbm_utilisation >= 0.9, again.bubble_share()
 
@@ -173,9 +199,7 @@ def _resimulated(row, block=None):
     plan = DecodePlan.make(config, chip=spec, position=row["context"], kernel=False, **kw)
     return plan, sim.simulate(config, spec, block=block or plan.block, context=row["context"],
                               **kw,
-                              assumptions=sim.Assumptions(
-                                  dma_latency_s=row["latency_us"] * 1e-6,
-                                  tile_bundles=ledger.tile_bundles(row)))
+                              assumptions=ledger.recorded_assumptions(row))
 
 
 # (preset, chip, tp, storage) -> the ends of the clock range at which a recorded kernel's
@@ -183,15 +207,17 @@ def _resimulated(row, block=None):
 # `mk.bundles.storage_name`) issue slower than 0.9 x their own DMA (bundles / clock
 # against the tile's bytes at one core's bandwidth). Issue 34: the 27B's TP8 shard takes
 # 5120 x 128 tiles (its MLP's 2176 columns a device are 17 x 128), whose 128-wide panels
-# feed half of TPU7x's MXUs; Kimi K3's TP32 shard with its FP4 experts packed takes
-# 128 x 128 tiles (one tile shape for the stream, packed weights never transposed, its
-# experts' down [128, 7168]), whose loops issue for several times their DMA, and its FP4
-# tiles' unpack costs ~100x their 8.5 KiB DMA at the low end. Issue 38: gpt-oss-20b
-# (2944 = 23 x 128 wide, its fp4 experts' tiles at most QUANT_TILE_ELEMENTS) takes 128 x
-# 128 tiles on one core too: 2-4x their DMA plain, 10-20x fp4.
+# feed half of TPU7x's MXUs; Kimi K3's TP32 shard streams its FP4 experts in tiles of
+# their own (gate and up 7168 x 128, down 128 x 7168, fed fp8) and the rest in 1792 x 128
+# ones of no more bytes: its plain loops issue for up to 4.1x their DMA at the low end
+# (0.96x at the high), one trip through an expert's three FP4 tiles for 6.7x (1.6x).
+# Issue 38: gpt-oss-20b (2944 = 23 x 128 wide, its fp4 experts' tiles at most
+# QUANT_TILE_ELEMENTS, fed bf16) takes 128 x 128 tiles on one core: 2-4x their DMA
+# plain, 10-20x fp4.
 ISSUE_OVER = {("qwen3.5-27b", "tpu7x", 8, "plain"): {"low"},
               ("kimi-k3", "tpu7x", 32, "plain"): {"low", "high"},
-              ("kimi-k3", "tpu7x", 32, "fp4"): {"low", "high"},
+              ("kimi-k3", "tpu7x", 32, "fp4 128x7168"): {"low", "high"},
+              ("kimi-k3", "tpu7x", 32, "fp4 7168x128"): {"low", "high"},
               **{("gpt-oss-20b", chip, 1, storage): {"low", "high"} for chip in ("v6e", "v5e")
                  for storage in ("plain", "fp4")}}
 
@@ -229,7 +255,8 @@ def test_the_recorded_tensor_parallel_shards_stream_through_their_collectives(ro
                                                                       row["tile_KiB"])
     assert _issue_over(row) == {k: v for k, v in ISSUE_OVER.items()
                                 if k[:3] == (row["preset"], row["chip"], row["tp"])}, row
-    assert set(row.get("packed", {})) == set(dict(plan.formats).values())
+    assert {p["scheme"] for p in row.get("packed", {}).values()} == set(
+        dict(plan.formats).values())
     assert run.step_ms == pytest.approx(row["sim_step_ms"], rel=1e-9)
     assert run.step_s <= 1.1 * max(run.hbm_floor_s, run.compute_s), run.bubble_share()
 
@@ -250,7 +277,8 @@ def test_the_recorded_gpt_oss_20b_kernels_replay_their_simulated_step(row):
     plan, run = _resimulated(row)
     assert (plan.block.slots, plan.stream.tile_bytes * 2 / 1024) == (row["slots"],
                                                                       row["tile_KiB"])
-    assert set(row.get("packed", {})) == set(dict(plan.formats).values()) == {"fp4"}
+    assert {p["scheme"] for p in row.get("packed", {}).values()} == set(
+        dict(plan.formats).values()) == {"fp4"}
     assert row["fits"] and plan.fits(row["chip"]).ok
     assert run.step_ms == pytest.approx(row["sim_step_ms"], rel=1e-9)
     assert run.hbm_utilisation == pytest.approx(row["hbm_busy"], rel=1e-9)

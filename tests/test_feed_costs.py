@@ -4,6 +4,7 @@ ring kernel's per-tile loop (`mk.probes.probe_tile`: one cheap row in CI, ~10 s;
 row under `slow`, ~15 min)."""
 
 import json
+import math
 
 import pytest
 
@@ -186,9 +187,8 @@ def test_a_packed_format_costs_its_own_row():
     dequantisation), the attention tiles the bf16 row; the bytes are the packed ones."""
     config, spec = mk.preset("qwen3-30b-a3b"), mk.chip("v6e")
     run = sim.simulate(config, spec, context=256, formats={"experts": "int4"})
-    block = run.plan.block
-    tile = block.tile_rows * block.tile_cols
     for name, dtype in (("we_gate[0]", "int4"), ("wq", "bf16")):
+        tile = math.prod(run.plan.stream.segment(name.partition("[")[0]).tile)
         e = _tile_events(run, name)[0]
         assert e.busy_s == pytest.approx(e.count * feed_costs.tile_s(spec, dtype, 1, tile),
                                          rel=1e-9), name
@@ -202,7 +202,7 @@ def test_a_tile_fed_fp8_costs_the_fp8_feed_row():
     config, spec = mk.preset("qwen3-30b-a3b"), mk.chip("tpu7x")
     run = sim.simulate(config, spec, context=256, formats={"experts": "fp8"})
     assert dict(run.plan.feeds) == {"experts": "fp8"}
-    tile = run.plan.block.tile_rows * run.plan.block.tile_cols
+    tile = math.prod(run.plan.stream.segment("we_gate").tile)  # the experts' own tile
     e = _tile_events(run, "we_gate[0]")[0]
     fed = feed_costs.tile_s(spec, "fp8", 1, tile, feed="fp8")
     assert e.busy_s == pytest.approx(e.count * fed, rel=1e-9)

@@ -24,7 +24,8 @@ from mk import shards
 from mk import tensor_parallel as tpar
 from mk.kernels.collectives import tp_mesh
 from mk.chips import all_chips
-from mk.kernels.common import PANEL_COLS, VMEM_HEADROOM, VMEM_ROOM, BlockSizes, Cut, dma_log
+from mk.kernels.common import (PANEL_COLS, QUANT_TILE_ELEMENTS, VMEM_HEADROOM, VMEM_ROOM,
+                              BlockSizes, Cut, dma_log)
 from mk.kernels.plan import (RING_COVER_S, DecodePlan, capacity, default_block,
                              little_slots, ring_slots, ring_cover_s, shard_config)
 from mk.kernels.ring import TileStream
@@ -262,8 +263,13 @@ def test_tiles_feed_every_mxu_and_experts_take_tiles_of_their_own():
     2560 x 256 (whose loops issued in 1.06x their DMA at TPU7x's low clock; now 0.89x).
     qwen3-30b-a3b's expert slots take 2048 x 768 tiles of their own beside 2048 x 512
     ones (2048 x 256 for all issued in 1.22x; now 0.68x and 0.81x), in a ring buffer of
-    their own on the one slot index; Kimi K3's TP32 shard keeps one tile for all (its FP4
-    experts' tiles would be far smaller than the rest's)."""
+    their own on the one slot index. Kimi K3's TP32 shard's FP4 experts, fed fp8 on TPU7x
+    (never dequantised whole, so not held to QUANT_TILE_ELEMENTS), take one tile a matrix
+    (gate and up [7168, 128], down [128, 7168]: packed, never transposed) and the other
+    matrices tiles of no more bytes (1792 x 128 bf16), so a run of expert tiles keeps as
+    many bytes in flight on the one slot index (all shared 128 x 128 before, 850 slots);
+    fed bf16 (v6e) its experts' tiles are held to QUANT_TILE_ELEMENTS and the rest's
+    shrink to match."""
     assert {s.mxus_per_core * s.mxu_rows for s in all_chips() if s.kind == "tpu"} == {
         PANEL_COLS}
     four = DecodePlan.make(mk.preset("qwen3-4b"), context=1024, chip="tpu7x").block
@@ -277,7 +283,15 @@ def test_tiles_feed_every_mxu_and_experts_take_tiles_of_their_own():
     assert plan.stream.segment("we_down").transposed  # [768, 2048] stored [2048, 768]
     kimi = DecodePlan.make(mk.preset("kimi-k3"), tp=32, context=1152, chip="tpu7x",
                            kernel=False).block
-    assert (kimi.tile_rows, kimi.tile_cols, kimi.tiles) == (128, 128, ())
+    assert (kimi.tile_rows, kimi.tile_cols, dict(kimi.tiles)) == (1792, 128, {
+        "we_gate": (7168, 128), "we_up": (7168, 128), "we_down": (128, 7168)})
+    expert = quant.tile_bytes("fp4", 7168, 128)
+    assert quant.tile_bytes("fp4", 128, 7168) == expert >= 1792 * 128 * 2 > expert / 2
+    fed_bf16 = DecodePlan.make(mk.preset("kimi-k3"), tp=32, context=1152, chip="v6e",
+                               kernel=False).block
+    assert dict(fed_bf16.tiles)["we_gate"][0] * 128 <= QUANT_TILE_ELEMENTS
+    assert fed_bf16.tile_rows * fed_bf16.tile_cols * 2 <= quant.tile_bytes(
+        "fp4", *dict(fed_bf16.tiles)["we_gate"])
     for tiles, field in (((("wq", (100, 128)),), "wq"), ((("wq", (128, 128)),) * 2, "twice")):
         with pytest.raises(ValueError, match=rf"BlockSizes.tiles.*{field}"):
             BlockSizes(tiles=tiles)

@@ -474,7 +474,8 @@ def test_a_native_float4_tile_is_refused_by_mosaic_on_v5e():
 def test_predicted_step_bytes_shrink_by_each_formats_bits_per_value(name):
     """mk.perf.predict(formats=) streams each quantised family at mk.quant.tile_bytes per
     tile of the default tiling (the kernel's DMAs: tests/test_plan.py); per value that is
-    the format's bits plus its scales' share."""
+    the format's bits plus its scales' share (an expert matrix's by its own tile, where
+    the experts take tiles of their own: `BlockSizes.tiles`)."""
     config = mk.preset(name)
     plain = mk.perf.predict(config, "v6e", batch=4, rows=2, context=512)
     per_value = {"int8": lambda tk: 8 + 32 / tk, "fp8": lambda tk: 8 + 32 / 128 ** 2,
@@ -482,10 +483,15 @@ def test_predicted_step_bytes_shrink_by_each_formats_bits_per_value(name):
     for scheme, value_bits in per_value.items():  # data plus scales, per tile_rows tk
         formats = dict(dense=scheme) | ({} if config.tie_embeddings else dict(lm_head=scheme)
                                         ) | (dict(experts=scheme) if config.is_moe else {})
-        bits = value_bits(default_block(config, 512, formats=formats).tile_rows)
+        block = default_block(config, 512, formats=formats)
+        own = dict(block.tiles)
+        bits = value_bits(block.tile_rows)
+        experts = ("we_gate", "we_up", "we_down")  # each [D, Fe] or [Fe, D]: a third each
+        expert_bits = sum(value_bits(own.get(n, (block.tile_rows,))[0]) for n in experts) / 3
         est = mk.perf.predict(config, "v6e", batch=4, rows=2, context=512, formats=formats)
         fields = ["attention_bytes", "dense_mlp_bytes", "expert_bytes"]
         for field in fields + ([] if config.tie_embeddings else ["lm_head_bytes"]):
-            assert getattr(est, field) == pytest.approx(getattr(plain, field) * bits / 16,
+            want = expert_bits if field == "expert_bytes" else bits
+            assert getattr(est, field) == pytest.approx(getattr(plain, field) * want / 16,
                                                         rel=1e-12), (scheme, field)
         assert est.router_bytes == plain.router_bytes and est.kv_read_bytes == plain.kv_read_bytes

@@ -202,9 +202,10 @@ def vmem_limit_bytes(buffers, cap: int | None = None) -> int:
 SLOTS = 3  # default weight ring slots
 TILE_BYTES = 2 * 2**20  # default weight tiles hold at most this many bytes
 REPEAT_TILE_BYTES = 2 * TILE_BYTES  # at most this many bytes in an expert slot's own tiles
-# A quantised tile is dequantised in VMEM through float32 temporaries that Mosaic keeps in
-# its scoped VMEM (qwen3-8b's int4 megakernel with 4096 x 256 tiles asked 35 MiB on TPU7x);
-# the default keeps quantised tiles to this size.
+# A quantised tile fed bf16 is dequantised in VMEM through float32 temporaries that Mosaic
+# keeps in its scoped VMEM (qwen3-8b's int4 megakernel with 4096 x 256 tiles asked 35 MiB
+# on TPU7x); the default keeps such tiles to this size. A tile fed fp8 is not: its e4m3
+# codes take a byte a weight, its float32 products 128 rows at a time (`mk.kernels.ring`).
 QUANT_TILE_ELEMENTS = 512 * 512
 KV_TILE = 256  # default cached positions per KV tile, capped by the cache
 # The output panel (a tile's output columns) that feeds every MXU of a TensorCore at once
@@ -217,12 +218,13 @@ PANEL_COLS = 512
 
 def default_block(matrices, *, context: int | None = None, slots: int = SLOTS,
                   itemsize: int = 2, quantised=(), padded_rows=(),
-                  most_bytes: int = TILE_BYTES) -> BlockSizes:
+                  most_bytes: int = TILE_BYTES, dequantised=None) -> BlockSizes:
     """The default tiling, the one rule every kernel uses: the largest weight tile of at
     most `most_bytes` (TILE_BYTES; elements of `itemsize` bytes) that cuts every matrix of
     `matrices` ((name, K, N) triples, or `mk.kernels.ring.Repeat`s of them), so one ring
     slot shape serves every matrix (`BlockSizes.cut`: plain or transposed; the `quantised`
-    names plain only, and then at most QUANT_TILE_ELEMENTS a tile); of tiles as large,
+    names plain only, and, while some of them are `dequantised` whole in VMEM (fed bf16;
+    default all), at most QUANT_TILE_ELEMENTS a tile); of tiles as large,
     the one cutting more weights into output panels that feed every MXU (at least
     PANEL_COLS wide: a plain cut's columns, a transposed one's rows), then the taller.
     `padded_rows`: the rows of matrices whose columns are padded to whole tiles (the
@@ -240,8 +242,9 @@ def default_block(matrices, *, context: int | None = None, slots: int = SLOTS,
         for name, rows, cols in getattr(item, "matrices", (item,)):
             shapes.append((name, rows, cols))
     widest = max([d for _, r, c in shapes for d in (r, c)] + list(padded_rows) + [LANES])
-    most = most_bytes // itemsize if not quantised else min(most_bytes // itemsize,
-                                                            QUANT_TILE_ELEMENTS)
+    dequantised = quantised if dequantised is None else dequantised
+    most = most_bytes // itemsize if not dequantised else min(most_bytes // itemsize,
+                                                              QUANT_TILE_ELEMENTS)
     best = None
     for rows in range(LANES, widest + 1, LANES):
         if any(d % rows for d in padded_rows):

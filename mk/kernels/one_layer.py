@@ -37,8 +37,8 @@ from jax.experimental.pallas import tpu as pltpu
 from mk import quant
 from mk.config import ModelConfig
 from mk.kernels.attention_prologue import check_layer_inputs
-from mk.kernels.common import (REPEAT_TILE_BYTES, SLOTS, BlockSizes, Buffer, aliases,
-                               default_block, memory_specs, vmem_limit_bytes)
+from mk.kernels.common import (REPEAT_TILE_BYTES, SLOTS, TILE_BYTES, BlockSizes, Buffer,
+                               aliases, default_block, memory_specs, vmem_limit_bytes)
 from mk.kernels.ring import Repeat, Ring, TileStream, ring_buffers
 from mk.kernels.weight_streaming import ring_weights, weight_stream
 from mk.kinds.base import LAYER_PHASES, Kind, Step
@@ -48,54 +48,58 @@ from mk.reference import check_positions
 
 
 def model_block(config: ModelConfig, *, context: int | None = None, slots: int = SLOTS,
-                formats=None) -> BlockSizes:
+                formats=None, feeds=None) -> BlockSizes:
     """The default tiling of a whole-model kernel of `config` (or of one of its layers):
     `default_block` over every ring matrix of its layers (`layer_matrices`) and the
     lm_head's D rows (its columns are padded to whole tiles), the weights of quantised
-    `formats` ({family: mk.quant scheme}) never transposed.
+    `formats` ({family: mk.quant scheme}) never transposed, those `feeds` ({family:
+    feed}, `mk.unpack.choose_feeds`; default bf16) feeds bf16 dequantised whole in VMEM
+    (at most QUANT_TILE_ELEMENTS a tile, `default_block`).
 
     The expert slots' matrices (a `Repeat`) may take tiles of their own (`BlockSizes.tiles`:
     ring buffers of their own shape on the one slot index): an expert's matrices are small
     and narrow (qwen3-30b-a3b's [2048, 768]), and one tile cutting them and every other
     matrix is small and narrow too (2048 x 256 there: its loop issues in 1.2x its DMA at
-    TPU7x's low clock). So the other matrices take `default_block`'s tile among
-    themselves, and each Repeat the largest of at most REPEAT_TILE_BYTES cutting its own
-    (2048 x 512 and 2048 x 768 there: 0.68x and 0.81x), where every Repeat's tile holds
-    at least the others' bytes; otherwise (small packed experts: Kimi K3's 128 x 128 FP4
-    tiles, whose runs a shared slot index could not keep in flight beside big tiles) one
-    tile for all, as before; likewise where no part's tiles would grow."""
+    TPU7x's low clock). So each Repeat's matrix takes the largest tile of at most
+    REPEAT_TILE_BYTES cutting it alone (2048 x 768 there: 0.81x; a packed expert, never
+    transposed, its own shape: Kimi K3's FP4 experts on a TP32 shard fed fp8, [7168, 128]
+    gate and up and [128, 7168] down, one tile each), and the other matrices
+    `default_block`'s tile among themselves, shrunk where needed to move no more bytes
+    than the smallest of those: the ring's one slot index keeps the same bytes in flight
+    over a run of expert tiles as over the others (a run of small packed tiles beside big
+    ones would need a ring deeper than VMEM holds). One tile for all where the others
+    have no tile that small, or where no part's tiles would grow."""
     matrices = layer_matrices(layer_kinds(config), 1)
     itemsize, schemes = jnp.dtype(config.dtype).itemsize, quant.schemes_of(formats)
-    common = dict(context=context, slots=slots, itemsize=itemsize, quantised=tuple(schemes))
+    fed = quant.schemes_of(feeds)
+    common = dict(context=context, slots=slots, itemsize=itemsize, quantised=tuple(schemes),
+                  dequantised=tuple(n for n in schemes if fed.get(n, "bf16") == "bf16"))
     one = default_block(matrices, padded_rows=(config.hidden,), **common)
     repeats = [m for m in matrices if isinstance(m, Repeat)]
     rest = [m for m in matrices if not isinstance(m, Repeat)]
     if not repeats or not rest:
         return one
-    try:
-        block = default_block(rest, padded_rows=(config.hidden,), **common)
-        own = [default_block([r], most_bytes=REPEAT_TILE_BYTES, **common) for r in repeats]
-    except ValueError:  # no tile cuts a part alone: the one tile for all
-        return one
 
-    def tile_bytes(b: BlockSizes, names) -> float:  # the most a tile of `names` moves
-        return max(quant.tile_bytes(schemes[n], b.tile_rows, b.tile_cols) if n in schemes
-                   else b.tile_rows * b.tile_cols * itemsize for n in names)
+    def tile_bytes(b: BlockSizes, name) -> int:  # what a tile of `name` moves
+        return (quant.tile_bytes(schemes[name], b.tile_rows, b.tile_cols) if name in schemes
+                else b.tile_rows * b.tile_cols * itemsize)
 
     def elements(b: BlockSizes) -> int:
         return b.tile_rows * b.tile_cols
 
-    rest_names = [n for m in rest for n, _, _ in getattr(m, "matrices", (m,))]
-    tiles = []
-    for r, b in zip(repeats, own):
-        names = [n for n, _, _ in r.matrices]
-        if tile_bytes(b, names) < tile_bytes(block, rest_names):
-            return one
-        if (b.tile_rows, b.tile_cols) != (block.tile_rows, block.tile_cols):
-            tiles += [(n, (b.tile_rows, b.tile_cols)) for n in names]
-    if max(map(elements, [block, *own])) <= elements(one):
+    try:
+        own = {name: default_block([(name, k, n)], most_bytes=REPEAT_TILE_BYTES, **common)
+               for r in repeats for name, k, n in r.matrices}
+        smallest = min(tile_bytes(b, name) for name, b in own.items())
+        block = default_block(rest, padded_rows=(config.hidden,),
+                              most_bytes=min(smallest, TILE_BYTES), **common)
+    except ValueError:  # no tile cuts a part alone, or the others none that small
+        return one
+    if max(map(elements, [block, *own.values()])) <= elements(one):
         return one  # no part's tiles grow: one ring buffer, not several
-    return dataclasses.replace(block, tiles=tuple(tiles))
+    return dataclasses.replace(block, tiles=tuple(
+        (name, (b.tile_rows, b.tile_cols)) for name, b in own.items()
+        if (b.tile_rows, b.tile_cols) != (block.tile_rows, block.tile_cols)))
 
 
 def layer_buffers(config: ModelConfig, kinds, batch: int, rows: int, block: BlockSizes,

@@ -56,8 +56,10 @@ The default tiling is `mk.kernels.one_layer.model_block` over the shard's matric
 the largest tile of at most `TILE_BYTES` (2 MiB) that cuts each matrix plain or transposed
 (`BlockSizes.cut`: a row-sharded [narrow, D] matrix is stored D-major, so a shard's tiles
 are D x 128 and more), its output panels as wide as every MXU of a core where a tie
-allows (`PANEL_COLS`); the expert slots' matrices in tiles of their own where that makes
-tiles bigger (`BlockSizes.tiles`, `model_block` says when), 3 ring slots or, for a chip,
+allows (`PANEL_COLS`); each expert slot matrix in a tile of its own and the others in
+tiles of no more bytes, where that makes tiles bigger (`BlockSizes.tiles`, `model_block`
+says when; packed tiles fed bf16 at most `QUANT_TILE_ELEMENTS`, fed fp8 as big as the
+rest: the plan's `feeds` choose), 3 ring slots or, for a chip,
 as many as Little's law asks for `ring_cover_s` at one core's bandwidth (`RING_COVER_S`,
 2 µs, and at tp > 1 one all-reduce more, so weight DMAs stream through the collectives;
 at most a layer's period of tiles), KV tiles of min(256, S) positions, KV slots by
@@ -70,8 +72,9 @@ g in slot g % slots of whichever buffer its segment uses), so every ring buffer 
 deep. One rule (`ring_slots`): Little's law on the bytes in flight counted over the
 stream's own tile sequence, the fewest slots whose every run of consecutive tiles carries
 bandwidth x cover time. A stream of one tile size gets `little_slots`; a long run of small
-packed tiles (FP4 experts, 128 x 128 tiles on a shard) asks for hundreds of slots, whose
-buffers a chip does not hold. So, for a chip (`DecodePlan.make`), the ring is the deepest
+packed tiles asks for hundreds of slots, whose buffers a chip does not hold (Kimi K3's
+TP32 shard asked 850 when one 128 x 128 tile served its FP4 experts and the rest; hence
+`model_block`'s byte-matched tiles: 19 now). So, for a chip (`DecodePlan.make`), the ring is the deepest
 whose buffers leave Mosaic its room (`vmem_limit_bytes`' 1.5 x buffers + 8 MiB within the
 core's VMEM), never below the ring covering RING_COVER_S unless that ring does not fit the
 VMEM at all, then down to 2 slots; a kernel's plan that does not fit at 2 is refused by
@@ -234,17 +237,19 @@ def ring_slots(stream: TileStream, itemsize: int, in_flight: float) -> int:
 
 def default_block(local: ModelConfig, context: int, *, slots: int | None = None,
                   formats=None, chip: ChipSpec | str | None = None,
-                  cover_s: float = RING_COVER_S) -> BlockSizes:
+                  cover_s: float = RING_COVER_S, feeds=None) -> BlockSizes:
     """The default tiling of a shard with a cache of `context` positions and the
-    quantised `formats`: `mk.kernels.one_layer.model_block`'s tile (the largest cutting
-    every matrix of the shard, plain or transposed); `slots` ring slots, default the
+    quantised `formats` fed as `feeds`: `mk.kernels.one_layer.model_block`'s tiles (the
+    largest cutting every matrix of the shard, plain or transposed, or the expert slots'
+    own and the others' byte-matched to them); `slots` ring slots, default the
     `ring_slots` of `chip` (one core's bandwidth x `cover_s` in flight over the stream's
     tile sequence; at most a layer's period of tiles) or, without a chip, SLOTS; and as
     many KV slots as prefetch one sequence's whole cache or the ring's bytes of KV tiles,
     whichever is fewer (a layer's first KV tiles are issued behind the weight tiles in
     flight: `kv_depth`). Not the VMEM: `DecodePlan.make` shortens a chip's ring to fit."""
-    block = model_block(local, context=positive_int("context", context), formats=formats)
-    stream = model_stream(local, block, 1, formats)
+    block = model_block(local, context=positive_int("context", context), formats=formats,
+                        feeds=feeds)
+    stream = model_stream(local, block, 1, formats, feeds)
     itemsize = jnp.dtype(local.dtype).itemsize
     smallest = min(stream.segment_tile_bytes(s, itemsize)
                    for s in stream.segments + stream.tail)  # what a slot moves, at least
@@ -393,7 +398,7 @@ class DecodePlan:
         if block is None:
             try:
                 block = _chip_block(local, int(tp), int(batch), int(rows), context, packed,
-                                    spec, kernel, collective)
+                                    feeds, spec, kernel, collective)
             except ValueError as err:  # name the model, the tp and the fields tp splits
                 if tp == 1:
                     raise ValueError(f"{config.name}: {err}") from None
@@ -518,7 +523,7 @@ class DecodePlan:
 
 
 def _chip_block(local: ModelConfig, tp: int, batch: int, rows: int, context: int, formats,
-                spec: ChipSpec | None, kernel: bool, collective: str) -> BlockSizes:
+                feeds, spec: ChipSpec | None, kernel: bool, collective: str) -> BlockSizes:
     """`default_block` for the chip: the ring `ring_slots` asks for over `ring_cover_s`,
     or the deepest shorter one whose step's buffers leave Mosaic `vmem_limit_bytes`' room
     in the chip's VMEM (every ring buffer, plain and each scheme's, is slots deep: they
@@ -528,12 +533,12 @@ def _chip_block(local: ModelConfig, tp: int, batch: int, rows: int, context: int
     the simulator's (a step no core holds, replayed) keeps the RING_COVER_S ring, and
     `fits` says the same."""
     if spec is None:
-        return default_block(local, context, formats=formats)
+        return default_block(local, context, formats=formats, feeds=feeds)
 
     def made(slots=None, cover_s=RING_COVER_S):  # the block and its buffers' bytes
         block = default_block(local, context, formats=formats, chip=spec, slots=slots,
-                              cover_s=cover_s)
-        stream = model_stream(local, block, batch * rows, formats)
+                              cover_s=cover_s, feeds=feeds)
+        stream = model_stream(local, block, batch * rows, formats, feeds)
         buffers = _buffers(local, tp, batch, rows, block, padded_vocab(local, block), stream,
                            collective)
         return block, buffers
