@@ -74,11 +74,11 @@ stream's own tile sequence, the fewest slots whose every run of consecutive tile
 bandwidth x cover time. A stream of one tile size gets `little_slots`; a long run of small
 packed tiles asks for hundreds of slots, whose buffers a chip does not hold (Kimi K3's
 TP32 shard asked 850 when one 128 x 128 tile served its FP4 experts and the rest; hence
-`model_block`'s byte-matched tiles: 19 now). So, for a chip (`DecodePlan.make`), the ring is the deepest
-whose buffers leave Mosaic its room (`vmem_limit_bytes`' 1.5 x buffers + 8 MiB within the
-core's VMEM), never below the ring covering RING_COVER_S unless that ring does not fit the
-VMEM at all, then down to 2 slots; a kernel's plan that does not fit at 2 is refused by
-name (the simulator's keeps the RING_COVER_S ring: its `fits` says why).
+`model_block`'s byte-matched tiles: 19 now). So, for a chip (`DecodePlan.make`), the ring
+is the deepest whose buffers leave Mosaic its room (`vmem_limit_bytes`' 1.5 x buffers + 8
+MiB within the core's VMEM), never below the ring covering RING_COVER_S unless that ring
+does not fit the VMEM at all, then down to 2 slots; a kernel's plan that does not fit at
+2 is refused by name (the simulator's keeps the RING_COVER_S ring: its `fits` says why).
 
 Adding a VMEM buffer to the megakernel is one line in `_buffers` (its group says where the
 kernel finds it: "layer" buffers are attributes of the layer scratch, the others are
