@@ -206,6 +206,26 @@ MUTANTS = [
        "read = sum(kv_tiles(p, rows, kv_tile, window) for p in pos)",
        "read = sum(kv_tiles(p, rows, kv_tile, window) - 1 for p in pos)",
        COUNTS + "test_plan_kv_tiles_read_and_written_match_numpys_tile_index"),
+    # -- issue 35: fp4's placement decoder, byte-matched expert tiles, packed loops --
+    _m("fp4 fed fp8: the tile product's gain of 64 dropped", "mk/kernels/ring.py",
+       "return total if gain == 1.0 else total * gain", "return total",
+       "tests/test_megakernel.py::test_fp8_fed_weights_decode_the_references_tokens"),
+    _m("fp4 decoder: the high nibbles' signs dropped", "mk/unpack.py",
+       "((words >> 2) & 0x1C1C1C1C) | (words & SIGNS)", "((words >> 2) & 0x1C1C1C1C)",
+       "tests/test_quant.py"),
+    _m("model_block: the other weights' tiles not matched to the experts' bytes",
+       "mk/kernels/one_layer.py", "most_bytes=min(smallest, TILE_BYTES), **common)",
+       "most_bytes=TILE_BYTES, **common)",
+       "tests/test_plan.py::test_tiles_feed_every_mxu_and_experts_take_tiles_of_their_own"),
+    _m("bundles: a trip through an expert charged whole to each of its tiles",
+       "mk/bundles.py", "return -(-lp.bundles // lp.wait_granules.count(max(lp.wait_granules)))",
+       "return lp.bundles",
+       "tests/test_bundles.py::test_a_trip_through_an_expert_of_one_tile_matrices_costs_each"
+       "_tile_its_share"),
+    _m("sim: a packed tile's recorded loop ignored", "mk/sim.py",
+       "        if (s.scheme, s.tile) in packed:", "        if False:",
+       "tests/test_bundles.py::test_a_trip_through_an_expert_of_one_tile_matrices_costs_each"
+       "_tile_its_share"),
 ]
 
 
