@@ -178,6 +178,45 @@ print(f"e4m3: {np.isfinite(e4m3).sum()} finite codes, largest {np.nanmax(e4m3)},
       f"positive {e4m3[e4m3 > 0].min()}")
 
 # %% [markdown]
+# Where an e2m1 code's bits land in the e4m3 byte (`unpack.e2m1_to_e4m3`): its two exponent
+# bits become the bottom of e4m3's four, its mantissa bit the top of e4m3's three, its sign
+# e4m3's sign. Read as e4m3, the byte is the value / 64 for every code, 0.5 (e2m1's
+# subnormal) included: the table below decodes each magnitude both ways. The shift is a
+# knob: move the bits three places instead of two and the check names the codes that go
+# wrong (the mantissa bit lands in the exponent).
+
+# %%
+shift = 2  # places the magnitude bits move up (try 3)
+e4m3_fields = [("sign", 1, "#d62728"), ("exponent (bias 7)", 4, "#2ca02c"),
+               ("mantissa", 3, "#ff7f0e")]
+source = {7: "e2m1 sign"} | {shift + b: f"e2m1 {'man' if b == 0 else 'exp'} bit {b}"
+                             for b in range(3)}
+fig = go.Figure()
+start = 0
+for label, bits, colour in e4m3_fields:
+    fig.add_bar(y=["e4m3 byte"], x=[bits], base=start, orientation="h", marker_color=colour,
+                text=label, textposition="inside", showlegend=False, hovertext=label)
+    start += bits
+for bit, what in source.items():
+    fig.add_annotation(x=7 - bit + 0.5, y=0.45, text=what, showarrow=True, arrowhead=2,
+                       ax=0, ay=-40, font=dict(size=10))
+fig.update_layout(title=f"An e2m1 code placed in an e4m3 byte (shift {shift})",
+                  yaxis_title="format", xaxis=dict(title="bit (position in the byte)", tickvals=list(range(9)),
+                             ticktext=[str(7 - b) for b in range(8)] + [""]), height=260)
+plots.show(fig)
+magnitudes = np.arange(8, dtype=np.int32)
+placed = (magnitudes << shift).astype(np.uint8)
+placements = [{"e2m1 code": f"{c:03b}", "value": float(v), "e4m3 byte": f"{b:08b}",
+               "e4m3 value x 64": float(e * unpack.E2M1_GAIN)}
+              for c, v, b, e in zip(magnitudes, codes[:8].view(jnp.float4_e2m1fn).astype(float),
+                                    placed, placed.view(jnp.float8_e4m3fn).astype(float))]
+display(plots.table(placements))
+assert np.array_equal(np.asarray(unpack.e2m1_to_e4m3(jnp.asarray(magnitudes))),
+                      magnitudes << 2), "mk.unpack places the bits as drawn with shift 2"
+wrong = [r["e2m1 code"] for r in placements if r["value"] != r["e4m3 value x 64"]]
+assert not wrong, f"shift {shift}: codes {wrong} decode to another value"
+
+# %% [markdown]
 # ## The kernel's dequantisation code
 #
 # What a kernel runs on one tile in VMEM, after the DMA brought its packed bytes and scales:
