@@ -183,7 +183,7 @@ print(f"e4m3: {np.isfinite(e4m3).sum()} finite codes, largest {np.nanmax(e4m3)},
 # e4m3's sign. Read as e4m3, the byte is the value / 64 for every code, 0.5 (e2m1's
 # subnormal) included: the table below decodes each magnitude both ways. The shift is a
 # knob: move the bits three places instead of two and the check names the codes that go
-# wrong (the mantissa bit lands in the exponent).
+# wrong (all three land in e4m3's exponent: every nonzero code).
 
 # %%
 shift = 2  # places the magnitude bits move up (try 3)
