@@ -45,13 +45,14 @@ steady per-tile loop, 2048 x 128 packed tiles, M 8, libtpu 0.0.42.1; the int32 d
 these): tpu7x fp4 fed bf16 6016 -> 2192, fed fp8 3964 -> 2224 (1852 with the ring's
 stacked products, below), int4 1876 -> 1716, int8 1244 -> 1244; v6e fp4 6016 -> 3724, int4
 1876 -> 1684. Then fp4's exact-value e4m3 (bias 6 added to the normal codes, 0.5 and 0
-mapped apart: fifteen 32-bit ops a word and a nibble split, where the placement takes
-seven for both nibbles), 512 x 512 tiles, M 1 / 8 / 64 / 256 -> the placement: tpu7x fed
-fp8 1468 / 1680 / 3264 / 9328 -> 600 / 884 / 2888 / 9044, fed bf16 2232 / 2200 / 2360 /
-2956 -> 1688 / 1644 / 1804 / 2376; v6e fed bf16 3776 / 3680 / 3976 / 4736 -> 3236 / 3128 /
-3460 / 4280 (mk/data/tile_feed_costs.json: every chip and M). Folding the 64 into a fed-bf16
-group's scale instead of each value would save 8-15% more (tpu7x 1644 -> 1396, v6e 3128
--> 2876 at M 8) but overflows float32 for scale codes above 248: not taken.
+mapped apart: fifteen 32-bit ops a nibble of a word after a three-op split, 33 a word,
+where the placement takes nine for both nibbles), 512 x 512 tiles, M 1 / 8 / 64 / 256 ->
+the placement: tpu7x fed fp8 1468 / 1680 / 3264 / 9328 -> 600 / 884 / 2888 / 9044, fed
+bf16 2232 / 2200 / 2360 / 2956 -> 1688 / 1644 / 1804 / 2376; v6e fed bf16 3776 / 3680 /
+3976 / 4736 -> 3236 / 3128 / 3460 / 4280 (mk/data/tile_feed_costs.json: every chip and
+M). Folding the 64 into a fed-bf16 group's scale instead of each value would save 8-15%
+more (tpu7x 1644 -> 1396, v6e 3128 -> 2876 at M 8) but overflows float32 for scale codes
+above 248: not taken.
 What is left is the float work per value: int8's 1244 is one unpack, one int -> float
 convert and one multiply a value, the loop's VALU slots full. fp8's block scales reach
 the values as one row of scales per 128 rows (`block_scale_rows`, a lane broadcast): the
@@ -127,7 +128,6 @@ def e2m1_values(code: jax.Array) -> jax.Array:
     return e4m3_values(e2m1_to_e4m3(code)) * E2M1_GAIN
 
 
-ONES = 0x01010101  # bit 0 of each byte of an int32 word
 NIBBLES = 0x0F0F0F0F  # the low nibble of each byte
 
 
@@ -222,10 +222,11 @@ def e2m1_to_e4m3(code: jax.Array) -> jax.Array:
     the top of its mantissa, its sign up four. The two formats' exponent biases (1, 7)
     differ by 6, so every normal code lands on the e4m3 of its value / 64, and the
     subnormal 0.5 on e4m3's subnormal 2^-7 (both formats' subnormal mantissas count the
-    same halves): no code needs a special case. Three 32-bit ops and an or a word: the
-    exact-value decoder it replaced (bias 6 added to the normal codes, 0.5 and 0 mapped
-    apart) took fifteen and cost tpu7x 1.6-1.9x the bundles a tile (module docstring).
-    Fed to the MXU, the small values are e4m3 subnormals, as fp8's own small codes are."""
+    same halves): no code needs a special case. Five 32-bit ops a word (two masks, two
+    shifts, an or): the exact-value decoder it replaced (bias 6 added to the normal
+    codes, 0.5 and 0 mapped apart) took fifteen and cost tpu7x 1.6-1.9x the bundles a
+    tile (module docstring). Fed to the MXU, the small values are e4m3 subnormals, as
+    fp8's own small codes are."""
     c = code.astype(jnp.int32)
     return ((c & 0x07070707) << 2) | ((c & 0x08080808) << 4)
 

@@ -316,7 +316,7 @@ print(f"{big.name}: width {own.hidden} -> {big.hidden}, expert width {own.expert
 # bytes at the core's bandwidth). The tiles are 128 x 128: the experts' fp4 tiles, fed
 # bf16 on both chips, must cut 2944 = 23 x 128 both ways within `QUANT_TILE_ELEMENTS`, and
 # the other weights' tiles move no more bytes than theirs (`model_block`), so each tile's
-# loop issues for longer than its DMA (an fp4 tile's dequantisation for 10-20x) and HBM
+# loop issues for longer than its DMA (an fp4 tile's dequantisation for 10-18x) and HBM
 # idles most of the step:
 
 # %%
@@ -335,7 +335,10 @@ for chip_name in ("v6e", "v5e"):
     for end in ("low", "high") if row else ():  # recorded for gpt-oss-20b only
         step = sim.simulate(big, chip_name, batch=1, context=4096,
                             assumptions=ledger.recorded_assumptions(row, clock=end))
-        line |= {"HBM floor ms": f"{step.hbm_floor_s * 1e3:.2f}",
+        suffix = "" if end == "low" else "_high"  # a tile's issue over its DMA, recorded
+        line |= {f"issue/DMA plain, {end}": f"{row['tile_over_dma' + suffix]:.1f}x",
+                 f"issue/DMA fp4, {end}": f"{row['packed']['fp4']['tile_over_dma' + suffix]:.1f}x",
+                 "HBM floor ms": f"{step.hbm_floor_s * 1e3:.2f}",
                  f"simulated step ms, {end} clock": f"{step.step_ms:.2f}",
                  f"HBM busy, {end} clock": f"{step.hbm_utilisation:.0%}"}
     fits.append(line)

@@ -144,17 +144,24 @@ FIELDS = {  # (label, bits, colour) from the most significant bit down
     "fp4 e2m1 x2": [("sign", 1, "#d62728"), ("exp", 2, "#2ca02c"), ("man", 1, "#ff7f0e"),
                     ("sign", 1, "#d62728"), ("exp", 2, "#2ca02c"), ("man", 1, "#ff7f0e")],
 }
-fig = go.Figure()
-for fmt, fields in FIELDS.items():
+BIT_AXIS = dict(title="bit (position in the byte)", tickvals=list(range(9)),
+                ticktext=[str(7 - b) for b in range(8)] + [""])
+
+
+def byte_bars(fig, fmt, fields):
+    """One horizontal bar per field of a byte of `fmt`, bit 7 on the left."""
     start = 0
     for label, bits, colour in fields:
         fig.add_bar(y=[fmt], x=[bits], base=start, orientation="h", marker_color=colour,
                     text=label, textposition="inside", showlegend=False, hovertext=label)
         start += bits
+
+
+fig = go.Figure()
+for fmt, fields in FIELDS.items():
+    byte_bars(fig, fmt, fields)
 fig.update_layout(title="One stored byte per format (bit 7 on the left)", barmode="stack",
-                  yaxis_title="format",
-                  xaxis=dict(title="bit (position in the byte)", tickvals=list(range(9)),
-                             ticktext=[str(7 - b) for b in range(8)] + [""]), height=320)
+                  yaxis_title="format", xaxis=BIT_AXIS, height=320)
 plots.show(fig)
 
 # %% [markdown]
@@ -187,22 +194,15 @@ print(f"e4m3: {np.isfinite(e4m3).sum()} finite codes, largest {np.nanmax(e4m3)},
 
 # %%
 shift = 2  # places the magnitude bits move up (try 3)
-e4m3_fields = [("sign", 1, "#d62728"), ("exponent (bias 7)", 4, "#2ca02c"),
-               ("mantissa", 3, "#ff7f0e")]
 source = {7: "e2m1 sign"} | {shift + b: f"e2m1 {'man' if b == 0 else 'exp'} bit {b}"
                              for b in range(3)}
 fig = go.Figure()
-start = 0
-for label, bits, colour in e4m3_fields:
-    fig.add_bar(y=["e4m3 byte"], x=[bits], base=start, orientation="h", marker_color=colour,
-                text=label, textposition="inside", showlegend=False, hovertext=label)
-    start += bits
+byte_bars(fig, "e4m3 byte", FIELDS["fp8 e4m3"])
 for bit, what in source.items():
     fig.add_annotation(x=7 - bit + 0.5, y=0.45, text=what, showarrow=True, arrowhead=2,
                        ax=0, ay=-40, font=dict(size=10))
 fig.update_layout(title=f"An e2m1 code placed in an e4m3 byte (shift {shift})",
-                  yaxis_title="format", xaxis=dict(title="bit (position in the byte)", tickvals=list(range(9)),
-                             ticktext=[str(7 - b) for b in range(8)] + [""]), height=260)
+                  yaxis_title="format", xaxis=BIT_AXIS, height=260)
 plots.show(fig)
 magnitudes = np.arange(8, dtype=np.int32)
 placed = (magnitudes << shift).astype(np.uint8)

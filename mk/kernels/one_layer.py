@@ -52,8 +52,8 @@ def model_block(config: ModelConfig, *, context: int | None = None, slots: int =
     """The default tiling of a whole-model kernel of `config` (or of one of its layers):
     `default_block` over every ring matrix of its layers (`layer_matrices`) and the
     lm_head's D rows (its columns are padded to whole tiles), the weights of quantised
-    `formats` ({family: mk.quant scheme}) never transposed, those `feeds` ({family:
-    feed}, `mk.unpack.choose_feeds`; default bf16) feeds bf16 dequantised whole in VMEM
+    `formats` ({family: mk.quant scheme}) never transposed, and those fed bf16 (`feeds`,
+    {family: feed} from `mk.unpack.choose_feeds`; default bf16) dequantised whole in VMEM
     (at most QUANT_TILE_ELEMENTS a tile, `default_block`).
 
     The expert slots' matrices (a `Repeat`) may take tiles of their own (`BlockSizes.tiles`:
