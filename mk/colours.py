@@ -8,14 +8,15 @@ them. Not here: the figures themselves (`mk.plots`).
 
 from __future__ import annotations
 
-from mk.weights import names as weight_names
+from mk.weights import JOINED, names as weight_names
 
 IDLE_GREY = "#c7c7c7"  # skipped segments, idle expert slots
 
 # Each byte family's palette (`mk.weights.FAMILIES`): one colour per weight in every figure
 # that draws weights (STYLE.md), given to the family's rows of the weight table in table
 # order (`WEIGHT_COLOURS`: a weight added to the table needs a colour here, or the import
-# fails); "w" (a teaching matrix) is drawn as the first attention weight.
+# fails); "w" (a teaching matrix) is drawn as the first attention weight, a joined weight
+# (`mk.weights.JOINED`) as its first part.
 FAMILY_PALETTES = {
     "embed": ("#7b4173",),
     "attention": ("#1f77b4", "#aec7e8", "#17becf", "#9edae5", "#393b79", "#3182bd",
@@ -32,6 +33,7 @@ FAMILY_PALETTES = {
 WEIGHT_COLOURS = {name: FAMILY_PALETTES[family][i] for family in FAMILY_PALETTES
                   for i, name in enumerate(weight_names(family=family))}
 WEIGHT_COLOURS["w"] = WEIGHT_COLOURS[weight_names(family="attention")[0]]
+WEIGHT_COLOURS |= {joined: WEIGHT_COLOURS[parts[0]] for joined, parts in JOINED.items()}
 
 
 def weight_colour(name: str) -> str:

@@ -302,10 +302,15 @@ class ModelConfig:
                              f"(head_dim={self.head_dim} * factor = {rotary})")
 
     # -- Lane padding ---------------------------------------------------------------------
+    def own_width(self, field: str) -> int:
+        """Width `field` (of PADDED_FIELDS) less its zero lanes: the columns holding
+        values."""
+        return getattr(self, field) - dict(self.padding).get(field, 0)
+
     @property
     def norm_width(self) -> int:
         """The width the residual stream's RMSNorms average over: D less its zero lanes."""
-        return self.hidden - dict(self.padding).get("hidden", 0)
+        return self.own_width("hidden")
 
     def lane_padded(self) -> ModelConfig:
         """This model with each width of PADDED_FIELDS rounded up to whole 128-lane tiles

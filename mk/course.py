@@ -26,6 +26,8 @@ the student's mistake in it:
 - "window_unskipped" (05d): a sliding layer's KV tiles start at tile 0, as a full layer's
   do (`kv_stream.first_kv_tile`): the window is masked but not skipped, so its bytes are
   loaded (and a tile the window leaves out is read).
+`check_up_rotation` (05c) checks a number the student gives: the lane rotation that
+brings a joined expert product's up half to lane 0, against the kernel's own split.
 A too-shallow ring (11) needs no patch: it is a `slots` parameter, and
 `check_ring_depth` catches it in the simulated step against a ring of Little's law depth.
 
@@ -264,6 +266,16 @@ def _largest(error) -> str:
     if np.isnan(error).all():
         return "nan everywhere"
     return f"{float(np.nanmax(error))}"
+
+
+def check_up_rotation(rotation: int, used: int = 32, lanes: int = 128) -> None:
+    """05c's exercise: `rotation` (jnp.roll's direction) must bring up's `used` values of a
+    joined gate|up product of `lanes` lanes to lanes [0, used), as the kernel's own split
+    does (`mk.kernels.mlp.gate_up`, on a product whose lanes hold their index)."""
+    joined = jnp.tile(jnp.arange(lanes, dtype=jnp.float32), (8, 1))
+    _, up = mlp.gate_up(joined, used, lanes)
+    check_close("up's lanes after your rotation", np.roll(np.arange(lanes), rotation)[:used],
+                np.asarray(up)[0, :used], atol=0, rtol=0)
 
 
 def check_tokens(what: str, got, want) -> None:

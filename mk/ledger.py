@@ -323,12 +323,11 @@ def _explain(run: Run) -> str:
                 if spec.kind == "tpu" else "")
         stored = ", ".join(f"{group} as {scheme}" for group, scheme in config.formats)
         notes.append(f"{stored} (mk.quant's packed data and scales; the release's FP4){cost}")
-    Fe = config.expert_ffn
-    width = shard_config(config, tp).expert_ffn if tp > 1 else 0  # 0: no experts
-    if width > Fe // tp:
-        notes.append(f"each expert's {Fe // tp} columns a device (of {Fe}) padded to "
-                     f"{width} lanes: {width * tp / Fe:g}x the expert bytes (the release's "
-                     "expert layout is not published)")
+    layouts = [k.layout_note() for k in layer_kinds(shard_config(config, tp))]
+    if tp > 1 and any(layouts):  # a shard's experts short of whole lane tiles (at tp 1:
+        #                          the model's own, in its kinds' `described` above)
+        notes.append(f"TP{tp}: {''.join(layouts).removeprefix(', ')} (the release's expert "
+                     "layout is not published)")
     if row.acceptance_length:
         notes.append(f"each step verifies T={rows} rows and keeps the published mean "
                      f"acceptance {row.acceptance_length:g} (forced acceptance in the "

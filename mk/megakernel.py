@@ -126,8 +126,8 @@ VECTORS = ("norms", "qk_norms")  # per-layer vectors, prefetched a layer ahead
 
 def operands(config: ModelConfig) -> tuple[str, ...]:
     """The HBM weights of `config`'s layer kinds that the kernel streams or DMAs, in
-    stream order (`mk.kinds.base.Kind.weights`; the norms come as the layer's vectors)."""
-    return tuple(n for kind in layer_kinds(config) for n in kind.weights("ring", "dma"))
+    stream order (`mk.kinds.base.Kind.operands`; the norms come as the layer's vectors)."""
+    return tuple(n for kind in layer_kinds(config) for n in kind.operands())
 
 
 def prepare(plan: DecodePlan, params) -> dict:

@@ -10,8 +10,8 @@ error against its scale's bound), `accuracy` (a quantised model's logits and gre
 tokens against the bf16 model's) and `storage_bytes` / `group_bytes` / `stored_bytes`
 (packed bytes plus scales; a model's own `formats` by default), `check_quantisable` /
 `unstreamed`, the kernel's tile layout (`tile_shapes`, `tile_bytes`, `tile_major`,
-`pad_columns`, `ZERO_CODE`, `UNIT_SCALE`), `formats_of` (the scheme of each group of a
-params dict) and `schemes_of` (the scheme of each weight name). Not here: what a kernel
+`pad_columns`, `side_by_side`, `ZERO_CODE`, `UNIT_SCALE`), `formats_of` (the scheme of
+each group of a params dict) and `schemes_of` (the scheme of each weight name). Not here: what a kernel
 does to one packed tile in VMEM, the element decoders, the nibble order and the MXU feeds
 (`mk.unpack`, with the packing units `PACK_ROWS`, `GROUP` and `E8M0_BIAS`), reading
 quantised Hugging Face checkpoints (`mk.hf_quant`), the ring that streams packed tiles
@@ -87,7 +87,7 @@ from mk.config import DTYPE_BITS, SCHEME_BITS, ModelConfig, check_formats
 from mk.errors import shown
 from mk.unpack import (E8M0_BIAS, GROUP, PACK_ROWS, block_scale_rows, dequantize_tile, grouped,
                        oracle_dtype, pack_nibbles, pow2)
-from mk.weights import FORMAT_GROUPS, param_shapes, weights_of
+from mk.weights import FORMAT_GROUP, FORMAT_GROUPS, param_shapes, weights_of
 
 SCHEMES = tuple(SCHEME_BITS)  # each laid out as the module docstring says
 FP8_MAX, INT8_MAX, INT4_MAX, FP4_MAX = 448.0, 127, 7, 6.0
@@ -393,12 +393,37 @@ def pad_columns(q: QuantWeight, columns: int) -> QuantWeight:
                        q.scheme)
 
 
+def side_by_side(parts, used: int, width: int):
+    """The first `used` columns of each of `parts` (plain arrays, or `QuantWeight`s of one
+    scheme, each [..., I, O]) side by side, then zero columns up to `width` (zero codes
+    under unit scales: `pad_columns`): e.g. an expert's gate and up as one matrix. fp8's
+    128-column scale blocks must stay whole (`used` a multiple of 128)."""
+    if len(parts) * used > width:
+        raise ValueError(f"{len(parts)} parts of used={used} columns exceed width={width}")
+    if not isinstance(parts[0], QuantWeight):
+        joined = jnp.concatenate([p[..., :used] for p in parts], axis=-1)
+        pad = [(0, 0)] * (joined.ndim - 1) + [(0, width - joined.shape[-1])]
+        return jnp.pad(joined, pad)
+    schemes = {p.scheme for p in parts if isinstance(p, QuantWeight)}
+    if len(schemes) != 1 or not all(isinstance(p, QuantWeight) for p in parts):
+        raise ValueError(f"parts must be QuantWeights of one scheme (got {sorted(schemes)})")
+    scheme = schemes.pop()
+    block = GROUP["fp8"] if scheme == "fp8" else 1
+    if used % block:
+        raise ValueError(f"used={used}: {scheme} keeps whole blocks of {block} columns")
+    joined = QuantWeight(jnp.concatenate([p.data[..., :used] for p in parts], axis=-1),
+                         jnp.concatenate([p.scale[..., :used // block] for p in parts],
+                                         axis=-1), scheme)
+    return pad_columns(joined, width - len(parts) * used)
+
+
 def schemes_of(formats) -> dict[str, str]:
     """{group: scheme} -> {weight name: scheme} of every weight of those groups
-    (`FORMAT_GROUPS`): the ring's segments stored quantised (any per-group value maps
-    the same way: {group: feed} -> each weight's feed)."""
-    return {name: scheme for group, scheme in dict(formats or {}).items()
-            for name in FORMAT_GROUPS[group]}
+    (`FORMAT_GROUP`, a joined one of the kernel's layout too): the ring's segments stored
+    quantised (any per-group value maps the same way: {group: feed} -> each weight's
+    feed)."""
+    formats = dict(formats or {})
+    return {name: formats[group] for name, group in FORMAT_GROUP.items() if group in formats}
 
 
 def formats_of(params: dict) -> dict[str, str]:

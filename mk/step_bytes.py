@@ -18,7 +18,7 @@ from mk import quant
 from mk.config import DTYPE_BITS, ModelConfig, check_formats
 from mk.kernels.common import BlockSizes
 from mk.kinds.layers import layer_kinds
-from mk.weights import FAMILIES, FAMILY, FORMAT_GROUP, FORMAT_GROUPS
+from mk.weights import FAMILIES, FAMILY, FORMAT_GROUP
 
 # The byte families of one step's weights (`mk.weights.FAMILIES` but the embedding, whose
 # rows are gathered outside the kernel); a weight's is its row's `family`.
@@ -30,7 +30,7 @@ STEP_FAMILIES = {"norms": ("norms", "qk_norms"),
                  "kv_read": ("k_tile", "v_tile"), "kv_write": ("k_write_back", "v_write_back"),
                  "state_read": ("state_load", "conv_load"),
                  "state_write": ("state_rows", "conv_rows")}
-# The format group (`mk.weights.FORMAT_GROUPS`) of each byte family that holds quantisable
+# The format group (`mk.weights.FORMAT_GROUP`) of each byte family that holds quantisable
 # weights; the router and the norms stay in their dtypes.
 QUANT_FAMILY = {FAMILY[name]: group for name, group in FORMAT_GROUP.items()}
 
@@ -69,10 +69,10 @@ def bytes_per_element(local: ModelConfig, formats=None,
             raise ValueError(f"formats={formats}: quantised bytes need the tiling (block)")
         own = dict(block.tiles)  # an expert slot's matrices: a tile each (`model_block`)
 
-        def per_element(family: str) -> float:  # equal-sized gate, up and down: the mean
-            tiles = [own[n] for n in FORMAT_GROUPS[group]
-                     if n in own and FAMILY[n] == family] or [(block.tile_rows,
-                                                                block.tile_cols)]
+        def per_element(family: str) -> float:  # an expert's equal-sized tiles: the mean
+            tiles = [tile for n, tile in own.items()
+                     if FORMAT_GROUP.get(n) == group and FAMILY[n] == family] or [
+                         (block.tile_rows, block.tile_cols)]
             return sum(quant.tile_bytes(scheme, r, c) / (r * c) for r, c in tiles) / len(tiles)
 
         per |= {f: per_element(f) for f, q in QUANT_FAMILY.items() if q == group}

@@ -380,11 +380,19 @@ def _by_name(field: str) -> dict[str, object]:
     return out
 
 
+# Weights of the kernel's layout, not parameters: two of the table's weights a kind lays
+# side by side in one ring segment (`mk.kinds.mlp.MoE.prepare`: an expert's gate and up
+# where that saves lane tiles: `mk.kernels.mlp.gate_up_width`), each of its parts' byte
+# family and format group.
+JOINED = {"we_gate_up": ("we_gate", "we_up")}
 FAMILY = _by_name("family")  # weight name -> byte family
+FAMILY |= {joined: FAMILY[parts[0]] for joined, parts in JOINED.items()}
 FORMAT_GROUP = {name: group for name, group in _by_name("quant").items() if group}
+FORMAT_GROUP |= {joined: FORMAT_GROUP[parts[0]] for joined, parts in JOINED.items()}
 # The format groups a `formats` dict names ({group: mk.quant scheme}): group -> the weights
 # stored in its scheme. Only these weights may be quantised.
-FORMAT_GROUPS = {group: tuple(n for n, g in FORMAT_GROUP.items() if g == group)
+FORMAT_GROUPS = {group: tuple(n for n, g in FORMAT_GROUP.items()
+                             if g == group and n not in JOINED)
                  for group in FORMAT_GROUP_NAMES}
 
 

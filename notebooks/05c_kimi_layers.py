@@ -94,7 +94,7 @@ import mk.cache
 import mk.backend
 from mk.kernels.plan import DecodePlan
 import mk.run
-from mk import course, linear_attention, megakernel, ops, plots, reference
+from mk import colours, course, linear_attention, megakernel, ops, plots, reference
 from mk.kernels import decode_attention, deltanet, mla, mlp
 from mk.kernels import routing as routing_module
 from mk.kernels.common import BlockSizes
@@ -372,10 +372,11 @@ k3_plan = DecodePlan.make(mk.preset(bytes_preset), tp=32, batch=1, rows=1, conte
                           chip=run.chip, kernel=False)
 k3_fit, k3, local = k3_plan.fits(run.chip), k3_plan.config, k3_plan.local
 display(plots.table(k3_fit.vmem.rows()[:12]))
-print(f"a device: {local.heads} MLA heads, {local.linear_value_heads} KDA heads; each "
-      f"expert's {k3.expert_ffn // k3_plan.tp} of {k3.expert_ffn} columns padded to "
-      f"{local.expert_ffn} lanes, stored as {dict(k3.formats)['experts']} (half a byte a "
-      "value and a scale byte per 32 values in HBM)")
+k3_moe = next(kind for kind in k3_plan.kinds if kind.name == "moe")
+print(f"a device: {local.heads} MLA heads, {local.linear_value_heads} KDA heads; "
+      f"{k3_moe.layout_note().removeprefix(', ')}; stored as "
+      f"{dict(k3.formats)['experts']} (half a byte a value and a scale byte per 32 values "
+      "in HBM)")
 print(f"{k3_plan.local.name}: {k3_fit.vmem.total_bytes / 2**20:.1f} MiB of VMEM in "
       f"{len(k3_fit.vmem.buffers)} buffers, {k3_plan.block.slots} ring slots of "
       f"{k3_plan.block.tile_rows} x {k3_plan.block.tile_cols}; HBM "
@@ -383,9 +384,63 @@ print(f"{k3_plan.local.name}: {k3_fit.vmem.total_bytes / 2**20:.1f} MiB of VMEM 
       f"GiB: {'fits' if k3_fit.ok else k3_fit.error}")
 
 # %% [markdown]
-# The shard does not fit one core's HBM: each expert's 64 columns a device are padded to
-# 128 lanes (printed above), so every expert takes twice its FP4 bytes (notebook 11
-# reads the ledger's distances; whole experts a device is not built).
+# ## An expert's gate and up in one lane tile
+#
+# Split 32 ways, each of Kimi K3's experts gives a device 64 of its 2048 columns of gate
+# and of up. A lane tile is 128 wide, so apart each would stream a tile half of zeros:
+# twice the expert's bytes, and the whole shard over a core's HBM. The kernel streams the
+# two side by side in one tile instead (`we_gate_up`), one product for both; up's values
+# come out by rotating the product's lanes. Down's 64 rows still pad to 128 (fp4 packs
+# 128 rows), so an expert streams 4/3 of its bytes, not 2x:
+
+# %%
+share = k3.expert_ffn // k3_plan.tp
+lanes = {"apart": [("we_gate", share), (None, local.expert_ffn - share), ("we_up", share),
+                   (None, local.expert_ffn - share)],
+         "joined (we_gate_up)": [("we_gate", share), ("we_up", share),
+                                 (None, k3_moe.joined - 2 * share)]}
+fig = go.Figure()
+for layout, parts in lanes.items():
+    start = 0
+    for name, width in parts:
+        if width:
+            fig.add_trace(go.Bar(
+                y=[layout], x=[width], base=start, orientation="h", showlegend=False,
+                marker_color=colours.WEIGHT_COLOURS[name] if name else colours.IDLE_GREY,
+                text=f"{name or 'zeros'} {width}", textposition="inside"))
+        start += width
+fig.update_layout(title=f"One expert's gate and up on one of {k3_plan.tp} devices, lane by "
+                  "lane", xaxis_title="lanes (128 a tile)", yaxis_title="layout", height=260,
+                  barmode="overlay", margin=dict(l=160))
+fig.update_xaxes(dtick=128)
+plots.show(fig)
+
+# %% [markdown]
+# The plan joins them only where both fit one lane tile (`gate_up_width`, its reasons in
+# the docstring), and the kernel splits the joined product with one rotation inside each
+# lane tile (`split_gate_up`; `experts_body` then zeroes the activation's lanes past the
+# values, where down's padded rows are):
+
+# %%
+plots.show_source(mlp.gate_up_width, mlp.split_gate_up)
+
+# %% [markdown]
+# **Exercise.** At TP64 a device would hold 32 columns each of gate and up, joined in 128
+# lanes. By how many lanes (`jnp.roll`'s direction: lane i moves to i + shift) must the
+# product rotate to bring up's values to lanes 0-31? Set `up_rotation`; the check runs
+# the kernel's own split on a product whose lanes hold their index.
+
+# %%
+up_rotation: int = 96  # lanes; the kernel's choice at TP64
+
+# %%
+with mk.backend.use(run.backend):
+    course.check_up_rotation(up_rotation, used=32, lanes=128)
+print(f"a rotation by {up_rotation} lanes brings up's 32 values to lanes 0-31")
+
+# %% [markdown]
+# So the whole shard fits a core's HBM (printed above) and compiles whole for tpu7x:2x2x4
+# (tests/test_tensor_parallel.py); notebook 11 reads the ledger's distances.
 #
 # **Takeaway:** MLA makes a cached token cost R + Hr values per layer whatever the head
 # count, and its absorbed form reads nothing else; in the megakernel it is `attend` over

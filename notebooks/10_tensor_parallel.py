@@ -97,6 +97,7 @@ from mk import course, plots, reference, sim, teach, tpu
 from mk import tensor_parallel as tpar
 from mk.kernels import collectives
 from mk.kernels.plan import shard_config
+from mk.kinds.layers import layer_kinds
 from mk.quant import stored_bytes
 
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
@@ -308,37 +309,38 @@ print(f"tp={tp}, device 0 :", np.asarray(got[0]).tolist(), "; races found:", rac
 # reported with its numbers before compiling.
 
 # %%
-targets = [("qwen3.5-27b", "tpu7x:2x2x1", "tpu7x"),  # TP8: 4 chips, 8 TensorCores
-           ("qwen3-30b-a3b", "v5e:2x2", "v5e"),  # TP4: 4 chips
-           ("qwen3-30b-a3b", "v5e:2x4", "v5e"),  # TP8: 8 chips
-           ("kimi-k3-like", "tpu7x:2x2x4", "tpu7x")]  # TP32: 16 chips, 32 TensorCores
-# bf16 weights (formats={}); each shard streams packed ones too (tests/test_tensor_parallel.py
-# compiles Kimi K3's TP32 cut with its FP4 experts packed)
+targets = [("qwen3.5-27b", "tpu7x:2x2x1", "tpu7x", {}),  # TP8: 4 chips, 8 TensorCores
+           ("qwen3-30b-a3b", "v5e:2x2", "v5e", {}),  # TP4: 4 chips
+           ("qwen3-30b-a3b", "v5e:2x4", "v5e", {}),  # TP8: 8 chips
+           ("kimi-k3", "tpu7x:2x2x4", "tpu7x", {}),  # TP32: 16 chips, 32 TensorCores
+           ("kimi-k3", "tpu7x:2x2x4", "tpu7x", None)]  # the same, its FP4 experts packed
+# bf16 weights (formats={}) but for the last: the preset's own formats (None), FP4 experts
 reports = [tpu.compile_megakernel(mk.preset(name), chip_name, tp=len(tpu.devices(topology)),
-                                  topology=topology, formats={})
-           for name, topology, chip_name in tqdm(targets, desc="compiles")]
+                                  topology=topology, formats=formats)
+           for name, topology, chip_name, formats in tqdm(targets, desc="compiles")]
 for report in reports:
     print(report.summary())
 
 # %% [markdown]
 # Reading the reports: a shard's split MLP widths are padded with zeros to whole 128-lane
-# tiles, and `kimi-k3-like`'s FP4 experts are compiled in bf16. The widths and bytes
-# behind the two failures:
+# tiles, and where an expert's gate and up shares each fit half a tile they stream side by
+# side in one (notebook 05c). The widths and bytes behind the failures:
 
 # %%
-for name, t in (("qwen3-30b-a3b", 4), ("kimi-k3-like", 32)):
+for name, t in (("qwen3-30b-a3b", 4), ("kimi-k3", 32)):
     full, local = mk.preset(name), shard_config(mk.preset(name), t)
+    moe = next(kind for kind in layer_kinds(local) if kind.name == "moe")
     packed = stored_bytes(full) / t  # the stored bytes (FP4 packed), split evenly
-    print(f"{name} TP{t}: expert width {full.expert_ffn}/{t} = {full.expert_ffn // t} -> "
-          f"{local.expert_ffn} per device; packed weights / tp = {packed / 2**30:.1f} GiB")
+    print(f"{name} TP{t}: expert width {full.expert_ffn}/{t} = {full.expert_ffn // t}"
+          f"{moe.layout_note()}; stored weights / tp = {packed / 2**30:.1f} GiB")
 
 # %% [markdown]
 # `qwen3-30b-a3b` in bf16 does not fit four 16 GiB v5e chips once its split experts are
 # padded (with the KV cache and the replicated embedding); on eight it fits.
-# `kimi-k3-like`: `tpu7x:2x2x4` is a topology libtpu accepts (32 TensorCores), but
-# splitting each expert's width 32 ways leaves slivers narrower than a tile, and its FP4
-# experts stream in bf16 here; whole experts per device (expert parallelism) and packed
-# FP4 storage at tp > 1 would make it fit, and neither is implemented.
+# `kimi-k3`: `tpu7x:2x2x4` is a topology libtpu accepts (32 TensorCores); each expert's
+# width split 32 ways leaves 64 columns a device of gate and of up, joined in one tile.
+# With bf16 experts the shard is far over a core's HBM; with its FP4 experts packed (half
+# a byte a value, a scale byte per 32) the whole shard fits and compiles.
 #
 # **Takeaway:** tensor parallelism is the same kernel on a smaller model plus three
 # in-kernel collectives; a fixed summation order makes every device's residual stream

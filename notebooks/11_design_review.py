@@ -179,12 +179,14 @@ display(plots.table([{k: f"{v:.3g}" if isinstance(v, float) else v for k, v in r
 # %% [markdown]
 # What explains the gap, as far as the ledger can say: the course's Kimi K3 stand-in is
 # Kimi Linear's architecture with assumed shapes; its kernel streams the FP4 experts
-# packed, in tiles of their own (an expert's slice of gate, up and down, one tile each)
+# packed, in tiles of their own (an expert's slice of gate and up joined in one tile, of
+# down in another)
 # and the other weights in tiles of no more bytes, so the ring's one slot index keeps as
 # many bytes in flight over both; at the low end of the clock range its per-tile loops
 # issue for several times their DMA, and at the high end a trip through an expert's FP4
 # tiles (unpacked to e4m3 in VMEM, its 32-row groups' products stacked) still does (the
-# recorded rows below); its expert shards are padded to whole lanes. The release's
+# recorded rows below); its expert shards stream 4/3 of their bytes (down's 64 rows a
+# device padded to 128; gate and up joined in one tile, not two). The release's
 # expert layout and kernel are not published. The release beating
 # the modelled step says at least one of the model's assumptions (the tile costs of mk's
 # own loop, every collective on the critical path) does not hold for it.
@@ -759,10 +761,10 @@ if shown:
 # critical path. A cheaper unpack, tiles with more weights a trip, or overlapping the
 # collectives with the weight stream would each shorten it. Where the simulated schedule
 # is bound by "compute" (the Kimi runs), the compute lane is the step's critical path, and
-# every layer adds two all-reduces. At TP32 each expert's 64 columns a device are padded
-# to 128 lanes (the note of each Kimi row says so), which doubles the expert bytes, and
-# the shard does not fit one core's HBM (its compiled kernel was measured on its first
-# layers: `compiled_note`). Whether the ring's bookkeeping matters depends on the clock:
+# every layer adds two all-reduces. At TP32 each expert's 64 columns a device of gate and
+# of up stream joined in one 128-lane tile and down's 64 rows pad to 128 (the note of each
+# Kimi row says so): 4/3 of the expert bytes, and the whole shard fits one core's HBM and
+# compiles whole. Whether the ring's bookkeeping matters depends on the clock:
 # the cell below says, at each end of the range, on which shards the compiled kernel's
 # per-tile issue time stays under 0.9 x the tile's DMA time. Where it does, the distance
 # to the published runs is in the compute lane's model (the MXU rate of FP4 weights, the

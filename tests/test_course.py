@@ -141,6 +141,15 @@ def test_shallow_ring_exercise_caught_against_littles_law_depth():
         course.check_ring_depth(step(dataclasses.replace(block, slots=2)), deep_sim)
 
 
+def test_a_wrong_up_rotation_is_caught_against_the_kernels_split():
+    """05c's exercise: up's 32 lanes come to lane 0 by a rotation of 96 (jnp.roll's
+    direction), not 32 (the other way)."""
+    with backend.use("interpret"):
+        course.check_up_rotation(96)
+        with pytest.raises(course.ExerciseFailed, match="up's lanes after your rotation"):
+            course.check_up_rotation(32)
+
+
 def test_check_tokens_names_the_first_difference():
     course.check_tokens("tp", np.array([[1, 2, 3]]), np.array([[1, 2, 3]]))
     with pytest.raises(course.ExerciseFailed, match="sequence 0, step 2"):

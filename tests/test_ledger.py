@@ -58,7 +58,8 @@ def test_speculative_rows_verify_the_published_rows_on_every_core(rows):
                         tp=32, accepted=6)
     assert kimi["hbm_floor_ms"] == pytest.approx(want.hbm_floor_ms)
     assert kimi["preset"] == "kimi-k3" and "23 MLA layers" in kimi["note"]
-    assert "padded to 128 lanes: 2x the expert bytes" in kimi["note"]
+    assert ("TP32: each expert's gate and up (64 columns each a device) joined in 128 lanes "
+            "(apart: 2 x 128), down's rows padded to 128: 1.33x its bytes") in kimi["note"]
 
 
 def test_the_27b_row_is_the_hybrid_at_tp8_with_its_state_bytes_share(rows):

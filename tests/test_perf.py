@@ -12,7 +12,6 @@ import mk
 from mk import perf, quant
 from mk.chips import all_chips, chip
 from mk.kernels.one_layer import model_block
-from mk.kernels.plan import shard_config
 from mk.kinds.layers import layer_kinds
 from mk.presets import PRESET_NAMES
 from mk.quant import stored_bytes
@@ -90,10 +89,11 @@ def test_tiny_moe_reads_only_the_experts_its_tokens_touch():
 def test_fp4_experts_count_four_bits_per_weight_and_a_scale_byte_per_32():
     config = mk.preset("kimi-k3-like")  # formats={"experts": "fp4"}, mk.quant's MXFP4
     assert config.expert_bits == 4
-    for tp in (1, 32):  # charged (and packed by the kernel) at any tp
+    # charged (and packed by the kernel) at any tp: an expert's matrices as a device's
+    # slot streams them (at TP32 gate|up joined in 128 lanes, down's 64 rows padded to 128)
+    for tp, slot in ((1, 3 * 7168 * 2048), (32, 2 * 7168 * 128)):
         e = perf.predict(config, "tpu7x", context=0, routing="shared", tp=tp)
-        Fe = shard_config(config, tp).expert_ffn * tp  # padded to 128 lanes a device
-        assert e.expert_bytes == 92 * 16 * 3 * 7168 * Fe * (1 / 2 + 1 / 32)
+        assert e.expert_bytes == 92 * 16 * tp * slot * (1 / 2 + 1 / 32)
         assert e.formats == (("experts", "fp4"),)
     bf16 = perf.predict(config, "tpu7x", context=0, routing="shared", formats={})
     assert bf16.expert_bytes == 92 * 16 * 3 * 7168 * 2048 * 2 and bf16.formats == ()

@@ -218,9 +218,11 @@ def test_weight_bytes_are_the_shards_matrices_padded_and_the_norms_in_float32():
     plan = _step_plan("tiny-moe", 4)
     local, D = plan.local, plan.local.hidden
     assert local.expert_ffn == 128 and plan.config.expert_ffn // 4 == 32  # padded 4x
+    assert local.own_width("expert_ffn") == 32
     assert local.kv_heads == 1 and plan.config.kv_heads == 2  # replicated at tp > K
     bytes_ = plan.weight_bytes(experts=2)
-    assert bytes_["experts"] == len(local.moe_layers) * 2 * 3 * D * 128 * 2
+    # gate|up joined: 32 + 32 columns in one 128-lane tile; down's 32 rows padded to 128
+    assert bytes_["experts"] == len(local.moe_layers) * 2 * 2 * D * 128 * 2
     assert bytes_["norms"] == (local.layers * 2 * (D + local.head_dim) + D) * 4
     assert bytes_["lm_head"] == D * plan.vocab * 2
     assert set(bytes_) == set(WEIGHT_FAMILIES)
@@ -284,14 +286,14 @@ def test_tiles_feed_every_mxu_and_experts_take_tiles_of_their_own():
     kimi = DecodePlan.make(mk.preset("kimi-k3"), tp=32, context=1152, chip="tpu7x",
                            kernel=False).block
     assert (kimi.tile_rows, kimi.tile_cols, dict(kimi.tiles)) == (1792, 128, {
-        "we_gate": (7168, 128), "we_up": (7168, 128), "we_down": (128, 7168)})
+        "we_gate_up": (7168, 128), "we_down": (128, 7168)})  # gate|up: 64 + 64 columns
     expert = quant.tile_bytes("fp4", 7168, 128)
     assert quant.tile_bytes("fp4", 128, 7168) == expert >= 1792 * 128 * 2 > expert / 2
     fed_bf16 = DecodePlan.make(mk.preset("kimi-k3"), tp=32, context=1152, chip="v6e",
                                kernel=False).block
-    assert dict(fed_bf16.tiles)["we_gate"][0] * 128 <= QUANT_TILE_ELEMENTS
+    assert dict(fed_bf16.tiles)["we_gate_up"][0] * 128 <= QUANT_TILE_ELEMENTS
     assert fed_bf16.tile_rows * fed_bf16.tile_cols * 2 <= quant.tile_bytes(
-        "fp4", *dict(fed_bf16.tiles)["we_gate"])
+        "fp4", *dict(fed_bf16.tiles)["we_gate_up"])
     for tiles, field in (((("wq", (100, 128)),), "wq"), ((("wq", (128, 128)),) * 2, "twice")):
         with pytest.raises(ValueError, match=rf"BlockSizes.tiles.*{field}"):
             BlockSizes(tiles=tiles)

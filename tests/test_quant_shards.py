@@ -86,6 +86,29 @@ def test_a_shards_padding_is_zero_values_and_its_rows_the_full_weights():
     assert values[1, :, :, :64].any()
 
 
+@pytest.mark.parametrize("scheme", quant.SCHEMES)
+def test_a_joined_gate_up_dequantises_to_the_joined_values(scheme):
+    """The kernel's layout of a shard whose gate and up each hold 64 columns of values
+    (tiny-moe at tp 2, `mk.kinds.mlp.MoE.prepare`): `mk.quant.side_by_side` of the packed
+    shards dequantises to gate's then up's values in one 128-column matrix, exactly; fp8's
+    128-column scale blocks cannot be cut at 64 (its split is refused first: below)."""
+    config = mk.preset("tiny-moe")
+    q = _quantised(config, scheme)
+    if scheme == "fp8":
+        with pytest.raises(ValueError, match="fp8 keeps whole blocks of 128 columns"):
+            quant.side_by_side([q["we_gate"], q["we_up"]], 64, 128)
+        return
+    shards = shard_params(config, q, 2)
+    parts = [jax.tree.map(lambda a: a[1], shards[n]) for n in ("we_gate", "we_up")]
+    joined = quant.dequantize({"we_gate_up": quant.side_by_side(parts, 64, 128)},
+                              F32)["we_gate_up"]
+    full = quant.dequantize(q, F32)
+    np.testing.assert_array_equal(np.asarray(joined[..., :64]),
+                                  np.asarray(full["we_gate"][..., 64:]))
+    np.testing.assert_array_equal(np.asarray(joined[..., 64:]),
+                                  np.asarray(full["we_up"][..., 64:]))
+
+
 @pytest.mark.parametrize("name, tp, formats, match", [
     # 768 expert columns at tp 4: 192 a device, padded to 256; device 1's first block of
     # 128 holds columns 192..319, of the full weight's fp8 blocks 1 and 2

@@ -226,6 +226,20 @@ MUTANTS = [
        "        if (s.scheme, s.tile) in packed:", "        if False:",
        "tests/test_bundles.py::test_a_trip_through_an_expert_of_one_tile_matrices_costs_each"
        "_tile_its_share"),
+    # -- issue 35: gate and up joined in one lane tile --
+    _m("joined experts: up rotated the wrong way", "mk/kernels/mlp.py",
+       "up = pltpu.roll(joined, joined.shape[1] - used, 1)", "up = pltpu.roll(joined, used, 1)",
+       "tests/kernels/test_mlp.py::test_a_joined_products_gate_and_up_come_out_of_their_lanes"),
+    _m("joined experts: gate|up taken from the padded widths", "mk/kinds/mlp.py",
+       "parts, self.config.own_width(\"expert_ffn\"), self.joined)",
+       "parts, self.config.expert_ffn, self.joined)",
+       "tests/test_tensor_parallel.py::test_a_split_width_short_of_a_tile_is_padded_with_zeros"),
+    _m("joined experts: the activation's padding lanes not zeroed", "mk/kernels/mlp.py",
+       "            act = jnp.where(lax.broadcasted_iota(jnp.int32, act.shape, 1) < used, act, 0.0)",
+       "            act = act",
+       equivalent="the lanes past `used` meet down's zero rows (the shard's padding): finite "
+                  "values times zero add nothing; the mask guards an inf there, which random "
+                  "and real weights do not make"),
 ]
 
 

@@ -42,6 +42,11 @@ weights are scaled; and a shared expert, a SwiGLU every row runs, is added. Its 
 the layer's start, and they run first, while the count is still 0, so the ring's
 invariant above holds unchanged.
 
+Where a shard's expert width is short of whole tiles (Kimi K3 at TP32: 64 columns of each
+of gate and up), gate and up stream side by side as one matrix, `we_gate_up` [D, 128]
+(`gate_up_width`, `JOINED_EXPERT_WEIGHTS`): one product, up's lanes rotated down to
+lane 0 (`split_gate_up`), a third fewer expert tiles than gate and up padded apart.
+
 gpt-oss's MoE block (`mk.kinds.mlp.ClampedMoE`) adds a bias to the softmax router's
 logits (`route_body`'s bias_vmem), a bias to each expert's three projections and another
 activation (`experts_body`'s bias and activation: the clamped SwiGLU of
@@ -53,7 +58,8 @@ and scales and dequantises each tile in VMEM to h's dtype, the compute dtype. Th
 stays unquantised (mk.quant keeps it in config.dtype: its top-k flips on a small error).
 
 Here: the bodies (`swiglu_body`, `moe_body` and its steps `select_experts` and
-`experts_body`; the first, `route_body`, is `mk.kernels.routing`'s), their stream
+`experts_body`, with `split_gate_up` where gate and up are joined (`gate_up` runs it
+alone); the first, `route_body`, is `mk.kernels.routing`'s), their stream
 segments and Fetch callables, the buffer lists, the MoE layer's small DMAs by name
 (`MOE_SMALL_LOADS`, `small_sem`: every kernel's small_sems), and the stage wrappers
 `swiglu` / `moe`. Not here: the norm before the MLP and the residual add (the layer
@@ -75,7 +81,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mk import quant
 from mk.config import COMPUTE_DTYPES, MAX_ROWS
-from mk.kernels.common import BlockSizes, Buffer, start_dma, vmem_limit_bytes, vmem_scratch
+from mk.kernels.common import (LANES, BlockSizes, Buffer, padded_width, start_dma,
+                               vmem_limit_bytes, vmem_scratch)
 from mk.kernels.ring import Repeat, Ring, TileStream, ring_buffers
 from mk.kernels.routing import Routing, route_body
 from mk.kernels.weight_streaming import ring_weights, stage_block, weight_stream
@@ -252,6 +259,8 @@ def swiglu(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, 
 
 # -- Mixture of experts --------------------------------------------------------------------
 EXPERT_WEIGHTS = names("moe", family="experts")  # one slot's segments, in order
+# An expert slot's segments with gate and up side by side in one matrix (`gate_up_width`).
+JOINED_EXPERT_WEIGHTS = ("we_gate_up", EXPERT_WEIGHTS[-1])
 # A MoE layer's small DMAs, one semaphore each in `small_sems` [len(MOE_SMALL_LOADS)]: the
 # router [D, E], the selected flags (VMEM -> SMEM, `select_experts`), the sigmoid router's
 # bias [1, E]. The stage kernel allocates and indexes them from this list (`small_sem`);
@@ -269,21 +278,40 @@ def expert_slots(experts: int, top_k: int, rows: int) -> int:
     return min(experts, rows * top_k)
 
 
-def moe_segments(D: int, Fe: int, slots: int, shared_ffn: int = 0) -> list:
+def gate_up_width(ffn: int, used: int) -> int | None:
+    """The width of an expert's gate and up side by side in one matrix (JOINED_EXPERT_WEIGHTS)
+    where both fit one lane tile: each holds `used` columns of values in its `ffn` (the
+    rest zeros: a shard's lane padding, `ModelConfig.own_width`), so apart each pads a
+    tile of its own and joined they stream one (Kimi K3 at TP32: 64 + 64 columns in 128
+    lanes, not 2 x 128; up's lanes come out by a rotation inside each lane tile). Else
+    None: e.g. 96 columns take 256 lanes either way; wider shares that joining would
+    save a tile of (gpt-oss-20b's 2880 of 2944 on one chip, qwen3-30b-a3b's 192 of 256
+    at TP4) shift up's lanes across every tile of a slot's product, and gpt-oss-20b
+    joined simulated slower with its compiled loops (v6e 20.62 ms against 20.34 apart:
+    its costliest fp4 tile loop 184 bundles against 179), so they stay apart."""
+    width = padded_width(2 * used)
+    return width if width == LANES < 2 * ffn else None
+
+
+def moe_segments(D: int, Fe: int, slots: int, shared_ffn: int = 0,
+                 joined: int | None = None) -> list:
     """A MoE layer's ring segments: the shared expert's (SHARED_WEIGHTS, when shared_ffn >
-    0; its addresses are known before routing), then the expert slots' gate, up, down,
-    repeated once per slot."""
+    0; its addresses are known before routing), then the expert slots' gate, up, down
+    (with `joined`, the `gate_up_width`: gate|up [D, joined], then down), repeated once
+    per slot."""
     shared = swiglu_segments(D, shared_ffn, SHARED_WEIGHTS) if shared_ffn else []
+    if joined:
+        return shared + [Repeat(slots, (("we_gate_up", D, joined), ("we_down", Fe, D)))]
     return shared + [Repeat(slots, (("we_gate", D, Fe), ("we_up", D, Fe), ("we_down", Fe, D)))]
 
 
-def moe_fetch(we_gate_hbm, we_up_hbm, we_down_hbm, row, ids_smem, count_smem) -> dict:
-    """Fetch callables of the expert slots: slot s streams expert ids_smem[s] of weight row
-    `row(layer)` and is switched off unless s < count_smem[0]."""
+def moe_fetch(weights: dict, row, ids_smem, count_smem) -> dict:
+    """Fetch callables of the expert slots' segments, from their weights in HBM by name
+    (EXPERT_WEIGHTS or JOINED_EXPERT_WEIGHTS): slot s streams expert ids_smem[s] of weight
+    row `row(layer)` and is switched off unless s < count_smem[0]."""
     def fetch(w_hbm):
         return lambda layer, s: (w_hbm.at[row(layer), ids_smem[s]], s < count_smem[0])
-    return {name: fetch(w_hbm)
-            for name, w_hbm in zip(EXPERT_WEIGHTS, (we_gate_hbm, we_up_hbm, we_down_hbm))}
+    return {name: fetch(w_hbm) for name, w_hbm in weights.items()}
 
 
 def select_experts(selected, selected_vmem, selected_smem, sem, ids_smem, count_smem):
@@ -304,16 +332,32 @@ def select_experts(selected, selected_vmem, selected_smem, sem, ids_smem, count_
     count_smem[0] = lax.fori_loop(0, selected_smem.shape[1], compact, jnp.int32(0))
 
 
+def expert_segments(stream: TileStream) -> tuple[str, ...]:
+    """The names of an expert slot's segments in `stream`: EXPERT_WEIGHTS, or
+    JOINED_EXPERT_WEIGHTS where gate and up are one matrix (`moe_segments`)."""
+    names = {s.name for s in stream.segments}
+    return JOINED_EXPERT_WEIGHTS if JOINED_EXPERT_WEIGHTS[0] in names else EXPERT_WEIGHTS
+
+
 def _expert_region(stream: TileStream, layer):
     """(first tile, end, tiles per slot) of the expert slots of `layer` in the stream."""
-    gate, up, down = (stream.segment(name) for name in EXPERT_WEIGHTS)
-    if not (gate.copies == up.copies == down.copies and up.start == gate.start + gate.tiles
-            and down.start == up.start + up.tiles
-            and gate.stride == gate.tiles + up.tiles + down.tiles):
-        raise ValueError("the expert segments must be one Repeat of (we_gate, we_up, "
-                         f"we_down); got {gate}, {up}, {down}")
-    base = stream.base(layer, gate)
-    return base, base + gate.copies * gate.stride, gate.stride
+    segments = [stream.segment(name) for name in expert_segments(stream)]
+    first = segments[0]
+    if not (all(s.copies == first.copies for s in segments)
+            and all(b.start == a.start + a.tiles for a, b in zip(segments, segments[1:]))
+            and first.stride == sum(s.tiles for s in segments)):
+        raise ValueError(f"the expert segments must be one Repeat of "
+                         f"{expert_segments(stream)}; got {segments}")
+    base = stream.base(layer, first)
+    return base, base + first.copies * first.stride, first.stride
+
+
+def split_gate_up(joined, used: int, width: int):
+    """gate and up [M, width] of an expert's joined product joined [M, gate_up_width]
+    (gate in its lanes [0, used), up in [used, 2 used)): lanes [0, used) of each hold the
+    values (up's rotated down by `used` lanes), the rest whatever the rotation leaves."""
+    up = pltpu.roll(joined, joined.shape[1] - used, 1)
+    return joined[:, :width], up[:, :width]
 
 
 def silu_gate(gate, up):
@@ -321,26 +365,61 @@ def silu_gate(gate, up):
     return jax.nn.silu(gate) * up
 
 
+def gate_up(joined: jax.Array, used: int, width: int) -> tuple[jax.Array, jax.Array]:
+    """`split_gate_up` alone in one pallas_call (notebook 05c, the tests): an expert's
+    joined product joined [M, W] float32 -> its gate and up [M, width], their lanes from
+    `used` on set to zero."""
+    M, W = joined.shape
+    if not 0 < used <= width <= W or 2 * used > W:
+        raise ValueError(f"used={used}, width={width}: need 0 < used <= width <= W={W} "
+                         "and both parts in the joined width (2 x used <= W)")
+
+    def kernel(joined_ref, gate_ref, up_ref):
+        gate, up = split_gate_up(joined_ref[...], used, width)
+        values = lax.broadcasted_iota(jnp.int32, gate.shape, 1) < used
+        gate_ref[...] = jnp.where(values, gate, 0.0)
+        up_ref[...] = jnp.where(values, up, 0.0)
+
+    part = jax.ShapeDtypeStruct((M, width), jnp.float32)
+    return pl.pallas_call(kernel, out_shape=(part, part), name="mk_gate_up")(
+        joined.astype(jnp.float32))
+
+
 def experts_body(ring: Ring, layer, x, combine_vmem, ids_smem, count_smem, gate_vmem,
-                 up_vmem, down_vmem, out_ref, *, activation=silu_gate, bias=None):
+                 up_vmem, down_vmem, out_ref, *, activation=silu_gate, bias=None,
+                 used: int | None = None):
     """out_ref [M, D] f32 += sum over active slots of combine[:, id] * expert_id(x), an
     expert being down(activation(x @ gate, x @ up)) (`silu_gate`: SwiGLU); bias(j, e):
     the [1, width] f32 bias of expert e's gate (j = 0), up (1) and down (2) projections
-    (gpt-oss's), or None.
+    (gpt-oss's), or None. Where the stream joins gate and up (`expert_segments`), up_vmem
+    [M, gate_up_width] takes their product and `used` is each one's columns of values
+    (`split_gate_up`); the activation's other lanes are set to zero (down's rows there
+    are zeros: an inf would make them NaN).
 
     Assumes the active slots' first tiles were issued (see `moe_body`).
     """
     base, end, per_slot = _expert_region(ring.stream, layer)
+    joined = expert_segments(ring.stream) == JOINED_EXPERT_WEIGHTS
     count = count_smem[0]
     M, E = combine_vmem.shape
+    width = gate_vmem.shape[1]
+    if joined and used is None:
+        raise ValueError("gate and up are joined in the stream: pass `used`")
 
     def expert_slot(s, carry):
-        ring.matmul("we_gate", x, gate_vmem, layer=layer, copy=s)
-        ring.matmul("we_up", x, up_vmem, layer=layer, copy=s)
-        gate, up = gate_vmem[...], up_vmem[...]
+        if joined:
+            ring.matmul("we_gate_up", x, up_vmem, layer=layer, copy=s)
+            gate, up = split_gate_up(up_vmem[...], used, width)
+        else:
+            ring.matmul("we_gate", x, gate_vmem, layer=layer, copy=s)
+            ring.matmul("we_up", x, up_vmem, layer=layer, copy=s)
+            gate, up = gate_vmem[...], up_vmem[...]
         if bias is not None:
             gate, up = gate + bias(0, ids_smem[s]), up + bias(1, ids_smem[s])
-        gate_vmem[...] = activation(gate, up)
+        act = activation(gate, up)
+        if joined and used < width:
+            act = jnp.where(lax.broadcasted_iota(jnp.int32, act.shape, 1) < used, act, 0.0)
+        gate_vmem[...] = act
         ring.matmul("we_down", gate_vmem, down_vmem, layer=layer, copy=s)
         if bias is not None:
             down_vmem[...] = down_vmem[...] + bias(2, ids_smem[s])
@@ -372,7 +451,7 @@ def moe_body(ring: Ring, layer, x, router_vmem, combine_vmem, selected_vmem, sel
         out_ref[...] += down_vmem[...]
     selected = route_body(x, router_vmem, combine_vmem, routing, bias_vmem)
     select_experts(selected, selected_vmem, selected_smem, sem, ids_smem, count_smem)
-    gate = ring.stream.segment("we_gate")
+    gate = ring.stream.segment(expert_segments(ring.stream)[0])
     base = ring.stream.base(layer, gate)
     for t in range(min(ring.n, gate.copies * gate.stride)):  # were no-ops when issued
         ring.start(base + t)
@@ -430,7 +509,7 @@ def moe_kernel(inputs, out_vmem, loaded_smem, *, stream: TileStream, dtype,
         start_dma(copies[-1], name, ref.size * ref.dtype.itemsize)
     s.count_smem[0] = 0
     out_vmem[...] = jnp.zeros_like(out_vmem)
-    fetch = moe_fetch(*(inputs[n] for n in EXPERT_WEIGHTS), lambda layer: row, s.ids_smem,
+    fetch = moe_fetch({n: inputs[n] for n in EXPERT_WEIGHTS}, lambda layer: row, s.ids_smem,
                       s.count_smem)
     if "ws_gate" in inputs:
         fetch |= swiglu_fetch(*(inputs[n] for n in SHARED_WEIGHTS), lambda layer: row,

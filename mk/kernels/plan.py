@@ -45,9 +45,13 @@ The sharding model (what one device holds; each weight's split rule is its row o
                gated norm and KDA's low-rank gates' down-projections replicated
     dense MLP  F/tp columns of gate and up and rows of down, padded to whole 128-lane
                tiles with zeros (silu(0) * 0 = 0: exact, but the padding is streamed)
-    MoE        every expert on every device, each split the same way (Fe/tp, padded); a
-               shared expert as a dense MLP (Fs/tp, padded); the router (and a sigmoid
-               router's bias) replicated, so every device routes identically
+    MoE        every expert on every device, each split the same way (Fe/tp, padded);
+               where gate's and up's shares would each pad (Kimi K3 at TP32: 64 columns),
+               the kernel streams them side by side as one matrix, the pair padded once
+               (`mk.kinds.mlp.MoE.joined`: one 128-lane tile for both, not two; its
+               layers' `described` says so); a shared expert as a dense MLP (Fs/tp,
+               padded); the router (and a sigmoid router's bias) replicated, so every
+               device routes identically
     lm_head    V/tp vocab columns, padded to whole tiles (masked before the argmax)
     replicated the residual stream, the norms, the router, the embedding table
 
@@ -106,7 +110,8 @@ from jax.experimental.pallas import tpu as pltpu
 from mk import quant, unpack
 from mk.cache import state_bytes_per_sequence
 from mk.chips import ChipSpec, chip as named_chip
-from mk.config import DTYPE_BITS, ModelConfig, check_formats, check_rows, positive_int
+from mk.config import (DTYPE_BITS, PADDED_FIELDS, ModelConfig, check_formats, check_rows,
+                       positive_int)
 from mk.kernels.collectives import (MAX_INDEX, PARTIAL_SUM_BYTES, allreduce_s, check_devices,
                                     choose_algorithm, collective_buffers,
                                     collective_semaphores)
@@ -144,16 +149,21 @@ def check_tp(config: ModelConfig, tp: int) -> int:
 def shard_config(config: ModelConfig, tp: int) -> ModelConfig:
     """The model one device holds (module docstring): N/tp heads, max(K/tp, 1) kv heads,
     V/tp, and each layer kind's split fields (`Kind.shard_fields`: Nk/tp and Nv/tp linear
-    heads, F/tp, Fe/tp and Fs/tp padded to whole 128-lane tiles)."""
+    heads, F/tp, Fe/tp and Fs/tp padded to whole 128-lane tiles, the zeros in `padding`:
+    `own_width` is a device's share)."""
     tp = check_tp(config, tp)
     if tp == 1:
         return config
-    fields = {}
+    fields, shares = {}, {}
     for kind in layer_kinds(config):
         fields |= kind.shard_fields(tp)
-    # a split width's lane padding is the shard's own (`shard_fields`), not the model's:
-    # only the unsplit widths keep theirs (D's, which the norms read: `norm_width`)
+        shares |= {f: width // tp for f, width in kind.split_widths().items()}
+    # a split width's lane padding is the shard's own (`shard_fields` pads a device's share
+    # to whole tiles; its zeros recorded), not the model's: only the unsplit widths keep
+    # theirs (D's, which the norms read: `norm_width`)
     padding = {f: zeros for f, zeros in config.padding if f not in fields}
+    padding |= {f: fields[f] - share for f, share in shares.items()
+                if f in PADDED_FIELDS and fields.get(f, share) > share}
     return dataclasses.replace(
         config, name=f"{config.name}/tp{tp}", heads=config.heads // tp,
         kv_heads=max(config.kv_heads // tp, 1), vocab=config.vocab // tp,

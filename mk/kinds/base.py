@@ -12,7 +12,8 @@ kind owns:
     matrices    its ring segments of one layer, in consumption order
     buffers     its VMEM (the "layer" group: attributes of the layer scratch `Step.s`;
                 or a group of its own) and `scratch`: its semaphores and SMEM by group
-    prepare     its weights as the megakernel reads them
+    operands / prepare
+                its weights as the megakernel reads them (names, arrays)
     fetch       the ring's Fetch callables of its segments
     cache_operands / state_operands / cache_fields
                 its parts of the decode cache as kernel operands, and after the step
@@ -112,6 +113,11 @@ class Kind:
         """Its semaphores and SMEM by buffer group ({group: {name: scratch}})."""
         return {}
 
+    def operands(self) -> tuple[str, ...]:
+        """Its weights as the megakernel's operands (`prepare`'s names), in stream order: by
+        default the ones it streams or DMAs."""
+        return self.weights("ring", "dma")
+
     def prepare(self, params) -> dict:
         """Its weights as the megakernel reads them (before `mk.kernels.ring.ring_layout`):
         as stored, but each weight it moves by whole DMA laid out per layer as its
@@ -193,6 +199,11 @@ class Kind:
         `elementwise` ones, in table order."""
         return tuple(n for n in self.weights()
                      if FAMILY[n] != "norms" and n not in self.elementwise)
+
+    def layout_note(self) -> str:
+        """What its shard's layout adds to the bytes it streams, in prose (", ..."), or ""
+        where nothing: the ledger's notes."""
+        return ""
 
     def described(self) -> str:
         """Its layers in prose, e.g. "23 MLA layers" (the ledger's notes)."""

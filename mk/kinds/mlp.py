@@ -20,13 +20,16 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
+from mk import quant
 from mk.config import DTYPE_BITS
 from mk.kernels import mlp as mlp_kernels
 from mk.kernels.collectives import AXIS
 from mk.kernels.common import Buffer, padded_width, start_dma
-from mk.kernels.mlp import (DENSE_WEIGHTS, EXPERT_WEIGHTS, MOE_SMALL_LOADS,
-                            SHARED_WEIGHTS, expert_slots, moe_body, moe_fetch, moe_segments,
-                            swiglu_body, swiglu_fetch, swiglu_segments)
+from mk.kernels.mlp import (DENSE_WEIGHTS, EXPERT_WEIGHTS, JOINED_EXPERT_WEIGHTS,
+                            MOE_SMALL_LOADS, SHARED_WEIGHTS, expert_slots, gate_up_width,
+                            moe_body, moe_fetch, moe_segments, swiglu_body, swiglu_fetch,
+                            swiglu_segments)
+from mk.kernels.ring import Repeat
 from mk.kernels.routing import Routing
 from mk.kinds.base import Kind, Step, Twin
 from mk.ops import clamped_swiglu
@@ -101,7 +104,32 @@ class MoE(Kind):
 
     def described(self) -> str:
         shared = " with a shared expert" if self.config.shared_expert_ffn else ""
-        return super().described() + shared
+        return super().described() + shared + self.layout_note()
+
+    @property
+    def joined(self) -> int | None:
+        """The width of each expert's gate|up as one matrix, where that saves lane tiles
+        (`mk.kernels.mlp.gate_up_width`: the layout this shard streams), else None."""
+        c = self.config
+        return gate_up_width(c.expert_ffn, c.own_width("expert_ffn"))
+
+    def layout_note(self) -> str:
+        """Its expert layout and why, in prose (the plan's choice: `joined`), with the
+        bytes an expert streams over its values' where its shard pads them."""
+        c = self.config
+        used, ffn = c.own_width("expert_ffn"), c.expert_ffn
+        if used == ffn:
+            return ""
+        share = self.slot_elements() / (3 * c.hidden * used)
+        layout = (f"gate and up ({used} columns each a device) joined in {self.joined} "
+                  f"lanes (apart: 2 x {ffn}), down's rows padded to {ffn}" if self.joined
+                  else f"{used} columns a device padded to {ffn} lanes")
+        return f", each expert's {layout}: {share:.3g}x its bytes"
+
+    @property
+    def expert_weights(self) -> tuple[str, ...]:
+        """An expert slot's segments in its layout (`joined`)."""
+        return JOINED_EXPERT_WEIGHTS if self.joined else EXPERT_WEIGHTS
 
     def slots(self, M: int) -> int:
         c = self.config
@@ -119,14 +147,15 @@ class MoE(Kind):
 
     def matrices(self, M: int) -> list:
         c = self.config
-        return moe_segments(c.hidden, c.expert_ffn, self.slots(M), c.shared_expert_ffn)
+        return moe_segments(c.hidden, c.expert_ffn, self.slots(M), c.shared_expert_ffn,
+                            self.joined)
 
     def buffers(self, batch: int, rows: int, block) -> list:
         c, M, f32 = self.config, batch * rows, "float32"
         E, Fe, D = c.experts, c.expert_ffn, c.hidden
         buffers = self.dma_buffers() + [  # the router (and the sigmoid router's bias)
             Buffer("combine", (M, E), f32), Buffer("selected", (1, E), "int32"),
-            Buffer("e_gate", (M, Fe), f32), Buffer("e_up", (M, Fe), f32),
+            Buffer("e_gate", (M, Fe), f32), Buffer("e_up", (M, self.joined or Fe), f32),
             Buffer("down", (M, D), f32)]
         if c.shared_expert_ffn:
             Fs = c.shared_expert_ffn
@@ -147,9 +176,27 @@ class MoE(Kind):
             ids_smem=pltpu.SMEM((self.slots(batch * rows),), jnp.int32),
             count_smem=pltpu.SMEM((1,), jnp.int32))}
 
+    def operands(self) -> tuple[str, ...]:
+        """The base's, with we_gate_up in place of we_gate and we_up where `joined`."""
+        names = super().operands()
+        if not self.joined:
+            return names
+        gate, up = EXPERT_WEIGHTS[:2]
+        return tuple(JOINED_EXPERT_WEIGHTS[0] if n == gate else n for n in names if n != up)
+
+    def prepare(self, params) -> dict:
+        """The base's, with each expert's gate and up joined where that saves lane tiles
+        (`joined`: `mk.quant.side_by_side` of their columns of values)."""
+        out = super().prepare(params)
+        if self.joined:
+            parts = [out.pop(n) for n in EXPERT_WEIGHTS[:2]]
+            out["we_gate_up"] = quant.side_by_side(
+                parts, self.config.own_width("expert_ffn"), self.joined)
+        return out
+
     def fetch(self, k: Step) -> dict:
         row, s = k.row(self), k.s
-        fetch = moe_fetch(*(k.inputs[n] for n in EXPERT_WEIGHTS), row, s.ids_smem,
+        fetch = moe_fetch({n: k.inputs[n] for n in self.expert_weights}, row, s.ids_smem,
                           s.count_smem)
         if self.config.shared_expert_ffn:
             fetch |= swiglu_fetch(*(k.inputs[n] for n in SHARED_WEIGHTS), row, k.on(self),
@@ -186,7 +233,9 @@ class MoE(Kind):
             moe_body(k.ring, k.step, s.h, s.router, s.combine, s.selected, s.selected_smem,
                      s.small_sems.at[self.small_loads.index("selected")], s.ids_smem,
                      s.count_smem, s.e_gate, s.e_up, s.down, s.mlp_out,
-                     routing=Routing.of(self.config), **self.body_options(k))
+                     routing=Routing.of(self.config),
+                     used=self.config.own_width("expert_ffn") if self.joined else None,
+                     **self.body_options(k))
 
     def body_options(self, k: Step) -> dict:
         """`moe_body`'s options of this kind: the sigmoid router's bias, the shared expert's
@@ -217,10 +266,16 @@ class MoE(Kind):
     def mxu_passes(self, batch: int, rows: int, context: int, touched: float) -> list:
         """The router over the M rows; the `touched` experts share the M*X routed rows, at
         least the MXU's rows each (the kernel pushes all M rows through every active expert,
-        which costs more once M > mxu_rows)."""
+        which costs more once M > mxu_rows), each expert's matrices as its slot streams
+        them (`matrices`: padded, or gate|up joined)."""
         c, m = self.config, batch * rows
         return [(m, c.hidden * c.experts, 1),
-                (m * c.experts_per_token, c.expert_params, touched)]
+                (m * c.experts_per_token, self.slot_elements(), touched)]
+
+    def slot_elements(self) -> int:
+        """The elements one expert slot streams (`matrices`: padded, or gate|up joined)."""
+        slot = next(g for g in self.matrices(1) if isinstance(g, Repeat))
+        return sum(r * k for _, r, k in slot.matrices)
 
     def conventional(self, e) -> list:
         """Router, top-k, the experts' gate+up, SwiGLU, down, the combine."""
@@ -292,7 +347,7 @@ class MoETwin(Twin):
         self.router = 0.0  # when this layer's router lands
 
     def active(self, layer: int, segment: str, copy: int) -> bool:
-        if segment in EXPERT_WEIGHTS:
+        if segment in self.kind.expert_weights:
             return copy < self.count
         return super().active(layer, segment, copy)
 
@@ -327,16 +382,19 @@ class MoETwin(Twin):
         sim.mc.wait(sim.mc.dma(4 * E, sim.layer, "selected", weight=False))  # flags to SMEM
         sim.mc.compute(E * sim.a.scalar_op_s, sim.layer, "router")
         self.count = sim.experts_on
-        gate = sim.s.segment("we_gate")
+        names = self.kind.expert_weights
+        gate = sim.s.segment(names[0])
         base = sim.s.base(sim.layer, gate)
         for t in range(min(sim.n, gate.copies * gate.stride)):
             sim.start(base + t, "routing")
-        first, end = sim.region("we_gate", "we_down")
+        first, end = sim.region(names[0], names[-1])
         for copy in range(self.count):
-            sim.matmul("we_gate", copy=copy)
-            sim.matmul("we_up", copy=copy)
+            for name in names[:-1]:
+                sim.matmul(name, copy=copy)
+            if self.kind.joined:  # up rotated out of the joined product, the padding masked
+                sim.vector(M * (self.kind.joined + Fe), "swiglu")
             sim.vector(6 * M * Fe, "swiglu")
-            sim.matmul("we_down", copy=copy)
+            sim.matmul(names[-1], copy=copy)
             sim.vector(3 * M * c.hidden + M * E, "combine")
         sim.skip(first + self.count * gate.stride, end, "layer boundary")
         self.count = 0

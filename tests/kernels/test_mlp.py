@@ -222,8 +222,9 @@ def _fused_kernel(h_vmem, w_pre_hbm, router_hbm, we_gate_hbm, we_up_hbm, we_down
     """Per layer: pre = h @ w_pre, the MoE body, post = moe @ w_post; one ring for all."""
     fetch = {"w_pre": lambda layer: (w_pre_hbm.at[layer], None),
              "w_post": lambda layer: (w_post_hbm.at[layer], None),
-             **mlp.moe_fetch(we_gate_hbm, we_up_hbm, we_down_hbm, lambda layer: layer,
-                             ids_smem, count_smem)}
+             **mlp.moe_fetch(dict(zip(mlp.EXPERT_WEIGHTS, (we_gate_hbm, we_up_hbm,
+                                                           we_down_hbm))),
+                             lambda layer: layer, ids_smem, count_smem)}
     ring = Ring(stream, fetch, {"ring": ring_vmem}, sems)
     count_smem[0] = 0
     ring.prime()
@@ -297,8 +298,8 @@ def _expert_slots_with_early_prefetch(ids_smem, count_smem, x_vmem, we_gate_hbm,
                                       we_up_hbm, we_down_hbm, out_vmem, ring_vmem, sems, *,
                                       stream):
     """The planted bug: tile g + slots is issued BEFORE tile g (same slot) is read."""
-    ring = Ring(stream, mlp.moe_fetch(we_gate_hbm, we_up_hbm, we_down_hbm,
-                                      lambda layer: 0, ids_smem, count_smem),
+    weights = dict(zip(mlp.EXPERT_WEIGHTS, (we_gate_hbm, we_up_hbm, we_down_hbm)))
+    ring = Ring(stream, mlp.moe_fetch(weights, lambda layer: 0, ids_smem, count_smem),
                 {"ring": ring_vmem}, sems)
     ring.prime()
     n, tk = stream.block.slots, stream.block.tile_rows
@@ -502,3 +503,20 @@ def test_an_oversized_expert_ring_is_refused_by_the_budget_and_by_the_compiler()
         [S((M, D), jnp.float32), S((D, E), bf16), S((E, D, Fe), bf16), S((E, D, Fe), bf16),
          S((E, Fe, D), bf16)], "tpu7x")
     assert not report.ok and "RESOURCE_EXHAUSTED" in report.error
+
+
+@pytest.mark.parametrize("used, joined, width", [(64, 128, 128), (32, 128, 128),
+                                                 (96, 256, 128)])
+def test_a_joined_products_gate_and_up_come_out_of_their_lanes(used, joined, width):
+    """`split_gate_up` (the joined-expert layout, `gate_up_width`) in one kernel: gate's
+    values are lanes [0, used) of the joined product, up's [used, 2 used), each brought
+    to lanes [0, used) of a [M, width] part (Kimi K3 at TP32: 64 + 64 in 128 lanes; at
+    TP64 32 + 32); a rotation the wrong way or by the wrong amount fails here."""
+    x = jax.random.normal(jax.random.key(used), (8, joined), jnp.float32)
+    with backend.use("interpret"):
+        gate, up = mlp.gate_up(x, used, width)
+    want = np.zeros((2, 8, width), np.float32)
+    want[0, :, :used], want[1, :, :used] = x[:, :used], x[:, used:2 * used]
+    np.testing.assert_array_equal(np.asarray(gate), want[0])
+    np.testing.assert_array_equal(np.asarray(up), want[1])
+    assert mlp.gate_up_width(128, used) == (128 if 2 * used <= 128 else None)
