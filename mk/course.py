@@ -228,8 +228,8 @@ def planted(name: str | None):
         if name == "wrong_expert":
             real = mlp.moe_fetch
 
-            def wrong(gate, up, down, row, ids_smem, count_smem):
-                return real(gate, up, down, row, _SlotIsId(), count_smem)
+            def wrong(weights, row, ids_smem, count_smem):
+                return real(weights, row, _SlotIsId(), count_smem)
 
             for module in (mlp, one_layer):
                 if hasattr(module, "moe_fetch"):

@@ -229,9 +229,9 @@ def test_lane_padding_holds_each_width_in_whole_lanes_and_undoes_exactly():
     assert (held.hidden, held.expert_ffn, held.ffn, held.norm_width) == (256, 128, 512, 200)
     assert dict(held.padding) == {"hidden": 56, "expert_ffn": 28}
     assert held.unpadded() == own and held.lane_padded() is held
-    local = shard_config(held, 2)  # a split width's padding is the shard's own
-    assert (local.norm_width, local.expert_ffn, dict(local.padding)) == (200, 128,
-                                                                        {"hidden": 56})
+    local = shard_config(held, 2)  # a split width's padding is the shard's own: 64 of 128
+    assert (local.norm_width, local.expert_ffn, dict(local.padding)) == (
+        200, 128, {"hidden": 56, "expert_ffn": 64})
     mine, theirs = init_params(held), init_params(own)
     for name, x in mine.items():
         x, want = np.asarray(x, np.float32), np.asarray(theirs[name], np.float32)
