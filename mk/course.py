@@ -71,8 +71,8 @@ from mk import backend, bundles, megakernel, ops, reference, spec, teach
 from mk.checkpoint import init_params
 from mk.config import ModelConfig
 from mk.presets import preset
-from mk.kernels import (attention_prologue, collectives, deltanet, kv_stream, mlp,
-                        one_layer, ring)
+from mk.kernels import (attention_prologue, collectives, deltanet, joined_experts, kv_stream,
+                        mlp, one_layer, ring)
 from mk.kernels.plan import DecodePlan
 
 PLANTS = ("ring_race", "rope_off", "wrong_expert", "dropped_all_reduce",
@@ -271,9 +271,9 @@ def _largest(error) -> str:
 def check_up_rotation(rotation: int, used: int = 32, lanes: int = 128) -> None:
     """05c's exercise: `rotation` (jnp.roll's direction) must bring up's `used` values of a
     joined gate|up product of `lanes` lanes to lanes [0, used), as the kernel's own split
-    does (`mk.kernels.mlp.gate_up`, on a product whose lanes hold their index)."""
+    does (`mk.kernels.joined_experts.gate_up`, on a product whose lanes hold their index)."""
     joined = jnp.tile(jnp.arange(lanes, dtype=jnp.float32), (8, 1))
-    _, up = mlp.gate_up(joined, used, lanes)
+    _, up = joined_experts.gate_up(joined, used, lanes)
     check_close("up's lanes after your rotation", np.roll(np.arange(lanes), rotation)[:used],
                 np.asarray(up)[0, :used], atol=0, rtol=0)
 

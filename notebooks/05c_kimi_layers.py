@@ -95,7 +95,7 @@ import mk.backend
 from mk.kernels.plan import DecodePlan
 import mk.run
 from mk import colours, course, linear_attention, megakernel, ops, plots, reference
-from mk.kernels import decode_attention, deltanet, mla, mlp
+from mk.kernels import decode_attention, deltanet, joined_experts, mla, mlp
 from mk.kernels import routing as routing_module
 from mk.kernels.common import BlockSizes
 
@@ -422,7 +422,7 @@ plots.show(fig)
 # values, where down's padded rows are):
 
 # %%
-plots.show_source(mlp.gate_up_width, mlp.split_gate_up)
+plots.show_source(joined_experts.gate_up_width, joined_experts.split_gate_up)
 
 # %% [markdown]
 # **Exercise.** At TP64 a device would hold 32 columns each of gate and up, joined in 128

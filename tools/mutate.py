@@ -227,7 +227,7 @@ MUTANTS = [
        "tests/test_bundles.py::test_a_trip_through_an_expert_of_one_tile_matrices_costs_each"
        "_tile_its_share"),
     # -- issue 35: gate and up joined in one lane tile --
-    _m("joined experts: up rotated the wrong way", "mk/kernels/mlp.py",
+    _m("joined experts: up rotated the wrong way", "mk/kernels/joined_experts.py",
        "up = pltpu.roll(joined, joined.shape[1] - used, 1)", "up = pltpu.roll(joined, used, 1)",
        "tests/kernels/test_mlp.py::test_a_joined_products_gate_and_up_come_out_of_their_lanes"),
     _m("joined experts: gate|up taken from the padded widths", "mk/kinds/mlp.py",

@@ -44,8 +44,8 @@ invariant above holds unchanged.
 
 Where a shard's expert width is short of whole tiles (Kimi K3 at TP32: 64 columns of each
 of gate and up), gate and up stream side by side as one matrix, `we_gate_up` [D, 128]
-(`gate_up_width`, `JOINED_EXPERT_WEIGHTS`): one product, up's lanes rotated down to
-lane 0 (`split_gate_up`), a third fewer expert tiles than gate and up padded apart.
+(`JOINED_EXPERT_WEIGHTS`; `mk.kernels.joined_experts`): one product, up's lanes rotated
+down to lane 0, a third fewer expert tiles than gate and up padded apart.
 
 gpt-oss's MoE block (`mk.kinds.mlp.ClampedMoE`) adds a bias to the softmax router's
 logits (`route_body`'s bias_vmem), a bias to each expert's three projections and another
@@ -58,8 +58,7 @@ and scales and dequantises each tile in VMEM to h's dtype, the compute dtype. Th
 stays unquantised (mk.quant keeps it in config.dtype: its top-k flips on a small error).
 
 Here: the bodies (`swiglu_body`, `moe_body` and its steps `select_experts` and
-`experts_body`, with `split_gate_up` where gate and up are joined (`gate_up` runs it
-alone); the first, `route_body`, is `mk.kernels.routing`'s), their stream
+`experts_body`; the first, `route_body`, is `mk.kernels.routing`'s), their stream
 segments and Fetch callables, the buffer lists, the MoE layer's small DMAs by name
 (`MOE_SMALL_LOADS`, `small_sem`: every kernel's small_sems), and the stage wrappers
 `swiglu` / `moe`. Not here: the norm before the MLP and the residual add (the layer
@@ -81,8 +80,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mk import quant
 from mk.config import COMPUTE_DTYPES, MAX_ROWS
-from mk.kernels.common import (LANES, BlockSizes, Buffer, padded_width, start_dma,
-                               vmem_limit_bytes, vmem_scratch)
+from mk.kernels.common import BlockSizes, Buffer, start_dma, vmem_limit_bytes, vmem_scratch
+from mk.kernels.joined_experts import split_gate_up
 from mk.kernels.ring import Repeat, Ring, TileStream, ring_buffers
 from mk.kernels.routing import Routing, route_body
 from mk.kernels.weight_streaming import ring_weights, stage_block, weight_stream
@@ -259,7 +258,8 @@ def swiglu(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, 
 
 # -- Mixture of experts --------------------------------------------------------------------
 EXPERT_WEIGHTS = names("moe", family="experts")  # one slot's segments, in order
-# An expert slot's segments with gate and up side by side in one matrix (`gate_up_width`).
+# An expert slot's segments with gate and up side by side in one matrix
+# (`mk.kernels.joined_experts.gate_up_width`).
 JOINED_EXPERT_WEIGHTS = ("we_gate_up", EXPERT_WEIGHTS[-1])
 # A MoE layer's small DMAs, one semaphore each in `small_sems` [len(MOE_SMALL_LOADS)]: the
 # router [D, E], the selected flags (VMEM -> SMEM, `select_experts`), the sigmoid router's
@@ -276,21 +276,6 @@ def small_sem(name: str) -> int:
 def expert_slots(experts: int, top_k: int, rows: int) -> int:
     """Expert slots of one MoE layer: at most every row picks top_k distinct experts."""
     return min(experts, rows * top_k)
-
-
-def gate_up_width(ffn: int, used: int) -> int | None:
-    """The width of an expert's gate and up side by side in one matrix (JOINED_EXPERT_WEIGHTS)
-    where both fit one lane tile: each holds `used` columns of values in its `ffn` (the
-    rest zeros: a shard's lane padding, `ModelConfig.own_width`), so apart each pads a
-    tile of its own and joined they stream one (Kimi K3 at TP32: 64 + 64 columns in 128
-    lanes, not 2 x 128; up's lanes come out by a rotation inside each lane tile). Else
-    None: e.g. 96 columns take 256 lanes either way; wider shares that joining would
-    save a tile of (gpt-oss-20b's 2880 of 2944 on one chip, qwen3-30b-a3b's 192 of 256
-    at TP4) shift up's lanes across every tile of a slot's product, and gpt-oss-20b
-    joined simulated slower with its compiled loops (v6e 20.62 ms against 20.34 apart:
-    its costliest fp4 tile loop 184 bundles against 179), so they stay apart."""
-    width = padded_width(2 * used)
-    return width if width == LANES < 2 * ffn else None
 
 
 def moe_segments(D: int, Fe: int, slots: int, shared_ffn: int = 0,
@@ -352,37 +337,9 @@ def _expert_region(stream: TileStream, layer):
     return base, base + first.copies * first.stride, first.stride
 
 
-def split_gate_up(joined, used: int, width: int):
-    """gate and up [M, width] of an expert's joined product joined [M, gate_up_width]
-    (gate in its lanes [0, used), up in [used, 2 used)): lanes [0, used) of each hold the
-    values (up's rotated down by `used` lanes), the rest whatever the rotation leaves."""
-    up = pltpu.roll(joined, joined.shape[1] - used, 1)
-    return joined[:, :width], up[:, :width]
-
-
 def silu_gate(gate, up):
     """The SwiGLU experts' activation of their gate and up projections (f32)."""
     return jax.nn.silu(gate) * up
-
-
-def gate_up(joined: jax.Array, used: int, width: int) -> tuple[jax.Array, jax.Array]:
-    """`split_gate_up` alone in one pallas_call (notebook 05c, the tests): an expert's
-    joined product joined [M, W] float32 -> its gate and up [M, width], their lanes from
-    `used` on set to zero."""
-    M, W = joined.shape
-    if not 0 < used <= width <= W or 2 * used > W:
-        raise ValueError(f"used={used}, width={width}: need 0 < used <= width <= W={W} "
-                         "and both parts in the joined width (2 x used <= W)")
-
-    def kernel(joined_ref, gate_ref, up_ref):
-        gate, up = split_gate_up(joined_ref[...], used, width)
-        values = lax.broadcasted_iota(jnp.int32, gate.shape, 1) < used
-        gate_ref[...] = jnp.where(values, gate, 0.0)
-        up_ref[...] = jnp.where(values, up, 0.0)
-
-    part = jax.ShapeDtypeStruct((M, width), jnp.float32)
-    return pl.pallas_call(kernel, out_shape=(part, part), name="mk_gate_up")(
-        joined.astype(jnp.float32))
 
 
 def experts_body(ring: Ring, layer, x, combine_vmem, ids_smem, count_smem, gate_vmem,
@@ -393,8 +350,8 @@ def experts_body(ring: Ring, layer, x, combine_vmem, ids_smem, count_smem, gate_
     the [1, width] f32 bias of expert e's gate (j = 0), up (1) and down (2) projections
     (gpt-oss's), or None. Where the stream joins gate and up (`expert_segments`), up_vmem
     [M, gate_up_width] takes their product and `used` is each one's columns of values
-    (`split_gate_up`); the activation's other lanes are set to zero (down's rows there
-    are zeros: an inf would make them NaN).
+    (`mk.kernels.joined_experts.split_gate_up`); the activation's other lanes are set to
+    zero (down's rows there are zeros: an inf would make them NaN).
 
     Assumes the active slots' first tiles were issued (see `moe_body`).
     """

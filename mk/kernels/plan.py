@@ -45,11 +45,9 @@ The sharding model (what one device holds; each weight's split rule is its row o
                gated norm and KDA's low-rank gates' down-projections replicated
     dense MLP  F/tp columns of gate and up and rows of down, padded to whole 128-lane
                tiles with zeros (silu(0) * 0 = 0: exact, but the padding is streamed)
-    MoE        every expert on every device, each split the same way (Fe/tp, padded);
-               where gate's and up's shares would each pad (Kimi K3 at TP32: 64 columns),
-               the kernel streams them side by side as one matrix, the pair padded once
-               (`mk.kinds.mlp.MoE.joined`: one 128-lane tile for both, not two; its
-               layers' `described` says so); a shared expert as a dense MLP (Fs/tp,
+    MoE        every expert on every device, each split the same way (Fe/tp, padded;
+               gate and up joined in one lane tile where each is a sliver of one:
+               `mk.kinds.mlp.MoE.joined`); a shared expert as a dense MLP (Fs/tp,
                padded); the router (and a sigmoid router's bias) replicated, so every
                device routes identically
     lm_head    V/tp vocab columns, padded to whole tiles (masked before the argmax)

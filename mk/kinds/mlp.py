@@ -25,9 +25,10 @@ from mk.config import DTYPE_BITS
 from mk.kernels import mlp as mlp_kernels
 from mk.kernels.collectives import AXIS
 from mk.kernels.common import Buffer, padded_width, start_dma
+from mk.kernels.joined_experts import gate_up_width
 from mk.kernels.mlp import (DENSE_WEIGHTS, EXPERT_WEIGHTS, JOINED_EXPERT_WEIGHTS,
-                            MOE_SMALL_LOADS, SHARED_WEIGHTS, expert_slots, gate_up_width,
-                            moe_body, moe_fetch, moe_segments, swiglu_body, swiglu_fetch,
+                            MOE_SMALL_LOADS, SHARED_WEIGHTS, expert_slots, moe_body,
+                            moe_fetch, moe_segments, swiglu_body, swiglu_fetch,
                             swiglu_segments)
 from mk.kernels.ring import Repeat
 from mk.kernels.routing import Routing
@@ -109,7 +110,7 @@ class MoE(Kind):
     @property
     def joined(self) -> int | None:
         """The width of each expert's gate|up as one matrix, where that saves lane tiles
-        (`mk.kernels.mlp.gate_up_width`: the layout this shard streams), else None."""
+        (`mk.kernels.joined_experts.gate_up_width`: the layout this shard streams), else None."""
         c = self.config
         return gate_up_width(c.expert_ffn, c.own_width("expert_ffn"))
 

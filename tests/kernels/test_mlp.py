@@ -26,7 +26,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 import mk
 from mk import backend, ops, quant, tpu
-from mk.kernels import mlp
+from mk.kernels import joined_experts, mlp
 from mk.kernels.routing import Routing
 from mk.kernels.common import BlockSizes, vmem_budget
 from mk.kernels.ring import Ring, TileStream, ring_layout
@@ -514,9 +514,9 @@ def test_a_joined_products_gate_and_up_come_out_of_their_lanes(used, joined, wid
     TP64 32 + 32); a rotation the wrong way or by the wrong amount fails here."""
     x = jax.random.normal(jax.random.key(used), (8, joined), jnp.float32)
     with backend.use("interpret"):
-        gate, up = mlp.gate_up(x, used, width)
+        gate, up = joined_experts.gate_up(x, used, width)
     want = np.zeros((2, 8, width), np.float32)
     want[0, :, :used], want[1, :, :used] = x[:, :used], x[:, used:2 * used]
     np.testing.assert_array_equal(np.asarray(gate), want[0])
     np.testing.assert_array_equal(np.asarray(up), want[1])
-    assert mlp.gate_up_width(128, used) == (128 if 2 * used <= 128 else None)
+    assert joined_experts.gate_up_width(128, used) == (128 if 2 * used <= 128 else None)
