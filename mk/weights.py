@@ -382,8 +382,8 @@ def _by_name(field: str) -> dict[str, object]:
 
 # Weights of the kernel's layout, not parameters: two of the table's weights a kind lays
 # side by side in one ring segment (`mk.kinds.mlp.MoE.prepare`: an expert's gate and up
-# where that saves lane tiles: `mk.kernels.joined_experts.gate_up_width`), each of its parts' byte
-# family and format group.
+# where both fit one lane tile, `mk.kernels.joined_experts.gate_up_width`), each of its
+# parts' byte family and format group.
 JOINED = {"we_gate_up": ("we_gate", "we_up")}
 FAMILY = _by_name("family")  # weight name -> byte family
 FAMILY |= {joined: FAMILY[parts[0]] for joined, parts in JOINED.items()}

@@ -109,8 +109,9 @@ class MoE(Kind):
 
     @property
     def joined(self) -> int | None:
-        """The width of each expert's gate|up as one matrix, where that saves lane tiles
-        (`mk.kernels.joined_experts.gate_up_width`: the layout this shard streams), else None."""
+        """The width of each expert's gate|up as one matrix where both fit one lane tile
+        (`mk.kernels.joined_experts.gate_up_width`: the layout this shard streams), else
+        None."""
         c = self.config
         return gate_up_width(c.expert_ffn, c.own_width("expert_ffn"))
 
@@ -186,8 +187,8 @@ class MoE(Kind):
         return tuple(JOINED_EXPERT_WEIGHTS[0] if n == gate else n for n in names if n != up)
 
     def prepare(self, params) -> dict:
-        """The base's, with each expert's gate and up joined where that saves lane tiles
-        (`joined`: `mk.quant.side_by_side` of their columns of values)."""
+        """The base's, with each expert's gate and up joined where `joined` says
+        (`mk.quant.side_by_side` of their columns of values)."""
         out = super().prepare(params)
         if self.joined:
             parts = [out.pop(n) for n in EXPERT_WEIGHTS[:2]]
