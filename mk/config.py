@@ -211,6 +211,13 @@ class ModelConfig:
     expert_groups: int = 1  # sigmoid router: experts come from the best topk_groups groups
     topk_groups: int = 1
     routed_scale: float = 1.0  # routed_scaling_factor: multiplies the routed weights
+    # How tensor parallelism holds each MoE router (`mk.kinds.checks.ROUTER_SPLITS`):
+    # "whole" on every device, "experts" (a device computes the logits of its E/tp experts
+    # and the devices all-gather them) or "auto" (the plan's choice where it pays:
+    # `mk.kernels.routing.router_columns`). A shard records its router's columns in
+    # router_columns (0: every expert's, the model's own).
+    router_split: str = "auto"
+    router_columns: int = 0
     # gpt-oss (transformers' gpt_oss). attention_sinks: every full layer is attention with
     # a learned sink logit per head (an extra term in each head's softmax denominator),
     # biases on q, k, v and o where attention_bias; the `sliding_layers` among them see

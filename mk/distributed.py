@@ -43,7 +43,7 @@ from mk.config import ModelConfig
 from mk.hf_layout import every, fill_slots
 from mk.kernels.collectives import AXIS
 from mk.kernels.plan import check_tp
-from mk.shards import split_axis, split_index, tied_lm_head
+from mk.shards import split_axis, split_index, split_of, tied_lm_head
 from mk.weights import weights_of
 
 
@@ -83,11 +83,12 @@ def load_shards(path: str | Path, tp: int, devices, *, dtype: str | None = None
         shards, held = {}, {}  # held: a split weight's cut axis and its devices' indices
         for w in weights_of(config):
             shape, dtype_of = w.stacked(config), np.dtype(config.dtype)
-            if w.split == "whole":
+            split = split_of(config, w, tp)
+            if split == "whole":
                 shards[w.name] = np.zeros(shape, dtype_of)
                 continue
-            axis = split_axis(w.split)
-            index = split_index(config, w.split, shape[axis], tp)[list(devices)]
+            axis = split_axis(split)
+            index = split_index(config, split, shape[axis], tp)[list(devices)]
             local = list(shape)
             local[axis] = index.shape[1]
             shards[w.name] = np.zeros((len(devices), *local), dtype_of)

@@ -324,8 +324,8 @@ def _explain(run: Run) -> str:
         stored = ", ".join(f"{group} as {scheme}" for group, scheme in config.formats)
         notes.append(f"{stored} (mk.quant's packed data and scales; the release's FP4){cost}")
     layouts = [k.layout_note() for k in layer_kinds(shard_config(config, tp))]
-    if tp > 1 and any(layouts):  # a shard's experts short of whole lane tiles (at tp 1:
-        #                          the model's own, in its kinds' `described` above)
+    if tp > 1 and any(layouts):  # a shard's experts short of whole lane tiles, its router
+        #        split (at tp 1: the model's own, in its kinds' `described` above)
         notes.append(f"TP{tp}: {''.join(layouts).removeprefix(', ')} (the release's expert "
                      "layout is not published)")
     if row.acceptance_length:
@@ -343,7 +343,7 @@ def _explain(run: Run) -> str:
         algorithm = choose_algorithm(tp)
         notes.append(f"TP{tp} over {row.chips} chips, the collectives as mk.kernels.collectives "
                      f"runs them ({algorithm}: {2 * rounds(algorithm, tp)} message rounds an "
-                     "all-reduce)")
+                     f"all-reduce, {rounds(algorithm, tp)} an all-gather)")
     return "; ".join(notes)
 
 

@@ -213,7 +213,7 @@ def _step(plan: DecodePlan, inputs, outputs, scratch) -> Step:
 
     return Step(plan.local, plan.block, plan.batch, plan.rows, plan.tp,
                 SimpleNamespace(**scratch["layer"]), inputs, outputs, row=row, on=on,
-                groups=scratch, prime_next=True)
+                groups=scratch, prime_next=True, collective=plan.collective)
 
 
 def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratch):

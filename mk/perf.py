@@ -6,7 +6,7 @@ sequences x T query rows over S cached positions, with the weights' storage `for
 split tp ways; the two floors t >= bytes / bandwidth and t >= FLOPs / peak; the all-reduces
 of tensor parallelism over ICI); `experts_touched`, `attainable_flops` and `roofline_curve`
 (the roofline itself); `allreduce_s` (one all-reduce); `conventional(...)` ->
-`ConventionalEstimate` (the same step as one kernel per op, each paying a launch gap);
+`ConventionalEstimate` (one kernel per op, each paying a launch gap);
 `tile_floor_ms` (the compute floor: the weights at the measured tile cost table of
 `mk.feed_costs`, the one `mk.sim` charges, at one end of the clock range), `mxu_floor_ms`
 (a labelled bound: every weight pass at the bf16 MXU rule, `mxu_flops`, whatever its
@@ -19,18 +19,18 @@ over `mk.kinds.layers.layer_kinds`), the megakernel's own schedule and its bubbl
 (`mk.sim` replays it), the published numbers (`mk.published`; `mk.ledger` sets them
 against these models), anything measured.
 
-`step_ms` is max(HBM floor, compute floor + the collectives): a LOWER bound on a
-real step under the assumptions below, not a simulation of one. The collectives sit on the
-compute lane's critical path (each all-reduce needs the partial sums before it and is
-needed by the matmul after it) but not on HBM's: the megakernel's ring keeps streaming
-weight tiles through an all-reduce (as many as it has in flight; `mk.sim` replays how
-many).
+`step_ms` is max(HBM floor, compute floor + the collectives): a LOWER bound on a real step
+under the assumptions below, not a simulation of one. The collectives sit on the compute
+lane's critical path (each all-reduce needs the partial sums before it and is needed by
+the matmul after it) but not on HBM's: the megakernel's ring streams weight tiles through
+an all-reduce (as many as it has in flight; `mk.sim` replays how many).
 
 Assumptions, each stated where it is used:
 - Weights are counted as the kernel streams them: each of the tp devices moves its shard
   of `mk.step_bytes` (`shard_weight_bytes` with the default tiles, the bytes `mk.sim`
   replays and the kernel's own DMAs move, checked in tests/test_plan.py: widths padded to
-  whole tiles, norms in float32, the router on every device); the KV cache moves each
+  whole tiles, norms in float32, the router whole or split by experts as the plan
+  chooses: `mk.kernels.routing.router_columns`); the KV cache moves each
   device's kv heads (replicated when tp > K). So tp must be a split the kernel can make
   (`mk.kernels.plan.check_tp`). FLOPs are split evenly (each device computes FLOPs / tp).
 - Every byte crosses HBM once per step: weights and the S cached K/V positions are read
@@ -58,8 +58,9 @@ Assumptions, each stated where it is used:
   cores_per_chip devices.
 - Collectives (tp > 1): two all-reduces of the [B*T, D] bf16 activations per layer (after
   the attention output projection and after the MLP, as in Megatron-style tensor
-  parallelism; an expert-parallel MoE combines its partial sums the same way) and one
-  small all-gather for the sharded lm_head's argmax. One all-reduce takes
+  parallelism; an expert-parallel MoE combines its partial sums the same way), one small
+  all-gather for the sharded lm_head's argmax, and a kind's own (`Kind.collectives_s`:
+  a MoE layer's logits where its router is split by experts). An all-reduce takes
   `mk.kernels.collectives.allreduce_s` (the kernel's algorithm, the plan's default
   `choose_algorithm`: 1 round of a reduce-scatter and 1 of an all-gather ("two_phase")
   from tp = 4, ceil(log2 tp) each ("recursive") below; each round one message latency
@@ -345,9 +346,11 @@ def predict(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: 
     device_peak = peak_flops(spec, compute) / spec.cores_per_chip
     hbm_floor_ms = 1e3 * total_bytes / tp / device_bw
     compute_floor_ms = 1e3 * flops / tp / device_peak
-    collective_ms = (1e3 * collectives_per_step(config)
-                     * allreduce_s(m * config.hidden * PARTIAL_SUM_BYTES, tp, spec,
-                                   latency_s=ici_latency_s)
+    collective_ms = (1e3 * (collectives_per_step(config)
+                            * allreduce_s(m * config.hidden * PARTIAL_SUM_BYTES, tp, spec,
+                                          latency_s=ici_latency_s)
+                            + sum(len(k.layers) * k.collectives_s(m, spec, ici_latency_s)
+                                  for k in layer_kinds(local)))
                      if collectives else 0.0)
     return StepEstimate(
         config_name=config.name, chip_name=spec.name, batch=batch, rows=rows,

@@ -1,8 +1,8 @@
 """How tensor parallelism lays weights and caches out over tp devices, each stacked on a
 leading [tp] axis: `shard_params` (full params -> each device's) by each weight's split
-rule in `mk.weights` (`mk.weights.SPLITS`; `_SPLIT` applies them; `split_axis` and
-`split_index` say which axis each cuts and which of its indices each device holds; a tied
-model's lm_head is `tied_lm_head`), `shard_cache` and `check_sharded_cache` by each
+rule in `mk.weights` (`mk.weights.SPLITS`; `split_of` the rule at a tp, `_SPLIT` applies
+it; `split_axis` and `split_index` say which axis each cuts and which of its indices each
+device holds; a tied model's lm_head is `tied_lm_head`), `shard_cache` and `check_sharded_cache` by each
 cache field's rule in `mk.cache.FIELDS` (`_CACHE_SPLIT`), and `split_channels` (a linear
 layer's conv channels, q | k | v, split by heads: its weights' and its conv state's
 rule). Which device holds which heads and the padding to whole tiles are
@@ -34,6 +34,7 @@ from mk.cache import FIELDS, check_cache_type
 from mk.config import ModelConfig
 from mk.kernels.common import padded_width
 from mk.kernels.plan import check_tp, kv_heads_of
+from mk.kernels.routing import router_columns
 from mk.weights import weights_of
 
 
@@ -78,7 +79,16 @@ _SPLIT = {
     "channels": (-1, split_channels),
     "ffn_columns": (-1, lambda config, w, tp: _columns(w, tp, pad=tp > 1)),
     "ffn_rows": (-2, lambda config, w, tp: _rows(w, tp, pad=tp > 1)),
+    "experts": (-1, lambda config, w, tp: _columns(w, tp)),  # where `split_of` keeps it
 }
+
+
+def split_of(config: ModelConfig, weight, tp: int) -> str:
+    """The split rule `weight` (a `mk.weights.Weight`) is cut by at tp: its row's, but
+    "whole" for a router the plan keeps whole (`mk.kernels.routing.router_columns`)."""
+    if weight.split == "experts" and router_columns(config, tp) == config.experts:
+        return "whole"
+    return weight.split
 
 
 # (rows of I, columns of O) sharing one scale of each scheme (None: all of I, int8's
@@ -189,26 +199,29 @@ def check_quantised_splits(config: ModelConfig, formats, tp: int) -> None:
     packed bytes and scale blocks at `tp`; from the config alone, before any tracing."""
     schemes = quant.schemes_of(formats)
     for w in weights_of(config):
-        if w.name in schemes and w.split != "whole" and tp > 1:
-            axis = split_axis(w.split)
-            _scale_sources(w.name, w.split, schemes[w.name],
-                           split_index(config, w.split, w.stacked(config)[axis], tp),
+        split = split_of(config, w, tp)
+        if w.name in schemes and split != "whole" and tp > 1:
+            axis = split_axis(split)
+            _scale_sources(w.name, split, schemes[w.name],
+                           split_index(config, split, w.stacked(config)[axis], tp),
                            axis, tp)
 
 
 def shard_params(config: ModelConfig, params, tp: int) -> dict:
     """Full params -> per-device params stacked on a leading [tp] axis, in the layout of
     `shard_config(config, tp)` (plus the whole `embed` [V, D], replicated): each weight
-    split by its `mk.weights` split rule (a `mk.quant.QuantWeight` too, its codes and
-    scales: `_split_quantised`); a tied model's lm_head is embed.T's vocab columns."""
+    split by its `mk.weights` split rule (`split_of`; a `mk.quant.QuantWeight` too, its
+    codes and scales: `_split_quantised`); a tied model's lm_head is embed.T's vocab
+    columns."""
     check_tp(config, tp)
     check_quantised_splits(config, quant.formats_of(params), tp)  # every problem first
     split = {}
     for w in weights_of(config):
+        rule = split_of(config, w, tp)
         if isinstance(params.get(w.name), quant.QuantWeight):
-            split[w.name] = _split_quantised(config, w.name, w.split, params[w.name], tp)
-        elif w.split != "whole":
-            split[w.name] = _SPLIT[w.split][1](config, params[w.name], tp)
+            split[w.name] = _split_quantised(config, w.name, rule, params[w.name], tp)
+        elif rule != "whole":
+            split[w.name] = _SPLIT[rule][1](config, params[w.name], tp)
     if config.tie_embeddings:
         split["lm_head"] = tied_lm_head(config, params["embed"], tp)
     whole = {k: v for k, v in params.items() if k not in split}

@@ -72,9 +72,11 @@ Modelling assumptions (`Assumptions` holds the numbers; none is fitted to a meas
   and the vocab split tp ways and padded to whole tiles, KV heads split or replicated when
   tp > K, every expert on every device. The collectives are the kernel's
   (`mk.kernels.collectives`): an all-reduce of the [M, D] float32 partial sums after wo and
-  after the MLP, and the argmax's all-gather after the lm_head, each blocking the compute
-  lane (`mk.perf.allreduce_s` by the plan's algorithm, `DecodePlan.collective`, each
-  message round `Assumptions.ici_latency_s`: ICI_LATENCY_S, 1 us, by default).
+  after the MLP, the argmax's all-gather after the lm_head, and where the plan splits the
+  router by experts its logits' all-gather in each MoE layer (`mk.kinds.mlp.MoETwin`),
+  each blocking the compute lane (`mk.perf.allreduce_s` by the plan's algorithm,
+  `DecodePlan.collective`, each message round `Assumptions.ici_latency_s`:
+  ICI_LATENCY_S, 1 us, by default).
 - Active experts per MoE layer: the expected distinct experts of `mk.perf.experts_touched`
   (routing "uniform" by default), rounded; the same every layer and on every device (all
   route identically).

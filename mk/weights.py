@@ -73,8 +73,10 @@ PATHS = ("ring", "dma", "vector", "gather")
 #   channels  a linear layer's q | k | v conv channels, each part by heads
 #   ffn_columns, ffn_rows   columns / rows, padded with zeros to whole 128-lane tiles
 #   vocab     the lm_head's vocab columns (from the embedding when tied)
+#   experts   a router's expert columns, E/tp each, where the plan splits it
+#             (`mk.kernels.routing.router_columns`), else whole
 SPLITS = ("whole", "columns", "rows", "kv_heads", "channels", "ffn_columns", "ffn_rows",
-          "vocab")
+          "vocab", "experts")
 # Hugging Face naming schemes: "qwen" (qwen3, qwen3_moe, qwen3_5), "kimi" (kimi_linear,
 # as transformers' save_pretrained writes it) and "gpt_oss".
 HF_SCHEMES = ("qwen", "kimi", "gpt_oss")
@@ -149,6 +151,11 @@ def _gqa_projections(kind: str, scheme: str) -> tuple[Weight, ...]:
                      ("k", lambda c: (c.hidden, c.kv_width), "kv_heads"),
                      ("v", lambda c: (c.hidden, c.kv_width), "kv_heads"),
                      ("o", lambda c: (c.q_width, c.hidden), "rows")))
+
+
+def _router_shape(c: ModelConfig) -> tuple[int, int]:
+    """A router's [D, E], or on a shard that splits it its [D, E/tp] (`router_columns`)."""
+    return c.hidden, c.router_columns or c.experts
 
 
 def _qkv_parts(prefix, suffix):
@@ -265,7 +272,7 @@ WEIGHTS = (
        quant="dense", hf={"qwen": "mlp.down_proj.weight",
                           "kimi": "block_sparse_moe.down_proj.weight"}),
     # -- mixture of experts: "{e}" is the expert's index ------------------------------------
-    _w("router", "moe", lambda c: (c.hidden, c.experts), "router", "dma", "whole",
+    _w("router", "moe", _router_shape, "router", "dma", "experts",
        hf={"qwen": "mlp.gate.weight", "kimi": "block_sparse_moe.gate.weight"}),
     _w("router_bias", "moe", lambda c: (c.experts,), "router", "dma", "whole",
        hf={"kimi": "block_sparse_moe.gate.e_score_correction_bias"},
@@ -295,7 +302,7 @@ WEIGHTS = (
     # -- gpt-oss's experts: a router with a bias on its logits, experts with biases (the
     #    clamped SwiGLU: `ModelConfig.swiglu_limit`). gate_up_proj and its bias interleave
     #    gate (even columns) and up (odd); the experts are stored [E, in, out] ------------
-    _w("router", "clamped_moe", lambda c: (c.hidden, c.experts), "router", "dma", "whole",
+    _w("router", "clamped_moe", _router_shape, "router", "dma", "experts",
        hf={"gpt_oss": "mlp.router.weight"}),
     _w("router_logit_bias", "clamped_moe", lambda c: (c.experts,), "router", "dma", "whole",
        hf={"gpt_oss": "mlp.router.bias"}),

@@ -157,7 +157,8 @@ plots.show(plots.bytes_breakdown(steps, title=f"Bytes of one decode step (B={run
 #
 # Each preset on the fewest chips (a power of two) whose HBM holds its weights and KV
 # cache, every device holding the kernel's tensor-parallel shard (`mk.kernels.plan`: split
-# widths padded to whole tiles, norms and router on every device). A cell reads "HBM floor
+# widths padded to whole tiles, norms on every device, the router too unless the plan
+# splits it by experts). A cell reads "HBM floor
 # in ms (chips), HBM floor / MXU floor": below 1 the MXU, not HBM, sets the step; "no TPn
 # split" where the kernel cannot split the model over that many devices (more devices
 # than query heads).

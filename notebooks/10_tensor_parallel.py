@@ -222,8 +222,9 @@ display(plots.table([e for e in collectives.exchanges(4) if e["device"] == 0]))
 # ## What the collectives cost
 #
 # Per step: 2 L all-reduces of the [M, D] float32 partial sums (each device sends 2(n-1)/n
-# of it, in 2 log2(n) message rounds by "recursive", 2 by "two_phase") and one small
-# gather for the argmax. Below, by the ICI model of `mk.perf` (1 µs per message round, one
+# of it, in 2 log2(n) message rounds by "recursive", 2 by "two_phase"), one small gather
+# for the argmax, and where the plan splits a router by experts (below) one gather of the
+# router's logits per MoE layer. Below, by the ICI model of `mk.perf` (1 µs per message round, one
 # device's one-way ICI bandwidth), next to that model's own collective term (the plan's
 # algorithm) and the step's HBM floor per device:
 
@@ -339,12 +340,19 @@ for name, t in (("qwen3-30b-a3b", 4), ("kimi-k3", 32)):
 # padded (with the KV cache and the replicated embedding); on eight it fits.
 # `kimi-k3`: `tpu7x:2x2x4` is a topology libtpu accepts (32 TensorCores); each expert's
 # width split 32 ways leaves 64 columns a device of gate and of up, joined in one tile.
+# Its router (7168 x 896 bf16, 12.25 MiB a layer) is split too, by experts: a device
+# computes the logits of its 28 experts (the router held transposed, 28 rows, not a
+# lane-padded 128 columns) and the devices all-gather them, one message round a layer.
+# The plan splits a router where the bytes a device no longer loads take longer than that
+# round at the fastest HBM mk knows (`mk.kernels.routing.router_columns`); every other
+# preset's router is small enough to stay whole.
 # With bf16 experts the shard is far over a core's HBM; with its FP4 experts packed (half
 # a byte a value, a scale byte per 32) the whole shard fits and compiles.
 #
-# **Takeaway:** tensor parallelism is the same kernel on a smaller model plus three
+# **Takeaway:** tensor parallelism is the same kernel on a smaller model plus its
 # in-kernel collectives; a fixed summation order makes every device's residual stream
-# bit-identical, so routing and the greedy token agree with no extra exchange.
+# bit-identical, so routing and the greedy token agree with no extra exchange (a split
+# router's gather only copies each device's logits).
 
 # %% [markdown]
 # ## Questions

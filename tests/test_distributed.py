@@ -40,7 +40,7 @@ from builders import (build_hf_model, hf_config_dict, hf_tensors, save_hf_checkp
 from mk import quant
 from mk.distributed import check_device_indices, load_shards
 from mk.hf_layout import hf_layout
-from mk.shards import shard_params
+from mk.shards import shard_params, split_of
 from mk.weights import weight
 
 TESTS = Path(__file__).resolve().parent
@@ -213,7 +213,7 @@ def test_two_processes_each_load_only_their_devices_shards(moe_checkpoint, tmp_p
     reads = [json.loads(str(arrays["bytes_read"])) for arrays in results]
     for tensor, (param, _, _) in hf_layout(config).items():
         got = [read.get(tensor, 0) for read in reads]
-        if weight(config, param).split == "whole":
+        if split_of(config, weight(config, param), TP) == "whole":
             assert got == [stored[tensor]] * PROCESSES, tensor
         else:  # each process its half; together the tensor once
             assert got == [stored[tensor] // PROCESSES] * PROCESSES, tensor

@@ -12,6 +12,7 @@ import mk
 from mk import perf, quant
 from mk.chips import all_chips, chip
 from mk.kernels.one_layer import model_block
+from mk.kernels.plan import shard_config
 from mk.kinds.layers import layer_kinds
 from mk.presets import PRESET_NAMES
 from mk.quant import stored_bytes
@@ -223,8 +224,9 @@ def splits(config, tp: int) -> bool:
 
 @pytest.mark.parametrize("name", PRESET_NAMES)
 def test_hbm_floor_falls_as_one_over_tp_up_to_what_every_device_repeats(name):
-    # What every device moves whole (norms, router, replicated kv heads) or pads (split
-    # widths short of a tile) keeps the floor above one over tp; never below. (The
+    # What every device moves whole (norms, router unless the plan splits it by experts,
+    # replicated kv heads) or pads (split widths short of a tile) keeps the floor above
+    # one over tp; never below. (The
     # lm_head's vocab columns are padded to whole tiles of each shard's own tiling: a
     # wider tile at tp=1 can pad more than the shards together.)
     config = mk.preset(name)
@@ -233,7 +235,8 @@ def test_hbm_floor_falls_as_one_over_tp_up_to_what_every_device_repeats(name):
         if not splits(config, tp):
             continue
         many = perf.predict(config, "tpu7x", tp=tp, context=0)
-        repeated = (tp - 1) * (one.norm_bytes + one.router_bytes)
+        split = shard_config(config, tp).router_columns  # a split router is not repeated
+        repeated = (tp - 1) * (one.norm_bytes + (0 if split else one.router_bytes))
         assert many.total_bytes - many.lm_head_bytes >= (
             one.total_bytes - one.lm_head_bytes + repeated - 1e-6 * one.total_bytes)
         assert many.lm_head_bytes >= config.vocab * config.hidden * 2

@@ -290,14 +290,21 @@ def counted_quantised(tp):
     return counted("tiny-moe", tp, BYTES_FORMATS)
 
 
-def test_a_quantised_shards_dmas_move_the_bytes_the_plan_the_simulator_and_perf_count():
-    """tiny-moe at tp 2, every group packed (experts 64 columns a device padded to 128):
-    the bytes its DMAs move per family, summed over both devices, are the plan's, the
-    simulator's and mk.perf's, and the packed families' are their schemes' share of the
-    plain tiles' (a kernel streaming the dequantised tiles would move 2-4x more)."""
+def counted_quantised_split(tp):
+    return counted("tiny-moe", tp, BYTES_FORMATS, router_split="experts")
+
+
+@pytest.mark.parametrize("split", ["auto", "experts"])  # tiny-moe's "auto": whole
+def test_a_quantised_shards_dmas_move_the_bytes_the_plan_the_simulator_and_perf_count(split):
+    """tiny-moe at tp 2, every group packed (experts 64 columns a device padded to 128),
+    its router whole or split by experts: the bytes its DMAs move per family, summed over
+    both devices, are the plan's, the simulator's and mk.perf's, and the packed families'
+    are their schemes' share of the plain tiles' (a kernel streaming the dequantised
+    tiles would move 2-4x more); a split router moves 1/tp of the whole one's bytes."""
     tp, formats = 2, BYTES_FORMATS
-    got = {f: int(b) for f, b in run("test_quant_shards:counted_quantised", tp).items()}
-    config = mk.preset("tiny-moe")
+    target = "counted_quantised" + ("_split" if split == "experts" else "")
+    got = {f: int(b) for f, b in run(f"test_quant_shards:{target}", tp).items()}
+    config = dataclasses.replace(mk.preset("tiny-moe"), router_split=split)
     plan = DecodePlan.make(config, tp=tp, batch=1, rows=1, context=config.max_context,
                            formats=formats)
     assert set(plan.stream.schemes) == {"int8", "fp4", "int4"}
@@ -320,3 +327,5 @@ def test_a_quantised_shards_dmas_move_the_bytes_the_plan_the_simulator_and_perf_
     for family, per in (("attention", 1 + 4 / rows), ("experts", 0.5 + 1 / 32),
                         ("lm_head", 0.5 + 2 / 128)):
         assert got[family] == pytest.approx(elements[family] * per, rel=1e-12), family
+    whole_router = len(config.moe_layers) * config.hidden * config.experts * 2  # bf16
+    assert got["router"] == whole_router * (1 if split == "experts" else tp)

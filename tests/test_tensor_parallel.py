@@ -166,7 +166,8 @@ def test_greedy_tokens_equal_the_reference_on_every_device_race_free(target, tp)
 # head's query is 192 wide, two a device), its experts rounded onto the FP4
 # grid before saving: transformers' greedy tokens are then the oracle of the megakernel
 # on the FP4-packed shards (the 128 expert columns are 64 a device at tp 2, 32 at tp 4:
-# gate and up joined in one lane tile), two-phase all-reduces, race detector on.
+# gate and up joined in one lane tile), the router split by experts (Kimi K3's layout at
+# TP32; the logits all-gathered), two-phase collectives, race detector on.
 def kimi_hf_fields() -> dict:
     from test_kimi import TPU_CASES, TPU_COMMON
     return {**TPU_COMMON, **TPU_CASES["kda-mla-kda"], "num_attention_heads": 8,
@@ -211,6 +212,7 @@ def _kimi_fp4_hf_tokens(tp: int, steps: int) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         model.save_pretrained(folder)
         config, params = mk.load_checkpoint(folder)
+    config = dataclasses.replace(config, router_split="experts")
     qparams = quant.quantize(config, params, experts="fp4")
     exact = all(np.array_equal(np.asarray(quant.dequantize(qparams, jnp.float32)[n]),
                                np.asarray(params[n])) for n in ("we_gate", "we_up", "we_down"))
@@ -221,9 +223,11 @@ def _kimi_fp4_hf_tokens(tp: int, steps: int) -> dict:
                             collective="two_phase")
         jax.block_until_ready(got)
         races = backend.races_found()
-    joined = [k.joined for k in plan.DecodePlan.make(config, tp=tp, batch=2,
-                                                     context=64).kinds if k.name == "moe"]
-    return dict(want=want, got=got, races=races, exact=exact, joined=np.asarray(joined),
+    moe = [k for k in plan.DecodePlan.make(config, tp=tp, batch=2, context=64).kinds
+           if k.name == "moe"]
+    return dict(want=want, got=got, races=races, exact=exact,
+                joined=np.asarray([k.joined for k in moe]),
+                split=np.asarray([k.router_shards for k in moe]),
                 planted_caught=planted_race_caught(tp))
 
 
@@ -235,6 +239,7 @@ def test_kimi_fp4_experts_joined_at_tp_give_transformers_greedy_tokens(target, t
     out = run(f"test_tensor_parallel:{target}", tp)
     assert out["exact"], "the FP4-rounded experts must pack without loss"
     assert out["joined"].tolist() == [128], "gate and up must stream joined at this tp"
+    assert out["split"].tolist() == [tp], "the router must be split by experts"
     assert out["want"].shape == (2, steps)
     for device in range(tp):
         np.testing.assert_array_equal(out["got"][device], out["want"], f"device {device}")
@@ -336,6 +341,46 @@ def test_kimis_mla_kda_gates_and_shared_expert_are_split_by_heads_and_width():
     assert (local.linear_value_heads, local.shared_expert_ffn) == (1, 128)
     assert {k: v.shape[1:] for k, v in shards.items() if k != "embed"} == {
         k: s for k, (s, _) in param_shapes(local).items() if k != "embed"}
+
+
+def test_the_router_is_split_by_experts_where_the_plan_says_it_pays():
+    """`router_columns`: Kimi K3's router (7168 x 896 bf16, 12.25 MiB a layer) is split by
+    experts at TP32, 28 a device (its rows: the kernel holds it transposed); the presets'
+    small routers stay whole (the gather's latency would outweigh the bytes); "whole"
+    and "experts" force either. A forced split's shards put back together are the router
+    and each device's is its experts' columns."""
+    k3 = mk.preset("kimi-k3")
+    assert plan.shard_config(k3, 32).router_columns == 28
+    assert plan.shard_config(dataclasses.replace(k3, router_split="whole"),
+                             32).router_columns == 0
+    for name in ("qwen3-30b-a3b", "gpt-oss-20b", "tiny-moe"):
+        local = plan.shard_config(mk.preset(name), 2)
+        assert (local.router_split, local.router_columns) == ("whole", 0), name
+    tiny = dataclasses.replace(mk.preset("tiny-moe"), router_split="experts")
+    local = plan.shard_config(tiny, 2)
+    assert (local.router_split, local.router_columns) == ("experts", tiny.experts // 2)
+    kind = next(k for k in layer_kinds(local) if k.name == "moe")
+    assert kind.router_shards == 2 and "router split by experts (4 of 8" in kind.described()
+    params = mk.init_params(tiny)
+    shards = shard_params(tiny, params, 2)
+    assert shards["router"].shape[1:] == param_shapes(local)["router"][0]
+    np.testing.assert_array_equal(shards["router"][1], params["router"][..., 4:])
+    np.testing.assert_array_equal(np.concatenate(list(shards["router"]), -1), params["router"])
+
+
+@pytest.mark.parametrize("overrides, tp, match", [
+    (dict(router_split="rows"), 2, r"router_split='rows' must be one of \('auto', 'whole', "
+     r"'experts'\)"),
+    (dict(router_split="experts", experts=4), 8, r"router_split='experts' needs tp=8 to "
+     r"divide experts=4"),
+    (dict(router_columns=3), 2, r"router_columns=3 must be 0 \(every expert\) or a divisor "
+     r"of experts=4"),
+    (dict(moe_layers=(), experts=0, experts_per_token=0, expert_ffn=0,
+          router_split="experts"), 2, r"router_split.* are set but moe_layers is empty"),
+])
+def test_a_router_split_that_cannot_be_made_is_refused(overrides, tp, match):
+    with pytest.raises(ValueError, match=match):
+        plan.shard_config(tp_config(tp, **overrides), tp)
 
 
 @pytest.mark.parametrize("overrides, match", [

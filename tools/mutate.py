@@ -240,6 +240,22 @@ MUTANTS = [
        equivalent="the lanes past `used` meet down's zero rows (the shard's padding): finite "
                   "values times zero add nothing; the mask guards an inf there, which random "
                   "and real weights do not make"),
+    # -- issue 35: the router split by experts --
+    _m("split router: logits gathered in the wrong device order", "mk/kinds/mlp.py",
+       "jnp.concatenate([parts[i] for i in range(n)], axis=1)",
+       "jnp.concatenate([parts[n - 1 - i] for i in range(n)], axis=1)",
+       "tests/test_tensor_parallel.py::test_kimi_fp4_experts_joined_at_tp_give_transformers"
+       "_greedy_tokens"),
+    _m("split router: the simulator skips the gather", "mk/kinds/mlp.py",
+       "        if self.kind.router_shards > 1:  # the logits' all-gather",
+       "        if False:  # the logits' all-gather",
+       "tests/test_bundles.py::test_the_recorded_tensor_parallel_shards_stream_through_their"
+       "_collectives"),
+    _m("split router: mk.perf forgets the gathers", "mk/perf.py",
+       "+ sum(len(k.layers) * k.collectives_s(m, spec, ici_latency_s)",
+       "+ 0 * sum(len(k.layers) * k.collectives_s(m, spec, ici_latency_s)",
+       "tests/test_ledger.py::test_the_collective_chain_moves_with_the_assumed_latency_of_a"
+       "_message_round"),
 ]
 
 

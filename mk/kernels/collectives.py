@@ -65,9 +65,9 @@ its log2(n) XOR partners ("recursive"), every peer ("two_phase").
 Here: `check_devices`, `tp_mesh`, `ALGORITHMS`, `rounds`, `choose_algorithm`,
 `exchanges` (the schedule as data), `all_reduce_bytes`,
 `CollectiveScratch` and its shapes, `barrier`, `all_reduce_body`, `all_gather_body`,
-`argmax_body`, `tree_sum` (the reference order), the time model of one all-reduce
-(`allreduce_s`, `ICI_LATENCY_S`, `ici_bandwidth`: the simulator's, `mk.perf`'s and the
-plan's ring depth), and the standalone kernels `all_reduce`,
+`argmax_body`, `tree_sum` (the reference order), the time model of one all-reduce and
+one all-gather (`allreduce_s`, `allgather_s`, `ICI_LATENCY_S`, `ici_bandwidth`: the
+simulator's, `mk.perf`'s and the plan's ring depth), and the standalone kernels `all_reduce`,
 `all_gather`, `greedy_argmax` (called inside `jax.shard_map`). Not here: meshes with more
 than one axis, non-power-of-two device counts, overlap of a collective with the next
 matmul.
@@ -142,6 +142,20 @@ def allreduce_s(nbytes: float, tp: int, spec: ChipSpec, algorithm: str | None = 
         raise ValueError(f"latency_s={latency_s} must be >= 0")
     phases = 2 * rounds(choose_algorithm(tp, algorithm), tp)
     return phases * latency_s + 2 * (tp - 1) / tp * nbytes / ici_bandwidth(spec)
+
+
+def allgather_s(nbytes: float, n: int, spec: ChipSpec, algorithm: str | None = None,
+                latency_s: float = ICI_LATENCY_S) -> float:
+    """Seconds of one all-gather of an `nbytes` item from each of `n` devices, as
+    `all_gather_body` runs it: `rounds` of one `latency_s`, each device receiving the
+    other n - 1 items at its one-way ICI bandwidth. 0 for n = 1. A model, not measured."""
+    positive_int("n", n)
+    if nbytes < 0:
+        raise ValueError(f"nbytes={nbytes} must be >= 0")
+    if not latency_s >= 0:
+        raise ValueError(f"latency_s={latency_s} must be >= 0")
+    phases = rounds(choose_algorithm(n, algorithm), n)
+    return phases * latency_s + (n - 1) * nbytes / ici_bandwidth(spec)
 
 
 def ici_bandwidth(spec: ChipSpec) -> float:

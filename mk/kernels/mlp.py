@@ -393,11 +393,11 @@ def experts_body(ring: Ring, layer, x, combine_vmem, ids_smem, count_smem, gate_
 
 def moe_body(ring: Ring, layer, x, router_vmem, combine_vmem, selected_vmem, selected_smem,
              sem, ids_smem, count_smem, gate_vmem, up_vmem, down_vmem, out_ref, *,
-             routing: Routing, bias_vmem=None, shared=None, **experts):
-    """out_ref [M, D] f32 += the MoE block of x [M, D] (a VMEM ref); router_vmem [D, E]
-    holds this layer's router (bias_vmem [1, E] its bias: the sigmoid router's, or
-    gpt-oss's on the softmax router's logits); experts: `experts_body`'s activation and
-    bias.
+             routing: Routing, bias_vmem=None, shared=None, gather=None, **experts):
+    """out_ref [M, D] f32 += the MoE block of x [M, D] (a VMEM ref); router_vmem [E, D]
+    holds this layer's router transposed (bias_vmem [1, E] its bias: the sigmoid
+    router's, or gpt-oss's on the softmax router's logits; a split router's rows and
+    `gather`: `route_body`'s); experts: `experts_body`'s activation and bias.
     shared: the shared expert's (gate, up) [M, Fs] f32 scratch when the stream holds its
     segments (`moe_segments`): it runs first, through the ring, while count is still 0.
     Needs count_smem[0] == 0 while the tiles before the expert region were consumed
@@ -406,7 +406,7 @@ def moe_body(ring: Ring, layer, x, router_vmem, combine_vmem, selected_vmem, sel
     if shared is not None:  # down_vmem holds its output until the experts reuse it
         swiglu_body(ring, layer, x, *shared, down_vmem, names=SHARED_WEIGHTS)
         out_ref[...] += down_vmem[...]
-    selected = route_body(x, router_vmem, combine_vmem, routing, bias_vmem)
+    selected = route_body(x, router_vmem, combine_vmem, routing, bias_vmem, gather)
     select_experts(selected, selected_vmem, selected_smem, sem, ids_smem, count_smem)
     gate = ring.stream.segment(expert_segments(ring.stream)[0])
     base = ring.stream.base(layer, gate)
@@ -429,7 +429,7 @@ def moe_buffers(M: int, D: int, E: int, Fe: int, dtype, block: BlockSizes,
     stream = weight_stream(block, moe_segments(D, Fe, 1, shared_ffn), formats)  # any slots
     dt = str(jnp.dtype(dtype))
     buffers = _stage_buffers(M, D, dtype, stream, x_dtype) + [
-        Buffer("router", (D, E), dt), Buffer("combine", (M, E), "float32"),
+        Buffer("router", (E, D), dt), Buffer("combine", (M, E), "float32"),
         Buffer("selected", (1, E), "int32"), Buffer("gate", (M, Fe), "float32"),
         Buffer("up", (M, Fe), "float32"), Buffer("down", (M, D), "float32")]
     if router_bias:
@@ -448,10 +448,10 @@ MOE_SCRATCH = ("router_vmem", "combine_vmem", "selected_vmem", "gate_vmem", "up_
 def moe_kernel(inputs, out_vmem, loaded_smem, *, stream: TileStream, dtype,
                routing: Routing, sems, **scratch):
     """inputs (by name): layer [1] int32 (SMEM, the stacked weight row), h [M, D] (VMEM),
-    and in HBM router [Lm, D, E] (router_bias [Lm, 1, E] for the sigmoid router), the
-    experts we_* [Lm, E, ...] (weight dtype or tile-major `mk.quant.QuantWeight`s) and the
-    shared expert's ws_* [Lm, ...] when there is one. outputs: out [M, D] f32, loaded [1]
-    int32 (distinct experts loaded). scratch: `moe_buffers`' (`vmem_scratch` names), the
+    and in HBM router [Lm, E, D] (transposed; router_bias [Lm, 1, E] for the sigmoid
+    router), the experts we_* [Lm, E, ...] (weight dtype or tile-major
+    `mk.quant.QuantWeight`s) and the shared expert's ws_* [Lm, ...] when there is one.
+    outputs: out [M, D] f32, loaded [1] int32 (distinct experts loaded). scratch: `moe_buffers`' (`vmem_scratch` names), the
     ring's DMA semaphores `sems`, small_sems (`MOE_SMALL_LOADS`, by `small_sem`), the SMEM
     scalars; the rest are the ring's slots (as `swiglu_kernel`'s). dtype: the experts'
     compute dtype."""
@@ -543,7 +543,7 @@ def moe(h: jax.Array, router: jax.Array, we_gate: jax.Array, we_up: jax.Array,
                        for a in jax.tree.leaves(ring_inputs[n])) // (Lm * E)
     shared_bytes = sum(a.nbytes for n in streamed if n in SHARED_WEIGHTS
                        for a in jax.tree.leaves(ring_inputs[n])) // Lm
-    inputs = dict(layer=layer_row, h=h, router=router) | {
+    inputs = dict(layer=layer_row, h=h, router=router.swapaxes(1, 2)) | {  # [Lm, E, D]
         n: weights[n] for n in ("router_bias",) if n in weights} | ring_inputs
     spaces = {n: pl.BlockSpec(memory_space=pl.ANY) for n in inputs} | dict(
         layer=pl.BlockSpec(memory_space=pltpu.SMEM), h=pl.BlockSpec(memory_space=pltpu.VMEM))

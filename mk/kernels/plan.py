@@ -48,10 +48,11 @@ The sharding model (what one device holds; each weight's split rule is its row o
     MoE        every expert on every device, each split the same way (Fe/tp, padded;
                gate and up joined in one lane tile where each is a sliver of one:
                `mk.kinds.mlp.MoE.joined`); a shared expert as a dense MLP (Fs/tp,
-               padded); the router (and a sigmoid router's bias) replicated, so every
-               device routes identically
+               padded); the router whole, or its E/tp experts' rows where that pays
+               (`mk.kernels.routing.router_columns`: the logits all-gathered), so every
+               device routes identically; a sigmoid router's bias whole
     lm_head    V/tp vocab columns, padded to whole tiles (masked before the argmax)
-    replicated the residual stream, the norms, the router, the embedding table
+    replicated the residual stream, the norms, the embedding table
 
 The default tiling is `mk.kernels.one_layer.model_block` over the shard's matrices
 (`mk.kernels.common.default_block`, the rule every kernel uses), with the cache's context:
@@ -67,12 +68,11 @@ as many as Little's law asks for `ring_cover_s` at one core's bandwidth (`RING_C
 at most a layer's period of tiles), KV tiles of min(256, S) positions, KV slots by
 `kv_depth`.
 
-The ring's slot count when tiles of different bytes share it. Plain tiles, each
-scheme's packed tiles (data and scales) and each tile shape have buffers of their own, but
-one slot index (tile
-g in slot g % slots of whichever buffer its segment uses), so every ring buffer is slots
-deep. One rule (`ring_slots`): Little's law on the bytes in flight counted over the
-stream's own tile sequence, the fewest slots whose every run of consecutive tiles carries
+The ring's slot count when tiles of different bytes share it. Plain tiles, each scheme's
+packed tiles (data and scales) and each tile shape have buffers of their own, but one slot
+index (tile g in slot g % slots of whichever buffer its segment uses), so every ring
+buffer is slots deep. One rule (`ring_slots`): Little's law on the bytes in flight counted
+over the stream's own tile sequence, the fewest slots whose every run of consecutive tiles carries
 bandwidth x cover time. A stream of one tile size gets `little_slots`; a long run of small
 packed tiles asks for hundreds of slots, whose buffers a chip does not hold (Kimi K3's
 TP32 shard asked 850 when one 128 x 128 tile served its FP4 experts and the rest; hence
@@ -473,7 +473,7 @@ class DecodePlan:
                                self.block)
         groups["vectors"] |= {"sems": pltpu.SemaphoreType.DMA((2, 2)),
                               "final_sem": pltpu.SemaphoreType.DMA((1,))}
-        for name in ("all_reduce", "argmax"):  # the collectives (tp > 1)
+        for name in ("all_reduce", "argmax", "router_gather"):  # the collectives (tp > 1)
             if name in groups:
                 groups[name] |= {"sems": collective_semaphores(self.tp, self.collective)}
         return groups

@@ -1,9 +1,12 @@
-"""The MoE router inside a kernel: `Routing` (how a layer picks and weighs its experts) and
+"""The MoE router inside a kernel: `Routing` (how a layer picks and weighs its experts),
+`router_columns` (whether tensor parallelism splits the router by experts) and
 `route_body`, the first of the MoE block's four steps (`mk.kernels.mlp`): logits = h @
-router [D, E] in f32, softmax (Qwen3-MoE) or sigmoid plus a choice bias within the best
-expert groups (`kept_groups`: DeepSeek-V3 / Kimi), top-k by k rounds of (row max, lowest
-lane holding it) so ties go to the lower expert id, the weights renormalised and scaled as
-asked. Its numerics are `mk.ops.route` / `mk.ops.route_grouped`'s. Not here: turning the
+router in f32 (the router held transposed, [E, D]: its rows the experts, so a few experts
+a device are a few sublanes, not a padded lane tile; at tp with the router split, each
+device's E/tp, all-gathered), softmax (Qwen3-MoE) or sigmoid plus a choice bias within the
+best expert groups (`kept_groups`: DeepSeek-V3 / Kimi), top-k by k rounds of (row max,
+lowest lane holding it) so ties go to the lower expert id, the weights renormalised and
+scaled as asked. Its numerics are `mk.ops.route` / `mk.ops.route_grouped`'s. Not here: turning the
 selected flags into expert slots and streaming them (`mk.kernels.mlp.select_experts`,
 `experts_body`), the router's DMA (`mk.kinds.mlp.MoE`).
 """
@@ -18,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from mk.chips import all_chips
+from mk.kernels.collectives import ICI_LATENCY_S, allgather_s
 from mk.kinds.checks import check_routing
 
 
@@ -56,6 +61,33 @@ class Routing:
         return self
 
 
+def router_columns(config, tp: int) -> int:
+    """The router columns a device holds at tp (the experts whose logits it computes): E/tp
+    where `config.router_split` is "experts", or "auto" and the split pays, else E.
+
+    Pays: the router bytes a device no longer loads each MoE layer, (1 - 1/tp) of its D x E,
+    take longer at the fastest HBM of data/chips.csv than the all-gather of one row's
+    logits takes there at ICI_LATENCY_S a message round (`allgather_s`; more rows cost a
+    few more bytes on the wire). So an "auto" split pays on every chip mk knows; it is a
+    layout, chosen once for the shard, not per step. ValueError where "experts" is asked
+    and tp does not divide E."""
+    E = config.experts
+    if tp == 1 or not E or config.router_split == "whole":
+        return E
+    if E % tp:
+        if config.router_split == "experts":
+            raise ValueError(f"{config.name}: router_split='experts' needs tp={tp} to "
+                             f"divide experts={E}")
+        return E
+    if config.router_split == "experts":
+        return E // tp
+    fastest = max(all_chips("tpu"), key=lambda spec: spec.device_hbm_bw)
+    saved_s = (1 - 1 / tp) * config.hidden * E * np.dtype(config.dtype).itemsize \
+        / fastest.device_hbm_bw
+    gather_s = allgather_s(4 * E // tp, tp, fastest, latency_s=ICI_LATENCY_S)
+    return E // tp if saved_s > gather_s else E
+
+
 def _first_max(values, lane, n):
     """(the row max [M, 1] of values [M, n], a mask of the lowest lane holding it)."""
     best = jnp.max(values, axis=1, keepdims=True)
@@ -88,14 +120,21 @@ def kept_groups(choice, expert, routing: Routing):
     return kept
 
 
-def route_body(x, router_vmem, combine_vmem, routing: Routing, bias_vmem=None):
+def route_body(x, router_vmem, combine_vmem, routing: Routing, bias_vmem=None,
+               gather=None):
     """Write combine_vmem [M, E] f32 (routing weights, 0 where not picked); return the
-    selected flags [1, E] int32. The numerics of `mk.ops.route` (softmax; with bias_vmem
-    [1, E], gpt-oss's bias on the logits: `mk.ops.route_logits`, the softmax over the
-    picked logits being the renormalised softmax's weights) or `mk.ops.route_grouped`
-    (sigmoid: bias_vmem [1, E] holds the layer's choice bias)."""
-    w = router_vmem[...]  # [D, E]
-    logits = jnp.dot(x[...].astype(w.dtype), w, preferred_element_type=jnp.float32)
+    selected flags [1, E] int32. router_vmem [E, D] holds the router transposed, or at tp
+    with the router split this device's [E/tp, D] and `gather` takes its logits [M, E/tp]
+    to every device's, in device order [M, E] (an all-gather: copies, so the logits are
+    bit-identical on every device and so is the routing). The numerics of `mk.ops.route`
+    (softmax; with bias_vmem [1, E], gpt-oss's bias on the logits: `mk.ops.route_logits`,
+    the softmax over the picked logits being the renormalised softmax's weights) or
+    `mk.ops.route_grouped` (sigmoid: bias_vmem [1, E] holds the layer's choice bias)."""
+    w = router_vmem[...]  # [E, D]: x @ w.T
+    logits = lax.dot_general(x[...].astype(w.dtype), w, (((1,), (1,)), ((), ())),
+                             preferred_element_type=jnp.float32)
+    if gather is not None:
+        logits = gather(logits)
     if routing.router_score == "softmax" and bias_vmem is not None:
         logits = logits + bias_vmem[...].astype(jnp.float32)
     M, E = logits.shape

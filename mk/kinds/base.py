@@ -201,8 +201,8 @@ class Kind:
                      if FAMILY[n] != "norms" and n not in self.elementwise)
 
     def layout_note(self) -> str:
-        """What its shard's layout adds to the bytes it streams, in prose (", ..."), or ""
-        where nothing: the ledger's notes."""
+        """What its shard's layout changes in the bytes it streams, in prose (", ..."), or
+        "" where nothing: the ledger's notes."""
         return ""
 
     def described(self) -> str:
@@ -233,6 +233,11 @@ class Kind:
     def mixing_flops(self, batch: int, rows: int, context: int) -> float:
         """Its FLOPs besides its weights' matmuls (attention over the cache, the delta
         rule) in one layer."""
+        return 0.0
+
+    def collectives_s(self, m: int, spec, latency_s: float, algorithm=None) -> float:
+        """Seconds of its own collectives in one of its layers over M = m rows on a shard
+        (besides the layer's two all-reduces: `mk.perf`, the simulator): none by default."""
         return 0.0
 
     def mxu_passes(self, batch: int, rows: int, context: int, touched: float) -> list:
@@ -267,6 +272,7 @@ class Step:
     row: Callable
     on: Callable
     groups: dict = dataclasses.field(default_factory=dict)  # the scratch by group
+    collective: str = "recursive"  # the in-kernel collectives' algorithm (the plan's)
     ring: Any = None
     prime_next: bool = False  # a full layer primes the next one's KV tiles
     first_row: Any = 0  # the row of the kernel's first layer of each kind

@@ -25,7 +25,8 @@ from mk.errors import brief, shown
 UNSET = {
     "moe_layers": dict(experts=0, experts_per_token=0, expert_ffn=0, norm_topk=False,
                        shared_expert_ffn=0, router_score="softmax", expert_groups=1,
-                       topk_groups=1, routed_scale=1.0),
+                       topk_groups=1, routed_scale=1.0, router_split="auto",
+                       router_columns=0),
     "linear_layers": dict(linear_key_heads=0, linear_value_heads=0, linear_key_dim=0,
                           linear_value_dim=0, conv_kernel=0, channel_decay=False),
     "sliding_layers": dict(sliding_window=0),
@@ -38,6 +39,8 @@ FORMAT_LAYERS = {"experts": "moe_layers"}
 
 # How a router scores experts: Qwen's softmax, or DeepSeek/Kimi's sigmoid (+ choice bias).
 ROUTER_SCORES = ("softmax", "sigmoid")
+# How tensor parallelism holds a router (ModelConfig.router_split).
+ROUTER_SPLITS = ("auto", "whole", "experts")
 
 
 def check_positive_ints(c, fields, context: str = "") -> None:
@@ -96,9 +99,11 @@ def check_unset(c, layers: str, fields, why: str) -> None:
 
 def check_moe(c) -> None:
     """MoE layers: experts, top-k and width set exactly when there are MoE layers, which
-    are distinct sorted layer indices."""
+    are distinct sorted layer indices; the router's split one of ROUTER_SPLITS, a shard's
+    router columns whole experts' shares."""
     if not c.moe_layers:
-        check_unset(c, "moe_layers", ("experts", "experts_per_token", "expert_ffn"),
+        check_unset(c, "moe_layers", ("experts", "experts_per_token", "expert_ffn",
+                                      "router_split", "router_columns"),
                     "moe_layers is empty")
         return
     if min(c.experts, c.experts_per_token, c.expert_ffn) < 1:
@@ -115,6 +120,14 @@ def check_moe(c) -> None:
     if list(c.moe_layers) != sorted(c.moe_layers):
         raise ValueError(f"{c.name}: moe_layers={brief(c.moe_layers)} must be "
                          "sorted")
+    if c.router_split not in ROUTER_SPLITS:
+        raise ValueError(f"{c.name}: router_split={shown(c.router_split)} must be one of "
+                         f"{ROUTER_SPLITS}")
+    columns = c.router_columns
+    if isinstance(columns, bool) or not isinstance(columns, (int, np.integer)) \
+            or not 0 <= columns <= c.experts or (columns and c.experts % columns):
+        raise ValueError(f"{c.name}: router_columns={shown(columns)} must be 0 (every "
+                         f"expert) or a divisor of experts={c.experts}")
 
 
 def check_linear(c) -> None:

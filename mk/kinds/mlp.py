@@ -4,10 +4,12 @@ shared expert) and gpt-oss's (`ClampedMoE`: a bias on the router's logits, biase
 clamped-SwiGLU experts), each with its simulator twin and, but gpt-oss's, its stage
 kernel (`stage`: the MLP as one pallas_call, `mk.profiling`'s staged step).
 
-A MoE layer DMAs its router (and the sigmoid router's bias) whole: at the layer's start,
-or at tp > 1 behind the token mixer's tiles (`router_after_mixer`), and waits for it just
-before routing; its shared expert streams through the ring before routing, its expert
-slots after (`mk.kernels.mlp.moe_body`). Not here: the kernels' bodies
+A MoE layer DMAs its router (and the sigmoid router's bias) whole, transposed ([E, D]:
+`mk.kernels.routing`): at the layer's start, or at tp > 1 behind the token mixer's tiles
+(`router_after_mixer`), and waits for it just before routing; where the plan splits the
+router by experts (`mk.kernels.routing.router_columns`), a device's E/tp rows, and its
+logits are all-gathered (`route_gather`). Its shared expert streams through the ring
+before routing, its expert slots after (`mk.kernels.mlp.moe_body`). Not here: the kernels' bodies
 (`mk.kernels.mlp`), the loop over kinds (`mk.kernels.one_layer.layer_body`).
 """
 
@@ -23,7 +25,8 @@ from jax.experimental.pallas import tpu as pltpu
 from mk import quant
 from mk.config import DTYPE_BITS
 from mk.kernels import mlp as mlp_kernels
-from mk.kernels.collectives import AXIS
+from mk.kernels.collectives import (AXIS, CollectiveScratch, all_gather_body, allgather_s,
+                                    collective_buffers)
 from mk.kernels.common import Buffer, padded_width, start_dma
 from mk.kernels.joined_experts import gate_up_width
 from mk.kernels.mlp import (DENSE_WEIGHTS, EXPERT_WEIGHTS, JOINED_EXPERT_WEIGHTS,
@@ -31,7 +34,7 @@ from mk.kernels.mlp import (DENSE_WEIGHTS, EXPERT_WEIGHTS, JOINED_EXPERT_WEIGHTS
                             moe_fetch, moe_segments, swiglu_body, swiglu_fetch,
                             swiglu_segments)
 from mk.kernels.ring import Repeat
-from mk.kernels.routing import Routing
+from mk.kernels.routing import Routing, router_columns
 from mk.kinds.base import Kind, Step, Twin
 from mk.ops import clamped_swiglu
 from mk.weights import param_shapes
@@ -108,6 +111,12 @@ class MoE(Kind):
         return super().described() + shared + self.layout_note()
 
     @property
+    def router_shards(self) -> int:
+        """The devices its router's experts are split over (1: whole on each device)."""
+        c = self.config
+        return c.experts // c.router_columns if c.router_columns else 1
+
+    @property
     def joined(self) -> int | None:
         """The width of each expert's gate|up as one matrix where both fit one lane tile
         (`mk.kernels.joined_experts.gate_up_width`: the layout this shard streams), else
@@ -117,16 +126,19 @@ class MoE(Kind):
 
     def layout_note(self) -> str:
         """Its expert layout and why, in prose (the plan's choice: `joined`), with the
-        bytes an expert streams over its values' where its shard pads them."""
+        bytes an expert streams over its values' where its shard pads them; its router's
+        split where the plan splits it (`router_shards`)."""
         c = self.config
         used, ffn = c.own_width("expert_ffn"), c.expert_ffn
+        router = (f", its router split by experts ({c.router_columns} of {c.experts} a "
+                  "device, the logits all-gathered)" if self.router_shards > 1 else "")
         if used == ffn:
-            return ""
+            return router
         share = self.slot_elements() / (3 * c.hidden * used)
         layout = (f"gate and up ({used} columns each a device) joined in {self.joined} "
                   f"lanes (apart: 2 x {ffn}), down's rows padded to {ffn}" if self.joined
                   else f"{used} columns a device padded to {ffn} lanes")
-        return f", each expert's {layout}: {share:.3g}x its bytes"
+        return f", each expert's {layout}: {share:.3g}x its bytes" + router
 
     @property
     def expert_weights(self) -> tuple[str, ...]:
@@ -143,9 +155,12 @@ class MoE(Kind):
 
     def shard_fields(self, tp: int) -> dict:  # each expert's columns padded to whole tiles
         c = self.config
+        columns = router_columns(c, tp)
         return dict(expert_ffn=padded_width(c.expert_ffn // tp),
                     shared_expert_ffn=padded_width(c.shared_expert_ffn // tp)
-                    if c.shared_expert_ffn else 0)
+                    if c.shared_expert_ffn else 0,
+                    router_split="experts" if columns < c.experts else "whole",
+                    router_columns=columns if columns < c.experts else 0)
 
     def matrices(self, M: int) -> list:
         c = self.config
@@ -162,7 +177,17 @@ class MoE(Kind):
         if c.shared_expert_ffn:
             Fs = c.shared_expert_ffn
             buffers += [Buffer("shared_gate", (M, Fs), f32), Buffer("shared_up", (M, Fs), f32)]
+        if self.router_shards > 1:  # its logits' all-gather (semaphores: the plan's)
+            buffers += collective_buffers("router_gather", M, c.router_columns,
+                                          self.router_shards, reduce=False)
         return buffers
+
+    @staticmethod
+    def dma_layout(name: str, shape: tuple, dtype) -> tuple[tuple, object]:
+        """The base's, but the router transposed ([E, D]: `mk.kernels.routing`)."""
+        if name == "router":
+            return tuple(reversed(shape)), dtype
+        return Kind.dma_layout(name, shape, dtype)
 
     @property
     def small_loads(self) -> tuple[str, ...]:
@@ -187,9 +212,11 @@ class MoE(Kind):
         return tuple(JOINED_EXPERT_WEIGHTS[0] if n == gate else n for n in names if n != up)
 
     def prepare(self, params) -> dict:
-        """The base's, with each expert's gate and up joined where `joined` says
-        (`mk.quant.side_by_side` of their columns of values)."""
+        """The base's, with the router transposed (`dma_layout`) and each expert's gate and
+        up joined where `joined` says (`mk.quant.side_by_side` of their columns of
+        values)."""
         out = super().prepare(params)
+        out["router"] = params["router"].swapaxes(-1, -2).astype(out["router"].dtype)
         if self.joined:
             parts = [out.pop(n) for n in EXPERT_WEIGHTS[:2]]
             out["we_gate_up"] = quant.side_by_side(
@@ -237,7 +264,22 @@ class MoE(Kind):
                      s.count_smem, s.e_gate, s.e_up, s.down, s.mlp_out,
                      routing=Routing.of(self.config),
                      used=self.config.own_width("expert_ffn") if self.joined else None,
-                     **self.body_options(k))
+                     gather=self.route_gather(k), **self.body_options(k))
+
+    def route_gather(self, k: Step):
+        """Where its router is split: the all-gather of a device's logits [M, E/tp] into
+        every device's, in device order [M, E] (`mk.kernels.collectives.all_gather_body`,
+        the plan's algorithm, slot by the layer's parity); else None."""
+        n = self.router_shards
+        if n == 1:
+            return None
+        scratch = CollectiveScratch(**k.groups["router_gather"])
+
+        def gather(logits):
+            parts = all_gather_body(logits, scratch, n=n, slot=lax.rem(k.step, 2),
+                                    algorithm=k.collective)
+            return jnp.concatenate([parts[i] for i in range(n)], axis=1)
+        return gather
 
     def body_options(self, k: Step) -> dict:
         """`moe_body`'s options of this kind: the sigmoid router's bias, the shared expert's
@@ -266,13 +308,21 @@ class MoE(Kind):
         return c.hidden * c.experts + c.experts_per_token * c.expert_params
 
     def mxu_passes(self, batch: int, rows: int, context: int, touched: float) -> list:
-        """The router over the M rows; the `touched` experts share the M*X routed rows, at
-        least the MXU's rows each (the kernel pushes all M rows through every active expert,
-        which costs more once M > mxu_rows), each expert's matrices as its slot streams
-        them (`matrices`: padded, or gate|up joined)."""
+        """The router (a device's columns of it) over the M rows; the `touched` experts
+        share the M*X routed rows, at least the MXU's rows each (the kernel pushes all M
+        rows through every active expert, which costs more once M > mxu_rows), each
+        expert's matrices as its slot streams them (`matrices`: padded, or gate|up
+        joined)."""
         c, m = self.config, batch * rows
-        return [(m, c.hidden * c.experts, 1),
+        return [(m, c.hidden * (c.router_columns or c.experts), 1),
                 (m * c.experts_per_token, self.slot_elements(), touched)]
+
+    def collectives_s(self, m: int, spec, latency_s: float, algorithm=None) -> float:
+        """Its split router's all-gather of each device's [m, E/tp] float32 logits
+        (`route_gather`, `allgather_s`), else none."""
+        n = self.router_shards
+        return 0.0 if n == 1 else allgather_s(4 * m * self.config.router_columns, n, spec,
+                                              algorithm, latency_s)
 
     def slot_elements(self) -> int:
         """The elements one expert slot streams (`matrices`: padded, or gate|up joined)."""
@@ -372,14 +422,19 @@ class MoETwin(Twin):
             self.experts()
 
     def experts(self):
-        """`mk.kernels.mlp.moe_body`: the shared expert (Kimi) through the ring, routing,
-        the selected flags to SMEM, the expert slots, the off slots skipped."""
+        """`mk.kernels.mlp.moe_body`: the shared expert (Kimi) through the ring, routing
+        (a split router's gather), the selected flags to SMEM, the expert slots, the off
+        slots skipped."""
         sim, c = self.sim, self.kind.config
         M = sim.m
         if c.shared_expert_ffn:
             swiglu(sim, SHARED_WEIGHTS, c.shared_expert_ffn)
         E, X, Fe = c.experts, c.experts_per_token, c.expert_ffn
-        sim.mc.compute(sim.mxu_s(M, c.hidden * E), sim.layer, "router")
+        sim.mc.compute(sim.mxu_s(M, c.hidden * (c.router_columns or E)), sim.layer, "router")
+        if self.kind.router_shards > 1:  # the logits' all-gather (`MoE.route_gather`)
+            sim.mc.compute(self.kind.collectives_s(M, sim.spec, sim.a.ici_latency_s,
+                                                   sim.collective_algorithm),
+                           sim.layer, "collective")
         sim.vector(M * E * (6 + 4 * X), "router")
         sim.mc.wait(sim.mc.dma(4 * E, sim.layer, "selected", weight=False))  # flags to SMEM
         sim.mc.compute(E * sim.a.scalar_op_s, sim.layer, "router")

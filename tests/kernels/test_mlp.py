@@ -271,7 +271,7 @@ def test_moe_body_runs_inside_a_bigger_stream_over_layers():
         out_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)] * 3
                   + [pl.BlockSpec(memory_space=pltpu.SMEM)],
         scratch_shapes=[pltpu.VMEM((5, 128, 128), f32), pltpu.SemaphoreType.DMA((5,)),
-                        pltpu.VMEM((D, E), f32), pltpu.VMEM((M, E), f32),
+                        pltpu.VMEM((E, D), f32), pltpu.VMEM((M, E), f32),
                         pltpu.VMEM((1, E), jnp.int32), pltpu.VMEM((M, Fe), f32),
                         pltpu.VMEM((M, Fe), f32), pltpu.VMEM((M, D), f32),
                         pltpu.SemaphoreType.DMA((2,)), pltpu.SMEM((1, E), jnp.int32),
@@ -280,7 +280,8 @@ def test_moe_body_runs_inside_a_bigger_stream_over_layers():
         n: params[n] for n in ("router", "we_gate", "we_up", "we_down")}, stream)
     (pre, moe, post, loaded), races = _interpret(
         lambda *args: kernel()(*args), h,
-        *(laid[n] for n in ("w_pre", "router", "we_gate", "we_up", "we_down", "w_post")),
+        *(laid[n].swapaxes(1, 2) if n == "router" else laid[n]  # moe_body's [E, D]
+          for n in ("w_pre", "router", "we_gate", "we_up", "we_down", "w_post")),
         dma_execution_mode="eager")
     for layer in range(2):
         want = ops.moe(h, *_moe_args(params, layer), X, True)
