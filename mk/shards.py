@@ -2,12 +2,12 @@
 leading [tp] axis: `shard_params` (full params -> each device's) by each weight's split
 rule in `mk.weights` (`mk.weights.SPLITS`; `split_of` the rule at a tp, `_SPLIT` applies
 it; `split_axis` and `split_index` say which axis each cuts and which of its indices each
-device holds; a tied model's lm_head is `tied_lm_head`), `shard_cache` and `check_sharded_cache` by each
-cache field's rule in `mk.cache.FIELDS` (`_CACHE_SPLIT`), and `split_channels` (a linear
-layer's conv channels, q | k | v, split by heads: its weights' and its conv state's
-rule). Which device holds which heads and the padding to whole tiles are
-`mk.kernels.plan`'s (`kv_heads_of`, `shard_config`). `mk.megakernel.prepare` calls
-`shard_params` for a plan with tp > 1.
+device holds; a tied model's lm_head is `tied_lm_head`), `shard_cache` and
+`check_sharded_cache` by each cache field's rule in `mk.cache.FIELDS` (`_CACHE_SPLIT`),
+and `split_channels` (a linear layer's conv channels, q | k | v, split by heads: its
+weights' and its conv state's rule). Which device holds which heads and the padding to
+whole tiles are `mk.kernels.plan`'s (`kv_heads_of`, `shard_config`).
+`mk.megakernel.prepare` calls `shard_params` for a plan with tp > 1.
 
 Quantised weights (`mk.quant.QuantWeight`) split by the same rule: `split_index` applies
 the rule to the indices of the cut axis, and each device gets those values' codes and

@@ -35,9 +35,10 @@ A row (`Weight`) says everything one weight's consumers need to know of it:
 Everything that needs a weight's facts reads its row: `param_shapes` (the params layout of
 `mk.config`'s docstring; `put_corner` fills a lane-padded one), the checkpoint loader
 (`mk.hf_layout`), the plan's byte families (`mk.kernels.plan`), tensor-parallel
-sharding (`mk.tensor_parallel`) and the format groups of quantised weights (`mk.quant`).
-"Family" means a byte family only. Not here: how a kind's kernel runs (`mk.kernels.*`),
-the model's shape and its checks (`mk.config`).
+sharding (`mk.tensor_parallel`) and the format groups of quantised weights (`mk.quant`);
+a weight moved by whole DMA is held in VMEM as `dma_layout` says (`TRANSPOSED`: a few
+columns held as rows). "Family" means a byte family only. Not here: how a kind's kernel
+runs (`mk.kernels.*`), the model's shape and its checks (`mk.config`).
 
 Adding a layer kind: its rows here (with `KIND_LAYERS` and `kinds_of`), its config fields
 and checks in `mk.config`, its kernel phases in `mk.kernels`.
@@ -385,6 +386,22 @@ def _by_name(field: str) -> dict[str, object]:
         if out.setdefault(w.name, value) != value:
             raise ValueError(f"weight {w.name}: kinds disagree on its {field}")
     return out
+
+
+# Weights moved by whole DMA that the kernels hold transposed, [C, R] a layer: their few
+# columns (a router's experts, a linear layer's per-head gates) then fill the sublanes of
+# a tile or two instead of padding each of R rows to 128 lanes (in VMEM, and in a TPU's
+# tiled HBM layout). Their consumers multiply by w.T (`mk.kernels.common.transposed_dot`).
+TRANSPOSED = ("router", "lin_a", "lin_b")
+
+
+def dma_layout(name: str, shape: tuple, dtype) -> tuple[tuple, object]:
+    """One layer's VMEM layout of a weight moved by whole DMA (its stored `shape` and
+    `dtype` a layer): a vector [n] as a [1, n] row, one DMA each; a `TRANSPOSED` matrix
+    [R, C] as [C, R]; float32 if a norm (`mk.kinds.base.Kind.prepare` lays it out so)."""
+    layout = ((1, *shape) if len(shape) == 1 else tuple(reversed(shape))
+              if name in TRANSPOSED else tuple(shape))
+    return layout, "float32" if FAMILY[name] == "norms" else dtype
 
 
 # Weights of the kernel's layout, not parameters: two of the table's weights a kind lays

@@ -350,6 +350,23 @@ def test_a_packed_shards_default_ring_is_shortened_to_leave_mosaic_its_room(
         > spec.vmem_bytes
 
 
+def test_narrow_weights_moved_by_dma_are_held_transposed():
+    """`mk.weights.TRANSPOSED`: a router's experts and a linear layer's per-head gates are a
+    few columns; held as rows they fill a few sublanes (Kimi K3's TP32 lin_b, 2 x 7168:
+    16 bf16 sublanes, 224 KiB a slot, where [7168, 2] would pad each row to 128 lanes,
+    1.75 MiB), and the megakernel's prepared weights are laid out so."""
+    k3 = DecodePlan.make(mk.preset("kimi-k3"), tp=32, batch=1, rows=8, context=2048,
+                         chip="tpu7x")
+    lin_b, router = k3.buffers["linear.lin_b"], k3.buffers["router"]
+    assert (lin_b.shape, router.shape) == ((2, 2, 7168), (28, 7168))
+    assert (lin_b.bytes, router.bytes) == (2 * 16 * 7168 * 2, 32 * 7168 * 2)
+    config = mk.preset("tiny-hybrid")
+    params = mk.init_params(config)
+    weights = megakernel.prepare(DecodePlan.make(config, context=64), params)
+    for name in ("lin_a", "lin_b"):
+        np.testing.assert_array_equal(weights[name], params[name].swapaxes(-1, -2))
+
+
 def test_a_default_ring_that_cannot_fit_at_two_slots_is_refused_naming_the_buffers():
     """Never a kernel's plan over the chip's VMEM by default: when even a 2-slot ring
     leaves the step's buffers over a core's VMEM, the plan raises, naming the biggest

@@ -3,7 +3,8 @@
 Here: `BlockSizes` (ring slots, weight tile, KV tile), which validates itself against the
 TPU (8, 128) tiling rule and cuts each weight matrix into its tiles (`BlockSizes.cut`:
 stored as it is, or transposed when only its transpose is a whole number of tiles);
-`default_block`, the one tiling rule every kernel uses; `padded_width`; `Buffer` and
+`default_block`, the one tiling rule every kernel uses; `padded_width`; `transposed_dot`
+(a product with a weight held transposed: `mk.kinds.base.TRANSPOSED`); `Buffer` and
 `vmem_budget`, the list of every VMEM buffer of one kernel configuration with its padded
 size, checked against the chip's VMEM per core before anything is compiled.
 
@@ -44,6 +45,13 @@ def padded_width(width: int) -> int:
 def sublanes(dtype) -> int:
     """Rows of one (sublane, lane) tile for `dtype`: 8 for 32-bit, 16 for 16-bit."""
     return SUBLANE_BITS // (8 * np.dtype(dtype).itemsize)
+
+
+def transposed_dot(h, w_t):
+    """h [M, D] @ w in float32 for a weight held transposed, w_t [n, D]
+    (`mk.kinds.base.TRANSPOSED`), h rounded to the weight's dtype (mk.ops.matmul's)."""
+    return jax.lax.dot_general(h.astype(w_t.dtype), w_t, (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)

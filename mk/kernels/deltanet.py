@@ -61,12 +61,12 @@ from jax.experimental.pallas import tpu as pltpu
 from mk import linear_attention as la
 from mk.config import ModelConfig, check_rows
 from mk.kernels.common import (LANES, BlockSizes, Buffer, memory_specs, start_dma,
-                               vmem_limit_bytes)
+                               transposed_dot, vmem_limit_bytes)
 from mk.kernels.delta_rule import ALIGN, StateCopies, delta_rule_body
 from mk.kernels.ring import Ring, TileStream, ring_layout
 from mk.kernels.weight_streaming import stage_block
 from mk.ops import rms_norm
-from mk.weights import kind_of, names_of, param_shapes
+from mk.weights import dma_layout, kind_of, names_of, param_shapes
 
 F32 = jnp.float32
 
@@ -137,7 +137,8 @@ def decay_width(config: ModelConfig) -> int:
 def linear_buffers(config: ModelConfig, gates: Gates, batch: int, rows: int, *,
                    layers: int = 2) -> list[Buffer]:
     """The VMEM scratch of `linear_mixer` (group "linear", names "linear.<field>"): the
-    weights brought by DMA (`linear_weights`; a vector as a [1, n] row), the gates, the
+    weights brought by DMA (`linear_weights`, each as `mk.weights.dma_layout` lays it
+    out), the gates, the
     projections (z: the gated DeltaNet's z or KDA's output gate), the conv window and row
     states, the delta rule's blocks (and the kind's `Gates.blocks`: KDA's per-channel
     decays); the recurrent state: two slots of one sequence's state in, two of its T row
@@ -150,8 +151,8 @@ def linear_buffers(config: ModelConfig, gates: Gates, batch: int, rows: int, *,
     Nv, Hk, Hv = config.linear_value_heads, config.linear_key_dim, config.linear_value_dim
     f32 = "float32"
     shapes = linear_layer_shapes(config)
-    fields = [(n, (layers, *shapes[n]) if len(shapes[n]) == 2 else (layers, 1, *shapes[n]),
-               dt) for n in linear_weights(config)[1]]
+    fields = [(n, (layers, *layout), dtype) for n in linear_weights(config)[1]
+              for layout, dtype in [dma_layout(n, shapes[n], dt)]]
     fields += [("decay", (M, decay_width(config)), f32),
                ("beta", (M, Nv), f32),
                ("qkv", (M, C), f32), ("z", (M, Vw), f32), ("o", (M, Vw), f32),
@@ -210,12 +211,11 @@ def gated_deltanet_buffers(config: ModelConfig, batch: int, rows: int,
 
 def gates_body(h, lin_b, lin_a, a_log, dt_bias):
     """(decay = exp(g), beta) [M, Nv] f32 of the normed rows h [M, D]: beta = sigmoid(h b),
-    g = -exp(A_log) softplus(h a + dt_bias) (mk.linear_attention.linear_attention)."""
-    def project(w):
-        return jnp.dot(h.astype(w.dtype), w, preferred_element_type=F32)
-
-    beta = jax.nn.sigmoid(project(lin_b))
-    g = -jnp.exp(a_log.astype(F32)) * jax.nn.softplus(project(lin_a) + dt_bias.astype(F32))
+    g = -exp(A_log) softplus(h a + dt_bias) (mk.linear_attention.linear_attention); lin_b
+    and lin_a held transposed, [Nv, D]."""
+    beta = jax.nn.sigmoid(transposed_dot(h, lin_b))
+    g = -jnp.exp(a_log.astype(F32)) * jax.nn.softplus(transposed_dot(h, lin_a)
+                                                      + dt_bias.astype(F32))
     return jnp.exp(g), beta
 
 
@@ -229,7 +229,8 @@ def low_rank(h, a, b):
 def kda_gates_body(h, lin_b, f_a, f_b, a_log, dt_bias, decay_vmem):
     """KDA's gates of the normed rows h [M, D]: decay_vmem [M, Nv*Hk] f32 <- exp(g), g =
     -exp(A_log[head]) softplus(h f_a f_b + dt_bias) (one per key channel); returns beta =
-    sigmoid(h b) [M, Nv] (mk.linear_attention.kimi_delta_attention)."""
+    sigmoid(h b) [M, Nv] (mk.linear_attention.kimi_delta_attention; lin_b held transposed,
+    [Nv, D])."""
     Nv = a_log.shape[1]
     Hk = decay_vmem.shape[1] // Nv
     forget = low_rank(h, f_a, f_b) + dt_bias.astype(F32)
@@ -237,7 +238,7 @@ def kda_gates_body(h, lin_b, f_a, f_b, a_log, dt_bias, decay_vmem):
     for j in range(Nv):  # static lane slices: head j's Hk channels
         lanes = slice(j * Hk, (j + 1) * Hk)
         decay_vmem[:, lanes] = jnp.exp(-rate[:, j:j + 1] * jax.nn.softplus(forget[:, lanes]))
-    return jax.nn.sigmoid(jnp.dot(h.astype(lin_b.dtype), lin_b, preferred_element_type=F32))
+    return jax.nn.sigmoid(transposed_dot(h, lin_b))
 
 
 def channel_column(row):

@@ -451,10 +451,10 @@ def moe_kernel(inputs, out_vmem, loaded_smem, *, stream: TileStream, dtype,
     and in HBM router [Lm, E, D] (transposed; router_bias [Lm, 1, E] for the sigmoid
     router), the experts we_* [Lm, E, ...] (weight dtype or tile-major
     `mk.quant.QuantWeight`s) and the shared expert's ws_* [Lm, ...] when there is one.
-    outputs: out [M, D] f32, loaded [1] int32 (distinct experts loaded). scratch: `moe_buffers`' (`vmem_scratch` names), the
-    ring's DMA semaphores `sems`, small_sems (`MOE_SMALL_LOADS`, by `small_sem`), the SMEM
-    scalars; the rest are the ring's slots (as `swiglu_kernel`'s). dtype: the experts'
-    compute dtype."""
+    outputs: out [M, D] f32, loaded [1] int32 (distinct experts loaded). scratch:
+    `moe_buffers`' (`vmem_scratch` names), the ring's DMA semaphores `sems`, small_sems
+    (`MOE_SMALL_LOADS`, by `small_sem`), the SMEM scalars; the rest are the ring's slots
+    (as `swiglu_kernel`'s). dtype: the experts' compute dtype."""
     s = SimpleNamespace(**{n: scratch.pop(n) for n in MOE_SCRATCH if n in scratch})
     row = inputs["layer"][0]
     small = [("router", s.router_vmem)] + (

@@ -1,14 +1,14 @@
 """The MoE router inside a kernel: `Routing` (how a layer picks and weighs its experts),
 `router_columns` (whether tensor parallelism splits the router by experts) and
 `route_body`, the first of the MoE block's four steps (`mk.kernels.mlp`): logits = h @
-router in f32 (the router held transposed, [E, D]: its rows the experts, so a few experts
-a device are a few sublanes, not a padded lane tile; at tp with the router split, each
-device's E/tp, all-gathered), softmax (Qwen3-MoE) or sigmoid plus a choice bias within the
-best expert groups (`kept_groups`: DeepSeek-V3 / Kimi), top-k by k rounds of (row max,
-lowest lane holding it) so ties go to the lower expert id, the weights renormalised and
-scaled as asked. Its numerics are `mk.ops.route` / `mk.ops.route_grouped`'s. Not here: turning the
-selected flags into expert slots and streaming them (`mk.kernels.mlp.select_experts`,
-`experts_body`), the router's DMA (`mk.kinds.mlp.MoE`).
+router in f32 (the router held transposed, [E, D]: `mk.kinds.base.TRANSPOSED`; at tp with
+the router split, each device's E/tp rows, the logits all-gathered), softmax (Qwen3-MoE)
+or sigmoid plus a choice bias within the best expert groups (`kept_groups`: DeepSeek-V3 /
+Kimi), top-k by k rounds of (row max, lowest lane holding it) so ties go to the lower
+expert id, the weights renormalised and scaled as asked. Its numerics are `mk.ops.route`
+/ `mk.ops.route_grouped`'s. Not here: turning the selected flags into expert slots and
+streaming them (`mk.kernels.mlp.select_experts`, `experts_body`), the router's DMA
+(`mk.kinds.mlp.MoE`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from jax import lax
 
 from mk.chips import all_chips
 from mk.kernels.collectives import ICI_LATENCY_S, allgather_s
+from mk.kernels.common import transposed_dot
 from mk.kinds.checks import check_routing
 
 
@@ -130,9 +131,7 @@ def route_body(x, router_vmem, combine_vmem, routing: Routing, bias_vmem=None,
     (softmax; with bias_vmem [1, E], gpt-oss's bias on the logits: `mk.ops.route_logits`,
     the softmax over the picked logits being the renormalised softmax's weights) or
     `mk.ops.route_grouped` (sigmoid: bias_vmem [1, E] holds the layer's choice bias)."""
-    w = router_vmem[...]  # [E, D]: x @ w.T
-    logits = lax.dot_general(x[...].astype(w.dtype), w, (((1,), (1,)), ((), ())),
-                             preferred_element_type=jnp.float32)
+    logits = transposed_dot(x[...], router_vmem[...])  # [M, E]
     if gather is not None:
         logits = gather(logits)
     if routing.router_score == "softmax" and bias_vmem is not None:

@@ -46,7 +46,7 @@ import jax
 from mk.config import ModelConfig
 from mk.kernels.common import Buffer
 from mk.kernels.ring import Repeat
-from mk.weights import FAMILY, KIND_LAYERS, names_of, param_shapes
+from mk.weights import FAMILY, KIND_LAYERS, TRANSPOSED, dma_layout, names_of, param_shapes
 
 # The phases of one layer in program order, as data: `layer_body` runs them in this order
 # (each under a named scope: the profiler's markers), and `mk.sim` replays the same list.
@@ -121,28 +121,22 @@ class Kind:
     def prepare(self, params) -> dict:
         """Its weights as the megakernel reads them (before `mk.kernels.ring.ring_layout`):
         as stored, but each weight it moves by whole DMA laid out per layer as its
-        `dma_buffers` buffer (`dma_layout`)."""
+        `dma_buffers` buffer (`mk.weights.dma_layout`; `TRANSPOSED` ones transposed)."""
         out = {}
         for name in self.weights("ring", "dma"):
             w = params[name]
             if name in self.weights("dma") and isinstance(w, jax.Array):
-                shape, dtype = self.dma_layout(name, w.shape[1:], w.dtype)
+                shape, dtype = dma_layout(name, w.shape[1:], w.dtype)
+                w = w.swapaxes(-1, -2) if name in TRANSPOSED else w
                 w = w.reshape(w.shape[:1] + shape).astype(dtype)
             out[name] = w
         return out
 
-    @staticmethod
-    def dma_layout(name: str, shape: tuple, dtype) -> tuple[tuple, object]:
-        """One layer's VMEM layout of a weight moved by whole DMA (its stored `shape` and
-        `dtype` a layer): a vector [n] as a [1, n] row, one DMA each; float32 if a norm."""
-        return ((1, *shape) if len(shape) == 1 else tuple(shape),
-                "float32" if FAMILY[name] == "norms" else dtype)
-
     def dma_buffers(self) -> list:
         """A VMEM buffer per weight it moves by whole DMA, named after it: one layer's, as
-        `prepare` lays it out (`dma_layout`)."""
+        `prepare` lays it out (`mk.weights.dma_layout`)."""
         shapes = param_shapes(self.config)
-        return [Buffer(name, *self.dma_layout(name, shapes[name][0][1:], self.config.dtype))
+        return [Buffer(name, *dma_layout(name, shapes[name][0][1:], self.config.dtype))
                 for name in self.weights("dma")]
 
     def fetch(self, k: Step) -> dict:

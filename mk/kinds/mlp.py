@@ -4,13 +4,14 @@ shared expert) and gpt-oss's (`ClampedMoE`: a bias on the router's logits, biase
 clamped-SwiGLU experts), each with its simulator twin and, but gpt-oss's, its stage
 kernel (`stage`: the MLP as one pallas_call, `mk.profiling`'s staged step).
 
-A MoE layer DMAs its router (and the sigmoid router's bias) whole, transposed ([E, D]:
-`mk.kernels.routing`): at the layer's start, or at tp > 1 behind the token mixer's tiles
-(`router_after_mixer`), and waits for it just before routing; where the plan splits the
-router by experts (`mk.kernels.routing.router_columns`), a device's E/tp rows, and its
-logits are all-gathered (`route_gather`). Its shared expert streams through the ring
-before routing, its expert slots after (`mk.kernels.mlp.moe_body`). Not here: the kernels' bodies
-(`mk.kernels.mlp`), the loop over kinds (`mk.kernels.one_layer.layer_body`).
+A MoE layer DMAs its router (and the sigmoid router's bias) whole, the router transposed
+([E, D]: `mk.kinds.base.TRANSPOSED`): at the layer's start, or at tp > 1 behind the token
+mixer's tiles (`router_after_mixer`), and waits for it just before routing; where the plan
+splits the router by experts (`mk.kernels.routing.router_columns`), a device's E/tp rows,
+and its logits are all-gathered (`route_gather`). Its shared expert streams through the
+ring before routing, its expert slots after (`mk.kernels.mlp.moe_body`). Not here: the
+kernels' bodies (`mk.kernels.mlp`), the loop over kinds
+(`mk.kernels.one_layer.layer_body`).
 """
 
 from __future__ import annotations
@@ -182,13 +183,6 @@ class MoE(Kind):
                                           self.router_shards, reduce=False)
         return buffers
 
-    @staticmethod
-    def dma_layout(name: str, shape: tuple, dtype) -> tuple[tuple, object]:
-        """The base's, but the router transposed ([E, D]: `mk.kernels.routing`)."""
-        if name == "router":
-            return tuple(reversed(shape)), dtype
-        return Kind.dma_layout(name, shape, dtype)
-
     @property
     def small_loads(self) -> tuple[str, ...]:
         """Its small DMAs, one semaphore each in `small_sems`: the router, the selected
@@ -212,11 +206,9 @@ class MoE(Kind):
         return tuple(JOINED_EXPERT_WEIGHTS[0] if n == gate else n for n in names if n != up)
 
     def prepare(self, params) -> dict:
-        """The base's, with the router transposed (`dma_layout`) and each expert's gate and
-        up joined where `joined` says (`mk.quant.side_by_side` of their columns of
-        values)."""
+        """The base's, with each expert's gate and up joined where `joined` says
+        (`mk.quant.side_by_side` of their columns of values)."""
         out = super().prepare(params)
-        out["router"] = params["router"].swapaxes(-1, -2).astype(out["router"].dtype)
         if self.joined:
             parts = [out.pop(n) for n in EXPERT_WEIGHTS[:2]]
             out["we_gate_up"] = quant.side_by_side(
