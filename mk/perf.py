@@ -53,7 +53,8 @@ Assumptions, each stated where it is used:
 - Routing: each of the B*T tokens picks X of E experts; "uniform" assumes independent,
   uniformly random choices (expected distinct experts E * (1 - (1 - X/E)^(B*T))),
   "shared" that all tokens pick the same X (the fewest bytes), "disjoint" that they
-  overlap as little as possible (min(E, X*B*T), the most).
+  overlap as little as possible (min(E, X*B*T), the most); a measured routing
+  (`mk.routing_trace`) gives each expert its own probability q_e: sum_e 1 - (1-q_e)^(B*T).
 - Datasheet peaks (mk.chips); a chip's bandwidth and FLOP/s are split evenly over its
   cores_per_chip devices.
 - Collectives (tp > 1): two all-reduces of the [B*T, D] bf16 activations per layer (after
@@ -77,7 +78,6 @@ Assumptions, each stated where it is used:
 from __future__ import annotations
 
 import dataclasses
-import math
 from numbers import Real
 
 import numpy as np
@@ -92,6 +92,7 @@ from mk.kernels.plan import packed_formats, padded_vocab, shard_config
 from mk.kinds.base import ROLES
 from mk.kinds.layers import kind_at, layer_kinds
 from mk.quant import stored_bytes
+from mk.routing_trace import RoutingTrace, expected_distinct
 from mk.step_bytes import QUANT_FAMILY, shard_weight_bytes, shard_weight_elements
 from mk.unpack import choose_feeds
 
@@ -146,22 +147,32 @@ def roofline_curve(spec: ChipSpec, compute: str = "bf16", *, lo: float = 0.1,
 
 # -- Mixture of experts -----------------------------------------------------------------
 def experts_touched(experts: int, per_token: int, tokens: int,
-                    routing: str = "uniform") -> float:
+                    routing: str | RoutingTrace = "uniform") -> float:
     """Distinct experts one MoE layer reads when `tokens` tokens each pick `per_token`
-    of `experts` (the expected number for "uniform" routing; see the module docstring)."""
+    of `experts`: the expected number for "uniform" routing and for a measured
+    `mk.routing_trace.RoutingTrace` (its mean over layers), the bounds for "shared" and
+    "disjoint" (see the module docstring)."""
     for field, value in (("experts", experts), ("per_token", per_token), ("tokens", tokens)):
         positive_int(field, value)
     if per_token > experts:
         raise ValueError(f"per_token={per_token} exceeds experts={experts}")
-    check_choice("routing", routing, ROUTINGS)
+    check_routing(routing)
     if routing == "shared":
         return float(per_token)
     if routing == "disjoint":
         return float(min(experts, per_token * tokens))
-    if per_token == experts:
-        return float(experts)  # log1p(-1) is a domain error; every expert is picked
-    # E * (1 - (1 - X/E)^n) with log1p/expm1, accurate when X/E and n*X/E are small.
-    return experts * -math.expm1(tokens * math.log1p(-per_token / experts))
+    if isinstance(routing, RoutingTrace):
+        return routing.experts_touched(experts, per_token, tokens)
+    return float(expected_distinct(np.full((1, experts), per_token / experts), tokens)[0])
+
+
+def check_routing(routing, config: ModelConfig | None = None) -> None:
+    """Raise ValueError unless `routing` is one of `ROUTINGS` or a `RoutingTrace` (of
+    `config`'s routers, if given: `RoutingTrace.check_model`)."""
+    if not isinstance(routing, RoutingTrace):
+        check_choice("routing", routing, ROUTINGS)
+    elif config is not None:
+        routing.check_model(config)
 
 
 # -- One decode step ----------------------------------------------------------------------
@@ -191,7 +202,7 @@ class StepEstimate(_Throughput):
     context: int  # S cached positions each sequence reads
     tp: int  # devices sharing the step
     accepted: float  # tokens each sequence keeps per step (<= rows)
-    routing: str
+    routing: str | RoutingTrace
     compute: str
     # HBM bytes of one step, all devices
     attention_bytes: float  # q/k/v/o projections (and Qwen3.5's output gate), full layers
@@ -267,7 +278,6 @@ class StepEstimate(_Throughput):
                              "compute")
 
 
-
 def _validate_step(config, batch, rows, context, tp, accepted, routing, compute):
     if not isinstance(config, ModelConfig):
         raise ValueError(f"config={config!r} must be a ModelConfig")
@@ -278,11 +288,10 @@ def _validate_step(config, batch, rows, context, tp, accepted, routing, compute)
     if context + rows > config.max_position:
         raise ValueError(f"context+rows={context + rows} exceeds {config.name}'s "
                          f"max_position={config.max_position}")
-    if (isinstance(accepted, bool) or not isinstance(accepted, Real)
-            or not 0 < accepted <= rows):
+    if isinstance(accepted, bool) or not isinstance(accepted, Real) or not 0 < accepted <= rows:
         # A step verifies T rows, so a sequence keeps at most T tokens of it.
         raise ValueError(f"accepted={accepted!r} must be in (0, rows={rows}]")
-    check_choice("routing", routing, ROUTINGS)
+    check_routing(routing, config)
     check_choice("compute", compute, COMPUTES)
 
 
@@ -297,8 +306,9 @@ def seen_positions(config: ModelConfig, context: int) -> float:
 
 def predict(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: int = 1,
             context: int | None = None, tp: int = 1, accepted: float | None = None,
-            routing: str = "uniform", compute: str = "bf16", collectives: bool = True,
-            formats=None, ici_latency_s: float = ICI_LATENCY_S) -> StepEstimate:
+            routing: str | RoutingTrace = "uniform", compute: str = "bf16",
+            collectives: bool = True, formats=None,
+            ici_latency_s: float = ICI_LATENCY_S) -> StepEstimate:
     """Floors and collectives of one decode step of `config` on `tp` devices of `chip`.
 
     `context` defaults to config.max_context; `accepted` (tokens each sequence keeps per
@@ -369,7 +379,7 @@ def predict(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: 
         state_read_bytes=state_read_bytes, state_write_bytes=state_write_bytes)
 
 
-def _touched(kinds, m: int, routing: str) -> float:
+def _touched(kinds, m: int, routing: str | RoutingTrace) -> float:
     """Distinct experts each routed layer reads (0 without one)."""
     return sum(experts_touched(*k.routes, m, routing) for k in kinds if k.routes)
 
@@ -384,7 +394,7 @@ def mxu_flops(rows: float, elements: float, mxu_rows: float) -> float:
 
 
 def mxu_floor_ms(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: int = 1,
-                 context: int | None = None, tp: int = 1, routing: str = "uniform",
+                 context: int | None = None, tp: int = 1, routing: str | RoutingTrace = "uniform",
                  compute: str = "bf16") -> float:
     """The compute floor of one decode step with the MXU rule that `mk.sim` charges, ms.
 
@@ -413,7 +423,7 @@ def mxu_floor_ms(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, r
 
 # -- The tile floor: the measured cost table ---------------------------------------------
 def tile_floor_ms(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1,
-                  rows: int = 1, tp: int = 1, routing: str = "uniform", formats=None,
+                  rows: int = 1, tp: int = 1, routing: str | RoutingTrace = "uniform", formats=None,
                   clock: str = "low") -> float:
     """The compute floor of one decode step from the tile cost table (`mk.feed_costs`), ms:
     every weight element one device multiplies (`shard_weight_elements`: its shard, the
@@ -442,7 +452,7 @@ def tile_floor_ms(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1,
 
 def modelled_step_ms(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1,
                      rows: int = 1, context: int | None = None, tp: int = 1,
-                     routing: str = "uniform", compute: str = "bf16", formats=None,
+                     routing: str | RoutingTrace = "uniform", compute: str = "bf16", formats=None,
                      clock: str = "low", ici_latency_s: float = ICI_LATENCY_S) -> float:
     """The modelled step (`mk.ledger.TERMS`): max(HBM floor, compute lane + the collectives
     of tensor parallelism), ms: HBM streams beside the compute lane, whose weight tiles and
@@ -507,7 +517,7 @@ class ConventionalEstimate(_Throughput):
 
 def conventional(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: int = 1,
                  context: int | None = None, tp: int = 1, accepted: float | None = None,
-                 routing: str = "uniform", compute: str = "bf16", formats=None,
+                 routing: str | RoutingTrace = "uniform", compute: str = "bf16", formats=None,
                  gap_s: float = KERNEL_GAP_S) -> ConventionalEstimate:
     """The step of `predict` run as one kernel per op: per layer norm, QKV, QK-norm+RoPE,
     attention, output projection (a linear layer: its projections, the conv, the delta

@@ -19,10 +19,10 @@ array-level blocks of `mk.ops`, one oracle per layer kind (by its `mk.weights` k
 kind follows the weights the model has (`mk.weights`): QK norm when it has `q_norm`, the
 output gate with `wq_gate`, biases with `bq` .. `bo`, sinks with `sinks` (a sliding window
 where `ModelConfig.window` says), MLA's q low rank with `wq_a`, the sigmoid router with
-`router_bias`, the shared expert with `ws_gate`. Also here: `lm_head`, `greedy`, and the
-checks every decode driver runs (`validate_step`, `check_params`, `check_generate`, ...);
-`forward` is `decode_step` without its checks. No Pallas, no sharding, no sampling
-(speculative decoding lives in `mk.spec`).
+`router_bias` (every MoE kind's router: `routes`), the shared expert with `ws_gate`.
+Also here: `lm_head`, `greedy`, and the checks every decode driver runs (`validate_step`,
+`check_params`, `check_generate`, ...); `forward` is `decode_step` without its checks. No
+Pallas, no sharding, no sampling (speculative decoding lives in `mk.spec`).
 
 Numerics: the residual stream is float32 and the KV cache is stored in `config.dtype`;
 every block's cast points (which kernels mirror, so their tolerances stay tight) are
@@ -47,7 +47,7 @@ from jax import lax
 from mk import linear_attention as la
 from mk.cache import KVCache, LinearRows, check_cache, has_states, init_cache
 from mk.config import ModelConfig, positive_int
-from mk.ops import (attention, matmul, mix_biased_experts, mix_experts, moe, rms_norm, rope,
+from mk.ops import (attention, matmul, mix_biased_experts, mix_experts, rms_norm, rope, route,
                     route_grouped, route_logits, swiglu, write_rows)
 from mk.weights import kind_of, param_shapes
 
@@ -120,11 +120,17 @@ def mlp_block(config: ModelConfig, params, layer: int, x) -> jax.Array:
     """x + MLP(RMSNorm(x)) of layer `layer` (its MLP kind's oracle, `MLPS`); x [B, T, D]
     float32."""
     B, T, _ = x.shape
-    h = rms_norm(x, params["mlp_norm"][layer], config.rms_eps, config.norm_offset,
-                 config.norm_width).reshape(B * T, -1)
     role, i = config.mlp_index(layer)
-    y = MLPS[kind_of(config, f"{role}_layers")](config, params, i, h)
+    y = MLPS[kind_of(config, f"{role}_layers")](config, params, i,
+                                                 mlp_input(config, params, layer, x))
     return x + y.reshape(B, T, -1)
+
+
+def mlp_input(config: ModelConfig, params, layer: int, x) -> jax.Array:
+    """Layer `layer`'s MLP input: RMSNorm(x) of its residual stream x [B, T, D] as rows
+    [B*T, D] float32."""
+    return rms_norm(x, params["mlp_norm"][layer], config.rms_eps, config.norm_offset,
+                    config.norm_width).reshape(x.shape[0] * x.shape[1], -1)
 
 
 def dense_mlp(config: ModelConfig, params, i: int, h) -> jax.Array:
@@ -132,19 +138,26 @@ def dense_mlp(config: ModelConfig, params, i: int, h) -> jax.Array:
     return swiglu(h, params["w_gate"][i], params["w_up"][i], params["w_down"][i])
 
 
+def routes(config: ModelConfig, params, i: int, h):
+    """MoE layer i's router on its normed rows h [M, D] -> (weights [M, X] float32, experts
+    [M, X] int32), the one its weights say: gpt-oss's biased logits (`router_logit_bias`,
+    `route_logits`), the grouped sigmoid router (`router_bias`, `route_grouped`), else the
+    softmax top-k (`route`). `mk.routing_trace` records its choices."""
+    router, top_k = params["router"][i], config.experts_per_token
+    if "router_logit_bias" in params:
+        return route_logits(h, router, params["router_logit_bias"][i], top_k)
+    if "router_bias" in params:
+        return route_grouped(h, router, params["router_bias"][i], top_k,
+                             config.expert_groups, config.topk_groups, config.norm_topk,
+                             config.routed_scale)
+    return route(h, router, top_k, config.norm_topk)
+
+
 def moe_mlp(config: ModelConfig, params, i: int, h) -> jax.Array:
     """MoE layer i's routed experts (plus its shared expert, when the model has one) of
-    its normed rows h [M, D] -> [M, D] float32. The router is the one its weights say: a
-    per-expert bias (`router_bias`) is the grouped sigmoid router's (`route_grouped`),
-    else the softmax top-k (`moe`)."""
-    experts = [params[name][i] for name in ("we_gate", "we_up", "we_down")]
-    if "router_bias" in params:
-        weights, chosen = route_grouped(
-            h, params["router"][i], params["router_bias"][i], config.experts_per_token,
-            config.expert_groups, config.topk_groups, config.norm_topk, config.routed_scale)
-        y = mix_experts(h, weights, chosen, *experts)
-    else:
-        y = moe(h, params["router"][i], *experts, config.experts_per_token, config.norm_topk)
+    its normed rows h [M, D] -> [M, D] float32, under its router (`routes`)."""
+    y = mix_experts(h, *routes(config, params, i, h),
+                    *(params[name][i] for name in ("we_gate", "we_up", "we_down")))
     if "ws_gate" in params:  # the shared expert every token passes through
         y = y + swiglu(h, params["ws_gate"][i], params["ws_up"][i], params["ws_down"][i])
     return y
@@ -152,10 +165,8 @@ def moe_mlp(config: ModelConfig, params, i: int, h) -> jax.Array:
 
 def clamped_moe_mlp(config: ModelConfig, params, i: int, h) -> jax.Array:
     """gpt-oss's MoE layer i of its normed rows h [M, D] -> [M, D] float32: the softmax of
-    the top-k biased router logits, the biased clamped-SwiGLU experts."""
-    weights, chosen = route_logits(h, params["router"][i], params["router_logit_bias"][i],
-                                   config.experts_per_token)
-    return mix_biased_experts(h, weights, chosen,
+    the top-k biased router logits (`routes`), the biased clamped-SwiGLU experts."""
+    return mix_biased_experts(h, *routes(config, params, i, h),
                               *(params[n][i] for n in ("we_gate", "we_up", "we_down",
                                                        "be_gate", "be_up", "be_down")),
                               config.swiglu_limit, config.swiglu_alpha)

@@ -78,8 +78,9 @@ Modelling assumptions (`Assumptions` holds the numbers; none is fitted to a meas
   `DecodePlan.collective`, each message round `Assumptions.ici_latency_s`:
   ICI_LATENCY_S, 1 us, by default).
 - Active experts per MoE layer: the expected distinct experts of `mk.perf.experts_touched`
-  (routing "uniform" by default), rounded; the same every layer and on every device (all
-  route identically).
+  (routing "uniform" by default, or a measured `mk.routing_trace.RoutingTrace`: its
+  layers' mean), rounded; the same every layer and on every device (all route
+  identically, each holds a slice of every expert: the busiest device is the mean).
 - Not modelled: VMEM bandwidth and bank conflicts, DMA engine concurrency beyond one FIFO,
   HBM refresh and page effects, the XLA embedding gather before the kernel and the host
   dispatch, clock throttling, misses of the scalar core, the cost of switched-off tiles
@@ -117,6 +118,7 @@ from mk.kernels.ring import TileStream
 from mk.kinds.base import LAYER_PHASES
 from mk.kinds.layers import KINDS, kind_at, layer_kinds
 from mk.machine import Machine, Simulation
+from mk.routing_trace import RoutingTrace
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,10 +216,11 @@ def tile_seconds(stream: TileStream, spec: ChipSpec, m: int, formats, dtype: str
     return {s.name: seconds(s) for s in stream.segments + stream.tail}
 
 
-def active_experts(config: ModelConfig, m: int, routing: str = "uniform") -> int:
+def active_experts(config: ModelConfig, m: int, routing: str | RoutingTrace = "uniform") -> int:
     """Active expert slots of one MoE layer: the expected distinct experts M rows touch
     (`mk.perf.experts_touched`), rounded. The same on every device: each holds a slice of
     every expert and all route identically (`mk.kernels.plan`'s sharding)."""
+    perf.check_routing(routing, config)
     slots = expert_slots(config.experts, config.experts_per_token, m)
     mean = perf.experts_touched(config.experts, config.experts_per_token, m, routing)
     return max(1, min(slots, round(mean)))
@@ -502,7 +505,7 @@ def latency_slots(config: ModelConfig, chip: ChipSpec | str, block: BlockSizes, 
 def simulate(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: int = 1,
              context: int = 0, block: BlockSizes | None = None, tp: int = 1,
              cross_layer_prefetch: bool = True,
-             routing: str = "uniform", experts_active: int | None = None,
+             routing: str | RoutingTrace = "uniform", experts_active: int | None = None,
              assumptions: Assumptions | None = None, formats=None,
              collective: str | None = None) -> Simulation:
     """Replay one decode step of the megakernel (module docstring) on one device of `chip`:
@@ -514,7 +517,9 @@ def simulate(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows:
     context: the cached positions each sequence reads (its rows sit at positions context ..
     context + T - 1); block defaults to the plan's for this chip (`DecodePlan.make`: the ring
     Little's law asks for at `mk.kernels.plan.ring_cover_s`);
-    experts_active overrides the routing model (active expert slots per MoE layer).
+    routing: `mk.perf.experts_touched`'s (a `mk.routing_trace.RoutingTrace` of this model,
+    or an assumed routing); experts_active overrides it (active expert slots per MoE
+    layer).
     """
     spec = _tpu(chip)
     if not isinstance(config, ModelConfig):

@@ -86,7 +86,7 @@ from IPython.display import display
 import mk
 import mk.backend
 import mk.run
-from mk import course, ops, perf, plots, teach, tpu
+from mk import course, ops, perf, plots, routing_trace, teach, tpu
 from mk.kernels import mlp
 from mk.kernels.common import BlockSizes, vmem_budget
 from mk.kernels.weight_streaming import stage_block
@@ -141,6 +141,30 @@ fig.update_layout(title=f"Distinct experts one {big.name} layer reads (E={big.ex
                   f"X={big.experts_per_token})", xaxis_title="activation rows M (rows)",
                   yaxis_title="distinct experts read (experts)")
 plots.show(fig)
+
+# %% [markdown]
+# Uniform routing is an assumption, and a trained router breaks it: some experts are
+# chosen far more often than others, so M rows share more of them and read fewer bytes.
+# `mk.routing_trace.record` runs the reference over a prompt and its greedy tokens and
+# counts which experts each MoE layer's router chose. Passed as `routing=` to `mk.perf`
+# and `mk.sim`, the trace replaces the assumption: expert e is chosen with its own
+# probability $q_e$ (its count over the tokens), so $n(M) = \sum_e 1 - (1 - q_e)^{M}$.
+# Random weights route almost uniformly; with `checkpoint=` a trained MoE checkpoint's
+# folder this cell records that router's skew (`mk.routing_trace.save` keeps a trace for
+# a CPU session). Every device of a tensor-parallel shard holds a slice of every expert,
+# so skew changes the bytes of all devices alike, never which device is the busiest.
+
+# %%
+trace_params = (mk.load_checkpoint(run.checkpoint)[1] if run.checkpoint and run.config.is_moe
+                else mk.init_params(moe_config, run.seed))
+trace = routing_trace.record(moe_config, trace_params, np.random.default_rng(run.seed).integers(
+    0, moe_config.vocab, (2, 16)), steps=16)
+print(f"{moe_config.name}: {trace.tokens} tokens routed in {len(trace.counts)} MoE layers; "
+      f"the most chosen expert's share is {trace.skew():.2f}x the mean share")
+routes = (moe_config.experts, moe_config.experts_per_token)  # E, X
+display(plots.table([{"M": m, "uniform n(M)": f"{perf.experts_touched(*routes, m):.2f}",
+                      "measured n(M)": f"{perf.experts_touched(*routes, m, trace):.2f}"}
+                     for m in (1, 2, 4, 8, 16, 64)]))
 
 # %% [markdown]
 # At decode sizes most experts of a layer are untouched, so the kernel must decide *at run

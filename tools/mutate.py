@@ -256,6 +256,16 @@ MUTANTS = [
        "+ 0 * sum(len(k.layers) * k.collectives_s(m, spec, ici_latency_s)",
        "tests/test_ledger.py::test_the_collective_chain_moves_with_the_assumed_latency_of_a"
        "_message_round"),
+    # -- issue 35: measured routing --
+    _m("routing trace: routes the MLP's output, not its input", "mk/routing_trace.py",
+       'reference.mlp_input(config, params, layer, taps["attn"][layer])',
+       'reference.mlp_input(config, params, layer, taps["mlp"][layer])',
+       "tests/test_routing_trace.py::test_a_recorded_trace_counts_transformers_router_choices"),
+    _m("routing trace: one expert's probability squared away", "mk/routing_trace.py",
+       "-np.expm1(tokens * np.log1p(-np.asarray(shares, np.float64)))",
+       "-np.expm1(tokens * np.log1p(-np.asarray(shares, np.float64) ** 2))",
+       "tests/test_routing_trace.py::test_even_routing_is_uniform_and_one_favourite_pair_is"
+       "_shared"),
 ]
 
 
