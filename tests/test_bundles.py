@@ -211,15 +211,16 @@ def _resimulated(row, block=None):
 # their own (gate|up joined 7168 x 128, down 128 x 7168, fed fp8) and the rest in
 # 1792 x 128 ones of no more bytes: its plain loops issue for up to 3.7x their DMA at the
 # low end (0.86x at the high), one trip through an expert's two FP4 tiles for 6.8x (1.6x).
-# Issue 38: gpt-oss-20b (2944 = 23 x 128 wide, its fp4 experts' tiles at most
-# QUANT_TILE_ELEMENTS, fed bf16) takes 128 x 128 tiles on one core: 2-4x their DMA
-# plain, 10-18x fp4 (the fp4 tiles' own loop).
+# Issue 38: gpt-oss-20b (2944 = 23 x 128 wide) takes 128 x 2944 tiles on one core (its
+# fp4 experts' one 128-row panel of their width, within QUANT_TILE_ELEMENTS): plain 0.3x
+# their DMA; the fp4 tiles, dequantised to bf16 (neither Colab chip's MXU takes fp8),
+# 4.2x (3.5x) on v5e. On v6e Mosaic unrolls the fp4 tiles' loop, so the dump shows no
+# per-tile loop of theirs: the simulator charges them the measured table's cost.
 ISSUE_OVER = {("qwen3.5-27b", "tpu7x", 8, "plain"): {"low"},
               ("kimi-k3", "tpu7x", 32, "plain"): {"low"},
               ("kimi-k3", "tpu7x", 32, "fp4 128x7168"): {"low", "high"},
               ("kimi-k3", "tpu7x", 32, "fp4 7168x128"): {"low", "high"},
-              **{("gpt-oss-20b", chip, 1, storage): {"low", "high"} for chip in ("v6e", "v5e")
-                 for storage in ("plain", "fp4")}}
+              ("gpt-oss-20b", "v5e", 1, "fp4"): {"low", "high"}}
 
 
 def _issue_over(row) -> dict:
@@ -269,16 +270,18 @@ GPT_OSS = RECORDED.parent / "gpt_oss.json"
 def test_the_recorded_gpt_oss_20b_kernels_replay_their_simulated_step(row):
     """Issue 38: gpt-oss-20b whole on one core of each Colab TPU
     (mk/data/tile_costs/gpt_oss.json, benchmarks/tile_costs.py): the recorded kernel is the
-    plan's own for the chip, its fp4 experts packed (a stale recording fails here), and
-    the simulator, replayed now with its bundle-measured per-tile cost and a 1 us DMA
-    latency, gives the recorded step and HBM busy. Issue 14's bar is not met: its 128 x
-    128 tiles (2944 = 23 x 128, and fp4 tiles of at most QUANT_TILE_ELEMENTS) issue for
-    several times their DMA at both clock ends (ISSUE_OVER)."""
+    plan's own for the chip (its 128 x 2944 tiles and ring; a stale recording fails here),
+    its fp4 experts packed (their loop recorded where the dump shows one: v5e), and the
+    simulator, replayed now with its bundle-measured per-tile costs and a 1 us DMA
+    latency, gives the recorded step and HBM busy. Issue 14's bar holds for the plain
+    tiles; the fp4 tiles' dequantisation issues for longer than their DMA (ISSUE_OVER)."""
     plan, run = _resimulated(row)
     assert (plan.block.slots, plan.stream.tile_bytes * 2 / 1024) == (row["slots"],
                                                                       row["tile_KiB"])
-    assert {p["scheme"] for p in row.get("packed", {}).values()} == set(
-        dict(plan.formats).values()) == {"fp4"}
+    assert (plan.block.tile_rows, plan.block.tile_cols) == (128, 2944)
+    assert dict(plan.formats) == {"experts": "fp4"}
+    assert {p["scheme"] for p in row.get("packed", {}).values()} == (
+        {"fp4"} if row["chip"] == "v5e" else set())
     assert row["fits"] and plan.fits(row["chip"]).ok
     assert run.step_ms == pytest.approx(row["sim_step_ms"], rel=1e-9)
     assert run.hbm_utilisation == pytest.approx(row["hbm_busy"], rel=1e-9)

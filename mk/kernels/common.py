@@ -212,9 +212,12 @@ TILE_BYTES = 2 * 2**20  # default weight tiles hold at most this many bytes
 REPEAT_TILE_BYTES = 2 * TILE_BYTES  # at most this many bytes in an expert slot's own tiles
 # A quantised tile fed bf16 is dequantised in VMEM through float32 temporaries that Mosaic
 # keeps in its scoped VMEM (qwen3-8b's int4 megakernel with 4096 x 256 tiles asked 35 MiB
-# on TPU7x); the default keeps such tiles to this size. A tile fed fp8 is not: its e4m3
-# codes take a byte a weight, its float32 products 128 rows at a time (`mk.kernels.ring`).
-QUANT_TILE_ELEMENTS = 512 * 512
+# on TPU7x); the default keeps such tiles to this size: 384 Ki elements, so that a matrix
+# 23 x 128 wide (gpt-oss's 2944) can take one 128-row panel of its whole width (376,832
+# elements; the next smaller tile dividing it is 128 x 128, whose fixed per-tile cost
+# swamps its DMA). A tile fed fp8 is not bound by it: its e4m3 codes take a byte a
+# weight, its float32 products 128 rows at a time (`mk.kernels.ring`).
+QUANT_TILE_ELEMENTS = 3 * 2**17
 KV_TILE = 256  # default cached positions per KV tile, capped by the cache
 # The output panel (a tile's output columns) that feeds every MXU of a TensorCore at once
 # (mxus_per_core x mxu width in data/chips.csv: 4 x 128 on v5e and v5p, 2 x 256 on v6e
