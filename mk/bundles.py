@@ -242,15 +242,15 @@ def storage_name(stream, scheme: str | None, tile: tuple[int, int]) -> str:
 class TileCost:
     """The per-tile loops of one compiled megakernel and what they cost on its chip.
 
-    `Ring.matmul` runs two loops per matrix: the steady one issues the matrix's own next
-    tile, the edge one (a matrix's last `slots` tiles) looks up which of the segments that
-    can follow holds the next tile. A stream moves tiles of one or more storages (plain
-    tiles in the config's dtype, each packed scheme's data and scales, and either in a
-    tile shape of their own: `tiles`, named by `storage_name`); a loop belongs to the
-    storage whose DMAs it waits for (`tile_loops`' rule), and the costliest loop of a
-    storage bounds its every tile. `worst`, `issue_s`, `dma_s` and
-    `assumptions` are the plain tiles' (a stream of packed tiles only: its first
-    storage's); `by_storage` has each.
+    `Ring.matmul` runs a steady loop per matrix, which issues the matrix's own next tile,
+    and edge loops over its last `slots` tiles (one per run of tiles the same segments can
+    follow), which look up which of those holds the next tile. A stream moves tiles of
+    one or more storages (plain tiles in the config's dtype, each packed scheme's data
+    and scales, and either in a tile shape of their own: `tiles`, named by
+    `storage_name`); a loop belongs to the storage whose DMAs it waits for (`tile_loops`'
+    rule), and the costliest loop of a storage bounds its every tile. `worst`,
+    `issue_s`, `dma_s` and `assumptions` are the plain tiles' (a stream of packed tiles
+    only: its first storage's); `by_storage` has each.
     """
 
     report: CompileReport  # the compile's (the dump costs it a little time)

@@ -269,7 +269,7 @@ plots.show_source(stream_matmul_kernel, Ring.start, Ring._issue, Ring._copies)
 
 # %%
 teach.excerpt(Ring.matmul, [
-    ("def tile(t, carry, *, steady: bool):", "i, j = t % steps, t // steps",
+    ("def tile(t, carry, *, after=None):", "i, j = t % steps, t // steps",
      "Tile t of this matrix is global tile g = base + t: the slot is g % slots, the "
      "teaching version's `g % slots` across matrices and layers."),
     ("def multiply():", "self._wait(seg, layer, copy, t, g % self.n)",
@@ -279,20 +279,23 @@ teach.excerpt(Ring.matmul, [
      "`_weights` dequantises a packed tile first (notebook 12)."),
     ("when_active(multiply)", "self.start(g + self.n, after)",
      "Then, and only then, issue tile g + slots: directly in the steady loop, through "
-     "`start`'s search of the following matrices in the last `slots` tiles (the teaching "
-     "`refill`)."),
-    ("after = self.stream.following(", "lax.fori_loop(edge, seg.tiles",
-     "Two loops: the steady one carries no search of the stream (notebook 11 counts its "
-     "bundles)."),
+     "`start`'s search of the matrices that can follow in the last `slots` tiles (the "
+     "teaching `refill`)."),
+    ("edge = max(0, seg.tiles - self.n)", "lax.fori_loop(first, end",
+     "The loops: the steady one carries no search of the stream; the edge is cut into runs "
+     "of tiles whose g + slots the same few matrices can hold, one loop each, so a trip "
+     "carries only those matrices' DMA code (notebook 11 counts the bundles)."),
 ])
 
 # %% [markdown]
 # Per tile: wait for tile g (this matrix's tile t: one wait, no search), read slot g mod
 # slots into the MXU (`jnp.dot`, f32 accumulation), and only *then* issue tile g + slots
 # into the slot just read: the ring rule. In the steady loop tile g + slots is this
-# matrix's own tile t + slots, issued directly; only the last `slots` tiles (the edge loop)
-# search which matrix, layer or tail holds it. The search costs bundles on every trip it
-# is in (notebook 11 counts them in the compiled code), so the hot loop does without it.
+# matrix's own tile t + slots, issued directly; only the last `slots` tiles (the edge
+# loops) search which matrix, layer or tail holds it. The search costs bundles on every
+# trip it is in, one DMA's code per matrix it may find (notebook 11 counts them in the
+# compiled code), so the hot loop does without it and each edge loop searches only the
+# matrices its own tiles can reach.
 # Each tile's product accumulates into its output panel of `out_ref` (the first
 # contraction step overwrites it). Swap the order of the
 # read and the start, or read the wrong slot, and the DMA overwrites a tile while the MXU

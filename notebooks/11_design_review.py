@@ -301,8 +301,9 @@ print("compile_for_tpu=False: not compiled" if report is None else report.summar
 # dump on (`mk.bundles.measure`): each per-tile loop's body is counted in VLIW bundles
 # (one a cycle, at a clock known only as a range), with the bundles that drive the MXU and those
 # with only scalar work (address arithmetic, the ring's bookkeeping). `Ring.matmul` runs
-# two loops a matrix: a steady one that issues the matrix's own next tile (one DMA site),
-# and an edge one for its last `slots` tiles that searches the segments able to follow.
+# a steady loop a matrix that issues the matrix's own next tile (one DMA site), and edge
+# loops for its last `slots` tiles, one per run of tiles that the same few segments can
+# follow, each searching only those (one DMA site each).
 # The simulator takes the costliest loop's bundles at one end of the clock range as the
 # compute lane's least time per tile (`Assumptions.tile_bundles`, `Assumptions.clock`);
 # `benchmarks/tile_costs.py` makes the same table for every model and chip.

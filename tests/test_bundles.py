@@ -207,10 +207,13 @@ def _resimulated(row, block=None):
 # `mk.bundles.storage_name`) issue slower than 0.9 x their own DMA (bundles / clock
 # against the tile's bytes at one core's bandwidth). Issue 34: the 27B's TP8 shard takes
 # 5120 x 128 tiles (its MLP's 2176 columns a device are 17 x 128), whose 128-wide panels
-# feed half of TPU7x's MXUs; Kimi K3's TP32 shard streams its FP4 experts in tiles of
-# their own (gate|up joined 7168 x 128, down 128 x 7168, fed fp8) and the rest in
-# 1792 x 128 ones of no more bytes: its plain loops issue for up to 3.7x their DMA at the
-# low end (0.86x at the high), one trip through an expert's two FP4 tiles for 6.8x (1.6x).
+# feed half of TPU7x's MXUs (1.2x at the low end); Kimi K3's TP32 shard streams its FP4
+# experts in tiles of their own (gate|up joined 7168 x 128, down 128 x 7168, fed fp8) and
+# the rest in 1792 x 128 ones of no more bytes: its plain loops issue for up to 2.1x their
+# DMA at the low end (0.5x at the high; 3.7x before the edge loops ran one loop per run of
+# tiles with the same candidates), one trip through an expert's two FP4 tiles for 6.2x
+# (1.5x). At the low end no loop can bring an FP4 tile under 0.9: the MXU's own fp8 feed
+# floor (mk/data/feed_floors.json) is 0.99x an FP4 tile's DMA there.
 # Issue 38: gpt-oss-20b (2944 = 23 x 128 wide) takes 128 x 2944 tiles on one core (its
 # fp4 experts' one 128-row panel of their width, within QUANT_TILE_ELEMENTS): plain 0.3x
 # their DMA; the fp4 tiles, dequantised to bf16 (neither Colab chip's MXU takes fp8),

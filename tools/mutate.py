@@ -62,6 +62,7 @@ MULTIPLY = "            when_active(multiply)"
 ISSUE = ("                when_active(lambda: self._issue(seg, layer, copy, t + self.n, "
          "g + self.n))")
 ELSE = "            else:\n                self.start(g + self.n, after)"
+STEADY = "            if after is None:  # steady: g + slots is this segment's own tile t + slots"
 MUTANTS = [
     # -- issue 40: the five that survived every CI test, and the semaphore allocation --
     _m("plan: ring cover all-reduces one row, not M", "mk/kernels/plan.py",
@@ -130,11 +131,14 @@ MUTANTS = [
        "jnp.where(expert == ids_smem[s], combine_vmem[...], 0.0)",
        "jnp.where(expert == s, combine_vmem[...], 0.0)", "tests/kernels/test_mlp.py"),
     _m("ring prefetch before read: tile g + slots issued into the slot being read",
-       "mk/kernels/ring.py", f"{MULTIPLY}\n            if steady:\n{ISSUE}\n{ELSE}",
-       f"            if steady:\n{ISSUE}\n{ELSE}\n{MULTIPLY}",
+       "mk/kernels/ring.py", f"{MULTIPLY}\n{STEADY}\n{ISSUE}\n{ELSE}",
+       f"{STEADY}\n{ISSUE}\n{ELSE}\n{MULTIPLY}",
        "tests/kernels/test_weight_streaming.py", "tests/kernels/test_mlp.py"),
     _m("ring issues g + slots - 1 at the edge", "mk/kernels/ring.py",
        "self.start(g + self.n, after)", "self.start(g + self.n - 1, after)",
+       "tests/kernels/test_weight_streaming.py", "tests/kernels/test_mlp.py"),
+    _m("ring edge runs: a run of edge tiles forgets its last tile", "mk/kernels/ring.py",
+       "                runs[-1][1] = t + 1", "                runs[-1][1] = t",
        "tests/kernels/test_weight_streaming.py", "tests/kernels/test_mlp.py"),
     _m("ring duplicate issue: the prologue issues one tile too many", "mk/kernels/ring.py",
        "lax.fori_loop(first, min(first + self.n, self.stream.total), issue, 0)",

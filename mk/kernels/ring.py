@@ -270,18 +270,19 @@ class TileStream:
         return {s.start + c * s.stride + t: (s, c) for s in segments
                 for c in range(s.copies) for t in range(s.tiles)}
 
-    def following(self, segment: Segment, span: int) -> tuple[Segment, ...]:
-        """The segments that may hold one of the `span` tiles after any copy of `segment`
-        ends, in any layer: the next ones in the period, the next layer's first ones, the
-        tail's first ones. The stream's layout is static (only the layer and the copies'
-        activity are known at run time), so this is exact up to the layer."""
+    def following(self, segment: Segment, span: int, tiles=None) -> tuple[Segment, ...]:
+        """The segments that may hold tile t + `span` of any copy of `segment`, for t in
+        `tiles` (default its last `span` tiles: every tile its edge loop issues), in any
+        layer: the next ones in the period, the next layer's first ones, the tail's first
+        ones. The stream's layout is static (only the layer and the copies' activity are
+        known at run time), so this is exact up to the layer."""
         if span >= self.period:
             return self.segments + self.tail
+        tiles = range(max(0, segment.tiles - span), segment.tiles) if tiles is None else tiles
         local, tail = self.owners(self.segments), self.owners(self.tail)
         found = set()
         for c in range(segment.copies):
-            end = segment.start + c * segment.stride + segment.tiles
-            for pos in range(end, end + span):
+            for pos in (segment.start + c * segment.stride + t + span for t in tiles):
                 if segment in self.tail:
                     found.add(tail.get(pos))
                 elif pos < self.period:
@@ -526,11 +527,13 @@ class Ring:
         transposed segment's tile is W^T's: x's step times the tile transposed. Every tile
         consumed issues tile g + slots.
 
-        Two loops: in the steady one, tile g + slots is this segment's own tile t + slots,
+        Loops: in the steady one, tile g + slots is this segment's own tile t + slots,
         issued directly; only the last `slots` tiles (the edge) look up which segment, layer
-        or tail holds g + slots (`start`), among the few that can follow this one
-        (`TileStream.following`). The steady loop's body is what the TensorCore
-        runs for most tiles, so it carries no search of the stream (`mk.bundles` counts it).
+        or tail holds g + slots (`start`), in one loop per run of tiles that the same few
+        segments can follow (`TileStream.following` of each tile). The steady loop's body
+        is what the TensorCore runs for most tiles, so it carries no search of the stream,
+        and an edge loop's carries only its run's candidates' DMA code (`mk.bundles`
+        counts every branch of a body).
         """
         seg = self.stream.segment(name)
         base = self.stream.base(layer, seg, copy)
@@ -546,7 +549,7 @@ class Ring:
             else:
                 pl.when(active)(action)
 
-        def tile(t, carry, *, steady: bool):
+        def tile(t, carry, *, after=None):
             g = base + t
             i, j = t % steps, t // steps
 
@@ -561,13 +564,22 @@ class Ring:
                     out_ref[:, cols] = jnp.where(i == 0, part, out_ref[:, cols] + part)
 
             when_active(multiply)
-            if steady:
+            if after is None:  # steady: g + slots is this segment's own tile t + slots
                 when_active(lambda: self._issue(seg, layer, copy, t + self.n, g + self.n))
             else:
                 self.start(g + self.n, after)
             return carry
 
-        after = self.stream.following(seg, self.n)  # where an edge tile's g + slots lies
         edge = max(0, seg.tiles - self.n)  # the first tile whose g + slots may lie beyond
-        lax.fori_loop(0, edge, functools.partial(tile, steady=True), 0)
-        lax.fori_loop(edge, seg.tiles, functools.partial(tile, steady=False), 0)
+        lax.fori_loop(0, edge, tile, 0)
+        # the edge: one loop per run of tiles whose g + slots the same segments may hold
+        # (`TileStream.following`), so a trip carries the DMA code of those few only
+        runs = []
+        for t in range(edge, seg.tiles):
+            after = self.stream.following(seg, self.n, (t,))
+            if runs and runs[-1][2] == after:
+                runs[-1][1] = t + 1
+            else:
+                runs.append([t, t + 1, after])
+        for first, end, after in runs:
+            lax.fori_loop(first, end, functools.partial(tile, after=after), 0)
