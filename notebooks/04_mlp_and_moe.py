@@ -149,10 +149,11 @@ plots.show(fig)
 # counts which experts each MoE layer's router chose. Passed as `routing=` to `mk.perf`
 # and `mk.sim`, the trace replaces the assumption: expert e is chosen with its own
 # probability $q_e$ (its count over the tokens), so $n(M) = \sum_e 1 - (1 - q_e)^{M}$.
-# Random weights route almost uniformly; with `checkpoint=` a trained MoE checkpoint's
-# folder this cell records that router's skew (`mk.routing_trace.save` keeps a trace for
-# a CPU session). Every device of a tensor-parallel shard holds a slice of every expert,
-# so skew changes the bytes of all devices alike, never which device is the busiest.
+# Random weights touch nearly as many experts as uniform routing (the table); with
+# `checkpoint=` a trained MoE checkpoint's folder this cell records that router's skew
+# (`mk.routing_trace.save` keeps a trace for a CPU session). Every device of a
+# tensor-parallel shard holds a slice of every expert, so skew changes the bytes of all
+# devices alike, never which device is the busiest.
 
 # %%
 trace_params = (mk.load_checkpoint(run.checkpoint)[1] if run.checkpoint and run.config.is_moe

@@ -315,8 +315,9 @@ print(f"{big.name}: width {own.hidden} -> {big.hidden}, expert width {own.expert
 # latency), at both ends of the chip's clock range, against the **HBM floor** (the step's
 # bytes at the core's bandwidth). The tiles are 128 x 2944, one 128-row panel of the
 # whole width: 2944 = 23 x 128 has no other divisor, and the experts' fp4 tiles, fed bf16
-# on both chips, are held to `QUANT_TILE_ELEMENTS` (the next smaller tile, 128 x 128, cost
-# 2-4x its DMA plain and 10-18x fp4). A plain tile now issues in a third of its DMA time;
+# on both chips, are held to `QUANT_TILE_ELEMENTS` (the next smaller tile, 128 x 128, moves
+# so few bytes that each tile's fixed loop cost outlasts its DMA; data/README.md keeps that
+# recording's numbers). A plain tile issues in about a third of its DMA time;
 # an fp4 tile's dequantisation to bf16 issues for longer than its DMA (v5e's recorded
 # loop; on v6e Mosaic unrolls that loop, so no loop of it is recorded and the simulator
 # charges the measured cost table's), so HBM still idles for about half the step:

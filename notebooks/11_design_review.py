@@ -303,7 +303,8 @@ print("compile_for_tpu=False: not compiled" if report is None else report.summar
 # with only scalar work (address arithmetic, the ring's bookkeeping). `Ring.matmul` runs
 # a steady loop a matrix that issues the matrix's own next tile (one DMA site), and edge
 # loops for its last `slots` tiles, one per run of tiles that the same few segments can
-# follow, each searching only those (one DMA site each).
+# follow, each carrying only those segments' DMA sites (one, or two where the next layer's
+# segment or the tail may follow).
 # The simulator takes the costliest loop's bundles at one end of the clock range as the
 # compute lane's least time per tile (`Assumptions.tile_bundles`, `Assumptions.clock`);
 # `benchmarks/tile_costs.py` makes the same table for every model and chip.

@@ -213,7 +213,8 @@ def _resimulated(row, block=None):
 # DMA at the low end (0.5x at the high; 3.7x before the edge loops ran one loop per run of
 # tiles with the same candidates), one trip through an expert's two FP4 tiles for 6.2x
 # (1.5x). At the low end no loop can bring an FP4 tile under 0.9: the MXU's own fp8 feed
-# floor (mk/data/feed_floors.json) is 0.99x an FP4 tile's DMA there.
+# floor is 0.99x an FP4 weight's DMA there (`mk.feed_costs.feed_floor_over_dma`;
+# tests/test_feed_costs.py's MXU_BOUND).
 # Issue 38: gpt-oss-20b (2944 = 23 x 128 wide) takes 128 x 2944 tiles on one core (its
 # fp4 experts' one 128-row panel of their width, within QUANT_TILE_ELEMENTS): plain 0.3x
 # their DMA; the fp4 tiles, dequantised to bf16 (neither Colab chip's MXU takes fp8),
