@@ -78,7 +78,8 @@ class Bundle:
     """One VLIW bundle of a `final_bundles.txt` dump (one issue cycle)."""
 
     mark: str  # the dump's marker ("LB" where a loop body starts, "PF", ...), else ""
-    depth: int | None  # loop levels it is inside (`>` each); None for an empty bundle `{}`
+    depth: int | None  # loop levels it is inside (`>` each); None for a bundle of no
+    #                    instruction (`{}`, `{} /* End region 2 */`: the dump omits its `>`)
     ops: tuple[str, ...]  # each instruction's op, in the bundle's order
     granules: tuple[int, ...]  # the size of each DMA it issues
     text: str  # its line from `{` on (trace markers are comments there)
@@ -140,7 +141,7 @@ def read_bundles(text: str) -> list[Bundle]:
                 size = _WAITED.search(instruction.strip())
                 if size and op[1] == "dma.done.wait":
                     waited.append(int(size[1]))
-        found.append(Bundle(mark or "", len(depth) if body.strip() else None, tuple(ops),
+        found.append(Bundle(mark or "", len(depth) if ops else None, tuple(ops),
                             tuple(granules), body, tuple(waited)))
     return found
 

@@ -355,6 +355,37 @@ print(f"that matmul moves {real_bytes / 2**20:.0f} MiB: HBM floor "
       f"{real_bytes / mk.chip(compile_chip).hbm_bw * 1e6:.0f} µs on {compile_chip}")
 
 # %% [markdown]
+# ## Narrow tiles, folded
+#
+# A tensor-parallel shard's tiles are tall and narrow: the 27B's TP8 shard streams 5120 x
+# 128 tiles (notebook 10). A 128-lane tile feeds a quarter of a 512-wide output panel per
+# weight push and costs the TensorCore more bundles per byte, so the ring stores such a
+# plain tile **folded** (`mk.kernels.fold`): its row blocks side by side, [rows / f, f x
+# cols], f = `panel_fold` (the same bytes, one contiguous DMA). The product then stacks
+# x's column blocks along M (a transposed tile: x block-diagonal) so one MXU pass covers
+# every block, and keeps the diagonal blocks: fewer bundles a tile in the compiled code
+# (notebook 11 reads them per recorded shard). The check below folds a small tile and
+# compares both products with the plain ones.
+
+# %%
+from mk.kernels import fold
+
+plots.show_source(fold.folded_product)
+f27 = fold.panel_fold(5120, 128)
+print(f"a 5120 x 128 tile folds {f27} times: stored {fold.folded_shape((5120, 128), f27)}")
+narrow = jax.random.normal(jax.random.key(seed + 1), (512, 128), jnp.float32)
+f = fold.panel_fold(*narrow.shape)
+folded = fold.fold_tiles(narrow, f)
+xs = jax.random.normal(jax.random.key(seed + 2), (8, 512), jnp.float32)
+print(f"512 x 128 folded {f}: stored {folded.shape}; blocks stacked for M = 8: "
+      f"{fold.stack(f, 8)}")
+course.check_close("folded product", fold.folded_product(xs, folded, f, False), xs @ narrow,
+                   atol=1e-3)
+course.check_close("folded product, transposed",
+                   fold.folded_product(xs[:, :128], folded, f, True), xs[:, :128] @ narrow.T,
+                   atol=1e-3)
+
+# %% [markdown]
 # ## What a TPU does differently
 #
 # On hardware the slot count shows in time: with one slot every tile pays the DMA issue
@@ -403,6 +434,10 @@ print(f"2. 2 slots: {t[2]:.0f} µs; {big_need} slots: {t[big_need]:.0f} µs; HBM
 #    copies a strided [tile, tile] window of W?
 #    <details><summary>Answer</summary>One contiguous DMA per tile at one address, whatever
 #    the matrix's shape, and one tile shape for transposed matrices.</details>
+# 4. Why does `folded_product` stop stacking blocks past `STACK_ROWS` rows of M?
+#    <details><summary>Answer</summary>Stacked rows are rows the MXU multiplies: at M 64
+#    four stacked blocks would be 256 rows for one tile, costing more pushes than the
+#    fold saves (measured: `mk.kernels.fold`'s docstring).</details>
 
 # %%
 for n, (got, races) in taught.items():

@@ -318,9 +318,8 @@ print(f"{big.name}: width {own.hidden} -> {big.hidden}, expert width {own.expert
 # on both chips, are held to `QUANT_TILE_ELEMENTS` (the next smaller tile, 128 x 128, moves
 # so few bytes that each tile's fixed loop cost outlasts its DMA; data/README.md keeps that
 # recording's numbers). A plain tile issues in about a third of its DMA time;
-# an fp4 tile's dequantisation to bf16 issues for longer than its DMA (v5e's recorded
-# loop; on v6e Mosaic unrolls that loop, so no loop of it is recorded and the simulator
-# charges the measured cost table's), so HBM still idles for about half the step:
+# an fp4 tile's dequantisation to bf16 issues for over four times its DMA (each chip's
+# recorded loop), so HBM still idles for half the step or more:
 
 # %%
 recorded = {r["chip"]: r for r in json.loads(
@@ -339,7 +338,7 @@ for chip_name in ("v6e", "v5e"):
         step = sim.simulate(big, chip_name, batch=1, context=4096,
                             assumptions=ledger.recorded_assumptions(row, clock=end))
         suffix = "" if end == "low" else "_high"  # a tile's issue over its DMA, recorded
-        fp4 = row.get("packed", {}).get("fp4")  # none recorded where Mosaic unrolls it
+        fp4 = row.get("packed", {}).get("fp4")  # its loop, where the dump shows one
         line |= {f"issue/DMA plain, {end}": f"{row['tile_over_dma' + suffix]:.1f}x",
                  f"issue/DMA fp4, {end}": f"{fp4['tile_over_dma' + suffix]:.1f}x" if fp4
                  else "no loop",

@@ -39,6 +39,10 @@ def test_loops_are_read_from_a_dump_in_libtpus_format():
     assert (first.depth, first.bundles, first.mxu, first.scalar_only, first.dma_granules,
             first.waits, first.eup, first.nested) == (1, 5, 1, 1, (16384,), 1, 0, 0)
     assert (second.bundles, second.mxu, second.eup) == (2, 1, 1)
+    # an empty bundle closing a predicated region (a DMA under pl.when) is still inside
+    # the loop: it does not end it
+    regioned = DUMP.replace("0x13   :  {}", "0x13   :  {} /* End region 2 */")
+    assert bundles.loops(regioned) == [first, second]
 
 
 # A bundle whose comment runs on over the next lines: a DMA's bounds check quotes the DMA
@@ -206,24 +210,24 @@ def _resimulated(row, block=None):
 # tiles of that storage ("plain", a packed scheme, or either with a tile shape of its own:
 # `mk.bundles.storage_name`) issue slower than 0.9 x their own DMA (bundles / clock
 # against the tile's bytes at one core's bandwidth). Issue 34: the 27B's TP8 shard takes
-# 5120 x 128 tiles (its MLP's 2176 columns a device are 17 x 128), whose 128-wide panels
-# feed half of TPU7x's MXUs (1.2x at the low end); Kimi K3's TP32 shard streams its FP4
+# 5120 x 128 tiles (its MLP's 2176 columns a device are 17 x 128), stored folded 4
+# ([1280, 512], `mk.kernels.fold`): its costliest loop, a transposed tile's, issues in
+# 0.96x its DMA at the low end (1.2x unfolded); Kimi K3's TP32 shard streams its FP4
 # experts in tiles of their own (gate|up joined 7168 x 128, down 128 x 7168, fed fp8) and
-# the rest in 1792 x 128 ones of no more bytes: its plain loops issue for up to 2.1x their
-# DMA at the low end (0.5x at the high; 3.7x before the edge loops ran one loop per run of
-# tiles with the same candidates), one trip through an expert's two FP4 tiles for 6.2x
-# (1.5x). At the low end no loop can bring an FP4 tile under 0.9: the MXU's own fp8 feed
-# floor is 0.99x an FP4 weight's DMA there (`mk.feed_costs.feed_floor_over_dma`;
-# tests/test_feed_costs.py's MXU_BOUND).
+# the rest in 1792 x 128 ones of no more bytes (folded 2): its plain loops issue for up
+# to 1.9x their DMA at the low end (0.45x at the high; 2.1x unfolded), one trip through
+# an expert's two FP4 tiles for 6.2x (1.5x). At the low end no loop can bring an FP4 tile
+# under 0.9: the MXU's own fp8 feed floor is 0.99x an FP4 weight's DMA there
+# (`mk.feed_costs.feed_floor_over_dma`; tests/test_feed_costs.py's MXU_BOUND).
 # Issue 38: gpt-oss-20b (2944 = 23 x 128 wide) takes 128 x 2944 tiles on one core (its
 # fp4 experts' one 128-row panel of their width, within QUANT_TILE_ELEMENTS): plain 0.3x
 # their DMA; the fp4 tiles, dequantised to bf16 (neither Colab chip's MXU takes fp8),
-# 4.2x (3.5x) on v5e. On v6e Mosaic unrolls the fp4 tiles' loop, so the dump shows no
-# per-tile loop of theirs: the simulator charges them the measured table's cost.
+# 5.8x (3.0x) on v6e and 4.4x (3.6x) on v5e.
 ISSUE_OVER = {("qwen3.5-27b", "tpu7x", 8, "plain"): {"low"},
               ("kimi-k3", "tpu7x", 32, "plain"): {"low"},
               ("kimi-k3", "tpu7x", 32, "fp4 128x7168"): {"low", "high"},
               ("kimi-k3", "tpu7x", 32, "fp4 7168x128"): {"low", "high"},
+              ("gpt-oss-20b", "v6e", 1, "fp4"): {"low", "high"},
               ("gpt-oss-20b", "v5e", 1, "fp4"): {"low", "high"}}
 
 
@@ -275,7 +279,7 @@ def test_the_recorded_gpt_oss_20b_kernels_replay_their_simulated_step(row):
     """Issue 38: gpt-oss-20b whole on one core of each Colab TPU
     (mk/data/tile_costs/gpt_oss.json, benchmarks/tile_costs.py): the recorded kernel is the
     plan's own for the chip (its 128 x 2944 tiles and ring; a stale recording fails here),
-    its fp4 experts packed (their loop recorded where the dump shows one: v5e), and the
+    its fp4 experts packed (their own loop recorded on both chips), and the
     simulator, replayed now with its bundle-measured per-tile costs and a 1 us DMA
     latency, gives the recorded step and HBM busy. Issue 14's bar holds for the plain
     tiles; the fp4 tiles' dequantisation issues for longer than their DMA (ISSUE_OVER)."""
@@ -284,8 +288,7 @@ def test_the_recorded_gpt_oss_20b_kernels_replay_their_simulated_step(row):
                                                                       row["tile_KiB"])
     assert (plan.block.tile_rows, plan.block.tile_cols) == (128, 2944)
     assert dict(plan.formats) == {"experts": "fp4"}
-    assert {p["scheme"] for p in row.get("packed", {}).values()} == (
-        {"fp4"} if row["chip"] == "v5e" else set())
+    assert {p["scheme"] for p in row.get("packed", {}).values()} == {"fp4"}
     assert row["fits"] and plan.fits(row["chip"]).ok
     assert run.step_ms == pytest.approx(row["sim_step_ms"], rel=1e-9)
     assert run.hbm_utilisation == pytest.approx(row["hbm_busy"], rel=1e-9)

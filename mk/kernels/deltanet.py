@@ -63,7 +63,7 @@ from mk.config import ModelConfig, check_rows
 from mk.kernels.common import (LANES, BlockSizes, Buffer, memory_specs, start_dma,
                                transposed_dot, vmem_limit_bytes)
 from mk.kernels.delta_rule import ALIGN, StateCopies, delta_rule_body
-from mk.kernels.ring import Ring, TileStream, ring_layout
+from mk.kernels.ring import Ring, TileStream, plain_ring, ring_layout
 from mk.kernels.weight_streaming import stage_block
 from mk.ops import rms_norm
 from mk.weights import dma_layout, kind_of, names_of, param_shapes
@@ -205,7 +205,7 @@ def gated_deltanet_buffers(config: ModelConfig, batch: int, rows: int,
     return [Buffer("x", (M, D), "float32", "operand"),
             Buffer("out", (M, D), "float32", "operand"),
             Buffer("h", (M, D), dt),
-            Buffer("ring", (block.slots, block.tile_rows, block.tile_cols), dt),
+            plain_ring(block, dt),
             *linear_buffers(config, linear_kind(config).gates, batch, rows, layers=1)]
 
 
@@ -572,9 +572,8 @@ def gated_deltanet(config: ModelConfig, params, x, conv_state, state, *, layer: 
         out_shape=outputs,
         in_specs=(memory_specs(spaces),),
         out_specs=memory_specs(dict(out=pltpu.VMEM, conv_rows=pl.ANY, state_rows=pl.ANY)),
-        scratch_shapes=dict(h_vmem=pltpu.VMEM((M, D), dt),
-                            ring_vmem=pltpu.VMEM((block.slots, block.tile_rows,
-                                                  block.tile_cols), dt),
+        scratch_shapes=dict(**{f"{b.name}_vmem": pltpu.VMEM(b.shape, b.dtype)
+                               for b in buffers if b.name in ("h", "ring")},
                             sems=pltpu.SemaphoreType.DMA((block.slots,)),
                             linear=linear_scratch(config, kind.gates, B, T, layers=1)),
         compiler_params=pltpu.CompilerParams(vmem_limit_bytes=vmem_limit_bytes(buffers)),

@@ -39,7 +39,7 @@ from mk.config import ModelConfig
 from mk.kernels.attention_prologue import check_layer_inputs
 from mk.kernels.common import (REPEAT_TILE_BYTES, SLOTS, TILE_BYTES, BlockSizes, Buffer,
                                aliases, default_block, memory_specs, vmem_limit_bytes)
-from mk.kernels.ring import Repeat, Ring, TileStream, ring_buffers
+from mk.kernels.ring import Repeat, Ring, TileStream, plain_ring, ring_buffers
 from mk.kernels.weight_streaming import ring_weights, weight_stream
 from mk.kinds.base import LAYER_PHASES, Kind, Step
 from mk.kinds.layers import kinds_at, layer_kinds, layer_matrices
@@ -110,7 +110,7 @@ def layer_buffers(config: ModelConfig, kinds, batch: int, rows: int, block: Bloc
     the layer scratch `Step.s`) and each kind's own (`Kind.buffers`, in their groups)."""
     M, D = batch * rows, config.hidden
     if ring is None:
-        ring = [Buffer("ring", (block.slots, block.tile_rows, block.tile_cols), config.dtype)]
+        ring = [plain_ring(block, config.dtype)]
     buffers = [*ring, Buffer("h", (M, D), config.dtype), Buffer("attn_out", (M, D), "float32"),
                Buffer("mlp_out", (M, D), "float32")]
     return buffers + [b for kind in kinds for b in kind.buffers(batch, rows, block)]

@@ -21,7 +21,8 @@ at index t, so every tile is one contiguous DMA at one address (`fetch(layer).at
 whatever the matrix's shape. A matrix whose transpose is the one the tiles divide (on a
 tensor-parallel shard the row-sharded wo and w_down: [narrow, D]) is stored transposed
 and multiplied as x @ tile^T, so one tall tile shape (D x 128 and more) serves every
-matrix of a shard.
+matrix of a shard. A plain tile narrower than PANEL_COLS is stored folded, its row blocks
+side by side (`Segment.fold`, `mk.kernels.fold`): same bytes, fewer bundles a tile.
 
 Tiles of different shapes and storages share the one slot index: tile g lands in slot
 g % slots of its segment's own ring buffer (`ring_buffers`: one per `TileStream.storages`
@@ -38,15 +39,11 @@ A segment may be stored quantised (`Segment.scheme`, one of `mk.quant.SCHEMES`):
 travel as packed data plus their scale block (two DMAs on the slot's semaphore, both waited
 for) into that scheme's own buffers (`ring_buffers`), tile g still in slot g % slots, and
 reach the MXU as the segment's feed says (`Segment.feed`, chosen per chip by the plan:
-`mk.unpack.choose_feeds`). Fed bf16, a tile is dequantised in VMEM
-(`mk.unpack.dequantize_tile`) to the ring's compute dtype right before one product. Fed
-fp8 (fp8 and fp4 on TPU7x, whose MXU multiplies bf16 by float8_e4m3fn), its values go to
-the MXU as e4m3 (`mk.unpack.fp8_feed_tile`: fp8's codes as they are, fp4's turned into e4m3
-codes exactly), one product per 128 rows: each block of rows sharing a scale (fp8 128,
-fp4 32) gets its own float32 product rows, scaled by its block's row of scales and summed
-in float32; fp4's four groups by stacking the activations masked to each group's columns
-along M (`Ring._product`; why, and what each feed costs: `mk.unpack`'s docstring). Either
-way the product is the reference's on `mk.quant.dequantize(params, feeds=...)`'s weights.
+`mk.unpack.choose_feeds`): dequantised in VMEM to the compute dtype (`mk.unpack.
+dequantize_tile`) before one product, or fed fp8 (fp8 and fp4 on TPU7x) as e4m3 codes with
+each scale block's float32 product rows scaled after (`Ring._product`; why, and what each
+feed costs: `mk.unpack`'s docstring). Either way the product is the reference's on
+`mk.quant.dequantize(params, feeds=...)`'s weights.
 
 A run of matrices may be repeated (`Repeat`), e.g. gate, up, down once per expert slot:
 copy c's Fetch gets (layer, c) and `matmul(..., copy=c)` takes a traced c, so a kernel
@@ -70,6 +67,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mk import quant, unpack
 from mk.kernels.common import BlockSizes, Buffer, start_dma
+from mk.kernels.fold import fold_tiles, folded_product, folded_shape, panel_fold
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +91,11 @@ class Segment:
     def tiles(self) -> int:
         """Tiles of one copy."""
         return self.in_tiles * self.out_tiles
+
+    @property
+    def fold(self) -> int:
+        """Row blocks of its tile stored side by side in HBM and VMEM (`stored_fold`)."""
+        return stored_fold(self.scheme, self.tile)
 
     @property
     def end(self) -> int:
@@ -262,7 +265,6 @@ class TileStream:
         found = {s.scheme for s in self.segments + self.tail}
         return tuple(q for q in quant.SCHEMES if q in found)
 
-
     @staticmethod
     def owners(segments) -> dict[int, tuple[Segment, int]]:
         """Tile offset -> (segment, copy) for every tile of `segments` (one layer's, offsets
@@ -304,10 +306,17 @@ def _buffer_name(scheme: str | None, tile: tuple[int, int], block: BlockSizes) -
     return "ring" + (f"_{scheme}" if scheme else "") + shaped
 
 
+def stored_fold(scheme: str | None, tile: tuple[int, int]) -> int:
+    """How a tile of `scheme` (None: plain) and shape `tile` is stored: plain ones folded
+    `mk.kernels.fold.panel_fold` times, packed ones as they are (1)."""
+    return 1 if scheme is not None else panel_fold(*tile)
+
+
 def tile_major(w, segment: Segment):
     """Weight w [..., K, N] (leading stacked axes) in the ring's HBM layout for `segment`:
     [..., tiles, tile_rows, tile_cols] of its tile, tile t the stream's t-th (output panel
-    t // in_tiles, contraction step t % in_tiles; transposed segments tiled from W^T). A
+    t // in_tiles, contraction step t % in_tiles; transposed segments tiled from W^T), each
+    tile folded as `Segment.fold` says ([tile_rows / fold, fold x tile_cols]). A
     `mk.quant.QuantWeight` (never transposed) becomes `mk.quant.tile_major`'s."""
     r, c = segment.tile
     if isinstance(w, quant.QuantWeight):
@@ -319,7 +328,7 @@ def tile_major(w, segment: Segment):
     else:  # stored W: grid (step, output panel) is (row, col); panels outermost
         grid = w.reshape(*lead, K // r, r, N // c, c)
         tiles = jnp.moveaxis(grid, -2, -4)
-    return tiles.reshape(*lead, segment.tiles, r, c)
+    return fold_tiles(tiles.reshape(*lead, segment.tiles, r, c), segment.fold)
 
 
 def ring_layout(weights: dict, stream: TileStream) -> dict:
@@ -330,16 +339,24 @@ def ring_layout(weights: dict, stream: TileStream) -> dict:
             for name, w in weights.items()}
 
 
+def plain_ring(block: BlockSizes, dtype, tile: tuple[int, int] | None = None) -> Buffer:
+    """The VMEM slots of plain tiles of shape `tile` (default the block's), named by
+    `TileStream.buffer_name`: [slots, *stored tile] of `dtype` (folded: `stored_fold`)."""
+    tile = tile or (block.tile_rows, block.tile_cols)
+    return Buffer(_buffer_name(None, tile, block),
+                  (block.slots, *folded_shape(tile, stored_fold(None, tile))), dtype)
+
+
 def ring_buffers(stream: TileStream, dtype) -> list[Buffer]:
     """The ring's VMEM slots ("layer" group), one set per `TileStream.storages` entry,
-    named by `TileStream.buffer_name`: plain tiles [slots, tile_rows, tile_cols] of
-    `dtype`; a quantised scheme's packed data and its "_scales" (`mk.quant.tile_shapes`).
-    All are slots deep: tile g lands in slot g % slots of its segment's buffer."""
+    named by `TileStream.buffer_name`: plain tiles' `plain_ring` of `dtype`; a quantised
+    scheme's packed data and its "_scales" (`mk.quant.tile_shapes`). All are slots deep:
+    tile g lands in slot g % slots of its segment's buffer."""
     out = []
     for scheme, (r, c) in stream.storages:
         name = _buffer_name(scheme, (r, c), stream.block)
         if scheme is None:
-            out.append(Buffer(name, (stream.block.slots, r, c), dtype))
+            out.append(plain_ring(stream.block, dtype, (r, c)))
             continue
         shapes = quant.tile_shapes(scheme, r, c)
         for part, suffix in (("data", ""), ("scale", "_scales")):
@@ -411,7 +428,8 @@ class Ring:
         return self.buffers[self.stream.buffer_name(segment) + "_scales"]
 
     def _weights(self, segment: Segment, g):
-        """Tile g's weights in VMEM: a [tile_rows, tile_cols] value of the compute dtype."""
+        """Tile g's weights in VMEM: a value of the compute dtype, [tile_rows, tile_cols]
+        (plain ones as stored: folded, `Segment.fold`)."""
         data = self.slot(g, segment)[...]
         if segment.scheme is None:
             return data
@@ -420,13 +438,14 @@ class Ring:
 
     def _product(self, segment: Segment, g, xs, contract):
         """xs [M, step] times tile g of `segment`, float32 [M, panel]: one product with the
-        tile in the compute dtype, or, fed fp8, one per 128 rows of e4m3 values
-        (`mk.unpack.fp8_feed_tile`), each block of rows sharing a scale (fp8 128, fp4 32)
-        scaled by its row of scales. fp4's four 32-row groups share one product: xs's 128
-        columns masked to each group's 32 are stacked along M, so the unit's weights are
-        pushed once and row block k of the product is group k's (the masked columns add
-        exact zeros)."""
+        tile in the compute dtype (folded: `mk.kernels.fold.folded_product`), or, fed fp8,
+        one per 128 rows of e4m3 values (`mk.unpack.fp8_feed_tile`), each block of rows
+        sharing a scale (fp8 128, fp4 32) scaled by its row of scales; fp4's four 32-row
+        groups in one product, xs masked to each group's columns stacked along M."""
         xs = xs.astype(self.dtype)
+        if segment.fold > 1:
+            return folded_product(xs, self._weights(segment, g), segment.fold,
+                                  segment.transposed)
         if segment.feed != "fp8":
             return lax.dot_general(xs, self._weights(segment, g), contract,
                                    preferred_element_type=jnp.float32)
@@ -527,13 +546,10 @@ class Ring:
         transposed segment's tile is W^T's: x's step times the tile transposed. Every tile
         consumed issues tile g + slots.
 
-        Loops: in the steady one, tile g + slots is this segment's own tile t + slots,
-        issued directly; only the last `slots` tiles (the edge) look up which segment, layer
-        or tail holds g + slots (`start`), in one loop per run of tiles that the same few
-        segments can follow (`TileStream.following` of each tile). The steady loop's body
-        is what the TensorCore runs for most tiles, so it carries no search of the stream,
-        and an edge loop's carries only its run's candidates' DMA code (`mk.bundles`
-        counts every branch of a body).
+        Loops: in the steady one (most tiles: no search of the stream) tile g + slots is
+        this segment's own tile t + slots; the last `slots` tiles (the edge) look up which
+        segment, layer or tail holds it (`start`), one loop per run of tiles the same few
+        segments can follow (`TileStream.following`): `mk.bundles` counts every branch.
         """
         seg = self.stream.segment(name)
         base = self.stream.base(layer, seg, copy)

@@ -211,6 +211,26 @@ def test_a_weight_only_its_transpose_tiles_streams_transposed_and_matches(dtype)
     assert sum(n for _, n in log) == w.nbytes
 
 
+@pytest.mark.parametrize("K, N", [(512, 256), (128, 512)])
+@pytest.mark.parametrize("M", [1, 8, 24, 64])
+def test_a_narrow_tile_stored_folded_matches_the_reference_without_races(M, K, N):
+    """512 x 128 tiles are stored folded 4 ([128, 512], `mk.kernels.fold`), plain ([512,
+    256]: x's column blocks stacked along M) and transposed ([128, 512]: x
+    block-diagonal); M 1 and 8 stack all four blocks, 24 two, 64 none. The products are
+    the reference's, the DMAs move the weight once, the slots hold the folded tile."""
+    x, w = _operands(M, K, N, "bfloat16", seed=M)
+    block = BlockSizes(slots=2, tile_rows=512, tile_cols=128)
+    segment = TileStream.build(block, [("w", K, N)]).segments[0]
+    assert (segment.fold, segment.transposed) == (4, K < 512)
+    assert [b.shape for b in stream_matmul_buffers(M, K, N, w.dtype, block)
+            if b.name == "ring"] == [(2, 128, 512)]
+    with dma_log() as log:
+        y, races = _run(x, w, block)
+    np.testing.assert_allclose(y, ops.matmul(x, w), **TOLERANCE["bfloat16"])
+    assert not races
+    assert sum(n for _, n in log) == w.nbytes
+
+
 def test_the_default_tile_is_the_largest_that_cuts_the_weight_ties_to_wide_panels():
     """Of the tiles as large, the one cutting more weights into output panels of
     PANEL_COLS (every MXU of a core at once), then the taller."""

@@ -1,0 +1,101 @@
+"""Folded tiles: a narrow plain weight tile stored PANEL_COLS wide.
+
+A tensor-parallel shard's ring tiles are tall and narrow (`default_block`: D x 128 and
+more; the 27B's TP8 shard 5120 x 128, Kimi K3's TP32 1792 x 128). Stored as they are,
+each is a 128-lane column that feeds a quarter of TPU7x's MXU width per weight push and
+moves as thousands of short DMA rows. Folded, its row blocks sit side by side: a tile
+[rows, cols] is stored [rows / f, f * cols], row block b (rows b R .. (b + 1) R, R = rows
+/ f) in columns b cols .. (b + 1) cols, with f = `panel_fold` (the largest that keeps the
+stored tile at most PANEL_COLS wide and R a whole number of FOLD_ROWS). The bytes, the
+tile's place in the stream and the numbers are unchanged; only the storage and the
+product's code differ. Measured (TPU7x bundle dumps of the stage-01 kernel's steady loop,
+5120 x 128 tiles folded 4): plain tiles 348 -> 232 bundles a tile at M 1, 340 -> 262 at
+M 8; transposed ones 405 -> 328 and 374 -> 301.
+
+The product (`folded_product`) takes the folded blocks `stack` at a time (the largest
+divisor of f with stack x M <= STACK_ROWS: past it, the stacked rows cost more MXU pushes
+than the fold saves):
+- plain (x [M, rows] @ W [rows, cols]): x's column blocks stacked along M times the
+  blocks side by side, [stack M, R] @ [R, stack cols]; the diagonal blocks are the
+  partial products, summed;
+- transposed (x [M, cols] @ W^T, W [rows, cols] stored transposed): x block-diagonal,
+  [stack M, stack cols], times the blocks transposed, [stack M, R]; row block b is output
+  block b, set side by side.
+The off-diagonal products multiply by exact zeros (finite weights), so the result is the
+unfolded product's.
+
+Not here: which tiles a stream stores folded (`mk.kernels.ring.Segment.fold`: plain ones),
+their VMEM slots (`mk.kernels.ring.ring_buffers`).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from mk.kernels.common import PANEL_COLS
+
+FOLD_ROWS = 128  # a folded block's rows: whole lane groups of x's contraction columns
+# Stacked rows of one folded product. Measured (TPU7x, stage-01 kernel, 5120 x 128 tiles
+# folded 4, bundles a tile, plain / transposed): M 32 stacking 2 blocks 287 / 419, while
+# M 64 stacking none 561 / 659 against 552 / 608 unfolded: past 64 rows, stacking costs.
+STACK_ROWS = 64
+
+
+def panel_fold(tile_rows: int, tile_cols: int) -> int:
+    """How many row blocks of a plain tile_rows x tile_cols tile are stored side by side:
+    the largest f <= PANEL_COLS / tile_cols with tile_rows a multiple of f x FOLD_ROWS (1:
+    stored as it is)."""
+    return max([1] + [f for f in range(2, PANEL_COLS // tile_cols + 1)
+                      if tile_rows % (f * FOLD_ROWS) == 0])
+
+
+def folded_shape(tile: tuple[int, int], fold: int) -> tuple[int, int]:
+    """The stored [rows / fold, fold x cols] of a tile (rows, cols)."""
+    return tile[0] // fold, tile[1] * fold
+
+
+def fold_tiles(tiles, fold: int):
+    """tiles [..., rows, cols] stored folded, [..., rows / fold, fold x cols]: row block b
+    in columns b cols .. (b + 1) cols."""
+    if fold == 1:
+        return tiles
+    *lead, rows, cols = tiles.shape
+    blocks = tiles.reshape(*lead, fold, rows // fold, cols)
+    return jnp.swapaxes(blocks, -3, -2).reshape(*lead, rows // fold, fold * cols)
+
+
+def stack(fold: int, m: int) -> int:
+    """Folded blocks one product takes for M = m rows: the largest divisor of fold with
+    stack x m <= STACK_ROWS (at least 1)."""
+    return max(s for s in range(1, fold + 1)
+               if fold % s == 0 and (s == 1 or s * m <= STACK_ROWS))
+
+
+def folded_product(xs, wf, fold: int, transposed: bool):
+    """xs [M, K] times the folded tile wf [R, fold x c], float32: plain (K = fold R) the
+    tile's [fold R, c] product, [M, c]; transposed (K = c) its [fold R, c]^T one, [M, fold
+    R]. xs is in wf's dtype."""
+    m, (r, width) = xs.shape[0], wf.shape
+    c, s = width // fold, stack(fold, m)
+    zeros = jnp.zeros_like(xs)
+    parts = []
+    for k in range(0, fold, s):
+        blocks = wf[:, k * c:(k + s) * c]
+        if transposed:  # x block-diagonal [s m, s c] times the blocks transposed
+            x = jnp.concatenate([jnp.concatenate([xs if j == b else zeros for j in range(s)],
+                                                 axis=1) for b in range(s)]) if s > 1 else xs
+            product = lax.dot_general(x, blocks, (((1,), (1,)), ((), ())),
+                                      preferred_element_type=jnp.float32)
+            parts += [product[b * m:(b + 1) * m] for b in range(s)]
+        else:  # x's column blocks stacked along M times the blocks side by side
+            x = jnp.concatenate([xs[:, (k + b) * r:(k + b + 1) * r] for b in range(s)])
+            product = lax.dot_general(x, blocks, (((1,), (0,)), ((), ())),
+                                      preferred_element_type=jnp.float32)
+            parts += [product[b * m:(b + 1) * m, b * c:(b + 1) * c] for b in range(s)]
+    if transposed:
+        return jnp.concatenate(parts, axis=1)
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
