@@ -132,9 +132,9 @@ def is_prefix(experts) -> bool:
 
 
 # -- Planted mistakes -------------------------------------------------------------------------
-def _slot_of_next_tile(ring, g, segment=None):
+def _slot_of_next_tile(ring, index, segment=None):
     name = "ring" if segment is None else ring.stream.buffer_name(segment)
-    return ring.buffers[name].at[(g + 1) % ring.n]  # the mistake: g + 1, not g
+    return ring.buffers[name].at[(index + 1) % ring.n]  # the mistake: the next slot's
 
 
 def _rope_off(x, pos, theta, dims=None, yarn=None):

@@ -267,6 +267,33 @@ def fp8_feed_tile(scheme: str, data: jax.Array, scale: jax.Array
     raise ValueError(f"scheme={scheme!r} has no fp8 feed; {FEEDABLE}")
 
 
+def fp8_product(scheme: str, data: jax.Array, scale: jax.Array, xs: jax.Array) -> jax.Array:
+    """xs [M, tile_rows] (the compute dtype) times one packed tile fed fp8, float32 [M,
+    tile_cols]: one product per 128 rows of its e4m3 codes (`fp8_feed_tile`), each block of
+    rows sharing a scale (fp8 128, fp4 32) scaled by its row of scales and summed in
+    float32; fp4's four 32-row groups share one product, xs's 128 columns masked to each
+    group's 32 stacked along M, so the unit's weights are pushed once and row block k of
+    the product is group k's (the masked columns add exact zeros)."""
+    w8, block_scales, gain = fp8_feed_tile(scheme, data, scale)
+    unit = GROUP["fp8"]  # rows of one product: an fp8 block, four fp4 groups
+    rows = w8.shape[0]
+    per = rows // block_scales.shape[0]  # rows sharing a scale
+    groups, m = unit // per, xs.shape[0]
+    group_of_column = jax.lax.broadcasted_iota(jnp.int32, (1, unit), 1) // per
+    total = None
+    for u in range(rows // unit):
+        xu = xs[:, u * unit:(u + 1) * unit]
+        stacked = jnp.concatenate([jnp.where(group_of_column == k, xu, 0)
+                                   for k in range(groups)]) if groups > 1 else xu
+        product = jnp.dot(stacked, w8[u * unit:(u + 1) * unit],
+                          preferred_element_type=jnp.float32)
+        for k in range(groups):
+            b = u * groups + k
+            part = product[k * m:(k + 1) * m] * block_scales[b:b + 1]
+            total = part if total is None else total + part
+    return total if gain == 1.0 else total * gain
+
+
 def choose_feeds(formats: dict[str, str], feeds=None, chip: ChipSpec | None = None
                  ) -> dict[str, str]:
     """{group: feed} of each group of `formats` ({group: scheme}, the packed ones): the

@@ -269,18 +269,20 @@ plots.show_source(stream_matmul_kernel, Ring.start, Ring._issue, Ring._copies)
 
 # %%
 teach.excerpt(Ring.matmul, [
-    ("def tile(t, carry, *, after=None):", "i, j = t % steps, t // steps",
-     "Tile t of this matrix is global tile g = base + t: the slot is g % slots, the "
-     "teaching version's `g % slots` across matrices and layers."),
-    ("def multiply():", "self._wait(seg, layer, copy, t, g % self.n)",
+    ("def tile(t, carry, *, after=None):", "slot, i, j = carry",
+     "Tile t of this matrix is global tile g = base + t, in slot g % slots (the teaching "
+     "version's `g % slots` across matrices and layers), contraction step i = t % steps "
+     "and panel j = t // steps; the loop carries all three from trip to trip, so no trip "
+     "divides."),
+    ("def multiply():", "self._wait(seg, layer, copy, t, slot)",
      "Wait for tile g: the teaching `dma(g).wait()`."),
     ("xs = x[:, pl.ds(", "out_ref[:, cols] = jnp.where(i == 0, part",
      "Multiply and accumulate into the output panel, as the teaching `consume`; "
      "`_weights` dequantises a packed tile first (notebook 12)."),
-    ("when_active(multiply)", "self.start(g + self.n, after)",
-     "Then, and only then, issue tile g + slots: directly in the steady loop, through "
-     "`start`'s search of the matrices that can follow in the last `slots` tiles (the "
-     "teaching `refill`)."),
+    ("def multiply_then_issue():", "self.start(base + t + self.n, after)",
+     "Then, and only then, issue tile g + slots into the slot just read: directly in the "
+     "steady loop, through `start`'s search of the matrices that can follow in the last "
+     "`slots` tiles (the teaching `refill`)."),
     ("edge = max(0, seg.tiles - self.n)", "lax.fori_loop(first, end",
      "The loops: the steady one carries no search of the stream; the edge is cut into runs "
      "of tiles whose g + slots the same few matrices can hold, one loop each, so a trip "

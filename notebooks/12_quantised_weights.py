@@ -379,7 +379,7 @@ display(plots.table(fit_rows))
 # codes go to the MXU as e4m3 and the scales multiply the products:
 
 # %%
-plots.show_source(Ring._copies, Ring._weights, Ring._product)
+plots.show_source(Ring._copies, Ring._weights, Ring._product, unpack.fp8_product)
 
 # %% [markdown]
 # One streamed matrix, the stage-01 kernel (`stream_matmul`) in each format, with every DMA

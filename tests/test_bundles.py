@@ -212,13 +212,14 @@ def _resimulated(row, block=None):
 # against the tile's bytes at one core's bandwidth). Issue 34: the 27B's TP8 shard takes
 # 5120 x 128 tiles (its MLP's 2176 columns a device are 17 x 128), stored folded 4
 # ([1280, 512], `mk.kernels.fold`): its costliest loop, a transposed tile's, issues in
-# 0.96x its DMA at the low end (1.2x unfolded); Kimi K3's TP32 shard streams its FP4
-# experts in tiles of their own (gate|up joined 7168 x 128, down 128 x 7168, fed fp8) and
-# the rest in 1792 x 128 ones of no more bytes (folded 2): its plain loops issue for up
-# to 1.9x their DMA at the low end (0.45x at the high; 2.1x unfolded), one trip through
-# an expert's two FP4 tiles for 6.2x (1.5x). At the low end no loop can bring an FP4 tile
-# under 0.9: the MXU's own fp8 feed floor is 0.99x an FP4 weight's DMA there
-# (`mk.feed_costs.feed_floor_over_dma`; tests/test_feed_costs.py's MXU_BOUND).
+# 0.93x its DMA at the low end (1.2x unfolded, 0.96x before the loops carried the slot);
+# Kimi K3's TP32 shard streams its FP4 experts in tiles of their own (gate|up joined 7168
+# x 128, down 128 x 7168, fed fp8) and the rest in 1792 x 128 ones of no more bytes
+# (folded 2): its plain loops issue for up to 1.9x their DMA at the low end (0.44x at the
+# high; 2.1x unfolded), one trip through an expert's two FP4 tiles for 6.2x (1.5x). At
+# the low end no loop can bring an FP4 tile under 0.9: the MXU's own fp8 feed floor is
+# 0.99x an FP4 weight's DMA there (`mk.feed_costs.feed_floor_over_dma`;
+# tests/test_feed_costs.py's MXU_BOUND).
 # Issue 38: gpt-oss-20b (2944 = 23 x 128 wide) takes 128 x 2944 tiles on one core (its
 # fp4 experts' one 128-row panel of their width, within QUANT_TILE_ELEMENTS): plain 0.3x
 # their DMA; the fp4 tiles, dequantised to bf16 (neither Colab chip's MXU takes fp8),

@@ -58,11 +58,8 @@ def _m(name, path, original, mutated, *tests, equivalent=""):
 DA = "mk/kernels/decode_attention.py"
 T_DA = "tests/kernels/test_decode_attention.py"
 COUNTS = "tests/test_counts.py::"
-MULTIPLY = "            when_active(multiply)"
-ISSUE = ("                when_active(lambda: self._issue(seg, layer, copy, t + self.n, "
-         "g + self.n))")
-ELSE = "            else:\n                self.start(g + self.n, after)"
-STEADY = "            if after is None:  # steady: g + slots is this segment's own tile t + slots"
+MULTIPLY = "                multiply()"
+ISSUE = "                self._issue(seg, layer, copy, t + self.n, slot)"
 MUTANTS = [
     # -- issue 40: the five that survived every CI test, and the semaphore allocation --
     _m("plan: ring cover all-reduces one row, not M", "mk/kernels/plan.py",
@@ -131,11 +128,14 @@ MUTANTS = [
        "jnp.where(expert == ids_smem[s], combine_vmem[...], 0.0)",
        "jnp.where(expert == s, combine_vmem[...], 0.0)", "tests/kernels/test_mlp.py"),
     _m("ring prefetch before read: tile g + slots issued into the slot being read",
-       "mk/kernels/ring.py", f"{MULTIPLY}\n{STEADY}\n{ISSUE}\n{ELSE}",
-       f"{STEADY}\n{ISSUE}\n{ELSE}\n{MULTIPLY}",
+       "mk/kernels/ring.py", f"{MULTIPLY}\n{ISSUE}", f"{ISSUE}\n{MULTIPLY}",
        "tests/kernels/test_weight_streaming.py", "tests/kernels/test_mlp.py"),
     _m("ring issues g + slots - 1 at the edge", "mk/kernels/ring.py",
-       "self.start(g + self.n, after)", "self.start(g + self.n - 1, after)",
+       "self.start(base + t + self.n, after)", "self.start(base + t + self.n - 1, after)",
+       "tests/kernels/test_weight_streaming.py", "tests/kernels/test_mlp.py"),
+    _m("ring slot carried: the slot wraps one early, skipping the last", "mk/kernels/ring.py",
+       "return (jnp.where(slot == self.n - 1, 0, slot + 1)",
+       "return (jnp.where(slot >= self.n - 2, 0, slot + 1)",
        "tests/kernels/test_weight_streaming.py", "tests/kernels/test_mlp.py"),
     _m("ring edge runs: a run of edge tiles forgets its last tile", "mk/kernels/ring.py",
        "                runs[-1][1] = t + 1", "                runs[-1][1] = t",
@@ -220,7 +220,7 @@ MUTANTS = [
        "read = sum(kv_tiles(p, rows, kv_tile, window) - 1 for p in pos)",
        COUNTS + "test_plan_kv_tiles_read_and_written_match_numpys_tile_index"),
     # -- issue 35: fp4's placement decoder, byte-matched expert tiles, packed loops --
-    _m("fp4 fed fp8: the tile product's gain of 64 dropped", "mk/kernels/ring.py",
+    _m("fp4 fed fp8: the tile product's gain of 64 dropped", "mk/unpack.py",
        "return total if gain == 1.0 else total * gain", "return total",
        "tests/test_megakernel.py::test_fp8_fed_weights_decode_the_references_tokens"),
     _m("fp4 decoder: the high nibbles' signs dropped", "mk/unpack.py",

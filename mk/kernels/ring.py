@@ -41,7 +41,7 @@ for) into that scheme's own buffers (`ring_buffers`), tile g still in slot g % s
 reach the MXU as the segment's feed says (`Segment.feed`, chosen per chip by the plan:
 `mk.unpack.choose_feeds`): dequantised in VMEM to the compute dtype (`mk.unpack.
 dequantize_tile`) before one product, or fed fp8 (fp8 and fp4 on TPU7x) as e4m3 codes with
-each scale block's float32 product rows scaled after (`Ring._product`; why, and what each
+each scale block's float32 product rows scaled after (`mk.unpack.fp8_product`; why, and what each
 feed costs: `mk.unpack`'s docstring). Either way the product is the reference's on
 `mk.quant.dequantize(params, feeds=...)`'s weights.
 
@@ -427,47 +427,28 @@ class Ring:
     def _scales(self, segment: Segment):
         return self.buffers[self.stream.buffer_name(segment) + "_scales"]
 
-    def _weights(self, segment: Segment, g):
-        """Tile g's weights in VMEM: a value of the compute dtype, [tile_rows, tile_cols]
-        (plain ones as stored: folded, `Segment.fold`)."""
-        data = self.slot(g, segment)[...]
+    def _weights(self, segment: Segment, slot):
+        """The weights of the tile in `slot`: a value of the compute dtype, [tile_rows,
+        tile_cols] (plain ones as stored: folded, `Segment.fold`)."""
+        data = self.slot(slot, segment)[...]
         if segment.scheme is None:
             return data
         return unpack.dequantize_tile(segment.scheme, data,
-                                     self._scales(segment)[g % self.n]).astype(self.dtype)
+                                     self._scales(segment)[slot]).astype(self.dtype)
 
-    def _product(self, segment: Segment, g, xs, contract):
-        """xs [M, step] times tile g of `segment`, float32 [M, panel]: one product with the
-        tile in the compute dtype (folded: `mk.kernels.fold.folded_product`), or, fed fp8,
-        one per 128 rows of e4m3 values (`mk.unpack.fp8_feed_tile`), each block of rows
-        sharing a scale (fp8 128, fp4 32) scaled by its row of scales; fp4's four 32-row
-        groups in one product, xs masked to each group's columns stacked along M."""
+    def _product(self, segment: Segment, slot, xs, contract):
+        """xs [M, step] times the tile of `segment` in `slot`, float32 [M, panel]: one product
+        with the tile in the compute dtype (folded: `mk.kernels.fold.folded_product`), or
+        fed fp8, its e4m3 codes and scales as they are (`mk.unpack.fp8_product`)."""
         xs = xs.astype(self.dtype)
         if segment.fold > 1:
-            return folded_product(xs, self._weights(segment, g), segment.fold,
+            return folded_product(xs, self._weights(segment, slot), segment.fold,
                                   segment.transposed)
-        if segment.feed != "fp8":
-            return lax.dot_general(xs, self._weights(segment, g), contract,
-                                   preferred_element_type=jnp.float32)
-        w8, block_scales, gain = unpack.fp8_feed_tile(
-            segment.scheme, self.slot(g, segment)[...], self._scales(segment)[g % self.n])
-        unit = unpack.GROUP["fp8"]  # rows of one product: an fp8 block, four fp4 groups
-        rows = segment.tile[0]
-        per = rows // block_scales.shape[0]  # rows sharing a scale (never transposed)
-        groups, m = unit // per, xs.shape[0]
-        group_of_column = lax.broadcasted_iota(jnp.int32, (1, unit), 1) // per
-        total = None
-        for u in range(rows // unit):
-            xu = xs[:, u * unit:(u + 1) * unit]
-            stacked = jnp.concatenate([jnp.where(group_of_column == k, xu, 0)
-                                       for k in range(groups)]) if groups > 1 else xu
-            product = lax.dot_general(stacked, w8[u * unit:(u + 1) * unit], contract,
-                                      preferred_element_type=jnp.float32)
-            for k in range(groups):
-                b = u * groups + k
-                part = product[k * m:(k + 1) * m] * block_scales[b:b + 1]
-                total = part if total is None else total + part
-        return total if gain == 1.0 else total * gain
+        if segment.feed == "fp8":
+            return unpack.fp8_product(segment.scheme, self.slot(slot, segment)[...],
+                                      self._scales(segment)[slot], xs)
+        return lax.dot_general(xs, self._weights(segment, slot), contract,
+                               preferred_element_type=jnp.float32)
 
     def _each_segment(self, g, action, candidates=None):
         """Call action(segment, layer, copy, t) for the segment holding tile g (g traced),
@@ -494,16 +475,17 @@ class Ring:
         _, active = self._fetch(segment, layer, copy)
         return True if active is None else active
 
-    def _issue(self, segment: Segment, layer, copy, t, g):
-        """Start the DMA of tile g, which is tile t of `segment`'s copy `copy` in `layer`."""
-        for dma, nbytes in self._copies(segment, layer, copy, t, g % self.n):
+    def _issue(self, segment: Segment, layer, copy, t, slot):
+        """Start the DMA of tile t of `segment`'s copy `copy` in `layer` into `slot`."""
+        for dma, nbytes in self._copies(segment, layer, copy, t, slot):
             start_dma(dma, segment.name, nbytes)
 
     def start(self, g, candidates=None):
         """Issue tile g into slot g % slots; a no-op past the end or for an off segment.
         candidates: the segments that may hold g (`TileStream.following`), if known."""
-        self._each_segment(g, lambda seg, layer, copy, t: self._issue(seg, layer, copy, t, g),
-                           candidates)
+        self._each_segment(
+            g, lambda seg, layer, copy, t: self._issue(seg, layer, copy, t, g % self.n),
+            candidates)
 
     def prime(self, first: int = 0):
         """Issue the first `slots` tiles from `first` on (a kernel's prologue): a loop, so
@@ -514,11 +496,11 @@ class Ring:
 
         lax.fori_loop(first, min(first + self.n, self.stream.total), issue, 0)
 
-    def slot(self, g, segment: Segment | None = None):
-        """Slot g % slots of `segment`'s ring buffer (its packed data if quantised); by
-        default the plain ring of the block's tile ("ring")."""
+    def slot(self, index, segment: Segment | None = None):
+        """Slot `index` (tile g's is g % slots) of `segment`'s ring buffer (its packed data
+        if quantised); by default the plain ring of the block's tile ("ring")."""
         name = "ring" if segment is None else self.stream.buffer_name(segment)
-        return self.buffers[name].at[g % self.n]
+        return self.buffers[name].at[index]
 
     def region(self, step, first: str, last: str):
         """[first tile, end) of the segments `first` .. `last` of layer `step`."""
@@ -544,7 +526,9 @@ class Ring:
         from refs, not values); each step is cast to the weight dtype and the products
         accumulate in float32 in out_ref's panel (the `mk.ops.matmul` numerics). A
         transposed segment's tile is W^T's: x's step times the tile transposed. Every tile
-        consumed issues tile g + slots.
+        consumed issues tile g + slots into its slot. The loops carry each tile's slot,
+        contraction step and panel from trip to trip: no divide a tile (TPU7x's bundle
+        dumps: Kimi K3's TP32 loops 4-7 % fewer bundles, the 27B's TP8 costliest 352 -> 339).
 
         Loops: in the steady one (most tiles: no search of the stream) tile g + slots is
         this segment's own tile t + slots; the last `slots` tiles (the edge) look up which
@@ -566,28 +550,34 @@ class Ring:
                 pl.when(active)(action)
 
         def tile(t, carry, *, after=None):
-            g = base + t
-            i, j = t % steps, t // steps
+            slot, i, j = carry  # tile t's slot, contraction step and panel: no divide
 
             def multiply():
-                self._wait(seg, layer, copy, t, g % self.n)  # tile g: one wait, no search
+                self._wait(seg, layer, copy, t, slot)  # one wait, no search
                 xs = x[:, pl.ds(pl.multiple_of(i * step, step), step)]
-                part = self._product(seg, g, xs, contract)
+                part = self._product(seg, slot, xs, contract)
                 cols = pl.ds(pl.multiple_of(j * panel, panel), panel)
                 if steps == 1:
                     out_ref[:, cols] = part
                 else:  # the first step's select drops whatever the panel held
                     out_ref[:, cols] = jnp.where(i == 0, part, out_ref[:, cols] + part)
 
-            when_active(multiply)
-            if after is None:  # steady: g + slots is this segment's own tile t + slots
-                when_active(lambda: self._issue(seg, layer, copy, t + self.n, g + self.n))
+            def multiply_then_issue():  # steady: g + slots is this segment's own t + slots
+                multiply()
+                self._issue(seg, layer, copy, t + self.n, slot)
+
+            if after is None:
+                when_active(multiply_then_issue)
             else:
-                self.start(g + self.n, after)
-            return carry
+                when_active(multiply)
+                self.start(base + t + self.n, after)
+            last = i == steps - 1
+            return (jnp.where(slot == self.n - 1, 0, slot + 1), jnp.where(last, 0, i + 1),
+                    jnp.where(last, j + 1, j))
 
         edge = max(0, seg.tiles - self.n)  # the first tile whose g + slots may lie beyond
-        lax.fori_loop(0, edge, tile, 0)
+        first_tile = (jnp.asarray(base % self.n, jnp.int32), jnp.int32(0), jnp.int32(0))
+        carry = lax.fori_loop(0, edge, tile, first_tile)
         # the edge: one loop per run of tiles whose g + slots the same segments may hold
         # (`TileStream.following`), so a trip carries the DMA code of those few only
         runs = []
@@ -598,4 +588,4 @@ class Ring:
             else:
                 runs.append([t, t + 1, after])
         for first, end, after in runs:
-            lax.fori_loop(first, end, functools.partial(tile, after=after), 0)
+            carry = lax.fori_loop(first, end, functools.partial(tile, after=after), carry)

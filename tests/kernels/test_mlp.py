@@ -307,9 +307,9 @@ def _expert_slots_with_early_prefetch(ids_smem, count_smem, x_vmem, we_gate_hbm,
 
     def tile(g, acc):
         # a wait needs only the semaphore and the tile's size: any tile-shaped copy names it
-        pltpu.make_async_copy(we_gate_hbm.at[0, 0, 0], ring.slot(g), sems.at[g % n]).wait()
+        pltpu.make_async_copy(we_gate_hbm.at[0, 0, 0], ring.slot(g % n), sems.at[g % n]).wait()
         ring.start(g + n)  # too early: the slot is still to be read
-        return acc + jnp.dot(x_vmem[:, :tk], ring.slot(g)[...],
+        return acc + jnp.dot(x_vmem[:, :tk], ring.slot(g % n)[...],
                              preferred_element_type=jnp.float32)
 
     per_slot = stream.segment("we_gate").stride

@@ -127,10 +127,10 @@ def _prefetch_into_the_slot_being_read(x_vmem, w_hbm, out_vmem, ring_vmem, sems,
     def tile(g, acc):
         i, j = g % nk, g // nk
         n = stream.block.slots
-        pltpu.make_async_copy(w_hbm.at[g], ring.slot(g), sems.at[g % n]).wait()
+        pltpu.make_async_copy(w_hbm.at[g], ring.slot(g % n), sems.at[g % n]).wait()
         ring.start(g + n)  # too early: the slot is still to be read
         part = jnp.dot(x_vmem[:, pl.ds(pl.multiple_of(i * tk, tk), tk)],
-                       ring.slot(g)[...], preferred_element_type=jnp.float32)
+                       ring.slot(g % n)[...], preferred_element_type=jnp.float32)
         acc = jnp.where(i == 0, part, acc + part)
         out_vmem[:, pl.ds(pl.multiple_of(j * tn, tn), tn)] = acc
         return acc
