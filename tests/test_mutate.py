@@ -32,3 +32,18 @@ def test_a_mutant_gives_tests_or_a_reason_not_both():
         mutate._m("both", "mk/reference.py", "a", "b", "tests/test_reference.py",
                   equivalent="because")
     assert len({m.name for m in mutate.MUTANTS}) == len(mutate.MUTANTS)
+
+
+def test_a_mutant_whose_tests_outlive_the_timeout_is_hung_not_caught(tmp_path):
+    """A planted wait that never ends (a ring waiting on a semaphore no DMA signals hangs
+    interpret mode) is reported "hung" after --timeout, its file restored."""
+    (tmp_path / "lib.py").write_text("DELAY = 0\n")
+    (tmp_path / "test_lib.py").write_text(
+        "import time\nimport lib\n\n\ndef test_lib():\n    time.sleep(lib.DELAY)\n")
+    hang = mutate._m("sleeps", "lib.py", "DELAY = 0", "DELAY = 60", "test_lib.py")
+    result, seconds, detail = mutate.run_one(hang, tmp_path, sys.executable, 3)
+    assert (result, "--timeout 3 s" in detail) == ("hung", True)
+    assert seconds < 30
+    assert (tmp_path / "lib.py").read_text() == "DELAY = 0\n"
+    fine = mutate._m("returns", "lib.py", "DELAY = 0", "DELAY = 0.0", "test_lib.py")
+    assert mutate.run_one(fine, tmp_path, sys.executable, 60)[0] == "SURVIVED"
