@@ -223,7 +223,7 @@ KV_TILE = 256  # default cached positions per KV tile, capped by the cache
 # (mxus_per_core x mxu width in data/chips.csv: 4 x 128 on v5e and v5p, 2 x 256 on v6e
 # and TPU7x): of two tiles as large, the one whose panels reach it streams faster (TPU7x,
 # M 1, bundles per Mi weights of the stage kernel's steady loop: 2560 x 256 tiles 469,
-# 1280 x 512 376).
+# 1280 x 512 376). A narrower plain tile is stored folded to it (`mk.kernels.fold`).
 PANEL_COLS = 512
 
 
