@@ -2,15 +2,15 @@
 
 A tensor-parallel shard's ring tiles are tall and narrow (`default_block`: D x 128 and
 more; the 27B's TP8 shard 5120 x 128, Kimi K3's TP32 1792 x 128). Stored as they are,
-each is a 128-lane column that feeds a quarter of TPU7x's MXU width per weight push and
-moves as thousands of short DMA rows. Folded, its row blocks sit side by side: a tile
-[rows, cols] is stored [rows / f, f * cols], row block b (rows b R .. (b + 1) R, R = rows
-/ f) in columns b cols .. (b + 1) cols, with f = `panel_fold` (the largest that keeps the
-stored tile at most PANEL_COLS wide and R a whole number of FOLD_ROWS). The bytes, the
-tile's place in the stream and the numbers are unchanged; only the storage and the
-product's code differ. Measured (TPU7x bundle dumps of the stage-01 kernel's steady loop,
-5120 x 128 tiles folded 4): plain tiles 348 -> 232 bundles a tile at M 1, 340 -> 262 at
-M 8; transposed ones 405 -> 328 and 374 -> 301.
+each is a 128-lane column, a quarter of the PANEL_COLS output panel that feeds every MXU
+of a TensorCore at once. Folded, its row blocks sit side by side: a tile [rows, cols] is
+stored [rows / f, f * cols], row block b (rows b R .. (b + 1) R, R = rows / f) in columns
+b cols .. (b + 1) cols, with f = `panel_fold` (the largest that keeps the stored tile at
+most PANEL_COLS wide and R a whole number of FOLD_ROWS). The bytes and the tile's place
+in the stream are unchanged and the products equal up to float32 summation order; only
+the storage and the product's code differ. Measured (TPU7x bundle dumps of the stage-01
+kernel's steady loop, 5120 x 128 tiles folded 4): plain tiles 348 -> 232 bundles a tile
+at M 1, 340 -> 262 at M 8; transposed ones 405 -> 328 and 374 -> 301.
 
 The product (`folded_product`) takes the folded blocks `stack` at a time (the largest
 divisor of f with stack x M <= STACK_ROWS: past it, the stacked rows cost more MXU pushes
@@ -21,8 +21,7 @@ than the fold saves):
 - transposed (x [M, cols] @ W^T, W [rows, cols] stored transposed): x block-diagonal,
   [stack M, stack cols], times the blocks transposed, [stack M, R]; row block b is output
   block b, set side by side.
-The off-diagonal products multiply by exact zeros (finite weights), so the result is the
-unfolded product's.
+The off-diagonal products multiply by exact zeros (finite weights) and are dropped.
 
 Not here: which tiles a stream stores folded (`mk.kernels.ring.Segment.fold`: plain ones),
 their VMEM slots (`mk.kernels.ring.ring_buffers`).
