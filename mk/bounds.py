@@ -16,11 +16,13 @@ in [0, dim), a slice must end by dim.
 What bounds a dynamic index: literals; + - * min max clamp, integer // and % by a
 positive bound; iota; a `fori_loop` counter (a scan's trip count, or a while loop's
 `i < upper` with a bounded upper; other carries joined over the trips until stable);
-`select_n` / `cond` outputs (the union of the cases); `&` with a non-negative operand;
-and the predicate of the `pl.when` / `cond` around the index (`i + 1 < L` bounds i inside
-the branch). A value read from a ref (positions, expert ids, counts in SMEM) has no bound
-here: its indices are counted as unbounded, not checked. An interval over-approximates
-what a run can take, so "out of range" means the analysis could not exclude it.
+`select_n` / `cond` outputs (the union of the cases, each where its predicate holds: a
+wrap-around counter `where(i == n - 1, 0, i + 1)` stays in [0, n - 1]); `&` with a
+non-negative operand; and the predicate of the `pl.when` / `cond` around the index (`i + 1
+< L` bounds i inside the branch). A value read from a ref (positions, expert ids, counts
+in SMEM) has no bound here: its indices are counted as unbounded, not checked. An
+interval over-approximates what a run can take, so "out of range" means the analysis
+could not exclude it.
 
 Here: `Access` (one checked index), `kernel_jaxprs` (the pallas_call kernel bodies in a
 traced function), `accesses` (every index of one kernel body), `check` (the out-of-range
@@ -338,6 +340,13 @@ class _Walker:
         p, n = eqn.primitive.name, len(eqn.outvars)
         if p in ("cond",):
             return self._cond(eqn, ins, names, defs, env)
+        if len(ins) == 3 and (p == "select_n" or p in ("pjit", "jit")
+                              and eqn.params.get("name") == "_where"):
+            # select_n(pred, if_false, if_true), or jnp.where(pred, if_true, if_false) (its
+            # jit: the predicate's definition is out here)
+            cases = [2, 1] if p != "select_n" else [1, 2]
+            return [self._select(eqn.invars[0], [(ins[k], eqn.invars[k]) for k in cases],
+                                 defs, env)]
         if p == "scan":
             return self._scan(eqn, ins, names)
         if p == "while":
@@ -392,6 +401,20 @@ class _Walker:
                               [_const(c) for c in branch.consts])
             outs = result if outs is None else [_join(a, b) for a, b in zip(outs, result)]
         return outs if outs is not None else [TOP] * len(eqn.outvars)
+
+    @staticmethod
+    def _select(pred, cases, defs, env) -> Interval:
+        """The join of cases [(interval, var)] (pred false, then true), each where `pred`
+        takes its value (`_refine`)."""
+        out = None
+        for truth, (case, x) in enumerate(cases):
+            refined = _refine(pred, bool(truth), defs, env)
+            if refined is False:
+                continue  # the predicate cannot take this value
+            if refined and isinstance(x, core.Var):
+                case = _meet(case, _Reeval(refined, defs, env)(x))
+            out = case if out is None else _join(out, case)
+        return TOP if out is None else out
 
     def _scan(self, eqn, ins, names) -> list[Interval]:
         closed = eqn.params["jaxpr"]
@@ -580,6 +603,11 @@ def _refine(pred, truth: bool, defs, env):
             a, b = eqn.invars
             bound(a, leaf(b))
             bound(b, leaf(a))
+        elif name in ("eq", "ne") and want == (name == "ne"):  # a != constant c: an end
+            for a, b in (eqn.invars, eqn.invars[::-1]):  # of a's interval at c moves in
+                ia, (lo, hi) = leaf(a), leaf(b)
+                if lo is not None and lo == hi and lo in ia:
+                    bound(a, (None, lo - 1) if ia[1] == lo else (lo + 1, None))
 
     walk(pred, truth)
     for v, interval in found.items():

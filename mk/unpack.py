@@ -49,10 +49,10 @@ mapped apart: fifteen 32-bit ops a nibble of a word after a three-op split, 33 a
 where the placement takes nine for both nibbles), 512 x 512 tiles, M 1 / 8 / 64 / 256 ->
 the placement: tpu7x fed fp8 1468 / 1680 / 3264 / 9328 -> 600 / 884 / 2888 / 9044, fed
 bf16 2232 / 2200 / 2360 / 2956 -> 1688 / 1644 / 1804 / 2376; v6e fed bf16 3776 / 3680 /
-3976 / 4736 -> 3236 / 3128 / 3460 / 4280 (mk/data/tile_feed_costs.json: every chip and
-M). Folding the 64 into a fed-bf16 group's scale instead of each value would save 8-15%
-more (tpu7x 1644 -> 1396, v6e 3128 -> 2876 at M 8) but overflows float32 for scale codes
-above 248: not taken.
+3976 / 4736 -> 3236 / 3128 / 3460 / 4280 (measured then; mk/data/tile_feed_costs.json
+holds today's, every chip and M). Folding the 64 into a fed-bf16 group's scale instead of
+each value would save 8-15% more (tpu7x 1644 -> 1396, v6e 3128 -> 2876 at M 8) but
+overflows float32 for scale codes above 248: not taken.
 What is left is the float work per value: int8's 1244 is one unpack, one int -> float
 convert and one multiply a value, the loop's VALU slots full. fp8's block scales reach
 the values as one row of scales per 128 rows (`block_scale_rows`, a lane broadcast): the

@@ -87,6 +87,26 @@ def test_a_loop_counter_one_past_the_end_is_flagged_and_a_guard_clears_it():
     assert not bad
 
 
+def test_a_carried_wrap_around_counter_is_bounded_and_one_wrapping_late_is_flagged():
+    """`Ring.matmul` carries each tile's slot as where(slot == n - 1, 0, slot + 1): in [0,
+    n - 1] on every trip; wrapping at n instead reaches n, past the semaphores."""
+    def loop(wrap_at):
+        def body(x, b, s, i):
+            def one(r, slot):
+                _copy(x, b, s, r, slot)
+                return jnp.where(slot == wrap_at - 1, 0, slot + 1)
+            jax.lax.fori_loop(0, 4, one, jnp.int32(0))
+        return body
+
+    found, bad = _out_of_range(loop(2), sems=2)
+    assert not bad
+    assert {a.interval for a in found if a.primitive == "dma_start" and a.dim == 0
+            and a.size == 2} == {(0, 1)}
+    _, bad = _out_of_range(loop(3), sems=2)
+    assert {(a.primitive, a.interval) for a in bad} == {("dma_start", (0, 2)),
+                                                          ("dma_wait", (0, 2))}
+
+
 def test_an_index_read_from_smem_is_counted_unbounded_not_flagged():
     found, bad = _out_of_range(lambda x, b, s, i: _copy(x, b, s, i[0], 0))
     assert not bad

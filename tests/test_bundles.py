@@ -212,7 +212,7 @@ def _resimulated(row, block=None):
 # against the tile's bytes at one core's bandwidth). Issue 34: the 27B's TP8 shard takes
 # 5120 x 128 tiles (its MLP's 2176 columns a device are 17 x 128), stored folded 4
 # ([1280, 512], `mk.kernels.fold`): its costliest loop, a transposed tile's, issues in
-# 0.93x its DMA at the low end (1.2x unfolded, 0.96x before the loops carried the slot);
+# 0.92x its DMA at the low end (1.2x unfolded, 0.96x before the loops carried the slot);
 # Kimi K3's TP32 shard streams its FP4 experts in tiles of their own (gate|up joined 7168
 # x 128, down 128 x 7168, fed fp8) and the rest in 1792 x 128 ones of no more bytes
 # (folded 2): its plain loops issue for up to 1.9x their DMA at the low end (0.44x at the
