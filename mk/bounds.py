@@ -27,8 +27,8 @@ could not exclude it.
 Here: `Access` (one checked index), `kernel_jaxprs` (the pallas_call kernel bodies in a
 traced function), `accesses` (every index of one kernel body), `check` (the out-of-range
 ones as a `ValueError`), `describe` (counts). tests/test_bounds.py runs it on the
-megakernel of every model family. Not here: what the kernel computes (the kernel tests), races
-(`mk.backend`).
+megakernel of every model family. Not here: the interval arithmetic (`mk.intervals`), what
+the kernel computes (the kernel tests), races (`mk.backend`).
 """
 
 from __future__ import annotations
@@ -41,8 +41,11 @@ from jax._src import core, source_info_util
 from jax._src.state.indexing import NDIndexer, Slice
 from jax._src.state.types import TransformedRef
 
-Interval = tuple  # (lo, hi), inclusive; None on a side means unbounded
-TOP = (None, None)
+from mk.intervals import (TOP, Interval, add, const, empty, floordiv, join, meet, mod,
+                          scalar)
+
+_FLIP = {"gt": "lt", "ge": "le"}  # a > b is b < a
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,133 +131,6 @@ def describe(found: list[Access]) -> dict[str, int]:
                 refs=len({a.ref for a in found}))
 
 
-# -- Intervals ------------------------------------------------------------------------------
-def _join(a: Interval, b: Interval) -> Interval:
-    lo = None if a[0] is None or b[0] is None else min(a[0], b[0])
-    hi = None if a[1] is None or b[1] is None else max(a[1], b[1])
-    return lo, hi
-
-
-def _meet(a: Interval, b: Interval) -> Interval:
-    lo = b[0] if a[0] is None else a[0] if b[0] is None else max(a[0], b[0])
-    hi = b[1] if a[1] is None else a[1] if b[1] is None else min(a[1], b[1])
-    return lo, hi
-
-
-def _const(x) -> Interval:
-    v = np.asarray(x)
-    if v.size == 0 or not (np.issubdtype(v.dtype, np.integer) or v.dtype == bool):
-        return TOP
-    return int(v.min()), int(v.max())
-
-
-def _corners(f, a: Interval, b: Interval) -> Interval:
-    if None in a or None in b:
-        return TOP
-    values = [f(x, y) for x in a for y in b]
-    return min(values), max(values)
-
-
-def _add(a, b):
-    return (None if None in (a[0], b[0]) else a[0] + b[0],
-            None if None in (a[1], b[1]) else a[1] + b[1])
-
-
-def _neg(a):
-    return (None if a[1] is None else -a[1], None if a[0] is None else -a[0])
-
-
-def _floordiv(a, b):  # Python's // by a positive divisor
-    if b[0] is None or b[0] < 1 or None in a:
-        return TOP
-    if b[1] is None:  # a divisor of b[0] or more: between a // b[0] and 0
-        return min(a[0] // b[0], 0), max(a[1] // b[0], 0)
-    return _corners(lambda x, y: x // y, a, b)
-
-
-def _mod(a, b):  # Python's %: for a positive divisor in [0, d)
-    if b[0] is None or b[0] < 1:
-        return TOP
-    if a[0] is not None and a[1] is not None and 0 <= a[0] and b[1] is not None \
-            and a[1] < b[0]:
-        return a
-    return (0, None if b[1] is None else b[1] - 1)
-
-
-def _rem(a, b):  # lax.rem: the dividend's sign
-    if b[0] is None or b[0] < 1:
-        return TOP
-    if a[0] is not None and a[0] >= 0:
-        return _mod(a, b)
-    limit = None if b[1] is None else b[1] - 1
-    return (None if limit is None else -limit, limit)
-
-
-_BOOL = (0, 1)
-_PASS = {"convert_element_type", "broadcast_in_dim", "reshape", "squeeze", "copy",
-         "multiple_of", "reduce_max", "reduce_min", "expand_dims", "transpose",
-         "slice", "dynamic_slice", "optimization_barrier"}
-_BOOLEAN = {"lt", "le", "gt", "ge", "eq", "ne", "and", "or", "not", "xor", "is_finite"}
-#          (and, or, not, xor on integers are bitwise: `_scalar`)
-_FLIP = {"gt": "lt", "ge": "le"}
-
-
-def _scalar(p: str, eqn, ins) -> Interval:
-    """The interval of a one-output primitive `p` of operand intervals `ins`."""
-    if p in _PASS and ins:
-        return ins[0]
-    if p in _BOOLEAN and eqn.outvars[0].aval.dtype == np.bool_:
-        return _BOOL
-    if p == "and":  # bitwise: at most a non-negative operand
-        highs = [b for a, b in ins if a is not None and a >= 0]
-        return (0, min(highs)) if highs else TOP
-    if p == "add":
-        return _add(*ins)
-    if p == "sub":
-        return _add(ins[0], _neg(ins[1]))
-    if p == "neg":
-        return _neg(ins[0])
-    if p == "mul":
-        return _corners(lambda x, y: x * y, *ins)
-    if p == "max":
-        (alo, ahi), (blo, bhi) = ins
-        return (alo if blo is None else blo if alo is None else max(alo, blo),
-                None if None in (ahi, bhi) else max(ahi, bhi))
-    if p == "min":
-        (alo, ahi), (blo, bhi) = ins
-        return (None if None in (alo, blo) else min(alo, blo),
-                ahi if bhi is None else bhi if ahi is None else min(ahi, bhi))
-    if p == "clamp":
-        return _meet(ins[1], (ins[0][0], ins[2][1]))
-    if p == "div":
-        a, b = ins
-        if None in a or b[0] is None or b[0] < 1 or b[1] is None:
-            return TOP
-        return _corners(lambda x, y: int(x / y), a, b)
-    if p == "rem":
-        return _rem(*ins)
-    if p == "sign":
-        return (-1, 1)
-    if p == "select_n":
-        cases = ins[1:]
-        if ins[0][0] is not None and ins[0][0] == ins[0][1] \
-                and 0 <= ins[0][0] < len(cases):
-            return cases[ins[0][0]]
-        out = cases[0]
-        for c in cases[1:]:
-            out = _join(out, c)
-        return out
-    if p == "iota":
-        dim = eqn.params["dimension"]
-        return (0, eqn.params["shape"][dim] - 1)
-    if p == "abs":
-        a = ins[0]
-        if a[0] is not None and a[0] >= 0:
-            return a
-        return (0, None if None in a else max(-a[0], a[1]))
-    return TOP
-
-
 class _Walker:
     """Interval propagation over one kernel body, recording `Access`es."""
 
@@ -272,7 +148,7 @@ class _Walker:
 
         def read(x):
             if isinstance(x, core.Literal):
-                return _const(x.val)
+                return const(x.val)
             if isinstance(x, (int, np.integer)):
                 return (int(x), int(x))
             return env.get(x, TOP)
@@ -330,7 +206,7 @@ class _Walker:
                     continue  # the whole dimension
             else:
                 interval, span = read(index), 1
-            if _empty(interval):
+            if empty(interval):
                 continue  # code no run reaches (a loop of no trips)
             self.out.append(Access(eqn.primitive.name, name, dim, int(size), interval,
                                    int(span), where))
@@ -357,10 +233,10 @@ class _Walker:
             name = eqn.params.get("name", "")
             if name in ("floor_divide", "remainder") and len(ins) == 2:
                 # jnp's // and % (their jaxprs adjust signs; the results are these)
-                return [_floordiv(*ins) if name == "floor_divide" else _mod(*ins)]
+                return [floordiv(*ins) if name == "floor_divide" else mod(*ins)]
             closed = jaxpr if isinstance(jaxpr, core.ClosedJaxpr) else None
             body = closed.jaxpr if closed else jaxpr
-            consts = [_const(c) if np.ndim(c) == 0 or isinstance(c, np.ndarray) else TOP
+            consts = [const(c) if np.ndim(c) == 0 or isinstance(c, np.ndarray) else TOP
                       for c in (closed.consts if closed else ())]
             sub_names = {v: names[x] for v, x in zip(body.invars, eqn.invars)
                          if isinstance(x, core.Var) and x in names}
@@ -371,7 +247,7 @@ class _Walker:
             for sub in core.jaxprs_in_params(eqn.params):  # unknown: still check its indices
                 self.run(sub, [TOP] * len(sub.invars), {})
             return [TOP] * n
-        return [_scalar(p, eqn, ins)]
+        return [scalar(p, eqn, ins)]
 
     # -- control flow ---------------------------------------------------------------------
     def _cond(self, eqn, ins, names, defs, env) -> list[Interval]:
@@ -393,13 +269,13 @@ class _Walker:
                 known = _Reeval(refined[i], defs, env)
                 values = [known(x) if isinstance(x, core.Var) else v
                           for v, x in zip(values, eqn.invars[1:])]
-                if any(_empty(v) for v in values):
+                if any(empty(v) for v in values):
                     continue
             sub_names = {v: names[x] for v, x in zip(branch.jaxpr.invars, eqn.invars[1:])
                          if isinstance(x, core.Var) and x in names}
             result = self.run(branch.jaxpr, values, sub_names,
-                              [_const(c) for c in branch.consts])
-            outs = result if outs is None else [_join(a, b) for a, b in zip(outs, result)]
+                              [const(c) for c in branch.consts])
+            outs = result if outs is None else [join(a, b) for a, b in zip(outs, result)]
         return outs if outs is not None else [TOP] * len(eqn.outvars)
 
     @staticmethod
@@ -412,8 +288,8 @@ class _Walker:
             if refined is False:
                 continue  # the predicate cannot take this value
             if refined and isinstance(x, core.Var):
-                case = _meet(case, _Reeval(refined, defs, env)(x))
-            out = case if out is None else _join(out, case)
+                case = meet(case, _Reeval(refined, defs, env)(x))
+            out = case if out is None else join(out, case)
         return TOP if out is None else out
 
     def _scan(self, eqn, ins, names) -> list[Interval]:
@@ -425,15 +301,15 @@ class _Walker:
         if length == 0:
             return carry + [TOP] * (len(eqn.outvars) - nk)
         steps = _inductions(body, nc, nk)
-        carry = [(_add(c, (0, s * (length - 1))) if s > 0 else
-                  _add(c, (s * (length - 1), 0))) if s else c
+        carry = [(add(c, (0, s * (length - 1))) if s > 0 else
+                  add(c, (s * (length - 1), 0))) if s else c
                  for c, s in zip(carry, steps)]
         sub_names = {v: names[x] for v, x in zip(body.invars, eqn.invars)
                      if isinstance(x, core.Var) and x in names}
         carry = self._fixpoint(body, consts, carry, xs, steps, sub_names, closed.consts, nk)
         outs = self.run(body, consts + carry + xs, sub_names,
-                        [_const(c) for c in closed.consts])
-        final = [(_add(c, (s, s)) if s else o) for c, o, s in zip(carry, outs[:nk], steps)]
+                        [const(c) for c in closed.consts])
+        final = [(add(c, (s, s)) if s else o) for c, o, s in zip(carry, outs[:nk], steps)]
         return final + [TOP] * (len(eqn.outvars) - nk)
 
     def _fixpoint(self, body, consts, carry, xs, steps, names, closed_consts, nk):
@@ -442,8 +318,8 @@ class _Walker:
         quiet = _Walker([])  # exploratory rounds record nothing
         for _ in range(4):
             outs = quiet.run(body, consts + carry + xs, names,
-                             [_const(c) for c in closed_consts])[:nk]
-            new = [c if s else _join(c, o) for c, o, s in zip(carry, outs, steps)]
+                             [const(c) for c in closed_consts])[:nk]
+            new = [c if s else join(c, o) for c, o, s in zip(carry, outs, steps)]
             if new == carry:
                 return carry
             carry = new
@@ -464,21 +340,17 @@ class _Walker:
                 carry[k] = (carry[k][0], None if upper is None else upper - 1)
             elif s:
                 carry[k] = TOP
-        if any(_empty(c) for c in carry):
+        if any(empty(c) for c in carry):
             return [TOP] * nk  # no trips
         sub_names = {v: names[x] for v, x in zip(body.invars, eqn.invars[nc:])
                      if isinstance(x, core.Var) and x in names}
         carry = self._fixpoint(body, body_consts, carry, [], steps, sub_names,
                                p["body_jaxpr"].consts, nk)
-        self.run(cond, cond_consts + carry, {}, [_const(c) for c in p["cond_jaxpr"].consts])
+        self.run(cond, cond_consts + carry, {}, [const(c) for c in p["cond_jaxpr"].consts])
         self.run(body, body_consts + carry, sub_names,
-                 [_const(c) for c in p["body_jaxpr"].consts])
+                 [const(c) for c in p["body_jaxpr"].consts])
         return [(c[0], None if c[1] is None else c[1] + 1) if s == 1 else c if s == 0
                 else TOP for c, s in zip(carry, steps)]
-
-
-def _empty(a: Interval) -> bool:
-    return None not in a and a[0] > a[1]
 
 
 class _Reeval:
@@ -492,7 +364,7 @@ class _Reeval:
 
     def __call__(self, x, depth: int = 0) -> Interval:
         if isinstance(x, core.Literal):
-            return _const(x.val)
+            return const(x.val)
         if x in self.memo:
             return self.memo[x]
         value = self.env.get(x, TOP)
@@ -502,11 +374,11 @@ class _Reeval:
             ins = [self(y, depth + 1) for y in eqn.invars]
             if name in ("pjit", "jit") and eqn.params.get("name") in ("floor_divide",
                                                                         "remainder"):
-                value = _meet(value, _floordiv(*ins) if eqn.params["name"] == "floor_divide"
-                              else _mod(*ins))
+                value = meet(value, floordiv(*ins) if eqn.params["name"] == "floor_divide"
+                              else mod(*ins))
             elif name not in ("pjit", "jit", "cond", "scan", "while", "get", "swap"):
-                value = _meet(value, _scalar(name, eqn, ins))
-        value = _meet(value, self.refined.get(x, TOP))
+                value = meet(value, scalar(name, eqn, ins))
+        value = meet(value, self.refined.get(x, TOP))
         self.memo[x] = value
         return value
 
@@ -542,7 +414,7 @@ def _upper_bound(cond: core.Jaxpr, nconsts: int, k: int, consts, carry, invarian
         return None
     upper = eqn.invars[1]
     if isinstance(upper, core.Literal):
-        return _const(upper.val)[1]
+        return const(upper.val)[1]
     if upper in cond.invars[:nconsts]:
         return consts[cond.invars.index(upper)][1]
     j = cond.invars.index(upper) - nconsts if upper in cond.invars else -1
@@ -557,12 +429,12 @@ def _refine(pred, truth: bool, defs, env):
     found: dict = {}
 
     def leaf(x):
-        return _const(x.val) if isinstance(x, core.Literal) else env.get(x, TOP)
+        return const(x.val) if isinstance(x, core.Literal) else env.get(x, TOP)
 
     def bound(x, interval):  # x lies in interval; push it back through +/- literals
         if not isinstance(x, core.Var):
             return
-        found[x] = _meet(found.get(x, TOP), interval)
+        found[x] = meet(found.get(x, TOP), interval)
         eqn = defs.get(x)
         if eqn is None:
             return
@@ -571,10 +443,10 @@ def _refine(pred, truth: bool, defs, env):
             bound(eqn.invars[0], interval)
         elif name in ("add", "sub") and isinstance(eqn.invars[1], core.Literal):
             c = int(eqn.invars[1].val) * (1 if name == "add" else -1)
-            bound(eqn.invars[0], _add(interval, (-c, -c)))
+            bound(eqn.invars[0], add(interval, (-c, -c)))
         elif name == "add" and isinstance(eqn.invars[0], core.Literal):
             c = int(eqn.invars[0].val)
-            bound(eqn.invars[1], _add(interval, (-c, -c)))
+            bound(eqn.invars[1], add(interval, (-c, -c)))
 
     def walk(x, want: bool) -> None:
         eqn = defs.get(x) if isinstance(x, core.Var) else None
@@ -611,7 +483,7 @@ def _refine(pred, truth: bool, defs, env):
 
     walk(pred, truth)
     for v, interval in found.items():
-        lo, hi = _meet(env.get(v, TOP), interval)
+        lo, hi = meet(env.get(v, TOP), interval)
         if lo is not None and hi is not None and lo > hi:
             return False
     return found or None
