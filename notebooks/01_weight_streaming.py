@@ -365,7 +365,8 @@ print(f"that matmul moves {real_bytes / 2**20:.0f} MiB: HBM floor "
 # plain tile **folded** (`mk.kernels.fold`): its row blocks side by side, [rows / f, f x
 # cols], f = `panel_fold` (the same bytes, one contiguous DMA). The product then stacks
 # x's column blocks along M (a transposed tile: x block-diagonal) so one MXU pass covers
-# every block, and keeps the diagonal blocks: fewer bundles a tile in the compiled code
+# up to `STACK_ROWS` rows of blocks (`fold.stack`: every block at M = 1 or 8), and keeps
+# the diagonal blocks: fewer bundles a tile in the compiled code
 # (notebook 11 reads them per recorded shard). The check below folds a small tile and
 # compares both products with the plain ones.
 

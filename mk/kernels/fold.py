@@ -77,7 +77,7 @@ def folded_product(xs, wf, fold: int, transposed: bool):
     R]. xs is in wf's dtype."""
     m, (r, width) = xs.shape[0], wf.shape
     c, s = width // fold, stack(fold, m)
-    zeros = jnp.zeros_like(xs)
+    zeros = jnp.zeros_like(xs) if transposed else None  # x's off-diagonal blocks
     parts = []
     for k in range(0, fold, s):
         blocks = wf[:, k * c:(k + s) * c]
