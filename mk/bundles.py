@@ -162,6 +162,17 @@ class Loop:
     nested: int  # loops inside it
 
 
+def _back_edge(rows: list[Bundle], j: int, d: int) -> bool:
+    """Whether bundle j, printed a level out of a depth-d loop, is the loop's own branch
+    back with its delay slots filled: a lone branch followed by bundles of the loop
+    (TPU7x: `sbr.rel` one level out, then the trip's last vst and DMA issue at depth d)."""
+    if rows[j].ops != ("sbr.rel",):
+        return False
+    after = next((r for r in rows[j + 1:] if r.depth is not None), None)
+    return after is not None and after.depth >= d and not (after.mark == "LB"
+                                                          and after.depth == d)
+
+
 def loops(text: str) -> list[Loop]:
     """Every loop of one kernel's `final_bundles.txt` text, in program order."""
     rows = read_bundles(text)
@@ -170,16 +181,18 @@ def loops(text: str) -> list[Loop]:
         d = b.depth
         if b.mark != "LB" or not d:
             continue
-        end = i + 1  # one past the last bundle of the body
+        end, back = i + 1, set()  # one past the last bundle of the body; its branches back
         for j in range(i + 1, len(rows)):
             d_j = rows[j].depth
-            if d_j is None:
-                continue
-            if d_j < d or (rows[j].mark == "LB" and d_j == d):
+            if d_j is not None and d_j < d and _back_edge(rows, j, d):
+                back.add(j)
+            elif d_j is not None and (d_j < d or (rows[j].mark == "LB" and d_j == d)):
                 break
-            end = j + 1
+            elif d_j is not None:
+                end = j + 1
         body = rows[i:end]
-        own = [r for r in body if r.depth in (d, None)]
+        own = [r for k, r in enumerate(body, i) if k in back or r.depth is None
+               or (r.depth == d and not _back_edge(rows, k, d + 1))]  # not a nested one's
         found.append(Loop(
             first=i, depth=d, bundles=len(own),
             mxu=sum(any(map(drives_mxu, r.ops)) for r in own),

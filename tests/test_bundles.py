@@ -43,6 +43,17 @@ def test_loops_are_read_from_a_dump_in_libtpus_format():
     # the loop: it does not end it
     regioned = DUMP.replace("0x13   :  {}", "0x13   :  {} /* End region 2 */")
     assert bundles.loops(regioned) == [first, second]
+    # the branch back printed a level out, its delay slots filled with the trip's last
+    # bundles (TPU7x): the branch and the bundles after it are still the loop's
+    branch = "  0x149  :  { %12 = sbr.rel (!%p1_p1) target = $region3 }\n  0x15   : >"
+    delayed, _ = bundles.loops(DUMP.replace("  0x15   : >", branch))
+    assert delayed == dataclasses.replace(first, bundles=6, scalar_only=2)
+    # a lone branch before an inner loop's body is not a branch back
+    inner = DUMP.replace("  0x16   :  { %7 = smov 0 }\n  0x17 LB: >",
+                         "  0x16   : > { %7 = sbr.rel (%p1_p1) target = $region4 }\n"
+                         "  0x17 LB: >>")
+    outer, nested = bundles.loops(inner)
+    assert (outer.bundles, outer.nested, nested.depth, nested.bundles) == (7, 1, 2, 1)
 
 
 # A bundle whose comment runs on over the next lines: a DMA's bounds check quotes the DMA
