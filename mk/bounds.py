@@ -314,14 +314,18 @@ class _Walker:
 
     def _fixpoint(self, body, consts, carry, xs, steps, names, closed_consts, nk):
         """Carry intervals that hold on every trip: the non-induction carries joined with
-        the body's outputs until stable (unbounded after a few rounds)."""
+        the body's outputs until stable. After a few rounds, a carry still growing (a
+        panel counted up over the trips) is unbounded and the rounds go on: the others
+        (a slot that wraps around) may still settle, each carry widened at most once."""
         quiet = _Walker([])  # exploratory rounds record nothing
-        for _ in range(4):
+        for round_ in range(4 + nk):
             outs = quiet.run(body, consts + carry + xs, names,
                              [const(c) for c in closed_consts])[:nk]
             new = [c if s else join(c, o) for c, o, s in zip(carry, outs, steps)]
             if new == carry:
                 return carry
+            if round_ >= 3:  # widen the carries that grew this round
+                new = [TOP if n != c else n for c, n in zip(carry, new)]
             carry = new
         return [c if s else TOP for c, s in zip(carry, steps)]
 
