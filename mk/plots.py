@@ -231,7 +231,7 @@ def published_vs_floor(labels: Sequence[str], published: Sequence[float],
 
 
 def tile_stream(stream, *, title: str = "") -> go.Figure:
-    """The weight tiles of a `mk.kernels.ring.TileStream` in consumption order, one row
+    """The weight tiles of a `mk.kernels.stream.TileStream` in consumption order, one row
     per matrix: the schedule the ring executes (tile g lands in slot g mod slots)."""
     slots = stream.block.slots
     fig = go.Figure()

@@ -114,7 +114,7 @@ from mk.kernels.collectives import ICI_LATENCY_S
 from mk.kernels.common import BlockSizes
 from mk.kernels.mlp import expert_slots
 from mk.kernels.plan import DecodePlan, model_stream, ring_slots
-from mk.kernels.ring import TileStream
+from mk.kernels.stream import TileStream
 from mk.kinds.base import LAYER_PHASES
 from mk.kinds.layers import KINDS, kind_at, layer_kinds
 from mk.machine import Machine, Simulation

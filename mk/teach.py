@@ -245,7 +245,7 @@ def all_reduce(x: jax.Array) -> jax.Array:
 # -- 01: the ring rule in time ----------------------------------------------------------------
 def ring_schedule(stream, *, slots: int, latency_s: float, dma_s: float,
                   compute_s: float, active=None) -> list[dict]:
-    """Per tile of `stream` (a `mk.kernels.ring.TileStream`) with a `slots`-deep ring:
+    """Per tile of `stream` (a `mk.kernels.stream.TileStream`) with a `slots`-deep ring:
     issue (tile g < slots at 0, else when tile g - slots was consumed: the ring rule),
     land (latency after its issue, or when the DMA engine finishes the tile before it,
     plus its transfer), consume start (landed and the compute lane free) and end.

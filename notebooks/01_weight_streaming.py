@@ -84,7 +84,8 @@ import mk.backend
 import mk.run
 from mk import course, ops, plots, sim, teach, tpu
 from mk.kernels.common import BlockSizes, vmem_budget
-from mk.kernels.ring import Ring, TileStream
+from mk.kernels.ring import Ring
+from mk.kernels.stream import TileStream
 from mk.kernels.weight_streaming import (stream_matmul, stream_matmul_buffers,
                                          stream_matmul_kernel)
 
@@ -262,10 +263,10 @@ plots.show_source(stream_matmul_kernel, Ring.start, Ring._issue, Ring._copies)
 # semaphore.
 # `.start()` hands the descriptor to the DMA engine and returns at once; `.wait()` blocks
 # until the semaphore says the bytes landed. (A quantised weight's tile is two copies on the
-# same semaphore, its packed data and its scales: notebook 12.) `Ring.start` routes tile g to its matrix
-# (`_each_segment`, one `pl.when` per segment that may hold g: a run-time branch on a
-# traced g) and `_issue` starts its copy. Then the loops that consume tiles, `lax.fori_loop`s
-# inside the kernel:
+# same semaphore, its packed data and its scales: notebook 12.) `Ring.start` routes tile g
+# to its matrix (`_each_segment`, one `pl.when` per segment that may hold g: a run-time
+# branch on a traced g) and `_issue` starts its copy. Then the loops that consume tiles,
+# `lax.fori_loop`s inside the kernel:
 
 # %%
 teach.excerpt(Ring.matmul, [
@@ -279,10 +280,11 @@ teach.excerpt(Ring.matmul, [
     ("xs = x[:, pl.ds(", "out_ref[:, cols] = jnp.where(i == 0, part",
      "Multiply and accumulate into the output panel, as the teaching `consume`; "
      "`_weights` dequantises a packed tile first (notebook 12)."),
-    ("def multiply_then_issue():", "self.start(base + t + self.n, after)",
-     "Then, and only then, issue tile g + slots into the slot just read: directly in the "
-     "steady loop, through `start`'s search of the matrices that can follow in the last "
-     "`slots` tiles (the teaching `refill`)."),
+    ("def multiply_then_issue(holder, holder_copy, holder_t):", "pl.when(on)(",
+     "Then, and only then, issue tile g + slots into the slot just read (the teaching "
+     "`refill`): directly in the steady loop, and at the edge directly too when one "
+     "matrix always on holds it; else a search among the matrices that can follow "
+     "(`_following`: compares, no divide), one branch per candidate."),
     ("edge = max(0, seg.tiles - self.n)", "lax.fori_loop(first, end",
      "The loops: the steady one carries no search of the stream; the edge is cut into runs "
      "of tiles whose g + slots the same few matrices can hold, one loop each, so a trip "
@@ -294,10 +296,13 @@ teach.excerpt(Ring.matmul, [
 # slots into the MXU (`jnp.dot`, f32 accumulation), and only *then* issue tile g + slots
 # into the slot just read: the ring rule. In the steady loop tile g + slots is this
 # matrix's own tile t + slots, issued directly; only the last `slots` tiles (the edge
-# loops) search which matrix, layer or tail holds it. The search costs bundles on every
+# loops) may search which matrix, layer or tail holds it. The search costs bundles on every
 # trip it is in, one DMA's code per matrix it may find (notebook 11 counts them in the
-# compiled code), so the hot loop does without it and each edge loop searches only the
-# matrices its own tiles can reach.
+# compiled code), so the hot loop does without it, each edge loop searches only the
+# matrices its own tiles can reach, and none searches where one matrix with no on/off flag
+# is the only one it can reach. The product itself is under no branch for its layer's kind
+# (the caller runs it only in layers of that kind), so the compiler schedules the search's
+# scalar work beside the MXU's.
 # Each tile's product accumulates into its output panel of `out_ref` (the first
 # contraction step overwrites it). Swap the order of the
 # read and the start, or read the wrong slot, and the DMA overwrites a tile while the MXU

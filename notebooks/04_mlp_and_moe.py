@@ -90,7 +90,7 @@ from mk import course, ops, perf, plots, routing_trace, teach, tpu
 from mk.kernels import mlp
 from mk.kernels.common import BlockSizes, vmem_budget
 from mk.kernels.weight_streaming import stage_block
-from mk.kernels.ring import TileStream
+from mk.kernels.stream import TileStream
 
 mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,

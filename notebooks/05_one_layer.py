@@ -85,7 +85,7 @@ from mk.kernels import one_layer as one_layer_module
 from mk.kernels.common import vmem_budget
 from mk.kernels.one_layer import one_layer, one_layer_buffers
 from mk.kernels.plan import default_block
-from mk.kernels.ring import TileStream
+from mk.kernels.stream import TileStream
 from mk.kinds.layers import kinds_at, layer_matrices
 from mk.weights import abstract_params
 

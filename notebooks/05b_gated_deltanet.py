@@ -89,7 +89,7 @@ from mk import course, linear_attention, ops, plots, reference
 from mk.kernels import delta_rule, deltanet
 from mk.kernels.common import vmem_budget
 from mk.kernels.weight_streaming import stage_block
-from mk.kernels.ring import TileStream
+from mk.kernels.stream import TileStream
 
 mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,

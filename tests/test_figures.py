@@ -219,7 +219,7 @@ def test_published_vs_floor_draws_the_published_bar_and_each_bound():
 # -- The ring and the KV cache -------------------------------------------------------------
 def _stream(slots=3):
     from mk.kernels.common import BlockSizes
-    from mk.kernels.ring import TileStream
+    from mk.kernels.stream import TileStream
     return TileStream.build(BlockSizes(slots=slots, tile_rows=128, tile_cols=128),
                             [("wq", 256, 256), ("w_up", 256, 384)])
 

@@ -28,7 +28,7 @@ from mk.kernels.common import (PANEL_COLS, QUANT_TILE_ELEMENTS, VMEM_HEADROOM, V
                               BlockSizes, Cut, dma_log)
 from mk.kernels.plan import (RING_COVER_S, DecodePlan, capacity, default_block,
                              little_slots, ring_slots, ring_cover_s, shard_config)
-from mk.kernels.ring import TileStream
+from mk.kernels.stream import TileStream
 from mk.step_bytes import WEIGHT_FAMILIES, family_of
 from multidevice import run
 

@@ -6,7 +6,7 @@ import pytest
 import mk
 from mk import colours, feed_costs, figure_rules, machine, plots, sim, teach
 from mk.kernels.common import BlockSizes
-from mk.kernels.ring import Repeat, TileStream
+from mk.kernels.stream import Repeat, TileStream
 from mk.chips import all_chips
 from mk.kernels.ring import Ring
 

@@ -16,7 +16,7 @@ from mk.chips import chip
 from mk.presets import PRESET_NAMES
 from mk.kernels.common import BlockSizes
 from mk.kernels.plan import DecodePlan, shard_config
-from mk.kernels.ring import TileStream
+from mk.kernels.stream import TileStream
 from mk.weights import param_shapes
 from builders import replay_tile_by_tile
 

@@ -290,7 +290,8 @@ def test_an_animated_figures_slider_steps_and_playing_on_load_is_caught(tmp_path
     import plotly.io as pio
 
     from mk import plots, teach
-    from mk.kernels.ring import BlockSizes, TileStream
+    from mk.kernels.common import BlockSizes
+    from mk.kernels.stream import TileStream
 
     stream = TileStream.build(BlockSizes(slots=1, tile_rows=128, tile_cols=128),
                               [("wq", 256, 256), ("wo", 256, 256)])

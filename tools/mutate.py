@@ -61,7 +61,7 @@ DA = "mk/kernels/decode_attention.py"
 T_DA = "tests/kernels/test_decode_attention.py"
 COUNTS = "tests/test_counts.py::"
 MULTIPLY = "                multiply()"
-ISSUE = "                self._issue(seg, layer, copy, t + self.n, slot)"
+ISSUE = "                self._issue(holder, layer, holder_copy, holder_t, slot)"
 MUTANTS = [
     # -- issue 40: the five that survived every CI test, and the semaphore allocation --
     _m("plan: ring cover all-reduces one row, not M", "mk/kernels/plan.py",
@@ -132,9 +132,13 @@ MUTANTS = [
     _m("ring prefetch before read: tile g + slots issued into the slot being read",
        "mk/kernels/ring.py", f"{MULTIPLY}\n{ISSUE}", f"{ISSUE}\n{MULTIPLY}",
        "tests/kernels/test_weight_streaming.py", "tests/kernels/test_mlp.py"),
-    _m("ring issues g + slots - 1 at the edge", "mk/kernels/ring.py",
-       "self.start(base + t + self.n, after)", "self.start(base + t + self.n - 1, after)",
-       "tests/kernels/test_weight_streaming.py", "tests/kernels/test_mlp.py"),
+    _m("ring issues g + slots - 1 at the edge, its one holder known", "mk/kernels/ring.py",
+       "seg.start + t + self.n - after.start))", "seg.start + t + self.n - 1 - after.start))",
+       "tests/kernels/test_mlp.py"),
+    _m("ring's edge search seeks g + slots - 1", "mk/kernels/ring.py",
+       "pos = seg.start + copy * seg.stride + t + self.n",
+       "pos = seg.start + copy * seg.stride + t + self.n - 1",
+       "tests/test_megakernel.py"),
     # (a slot carried wrongly waits on a semaphore no DMA signals: "hung", not caught)
     _m("ring carried panel: advances every tile, not after a panel's last step",
        "mk/kernels/ring.py", "jnp.where(last, j + 1, j))", "jnp.where(last, j, j + 1))",

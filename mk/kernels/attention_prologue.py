@@ -33,7 +33,8 @@ from jax.experimental.pallas import tpu as pltpu
 from mk import quant
 from mk.config import MAX_ROWS, ModelConfig
 from mk.kernels.common import BlockSizes, Buffer
-from mk.kernels.ring import Ring, TileStream, ring_buffers
+from mk.kernels.ring import Ring, ring_buffers
+from mk.kernels.stream import TileStream
 from mk.kernels.weight_streaming import ring_weights, stage_block, weight_stream
 from mk.ops import rms_norm, rope_inv_freq
 from mk.weights import names_of, param_shapes

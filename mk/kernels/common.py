@@ -232,7 +232,7 @@ def default_block(matrices, *, context: int | None = None, slots: int = SLOTS,
                   most_bytes: int = TILE_BYTES, dequantised=None) -> BlockSizes:
     """The default tiling, the one rule every kernel uses: the largest weight tile of at
     most `most_bytes` (TILE_BYTES; elements of `itemsize` bytes) that cuts every matrix of
-    `matrices` ((name, K, N) triples, or `mk.kernels.ring.Repeat`s of them), so one ring
+    `matrices` ((name, K, N) triples, or `mk.kernels.stream.Repeat`s of them), so one ring
     slot shape serves every matrix (`BlockSizes.cut`: plain or transposed; the `quantised`
     names plain only, and, while some of them are `dequantised` whole in VMEM (fed bf16;
     default all), at most QUANT_TILE_ELEMENTS a tile); of tiles as large,

@@ -23,7 +23,7 @@ than the fold saves):
   block b, set side by side.
 The off-diagonal products multiply by exact zeros (finite weights) and are dropped.
 
-Not here: which tiles a stream stores folded (`mk.kernels.ring.Segment.fold`: plain ones),
+Not here: which tiles a stream stores folded (`mk.kernels.stream.Segment.fold`: plain ones),
 their VMEM slots (`mk.kernels.ring.ring_buffers`).
 """
 

@@ -82,7 +82,8 @@ from mk import quant
 from mk.config import COMPUTE_DTYPES, MAX_ROWS
 from mk.kernels.common import BlockSizes, Buffer, start_dma, vmem_limit_bytes, vmem_scratch
 from mk.kernels.joined_experts import split_gate_up
-from mk.kernels.ring import Repeat, Ring, TileStream, ring_buffers
+from mk.kernels.ring import Ring, ring_buffers
+from mk.kernels.stream import Repeat, TileStream
 from mk.kernels.routing import Routing, route_body
 from mk.kernels.weight_streaming import ring_weights, stage_block, weight_stream
 from mk.weights import names

@@ -39,7 +39,8 @@ from mk.config import ModelConfig
 from mk.kernels.attention_prologue import check_layer_inputs
 from mk.kernels.common import (REPEAT_TILE_BYTES, SLOTS, TILE_BYTES, BlockSizes, Buffer,
                                aliases, default_block, memory_specs, vmem_limit_bytes)
-from mk.kernels.ring import Repeat, Ring, TileStream, plain_ring, ring_buffers
+from mk.kernels.ring import Ring, plain_ring, ring_buffers
+from mk.kernels.stream import Repeat, TileStream
 from mk.kernels.weight_streaming import ring_weights, weight_stream
 from mk.kinds.base import LAYER_PHASES, Kind, Step
 from mk.kinds.layers import kinds_at, layer_kinds, layer_matrices

@@ -120,7 +120,8 @@ from mk.kernels.kv_stream import tile_counts
 from mk.kernels.mlp import expert_slots
 from mk.kernels.one_layer import layer_buffers, layer_scratch, model_block
 from mk.kinds.layers import full_attention, layer_kinds, layer_matrices
-from mk.kernels.ring import TileStream, ring_buffers
+from mk.kernels.ring import ring_buffers
+from mk.kernels.stream import TileStream
 from mk.step_bytes import bytes_per_element, shard_weight_bytes, shard_weight_elements
 
 # -- The sharding model -------------------------------------------------------------------

@@ -1,16 +1,13 @@
 """The weight ring: weight tiles streamed HBM -> VMEM through N slots, never stalling.
 
-A kernel consumes an ordered list of weight tiles, `TileStream`: segments (one weight
-matrix each, cut into tile_rows x tile_cols tiles by `BlockSizes.cut`, output panel by
-output panel; a weight `BlockSizes.tiles` names in tiles of its own shape), repeated once
-per layer, then an optional tail (the lm_head). Tile g of the
-stream lives in ring slot g % slots. The rule that makes the ring work: when tile g has
-been consumed, tile g + slots is issued into the slot it just freed. Because g runs across
-segment and layer boundaries, the loads for the next matrix, the next layer and the lm_head
-are already in flight while the current one computes: memory never waits at a matrix or
-layer edge.
+A kernel consumes an ordered list of weight tiles, a `mk.kernels.stream.TileStream`
+(its matrices, one segment each, repeated once per layer, then an optional tail: the
+lm_head). Tile g of the stream lives in ring slot g % slots. The rule that makes the ring
+work: when tile g has been consumed, tile g + slots is issued into the slot it just freed.
+Because g runs across segment and layer boundaries, the loads for the next matrix, the
+next layer and the lm_head are already in flight while the current one computes: memory
+never waits at a matrix or layer edge.
 
-`TileStream` is static data (a reader can print it; the simulator and plots replay it).
 `Ring` is the in-kernel side: `prime`, `start(g)`, `slot(g)`, `skip`, and `matmul`, which
 multiplies activations by one segment while keeping the ring full (it waits for each of
 its tiles: it knows which segment they belong to).
@@ -45,7 +42,7 @@ each scale block's float32 product rows scaled after (`mk.unpack.fp8_product`; w
 feed costs: `mk.unpack`'s docstring). Either way the product is the reference's on
 `mk.quant.dequantize(params, feeds=...)`'s weights.
 
-A run of matrices may be repeated (`Repeat`), e.g. gate, up, down once per expert slot:
+A repeated segment (`mk.kernels.stream.Repeat`, e.g. gate, up, down once per expert slot):
 copy c's Fetch gets (layer, c) and `matmul(..., copy=c)` takes a traced c, so a kernel
 loops over copies with `fori_loop` and its code does not grow with their number.
 
@@ -55,7 +52,6 @@ megakernel), KV tiles (`decode_attention`, whose KV ring is shaped by positions)
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from typing import Callable
@@ -67,249 +63,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mk import quant, unpack
 from mk.kernels.common import BlockSizes, Buffer, start_dma
-from mk.kernels.fold import fold_tiles, folded_product, folded_shape, panel_fold
-
-
-@dataclasses.dataclass(frozen=True)
-class Segment:
-    """One weight matrix of the stream: its name and its tile grid."""
-
-    name: str
-    in_tiles: int  # tiles along K, the contraction (`BlockSizes.cut`)
-    out_tiles: int  # tiles along N, the output
-    transposed: bool = False  # stored as W^T [N, K] (`BlockSizes.cut`)
-    start: int = 0  # offset of its first tile within a layer (or within the tail)
-    copies: int = 1  # in a `Repeat`: copy c starts at start + c * stride
-    stride: int = 0  # tiles from one copy to the next (a Repeat's tiles per copy); 0 if
-    #                  the segment is not repeated
-    scheme: str | None = None  # mk.quant storage scheme of its tiles; None: plain
-    feed: str = "bf16"  # what its tiles reach the MXU as (mk.unpack.FEEDS): "bf16"
-    #                     dequantised to the compute dtype, "fp8" as e4m3 with scales after
-    tile: tuple[int, int] = (0, 0)  # (rows, cols) of its stored tiles (`TileStream.build`)
-
-    @property
-    def tiles(self) -> int:
-        """Tiles of one copy."""
-        return self.in_tiles * self.out_tiles
-
-    @property
-    def fold(self) -> int:
-        """Row blocks of its tile stored side by side in HBM and VMEM (`stored_fold`)."""
-        return stored_fold(self.scheme, self.tile)
-
-    @property
-    def end(self) -> int:
-        return self.start + (self.copies - 1) * self.stride + self.tiles
-
-    def locate(self, local):
-        """(hit, copy, t): whether layer-local tile `local` (traced) is tile t of copy
-        `copy` of this segment; copy is clamped into range so a miss still indexes safely."""
-        if not self.stride:
-            return (local >= self.start) & (local < self.end), 0, local - self.start
-        offset = local - self.start
-        copy, t = offset // self.stride, offset % self.stride
-        hit = (offset >= 0) & (copy < self.copies) & (t < self.tiles)
-        return hit, jnp.clip(copy, 0, self.copies - 1), t
-
-
-@dataclasses.dataclass(frozen=True)
-class Repeat:
-    """`copies` back-to-back copies of a run of matrices (name, rows, cols)."""
-
-    copies: int
-    matrices: tuple
-
-    def __post_init__(self):
-        if isinstance(self.copies, bool) or not isinstance(self.copies, int) or self.copies < 1:
-            raise ValueError(f"Repeat.copies={self.copies!r} must be an integer >= 1")
-
-
-def _place(groups) -> tuple[Segment, ...]:
-    """groups: (copies or None for a plain matrix, its segments) in stream order."""
-    placed, offset = [], 0
-    for copies, segments in groups:
-        stride = sum(s.tiles for s in segments) if copies else 0
-        for s in segments:
-            placed.append(dataclasses.replace(s, start=offset, copies=copies or 1,
-                                              stride=stride))
-            offset += s.tiles
-        offset += max(0, (copies or 1) - 1) * stride
-    return tuple(placed)
-
-
-@dataclasses.dataclass(frozen=True)
-class TileStream:
-    """Every weight tile a kernel loads, in the order it consumes them.
-
-    Global tile index g: layer l's segment s tile t is g = l * period + s.start + t; the
-    tail's tiles follow all layers.
-    """
-
-    block: BlockSizes
-    segments: tuple[Segment, ...]  # one layer's matrices, in consumption order
-    layers: int = 1
-    tail: tuple[Segment, ...] = ()
-
-    @classmethod
-    def build(cls, block: BlockSizes, matrices, *, layers: int = 1, tail=(),
-              schemes=None, feeds=None) -> TileStream:
-        """matrices / tail: (name, rows, cols) of each weight, or a `Repeat` of such
-        triples, in consumption order; schemes: {name: mk.quant scheme} of the weights
-        stored quantised; feeds: {name: mk.quant feed} of those not fed bf16. Each weight
-        is cut into the block's tiles, or those `block.tiles` gives it."""
-        schemes, feeds, tiles = dict(schemes or {}), dict(feeds or {}), dict(block.tiles)
-        own = (block.tile_rows, block.tile_cols)
-        for name, feed in feeds.items():
-            if feed not in unpack.FEEDABLE[schemes.get(name)]:
-                raise ValueError(f"feeds[{name!r}]={feed!r}: weight {name} stored "
-                                 f"{schemes.get(name) or 'plain'} cannot be fed {feed}")
-
-        def segs(items):
-            out = []
-            for name, rows, cols in items:
-                shaped = block if name not in tiles else dataclasses.replace(
-                    block, tile_rows=tiles[name][0], tile_cols=tiles[name][1])
-                if name in schemes:  # raises if its tiles do not hold whole groups
-                    quant.tile_shapes(schemes[name], shaped.tile_rows, shaped.tile_cols)
-                cut = shaped.cut(name, rows, cols, transpose=name not in schemes)
-                out.append(Segment(name, cut.in_tiles, cut.out_tiles, cut.transposed,
-                                   scheme=schemes.get(name), feed=feeds.get(name, "bf16"),
-                                   tile=tiles.get(name, own)))
-            return out
-
-        def groups(items):
-            return _place((i.copies, segs(i.matrices)) if isinstance(i, Repeat)
-                          else (None, segs([i])) for i in items)
-        return cls(block, groups(matrices), layers, groups(tail))
-
-    @property
-    def period(self) -> int:
-        return sum(s.copies * s.tiles for s in self.segments)
-
-    @property
-    def total(self) -> int:
-        return self.layers * self.period + sum(s.copies * s.tiles for s in self.tail)
-
-    def segment(self, name: str) -> Segment:
-        for s in self.segments + self.tail:
-            if s.name == name:
-                return s
-        raise KeyError(f"no segment {name!r} in the stream")
-
-    def shape(self, segment: Segment) -> tuple[int, int]:
-        """(K, N) of the matrix `segment` cuts (its logical [K, N], not the stored one)."""
-        r, c = segment.tile
-        step, panel = (c, r) if segment.transposed else (r, c)
-        return segment.in_tiles * step, segment.out_tiles * panel
-
-    def base(self, layer, segment: Segment, copy=0):
-        """Global index of the first tile of `segment` (copy `copy`) in `layer` (layer and
-        copy may be traced)."""
-        first = segment.start + copy * segment.stride
-        if segment in self.tail:
-            return self.layers * self.period + first
-        return layer * self.period + first
-
-    def tiles(self):
-        """(g, layer or None for the tail, segment name, contraction step, output panel) of
-        every tile; a repeated segment's name carries its copy: "we_gate[3]"."""
-        def ordered(segments):
-            return sorted((s.start + c * s.stride + t, s, c, t) for s in segments
-                          for c in range(s.copies) for t in range(s.tiles))
-
-        def named(s, c):
-            return f"{s.name}[{c}]" if s.stride else s.name
-
-        for layer in range(self.layers):
-            for local, s, c, t in ordered(self.segments):
-                yield (layer * self.period + local, layer, named(s, c), t % s.in_tiles,
-                       t // s.in_tiles)
-        for local, s, c, t in ordered(self.tail):
-            yield (self.layers * self.period + local, None, named(s, c), t % s.in_tiles,
-                   t // s.in_tiles)
-
-    def table(self, itemsize: int = 2) -> list[dict]:
-        """One dict per tile (g, layer, matrix, contraction step, output panel, ring slot,
-        KiB), for a table; itemsize: bytes per element of the plain segments."""
-        return [dict(g=g, layer="lm_head" if layer is None else layer, matrix=name,
-                     k_step=i, panel=j, slot=g % self.block.slots,
-                     KiB=self.segment_tile_bytes(self.segment(name.split("[")[0]),
-                                                 itemsize) / 1024)
-                for g, layer, name, i, j in self.tiles()]
-
-    def segment_tile_bytes(self, segment: Segment, itemsize: int) -> int:
-        """Bytes one tile of `segment` moves: its tile's elements x itemsize when plain,
-        its packed data and scale block when quantised (`mk.quant.tile_bytes`)."""
-        k, n = segment.tile
-        return k * n * itemsize if segment.scheme is None else quant.tile_bytes(
-            segment.scheme, k, n)
-
-    @property
-    def storages(self) -> tuple[tuple[str | None, tuple[int, int]], ...]:
-        """(scheme or None for plain, tile shape) of each set of ring buffers the stream's
-        segments need, in a fixed order: plain first, then `mk.quant.SCHEMES`' order;
-        within each, the block's tile first."""
-        found = {(s.scheme, s.tile) for s in self.segments + self.tail}
-        order, own = (None, *quant.SCHEMES), (self.block.tile_rows, self.block.tile_cols)
-        return tuple(sorted(found, key=lambda st: (order.index(st[0]), st[1] != own, st[1])))
-
-    def buffer_name(self, segment: Segment) -> str:
-        """The ring buffer `segment`'s tiles land in (`ring_buffers`): "ring" for plain
-        tiles of the block's shape, "ring_<scheme>" for packed ones, with "_<rows>x<cols>"
-        for tiles of another shape (a packed one's scale block: the name + "_scales")."""
-        return _buffer_name(segment.scheme, segment.tile, self.block)
-
-    @property
-    def schemes(self) -> tuple[str, ...]:
-        """The quantised schemes of the stream's segments, in a fixed order."""
-        found = {s.scheme for s in self.segments + self.tail}
-        return tuple(q for q in quant.SCHEMES if q in found)
-
-    @staticmethod
-    def owners(segments) -> dict[int, tuple[Segment, int]]:
-        """Tile offset -> (segment, copy) for every tile of `segments` (one layer's, offsets
-        within the period; or the tail's, offsets within the tail)."""
-        return {s.start + c * s.stride + t: (s, c) for s in segments
-                for c in range(s.copies) for t in range(s.tiles)}
-
-    def following(self, segment: Segment, span: int, tiles=None) -> tuple[Segment, ...]:
-        """The segments that may hold tile t + `span` of any copy of `segment`, for t in
-        `tiles` (default its last `span` tiles: every tile its edge loop issues), in any
-        layer: the next ones in the period, the next layer's first ones, the tail's first
-        ones. The stream's layout is static (only the layer and the copies' activity are
-        known at run time), so this is exact up to the layer."""
-        if span >= self.period:
-            return self.segments + self.tail
-        tiles = range(max(0, segment.tiles - span), segment.tiles) if tiles is None else tiles
-        local, tail = self.owners(self.segments), self.owners(self.tail)
-        found = set()
-        for c in range(segment.copies):
-            for pos in (segment.start + c * segment.stride + t + span for t in tiles):
-                if segment in self.tail:
-                    found.add(tail.get(pos))
-                elif pos < self.period:
-                    found.add(local[pos])
-                else:  # past this layer: the next layer's start, or the tail's
-                    found |= {local[pos - self.period], tail.get(pos - self.period)}
-        named = {owner[0] for owner in found if owner is not None}
-        return tuple(s for s in self.segments + self.tail if s in named)
-
-    @property
-    def tile_bytes(self) -> int:
-        """Elements of the block's tile (times the weight itemsize: its bytes); a segment
-        with a tile of its own moves `segment_tile_bytes`."""
-        return self.block.tile_rows * self.block.tile_cols
-
-
-def _buffer_name(scheme: str | None, tile: tuple[int, int], block: BlockSizes) -> str:
-    shaped = "" if tile == (block.tile_rows, block.tile_cols) else f"_{tile[0]}x{tile[1]}"
-    return "ring" + (f"_{scheme}" if scheme else "") + shaped
-
-
-def stored_fold(scheme: str | None, tile: tuple[int, int]) -> int:
-    """How a tile of `scheme` (None: plain) and shape `tile` is stored: plain ones folded
-    `mk.kernels.fold.panel_fold` times, packed ones as they are (1)."""
-    return 1 if scheme is not None else panel_fold(*tile)
+from mk.kernels.fold import fold_tiles, folded_product, folded_shape
+from mk.kernels.stream import Segment, TileStream, buffer_name, stored_fold
 
 
 def tile_major(w, segment: Segment):
@@ -343,7 +98,7 @@ def plain_ring(block: BlockSizes, dtype, tile: tuple[int, int] | None = None) ->
     """The VMEM slots of plain tiles of shape `tile` (default the block's), named by
     `TileStream.buffer_name`: [slots, *stored tile] of `dtype` (folded: `stored_fold`)."""
     tile = tile or (block.tile_rows, block.tile_cols)
-    return Buffer(_buffer_name(None, tile, block),
+    return Buffer(buffer_name(None, tile, block),
                   (block.slots, *folded_shape(tile, stored_fold(None, tile))), dtype)
 
 
@@ -354,7 +109,7 @@ def ring_buffers(stream: TileStream, dtype) -> list[Buffer]:
     tile g lands in slot g % slots of its segment's buffer."""
     out = []
     for scheme, (r, c) in stream.storages:
-        name = _buffer_name(scheme, (r, c), stream.block)
+        name = buffer_name(scheme, (r, c), stream.block)
         if scheme is None:
             out.append(plain_ring(stream.block, dtype, (r, c)))
             continue
@@ -450,26 +205,63 @@ class Ring:
         return lax.dot_general(xs, self._weights(segment, slot), contract,
                                preferred_element_type=jnp.float32)
 
+    def _holders(self, in_layers, layer, local, tail, candidates):
+        """(segment, layer, copy, t, hit) for each of `candidates`: whether tile t of its
+        copy `copy` is the one sought, which is tile `local` of `layer` (traced) while
+        `in_layers`, else tile `tail` of the tail (its activity flag not asked). The layer
+        is clamped and a miss's copy too (`Segment.locate`), so the fetches of the
+        segments that miss still index in range."""
+        s = self.stream
+        layer = jnp.minimum(layer, s.layers - 1)
+        found = []
+        for seg in candidates:
+            if seg in s.tail:
+                hit, copy, t = seg.locate(tail)
+                hit = jnp.logical_not(in_layers) & hit
+            else:
+                hit, copy, t = seg.locate(local)
+                hit = in_layers & hit
+            found.append((seg, layer, copy, t, hit))
+        return found
+
+    def _following(self, seg: Segment, layer, copy, t, candidates):
+        """`_holders` among `candidates` of tile g + slots, where g is tile t of `seg`'s copy
+        `copy` in `layer` (an edge tile of `matmul`; slots <= period): its offset in the
+        period (or the tail) is `seg`'s own plus t + slots, less than a period past it, so
+        a compare finds its layer where `start` divides g by the period."""
+        s = self.stream
+        pos = seg.start + copy * seg.stride + t + self.n
+        if seg in s.tail:
+            return self._holders(False, s.layers - 1, pos, pos, candidates)
+        over = pos >= s.period
+        local = jnp.where(over, pos - s.period, pos)
+        layer = layer + over.astype(jnp.int32)
+        return self._holders(layer < s.layers, layer, local, local, candidates)
+
+    def _one_holder(self, seg: Segment, layer, end: int, after) -> Segment | None:
+        """The segment holding tile t + slots of `seg` for every t < `end` of an edge run
+        whose holders may be `after`, when that is one segment, not repeated, in the same
+        layer and with no activity flag (on in every layer): its tile is then known with
+        no search."""
+        s = self.stream
+        if (len(after) != 1 or seg.stride or seg in s.tail or after[0].stride
+                or seg.start + end - 1 + self.n >= s.period):
+            return None
+        return after[0] if self._active(after[0], layer) is True else None
+
     def _each_segment(self, g, action, candidates=None):
         """Call action(segment, layer, copy, t) for the segment holding tile g (g traced),
         searching only `candidates` (segments that may hold g; default all of them)."""
         s = self.stream
         candidates = s.segments + s.tail if candidates is None else candidates
         layered = s.layers * s.period
-        # A tile past the layers (the tail, or past the end) still traces every segment's
-        # fetch under a false guard: clamp the layer so those fetches index in range.
-        layer, local = jnp.minimum(g // s.period, s.layers - 1), g % s.period
-        def in_segment(seg, copy, t):
+        def in_segment(seg, layer, copy, t):
             # The activity flag may read SMEM: only the one segment holding g reads it.
             pl.when(self._active(seg, layer, copy))(lambda: action(seg, layer, copy, t))
 
-        for seg in candidates:
-            if seg in s.tail:
-                hit, copy, t = seg.locate(g - layered)
-            else:
-                hit, copy, t = seg.locate(local)
-                hit = (g < layered) & hit
-            pl.when(hit)(functools.partial(in_segment, seg, copy, t))
+        for seg, layer, copy, t, hit in self._holders(g < layered, g // s.period,
+                                                      g % s.period, g - layered, candidates):
+            pl.when(hit)(functools.partial(in_segment, seg, layer, copy, t))
 
     def _active(self, segment: Segment, layer, copy=0):
         _, active = self._fetch(segment, layer, copy)
@@ -532,16 +324,28 @@ class Ring:
         336); `mk.bounds` proves the carried slot and step in range.
 
         Loops: in the steady one (most tiles: no search of the stream) tile g + slots is
-        this segment's own tile t + slots; the last `slots` tiles (the edge) look up which
-        segment, layer or tail holds it (`start`), one loop per run of tiles the same few
-        segments can follow (`TileStream.following`): `mk.bundles` counts every branch.
+        this segment's own tile t + slots; the last `slots` tiles (the edge) issue it from
+        whichever segment, layer or tail holds it, one loop per run of tiles the same few
+        segments can follow (`TileStream.following`): one segment of no flag in this layer
+        gives its tile directly (`_one_holder`); else each candidate's hit and flag come
+        from compares, not a divide of g by the period (`_following`), and each issue is
+        under its branch (`mk.bundles` counts every branch).
+
+        A segment's product is not guarded by its layer's kind (only a repeat's copies
+        are): call `matmul` only in layers of its kind, as `Kind.run` is called. In another
+        layer its tiles are never issued and the first wait would never end.
         """
         seg = self.stream.segment(name)
         base = self.stream.base(layer, seg, copy)
         # widths of one contraction step and one output panel
         step, panel = seg.tile[::-1] if seg.transposed else seg.tile
         steps = seg.in_tiles
-        active = self._active(seg, layer, copy)
+        # A kind's products run only in layers of that kind (its `Kind.run` under the
+        # layer's flag: `mk.kernels.one_layer.layer_body`), so the segment's own flag is
+        # checked here only per copy of a repeat (an expert slot no token chose): checked
+        # again, it costs each trip a branch, and libtpu schedules each branch's code
+        # apart, so the tile's issue and the edge's search no longer overlap its product.
+        active = self._active(seg, layer, copy) if seg.stride else True
         contract = (((1,), (1,)), ((), ())) if seg.transposed else (((1,), (0,)), ((), ()))
 
         def when_active(action):
@@ -565,15 +369,26 @@ class Ring:
                 else:  # the first step's select drops whatever the panel held
                     out_ref[:, cols] = jnp.where(i == 0, part, out_ref[:, cols] + part)
 
-            def multiply_then_issue():  # steady: g + slots is this segment's own t + slots
+            def multiply_then_issue(holder, holder_copy, holder_t):
                 multiply()
-                self._issue(seg, layer, copy, t + self.n, slot)
+                self._issue(holder, layer, holder_copy, holder_t, slot)
 
-            if after is None:
-                when_active(multiply_then_issue)
-            else:
+            if after is None:  # steady: g + slots is this segment's own t + slots
+                when_active(functools.partial(multiply_then_issue, seg, copy, t + self.n))
+            elif isinstance(after, Segment):  # g + slots is that one's (`_one_holder`)
+                when_active(functools.partial(multiply_then_issue, after, 0,
+                                              seg.start + t + self.n - after.start))
+            elif self.n > self.stream.period:  # g + slots may lie layers ahead
                 when_active(multiply)
                 self.start(base + t + self.n, after)
+            else:  # a search with no divide, its scalar work beside the product's
+                when_active(multiply)
+                for holder, h_layer, h_copy, h_t, hit in self._following(seg, layer, copy, t,
+                                                                          after):
+                    # one branch a candidate: its flag read beside the hit, in range
+                    on = hit & self._active(holder, h_layer, h_copy)
+                    pl.when(on)(functools.partial(self._issue, holder, h_layer, h_copy, h_t,
+                                                  slot))
             last = i == steps - 1
             return (jnp.where(slot == self.n - 1, 0, slot + 1), jnp.where(last, 0, i + 1),
                     jnp.where(last, j + 1, j))
@@ -591,4 +406,5 @@ class Ring:
             else:
                 runs.append([t, t + 1, after])
         for first, end, after in runs:
+            after = self._one_holder(seg, layer, end, after) or after
             carry = lax.fori_loop(first, end, functools.partial(tile, after=after), carry)

@@ -34,7 +34,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mk import quant, unpack
 from mk.kernels.common import BlockSizes, Buffer, default_block
-from mk.kernels.ring import Ring, TileStream, ring_buffers, ring_layout
+from mk.kernels.ring import Ring, ring_buffers, ring_layout
+from mk.kernels.stream import TileStream
 
 
 # Rows this stage kernel takes: a decode step's MAX_ROWS (mk.config) up to one pass of the

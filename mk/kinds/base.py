@@ -45,7 +45,7 @@ import jax
 
 from mk.config import ModelConfig
 from mk.kernels.common import Buffer
-from mk.kernels.ring import Repeat
+from mk.kernels.stream import Repeat
 from mk.weights import FAMILY, KIND_LAYERS, TRANSPOSED, dma_layout, names_of, param_shapes
 
 # The phases of one layer in program order, as data: `layer_body` runs them in this order

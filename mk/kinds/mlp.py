@@ -34,7 +34,7 @@ from mk.kernels.mlp import (DENSE_WEIGHTS, EXPERT_WEIGHTS, JOINED_EXPERT_WEIGHTS
                             MOE_SMALL_LOADS, SHARED_WEIGHTS, expert_slots, moe_body,
                             moe_fetch, moe_segments, swiglu_body, swiglu_fetch,
                             swiglu_segments)
-from mk.kernels.ring import Repeat
+from mk.kernels.stream import Repeat
 from mk.kernels.routing import Routing, router_columns
 from mk.kinds.base import Kind, Step, Twin
 from mk.ops import clamped_swiglu

@@ -29,7 +29,8 @@ from mk import backend, ops, quant, tpu
 from mk.kernels import joined_experts, mlp
 from mk.kernels.routing import Routing
 from mk.kernels.common import BlockSizes, vmem_budget
-from mk.kernels.ring import Ring, TileStream, ring_layout
+from mk.kernels.ring import Ring, ring_layout
+from mk.kernels.stream import TileStream
 from mk.kernels.weight_streaming import stage_block
 from builders import plant_double_scale, quantised_cases
 from tolerances import TOLERANCE as ALL_TOLERANCES

@@ -25,7 +25,8 @@ import mk
 from mk import backend, ops, quant, tpu, unpack
 from mk.kernels.common import BlockSizes, default_block, dma_log, vmem_budget
 from mk.kernels.plan import DecodePlan
-from mk.kernels.ring import Ring, TileStream, ring_layout
+from mk.kernels.ring import Ring, ring_layout
+from mk.kernels.stream import TileStream
 from mk.kernels.weight_streaming import stream_matmul, stream_matmul_buffers
 from tolerances import TOLERANCE as ALL_TOLERANCES
 
@@ -157,13 +158,14 @@ def test_the_race_detector_catches_a_prefetch_into_the_slot_being_read():
 
 
 # -- The DMA bookkeeping check can fail ------------------------------------------------------
-def _issue_one_tile_early(start):
-    """After consuming tile g the ring issues g + slots - 1 (its prologue's g < slots are
-    untouched): numerically right, one tile fewer in flight, and tile slots - 1 issued
-    twice, so one DMA is never waited for. `Ring.start` issues the prologue and a
-    matrix's last `slots` tiles (`Ring.matmul`'s edge loop)."""
-    return lambda ring, g, candidates=None: start(
-        ring, jnp.where(g >= ring.n, g - 1, g), candidates)
+def _issue_the_last_tile_twice(matmul):
+    """After its loops the ring issues the stream's last tile again: numerically right
+    (it was consumed already) and no race (nothing reads it), but one DMA is never
+    waited for."""
+    def mutant(ring, *args, **kwargs):
+        matmul(ring, *args, **kwargs)
+        ring.start(jnp.int32(ring.stream.total - 1))
+    return mutant
 
 
 def _issue_the_first_tile_twice(prime):
@@ -173,7 +175,7 @@ def _issue_the_first_tile_twice(prime):
     return mutant
 
 
-RING_MUTANTS = {"g+slots-1": ("start", _issue_one_tile_early),
+RING_MUTANTS = {"last-tile-twice": ("matmul", _issue_the_last_tile_twice),
                 "first-tile-twice": ("prime", _issue_the_first_tile_twice)}
 
 
