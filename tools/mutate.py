@@ -135,10 +135,12 @@ MUTANTS = [
     _m("ring issues g + slots - 1 at the edge, its one holder known", "mk/kernels/ring.py",
        "seg.start + t + self.n - after.start))", "seg.start + t + self.n - 1 - after.start))",
        "tests/kernels/test_mlp.py"),
-    _m("ring's edge search seeks g + slots - 1", "mk/kernels/ring.py",
-       "pos = seg.start + copy * seg.stride + t + self.n",
-       "pos = seg.start + copy * seg.stride + t + self.n - 1",
-       "tests/test_megakernel.py"),
+    # (a search that seeks another tile leaves a slot no DMA fills: "hung", not caught)
+    _m("ring's edge search finds the next layer's tile but fetches this layer's",
+       "mk/kernels/ring.py",
+       "return self._holders(layer < s.layers, layer, local, local, candidates)",
+       "return self._holders(layer < s.layers, layer - over.astype(jnp.int32), local, "
+       "local, candidates)", "tests/test_megakernel.py"),
     # (a slot carried wrongly waits on a semaphore no DMA signals: "hung", not caught)
     _m("ring carried panel: advances every tile, not after a panel's last step",
        "mk/kernels/ring.py", "jnp.where(last, j + 1, j))", "jnp.where(last, j, j + 1))",
