@@ -87,31 +87,13 @@ def test_a_loop_counter_one_past_the_end_is_flagged_and_a_guard_clears_it():
     assert not bad
 
 
-def test_a_carried_wrap_around_counter_is_bounded_and_one_wrapping_late_is_flagged():
+@pytest.mark.parametrize("beside_a_growing_carry", [False, True])
+def test_a_carried_wrap_around_counter_is_bounded_and_one_wrapping_late_is_flagged(
+        beside_a_growing_carry):
     """`Ring.matmul` carries each tile's slot as where(slot == n - 1, 0, slot + 1): in [0,
-    n - 1] on every trip; wrapping at n instead reaches n, past the semaphores."""
-    def loop(wrap_at):
-        def body(x, b, s, i):
-            def one(r, slot):
-                _copy(x, b, s, r, slot)
-                return jnp.where(slot == wrap_at - 1, 0, slot + 1)
-            jax.lax.fori_loop(0, 4, one, jnp.int32(0))
-        return body
-
-    found, bad = _out_of_range(loop(2), sems=2)
-    assert not bad
-    assert {a.interval for a in found if a.primitive == "dma_start" and a.dim == 0
-            and a.size == 2} == {(0, 1)}
-    _, bad = _out_of_range(loop(3), sems=2)
-    assert {(a.primitive, a.interval) for a in bad} == {("dma_start", (0, 2)),
-                                                          ("dma_wait", (0, 2))}
-
-
-def test_a_wrapping_counter_carried_beside_a_growing_one_stays_bounded():
-    """The ring's loops carry the slot beside the output panel, which counts up without a
-    bound the walk can reach in its first rounds: only the growing carry is widened to
-    unbounded, the slot still settles in [0, n - 1] (and its wrap one late is still
-    flagged)."""
+    n - 1] on every trip; wrapping at n instead reaches n, past the semaphores. It carries
+    the slot beside the output panel, which counts up without a bound the walk reaches in
+    its first rounds: only that carry is widened to unbounded, the slot still settles."""
     def loop(wrap_at):
         def body(x, b, s, i):
             def one(r, carry):
@@ -120,9 +102,10 @@ def test_a_wrapping_counter_carried_beside_a_growing_one_stays_bounded():
                 return (jnp.where(slot == wrap_at - 1, 0, slot + 1),
                         panel + (slot == 0).astype(jnp.int32))
             _, panel = jax.lax.fori_loop(0, 4, one, (jnp.int32(0), jnp.int32(0)))
-            @pl.when(panel > 4)  # the panel stays live
-            def _():
-                b[0:1, :] = jnp.zeros((1, 128), jnp.float32)
+            if beside_a_growing_carry:
+                @pl.when(panel > 4)  # the panel stays live
+                def _():
+                    b[0:1, :] = jnp.zeros((1, 128), jnp.float32)
         return body
 
     found, bad = _out_of_range(loop(2), sems=2)
