@@ -111,8 +111,7 @@ from mk.chips import ChipSpec, chip as named_chip
 from mk.config import (DTYPE_BITS, PADDED_FIELDS, ModelConfig, check_formats, check_rows,
                        positive_int)
 from mk.kernels.collectives import (MAX_INDEX, PARTIAL_SUM_BYTES, allreduce_s, check_devices,
-                                    choose_algorithm, collective_buffers,
-                                    collective_semaphores)
+                                    choose_algorithm, collective_buffers, collective_semaphores)
 from mk.kernels.common import (KV_TILE, LANES, SLOTS, VMEM_HEADROOM, VMEM_ROOM, BlockSizes,
                                Buffer, VmemBudget, vmem_budget, vmem_limit_bytes)
 from mk.kernels.deltanet import check_conv_kernel
