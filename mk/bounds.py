@@ -15,7 +15,8 @@ in [0, dim), a slice must end by dim.
 
 What bounds a dynamic index: literals; + - * min max clamp, integer // and % by a
 positive bound; iota; a `fori_loop` counter (a scan's trip count, or a while loop's
-`i < upper` with a bounded upper; other carries joined over the trips until stable);
+`i < upper` with a bounded upper; other carries joined over the trips until stable,
+one still growing after a few rounds widened to unbounded while the others settle);
 `select_n` / `cond` outputs (the union of the cases, each where its predicate holds: a
 wrap-around counter `where(i == n - 1, 0, i + 1)` stays in [0, n - 1]); `&` with a
 non-negative operand; and the predicate of the `pl.when` / `cond` around the index (`i + 1

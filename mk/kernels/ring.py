@@ -8,7 +8,7 @@ Because g runs across segment and layer boundaries, the loads for the next matri
 next layer and the lm_head are already in flight while the current one computes: memory
 never waits at a matrix or layer edge.
 
-`Ring` is the in-kernel side: `prime`, `start(g)`, `slot(g)`, `skip`, and `matmul`, which
+`Ring` is the in-kernel side: `prime`, `start(g)`, `slot(i)`, `skip`, and `matmul`, which
 multiplies activations by one segment while keeping the ring full (it waits for each of
 its tiles: it knows which segment they belong to).
 
@@ -28,9 +28,11 @@ slots deep and the prefetch rule is unchanged. What that costs: VMEM for slots t
 every shape, and one depth for all (`mk.kernels.plan.ring_slots`: Little's law over the
 stream's own tile sequence), so shapes of very different bytes do not mix well.
 
-A segment may be switched off at run time (`active`), e.g. the slot of an expert no token
-selected: its tiles are neither loaded nor waited for, but still "consumed" in order so
-the tiles behind it are issued.
+A segment may be switched off at run time (its Fetch's flag): in a layer of another kind,
+or the slot of an expert no token selected. Its tiles are neither loaded nor waited for,
+but still "consumed" in order so the tiles behind it are issued: a layer's other kinds by
+`skip` (a kind's code, `matmul` included, runs only in layers of its kind), a repeat's
+switched-off copies inside `matmul`.
 
 A segment may be stored quantised (`Segment.scheme`, one of `mk.quant.SCHEMES`): its tiles
 travel as packed data plus their scale block (two DMAs on the slot's semaphore, both waited
