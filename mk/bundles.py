@@ -162,12 +162,11 @@ class Loop:
     nested: int  # loops inside it
 
 
-def _back_edge(rows: list[Bundle], j: int, d: int) -> bool:
-    """Whether bundle j, printed a level out of a depth-d loop, is the loop's own branch
-    back with its delay slots filled: a lone branch followed by bundles of the loop
-    (TPU7x: `sbr.rel` one level out, then the trip's last vst and DMA issue at depth d)."""
-    if rows[j].ops != ("sbr.rel",):
-        return False
+def _printed_out(rows: list[Bundle], j: int, d: int) -> bool:
+    """Whether bundle j, printed a level out of a depth-d loop, is still the loop's: bundles
+    of the loop follow it, not the next loop's start. TPU7x prints two such bundles: the
+    branch back with its delay slots filled (the trip's last vst and DMA issue follow it at
+    depth d), and code predicated on the loop's exit scheduled into the trip."""
     after = next((r for r in rows[j + 1:] if r.depth is not None), None)
     return after is not None and after.depth >= d and not (after.mark == "LB"
                                                           and after.depth == d)
@@ -181,18 +180,18 @@ def loops(text: str) -> list[Loop]:
         d = b.depth
         if b.mark != "LB" or not d:
             continue
-        end, back = i + 1, set()  # one past the last bundle of the body; its branches back
+        end, out = i + 1, set()  # one past the last bundle of the body; those printed out
         for j in range(i + 1, len(rows)):
             d_j = rows[j].depth
-            if d_j is not None and d_j < d and _back_edge(rows, j, d):
-                back.add(j)
+            if d_j is not None and d_j < d and _printed_out(rows, j, d):
+                out.add(j)
             elif d_j is not None and (d_j < d or (rows[j].mark == "LB" and d_j == d)):
                 break
             elif d_j is not None:
                 end = j + 1
         body = rows[i:end]
-        own = [r for k, r in enumerate(body, i) if k in back or r.depth is None
-               or (r.depth == d and not _back_edge(rows, k, d + 1))]  # not a nested one's
+        own = [r for k, r in enumerate(body, i) if k in out or r.depth is None
+               or (r.depth == d and not _printed_out(rows, k, d + 1))]  # not a nested one's
         found.append(Loop(
             first=i, depth=d, bundles=len(own),
             mxu=sum(any(map(drives_mxu, r.ops)) for r in own),
@@ -210,7 +209,8 @@ def tile_loops(found: list[Loop], *tiles: tuple[int, ...]) -> list[Loop]:
     """The ring's per-tile loops among `found`: they wait for the DMAs of one of `tiles`
     (each the bytes of the DMAs that bring one tile in, `tile_parts`: a plain tile one, a
     packed tile its data and its scale block), issue DMAs (the tile slots ahead, which may
-    be of another storage), drive the MXU, and never the EUP (attention's softmax). The
+    be of another storage; none where those are all of a kind the layer skips), drive the
+    MXU, and never the EUP (attention's softmax). The
     DMAs of one slot share a semaphore, so a packed tile's two are waited for at once:
     a loop waiting for as many granules as a plain tile's one part brings it; one waiting
     for more than a packed tile's data part, but less than twice it, brings that (a scale
@@ -223,7 +223,7 @@ def tile_loops(found: list[Loop], *tiles: tuple[int, ...]) -> list[Loop]:
         data, waited = max(parts) // GRANULE_BYTES, max(lp.wait_granules)
         return waited == data if len(parts) == 1 else data < waited < 2 * data
 
-    return [lp for lp in found if lp.dma_granules and lp.wait_granules and lp.mxu
+    return [lp for lp in found if lp.wait_granules and lp.mxu
             and not lp.nested and any(brings(lp, p) and (len(p) > 1 or not lp.eup)
                                       for p in tiles)]
 

@@ -48,6 +48,10 @@ def test_loops_are_read_from_a_dump_in_libtpus_format():
     branch = "  0x149  :  { %12 = sbr.rel (!%p1_p1) target = $region3 }\n  0x15   : >"
     delayed, _ = bundles.loops(DUMP.replace("  0x15   : >", branch))
     assert delayed == dataclasses.replace(first, bundles=6, scalar_only=2)
+    # so is code predicated on the loop's exit, printed a level out inside the trip
+    exiting = "  0x129  :  { %13 = ssub.s32 (%p1_p1), 0, %s7_s7 }\n  0x13   :"
+    early, _ = bundles.loops(DUMP.replace("  0x13   :", exiting))
+    assert early == dataclasses.replace(first, bundles=6, scalar_only=2)
     # a lone branch before an inner loop's body is not a branch back
     inner = DUMP.replace("  0x16   :  { %7 = smov 0 }\n  0x17 LB: >",
                          "  0x16   : > { %7 = sbr.rel (%p1_p1) target = $region4 }\n"
@@ -88,6 +92,10 @@ def test_tile_loops_are_those_streaming_tiles_of_the_size_and_no_softmax():
     # a packed tile of the same data size issues its scale block too: not this loop
     assert bundles.tile_loops(found, (*plain, 2048)) == []
     assert bundles.tile_parts("fp4", 2048, 128) == (2048 * 128 // 2, 2048 // 32 * 128)
+    # a trip that issues nothing (the stream's last tiles; tiles only a skipped kind could
+    # follow) still brings and multiplies a tile
+    quiet = dataclasses.replace(found[0], dma_granules=())
+    assert bundles.tile_loops([quiet], plain) == [quiet]
 
 
 def test_a_trip_through_an_expert_of_one_tile_matrices_costs_each_tile_its_share():
