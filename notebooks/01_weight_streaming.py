@@ -283,12 +283,14 @@ teach.excerpt(Ring.matmul, [
     ("def multiply_then_issue(holder, holder_copy, holder_t):", "pl.when(on)(",
      "Then, and only then, issue tile g + slots into the slot just read (the teaching "
      "`refill`): directly in the steady loop, and at the edge directly too when one "
-     "matrix always on holds it; else a search among the matrices that can follow "
-     "(`_following`: compares, no divide), one branch per candidate."),
+     "matrix on wherever this one runs holds it; else a search among the matrices that "
+     "can follow and be on (`_following`: compares, no divide), one branch per "
+     "candidate."),
     ("edge = max(0, seg.tiles - self.n)", "lax.fori_loop(first, end",
      "The loops: the steady one carries no search of the stream; the edge is cut into runs "
      "of tiles whose g + slots the same few matrices can hold, one loop each, so a trip "
-     "carries only those matrices' DMA code (notebook 11 counts the bundles)."),
+     "carries only those matrices' DMA code (notebook 11 counts the bundles); none where "
+     "they are all of a kind this layer is not (`TileStream.following_on`)."),
 ])
 
 # %% [markdown]
@@ -299,8 +301,11 @@ teach.excerpt(Ring.matmul, [
 # loops) may search which matrix, layer or tail holds it. The search costs bundles on every
 # trip it is in, one DMA's code per matrix it may find (notebook 11 counts them in the
 # compiled code), so the hot loop does without it, each edge loop searches only the
-# matrices its own tiles can reach, and none searches where one matrix with no on/off flag
-# is the only one it can reach. The product itself is under no branch for its layer's kind
+# matrices its own tiles can reach, and none searches where the only one it can reach is
+# on wherever this matrix runs (no on/off flag, or this matrix's own layer kind). A layer
+# runs one kind of each role (one token mixer, one MLP), so a matrix of another mixer
+# kind is never searched from a mixer's product in its own layer: that layer skips it.
+# The product itself is under no branch for its layer's kind
 # (the caller runs it only in layers of that kind), so the compiler schedules the search's
 # scalar work beside the MXU's.
 # Each tile's product accumulates into its output panel of `out_ref` (the first

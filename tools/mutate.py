@@ -59,6 +59,8 @@ def _m(name, path, original, mutated, *tests, equivalent=""):
 
 DA = "mk/kernels/decode_attention.py"
 T_DA = "tests/kernels/test_decode_attention.py"
+T_RIVALS = ("tests/kernels/test_weight_streaming.py::"
+            "test_an_edge_tile_searches_the_kinds_on_where_it_runs_and_drops_their_rivals")
 COUNTS = "tests/test_counts.py::"
 MULTIPLY = "                multiply()"
 ISSUE = "                self._issue(holder, layer, holder_copy, holder_t, slot)"
@@ -142,6 +144,11 @@ MUTANTS = [
        "return self._holders(layer < s.layers, layer - over.astype(jnp.int32), local, "
        "local, candidates)", "tests/test_megakernel.py"),
     # (a slot carried wrongly waits on a semaphore no DMA signals: "hung", not caught)
+    _m("stream rivals: one reached in the next layer is dropped too", "mk/kernels/stream.py",
+       "if s in crossing or not rivals(segment, s))", "if not rivals(segment, s))", T_RIVALS),
+    _m("stream rivals: kinds of two roles taken for rivals", "mk/kernels/stream.py",
+       "b.kind is not None and a.kind[0] == b.kind[0] \\\n",
+       "b.kind is not None \\\n", T_RIVALS),
     _m("ring carried panel: advances every tile, not after a panel's last step",
        "mk/kernels/ring.py", "jnp.where(last, j + 1, j))", "jnp.where(last, j, j + 1))",
        "tests/kernels/test_weight_streaming.py", "tests/kernels/test_mlp.py"),

@@ -86,14 +86,13 @@ Adding a VMEM buffer to the megakernel is one line in `_buffers` (its group says
 kernel finds it: "layer" buffers are attributes of the layer scratch, the others are
 their own scratch entry or an operand).
 
-Here: the sharding model (`check_tp`, `shard_config`, `kv_heads_of`),
-`kv_layout` (a full layer's cache: K and V heads, or MLA's one latent row),
-`padded_vocab`, `default_block` (with `ring_slots`, `little_slots`, `ring_cover_s`,
-`kv_depth`),
-`model_stream`, `capacity`, `packed_formats`, `DecodePlan` (`DecodePlan.make`: the one way
-to make a plan), `Fit`. Not here: the bytes by byte family (`mk.step_bytes`), the kernel
-(`mk.megakernel`), the layer's phases (`mk.kinds.base.LAYER_PHASES`), sharding arrays
-(`mk.tensor_parallel`), time (`mk.sim`, `mk.perf`).
+Here: the sharding model (`check_tp`, `shard_config`, `kv_heads_of`), `kv_layout` (a full
+layer's cache: K and V heads, or MLA's one latent row), `padded_vocab`, `default_block`
+(with `ring_slots`, `little_slots`, `ring_cover_s`, `kv_depth`), `model_stream` (its
+segments' kinds too), `capacity`, `packed_formats`, `DecodePlan`
+(`DecodePlan.make`: the one way to make a plan), `Fit`. Not here: bytes by byte family
+(`mk.step_bytes`), the kernel (`mk.megakernel`), the layer's phases (`LAYER_PHASES`),
+sharding arrays (`mk.tensor_parallel`), time (`mk.sim`, `mk.perf`).
 """
 
 from __future__ import annotations
@@ -118,7 +117,7 @@ from mk.kernels.deltanet import check_conv_kernel
 from mk.kernels.kv_stream import tile_counts
 from mk.kernels.mlp import expert_slots
 from mk.kernels.one_layer import layer_buffers, layer_scratch, model_block
-from mk.kinds.layers import full_attention, layer_kinds, layer_matrices
+from mk.kinds.layers import full_attention, layer_kinds, layer_matrices, segment_kinds
 from mk.kernels.ring import ring_buffers
 from mk.kernels.stream import TileStream
 from mk.step_bytes import bytes_per_element, shard_weight_bytes, shard_weight_elements
@@ -288,10 +287,11 @@ def model_stream(local: ModelConfig, block: BlockSizes, M: int, formats=None,
     tiles; the quantised `formats`' segments packed, fed as `feeds` says, {group: feed},
     bf16 by default): each layer's `layer_matrices`, then the lm_head [D, V padded to
     whole tiles]."""
-    return TileStream.build(block, layer_matrices(layer_kinds(local), M),
-                            layers=local.layers,
+    kinds = layer_kinds(local)
+    return TileStream.build(block, layer_matrices(kinds, M), layers=local.layers,
                             tail=[("lm_head", local.hidden, padded_vocab(local, block))],
-                            schemes=quant.schemes_of(formats), feeds=quant.schemes_of(feeds))
+                            schemes=quant.schemes_of(formats), feeds=quant.schemes_of(feeds),
+                            kinds=segment_kinds(kinds))
 
 
 def capacity(positions: int) -> int:

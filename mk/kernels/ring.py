@@ -243,13 +243,15 @@ class Ring:
     def _one_holder(self, seg: Segment, layer, end: int, after) -> Segment | None:
         """The segment holding tile t + slots of `seg` for every t < `end` of an edge run
         whose holders may be `after`, when that is one segment, not repeated, in the same
-        layer and with no activity flag (on in every layer): its tile is then known with
-        no search."""
+        layer and on wherever `seg`'s product runs (no activity flag, or `seg`'s own
+        kind): its tile is then known with no search."""
         s = self.stream
         if (len(after) != 1 or seg.stride or seg in s.tail or after[0].stride
                 or seg.start + end - 1 + self.n >= s.period):
             return None
-        return after[0] if self._active(after[0], layer) is True else None
+        holder = after[0]
+        on = holder.kind is not None and holder.kind == seg.kind
+        return holder if on or self._active(holder, layer) is True else None
 
     def _each_segment(self, g, action, candidates=None):
         """Call action(segment, layer, copy, t) for the segment holding tile g (g traced),
@@ -328,12 +330,16 @@ class Ring:
         Loops: in the steady one (most tiles: no search of the stream) tile g + slots is
         this segment's own tile t + slots; the last `slots` tiles (the edge) issue it from
         whichever segment, layer or tail holds it, one loop per run of tiles the same few
-        segments can follow (`TileStream.following`): one segment of no flag in this layer
+        segments can follow and be on (`TileStream.following_on`: not a rival kind this
+        layer skips; where only rivals follow, the trip issues nothing): one segment in
+        this layer that is on wherever this one runs (no flag, or this segment's kind)
         gives its tile directly (`_one_holder`); else each candidate's hit and flag come
         from compares, not a divide of g by the period (`_following`), and each issue is
         under its branch (`mk.bundles` counts every branch). TPU7x's dumps, before -> after
         that edge rework: the 27B's TP8 costliest loop 336 -> 315 bundles, Kimi K3's TP32
-        plain 223 -> 190 and FP4 trip 1517 -> 1483.
+        plain 223 -> 190 and FP4 trip 1517 -> 1483; then the kinds (Kimi K3 TP32): edges
+        to a segment of the same kind 137 -> 118-120, to a rival only 137 -> 117 and 164
+        -> 141 (transposed), the FP4 trip 1483 -> 1425.
 
         A segment's product is not guarded by its layer's kind (only a repeat's copies
         are): call `matmul` only in layers of its kind, as `Kind.run` is called. In another
@@ -382,6 +388,8 @@ class Ring:
             elif isinstance(after, Segment):  # g + slots is that one's (`_one_holder`)
                 when_active(functools.partial(multiply_then_issue, after, 0,
                                               seg.start + t + self.n - after.start))
+            elif not after:  # g + slots is another kind's, which this layer skips
+                when_active(multiply)
             elif self.n > self.stream.period:  # g + slots may lie layers ahead
                 when_active(multiply)
                 self.start(base + t + self.n, after)
@@ -404,7 +412,7 @@ class Ring:
         # (`TileStream.following`), so a trip carries the DMA code of those few only
         runs = []
         for t in range(edge, seg.tiles):
-            after = self.stream.following(seg, self.n, (t,))
+            after = self.stream.following_on(seg, self.n, (t,))
             if runs and runs[-1][2] == after:
                 runs[-1][1] = t + 1
             else:

@@ -15,6 +15,10 @@ to the MXU as its feed says (`Segment.feed`, `mk.unpack.FEEDABLE`); a plain tile
 than PANEL_COLS is stored folded (`Segment.fold`, `stored_fold`). `TileStream.storages`
 names each set of ring buffers the segments need, `buffer_name` each buffer.
 
+A megakernel's segments know their layer kind and its role (`Segment.kind`). A layer runs
+one kind of each role, so two kinds of one role are `rivals`: a tile of one is never
+issued from the other's product in the same layer (`TileStream.following_on`).
+
 Not here: the in-kernel ring (`mk.kernels.ring`: HBM layout, VMEM buffers, `Ring`), the
 tiling rule (`mk.kernels.common.default_block`).
 """
@@ -46,6 +50,8 @@ class Segment:
     feed: str = "bf16"  # what its tiles reach the MXU as (mk.unpack.FEEDS): "bf16"
     #                     dequantised to the compute dtype, "fp8" as e4m3 with scales after
     tile: tuple[int, int] = (0, 0)  # (rows, cols) of its stored tiles (`TileStream.build`)
+    kind: tuple[str, str] | None = None  # (role, name) of the layer kind it is one of (a
+    #                                      layer runs one kind of each role); None: no kinds
 
     @property
     def tiles(self) -> int:
@@ -112,12 +118,14 @@ class TileStream:
 
     @classmethod
     def build(cls, block: BlockSizes, matrices, *, layers: int = 1, tail=(),
-              schemes=None, feeds=None) -> TileStream:
+              schemes=None, feeds=None, kinds=None) -> TileStream:
         """matrices / tail: (name, rows, cols) of each weight, or a `Repeat` of such
         triples, in consumption order; schemes: {name: mk.quant scheme} of the weights
-        stored quantised; feeds: {name: mk.quant feed} of those not fed bf16. Each weight
+        stored quantised; feeds: {name: mk.quant feed} of those not fed bf16; kinds:
+        {name: (role, kind)} of the weights of layer kinds (`Segment.kind`). Each weight
         is cut into the block's tiles, or those `block.tiles` gives it."""
         schemes, feeds, tiles = dict(schemes or {}), dict(feeds or {}), dict(block.tiles)
+        kinds = dict(kinds or {})
         own = (block.tile_rows, block.tile_cols)
         for name, feed in feeds.items():
             if feed not in unpack.FEEDABLE[schemes.get(name)]:
@@ -134,7 +142,7 @@ class TileStream:
                 cut = shaped.cut(name, rows, cols, transpose=name not in schemes)
                 out.append(Segment(name, cut.in_tiles, cut.out_tiles, cut.transposed,
                                    scheme=schemes.get(name), feed=feeds.get(name, "bf16"),
-                                   tile=tiles.get(name, own)))
+                                   tile=tiles.get(name, own), kind=kinds.get(name)))
             return out
 
         def groups(items):
@@ -238,27 +246,50 @@ class TileStream:
         layer: the next ones in the period, the next layer's first ones, the tail's first
         ones. The stream's layout is static (only the layer and the copies' activity are
         known at run time), so this is exact up to the layer."""
+        return self._reached(segment, span, tiles)[0]
+
+    def following_on(self, segment: Segment, span: int, tiles=None) -> tuple[Segment, ...]:
+        """Those of `following` that may be on where `segment`'s product runs (a layer of
+        its kind): not a `rival` that could hold such a tile only in `segment`'s own
+        layer, which skips the rival's tiles (`Ring.matmul` issues none of them)."""
+        following, crossing = self._reached(segment, span, tiles)
+        return tuple(s for s in following if s in crossing or not rivals(segment, s))
+
+    def _reached(self, segment: Segment, span: int, tiles=None):
+        """(`following`, those of them that may hold such a tile past `segment`'s layer:
+        the next layer's or, from the last layer, the tail's)."""
+        everything = self.segments + self.tail
         if span >= self.period:
-            return self.segments + self.tail
+            return everything, everything
         tiles = range(max(0, segment.tiles - span), segment.tiles) if tiles is None else tiles
         local, tail = self.owners(self.segments), self.owners(self.tail)
-        found = set()
+        within, past = set(), set()
         for c in range(segment.copies):
             for pos in (segment.start + c * segment.stride + t + span for t in tiles):
                 if segment in self.tail:
-                    found.add(tail.get(pos))
+                    within.add(tail.get(pos))
                 elif pos < self.period:
-                    found.add(local[pos])
+                    within.add(local[pos])
                 else:  # past this layer: the next layer's start, or the tail's
-                    found |= {local[pos - self.period], tail.get(pos - self.period)}
-        named = {owner[0] for owner in found if owner is not None}
-        return tuple(s for s in self.segments + self.tail if s in named)
+                    past |= {local[pos - self.period], tail.get(pos - self.period)}
+
+        def named(found):
+            names = {owner[0] for owner in found if owner is not None}
+            return tuple(s for s in everything if s in names)
+        return named(within | past), named(past)
 
     @property
     def tile_bytes(self) -> int:
         """Elements of the block's tile (times the weight itemsize: its bytes); a segment
         with a tile of its own moves `segment_tile_bytes`."""
         return self.block.tile_rows * self.block.tile_cols
+
+
+def rivals(a: Segment, b: Segment) -> bool:
+    """Whether segments `a` and `b` are of two kinds of one role (`Segment.kind`): never on
+    in the same layer."""
+    return a.kind is not None and b.kind is not None and a.kind[0] == b.kind[0] \
+        and a.kind[1] != b.kind[1]
 
 
 def buffer_name(scheme: str | None, tile: tuple[int, int], block: BlockSizes) -> str:

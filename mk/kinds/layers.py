@@ -7,8 +7,8 @@ them. Which kinds a config has is `mk.weights.kinds_of`'s one rule. Also here:
 `full_attention`, `of_role`, `kind_at` (a layer's kind of a role and its row in that
 kind's stacked weights), `kinds_at` (a layer's two kinds), `layer_tables` / `TABLES` (the
 kernel's SMEM tables: each layer's kind and row per role), `layer_matrices` (one layer's
-ring segments) and `check_kind` (run on every kind at import: each acts only in
-`LAYER_PHASES`).
+ring segments), `segment_kinds` (each segment's role and kind) and `check_kind` (run on
+every kind at import: each acts only in `LAYER_PHASES`).
 """
 
 from __future__ import annotations
@@ -87,6 +87,12 @@ def layer_tables(config: ModelConfig) -> dict[str, np.ndarray]:
         tables[f"{role}_kind"] = np.array([ours.index(k) for k, _ in at], np.int32)
         tables[f"{role}_row"] = np.array([row for _, row in at], np.int32)
     return tables
+
+
+def segment_kinds(kinds) -> dict[str, tuple[str, str]]:
+    """{segment name: (role, kind name)} of every ring segment of `kinds`
+    (`mk.kernels.stream.Segment.kind`)."""
+    return {name: (k.role, k.name) for k in kinds for name in k.segment_names()}
 
 
 def layer_matrices(kinds, M: int) -> list:

@@ -25,8 +25,9 @@ import mk
 from mk import backend, ops, quant, tpu, unpack
 from mk.kernels.common import BlockSizes, default_block, dma_log, vmem_budget
 from mk.kernels.plan import DecodePlan
+from mk.kinds.layers import kinds_at, layer_kinds
 from mk.kernels.ring import Ring, ring_layout
-from mk.kernels.stream import TileStream
+from mk.kernels.stream import TileStream, rivals
 from mk.kernels.weight_streaming import stream_matmul, stream_matmul_buffers
 from tolerances import TOLERANCE as ALL_TOLERANCES
 
@@ -325,6 +326,43 @@ def _missed_followers(stream, slots, following):
                            if base + t + slots in owner
                            and owner[base + t + slots] not in each[t]]
     return missed
+
+
+@pytest.mark.parametrize("name, tp", [("tiny-hybrid", 1), ("tiny-kimi", 1),
+                                      ("qwen3.5-27b", 8), ("kimi-k3", 32)])
+@pytest.mark.parametrize("slots", [2, 3, 19, 40])
+def test_an_edge_tile_searches_the_kinds_on_where_it_runs_and_drops_their_rivals(name, tp,
+                                                                                 slots):
+    """`following_on`, checked against each layer's kinds (`kind_at`): from every edge
+    tile of a segment, in every layer of its kind, tile g + slots is named whenever its
+    segment is on in its layer; only rivals are dropped (a layer runs one kind of each
+    role), and some are where the ring is shallow."""
+    config = mk.preset(name)
+    plan = DecodePlan.make(config, tp=tp, batch=1, rows=1, context=256)
+    block = dataclasses.replace(plan.block, slots=slots)
+    stream = DecodePlan.make(config, tp=tp, batch=1, rows=1, context=256, block=block).stream
+    kinds = layer_kinds(plan.local)
+    on_in = {layer: {(k.role, k.name) for k in kinds_at(plan.local, layer)}
+             for layer in range(stream.layers)}
+    owner = {g: (layer, name.split("[")[0]) for g, layer, name, _, _ in stream.tiles()}
+    missed, dropped = [], set()
+    for seg in stream.segments:
+        assert seg.kind in {(k.role, k.name) for k in kinds}, seg
+        edge = range(max(0, seg.tiles - slots), seg.tiles)
+        dropped |= {(seg.name, s.name) for s in stream.following(seg, slots)
+                    if s not in stream.following_on(seg, slots)}
+        searched = {t: {s.name for s in stream.following_on(seg, slots, (t,))} for t in edge}
+        for layer in (lr for lr in range(stream.layers) if seg.kind in on_in[lr]):
+            for t in edge:
+                layer_at, held = owner.get(stream.base(layer, seg) + t + slots, (None, None))
+                kind = stream.segment(held).kind if held else None
+                if held and (kind is None or kind in on_in[layer_at]) \
+                        and held not in searched[t]:
+                    missed.append((seg.name, layer, t, held))
+    assert missed == []
+    assert all(rivals(stream.segment(a), stream.segment(b)) for a, b in dropped)
+    if 2 * slots < stream.period:  # a deeper ring reaches the rivals in the next layer too
+        assert dropped
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-moe", "qwen3-30b-a3b"])
