@@ -36,7 +36,7 @@ INTERLEAVED = {"we_gate+we_up": ("we_gate", "we_up"), "be_gate+be_up": ("be_gate
 #   expert row f of gate and of up), `mlp.experts.down_proj_blocks` [E, D, Fe/32, 16] and
 #   `..._scales` [E, D, Fe/32]; each byte holds e2m1 values 2k (low nibble) and 2k + 1 (high)
 #   of a 32-value block along the input, each scale an e8m0 exponent (bias 127). Loaded
-#   into mk.quant's "fp4" layout (a nibble permutation and transposes: bit-exact).
+#   into mk.quant's "fp4" layout (a permutation of bits and transposes: bit-exact).
 QUANT_FORMATS = ("fp8", "mxfp4")
 
 
@@ -153,7 +153,7 @@ def assemble_quantised(folder, handles, where, layout, shapes
                 data[param] = np.full(shape, quant.ZERO_CODE["fp8"], np.uint8)
                 scales[param] = np.full((*lead, I // 128, O // 128), quant.UNIT_SCALE["fp8"],
                                         np.float32)
-            else:  # fp4 codes packed two a byte (`unpack.pack_nibbles`)
+            else:  # fp4 codes packed two a byte (`unpack.pack_codes`)
                 data[param] = np.zeros((*lead, I // 2, O), np.uint8)
                 scales[param] = np.full((*lead, I // 32, O), quant.UNIT_SCALE["fp4"], np.uint8)
         return data[param], scales[param]
@@ -179,7 +179,7 @@ def assemble_quantised(folder, handles, where, layout, shapes
                 codes = np.full(d[index].shape[:-2] + (2 * d.shape[-2], d.shape[-1]),
                                 quant.ZERO_CODE["fp4"], np.uint8)
                 put_corner(codes, _gpt_oss_codes(part))
-                d[index] = np.asarray(unpack.pack_nibbles(codes))
+                d[index] = np.asarray(unpack.pack_codes("fp4", codes))
             else:
                 put_corner(s[index], np.swapaxes(part, -1, -2))
     return {param: quant.QuantWeight(jnp.asarray(data[param]), jnp.asarray(scales[param]),

@@ -12,7 +12,7 @@ tokens against the bf16 model's) and `storage_bytes` / `group_bytes` / `stored_b
 `unstreamed`, the kernel's tile layout (`tile_shapes`, `tile_bytes`, `tile_major`,
 `pad_columns`, `side_by_side`, `ZERO_CODE`, `UNIT_SCALE`), `formats_of` (the scheme of
 each group of a params dict) and `schemes_of` (the scheme of each weight name). Not here: what a kernel
-does to one packed tile in VMEM, the element decoders, the nibble order and the MXU feeds
+does to one packed tile in VMEM, the element decoders, the packing order and the MXU feeds
 (`mk.unpack`, with the packing units `PACK_ROWS`, `GROUP` and `E8M0_BIAS`), reading
 quantised Hugging Face checkpoints (`mk.hf_quant`), the ring that streams packed tiles
 (`mk.kernels.ring`), splitting them for tensor parallelism (`mk.shards`).
@@ -46,7 +46,9 @@ to the requested dtype.
           scale bf16  [..., I/128, O]    group of 128 along I: absmax / 7, rounded to bf16
                                          before q is computed (so |w - q*scale| <= scale/2)
     fp4   data  uint8 [..., I/2, O]      two float4_e2m1fn codes per byte (1 sign, 2
-                                         exponent bias 1, 1 mantissa: 0 .5 1 1.5 2 3 4 6)
+                                         exponent bias 1, 1 mantissa: 0 .5 1 1.5 2 3 4 6),
+                                         their bits placed for the fp8 feed
+                                         (`mk.unpack.pack_codes`)
           scale uint8 [..., I/32, O]     e8m0 per 32 values along I: 2^(code - 127), the
                                          smallest power of two with absmax / scale <= 6
                                          (codes 0 and 255 unused; 255 is NaN in OCP MX)
@@ -86,7 +88,7 @@ from mk import reference
 from mk.config import DTYPE_BITS, SCHEME_BITS, ModelConfig, check_formats
 from mk.errors import shown
 from mk.unpack import (E8M0_BIAS, GROUP, PACK_ROWS, block_scale_rows, dequantize_tile, grouped,
-                       oracle_dtype, pack_nibbles, pow2)
+                       oracle_dtype, pack_codes, pow2)
 from mk.weights import FORMAT_GROUP, FORMAT_GROUPS, param_shapes, weights_of
 
 SCHEMES = tuple(SCHEME_BITS)  # each laid out as the module docstring says
@@ -248,14 +250,15 @@ def quantize_weight(w, scheme: str, name: str = "weight") -> QuantWeight:
         g = GROUP["int4"]
         scale = _safe(_absmax(w, g) / np.float32(INT4_MAX)).astype(jnp.bfloat16)
         q = np.clip(np.rint(w / rep(scale.astype(np.float32), g)), -INT4_MAX, INT4_MAX)
-        return QuantWeight(pack_nibbles(q.astype(np.int32) + 8), jnp.asarray(scale), scheme)
+        return QuantWeight(pack_codes(scheme, q.astype(np.int32) + 8), jnp.asarray(scale),
+                           scheme)
     g = GROUP["fp4"]  # fp4: the smallest power of two 2^e with absmax / 2^e <= 6
     mant, exp = np.frexp(_absmax(w, g) / np.float32(FP4_MAX))  # x = mant * 2^exp, mant in [.5, 1)
     e = np.where(mant == 0.5, exp - 1, exp)
     code = np.where(mant == 0, E8M0_BIAS, np.clip(e + E8M0_BIAS, 1, 254)).astype(np.uint8)
     step = rep(np.ldexp(np.float32(1), code.astype(np.int32) - E8M0_BIAS), g)
     q = (w / step).astype(jnp.float4_e2m1fn).view(np.uint8) & 15
-    return QuantWeight(pack_nibbles(q), jnp.asarray(code), scheme)
+    return QuantWeight(pack_codes(scheme, q), jnp.asarray(code), scheme)
 
 
 def unstreamed(config: ModelConfig, names) -> tuple[str, ...]:
@@ -381,7 +384,7 @@ UNIT_SCALE = {"int8": 1, "fp8": 1, "int4": 1, "fp4": E8M0_BIAS}
 
 def pad_columns(q: QuantWeight, columns: int) -> QuantWeight:
     """`q` (mk.quant's layout) with `columns` more output columns of value zero
-    (`ZERO_CODE`, in both nibbles of a packed byte) and scale one (`UNIT_SCALE`)."""
+    (`ZERO_CODE`, both codes of a packed byte) and scale one (`UNIT_SCALE`)."""
     data_zero = ZERO_CODE[q.scheme] * (17 if q.scheme == "int4" else 1)
     scale_one = UNIT_SCALE[q.scheme]
     cols = columns // GROUP["fp8"] if q.scheme == "fp8" else columns

@@ -155,11 +155,11 @@ def _scale_sources(name: str, split: str, scheme: str, index: np.ndarray, axis: 
 
 def _codes(q: quant.QuantWeight) -> jax.Array:
     """`q`'s element codes [..., I, O], one per value (int4/fp4 unpacked)."""
-    return unpack.unpack_nibbles(q.data) if q.scheme in _NIBBLES else q.data
+    return unpack.unpack_codes(q.scheme, q.data) if q.scheme in _NIBBLES else q.data
 
 
 def _from_codes(scheme: str, codes, scale) -> quant.QuantWeight:
-    data = (unpack.pack_nibbles(codes) if scheme in _NIBBLES
+    data = (unpack.pack_codes(scheme, codes) if scheme in _NIBBLES
             else codes.astype(quant.STORED[scheme][0]))
     return quant.QuantWeight(data, scale, scheme)
 

@@ -1,23 +1,29 @@
 """Unpacking a packed weight tile in VMEM: the element decoders and the MXU feeds.
 
-`mk.quant` stores a weight packed (its layouts, the packing units `PACK_ROWS` and the
-scale groups `GROUP`, `E8M0_BIAS` are here because the decoders read them); this module is
-what a kernel does to one streamed tile of it, pure jnp that lowers for v5e, v6e and tpu7x
-and runs in TPU interpret mode: the element decoders (`nibble_words` / `nibble_bytes`,
-`int4_values`, `e2m1_to_e4m3`, `e4m3_values`, `pow2`, `grouped`, `dequantize_tile`,
-`fp8_feed_tile`; `unpack_nibbles` and `e2m1_values`, the same decoders one code an
-element; `pack_nibbles`, the packing's inverse) and the feeds (`FEEDS`, `FEEDABLE`,
-`choose_feeds`: what each packed group reaches the MXU as, per chip; `oracle_dtype`: the
-dtype the reference's weights are dequantised to so it multiplies what the kernel does).
-Not here: the layouts, quantising, checks and byte counts (`mk.quant`), the ring that
-streams the tiles and calls these (`mk.kernels.ring`).
+`mk.quant` stores a weight packed (its layouts, the packing units `PACK_ROWS` and the scale
+groups `GROUP`, `E8M0_BIAS` are here because the decoders read them); this module is what a
+kernel does to one streamed tile of it, pure jnp that lowers for v5e, v6e and tpu7x and runs
+in TPU interpret mode: the element decoders (`nibble_words` / `nibble_bytes`, `int4_values`,
+`fp4_words_to_e4m3`, `e2m1_to_e4m3`, `e4m3_values`, `pow2`, `grouped`, `dequantize_tile`,
+`fp8_feed_tile`; `unpack_codes` and `e2m1_values`, the same decoders one code an element;
+`pack_codes`, the packing's inverse; `pack_nibbles` / `unpack_nibbles`, int4's) and the
+feeds (`FEEDS`, `FEEDABLE`, `choose_feeds`: what each packed group reaches the MXU as, per
+chip; `oracle_dtype`: the dtype the reference's weights are dequantised to so it multiplies
+what the kernel does). Not here: the layouts, quantising, checks and byte counts
+(`mk.quant`), the ring that streams the tiles and calls these (`mk.kernels.ring`).
 
-Nibble order (int4 and fp4): rows of I are packed in units of 128; byte row 64u + j holds
-row 128u + j in its low nibble and row 128u + 64 + j in its high nibble. Unpacking a tile
-of 64n byte rows is then two shifts/masks, a concatenation of two aligned [64, O] halves
-per unit, and no lane shuffle; an interleaved order (gpt-oss packs rows 2k and 2k + 1 into
-one byte) would need a sublane interleave. `mk.hf_quant` repacks gpt-oss MXFP4 bytes into
-this order at load: a permutation of nibbles, bit-exact.
+Packing order (int4 and fp4): rows of I are packed in units of 128; byte row 64u + j holds
+row 128u + j and row 128u + 64 + j. Unpacking a tile of 64n byte rows is then shifts and
+masks, a concatenation of two aligned [64, O] halves per unit, and no lane shuffle; an
+interleaved order (gpt-oss packs rows 2k and 2k + 1 into one byte) would need a sublane
+interleave. int4 keeps each code in a nibble (the first row's low, the second's high:
+`pack_nibbles`). fp4 places the first row's code (sign s, exponent e1 e0, mantissa m) where
+its e4m3 byte has them (bits 7, 4..2: `e2m1_to_e4m3`), and the second row's in the bits left
+(s at 5, e1 at 6, e0 m at 1..0: `pack_codes`), so the MXU's fp8 codes are one mask of a word
+for the first rows and two shifts for the others (`fp4_words_to_e4m3`: six 32-bit ops a word
+of four bytes, where two nibbles took nine; stage-01 kernel's loop on tpu7x, 512 x 512 tiles
+fed fp8, M 8: 208 -> 183 bundles). `mk.hf_quant` repacks gpt-oss MXFP4 bytes into this
+order at load: a permutation of bits, bit-exact.
 
 Why uint8 with shifts. Measured with libtpu ahead-of-time compiles of a one-tile
 dequantise-and-matmul pallas_call (tests/test_quant.py keeps one per scheme per chip):
@@ -211,7 +217,6 @@ def int4_values(code: jax.Array) -> jax.Array:
 
 
 E2M1_GAIN = 64.0  # 2 ** (e4m3's exponent bias 7 - e2m1's 1): `e2m1_to_e4m3`'s factor
-SIGNS = -0x7F7F7F80  # 0x80808080 as an int32: the top bit of each byte
 
 
 def e2m1_to_e4m3(code: jax.Array) -> jax.Array:
@@ -233,10 +238,51 @@ def e2m1_to_e4m3(code: jax.Array) -> jax.Array:
 
 def fp4_words_to_e4m3(words: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Packed fp4 bytes as int32 words [..., R/4, O] (`pltpu.bitcast`) -> the e4m3 patterns
-    (`e2m1_to_e4m3`: value / `E2M1_GAIN`) of their (low, high) nibbles, words of four bytes
-    each, for `nibble_bytes`: the high nibbles' bits moved into place without splitting
-    the nibbles first (the masks drop the other nibble)."""
-    return e2m1_to_e4m3(words), ((words >> 2) & 0x1C1C1C1C) | (words & SIGNS)
+    (`e2m1_to_e4m3`: value / `E2M1_GAIN`) of their first and second rows' codes (module
+    docstring), words of four bytes each, for `nibble_bytes`: the first rows' bits are in
+    place (one mask), the second rows' sign and e0 m move up two places and e1 down two
+    (the masks drop what a shift brings from the next byte)."""
+    return words & FIRST_E4M3, ((words << 2) & SECOND_UP) | ((words >> 2) & 0x10101010)
+
+
+FIRST_E4M3 = -0x63636364  # 0x9c9c9c9c: bits 7, 4, 3, 2 of each byte (a first row's code)
+SECOND_UP = -0x73737374  # 0x8c8c8c8c: bits 7, 3, 2 (a second row's s, e0, m moved up two)
+
+
+@functools.partial(jax.jit, static_argnames="scheme")
+def pack_codes(scheme: str, codes: jax.Array) -> jax.Array:
+    """int4 or fp4 codes in [0, 16) [..., I, O] -> uint8 [..., I/2, O] in the module
+    docstring's order (fp4: the first row of a byte at its e4m3 bits 7, 4..2; the second's
+    s at 5, e1 at 6, e0 m at 1..0); inverse of `unpack_codes`."""
+    if scheme == "int4":
+        return pack_nibbles(codes)
+    if scheme != "fp4":
+        raise ValueError(f"scheme={scheme!r}: only int4 and fp4 pack two codes a byte")
+    c = jnp.asarray(codes).astype(jnp.uint8)
+    *lead, rows, cols = c.shape
+    c = c.reshape(*lead, rows // PACK_ROWS, 2, PACK_ROWS // 2, cols)
+    first, second = c[..., 0, :, :], c[..., 1, :, :]
+    packed = (((first & 8) << 4) | ((first & 7) << 2) | ((second & 8) << 2)
+              | ((second & 4) << 4) | (second & 3))
+    return packed.reshape(*lead, rows // 2, cols)
+
+
+def unpack_codes(scheme: str, packed: jax.Array) -> jax.Array:
+    """uint8 [..., I/2, O] -> int32 codes [..., I, O] of an int4 or fp4 weight (module
+    docstring's order, I/2 a multiple of 64); inverse of `pack_codes`."""
+    if scheme == "int4":
+        return unpack_nibbles(packed)
+    if scheme != "fp4":
+        raise ValueError(f"scheme={scheme!r}: only int4 and fp4 pack two codes a byte")
+    return nibble_bytes(*_fp4_code_words(packed)).astype(jnp.int32)
+
+
+@jax.jit  # pltpu.bitcast has no eager rule: traced, it runs anywhere
+def _fp4_code_words(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Packed fp4 bytes -> words of the (first, second) rows' codes, one a byte."""
+    w = pltpu.bitcast(packed, jnp.int32)
+    first = ((w >> 4) & 0x08080808) | ((w >> 2) & 0x07070707)
+    return first, ((w >> 2) & 0x08080808) | ((w >> 4) & 0x04040404) | (w & 0x03030303)
 
 
 # -- Feeds (mk.chips' `mxu_feeds`: TPU7x takes bf16 x float8_e4m3fn) -----------------------

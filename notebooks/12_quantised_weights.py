@@ -221,8 +221,10 @@ assert not wrong, f"shift {shift}: codes {wrong} decode to another value"
 #
 # What a kernel runs on one tile in VMEM, after the DMA brought its packed bytes and scales:
 # the bytes are viewed as 32-bit words and shifts and masks split the nibbles of four bytes
-# at once (int4's offset and fp4's move into e4m3 are byte-wise too; fp4's skips the
-# split: `fp4_words_to_e4m3` masks each nibble's bits straight into place), the scale's
+# at once (int4's offset is byte-wise too). fp4 is packed for its move into e4m3
+# (`pack_codes`): a byte's first code already sits at its e4m3 bits, so one mask of a word
+# gives four e4m3 bytes, and the second code's bits move into place with two shifts
+# (`fp4_words_to_e4m3`). The scale's
 # exponent becomes a power of two through a bitcast, one multiply applies the group's
 # scale. The same code
 # runs in interpret mode on the CPU and compiles with Mosaic for v5e, v6e and tpu7x
@@ -230,7 +232,8 @@ assert not wrong, f"shift {shift}: codes {wrong} decode to another value"
 
 # %%
 plots.show_source(unpack.dequantize_tile, unpack.nibble_words, unpack.nibble_bytes,
-                  unpack.int4_values, unpack.fp4_words_to_e4m3, unpack.e2m1_to_e4m3,
+                  unpack.int4_values, unpack.pack_codes, unpack.fp4_words_to_e4m3,
+                  unpack.e2m1_to_e4m3,
                   unpack.e4m3_values, unpack.pow2)
 
 # %% [markdown]

@@ -128,7 +128,7 @@ def test_each_planted_omission_misses_the_tolerance(case, planted):
 def gpt_oss_blocks(q: quant.QuantWeight):
     """mk fp4 [..., I/2, O] -> gpt-oss blocks [..., O, I/32, 16] and scales [..., O, I/32]:
     values 2k (low nibble) and 2k + 1 (high) of each 32-value block along I."""
-    codes = np.swapaxes(np.asarray(unpack.unpack_nibbles(q.data)), -1, -2)  # [..., O, I]
+    codes = np.swapaxes(np.asarray(unpack.unpack_codes("fp4", q.data)), -1, -2)  # [.., O, I]
     pairs = codes.reshape(*codes.shape[:-1], -1, 16, 2).astype(np.uint8)
     blocks = pairs[..., 0] | (pairs[..., 1] << 4)  # safetensors writes memory order:
     return (np.ascontiguousarray(blocks),  # a transposed view would be written scrambled
@@ -182,17 +182,17 @@ def test_mxfp4_experts_in_gpt_oss_layout_load_bit_exactly_and_decode_like_transf
     config, params = mk.load_checkpoint(tmp_path)
     assert (config.hidden, config.expert_ffn, config.norm_width) == (128, 128, 96)
     config = dataclasses.replace(config, max_context=CONTEXT)
-    codes = {name: np.asarray(unpack.unpack_nibbles(params[name].data[0]))
+    codes = {name: np.asarray(unpack.unpack_codes("fp4", params[name].data[0]))
              for name in ("we_gate", "we_up", "we_down")}
     gate_up, down = first["gate_up_proj"], first["down_proj"]  # layer 0's, rows padded
-    file_codes = np.asarray(unpack.unpack_nibbles(gate_up.data))  # columns 2f gate, 2f + 1 up
+    file_codes = np.asarray(unpack.unpack_codes("fp4", gate_up.data))  # 2f gate, 2f + 1 up
     for name, start in (("we_gate", 0), ("we_up", 1)):
         np.testing.assert_array_equal(codes[name][:, :96, :96],
                                       file_codes[:, :96, start::2], name)
         np.testing.assert_array_equal(np.asarray(params[name].scale[0])[:, :3, :96],
                                       np.asarray(gate_up.scale)[:, :3, start::2], name)
     np.testing.assert_array_equal(codes["we_down"][:, :96, :96],
-                                  np.asarray(unpack.unpack_nibbles(down.data))[:, :96])
+                                  np.asarray(unpack.unpack_codes("fp4", down.data))[:, :96])
     for name, c in codes.items():  # the padding: zero codes under unit scales
         scale = np.asarray(params[name].scale[0])
         assert not c[:, 96:].any() and not c[:, :, 96:].any(), name

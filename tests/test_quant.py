@@ -57,15 +57,21 @@ def test_e2m1_decoder_equals_ml_dtypes_for_all_16_codes():
 
 @pytest.mark.parametrize("scheme", ["int4", "fp4"])
 def test_a_packed_tile_decodes_byte_wise_to_ml_dtypes_values_times_its_scales(scheme):
-    """`dequantize_tile` works on four packed bytes per 32-bit op (`nibble_words`): every
-    byte value at every byte position of a word, between random neighbours, decodes to the
-    value ml_dtypes gives its nibble (numpy unpacks the documented order) times its group's
-    scale, in float32 and rounded once to bf16: no carry crosses a byte."""
+    """`dequantize_tile` works on four packed bytes per 32-bit op (`nibble_words`,
+    `fp4_words_to_e4m3`): every byte value at every byte position of a word, between random
+    neighbours, decodes to the value ml_dtypes gives its code (numpy unpacks the documented
+    order) times its group's scale, in float32 and rounded once to bf16: no shift carries a
+    bit across a byte."""
     rng = np.random.default_rng(0)
     packed = rng.integers(0, 256, (256, 256), dtype=np.uint8)
     packed[:, :64] = np.arange(256, dtype=np.uint8).reshape(256, 1) ^ np.arange(64)
     units = packed.reshape(2, 2, 64, 256)  # 2 tiles' worth of 128-row units
-    nibbles = np.concatenate([units & 15, units >> 4], axis=2).reshape(512, 256)
+    if scheme == "int4":  # a unit's first 64 rows in the low nibbles, the others high
+        pair = units & 15, units >> 4
+    else:  # the first rows' s e1 e0 m at bits 7 4 3 2; the others' at 5 6 1 0
+        pair = (((units >> 4) & 8) | ((units >> 2) & 7),
+                ((units >> 2) & 8) | ((units >> 4) & 4) | (units & 3))
+    nibbles = np.concatenate(pair, axis=2).reshape(512, 256)
     if scheme == "int4":
         scale = rng.normal(size=(4, 256)).astype(jnp.bfloat16)
         values = (nibbles.astype(np.float32) - 8) * np.repeat(scale.astype(np.float32), 128, 0)
@@ -78,14 +84,23 @@ def test_a_packed_tile_decodes_byte_wise_to_ml_dtypes_values_times_its_scales(sc
                                   values.astype(jnp.bfloat16).view(np.uint16))
 
 
-def test_nibble_packing_round_trips_bit_exactly_in_the_documented_order():
+@pytest.mark.parametrize("scheme", ["int4", "fp4"])
+def test_packing_round_trips_bit_exactly_in_the_documented_order(scheme):
     rng = np.random.default_rng(0)
     packed = rng.integers(0, 256, (2, 128, 256), dtype=np.uint8)
-    codes = np.asarray(unpack.unpack_nibbles(jnp.asarray(packed)))
-    np.testing.assert_array_equal(np.asarray(unpack.pack_nibbles(codes)), packed)
-    # The order: byte row 64u + j holds row 128u + j (low) and 128u + 64 + j (high).
-    np.testing.assert_array_equal(codes[:, 128 + 5], packed[:, 64 + 5] & 15)
-    np.testing.assert_array_equal(codes[:, 128 + 64 + 5], packed[:, 64 + 5] >> 4)
+    codes = np.asarray(unpack.unpack_codes(scheme, jnp.asarray(packed)))
+    np.testing.assert_array_equal(np.asarray(unpack.pack_codes(scheme, codes)), packed)
+    # The order: byte row 64u + j holds rows 128u + j (first) and 128u + 64 + j (second).
+    first, second = codes[:, 128 + 5], codes[:, 128 + 64 + 5]
+    byte = packed[:, 64 + 5]
+    if scheme == "int4":  # nibbles: low, high
+        np.testing.assert_array_equal((first, second), (byte & 15, byte >> 4))
+    else:  # the first code where its e4m3 byte has its bits; the second's s, e1, e0 m at
+        np.testing.assert_array_equal(unpack.e2m1_to_e4m3(jnp.asarray(first)), byte & 0x9C)
+        np.testing.assert_array_equal(  # bits 5, 6 and 1..0
+            second, ((byte >> 2) & 8) | ((byte >> 4) & 4) | (byte & 3))
+    with pytest.raises(ValueError, match="scheme='int8': only int4 and fp4 pack"):
+        unpack.pack_codes("int8", codes)
 
 
 @pytest.mark.parametrize("scheme", quant.SCHEMES)
@@ -318,7 +333,7 @@ def test_fp8_nan_codes_and_scales_and_unknown_quant_methods_are_refused(tmp_path
 def gpt_oss_blocks(q: quant.QuantWeight, layer: int):
     """mk fp4 [E, I/2, O] -> gpt-oss blocks [E, O, I/32, 16], scales [E, O, I/32]:
     values 2k (low nibble) and 2k + 1 (high) of each 32-value block along I."""
-    codes = np.swapaxes(np.asarray(unpack.unpack_nibbles(q.data[layer])), -1, -2)  # [E, O, I]
+    codes = np.swapaxes(np.asarray(unpack.unpack_codes("fp4", q.data[layer])), -1, -2)
     pairs = codes.reshape(*codes.shape[:-1], -1, 16, 2).astype(np.uint8)
     return pairs[..., 0] | (pairs[..., 1] << 4), np.swapaxes(np.asarray(q.scale[layer]), -1, -2)
 
