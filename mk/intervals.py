@@ -89,9 +89,10 @@ def scalar(p: str, eqn, ins) -> Interval:
         return ins[0]
     if p in BOOLEAN and eqn.outvars[0].aval.dtype == np.bool_:
         return BOOL
-    if p == "and":  # bitwise: at most a non-negative operand
+    if p == "and":  # bitwise: at most a non-negative operand (its bound, if it has one)
         highs = [b for a, b in ins if a is not None and a >= 0]
-        return (0, min(highs)) if highs else TOP
+        bounded = [b for b in highs if b is not None]
+        return (0, min(bounded) if bounded else None) if highs else TOP
     if p == "add":
         return add(*ins)
     if p == "sub":

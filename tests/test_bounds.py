@@ -16,7 +16,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import mk
-from mk import bounds, megakernel, reference
+from mk import bounds, intervals, megakernel, reference
 from mk.kernels import one_layer
 from mk.kernels import plan as plan_module
 from mk.kernels.deltanet import gated_deltanet
@@ -115,6 +115,15 @@ def test_a_carried_wrap_around_counter_is_bounded_and_one_wrapping_late_is_flagg
     _, bad = _out_of_range(loop(3), sems=2)
     assert {(a.primitive, a.interval) for a in bad} == {("dma_start", (0, 2)),
                                                           ("dma_wait", (0, 2))}
+
+
+def test_a_bitwise_and_is_bounded_by_its_non_negative_operands():
+    """x & m lies in [0, m] for m >= 0, whatever x is; a non-negative operand with no
+    upper bound still makes it non-negative (a copy's tile t = offset & (stride - 1))."""
+    eqn = jax.make_jaxpr(lambda a, b: a & b)(1, 1).eqns[0]
+    assert intervals.scalar("and", eqn, [(0, None), (1, 1)]) == (0, 1)
+    assert intervals.scalar("and", eqn, [(None, None), (0, None)]) == (0, None)
+    assert intervals.scalar("and", eqn, [(None, None), (-4, 3)]) == intervals.TOP
 
 
 def test_an_index_read_from_smem_is_counted_unbounded_not_flagged():

@@ -73,7 +73,10 @@ class Segment:
         if not self.stride:
             return (local >= self.start) & (local < self.end), 0, local - self.start
         offset = local - self.start
-        copy, t = offset // self.stride, offset % self.stride
+        if self.stride & (self.stride - 1):
+            copy, t = offset // self.stride, offset % self.stride
+        else:  # a power of two: a shift and a mask (libtpu divides otherwise)
+            copy, t = offset >> (self.stride.bit_length() - 1), offset & (self.stride - 1)
         hit = (offset >= 0) & (copy < self.copies) & (t < self.tiles)
         return hit, jnp.clip(copy, 0, self.copies - 1), t
 
