@@ -364,13 +364,13 @@ def experts_body(ring: Ring, layer, x, combine_vmem, ids_smem, count_smem, gate_
     if joined and used is None:
         raise ValueError("gate and up are joined in the stream: pass `used`")
 
-    def expert_slot(s, carry):
+    def expert_slot(s, slot):  # slot: the ring slot of slot s's first tile
         if joined:
-            ring.matmul("we_gate_up", x, up_vmem, layer=layer, copy=s)
+            slot = ring.matmul("we_gate_up", x, up_vmem, layer=layer, copy=s, slot=slot)
             gate, up = split_gate_up(up_vmem[...], used, width)
         else:
-            ring.matmul("we_gate", x, gate_vmem, layer=layer, copy=s)
-            ring.matmul("we_up", x, up_vmem, layer=layer, copy=s)
+            slot = ring.matmul("we_gate", x, gate_vmem, layer=layer, copy=s, slot=slot)
+            slot = ring.matmul("we_up", x, up_vmem, layer=layer, copy=s, slot=slot)
             gate, up = gate_vmem[...], up_vmem[...]
         if bias is not None:
             gate, up = gate + bias(0, ids_smem[s]), up + bias(1, ids_smem[s])
@@ -378,16 +378,16 @@ def experts_body(ring: Ring, layer, x, combine_vmem, ids_smem, count_smem, gate_
         if joined and used < width:
             act = jnp.where(lax.broadcasted_iota(jnp.int32, act.shape, 1) < used, act, 0.0)
         gate_vmem[...] = act
-        ring.matmul("we_down", gate_vmem, down_vmem, layer=layer, copy=s)
+        slot = ring.matmul("we_down", gate_vmem, down_vmem, layer=layer, copy=s, slot=slot)
         if bias is not None:
             down_vmem[...] = down_vmem[...] + bias(2, ids_smem[s])
         expert = lax.broadcasted_iota(jnp.int32, (M, E), 1)
         weight = jnp.sum(jnp.where(expert == ids_smem[s], combine_vmem[...], 0.0),
                          axis=1, keepdims=True)  # [M, 1]
         out_ref[...] += weight * down_vmem[...]
-        return carry
+        return slot
 
-    lax.fori_loop(0, count, expert_slot, 0)
+    lax.fori_loop(0, count, expert_slot, jnp.asarray(base % ring.n, jnp.int32))
 
     ring.skip(base + count * per_slot, end)  # the off slots
 

@@ -314,9 +314,12 @@ class Ring:
 
         lax.fori_loop(0, self.n, issue_past_the_skipped, 0)
 
-    def matmul(self, name: str, x, out_ref, *, layer=0, copy=0):
+    def matmul(self, name: str, x, out_ref, *, layer=0, copy=0, slot=None):
         """out_ref[M, N] (float32) = x[M, K] @ weight `name` of `layer` (copy `copy` of a
-        repeated segment), through the ring.
+        repeated segment), through the ring; returns the slot of the stream's next tile.
+        slot: its first tile's, if known (what the `matmul` of the tiles just before it
+        returned: the expert slots' loop carries it, so no trip divides by the ring's
+        depth); by default computed.
 
         x is a VMEM ref (its contraction steps are dynamic lane slices, which Mosaic takes
         from refs, not values); each step is cast to the weight dtype and the products
@@ -406,7 +409,8 @@ class Ring:
                     jnp.where(last, j + 1, j))
 
         edge = max(0, seg.tiles - self.n)  # the first tile whose g + slots may lie beyond
-        first_tile = (jnp.asarray(base % self.n, jnp.int32), jnp.int32(0), jnp.int32(0))
+        first_tile = (jnp.asarray(base % self.n if slot is None else slot, jnp.int32),
+                      jnp.int32(0), jnp.int32(0))
         carry = lax.fori_loop(0, edge, tile, first_tile)
         # the edge: one loop per run of tiles whose g + slots the same segments may hold
         # (`TileStream.following`), so a trip carries the DMA code of those few only
@@ -420,3 +424,4 @@ class Ring:
         for first, end, after in runs:
             after = self._one_holder(seg, layer, end, after) or after
             carry = lax.fori_loop(first, end, functools.partial(tile, after=after), carry)
+        return carry[0]
