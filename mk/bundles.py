@@ -158,16 +158,19 @@ class Loop:
     dma_granules: tuple[int, ...]  # the size of each DMA the body issues
     waits: int  # DMA waits in the body
     wait_granules: tuple[int, ...]  # the size of each DMA it waits for
-    eup: int  # bundles using the EUP (exp, rsqrt: softmax and norms, never a weight tile)
+    eup: int  # bundles using the EUP (exp, rsqrt: softmax and norms, never a weight tile),
+    #           not counting those printed out (the next phase's, under the loop's exit)
     nested: int  # loops inside it
 
 
 def _printed_out(rows: list[Bundle], j: int, d: int) -> bool:
     """Whether bundle j, printed a level out of a depth-d loop, is still the loop's: bundles
-    of the loop follow it, not the next loop's start. TPU7x prints two such bundles: the
-    branch back with its delay slots filled (the trip's last vst and DMA issue follow it at
-    depth d), and code predicated on the loop's exit scheduled into the trip."""
-    after = next((r for r in rows[j + 1:] if r.depth is not None), None)
+    of the loop follow it (past any others printed out), not the next loop's start. TPU7x
+    prints two such kinds of bundle: the branch back with its delay slots filled (the
+    trip's last vst and DMA issue follow it at depth d), and code predicated on the loop's
+    exit scheduled into the trip (a run of bundles, sometimes). Code after a loop runs at
+    depth d again only in the next loop, which starts with its "LB" bundle."""
+    after = next((r for r in rows[j + 1:] if r.depth is not None and r.depth >= d), None)
     return after is not None and after.depth >= d and not (after.mark == "LB"
                                                           and after.depth == d)
 
@@ -200,7 +203,7 @@ def loops(text: str) -> list[Loop]:
             dma_granules=tuple(g for r in own for g in r.granules),
             waits=sum(r.waits for r in own),
             wait_granules=tuple(g for r in own for g in r.waited),
-            eup=sum(any("eup" in o for o in r.ops) for r in own),
+            eup=sum(any("eup" in o for o in r.ops) for r in own if r.depth == d),
             nested=sum(r.mark == "LB" and r.depth == d + 1 for r in body)))
     return found
 

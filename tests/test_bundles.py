@@ -48,10 +48,17 @@ def test_loops_are_read_from_a_dump_in_libtpus_format():
     branch = "  0x149  :  { %12 = sbr.rel (!%p1_p1) target = $region3 }\n  0x15   : >"
     delayed, _ = bundles.loops(DUMP.replace("  0x15   : >", branch))
     assert delayed == dataclasses.replace(first, bundles=6, scalar_only=2)
-    # so is code predicated on the loop's exit, printed a level out inside the trip
-    exiting = "  0x129  :  { %13 = ssub.s32 (%p1_p1), 0, %s7_s7 }\n  0x13   :"
-    early, _ = bundles.loops(DUMP.replace("  0x13   :", exiting))
+    # so is code predicated on the loop's exit, printed a level out inside the trip, one
+    # bundle or a run of them
+    exiting = "  0x129  :  { %13 = ssub.s32 (%p1_p1), 0, %s7_s7 }\n"
+    early, _ = bundles.loops(DUMP.replace("  0x13   :", exiting + "  0x13   :"))
     assert early == dataclasses.replace(first, bundles=6, scalar_only=2)
+    early, _ = bundles.loops(DUMP.replace("  0x13   :", 2 * exiting + "  0x13   :"))
+    assert early == dataclasses.replace(first, bundles=7, scalar_only=3)
+    # the next phase's EUP work under the exit (an activation) is not the loop's own
+    ahead = "  0x129  :  { %14 = vpop.eup (%p1_p1), %v3_v3 }\n"
+    early, _ = bundles.loops(DUMP.replace("  0x13   :", ahead + "  0x13   :"))
+    assert (early.bundles, early.eup) == (6, 0)
     # a lone branch before an inner loop's body is not a branch back
     inner = DUMP.replace("  0x16   :  { %7 = smov 0 }\n  0x17 LB: >",
                          "  0x16   : > { %7 = sbr.rel (%p1_p1) target = $region4 }\n"

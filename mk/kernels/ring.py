@@ -413,7 +413,7 @@ class Ring:
                       jnp.int32(0), jnp.int32(0))
         carry = lax.fori_loop(0, edge, tile, first_tile)
         # the edge: one loop per run of tiles whose g + slots the same segments may hold
-        # (`TileStream.following`), so a trip carries the DMA code of those few only
+        # (`TileStream.following_on`), so a trip carries the DMA code of those few only
         runs = []
         for t in range(edge, seg.tiles):
             after = self.stream.following_on(seg, self.n, (t,))
