@@ -163,14 +163,16 @@ class Loop:
     nested: int  # loops inside it
 
 
-def _printed_out(rows: list[Bundle], j: int, d: int) -> bool:
+def _printed_out(rows: list[Bundle], j: int, d: int, *, run: bool = True) -> bool:
     """Whether bundle j, printed a level out of a depth-d loop, is still the loop's: bundles
-    of the loop follow it (past any others printed out), not the next loop's start. TPU7x
-    prints two such kinds of bundle: the branch back with its delay slots filled (the
-    trip's last vst and DMA issue follow it at depth d), and code predicated on the loop's
-    exit scheduled into the trip (a run of bundles, sometimes). Code after a loop runs at
-    depth d again only in the next loop, which starts with its "LB" bundle."""
-    after = next((r for r in rows[j + 1:] if r.depth is not None and r.depth >= d), None)
+    of the loop follow it (`run`: past any others printed out; else next), not the next
+    loop's start. TPU7x prints two such kinds of bundle: the branch back with its delay
+    slots filled (the trip's last vst and DMA issue follow it at depth d), and code
+    predicated on the loop's exit scheduled into the trip (a run of bundles, sometimes).
+    Code after a loop runs at depth d again only in the next loop, which starts with its
+    "LB" bundle."""
+    after = next((r for r in rows[j + 1:]
+                  if r.depth is not None and (r.depth >= d or not run)), None)
     return after is not None and after.depth >= d and not (after.mark == "LB"
                                                           and after.depth == d)
 
@@ -194,7 +196,7 @@ def loops(text: str) -> list[Loop]:
                 end = j + 1
         body = rows[i:end]
         own = [r for k, r in enumerate(body, i) if k in out or r.depth is None
-               or (r.depth == d and not _printed_out(rows, k, d + 1))]  # not a nested one's
+               or (r.depth == d and not _printed_out(rows, k, d + 1, run=False))]  # nested
         found.append(Loop(
             first=i, depth=d, bundles=len(own),
             mxu=sum(any(map(drives_mxu, r.ops)) for r in own),
