@@ -244,13 +244,14 @@ def _resimulated(row, block=None):
 # x 128, down 128 x 7168, fed fp8) and the rest in 1792 x 128 ones of no more bytes
 # (folded 2): its plain loops issue for up to 1.5x their DMA at the low end (0.35x at the
 # high; 2.1x unfolded, 1.9x before that edge rework), one trip through an expert's two
-# FP4 tiles for 6.1x (1.4x). At the low end no loop can bring an FP4 tile under 0.9: the
+# FP4 tiles for 5.3x (1.24x; 6.1x and 1.4x before the edges knew the layer kinds and fp4
+# was packed for its fp8 feed). At the low end no loop can bring an FP4 tile under 0.9: the
 # MXU's own fp8 feed floor is 0.99x an FP4 weight's DMA there
 # (`mk.feed_costs.feed_floor_over_dma`; tests/test_feed_costs.py's MXU_BOUND).
 # Issue 38: gpt-oss-20b (2944 = 23 x 128 wide) takes 128 x 2944 tiles on one core (its
 # fp4 experts' one 128-row panel of their width, within QUANT_TILE_ELEMENTS): plain 0.3x
 # their DMA; the fp4 tiles, dequantised to bf16 (neither Colab chip's MXU takes fp8),
-# 5.6x (3.0x) on v6e and 4.3x (3.5x) on v5e.
+# 5.5x (2.9x) on v6e and 4.1x (3.4x) on v5e.
 ISSUE_OVER = {("kimi-k3", "tpu7x", 32, "plain"): {"low"},
               ("kimi-k3", "tpu7x", 32, "fp4 128x7168"): {"low", "high"},
               ("kimi-k3", "tpu7x", 32, "fp4 7168x128"): {"low", "high"},
