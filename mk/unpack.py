@@ -262,7 +262,7 @@ def pack_codes(scheme: str, codes: jax.Array) -> jax.Array:
     *lead, rows, cols = c.shape
     c = c.reshape(*lead, rows // PACK_ROWS, 2, PACK_ROWS // 2, cols)
     first, second = c[..., 0, :, :], c[..., 1, :, :]
-    packed = (((first & 8) << 4) | ((first & 7) << 2) | ((second & 8) << 2)
+    packed = (e2m1_to_e4m3(first).astype(jnp.uint8) | ((second & 8) << 2)
               | ((second & 4) << 4) | (second & 3))
     return packed.reshape(*lead, rows // 2, cols)
 
