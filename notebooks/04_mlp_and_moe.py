@@ -285,13 +285,15 @@ print(f"slots hold experts {padded_ids} ({count} live); max |teaching - real ker
 
 # %%
 teach.excerpt(mlp.experts_body, [
-    ("def expert_slot(s, carry):", 'ring.matmul("we_down", gate_vmem',
+    ("def expert_slot(s, slot):", 'slot = ring.matmul("we_down", gate_vmem',
      "One slot: gate, up, SwiGLU, down, each `ring.matmul` of copy s, whose tiles "
-     "`moe_fetch` addresses by `ids_smem[s]` (the teaching index map)."),
+     "`moe_fetch` addresses by `ids_smem[s]` (the teaching index map). The loop carries "
+     "the ring slot of its next tile: each `matmul` returns it, so no slot divides by "
+     "the ring's depth."),
     ("expert = lax.broadcasted_iota", "out_ref[...] += weight * down_vmem[...]",
      "Each row's routing weight of expert ids[s] scales the slot's output, as in the "
      "teaching version."),
-    ("lax.fori_loop(0, count, expert_slot, 0)", "ring.skip(base + count * per_slot, end)",
+    ("lax.fori_loop(0, count, expert_slot,", "ring.skip(base + count * per_slot, end)",
      "Only `count` slots run; the off slots' tiles are skipped, neither loaded nor "
      "computed, and the tiles behind them issued (the teaching clamp's job)."),
 ])
