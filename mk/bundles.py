@@ -211,19 +211,19 @@ def loops(text: str) -> list[Loop]:
 
 
 def tile_loops(found: list[Loop], *tiles: tuple[int, ...]) -> list[Loop]:
-    """The ring's per-tile loops among `found`: they wait for the DMAs of one of `tiles`
-    (each the bytes of the DMAs that bring one tile in, `tile_parts`: a plain tile one, a
-    packed tile its data and its scale block), issue DMAs (the tile slots ahead, which may
-    be of another storage; none where those are all of a kind the layer skips), drive the
-    MXU, and never the EUP (attention's softmax). The
-    DMAs of one slot share a semaphore, so a packed tile's two are waited for at once:
-    a loop waiting for as many granules as a plain tile's one part brings it; one waiting
-    for more than a packed tile's data part, but less than twice it, brings that (a scale
-    block's DMA moves its HBM layout's padded tiles, not its bytes, and is always smaller
-    than its data). A size that distinctive lets a loop bringing packed tiles run the
-    EUP: a trip of an expert slot whose matrices are one tile each (Kimi K3's FP4 experts
-    on a TP32 shard) brings gate, up and down and runs the activation between them
-    (`per_tile` divides its trip among them)."""
+    """The ring's per-tile loops among `found`: they wait for the DMAs of one of `tiles` (each
+    the bytes of the DMAs that bring one tile in, `tile_parts`: a plain tile one, a
+    packed tile its data and its scale block), issue DMAs (the tile slots ahead, which
+    may be of another storage; none where those are all of a kind the layer skips),
+    drive the MXU, and never the EUP (attention's softmax). The DMAs of one slot share a
+    semaphore, so a packed tile's two are waited for at once: a loop waiting for as many
+    granules as a plain tile's one part brings it; one waiting for more than a packed
+    tile's data part, but less than twice it, brings that (a scale block's DMA moves its
+    HBM layout's padded tiles, not its bytes, and is always smaller than its data). A
+    size that distinctive lets a loop bringing packed tiles run the EUP: a trip of an
+    expert slot whose matrices are one tile each (Kimi K3's FP4 experts on a TP32 shard)
+    brings gate, up and down and runs the activation between them (`per_tile` divides
+    its trip among them)."""
     def brings(lp: Loop, parts) -> bool:
         data, waited = max(parts) // GRANULE_BYTES, max(lp.wait_granules)
         return waited == data if len(parts) == 1 else data < waited < 2 * data

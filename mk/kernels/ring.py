@@ -391,8 +391,6 @@ class Ring:
             elif isinstance(after, Segment):  # g + slots is that one's (`_one_holder`)
                 when_active(functools.partial(multiply_then_issue, after, 0,
                                               seg.start + t + self.n - after.start))
-            elif not after:  # g + slots is another kind's, which this layer skips
-                when_active(multiply)
             elif self.n > self.stream.period:  # g + slots may lie layers ahead
                 when_active(multiply)
                 self.start(base + t + self.n, after)
