@@ -30,9 +30,10 @@ stream's own tile sequence), so shapes of very different bytes do not mix well.
 
 A segment may be switched off at run time (its Fetch's flag): in a layer of another kind,
 or the slot of an expert no token selected. Its tiles are neither loaded nor waited for,
-but still "consumed" in order so the tiles behind it are issued: a layer's other kinds by
-`skip` (a kind's code, `matmul` included, runs only in layers of its kind), a repeat's
-switched-off copies inside `matmul`.
+but still "consumed" in order so the tiles behind it are issued, by `skip`: a layer's
+other kinds (a kind's code, `matmul` included, runs only in layers of its kind) and a
+repeat's switched-off copies (`mk.kernels.mlp.experts_body` multiplies the chosen expert
+slots, which come first, and skips the rest).
 
 A segment may be stored quantised (`Segment.scheme`, one of `mk.quant.SCHEMES`): its tiles
 travel as packed data plus their scale block (two DMAs on the slot's semaphore, both waited
@@ -342,30 +343,23 @@ class Ring:
         that edge rework: the 27B's TP8 costliest loop 336 -> 315 bundles, Kimi K3's TP32
         plain 223 -> 190 and FP4 trip 1517 -> 1483; then the kinds (Kimi K3 TP32): edges
         to a segment of the same kind 137 -> 118-120, to a rival only 137 -> 117 and 164
-        -> 141 (transposed), the FP4 trip 1483 -> 1425.
+        -> 141 (transposed), the FP4 trip 1483 -> 1425; then no branch on a repeat's
+        copy flag: the FP4 trip 1322 -> 1156.
 
-        A segment's product is not guarded by its layer's kind (only a repeat's copies
-        are): call `matmul` only in layers of its kind, as `Kind.run` is called. In another
-        layer its tiles are never issued and the first wait would never end.
+        A product is guarded by neither its layer's kind nor its copy's flag: call `matmul`
+        only in layers of its kind (as `Kind.run` is called: under the layer's flag,
+        `mk.kernels.one_layer.layer_body`) and for a copy that is on (`experts_body` loops
+        over the chosen slots, s < count). Elsewhere its tiles are never issued and the
+        first wait would never end. A guard here would cost each trip a branch, and libtpu
+        schedules each branch's code apart: the product, the activation between an expert's
+        tiles and the edge's search would not overlap.
         """
         seg = self.stream.segment(name)
         base = self.stream.base(layer, seg, copy)
         # widths of one contraction step and one output panel
         step, panel = seg.tile[::-1] if seg.transposed else seg.tile
         steps = seg.in_tiles
-        # A kind's products run only in layers of that kind (its `Kind.run` under the
-        # layer's flag: `mk.kernels.one_layer.layer_body`), so the segment's own flag is
-        # checked here only per copy of a repeat (an expert slot no token chose): checked
-        # again, it costs each trip a branch, and libtpu schedules each branch's code
-        # apart, so the tile's issue and the edge's search no longer overlap its product.
-        active = self._active(seg, layer, copy) if seg.stride else True
         contract = (((1,), (1,)), ((), ())) if seg.transposed else (((1,), (0,)), ((), ()))
-
-        def when_active(action):
-            if active is True:
-                action()
-            else:
-                pl.when(active)(action)
 
         def tile(t, carry, *, after=None):
             slot, i, j = carry  # tile t's slot, contraction step and panel: no divide
@@ -387,15 +381,14 @@ class Ring:
                 self._issue(holder, layer, holder_copy, holder_t, slot)
 
             if after is None:  # steady: g + slots is this segment's own t + slots
-                when_active(functools.partial(multiply_then_issue, seg, copy, t + self.n))
+                multiply_then_issue(seg, copy, t + self.n)
             elif isinstance(after, Segment):  # g + slots is that one's (`_one_holder`)
-                when_active(functools.partial(multiply_then_issue, after, 0,
-                                              seg.start + t + self.n - after.start))
+                multiply_then_issue(after, 0, seg.start + t + self.n - after.start)
             elif self.n > self.stream.period:  # g + slots may lie layers ahead
-                when_active(multiply)
+                multiply()
                 self.start(base + t + self.n, after)
             else:  # a search with no divide, its scalar work beside the product's
-                when_active(multiply)
+                multiply()
                 for holder, h_layer, h_copy, h_t, hit in self._following(seg, layer, copy, t,
                                                                           after):
                     # one branch a candidate: its flag read beside the hit, in range
