@@ -328,8 +328,8 @@ def predict(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: 
     wb = DTYPE_BITS[config.dtype] / 8
     kinds = layer_kinds(config)
     touched = _touched(kinds, m, routing)
-    local = shard_config(config, tp)
     packed = packed_formats(config, formats)  # tiled as the chip's plan tiles them
+    local = shard_config(config, tp, packed)
     block = model_block(local, formats=packed, feeds=choose_feeds(packed, chip=spec))
     vocab = padded_vocab(local, block)
     family = {f: tp * b for f, b in shard_weight_bytes(local, vocab, touched, formats,
@@ -437,8 +437,8 @@ def tile_floor_ms(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1,
     _validate_step(config, batch, rows, 0, tp, rows, routing, "bf16")
     formats = check_formats(config, config.formats if formats is None else formats)
     m = batch * rows
-    local = shard_config(config, tp)
     packed = packed_formats(config, formats)
+    local = shard_config(config, tp, packed)
     feeds = choose_feeds(packed, chip=spec)  # the plan's default: what each group is fed
     block = model_block(local, formats=packed, feeds=feeds)
     elements = shard_weight_elements(local, padded_vocab(local, block),

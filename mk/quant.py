@@ -10,10 +10,11 @@ error against its scale's bound), `accuracy` (a quantised model's logits and gre
 tokens against the bf16 model's) and `storage_bytes` / `group_bytes` / `stored_bytes`
 (packed bytes plus scales; a model's own `formats` by default), `check_quantisable` /
 `unstreamed`, the kernel's tile layout (`tile_shapes`, `tile_bytes`, `tile_major`,
-`pad_columns`, `side_by_side`, `ZERO_CODE`, `UNIT_SCALE`), `formats_of` (the scheme of
-each group of a params dict) and `schemes_of` (the scheme of each weight name). Not here: what a kernel
-does to one packed tile in VMEM, the element decoders, the packing order and the MXU feeds
-(`mk.unpack`, with the packing units `PACK_ROWS`, `GROUP` and `E8M0_BIAS`), reading
+`column_block`, `pad_columns`, `side_by_side`, `ZERO_CODE`, `UNIT_SCALE`), `formats_of`
+(the scheme of each group of a params dict) and `schemes_of` (the scheme of each weight
+name). Not here: what a kernel does to one packed tile in VMEM, the element decoders, the
+packing order and the MXU feeds (`mk.unpack`, with the packing units `PACK_ROWS`, `GROUP`
+and `E8M0_BIAS`), reading
 quantised Hugging Face checkpoints (`mk.hf_quant`), the ring that streams packed tiles
 (`mk.kernels.ring`), splitting them for tensor parallelism (`mk.shards`).
 
@@ -382,25 +383,31 @@ ZERO_CODE = {"int8": 0, "fp8": 0, "int4": 8, "fp4": 0}
 UNIT_SCALE = {"int8": 1, "fp8": 1, "int4": 1, "fp4": E8M0_BIAS}
 
 
+def column_block(scheme: str | None) -> int:
+    """Output columns one scale covers, so the columns a weight is cut, padded or joined
+    by are whole blocks of them: fp8's 128 (its 128 x 128 blocks), else 1 (a scale a
+    column, or a plain weight: None)."""
+    return GROUP["fp8"] if scheme == "fp8" else 1
+
+
 def pad_columns(q: QuantWeight, columns: int) -> QuantWeight:
     """`q` (mk.quant's layout) with `columns` more output columns of value zero
     (`ZERO_CODE`, both codes of a packed byte) and scale one (`UNIT_SCALE`)."""
     data_zero = ZERO_CODE[q.scheme] * (17 if q.scheme == "int4" else 1)
-    scale_one = UNIT_SCALE[q.scheme]
-    cols = columns // GROUP["fp8"] if q.scheme == "fp8" else columns
-    if q.scheme == "fp8" and columns % GROUP["fp8"]:
-        raise ValueError(f"columns={columns}: fp8 pads whole 128-column blocks")
+    scale_one, block = UNIT_SCALE[q.scheme], column_block(q.scheme)
+    if columns % block:
+        raise ValueError(f"columns={columns}: {q.scheme} pads whole {block}-column blocks")
     pad = [(0, 0)] * (q.data.ndim - 1)
     return QuantWeight(jnp.pad(q.data, pad + [(0, columns)], constant_values=data_zero),
-                       jnp.pad(q.scale, pad + [(0, cols)], constant_values=scale_one),
-                       q.scheme)
+                       jnp.pad(q.scale, pad + [(0, columns // block)],
+                               constant_values=scale_one), q.scheme)
 
 
 def side_by_side(parts, used: int, width: int):
     """The first `used` columns of each of `parts` (plain arrays, or `QuantWeight`s of one
     scheme, each [..., I, O]) side by side, then zero columns up to `width` (zero codes
-    under unit scales: `pad_columns`): e.g. an expert's gate and up as one matrix. fp8's
-    128-column scale blocks must stay whole (`used` a multiple of 128)."""
+    under unit scales: `pad_columns`): e.g. an expert's gate and up as one matrix. Scale
+    blocks stay whole (`used` a multiple of `column_block`: fp8's 128)."""
     if len(parts) * used > width:
         raise ValueError(f"{len(parts)} parts of used={used} columns exceed width={width}")
     if not isinstance(parts[0], QuantWeight):
@@ -411,7 +418,7 @@ def side_by_side(parts, used: int, width: int):
     if len(schemes) != 1 or not all(isinstance(p, QuantWeight) for p in parts):
         raise ValueError(f"parts must be QuantWeights of one scheme (got {sorted(schemes)})")
     scheme = schemes.pop()
-    block = GROUP["fp8"] if scheme == "fp8" else 1
+    block = column_block(scheme)
     if used % block:
         raise ValueError(f"used={used}: {scheme} keeps whole blocks of {block} columns")
     joined = QuantWeight(jnp.concatenate([p.data[..., :used] for p in parts], axis=-1),

@@ -181,11 +181,12 @@ display(plots.table([{k: f"{v:.3g}" if isinstance(v, float) else v for k, v in r
 # Kimi Linear's architecture with assumed shapes; its kernel streams the FP4 experts
 # packed, in tiles of their own (an expert's slice of gate and up joined in one tile, of
 # down in another)
-# and the other weights in tiles of no more bytes, so the ring's one slot index keeps as
-# many bytes in flight over both; at the low end of the clock range its per-tile loops
-# issue for several times their DMA, and at the high end a trip through an expert's FP4
-# tiles (unpacked to e4m3 in VMEM, its 32-row groups' products stacked) still does (the
-# recorded rows below); its expert shards stream 4/3 of their bytes (down's 64 rows a
+# and the other weights in tiles of at most twice those bytes, so the ring's one slot
+# index keeps near the same bytes in flight over both; at the low end of the clock range
+# its per-tile loops issue for longer than their DMA (an FP4 tile's for four times it),
+# and at the high end a trip through an expert's FP4 tiles (unpacked to e4m3 in VMEM, its
+# 32-row groups' products stacked) still issues for about its DMA (the recorded rows
+# below); its expert shards stream 4/3 of their bytes (down's 64 rows a
 # device padded to 128; gate and up joined in one tile, not two). The release's
 # expert layout and kernel are not published. The release beating
 # the modelled step says at least one of the model's assumptions (the tile costs of mk's

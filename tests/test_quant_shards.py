@@ -138,6 +138,24 @@ def test_a_split_leaving_part_of_a_block_is_refused_with_the_block_size():
     check_quantised_splits(config, dict(dense="int8"), 4)  # int8: per channel, any rows
 
 
+def test_fp8_experts_stay_apart_where_joining_them_would_cut_a_scale_block():
+    """tiny-moe at tp 2 holds 64 of each expert's gate and up columns a device: stored
+    with a scale a column (fp4, int8) or plain they stream joined in one 128-lane tile;
+    fp8's 128-column blocks would each hold part of gate and part of up, so its experts
+    stay apart (`MoE.joined` reads the plan's formats), and a join asked by hand is
+    refused with the block size (`quant.side_by_side`)."""
+    config = dataclasses.replace(mk.preset("tiny-moe"), dtype="float32")
+    for experts, want in (("fp8", ["we_gate", "we_up", "we_down"]),
+                          ("fp4", ["we_gate_up", "we_down"]),
+                          ("int8", ["we_gate_up", "we_down"]), (None, ["we_gate_up", "we_down"])):
+        plan = DecodePlan.make(config, tp=2, batch=1, context=64,
+                               formats=dict(experts=experts) if experts else {})
+        assert [s.name for s in plan.stream.segments if s.name.startswith("we_")] == want
+    gate = quant.quantize_weight(jnp.ones((256, 128)), "fp8")
+    with pytest.raises(ValueError, match=r"used=64: fp8 keeps whole blocks of 128 columns"):
+        quant.side_by_side([gate, gate], 64, 128)
+
+
 @pytest.mark.parametrize("name, tp, formats", [
     ("kimi-k3-like", 32, dict(experts="fp4")), ("qwen3-30b-a3b", 8, dict(experts="fp4")),
     ("qwen3-30b-a3b", 2, dict(experts="fp8", dense="int4", lm_head="int8"))])

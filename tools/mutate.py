@@ -246,6 +246,11 @@ MUTANTS = [
        "most_bytes=min(OTHERS_OVER_REPEAT_BYTES * smallest, TILE_BYTES),",
        "most_bytes=TILE_BYTES,",
        "tests/test_plan.py::test_tiles_feed_every_mxu_and_experts_take_tiles_of_their_own"),
+    _m("MoE joins fp8 experts' gate and up, cutting their 128-column scale blocks",
+       "mk/kinds/mlp.py", 'if used % quant.column_block(dict(c.formats).get("experts")):',
+       "if False:",
+       "tests/test_quant_shards.py::test_fp8_experts_stay_apart_where_joining_them_would_cut"
+       "_a_scale_block"),
     _m("bundles: a run of bundles printed out inside a trip ends the loop", "mk/bundles.py",
        "if r.depth is not None and (r.depth >= d or not run)), None)",
        "if r.depth is not None), None)",

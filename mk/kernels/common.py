@@ -210,6 +210,9 @@ def vmem_limit_bytes(buffers, cap: int | None = None) -> int:
 SLOTS = 3  # default weight ring slots
 TILE_BYTES = 2 * 2**20  # default weight tiles hold at most this many bytes
 REPEAT_TILE_BYTES = 2 * TILE_BYTES  # at most this many bytes in an expert slot's own tiles
+# Beside expert slots in tiles of their own, the other matrices' tiles hold at most this many
+# times the smallest of those (`mk.kernels.one_layer.model_block`).
+OTHERS_OVER_REPEAT_BYTES = 2
 # A quantised tile fed bf16 is dequantised in VMEM through float32 temporaries that Mosaic
 # keeps in its scoped VMEM (qwen3-8b's int4 megakernel with 4096 x 256 tiles asked 35 MiB
 # on TPU7x); the default keeps such tiles to this size: 384 Ki elements, so that a matrix

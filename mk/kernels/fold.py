@@ -1,7 +1,7 @@
 """Folded tiles: a narrow plain weight tile stored PANEL_COLS wide.
 
 A tensor-parallel shard's ring tiles are tall and narrow (`default_block`: D x 128 and
-more; the 27B's TP8 shard 5120 x 128, Kimi K3's TP32 1792 x 128). Stored as they are,
+more; the 27B's TP8 shard 5120 x 128, Kimi K3's TP32 3584 x 128). Stored as they are,
 each is a 128-lane column, a quarter of the PANEL_COLS output panel that feeds every MXU
 of a TensorCore at once. Folded, its row blocks sit side by side: a tile [rows, cols] is
 stored [rows / f, f * cols], row block b (rows b R .. (b + 1) R, R = rows / f) in columns

@@ -60,7 +60,7 @@ the largest tile of at most `TILE_BYTES` (2 MiB) that cuts each matrix plain or 
 (`BlockSizes.cut`: a row-sharded [narrow, D] matrix is stored D-major, so a shard's tiles
 are D x 128 and more), its output panels as wide as every MXU of a core where a tie
 allows (`PANEL_COLS`); each expert slot matrix in a tile of its own and the others in
-tiles of no more bytes, where that makes tiles bigger (`BlockSizes.tiles`, `model_block`
+tiles of at most twice its bytes, where that makes tiles bigger (`BlockSizes.tiles`, `model_block`
 says when; packed tiles fed bf16 at most `QUANT_TILE_ELEMENTS`, fed fp8 as big as the
 rest: the plan's `feeds` choose), 3 ring slots or, for a chip,
 as many as Little's law asks for `ring_cover_s` at one core's bandwidth (`RING_COVER_S`,
@@ -71,16 +71,16 @@ at most a layer's period of tiles), KV tiles of min(256, S) positions, KV slots 
 The ring's slot count when tiles of different bytes share it. Plain tiles, each scheme's
 packed tiles (data and scales) and each tile shape have buffers of their own, but one slot
 index (tile g in slot g % slots of whichever buffer its segment uses), so every ring
-buffer is slots deep. One rule (`ring_slots`): Little's law on the bytes in flight counted
-over the stream's own tile sequence, the fewest slots whose every run of consecutive tiles carries
+buffer is slots deep. One rule (`ring_slots`): Little's law on the bytes in flight counted over
+the stream's tile sequence, the fewest slots whose every run of consecutive tiles carries
 bandwidth x cover time. A stream of one tile size gets `little_slots`; a long run of small
-packed tiles asks for hundreds of slots, whose buffers a chip does not hold (Kimi K3's
-TP32 shard asked 850 when one 128 x 128 tile served its FP4 experts and the rest; hence
-`model_block`'s byte-matched tiles: 19 now). So, for a chip (`DecodePlan.make`), the ring
-is the deepest whose buffers leave Mosaic its room (`vmem_limit_bytes`' 1.5 x buffers + 8
-MiB within the core's VMEM), never below the ring covering RING_COVER_S unless that ring
-does not fit the VMEM at all, then down to 2 slots; a kernel's plan that does not fit at
-2 is refused by name (the simulator's keeps the RING_COVER_S ring: its `fits` says why).
+packed tiles asks for hundreds of slots, whose buffers a chip does not hold (Kimi K3's TP32
+shard asked 850 when one 128 x 128 tile served its FP4 experts and the rest; hence
+`model_block`'s tiles matched to the experts': 18 now). So, for a chip (`DecodePlan.make`), the
+ring is the deepest whose buffers leave Mosaic its room (`vmem_limit_bytes`' 1.5 x buffers + 8
+MiB within the core's VMEM), never below the ring covering RING_COVER_S unless that ring does
+not fit the VMEM at all, then down to 2 slots; a kernel's plan that does not fit at 2 is refused
+by name (the simulator's keeps the RING_COVER_S ring: its `fits` says why).
 
 Adding a VMEM buffer to the megakernel is one line in `_buffers` (its group says where the
 kernel finds it: "layer" buffers are attributes of the layer scratch, the others are
@@ -143,12 +143,14 @@ def check_tp(config: ModelConfig, tp: int) -> int:
     return int(tp)
 
 
-def shard_config(config: ModelConfig, tp: int) -> ModelConfig:
+def shard_config(config: ModelConfig, tp: int, formats=None) -> ModelConfig:
     """The model one device holds (module docstring): N/tp heads, max(K/tp, 1) kv heads,
     V/tp, and each layer kind's split fields (`Kind.shard_fields`: Nk/tp and Nv/tp linear
     heads, F/tp, Fe/tp and Fs/tp padded to whole 128-lane tiles, the zeros in `padding`:
-    `own_width` is a device's share)."""
+    `own_width` is a device's share), stored as `formats` (default config's: what its kinds
+    lay out, `mk.kinds.mlp.MoE.joined`)."""
     tp = check_tp(config, tp)
+    config = config if formats is None else dataclasses.replace(config, formats=formats)
     if tp == 1:
         return config
     fields, shares = {}, {}
@@ -248,7 +250,7 @@ def default_block(local: ModelConfig, context: int, *, slots: int | None = None,
     """The default tiling of a shard with a cache of `context` positions and the
     quantised `formats` fed as `feeds`: `mk.kernels.one_layer.model_block`'s tiles (the
     largest cutting every matrix of the shard, plain or transposed, or the expert slots'
-    own and the others' byte-matched to them); `slots` ring slots, default the
+    own and the others' matched to their bytes); `slots` ring slots, default the
     `ring_slots` of `chip` (one core's bandwidth x `cover_s` in flight over the stream's
     tile sequence; at most a layer's period of tiles) or, without a chip, SLOTS; and as
     many KV slots as prefetch one sequence's whole cache or the ring's bytes of KV tiles,
@@ -379,7 +381,6 @@ class DecodePlan:
         one of fewer message rounds at this tp (`choose_algorithm`)."""
         if not isinstance(config, ModelConfig):
             raise ValueError(f"config={config!r} must be a ModelConfig")
-        local = shard_config(config, tp)
         M = check_rows(batch, rows)
         if (context is None) == (position is None):
             raise ValueError(f"context={context!r}, position={position!r}: give one, the "
@@ -397,7 +398,7 @@ class DecodePlan:
         collective = choose_algorithm(tp, collective)
         formats = check_formats(config, config.formats if formats is None else formats)
         packed = packed_formats(config, formats)
-        feeds = unpack.choose_feeds(packed, feeds, spec)
+        feeds, local = unpack.choose_feeds(packed, feeds, spec), shard_config(config, tp, packed)
         if kernel and packed != formats:
             quant.check_quantisable(config, formats)  # NotImplementedError
         if kernel and tp > 1:
@@ -576,8 +577,7 @@ def _chip_block(local: ModelConfig, tp: int, batch: int, rows: int, context: int
 def _buffers(local: ModelConfig, tp: int, batch: int, rows: int, block: BlockSizes,
              vocab: int, stream: TileStream, collective: str) -> dict[str, Buffer]:
     """Every VMEM buffer of the megakernel by name (module docstring)."""
-    M, D, H, dt = batch * rows, local.hidden, local.head_dim, local.dtype
-    f32 = "float32"
+    M, D, H, dt, f32 = batch * rows, local.hidden, local.head_dim, local.dtype, "float32"
     buffers = [
         *layer_buffers(local, layer_kinds(local), batch, rows, block,
                        ring=ring_buffers(stream, dt)),

@@ -120,10 +120,15 @@ class MoE(Kind):
     @property
     def joined(self) -> int | None:
         """The width of each expert's gate|up as one matrix where both fit one lane tile
-        (`mk.kernels.joined_experts.gate_up_width`: the layout this shard streams), else
-        None."""
+        (`mk.kernels.joined_experts.gate_up_width`: the layout this shard streams) and
+        their stored format keeps its scale blocks whole there (its config's `formats`, the
+        plan's packed ones: `mk.kernels.plan.shard_config`; fp8's 128-column blocks do not
+        fit a sliver of a lane tile, `mk.quant.column_block`), else None."""
         c = self.config
-        return gate_up_width(c.expert_ffn, c.own_width("expert_ffn"))
+        used = c.own_width("expert_ffn")
+        if used % quant.column_block(dict(c.formats).get("experts")):
+            return None
+        return gate_up_width(c.expert_ffn, used)
 
     def layout_note(self) -> str:
         """Its expert layout and why, in prose (the plan's choice: `joined`), with the
