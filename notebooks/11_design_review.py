@@ -183,7 +183,7 @@ display(plots.table([{k: f"{v:.3g}" if isinstance(v, float) else v for k, v in r
 # down in another)
 # and the other weights in tiles of at most twice those bytes, so the ring's one slot
 # index keeps near the same bytes in flight over both; at the low end of the clock range
-# its per-tile loops issue for longer than their DMA (an FP4 tile's for four times it),
+# its per-tile loops issue for longer than their DMA (an FP4 tile's for 4.2-4.9x it),
 # and at the high end a trip through an expert's FP4 tiles (unpacked to e4m3 in VMEM, its
 # 32-row groups' products stacked) still issues for about its DMA (the recorded rows
 # below); its expert shards stream 4/3 of their bytes (down's 64 rows a
