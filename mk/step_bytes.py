@@ -68,11 +68,12 @@ def bytes_per_element(local: ModelConfig, formats=None,
         if block is None:
             raise ValueError(f"formats={formats}: quantised bytes need the tiling (block)")
         own = dict(block.tiles)  # an expert slot's matrices: a tile each (`model_block`)
+        names = [n for k in layer_kinds(local) for n in k.segment_names()]
+        tile = (block.tile_rows, block.tile_cols)
 
-        def per_element(family: str) -> float:  # an expert's equal-sized tiles: the mean
-            tiles = [tile for n, tile in own.items()
-                     if FORMAT_GROUP.get(n) == group and FAMILY[n] == family] or [
-                         (block.tile_rows, block.tile_cols)]
+        def per_element(family: str) -> float:  # an expert's equal-sized matrices: the mean
+            tiles = [own.get(n, tile) for n in names  # its own tile, else the block's
+                     if FORMAT_GROUP.get(n) == group and FAMILY[n] == family] or [tile]
             return sum(quant.tile_bytes(scheme, r, c) / (r * c) for r, c in tiles) / len(tiles)
 
         per |= {f: per_element(f) for f, q in QUANT_FAMILY.items() if q == group}

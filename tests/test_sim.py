@@ -50,17 +50,21 @@ def test_moe_step_streams_only_the_active_expert_slots_and_the_routers():
     config, M = mk.preset("tiny-moe"), 4
     plan = DecodePlan.make(config, rows=M, position=0)
     block, stream = plan.block, plan.stream
+    def streamed(seg):  # a matrix's bytes (the experts' tiles are their own: model_block)
+        return seg.tiles * stream.segment_tile_bytes(seg, 2)
+
+    experts = [stream.segment(n) for n in ("we_gate", "we_up", "we_down")]
+    assert {seg.tile for seg in experts} != {stream.segment("wq").tile}
+    per_slot, slots = sum(map(streamed, experts)), experts[0].copies
+    layer = sum(streamed(seg) * seg.copies for seg in stream.segments)
+    dense = sum(streamed(stream.segment(n)) for n in ("w_gate", "w_up", "w_down"))
     for active in (1, 3, 8):
         s = sim.simulate(config, "v6e", rows=M, block=block, experts_active=active)
-        per_slot = stream.segment("we_gate").stride
-        expert_region = stream.segment("we_gate").copies * per_slot
-        dense = sum(stream.segment(n).tiles for n in ("w_gate", "w_up", "w_down"))
-        tiles = (stream.total - config.layers * expert_region
-                 - len(config.moe_layers) * dense  # MoE layers skip the dense MLP
-                 + len(config.moe_layers) * active * per_slot)
-        routers = len(config.moe_layers) * config.hidden * config.experts * 2
+        weights = (config.layers * (layer - slots * per_slot) + sum(map(streamed, stream.tail))
+                   - len(config.moe_layers) * (dense - active * per_slot))  # MoE layers skip
+        routers = len(config.moe_layers) * config.hidden * config.experts * 2  # the dense MLP
         norms = plan.weight_bytes()["norms"]
-        assert s.weight_bytes == tiles * stream.tile_bytes * 2 + routers + norms
+        assert s.weight_bytes == weights + routers + norms
         assert s.experts_active == active
 
 

@@ -381,7 +381,7 @@ class DecodePlan:
         one of fewer message rounds at this tp (`choose_algorithm`)."""
         if not isinstance(config, ModelConfig):
             raise ValueError(f"config={config!r} must be a ModelConfig")
-        M = check_rows(batch, rows)
+        tp, M = check_tp(config, tp), check_rows(batch, rows)  # a bad tp named first
         if (context is None) == (position is None):
             raise ValueError(f"context={context!r}, position={position!r}: give one, the "
                              "cache capacity S or every sequence's position")
