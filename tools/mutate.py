@@ -251,6 +251,10 @@ MUTANTS = [
        "if False:",
        "tests/test_quant_shards.py::test_fp8_experts_stay_apart_where_joining_them_would_cut"
        "_a_scale_block"),
+    _m("step bytes: an expert matrix on the block's tile priced by its neighbours' own",
+       "mk/step_bytes.py", "tiles = [own.get(n, tile) for n in names",
+       "tiles = [own[n] for n in names if n in own",
+       "tests/test_quant.py::test_predicted_step_bytes_shrink_by_each_formats_bits_per_value"),
     _m("bundles: a run of bundles printed out inside a trip ends the loop", "mk/bundles.py",
        "if r.depth is not None and (r.depth >= d or not run)), None)",
        "if r.depth is not None), None)",
