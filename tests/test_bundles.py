@@ -242,7 +242,7 @@ def _resimulated(row, block=None):
 # no divide and no second guard on the layer's kind), so it is not listed;
 # Kimi K3's TP32 shard streams its FP4 experts in tiles of their own (gate|up joined 7168
 # x 128, down 128 x 7168, fed fp8) and the rest in 3584 x 128 ones of at most twice their
-# bytes (folded 2): its plain loops issue for up to 1.2x their DMA at the low end (0.28x
+# bytes (folded 4): its plain loops issue for up to 1.2x their DMA at the low end (0.28x
 # at the high; 1.5x in 1792 x 128 tiles of no more bytes, 2.1x unfolded, 1.9x before that
 # edge rework), one trip through an expert's two FP4 tiles for 4.2-4.9x (0.99-1.15x; 4.9-
 # 5.3x and 1.14-1.24x while each product branched on its slot's flag, 6.1x and 1.4x before

@@ -54,7 +54,7 @@ def test_moe_step_streams_only_the_active_expert_slots_and_the_routers():
         return seg.tiles * stream.segment_tile_bytes(seg, 2)
 
     experts = [stream.segment(n) for n in ("we_gate", "we_up", "we_down")]
-    assert {seg.tile for seg in experts} != {stream.segment("wq").tile}
+    assert any(seg.tile != stream.segment("wq").tile for seg in experts)  # tiles of two sizes
     per_slot, slots = sum(map(streamed, experts)), experts[0].copies
     layer = sum(streamed(seg) * seg.copies for seg in stream.segments)
     dense = sum(streamed(stream.segment(n)) for n in ("w_gate", "w_up", "w_down"))

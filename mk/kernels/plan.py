@@ -58,15 +58,15 @@ The default tiling is `mk.kernels.one_layer.model_block` over the shard's matric
 (`mk.kernels.common.default_block`, the rule every kernel uses), with the cache's context:
 the largest tile of at most `TILE_BYTES` (2 MiB) that cuts each matrix plain or transposed
 (`BlockSizes.cut`: a row-sharded [narrow, D] matrix is stored D-major, so a shard's tiles
-are D x 128 and more), its output panels as wide as every MXU of a core where a tie
-allows (`PANEL_COLS`); each expert slot matrix in a tile of its own and the others in
-tiles of at most twice its bytes, where that makes tiles bigger (`BlockSizes.tiles`, `model_block`
-says when; packed tiles fed bf16 at most `QUANT_TILE_ELEMENTS`, fed fp8 as big as the
-rest: the plan's `feeds` choose), 3 ring slots or, for a chip,
-as many as Little's law asks for `ring_cover_s` at one core's bandwidth (`RING_COVER_S`,
-2 µs, and at tp > 1 one all-reduce more, so weight DMAs stream through the collectives;
-at most a layer's period of tiles), KV tiles of min(256, S) positions, KV slots by
-`kv_depth`.
+are D x 128 and more), its output panels as wide as every MXU of a core where a tie allows
+(`PANEL_COLS`); each expert slot matrix in a tile of its own and the others in tiles of at
+most `OTHERS_OVER_REPEAT_BYTES` x its bytes, where that makes tiles bigger
+(`BlockSizes.tiles`, `model_block` says when; packed tiles fed bf16 at most
+`QUANT_TILE_ELEMENTS`, fed fp8 as big as the rest: the plan's `feeds` choose), 3 ring slots
+or, for a chip, as many as Little's law asks for `ring_cover_s` at one core's bandwidth
+(`RING_COVER_S`, 2 µs, and at tp > 1 one all-reduce more, so weight DMAs stream through the
+collectives; at most a layer's period of tiles), KV tiles of min(256, S) positions, KV slots
+by `kv_depth`.
 
 The ring's slot count when tiles of different bytes share it. Plain tiles, each scheme's
 packed tiles (data and scales) and each tile shape have buffers of their own, but one slot
