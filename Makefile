@@ -17,7 +17,7 @@ export TPU_SKIP_MDS_QUERY := 1
 # Profiler captures (mk.profiling.PROFILES) land in this checkout's profiles/.
 export MK_PROFILES := $(CURDIR)/profiles
 
-.PHONY: test test-slow mutate run run-all check-site lab clean clean-runs
+.PHONY: test test-slow test-tpu mutate run run-all check-site lab clean clean-runs
 
 # loadgroup: tests marked xdist_group share one worker (and its module fixtures).
 test: $(VENV)/.stamp-test
@@ -28,6 +28,11 @@ test: $(VENV)/.stamp-test
 test-slow: $(VENV)/.stamp-test
 	$(PY) -m pytest -n 2 -m slow tests/
 	$(MAKE) mutate
+
+# The hardware tier on a TPU machine (tests/test_tpu.py), in one process: one program holds
+# the chip. Writes data/measured/<chip>-exact.json.
+test-tpu: $(VENV)/.stamp-test
+	env -u JAX_PLATFORMS -u TPU_SKIP_MDS_QUERY MK_TPU=1 $(PY) -m pytest -p no:xdist -m tpu tests/test_tpu.py
 
 # Realistic bugs planted one at a time in a copy of the checkout, each against the tests
 # CI runs (tools/mutate.py's list; hours on 2 cores): prints caught / survived per mutant.

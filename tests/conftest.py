@@ -1,12 +1,15 @@
-"""Shared fixtures: the tiny models every test runs on CPU; and, under `--dist loadgroup`,
+"""Shared fixtures: the tiny models every test runs on CPU (or, with MK_TPU=1, the chip); and, under `--dist loadgroup`,
 the xdist_group suffix that keeps a group on one worker under pytest 9 and the order that
 hands the workers the longest tests first."""
 
 import os
 import tempfile
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+# The CPU suite runs on the CPU even on a TPU machine; MK_TPU=1 (`make test-tpu`) leaves the
+# chip to the hardware tier (tests/test_tpu.py).
+if os.environ.get("MK_TPU") != "1":
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 # Captures the tests make (mk.profiling, notebook 08) go to a folder of this run, never
 # into the checkout's profiles/ (set before mk is imported; workers and notebook kernels
 # inherit it).

@@ -1,0 +1,159 @@
+"""Greedy tokens of a decode path judged against the reference, near-ties told apart.
+
+A kernel and `mk.reference` round to bf16 in different places, so their logits differ by
+up to about 0.5 % of the logits' scale (tiny-gpt-oss: 0.20-0.26 on logits of ~45, the
+same on a v5e chip and in interpret mode). Where the reference's two best logits are
+closer than that, greedy decoding may take either, and after it the sequences part for
+good: counting equal tokens then calls a rounding a bug and hides the rest of the run.
+`judge` instead replays the reference teacher-forced on the path's own tokens (one
+prefill over prompt + tokens) and classes each token: exact (the reference's argmax),
+a near-tie (within `TIE_RTOL` of the reference's best logit, scaled by its largest
+|logit|) or wrong. A wrong mask, head, window or expert moves a logit by O(1) of that
+scale; `mk.megakernel.first_divergence` is the finer tool for an error inside a tie.
+
+Also here, the hardware record: `FAMILY_PRESETS` (the tiny preset of every model family
+of `mk.kinds.hf.FAMILIES`), `record_path`, `load_record` and `verified` (per family: the
+chip, commit and date of its newest hardware case, and whether kernel code changed
+since). The hardware tier that writes records is tests/test_tpu.py (`make test-tpu`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from mk import reference
+from mk.config import ModelConfig
+from mk.measure import MEASURED, TPU_NAMES
+
+TIE_RTOL = 1e-2  # a near-tie: within 1 % of the largest |logit| (first_divergence's rtol)
+FAMILY_PRESETS = {"qwen3": "tiny", "qwen3_moe": "tiny-moe", "qwen3_5_text": "tiny-hybrid",
+                  "kimi_linear": "tiny-kimi", "gpt_oss": "tiny-gpt-oss"}
+# The code a record's verdicts speak for: a commit that changes any of it leaves older
+# records stale.
+KERNEL_PATHS = ("mk/kernels", "mk/kinds", "mk/megakernel.py", "mk/quant.py", "mk/unpack.py")
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """Each token's class; `first` holds every sequence's first step that is not exact
+    (None: all exact) and `gaps` each non-exact token's (sequence, step, the reference's
+    best logit minus the token's, that gap over the largest |logit|)."""
+
+    exact: int
+    ties: int
+    wrong: int
+    first: tuple
+    gaps: tuple
+
+    @property
+    def total(self) -> int:
+        return self.exact + self.ties + self.wrong
+
+    @property
+    def ok(self) -> bool:
+        return self.wrong == 0
+
+    def __str__(self) -> str:
+        gaps = ", ".join(f"seq {b} step {i}: gap {g:.3g} ({r:.2%})" for b, i, g, r in self.gaps)
+        return (f"{self.exact}/{self.total} exact, {self.ties} near-ties, {self.wrong} wrong"
+                + (f" [{gaps}]" if gaps else ""))
+
+    def to_dict(self) -> dict:
+        return dict(exact=self.exact, ties=self.ties, wrong=self.wrong, total=self.total,
+                    first=list(self.first), gaps=[list(g) for g in self.gaps])
+
+
+def judge_logits(logits, tokens, *, tie_rtol: float = TIE_RTOL) -> Verdict:
+    """tokens [B, n] against the reference's logits [B, n, V] for each of them."""
+    logits, tokens = np.asarray(logits, np.float32), np.asarray(tokens)
+    if logits.ndim != 3 or tokens.shape != logits.shape[:2]:
+        raise ValueError(f"logits {logits.shape} must be [B, n, V] for tokens {tokens.shape}")
+    best = logits.max(-1)
+    chosen = np.take_along_axis(logits, tokens[..., None].astype(np.int64), -1)[..., 0]
+    scale = np.abs(logits).max(-1)
+    exact = tokens == logits.argmax(-1)
+    tie = ~exact & (best - chosen <= tie_rtol * scale)
+    first = tuple(int(np.flatnonzero(~row)[0]) if (~row).any() else None for row in exact)
+    gaps = tuple((int(b), int(i), float(best[b, i] - chosen[b, i]),
+                  float((best[b, i] - chosen[b, i]) / scale[b, i]))
+                 for b, i in zip(*np.nonzero(~exact)))
+    return Verdict(int(exact.sum()), int(tie.sum()), int((~exact & ~tie).sum()), first, gaps)
+
+
+def judge(config: ModelConfig, values, prompt, tokens, *,
+          tie_rtol: float = TIE_RTOL) -> Verdict:
+    """Greedy `tokens` [B, n] that a decode path produced after `prompt` [B, P], against
+    the reference (`values`: its params, dequantised as the path's oracle) teacher-forced
+    on them: token i is judged by the reference's logits after prompt + tokens[:i]."""
+    prompt, tokens = np.asarray(prompt), np.asarray(tokens)
+    if prompt.ndim != 2 or tokens.ndim != 2 or prompt.shape[0] != tokens.shape[0]:
+        raise ValueError(f"prompt {prompt.shape} and tokens {tokens.shape} must be [B, P] "
+                         "and [B, n] with the same B")
+    P, n = prompt.shape[1], tokens.shape[1]
+    seq = jnp.asarray(np.concatenate([prompt, tokens[:, :-1]], 1), jnp.int32)
+    capacity = -(-(P + n) // 8) * 8
+    logits, _ = reference.prefill(config, values, seq, max_context=capacity)
+    return judge_logits(logits[:, P - 1:], tokens, tie_rtol=tie_rtol)
+
+
+# -- The hardware record ---------------------------------------------------------------------
+def record_path(chip: str) -> Path:
+    """Where the hardware tier's record for `chip` lives: MEASURED/<chip>-exact.json."""
+    if chip not in TPU_NAMES:
+        raise ValueError(f"chip={chip!r} must be one of {TPU_NAMES}")
+    return MEASURED / f"{chip}-exact.json"
+
+
+def load_record(path: str | os.PathLike) -> dict:
+    """A record the tier wrote (checked for the fields `verified` reads)."""
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    for field in ("chip", "device_kind", "jax", "libtpu", "commit", "when", "cases"):
+        if field not in data:
+            raise ValueError(f"{path}: field {field!r} is missing")
+    for case in data["cases"]:
+        for field in ("name", "family", "exact", "ties", "wrong", "total"):
+            if field not in case:
+                raise ValueError(f"{path}: a case lacks {field!r}: {str(case)[:200]}")
+    return data
+
+
+def kernel_changed_since(commit: str, root: str | os.PathLike = ".") -> bool | None:
+    """Whether a commit after `commit` changed `KERNEL_PATHS` (None: no git history to
+    tell, e.g. an installed wheel)."""
+    try:
+        out = subprocess.run(["git", "log", "--format=%H", f"{commit}..HEAD", "--",
+                              *KERNEL_PATHS], cwd=root, capture_output=True, text=True,
+                             timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return bool(out.stdout.strip()) if out.returncode == 0 else None
+
+
+def verified(root: str | os.PathLike = ".") -> list[dict]:
+    """One row per family of `FAMILY_PRESETS`: the chips whose record holds its cases,
+    with exact/ties/wrong summed, the record's commit and date, and `stale` (kernel code
+    changed since that commit; None: unknown). A family with no record has chip None."""
+    records = [load_record(p) for p in sorted(MEASURED.glob("*-exact.json"))]
+    rows = []
+    for family, preset in FAMILY_PRESETS.items():
+        found = False
+        for rec in records:
+            cases = [c for c in rec["cases"] if c["family"] == family]
+            if not cases:
+                continue
+            found = True
+            rows.append(dict(family=family, preset=preset, chip=rec["chip"],
+                             cases=len(cases), commit=rec["commit"][:7], when=rec["when"],
+                             **{k: sum(c[k] for c in cases)
+                                for k in ("exact", "ties", "wrong", "total")},
+                             stale=kernel_changed_since(rec["commit"], root)))
+        if not found:
+            rows.append(dict(family=family, preset=preset, chip=None))
+    return rows

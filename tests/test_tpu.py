@@ -1,0 +1,244 @@
+"""The hardware tier: the megakernel and the stage kernels on a real TPU, judged against the
+reference run on the CPU (the oracle: XLA's reference on a TPU is not exact for every
+family, e.g. the hybrid's delta rule at the TPU's default matmul precision).
+
+Run it on a TPU VM or a Colab TPU runtime in one process (one program holds the chip):
+`make test-tpu`, or `MK_TPU=1 python -m pytest -m tpu -p no:xdist tests/test_tpu.py`.
+Where no TPU is present (CI) every test here is skipped. At the end it writes the record
+`mk.exactness.record_path(<chip>)` (data/measured/<chip>-exact.json: chip, device kind,
+jax and libtpu versions, commit from $MK_COMMIT or git, each case's verdict), which
+tests/test_exactness.py holds every model family to.
+
+Greedy tokens are judged by `mk.exactness.judge` (the reference teacher-forced on the
+kernel's own tokens; a bf16 near-tie is told apart from a wrong token). Contexts cross
+KV tiles (32-position tiles, positions 20-44) and tiny-gpt-oss's 16-position window.
+What this tier does not check: time (benchmarks/), races (interpret mode's detector in
+the CPU suite; the chip has none), index bounds (`mk.bounds`, static, in the CPU suite).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import importlib.metadata
+import json
+import os
+import subprocess
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mk
+from mk import backend, exactness, megakernel, ops, quant, reference, spec, unpack
+from mk.kernels.common import BlockSizes
+from mk.kernels.decode_attention import decode_attention
+from mk.kernels.plan import DecodePlan, default_block
+from mk.kernels.weight_streaming import stream_matmul
+from mk.measure import chip_of
+
+from kernels.tolerances import TOLERANCE
+
+pytestmark = [pytest.mark.tpu,
+              pytest.mark.skipif(not backend.on_tpu(), reason="the hardware tier needs a TPU")]
+
+PROMPT, STEPS, CONTEXT, KV_TILE = 21, 24, 128, 32
+FAMILIES = list(exactness.FAMILY_PRESETS.items())
+CASES: list[dict] = []  # what the session's record holds
+
+
+def _cpu():
+    return jax.devices("cpu")[0]
+
+
+def _on_cpu(tree):
+    return jax.device_put(tree, _cpu())
+
+
+def _block(config, params):
+    """The default tiling with 32-position KV tiles, so the contexts cross tiles."""
+    block = default_block(config, CONTEXT, formats=quant.formats_of(params))
+    return dataclasses.replace(block, kv_tile=KV_TILE)
+
+
+def _model(name, formats=None, seed=0):
+    config = mk.preset(name)
+    params = mk.init_params(config, seed=seed)
+    if formats:
+        params = quant.quantize(config, params, **formats)
+    return config, params, _on_cpu(quant.dequantize(params))
+
+
+def _prompt(config, batch, seed=0):
+    return np.random.default_rng(seed).integers(0, config.vocab, (batch, PROMPT))
+
+
+def _keep(name, family, verdict, **fields):
+    CASES.append(dict(name=name, family=family, **fields, **verdict.to_dict()))
+    assert verdict.ok, f"{name}: {verdict}"
+    assert verdict.ties <= max(1, verdict.total // 8), f"{name}: too many near-ties: {verdict}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def record():
+    """Writes the session's cases to the chip's record when any ran."""
+    yield
+    if not CASES:
+        return
+    kind = jax.devices()[0].device_kind
+    chip = chip_of(kind)
+    commit = os.environ.get("MK_COMMIT") or _git("rev-parse", "HEAD") or "unknown"
+    try:
+        libtpu = importlib.metadata.version("libtpu")
+    except importlib.metadata.PackageNotFoundError:
+        libtpu = "unknown"
+    path = exactness.record_path(chip)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(
+        chip=chip, device_kind=kind, jax=jax.__version__, libtpu=libtpu, commit=commit,
+        when=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        cases=CASES), indent=1) + "\n", encoding="utf-8")
+
+
+def _git(*args):
+    try:
+        out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+# -- Every family, T = 1 (`generate`, its device loop) and T = 4/8 (verification steps) ------
+@pytest.mark.parametrize("family, name", FAMILIES)
+@pytest.mark.parametrize("batch", [1, 4, 8])
+def test_greedy_tokens_on_the_chip_are_the_references(family, name, batch):
+    config, params, values = _model(name)
+    prompt = _prompt(config, batch, seed=batch)
+    got = megakernel.generate(config, params, prompt, STEPS, backend="hardware",
+                              max_context=CONTEXT, steps_per_call=8,
+                              block=_block(config, params))
+    with jax.default_device(_cpu()):
+        verdict = exactness.judge(config, values, prompt, np.asarray(got))
+    _keep(f"{name} B{batch} T1", family, verdict, batch=batch, rows=1)
+
+
+@pytest.mark.parametrize("family, name", FAMILIES)
+@pytest.mark.parametrize("batch, rows", [(1, 4), (4, 8), (8, 4), (8, 8)])
+def test_verification_steps_on_the_chip_predict_the_references_tokens(family, name, batch,
+                                                                       rows):
+    """Two steps of `rows` rows, each fed the reference's greedy tokens (a perfect draft):
+    each row's prediction judged against the reference's logits at its position."""
+    config, params, values = _model(name)
+    prompt = _prompt(config, batch, seed=batch + rows)
+    with jax.default_device(_cpu()):
+        want = np.asarray(reference.generate(config, values, prompt, 2 * rows,
+                                             max_context=CONTEXT))
+        seq = np.concatenate([prompt, want], 1)
+        ref_logits, _ = reference.prefill(config, values, seq, max_context=CONTEXT)
+        _, cache = reference.prefill(config, values, prompt[:, :-1], max_context=CONTEXT)
+    block = _block(config, params)
+    weights = megakernel.prepare(DecodePlan.make(config, batch=batch, rows=rows,
+                                                 context=CONTEXT, block=block), params)
+    cache = jax.device_put(cache, jax.devices()[0])
+    fed = np.concatenate([prompt[:, -1:], want], 1)
+    got = []
+    with backend.use("hardware"):
+        for i in range(0, 2 * rows, rows):
+            nxt, _, cache = megakernel.decode_step(
+                config, weights, cache, jnp.asarray(fed[:, i:i + rows]),
+                jnp.full((batch,), PROMPT - 1 + i, jnp.int32), block=block)
+            got.append(np.asarray(nxt))
+    verdict = exactness.judge_logits(
+        np.asarray(ref_logits)[:, PROMPT - 1:PROMPT - 1 + 2 * rows], np.concatenate(got, 1))
+    _keep(f"{name} B{batch} T{rows}", family, verdict, batch=batch, rows=rows)
+
+
+# -- Every stored format (the v5e's MXU takes bf16: each is dequantised in VMEM) --------------
+FORMATS = [("tiny", "qwen3", dict(dense="int8", lm_head="int8")),
+           ("tiny", "qwen3", dict(dense="int4", lm_head="fp8")),
+           ("tiny", "qwen3", dict(dense="fp4")),
+           ("tiny-moe", "qwen3_moe", dict(experts="int4", dense="int8")),
+           ("tiny-moe", "qwen3_moe", dict(experts="fp8", dense="fp4")),
+           ("tiny-kimi", "kimi_linear", dict(experts="fp4")),
+           ("tiny-gpt-oss", "gpt_oss", dict(experts="fp4"))]
+
+
+@pytest.mark.parametrize("name, family, formats", FORMATS)
+def test_quantised_weights_on_the_chip_decode_the_references_tokens(name, family, formats):
+    config, params, values = _model(name, formats)
+    prompt = _prompt(config, 4, seed=7)
+    got = megakernel.generate(config, params, prompt, STEPS, backend="hardware",
+                              max_context=CONTEXT, steps_per_call=8,
+                              block=_block(config, params))
+    with jax.default_device(_cpu()):
+        verdict = exactness.judge(config, values, prompt, np.asarray(got))
+    label = ",".join(f"{g}={s}" for g, s in formats.items())
+    _keep(f"{name} {label} B4 T1", family, verdict, batch=4, rows=1, formats=formats)
+
+
+# -- Speculative decoding is lossless on the chip ----------------------------------------------
+@pytest.mark.parametrize("family, name", [("qwen3", "tiny"), ("qwen3_5_text", "tiny-hybrid")])
+def test_speculative_decoding_on_the_chip_keeps_the_references_tokens(family, name):
+    """Greedy speculative decoding (an n-gram drafter, gamma 3: the megakernel verifies 4
+    rows a step and a hybrid rolls its linear states back) gives the target's tokens."""
+    config, params, values = _model(name)
+    prompt = np.tile(_prompt(config, 2, seed=3)[:, :7], 3)  # repeats: the n-grams hit
+    got, stats = spec.generate(config, params, prompt, STEPS, drafter="ngram", gamma=3,
+                               backend="hardware", max_context=CONTEXT)
+    with jax.default_device(_cpu()):
+        verdict = exactness.judge(config, values, prompt, np.asarray(got))
+    _keep(f"{name} speculative gamma 3 B2", family, verdict, batch=2, rows=4)
+
+
+# -- A real model's shapes, 64 steps ------------------------------------------------------------
+def test_qwen3_0_6b_random_weights_64_steps_on_the_chip():
+    config = mk.preset("qwen3-0.6b")
+    params = mk.init_params(config)
+    prompt = _prompt(config, 1, seed=11)
+    got = megakernel.generate(config, params, prompt, 64, backend="hardware",
+                              max_context=256, steps_per_call=32)
+    with jax.default_device(_cpu()):
+        verdict = exactness.judge(config, _on_cpu(params), prompt, np.asarray(got))
+    _keep("qwen3-0.6b B1 T1 64 steps", "qwen3", verdict, batch=1, rows=1)
+
+
+# -- Stage kernels ----------------------------------------------------------------------------
+@pytest.mark.parametrize("scheme", [None, "int8", "int4", "fp8", "fp4"])
+def test_the_streamed_matmul_on_the_chip_matches_the_reference(scheme):
+    kx, kw = jax.random.split(jax.random.key(0))
+    x = jax.random.normal(kx, (8, 384), jnp.float32)
+    w = jax.random.normal(kw, (384, 256), jnp.float32).astype(jnp.bfloat16)
+    q = quant.quantize_weight(w, scheme) if scheme else w
+    with backend.use("hardware"):
+        y = np.asarray(stream_matmul(x, q))
+    with jax.default_device(_cpu()):
+        dense = _on_cpu(unpack.dequantize_tile(q.scheme, q.data, q.scale) if scheme else w)
+        want = np.asarray(ops.matmul(_on_cpu(x).astype(jnp.bfloat16),
+                                     dense.astype(jnp.bfloat16)))
+    np.testing.assert_allclose(y, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("window", [0, 16])
+def test_decode_attention_on_the_chip_matches_the_reference(window):
+    """Rows straddling a KV tile edge; with sinks and a sliding window (gpt-oss's)."""
+    B, T, N, K, S, L, H = 2, 4, 4, 2, 128, 2, 128
+    keys = jax.random.split(jax.random.key(1), 5)
+    q = jax.random.normal(keys[0], (B * T, N * H), jnp.float32)
+    k_new, v_new = (jax.random.normal(k, (B * T, K * H), jnp.float32) for k in keys[1:3])
+    k_cache, v_cache = (jax.random.normal(k, (L, B, K, S, H), jnp.bfloat16) for k in keys[3:5])
+    positions = jnp.array([30, 61], jnp.int32)
+    sinks = jnp.linspace(-1, 1, N, dtype=jnp.float32) if window else None
+    block = BlockSizes(kv_tile=32, kv_slots=2)
+    with backend.use("hardware"):
+        o, k_out, v_out = decode_attention(q, k_new, v_new, k_cache, v_cache, positions,
+                                           layer=1, block=block, sinks=sinks, window=window)
+    with jax.default_device(_cpu()):
+        args = _on_cpu((q, k_new, v_new, k_cache, v_cache, positions))
+        k, v = (ops.write_rows(c[1], new.reshape(B, T, K, H), args[5])
+                for c, new in ((args[3], args[1]), (args[4], args[2])))
+        want = ops.attention(args[0].reshape(B, T, N, H), k, v, args[5], window=window,
+                             sinks=None if sinks is None else _on_cpu(sinks))
+    np.testing.assert_allclose(np.asarray(o), np.asarray(want).reshape(B * T, -1),
+                               **TOLERANCE["attention"]["bfloat16"])
+    np.testing.assert_array_equal(np.asarray(k_out[1], np.float32), np.asarray(k, np.float32))
