@@ -20,7 +20,6 @@ import dataclasses  # noqa: E402
 import pytest  # noqa: E402
 
 import mk  # noqa: E402
-from _pytest.nodeid import coerce_node_id  # noqa: E402
 
 
 @pytest.hookimpl(trylast=True)
@@ -32,6 +31,8 @@ def pytest_collection_modifyitems(config, items):
     longest tests first (`LONGEST_FIRST`)."""
     if not getattr(config.option, "loadgroup", False):
         return
+    from _pytest.nodeid import coerce_node_id  # pytest 9's; a TPU VM's older one lacks it
+
     for item in items:
         groups = sorted({m.args[0] if m.args else m.kwargs.get("name", "default")
                          for m in item.iter_markers("xdist_group")})
