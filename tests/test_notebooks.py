@@ -194,6 +194,15 @@ def test_bootstrap_installs_on_colab_only_when_the_package_is_missing(monkeypatc
     assert _run_bootstrap(monkeypatch, colab=False, installed=False) == ([], None)
 
 
+def test_bootstrap_restart_exit_carries_no_exception_context(monkeypatch):
+    """IPython 7.34 (Colab's) on Python 3.13 shows "Internal Python error in the inspect
+    module" instead of the message of an exit raised while handling another exception: the
+    exit must be raised `from None` or outside the `except`."""
+    _, ended = _run_bootstrap(monkeypatch, colab=True, installed=False)
+    assert isinstance(ended, SystemExit)
+    assert ended.__context__ is None or ended.__suppress_context__, repr(ended.__context__)
+
+
 def test_bootstrap_source_is_overridable(monkeypatch):
     fork = "git+https://example.org/fork/mk@my-branch"
     magics, _ = _run_bootstrap(monkeypatch, colab=True, installed=False,
