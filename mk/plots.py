@@ -27,6 +27,7 @@ from __future__ import annotations
 import inspect
 import math
 import os
+import re
 import sys
 import textwrap
 from collections.abc import Mapping, Sequence
@@ -110,6 +111,10 @@ def escape(value: object) -> str:
     return str(value).translate(str.maketrans(_ESCAPES))
 
 
+_CELL = "padding: 0.2em 0.8em; font-variant-numeric: tabular-nums"
+_NUMBER = re.compile(r"[-+]?[\d,]*\.?\d+(e[-+]?\d+)?( ?[%x×])?$")  # 1,234 / 0.5 / 3e-05 / 2.1x
+
+
 class Table:
     """A table that renders as an HTML `<table>` in JupyterLab, on Colab and on the static
     site alike (`_repr_html_`, every cell through `escape`); its text form (`data`, the
@@ -133,11 +138,15 @@ class Table:
         return self.data
 
     def _repr_html_(self) -> str:
-        head = "".join(f"<th>{escape(c)}</th>" for c in self.columns)
-        body = "".join("<tr>" + "".join(f"<td>{escape(v)}</td>" for v in r) + "</tr>"
-                       for r in self.rows)
-        return (f'<table class="mk-table"><thead><tr>{head}</tr></thead>'
-                f"<tbody>{body}</tbody></table>")
+        # Styles inline: the site's theme, JupyterLab and Colab pad a bare table's cells
+        # differently or not at all, and unpadded numbers run together across columns.
+        def td(value):
+            align = "right" if _NUMBER.match(str(value).strip()) else "left"
+            return f'<td style="{_CELL}; text-align: {align}">{escape(value)}</td>'
+        head = "".join(f'<th style="{_CELL}">{escape(c)}</th>' for c in self.columns)
+        body = "".join("<tr>" + "".join(map(td, r)) + "</tr>" for r in self.rows)
+        return (f'<table class="mk-table" style="border-collapse: collapse">'
+                f"<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
 
 
 def table(rows: Sequence[Mapping[str, object]]) -> Table:

@@ -1,6 +1,8 @@
 """mk.plots: one colour per category in every timeline, the kernel source on the page, the
 TPU picture from the chip rows."""
 
+import re
+
 import pytest
 
 import mk
@@ -152,3 +154,13 @@ def test_knobs_are_a_widget_for_a_reader_and_the_defaults_in_a_headless_run(monk
     plots.knobs(panel, tau=(1, 8), chip=["v5e", "tpu7x"])
     assert len(shown) == 1 and isinstance(shown[0], ipywidgets.interactive)
     assert calls[-1] == (6, "tpu7x")  # interactive draws its first state at once
+
+
+def test_table_cells_are_padded_and_numbers_right_aligned():
+    """Unpadded cells ran the numbers of neighbouring columns together (00's tables)."""
+    html = plots.table([{"preset": "qwen3-0.6b", "GB": "1.19", "ratio": "2.10x"}])._repr_html_()
+    cells = re.findall(r'<(t[hd]) style="([^"]*)">([^<]*)<', html)
+    assert len(cells) == 6 and all("padding: 0.2em 0.8em" in style for _, style, _ in cells)
+    aligned = {text: style.rsplit("text-align: ", 1)[-1] for tag, style, text in cells
+               if tag == "td"}
+    assert aligned == {"qwen3-0.6b": "left", "1.19": "right", "2.10x": "right"}
