@@ -10,7 +10,8 @@ tensor-parallel step and what the ring loads meanwhile), `bubble_bars`, `sweep_l
 `mk.teach.ring_schedule`), `kv_tile_map` (the KV tiles each ragged sequence reads, writes
 back and skips), `table` (an HTML table, `Table`), `escape` (untrusted text made safe for
 HTML and Markdown), `show_source` (a kernel's own code on the page, from its module),
-`knobs` (a function's ipywidgets panel, where someone can turn them) and `show`. Not
+`knobs` (a function's ipywidgets panel, where someone can turn them), `show` and
+`whole_at_every_frame` (an animated figure's axes fixed to hold every frame). Not
 here: any model or chip arithmetic (that is `mk.perf`); the colours
 (`mk.colours`); static image export (kaleido needs Chrome).
 
@@ -49,7 +50,10 @@ HEADLESS = "MK_HEADLESS"  # set (to "1") for the kernels of a headless run: `kno
 
 # -- Display --------------------------------------------------------------------------------
 def show(fig: go.Figure) -> None:
-    """Display `fig` so that the saved notebook and its HTML export both draw it."""
+    """Display `fig` so that the saved notebook and its HTML export both draw it; an
+    animated figure first gets `whole_at_every_frame`."""
+    if fig.frames:
+        whole_at_every_frame(fig)
     if "google.colab" in sys.modules:
         fig.show(renderer="colab")
         return
@@ -65,6 +69,61 @@ def show(fig: go.Figure) -> None:
     bundle["text/html"] = html
     bundle["text/plain"] = f"<plotly figure: {fig.layout.title.text or 'untitled'}>"
     display(bundle, raw=True)
+
+
+def _extents(trace, barmode: str) -> dict[str, list]:
+    """{"x"/"y": the values `trace` draws on that axis}: a bar's base and base + length
+    along its value axis (stacked bars are left out there: their ends are sums), the data
+    of other cartesian traces as given."""
+    def values(v):
+        return [] if v is None else list(v) if hasattr(v, "__len__") and not isinstance(
+            v, str) else [v]
+
+    out = {"x": values(getattr(trace, "x", None)), "y": values(getattr(trace, "y", None))}
+    if trace.type == "bar":
+        along = "x" if trace.orientation == "h" else "y"
+        if barmode in ("stack", "relative"):
+            out[along] = []
+        else:
+            base = values(trace.base) or [0]
+            base = base * len(out[along]) if len(base) == 1 else base
+            out[along] = [*base, *(b + v for b, v in zip(base, out[along]) if v is not None)]
+    return out
+
+
+def whole_at_every_frame(fig: go.Figure) -> go.Figure:
+    """Fix each axis of an animated figure to a range that holds every frame: plotly keeps
+    the first frame's autorange through the animation, so a frame with more rows or a
+    longer span would be clipped (the ring Gantt's slots at 28 slots). A category axis
+    holds every category any frame draws, in `categoryarray` order or order of appearance;
+    a numeric one spans the data of every frame, padded 2 %. Returns `fig`, changed."""
+    barmode = fig.layout.barmode or "group"
+    seen: dict[str, list] = {}
+    for frame_data in [fig.data, *(f.data or () for f in fig.frames)]:
+        for i, trace in enumerate(frame_data):
+            kind = fig.data[i] if i < len(fig.data) else trace
+            for letter, vals in _extents(trace, barmode).items():
+                ref = getattr(trace, f"{letter}axis", None) or getattr(
+                    kind, f"{letter}axis", None) or letter
+                seen.setdefault(letter + "axis" + ref[1:], []).extend(
+                    v for v in vals if v is not None)
+    for key, vals in seen.items():
+        axis = fig.layout[key]
+        reverse = axis.autorange == "reversed"
+        if not vals:
+            continue
+        if axis.type == "category" or any(isinstance(v, str) for v in vals):
+            order = list(axis.categoryarray or ())
+            order += [v for v in dict.fromkeys(vals) if v not in order]
+            lo, hi = -0.5, len(order) - 0.5
+            axis.update(categoryorder="array", categoryarray=order)
+        else:
+            log = axis.type == "log"
+            nums = [math.log10(v) for v in vals if v > 0] if log else [float(v) for v in vals]
+            pad = 0.02 * ((max(nums) - min(nums)) or 1.0)
+            lo, hi = min(nums) - pad, max(nums) + pad
+        axis.update(autorange=False, range=[hi, lo] if reverse else [lo, hi])
+    return fig
 
 
 def knobs(fn, **controls) -> None:
@@ -305,11 +364,9 @@ def ring_gantt(schedules: Mapping[str, list], *, title: str) -> go.Figure:
     labels = list(schedules)
     fig = go.Figure(data=traces(schedules[labels[0]]),
                     frames=[go.Frame(data=traces(schedules[k]), name=k) for k in labels])
-    first = min(t["issue"] for rows in schedules.values() for t in rows) * 1e6
-    span = max(t["end"] for rows in schedules.values() for t in rows) * 1e6 - first
     fig.update_layout(
         title=title, barmode="overlay", height=200 + 24 * depth,
-        xaxis=dict(title="time (µs, modelled)", range=[first, first + span * 1.02]),
+        xaxis=dict(title="time (µs, modelled)"),
         yaxis=dict(title="ring slot", autorange="reversed", categoryorder="array",
                    categoryarray=[f"slot {s}" for s in range(depth)]),
         updatemenus=[dict(type="buttons", showactive=False, x=0, y=-0.25, buttons=[dict(

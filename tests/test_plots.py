@@ -85,6 +85,26 @@ def test_show_adds_a_figures_frames_without_playing_them_on_load(monkeypatch):
         "1 slots", "2 slots", "6 slots"]
 
 
+def test_show_fixes_an_animated_figures_axes_to_hold_every_frame(monkeypatch):
+    """plotly keeps the first frame's autorange through an animation: from a 1-slot first
+    frame, the 6-slot frame would draw slot 0 only (the ring Gantt of af5b9de)."""
+    stream = TileStream.build(BlockSizes(slots=1, tile_rows=128, tile_cols=128),
+                              [("wq", 256, 256), ("wo", 256, 256)])
+    schedules = _schedules(stream)
+    fig = plots.ring_gantt(schedules, title="t")
+    assert fig.layout.yaxis.range is None  # as built: plotly would autorange frame 1
+    shown = []
+    monkeypatch.setattr(plots, "display", lambda bundle, raw: shown.append(bundle))
+    plots.show(fig)
+    layout = shown[0]["application/vnd.plotly.v1+json"]["layout"]
+    assert layout["yaxis"]["range"] == [5.5, -0.5]  # reversed: slot 0 on top, 6 slots
+    assert layout["yaxis"]["categoryarray"][:6] == [f"slot {s}" for s in range(6)]
+    lo, hi = layout["xaxis"]["range"]
+    times = [t[k] * 1e6 for rows in schedules.values() for t in rows for k in ("issue", "end")]
+    assert lo < min(times) and max(times) < hi
+    assert layout["xaxis"]["autorange"] is False and layout["yaxis"]["autorange"] is False
+
+
 def test_tile_stream_colours_each_family_once_in_every_figure():
     block = BlockSizes(slots=3, tile_rows=128, tile_cols=128)
     moe = TileStream.build(block, [("wq", 256, 256), Repeat(4, (("we_gate", 256, 128),
