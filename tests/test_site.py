@@ -281,12 +281,14 @@ def test_browser_check_reports_broken_pages(tmp_path):
     assert "request leaves the site: http://example.invalid/x.png" in problems
 
 
-def test_an_animated_figures_slider_steps_and_playing_on_load_is_caught(tmp_path,
-                                                                         monkeypatch):
+def test_an_animated_figures_slider_steps_and_playing_on_load_or_clipping_is_caught(
+        tmp_path, monkeypatch):
     """A figure with frames (the ring Gantt) drawn by `mk.plots.show`: its slider steps
-    without error. Planted: the same figure from plotly's to_html as is, which plays the
-    frames on load (slowed here so the click surely lands in the play); the click
-    interrupts the play, whose rejected promise is an uncaught error "undefined"."""
+    without error and every frame lies inside its axes. Planted: the same figure from
+    plotly's to_html as is, which plays the frames on load (slowed here so the click surely
+    lands in the play); the click interrupts the play, whose rejected promise is an
+    uncaught error "undefined". And the Gantt as af5b9de showed it (no fixed ranges): the
+    y axis keeps the 1-slot frame's range, so the 2- and 3-slot frames are clipped."""
     import plotly.io as pio
 
     from mk import plots, teach
@@ -295,9 +297,12 @@ def test_an_animated_figures_slider_steps_and_playing_on_load_is_caught(tmp_path
 
     stream = TileStream.build(BlockSizes(slots=1, tile_rows=128, tile_cols=128),
                               [("wq", 256, 256), ("wo", 256, 256)])
-    fig = plots.ring_gantt({f"{n} slots": teach.ring_schedule(
+    schedules = {f"{n} slots": teach.ring_schedule(
         stream, slots=n, latency_s=0.5e-6, dma_s=0.05e-6, compute_s=0.02e-6)
-        for n in (1, 2, 3)}, title="ring")
+        for n in (1, 2, 3)}
+    fig = plots.ring_gantt(schedules, title="ring")
+    clipped = pio.to_html(plots.ring_gantt(schedules, title="ring"), include_plotlyjs=False,
+                          full_html=False, auto_play=False)
     shown = []
     monkeypatch.setattr(plots, "display", lambda bundle, raw: shown.append(bundle))
     monkeypatch.setitem(plots._state, "plotlyjs_embedded", True)  # loaded once, below
@@ -305,14 +310,20 @@ def test_an_animated_figures_slider_steps_and_playing_on_load_is_caught(tmp_path
     playing = pio.to_html(fig, include_plotlyjs=False, full_html=False,
                           animation_opts={"frame": {"duration": 20_000}})
     (tmp_path / "index.html").write_text(
-        '<title>i</title><a href="shown.html">a</a> <a href="playing.html">b</a>')
-    for name, html in (("shown", shown[0]["text/html"]), ("playing", playing)):
+        '<title>i</title><a href="shown.html">a</a> <a href="playing.html">b</a> '
+        '<a href="clipped.html">c</a>')
+    for name, html in (("shown", shown[0]["text/html"]), ("playing", playing),
+                       ("clipped", clipped)):
         (tmp_path / f"{name}.html").write_text(
             f"<!doctype html><html><head><title>{name}</title></head><body>"
             f"<script>{get_plotlyjs()}</script>{html}</body></html>")
     report = check_site.check_site(tmp_path, chromium=_chromium())
-    assert report.figures == 2 and report.sliders_stepped == 2, str(report)
-    assert report.problems == ["playing.html: JavaScript error: undefined"], str(report)
+    assert report.figures == 3 and report.sliders_stepped == 3, str(report)
+    assert report.problems[0] == "playing.html: JavaScript error: undefined", str(report)
+    assert len(report.problems) == 2 and report.problems[1].startswith(
+        "clipped.html: figure "), str(report)
+    assert "leave yaxis's range [-0.5, 0.5] in frame(s) ['2 slots', '3 slots']" in (
+        report.problems[1]), str(report)
 
 
 def test_a_site_copied_elsewhere_still_works_offline(site, tmp_path):
