@@ -32,6 +32,7 @@ from plotly.offline import get_plotlyjs
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
+import build_site  # noqa: E402
 import check_site  # noqa: E402
 import notebook_header  # noqa: E402
 import run_notebooks  # noqa: E402
@@ -231,6 +232,19 @@ def test_pages_have_their_notebook_title_index_link_and_neighbours(site):
     for name, text in titles.items():  # the table of contents names each configuration
         assert re.search(rf'href="{re.escape(name)}\.html">{re.escape(text)}</a>', navigation), \
             (name, text)
+
+
+def test_each_executed_notebook_is_stored_once_per_run(site):
+    """The run's executed notebook, the download button's copy in the site (a hard link)
+    and no myst-nb working copies: one file's bytes per notebook, not three."""
+    run_dir = site["run_dir"]
+    executed = sorted(run_dir.glob("*.ipynb"))
+    assert executed and not (run_dir / build_site.EXECUTE_COPIES).exists()
+    for notebook in executed:
+        served = run_dir / build_site.SITE / "_sources" / notebook.name
+        assert served.samefile(notebook), served
+    stored = [p for p in run_dir.rglob("*.ipynb")]
+    assert len({p.stat().st_ino for p in stored}) == len(executed), stored
 
 
 def test_run_folders_are_never_reused(tmp_path):
