@@ -89,8 +89,8 @@ def test_colab_extra_resolves_without_moving_a_colab_package(tmp_path):
     assert built.returncode == 0, built.stderr[-2000:]
     wheel = next(wheels.glob("mk_megakernel-*.whl"))
     done = _resolve(tmp_path, f"{wheel}[colab]")
-    assert done.returncode == 0, (f"Colab packages that would move: "
-                                  f"{_would_move(done.stdout + done.stderr)}\n{done.stdout[-3000:]}")
+    moving = _would_move(done.stdout + done.stderr)
+    assert done.returncode == 0, f"Colab packages that would move: {moving}\n{done.stdout[-3000:]}"
     installed = {canonicalize_name(i["metadata"]["name"]): i["metadata"]["version"]
                  for i in json.loads((tmp_path / "report.json").read_text())["install"]}
     pins = colab_pins()

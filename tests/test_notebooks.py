@@ -10,7 +10,8 @@ executes (notebooks/runs.yaml; an unlisted notebook once with its own parameters
 tiny preset of a notebook whose configurations are all too slow for CI. A run passes when no
 cell raises (each notebook's last cell holds its checks: asserts that fail on a wrong
 result) and every figure it displays keeps the figure rules of `mk.figure_rules` (titled
-axes with units, at most 10 legend entries, the weight families' colours). The configurations CI cannot afford (`SLOW_RUNS`) run in `make test-slow`, and so
+axes with units, at most 10 legend entries, the weight families' colours). The
+configurations CI cannot afford (`SLOW_RUNS`) run in `make test-slow`, and so
 do the runs with the notebook's own values of the knobs CI turns down (`CI_KNOBS`).
 
 Not here: whether the prose's numbers match the cell outputs (review), and how long a

@@ -7,7 +7,8 @@ after a run (the execution step stays there); the configuration is docs/conf.py.
 `run_dir/index.md` (the run's table, every run value through `mk.plots.escape`, and the
 table of contents, in run order) and the pages into `run_dir/site/`: `site/index.html` and
 one `site/<NN_topic[-label]>.html` per executed notebook, with MathJax copied inside
-(`install_mathjax`); each executed notebook is stored once per run (`one_copy`). `course_map` is the front page's course map (notebooks/course.yaml).
+(`install_mathjax`); each executed notebook is stored once per run (`one_copy`).
+`course_map` is the front page's course map (notebooks/course.yaml).
 
 Not here: executing notebooks (papermill, in run_notebooks), writing the index of every run
 (`OUT/index.html`, run_notebooks), checking the pages in a browser (tools/check_site.py).
