@@ -63,7 +63,7 @@ def show(fig: go.Figure) -> None:
     html = pio.to_html(fig, include_plotlyjs=False, full_html=False, auto_play=False,
                        default_width="100%", default_height=500)
     if not _state["plotlyjs_embedded"]:
-        html = f'<script type="text/javascript">{get_plotlyjs()}</script>\n{html}'
+        html = f"{plotlyjs_script()}\n{html}"
         _state["plotlyjs_embedded"] = True
     bundle = pio.renderers["plotly_mimetype"].to_mimebundle(fig.to_dict())
     bundle["text/html"] = html
@@ -124,6 +124,12 @@ def whole_at_every_frame(fig: go.Figure) -> go.Figure:
             lo, hi = min(nums) - pad, max(nums) + pad
         axis.update(autorange=False, range=[hi, lo] if reverse else [lo, hi])
     return fig
+
+
+def plotlyjs_script() -> str:
+    """The `<script>` holding plotly.js that `show` puts before a session's first figure
+    (tools/build_site.py swaps it for one shared file on the site's pages)."""
+    return f'<script type="text/javascript">{get_plotlyjs()}</script>'
 
 
 def knobs(fn, **controls) -> None:

@@ -7,7 +7,8 @@ after a run (the execution step stays there); the configuration is docs/conf.py.
 `run_dir/index.md` (the run's table, every run value through `mk.plots.escape`, and the
 table of contents, in run order) and the pages into `run_dir/site/`: `site/index.html` and
 one `site/<NN_topic[-label]>.html` per executed notebook, with MathJax copied inside
-(`install_mathjax`); each executed notebook is stored once per run (`one_copy`).
+(`install_mathjax`) and plotly.js once (`share_plotlyjs`); each executed notebook is
+stored once per run (`one_copy`).
 `course_map` is the front page's course map (notebooks/course.yaml).
 
 Not here: executing notebooks (papermill, in run_notebooks), writing the index of every run
@@ -28,7 +29,9 @@ from pathlib import Path
 
 import nbformat
 
-from mk.plots import escape
+from plotly.offline import get_plotlyjs
+
+from mk.plots import escape, plotlyjs_script
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "docs"
@@ -38,6 +41,7 @@ MATHJAX_PACKAGE = "sphinx-mathjax-offline"  # MathJax 3.2.2 (pinned in pyproject
 MATHJAX_JS = "tex-chtml.js"  # TeX in, CommonHTML out; with the parts it loads on demand:
 MATHJAX_PARTS = (MATHJAX_JS, "input", "output", "ui", "a11y")
 EXECUTE_COPIES = "jupyter_execute"  # myst-nb's copies of the notebooks, beside the site
+PLOTLYJS = "plotly.min.js"  # in the site's _static/: the one copy its pages load
 
 
 def page(name: str) -> str:
@@ -266,7 +270,24 @@ def build(run_dir: Path) -> None:
     if done.stderr.strip():
         print(done.stderr.strip(), file=sys.stderr, flush=True)
     install_mathjax(site)
+    share_plotlyjs(site)
     one_copy(run_dir)
+
+
+def share_plotlyjs(site: Path) -> None:
+    """plotly.js once per site, not once per page: the copy `mk.plots.show` embeds in a
+    notebook's first figure (4.6 MB; the notebook itself keeps it, to stay whole when
+    downloaded) becomes `_static/plotly.min.js`, which each page loads from the site."""
+    inline = plotlyjs_script()
+    shared = site / "_static" / PLOTLYJS
+    for page in site.rglob("*.html"):
+        text = page.read_text(encoding="utf-8")
+        if inline in text:
+            if not shared.exists():
+                shared.write_text(get_plotlyjs(), encoding="utf-8")
+            src = Path(os.path.relpath(shared, page.parent)).as_posix()
+            page.write_text(text.replace(inline, f'<script type="text/javascript" '
+                                                 f'src="{src}"></script>'), encoding="utf-8")
 
 
 def one_copy(run_dir: Path) -> None:
