@@ -110,7 +110,7 @@ def whole_at_every_frame(fig: go.Figure) -> go.Figure:
     for key, vals in seen.items():
         axis = fig.layout[key]
         reverse = axis.autorange == "reversed"
-        if not vals:
+        if not vals or axis.type == "date":  # dates: left to plotly's autorange
             continue
         if axis.type == "category" or any(isinstance(v, str) for v in vals):
             order = list(axis.categoryarray or ())
@@ -120,6 +120,8 @@ def whole_at_every_frame(fig: go.Figure) -> go.Figure:
         else:
             log = axis.type == "log"
             nums = [math.log10(v) for v in vals if v > 0] if log else [float(v) for v in vals]
+            if not nums:
+                continue
             pad = 0.02 * ((max(nums) - min(nums)) or 1.0)
             lo, hi = min(nums) - pad, max(nums) + pad
         axis.update(autorange=False, range=[hi, lo] if reverse else [lo, hi])
