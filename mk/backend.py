@@ -13,8 +13,8 @@ twice). Interpret mode itself only prints the first kind and never sees the seco
 default "on_wait" DMA mode (a duplicate DMA just stays queued); `use(..., strict_dma=True)`
 makes either an error.
 
-Here: `resolve`, `use`, `check_active`, `races_found`, `dma_leftovers`. Not here: ahead-of-time compiles
-for a chip that is not present (`mk.tpu`).
+Here: `resolve`, `use`, `check_active`, `races_found`, `dma_leftovers`. Not here:
+ahead-of-time compiles for a chip that is not present (`mk.tpu`).
 """
 
 from __future__ import annotations

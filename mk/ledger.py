@@ -2,7 +2,8 @@
 
 `TERMS` defines each word once; notebooks 00, 09 and 11 (and any other that states a step
 time) use these words and no others for these quantities; notebook 00 shows the
-definitions (`glossary()`, its section "The ledger") and the others link to it. `entries(...)` sets every row of data/published.csv against the models
+definitions (`glossary()`, its section "The ledger") and the others link to it.
+`entries(...)` sets every row of data/published.csv against the models
 under one set of assumptions, named once here (`runs()`: `VERIFY_ROWS`, batch 1 where
 unstated, every device of the run in one tensor-parallel group, each row's own context:
 the cached positions its benchmark scripts ran at, `mk.published.Published.context`), and,

@@ -326,7 +326,7 @@ def _median_seconds(calls: dict, repeats: int) -> dict:
     """{key: median wall seconds of calls[key]()} (each blocking), the keys interleaved
     so that a change of machine load touches all of them alike; one warm-up call each."""
     times = {key: [] for key in calls}
-    for key, call in calls.items():
+    for call in calls.values():
         jax.block_until_ready(call())  # compile, first touch
     for _ in range(repeats):
         for key, call in calls.items():

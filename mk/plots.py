@@ -10,7 +10,8 @@ tensor-parallel step and what the ring loads meanwhile), `bubble_bars`, `sweep_l
 `mk.teach.ring_schedule`), `kv_tile_map` (the KV tiles each ragged sequence reads, writes
 back and skips), `table` (an HTML table, `Table`), `escape` (untrusted text made safe for
 HTML and Markdown), `show_source` (a kernel's own code on the page, from its module),
-`knobs` (a function's ipywidgets panel, where someone can turn them) and `show`. Not
+`knobs` (a function's ipywidgets panel, where someone can turn them), `show` and
+`whole_at_every_frame` (an animated figure's axes fixed to hold every frame). Not
 here: any model or chip arithmetic (that is `mk.perf`); the colours
 (`mk.colours`); static image export (kaleido needs Chrome).
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 import inspect
 import math
 import os
+import re
 import sys
 import textwrap
 from collections.abc import Mapping, Sequence
@@ -48,7 +50,10 @@ HEADLESS = "MK_HEADLESS"  # set (to "1") for the kernels of a headless run: `kno
 
 # -- Display --------------------------------------------------------------------------------
 def show(fig: go.Figure) -> None:
-    """Display `fig` so that the saved notebook and its HTML export both draw it."""
+    """Display `fig` so that the saved notebook and its HTML export both draw it; an
+    animated figure first gets `whole_at_every_frame`."""
+    if fig.frames:
+        whole_at_every_frame(fig)
     if "google.colab" in sys.modules:
         fig.show(renderer="colab")
         return
@@ -58,12 +63,75 @@ def show(fig: go.Figure) -> None:
     html = pio.to_html(fig, include_plotlyjs=False, full_html=False, auto_play=False,
                        default_width="100%", default_height=500)
     if not _state["plotlyjs_embedded"]:
-        html = f'<script type="text/javascript">{get_plotlyjs()}</script>\n{html}'
+        html = f"{plotlyjs_script()}\n{html}"
         _state["plotlyjs_embedded"] = True
     bundle = pio.renderers["plotly_mimetype"].to_mimebundle(fig.to_dict())
     bundle["text/html"] = html
     bundle["text/plain"] = f"<plotly figure: {fig.layout.title.text or 'untitled'}>"
     display(bundle, raw=True)
+
+
+def _extents(trace, barmode: str) -> dict[str, list]:
+    """{"x"/"y": the values `trace` draws on that axis}: a bar's base and base + length
+    along its value axis (stacked bars are left out there: their ends are sums), the data
+    of other cartesian traces as given."""
+    def values(v):
+        return [] if v is None else list(v) if hasattr(v, "__len__") and not isinstance(
+            v, str) else [v]
+
+    out = {"x": values(getattr(trace, "x", None)), "y": values(getattr(trace, "y", None))}
+    if trace.type == "bar":
+        along = "x" if trace.orientation == "h" else "y"
+        if barmode in ("stack", "relative"):
+            out[along] = []
+        else:
+            base = values(trace.base) or [0]
+            base = base * len(out[along]) if len(base) == 1 else base
+            out[along] = [*base, *(b + v for b, v in zip(base, out[along]) if v is not None)]
+    return out
+
+
+def whole_at_every_frame(fig: go.Figure) -> go.Figure:
+    """Fix each axis of an animated figure to a range that holds every frame: plotly keeps
+    the first frame's autorange through the animation, so a frame with more rows or a
+    longer span would be clipped (the ring Gantt's slots at 28 slots). A category axis
+    holds every category any frame draws, in `categoryarray` order or order of appearance;
+    a numeric one spans the data of every frame, padded 2 %. Returns `fig`, changed."""
+    barmode = fig.layout.barmode or "group"
+    seen: dict[str, list] = {}
+    for frame_data in [fig.data, *(f.data or () for f in fig.frames)]:
+        for i, trace in enumerate(frame_data):
+            kind = fig.data[i] if i < len(fig.data) else trace
+            for letter, vals in _extents(trace, barmode).items():
+                ref = getattr(trace, f"{letter}axis", None) or getattr(
+                    kind, f"{letter}axis", None) or letter
+                seen.setdefault(letter + "axis" + ref[1:], []).extend(
+                    v for v in vals if v is not None)
+    for key, vals in seen.items():
+        axis = fig.layout[key]
+        reverse = axis.autorange == "reversed"
+        if not vals or axis.type == "date":  # dates: left to plotly's autorange
+            continue
+        if axis.type == "category" or any(isinstance(v, str) for v in vals):
+            order = list(axis.categoryarray or ())
+            order += [v for v in dict.fromkeys(vals) if v not in order]
+            lo, hi = -0.5, len(order) - 0.5
+            axis.update(categoryorder="array", categoryarray=order)
+        else:
+            log = axis.type == "log"
+            nums = [math.log10(v) for v in vals if v > 0] if log else [float(v) for v in vals]
+            if not nums:
+                continue
+            pad = 0.02 * ((max(nums) - min(nums)) or 1.0)
+            lo, hi = min(nums) - pad, max(nums) + pad
+        axis.update(autorange=False, range=[hi, lo] if reverse else [lo, hi])
+    return fig
+
+
+def plotlyjs_script() -> str:
+    """The `<script>` holding plotly.js that `show` puts before a session's first figure
+    (tools/build_site.py swaps it for one shared file on the site's pages)."""
+    return f'<script type="text/javascript">{get_plotlyjs()}</script>'
 
 
 def knobs(fn, **controls) -> None:
@@ -110,6 +178,10 @@ def escape(value: object) -> str:
     return str(value).translate(str.maketrans(_ESCAPES))
 
 
+_CELL = "padding: 0.2em 0.8em; font-variant-numeric: tabular-nums"
+_NUMBER = re.compile(r"[-+]?[\d,]*\.?\d+(e[-+]?\d+)?( ?[%x×])?$")  # 1,234 / 0.5 / 3e-05 / 2.1x
+
+
 class Table:
     """A table that renders as an HTML `<table>` in JupyterLab, on Colab and on the static
     site alike (`_repr_html_`, every cell through `escape`); its text form (`data`, the
@@ -133,11 +205,15 @@ class Table:
         return self.data
 
     def _repr_html_(self) -> str:
-        head = "".join(f"<th>{escape(c)}</th>" for c in self.columns)
-        body = "".join("<tr>" + "".join(f"<td>{escape(v)}</td>" for v in r) + "</tr>"
-                       for r in self.rows)
-        return (f'<table class="mk-table"><thead><tr>{head}</tr></thead>'
-                f"<tbody>{body}</tbody></table>")
+        # Styles inline: the site's theme, JupyterLab and Colab pad a bare table's cells
+        # differently or not at all, and unpadded numbers run together across columns.
+        def td(value):
+            align = "right" if _NUMBER.match(str(value).strip()) else "left"
+            return f'<td style="{_CELL}; text-align: {align}">{escape(value)}</td>'
+        head = "".join(f'<th style="{_CELL}">{escape(c)}</th>' for c in self.columns)
+        body = "".join("<tr>" + "".join(map(td, r)) + "</tr>" for r in self.rows)
+        return (f'<table class="mk-table" style="border-collapse: collapse">'
+                f"<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
 
 
 def table(rows: Sequence[Mapping[str, object]]) -> Table:
@@ -296,11 +372,9 @@ def ring_gantt(schedules: Mapping[str, list], *, title: str) -> go.Figure:
     labels = list(schedules)
     fig = go.Figure(data=traces(schedules[labels[0]]),
                     frames=[go.Frame(data=traces(schedules[k]), name=k) for k in labels])
-    first = min(t["issue"] for rows in schedules.values() for t in rows) * 1e6
-    span = max(t["end"] for rows in schedules.values() for t in rows) * 1e6 - first
     fig.update_layout(
         title=title, barmode="overlay", height=200 + 24 * depth,
-        xaxis=dict(title="time (µs, modelled)", range=[first, first + span * 1.02]),
+        xaxis=dict(title="time (µs, modelled)"),
         yaxis=dict(title="ring slot", autorange="reversed", categoryorder="array",
                    categoryarray=[f"slot {s}" for s in range(depth)]),
         updatemenus=[dict(type="buttons", showactive=False, x=0, y=-0.25, buttons=[dict(

@@ -11,7 +11,8 @@ those stops in real profiles, for three ways of running the same step:
 - (c) "megakernel": `mk.megakernel.decode_step`, one pallas_call per step.
 
 Here: `capture` (N annotated steps into `PROFILES/<name>/plugins/profile/<run>/`, the
-TensorBoard/XProf layout; `profiles_dir` says where PROFILES is), `timeline` (the op events of a trace, per step), `bubbles` (idle
+TensorBoard/XProf layout; `profiles_dir` says where PROFILES is), `timeline` (the op
+events of a trace, per step), `bubbles` (idle
 time per step, definitions in its docstring), `staged_step`, `variants`, `trace_viewer`
 (XProf's own converter) and the figures of notebook 08 (`gantt` for a measured
 step through `lanes_figure`; `share_bars`; a simulated step is drawn by

@@ -255,7 +255,7 @@ def ring_schedule(stream, *, slots: int, latency_s: float, dma_s: float,
     if slots < 1 or min(latency_s, dma_s, compute_s) < 0:
         raise ValueError(f"slots={slots} must be >= 1 and the times >= 0")
     out, engine, lane = [], 0.0, 0.0  # when the DMA engine and the compute lane are free
-    for g, layer, name, _, _ in stream.tiles():
+    for g, _layer, name, _, _ in stream.tiles():
         issue = 0.0 if g < slots else out[g - slots]["end"]
         on = active is None or active(name)
         land = max(issue + latency_s, engine) + dma_s if on else issue

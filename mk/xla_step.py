@@ -83,7 +83,7 @@ def _split(rest: str) -> tuple[str, str, str]:
     """(shape, opcode, operand text) of the right-hand side of an HLO instruction."""
     if rest.startswith("("):
         depth = 0
-        for i, ch in enumerate(rest):
+        for i, ch in enumerate(rest):  # noqa: B007 - i is read after the break
             depth += {"(": 1, ")": -1}.get(ch, 0)
             if depth == 0:
                 break
@@ -92,7 +92,7 @@ def _split(rest: str) -> tuple[str, str, str]:
         shape, _, rest = rest.partition(" ")
     opcode, _, rest = rest.partition("(")
     depth, end = 1, 0
-    for end, ch in enumerate(rest):
+    for end, ch in enumerate(rest):  # noqa: B007 - end is read after the break
         depth += {"(": 1, ")": -1}.get(ch, 0)
         if depth == 0:
             break

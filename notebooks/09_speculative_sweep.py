@@ -55,7 +55,10 @@ if "google.colab" in sys.modules:
         importlib.metadata.version("mk-megakernel")
     except importlib.metadata.PackageNotFoundError:
         # %pip install -q "mk-megakernel[colab] @ {MK_SOURCE}"
-        raise SystemExit("mk installed: Runtime > Restart session, then run all cells again.")
+        # `from None`: with the PackageNotFoundError as its context, IPython 7.34 on Python
+        # 3.13 shows "Internal Python error in the inspect module" instead of this message.
+        raise SystemExit("mk installed: Runtime > Restart session, then run all cells "
+                         "again.") from None
 mk_spec = importlib.util.find_spec("mk")
 if mk_spec is None or mk_spec.origin is None:
     raise ModuleNotFoundError(
@@ -327,8 +330,8 @@ fig.update_layout(
     yaxis_title="throughput (tokens/s per user)", sliders=[dict(active=0, pad=dict(t=40), steps=[
         dict(method="update", label=f"batch {b}", args=[{"visible": [o == b for o in owner]}])
         for b in batches])])
-for i in range(len(sweep_chips)):
-    fig.update_xaxes(title_text="tau (accepted tokens per step)", row=1, col=i + 1)
+for i in range(len(sweep_chips)):  # short: four subplots share the width
+    fig.update_xaxes(title_text="tau (tokens)", row=1, col=i + 1)
 plots.show(fig)
 for c in sweep_chips:
     one, eight = (spec.step_ms(target, c, batch=1, rows=r, context=sweep_context,

@@ -51,7 +51,10 @@ if "google.colab" in sys.modules:
         importlib.metadata.version("mk-megakernel")
     except importlib.metadata.PackageNotFoundError:
         # %pip install -q "mk-megakernel[colab] @ {MK_SOURCE}"
-        raise SystemExit("mk installed: Runtime > Restart session, then run all cells again.")
+        # `from None`: with the PackageNotFoundError as its context, IPython 7.34 on Python
+        # 3.13 shows "Internal Python error in the inspect module" instead of this message.
+        raise SystemExit("mk installed: Runtime > Restart session, then run all cells "
+                         "again.") from None
 mk_spec = importlib.util.find_spec("mk")
 if mk_spec is None or mk_spec.origin is None:
     raise ModuleNotFoundError(

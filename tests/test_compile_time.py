@@ -1,5 +1,5 @@
-"""mk.compile_time (benchmarks/compile_time.py's benchmark): its scan step is the reference step, and its records are
-well formed.
+"""mk.compile_time (benchmarks/compile_time.py's benchmark): its scan step is the reference
+step, and its records are well formed.
 
 The XLA scan variant is checked against `mk.reference.decode_step` on the CPU with tiny real
 arrays (plain jit, no TPU), so the benchmark compares like with like. The benchmark itself

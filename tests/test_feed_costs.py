@@ -95,7 +95,7 @@ def test_the_floors_cover_every_chip_feed_and_m_and_lie_under_the_table():
     under = {key for key, cost in table.items()
              if cost.bundles_per_element < floors[(key[0], key[2], key[3])].bundles_per_element}
     assert under == LOOP_UNDER_PROBE
-    for chip, dtype, feed, m in table:
+    for chip, _dtype, feed, m in table:
         assert feed_costs.feed_floor_per_element(chip, feed, m) == min(
             floors[(chip, feed, m)].bundles_per_element,
             *(c.bundles_per_element for k, c in table.items() if (k[0], k[2], k[3]) == (

@@ -140,8 +140,8 @@ def test_qwen35_full_attention_decodes_the_references_tokens():
     """Qwen3.5's full-attention layers: the output gate (a wq_gate segment in the ring, o *
     sigmoid(h @ wq_gate) before wo), RoPE on the first quarter of each head, norms scaling
     by 1 + weight. A verify step of 4 rows (race detector on) predicts the reference's
-    greedy tokens (the T = 1 path is the same kernel with T = 1). Control: each detail alone changes the reference's tokens, so a kernel
-    that dropped one would fail here."""
+    greedy tokens (the T = 1 path is the same kernel with T = 1). Control: each detail alone
+    changes the reference's tokens, so a kernel that dropped one would fail here."""
     config = dataclasses.replace(mk.preset("tiny"), dtype="float32", **QWEN35_ATTENTION)
     params = mk.init_params(config)
     prompt = jax.random.randint(jax.random.key(3), (2, 5), 0, config.vocab)
@@ -303,7 +303,8 @@ def test_a_tiny_model_fed_fp8_compiles_for_tpu7x():
 def test_int4_experts_alone_do_not_fit_v5e_and_the_numbers_say_so():
     report = tpu.compile_megakernel(mk.preset("qwen3-30b-a3b"), "v5e", batch=1, context=4096,
                                     formats=dict(experts="int4"))
-    assert not report.ok and "17.17 GiB of HBM, over the 15.75 GiB the compiler gives one v5e core" in report.error
+    assert not report.ok
+    assert "17.17 GiB of HBM, over the 15.75 GiB the compiler gives one v5e core" in report.error
 
 
 def test_a_model_too_big_for_the_chip_is_reported_with_numbers():

@@ -10,7 +10,8 @@ executes (notebooks/runs.yaml; an unlisted notebook once with its own parameters
 tiny preset of a notebook whose configurations are all too slow for CI. A run passes when no
 cell raises (each notebook's last cell holds its checks: asserts that fail on a wrong
 result) and every figure it displays keeps the figure rules of `mk.figure_rules` (titled
-axes with units, at most 10 legend entries, the weight families' colours). The configurations CI cannot afford (`SLOW_RUNS`) run in `make test-slow`, and so
+axes with units, at most 10 legend entries, the weight families' colours). The
+configurations CI cannot afford (`SLOW_RUNS`) run in `make test-slow`, and so
 do the runs with the notebook's own values of the knobs CI turns down (`CI_KNOBS`).
 
 Not here: whether the prose's numbers match the cell outputs (review), and how long a
@@ -192,6 +193,15 @@ def test_bootstrap_installs_on_colab_only_when_the_package_is_missing(monkeypatc
     assert isinstance(ended, SystemExit) and "Restart session" in str(ended)
     assert _run_bootstrap(monkeypatch, colab=True, installed=True) == ([], None)
     assert _run_bootstrap(monkeypatch, colab=False, installed=False) == ([], None)
+
+
+def test_bootstrap_restart_exit_carries_no_exception_context(monkeypatch):
+    """IPython 7.34 (Colab's) on Python 3.13 shows "Internal Python error in the inspect
+    module" instead of the message of an exit raised while handling another exception: the
+    exit must be raised `from None` or outside the `except`."""
+    _, ended = _run_bootstrap(monkeypatch, colab=True, installed=False)
+    assert isinstance(ended, SystemExit)
+    assert ended.__context__ is None or ended.__suppress_context__, repr(ended.__context__)
 
 
 def test_bootstrap_source_is_overridable(monkeypatch):

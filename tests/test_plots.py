@@ -1,6 +1,8 @@
 """mk.plots: one colour per category in every timeline, the kernel source on the page, the
 TPU picture from the chip rows."""
 
+import re
+
 import pytest
 
 import mk
@@ -83,6 +85,26 @@ def test_show_adds_a_figures_frames_without_playing_them_on_load(monkeypatch):
         "1 slots", "2 slots", "6 slots"]
 
 
+def test_show_fixes_an_animated_figures_axes_to_hold_every_frame(monkeypatch):
+    """plotly keeps the first frame's autorange through an animation: from a 1-slot first
+    frame, the 6-slot frame would draw slot 0 only (the ring Gantt of af5b9de)."""
+    stream = TileStream.build(BlockSizes(slots=1, tile_rows=128, tile_cols=128),
+                              [("wq", 256, 256), ("wo", 256, 256)])
+    schedules = _schedules(stream)
+    fig = plots.ring_gantt(schedules, title="t")
+    assert fig.layout.yaxis.range is None  # as built: plotly would autorange frame 1
+    shown = []
+    monkeypatch.setattr(plots, "display", lambda bundle, raw: shown.append(bundle))
+    plots.show(fig)
+    layout = shown[0]["application/vnd.plotly.v1+json"]["layout"]
+    assert layout["yaxis"]["range"] == [5.5, -0.5]  # reversed: slot 0 on top, 6 slots
+    assert layout["yaxis"]["categoryarray"][:6] == [f"slot {s}" for s in range(6)]
+    lo, hi = layout["xaxis"]["range"]
+    times = [t[k] * 1e6 for rows in schedules.values() for t in rows for k in ("issue", "end")]
+    assert lo < min(times) and max(times) < hi
+    assert layout["xaxis"]["autorange"] is False and layout["yaxis"]["autorange"] is False
+
+
 def test_tile_stream_colours_each_family_once_in_every_figure():
     block = BlockSizes(slots=3, tile_rows=128, tile_cols=128)
     moe = TileStream.build(block, [("wq", 256, 256), Repeat(4, (("we_gate", 256, 128),
@@ -152,3 +174,13 @@ def test_knobs_are_a_widget_for_a_reader_and_the_defaults_in_a_headless_run(monk
     plots.knobs(panel, tau=(1, 8), chip=["v5e", "tpu7x"])
     assert len(shown) == 1 and isinstance(shown[0], ipywidgets.interactive)
     assert calls[-1] == (6, "tpu7x")  # interactive draws its first state at once
+
+
+def test_table_cells_are_padded_and_numbers_right_aligned():
+    """Unpadded cells ran the numbers of neighbouring columns together (00's tables)."""
+    html = plots.table([{"preset": "qwen3-0.6b", "GB": "1.19", "ratio": "2.10x"}])._repr_html_()
+    cells = re.findall(r'<(t[hd]) style="([^"]*)">([^<]*)<', html)
+    assert len(cells) == 6 and all("padding: 0.2em 0.8em" in style for _, style, _ in cells)
+    aligned = {text: style.rsplit("text-align: ", 1)[-1] for tag, style, text in cells
+               if tag == "td"}
+    assert aligned == {"qwen3-0.6b": "left", "1.19": "right", "2.10x": "right"}

@@ -32,6 +32,7 @@ from plotly.offline import get_plotlyjs
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
+import build_site  # noqa: E402
 import check_site  # noqa: E402
 import notebook_header  # noqa: E402
 import run_notebooks  # noqa: E402
@@ -203,12 +204,22 @@ def test_progress_lines_name_each_run_with_time_and_status(site):
     assert re.search(r"^2 ok, 1 failed in \d+ s", site["stdout"], re.M)
 
 
-def test_pages_carry_plotlyjs_once_and_load_nothing_from_outside(site):
+def test_pages_load_the_sites_one_plotlyjs_and_nothing_from_outside(site):
+    """plotly.js lies once in the site (`_static/plotly.min.js`), not in every page; the
+    executed notebook (the download) keeps its own copy, so it stays whole."""
     header = get_plotlyjs()[:60]
+    shared = site["run_dir"] / build_site.SITE / "_static" / build_site.PLOTLYJS
+    assert shared.read_text() == get_plotlyjs()
     for name, row in site["rows"].items():
         page = (site["run_dir"] / row["page"]).read_text()
-        assert page.count(header) == (0 if name == "91_site_fails" else 1), name
+        figures = name != "91_site_fails"
+        assert header not in page, name
+        assert page.count(f'src="_static/{build_site.PLOTLYJS}"') == int(figures), name
         assert not re.findall(r'src="https?:', page), name
+        notebook = nbformat.read(site["run_dir"] / f"{name}.ipynb", as_version=4)
+        html = "".join(out.get("data", {}).get("text/html", "") for cell in notebook.cells
+                       for out in cell.get("outputs", []))
+        assert (header in html) == figures, name
 
 
 def test_pages_have_their_notebook_title_index_link_and_neighbours(site):
@@ -231,6 +242,19 @@ def test_pages_have_their_notebook_title_index_link_and_neighbours(site):
     for name, text in titles.items():  # the table of contents names each configuration
         assert re.search(rf'href="{re.escape(name)}\.html">{re.escape(text)}</a>', navigation), \
             (name, text)
+
+
+def test_each_executed_notebook_is_stored_once_per_run(site):
+    """The run's executed notebook, the download button's copy in the site (a hard link)
+    and no myst-nb working copies: one file's bytes per notebook, not three."""
+    run_dir = site["run_dir"]
+    executed = sorted(run_dir.glob("*.ipynb"))
+    assert executed and not (run_dir / build_site.EXECUTE_COPIES).exists()
+    for notebook in executed:
+        served = run_dir / build_site.SITE / "_sources" / notebook.name
+        assert served.samefile(notebook), served
+    stored = [p for p in run_dir.rglob("*.ipynb")]
+    assert len({p.stat().st_ino for p in stored}) == len(executed), stored
 
 
 def test_run_folders_are_never_reused(tmp_path):
@@ -281,12 +305,14 @@ def test_browser_check_reports_broken_pages(tmp_path):
     assert "request leaves the site: http://example.invalid/x.png" in problems
 
 
-def test_an_animated_figures_slider_steps_and_playing_on_load_is_caught(tmp_path,
-                                                                         monkeypatch):
+def test_an_animated_figures_slider_steps_and_playing_on_load_or_clipping_is_caught(
+        tmp_path, monkeypatch):
     """A figure with frames (the ring Gantt) drawn by `mk.plots.show`: its slider steps
-    without error. Planted: the same figure from plotly's to_html as is, which plays the
-    frames on load (slowed here so the click surely lands in the play); the click
-    interrupts the play, whose rejected promise is an uncaught error "undefined"."""
+    without error and every frame lies inside its axes. Planted: the same figure from
+    plotly's to_html as is, which plays the frames on load (slowed here so the click surely
+    lands in the play); the click interrupts the play, whose rejected promise is an
+    uncaught error "undefined". And the Gantt as af5b9de showed it (no fixed ranges): the
+    y axis keeps the 1-slot frame's range, so the 2- and 3-slot frames are clipped."""
     import plotly.io as pio
 
     from mk import plots, teach
@@ -295,9 +321,12 @@ def test_an_animated_figures_slider_steps_and_playing_on_load_is_caught(tmp_path
 
     stream = TileStream.build(BlockSizes(slots=1, tile_rows=128, tile_cols=128),
                               [("wq", 256, 256), ("wo", 256, 256)])
-    fig = plots.ring_gantt({f"{n} slots": teach.ring_schedule(
+    schedules = {f"{n} slots": teach.ring_schedule(
         stream, slots=n, latency_s=0.5e-6, dma_s=0.05e-6, compute_s=0.02e-6)
-        for n in (1, 2, 3)}, title="ring")
+        for n in (1, 2, 3)}
+    fig = plots.ring_gantt(schedules, title="ring")
+    clipped = pio.to_html(plots.ring_gantt(schedules, title="ring"), include_plotlyjs=False,
+                          full_html=False, auto_play=False)
     shown = []
     monkeypatch.setattr(plots, "display", lambda bundle, raw: shown.append(bundle))
     monkeypatch.setitem(plots._state, "plotlyjs_embedded", True)  # loaded once, below
@@ -305,14 +334,20 @@ def test_an_animated_figures_slider_steps_and_playing_on_load_is_caught(tmp_path
     playing = pio.to_html(fig, include_plotlyjs=False, full_html=False,
                           animation_opts={"frame": {"duration": 20_000}})
     (tmp_path / "index.html").write_text(
-        '<title>i</title><a href="shown.html">a</a> <a href="playing.html">b</a>')
-    for name, html in (("shown", shown[0]["text/html"]), ("playing", playing)):
+        '<title>i</title><a href="shown.html">a</a> <a href="playing.html">b</a> '
+        '<a href="clipped.html">c</a>')
+    for name, html in (("shown", shown[0]["text/html"]), ("playing", playing),
+                       ("clipped", clipped)):
         (tmp_path / f"{name}.html").write_text(
             f"<!doctype html><html><head><title>{name}</title></head><body>"
             f"<script>{get_plotlyjs()}</script>{html}</body></html>")
     report = check_site.check_site(tmp_path, chromium=_chromium())
-    assert report.figures == 2 and report.sliders_stepped == 2, str(report)
-    assert report.problems == ["playing.html: JavaScript error: undefined"], str(report)
+    assert report.figures == 3 and report.sliders_stepped == 3, str(report)
+    assert report.problems[0] == "playing.html: JavaScript error: undefined", str(report)
+    assert len(report.problems) == 2 and report.problems[1].startswith(
+        "clipped.html: figure "), str(report)
+    assert "leave yaxis's range [-0.5, 0.5] in frame(s) ['2 slots', '3 slots']" in (
+        report.problems[1]), str(report)
 
 
 def test_a_site_copied_elsewhere_still_works_offline(site, tmp_path):

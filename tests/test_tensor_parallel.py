@@ -2,7 +2,8 @@
 
 The token checks run in subprocesses with 2 tp virtual CPU devices (tests/multidevice.py),
 in TPU interpret mode with the race detector on; a planted cross-device race runs after
-them in the same subprocess, and a run whose detector missed it is inconclusive (skipped). Each uses a model made for its tp (tiny
+them in the same subprocess, and a run whose detector missed it is inconclusive
+(skipped). Each uses a model made for its tp (tiny
 widths: every shard is one or two 128-wide tiles; kv heads replicated when tp > 2).
 
 Time budget: the CPU compile of the interpreted kernel dominates (about 30 s of CPU for a
@@ -467,5 +468,6 @@ def test_a_shard_too_big_for_hbm_is_reported_with_numbers():
     report = tpu.compile_megakernel(mk.preset("qwen3-30b-a3b"), "v5e", tp=4,
                                     topology="v5e:2x2")
     assert not report.ok
-    assert re.search(r"need [\d.]+ GiB of HBM, over the 15\.75 GiB the compiler gives one v5e core", report.error)
+    assert re.search(r"need [\d.]+ GiB of HBM, over the 15\.75 GiB the compiler gives one "
+                     r"v5e core", report.error)
     assert report.hbm_bytes > mk.chip("v5e").hbm_bytes

@@ -7,7 +7,9 @@ after a run (the execution step stays there); the configuration is docs/conf.py.
 `run_dir/index.md` (the run's table, every run value through `mk.plots.escape`, and the
 table of contents, in run order) and the pages into `run_dir/site/`: `site/index.html` and
 one `site/<NN_topic[-label]>.html` per executed notebook, with MathJax copied inside
-(`install_mathjax`). `course_map` is the front page's course map (notebooks/course.yaml).
+(`install_mathjax`) and plotly.js once (`share_plotlyjs`); each executed notebook is
+stored once per run (`one_copy`).
+`course_map` is the front page's course map (notebooks/course.yaml).
 
 Not here: executing notebooks (papermill, in run_notebooks), writing the index of every run
 (`OUT/index.html`, run_notebooks), checking the pages in a browser (tools/check_site.py).
@@ -27,7 +29,9 @@ from pathlib import Path
 
 import nbformat
 
-from mk.plots import escape
+from plotly.offline import get_plotlyjs
+
+from mk.plots import escape, plotlyjs_script
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "docs"
@@ -36,6 +40,8 @@ MATHJAX = "mathjax"  # MathJax's folder inside the site's _static/: a copied sit
 MATHJAX_PACKAGE = "sphinx-mathjax-offline"  # MathJax 3.2.2 (pinned in pyproject's docs extra)
 MATHJAX_JS = "tex-chtml.js"  # TeX in, CommonHTML out; with the parts it loads on demand:
 MATHJAX_PARTS = (MATHJAX_JS, "input", "output", "ui", "a11y")
+EXECUTE_COPIES = "jupyter_execute"  # myst-nb's copies of the notebooks, beside the site
+PLOTLYJS = "plotly.min.js"  # in the site's _static/: the one copy its pages load
 
 
 def page(name: str) -> str:
@@ -264,3 +270,36 @@ def build(run_dir: Path) -> None:
     if done.stderr.strip():
         print(done.stderr.strip(), file=sys.stderr, flush=True)
     install_mathjax(site)
+    share_plotlyjs(site)
+    one_copy(run_dir)
+
+
+def share_plotlyjs(site: Path) -> None:
+    """plotly.js once per site, not once per page: the copy `mk.plots.show` embeds in a
+    notebook's first figure (4.6 MB; the notebook itself keeps it, to stay whole when
+    downloaded) becomes `_static/plotly.min.js`, which each page loads from the site."""
+    inline = plotlyjs_script()
+    shared = site / "_static" / PLOTLYJS
+    for page in site.rglob("*.html"):
+        text = page.read_text(encoding="utf-8")
+        if inline in text:
+            if not shared.exists():
+                shared.write_text(get_plotlyjs(), encoding="utf-8")
+            src = Path(os.path.relpath(shared, page.parent)).as_posix()
+            page.write_text(text.replace(inline, f'<script type="text/javascript" '
+                                                 f'src="{src}"></script>'), encoding="utf-8")
+
+
+def one_copy(run_dir: Path) -> None:
+    """Keep one copy of each executed notebook in `run_dir`: myst-nb's working copies
+    (`jupyter_execute/`, only read while Sphinx builds) go, and the download button's copy
+    (`site/_sources/<name>.ipynb`, the same bytes) becomes a hard link to the run's own
+    `<name>.ipynb` (a copied site gets its own file again)."""
+    shutil.rmtree(run_dir / EXECUTE_COPIES, ignore_errors=True)
+    for notebook in run_dir.glob("*.ipynb"):
+        served = run_dir / SITE / "_sources" / notebook.name
+        if served.is_file() and served.read_bytes() == notebook.read_bytes():
+            link = served.with_name(served.name + ".link")
+            link.unlink(missing_ok=True)
+            os.link(notebook, link)
+            os.replace(link, served)

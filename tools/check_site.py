@@ -9,6 +9,9 @@ On each page it reports:
   offline);
 - every plotly figure that did not render (no `.js-plotly-plot`, no visible trace in its
   data, or no drawn trace in its SVG);
+- every animated figure clipped at some frame: a frame's trace extents (bars from base to
+  base + length, points as given) measured against the axis ranges plotly holds through
+  the animation;
 - for every figure with a slider: a click on the next step's tick must make the slider
   active there and change the drawn plot (the slider works without a kernel);
 - a missing or empty `<title>`; a page file over `PAGE_BUDGET_MB`;
@@ -76,6 +79,46 @@ TICK_JS = """([id, k]) => { const gd = document.getElementById(id);
   const t = ticks[k].getBoundingClientRect();
   return [t.left + t.width / 2, rail.top + rail.height / 2]; }"""
 ACTIVE_JS = "id => document.getElementById(id)._fullLayout.sliders[0].active"
+# Per animated figure (one with frames): each frame's traces whose drawn extent leaves the
+# axis's range, as plotly holds that range through the animation. Extent on an axis: a
+# bar's base and base + length along its value axis (stacked bars: positions only), other
+# traces' data as given; categories by their index in the axis's categories (one the axis
+# does not list is outside). Numbers packed binary ({dtype, bdata}) are unpacked.
+CLIPPED_JS = """id => { const gd = document.getElementById(id), L = gd._fullLayout;
+  const frames = ((gd._transitionData || {})._frames) || [], out = [];
+  const TYPES = {f8: Float64Array, f4: Float32Array, i4: Int32Array, u4: Uint32Array,
+                 i2: Int16Array, u2: Uint16Array, i1: Int8Array, u1: Uint8Array};
+  const arr = v => v == null ? [] : v.bdata ? Array.from(new TYPES[v.dtype](
+      Uint8Array.from(atob(v.bdata), c => c.charCodeAt(0)).buffer))
+    : (Array.isArray(v) || ArrayBuffer.isView(v)) ? Array.from(v) : [v];
+  for (const frame of frames) {
+    (frame.data || []).forEach((t, k) => {
+      const i = frame.traces ? frame.traces[k] : k, full = gd._fullData[i];
+      if (!full || !full.xaxis) return;
+      const ext = {x: arr(t.x !== undefined ? t.x : gd.data[i].x),
+                   y: arr(t.y !== undefined ? t.y : gd.data[i].y)};
+      if (full.type === 'bar') {
+        const along = full.orientation === 'h' ? 'x' : 'y';
+        const stacked = ['stack', 'relative'].includes(L.barmode);
+        let base = arr(t.base !== undefined ? t.base : gd.data[i].base);
+        if (!base.length) base = [0];
+        ext[along] = stacked ? [] : ext[along].flatMap(
+          (v, j) => { const b = base.length === 1 ? base[0] : base[j]; return [b, b + v]; });
+      }
+      for (const letter of ['x', 'y']) {
+        const ax = L[letter + 'axis' + full[letter + 'axis'].slice(1)];
+        if (!ax || !ext[letter].length) continue;
+        const toL = ['category', 'multicategory'].includes(ax.type) ? ax.d2l_noadd : ax.d2l;
+        const r = ax.range.map(ax.r2l), lo = Math.min(...r), hi = Math.max(...r);
+        const eps = 1e-6 * (hi - lo);
+        const at = ext[letter].filter(v => v != null).map(v => toL(v));
+        const bad = at.filter(v => !(v >= lo - eps && v <= hi + eps));
+        if (bad.length) out.push({frame: frame.name, trace: full.name || String(i),
+          axis: ax._name, range: [lo, hi], outside: bad.length, of: at.length});
+      }
+    });
+  }
+  return out; }"""
 # Resolves once MathJax has typeset the page ("none" without MathJax on the page); false
 # (keep waiting) while only its configuration is there.
 MATHJAX_DONE_JS = """() => { const M = window.MathJax;
@@ -219,6 +262,8 @@ def _check_page(browser, base: str, url: str, report: Report, root: Path,
         report.figures += len(figures)
         for fig in figures:
             problems += _figure_problems(fig)
+            if fig["plotted"]:
+                problems += _clipped(page.evaluate(CLIPPED_JS, fig["id"]), fig["id"])
             if fig["plotted"] and fig["sliders"] and fig["sliders"][0]["steps"] > 1:
                 problem = _step_slider(page, fig)
                 if problem:
@@ -270,6 +315,18 @@ def _figure_problems(fig: dict) -> list[str]:
         return [f"figure {fig['id']} has {fig['visible']} visible and {fig['drawn']} "
                 f"drawn traces"]
     return []
+
+
+def _clipped(found: list[dict], figure: str) -> list[str]:
+    """A problem per animated figure's axis that a frame's traces leave (CLIPPED_JS)."""
+    by_axis: dict[str, list[dict]] = {}
+    for f in found:
+        by_axis.setdefault(f["axis"], []).append(f)
+    return [f"figure {figure}: {len(fs)} trace(s) leave {axis}'s range "
+            f"[{fs[0]['range'][0]:.4g}, {fs[0]['range'][1]:.4g}] in frame(s) "
+            f"{sorted({str(f['frame']) for f in fs})[:4]} (e.g. {fs[0]['outside']} of "
+            f"{fs[0]['of']} points of {fs[0]['trace']!r}): the figure is clipped there"
+            for axis, fs in by_axis.items()]
 
 
 def _step_slider(page, fig: dict) -> str:

@@ -277,7 +277,7 @@ MUTANTS = [
        "parts, self.config.expert_ffn, self.joined)",
        "tests/test_tensor_parallel.py::test_a_split_width_short_of_a_tile_is_padded_with_zeros"),
     _m("joined experts: the activation's padding lanes not zeroed", "mk/kernels/mlp.py",
-       "            act = jnp.where(lax.broadcasted_iota(jnp.int32, act.shape, 1) < used, act, 0.0)",
+       "            act = jnp.where(lax.broadcasted_iota(jnp.int32, act.shape, 1) < used, act, 0.0)",  # noqa: E501 - the source line as written
        "            act = act",
        equivalent="the lanes past `used` meet down's zero rows (the shard's padding): finite "
                   "values times zero add nothing; the mask guards an inf there, which random "

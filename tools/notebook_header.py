@@ -2,9 +2,10 @@
 
 The title cell's second line is `[Open in Colab](URL)` for that notebook's `.ipynb` at the
 release tag that the bootstrap's `MK_SOURCE` installs; the first code cell is the bootstrap
-block of TEMPLATE.md, verbatim, tagged `hide-input` (the site shows it collapsed). Each `notebooks/NN_topic.py` is rewritten, then its `.ipynb`
-twin is synced from it with jupytext. Run it after changing the template or the version in
-pyproject.toml; tests/test_notebooks.py fails until it has run.
+block of TEMPLATE.md, verbatim, tagged `hide-input` (the site shows it collapsed). Each
+`notebooks/NN_topic.py` is rewritten, then its `.ipynb` twin is synced from it with
+jupytext. Run it after changing the template or the version in pyproject.toml;
+tests/test_notebooks.py fails until it has run.
 
 Not here: anything else in a notebook.
 """

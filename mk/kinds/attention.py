@@ -400,7 +400,7 @@ class AttentionTwin(Twin):
         sim.vector(3 * B * T * (c.heads + caches * K) * H, "attention")  # regrouping
         mxu = 2 * sim.mxu_s(R, tile * H * K)  # q.k and p.v
         vec = 8 * K * R * tile / sim.vpu
-        for j, (b, i) in enumerate(self.tiles()):
+        for j, (_b, i) in enumerate(self.tiles()):
             self.issue(j + block.kv_slots - 1)
             sim.mc.wait(self.landed.pop(j))
             sim.mc.compute(mxu + vec, sim.layer, "attention")
