@@ -45,7 +45,8 @@ FAMILY_PRESETS = {"qwen3": "tiny", "qwen3_moe": "tiny-moe", "qwen3_5_text": "tin
                   "kimi_linear": "tiny-kimi", "gpt_oss": "tiny-gpt-oss"}
 # The code a record's verdicts speak for: a commit that changes any of it leaves older
 # records stale.
-KERNEL_PATHS = ("mk/kernels", "mk/kinds", "mk/megakernel.py", "mk/quant.py", "mk/unpack.py")
+KERNEL_PATHS = ("mk/kernels", "mk/kinds", "mk/megakernel.py", "mk/quant.py", "mk/unpack.py",
+                ":(exclude)mk/kinds/checks.py", ":(exclude)mk/kinds/hf.py")  # config readers
 
 
 @dataclasses.dataclass(frozen=True)

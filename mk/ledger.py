@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from mk import perf, plots
+from mk import exactness, perf, plots
 from mk.bundles import packed_bundles
 from mk.chips import CLOCK_ENDS, ChipSpec, chip as named_chip
 from mk.config import ModelConfig
@@ -86,6 +86,23 @@ def glossary(*terms: str) -> plots.Table:
     for term in terms:
         perf.check_choice("term", term, tuple(TERMS))
     return plots.table([{"term": t, "meaning": TERMS[t]} for t in (terms or TERMS)])
+
+
+def verified_table(root=".") -> plots.Table:
+    """Which model family's greedy tokens were judged on which chip (`mk.exactness.verified`,
+    the hardware tier's records): its exact, near-tie and wrong tokens, the commit and date
+    measured, and "stale" where kernel code changed since that commit."""
+    def state(row):
+        if row["chip"] is None:
+            return "never run on a chip"
+        return {True: "stale (kernel changed since)", False: "current",
+                None: "unknown (no git history)"}[row["stale"]]
+    return plots.table([
+        {"family": r["family"], "preset": r["preset"], "chip": r["chip"] or "-",
+         "tokens exact / near-tie / wrong": "-" if r["chip"] is None else
+         f"{r['exact']} / {r['ties']} / {r['wrong']} of {r['total']}",
+         "measured at": "-" if r["chip"] is None else f"{r['commit']}, {r['when'][:10]}",
+         "record": state(r)} for r in exactness.verified(root)])
 
 
 @dataclasses.dataclass(frozen=True)

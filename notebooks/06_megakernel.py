@@ -89,7 +89,7 @@ import mk.backend
 import mk.cache
 import mk.megakernel as megakernel
 import mk.run
-from mk import course, perf, plots, reference, sim, teach, tpu
+from mk import course, ledger, perf, plots, reference, sim, teach, tpu
 from mk.kernels.plan import DecodePlan, default_block
 
 mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
@@ -401,8 +401,22 @@ print(report.summary())
 # Everything else overlaps. The performance model of a later
 # notebook replays this same `TileStream` on a chip model to show where the bubbles are.
 #
+# ## On a real chip
+#
+# Interpret mode checks the kernel's logic; the chip judges its lowering. The hardware tier
+# (`make test-tpu` on a TPU, tests/test_tpu.py) runs every family's tiny preset there and
+# judges each greedy token against the reference on the CPU, teacher-forced on the
+# kernel's own tokens (`mk.exactness.judge`): exact, a near-tie (the reference's two best
+# logits within 1 % of their scale, where bf16 rounding may pick either) or wrong. Its
+# records, by family, with the commit they measured ("stale" once kernel code changed):
+
+# %%
+ledger.verified_table()
+
+# %% [markdown]
 # **Takeaway:** the megakernel is the stage kernels' pieces in a layer loop, with one tile
-# schedule for the whole step, and it produces exactly the reference's greedy tokens. A
+# schedule for the whole step; in interpret mode its float32 tokens are the reference's,
+# and on a chip the table above says how far each family's tokens are. A
 # hybrid's two token mixers share that schedule, each layer skipping the other kind's
 # tiles, and its linear states after every row let a verifier keep any accepted prefix.
 
