@@ -1,6 +1,7 @@
 """Shared fixtures: the tiny models every test runs on CPU (with MK_TPU=1, the hardware tier
-runs on the chip); and, under `--dist loadgroup`, the xdist_group suffix that keeps a group on one worker under pytest 9 and the order that
-hands the workers the longest tests first."""
+runs on the chip); and, under `--dist loadgroup`, the xdist_group suffix that keeps a
+group on one worker under pytest 9 and the order that hands the workers the longest tests
+first."""
 
 import os
 import tempfile
