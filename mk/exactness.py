@@ -16,6 +16,8 @@ hardware record: `FAMILY_PRESETS` (the tiny preset of every model family
 of `mk.kinds.hf.FAMILIES`), `record_path`, `load_record` and `verified` (per family: the
 chip, commit and date of its newest hardware case, and whether kernel code changed
 since). The hardware tier that writes records is tests/test_tpu.py (`make test-tpu`).
+And `default_precision_f32_dots`: the float32 matmuls a chip would round that interpret
+mode does not.
 """
 
 from __future__ import annotations
@@ -28,8 +30,11 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+from jax._src import core, source_info_util
 
 from mk import reference
+from mk.bounds import kernel_jaxprs
 from mk.config import ModelConfig
 from mk.measure import MEASURED, TPU_NAMES
 
@@ -166,3 +171,38 @@ def verified(root: str | os.PathLike = ".") -> list[dict]:
         if not found:
             rows.append(dict(family=family, preset=preset, chip=None))
     return rows
+
+
+# -- Matmuls the chip would round -----------------------------------------------------------
+def default_precision_f32_dots(fn, *args, axis_env=(), **kwargs) -> list[str]:
+    """The dots inside every kernel fn(*args, **kwargs) traces (`mk.bounds.kernel_jaxprs`)
+    that take a float32 operand at default precision, as "kernel: shapes at source line".
+
+    Interpret mode multiplies float32 in float32 whatever the precision; Mosaic, at default
+    precision, in one bf16 pass of the MXU (a v5e compile of an [8, 256] x [256, 256]
+    float32 dot: 4 vmatmul at default, 24 at HIGHEST, `contract_precision<fp32>`). So a
+    float32 dot at default precision is a kernel that computes one thing in interpret mode
+    and another on a chip: on a v5e, float32 MoE models picked other experts than the
+    reference (a router flip, tokens wrong by O(1)) where interpret mode was exact."""
+    found = []
+
+    def walk(name, jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general" and any(
+                    v.aval.dtype == jnp.float32 for v in eqn.invars) and not _highest(
+                    eqn.params.get("precision")):
+                shapes = " x ".join(str(v.aval.shape) for v in eqn.invars)
+                found.append(f"{name}: {shapes} at {source_info_util.summarize(eqn.source_info)}")
+            for sub in core.jaxprs_in_params(eqn.params):
+                walk(name, sub)
+
+    for name, body, _ in kernel_jaxprs(fn, *args, axis_env=axis_env, **kwargs):
+        walk(name, body)
+    return found
+
+
+def _highest(precision) -> bool:
+    if precision is None:
+        return False
+    both = precision if isinstance(precision, tuple) else (precision, precision)
+    return all(p == lax.Precision.HIGHEST for p in both)

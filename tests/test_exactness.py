@@ -1,12 +1,20 @@
 """mk.exactness: the judge of greedy tokens (a hand-computed case, a planted wrong token,
-issue 58's near-tie in interpret mode) and the hardware record every model family must
-have (data/measured/<chip>-exact.json, written by the tier tests/test_tpu.py on a TPU)."""
+issue 58's near-tie in interpret mode), the hardware record every model family must have
+(data/measured/<chip>-exact.json, written by the tier tests/test_tpu.py on a TPU), and no
+float32 matmul in the megakernel that a chip would round and interpret mode would not."""
 
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 
 import mk
-from mk import exactness, megakernel
+from mk import exactness, megakernel, reference
+from mk.kernels.plan import DecodePlan
 from mk.kinds.hf import FAMILIES
 
 
@@ -62,3 +70,36 @@ def test_a_record_without_a_field_is_refused(tmp_path):
     path.write_text('{"chip": "v5e", "cases": []}')
     with pytest.raises(ValueError, match="field 'device_kind' is missing"):
         exactness.load_record(path)
+
+
+def _step_args(config, batch=2, rows=2, context=256):
+    plan = DecodePlan.make(config, batch=batch, rows=rows, context=context)
+    weights = jax.eval_shape(lambda: megakernel.prepare(plan, mk.init_params(config)))
+    cache = jax.eval_shape(lambda: reference.init_cache(config, batch, context))
+    return (functools.partial(megakernel.traced_step.__wrapped__, plan), weights, cache,
+            jax.ShapeDtypeStruct((batch, rows), jnp.int32),
+            jax.ShapeDtypeStruct((batch,), jnp.int32))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", list(exactness.FAMILY_PRESETS.values()))
+def test_no_megakernel_dot_multiplies_float32_at_default_precision(name, dtype):
+    """On a chip such a dot is one bf16 pass, in interpret mode float32: the v5e's float32
+    MoE models picked other experts than the reference where interpret mode was exact.
+    Before mk.kernels.common.exact this found 19-46 such dots in every family's float32
+    megakernel and the delta rule's 6 in the bf16 hybrids."""
+    config = dataclasses.replace(mk.preset(name), dtype=dtype)
+    assert exactness.default_precision_f32_dots(*_step_args(config)) == []
+
+
+def test_a_float32_dot_at_default_precision_is_found():
+    def kernel(x_ref, w_ref, o_ref):  # the planted mistake: no precision
+        o_ref[...] = jnp.dot(x_ref[...], w_ref[...], preferred_element_type=jnp.float32)
+
+    def call(x, w):
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+                              name="planted")(x, w)
+
+    f32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.float32)
+    [found] = exactness.default_precision_f32_dots(call, f32((8, 128)), f32((128, 128)))
+    assert found.startswith("planted: (8, 128) x (128, 128) at ")

@@ -47,10 +47,20 @@ def sublanes(dtype) -> int:
     return SUBLANE_BITS // (8 * np.dtype(dtype).itemsize)
 
 
+def exact(*operands):
+    """The precision of an in-kernel dot of `operands`: HIGHEST when one is float32, else
+    the default. Mosaic multiplies float32 at default precision in one bf16 pass of the MXU
+    where interpret mode (and `mk.ops`) multiply in float32, so the same kernel would
+    compute two things (`mk.exactness.default_precision_f32_dots` finds such dots)."""
+    return (jax.lax.Precision.HIGHEST
+            if any(jnp.dtype(x.dtype) == jnp.float32 for x in operands) else None)
+
+
 def transposed_dot(h, w_t):
     """h [M, D] @ w in float32 for a weight held transposed, w_t [n, D]
     (`mk.kinds.base.TRANSPOSED`), h rounded to the weight's dtype (mk.ops.matmul's)."""
-    return jax.lax.dot_general(h.astype(w_t.dtype), w_t, (((1,), (1,)), ((), ())),
+    h = h.astype(w_t.dtype)
+    return jax.lax.dot_general(h, w_t, (((1,), (1,)), ((), ())), precision=exact(h, w_t),
                                preferred_element_type=jnp.float32)
 
 

@@ -66,7 +66,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mk.config import COMPUTE_DTYPES, MAX_ROWS
-from mk.kernels.common import LANES, BlockSizes, Buffer, start_dma, sublanes
+from mk.kernels.common import LANES, BlockSizes, Buffer, exact, start_dma, sublanes
 from mk.kernels.kv_stream import (AttentionScratch, KvStream, drain_write_backs,
                                   start_write_backs, tile_counts)
 from mk.reference import check_positions, concrete
@@ -231,7 +231,7 @@ def attend(
     R, Rt = block_rows(G, T), _round_up(T)
     tile, slots, dtype = block.kv_tile, block.kv_slots, k_cache_hbm.dtype
     sub, W = sublanes(dtype), write_back_rows(T, block.kv_tile, dtype)
-    precision = lax.Precision.HIGHEST if dtype == F32 else None
+    precision = exact(s.k_tiles)  # q and probs are rounded to the cache dtype
     scale = np.float32(1 / math.sqrt(H) if scale is None else scale)
     latent = v_cache_hbm is None
     # (new rows, tiles, staging slots, cache, write-back DMA name) of the keys, then of

@@ -38,7 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mk.config import MAX_ROWS
-from mk.kernels.common import LANES, start_dma
+from mk.kernels.common import LANES, exact, start_dma
 
 ALIGN = 8  # rows of an f32 (8, 128) tile
 F32 = jnp.float32
@@ -65,11 +65,13 @@ def delta_rule_head(q, k, v, s, decay, beta, rows_out):
         at_t = row_id == t
         k_t = jnp.where(at_t, k, 0.0)
         s = s * decay(t)
-        remembered = jnp.dot(k_t, s, preferred_element_type=F32)
+        remembered = jnp.dot(k_t, s, precision=exact(k_t, s), preferred_element_type=F32)
         delta = jnp.where(at_t, (v - remembered) * beta(t), 0.0)
-        s = s + lax.dot_general(k_t, delta, TN, preferred_element_type=F32)
+        s = s + lax.dot_general(k_t, delta, TN, precision=exact(k_t, delta),
+                                preferred_element_type=F32)
         rows_out(t, s)
-        out = out + jnp.where(at_t, jnp.dot(q, s, preferred_element_type=F32), 0.0)
+        out = out + jnp.where(at_t, jnp.dot(q, s, precision=exact(q, s),
+                                            preferred_element_type=F32), 0.0)
     return out
 
 

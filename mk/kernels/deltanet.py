@@ -60,7 +60,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mk import linear_attention as la
 from mk.config import ModelConfig, check_rows
-from mk.kernels.common import (LANES, BlockSizes, Buffer, memory_specs, start_dma,
+from mk.kernels.common import (LANES, BlockSizes, Buffer, exact, memory_specs, start_dma,
                                transposed_dot, vmem_limit_bytes)
 from mk.kernels.delta_rule import ALIGN, StateCopies, delta_rule_body
 from mk.kernels.ring import Ring, plain_ring, ring_layout
@@ -223,8 +223,9 @@ def gates_body(h, lin_b, lin_a, a_log, dt_bias):
 def low_rank(h, a, b):
     """h [M, D] @ a [D, r] @ b [r, n] f32, each product's input rounded to its weight's
     dtype (mk.ops.matmul twice)."""
-    inner = jnp.dot(h.astype(a.dtype), a, preferred_element_type=F32)
-    return jnp.dot(inner.astype(b.dtype), b, preferred_element_type=F32)
+    h = h.astype(a.dtype)
+    inner = jnp.dot(h, a, precision=exact(h, a), preferred_element_type=F32).astype(b.dtype)
+    return jnp.dot(inner, b, precision=exact(inner, b), preferred_element_type=F32)
 
 
 def kda_gates_body(h, lin_b, f_a, f_b, a_log, dt_bias, decay_vmem):

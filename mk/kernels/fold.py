@@ -32,7 +32,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from mk.kernels.common import PANEL_COLS
+from mk.kernels.common import PANEL_COLS, exact
 
 FOLD_ROWS = 128  # a folded block's rows: whole lane groups of x's contraction columns
 # Stacked rows of one folded product. Measured (TPU7x, stage-01 kernel, 5120 x 128 tiles
@@ -85,11 +85,13 @@ def folded_product(xs, wf, fold: int, transposed: bool):
             x = jnp.concatenate([jnp.concatenate([xs if j == b else zeros for j in range(s)],
                                                  axis=1) for b in range(s)]) if s > 1 else xs
             product = lax.dot_general(x, blocks, (((1,), (1,)), ((), ())),
+                                      precision=exact(x, blocks),
                                       preferred_element_type=jnp.float32)
             parts += [product[b * m:(b + 1) * m] for b in range(s)]
         else:  # x's column blocks stacked along M times the blocks side by side
             x = jnp.concatenate([xs[:, (k + b) * r:(k + b + 1) * r] for b in range(s)])
             product = lax.dot_general(x, blocks, (((1,), (0,)), ((), ())),
+                                      precision=exact(x, blocks),
                                       preferred_element_type=jnp.float32)
             parts += [product[b * m:(b + 1) * m, b * c:(b + 1) * c] for b in range(s)]
     if transposed:

@@ -65,7 +65,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mk import quant, unpack
-from mk.kernels.common import BlockSizes, Buffer, start_dma
+from mk.kernels.common import BlockSizes, Buffer, exact, start_dma
 from mk.kernels.fold import fold_tiles, folded_product, folded_shape
 from mk.kernels.stream import Segment, TileStream, buffer_name, stored_fold
 
@@ -205,7 +205,8 @@ class Ring:
         if segment.feed == "fp8":
             return unpack.fp8_product(segment.scheme, self.slot(slot, segment)[...],
                                       self._scales(segment)[slot], xs)
-        return lax.dot_general(xs, self._weights(segment, slot), contract,
+        w = self._weights(segment, slot)
+        return lax.dot_general(xs, w, contract, precision=exact(xs, w),
                                preferred_element_type=jnp.float32)
 
     def _holders(self, in_layers, layer, local, tail, candidates):
