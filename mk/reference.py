@@ -28,9 +28,9 @@ Numerics: the residual stream is float32 and the KV cache is stored in `config.d
 every block's cast points (which kernels mirror, so their tolerances stay tight) are
 `mk.ops`'s; every RMSNorm scales by (norm_offset + weight). Run it on the CPU as the oracle:
 its matmuls ask for HIGHEST precision, but on a TPU (v5e, 2026-12-06) the hybrid's tokens
-drifted (29/32) even so; the TPU's exp, softplus, sigmoid and rsqrt differ from the CPU's
-in the last bits and its fusions sum in another order, and the linear layers' recurrent
-state carries each difference on to later positions. The dense, MoE, Kimi and gpt-oss
+drifted (29/32) even so. Likely, not isolated: the TPU's exp, softplus, sigmoid and rsqrt
+differ from the CPU's in the last bits and its fusions sum in another order, and the
+linear layers' recurrent state carries each difference on to later positions. The dense, MoE, Kimi and gpt-oss
 references gave the CPU's tokens there (32/32); the hardware tier judges on the CPU.
 
 Caches (`mk.cache`: the table of fields, the cache types, `init_cache`, `check_cache`,
