@@ -319,7 +319,7 @@ print(f"{big.name}: width {own.hidden} -> {big.hidden}, expert width {own.expert
 # bytes at the core's bandwidth). The tiles are 128 x 2944, one 128-row panel of the
 # whole width: 2944 = 23 x 128 has no other divisor, and the experts' fp4 tiles, fed bf16
 # on both chips, are held to `QUANT_TILE_ELEMENTS` (the next smaller tile, 128 x 128, moves
-# so few bytes that each tile's fixed loop cost outlasts its DMA; data/README.md keeps that
+# so few bytes that each tile's fixed loop cost outlasts its DMA; mk/data/README.md keeps that
 # recording's numbers). A plain tile issues in about a third of its DMA time;
 # an fp4 tile's dequantisation to bf16 issues for over four times its DMA (each chip's
 # recorded loop), so HBM still idles for half the step or more:
