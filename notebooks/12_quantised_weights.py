@@ -351,7 +351,7 @@ plots.show(fig)
 # `DecodePlan.fits`, holds the weights as `prepare` lays them out (packed data and
 # tile-major scales) plus the KV cache of `fit_batch` sequences of `fit_context` positions
 # against the chip's HBM, and the plan's VMEM buffers (the packed ring slots among them)
-# against its VMEM. An ahead-of-time compile is the final word: the README's "Which
+# against its VMEM. An ahead-of-time compile is the final word: docs/colab.md's "Which
 # preset" table lists the ones compiled (`mk.tpu.compile_megakernel(..., formats=)`; for
 # example int8 `qwen3-8b` at B=8, S=4096 compiles for v5e, bf16 does not fit).
 

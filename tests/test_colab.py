@@ -131,14 +131,15 @@ def test_a_requirement_that_moves_a_colab_package_fails_naming_it(tmp_path):
 
 def test_every_colab_link_and_mk_source_point_at_the_release_tag():
     """The repository URL is pyproject.toml's [project.urls].Source, the release tag of
-    version X is vX; every Colab link (README, notebook titles) and the bootstrap's
+    version X is vX; every Colab link (README, docs/, notebook titles) and the bootstrap's
     MK_SOURCE use both, and in a checkout that has tags the tag must be one of them."""
     sys.path.insert(0, str(ROOT / "tools"))
     import notebook_header
 
     ref = notebook_header.release_ref(notebook_header.bootstrap())
     assert ref == notebook_header.RELEASE_TAG
-    texts = [ROOT / "README.md", *sorted((ROOT / "notebooks").glob("[0-9]*_*.py"))]
+    texts = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+             *sorted((ROOT / "notebooks").glob("[0-9]*_*.py"))]
     links = {m for path in texts for m in re.findall(
         r"https://colab\.research\.google\.com/github/[^)\s]+", path.read_text())}
     assert links and all(link.startswith(f"{notebook_header.COLAB}/{ref}/notebooks/")

@@ -1,6 +1,7 @@
 """`make run`'s site: runs from notebooks/runs.yaml, an index row per run, failures kept and
 counted, nothing overwritten, and pages that work offline in a real browser; and Colab
-readiness: a Colab link per notebook in the README; kernels that do not warn about TCP.
+readiness: a Colab link per notebook in docs/colab.md; the README's and docs' links resolve;
+kernels that do not warn about TCP.
 
 The site here is built by the same code `make run` calls (`tools/run_notebooks.main`) from
 two notebooks generated here (the real ones take minutes): one with math, a plotly slider
@@ -138,12 +139,24 @@ def test_runs_yaml_configurations_become_runs(notebooks):
         ("91_site_fails", {})]
 
 
-def test_readme_opens_every_notebook_in_colab():
-    readme = (ROOT / "README.md").read_text()
+def test_colab_page_opens_every_notebook_in_colab():
+    page = (ROOT / "docs" / "colab.md").read_text()
     ref = notebook_header.release_ref(notebook_header.bootstrap())
     missing = [p.stem for p in sorted((ROOT / "notebooks").glob("[0-9][0-9]*_*.py"))
-               if notebook_header.colab_link(p.stem, ref).split("(")[1][:-1] not in readme]
-    assert not missing, f"README.md's Colab checklist lacks {missing} at {ref}"
+               if notebook_header.colab_link(p.stem, ref).split("(")[1][:-1] not in page]
+    assert not missing, f"docs/colab.md's Colab checklist lacks {missing} at {ref}"
+
+
+def test_readme_and_docs_link_to_files_that_exist():
+    pages = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md")),
+             ROOT / "data" / "README.md", ROOT / "mk" / "data" / "README.md"]
+    links = [(page, target) for page in pages
+             for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text(encoding="utf-8"))
+             if not target.startswith(("http://", "https://", "#"))]
+    assert len(links) > 20, links  # the README's links to docs/ among them
+    broken = [f"{page.relative_to(ROOT)}: {target}" for page, target in links
+              if not (page.parent / target.split("#")[0]).exists()]
+    assert not broken, broken
 
 
 def _kernel_warnings(manager_class, tmp_path, capfd):

@@ -44,7 +44,7 @@ from pathlib import Path
 from urllib.parse import unquote, urljoin, urlparse
 
 CHROMIUM = "/usr/bin/chromium"
-# What Chromium needs on this closed-network machine, as root (see the README).
+# What Chromium needs on this closed-network machine, as root (see docs/site.md).
 # Every host but 127.0.0.1 is made unresolvable: a page that needs the network fails here.
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update",
