@@ -96,6 +96,49 @@ def test_runs_yaml_refuses_values_of_other_types_naming_row_and_key(typed, tmp_p
     assert "93_typed[0]" in str(err.value)
 
 
+LAUGHS = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n"
+    for p, c in zip("abcdefgh", "bcdefghi"))
+
+
+@pytest.mark.parametrize("text, message", [
+    (LAUGHS, "the alias *a is refused (line 2)"),  # 10**9 strings if expanded
+    ("93_typed:\n  - parameters: {points: &r [*r]}\n", "the alias *r is refused"),
+    ("93_typed:\n  - parameters: {points: " + "[" * 40 + "]" * 40 + "}\n",
+     "nesting deeper than the limit of 32 levels"),
+])
+def test_runs_yaml_refuses_aliases_and_deep_nesting_naming_the_limit(typed, tmp_path, text,
+                                                                     message):
+    runs_file = tmp_path / "runs.yaml"
+    runs_file.write_text(text)
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=re.escape(message)) as err:
+        run_notebooks.load_runs(runs_file, [typed], known=[typed])
+    assert "runs.yaml: not valid YAML" in str(err.value)
+    assert time.perf_counter() - start < 1
+
+
+def test_runs_yaml_must_be_a_small_regular_utf8_file(typed, tmp_path):
+    runs_file = tmp_path / "runs.yaml"
+    os.mkfifo(runs_file)
+    with pytest.raises(ValueError, match="is a named pipe; only a regular file is read"):
+        run_notebooks.load_runs(runs_file, [typed], known=[typed])
+    runs_file.unlink()
+    runs_file.write_bytes(b"93_typed: \xfe\n")
+    with pytest.raises(ValueError, match="not UTF-8 text: byte offset 10"):
+        run_notebooks.load_runs(runs_file, [typed], known=[typed])
+    runs_file.write_text("#" * run_notebooks.RUNS_MAX_BYTES + "\n")
+    with pytest.raises(ValueError, match=f"larger than the limit of "
+                                         f"{run_notebooks.RUNS_MAX_BYTES} bytes"):
+        run_notebooks.load_runs(runs_file, [typed], known=[typed])
+
+
+def test_a_missing_notebook_on_the_command_line_is_a_clear_error(tmp_path):
+    code, text = _main(tmp_path / "99_nope.ipynb", "--out", tmp_path / "build")
+    assert code == 2 and "99_nope.ipynb'] named on the command line are not files" in text
+    assert "Traceback" not in text and not (tmp_path / "build").exists()
+
+
 def test_runs_yaml_refuses_the_string_false_for_a_bool(typed, tmp_path):
     runs_file = tmp_path / "runs.yaml"
     runs_file.write_text('93_typed:\n  - parameters: {flag: "False"}\n')

@@ -66,6 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import build_site  # noqa: E402
 import run_cache  # noqa: E402
 import mk.run  # noqa: E402
+import mk.untrusted  # noqa: E402
 from mk.plots import HEADLESS, escape  # noqa: E402
 from jupyter_client.manager import AsyncKernelManager, KernelManager  # noqa: E402
 from traitlets import default  # noqa: E402
@@ -73,6 +74,7 @@ from traitlets import default  # noqa: E402
 KERNEL = "python3"
 PATTERN = "[0-9][0-9]*_*.ipynb"
 RUNS_FILE = ROOT / "notebooks" / "runs.yaml"
+RUNS_MAX_BYTES = 2**20  # a runs file is a page of configurations, not a data set
 LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,39}")
 HEARTBEAT_SECONDS = 60.0
 LOCK = ".make-run.lock"  # in OUT: one `make run` at a time writes there
@@ -144,11 +146,12 @@ def load_runs(runs_file: Path, notebooks: list[Path], known: list[Path] | None =
     Raise `ValueError` naming the entry, the value and what is allowed.
     """
     where = runs_file.name
-    if not runs_file.is_file():
+    if not runs_file.exists():
         raise ValueError(f"runs file {runs_file} does not exist (--runs names a file of "
                          "configurations)")
+    text = mk.untrusted.read_text(runs_file, "runs file", RUNS_MAX_BYTES)
     try:
-        config = yaml.load(runs_file.read_text(encoding="utf-8"), _UniqueKeyLoader) or {}
+        config = yaml.load(text, _UniqueKeyLoader) or {}
     except yaml.YAMLError as err:
         raise ValueError(f"{where}: not valid YAML ({err})") from None
     if not isinstance(config, dict):
@@ -170,7 +173,29 @@ def load_runs(runs_file: Path, notebooks: list[Path], known: list[Path] | None =
 
 class _UniqueKeyLoader(yaml.SafeLoader):
     """safe_load that refuses a key repeated in one mapping (YAML keeps the last silently,
-    which would drop a notebook's first configurations)."""
+    which would drop a notebook's first configurations), any alias (`*name`: nested ones
+    make a "billion laughs", a self-referencing one recursion without end; a runs file
+    needs none) and nesting deeper than `mk.untrusted.MAX_DEPTH`, before any of it is
+    built."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(
+                None, None, f"the alias *{event.anchor} is refused (line "
+                f"{event.start_mark.line + 1}); a runs file spells every value out",
+                event.start_mark)
+        self._depth = getattr(self, "_depth", 0) + 1
+        try:
+            if self._depth > mk.untrusted.MAX_DEPTH:
+                event = self.peek_event()
+                raise yaml.composer.ComposerError(
+                    None, None, f"nesting deeper than the limit of "
+                    f"{mk.untrusted.MAX_DEPTH} levels (line {event.start_mark.line + 1})",
+                    event.start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
     def construct_mapping(self, node, deep=False):
         seen = set()
@@ -562,6 +587,10 @@ def main(argv: list[str] | None = None) -> int:
     if not notebooks:
         parser.error(f"no notebooks match notebooks/{PATTERN}")
     try:
+        missing = [str(p) for p in notebooks if not p.is_file()]
+        if missing:
+            raise ValueError(f"notebooks {missing} named on the command line are not files; "
+                             f"name numbered notebooks such as notebooks/{PATTERN}")
         runs = load_runs(args.runs, notebooks)
         if not args.all:  # each notebook's default: its first configuration
             runs = [r for i, r in enumerate(runs)
