@@ -220,6 +220,15 @@ def test_from_hf_names_a_malformed_field_instead_of_crashing(case):
         ModelConfig.from_hf(hf)
 
 
+@pytest.mark.parametrize("full, kda", [([4], [1, 2, 3, 4]), ([4, 4], [1, 2, 3])])
+def test_a_kimi_layer_listed_as_both_full_and_kda_or_twice_is_refused(full, kda):
+    hf = _hf_kimi(linear_attn_config={"full_attn_layers": full, "kda_layers": kda})
+    with pytest.raises(ValueError, match="linear_attn_config lists layer 4 more than once"):
+        ModelConfig.from_hf(hf)
+    hf["linear_attn_config"] = {"full_attn_layers": [4], "kda_layers": [1, 2, 3]}
+    assert ModelConfig.from_hf(hf).layer_types == ("linear",) * 3 + ("full",)
+
+
 # -- Lane padding --------------------------------------------------------------------------
 def test_lane_padding_holds_each_width_in_whole_lanes_and_undoes_exactly():
     """200 and 100 wide (as gpt-oss's 2880): held as 256 and 128, the norms over 200; the

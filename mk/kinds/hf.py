@@ -244,10 +244,11 @@ def yarn(hf: HfConfig, rope: dict) -> dict | None:
     number = {key: hf.number(f"rope_parameters.{key}", rope[key])
               for key in ("factor", "beta_fast", "beta_slow", "attention_factor")
               if rope.get(key) is not None}
-    original = rope.get("original_max_position_embeddings")
-    if original is None:
-        raise ValueError(f"{hf.where}: YaRN rope_parameters without "
-                         "original_max_position_embeddings")
+    for key in ("factor", "original_max_position_embeddings"):
+        if rope.get(key) is None:
+            raise ValueError(f"{hf.where}: YaRN rope_parameters without {key} (rope_type "
+                             "'yarn' needs factor and original_max_position_embeddings)")
+    original = rope["original_max_position_embeddings"]
     return dict(original_max_position=hf.whole(
         "rope_parameters.original_max_position_embeddings", original),
         truncate=bool(rope.get("truncate", True)), **number)
@@ -297,6 +298,10 @@ def kda(hf: HfConfig, got: dict) -> dict:
                 if hf.whole(f"linear_attn_config.{key}", i) > layers:
                     raise ValueError(f"{hf.where}: linear_attn_config.{key} holds layer {i}; "
                                      f"layers count from 1 to num_hidden_layers={layers}")
+                if kinds[i - 1] is not None:  # both lists, or one twice: no silent winner
+                    raise ValueError(f"{hf.where}: linear_attn_config lists layer {i} more "
+                                     "than once in full_attn_layers and kda_layers; each "
+                                     "layer is full or KDA, listed once")
                 kinds[i - 1] = kind
     if kinds is None:
         kinds = ["full_attention" if i and i % 4 == 0 else "linear_attention"
