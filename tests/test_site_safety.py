@@ -13,6 +13,7 @@ Not here: the site's ordinary contents (tests/test_site.py).
 """
 
 import contextlib
+import html
 import io
 import json
 import os
@@ -252,6 +253,46 @@ def test_sigterm_during_the_site_build_waits_for_it(typed, tmp_path, monkeypatch
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert json.loads((run_dir / "runs.json").read_text())["finished"]
     assert "site/index.html" in (tmp_path / "index.html").read_text()
+
+
+def test_sigterm_that_kills_sphinx_exits_with_the_signal_and_says_so(typed, tmp_path,
+                                                                    monkeypatch):
+    """SIGTERM to the process group kills sphinx-build as well: the run ends with 128 +
+    SIGTERM (not "sphinx-build failed" and 1), its record says it was interrupted during
+    the site build, and no half-built site is left."""
+    def build(run_dir):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
+        raise run_notebooks.build_site.BuildFailed("sphinx-build was killed by signal 15")
+    _fake_run(monkeypatch, build)
+    (tmp_path / "runs.yaml").write_text("")
+    with pytest.raises(SystemExit) as stop:
+        _main(typed, "--out", tmp_path, "--runs", tmp_path / "runs.yaml", "--no-cache")
+    assert stop.value.code == 128 + signal.SIGTERM
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    record = json.loads((run_dir / "runs.json").read_text())
+    assert record["interrupted"] == "SIGTERM during the site build"
+    assert record["finished"] is None and "killed by signal 15" in record["site_error"]
+    assert not (run_dir / "site").exists()
+    index = html.unescape((tmp_path / "index.html").read_text())  # run values are escaped
+    assert "interrupted (SIGTERM during the site build)" in index
+
+
+@pytest.mark.parametrize("where, err", [
+    ("new_run_dir", PermissionError(30, "Read-only file system", "/ro/runs")),
+    ("write_record", OSError(28, "No space left on device", "/full/runs.json"))])
+def test_a_read_only_or_full_out_ends_with_a_message_and_exit_3(typed, tmp_path, monkeypatch,
+                                                                 where, err):
+    _fake_run(monkeypatch, lambda run_dir: None)
+
+    def fail(*args):
+        raise err
+    monkeypatch.setattr(run_notebooks, where, fail)
+    (tmp_path / "runs.yaml").write_text("")
+    code, text = _main(typed, "--out", tmp_path, "--runs", tmp_path / "runs.yaml",
+                       "--no-cache")
+    assert code == 3 and "Traceback" not in text
+    assert f"writing under --out {tmp_path} failed: {err.strerror}: {err.filename}" in text
 
 
 # -- Payloads through a real site -----------------------------------------------------------

@@ -15,8 +15,11 @@ by hand, or all of `build/` with `make clean-runs` (`make clean` keeps them).
 
 A progress line per notebook reports it starting, still running (every minute), and done
 with its time and status. A failed notebook keeps its partial output (papermill writes the
-cells run so far and marks the failing one) and is marked failed in the index; the exit
-code is 1 if any notebook failed, 2 for a bad runs file or command line.
+cells run so far and marks the failing one) and is marked failed in the index. Exit
+status: 0 all ran and the site is built; 1 a notebook failed or the site could not be
+built (the record's `site_error` says why); 2 a bad runs file or command line, or another
+run holds `--out`; 3 `--out` cannot be written (read-only, a full disk; the message names
+the file); 128 + N a signal N (SIGINT, SIGTERM: the record says `interrupted` and when).
 
 The pages work offline, also when a run's `site/` is copied elsewhere: plotly figures
 carry plotly.js once per page (`mk.plots.show`), plotly's own sliders need no kernel,
@@ -484,21 +487,23 @@ def write_site_index(out: Path) -> None:
 @contextlib.contextmanager
 def deferred_signals():
     """Hold SIGINT and SIGTERM until the block ends, then act on the first one (as Ctrl-C
-    or SystemExit): the record, the site and the index are written whole or not at all."""
+    or SystemExit), also when the block failed because of it (a signal sent to the whole
+    process group kills sphinx-build too): the record, the site and the index are written
+    whole or not at all. Yields the list of signals caught so far."""
     caught = []
     previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum))
                 for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield
+        yield caught
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if caught:
-        print(f"signal {caught[0]} arrived while the site was written; stopping now",
-              file=sys.stderr, flush=True)
-        if caught[0] == signal.SIGINT:
-            raise KeyboardInterrupt
-        raise SystemExit(128 + caught[0])
+        if caught:
+            print(f"{signal.Signals(caught[0]).name} arrived while the site was written; "
+                  "stopping now", file=sys.stderr, flush=True)
+            if caught[0] == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise SystemExit(128 + caught[0])
 
 
 def run_all(runs: list[Run], out: Path, argv: list[str], cache: run_cache.Cache | None = None
@@ -524,7 +529,7 @@ def run_all(runs: list[Run], out: Path, argv: list[str], cache: run_cache.Cache 
             write_record(run_dir, record)
         record["executed"] = time.strftime("%Y-%m-%d %H:%M:%S %z")
     finally:
-        with deferred_signals():
+        with deferred_signals() as caught:
             write_record(run_dir, record)
             build_site.write_index(run_dir, record, _summary(record, building=True))
             print(f"building the site: {run_dir / build_site.SITE}", flush=True)
@@ -532,7 +537,13 @@ def run_all(runs: list[Run], out: Path, argv: list[str], cache: run_cache.Cache 
                 build_site.build(run_dir)
                 if record["executed"]:
                     record["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %z")
+            except Exception as err:  # the record says why the site is missing
+                record["site_error"] = _failure(err)
+                raise
             finally:
+                if caught and not record.get("interrupted"):
+                    record["interrupted"] = (f"{signal.Signals(caught[0]).name} during the "
+                                             "site build")
                 write_record(run_dir, record)
                 write_site_index(out)
     return run_dir, record["rows"]
@@ -615,6 +626,15 @@ def main(argv: list[str] | None = None) -> int:
     except Busy as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # a read-only or full --out: no traceback, a documented code
+        print(f"error: writing under --out {args.out} failed: {err.strerror or err}"
+              f"{f': {err.filename}' if err.filename else ''}; the newest run folder "
+              "(if any) is not finished", file=sys.stderr)
+        return 3
+    except build_site.BuildFailed as err:
+        print(f"error: the site was not built ({err}); the run's notebooks are in "
+              f"{args.out / 'runs'}", file=sys.stderr)
+        return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
     failed = sum(row["status"] != "ok" for row in rows)
@@ -624,4 +644,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # Ctrl-C: the record says `interrupted`; no traceback
+        print("interrupted (SIGINT); the run's record says where", file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)
