@@ -27,9 +27,11 @@ MathJax is copied into each site (tools/build_site.py), and no widget manager is
 (a widget needs a live kernel; the page shows its text form). The kernels talk over local
 sockets (ipc). `tools/check_site.py` checks the pages in headless Chromium.
 
-Runs that cannot lie or collide: a runs.yaml value must be a YAML scalar (or a list or map
-of them) of the type the notebook's parameters cell annotates, checked before anything
-runs; the record (`runs.json`) says `finished` only once the site is built, and those last
+Runs that cannot lie or collide: the runs file is untrusted text, read with limits (a
+regular file of at most `RUNS_MAX_BYTES`, UTF-8: `mk.untrusted.read_text`; no YAML alias,
+nesting at most `mk.untrusted.MAX_DEPTH` deep); a runs.yaml value must be a YAML scalar
+(or a list or map of them) of the type the notebook's parameters cell annotates, checked
+before anything runs; the record (`runs.json`) says `finished` only once the site is built, and those last
 steps hold SIGINT/SIGTERM until they are done; one run at a time per output folder (a lock
 file; a second is refused with exit code 2).
 
