@@ -103,8 +103,8 @@ LAUGHS = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
 
 
 @pytest.mark.parametrize("text, message", [
-    (LAUGHS, "the alias *a is refused (line 2)"),  # 10**9 strings if expanded
-    ("93_typed:\n  - parameters: {points: &r [*r]}\n", "the alias *r is refused"),
+    (LAUGHS, "the alias '*a' is refused (line 2)"),  # 10**9 strings if expanded
+    ("93_typed:\n  - parameters: {points: &r [*r]}\n", "the alias '*r' is refused"),
     ("93_typed:\n  - parameters: {points: " + "[" * 40 + "]" * 40 + "}\n",
      "nesting deeper than the limit of 32 levels"),
 ])

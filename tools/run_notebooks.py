@@ -31,9 +31,9 @@ Runs that cannot lie or collide: the runs file is untrusted text, read with limi
 regular file of at most `RUNS_MAX_BYTES`, UTF-8: `mk.untrusted.read_text`; no YAML alias,
 nesting at most `mk.untrusted.MAX_DEPTH` deep); a runs.yaml value must be a YAML scalar
 (or a list or map of them) of the type the notebook's parameters cell annotates, checked
-before anything runs; the record (`runs.json`) says `finished` only once the site is built, and those last
-steps hold SIGINT/SIGTERM until they are done; one run at a time per output folder (a lock
-file; a second is refused with exit code 2).
+before anything runs; the record (`runs.json`) says `finished` only once the site is
+built, and those last steps hold SIGINT/SIGTERM until they are done; one run at a time
+per output folder (a lock file; a second is refused with exit code 2).
 
 Not here: running notebooks in parallel (2 cores).
 """
@@ -70,6 +70,7 @@ import yaml  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import build_site  # noqa: E402
 import run_cache  # noqa: E402
+import mk.errors  # noqa: E402
 import mk.run  # noqa: E402
 import mk.untrusted  # noqa: E402
 from mk.plots import HEADLESS, escape  # noqa: E402
@@ -187,7 +188,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
             raise yaml.composer.ComposerError(
-                None, None, f"the alias *{event.anchor} is refused (line "
+                None, None, f"the alias {mk.errors.shown('*' + event.anchor)} is refused (line "
                 f"{event.start_mark.line + 1}); a runs file spells every value out",
                 event.start_mark)
         self._depth = getattr(self, "_depth", 0) + 1
