@@ -73,7 +73,7 @@ from IPython.display import Markdown
 
 from mk import backend, bundles, megakernel, ops, reference, spec, teach
 from mk.checkpoint import init_params
-from mk.config import ModelConfig
+from mk.config import ModelConfig, positive_int
 from mk.errors import shown
 from mk.machine import Simulation
 from mk.presets import preset
@@ -95,10 +95,11 @@ def hard_positions(batch: int, rows: int, context: int, tile: int = 128) -> np.n
     """[B] int32 first positions: sequence b at the last row of tile b (capped so its T rows
     fit in `context`), so every position is non-zero and, with T >= 2, rows p .. p+T-1
     straddle a tile edge."""
+    batch, rows, context = (positive_int(f, v) for f, v in (("batch", batch), ("rows", rows),
+                                                            ("context", context)))
+    tile = positive_int("tile", tile)
     if not 1 <= rows < context:
         raise ValueError(f"rows={rows} must be in [1, context={context})")
-    if tile < 1:
-        raise ValueError(f"tile={tile} must be >= 1")
     return np.asarray([min((b + 1) * tile - 1, context - rows) for b in range(batch)],
                       np.int32)
 

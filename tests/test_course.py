@@ -333,6 +333,21 @@ def test_default_positions_are_nonzero_and_straddle_a_tile_edge(notebook):
     assert course.straddles(positions, p["rows"], tile)[0], (positions, p["rows"])
 
 
+def test_teaching_helpers_name_a_bad_argument_instead_of_crashing():
+    for call, message in (
+            (lambda: course.hard_positions("1", 2, 256), "batch='1' must be a positive"),
+            (lambda: course.hard_positions(1, 2, 256, tile=0), "tile=0 must be a positive"),
+            (lambda: teach.all_reduce(jnp.zeros((0, 8, 8))), r"n=0 must be a power of two"),
+            (lambda: teach.all_reduce(jnp.zeros((8, 8))), "x must be an array of 3 dim"),
+            (lambda: teach.attend(None, None, None, 0, rows=1), "q must be an array of 2"),
+            (lambda: teach.ring_schedule(None, slots="3", latency_s=0, dma_s=0, compute_s=0),
+             "slots='3' must be a positive integer"),
+            (lambda: teach.ring_schedule(None, slots=3, latency_s=float("inf"), dma_s=0,
+                                         compute_s=0), r"latency_s=inf must be a finite")):
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
 def test_hard_positions_refuses_rows_past_the_context():
     with pytest.raises(ValueError, match="rows=256 must be in"):
         course.hard_positions(1, 256, 256)
