@@ -152,8 +152,12 @@ def test_a_wrong_up_rotation_is_caught_against_the_kernels_split():
 
 def test_check_tokens_names_the_first_difference():
     course.check_tokens("tp", np.array([[1, 2, 3]]), np.array([[1, 2, 3]]))
-    with pytest.raises(course.ExerciseFailed, match="sequence 0, step 2"):
+    with pytest.raises(course.ExerciseFailed, match="sequence 0, step 2: got 4, reference 3"):
         course.check_tokens("tp", np.array([[1, 2, 4]]), np.array([[1, 2, 3]]))
+    with pytest.raises(course.ExerciseFailed, match="its only token: got 3, reference 4"):
+        course.check_tokens("t", 3, 4)  # two different single tokens once passed
+    with pytest.raises(course.ExerciseFailed, match="step 1: got 5, reference 2"):
+        course.check_tokens("t", [1, 5], np.array([1, 2]))
 
 
 def test_planted_refuses_an_unknown_name():
