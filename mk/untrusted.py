@@ -1,4 +1,5 @@
-"""Reading a file a user hands in (a runs file, a routing trace) with limits: `read_text`
+"""Reading a file a user hands in (a runs file, a routing trace, a checkpoint's config.json
+and safetensors index) with limits: `read_text`
 (a regular file only, at most `max_bytes`, UTF-8 with a bad byte's offset named),
 `check_depth` (brackets nested at most `max_depth` deep, counted before a recursive parser
 sees them) and `load_json` (both, then `json.loads`). Every refusal is a `ValueError`

@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import numbers
 import re
 from pathlib import Path
 
+from mk import untrusted
 from mk.errors import brief, shown
 
 # transformers' names of the token mixers -> mk's (`mk.config.LAYER_TYPES`).
@@ -464,13 +464,9 @@ def _read_json(source) -> dict:
     path = Path(source)
     if path.is_dir():
         path = path / "config.json"
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"no Hugging Face config.json at {path}")
-    try:
-        hf = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path}: not a JSON config.json ({type(err).__name__}: "
-                         f"{str(err)[:200]})") from None
+    hf = untrusted.load_json(path, "Hugging Face config")  # a regular file, bounded
     if not isinstance(hf, dict):
         raise ValueError(f"{path}: config.json holds a {type(hf).__name__}; expected a JSON "
                          "object of model fields")
