@@ -1,9 +1,9 @@
 """Reading a file a user hands in (a runs file, a routing trace, a checkpoint's config.json
-and safetensors index) with limits: `read_text`
-(a regular file only, at most `max_bytes`, UTF-8 with a bad byte's offset named),
-`check_depth` (brackets nested at most `max_depth` deep, counted before a recursive parser
-sees them) and `load_json` (both, then `json.loads`). Every refusal is a `ValueError`
-naming the file, what was wrong and the limit.
+and safetensors index) with limits: `read_text` (a regular file only, at most
+`max_bytes`, UTF-8 with a bad byte's offset named), `check_depth` (brackets nested at most
+`max_depth` deep, counted before a recursive parser sees them) and `load_json` (both, then
+`json.loads`). Every refusal is a `ValueError` naming the file, what was wrong and the
+limit.
 
 A named pipe or a device is refused before it is opened (`os.stat`), and opened
 non-blocking besides, so a file swapped for a pipe between the two cannot hang the reader.
