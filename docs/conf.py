@@ -21,7 +21,7 @@ project = "mk notebooks"
 author = "the mk authors"
 html_title = "mk: a TPU decode megakernel"
 extensions = ["myst_nb"]
-exclude_patterns = ["site", "**.html", "runs.json"]
+exclude_patterns = ["site", "site.partial", "**.html", "runs.json"]
 
 # Executed by papermill already; failed notebooks are shown as they stopped.
 nb_execution_mode = "off"

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from mk import quant
+from mk import quant, untrusted
 from mk.config import ModelConfig, check_seed
 from mk.errors import shown
 from mk.hf_layout import every, fill_slots, hf_layout, hf_shape, placements
@@ -70,6 +70,7 @@ def init_params(config: ModelConfig, seed: int = 0) -> dict[str, jax.Array]:
 # -- Hugging Face checkpoints -------------------------------------------------------------
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+INDEX_MAX_BYTES = 256 * 2**20  # the largest index read (a 10**5-tensor one is ~10 MiB)
 # safetensors dtype tags a checkpoint may store; each is cast to `config.dtype` on load.
 STORED_DTYPES = ("F32", "BF16", "F16")
 
@@ -148,7 +149,7 @@ def open_checkpoint(path: str | Path, *, dtype: str | None = None):
                          f"holding config.json and {SINGLE_FILE} or {INDEX_FILE}")
     config = ModelConfig.from_hf(folder, dtype=dtype)
     own = config.unpadded()  # the file's widths; mk holds `config`'s (lane-padded)
-    hf = json.loads((folder / "config.json").read_text())
+    hf = untrusted.load_json(folder / "config.json", "Hugging Face config")
     full_qwen3_5 = hf.get("model_type") == "qwen3_5"
     layout = hf_layout(own, "model.language_model." if full_qwen3_5 else "model.")
     layout = quantised_layout(own, quant_format(folder, hf, own), layout,
@@ -317,11 +318,12 @@ def _shard_files(folder: Path) -> dict[str, set[str] | None]:
         return {SINGLE_FILE: None}
     if not index.is_file():
         raise ValueError(f"{folder}: neither {SINGLE_FILE} nor {INDEX_FILE} exists")
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
+    try:  # a regular file, bounded (an index of 10**5 tensors is a few MiB)
+        weight_map = untrusted.load_json(index, "safetensors index", INDEX_MAX_BYTES)[
+            "weight_map"]
         if not isinstance(weight_map, dict):
             raise TypeError(f"weight_map is a {type(weight_map).__name__}")
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
+    except (KeyError, TypeError) as err:
         raise ValueError(f"{index}: not a safetensors index with a weight_map "
                          f"({type(err).__name__}: {err})") from None
     files: dict[str, set[str] | None] = {}
@@ -432,7 +434,7 @@ def _describe_unreadable(path: Path, err: Exception, listed: set[str] | None) ->
                 data = size - 8 - length
                 cut = sorted(name for name, info in header.items()
                              if name != "__metadata__" and info["data_offsets"][1] > data)
-    except (OSError, ValueError, KeyError, TypeError, IndexError):
+    except (OSError, ValueError, KeyError, TypeError, IndexError, RecursionError):
         pass  # the header itself is unreadable; safetensors' message says why
     message = f"{path.name}: not a readable safetensors file ({detail})"
     if cut:

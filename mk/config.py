@@ -78,6 +78,19 @@ def positive_int(field: str, value) -> int:
     return int(value)
 
 
+def finite_number(field: str, value, low: float = 0.0, high: float = math.inf, *,
+                  open_low: bool = False) -> float:
+    """`value` as a float after checking it is a real number (a Python or numpy int or
+    float, never a bool or a string), finite and in [low, high] ((low, high] with
+    `open_low`); raises ValueError naming `field`, the value and the range."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(
+            value, (int, float, np.integer, np.floating)) or not math.isfinite(value) or not (
+            (low < value if open_low else low <= value) and value <= high):
+        span = f"{'(' if open_low else '['}{low:g}, {high:g}{')' if high == math.inf else ']'}"
+        raise ValueError(f"{field}={shown(value)} must be a finite number in {span}")
+    return float(value)
+
+
 def check_seed(seed) -> int:
     """A random seed as an int after checking it is a whole number >= 0 (numpy's seeding
     refuses negatives with "expected non-negative integer", naming no field)."""

@@ -48,7 +48,11 @@ Worked answers are folded: `reveal(key)` shows one in Jupyter or Colab (the site
 the cells that run them, tag `hide-cell`).
 
 Checks raise `ExerciseFailed` (an AssertionError, so a notebook's last cell fails
-papermill) with a message naming what is wrong. Not here: the kernels themselves
+papermill) with a message naming what is wrong. They are graders: a student's answer of
+any type (None, a string, an array of the wrong shape or dtype, a function of the wrong
+arguments, one that returns garbage or raises) fails the exercise saying what was
+expected and what came back (`check_function`, `learners_code`), never a traceback from
+inside mk, and never passes. Not here: the kernels themselves
 (`mk.kernels`), the simulator (`mk.sim`), drawing (`mk.plots`).
 """
 
@@ -69,7 +73,9 @@ from IPython.display import Markdown
 
 from mk import backend, bundles, megakernel, ops, reference, spec, teach
 from mk.checkpoint import init_params
-from mk.config import ModelConfig
+from mk.config import ModelConfig, positive_int
+from mk.errors import shown
+from mk.machine import Simulation
 from mk.presets import preset
 from mk.kernels import (attention_prologue, collectives, deltanet, joined_experts, kv_stream,
                         mlp, one_layer, ring)
@@ -89,10 +95,11 @@ def hard_positions(batch: int, rows: int, context: int, tile: int = 128) -> np.n
     """[B] int32 first positions: sequence b at the last row of tile b (capped so its T rows
     fit in `context`), so every position is non-zero and, with T >= 2, rows p .. p+T-1
     straddle a tile edge."""
+    batch, rows, context = (positive_int(f, v) for f, v in (("batch", batch), ("rows", rows),
+                                                            ("context", context)))
+    tile = positive_int("tile", tile)
     if not 1 <= rows < context:
         raise ValueError(f"rows={rows} must be in [1, context={context})")
-    if tile < 1:
-        raise ValueError(f"tile={tile} must be >= 1")
     return np.asarray([min((b + 1) * tile - 1, context - rows) for b in range(batch)],
                       np.int32)
 
@@ -197,18 +204,94 @@ SEAMS = {"ring_race": (ring.Ring, "slot", _slot_of_next_tile),
 
 @contextlib.contextmanager
 def replaced(name: str, fn):
-    """Run the block with `fn` where plant `name` (a key of SEAMS) patches: the student's
-    fixed copy, or the plant itself. Jitted traces are dropped on entry and exit, so a
-    step traced before (or inside) does not keep the other code."""
+    """Run the block with the student's `fn` where plant `name` (a key of SEAMS) patches.
+    `fn` must be a function callable as the released one is (else ExerciseFailed before
+    anything runs), and an exception the block raises with it in place fails the exercise
+    (ExerciseFailed naming it and what was expected), not the notebook inside mk."""
     if name not in SEAMS:
         raise ValueError(f"replaced name={name!r} must be one of {tuple(SEAMS)}")
     owner, attr, _ = SEAMS[name]
+    released = getattr(owner, attr)
+    check_function(f"your replacement for {attr}", fn, released)
+    with _patched(owner, attr, fn), learners_code(
+            f"with your {attr} in place, the step",
+            f"{attr} to return what the released one returns"):
+        yield
+
+
+@contextlib.contextmanager
+def _patched(owner, attr: str, fn):
+    """`owner.attr` is `fn` in the block. Jitted traces are dropped on entry and exit, so
+    a step traced before (or inside) does not keep the other code."""
     jax.clear_caches()
     try:
         with mock.patch.object(owner, attr, fn):
             yield
     finally:
         jax.clear_caches()
+
+
+def check_function(what: str, fn, like) -> None:
+    """ExerciseFailed unless `fn` is a function that takes `like`'s arguments (all of
+    them, positionally, as a caller of `like` may pass them)."""
+    names = list(inspect.signature(like).parameters)
+    wanted = f"a function ({', '.join(names)}) like {like.__qualname__}"
+    if not callable(fn):
+        raise ExerciseFailed(f"{what}: expected {wanted}; got {_described(fn)}")
+    try:
+        inspect.signature(fn).bind(*names)
+    except TypeError as err:
+        raise ExerciseFailed(f"{what}: expected {wanted}; got {_name(fn)}"
+                             f"{inspect.signature(fn)}, which cannot take them ({err})"
+                             ) from None
+    except ValueError:  # a builtin without a signature: its call will say
+        pass
+
+
+@contextlib.contextmanager
+def learners_code(what: str, expected: str):
+    """Turn an exception raised in the block, where a student's code runs, into
+    ExerciseFailed: `what` raised it, `expected` says what it should have done."""
+    try:
+        yield
+    except ExerciseFailed:
+        raise
+    except Exception as err:  # noqa: BLE001 - the student's code: any failure is theirs
+        raise ExerciseFailed(f"{what} raised {type(err).__name__}: "
+                             f"{shown(str(err), 300)}; expected {expected}") from err
+
+
+def _name(fn) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
+def _described(value) -> str:
+    """A student's value for a message: its type and its (bounded) repr, and the shape
+    and dtype of an array."""
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"{type(value).__name__} of shape {tuple(value.shape)}, dtype {value.dtype}"
+    if isinstance(value, (tuple, list)) and any(hasattr(v, "shape") for v in value):
+        return (f"{type(value).__name__} of {len(value)}: "
+                + ", ".join(_described(v) for v in value[:4]))
+    return f"{type(value).__name__} {shown(value)}"
+
+
+def _array(what: str, value, kind: str = "numbers", integer: bool = False) -> np.ndarray:
+    """A student's `value` as a numpy array of numbers (integers if `integer`), or
+    ExerciseFailed saying what came back."""
+    wanted = f"an array of {kind}"
+    if value is None or isinstance(value, (str, bytes)) or callable(value):
+        raise ExerciseFailed(f"{what}: expected {wanted}; got {_described(value)}")
+    try:
+        array = np.asarray(value)
+    except Exception:  # noqa: BLE001 - a ragged list, an object that will not convert
+        raise ExerciseFailed(f"{what}: expected {wanted}; got {_described(value)}, "
+                             "which is not an array") from None
+    kinds = (jnp.integer,) if integer else (jnp.number, jnp.bool_)
+    if not any(jnp.issubdtype(array.dtype, k) for k in kinds):
+        dtype = "" if hasattr(value, "dtype") else f" (as an array: dtype {array.dtype})"
+        raise ExerciseFailed(f"{what}: expected {wanted}; got {_described(value)}{dtype}")
+    return array
 
 
 @contextlib.contextmanager
@@ -221,7 +304,8 @@ def planted(name: str | None):
     if name not in PLANTS:
         raise ValueError(f"planted name={name!r} must be one of {PLANTS}")
     if name in SEAMS:
-        with replaced(name, SEAMS[name][2]):
+        owner, attr, plant = SEAMS[name]
+        with _patched(owner, attr, plant):
             yield
         return
     with contextlib.ExitStack() as stack:
@@ -244,16 +328,26 @@ def planted(name: str | None):
 
 # -- Checks -----------------------------------------------------------------------------------
 def check_race_free(what: str, races: bool) -> None:
+    """`races` is `mk.backend.races_found()` after the step: True or False, nothing else
+    (None or a string is not an answer and fails)."""
+    if not isinstance(races, (bool, np.bool_)):
+        raise ExerciseFailed(f"{what}: expected True or False (mk.backend.races_found() "
+                             f"after the step); got {_described(races)}")
     if races:
         raise ExerciseFailed(f"{what}: the race detector flagged a race (a slot read while "
                              "a DMA into it was in flight)")
 
 
 def check_close(what: str, got, want, *, atol: float, rtol: float = 1e-5) -> float:
-    """The largest |got - want|; raises when any element is outside atol + rtol * |want|."""
-    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    """The largest |got - want|; raises when any element is outside atol + rtol * |want|,
+    or `got` is not an array of numbers of want's shape (saying what came back)."""
+    want = np.asarray(want, np.float32)
+    got = _array(what, got).astype(np.float32)
+    if got.shape != want.shape:
+        raise ExerciseFailed(f"{what}: expected an array of shape {want.shape} (the "
+                             f"reference's); got shape {got.shape}")
     error = np.abs(got - want)
-    if got.shape != want.shape or not np.all(error <= atol + rtol * np.abs(want)):
+    if not np.all(error <= atol + rtol * np.abs(want)):
         raise ExerciseFailed(f"{what}: kernel and reference differ (max |kernel - reference| "
                              f"= {_largest(error)}, "
                              f"atol={atol}, rtol={rtol}, shapes {got.shape} {want.shape})")
@@ -272,6 +366,10 @@ def check_up_rotation(rotation: int, used: int = 32, lanes: int = 128) -> None:
     """05c's exercise: `rotation` (jnp.roll's direction) must bring up's `used` values of a
     joined gate|up product of `lanes` lanes to lanes [0, used), as the kernel's own split
     does (`mk.kernels.joined_experts.gate_up`, on a product whose lanes hold their index)."""
+    if isinstance(rotation, (bool, np.bool_)) or not isinstance(rotation, (int, np.integer)):
+        raise ExerciseFailed(f"up_rotation: expected a whole number of lanes (an int, "
+                             f"jnp.roll's shift); got {_described(rotation)}")
+    backend.check_active()  # the split is a Pallas kernel: say where to run it
     joined = jnp.tile(jnp.arange(lanes, dtype=jnp.float32), (8, 1))
     _, up = joined_experts.gate_up(joined, used, lanes)
     check_close("up's lanes after your rotation", np.roll(np.arange(lanes), rotation)[:used],
@@ -279,15 +377,20 @@ def check_up_rotation(rotation: int, used: int = 32, lanes: int = 128) -> None:
 
 
 def check_tokens(what: str, got, want) -> None:
-    """Greedy tokens equal, exactly; names the first sequence and step that differ."""
-    got, want = np.asarray(got), np.asarray(want)
+    """Greedy tokens equal, exactly: integer ids of the reference's shape; names the first
+    sequence and step that differ (any shape, a single token too)."""
+    want = np.asarray(want)
+    got = _array(what, got, "integer token ids", integer=True)
     if got.shape != want.shape:
-        raise ExerciseFailed(f"{what}: tokens of shape {got.shape}, reference {want.shape}")
-    bad = np.argwhere(got != want)
+        raise ExerciseFailed(f"{what}: expected tokens of shape {want.shape} (the "
+                             f"reference's); got shape {got.shape}")
+    bad = np.argwhere(np.atleast_1d(got != want))
     if bad.size:
-        b, t = bad[0][:2] if bad.shape[1] > 1 else (0, bad[0][0])
-        raise ExerciseFailed(f"{what}: tokens differ from the reference first at sequence "
-                             f"{b}, step {t}")
+        index = tuple(int(i) for i in bad[0][:got.ndim])
+        where = (f"sequence {index[0]}, step {index[1]}" if got.ndim >= 2 else
+                 f"step {index[0]}" if got.ndim == 1 else "its only token")
+        raise ExerciseFailed(f"{what}: tokens differ from the reference first at {where}: "
+                             f"got {got[index]}, reference {want[index]}")
 
 
 def check_ring_depth(sim, deep, *, tolerance: float = 0.05) -> float:
@@ -295,6 +398,17 @@ def check_ring_depth(sim, deep, *, tolerance: float = 0.05) -> float:
     `deep` with a ring as deep as Little's law asks (`mk.sim.latency_slots`). Returns
     sim's step / deep's; raises when `sim` is more than `tolerance` slower: its ring holds
     too few bytes in flight to cover the DMA latency, and HBM idles ("ring empty")."""
+    for name, value in (("your simulated step", sim), ("the deep ring's step", deep)):
+        if not isinstance(value, Simulation):
+            raise ExerciseFailed(f"{name}: expected a mk.sim.simulate result (a "
+                                 f"Simulation); got {_described(value)}")
+    fields = ("config_name", "chip_name", "batch", "rows", "context", "tp")
+    other = [f"{f}={getattr(sim, f)!r}, not {getattr(deep, f)!r}" for f in fields
+             if getattr(sim, f) != getattr(deep, f)]
+    if other:
+        raise ExerciseFailed(f"your simulated step is of another configuration than the "
+                             f"deep ring's ({'; '.join(other)}): simulate the same step "
+                             "with only the ring's slots changed")
     ratio = sim.step_s / deep.step_s
     if ratio > 1 + tolerance:
         empty = sim.bubble_share().get("ring empty", 0.0) / sim.step_s
@@ -311,6 +425,7 @@ def check_attend_update(update, *, kv_tile: int = 128, seed: int = 0) -> float:
     tiles, and a strong key at the start of the second moves every row's running max.
     Returns the largest error."""
     G, T, H, S = 2, 2, 128, 2 * kv_tile
+    _check_update(update, G * T, kv_tile, H)  # a wrong type or shape, before any work
     keys = jax.random.split(jax.random.key(seed), 3)
     q = jax.random.normal(keys[0], (G * T, H))
     k, v = (jax.random.normal(key, (S, H)).astype(jnp.bfloat16) for key in keys[1:])
@@ -319,9 +434,33 @@ def check_attend_update(update, *, kv_tile: int = 128, seed: int = 0) -> float:
     want = ops.attention(q.reshape(G, T, H).transpose(1, 0, 2)[None], k[None, None],
                          v[None, None], jnp.asarray([p]))  # [1, T, G, H]
     want = want[0].transpose(1, 0, 2).reshape(G * T, H)
-    with backend.use("interpret"):
+    with backend.use("interpret"), learners_code(
+            "attention with your update", "(m_next, l_next, acc_next) as "
+            "teach.online_softmax_update returns them"):
         got = teach.attend(q, k, v, p, rows=T, kv_tile=kv_tile, update=update)
     return check_close("attention over two KV tiles", got, want, atol=2e-2, rtol=2e-2)
+
+
+def _check_update(update, rows: int, tile: int, width: int) -> None:
+    """ExerciseFailed unless `update` is an online-softmax step (`teach.online_softmax_update`'s
+    arguments) that returns (m_next [R, 1], l_next [R, 1], acc_next [R, H]) of numbers, run
+    once outside any kernel on one tile of inputs."""
+    check_function("your update", update, teach.online_softmax_update)
+    keys = jax.random.split(jax.random.key(1), 2)
+    m, l, acc = (jnp.zeros((rows, 1)), jnp.ones((rows, 1)), jnp.zeros((rows, width)))
+    scores = jax.random.normal(keys[0], (rows, tile))
+    v = jax.random.normal(keys[1], (tile, width)).astype(jnp.bfloat16)
+    shapes = ((rows, 1), (rows, 1), (rows, width))
+    wanted = f"(m_next, l_next, acc_next) of shapes {shapes}"
+    with learners_code("your update, on one tile", wanted):
+        out = update(m, l, acc, scores, v)
+    if not isinstance(out, (tuple, list)) or len(out) != 3:
+        raise ExerciseFailed(f"your update: expected {wanted}; got {_described(out)}")
+    for name, value, shape in zip(("m_next", "l_next", "acc_next"), out, shapes):
+        got = _array(f"your update's {name}", value)
+        if got.shape != shape:
+            raise ExerciseFailed(f"your update's {name}: expected shape {shape}; got "
+                                 f"{got.shape}")
 
 
 def check_acceptance(config: ModelConfig, params, prompt, steps: int, *, gamma: int = 4,
@@ -396,6 +535,9 @@ class Mystery:
         """`where`: "module.attribute" of a function you suspect (e.g.
         "mk.kernels.ring.Ring.slot"). Shows its planted code if you are right."""
         fn = SEAMS[self._plant][2]
+        if not isinstance(where, str):
+            raise ExerciseFailed(f"suspect: expected a name such as "
+                                 f"\"mk.kernels.ring.Ring.slot\"; got {_described(where)}")
         if where != self.where():
             return Markdown(f"`{html.escape(where)}` runs as released: look elsewhere.")
         return Markdown("Found it. The code running in its place:\n```python\n"
@@ -415,7 +557,9 @@ class Mystery:
 
     def confirm(self, fix) -> str:
         """Run the step with `fix` in the planted function's place; raises ExerciseFailed
-        if the step is still wrong or still races."""
+        if the step is still wrong or still races, or `fix` is not a function taking the
+        released one's arguments (checked before anything runs)."""
+        check_function("your fix", fix, self.released())
         self.check(fix)
         logits, races = self._step(fix, detect_races=True)
         check_race_free("megakernel step with your fix", races)
@@ -486,6 +630,9 @@ def scoped_bundles(kernel, chip: str = "v6e") -> dict[str, list]:
 
 def check_scope(found: dict[str, list], scope: str) -> int:
     """The number of bundles in `scope` (of `scoped_bundles`); ExerciseFailed if none."""
+    if not isinstance(found, dict):
+        raise ExerciseFailed(f"check_scope: expected scoped_bundles' {{scope: bundles}}; "
+                             f"got {_described(found)}")
     if not found.get(scope):
         raise ExerciseFailed(f"no bundle lies in a scope named {scope!r} (scopes with "
                              f"bundles: {sorted(found)}): wrap the code in "

@@ -50,6 +50,9 @@ from mk.weights import weights_of
 def check_device_indices(devices, tp: int) -> tuple[int, ...]:
     """`devices` as a tuple of ints after checking each is a device index along the tp
     axis (an int in [0, tp)), none twice, at least one; ValueError naming the value."""
+    if isinstance(devices, (str, bytes)) or not hasattr(devices, "__iter__"):
+        raise ValueError(f"devices={devices!r} must be a sequence of device indices in "
+                         f"[0, tp={tp}), such as (0,) or range({tp})")
     devices = tuple(devices)
     if not devices:
         raise ValueError(f"devices={devices}: give at least one device index in [0, {tp})")
@@ -126,10 +129,19 @@ def load_process_shards(path: str | Path, mesh: jax.sharding.Mesh, *,
     """The checkpoint at `path` -> (config, {weight: global jax.Array [tp, ...] sharded
     P("tp") over `mesh`}), this process loading and placing only its own devices' shards
     (`load_shards`; every process of the mesh calls it, as multi-controller JAX asks)."""
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise ValueError(f"mesh is a {type(mesh).__name__}; it must be a jax.sharding.Mesh "
+                         f"with the one axis {AXIS!r}")
     if tuple(mesh.axis_names) != (AXIS,):
         raise ValueError(f"mesh axes {tuple(mesh.axis_names)} must be ({AXIS!r},): one tp "
                          "axis")
     devices = list(mesh.devices.flat)
+    ids = [d.id for d in devices]
+    twice = sorted({i for i in ids if ids.count(i) > 1})
+    if twice:
+        raise ValueError(f"the mesh lists devices with ids {twice} more than once "
+                         f"({len(devices)} entries, {len(set(ids))} devices); each device "
+                         "holds one shard")
     mine = [i for i, d in enumerate(devices) if d.process_index == jax.process_index()]
     if not mine:
         raise ValueError(f"process {jax.process_index()} holds none of the mesh's devices "

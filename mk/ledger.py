@@ -23,7 +23,8 @@ import dataclasses
 from mk import exactness, perf, plots
 from mk.bundles import packed_bundles
 from mk.chips import CLOCK_ENDS, ChipSpec, chip as named_chip
-from mk.config import ModelConfig
+from mk.config import ModelConfig, positive_int
+from mk.errors import shown
 from mk.presets import preset as named_preset
 from mk.published import Published, published
 from mk.kernels.collectives import choose_algorithm, rounds
@@ -130,9 +131,19 @@ def runs(*, speculative_only: bool = False, batches=None) -> list[Run]:
     """Every row of data/published.csv (only those with an acceptance length if
     `speculative_only`; only those of a batch in `batches`, if given) under the ledger's
     assumptions: batch 1 where unstated, `VERIFY_ROWS` rows per speculative step, every
-    device of the run in one group, the row's context (0 where unstated)."""
+    device of the run in one group, the row's context (0 where unstated). A batch no
+    published row has is refused (naming the batches there are), not silently empty."""
+    rows_all = published()
+    if batches is not None:
+        if isinstance(batches, (str, bytes)) or not hasattr(batches, "__iter__"):
+            raise ValueError(f"batches={shown(batches)} must be a collection of batch sizes")
+        batches = {positive_int(f"batches[{i}]", b) for i, b in enumerate(batches)}
+        there = sorted({row.batch or 1 for row in rows_all})
+        if not batches or batches - set(there):
+            raise ValueError(f"batches={sorted(batches)}: published rows have batches "
+                             f"{there}; give a non-empty subset of them")
     out = []
-    for row in published():
+    for row in rows_all:
         batch = row.batch or 1
         if (speculative_only and not row.acceptance_length) or (
                 batches is not None and batch not in batches):
@@ -198,6 +209,14 @@ def entries(*, routing: str = "uniform", compute: str = "bf16",
     tile); and "compiled_slots", "tile_bundles", "tile_dma_ns". A recorded
     kernel that does not fit its core gets "compiled_note" with the reason, and the
     columns above only if its per-tile cost was measured on a cut of it (`measured_on`)."""
+    perf.check_choice("routing", routing, perf.ROUTINGS)  # a trace is one model's
+    perf.check_choice("compute", compute, perf.COMPUTES)
+    for field, flag in (("simulate_tpu", simulate_tpu), ("speculative_only", speculative_only)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{field}={shown(flag)} must be True or False")
+    if assumptions is not None and not isinstance(assumptions, Assumptions):
+        raise ValueError(f"assumptions is a {type(assumptions).__name__}; it must be a "
+                         "mk.sim.Assumptions")
     out, sims = [], {}
     recorded = {cost_key(c): c for c in tile_costs}
 

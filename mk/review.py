@@ -4,6 +4,14 @@
 design parameter (ring slots, tile, KV tile, KV slots, cross-layer prefetch, batch, T, tp,
 the assumed DMA latency) and returns a table row each.
 
+`check_invariants` holds notebook 11's checks of one simulated step (no step beats its
+bytes over the bandwidth, the bubbles add up, prefetch across layers never slows a step,
+a slower clock never makes a step faster); `clock_ends` simulates a step at both ends of
+the clock range with one source of tile costs. The clock invariant compares one source
+at its two ends: the tile cost table's low end against a compiled kernel's recorded
+loop at its high end is no clock statement (the two cost a tile differently), and
+tests/test_review.py runs the invariants over a grid of presets, chips, B, T and tp.
+
 Not here: the simulator itself (`mk.sim`), the published numbers against the models
 (`mk.ledger`), drawing (`mk.plots.sweep_lines`), the notebook that reads these
 (`11_design_review`).
@@ -14,10 +22,13 @@ from __future__ import annotations
 import dataclasses
 
 from mk import perf
-from mk.chips import ChipSpec
+from mk.chips import CLOCK_ENDS, ChipSpec
 from mk.config import ModelConfig
 from mk.kernels.plan import DecodePlan
+from mk.machine import Simulation
 from mk.sim import Assumptions, simulate
+
+RTOL = 1e-12  # the simulator's float sums: an "at least" holds to this relative tolerance
 
 
 # -- Design sweeps ---------------------------------------------------------------------------
@@ -60,3 +71,43 @@ def sweep(config: ModelConfig, chip: ChipSpec | str, parameter: str, values, *,
                     "tokens_per_s_per_user": sim.tokens_per_s_per_user(accepted),
                     "largest_bubble": next(iter(share), None), "note": ""})
     return out
+
+
+# -- Invariants of a simulated step (notebook 11's checks) -------------------------------------
+def clock_ends(config: ModelConfig, chip: ChipSpec | str, *,
+               assumptions: Assumptions | None = None, **kwargs) -> dict[str, Simulation]:
+    """{clock end: the step `simulate(config, chip, **kwargs)` with `assumptions` at that
+    end of the chip's clock range} (`mk.chips.CLOCK_ENDS`): one source of tile costs (the
+    tile cost table, or a compiled kernel's recorded loop) at both ends."""
+    a = assumptions or Assumptions()
+    return {end: simulate(config, chip, assumptions=dataclasses.replace(a, clock=end),
+                          **kwargs) for end in CLOCK_ENDS}
+
+
+def check_invariants(step: Simulation, *, no_prefetch: Simulation,
+                     by_clock=(), hbm_floor_ms: float | None = None) -> None:
+    """Raise AssertionError naming the first invariant the simulated `step` breaks: it is
+    no shorter than its bytes over the bandwidth (nor `hbm_floor_ms`, `mk.perf`'s HBM
+    floor, if given); its HBM bubbles add up to step - floor; `no_prefetch`, the same step
+    without cross-layer prefetch, is no faster; and in each of `by_clock` ({clock end:
+    the same step}, `clock_ends`: one source of tile costs each) the low end is no faster
+    than the high end."""
+    floor = step.hbm_floor_s
+    assert step.step_s >= floor > 0, (
+        f"a step of {step.step_s:.6g} s is shorter than its bytes over the bandwidth "
+        f"({floor:.6g} s)")
+    idle = sum(step.bubble_share().values())
+    assert abs(idle - (step.step_s - floor)) <= 1e-9 * step.step_s, (
+        f"the bubbles add to {idle:.6g} s, not step - floor = {step.step_s - floor:.6g} s")
+    assert no_prefetch.step_s >= step.step_s * (1 - RTOL), (
+        f"prefetch across layers made a step slower: {step.step_s:.6g} s against "
+        f"{no_prefetch.step_s:.6g} s without")
+    if hbm_floor_ms is not None:
+        assert step.step_ms >= hbm_floor_ms * (1 - 1e-9), (
+            f"a simulated step of {step.step_ms:.6g} ms beat its HBM floor "
+            f"{hbm_floor_ms:.6g} ms")
+    for ends in by_clock:
+        low, high = ends["low"], ends["high"]
+        assert low.step_s >= high.step_s * (1 - RTOL), (
+            f"a slower clock made a step faster: {low.step_s:.6g} s at the low end, "
+            f"{high.step_s:.6g} s at the high end ({low.assumptions})")

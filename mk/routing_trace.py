@@ -22,7 +22,8 @@ expert-parallel layout (whole experts per device), which mk does not build.
 
 `save` / `load` keep a trace as JSON: on a Colab TPU, record one from a real checkpoint
 (`mk.load_checkpoint`) and load it on the CPU. A trace file is untrusted data: `load`
-checks every field (names it, its value and the limit) and never evaluates it. Tiny random
+checks every field (names it, its value and the limit) and never evaluates it; it reads a
+regular file only, within `mk.untrusted`'s size and nesting limits. Tiny random
 checkpoints are the tests' traces; they route close to uniformly.
 """
 
@@ -34,7 +35,7 @@ import os
 
 import numpy as np
 
-from mk import reference
+from mk import reference, untrusted
 from mk.config import ModelConfig, positive_int
 
 FIELDS = ("model", "tokens", "per_token", "counts")
@@ -169,11 +170,7 @@ def save(trace: RoutingTrace, path: str | os.PathLike) -> None:
 def load(path: str | os.PathLike, config: ModelConfig | None = None) -> RoutingTrace:
     """A trace `save` wrote, every field checked (untrusted data); with `config`, checked
     to describe its routers too (`RoutingTrace.check_model`)."""
-    with open(path) as f:
-        try:
-            fields = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"routing trace {os.fspath(path)!r} is not JSON: {e}") from None
+    fields = untrusted.load_json(path, "routing trace")
     if not isinstance(fields, dict) or set(fields) != set(FIELDS):
         got = sorted(fields) if isinstance(fields, dict) else type(fields).__name__
         raise ValueError(f"routing trace {os.fspath(path)!r}: fields {got} must be "

@@ -109,7 +109,8 @@ import math
 
 from mk import feed_costs, measure, perf, quant
 from mk.chips import CLOCK_ENDS, ChipSpec, chip as named_chip
-from mk.config import DTYPE_BITS, ModelConfig, check_formats, positive_int
+from mk.config import (DTYPE_BITS, ModelConfig, check_formats, finite_number,
+                       positive_int)
 from mk.kernels.collectives import ICI_LATENCY_S
 from mk.kernels.common import BlockSizes
 from mk.kernels.mlp import expert_slots
@@ -141,12 +142,9 @@ class Assumptions:
 
     def __post_init__(self):
         for field in ("hbm_share", "vpu_flops_ratio"):
-            if not 0 < getattr(self, field) <= 1:
-                raise ValueError(f"Assumptions.{field}={getattr(self, field)!r} must be "
-                                 "in (0, 1]")
+            finite_number(f"Assumptions.{field}", getattr(self, field), 0, 1, open_low=True)
         for field in ("dma_latency_s", "scalar_op_s", "tile_issue_s", "ici_latency_s"):
-            if not getattr(self, field) >= 0:
-                raise ValueError(f"Assumptions.{field}={getattr(self, field)!r} must be >= 0")
+            finite_number(f"Assumptions.{field}", getattr(self, field))
         if isinstance(self.tile_bundles, bool) or not isinstance(self.tile_bundles, int) \
                 or self.tile_bundles < 0:
             raise ValueError(f"Assumptions.tile_bundles={self.tile_bundles!r} must be an "
@@ -526,6 +524,10 @@ def simulate(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows:
         raise ValueError(f"config={config!r} must be a ModelConfig")
     positive_int("rows", rows)
     _check_context(config, context, rows)
+    perf.check_routing(routing, config)  # a trace of another model, as perf.predict
+    if assumptions is not None and not isinstance(assumptions, Assumptions):
+        raise ValueError(f"assumptions is a {type(assumptions).__name__}; it must be a "
+                         "mk.sim.Assumptions")
     plan = DecodePlan.make(config, batch=batch, rows=rows, position=context, tp=tp,
                            block=block, formats=formats, chip=spec, kernel=False,
                            collective=collective)

@@ -52,7 +52,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from mk.config import finite_number, positive_int
+
 F32 = jnp.float32
+
+
+def _check_ndim(name: str, array, ndim: int) -> None:
+    """ValueError naming `name` unless it is an array of `ndim` dimensions."""
+    shape = getattr(array, "shape", None)
+    if shape is None or len(shape) != ndim:
+        got = f"shape {tuple(shape)}" if shape is not None else type(array).__name__
+        raise ValueError(f"{name} must be an array of {ndim} dimensions; got {got}")
 
 
 # -- 01: the ring -------------------------------------------------------------------------------
@@ -89,6 +99,8 @@ def ring_matmul_kernel(x_vmem, w_hbm, out_vmem, slots_vmem, sems, *, tile: int):
 def ring_matmul(x: jax.Array, w: jax.Array, *, slots: int = 3, tile: int = 128):
     """x [M, K] @ w [K, N] -> [M, N] float32, w left in HBM and streamed through `slots`
     VMEM slots of [tile, tile] (x rounded to w's dtype, float32 accumulation)."""
+    _check_ndim("x", x, 2)
+    _check_ndim("w", w, 2)
     (M, K), N = x.shape, w.shape[1]
     if w.shape[0] != K or K % tile or N % tile or slots < 1:
         raise ValueError(f"x {x.shape}, w {w.shape}: K and N must be multiples of "
@@ -147,6 +159,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, position, *, rows: int,
     """Attention of one sequence's query rows q [G*T, H] float32 (row r: head r // T, new
     row t = r % T at position + t) over one kv head's cache k, v [S, H] (already holding
     the new rows) -> [G*T, H] float32. `update`: the online-softmax step."""
+    for name, array in (("q", q), ("k", k), ("v", v)):
+        _check_ndim(name, array, 2)
     S, H = k.shape
     if S % kv_tile or q.shape[0] % rows or q.shape[1] != H:
         raise ValueError(f"q {q.shape}, k {k.shape}: S must be a multiple of "
@@ -216,8 +230,9 @@ def all_reduce(x: jax.Array) -> jax.Array:
     """x [n, R, C]: device i's partial sum at i (n a power of two, C a multiple of n) ->
     [n, R, C], every device's copy of the sum. In each round every device `me` exchanges
     with its partner me XOR d at once (what the kernel's remote DMAs do in parallel)."""
+    _check_ndim("x", x, 3)
     n, R, C = x.shape
-    if n & (n - 1) or C % n:
+    if n < 1 or n & (n - 1) or C % n:
         raise ValueError(f"x {x.shape}: n={n} must be a power of two dividing C={C}")
     c = C // n
     held = [[x[me, :, k * c:(k + 1) * c] for k in range(n)] for me in range(n)]
@@ -252,8 +267,9 @@ def ring_schedule(stream, *, slots: int, latency_s: float, dma_s: float,
     active(name) -> bool (name as `TileStream.tiles` gives it, "we_gate[3]"): a tile of
     a switched-off segment is neither loaded nor computed, only consumed in order
     (`Ring.skip`): "skipped", start = end = when the lane reaches it."""
-    if slots < 1 or min(latency_s, dma_s, compute_s) < 0:
-        raise ValueError(f"slots={slots} must be >= 1 and the times >= 0")
+    positive_int("slots", slots)
+    for field, value in (("latency_s", latency_s), ("dma_s", dma_s), ("compute_s", compute_s)):
+        finite_number(field, value)
     out, engine, lane = [], 0.0, 0.0  # when the DMA engine and the compute lane are free
     for g, _layer, name, _, _ in stream.tiles():
         issue = 0.0 if g < slots else out[g - slots]["end"]

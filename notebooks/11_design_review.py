@@ -318,9 +318,8 @@ if report is not None and report.ok:
     display(plots.table([{"loop": i, "bundles per trip": lp.bundles, "MXU": lp.mxu,
                           "scalar only": lp.scalar_only, "DMA sites": len(lp.dma_granules)}
                          for i, lp in enumerate(cost.loops)]))
-    issued = {end: sim.simulate(config, spec, block=block,
-                                assumptions=cost.assumptions(clock=end), **step_args)
-              for end in CLOCK_ENDS}
+    issued = review.clock_ends(config, spec, block=block, assumptions=cost.assumptions(),
+                               **step_args)  # the compiled loop at both clock ends
     print(f"costliest loop {cost.worst.bundles} bundles; the tile's DMA "
           f"{cost.dma_s * 1e9:.0f} ns ({cost.tile_bytes / 1024:.0f} KiB at "
           f"{cost.dma_bw / 1e9:.0f} GB/s); with the tile cost table the simulated step is "
@@ -894,9 +893,14 @@ if report is not None and report.ok:
 # ## Checks
 
 # %%
-assert s.step_s >= s.hbm_floor_s > 0, "a step shorter than its bytes over the bandwidth"
-assert abs(sum(share.values()) - (s.step_s - s.hbm_floor_s)) <= 1e-9 * s.step_s
-assert off.step_s >= s.step_s * (1 - 1e-12), "prefetch across layers made a step slower"
+# A slower clock never makes a step faster, for each source of tile costs at its two
+# ends: the tile cost table's (s is its low end) and the compiled kernel's recorded loop
+# (`issued`). The two sources price a tile differently, so the compiled loop at the high
+# end may beat the table at the low end: that is no clock statement.
+table_ends = {"low": s, "high": sim.simulate(config, spec, block=block, **step_args,
+                                             assumptions=sim.Assumptions(clock="high"))}
+review.check_invariants(s, no_prefetch=off, hbm_floor_ms=est.hbm_floor_ms, by_clock=[
+    table_ends, *([issued] if report is not None and report.ok else [])])
 # Up to a layer's period of tiles a deeper ring may cost a little (the layer's KV loads
 # queue behind more weight tiles in the one FIFO DMA engine), never more than 5% over the
 # best shallower ring; the plan's ring is never deeper (`default_block`).
@@ -904,11 +908,8 @@ steps = [r["step_ms"] for r in sweeps["slots"]
          if r["step_ms"] and r["slots"] <= plan.stream.period]
 assert all(b <= min(steps[:i + 1]) * 1.05 for i, b in enumerate(steps[1:])), "more slots, slower"
 assert len(pub) == len(published())
-assert s.step_ms >= est.hbm_floor_ms * (1 - 1e-9), "a simulated step beat its HBM floor"
 assert modelled_ms >= max(est.hbm_floor_ms, mxu_ms) and xla.fusions > xla.layers
 assert report is None or report.ok or not fits, f"compile failed: {report.error[:300]}"
-if report is not None and report.ok:  # a slower clock never makes a step faster
-    assert issued["low"].step_s >= issued["high"].step_s >= s.step_s * (1 - 1e-12)
 table = ledger.latency_grid(grid)
 assert len(table) == len(grid) * sum("simulated_ms" in r for r in headline_rows)
 for run_name in {r["run"] for r in table}:  # a longer round never makes a step shorter

@@ -326,7 +326,14 @@ def test_a_file_or_a_list_is_not_a_checkpoint(tmp_path):
     with pytest.raises(ValueError, match="config.json holds a list; expected a JSON object"):
         load_checkpoint(folder)
     (folder / "config.json").write_bytes(b"\xff\xfe\x00binary")
-    with pytest.raises(ValueError, match="not a JSON config.json"):
+    with pytest.raises(ValueError, match="config.json' is not UTF-8 text: byte offset 0"):
+        load_checkpoint(folder)
+    (folder / "config.json").write_text("{")
+    with pytest.raises(ValueError, match="config.json' is not JSON"):
+        load_checkpoint(folder)
+    (folder / "config.json").unlink()
+    os.mkfifo(folder / "config.json")  # would block a plain open() for ever
+    with pytest.raises(ValueError, match="config.json' is a named pipe"):
         load_checkpoint(folder)
 
 

@@ -220,6 +220,34 @@ def test_from_hf_names_a_malformed_field_instead_of_crashing(case):
         ModelConfig.from_hf(hf)
 
 
+@pytest.mark.parametrize("full, kda", [([4], [1, 2, 3, 4]), ([4, 4], [1, 2, 3])])
+def test_a_kimi_layer_listed_as_both_full_and_kda_or_twice_is_refused(full, kda):
+    hf = _hf_kimi(linear_attn_config={"full_attn_layers": full, "kda_layers": kda})
+    with pytest.raises(ValueError, match="linear_attn_config lists layer 4 more than once"):
+        ModelConfig.from_hf(hf)
+    hf["linear_attn_config"] = {"full_attn_layers": [4], "kda_layers": [1, 2, 3]}
+    assert ModelConfig.from_hf(hf).layer_types == ("linear",) * 3 + ("full",)
+
+
+def test_layer_types_that_contradict_another_field_are_refused_by_layer():
+    kimi = _hf_kimi(layer_types=["linear_attention"] * 4,
+                    linear_attn_config={"full_attn_layers": [4], "kda_layers": [1, 2, 3]})
+    with pytest.raises(ValueError, match=r"layer_types and linear_attn_config contradict "
+                                         r"each other at layer 3 .*'linear' against 'full'"):
+        ModelConfig.from_hf(kimi)
+    kimi["layer_types"][3] = "full_attention"
+    assert ModelConfig.from_hf(kimi).layer_types == ("linear",) * 3 + ("full",)
+    with pytest.raises(ValueError, match=r"lists layers \[4\] in neither full_attn_layers"):
+        ModelConfig.from_hf(_hf_kimi(linear_attn_config={"full_attn_layers": [],
+                                                         "kda_layers": [1, 2, 3]}))
+    qwen = _hf_qwen3_5(num_hidden_layers=4, full_attention_interval=2,
+                       layer_types=["linear_attention", "full_attention"] * 2)
+    assert ModelConfig.from_hf(qwen).layer_types == ("linear", "full") * 2
+    with pytest.raises(ValueError, match="layer_types and full_attention_interval contradict "
+                                         "each other at layer 1"):
+        ModelConfig.from_hf(qwen | {"full_attention_interval": 4})
+
+
 # -- Lane padding --------------------------------------------------------------------------
 def test_lane_padding_holds_each_width_in_whole_lanes_and_undoes_exactly():
     """200 and 100 wide (as gpt-oss's 2880): held as 256 and 128, the norms over 200; the

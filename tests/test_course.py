@@ -152,8 +152,12 @@ def test_a_wrong_up_rotation_is_caught_against_the_kernels_split():
 
 def test_check_tokens_names_the_first_difference():
     course.check_tokens("tp", np.array([[1, 2, 3]]), np.array([[1, 2, 3]]))
-    with pytest.raises(course.ExerciseFailed, match="sequence 0, step 2"):
+    with pytest.raises(course.ExerciseFailed, match="sequence 0, step 2: got 4, reference 3"):
         course.check_tokens("tp", np.array([[1, 2, 4]]), np.array([[1, 2, 3]]))
+    with pytest.raises(course.ExerciseFailed, match="its only token: got 3, reference 4"):
+        course.check_tokens("t", 3, 4)  # two different single tokens once passed
+    with pytest.raises(course.ExerciseFailed, match="step 1: got 5, reference 2"):
+        course.check_tokens("t", [1, 5], np.array([1, 2]))
 
 
 def test_planted_refuses_an_unknown_name():
@@ -333,6 +337,21 @@ def test_default_positions_are_nonzero_and_straddle_a_tile_edge(notebook):
     assert course.straddles(positions, p["rows"], tile)[0], (positions, p["rows"])
 
 
+def test_teaching_helpers_name_a_bad_argument_instead_of_crashing():
+    for call, message in (
+            (lambda: course.hard_positions("1", 2, 256), "batch='1' must be a positive"),
+            (lambda: course.hard_positions(1, 2, 256, tile=0), "tile=0 must be a positive"),
+            (lambda: teach.all_reduce(jnp.zeros((0, 8, 8))), r"n=0 must be a power of two"),
+            (lambda: teach.all_reduce(jnp.zeros((8, 8))), "x must be an array of 3 dim"),
+            (lambda: teach.attend(None, None, None, 0, rows=1), "q must be an array of 2"),
+            (lambda: teach.ring_schedule(None, slots="3", latency_s=0, dma_s=0, compute_s=0),
+             "slots='3' must be a positive integer"),
+            (lambda: teach.ring_schedule(None, slots=3, latency_s=float("inf"), dma_s=0,
+                                         compute_s=0), r"latency_s=inf must be a finite")):
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
 def test_hard_positions_refuses_rows_past_the_context():
     with pytest.raises(ValueError, match="rows=256 must be in"):
         course.hard_positions(1, 256, 256)
@@ -383,3 +402,94 @@ def test_a_scope_added_to_the_kernel_has_its_own_bundles_in_the_dump():
     assert not any("rsqrt" in op for b in given.get("matmul", []) for op in b.ops)
     with pytest.raises(ValueError, match="its source is compiled in a child process"):
         course.scoped_bundles(eval("lambda x_ref, w_ref, o_ref: None"))
+
+
+# -- The checks as graders: any wrong answer fails the exercise, none crashes or passes --------
+def _garbage(*args, **kwargs):
+    return "garbage"
+
+
+def _raises(*args, **kwargs):
+    raise RuntimeError("the student's own error")
+
+
+# Wrong answers of every type, fed to every check: each must fail with ExerciseFailed.
+WRONG = {"None": None, "string": "96", "float": 3.5, "empty": [], "nested": [[1], [1, 2]],
+         "wrong shape": np.zeros((5, 7), np.int32), "returns garbage": _garbage,
+         "raises": _raises}
+
+
+@functools.cache
+def _deep_ring():
+    return sim.simulate(mk.preset("tiny"), "v6e", context=256)
+
+
+@functools.cache
+def _mystery():
+    return course.mystery(0)
+
+
+def _accept_with(fn):
+    with course.replaced("accept_wrong_row", fn):
+        n, bonus = spec.accept_greedy(np.array([[1, 2]]), np.array([[1, 2, 3]]))
+    course.check_tokens("bonus token", bonus, np.array([3]))
+
+
+def _up_rotation(rotation):
+    with backend.use("interpret"):
+        course.check_up_rotation(rotation)
+
+
+CHECKS = {
+    "check_tokens": lambda a: course.check_tokens("tokens", a, np.array([[1, 2, 3]])),
+    "check_close": lambda a: course.check_close("output", a, np.ones((2, 2)), atol=1e-3),
+    "check_race_free": lambda a: course.check_race_free("ring", a),
+    "check_up_rotation": _up_rotation,
+    "check_ring_depth": lambda a: course.check_ring_depth(a, _deep_ring()),
+    "check_attend_update": course.check_attend_update,
+    "check_scope": lambda a: course.check_scope(a, "norm"),
+    "replaced": _accept_with,
+    "Mystery.confirm": lambda a: _mystery().confirm(a),
+    "Mystery.suspect": lambda a: _mystery().suspect(a),
+}
+# Answers of the right type that are still wrong (each check's own planted ones are above).
+WRONG_BUT_TYPED = {
+    "check_tokens": [3, np.array([[1, 2, 4]]), np.array([[1.0, 2.0, 3.0]])],
+    "check_close": [np.ones((2, 2)) + 1, np.full((2, 2), np.nan), np.ones((2, 2, 1))],
+    "check_race_free": [True, np.bool_(True), 0],
+    "check_up_rotation": [32, True],
+    "check_ring_depth": [sim.simulate(mk.preset("tiny"), "v5e", context=256)],
+    "check_attend_update": [lambda m, l, acc, scores, v: (m, l), teach.attend],
+    "check_scope": [{}, {"matmul": [1]}],
+    "replaced": [course.accept_on_the_next_row, lambda drafts: drafts],
+    "Mystery.confirm": [lambda self: 0],
+    "Mystery.suspect": [["mk.kernels.ring.Ring.slot"]],
+}
+CASES = [(check, name, answer) for check in CHECKS for name, answer in WRONG.items()
+         if not (check.startswith("Mystery") and name == "raises")  # one run of it: enough
+         and not (check == "Mystery.suspect" and name == "string")]  # a wrong guess: a hint
+CASES += [(check, f"typed {i}", answer) for check, answers in WRONG_BUT_TYPED.items()
+          for i, answer in enumerate(answers)]
+
+
+@pytest.mark.parametrize("check, name, answer", CASES,
+                         ids=[f"{c}-{n}" for c, n, _ in CASES])
+def test_every_check_fails_any_wrong_answer_saying_what_came_back(check, name, answer):
+    """Each course check, fed a wrong answer of any type, fails the exercise with
+    ExerciseFailed (never a TypeError from inside mk, never a pass) and its message says
+    what was expected or what differs."""
+    with pytest.raises(course.ExerciseFailed) as failed:
+        CHECKS[check](answer)
+    text = str(failed.value)
+    assert any(word in text for word in ("expected", "differ", "flagged", "too shallow",
+                                         "no bundle", "tau", "another configuration")), text
+
+
+def test_the_right_answers_still_pass_the_grading_checks():
+    course.check_tokens("t", 3, 3)
+    course.check_tokens("t", np.array([[1, 2, 3]]), [[1, 2, 3]])
+    course.check_race_free("ring", np.bool_(False))
+    assert course.check_close("c", np.ones((2, 2), jnp.bfloat16), np.ones((2, 2)),
+                              atol=0) == 0
+    _accept_with(spec.accept_greedy)
+    assert "Found it" in _mystery().suspect(_mystery().where()).data

@@ -30,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -38,7 +39,7 @@ import mk
 from builders import (build_hf_model, hf_config_dict, hf_tensors, save_hf_checkpoint,
                       write_hf_folder)
 from mk import quant
-from mk.distributed import check_device_indices, load_shards
+from mk.distributed import check_device_indices, load_process_shards, load_shards
 from mk.hf_layout import hf_layout
 from mk.shards import shard_params, split_of
 from mk.weights import weight
@@ -116,7 +117,9 @@ def test_a_planted_off_by_one_device_is_caught(moe_checkpoint):
 @pytest.mark.parametrize("devices, message", [
     ((), "at least one device"), ((4,), "device 4 is outside \\[0, tp=4\\)"),
     ((-1,), "device -1 is outside"), ((1, 1), "devices \\[1\\] are listed twice"),
-    ((True,), "True is not an integer"), ((1.0,), "1.0 is not an integer")])
+    ((True,), "True is not an integer"), ((1.0,), "1.0 is not an integer"),
+    (1, "devices=1 must be a sequence of device indices in \\[0, tp=4\\)"),
+    ("01", "devices='01' must be a sequence")])
 def test_bad_device_indices_are_refused_by_value(devices, message):
     with pytest.raises(ValueError, match=message):
         check_device_indices(devices, TP)
@@ -347,3 +350,13 @@ def _compile_step(config, mesh, weights) -> int:
 
 if __name__ == "__main__":
     _process(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5])
+
+
+def test_a_mesh_listing_one_device_twice_is_refused_before_loading(tmp_path):
+    device = jax.devices()[0]
+    mesh = jax.sharding.Mesh(np.array([device, device]), ("tp",))
+    with pytest.raises(ValueError, match=rf"lists devices with ids \[{device.id}\] more than "
+                                         r"once \(2 entries, 1 devices\)"):
+        load_process_shards(tmp_path / "absent", mesh)
+    with pytest.raises(ValueError, match="mesh is a list; it must be a jax.sharding.Mesh"):
+        load_process_shards(tmp_path / "absent", [device])

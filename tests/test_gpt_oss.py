@@ -330,7 +330,7 @@ def _folder(tmp_path, fields=None, edit=None):
 def test_bad_gpt_oss_checkpoints_are_refused_by_field(tmp_path):
     """A missing sink, an expert bias of the wrong width; in config.json a window of 0, a
     bool, none for the sliding layers or one past the longest context, an unknown layer
-    type, a bad YaRN factor or rope type, a negative clamp."""
+    type, a bad or missing YaRN factor or rope type, a negative clamp."""
     folder = _folder(tmp_path, edit=lambda t: t.pop("model.layers.1.self_attn.sinks"))
     with pytest.raises(ValueError, match=r"missing tensor model\.layers\.1\.self_attn\.sinks "
                                          r"\(mk sinks\[1\]\)"):
@@ -357,6 +357,9 @@ def test_bad_gpt_oss_checkpoints_are_refused_by_field(tmp_path):
     with pytest.raises(ValueError, match=r"yarn\.factor=-2\.0 must be a finite number > 0"):
         mk.ModelConfig.from_hf({**hf, "rope_parameters": {**hf["rope_parameters"],
                                                           "factor": -2.0}})
+    no_factor = {k: v for k, v in hf["rope_parameters"].items() if k != "factor"}
+    with pytest.raises(ValueError, match="YaRN rope_parameters without factor"):
+        mk.ModelConfig.from_hf({**hf, "rope_parameters": no_factor})
     with pytest.raises(NotImplementedError, match="rope_type 'default' and 'yarn'"):
         mk.ModelConfig.from_hf({**hf, "rope_parameters": {**hf["rope_parameters"],
                                                           "rope_type": "longrope"}})

@@ -317,3 +317,18 @@ def test_a_notebook_link_is_the_pages_link_on_the_site_and_text_without_that_pag
     assert f'href="{LEDGER_PAGE}.html"' in both
     alone = _site(tmp_path / "alone", ("09_speculative_sweep", f"# Nine\n\n{link}"))
     assert f'href="{LEDGER_PAGE}.html"' not in alone and "notebook 00" in alone
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(batches=[0]), "batches[0]=0 must be a positive integer"),
+    (dict(batches=[3]), "batches=[3]: published rows have batches [1, 2, 4, 8]"),
+    (dict(batches=[]), "batches=[]: published rows have batches"),
+    (dict(batches=1), "batches=1 must be a collection of batch sizes"),
+    (dict(routing="skewed"), "routing='skewed' must be one of"),
+    (dict(compute="fp4"), "compute='fp4' must be one of"),
+    (dict(simulate_tpu="yes"), "simulate_tpu='yes' must be True or False"),
+    (dict(assumptions={"hbm_share": 1}), "assumptions is a dict"),
+])
+def test_entries_refuses_bad_arguments_instead_of_returning_nothing(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ledger.entries(**kwargs)

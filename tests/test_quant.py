@@ -150,6 +150,12 @@ def test_quantize_rejects_bad_families_and_shapes_by_name():
     tied = dataclasses.replace(TINY, tie_embeddings=True)
     with pytest.raises(ValueError, match="ties its lm_head"):
         mk.quantize(tied, mk.init_params(tied), lm_head="int8")
+    without_wk = {k: v for k, v in params.items() if k != "wk"}
+    with pytest.raises(ValueError, match=r"params has no 'wk', which tiny needs "
+                                         r"\(bfloat16\[2, 256, 256\]\); 1 of its"):
+        mk.quantize(TINY, without_wk, dense="int8")
+    with pytest.raises(ValueError, match="params is a list"):
+        mk.quantize(TINY, list(params), dense="int8")
     low_rank_q = dataclasses.replace(mk.preset("tiny-kimi"), q_rank=128)  # wq DMA'd whole
     with pytest.raises(NotImplementedError, match=r"wq \(mla, path 'dma'\) would be stored"):
         mk.quantize(low_rank_q, mk.init_params(low_rank_q), dense="int8")

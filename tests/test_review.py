@@ -1,9 +1,12 @@
 """mk.review: design sweeps tabulate the simulator per value."""
 
+import dataclasses
+
 import pytest
 
 import mk
-from mk import review
+from mk import perf, review, sim
+from mk.kernels.plan import DecodePlan
 
 
 def test_sweep_tabulates_each_value_and_explains_a_tile_that_does_not_divide():
@@ -13,3 +16,57 @@ def test_sweep_tabulates_each_value_and_explains_a_tile_that_does_not_divide():
     assert "not a whole number of tiles" in rows[2]["note"]
     with pytest.raises(ValueError, match="parameter='colour'"):
         review.sweep(mk.preset("tiny"), "v6e", "colour", [1])
+
+
+# Notebook 11's invariants (`review.check_invariants`) over a grid of presets, chips, B, T
+# and tp, each with the tile cost table and with a recorded per-tile loop of `bundles`
+# (the compiled kernel's, `mk.bundles.TileCost.assumptions`), at both clock ends. The first
+# row is the held-out configuration whose recorded loop (285 bundles, compiled for v5p)
+# simulated faster at the high end than the table at the low end: no clock statement.
+GRID = [  # preset, chip, B, T, tp, bundles
+    ("qwen3-30b-a3b", "v5p", 4, 4, 4, 285),
+    ("tiny", "v6e", 1, 1, 1, 600),
+    ("tiny-moe", "v5e", 4, 1, 1, 100),
+    ("tiny-hybrid", "tpu7x", 1, 4, 1, 300),
+    ("tiny-kimi", "v6e", 2, 2, 1, 150),
+    ("tiny-gpt-oss", "v5p", 4, 4, 1, 400),
+    ("qwen3-0.6b", "tpu7x", 8, 1, 2, 200),
+    ("qwen3-30b-a3b", "v6e", 1, 1, 4, 1000),
+]
+
+
+@pytest.mark.parametrize("name, chip, batch, rows, tp, bundles", GRID,
+                         ids=[f"{g[0]}-{g[1]}-B{g[2]}-T{g[3]}-tp{g[4]}" for g in GRID])
+def test_notebook_11s_invariants_hold_over_a_grid(name, chip, batch, rows, tp, bundles):
+    config, context = mk.preset(name), 256  # notebook 11's: a full cache of `context`
+    block = DecodePlan.make(config, tp=tp, batch=batch, rows=rows, context=context,
+                            chip=chip).block
+    step_args = dict(batch=batch, rows=rows, context=context - rows, tp=tp, block=block)
+    table = review.clock_ends(config, chip, **step_args)
+    recorded = review.clock_ends(config, chip, assumptions=sim.Assumptions(
+        tile_bundles=bundles), **step_args)
+    args = {k: v for k, v in step_args.items() if k != "block"}
+    review.check_invariants(
+        table["low"], no_prefetch=sim.simulate(config, chip, cross_layer_prefetch=False,
+                                               **step_args),
+        by_clock=[table, recorded], hbm_floor_ms=perf.predict(config, chip, **args).hbm_floor_ms)
+
+
+def test_each_invariant_fails_on_a_step_that_breaks_it():
+    config = mk.preset("tiny")
+    ends = review.clock_ends(config, "v6e", context=64)
+    step = ends["low"]
+    slower = dataclasses.replace(step, step_s=step.step_s * 2)
+    with pytest.raises(AssertionError, match="prefetch across layers made a step slower"):
+        review.check_invariants(step, no_prefetch=dataclasses.replace(
+            step, step_s=step.step_s / 2))
+    with pytest.raises(AssertionError, match="a slower clock made a step faster"):
+        review.check_invariants(step, no_prefetch=step, by_clock=[
+            {"low": ends["high"], "high": slower}])
+    with pytest.raises(AssertionError, match="beat its HBM floor"):
+        review.check_invariants(step, no_prefetch=step, hbm_floor_ms=step.step_ms * 2)
+    with pytest.raises(AssertionError, match="the bubbles add to"):
+        review.check_invariants(slower, no_prefetch=slower)
+    with pytest.raises(AssertionError, match="shorter than its bytes over the bandwidth"):
+        review.check_invariants(dataclasses.replace(step, step_s=step.hbm_floor_s / 2),
+                                no_prefetch=step)

@@ -2,12 +2,13 @@
 turned into distinct experts (mk.perf, mk.sim), and read back from untrusted files."""
 
 import json
+import os
 
 import numpy as np
 import pytest
 
 import mk
-from mk import perf, routing_trace, sim
+from mk import perf, routing_trace, sim, untrusted
 from mk.routing_trace import RoutingTrace
 
 QWEN3_MOE = dict(  # MoE layers 0 and 2 (layer 1 dense), so a layer mix-up shows
@@ -151,3 +152,39 @@ def test_a_trace_file_that_is_not_json_is_refused(tmp_path):
     path.write_text("{'counts': __import__('os')}")
     with pytest.raises(ValueError, match="is not JSON"):
         routing_trace.load(path)
+
+
+def test_a_named_pipe_is_refused_before_it_is_opened(tmp_path):
+    """A FIFO would block `open` until a writer came; it is refused by its type."""
+    path = tmp_path / "trace.json"
+    os.mkfifo(path)
+    with pytest.raises(ValueError, match=r"trace\.json' is a named pipe; only a regular"):
+        routing_trace.load(path)
+    with pytest.raises(ValueError, match="is a directory"):
+        routing_trace.load(tmp_path)
+
+
+def test_deep_json_is_refused_by_depth_not_a_recursion_error(tmp_path):
+    path = tmp_path / "trace.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match=r"nests 100000 levels deep; the limit is 32"):
+        routing_trace.load(path)
+    # brackets inside a string do not nest
+    path.write_text(json.dumps({"model": "[[[" * 20 + '\\"{{', "tokens": 2,
+                                "per_token": 1, "counts": [[1, 1]]}))
+    assert routing_trace.load(path).tokens == 2
+
+
+def test_bytes_that_are_not_utf8_are_refused_naming_the_file_and_offset(tmp_path):
+    path = tmp_path / "trace.json"
+    path.write_bytes(b'{"model": "\xff"}')
+    with pytest.raises(ValueError, match=r"trace\.json' is not UTF-8 text: byte offset 11"):
+        routing_trace.load(path)
+
+
+def test_a_file_over_the_size_limit_is_refused_naming_the_limit(tmp_path):
+    path = tmp_path / "trace.json"
+    path.write_text(" " * 101)
+    with pytest.raises(ValueError, match="larger than the limit of 100 bytes"):
+        untrusted.read_text(path, "routing trace", max_bytes=100)
+    assert untrusted.read_text(path, "routing trace", max_bytes=101) == " " * 101

@@ -6,6 +6,7 @@ repeated tiles is the exact replay."""
 
 import dataclasses
 import math
+import re
 
 import jax
 import pytest
@@ -286,3 +287,27 @@ def test_every_single_core_preset_keeps_tpu7x_hbm_busy_at_one_microsecond(name):
     s = sim.simulate(mk.preset(name), "tpu7x", context=1024,
                      assumptions=sim.Assumptions(dma_latency_s=1e-6))
     assert s.hbm_utilisation >= 0.9, s.bubble_share()
+
+
+@pytest.mark.parametrize("field, value, span", [
+    ("dma_latency_s", math.inf, "[0, inf)"), ("ici_latency_s", math.inf, "[0, inf)"),
+    ("dma_latency_s", "5e-7", "[0, inf)"), ("scalar_op_s", math.nan, "[0, inf)"),
+    ("tile_issue_s", -1e-9, "[0, inf)"), ("hbm_share", 0, "(0, 1]"),
+    ("vpu_flops_ratio", 1.5, "(0, 1]"), ("hbm_share", True, "(0, 1]"),
+])
+def test_assumptions_are_finite_typed_and_in_range_naming_the_field(field, value, span):
+    with pytest.raises(ValueError, match=re.escape(
+            f"Assumptions.{field}={value!r} must be a finite number in {span}")):
+        sim.Assumptions(**{field: value})
+
+
+def test_simulate_refuses_a_routing_trace_of_another_model_as_predict_does():
+    from mk.routing_trace import RoutingTrace
+
+    qwen = mk.preset("qwen3-30b-a3b")
+    trace = RoutingTrace("tiny-kimi", 4, 2, ((2, 2, 2, 2),))  # one layer of 4 experts
+    for config in (qwen, mk.preset("tiny")):  # a MoE model, and one with none
+        with pytest.raises(ValueError, match="routing trace of 'tiny-kimi': MoE layers=1"):
+            perf.predict(config, "v6e", routing=trace)
+        with pytest.raises(ValueError, match="routing trace of 'tiny-kimi': MoE layers=1"):
+            sim.simulate(config, "v6e", routing=trace, experts_active=1)

@@ -13,6 +13,7 @@ Not here: the site's ordinary contents (tests/test_site.py).
 """
 
 import contextlib
+import html
 import io
 import json
 import os
@@ -94,6 +95,49 @@ def test_runs_yaml_refuses_values_of_other_types_naming_row_and_key(typed, tmp_p
     with pytest.raises(ValueError, match=re.escape(message)) as err:
         run_notebooks.load_runs(runs_file, [typed], known=[typed])
     assert "93_typed[0]" in str(err.value)
+
+
+LAUGHS = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n"
+    for p, c in zip("abcdefgh", "bcdefghi"))
+
+
+@pytest.mark.parametrize("text, message", [
+    (LAUGHS, "the alias '*a' is refused (line 2)"),  # 10**9 strings if expanded
+    ("93_typed:\n  - parameters: {points: &r [*r]}\n", "the alias '*r' is refused"),
+    ("93_typed:\n  - parameters: {points: " + "[" * 40 + "]" * 40 + "}\n",
+     "nesting deeper than the limit of 32 levels"),
+])
+def test_runs_yaml_refuses_aliases_and_deep_nesting_naming_the_limit(typed, tmp_path, text,
+                                                                     message):
+    runs_file = tmp_path / "runs.yaml"
+    runs_file.write_text(text)
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=re.escape(message)) as err:
+        run_notebooks.load_runs(runs_file, [typed], known=[typed])
+    assert "runs.yaml: not valid YAML" in str(err.value)
+    assert time.perf_counter() - start < 1
+
+
+def test_runs_yaml_must_be_a_small_regular_utf8_file(typed, tmp_path):
+    runs_file = tmp_path / "runs.yaml"
+    os.mkfifo(runs_file)
+    with pytest.raises(ValueError, match="is a named pipe; only a regular file is read"):
+        run_notebooks.load_runs(runs_file, [typed], known=[typed])
+    runs_file.unlink()
+    runs_file.write_bytes(b"93_typed: \xfe\n")
+    with pytest.raises(ValueError, match="not UTF-8 text: byte offset 10"):
+        run_notebooks.load_runs(runs_file, [typed], known=[typed])
+    runs_file.write_text("#" * run_notebooks.RUNS_MAX_BYTES + "\n")
+    with pytest.raises(ValueError, match=f"larger than the limit of "
+                                         f"{run_notebooks.RUNS_MAX_BYTES} bytes"):
+        run_notebooks.load_runs(runs_file, [typed], known=[typed])
+
+
+def test_a_missing_notebook_on_the_command_line_is_a_clear_error(tmp_path):
+    code, text = _main(tmp_path / "99_nope.ipynb", "--out", tmp_path / "build")
+    assert code == 2 and "99_nope.ipynb'] named on the command line are not files" in text
+    assert "Traceback" not in text and not (tmp_path / "build").exists()
 
 
 def test_runs_yaml_refuses_the_string_false_for_a_bool(typed, tmp_path):
@@ -209,6 +253,46 @@ def test_sigterm_during_the_site_build_waits_for_it(typed, tmp_path, monkeypatch
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert json.loads((run_dir / "runs.json").read_text())["finished"]
     assert "site/index.html" in (tmp_path / "index.html").read_text()
+
+
+def test_sigterm_that_kills_sphinx_exits_with_the_signal_and_says_so(typed, tmp_path,
+                                                                    monkeypatch):
+    """SIGTERM to the process group kills sphinx-build as well: the run ends with 128 +
+    SIGTERM (not "sphinx-build failed" and 1), its record says it was interrupted during
+    the site build, and no half-built site is left."""
+    def build(run_dir):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
+        raise run_notebooks.build_site.BuildFailed("sphinx-build was killed by signal 15")
+    _fake_run(monkeypatch, build)
+    (tmp_path / "runs.yaml").write_text("")
+    with pytest.raises(SystemExit) as stop:
+        _main(typed, "--out", tmp_path, "--runs", tmp_path / "runs.yaml", "--no-cache")
+    assert stop.value.code == 128 + signal.SIGTERM
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    record = json.loads((run_dir / "runs.json").read_text())
+    assert record["interrupted"] == "SIGTERM during the site build"
+    assert record["finished"] is None and "killed by signal 15" in record["site_error"]
+    assert not (run_dir / "site").exists()
+    index = html.unescape((tmp_path / "index.html").read_text())  # run values are escaped
+    assert "interrupted (SIGTERM during the site build)" in index
+
+
+@pytest.mark.parametrize("where, err", [
+    ("new_run_dir", PermissionError(30, "Read-only file system", "/ro/runs")),
+    ("write_record", OSError(28, "No space left on device", "/full/runs.json"))])
+def test_a_read_only_or_full_out_ends_with_a_message_and_exit_3(typed, tmp_path, monkeypatch,
+                                                                 where, err):
+    _fake_run(monkeypatch, lambda run_dir: None)
+
+    def fail(*args):
+        raise err
+    monkeypatch.setattr(run_notebooks, where, fail)
+    (tmp_path / "runs.yaml").write_text("")
+    code, text = _main(typed, "--out", tmp_path, "--runs", tmp_path / "runs.yaml",
+                       "--no-cache")
+    assert code == 3 and "Traceback" not in text
+    assert f"writing under --out {tmp_path} failed: {err.strerror}: {err.filename}" in text
 
 
 # -- Payloads through a real site -----------------------------------------------------------

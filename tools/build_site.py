@@ -36,6 +36,7 @@ from mk.plots import escape, plotlyjs_script
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "docs"
 SITE = "site"  # the built pages, inside the run folder
+PARTIAL = SITE + ".partial"  # the pages while Sphinx writes them (docs/conf.py skips it)
 MATHJAX = "mathjax"  # MathJax's folder inside the site's _static/: a copied site keeps it
 MATHJAX_PACKAGE = "sphinx-mathjax-offline"  # MathJax 3.2.2 (pinned in pyproject's docs extra)
 MATHJAX_JS = "tex-chtml.js"  # TeX in, CommonHTML out; with the parts it loads on demand:
@@ -255,22 +256,38 @@ def install_mathjax(site: Path) -> Path:
     return target
 
 
+class BuildFailed(RuntimeError):
+    """Sphinx failed (or was killed) building a run's site; no `site/` was left."""
+
+
 def build(run_dir: Path) -> None:
     """Run Sphinx on `run_dir` (its index.md and executed notebooks) into `run_dir/site/`,
     warnings as errors; the pages load MathJax from the site's own `_static/mathjax`. The
-    doctrees (Sphinx's cache) go to a temporary folder, not into the site."""
-    site = run_dir / SITE
+    doctrees (Sphinx's cache) go to a temporary folder, not into the site. Built into
+    `site.partial/` and renamed `site/` only when whole, so a failure, a kill or a full
+    disk never leaves a half-built site where the index would link it (`BuildFailed`)."""
+    site, partial = run_dir / SITE, run_dir / PARTIAL
     env = dict(os.environ, MK_MATHJAX=f"{MATHJAX}/{MATHJAX_JS}")
-    with tempfile.TemporaryDirectory(prefix="mk-doctrees-") as doctrees:
-        done = subprocess.run([sys.executable, "-m", "sphinx", "-b", "html", "-q", "-W",
-                               "--keep-going", "-d", doctrees, "-c", str(CONF), str(run_dir),
-                               str(site)], env=env, text=True, capture_output=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"sphinx-build failed:\n{done.stderr[-3000:]}")
-    if done.stderr.strip():
-        print(done.stderr.strip(), file=sys.stderr, flush=True)
-    install_mathjax(site)
-    share_plotlyjs(site)
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        with tempfile.TemporaryDirectory(prefix="mk-doctrees-") as doctrees:
+            done = subprocess.run([sys.executable, "-m", "sphinx", "-b", "html", "-q", "-W",
+                                   "--keep-going", "-d", doctrees, "-c", str(CONF),
+                                   str(run_dir), str(partial)], env=env, text=True,
+                                  capture_output=True)
+        if done.returncode < 0:
+            raise BuildFailed(f"sphinx-build was killed by signal {-done.returncode}")
+        if done.returncode != 0:
+            raise BuildFailed(f"sphinx-build failed:\n{done.stderr[-3000:]}")
+        if done.stderr.strip():
+            print(done.stderr.strip(), file=sys.stderr, flush=True)
+        install_mathjax(partial)
+        share_plotlyjs(partial)
+        if site.exists():
+            shutil.rmtree(site)
+        partial.rename(site)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
     one_copy(run_dir)
 
 

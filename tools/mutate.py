@@ -308,6 +308,19 @@ MUTANTS = [
        "-np.expm1(tokens * np.log1p(-np.asarray(shares, np.float64) ** 2))",
        "tests/test_routing_trace.py::test_even_routing_is_uniform_and_one_favourite_pair_is"
        "_shared"),
+    # -- issue 65: hostile files, wrong answers, the clock invariant --
+    _m("untrusted: a named pipe is read as a file", "mk/untrusted.py",
+       "    if not stat.S_ISREG(st.st_mode):",
+       "    if False:",
+       "tests/test_routing_trace.py::test_a_named_pipe_is_refused_before_it_is_opened"),
+    _m("check_tokens: one token against another passes (0-d argwhere)", "mk/course.py",
+       "bad = np.argwhere(np.atleast_1d(got != want))",
+       "bad = np.argwhere(got != want)",
+       "tests/test_course.py::test_check_tokens_names_the_first_difference"),
+    _m("review: the clock invariant never compares the ends", "mk/review.py",
+       "assert low.step_s >= high.step_s * (1 - RTOL), (",
+       "assert low.step_s >= 0, (",
+       "tests/test_review.py::test_each_invariant_fails_on_a_step_that_breaks_it"),
 ]
 
 

@@ -15,8 +15,11 @@ by hand, or all of `build/` with `make clean-runs` (`make clean` keeps them).
 
 A progress line per notebook reports it starting, still running (every minute), and done
 with its time and status. A failed notebook keeps its partial output (papermill writes the
-cells run so far and marks the failing one) and is marked failed in the index; the exit
-code is 1 if any notebook failed, 2 for a bad runs file or command line.
+cells run so far and marks the failing one) and is marked failed in the index. Exit
+status: 0 all ran and the site is built; 1 a notebook failed or the site could not be
+built (the record's `site_error` says why); 2 a bad runs file or command line, or another
+run holds `--out`; 3 `--out` cannot be written (read-only, a full disk; the message names
+the file); 128 + N a signal N (SIGINT, SIGTERM: the record says `interrupted` and when).
 
 The pages work offline, also when a run's `site/` is copied elsewhere: plotly figures
 carry plotly.js once per page (`mk.plots.show`), plotly's own sliders need no kernel,
@@ -24,11 +27,13 @@ MathJax is copied into each site (tools/build_site.py), and no widget manager is
 (a widget needs a live kernel; the page shows its text form). The kernels talk over local
 sockets (ipc). `tools/check_site.py` checks the pages in headless Chromium.
 
-Runs that cannot lie or collide: a runs.yaml value must be a YAML scalar (or a list or map
-of them) of the type the notebook's parameters cell annotates, checked before anything
-runs; the record (`runs.json`) says `finished` only once the site is built, and those last
-steps hold SIGINT/SIGTERM until they are done; one run at a time per output folder (a lock
-file; a second is refused with exit code 2).
+Runs that cannot lie or collide: the runs file is untrusted text, read with limits (a
+regular file of at most `RUNS_MAX_BYTES`, UTF-8: `mk.untrusted.read_text`; no YAML alias,
+nesting at most `mk.untrusted.MAX_DEPTH` deep); a runs.yaml value must be a YAML scalar
+(or a list or map of them) of the type the notebook's parameters cell annotates, checked
+before anything runs; the record (`runs.json`) says `finished` only once the site is
+built, and those last steps hold SIGINT/SIGTERM until they are done; one run at a time
+per output folder (a lock file; a second is refused with exit code 2).
 
 Not here: running notebooks in parallel (2 cores).
 """
@@ -65,7 +70,9 @@ import yaml  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import build_site  # noqa: E402
 import run_cache  # noqa: E402
+import mk.errors  # noqa: E402
 import mk.run  # noqa: E402
+import mk.untrusted  # noqa: E402
 from mk.plots import HEADLESS, escape  # noqa: E402
 from jupyter_client.manager import AsyncKernelManager, KernelManager  # noqa: E402
 from traitlets import default  # noqa: E402
@@ -73,6 +80,7 @@ from traitlets import default  # noqa: E402
 KERNEL = "python3"
 PATTERN = "[0-9][0-9]*_*.ipynb"
 RUNS_FILE = ROOT / "notebooks" / "runs.yaml"
+RUNS_MAX_BYTES = 2**20  # a runs file is a page of configurations, not a data set
 LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,39}")
 HEARTBEAT_SECONDS = 60.0
 LOCK = ".make-run.lock"  # in OUT: one `make run` at a time writes there
@@ -144,11 +152,12 @@ def load_runs(runs_file: Path, notebooks: list[Path], known: list[Path] | None =
     Raise `ValueError` naming the entry, the value and what is allowed.
     """
     where = runs_file.name
-    if not runs_file.is_file():
+    if not runs_file.exists():
         raise ValueError(f"runs file {runs_file} does not exist (--runs names a file of "
                          "configurations)")
+    text = mk.untrusted.read_text(runs_file, "runs file", RUNS_MAX_BYTES)
     try:
-        config = yaml.load(runs_file.read_text(encoding="utf-8"), _UniqueKeyLoader) or {}
+        config = yaml.load(text, _UniqueKeyLoader) or {}
     except yaml.YAMLError as err:
         raise ValueError(f"{where}: not valid YAML ({err})") from None
     if not isinstance(config, dict):
@@ -170,7 +179,29 @@ def load_runs(runs_file: Path, notebooks: list[Path], known: list[Path] | None =
 
 class _UniqueKeyLoader(yaml.SafeLoader):
     """safe_load that refuses a key repeated in one mapping (YAML keeps the last silently,
-    which would drop a notebook's first configurations)."""
+    which would drop a notebook's first configurations), any alias (`*name`: nested ones
+    make a "billion laughs", a self-referencing one recursion without end; a runs file
+    needs none) and nesting deeper than `mk.untrusted.MAX_DEPTH`, before any of it is
+    built."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(
+                None, None, f"the alias {mk.errors.shown('*' + event.anchor)} is refused (line "
+                f"{event.start_mark.line + 1}); a runs file spells every value out",
+                event.start_mark)
+        self._depth = getattr(self, "_depth", 0) + 1
+        try:
+            if self._depth > mk.untrusted.MAX_DEPTH:
+                event = self.peek_event()
+                raise yaml.composer.ComposerError(
+                    None, None, f"nesting deeper than the limit of "
+                    f"{mk.untrusted.MAX_DEPTH} levels (line {event.start_mark.line + 1})",
+                    event.start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
     def construct_mapping(self, node, deep=False):
         seen = set()
@@ -459,21 +490,23 @@ def write_site_index(out: Path) -> None:
 @contextlib.contextmanager
 def deferred_signals():
     """Hold SIGINT and SIGTERM until the block ends, then act on the first one (as Ctrl-C
-    or SystemExit): the record, the site and the index are written whole or not at all."""
+    or SystemExit), also when the block failed because of it (a signal sent to the whole
+    process group kills sphinx-build too): the record, the site and the index are written
+    whole or not at all. Yields the list of signals caught so far."""
     caught = []
     previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum))
                 for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield
+        yield caught
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if caught:
-        print(f"signal {caught[0]} arrived while the site was written; stopping now",
-              file=sys.stderr, flush=True)
-        if caught[0] == signal.SIGINT:
-            raise KeyboardInterrupt
-        raise SystemExit(128 + caught[0])
+        if caught:
+            print(f"{signal.Signals(caught[0]).name} arrived while the site was written; "
+                  "stopping now", file=sys.stderr, flush=True)
+            if caught[0] == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise SystemExit(128 + caught[0])
 
 
 def run_all(runs: list[Run], out: Path, argv: list[str], cache: run_cache.Cache | None = None
@@ -499,7 +532,7 @@ def run_all(runs: list[Run], out: Path, argv: list[str], cache: run_cache.Cache 
             write_record(run_dir, record)
         record["executed"] = time.strftime("%Y-%m-%d %H:%M:%S %z")
     finally:
-        with deferred_signals():
+        with deferred_signals() as caught:
             write_record(run_dir, record)
             build_site.write_index(run_dir, record, _summary(record, building=True))
             print(f"building the site: {run_dir / build_site.SITE}", flush=True)
@@ -507,7 +540,13 @@ def run_all(runs: list[Run], out: Path, argv: list[str], cache: run_cache.Cache 
                 build_site.build(run_dir)
                 if record["executed"]:
                     record["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %z")
+            except Exception as err:  # the record says why the site is missing
+                record["site_error"] = _failure(err)
+                raise
             finally:
+                if caught and not record.get("interrupted"):
+                    record["interrupted"] = (f"{signal.Signals(caught[0]).name} during the "
+                                             "site build")
                 write_record(run_dir, record)
                 write_site_index(out)
     return run_dir, record["rows"]
@@ -562,6 +601,10 @@ def main(argv: list[str] | None = None) -> int:
     if not notebooks:
         parser.error(f"no notebooks match notebooks/{PATTERN}")
     try:
+        missing = [str(p) for p in notebooks if not p.is_file()]
+        if missing:
+            raise ValueError(f"notebooks {missing} named on the command line are not files; "
+                             f"name numbered notebooks such as notebooks/{PATTERN}")
         runs = load_runs(args.runs, notebooks)
         if not args.all:  # each notebook's default: its first configuration
             runs = [r for i, r in enumerate(runs)
@@ -586,6 +629,15 @@ def main(argv: list[str] | None = None) -> int:
     except Busy as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # a read-only or full --out: no traceback, a documented code
+        print(f"error: writing under --out {args.out} failed: {err.strerror or err}"
+              f"{f': {err.filename}' if err.filename else ''}; the newest run folder "
+              "(if any) is not finished", file=sys.stderr)
+        return 3
+    except build_site.BuildFailed as err:
+        print(f"error: the site was not built ({err}); the run's notebooks are in "
+              f"{args.out / 'runs'}", file=sys.stderr)
+        return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
     failed = sum(row["status"] != "ok" for row in rows)
@@ -595,4 +647,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # Ctrl-C: the record says `interrupted`; no traceback
+        print("interrupted (SIGINT); the run's record says where", file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)

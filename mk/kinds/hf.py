@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import numbers
 import re
 from pathlib import Path
 
+from mk import untrusted
 from mk.errors import brief, shown
 
 # transformers' names of the token mixers -> mk's (`mk.config.LAYER_TYPES`).
@@ -244,10 +244,11 @@ def yarn(hf: HfConfig, rope: dict) -> dict | None:
     number = {key: hf.number(f"rope_parameters.{key}", rope[key])
               for key in ("factor", "beta_fast", "beta_slow", "attention_factor")
               if rope.get(key) is not None}
-    original = rope.get("original_max_position_embeddings")
-    if original is None:
-        raise ValueError(f"{hf.where}: YaRN rope_parameters without "
-                         "original_max_position_embeddings")
+    for key in ("factor", "original_max_position_embeddings"):
+        if rope.get(key) is None:
+            raise ValueError(f"{hf.where}: YaRN rope_parameters without {key} (rope_type "
+                             "'yarn' needs factor and original_max_position_embeddings)")
+    original = rope["original_max_position_embeddings"]
     return dict(original_max_position=hf.whole(
         "rope_parameters.original_max_position_embeddings", original),
         truncate=bool(rope.get("truncate", True)), **number)
@@ -265,15 +266,35 @@ def _mixers(hf: HfConfig, kinds, layers: int) -> tuple[str, ...]:
     return tuple(MIXERS[kind] for kind in kinds)
 
 
+def _agreed(hf: HfConfig, layers: int, *sources) -> tuple[str, ...]:
+    """`layer_types` from the (field, per-layer mixer names or None) `sources` that give
+    them: all that are given must agree layer by layer (a config saying one layer is full
+    attention in one field and linear in another is refused, naming the first layer);
+    at least one must be given."""
+    given = [(field, _mixers(hf, kinds, layers)) for field, kinds in sources
+             if kinds is not None]
+    (first, mine), *others = given
+    for field, theirs in others:
+        if theirs != mine:
+            i = next(i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b)
+            raise ValueError(f"{hf.where}: {first} and {field} contradict each other at "
+                             f"layer {i} (counting from 0): {mine[i]!r} against "
+                             f"{theirs[i]!r}; give one, or make them agree")
+    return mine
+
+
 def deltanet(hf: HfConfig, got: dict) -> dict:
     """Qwen3.5's gated DeltaNet: which layers are linear (layer_types, else all but every
-    full_attention_interval-th, default 4) and their heads, head dims and conv width."""
+    full_attention_interval-th, default 4; both given must agree) and their heads, head
+    dims and conv width."""
     layers, kinds = got["layers"], hf.get("layer_types")
-    if kinds is None:
-        interval = hf.whole("full_attention_interval", hf.get("full_attention_interval", 4))
-        kinds = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                 for i in range(layers)]
-    return dict(layer_types=_mixers(hf, kinds, layers),
+    by_interval = None
+    if kinds is None or hf.get("full_attention_interval") is not None:
+        every = hf.whole("full_attention_interval", hf.get("full_attention_interval", 4))
+        by_interval = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                       for i in range(layers)]
+    return dict(layer_types=_agreed(hf, layers, ("layer_types", kinds),
+                                    ("full_attention_interval", by_interval)),
                 linear_key_heads=hf.count("linear_num_key_heads"),
                 linear_value_heads=hf.count("linear_num_value_heads"),
                 linear_key_dim=hf.count("linear_key_head_dim"),
@@ -284,24 +305,34 @@ def deltanet(hf: HfConfig, got: dict) -> dict:
 def kda(hf: HfConfig, got: dict) -> dict:
     """Kimi Delta Attention, as transformers' KimiLinearConfig reads it (its attribute
     names or the saved Moonshot ones): which layers are linear (layer_types, else
-    linear_attn_config's 1-indexed full_attn_layers / kda_layers, else all but layer 0
-    and every 4th), and their heads (as many key as value heads), head dim and conv
+    linear_attn_config's 1-indexed full_attn_layers / kda_layers, each layer in one of
+    them once, else all but layer 0 and every 4th; both given must agree), and their heads (as many key as value heads), head dim and conv
     width."""
     layers, kinds = got["layers"], hf.get("layer_types")
     linear = hf.table("linear_attn_config")
-    if kinds is None and {"full_attn_layers", "kda_layers"} <= set(linear):
-        kinds = [None] * layers
+    listed = None
+    if {"full_attn_layers", "kda_layers"} <= set(linear):
+        listed = [None] * layers
         for kind, key in (("full_attention", "full_attn_layers"),
                           ("linear_attention", "kda_layers")):
             for i in hf.listed(f"linear_attn_config.{key}", linear[key]):
                 if hf.whole(f"linear_attn_config.{key}", i) > layers:
                     raise ValueError(f"{hf.where}: linear_attn_config.{key} holds layer {i}; "
                                      f"layers count from 1 to num_hidden_layers={layers}")
-                kinds[i - 1] = kind
-    if kinds is None:
+                if listed[i - 1] is not None:  # both lists, or one twice: no silent winner
+                    raise ValueError(f"{hf.where}: linear_attn_config lists layer {i} more "
+                                     "than once in full_attn_layers and kda_layers; each "
+                                     "layer is full or KDA, listed once")
+                listed[i - 1] = kind
+        missing = [i + 1 for i, kind in enumerate(listed) if kind is None]
+        if missing:
+            raise ValueError(f"{hf.where}: linear_attn_config lists layers {brief(missing)} "
+                             "in neither full_attn_layers nor kda_layers (layers count from "
+                             f"1 to num_hidden_layers={layers})")
+    if kinds is None and listed is None:
         kinds = ["full_attention" if i and i % 4 == 0 else "linear_attention"
                  for i in range(layers)]
-    layer_types = _mixers(hf, kinds, layers)
+    layer_types = _agreed(hf, layers, ("layer_types", kinds), ("linear_attn_config", listed))
     if "linear" not in layer_types:
         return dict(layer_types=layer_types)
 
@@ -433,13 +464,9 @@ def _read_json(source) -> dict:
     path = Path(source)
     if path.is_dir():
         path = path / "config.json"
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"no Hugging Face config.json at {path}")
-    try:
-        hf = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path}: not a JSON config.json ({type(err).__name__}: "
-                         f"{str(err)[:200]})") from None
+    hf = untrusted.load_json(path, "Hugging Face config")  # a regular file, bounded
     if not isinstance(hf, dict):
         raise ValueError(f"{path}: config.json holds a {type(hf).__name__}; expected a JSON "
                          "object of model fields")

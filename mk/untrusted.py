@@ -1,0 +1,78 @@
+"""Reading a file a user hands in (a runs file, a routing trace, a checkpoint's config.json
+and safetensors index) with limits: `read_text` (a regular file only, at most
+`max_bytes`, UTF-8 with a bad byte's offset named), `check_depth` (brackets nested at most
+`max_depth` deep, counted before a recursive parser sees them) and `load_json` (both, then
+`json.loads`). Every refusal is a `ValueError` naming the file, what was wrong and the
+limit.
+
+A named pipe or a device is refused before it is opened (`os.stat`), and opened
+non-blocking besides, so a file swapped for a pipe between the two cannot hang the reader.
+Not here: what the parsed value must hold (each reader checks its own fields) and YAML's
+own limits (tools/run_notebooks.py's loader refuses aliases and deep nesting).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+
+import numpy as np
+
+MAX_BYTES = 16 * 2**20  # a routing trace of 100 layers x 512 experts is about 0.5 MiB
+MAX_DEPTH = 32  # every file mk reads nests a few levels; a deeper one is hostile
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)  # a JSON string, escapes included
+
+
+def read_text(path: str | os.PathLike, what: str, max_bytes: int = MAX_BYTES) -> str:
+    """The UTF-8 text of the regular file `path` (`what` names it in errors), at most
+    `max_bytes` bytes; else `ValueError` naming the file and the limit (a missing file is
+    `FileNotFoundError`, as `open` raises it)."""
+    name = os.fspath(path)
+    _check_regular(os.stat(name), name, what)
+    fd = os.open(name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as f:
+        _check_regular(os.fstat(fd), name, what)  # the file opened is the file checked
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise ValueError(f"{what} {name!r} is larger than the limit of {max_bytes} bytes")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{what} {name!r} is not UTF-8 text: byte offset {err.start} "
+                         f"({data[err.start:err.start + 1]!r}) {err.reason}") from None
+
+
+def _check_regular(st: os.stat_result, name: str, what: str) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        kind = ("a directory" if stat.S_ISDIR(st.st_mode) else
+                "a named pipe" if stat.S_ISFIFO(st.st_mode) else "not a regular file")
+        raise ValueError(f"{what} {name!r} is {kind}; only a regular file is read")
+
+
+def check_depth(text: str, name: str, what: str, max_depth: int = MAX_DEPTH) -> None:
+    """Refuse JSON `text` whose arrays and objects nest deeper than `max_depth` (brackets
+    inside strings do not count), before a recursive parser would overflow the stack."""
+    data = _STRING.sub(b'""', text.encode("utf-8"))
+    codes = np.frombuffer(data, np.uint8)
+    step = (np.isin(codes, (ord("["), ord("{"))).astype(np.int64)
+            - np.isin(codes, (ord("]"), ord("}"))))
+    depth = int(np.cumsum(step).max(initial=0))
+    if depth > max_depth:
+        raise ValueError(f"{what} {name!r} nests {depth} levels deep; the limit is "
+                         f"{max_depth}")
+
+
+def load_json(path: str | os.PathLike, what: str, max_bytes: int = MAX_BYTES,
+              max_depth: int = MAX_DEPTH):
+    """The JSON value of the file `path`, read with `read_text`'s limits and nested at
+    most `max_depth` deep; `ValueError` naming the file for anything else, bad JSON
+    included. Nothing in it is evaluated."""
+    name = os.fspath(path)
+    text = read_text(name, what, max_bytes)
+    check_depth(text, name, what, max_depth)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{what} {name!r} is not JSON: {err}") from None
