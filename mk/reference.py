@@ -30,8 +30,9 @@ every block's cast points (which kernels mirror, so their tolerances stay tight)
 its matmuls ask for HIGHEST precision, but on a TPU (v5e, 2026-12-06) the hybrid's tokens
 drifted (29/32) even so. Likely, not isolated: the TPU's exp, softplus, sigmoid and rsqrt
 differ from the CPU's in the last bits and its fusions sum in another order, and the
-linear layers' recurrent state carries each difference on to later positions. The dense, MoE, Kimi and gpt-oss
-references gave the CPU's tokens there (32/32); the hardware tier judges on the CPU.
+linear layers' recurrent state carries each difference on to later positions. The dense,
+MoE, Kimi and gpt-oss references gave the CPU's tokens there (32/32); the hardware tier
+judges on the CPU.
 
 Caches (`mk.cache`: the table of fields, the cache types, `init_cache`, `check_cache`,
 `rollback`; `KVCache`, `LinearRows` and `init_cache` are imported here too, for this
