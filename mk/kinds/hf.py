@@ -306,8 +306,8 @@ def kda(hf: HfConfig, got: dict) -> dict:
     """Kimi Delta Attention, as transformers' KimiLinearConfig reads it (its attribute
     names or the saved Moonshot ones): which layers are linear (layer_types, else
     linear_attn_config's 1-indexed full_attn_layers / kda_layers, each layer in one of
-    them once, else all but layer 0 and every 4th; both given must agree), and their heads (as many key as value heads), head dim and conv
-    width."""
+    them once, else all but layer 0 and every 4th; both given must agree), and their
+    heads (as many key as value heads), head dim and conv width."""
     layers, kinds = got["layers"], hf.get("layer_types")
     linear = hf.table("linear_attn_config")
     listed = None
