@@ -358,3 +358,25 @@ def test_stop_after_outside_the_model_is_named():
     config = mk.preset("tiny")
     with pytest.raises(ValueError, match=r"stop_after=\(2, 'attn'\) must be .*layers=2"):
         megakernel.first_divergence(config, {}, None, None, None, stop_after=(2, "attn"))
+
+
+def test_a_ring_reaching_the_next_moe_layer_issues_each_expert_tile_once():
+    """A ring as deep as a chip's plan makes it (18 slots: tiny-moe's layer period, where
+    `default_block` caps Little's law) reaches layer 2's expert tiles while layer 1's
+    experts run. Before the slots' switch knew the layer they were routed for
+    (`count_smem[ROUTED_LAYER]`), those tiles were issued with layer 1's ids and again
+    after layer 2's routing: DMAs never waited for (strict_dma), on a chip a semaphore
+    signalled twice. Now each is issued once, and the step is the reference's."""
+    config = dataclasses.replace(mk.preset("tiny-moe"), dtype="float32")
+    params = mk.init_params(config)
+    block = dataclasses.replace(default_block(config, 128), slots=18)
+    plan = DecodePlan.make(config, batch=1, rows=1, context=128, block=block)
+    assert plan.block.slots == plan.stream.period == 18
+    _, cache = reference.prefill(config, params, jnp.arange(1, 6)[None], max_context=128)
+    tokens, positions = jnp.array([[7]]), jnp.array([5])
+    with backend.use("interpret", strict_dma=True):
+        got, logits, _ = megakernel.decode_step(config, megakernel.prepare(plan, params),
+                                                cache, tokens, positions, block=block)
+    want, _ = reference.decode_step(config, params, cache, tokens, positions)
+    np.testing.assert_array_equal(got, reference.greedy(want))
+    np.testing.assert_allclose(logits, want, rtol=0, atol=1e-3 * float(jnp.abs(want).max()))

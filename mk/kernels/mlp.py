@@ -23,9 +23,11 @@ router output becomes scalars in four steps, each one Mosaic lowers on v5e, v6e 
    runs its SwiGLU on all M rows and adds the output times each row's weight for it. The
    code does not grow with the number of slots (64 for qwen3-30b-a3b at M=8).
 
-The ring may only issue expert tiles once the ids are known. `moe_body` therefore assumes
-(and the standalone kernel guarantees) that `count_smem[0] == 0` whenever a tile of the
-expert region was issued before routing, so those issues were no-ops; after routing it
+The ring may only issue expert tiles once the ids are known: a slot is on only while
+count_smem holds its layer's routing (`count_smem[ROUTED_LAYER]`, set by `moe_body`; a ring
+deep enough to reach the next MoE layer's expert tiles during this layer's experts would
+otherwise issue them with this layer's ids, then again after that layer's routing). So
+whenever a tile of the expert region was issued before routing, it was a no-op; after routing it
 issues the region's first `slots` tiles itself (for the standalone kernel, this is the
 prologue), skips the off slots' tiles without computing, and resets the count to 0 for the
 next layer. A fused kernel calls it after every tile before the expert region is consumed.
@@ -291,12 +293,17 @@ def moe_segments(D: int, Fe: int, slots: int, shared_ffn: int = 0,
     return shared + [Repeat(slots, (("we_gate", D, Fe), ("we_up", D, Fe), ("we_down", Fe, D)))]
 
 
+ROUTED_LAYER = 1  # count_smem [2] int32: the active slots' count, the layer routed for them
+
+
 def moe_fetch(weights: dict, row, ids_smem, count_smem) -> dict:
     """Fetch callables of the expert slots' segments, from their weights in HBM by name
     (EXPERT_WEIGHTS or JOINED_EXPERT_WEIGHTS): slot s streams expert ids_smem[s] of weight
-    row `row(layer)` and is switched off unless s < count_smem[0]."""
+    row `row(layer)` and is switched off unless s < count_smem[0] and the ids are this
+    layer's (count_smem[ROUTED_LAYER] == layer)."""
     def fetch(w_hbm):
-        return lambda layer, s: (w_hbm.at[row(layer), ids_smem[s]], s < count_smem[0])
+        return lambda layer, s: (w_hbm.at[row(layer), ids_smem[s]],
+                                 (s < count_smem[0]) & (count_smem[ROUTED_LAYER] == layer))
     return {name: fetch(w_hbm) for name, w_hbm in weights.items()}
 
 
@@ -409,6 +416,7 @@ def moe_body(ring: Ring, layer, x, router_vmem, combine_vmem, selected_vmem, sel
         out_ref[...] += down_vmem[...]
     selected = route_body(x, router_vmem, combine_vmem, routing, bias_vmem, gather)
     select_experts(selected, selected_vmem, selected_smem, sem, ids_smem, count_smem)
+    count_smem[ROUTED_LAYER] = layer
     gate = ring.stream.segment(expert_segments(ring.stream)[0])
     base = ring.stream.base(layer, gate)
     for t in range(min(ring.n, gate.copies * gate.stride)):  # were no-ops when issued
@@ -465,7 +473,7 @@ def moe_kernel(inputs, out_vmem, loaded_smem, *, stream: TileStream, dtype,
         sem = s.small_sems.at[small_sem(name)]
         copies.append(pltpu.make_async_copy(inputs[name].at[row], ref, sem))
         start_dma(copies[-1], name, ref.size * ref.dtype.itemsize)
-    s.count_smem[0] = 0
+    s.count_smem[0], s.count_smem[ROUTED_LAYER] = 0, -1
     out_vmem[...] = jnp.zeros_like(out_vmem)
     fetch = moe_fetch({n: inputs[n] for n in EXPERT_WEIGHTS}, lambda layer: row, s.ids_smem,
                       s.count_smem)
@@ -559,7 +567,7 @@ def moe(h: jax.Array, router: jax.Array, we_gate: jax.Array, we_up: jax.Array,
             sems=pltpu.SemaphoreType.DMA((block.slots,)),
             small_sems=pltpu.SemaphoreType.DMA((len(MOE_SMALL_LOADS),)),
             selected_smem=pltpu.SMEM((1, E), jnp.int32),
-            ids_smem=pltpu.SMEM((slots,), jnp.int32), count_smem=pltpu.SMEM((1,), jnp.int32)),
+            ids_smem=pltpu.SMEM((slots,), jnp.int32), count_smem=pltpu.SMEM((2,), jnp.int32)),
         compiler_params=pltpu.CompilerParams(vmem_limit_bytes=vmem_limit_bytes(buffers)),
         name="mk_moe",
         cost_estimate=pl.CostEstimate(  # an upper bound: every slot active

@@ -31,8 +31,8 @@ from mk.kernels.collectives import (AXIS, CollectiveScratch, all_gather_body, al
 from mk.kernels.common import Buffer, padded_width, start_dma
 from mk.kernels.joined_experts import gate_up_width
 from mk.kernels.mlp import (DENSE_WEIGHTS, EXPERT_WEIGHTS, JOINED_EXPERT_WEIGHTS,
-                            MOE_SMALL_LOADS, SHARED_WEIGHTS, expert_slots, moe_body,
-                            moe_fetch, moe_segments, swiglu_body, swiglu_fetch,
+                            MOE_SMALL_LOADS, ROUTED_LAYER, SHARED_WEIGHTS, expert_slots,
+                            moe_body, moe_fetch, moe_segments, swiglu_body, swiglu_fetch,
                             swiglu_segments)
 from mk.kernels.stream import Repeat
 from mk.kernels.routing import Routing, router_columns
@@ -200,7 +200,7 @@ class MoE(Kind):
             small_sems=pltpu.SemaphoreType.DMA((len(self.small_loads),)),
             selected_smem=pltpu.SMEM((1, self.config.experts), jnp.int32),
             ids_smem=pltpu.SMEM((self.slots(batch * rows),), jnp.int32),
-            count_smem=pltpu.SMEM((1,), jnp.int32))}
+            count_smem=pltpu.SMEM((2,), jnp.int32))}
 
     def operands(self) -> tuple[str, ...]:
         """The base's, with we_gate_up in place of we_gate and we_up where `joined`."""
@@ -230,7 +230,8 @@ class MoE(Kind):
         return fetch
 
     def setup(self, k: Step) -> None:
-        k.s.count_smem[0] = 0  # expert tiles issued before routing are no-ops
+        # expert tiles issued before their layer's routing are no-ops
+        k.s.count_smem[0], k.s.count_smem[ROUTED_LAYER] = 0, -1
 
     def routers(self, k: Step) -> list:
         """The router's (and the sigmoid router's bias's) DMA of this layer, by name."""
@@ -393,11 +394,12 @@ class MoETwin(Twin):
     def __init__(self, kind: MoE, sim):
         super().__init__(kind, sim)
         self.count = 0  # count_smem[0]: active expert slots, 0 outside routing
+        self.routed = -1  # count_smem[ROUTED_LAYER]: the layer they were routed for
         self.router = 0.0  # when this layer's router lands
 
     def active(self, layer: int, segment: str, copy: int) -> bool:
         if segment in self.kind.expert_weights:
-            return copy < self.count
+            return copy < self.count and layer == self.routed
         return super().active(layer, segment, copy)
 
     def start_router(self):
@@ -435,7 +437,7 @@ class MoETwin(Twin):
         sim.vector(M * E * (6 + 4 * X), "router")
         sim.mc.wait(sim.mc.dma(4 * E, sim.layer, "selected", weight=False))  # flags to SMEM
         sim.mc.compute(E * sim.a.scalar_op_s, sim.layer, "router")
-        self.count = sim.experts_on
+        self.count, self.routed = sim.experts_on, sim.layer
         names = self.kind.expert_weights
         gate = sim.s.segment(names[0])
         base = sim.s.base(sim.layer, gate)
