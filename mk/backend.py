@@ -13,7 +13,7 @@ twice). Interpret mode itself only prints the first kind and never sees the seco
 default "on_wait" DMA mode (a duplicate DMA just stays queued); `use(..., strict_dma=True)`
 makes either an error.
 
-Here: `resolve`, `use`, `check_active`, `races_found`, `dma_leftovers`. Not here:
+Here: `resolve`, `use`, `check_active`, `races_found` (and `races_text`), `dma_leftovers`. Not here:
 ahead-of-time compiles for a chip that is not present (`mk.tpu`).
 """
 
@@ -59,9 +59,12 @@ def use(backend: str = "auto", *, detect_races: bool = False,
     earlier failure cannot leak in. With `strict_dma`, leaving the block raises
     `RuntimeError` listing the DMA leftovers, if any.
     """
+    global _detecting
     if resolve(backend) == "hardware":
+        _detecting = False  # the chip has no race detector
         yield
         return
+    _detecting = detect_races
     params = pltpu.InterpretParams(detect_races=detect_races,
                                    dma_execution_mode=dma_execution_mode)
     pltpu.reset_tpu_interpret_mode_state()
@@ -89,10 +92,23 @@ def check_active() -> None:
                      "which take backend=")
 
 
-def races_found() -> bool:
-    """Whether the race detector flagged a race since the last `use(...)` entry."""
+def races_found() -> bool | None:
+    """Whether the race detector flagged a race since the last `use(...)` entry; None when
+    that block ran no detector (on hardware, or without `detect_races`)."""
+    if not _detecting:
+        return None
     state = _interpret_state.races
     return bool(state is not None and state.races_found)
+
+
+def races_text(found: bool | None) -> str:
+    """`races_found()`'s answer in words, for a printed result: on hardware the detector
+    never runs, and "no race" would claim a check that did not happen."""
+    return {None: "not checked (the race detector runs in interpret mode only)",
+            False: "none found (race detector on)", True: "FOUND"}[found]
+
+
+_detecting = False  # whether the last `use(...)` block ran the race detector
 
 
 def dma_leftovers() -> list[str]:

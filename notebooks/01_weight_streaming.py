@@ -335,7 +335,7 @@ for n in sorted({1, 2, slots}):
     seconds = time.perf_counter() - start
     results[n] = (got, mk.backend.races_found(), seconds)
     print(f"slots={n}: max |kernel - reference| = {float(jnp.abs(got - want).max()):.2e}, "
-          f"races found: {results[n][1]}, wall {seconds:.2f} s ({mode})")
+          f"races: {mk.backend.races_text(results[n][1])}, wall {seconds:.2f} s ({mode})")
 
 # %% [markdown]
 # On CPU the wall time above is the interpret-mode **simulation** (a few milliseconds per

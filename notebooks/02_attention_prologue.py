@@ -149,7 +149,7 @@ with (course.planted("rope_off" if exercise_rope_off else None),
                                                    block=block))
 seconds, races = time.perf_counter() - start, mk.backend.races_found()
 errors = {n: float(jnp.abs(g - w).max()) for n, g, w in zip("qkv", got, want)}
-print(f"max |kernel - reference|: {errors}; races found: {races}")
+print(f"max |kernel - reference|: {errors}; races: {mk.backend.races_text(races)}")
 print(f"wall {seconds:.2f} s on {mode}" + (" (a CPU simulation, not TPU time)"
                                           if mode == "interpret" else ""))
 

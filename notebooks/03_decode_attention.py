@@ -184,8 +184,8 @@ with mk.backend.use(run.backend, detect_races=(mode == "interpret")):
         decode_attention(q, k_new, v_new, k_cache, v_cache, pos, layer=layer, block=block))
 seconds = time.perf_counter() - start
 races = mk.backend.races_found()
-print(f"max |kernel - reference| = {float(jnp.abs(o - o_want).max()):.2e}, races found: "
-      f"{races}, wall {seconds:.2f} s ({mode})")
+print(f"max |kernel - reference| = {float(jnp.abs(o - o_want).max()):.2e}, races: "
+      f"{mk.backend.races_text(races)}, wall {seconds:.2f} s ({mode})")
 
 # %% [markdown]
 # On CPU that wall time is the interpret-mode **simulation** of the TPU (milliseconds per

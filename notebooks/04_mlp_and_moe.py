@@ -258,7 +258,7 @@ dense_got, dense_races, dense_s = timed(lambda: mlp.swiglu(h_dense, *dense_w, bl
 for name, got, want, races, s in (("swiglu", dense_got, dense_want, dense_races, dense_s),
                                   ("moe", moe_got, moe_want, moe_races, moe_s)):
     print(f"{name}: max |kernel - reference| = {float(jnp.abs(got - want).max()):.2e}, "
-          f"races found: {races}, wall {s:.2f} s ({mode})")
+          f"races: {mk.backend.races_text(races)}, wall {s:.2f} s ({mode})")
 print(f"experts loaded by the kernel: {int(loaded[0])}")
 
 # %% [markdown]

@@ -175,7 +175,7 @@ with mk.backend.use(run.backend, detect_races=(mode == "interpret")):
 seconds, races = time.perf_counter() - start, mk.backend.races_found()
 error = float(jnp.abs(got_x - want_x).max())
 print(f"max |kernel - reference| of the layer output: {error:.2e} "
-      f"(largest value {float(jnp.abs(want_x).max()):.2f}); races found: {races}")
+      f"(largest value {float(jnp.abs(want_x).max()):.2f}); races: {mk.backend.races_text(races)}")
 print(f"wall {seconds:.2f} s on {mode}" + (" (a CPU simulation, not TPU time)"
                                           if mode == "interpret" else ""))
 

@@ -222,7 +222,7 @@ want = dict(x=want_x, conv_rows=want_conv, state_rows=want_state)
 for (name, w), g in zip(want.items(), got):
     print(f"{name} {tuple(g.shape)}: max |kernel - reference| = "
           f"{float(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32)).max()):.2e}")
-print(f"races found: {races}; wall {seconds:.2f} s on {mode}"
+print(f"races: {mk.backend.races_text(races)}; wall {seconds:.2f} s on {mode}"
       + (" (a CPU simulation, not TPU time)" if mode == "interpret" else ""))
 
 # %% [markdown]

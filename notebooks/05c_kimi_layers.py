@@ -219,7 +219,7 @@ got_mla = x + ops.matmul(reference.mla_output(config, o, up_v),
 mla_scale = float(jnp.abs(want_mla - x).max())
 print(f"x after MLA: max |kernel - reference| = {float(jnp.abs(got_mla - want_mla).max()):.2e}"
       f" (the attention output's scale {mla_scale:.2f}); latent rows written equal: "
-      f"{bool(jnp.array_equal(got_cache[a], want_latent))}; races found: {mla_races}; wall "
+      f"{bool(jnp.array_equal(got_cache[a], want_latent))}; races: {mk.backend.races_text(mla_races)}; wall "
       f"{mla_seconds:.2f} s on {mode}"
       + (" (a CPU simulation, not TPU time)" if mode == "interpret" else ""))
 
@@ -281,7 +281,7 @@ for name, g, w in zip(("x", "conv rows", "state rows"), got_kda,
                       (want_kda, want_conv, want_state)):
     print(f"{name} {tuple(g.shape)}: max |kernel - reference| = "
           f"{float(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32)).max()):.2e}")
-print(f"races found: {kda_races}; wall {kda_seconds:.2f} s on {mode}"
+print(f"races: {mk.backend.races_text(kda_races)}; wall {kda_seconds:.2f} s on {mode}"
       + (" (a CPU simulation, not TPU time)" if mode == "interpret" else ""))
 
 # %% [markdown]
@@ -328,7 +328,7 @@ with mk.backend.use(run.backend, detect_races=(mode == "interpret")):
 moe_races = mk.backend.races_found()
 print(f"{routing}\nexperts chosen per row: {np.asarray(chosen).tolist()}; distinct experts "
       f"loaded: {int(loaded[0])}; max |kernel - reference| = "
-      f"{float(jnp.abs(got_moe - want_moe).max()):.2e}; races found: {moe_races}")
+      f"{float(jnp.abs(got_moe - want_moe).max()):.2e}; races: {mk.backend.races_text(moe_races)}")
 
 # %% [markdown]
 # ## MLA in the megakernel

@@ -236,7 +236,7 @@ loaded = sum(1 for what, _ in log if what == "k_tile")
 seen = sum(len(np.unique(np.arange(max(p - W + 1, 0), p + T) // att_tile))
            for p in np.asarray(att_positions))
 print(f"max |kernel - reference| = {float(jnp.nanmax(jnp.abs(o - want_o))):.2e}; K tiles "
-      f"loaded {loaded}, tiles the rows see {seen}; races found: {att_races}; wall "
+      f"loaded {loaded}, tiles the rows see {seen}; races: {mk.backend.races_text(att_races)}; wall "
       f"{att_seconds:.2f} s on {mode}"
       + (" (a CPU simulation, not TPU time)" if mode == "interpret" else ""))
 

@@ -230,8 +230,8 @@ else:
 # %% [markdown]
 # One kernel removes the edges, not every bubble: inside the megakernel, the HBM still
 # waits whenever the ring is too shallow to cover a DMA's latency. The simulator's
-# prediction for `predict_preset` on `predict_chip` as the ring deepens (the kernel's
-# default is 3 slots):
+# prediction for `predict_preset` on `predict_chip` as the ring deepens, against the plan's
+# own default depth (printed below: Little's law for that chip, `default_block`):
 
 # %%
 if predictions:
@@ -239,7 +239,7 @@ if predictions:
     base = mk.sim.simulate(cfg, predict_chip, batch=run.batch, rows=run.rows,
                            context=predict_context).block
     depth = []
-    for slots in (2, 3, 4, 6, 8):
+    for slots in sorted({2, 3, 4, 6, 8, base.slots}):
         sim = mk.sim.simulate(cfg, predict_chip, batch=run.batch, rows=run.rows,
                               context=predict_context, block=dataclasses.replace(base, slots=slots))
         idle = sum(b.idle_s for b in sim.bubbles)
@@ -249,9 +249,10 @@ if predictions:
     display(plots.table(depth))
     on, off = (p["step_us"] for p in predictions[2:4])  # predict_preset, prefetch on / off
     best = min(d["step_us"] for d in depth)
-    three = next(d["step_us"] for d in depth if d["slots"] == 3)
+    default = next(d["step_us"] for d in depth if d["slots"] == base.slots)
     print(f"{predict_preset} on {predict_chip}: cross-layer prefetch saves {1 - on / off:.2%} "
-          f"of the step; the best ring depth above saves {1 - best / three:.2%} against 3 slots")
+          f"of the step; the best ring depth above saves {1 - best / default:.2%} against "
+          f"the plan's default of {base.slots} slots")
 
 # %% [markdown]
 # The two savings side by side: a layer edge without prefetch costs one descriptor latency
@@ -261,9 +262,10 @@ if predictions:
 
 # %%
 if predictions:
-    deeper = "a deeper ring" if 1 - best / three > 1 - on / off else "cross-layer prefetch"
+    deeper = "a deeper ring" if 1 - best / default > 1 - on / off else "cross-layer prefetch"
     print(f"{predict_preset} on {predict_chip} (simulated): {deeper} saves more "
-          f"({1 - best / three:.2%} for the best depth vs 3 slots, {1 - on / off:.2%} for "
+          f"({1 - best / default:.2%} for the best depth vs the default {base.slots} slots, "
+          f"{1 - on / off:.2%} for "
           f"prefetch); a saving under 1 % means the default already covers that latency")
 
 # %% [markdown]
@@ -275,10 +277,10 @@ if predictions:
 # %%
 trace = profiling.trace_viewer(captures["megakernel"].path)
 print(f"XProf trace viewer: {len(trace['traceEvents'])} events in the megakernel capture")
-print(f"open them with:  xprof --logdir {profiling.PROFILES}   (http://localhost:8791)")
-print(f"            or:  tensorboard --logdir {profiling.PROFILES}   (Profile tab)")
-print(f"  in Jupyter/Colab:  %load_ext tensorboard  then  %tensorboard --logdir "
-      f"{profiling.PROFILES}")
+logdir = os.path.relpath(profiling.PROFILES)  # where this notebook runs: no machine path
+print(f"open them with:  xprof --logdir {logdir}   (http://localhost:8791), or TensorBoard's "
+      "Profile tab (tensorboard --logdir, or %load_ext tensorboard then %tensorboard "
+      "--logdir in Jupyter/Colab)")
 if "google.colab" in sys.modules:  # Colab ships TensorBoard and its notebook magic
     ipython = get_ipython()  # noqa: F821
     ipython.run_line_magic("load_ext", "tensorboard")

@@ -301,7 +301,7 @@ with (course.planted("dropped_all_reduce" if exercise_drop_all_reduce else None)
                         mesh=collectives.tp_mesh(tp, cpus), progress=True)
     races = mk.backend.races_found()
 print("reference       :", np.asarray(want).tolist())
-print(f"tp={tp}, device 0 :", np.asarray(got[0]).tolist(), "; races found:", races)
+print(f"tp={tp}, device 0 :", np.asarray(got[0]).tolist(), "; races:", mk.backend.races_text(races))
 
 # %% [markdown]
 # ## Compiling for multi-chip TPUs

@@ -76,3 +76,14 @@ def test_bad_backend_names_are_named():
         backend.resolve("gpu")
     with pytest.raises(ValueError, match=r"backend='hardware' needs a TPU"):
         backend.resolve("hardware")
+
+
+def test_races_are_none_where_no_detector_ran_and_say_so():
+    """A printed "races found: False" on a TPU would claim a check that never ran: without
+    the detector `races_found` is None, and `races_text` says it was not checked."""
+    with backend.use("interpret"):
+        assert backend.races_found() is None
+    with backend.use("interpret", detect_races=True):
+        assert backend.races_found() is False
+    assert "not checked" in backend.races_text(None)
+    assert backend.races_text(True) == "FOUND"
