@@ -307,7 +307,9 @@ def _validate_step(config, batch, rows, context, tp, accepted, routing, compute)
 
 def seen_positions(config: ModelConfig, context: int) -> float:
     """Cached positions a full layer reads at `context`, on average over the full layers:
-    `context`, or a sliding layer's window where it is shorter (gpt-oss)."""
+    `context`, or a sliding layer's window where it is shorter (gpt-oss). Exact
+    positions: the kernel reads whole KV tiles (`predict`'s `kv_read_bytes`,
+    `mk.step_bytes.kv_step_bytes`)."""
     full = config.full_layers
     if not config.sliding_layers or not full:
         return context
