@@ -33,8 +33,17 @@ Assumptions, each stated where it is used:
   chooses: `mk.kernels.routing.router_columns`); the KV cache moves each
   device's kv heads (replicated when tp > K). So tp must be a split the kernel can make
   (`mk.kernels.plan.check_tp`). FLOPs are split evenly (each device computes FLOPs / tp).
-- Every byte crosses HBM once per step: weights and the S cached K/V positions are read
-  once; the T new K/V rows are written once and attended from on-chip copies.
+- Every byte crosses HBM once per step, as the kernel's DMAs move it (the KV bytes of
+  `mk.step_bytes.kv_step_bytes`, each full-attention kind's `cache_bytes`, the DMAs its
+  simulator twin issues): weights once; each sequence's KV tiles once, whole (the plan's
+  KV tile for a cache just holding the rows, `mk.kernels.plan.capacity`; tiles 0, or a
+  sliding layer's first in its window, to the one holding the last new row: the tile's
+  positions past the last row are read too, so at S = 256, T = 1 and 256-position tiles
+  two tiles, 512 positions); each tile holding new rows sends back its aligned window of
+  `write_back_rows` rows (16 for bf16 at T = 1), not only the T rows; the new rows are
+  attended from on-chip copies. The one step byte `predict` counts that the kernel does
+  not move is `embed_bytes` (XLA's gather before it); the simulator's `dma_bytes` also
+  holds a MoE layer's 4-byte-per-expert flags copy (VMEM to SMEM, not HBM).
 - Weight storage: config.dtype, but the format groups of `formats` (the one precision
   knob: {"dense" | "experts" | "lm_head": an mk.quant scheme}, default the config's own,
   e.g. kimi-k3's FP4 experts) at their packed bytes plus scales per tile
@@ -88,12 +97,13 @@ from mk.chips import ChipSpec, chip as named_chip
 from mk.config import DTYPE_BITS, ModelConfig, check_formats, positive_int
 from mk.kernels.collectives import ICI_LATENCY_S, PARTIAL_SUM_BYTES, allreduce_s
 from mk.kernels.one_layer import model_block
-from mk.kernels.plan import packed_formats, padded_vocab, shard_config
+from mk.kernels.plan import capacity, packed_formats, padded_vocab, shard_config
 from mk.kinds.base import ROLES
 from mk.kinds.layers import kind_at, layer_kinds
 from mk.quant import stored_bytes
 from mk.routing_trace import RoutingTrace, expected_distinct
-from mk.step_bytes import QUANT_FAMILY, shard_weight_bytes, shard_weight_elements
+from mk.step_bytes import (QUANT_FAMILY, kv_step_bytes, shard_weight_bytes,
+                           shard_weight_elements)
 from mk.unpack import choose_feeds
 
 ROUTINGS = ("uniform", "shared", "disjoint")
@@ -211,8 +221,8 @@ class StepEstimate(_Throughput):
     expert_bytes: float  # the experts touched, in their format
     embed_bytes: float  # the B*T gathered embedding rows (an XLA gather before the kernel)
     lm_head_bytes: float  # the [D, V] output projection, padded to whole tiles
-    kv_read_bytes: float  # B * S cached positions (a sliding layer's window: `seen_positions`)
-    kv_write_bytes: float  # B * T new positions
+    kv_read_bytes: float  # each sequence's whole KV tiles (a sliding layer's in its window)
+    kv_write_bytes: float  # each written tile's aligned window (`write_back_rows` >= T rows)
     experts_touched: float  # distinct experts per MoE layer
     # FLOPs of one step, all devices
     matmul_flops: float  # 2 * (params a token multiplies by) * B*T
@@ -297,7 +307,9 @@ def _validate_step(config, batch, rows, context, tp, accepted, routing, compute)
 
 def seen_positions(config: ModelConfig, context: int) -> float:
     """Cached positions a full layer reads at `context`, on average over the full layers:
-    `context`, or a sliding layer's window where it is shorter (gpt-oss)."""
+    `context`, or a sliding layer's window where it is shorter (gpt-oss). Exact
+    positions: the kernel reads whole KV tiles (`predict`'s `kv_read_bytes`,
+    `mk.step_bytes.kv_step_bytes`)."""
     full = config.full_layers
     if not config.sliding_layers or not full:
         return context
@@ -330,14 +342,16 @@ def predict(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: 
     touched = _touched(kinds, m, routing)
     packed = packed_formats(config, formats)  # tiled as the chip's plan tiles them
     local = shard_config(config, tp, packed)
-    block = model_block(local, formats=packed, feeds=choose_feeds(packed, chip=spec))
+    # the plan's tiling of a step at `context` (`DecodePlan.make(position=)`: its cache
+    # just holds the rows, `capacity`, which sets the KV tile)
+    block = model_block(local, context=capacity(context + rows), formats=packed,
+                        feeds=choose_feeds(packed, chip=spec))
     vocab = padded_vocab(local, block)
     family = {f: tp * b for f, b in shard_weight_bytes(local, vocab, touched, formats,
                                                        block).items()}
     embed_bytes = min(m, config.vocab) * config.hidden * wb
-    kv_per_token = tp * bytes_per_position(local)  # kv heads replicated when tp > K
-    kv_read_bytes = batch * seen_positions(config, context) * kv_per_token
-    kv_write_bytes = m * kv_per_token
+    kv = kv_step_bytes(local, batch, rows, context, block.kv_tile)  # kv heads replicated
+    kv_read_bytes, kv_write_bytes = tp * kv["kv_read"], tp * kv["kv_write"]  # when tp > K
     state_read_bytes = batch * state_bytes_per_sequence(config)  # split by heads over tp
     state_write_bytes = rows * state_read_bytes
 

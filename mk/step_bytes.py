@@ -8,8 +8,11 @@ the linear layers' states); `family_of` names the family of a DMA by its name, t
 by family from its layer kinds (`Kind.streamed`), `bytes_per_element` prices them
 (`local.dtype`, float32 norms, a quantised group's `mk.quant.tile_bytes` per element of
 its tile) and `shard_weight_bytes` multiplies the two: the bytes `DecodePlan`, `mk.sim`
-(through the plan) and `mk.perf` count. `QUANT_FAMILY` maps a byte family to its format
-group. Not here: the plan and its tiling (`mk.kernels.plan`), time (`mk.sim`, `mk.perf`).
+(through the plan) and `mk.perf` count. `kv_step_bytes` counts the KV DMAs of a shard by
+its layer kinds (`Kind.cache_bytes`: whole KV tiles read, tile-aligned windows written
+back), the bytes `mk.perf` counts and the kinds' twins issue in `mk.sim`. `QUANT_FAMILY`
+maps a byte family to its format group. Not here: the plan and its tiling
+(`mk.kernels.plan`), time (`mk.sim`, `mk.perf`).
 """
 
 from __future__ import annotations
@@ -92,4 +95,18 @@ def shard_weight_elements(local: ModelConfig, vocab: int, experts: float) -> dic
     for kind in layer_kinds(local):
         for family, n in kind.streamed(experts).items():
             out[family] += len(kind.layers) * n
+    return out
+
+
+def kv_step_bytes(local: ModelConfig, batch: int, rows: int, context: int,
+                  kv_tile: int) -> dict[str, float]:
+    """"kv_read" and "kv_write" bytes one device holding `local` moves in a step, every
+    one of `batch` sequences at `context` cached positions with `rows` new rows, over KV
+    tiles of `kv_tile` positions: each layer kind's `Kind.cache_bytes` (whole tiles read,
+    each tile holding new rows sending its aligned window back: more than the context's
+    and the T rows' positions), what the kernel's DMAs and `mk.sim`'s twins move."""
+    out = {"kv_read": 0.0, "kv_write": 0.0}
+    for kind in layer_kinds(local):
+        for family, n in kind.cache_bytes(batch, rows, context, kv_tile).items():
+            out[family] += n
     return out

@@ -32,7 +32,7 @@ from mk.kernels.decode_attention import (attend, attention_semaphores, block_row
                                          decode_attention_buffers, write_back_rows,
                                          write_back_slots)
 from mk.kernels.kv_stream import (AttentionScratch, KvStream, drain_write_backs,
-                                  first_kv_tile, kv_tiles, start_write_backs)
+                                  first_kv_tile, kv_tiles, start_write_backs, tile_counts)
 from mk.kernels.mla import (latent_columns, low_rank_q, mla_buffers, mla_epilogue,
                             mla_matrices, mla_prologue, start_mla_loads)
 from mk.kinds.base import Kind, Step, Twin
@@ -144,6 +144,34 @@ class GQA(Kind):
         pairs = batch * (rows * context + rows * (rows + 1) / 2)
         return 4.0 * self.config.heads * self.kv_layout()[1] * pairs
 
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window (0: none; `SinkGQA`'s sliding layers have one)."""
+        return 0
+
+    def kv_dma_bytes(self, positions: int) -> int:
+        """Bytes of one DMA of `positions` rows of one of its caches (K or V, or MLA's
+        latent rows) on a device: a KV tile (`kv_tile` rows) or a write-back window
+        (`write_back_rows`). The twin issues these; `cache_bytes` sums them."""
+        K, H, _ = self.kv_layout()
+        return K * positions * H * (self.config.weight_bits // 8)
+
+    def cache_bytes(self, batch: int, rows: int, context: int, kv_tile: int) -> dict:
+        """What its layers' KV DMAs move in a step on one device, every sequence at
+        `context` (`Kind.cache_bytes`), as the kernel moves them: "kv_read", each
+        sequence's whole KV tiles of each layer (`tile_counts`: tiles 0, or a sliding
+        layer's first in its window, to the one holding the last new row; a tile's
+        positions past the last row are read too, and masked), "kv_write", each tile
+        holding new rows sending its tile-aligned window of `write_back_rows` rows back
+        (a window's rows besides the T new ones are written too, unchanged)."""
+        _, _, caches = self.kv_layout()
+        read = written = 0
+        for layer in self.layers:
+            r, w = tile_counts([context], rows, kv_tile, self.window(layer))
+            read, written = read + r, written + w
+        W = write_back_rows(rows, kv_tile, self.config.dtype)
+        return {"kv_read": batch * caches * read * self.kv_dma_bytes(kv_tile),
+                "kv_write": batch * caches * written * self.kv_dma_bytes(W)}
+
     def mxu_passes(self, batch: int, rows: int, context: int, touched: float) -> list:
         """Its projections, then attention: per sequence and kv head, G*T query rows (in
         whole 8-row sublanes) against the S + T positions, twice (q.k and p.v). MLA: every
@@ -237,6 +265,9 @@ class SinkGQA(GQA):
 
     def twin(self, sim) -> SinkTwin:
         return SinkTwin(self, sim)
+
+    def window(self, layer: int) -> int:
+        return self.config.window(layer)
 
     # -- Its cost (`mk.perf`): a sliding layer attends to at most its window
     def mixing_flops(self, batch: int, rows: int, context: int) -> float:
@@ -361,8 +392,8 @@ class AttentionTwin(Twin):
             self.sim.vector(4 * self.sim.m * self.kind.config.q_width, "output_gate")
 
     def window(self, layer) -> int:
-        """Layer `layer`'s sliding window (0: none)."""
-        return 0
+        """Layer `layer`'s sliding window (0: none): its kind's."""
+        return self.kind.window(layer)
 
     def tiles(self, layer=None) -> list[tuple[int, int]]:
         """(sequence, tile) of every KV tile layer `layer`'s attention reads (default the
@@ -376,11 +407,10 @@ class AttentionTwin(Twin):
 
     def issue(self, j, tag="", layer=None):
         """KV tile j of the attending layer (`layer`, default the current one)."""
-        sim, c, tile = self.sim, self.kind.config, self.sim.s.block.kv_tile
+        sim, tile = self.sim, self.sim.s.block.kv_tile
         layer = sim.layer if layer is None else layer
         if j < len(self.tiles(layer)):
-            K, H, caches = self.kind.kv_layout()
-            kv_bytes = K * tile * H * (c.weight_bits // 8)
+            caches, kv_bytes = self.kind.kv_layout()[2], self.kind.kv_dma_bytes(tile)
             self.landed[j] = max(sim.mc.dma(kv_bytes, layer, what, tag, False)
                                  for what in ("k_tile", "v_tile")[:caches])
 
@@ -394,7 +424,7 @@ class AttentionTwin(Twin):
         sim, c = self.sim, self.kind.config
         B, T, block = sim.batch, sim.rows, sim.s.block
         (K, H, caches), tile = self.kind.kv_layout(), block.kv_tile
-        G, itemsize = c.heads // K, c.weight_bits // 8
+        G = c.heads // K
         R = block_rows(G, T)
         W = write_back_rows(T, tile, c.dtype)
         sim.vector(3 * B * T * (c.heads + caches * K) * H, "attention")  # regrouping
@@ -408,7 +438,7 @@ class AttentionTwin(Twin):
                 n, backs = len(self.sent), write_back_slots(B)  # write-back n - 2B landed
                 if n >= backs:
                     sim.mc.wait(self.sent[n - backs])
-                self.sent.append(max(sim.mc.dma(K * W * H * itemsize, sim.layer,
+                self.sent.append(max(sim.mc.dma(self.kind.kv_dma_bytes(W), sim.layer,
                                                 f"{kv}_write_back", weight=False)
                                      for kv in "kv"[:caches]))
         sim.vector(3 * B * T * c.heads * H, "attention")
@@ -436,9 +466,6 @@ class SinkTwin(AttentionTwin):
         super().run(phase)
         if phase == "wo" and self.kind.config.attention_bias:  # after wo, o's bias
             self.sim.mc.wait(self.loads["bo"])
-
-    def window(self, layer) -> int:
-        return self.kind.config.window(layer)
 
 
 class MLATwin(AttentionTwin):

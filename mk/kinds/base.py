@@ -229,6 +229,13 @@ class Kind:
         rule) in one layer."""
         return 0.0
 
+    def cache_bytes(self, batch: int, rows: int, context: int, kv_tile: int) -> dict:
+        """Bytes its layers' KV caches move in one step on one device, by step family
+        ("kv_read", "kv_write": `mk.step_bytes.STEP_FAMILIES`), every sequence at
+        `context` with `rows` new rows and KV tiles of `kv_tile` positions: none by
+        default (a full-attention kind's: `mk.kinds.attention.GQA.cache_bytes`)."""
+        return {}
+
     def collectives_s(self, m: int, spec, latency_s: float, algorithm=None) -> float:
         """Seconds of its own collectives in one of its layers over M = m rows on a shard
         (besides the layer's two all-reduces: `mk.perf`, the simulator): none by default."""
