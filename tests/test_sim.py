@@ -72,10 +72,9 @@ def test_moe_step_streams_only_the_active_expert_slots_and_the_routers():
 # One byte count: the simulator's DMAs are mk.perf's HBM floor, family by family, over a
 # grid beyond the recorded runs (presets x tp x B x T x S; ~3 s). Routing "disjoint" gives
 # both an integer count of experts (under "uniform" the simulator rounds perf's expected
-# count: `active_experts`). The experts are compared on a replay without cross-layer
-# prefetch: with it, a ring deep enough to reach the next MoE layer's expert region issues
-# that layer's first expert tiles before its routing (count_smem still holds this layer's
-# count), which its routing issues again (`test_a_deep_ring_loads_no_expert_tile_twice`).
+# count: `active_experts`). A ring deep enough to reach the next MoE layer's expert region
+# loads none of its tiles before that layer's routing (`test_a_deep_ring_loads_no_expert_
+# tile_twice`; tests/test_megakernel.py checks the kernel's DMAs).
 BYTE_GRID = {"tiny": (1, 2, 4), "tiny-moe": (1, 2, 4), "tiny-hybrid": (1,), "tiny-kimi": (1,),
              "tiny-gpt-oss": (1,), "qwen3-0.6b": (1, 2, 4)}
 PERF_BYTES = dict(attention="attention_bytes", norms="norm_bytes", dense_mlp="dense_mlp_bytes",
@@ -84,7 +83,7 @@ PERF_BYTES = dict(attention="attention_bytes", norms="norm_bytes", dense_mlp="de
                   state_read="state_read_bytes", state_write="state_write_bytes")
 
 
-def byte_gaps(name, tp, batch, rows, context, chip_name="v5e", experts_prefetched=False):
+def byte_gaps(name, tp, batch, rows, context, chip_name="v5e"):
     """{byte family: simulated - `mk.perf.predict` bytes of one device} where they differ
     by more than 1e-9 of perf's; with "flags", the simulator's DMA bytes that are in no
     HBM family less a MoE layer's 4-byte-per-expert flags copy (VMEM to SMEM), and with
@@ -93,9 +92,6 @@ def byte_gaps(name, tp, batch, rows, context, chip_name="v5e", experts_prefetche
     kw = dict(batch=batch, rows=rows, context=context, tp=tp, routing="disjoint")
     step = sim.simulate(config, chip_name, **kw)
     got = step.family_bytes()
-    if config.is_moe and not experts_prefetched:
-        got["experts"] = sim.simulate(config, chip_name, cross_layer_prefetch=False,
-                                      **kw).family_bytes()["experts"]
     e = perf.predict(config, chip_name, **kw)
     want = {f: getattr(e, field) / tp for f, field in PERF_BYTES.items()}
     gaps = {f: got.get(f, 0) - want.get(f, 0) for f in set(got) | set(want)}
@@ -130,13 +126,11 @@ def test_the_byte_grid_catches_a_floor_of_exact_kv_positions(monkeypatch):
     assert set(byte_gaps("tiny", 1, 8, 1, 256)) == {"kv_read", "kv_write", "total"}
 
 
-@pytest.mark.xfail(strict=True, reason="the kernel's ring issues the next MoE layer's first "
-                   "expert tiles before its routing (moe_fetch's `s < count_smem[0]` has no "
-                   "layer), with this layer's ids; its routing issues them again")
 def test_a_deep_ring_loads_no_expert_tile_twice():
     # tiny-moe at tp 4 on tpu7x, the issue's case: 11-18 ring slots reach layer 2's
-    # experts from layer 1's; one row: 3 expert slots move in layer 2 where 2 are active.
-    assert byte_gaps("tiny-moe", 4, 1, 1, 1024, "tpu7x", experts_prefetched=True) == {}
+    # experts from layer 1's. Before the slots knew their routed layer, one row moved 3
+    # expert slots in layer 2 where 2 are active.
+    assert byte_gaps("tiny-moe", 4, 1, 1, 1024, "tpu7x") == {}
 
 
 def test_ring_tile_bytes_are_the_ring_buffer_the_kernel_allocates_per_slot():
