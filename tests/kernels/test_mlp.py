@@ -227,7 +227,7 @@ def _fused_kernel(h_vmem, w_pre_hbm, router_hbm, we_gate_hbm, we_up_hbm, we_down
                                                            we_down_hbm))),
                              lambda layer: layer, ids_smem, count_smem)}
     ring = Ring(stream, fetch, {"ring": ring_vmem}, sems)
-    count_smem[0] = 0
+    count_smem[0], count_smem[mlp.ROUTED_LAYER] = 0, -1  # no layer routed yet
     ring.prime()
 
     def layer_body(layer, carry):
@@ -276,7 +276,7 @@ def test_moe_body_runs_inside_a_bigger_stream_over_layers():
                         pltpu.VMEM((1, E), jnp.int32), pltpu.VMEM((M, Fe), f32),
                         pltpu.VMEM((M, Fe), f32), pltpu.VMEM((M, D), f32),
                         pltpu.SemaphoreType.DMA((2,)), pltpu.SMEM((1, E), jnp.int32),
-                        pltpu.SMEM((slots,), jnp.int32), pltpu.SMEM((1,), jnp.int32)])
+                        pltpu.SMEM((slots,), jnp.int32), pltpu.SMEM((2,), jnp.int32)])
     laid = ring_layout(dict(w_pre=w_pre, w_post=w_post) | {
         n: params[n] for n in ("router", "we_gate", "we_up", "we_down")}, stream)
     (pre, moe, post, loaded), races = _interpret(
@@ -322,7 +322,8 @@ def test_the_race_detector_catches_a_prefetch_into_the_expert_slot_being_read():
     config, params = _model("tiny-moe", "float32")
     D, Fe = config.hidden, config.expert_ffn
     stream = TileStream.build(BLOCK, mlp.moe_segments(D, Fe, 4))
-    ids, count = jnp.array([1, 4, 6, 0], jnp.int32), jnp.array([3], jnp.int32)
+    # 3 active slots, routed for layer 0 (count_smem's [count, routed layer])
+    ids, count = jnp.array([1, 4, 6, 0], jnp.int32), jnp.array([3, 0], jnp.int32)
     with backend.use("interpret", detect_races=True):  # a kernel is built inside the mode
         kernel = pl.pallas_call(
             functools.partial(_expert_slots_with_early_prefetch, stream=stream),
