@@ -82,6 +82,7 @@ cross-shard argmax after the vocab-sharded lm_head (`mk.kernels.collectives`). t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from types import SimpleNamespace
@@ -94,7 +95,7 @@ from jax.experimental.pallas import tpu as pltpu
 from tqdm.auto import tqdm
 
 from mk import backend as backends
-from mk import quant, reference
+from mk import preparation, quant, reference
 from mk.cache import has_states
 from mk.config import ModelConfig, positive_int
 from mk.kernels.collectives import (AXIS, COLLECTIVE_IDS, CollectiveScratch, all_reduce_body,
@@ -130,23 +131,39 @@ def operands(config: ModelConfig) -> tuple[str, ...]:
     return tuple(n for kind in layer_kinds(config) for n in kind.operands())
 
 
-def prepare(plan: DecodePlan, params) -> dict:
+def prepare(plan: DecodePlan, params, *, donate: bool = False) -> dict:
     """The megakernel's weights for `plan`, made once from the model's params (checked
     first: `check_weights`): one device's (`_device_weights`), or at tp > 1 each
     device's stacked [tp, ...] (split by `mk.shards.shard_params`, then laid out per
-    device)."""
+    device). Made one tensor at a time (`mk.preparation.lay_out`); donate=True gives the
+    params up (each deleted once laid out), so the device never holds two copies."""
     check_weights(plan, params)
     if plan.tp == 1:
-        return _device_weights(plan.local, params, plan.block)
-    return prepare_shards(plan, shard_params(plan.config, params, plan.tp))
+        return preparation.lay_out(Layout(plan), params, donate=donate)
+    return prepare_shards(plan, shard_params(plan.config, params, plan.tp), donate=donate)
 
 
-def prepare_shards(plan: DecodePlan, shards) -> dict:
+def prepare_shards(plan: DecodePlan, shards, *, donate: bool = False) -> dict:
     """The megakernel's weights for `plan` (tp > 1) from its devices' params shards
     stacked [tp, ...] (`mk.shards.shard_params`' layout; also the global arrays of
     `mk.distributed.load_process_shards`), each device's laid out as `prepare` lays it
     out. Checks nothing: the shards' loader did."""
-    return jax.vmap(lambda p: _device_weights(plan.local, p, plan.block))(shards)
+    return preparation.lay_out(Layout(plan), shards, donate=donate)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The plan's weight layout as one hashable function of the params (at tp > 1 of
+    their [tp, ...] shards, each device's laid out alike): what `mk.preparation` runs a
+    tensor at a time and replays for its peak."""
+
+    plan: DecodePlan
+
+    def __call__(self, params) -> dict:
+        plan = self.plan
+        if plan.tp == 1:
+            return _device_weights(plan.local, params, plan.block)
+        return jax.vmap(lambda p: _device_weights(plan.local, p, plan.block))(params)
 
 
 def check_weights(plan: DecodePlan, params) -> None:
