@@ -476,7 +476,7 @@ def greedy_loop(dispatch, config: ModelConfig, values, prompt, S: int, steps: in
     Returns the `steps` tokens [*copies, B, steps]: `copies` are leading axes (the tp
     devices' copies; the prefill's token is on each, and the next dispatch starts from
     the first copy's last token)."""
-    logits, cache = reference.prefill(config, values, prompt, max_context=S)
+    logits, cache = reference.prefill(config, values, prompt, max_context=S, quantised=True)
     token = reference.greedy(logits[:, -1])
     cache = shard(cache)
     B = prompt.shape[0]
@@ -524,10 +524,8 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, backend: str = 
                                                       max_context)
     plan = DecodePlan.make(config, batch=prompt.shape[0], context=S, block=block,
                      formats=quant.formats_of(params), feeds=feeds)
-    values = quant.dequantize(params)  # the reference's prefill: config.dtype weights
-    reference.check_params(config, values)
     weights = prepare(plan, params)
     with backends.use(backend):
-        return greedy_loop(functools.partial(_greedy_steps, plan, weights), config, values,
+        return greedy_loop(functools.partial(_greedy_steps, plan, weights), config, params,
                            prompt, S, steps, steps_per_call, progress=progress,
                            desc="megakernel")

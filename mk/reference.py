@@ -30,8 +30,9 @@ every block's cast points (which kernels mirror, so their tolerances stay tight)
 its matmuls ask for HIGHEST precision, but on a TPU (v5e, 2026-12-06) the hybrid's tokens
 drifted (29/32) even so. Likely, not isolated: the TPU's exp, softplus, sigmoid and rsqrt
 differ from the CPU's in the last bits and its fusions sum in another order, and the
-linear layers' recurrent state carries each difference on to later positions. The dense, MoE, Kimi and gpt-oss
-references gave the CPU's tokens there (32/32); the hardware tier judges on the CPU.
+linear layers' recurrent state carries each difference on to later positions. The dense,
+MoE, Kimi and gpt-oss references gave the CPU's tokens there (32/32); the hardware tier
+judges on the CPU.
 
 Caches (`mk.cache`: the table of fields, the cache types, `init_cache`, `check_cache`,
 `rollback`; `KVCache`, `LinearRows` and `init_cache` are imported here too, for this
@@ -44,6 +45,8 @@ the states after every row (`LinearRows`), which `mk.cache.rollback` picks from.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,6 +57,7 @@ from mk.cache import KVCache, LinearRows, check_cache, has_states, init_cache
 from mk.config import ModelConfig, positive_int
 from mk.ops import (attention, matmul, mix_biased_experts, mix_experts, rms_norm, rope, route,
                     route_grouped, route_logits, swiglu, write_rows)
+from mk.unpack import dequantize_tile
 from mk.weights import kind_of, param_shapes
 
 F32 = jnp.float32
@@ -288,11 +292,50 @@ MIXER_LAYERS = {"gqa": _full, "sink_gqa": _full, "mla": _latent, "deltanet": _li
                 "kda": _linear}
 
 
+class LayerValues(Mapping):
+    """Params as the layers read them: a quantised weight (an `mk.quant.QuantWeight`,
+    known by its scheme: mk.quant imports this module) dequantised where it is read, a
+    stacked one a layer's row at a time (`w[i]`), a 2-D one (the lm_head) whole, each
+    rounded once to the embedding's dtype: `mk.quant.dequantize`'s values, but inside the
+    traced forward, so no dequantised copy of the whole model is ever alive."""
+
+    def __init__(self, params):
+        self.params, self.dtype = params, params["embed"].dtype
+
+    def __getitem__(self, name):
+        p = self.params[name]
+        if not hasattr(p, "scheme"):
+            return p
+        return _Rows(p, self.dtype) if len(p.shape) > 2 else _Rows(p, self.dtype).whole
+
+    def __iter__(self):
+        return iter(self.params)
+
+    def __len__(self):
+        return len(self.params)
+
+
+class _Rows:
+    """A stacked quantised weight whose row i is dequantised when it is read."""
+
+    def __init__(self, q, dtype):
+        self.q, self.dtype = q, dtype
+
+    def __getitem__(self, i):
+        return dequantize_tile(self.q.scheme, self.q.data[i], self.q.scale[i]).astype(
+            self.dtype)
+
+    @property
+    def whole(self):
+        return dequantize_tile(self.q.scheme, self.q.data, self.q.scale).astype(self.dtype)
+
+
 @functools.partial(jax.jit, static_argnames=("config", "taps", "row_states"))
 def forward(config: ModelConfig, params, cache, tokens, positions, taps=False,
             row_states=False):
     """`decode_step` as traced, with no host-side checks (callers validate first; the
     compile-time benchmark lowers it)."""
+    params = LayerValues(params)
     x = params["embed"][tokens].astype(F32)  # [B, T, D]
     fields, after_attn, after_mlp = {}, [], []
     for layer in range(config.layers):
@@ -434,7 +477,7 @@ def check_prompt(config: ModelConfig, prompt) -> jax.Array:
 
 
 def decode_step(config: ModelConfig, params, cache, tokens, positions, *,
-                taps: bool = False, row_states: bool = False):
+                taps: bool = False, row_states: bool = False, quantised: bool = False):
     """T new tokens per sequence -> (logits [B, T, V] float32, updated cache).
 
     tokens [B, T] int; positions [B]: where each sequence's first new row goes. With
@@ -447,18 +490,22 @@ def decode_step(config: ModelConfig, params, cache, tokens, positions, *,
     if row_states and not has_states(cache):
         raise ValueError(f"row_states=True needs a hybrid model; {config.name} has no "
                          "linear layers")
-    check_params(config, params)
+    check_params(config, params, quantised=quantised)
     return forward(config, params, cache, tokens, positions, taps=taps,
                     row_states=row_states)
 
 
-def prefill(config: ModelConfig, params, tokens, *, max_context: int | None = None):
-    """The prompt tokens [B, P] -> (logits [B, P, V] float32, cache holding P positions)."""
+def prefill(config: ModelConfig, params, tokens, *, max_context: int | None = None,
+            quantised: bool = False):
+    """The prompt tokens [B, P] -> (logits [B, P, V] float32, cache holding P positions).
+    quantised=True also takes `mk.quant.QuantWeight`s, dequantised a layer at a time
+    (`LayerValues`): the values of `mk.quant.dequantize(params)`, never all at once."""
     shape = np.shape(tokens)
     if len(shape) != 2 or min(shape) < 1:
         raise ValueError(f"prompt shape {shape} must be [B, P] with B >= 1 and P >= 1")
     cache = init_cache(config, shape[0], max_context)
-    return decode_step(config, params, cache, tokens, jnp.zeros(shape[0], jnp.int32))
+    return decode_step(config, params, cache, tokens, jnp.zeros(shape[0], jnp.int32),
+                       quantised=quantised)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "steps"))
