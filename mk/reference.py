@@ -299,14 +299,15 @@ class LayerValues(Mapping):
     rounded once to the embedding's dtype: `mk.quant.dequantize`'s values, but inside the
     traced forward, so no dequantised copy of the whole model is ever alive."""
 
-    def __init__(self, params):
-        self.params, self.dtype = params, params["embed"].dtype
+    def __init__(self, params, after=None):
+        self.params, self.dtype, self.after = params, params["embed"].dtype, after
 
     def __getitem__(self, name):
         p = self.params[name]
         if not hasattr(p, "scheme"):
             return p
-        return _Rows(p, self.dtype) if len(p.shape) > 2 else _Rows(p, self.dtype).whole
+        rows = _Rows(p, self.dtype, self.after)
+        return rows if len(p.shape) > 2 else rows.whole
 
     def __iter__(self):
         return iter(self.params)
@@ -316,18 +317,25 @@ class LayerValues(Mapping):
 
 
 class _Rows:
-    """A stacked quantised weight whose row i is dequantised when it is read."""
+    """A stacked quantised weight whose row i is dequantised when it is read, after the
+    value `after` (the layer's input) exists: an optimization barrier ties the packed
+    row to it, so the compiler cannot make every layer's values up front."""
 
-    def __init__(self, q, dtype):
-        self.q, self.dtype = q, dtype
+    def __init__(self, q, dtype, after=None):
+        self.q, self.dtype, self.after = q, dtype, after
+
+    def _values(self, index):
+        data, scale = self.q.data, self.q.scale  # tied whole (a slice would be copied
+        if self.after is not None:              # early: every layer's at once)
+            data, scale, _ = lax.optimization_barrier((data, scale, self.after))
+        return dequantize_tile(self.q.scheme, data[index], scale[index]).astype(self.dtype)
 
     def __getitem__(self, i):
-        return dequantize_tile(self.q.scheme, self.q.data[i], self.q.scale[i]).astype(
-            self.dtype)
+        return self._values(i)
 
     @property
     def whole(self):
-        return dequantize_tile(self.q.scheme, self.q.data, self.q.scale).astype(self.dtype)
+        return self._values(...)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "taps", "row_states"))
@@ -335,18 +343,18 @@ def forward(config: ModelConfig, params, cache, tokens, positions, taps=False,
             row_states=False):
     """`decode_step` as traced, with no host-side checks (callers validate first; the
     compile-time benchmark lowers it)."""
-    params = LayerValues(params)
     x = params["embed"][tokens].astype(F32)  # [B, T, D]
     fields, after_attn, after_mlp = {}, [], []
     for layer in range(config.layers):
         role, i = config.mixer_index(layer)
         kind = kind_of(config, f"{role}_layers")
-        x, new, x_attn = MIXER_LAYERS[kind](config, params, layer, x, cache, i, positions)
+        x, new, x_attn = MIXER_LAYERS[kind](config, LayerValues(params, x), layer, x, cache,
+                                            i, positions)
         for field, value in new.items():
             fields.setdefault(field, []).append(value)
         after_attn.append(x_attn)
         after_mlp.append(x)
-    logits = lm_head(config, params, x)
+    logits = lm_head(config, LayerValues(params, x), x)
     # the fields of the kinds the model has (an all-linear model keeps its empty KV cache)
     fields = {field: jnp.stack(values) for field, values in fields.items()}
     rows = None
