@@ -129,6 +129,7 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, tp: int,
     plan = DecodePlan.make(config, tp=tp, batch=prompt.shape[0], context=S,
                                 block=block, formats=quant.formats_of(params), feeds=feeds,
                                 collective=collective)
+    megakernel.check_weights(plan, params)  # the params' faults before the backend's
     backends.check_active()
     weights = megakernel.prepare(plan, params)  # the prefill dequantises a layer at a time
     return megakernel.greedy_loop(
