@@ -143,8 +143,7 @@ def compile_for_chip(fn, args, chip: str | ChipSpec, *, name: str = "",
 def step_compiler(chip: str | ChipSpec):
     """A `mk.preparation.peak` compile_step: each step compiled for one core of `chip`
     (its arguments ShapeDtypeStructs placed there), so the replayed peak is that
-    compiler's (v5e relays a stacked bf16 matrix out through a temporary of twice its
-    size, where the CPU's needs one)."""
+    compiler's: the CPU's keeps other temporaries than a TPU's."""
     core = Mesh(np.array(devices(_tpu(chip).topology)[:1]), ("core",))
     on = NamedSharding(core, PartitionSpec())
     return lambda fn, args: fn.lower(*jax.tree.map(

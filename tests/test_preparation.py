@@ -39,15 +39,18 @@ def test_one_tensor_at_a_time_equals_the_whole_layout_and_donating_frees_the_par
 
 
 def test_preparing_qwen3_4b_holds_one_copy_and_a_tensor_on_v5e():
-    """Before (params kept): 16.24 GiB on v5e, over its 15.75 (the OOM seen on the chip);
-    donated: 11.56 GiB = 8.22 prepared + 3.34 (w_gate's 1.67 GiB relaid through a
-    temporary of twice its size)."""
+    """Replayed from v5e compiles: donated, 9.89 GiB = 8.22 prepared + w_gate's 1.67 in
+    flight (a stacked matrix relaid a layer at a time; whole it took a temporary of twice
+    its size: 11.56); the params kept, 15.71 (both copies), and the old path's 16.24
+    (eager, whole tensors) was over v5e's 15.75: the OOM seen on the chip."""
     config = mk.preset("qwen3-4b")
     plan = DecodePlan.make(config, batch=1, context=1024, chip="v5e")
-    limit, step = chip("v5e").hbm_compile_bytes, tpu.step_compiler("v5e")
+    step = tpu.step_compiler("v5e")
     layout, params = megakernel.Layout(plan), abstract_params(config)
     kept = preparation.peak(layout, params, donate=False, compile_step=step)
     given = preparation.peak(layout, params, donate=True, compile_step=step)
-    assert kept["peak"] > limit > given["peak"]
-    assert given["peak"] <= (given["prepared"] + 2 * given["largest"]) * 1.01
+    assert kept["peak"] >= kept["params"] + kept["prepared"]
     assert given["prepared"] + given["largest"] <= given["peak"]
+    assert given["peak"] <= (given["prepared"] + given["largest"]) * 1.01
+    assert given["peak"] + plan.fits("v5e").hbm_bytes - given["prepared"] < chip(
+        "v5e").hbm_compile_bytes  # with the KV cache

@@ -314,13 +314,13 @@ def packed_formats(config: ModelConfig, formats: dict[str, str]) -> dict[str, st
 
 # -- The plan -------------------------------------------------------------------------------
 # What a run holds beyond the decode step, as multiples measured on v5e compiles (shapes
-# only, no chip; `mk.preparation.peak`): laying out a stacked plain matrix goes through a
-# temporary of twice its size (qwen3-4b's bf16 w_gate: 8.22 GiB prepared, 11.56 peak,
-# tests/test_preparation.py), a packed one less (gpt-oss-20b's MXFP4 experts of 3.29 GiB:
-# 13.33 prepared, 15.59 peak: 0.69 of it); the prefill's one layer of dequantised weights
-# costs 2.7 times its bf16 bytes (gpt-oss-20b's experts: 4.2 GiB of temporaries for 1.6,
-# tests/test_prefill_memory.py).
-RELAYOUT_TEMPORARY = {"plain": 2.0, "packed": 0.7}
+# only, no chip; `mk.preparation.peak`): laying out a stacked plain matrix (a layer at a
+# time) holds one more copy of it (qwen3-4b's bf16 w_gate of 1.67 GiB: 8.22 prepared, 9.89
+# peak, tests/test_preparation.py), a packed one less (gpt-oss-20b's MXFP4 experts of 3.29
+# GiB: 13.33 prepared, 15.59 peak: 0.69 of it); the prefill's one layer of dequantised
+# weights costs 2.7 times its bf16 bytes (gpt-oss-20b's experts: 4.2 GiB of temporaries
+# for 1.6, tests/test_prefill_memory.py).
+RELAYOUT_TEMPORARY = {"plain": 1.0, "packed": 0.7}
 PREFILL_DEQUANTISED = 2.7
 
 
@@ -539,7 +539,8 @@ class DecodePlan:
         weights dequantised, `PREFILL_DEQUANTISED` times their bytes, or the lm_head's,
         and the prompt's float32 logits), then preparing (the laid-out weights, the
         largest tensor in flight: `RELAYOUT_TEMPORARY` times one), then decoding. With
-        donate=False the caller's params stay alive beside the prepared weights."""
+        donate=False the caller's params stay alive beside the prepared weights (then
+        made alongside them: nothing else in flight)."""
         if self.tp != 1:
             raise NotImplementedError(f"generate_parts at tp={self.tp}: one device only")
         c, stored = self.local, self.stored_bytes()
@@ -558,16 +559,13 @@ class DecodePlan:
                      RELAYOUT_TEMPORARY["packed" if n in schemes else "plain"] * b
                      for n, b in stored.items())),
                  "prefill's transient": prefill}
-        held = 0 if donate else parts["stored params"]
+        parts["stored params (kept: donate=False)"] = parts["stored params"]
         phases = {"prefill": ("stored params", "KV cache", "prefill's transient"),
-                  "prepare": ("prepared weights", "KV cache",
-                              "largest tensor in flight while preparing")}
-        worst = max(phases, key=lambda p: sum(parts[n] for n in phases[p]) + (
-            held if p == "prepare" else 0))
-        out = {n: parts[n] for n in phases[worst]}
-        if held and worst == "prepare":
-            out["stored params (kept: donate=False)"] = held
-        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+                  "prepare": ("prepared weights", "KV cache",  # the params freed as it goes
+                              "largest tensor in flight while preparing") if donate else (
+                      "prepared weights", "KV cache", "stored params (kept: donate=False)")}
+        worst = max(phases, key=lambda p: sum(parts[n] for n in phases[p]))
+        return dict(sorted(((n, parts[n]) for n in phases[worst]), key=lambda kv: -kv[1]))
 
     def _weight_bytes(self) -> int:
         """`hbm_bytes`' weights (the prepared layout and the embedding), no cache."""
