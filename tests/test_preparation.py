@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import mk
-from mk import megakernel, preparation, quant, tpu
+from mk import megakernel, preparation, quant, reference, tpu
 from mk.chips import chip
 from mk.kernels.plan import DecodePlan
 from mk.weights import abstract_params
@@ -54,3 +54,13 @@ def test_preparing_qwen3_4b_holds_one_copy_and_a_tensor_on_v5e():
     assert given["peak"] <= (given["prepared"] + given["largest"]) * 1.01
     assert given["peak"] + plan.fits("v5e").hbm_bytes - given["prepared"] < chip(
         "v5e").hbm_compile_bytes  # with the KV cache
+
+
+def test_generate_with_donated_params_gives_the_references_tokens_and_frees_them():
+    config = mk.preset("tiny")
+    params = mk.init_params(config)
+    given = jax.tree.map(lambda a: a.copy(), params)
+    want = reference.generate(config, params, [[3, 1, 4]], 3, max_context=16)
+    got = megakernel.generate(config, given, [[3, 1, 4]], 3, max_context=16, donate=True)
+    np.testing.assert_array_equal(got, want)
+    assert all(a.is_deleted() for a in jax.tree.leaves(given))
