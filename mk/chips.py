@@ -195,3 +195,17 @@ def all_chips(kind: str | None = None) -> tuple[ChipSpec, ...]:
     if kind is not None and kind not in KINDS:
         raise ValueError(f"kind={kind!r} must be one of {KINDS} or None")
     return tuple(s for s in _load().values() if kind is None or s.kind == kind)
+
+
+# jax's device_kind of each TPU in mk/data/chips.csv (the names of
+# jax._src.pallas.mosaic.tpu_info.chip_version_from_device_kind).
+DEVICE_KINDS = {"TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v6 lite": "v6e",
+                "TPU v6e": "v6e", "TPU v5": "v5p", "TPU v5p": "v5p", "TPU7x": "tpu7x"}
+
+
+def chip_of(device_kind: str) -> str:
+    """The mk chip name of a jax device kind ("TPU v6 lite" -> "v6e")."""
+    if device_kind not in DEVICE_KINDS:
+        raise ValueError(f"device_kind={device_kind!r} is not a TPU of mk/data/chips.csv; "
+                         f"known: {sorted(DEVICE_KINDS)}")
+    return DEVICE_KINDS[device_kind]

@@ -49,7 +49,7 @@ import numpy as np
 from mk import backend as backends
 from mk import megakernel, reference
 from mk.checkpoint import init_params
-from mk.chips import ChipSpec, all_chips, chip as chip_spec
+from mk.chips import DEVICE_KINDS, ChipSpec, all_chips, chip as chip_spec, chip_of  # noqa: F401
 from mk.config import ModelConfig
 from mk.kernels.common import LANES
 from mk.kernels.dma_probe import CHUNK_ROWS, SIZE_UNIT_BYTES, chunk_rows, dma_probe
@@ -60,10 +60,6 @@ MODES = ("hardware", "interpret", "example")
 INTERPRET_LABEL = "interpret mode, not a TPU"
 EXAMPLE_LABEL = "example: made-up numbers, not a measurement"
 TPU_NAMES = tuple(s.name for s in all_chips("tpu"))
-# jax's device_kind of each TPU in mk/data/chips.csv (the names of
-# jax._src.pallas.mosaic.tpu_info.chip_version_from_device_kind).
-DEVICE_KINDS = {"TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v6 lite": "v6e",
-                "TPU v6e": "v6e", "TPU v5": "v5p", "TPU v5p": "v5p", "TPU7x": "tpu7x"}
 _CHECKOUT = Path(__file__).resolve().parent.parent
 # Measured files go to $MK_MEASURED, else to data/measured of the checkout (of the working
 # directory for an installed package): never inside the installed package.
@@ -314,14 +310,6 @@ def _point(kind, data, prefix: str):
 
 
 # -- Measuring ----------------------------------------------------------------------------
-def chip_of(device_kind: str) -> str:
-    """The mk chip name of a jax device kind ("TPU v6 lite" -> "v6e")."""
-    if device_kind not in DEVICE_KINDS:
-        raise ValueError(f"device_kind={device_kind!r} is not a TPU of mk/data/chips.csv; "
-                         f"known: {sorted(DEVICE_KINDS)}")
-    return DEVICE_KINDS[device_kind]
-
-
 def _median_seconds(calls: dict, repeats: int) -> dict:
     """{key: median wall seconds of calls[key]()} (each blocking), the keys interleaved
     so that a change of machine load touches all of them alike; one warm-up call each."""

@@ -53,9 +53,11 @@ Quantised weights (`mk.quant.quantize`'s `QuantWeight`s, any of its schemes per 
 in as they are: `prepare` lays them out tile-major (`mk.quant.tile_major`), the plan
 reads their formats (`mk.quant.formats_of`) and chooses each packed group's MXU feed
 (`feeds=`: bf16 or, fp8 and fp4 on TPU7x, fp8), and the ring streams their packed tiles
-and feeds them to the MXU in VMEM; `generate` prefills with the reference on
-`mk.quant.dequantize`d params (config.dtype values; the decode oracle's are
-`dequantize(params, feeds=dict(plan.feeds))`).
+and feeds them to the MXU in VMEM; `generate` prefills with the reference on the
+params as they are (`mk.reference.prefill(..., quantised=True)`: one layer dequantised to
+config.dtype at a time; the decode oracle's are `dequantize(params, feeds=dict(
+plan.feeds))`), then prepares them (`mk.preparation`: a tensor at a time, donated on
+request), after a check of the whole run's HBM peak on a TPU (`check_fits`).
 
 Every operand, output and scratch buffer is passed by name (dicts: `INPUT_SPACES`,
 `OUTPUT_SPACES`, `DecodePlan.scratch()`); the cache aliases are found by name.
@@ -82,6 +84,7 @@ cross-shard argmax after the vocab-sharded lm_head (`mk.kernels.collectives`). t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from types import SimpleNamespace
@@ -94,8 +97,9 @@ from jax.experimental.pallas import tpu as pltpu
 from tqdm.auto import tqdm
 
 from mk import backend as backends
-from mk import quant, reference
+from mk import preparation, quant, reference
 from mk.cache import has_states
+from mk.chips import chip_of
 from mk.config import ModelConfig, positive_int
 from mk.kernels.collectives import (AXIS, COLLECTIVE_IDS, CollectiveScratch, all_reduce_body,
                                     argmax_body, barrier)
@@ -130,23 +134,39 @@ def operands(config: ModelConfig) -> tuple[str, ...]:
     return tuple(n for kind in layer_kinds(config) for n in kind.operands())
 
 
-def prepare(plan: DecodePlan, params) -> dict:
+def prepare(plan: DecodePlan, params, *, donate: bool = False) -> dict:
     """The megakernel's weights for `plan`, made once from the model's params (checked
     first: `check_weights`): one device's (`_device_weights`), or at tp > 1 each
     device's stacked [tp, ...] (split by `mk.shards.shard_params`, then laid out per
-    device)."""
+    device). Made one tensor at a time (`mk.preparation.lay_out`); donate=True gives the
+    params up (each deleted once laid out), so the device never holds two copies."""
     check_weights(plan, params)
     if plan.tp == 1:
-        return _device_weights(plan.local, params, plan.block)
-    return prepare_shards(plan, shard_params(plan.config, params, plan.tp))
+        return preparation.lay_out(Layout(plan), params, donate=donate)
+    return prepare_shards(plan, shard_params(plan.config, params, plan.tp), donate=donate)
 
 
-def prepare_shards(plan: DecodePlan, shards) -> dict:
+def prepare_shards(plan: DecodePlan, shards, *, donate: bool = False) -> dict:
     """The megakernel's weights for `plan` (tp > 1) from its devices' params shards
     stacked [tp, ...] (`mk.shards.shard_params`' layout; also the global arrays of
     `mk.distributed.load_process_shards`), each device's laid out as `prepare` lays it
     out. Checks nothing: the shards' loader did."""
-    return jax.vmap(lambda p: _device_weights(plan.local, p, plan.block))(shards)
+    return preparation.lay_out(Layout(plan), shards, donate=donate)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The plan's weight layout as one hashable function of the params (at tp > 1 of
+    their [tp, ...] shards, each device's laid out alike): what `mk.preparation` runs a
+    tensor at a time and replays for its peak."""
+
+    plan: DecodePlan
+
+    def __call__(self, params) -> dict:
+        plan = self.plan
+        if plan.tp == 1:
+            return _device_weights(plan.local, params, plan.block)
+        return jax.vmap(lambda p: _device_weights(plan.local, p, plan.block))(params)
 
 
 def check_weights(plan: DecodePlan, params) -> None:
@@ -452,14 +472,15 @@ def greedy_loop(dispatch, config: ModelConfig, values, prompt, S: int, steps: in
                 steps_per_call: int, *, progress: bool, desc: str,
                 shard=lambda cache: cache, copies: tuple[int, ...] = ()) -> jax.Array:
     """The host side of greedy decoding with the kernel, on one device or many: the
-    reference prefills `prompt` [B, P] on `values` into a cache of capacity S (`shard`
-    lays it out for the devices) and picks the first token; then
+    reference prefills `prompt` [B, P] on `values` (plain or quantised params) into a
+    cache of capacity S (`shard` lays it out for the devices) and picks the first token;
+    then
     `dispatch(cache, token [B], position [B], n) -> (tokens [*copies, B, n], cache)` runs
     n = steps_per_call steps per host dispatch (fewer at the end) under a `progress_bar`.
     Returns the `steps` tokens [*copies, B, steps]: `copies` are leading axes (the tp
     devices' copies; the prefill's token is on each, and the next dispatch starts from
     the first copy's last token)."""
-    logits, cache = reference.prefill(config, values, prompt, max_context=S)
+    logits, cache = reference.prefill(config, values, prompt, max_context=S, quantised=True)
     token = reference.greedy(logits[:, -1])
     cache = shard(cache)
     B = prompt.shape[0]
@@ -496,21 +517,46 @@ def progress_bar(steps: int, progress: bool, desc: str = "megakernel") -> tqdm:
 
 def generate(config: ModelConfig, params, prompt, steps: int, *, backend: str = "auto",
              block: BlockSizes | None = None, max_context: int | None = None,
-             steps_per_call: int = 1, progress: bool = False, feeds=None) -> jax.Array:
+             steps_per_call: int = 1, progress: bool = False, feeds=None,
+             donate: bool = False) -> jax.Array:
     """Greedy decoding with the megakernel: prompt [B, P] -> the next `steps` tokens
     [B, steps] int32, the same contract as `mk.reference.generate`; feeds: the packed
     groups' MXU feeds (`DecodePlan.make(feeds=)`). The prompt is
-    prefilled by the XLA reference; every later token comes from one megakernel call, and
-    `steps_per_call` of them run per host dispatch (a device-side loop). progress=True
+    prefilled by the XLA reference on the params as they are (quantised ones a layer at a
+    time); then `prepare` lays them out (donate=True gives them up, so the device never
+    holds both: what lets a model near the chip's size run), and every later token comes
+    from one megakernel call, `steps_per_call` of them per host dispatch (a device-side
+    loop). On a TPU the whole run's peak is checked first (`check_fits`). progress=True
     shows a `progress_bar` (interpret-mode calls take seconds each)."""
     prompt, S, steps, steps_per_call = check_generate(config, prompt, steps, steps_per_call,
                                                       max_context)
     plan = DecodePlan.make(config, batch=prompt.shape[0], context=S, block=block,
                      formats=quant.formats_of(params), feeds=feeds)
-    values = quant.dequantize(params)  # the reference's prefill: config.dtype weights
-    reference.check_params(config, values)
-    weights = prepare(plan, params)
+    check_weights(plan, params)
+    check_fits(plan, prompt.shape[1], donate=donate)
+    weights = []  # prepared after the prefill, which reads the params as they are
+
+    def dispatch(cache, token, position, n):
+        if not weights:
+            weights.append(prepare(plan, params, donate=donate))
+        return _greedy_steps(plan, weights[0], cache, token, position, n)
+
     with backends.use(backend):
-        return greedy_loop(functools.partial(_greedy_steps, plan, weights), config, values,
-                           prompt, S, steps, steps_per_call, progress=progress,
-                           desc="megakernel")
+        return greedy_loop(dispatch, config, params, prompt, S, steps, steps_per_call,
+                           progress=progress, desc="megakernel")
+
+
+def check_fits(plan: DecodePlan, prompt: int, *, donate: bool, device=None) -> None:
+    """On a TPU (`device`, default JAX's first), raise ValueError before anything is
+    allocated unless a `generate` of `plan` with a `prompt`-token prompt fits its HBM
+    (`DecodePlan.fits(chip, prompt=, donate=)`: "needs X GiB on <chip>, has Y" and the
+    biggest parts). Elsewhere (the CPU) nothing is checked."""
+    device = device or jax.devices()[0]
+    if device.platform != "tpu":
+        return
+    fit = plan.fits(chip_of(device.device_kind), prompt=prompt, donate=donate)
+    if fit.hbm_bytes > fit.hbm_limit_bytes:
+        kept = plan.fits(fit.chip, prompt=prompt, donate=True)
+        hint = ("; donate=True (the params given up as they are laid out) would fit"
+                if not donate and kept.hbm_bytes <= kept.hbm_limit_bytes else "")
+        raise ValueError(fit.error + hint)

@@ -45,6 +45,8 @@ the states after every row (`LinearRows`), which `mk.cache.rollback` picks from.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -55,6 +57,7 @@ from mk.cache import KVCache, LinearRows, check_cache, has_states, init_cache
 from mk.config import ModelConfig, positive_int
 from mk.ops import (attention, matmul, mix_biased_experts, mix_experts, rms_norm, rope, route,
                     route_grouped, route_logits, swiglu, write_rows)
+from mk.unpack import dequantize_tile
 from mk.weights import kind_of, param_shapes
 
 F32 = jnp.float32
@@ -289,6 +292,52 @@ MIXER_LAYERS = {"gqa": _full, "sink_gqa": _full, "mla": _latent, "deltanet": _li
                 "kda": _linear}
 
 
+class LayerValues(Mapping):
+    """Params as the layers read them: a quantised weight (an `mk.quant.QuantWeight`,
+    known by its scheme: mk.quant imports this module) dequantised where it is read, a
+    stacked one a layer's row at a time (`w[i]`), a 2-D one (the lm_head) whole, each
+    rounded once to the embedding's dtype: `mk.quant.dequantize`'s values, but inside the
+    traced forward, so no dequantised copy of the whole model is ever alive."""
+
+    def __init__(self, params, after=None):
+        self.params, self.dtype, self.after = params, params["embed"].dtype, after
+
+    def __getitem__(self, name):
+        p = self.params[name]
+        if not hasattr(p, "scheme"):
+            return p
+        rows = _Rows(p, self.dtype, self.after)
+        return rows if len(p.shape) > 2 else rows.whole
+
+    def __iter__(self):
+        return iter(self.params)
+
+    def __len__(self):
+        return len(self.params)
+
+
+class _Rows:
+    """A stacked quantised weight whose row i is dequantised when it is read, after the
+    value `after` (the layer's input) exists: an optimization barrier ties the packed
+    row to it, so the compiler cannot make every layer's values up front."""
+
+    def __init__(self, q, dtype, after=None):
+        self.q, self.dtype, self.after = q, dtype, after
+
+    def _values(self, index):
+        data, scale = self.q.data, self.q.scale  # tied whole (a slice would be copied
+        if self.after is not None:              # early: every layer's at once)
+            data, scale, _ = lax.optimization_barrier((data, scale, self.after))
+        return dequantize_tile(self.q.scheme, data[index], scale[index]).astype(self.dtype)
+
+    def __getitem__(self, i):
+        return self._values(i)
+
+    @property
+    def whole(self):
+        return self._values(...)
+
+
 @functools.partial(jax.jit, static_argnames=("config", "taps", "row_states"))
 def forward(config: ModelConfig, params, cache, tokens, positions, taps=False,
             row_states=False):
@@ -299,12 +348,13 @@ def forward(config: ModelConfig, params, cache, tokens, positions, taps=False,
     for layer in range(config.layers):
         role, i = config.mixer_index(layer)
         kind = kind_of(config, f"{role}_layers")
-        x, new, x_attn = MIXER_LAYERS[kind](config, params, layer, x, cache, i, positions)
+        x, new, x_attn = MIXER_LAYERS[kind](config, LayerValues(params, x), layer, x, cache,
+                                            i, positions)
         for field, value in new.items():
             fields.setdefault(field, []).append(value)
         after_attn.append(x_attn)
         after_mlp.append(x)
-    logits = lm_head(config, params, x)
+    logits = lm_head(config, LayerValues(params, x), x)
     # the fields of the kinds the model has (an all-linear model keeps its empty KV cache)
     fields = {field: jnp.stack(values) for field, values in fields.items()}
     rows = None
@@ -435,7 +485,7 @@ def check_prompt(config: ModelConfig, prompt) -> jax.Array:
 
 
 def decode_step(config: ModelConfig, params, cache, tokens, positions, *,
-                taps: bool = False, row_states: bool = False):
+                taps: bool = False, row_states: bool = False, quantised: bool = False):
     """T new tokens per sequence -> (logits [B, T, V] float32, updated cache).
 
     tokens [B, T] int; positions [B]: where each sequence's first new row goes. With
@@ -448,18 +498,22 @@ def decode_step(config: ModelConfig, params, cache, tokens, positions, *,
     if row_states and not has_states(cache):
         raise ValueError(f"row_states=True needs a hybrid model; {config.name} has no "
                          "linear layers")
-    check_params(config, params)
+    check_params(config, params, quantised=quantised)
     return forward(config, params, cache, tokens, positions, taps=taps,
                     row_states=row_states)
 
 
-def prefill(config: ModelConfig, params, tokens, *, max_context: int | None = None):
-    """The prompt tokens [B, P] -> (logits [B, P, V] float32, cache holding P positions)."""
+def prefill(config: ModelConfig, params, tokens, *, max_context: int | None = None,
+            quantised: bool = False):
+    """The prompt tokens [B, P] -> (logits [B, P, V] float32, cache holding P positions).
+    quantised=True also takes `mk.quant.QuantWeight`s, dequantised a layer at a time
+    (`LayerValues`): the values of `mk.quant.dequantize(params)`, never all at once."""
     shape = np.shape(tokens)
     if len(shape) != 2 or min(shape) < 1:
         raise ValueError(f"prompt shape {shape} must be [B, P] with B >= 1 and P >= 1")
     cache = init_cache(config, shape[0], max_context)
-    return decode_step(config, params, cache, tokens, jnp.zeros(shape[0], jnp.int32))
+    return decode_step(config, params, cache, tokens, jnp.zeros(shape[0], jnp.int32),
+                       quantised=quantised)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "steps"))

@@ -129,12 +129,11 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, tp: int,
     plan = DecodePlan.make(config, tp=tp, batch=prompt.shape[0], context=S,
                                 block=block, formats=quant.formats_of(params), feeds=feeds,
                                 collective=collective)
-    values = quant.dequantize(params)  # the reference's prefill: config.dtype weights
-    reference.check_params(config, values, "mk.tensor_parallel.generate")
+    megakernel.check_weights(plan, params)  # the params' faults before the backend's
     backends.check_active()
-    weights = megakernel.prepare(plan, params)
+    weights = megakernel.prepare(plan, params)  # the prefill dequantises a layer at a time
     return megakernel.greedy_loop(
-        functools.partial(_greedy_steps, plan, mesh, weights), config, values, prompt, S,
+        functools.partial(_greedy_steps, plan, mesh, weights), config, params, prompt, S,
         steps, steps_per_call, progress=progress, desc=f"megakernel tp={tp}",
         shard=functools.partial(shard_cache, config, tp=tp), copies=(tp,))
 

@@ -4,7 +4,8 @@ libtpu ships the whole XLA:TPU + Mosaic compiler. Given a topology name it descr
 compile-only devices; `jax.jit(...).lower(...).compile()` against them runs the real
 lowering, the VMEM and HBM capacity checks, and reports memory and code size. Nothing runs.
 
-Here: `compile_for_chip(fn, args, chip)` -> `CompileReport`, and `compile_megakernel`, the
+Here: `compile_for_chip(fn, args, chip)` -> `CompileReport`, `step_compiler` (preparing's
+steps compiled for a chip: `mk.preparation.peak`), and `compile_megakernel`, the
 whole decode step of a model on one TPU core or, tensor-parallel, on tp cores of a
 multi-chip topology (`topology_for(chip, chips)` names one): one path and one report for
 both. Not here: running kernels (`mk.backend`), the capacity check (`DecodePlan.fits`: the
@@ -137,6 +138,16 @@ def compile_for_chip(fn, args, chip: str | ChipSpec, *, name: str = "",
                          output_bytes=mem.output_size_in_bytes,
                          temp_bytes=mem.temp_size_in_bytes,
                          code_bytes=mem.generated_code_size_in_bytes, vmem=vmem)
+
+
+def step_compiler(chip: str | ChipSpec):
+    """A `mk.preparation.peak` compile_step: each step compiled for one core of `chip`
+    (its arguments ShapeDtypeStructs placed there), so the replayed peak is that
+    compiler's: the CPU's keeps other temporaries than a TPU's."""
+    core = Mesh(np.array(devices(_tpu(chip).topology)[:1]), ("core",))
+    on = NamedSharding(core, PartitionSpec())
+    return lambda fn, args: fn.lower(*jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on), args)).compile()
 
 
 CACHE_ARGS = (1,)  # the cache (a KVCache or HybridCache) in the compiled step's arguments

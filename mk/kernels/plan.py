@@ -121,6 +121,7 @@ from mk.kinds.layers import full_attention, layer_kinds, layer_matrices, segment
 from mk.kernels.ring import ring_buffers
 from mk.kernels.stream import TileStream
 from mk.step_bytes import bytes_per_element, shard_weight_bytes, shard_weight_elements
+from mk.weights import param_shapes
 
 # -- The sharding model -------------------------------------------------------------------
 def check_tp(config: ModelConfig, tp: int) -> int:
@@ -312,16 +313,29 @@ def packed_formats(config: ModelConfig, formats: dict[str, str]) -> dict[str, st
 
 
 # -- The plan -------------------------------------------------------------------------------
+# What a run holds beyond the decode step, as multiples measured on v5e compiles (shapes
+# only, no chip; `mk.preparation.peak`): laying out a stacked plain matrix (a layer at a
+# time) holds one more copy of it (qwen3-4b's bf16 w_gate of 1.67 GiB: 8.22 prepared, 9.89
+# peak, tests/test_preparation.py), a packed one less (gpt-oss-20b's MXFP4 experts of 3.29
+# GiB: 13.33 prepared, 15.59 peak: 0.69 of it); the prefill's one layer of dequantised
+# weights costs 2.7 times its bf16 bytes (gpt-oss-20b's experts: 4.2 GiB of temporaries
+# for 1.6, tests/test_prefill_memory.py).
+RELAYOUT_TEMPORARY = {"plain": 1.0, "packed": 0.7}
+PREFILL_DEQUANTISED = 2.7
+
+
 @dataclasses.dataclass(frozen=True)
 class Fit:
     """Whether one device's step fits a chip: VMEM (the plan's buffers) and HBM (its
-    weights and KV cache against one core's share)."""
+    weights and KV cache against one core's share; with a prompt, the peak of a whole
+    `generate`: `DecodePlan.generate_parts`)."""
 
     chip: str
     vmem: VmemBudget | None  # None when the buffers do not fit (see error)
     hbm_bytes: int
     hbm_limit_bytes: int
     error: str = ""
+    parts: tuple[tuple[str, int], ...] = ()  # the peak's parts by name, largest first
 
     @property
     def ok(self) -> bool:
@@ -502,9 +516,7 @@ class DecodePlan:
         elements = shard_weight_elements(c, self.vocab, c.experts)  # every expert
         weights = sum(n * per[f] for f, n in elements.items())
         embed = self.config.vocab * c.hidden * itemsize
-        K, H, caches = kv_layout(c)
-        cache = caches * K * H * len(c.full_layers) * self.batch * self.context * itemsize
-        return int(weights + embed + cache + sum(self.state_bytes().values()))
+        return int(weights + embed + self._cache_bytes())
 
     def state_bytes(self) -> dict[str, int]:
         """The linear layers' state bytes one step moves on one device: "state_read" (the
@@ -513,16 +525,80 @@ class DecodePlan:
         per_row = self.batch * state_bytes_per_sequence(self.local)
         return {"state_read": per_row, "state_write": self.rows * per_row}
 
-    def fits(self, chip: ChipSpec | str) -> Fit:
+    def stored_bytes(self) -> dict[str, int]:
+        """Bytes of each of the model's params as stored (one device's, tp = 1): the
+        plan's formats packed with their scales (`mk.quant.storage_bytes`), the rest in
+        config.dtype (norms too: an upper bound)."""
+        schemes = quant.schemes_of(dict(self.formats))
+        return {name: sum(quant.storage_bytes(shape, schemes.get(name), dtype).values())
+                for name, (shape, dtype) in param_shapes(self.config).items()}
+
+    def generate_parts(self, prompt: int, *, donate: bool) -> dict[str, int]:
+        """HBM a `generate` of a `prompt`-token prompt holds at its worst, by part: the
+        prefill (the stored params, the KV cache and its transient: one layer's quantised
+        weights dequantised, `PREFILL_DEQUANTISED` times their bytes, or the lm_head's,
+        and the prompt's float32 logits), then preparing (the laid-out weights, the
+        largest tensor in flight: `RELAYOUT_TEMPORARY` times one), then decoding. With
+        donate=False the caller's params stay alive beside the prepared weights (then
+        made alongside them: nothing else in flight)."""
+        if self.tp != 1:
+            raise NotImplementedError(f"generate_parts at tp={self.tp}: one device only")
+        c, stored = self.local, self.stored_bytes()
+        itemsize = DTYPE_BITS[c.dtype] // 8
+        cache = self._cache_bytes()
+        shapes, schemes = param_shapes(c), quant.schemes_of(dict(self.formats))
+        layer = sum(math.prod(shapes[n][0][1:]) for n in schemes
+                    if n in shapes and len(shapes[n][0]) > 2) * itemsize
+        whole = max([math.prod(shapes[n][0]) * itemsize for n in schemes
+                     if n in shapes and len(shapes[n][0]) == 2], default=0)
+        prefill = int(PREFILL_DEQUANTISED * max(layer, whole)) + self.batch * prompt * (
+            self.vocab * 4)
+        parts = {"prepared weights": self._weight_bytes(), "KV cache": cache,
+                 "stored params": sum(stored.values()),
+                 "largest tensor in flight while preparing": int(max(
+                     RELAYOUT_TEMPORARY["packed" if n in schemes else "plain"] * b
+                     for n, b in stored.items())),
+                 "prefill's transient": prefill}
+        parts["stored params (kept: donate=False)"] = parts["stored params"]
+        phases = {"prefill": ("stored params", "KV cache", "prefill's transient"),
+                  "prepare": ("prepared weights", "KV cache",  # the params freed as it goes
+                              "largest tensor in flight while preparing") if donate else (
+                      "prepared weights", "KV cache", "stored params (kept: donate=False)")}
+        worst = max(phases, key=lambda p: sum(parts[n] for n in phases[p]))
+        return dict(sorted(((n, parts[n]) for n in phases[worst]), key=lambda kv: -kv[1]))
+
+    def _weight_bytes(self) -> int:
+        """`hbm_bytes`' weights (the prepared layout and the embedding), no cache."""
+        return self.hbm_bytes() - self._cache_bytes()
+
+    def _cache_bytes(self) -> int:
+        """`hbm_bytes`' KV cache and linear states."""
+        c, itemsize = self.local, DTYPE_BITS[self.local.dtype] // 8
+        K, H, caches = kv_layout(c)
+        return (caches * K * H * len(c.full_layers) * self.batch * self.context * itemsize
+                + sum(self.state_bytes().values()))
+
+    def fits(self, chip: ChipSpec | str, *, prompt: int | None = None,
+             donate: bool = False) -> Fit:
         """The one capacity check: the VMEM buffers against one core's VMEM and the HBM
         one device holds against what the compiler lets one core hold
-        (`ChipSpec.hbm_compile_bytes`, a little under the chip's share)."""
+        (`ChipSpec.hbm_compile_bytes`, a little under the chip's share): the decode step's
+        (weights and KV cache), or with `prompt` the peak of a whole `generate`
+        (`generate_parts`: its prefill and its preparing too), before anything is made."""
         spec = named_chip(chip) if isinstance(chip, str) else chip
         hbm, limit = self.hbm_bytes(), spec.hbm_compile_bytes
         try:
             vmem = vmem_budget(f"megakernel {self.local.name}", self.buffers.values(), spec)
         except ValueError as err:
             return Fit(spec.name, None, hbm, limit, str(err))
+        if prompt is not None:
+            parts = self.generate_parts(prompt, donate=donate)
+            need = sum(parts.values())
+            error = "" if need <= limit else (
+                f"{self.local.name}: generate needs {need / 2**30:.2f} GiB on {spec.name}, "
+                f"has {limit / 2**30:.2f}: " + ", ".join(
+                    f"{n} {b / 2**30:.2f}" for n, b in parts.items()))
+            return Fit(spec.name, vmem, need, limit, error, tuple(parts.items()))
         if hbm > limit:
             return Fit(spec.name, vmem, hbm, limit,
                        f"{self.local.name}: weights and KV cache need {hbm / 2**30:.2f} GiB "

@@ -80,6 +80,9 @@ def tile_major(w, segment: Segment):
     if isinstance(w, quant.QuantWeight):
         return quant.tile_major(w, r, c)
     *lead, K, N = w.shape
+    if lead:  # a matrix at a time: relaying a stack out whole takes a temporary of two
+        flat = lax.map(lambda m: tile_major(m, segment), w.reshape(-1, K, N))
+        return flat.reshape(*lead, *flat.shape[1:])
     if segment.transposed:  # stored W^T [N, K]: grid (output panel, step) is (row, col)
         grid = jnp.swapaxes(w, -1, -2).reshape(*lead, N // r, r, K // c, c)
         tiles = jnp.swapaxes(grid, -3, -2)
