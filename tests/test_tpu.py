@@ -79,6 +79,16 @@ def _prompt(config, batch, seed=0):
     return np.random.default_rng(seed).integers(0, config.vocab, (batch, PROMPT))
 
 
+def _generate_and_judge(config, params, values, prompt):
+    """`STEPS` greedy tokens of the megakernel on the chip (device loops of 8), judged on
+    the CPU."""
+    got = megakernel.generate(config, params, prompt, STEPS, backend="hardware",
+                              max_context=CONTEXT, steps_per_call=8,
+                              block=_block(config, params))
+    with jax.default_device(_cpu()):
+        return exactness.judge(config, values, prompt, np.asarray(got))
+
+
 def _keep(name, family, verdict, dtype="float32", **fields):
     CASES.append(dict(name=name, family=family, dtype=dtype, **fields, **verdict.to_dict()))
     assert verdict.ok, f"{name}: {verdict}"
@@ -119,12 +129,7 @@ def _git(*args):
 @pytest.mark.parametrize("batch", [1, 4, 8])
 def test_greedy_tokens_on_the_chip_are_the_references(family, name, batch):
     config, params, values = _model(name)
-    prompt = _prompt(config, batch, seed=batch)
-    got = megakernel.generate(config, params, prompt, STEPS, backend="hardware",
-                              max_context=CONTEXT, steps_per_call=8,
-                              block=_block(config, params))
-    with jax.default_device(_cpu()):
-        verdict = exactness.judge(config, values, prompt, np.asarray(got))
+    verdict = _generate_and_judge(config, params, values, _prompt(config, batch, seed=batch))
     _keep(f"{name} B{batch} T1", family, verdict, batch=batch, rows=1)
 
 
@@ -162,12 +167,7 @@ def test_verification_steps_on_the_chip_predict_the_references_tokens(family, na
 @pytest.mark.parametrize("family, name", [("qwen3", "tiny"), ("qwen3_5_text", "tiny-hybrid")])
 def test_bf16_greedy_tokens_on_the_chip_are_the_references(family, name):
     config, params, values = _model(name, dtype="bfloat16")
-    prompt = _prompt(config, 8, seed=5)
-    got = megakernel.generate(config, params, prompt, STEPS, backend="hardware",
-                              max_context=CONTEXT, steps_per_call=8,
-                              block=_block(config, params))
-    with jax.default_device(_cpu()):
-        verdict = exactness.judge(config, values, prompt, np.asarray(got))
+    verdict = _generate_and_judge(config, params, values, _prompt(config, 8, seed=5))
     _keep(f"{name} bf16 B8 T1", family, verdict, batch=8, rows=1, dtype="bfloat16")
 
 
@@ -198,12 +198,7 @@ FORMATS = [("tiny", "qwen3", dict(dense="int8", lm_head="int8")),
 @pytest.mark.parametrize("name, family, formats", FORMATS)
 def test_quantised_weights_on_the_chip_decode_the_references_tokens(name, family, formats):
     config, params, values = _model(name, formats)
-    prompt = _prompt(config, 4, seed=7)
-    got = megakernel.generate(config, params, prompt, STEPS, backend="hardware",
-                              max_context=CONTEXT, steps_per_call=8,
-                              block=_block(config, params))
-    with jax.default_device(_cpu()):
-        verdict = exactness.judge(config, values, prompt, np.asarray(got))
+    verdict = _generate_and_judge(config, params, values, _prompt(config, 4, seed=7))
     label = ",".join(f"{g}={s}" for g, s in formats.items())
     _keep(f"{name} {label} B4 T1", family, verdict, batch=4, rows=1, formats=formats)
 
