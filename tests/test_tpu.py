@@ -4,7 +4,7 @@ family, e.g. the hybrid's delta rule at the TPU's default matmul precision).
 
 Run it on a TPU VM or a Colab TPU runtime in one process (one program holds the chip):
 `make test-tpu`, or `MK_TPU=1 python -m pytest -m tpu -p no:xdist tests/test_tpu.py`.
-Where no TPU is present (CI) every test here is skipped. At the end it writes the record
+Where no TPU is present (CI) every test here is skipped. After each case it writes the record
 `mk.exactness.record_path(<chip>)` (data/measured/<chip>-exact.json: chip, device kind,
 jax and libtpu versions, commit from $MK_COMMIT or git, each case's verdict), which
 tests/test_exactness.py holds every model family to.
@@ -91,16 +91,15 @@ def _generate_and_judge(config, params, values, prompt):
 
 def _keep(name, family, verdict, dtype="float32", **fields):
     CASES.append(dict(name=name, family=family, dtype=dtype, **fields, **verdict.to_dict()))
+    _write_record()  # after every case, so a run cut short by a time limit keeps its cases
     assert verdict.ok, f"{name}: {verdict}"
     assert verdict.ties <= max(1, verdict.total // 8), f"{name}: too many near-ties: {verdict}"
 
 
-@pytest.fixture(scope="session", autouse=True)
-def record():
-    """Writes the session's cases to the chip's record when any ran."""
-    yield
-    if not CASES:
-        return
+def _write_record():
+    """Writes the session's cases to the chip's record. A record at the same commit keeps
+    the cases this session did not run, so the tier may be run in parts (`-k`) within one
+    device call's time limit."""
     kind = jax.devices()[0].device_kind
     chip = chip_of(kind)
     commit = os.environ.get("MK_COMMIT") or _git("rev-parse", "HEAD") or "unknown"
@@ -109,11 +108,23 @@ def record():
     except importlib.metadata.PackageNotFoundError:
         libtpu = "unknown"
     path = exactness.record_path(chip)
+    cases = {case["name"]: case for case in _earlier_cases(path, chip, commit, libtpu)}
+    cases.update((case["name"], case) for case in CASES)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(dict(
         chip=chip, device_kind=kind, jax=jax.__version__, libtpu=libtpu, commit=commit,
         when=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        cases=CASES), indent=1) + "\n", encoding="utf-8")
+        cases=list(cases.values())), indent=1) + "\n", encoding="utf-8")
+
+
+def _earlier_cases(path, chip, commit, libtpu):
+    """The cases of a record at `path` measured at the same commit, chip and versions."""
+    if not path.exists():
+        return []
+    earlier = exactness.load_record(path)
+    same = (earlier["chip"], earlier["commit"], earlier["jax"], earlier["libtpu"]) == (
+        chip, commit, jax.__version__, libtpu)
+    return earlier["cases"] if same else []
 
 
 def _git(*args):
