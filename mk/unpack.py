@@ -291,6 +291,9 @@ FEEDS = MXU_FEEDS  # what a packed tile is turned into for the MXU (module docst
 # not e4m3 values.
 FEEDABLE = {None: ("bf16",), "int8": ("bf16",), "int4": ("bf16",), "fp8": FEEDS,
             "fp4": FEEDS}
+# Fed bf16, their codes go straight into the dot and the scales onto its product
+# (`int_product`): no weight is dequantised on the vector unit.
+INT_SCHEMES = ("int8", "int4")
 
 
 def fp8_feed_tile(scheme: str, data: jax.Array, scale: jax.Array
@@ -313,17 +316,33 @@ def fp8_feed_tile(scheme: str, data: jax.Array, scale: jax.Array
     raise ValueError(f"scheme={scheme!r} has no fp8 feed; {FEEDABLE}")
 
 
-def fp8_product(scheme: str, data: jax.Array, scale: jax.Array, xs: jax.Array) -> jax.Array:
-    """xs [M, tile_rows] (the compute dtype) times one packed tile fed fp8, float32 [M,
-    tile_cols]: one product per 128 rows of its e4m3 codes (`fp8_feed_tile`), each block of
-    rows sharing a scale (fp8 128, fp4 32) scaled by its row of scales and summed in
-    float32; fp4's four 32-row groups share one product, xs's 128 columns masked to each
-    group's 32 stacked along M, so the unit's weights are pushed once and row block k of
-    the product is group k's (the masked columns add exact zeros)."""
-    w8, block_scales, gain = fp8_feed_tile(scheme, data, scale)
-    unit = GROUP["fp8"]  # rows of one product: an fp8 block, four fp4 groups
-    rows = w8.shape[0]
-    per = rows // block_scales.shape[0]  # rows sharing a scale
+def int_feed_tile(scheme: str, data: jax.Array, scale: jax.Array
+                  ) -> tuple[jax.Array, jax.Array]:
+    """A tile of an int8 or int4 weight as the MXU takes it: (its codes q as int8 [tile_rows,
+    tile_cols], float32 scales [s, tile_cols]), the weight being q x the scale of its row's
+    block of tile_rows / s rows and its column: int8's one block (s = 1, the column's
+    scale), int4's 128-row groups (s = tile_rows / 128; codes sign-extended byte-wise,
+    `int4_values`). Every code (|q| <= 127) is a bf16 value: the dot converts them
+    exactly, and no scale touches a weight."""
+    if scheme == "int8":
+        return data, scale.astype(F32)
+    if scheme == "int4":
+        return nibble_bytes(*map(int4_values, nibble_words(data)), jnp.int8), scale.astype(F32)
+    raise ValueError(f"scheme={scheme!r} has no integer feed; {FEEDABLE}")
+
+
+def scaled_product(w: jax.Array, block_scales: jax.Array, xs: jax.Array,
+                   gain: float = 1.0) -> jax.Array:
+    """xs [M, R] times w [R, O] (codes the MXU takes as they are) whose row block b (R / s
+    rows, block_scales [s, O]) is scaled by block_scales[b], float32 [M, O]: the scales
+    multiply the float32 product rows, never the weights. A block of at least 128 rows
+    gets one product (int8's whole tile, int4's and fp8's 128-row blocks); smaller blocks
+    (fp4's 32 rows) share one product per 128 rows, xs's 128 columns masked to each
+    block's and stacked along M, so the unit's weights are pushed once and row block k of
+    the product is block k's (the masked columns add exact zeros). Then x `gain`."""
+    rows, blocks = w.shape[0], block_scales.shape[0]
+    per = rows // blocks  # rows sharing a scale
+    unit = max(per, GROUP["fp8"])  # rows of one product
     groups, m = unit // per, xs.shape[0]
     group_of_column = jax.lax.broadcasted_iota(jnp.int32, (1, unit), 1) // per
     total = None
@@ -331,13 +350,40 @@ def fp8_product(scheme: str, data: jax.Array, scale: jax.Array, xs: jax.Array) -
         xu = xs[:, u * unit:(u + 1) * unit]
         stacked = jnp.concatenate([jnp.where(group_of_column == k, xu, 0)
                                    for k in range(groups)]) if groups > 1 else xu
-        product = jnp.dot(stacked, w8[u * unit:(u + 1) * unit],
-                          preferred_element_type=jnp.float32)
+        wu = w[u * unit:(u + 1) * unit]
+        if jnp.dtype(xs.dtype) == F32:  # a float32 model: the codes' exact float32 values
+            wu = wu.astype(F32)
+        product = jnp.dot(stacked, wu, precision=_exact(stacked, wu),
+                          preferred_element_type=F32)
         for k in range(groups):
             b = u * groups + k
             part = product[k * m:(k + 1) * m] * block_scales[b:b + 1]
             total = part if total is None else total + part
     return total if gain == 1.0 else total * gain
+
+
+def _exact(*operands):
+    """HIGHEST for a float32 product (`mk.kernels.common.exact`, which this module may not
+    import: kernels sit above it)."""
+    return (jax.lax.Precision.HIGHEST
+            if any(jnp.dtype(x.dtype) == F32 for x in operands) else None)
+
+
+def fp8_product(scheme: str, data: jax.Array, scale: jax.Array, xs: jax.Array) -> jax.Array:
+    """xs [M, tile_rows] (the compute dtype) times one packed tile fed fp8, float32 [M,
+    tile_cols]: its e4m3 codes (`fp8_feed_tile`) in one product per 128 rows, each block of
+    rows sharing a scale (fp8 128, fp4 32) scaled by its row of scales and summed in
+    float32 (`scaled_product`: fp4's four 32-row groups share one product)."""
+    w8, block_scales, gain = fp8_feed_tile(scheme, data, scale)
+    return scaled_product(w8, block_scales, xs, gain)
+
+
+def int_product(scheme: str, data: jax.Array, scale: jax.Array, xs: jax.Array) -> jax.Array:
+    """xs [M, tile_rows] (the compute dtype) times one int8 or int4 tile, float32 [M,
+    tile_cols]: its codes straight into the dot (`int_feed_tile`) and its scales on the
+    product's rows (`scaled_product`: int8 one product scaled per column, int4 one per
+    128-row group, each scaled and summed)."""
+    return scaled_product(*int_feed_tile(scheme, data, scale), xs)
 
 
 def choose_feeds(formats: dict[str, str], feeds=None, chip: ChipSpec | None = None
@@ -373,4 +419,4 @@ def oracle_dtype(scheme: str, feed: str, dtype):
     fed fp8, `dtype` (e2m1 x a power of two is a bf16 value: nothing to round)."""
     if feed not in FEEDABLE[scheme]:
         raise ValueError(f"feed={feed!r}: {scheme} feeds as {FEEDABLE[scheme]}")
-    return F32 if (scheme, feed) == ("fp8", "fp8") else dtype
+    return F32 if scheme in INT_SCHEMES or (scheme, feed) == ("fp8", "fp8") else dtype

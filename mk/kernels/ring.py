@@ -208,6 +208,9 @@ class Ring:
         if segment.feed == "fp8":
             return unpack.fp8_product(segment.scheme, self.slot(slot, segment)[...],
                                       self._scales(segment)[slot], xs)
+        if segment.scheme in unpack.INT_SCHEMES:
+            return unpack.int_product(segment.scheme, self.slot(slot, segment)[...],
+                                      self._scales(segment)[slot], xs)
         w = self._weights(segment, slot)
         return lax.dot_general(xs, w, contract, precision=exact(xs, w),
                                preferred_element_type=jnp.float32)
