@@ -31,7 +31,8 @@ moves whole (not as ring tiles) is refused (`check_streamed`).
 Layouts. A weight is [..., I, O] (mk's [in, out], leading stacked axes; I is the
 contraction axis). Every scheme groups values along I so a tile of whole groups along I
 carries its own scales; dequantisation computes value * scale in float32, then rounds once
-to the requested dtype.
+to the requested dtype (the oracle of int8 and int4, whose kernels scale the product, not
+the weights, keeps float32: `mk.unpack.oracle_dtype`).
 
     int8  data  int8  [..., I, O]        q in [-127, 127], w = q * scale
           scale f32   [..., 1, O]        per output channel: absmax over I / 127
@@ -43,7 +44,10 @@ to the requested dtype.
                                          float32, w = weight * weight_scale_inv),
                                          transposed to mk's [in, out].
     int4  data  uint8 [..., I/2, O]      two 4-bit codes per byte, code = q + 8 with q in
-                                         [-7, 7] (offset binary)
+                                         [-7, 7] (offset binary); byte row b holds
+                                         row 2b (low nibble) and 2b + 1 (high), so
+                                         its words are int4 rows in order
+                                         (`mk.unpack.int4_codes`)
           scale bf16  [..., I/128, O]    group of 128 along I: absmax / 7, rounded to bf16
                                          before q is computed (so |w - q*scale| <= scale/2)
     fp4   data  uint8 [..., I/2, O]      two float4_e2m1fn codes per byte (1 sign, 2

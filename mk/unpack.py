@@ -3,21 +3,30 @@
 `mk.quant` stores a weight packed (its layouts, the packing units `PACK_ROWS` and the scale
 groups `GROUP`, `E8M0_BIAS` are here because the decoders read them); this module is what a
 kernel does to one streamed tile of it, pure jnp that lowers for v5e, v6e and tpu7x and runs
-in TPU interpret mode: the element decoders (`nibble_words` / `nibble_bytes`, `int4_values`,
-`fp4_words_to_e4m3`, `e2m1_to_e4m3`, `e4m3_values`, `pow2`, `grouped`, `dequantize_tile`,
-`fp8_feed_tile`; `unpack_codes` and `e2m1_values`, the same decoders one code an element;
-`pack_codes`, the packing's inverse; `pack_nibbles` / `unpack_nibbles`, int4's) and the
-feeds (`FEEDS`, `FEEDABLE`, `choose_feeds`: what each packed group reaches the MXU as, per
-chip; `oracle_dtype`: the dtype the reference's weights are dequantised to so it multiplies
-what the kernel does). Not here: the layouts, quantising, checks and byte counts
-(`mk.quant`), the ring that streams the tiles and calls these (`mk.kernels.ring`).
+in TPU interpret mode: the element decoders (`int4_codes`, `nibble_bytes`,
+`fp4_words_to_e4m3`, `e2m1_to_e4m3`, `e4m3_values`, `pow2`, `grouped`, `dequantize_tile`;
+`unpack_codes` and `e2m1_values`, the same decoders one code an element; `pack_codes`, the
+packing's inverse; `pack_nibbles` / `unpack_nibbles`, int4's), the products of a tile with
+its scales on the product (`int_feed_tile`, `fp8_feed_tile`, `scaled_product`,
+`int_product`, `fp8_product`) and the feeds (`FEEDS`, `FEEDABLE`, `INT_SCHEMES`,
+`choose_feeds`: what each packed group reaches the MXU as, per chip; `oracle_dtype`: the
+dtype the reference's weights are dequantised to so it multiplies what the kernel does).
+Not here: the layouts, quantising, checks and byte counts (`mk.quant`), the ring that
+streams the tiles and calls these (`mk.kernels.ring`).
 
-Packing order (int4 and fp4): rows of I are packed in units of 128; byte row 64u + j holds
-row 128u + j and row 128u + 64 + j. Unpacking a tile of 64n byte rows is then shifts and
-masks, a concatenation of two aligned [64, O] halves per unit, and no lane shuffle; an
-interleaved order (gpt-oss packs rows 2k and 2k + 1 into one byte) would need a sublane
-interleave. int4 keeps each code in a nibble (the first row's low, the second's high:
-`pack_nibbles`). fp4 places the first row's code (sign s, exponent e1 e0, mantissa m) where
+Packing order. int4: byte row b holds row 2b's code in its low nibble and row 2b + 1's in
+its high (`pack_nibbles`), each q + 8 (offset binary), so a word of four bytes is eight
+rows in order: one xor a word makes the codes two's complement and the words viewed as
+int4 are the tile's codes (`int4_codes`), which the dot converts natively (tpu7x unpacks
+them to e4m3, `vunpack.c.l.s4`, and pushes `vmatpush1.f8e4m3`; v5e through int32 and
+float32). It was packed in fp4's order below and decoded byte-wise to int8 (a nibble
+split, a sign extension: nine 32-bit ops a word); tpu7x, M 8, stream_matmul's loop fed the
+codes: 820 -> 536 bundles per Mi weights. fp4: rows of I are packed in units of 128; byte
+row 64u + j holds row 128u + j and row 128u + 64 + j. Unpacking a tile of 64n byte rows
+is then shifts and masks, a concatenation of two aligned [64, O] halves per unit, and no
+lane shuffle; the interleaved order (gpt-oss packs rows 2k and 2k + 1 into one byte) would
+need a sublane interleave where no native type decodes it (float4_e2m1fn lowers on tpu7x
+only, below). fp4 places the first row's code (sign s, exponent e1 e0, mantissa m) where
 its e4m3 byte has them (bits 7, 4..2: `e2m1_to_e4m3`), and the second row's in the bits left
 (s at 5, e1 at 6, e0 m at 1..0: `pack_codes`), so the MXU's fp8 codes are one mask of a word
 for the first rows and two shifts for the others (`fp4_words_to_e4m3`: six 32-bit ops a word
@@ -34,8 +43,8 @@ unpack_subelements) and compiles only for tpu7x; int4 and float8_e4m3fn refs com
 three (and interpret). Plain bytes (uint8; int8 for int8) for all four schemes also make the
 bytes in HBM the bytes of the documented layout (a sub-byte array's packing is the
 compiler's choice). Packed bytes are worked on four at a time: `pltpu.bitcast` views a
-tile's uint8 [R, O] as int32 words [R/4, O] and back (free on all three chips), and the
-nibble split, int4's offset and e2m1 -> e4m3 are byte-wise integer ops that never carry
+tile's uint8 [R, O] as int32 words [R/4, O] and back (free on all three chips), and fp4's
+nibble split and e2m1 -> e4m3 are byte-wise integer ops that never carry
 into the next byte (SWAR): one 32-bit op handles four codes, where widening each byte to
 int32 first costs a 32-bit op a code. 16-bit integer vectors do not help: uint8 -> int16
 lowers, but int16 shifts do not ("failed to legalize arith.shli", all three chips). fp4 is
@@ -43,8 +52,9 @@ then decoded through e4m3 (`e4m3_values`: the bytes bitcast to float8_e4m3fn and
 converted to float32, which lowers on all three chips and cost 2.1-2.6x fewer bundles per
 tile than the integer decoder of fp8 it replaced): its bits placed in an e4m3 byte
 (`e2m1_to_e4m3`, `fp4_words_to_e4m3`) read value / 64, and the 64 (`E2M1_GAIN`) comes back
-as one float32 multiply, a value fed bf16, a tile's product fed fp8. int4 is decoded as
-int8 bytes converted to float32, int8 converted to float32 directly. Every decoder
+as one float32 multiply, a value fed bf16, a tile's product fed fp8. int4 is decoded
+natively (`int4_codes`) and int8 directly, each converted to float32 (`dequantize_tile`:
+the reference's weights; in the ring int8 and int4 are never dequantised, below). Every decoder
 computes value x scale in float32 and rounds once, bit-identical to the int32 decoders
 they replaced (every code, every fp4 scale code). Bundles per Mi weights (stream_matmul's
 steady per-tile loop, 2048 x 128 packed tiles, M 8, libtpu 0.0.42.1; the int32 decoders ->
@@ -60,15 +70,34 @@ holds today's, every chip and M). Folding the 64 into a fed-bf16 group's scale i
 each value would save 8-15% more (tpu7x 1644 -> 1396, v6e 3128 -> 2876 at M 8) but
 overflows float32 for scale codes above 248: not taken.
 What is left is the float work per value: int8's 1244 is one unpack, one int -> float
-convert and one multiply a value, the loop's VALU slots full. fp8's block scales reach
+convert and one multiply a value, the loop's VALU slots full (why int8 and int4 now feed
+their codes, below). fp8's block scales reach
 the values as one row of scales per 128 rows (`block_scale_rows`, a lane broadcast): the
 [.., 128, O/128, 128] view of the values it replaced cost a relayout per tile (fp8 fed
 bf16 at M 8: v6e 21280 -> 2576, tpu7x 20012 -> 1148 bundles per Mi weights; bit-identical).
 
 Feeds: what a packed tile becomes for the MXU, chosen per chip from what its MXU takes
 beside bf16 activations (`mk.chips.ChipSpec.mxu_feeds`; `choose_feeds`, carried by the plan
-and its stream's segments). "bf16": `dequantize_tile` in float32, rounded once to the
-compute dtype (every scheme, every chip). "fp8" (fp8 and fp4; TPU7x multiplies bf16 by
+and its stream's segments). "bf16": fp8 and fp4 tiles dequantised (`dequantize_tile`) in
+float32 and rounded once to the compute dtype (every chip); int8 and int4 tiles are never
+dequantised: their codes go straight into the dot beside the activations (`int_product`;
+every code is a bf16 value, so the dot's conversion is exact) and their scales multiply
+the float32 product, int8's per column on the tile's product, int4's per 128-row group on
+that group's product, the groups' summed in float32 (`scaled_product`). So int8 and int4
+compute x @ (q x s) with q x s never rounded to the compute dtype: their oracle is the
+weight dequantised to float32 (`oracle_dtype`; exact for int4, a 4-bit code times a bf16
+scale; int8's q x s rounded once in float32, a difference the size of summation order's).
+A float32 model's kernel and reference then differ by summation order only (tokens
+exact); in a bf16 model the reference multiplies its float32 weights by unrounded
+activations where the kernel rounds them to bf16 (`mk.quant.dequantize`'s caveat, as for
+fp8 fed fp8). Bundles per Mi weights (stream_matmul's steady per-tile loop, 512 x 512
+tiles, M 8, libtpu 0.0.42.1), dequantised -> codes into the dot (int4 byte-wise to int8)
+-> int4 natively: tpu7x int8 1128 -> 536, int4 1548 -> 820 -> 536; v5e int8 1228 -> 896,
+int4 1604 -> 1220 -> 932 (mk/data/tile_feed_costs.json holds every chip and M). Tried and
+not taken: int8 codes converted to bf16 by hand before the dot (tpu7x the same, v5e 896
+-> 984); int4's groups as one block-diagonal product a tile (x masked to each group's 128
+columns, stacked along M): tpu7x 816 at M 8 but 1380 at M 64 against 1124, v5e 1448
+against 1220. "fp8" (fp8 and fp4; TPU7x multiplies bf16 by
 float8_e4m3fn): `fp8_feed_tile` hands the MXU e4m3 codes, fp8's as stored (a bitcast of the
 uint8 bytes, which lowers for tpu7x and v6e and runs in interpret mode) and fp4's turned
 into the e4m3 codes of the same values (`e2m1_to_e4m3`: integer ops, exact), with a float32
@@ -134,24 +163,11 @@ def e2m1_values(code: jax.Array) -> jax.Array:
     return e4m3_values(e2m1_to_e4m3(code)) * E2M1_GAIN
 
 
-NIBBLES = 0x0F0F0F0F  # the low nibble of each byte
-
-
-@jax.jit  # pltpu.bitcast has no eager rule: traced, it runs anywhere
-def nibble_words(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """uint8 [..., R, O] (R a multiple of 4) -> its (low, high) nibbles as int32 words
-    [..., R/4, O], each byte of a word one code in [0, 16): byte k of word r is row 4r + k
-    (`pltpu.bitcast`'s order, `nibble_bytes` undoes it). Two 32-bit ops a nibble of four
-    bytes, and no widening of each byte to 32 bits."""
-    words = pltpu.bitcast(packed, jnp.int32)
-    return words & NIBBLES, (words >> 4) & NIBBLES  # the mask drops the shifted-in bits
-
-
 @functools.partial(jax.jit, static_argnames="dtype")
 def nibble_bytes(lo: jax.Array, hi: jax.Array, dtype=jnp.uint8) -> jax.Array:
-    """Words of bytes [..., R/4, O] from `nibble_words` (or made from them byte-wise) ->
-    [..., 2R, O] bytes of `dtype` (8-bit) in the module docstring's row order: per unit of
-    64 byte rows, the low nibbles' 64 rows then the high nibbles'."""
+    """Words of bytes [..., R/4, O] (`fp4_words_to_e4m3`'s) -> [..., 2R, O] bytes of
+    `dtype` (8-bit) in fp4's row order (module docstring): per unit of 64 byte rows, the
+    first rows' 64 then the second rows'."""
     lo, hi = pltpu.bitcast(lo, dtype), pltpu.bitcast(hi, dtype)
     *lead, half, cols = lo.shape
     lo = lo.reshape(*lead, half // 64, 64, cols)
@@ -159,19 +175,35 @@ def nibble_bytes(lo: jax.Array, hi: jax.Array, dtype=jnp.uint8) -> jax.Array:
     return jnp.concatenate([lo, hi], axis=-2).reshape(*lead, 2 * half, cols)
 
 
+INT4_FLIP = -0x77777778  # 0x88888888: bit 3 of each nibble (offset binary <-> two's complement)
+
+
+@jax.jit  # pltpu.bitcast has no eager rule: traced, it runs anywhere
+def int4_codes(packed: jax.Array) -> jax.Array:
+    """int4 bytes uint8 [..., I/2, O] (byte row b: row 2b's code in the low nibble, row
+    2b + 1's in the high, each q + 8) -> q as int4 [..., I, O]: one xor a word of eight
+    codes flips each code's bit 3 (offset binary -> two's complement), and the words
+    viewed as int4 are the rows in order (`pltpu.bitcast`: nibble k of word r is row
+    8r + k). No shift or mask a code: the dot converts int4 natively (module docstring)."""
+    return pltpu.bitcast(pltpu.bitcast(packed, jnp.int32) ^ INT4_FLIP, jnp.int4)
+
+
 def unpack_nibbles(packed: jax.Array) -> jax.Array:
-    """uint8 [..., I/2, O] -> int32 codes [..., I, O] in the nibble order of the module
-    docstring (I/2 a multiple of 64)."""
-    return nibble_bytes(*nibble_words(packed)).astype(jnp.int32)
+    """uint8 [..., I/2, O] -> int32 codes [..., I, O] in int4's order (row 2b low, 2b + 1
+    high), by shifts and masks (no `pltpu.bitcast`: the tests' independent decoder)."""
+    p = jnp.asarray(packed).astype(jnp.int32)
+    *lead, half, cols = p.shape
+    return jnp.stack([p & 15, p >> 4], axis=-2).reshape(*lead, 2 * half, cols)
 
 
 @jax.jit
 def pack_nibbles(codes: jax.Array) -> jax.Array:
-    """int codes in [0, 16) [..., I, O] -> uint8 [..., I/2, O]; inverse of unpack_nibbles."""
+    """int codes in [0, 16) [..., I, O] -> uint8 [..., I/2, O] (row 2b low, 2b + 1 high);
+    inverse of unpack_nibbles."""
     c = jnp.asarray(codes).astype(jnp.uint8)
     *lead, rows, cols = c.shape
-    c = c.reshape(*lead, rows // PACK_ROWS, 2, PACK_ROWS // 2, cols)
-    return (c[..., 0, :, :] | (c[..., 1, :, :] << 4)).reshape(*lead, rows // 2, cols)
+    c = c.reshape(*lead, rows // 2, 2, cols)
+    return c[..., 0, :] | (c[..., 1, :] << 4)
 
 
 def block_scale_rows(scale: jax.Array) -> jax.Array:
@@ -199,21 +231,12 @@ def dequantize_tile(scheme: str, data: jax.Array, scale: jax.Array) -> jax.Array
     if scheme == "fp8":
         return grouped(e4m3_values(data), block_scale_rows(scale), GROUP["fp8"])
     if scheme == "int4":
-        q = nibble_bytes(*map(int4_values, nibble_words(data)), jnp.int8)
-        return grouped(q.astype(F32), scale, GROUP["int4"])
+        return grouped(int4_codes(data).astype(F32), scale, GROUP["int4"])
     if scheme == "fp4":
         e4m3 = nibble_bytes(*fp4_words_to_e4m3(pltpu.bitcast(data, jnp.int32)))
         return grouped(e4m3_values(e4m3) * E2M1_GAIN,
                        pow2(scale.astype(jnp.int32) - E8M0_BIAS), GROUP["fp4"])
     raise ValueError(f"scheme={scheme!r} must be one of {tuple(SCHEME_BITS)}")
-
-
-def int4_values(code: jax.Array) -> jax.Array:
-    """int4 codes (offset binary, q + 8) in the low nibble of each byte of an int32 array
-    (`nibble_words`) -> q in the same bytes as int8 (two's complement): flipping bit 3
-    gives q's 4-bit two's complement, whose sign bit 8 x 0x1e = 0xf0 extends, per byte."""
-    flipped = code ^ 0x08080808
-    return flipped | ((flipped & 0x08080808) * 0x1E)
 
 
 E2M1_GAIN = 64.0  # 2 ** (e4m3's exponent bias 7 - e2m1's 1): `e2m1_to_e4m3`'s factor
@@ -318,16 +341,16 @@ def fp8_feed_tile(scheme: str, data: jax.Array, scale: jax.Array
 
 def int_feed_tile(scheme: str, data: jax.Array, scale: jax.Array
                   ) -> tuple[jax.Array, jax.Array]:
-    """A tile of an int8 or int4 weight as the MXU takes it: (its codes q as int8 [tile_rows,
-    tile_cols], float32 scales [s, tile_cols]), the weight being q x the scale of its row's
-    block of tile_rows / s rows and its column: int8's one block (s = 1, the column's
-    scale), int4's 128-row groups (s = tile_rows / 128; codes sign-extended byte-wise,
-    `int4_values`). Every code (|q| <= 127) is a bf16 value: the dot converts them
-    exactly, and no scale touches a weight."""
+    """A tile of an int8 or int4 weight as the MXU takes it: (its codes q [tile_rows,
+    tile_cols], int8 as stored, int4 as int4 (`int4_codes`); float32 scales [s,
+    tile_cols]), the weight being q x the scale of its row's block of tile_rows / s rows
+    and its column: int8's one block (s = 1, the column's scale), int4's 128-row groups
+    (s = tile_rows / 128). Every code (|q| <= 127) is a bf16 value: the dot converts
+    them exactly, and no scale touches a weight."""
     if scheme == "int8":
         return data, scale.astype(F32)
     if scheme == "int4":
-        return nibble_bytes(*map(int4_values, nibble_words(data)), jnp.int8), scale.astype(F32)
+        return int4_codes(data), scale.astype(F32)
     raise ValueError(f"scheme={scheme!r} has no integer feed; {FEEDABLE}")
 
 

@@ -57,21 +57,21 @@ def test_e2m1_decoder_equals_ml_dtypes_for_all_16_codes():
 
 @pytest.mark.parametrize("scheme", ["int4", "fp4"])
 def test_a_packed_tile_decodes_byte_wise_to_ml_dtypes_values_times_its_scales(scheme):
-    """`dequantize_tile` works on four packed bytes per 32-bit op (`nibble_words`,
-    `fp4_words_to_e4m3`): every byte value at every byte position of a word, between random
-    neighbours, decodes to the value ml_dtypes gives its code (numpy unpacks the documented
-    order) times its group's scale, in float32 and rounded once to bf16: no shift carries a
-    bit across a byte."""
+    """`dequantize_tile` works on four packed bytes per 32-bit op (int4: one xor a word and
+    the words viewed as int4, `int4_codes`; fp4: `fp4_words_to_e4m3`): every byte value at
+    every byte position of a word, between random neighbours, decodes to the value
+    ml_dtypes gives its code (numpy unpacks the documented order) times its group's scale,
+    in float32 and rounded once to bf16: no shift carries a bit across a byte."""
     rng = np.random.default_rng(0)
     packed = rng.integers(0, 256, (256, 256), dtype=np.uint8)
     packed[:, :64] = np.arange(256, dtype=np.uint8).reshape(256, 1) ^ np.arange(64)
     units = packed.reshape(2, 2, 64, 256)  # 2 tiles' worth of 128-row units
-    if scheme == "int4":  # a unit's first 64 rows in the low nibbles, the others high
-        pair = units & 15, units >> 4
+    if scheme == "int4":  # byte row b: row 2b in the low nibble, row 2b + 1 in the high
+        nibbles = np.stack([packed & 15, packed >> 4], axis=1).reshape(512, 256)
     else:  # the first rows' s e1 e0 m at bits 7 4 3 2; the others' at 5 6 1 0
         pair = (((units >> 4) & 8) | ((units >> 2) & 7),
                 ((units >> 2) & 8) | ((units >> 4) & 4) | (units & 3))
-    nibbles = np.concatenate(pair, axis=2).reshape(512, 256)
+        nibbles = np.concatenate(pair, axis=2).reshape(512, 256)
     if scheme == "int4":
         scale = rng.normal(size=(4, 256)).astype(jnp.bfloat16)
         values = (nibbles.astype(np.float32) - 8) * np.repeat(scale.astype(np.float32), 128, 0)
@@ -90,12 +90,14 @@ def test_packing_round_trips_bit_exactly_in_the_documented_order(scheme):
     packed = rng.integers(0, 256, (2, 128, 256), dtype=np.uint8)
     codes = np.asarray(unpack.unpack_codes(scheme, jnp.asarray(packed)))
     np.testing.assert_array_equal(np.asarray(unpack.pack_codes(scheme, codes)), packed)
-    # The order: byte row 64u + j holds rows 128u + j (first) and 128u + 64 + j (second).
-    first, second = codes[:, 128 + 5], codes[:, 128 + 64 + 5]
+    # The order: int4's byte row b holds rows 2b (low nibble) and 2b + 1 (high); fp4's
+    # byte row 64u + j holds rows 128u + j (first) and 128u + 64 + j (second).
     byte = packed[:, 64 + 5]
-    if scheme == "int4":  # nibbles: low, high
-        np.testing.assert_array_equal((first, second), (byte & 15, byte >> 4))
+    if scheme == "int4":
+        np.testing.assert_array_equal((codes[:, 128 + 10], codes[:, 128 + 11]),
+                                      (byte & 15, byte >> 4))
     else:  # the first code where its e4m3 byte has its bits; the second's s, e1, e0 m at
+        first, second = codes[:, 128 + 5], codes[:, 128 + 64 + 5]
         np.testing.assert_array_equal(unpack.e2m1_to_e4m3(jnp.asarray(first)), byte & 0x9C)
         np.testing.assert_array_equal(  # bits 5, 6 and 1..0
             second, ((byte >> 2) & 8) | ((byte >> 4) & 4) | (byte & 3))

@@ -39,11 +39,12 @@ A segment may be stored quantised (`Segment.scheme`, one of `mk.quant.SCHEMES`):
 travel as packed data plus their scale block (two DMAs on the slot's semaphore, both waited
 for) into that scheme's own buffers (`ring_buffers`), tile g still in slot g % slots, and
 reach the MXU as the segment's feed says (`Segment.feed`, chosen per chip by the plan:
-`mk.unpack.choose_feeds`): dequantised in VMEM to the compute dtype (`mk.unpack.
-dequantize_tile`) before one product, or fed fp8 (fp8 and fp4 on TPU7x) as e4m3 codes with
-each scale block's float32 product rows scaled after (`mk.unpack.fp8_product`; why, and what each
-feed costs: `mk.unpack`'s docstring). Either way the product is the reference's on
-`mk.quant.dequantize(params, feeds=...)`'s weights.
+`mk.unpack.choose_feeds`): int8 and int4 as their codes, straight into the dot, each
+scale block's float32 product rows scaled after (`mk.unpack.int_product`); fp8 and fp4
+dequantised in VMEM to the compute dtype (`mk.unpack.dequantize_tile`) before one product,
+or fed fp8 (on TPU7x) as e4m3 codes, scaled after the same way (`mk.unpack.fp8_product`;
+why, and what each feed costs: `mk.unpack`'s docstring). Either way the product is the
+reference's on `mk.quant.dequantize(params, feeds=...)`'s weights.
 
 A repeated segment (`mk.kernels.stream.Repeat`, e.g. gate, up, down once per expert slot):
 copy c's Fetch gets (layer, c) and `matmul(..., copy=c)` takes a traced c, so a kernel
@@ -200,7 +201,8 @@ class Ring:
     def _product(self, segment: Segment, slot, xs, contract):
         """xs [M, step] times the tile of `segment` in `slot`, float32 [M, panel]: one product
         with the tile in the compute dtype (folded: `mk.kernels.fold.folded_product`), or
-        fed fp8, its e4m3 codes and scales as they are (`mk.unpack.fp8_product`)."""
+        its codes as they are and its scales on the product (fed fp8: e4m3 codes,
+        `mk.unpack.fp8_product`; int8 and int4: `mk.unpack.int_product`)."""
         xs = xs.astype(self.dtype)
         if segment.fold > 1:
             return folded_product(xs, self._weights(segment, slot), segment.fold,

@@ -11,8 +11,9 @@ The teaching progression is one parameter, `BlockSizes.slots`:
 - slots=N, the ring: N-1 tiles in flight hide DMA latency and jitter.
 
 The weight may be stored quantised (an `mk.quant.QuantWeight`): the ring then streams its
-packed tiles and their scales and, in VMEM, dequantises each tile to the compute dtype or
-(`feed="fp8"`, fp8 and fp4) hands its values to the MXU as e4m3 (notebook 12). The two
+packed tiles and their scales and, in VMEM, hands int8 and int4 codes straight to the dot
+(scales on the product), dequantises fp8 and fp4 tiles to the compute dtype or
+(`feed="fp8"`) hands their values to the MXU as e4m3 (notebook 12). The two
 steps every stage wrapper takes for the weights it streams, whether plain or quantised,
 are here too: `stage_block` (its default tiling), `weight_stream` (the stream, with each
 quantised family's scheme) and `ring_weights` (the weights in the ring's layout, with a
@@ -113,8 +114,9 @@ def stream_matmul(x: jax.Array, w, *, block: BlockSizes | None = None,
                   dtype=jnp.bfloat16, feed: str = "bf16"):
     """x [M, K] @ w [K, N] -> [M, N] float32, w streamed through a `block.slots`-slot ring.
     w: an array (multiplied in its own dtype), or an `mk.quant.QuantWeight` (in mk.quant's
-    layout; its packed tiles and scales are streamed and, in VMEM, dequantised to `dtype`
-    or, `feed="fp8"`, fed to the MXU as e4m3: `mk.unpack.FEEDABLE`).
+    layout; its packed tiles and scales are streamed and, in VMEM, int8 and int4 codes fed
+    to the dot and scaled on the product, fp8 and fp4 dequantised to `dtype` or, with
+    `feed="fp8"`, fed to the MXU as e4m3: `mk.unpack.FEEDABLE`).
     The product is `mk.ops.matmul(x.astype(dtype), w)` of `mk.unpack.dequantize_tile(w)`
     in `mk.unpack.oracle_dtype`."""
     M, K = x.shape
