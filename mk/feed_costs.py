@@ -2,9 +2,9 @@
 
 A decode step multiplies M activation rows by every weight tile it streams. What that
 costs the TensorCore depends on the chip, on how the weight is stored (bf16 or an
-`mk.quant` scheme: a packed tile is dequantised in VMEM first), on what is fed to the MXU
-(the feed) and on M. `benchmarks/tile_feed_costs.py` measures it: for each row it compiles
-the stage-01 ring kernel (`mk.kernels.weight_streaming.stream_matmul`, the same
+`mk.quant` scheme: a packed tile is decoded in VMEM first, `mk.unpack`), on what is fed to
+the MXU (the feed) and on M. `benchmarks/tile_feed_costs.py` measures it: for each row it
+compiles the stage-01 ring kernel (`mk.kernels.weight_streaming.stream_matmul`, the same
 `Ring.matmul` as the megakernel) over one weight matrix with libtpu's bundle dump on
 (`mk.probes.probe_tile`) and counts the bundles of one trip of its steady per-tile loop.
 One bundle issues per cycle, so bundles per trip / the clock is one tile's issue time, a
