@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import mk
-from mk import backend, ops, quant, tpu, unpack
+from mk import backend, exactness, ops, quant, tpu, unpack
 from mk.kernels.common import BlockSizes, default_block, dma_log, vmem_budget
 from mk.kernels.plan import DecodePlan
 from mk.kinds.layers import kinds_at, layer_kinds
@@ -89,6 +89,20 @@ def test_a_quantised_weight_streams_packed_tiles_and_scales_race_free(scheme, fe
     if not exact:  # int8, int4, fp8 fed fp8: bf16-rounded weights give another product
         assert np.abs(np.asarray(y - _oracle(x, q))).max() > 100 * (
             TOLERANCE["float32"]["atol"] + TOLERANCE["float32"]["rtol"] * np.abs(y).max())
+
+
+@pytest.mark.parametrize("scheme, feed", [f for f in FEEDS if f != ("fp8", "bf16")
+                                           and f != ("fp4", "bf16")])
+def test_a_float32_kernels_codes_multiply_at_highest_precision(scheme, feed):
+    """Codes fed to the dot (int8, int4; fp8 and fp4 fed fp8) in a float32 kernel are
+    multiplied as float32 at HIGHEST (`mk.kernels.common.exact`): at default precision a
+    chip multiplies in one bf16 pass where interpret mode does not (`mk.exactness`; before
+    `mk.unpack.scaled_product`, the fp8 feed's dots did)."""
+    block = BlockSizes(slots=2, tile_rows=256, tile_cols=256)
+    call = functools.partial(stream_matmul, block=block, dtype=jnp.float32, feed=feed)
+    assert exactness.default_precision_f32_dots(
+        call, jax.ShapeDtypeStruct((8, 512), jnp.float32),
+        quant.abstract_weight((512, 256), scheme)) == []
 
 
 def test_a_feed_a_scheme_cannot_reach_exactly_is_refused_by_name():
