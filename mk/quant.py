@@ -335,9 +335,12 @@ def dequantize(params: dict, dtype=None, feeds=None) -> dict:
     once to `dtype` (default: the dtype of the params' embedding table, config.dtype), or,
     for a group of `feeds` ({group: feed}, a plan's `feeds`), to its `oracle_dtype`: the
     weights the reference multiplies by to compute what the kernel does. The reference
-    rounds a matmul's activations to its weight's dtype, so float32 weights (fp8 fed fp8)
-    in a bf16 model leave them unrounded where the kernel rounds them to bf16: exact in a
-    float32 model (`mk.reference.check_params` takes only config.dtype weights)."""
+    rounds a matmul's activations to its weight's dtype, so float32 weights (int8, int4,
+    fp8 fed fp8) in a bf16 model leave them unrounded where the kernel rounds them to
+    bf16: exact in a float32 model (`mk.reference.check_params` takes only config.dtype
+    weights). Without `feeds`, int8 and int4 weights in a bf16 model are rounded to bf16,
+    which their kernels never do (they scale the product): a bf16 model's kernel and this
+    oracle differ by that rounding (the tests compare float32 models exactly)."""
     dtype = dtype or params["embed"].dtype
     into = {name: oracle_dtype(p.scheme, feed, dtype) for name, feed in
             schemes_of(feeds).items() if isinstance(p := params.get(name), QuantWeight)}
