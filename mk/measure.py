@@ -35,10 +35,12 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import importlib.metadata
 import json
 import math
 import os
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
@@ -351,23 +353,89 @@ def dma_sweep(sweep: Sweep, backend: str = "auto") -> tuple[DmaPoint, ...]:
         return tuple(DmaPoint(n, d, seconds_per_copy(n, d, sweep)) for n, d in sweep.points())
 
 
-def time_step(config: ModelConfig, *, batch: int = 1, rows: int = 1, context: int = 256,
-              repeats: int = 5, seed: int = 0, backend: str = "auto") -> StepPoint:
-    """One megakernel decode step of `config` (random weights of `seed`) timed on
-    `backend`: every sequence reads a full cache of `context` positions before its `rows`
-    new ones, as `mk.sim.simulate(..., context=context)` replays it."""
-    capacity = cache_capacity(context + rows)  # the cache `DecodePlan.make(position=)` holds
+STEP_SERIES = ("megakernel", "megakernel_loop", "xla")  # what `time_step_series` times
+
+
+def time_step_series(config: ModelConfig, *, batch: int = 1, rows: int = 1,
+                     context: int = 256, series=STEP_SERIES, loop_steps: int = 32,
+                     repeats: int = 5, seed: int = 0, backend: str = "auto") -> dict:
+    """Seconds per decode step of `config` (random weights of `seed`) on `backend`, for
+    each of `series`: every sequence reads a full cache of `context` positions before its
+    `rows` new ones, as `mk.sim.simulate(..., context=context)` replays it.
+
+    - "megakernel": one dispatched megakernel step (host dispatch included);
+    - "megakernel_loop": a device-side loop of `loop_steps` greedy steps (`generate`'s
+      `steps_per_call`) over its step count; T = 1 only;
+    - "xla": XLA's step (`mk.reference.forward` jitted), one dispatched step.
+    XLA's step runs first, on the params; the megakernel's layout is then prepared with the
+    params donated, so a model near the chip's size needs one copy of its weights."""
+    unknown = sorted(set(series) - set(STEP_SERIES))
+    if unknown or not series:
+        raise ValueError(f"series={tuple(series)!r} must be a non-empty subset of "
+                         f"{STEP_SERIES}")
+    if "megakernel_loop" in series and rows != 1:
+        raise ValueError(f"rows={rows}: the device loop (series 'megakernel_loop') decodes "
+                         "one row per step; time it with rows=1")
+    _integer("loop_steps", loop_steps, 1)
+    capacity = cache_capacity(context + max(rows, loop_steps))
     config = dataclasses.replace(config, max_context=capacity)
     plan = DecodePlan.make(config, batch=batch, rows=rows, context=capacity)
+    loop_plan = DecodePlan.make(config, batch=batch, rows=1, context=capacity)
     params = init_params(config, seed)
-    weights = megakernel.prepare(plan, params)
     cache = reference.init_cache(config, batch, capacity)
     tokens, positions = reference.validate_step(
         config, cache, np.zeros((batch, rows), np.int32), np.full((batch,), context, np.int32))
+    seconds = {}
     with backends.use(backend):
-        t = _median_seconds({"step": lambda: megakernel.traced_step(
-            plan, weights, cache, tokens, positions)}, repeats)
-    return StepPoint(config.name, batch, rows, context, t["step"])
+        if "xla" in series:
+            seconds |= _median_seconds({"xla": lambda: reference.forward(
+                config, params, cache, tokens, positions)}, repeats)
+        weights = megakernel.prepare(plan, params, donate=True)
+        if "megakernel" in series:
+            seconds |= _median_seconds({"megakernel": lambda: megakernel.traced_step(
+                plan, weights, cache, tokens, positions)}, repeats)
+        if "megakernel_loop" in series:
+            held = [cache]  # the loop donates its cache: each call gets the last one's
+
+            def loop():
+                out, held[0] = megakernel.device_loop(loop_plan, weights, held[0],
+                                                      tokens[:, 0], positions, loop_steps)
+                return out
+            loop_seconds = _median_seconds({"loop": loop}, repeats)["loop"]
+            seconds["megakernel_loop"] = loop_seconds / loop_steps
+    return {name: seconds[name] for name in series}
+
+
+def time_step(config: ModelConfig, *, batch: int = 1, rows: int = 1, context: int = 256,
+              repeats: int = 5, seed: int = 0, backend: str = "auto") -> StepPoint:
+    """One dispatched megakernel decode step (`time_step_series`' "megakernel")."""
+    seconds = time_step_series(config, batch=batch, rows=rows, context=context,
+                               series=("megakernel",), repeats=repeats, seed=seed,
+                               backend=backend)["megakernel"]
+    return StepPoint(config.name, batch, rows, context, seconds)
+
+
+def provenance() -> dict:
+    """What a record measured on this machine names: the first device's chip (None off a
+    TPU) and kind, the jax and libtpu versions, the commit ($MK_COMMIT, else git's HEAD,
+    else "unknown") and the time (UTC)."""
+    kind = jax.devices()[0].device_kind
+    try:
+        libtpu = importlib.metadata.version("libtpu")
+    except importlib.metadata.PackageNotFoundError:
+        libtpu = "unknown"
+    return dict(chip=chip_of(kind) if jax.devices()[0].platform == "tpu" else None,
+                device_kind=kind, jax=jax.__version__, libtpu=libtpu,
+                commit=os.environ.get("MK_COMMIT") or _git_head() or "unknown", when=_now())
+
+
+def _git_head():
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=20, cwd=_CHECKOUT)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
 
 
 def measure(backend: str = "auto", *, sweep: Sweep | None = None,

@@ -458,7 +458,7 @@ def greedy_steps(step, cache, token, position, steps: int):
 
 
 @functools.partial(jax.jit, static_argnames=("plan", "steps"), donate_argnames="cache")
-def _greedy_steps(plan: DecodePlan, weights, cache, token, position, steps: int):
+def device_loop(plan: DecodePlan, weights, cache, token, position, steps: int):
     """`greedy_steps` of the megakernel on one device. The cache is donated (updated in
     place: HBM holds it once, what `mk.tpu` compiles and `DecodePlan.fits` counts)."""
     def step(cache, tokens, positions):
@@ -539,7 +539,7 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, backend: str = 
     def dispatch(cache, token, position, n):
         if not weights:
             weights.append(prepare(plan, params, donate=donate))
-        return _greedy_steps(plan, weights[0], cache, token, position, n)
+        return device_loop(plan, weights[0], cache, token, position, n)
 
     with backends.use(backend):
         return greedy_loop(dispatch, config, params, prompt, S, steps, steps_per_call,
