@@ -57,7 +57,7 @@ from mk.kernels.common import LANES
 from mk.kernels.dma_probe import CHUNK_ROWS, SIZE_UNIT_BYTES, chunk_rows, dma_probe
 from mk.kernels.plan import DecodePlan, capacity as cache_capacity
 
-SCHEMA = 1
+SCHEMA = 2  # 2: min_extra_bytes
 MODES = ("hardware", "interpret", "example")
 INTERPRET_LABEL = "interpret mode, not a TPU"
 EXAMPLE_LABEL = "example: made-up numbers, not a measurement"
@@ -99,13 +99,16 @@ def _counts(field: str, value) -> None:
 class Sweep:
     """What `dma_sweep` times: one copy in flight at each of `sizes` (latency against
     size), then `in_flight` copies of `chunk` bytes (bandwidth against bytes in flight);
-    each point with `counts` copies, `repeats` times."""
+    each point with `counts` copies, `repeats` times. `min_extra_bytes`: the larger count
+    is raised, point by point, until the extra copies move at least this many bytes, so
+    the time they add stands above the wall clock's noise (`counts_for`)."""
 
     sizes: tuple[int, ...]  # bytes per copy, whole 4 KiB
     chunk: int  # bytes per copy of the bandwidth sweep
     in_flight: tuple[int, ...]
     counts: tuple[int, int] = (16, 528)
     repeats: int = 5
+    min_extra_bytes: int = 0
 
     def __post_init__(self):
         for field in ("sizes", "in_flight"):
@@ -118,6 +121,12 @@ class Sweep:
             _integer("Sweep.in_flight[...]", d, 1)
         _counts("Sweep.counts", self.counts)
         _integer("Sweep.repeats", self.repeats, 1)
+        _integer("Sweep.min_extra_bytes", self.min_extra_bytes, 0)
+
+    def counts_for(self, nbytes: int) -> tuple[int, int]:
+        """The two counts a point of `nbytes` per copy is timed with."""
+        low, high = self.counts
+        return low, max(high, low + -(-self.min_extra_bytes // nbytes))
 
     def points(self) -> list[tuple[int, int]]:
         """(bytes, in_flight) of every point, latency points first, each once."""
@@ -126,9 +135,13 @@ class Sweep:
 
 
 SWEEPS = {
-    # 4 KiB to 4 MiB one at a time; 256 KiB copies up to 64 in flight (16 MiB of VMEM)
+    # 4 KiB to 4 MiB one at a time; 256 KiB copies up to 64 in flight (16 MiB of VMEM).
+    # A dispatched call costs about 1 ms on a v5e, give or take tens of us: 4 GiB of extra
+    # copies (5 ms at its datasheet 819 GB/s) stand well above that. Measured there
+    # (2026-12-06, 0f38c60) with 512 extra copies instead: 256 KiB copies 8 in flight
+    # "moved" 6.7 TB/s, the noise of 164 us of copies under a 1 ms call.
     "full": Sweep(sizes=tuple(4 ** k * 4 * KIB for k in range(6)), chunk=256 * KIB,
-                  in_flight=(1, 2, 4, 8, 16, 32, 64)),
+                  in_flight=(1, 2, 4, 8, 16, 32, 64), min_extra_bytes=4 * KIB ** 3),
     # interpret mode: ~1-2 ms per copy (32 extra copies stand out of the load's noise) and
     # ~0.5 s of tracing per point
     "quick": Sweep(sizes=(4 * KIB, 16 * KIB, 64 * KIB), chunk=4 * KIB, in_flight=(1, 2, 4),
@@ -188,8 +201,9 @@ class Measured:
     device_kind: str  # jax's name of the device that ran the probes ("cpu" in interpret)
     when: str  # UTC, ISO 8601
     jax: str  # jax's version
-    counts: tuple[int, int]  # copies per call, the two timed
+    counts: tuple[int, int]  # copies per call, the two timed (the larger: `min_extra_bytes`)
     repeats: int
+    min_extra_bytes: int  # `Sweep.min_extra_bytes`: each point's counts are `counts_for`'s
     dma: tuple[DmaPoint, ...]
     step: StepPoint | None  # None when no step was timed
 
@@ -216,8 +230,18 @@ class Measured:
             raise ValueError("label='' must say what the numbers are")
         _counts("counts", self.counts)
         _integer("repeats", self.repeats, 1)
+        _integer("min_extra_bytes", self.min_extra_bytes, 0)
         if not self.dma or not all(isinstance(p, DmaPoint) for p in self.dma):
             raise ValueError(f"dma ({len(self.dma)} items) must be DmaPoints, at least one")
+        if self.chip is not None:  # no copy outruns the datasheet: a faster one is noise
+            limit = chip_spec(self.chip).device_hbm_bw * (1 + 1e-9)
+            for i, p in enumerate(self.dma):
+                if p.bandwidth > limit:
+                    raise ValueError(
+                        f"dma[{i}]: {p.bytes} bytes, {p.in_flight} in flight, moved "
+                        f"{p.bandwidth / 1e9:.0f} GB/s, over {self.chip}'s datasheet "
+                        f"{limit / 1e9:.0f} GB/s per device: the time is the wall clock's "
+                        "noise, not the copies' (raise Sweep.min_extra_bytes)")
         if self.step is not None and not isinstance(self.step, StepPoint):
             raise ValueError(f"step={self.step!r} must be a StepPoint or None")
 
@@ -332,7 +356,7 @@ def seconds_per_copy(nbytes: int, in_flight: int, sweep: Sweep) -> float:
     rows = chunk_rows(nbytes)
     src = jnp.arange(in_flight * rows * LANES, dtype=jnp.float32).reshape(in_flight, rows, -1)
     probe = jax.jit(dma_probe)
-    c0, c1 = sweep.counts
+    c0, c1 = sweep.counts_for(nbytes)
     calls = {c: (lambda c=c: probe(src, jnp.array([c], jnp.int32))) for c in (c0, c1)}
     last = np.asarray(calls[c1]())
     if not np.array_equal(last, np.asarray(src[(c1 - 1) % in_flight, :CHUNK_ROWS])):
@@ -455,7 +479,7 @@ def measure(backend: str = "auto", *, sweep: Sweep | None = None,
     return Measured(mode=mode, label=INTERPRET_LABEL if mode == "interpret" else
                     f"measured on {kind}", chip=chip, device_kind=kind, when=_now(),
                     jax=jax.__version__, counts=sweep.counts, repeats=sweep.repeats,
-                    dma=dma, step=step)
+                    min_extra_bytes=sweep.min_extra_bytes, dma=dma, step=step)
 
 
 def _now() -> str:
@@ -478,7 +502,8 @@ def example(chip: str | ChipSpec, *, dma_latency_s: float, hbm_share: float = 1.
                 for n, d in sweep.points())
     return Measured(mode="example", label=EXAMPLE_LABEL, chip=spec.name, device_kind="",
                     when=_now(), jax=jax.__version__, counts=sweep.counts,
-                    repeats=sweep.repeats, dma=dma, step=None)
+                    repeats=sweep.repeats, min_extra_bytes=sweep.min_extra_bytes, dma=dma,
+                    step=None)
 
 
 # -- Files --------------------------------------------------------------------------------
