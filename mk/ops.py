@@ -6,11 +6,12 @@ Here: the matmul numerics (`dot`, `matmul`), `rms_norm`, `rope` (full or partial
 scaling: `rope_inv_freq`), causal GQA `attention` over a cache (a sliding window,
 sinks) and `write_rows` (a step's new rows into it), the SwiGLU MLP (`swiglu`), the
 softmax router and the MoE block (`route`, `moe`), DeepSeek-V3 / Kimi's grouped sigmoid
-router (`route_grouped`), the weighted sum of chosen experts (`mix_experts`), gpt-oss's
-router (`route_logits`) and biased clamped-SwiGLU experts (`clamped_swiglu`,
-`mix_biased_experts`). Not here: anything that reads a config or a parameter dict (a layer, the
-lm_head, the caches, greedy decoding: `mk.reference`), the gated DeltaNet's math
-(`mk.linear_attention`), kernels (`mk.kernels`).
+router (`route_grouped`), the weighted sum of chosen experts (`mix_experts`: every
+expert's output, `expert_outputs`, routed by `combine_experts`), gpt-oss's router
+(`route_logits`) and biased clamped-SwiGLU experts (`clamped_swiglu`,
+`mix_biased_experts`, `biased_expert_outputs`). Not here: anything that reads a config or
+a parameter dict (a layer, the lm_head, the caches, greedy decoding: `mk.reference`), the
+gated DeltaNet's math (`mk.linear_attention`), kernels (`mk.kernels`).
 
 Numerics (kernels mirror these cast points, so their tolerances stay tight):
 - norms, RoPE, softmax and routers are float32;
@@ -40,6 +41,15 @@ def dot(spec: str, a: jax.Array, b: jax.Array, dtype) -> jax.Array:
     """
     a, b = (t.astype(dtype).astype(F32) for t in (a, b))
     return jnp.einsum(spec, a, b, precision=HIGHEST)
+
+
+def exact(*operands):
+    """The precision of an in-kernel dot of `operands`: HIGHEST when one is float32, else
+    the default. Mosaic multiplies float32 at default precision in one bf16 pass of the MXU
+    where interpret mode (and `mk.ops`) multiply in float32, so the same kernel would
+    compute two things (`mk.exactness.default_precision_f32_dots` finds such dots)."""
+    return (HIGHEST
+            if any(jnp.dtype(x.dtype) == F32 for x in operands) else None)
 
 
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -186,12 +196,25 @@ def route_grouped(x: jax.Array, router, bias, top_k: int, groups: int, topk_grou
 
 def mix_experts(x: jax.Array, weights, experts, we_gate, we_up, we_down) -> jax.Array:
     """sum_j weights[:, j] * expert_{experts[:, j]}(x) for x [M, D] -> [M, D] float32."""
-    combine = jnp.zeros((x.shape[0], we_gate.shape[0]), F32)
-    combine = combine.at[jnp.arange(x.shape[0])[:, None], experts].add(weights)  # [M, E]
+    return combine_experts(weights, experts, expert_outputs(x, we_gate, we_up, we_down))
+
+
+def expert_outputs(x: jax.Array, we_gate, we_up, we_down) -> jax.Array:
+    """Every expert's SwiGLU of every row: x [M, D], weights [E, D, F] / [E, F, D] ->
+    [M, E, D] float32. Each expert's rows are its own batch of the dots, so a slice of the
+    experts gives the same bits as the whole (what `mk.reference` relies on to make a
+    quantised layer's values a slice of experts at a time)."""
     gate = dot("md,edf->mef", x, we_gate, we_gate.dtype)
     up = dot("md,edf->mef", x, we_up, we_up.dtype)
-    out = dot("mef,efd->med", jax.nn.silu(gate) * up, we_down, we_down.dtype)
-    return jnp.einsum("me,med->md", combine, out, precision=HIGHEST)
+    return dot("mef,efd->med", jax.nn.silu(gate) * up, we_down, we_down.dtype)
+
+
+def combine_experts(weights, experts, outputs) -> jax.Array:
+    """The routed sum of the experts' outputs [M, E, D]: weights and experts [M, X] ->
+    [M, D] float32."""
+    M, E = outputs.shape[:2]
+    combine = jnp.zeros((M, E), F32).at[jnp.arange(M)[:, None], experts].add(weights)
+    return jnp.einsum("me,med->md", combine, outputs, precision=HIGHEST)
 
 
 def route_logits(x: jax.Array, router, bias, top_k: int):
@@ -213,13 +236,17 @@ def mix_biased_experts(x: jax.Array, weights, experts, we_gate, we_up, we_down, 
                        be_up, be_down, limit: float, alpha: float) -> jax.Array:
     """`mix_experts` of gpt-oss's experts: each x @ we_gate + be_gate and x @ we_up + be_up
     through `clamped_swiglu`, then @ we_down + be_down; x [M, D] -> [M, D] float32."""
-    combine = jnp.zeros((x.shape[0], we_gate.shape[0]), F32)
-    combine = combine.at[jnp.arange(x.shape[0])[:, None], experts].add(weights)  # [M, E]
+    return combine_experts(weights, experts, biased_expert_outputs(
+        x, we_gate, we_up, we_down, be_gate, be_up, be_down, limit, alpha))
+
+
+def biased_expert_outputs(x: jax.Array, we_gate, we_up, we_down, be_gate, be_up, be_down,
+                          limit: float, alpha: float) -> jax.Array:
+    """`expert_outputs` of gpt-oss's biased clamped-SwiGLU experts -> [M, E, D] float32."""
     gate = dot("md,edf->mef", x, we_gate, we_gate.dtype) + be_gate.astype(F32)
     up = dot("md,edf->mef", x, we_up, we_up.dtype) + be_up.astype(F32)
     h = clamped_swiglu(gate, up, limit, alpha)
-    out = dot("mef,efd->med", h, we_down, we_down.dtype) + be_down.astype(F32)
-    return jnp.einsum("me,med->md", combine, out, precision=HIGHEST)
+    return dot("mef,efd->med", h, we_down, we_down.dtype) + be_down.astype(F32)
 
 
 def write_rows(cache_layer, new, positions):
