@@ -45,6 +45,7 @@ the states after every row (`LinearRows`), which `mk.cache.rollback` picks from.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping
 
 import jax
@@ -55,13 +56,14 @@ from jax import lax
 from mk import linear_attention as la
 from mk.cache import KVCache, LinearRows, check_cache, has_states, init_cache
 from mk.config import ModelConfig, positive_int
-from mk.ops import (attention, matmul, mix_biased_experts, mix_experts, rms_norm, rope, route,
-                    route_grouped, route_logits, swiglu, write_rows)
+from mk.ops import (attention, biased_expert_outputs, combine_experts, expert_outputs, matmul,
+                    rms_norm, rope, route, route_grouped, route_logits, swiglu, write_rows)
 from mk.unpack import dequantize_tile
 from mk.weights import kind_of, param_shapes
 
 F32 = jnp.float32
 HIGHEST = lax.Precision.HIGHEST
+EXPERT_SLICE = 4  # experts a quantised MoE layer dequantises at a time (`experts_of`)
 
 
 # -- Logits and the greedy token -----------------------------------------------------------
@@ -165,8 +167,8 @@ def routes(config: ModelConfig, params, i: int, h):
 def moe_mlp(config: ModelConfig, params, i: int, h) -> jax.Array:
     """MoE layer i's routed experts (plus its shared expert, when the model has one) of
     its normed rows h [M, D] -> [M, D] float32, under its router (`routes`)."""
-    y = mix_experts(h, *routes(config, params, i, h),
-                    *(params[name][i] for name in ("we_gate", "we_up", "we_down")))
+    y = combine_experts(*routes(config, params, i, h), experts_of(
+        expert_outputs, params, ("we_gate", "we_up", "we_down"), i, h))
     if "ws_gate" in params:  # the shared expert every token passes through
         y = y + swiglu(h, params["ws_gate"][i], params["ws_up"][i], params["ws_down"][i])
     return y
@@ -175,10 +177,29 @@ def moe_mlp(config: ModelConfig, params, i: int, h) -> jax.Array:
 def clamped_moe_mlp(config: ModelConfig, params, i: int, h) -> jax.Array:
     """gpt-oss's MoE layer i of its normed rows h [M, D] -> [M, D] float32: the softmax of
     the top-k biased router logits (`routes`), the biased clamped-SwiGLU experts."""
-    return mix_biased_experts(h, *routes(config, params, i, h),
-                              *(params[n][i] for n in ("we_gate", "we_up", "we_down",
-                                                       "be_gate", "be_up", "be_down")),
-                              config.swiglu_limit, config.swiglu_alpha)
+    return combine_experts(*routes(config, params, i, h), experts_of(
+        biased_expert_outputs, params,
+        ("we_gate", "we_up", "we_down", "be_gate", "be_up", "be_down"), i, h,
+        config.swiglu_limit, config.swiglu_alpha))
+
+
+def experts_of(outputs, params, names, i, h, *args) -> jax.Array:
+    """outputs(h, *layer i's weights `names`, *args) for every expert -> [M, E, D]: at once
+    from plain weights; from quantised ones (`LayerValues`) a slice of `EXPERT_SLICE`
+    experts at a time, each dequantised as it is used, so no layer's worth of values is
+    alive (the same bits: each expert is its own batch of the dots, `expert_outputs`)."""
+    stacks = [params[n] for n in names]
+    if not any(isinstance(s, _Rows) for s in stacks):
+        return outputs(h, *(s[i] for s in stacks), *args)
+    E = next(s for s in stacks if isinstance(s, _Rows)).q.shape[1]
+    size = math.gcd(E, EXPERT_SLICE)
+
+    def one(start):
+        return outputs(h, *(s.experts(i, start, size) if isinstance(s, _Rows)
+                            else lax.dynamic_slice_in_dim(s[i], start, size)
+                            for s in stacks), *args)
+    out = lax.map(one, jnp.arange(0, E, size))  # [E / size, M, size, D]
+    return jnp.moveaxis(out, 0, 1).reshape(h.shape[0], E, -1)
 
 
 # Each MLP kind's oracle, by its `mk.weights` kind name: (config, params, its row i in the
@@ -305,7 +326,7 @@ class LayerValues(Mapping):
     def __getitem__(self, name):
         p = self.params[name]
         if not hasattr(p, "scheme"):
-            return p
+            return _Tied(p, self.after) if p.ndim > 2 and self.after is not None else p
         rows = _Rows(p, self.dtype, self.after)
         return rows if len(p.shape) > 2 else rows.whole
 
@@ -314,6 +335,17 @@ class LayerValues(Mapping):
 
     def __len__(self):
         return len(self.params)
+
+
+class _Tied:
+    """A stacked plain weight whose row i is sliced after `after` exists (as `_Rows`)."""
+
+    def __init__(self, w, after):
+        self.w, self.after = w, after
+
+    def __getitem__(self, i):
+        w, _ = lax.optimization_barrier((self.w, self.after))
+        return w[i]
 
 
 class _Rows:
@@ -332,6 +364,14 @@ class _Rows:
 
     def __getitem__(self, i):
         return self._values(i)
+
+    def experts(self, i: int, start, size: int):
+        """Layer i's experts start .. start + size (start traced), dequantised."""
+        data, scale = self.q.data, self.q.scale  # tied whole, as in `_values`
+        if self.after is not None:
+            data, scale, _ = lax.optimization_barrier((data, scale, self.after))
+        data, scale = (lax.dynamic_slice_in_dim(a[i], start, size) for a in (data, scale))
+        return dequantize_tile(self.q.scheme, data, scale).astype(self.dtype)
 
     @property
     def whole(self):

@@ -105,6 +105,7 @@ import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
 from mk import quant, unpack
+from mk.reference import EXPERT_SLICE
 from mk.cache import state_bytes_per_sequence
 from mk.chips import ChipSpec, chip as named_chip
 from mk.config import (DTYPE_BITS, PADDED_FIELDS, ModelConfig, check_formats, check_rows,
@@ -317,11 +318,19 @@ def packed_formats(config: ModelConfig, formats: dict[str, str]) -> dict[str, st
 # only, no chip; `mk.preparation.peak`): laying out a stacked plain matrix (a layer at a
 # time) holds one more copy of it (qwen3-4b's bf16 w_gate of 1.67 GiB: 8.22 prepared, 9.89
 # peak, tests/test_preparation.py), a packed one less (gpt-oss-20b's MXFP4 experts of 3.29
-# GiB: 13.33 prepared, 15.59 peak: 0.69 of it); the prefill's one layer of dequantised
-# weights costs 2.7 times its bf16 bytes (gpt-oss-20b's experts: 4.2 GiB of temporaries
-# for 1.6, tests/test_prefill_memory.py).
+# GiB: 13.33 prepared, 15.59 peak: 0.69 of it); the prefill's dequantised weights (a
+# layer's row of a stacked weight; of experts, `mk.reference.EXPERT_SLICE` of a layer's)
+# cost 2.8 times their bf16 bytes (gpt-oss-20b: 0.54 GiB of temporaries for 4 of its 32
+# experts, 0.19 in bf16; 0.68 at 8 layers, tests/test_prefill_memory.py).
 RELAYOUT_TEMPORARY = {"plain": 1.0, "packed": 0.7}
-PREFILL_DEQUANTISED = 2.7
+PREFILL_DEQUANTISED = 2.8
+
+
+def _dequantised_row(shape) -> int:
+    """Elements of a stacked [L, ...] weight the prefill dequantises at once: a layer's
+    row; of experts [L, E, ...], `EXPERT_SLICE` of them (`mk.reference.experts_of`)."""
+    row = math.prod(shape[1:])
+    return row if len(shape) < 4 else row // shape[1] * math.gcd(shape[1], EXPERT_SLICE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -547,7 +556,7 @@ class DecodePlan:
         itemsize = DTYPE_BITS[c.dtype] // 8
         cache = self._cache_bytes()
         shapes, schemes = param_shapes(c), quant.schemes_of(dict(self.formats))
-        layer = sum(math.prod(shapes[n][0][1:]) for n in schemes
+        layer = sum(_dequantised_row(shapes[n][0]) for n in schemes
                     if n in shapes and len(shapes[n][0]) > 2) * itemsize
         whole = max([math.prod(shapes[n][0]) * itemsize for n in schemes
                      if n in shapes and len(shapes[n][0]) == 2], default=0)
