@@ -104,6 +104,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mk.chips import MXU_FEEDS, ChipSpec
 from mk.config import SCHEME_BITS
+from mk.ops import exact
 
 PACK_ROWS = 128  # rows of I packed together (low nibbles: first 64, high: last 64)
 # Rows of I sharing one scale (int8: all of I; fp8 also 128 columns of O).
@@ -331,7 +332,10 @@ def fp8_product(scheme: str, data: jax.Array, scale: jax.Array, xs: jax.Array) -
         xu = xs[:, u * unit:(u + 1) * unit]
         stacked = jnp.concatenate([jnp.where(group_of_column == k, xu, 0)
                                    for k in range(groups)]) if groups > 1 else xu
-        product = jnp.dot(stacked, w8[u * unit:(u + 1) * unit],
+        wu = w8[u * unit:(u + 1) * unit]
+        if stacked.dtype == jnp.float32:  # a float32 kernel multiplies in float32
+            wu = wu.astype(jnp.float32)
+        product = jnp.dot(stacked, wu, precision=exact(stacked, wu),
                           preferred_element_type=jnp.float32)
         for k in range(groups):
             b = u * groups + k

@@ -60,13 +60,13 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mk import linear_attention as la
 from mk.config import ModelConfig, check_rows
-from mk.kernels.common import (LANES, BlockSizes, Buffer, exact, memory_specs, start_dma,
+from mk.kernels.common import (LANES, BlockSizes, Buffer, memory_specs, start_dma,
                                transposed_dot, vmem_limit_bytes)
 from mk.kernels.delta_rule import ALIGN, StateCopies, delta_rule_body
 from mk.kernels.ring import Ring, plain_ring, ring_layout
 from mk.kernels.stream import TileStream
 from mk.kernels.weight_streaming import stage_block
-from mk.ops import rms_norm
+from mk.ops import exact, rms_norm
 from mk.weights import dma_layout, kind_of, names_of, param_shapes
 
 F32 = jnp.float32

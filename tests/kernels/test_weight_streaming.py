@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import mk
-from mk import backend, ops, quant, tpu, unpack
+from mk import backend, exactness, ops, quant, tpu, unpack
 from mk.kernels.common import BlockSizes, default_block, dma_log, vmem_budget
 from mk.kernels.plan import DecodePlan
 from mk.kinds.layers import kinds_at, layer_kinds
@@ -86,6 +86,19 @@ def test_a_quantised_weight_streams_packed_tiles_and_scales_race_free(scheme, fe
     if not exact:  # fp8 fed fp8: the bf16 feed's oracle is visibly another product
         assert np.abs(np.asarray(y - _oracle(x, q, "bf16"))).max() > 100 * (
             TOLERANCE["float32"]["atol"] + TOLERANCE["float32"]["rtol"] * np.abs(y).max())
+
+
+@pytest.mark.parametrize("scheme, feed", FEEDS)
+def test_a_float32_kernels_every_feed_multiplies_at_highest_precision(scheme, feed):
+    """Every scheme and feed of a float32 kernel multiplies as float32 at HIGHEST
+    (`mk.ops.exact`): at default precision a chip multiplies in one bf16 pass where
+    interpret mode does not (`mk.exactness`). Before `mk.unpack.fp8_product` converted its
+    codes, fp8 and fp4 fed fp8 did."""
+    block = BlockSizes(slots=2, tile_rows=256, tile_cols=256)
+    call = functools.partial(stream_matmul, block=block, dtype=jnp.float32, feed=feed)
+    assert exactness.default_precision_f32_dots(
+        call, jax.ShapeDtypeStruct((8, 512), jnp.float32),
+        quant.abstract_weight((512, 256), scheme)) == []
 
 
 def test_a_feed_a_scheme_cannot_reach_exactly_is_refused_by_name():
