@@ -116,7 +116,10 @@ _KIMI_PRESETS = {
         channel_decay=True, experts=8, experts_per_token=2, expert_ffn=128,
         moe_layers=(1, 2, 3), norm_topk=True, shared_expert_ffn=128, router_score="sigmoid",
         expert_groups=2, topk_groups=1, routed_scale=2.5),
-    # The release's "Kimi K3" as Kimi Linear. Published (the issue): 93 layers, hidden 7168,
+    # A Kimi-K2-shaped stand-in for the release's "Kimi K3" on Kimi Linear's layers (what
+    # mk called "kimi-k3" before issue 66; the release's own Config is `kimi-k3` below, which
+    # the megakernel cannot run yet, so every kernel, simulator and ledger row of Kimi K3
+    # uses this one). Published (the issue): 93 layers, hidden 7168,
     # MLA every 4th layer (here layers 3, 7, ..., 91, Kimi-Linear-48B's 1-indexed
     # full_attn_layers convention; the rest KDA), 896 experts, 16 per token, vocab 163840,
     # FP4 experts. From Kimi K2's config.json (moonshotai/Kimi-K2-Instruct, as quoted
@@ -126,8 +129,8 @@ _KIMI_PRESETS = {
     # context. From Kimi-Linear-48B-A3B (transformers' KimiLinearConfig defaults): KDA head
     # dim 128, conv width 4, n_group = topk_group = 1. ASSUMED: 64 KDA heads (K2's head
     # count; Kimi-Linear-48B has 32 at hidden 2304), MLA without RoPE as in Kimi Linear.
-    "kimi-k3": lambda: ModelConfig(
-        name="kimi-k3", vocab=163_840, hidden=7168, layers=93, heads=64, kv_heads=64,
+    "kimi-k2-shaped": lambda: ModelConfig(
+        name="kimi-k2-shaped", vocab=163_840, hidden=7168, layers=93, heads=64, kv_heads=64,
         head_dim=192, ffn=18_432, qk_norm=False, rms_eps=1e-6, max_position=131_072,
         layer_types=_every_fourth_full(93),
         latent_rank=512, q_rank=1536, rope_dim=64, value_dim=128, linear_key_heads=64,

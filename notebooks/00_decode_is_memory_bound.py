@@ -299,7 +299,7 @@ for u, s in zip(uniform, shared):
 # of each layer, synchronisation between the stages of a layer, uneven expert load across
 # devices, and HBM bandwidth below the datasheet peak. This notebook cannot tell them apart;
 # the simulator and profiles of later notebooks try to. The floors are for presets rebuilt
-# from the released models' published shapes (`kimi-k3`: Kimi Linear's MLA, KDA and
+# from the released models' published shapes (`kimi-k2-shaped`: Kimi Linear's MLA, KDA and
 # shared-expert MoE; `qwen3.5-27b`: Qwen3.5's gated DeltaNet), with the dimensions the
 # release does not state taken from their public relatives or marked assumed in
 # `mk.config`; their weights are random, so only the bytes and shapes are theirs.
