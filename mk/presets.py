@@ -171,6 +171,20 @@ _KIMI_PRESETS = {
 # rope_theta is unused (NoPE); ASSUMED: max_position 131072 (not stated; the release's
 # benchmarks cache 1152 positions).
 _K3_PRESETS = {
+    # Tiny Kimi K3: every K3 feature at TPU-legal shapes (head dims 128, MLA's 128 + 64,
+    # widths multiples of 128): KDA, KDA, KDA, MLA, MLA (the release's pattern: full at 3
+    # and the last layer), a dense first layer then latent MoE (a latent of 128, half of
+    # D as in K3), residual blocks of 2 layers (three blocks begin: at 0, 2 and 4).
+    "tiny-k3": lambda: ModelConfig(
+        name="tiny-k3", vocab=512, hidden=256, layers=5, heads=2, kv_heads=2, head_dim=192,
+        ffn=512, qk_norm=False, rms_eps=1e-5, dtype="bfloat16", max_position=4096,
+        max_context=256, layer_types=("linear", "linear", "linear", "full", "full"),
+        latent_rank=128, q_rank=128, rope_dim=64, value_dim=128, attn_output_gate=True,
+        linear_key_heads=2, linear_value_heads=2, linear_key_dim=128, linear_value_dim=128,
+        conv_kernel=4, channel_decay=True, kda_full_gate=True, kda_gate_bound=-5.0,
+        experts=8, experts_per_token=2, expert_ffn=128, moe_layers=(1, 2, 3, 4),
+        norm_topk=True, shared_expert_ffn=128, router_score="sigmoid", routed_scale=1.0,
+        moe_latent=128, situ_beta=4.0, situ_linear_beta=25.0, residual_block=2),
     "kimi-k3": lambda: ModelConfig(
         name="kimi-k3", vocab=163_840, hidden=7168, layers=93, heads=96, kv_heads=96,
         head_dim=192, ffn=33_792, qk_norm=False, rms_eps=1e-5, max_position=131_072,
