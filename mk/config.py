@@ -209,7 +209,8 @@ class ModelConfig:
     linear_key_dim: int = 0  # Hk
     linear_value_dim: int = 0  # Hv
     conv_kernel: int = 0  # W, taps of the depthwise causal conv over q/k/v channels
-    attn_output_gate: bool = False  # full attention's output * sigmoid(h @ wq_gate)
+    # full attention's output * sigmoid(h @ wq_gate); MLA's (Kimi K3's): * sigmoid(h @ wg)
+    attn_output_gate: bool = False
     partial_rotary_factor: float = 1.0  # RoPE rotates the first H * factor dims
     norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + weight); 1 in Qwen3.5
     # Kimi Linear (transformers' kimi_linear). latent_rank > 0: every full layer is MLA

@@ -329,13 +329,7 @@ WEIGHTS = (
     _w("lm_head", "model", lambda c: (c.hidden, c.vocab), "lm_head", "ring", "vocab",
        quant="lm_head", hf=_everywhere("lm_head.weight"),
        when=lambda c: not c.tie_embeddings),
-    # the mix of the residual sources before the final norm (attention residuals)
-    _w("output_res_norm", "model", lambda c: (c.hidden,), "norms", "vector", "whole",
-       hf={"kimi": "{model}output_attn_res_norm.weight"}, when=lambda c: c.residual_block),
-    _w("output_res_proj", "model", lambda c: (c.hidden, 1), "norms", "vector", "whole",
-       hf={"kimi": "{model}output_attn_res_proj.weight"}, when=lambda c: c.residual_block),
     *_layer("layer"),
-    *_layer("res_layer"),
     # -- grouped-query attention (Qwen3; Qwen3.5's q_proj also holds the output gate) ----
     *_gqa_projections("gqa", "qwen")[:3],
     _w("wq_gate", "gqa", lambda c: (c.hidden, c.q_width), "attention", "ring", "columns",
@@ -410,6 +404,14 @@ WEIGHTS = (
        "ffn_columns", hf={"gpt_oss": "mlp.experts.gate_up_proj_bias"}),
     _w("be_down", "clamped_moe", lambda c: (c.experts, c.hidden), "experts", "dma", "whole",
        hf={"gpt_oss": "mlp.experts.down_proj_bias"}),
+    # -- Kimi K3's attention residuals, last so that every other weight keeps its colour
+    #    (`mk.colours`: a family's palette in table order): the mix of the residual
+    #    sources before the final norm, and each layer's ----------------------------------
+    _w("output_res_norm", "model", lambda c: (c.hidden,), "norms", "vector", "whole",
+       hf={"kimi": "{model}output_attn_res_norm.weight"}, when=lambda c: c.residual_block),
+    _w("output_res_proj", "model", lambda c: (c.hidden, 1), "norms", "vector", "whole",
+       hf={"kimi": "{model}output_attn_res_proj.weight"}, when=lambda c: c.residual_block),
+    *_layer("res_layer"),
 )
 
 
