@@ -131,7 +131,7 @@ class HybridCache(NamedTuple):
     state: jax.Array  # [Ll, B, Nv, Hk, Hv] float32
 
 
-@_cache_type("mla", "kda")
+@_cache_type("mla", "kda", "gated_mla", "bounded_kda")
 class LatentCache(NamedTuple):
     latent: jax.Array  # [La, B, S, R + Hr] config.dtype
     conv: jax.Array  # [Ll, B, W-1, C] config.dtype

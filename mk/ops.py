@@ -9,9 +9,11 @@ softmax router and the MoE block (`route`, `moe`), DeepSeek-V3 / Kimi's grouped 
 router (`route_grouped`), the weighted sum of chosen experts (`mix_experts`: every
 expert's output, `expert_outputs`, routed by `combine_experts`), gpt-oss's router
 (`route_logits`) and biased clamped-SwiGLU experts (`clamped_swiglu`,
-`mix_biased_experts`, `biased_expert_outputs`). Not here: anything that reads a config or
-a parameter dict (a layer, the lm_head, the caches, greedy decoding: `mk.reference`), the
-gated DeltaNet's math (`mk.linear_attention`), kernels (`mk.kernels`).
+`mix_biased_experts`, `biased_expert_outputs`); Kimi K3's SiTU activation (`situ`,
+`gated_mlp`) and its attention residuals' mix (`attention_residual`). Not here: anything
+that reads a config or a parameter dict (a layer, the lm_head, the caches, greedy
+decoding: `mk.reference`), the gated DeltaNet's math (`mk.linear_attention`), kernels
+(`mk.kernels`).
 
 Numerics (kernels mirror these cast points, so their tolerances stay tight):
 - norms, RoPE, softmax and routers are float32;
@@ -148,6 +150,44 @@ def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax
     return matmul(h, down)
 
 
+def silu_product(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """SwiGLU's activation of the projections gate and up: silu(gate) * up."""
+    return jax.nn.silu(gate) * up
+
+
+def situ(gate: jax.Array, up: jax.Array, beta: float, linear_beta: float) -> jax.Array:
+    """Kimi K3's SiTU of the projections gate and up (float32): SiLU with its input
+    soft-capped, beta tanh(gate / beta) sigmoid(gate), times up soft-capped,
+    linear_beta tanh(up / linear_beta) (the release's `_gated_activation`, beta 4 and
+    25)."""
+    gate, up = gate.astype(F32), up.astype(F32)
+    beta, linear_beta = np.float32(beta), np.float32(linear_beta)
+    return (beta * jnp.tanh(gate / beta) * jax.nn.sigmoid(gate)
+            * linear_beta * jnp.tanh(up / linear_beta))
+
+
+def gated_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
+              activation=silu_product) -> jax.Array:
+    """down(activation(x @ gate, x @ up)); x [M, D] -> [M, D] float32 (`swiglu` with the
+    activation given: SiTU's, `situ`, in Kimi K3)."""
+    return matmul(activation(matmul(x, gate), matmul(x, up)), down)
+
+
+def attention_residual(sources: jax.Array, norm: jax.Array, proj: jax.Array,
+                       eps: float) -> jax.Array:
+    """Kimi K3's attention residuals: a softmax mix of the residual sources [S, ..., D]
+    (the completed blocks' sums, then the current block's) -> [..., D] float32. Source s
+    scores (RMSNorm(v_s) * norm) @ proj (proj [D, 1]: a learned query), the sources
+    weighted by the softmax of their scores over s, unnormed (the release's
+    `attention_residual`, its norm and projection folded there)."""
+    values = sources.astype(F32)
+    query = norm.astype(F32) * proj.astype(F32)[:, 0]
+    scores = jnp.sum(values * query, axis=-1) * lax.rsqrt(
+        jnp.mean(values * values, axis=-1) + eps)
+    return jnp.einsum("s...,s...d->...d", jax.nn.softmax(scores, axis=0), values,
+                      precision=HIGHEST)
+
+
 def route(x: jax.Array, router: jax.Array, top_k: int, renormalise: bool):
     """Softmax router: x [M, D] -> (weights [M, X] float32, experts [M, X] int32).
 
@@ -194,19 +234,23 @@ def route_grouped(x: jax.Array, router, bias, top_k: int, groups: int, topk_grou
     return weights * np.float32(scale), experts
 
 
-def mix_experts(x: jax.Array, weights, experts, we_gate, we_up, we_down) -> jax.Array:
-    """sum_j weights[:, j] * expert_{experts[:, j]}(x) for x [M, D] -> [M, D] float32."""
-    return combine_experts(weights, experts, expert_outputs(x, we_gate, we_up, we_down))
+def mix_experts(x: jax.Array, weights, experts, we_gate, we_up, we_down,
+                activation=silu_product) -> jax.Array:
+    """sum_j weights[:, j] * expert_{experts[:, j]}(x) for x [M, D] -> [M, D] float32, each
+    expert down(activation(x @ gate, x @ up)) (SwiGLU's unless given)."""
+    return combine_experts(weights, experts,
+                           expert_outputs(x, we_gate, we_up, we_down, activation))
 
 
-def expert_outputs(x: jax.Array, we_gate, we_up, we_down) -> jax.Array:
-    """Every expert's SwiGLU of every row: x [M, D], weights [E, D, F] / [E, F, D] ->
-    [M, E, D] float32. Each expert's rows are its own batch of the dots, so a slice of the
-    experts gives the same bits as the whole (what `mk.reference` relies on to make a
-    quantised layer's values a slice of experts at a time)."""
+def expert_outputs(x: jax.Array, we_gate, we_up, we_down, activation=silu_product
+                   ) -> jax.Array:
+    """Every expert's down(activation(x @ gate, x @ up)) of every row: x [M, D], weights
+    [E, D, F] / [E, F, D] -> [M, E, D] float32. Each expert's rows are its own batch of the
+    dots, so a slice of the experts gives the same bits as the whole (what `mk.reference`
+    relies on to make a quantised layer's values a slice of experts at a time)."""
     gate = dot("md,edf->mef", x, we_gate, we_gate.dtype)
     up = dot("md,edf->mef", x, we_up, we_up.dtype)
-    return dot("mef,efd->med", jax.nn.silu(gate) * up, we_down, we_down.dtype)
+    return dot("mef,efd->med", activation(gate, up), we_down, we_down.dtype)
 
 
 def combine_experts(weights, experts, outputs) -> jax.Array:

@@ -46,7 +46,7 @@ Assumptions, each stated where it is used:
   holds a MoE layer's 4-byte-per-expert flags copy (VMEM to SMEM, not HBM).
 - Weight storage: config.dtype, but the format groups of `formats` (the one precision
   knob: {"dense" | "experts" | "lm_head": an mk.quant scheme}, default the config's own,
-  e.g. kimi-k3's FP4 experts) at their packed bytes plus scales per tile
+  e.g. kimi-k2-shaped's FP4 experts) at their packed bytes plus scales per tile
   (`mk.quant.tile_bytes`: FP4 0.5 + 1/32 bytes a value), at any tp (as the kernel packs them
   on every shard: `mk.kernels.plan.packed_formats`); the embedding, router, norms and KV
   cache stay in theirs. Formats change the bytes and, in the tile floor, the table row

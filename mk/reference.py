@@ -15,7 +15,12 @@ array-level blocks of `mk.ops`, one oracle per layer kind (by its `mk.weights` k
     dense, moe, clamped_moe   `mlp_block` around `MLPS`: SwiGLU; routed experts under a
               softmax top-k router or a grouped sigmoid router, plus a shared expert;
               gpt-oss's biased router and clamped-SwiGLU experts
-(`MIXER_LAYERS` and `MLPS` are the tables `forward` dispatches on.) A variant inside a
+Kimi K3's kinds (issue 66; no kernel runs them yet): gated_mla (`mla_mixer`'s output gate,
+`output_gate`), bounded_kda (`mk.linear_attention.kda_decay`'s bound, a full-rank output
+gate), situ_dense and latent_moe (`situ_dense_mlp`, `latent_moe_mlp`: SiTU, the latent
+MoE), res_layer (`residual_layers`: attention residuals instead of a plain stream).
+(`MIXER_LAYERS` and `MLPS` are the tables `forward` dispatches on; `MIXERS` and `MLPS`
+under attention residuals.) A variant inside a
 kind follows the weights the model has (`mk.weights`): QK norm when it has `q_norm`, the
 output gate with `wq_gate`, biases with `bq` .. `bo`, sinks with `sinks` (a sliding window
 where `ModelConfig.window` says), MLA's q low rank with `wq_a`, the sigmoid router with
@@ -56,8 +61,9 @@ from jax import lax
 from mk import linear_attention as la
 from mk.cache import KVCache, LinearRows, check_cache, has_states, init_cache
 from mk.config import ModelConfig, positive_int
-from mk.ops import (attention, biased_expert_outputs, combine_experts, expert_outputs, matmul,
-                    rms_norm, rope, route, route_grouped, route_logits, swiglu, write_rows)
+from mk.ops import (attention, attention_residual, biased_expert_outputs, combine_experts,
+                    expert_outputs, gated_mlp, matmul, rms_norm, rope, route, route_grouped,
+                    route_logits, situ, swiglu, write_rows)
 from mk.unpack import dequantize_tile
 from mk.weights import kind_of, param_shapes
 
@@ -202,9 +208,37 @@ def experts_of(outputs, params, names, i, h, *args) -> jax.Array:
     return jnp.moveaxis(out, 0, 1).reshape(h.shape[0], E, -1)
 
 
+def situ_of(config: ModelConfig):
+    """Kimi K3's activation of an MLP's gate and up projections (`mk.ops.situ`) at the
+    config's betas."""
+    return functools.partial(situ, beta=config.situ_beta, linear_beta=config.situ_linear_beta)
+
+
+def situ_dense_mlp(config: ModelConfig, params, i: int, h) -> jax.Array:
+    """Kimi K3's dense layer i: SiTU of its normed rows h [M, D] -> [M, D] float32."""
+    return gated_mlp(h, params["w_gate"][i], params["w_up"][i], params["w_down"][i],
+                     situ_of(config))
+
+
+def latent_moe_mlp(config: ModelConfig, params, i: int, h) -> jax.Array:
+    """Kimi K3's latent MoE layer i of its normed rows h [M, D] -> [M, D] float32: the
+    router (`routes`) scores h; the chosen SiTU experts run on the latent z = h @
+    latent_down [M, Lt]; their weighted sum is RMS-normed (latent_norm) and projected back
+    with latent_up; the SiTU shared expert runs on h (the release's `moe`)."""
+    activation = situ_of(config)
+    z = matmul(h, params["latent_down"][i])
+    y = combine_experts(*routes(config, params, i, h), experts_of(
+        expert_outputs, params, ("we_gate", "we_up", "we_down"), i, z, activation))
+    y = matmul(rms_norm(y, params["latent_norm"][i], config.rms_eps),
+               params["latent_up"][i])
+    return y + gated_mlp(h, params["ws_gate"][i], params["ws_up"][i], params["ws_down"][i],
+                         activation)
+
+
 # Each MLP kind's oracle, by its `mk.weights` kind name: (config, params, its row i in the
 # kind's stack, normed rows h [M, D]) -> [M, D] float32.
-MLPS = {"dense": dense_mlp, "moe": moe_mlp, "clamped_moe": clamped_moe_mlp}
+MLPS = {"dense": dense_mlp, "moe": moe_mlp, "clamped_moe": clamped_moe_mlp,
+        "situ_dense": situ_dense_mlp, "latent_moe": latent_moe_mlp}
 
 
 def linear_decoder_layer(config: ModelConfig, params, layer: int, x, conv_state, state):
@@ -221,22 +255,33 @@ def linear_decoder_layer(config: ModelConfig, params, layer: int, x, conv_state,
 
 
 # Each linear kind's token mixer, by its `mk.weights` kind name (`mk.linear_attention`).
-LINEAR_MIXERS = {"deltanet": la.linear_attention, "kda": la.kimi_delta_attention}
+LINEAR_MIXERS = {"deltanet": la.linear_attention, "kda": la.kimi_delta_attention,
+                 "bounded_kda": la.kimi_delta_attention}
 
 
 def mla_decoder_layer(config: ModelConfig, params, layer: int, x, latent_cache, positions):
     """A multi-head latent attention decoder layer (Kimi Linear's full layers, NoPE as in
-    transformers); x [B, T, D] float32, latent_cache [B, S, R + Hr] of this layer.
-
-    The cache holds RMSNorm(x @ wkv_a[:R]) and the shared key part x @ wkv_a[R:]; every step
-    expands it to per-head keys [nope | shared part] and values with wkv_b (the oracle's
-    plain form; a kernel absorbs wkv_b into q and the output instead). Returns (x,
-    latent_cache, x_after_attn).
+    transformers); x [B, T, D] float32, latent_cache [B, S, R + Hr] of this layer. The
+    mixer is `mla_mixer`. Returns (x, latent_cache, x_after_attn).
     """
-    B, T, _ = x.shape
-    N, H, R, Hr = config.heads, config.head_dim, config.latent_rank, config.rope_dim
     _, a = config.mixer_index(layer)
     h = rms_norm(x, params["attn_norm"][layer], config.rms_eps, width=config.norm_width)
+    y, latent_cache = mla_mixer(config, params, a, h, latent_cache, positions)
+    x = x + y
+    return mlp_block(config, params, layer, x), latent_cache, x
+
+
+def mla_mixer(config: ModelConfig, params, a: int, h, latent_cache, positions):
+    """MLA layer a's token mixer on its normed rows h [B, T, D] -> (y [B, T, D] float32,
+    latent_cache [B, S, R + Hr]).
+
+    The cache holds RMSNorm(h @ wkv_a[:R]) and the shared key part h @ wkv_a[R:]; every
+    step expands it to per-head keys [nope | shared part] and values with wkv_b (the
+    oracle's plain form; a kernel absorbs wkv_b into q and the output instead). Kimi K3's
+    ("gated_mla", its weight wg) gates each head's output by sigmoid(h @ wg) before wo.
+    """
+    B, T, _ = h.shape
+    N, H, R, Hr = config.heads, config.head_dim, config.latent_rank, config.rope_dim
     q, latent = mla_projections(config, params, a, h)
     latent_cache = write_rows(latent_cache[:, None], latent[:, :, None], positions)[:, 0]
     S = latent_cache.shape[1]
@@ -246,8 +291,15 @@ def mla_decoder_layer(config: ModelConfig, params, layer: int, x, latent_cache, 
     v = kv[..., H - Hr:].transpose(0, 2, 1, 3)
     dtype = latent_cache.dtype
     o = attention(q, k.astype(dtype), v.astype(dtype), positions).reshape(B, T, -1)
-    x = x + matmul(o, params["wo"][a])
-    return mlp_block(config, params, layer, x), latent_cache, x
+    if "wg" in params:  # Kimi K3's output gate
+        o = output_gate(o, h, params["wg"][a])
+    return matmul(o, params["wo"][a]), latent_cache
+
+
+def output_gate(o, h, wg) -> jax.Array:
+    """Kimi K3's MLA output gate: the heads' outputs o [..., N*Ho] times sigmoid(h @ wg)
+    of the layer's normed rows h [..., D] (the release's `mla`), float32."""
+    return o.astype(F32) * jax.nn.sigmoid(matmul(h, wg))
 
 
 def mla_projections(config: ModelConfig, params, a: int, h):
@@ -310,7 +362,70 @@ def _linear(config: ModelConfig, params, layer: int, x, cache, i: int, positions
 # cache, its row i in the kind's stack, positions) -> (x, the new values of the cache
 # fields it owns at row i, x after the mixer).
 MIXER_LAYERS = {"gqa": _full, "sink_gqa": _full, "mla": _latent, "deltanet": _linear,
-                "kda": _linear}
+                "kda": _linear, "gated_mla": _latent, "bounded_kda": _linear}
+
+
+def _latent_mixer(config: ModelConfig, params, h, cache, i: int, positions):
+    y, latent = mla_mixer(config, params, i, h, cache.latent[i], positions)
+    return y, dict(latent=latent)
+
+
+def _linear_mixer(mixer):
+    def run(config: ModelConfig, params, h, cache, i: int, positions):
+        y, conv, state = mixer(config, params, i, h, cache.conv[i], cache.state[i])
+        return y, dict(conv=conv, state=state)  # the states after each row
+    return run
+
+
+# The token mixers attention residuals run (`residual_layers`), by kind name: (config,
+# params, normed rows h [B, T, D], cache, the layer's row i in its kind's stack, positions)
+# -> (y [B, T, D] float32, the new values of the cache fields it owns at row i).
+MIXERS = {"mla": _latent_mixer, "gated_mla": _latent_mixer} | {
+    kind: _linear_mixer(mixer) for kind, mixer in LINEAR_MIXERS.items()}
+
+
+def residual_layers(config: ModelConfig, params, cache, x, positions):
+    """Every layer of a model with attention residuals (Kimi K3's "res_layer" kind: the
+    release's `stack`) from the embedding x [B, T, D] -> (the final mix [B, T, D], the
+    cache fields' new values per layer, the residual sums after each layer's mixer and
+    MLP: the taps).
+
+    The residual stream is a list of blocks: the embedding, then the sum of each
+    completed block's outputs (a block begins every `residual_block` layers, at layer 0
+    first), and the current block's partial sum. A mixer's and an MLP's input is their
+    softmax mix (`mk.ops.attention_residual`, scored by the layer's attn_res_* or
+    mlp_res_* weights), RMS-normed as in any layer; a block's first mixer output replaces
+    the partial sum, every other output adds to it; the lm_head reads the mix scored by
+    output_res_*.
+    """
+    B, T, _ = x.shape
+    eps, offset, width = config.rms_eps, config.norm_offset, config.norm_width
+    blocks, partial, fields, after_attn, after_mlp = [], x, {}, [], []
+
+    def mixed(norm, proj):
+        return attention_residual(jnp.stack([*blocks, partial]), norm, proj, eps)
+
+    for layer in range(config.layers):
+        starts = layer % config.residual_block == 0
+        h = rms_norm(mixed(params["attn_res_norm"][layer], params["attn_res_proj"][layer]),
+                     params["attn_norm"][layer], eps, offset, width)
+        if starts:
+            blocks.append(partial)
+        role, i = config.mixer_index(layer)
+        y, new = MIXERS[kind_of(config, f"{role}_layers")](config, params, h, cache, i,
+                                                           positions)
+        for field, value in new.items():
+            fields.setdefault(field, []).append(value)
+        partial = y if starts else partial + y
+        after_attn.append(partial)
+        role, i = config.mlp_index(layer)
+        h = mlp_input(config, params, layer,
+                      mixed(params["mlp_res_norm"][layer], params["mlp_res_proj"][layer]))
+        partial = partial + MLPS[kind_of(config, f"{role}_layers")](
+            config, params, i, h).reshape(B, T, -1)
+        after_mlp.append(partial)
+    out = mixed(params["output_res_norm"], params["output_res_proj"])
+    return out, fields, after_attn, after_mlp
 
 
 class LayerValues(Mapping):
@@ -385,15 +500,19 @@ def forward(config: ModelConfig, params, cache, tokens, positions, taps=False,
     compile-time benchmark lowers it)."""
     x = params["embed"][tokens].astype(F32)  # [B, T, D]
     fields, after_attn, after_mlp = {}, [], []
-    for layer in range(config.layers):
-        role, i = config.mixer_index(layer)
-        kind = kind_of(config, f"{role}_layers")
-        x, new, x_attn = MIXER_LAYERS[kind](config, LayerValues(params, x), layer, x, cache,
-                                            i, positions)
-        for field, value in new.items():
-            fields.setdefault(field, []).append(value)
-        after_attn.append(x_attn)
-        after_mlp.append(x)
+    if kind_of(config, "layers") == "res_layer":  # attention residuals: Kimi K3's layers
+        x, fields, after_attn, after_mlp = residual_layers(config, LayerValues(params, x),
+                                                           cache, x, positions)
+    else:
+        for layer in range(config.layers):
+            role, i = config.mixer_index(layer)
+            kind = kind_of(config, f"{role}_layers")
+            x, new, x_attn = MIXER_LAYERS[kind](config, LayerValues(params, x), layer, x,
+                                                cache, i, positions)
+            for field, value in new.items():
+                fields.setdefault(field, []).append(value)
+            after_attn.append(x_attn)
+            after_mlp.append(x)
     logits = lm_head(config, LayerValues(params, x), x)
     # the fields of the kinds the model has (an all-linear model keeps its empty KV cache)
     fields = {field: jnp.stack(values) for field, values in fields.items()}

@@ -48,7 +48,7 @@ Modelling assumptions (`Assumptions` holds the numbers; none is fitted to a meas
   (`mk.perf.mxu_flops`: 2 * max(M, mxu_rows) * elements / peak, fewer rows than the MXU costing as
   many; the chip's `mxu_rows` from data/chips.csv; peak the device's dense bf16, or fp8 with
   compute="fp8", FLOP/s).
-- Weight formats: a plan's `formats` (default the config's, e.g. kimi-k3's FP4 experts)
+- Weight formats: a plan's `formats` (default the config's, e.g. kimi-k2-shaped's FP4 experts)
   move each tile of their groups at `mk.quant.tile_bytes` (packed data and scales) and
   cost the table's row of their scheme; where the kernel does not pack them (a group with
   a weight moved by whole DMA: `mk.kernels.plan.packed_formats`) this models a kernel that

@@ -350,7 +350,7 @@ def test_the_router_is_split_by_experts_where_the_plan_says_it_pays():
     small routers stay whole (the gather's latency would outweigh the bytes); "whole"
     and "experts" force either. A forced split's shards put back together are the router
     and each device's is its experts' columns."""
-    k3 = mk.preset("kimi-k3")
+    k3 = mk.preset("kimi-k2-shaped")
     assert plan.shard_config(k3, 32).router_columns == 28
     assert plan.shard_config(dataclasses.replace(k3, router_split="whole"),
                              32).router_columns == 0
@@ -441,7 +441,7 @@ def test_kimi_k3s_whole_tp32_shard_compiles_with_fp4_experts_packed():
     T=8: it fits a core's HBM and compiles whole, VMEM in budget, under the issue's 90 s
     (libtpu compiles the layer loop once: its code does not grow with the layers). With
     bf16 experts it is refused by HBM, with the numbers, before any compile."""
-    k3 = mk.preset("kimi-k3")
+    k3 = mk.preset("kimi-k2-shaped")
     report = tpu.compile_megakernel(k3, "tpu7x", tp=32, topology="tpu7x:2x2x4", batch=1,
                                     rows=8, context=4096)
     assert report.ok, report.error

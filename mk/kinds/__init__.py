@@ -12,7 +12,9 @@ itself, and the rooms that run a model loop over the kinds it has.
     mk.kinds.mlp            `Dense` (SwiGLU), `MoE` (softmax or sigmoid router, shared
                             expert), `ClampedMoE` (gpt-oss), `router_after_mixer`
     mk.kinds.layers         `KINDS` (the registry, in stream order), `layer_kinds(config)`,
-                            a layer's kinds and rows, the kernel's per-layer tables
+                            a layer's kinds and rows, the kernel's per-layer tables;
+                            `REFERENCE_ONLY`: the weight table's kinds no kernel runs yet
+                            (Kimi K3's: `layer_kinds` refuses them by name and feature)
     mk.kinds.checks         each kind's checks of a `mk.config.ModelConfig` (run by the
                             config on construction; this module imports no kernel)
     mk.kinds.hf             each kind's reader of its fields from a Hugging Face

@@ -7,7 +7,7 @@ Then the whole layer (`gated_deltanet`) against mk.reference.linear_decoder_laye
 tiny-hybrid (x after the mixer, conv and recurrent states after every row), race-free, and
 on tiny-kimi (Kimi Delta Attention: per-channel decay); a planted unshifted conv state
 and a planted decay per head prove the comparison can fail; the layer compiled for TPU7x
-at the 27B's shape and at kimi-k3's TP32 KDA shard, within VMEM.
+at the 27B's shape and at kimi-k2-shaped's TP32 KDA shard, within VMEM.
 
 Interpret mode checks numerics, DMA/semaphore pairing and races; it says nothing about
 time or the scoped VMEM limit. The compile test covers Mosaic lowering and capacity.
@@ -228,15 +228,16 @@ def test_channel_column_is_an_exact_transpose():
 
 
 def _kimi_k3_tp32_linear_shard():
-    """kimi-k3's KDA layer as one of 32 tensor-parallel devices holds it: 2 of its 64 heads
+    """kimi-k2-shaped's KDA layer as one of 32 tensor-parallel devices holds it: 2 of its 64 heads
     (the low-rank inner projections kda_f_a and kda_g_a whole)."""
-    return dataclasses.replace(mk.preset("kimi-k3"), linear_key_heads=2, linear_value_heads=2)
+    return dataclasses.replace(mk.preset("kimi-k2-shaped"), linear_key_heads=2,
+                               linear_value_heads=2)
 
 
-@pytest.mark.parametrize("shard", ["qwen3.5-27b", "kimi-k3/tp32"])
+@pytest.mark.parametrize("shard", ["qwen3.5-27b", "kimi-k2-shaped/tp32"])
 def test_layer_compiles_for_tpu7x_within_vmem(shard):
     """B = 8, T = 4 (a verification step): the largest buffers are the 2 x T row states.
-    The 27B's gated-DeltaNet layer whole; kimi-k3's KDA layer as its TP32 shard (all 64 of
+    The 27B's gated-DeltaNet layer whole; kimi-k2-shaped's KDA layer as its TP32 shard (all 64 of
     its heads would need more than TPU7x's 64 MiB of VMEM at this B and T)."""
     config = (mk.preset(shard) if shard == "qwen3.5-27b" else _kimi_k3_tp32_linear_shard())
     B, T = 8, 4

@@ -342,7 +342,7 @@ def _missed_followers(stream, slots, following):
 
 
 @pytest.mark.parametrize("name, tp", [("tiny-hybrid", 1), ("tiny-kimi", 1),
-                                      ("qwen3.5-27b", 8), ("kimi-k3", 32)])
+                                      ("qwen3.5-27b", 8), ("kimi-k2-shaped", 32)])
 @pytest.mark.parametrize("slots", [2, 3, 19, 40])
 def test_an_edge_tile_searches_the_kinds_on_where_it_runs_and_drops_their_rivals(name, tp,
                                                                                  slots):
