@@ -42,8 +42,7 @@ from mk.checkpoint import check_values, open_checkpoint
 from mk.config import ModelConfig
 from mk.hf_layout import every, fill_slots
 from mk.kernels.collectives import AXIS
-from mk.kernels.plan import check_tp
-from mk.shards import split_axis, split_index, split_of, tied_lm_head
+from mk.shards import check_tp, split_axis, split_index, split_of, tied_lm_head
 from mk.weights import weights_of
 
 

@@ -32,7 +32,7 @@ Assumptions, each stated where it is used:
   whole tiles, norms in float32, the router whole or split by experts as the plan
   chooses: `mk.kernels.routing.router_columns`); the KV cache moves each
   device's kv heads (replicated when tp > K). So tp must be a split the kernel can make
-  (`mk.kernels.plan.check_tp`). FLOPs are split evenly (each device computes FLOPs / tp).
+  (`mk.shards.check_tp`). FLOPs are split evenly (each device computes FLOPs / tp).
 - Every byte crosses HBM once per step, as the kernel's DMAs move it (the KV bytes of
   `mk.step_bytes.kv_step_bytes`, each full-attention kind's `cache_bytes`, the DMAs its
   simulator twin issues): weights once; each sequence's KV tiles once, whole (the plan's

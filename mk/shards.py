@@ -5,8 +5,9 @@ it; `split_axis` and `split_index` say which axis each cuts and which of its ind
 device holds; a tied model's lm_head is `tied_lm_head`), `shard_cache` and
 `check_sharded_cache` by each cache field's rule in `mk.cache.FIELDS` (`_CACHE_SPLIT`),
 and `split_channels` (a linear layer's conv channels, q | k | v, split by heads: its
-weights' and its conv state's rule). Which device holds which heads and the padding to
-whole tiles are `mk.kernels.plan`'s (`kv_heads_of`, `shard_config`).
+weights' and its conv state's rule). Also here: `check_tp` (the widths tp
+must split) and `kv_heads_of` (which kv heads each device holds); the padding to whole
+tiles is `mk.kernels.plan.shard_config`'s.
 `mk.megakernel.prepare` calls `shard_params` for a plan with tp > 1.
 
 Quantised weights (`mk.quant.QuantWeight`) split by the same rule: `split_index` applies
@@ -33,9 +34,37 @@ from mk import quant, unpack
 from mk.cache import FIELDS, check_cache_type
 from mk.config import ModelConfig
 from mk.kernels.common import padded_width
-from mk.kernels.plan import check_tp, kv_heads_of
+from mk.kernels.collectives import MAX_INDEX, check_devices
 from mk.kernels.routing import router_columns
+from mk.kinds.layers import layer_kinds
 from mk.weights import weights_of
+
+
+def check_tp(config: ModelConfig, tp: int) -> int:
+    """tp as an int after checking every width it splits splits evenly; raises ValueError
+    naming the field."""
+    check_devices(tp)
+    need = dict(heads=config.heads, vocab=config.vocab, hidden=config.hidden)
+    for kind in layer_kinds(config):  # the widths each layer kind splits
+        need |= kind.split_widths()
+    for field, value in need.items():
+        if value % tp:
+            raise ValueError(f"{config.name}: {field}={value} is not a multiple of tp={tp}")
+    K = config.kv_heads
+    if K % tp and tp % K:
+        raise ValueError(f"{config.name}: kv_heads={K} and tp={tp}: one must divide the "
+                         "other (kv heads are split, or replicated on tp/K devices)")
+    if tp > 1 and config.vocab > MAX_INDEX:
+        raise ValueError(f"{config.name}: vocab={config.vocab} over {MAX_INDEX} (token ids "
+                         "travel as float32 in the cross-shard argmax)")
+    return int(tp)
+
+
+def kv_heads_of(config: ModelConfig, tp: int) -> list[list[int]]:
+    """[tp][K_local]: the global kv heads each device holds (replicated when tp > K)."""
+    K = config.kv_heads
+    local, copies = max(K // tp, 1), max(tp // K, 1)
+    return [[(i // copies) * local + j for j in range(local)] for i in range(tp)]
 
 
 def _columns(w, tp: int, pad: bool = False):

@@ -37,8 +37,8 @@ from mk.kernels.collectives import (AXIS, ICI_LATENCY_S, all_reduce_bytes,
                                     check_interpret_devices, choose_algorithm, ici_bandwidth,
                                     rounds as message_rounds, tp_mesh)
 from mk.kernels.common import BlockSizes
-from mk.kernels.plan import DecodePlan, check_tp, shard_config
-from mk.shards import check_sharded_cache, shard_cache
+from mk.kernels.plan import DecodePlan, shard_config
+from mk.shards import check_sharded_cache, check_tp, shard_cache
 
 
 def _specs(tree):

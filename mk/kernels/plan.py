@@ -86,7 +86,8 @@ Adding a VMEM buffer to the megakernel is one line in `_buffers` (its group says
 kernel finds it: "layer" buffers are attributes of the layer scratch, the others are
 their own scratch entry or an operand).
 
-Here: the sharding model (`check_tp`, `shard_config`, `kv_heads_of`), `kv_layout` (a full
+Here: the sharding model (`shard_config`; `check_tp` and `kv_heads_of` are
+`mk.shards`'), `kv_layout` (a full
 layer's cache: K and V heads, or MLA's one latent row), `padded_vocab`, `default_block`
 (with `ring_slots`, `little_slots`, `ring_cover_s`, `kv_depth`), `model_stream` (its
 segments' kinds too), `capacity`, `packed_formats`, `DecodePlan`
@@ -109,8 +110,8 @@ from mk.cache import state_bytes_per_sequence
 from mk.chips import ChipSpec, chip as named_chip
 from mk.config import (DTYPE_BITS, PADDED_FIELDS, ModelConfig, check_formats, check_rows,
                        positive_int)
-from mk.kernels.collectives import (MAX_INDEX, PARTIAL_SUM_BYTES, allreduce_s, check_devices,
-                                    choose_algorithm, collective_buffers, collective_semaphores)
+from mk.kernels.collectives import (PARTIAL_SUM_BYTES, allreduce_s, choose_algorithm,
+                                    collective_buffers, collective_semaphores)
 from mk.kernels.common import (KV_TILE, LANES, SLOTS, VMEM_HEADROOM, VMEM_ROOM, BlockSizes,
                                Buffer, VmemBudget, vmem_budget, vmem_limit_bytes)
 from mk.kernels.deltanet import check_conv_kernel
@@ -118,32 +119,13 @@ from mk.kernels.kv_stream import tile_counts
 from mk.kernels.mlp import expert_slots
 from mk.kernels.one_layer import layer_buffers, layer_scratch, model_block
 from mk.kinds.layers import full_attention, layer_kinds, layer_matrices, segment_kinds
+from mk.shards import check_quantised_splits, check_tp
 from mk.kernels.ring import ring_buffers
 from mk.kernels.stream import TileStream
 from mk.step_bytes import bytes_per_element, shard_weight_bytes, shard_weight_elements
 from mk.weights import param_shapes
 
 # -- The sharding model -------------------------------------------------------------------
-def check_tp(config: ModelConfig, tp: int) -> int:
-    """tp as an int after checking every width it splits splits evenly; raises ValueError
-    naming the field."""
-    check_devices(tp)
-    need = dict(heads=config.heads, vocab=config.vocab, hidden=config.hidden)
-    for kind in layer_kinds(config):  # the widths each layer kind splits
-        need |= kind.split_widths()
-    for field, value in need.items():
-        if value % tp:
-            raise ValueError(f"{config.name}: {field}={value} is not a multiple of tp={tp}")
-    K = config.kv_heads
-    if K % tp and tp % K:
-        raise ValueError(f"{config.name}: kv_heads={K} and tp={tp}: one must divide the "
-                         "other (kv heads are split, or replicated on tp/K devices)")
-    if tp > 1 and config.vocab > MAX_INDEX:
-        raise ValueError(f"{config.name}: vocab={config.vocab} over {MAX_INDEX} (token ids "
-                         "travel as float32 in the cross-shard argmax)")
-    return int(tp)
-
-
 def shard_config(config: ModelConfig, tp: int, formats=None) -> ModelConfig:
     """The model one device holds (module docstring): N/tp heads, max(K/tp, 1) kv heads,
     V/tp, and each layer kind's split fields (`Kind.shard_fields`: Nk/tp and Nv/tp linear
@@ -175,13 +157,6 @@ def kv_layout(local: ModelConfig) -> tuple[int, int, int]:
     (K, H, 2) for K and V, (1, R + Hr, 1) for MLA's latent cache (one row every head
     reads as keys and values): its full-attention kind's `kv_layout`."""
     return full_attention(local).kv_layout()
-
-
-def kv_heads_of(config: ModelConfig, tp: int) -> list[list[int]]:
-    """[tp][K_local]: the global kv heads each device holds (replicated when tp > K)."""
-    K = config.kv_heads
-    local, copies = max(K // tp, 1), max(tp // K, 1)
-    return [[(i // copies) * local + j for j in range(local)] for i in range(tp)]
 
 
 # -- The default tiling -------------------------------------------------------------------
@@ -416,7 +391,6 @@ class DecodePlan:
         if kernel and packed != formats:
             quant.check_quantisable(config, formats)  # NotImplementedError
         if kernel and tp > 1:
-            from mk.shards import check_quantised_splits  # here: mk.shards imports this
             check_quantised_splits(config, formats, tp)
         if block is None:
             try:
