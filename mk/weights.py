@@ -404,6 +404,17 @@ def dma_layout(name: str, shape: tuple, dtype) -> tuple[tuple, object]:
     return layout, "float32" if FAMILY[name] == "norms" else dtype
 
 
+def dma_laid_out(name: str, w):
+    """Weight `name`'s stacked values w [L, ...] with each layer as `dma_layout` lays it
+    out (transposed if `TRANSPOSED`); anything but a `jax.Array` (a `mk.quant.QuantWeight`)
+    as it is."""
+    if not isinstance(w, jax.Array):
+        return w
+    shape, dtype = dma_layout(name, w.shape[1:], w.dtype)
+    w = w.swapaxes(-1, -2) if name in TRANSPOSED else w
+    return w.reshape(w.shape[:1] + shape).astype(dtype)
+
+
 # Weights of the kernel's layout, not parameters: two of the table's weights a kind lays
 # side by side in one ring segment (`mk.kinds.mlp.MoE.prepare`: an expert's gate and up
 # where both fit one lane tile, `mk.kernels.joined_experts.gate_up_width`), each of its
