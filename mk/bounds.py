@@ -38,10 +38,8 @@ import dataclasses
 
 import jax
 import numpy as np
-from jax._src import core, source_info_util
-from jax._src.state.indexing import NDIndexer, Slice
-from jax._src.state.types import TransformedRef
 
+from mk.jax_private import NDIndexer, Slice, TransformedRef, core, source_info_util
 from mk.intervals import (TOP, Interval, add, const, empty, floordiv, join, meet, mod,
                           scalar)
 
