@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mk import quant
-from mk.chips import ChipSpec, chip as chip_spec
+from mk.chips import ChipSpec, spec_of
 from mk.config import ModelConfig
 from mk.presets import preset
 from mk.kernels.common import BlockSizes
@@ -460,7 +460,7 @@ def measure(config: ModelConfig, chip: str | ChipSpec, *, tp: int = 1,
     arguments) in a child process with libtpu's bundle dump on (`dump_megakernel`); return
     its report and per-tile loops (none if it did not compile: `TileCost.report` says why).
     Raises RuntimeError if the child fails or a compiled kernel shows no per-tile loop."""
-    spec = chip_spec(chip) if isinstance(chip, str) else chip
+    spec = spec_of(chip)
     if spec.kind != "tpu":
         raise ValueError(f"chip={spec.name!r} is a {spec.kind}: no TPU compile to measure")
     plan = DecodePlan.make(config, tp=tp, batch=batch, rows=rows, context=context,

@@ -170,7 +170,9 @@ def _row_to_spec(row: dict[str, str]) -> ChipSpec:
 
 
 @cache
-def _load(path: Path = CHIPS_CSV) -> dict[str, ChipSpec]:
+def read_chips(path: Path = CHIPS_CSV) -> dict[str, ChipSpec]:
+    """The `ChipSpec`s of a chips.csv by name (default the package's, read once); raises
+    ValueError when two rows share a name."""
     with open(path, newline="", encoding="utf-8") as f:
         specs = [_row_to_spec(row) for row in csv.DictReader(f)]
     names = [s.name for s in specs]
@@ -179,22 +181,28 @@ def _load(path: Path = CHIPS_CSV) -> dict[str, ChipSpec]:
     return {s.name: s for s in specs}
 
 
-CHIP_NAMES: tuple[str, ...] = tuple(_load())
+CHIP_NAMES: tuple[str, ...] = tuple(read_chips())
 
 
 def chip(name: str) -> ChipSpec:
     """The `ChipSpec` called `name`; `CHIP_NAMES` lists them."""
-    specs = _load()
+    specs = read_chips()
     if name not in specs:
         raise ValueError(f"chip={name!r} is not known; choose one of {CHIP_NAMES}")
     return specs[name]
+
+
+def spec_of(which: ChipSpec | str) -> ChipSpec:
+    """`which` as a `ChipSpec`: the one a name names (`chip`), or a spec itself (the
+    modules whose own argument is called `chip` ask for it so)."""
+    return chip(which) if isinstance(which, str) else which
 
 
 def all_chips(kind: str | None = None) -> tuple[ChipSpec, ...]:
     """Every chip in file order, or only those of `kind` ("tpu" or "gpu")."""
     if kind is not None and kind not in KINDS:
         raise ValueError(f"kind={kind!r} must be one of {KINDS} or None")
-    return tuple(s for s in _load().values() if kind is None or s.kind == kind)
+    return tuple(s for s in read_chips().values() if kind is None or s.kind == kind)
 
 
 # jax's device_kind of each TPU in mk/data/chips.csv (the names of

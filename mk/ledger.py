@@ -22,7 +22,7 @@ import dataclasses
 
 from mk import exactness, perf, plots
 from mk.bundles import packed_bundles
-from mk.chips import CLOCK_ENDS, ChipSpec, chip as named_chip
+from mk.chips import CLOCK_ENDS, ChipSpec, spec_of
 from mk.config import ModelConfig, positive_int
 from mk.errors import shown
 from mk.presets import preset as named_preset
@@ -152,7 +152,7 @@ def runs(*, speculative_only: bool = False, batches=None) -> list[Run]:
         rows = VERIFY_ROWS if row.acceptance_length else 1
         context = row.context or 0
         try:
-            spec = named_chip(row.system)
+            spec = spec_of(row.system)
         except ValueError:
             out.append(Run(row, config, None, 0, batch, rows, context))
             continue

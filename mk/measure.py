@@ -49,7 +49,7 @@ import numpy as np
 from mk import backend as backends
 from mk import megakernel, reference
 from mk.checkpoint import init_params
-from mk.chips import DEVICE_KINDS, ChipSpec, all_chips, chip as chip_spec, chip_of  # noqa: F401
+from mk.chips import DEVICE_KINDS, ChipSpec, all_chips, chip_of, spec_of  # noqa: F401
 from mk.config import ModelConfig
 from mk.kernels.common import LANES
 from mk.kernels.dma_probe import CHUNK_ROWS, SIZE_UNIT_BYTES, chunk_rows, dma_probe
@@ -401,7 +401,7 @@ def example(chip: str | ChipSpec, *, dma_latency_s: float, hbm_share: float = 1.
     bandwidth (one copy: latency + bytes / bandwidth; d in flight: the larger of
     bytes / bandwidth and the one-copy time / d). Not a measurement: it shows what a
     measured file changes."""
-    spec = chip_spec(chip) if isinstance(chip, str) else chip
+    spec = spec_of(chip)
     _number("dma_latency_s", dma_latency_s)
     if not 0 < hbm_share <= 1:
         raise ValueError(f"hbm_share={hbm_share!r} must be in (0, 1]")
@@ -462,7 +462,7 @@ def sim_fields(chip: str | ChipSpec, path: str | os.PathLike | None = None) -> d
     hbm_share, source} from `path`, else from `path_for(chip)` when it exists; {} (the
     assumed defaults) when `path` is None and there is no file. An interpret-mode record
     or another chip's is refused (ValueError)."""
-    spec = chip_spec(chip) if isinstance(chip, str) else chip
+    spec = spec_of(chip)
     if path is None:
         path = path_for(spec.name)
         if not path.exists():

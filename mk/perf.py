@@ -93,7 +93,7 @@ import numpy as np
 
 from mk import feed_costs
 from mk.cache import bytes_per_position, state_bytes_per_sequence
-from mk.chips import ChipSpec, chip as named_chip
+from mk.chips import ChipSpec, spec_of
 from mk.config import DTYPE_BITS, ModelConfig, check_formats, positive_int
 from mk.kernels.collectives import ICI_LATENCY_S, PARTIAL_SUM_BYTES, allreduce_s
 from mk.kernels.one_layer import model_block
@@ -331,7 +331,7 @@ def predict(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: 
     (`mk.step_bytes.shard_weight_bytes`); `ici_latency_s`: one message round of a
     collective (`allreduce_s`).
     """
-    spec = named_chip(chip) if isinstance(chip, str) else chip
+    spec = spec_of(chip)
     context = config.max_context if context is None else context
     accepted = rows if accepted is None else accepted
     _validate_step(config, batch, rows, context, tp, accepted, routing, compute)
@@ -420,7 +420,7 @@ def mxu_floor_ms(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, r
     twice; the delta rule). Perfect sharding over tp devices, as `predict`. On a GPU (no
     mxu_rows) it is `predict`'s FLOP floor. The HBM floor stays `predict(...).hbm_floor_ms`.
     """
-    spec = named_chip(chip) if isinstance(chip, str) else chip
+    spec = spec_of(chip)
     context = config.max_context if context is None else context
     _validate_step(config, batch, rows, context, tp, rows, routing, compute)
     if spec.mxu_rows is None:
@@ -447,7 +447,7 @@ def tile_floor_ms(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1,
     M = B*T rows, over the TensorCore's clock at `clock` ("low" or "high",
     `mk.chips.ChipSpec.clock`). Attention's products and vector work are not in it
     (`mk.sim` has them): the issue time of the weights alone."""
-    spec = named_chip(chip) if isinstance(chip, str) else chip
+    spec = spec_of(chip)
     _validate_step(config, batch, rows, 0, tp, rows, routing, "bf16")
     formats = check_formats(config, config.formats if formats is None else formats)
     m = batch * rows
@@ -472,7 +472,7 @@ def modelled_step_ms(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 
     of tensor parallelism), ms: HBM streams beside the compute lane, whose weight tiles and
     all-reduces are serial. The lane is, on a TPU, the tile floor (`tile_floor_ms`, at the
     `clock` end); on a GPU (no tile table) `predict`'s FLOP floor at `compute`'s rate."""
-    spec = named_chip(chip) if isinstance(chip, str) else chip
+    spec = spec_of(chip)
     kw = dict(batch=batch, rows=rows, tp=tp, routing=routing, formats=formats)
     e = predict(config, spec, context=context, compute=compute, ici_latency_s=ici_latency_s,
                 **kw)
@@ -540,7 +540,7 @@ def conventional(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, r
     router, top-k, expert gate+up, SwiGLU, expert down, combine (MoE), a residual add, and
     two all-reduces when tp > 1; then the final norm, lm_head and argmax. Bytes and FLOPs
     are `predict`'s, split over ops; each op also reads and writes its activations."""
-    spec = named_chip(chip) if isinstance(chip, str) else chip
+    spec = spec_of(chip)
     e = predict(config, spec, batch=batch, rows=rows, context=context, tp=tp,
                 accepted=accepted, routing=routing, compute=compute, formats=formats)
     if not gap_s >= 0:
@@ -603,7 +603,7 @@ def cache_bytes(config: ModelConfig, *, batch: int = 1, context: int | None = No
 def min_chips(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1,
               context: int | None = None, limit: int = 1 << 16) -> int:
     """Smallest power-of-two number of chips whose HBM holds `resident_bytes`."""
-    spec = named_chip(chip) if isinstance(chip, str) else chip
+    spec = spec_of(chip)
     need = resident_bytes(config, batch=batch, context=context)
     chips = 1
     while chips * spec.hbm_bytes < need:

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from mk import feed_costs
 from mk.bundles import (compile_with_dumps, drives_mxu, dump_file, loops, read_bundles,
                         tile_loops, tile_parts)
-from mk.chips import DATA, ChipSpec, chip as chip_spec
+from mk.chips import DATA, ChipSpec, spec_of
 from mk.kernels.weight_streaming import stream_matmul_block
 
 
@@ -76,7 +76,7 @@ def probe_tile(chip: str | ChipSpec, dtype: str, m: int, feed: str = "bf16", *,
     edge loop follows it). Raises ValueError for a GPU or a dtype, feed or m the table
     does not hold, RuntimeError if it does not compile or shows not exactly
     `Ring.matmul`'s per-tile loops."""
-    spec = chip_spec(chip) if isinstance(chip, str) else chip
+    spec = spec_of(chip)
     if spec.kind != "tpu":
         raise ValueError(f"chip={spec.name!r} is a {spec.kind}: no TPU compile to probe")
     for field, value, choices in (("dtype", dtype, feed_costs.DTYPES),
@@ -205,7 +205,7 @@ def probe_clock(chip: str | ChipSpec, shape: tuple[int, int, int] = CLOCK_PROBE_
     dumps on (`compile_with_dumps`) and read its bundles. Raises ValueError for a GPU or a
     shape that is not three positive multiples of 128, RuntimeError if it does not compile
     or its schedule is not straight-line (a loop: bundles would not be cycles)."""
-    spec = chip_spec(chip) if isinstance(chip, str) else chip
+    spec = spec_of(chip)
     if len(shape) == 3 and shape[0] % 128:
         raise ValueError(f"shape={shape!r} must be (M, K, N), positive multiples of 128")
     span, total, ids, seconds = _mxu_span(spec, shape, "bf16", "clock probe", timeout)
@@ -230,7 +230,7 @@ def probe_floor(chip: str | ChipSpec, feed: str, m: int, *,
     span: the `mk.feed_costs.FeedFloor` of the fewest bundles per weight. Raises
     ValueError for a GPU, a feed the chip's MXU does not take (`ChipSpec.mxu_feeds`), an M
     the table does not hold or a shape the MXU does not tile."""
-    spec = chip_spec(chip) if isinstance(chip, str) else chip
+    spec = spec_of(chip)
     if spec.kind == "tpu" and feed not in spec.mxu_feeds:
         raise ValueError(f"feed={feed!r}: {spec.name}'s MXU takes {spec.mxu_feeds}")
     if m not in feed_costs.M_BUCKETS:

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from mk import backend as backends
 from mk import megakernel, perf, quant, reference
-from mk.chips import chip as chip_spec
+from mk.chips import spec_of
 from mk.config import ModelConfig
 from mk.kernels.collectives import (AXIS, ICI_LATENCY_S, all_reduce_bytes,
                                     check_interpret_devices, choose_algorithm, ici_bandwidth,
@@ -148,7 +148,7 @@ def collective_terms(config: ModelConfig, tp: int, chip: str, *, batch: int = 8,
     algorithm's) and HBM floor for the same step. The kernel all-reduces float32 partial
     sums."""
     check_tp(config, tp)
-    spec = chip_spec(chip)
+    spec = spec_of(chip)
     algorithm = choose_algorithm(tp, collective)
     M, rounds = batch * rows, message_rounds(algorithm, tp)
     message = M * config.hidden * 4

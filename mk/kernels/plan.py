@@ -107,7 +107,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mk import quant, unpack
 from mk.cache import state_bytes_per_sequence
-from mk.chips import ChipSpec, chip as named_chip
+from mk.chips import ChipSpec, spec_of
 from mk.config import (DTYPE_BITS, PADDED_FIELDS, ModelConfig, check_formats, check_rows,
                        positive_int)
 from mk.kernels.collectives import (PARTIAL_SUM_BYTES, allreduce_s, choose_algorithm,
@@ -239,7 +239,7 @@ def default_block(local: ModelConfig, context: int, *, slots: int | None = None,
     smallest = min(stream.segment_tile_bytes(s, itemsize)
                    for s in stream.segments + stream.tail)  # what a slot moves, at least
     if slots is None and chip is not None:
-        spec = named_chip(chip) if isinstance(chip, str) else chip
+        spec = spec_of(chip)
         # at most one layer's period: a deeper ring issues the next layer's weight tiles
         # before this layer's KV tiles, which then queue behind them (one DMA queue)
         slots = min(ring_slots(stream, itemsize, spec.device_hbm_bw * cover_s),
@@ -383,7 +383,7 @@ class DecodePlan:
             context = capacity(end) if block is None else -(-end // block.kv_tile) \
                 * block.kv_tile
         context = positive_int("context", context)
-        spec = named_chip(chip) if isinstance(chip, str) else chip
+        spec = spec_of(chip)
         collective = choose_algorithm(tp, collective)
         formats = check_formats(config, config.formats if formats is None else formats)
         packed = packed_formats(config, formats)
@@ -433,7 +433,7 @@ class DecodePlan:
     def vmem_limit(self) -> int:
         """The scoped VMEM the kernel asks Mosaic for (`vmem_limit_bytes` of its buffers),
         at most the VMEM of the chip the plan was made for."""
-        cap = None if self.chip is None else named_chip(self.chip).vmem_bytes
+        cap = None if self.chip is None else spec_of(self.chip).vmem_bytes
         return vmem_limit_bytes(self.buffers.values(), cap)
 
     @property
@@ -559,7 +559,7 @@ class DecodePlan:
         (`ChipSpec.hbm_compile_bytes`, a little under the chip's share): the decode step's
         (weights and KV cache), or with `prompt` the peak of a whole `generate`
         (`generate_parts`: its prefill and its preparing too), before anything is made."""
-        spec = named_chip(chip) if isinstance(chip, str) else chip
+        spec = spec_of(chip)
         hbm, limit = self.hbm_bytes(), spec.hbm_compile_bytes
         try:
             vmem = vmem_budget(f"megakernel {self.local.name}", self.buffers.values(), spec)
