@@ -44,7 +44,9 @@ from mk.kernels.kv_stream import first_kv_tile
 
 TERA = 1e12
 GIGA = 1e9
-_state = {"plotlyjs_embedded": False}
+# What this page (the notebook being run) has had once: plotly.js, embedded by the first
+# `show` (a test sets it to see a figure without the library).
+page_state = {"plotlyjs_embedded": False}
 HEADLESS = "MK_HEADLESS"  # set (to "1") for the kernels of a headless run: `knobs`
 
 
@@ -62,9 +64,9 @@ def show(fig: go.Figure) -> None:
     # unhandled promise rejection is a JavaScript error ("undefined") on the page.
     html = pio.to_html(fig, include_plotlyjs=False, full_html=False, auto_play=False,
                        default_width="100%", default_height=500)
-    if not _state["plotlyjs_embedded"]:
+    if not page_state["plotlyjs_embedded"]:
         html = f"{plotlyjs_script()}\n{html}"
-        _state["plotlyjs_embedded"] = True
+        page_state["plotlyjs_embedded"] = True
     bundle = pio.renderers["plotly_mimetype"].to_mimebundle(fig.to_dict())
     bundle["text/html"] = html
     bundle["text/plain"] = f"<plotly figure: {fig.layout.title.text or 'untitled'}>"

@@ -8,9 +8,10 @@ compute-lane wait here, with the kernel's rules for the ring, switched-off segme
 expert slots. The result, `mk.machine.Simulation`, has the step time, the HBM
 utilisation, a timeline of DMA and compute events and the bubbles with their causes.
 
-Here: `Assumptions` (defined in `mk.machine`), `tile_seconds` (each ring segment's tile
-cost), `active_experts`, `latency_slots` (Little's law), `simulate`, `replay_matmul` (a
-stream of plain matmuls: the synthetic case with a closed form). Not here: the DMA engine,
+Here: `Assumptions` (defined in `mk.machine`), `Replay` (the kernel step by step; its
+fast-forward `FAST_FORWARD`), `tile_seconds` (each ring segment's tile cost),
+`active_experts`, `latency_slots` (Little's law), `simulate`, `replay_matmul` (a stream
+of plain matmuls: the synthetic case with a closed form). Not here: the DMA engine,
 the compute lane and their records (`mk.machine`), each layer kind's twin (`mk.kinds`),
 design sweeps and the published numbers (`mk.review`), drawing (`mk.plots`).
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 import math
 
 from mk import feed_costs, perf, quant
-from mk.chips import ChipSpec, chip as named_chip
+from mk.chips import ChipSpec, spec_of
 from mk.config import (DTYPE_BITS, ModelConfig, check_formats, positive_int)
 from mk.kernels.common import BlockSizes
 from mk.kernels.mlp import expert_slots
@@ -69,13 +70,19 @@ def active_experts(config: ModelConfig, m: int, routing: str | RoutingTrace = "u
 
 
 # -- The replay of the megakernel ----------------------------------------------------------
-# The phases a layer kind acts in; the others are `_Kernel.phase`'s own.
+# The phases a layer kind acts in; the others are `Replay.phase`'s own.
 _KIND_PHASES = {phase for kind in KINDS for phase in kind.phases}
 
 
-class _Kernel:
+# Whether a replay fast-forwards runs of identical tiles (exact: a test switches it off and
+# compares, tests/builders.replay_tile_by_tile).
+FAST_FORWARD = True
+
+
+class Replay:
     """`mk.megakernel.megakernel_kernel`, step by step, on a `Machine`: the ring and the
-    step's frame here, each layer kind's part by its twin (`mk.kinds.base.Twin`)."""
+    step's frame here, each layer kind's part by its twin (`mk.kinds.base.Twin`, which
+    acts on it). `simulate` and `replay_matmul` make one and run it."""
 
     def __init__(self, config, stream: TileStream, machine: Machine, *, m, batch, rows,
                  context, spec, tp, formats, experts_on, prefetch, a: Assumptions,
@@ -85,7 +92,7 @@ class _Kernel:
         self.m, self.batch, self.rows, self.context, self.tp = m, batch, rows, context, tp
         self.collective_algorithm = collective
         self.prefetch, self.experts_on = prefetch, experts_on
-        self.fast = True  # fast-forward runs of identical tiles (tests compare both ways)
+        self.fast = FAST_FORWARD  # fast-forward runs of identical tiles
         self.n = stream.block.slots
         self.peak = perf.peak_flops(spec, a.compute) / spec.cores_per_chip
         self.vpu = spec.bf16_flops / spec.cores_per_chip * a.vpu_flops_ratio
@@ -315,7 +322,7 @@ class _Kernel:
 
 
 def _tpu(chip) -> ChipSpec:
-    spec = named_chip(chip) if isinstance(chip, str) else chip
+    spec = spec_of(chip)
     if spec.kind != "tpu":
         raise ValueError(f"chip={spec.name!r} is a {spec.kind}: the simulator models a TPU "
                          "core's DMA ring and MXU")
@@ -336,7 +343,7 @@ def latency_slots(config: ModelConfig, chip: ChipSpec | str, block: BlockSizes, 
     (`mk.kernels.plan.ring_slots`, Little's law over the stream's own tiles, in config.dtype
     or their scheme of `formats`, default the config's) with bandwidth x latency in
     flight, at the assumed share of one core's bandwidth."""
-    spec = named_chip(chip) if isinstance(chip, str) else chip
+    spec = spec_of(chip)
     a = assumptions or Assumptions()
     formats = check_formats(config, config.formats if formats is None else formats)
     stream = model_stream(config, block, 1, formats)
@@ -386,7 +393,7 @@ def simulate(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows:
                              "slots of the stream)")
     bw = spec.device_hbm_bw * a.hbm_share
     machine = Machine(bw, a.dma_latency_s)
-    kernel = _Kernel(plan.local, plan.stream, machine, m=plan.M, batch=batch, rows=rows,
+    kernel = Replay(plan.local, plan.stream, machine, m=plan.M, batch=batch, rows=rows,
                      context=context, spec=spec, tp=plan.tp, formats=dict(plan.formats),
                      experts_on=on, prefetch=cross_layer_prefetch, a=a, vocab=plan.vocab,
                      collective=plan.collective)
@@ -414,7 +421,7 @@ def replay_matmul(stream: TileStream, chip: ChipSpec | str, *, rows: int = 1,
     a = assumptions or Assumptions()
     bw = spec.device_hbm_bw * a.hbm_share
     machine = Machine(bw, a.dma_latency_s)
-    kernel = _Kernel(None, stream, machine, m=rows, batch=rows, rows=1, context=0,
+    kernel = Replay(None, stream, machine, m=rows, batch=rows, rows=1, context=0,
                      spec=spec, tp=1, formats={},
                      experts_on=0, prefetch=cross_layer_prefetch, a=a, vocab=0)
     kernel.run_matmuls()
