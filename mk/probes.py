@@ -1,28 +1,18 @@
 """Small compiles that each read one number from libtpu's schedule.
 
-Two probes, each a tiny kernel compiled for one TensorCore of a TPU in a child process
-with libtpu's bundle dump on (`mk.bundles.compile_with_dumps`, the one reader of the
-dumps), recorded in data/ with the libtpu version and re-checked by tests:
-
-- One weight tile by storage, feed and M: `probe_tile(chip, dtype, m, feed)` ->
-  `mk.feed_costs.FeedCost` (the stage-01 ring kernel over one weight, `TILE_PROBE_SHAPE`,
-  compiled with the weight kept in HBM, `KEEP_IN_HBM`: one trip of its steady per-tile
-  loop), the rows of the tile cost table that `mk.sim` and `mk.perf` charge
-  (`benchmarks/tile_feed_costs.py` records them; `mk.feed_costs` reads them).
-- The clock a schedule implies: `probe_clock(chip)` -> `ClockProbe` (one straight-line
-  bf16 matmul compiled for the chip: the clock at which its bundles would run at the
-  datasheet bf16 peak, one end of the chip's clock range in data/chips.csv; recorded in
-  data/clock_probes.json, `recorded_clock_probes()`, by `benchmarks/clock_probe.py`).
-- The feed floor: `probe_floor(chip, feed, m)` -> `mk.feed_costs.FeedFloor`
-  (the same straight-line matmul at decode M over a few weight shapes, its weight
-  already in VMEM in the feed's dtype: no ring, no decode, no scales; the fewest bundles
-  per weight libtpu schedules for taking a weight into the MXU with nothing else to do;
-  a ring loop may do better (at M 64 on v5e and v5p it did with 4096 x 256 tiles), and
-  `mk.feed_costs.feed_floor_per_element` takes the lesser; recorded in
-  data/feed_floors.json by `benchmarks/tile_feed_costs.py --floors`).
+Each probe is a tiny kernel compiled for one TensorCore of a TPU in a child process with
+libtpu's bundle dump on (`mk.bundles.compile_with_dumps`), recorded in data/ with the
+libtpu version and re-checked by tests:
+- `probe_tile(chip, dtype, m, feed)` -> `mk.feed_costs.FeedCost`: one weight tile's cost
+  by storage, feed and M, the rows of the tile cost table `mk.sim` and `mk.perf` charge;
+- `probe_clock(chip)` -> `ClockProbe`: the clock a straight-line bf16 matmul's schedule
+  implies at the datasheet peak (data/clock_probes.json, `recorded_clock_probes()`);
+- `probe_floor(chip, feed, m)` -> `mk.feed_costs.FeedFloor`: the fewest bundles per weight
+  element of a matmul with its weight already in VMEM.
 
 Not here: a whole megakernel's per-tile loops and schedule (`mk.bundles.measure`,
-`dump_schedule`), the compile itself (`mk.tpu`).
+`dump_schedule`), the compile itself (`mk.tpu`). Each probe's kernel and what its number
+means: docs/design/mk.probes.md.
 """
 
 from __future__ import annotations
