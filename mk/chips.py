@@ -1,33 +1,19 @@
-"""Accelerator specifications: `ChipSpec`, `chip(name)`, `CHIP_NAMES`, `all_chips()`.
+"""Accelerator specifications: `ChipSpec`, `chip(name)`, `spec_of`, `CHIP_NAMES`,
+`all_chips()`, `read_chips`, and a jax device kind's chip (`chip_of`).
 
 One row of `mk/data/chips.csv` per chip: vendor peak numbers (HBM size and bandwidth, dense
-bf16 and fp8 FLOP/s, interconnect bandwidth) plus, for TPUs, the VMEM per core that the
-libtpu compiler enforces, the side of the (square, weight-stationary) MXU and how many a
-TensorCore has (JAX's `tpu_info`; the dumps address as many), the weight dtypes its MXU
-takes beside bf16 activations (`mxu_feeds`, `MXU_FEEDS`: from JAX's
-`tpu_info.TpuInfo.is_matmul_supported`, jax 0.10.2: generation 7 multiplies bf16 by
-float8_e4m3fn, generations 5 and 6 only bf16 by bf16 (their fp8 is e5m2 / e4m3b11fnuz on
-both sides, their int8 int8 x int8); a tpu7x compile of a bf16 x fp8 dot issues
-`vmatpush1.f8e4m3`), the TensorCores per chip,
-the TensorCore's clock as a range (`clock_low_hz`, `clock_high_hz`; `ChipSpec.clock(end)`)
-and the topology name to compile for one chip. Each row names the vendor document it
-comes from.
+bf16 and fp8 FLOP/s, interconnect bandwidth) plus, for TPUs, the VMEM per core, the MXU's
+side and count, the weight dtypes its MXU takes (`mxu_feeds`), the TensorCores per chip,
+the clock as a range (`ChipSpec.clock(end)`: it is not published) and the topology to
+compile for. Each row names the vendor document it comes from.
 
-The clock is not published. One VLIW bundle issues per cycle, so the clock turns the
-compiler's bundle counts into seconds (`mk.bundles`, `mk.sim`), and no one clock is known:
-the range spans the two estimates in the row's notes, which say which end is which. One is
-the datasheet derivation (`ChipSpec.datasheet_clock_hz`: the bf16 peak over TensorCores x
-MXUs x mxu_rows^2 x 2 FLOP, one activation row per MXU per cycle); the other is the clock
-at which libtpu's own schedule of one bf16 matmul would run at that peak
-(`mk.probes.probe_clock`, recorded with the libtpu version in data/clock_probes.json and
-re-checked by tests/test_bundles.py).
+Units: bytes, bytes per second, FLOP per second, all per CHIP; `cores_per_chip` says how
+many JAX devices share the chip's numbers (a TPU7x's two TensorCores are two devices,
+v5p's megacore one).
 
 Not here: anything derived from a model (bytes, FLOPs, floors: `mk.perf`), measured or
-sustained bandwidths (these are datasheet peaks), multi-chip topologies.
-
-Units: bytes, bytes per second, FLOP per second, all per CHIP. A TPU7x chip has two
-TensorCores, each its own JAX device; `cores_per_chip` says how many devices share the
-chip's numbers (v5p's two cores run as one megacore device, so it counts 1).
+sustained bandwidths (these are datasheet peaks), multi-chip topologies. Where the MXU
+feeds and the two ends of the clock range come from: docs/design/mk.chips.md.
 """
 
 from __future__ import annotations
