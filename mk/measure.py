@@ -1,34 +1,18 @@
 """Measure your TPU: DMA latency against size, bandwidth against bytes in flight, one
 megakernel step; the `Measured` record `data/measured/<chip>.json` holds, which the
-simulator reads (`mk.sim.Assumptions.measured`).
+simulator reads (`mk.machine.Assumptions.measured`).
 
-How a number is measured. `mk.kernels.dma_probe` copies `count` chunks HBM -> VMEM with
-`in_flight` copies outstanding; each point runs it with two counts (`Sweep.counts`), timed
-by the wall clock around a blocking call (`jax.block_until_ready`), `repeats` times each,
-and keeps (median time at the larger count - median at the smaller) / the extra copies:
-the steady time per copy, without the call's fixed cost. With one copy in flight that is
-the latency plus the bytes over the bandwidth, so a straight line through the one-in-flight
-points against their size has the latency as its intercept (`Measured.dma_latency_s`, the
-simulator's `dma_latency_s`: a transfer starts moving that long after its issue); with
-more in flight the copies overlap and bytes / time per copy is the bandwidth reached with
-that many bytes in flight (`Measured.hbm_bw`, the best of them, over the datasheet's share
-of one device gives the simulator's `hbm_share`). The megakernel step is timed the same way
-(one warm-up call, then the median of `repeats`), dispatch included.
-
-Where it runs. On a TPU (`mk.backend` "hardware") the record's chip comes from the device
-kind and it is written to `MEASURED/<chip>.json`. On a CPU the same code runs in TPU
-interpret mode: the times are the interpreter's and say nothing about a TPU. Such a record
-has mode "interpret", no chip and the label `INTERPRET_LABEL`, and `write` refuses to put
-it under `MEASURED` or in any file named for a TPU. A third mode, "example", is a record
-made up from a chosen latency and bandwidth share (`example`): what a notebook on a CPU
-feeds the simulator to show what a measured file changes, labelled as made up.
+On a TPU the record's chip comes from the device kind and it is written to
+`MEASURED/<chip>.json`; on a CPU the same code runs in TPU interpret mode, and its record
+(mode "interpret", `INTERPRET_LABEL`) is refused under `MEASURED`; `example` makes up a
+labelled record from a chosen latency and bandwidth share.
 
 Here: `Sweep` (`SWEEPS`), `DmaPoint`, `StepPoint`, `Measured` (`latency_fit`,
 `dma_latency_s`, `hbm_bw`, `hbm_share`, `to_dict`, `from_dict`), `chip_of`,
 `seconds_per_copy`, `dma_sweep`, `time_step`, `measure`, `example`, `path_for`, `write`,
-`load`, `sim_fields` (what `mk.sim.Assumptions.measured` sets). Not here: the
-simulator (`mk.sim`), drawing (the notebook, with `mk.plots`), the JSON schema's prose
-(data/README.md).
+`load`, `sim_fields` (what `Assumptions.measured` sets). Not here: the simulator
+(`mk.sim`), drawing (the notebook, with `mk.plots`), the JSON schema's prose
+(data/README.md). How each number is measured: docs/design/mk.measure.md.
 """
 
 from __future__ import annotations
