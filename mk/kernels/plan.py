@@ -1,99 +1,20 @@
 """The decode plan: one device's decode step as data, read by the kernel, the simulator,
 the performance model and every compile path.
 
-`DecodePlan.make(config, tp=, batch=, rows=, context=, block=None, formats=None)`
-holds, frozen:
+`DecodePlan.make(config, tp=, batch=, rows=, context=, block=None, formats=None)` (the
+one way to make a plan) holds, frozen: the model and its shard (`local`, `shard_config`),
+B x T rows and the context, the quantised `formats` and their MXU `feeds`, the tiling
+`block`, the `TileStream` and every VMEM buffer by name (`buffers`: the budget, the
+kernel's scratch and the simulator's sizes all come from it); it answers `fits(chip)`
+(the one capacity check, before any compile) and `weight_bytes(experts)`.
 
-    config, tp    the whole model and the devices sharing it
-    local         the shard one device holds, as a smaller `ModelConfig` (`shard_config`)
-    batch, rows   B sequences x T rows each (M = B*T activation rows); context = S, the
-                  cache capacity in positions
-    formats       {group: mk.quant scheme} of the format groups stored quantised
-                  ("dense", "experts", "lm_head"; default `config.formats`;
-                  `mk.quant.formats_of` a params dict): every byte count below counts
-                  them (`mk.quant.tile_bytes`), and where the kernel streams them packed
-                  (`packed_formats`: at any tp, groups of ring weights) their segments stream packed
-                  tiles and scales (`mk.kernels.ring`)
-    feeds         {group: feed} of each packed group: what its tiles reach the MXU as
-                  (`mk.unpack.choose_feeds`: "fp8" for fp8 and fp4 where the chip's MXU
-                  takes e4m3, `ChipSpec.mxu_feeds`, else "bf16", dequantised to the
-                  compute dtype; `make(feeds=)` overrides; without a chip "bf16"); the
-                  stream's segments carry it, and `mk.quant.dequantize(params,
-                  feeds=dict(plan.feeds))` is the oracle's weights
-    block         the tiling (`default_block` unless given)
-    stream        the `TileStream`: every weight tile of the step in program order
-    buffers       every VMEM buffer by name (`Buffer`, with its group): the VMEM budget,
-                  the kernel's Pallas scratch (`scratch()`) and the simulator's sizes all
-                  come from this one dict
-
-and answers `fits(chip)` (the one VMEM + HBM capacity check, made before any compile) and
-`weight_bytes(experts)` (the bytes each weight family moves per step on one device, what
-`mk.perf` and `mk.sim` count and the kernel's DMAs move).
-
-The sharding model (what one device holds; each weight's split rule is its row of
-`mk.weights`, `mk.tensor_parallel` lays the arrays out to them):
-
-    attention  N/tp query heads (the output gate's columns with them); K/tp kv heads, or,
-               when tp > K, the one kv head its query heads share (replicated on tp/K
-               devices); MLA: N/tp heads (the up-projections by heads, wo by rows), the
-               low-rank down-projections and their norms replicated, and the latent cache
-               whole on every device (each computes the same latent rows)
-    linear     Nk/tp key heads and Nv/tp value heads of each linear layer (gated DeltaNet
-               or KDA): their q, k and v channels of the projection and the conv, the
-               per-head gates and vectors by heads, out_proj by rows (partial sums,
-               all-reduced as wo's), the conv and recurrent states by the same heads; the
-               gated norm and KDA's low-rank gates' down-projections replicated
-    dense MLP  F/tp columns of gate and up and rows of down, padded to whole 128-lane
-               tiles with zeros (silu(0) * 0 = 0: exact, but the padding is streamed)
-    MoE        every expert on every device, each split the same way (Fe/tp, padded;
-               gate and up joined in one lane tile where each is a sliver of one:
-               `mk.kinds.mlp.MoE.joined`); a shared expert as a dense MLP (Fs/tp,
-               padded); the router whole, or its E/tp experts' rows where that pays
-               (`mk.kernels.routing.router_columns`: the logits all-gathered), so every
-               device routes identically; a sigmoid router's bias whole
-    lm_head    V/tp vocab columns, padded to whole tiles (masked before the argmax)
-    replicated the residual stream, the norms, the embedding table
-
-The default tiling is `mk.kernels.one_layer.model_block` over the shard's matrices
-(`mk.kernels.common.default_block`, the rule every kernel uses), with the cache's context:
-the largest tile of at most `TILE_BYTES` (2 MiB) that cuts each matrix plain or transposed
-(`BlockSizes.cut`: a row-sharded [narrow, D] matrix is stored D-major, so a shard's tiles
-are D x 128 and more), its output panels as wide as every MXU of a core where a tie allows
-(`PANEL_COLS`); each expert slot matrix in a tile of its own and the others in tiles of at
-most `OTHERS_OVER_REPEAT_BYTES` x its bytes, where that makes tiles bigger
-(`BlockSizes.tiles`, `model_block` says when; packed tiles fed bf16 at most
-`QUANT_TILE_ELEMENTS`, fed fp8 as big as the rest: the plan's `feeds` choose), 3 ring slots
-or, for a chip, as many as Little's law asks for `ring_cover_s` at one core's bandwidth
-(`RING_COVER_S`, 2 µs, and at tp > 1 one all-reduce more, so weight DMAs stream through the
-collectives; at most a layer's period of tiles), KV tiles of min(256, S) positions, KV slots
-by `kv_depth`.
-
-The ring's slot count when tiles of different bytes share it. Plain tiles, each scheme's
-packed tiles (data and scales) and each tile shape have buffers of their own, but one slot
-index (tile g in slot g % slots of whichever buffer its segment uses), so every ring
-buffer is slots deep. One rule (`ring_slots`): Little's law on the bytes in flight counted over
-the stream's tile sequence, the fewest slots whose every run of consecutive tiles carries
-bandwidth x cover time. A stream of one tile size gets `little_slots`; a long run of small
-packed tiles asks for hundreds of slots, whose buffers a chip does not hold (Kimi K3's TP32
-shard asked 850 when one 128 x 128 tile served its FP4 experts and the rest; hence
-`model_block`'s tiles matched to the experts': 18 now). So, for a chip (`DecodePlan.make`), the
-ring is the deepest whose buffers leave Mosaic its room (`vmem_limit_bytes`' 1.5 x buffers + 8
-MiB within the core's VMEM), never below the ring covering RING_COVER_S unless that ring does
-not fit the VMEM at all, then down to 2 slots; a kernel's plan that does not fit at 2 is refused
-by name (the simulator's keeps the RING_COVER_S ring: its `fits` says why).
-
-Adding a VMEM buffer to the megakernel is one line in `_buffers` (its group says where the
-kernel finds it: "layer" buffers are attributes of the layer scratch, the others are
-their own scratch entry or an operand).
-
-Here: the sharding model (`shard_config`; `check_tp` and `kv_heads_of` are
-`mk.shards`'), `kv_layout` (a full
-layer's cache: K and V heads, or MLA's one latent row), `padded_vocab`, `default_block`
-(with `ring_slots`, `little_slots`, `ring_cover_s`, `kv_depth`), `model_stream` (its
-segments' kinds too), `capacity`, `packed_formats`, `DecodePlan`
-(`DecodePlan.make`: the one way to make a plan), `Fit`. Not here: bytes by byte family
-(`mk.step_bytes`), the kernel (`mk.megakernel`), the layer's phases (`LAYER_PHASES`),
-sharding arrays (`mk.tensor_parallel`), time (`mk.sim`, `mk.perf`).
+Here: `shard_config` (what one device holds), `kv_layout`, `padded_vocab`,
+`default_block` (with `ring_slots`, `little_slots`, `ring_cover_s`, `kv_depth`),
+`model_stream`, `capacity`, `packed_formats`, `DecodePlan`, `Fit`. Not here: `check_tp`
+and `kv_heads_of` (`mk.shards`), bytes by byte family (`mk.step_bytes`), the kernel
+(`mk.megakernel`), the layer's phases (`LAYER_PHASES`), sharding arrays
+(`mk.tensor_parallel`), time (`mk.sim`, `mk.perf`). The fields, the sharding model kind
+by kind, the default tiling and the ring's slot count: docs/design/mk.kernels.plan.md.
 """
 
 from __future__ import annotations
