@@ -1,34 +1,19 @@
 """Measure your TPU: DMA latency against size, bandwidth against bytes in flight, one
 megakernel step; the `Measured` record `data/measured/<chip>.json` holds, which the
-simulator reads (`mk.sim.Assumptions.measured`).
+simulator reads (`mk.machine.Assumptions.measured`).
 
-How a number is measured. `mk.kernels.dma_probe` copies `count` chunks HBM -> VMEM with
-`in_flight` copies outstanding; each point runs it with two counts (`Sweep.counts`), timed
-by the wall clock around a blocking call (`jax.block_until_ready`), `repeats` times each,
-and keeps (median time at the larger count - median at the smaller) / the extra copies:
-the steady time per copy, without the call's fixed cost. With one copy in flight that is
-the latency plus the bytes over the bandwidth, so a straight line through the one-in-flight
-points against their size has the latency as its intercept (`Measured.dma_latency_s`, the
-simulator's `dma_latency_s`: a transfer starts moving that long after its issue); with
-more in flight the copies overlap and bytes / time per copy is the bandwidth reached with
-that many bytes in flight (`Measured.hbm_bw`, the best of them, over the datasheet's share
-of one device gives the simulator's `hbm_share`). The megakernel step is timed the same way
-(one warm-up call, then the median of `repeats`), dispatch included.
-
-Where it runs. On a TPU (`mk.backend` "hardware") the record's chip comes from the device
-kind and it is written to `MEASURED/<chip>.json`. On a CPU the same code runs in TPU
-interpret mode: the times are the interpreter's and say nothing about a TPU. Such a record
-has mode "interpret", no chip and the label `INTERPRET_LABEL`, and `write` refuses to put
-it under `MEASURED` or in any file named for a TPU. A third mode, "example", is a record
-made up from a chosen latency and bandwidth share (`example`): what a notebook on a CPU
-feeds the simulator to show what a measured file changes, labelled as made up.
+On a TPU the record's chip comes from the device kind and it is written to
+`MEASURED/<chip>.json`; on a CPU the same code runs in TPU interpret mode, and its record
+(mode "interpret", `INTERPRET_LABEL`) is refused under `MEASURED`; `example` makes up a
+labelled record from a chosen latency and bandwidth share.
 
 Here: `Sweep` (`SWEEPS`), `DmaPoint`, `StepPoint`, `Measured` (`latency_fit`,
 `dma_latency_s`, `hbm_bw`, `hbm_share`, `to_dict`, `from_dict`), `chip_of`,
-`seconds_per_copy`, `dma_sweep`, `time_step`, `measure`, `example`, `path_for`, `write`,
-`load`, `sim_fields` (what `mk.sim.Assumptions.measured` sets). Not here: the
-simulator (`mk.sim`), drawing (the notebook, with `mk.plots`), the JSON schema's prose
-(data/README.md).
+`seconds_per_copy`, `dma_sweep`, `time_step_series` (`STEP_SERIES`: the megakernel, its
+device loop, XLA's step; benchmarks/tpu_steps.py), `time_step`, `provenance`, `measure`,
+`example`, `path_for`, `write`, `load`, `sim_fields`. Not here: the simulator
+(`mk.sim`), drawing (the notebook, with `mk.plots`), the JSON schema's prose
+(data/README.md). How each number is measured: docs/design/mk.measure.md.
 """
 
 from __future__ import annotations
@@ -51,7 +36,7 @@ import numpy as np
 from mk import backend as backends
 from mk import megakernel, reference
 from mk.checkpoint import init_params
-from mk.chips import DEVICE_KINDS, ChipSpec, all_chips, chip as chip_spec, chip_of  # noqa: F401
+from mk.chips import DEVICE_KINDS, ChipSpec, all_chips, chip_of, spec_of  # noqa: F401
 from mk.config import ModelConfig
 from mk.kernels.common import LANES
 from mk.kernels.dma_probe import CHUNK_ROWS, SIZE_UNIT_BYTES, chunk_rows, dma_probe
@@ -234,7 +219,7 @@ class Measured:
         if not self.dma or not all(isinstance(p, DmaPoint) for p in self.dma):
             raise ValueError(f"dma ({len(self.dma)} items) must be DmaPoints, at least one")
         if self.chip is not None:  # no copy outruns the datasheet: a faster one is noise
-            limit = chip_spec(self.chip).device_hbm_bw * (1 + 1e-9)
+            limit = spec_of(self.chip).device_hbm_bw * (1 + 1e-9)
             for i, p in enumerate(self.dma):
                 if p.bandwidth > limit:
                     raise ValueError(
@@ -493,7 +478,7 @@ def example(chip: str | ChipSpec, *, dma_latency_s: float, hbm_share: float = 1.
     bandwidth (one copy: latency + bytes / bandwidth; d in flight: the larger of
     bytes / bandwidth and the one-copy time / d). Not a measurement: it shows what a
     measured file changes."""
-    spec = chip_spec(chip) if isinstance(chip, str) else chip
+    spec = spec_of(chip)
     _number("dma_latency_s", dma_latency_s)
     if not 0 < hbm_share <= 1:
         raise ValueError(f"hbm_share={hbm_share!r} must be in (0, 1]")
@@ -555,7 +540,7 @@ def sim_fields(chip: str | ChipSpec, path: str | os.PathLike | None = None) -> d
     hbm_share, source} from `path`, else from `path_for(chip)` when it exists; {} (the
     assumed defaults) when `path` is None and there is no file. An interpret-mode record
     or another chip's is refused (ValueError)."""
-    spec = chip_spec(chip) if isinstance(chip, str) else chip
+    spec = spec_of(chip)
     if path is None:
         path = path_for(spec.name)
         if not path.exists():

@@ -1,50 +1,21 @@
 """The pure-JAX reference decoder: the oracle every kernel is checked against.
 
 Here: the forward pass as `prefill`, `decode_step` and greedy `generate`, built from the
-array-level blocks of `mk.ops`, one oracle per layer kind (by its `mk.weights` kind name):
-    gqa, sink_gqa   `decoder_layer` (`attention_inputs`: RMSNorm, q/k/v, QK norm, RoPE;
-              then attention, the output gate, wo): Qwen3's, Qwen3.5's full layers (gated
-              output, partial RoPE) and gpt-oss's (biases, sinks, sliding windows, YaRN)
-    mla       `mla_decoder_layer`: Kimi Linear's multi-head latent attention (NoPE, as in
-              transformers) over a latent cache; its absorbed form, the one a decode
-              kernel runs, is `mla_absorbed` and `mla_output` (the oracle of
-              `mk.kernels.decode_attention.latent_attention`)
-    deltanet, kda   `linear_decoder_layer` around `LINEAR_MIXERS`: Qwen3.5's gated
-              DeltaNet and Kimi Delta Attention (`mk.linear_attention`), a conv and a
-              recurrent state instead of KV rows
-    dense, moe, clamped_moe   `mlp_block` around `MLPS`: SwiGLU; routed experts under a
-              softmax top-k router or a grouped sigmoid router, plus a shared expert;
-              gpt-oss's biased router and clamped-SwiGLU experts
-Kimi K3's kinds (issue 66; no kernel runs them yet): gated_mla (`mla_mixer`'s output gate,
-`output_gate`), bounded_kda (`mk.linear_attention.kda_decay`'s bound, a full-rank output
-gate), situ_dense and latent_moe (`situ_dense_mlp`, `latent_moe_mlp`: SiTU, the latent
-MoE), res_layer (`residual_layers`: attention residuals instead of a plain stream).
-(`MIXER_LAYERS` and `MLPS` are the tables `forward` dispatches on; `MIXERS` and `MLPS`
-under attention residuals.) A variant inside a
-kind follows the weights the model has (`mk.weights`): QK norm when it has `q_norm`, the
-output gate with `wq_gate`, biases with `bq` .. `bo`, sinks with `sinks` (a sliding window
-where `ModelConfig.window` says), MLA's q low rank with `wq_a`, the sigmoid router with
-`router_bias` (every MoE kind's router: `routes`), the shared expert with `ws_gate`.
-Also here: `lm_head`, `greedy`, and the checks every decode driver runs (`validate_step`,
-`check_params`, `check_generate`, ...); `forward` is `decode_step` without its checks. No
-Pallas, no sharding, no sampling (speculative decoding lives in `mk.spec`).
+array-level blocks of `mk.ops`, one oracle per layer kind by its `mk.weights` kind name
+(`MIXER_LAYERS`, `MLPS`, the tables `forward` dispatches on): `decoder_layer` (gqa,
+sink_gqa), `mla_decoder_layer` with its absorbed form `mla_absorbed` / `mla_output` (mla),
+`linear_decoder_layer` around `LINEAR_MIXERS` (deltanet, kda), `mlp_block` (dense, moe,
+clamped_moe); Kimi K3's kinds, no kernel yet (gated_mla, bounded_kda, situ_dense,
+latent_moe, res_layer: `residual_layers`); a variant inside a kind follows the weights
+the model has. Also here: `lm_head`, `greedy`, `routes`, and the checks every decode
+driver runs (`validate_step`, `check_params`, `check_generate`, ...); `KVCache`,
+`LinearRows` and `init_cache` are `mk.cache`'s, imported here for this module's callers.
 
-Numerics: the residual stream is float32 and the KV cache is stored in `config.dtype`;
-every block's cast points (which kernels mirror, so their tolerances stay tight) are
-`mk.ops`'s; every RMSNorm scales by (norm_offset + weight). Run it on the CPU as the oracle:
-its matmuls ask for HIGHEST precision, but on a TPU (v5e, 2026-12-06) the hybrid's tokens
-drifted (29/32) even so. Likely, not isolated: the TPU's exp, softplus, sigmoid and rsqrt
-differ from the CPU's in the last bits and its fusions sum in another order, and the
-linear layers' recurrent state carries each difference on to later positions. The dense,
-MoE, Kimi and gpt-oss references gave the CPU's tokens there (32/32); the hardware tier
-judges on the CPU.
-
-Caches (`mk.cache`: the table of fields, the cache types, `init_cache`, `check_cache`,
-`rollback`; `KVCache`, `LinearRows` and `init_cache` are imported here too, for this
-module's many callers). A decode step writes its T new rows at `positions[b] ..
-positions[b] + T - 1` and attends causally; a row at or past S is an error, never a
-silent wrap (XLA would clamp the write). `decode_step(..., row_states=True)` also returns
-the states after every row (`LinearRows`), which `mk.cache.rollback` picks from.
+Numerics: a float32 residual stream, the KV cache in `config.dtype`, every block's cast
+points `mk.ops`'s. A decode step's row at or past the cache's capacity is an error, never
+a silent wrap. Not here: Pallas, sharding, sampling (speculative decoding: `mk.spec`).
+Each kind's oracle, the numerics and why the oracle runs on the CPU:
+docs/design/mk.reference.md.
 """
 
 from __future__ import annotations

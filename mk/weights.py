@@ -1,53 +1,20 @@
 """The weight table: every weight mk knows, one row each, and the layer kinds that own them.
 
-A model is a stack of layers; each layer has one token mixer kind and one MLP kind, and
-the model has a few weights of its own:
+A model is a stack of layers; each layer has one token mixer kind and one MLP kind
+(`KIND_LAYERS`: which config field says a kind's layers; `kinds_of(config)`: the kinds a
+model has), and the model has a few weights of its own. A row (`Weight`) says everything
+one weight's consumers need: its name, owning kind, shape rule, byte family (`FAMILIES`),
+path ("ring", "dma", "vector" or "gather": `PATHS`), tensor-parallel split (`SPLITS`),
+format group (`FORMAT_GROUPS`), Hugging Face names per scheme (`hf_scheme`, `hf_names`)
+and when it is present.
 
-    kind       layers            what it is
-    model      (none)            embedding, final norm, lm_head
-    layer      every layer       the two RMSNorms before the token mixer and the MLP
-    gqa        full layers       grouped-query attention (Qwen3; Qwen3.5's gated variant)
-    mla        full layers       multi-head latent attention (Kimi Linear)
-    deltanet   linear layers     gated DeltaNet (Qwen3.5)
-    kda        linear layers     Kimi Delta Attention (Kimi Linear)
-    dense      dense layers      SwiGLU MLP
-    moe        MoE layers        router (+ sigmoid bias), routed experts, shared expert
-    Kimi K3's variants (issue 66; `mk.reference` runs them, no kernel yet):
-    res_layer  every layer       layer's norms + attention residuals' norms, projections
-    gated_mla  full layers       MLA with an output gate
-    bounded_kda  linear layers   KDA with a full-rank output gate and a bounded decay
-    situ_dense   dense layers    the dense MLP under SiTU
-    latent_moe   MoE layers      experts on a latent (down, norm, up), SiTU
-
-A row (`Weight`) says everything one weight's consumers need to know of it:
-
-    name      the parameter's name in a params dict (two kinds may both have "wq")
-    kind      the layer kind that owns it (above)
-    shape     one layer's shape, from the config (without the stacked layer axis)
-    family    its byte family: what a step's DMAs of it are counted as (`FAMILIES`)
-    path      how the megakernel moves it: "ring" (tiles through the weight ring),
-              "dma" (whole, by its own DMA each layer that uses it), "vector" (a norm
-              row prefetched a layer ahead with the layer's other norms) or "gather" (the
-              embedding's rows, outside the kernel); a function of the config where
-              the config decides (MLA's wq streams only without a q low rank)
-    split     how tensor parallelism cuts it (`SPLITS`)
-    quant     the format group it may be stored quantised in (`FORMAT_GROUPS`: the
-              keys of a `formats` dict, "dense", "experts", "lm_head") or None
-    hf        its Hugging Face tensor name inside a layer (or the model) per naming
-              scheme (`hf_scheme`); a dict of parts fills slices of its last axis
-    when      a predicate of the config that switches an optional weight on (None:
-              always: e.g. the lm_head only when the embedding is not tied)
-
-Everything that needs a weight's facts reads its row: `param_shapes` (the params layout of
-`mk.config`'s docstring; `put_corner` fills a lane-padded one), the checkpoint loader
-(`mk.hf_layout`), the plan's byte families (`mk.kernels.plan`), tensor-parallel
-sharding (`mk.tensor_parallel`) and the format groups of quantised weights (`mk.quant`);
-a weight moved by whole DMA is held in VMEM as `dma_layout` says (`TRANSPOSED`: a few
-columns held as rows). "Family" means a byte family only. Not here: how a kind's kernel
-runs (`mk.kernels.*`), the model's shape and its checks (`mk.config`).
-
-Adding a layer kind: its rows here (with `KIND_LAYERS` and `kinds_of`), its config fields
-and checks in `mk.config`, its kernel phases in `mk.kernels`.
+Everything that needs a weight's facts reads its row: `param_shapes` (the params layout;
+`put_corner` fills a lane-padded one), `weights_of`, `names_of`, `layer_rows`, the
+checkpoint loader (`mk.hf_layout`), the plan's byte families, tensor-parallel sharding
+(`mk.shards`), the quantised formats (`mk.quant`); a weight moved by whole DMA is held in
+VMEM as `dma_layout` says (`dma_laid_out` lays a stacked one out). Not here: how a kind's
+kernel runs (`mk.kernels.*`, `mk.kinds`), the model's shape and its checks
+(`mk.config`). The table of kinds and of a row's fields: docs/design/mk.weights.md.
 """
 
 from __future__ import annotations
@@ -500,6 +467,17 @@ def dma_layout(name: str, shape: tuple, dtype) -> tuple[tuple, object]:
     layout = ((1, *shape) if len(shape) == 1 else tuple(reversed(shape))
               if name in TRANSPOSED else tuple(shape))
     return layout, "float32" if FAMILY[name] == "norms" else dtype
+
+
+def dma_laid_out(name: str, w):
+    """Weight `name`'s stacked values w [L, ...] with each layer as `dma_layout` lays it
+    out (transposed if `TRANSPOSED`); anything but a `jax.Array` (a `mk.quant.QuantWeight`)
+    as it is."""
+    if not isinstance(w, jax.Array):
+        return w
+    shape, dtype = dma_layout(name, w.shape[1:], w.dtype)
+    w = w.swapaxes(-1, -2) if name in TRANSPOSED else w
+    return w.reshape(w.shape[:1] + shape).astype(dtype)
 
 
 # Weights of the kernel's layout, not parameters: two of the table's weights a kind lays

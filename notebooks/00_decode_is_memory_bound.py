@@ -176,7 +176,7 @@ for name, e in steps.items():
         try:
             f = perf.predict(mk.preset(name), c, batch=run.batch, rows=run.rows,
                              context=e.context, tp=tp)
-        except ValueError:  # a split the kernel cannot make (mk.kernels.plan.check_tp)
+        except ValueError:  # a split the kernel cannot make (mk.shards.check_tp)
             row[c.name] = f"({n}) no TP{tp} split"
             continue
         m = perf.mxu_floor_ms(mk.preset(name), c, batch=run.batch, rows=run.rows,

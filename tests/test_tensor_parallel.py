@@ -31,7 +31,7 @@ import pytest
 
 import mk
 from mk import backend, reference, tpu
-from mk.shards import shard_cache, shard_params
+from mk.shards import kv_heads_of, shard_cache, shard_params
 from mk import tensor_parallel as tpar
 from mk.config import ModelConfig, Yarn
 from mk.kernels import plan
@@ -262,7 +262,7 @@ def test_shards_put_back_together_are_the_weights():
     np.testing.assert_array_equal(shards["router"][3], params["router"])
     # 2 kv heads on 4 devices: devices 0, 1 hold kv head 0; devices 2, 3 kv head 1, which
     # serves query heads 4..7 (GQA group 4), the query heads of devices 2 and 3.
-    assert plan.kv_heads_of(config, 4) == [[0], [0], [1], [1]]
+    assert kv_heads_of(config, 4) == [[0], [0], [1], [1]]
     H = config.head_dim
     np.testing.assert_array_equal(shards["wk"][2], params["wk"][..., H:2 * H])
     local = plan.shard_config(config, 4)

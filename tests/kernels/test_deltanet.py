@@ -32,6 +32,9 @@ from mk.kernels.common import BlockSizes, vmem_budget
 from mk.kernels.weight_streaming import stage_block
 from mk.kernels.delta_rule import delta_rule_step
 from mk.kernels.deltanet import gated_deltanet
+from mk.kinds.layers import layer_kinds
+from mk.kinds.linear import DeltaNet
+from mk import weights
 from mk.weights import param_shapes
 
 TOLERANCE = dict(rtol=2e-5, atol=2e-5)
@@ -262,3 +265,22 @@ def test_layer_compiles_for_tpu7x_within_vmem(shard):
         args, "tpu7x", name="gated_deltanet", vmem=budget)
     assert report.ok, report.error
     assert 0 < report.vmem.total_bytes <= report.vmem.limit_bytes
+
+
+@pytest.mark.parametrize("name", ["tiny-hybrid", "tiny-kimi"])
+def test_the_stage_kernel_asks_the_weight_table_what_the_linear_kind_says(name):
+    """The stage kernel reads the linear kind's gates, layers and DMA'd weights from the
+    weight table (`deltanet.GATES`, `linear_layers`, `mk.weights.dma_laid_out`); the kind
+    object (`mk.kinds.linear`) says the same."""
+    config = mk.preset(name)
+    kind = next(k for k in layer_kinds(config) if isinstance(k, DeltaNet))
+    assert deltanet.linear_gates(config) is kind.gates is deltanet.GATES[kind.name]
+    assert deltanet.linear_layers(config) == kind.layers
+    params = mk.init_params(config)
+    prepared = kind.prepare({n: params[n] for n in kind.weights("ring", "dma")})
+    for n in kind.weights("dma"):
+        got = weights.dma_laid_out(n, params[n])
+        assert got.shape == prepared[n].shape and got.dtype == prepared[n].dtype
+        np.testing.assert_array_equal(got, prepared[n])
+    assert deltanet.linear_gates(mk.preset("tiny")) is None
+    assert deltanet.linear_layers(mk.preset("tiny")) == ()
