@@ -1,25 +1,19 @@
 """The reference's building blocks: functions of arrays (no config, no parameter dict),
-each the oracle of a stage kernel's piece and each a piece `mk.reference` builds the
-decoder from.
+each the oracle of a stage kernel's piece and a piece `mk.reference` builds from.
 
-Here: the matmul numerics (`dot`, `matmul`), `rms_norm`, `rope` (full or partial; YaRN
-scaling: `rope_inv_freq`), causal GQA `attention` over a cache (a sliding window,
-sinks) and `write_rows` (a step's new rows into it), the SwiGLU MLP (`swiglu`), the
-softmax router and the MoE block (`route`, `moe`), DeepSeek-V3 / Kimi's grouped sigmoid
-router (`route_grouped`), the weighted sum of chosen experts (`mix_experts`: every
-expert's output, `expert_outputs`, routed by `combine_experts`), gpt-oss's router
-(`route_logits`) and biased clamped-SwiGLU experts (`clamped_swiglu`,
-`mix_biased_experts`, `biased_expert_outputs`); Kimi K3's SiTU activation (`situ`,
-`gated_mlp`) and its attention residuals' mix (`attention_residual`). Not here: anything
-that reads a config or a parameter dict (a layer, the lm_head, the caches, greedy
-decoding: `mk.reference`), the gated DeltaNet's math (`mk.linear_attention`), kernels
-(`mk.kernels`).
+Here: the matmul numerics (`dot`, `matmul`; `exact`, a kernel dot's precision),
+`rms_norm`, `rope` (`rope_inv_freq`), causal GQA `attention` over a cache and
+`write_rows`, `swiglu`, the routers (`route`, `route_grouped`, `route_logits`), the MoE
+block (`moe`; `mix_experts` = `combine_experts` of `expert_outputs`; gpt-oss's
+`clamped_swiglu`, `mix_biased_experts`, `biased_expert_outputs`), Kimi K3's `situ`,
+`gated_mlp` and `attention_residual`. Not here: anything that reads a config or a
+parameter dict (`mk.reference`), the gated DeltaNet's math (`mk.linear_attention`),
+kernels (`mk.kernels`).
 
-Numerics (kernels mirror these cast points, so their tolerances stay tight):
-- norms, RoPE, softmax and routers are float32;
-- every matmul casts its activation input to the weight dtype and accumulates in float32;
-- attention rounds q and k to the cache dtype, and its probabilities to it before
-  multiplying V.
+Numerics (kernels mirror these cast points, so their tolerances stay tight): norms, RoPE,
+softmax and routers are float32; every matmul casts its activation input to the weight
+dtype and accumulates in float32; attention rounds q and k to the cache dtype, and its
+probabilities to it before multiplying V.
 """
 
 from __future__ import annotations
