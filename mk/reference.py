@@ -21,8 +21,6 @@ docs/design/mk.reference.md.
 from __future__ import annotations
 
 import functools
-import math
-from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -35,12 +33,11 @@ from mk.config import ModelConfig, positive_int
 from mk.ops import (attention, attention_residual, biased_expert_outputs, combine_experts,
                     expert_outputs, gated_mlp, matmul, rms_norm, rope, route, route_grouped,
                     route_logits, situ, swiglu, write_rows)
-from mk.unpack import dequantize_tile
+from mk.layer_values import LayerValues, experts_of
 from mk.weights import kind_of, param_shapes
 
 F32 = jnp.float32
 HIGHEST = lax.Precision.HIGHEST
-EXPERT_SLICE = 4  # experts a quantised MoE layer dequantises at a time (`experts_of`)
 
 
 # -- Logits and the greedy token -----------------------------------------------------------
@@ -158,25 +155,6 @@ def clamped_moe_mlp(config: ModelConfig, params, i: int, h) -> jax.Array:
         biased_expert_outputs, params,
         ("we_gate", "we_up", "we_down", "be_gate", "be_up", "be_down"), i, h,
         config.swiglu_limit, config.swiglu_alpha))
-
-
-def experts_of(outputs, params, names, i, h, *args) -> jax.Array:
-    """outputs(h, *layer i's weights `names`, *args) for every expert -> [M, E, D]: at once
-    from plain weights; from quantised ones (`LayerValues`) a slice of `EXPERT_SLICE`
-    experts at a time, each dequantised as it is used, so no layer's worth of values is
-    alive (the same bits: each expert is its own batch of the dots, `expert_outputs`)."""
-    stacks = [params[n] for n in names]
-    if not any(isinstance(s, _Rows) for s in stacks):
-        return outputs(h, *(s[i] for s in stacks), *args)
-    E = next(s for s in stacks if isinstance(s, _Rows)).q.shape[1]
-    size = math.gcd(E, EXPERT_SLICE)
-
-    def one(start):
-        return outputs(h, *(s.experts(i, start, size) if isinstance(s, _Rows)
-                            else lax.dynamic_slice_in_dim(s[i], start, size)
-                            for s in stacks), *args)
-    out = lax.map(one, jnp.arange(0, E, size))  # [E / size, M, size, D]
-    return jnp.moveaxis(out, 0, 1).reshape(h.shape[0], E, -1)
 
 
 def situ_of(config: ModelConfig):
@@ -399,71 +377,6 @@ def residual_layers(config: ModelConfig, params, cache, x, positions):
     return out, fields, after_attn, after_mlp
 
 
-class LayerValues(Mapping):
-    """Params as the layers read them: a quantised weight (an `mk.quant.QuantWeight`,
-    known by its scheme: mk.quant imports this module) dequantised where it is read, a
-    stacked one a layer's row at a time (`w[i]`), a 2-D one (the lm_head) whole, each
-    rounded once to the embedding's dtype: `mk.quant.dequantize`'s values, but inside the
-    traced forward, so no dequantised copy of the whole model is ever alive."""
-
-    def __init__(self, params, after=None):
-        self.params, self.dtype, self.after = params, params["embed"].dtype, after
-
-    def __getitem__(self, name):
-        p = self.params[name]
-        if not hasattr(p, "scheme"):
-            return _Tied(p, self.after) if p.ndim > 2 and self.after is not None else p
-        rows = _Rows(p, self.dtype, self.after)
-        return rows if len(p.shape) > 2 else rows.whole
-
-    def __iter__(self):
-        return iter(self.params)
-
-    def __len__(self):
-        return len(self.params)
-
-
-class _Tied:
-    """A stacked plain weight whose row i is sliced after `after` exists (as `_Rows`)."""
-
-    def __init__(self, w, after):
-        self.w, self.after = w, after
-
-    def __getitem__(self, i):
-        w, _ = lax.optimization_barrier((self.w, self.after))
-        return w[i]
-
-
-class _Rows:
-    """A stacked quantised weight whose row i is dequantised when it is read, after the
-    value `after` (the layer's input) exists: an optimization barrier ties the packed
-    row to it, so the compiler cannot make every layer's values up front."""
-
-    def __init__(self, q, dtype, after=None):
-        self.q, self.dtype, self.after = q, dtype, after
-
-    def _values(self, index):
-        data, scale = self.q.data, self.q.scale  # tied whole (a slice would be copied
-        if self.after is not None:              # early: every layer's at once)
-            data, scale, _ = lax.optimization_barrier((data, scale, self.after))
-        return dequantize_tile(self.q.scheme, data[index], scale[index]).astype(self.dtype)
-
-    def __getitem__(self, i):
-        return self._values(i)
-
-    def experts(self, i: int, start, size: int):
-        """Layer i's experts start .. start + size (start traced), dequantised."""
-        data, scale = self.q.data, self.q.scale  # tied whole, as in `_values`
-        if self.after is not None:
-            data, scale, _ = lax.optimization_barrier((data, scale, self.after))
-        data, scale = (lax.dynamic_slice_in_dim(a[i], start, size) for a in (data, scale))
-        return dequantize_tile(self.q.scheme, data, scale).astype(self.dtype)
-
-    @property
-    def whole(self):
-        return self._values(...)
-
-
 @functools.partial(jax.jit, static_argnames=("config", "taps", "row_states"))
 def forward(config: ModelConfig, params, cache, tokens, positions, taps=False,
             row_states=False):
@@ -636,8 +549,9 @@ def decode_step(config: ModelConfig, params, cache, tokens, positions, *,
 def prefill(config: ModelConfig, params, tokens, *, max_context: int | None = None,
             quantised: bool = False):
     """The prompt tokens [B, P] -> (logits [B, P, V] float32, cache holding P positions).
-    quantised=True also takes `mk.quant.QuantWeight`s, dequantised a layer at a time
-    (`LayerValues`): the values of `mk.quant.dequantize(params)`, never all at once."""
+    quantised=True also takes `mk.quant.QuantWeight`s, dequantised as they are read
+    (`mk.layer_values.LayerValues`): `mk.quant.dequantize(params)`'s values, never all at
+    once."""
     shape = np.shape(tokens)
     if len(shape) != 2 or min(shape) < 1:
         raise ValueError(f"prompt shape {shape} must be [B, P] with B >= 1 and P >= 1")

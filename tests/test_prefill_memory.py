@@ -42,7 +42,7 @@ def _nbytes(tree) -> int:
 
 def test_gpt_oss_prefill_dequantises_a_slice_of_mxfp4_experts_at_a_time():
     """Measured on v5e (P=16): temporaries 0.54, 0.63, 0.68 GiB at 2, 4, 8 layers, for one
-    layer's experts of 1.55 GiB in bf16 (`mk.reference.EXPERT_SLICE` of its 32 experts at
+    layer's experts of 1.55 GiB in bf16 (`mk.layer_values.EXPERT_SLICE` of its 32 experts at
     a time, each slice's float32 products' operands). A whole layer at a time held 4.19,
     4.25, 4.37 GiB; before the layers were tied (slices taken early) 4.77, 5.54, 6.80;
     through `mk.quant.dequantize` the arguments alone held every layer's bf16 experts

@@ -27,7 +27,7 @@ import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
 from mk import quant, unpack
-from mk.reference import EXPERT_SLICE
+from mk.layer_values import EXPERT_SLICE
 from mk.cache import state_bytes_per_sequence
 from mk.chips import ChipSpec, spec_of
 from mk.config import (DTYPE_BITS, PADDED_FIELDS, ModelConfig, check_formats, check_rows,
@@ -215,7 +215,7 @@ def packed_formats(config: ModelConfig, formats: dict[str, str]) -> dict[str, st
 # time) holds one more copy of it (qwen3-4b's bf16 w_gate of 1.67 GiB: 8.22 prepared, 9.89
 # peak, tests/test_preparation.py), a packed one less (gpt-oss-20b's MXFP4 experts of 3.29
 # GiB: 13.33 prepared, 15.59 peak: 0.69 of it); the prefill's dequantised weights (a
-# layer's row of a stacked weight; of experts, `mk.reference.EXPERT_SLICE` of a layer's)
+# layer's row of a stacked weight; of experts, `mk.layer_values.EXPERT_SLICE` of a layer's)
 # cost 2.8 times their bf16 bytes (gpt-oss-20b: 0.54 GiB of temporaries for 4 of its 32
 # experts, 0.19 in bf16; 0.68 at 8 layers, tests/test_prefill_memory.py).
 RELAYOUT_TEMPORARY = {"plain": 1.0, "packed": 0.7}
@@ -224,7 +224,7 @@ PREFILL_DEQUANTISED = 2.8
 
 def _dequantised_row(shape) -> int:
     """Elements of a stacked [L, ...] weight the prefill dequantises at once: a layer's
-    row; of experts [L, E, ...], `EXPERT_SLICE` of them (`mk.reference.experts_of`)."""
+    row; of experts [L, E, ...], `EXPERT_SLICE` of them (`mk.layer_values.experts_of`)."""
     row = math.prod(shape[1:])
     return row if len(shape) < 4 else row // shape[1] * math.gcd(shape[1], EXPERT_SLICE)
 
