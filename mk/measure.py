@@ -42,7 +42,7 @@ from mk.kernels.common import LANES
 from mk.kernels.dma_probe import CHUNK_ROWS, SIZE_UNIT_BYTES, chunk_rows, dma_probe
 from mk.kernels.plan import DecodePlan, capacity as cache_capacity
 
-SCHEMA = 2  # 2: min_extra_bytes
+SCHEMA = 3  # 2: min_extra_bytes; 3: libtpu and commit
 MODES = ("hardware", "interpret", "example")
 INTERPRET_LABEL = "interpret mode, not a TPU"
 EXAMPLE_LABEL = "example: made-up numbers, not a measurement"
@@ -186,6 +186,8 @@ class Measured:
     device_kind: str  # jax's name of the device that ran the probes ("cpu" in interpret)
     when: str  # UTC, ISO 8601
     jax: str  # jax's version
+    libtpu: str  # libtpu's version ("unknown" where it is not installed)
+    commit: str  # the checkout's commit ($MK_COMMIT, else git's HEAD, else "unknown")
     counts: tuple[int, int]  # copies per call, the two timed (the larger: `min_extra_bytes`)
     repeats: int
     min_extra_bytes: int  # `Sweep.min_extra_bytes`: each point's counts are `counts_for`'s
@@ -208,7 +210,7 @@ class Measured:
         if self.mode == "example" and self.label != EXAMPLE_LABEL:
             raise ValueError(f"label={self.label!r} must be {EXAMPLE_LABEL!r} in "
                              "mode='example'")
-        for field in ("label", "device_kind", "when", "jax"):
+        for field in ("label", "device_kind", "when", "jax", "libtpu", "commit"):
             if not isinstance(getattr(self, field), str):
                 raise ValueError(f"{field}={getattr(self, field)!r} must be a string")
         if not self.label:
@@ -455,15 +457,17 @@ def measure(backend: str = "auto", *, sweep: Sweep | None = None,
     "hardware" (its chip from the device kind) or "interpret"."""
     mode = backends.resolve(backend)
     sweep = sweep or SWEEPS["full" if mode == "hardware" else "quick"]
-    kind = jax.devices()[0].device_kind
-    chip = chip_of(kind) if mode == "hardware" else None
+    where = provenance()
     dma = dma_sweep(sweep, mode)
     step = None if config is None else time_step(config, batch=batch, rows=rows,
                                                  context=context, repeats=sweep.repeats,
                                                  backend=mode)
     return Measured(mode=mode, label=INTERPRET_LABEL if mode == "interpret" else
-                    f"measured on {kind}", chip=chip, device_kind=kind, when=_now(),
-                    jax=jax.__version__, counts=sweep.counts, repeats=sweep.repeats,
+                    f"measured on {where['device_kind']}",
+                    chip=where["chip"] if mode == "hardware" else None,
+                    device_kind=where["device_kind"], when=where["when"], jax=where["jax"],
+                    libtpu=where["libtpu"], commit=where["commit"],
+                    counts=sweep.counts, repeats=sweep.repeats,
                     min_extra_bytes=sweep.min_extra_bytes, dma=dma, step=step)
 
 
@@ -486,7 +490,8 @@ def example(chip: str | ChipSpec, *, dma_latency_s: float, hbm_share: float = 1.
     dma = tuple(DmaPoint(n, d, max(n / bw, (dma_latency_s + n / bw) / d))
                 for n, d in sweep.points())
     return Measured(mode="example", label=EXAMPLE_LABEL, chip=spec.name, device_kind="",
-                    when=_now(), jax=jax.__version__, counts=sweep.counts,
+                    when=_now(), jax=jax.__version__, libtpu="", commit="",
+                    counts=sweep.counts,
                     repeats=sweep.repeats, min_extra_bytes=sweep.min_extra_bytes, dma=dma,
                     step=None)
 
