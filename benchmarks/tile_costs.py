@@ -39,7 +39,7 @@ if __package__ in (None, ""):  # run as a script: make `mk` importable from a ch
 
 import mk  # noqa: E402
 from mk import bundles, ledger, sim, tpu  # noqa: E402
-from mk.chips import chip as chip_spec  # noqa: E402
+from mk.chips import spec_of  # noqa: E402
 from mk.kernels.plan import DecodePlan, packed_formats  # noqa: E402
 from mk.kernels.ring import ring_buffers  # noqa: E402
 
@@ -58,7 +58,7 @@ def row(preset: str, chip: str, *, tp: int = 1, topology: str | None = None, bat
     pack (`mk.kernels.plan.packed_formats`: a group holding a weight moved whole) are
     simulated as formats on the plain tiles and compiled in the config's dtype (the same
     tiles and ring)."""
-    config, spec = mk.preset(preset), chip_spec(chip)
+    config, spec = mk.preset(preset), spec_of(chip)
     kw = dict(tp=tp, batch=batch, rows=rows, context=context)
     # what the simulator replays (every sequence `context` positions in, its cache just
     # holding its rows) and the kernel compiles: the plan for the chip (its ring; the

@@ -37,7 +37,7 @@ if __package__ in (None, ""):  # run as a script: make `mk` importable from a ch
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mk import feed_costs, probes  # noqa: E402
-from mk.chips import all_chips, chip as chip_spec  # noqa: E402
+from mk.chips import all_chips, spec_of  # noqa: E402
 
 
 def table(rows: list[dict]) -> str:
@@ -76,7 +76,7 @@ def main(argv=None) -> None:
                   for r in json.loads(args.json.read_text(encoding="utf-8"))}
     rows = []
     for chip in args.chips:
-        for dtype, feed in feed_costs.rows(chip_spec(chip)):  # what its kernel feeds
+        for dtype, feed in feed_costs.rows(spec_of(chip)):  # what its kernel feeds
             if dtype not in args.dtypes or feed not in args.feeds:
                 continue
             for m in args.m:
@@ -96,7 +96,7 @@ def floors(args) -> None:
         record = {(r["chip"], r["feed"], r["shape"][0]): r
                   for r in json.loads(args.json.read_text(encoding="utf-8"))}
     for chip in args.chips:
-        for feed in chip_spec(chip).mxu_feeds:
+        for feed in spec_of(chip).mxu_feeds:
             if feed not in args.feeds:
                 continue
             for m in args.m:

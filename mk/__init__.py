@@ -1,20 +1,12 @@
 """mk: a TPU decode megakernel in JAX Pallas, built stage by stage and checked on CPU.
 
-Top-level names: `ModelConfig`, `preset`, `chip`, `init_params`, `load_checkpoint`; modules
-`mk.reference` (the pure-JAX oracle, built from `mk.ops`, its array-level blocks, and
-`mk.linear_attention`, the gated DeltaNet's math), `mk.quant` (int8, fp8, int4 and fp4
-weight storage; `quantize` is `mk.quant.quantize`), `mk.megakernel` (the whole decode step
-in one kernel), `mk.perf` (bytes, FLOPs and the roofline), `mk.sim` (the megakernel's tile
-schedule replayed on a chip model) and `mk.tpu` (ahead-of-time TPU compiles). The stage
-kernels are in `mk.kernels`; `mk.spec` (speculative decoding; its drafters are
-`mk.drafters`, the models it steps `mk.runners`), `mk.profiling` and
-`mk.tensor_parallel`, `mk.ledger` (the published numbers and the words for step times),
-`mk.xla_step` (XLA's own step, compiled and counted) and `mk.bounds` (every index of a
-kernel against its allocation, on the traced jaxpr) are imported by name;
-`mk.kernels.plan` is one device's step as data; `mk.weights` is the table of every weight
-(owner, shape, byte family, path, split, format group, Hugging Face names) and `mk.kinds`
-the layer kinds (each one object: its weights, buffers, kernel phases, simulator twin and
-config checks; the kernel, the plan and the simulator loop over them).
+Top-level names: `ModelConfig`, `preset`, `chip`, `init_params`, `load_checkpoint`,
+`quantize`; modules `mk.reference` (the pure-JAX oracle), `mk.quant` (weight storage),
+`mk.megakernel` (the whole decode step in one kernel), `mk.perf` (bytes, FLOPs and the
+roofline), `mk.sim` (the tile schedule replayed on a chip model) and `mk.tpu`
+(ahead-of-time TPU compiles). Every other module (the stage kernels in `mk.kernels`, the
+plan `mk.kernels.plan`, the weight table `mk.weights`, the layer kinds `mk.kinds`, ...)
+is imported by name; docs/layout.md lists them all.
 
 Importing `mk` on a machine without a TPU pins JAX to the CPU (`JAX_PLATFORMS=cpu`,
 `TPU_SKIP_MDS_QUERY=1`) before JAX is imported, so libtpu does not print host-discovery

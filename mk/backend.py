@@ -22,10 +22,11 @@ from __future__ import annotations
 import contextlib
 
 import jax
-from jax._src import config as _jax_config
-from jax._src import source_info_util
-from jax._src.pallas.mosaic.interpret import interpret_pallas_call as _interpret_state
 from jax.experimental.pallas import tpu as pltpu
+
+from mk.jax_private import config as _jax_config
+from mk.jax_private import interpret_pallas_call as _interpret_state
+from mk.jax_private import source_info_util
 
 BACKENDS = ("auto", "interpret", "hardware")
 

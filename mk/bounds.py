@@ -1,35 +1,19 @@
 """Index bounds of a Pallas kernel, checked on its traced jaxpr: every semaphore, scratch,
 SMEM and HBM index the kernel can take, against the shape the kernel allocated.
 
-Interpret mode cannot see a semaphore index out of range: its `out_of_bounds_reads`
-check (`pltpu.InterpretParams`) covers buffer reads and writes, but it holds a semaphore
-array as an array of ids indexed by `lax.dynamic_slice`, which clamps, so signalling
-`sems.at[2]` of a `DMA((2,))` silently signals `sems.at[1]`; the race detector and the TPU
-compile accept it too. This module reads the kernel body instead: it walks the
-kernel's jaxpr (into every `cond` / `pl.when` branch, `fori_loop` / `scan` / `while` body
-and nested `jit`, branches that a run would not take included), carries an integer
-interval for each scalar it can bound, and checks every ref index (`NDIndexer`) of every
-primitive that takes one (`get`, `swap`, `dma_start`, `dma_wait`, `semaphore_signal`,
-`semaphore_wait`, ...): a static index, or a dynamic one whose interval it knows, must lie
-in [0, dim), a slice must end by dim.
-
-What bounds a dynamic index: literals; + - * min max clamp, integer // and % by a
-positive bound; iota; a `fori_loop` counter (a scan's trip count, or a while loop's
-`i < upper` with a bounded upper; other carries joined over the trips until stable,
-one still growing after a few rounds widened to unbounded while the others settle);
-`select_n` / `cond` outputs (the union of the cases, each where its predicate holds: a
-wrap-around counter `where(i == n - 1, 0, i + 1)` stays in [0, n - 1]); `&` with a
-non-negative operand; and the predicate of the `pl.when` / `cond` around the index (`i + 1
-< L` bounds i inside the branch). A value read from a ref (positions, expert ids, counts
-in SMEM) has no bound here: its indices are counted as unbounded, not checked. An
-interval over-approximates what a run can take, so "out of range" means the analysis
-could not exclude it.
+Interpret mode cannot see a semaphore index out of range (it clamps), nor can the race
+detector or the TPU compile; this module walks the kernel's jaxpr instead (every branch
+and loop body, taken or not), carries an integer interval for each scalar it can bound,
+and checks every ref index of every primitive that takes one. A value read from a ref
+has no bound here; an interval over-approximates what a run can take, so "out of range"
+means the analysis could not exclude it.
 
 Here: `Access` (one checked index), `kernel_jaxprs` (the pallas_call kernel bodies in a
 traced function), `accesses` (every index of one kernel body), `check` (the out-of-range
 ones as a `ValueError`), `describe` (counts). tests/test_bounds.py runs it on the
 megakernel of every model family. Not here: the interval arithmetic (`mk.intervals`), what
-the kernel computes (the kernel tests), races (`mk.backend`).
+the kernel computes (the kernel tests), races (`mk.backend`). What bounds a dynamic index,
+rule by rule: docs/design/mk.bounds.md.
 """
 
 from __future__ import annotations
@@ -38,10 +22,8 @@ import dataclasses
 
 import jax
 import numpy as np
-from jax._src import core, source_info_util
-from jax._src.state.indexing import NDIndexer, Slice
-from jax._src.state.types import TransformedRef
 
+from mk.jax_private import NDIndexer, Slice, TransformedRef, core, source_info_util
 from mk.intervals import (TOP, Interval, add, const, empty, floordiv, join, meet, mod,
                           scalar)
 

@@ -1,38 +1,20 @@
 """What the compiled kernel costs per weight tile, read from libtpu's own bundle dump.
 
-libtpu writes each compiled kernel's final VLIW program when `LIBTPU_INIT_ARGS` holds
-`--xla_jf_dump_to=DIR` (internal, may change; `../shared/PLATFORM.md`): one bundle per
-line, `LB:` where a loop body starts, `>` once per loop level. One bundle issues per clock
-cycle, and the megakernel's per-tile loop (`mk.kernels.ring.Ring.matmul`: one trip = one
-weight tile) has a static trip count, so bundles per trip / the chip's clock is the time
-one tile keeps the TensorCore busy, before any stall: a lower bound on the compute lane's
-time per tile, which must stay below the tile's DMA time for HBM never to idle.
+libtpu writes each compiled kernel's final VLIW program when asked (an internal flag);
+one bundle issues per cycle, so a per-tile loop's bundles per trip / the clock is the time
+one weight tile keeps the TensorCore busy before any stall.
 
-Here, the one reader of libtpu's dumps and the one way to make them: `read_bundles(text)`
-(every bundle of a `final_bundles.txt`: its loop marker and depth, each instruction's op,
-the sizes of the DMAs it issues), `scopes(bundles)` (the named scope holding each),
-`compile_with_dumps` (any compile, in a child process with the dump flags: libtpu reads
-them once per process), `dump_file` (one dump of one program), `dump_megakernel` (the
-megakernel's compile in that child). On them: `Loop` (one loop body: bundles, MXU and
-scalar-only bundles, the DMAs it issues and waits for), `loops(text)` (every loop of a
-dump), `tile_loops(loops, *tiles)` (the ring's per-tile loops: each waits for the DMAs of
-one tile, `tile_parts`: a plain tile's one or a packed tile's data and scale block, issues
-the tile slots ahead, runs the MXU, and none bringing plain tiles runs the EUP, which
-attention's softmax does), `per_tile` (a loop's bundles a tile), `storage_name` (a
-storage's name in a row), `measure(config, chip, ...)` -> `TileCost` (a whole
-megakernel's per-tile loops: the recorded loops the simulator may take instead of the
-table below; `packed_bundles` reads a recorded row's packed ones back).
+Here, the one reader of libtpu's dumps and the one way to make them: `read_bundles`,
+`scopes`, `compile_with_dumps` (any compile, in a child process with the dump flags),
+`dump_file`, `dump_megakernel`; on them `Loop`, `loops`, `tile_loops` (the ring's
+per-tile loops), `per_tile`, `storage_name`, `measure(config, chip, ...)` -> `TileCost` (a
+whole megakernel's per-tile loops, which the simulator may take instead of the tile cost
+table; `packed_bundles` reads a recorded row's packed ones back); and the whole kernel's
+static schedule, `dump_schedule` -> `read_schedule` -> `Schedule` (notebook 08).
 
-The whole kernel's static schedule, `dump_schedule` -> `read_schedule` -> `Schedule`
-(total bundles, per-unit utilisation, DMAs, bundles per named scope with `PHASE_FLAG`;
-notebook 08).
-
-Not here: the small probes compiled to read one number each (one weight tile's cost, the
-clock a schedule implies: `mk.probes`), the compile itself (`mk.tpu`), profiles of running
-steps (`mk.profiling`), what a tile's DMA time is (`mk.chips`: bandwidth; `mk.sim`:
-latency), cycle-accurate timing (branches skip predicated regions, so bundles per trip
-bound one trip's issue time from above when the body branches, and stalls on DMA waits or
-the MXU's result FIFO are not in the count).
+Not here: the small probes (`mk.probes`), the compile itself (`mk.tpu`), profiles of
+running steps (`mk.profiling`), a tile's DMA time (`mk.chips`, `mk.sim`), cycle-accurate
+timing. The dump's format and what a bundle count bounds: docs/design/mk.bundles.md.
 """
 
 from __future__ import annotations
@@ -53,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mk import quant
-from mk.chips import ChipSpec, chip as chip_spec
+from mk.chips import ChipSpec, spec_of
 from mk.config import ModelConfig
 from mk.presets import preset
 from mk.kernels.common import BlockSizes
@@ -460,7 +442,7 @@ def measure(config: ModelConfig, chip: str | ChipSpec, *, tp: int = 1,
     arguments) in a child process with libtpu's bundle dump on (`dump_megakernel`); return
     its report and per-tile loops (none if it did not compile: `TileCost.report` says why).
     Raises RuntimeError if the child fails or a compiled kernel shows no per-tile loop."""
-    spec = chip_spec(chip) if isinstance(chip, str) else chip
+    spec = spec_of(chip)
     if spec.kind != "tpu":
         raise ValueError(f"chip={spec.name!r} is a {spec.kind}: no TPU compile to measure")
     plan = DecodePlan.make(config, tp=tp, batch=batch, rows=rows, context=context,

@@ -1,40 +1,18 @@
 """The decode caches: what a model keeps between steps, described once.
 
-A cache is a NamedTuple of fields; each field is one row of `FIELDS`:
+A cache is a NamedTuple of fields; each field is one row of `FIELDS` (its dims, dtype,
+layers and tensor-parallel split): k and v [L, B, K, S, H], MLA's latent [L, B, S, R + Hr],
+a linear layer's conv [L, B, W-1, C] and state [L, B, Nv, Hk, Hv] float32. A field with S
+holds one row per position; a field without S is a state that every row fed advances, so
+a step can return the states after each row (`LinearRows`) and a verifier rolls back
+(`rollback`). The cache types are `KVCache`, `HybridCache` and `LatentCache`; a model's
+(`cache_type`) is the first that serves all of its token mixers.
 
-    field   dims                  dtype          layers         tensor-parallel split
-    k       [L, B, K, S, H]       config.dtype   full_layers    kv_heads on K
-    v       [L, B, K, S, H]       config.dtype   full_layers    kv_heads on K
-    latent  [L, B, S, R + Hr]     config.dtype   full_layers    whole
-    conv    [L, B, W-1, C]        config.dtype   linear_layers  channels on C
-    state   [L, B, Nv, Hk, Hv]    float32        linear_layers  columns on Nv
-
-L is the count of the field's layers, B the batch, S the capacity (`max_context`, plus
-any spare rows a padded bucket writes into); the other dims come from the config
-(`FIELDS[name].sizes`). A field with S holds one row per position: a decode step writes
-its T rows at positions[b] .. positions[b] + T - 1, and rows past the accepted prefix of a
-speculative step are simply overwritten by the next one. A field without S is a state:
-every row fed advances it, so a step can also return the states after each of its rows
-(`LinearRows`) and a verifier rolls each sequence back to its last accepted row
-(`rollback`). The split names the rule `mk.shards.shard_cache` applies along the
-named dim (the vocabulary of `mk.weights.SPLITS`: a cache is split as the weights that
-write it are).
-
-The cache types, and the token-mixer kinds (`mk.weights.kinds_of`) each serves:
-
-    KVCache(k, v)                   gqa, sink_gqa (gpt-oss: its sliding layers keep every
-                                    position too, and read their window's)
-    HybridCache(k, v, conv, state)  gqa, deltanet (Qwen3.5: an all-linear cut keeps L=0 KV)
-    LatentCache(latent, conv, state)  mla, kda (Kimi Linear: a cut to its full layers
-                                    keeps L=0 linear states)
-
-A model's cache type (`cache_type`) is the first that serves all of its mixers. Each type
-has `batch` and `capacity` (read through the table). Here too: `init_cache`, `check_cache`
-(the one check of a cache against a config, every field against its row), `state_fields`,
-`has_states`, `rollback`, `bytes_per_position` and `state_bytes_per_sequence` (what one
-position and one sequence's states take). Not here: what a layer does with its fields
-(`mk.reference`'s oracle, the kinds' kernel code in `mk.kinds`), the sharding itself
-(`mk.shards`).
+Here too: `init_cache`, `check_cache` (the one check of a cache against a config),
+`state_fields`, `has_states`, `bytes_per_position` and `state_bytes_per_sequence`. Not
+here: what a layer does with its fields (`mk.reference`, `mk.kinds`), the sharding itself
+(`mk.shards`). The table of fields and of which kinds each cache type serves:
+docs/design/mk.cache.md.
 """
 
 from __future__ import annotations
@@ -131,7 +109,7 @@ class HybridCache(NamedTuple):
     state: jax.Array  # [Ll, B, Nv, Hk, Hv] float32
 
 
-@_cache_type("mla", "kda")
+@_cache_type("mla", "kda", "gated_mla", "bounded_kda")
 class LatentCache(NamedTuple):
     latent: jax.Array  # [La, B, S, R + Hr] config.dtype
     conv: jax.Array  # [Ll, B, W-1, C] config.dtype

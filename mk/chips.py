@@ -1,33 +1,19 @@
-"""Accelerator specifications: `ChipSpec`, `chip(name)`, `CHIP_NAMES`, `all_chips()`.
+"""Accelerator specifications: `ChipSpec`, `chip(name)`, `spec_of`, `CHIP_NAMES`,
+`all_chips()`, `read_chips`, and a jax device kind's chip (`chip_of`).
 
 One row of `mk/data/chips.csv` per chip: vendor peak numbers (HBM size and bandwidth, dense
-bf16 and fp8 FLOP/s, interconnect bandwidth) plus, for TPUs, the VMEM per core that the
-libtpu compiler enforces, the side of the (square, weight-stationary) MXU and how many a
-TensorCore has (JAX's `tpu_info`; the dumps address as many), the weight dtypes its MXU
-takes beside bf16 activations (`mxu_feeds`, `MXU_FEEDS`: from JAX's
-`tpu_info.TpuInfo.is_matmul_supported`, jax 0.10.2: generation 7 multiplies bf16 by
-float8_e4m3fn, generations 5 and 6 only bf16 by bf16 (their fp8 is e5m2 / e4m3b11fnuz on
-both sides, their int8 int8 x int8); a tpu7x compile of a bf16 x fp8 dot issues
-`vmatpush1.f8e4m3`), the TensorCores per chip,
-the TensorCore's clock as a range (`clock_low_hz`, `clock_high_hz`; `ChipSpec.clock(end)`)
-and the topology name to compile for one chip. Each row names the vendor document it
-comes from.
+bf16 and fp8 FLOP/s, interconnect bandwidth) plus, for TPUs, the VMEM per core, the MXU's
+side and count, the weight dtypes its MXU takes (`mxu_feeds`), the TensorCores per chip,
+the clock as a range (`ChipSpec.clock(end)`: it is not published) and the topology to
+compile for. Each row names the vendor document it comes from.
 
-The clock is not published. One VLIW bundle issues per cycle, so the clock turns the
-compiler's bundle counts into seconds (`mk.bundles`, `mk.sim`), and no one clock is known:
-the range spans the two estimates in the row's notes, which say which end is which. One is
-the datasheet derivation (`ChipSpec.datasheet_clock_hz`: the bf16 peak over TensorCores x
-MXUs x mxu_rows^2 x 2 FLOP, one activation row per MXU per cycle); the other is the clock
-at which libtpu's own schedule of one bf16 matmul would run at that peak
-(`mk.probes.probe_clock`, recorded with the libtpu version in data/clock_probes.json and
-re-checked by tests/test_bundles.py).
+Units: bytes, bytes per second, FLOP per second, all per CHIP; `cores_per_chip` says how
+many JAX devices share the chip's numbers (a TPU7x's two TensorCores are two devices,
+v5p's megacore one).
 
 Not here: anything derived from a model (bytes, FLOPs, floors: `mk.perf`), measured or
-sustained bandwidths (these are datasheet peaks), multi-chip topologies.
-
-Units: bytes, bytes per second, FLOP per second, all per CHIP. A TPU7x chip has two
-TensorCores, each its own JAX device; `cores_per_chip` says how many devices share the
-chip's numbers (v5p's two cores run as one megacore device, so it counts 1).
+sustained bandwidths (these are datasheet peaks), multi-chip topologies. Where the MXU
+feeds and the two ends of the clock range come from: docs/design/mk.chips.md.
 """
 
 from __future__ import annotations
@@ -170,7 +156,9 @@ def _row_to_spec(row: dict[str, str]) -> ChipSpec:
 
 
 @cache
-def _load(path: Path = CHIPS_CSV) -> dict[str, ChipSpec]:
+def read_chips(path: Path = CHIPS_CSV) -> dict[str, ChipSpec]:
+    """The `ChipSpec`s of a chips.csv by name (default the package's, read once); raises
+    ValueError when two rows share a name."""
     with open(path, newline="", encoding="utf-8") as f:
         specs = [_row_to_spec(row) for row in csv.DictReader(f)]
     names = [s.name for s in specs]
@@ -179,22 +167,28 @@ def _load(path: Path = CHIPS_CSV) -> dict[str, ChipSpec]:
     return {s.name: s for s in specs}
 
 
-CHIP_NAMES: tuple[str, ...] = tuple(_load())
+CHIP_NAMES: tuple[str, ...] = tuple(read_chips())
 
 
 def chip(name: str) -> ChipSpec:
     """The `ChipSpec` called `name`; `CHIP_NAMES` lists them."""
-    specs = _load()
+    specs = read_chips()
     if name not in specs:
         raise ValueError(f"chip={name!r} is not known; choose one of {CHIP_NAMES}")
     return specs[name]
+
+
+def spec_of(which: ChipSpec | str) -> ChipSpec:
+    """`which` as a `ChipSpec`: the one a name names (`chip`), or a spec itself (the
+    modules whose own argument is called `chip` ask for it so)."""
+    return chip(which) if isinstance(which, str) else which
 
 
 def all_chips(kind: str | None = None) -> tuple[ChipSpec, ...]:
     """Every chip in file order, or only those of `kind` ("tpu" or "gpu")."""
     if kind is not None and kind not in KINDS:
         raise ValueError(f"kind={kind!r} must be one of {KINDS} or None")
-    return tuple(s for s in _load().values() if kind is None or s.kind == kind)
+    return tuple(s for s in read_chips().values() if kind is None or s.kind == kind)
 
 
 # jax's device_kind of each TPU in mk/data/chips.csv (the names of

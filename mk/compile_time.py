@@ -1,32 +1,17 @@
 """Compile-time benchmark: the megakernel against XLA, for one model and one TPU chip.
 
-In the package (not only in benchmarks/) so that notebook 07 runs it from an installed
-wheel; `benchmarks/compile_time.py` is its command line, and its recorded full run ships in
-`mk/data/compile_time/`.
+In the package so that notebook 07 runs it from an installed wheel;
+`benchmarks/compile_time.py` is its command line, its recorded run ships in
+`mk/data/compile_time/`. Three series, each one decode step compiled ahead of time from
+ShapeDtypeStructs (nothing runs): `xla_unrolled` (`mk.reference`'s step, a loop over
+layers), `xla_scan` (the same as a `lax.scan`), `megakernel` (`mk.tpu.compile_megakernel`).
+A series is a callable `(config, chip, batch, rows, context) -> CompileReport`
+(`from_builder` makes one); the output is `Record`s, a table of ratios and each series'
+growth with layers (seconds per layer, log-log exponent), wall-clock and CPU seconds.
 
-Three series, each one decode step (T = `rows` new tokens for each of B = `batch` sequences
-against a KV cache of S = `context` positions) compiled ahead of time for one chip from
-ShapeDtypeStructs (nothing is allocated, nothing runs):
-
-- `xla_unrolled`: `mk.reference`'s decode step, a Python loop over layers (one copy of the
-  layer per layer in the HLO);
-- `xla_scan`: the same step as a `lax.scan` over the stacked layer weights (one copy of the
-  layer in the HLO), built here from `mk.reference.decoder_layer`;
-- `megakernel`: `mk.tpu.compile_megakernel`, the project's megakernel compile path.
-
-A series is a callable `(config, chip, batch, rows, context) -> CompileReport`;
-`from_builder` makes one from a builder `(config, batch, rows, context) -> (fn, args)`.
-The series are compiled side by side in one process, interleaved by layer count, after each
-has compiled once on the tiny preset (uncounted: libtpu start-up, the first Mosaic compile).
-The output is a list of `Record`s, a table with the ratios to `xla_unrolled`, and per series
-the growth with layers (a least-squares line in seconds per layer, and the log-log exponent:
-1 is linear, 2 quadratic), for wall-clock and for process CPU seconds.
-
-Not here: running anything, the persistent compilation cache (not enabled, so every compile
-is cold), plots (the notebook draws the JSON this writes). Usage:
-
-    .venv/bin/python benchmarks/compile_time.py --chip v6e --preset qwen3-8b \
-        --layers 4 8 16 32 64 --json build/compile_time.json
+Not here: running anything, the persistent compilation cache (not enabled: every compile
+is cold), plots (the notebook draws the JSON this writes). How the series are interleaved
+and warmed up, and the command line: docs/design/mk.compile_time.md.
 """
 
 from __future__ import annotations

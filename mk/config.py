@@ -29,6 +29,7 @@ Dimension legend, used in every shape comment of the project:
     Kimi Linear (MLA full layers, KDA linear layers): R latent rank (kv_lora_rank),
     Rq query rank (q_lora_rank, 0: none), Hr shared rope-part dims, Hn = H - Hr, Ho MLA
     value head dim, Fs shared-expert width
+    Kimi K3: Lt the latent MoE's width (moe_latent: its routed experts run on it)
 
 Parameter layout: weights are [in, out], so a projection is `x @ W`; per-layer tensors are
 stacked on a leading axis over their kind's layers (La full, Ll linear, Ld dense, Lm MoE
@@ -208,7 +209,8 @@ class ModelConfig:
     linear_key_dim: int = 0  # Hk
     linear_value_dim: int = 0  # Hv
     conv_kernel: int = 0  # W, taps of the depthwise causal conv over q/k/v channels
-    attn_output_gate: bool = False  # full attention's output * sigmoid(h @ wq_gate)
+    # full attention's output * sigmoid(h @ wq_gate); MLA's (Kimi K3's): * sigmoid(h @ wg)
+    attn_output_gate: bool = False
     partial_rotary_factor: float = 1.0  # RoPE rotates the first H * factor dims
     norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + weight); 1 in Qwen3.5
     # Kimi Linear (transformers' kimi_linear). latent_rank > 0: every full layer is MLA
@@ -245,6 +247,27 @@ class ModelConfig:
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 1.0
     yarn: Yarn | None = None  # YaRN RoPE scaling (gpt-oss); None: plain RoPE
+    # Kimi K3 (the release's `kimi/__init__.py` Config and equations; issue 66), each unset
+    # at its default. situ_beta > 0: every MLP (dense, shared and routed experts) is SiTU,
+    # (beta tanh(g / beta) sigmoid(g)) * (linear_beta tanh(u / linear_beta)) of its gate
+    # and up projections g, u, instead of SwiGLU (`mk.ops.situ`). moe_latent > 0: a latent
+    # MoE: the routed experts run on x @ latent_down [D, moe_latent], their weighted sum
+    # is RMS-normed and projected back with latent_up (router and shared expert on x).
+    # residual_block > 0: attention residuals: each mixer's and MLP's input is a softmax
+    # mix of the completed blocks' residual sums and the current one's, a block every
+    # residual_block layers (`mk.ops.attention_residual`). kda_gate_bound < 0 (with
+    # kda_full_gate): KDA's log-decay is bound * sigmoid(exp(A_log) (g + dt_bias)), in
+    # (bound, 0), and its output gate one full-rank projection [D, Nv*Hv]. MLA's output
+    # gate is attn_output_gate. expert_fp8_block > 0: the release's loader re-stores the
+    # experts' gate and up (MXFP4 in the checkpoint) losslessly as fp8 e4m3 with one bf16
+    # scale per this many contraction rows; down stays MXFP4 (formats experts="fp4").
+    situ_beta: float = 0.0
+    situ_linear_beta: float = 0.0
+    moe_latent: int = 0
+    residual_block: int = 0
+    kda_full_gate: bool = False
+    kda_gate_bound: float = 0.0
+    expert_fp8_block: int = 0
     # How the model's weights are stored (`check_formats`; a dict is kept as its sorted
     # items): the byte model (mk.perf, mk.sim, the plan) charges it wherever a caller gives
     # no formats of its own; () stores every weight in `dtype`.

@@ -1,59 +1,20 @@
 """What the course notebooks share: the hard-path defaults, the break-it exercises (the
 mistakes a student plants) and the checks that catch them.
 
-Defaults that exercise the hard paths (STYLE.md): `hard_positions` (non-zero first rows,
-sequence 0 at the last row of a tile so that T >= 2 new rows straddle a tile edge; used by
-notebooks 02, 03, 05) and `moe_inputs` (the MoE weights of layer 0 and activations drawn
-with a router seed, so 04 can pick one whose experts are not the prefix 0..count-1).
+Here: the hard-path defaults (`hard_positions`, `moe_inputs`); the break-it exercises
+(`planted(name)` swaps ONE line of the real kernel code for a wrong one inside a `with`
+block; `replaced(name, fn)` runs the student's `fn` in that place); the fix exercises and
+their checks (`update_without_rescale` with `check_attend_update`, `norm_then_matmul`
+with `scoped_bundles` and `check_scope`, `check_up_rotation`, `check_ring_depth`); the
+mystery lab (`mystery(seed)`: one unnamed plant in the megakernel's step, found with the
+race detector or `first_divergence`); `reveal(key)` (a folded worked answer). Checks raise
+`ExerciseFailed` naming what is wrong; they are graders: an answer of any type fails
+saying what was expected (`check_function`, `learners_code`), never a traceback from
+inside mk, and never passes.
 
-Exercises: `planted(name)` swaps ONE line of the real kernel code for a wrong one for the
-duration of a `with` block (restored on exit), so the notebook runs the real kernel with
-the student's mistake in it:
-- "ring_race" (01): `Ring.slot` returns the slot of tile g + 1, whose DMA is in flight.
-- "rope_off" (02): `rope_rows` returns its input (RoPE is the identity at position 0 only).
-- "wrong_expert" (04): expert slot s streams expert s instead of `ids_smem[s]` (the same
-  as the right one when the picked experts are 0..count-1).
-- "dropped_all_reduce" (10): the in-kernel all-reduce returns the device's own partial sum.
-- "conv_unshifted" (05b): the gated DeltaNet writes, as the conv state after row t, the
-  window before that row (the layer's output is still right; the state a verifier
-  restarts from is not).
-- "head_decay" (05c): Kimi Delta Attention decays every key channel of a head by the head's
-  first channel's decay (the gated DeltaNet's one decay per head) instead of its own.
-- "wrong_residual" (05): the residual add returns the block's output alone, the stream it
-  should add to dropped (`one_layer.residual`).
-- "accept_wrong_row" (09): greedy acceptance compares draft i with the target's token of
-  row i + 1 instead of row i (`spec.accept_greedy`).
-- "window_unskipped" (05d): a sliding layer's KV tiles start at tile 0, as a full layer's
-  do (`kv_stream.first_kv_tile`): the window is masked but not skipped, so its bytes are
-  loaded (and a tile the window leaves out is read).
-`check_up_rotation` (05c) checks a number the student gives: the lane rotation that
-brings a joined expert product's up half to lane 0, against the kernel's own split.
-A too-shallow ring (11) needs no patch: it is a `slots` parameter, and
-`check_ring_depth` catches it in the simulated step against a ring of Little's law depth.
-
-Fix exercises hand the student a broken piece to mend and check the mended copy:
-`update_without_rescale` (03: the online softmax's update with its rescale gone; checked by
-`check_attend_update` against the reference on two KV tiles); `norm_then_matmul` (08: a
-small kernel whose norm is in no named scope; the student adds one, `scoped_bundles`
-compiles the kernel's source for a TPU with libtpu's dumps in a child process and groups
-its bundles by scope, `check_scope` checks the new scope has bundles). `replaced(name, fn)`
-runs the real kernels with the student's `fn` in the place the plant `name` patches.
-
-The mystery lab (`mystery(seed)`): one plant, picked by the seed and not named, in the
-megakernel's step; the student finds it with the race detector (`Mystery.races`) or
-`first_divergence` (`Mystery.divergence`), reads the suspect's code (`Mystery.suspect`),
-writes a fixed copy and `Mystery.confirm(fix)` runs the step with it in place.
-
-Worked answers are folded: `reveal(key)` shows one in Jupyter or Colab (the site folds
-the cells that run them, tag `hide-cell`).
-
-Checks raise `ExerciseFailed` (an AssertionError, so a notebook's last cell fails
-papermill) with a message naming what is wrong. They are graders: a student's answer of
-any type (None, a string, an array of the wrong shape or dtype, a function of the wrong
-arguments, one that returns garbage or raises) fails the exercise saying what was
-expected and what came back (`check_function`, `learners_code`), never a traceback from
-inside mk, and never passes. Not here: the kernels themselves
-(`mk.kernels`), the simulator (`mk.sim`), drawing (`mk.plots`).
+Not here: the kernels themselves (`mk.kernels`), the simulator (`mk.sim`), drawing
+(`mk.plots`). Every plant, which notebook uses it and what it breaks:
+docs/design/mk.course.md.
 """
 
 from __future__ import annotations

@@ -1,32 +1,18 @@
 """Many hosts: each process of a JAX multi-controller program (`jax.distributed`) prepares
 only its own devices' shards from one checkpoint; no host reads the whole model.
 
-Here: `load_shards(path, tp, devices)`, the shards of some of the tp devices (their
-indices along the tp axis) read from a Hugging Face checkpoint: each weight
-[len(devices), ...], bit for bit what `mk.shards.shard_params(config,
-load_checkpoint(path)[1], tp)` gives those devices (a lane-padded model's zeros and a
-split MLP width's padding to whole tiles included). Each weight is cut by its own split
-rule (`mk.shards.split_index`: which indices of which axis each device holds), and each
-tensor is read through its placements (`mk.hf_layout.fill_slots`): only the contiguous
-ranges of it those devices hold, so a split weight's other devices' rows and columns are
-never read, while a replicated ("whole") weight is read whole by every host. The checks
-are `load_checkpoint`'s: every file and tensor header (`mk.checkpoint.open_checkpoint`),
-and the values this host reads (`mk.checkpoint.check_values`).
+Here: `load_shards(path, tp, devices)` (the shards of some of the tp devices, bit for bit
+what `mk.shards.shard_params` gives them from the whole checkpoint: each weight cut by its
+split rule, `mk.shards.split_index`, and read through its placements,
+`mk.hf_layout.fill_slots`, only the ranges those devices hold; the checks are
+`load_checkpoint`'s) and `load_process_shards(path, mesh)` (this process's devices of a
+one-axis tp mesh, placed as its part of global arrays [tp, ...] sharded over the axis).
 
-`load_process_shards(path, mesh)`: under `jax.distributed` (initialised by the caller;
-without it every device is this process's), this process's devices of a one-axis tp
-mesh, their shards loaded and placed as this process's part of global arrays [tp, ...]
-sharded over the axis (`P("tp")`): the layout `mk.tensor_parallel` takes the weights in.
-
-Not here: quantised checkpoints (fp8, MXFP4: `mk.hf_quant` reads them whole;
-`load_shards` refuses them), the megakernel's per-device layout of the shards
-(`mk.megakernel.prepare_shards`), the cache (`mk.shards.shard_cache`). What JAX allows
-across 2 CPU processes (tests/test_distributed.py): the loading, global arrays and
-cross-process collectives (gloo), and the AOT lowering and compile of the
-tensor-parallel step over a mesh spanning both; running that step in TPU interpret mode
-across the processes hangs (interpret mode keeps every device's simulated memory and
-semaphores in one process: a remote DMA or signal to a device of another process never
-arrives).
+Not here: quantised checkpoints (`load_shards` refuses them), the megakernel's
+per-device layout of the shards (`mk.megakernel.prepare_shards`), the cache
+(`mk.shards.shard_cache`). What JAX allows across two CPU processes (and why the
+tensor-parallel step in interpret mode does not run across them):
+docs/design/mk.distributed.md.
 """
 
 from __future__ import annotations
@@ -42,8 +28,7 @@ from mk.checkpoint import check_values, open_checkpoint
 from mk.config import ModelConfig
 from mk.hf_layout import every, fill_slots
 from mk.kernels.collectives import AXIS
-from mk.kernels.plan import check_tp
-from mk.shards import split_axis, split_index, split_of, tied_lm_head
+from mk.shards import check_tp, split_axis, split_index, split_of, tied_lm_head
 from mk.weights import weights_of
 
 

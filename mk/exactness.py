@@ -31,11 +31,11 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import core, source_info_util
 
 from mk import reference
 from mk.bounds import kernel_jaxprs
 from mk.config import ModelConfig
+from mk.jax_private import core, source_info_util
 from mk.measure import MEASURED, TPU_NAMES
 
 TIE_RTOL = 1e-2  # a near-tie: within 1 % of the largest |logit| (first_divergence's rtol)

@@ -1,46 +1,20 @@
 """What one weight tile costs the compute lane: a table measured from compiles, not a rule.
 
-A decode step multiplies M activation rows by every weight tile it streams. What that
-costs the TensorCore depends on the chip, on how the weight is stored (bf16 or an
-`mk.quant` scheme: a packed tile is decoded in VMEM first, `mk.unpack`), on what is fed to
-the MXU (the feed) and on M. `benchmarks/tile_feed_costs.py` measures it: for each row it
-compiles the stage-01 ring kernel (`mk.kernels.weight_streaming.stream_matmul`, the same
-`Ring.matmul` as the megakernel) over one weight matrix with libtpu's bundle dump on
-(`mk.probes.probe_tile`) and counts the bundles of one trip of its steady per-tile loop.
-One bundle issues per cycle, so bundles per trip / the clock is one tile's issue time, a
-lower bound on the compute lane's time per tile (stalls are not in the count).
+A tile's cost depends on the chip, on how the weight is stored (bf16 or an `mk.quant`
+scheme), on what is fed to the MXU (the feed) and on M. `benchmarks/tile_feed_costs.py`
+measures it from the bundles of one trip of the ring kernel's per-tile loop
+(`mk.probes.probe_tile`) and records data/tile_feed_costs.json (`FEED_COSTS`).
 
-The record, data/tile_feed_costs.json (`FEED_COSTS`), holds one row per (chip, weight
-dtype, feed, M) with the tile it was measured on and the libtpu version; `recorded()`
-reads it, `FeedCost` is a row; `DTYPES`, `FEEDS` and `M_BUCKETS` are its keys (`rows`:
-the (dtype, feed) pairs a chip's kernel uses), `weight_dtype` names a weight's storage.
-`bundles_per_element(chip, dtype, m)` is the one lookup:
-the row of the smallest recorded M at or above m (`bucket`), its bundles per trip over
-the tile's elements. `tile_s` turns that into seconds for a tile of any size at one end
-of the chip's clock range. `mk.sim` charges every weight tile so and `mk.perf`'s compute
-floor sums the same; the MXU rule (`mk.perf.mxu_flops`) is left as a labelled bound.
-
-Approximation: a row is measured at one tile (the stage kernel's default tiling of the
-probe matrix, `mk.probes.TILE_PROBE_SHAPE`) and applied per element to tiles of other
-sizes; part of a trip is fixed per tile (the ring's bookkeeping), so a much smaller tile
-costs more per element than the table says.
-
-The feed floor under the table (data/feed_floors.json, `FEED_FLOORS`;
-`recorded_feed_floors()`, a row a `FeedFloor`): per (chip, feed, M) the bundles per weight
-of one straight-line matmul whose weight already sits in VMEM in the feed's dtype
-(`mk.probes.probe_floor`): what libtpu needs to take a weight into the MXU with nothing
-else to do. Not the ledger's "MXU floor" (`mk.perf.mxu_floor_ms`: a step's FLOPs at the
-datasheet peak). `feed_floor_per_element` is the least of it and of the table's own loops
-feeding that dtype (at M 64 on v5e and v5p the ring's loop beat the straight-line schedule
-with 4096 x 256 tiles; with today's none does): the fewest bundles a weight libtpu has
-been seen to need, taken as what no
-lean loop goes under (an empirical floor, not a proof). `feed_floor_over_dma` (that
-floor's issue time over the weight's own DMA time at one device's HBM bandwidth, at one
-end of the clock) says which storages can stream at HBM rate at all: above 0.9 no ring
-loop, however lean, keeps up.
+Here: `recorded()`, `FeedCost` (a row), `DTYPES`, `FEEDS`, `M_BUCKETS`, `rows`,
+`weight_dtype`, `bundles_per_element(chip, dtype, m)` (the one lookup, by M `bucket`),
+`tile_s` (seconds at one end of the clock range); the feed floor under the table
+(data/feed_floors.json: `FEED_FLOORS`, `recorded_feed_floors`, `FeedFloor`,
+`feed_floor_per_element`, `feed_floor_over_dma`). `mk.sim` charges every weight tile so
+and `mk.perf`'s compute floor sums the same.
 
 Not here: the compiles and the dump reading (`mk.bundles`), which feed a kernel uses for a
-scheme (`mk.unpack.choose_feeds`, the plan's `feeds`), the clock (`mk.chips`).
+scheme (`mk.unpack.choose_feeds`), the clock (`mk.chips`). The approximations (one tile
+size, per element) and what the floor is and is not: docs/design/mk.feed_costs.md.
 """
 
 from __future__ import annotations

@@ -3,26 +3,13 @@
 figure a notebook displays, however the cell built it.
 
 `check(fig)` returns the rules a figure breaks (an empty list when it keeps them all):
-- **Axes.** Every axis that carries data (a cartesian trace is drawn on it, it is not
-  `visible=False`) has a title; an axis that `matches` another may leave the title to that
-  one. A *quantity* axis (its type is linear or log, or its trace data on it are numbers,
-  including a heatmap's or a y-only trace's implicit index) names its unit in parentheses
-  or brackets: "time (µs, simulated)", "HBM floor [ms]", "KV tile (index)",
-  "accepted (tokens)", "share of the step (fraction)". A *categorical* axis (type
-  category, or string data) needs a title but no unit.
-- **Legend.** At most `LEGEND_ENTRIES` entries, so the legend never scrolls: the traces
-  with a name whose `showlegend` is not False (True for the trace types whose default is
-  off, e.g. heatmaps) and `visible` is not False, one entry per trace, as plotly lists
-  them (a `legendgroup` toggles its traces together but lists each); none when the layout
-  hides the legend or plotly hides a lone trace's; the most over the states a slider or
-  button step sets with `update`/`restyle` of `visible`.
-- **Family colours.** A trace named after a weight family (its first word, before any
-  "[i]", is a key of `mk.colours.WEIGHT_COLOURS`) is drawn in that weight's colour
-  (`marker.color`, or `line.color` for a line), in the figure and in every frame; a
-  trace named "skipped ..." is `mk.colours.IDLE_GREY`.
+every axis that carries data has a title, a quantity axis names its unit; the legend has
+at most `LEGEND_ENTRIES` entries in any state a slider or button sets; a trace named after
+a weight family is drawn in that family's colour (`mk.colours`). `notebook_figures(nb)`
+lists the figures of an executed notebook's outputs.
 
-`notebook_figures(nb)` lists the figures of an executed notebook's outputs. Not here:
-drawing figures (`mk.plots`), whether a figure's values are right (tests/test_figures.py).
+Not here: drawing figures (`mk.plots`), whether a figure's values are right
+(tests/test_figures.py). Each rule exactly: docs/design/mk.figure_rules.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,16 @@
 """Where each Hugging Face tensor's values sit in mk's params, and reading them by ranges.
 
-`hf_layout(config)` names the mk parameter slot each HF tensor fills (a parameter and its
-index along the stacked layer and expert axes). `placements` says, per HF tensor, where
-each of its values lands inside that slot, as data: a `Placement` maps each axis of the
-slot to one axis of the tensor, coordinate by coordinate. Every way a checkpoint stores a
-weight is one such map: a projection transposed ([out, in] -> [in, out]), a conv weight
-[C, 1, W] -> [W, C], a part of a weight's last axis (Kimi's q, k and v projections and
-convs, its A_log [1, 1, Nv, 1]), Qwen3.5's q_proj holding wq and wq_gate per head, and
-gpt-oss's interleaved gate|up tensors (`mk.hf_quant.INTERLEAVED`). A lane-padded model's
-slot is longer than its tensor's axis: the coordinates past it stay zero.
-
-`fill_slots` applies placements: it fills slots, or any selection of their coordinates
-(each device's shard of a split weight: `mk.distributed.load_shards`), from a safetensors
-view, reading only the contiguous ranges of the tensor those coordinates need. The same
-maps give the shape each tensor must have (`hf_shape`). `mk.checkpoint.load_checkpoint`
-(every coordinate) and the sharded loader (each device's) both fill through here, so the
-layout is stated once.
+`hf_layout(config)` names the mk parameter slot each HF tensor fills; `placements` says,
+per HF tensor, where each of its values lands inside that slot, as data (a `Placement`
+maps each axis of the slot to one axis of the tensor); `hf_shape` is the shape each tensor
+must have; `fill_slots` fills slots, or any selection of their coordinates (a device's
+shard), from a safetensors view, reading only the ranges those coordinates need.
+`mk.checkpoint.load_checkpoint` and `mk.distributed.load_shards` both fill through here, so
+the layout is stated once.
 
 Not here: opening and checking files (`mk.checkpoint`), the quantised formats' own
-layouts (`mk.hf_quant`, read whole), which device holds what (`mk.shards`).
+layouts (`mk.hf_quant`), which device holds what (`mk.shards`). Every way a checkpoint
+stores a weight as one such map: docs/design/mk.hf_layout.md.
 """
 
 from __future__ import annotations

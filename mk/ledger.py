@@ -22,7 +22,7 @@ import dataclasses
 
 from mk import exactness, perf, plots
 from mk.bundles import packed_bundles
-from mk.chips import CLOCK_ENDS, ChipSpec, chip as named_chip
+from mk.chips import CLOCK_ENDS, ChipSpec, spec_of
 from mk.config import ModelConfig, positive_int
 from mk.errors import shown
 from mk.presets import preset as named_preset
@@ -152,7 +152,7 @@ def runs(*, speculative_only: bool = False, batches=None) -> list[Run]:
         rows = VERIFY_ROWS if row.acceptance_length else 1
         context = row.context or 0
         try:
-            spec = named_chip(row.system)
+            spec = spec_of(row.system)
         except ValueError:
             out.append(Run(row, config, None, 0, batch, rows, context))
             continue
@@ -209,14 +209,7 @@ def entries(*, routing: str = "uniform", compute: str = "bf16",
     tile); and "compiled_slots", "tile_bundles", "tile_dma_ns". A recorded
     kernel that does not fit its core gets "compiled_note" with the reason, and the
     columns above only if its per-tile cost was measured on a cut of it (`measured_on`)."""
-    perf.check_choice("routing", routing, perf.ROUTINGS)  # a trace is one model's
-    perf.check_choice("compute", compute, perf.COMPUTES)
-    for field, flag in (("simulate_tpu", simulate_tpu), ("speculative_only", speculative_only)):
-        if not isinstance(flag, bool):
-            raise ValueError(f"{field}={shown(flag)} must be True or False")
-    if assumptions is not None and not isinstance(assumptions, Assumptions):
-        raise ValueError(f"assumptions is a {type(assumptions).__name__}; it must be a "
-                         "mk.sim.Assumptions")
+    _check_entries(routing, compute, simulate_tpu, speculative_only, assumptions)
     out, sims = [], {}
     recorded = {cost_key(c): c for c in tile_costs}
 
@@ -227,85 +220,129 @@ def entries(*, routing: str = "uniform", compute: str = "bf16",
         return sims[key]
 
     for run in runs(speculative_only=speculative_only, batches=batches):
-        row, config, spec, tau = run.row, run.config, run.spec, run.row.acceptance_length
-        batch, rows, tp, context = run.batch, run.rows, run.tp, run.context
-        rec = dict(run=f"{config.name} on {row.chips or '?'} {row.system}, "
-                       + (f"tau={tau:g}" if tau else f"B={row.batch}"),
-                   model=row.model, preset=row.preset, system=row.system, tau=tau,
-                   batch=batch, rows=rows, context=context, metric=row.metric,
-                   published=row.tokens_per_s,
-                   published_step_ms=row.step_ms)
-        if spec is None:
-            out.append(rec | dict(note=f"no row for {row.system} in data/chips.csv: "
+        rec = _published_columns(run)
+        if run.spec is None:
+            out.append(rec | dict(note=f"no row for {run.row.system} in data/chips.csv: "
                                        "no model"))
             continue
-        kw = dict(batch=batch, rows=rows, context=context, tp=tp)
-        accepted = tau or 1
-
-        def timed(name, ms):
-            per_user = accepted / (ms / 1e3)
-            tokens = per_user if row.metric == "per_user" else batch * per_user
-            return {f"{name}_ms": ms, name: tokens, f"{name}_error":
-                    tokens / row.tokens_per_s - 1}
-
-        ici = dict(ici_latency_s=(assumptions or Assumptions()).ici_latency_s)
-        est = perf.predict(config, spec, accepted=accepted, routing=routing, compute=compute,
-                           **ici, **kw)
-        mxu = perf.mxu_floor_ms(config, spec, routing=routing, compute=compute, **kw)
-        modelled = perf.modelled_step_ms(config, spec, routing=routing, compute=compute,
-                                         **ici, **kw)
-        # the MXU and tile floors are TPU quantities: a GPU has no MXU and no tile table
-        # (its modelled step's compute lane is its FLOP floor, inside `mk.perf`)
-        tpu = spec.kind == "tpu"
-        tiles = {end: perf.tile_floor_ms(config, spec, routing=routing, clock=end, batch=batch,
-                                         rows=rows, tp=tp) for end in CLOCK_ENDS} if tpu else {}
-        lane = tiles["low"] if tpu else est.compute_floor_ms
-        rec |= (timed("hbm_floor", est.hbm_floor_ms)
-                | (timed("mxu_floor", mxu) | dict(tile_floor_ms=tiles["low"],
-                                                  tile_floor_high_ms=tiles["high"])
-                   if tpu else {})
-                | timed("modelled", modelled)
-                | dict(collective_ms=est.collective_ms,
-                       bound=perf.critical_term(est.hbm_floor_ms, lane, est.collective_ms,
-                                                "tile" if tpu else "compute"),
-                       state_share=est.state_bytes / est.total_bytes))
-        if spec.kind == "tpu" and simulate_tpu:
-            sim = simulated(config, spec, **kw)
-            rec |= timed("simulated", sim.step_ms) | dict(
-                simulated_slots=sim.block.slots, simulated_utilisation=sim.hbm_utilisation,
-                simulated_bound=_bound(sim))
-            plan = sim.plan
-            for end in CLOCK_ENDS:  # the table's costliest weight tile of the run's plan
-                table = dataclasses.replace(assumptions or Assumptions(), tile_issue_s=0.0,
-                                            tile_bundles=0, packed_bundles=(), clock=end)
-                rec[f"table_tile_{end}_ns"] = 1e9 * max(tile_seconds(
-                    plan.stream, spec, plan.M, dict(plan.formats), plan.local.dtype,
-                    table).values())
+        kw = dict(batch=run.batch, rows=run.rows, context=run.context, tp=run.tp)
+        modelled, est = _modelled_columns(run, routing, compute, assumptions, kw)
+        rec |= modelled
+        if run.spec.kind == "tpu" and simulate_tpu:
+            rec |= _simulated_columns(run, simulated, assumptions, kw)
             cost = recorded.get(run.key)
-            if cost is not None and not cost["fits"]:
-                rec["compiled_note"] = (f"the whole kernel: {cost['error']}" + (
-                    f"; its per-tile cost measured on {cost['measured_on']}"
-                    if "tile_ns" in cost else ""))
-            if cost is not None and "tile_ns" in cost:
-                ring = dataclasses.replace(sim.block, slots=cost["slots"])
-                bundles = tile_bundles(cost)
-                rec |= dict(compiled_slots=cost["slots"], tile_bundles=bundles,
-                            tile_dma_ns=cost["dma_ns"])
-                for end in CLOCK_ENDS:
-                    a = recorded_assumptions(cost, assumptions, clock=end)
-                    compiled = simulated(config, spec, a, block=ring, **kw)
-                    rec |= timed(f"compiled_{end}", compiled.step_ms) | {
-                        f"compiled_{end}_over_floor": compiled.step_ms / est.hbm_floor_ms,
-                        f"compiled_{end}_utilisation": compiled.hbm_utilisation,
-                        f"compiled_{end}_bound": _bound(compiled),
-                        f"tile_{end}_ns": a.issue_s(spec) * 1e9}
-        elif spec.kind == "gpu":
-            conv = perf.conventional(config, spec, accepted=accepted, routing=routing,
-                                     compute=compute, **kw)
-            rec |= timed("conventional", conv.step_ms) | dict(
+            if cost is not None:
+                rec |= _compiled_columns(run, cost, simulated, assumptions, est, kw)
+        elif run.spec.kind == "gpu":
+            conv = perf.conventional(run.config, run.spec, accepted=run.row.acceptance_length
+                                     or 1, routing=routing, compute=compute, **kw)
+            rec |= _timed(run, "conventional", conv.step_ms) | dict(
                 conventional_gap_ms=conv.gap_ms)
         out.append(rec | dict(note=_explain(run)))
     return out
+
+
+# -- entries, phase by phase --------------------------------------------------------------
+def _check_entries(routing, compute, simulate_tpu, speculative_only, assumptions) -> None:
+    perf.check_choice("routing", routing, perf.ROUTINGS)  # a trace is one model's
+    perf.check_choice("compute", compute, perf.COMPUTES)
+    for field, flag in (("simulate_tpu", simulate_tpu), ("speculative_only", speculative_only)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{field}={shown(flag)} must be True or False")
+    if assumptions is not None and not isinstance(assumptions, Assumptions):
+        raise ValueError(f"assumptions is a {type(assumptions).__name__}; it must be a "
+                         "mk.sim.Assumptions")
+
+
+def _timed(run: Run, name: str, ms: float) -> dict:
+    """{name_ms, name (tokens/s in the row's metric), name_error} of a step of `ms`."""
+    row = run.row
+    per_user = (row.acceptance_length or 1) / (ms / 1e3)
+    tokens = per_user if row.metric == "per_user" else run.batch * per_user
+    return {f"{name}_ms": ms, name: tokens, f"{name}_error": tokens / row.tokens_per_s - 1}
+
+
+def _published_columns(run: Run) -> dict:
+    """The row as published: what ran, on what, and its tokens/s and step."""
+    row, config, tau = run.row, run.config, run.row.acceptance_length
+    return dict(run=f"{config.name} on {row.chips or '?'} {row.system}, "
+                    + (f"tau={tau:g}" if tau else f"B={row.batch}"),
+                model=row.model, preset=row.preset, system=row.system, tau=tau,
+                batch=run.batch, rows=run.rows, context=run.context, metric=row.metric,
+                published=row.tokens_per_s,
+                published_step_ms=row.step_ms)
+
+
+def _modelled_columns(run: Run, routing, compute, assumptions, kw) -> tuple[dict, object]:
+    """The floors, the modelled step, the collective and the bound (`mk.perf`), and the
+    `mk.perf.predict` estimate they come from."""
+    config, spec = run.config, run.spec
+    accepted = run.row.acceptance_length or 1
+    ici = dict(ici_latency_s=(assumptions or Assumptions()).ici_latency_s)
+    est = perf.predict(config, spec, accepted=accepted, routing=routing, compute=compute,
+                       **ici, **kw)
+    mxu = perf.mxu_floor_ms(config, spec, routing=routing, compute=compute, **kw)
+    modelled = perf.modelled_step_ms(config, spec, routing=routing, compute=compute,
+                                     **ici, **kw)
+    # the MXU and tile floors are TPU quantities: a GPU has no MXU and no tile table
+    # (its modelled step's compute lane is its FLOP floor, inside `mk.perf`)
+    tpu = spec.kind == "tpu"
+    tiles = {end: perf.tile_floor_ms(config, spec, routing=routing, clock=end,
+                                     batch=kw["batch"], rows=kw["rows"], tp=kw["tp"])
+             for end in CLOCK_ENDS} if tpu else {}
+    lane = tiles["low"] if tpu else est.compute_floor_ms
+    return (_timed(run, "hbm_floor", est.hbm_floor_ms)
+            | (_timed(run, "mxu_floor", mxu) | dict(tile_floor_ms=tiles["low"],
+                                                    tile_floor_high_ms=tiles["high"])
+               if tpu else {})
+            | _timed(run, "modelled", modelled)
+            | dict(collective_ms=est.collective_ms,
+                   bound=perf.critical_term(est.hbm_floor_ms, lane, est.collective_ms,
+                                            "tile" if tpu else "compute"),
+                   state_share=est.state_bytes / est.total_bytes)), est
+
+
+def _simulated_columns(run: Run, simulated, assumptions, kw) -> dict:
+    """The simulated step of the plan's ring, and the tile cost table's costliest weight
+    tile of that plan at each end of the clock range."""
+    spec = run.spec
+    sim = simulated(run.config, spec, **kw)
+    rec = _timed(run, "simulated", sim.step_ms) | dict(
+        simulated_slots=sim.block.slots, simulated_utilisation=sim.hbm_utilisation,
+        simulated_bound=_bound(sim))
+    plan = sim.plan
+    for end in CLOCK_ENDS:  # the table's costliest weight tile of the run's plan
+        table = dataclasses.replace(assumptions or Assumptions(), tile_issue_s=0.0,
+                                    tile_bundles=0, packed_bundles=(), clock=end)
+        rec[f"table_tile_{end}_ns"] = 1e9 * max(tile_seconds(
+            plan.stream, spec, plan.M, dict(plan.formats), plan.local.dtype,
+            table).values())
+    return rec
+
+
+def _compiled_columns(run: Run, cost: dict, simulated, assumptions, est, kw) -> dict:
+    """The simulated step of the recorded compiled kernel `cost` (its ring, its latency,
+    its per-tile loops) at each end of the clock range, or why it has none."""
+    rec = {}
+    if not cost["fits"]:
+        rec["compiled_note"] = (f"the whole kernel: {cost['error']}" + (
+            f"; its per-tile cost measured on {cost['measured_on']}"
+            if "tile_ns" in cost else ""))
+    if "tile_ns" not in cost:
+        return rec
+    ring = dataclasses.replace(simulated(run.config, run.spec, **kw).block,
+                               slots=cost["slots"])
+    rec |= dict(compiled_slots=cost["slots"], tile_bundles=tile_bundles(cost),
+                tile_dma_ns=cost["dma_ns"])
+    for end in CLOCK_ENDS:
+        a = recorded_assumptions(cost, assumptions, clock=end)
+        compiled = simulated(run.config, run.spec, a, block=ring, **kw)
+        rec |= _timed(run, f"compiled_{end}", compiled.step_ms) | {
+            f"compiled_{end}_over_floor": compiled.step_ms / est.hbm_floor_ms,
+            f"compiled_{end}_utilisation": compiled.hbm_utilisation,
+            f"compiled_{end}_bound": _bound(compiled),
+            f"tile_{end}_ns": a.issue_s(run.spec) * 1e9}
+    return rec
 
 
 def tile_bundles(cost: dict) -> int:

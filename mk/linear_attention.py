@@ -6,7 +6,8 @@ state, and the gated RMSNorm, each returning the state after EVERY row so a spec
 verifier can restart from any accepted prefix; and a linear layer's token mixer from its
 parameters on normed rows: `conv_qkv` (the projection, the conv and the L2 norms both
 kinds share), `linear_attention` (the gated DeltaNet), `kda_decay` and
-`kimi_delta_attention` (KDA). Not here: the layer around a mixer (its norm, residual and
+`kimi_delta_attention` (KDA; Kimi K3's too: a full-rank output gate, a bounded
+decay). Not here: the layer around a mixer (its norm, residual and
 MLP: `mk.reference.linear_decoder_layer`), kernels (`mk.kernels`). Conventions follow
 transformers' `modeling_qwen3_5.py` (`causal_conv1d_update`,
 `torch_recurrent_gated_delta_rule`, `Qwen3_5RMSNormGated`); the recurrence is run row by
@@ -125,24 +126,34 @@ def linear_attention(config: ModelConfig, params, i: int, h, conv_state, state):
 
 def kda_decay(config: ModelConfig, params, i: int, h):
     """KDA's log-decay g [..., Nv, Hk] of linear layer i's normed rows h [..., D]: one per
-    key channel, g = -exp(A_log[head]) softplus(h f_a f_b + dt_bias) (the state decays by
-    exp(g))."""
+    key channel, with f = h f_a f_b + dt_bias, g = -exp(A_log[head]) softplus(f) (Kimi
+    Linear's), or with Kimi K3's bound b = kda_gate_bound < 0, g = b sigmoid(exp(A_log
+    [head]) f), in (b, 0) (the release's `kda_step`). The state decays by exp(g)."""
     N, Hk = config.linear_value_heads, config.linear_key_dim
     forget = matmul(matmul(h, params["kda_f_a"][i]), params["kda_f_b"][i])
     forget = (forget + params["lin_dt_bias"][i].astype(F32)).reshape(*h.shape[:-1], N, Hk)
-    return -jnp.exp(params["lin_a_log"][i].astype(F32))[:, None] * jax.nn.softplus(forget)
+    rate = jnp.exp(params["lin_a_log"][i].astype(F32))[:, None]
+    if config.kda_gate_bound:
+        return np.float32(config.kda_gate_bound) * jax.nn.sigmoid(rate * forget)
+    return -rate * jax.nn.softplus(forget)
 
 
 def kimi_delta_attention(config: ModelConfig, params, i: int, h, conv_state, state):
     """Kimi Delta Attention (KDA) of linear layer i on normed rows h [B, T, D]: the gated
-    DeltaNet with a per-channel forget gate (low rank: D -> Hk -> Nv*Hk), one head count
-    for q, k and v, and a low-rank sigmoid output gate. Arguments and results as
-    `linear_attention`'s (transformers' KimiLinearDeltaAttention)."""
+    DeltaNet with a per-channel forget gate (low rank: D -> Hk -> Nv*Hk, `kda_decay`), one
+    head count for q, k and v, and a sigmoid output gate: low rank (kda_g_a, kda_g_b:
+    Kimi Linear's) or one full-rank projection (kda_g: Kimi K3's). Arguments and results
+    as `linear_attention`'s (transformers' KimiLinearDeltaAttention; the release's
+    `kda_step`)."""
     B, T, _ = h.shape
     N, Hv = config.linear_value_heads, config.linear_value_dim
     q, k, v, conv_rows = conv_qkv(config, params, i, h, conv_state)
     beta = jax.nn.sigmoid(matmul(h, params["lin_b"][i]))
     o, state_rows = delta_rule(q, k, v, kda_decay(config, params, i, h), beta, state)
-    gate = matmul(matmul(h, params["kda_g_a"][i]), params["kda_g_b"][i]).reshape(B, T, N, Hv)
-    o = gated_rms_norm(o, gate, params["lin_norm"][i], config.rms_eps, jax.nn.sigmoid)
+    if "kda_g" in params:
+        gate = matmul(h, params["kda_g"][i])
+    else:
+        gate = matmul(matmul(h, params["kda_g_a"][i]), params["kda_g_b"][i])
+    o = gated_rms_norm(o, gate.reshape(B, T, N, Hv), params["lin_norm"][i], config.rms_eps,
+                       jax.nn.sigmoid)
     return matmul(o.reshape(B, T, -1), params["lin_out"][i]), conv_rows, state_rows

@@ -1,43 +1,103 @@
 """The simulator's machine: one device as a FIFO DMA engine beside an in-order compute
-lane (`Machine`), and its records: `Event` (a run of one lane's intervals) and `Bubble` (a
-run of HBM-idle time with its cause, one of `CAUSES`).
+lane (`Machine`), the numbers it runs at (`Assumptions`) and its records: `Event` (a run
+of one lane's intervals), `Bubble` (a run of HBM-idle time with its cause, one of
+`CAUSES`) and `Simulation` (one simulated step: its events, bubbles, bytes and the views
+on them, which `mk.sim.simulate` returns).
 
 `mk.sim` replays the megakernel's schedule on it: each DMA the kernel issues is
 `Machine.dma` (it starts at max(issue + latency, the end of the transfer before it)),
-each compute phase `Machine.compute`, each wait `Machine.wait`. Intervals are merged into
-runs of one (layer, what) as they happen; `Machine.shift` fast-forwards repetitions of a
-run of identical tiles exactly. Not here: what is issued and computed when (`mk.sim`'s
-replay and the layer kinds' twins, `mk.kinds`), the numbers of the model
-(`mk.sim.Assumptions`). Also here: `Simulation`, the result of one simulated step (its
-events, bubbles, bytes and the views on them), which `mk.sim.simulate` returns.
+each compute phase `Machine.compute`, each wait `Machine.wait`; `Machine.shift`
+fast-forwards repetitions of a run of identical tiles exactly.
 
-Bubble causes (HBM idle intervals): "step start" (before the first tile lands), "layer
-boundary" (the next layer's tiles issued late: cross-layer prefetch off, or after an MoE
-layer whose last expert slots were off, so `ring.skip` issued them only after the last
-active expert), "routing" (expert tiles cannot be issued until the router has chosen),
-"attention" (KV stream latency and attention compute while the weight ring is full),
-"lm_head" (argmax, the last tiles), "collective", "compute" (HBM idle while the lane
-computes a weight tile: the ring is full, the tile is MXU-bound), "vector" (norms, RoPE,
-SwiGLU), "ring empty" (HBM idle while the lane waits for a tile still in its issue
-latency: too few slots in flight to hide it), "step end", "skipped mixer" (a hybrid
-layer's switched-off mixer region: `ring.skip` issues the tiles past it only when the lane
-reaches it).
+Not here: what is issued and computed when (`mk.sim`'s replay and the layer kinds'
+twins, `mk.kinds`). Where each assumed number comes from and what each bubble cause
+means: docs/design/mk.sim.md and docs/design/mk.machine.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
+from mk import measure, perf, quant
+from mk.chips import CLOCK_ENDS, ChipSpec
+from mk.config import finite_number
+from mk.kernels.collectives import ICI_LATENCY_S
+from mk.kernels.common import BlockSizes
+from mk.kernels.plan import DecodePlan
 from mk.step_bytes import family_of
-
-if TYPE_CHECKING:
-    from mk.kernels.common import BlockSizes
-    from mk.kernels.plan import DecodePlan
-    from mk.sim import Assumptions
 
 CAUSES = ("step start", "layer boundary", "routing", "attention", "lm_head", "collective",
           "compute", "vector", "ring empty", "step end", "skipped mixer")
+
+
+@dataclasses.dataclass(frozen=True)
+class Assumptions:
+    """The numbers of the machine model (docs/design/mk.sim.md says where each comes
+    from)."""
+
+    hbm_share: float = 1.0
+    dma_latency_s: float = 0.5e-6
+    vpu_flops_ratio: float = 1 / 64
+    scalar_op_s: float = 2e-9
+    compute: str = "bf16"
+    tile_issue_s: float = 0.0  # the per-tile loop's issue time in seconds, or
+    tile_bundles: int = 0  # its bundles per trip (`mk.bundles.TileCost`), at the clock
+    # ((scheme, tile_rows, tile_cols, bundles), ...): a whole kernel's per-tile loop of the
+    # packed tiles of a scheme and shape, at the clock (`mk.bundles.TileCost.assumptions`)
+    packed_bundles: tuple[tuple[str, int, int, int], ...] = ()
+    clock: str = "low"  # end of the chip's range (`mk.chips.CLOCK_ENDS`)
+    ici_latency_s: float = ICI_LATENCY_S  # one message round of a collective
+    source: str = "assumed"  # where dma_latency_s and hbm_share come from (`measured`)
+
+    def __post_init__(self):
+        for field in ("hbm_share", "vpu_flops_ratio"):
+            finite_number(f"Assumptions.{field}", getattr(self, field), 0, 1, open_low=True)
+        for field in ("dma_latency_s", "scalar_op_s", "tile_issue_s", "ici_latency_s"):
+            finite_number(f"Assumptions.{field}", getattr(self, field))
+        if isinstance(self.tile_bundles, bool) or not isinstance(self.tile_bundles, int) \
+                or self.tile_bundles < 0:
+            raise ValueError(f"Assumptions.tile_bundles={self.tile_bundles!r} must be an "
+                             "integer >= 0")
+        for item in self.packed_bundles:
+            if not (isinstance(item, tuple) and len(item) == 4 and item[0] in quant.SCHEMES
+                    and all(isinstance(v, int) and not isinstance(v, bool) and v > 0
+                            for v in item[1:])):
+                raise ValueError(f"Assumptions.packed_bundles entry {item!r} must be "
+                                 f"(scheme of {quant.SCHEMES}, tile_rows, tile_cols, "
+                                 "bundles), positive integers")
+        if self.tile_bundles and self.tile_issue_s:
+            raise ValueError(f"Assumptions: tile_bundles={self.tile_bundles} and "
+                             f"tile_issue_s={self.tile_issue_s!r} both set; give the issue "
+                             "time one way")
+        if self.clock not in CLOCK_ENDS:
+            raise ValueError(f"Assumptions.clock={self.clock!r} must be one of {CLOCK_ENDS}")
+        if self.compute not in perf.COMPUTES:
+            raise ValueError(f"Assumptions.compute={self.compute!r} must be one of "
+                             f"{perf.COMPUTES}")
+        if not isinstance(self.source, str) or not self.source:
+            raise ValueError(f"Assumptions.source={self.source!r} must say where the DMA "
+                             "numbers come from")
+
+    @property
+    def recorded_loop(self) -> bool:
+        """Whether a whole kernel's per-tile loop is given (`tile_bundles` or
+        `tile_issue_s`): then it, not the tile cost table, is every plain tile's cost."""
+        return bool(self.tile_bundles or self.tile_issue_s)
+
+    def issue_s(self, spec: ChipSpec) -> float:
+        """The given per-tile issue time on `spec`: `tile_bundles` at its `clock` end,
+        else `tile_issue_s` (0 when neither is given)."""
+        return (self.tile_bundles / spec.clock(self.clock) if self.tile_bundles
+                else self.tile_issue_s)
+
+    # -- A measured file (mk.measure) ----------------------------------------------------
+    @classmethod
+    def measured(cls, chip: ChipSpec | str, path=None, **others) -> Assumptions:
+        """dma_latency_s and hbm_share from the measured file of `chip` (`path`, else
+        data/measured/<chip>.json when it exists: `mk.measure.sim_fields`), with `source`
+        saying which; without a file the defaults, source "assumed". `others` set the
+        other fields."""
+        return cls(**others, **measure.sim_fields(chip, path))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,44 +1,31 @@
 """Measure your TPU: DMA latency against size, bandwidth against bytes in flight, one
 megakernel step; the `Measured` record `data/measured/<chip>.json` holds, which the
-simulator reads (`mk.sim.Assumptions.measured`).
+simulator reads (`mk.machine.Assumptions.measured`).
 
-How a number is measured. `mk.kernels.dma_probe` copies `count` chunks HBM -> VMEM with
-`in_flight` copies outstanding; each point runs it with two counts (`Sweep.counts`), timed
-by the wall clock around a blocking call (`jax.block_until_ready`), `repeats` times each,
-and keeps (median time at the larger count - median at the smaller) / the extra copies:
-the steady time per copy, without the call's fixed cost. With one copy in flight that is
-the latency plus the bytes over the bandwidth, so a straight line through the one-in-flight
-points against their size has the latency as its intercept (`Measured.dma_latency_s`, the
-simulator's `dma_latency_s`: a transfer starts moving that long after its issue); with
-more in flight the copies overlap and bytes / time per copy is the bandwidth reached with
-that many bytes in flight (`Measured.hbm_bw`, the best of them, over the datasheet's share
-of one device gives the simulator's `hbm_share`). The megakernel step is timed the same way
-(one warm-up call, then the median of `repeats`), dispatch included.
-
-Where it runs. On a TPU (`mk.backend` "hardware") the record's chip comes from the device
-kind and it is written to `MEASURED/<chip>.json`. On a CPU the same code runs in TPU
-interpret mode: the times are the interpreter's and say nothing about a TPU. Such a record
-has mode "interpret", no chip and the label `INTERPRET_LABEL`, and `write` refuses to put
-it under `MEASURED` or in any file named for a TPU. A third mode, "example", is a record
-made up from a chosen latency and bandwidth share (`example`): what a notebook on a CPU
-feeds the simulator to show what a measured file changes, labelled as made up.
+On a TPU the record's chip comes from the device kind and it is written to
+`MEASURED/<chip>.json`; on a CPU the same code runs in TPU interpret mode, and its record
+(mode "interpret", `INTERPRET_LABEL`) is refused under `MEASURED`; `example` makes up a
+labelled record from a chosen latency and bandwidth share.
 
 Here: `Sweep` (`SWEEPS`), `DmaPoint`, `StepPoint`, `Measured` (`latency_fit`,
 `dma_latency_s`, `hbm_bw`, `hbm_share`, `to_dict`, `from_dict`), `chip_of`,
-`seconds_per_copy`, `dma_sweep`, `time_step`, `measure`, `example`, `path_for`, `write`,
-`load`, `sim_fields` (what `mk.sim.Assumptions.measured` sets). Not here: the
-simulator (`mk.sim`), drawing (the notebook, with `mk.plots`), the JSON schema's prose
-(data/README.md).
+`seconds_per_copy`, `dma_sweep`, `time_step_series` (`STEP_SERIES`: the megakernel, its
+device loop, XLA's step; benchmarks/tpu_steps.py), `time_step`, `provenance`, `measure`,
+`example`, `path_for`, `write`, `load`, `sim_fields`. Not here: the simulator
+(`mk.sim`), drawing (the notebook, with `mk.plots`), the JSON schema's prose
+(data/README.md). How each number is measured: docs/design/mk.measure.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import importlib.metadata
 import json
 import math
 import os
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
@@ -49,13 +36,13 @@ import numpy as np
 from mk import backend as backends
 from mk import megakernel, reference
 from mk.checkpoint import init_params
-from mk.chips import DEVICE_KINDS, ChipSpec, all_chips, chip as chip_spec, chip_of  # noqa: F401
+from mk.chips import DEVICE_KINDS, ChipSpec, all_chips, chip_of, spec_of  # noqa: F401
 from mk.config import ModelConfig
 from mk.kernels.common import LANES
 from mk.kernels.dma_probe import CHUNK_ROWS, SIZE_UNIT_BYTES, chunk_rows, dma_probe
 from mk.kernels.plan import DecodePlan, capacity as cache_capacity
 
-SCHEMA = 1
+SCHEMA = 3  # 2: min_extra_bytes; 3: libtpu and commit
 MODES = ("hardware", "interpret", "example")
 INTERPRET_LABEL = "interpret mode, not a TPU"
 EXAMPLE_LABEL = "example: made-up numbers, not a measurement"
@@ -97,13 +84,16 @@ def _counts(field: str, value) -> None:
 class Sweep:
     """What `dma_sweep` times: one copy in flight at each of `sizes` (latency against
     size), then `in_flight` copies of `chunk` bytes (bandwidth against bytes in flight);
-    each point with `counts` copies, `repeats` times."""
+    each point with `counts` copies, `repeats` times. `min_extra_bytes`: the larger count
+    is raised, point by point, until the extra copies move at least this many bytes, so
+    the time they add stands above the wall clock's noise (`counts_for`)."""
 
     sizes: tuple[int, ...]  # bytes per copy, whole 4 KiB
     chunk: int  # bytes per copy of the bandwidth sweep
     in_flight: tuple[int, ...]
     counts: tuple[int, int] = (16, 528)
     repeats: int = 5
+    min_extra_bytes: int = 0
 
     def __post_init__(self):
         for field in ("sizes", "in_flight"):
@@ -116,6 +106,12 @@ class Sweep:
             _integer("Sweep.in_flight[...]", d, 1)
         _counts("Sweep.counts", self.counts)
         _integer("Sweep.repeats", self.repeats, 1)
+        _integer("Sweep.min_extra_bytes", self.min_extra_bytes, 0)
+
+    def counts_for(self, nbytes: int) -> tuple[int, int]:
+        """The two counts a point of `nbytes` per copy is timed with."""
+        low, high = self.counts
+        return low, max(high, low + -(-self.min_extra_bytes // nbytes))
 
     def points(self) -> list[tuple[int, int]]:
         """(bytes, in_flight) of every point, latency points first, each once."""
@@ -124,9 +120,13 @@ class Sweep:
 
 
 SWEEPS = {
-    # 4 KiB to 4 MiB one at a time; 256 KiB copies up to 64 in flight (16 MiB of VMEM)
+    # 4 KiB to 4 MiB one at a time; 256 KiB copies up to 64 in flight (16 MiB of VMEM).
+    # A dispatched call costs about 1 ms on a v5e, give or take tens of us: 4 GiB of extra
+    # copies (5 ms at its datasheet 819 GB/s) stand well above that. Measured there
+    # (2026-12-06, 0f38c60) with 512 extra copies instead: 256 KiB copies 8 in flight
+    # "moved" 6.7 TB/s, the noise of 164 us of copies under a 1 ms call.
     "full": Sweep(sizes=tuple(4 ** k * 4 * KIB for k in range(6)), chunk=256 * KIB,
-                  in_flight=(1, 2, 4, 8, 16, 32, 64)),
+                  in_flight=(1, 2, 4, 8, 16, 32, 64), min_extra_bytes=4 * KIB ** 3),
     # interpret mode: ~1-2 ms per copy (32 extra copies stand out of the load's noise) and
     # ~0.5 s of tracing per point
     "quick": Sweep(sizes=(4 * KIB, 16 * KIB, 64 * KIB), chunk=4 * KIB, in_flight=(1, 2, 4),
@@ -186,8 +186,11 @@ class Measured:
     device_kind: str  # jax's name of the device that ran the probes ("cpu" in interpret)
     when: str  # UTC, ISO 8601
     jax: str  # jax's version
-    counts: tuple[int, int]  # copies per call, the two timed
+    libtpu: str  # libtpu's version ("unknown" where it is not installed)
+    commit: str  # the checkout's commit ($MK_COMMIT, else git's HEAD, else "unknown")
+    counts: tuple[int, int]  # copies per call, the two timed (the larger: `min_extra_bytes`)
     repeats: int
+    min_extra_bytes: int  # `Sweep.min_extra_bytes`: each point's counts are `counts_for`'s
     dma: tuple[DmaPoint, ...]
     step: StepPoint | None  # None when no step was timed
 
@@ -207,15 +210,25 @@ class Measured:
         if self.mode == "example" and self.label != EXAMPLE_LABEL:
             raise ValueError(f"label={self.label!r} must be {EXAMPLE_LABEL!r} in "
                              "mode='example'")
-        for field in ("label", "device_kind", "when", "jax"):
+        for field in ("label", "device_kind", "when", "jax", "libtpu", "commit"):
             if not isinstance(getattr(self, field), str):
                 raise ValueError(f"{field}={getattr(self, field)!r} must be a string")
         if not self.label:
             raise ValueError("label='' must say what the numbers are")
         _counts("counts", self.counts)
         _integer("repeats", self.repeats, 1)
+        _integer("min_extra_bytes", self.min_extra_bytes, 0)
         if not self.dma or not all(isinstance(p, DmaPoint) for p in self.dma):
             raise ValueError(f"dma ({len(self.dma)} items) must be DmaPoints, at least one")
+        if self.chip is not None:  # no copy outruns the datasheet: a faster one is noise
+            limit = spec_of(self.chip).device_hbm_bw * (1 + 1e-9)
+            for i, p in enumerate(self.dma):
+                if p.bandwidth > limit:
+                    raise ValueError(
+                        f"dma[{i}]: {p.bytes} bytes, {p.in_flight} in flight, moved "
+                        f"{p.bandwidth / 1e9:.0f} GB/s, over {self.chip}'s datasheet "
+                        f"{limit / 1e9:.0f} GB/s per device: the time is the wall clock's "
+                        "noise, not the copies' (raise Sweep.min_extra_bytes)")
         if self.step is not None and not isinstance(self.step, StepPoint):
             raise ValueError(f"step={self.step!r} must be a StepPoint or None")
 
@@ -330,7 +343,7 @@ def seconds_per_copy(nbytes: int, in_flight: int, sweep: Sweep) -> float:
     rows = chunk_rows(nbytes)
     src = jnp.arange(in_flight * rows * LANES, dtype=jnp.float32).reshape(in_flight, rows, -1)
     probe = jax.jit(dma_probe)
-    c0, c1 = sweep.counts
+    c0, c1 = sweep.counts_for(nbytes)
     calls = {c: (lambda c=c: probe(src, jnp.array([c], jnp.int32))) for c in (c0, c1)}
     last = np.asarray(calls[c1]())
     if not np.array_equal(last, np.asarray(src[(c1 - 1) % in_flight, :CHUNK_ROWS])):
@@ -351,23 +364,89 @@ def dma_sweep(sweep: Sweep, backend: str = "auto") -> tuple[DmaPoint, ...]:
         return tuple(DmaPoint(n, d, seconds_per_copy(n, d, sweep)) for n, d in sweep.points())
 
 
-def time_step(config: ModelConfig, *, batch: int = 1, rows: int = 1, context: int = 256,
-              repeats: int = 5, seed: int = 0, backend: str = "auto") -> StepPoint:
-    """One megakernel decode step of `config` (random weights of `seed`) timed on
-    `backend`: every sequence reads a full cache of `context` positions before its `rows`
-    new ones, as `mk.sim.simulate(..., context=context)` replays it."""
-    capacity = cache_capacity(context + rows)  # the cache `DecodePlan.make(position=)` holds
+STEP_SERIES = ("megakernel", "megakernel_loop", "xla")  # what `time_step_series` times
+
+
+def time_step_series(config: ModelConfig, *, batch: int = 1, rows: int = 1,
+                     context: int = 256, series=STEP_SERIES, loop_steps: int = 32,
+                     repeats: int = 5, seed: int = 0, backend: str = "auto") -> dict:
+    """Seconds per decode step of `config` (random weights of `seed`) on `backend`, for
+    each of `series`: every sequence reads a full cache of `context` positions before its
+    `rows` new ones, as `mk.sim.simulate(..., context=context)` replays it.
+
+    - "megakernel": one dispatched megakernel step (host dispatch included);
+    - "megakernel_loop": a device-side loop of `loop_steps` greedy steps (`generate`'s
+      `steps_per_call`) over its step count; T = 1 only;
+    - "xla": XLA's step (`mk.reference.forward` jitted), one dispatched step.
+    XLA's step runs first, on the params; the megakernel's layout is then prepared with the
+    params donated, so a model near the chip's size needs one copy of its weights."""
+    unknown = sorted(set(series) - set(STEP_SERIES))
+    if unknown or not series:
+        raise ValueError(f"series={tuple(series)!r} must be a non-empty subset of "
+                         f"{STEP_SERIES}")
+    if "megakernel_loop" in series and rows != 1:
+        raise ValueError(f"rows={rows}: the device loop (series 'megakernel_loop') decodes "
+                         "one row per step; time it with rows=1")
+    _integer("loop_steps", loop_steps, 1)
+    capacity = cache_capacity(context + max(rows, loop_steps))
     config = dataclasses.replace(config, max_context=capacity)
     plan = DecodePlan.make(config, batch=batch, rows=rows, context=capacity)
+    loop_plan = DecodePlan.make(config, batch=batch, rows=1, context=capacity)
     params = init_params(config, seed)
-    weights = megakernel.prepare(plan, params)
     cache = reference.init_cache(config, batch, capacity)
     tokens, positions = reference.validate_step(
         config, cache, np.zeros((batch, rows), np.int32), np.full((batch,), context, np.int32))
+    seconds = {}
     with backends.use(backend):
-        t = _median_seconds({"step": lambda: megakernel.traced_step(
-            plan, weights, cache, tokens, positions)}, repeats)
-    return StepPoint(config.name, batch, rows, context, t["step"])
+        if "xla" in series:
+            seconds |= _median_seconds({"xla": lambda: reference.forward(
+                config, params, cache, tokens, positions)}, repeats)
+        weights = megakernel.prepare(plan, params, donate=True)
+        if "megakernel" in series:
+            seconds |= _median_seconds({"megakernel": lambda: megakernel.traced_step(
+                plan, weights, cache, tokens, positions)}, repeats)
+        if "megakernel_loop" in series:
+            held = [cache]  # the loop donates its cache: each call gets the last one's
+
+            def loop():
+                out, held[0] = megakernel.device_loop(loop_plan, weights, held[0],
+                                                      tokens[:, 0], positions, loop_steps)
+                return out
+            loop_seconds = _median_seconds({"loop": loop}, repeats)["loop"]
+            seconds["megakernel_loop"] = loop_seconds / loop_steps
+    return {name: seconds[name] for name in series}
+
+
+def time_step(config: ModelConfig, *, batch: int = 1, rows: int = 1, context: int = 256,
+              repeats: int = 5, seed: int = 0, backend: str = "auto") -> StepPoint:
+    """One dispatched megakernel decode step (`time_step_series`' "megakernel")."""
+    seconds = time_step_series(config, batch=batch, rows=rows, context=context,
+                               series=("megakernel",), repeats=repeats, seed=seed,
+                               backend=backend)["megakernel"]
+    return StepPoint(config.name, batch, rows, context, seconds)
+
+
+def provenance() -> dict:
+    """What a record measured on this machine names: the first device's chip (None off a
+    TPU) and kind, the jax and libtpu versions, the commit ($MK_COMMIT, else git's HEAD,
+    else "unknown") and the time (UTC)."""
+    kind = jax.devices()[0].device_kind
+    try:
+        libtpu = importlib.metadata.version("libtpu")
+    except importlib.metadata.PackageNotFoundError:
+        libtpu = "unknown"
+    return dict(chip=chip_of(kind) if jax.devices()[0].platform == "tpu" else None,
+                device_kind=kind, jax=jax.__version__, libtpu=libtpu,
+                commit=os.environ.get("MK_COMMIT") or _git_head() or "unknown", when=_now())
+
+
+def _git_head():
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=20, cwd=_CHECKOUT)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
 
 
 def measure(backend: str = "auto", *, sweep: Sweep | None = None,
@@ -378,16 +457,18 @@ def measure(backend: str = "auto", *, sweep: Sweep | None = None,
     "hardware" (its chip from the device kind) or "interpret"."""
     mode = backends.resolve(backend)
     sweep = sweep or SWEEPS["full" if mode == "hardware" else "quick"]
-    kind = jax.devices()[0].device_kind
-    chip = chip_of(kind) if mode == "hardware" else None
+    where = provenance()
     dma = dma_sweep(sweep, mode)
     step = None if config is None else time_step(config, batch=batch, rows=rows,
                                                  context=context, repeats=sweep.repeats,
                                                  backend=mode)
     return Measured(mode=mode, label=INTERPRET_LABEL if mode == "interpret" else
-                    f"measured on {kind}", chip=chip, device_kind=kind, when=_now(),
-                    jax=jax.__version__, counts=sweep.counts, repeats=sweep.repeats,
-                    dma=dma, step=step)
+                    f"measured on {where['device_kind']}",
+                    chip=where["chip"] if mode == "hardware" else None,
+                    device_kind=where["device_kind"], when=where["when"], jax=where["jax"],
+                    libtpu=where["libtpu"], commit=where["commit"],
+                    counts=sweep.counts, repeats=sweep.repeats,
+                    min_extra_bytes=sweep.min_extra_bytes, dma=dma, step=step)
 
 
 def _now() -> str:
@@ -401,7 +482,7 @@ def example(chip: str | ChipSpec, *, dma_latency_s: float, hbm_share: float = 1.
     bandwidth (one copy: latency + bytes / bandwidth; d in flight: the larger of
     bytes / bandwidth and the one-copy time / d). Not a measurement: it shows what a
     measured file changes."""
-    spec = chip_spec(chip) if isinstance(chip, str) else chip
+    spec = spec_of(chip)
     _number("dma_latency_s", dma_latency_s)
     if not 0 < hbm_share <= 1:
         raise ValueError(f"hbm_share={hbm_share!r} must be in (0, 1]")
@@ -409,8 +490,10 @@ def example(chip: str | ChipSpec, *, dma_latency_s: float, hbm_share: float = 1.
     dma = tuple(DmaPoint(n, d, max(n / bw, (dma_latency_s + n / bw) / d))
                 for n, d in sweep.points())
     return Measured(mode="example", label=EXAMPLE_LABEL, chip=spec.name, device_kind="",
-                    when=_now(), jax=jax.__version__, counts=sweep.counts,
-                    repeats=sweep.repeats, dma=dma, step=None)
+                    when=_now(), jax=jax.__version__, libtpu="", commit="",
+                    counts=sweep.counts,
+                    repeats=sweep.repeats, min_extra_bytes=sweep.min_extra_bytes, dma=dma,
+                    step=None)
 
 
 # -- Files --------------------------------------------------------------------------------
@@ -462,7 +545,7 @@ def sim_fields(chip: str | ChipSpec, path: str | os.PathLike | None = None) -> d
     hbm_share, source} from `path`, else from `path_for(chip)` when it exists; {} (the
     assumed defaults) when `path` is None and there is no file. An interpret-mode record
     or another chip's is refused (ValueError)."""
-    spec = chip_spec(chip) if isinstance(chip, str) else chip
+    spec = spec_of(chip)
     if path is None:
         path = path_for(spec.name)
         if not path.exists():

@@ -2,84 +2,20 @@
 pallas_call, with one weight ring that runs across layer boundaries.
 
 One device's step is a `DecodePlan` (`mk.kernels.plan`): the shard, the tiling, the
-buffers by name and the step's weights as one `TileStream`. Tile g of the stream lives
-in ring slot g mod slots, and consuming tile g issues tile g + slots, so the next layer's
-wq tiles load while this layer's MLP computes, and the lm_head's while the last layer's
-does. A `lax.fori_loop` over layers runs `layer_body` (stage 05), built from the stage
-pieces: prologue, attend, the output projection, SwiGLU or MoE. A model mixing dense and
-MoE layers holds both kinds of MLP segments in every layer's period and skips the kind a
-layer does not use (its tiles are neither loaded nor computed). The kernel knows no layer
-kind itself: it asks the plan's kinds (`mk.kinds`) for their weights, fetches, start and
-finish, and `layer_body` runs each layer's.
+buffers by name and the step's weights as one `TileStream`; consuming tile g issues tile
+g + slots, so the next layer's tiles load while this layer computes. A `lax.fori_loop`
+over layers runs `layer_body`; the kernel knows no layer kind itself, it asks the plan's
+kinds (`mk.kinds`). Every operand, output and scratch buffer is passed by name
+(`INPUT_SPACES`, `OUTPUT_SPACES`, `DecodePlan.scratch()`).
 
-Hybrids (Qwen3.5: gated-DeltaNet layers beside gated full attention) mix token mixers the
-same way: every layer's period holds the attention segments and the linear ones
-(lin_qkv, lin_z, lin_out), and a layer skips the kind it does not use; SMEM tables
-(`mk.kinds.layers.layer_tables`) say each layer's kind and its row in that kind's stacked
-weights per role (a full layer's row is also its KV-cache layer). A linear layer's conv
-and recurrent states come from the `mk.cache.HybridCache` (HBM, round-tripped through VMEM by
-`mk.kernels.deltanet.linear_mixer`), and the states after each of the T rows go out as
-`mk.cache.LinearRows` (what a verifier's `mk.cache.rollback` picks from; the
-returned cache keeps the last row's). The skip has a cost the simulator shows: the ring's
-look-ahead into a skipped region loads nothing, so it restarts at the region's end. A
-hybrid with no full layer (an all-linear Qwen3.5 or Kimi Linear) has no attention or KV
-cache operands at all; a conv of one tap (conv_kernel=1: no conv state) is not built
-(`DecodePlan.make` refuses it).
-
-Kimi Linear (`mk.kinds.attention.MLA`) is a hybrid whose full layers are multi-head latent
-attention (`mk.kernels.mla`): their ring segments are the matrices with D rows or
-columns (wq_a, or wq without a q low rank; wkv_a padded to whole tiles; wo), their narrow
-ones (`mk.kernels.mla.mla_weights`: the up-projections, the low-rank norms) are DMA'd at
-the layer's start, and the cache is the `mk.cache.LatentCache`, its latent rows passed
-as the one "kv head" [La, B, 1, S, W] every query head reads (operand `latent_cache`, no
-V).
-
-Small per-layer vectors (attn/mlp norms, q/k norms) stay in HBM and are prefetched a
-layer ahead into two VMEM slots; a full layer's first KV tiles (`KvStream.prime`) are
-issued right after the previous full layer's attention (the first full layer's at the
-step's start), so they load across the layer edge behind the MLP's weight tiles, and the
-new KV rows' write-backs are waited for a layer later (at the step's end the last ones:
-`drain_write_backs`); a linear layer's small weights and states are likewise issued by the
-linear layer before it (`prime_linear` at the step's start) and its row states waited for
-a layer later (`drain_linear`); each MoE
-layer's router [D, E] is DMA'd at the layer's start or, at tp > 1, after its token mixer
-(`mk.kinds.mlp.router_after_mixer`: in `layer_body`'s "after_mixer" phase) and waited for
-just before routing;
-the final norm is DMA'd at the step's start and waited for before the lm_head. Kept
-outside the kernel: the embedding gather of the step's B*T tokens (an XLA gather before
-the call).
-
-Quantised weights (`mk.quant.quantize`'s `QuantWeight`s, any of its schemes per family) go
-in as they are: `prepare` lays them out tile-major (`mk.quant.tile_major`), the plan
-reads their formats (`mk.quant.formats_of`) and chooses each packed group's MXU feed
-(`feeds=`: bf16 or, fp8 and fp4 on TPU7x, fp8), and the ring streams their packed tiles
-and feeds them to the MXU in VMEM; `generate` prefills with the reference on the
-params as they are (`mk.reference.prefill(..., quantised=True)`: one layer dequantised to
-config.dtype at a time; the decode oracle's are `dequantize(params, feeds=dict(
-plan.feeds))`), then prepares them (`mk.preparation`: a tensor at a time, donated on
-request), after a check of the whole run's HBM peak on a TPU (`check_fits`).
-
-Every operand, output and scratch buffer is passed by name (dicts: `INPUT_SPACES`,
-`OUTPUT_SPACES`, `DecodePlan.scratch()`); the cache aliases are found by name.
-
-The staged debug path: `decode_step(..., taps=True)` also returns the residual stream
-after every layer's attention and MLP blocks, the same record `mk.reference.decode_step(...,
-taps=True)` returns, and `first_divergence` compares the two op by op up to a
-`stop_after=(layer, op)` point and names the first op that differs.
-
-Here: `prepare` (weights in the megakernel's layout, once; `check_weights` first;
-`prepare_shards` from shards already split), `decode_step`, `traced_step` (also what
-`mk.tpu.compile_megakernel` compiles), `first_divergence`, `generate` and the kernel's
-one greedy loop for one device and many (`greedy_loop` on the host, `greedy_steps` on
-the device; `mk.tensor_parallel.generate` passes its step), `check_generate`,
-`progress_bar`. Not here: the compile-time benchmark
-(benchmarks/compile_time.py), the reference's loop (`mk.reference.generate`).
-
-Tensor parallelism is the same kernel with a plan of tp > 1, run inside `jax.shard_map`
-on one device's shard (the plan's `local` config; `mk.tensor_parallel` shards the weights
-to it): an entry barrier, an in-kernel all-reduce after the attention
-output projection and after the MLP (`layer_body(..., all_reduce=...)`), and the
-cross-shard argmax after the vocab-sharded lm_head (`mk.kernels.collectives`). tp=1 adds nothing.
+Here: `prepare` (weights in the megakernel's layout, once; `check_weights`;
+`prepare_shards`), `decode_step` (with `taps=True`, the residual after every block),
+`traced_step` (what `mk.tpu.compile_megakernel` compiles), `first_divergence`, `generate`
+and the one greedy loop (`greedy_loop`, `greedy_steps`), `check_generate`,
+`progress_bar`. Not here: the compile-time benchmark (benchmarks/compile_time.py), the
+reference's loop (`mk.reference.generate`), the sharding (`mk.tensor_parallel`). Hybrids,
+Kimi's latent attention, what is prefetched a layer ahead, quantised weights and tensor
+parallelism in this kernel: docs/design/mk.megakernel.md.
 """
 
 from __future__ import annotations
@@ -458,7 +394,7 @@ def greedy_steps(step, cache, token, position, steps: int):
 
 
 @functools.partial(jax.jit, static_argnames=("plan", "steps"), donate_argnames="cache")
-def _greedy_steps(plan: DecodePlan, weights, cache, token, position, steps: int):
+def device_loop(plan: DecodePlan, weights, cache, token, position, steps: int):
     """`greedy_steps` of the megakernel on one device. The cache is donated (updated in
     place: HBM holds it once, what `mk.tpu` compiles and `DecodePlan.fits` counts)."""
     def step(cache, tokens, positions):
@@ -539,7 +475,7 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, backend: str = 
     def dispatch(cache, token, position, n):
         if not weights:
             weights.append(prepare(plan, params, donate=donate))
-        return _greedy_steps(plan, weights[0], cache, token, position, n)
+        return device_loop(plan, weights[0], cache, token, position, n)
 
     with backends.use(backend):
         return greedy_loop(dispatch, config, params, prompt, S, steps, steps_per_call,

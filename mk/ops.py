@@ -1,22 +1,19 @@
 """The reference's building blocks: functions of arrays (no config, no parameter dict),
-each the oracle of a stage kernel's piece and each a piece `mk.reference` builds the
-decoder from.
+each the oracle of a stage kernel's piece and a piece `mk.reference` builds from.
 
-Here: the matmul numerics (`dot`, `matmul`), `rms_norm`, `rope` (full or partial; YaRN
-scaling: `rope_inv_freq`), causal GQA `attention` over a cache (a sliding window,
-sinks) and `write_rows` (a step's new rows into it), the SwiGLU MLP (`swiglu`), the
-softmax router and the MoE block (`route`, `moe`), DeepSeek-V3 / Kimi's grouped sigmoid
-router (`route_grouped`), the weighted sum of chosen experts (`mix_experts`), gpt-oss's
-router (`route_logits`) and biased clamped-SwiGLU experts (`clamped_swiglu`,
-`mix_biased_experts`). Not here: anything that reads a config or a parameter dict (a layer, the
-lm_head, the caches, greedy decoding: `mk.reference`), the gated DeltaNet's math
-(`mk.linear_attention`), kernels (`mk.kernels`).
+Here: the matmul numerics (`dot`, `matmul`; `exact`, a kernel dot's precision),
+`rms_norm`, `rope` (`rope_inv_freq`), causal GQA `attention` over a cache and
+`write_rows`, `swiglu`, the routers (`route`, `route_grouped`, `route_logits`), the MoE
+block (`moe`; `mix_experts` = `combine_experts` of `expert_outputs`; gpt-oss's
+`clamped_swiglu`, `mix_biased_experts`, `biased_expert_outputs`), Kimi K3's `situ`,
+`gated_mlp` and `attention_residual`. Not here: anything that reads a config or a
+parameter dict (`mk.reference`), the gated DeltaNet's math (`mk.linear_attention`),
+kernels (`mk.kernels`).
 
-Numerics (kernels mirror these cast points, so their tolerances stay tight):
-- norms, RoPE, softmax and routers are float32;
-- every matmul casts its activation input to the weight dtype and accumulates in float32;
-- attention rounds q and k to the cache dtype, and its probabilities to it before
-  multiplying V.
+Numerics (kernels mirror these cast points, so their tolerances stay tight): norms, RoPE,
+softmax and routers are float32; every matmul casts its activation input to the weight
+dtype and accumulates in float32; attention rounds q and k to the cache dtype, and its
+probabilities to it before multiplying V.
 """
 
 from __future__ import annotations
@@ -40,6 +37,15 @@ def dot(spec: str, a: jax.Array, b: jax.Array, dtype) -> jax.Array:
     """
     a, b = (t.astype(dtype).astype(F32) for t in (a, b))
     return jnp.einsum(spec, a, b, precision=HIGHEST)
+
+
+def exact(*operands):
+    """The precision of an in-kernel dot of `operands`: HIGHEST when one is float32, else
+    the default. Mosaic multiplies float32 at default precision in one bf16 pass of the MXU
+    where interpret mode (and `mk.ops`) multiply in float32, so the same kernel would
+    compute two things (`mk.exactness.default_precision_f32_dots` finds such dots)."""
+    return (HIGHEST
+            if any(jnp.dtype(x.dtype) == F32 for x in operands) else None)
 
 
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -138,6 +144,44 @@ def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax
     return matmul(h, down)
 
 
+def silu_product(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """SwiGLU's activation of the projections gate and up: silu(gate) * up."""
+    return jax.nn.silu(gate) * up
+
+
+def situ(gate: jax.Array, up: jax.Array, beta: float, linear_beta: float) -> jax.Array:
+    """Kimi K3's SiTU of the projections gate and up (float32): SiLU with its input
+    soft-capped, beta tanh(gate / beta) sigmoid(gate), times up soft-capped,
+    linear_beta tanh(up / linear_beta) (the release's `_gated_activation`, beta 4 and
+    25)."""
+    gate, up = gate.astype(F32), up.astype(F32)
+    beta, linear_beta = np.float32(beta), np.float32(linear_beta)
+    return (beta * jnp.tanh(gate / beta) * jax.nn.sigmoid(gate)
+            * linear_beta * jnp.tanh(up / linear_beta))
+
+
+def gated_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
+              activation=silu_product) -> jax.Array:
+    """down(activation(x @ gate, x @ up)); x [M, D] -> [M, D] float32 (`swiglu` with the
+    activation given: SiTU's, `situ`, in Kimi K3)."""
+    return matmul(activation(matmul(x, gate), matmul(x, up)), down)
+
+
+def attention_residual(sources: jax.Array, norm: jax.Array, proj: jax.Array,
+                       eps: float) -> jax.Array:
+    """Kimi K3's attention residuals: a softmax mix of the residual sources [S, ..., D]
+    (the completed blocks' sums, then the current block's) -> [..., D] float32. Source s
+    scores (RMSNorm(v_s) * norm) @ proj (proj [D, 1]: a learned query), the sources
+    weighted by the softmax of their scores over s, unnormed (the release's
+    `attention_residual`, its norm and projection folded there)."""
+    values = sources.astype(F32)
+    query = norm.astype(F32) * proj.astype(F32)[:, 0]
+    scores = jnp.sum(values * query, axis=-1) * lax.rsqrt(
+        jnp.mean(values * values, axis=-1) + eps)
+    return jnp.einsum("s...,s...d->...d", jax.nn.softmax(scores, axis=0), values,
+                      precision=HIGHEST)
+
+
 def route(x: jax.Array, router: jax.Array, top_k: int, renormalise: bool):
     """Softmax router: x [M, D] -> (weights [M, X] float32, experts [M, X] int32).
 
@@ -184,14 +228,31 @@ def route_grouped(x: jax.Array, router, bias, top_k: int, groups: int, topk_grou
     return weights * np.float32(scale), experts
 
 
-def mix_experts(x: jax.Array, weights, experts, we_gate, we_up, we_down) -> jax.Array:
-    """sum_j weights[:, j] * expert_{experts[:, j]}(x) for x [M, D] -> [M, D] float32."""
-    combine = jnp.zeros((x.shape[0], we_gate.shape[0]), F32)
-    combine = combine.at[jnp.arange(x.shape[0])[:, None], experts].add(weights)  # [M, E]
+def mix_experts(x: jax.Array, weights, experts, we_gate, we_up, we_down,
+                activation=silu_product) -> jax.Array:
+    """sum_j weights[:, j] * expert_{experts[:, j]}(x) for x [M, D] -> [M, D] float32, each
+    expert down(activation(x @ gate, x @ up)) (SwiGLU's unless given)."""
+    return combine_experts(weights, experts,
+                           expert_outputs(x, we_gate, we_up, we_down, activation))
+
+
+def expert_outputs(x: jax.Array, we_gate, we_up, we_down, activation=silu_product
+                   ) -> jax.Array:
+    """Every expert's down(activation(x @ gate, x @ up)) of every row: x [M, D], weights
+    [E, D, F] / [E, F, D] -> [M, E, D] float32. Each expert's rows are its own batch of the
+    dots, so a slice of the experts gives the same bits as the whole (what `mk.reference`
+    relies on to make a quantised layer's values a slice of experts at a time)."""
     gate = dot("md,edf->mef", x, we_gate, we_gate.dtype)
     up = dot("md,edf->mef", x, we_up, we_up.dtype)
-    out = dot("mef,efd->med", jax.nn.silu(gate) * up, we_down, we_down.dtype)
-    return jnp.einsum("me,med->md", combine, out, precision=HIGHEST)
+    return dot("mef,efd->med", activation(gate, up), we_down, we_down.dtype)
+
+
+def combine_experts(weights, experts, outputs) -> jax.Array:
+    """The routed sum of the experts' outputs [M, E, D]: weights and experts [M, X] ->
+    [M, D] float32."""
+    M, E = outputs.shape[:2]
+    combine = jnp.zeros((M, E), F32).at[jnp.arange(M)[:, None], experts].add(weights)
+    return jnp.einsum("me,med->md", combine, outputs, precision=HIGHEST)
 
 
 def route_logits(x: jax.Array, router, bias, top_k: int):
@@ -213,13 +274,17 @@ def mix_biased_experts(x: jax.Array, weights, experts, we_gate, we_up, we_down, 
                        be_up, be_down, limit: float, alpha: float) -> jax.Array:
     """`mix_experts` of gpt-oss's experts: each x @ we_gate + be_gate and x @ we_up + be_up
     through `clamped_swiglu`, then @ we_down + be_down; x [M, D] -> [M, D] float32."""
-    combine = jnp.zeros((x.shape[0], we_gate.shape[0]), F32)
-    combine = combine.at[jnp.arange(x.shape[0])[:, None], experts].add(weights)  # [M, E]
+    return combine_experts(weights, experts, biased_expert_outputs(
+        x, we_gate, we_up, we_down, be_gate, be_up, be_down, limit, alpha))
+
+
+def biased_expert_outputs(x: jax.Array, we_gate, we_up, we_down, be_gate, be_up, be_down,
+                          limit: float, alpha: float) -> jax.Array:
+    """`expert_outputs` of gpt-oss's biased clamped-SwiGLU experts -> [M, E, D] float32."""
     gate = dot("md,edf->mef", x, we_gate, we_gate.dtype) + be_gate.astype(F32)
     up = dot("md,edf->mef", x, we_up, we_up.dtype) + be_up.astype(F32)
     h = clamped_swiglu(gate, up, limit, alpha)
-    out = dot("mef,efd->med", h, we_down, we_down.dtype) + be_down.astype(F32)
-    return jnp.einsum("me,med->md", combine, out, precision=HIGHEST)
+    return dot("mef,efd->med", h, we_down, we_down.dtype) + be_down.astype(F32)
 
 
 def write_rows(cache_layer, new, positions):

@@ -1,87 +1,20 @@
 """Bytes, FLOPs and time floors of one decode step, the collectives of tensor parallelism,
 and the conventional one-kernel-per-op execution.
 
-Here: `predict(config, chip, ...)` -> `StepEstimate` (HBM bytes and FLOPs of one step of B
-sequences x T query rows over S cached positions, with the weights' storage `formats`,
-split tp ways; the two floors t >= bytes / bandwidth and t >= FLOPs / peak; the all-reduces
-of tensor parallelism over ICI); `experts_touched`, `attainable_flops` and `roofline_curve`
-(the roofline itself); `allreduce_s` (one all-reduce); `conventional(...)` ->
-`ConventionalEstimate` (one kernel per op, each paying a launch gap);
-`tile_floor_ms` (the compute floor: the weights at the measured tile cost table of
-`mk.feed_costs`, the one `mk.sim` charges, at one end of the clock range), `mxu_floor_ms`
-(a labelled bound: every weight pass at the bf16 MXU rule, `mxu_flops`, whatever its
-storage) and `modelled_step_ms` (max(HBM floor, tile floor + the collectives));
+Here: `predict(config, chip, ...)` -> `StepEstimate` (HBM bytes and FLOPs of one step,
+the floors t >= bytes / bandwidth and t >= FLOPs / peak, the all-reduces over ICI);
+`experts_touched`, `attainable_flops`, `roofline_curve`; `allreduce_s`;
+`conventional(...)` -> `ConventionalEstimate` (one kernel per op, each paying a launch
+gap); `tile_floor_ms` (the weights at the measured tile cost table, `mk.feed_costs`),
+`mxu_floor_ms` (a labelled bound at the bf16 MXU rule, `mxu_flops`), `modelled_step_ms`
+(max(HBM floor, tile floor + the collectives): a LOWER bound, not a simulation);
 `resident_bytes` / `min_chips` (capacity).
 
-Not here: each layer kind's share of the step (its matmul parameters, token-mixing FLOPs,
-MXU passes and ops: the cost section of its class in `mk.kinds`, which this module sums
-over `mk.kinds.layers.layer_kinds`), the megakernel's own schedule and its bubbles
-(`mk.sim` replays it), the published numbers (`mk.published`; `mk.ledger` sets them
-against these models), anything measured.
-
-`step_ms` is max(HBM floor, compute floor + the collectives): a LOWER bound on a real step
-under the assumptions below, not a simulation of one. The collectives sit on the compute
-lane's critical path (each all-reduce needs the partial sums before it and is needed by
-the matmul after it) but not on HBM's: the megakernel's ring streams weight tiles through
-an all-reduce (as many as it has in flight; `mk.sim` replays how many).
-
-Assumptions, each stated where it is used:
-- Weights are counted as the kernel streams them: each of the tp devices moves its shard
-  of `mk.step_bytes` (`shard_weight_bytes` with the default tiles, the bytes `mk.sim`
-  replays and the kernel's own DMAs move, checked in tests/test_plan.py: widths padded to
-  whole tiles, norms in float32, the router whole or split by experts as the plan
-  chooses: `mk.kernels.routing.router_columns`); the KV cache moves each
-  device's kv heads (replicated when tp > K). So tp must be a split the kernel can make
-  (`mk.kernels.plan.check_tp`). FLOPs are split evenly (each device computes FLOPs / tp).
-- Every byte crosses HBM once per step, as the kernel's DMAs move it (the KV bytes of
-  `mk.step_bytes.kv_step_bytes`, each full-attention kind's `cache_bytes`, the DMAs its
-  simulator twin issues): weights once; each sequence's KV tiles once, whole (the plan's
-  KV tile for a cache just holding the rows, `mk.kernels.plan.capacity`; tiles 0, or a
-  sliding layer's first in its window, to the one holding the last new row: the tile's
-  positions past the last row are read too, so at S = 256, T = 1 and 256-position tiles
-  two tiles, 512 positions); each tile holding new rows sends back its aligned window of
-  `write_back_rows` rows (16 for bf16 at T = 1), not only the T rows; the new rows are
-  attended from on-chip copies. The one step byte `predict` counts that the kernel does
-  not move is `embed_bytes` (XLA's gather before it); the simulator's `dma_bytes` also
-  holds a MoE layer's 4-byte-per-expert flags copy (VMEM to SMEM, not HBM).
-- Weight storage: config.dtype, but the format groups of `formats` (the one precision
-  knob: {"dense" | "experts" | "lm_head": an mk.quant scheme}, default the config's own,
-  e.g. kimi-k3's FP4 experts) at their packed bytes plus scales per tile
-  (`mk.quant.tile_bytes`: FP4 0.5 + 1/32 bytes a value), at any tp (as the kernel packs them
-  on every shard: `mk.kernels.plan.packed_formats`); the embedding, router, norms and KV
-  cache stay in theirs. Formats change the bytes and, in the tile floor, the table row
-  each weight costs (its dequantisation); in the FLOP floor (`predict`) and the MXU bound
-  (`mxu_floor_ms`) which peak bounds the matmuls is `compute` ("fp8" = a kernel that
-  feeds 8- or 4-bit weights to the MXU at its fp8/int8 rate, "bf16" = one that
-  dequantises to bf16 first).
-- The tile floor (`tile_floor_ms`, the compute lane of `modelled_step_ms`): every weight
-  a device multiplies at the measured tile cost table (`mk.feed_costs`: bundles per
-  weight by chip, storage, feed and M bucket, from compiles of the ring kernel's own
-  per-tile loop) over the TensorCore's clock at one end of its range; attention's
-  products and vector work are not in it.
-- Routing: each of the B*T tokens picks X of E experts; "uniform" assumes independent,
-  uniformly random choices (expected distinct experts E * (1 - (1 - X/E)^(B*T))),
-  "shared" that all tokens pick the same X (the fewest bytes), "disjoint" that they
-  overlap as little as possible (min(E, X*B*T), the most); a measured routing
-  (`mk.routing_trace`) gives each expert its own probability q_e: sum_e 1 - (1-q_e)^(B*T).
-- Datasheet peaks (mk.chips); a chip's bandwidth and FLOP/s are split evenly over its
-  cores_per_chip devices.
-- Collectives (tp > 1): two all-reduces of the [B*T, D] bf16 activations per layer (after
-  the attention output projection and after the MLP, as in Megatron-style tensor
-  parallelism; an expert-parallel MoE combines its partial sums the same way), one small
-  all-gather for the sharded lm_head's argmax, and a kind's own (`Kind.collectives_s`:
-  a MoE layer's logits where its router is split by experts). An all-reduce takes
-  `mk.kernels.collectives.allreduce_s` (the kernel's algorithm, the plan's default
-  `choose_algorithm`: 1 round of a reduce-scatter and 1 of an all-gather ("two_phase")
-  from tp = 4, ceil(log2 tp) each ("recursive") below; each round one message latency
-  `ICI_LATENCY_S`, 1 µs, whose source that module gives, and 2 (tp - 1) / tp of the
-  message at one device's one-way ICI bandwidth). The megakernel sums float32 partial
-  sums (`PARTIAL_SUM_BYTES`); the one-kernel-per-op baseline moves bf16 activations in
-  log-depth rounds ("recursive": a GPU library's tree, not mk's kernel).
-- Conventional execution: one kernel per op, each op's time is its own floor plus a gap
-  `KERNEL_GAP_S` (1.3 µs: the launch cost per kernel Hazy Research measured on an H100 with
-  CUDA graphs, "Look Ma, No Bubbles", hazyresearch.stanford.edu/blog/2025-05-27-no-bubbles),
-  during which HBM idles; activations cross HBM between kernels.
+Not here: each layer kind's share of the step (the cost section of its class in
+`mk.kinds`, which this module sums), the megakernel's own schedule and its bubbles
+(`mk.sim`), the published numbers (`mk.published`, `mk.ledger`), anything measured. Every
+assumption (bytes as the kernel moves them, storage, routing, peaks, collectives, the
+launch gap) with its source: docs/design/mk.perf.md.
 """
 
 from __future__ import annotations
@@ -93,7 +26,7 @@ import numpy as np
 
 from mk import feed_costs
 from mk.cache import bytes_per_position, state_bytes_per_sequence
-from mk.chips import ChipSpec, chip as named_chip
+from mk.chips import ChipSpec, spec_of
 from mk.config import DTYPE_BITS, ModelConfig, check_formats, positive_int
 from mk.kernels.collectives import ICI_LATENCY_S, PARTIAL_SUM_BYTES, allreduce_s
 from mk.kernels.one_layer import model_block
@@ -331,7 +264,7 @@ def predict(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: 
     (`mk.step_bytes.shard_weight_bytes`); `ici_latency_s`: one message round of a
     collective (`allreduce_s`).
     """
-    spec = named_chip(chip) if isinstance(chip, str) else chip
+    spec = spec_of(chip)
     context = config.max_context if context is None else context
     accepted = rows if accepted is None else accepted
     _validate_step(config, batch, rows, context, tp, accepted, routing, compute)
@@ -420,7 +353,7 @@ def mxu_floor_ms(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, r
     twice; the delta rule). Perfect sharding over tp devices, as `predict`. On a GPU (no
     mxu_rows) it is `predict`'s FLOP floor. The HBM floor stays `predict(...).hbm_floor_ms`.
     """
-    spec = named_chip(chip) if isinstance(chip, str) else chip
+    spec = spec_of(chip)
     context = config.max_context if context is None else context
     _validate_step(config, batch, rows, context, tp, rows, routing, compute)
     if spec.mxu_rows is None:
@@ -447,7 +380,7 @@ def tile_floor_ms(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1,
     M = B*T rows, over the TensorCore's clock at `clock` ("low" or "high",
     `mk.chips.ChipSpec.clock`). Attention's products and vector work are not in it
     (`mk.sim` has them): the issue time of the weights alone."""
-    spec = named_chip(chip) if isinstance(chip, str) else chip
+    spec = spec_of(chip)
     _validate_step(config, batch, rows, 0, tp, rows, routing, "bf16")
     formats = check_formats(config, config.formats if formats is None else formats)
     m = batch * rows
@@ -472,7 +405,7 @@ def modelled_step_ms(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 
     of tensor parallelism), ms: HBM streams beside the compute lane, whose weight tiles and
     all-reduces are serial. The lane is, on a TPU, the tile floor (`tile_floor_ms`, at the
     `clock` end); on a GPU (no tile table) `predict`'s FLOP floor at `compute`'s rate."""
-    spec = named_chip(chip) if isinstance(chip, str) else chip
+    spec = spec_of(chip)
     kw = dict(batch=batch, rows=rows, tp=tp, routing=routing, formats=formats)
     e = predict(config, spec, context=context, compute=compute, ici_latency_s=ici_latency_s,
                 **kw)
@@ -540,7 +473,7 @@ def conventional(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, r
     router, top-k, expert gate+up, SwiGLU, expert down, combine (MoE), a residual add, and
     two all-reduces when tp > 1; then the final norm, lm_head and argmax. Bytes and FLOPs
     are `predict`'s, split over ops; each op also reads and writes its activations."""
-    spec = named_chip(chip) if isinstance(chip, str) else chip
+    spec = spec_of(chip)
     e = predict(config, spec, batch=batch, rows=rows, context=context, tp=tp,
                 accepted=accepted, routing=routing, compute=compute, formats=formats)
     if not gap_s >= 0:
@@ -603,7 +536,7 @@ def cache_bytes(config: ModelConfig, *, batch: int = 1, context: int | None = No
 def min_chips(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1,
               context: int | None = None, limit: int = 1 << 16) -> int:
     """Smallest power-of-two number of chips whose HBM holds `resident_bytes`."""
-    spec = named_chip(chip) if isinstance(chip, str) else chip
+    spec = spec_of(chip)
     need = resident_bytes(config, batch=batch, context=context)
     chips = 1
     while chips * spec.hbm_bytes < need:

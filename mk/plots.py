@@ -1,26 +1,16 @@
 """Plotly figures and tables for the notebooks, and `show` that keeps them self-contained.
 
-Here: `roofline`, `bytes_breakdown`, `published_vs_floor` (figures built from numbers and
-records that `mk.perf` computed), `tile_stream` (the ring's schedule, drawn from the
-`TileStream` the kernel executes), `timeline`, `collective_timeline` (one collective of a
-tensor-parallel step and what the ring loads meanwhile), `bubble_bars`, `sweep_lines` (a
-`mk.machine.Simulation`, its bubbles, a design sweep), `lines` (named series against one x),
-`tpu_picture` (one TPU chip's memories, units and paths, from its `ChipSpec`), `ring_gantt`
-(the ring rule slot by slot in time, one frame per ring depth, from
-`mk.teach.ring_schedule`), `kv_tile_map` (the KV tiles each ragged sequence reads, writes
-back and skips), `table` (an HTML table, `Table`), `escape` (untrusted text made safe for
-HTML and Markdown), `show_source` (a kernel's own code on the page, from its module),
-`knobs` (a function's ipywidgets panel, where someone can turn them), `show` and
-`whole_at_every_frame` (an animated figure's axes fixed to hold every frame). Not
-here: any model or chip arithmetic (that is `mk.perf`); the colours
-(`mk.colours`); static image export (kaleido needs Chrome).
+Here: figures from `mk.perf`'s numbers (`roofline`, `bytes_breakdown`,
+`published_vs_floor`), from the schedule the kernel executes (`tile_stream`,
+`ring_gantt`, `kv_tile_map`), from a `mk.machine.Simulation` (`timeline`,
+`collective_timeline`, `bubble_bars`, `sweep_lines`), `lines`, `tpu_picture` (one chip's
+memories, units and paths), `table` / `Table` (HTML tables), `escape` (untrusted text
+made safe), `show_source` (a kernel's own code on the page), `knobs` (an ipywidgets
+panel), `show` and `whole_at_every_frame`.
 
-Why `show` and not `fig.show()`: plotly 7's default output is only the plotly JSON mime
-type, which JupyterLab draws but nbconvert's HTML export and GitHub do not. `show` emits
-that JSON together with an HTML rendering, and embeds plotly.js (offline, ~5 MB) in the
-first figure of a kernel session only; later figures reuse `window.Plotly`. So a notebook
-run top to bottom is self-contained, in JupyterLab and in its HTML export alike. On Colab
-each output is its own iframe, so there every figure loads plotly.js (Colab is online).
+Not here: any model or chip arithmetic (`mk.perf`); the colours (`mk.colours`); static
+image export (kaleido needs Chrome). Each figure in a line, and why `show` and not
+`fig.show()` (plotly.js embedded once per page, offline): docs/design/mk.plots.md.
 """
 
 from __future__ import annotations
@@ -44,7 +34,9 @@ from mk.kernels.kv_stream import first_kv_tile
 
 TERA = 1e12
 GIGA = 1e9
-_state = {"plotlyjs_embedded": False}
+# What this page (the notebook being run) has had once: plotly.js, embedded by the first
+# `show` (a test sets it to see a figure without the library).
+page_state = {"plotlyjs_embedded": False}
 HEADLESS = "MK_HEADLESS"  # set (to "1") for the kernels of a headless run: `knobs`
 
 
@@ -62,9 +54,9 @@ def show(fig: go.Figure) -> None:
     # unhandled promise rejection is a JavaScript error ("undefined") on the page.
     html = pio.to_html(fig, include_plotlyjs=False, full_html=False, auto_play=False,
                        default_width="100%", default_height=500)
-    if not _state["plotlyjs_embedded"]:
+    if not page_state["plotlyjs_embedded"]:
         html = f"{plotlyjs_script()}\n{html}"
-        _state["plotlyjs_embedded"] = True
+        page_state["plotlyjs_embedded"] = True
     bundle = pio.renderers["plotly_mimetype"].to_mimebundle(fig.to_dict())
     bundle["text/html"] = html
     bundle["text/plain"] = f"<plotly figure: {fig.layout.title.text or 'untitled'}>"

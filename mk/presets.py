@@ -4,7 +4,8 @@ each family's published config.json (Qwen3 dense and MoE, Qwen3.5 hybrids, Kimi 
 its GQA stand-in), each with its sources; a preset stored quantised says so with `formats`
 (the release's FP4 experts: `formats={"experts": "fp4"}`). `PRESET_NAMES` lists the GQA
 and Qwen3.5 models, `HYBRID_PRESET_NAMES` the Qwen3.5 hybrids, `KIMI_PRESET_NAMES` the
-Kimi Linear ones, `GPT_OSS_PRESET_NAMES` gpt-oss (tiny, 20b, 120b). Not here: what a
+Kimi Linear ones, `K3_PRESET_NAMES` Kimi K3 as its release describes it (the reference
+runs it, no kernel yet), `GPT_OSS_PRESET_NAMES` gpt-oss (tiny, 20b, 120b). Not here: what a
 config means and its checks (`mk.config`), reading a Hugging Face config.json
 (`mk.config.ModelConfig.from_hf`).
 """
@@ -116,7 +117,10 @@ _KIMI_PRESETS = {
         channel_decay=True, experts=8, experts_per_token=2, expert_ffn=128,
         moe_layers=(1, 2, 3), norm_topk=True, shared_expert_ffn=128, router_score="sigmoid",
         expert_groups=2, topk_groups=1, routed_scale=2.5),
-    # The release's "Kimi K3" as Kimi Linear. Published (the issue): 93 layers, hidden 7168,
+    # A Kimi-K2-shaped stand-in for the release's "Kimi K3" on Kimi Linear's layers (what
+    # mk called "kimi-k3" before issue 66; the release's own Config is `kimi-k3` below, which
+    # the megakernel cannot run yet, so every kernel, simulator and ledger row of Kimi K3
+    # uses this one). Published (the issue): 93 layers, hidden 7168,
     # MLA every 4th layer (here layers 3, 7, ..., 91, Kimi-Linear-48B's 1-indexed
     # full_attn_layers convention; the rest KDA), 896 experts, 16 per token, vocab 163840,
     # FP4 experts. From Kimi K2's config.json (moonshotai/Kimi-K2-Instruct, as quoted
@@ -126,8 +130,8 @@ _KIMI_PRESETS = {
     # context. From Kimi-Linear-48B-A3B (transformers' KimiLinearConfig defaults): KDA head
     # dim 128, conv width 4, n_group = topk_group = 1. ASSUMED: 64 KDA heads (K2's head
     # count; Kimi-Linear-48B has 32 at hidden 2304), MLA without RoPE as in Kimi Linear.
-    "kimi-k3": lambda: ModelConfig(
-        name="kimi-k3", vocab=163_840, hidden=7168, layers=93, heads=64, kv_heads=64,
+    "kimi-k2-shaped": lambda: ModelConfig(
+        name="kimi-k2-shaped", vocab=163_840, hidden=7168, layers=93, heads=64, kv_heads=64,
         head_dim=192, ffn=18_432, qk_norm=False, rms_eps=1e-6, max_position=131_072,
         layer_types=_every_fourth_full(93),
         latent_rank=512, q_rank=1536, rope_dim=64, value_dim=128, linear_key_heads=64,
@@ -135,6 +139,65 @@ _KIMI_PRESETS = {
         channel_decay=True, experts=896, experts_per_token=16, expert_ffn=2048,
         moe_layers=tuple(range(1, 93)), norm_topk=True, formats={"experts": "fp4"},
         shared_expert_ffn=2048, router_score="sigmoid", routed_scale=2.827),
+}
+
+# Kimi K3 as the release describes it (issue 66): MLA with an output gate, KDA with a
+# full-rank output gate and a bounded decay, a latent MoE, SiTU MLPs and attention
+# residuals. `mk.reference` runs them; the megakernel does not yet (its layer kinds have
+# no kernel: `mk.kinds.layers.layer_kinds` raises NotImplementedError), so every kernel,
+# simulator and ledger row of Kimi K3 uses "kimi-k2-shaped". Listed apart (K3_PRESET_NAMES).
+#
+# "kimi-k3" is the release's `Config` (Inferact/tpu-megakernels, kimi/__init__.py), field by
+# field (`release field` -> mk field):
+#   dim 7168 -> hidden; latent 3584 -> moe_latent; expert_hidden 3072 -> expert_ffn;
+#   shared_hidden 6144 -> shared_expert_ffn (moe_intermediate_size x num_shared_experts);
+#   dense_hidden 33792 -> ffn; experts 896; top_k 16 -> experts_per_token; layers 93;
+#   heads 96 -> heads = kv_heads (MLA) and linear_key_heads = linear_value_heads (KDA:
+#   kimi/load.py slices 3 heads of 128 per rank of 32); head_dim 128 -> value_dim,
+#   linear_key_dim, linear_value_dim; q_rank 1536; kv_rank 512 -> latent_rank; qk_extra 64
+#   -> rope_dim (MLA's head_dim = 128 + 64: the megakernel's 192**-0.5 score scale);
+#   vocab 163840; conv_size 4 -> conv_kernel; residual_block 12; eps 1e-5 -> rms_eps;
+#   situ_beta 4; situ_linear_beta 25; gate_lower_bound -5 -> kda_gate_bound;
+#   full_attention (3, 7, ..., 91, 92) -> layer_types "full" there, "linear" elsewhere.
+# What `Config.from_checkpoint` requires (its `required` dict): mla_use_nope (mk's MLA is
+# NoPE), mla_use_output_gate -> attn_output_gate, latent_moe_use_norm (the latent MoE's
+# norm, always there in mk's), moe_renormalize -> norm_topk, the sigmoid router ->
+# router_score, first_k_dense_replace 1 and moe_layer_freq 1 -> moe_layers 1..92,
+# num_expert_group 1 -> expert_groups = topk_groups = 1, routed_scaling_factor 1.0 ->
+# routed_scale; use_full_rank_gate -> kda_full_gate. Storage (kimi/load.py): experts MXFP4
+# (w1/w2/w3 weight_packed + E8M0 weight_scale) -> formats experts "fp4"; gate/up re-stored
+# at load as fp8 e4m3 with a bf16 scale per FP8_BLOCK = 256 rows -> expert_fp8_block.
+# Not in the Config: its lm_head is untied (load.py reads language_model.lm_head.weight);
+# rope_theta is unused (NoPE); ASSUMED: max_position 131072 (not stated; the release's
+# benchmarks cache 1152 positions).
+_K3_PRESETS = {
+    # Tiny Kimi K3: every K3 feature at TPU-legal shapes (head dims 128, MLA's 128 + 64,
+    # widths multiples of 128): KDA, KDA, KDA, MLA, MLA (the release's pattern: full at 3
+    # and the last layer), a dense first layer then latent MoE (a latent of 128, half of
+    # D as in K3), residual blocks of 2 layers (three blocks begin: at 0, 2 and 4).
+    "tiny-k3": lambda: ModelConfig(
+        name="tiny-k3", vocab=512, hidden=256, layers=5, heads=2, kv_heads=2, head_dim=192,
+        ffn=512, qk_norm=False, rms_eps=1e-5, dtype="bfloat16", max_position=4096,
+        max_context=256, layer_types=("linear", "linear", "linear", "full", "full"),
+        latent_rank=128, q_rank=128, rope_dim=64, value_dim=128, attn_output_gate=True,
+        linear_key_heads=2, linear_value_heads=2, linear_key_dim=128, linear_value_dim=128,
+        conv_kernel=4, channel_decay=True, kda_full_gate=True, kda_gate_bound=-5.0,
+        experts=8, experts_per_token=2, expert_ffn=128, moe_layers=(1, 2, 3, 4),
+        norm_topk=True, shared_expert_ffn=128, router_score="sigmoid", routed_scale=1.0,
+        moe_latent=128, situ_beta=4.0, situ_linear_beta=25.0, residual_block=2),
+    "kimi-k3": lambda: ModelConfig(
+        name="kimi-k3", vocab=163_840, hidden=7168, layers=93, heads=96, kv_heads=96,
+        head_dim=192, ffn=33_792, qk_norm=False, rms_eps=1e-5, max_position=131_072,
+        layer_types=tuple("full" if i in (*range(3, 92, 4), 92) else "linear"
+                          for i in range(93)),
+        latent_rank=512, q_rank=1536, rope_dim=64, value_dim=128, attn_output_gate=True,
+        linear_key_heads=96, linear_value_heads=96, linear_key_dim=128,
+        linear_value_dim=128, conv_kernel=4, channel_decay=True, kda_full_gate=True,
+        kda_gate_bound=-5.0, experts=896, experts_per_token=16, expert_ffn=3072,
+        moe_layers=tuple(range(1, 93)), norm_topk=True, shared_expert_ffn=6144,
+        router_score="sigmoid", routed_scale=1.0, moe_latent=3584, situ_beta=4.0,
+        situ_linear_beta=25.0, residual_block=12, formats={"experts": "fp4"},
+        expert_fp8_block=256),
 }
 
 # gpt-oss (attention with sinks on alternating sliding-window and full layers, YaRN RoPE,
@@ -178,14 +241,16 @@ _GPT_OSS_PRESETS = {
 PRESET_NAMES = tuple(_PRESETS) + tuple(_HYBRID_PRESETS)
 HYBRID_PRESET_NAMES = tuple(_HYBRID_PRESETS)
 KIMI_PRESET_NAMES = tuple(_KIMI_PRESETS)
+K3_PRESET_NAMES = tuple(_K3_PRESETS)
 GPT_OSS_PRESET_NAMES = tuple(_GPT_OSS_PRESETS)
 
 
 def preset(name: str) -> ModelConfig:
-    """A named `ModelConfig`; `PRESET_NAMES`, `HYBRID_PRESET_NAMES`, `KIMI_PRESET_NAMES`
-    and `GPT_OSS_PRESET_NAMES` list them."""
-    presets = {**_PRESETS, **_HYBRID_PRESETS, **_KIMI_PRESETS, **_GPT_OSS_PRESETS}
+    """A named `ModelConfig`; `PRESET_NAMES`, `HYBRID_PRESET_NAMES`, `KIMI_PRESET_NAMES`,
+    `K3_PRESET_NAMES` and `GPT_OSS_PRESET_NAMES` list them."""
+    presets = {**_PRESETS, **_HYBRID_PRESETS, **_KIMI_PRESETS, **_K3_PRESETS,
+               **_GPT_OSS_PRESETS}
     if name not in presets:
-        raise ValueError(f"preset={name!r} does not exist; choose one of "
-                         f"{PRESET_NAMES + KIMI_PRESET_NAMES + GPT_OSS_PRESET_NAMES}")
+        names = PRESET_NAMES + KIMI_PRESET_NAMES + K3_PRESET_NAMES + GPT_OSS_PRESET_NAMES
+        raise ValueError(f"preset={name!r} does not exist; choose one of {names}")
     return presets[name]()

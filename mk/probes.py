@@ -1,28 +1,18 @@
 """Small compiles that each read one number from libtpu's schedule.
 
-Two probes, each a tiny kernel compiled for one TensorCore of a TPU in a child process
-with libtpu's bundle dump on (`mk.bundles.compile_with_dumps`, the one reader of the
-dumps), recorded in data/ with the libtpu version and re-checked by tests:
-
-- One weight tile by storage, feed and M: `probe_tile(chip, dtype, m, feed)` ->
-  `mk.feed_costs.FeedCost` (the stage-01 ring kernel over one weight, `TILE_PROBE_SHAPE`,
-  compiled with the weight kept in HBM, `KEEP_IN_HBM`: one trip of its steady per-tile
-  loop), the rows of the tile cost table that `mk.sim` and `mk.perf` charge
-  (`benchmarks/tile_feed_costs.py` records them; `mk.feed_costs` reads them).
-- The clock a schedule implies: `probe_clock(chip)` -> `ClockProbe` (one straight-line
-  bf16 matmul compiled for the chip: the clock at which its bundles would run at the
-  datasheet bf16 peak, one end of the chip's clock range in data/chips.csv; recorded in
-  data/clock_probes.json, `recorded_clock_probes()`, by `benchmarks/clock_probe.py`).
-- The feed floor: `probe_floor(chip, feed, m)` -> `mk.feed_costs.FeedFloor`
-  (the same straight-line matmul at decode M over a few weight shapes, its weight
-  already in VMEM in the feed's dtype: no ring, no decode, no scales; the fewest bundles
-  per weight libtpu schedules for taking a weight into the MXU with nothing else to do;
-  a ring loop may do better (at M 64 on v5e and v5p it did with 4096 x 256 tiles), and
-  `mk.feed_costs.feed_floor_per_element` takes the lesser; recorded in
-  data/feed_floors.json by `benchmarks/tile_feed_costs.py --floors`).
+Each probe is a tiny kernel compiled for one TensorCore of a TPU in a child process with
+libtpu's bundle dump on (`mk.bundles.compile_with_dumps`), recorded in data/ with the
+libtpu version and re-checked by tests:
+- `probe_tile(chip, dtype, m, feed)` -> `mk.feed_costs.FeedCost`: one weight tile's cost
+  by storage, feed and M, the rows of the tile cost table `mk.sim` and `mk.perf` charge;
+- `probe_clock(chip)` -> `ClockProbe`: the clock a straight-line bf16 matmul's schedule
+  implies at the datasheet peak (data/clock_probes.json, `recorded_clock_probes()`);
+- `probe_floor(chip, feed, m)` -> `mk.feed_costs.FeedFloor`: the fewest bundles per weight
+  element of a matmul with its weight already in VMEM.
 
 Not here: a whole megakernel's per-tile loops and schedule (`mk.bundles.measure`,
-`dump_schedule`), the compile itself (`mk.tpu`).
+`dump_schedule`), the compile itself (`mk.tpu`). Each probe's kernel and what its number
+means: docs/design/mk.probes.md.
 """
 
 from __future__ import annotations
@@ -40,7 +30,7 @@ import jax.numpy as jnp
 from mk import feed_costs
 from mk.bundles import (compile_with_dumps, drives_mxu, dump_file, loops, read_bundles,
                         tile_loops, tile_parts)
-from mk.chips import DATA, ChipSpec, chip as chip_spec
+from mk.chips import DATA, ChipSpec, spec_of
 from mk.kernels.weight_streaming import stream_matmul_block
 
 
@@ -76,7 +66,7 @@ def probe_tile(chip: str | ChipSpec, dtype: str, m: int, feed: str = "bf16", *,
     edge loop follows it). Raises ValueError for a GPU or a dtype, feed or m the table
     does not hold, RuntimeError if it does not compile or shows not exactly
     `Ring.matmul`'s per-tile loops."""
-    spec = chip_spec(chip) if isinstance(chip, str) else chip
+    spec = spec_of(chip)
     if spec.kind != "tpu":
         raise ValueError(f"chip={spec.name!r} is a {spec.kind}: no TPU compile to probe")
     for field, value, choices in (("dtype", dtype, feed_costs.DTYPES),
@@ -205,7 +195,7 @@ def probe_clock(chip: str | ChipSpec, shape: tuple[int, int, int] = CLOCK_PROBE_
     dumps on (`compile_with_dumps`) and read its bundles. Raises ValueError for a GPU or a
     shape that is not three positive multiples of 128, RuntimeError if it does not compile
     or its schedule is not straight-line (a loop: bundles would not be cycles)."""
-    spec = chip_spec(chip) if isinstance(chip, str) else chip
+    spec = spec_of(chip)
     if len(shape) == 3 and shape[0] % 128:
         raise ValueError(f"shape={shape!r} must be (M, K, N), positive multiples of 128")
     span, total, ids, seconds = _mxu_span(spec, shape, "bf16", "clock probe", timeout)
@@ -230,7 +220,7 @@ def probe_floor(chip: str | ChipSpec, feed: str, m: int, *,
     span: the `mk.feed_costs.FeedFloor` of the fewest bundles per weight. Raises
     ValueError for a GPU, a feed the chip's MXU does not take (`ChipSpec.mxu_feeds`), an M
     the table does not hold or a shape the MXU does not tile."""
-    spec = chip_spec(chip) if isinstance(chip, str) else chip
+    spec = spec_of(chip)
     if spec.kind == "tpu" and feed not in spec.mxu_feeds:
         raise ValueError(f"feed={feed!r}: {spec.name}'s MXU takes {spec.mxu_feeds}")
     if m not in feed_costs.M_BUCKETS:

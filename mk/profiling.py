@@ -1,33 +1,17 @@
 """Profiles of decode steps: capture them, read them back, measure the bubbles.
 
-A decode step is memory bound (notebook 00): the HBM -> VMEM pipeline should never stop.
-Every kernel edge stops it: the ring drains at the end of one kernel and refills at the
-start of the next, and the host may dispatch the next kernel late. This module measures
-those stops in real profiles, for three ways of running the same step:
+Every kernel edge stops the HBM -> VMEM pipeline of a memory-bound step; this module
+measures those stops in real profiles of three ways of running the same step: "xla"
+(`mk.reference.decode_step`), "staged" (the stage kernels one pallas_call per op,
+`staged_step`) and "megakernel" (`mk.megakernel.decode_step`).
 
-- (a) "xla": `mk.reference.decode_step`, one XLA program of many fused ops;
-- (b) "staged": the stage kernels (`mk.kernels.*`), one pallas_call per op, dispatched one
-  by one from a Python loop over layers (`staged_step`);
-- (c) "megakernel": `mk.megakernel.decode_step`, one pallas_call per step.
-
-Here: `capture` (N annotated steps into `PROFILES/<name>/plugins/profile/<run>/`, the
-TensorBoard/XProf layout; `profiles_dir` says where PROFILES is), `timeline` (the op
-events of a trace, per step), `bubbles` (idle
-time per step, definitions in its docstring), `staged_step`, `variants`, `trace_viewer`
-(XProf's own converter) and the figures of notebook 08 (`gantt` for a measured
-step through `lanes_figure`; `share_bars`; a simulated step is drawn by
-`mk.plots.timeline`, the course's one lane timeline). Not here: the simulator itself
-(`mk.sim`), the TPU compiler's static schedule (`mk.bundles.dump_schedule`,
-`read_schedule`), any TPU time: a CPU trace times CPU work.
-
-What a CPU trace shows: XLA:CPU runs an XLA program's ops (thunks) on a thread pool, two
-lines here, each op an event with stats `hlo_op`, `hlo_module`, `run_id` (one run_id = one
-execution of one program). A pallas_call in TPU interpret mode is an XLA program that
-simulates the kernel (DMAs and semaphores are host callbacks), so on a CPU one kernel
-shows as thousands of small ops and its time says nothing about a TPU. A TPU trace
-(`/device:TPU:0`) shows each kernel as one op on the "XLA Ops" line; named scopes inside a
-kernel show as its phases only with libtpu's `--xla_enable_custom_call_region_trace=true`
-(`mk.bundles.PHASE_FLAG`), which is a compile flag, not a profiler option.
+Here: `capture` (N annotated steps into `PROFILES/<name>/plugins/profile/<run>/`;
+`profiles_dir` says where PROFILES is), `timeline` (a trace's op events, per step),
+`bubbles` (idle time per step), `staged_step`, `variants`, `trace_viewer`, and notebook
+08's figures (`gantt` through `lanes_figure`, `share_bars`). Not here: the simulator
+(`mk.sim`, drawn by `mk.plots.timeline`), the compiler's static schedule
+(`mk.bundles.dump_schedule`), any TPU time: a CPU trace times CPU work. What a CPU and a
+TPU trace show: docs/design/mk.profiling.md.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ Which weights. The three format groups of `mk.weights.FORMAT_GROUPS` ("dense": a
 projections and the dense and shared-expert SwiGLUs; "experts"; "lm_head", an untied model
 only), each with one scheme or None (stays `config.dtype`): a `formats` dict, the one
 precision knob (`mk.config.check_formats`; a `ModelConfig`'s own `formats` are its
-default, e.g. kimi-k3's FP4 experts). The embedding (B*T rows
+default, e.g. kimi-k2-shaped's FP4 experts). The embedding (B*T rows
 gathered per step), the router (small, and its top-k flips on a small error), norms and
 biases stay in `config.dtype`, and so do the linear-attention kinds' weights (in no group),
 so a hybrid's groups quantise as any model's; a group holding a weight the megakernel

@@ -1,51 +1,26 @@
 """The pure-JAX reference decoder: the oracle every kernel is checked against.
 
 Here: the forward pass as `prefill`, `decode_step` and greedy `generate`, built from the
-array-level blocks of `mk.ops`, one oracle per layer kind (by its `mk.weights` kind name):
-    gqa, sink_gqa   `decoder_layer` (`attention_inputs`: RMSNorm, q/k/v, QK norm, RoPE;
-              then attention, the output gate, wo): Qwen3's, Qwen3.5's full layers (gated
-              output, partial RoPE) and gpt-oss's (biases, sinks, sliding windows, YaRN)
-    mla       `mla_decoder_layer`: Kimi Linear's multi-head latent attention (NoPE, as in
-              transformers) over a latent cache; its absorbed form, the one a decode
-              kernel runs, is `mla_absorbed` and `mla_output` (the oracle of
-              `mk.kernels.decode_attention.latent_attention`)
-    deltanet, kda   `linear_decoder_layer` around `LINEAR_MIXERS`: Qwen3.5's gated
-              DeltaNet and Kimi Delta Attention (`mk.linear_attention`), a conv and a
-              recurrent state instead of KV rows
-    dense, moe, clamped_moe   `mlp_block` around `MLPS`: SwiGLU; routed experts under a
-              softmax top-k router or a grouped sigmoid router, plus a shared expert;
-              gpt-oss's biased router and clamped-SwiGLU experts
-(`MIXER_LAYERS` and `MLPS` are the tables `forward` dispatches on.) A variant inside a
-kind follows the weights the model has (`mk.weights`): QK norm when it has `q_norm`, the
-output gate with `wq_gate`, biases with `bq` .. `bo`, sinks with `sinks` (a sliding window
-where `ModelConfig.window` says), MLA's q low rank with `wq_a`, the sigmoid router with
-`router_bias` (every MoE kind's router: `routes`), the shared expert with `ws_gate`.
-Also here: `lm_head`, `greedy`, and the checks every decode driver runs (`validate_step`,
-`check_params`, `check_generate`, ...); `forward` is `decode_step` without its checks. No
-Pallas, no sharding, no sampling (speculative decoding lives in `mk.spec`).
+array-level blocks of `mk.ops`, one oracle per layer kind by its `mk.weights` kind name
+(`MIXER_LAYERS`, `MLPS`, the tables `forward` dispatches on): `decoder_layer` (gqa,
+sink_gqa), `mla_decoder_layer` with its absorbed form `mla_absorbed` / `mla_output` (mla),
+`linear_decoder_layer` around `LINEAR_MIXERS` (deltanet, kda), `mlp_block` (dense, moe,
+clamped_moe); Kimi K3's kinds, no kernel yet (gated_mla, bounded_kda, situ_dense,
+latent_moe, res_layer: `residual_layers`); a variant inside a kind follows the weights
+the model has. Also here: `lm_head`, `greedy`, `routes`, and the checks every decode
+driver runs (`validate_step`, `check_params`, `check_generate`, ...); `KVCache`,
+`LinearRows` and `init_cache` are `mk.cache`'s, imported here for this module's callers.
 
-Numerics: the residual stream is float32 and the KV cache is stored in `config.dtype`;
-every block's cast points (which kernels mirror, so their tolerances stay tight) are
-`mk.ops`'s; every RMSNorm scales by (norm_offset + weight). Run it on the CPU as the oracle:
-its matmuls ask for HIGHEST precision, but on a TPU (v5e, 2026-12-06) the hybrid's tokens
-drifted (29/32) even so. Likely, not isolated: the TPU's exp, softplus, sigmoid and rsqrt
-differ from the CPU's in the last bits and its fusions sum in another order, and the
-linear layers' recurrent state carries each difference on to later positions. The dense,
-MoE, Kimi and gpt-oss references gave the CPU's tokens there (32/32); the hardware tier
-judges on the CPU.
-
-Caches (`mk.cache`: the table of fields, the cache types, `init_cache`, `check_cache`,
-`rollback`; `KVCache`, `LinearRows` and `init_cache` are imported here too, for this
-module's many callers). A decode step writes its T new rows at `positions[b] ..
-positions[b] + T - 1` and attends causally; a row at or past S is an error, never a
-silent wrap (XLA would clamp the write). `decode_step(..., row_states=True)` also returns
-the states after every row (`LinearRows`), which `mk.cache.rollback` picks from.
+Numerics: a float32 residual stream, the KV cache in `config.dtype`, every block's cast
+points `mk.ops`'s. A decode step's row at or past the cache's capacity is an error, never
+a silent wrap. Not here: Pallas, sharding, sampling (speculative decoding: `mk.spec`).
+Each kind's oracle, the numerics and why the oracle runs on the CPU:
+docs/design/mk.reference.md.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -55,9 +30,10 @@ from jax import lax
 from mk import linear_attention as la
 from mk.cache import KVCache, LinearRows, check_cache, has_states, init_cache
 from mk.config import ModelConfig, positive_int
-from mk.ops import (attention, matmul, mix_biased_experts, mix_experts, rms_norm, rope, route,
-                    route_grouped, route_logits, swiglu, write_rows)
-from mk.unpack import dequantize_tile
+from mk.ops import (attention, attention_residual, biased_expert_outputs, combine_experts,
+                    expert_outputs, gated_mlp, matmul, rms_norm, rope, route, route_grouped,
+                    route_logits, situ, swiglu, write_rows)
+from mk.layer_values import LayerValues, experts_of
 from mk.weights import kind_of, param_shapes
 
 F32 = jnp.float32
@@ -165,8 +141,8 @@ def routes(config: ModelConfig, params, i: int, h):
 def moe_mlp(config: ModelConfig, params, i: int, h) -> jax.Array:
     """MoE layer i's routed experts (plus its shared expert, when the model has one) of
     its normed rows h [M, D] -> [M, D] float32, under its router (`routes`)."""
-    y = mix_experts(h, *routes(config, params, i, h),
-                    *(params[name][i] for name in ("we_gate", "we_up", "we_down")))
+    y = combine_experts(*routes(config, params, i, h), experts_of(
+        expert_outputs, params, ("we_gate", "we_up", "we_down"), i, h))
     if "ws_gate" in params:  # the shared expert every token passes through
         y = y + swiglu(h, params["ws_gate"][i], params["ws_up"][i], params["ws_down"][i])
     return y
@@ -175,15 +151,43 @@ def moe_mlp(config: ModelConfig, params, i: int, h) -> jax.Array:
 def clamped_moe_mlp(config: ModelConfig, params, i: int, h) -> jax.Array:
     """gpt-oss's MoE layer i of its normed rows h [M, D] -> [M, D] float32: the softmax of
     the top-k biased router logits (`routes`), the biased clamped-SwiGLU experts."""
-    return mix_biased_experts(h, *routes(config, params, i, h),
-                              *(params[n][i] for n in ("we_gate", "we_up", "we_down",
-                                                       "be_gate", "be_up", "be_down")),
-                              config.swiglu_limit, config.swiglu_alpha)
+    return combine_experts(*routes(config, params, i, h), experts_of(
+        biased_expert_outputs, params,
+        ("we_gate", "we_up", "we_down", "be_gate", "be_up", "be_down"), i, h,
+        config.swiglu_limit, config.swiglu_alpha))
+
+
+def situ_of(config: ModelConfig):
+    """Kimi K3's activation of an MLP's gate and up projections (`mk.ops.situ`) at the
+    config's betas."""
+    return functools.partial(situ, beta=config.situ_beta, linear_beta=config.situ_linear_beta)
+
+
+def situ_dense_mlp(config: ModelConfig, params, i: int, h) -> jax.Array:
+    """Kimi K3's dense layer i: SiTU of its normed rows h [M, D] -> [M, D] float32."""
+    return gated_mlp(h, params["w_gate"][i], params["w_up"][i], params["w_down"][i],
+                     situ_of(config))
+
+
+def latent_moe_mlp(config: ModelConfig, params, i: int, h) -> jax.Array:
+    """Kimi K3's latent MoE layer i of its normed rows h [M, D] -> [M, D] float32: the
+    router (`routes`) scores h; the chosen SiTU experts run on the latent z = h @
+    latent_down [M, Lt]; their weighted sum is RMS-normed (latent_norm) and projected back
+    with latent_up; the SiTU shared expert runs on h (the release's `moe`)."""
+    activation = situ_of(config)
+    z = matmul(h, params["latent_down"][i])
+    y = combine_experts(*routes(config, params, i, h), experts_of(
+        expert_outputs, params, ("we_gate", "we_up", "we_down"), i, z, activation))
+    y = matmul(rms_norm(y, params["latent_norm"][i], config.rms_eps),
+               params["latent_up"][i])
+    return y + gated_mlp(h, params["ws_gate"][i], params["ws_up"][i], params["ws_down"][i],
+                         activation)
 
 
 # Each MLP kind's oracle, by its `mk.weights` kind name: (config, params, its row i in the
 # kind's stack, normed rows h [M, D]) -> [M, D] float32.
-MLPS = {"dense": dense_mlp, "moe": moe_mlp, "clamped_moe": clamped_moe_mlp}
+MLPS = {"dense": dense_mlp, "moe": moe_mlp, "clamped_moe": clamped_moe_mlp,
+        "situ_dense": situ_dense_mlp, "latent_moe": latent_moe_mlp}
 
 
 def linear_decoder_layer(config: ModelConfig, params, layer: int, x, conv_state, state):
@@ -200,22 +204,33 @@ def linear_decoder_layer(config: ModelConfig, params, layer: int, x, conv_state,
 
 
 # Each linear kind's token mixer, by its `mk.weights` kind name (`mk.linear_attention`).
-LINEAR_MIXERS = {"deltanet": la.linear_attention, "kda": la.kimi_delta_attention}
+LINEAR_MIXERS = {"deltanet": la.linear_attention, "kda": la.kimi_delta_attention,
+                 "bounded_kda": la.kimi_delta_attention}
 
 
 def mla_decoder_layer(config: ModelConfig, params, layer: int, x, latent_cache, positions):
     """A multi-head latent attention decoder layer (Kimi Linear's full layers, NoPE as in
-    transformers); x [B, T, D] float32, latent_cache [B, S, R + Hr] of this layer.
-
-    The cache holds RMSNorm(x @ wkv_a[:R]) and the shared key part x @ wkv_a[R:]; every step
-    expands it to per-head keys [nope | shared part] and values with wkv_b (the oracle's
-    plain form; a kernel absorbs wkv_b into q and the output instead). Returns (x,
-    latent_cache, x_after_attn).
+    transformers); x [B, T, D] float32, latent_cache [B, S, R + Hr] of this layer. The
+    mixer is `mla_mixer`. Returns (x, latent_cache, x_after_attn).
     """
-    B, T, _ = x.shape
-    N, H, R, Hr = config.heads, config.head_dim, config.latent_rank, config.rope_dim
     _, a = config.mixer_index(layer)
     h = rms_norm(x, params["attn_norm"][layer], config.rms_eps, width=config.norm_width)
+    y, latent_cache = mla_mixer(config, params, a, h, latent_cache, positions)
+    x = x + y
+    return mlp_block(config, params, layer, x), latent_cache, x
+
+
+def mla_mixer(config: ModelConfig, params, a: int, h, latent_cache, positions):
+    """MLA layer a's token mixer on its normed rows h [B, T, D] -> (y [B, T, D] float32,
+    latent_cache [B, S, R + Hr]).
+
+    The cache holds RMSNorm(h @ wkv_a[:R]) and the shared key part h @ wkv_a[R:]; every
+    step expands it to per-head keys [nope | shared part] and values with wkv_b (the
+    oracle's plain form; a kernel absorbs wkv_b into q and the output instead). Kimi K3's
+    ("gated_mla", its weight wg) gates each head's output by sigmoid(h @ wg) before wo.
+    """
+    B, T, _ = h.shape
+    N, H, R, Hr = config.heads, config.head_dim, config.latent_rank, config.rope_dim
     q, latent = mla_projections(config, params, a, h)
     latent_cache = write_rows(latent_cache[:, None], latent[:, :, None], positions)[:, 0]
     S = latent_cache.shape[1]
@@ -225,8 +240,15 @@ def mla_decoder_layer(config: ModelConfig, params, layer: int, x, latent_cache, 
     v = kv[..., H - Hr:].transpose(0, 2, 1, 3)
     dtype = latent_cache.dtype
     o = attention(q, k.astype(dtype), v.astype(dtype), positions).reshape(B, T, -1)
-    x = x + matmul(o, params["wo"][a])
-    return mlp_block(config, params, layer, x), latent_cache, x
+    if "wg" in params:  # Kimi K3's output gate
+        o = output_gate(o, h, params["wg"][a])
+    return matmul(o, params["wo"][a]), latent_cache
+
+
+def output_gate(o, h, wg) -> jax.Array:
+    """Kimi K3's MLA output gate: the heads' outputs o [..., N*Ho] times sigmoid(h @ wg)
+    of the layer's normed rows h [..., D] (the release's `mla`), float32."""
+    return o.astype(F32) * jax.nn.sigmoid(matmul(h, wg))
 
 
 def mla_projections(config: ModelConfig, params, a: int, h):
@@ -289,53 +311,70 @@ def _linear(config: ModelConfig, params, layer: int, x, cache, i: int, positions
 # cache, its row i in the kind's stack, positions) -> (x, the new values of the cache
 # fields it owns at row i, x after the mixer).
 MIXER_LAYERS = {"gqa": _full, "sink_gqa": _full, "mla": _latent, "deltanet": _linear,
-                "kda": _linear}
+                "kda": _linear, "gated_mla": _latent, "bounded_kda": _linear}
 
 
-class LayerValues(Mapping):
-    """Params as the layers read them: a quantised weight (an `mk.quant.QuantWeight`,
-    known by its scheme: mk.quant imports this module) dequantised where it is read, a
-    stacked one a layer's row at a time (`w[i]`), a 2-D one (the lm_head) whole, each
-    rounded once to the embedding's dtype: `mk.quant.dequantize`'s values, but inside the
-    traced forward, so no dequantised copy of the whole model is ever alive."""
-
-    def __init__(self, params, after=None):
-        self.params, self.dtype, self.after = params, params["embed"].dtype, after
-
-    def __getitem__(self, name):
-        p = self.params[name]
-        if not hasattr(p, "scheme"):
-            return p
-        rows = _Rows(p, self.dtype, self.after)
-        return rows if len(p.shape) > 2 else rows.whole
-
-    def __iter__(self):
-        return iter(self.params)
-
-    def __len__(self):
-        return len(self.params)
+def _latent_mixer(config: ModelConfig, params, h, cache, i: int, positions):
+    y, latent = mla_mixer(config, params, i, h, cache.latent[i], positions)
+    return y, dict(latent=latent)
 
 
-class _Rows:
-    """A stacked quantised weight whose row i is dequantised when it is read, after the
-    value `after` (the layer's input) exists: an optimization barrier ties the packed
-    row to it, so the compiler cannot make every layer's values up front."""
+def _linear_mixer(mixer):
+    def run(config: ModelConfig, params, h, cache, i: int, positions):
+        y, conv, state = mixer(config, params, i, h, cache.conv[i], cache.state[i])
+        return y, dict(conv=conv, state=state)  # the states after each row
+    return run
 
-    def __init__(self, q, dtype, after=None):
-        self.q, self.dtype, self.after = q, dtype, after
 
-    def _values(self, index):
-        data, scale = self.q.data, self.q.scale  # tied whole (a slice would be copied
-        if self.after is not None:              # early: every layer's at once)
-            data, scale, _ = lax.optimization_barrier((data, scale, self.after))
-        return dequantize_tile(self.q.scheme, data[index], scale[index]).astype(self.dtype)
+# The token mixers attention residuals run (`residual_layers`), by kind name: (config,
+# params, normed rows h [B, T, D], cache, the layer's row i in its kind's stack, positions)
+# -> (y [B, T, D] float32, the new values of the cache fields it owns at row i).
+MIXERS = {"mla": _latent_mixer, "gated_mla": _latent_mixer} | {
+    kind: _linear_mixer(mixer) for kind, mixer in LINEAR_MIXERS.items()}
 
-    def __getitem__(self, i):
-        return self._values(i)
 
-    @property
-    def whole(self):
-        return self._values(...)
+def residual_layers(config: ModelConfig, params, cache, x, positions):
+    """Every layer of a model with attention residuals (Kimi K3's "res_layer" kind: the
+    release's `stack`) from the embedding x [B, T, D] -> (the final mix [B, T, D], the
+    cache fields' new values per layer, the residual sums after each layer's mixer and
+    MLP: the taps).
+
+    The residual stream is a list of blocks: the embedding, then the sum of each
+    completed block's outputs (a block begins every `residual_block` layers, at layer 0
+    first), and the current block's partial sum. A mixer's and an MLP's input is their
+    softmax mix (`mk.ops.attention_residual`, scored by the layer's attn_res_* or
+    mlp_res_* weights), RMS-normed as in any layer; a block's first mixer output replaces
+    the partial sum, every other output adds to it; the lm_head reads the mix scored by
+    output_res_*.
+    """
+    B, T, _ = x.shape
+    eps, offset, width = config.rms_eps, config.norm_offset, config.norm_width
+    blocks, partial, fields, after_attn, after_mlp = [], x, {}, [], []
+
+    def mixed(norm, proj):
+        return attention_residual(jnp.stack([*blocks, partial]), norm, proj, eps)
+
+    for layer in range(config.layers):
+        starts = layer % config.residual_block == 0
+        h = rms_norm(mixed(params["attn_res_norm"][layer], params["attn_res_proj"][layer]),
+                     params["attn_norm"][layer], eps, offset, width)
+        if starts:
+            blocks.append(partial)
+        role, i = config.mixer_index(layer)
+        y, new = MIXERS[kind_of(config, f"{role}_layers")](config, params, h, cache, i,
+                                                           positions)
+        for field, value in new.items():
+            fields.setdefault(field, []).append(value)
+        partial = y if starts else partial + y
+        after_attn.append(partial)
+        role, i = config.mlp_index(layer)
+        h = mlp_input(config, params, layer,
+                      mixed(params["mlp_res_norm"][layer], params["mlp_res_proj"][layer]))
+        partial = partial + MLPS[kind_of(config, f"{role}_layers")](
+            config, params, i, h).reshape(B, T, -1)
+        after_mlp.append(partial)
+    out = mixed(params["output_res_norm"], params["output_res_proj"])
+    return out, fields, after_attn, after_mlp
 
 
 @functools.partial(jax.jit, static_argnames=("config", "taps", "row_states"))
@@ -345,15 +384,19 @@ def forward(config: ModelConfig, params, cache, tokens, positions, taps=False,
     compile-time benchmark lowers it)."""
     x = params["embed"][tokens].astype(F32)  # [B, T, D]
     fields, after_attn, after_mlp = {}, [], []
-    for layer in range(config.layers):
-        role, i = config.mixer_index(layer)
-        kind = kind_of(config, f"{role}_layers")
-        x, new, x_attn = MIXER_LAYERS[kind](config, LayerValues(params, x), layer, x, cache,
-                                            i, positions)
-        for field, value in new.items():
-            fields.setdefault(field, []).append(value)
-        after_attn.append(x_attn)
-        after_mlp.append(x)
+    if kind_of(config, "layers") == "res_layer":  # attention residuals: Kimi K3's layers
+        x, fields, after_attn, after_mlp = residual_layers(config, LayerValues(params, x),
+                                                           cache, x, positions)
+    else:
+        for layer in range(config.layers):
+            role, i = config.mixer_index(layer)
+            kind = kind_of(config, f"{role}_layers")
+            x, new, x_attn = MIXER_LAYERS[kind](config, LayerValues(params, x), layer, x,
+                                                cache, i, positions)
+            for field, value in new.items():
+                fields.setdefault(field, []).append(value)
+            after_attn.append(x_attn)
+            after_mlp.append(x)
     logits = lm_head(config, LayerValues(params, x), x)
     # the fields of the kinds the model has (an all-linear model keeps its empty KV cache)
     fields = {field: jnp.stack(values) for field, values in fields.items()}
@@ -506,8 +549,9 @@ def decode_step(config: ModelConfig, params, cache, tokens, positions, *,
 def prefill(config: ModelConfig, params, tokens, *, max_context: int | None = None,
             quantised: bool = False):
     """The prompt tokens [B, P] -> (logits [B, P, V] float32, cache holding P positions).
-    quantised=True also takes `mk.quant.QuantWeight`s, dequantised a layer at a time
-    (`LayerValues`): the values of `mk.quant.dequantize(params)`, never all at once."""
+    quantised=True also takes `mk.quant.QuantWeight`s, dequantised as they are read
+    (`mk.layer_values.LayerValues`): `mk.quant.dequantize(params)`'s values, never all at
+    once."""
     shape = np.shape(tokens)
     if len(shape) != 2 or min(shape) < 1:
         raise ValueError(f"prompt shape {shape} must be [B, P] with B >= 1 and P >= 1")

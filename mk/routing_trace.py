@@ -1,30 +1,17 @@
 """Measured routing: which experts a model's routers chose, counted per MoE layer.
 
 `mk.perf.experts_touched` turns routing into bytes: how many distinct experts a step of M
-rows reads. Its assumed routings ("uniform", "shared", "disjoint": `mk.perf.ROUTINGS`)
-bound the answer; a real checkpoint's routers are skewed (some experts chosen far more
-often than others), so M rows touch fewer distinct experts than uniform routing says. A
-`RoutingTrace` is that skew measured: `record` runs the reference decoder (`mk.reference`,
-prompt then greedy tokens) and counts, per MoE layer, how many tokens chose each expert
-(`mk.reference.routes`, the router the layer's kind uses). Passed as `routing=` to
-`mk.perf` (`predict`, the floors) and `mk.sim.simulate`, it replaces the assumed routing:
-expert e of a layer is chosen by a token with probability q_e = count_e / tokens (its
-`shares`; a row sums to the X experts a token picks), tokens independently, so M rows
-touch sum_e 1 - (1 - q_e)^M distinct experts of that layer on average
-(`expected_distinct`, also uniform routing's, q_e = X / E). The simulator replays the mean
-over layers, rounded, every layer.
+rows reads. Its assumed routings (`mk.perf.ROUTINGS`) bound the answer; a real
+checkpoint's routers are skewed, so M rows touch fewer distinct experts than uniform
+routing says. A `RoutingTrace` is that skew measured: `record` runs the reference decoder
+and counts, per MoE layer, how many tokens chose each expert; passed as `routing=` to
+`mk.perf` and `mk.sim.simulate` it replaces the assumed routing (`shares`,
+`expected_distinct`). `save` / `load` keep a trace as JSON; a trace file is untrusted
+data, checked field by field and never evaluated (`mk.untrusted`'s limits).
 
-The busiest device: every expert layout mk shards (`mk.kernels.plan`: each device holds
-its slice of every expert, gate|up joined or not) makes every device read its slice of
-each touched expert, so under any routing, skewed or not, every device carries the same
-bytes and the busiest is the mean. Skew would set the busiest device's load only in an
-expert-parallel layout (whole experts per device), which mk does not build.
-
-`save` / `load` keep a trace as JSON: on a Colab TPU, record one from a real checkpoint
-(`mk.load_checkpoint`) and load it on the CPU. A trace file is untrusted data: `load`
-checks every field (names it, its value and the limit) and never evaluates it; it reads a
-regular file only, within `mk.untrusted`'s size and nesting limits. Tiny random
-checkpoints are the tests' traces; they route close to uniformly.
+Not here: an expert-parallel layout (the only one in which skew would set the busiest
+device's load; mk shards every expert over every device). The expected-distinct formula
+and why the busiest device is the mean: docs/design/mk.routing_trace.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
 """The models speculative decoding steps: a `Runner` is a model stepped `rows` rows at a
 time (numpy in and out, a chunked `prefill`, `keep` to roll linear states back); `XLA`
 runs the reference (`mk.reference.decode_step`) padded to a shape bucket, `Megakernel`
-the decode megakernel (`mk.megakernel.decode_step`). A verifier is a Runner of T =
-gamma + 1 rows; a model drafter (`mk.drafters.ModelDrafter`) drives an `XLA` one.
-
-Linear states (hybrid models: Qwen3.5's gated DeltaNet, Kimi's KDA) are not rows: every
-row fed advances them. The verifier's step keeps the states after each row
-(`mk.cache.LinearRows`) and `Runner.keep` rolls each sequence back to its last kept
-row after acceptance; padded rows are rolled back at once (`Runner.step(..., real=)`); a
-model drafter rewinds its own states to the position it re-feeds from
-(`mk.drafters.ModelDrafter._rewind`). tests/test_hybrid.py plants each missing.
-
-Shape buckets. The XLA reference compiles once per input shape (~3 s on a 2-core CPU for
-the tiny presets, against ~10 ms to run), so `XLA` pads every call to one [batch, rows]
-shape: padded rows come after a sequence's real rows (causality keeps them out of the real
-rows' outputs) and write cache rows the next call overwrites; padded sequences copy the
-first one. The megakernel runs the exact [B, gamma + 1] shape: that shape is the point.
+the decode megakernel (`mk.megakernel.decode_step`) at the exact [B, gamma + 1] shape. A
+verifier is a Runner of T = gamma + 1 rows; a model drafter (`mk.drafters.ModelDrafter`)
+drives an `XLA` one.
 
 Not here: the drafters (`mk.drafters`), acceptance, the loop and its statistics
-(`mk.spec`).
+(`mk.spec`). How linear states are rolled back and why the reference is padded to shape
+buckets: docs/design/mk.runners.md.
 """
 
 from __future__ import annotations

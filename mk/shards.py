@@ -1,24 +1,16 @@
 """How tensor parallelism lays weights and caches out over tp devices, each stacked on a
 leading [tp] axis: `shard_params` (full params -> each device's) by each weight's split
-rule in `mk.weights` (`mk.weights.SPLITS`; `split_of` the rule at a tp, `_SPLIT` applies
-it; `split_axis` and `split_index` say which axis each cuts and which of its indices each
-device holds; a tied model's lm_head is `tied_lm_head`), `shard_cache` and
-`check_sharded_cache` by each cache field's rule in `mk.cache.FIELDS` (`_CACHE_SPLIT`),
-and `split_channels` (a linear layer's conv channels, q | k | v, split by heads: its
-weights' and its conv state's rule). Which device holds which heads and the padding to
-whole tiles are `mk.kernels.plan`'s (`kv_heads_of`, `shard_config`).
-`mk.megakernel.prepare` calls `shard_params` for a plan with tp > 1.
+rule in `mk.weights.SPLITS` (`split_of`, `split_axis`, `split_index`; a tied model's
+lm_head: `tied_lm_head`), `shard_cache` and `check_sharded_cache` by each cache field's
+rule in `mk.cache.FIELDS`, `split_channels` (a linear layer's conv channels, split by
+heads). Also here: `check_tp` (the widths tp must split), `kv_heads_of` (which kv heads
+each device holds) and `check_quantised_splits` (a quantised weight splits only into
+whole packing units and scale blocks; the plan runs it before anything is traced).
 
-Quantised weights (`mk.quant.QuantWeight`) split by the same rule: `split_index` applies
-the rule to the indices of the cut axis, and each device gets those values' codes and
-scale blocks, packed again (padding: zero codes under unit scales), so that dequantising
-a device's shard gives exactly the shard of the dequantised weight. A split is refused
-(`check_quantised_splits`, which the plan runs before anything is traced) where a device's
-share is not whole packing units (int4/fp4: 128 rows) and scale blocks, or where one of
-its blocks would hold values of two of the full weight's scale blocks.
-
-Not here: the sharded step (`mk.tensor_parallel`); reading each device's shards from a
-checkpoint without the whole model (`mk.distributed.load_shards`, by `split_index`).
+Not here: the padding to whole tiles (`mk.kernels.plan.shard_config`), the sharded step
+(`mk.tensor_parallel`), reading each device's shards from a checkpoint
+(`mk.distributed.load_shards`). How quantised weights split exactly:
+docs/design/mk.shards.md.
 """
 
 from __future__ import annotations
@@ -33,9 +25,37 @@ from mk import quant, unpack
 from mk.cache import FIELDS, check_cache_type
 from mk.config import ModelConfig
 from mk.kernels.common import padded_width
-from mk.kernels.plan import check_tp, kv_heads_of
+from mk.kernels.collectives import MAX_INDEX, check_devices
 from mk.kernels.routing import router_columns
+from mk.kinds.layers import layer_kinds
 from mk.weights import weights_of
+
+
+def check_tp(config: ModelConfig, tp: int) -> int:
+    """tp as an int after checking every width it splits splits evenly; raises ValueError
+    naming the field."""
+    check_devices(tp)
+    need = dict(heads=config.heads, vocab=config.vocab, hidden=config.hidden)
+    for kind in layer_kinds(config):  # the widths each layer kind splits
+        need |= kind.split_widths()
+    for field, value in need.items():
+        if value % tp:
+            raise ValueError(f"{config.name}: {field}={value} is not a multiple of tp={tp}")
+    K = config.kv_heads
+    if K % tp and tp % K:
+        raise ValueError(f"{config.name}: kv_heads={K} and tp={tp}: one must divide the "
+                         "other (kv heads are split, or replicated on tp/K devices)")
+    if tp > 1 and config.vocab > MAX_INDEX:
+        raise ValueError(f"{config.name}: vocab={config.vocab} over {MAX_INDEX} (token ids "
+                         "travel as float32 in the cross-shard argmax)")
+    return int(tp)
+
+
+def kv_heads_of(config: ModelConfig, tp: int) -> list[list[int]]:
+    """[tp][K_local]: the global kv heads each device holds (replicated when tp > K)."""
+    K = config.kv_heads
+    local, copies = max(K // tp, 1), max(tp // K, 1)
+    return [[(i // copies) * local + j for j in range(local)] for i in range(tp)]
 
 
 def _columns(w, tp: int, pad: bool = False):

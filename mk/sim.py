@@ -1,194 +1,39 @@
 """The pipeline simulator: the megakernel's own tile schedule replayed on a model of a chip.
 
 `simulate(config, chip, ...)` makes the `DecodePlan` the kernel executes
-(`mk.kernels.plan`: its shard, tiles and `TileStream`; `DecodePlan.make(position=)`) and
-walks the stream in
-the kernel's program order (`mk.megakernel`; inside a layer the phases of
-`mk.kinds.base.LAYER_PHASES`, the list `layer_body` runs, each layer kind's part by its
-twin, `mk.kinds`): prime
-the ring, per layer the prologue's wq/wk/wv (MLA's ring matrices, its DMA'd weights,
-the absorption), the KV stream of `attend` (MLA's latent tiles), wo (or a linear
-layer's mixer: the gated DeltaNet's or Kimi Delta Attention's projections, gates, conv and
-delta rule), the dense MLP or the router (Kimi's sigmoid router with its bias), a shared
-expert, expert selection and the expert slots, then the lm_head and argmax. Every
-`start(g)` / `wait(g)` of the kernel is a DMA issue / a compute-lane wait here, with the
-kernel's rule: consuming tile g issues tile g + slots, a switched-off segment's tiles are
-neither loaded nor waited for, expert tiles issued before routing are no-ops, `ring.skip`
-issues the tiles past the off expert slots. The result, `mk.machine.Simulation`, has the
-step time, the HBM utilisation, a timeline of DMA and compute events and the bubbles
-(HBM idle) with their causes (`mk.machine`: the DMA engine and the compute lane they are
-replayed on, its records and the causes).
+(`mk.kernels.plan`) and walks its stream in the kernel's program order (each layer's
+phases of `mk.kinds.base.LAYER_PHASES`, each layer kind's part by its twin, `mk.kinds`),
+on `mk.machine.Machine`: every `start(g)` / `wait(g)` of the kernel is a DMA issue / a
+compute-lane wait here, with the kernel's rules for the ring, switched-off segments and
+expert slots. The result, `mk.machine.Simulation`, has the step time, the HBM
+utilisation, a timeline of DMA and compute events and the bubbles with their causes.
 
-Modelling assumptions (`Assumptions` holds the numbers; none is fitted to a measurement):
-- One DMA engine per device, first in first out, at `hbm_share` x the device's datasheet
-  HBM bandwidth (`ChipSpec.device_hbm_bw`; hbm_share = 1.0, optimistic). A transfer
-  issued at t starts moving at max(t + `dma_latency_s`, end of the transfer before it):
-  the per-descriptor latency (0.5 us, an assumption, not measured) is hidden when the
-  engine is busy. Weight tiles, KV tiles, KV write-backs, routers and the 4-byte-per-expert
-  selection copy all share the engine. `Assumptions.measured(chip)` takes the latency and
-  hbm_share from a TPU's measured file instead (`mk.measure`, data/measured/<chip>.json;
-  `source` says which); `simulate` uses them only when passed them.
-- Compute is one in-order lane. A weight tile [tk, tn] of the ring against M rows costs
-  what the tile cost table says (`mk.feed_costs`, measured by compiling the ring kernel's
-  own per-tile loop: `mk.probes.probe_tile`): its bundles per element for the chip, the
-  weight's storage (its segment's scheme, or the format it is charged in, else the
-  plain dtype), the segment's feed (the plan's `feeds`) and M rounded up to the next
-  recorded M bucket, x tk*tn / the chip's clock at the `Assumptions.clock` end of its
-  range (`mk.chips.ChipSpec.clock`: the clock is not known, so a step is simulated at
-  each end). A chip with no rows, or M past the largest bucket, is an error, not a
-  fallback to a rule. One alternative, as before: a whole compiled kernel's recorded
-  per-tile loop (`Assumptions.tile_bundles` at the clock, or `tile_issue_s` seconds:
-  `Ring.matmul`'s costliest loop over plain tiles, read from that kernel by
-  `mk.bundles.measure`) is, when given, the cost of every plain tile of the block's shape
-  instead of the table: it is the same quantity measured on that very kernel; likewise
-  the packed tiles of a scheme and shape whose loop that kernel shows
-  (`Assumptions.packed_bundles`; plain tiles of a shape of their own keep the table's
-  row, `mk.bundles.TileCost.row` reports their loops). Products that are not ring tiles
-  (KV tiles, the router and other weights moved by whole DMA, the delta rule) cost the MXU rule
-  (`mk.perf.mxu_flops`: 2 * max(M, mxu_rows) * elements / peak, fewer rows than the MXU costing as
-  many; the chip's `mxu_rows` from data/chips.csv; peak the device's dense bf16, or fp8 with
-  compute="fp8", FLOP/s).
-- Weight formats: a plan's `formats` (default the config's, e.g. kimi-k3's FP4 experts)
-  move each tile of their groups at `mk.quant.tile_bytes` (packed data and scales) and
-  cost the table's row of their scheme; where the kernel does not pack them (a group with
-  a weight moved by whole DMA: `mk.kernels.plan.packed_formats`) this models a kernel that
-  streams the plain tiles so packed and dequantises them in VMEM.
-- Vector work (norms, RoPE, softmax, SwiGLU, the router's top-k, argmax) runs at
-  `vpu_flops_ratio` (1/64) of the MXU bf16 peak in elementwise ops/s, an assumption (not on
-  any datasheet); it is small in decode. The expert compaction loop runs on the scalar
-  unit at `scalar_op_s` (2 ns, ~2 cycles at ~1 GHz, an assumption) per expert.
-- Attention: every sequence sits at position `context`, so each reads
-  (context + T - 1) // kv_tile + 1 KV tiles of K_dev x kv_tile x H (K and V: two DMAs;
-  MLA's one latent tile of kv_tile x (R + Hr), `mk.kernels.plan.kv_layout`),
-  through `kv_slots` (the kernel primes kv_slots - 1 of them right after the previous full
-  layer's attention, across the layer edge, the first full layer's at the step's start);
-  per tile 2 matmuls per kv
-  head at the MXU rule with R = round_up(G*T, 8) rows, plus ~8 vector ops per
-  score; the one or two tiles holding the new rows are written back from a staging slot,
-  waited for only when write-back n + 2B needs that slot (normally a full layer later) and
-  at the step's end (`mk.kernels.kv_stream.drain_write_backs`).
-- Tensor parallelism (tp > 1): each device runs the kernel on the plan's shard (the
-  kernel's own: `mk.kernels.plan`'s sharding model): query heads, FFN, each expert's width
-  and the vocab split tp ways and padded to whole tiles, KV heads split or replicated when
-  tp > K, every expert on every device. The collectives are the kernel's
-  (`mk.kernels.collectives`): an all-reduce of the [M, D] float32 partial sums after wo and
-  after the MLP, the argmax's all-gather after the lm_head, and where the plan splits the
-  router by experts its logits' all-gather in each MoE layer (`mk.kinds.mlp.MoETwin`),
-  each blocking the compute lane (`mk.perf.allreduce_s` by the plan's algorithm,
-  `DecodePlan.collective`, each message round `Assumptions.ici_latency_s`:
-  ICI_LATENCY_S, 1 us, by default).
-- Active experts per MoE layer: the expected distinct experts of `mk.perf.experts_touched`
-  (routing "uniform" by default, or a measured `mk.routing_trace.RoutingTrace`: its
-  layers' mean), rounded; the same every layer and on every device (all route
-  identically, each holds a slice of every expert: the busiest device is the mean).
-- Not modelled: VMEM bandwidth and bank conflicts, DMA engine concurrency beyond one FIFO,
-  HBM refresh and page effects, the XLA embedding gather before the kernel and the host
-  dispatch, clock throttling, misses of the scalar core, the cost of switched-off tiles
-  (each `pl.when` that skips a tile is free), speculative drafting. The per-layer norm
-  vectors (two DMAs a layer, issued a layer ahead) and the final norm are DMAs here as in
-  the kernel.
+Here: `Assumptions` (defined in `mk.machine`), `Replay` (the kernel step by step; its
+fast-forward `FAST_FORWARD`), `tile_seconds` (each ring segment's tile cost),
+`active_experts`, `latency_slots` (Little's law), `simulate`, `replay_matmul` (a stream
+of plain matmuls: the synthetic case with a closed form). Not here: the DMA engine,
+the compute lane and their records (`mk.machine`), each layer kind's twin (`mk.kinds`),
+design sweeps and the published numbers (`mk.review`), drawing (`mk.plots`).
 
-Here: `Assumptions`, `tile_seconds` (each ring segment's tile cost), `active_experts`,
-`latency_slots` (Little's law), `simulate` -> `mk.machine.Simulation` (with its bytes per
-family), `replay_matmul` (a stream of plain matmuls: the synthetic case with a closed
-form). Not here: the DMA engine and the compute lane, their records and the bubble
-causes (`mk.machine`), each layer kind's twin (`mk.kinds`), design sweeps and the
-published numbers (`mk.review`), drawing (`mk.plots.timeline`, `bubble_bars`,
-`sweep_lines`).
-
-Speed: runs of identical tiles are fast-forwarded once the ring's state (landed times and
-the engine's clock, relative to the compute clock) repeats, which is exact for the step
-time and the bytes; each cycle's HBM idle time is split over causes in the proportions of
-the cycle it repeats (tests compare both against the tile-by-tile replay).
+The modelling assumptions (each number, its source, what is not modelled) and the
+fast-forward of repeated tiles: docs/design/mk.sim.md.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
-from mk import feed_costs, measure, perf, quant
-from mk.chips import CLOCK_ENDS, ChipSpec, chip as named_chip
-from mk.config import (DTYPE_BITS, ModelConfig, check_formats, finite_number,
-                       positive_int)
-from mk.kernels.collectives import ICI_LATENCY_S
+from mk import feed_costs, perf, quant
+from mk.chips import ChipSpec, spec_of
+from mk.config import (DTYPE_BITS, ModelConfig, check_formats, positive_int)
 from mk.kernels.common import BlockSizes
 from mk.kernels.mlp import expert_slots
 from mk.kernels.plan import DecodePlan, model_stream, ring_slots
 from mk.kernels.stream import TileStream
 from mk.kinds.base import LAYER_PHASES
 from mk.kinds.layers import KINDS, kind_at, layer_kinds
-from mk.machine import Machine, Simulation
+from mk.machine import Assumptions, Machine, Simulation
 from mk.routing_trace import RoutingTrace
-
-
-@dataclasses.dataclass(frozen=True)
-class Assumptions:
-    """The numbers of the machine model (module docstring says where each comes from)."""
-
-    hbm_share: float = 1.0
-    dma_latency_s: float = 0.5e-6
-    vpu_flops_ratio: float = 1 / 64
-    scalar_op_s: float = 2e-9
-    compute: str = "bf16"
-    tile_issue_s: float = 0.0  # the per-tile loop's issue time in seconds, or
-    tile_bundles: int = 0  # its bundles per trip (`mk.bundles.TileCost`), at the clock
-    # ((scheme, tile_rows, tile_cols, bundles), ...): a whole kernel's per-tile loop of the
-    # packed tiles of a scheme and shape, at the clock (`mk.bundles.TileCost.assumptions`)
-    packed_bundles: tuple[tuple[str, int, int, int], ...] = ()
-    clock: str = "low"  # end of the chip's range (`mk.chips.CLOCK_ENDS`)
-    ici_latency_s: float = ICI_LATENCY_S  # one message round of a collective
-    source: str = "assumed"  # where dma_latency_s and hbm_share come from (`measured`)
-
-    def __post_init__(self):
-        for field in ("hbm_share", "vpu_flops_ratio"):
-            finite_number(f"Assumptions.{field}", getattr(self, field), 0, 1, open_low=True)
-        for field in ("dma_latency_s", "scalar_op_s", "tile_issue_s", "ici_latency_s"):
-            finite_number(f"Assumptions.{field}", getattr(self, field))
-        if isinstance(self.tile_bundles, bool) or not isinstance(self.tile_bundles, int) \
-                or self.tile_bundles < 0:
-            raise ValueError(f"Assumptions.tile_bundles={self.tile_bundles!r} must be an "
-                             "integer >= 0")
-        for item in self.packed_bundles:
-            if not (isinstance(item, tuple) and len(item) == 4 and item[0] in quant.SCHEMES
-                    and all(isinstance(v, int) and not isinstance(v, bool) and v > 0
-                            for v in item[1:])):
-                raise ValueError(f"Assumptions.packed_bundles entry {item!r} must be "
-                                 f"(scheme of {quant.SCHEMES}, tile_rows, tile_cols, "
-                                 "bundles), positive integers")
-        if self.tile_bundles and self.tile_issue_s:
-            raise ValueError(f"Assumptions: tile_bundles={self.tile_bundles} and "
-                             f"tile_issue_s={self.tile_issue_s!r} both set; give the issue "
-                             "time one way")
-        if self.clock not in CLOCK_ENDS:
-            raise ValueError(f"Assumptions.clock={self.clock!r} must be one of {CLOCK_ENDS}")
-        if self.compute not in perf.COMPUTES:
-            raise ValueError(f"Assumptions.compute={self.compute!r} must be one of "
-                             f"{perf.COMPUTES}")
-        if not isinstance(self.source, str) or not self.source:
-            raise ValueError(f"Assumptions.source={self.source!r} must say where the DMA "
-                             "numbers come from")
-
-    @property
-    def recorded_loop(self) -> bool:
-        """Whether a whole kernel's per-tile loop is given (`tile_bundles` or
-        `tile_issue_s`): then it, not the tile cost table, is every plain tile's cost."""
-        return bool(self.tile_bundles or self.tile_issue_s)
-
-    def issue_s(self, spec: ChipSpec) -> float:
-        """The given per-tile issue time on `spec`: `tile_bundles` at its `clock` end,
-        else `tile_issue_s` (0 when neither is given)."""
-        return (self.tile_bundles / spec.clock(self.clock) if self.tile_bundles
-                else self.tile_issue_s)
-
-    # -- A measured file (mk.measure) ----------------------------------------------------
-    @classmethod
-    def measured(cls, chip: ChipSpec | str, path=None, **others) -> Assumptions:
-        """dma_latency_s and hbm_share from the measured file of `chip` (`path`, else
-        data/measured/<chip>.json when it exists: `mk.measure.sim_fields`), with `source`
-        saying which; without a file the defaults, source "assumed". `others` set the
-        other fields."""
-        return cls(**others, **measure.sim_fields(chip, path))
 
 
 def tile_seconds(stream: TileStream, spec: ChipSpec, m: int, formats, dtype: str,
@@ -225,13 +70,19 @@ def active_experts(config: ModelConfig, m: int, routing: str | RoutingTrace = "u
 
 
 # -- The replay of the megakernel ----------------------------------------------------------
-# The phases a layer kind acts in; the others are `_Kernel.phase`'s own.
+# The phases a layer kind acts in; the others are `Replay.phase`'s own.
 _KIND_PHASES = {phase for kind in KINDS for phase in kind.phases}
 
 
-class _Kernel:
+# Whether a replay fast-forwards runs of identical tiles (exact: a test switches it off and
+# compares, tests/builders.replay_tile_by_tile).
+FAST_FORWARD = True
+
+
+class Replay:
     """`mk.megakernel.megakernel_kernel`, step by step, on a `Machine`: the ring and the
-    step's frame here, each layer kind's part by its twin (`mk.kinds.base.Twin`)."""
+    step's frame here, each layer kind's part by its twin (`mk.kinds.base.Twin`, which
+    acts on it). `simulate` and `replay_matmul` make one and run it."""
 
     def __init__(self, config, stream: TileStream, machine: Machine, *, m, batch, rows,
                  context, spec, tp, formats, experts_on, prefetch, a: Assumptions,
@@ -241,7 +92,7 @@ class _Kernel:
         self.m, self.batch, self.rows, self.context, self.tp = m, batch, rows, context, tp
         self.collective_algorithm = collective
         self.prefetch, self.experts_on = prefetch, experts_on
-        self.fast = True  # fast-forward runs of identical tiles (tests compare both ways)
+        self.fast = FAST_FORWARD  # fast-forward runs of identical tiles
         self.n = stream.block.slots
         self.peak = perf.peak_flops(spec, a.compute) / spec.cores_per_chip
         self.vpu = spec.bf16_flops / spec.cores_per_chip * a.vpu_flops_ratio
@@ -471,7 +322,7 @@ class _Kernel:
 
 
 def _tpu(chip) -> ChipSpec:
-    spec = named_chip(chip) if isinstance(chip, str) else chip
+    spec = spec_of(chip)
     if spec.kind != "tpu":
         raise ValueError(f"chip={spec.name!r} is a {spec.kind}: the simulator models a TPU "
                          "core's DMA ring and MXU")
@@ -492,7 +343,7 @@ def latency_slots(config: ModelConfig, chip: ChipSpec | str, block: BlockSizes, 
     (`mk.kernels.plan.ring_slots`, Little's law over the stream's own tiles, in config.dtype
     or their scheme of `formats`, default the config's) with bandwidth x latency in
     flight, at the assumed share of one core's bandwidth."""
-    spec = named_chip(chip) if isinstance(chip, str) else chip
+    spec = spec_of(chip)
     a = assumptions or Assumptions()
     formats = check_formats(config, config.formats if formats is None else formats)
     stream = model_stream(config, block, 1, formats)
@@ -542,7 +393,7 @@ def simulate(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows:
                              "slots of the stream)")
     bw = spec.device_hbm_bw * a.hbm_share
     machine = Machine(bw, a.dma_latency_s)
-    kernel = _Kernel(plan.local, plan.stream, machine, m=plan.M, batch=batch, rows=rows,
+    kernel = Replay(plan.local, plan.stream, machine, m=plan.M, batch=batch, rows=rows,
                      context=context, spec=spec, tp=plan.tp, formats=dict(plan.formats),
                      experts_on=on, prefetch=cross_layer_prefetch, a=a, vocab=plan.vocab,
                      collective=plan.collective)
@@ -570,7 +421,7 @@ def replay_matmul(stream: TileStream, chip: ChipSpec | str, *, rows: int = 1,
     a = assumptions or Assumptions()
     bw = spec.device_hbm_bw * a.hbm_share
     machine = Machine(bw, a.dma_latency_s)
-    kernel = _Kernel(None, stream, machine, m=rows, batch=rows, rows=1, context=0,
+    kernel = Replay(None, stream, machine, m=rows, batch=rows, rows=1, context=0,
                      spec=spec, tp=1, formats={},
                      experts_on=0, prefetch=cross_layer_prefetch, a=a, vocab=0)
     kernel.run_matmuls()

@@ -3,28 +3,16 @@ verifies gamma + 1 rows in one call (one pass over its weights), and the longest
 prefix plus one bonus token is kept.
 
 Here: `generate(config, params, prompt, steps, drafter=..., gamma=...)` -> (tokens,
-`SpecStats`); the drafters by name (`make_drafter`): "model" (a separate model with the
-target's vocab, by default `noisy_copy`), "self" (the target's first layers and its
-lm_head, `first_layers`), "ngram" (prompt lookup) and "forced" (a benchmarking device);
-the verifiers by name: "megakernel" (`mk.megakernel.decode_step`, T = gamma + 1 rows)
-and "reference" (the XLA oracle), or any `mk.runners.Runner`; `Sampling` (temperature /
-top-p), greedy acceptance and exact speculative rejection sampling (Leviathan et al.
-2023, Chen et al. 2023); the acceptance statistics (`SpecStats`, `fit_rate`), the
-expected-length formula and tokens/s per user = tau / (t_verify(gamma + 1 rows) +
-t_draft).
+`SpecStats`); the drafters by name (`make_drafter`: "model", "self", "ngram", "forced");
+the verifiers by name ("megakernel", "reference") or any `mk.runners.Runner`; `Sampling`
+(temperature / top-p), greedy acceptance and exact speculative rejection sampling; the
+acceptance statistics (`SpecStats`, `fit_rate`), the expected-length formula and
+tokens/s per user.
 
 Not here: the drafters themselves (`mk.drafters`), the models a step runs and their
 shape buckets and linear-state rollback (`mk.runners`); a tree of drafts (one chain per
-step), drafting on the megakernel (drafters run on the XLA reference), per-sequence
-gamma, paged caches.
-
-Rejected rows of the KV cache. A step writes rows p .. p + gamma (p = the position of the
-last kept token); when n drafts are kept, rows p + n + 1 .. p + gamma hold rejected tokens.
-The next step starts at p' = p + n + 1 and writes rows p' .. p' + gamma, which covers every
-rejected row before any row is read, and the causal mask hides rows past a row's own
-position. So nothing rejected is ever read; tests/test_spec.py poisons every row at or past
-p before each verification to check it. Linear states are not rows: the verifier rolls
-them back to each sequence's kept rows (`mk.runners`).
+step), drafting on the megakernel, per-sequence gamma, paged caches. Why no rejected row
+of the KV cache is ever read: docs/design/mk.spec.md.
 """
 
 from __future__ import annotations

@@ -2,40 +2,18 @@
 to the real module on the same inputs (tests/test_course.py), and the real code shown as
 annotated excerpts.
 
-Teaching versions (each 30-40 lines, one idea each, none used by the real kernels):
-- `ring_matmul` (01): y = x @ W with W in HBM, streamed through a `slots`-deep VMEM ring by
-  hand-written DMAs: prime `slots` tiles, then per tile wait, multiply, issue tile
-  g + slots into the slot just read. `mk.kernels.weight_streaming.stream_matmul` is the
-  same loop over a tile-major layout (one contiguous DMA a tile), across matrices, layers
-  and quantised tiles (`mk.kernels.ring.Ring`).
-- `attend` (03): one sequence's T rows of one kv head's G query heads against its KV cache,
-  an online softmax over only the visible KV tiles (a grid over tiles whose index map
-  stops at the last visible one, so the pipeline reads nothing past it).
-  `mk.kernels.decode_attention.attend` is the same update for every sequence and kv head
-  in one hand-pipelined stream, plus the in-place write of the new rows.
-  `online_softmax_update` is the five lines it is about (notebook 03's exercise replaces
-  them).
-- `moe_experts` (04): the selected experts' SwiGLU, one grid step per expert slot, the
-  expert id read from SMEM by the index maps (slot s loads expert ids[s]; slots past
-  `count` repeat the last id, so nothing new is loaded, and compute nothing).
-  `mk.kernels.mlp.experts_body` streams the same experts through the weight ring.
-- `all_reduce` (10): the reduce-scatter (recursive halving) and all-gather (recursive
-  doubling) of `mk.kernels.collectives`, written over a stacked [n, R, C] array that
-  stands for the n devices, each round's partner me XOR d; the kernel does the same with
-  remote DMAs. Its sum order is `collectives.tree_sum`'s, so the results are bit-equal.
-
-`ring_schedule` is the ring rule in time, tile by tile (notebook 01's Gantt chart): the
-tiles of a `TileStream` with their issue, land and consume times under a stated DMA
-latency, transfer time and compute time per tile, the formula notebook 01 derives. A
-teaching twin of the simulator's weight lane (`mk.sim`, which adds everything else;
-tests/test_plots.py checks they agree on one matrix); `tile_times` gives those three
-times for a chip and a tiling.
-
-`excerpt` shows a real function as numbered excerpts (line ranges found from anchors in
-the module's source via inspect, so they follow the code) with a callout each, and the
-full source folded under a <details>.
+Teaching versions (30-40 lines each, one idea each, none used by the real kernels):
+`ring_matmul` (01: a weight streamed through a VMEM ring by hand-written DMAs), `attend`
+(03: one sequence's online softmax over only its visible KV tiles;
+`online_softmax_update` the five lines it is about), `moe_experts` (04: the selected
+experts' SwiGLU, one grid step per expert slot), `all_reduce` (10: recursive halving and
+doubling over a stacked array, bit-equal to `mk.kernels.collectives`). Also here:
+`ring_schedule` (the ring rule in time, tile by tile: notebook 01's Gantt chart, a
+teaching twin of the simulator's weight lane) with `tile_times`, and `excerpt` (a real
+function as numbered excerpts, found from anchors in its source, with a callout each).
 
 Not here: the exercises and their checks (`mk.course`), the real kernels (`mk.kernels`).
+Each teaching version beside the real code it teaches: docs/design/mk.teach.md.
 """
 
 from __future__ import annotations

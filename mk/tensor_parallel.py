@@ -1,24 +1,15 @@
 """Tensor parallelism: the decode megakernel split over the `tp` devices of one mesh axis.
 
 Every device runs the SAME megakernel (`mk.megakernel`, a `DecodePlan` with tp > 1) on its
-shard of the weights; the sharding model (which device holds which heads, columns and
-rows, and the padding to whole tiles) is `mk.kernels.plan`'s, each weight's split rule is
-its row of `mk.weights` (`mk.weights.SPLITS`), each cache field's its row of
-`mk.cache.FIELDS`, and `mk.shards` lays weights and caches out to them
-(`mk.megakernel.prepare` shards the weights for a plan with tp > 1): MLA's latent cache
-whole on every device, a linear layer's conv and recurrent states split by its heads as
-its weights are.
-
-Inside the kernel, `wo`, `lin_out` and `w_down` (and each expert's down) produce partial
-sums; one in-kernel all-reduce after the token mixer and one after the MLP make them whole
-(`mk.kernels.collectives`, fixed tree order, so every device holds bit-identical
-residuals, and its routing and argmax agree without an exchange). The lm_head's shards end
-in the cross-shard greedy argmax.
+shard of the weights (`mk.shards`, by the split rules of `mk.weights` and `mk.cache`);
+in-kernel all-reduces after the token mixer and after the MLP make the partial sums whole
+(`mk.kernels.collectives`), and the lm_head's shards end in a cross-shard greedy argmax.
 
 Here: `decode_step`, `generate` (each a `jax.shard_map` over the mesh), `compile_target`
 (what `mk.tpu.compile_megakernel` compiles for tp > 1), `collective_terms` (their cost by
 the `mk.perf` ICI model). Not here: sequence or expert parallelism, a vocab-sharded
-embedding, meshes with more than one axis.
+embedding, meshes with more than one axis. The sharding model at length:
+docs/design/mk.tensor_parallel.md.
 """
 
 from __future__ import annotations
@@ -31,14 +22,14 @@ from jax.sharding import PartitionSpec as P
 
 from mk import backend as backends
 from mk import megakernel, perf, quant, reference
-from mk.chips import chip as chip_spec
+from mk.chips import spec_of
 from mk.config import ModelConfig
 from mk.kernels.collectives import (AXIS, ICI_LATENCY_S, all_reduce_bytes,
                                     check_interpret_devices, choose_algorithm, ici_bandwidth,
                                     rounds as message_rounds, tp_mesh)
 from mk.kernels.common import BlockSizes
-from mk.kernels.plan import DecodePlan, check_tp, shard_config
-from mk.shards import check_sharded_cache, shard_cache
+from mk.kernels.plan import DecodePlan, shard_config
+from mk.shards import check_sharded_cache, check_tp, shard_cache
 
 
 def _specs(tree):
@@ -148,7 +139,7 @@ def collective_terms(config: ModelConfig, tp: int, chip: str, *, batch: int = 8,
     algorithm's) and HBM floor for the same step. The kernel all-reduces float32 partial
     sums."""
     check_tp(config, tp)
-    spec = chip_spec(chip)
+    spec = spec_of(chip)
     algorithm = choose_algorithm(tp, collective)
     M, rounds = batch * rows, message_rounds(algorithm, tp)
     message = M * config.hidden * 4

@@ -23,13 +23,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import topologies
-from jax._src.pallas.mosaic.error_handling import MosaicError
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mk import megakernel, quant, reference, tensor_parallel
-from mk.chips import ChipSpec, chip as chip_spec
+from mk.chips import ChipSpec, spec_of
 from mk.config import ModelConfig
+from mk.jax_private import MosaicError
 from mk.kernels.collectives import AXIS
 from mk.kernels.common import BlockSizes, VmemBudget
 from mk.kernels.plan import DecodePlan
@@ -154,7 +154,7 @@ CACHE_ARGS = (1,)  # the cache (a KVCache or HybridCache) in the compiled step's
 
 
 def _tpu(chip: str | ChipSpec) -> ChipSpec:
-    spec = chip_spec(chip) if isinstance(chip, str) else chip
+    spec = spec_of(chip)
     if spec.kind != "tpu":
         raise ValueError(f"chip={spec.name!r} is a {spec.kind}; only TPUs compile here")
     return spec

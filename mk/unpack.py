@@ -133,6 +133,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mk.chips import MXU_FEEDS, ChipSpec
 from mk.config import SCHEME_BITS
+from mk.ops import exact
 
 PACK_ROWS = 128  # rows of I packed together (low nibbles: first 64, high: last 64)
 # Rows of I sharing one scale (int8: all of I; fp8 also 128 columns of O).
@@ -374,22 +375,15 @@ def scaled_product(w: jax.Array, block_scales: jax.Array, xs: jax.Array,
         stacked = jnp.concatenate([jnp.where(group_of_column == k, xu, 0)
                                    for k in range(groups)]) if groups > 1 else xu
         wu = w[u * unit:(u + 1) * unit]
-        if jnp.dtype(xs.dtype) == F32:  # a float32 model: the codes' exact float32 values
-            wu = wu.astype(F32)
-        product = jnp.dot(stacked, wu, precision=_exact(stacked, wu),
-                          preferred_element_type=F32)
+        if stacked.dtype == jnp.float32:  # a float32 kernel multiplies in float32
+            wu = wu.astype(jnp.float32)
+        product = jnp.dot(stacked, wu, precision=exact(stacked, wu),
+                          preferred_element_type=jnp.float32)
         for k in range(groups):
             b = u * groups + k
             part = product[k * m:(k + 1) * m] * block_scales[b:b + 1]
             total = part if total is None else total + part
     return total if gain == 1.0 else total * gain
-
-
-def _exact(*operands):
-    """HIGHEST for a float32 product (`mk.kernels.common.exact`, which this module may not
-    import: kernels sit above it)."""
-    return (jax.lax.Precision.HIGHEST
-            if any(jnp.dtype(x.dtype) == F32 for x in operands) else None)
 
 
 def fp8_product(scheme: str, data: jax.Array, scale: jax.Array, xs: jax.Array) -> jax.Array:

@@ -1,47 +1,20 @@
 """The weight table: every weight mk knows, one row each, and the layer kinds that own them.
 
-A model is a stack of layers; each layer has one token mixer kind and one MLP kind, and
-the model has a few weights of its own:
+A model is a stack of layers; each layer has one token mixer kind and one MLP kind
+(`KIND_LAYERS`: which config field says a kind's layers; `kinds_of(config)`: the kinds a
+model has), and the model has a few weights of its own. A row (`Weight`) says everything
+one weight's consumers need: its name, owning kind, shape rule, byte family (`FAMILIES`),
+path ("ring", "dma", "vector" or "gather": `PATHS`), tensor-parallel split (`SPLITS`),
+format group (`FORMAT_GROUPS`), Hugging Face names per scheme (`hf_scheme`, `hf_names`)
+and when it is present.
 
-    kind       layers            what it is
-    model      (none)            embedding, final norm, lm_head
-    layer      every layer       the two RMSNorms before the token mixer and the MLP
-    gqa        full layers       grouped-query attention (Qwen3; Qwen3.5's gated variant)
-    mla        full layers       multi-head latent attention (Kimi Linear)
-    deltanet   linear layers     gated DeltaNet (Qwen3.5)
-    kda        linear layers     Kimi Delta Attention (Kimi Linear)
-    dense      dense layers      SwiGLU MLP
-    moe        MoE layers        router (+ sigmoid bias), routed experts, shared expert
-
-A row (`Weight`) says everything one weight's consumers need to know of it:
-
-    name      the parameter's name in a params dict (two kinds may both have "wq")
-    kind      the layer kind that owns it (above)
-    shape     one layer's shape, from the config (without the stacked layer axis)
-    family    its byte family: what a step's DMAs of it are counted as (`FAMILIES`)
-    path      how the megakernel moves it: "ring" (tiles through the weight ring),
-              "dma" (whole, by its own DMA each layer that uses it), "vector" (a norm
-              row prefetched a layer ahead with the layer's other norms) or "gather" (the
-              embedding's rows, outside the kernel); a function of the config where
-              the config decides (MLA's wq streams only without a q low rank)
-    split     how tensor parallelism cuts it (`SPLITS`)
-    quant     the format group it may be stored quantised in (`FORMAT_GROUPS`: the
-              keys of a `formats` dict, "dense", "experts", "lm_head") or None
-    hf        its Hugging Face tensor name inside a layer (or the model) per naming
-              scheme (`hf_scheme`); a dict of parts fills slices of its last axis
-    when      a predicate of the config that switches an optional weight on (None:
-              always: e.g. the lm_head only when the embedding is not tied)
-
-Everything that needs a weight's facts reads its row: `param_shapes` (the params layout of
-`mk.config`'s docstring; `put_corner` fills a lane-padded one), the checkpoint loader
-(`mk.hf_layout`), the plan's byte families (`mk.kernels.plan`), tensor-parallel
-sharding (`mk.tensor_parallel`) and the format groups of quantised weights (`mk.quant`);
-a weight moved by whole DMA is held in VMEM as `dma_layout` says (`TRANSPOSED`: a few
-columns held as rows). "Family" means a byte family only. Not here: how a kind's kernel
-runs (`mk.kernels.*`), the model's shape and its checks (`mk.config`).
-
-Adding a layer kind: its rows here (with `KIND_LAYERS` and `kinds_of`), its config fields
-and checks in `mk.config`, its kernel phases in `mk.kernels`.
+Everything that needs a weight's facts reads its row: `param_shapes` (the params layout;
+`put_corner` fills a lane-padded one), `weights_of`, `names_of`, `layer_rows`, the
+checkpoint loader (`mk.hf_layout`), the plan's byte families, tensor-parallel sharding
+(`mk.shards`), the quantised formats (`mk.quant`); a weight moved by whole DMA is held in
+VMEM as `dma_layout` says (`dma_laid_out` lays a stacked one out). Not here: how a kind's
+kernel runs (`mk.kernels.*`, `mk.kinds`), the model's shape and its checks
+(`mk.config`). The table of kinds and of a row's fields: docs/design/mk.weights.md.
 """
 
 from __future__ import annotations
@@ -60,7 +33,9 @@ from mk.config import FORMAT_GROUP_NAMES, ModelConfig
 KIND_LAYERS = {"model": "", "layer": "layers", "gqa": "full_layers", "mla": "full_layers",
                "sink_gqa": "full_layers", "deltanet": "linear_layers",
                "kda": "linear_layers", "dense": "dense_layers", "moe": "moe_layers",
-               "clamped_moe": "moe_layers"}
+               "clamped_moe": "moe_layers", "res_layer": "layers", "gated_mla": "full_layers",
+               "bounded_kda": "linear_layers", "situ_dense": "dense_layers",
+               "latent_moe": "moe_layers"}
 # Byte families: what one step moves, by family (the plan, the simulator and mk.perf count
 # each; "embed" is gathered, never streamed).
 FAMILIES = ("embed", "attention", "norms", "linear", "dense_mlp", "router", "experts",
@@ -163,6 +138,155 @@ def _qkv_parts(prefix, suffix):
     return {part: f"{prefix}{part}{suffix}" for part in "qkv"}
 
 
+def _mla(kind: str) -> tuple[Weight, ...]:
+    """Multi-head latent attention's rows; Kimi K3's ("gated_mla") adds its output gate,
+    sigmoid(x @ wg) times each head's output before wo (the release's g_proj)."""
+    gate = (_w("wg", kind, lambda c: (c.hidden, c.heads * c.value_dim), "attention", "ring",
+               "columns", quant="dense", hf={"kimi": "self_attn.g_proj.weight"}),)
+    return (
+        _w("wq_a", kind, lambda c: (c.hidden, c.q_rank), "attention", "ring", "whole",
+           hf={"kimi": "self_attn.q_a_proj.weight"}, when=lambda c: c.q_rank),
+        _w("q_a_norm", kind, lambda c: (c.q_rank,), "norms", "dma", "whole",
+           hf={"kimi": "self_attn.q_a_layernorm.weight"}, when=lambda c: c.q_rank),
+        _w("wq", kind, lambda c: (c.q_rank or c.hidden, c.q_width), "attention",
+           lambda c: "dma" if c.q_rank else "ring", "columns", quant="dense",
+           hf={"kimi": lambda c: f"self_attn.{'q_b_proj' if c.q_rank else 'q_proj'}.weight"}),
+        _w("wkv_a", kind, lambda c: (c.hidden, c.latent_width), "attention", "ring", "whole",
+           hf={"kimi": "self_attn.kv_a_proj_with_mqa.weight"}),
+        _w("kv_a_norm", kind, lambda c: (c.latent_rank,), "norms", "dma", "whole",
+           hf={"kimi": "self_attn.kv_a_layernorm.weight"}),
+        _w("wkv_b", kind, lambda c: (c.latent_rank,
+                                     c.heads * (c.head_dim - c.rope_dim + c.value_dim)),
+           "attention", "dma", "columns", hf={"kimi": "self_attn.kv_b_proj.weight"}),
+        *(gate if kind == "gated_mla" else ()),
+        _w("wo", kind, lambda c: (c.heads * c.value_dim, c.hidden), "attention", "ring",
+           "rows", quant="dense", hf={"kimi": "self_attn.o_proj.weight"}),
+    )
+
+
+def _kda(kind: str) -> tuple[Weight, ...]:
+    """Kimi Delta Attention's rows (Nk = Nv); Kimi K3's ("bounded_kda") has one full-rank
+    output gate kda_g [D, Nv*Hv] (the release's g_proj) for Kimi Linear's low-rank
+    kda_g_a, kda_g_b."""
+    if kind == "bounded_kda":
+        gate = (_w("kda_g", kind, lambda c: (c.hidden, c.linear_value_width), "linear",
+                   "ring", "columns", hf={"kimi": "self_attn.g_proj.weight"}),)
+    else:
+        gate = (_w("kda_g_a", kind, lambda c: (c.hidden, c.linear_value_dim), "linear",
+                   "dma", "whole", hf={"kimi": "self_attn.g_a_proj.weight"}),
+                _w("kda_g_b", kind, lambda c: (c.linear_value_dim, c.linear_value_width),
+                   "linear", "dma", "columns", hf={"kimi": "self_attn.g_b_proj.weight"}))
+    return (
+        _w("lin_qkv", kind, lambda c: (c.hidden, c.conv_channels), "linear", "ring",
+           "channels", hf={"kimi": _qkv_parts("self_attn.", "_proj.weight")}),
+        _w("lin_b", kind, lambda c: (c.hidden, c.linear_value_heads), "linear", "dma",
+           "columns", hf={"kimi": "self_attn.b_proj.weight"}),
+        _w("kda_f_a", kind, lambda c: (c.hidden, c.linear_key_dim), "linear", "dma", "whole",
+           hf={"kimi": "self_attn.f_a_proj.weight"}),
+        _w("kda_f_b", kind, lambda c: (c.linear_key_dim, c.linear_value_heads
+                                       * c.linear_key_dim), "linear", "dma", "columns",
+           hf={"kimi": "self_attn.f_b_proj.weight"}),
+        *gate,
+        _w("lin_conv", kind, lambda c: (c.conv_kernel, c.conv_channels), "linear", "dma",
+           "channels", hf={"kimi": _qkv_parts("self_attn.", "_conv1d.weight")}),
+        # stored [1, 1, Nv, 1]: the part "kda" (`mk.checkpoint`)
+        _w("lin_a_log", kind, lambda c: (c.linear_value_heads,), "linear", "dma", "columns",
+           hf={"kimi": {"kda": "self_attn.A_log"}}),
+        _w("lin_dt_bias", kind, lambda c: (c.linear_value_heads * c.linear_key_dim,),
+           "linear", "dma", "columns", hf={"kimi": "self_attn.dt_bias"}),
+        _w("lin_norm", kind, lambda c: (c.linear_value_dim,), "linear", "dma", "whole",
+           hf={"kimi": "self_attn.o_norm.weight"}),
+        _w("lin_out", kind, lambda c: (c.linear_value_width, c.hidden), "linear", "ring",
+           "rows", hf={"kimi": "self_attn.o_proj.weight"}),
+    )
+
+
+def _dense(kind: str) -> tuple[Weight, ...]:
+    """A dense MLP's rows: SwiGLU's, or Kimi K3's SiTU ("situ_dense") of the same weights.
+    Kimi's is `block_sparse_moe.` in transformers, `mlp.` in Moonshot's checkpoints
+    (`mk.checkpoint.hf_aliases`)."""
+    return (
+        _w("w_gate", kind, lambda c: (c.hidden, c.ffn), "dense_mlp", "ring", "ffn_columns",
+           quant="dense", hf={"qwen": "mlp.gate_proj.weight",
+                              "kimi": "block_sparse_moe.gate_proj.weight"}),
+        _w("w_up", kind, lambda c: (c.hidden, c.ffn), "dense_mlp", "ring", "ffn_columns",
+           quant="dense", hf={"qwen": "mlp.up_proj.weight",
+                              "kimi": "block_sparse_moe.up_proj.weight"}),
+        _w("w_down", kind, lambda c: (c.ffn, c.hidden), "dense_mlp", "ring", "ffn_rows",
+           quant="dense", hf={"qwen": "mlp.down_proj.weight",
+                              "kimi": "block_sparse_moe.down_proj.weight"}),
+    )
+
+
+def _experts_in(c: ModelConfig) -> int:
+    """The width the routed experts read and write: the latent MoE's latent, else D."""
+    return c.moe_latent or c.hidden
+
+
+def _moe(kind: str) -> tuple[Weight, ...]:
+    """A mixture of experts' rows ("{e}" is the expert's index). Kimi K3's latent MoE
+    ("latent_moe") routes on x as the others do, but its experts run on x @ latent_down
+    [D, Lt]; their weighted sum is RMS-normed (latent_norm) and projected back with
+    latent_up [Lt, D] (the release's routed_expert_down_proj, routed_expert_norm,
+    routed_expert_up_proj); the shared expert runs on x."""
+    latent = kind == "latent_moe"
+    stem = "block_sparse_moe.routed_expert_"
+    return (
+        _w("router", kind, _router_shape, "router", "dma", "experts",
+           hf={"qwen": "mlp.gate.weight", "kimi": "block_sparse_moe.gate.weight"}),
+        _w("router_bias", kind, lambda c: (c.experts,), "router", "dma", "whole",
+           hf={"kimi": "block_sparse_moe.gate.e_score_correction_bias"},
+           when=lambda c: c.router_score == "sigmoid"),
+        # the shared expert streams before routing, the expert slots after (stream order)
+        _w("ws_gate", kind, lambda c: (c.hidden, c.shared_expert_ffn), "dense_mlp", "ring",
+           "ffn_columns", quant="dense", when=lambda c: c.shared_expert_ffn,
+           hf={"kimi": "block_sparse_moe.shared_experts.gate_proj.weight"}),
+        _w("ws_up", kind, lambda c: (c.hidden, c.shared_expert_ffn), "dense_mlp", "ring",
+           "ffn_columns", quant="dense", when=lambda c: c.shared_expert_ffn,
+           hf={"kimi": "block_sparse_moe.shared_experts.up_proj.weight"}),
+        _w("ws_down", kind, lambda c: (c.shared_expert_ffn, c.hidden), "dense_mlp", "ring",
+           "ffn_rows", quant="dense", when=lambda c: c.shared_expert_ffn,
+           hf={"kimi": "block_sparse_moe.shared_experts.down_proj.weight"}),
+        *((_w("latent_down", kind, lambda c: (c.hidden, c.moe_latent), "dense_mlp", "ring",
+              "whole", hf={"kimi": f"{stem}down_proj.weight"}),) if latent else ()),
+        _w("we_gate", kind, lambda c: (c.experts, _experts_in(c), c.expert_ffn), "experts",
+           "ring", "ffn_columns", quant="experts",
+           hf={"qwen": "mlp.experts.{e}.gate_proj.weight",
+               "kimi": "block_sparse_moe.experts.{e}.w1.weight"}),
+        _w("we_up", kind, lambda c: (c.experts, _experts_in(c), c.expert_ffn), "experts",
+           "ring", "ffn_columns", quant="experts",
+           hf={"qwen": "mlp.experts.{e}.up_proj.weight",
+               "kimi": "block_sparse_moe.experts.{e}.w3.weight"}),
+        _w("we_down", kind, lambda c: (c.experts, c.expert_ffn, _experts_in(c)), "experts",
+           "ring", "ffn_rows", quant="experts",
+           hf={"qwen": "mlp.experts.{e}.down_proj.weight",
+               "kimi": "block_sparse_moe.experts.{e}.w2.weight"}),
+        *((_w("latent_norm", kind, lambda c: (c.moe_latent,), "norms", "dma", "whole",
+              hf={"kimi": f"{stem}norm.weight"}),
+           _w("latent_up", kind, lambda c: (c.moe_latent, c.hidden), "dense_mlp", "ring",
+              "whole", hf={"kimi": f"{stem}up_proj.weight"})) if latent else ()),
+    )
+
+
+def _layer(kind: str) -> tuple[Weight, ...]:
+    """Every layer's two RMSNorms; Kimi K3's layers with attention residuals ("res_layer")
+    add, for the mixer's and the MLP's input, the RMSNorm weight and the [D, 1] projection
+    that score each residual source (the release's self_attention_res_* and
+    mlp_res_*)."""
+    residual = tuple(_w(f"{part}_res_{what}", kind, shape, "norms", "vector", "whole",
+                        hf={"kimi": f"{stem}_res_{what}.weight"})
+                     for part, stem in (("attn", "self_attention"), ("mlp", "mlp"))
+                     for what, shape in (("norm", lambda c: (c.hidden,)),
+                                         ("proj", lambda c: (c.hidden, 1))))
+    return (
+        _w("attn_norm", kind, lambda c: (c.hidden,), "norms", "vector", "whole",
+           hf=_everywhere("input_layernorm.weight")),
+        _w("mlp_norm", kind, lambda c: (c.hidden,), "norms", "vector", "whole",
+           hf=_everywhere("post_attention_layernorm.weight")),
+        *(residual if kind == "res_layer" else ()),
+    )
+
+
 WEIGHTS = (
     # -- the model's own, and every layer's two norms --------------------------------------
     _w("embed", "model", lambda c: (c.vocab, c.hidden), "embed", "gather", "whole",
@@ -172,10 +296,7 @@ WEIGHTS = (
     _w("lm_head", "model", lambda c: (c.hidden, c.vocab), "lm_head", "ring", "vocab",
        quant="lm_head", hf=_everywhere("lm_head.weight"),
        when=lambda c: not c.tie_embeddings),
-    _w("attn_norm", "layer", lambda c: (c.hidden,), "norms", "vector", "whole",
-       hf=_everywhere("input_layernorm.weight")),
-    _w("mlp_norm", "layer", lambda c: (c.hidden,), "norms", "vector", "whole",
-       hf=_everywhere("post_attention_layernorm.weight")),
+    *_layer("layer"),
     # -- grouped-query attention (Qwen3; Qwen3.5's q_proj also holds the output gate) ----
     *_gqa_projections("gqa", "qwen")[:3],
     _w("wq_gate", "gqa", lambda c: (c.hidden, c.q_width), "attention", "ring", "columns",
@@ -200,23 +321,9 @@ WEIGHTS = (
        hf={"gpt_oss": "self_attn.o_proj.bias"}, when=lambda c: c.attention_bias),
     _w("sinks", "sink_gqa", lambda c: (c.heads,), "attention", "dma", "columns",
        hf={"gpt_oss": "self_attn.sinks"}),
-    # -- multi-head latent attention (Kimi Linear's full layers) ----------------------------
-    _w("wq_a", "mla", lambda c: (c.hidden, c.q_rank), "attention", "ring", "whole",
-       hf={"kimi": "self_attn.q_a_proj.weight"}, when=lambda c: c.q_rank),
-    _w("q_a_norm", "mla", lambda c: (c.q_rank,), "norms", "dma", "whole",
-       hf={"kimi": "self_attn.q_a_layernorm.weight"}, when=lambda c: c.q_rank),
-    _w("wq", "mla", lambda c: (c.q_rank or c.hidden, c.q_width), "attention",
-       lambda c: "dma" if c.q_rank else "ring", "columns", quant="dense",
-       hf={"kimi": lambda c: f"self_attn.{'q_b_proj' if c.q_rank else 'q_proj'}.weight"}),
-    _w("wkv_a", "mla", lambda c: (c.hidden, c.latent_width), "attention", "ring", "whole",
-       hf={"kimi": "self_attn.kv_a_proj_with_mqa.weight"}),
-    _w("kv_a_norm", "mla", lambda c: (c.latent_rank,), "norms", "dma", "whole",
-       hf={"kimi": "self_attn.kv_a_layernorm.weight"}),
-    _w("wkv_b", "mla", lambda c: (c.latent_rank,
-                                  c.heads * (c.head_dim - c.rope_dim + c.value_dim)),
-       "attention", "dma", "columns", hf={"kimi": "self_attn.kv_b_proj.weight"}),
-    _w("wo", "mla", lambda c: (c.heads * c.value_dim, c.hidden), "attention", "ring", "rows",
-       quant="dense", hf={"kimi": "self_attn.o_proj.weight"}),
+    # -- multi-head latent attention (Kimi Linear's full layers; Kimi K3's, gated) --------
+    *_mla("mla"),
+    *_mla("gated_mla"),
     # -- gated DeltaNet (Qwen3.5's linear layers) -------------------------------------------
     _w("lin_qkv", "deltanet", lambda c: (c.hidden, c.conv_channels), "linear", "ring",
        "channels", hf={"qwen": "linear_attn.in_proj_qkv.weight"}),
@@ -236,70 +343,15 @@ WEIGHTS = (
        hf={"qwen": "linear_attn.norm.weight"}),
     _w("lin_out", "deltanet", lambda c: (c.linear_value_width, c.hidden), "linear", "ring",
        "rows", hf={"qwen": "linear_attn.out_proj.weight"}),
-    # -- Kimi Delta Attention (Kimi Linear's linear layers; Nk = Nv) -----------------------
-    _w("lin_qkv", "kda", lambda c: (c.hidden, c.conv_channels), "linear", "ring", "channels",
-       hf={"kimi": _qkv_parts("self_attn.", "_proj.weight")}),
-    _w("lin_b", "kda", lambda c: (c.hidden, c.linear_value_heads), "linear", "dma",
-       "columns", hf={"kimi": "self_attn.b_proj.weight"}),
-    _w("kda_f_a", "kda", lambda c: (c.hidden, c.linear_key_dim), "linear", "dma", "whole",
-       hf={"kimi": "self_attn.f_a_proj.weight"}),
-    _w("kda_f_b", "kda", lambda c: (c.linear_key_dim, c.linear_value_heads
-                                    * c.linear_key_dim), "linear", "dma", "columns",
-       hf={"kimi": "self_attn.f_b_proj.weight"}),
-    _w("kda_g_a", "kda", lambda c: (c.hidden, c.linear_value_dim), "linear", "dma", "whole",
-       hf={"kimi": "self_attn.g_a_proj.weight"}),
-    _w("kda_g_b", "kda", lambda c: (c.linear_value_dim, c.linear_value_width), "linear",
-       "dma", "columns", hf={"kimi": "self_attn.g_b_proj.weight"}),
-    _w("lin_conv", "kda", lambda c: (c.conv_kernel, c.conv_channels), "linear", "dma",
-       "channels", hf={"kimi": _qkv_parts("self_attn.", "_conv1d.weight")}),
-    # stored [1, 1, Nv, 1]: the part "kda" (`mk.checkpoint`)
-    _w("lin_a_log", "kda", lambda c: (c.linear_value_heads,), "linear", "dma", "columns",
-       hf={"kimi": {"kda": "self_attn.A_log"}}),
-    _w("lin_dt_bias", "kda", lambda c: (c.linear_value_heads * c.linear_key_dim,), "linear",
-       "dma", "columns", hf={"kimi": "self_attn.dt_bias"}),
-    _w("lin_norm", "kda", lambda c: (c.linear_value_dim,), "linear", "dma", "whole",
-       hf={"kimi": "self_attn.o_norm.weight"}),
-    _w("lin_out", "kda", lambda c: (c.linear_value_width, c.hidden), "linear", "ring", "rows",
-       hf={"kimi": "self_attn.o_proj.weight"}),
-    # -- dense SwiGLU (Kimi's is `block_sparse_moe.` in transformers, `mlp.` in Moonshot's
-    #    checkpoints: `mk.checkpoint.hf_aliases`) -------------------------------------------
-    _w("w_gate", "dense", lambda c: (c.hidden, c.ffn), "dense_mlp", "ring", "ffn_columns",
-       quant="dense", hf={"qwen": "mlp.gate_proj.weight",
-                          "kimi": "block_sparse_moe.gate_proj.weight"}),
-    _w("w_up", "dense", lambda c: (c.hidden, c.ffn), "dense_mlp", "ring", "ffn_columns",
-       quant="dense", hf={"qwen": "mlp.up_proj.weight",
-                          "kimi": "block_sparse_moe.up_proj.weight"}),
-    _w("w_down", "dense", lambda c: (c.ffn, c.hidden), "dense_mlp", "ring", "ffn_rows",
-       quant="dense", hf={"qwen": "mlp.down_proj.weight",
-                          "kimi": "block_sparse_moe.down_proj.weight"}),
-    # -- mixture of experts: "{e}" is the expert's index ------------------------------------
-    _w("router", "moe", _router_shape, "router", "dma", "experts",
-       hf={"qwen": "mlp.gate.weight", "kimi": "block_sparse_moe.gate.weight"}),
-    _w("router_bias", "moe", lambda c: (c.experts,), "router", "dma", "whole",
-       hf={"kimi": "block_sparse_moe.gate.e_score_correction_bias"},
-       when=lambda c: c.router_score == "sigmoid"),
-    # the shared expert streams before routing, the expert slots after (stream order)
-    _w("ws_gate", "moe", lambda c: (c.hidden, c.shared_expert_ffn), "dense_mlp", "ring",
-       "ffn_columns", quant="dense", when=lambda c: c.shared_expert_ffn,
-       hf={"kimi": "block_sparse_moe.shared_experts.gate_proj.weight"}),
-    _w("ws_up", "moe", lambda c: (c.hidden, c.shared_expert_ffn), "dense_mlp", "ring",
-       "ffn_columns", quant="dense", when=lambda c: c.shared_expert_ffn,
-       hf={"kimi": "block_sparse_moe.shared_experts.up_proj.weight"}),
-    _w("ws_down", "moe", lambda c: (c.shared_expert_ffn, c.hidden), "dense_mlp", "ring",
-       "ffn_rows", quant="dense", when=lambda c: c.shared_expert_ffn,
-       hf={"kimi": "block_sparse_moe.shared_experts.down_proj.weight"}),
-    _w("we_gate", "moe", lambda c: (c.experts, c.hidden, c.expert_ffn), "experts", "ring",
-       "ffn_columns", quant="experts",
-       hf={"qwen": "mlp.experts.{e}.gate_proj.weight",
-           "kimi": "block_sparse_moe.experts.{e}.w1.weight"}),
-    _w("we_up", "moe", lambda c: (c.experts, c.hidden, c.expert_ffn), "experts", "ring",
-       "ffn_columns", quant="experts",
-       hf={"qwen": "mlp.experts.{e}.up_proj.weight",
-           "kimi": "block_sparse_moe.experts.{e}.w3.weight"}),
-    _w("we_down", "moe", lambda c: (c.experts, c.expert_ffn, c.hidden), "experts", "ring",
-       "ffn_rows", quant="experts",
-       hf={"qwen": "mlp.experts.{e}.down_proj.weight",
-           "kimi": "block_sparse_moe.experts.{e}.w2.weight"}),
+    # -- Kimi Delta Attention (Kimi Linear's linear layers; Kimi K3's, bounded) ---------
+    *_kda("kda"),
+    *_kda("bounded_kda"),
+    # -- dense SwiGLU (Kimi K3's: SiTU) --------------------------------------------------
+    *_dense("dense"),
+    *_dense("situ_dense"),
+    # -- mixture of experts (Kimi K3's: on a latent, SiTU experts) -------------------------
+    *_moe("moe"),
+    *_moe("latent_moe"),
     # -- gpt-oss's experts: a router with a bias on its logits, experts with biases (the
     #    clamped SwiGLU: `ModelConfig.swiglu_limit`). gate_up_proj and its bias interleave
     #    gate (even columns) and up (odd); the experts are stored [E, in, out] ------------
@@ -319,17 +371,30 @@ WEIGHTS = (
        "ffn_columns", hf={"gpt_oss": "mlp.experts.gate_up_proj_bias"}),
     _w("be_down", "clamped_moe", lambda c: (c.experts, c.hidden), "experts", "dma", "whole",
        hf={"gpt_oss": "mlp.experts.down_proj_bias"}),
+    # -- Kimi K3's attention residuals, last so that every other weight keeps its colour
+    #    (`mk.colours`: a family's palette in table order): the mix of the residual
+    #    sources before the final norm, and each layer's ----------------------------------
+    _w("output_res_norm", "model", lambda c: (c.hidden,), "norms", "vector", "whole",
+       hf={"kimi": "{model}output_attn_res_norm.weight"}, when=lambda c: c.residual_block),
+    _w("output_res_proj", "model", lambda c: (c.hidden, 1), "norms", "vector", "whole",
+       hf={"kimi": "{model}output_attn_res_proj.weight"}, when=lambda c: c.residual_block),
+    *_layer("res_layer"),
 )
 
 
 def kinds_of(config: ModelConfig) -> tuple[str, ...]:
     """The layer kinds `config` has: "model", "layer", its token mixers, its MLPs."""
     full = "mla" if config.is_mla else "sink_gqa" if config.attention_sinks else "gqa"
-    mixers = {"full_layers": full,
-              "linear_layers": "kda" if config.channel_decay else "deltanet"}
-    mlps = {"dense_layers": "dense",
-            "moe_layers": "clamped_moe" if config.swiglu_limit else "moe"}
-    return ("model", "layer") + tuple(kind for layers, kind in (mixers | mlps).items()
+    if config.is_mla and config.attn_output_gate:
+        full = "gated_mla"
+    linear = "bounded_kda" if config.kda_full_gate else "kda" if config.channel_decay \
+        else "deltanet"
+    mixers = {"full_layers": full, "linear_layers": linear}
+    mlps = {"dense_layers": "situ_dense" if config.situ_beta else "dense",
+            "moe_layers": "clamped_moe" if config.swiglu_limit
+            else "latent_moe" if config.moe_latent else "moe"}
+    layer = "res_layer" if config.residual_block else "layer"
+    return ("model", layer) + tuple(kind for layers, kind in (mixers | mlps).items()
                               if getattr(config, layers))
 
 
@@ -402,6 +467,17 @@ def dma_layout(name: str, shape: tuple, dtype) -> tuple[tuple, object]:
     layout = ((1, *shape) if len(shape) == 1 else tuple(reversed(shape))
               if name in TRANSPOSED else tuple(shape))
     return layout, "float32" if FAMILY[name] == "norms" else dtype
+
+
+def dma_laid_out(name: str, w):
+    """Weight `name`'s stacked values w [L, ...] with each layer as `dma_layout` lays it
+    out (transposed if `TRANSPOSED`); anything but a `jax.Array` (a `mk.quant.QuantWeight`)
+    as it is."""
+    if not isinstance(w, jax.Array):
+        return w
+    shape, dtype = dma_layout(name, w.shape[1:], w.dtype)
+    w = w.swapaxes(-1, -2) if name in TRANSPOSED else w
+    return w.reshape(w.shape[:1] + shape).astype(dtype)
 
 
 # Weights of the kernel's layout, not parameters: two of the table's weights a kind lays

@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mk import reference, tpu
-from mk.chips import ChipSpec, chip as named_chip
+from mk.chips import ChipSpec, spec_of
 from mk.config import ModelConfig, check_rows
 from mk.weights import abstract_params
 
@@ -134,7 +134,7 @@ def compile_step(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, r
                  context: int = 256) -> XlaStep:
     """Compile `mk.reference.forward` of `config` for one core of `chip` and count the
     instructions of its entry computation."""
-    spec = named_chip(chip) if isinstance(chip, str) else chip
+    spec = spec_of(chip)
     if spec.kind != "tpu":
         raise ValueError(f"chip={spec.name!r} is a {spec.kind}; XLA:TPU compiles for TPUs")
     check_rows(batch, rows)

@@ -176,7 +176,7 @@ for name, e in steps.items():
         try:
             f = perf.predict(mk.preset(name), c, batch=run.batch, rows=run.rows,
                              context=e.context, tp=tp)
-        except ValueError:  # a split the kernel cannot make (mk.kernels.plan.check_tp)
+        except ValueError:  # a split the kernel cannot make (mk.shards.check_tp)
             row[c.name] = f"({n}) no TP{tp} split"
             continue
         m = perf.mxu_floor_ms(mk.preset(name), c, batch=run.batch, rows=run.rows,
@@ -299,8 +299,10 @@ for u, s in zip(uniform, shared):
 # of each layer, synchronisation between the stages of a layer, uneven expert load across
 # devices, and HBM bandwidth below the datasheet peak. This notebook cannot tell them apart;
 # the simulator and profiles of later notebooks try to. The floors are for presets rebuilt
-# from the released models' published shapes (`kimi-k3`: Kimi Linear's MLA, KDA and
-# shared-expert MoE; `qwen3.5-27b`: Qwen3.5's gated DeltaNet), with the dimensions the
+# from the released models' published shapes (`kimi-k2-shaped`: Kimi Linear's MLA, KDA and
+# shared-expert MoE at Kimi K2's shapes, the stand-in the kernels run for the release's
+# Kimi K3, `kimi-k3`, whose own layers they cannot run yet; `qwen3.5-27b`: Qwen3.5's gated
+# DeltaNet), with the dimensions the
 # release does not state taken from their public relatives or marked assumed in
 # `mk.config`; their weights are random, so only the bytes and shapes are theirs.
 #

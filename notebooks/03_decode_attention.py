@@ -231,10 +231,14 @@ print(f"max |teaching - real kernel| = {teach_error:.1e} over {B * K} (sequence,
 # by hand (the teaching version lets the grid pipeline do it), and writes the new rows:
 
 # %%
-teach.excerpt(attention_module.attend, [
+teach.excerpt(attention_module._Call.attend_tile, [
     ("def attend_tile(", "s.m[rows, :] = m_next",
      "The teaching update, per kv head k: R = G*T rows padded to 8 meet the K tile in one "
      "matmul (GQA reads each K byte once for G heads); m, l, acc live in VMEM scratch."),
+], title="One KV tile (a phase of `attend`)")
+
+# %%
+teach.excerpt(attention_module.attend, [
     ("def step(g, carry):", "kv.start(ahead, (g + slots - 1) % slots)",
      "The hand pipeline: one loop over every sequence's tiles; tile g + slots - 1 is "
      "issued into the slot tile g - 1 left, so the next sequence's first tile is in "
@@ -243,8 +247,9 @@ teach.excerpt(attention_module.attend, [
      "A new sequence restarts the running max, sum and accumulator (the teaching "
      "version's `start` at grid step 0)."),
     ("def write_new_rows():", "attend_tile(b, i, p, slot)",
-     "A tile holding new rows gets them merged in VMEM before attention reads it: the "
-     "new rows are attended to and written back from the same tile."),
+     "A tile holding new rows gets them merged in VMEM (`merge_new_rows`) before attention "
+     "reads it (`attend_tile`, above): the new rows are attended to and written back from "
+     "the same tile."),
     ("def finish_sequence():", "out[...] = s.acc[...] / s.l[...]",
      "After a sequence's last visible tile: the output is acc / l, as the teaching "
      "`finish`."),

@@ -79,7 +79,7 @@ chip: str = "tpu7x"  # a name from mk.chips.CHIP_NAMES: the chip of rooflines an
 backend: str = "auto"  # "auto" (Mosaic on a TPU, else interpret), "interpret" or "hardware"
 seed: int = 0  # seed of the random weights and inputs
 checkpoint: str = ""  # a local Hugging Face checkpoint folder; "" for random weights
-bytes_preset: str = "kimi-k3"  # the Kimi Linear model whose cache bytes are drawn
+bytes_preset: str = "kimi-k2-shaped"  # the Kimi Linear model whose cache bytes are drawn
 gqa_preset: str = "kimi-k3-like"  # the GQA model it is drawn against
 exercise_head_decay: bool = False  # the exercise: True decays all of a head's channels alike
 
@@ -359,7 +359,8 @@ print(f"megakernel {np.asarray(got_tokens).tolist()}\nreference  "
       + (" (a CPU simulation, not TPU time)" if mode == "interpret" else ""))
 
 # %% [markdown]
-# One device of Kimi K3's TP32 step (`kimi-k3` split over 32 TensorCores: its share of
+# One device of the Kimi K3 stand-in's TP32 step (`kimi-k2-shaped`, Kimi Linear's layers at
+# Kimi K2's shapes, split over 32 TensorCores: its share of
 # the MLA and KDA heads, the low-rank wq_a and wkv_a whole on each, the latent cache whole
 # on each), its VMEM by buffer as the plan sizes it for the chip. The ring and the router
 # (E x D, DMA'd per MoE layer) dominate; MLA adds its loaded wq and wkv_b and a latent KV

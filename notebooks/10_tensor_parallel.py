@@ -316,8 +316,8 @@ print(f"tp={tp}, device 0 :", np.asarray(got[0]).tolist(), "; races:", mk.backen
 targets = [("qwen3.5-27b", "tpu7x:2x2x1", "tpu7x", {}),  # TP8: 4 chips, 8 TensorCores
            ("qwen3-30b-a3b", "v5e:2x2", "v5e", {}),  # TP4: 4 chips
            ("qwen3-30b-a3b", "v5e:2x4", "v5e", {}),  # TP8: 8 chips
-           ("kimi-k3", "tpu7x:2x2x4", "tpu7x", {}),  # TP32: 16 chips, 32 TensorCores
-           ("kimi-k3", "tpu7x:2x2x4", "tpu7x", None)]  # the same, its FP4 experts packed
+           ("kimi-k2-shaped", "tpu7x:2x2x4", "tpu7x", {}),  # TP32: 16 chips, 32 TensorCores
+           ("kimi-k2-shaped", "tpu7x:2x2x4", "tpu7x", None)]  # the same, its FP4 experts packed
 # bf16 weights (formats={}) but for the last: the preset's own formats (None), FP4 experts
 reports = [tpu.compile_megakernel(mk.preset(name), chip_name, tp=len(tpu.devices(topology)),
                                   topology=topology, formats=formats)
@@ -331,7 +331,7 @@ for report in reports:
 # side in one (notebook 05c). The widths and bytes behind the failures:
 
 # %%
-for name, t in (("qwen3-30b-a3b", 4), ("kimi-k3", 32)):
+for name, t in (("qwen3-30b-a3b", 4), ("kimi-k2-shaped", 32)):
     full, local = mk.preset(name), shard_config(mk.preset(name), t)
     moe = next(kind for kind in layer_kinds(local) if kind.name == "moe")
     packed = stored_bytes(full) / t  # the stored bytes (FP4 packed), split evenly
@@ -341,7 +341,7 @@ for name, t in (("qwen3-30b-a3b", 4), ("kimi-k3", 32)):
 # %% [markdown]
 # `qwen3-30b-a3b` in bf16 does not fit four 16 GiB v5e chips once its split experts are
 # padded (with the KV cache and the replicated embedding); on eight it fits.
-# `kimi-k3`: `tpu7x:2x2x4` is a topology libtpu accepts (32 TensorCores); each expert's
+# `kimi-k2-shaped`: `tpu7x:2x2x4` is a topology libtpu accepts (32 TensorCores); each expert's
 # width split 32 ways leaves 64 columns a device of gate and of up, joined in one tile.
 # Its router (7168 x 896 bf16, 12.25 MiB a layer) is split too, by experts: a device
 # computes the logits of its 28 experts (the router held transposed, 28 rows, not a

@@ -115,7 +115,7 @@ import mk
 import mk.run
 from IPython.display import display
 from mk import bundles, course, feed_costs, ledger, perf, plots, review, sim, xla_step
-from mk.chips import CLOCK_ENDS, chip as chip_spec
+from mk.chips import CLOCK_ENDS, spec_of
 from mk.kernels.common import VmemBudget
 from mk.kernels.plan import DecodePlan, packed_formats
 from mk.published import published
@@ -123,7 +123,7 @@ from mk.published import published
 mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
-spec = chip_spec(run.chip)
+spec = spec_of(run.chip)
 if spec.kind != "tpu":
     raise ValueError(f"chip={run.chip!r} is a {spec.kind}: the review compiles and simulates "
                      "a TPU core")
@@ -395,7 +395,7 @@ data = Path(mk.__file__).parent / "data"  # recorded runs ship in the package
 
 def issue_ns(row, end):
     """A recorded row's issue time per tile at `end` of its chip's clock range."""
-    return ledger.tile_bundles(row) / chip_spec(row["chip"]).clock(end) * 1e9
+    return ledger.tile_bundles(row) / spec_of(row["chip"]).clock(end) * 1e9
 
 
 

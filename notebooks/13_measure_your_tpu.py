@@ -134,6 +134,10 @@ plots.show_source(dma_probe_kernel)
 # Each point is timed by the wall clock around a blocking call, at two counts
 # (`Sweep.counts`), `repeats` times each (the median): the difference over the extra
 # copies is the steady time per copy, without the call's fixed cost (dispatch, prologue).
+# On a TPU that fixed cost is about 1 ms and wanders by tens of microseconds, so the
+# extra copies must move gigabytes (`Sweep.min_extra_bytes`, `Sweep.counts_for`): with
+# 512 extra 256 KiB copies, 164 us of work, a v5e's wall clock "measured" 6.7 TB/s on a
+# chip of 819 GB/s. A point faster than the datasheet is refused as noise.
 # The same code, `mk.measure.measure`, times one megakernel step of `preset`.
 
 # %%

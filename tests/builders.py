@@ -324,9 +324,4 @@ def plant_double_scale(q: quant.QuantWeight, at: tuple[int, ...] | None = None
 
 def replay_tile_by_tile(monkeypatch) -> None:
     """Switch the simulator's fast-forward off: every tile is replayed one by one."""
-    run = sim._Kernel.run
-
-    def one_by_one(self):
-        self.fast = False
-        run(self)
-    monkeypatch.setattr(sim._Kernel, "run", one_by_one)
+    monkeypatch.setattr(sim, "FAST_FORWARD", False)

@@ -35,7 +35,8 @@ from mk.config import ModelConfig
 from mk.presets import preset
 from mk.kernels import collectives
 from mk.kernels.common import BlockSizes
-from mk.kernels.plan import DecodePlan, check_tp
+from mk.kernels.plan import DecodePlan
+from mk.shards import check_tp
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = preset("tiny")

@@ -119,7 +119,7 @@ def test_a_trip_through_an_expert_of_one_tile_matrices_costs_each_tile_its_share
     assert bundles.tile_loops([trip], parts) == [trip] and bundles.per_tile(trip) == 914
     plain = dataclasses.replace(trip, wait_granules=(14336,))  # a plain tile's bytes
     assert bundles.tile_loops([plain], (458752,)) == []  # with the EUP: softmax's, not a tile
-    plan = DecodePlan.make(mk.preset("kimi-k3"), tp=32, rows=8, context=1152, chip="tpu7x",
+    plan = DecodePlan.make(mk.preset("kimi-k2-shaped"), tp=32, rows=8, context=1152, chip="tpu7x",
                            kernel=False)
     spec, formats = mk.chip("tpu7x"), dict(plan.formats)
     table = sim.tile_seconds(plan.stream, spec, plan.M, formats, plan.local.dtype,
@@ -256,9 +256,9 @@ def _resimulated(row, block=None):
 # fp4 experts' one 128-row panel of their width, within QUANT_TILE_ELEMENTS): plain 0.3x
 # their DMA; the fp4 tiles, dequantised to bf16 (neither Colab chip's MXU takes fp8),
 # 5.2x (2.7x) on v6e and 3.9x (3.2x) on v5e.
-ISSUE_OVER = {("kimi-k3", "tpu7x", 32, "plain"): {"low"},
-              ("kimi-k3", "tpu7x", 32, "fp4 128x7168"): {"low", "high"},
-              ("kimi-k3", "tpu7x", 32, "fp4 7168x128"): {"low", "high"},
+ISSUE_OVER = {("kimi-k2-shaped", "tpu7x", 32, "plain"): {"low"},
+              ("kimi-k2-shaped", "tpu7x", 32, "fp4 128x7168"): {"low", "high"},
+              ("kimi-k2-shaped", "tpu7x", 32, "fp4 7168x128"): {"low", "high"},
               ("gpt-oss-20b", "v6e", 1, "fp4"): {"low", "high"},
               ("gpt-oss-20b", "v5e", 1, "fp4"): {"low", "high"}}
 

@@ -86,7 +86,7 @@ def test_duplicate_chip_names_in_a_csv_are_rejected(tmp_path):
     path = tmp_path / "chips.csv"
     path.write_text(text + last + "\n", encoding="utf-8")
     with pytest.raises(ValueError, match="not unique"):
-        chips._load(path)
+        chips.read_chips(path)
 
 
 @pytest.mark.parametrize("name", [c.name for c in all_chips("tpu")])
@@ -197,3 +197,10 @@ def test_a_clock_range_upside_down_or_not_positive_is_refused_naming_the_field()
     with pytest.raises(ValueError, match="no TensorCore clock"):
         chip("h200").clock("low")
     assert v6e.clock() == v6e.clock("low") < v6e.clock("high")
+
+
+def test_spec_of_takes_a_name_or_a_spec_and_gives_the_spec():
+    spec = chips.chip("v5e")
+    assert chips.spec_of("v5e") is spec and chips.spec_of(spec) is spec
+    with pytest.raises(ValueError, match="not known"):
+        chips.spec_of("v99")

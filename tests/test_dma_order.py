@@ -129,14 +129,14 @@ def test_the_kernel_issues_its_dmas_in_the_simulators_order(name, monkeypatch):
 
 
 def _norms_after_qk_norms(self, layer, tag=""):
-    """`_Kernel.vectors` with its two DMAs swapped (a planted bug)."""
+    """`mk.sim.Replay.vectors` with its two DMAs swapped (a planted bug)."""
     c = self.c
     return max(self.mc.dma(8 * c.head_dim, layer, "qk_norms", tag),
                self.mc.dma(8 * c.hidden, layer, "norms", tag))
 
 
 @pytest.mark.parametrize("name, planted", [
-    ("tiny", lambda mp: mp.setattr(sim._Kernel, "vectors", _norms_after_qk_norms)),
+    ("tiny", lambda mp: mp.setattr(sim.Replay, "vectors", _norms_after_qk_norms)),
     ("tiny-moe", lambda mp: mp.setattr(kinds_mlp, "router_after_mixer", lambda tp: True))])
 def test_a_simulator_issuing_the_same_bytes_in_another_order_fails(name, planted,
                                                                     monkeypatch):

@@ -86,7 +86,7 @@ def _step_args(config, batch=2, rows=2, context=256):
 def test_no_megakernel_dot_multiplies_float32_at_default_precision(name, dtype):
     """On a chip such a dot is one bf16 pass, in interpret mode float32: the v5e's float32
     MoE models picked other experts than the reference where interpret mode was exact.
-    Before mk.kernels.common.exact this found 19-46 such dots in every family's float32
+    Before mk.ops.exact this found 19-46 such dots in every family's float32
     megakernel and the delta rule's 6 in the bf16 hybrids."""
     config = dataclasses.replace(mk.preset(name), dtype=dtype)
     assert exactness.default_precision_f32_dots(*_step_args(config)) == []

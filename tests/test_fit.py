@@ -31,13 +31,20 @@ def test_qwen3_4b_bf16_b1_fits_v5e_through_generate_when_its_params_are_given_up
                           "0.14")
 
 
-def test_gpt_oss_20b_fits_on_paper_but_its_prefill_is_refused_by_name():
+def test_gpt_oss_20b_fits_v5e_through_generate_when_its_params_are_given_up():
+    """Its prefill dequantises a slice of a layer's experts at a time (0.54 GiB of
+    temporaries compiled for v5e; a whole layer's held 4.2 and refused it at 17.56 GiB), so
+    laying the weights out is the peak: 15.67 of 15.75 GiB, a margin for a chip to judge."""
     plan = _plan("gpt-oss-20b", experts="fp4")
     assert plan.fits("v5e").ok  # the decode step: weights and KV cache, 13.36 GiB
     fit = plan.fits("v5e", prompt=16, donate=True)
-    assert not fit.ok
-    assert fit.error.startswith("gpt-oss-20b: generate needs 17.56 GiB on v5e, has 15.75: "
-                                "stored params 13.32, prefill's transient 4.20")
+    assert fit.ok, fit.error
+    assert [(n, round(b / 2**30, 2)) for n, b in fit.parts] == [
+        ("prepared weights", 13.32), ("largest tensor in flight while preparing", 2.31),
+        ("KV cache", 0.05)]
+    kept = plan.fits("v5e", prompt=16, donate=False)
+    assert kept.error.startswith("gpt-oss-20b: generate needs 26.68 GiB on v5e, has 15.75: "
+                                 "prepared weights 13.32, stored params (kept: donate=False)")
 
 
 def test_generate_checks_the_fit_on_a_tpu_only_and_names_donate_when_it_helps():

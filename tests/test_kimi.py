@@ -350,8 +350,8 @@ def test_kimi_presets_build_beside_their_gqa_stand_in():
     assert "kimi-k3-like" in mk.presets.PRESET_NAMES  # the GQA stand-in stays for the kernel
 
 
-def test_kimi_k3_sizes():
-    k3 = mk.preset("kimi-k3")
+def test_kimi_k2_shaped_sizes():
+    k3 = mk.preset("kimi-k2-shaped")
     assert (k3.layers, k3.hidden, k3.vocab, k3.experts, k3.experts_per_token) == \
         (93, 7168, 163_840, 896, 16)
     assert k3.full_layers == tuple(range(3, 93, 4)) and len(k3.linear_layers) == 70

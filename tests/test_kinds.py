@@ -59,7 +59,7 @@ def test_the_registry_lists_each_kind_once_in_stream_order():
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-moe", "tiny-hybrid", "tiny-kimi",
-                                  "qwen3-30b-a3b", "kimi-k3"])
+                                  "qwen3-30b-a3b", "kimi-k2-shaped"])
 def test_the_kinds_scratch_is_allocated_once_by_name(name):
     """Every kind's VMEM buffers and its semaphores/SMEM land in one namespace per group;
     the plan builds its scratch (a name allocated twice would raise)."""

@@ -54,10 +54,10 @@ def test_speculative_rows_verify_the_published_rows_on_every_core(rows):
     kimi = next(r for r in rows if r["system"] == "tpu7x" and r["tau"] == 6)
     assert (kimi["rows"], kimi["batch"]) == (ledger.VERIFY_ROWS, 1)
     assert kimi["context"] == 1152  # the release's benchmark scripts (published.csv)
-    want = perf.predict(mk.preset("kimi-k3"), "tpu7x", batch=1, rows=8, context=1152,
+    want = perf.predict(mk.preset("kimi-k2-shaped"), "tpu7x", batch=1, rows=8, context=1152,
                         tp=32, accepted=6)
     assert kimi["hbm_floor_ms"] == pytest.approx(want.hbm_floor_ms)
-    assert kimi["preset"] == "kimi-k3" and "23 MLA layers" in kimi["note"]
+    assert kimi["preset"] == "kimi-k2-shaped" and "23 MLA layers" in kimi["note"]
     assert ("TP32: each expert's gate and up (64 columns each a device) joined in 128 lanes "
             "(apart: 2 x 128), down's rows padded to 128: 1.33x its bytes") in kimi["note"]
 
@@ -74,7 +74,7 @@ def test_the_27b_row_is_the_hybrid_at_tp8_with_its_state_bytes_share(rows):
     assert qwen["state_share"] > 0.01
     assert qwen["hbm_floor_ms"] == pytest.approx(e.hbm_floor_ms)
     assert qwen["published"] == 1515 and "gated-DeltaNet" in qwen["note"]
-    kimi = [r for r in rows if r["preset"] == "kimi-k3" and "state_share" in r]
+    kimi = [r for r in rows if r["preset"] == "kimi-k2-shaped" and "state_share" in r]
     assert kimi and all(0 < r["state_share"] < qwen["state_share"] for r in kimi)
 
 
@@ -138,7 +138,7 @@ def test_the_collective_chain_moves_with_the_assumed_latency_of_a_message_round(
             dict(run="gpu", published_step_ms=5.0)]
     headline_runs = {r["run"] for r in ledger.entries(batches=(1,))}
     assert {r["run"] for r in rows if r["batch"] == 1} == headline_runs
-    assert "kimi-k3 on 16 tpu7x, B=1" in headline_runs and not any(
+    assert "kimi-k2-shaped on 16 tpu7x, B=1" in headline_runs and not any(
         "B=2" in run for run in headline_runs)
     table = ledger.latency_grid({2.0: fake, 1.0: fake[:1]})
     assert [(r["run"], r["round (µs)"]) for r in table] == [("r", 1.0), ("r", 2.0)]
@@ -210,7 +210,7 @@ def test_the_recorded_tile_costs_cover_every_published_tpu_run():
     """mk/data/tile_costs/published.json (benchmarks/tile_costs.py --published) holds one
     compiled kernel per TPU run of the ledger: a run added to published.csv without a
     recompile is caught here. A kernel that does not fit its core records why (the
-    kimi-k3 TP32 shard: its experts' 64 columns padded to 128; the recorded runs counted
+    kimi-k2-shaped TP32 shard: its experts' 64 columns padded to 128; the recorded runs counted
     its FP4 a byte a value, the plan now counts mk.quant's packed half byte and scales)
     and is measured on a cut of its layers."""
     recorded = json.loads((Path(__file__).parent.parent / "mk" / "data" / "tile_costs"

@@ -102,7 +102,8 @@ MALFORMED = [  # (change to a good file, words the error must contain)
     (lambda d: d["dma"][0].pop("in_flight"), "dma[0].in_flight is missing"),
     (lambda d: d["dma"][0].update(bytes=1000), "dma[0].bytes=1000"),
     (lambda d: d.update(mode="tpu"), "mode='tpu'"),
-    (lambda d: d.update(schema=2), "schema=2"),
+    (lambda d: d.update(schema=1), "schema=1"),
+    (lambda d: d.pop("min_extra_bytes"), "min_extra_bytes is missing"),
     (lambda d: d.update(chip="v6e"), "chip='v6e'"),
     (lambda d: d.update(counts=[5, 5]), "counts=(5, 5)"),
     (lambda d: d.update(latency=1e-6), "latency is not a field"),
@@ -122,6 +123,28 @@ def test_malformed_file_is_refused_naming_the_field(record, tmp_path, change, wo
     with pytest.raises(ValueError) as err:
         measure.load(path)
     assert str(path) in str(err.value) and words in str(err.value)
+
+
+def test_a_copy_faster_than_the_datasheet_is_refused_as_noise(record):
+    """What the v5e's default sweep gave on 2026-12-06 (0f38c60) with 512 extra copies: 256
+    KiB copies 8 in flight at 39 ns each (6.7 TB/s on a chip of 819 GB/s). The control: the
+    chip's own 4 MiB one-at-a-time point (669 GB/s) is accepted."""
+    def on_v5e(*points):
+        return dataclasses.replace(record, mode="hardware", label="measured on TPU v5 lite",
+                                   device_kind="TPU v5 lite", chip="v5e", dma=points)
+    honest = measure.DmaPoint(4 * 1024 ** 2, 1, 6.272e-6)
+    assert on_v5e(honest).hbm_bw < mk.chip("v5e").device_hbm_bw
+    with pytest.raises(ValueError, match=r"dma\[1\]: 262144 bytes, 8 in flight, moved 6714 "
+                                         r"GB/s, over v5e's datasheet 819 GB/s"):
+        on_v5e(honest, measure.DmaPoint(256 * 1024, 8, 3.9045e-8))
+
+
+def test_the_full_sweep_moves_gigabytes_between_its_two_counts():
+    full = measure.SWEEPS["full"]
+    for nbytes, _ in full.points():
+        low, high = full.counts_for(nbytes)
+        assert (high - low) * nbytes >= full.min_extra_bytes == 4 * 1024 ** 3
+    assert measure.SWEEPS["quick"].counts_for(4096) == measure.SWEEPS["quick"].counts
 
 
 def test_a_file_that_is_not_json_is_refused_naming_it(tmp_path):

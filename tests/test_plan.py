@@ -286,14 +286,14 @@ def test_tiles_feed_every_mxu_and_experts_take_tiles_of_their_own():
     assert [(n, x.shape) for n, x in plan.buffers.items() if n.startswith("ring")] == [
         ("ring", (b.slots, 2048, 512)), ("ring_2048x768", (b.slots, 2048, 768))]
     assert plan.stream.segment("we_down").transposed  # [768, 2048] stored [2048, 768]
-    kimi = DecodePlan.make(mk.preset("kimi-k3"), tp=32, context=1152, chip="tpu7x",
+    kimi = DecodePlan.make(mk.preset("kimi-k2-shaped"), tp=32, context=1152, chip="tpu7x",
                            kernel=False).block
     assert (kimi.tile_rows, kimi.tile_cols, dict(kimi.tiles)) == (3584, 128, {
         "we_gate_up": (7168, 128), "we_down": (128, 7168)})  # gate|up: 64 + 64 columns
     expert, most = quant.tile_bytes("fp4", 7168, 128), OTHERS_OVER_REPEAT_BYTES
     assert quant.tile_bytes("fp4", 128, 7168) == expert
     assert most * expert >= 3584 * 128 * 2 > most * expert / 2
-    fed_bf16 = DecodePlan.make(mk.preset("kimi-k3"), tp=32, context=1152, chip="v6e",
+    fed_bf16 = DecodePlan.make(mk.preset("kimi-k2-shaped"), tp=32, context=1152, chip="v6e",
                                kernel=False).block
     assert dict(fed_bf16.tiles)["we_gate_up"][0] * 128 <= QUANT_TILE_ELEMENTS
     assert fed_bf16.tile_rows * fed_bf16.tile_cols * 2 <= most * quant.tile_bytes(
@@ -358,7 +358,7 @@ def test_narrow_weights_moved_by_dma_are_held_transposed():
     few columns; held as rows they fill a few sublanes (Kimi K3's TP32 lin_b, 2 x 7168:
     16 bf16 sublanes, 224 KiB a slot, where [7168, 2] would pad each row to 128 lanes,
     1.75 MiB), and the megakernel's prepared weights are laid out so."""
-    k3 = DecodePlan.make(mk.preset("kimi-k3"), tp=32, batch=1, rows=8, context=2048,
+    k3 = DecodePlan.make(mk.preset("kimi-k2-shaped"), tp=32, batch=1, rows=8, context=2048,
                          chip="tpu7x")
     lin_b, router = k3.buffers["linear.lin_b"], k3.buffers["router"]
     assert (lin_b.shape, router.shape) == ((2, 2, 7168), (28, 7168))
@@ -388,11 +388,11 @@ def test_a_default_ring_that_cannot_fit_at_two_slots_is_refused_naming_the_buffe
 
 
 def test_a_presets_formats_are_charged_and_packed_at_any_tp():
-    """kimi-k3 stores its experts in FP4 (`formats`): its plan at tp 32 streams them
+    """kimi-k2-shaped stores its experts in FP4 (`formats`): its plan at tp 32 streams them
     packed (each device's shard of the packed experts, `mk.shards`) and charges every
     expert element mk.quant's packed FP4 bytes, half a byte and a scale byte per 32, on
     the same tiles as formats={} (bf16)."""
-    k3 = mk.preset("kimi-k3").first_layers(2)
+    k3 = mk.preset("kimi-k2-shaped").first_layers(2)
     assert k3.formats == (("experts", "fp4"),)
     fp4 = DecodePlan.make(k3, tp=32, batch=1, context=256)
     bf16 = DecodePlan.make(k3, tp=32, batch=1, context=256, formats={}, block=fp4.block)

@@ -342,7 +342,7 @@ def test_an_animated_figures_slider_steps_and_playing_on_load_or_clipping_is_cau
                           full_html=False, auto_play=False)
     shown = []
     monkeypatch.setattr(plots, "display", lambda bundle, raw: shown.append(bundle))
-    monkeypatch.setitem(plots._state, "plotlyjs_embedded", True)  # loaded once, below
+    monkeypatch.setitem(plots.page_state, "plotlyjs_embedded", True)  # loaded once, below
     plots.show(fig)
     playing = pio.to_html(fig, include_plotlyjs=False, full_html=False,
                           animation_opts={"frame": {"duration": 20_000}})

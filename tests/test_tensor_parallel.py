@@ -31,7 +31,7 @@ import pytest
 
 import mk
 from mk import backend, reference, tpu
-from mk.shards import shard_cache, shard_params
+from mk.shards import kv_heads_of, shard_cache, shard_params
 from mk import tensor_parallel as tpar
 from mk.config import ModelConfig, Yarn
 from mk.kernels import plan
@@ -262,7 +262,7 @@ def test_shards_put_back_together_are_the_weights():
     np.testing.assert_array_equal(shards["router"][3], params["router"])
     # 2 kv heads on 4 devices: devices 0, 1 hold kv head 0; devices 2, 3 kv head 1, which
     # serves query heads 4..7 (GQA group 4), the query heads of devices 2 and 3.
-    assert plan.kv_heads_of(config, 4) == [[0], [0], [1], [1]]
+    assert kv_heads_of(config, 4) == [[0], [0], [1], [1]]
     H = config.head_dim
     np.testing.assert_array_equal(shards["wk"][2], params["wk"][..., H:2 * H])
     local = plan.shard_config(config, 4)
@@ -350,7 +350,7 @@ def test_the_router_is_split_by_experts_where_the_plan_says_it_pays():
     small routers stay whole (the gather's latency would outweigh the bytes); "whole"
     and "experts" force either. A forced split's shards put back together are the router
     and each device's is its experts' columns."""
-    k3 = mk.preset("kimi-k3")
+    k3 = mk.preset("kimi-k2-shaped")
     assert plan.shard_config(k3, 32).router_columns == 28
     assert plan.shard_config(dataclasses.replace(k3, router_split="whole"),
                              32).router_columns == 0
@@ -441,7 +441,7 @@ def test_kimi_k3s_whole_tp32_shard_compiles_with_fp4_experts_packed():
     T=8: it fits a core's HBM and compiles whole, VMEM in budget, under the issue's 90 s
     (libtpu compiles the layer loop once: its code does not grow with the layers). With
     bf16 experts it is refused by HBM, with the numbers, before any compile."""
-    k3 = mk.preset("kimi-k3")
+    k3 = mk.preset("kimi-k2-shaped")
     report = tpu.compile_megakernel(k3, "tpu7x", tp=32, topology="tpu7x:2x2x4", batch=1,
                                     rows=8, context=4096)
     assert report.ok, report.error

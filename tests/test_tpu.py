@@ -24,11 +24,7 @@ the CPU suite; the chip has none), index bounds (`mk.bounds`, static, in the CPU
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import importlib.metadata
 import json
-import os
-import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -36,12 +32,11 @@ import numpy as np
 import pytest
 
 import mk
-from mk import backend, exactness, megakernel, ops, quant, reference, spec, unpack
+from mk import backend, exactness, measure, megakernel, ops, quant, reference, spec, unpack
 from mk.kernels.common import BlockSizes
 from mk.kernels.decode_attention import decode_attention
 from mk.kernels.plan import DecodePlan, default_block
 from mk.kernels.weight_streaming import stream_matmul
-from mk.measure import chip_of
 
 from kernels.tolerances import TOLERANCE
 
@@ -100,39 +95,22 @@ def _write_record():
     """Writes the session's cases to the chip's record. A record at the same commit keeps
     the cases this session did not run, so the tier may be run in parts (`-k`) within one
     device call's time limit."""
-    kind = jax.devices()[0].device_kind
-    chip = chip_of(kind)
-    commit = os.environ.get("MK_COMMIT") or _git("rev-parse", "HEAD") or "unknown"
-    try:
-        libtpu = importlib.metadata.version("libtpu")
-    except importlib.metadata.PackageNotFoundError:
-        libtpu = "unknown"
-    path = exactness.record_path(chip)
-    cases = {case["name"]: case for case in _earlier_cases(path, chip, commit, libtpu)}
+    made = measure.provenance()
+    path = exactness.record_path(made["chip"])
+    cases = {case["name"]: case for case in _earlier_cases(path, made)}
     cases.update((case["name"], case) for case in CASES)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(dict(
-        chip=chip, device_kind=kind, jax=jax.__version__, libtpu=libtpu, commit=commit,
-        when=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        cases=list(cases.values())), indent=1) + "\n", encoding="utf-8")
+    path.write_text(json.dumps(made | dict(cases=list(cases.values())), indent=1) + "\n",
+                    encoding="utf-8")
 
 
-def _earlier_cases(path, chip, commit, libtpu):
+def _earlier_cases(path, made):
     """The cases of a record at `path` measured at the same commit, chip and versions."""
     if not path.exists():
         return []
     earlier = exactness.load_record(path)
-    same = (earlier["chip"], earlier["commit"], earlier["jax"], earlier["libtpu"]) == (
-        chip, commit, jax.__version__, libtpu)
+    same = all(earlier[f] == made[f] for f in ("chip", "commit", "jax", "libtpu"))
     return earlier["cases"] if same else []
-
-
-def _git(*args):
-    try:
-        out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() if out.returncode == 0 else None
 
 
 # -- Every family, T = 1 (`generate`, its device loop) and T = 4/8 (verification steps) ------

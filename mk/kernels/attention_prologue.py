@@ -37,7 +37,7 @@ from mk.kernels.ring import Ring, ring_buffers
 from mk.kernels.stream import TileStream
 from mk.kernels.weight_streaming import ring_weights, stage_block, weight_stream
 from mk.ops import rms_norm, rope_inv_freq
-from mk.weights import names_of, param_shapes
+from mk.weights import kind_of, layer_rows, names_of, param_shapes
 
 # The token mixer the stage kernels build (Qwen3's attention): its ring weights in order
 STAGE_MIXER = ("wq", "wk", "wv", "wo")
@@ -121,11 +121,12 @@ def prologue(ring: Ring, config: ModelConfig, *, layer, x, attn_norm, q_norm, k_
     normalise_heads(k_vmem, config.kv_heads, k_norm, pos, config)
 
 
-def layer_mixer(config: ModelConfig, layer: int):
-    """Layer `layer`'s token-mixer kind (`mk.kinds.layers.kinds_at`), asked when called:
-    `mk.kinds` imports this module."""
-    from mk.kinds.layers import kinds_at
-    return kinds_at(config, layer)[0]
+def layer_mixer(config: ModelConfig, layer: int) -> str:
+    """Layer `layer`'s token-mixer kind, by its name in the weight table (`mk.weights`:
+    the kind whose `KIND_LAYERS` field holds the layer; `mk.kinds.layers.kinds_at` asks
+    the same of the kind objects)."""
+    return next(kind for field in ("linear_layers", "full_layers")
+                if (kind := kind_of(config, field)) and layer in dict(layer_rows(config, kind)))
 
 
 def check_layer_inputs(config: ModelConfig, x, positions, layer) -> tuple[int, int, int]:
@@ -141,9 +142,10 @@ def check_layer_inputs(config: ModelConfig, x, positions, layer) -> tuple[int, i
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < config.layers:
         raise ValueError(f"layer={layer!r} must be an integer in [0, layers={config.layers})")
     mixer = layer_mixer(config, layer)
-    if mixer.weights("ring") != STAGE_MIXER or config.norm_offset:
-        raise ValueError(f"{config.name}: layer {layer}'s token mixer ({mixer.name}) streams "
-                         f"{mixer.weights('ring')}, norm_offset={config.norm_offset}: the "
+    ring = names_of(config, mixer, "ring")
+    if ring != STAGE_MIXER or config.norm_offset:
+        raise ValueError(f"{config.name}: layer {layer}'s token mixer ({mixer}) streams "
+                         f"{ring}, norm_offset={config.norm_offset}: the "
                          f"stage kernels build Qwen3's layer ({', '.join(STAGE_MIXER)}, no "
                          "norm offset); Qwen3.5's and Kimi's layers run in the megakernel")
     if positions.shape != (B,):
@@ -221,7 +223,8 @@ def attention_prologue(config: ModelConfig, params, x, positions, *, layer: int 
     weights, weight_specs = ring_weights(weights, stream)
     buffers = attention_prologue_buffers(config, M, block, formats)
     H = config.head_dim
-    head_norms = {n: params[n][layer][None] for n in layer_mixer(config, layer).weights("vector")}
+    head_norms = {n: params[n][layer][None]
+                  for n in names_of(config, layer_mixer(config, layer), "vector")}
     vmem, smem = (pl.BlockSpec(memory_space=s) for s in (pltpu.VMEM, pltpu.SMEM))
     q, k, v = pl.pallas_call(
         functools.partial(attention_prologue_kernel, config=config, stream=stream,

@@ -2,75 +2,20 @@
 
 Tensor parallelism splits every matrix of a step over the `n` devices of one mesh axis
 ("tp"); the residual stream stays replicated, so the step needs, inside the kernel, an
-all-reduce after each row-parallel matmul (attention out, MLP down) and a cross-shard
-argmax after the vocab-parallel lm_head. These are kernel-side helpers (they take refs and
-values and issue `make_async_remote_copy` DMAs), plus standalone kernels wrapping each one
-for tests and compiles. `n` is any power of two; device i is mesh index i on the axis.
-
-Two algorithms (`ALGORITHMS`), the same bytes, different message rounds:
-
-"recursive": log2(n) rounds a phase, each with one partner at distance d (me XOR d):
-
-    all-reduce = reduce-scatter by recursive halving (d = n/2, n/4, ..., 1: keep the half of
-                 the current chunk range holding chunk `me`, send the other half to the
-                 partner, add what it sent) + all-gather by recursive doubling.
-    all-gather = recursive doubling (d = 1, 2, ..., n/2: send the d items gathered so far to
-                 the partner, which stores them at the same positions).
-
-"two_phase": one round a phase, every peer at once (peer me + k mod n, k = 1 .. n-1, so
-the n devices' k-th sends form a permutation):
-
-    all-reduce = reduce-scatter direct (send chunk p of my partial to device p, which
-                 stores it at my index and sums its n partials of chunk p in `tree_sum`
-                 order) + all-gather direct (send my summed chunk to every peer).
-    all-gather = every device sends its item to every peer's position `me`.
-
-    argmax     = (either) all-gather of each shard's (best value, its global index), then
-                 the same static scan over shards on every device (strictly greater wins:
-                 ties go to the lower shard, hence to the lowest token id).
-
-Bytes per device: the all-reduce sends 2 (n-1)/n of the array (the bandwidth optimum),
-the all-gather (n-1) items; in 2 log2(n) and log2(n) latency terms ("recursive") or 2 and
-1 ("two_phase"), not n-1 as a ring would. `allreduce_s` models both; the plan takes the
-one with fewer rounds (`choose_algorithm`: "two_phase" from n = 4; at n = 2 they are the
-same exchange). What the model leaves out: a direct send to a peer several ICI hops away
-shares links with others' sends (both algorithms send beyond their neighbours; neither
-is charged for it), and issuing n-1 DMAs costs the scalar unit n-1 descriptors.
-
-Why the results are bit-identical on every device, and across the two algorithms: chunk
-c of the all-reduce is summed on exactly one device (device c) and then copied, and the
-summation order is one fixed tree for every chunk: the partial sums of the two halves of
-each aligned block of 2d devices are added, so the sum of 8 is
-((x0+x4)+(x2+x6))+((x1+x5)+(x3+x7)) (`tree_sum`, the reference). "recursive" adds them
-round by round; "two_phase" gathers the n partials of its chunk and runs `tree_sum` on
-them. Float addition is commutative, so which operand is "mine" does not matter; only
-the tree does. Routing and argmax downstream then agree on every device with no further
-exchange.
-
-Why two buffer slots suffice (`slot` = the collective's running count mod 2): a device
-finishes collective k only after it has received data that depends on every device's
-input to k (every chunk of an all-reduce needs every device's partial; every all-gather
-item is every device's own input), and each device sends its input to k only after it has
-finished k-1. So no device is more than one collective ahead of any other: while a slow
-device still reads slot k mod 2, a fast one can already write collective k+1, but only
-into the other slot, and it cannot reach k+2 (the first collective to write slot k mod 2
-again) before the slow one has finished k. The receive semaphores are per slot for the
-same reason (a DMA of k+1 must not satisfy a wait of k). The local staging buffer and the
-send semaphores are drained before a collective returns, so they need one slot.
-
-Before the first remote DMA, every device waits at `barrier` until all its partners have
-entered the kernel (a DMA into a device still running an earlier kernel would corrupt it):
-its log2(n) XOR partners ("recursive"), every peer ("two_phase").
+all-reduce after each row-parallel matmul and a cross-shard argmax after the
+vocab-parallel lm_head. Two algorithms (`ALGORITHMS`) move the same bytes in different
+message rounds: "recursive" (log2(n) rounds a phase, partner me XOR d) and "two_phase"
+(one round a phase, every peer at once). Every device's result is bit-identical: one
+fixed summation tree (`tree_sum`) for every chunk.
 
 Here: `check_devices`, `tp_mesh`, `ALGORITHMS`, `rounds`, `choose_algorithm`,
-`exchanges` (the schedule as data), `all_reduce_bytes`,
-`CollectiveScratch` and its shapes, `barrier`, `all_reduce_body`, `all_gather_body`,
-`argmax_body`, `tree_sum` (the reference order), the time model of one all-reduce and
-one all-gather (`allreduce_s`, `allgather_s`, `ICI_LATENCY_S`, `ici_bandwidth`: the
-simulator's, `mk.perf`'s and the plan's ring depth), and the standalone kernels `all_reduce`,
-`all_gather`, `greedy_argmax` (called inside `jax.shard_map`). Not here: meshes with more
-than one axis, non-power-of-two device counts, overlap of a collective with the next
-matmul.
+`exchanges` (the schedule as data), `all_reduce_bytes`, `CollectiveScratch`, `barrier`,
+`all_reduce_body`, `all_gather_body`, `argmax_body`, `tree_sum`, the time model
+(`allreduce_s`, `allgather_s`, `ICI_LATENCY_S`, `ici_bandwidth`), and the standalone
+kernels `all_reduce`, `all_gather`, `greedy_argmax` (inside `jax.shard_map`). Not here:
+meshes with more than one axis, non-power-of-two device counts, overlap of a collective
+with the next matmul. Each algorithm round by round, why the results are bit-identical
+and why two buffer slots suffice: docs/design/mk.kernels.collectives.md.
 """
 
 from __future__ import annotations

@@ -32,6 +32,8 @@ from jax.experimental import io_callback
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from mk.ops import exact
+
 LANES = 128  # the minor (lane) dimension of a vreg
 KV_ALIGN = 16  # a KV tile's positions are whole groups of 16 sublanes (bf16)
 SUBLANE_BITS = 8 * 32  # 8 sublanes of 32-bit words: 8 rows of f32, 16 of bf16, 32 of int8
@@ -45,15 +47,6 @@ def padded_width(width: int) -> int:
 def sublanes(dtype) -> int:
     """Rows of one (sublane, lane) tile for `dtype`: 8 for 32-bit, 16 for 16-bit."""
     return SUBLANE_BITS // (8 * np.dtype(dtype).itemsize)
-
-
-def exact(*operands):
-    """The precision of an in-kernel dot of `operands`: HIGHEST when one is float32, else
-    the default. Mosaic multiplies float32 at default precision in one bf16 pass of the MXU
-    where interpret mode (and `mk.ops`) multiply in float32, so the same kernel would
-    compute two things (`mk.exactness.default_precision_f32_dots` finds such dots)."""
-    return (jax.lax.Precision.HIGHEST
-            if any(jnp.dtype(x.dtype) == jnp.float32 for x in operands) else None)
 
 
 def transposed_dot(h, w_t):

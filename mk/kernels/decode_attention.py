@@ -1,60 +1,26 @@
 """Stage 03, decode attention: T new query rows per sequence against a KV cache in HBM.
 
-Each sequence b holds positions[b] cached rows and brings T new ones (row t sits at
-positions[b] + t). The kernel leaves the cache k_cache, v_cache [L, B, K, S, H] in HBM
-(`memory_space=pl.ANY`) and streams, per sequence, ONLY its KV tiles 0 .. (positions[b] +
-T - 1) // kv_tile through a `kv_slots`-deep VMEM ring (`mk.kernels.kv_stream.KvStream`):
-the trip count is dynamic, and a tile past a sequence's end is never read.
+The cache [L, B, K, S, H] stays in HBM; each sequence streams ONLY its KV tiles
+0 .. (positions[b] + T - 1) // kv_tile through a VMEM ring (`mk.kernels.kv_stream`), and
+per tile each kv head's G*T query rows update an online softmax at once. The new K/V rows
+are merged into the tile(s) holding them in VMEM and written back from a staging slot.
+gpt-oss adds sinks and sliding windows; MLA's absorbed form is the same body without
+values (`latent_attention`).
 
-Per tile, each kv head's G*T query rows meet its K tile at once (one MXU pass for the
-whole GQA group) and update an online softmax (running max m, running sum l, float32
-accumulator). Rows are causal among themselves: key s is visible to row t iff
-s <= positions[b] + t. gpt-oss's attention adds two things (`attend(sinks=, window=)`):
-a learned sink logit per head, where each row's online softmax starts (m = the sink,
-l = 1: a term of the denominator that weighs no value), and on its sliding layers a
-window: key s is visible iff also s > positions[b] + t - window, and a sequence's tiles
-start at the one holding positions[b] - window + 1.
-
-The new K/V rows are written in place by a read-modify-write of the tile(s) holding
-positions[b] .. positions[b] + T - 1 (one tile, or two when the rows straddle a tile
-edge): the tile arrives through the ring anyway, the new rows are merged into it in VMEM
-(cast to the cache dtype), attention reads it, and the aligned window of rows around the
-new ones (`write_back_rows`: 16 rows of bf16 for T=1) goes back to HBM. A DMA of the T rows
-alone does not lower: HBM row offsets must be tile-aligned. Each HBM tile is read once and
-written at most once, after its read, so no read can meet a write-back.
-
-The window is sent from a staging slot and not waited for where it starts: the slots,
-and the drain at a kernel's end, are `mk.kernels.kv_stream`'s.
-
-Layout: Mosaic loads and stores only at 8-row-aligned dynamic offsets, and sequence b's
-rows start at b*T. So a prologue regroups q (and the new rows) with static strided copies
-into 8-row-aligned blocks, one per (sequence, kv head): rows (g, t), padded to
-R = round_up(G*T, 8); an epilogue scatters the outputs back to [B*T, N*H].
-
-Numerics (mk.ops.attention): q and k rounded to the cache dtype, scores float32
-scaled by 1/sqrt(H), probabilities cast to the cache dtype before P @ V, float32
-accumulation; only the online-softmax rounding differs.
-
-MLA (Kimi's full layers) in its absorbed form is the same body without values
-(`attend(..., v_cache_hbm=None)`, the stage wrapper `latent_attention`): the latent cache
-[La, B, S, W] (W = kv_lora_rank + the shared key part) is one "kv head" every query head
-shares, each head's query is absorbed into the latent space (its no-RoPE part times the
-head's key up-projection), a tile is loaded once and serves as keys and, its latent lanes,
-as values; the caller multiplies each head's P @ latent rows by the head's value
-up-projection. So a step reads W values per cached token, not 2 x heads x head_dim.
-
-Here: `attend` (the in-kernel body the fused layer and the megakernel call), the sizes
-of its blocks and write-back windows (`block_rows`, `write_back_rows`,
-`write_back_slots`), `decode_attention_buffers` / `decode_attention_scratch` (its VMEM
-and semaphores, `attention_semaphores`) and the stage wrappers `decode_attention` and
-`latent_attention`. Not here: the scratch refs by name, the KV tile stream and the
-write-backs' drain (`mk.kernels.kv_stream`), Q/K/V projections, norms and RoPE
-(`attention_prologue`), MLA's absorption of the up-projections (its prologue and
-epilogue: `mk.kernels.mla`), the output projection.
+Here: `attend` (the in-kernel body the fused layer and the megakernel call; its phases
+are `_Call`'s methods: `merge_new_rows`, `attend_tile`, `write_back`), the sizes of its
+blocks and write-back windows (`block_rows`, `write_back_rows`, `write_back_slots`),
+`decode_attention_buffers` / `decode_attention_scratch` (`attention_semaphores`) and the
+stage wrappers `decode_attention` and `latent_attention`. Not here: the KV tile stream
+and the write-backs' drain (`mk.kernels.kv_stream`), Q/K/V projections, norms and RoPE
+(`attention_prologue`), MLA's absorption (`mk.kernels.mla`), the output projection. The
+layout, the write-back, the numerics, sinks, windows and MLA at length:
+docs/design/mk.kernels.decode_attention.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -66,7 +32,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mk.config import COMPUTE_DTYPES, MAX_ROWS
-from mk.kernels.common import LANES, BlockSizes, Buffer, exact, start_dma, sublanes
+from mk.kernels.common import LANES, BlockSizes, Buffer, start_dma, sublanes
+from mk.ops import exact
 from mk.kernels.kv_stream import (AttentionScratch, KvStream, drain_write_backs,
                                   start_write_backs, tile_counts)
 from mk.reference import check_positions, concrete
@@ -185,6 +152,136 @@ def _scatter_blocks(src_vmem, dst_vmem, stage, *, rows: int, group: int, block: 
 
 
 # -- The body -------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """What the phases of one `attend` call read: its scratch, the caches it writes (key
+    rows, then value rows: (new rows, tiles, staging slots, cache, write-back DMA name)),
+    the tiles P multiplies, the static shapes, and the row-position grids built once
+    before the tile loop."""
+
+    s: AttentionScratch
+    caches: list
+    values: object  # k_tiles (MLA's latent rows: the keys are the values) or v_tiles
+    layer: object
+    T: int
+    K: int
+    H: int
+    R: int  # rows of a query block: G*T rounded up to 8
+    Rt: int  # rows of a new-row block: T rounded up to 8
+    tile: int
+    sub: int  # the cache dtype's sublanes
+    W: int  # rows of a write-back window
+    dtype: object
+    precision: object
+    scale: object
+    row_t: object  # [R, kv_tile] int32: t of query block row r
+    column: object  # [R, kv_tile] int32: the key's column in its tile
+    window: object
+    windowed: bool
+
+    def qblock(self, b, k):  # first row of block (b, k): a multiple of 8, as Mosaic needs
+        return pl.multiple_of((b * self.K + k) * self.R, ALIGN)
+
+    def write_back(self, cursor, slot, first):
+        """Rows [first, first + T) of tile (b, i) to HBM, from a staging slot."""
+        s, tile, sub, W, K, H = self.s, self.tile, self.sub, self.W, self.K, self.H
+        backs = s.k_back.shape[0]
+        b, i = cursor
+        start = jnp.minimum(jnp.maximum(first, 0) // sub * sub, tile - W)  # aligned window
+        window = pl.ds(pl.multiple_of(start, sub), W)
+        rows = pl.ds(pl.multiple_of(i * tile + start, sub), W)
+        n = s.writes[0]
+        staged = n % backs
+        sends = [pltpu.make_async_copy(back.at[staged], cache.at[self.layer, b, :, rows, :],
+                                       s.write_sems.at[j, staged])
+                 for j, (_, _, back, cache, _) in enumerate(self.caches)]
+
+        @pl.when(n >= backs)
+        def free_staging_slot():  # write-back n - 2B sent from it (normally a layer ago),
+            for c in sends:  # the one DMA on its semaphore: its size is this one's
+                c.wait()
+
+        for c, (_, tiles, back, _, what) in zip(sends, self.caches):
+            back[staged] = tiles[slot, :, window, :]
+            start_dma(c, what, K * W * H * self.dtype.itemsize)
+        s.writes[0] = n + 1
+
+    def attend_tile(self, b, i, p, slot):
+        """The online softmax of every kv head's query block against KV tile (b, i)."""
+        s, tile, R, dtype = self.s, self.tile, self.R, self.dtype
+        visible = i * tile + self.column <= p + self.row_t  # [R, kv_tile]
+        if self.windowed:  # a traced window of 0: this layer has none
+            visible &= (self.window == 0) | (
+                i * tile + self.column > p + self.row_t - self.window)
+        for k in range(self.K):
+            rows = pl.ds(k * R, R)
+            q = s.q_blocks[pl.ds(self.qblock(b, k), R), :].astype(dtype)  # [R, H]
+            scores = lax.dot_general(q, s.k_tiles[slot, k], NT, precision=self.precision,
+                                     preferred_element_type=F32) * self.scale  # [R, kv_tile]
+            scores = jnp.where(visible, scores, -jnp.inf)
+            m_prev = s.m[rows, :]
+            m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
+            alpha = jnp.exp(m_prev - m_next)  # tile 0 comes first: m_next is finite
+            probs = jnp.exp(scores - m_next)
+            s.l[rows, :] = alpha * s.l[rows, :] + jnp.sum(probs, 1, keepdims=True)
+            pv = jnp.dot(probs.astype(dtype), self.values[slot, k], precision=self.precision,
+                         preferred_element_type=F32)  # [R, H]
+            s.acc[rows, :] = alpha * s.acc[rows, :] + pv
+            s.m[rows, :] = m_next
+
+    def merge_new_rows(self, b, i, p, slot):
+        """The T new rows of sequence b into KV tile i in VMEM (keys, and values)."""
+        # Row t of the new block lands on tile row p + t - i*kv_tile: a roll by
+        # p % kv_tile (the same for both tiles of a straddle) and a mask.
+        tile, H, Rt = self.tile, self.H, self.Rt
+        first = p - i * tile
+        row = lax.broadcasted_iota(jnp.int32, (tile, H), 0)
+        new = (row >= first) & (row < first + self.T)
+        for rows_vmem, tiles_vmem, *_ in self.caches:
+            for k in range(self.K):
+                x = rows_vmem[pl.ds(pl.multiple_of((b * self.K + k) * Rt, ALIGN), Rt), :]
+                if Rt < tile:  # x [Rt, H] -> [kv_tile, H]
+                    x = jnp.concatenate([x, jnp.zeros((tile - Rt, H), F32)], axis=0)
+                x = pltpu.roll(x, p % tile, 0)  # [kv_tile, H]
+                tiles_vmem[slot, k] = jnp.where(new, x.astype(self.dtype),
+                                                tiles_vmem[slot, k])
+
+
+def _sink_rows(sinks, K: int, G: int, R: int, T: int):
+    """[K*R, 1] f32: each query block row's sink logit (block row r of kv head k is head
+    k*G + r // T, or padding)."""
+    head = lax.broadcasted_iota(jnp.int32, (K * R, 1), 0)
+    head = head // R * G + (head % R) // T
+    sink_rows = jnp.zeros((K * R, 1), F32)
+    for n in range(K * G):
+        sink_rows = jnp.where(head == n, sinks[:, n:n + 1].astype(F32), sink_rows)
+    return sink_rows
+
+
+def _call(q_vmem, k_cache_hbm, v_cache_hbm, positions_smem, s: AttentionScratch, *, layer,
+          block: BlockSizes, scale, window) -> _Call:
+    """The static shapes of an `attend` call, checked, and the grids its tiles share."""
+    B = positions_smem.shape[0]
+    T = q_vmem.shape[0] // B
+    _, _, K, _, H = k_cache_hbm.shape
+    G = q_vmem.shape[1] // H // K
+    R, tile, dtype = block_rows(G, T), block.kv_tile, k_cache_hbm.dtype
+    latent = v_cache_hbm is None
+    caches = [(s.k_rows, s.k_tiles, s.k_back, k_cache_hbm, "k_write_back")] + (
+        [] if latent else [(s.v_rows, s.v_tiles, s.v_back, v_cache_hbm, "v_write_back")])
+    # Query row r of a block is (g, t) = divmod(r, T); its position is positions[b] + t.
+    r = lax.broadcasted_iota(jnp.int32, (R, tile), 0)
+    row_t = r - T * sum((r >= j * T).astype(jnp.int32) for j in range(1, G))
+    column = lax.broadcasted_iota(jnp.int32, (R, tile), 1)
+    return _Call(s=s, caches=caches, values=s.k_tiles if latent else s.v_tiles, layer=layer,
+                 T=T, K=K, H=H, R=R, Rt=_round_up(T), tile=tile, sub=sublanes(dtype),
+                 W=write_back_rows(T, block.kv_tile, dtype), dtype=dtype,
+                 precision=exact(s.k_tiles),  # q and probs are rounded to the cache dtype
+                 scale=np.float32(1 / math.sqrt(H) if scale is None else scale),
+                 row_t=row_t, column=column, window=window,
+                 windowed=not (isinstance(window, int) and window == 0))
+
+
 def attend(
     # Inputs
     q_vmem,  # [B*T, N*H] f32, normed and RoPE'd
@@ -229,96 +326,18 @@ def attend(
     if windowed and sinks is None:  # a row could then see no key of a whole tile
         raise ValueError("attend: a sliding window needs the sinks (gpt-oss's attention)")
     R, Rt = block_rows(G, T), _round_up(T)
-    tile, slots, dtype = block.kv_tile, block.kv_slots, k_cache_hbm.dtype
-    sub, W = sublanes(dtype), write_back_rows(T, block.kv_tile, dtype)
-    precision = exact(s.k_tiles)  # q and probs are rounded to the cache dtype
-    scale = np.float32(1 / math.sqrt(H) if scale is None else scale)
-    latent = v_cache_hbm is None
-    # (new rows, tiles, staging slots, cache, write-back DMA name) of the keys, then of
-    # the values
-    caches = [(s.k_rows, s.k_tiles, s.k_back, k_cache_hbm, "k_write_back")] + (
-        [] if latent else [(s.v_rows, s.v_tiles, s.v_back, v_cache_hbm, "v_write_back")])
-    backs = s.k_back.shape[0]
-    values = s.k_tiles if latent else s.v_tiles
-
     _gather_blocks(q_vmem, s.q_blocks, s.stage, rows=T, group=G, block=R)
-    for rows_vmem, new in zip((s.k_rows, s.v_rows), (k_new_vmem, v_new_vmem)[:len(caches)]):
+    for rows_vmem, new in zip((s.k_rows, s.v_rows),
+                              (k_new_vmem, v_new_vmem)[:1 if v_cache_hbm is None else 2]):
         _gather_blocks(new, rows_vmem, s.stage, rows=T, group=1, block=Rt)
 
     kv = KvStream(positions_smem, k_cache_hbm, v_cache_hbm, s, rows=T, layer=layer,
                   block=block, window=window)
-    total, advance, copies = kv.total, kv.advance, kv.copies
-
-    def write_back(cursor, slot, first):  # rows [first, first + T) of tile (b, i) to HBM
-        b, i = cursor
-        start = jnp.minimum(jnp.maximum(first, 0) // sub * sub, tile - W)  # aligned window
-        window = pl.ds(pl.multiple_of(start, sub), W)
-        rows = pl.ds(pl.multiple_of(i * tile + start, sub), W)
-        n = s.writes[0]
-        staged = n % backs
-        sends = [pltpu.make_async_copy(back.at[staged], cache.at[layer, b, :, rows, :],
-                                       s.write_sems.at[j, staged])
-                 for j, (_, _, back, cache, _) in enumerate(caches)]
-
-        @pl.when(n >= backs)
-        def free_staging_slot():  # write-back n - 2B sent from it (normally a layer ago),
-            for c in sends:  # the one DMA on its semaphore: its size is this one's
-                c.wait()
-
-        for c, (_, tiles, back, _, what) in zip(sends, caches):
-            back[staged] = tiles[slot, :, window, :]
-            start_dma(c, what, K * W * H * dtype.itemsize)
-        s.writes[0] = n + 1
-
-    def qblock(b, k):  # first row of block (b, k): a multiple of 8, as Mosaic needs
-        return pl.multiple_of((b * K + k) * R, ALIGN)
-
-    # Query row r of a block is (g, t) = divmod(r, T); its position is positions[b] + t.
-    r = lax.broadcasted_iota(jnp.int32, (R, tile), 0)
-    row_t = r - T * sum((r >= j * T).astype(jnp.int32) for j in range(1, G))
-    column = lax.broadcasted_iota(jnp.int32, (R, tile), 1)
-
-    if sinks is not None:  # block row r of kv head k is head k*G + r // T (or padding)
-        head = lax.broadcasted_iota(jnp.int32, (K * R, 1), 0)
-        head = head // R * G + (head % R) // T
-        sink_rows = jnp.zeros((K * R, 1), F32)
-        for n in range(K * G):
-            sink_rows = jnp.where(head == n, sinks[:, n:n + 1].astype(F32), sink_rows)
-
-    def attend_tile(b, i, p, slot):
-        visible = i * tile + column <= p + row_t  # [R, kv_tile]
-        if windowed:  # a traced window of 0: this layer has none
-            visible &= (window == 0) | (i * tile + column > p + row_t - window)
-        for k in range(K):
-            rows = pl.ds(k * R, R)
-            q = s.q_blocks[pl.ds(qblock(b, k), R), :].astype(dtype)  # [R, H]
-            scores = lax.dot_general(q, s.k_tiles[slot, k], NT, precision=precision,
-                                     preferred_element_type=F32) * scale  # [R, kv_tile]
-            scores = jnp.where(visible, scores, -jnp.inf)
-            m_prev = s.m[rows, :]
-            m_next = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
-            alpha = jnp.exp(m_prev - m_next)  # tile 0 comes first: m_next is finite
-            probs = jnp.exp(scores - m_next)
-            s.l[rows, :] = alpha * s.l[rows, :] + jnp.sum(probs, 1, keepdims=True)
-            pv = jnp.dot(probs.astype(dtype), values[slot, k], precision=precision,
-                         preferred_element_type=F32)  # [R, H]
-            s.acc[rows, :] = alpha * s.acc[rows, :] + pv
-            s.m[rows, :] = m_next
-
-    def merge_new_rows(b, i, p, slot):
-        # Row t of the new block lands on tile row p + t - i*kv_tile: a roll by
-        # p % kv_tile (the same for both tiles of a straddle) and a mask.
-        first = p - i * tile
-        row = lax.broadcasted_iota(jnp.int32, (tile, H), 0)
-        new = (row >= first) & (row < first + T)
-        for rows_vmem, tiles_vmem, *_ in caches:
-            for k in range(K):
-                x = rows_vmem[pl.ds(pl.multiple_of((b * K + k) * Rt, ALIGN), Rt), :]  # [Rt, H]
-                if Rt < tile:
-                    x = jnp.concatenate([x, jnp.zeros((tile - Rt, H), F32)], axis=0)
-                x = pltpu.roll(x, p % tile, 0)  # [kv_tile, H]
-                tiles_vmem[slot, k] = jnp.where(new, x.astype(dtype), tiles_vmem[slot, k])
-
+    total, advance, copies, slots = kv.total, kv.advance, kv.copies, block.kv_slots
+    call = _call(q_vmem, k_cache_hbm, v_cache_hbm, positions_smem, s, layer=layer,
+                 block=block, scale=scale, window=window)
+    sink_rows = None if sinks is None else _sink_rows(sinks, K, G, R, T)
+    tile = call.tile
     ahead = kv.prime(issue=not primed)  # the next tile to issue
 
     def step(g, carry):
@@ -348,18 +367,18 @@ def attend(
 
         @pl.when(written)
         def write_new_rows():
-            merge_new_rows(b, i, p, slot)
+            call.merge_new_rows(b, i, p, slot)
 
-        attend_tile(b, i, p, slot)
+        call.attend_tile(b, i, p, slot)
 
         # Sent from a staging slot, so the KV slot is free for the next prefetch at once.
         @pl.when(written)
         def send_new_rows():
-            write_back(cursor, slot, p - i * tile)
+            call.write_back(cursor, slot, p - i * tile)
 
         @pl.when(i == kv.last_of(b))
         def finish_sequence():
-            out = s.out_blocks.at[pl.ds(qblock(b, 0), K * R), :]
+            out = s.out_blocks.at[pl.ds(call.qblock(b, 0), K * R), :]
             out[...] = s.acc[...] / s.l[...]
 
         return advance(cursor), advance(ahead)

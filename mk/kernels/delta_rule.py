@@ -7,23 +7,15 @@ by each row t:
 
     S <- decay_t S;   S <- S + k_t (beta_t (v_t - k_t^T S))^T;   out_t = q_t^T S
 
-The state [B, Nv, Hk, Hv] stays in HBM (`memory_space=pl.ANY`). Sequence b's state comes
-into VMEM by an async copy issued while sequence b-1 computes (two slots), and the T states
-after each of b's rows leave by one async copy waited for only when sequence b+2 needs its
-slot (two slots): a verifier that accepts k of the T rows restarts from row k-1's state. In
-a kernel of several linear layers the sequences of all of them are one stream
-(`StateCopies`): the next layer's first state loads while this layer's last sequence
-computes. Bytes per step: B * Nv * Hk * Hv * 4 in and T times that out, whatever the
-context length. Rows of a sequence sit in one 8-row-aligned block [R, H] (R = T rounded up
-to 8); row t is picked by a row mask, so every product is an [R, .] matmul (rows other than
-t are zero) and no dynamic sublane slicing is needed. decay (= exp(g)) and beta are per-row
-scalars in SMEM (KDA's decay is a column per key channel: the caller's `scalars`).
+The state [B, Nv, Hk, Hv] stays in HBM and streams through two VMEM slots each way
+(`StateCopies`, across the linear layers of a kernel): B * Nv * Hk * Hv * 4 bytes in and
+T times that out per step, whatever the context length.
 
-Here: `delta_rule_head` (one value head's T rows), `StateCopies` (the states' HBM <-> VMEM
-stream) and `RowStore`, `delta_rule_body` (the in-kernel body `mk.kernels.deltanet.
-linear_mixer` runs) and `delta_rule_step`, the rule alone as one kernel. Not here: the
-projections, the conv, the gates and the gated norm around it, the layer's weights and
-buffers (`mk.kernels.deltanet`).
+Here: `delta_rule_head` (one value head's T rows), `StateCopies` and `RowStore`,
+`delta_rule_body` (the in-kernel body `mk.kernels.deltanet.linear_mixer` runs) and
+`delta_rule_step`, the rule alone as one kernel. Not here: the projections, the conv, the
+gates and the gated norm around it (`mk.kernels.deltanet`). The copies' timing and the
+row layout: docs/design/mk.kernels.delta_rule.md.
 """
 
 from __future__ import annotations
@@ -38,7 +30,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mk.config import MAX_ROWS
-from mk.kernels.common import LANES, exact, start_dma
+from mk.kernels.common import LANES, start_dma
+from mk.ops import exact
 
 ALIGN = 8  # rows of an f32 (8, 128) tile
 F32 = jnp.float32

@@ -1,46 +1,23 @@
 """Stage 05b, one gated-DeltaNet layer's decode step: B sequences x T rows against a
 recurrent state and a conv state that live in HBM.
 
-A gated-DeltaNet layer keeps, per sequence and value head, a float32 state S [Hk, Hv]
-instead of KV rows; each decode row decays it, writes the row's correction into it and
-reads it. That recurrence, with the stream of its states through HBM, is
-`mk.kernels.delta_rule` (`delta_rule_body`, `StateCopies`); this module builds the layer
-around it.
-
-The layer (`gated_deltanet`, mk.reference.linear_decoder_layer up to the residual): the
-input RMSNorm; in_proj_qkv and in_proj_z through one weight ring; in_proj_b/in_proj_a
-(Nv columns, narrower than a ring tile) by their own DMA, then beta and the decay; the
-depthwise causal conv over the rows after the conv state [B, W-1, C] (in HBM: read once,
-the state after every row written back); the L2 norms; the delta rule; the gated
-RMSNorm; out_proj through the same ring; the residual. The gate weights, the conv state
-and the first state are issued a linear layer ahead (two slots; the first layer's at the
-kernel's start, `prime_linear`), and the conv rows and row states are waited for a layer
-later (`drain_linear` at the kernel's end): a DMA issued and waited for within the layer
-would queue behind every weight tile in flight, and a ring deep enough to stream through
-a collective holds a layer's worth of them.
-Kimi Delta Attention (KDA, Kimi Linear's linear layers) is the same
-layer with three changes (mk.linear_attention.kimi_delta_attention): the decay is one per key
-channel, from a low-rank forget gate (h f_a f_b); the output gate is a low-rank sigmoid
-gate (h g_a g_b) in place of z; Nk = Nv. The four low-rank weights come by their own DMA
-(`linear_weights`), the ring streams lin_qkv and lin_out. A row's decays sit in
-blocks [R, Hk] beside q and k, and `channel_column` turns row t's into the column that
-scales the state's rows. What differs is one `Gates` object per kind (`HEAD_GATES`,
-`CHANNEL_GATES`), which the kind (`mk.kinds.linear`) hands to the builders and the body.
-
 The layer's token mixer is one in-kernel body, `linear_mixer` (its weights and states
-read by name from HBM, its scratch `linear_scratch`): the stage kernel runs it on one
-layer, the megakernel on every linear layer of a hybrid (`mk.kernels.one_layer.layer_body`).
+read by name from HBM, its scratch `linear_scratch`): the stage kernel `gated_deltanet`
+runs it on one layer, the megakernel on every linear layer of a hybrid
+(`mk.kernels.one_layer.layer_body`). Kimi Delta Attention (KDA) is the same layer with
+other gates: what differs is one `Gates` object per kind (`HEAD_GATES`, `CHANNEL_GATES`,
+by kind name `GATES`).
 
 Here: `linear_mixer` and `gated_deltanet` (the layer, either kind), their bodies (the
-gates, the conv, the head blocks, the gated norm), the kinds' `Gates`, buffers
-(`linear_buffers`, `gated_deltanet_buffers`), `linear_weights` and `linear_layer_shapes`
-(each kind's weights, counted once), `decay_width` and `linear_kind`
-(the stage kernel's question to the kinds). Not here: the delta rule and its state copies
-(`mk.kernels.delta_rule`, whose `delta_rule_step` runs the rule alone), the MLP after the
-layer (stage 04), the megakernel's mixed full/linear layer stream (`mk.megakernel`), the
-sharding of heads (`mk.tensor_parallel`).
-The megakernel runs KDA layers through the same `linear_mixer`, on one device or tensor
-parallel (split by heads as the gated DeltaNet's).
+gates, the conv, the head blocks, the gated norm), buffers (`linear_buffers`,
+`gated_deltanet_buffers`), `linear_weights`, `linear_layer_shapes`, `linear_layers`,
+`linear_gates` and `decay_width` (each read from the weight table, `mk.weights`). Not
+here: the delta rule and its state copies (`mk.kernels.delta_rule`), the MLP after the
+layer (stage 04), the kind objects (`mk.kinds.linear`), the megakernel's mixed layer
+stream (`mk.megakernel`), the sharding of heads (`mk.tensor_parallel`).
+
+The layer step by step, KDA's changes, what is issued a layer ahead and why:
+docs/design/mk.kernels.deltanet.md.
 """
 
 from __future__ import annotations
@@ -60,14 +37,14 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mk import linear_attention as la
 from mk.config import ModelConfig, check_rows
-from mk.kernels.common import (LANES, BlockSizes, Buffer, exact, memory_specs, start_dma,
+from mk.kernels.common import (LANES, BlockSizes, Buffer, memory_specs, start_dma,
                                transposed_dot, vmem_limit_bytes)
 from mk.kernels.delta_rule import ALIGN, StateCopies, delta_rule_body
 from mk.kernels.ring import Ring, plain_ring, ring_layout
 from mk.kernels.stream import TileStream
 from mk.kernels.weight_streaming import stage_block
-from mk.ops import rms_norm
-from mk.weights import dma_layout, kind_of, names_of, param_shapes
+from mk.ops import exact, rms_norm
+from mk.weights import dma_laid_out, dma_layout, kind_of, layer_rows, names_of, param_shapes
 
 F32 = jnp.float32
 
@@ -189,12 +166,11 @@ def linear_semaphores(config: ModelConfig, gates: Gates, batch: int, rows: int, 
         out_sems=pltpu.SemaphoreType.DMA((1 + len(gates.smem),)))
 
 
-def linear_kind(config: ModelConfig):
-    """`config`'s linear kind (`mk.kinds.linear.DeltaNet` or `KDA`; None without linear
-    layers), for the stage kernel; imported when called (`mk.kinds` imports this module)."""
-    from mk.kinds.layers import layer_kinds
-    from mk.kinds.linear import DeltaNet
-    return next((kind for kind in layer_kinds(config) if isinstance(kind, DeltaNet)), None)
+def linear_layers(config: ModelConfig) -> tuple[int, ...]:
+    """`config`'s linear layers, in order (its linear kind's rows of `mk.weights`; none
+    without linear layers)."""
+    kind = kind_of(config, "linear_layers")
+    return tuple(layer for layer, _ in layer_rows(config, kind)) if kind else ()
 
 
 def gated_deltanet_buffers(config: ModelConfig, batch: int, rows: int,
@@ -207,7 +183,7 @@ def gated_deltanet_buffers(config: ModelConfig, batch: int, rows: int,
             Buffer("out", (M, D), "float32", "operand"),
             Buffer("h", (M, D), dt),
             plain_ring(block, dt),
-            *linear_buffers(config, linear_kind(config).gates, batch, rows, layers=1)]
+            *linear_buffers(config, linear_gates(config), batch, rows, layers=1)]
 
 
 def gates_body(h, lin_b, lin_a, a_log, dt_bias):
@@ -286,6 +262,14 @@ HEAD_GATES = Gates(deltanet_gates, scalar_decay, smem=("decay", "beta"), blocks=
                    output_gate=jax.nn.silu)
 CHANNEL_GATES = Gates(kda_gates, column_decay, smem=("beta",), blocks=("decays",),
                       output_gate=jax.nn.sigmoid)
+# Each linear kind's gates by its name in the weight table (`mk.weights.kinds_of`); the
+# kinds hold the same objects (`mk.kinds.linear.DeltaNet.gates`, a test keeps them equal).
+GATES = {"deltanet": HEAD_GATES, "kda": CHANNEL_GATES}
+
+
+def linear_gates(config: ModelConfig) -> Gates | None:
+    """`config`'s linear kind's `Gates` (None without linear layers)."""
+    return GATES.get(kind_of(config, "linear_layers"))
 
 
 def conv_state_after(window_vmem, b: int, t: int, taps: int):
@@ -503,16 +487,15 @@ def check_conv_kernel(config: ModelConfig) -> None:
                                   "conv_kernel=1)")
 
 
-def check_linear_layer(config: ModelConfig, kind, x, conv_state, state,
-                       layer) -> tuple[int, int]:
-    """(B, T) of a linear layer step of `kind` (`linear_kind`: None without linear
-    layers); raises ValueError naming a bad shape, row count or layer before anything is
-    traced."""
-    if kind is None:
+def check_linear_layer(config: ModelConfig, x, conv_state, state, layer) -> tuple[int, int]:
+    """(B, T) of a linear layer step of `config`; raises ValueError naming a bad shape,
+    row count or layer (or a model without linear layers) before anything is traced."""
+    layers = linear_layers(config)
+    if not layers:
         raise ValueError(f"{config.name} has no linear layers (layer_types="
                          f"{config.layer_types})")
-    if isinstance(layer, bool) or not isinstance(layer, int) or layer not in kind.layers:
-        raise ValueError(f"layer={layer!r} must be one of the linear layers {kind.layers}")
+    if isinstance(layer, bool) or not isinstance(layer, int) or layer not in layers:
+        raise ValueError(f"layer={layer!r} must be one of the linear layers {layers}")
     check_conv_kernel(config)
     B, T, D = x.shape
     if D != config.hidden:
@@ -533,7 +516,7 @@ def check_linear_layer(config: ModelConfig, kind, x, conv_state, state,
 def gated_deltanet(config: ModelConfig, params, x, conv_state, state, *, layer: int,
                    block: BlockSizes | None = None):
     """One linear layer's decode step (the gated DeltaNet or Kimi Delta Attention: the
-    model's `linear_kind` and its `Gates`) for B sequences x T rows, up to the residual:
+    model's linear kind and its `Gates`) for B sequences x T rows, up to the residual:
     x + out_proj(GatedNorm(DeltaRule(conv(qkv)))) (mk.reference.linear_decoder_layer's
     x after the mixer; the MLP is stage 04's).
 
@@ -542,9 +525,9 @@ def gated_deltanet(config: ModelConfig, params, x, conv_state, state, *, layer: 
     [B, T, W-1, C] and recurrent states [B, T, Nv, Hk, Hv] after each row: a verifier that
     accepts k rows keeps row k-1's).
     """
-    kind = linear_kind(config)
-    B, T = check_linear_layer(config, kind, x, conv_state, state, layer)
-    M, D, i = B * T, config.hidden, kind.layers.index(layer)
+    B, T = check_linear_layer(config, x, conv_state, state, layer)
+    M, D, i = B * T, config.hidden, linear_layers(config).index(layer)
+    gates = linear_gates(config)
     C, W, Vw = config.conv_channels, config.conv_kernel, config.linear_value_width
     Nv, Hk, Hv = config.linear_value_heads, config.linear_key_dim, config.linear_value_dim
     dt = jnp.dtype(config.dtype)
@@ -555,9 +538,9 @@ def gated_deltanet(config: ModelConfig, params, x, conv_state, state, *, layer: 
     inputs = dict(x=x.reshape(M, D).astype(F32),
                   attn_norm=(params["attn_norm"][layer].astype(F32) + config.norm_offset)[None],
                   conv_state=conv_state.astype(dt)[None], state=state.astype(F32)[None])
-    prepared = kind.prepare(layer_params)  # the DMA'd vectors as [1, 1, n] rows
-    inputs |= ring_layout({n: prepared[n] for n in segments}, stream)
-    inputs |= {n: prepared[n] for n in dmas}
+    laid_out = {n: dma_laid_out(n, layer_params[n]) for n in dmas}  # vectors as [1, 1, n]
+    inputs |= ring_layout({n: layer_params[n] for n in segments}, stream)
+    inputs |= laid_out
     outputs = dict(out=jax.ShapeDtypeStruct((M, D), F32),
                    conv_rows=jax.ShapeDtypeStruct((1, B, T, W - 1, C), dt),
                    state_rows=jax.ShapeDtypeStruct((1, B, T, Nv, Hk, Hv), F32))
@@ -569,7 +552,7 @@ def gated_deltanet(config: ModelConfig, params, x, conv_state, state, *, layer: 
     conv_bytes = B * (W - 1) * C * dt.itemsize
     decays = decay_width(config)
     out = pl.pallas_call(
-        functools.partial(gated_deltanet_kernel, config=config, gates=kind.gates,
+        functools.partial(gated_deltanet_kernel, config=config, gates=gates,
                           stream=stream, batch=B, rows=T),
         out_shape=outputs,
         in_specs=(memory_specs(spaces),),
@@ -577,7 +560,7 @@ def gated_deltanet(config: ModelConfig, params, x, conv_state, state, *, layer: 
         scratch_shapes=dict(**{f"{b.name}_vmem": pltpu.VMEM(b.shape, b.dtype)
                                for b in buffers if b.name in ("h", "ring")},
                             sems=pltpu.SemaphoreType.DMA((block.slots,)),
-                            linear=linear_scratch(config, kind.gates, B, T, layers=1)),
+                            linear=linear_scratch(config, gates, B, T, layers=1)),
         compiler_params=pltpu.CompilerParams(vmem_limit_bytes=vmem_limit_bytes(buffers)),
         name="mk_gated_deltanet",
         cost_estimate=pl.CostEstimate(

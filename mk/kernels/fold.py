@@ -1,30 +1,15 @@
 """Folded tiles: a narrow plain weight tile stored PANEL_COLS wide.
 
-A tensor-parallel shard's ring tiles are tall and narrow (`default_block`: D x 128 and
-more; the 27B's TP8 shard 5120 x 128, Kimi K3's TP32 3584 x 128). Stored as they are,
-each is a 128-lane column, a quarter of the PANEL_COLS output panel that feeds every MXU
-of a TensorCore at once. Folded, its row blocks sit side by side: a tile [rows, cols] is
-stored [rows / f, f * cols], row block b (rows b R .. (b + 1) R, R = rows / f) in columns
-b cols .. (b + 1) cols, with f = `panel_fold` (the largest that keeps the stored tile at
-most PANEL_COLS wide and R a whole number of FOLD_ROWS). The bytes and the tile's place
-in the stream are unchanged and the products equal up to float32 summation order; only
-the storage and the product's code differ. Measured (TPU7x bundle dumps of the stage-01
-kernel's steady loop, 5120 x 128 tiles folded 4): plain tiles 348 -> 232 bundles a tile
-at M 1, 340 -> 262 at M 8; transposed ones 405 -> 328 and 374 -> 301.
+A tensor-parallel shard's ring tiles are tall and narrow (the 27B's TP8 shard 5120 x
+128); folded, a tile [rows, cols] is stored [rows / f, f * cols], its row blocks side by
+side (f = `panel_fold`), so it fills the PANEL_COLS output panel that feeds every MXU of a
+TensorCore. The bytes and the tile's place in the stream are unchanged and the products
+equal up to float32 summation order. `folded_product` multiplies by a folded tile, plain
+or transposed, `stack` blocks at a time.
 
-The product (`folded_product`) takes the folded blocks `stack` at a time (the largest
-divisor of f with stack x M <= STACK_ROWS: past it, the stacked rows cost more MXU pushes
-than the fold saves):
-- plain (x [M, rows] @ W [rows, cols]): x's column blocks stacked along M times the
-  blocks side by side, [stack M, R] @ [R, stack cols]; the diagonal blocks are the
-  partial products, summed;
-- transposed (x [M, cols] @ W^T, W [rows, cols] stored transposed): x block-diagonal,
-  [stack M, stack cols], times the blocks transposed, [stack M, R]; row block b is output
-  block b, set side by side.
-The off-diagonal products multiply by exact zeros (finite weights) and are dropped.
-
-Not here: which tiles a stream stores folded (`mk.kernels.stream.Segment.fold`: plain ones),
-their VMEM slots (`mk.kernels.ring.ring_buffers`).
+Not here: which tiles a stream stores folded (`mk.kernels.stream.Segment.fold`), their
+VMEM slots (`mk.kernels.ring.ring_buffers`). The product's block algebra and the
+measured bundles it saves: docs/design/mk.kernels.fold.md.
 """
 
 from __future__ import annotations
@@ -32,7 +17,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from mk.kernels.common import PANEL_COLS, exact
+from mk.kernels.common import PANEL_COLS
+from mk.ops import exact
 
 FOLD_ROWS = 128  # a folded block's rows: whole lane groups of x's contraction columns
 # Stacked rows of one folded product. Measured (TPU7x, stage-01 kernel, 5120 x 128 tiles

@@ -4,26 +4,17 @@ stream of KV tiles in (`KvStream`) and the write-backs' staging slots, drained a
 kernel's end (`start_write_backs`, `drain_write_backs`). The stage kernels, the fused
 layer and the megakernel drive these around their attention layers.
 
-The tile stream: per sequence b, ONLY its KV tiles 0 .. (positions[b] + T - 1) // kv_tile
-(in a layer with a sliding window, from the tile holding positions[b] - window + 1:
-`first_kv_tile`; `kv_tiles`, the one count; `tile_counts`, a layer's reads and write-
-backs) come from HBM, through a `kv_slots`-deep VMEM ring; all sequences' tiles form one
-stream, so the prefetch runs across sequence boundaries as the weight ring runs across
-layers. `KvStream.prime` issues the first kv_slots - 1 loads; it needs only the positions
-and the cache, so a fused layer issues them at the layer's start, before its projections.
-The write-backs: a write-back of new rows is not waited for where it starts: it would
-queue behind every weight and KV tile in flight. The window is copied into one of 2B
-staging slots (`mk.kernels.decode_attention.write_back_slots`: a layer's write-backs, at
-most two tiles per sequence) and sent from there; write-back n is waited for only when
-write-back n + 2B needs its slot, normally a full layer later, and the kernel waits for
-the rest at its end (`drain_write_backs`). The count n lives in SMEM (`writes`)
-across the layers of a kernel: the kernel sets it to 0 at its start
-(`start_write_backs`).
+Per sequence only its visible KV tiles come from HBM (`first_kv_tile`, `kv_tiles`,
+`tile_counts`), all sequences' tiles one stream through a `kv_slots`-deep VMEM ring
+(`KvStream.prime` issues the first loads at a layer's start); a write-back of new rows is
+sent from one of 2B staging slots and waited for only when its slot is needed again,
+normally a full layer later.
 
 Not here: the attention body that reads the tiles, merges the new rows and starts the
 write-backs (`attend`), the sizes and allocation of the scratch
 (`decode_attention_buffers`, `decode_attention_scratch`, `attention_semaphores`), the
-stage wrappers (all `mk.kernels.decode_attention`).
+stage wrappers (all `mk.kernels.decode_attention`). The stream and the staging slots at
+length: docs/design/mk.kernels.kv_stream.md.
 """
 
 from __future__ import annotations

@@ -1,38 +1,19 @@
 """Multi-head latent attention (Kimi Linear's full layers) inside a kernel: the absorbed
 prologue and epilogue around `attend` over the latent cache.
 
-One MLA layer of M = B*T rows, absorbed (`mk.reference.mla_absorbed` and `mla_output` are
-its oracle; `mk.reference.mla_decoder_layer` the plain form it equals):
+Each head's query is absorbed into the latent space, `attend` reads the latent cache once
+as keys and values (W values per cached token, not 2 x N x H), and each head's output is
+multiplied by its value up-projection (`mk.reference.mla_absorbed` and `mla_output` are
+the oracle). The ring streams the matrices with D rows or columns (wq_a or wq, wkv_a
+padded to whole tiles, wo); the narrow ones are DMA'd whole at the layer's start.
 
-    h        = RMSNorm(x)                                      [M, D]
-    q        = RMSNorm(h @ wq_a) @ wq   (h @ wq without q_rank) [M, N*H], H = Hn + Hr
-    kv       = h @ wkv_a                                        [M, W],   W = R + Hr
-    latent   = [RMSNorm(kv[:R]), kv[R:]]                        the row the cache keeps
-    query_n  = [q_nope_n @ W_uk_n^T, q_rope_n]                  [M, W] per head n
-    o_n      = attend(query_n; latent cache): P @ latent rows   [M, W]
-    out_n    = o_n[:R] @ W_uv_n                                 [M, Ho]
-    attn_out = out @ wo                                         [M, D]
-
-with W_uk_n, W_uv_n head n's columns of wkv_b [R, N*(Hn + Ho)]. The cache is read once per
-step as keys and values at once: W values per cached token, not 2 x N x H.
-
-The ring streams the matrices with D rows or columns (`mla_matrices`: wq_a, wq without a q
-low rank, wkv_a, wo; wkv_a's W columns padded with zeros to whole 128-lane tiles,
-`latent_columns`: the padding's products are never read), so a shard's tiles stay D x 128
-(`mk.kernels.ring`). The narrow ones (`mla_weights(config, "dma")`: wq with a q low rank
-[Rq, N*H], wkv_b [R, ...], the two low-rank norms) would force small tiles on every matrix
-of the stream: each MLA layer DMAs them whole into VMEM at its start (`start_mla_loads`)
-and waits for each where it is first used, behind the ring's tiles already in flight
-(wq_a's come after them in the one DMA queue). wq's product is `mk.ops.matmul`'s (q cast to
-wq's dtype, float32 sums); the absorption and the value up-projection are float32 products
-in VMEM (`mk.reference.mla_absorbed`'s numerics); attention's own numerics are `attend`'s.
-
-Here: `mla_weights` (its rows of `mk.weights`), `low_rank_q`, `mla_matrices`
-(the DMA'd weights' shapes), `latent_columns`, `mla_buffers` (VMEM, group "layer"),
-`start_mla_loads`, `mla_prologue`, `mla_epilogue`. Not here: `attend`
-(`mk.kernels.decode_attention`), the layer around them (`mk.kernels.one_layer.layer_body`),
-the stage kernels (MLA runs in the megakernel only; `latent_attention` is attention's stage
-wrapper).
+Here: `mla_weights` (its rows of `mk.weights`), `low_rank_q`, `mla_matrices`,
+`latent_columns`, `mla_buffers` (VMEM, group "layer"), `start_mla_loads`,
+`mla_prologue`, `mla_epilogue`. Not here: `attend` (`mk.kernels.decode_attention`), the
+layer around them (`mk.kernels.one_layer.layer_body`), the stage kernels (MLA runs in the
+megakernel only; `latent_attention` is attention's stage wrapper). The absorbed layer
+formula by formula, and why the narrow weights are DMA'd:
+docs/design/mk.kernels.mla.md.
 """
 
 from __future__ import annotations

@@ -1,71 +1,20 @@
 """Stage 04, the MLP: dense SwiGLU and a Qwen3-MoE block, weights streamed through the ring.
 
-Dense SwiGLU, out = down(silu(h @ gate) * (h @ up)), streams gate, up and down through one
-ring in that order (three `TileStream` segments), so the up tiles load while gate computes
-and the down tiles while up computes.
-
-MoE runs its router in the kernel and streams only the experts the batch selected. The
-router output becomes scalars in four steps, each one Mosaic lowers on v5e, v6e and TPU7x:
-
-1. route (vectors): logits = h @ router [D, E] in f32, softmax, top-k by X rounds of
-   (row max, lowest lane holding it) so ties go to the lower expert id; `combine` [M, E]
-   holds each row's routing weight per expert (0 if not picked), `selected` [1, E] int32
-   whether any row picked the expert;
-2. vector -> SMEM: `selected` is stored to VMEM and copied to SMEM by one local DMA (a
-   vector reduction to a scalar also lowers, to `llo.vtos`, but costs one cross-lane reduce
-   and one vector->scalar move per expert; the DMA moves all E flags at once);
-3. compact (scalars): a `fori_loop` over E writes the selected ids, in increasing order,
-   into `ids_smem[0:count]` ("expert slots"); slot s is active iff s < count, so the
-   switched-off slots are contiguous at the end of the stream;
-4. stream: the slots are one `Repeat` of (we_gate, we_up, we_down) in the ring; copy s's
-   Fetch reads `we_*_hbm.at[row, ids_smem[s]]` and reports `active = s < count`. A
-   `fori_loop` over the `count` active slots loads each distinct expert of the batch once,
-   runs its SwiGLU on all M rows and adds the output times each row's weight for it. The
-   code does not grow with the number of slots (64 for qwen3-30b-a3b at M=8).
-
-The ring may only issue expert tiles once the ids are known: a slot is on only while
-count_smem holds its layer's routing (`count_smem[ROUTED_LAYER]`, set by `moe_body`; a ring
-deep enough to reach the next MoE layer's expert tiles during this layer's experts would
-otherwise issue them with this layer's ids, then again after that layer's routing). So
-whenever a tile of the expert region was issued before routing, it was a no-op; after routing it
-issues the region's first `slots` tiles itself (for the standalone kernel, this is the
-prologue), skips the off slots' tiles without computing, and resets the count to 0 for the
-next layer. A fused kernel calls it after every tile before the expert region is consumed.
-
-The router weight [D, E] does not go through the ring (E need not be a multiple of 128
-lanes): the kernel copies it into its own small VMEM buffer, which a fused kernel can start
-long before the router runs.
-
-Kimi's (and DeepSeek-V3's) MoE block differs in two ways (`Routing`, `mk.reference
-.mlp_block`): the router scores are sigmoids, a per-expert bias (its own small DMA) shifts
-the choice only, the choice is restricted to the best `topk_groups` expert groups, and the
-weights are scaled; and a shared expert, a SwiGLU every row runs, is added. Its segments
-(SHARED_WEIGHTS) come before the expert slots in the stream: their addresses are known at
-the layer's start, and they run first, while the count is still 0, so the ring's
-invariant above holds unchanged.
-
-Where a shard's expert width is short of whole tiles (Kimi K3 at TP32: 64 columns of each
-of gate and up), gate and up stream side by side as one matrix, `we_gate_up` [D, 128]
-(`JOINED_EXPERT_WEIGHTS`; `mk.kernels.joined_experts`): one product, up's lanes rotated
-down to lane 0, a third fewer expert tiles than gate and up padded apart.
-
-gpt-oss's MoE block (`mk.kinds.mlp.ClampedMoE`) adds a bias to the softmax router's
-logits (`route_body`'s bias_vmem), a bias to each expert's three projections and another
-activation (`experts_body`'s bias and activation: the clamped SwiGLU of
-`mk.ops.clamped_swiglu`).
-
-The streamed weights (gate, up, down; the experts') may be stored quantised
-(`mk.quant.QuantWeight`s, one scheme for the three): the ring streams their packed tiles
-and scales and dequantises each tile in VMEM to h's dtype, the compute dtype. The router
-stays unquantised (mk.quant keeps it in config.dtype: its top-k flips on a small error).
+Dense SwiGLU streams gate, up and down through one ring in that order. MoE runs its router
+in the kernel and streams only the experts the batch selected: route (vectors), the
+selected flags to SMEM by one local DMA, compact the ids into expert slots (scalars),
+then stream one `Repeat` of (we_gate, we_up, we_down) per active slot; the ring issues
+expert tiles only once the ids are known. Kimi's sigmoid router and shared expert, joined
+gate|up tiles (`mk.kernels.joined_experts`), gpt-oss's biases and clamped SwiGLU, and
+quantised expert weights fit the same stream.
 
 Here: the bodies (`swiglu_body`, `moe_body` and its steps `select_experts` and
 `experts_body`; the first, `route_body`, is `mk.kernels.routing`'s), their stream
 segments and Fetch callables, the buffer lists, the MoE layer's small DMAs by name
-(`MOE_SMALL_LOADS`, `small_sem`: every kernel's small_sems), and the stage wrappers
-`swiglu` / `moe`. Not here: the norm before the MLP and the residual add (the layer
-kernel), expert capacity limits. The megakernel runs Kimi's MoE through `moe_body`, on
-one device or tensor parallel (the shared expert split as a dense MLP).
+(`MOE_SMALL_LOADS`, `small_sem`), and the stage wrappers `swiglu` / `moe`. Not here: the
+norm before the MLP and the residual add (the layer kernel), expert capacity limits. The
+four routing steps, the ring's invariant around routing and each variant:
+docs/design/mk.kernels.mlp.md.
 """
 
 from __future__ import annotations

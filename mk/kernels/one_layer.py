@@ -1,25 +1,17 @@
 """Stage 05, one fused layer: every op of a decoder layer in one pallas_call, one ring.
 
-prologue (norm, Q/K/V, QK-norm, RoPE) -> decode attention over the cache -> output
-projection + residual -> norm -> SwiGLU or MoE -> residual. All weights of the layer are
-ONE `TileStream` (wq, wk, wv, wo, then the dense MLP's or the expert slots), so the
-ring never drains between sub-blocks: while attention walks the KV cache, the first tiles
-of wo are already in VMEM; while wo computes, the MLP's tiles are in flight. Expert tiles
-are the one exception: they can only be issued once the router has chosen (see
-`mk.kernels.mlp`).
-
-A layer is its kinds (`mk.kinds`: a token mixer and an MLP; a whole-model kernel holds
-every kind its model has, and each layer runs its own and skips the others' segments):
-`layer_body` runs `LAYER_PHASES` in order and, in each, every kind's part, knowing no
-kind itself.
+prologue -> decode attention -> output projection + residual -> norm -> SwiGLU or MoE ->
+residual, with all the layer's weights ONE `TileStream`, so the ring never drains between
+sub-blocks (expert tiles wait for the router). A layer is its kinds (`mk.kinds`: a token
+mixer and an MLP): `layer_body` runs `LAYER_PHASES` in order and, in each, every kind's
+part, knowing no kind itself.
 
 Here: `model_block` (the tiling a model's matrices share), `layer_buffers` /
 `layer_scratch` (the VMEM and scratch of a kernel holding some kinds, by group and
 name), `residual`, `layer_body` (the in-kernel layer the megakernel loops over), and the
-stage wrapper `one_layer` with its `one_layer_buffers` (its weights may be
-`mk.quant.QuantWeight`s: packed tiles through the ring, dequantised in VMEM; its layer
-is Qwen3's). Not here: the kinds' code (`mk.kinds`), the layer loop, the lm_head and the
-cross-layer ring (`mk.megakernel`).
+stage wrapper `one_layer` with its `one_layer_buffers` (Qwen3's layer; its weights may be
+`mk.quant.QuantWeight`s). Not here: the kinds' code (`mk.kinds`), the layer loop, the
+lm_head and the cross-layer ring (`mk.megakernel`). More: docs/design/mk.kernels.one_layer.md.
 """
 
 from __future__ import annotations

@@ -1,98 +1,20 @@
 """The decode plan: one device's decode step as data, read by the kernel, the simulator,
 the performance model and every compile path.
 
-`DecodePlan.make(config, tp=, batch=, rows=, context=, block=None, formats=None)`
-holds, frozen:
+`DecodePlan.make(config, tp=, batch=, rows=, context=, block=None, formats=None)` (the
+one way to make a plan) holds, frozen: the model and its shard (`local`, `shard_config`),
+B x T rows and the context, the quantised `formats` and their MXU `feeds`, the tiling
+`block`, the `TileStream` and every VMEM buffer by name (`buffers`: the budget, the
+kernel's scratch and the simulator's sizes all come from it); it answers `fits(chip)`
+(the one capacity check, before any compile) and `weight_bytes(experts)`.
 
-    config, tp    the whole model and the devices sharing it
-    local         the shard one device holds, as a smaller `ModelConfig` (`shard_config`)
-    batch, rows   B sequences x T rows each (M = B*T activation rows); context = S, the
-                  cache capacity in positions
-    formats       {group: mk.quant scheme} of the format groups stored quantised
-                  ("dense", "experts", "lm_head"; default `config.formats`;
-                  `mk.quant.formats_of` a params dict): every byte count below counts
-                  them (`mk.quant.tile_bytes`), and where the kernel streams them packed
-                  (`packed_formats`: at any tp, groups of ring weights) their segments stream packed
-                  tiles and scales (`mk.kernels.ring`)
-    feeds         {group: feed} of each packed group: what its tiles reach the MXU as
-                  (`mk.unpack.choose_feeds`: "fp8" for fp8 and fp4 where the chip's MXU
-                  takes e4m3, `ChipSpec.mxu_feeds`, else "bf16", dequantised to the
-                  compute dtype; `make(feeds=)` overrides; without a chip "bf16"); the
-                  stream's segments carry it, and `mk.quant.dequantize(params,
-                  feeds=dict(plan.feeds))` is the oracle's weights
-    block         the tiling (`default_block` unless given)
-    stream        the `TileStream`: every weight tile of the step in program order
-    buffers       every VMEM buffer by name (`Buffer`, with its group): the VMEM budget,
-                  the kernel's Pallas scratch (`scratch()`) and the simulator's sizes all
-                  come from this one dict
-
-and answers `fits(chip)` (the one VMEM + HBM capacity check, made before any compile) and
-`weight_bytes(experts)` (the bytes each weight family moves per step on one device, what
-`mk.perf` and `mk.sim` count and the kernel's DMAs move).
-
-The sharding model (what one device holds; each weight's split rule is its row of
-`mk.weights`, `mk.tensor_parallel` lays the arrays out to them):
-
-    attention  N/tp query heads (the output gate's columns with them); K/tp kv heads, or,
-               when tp > K, the one kv head its query heads share (replicated on tp/K
-               devices); MLA: N/tp heads (the up-projections by heads, wo by rows), the
-               low-rank down-projections and their norms replicated, and the latent cache
-               whole on every device (each computes the same latent rows)
-    linear     Nk/tp key heads and Nv/tp value heads of each linear layer (gated DeltaNet
-               or KDA): their q, k and v channels of the projection and the conv, the
-               per-head gates and vectors by heads, out_proj by rows (partial sums,
-               all-reduced as wo's), the conv and recurrent states by the same heads; the
-               gated norm and KDA's low-rank gates' down-projections replicated
-    dense MLP  F/tp columns of gate and up and rows of down, padded to whole 128-lane
-               tiles with zeros (silu(0) * 0 = 0: exact, but the padding is streamed)
-    MoE        every expert on every device, each split the same way (Fe/tp, padded;
-               gate and up joined in one lane tile where each is a sliver of one:
-               `mk.kinds.mlp.MoE.joined`); a shared expert as a dense MLP (Fs/tp,
-               padded); the router whole, or its E/tp experts' rows where that pays
-               (`mk.kernels.routing.router_columns`: the logits all-gathered), so every
-               device routes identically; a sigmoid router's bias whole
-    lm_head    V/tp vocab columns, padded to whole tiles (masked before the argmax)
-    replicated the residual stream, the norms, the embedding table
-
-The default tiling is `mk.kernels.one_layer.model_block` over the shard's matrices
-(`mk.kernels.common.default_block`, the rule every kernel uses), with the cache's context:
-the largest tile of at most `TILE_BYTES` (2 MiB) that cuts each matrix plain or transposed
-(`BlockSizes.cut`: a row-sharded [narrow, D] matrix is stored D-major, so a shard's tiles
-are D x 128 and more), its output panels as wide as every MXU of a core where a tie allows
-(`PANEL_COLS`); each expert slot matrix in a tile of its own and the others in tiles of at
-most `OTHERS_OVER_REPEAT_BYTES` x its bytes, where that makes tiles bigger
-(`BlockSizes.tiles`, `model_block` says when; packed tiles fed bf16 at most
-`QUANT_TILE_ELEMENTS`, fed fp8 as big as the rest: the plan's `feeds` choose), 3 ring slots
-or, for a chip, as many as Little's law asks for `ring_cover_s` at one core's bandwidth
-(`RING_COVER_S`, 2 µs, and at tp > 1 one all-reduce more, so weight DMAs stream through the
-collectives; at most a layer's period of tiles), KV tiles of min(256, S) positions, KV slots
-by `kv_depth`.
-
-The ring's slot count when tiles of different bytes share it. Plain tiles, each scheme's
-packed tiles (data and scales) and each tile shape have buffers of their own, but one slot
-index (tile g in slot g % slots of whichever buffer its segment uses), so every ring
-buffer is slots deep. One rule (`ring_slots`): Little's law on the bytes in flight counted over
-the stream's tile sequence, the fewest slots whose every run of consecutive tiles carries
-bandwidth x cover time. A stream of one tile size gets `little_slots`; a long run of small
-packed tiles asks for hundreds of slots, whose buffers a chip does not hold (Kimi K3's TP32
-shard asked 850 when one 128 x 128 tile served its FP4 experts and the rest; hence
-`model_block`'s tiles matched to the experts': 18 now). So, for a chip (`DecodePlan.make`), the
-ring is the deepest whose buffers leave Mosaic its room (`vmem_limit_bytes`' 1.5 x buffers + 8
-MiB within the core's VMEM), never below the ring covering RING_COVER_S unless that ring does
-not fit the VMEM at all, then down to 2 slots; a kernel's plan that does not fit at 2 is refused
-by name (the simulator's keeps the RING_COVER_S ring: its `fits` says why).
-
-Adding a VMEM buffer to the megakernel is one line in `_buffers` (its group says where the
-kernel finds it: "layer" buffers are attributes of the layer scratch, the others are
-their own scratch entry or an operand).
-
-Here: the sharding model (`check_tp`, `shard_config`, `kv_heads_of`), `kv_layout` (a full
-layer's cache: K and V heads, or MLA's one latent row), `padded_vocab`, `default_block`
-(with `ring_slots`, `little_slots`, `ring_cover_s`, `kv_depth`), `model_stream` (its
-segments' kinds too), `capacity`, `packed_formats`, `DecodePlan`
-(`DecodePlan.make`: the one way to make a plan), `Fit`. Not here: bytes by byte family
-(`mk.step_bytes`), the kernel (`mk.megakernel`), the layer's phases (`LAYER_PHASES`),
-sharding arrays (`mk.tensor_parallel`), time (`mk.sim`, `mk.perf`).
+Here: `shard_config` (what one device holds), `kv_layout`, `padded_vocab`,
+`default_block` (with `ring_slots`, `little_slots`, `ring_cover_s`, `kv_depth`),
+`model_stream`, `capacity`, `packed_formats`, `DecodePlan`, `Fit`. Not here: `check_tp`
+and `kv_heads_of` (`mk.shards`), bytes by byte family (`mk.step_bytes`), the kernel
+(`mk.megakernel`), the layer's phases (`LAYER_PHASES`), sharding arrays
+(`mk.tensor_parallel`), time (`mk.sim`, `mk.perf`). The fields, the sharding model kind
+by kind, the default tiling and the ring's slot count: docs/design/mk.kernels.plan.md.
 """
 
 from __future__ import annotations
@@ -105,12 +27,13 @@ import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
 from mk import quant, unpack
+from mk.layer_values import EXPERT_SLICE
 from mk.cache import state_bytes_per_sequence
-from mk.chips import ChipSpec, chip as named_chip
+from mk.chips import ChipSpec, spec_of
 from mk.config import (DTYPE_BITS, PADDED_FIELDS, ModelConfig, check_formats, check_rows,
                        positive_int)
-from mk.kernels.collectives import (MAX_INDEX, PARTIAL_SUM_BYTES, allreduce_s, check_devices,
-                                    choose_algorithm, collective_buffers, collective_semaphores)
+from mk.kernels.collectives import (PARTIAL_SUM_BYTES, allreduce_s, choose_algorithm,
+                                    collective_buffers, collective_semaphores)
 from mk.kernels.common import (KV_TILE, LANES, SLOTS, VMEM_HEADROOM, VMEM_ROOM, BlockSizes,
                                Buffer, VmemBudget, vmem_budget, vmem_limit_bytes)
 from mk.kernels.deltanet import check_conv_kernel
@@ -118,32 +41,13 @@ from mk.kernels.kv_stream import tile_counts
 from mk.kernels.mlp import expert_slots
 from mk.kernels.one_layer import layer_buffers, layer_scratch, model_block
 from mk.kinds.layers import full_attention, layer_kinds, layer_matrices, segment_kinds
+from mk.shards import check_quantised_splits, check_tp
 from mk.kernels.ring import ring_buffers
 from mk.kernels.stream import TileStream
 from mk.step_bytes import bytes_per_element, shard_weight_bytes, shard_weight_elements
 from mk.weights import param_shapes
 
 # -- The sharding model -------------------------------------------------------------------
-def check_tp(config: ModelConfig, tp: int) -> int:
-    """tp as an int after checking every width it splits splits evenly; raises ValueError
-    naming the field."""
-    check_devices(tp)
-    need = dict(heads=config.heads, vocab=config.vocab, hidden=config.hidden)
-    for kind in layer_kinds(config):  # the widths each layer kind splits
-        need |= kind.split_widths()
-    for field, value in need.items():
-        if value % tp:
-            raise ValueError(f"{config.name}: {field}={value} is not a multiple of tp={tp}")
-    K = config.kv_heads
-    if K % tp and tp % K:
-        raise ValueError(f"{config.name}: kv_heads={K} and tp={tp}: one must divide the "
-                         "other (kv heads are split, or replicated on tp/K devices)")
-    if tp > 1 and config.vocab > MAX_INDEX:
-        raise ValueError(f"{config.name}: vocab={config.vocab} over {MAX_INDEX} (token ids "
-                         "travel as float32 in the cross-shard argmax)")
-    return int(tp)
-
-
 def shard_config(config: ModelConfig, tp: int, formats=None) -> ModelConfig:
     """The model one device holds (module docstring): N/tp heads, max(K/tp, 1) kv heads,
     V/tp, and each layer kind's split fields (`Kind.shard_fields`: Nk/tp and Nv/tp linear
@@ -175,13 +79,6 @@ def kv_layout(local: ModelConfig) -> tuple[int, int, int]:
     (K, H, 2) for K and V, (1, R + Hr, 1) for MLA's latent cache (one row every head
     reads as keys and values): its full-attention kind's `kv_layout`."""
     return full_attention(local).kv_layout()
-
-
-def kv_heads_of(config: ModelConfig, tp: int) -> list[list[int]]:
-    """[tp][K_local]: the global kv heads each device holds (replicated when tp > K)."""
-    K = config.kv_heads
-    local, copies = max(K // tp, 1), max(tp // K, 1)
-    return [[(i // copies) * local + j for j in range(local)] for i in range(tp)]
 
 
 # -- The default tiling -------------------------------------------------------------------
@@ -264,7 +161,7 @@ def default_block(local: ModelConfig, context: int, *, slots: int | None = None,
     smallest = min(stream.segment_tile_bytes(s, itemsize)
                    for s in stream.segments + stream.tail)  # what a slot moves, at least
     if slots is None and chip is not None:
-        spec = named_chip(chip) if isinstance(chip, str) else chip
+        spec = spec_of(chip)
         # at most one layer's period: a deeper ring issues the next layer's weight tiles
         # before this layer's KV tiles, which then queue behind them (one DMA queue)
         slots = min(ring_slots(stream, itemsize, spec.device_hbm_bw * cover_s),
@@ -317,11 +214,19 @@ def packed_formats(config: ModelConfig, formats: dict[str, str]) -> dict[str, st
 # only, no chip; `mk.preparation.peak`): laying out a stacked plain matrix (a layer at a
 # time) holds one more copy of it (qwen3-4b's bf16 w_gate of 1.67 GiB: 8.22 prepared, 9.89
 # peak, tests/test_preparation.py), a packed one less (gpt-oss-20b's MXFP4 experts of 3.29
-# GiB: 13.33 prepared, 15.59 peak: 0.69 of it); the prefill's one layer of dequantised
-# weights costs 2.7 times its bf16 bytes (gpt-oss-20b's experts: 4.2 GiB of temporaries
-# for 1.6, tests/test_prefill_memory.py).
+# GiB: 13.33 prepared, 15.59 peak: 0.69 of it); the prefill's dequantised weights (a
+# layer's row of a stacked weight; of experts, `mk.layer_values.EXPERT_SLICE` of a layer's)
+# cost 2.8 times their bf16 bytes (gpt-oss-20b: 0.54 GiB of temporaries for 4 of its 32
+# experts, 0.19 in bf16; 0.68 at 8 layers, tests/test_prefill_memory.py).
 RELAYOUT_TEMPORARY = {"plain": 1.0, "packed": 0.7}
-PREFILL_DEQUANTISED = 2.7
+PREFILL_DEQUANTISED = 2.8
+
+
+def _dequantised_row(shape) -> int:
+    """Elements of a stacked [L, ...] weight the prefill dequantises at once: a layer's
+    row; of experts [L, E, ...], `EXPERT_SLICE` of them (`mk.layer_values.experts_of`)."""
+    row = math.prod(shape[1:])
+    return row if len(shape) < 4 else row // shape[1] * math.gcd(shape[1], EXPERT_SLICE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -408,7 +313,7 @@ class DecodePlan:
             context = capacity(end) if block is None else -(-end // block.kv_tile) \
                 * block.kv_tile
         context = positive_int("context", context)
-        spec = named_chip(chip) if isinstance(chip, str) else chip
+        spec = spec_of(chip)
         collective = choose_algorithm(tp, collective)
         formats = check_formats(config, config.formats if formats is None else formats)
         packed = packed_formats(config, formats)
@@ -416,7 +321,6 @@ class DecodePlan:
         if kernel and packed != formats:
             quant.check_quantisable(config, formats)  # NotImplementedError
         if kernel and tp > 1:
-            from mk.shards import check_quantised_splits  # here: mk.shards imports this
             check_quantised_splits(config, formats, tp)
         if block is None:
             try:
@@ -459,7 +363,7 @@ class DecodePlan:
     def vmem_limit(self) -> int:
         """The scoped VMEM the kernel asks Mosaic for (`vmem_limit_bytes` of its buffers),
         at most the VMEM of the chip the plan was made for."""
-        cap = None if self.chip is None else named_chip(self.chip).vmem_bytes
+        cap = None if self.chip is None else spec_of(self.chip).vmem_bytes
         return vmem_limit_bytes(self.buffers.values(), cap)
 
     @property
@@ -547,7 +451,7 @@ class DecodePlan:
         itemsize = DTYPE_BITS[c.dtype] // 8
         cache = self._cache_bytes()
         shapes, schemes = param_shapes(c), quant.schemes_of(dict(self.formats))
-        layer = sum(math.prod(shapes[n][0][1:]) for n in schemes
+        layer = sum(_dequantised_row(shapes[n][0]) for n in schemes
                     if n in shapes and len(shapes[n][0]) > 2) * itemsize
         whole = max([math.prod(shapes[n][0]) * itemsize for n in schemes
                      if n in shapes and len(shapes[n][0]) == 2], default=0)
@@ -585,7 +489,7 @@ class DecodePlan:
         (`ChipSpec.hbm_compile_bytes`, a little under the chip's share): the decode step's
         (weights and KV cache), or with `prompt` the peak of a whole `generate`
         (`generate_parts`: its prefill and its preparing too), before anything is made."""
-        spec = named_chip(chip) if isinstance(chip, str) else chip
+        spec = spec_of(chip)
         hbm, limit = self.hbm_bytes(), spec.hbm_compile_bytes
         try:
             vmem = vmem_budget(f"megakernel {self.local.name}", self.buffers.values(), spec)

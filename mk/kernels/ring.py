@@ -66,7 +66,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mk import quant, unpack
-from mk.kernels.common import BlockSizes, Buffer, exact, start_dma
+from mk.kernels.common import BlockSizes, Buffer, start_dma
+from mk.ops import exact
 from mk.kernels.fold import fold_tiles, folded_product, folded_shape
 from mk.kernels.stream import Segment, TileStream, buffer_name, stored_fold
 

@@ -2,25 +2,15 @@
 
 `TileStream` is static data (a reader can print it; the simulator and plots replay it,
 `mk.kernels.ring.Ring` streams it in a kernel): segments (one weight matrix each, cut into
-tile_rows x tile_cols tiles by `BlockSizes.cut`, output panel by output panel; a weight
-`BlockSizes.tiles` names in tiles of its own shape), repeated once per layer, then an
-optional tail (the lm_head). Tile g of the stream is layer g // period's, its place in
-the period naming its segment, contraction step and output panel.
-
-A run of matrices may be repeated (`Repeat`), e.g. gate, up, down once per expert slot:
-a repeated `Segment` has copies, copy c starting `stride` tiles after copy c - 1.
-
-A segment may be stored quantised (`Segment.scheme`, one of `mk.quant.SCHEMES`) and fed
-to the MXU as its feed says (`Segment.feed`, `mk.unpack.FEEDABLE`); a plain tile narrower
-than PANEL_COLS is stored folded (`Segment.fold`, `stored_fold`). `TileStream.storages`
-names each set of ring buffers the segments need, `buffer_name` each buffer.
-
-A megakernel's segments know their layer kind and its role (`Segment.kind`). A layer runs
-one kind of each role, so two kinds of one role are `rivals`: a tile of one is never
-issued from the other's product in the same layer (`TileStream.following_on`).
+tiles output panel by output panel), repeated once per layer, then an optional tail (the
+lm_head). A run of matrices may be repeated (`Repeat`: gate, up, down once per expert
+slot); a segment may be stored quantised (`Segment.scheme`), fed to the MXU as its feed
+says (`Segment.feed`) or stored folded (`Segment.fold`); a megakernel's segments know
+their layer kind and role (`Segment.kind`, `rivals`).
 
 Not here: the in-kernel ring (`mk.kernels.ring`: HBM layout, VMEM buffers, `Ring`), the
-tiling rule (`mk.kernels.common.default_block`).
+tiling rule (`mk.kernels.common.default_block`). The stream's indexing, repeats, storages
+and rivals at length: docs/design/mk.kernels.stream.md.
 """
 
 from __future__ import annotations

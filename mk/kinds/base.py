@@ -3,36 +3,15 @@ simulator's `Twin` base.
 
 A kind is bound to the model (or the shard) it runs in (`Kind(config)`). The whole-model
 kernel, the stage kernel, the plan and the simulator know nothing of any one kind: each
-asks the model's kinds (`mk.kinds.layers.layer_kinds`) and calls the hooks below. What a
-kind owns:
-
-    weights     its rows of `mk.weights` (`Kind.weights`)
-    split_widths / shard_fields
-                the widths tensor parallelism splits, its fields on one device
-    matrices    its ring segments of one layer, in consumption order
-    buffers     its VMEM (the "layer" group: attributes of the layer scratch `Step.s`;
-                or a group of its own) and `scratch`: its semaphores and SMEM by group
-    operands / prepare
-                its weights as the megakernel reads them (names, arrays)
-    fetch       the ring's Fetch callables of its segments
-    cache_operands / state_operands / cache_fields
-                its parts of the decode cache as kernel operands, and after the step
-    setup / start / begin / run / finish
-                its in-kernel code: before the ring is primed, at the step's start, at
-                each of its layers' start, in each of its `phases` of `LAYER_PHASES`, at
-                the step's end
-    twin        its simulator twin (`Twin`): the same hooks, on the simulated machine
-    cost        its share of `mk.perf`'s step: matmul parameters (`params`), token-mixing
-                FLOPs, MXU passes (costed by `mk.perf.mxu_flops`, the one MXU rule) and
-                its ops in the conventional one-kernel-per-op execution
-
-A layer of another kind of the same role (a hybrid's linear layer beside a full one, a
-dense layer beside MoE ones) skips this kind's region of the stream where this kind
-would consume it (`stream_phase`): its tiles are neither loaded nor computed.
+asks the model's kinds (`mk.kinds.layers.layer_kinds`) and calls the hooks of `Kind`. A
+kind owns its weights (its rows of `mk.weights`), its tensor-parallel split, its ring
+segments, buffers and scratch, how its weights are prepared and fetched, its parts of the
+cache, its in-kernel code by phase (`LAYER_PHASES`), its simulator twin and its cost. A
+layer of another kind of the same role skips this kind's region of the stream.
 
 Not here: the kinds themselves (`mk.kinds.attention`, `mk.kinds.linear`, `mk.kinds.mlp`),
 the loop over them (`mk.kernels.one_layer.layer_body`, `mk.sim`), their config checks
-(`mk.kinds.checks`).
+(`mk.kinds.checks`). Every hook and what it owns: docs/design/mk.kinds.base.md.
 """
 
 from __future__ import annotations

@@ -26,9 +26,10 @@ UNSET = {
     "moe_layers": dict(experts=0, experts_per_token=0, expert_ffn=0, norm_topk=False,
                        shared_expert_ffn=0, router_score="softmax", expert_groups=1,
                        topk_groups=1, routed_scale=1.0, router_split="auto",
-                       router_columns=0),
+                       router_columns=0, moe_latent=0, expert_fp8_block=0),
     "linear_layers": dict(linear_key_heads=0, linear_value_heads=0, linear_key_dim=0,
-                          linear_value_dim=0, conv_kernel=0, channel_decay=False),
+                          linear_value_dim=0, conv_kernel=0, channel_decay=False,
+                          kda_full_gate=False, kda_gate_bound=0.0),
     "sliding_layers": dict(sliding_window=0),
 }
 # The clamped-SwiGLU experts' fields unset (a model without them, `check_clamped`).
@@ -146,7 +147,7 @@ def check_linear(c) -> None:
 
 def check_mla(c) -> None:
     """MLA full layers (latent_rank > 0): its ranks and dims set only then; kv_heads =
-    heads, no QK-norm, no output gate."""
+    heads, no QK-norm (an output gate, attn_output_gate, is Kimi K3's)."""
     mla = dict(q_rank=c.q_rank, rope_dim=c.rope_dim, value_dim=c.value_dim)
     if not c.latent_rank and any(mla.values()):
         raise ValueError(f"{c.name}: {shown(mla, 300)} are set but latent_rank=0 (no MLA)")
@@ -159,10 +160,9 @@ def check_mla(c) -> None:
         if not c.rope_dim < c.head_dim:
             raise ValueError(f"{c.name}: rope_dim={c.rope_dim} must be below "
                              f"head_dim={c.head_dim} (H = Hn + Hr, Hn >= 1)")
-        if c.kv_heads != c.heads or c.qk_norm or c.attn_output_gate:
+        if c.kv_heads != c.heads or c.qk_norm:
             raise ValueError(f"{c.name}: MLA needs kv_heads=heads (got {c.kv_heads}"
-                             f", {c.heads}), qk_norm=False (got {c.qk_norm}) and "
-                             f"attn_output_gate=False (got {c.attn_output_gate})")
+                             f", {c.heads}) and qk_norm=False (got {c.qk_norm})")
 
 
 def check_kda(c) -> None:
@@ -247,6 +247,83 @@ def check_clamped(c) -> None:
                          f"{c.shared_expert_ffn})")
 
 
+def check_situ(c) -> None:
+    """SiTU MLPs (situ_beta > 0, Kimi K3's): both betas finite and > 0, or both 0
+    (SwiGLU); not with the clamped experts; in an MoE model only with a latent MoE (the
+    kind mk implements SiTU experts in)."""
+    betas = dict(situ_beta=c.situ_beta, situ_linear_beta=c.situ_linear_beta)
+    if betas == dict(situ_beta=0.0, situ_linear_beta=0.0):
+        return
+    for field, value in betas.items():
+        if _finite(c, field, 0.0) <= 0:
+            raise ValueError(f"{c.name}: {field}={value} must be > 0 with "
+                             f"{shown(betas, 200)} (both 0: SwiGLU)")
+    if c.swiglu_limit:
+        raise ValueError(f"{c.name}: situ_beta={c.situ_beta} and swiglu_limit="
+                         f"{c.swiglu_limit}: an MLP has one activation")
+    if c.moe_layers and not c.moe_latent:
+        raise NotImplementedError(f"{c.name}: situ_beta={c.situ_beta} with moe_latent=0: "
+                                  "SiTU experts are implemented in the latent MoE only")
+
+
+def check_latent_moe(c) -> None:
+    """The latent MoE (moe_latent > 0, Kimi K3's): MoE layers whose routed experts run on
+    a latent of width in [1, hidden]; not the clamped experts. Its experts' fp8 re-storing
+    (expert_fp8_block > 0) needs fp4 experts and whole blocks of 32-row MXFP4 scales
+    dividing the latent."""
+    latent, block = c.moe_latent, c.expert_fp8_block
+    if not c.moe_layers:
+        check_unset(c, "moe_layers", ("moe_latent", "expert_fp8_block"), "moe_layers is empty")
+        return
+    if isinstance(latent, bool) or not isinstance(latent, (int, np.integer)) \
+            or not 0 <= latent <= c.hidden:
+        raise ValueError(f"{c.name}: moe_latent={shown(latent)} must be an integer in "
+                         f"[0, hidden={c.hidden}] (0: experts on the hidden width)")
+    if latent and c.swiglu_limit:
+        raise ValueError(f"{c.name}: moe_latent={latent} and swiglu_limit="
+                         f"{c.swiglu_limit}: the latent MoE has no clamped experts")
+    if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or block < 0:
+        raise ValueError(f"{c.name}: expert_fp8_block={shown(block)} must be a "
+                         "non-negative integer")
+    if block:
+        width = latent or c.hidden
+        if block % 32 or width % block or dict(c.formats).get("experts") != "fp4":
+            raise ValueError(f"{c.name}: expert_fp8_block={block} must be a multiple of "
+                             f"32 (an MXFP4 scale block) dividing the experts' input width "
+                             f"{width}, with fp4 experts (formats={dict(c.formats)})")
+
+
+def check_residuals(c) -> None:
+    """Attention residuals (residual_block > 0, Kimi K3's): a block begins every
+    residual_block layers (at or past `layers`: one block, as in a cut of the model)."""
+    block = c.residual_block
+    if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or block < 0:
+        raise ValueError(f"{c.name}: residual_block={shown(block)} must be a non-negative "
+                         "integer (0: a plain residual stream)")
+
+
+def check_bounded_kda(c) -> None:
+    """Kimi K3's KDA (kda_full_gate with kda_gate_bound < 0): the bound finite and
+    <= 0, both set only on KDA layers (channel_decay) and together (the release's
+    combination, the one mk implements)."""
+    bound = _finite(c, "kda_gate_bound", -math.inf)
+    if bound > 0:
+        raise ValueError(f"{c.name}: kda_gate_bound={bound} must be <= 0 (the log-decay "
+                         "lies in (bound, 0); 0: Kimi Linear's unbounded decay)")
+    if not isinstance(c.kda_full_gate, (bool, np.bool_)):
+        raise ValueError(f"{c.name}: kda_full_gate={shown(c.kda_full_gate)} must be a bool")
+    if not (c.kda_full_gate or bound):
+        return
+    if not c.channel_decay:
+        raise ValueError(f"{c.name}: kda_full_gate={c.kda_full_gate} and kda_gate_bound="
+                         f"{bound} are KDA's (channel_decay=False)")
+    if not (c.kda_full_gate and bound):
+        raise NotImplementedError(f"{c.name}: kda_full_gate={c.kda_full_gate} with "
+                                  f"kda_gate_bound={bound}: mk implements Kimi K3's KDA, "
+                                  "which has both")
+
+
 # Every kind's check, in the order ModelConfig runs them.
 KIND_CHECKS = (check_moe, check_linear, check_mla, check_kda, check_router, check_sinks,
-               check_clamped)
+               check_clamped, check_situ, check_latent_moe, check_residuals,
+               check_bounded_kda)

@@ -1,25 +1,18 @@
 """Hugging Face `config.json` -> the fields of a `mk.config.ModelConfig`, kind by kind.
 
-`fields_from_hf(source, name=, dtype=)` reads a config.json (a path, a folder or the parsed
-dict) and returns a `ModelConfig`'s keyword arguments; `ModelConfig.from_hf` is the entry
-point (the config then checks itself: `mk.kinds.checks`). A model type (`HF_MODEL_TYPES`,
-the keys of `FAMILIES`) is the list of readers its model is made of: `decoder` (the fields
-every model has, in its family's spelling), `dense` (the dense SwiGLU MLP; `no_experts`:
-Qwen3.5's text model has no other), then each of its layer kinds: full attention (`gqa`:
-Qwen3; `gated_gqa`: Qwen3.5's gated output and partial RoPE), `mla` (Kimi Linear),
-`deltanet` (Qwen3.5's gated DeltaNet), `kda` (Kimi Delta Attention), MoE with its router
-(`softmax_moe`: Qwen3-MoE's spelling; `sigmoid_moe`: Kimi Linear's grouped sigmoid router
-and shared expert); gpt-oss's `sink_gqa` (sinks, biases, sliding layers, YaRN: `yarn`) and
-`clamped_moe`. A reader returns the fields its kind owns, read from the file
-(`HfConfig`: `need`; `count`, `whole`, `number`, `table` and `listed` check a value's type
-before a reader computes with it) and from the fields read before it (the layer and head
-counts). Its errors name the file's field, its value (`shown`: a checkpoint is untrusted)
-and what was expected; the fields' limits are the config's checks. Also here:
-`check_hub_name` (the model's name from `_name_or_path`).
+`fields_from_hf(source, name=, dtype=)` reads a config.json (a path, a folder or the
+parsed dict) and returns a `ModelConfig`'s keyword arguments; `ModelConfig.from_hf` is the
+entry point. A model type (`HF_MODEL_TYPES`, the keys of `FAMILIES`) is the list of
+readers its model is made of (`decoder`, then its MLP and layer kinds); a reader returns
+the fields its kind owns, read from the file (`HfConfig`: `need`, `count`, `whole`,
+`number`, `table`, `listed` check a value's type first) and from the fields read before
+it. Its errors name the file's field, its value (`shown`: a checkpoint is untrusted) and
+what was expected. Also here: `check_hub_name`.
 
-This module imports nothing of mk but the error texts (`mk.errors`): `mk.config` imports it.
-Not here: the checks of the fields read (`mk.config.ModelConfig`, `mk.kinds.checks`), the
-weights' Hugging Face names (`mk.weights`), reading tensors (`mk.checkpoint`).
+This module imports nothing of mk but the error texts (`mk.errors`): `mk.config` imports
+it. Not here: the checks of the fields read (`mk.config.ModelConfig`, `mk.kinds.checks`),
+the weights' Hugging Face names (`mk.weights`), reading tensors (`mk.checkpoint`). Each
+reader by kind: docs/design/mk.kinds.hf.md.
 """
 
 from __future__ import annotations

@@ -23,6 +23,12 @@ from mk.kinds.mlp import ClampedMoE, Dense, MoE
 from mk.weights import kinds_of
 
 KINDS = (DeltaNet, KDA, GQA, SinkGQA, MLA, MoE, ClampedMoE, Dense)  # in stream order
+# The kinds of `mk.weights` no kernel runs yet (mk.reference does), each with what it adds
+# to the kind the kernels run: Kimi K3's (issue 66).
+REFERENCE_ONLY = {"res_layer": "attention residuals", "gated_mla": "MLA's output gate",
+                  "bounded_kda": "KDA's full-rank output gate and bounded decay",
+                  "situ_dense": "the SiTU activation",
+                  "latent_moe": "the latent MoE and its SiTU experts"}
 TABLES = tuple(f"{role}_{what}" for role in ROLES for what in ("kind", "row"))  # SMEM [L]
 
 
@@ -49,8 +55,10 @@ def layer_kinds(config: ModelConfig) -> tuple[Kind, ...]:
     names = kinds_of(config)
     missing = sorted(set(names) - {"model", "layer"} - {kind.name for kind in KINDS})
     if missing:
+        what = "; ".join(f"{k}: {REFERENCE_ONLY[k]}" for k in missing if k in REFERENCE_ONLY)
         raise NotImplementedError(f"{config.name}: its layer kinds {missing} have no kernel "
-                                  "yet (mk.kinds.layers.KINDS); mk.reference runs them")
+                                  f"yet (mk.kinds.layers.KINDS){f' ({what})' if what else ''}"
+                                  "; mk.reference runs them")
     return tuple(kind(config) for kind in KINDS if kind.name in names)
 
 

@@ -16,7 +16,10 @@ from hypothesis import given, settings, strategies as st
 
 import mk
 from mk import backend, quant, reference, tpu
-from mk.kernels.attention_prologue import attention_prologue, attention_prologue_buffers
+from mk.kernels.attention_prologue import (attention_prologue, attention_prologue_buffers,
+                                          layer_mixer)
+from mk.kinds.layers import kinds_at
+from mk.presets import preset
 from mk.kernels.common import BlockSizes, vmem_budget
 from mk.weights import abstract_params
 from builders import plant_double_scale, quantised_cases, tiny_moe_in_ci
@@ -112,3 +115,12 @@ def test_compiles_for_tpu_at_qwen3_8b_shapes(chip):
         [params, jax.ShapeDtypeStruct((8, 1, 4096), jnp.float32),
          jax.ShapeDtypeStruct((8,), jnp.int32)], chip, vmem=budget)
     assert report.ok, report.error
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-hybrid", "tiny-kimi", "tiny-gpt-oss"])
+def test_layer_mixer_names_the_kind_the_kinds_place_at_each_layer(name):
+    """The stage kernels ask the weight table for a layer's token mixer
+    (`layer_mixer`); `mk.kinds.layers.kinds_at` answers the same."""
+    config = preset(name)
+    assert [layer_mixer(config, layer) for layer in range(config.layers)] == \
+        [kinds_at(config, layer)[0].name for layer in range(config.layers)]

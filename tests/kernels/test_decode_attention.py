@@ -288,9 +288,9 @@ def test_latent_attention_gives_the_mla_layer_of_the_reference_without_races(B, 
 
 
 def test_latent_attention_compiles_for_tpu7x_at_kimi_k3s_tp32_shard():
-    """kimi-k3's MLA as one of 32 devices holds it: 2 of its 64 heads, B = 8, T = 4, over
+    """kimi-k2-shaped's MLA as one of 32 devices holds it: 2 of its 64 heads, B = 8, T = 4, over
     4,096 cached positions of 576-value latent rows (512 + 64: not whole 128-lane tiles)."""
-    config = mk.preset("kimi-k3")
+    config = mk.preset("kimi-k2-shaped")
     B, T, S, N, W = 8, 4, 4096, config.heads // 32, config.latent_width
     f32, S_ = jnp.float32, jax.ShapeDtypeStruct
     block = BlockSizes(kv_tile=128, kv_slots=3)

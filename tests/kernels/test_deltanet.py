@@ -7,7 +7,7 @@ Then the whole layer (`gated_deltanet`) against mk.reference.linear_decoder_laye
 tiny-hybrid (x after the mixer, conv and recurrent states after every row), race-free, and
 on tiny-kimi (Kimi Delta Attention: per-channel decay); a planted unshifted conv state
 and a planted decay per head prove the comparison can fail; the layer compiled for TPU7x
-at the 27B's shape and at kimi-k3's TP32 KDA shard, within VMEM.
+at the 27B's shape and at kimi-k2-shaped's TP32 KDA shard, within VMEM.
 
 Interpret mode checks numerics, DMA/semaphore pairing and races; it says nothing about
 time or the scoped VMEM limit. The compile test covers Mosaic lowering and capacity.
@@ -32,6 +32,9 @@ from mk.kernels.common import BlockSizes, vmem_budget
 from mk.kernels.weight_streaming import stage_block
 from mk.kernels.delta_rule import delta_rule_step
 from mk.kernels.deltanet import gated_deltanet
+from mk.kinds.layers import layer_kinds
+from mk.kinds.linear import DeltaNet
+from mk import weights
 from mk.weights import param_shapes
 
 TOLERANCE = dict(rtol=2e-5, atol=2e-5)
@@ -228,15 +231,16 @@ def test_channel_column_is_an_exact_transpose():
 
 
 def _kimi_k3_tp32_linear_shard():
-    """kimi-k3's KDA layer as one of 32 tensor-parallel devices holds it: 2 of its 64 heads
+    """kimi-k2-shaped's KDA layer as one of 32 tensor-parallel devices holds it: 2 of its 64 heads
     (the low-rank inner projections kda_f_a and kda_g_a whole)."""
-    return dataclasses.replace(mk.preset("kimi-k3"), linear_key_heads=2, linear_value_heads=2)
+    return dataclasses.replace(mk.preset("kimi-k2-shaped"), linear_key_heads=2,
+                               linear_value_heads=2)
 
 
-@pytest.mark.parametrize("shard", ["qwen3.5-27b", "kimi-k3/tp32"])
+@pytest.mark.parametrize("shard", ["qwen3.5-27b", "kimi-k2-shaped/tp32"])
 def test_layer_compiles_for_tpu7x_within_vmem(shard):
     """B = 8, T = 4 (a verification step): the largest buffers are the 2 x T row states.
-    The 27B's gated-DeltaNet layer whole; kimi-k3's KDA layer as its TP32 shard (all 64 of
+    The 27B's gated-DeltaNet layer whole; kimi-k2-shaped's KDA layer as its TP32 shard (all 64 of
     its heads would need more than TPU7x's 64 MiB of VMEM at this B and T)."""
     config = (mk.preset(shard) if shard == "qwen3.5-27b" else _kimi_k3_tp32_linear_shard())
     B, T = 8, 4
@@ -261,3 +265,22 @@ def test_layer_compiles_for_tpu7x_within_vmem(shard):
         args, "tpu7x", name="gated_deltanet", vmem=budget)
     assert report.ok, report.error
     assert 0 < report.vmem.total_bytes <= report.vmem.limit_bytes
+
+
+@pytest.mark.parametrize("name", ["tiny-hybrid", "tiny-kimi"])
+def test_the_stage_kernel_asks_the_weight_table_what_the_linear_kind_says(name):
+    """The stage kernel reads the linear kind's gates, layers and DMA'd weights from the
+    weight table (`deltanet.GATES`, `linear_layers`, `mk.weights.dma_laid_out`); the kind
+    object (`mk.kinds.linear`) says the same."""
+    config = mk.preset(name)
+    kind = next(k for k in layer_kinds(config) if isinstance(k, DeltaNet))
+    assert deltanet.linear_gates(config) is kind.gates is deltanet.GATES[kind.name]
+    assert deltanet.linear_layers(config) == kind.layers
+    params = mk.init_params(config)
+    prepared = kind.prepare({n: params[n] for n in kind.weights("ring", "dma")})
+    for n in kind.weights("dma"):
+        got = weights.dma_laid_out(n, params[n])
+        assert got.shape == prepared[n].shape and got.dtype == prepared[n].dtype
+        np.testing.assert_array_equal(got, prepared[n])
+    assert deltanet.linear_gates(mk.preset("tiny")) is None
+    assert deltanet.linear_layers(mk.preset("tiny")) == ()

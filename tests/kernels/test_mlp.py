@@ -4,7 +4,7 @@ go to the lower expert id; the MoE body runs inside a bigger stream over layers;
 ring bug in the expert slots is caught; both kernels compile for TPUs at real shapes; the
 VMEM budget and the compiler both refuse an oversized ring. Kimi's MoE block (the sigmoid
 router with a bias and expert groups, the routed scale, a shared expert) against the
-reference, and compiled for TPU7x at kimi-k3's TP32 shard.
+reference, and compiled for TPU7x at kimi-k2-shaped's TP32 shard.
 
 Interpret mode checks numerics, DMA/semaphore pairing and races; it says nothing about
 time or the scoped VMEM limit, and its uninitialised memory is NaN (so a read of a tile
@@ -469,13 +469,13 @@ def test_moe_compiles_for_tpu_at_qwen3_30b_a3b_shapes(chip):
 @pytest.mark.parametrize("groups, topk_groups", [
     (1, 1), pytest.param(8, 4, marks=pytest.mark.slow)])
 def test_kimi_moe_compiles_for_tpu7x_at_kimi_k3s_tp32_shard(groups, topk_groups):
-    """kimi-k3's MoE layer as one of 32 tensor-parallel devices holds it: all 896 experts,
+    """kimi-k2-shaped's MoE layer as one of 32 tensor-parallel devices holds it: all 896 experts,
     each expert's and the shared expert's width split 32 ways (2,048 / 32 = 64, padded to
     128 lanes: `mk.kernels.plan.shard_config`), top-16 of the sigmoid router with its bias,
     scaled by 2.827; bf16 experts (the preset's FP4 needs packed sharding, issue 14). Its
     one expert group, and DeepSeek-V3's grouping (the best 4 of 8 groups) to lower the
     group choice."""
-    config = mk.preset("kimi-k3")
+    config = mk.preset("kimi-k2-shaped")
     M, D, E, X = 8, config.hidden, config.experts, config.experts_per_token
     Fe = Fs = 128
     block = stage_block(mlp.moe_segments(D, Fe, 1, Fs), "bfloat16")

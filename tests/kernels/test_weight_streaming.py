@@ -91,13 +91,12 @@ def test_a_quantised_weight_streams_packed_tiles_and_scales_race_free(scheme, fe
             TOLERANCE["float32"]["atol"] + TOLERANCE["float32"]["rtol"] * np.abs(y).max())
 
 
-@pytest.mark.parametrize("scheme, feed", [f for f in FEEDS if f != ("fp8", "bf16")
-                                           and f != ("fp4", "bf16")])
-def test_a_float32_kernels_codes_multiply_at_highest_precision(scheme, feed):
-    """Codes fed to the dot (int8, int4; fp8 and fp4 fed fp8) in a float32 kernel are
-    multiplied as float32 at HIGHEST (`mk.kernels.common.exact`): at default precision a
-    chip multiplies in one bf16 pass where interpret mode does not (`mk.exactness`; before
-    `mk.unpack.scaled_product`, the fp8 feed's dots did)."""
+@pytest.mark.parametrize("scheme, feed", FEEDS)
+def test_a_float32_kernels_every_feed_multiplies_at_highest_precision(scheme, feed):
+    """Every scheme and feed of a float32 kernel multiplies as float32 at HIGHEST
+    (`mk.ops.exact`): at default precision a chip multiplies in one bf16 pass where
+    interpret mode does not (`mk.exactness`). Before `mk.unpack.fp8_product` converted its
+    codes, fp8 and fp4 fed fp8 did."""
     block = BlockSizes(slots=2, tile_rows=256, tile_cols=256)
     call = functools.partial(stream_matmul, block=block, dtype=jnp.float32, feed=feed)
     assert exactness.default_precision_f32_dots(
@@ -346,7 +345,7 @@ def _missed_followers(stream, slots, following):
 
 
 @pytest.mark.parametrize("name, tp", [("tiny-hybrid", 1), ("tiny-kimi", 1),
-                                      ("qwen3.5-27b", 8), ("kimi-k3", 32)])
+                                      ("qwen3.5-27b", 8), ("kimi-k2-shaped", 32)])
 @pytest.mark.parametrize("slots", [2, 3, 19, 40])
 def test_an_edge_tile_searches_the_kinds_on_where_it_runs_and_drops_their_rivals(name, tp,
                                                                                  slots):

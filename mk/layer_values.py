@@ -1,0 +1,107 @@
+"""Params as a layer of `mk.reference` reads them (`LayerValues`): each stacked weight's
+row sliced when its layer is reached, a quantised weight dequantised where it is read (a
+layer's row; of experts, `EXPERT_SLICE` at a time: `experts_of`), so the prefill never
+holds a dequantised copy of the model nor every layer's slices at once
+(tests/test_prefill_memory.py). Not here: the layers themselves (`mk.reference`), the
+formats (`mk.quant`, `mk.unpack`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from mk.unpack import dequantize_tile
+
+EXPERT_SLICE = 4  # experts a quantised MoE layer dequantises at a time (`experts_of`)
+
+
+class LayerValues(Mapping):
+    """Params as the layers read them: a quantised weight (an `mk.quant.QuantWeight`,
+    known by its scheme: mk.quant imports mk.reference, which imports this module)
+    dequantised where it is read, a stacked one a layer's row at a time (`w[i]`), a 2-D
+    one (the lm_head) whole, each rounded once to the embedding's dtype:
+    `mk.quant.dequantize`'s values, inside the traced forward; a stacked plain weight's
+    row sliced when its layer is reached (`_Tied`)."""
+
+    def __init__(self, params, after=None):
+        self.params, self.dtype, self.after = params, params["embed"].dtype, after
+
+    def __getitem__(self, name):
+        p = self.params[name]
+        if not hasattr(p, "scheme"):
+            return _Tied(p, self.after) if p.ndim > 2 and self.after is not None else p
+        rows = _Rows(p, self.dtype, self.after)
+        return rows if len(p.shape) > 2 else rows.whole
+
+    def __iter__(self):
+        return iter(self.params)
+
+    def __len__(self):
+        return len(self.params)
+
+
+def _tied(arrays, after):
+    """`arrays` tied to `after` (the layer's input) by an optimization barrier, so the
+    compiler cannot slice or dequantise every layer's rows up front; tied whole (a slice
+    would be copied early: every layer's at once)."""
+    return arrays if after is None else lax.optimization_barrier((arrays, after))[0]
+
+
+class _Tied:
+    """A stacked plain weight whose row i is sliced after `after` exists."""
+
+    def __init__(self, w, after):
+        self.w, self.after = w, after
+
+    def __getitem__(self, i):
+        return _tied(self.w, self.after)[i]
+
+
+class _Rows:
+    """A stacked quantised weight whose row i is dequantised when it is read, after the
+    value `after` (the layer's input) exists: an optimization barrier ties the packed
+    row to it, so the compiler cannot make every layer's values up front."""
+
+    def __init__(self, q, dtype, after=None):
+        self.q, self.dtype, self.after = q, dtype, after
+
+    def _values(self, index):
+        data, scale = _tied((self.q.data, self.q.scale), self.after)
+        return dequantize_tile(self.q.scheme, data[index], scale[index]).astype(self.dtype)
+
+    def __getitem__(self, i):
+        return self._values(i)
+
+    def experts(self, i: int, start, size: int):
+        """Layer i's experts start .. start + size (start traced), dequantised."""
+        data, scale = (lax.dynamic_slice_in_dim(a[i], start, size)
+                       for a in _tied((self.q.data, self.q.scale), self.after))
+        return dequantize_tile(self.q.scheme, data, scale).astype(self.dtype)
+
+    @property
+    def whole(self):
+        return self._values(...)
+
+
+def experts_of(outputs, params, names, i, h, *args) -> jax.Array:
+    """outputs(h, *layer i's weights `names`, *args) for every expert -> [M, E, D]: at once
+    from plain weights; from quantised ones (`LayerValues`) a slice of `EXPERT_SLICE`
+    experts at a time, each dequantised as it is used, so no layer's worth of values is
+    alive (the same bits: each expert is its own batch of the dots, `expert_outputs`)."""
+    stacks = [params[n] for n in names]
+    if not any(isinstance(s, _Rows) for s in stacks):
+        return outputs(h, *(s[i] for s in stacks), *args)
+    E = next(s for s in stacks if isinstance(s, _Rows)).q.shape[1]
+    size = math.gcd(E, EXPERT_SLICE)
+
+    def one(start):
+        return outputs(h, *(s.experts(i, start, size) if isinstance(s, _Rows)
+                            else lax.dynamic_slice_in_dim(s[i], start, size)
+                            for s in stacks), *args)
+    out = lax.map(one, jnp.arange(0, E, size))  # [E / size, M, size, D]
+    return jnp.moveaxis(out, 0, 1).reshape(h.shape[0], E, -1)
