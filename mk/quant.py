@@ -3,9 +3,10 @@
 Here: the four storage schemes (`SCHEMES`), each laid out exactly as below (a
 `QuantWeight` checks its layout on construction: `check_layout`; its values where they
 are concrete, NaN or inf scales and NaN codes: `check_values`); `quantize` (finite bf16
-params -> a params dict whose quantised weights are `QuantWeight`s), `dequantize` (back
-to plain arrays: the oracle's weights, fed to the unchanged `mk.reference`, in the dtype
-each group's MXU feed calls for: `mk.unpack.oracle_dtype`), `check_error` (every group's
+params -> a params dict whose quantised weights are `QuantWeight`s), `dequantize` (the
+oracle's weights, fed to the unchanged `mk.reference`: int8 and int4 as codes and scales,
+`mk.ops.Scaled`, the others plain arrays in the dtype each group's MXU feed calls for,
+`mk.unpack.oracle_dtype`; or every weight's values in a dtype), `check_error` (every group's
 error against its scale's bound), `accuracy` (a quantised model's logits and greedy
 tokens against the bf16 model's) and `storage_bytes` / `group_bytes` / `stored_bytes`
 (packed bytes plus scales; a model's own `formats` by default), `check_quantisable` /
@@ -32,7 +33,7 @@ Layouts. A weight is [..., I, O] (mk's [in, out], leading stacked axes; I is the
 contraction axis). Every scheme groups values along I so a tile of whole groups along I
 carries its own scales; dequantisation computes value * scale in float32, then rounds once
 to the requested dtype (the oracle of int8 and int4, whose kernels scale the product, not
-the weights, keeps float32: `mk.unpack.oracle_dtype`).
+the weights, keeps codes and scales apart: `mk.ops.scaled_dot`).
 
     int8  data  int8  [..., I, O]        q in [-127, 127], w = q * scale
           scale f32   [..., 1, O]        per output channel: absmax over I / 127
@@ -92,8 +93,8 @@ import numpy as np
 from mk import reference
 from mk.config import DTYPE_BITS, SCHEME_BITS, ModelConfig, check_formats
 from mk.errors import shown
-from mk.unpack import (E8M0_BIAS, GROUP, PACK_ROWS, block_scale_rows, dequantize_tile, grouped,
-                       oracle_dtype, pack_codes, pow2)
+from mk.unpack import (E8M0_BIAS, GROUP, INT_SCHEMES, PACK_ROWS, block_scale_rows,
+                       dequantize_tile, grouped, oracle_dtype, pack_codes, pow2, scaled_weight)
 from mk.weights import FORMAT_GROUP, FORMAT_GROUPS, param_shapes, weights_of
 
 SCHEMES = tuple(SCHEME_BITS)  # each laid out as the module docstring says
@@ -331,21 +332,30 @@ def quantize(config: ModelConfig, params: dict, *, dense: str | None = None,
 
 
 def dequantize(params: dict, dtype=None, feeds=None) -> dict:
-    """Params holding `QuantWeight`s -> plain arrays: each weight's float32 values rounded
-    once to `dtype` (default: the dtype of the params' embedding table, config.dtype), or,
-    for a group of `feeds` ({group: feed}, a plan's `feeds`), to its `oracle_dtype`: the
-    weights the reference multiplies by to compute what the kernel does. The reference
-    rounds a matmul's activations to its weight's dtype, so float32 weights (int8, int4,
-    fp8 fed fp8) in a bf16 model leave them unrounded where the kernel rounds them to
-    bf16: exact in a float32 model (`mk.reference.check_params` takes only config.dtype
-    weights). Without `feeds`, int8 and int4 weights in a bf16 model are rounded to bf16,
-    which their kernels never do (they scale the product): a bf16 model's kernel and this
-    oracle differ by that rounding (the tests compare float32 models exactly)."""
-    dtype = dtype or params["embed"].dtype
+    """Params holding `QuantWeight`s -> the weights the reference multiplies by to compute
+    what the kernel does. Without `dtype`: int8 and int4 weights, whose kernels feed their
+    codes to the dot and scale its product, as codes and scales (`mk.ops.Scaled`,
+    `mk.unpack.scaled_weight`: multiplied as the kernel does, activations rounded to the
+    embedding's dtype, config.dtype); the others' float32 values rounded once to that dtype
+    or, for a group of `feeds` ({group: feed}, a plan's `feeds`), to its `oracle_dtype`
+    (fp8 fed fp8: float32; the reference rounds a matmul's activations to its weight's
+    dtype, so in a bf16 model it leaves them unrounded where the kernel rounds them: exact
+    in a float32 model). With `dtype`: every weight's float32 values (int8 and int4 too)
+    rounded once to `dtype`, plain arrays."""
+    if dtype is not None:
+        return {name: (dequantize_tile(p.scheme, p.data, p.scale).astype(dtype)
+                       if isinstance(p, QuantWeight) else p) for name, p in params.items()}
+    dtype = params["embed"].dtype
     into = {name: oracle_dtype(p.scheme, feed, dtype) for name, feed in
             schemes_of(feeds).items() if isinstance(p := params.get(name), QuantWeight)}
-    return {name: (dequantize_tile(p.scheme, p.data, p.scale).astype(into.get(name, dtype))
-                   if isinstance(p, QuantWeight) else p) for name, p in params.items()}
+
+    def value(name, p):
+        if not isinstance(p, QuantWeight):
+            return p
+        if p.scheme in INT_SCHEMES:
+            return scaled_weight(p.scheme, p.data, p.scale, dtype)
+        return dequantize_tile(p.scheme, p.data, p.scale).astype(into.get(name, dtype))
+    return {name: value(name, p) for name, p in params.items()}
 
 
 # -- The kernel's tile layout (module docstring) ------------------------------------------

@@ -84,13 +84,13 @@ dequantised: their codes go straight into the dot beside the activations (`int_p
 every code is a bf16 value, so the dot's conversion is exact) and their scales multiply
 the float32 product, int8's per column on the tile's product, int4's per 128-row group on
 that group's product, the groups' summed in float32 (`scaled_product`). So int8 and int4
-compute x @ (q x s) with q x s never rounded to the compute dtype: their oracle is the
-weight dequantised to float32 (`oracle_dtype`; exact for int4, a 4-bit code times a bf16
-scale; int8's q x s rounded once in float32, a difference the size of summation order's).
-A float32 model's kernel and reference then differ by summation order only (tokens
-exact); in a bf16 model the reference multiplies its float32 weights by unrounded
-activations where the kernel rounds them to bf16 (`mk.quant.dequantize`'s caveat, as for
-fp8 fed fp8). Bundles per Mi weights (stream_matmul's steady per-tile loop, 512 x 512
+compute x @ (q x s) with q x s never rounded to the compute dtype, and their oracle
+multiplies the same way: `mk.quant.dequantize` gives the reference their codes and scales
+(`scaled_weight`, an `mk.ops.Scaled`), which `mk.ops.scaled_dot` multiplies by the
+activations rounded to the compute dtype, each block of rows summed in float32, then
+scaled: kernel and reference differ by float32 summation order only, in a bf16 model as
+in a float32 one (the weights in float32, `oracle_dtype`, would leave a bf16 model's
+activations unrounded, as fp8 fed fp8 still does). Bundles per Mi weights (stream_matmul's steady per-tile loop, 512 x 512
 tiles, M 8, libtpu 0.0.42.1), dequantised -> codes into the dot (int4 byte-wise to int8)
 -> int4 natively: tpu7x int8 1128 -> 536, int4 1548 -> 820 -> 536; v5e int8 1228 -> 896,
 int4 1604 -> 1220 -> 932 (mk/data/tile_feed_costs.json holds every chip and M). Tried and
@@ -133,7 +133,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mk.chips import MXU_FEEDS, ChipSpec
 from mk.config import SCHEME_BITS
-from mk.ops import exact
+from mk.ops import Scaled, exact
 
 PACK_ROWS = 128  # rows of I packed together (low nibbles: first 64, high: last 64)
 # Rows of I sharing one scale (int8: all of I; fp8 also 128 columns of O).
@@ -238,6 +238,19 @@ def dequantize_tile(scheme: str, data: jax.Array, scale: jax.Array) -> jax.Array
         return grouped(e4m3_values(e4m3) * E2M1_GAIN,
                        pow2(scale.astype(jnp.int32) - E8M0_BIAS), GROUP["fp4"])
     raise ValueError(f"scheme={scheme!r} must be one of {tuple(SCHEME_BITS)}")
+
+
+def scaled_weight(scheme: str, data: jax.Array, scale: jax.Array, dtype) -> Scaled:
+    """An int8 or int4 weight (or stacked weights) as the reference multiplies it: its
+    codes and float32 scales (`mk.ops.Scaled`, activations rounded to `dtype`), so that
+    `mk.ops.dot` sums each block's codes x activations in float32 and then scales them, as
+    `int_product` does a tile's, where `dequantize_tile`'s values rounded to a bf16 `dtype`
+    would round q x scale, which the kernel never does."""
+    if scheme == "int8":
+        return Scaled(data, scale.astype(F32), jnp.dtype(dtype))
+    if scheme == "int4":
+        return Scaled(int4_codes(data).astype(jnp.int8), scale.astype(F32), jnp.dtype(dtype))
+    raise ValueError(f"scheme={scheme!r} has no integer feed; {INT_SCHEMES}")
 
 
 E2M1_GAIN = 64.0  # 2 ** (e4m3's exponent bias 7 - e2m1's 1): `e2m1_to_e4m3`'s factor
@@ -433,7 +446,9 @@ def oracle_dtype(scheme: str, feed: str, dtype):
     multiply by what the kernel does (the one rule, `dequantize`): fed bf16, `dtype` (the
     tile is dequantised to it); fp8 fed fp8, float32 (the kernel multiplies the exact e4m3
     values and scales the float32 product: value x scale is never rounded to `dtype`); fp4
-    fed fp8, `dtype` (e2m1 x a power of two is a bf16 value: nothing to round)."""
+    fed fp8, `dtype` (e2m1 x a power of two is a bf16 value: nothing to round); int8 and
+    int4, float32 (their values unrounded; `mk.quant.dequantize` gives the reference their
+    codes and scales instead, `scaled_weight`, which also rounds the activations)."""
     if feed not in FEEDABLE[scheme]:
         raise ValueError(f"feed={feed!r}: {scheme} feeds as {FEEDABLE[scheme]}")
     return F32 if scheme in INT_SCHEMES or (scheme, feed) == ("fp8", "fp8") else dtype

@@ -128,6 +128,44 @@ def test_requantising_the_dequantised_weight_gives_the_same_codes(scheme):
 
 
 # -- Checks -----------------------------------------------------------------------------
+def test_int_weights_multiply_as_codes_with_their_scales_on_the_product_by_hand():
+    """`mk.ops.scaled_dot` on a hand-computed case: activations rounded to bf16 (1 + 2^-9
+    -> 1) times the codes, each 128-row block summed and then scaled: 3 (1 + 2^-10) +
+    5 (1/2 + 2^-11) per column, every step exact in float32, where the weights rounded to
+    bf16 (1 + 2^-10 -> 1) or unrounded activations give other sums."""
+    x = jnp.full((1, 256), 1 + 2.0 ** -9, jnp.float32)
+    codes = jnp.zeros((256, 2), jnp.int8).at[0].set(3).at[128].set(5)
+    scales = jnp.array([[1 + 2.0 ** -10] * 2, [0.5 + 2.0 ** -11] * 2], jnp.float32)
+    w = ops.Scaled(codes, scales, jnp.bfloat16)
+    want = 3 * (1 + 2.0 ** -10) + 5 * (0.5 + 2.0 ** -11)
+    np.testing.assert_array_equal(np.asarray(ops.matmul(x, w)), [[want, want]])
+    assert float(ops.matmul(x, w.astype(jnp.bfloat16))[0, 0]) == 5.5
+    assert float(ops.matmul(x, w.astype(jnp.float32))[0, 0]) != want
+    np.testing.assert_array_equal(ops.dot("md,edf->mef", x, w[None], w.dtype), [[[want] * 2]])
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_dequantize_gives_int_weights_as_codes_and_scales_the_ring_multiplies_so(scheme):
+    """`mk.quant.dequantize`'s int8 and int4 weights are `mk.ops.Scaled` (codes, float32
+    scales, the model's dtype for the activations) whose values are `dequantize_tile`'s,
+    and whose product is the ring's own function on the whole weight as one tile
+    (`mk.unpack.int_product`, bf16 activations), to float32 summation order; with a dtype,
+    plain arrays."""
+    rng = np.random.default_rng(1)
+    w = jnp.asarray(rng.normal(size=(2, 384, 128)), jnp.bfloat16)
+    q = quant.quantize_weight(w, scheme)
+    got = quant.dequantize({"embed": w[0], "w": q})["w"]
+    assert isinstance(got, ops.Scaled) and got.dtype == jnp.bfloat16 and got.shape == w.shape
+    np.testing.assert_array_equal(got.astype(jnp.float32),
+                                  unpack.dequantize_tile(scheme, q.data, q.scale))
+    x = jnp.asarray(rng.normal(size=(8, 384)), jnp.float32)
+    tile = jax.jit(unpack.int_product, static_argnums=0)(
+        scheme, q.data[1], q.scale[1], x.astype(jnp.bfloat16))
+    np.testing.assert_allclose(ops.matmul(x, got[1]), tile, rtol=1e-6, atol=1e-5)
+    plain = quant.dequantize({"embed": w[0], "w": q}, jnp.bfloat16)["w"]
+    assert plain.dtype == jnp.bfloat16 and plain.shape == w.shape
+
+
 @pytest.mark.parametrize("scheme", quant.SCHEMES)
 def test_every_element_within_its_bound_and_a_planted_2x_scale_is_caught(scheme):
     config, params = TINY_MOE, mk.init_params(TINY_MOE)

@@ -59,9 +59,11 @@ FEEDS = [(scheme, feed) for scheme in quant.SCHEMES for feed in unpack.FEEDABLE[
 
 
 def _oracle(x, q, feed=None):
-    """The reference's product with `q` dequantised as its feed multiplies it
-    (`mk.unpack.oracle_dtype`; None: rounded to bf16), x rounded to bf16 as the kernel
-    rounds it."""
+    """The reference's product with `q` dequantised as its feed multiplies it (int8 and
+    int4: codes and scales, `mk.unpack.scaled_weight`; the others `mk.unpack.oracle_dtype`;
+    None: rounded to bf16), x rounded to bf16 as the kernel rounds it."""
+    if feed is not None and q.scheme in unpack.INT_SCHEMES:
+        return ops.matmul(x, unpack.scaled_weight(q.scheme, q.data, q.scale, jnp.bfloat16))
     w = unpack.dequantize_tile(q.scheme, q.data, q.scale)
     into = jnp.bfloat16 if feed is None else unpack.oracle_dtype(q.scheme, feed, jnp.bfloat16)
     return ops.matmul(x.astype(jnp.bfloat16), w.astype(into))
