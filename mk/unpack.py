@@ -1,126 +1,22 @@
 """Unpacking a packed weight tile in VMEM: the element decoders and the MXU feeds.
 
-`mk.quant` stores a weight packed (its layouts, the packing units `PACK_ROWS` and the scale
-groups `GROUP`, `E8M0_BIAS` are here because the decoders read them); this module is what a
-kernel does to one streamed tile of it, pure jnp that lowers for v5e, v6e and tpu7x and runs
-in TPU interpret mode: the element decoders (`int4_codes`, `nibble_bytes`,
-`fp4_words_to_e4m3`, `e2m1_to_e4m3`, `e4m3_values`, `pow2`, `grouped`, `dequantize_tile`;
-`unpack_codes` and `e2m1_values`, the same decoders one code an element; `pack_codes`, the
-packing's inverse; `pack_nibbles` / `unpack_nibbles`, int4's), the products of a tile with
-its scales on the product (`int_feed_tile`, `fp8_feed_tile`, `scaled_product`,
-`int_product`, `fp8_product`) and the feeds (`FEEDS`, `FEEDABLE`, `INT_SCHEMES`,
-`choose_feeds`: what each packed group reaches the MXU as, per chip; `oracle_dtype`: the
-dtype the reference's weights are dequantised to so it multiplies what the kernel does).
-Not here: the layouts, quantising, checks and byte counts (`mk.quant`), the ring that
-streams the tiles and calls these (`mk.kernels.ring`).
+`mk.quant` stores a weight packed; this module is what a kernel does to one streamed tile
+of it, pure jnp that lowers for v5e, v6e and tpu7x and runs in TPU interpret mode. Here:
+the packing units (`PACK_ROWS`, `GROUP`, `E8M0_BIAS`); the element decoders (`int4_codes`,
+`nibble_bytes`, `fp4_words_to_e4m3`, `e2m1_to_e4m3`, `e4m3_values`, `pow2`, `grouped`,
+`dequantize_tile`; one code an element: `unpack_codes`, `e2m1_values`; the packings'
+inverses `pack_codes`, `pack_nibbles` / `unpack_nibbles`); a tile's products with its
+scales on the product (`int_feed_tile`, `fp8_feed_tile`, `scaled_product`, `int_product`,
+`fp8_product`); the feeds (`FEEDS`, `FEEDABLE`, `INT_SCHEMES`, `choose_feeds`: what each
+packed group reaches the MXU as, per chip); what the reference multiplies to compute what
+the kernel does (`scaled_weight`, int8's and int4's codes and scales; `oracle_dtype`).
 
-Packing order. int4: byte row b holds row 2b's code in its low nibble and row 2b + 1's in
-its high (`pack_nibbles`), each q + 8 (offset binary), so a word of four bytes is eight
-rows in order: one xor a word makes the codes two's complement and the words viewed as
-int4 are the tile's codes (`int4_codes`), which the dot converts natively (tpu7x unpacks
-them to e4m3, `vunpack.c.l.s4`, and pushes `vmatpush1.f8e4m3`; v5e through int32 and
-float32). It was packed in fp4's order below and decoded byte-wise to int8 (a nibble
-split, a sign extension: nine 32-bit ops a word); tpu7x, M 8, stream_matmul's loop fed the
-codes: 820 -> 536 bundles per Mi weights. fp4: rows of I are packed in units of 128; byte
-row 64u + j holds row 128u + j and row 128u + 64 + j. Unpacking a tile of 64n byte rows
-is then shifts and masks, a concatenation of two aligned [64, O] halves per unit, and no
-lane shuffle; the interleaved order (gpt-oss packs rows 2k and 2k + 1 into one byte) would
-need a sublane interleave where no native type decodes it (float4_e2m1fn lowers on tpu7x
-only, below). fp4 places the first row's code (sign s, exponent e1 e0, mantissa m) where
-its e4m3 byte has them (bits 7, 4..2: `e2m1_to_e4m3`), and the second row's in the bits left
-(s at 5, e1 at 6, e0 m at 1..0: `pack_codes`), so the MXU's fp8 codes are one mask of a word
-for the first rows and two shifts for the others (`fp4_words_to_e4m3`: six 32-bit ops a word
-of four bytes, where two nibbles took nine; stage-01 kernel's loop on tpu7x, 512 x 512 tiles
-fed fp8, M 8: 208 -> 183 bundles). `mk.hf_quant` repacks gpt-oss MXFP4 bytes into this
-order at load: a permutation of bits, bit-exact.
-
-Why uint8 with shifts. Measured with libtpu ahead-of-time compiles of a one-tile
-dequantise-and-matmul pallas_call (tests/test_quant.py keeps one per scheme per chip):
-the uint8 decoders below lower for v5e, v6e and tpu7x, with bf16 or float32 output, and
-run unchanged in TPU interpret mode on CPU. Native element types do not all lower: a
-float4_e2m1fn ref fails on v5e and v6e ("Unsupported type vector<...xf4E2M1FN>", Mosaic's
-unpack_subelements) and compiles only for tpu7x; int4 and float8_e4m3fn refs compile on all
-three (and interpret). Plain bytes (uint8; int8 for int8) for all four schemes also make the
-bytes in HBM the bytes of the documented layout (a sub-byte array's packing is the
-compiler's choice). Packed bytes are worked on four at a time: `pltpu.bitcast` views a
-tile's uint8 [R, O] as int32 words [R/4, O] and back (free on all three chips), and fp4's
-nibble split and e2m1 -> e4m3 are byte-wise integer ops that never carry
-into the next byte (SWAR): one 32-bit op handles four codes, where widening each byte to
-int32 first costs a 32-bit op a code. 16-bit integer vectors do not help: uint8 -> int16
-lowers, but int16 shifts do not ("failed to legalize arith.shli", all three chips). fp4 is
-then decoded through e4m3 (`e4m3_values`: the bytes bitcast to float8_e4m3fn and
-converted to float32, which lowers on all three chips and cost 2.1-2.6x fewer bundles per
-tile than the integer decoder of fp8 it replaced): its bits placed in an e4m3 byte
-(`e2m1_to_e4m3`, `fp4_words_to_e4m3`) read value / 64, and the 64 (`E2M1_GAIN`) comes back
-as one float32 multiply, a value fed bf16, a tile's product fed fp8. int4 is decoded
-natively (`int4_codes`) and int8 directly, each converted to float32 (`dequantize_tile`:
-the reference's weights; in the ring int8 and int4 are never dequantised, below). Every decoder
-computes value x scale in float32 and rounds once, bit-identical to the int32 decoders
-they replaced (every code, every fp4 scale code). Bundles per Mi weights (stream_matmul's
-steady per-tile loop, 2048 x 128 packed tiles, M 8, libtpu 0.0.42.1; the int32 decoders ->
-these): tpu7x fp4 fed bf16 6016 -> 2192, fed fp8 3964 -> 2224 (1852 with the ring's
-stacked products, below), int4 1876 -> 1716, int8 1244 -> 1244; v6e fp4 6016 -> 3724, int4
-1876 -> 1684. Then fp4's exact-value e4m3 (bias 6 added to the normal codes, 0.5 and 0
-mapped apart: fifteen 32-bit ops a nibble of a word after a three-op split, 33 a word,
-where the placement takes nine for both nibbles), 512 x 512 tiles, M 1 / 8 / 64 / 256 ->
-the placement: tpu7x fed fp8 1468 / 1680 / 3264 / 9328 -> 600 / 884 / 2888 / 9044, fed
-bf16 2232 / 2200 / 2360 / 2956 -> 1688 / 1644 / 1804 / 2376; v6e fed bf16 3776 / 3680 /
-3976 / 4736 -> 3236 / 3128 / 3460 / 4280 (measured then; mk/data/tile_feed_costs.json
-holds today's, every chip and M). Folding the 64 into a fed-bf16 group's scale instead of
-each value would save 8-15% more (tpu7x 1644 -> 1396, v6e 3128 -> 2876 at M 8) but
-overflows float32 for scale codes above 248: not taken.
-What is left is the float work per value: int8's 1244 is one unpack, one int -> float
-convert and one multiply a value, the loop's VALU slots full (why int8 and int4 now feed
-their codes, below). fp8's block scales reach
-the values as one row of scales per 128 rows (`block_scale_rows`, a lane broadcast): the
-[.., 128, O/128, 128] view of the values it replaced cost a relayout per tile (fp8 fed
-bf16 at M 8: v6e 21280 -> 2576, tpu7x 20012 -> 1148 bundles per Mi weights; bit-identical).
-
-Feeds: what a packed tile becomes for the MXU, chosen per chip from what its MXU takes
-beside bf16 activations (`mk.chips.ChipSpec.mxu_feeds`; `choose_feeds`, carried by the plan
-and its stream's segments). "bf16": fp8 and fp4 tiles dequantised (`dequantize_tile`) in
-float32 and rounded once to the compute dtype (every chip); int8 and int4 tiles are never
-dequantised: their codes go straight into the dot beside the activations (`int_product`;
-every code is a bf16 value, so the dot's conversion is exact) and their scales multiply
-the float32 product, int8's per column on the tile's product, int4's per 128-row group on
-that group's product, the groups' summed in float32 (`scaled_product`). So int8 and int4
-compute x @ (q x s) with q x s never rounded to the compute dtype, and their oracle
-multiplies the same way: `mk.quant.dequantize` gives the reference their codes and scales
-(`scaled_weight`, an `mk.ops.Scaled`), which `mk.ops.scaled_dot` multiplies by the
-activations rounded to the compute dtype, each block of rows summed in float32, then
-scaled: kernel and reference differ by float32 summation order only, in a bf16 model as
-in a float32 one (the weights in float32, `oracle_dtype`, would leave a bf16 model's
-activations unrounded, as fp8 fed fp8 still does). Bundles per Mi weights (stream_matmul's steady per-tile loop, 512 x 512
-tiles, M 8, libtpu 0.0.42.1), dequantised -> codes into the dot (int4 byte-wise to int8)
--> int4 natively: tpu7x int8 1128 -> 536, int4 1548 -> 820 -> 536; v5e int8 1228 -> 896,
-int4 1604 -> 1220 -> 932 (mk/data/tile_feed_costs.json holds every chip and M). Tried and
-not taken: int8 codes converted to bf16 by hand before the dot (tpu7x the same, v5e 896
--> 984); int4's groups as one block-diagonal product a tile (x masked to each group's 128
-columns, stacked along M): tpu7x 816 at M 8 but 1380 at M 64 against 1124, v5e 1448
-against 1220. "fp8" (fp8 and fp4; TPU7x multiplies bf16 by
-float8_e4m3fn): `fp8_feed_tile` hands the MXU e4m3 codes, fp8's as stored (a bitcast of the
-uint8 bytes, which lowers for tpu7x and v6e and runs in interpret mode) and fp4's turned
-into the e4m3 codes of the same values (`e2m1_to_e4m3`: integer ops, exact), with a float32
-scale row per block of rows sharing a scale (fp8 128 rows, its block's scale over each 128
-columns; fp4 32 rows, each column's power of two) that multiplies the block's float32
-product (`mk.kernels.ring.Ring`). bf16 x e4m3 products are exact in float32, so the fp8
-feed computes x_bf16 @ (e4m3 x scale) without rounding the weight: its oracle is the weight
-dequantised to float32 for fp8 and to the compute dtype for fp4 (e2m1 x a power of two is a
-bf16 value), `oracle_dtype`. int8 and int4 are fed bf16 (their values are not e4m3 values;
-the MXUs' int8 paths want int8 activations too). Measured on tpu7x (stream_matmul's
-per-tile loop, libtpu 0.0.42.1, 1024 x 256 tiles, bundles per Mi weights at M 1 / 8, with
-the int32 decoders: fp8 fed bf16 5952 / 5912, fed fp8 696 / 664 (`vmatpush1.f8e4m3`);
-plain bf16 1296 / 1268). fp4's scales cannot move onto the activations (a 32-column group
-of x times a power of two per output column is not separable), nor be folded into the e4m3
-exponents exactly (a group's shift can leave e4m3's range; measured slower too, 4400 /
-4344 with the int32 decoders). So each 32-row group gets its own product rows, but not its
-own product: the ring stacks x masked to each group's 32 columns along M, one [4M, 128] x
-[128, 128] product per 128 rows (the masked columns add exact zeros: bit-identical to four
-32-row products, checked on CPU). At 2048 x 128 tiles (the probe's before the panel rule,
-`mk.kernels.common.PANEL_COLS`), M 1 / 8 / 64 / 256:
-fp4 fed fp8 3952 / 3964 / 4932 / 9964 with the int32 decoders and 32-row products, 2244 /
-2224 / 3368 / 9560 byte-wise, 1964 / 1852 / 3480 / 10000 stacked (half the MXU bundles at
-M 8; a little dearer from M 64, where 4M rows outweigh the pushes saved).
+Packing order: int4's byte row b holds rows 2b (low nibble) and 2b + 1 (high), so its
+words viewed as int4 are the rows in order; fp4's byte row 64u + j holds rows 128u + j
+and 128u + 64 + j, placed where their e4m3 bytes have the bits. Not here: the layouts,
+quantising, checks and byte counts (`mk.quant`), the ring that streams the tiles
+(`mk.kernels.ring`). Why these decoders and feeds, what each costs in bundles and what
+was tried: docs/design/mk.unpack.md.
 """
 
 from __future__ import annotations
@@ -152,7 +48,7 @@ def e4m3_values(code: jax.Array) -> jax.Array:
     """float8_e4m3fn bit patterns (uint8) -> float32 values; 0x7f and 0xff are NaN. The
     bytes reinterpreted as float8_e4m3fn and converted (exact: every e4m3 value is a
     float32 value), which lowers on v5e, v6e and tpu7x and costs 2.1-2.6x fewer bundles per
-    tile than decoding the fields with integer ops (module docstring)."""
+    tile than decoding the fields with integer ops (docs/design/mk.unpack.md)."""
     return jax.lax.bitcast_convert_type(code.astype(jnp.uint8), jnp.float8_e4m3fn
                                         ).astype(F32)
 
@@ -167,7 +63,7 @@ def e2m1_values(code: jax.Array) -> jax.Array:
 @functools.partial(jax.jit, static_argnames="dtype")
 def nibble_bytes(lo: jax.Array, hi: jax.Array, dtype=jnp.uint8) -> jax.Array:
     """Words of bytes [..., R/4, O] (`fp4_words_to_e4m3`'s) -> [..., 2R, O] bytes of
-    `dtype` (8-bit) in fp4's row order (module docstring): per unit of 64 byte rows, the
+    `dtype` (8-bit) in fp4's row order (docs/design/mk.unpack.md): per unit of 64 byte rows, the
     first rows' 64 then the second rows'."""
     lo, hi = pltpu.bitcast(lo, dtype), pltpu.bitcast(hi, dtype)
     *lead, half, cols = lo.shape
@@ -185,7 +81,7 @@ def int4_codes(packed: jax.Array) -> jax.Array:
     2b + 1's in the high, each q + 8) -> q as int4 [..., I, O]: one xor a word of eight
     codes flips each code's bit 3 (offset binary -> two's complement), and the words
     viewed as int4 are the rows in order (`pltpu.bitcast`: nibble k of word r is row
-    8r + k). No shift or mask a code: the dot converts int4 natively (module docstring)."""
+    8r + k). No shift or mask a code: the dot converts int4 natively (docs/design/mk.unpack.md)."""
     return pltpu.bitcast(pltpu.bitcast(packed, jnp.int32) ^ INT4_FLIP, jnp.int4)
 
 
@@ -267,7 +163,7 @@ def e2m1_to_e4m3(code: jax.Array) -> jax.Array:
     same halves): no code needs a special case. Five 32-bit ops a word (two masks, two
     shifts, an or): the exact-value decoder it replaced (bias 6 added to the normal
     codes, 0.5 and 0 mapped apart) took fifteen and cost tpu7x 1.6-1.9x the bundles a
-    tile (module docstring). Fed to the MXU, the small values are e4m3 subnormals, as
+    tile (docs/design/mk.unpack.md). Fed to the MXU, the small values are e4m3 subnormals, as
     fp8's own small codes are."""
     c = code.astype(jnp.int32)
     return ((c & 0x07070707) << 2) | ((c & 0x08080808) << 4)
@@ -323,7 +219,7 @@ def _fp4_code_words(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 # -- Feeds (mk.chips' `mxu_feeds`: TPU7x takes bf16 x float8_e4m3fn) -----------------------
-FEEDS = MXU_FEEDS  # what a packed tile is turned into for the MXU (module docstring)
+FEEDS = MXU_FEEDS  # what a packed tile is turned into for the MXU (docs/design/mk.unpack.md)
 # The feeds each scheme (None: a plain weight) reaches exactly: int8 and int4 values are
 # not e4m3 values.
 FEEDABLE = {None: ("bf16",), "int8": ("bf16",), "int4": ("bf16",), "fp8": FEEDS,
