@@ -438,10 +438,10 @@ print(f"megakernel {np.asarray(kernel_tokens).tolist()}, reference "
 # product per 128 rows, the tile's product times 64; v5e, v6e and v5p take bf16 only.
 # int8 and int4 are never dequantised: their codes go straight into the dot (each is a bf16
 # value) and their scales multiply the float32 product, per column (int8) or per 128-row
-# group's product (int4; `unpack.int_product`), so their reference multiplies the weights
-# dequantised to float32 (an int8 MXU wants int8 activations too). Whether the vector work
-# stays hidden under the shorter DMAs is for the bundle dumps (`mk.bundles`, notebook 11)
-# and a real chip to say.
+# group's product (int4; `unpack.int_product`), and their reference multiplies the same
+# way (`quant.dequantize` gives it codes and scales, `mk.ops.Scaled`; an int8 MXU wants
+# int8 activations too). Whether the vector work stays hidden under the shorter DMAs is for
+# the bundle dumps (`mk.bundles`, notebook 11) and a real chip to say.
 #
 # ## Takeaway
 #
