@@ -280,19 +280,17 @@ def dequantize(params: dict, dtype=None, feeds=None) -> dict:
     or, for a group of `feeds` ({group: feed}, a plan's `feeds`), to its `oracle_dtype`
     (fp8 fed fp8: float32; the reference rounds a matmul's activations to its weight's
     dtype, so in a bf16 model it leaves them unrounded where the kernel rounds them: exact
-    in a float32 model). With `dtype`: every weight's float32 values (int8 and int4 too)
-    rounded once to `dtype`, plain arrays."""
-    if dtype is not None:
-        return {name: (dequantize_tile(p.scheme, p.data, p.scale).astype(dtype)
-                       if isinstance(p, QuantWeight) else p) for name, p in params.items()}
-    dtype = params["embed"].dtype
+    in a float32 model). With `dtype`: plain arrays, int8's and int4's values too rounded
+    once to `dtype` (or their `oracle_dtype`, float32, for a group of `feeds`)."""
+    codes = dtype is None  # the reference's int8 and int4 weights: codes and scales
+    dtype = dtype or params["embed"].dtype
     into = {name: oracle_dtype(p.scheme, feed, dtype) for name, feed in
             schemes_of(feeds).items() if isinstance(p := params.get(name), QuantWeight)}
 
     def value(name, p):
         if not isinstance(p, QuantWeight):
             return p
-        if p.scheme in INT_SCHEMES:
+        if codes and p.scheme in INT_SCHEMES:
             return scaled_weight(p.scheme, p.data, p.scale, dtype)
         return dequantize_tile(p.scheme, p.data, p.scale).astype(into.get(name, dtype))
     return {name: value(name, p) for name, p in params.items()}
