@@ -374,7 +374,8 @@ def time_step_series(config: ModelConfig, *, batch: int = 1, rows: int = 1,
     each of `series`: every sequence reads a full cache of `context` positions before its
     `rows` new ones, as `mk.sim.simulate(..., context=context)` replays it.
 
-    - "megakernel": one dispatched megakernel step (host dispatch included);
+    - "megakernel": one dispatched megakernel step (host dispatch included), its cache
+      donated (`mk.megakernel.step_in_place`: no copy of the cache, as in serving);
     - "megakernel_loop": a device-side loop of `loop_steps` greedy steps (`generate`'s
       `steps_per_call`) over its step count; T = 1 only;
     - "xla": XLA's step (`mk.reference.forward` jitted), one dispatched step.
@@ -402,11 +403,14 @@ def time_step_series(config: ModelConfig, *, batch: int = 1, rows: int = 1,
             seconds |= _median_seconds({"xla": lambda: reference.forward(
                 config, params, cache, tokens, positions)}, repeats)
         weights = megakernel.prepare(plan, params, donate=True)
+        held = [cache]  # both donate the cache: each call gets the last one's
         if "megakernel" in series:
-            seconds |= _median_seconds({"megakernel": lambda: megakernel.traced_step(
-                plan, weights, cache, tokens, positions)}, repeats)
+            def step():
+                out = megakernel.step_in_place(plan, weights, held[0], tokens, positions)
+                held[0] = out[2]
+                return out
+            seconds |= _median_seconds({"megakernel": step}, repeats)
         if "megakernel_loop" in series:
-            held = [cache]  # the loop donates its cache: each call gets the last one's
 
             def loop():
                 out, held[0] = megakernel.device_loop(loop_plan, weights, held[0],
