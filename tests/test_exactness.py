@@ -5,6 +5,8 @@ float32 matmul in the megakernel that a chip would round and interpret mode woul
 
 import dataclasses
 import functools
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +48,27 @@ def test_issue_58s_divergence_is_a_near_tie_in_interpret_mode_too():
     planted = got.copy()
     planted[1, 2] = (planted[1, 2] + 1) % config.vocab
     assert exactness.judge(config, params, prompt, planted).wrong == 1
+
+
+def test_a_judgement_made_in_a_cpu_process_in_advance_is_the_same_verdict():
+    """The hardware tier's oracle: `expect` in a spawned CPU-only process (`cpu_only`), made
+    before the path's tokens exist, judges the reference's own tokens as a fresh prefill
+    does; tokens that differ from its own are judged afresh (a planted wrong one fails)."""
+    config = dataclasses.replace(mk.preset("tiny"), dtype="float32")
+    params = mk.init_params(config)
+    prompt = np.arange(3, 17).reshape(2, 7)
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=exactness.cpu_only) as pool:
+        expected = pool.submit(exactness.expect, config, jax.tree.map(np.asarray, params),
+                               prompt, 6).result()
+    own = expected.tokens
+    assert own.shape == (2, 6) and expected.logits.shape == (2, 6, config.vocab)
+    assert exactness.judge(config, params, prompt, own, expected=expected) \
+        == exactness.judge(config, params, prompt, own)
+    planted = own.copy()
+    planted[1, 5] = (planted[1, 5] + 1) % config.vocab  # the last: no later token moves
+    verdict = exactness.judge(config, params, prompt, planted, expected=expected)
+    assert verdict.wrong == 1 and verdict.first == (None, 5), str(verdict)
 
 
 def test_every_model_family_has_a_tiny_preset_for_the_hardware_tier():
