@@ -430,10 +430,16 @@ class AttentionTwin(Twin):
         sim.vector(3 * B * T * (c.heads + caches * K) * H, "attention")  # regrouping
         mxu = 2 * sim.mxu_s(R, tile * H * K)  # q.k and p.v
         vec = 8 * K * R * tile / sim.vpu
-        for j, (_b, i) in enumerate(self.tiles()):
+        a = sim.a  # a measured loop (`mk.calibration`): no faster than its KV rate
+        per_tile = max(mxu + vec, caches * self.kind.kv_dma_bytes(tile) / a.kv_bytes_per_s
+                       if a.kv_bytes_per_s else 0.0)
+        tiles = self.tiles()
+        for j, (b, i) in enumerate(tiles):
             self.issue(j + block.kv_slots - 1)
+            if a.sequence_s and (j == 0 or tiles[j - 1][0] != b):
+                sim.mc.compute(a.sequence_s, sim.layer, "attention")
             sim.mc.wait(self.landed.pop(j))
-            sim.mc.compute(mxu + vec, sim.layer, "attention")
+            sim.mc.compute(per_tile, sim.layer, "attention")
             if i >= sim.context // tile:  # written: its staging slot is free once
                 n, backs = len(self.sent), write_back_slots(B)  # write-back n - 2B landed
                 if n >= backs:
