@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from mk import calibration
+from mk import calibration, ledger
 from mk.chips import spec_of
 from mk.machine import Assumptions
 
@@ -73,3 +73,11 @@ def test_a_bad_row_is_named(tmp_path, field, value):
     path = _record(tmp_path, [_row(1, 1024, 2e-3) | {field: value}])
     with pytest.raises(ValueError, match=rf"rows\[0\]\.{field}="):
         calibration.load_steps(path)
+
+
+def test_the_ledger_says_which_chip_rests_on_measurement():
+    table = ledger.basis_table()
+    rows = {r[0]: dict(zip(table.columns, r)) for r in table.rows}
+    assert rows["v5e"]["numbers rest on"] == "measurement"
+    assert "449 GB/s" in rows["v5e"]["attention loop"]
+    assert all(rows[c]["numbers rest on"] == "assumptions only" for c in ("v6e", "tpu7x"))
