@@ -10,7 +10,8 @@ which measures one quantity of the attention loop that the tile cost model lacks
 `assumptions(chip)` is `Assumptions.measured(chip)` (the DMA probe's latency and
 bandwidth) with both; `agreement(chip)` simulates every device-loop row with them:
 measured, simulated, error, and which rows the two sweeps were read from (the others
-test the simulator; tests/test_calibration.py holds them within `TOLERANCE`).
+test the simulator; tests/test_calibration.py holds them within `TOLERANCE`);
+`steps_table(chip)` shows the record beside the calibrated step and the HBM floor.
 
 Not here: the DMA probe and the steps' timing (`mk.measure`), the simulator (`mk.sim`).
 A one-step row's time adds the host's dispatch, which no probe measures yet: only device
@@ -23,7 +24,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from mk import perf, sim
+from mk import perf, plots, sim
 from mk.chips import spec_of
 from mk.machine import Assumptions
 from mk.measure import MEASURED
@@ -152,3 +153,39 @@ def agreement(chip: str, path: str | Path | None = None,
                             context=row["context"], assumptions=a).step_s
         out.append(Agreement(i, row, _seconds(row), step, i in used))
     return out
+
+
+def steps_table(chip: str, path: str | Path | None = None) -> plots.Table:
+    """`chip`'s steps record as the ledger's words say it (`mk.ledger.TERMS`): each row's
+    measured device loop, its one dispatched step and XLA's (both include the host's
+    dispatch), the calibrated step (`agreement`) and its error, and the HBM floor with
+    its share of the device loop (floor / loop). Labelled with the chip, commit and date."""
+    path = Path(path) if path is not None else steps_path(chip)
+    record = load_steps(path)
+    made = f"measured on {chip}, {str(record.get('commit', '?'))[:7]}, " \
+           f"{str(record.get('when', '?'))[:10]}"
+    simulated = {g.index: g for g in agreement(chip, path)}
+    one_step = "one dispatched step ms" + (  # before 4cbaec7 XLA copied the cache first
+        " (its cache copied)" if record.get("megakernel_cache") == "copied" else "")
+    out = []
+    for i, row in enumerate(record["rows"]):
+        config = row_config(row)
+        floor = perf.predict(config, chip, batch=row["batch"], rows=row["rows"],
+                             context=row["context"]).hbm_floor_ms
+        g = simulated.get(i)
+        out.append({
+            "model": config.name + ("" if row.get("layers") is None
+                                    else f", first {row['layers']} layers"),
+            "B": row["batch"], "T": row["rows"], "context": row["context"],
+            f"device loop ms ({made})": _ms(row.get(LOOP)),
+            one_step: _ms(row.get("megakernel")),
+            "XLA's step ms": _ms(row.get("xla")),
+            "calibrated step ms": "-" if g is None else f"{g.simulated_s * 1e3:.3f} "
+                                                        f"({g.error:+.1%})",
+            "HBM floor ms": f"{floor:.3f}",
+            "share of HBM floor": "-" if g is None else f"{floor / (g.measured_s * 1e3):.0%}"})
+    return plots.table(out)
+
+
+def _ms(seconds) -> str:
+    return f"{seconds * 1e3:.3f}" if isinstance(seconds, (int, float)) else "-"

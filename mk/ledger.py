@@ -75,8 +75,14 @@ TERMS = {
                             "replayed by `mk.sim` at the low and at the high end of the "
                             "chip's clock range (the clock is not published: "
                             "`mk.chips.ChipSpec.clock`); a simulation, not a measurement",
-    "measured": "timed or counted on this machine (CPU interpret mode: never TPU time) or, "
+    "measured": "timed or counted on a machine named with it: a TPU's times carry its chip, "
+                "commit and date (data/measured); CPU interpret mode is never TPU time; "
                 "for acceptance, counted from real drafts",
+    "calibrated step": "the simulated step with a chip's measured inputs "
+                       "(`mk.calibration.assumptions`: the DMA probe's latency and bandwidth, "
+                       "the attention loop's KV rate from sweeps of the real kernel), checked "
+                       "against that chip's measured device loops; a simulation, not a "
+                       "measurement, and only for a chip that was measured",
 }
 # The terms that claim no step can be shorter, each with the `entries` column and the
 # compute feed (`entries(compute=...)`) at which the claim is made; tests/test_ledger.py

@@ -534,7 +534,7 @@ plots.show(plots.timeline(s, layers=(0, min(1, config.layers - 1)),
 # pass `mk.calibration.assumptions(chip)`.
 
 # %%
-plots.show(ledger.basis_table())
+display(ledger.basis_table())
 
 # %% [markdown]
 # ## Cross-layer prefetch, on and off

@@ -81,3 +81,10 @@ def test_the_ledger_says_which_chip_rests_on_measurement():
     assert rows["v5e"]["numbers rest on"] == "measurement"
     assert "449 GB/s" in rows["v5e"]["attention loop"]
     assert all(rows[c]["numbers rest on"] == "assumptions only" for c in ("v6e", "tpu7x"))
+
+
+def test_the_steps_table_names_chip_commit_date_and_how_one_step_was_timed():
+    table = calibration.steps_table("v5e")
+    assert "device loop ms (measured on v5e, acd3dab, 2026-12-06)" in table.columns
+    assert "one dispatched step ms (its cache copied)" in table.columns  # acd3dab's record
+    assert len(table.rows) == len(calibration.load_steps(calibration.steps_path("v5e"))["rows"])
