@@ -27,7 +27,7 @@ from pathlib import Path
 from mk import perf, plots, sim
 from mk.chips import spec_of
 from mk.machine import Assumptions
-from mk.measure import MEASURED
+from mk.measure import MEASURED, step_plans
 from mk.presets import preset
 
 TOLERANCE = 0.10  # issue 59: every row simulated within 10 % of the chip
@@ -139,7 +139,7 @@ class Agreement:
 def agreement(chip: str, path: str | Path | None = None,
               a: Assumptions | None = None) -> list[Agreement]:
     """Every device-loop row of `chip`'s steps record, simulated with `a` (default
-    `assumptions(chip, path)`)."""
+    `assumptions(chip, path)`) on the block the chip ran (`mk.measure.step_plans`)."""
     path = Path(path) if path is not None else steps_path(chip)
     record = load_steps(path)
     costs = attention_costs(record, chip)
@@ -149,8 +149,10 @@ def agreement(chip: str, path: str | Path | None = None,
     for i, row in enumerate(record["rows"]):
         if not _seconds(row):
             continue
-        step = sim.simulate(row_config(row), chip, batch=row["batch"], rows=row["rows"],
-                            context=row["context"], assumptions=a).step_s
+        config, kw = row_config(row), dict(batch=row["batch"], rows=row["rows"],
+                                           context=row["context"])
+        _, ran = step_plans(config, **kw)  # the device loop's plan: simulate its block
+        step = sim.simulate(config, chip, **kw, block=ran.block, assumptions=a).step_s
         out.append(Agreement(i, row, _seconds(row), step, i in used))
     return out
 

@@ -10,7 +10,7 @@ labelled record from a chosen latency and bandwidth share.
 Here: `Sweep` (`SWEEPS`), `DmaPoint`, `StepPoint`, `Measured` (`latency_fit`,
 `dma_latency_s`, `hbm_bw`, `hbm_share`, `to_dict`, `from_dict`), `chip_of`,
 `seconds_per_copy`, `dma_sweep`, `time_step_series` (`STEP_SERIES`: the megakernel, its
-device loop, XLA's step; benchmarks/tpu_steps.py), `time_step`, `provenance`, `measure`,
+device loop, XLA's step; benchmarks/tpu_steps.py; its plans `step_plans`), `time_step`, `provenance`, `measure`,
 `example`, `path_for`, `write`, `load`, `sim_fields`. Not here: the simulator
 (`mk.sim`), drawing (the notebook, with `mk.plots`), the JSON schema's prose
 (data/README.md). How each number is measured: docs/design/mk.measure.md.
@@ -388,11 +388,9 @@ def time_step_series(config: ModelConfig, *, batch: int = 1, rows: int = 1,
     if "megakernel_loop" in series and rows != 1:
         raise ValueError(f"rows={rows}: the device loop (series 'megakernel_loop') decodes "
                          "one row per step; time it with rows=1")
-    _integer("loop_steps", loop_steps, 1)
-    capacity = cache_capacity(context + max(rows, loop_steps))
-    config = dataclasses.replace(config, max_context=capacity)
-    plan = DecodePlan.make(config, batch=batch, rows=rows, context=capacity)
-    loop_plan = DecodePlan.make(config, batch=batch, rows=1, context=capacity)
+    plan, loop_plan = step_plans(config, batch=batch, rows=rows, context=context,
+                                 loop_steps=loop_steps)
+    config, capacity = plan.config, plan.context
     params = init_params(config, seed)
     cache = reference.init_cache(config, batch, capacity)
     tokens, positions = reference.validate_step(
@@ -419,6 +417,18 @@ def time_step_series(config: ModelConfig, *, batch: int = 1, rows: int = 1,
             loop_seconds = _median_seconds({"loop": loop}, repeats)["loop"]
             seconds["megakernel_loop"] = loop_seconds / loop_steps
     return {name: seconds[name] for name in series}
+
+
+def step_plans(config: ModelConfig, *, batch: int = 1, rows: int = 1, context: int = 256,
+               loop_steps: int = 32) -> tuple[DecodePlan, DecodePlan]:
+    """The plans `time_step_series` runs (the step's, and the device loop's of T = 1): a
+    cache holding `context` positions and the rows or loop steps after them, the default
+    block (no chip given: what `generate` runs)."""
+    _integer("loop_steps", loop_steps, 1)
+    capacity = cache_capacity(context + max(rows, loop_steps))
+    config = dataclasses.replace(config, max_context=capacity)
+    return (DecodePlan.make(config, batch=batch, rows=rows, context=capacity),
+            DecodePlan.make(config, batch=batch, rows=1, context=capacity))
 
 
 def time_step(config: ModelConfig, *, batch: int = 1, rows: int = 1, context: int = 256,
