@@ -10,10 +10,10 @@ labelled record from a chosen latency and bandwidth share.
 Here: `Sweep` (`SWEEPS`), `DmaPoint`, `StepPoint`, `Measured` (`latency_fit`,
 `dma_latency_s`, `hbm_bw`, `hbm_share`, `to_dict`, `from_dict`), `chip_of`,
 `seconds_per_copy`, `dma_sweep`, `time_step_series` (`STEP_SERIES`: the megakernel, its
-device loop, XLA's step; benchmarks/tpu_steps.py; its plans `step_plans`), `time_step`, `provenance`, `measure`,
-`example`, `path_for`, `write`, `load`, `sim_fields`. Not here: the simulator
-(`mk.sim`), drawing (the notebook, with `mk.plots`), the JSON schema's prose
-(data/README.md). How each number is measured: docs/design/mk.measure.md.
+device loop, XLA's step; benchmarks/tpu_steps.py; its plans `step_plans`), `time_step`,
+`provenance`, `measure`, `example`, `path_for`, `write`, `load`, `sim_fields`. Not here:
+the simulator (`mk.sim`), drawing (the notebook, with `mk.plots`), the JSON schema's
+prose (data/README.md). How each number is measured: docs/design/mk.measure.md.
 """
 
 from __future__ import annotations
