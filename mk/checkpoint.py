@@ -33,7 +33,7 @@ from mk import quant, untrusted
 from mk.config import ModelConfig, check_seed
 from mk.errors import shown
 from mk.hf_layout import every, fill_slots, hf_layout, hf_shape, placements
-from mk.kinds.hf import tensor_prefixes
+from mk.kinds.hf import not_run, tensor_prefixes
 from mk.hf_quant import (INTERLEAVED, assemble_quantised, quant_format, quantised_layout,
                          quantised_problems, quantised_shape)
 from mk.weights import hf_scheme, param_shapes, put_corner
@@ -76,12 +76,6 @@ INDEX_MAX_BYTES = 256 * 2**20  # the largest index read (a 10**5-tensor one is ~
 # safetensors dtype tags a checkpoint may store; each is cast to `config.dtype` on load.
 STORED_DTYPES = ("F32", "BF16", "F16")
 
-
-# Tensors mk does not run, by the checkpoint's model_type: Qwen3.5's multi-token
-# prediction and vision tower (by prefix); every tensor outside Kimi K3's language model
-# (its other towers: the release's kimi/load.py reads only language_model.*).
-SKIPPED = dict.fromkeys(("qwen3_5", "qwen3_5_text"), ("mtp.", "model.visual."))
-KEPT_ONLY = {"kimi_k3": "language_model."}
 
 
 def load_checkpoint(path: str | Path, *, dtype: str | None = None
@@ -166,11 +160,9 @@ def open_checkpoint(path: str | Path, *, dtype: str | None = None):
     with contextlib.ExitStack() as stack:
         handles, where, problems = _open_tensors(folder, layout, placed, shapes, stack,
                                                  hf_aliases(config, model))
-        skipped = SKIPPED.get(hf.get("model_type"), ())
-        kept = KEPT_ONLY.get(hf.get("model_type"), "")
         head_name = f"{head}lm_head.weight"
         for name in where:
-            if name.startswith(skipped) or not name.startswith(kept):
+            if not_run(hf.get("model_type"), name):
                 continue
             if name not in layout and not (name == head_name and config.tie_embeddings):
                 problems.append(f"{where[name]}: unexpected tensor {name} (not in "

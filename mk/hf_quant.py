@@ -87,7 +87,7 @@ def quantised_layout(config: ModelConfig, fmt: str | None, layout: dict, dtypes:
                      ) -> dict:
     """`hf_layout` with the quantised tensors of format `fmt` in place of their plain ones;
     their third field names their role ("fp8", "fp8_scale", "mxfp4_blocks",
-    "mxfp4_scales") instead of a transpose flag."""
+    "mxfp4_scales"; "mxfp4_packed", "mxfp4_scale": K3's) instead of a transpose flag."""
     if fmt is None:
         return layout
     quantisable = {name for names in FORMAT_GROUPS.values() for name in names}
@@ -103,7 +103,7 @@ def quantised_layout(config: ModelConfig, fmt: str | None, layout: dict, dtypes:
             if param in FORMAT_GROUPS["experts"]:
                 del out[name]
                 out[name + "_packed"] = (param, index, "mxfp4_packed")
-                out[name + "_scale"] = (param, index, "mxfp4_scales")
+                out[name + "_scale"] = (param, index, "mxfp4_scale")
         return out
     for name, (param, index, _) in layout.items():
         if param in ("we_gate", "we_up", "we_down", "we_gate+we_up"):
@@ -207,7 +207,8 @@ def assemble_quantised(folder, handles, where, layout, shapes
                   else handles[where[name]].get_tensor(name))
         if how == "mxfp4_packed":  # [O, I/2] -> gpt-oss's [O, I/32, 16] blocks, same order
             how, tensor = "mxfp4_blocks", tensor.reshape(*tensor.shape[:-1], -1, 16)
-        if how == "mxfp4_scales" and name.endswith("weight_scale"):
+        if how == "mxfp4_scale":  # [O, I/32], as gpt-oss's
+            how = "mxfp4_scales"
             _check_e8m0(folder, name, tensor)
         if how in ("fp8", "fp8_scale"):
             d, s = slot(param, "fp8")

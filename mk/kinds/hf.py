@@ -9,7 +9,8 @@ the fields its kind owns, read from the file (`HfConfig`: `need`, `count`, `whol
 it. Its errors name the file's field, its value (`shown`: a checkpoint is untrusted) and
 what was expected. Also here: `check_hub_name`; the model types that wrap their text
 model in text_config and where their checkpoints keep its tensors (`WRAPPERS`,
-`tensor_prefixes`: Qwen3.5's full checkpoint, Kimi K3's).
+`tensor_prefixes`: Qwen3.5's full checkpoint, Kimi K3's) and the tensors mk does not run
+(`not_run`).
 
 This module imports nothing of mk but the error texts (`mk.errors`): `mk.config` imports
 it. Not here: the checks of the fields read (`mk.config.ModelConfig`, `mk.kinds.checks`),
@@ -487,9 +488,23 @@ WRAPPERS = {"qwen3_5": ("model.language_model.", ""),
 WRAPPED_TEXT = {"qwen3_5": None, "kimi_k3": "kimi_k3"}
 
 
+# Tensors mk does not run, by model type: Qwen3.5's multi-token prediction and vision
+# tower (by prefix); every tensor outside Kimi K3's language model (its other towers: the
+# release's kimi/load.py reads only language_model.*).
+SKIPPED = dict.fromkeys(("qwen3_5", "qwen3_5_text"), ("mtp.", "model.visual."))
+KEPT_ONLY = {"kimi_k3": "language_model."}
+
+
 def tensor_prefixes(model_type) -> tuple[str, str]:
     """(the decoder's tensor prefix, lm_head's) in a checkpoint of `model_type`."""
     return WRAPPERS.get(model_type, ("model.", ""))
+
+
+def not_run(model_type, name: str) -> bool:
+    """Whether tensor `name` of a `model_type` checkpoint is one mk does not run (the
+    loader skips it: `SKIPPED`, `KEPT_ONLY`)."""
+    return name.startswith(SKIPPED.get(model_type, ())) \
+        or not name.startswith(KEPT_ONLY.get(model_type, ""))
 HF_MODEL_TYPES = tuple(FAMILIES)
 
 
