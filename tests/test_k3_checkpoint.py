@@ -156,6 +156,15 @@ def test_k3_config_json_reads_back_as_tiny_k3(written):
     assert config == dataclasses.replace(TINY, name=config.name, max_context=4096)
 
 
+def test_kimi_k3_s_config_json_reads_back_as_the_kimi_k3_preset():
+    """The release's Config in config.json's spelling reads as `kimi-k3`, but for what is
+    not in a config.json: the release's fp8 re-storing of gate and up (a kernel layout:
+    expert_fp8_block, formats) and the context mk defaults to."""
+    k3 = mk.preset("kimi-k3")
+    got = mk.ModelConfig.from_hf(k3_config_json(k3), name="kimi-k3")
+    assert got == dataclasses.replace(k3, max_context=4096, formats=(), expert_fp8_block=0)
+
+
 def test_k3_checkpoint_loads_the_values_written(written):
     folder, _, want = written
     _, params = load_checkpoint(folder)
