@@ -54,8 +54,12 @@ PACKED_MXFP4 = "mxfp4-pack-quantized"
 
 
 def quant_format(folder, hf: dict, config: ModelConfig) -> str | None:
-    """The quantised format config.json declares (`QUANT_FORMATS`), or None."""
+    """The quantised format config.json declares (`QUANT_FORMATS`; its
+    quantization_config, else its text_config's), or None."""
     qc = hf.get("quantization_config")
+    text = hf.get("text_config")
+    if qc is None and isinstance(text, dict):  # a wrapper's may sit in its text_config
+        qc = text.get("quantization_config")
     if qc is None:
         return None
     method = qc.get("quant_method") if isinstance(qc, dict) else None

@@ -208,6 +208,14 @@ def test_a_bf16_k3_checkpoint_is_tiny_k3_in_its_own_dtype(tmp_path):
                                       np.asarray(value, np.float32), err_msg=name)
 
 
+def test_a_quantization_config_inside_text_config_is_read(tmp_path, written):
+    """Third-party K3 ports read it from text_config too; the release reads neither."""
+    hf = k3_config_json(TINY)
+    hf["text_config"]["quantization_config"] = hf.pop("quantization_config")
+    _, params = load_checkpoint(_write(tmp_path, written[1], hf))
+    assert params["we_up"].scheme == "fp4"
+
+
 def test_vision_tower_tensors_are_not_the_language_model_s(tmp_path, written):
     """K3's other towers sit outside language_model. (kimi/load.py reads only it)."""
     tensors = written[1] | {"vision_tower.encoder.weight": np.zeros((2, 2), np.float32)}
