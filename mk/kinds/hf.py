@@ -476,8 +476,9 @@ FAMILIES = {
     "kimi_k3": (functools.partial(decoder, ties=False, act="situ"), dense, situ, mla,
                 gated_mla, kda, bounded_kda, sigmoid_moe, latent_moe, attention_residuals),
 }
-# Model types whose config.json wraps the text model's in text_config (the rest of the
-# file describes other towers: vision), and where their checkpoints keep its tensors:
+HF_MODEL_TYPES = tuple(FAMILIES)
+# Model types whose config.json wraps its text model's fields in text_config (the rest of
+# the file describes other towers: vision), and where their checkpoints keep its tensors:
 # (the decoder's prefix, lm_head.weight's prefix). Qwen3.5's full checkpoint: its
 # language model under model.language_model.; Kimi K3's under language_model. (the
 # release's kimi/load.py: PREFIX "language_model.model.", "language_model.lm_head.weight").
@@ -486,8 +487,6 @@ WRAPPERS = {"qwen3_5": ("model.language_model.", ""),
 # A wrapper's text_config has a model type of its own (when it names one: K3's may say
 # kimi_linear) but is read by the wrapper's readers: these.
 WRAPPED_TEXT = {"qwen3_5": None, "kimi_k3": "kimi_k3"}
-
-
 # Tensors mk does not run, by model type: Qwen3.5's multi-token prediction and vision
 # tower (by prefix); every tensor outside Kimi K3's language model (its other towers: the
 # release's kimi/load.py reads only language_model.*).
@@ -505,14 +504,14 @@ def not_run(model_type, name: str) -> bool:
     loader skips it: `SKIPPED`, `KEPT_ONLY`)."""
     return name.startswith(SKIPPED.get(model_type, ())) \
         or not name.startswith(KEPT_ONLY.get(model_type, ""))
-HF_MODEL_TYPES = tuple(FAMILIES)
 
 
 def fields_from_hf(source, *, name: str | None = None, dtype: str | None = None) -> dict:
     """`ModelConfig.from_hf`'s fields: read `source` (a config.json path, its folder or
     the parsed dict), name the model (`name`, else `_name_or_path` checked by
-    `check_hub_name`, else the file's folder), unwrap a full qwen3_5 (vision-language)
-    config to its text model, run the model type's readers; `dtype` overrides the file's."""
+    `check_hub_name`, else the file's folder), unwrap a wrapper's (`WRAPPERS`: a full
+    qwen3_5 or kimi_k3, vision-language) config to its text model, run the model type's
+    readers; `dtype` overrides the file's."""
     raw = _read_json(source)
     if name is None and raw.get("_name_or_path"):
         check_hub_name(raw["_name_or_path"])
