@@ -13,9 +13,9 @@ scale; `mk.megakernel.first_divergence` is the finer tool for an error inside a 
 
 `ROUTER_TIE` is the same bound for an MoE router's expert choice. Also here, the
 hardware record: `FAMILY_PRESETS` (the tiny preset of every model family
-of `mk.kinds.hf.FAMILIES` but `NO_KERNEL_YET`'s), `record_path`, `load_record` and `verified` (per family: the
-chip, commit and date of its newest hardware case, and whether kernel code changed
-since). The hardware tier that writes records is tests/test_tpu.py (`make test-tpu`).
+of `mk.kinds.hf.FAMILIES` a kernel runs), `record_path`, `load_record` and `verified` (per
+family: the chip, commit and date of its newest hardware case, and whether kernel code
+changed since). The hardware tier that writes records is tests/test_tpu.py (`make test-tpu`).
 And `default_precision_f32_dots`: the float32 matmuls a chip would round that interpret
 mode does not.
 """
