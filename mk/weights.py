@@ -191,8 +191,10 @@ def _kda(kind: str) -> tuple[Weight, ...]:
            "channels", hf={"kimi": _qkv_parts("self_attn.", "_conv1d.weight")}),
         # Kimi Linear stores it [1, 1, Nv, 1]: the part "kda" (`mk.hf_layout.parts_of`).
         # Kimi K3's is read as [Nv]: the release's kimi/load.py slices its heads from its
-        # leading axis and reshapes them to [heads, 1], so its other axes (if any) are 1;
-        # no public source states its rank, and mk reads the one-axis spelling.
+        # leading axis and reshapes them to [heads, 1] (any other axis is 1, and entries
+        # past Nv are never read); the release states no shape. Third-party ports differ
+        # (one reads [H], one strips zero padding past H): a padded one is refused by
+        # shape, naming the tensor, until a public source settles it.
         _w("lin_a_log", kind, lambda c: (c.linear_value_heads,), "linear", "dma", "columns",
            hf={"kimi": "self_attn.A_log" if kind == "bounded_kda"
                else {"kda": "self_attn.A_log"}}),
