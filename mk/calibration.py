@@ -8,20 +8,20 @@ which measures one quantity of the attention loop that the tile cost model lacks
 - over batch (one context): each added sequence's cost in each attention layer beyond
   its KV bytes at that rate (`sequence_s`).
 `assumptions(chip)` is `Assumptions.measured(chip)` (the DMA probe's latency and
-bandwidth) with both; `agreement(chip)` simulates every device-loop row with them:
-measured, simulated, error, and which rows the two sweeps were read from (the others
-test the simulator; tests/test_calibration.py holds them within `TOLERANCE`);
-`steps_table(chip)` shows the record beside the calibrated step and the HBM floor.
+bandwidth) with both. `call_seconds` reads the host's cost of one dispatched step (one
+step less a loop's step), where the record timed it with the cache donated.
+`agreement(chip)` simulates every row: measured, simulated, error, and which rows a
+quantity was read from (the others test the simulator: tests/test_calibration.py holds
+them within `TOLERANCE`); `steps_table(chip)` shows it beside the HBM floor.
 
 Not here: the DMA probe and the steps' timing (`mk.measure`), the simulator (`mk.sim`).
-A one-step row's time adds the host's dispatch, which no probe measures yet: only device
-loops are compared.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 from pathlib import Path
 
 from mk import perf, plots, sim
@@ -32,6 +32,7 @@ from mk.presets import preset
 
 TOLERANCE = 0.10  # issue 59: every row simulated within 10 % of the chip
 LOOP = "megakernel_loop"  # the record's device-loop series (`mk.measure.STEP_SERIES`)
+ONE_STEP = "megakernel"  # its one dispatched step
 
 
 def steps_path(chip: str) -> Path:
@@ -62,9 +63,23 @@ def row_config(row: dict):
     return config if row.get("layers") is None else config.first_layers(row["layers"])
 
 
-def _seconds(row: dict) -> float | None:
-    value = row.get(LOOP)
+def _seconds(row: dict, series: str = LOOP) -> float | None:
+    value = row.get(series)
     return value if isinstance(value, (int, float)) and value > 0 else None
+
+
+def call_seconds(record: dict) -> tuple[float, tuple[int, ...]] | None:
+    """The host's cost of one dispatched step and the rows it was read from: the median,
+    over rows of T = 1, of one dispatched step less a device-loop step. None unless the
+    record timed the one step with its cache donated (`megakernel_cache`: a copied cache
+    adds its own bytes) and has such rows."""
+    if record.get("megakernel_cache") != "donated":
+        return None
+    pairs = [(i, _seconds(r, ONE_STEP) - _seconds(r)) for i, r in enumerate(record["rows"])
+             if r["rows"] == 1 and _seconds(r, ONE_STEP) and _seconds(r)]
+    if not pairs:
+        return None
+    return statistics.median(d for _, d in pairs), tuple(i for i, _ in pairs)
 
 
 def _kv(row: dict, chip: str) -> float:
@@ -123,13 +138,15 @@ def assumptions(chip: str, path: str | Path | None = None) -> Assumptions:
 
 @dataclasses.dataclass(frozen=True)
 class Agreement:
-    """One device-loop row: measured and simulated seconds per step."""
+    """One row's measured and simulated seconds per step, of one series: a device loop's
+    step, or one dispatched step (simulated + `call_seconds`)."""
 
     index: int
     row: dict
+    series: str  # LOOP or ONE_STEP
     measured_s: float
     simulated_s: float
-    derived: bool  # one of the rows the attention costs were read from
+    derived: bool  # one of the rows a measured quantity was read from
 
     @property
     def error(self) -> float:
@@ -138,35 +155,41 @@ class Agreement:
 
 def agreement(chip: str, path: str | Path | None = None,
               a: Assumptions | None = None) -> list[Agreement]:
-    """Every device-loop row of `chip`'s steps record, simulated with `a` (default
-    `assumptions(chip, path)`) on the block the chip ran (`mk.measure.step_plans`)."""
+    """Every device loop of `chip`'s steps record, and every one dispatched step where
+    `call_seconds` has the host's cost, simulated with `a` (default `assumptions(chip,
+    path)`) on the block the chip ran (`mk.measure.step_plans`)."""
     path = Path(path) if path is not None else steps_path(chip)
     record = load_steps(path)
-    costs = attention_costs(record, chip)
-    used = set() if costs is None else {*costs.context_sweep, costs.batch_row}
+    costs, call = attention_costs(record, chip), call_seconds(record)
+    used = {LOOP: set() if costs is None else {*costs.context_sweep, costs.batch_row},
+            ONE_STEP: set() if call is None else set(call[1])}
     a = a or assumptions(chip, path)
     out = []
     for i, row in enumerate(record["rows"]):
-        if not _seconds(row):
-            continue
         config, kw = row_config(row), dict(batch=row["batch"], rows=row["rows"],
                                            context=row["context"])
-        _, ran = step_plans(config, **kw)  # the device loop's plan: simulate its block
-        step = sim.simulate(config, chip, **kw, block=ran.block, assumptions=a).step_s
-        out.append(Agreement(i, row, _seconds(row), step, i in used))
+        plans = dict(zip((ONE_STEP, LOOP), step_plans(config, **kw)))
+        for series, extra in ((LOOP, 0.0), (ONE_STEP, call and call[0])):
+            if not _seconds(row, series) or extra is None:
+                continue
+            step = sim.simulate(config, chip, **kw, block=plans[series].block,
+                                assumptions=a).step_s
+            out.append(Agreement(i, row, series, _seconds(row, series), step + extra,
+                                 i in used[series]))
     return out
 
 
 def steps_table(chip: str, path: str | Path | None = None) -> plots.Table:
     """`chip`'s steps record as the ledger's words say it (`mk.ledger.TERMS`): each row's
     measured device loop, its one dispatched step and XLA's (both include the host's
-    dispatch), the calibrated step (`agreement`) and its error, and the HBM floor with
-    its share of the device loop (floor / loop). Labelled with the chip, commit and date."""
+    dispatch), the calibrated steps of both series (`agreement`) and their errors, and the
+    HBM floor with its share of the device loop (floor / loop). Labelled with the chip,
+    commit and date."""
     path = Path(path) if path is not None else steps_path(chip)
     record = load_steps(path)
     made = f"measured on {chip}, {str(record.get('commit', '?'))[:7]}, " \
            f"{str(record.get('when', '?'))[:10]}"
-    simulated = {g.index: g for g in agreement(chip, path)}
+    simulated = {(g.index, g.series): g for g in agreement(chip, path)}
     one_step = "one dispatched step ms" + (  # before 4cbaec7 XLA copied the cache first
         " (its cache copied)" if record.get("megakernel_cache") == "copied" else "")
     out = []
@@ -174,7 +197,7 @@ def steps_table(chip: str, path: str | Path | None = None) -> plots.Table:
         config = row_config(row)
         floor = perf.predict(config, chip, batch=row["batch"], rows=row["rows"],
                              context=row["context"]).hbm_floor_ms
-        g = simulated.get(i)
+        g, one = simulated.get((i, LOOP)), simulated.get((i, ONE_STEP))
         out.append({
             "model": config.name + ("" if row.get("layers") is None
                                     else f", first {row['layers']} layers"),
@@ -182,11 +205,15 @@ def steps_table(chip: str, path: str | Path | None = None) -> plots.Table:
             f"device loop ms ({made})": _ms(row.get(LOOP)),
             one_step: _ms(row.get("megakernel")),
             "XLA's step ms": _ms(row.get("xla")),
-            "calibrated step ms": "-" if g is None else f"{g.simulated_s * 1e3:.3f} "
-                                                        f"({g.error:+.1%})",
+            "calibrated step ms": _versus(g),
+            "calibrated one step ms": _versus(one),
             "HBM floor ms": f"{floor:.3f}",
             "share of HBM floor": "-" if g is None else f"{floor / (g.measured_s * 1e3):.0%}"})
     return plots.table(out)
+
+
+def _versus(g: Agreement | None) -> str:
+    return "-" if g is None else f"{g.simulated_s * 1e3:.3f} ({g.error:+.1%})"
 
 
 def _ms(seconds) -> str:

@@ -88,3 +88,24 @@ def test_the_steps_table_names_chip_commit_date_and_how_one_step_was_timed():
     assert "device loop ms (measured on v5e, acd3dab, 2026-12-06)" in table.columns
     assert "one dispatched step ms (its cache copied)" in table.columns  # acd3dab's record
     assert len(table.rows) == len(calibration.load_steps(calibration.steps_path("v5e"))["rows"])
+
+
+def test_one_dispatched_steps_add_the_hosts_call_when_the_cache_was_donated(tmp_path):
+    """`call_seconds`: one step less a loop's step, the median over T = 1 rows; a T = 8
+    row (no loop) is then simulated as its step plus that call. A copied cache gives
+    none (its copy is not the host's cost)."""
+    rows = [_row(1, 1024, 2e-3) | {"megakernel": 3e-3},
+            _row(8, 1024, 4e-3) | {"megakernel": 5.2e-3},
+            dict(_row(1, 1024, None), rows=8, megakernel=3.4e-3)]
+    path = _record(tmp_path, rows)
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps(data | {"megakernel_cache": "donated"}))
+    call, used = calibration.call_seconds(calibration.load_steps(path))
+    assert call == pytest.approx(1.1e-3) and used == (0, 1)
+    one = {g.index: g for g in calibration.agreement("v5e", path) if g.series == "megakernel"}
+    assert sorted(one) == [0, 1, 2] and not one[2].derived and one[0].derived
+    bare = calibration.agreement("v5e", path, a=calibration.assumptions("v5e", path))
+    loop = {g.index: g for g in bare if g.series == calibration.LOOP}
+    assert one[0].simulated_s == pytest.approx(loop[0].simulated_s + call)
+    path.write_text(json.dumps(data | {"megakernel_cache": "copied"}))
+    assert calibration.call_seconds(calibration.load_steps(path)) is None
