@@ -24,6 +24,7 @@ import numpy as np
 
 from mk import reference, untrusted
 from mk.config import ModelConfig, positive_int
+from mk.errors import shown
 
 FIELDS = ("model", "tokens", "per_token", "counts")
 MAX_NAME = 200  # characters of the model name a trace file may carry
@@ -94,9 +95,10 @@ def _check(fields: dict) -> None:
     trace: a name, positive tokens and per_token, counts a non-empty [layers][experts]
     table of integers in [0, tokens] whose rows sum to tokens x per_token."""
     model, tokens, per_token, counts = (fields[f] for f in FIELDS)
-    if not isinstance(model, str) or len(model) > MAX_NAME:
+    if not isinstance(model, str) or len(model) > MAX_NAME or not model.isprintable():
         raise ValueError(f"routing trace: model must be a string of at most {MAX_NAME} "
-                         f"characters, got {type(model).__name__} of {len(str(model))}")
+                         "printable characters (no control character or lone surrogate), "
+                         f"got {type(model).__name__} {shown(model)}")
     positive_int("tokens", tokens)
     positive_int("per_token", per_token)
     if not isinstance(counts, (list, tuple)) or not counts or not all(
