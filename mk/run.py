@@ -19,6 +19,7 @@ import numpy as np
 from mk.backend import BACKENDS
 from mk.chips import CHIP_NAMES
 from mk.config import ModelConfig, check_rows, positive_int
+from mk.errors import shown
 from mk.presets import preset as named_preset
 
 SCALARS = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,)}
@@ -47,7 +48,7 @@ def check_parameter(name: str, value, annotation) -> None:
     "False" is refused, as a date or bytes are everywhere)."""
     kind = annotation_text(annotation)
     if not _fits(value, kind):
-        raise ValueError(f"parameter {name}={value!r} ({type(value).__name__}) must be "
+        raise ValueError(f"parameter {name}={shown(value)} ({type(value).__name__}) must be "
                          f"{kind}")
 
 

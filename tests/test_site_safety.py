@@ -107,6 +107,10 @@ LAUGHS = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
     ("93_typed:\n  - parameters: {points: &r [*r]}\n", "the alias '*r' is refused"),
     ("93_typed:\n  - parameters: {points: " + "[" * 40 + "]" * 40 + "}\n",
      "nesting deeper than the limit of 32 levels"),
+    ("93_typed:\n  - parameters: {points: " + "9" * 10**5 + "}\n",
+     "an integer of 100000 digits is over the limit of 64 (line 2)"),
+    ("93_typed:\n  - parameters: {? [points]: 3}\n", "a key must be a name, not a list"),
+    ("93_typed:\n  - parameters: {name: 2026-02-30}\n", "day is out of range"),
 ])
 def test_runs_yaml_refuses_aliases_and_deep_nesting_naming_the_limit(typed, tmp_path, text,
                                                                      message):
@@ -117,6 +121,22 @@ def test_runs_yaml_refuses_aliases_and_deep_nesting_naming_the_limit(typed, tmp_
         run_notebooks.load_runs(runs_file, [typed], known=[typed])
     assert "runs.yaml: not valid YAML" in str(err.value)
     assert time.perf_counter() - start < 1
+
+
+def test_runs_yaml_refusals_echo_a_long_value_cut_short(typed, tmp_path):
+    """A refusal quotes the file's value bounded (`mk.errors.shown`, `brief`), not a
+    megabyte of it."""
+    runs_file = tmp_path / "runs.yaml"
+    for text in ("93_typed:\n  - label: " + "a" * 10**5 + "\n",
+                 "93_typed:\n  - parameters: {points: [" + "1.5, " * 10**4 + "]}\n",
+                 "93_typed:\n  - parameters: {" + "".join(f"p{i}: 1, " for i in range(10**4))
+                 + "}\n",
+                 "".join(f"n{i}: []\n" for i in range(10**4))):
+        runs_file.write_text(text)
+        with pytest.raises(ValueError) as err:
+            run_notebooks.load_runs(runs_file, [typed], known=[typed])
+        assert str(runs_file) in str(err.value) and len(str(err.value)) < 1000, str(
+            err.value)[:2000]
 
 
 def test_runs_yaml_must_be_a_small_regular_utf8_file(typed, tmp_path):
