@@ -70,6 +70,7 @@ def init_params(config: ModelConfig, seed: int = 0) -> dict[str, jax.Array]:
 # -- Hugging Face checkpoints -------------------------------------------------------------
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+HEADER_MAX_BYTES = 100_000_000  # safetensors' own limit on a file's header
 INDEX_MAX_BYTES = 256 * 2**20  # the largest index read (a 10**5-tensor one is ~10 MiB)
 # safetensors dtype tags a checkpoint may store; each is cast to `config.dtype` on load.
 STORED_DTYPES = ("F32", "BF16", "F16")
@@ -429,7 +430,7 @@ def _describe_unreadable(path: Path, err: Exception, listed: set[str] | None) ->
         size = path.stat().st_size
         with open(path, "rb") as f:
             length = int.from_bytes(f.read(8), "little")
-            if 8 + length <= size:
+            if 8 + length <= size and length <= HEADER_MAX_BYTES:  # not a 10 GB "header"
                 header = json.loads(f.read(length))
                 data = size - 8 - length
                 cut = sorted(name for name, info in header.items()
