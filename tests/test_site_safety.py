@@ -463,6 +463,19 @@ def test_default_run_takes_first_configurations_and_unchanged_ones_come_from_the
     assert third == {"93_typed-a": False, "93_typed-b": False}
 
 
+@pytest.mark.parametrize("meta", ["", "{}", "[1]", '{"seconds": "x"}', '{"seconds": NaN}',
+                                  '{"seconds": -1}', "\xff"])
+def test_a_damaged_cache_record_is_a_miss_not_a_traceback(typed, tmp_path, meta):
+    import run_cache
+
+    cache = run_cache.Cache(tmp_path / "out", root=tmp_path)
+    cache.put("k", typed, 1.5)
+    assert cache.get("k", tmp_path / "copy.ipynb") == 1.5
+    (cache.folder / "k.json").write_text(meta, encoding="latin-1")
+    assert cache.get("k", tmp_path / "again.ipynb") is None
+    assert not (tmp_path / "again.ipynb").exists()
+
+
 def test_cache_key_follows_notebook_parameters_and_sources(typed, tmp_path):
     import run_cache
 
