@@ -26,6 +26,7 @@ from pathlib import Path
 from mk import untrusted
 from mk.errors import brief, shown
 
+MAX_LAYERS = 1024  # released decoders have at most ~130 layers
 # transformers' names of the token mixers -> mk's (`mk.config.LAYER_TYPES`).
 MIXERS = {"full_attention": "full", "linear_attention": "linear"}
 # A model name as config.json's `_name_or_path` may give it: a name or a hub-style
@@ -100,11 +101,19 @@ def decoder(hf: HfConfig, got: dict, *, max_position=("max_position_embeddings",
     if hf.get("hidden_act", "silu") != "silu":
         raise NotImplementedError(f"{hf.where}: hidden_act={shown(hf.get('hidden_act'))} is "
                                   "not implemented (every MLP is SwiGLU: 'silu')")
+    layers = hf.count("num_hidden_layers")
+    if layers > MAX_LAYERS:  # readers build per-layer tuples: 10**9 layers exhaust memory
+        raise ValueError(f"{hf.where}: num_hidden_layers={layers} is over the limit of "
+                         f"{MAX_LAYERS}")
+    tie = hf.get("tie_word_embeddings", False)
+    if not isinstance(tie, bool) and tie is not None:  # bool("false") is True
+        raise ValueError(f"{hf.where}: tie_word_embeddings={shown(tie)} must be true or "
+                         "false")
     fields = dict(vocab=hf.count("vocab_size"), hidden=hf.count("hidden_size"),
-                  layers=hf.count("num_hidden_layers"), heads=hf.count("num_attention_heads"),
+                  layers=layers, heads=hf.count("num_attention_heads"),
                   rms_eps=hf.number("rms_norm_eps", hf.need("rms_norm_eps")),
                   max_position=hf.count(*max_position),
-                  tie_embeddings=bool(hf.get("tie_word_embeddings", False)) and ties)
+                  tie_embeddings=bool(tie) and ties)
     if norm_offset:
         fields["norm_offset"] = norm_offset
     return fields | dict(max_context=min(4096, fields["max_position"]))
@@ -159,6 +168,23 @@ def gqa(hf: HfConfig, got: dict) -> dict:
     kv_heads = hf.whole("num_key_value_heads", hf.get("num_key_value_heads") or heads)
     return dict(kv_heads=kv_heads, head_dim=head_dim, qk_norm=True,
                 rope_theta=hf.number("rope_theta", rope_theta))
+
+
+def full_attention_only(hf: HfConfig, got: dict) -> dict:
+    """Qwen3's mixer: every layer full attention. A layer_types given must say so for
+    each of num_hidden_layers (transformers would slide a "sliding_attention" layer's
+    window; mk would not)."""
+    kinds, layers = hf.get("layer_types"), got["layers"]
+    if kinds is None:
+        return {}
+    if len(hf.listed("layer_types", kinds)) != layers:
+        raise ValueError(f"{hf.where}: layer_types {brief(kinds)} must hold num_hidden_layers="
+                         f"{layers} entries")
+    for i, kind in enumerate(kinds):
+        if kind != "full_attention":
+            raise ValueError(f"{hf.where}: layer_types[{i}]={shown(kind)}, but every layer "
+                             "of this model type is 'full_attention'")
+    return {}
 
 
 def gated_gqa(hf: HfConfig, got: dict) -> dict:
@@ -402,8 +428,8 @@ def clamped_moe(hf: HfConfig, got: dict) -> dict:
 
 # Each model type: its readers, in order (a reader may read the fields of those before it).
 FAMILIES = {
-    "qwen3": (decoder, dense, gqa),
-    "qwen3_moe": (decoder, dense, gqa, softmax_moe),
+    "qwen3": (decoder, dense, gqa, full_attention_only),
+    "qwen3_moe": (decoder, dense, gqa, full_attention_only, softmax_moe),
     "qwen3_5_text": (functools.partial(decoder, norm_offset=1.0), dense, no_experts,
                      gated_gqa, deltanet),
     "kimi_linear": (functools.partial(decoder, ties=False, max_position=(
