@@ -114,6 +114,12 @@ def test_a_qwen3_config_contradicting_itself_or_too_deep_is_refused(extra, match
             ModelConfig.from_hf(hf)
     hf = _hf_qwen3(layer_types=["full_attention"] * 2, tie_word_embeddings=None)
     assert not ModelConfig.from_hf(hf).tie_embeddings
+    moe = _hf_qwen3(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                    moe_intermediate_size=64, norm_topk_prob="false")
+    with pytest.raises(ValueError, match="norm_topk_prob='false' must be true or false"):
+        ModelConfig.from_hf(moe)
+    with pytest.raises(ValueError, match="moe_renormalize='false' must be true or false"):
+        ModelConfig.from_hf(_hf_kimi(moe_renormalize="false"))
 
 
 def _hf_qwen3(**extra):

@@ -62,6 +62,16 @@ class HfConfig:
                              f"{'positive' if positive else 'non-negative'} integer")
         return value
 
+    def flag(self, key: str, default: bool) -> bool:
+        """The file's true/false `key` (`default` when absent or null); raises ValueError
+        naming it otherwise (bool("false") is True)."""
+        value = self.fields.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise ValueError(f"{self.where}: {key}={shown(value)} must be true or false")
+        return value
+
     def number(self, key: str, value) -> float:
         """`value` (the file's `key`) as a float; raises ValueError naming it when it is
         not a number."""
@@ -105,15 +115,11 @@ def decoder(hf: HfConfig, got: dict, *, max_position=("max_position_embeddings",
     if layers > MAX_LAYERS:  # readers build per-layer tuples: 10**9 layers exhaust memory
         raise ValueError(f"{hf.where}: num_hidden_layers={layers} is over the limit of "
                          f"{MAX_LAYERS}")
-    tie = hf.get("tie_word_embeddings", False)
-    if not isinstance(tie, bool) and tie is not None:  # bool("false") is True
-        raise ValueError(f"{hf.where}: tie_word_embeddings={shown(tie)} must be true or "
-                         "false")
     fields = dict(vocab=hf.count("vocab_size"), hidden=hf.count("hidden_size"),
                   layers=layers, heads=hf.count("num_attention_heads"),
                   rms_eps=hf.number("rms_norm_eps", hf.need("rms_norm_eps")),
                   max_position=hf.count(*max_position),
-                  tie_embeddings=bool(tie) and ties)
+                  tie_embeddings=hf.flag("tie_word_embeddings", False) and ties)
     if norm_offset:
         fields["norm_offset"] = norm_offset
     return fields | dict(max_context=min(4096, fields["max_position"]))
@@ -245,7 +251,7 @@ def sink_gqa(hf: HfConfig, got: dict) -> dict:
                          "rope_theta")
     return dict(kv_heads=hf.whole("num_key_value_heads", hf.get("num_key_value_heads") or heads),
                 head_dim=hf.count("head_dim"), qk_norm=False, attention_sinks=True,
-                attention_bias=bool(hf.get("attention_bias", True)), sliding_layers=sliding,
+                attention_bias=hf.flag("attention_bias", True), sliding_layers=sliding,
                 sliding_window=window, rope_theta=hf.number("rope_theta", theta),
                 yarn=yarn(hf, rope))
 
@@ -270,7 +276,8 @@ def yarn(hf: HfConfig, rope: dict) -> dict | None:
     original = rope["original_max_position_embeddings"]
     return dict(original_max_position=hf.whole(
         "rope_parameters.original_max_position_embeddings", original),
-        truncate=bool(rope.get("truncate", True)), **number)
+        truncate=HfConfig(rope, f"{hf.where}: rope_parameters").flag("truncate", True),
+        **number)
 
 
 # -- Linear attention -------------------------------------------------------------------------
@@ -377,7 +384,7 @@ def softmax_moe(hf: HfConfig, got: dict) -> dict:
     return dict(experts=hf.count("num_local_experts", "num_experts"),
                 experts_per_token=hf.count("num_experts_per_tok"),
                 expert_ffn=hf.count("moe_intermediate_size"),
-                norm_topk=bool(hf.get("norm_topk_prob", False)),
+                norm_topk=hf.flag("norm_topk_prob", False),
                 moe_layers=tuple(i for i in range(got["layers"])
                                  if i not in mlp_only and (i + 1) % step == 0))
 
@@ -408,7 +415,7 @@ def sigmoid_moe(hf: HfConfig, got: dict) -> dict:
         moe_layers=moe_layers, experts=hf.count("num_experts", "num_local_experts"),
         experts_per_token=hf.count("num_experts_per_token", "num_experts_per_tok"),
         expert_ffn=expert_ffn, shared_expert_ffn=expert_ffn * shared,
-        norm_topk=bool(hf.get("moe_renormalize", hf.get("norm_topk_prob", True))),
+        norm_topk=hf.flag("moe_renormalize", hf.flag("norm_topk_prob", True)),
         router_score="sigmoid", expert_groups=hf.get("num_expert_group", hf.get("n_group", 1)),
         topk_groups=hf.get("topk_group") or 1, routed_scale=hf.number(
             "routed_scaling_factor", hf.get("routed_scaling_factor", 2.446)))
