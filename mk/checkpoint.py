@@ -311,6 +311,9 @@ def _open_tensors(folder, layout, placed, shapes, stack, aliases=None):
 def _shard_files(folder: Path) -> dict[str, set[str] | None]:
     """File name -> the tensor names the index maps to it (None: one file holds all)."""
     single, index = folder / SINGLE_FILE, folder / INDEX_FILE
+    for path in (single, index):
+        if path.exists():  # a named pipe would block the reader that opened it
+            untrusted.check_regular(path, "checkpoint file")
     if single.is_file() and index.is_file():
         raise ValueError(f"{folder}: both {SINGLE_FILE} and {INDEX_FILE} exist; which "
                          "weights to load is ambiguous, remove one")
@@ -335,6 +338,8 @@ def _shard_files(folder: Path) -> dict[str, set[str] | None]:
         files.setdefault(file, set()).add(name)
     for file, names in files.items():
         _check_inside(folder, file, names)
+        if (folder / file).exists():  # a missing one is reported with its tensors
+            untrusted.check_regular(folder / file, "checkpoint file")
     return files
 
 

@@ -6,8 +6,9 @@ and safetensors index) with limits: `read_text` (a regular file only, at most
 than `MAX_DIGITS` digits refused). Every refusal is a `ValueError` naming the file, what
 was wrong and the limit.
 
-A named pipe or a device is refused before it is opened (`os.stat`), and opened
-non-blocking besides, so a file swapped for a pipe between the two cannot hang the reader.
+A named pipe or a device is refused before it is opened (`os.stat`; `check_regular` for a
+file another library opens, a checkpoint's safetensors), and opened non-blocking besides,
+so a file swapped for a pipe between the two cannot hang the reader.
 Not here: what the parsed value must hold (each reader checks its own fields) and YAML's
 own limits (tools/run_notebooks.py's loader refuses aliases and deep nesting).
 """
@@ -32,7 +33,7 @@ def read_text(path: str | os.PathLike, what: str, max_bytes: int = MAX_BYTES) ->
     `max_bytes` bytes; else `ValueError` naming the file and the limit (a missing file is
     `FileNotFoundError`, as `open` raises it)."""
     name = os.fspath(path)
-    _check_regular(os.stat(name), name, what)
+    check_regular(name, what)
     fd = os.open(name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     with os.fdopen(fd, "rb") as f:
         _check_regular(os.fstat(fd), name, what)  # the file opened is the file checked
@@ -44,6 +45,13 @@ def read_text(path: str | os.PathLike, what: str, max_bytes: int = MAX_BYTES) ->
     except UnicodeDecodeError as err:
         raise ValueError(f"{what} {name!r} is not UTF-8 text: byte offset {err.start} "
                          f"({data[err.start:err.start + 1]!r}) {err.reason}") from None
+
+
+def check_regular(path: str | os.PathLike, what: str) -> None:
+    """Refuse `path` unless it is a regular file (symlinks followed), before anything opens
+    it: opening a named pipe blocks until a writer comes. A missing file is
+    `FileNotFoundError`."""
+    _check_regular(os.stat(path), os.fspath(path), what)
 
 
 def _check_regular(st: os.stat_result, name: str, what: str) -> None:
