@@ -120,6 +120,8 @@ def test_a_qwen3_config_contradicting_itself_or_too_deep_is_refused(extra, match
         ModelConfig.from_hf(moe)
     with pytest.raises(ValueError, match="moe_renormalize='false' must be true or false"):
         ModelConfig.from_hf(_hf_kimi(moe_renormalize="false"))
+    with pytest.raises(ValueError, match="topk_group=0 must be a positive integer"):
+        ModelConfig.from_hf(_hf_kimi(topk_group=0))
 
 
 def _hf_qwen3(**extra):

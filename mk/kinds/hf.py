@@ -417,7 +417,8 @@ def sigmoid_moe(hf: HfConfig, got: dict) -> dict:
         expert_ffn=expert_ffn, shared_expert_ffn=expert_ffn * shared,
         norm_topk=hf.flag("moe_renormalize", hf.flag("norm_topk_prob", True)),
         router_score="sigmoid", expert_groups=hf.get("num_expert_group", hf.get("n_group", 1)),
-        topk_groups=hf.get("topk_group") or 1, routed_scale=hf.number(
+        topk_groups=1 if hf.get("topk_group") is None else hf.whole(  # 0 was read as 1
+            "topk_group", hf.get("topk_group")), routed_scale=hf.number(
             "routed_scaling_factor", hf.get("routed_scaling_factor", 2.446)))
 
 
