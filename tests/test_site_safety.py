@@ -422,6 +422,30 @@ def test_course_map_names_every_notebook_once_in_course_order():
                for part in parts for e in part["notebooks"])
 
 
+@pytest.mark.parametrize("bad", ["status", "rows", "deep", "pipe"])
+def test_an_old_run_record_that_is_not_the_runners_is_listed_unreadable(tmp_path, bad):
+    """An older run's runs.json is read back for the index: a status that would close the
+    HTML attribute it sits in, rows that are not rows, deep nesting (a RecursionError) and
+    a named pipe (a hang) each list that run as unreadable; the newest good run shows."""
+    good = tmp_path / "runs" / "20260101-000000"
+    good.mkdir(parents=True)
+    row = run_notebooks._row(run_notebooks.Run(ROOT / "notebooks/06_megakernel.ipynb"),
+                             "ok", "", 12.0, None)
+    run_notebooks.write_record(good, {"rows": [row], "finished": "now", "source": "x"})
+    old = tmp_path / "runs" / "20250101-000000"
+    old.mkdir()
+    if bad == "pipe":
+        os.mkfifo(old / "runs.json")
+    else:
+        text = {"status": json.dumps({"rows": [dict(row, status=f'ok" onmouseover="{XSS}')]}),
+                "rows": json.dumps({"rows": [1]}), "deep": "[" * 10**5 + "]" * 10**5}[bad]
+        (old / "runs.json").write_text(text)
+    run_notebooks.write_site_index(tmp_path)
+    index = (tmp_path / "index.html").read_text()
+    assert "20250101-000000: runs.json unreadable" in index
+    assert "Newest run: 20260101-000000" in index and "\" onmouseover" not in index
+
+
 def test_front_page_opens_with_the_course_map_linking_the_newest_pages(tmp_path):
     run = tmp_path / "runs" / "20260101-000000"
     (run / "site").mkdir(parents=True)

@@ -49,6 +49,7 @@ import dataclasses
 import fcntl
 import html
 import json
+import math
 import os
 import re
 import shutil
@@ -469,11 +470,9 @@ def write_site_index(out: Path) -> None:
     ran it), the newest run's table, then every run, newest first."""
     records, unreadable = [], []
     for path in sorted((out / "runs").glob("*/runs.json"), reverse=True):
-        try:
-            record = json.loads(path.read_text(encoding="utf-8"))
-            if not isinstance(record, dict) or not isinstance(record.get("rows"), list):
-                raise ValueError("no list of rows")
-        except (OSError, UnicodeDecodeError, ValueError) as err:  # one bad old run folder
+        try:  # a regular file, bounded; its rows as `_row` writes them
+            record = check_record(mk.untrusted.load_json(path, "run record"))
+        except (OSError, ValueError) as err:  # one bad old run folder
             print(f"warning: {path} is unreadable ({err}); it is listed, not shown",
                   file=sys.stderr, flush=True)
             unreadable.append(f"<li>{escape(path.parent.name)}: runs.json unreadable "
@@ -504,6 +503,32 @@ def write_site_index(out: Path) -> None:
     if unreadable:
         body += "\n<h2>Unreadable runs</h2>\n<ul>\n" + "\n".join(unreadable) + "\n</ul>"
     _write_atomic(out / "index.html", _page("mk notebooks", body))
+
+
+# What `_row` writes, by type: an older run's record is read back only if it holds these.
+ROW_TYPES = {"name": str, "notebook": str, "label": str, "parameters": dict, "status": str,
+             "error": str, "seconds": (int, float), "page": (str, type(None)),
+             "cached": bool}
+STATUSES = ("ok", "failed", "interrupted")
+
+
+def check_record(record) -> dict:
+    """`record` (an older run's runs.json, read back) if its rows are `_row`'s: the index
+    puts a row's status in an HTML attribute and sums its seconds. ValueError otherwise."""
+    if not isinstance(record, dict) or not isinstance(record.get("rows"), list):
+        raise ValueError("no list of rows")
+    for i, row in enumerate(record["rows"]):
+        if not isinstance(row, dict):
+            raise ValueError(f"rows[{i}] is a {type(row).__name__}, not a row")
+        for key, kind in ROW_TYPES.items():
+            if key != "cached" and key not in row or not isinstance(row.get(key, False), kind):
+                raise ValueError(f"rows[{i}].{key}={shown(row.get(key))} is not a "
+                                 f"{getattr(kind, '__name__', 'number')}")
+        if row["status"] not in STATUSES or isinstance(row["seconds"], bool) or not (
+                math.isfinite(row["seconds"])):
+            raise ValueError(f"rows[{i}]: status={shown(row['status'])} must be one of "
+                             f"{STATUSES}, seconds={shown(row['seconds'])} a finite number")
+    return record
 
 
 @contextlib.contextmanager
