@@ -35,9 +35,9 @@ from IPython.display import Markdown
 from mk import backend, bundles, megakernel, ops, reference, spec, teach
 from mk.checkpoint import init_params
 from mk.config import ModelConfig, positive_int
+from mk.errors import shown
 from mk.grading import (ExerciseFailed, answer_array, check_close, check_function,  # noqa: F401
                         check_race_free, check_tokens, described, learners_code)
-from mk.errors import shown
 from mk.machine import Simulation
 from mk.presets import preset
 from mk.kernels import (attention_prologue, collectives, deltanet, joined_experts, kv_stream,
