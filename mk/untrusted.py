@@ -26,6 +26,7 @@ from mk.errors import shown
 MAX_BYTES = 16 * 2**20  # a routing trace of 100 layers x 512 experts is about 0.5 MiB
 MAX_DEPTH = 32  # every file mk reads nests a few levels; a deeper one is hostile
 MAX_DIGITS = 64  # of a JSON integer: a count or a size has a few dozen at most
+CHUNK_BYTES = 2**20  # check_depth's arrays span this much of the text at a time
 
 
 def read_text(path: str | os.PathLike, what: str, max_bytes: int = MAX_BYTES) -> str:
@@ -64,22 +65,30 @@ def _check_regular(st: os.stat_result, name: str, what: str) -> None:
 def check_depth(text: str, name: str, what: str, max_depth: int = MAX_DEPTH) -> None:
     """Refuse JSON `text` whose arrays and objects nest deeper than `max_depth` (brackets
     inside strings do not count), before a recursive parser would overflow the stack."""
-    codes = np.frombuffer(text.encode("utf-8"), np.uint8)
-    # Vectorised, so linear in time: a quote is escaped after an odd run of backslashes; a
-    # bracket is inside a string after an odd number of unescaped quotes. (A regular
-    # expression for strings retried at every escaped quote: minutes for 100 kB of \".)
-    index = np.arange(codes.size, dtype=np.int32)
-    backslash = codes == ord("\\")
-    last_other = np.maximum.accumulate(np.where(backslash, np.int32(-1), index))
-    run = np.zeros(codes.size, np.int32)  # backslashes just before each byte
-    run[1:] = index[:-1] - last_other[:-1]
-    quotes = (codes == ord('"')) & (run % 2 == 0)
-    outside = np.cumsum(quotes, dtype=np.int32) % 2 == 0
-    step = ((np.isin(codes, (ord("["), ord("{"))) & outside).astype(np.int32)
-            - (np.isin(codes, (ord("]"), ord("}"))) & outside))
-    depth = int(np.cumsum(step, dtype=np.int32).max(initial=0))
-    if depth > max_depth:
-        raise ValueError(f"{what} {name!r} nests {depth} levels deep; the limit is "
+    data = text.encode("utf-8")
+    depth = deepest = quotes_before = backslashes_before = 0  # carried from chunk to chunk
+    for start in range(0, len(data), CHUNK_BYTES):  # a few arrays of a chunk, not the file
+        codes = np.frombuffer(data, np.uint8, min(CHUNK_BYTES, len(data) - start), start)
+        # Vectorised, so linear in time: a quote is escaped after an odd run of backslashes;
+        # a bracket is inside a string after an odd number of unescaped quotes. (A regular
+        # expression for strings retried at every escaped quote: minutes for 100 kB of \".)
+        index = np.arange(codes.size, dtype=np.int32)
+        last_other = np.maximum.accumulate(np.where(codes == ord("\\"), -1, index))
+        run = np.empty(codes.size, np.int32)  # the backslashes just before each byte
+        run[0] = backslashes_before
+        run[1:] = index[:-1] - last_other[:-1] + np.where(last_other[:-1] < 0,
+                                                           backslashes_before, 0)
+        quotes = (codes == ord('"')) & (run % 2 == 0)
+        outside = (np.cumsum(quotes, dtype=np.int32) + quotes_before) % 2 == 0
+        step = (((codes == ord("[")) | (codes == ord("{"))) & outside).astype(np.int8) - (
+            ((codes == ord("]")) | (codes == ord("}"))) & outside)
+        levels = depth + np.cumsum(step, dtype=np.int32)
+        deepest, depth = max(deepest, int(levels.max())), int(levels[-1])
+        quotes_before += int(quotes.sum())
+        tail = codes.size - 1 - int(last_other[-1])  # backslashes ending the chunk
+        backslashes_before = tail + (backslashes_before if last_other[-1] < 0 else 0)
+    if deepest > max_depth:
+        raise ValueError(f"{what} {name!r} nests {deepest} levels deep; the limit is "
                          f"{max_depth}")
 
 

@@ -193,6 +193,18 @@ def test_depth_is_counted_in_linear_time_past_escaped_quotes(tmp_path):
         routing_trace.load(path)
 
 
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5, 2**20])
+def test_depth_is_the_same_whatever_the_chunks_it_is_counted_in(monkeypatch, chunk):
+    """check_depth carries the open quotes and a run of backslashes across chunks: strings
+    holding brackets, escaped quotes and escaped backslashes, cut at every byte."""
+    monkeypatch.setattr(untrusted, "CHUNK_BYTES", chunk)
+    value = {"a": [["[{", '\\"]]', "\\\\", "\\\\\\\"[["], {"b": ["x\\"]}], "c": "]]]]"}
+    text = json.dumps(value)
+    untrusted.check_depth(text, "t.json", "routing trace", max_depth=4)
+    with pytest.raises(ValueError, match="nests 4 levels deep; the limit is 3"):
+        untrusted.check_depth(text, "t.json", "routing trace", max_depth=3)
+
+
 @pytest.mark.parametrize("text, match", [
     ('{"model": "m", "model": "n", "tokens": 1, "per_token": 1, "counts": [[1]]}',
      "the key 'model' appears more than once in one object"),
