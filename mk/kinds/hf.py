@@ -5,7 +5,7 @@ parsed dict) and returns a `ModelConfig`'s keyword arguments; `ModelConfig.from_
 entry point. A model type (`HF_MODEL_TYPES`, the keys of `FAMILIES`) is the list of
 readers its model is made of (`decoder`, then its MLP and layer kinds); a reader returns
 the fields its kind owns, read from the file (`HfConfig`: `need`, `count`, `whole`,
-`number`, `table`, `listed` check a value's type first) and from the fields read before
+`number`, `flag`, `table`, `listed` check a value's type first) and from the fields read before
 it. Its errors name the file's field, its value (`shown`: a checkpoint is untrusted) and
 what was expected. Also here: `check_hub_name`.
 
