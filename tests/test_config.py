@@ -102,7 +102,7 @@ def test_moe_layers_out_of_range_is_an_error():
      r"'full_attention'"),
     (dict(layer_types=["full_attention"] * 3), "must hold num_hidden_layers=2"),
     (dict(tie_word_embeddings="false"), "tie_word_embeddings='false' must be true or false"),
-    (dict(num_hidden_layers=10**9), "num_hidden_layers=1000000000 is over the limit of 1024"),
+    (dict(num_hidden_layers=10**9), "num_hidden_layers=1000000000 is over the limit of 100000"),
 ])
 def test_a_qwen3_config_contradicting_itself_or_too_deep_is_refused(extra, match):
     """A sliding layer mk would run as full attention; the string "false" read as true;

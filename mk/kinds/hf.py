@@ -26,7 +26,7 @@ from pathlib import Path
 from mk import untrusted
 from mk.errors import brief, shown
 
-MAX_LAYERS = 1024  # released decoders have at most ~130 layers
+MAX_LAYERS = 100_000  # per-layer tuples: 10**5 take ms, 10**9 exhaust memory
 # transformers' names of the token mixers -> mk's (`mk.config.LAYER_TYPES`).
 MIXERS = {"full_attention": "full", "linear_attention": "linear"}
 # A model name as config.json's `_name_or_path` may give it: a name or a hub-style
