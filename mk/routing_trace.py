@@ -164,7 +164,11 @@ def load(path: str | os.PathLike, config: ModelConfig | None = None) -> RoutingT
         got = sorted(fields) if isinstance(fields, dict) else type(fields).__name__
         raise ValueError(f"routing trace {os.fspath(path)!r}: fields {got} must be "
                          f"exactly {list(FIELDS)}")
-    _check(fields)
+    try:
+        _check(fields)
+    except ValueError as err:  # named by the file it came from
+        raise ValueError(f"routing trace {os.fspath(path)!r}: "
+                         f"{str(err).removeprefix('routing trace: ')}") from None
     trace = RoutingTrace(fields["model"], fields["tokens"], fields["per_token"],
                          tuple(tuple(row) for row in fields["counts"]))
     return trace if config is None else trace.check_model(config)

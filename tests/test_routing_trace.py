@@ -146,8 +146,9 @@ def test_a_trace_of_another_model_is_refused_by_field():
 def test_a_bad_trace_file_is_refused_naming_the_field(tmp_path, fields, match):
     path = tmp_path / "trace.json"
     path.write_text(json.dumps(fields))
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as err:
         routing_trace.load(path)
+    assert str(err.value).startswith(f"routing trace {str(path)!r}: "), err.value
 
 
 def test_a_trace_file_that_is_not_json_is_refused(tmp_path):
