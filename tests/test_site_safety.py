@@ -188,6 +188,16 @@ def test_check_parameters_names_an_unknown_injected_name_and_a_wrong_type():
     mk.run.check_parameters(ns)  # all good: no error
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf"), [1.0, float("nan")]])
+def test_a_float_parameter_must_be_finite(value):
+    """`-p scale .nan` (or nan in runs.yaml) would run a notebook on a number that sets
+    nothing; refused by name as any other wrong value."""
+    kind = "list[float]" if isinstance(value, list) else "float"
+    with pytest.raises(ValueError, match=re.escape(f"must be {kind} (finite)")):
+        mk.run.check_parameter("scale", value, kind)
+    mk.run.check_parameter("scale", [2, 0.5] if isinstance(value, list) else 2, kind)
+
+
 def test_a_misspelled_papermill_parameter_stops_the_notebook(typed, tmp_path):
     """A plain papermill call, as a user would type it: the kernel's own check fails."""
     with pytest.raises(papermill.PapermillExecutionError) as err:
