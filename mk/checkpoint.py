@@ -72,6 +72,7 @@ def init_params(config: ModelConfig, seed: int = 0) -> dict[str, jax.Array]:
 # -- Hugging Face checkpoints -------------------------------------------------------------
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+HEADER_MAX_BYTES = 100_000_000  # safetensors' own limit on a file's header
 INDEX_MAX_BYTES = 256 * 2**20  # the largest index read (a 10**5-tensor one is ~10 MiB)
 # safetensors dtype tags a checkpoint may store; each is cast to `config.dtype` on load.
 STORED_DTYPES = ("F32", "BF16", "F16")
@@ -310,6 +311,9 @@ def _open_tensors(folder, layout, placed, shapes, stack, aliases=None):
 def _shard_files(folder: Path) -> dict[str, set[str] | None]:
     """File name -> the tensor names the index maps to it (None: one file holds all)."""
     single, index = folder / SINGLE_FILE, folder / INDEX_FILE
+    for path in (single, index):
+        if path.exists():  # a named pipe would block the reader that opened it
+            untrusted.check_regular(path, "checkpoint file")
     if single.is_file() and index.is_file():
         raise ValueError(f"{folder}: both {SINGLE_FILE} and {INDEX_FILE} exist; which "
                          "weights to load is ambiguous, remove one")
@@ -334,6 +338,8 @@ def _shard_files(folder: Path) -> dict[str, set[str] | None]:
         files.setdefault(file, set()).add(name)
     for file, names in files.items():
         _check_inside(folder, file, names)
+        if (folder / file).exists():  # a missing one is reported with its tensors
+            untrusted.check_regular(folder / file, "checkpoint file")
     return files
 
 
@@ -430,7 +436,7 @@ def _describe_unreadable(path: Path, err: Exception, listed: set[str] | None) ->
         size = path.stat().st_size
         with open(path, "rb") as f:
             length = int.from_bytes(f.read(8), "little")
-            if 8 + length <= size:
+            if 8 + length <= size and length <= HEADER_MAX_BYTES:  # not a 10 GB "header"
                 header = json.loads(f.read(length))
                 data = size - 8 - length
                 cut = sorted(name for name, info in header.items()

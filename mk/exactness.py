@@ -23,7 +23,6 @@ does not.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import subprocess
 from pathlib import Path
@@ -33,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from mk import reference
+from mk import reference, untrusted
 from mk.bounds import kernel_jaxprs
 from mk.config import ModelConfig
 from mk.jax_private import core, source_info_util
@@ -169,13 +168,17 @@ def record_path(chip: str) -> Path:
 
 def load_record(path: str | os.PathLike) -> dict:
     """A record the tier wrote (checked for the fields `verified` reads)."""
-    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    data = untrusted.load_json(path, "exactness record")  # a regular file, bounded
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a record is an object, not a {type(data).__name__}")
     for field in ("chip", "device_kind", "jax", "libtpu", "commit", "when", "cases"):
         if field not in data:
             raise ValueError(f"{path}: field {field!r} is missing")
+    if not isinstance(data["cases"], list):
+        raise ValueError(f"{path}: cases must be a list of cases")
     for case in data["cases"]:
         for field in ("name", "family", "exact", "ties", "wrong", "total"):
-            if field not in case:
+            if not isinstance(case, dict) or field not in case:
                 raise ValueError(f"{path}: a case lacks {field!r}: {str(case)[:200]}")
     return data
 

@@ -249,6 +249,9 @@ def entries(*, routing: str = "uniform", compute: str = "bf16",
     columns above only if its per-tile cost was measured on a cut of it (`measured_on`)."""
     _check_entries(routing, compute, simulate_tpu, speculative_only, assumptions)
     out, sims = [], {}
+    if isinstance(tile_costs, (str, bytes, dict)) or not hasattr(tile_costs, "__iter__"):
+        raise ValueError(f"tile_costs={shown(tile_costs)} must be a list of rows of "
+                         "benchmarks/tile_costs.py --published")
     recorded = {cost_key(c): c for c in tile_costs}
 
     def simulated(config, spec, a=assumptions, **kw):  # rows differing only in tau share it
@@ -405,6 +408,9 @@ def recorded_assumptions(cost: dict, base: Assumptions | None = None, **kw) -> A
 
 def cost_key(cost: dict) -> tuple:
     """`Run.key` of a recorded per-tile cost (a row of benchmarks/tile_costs.py)."""
+    if not isinstance(cost, dict):
+        raise ValueError(f"tile cost row {shown(cost)} must be a mapping (a row of "
+                         "benchmarks/tile_costs.py --published)")
     missing = [k for k in ("preset", "chip", "tp", "batch", "rows", "fits") if k not in cost]
     if missing:
         raise ValueError(f"tile cost row {cost.get('preset')!r}: missing {missing} (a row of "

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mk import backend as backends
-from mk import megakernel, reference
+from mk import megakernel, reference, untrusted
 from mk.checkpoint import init_params
 from mk.chips import DEVICE_KINDS, ChipSpec, all_chips, chip_of, spec_of  # noqa: F401
 from mk.config import ModelConfig
@@ -546,11 +546,7 @@ def write(record: Measured, path: str | os.PathLike | None = None) -> Path:
 
 def load(path: str | os.PathLike) -> Measured:
     """The record in `path`; ValueError naming the file and the field when malformed."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: not JSON ({err})") from None
+    data = untrusted.load_json(path, "measured record")  # a regular file, bounded
     return Measured.from_dict(data, str(path))
 
 

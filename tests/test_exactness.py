@@ -96,10 +96,17 @@ def test_every_model_family_has_a_hardware_record():
                for r in rows), rows
 
 
-def test_a_record_without_a_field_is_refused(tmp_path):
+@pytest.mark.parametrize("text, match", [
+    ('{"chip": "v5e", "cases": []}', "field 'device_kind' is missing"),
+    ("[1, 2]", "a record is an object, not a list"),
+    ('{"chip": 1, "device_kind": 1, "jax": 1, "libtpu": 1, "commit": 1, "when": 1, '
+     '"cases": [3]}', "a case lacks 'name': 3"),
+    ("[" * 64 + "]" * 64, "nests 64 levels deep; the limit is 32"),
+])
+def test_a_malformed_record_is_refused_naming_the_file(tmp_path, text, match):
     path = tmp_path / "v5e-exact.json"
-    path.write_text('{"chip": "v5e", "cases": []}')
-    with pytest.raises(ValueError, match="field 'device_kind' is missing"):
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match):
         exactness.load_record(path)
 
 

@@ -5,7 +5,7 @@ parsed dict) and returns a `ModelConfig`'s keyword arguments; `ModelConfig.from_
 entry point. A model type (`HF_MODEL_TYPES`, the keys of `FAMILIES`) is the list of
 readers its model is made of (`decoder`, then its MLP and layer kinds); a reader returns
 the fields its kind owns, read from the file (`HfConfig`: `need`, `count`, `whole`,
-`number`, `table`, `listed` check a value's type first) and from the fields read before
+`number`, `flag`, `table`, `listed` check a value's type first) and from the fields read before
 it. Its errors name the file's field, its value (`shown`: a checkpoint is untrusted) and
 what was expected. Also here: `check_hub_name`; the model types that wrap their text
 model in text_config and where their checkpoints keep its tensors (`WRAPPERS`,
@@ -29,6 +29,7 @@ from pathlib import Path
 from mk import untrusted
 from mk.errors import brief, shown
 
+MAX_LAYERS = 100_000  # per-layer tuples: 10**5 take ms, 10**9 exhaust memory
 # transformers' names of the token mixers -> mk's (`mk.config.LAYER_TYPES`).
 MIXERS = {"full_attention": "full", "linear_attention": "linear"}
 # A model name as config.json's `_name_or_path` may give it: a name or a hub-style
@@ -62,6 +63,16 @@ class HfConfig:
                 or value < positive:
             raise ValueError(f"{self.where}: {key}={shown(value)} must be a "
                              f"{'positive' if positive else 'non-negative'} integer")
+        return value
+
+    def flag(self, key: str, default: bool) -> bool:
+        """The file's true/false `key` (`default` when absent or null); raises ValueError
+        naming it otherwise (bool("false") is True)."""
+        value = self.fields.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise ValueError(f"{self.where}: {key}={shown(value)} must be true or false")
         return value
 
     def number(self, key: str, value) -> float:
@@ -105,11 +116,15 @@ def decoder(hf: HfConfig, got: dict, *, max_position=("max_position_embeddings",
         raise NotImplementedError(f"{hf.where}: hidden_act={shown(hf.get('hidden_act'))} is "
                                   f"not implemented for this model type (expected "
                                   f"{act!r})")
+    layers = hf.count("num_hidden_layers")
+    if layers > MAX_LAYERS:  # readers build per-layer tuples: 10**9 layers exhaust memory
+        raise ValueError(f"{hf.where}: num_hidden_layers={layers} is over the limit of "
+                         f"{MAX_LAYERS}")
     fields = dict(vocab=hf.count("vocab_size"), hidden=hf.count("hidden_size"),
-                  layers=hf.count("num_hidden_layers"), heads=hf.count("num_attention_heads"),
+                  layers=layers, heads=hf.count("num_attention_heads"),
                   rms_eps=hf.number("rms_norm_eps", hf.need("rms_norm_eps")),
                   max_position=hf.count(*max_position),
-                  tie_embeddings=bool(hf.get("tie_word_embeddings", False)) and ties)
+                  tie_embeddings=hf.flag("tie_word_embeddings", False) and ties)
     if norm_offset:
         fields["norm_offset"] = norm_offset
     return fields | dict(max_context=min(4096, fields["max_position"]))
@@ -164,6 +179,23 @@ def gqa(hf: HfConfig, got: dict) -> dict:
     kv_heads = hf.whole("num_key_value_heads", hf.get("num_key_value_heads") or heads)
     return dict(kv_heads=kv_heads, head_dim=head_dim, qk_norm=True,
                 rope_theta=hf.number("rope_theta", rope_theta))
+
+
+def full_attention_only(hf: HfConfig, got: dict) -> dict:
+    """Qwen3's mixer: every layer full attention. A layer_types given must say so for
+    each of num_hidden_layers (transformers would slide a "sliding_attention" layer's
+    window; mk would not)."""
+    kinds, layers = hf.get("layer_types"), got["layers"]
+    if kinds is None:
+        return {}
+    if len(hf.listed("layer_types", kinds)) != layers:
+        raise ValueError(f"{hf.where}: layer_types {brief(kinds)} must hold num_hidden_layers="
+                         f"{layers} entries")
+    for i, kind in enumerate(kinds):
+        if kind != "full_attention":
+            raise ValueError(f"{hf.where}: layer_types[{i}]={shown(kind)}, but every layer "
+                             "of this model type is 'full_attention'")
+    return {}
 
 
 def gated_gqa(hf: HfConfig, got: dict) -> dict:
@@ -224,7 +256,7 @@ def sink_gqa(hf: HfConfig, got: dict) -> dict:
                          "rope_theta")
     return dict(kv_heads=hf.whole("num_key_value_heads", hf.get("num_key_value_heads") or heads),
                 head_dim=hf.count("head_dim"), qk_norm=False, attention_sinks=True,
-                attention_bias=bool(hf.get("attention_bias", True)), sliding_layers=sliding,
+                attention_bias=hf.flag("attention_bias", True), sliding_layers=sliding,
                 sliding_window=window, rope_theta=hf.number("rope_theta", theta),
                 yarn=yarn(hf, rope))
 
@@ -249,7 +281,8 @@ def yarn(hf: HfConfig, rope: dict) -> dict | None:
     original = rope["original_max_position_embeddings"]
     return dict(original_max_position=hf.whole(
         "rope_parameters.original_max_position_embeddings", original),
-        truncate=bool(rope.get("truncate", True)), **number)
+        truncate=HfConfig(rope, f"{hf.where}: rope_parameters").flag("truncate", True),
+        **number)
 
 
 # -- Linear attention -------------------------------------------------------------------------
@@ -356,7 +389,7 @@ def softmax_moe(hf: HfConfig, got: dict) -> dict:
     return dict(experts=hf.count("num_local_experts", "num_experts"),
                 experts_per_token=hf.count("num_experts_per_tok"),
                 expert_ffn=hf.count("moe_intermediate_size"),
-                norm_topk=bool(hf.get("norm_topk_prob", False)),
+                norm_topk=hf.flag("norm_topk_prob", False),
                 moe_layers=tuple(i for i in range(got["layers"])
                                  if i not in mlp_only and (i + 1) % step == 0))
 
@@ -387,9 +420,10 @@ def sigmoid_moe(hf: HfConfig, got: dict) -> dict:
         moe_layers=moe_layers, experts=hf.count("num_experts", "num_local_experts"),
         experts_per_token=hf.count("num_experts_per_token", "num_experts_per_tok"),
         expert_ffn=expert_ffn, shared_expert_ffn=expert_ffn * shared,
-        norm_topk=bool(hf.get("moe_renormalize", hf.get("norm_topk_prob", True))),
+        norm_topk=hf.flag("moe_renormalize", hf.flag("norm_topk_prob", True)),
         router_score="sigmoid", expert_groups=hf.get("num_expert_group", hf.get("n_group", 1)),
-        topk_groups=hf.get("topk_group") or 1, routed_scale=hf.number(
+        topk_groups=1 if hf.get("topk_group") is None else hf.whole(  # 0 was read as 1
+            "topk_group", hf.get("topk_group")), routed_scale=hf.number(
             "routed_scaling_factor", hf.get("routed_scaling_factor", 2.446)))
 
 
@@ -466,8 +500,8 @@ def clamped_moe(hf: HfConfig, got: dict) -> dict:
 
 # Each model type: its readers, in order (a reader may read the fields of those before it).
 FAMILIES = {
-    "qwen3": (decoder, dense, gqa),
-    "qwen3_moe": (decoder, dense, gqa, softmax_moe),
+    "qwen3": (decoder, dense, gqa, full_attention_only),
+    "qwen3_moe": (decoder, dense, gqa, full_attention_only, softmax_moe),
     "qwen3_5_text": (functools.partial(decoder, norm_offset=1.0), dense, no_experts,
                      gated_gqa, deltanet),
     "kimi_linear": (functools.partial(decoder, ties=False, max_position=(
