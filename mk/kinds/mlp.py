@@ -1,5 +1,5 @@
-"""The MLP layer kinds: the dense SwiGLU (`Dense`) and Kimi K3's dense SiTU
-(`SituDense`), the mixture of experts (`MoE`:
+"""The MLP layer kinds: the dense SwiGLU (`Dense`) and Kimi K3's dense SiTU (`SituDense`:
+the same weights and stream, another activation), the mixture of experts (`MoE`:
 Qwen3-MoE's softmax router, or DeepSeek/Kimi's sigmoid router with its bias, and Kimi's
 shared expert) and gpt-oss's (`ClampedMoE`: a bias on the router's logits, biased
 clamped-SwiGLU experts), each with its simulator twin and, but gpt-oss's, its stage
