@@ -5,8 +5,10 @@ one chip; B sequences, T rows each, a cache of `context` positions), `mk.measure
 `time_step_series` times one dispatched megakernel step, a device loop of 32 (T = 1) and
 XLA's step (`mk.reference.forward` jitted). The record goes to
 data/measured/<chip>-steps.json (or $MK_MEASURED), rewritten after every row so a run cut
-short by a time limit keeps what it measured; a row the chip refuses (out of memory) is
-kept with its error. Random weights: the time of a step does not depend on their values.
+short by a time limit keeps what it measured, and keeping the rows of a record at the same
+commit (so `--rows` may measure it in parts); a row the chip refuses (out of memory) is
+kept with its error. `mk.calibration` reads it. Random weights: the time of a step does
+not depend on their values.
 
     MK_TPU=1 MK_COMMIT=<sha> python benchmarks/tpu_steps.py [--rows 0 3 5] [--budget 500]
 
@@ -26,8 +28,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `mk` importable from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import mk  # noqa: E402
-from mk import measure  # noqa: E402
+from mk import calibration, measure  # noqa: E402
 
 # (preset, first layers or None for all, B, T, context)
 ROWS = (
@@ -47,18 +48,13 @@ ROWS = (
 INTERPRET_ROWS = (("tiny", None, 1, 1, 64), ("tiny-moe", None, 2, 4, 64))
 
 
-def row_config(preset: str, layers: int | None):
-    config = mk.preset(preset)
-    return config if layers is None else config.first_layers(layers)
-
-
 def time_row(preset, layers, batch, rows, context, *, backend: str, repeats: int) -> dict:
     """One row of the record: the row's fields and each series' seconds per step, or the
     error the chip gave."""
     row = dict(model=preset, layers=layers, batch=batch, rows=rows, context=context)
     series = measure.STEP_SERIES if rows == 1 else ("megakernel", "xla")
     try:
-        row |= measure.time_step_series(row_config(preset, layers), batch=batch, rows=rows,
+        row |= measure.time_step_series(calibration.row_config(row), batch=batch, rows=rows,
                                         context=context, series=series, repeats=repeats,
                                         backend=backend)
     except Exception as err:  # noqa: BLE001 - a refused row is a result, kept with its error
@@ -87,20 +83,39 @@ def main(argv=None) -> None:
     else:
         table, backend = ROWS, "hardware"
         made |= dict(label=f"measured on {made['device_kind']}")
+    made |= dict(megakernel_cache="donated")  # `time_step_series`' one step: in place
     picked = [table[i] for i in args.rows] if args.rows else list(table)
-    path = args.json or measure.MEASURED / f"{made['chip']}-steps.json"
+    path = args.json or calibration.steps_path(made["chip"])
     path.parent.mkdir(parents=True, exist_ok=True)
-    start, rows = time.perf_counter(), []
+    rows = {_key(r): r for r in _earlier_rows(path, made)}
+    start, done = time.perf_counter(), 0
     for preset, layers, batch, t, context in picked:
         if time.perf_counter() - start > args.budget:
-            print(f"budget of {args.budget:.0f} s spent: {len(picked) - len(rows)} rows left",
+            print(f"budget of {args.budget:.0f} s spent: {len(picked) - done} rows left",
                   flush=True)
             break
-        rows.append(time_row(preset, layers, batch, t, context, backend=backend,
-                             repeats=args.repeats))
-        print(json.dumps(rows[-1]), flush=True)
-        path.write_text(json.dumps(made | dict(rows=rows), indent=1) + "\n", encoding="utf-8")
+        row = time_row(preset, layers, batch, t, context, backend=backend,
+                       repeats=args.repeats)
+        rows[_key(row)], done = row, done + 1
+        print(json.dumps(row), flush=True)
+        path.write_text(json.dumps(made | dict(rows=list(rows.values())), indent=1) + "\n",
+                        encoding="utf-8")
     print(f"wrote {path}")
+
+
+def _key(row: dict) -> tuple:
+    return tuple(row[f] for f in ("model", "layers", "batch", "rows", "context"))
+
+
+def _earlier_rows(path: Path, made: dict) -> list[dict]:
+    """The rows of a record at `path` from the same chip, commit and versions: the table
+    may be measured in parts (`--rows`) within one device call's time limit."""
+    if not path.exists():
+        return []
+    earlier = json.loads(path.read_text(encoding="utf-8"))
+    same = all(earlier.get(f) == made[f] for f in ("chip", "commit", "jax", "libtpu",
+                                                    "megakernel_cache"))
+    return earlier.get("rows", []) if same else []
 
 
 if __name__ == "__main__":

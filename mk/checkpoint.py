@@ -2,9 +2,10 @@
 
 Here: `init_params(config, seed)` (random weights in the layout of `mk.config`) and
 `load_checkpoint(path)` for Qwen3 / Qwen3-MoE / Qwen3.5 (`qwen3_5_text`, and the language
-model of a full `qwen3_5` checkpoint), Kimi Linear (`kimi_linear`) and gpt-oss folders of
-safetensors files, including quantised ones in their own formats (`mk.hf_quant`: Hugging
-Face fine-grained FP8, gpt-oss MXFP4 experts), whose weights load as
+model of a full `qwen3_5` checkpoint), Kimi Linear (`kimi_linear`), Kimi K3's language
+model (`kimi_k3`) and gpt-oss folders of safetensors files, including quantised ones in
+their own formats (`mk.hf_quant`: Hugging Face fine-grained FP8, gpt-oss's and Kimi K3's
+MXFP4 experts), whose weights load as
 `mk.quant.QuantWeight`s. Its strict checks are two seams other loaders share:
 `open_checkpoint` (files and tensor headers, before any weight is read) and `check_values`
 (finite weights). A checkpoint is untrusted: its weight files must resolve inside its
@@ -32,6 +33,7 @@ from mk import quant, untrusted
 from mk.config import ModelConfig, check_seed
 from mk.errors import shown
 from mk.hf_layout import every, fill_slots, hf_layout, hf_shape, placements
+from mk.kinds.hf import not_run, tensor_prefixes
 from mk.hf_quant import (INTERLEAVED, assemble_quantised, quant_format, quantised_layout,
                          quantised_problems, quantised_shape)
 from mk.weights import hf_scheme, param_shapes, put_corner
@@ -70,19 +72,16 @@ def init_params(config: ModelConfig, seed: int = 0) -> dict[str, jax.Array]:
 # -- Hugging Face checkpoints -------------------------------------------------------------
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+HEADER_MAX_BYTES = 100_000_000  # safetensors' own limit on a file's header
 INDEX_MAX_BYTES = 256 * 2**20  # the largest index read (a 10**5-tensor one is ~10 MiB)
 # safetensors dtype tags a checkpoint may store; each is cast to `config.dtype` on load.
 STORED_DTYPES = ("F32", "BF16", "F16")
 
 
-# Tensors mk does not run, by the checkpoint's model_type: Qwen3.5's multi-token
-# prediction and vision tower.
-SKIPPED = dict.fromkeys(("qwen3_5", "qwen3_5_text"), ("mtp.", "model.visual."))
-
 
 def load_checkpoint(path: str | Path, *, dtype: str | None = None
                     ) -> tuple[ModelConfig, dict[str, jax.Array]]:
-    """Read a Qwen3 / Qwen3-MoE / Qwen3.5 Hugging Face folder into (config, params).
+    """Read a Hugging Face folder of a model type `mk.kinds.hf` reads into (config, params).
 
     The folder holds `config.json` and either `model.safetensors` or shards listed by
     `model.safetensors.index.json`. Loading is strict (`open_checkpoint`): every tensor of
@@ -96,8 +95,9 @@ def load_checkpoint(path: str | Path, *, dtype: str | None = None
     refused by field (`mk.quant.check_values`); every weight must be finite in the
     config's dtype (`check_values`).
     Parameters are cast to `config.dtype`; `dtype` overrides the file's dtype. A Qwen3.5
-    checkpoint's multi-token-prediction (`mtp.*`) and vision (`model.visual.*`) tensors
-    are not run by mk and are skipped.
+    checkpoint's multi-token-prediction (`mtp.*`) and vision (`model.visual.*`) tensors,
+    and a Kimi K3 one's tensors outside `language_model.`, are not run by mk and are
+    skipped.
     """
     with open_checkpoint(path, dtype=dtype) as checkpoint:
         params = _assemble(checkpoint)
@@ -150,27 +150,27 @@ def open_checkpoint(path: str | Path, *, dtype: str | None = None):
     config = ModelConfig.from_hf(folder, dtype=dtype)
     own = config.unpadded()  # the file's widths; mk holds `config`'s (lane-padded)
     hf = untrusted.load_json(folder / "config.json", "Hugging Face config")
-    full_qwen3_5 = hf.get("model_type") == "qwen3_5"
-    layout = hf_layout(own, "model.language_model." if full_qwen3_5 else "model.")
+    model, head = tensor_prefixes(hf.get("model_type"))
+    layout = hf_layout(own, model, head)
     layout = quantised_layout(own, quant_format(folder, hf, own), layout,
                               _header_dtypes(folder))
     quant.check_streamed(config, {param for param, _, how in layout.values()
-                                  if how in ("fp8", "mxfp4_blocks")})
+                                  if how in ("fp8", "mxfp4_blocks", "mxfp4_packed")})
     placed = placements(own, layout)
     shapes, padded = _slot_shapes(own), _slot_shapes(config)
     with contextlib.ExitStack() as stack:
         handles, where, problems = _open_tensors(folder, layout, placed, shapes, stack,
-                                                 hf_aliases(config))
-        skipped = SKIPPED.get(hf.get("model_type"), ())
+                                                 hf_aliases(config, model))
+        head_name = f"{head}lm_head.weight"
         for name in where:
-            if name.startswith(skipped):
+            if not_run(hf.get("model_type"), name):
                 continue
-            if name not in layout and not (name == "lm_head.weight" and config.tie_embeddings):
+            if name not in layout and not (name == head_name and config.tie_embeddings):
                 problems.append(f"{where[name]}: unexpected tensor {name} (not in "
                                 f"{config.name}'s layout; biases and buffers are not loaded)")
         embed = next(name for name, (param, _, _) in layout.items() if param == "embed")
-        if config.tie_embeddings and {"lm_head.weight", embed} <= set(where):
-            problems += _check_tied_head(handles, where, embed)
+        if config.tie_embeddings and {head_name, embed} <= set(where):
+            problems += _check_tied_head(handles, where, embed, head_name)
         problems += quantised_problems(layout, padded)
         if problems:
             raise ValueError(_problems(folder, config, problems))
@@ -252,13 +252,14 @@ class _Renamed:
         return self.handle.get_tensor(self.stored[name][0])
 
 
-def hf_aliases(config: ModelConfig) -> dict[str, str]:
-    """Other spellings of layout names: Kimi Linear's dense MLP is `mlp.` in Moonshot's
-    checkpoints and `block_sparse_moe.` in transformers' save_pretrained."""
+def hf_aliases(config: ModelConfig, model: str = "model.") -> dict[str, str]:
+    """Other spellings of layout names (the decoder's under prefix `model`): Kimi's dense
+    MLP is `mlp.` in Moonshot's checkpoints (Kimi K3's too: the release's kimi/load.py)
+    and `block_sparse_moe.` in transformers' save_pretrained."""
     if hf_scheme(config) != "kimi":
         return {}
-    return {f"model.layers.{i}.mlp.{proj}_proj.weight":
-            f"model.layers.{i}.block_sparse_moe.{proj}_proj.weight"
+    return {f"{model}layers.{i}.mlp.{proj}_proj.weight":
+            f"{model}layers.{i}.block_sparse_moe.{proj}_proj.weight"
             for i in config.dense_layers
             for proj in ("gate", "up", "down")}
 
@@ -301,7 +302,7 @@ def _open_tensors(folder, layout, placed, shapes, stack, aliases=None):
         for name in sorted(held):  # the index maps each name to one file: no duplicates
             where[name] = file
             problems += _check_tensor(file, name, handle.get_slice(name), layout, placed,
-                                      shapes)
+                                      shapes, handle.stored[name][0])
     problems += [f"missing tensor {name} ({_slot(*layout[name][:2])})"
                  for name in layout if name not in where and name not in reported]
     return handles, where, problems
@@ -310,6 +311,9 @@ def _open_tensors(folder, layout, placed, shapes, stack, aliases=None):
 def _shard_files(folder: Path) -> dict[str, set[str] | None]:
     """File name -> the tensor names the index maps to it (None: one file holds all)."""
     single, index = folder / SINGLE_FILE, folder / INDEX_FILE
+    for path in (single, index):
+        if path.exists():  # a named pipe would block the reader that opened it
+            untrusted.check_regular(path, "checkpoint file")
     if single.is_file() and index.is_file():
         raise ValueError(f"{folder}: both {SINGLE_FILE} and {INDEX_FILE} exist; which "
                          "weights to load is ambiguous, remove one")
@@ -334,6 +338,8 @@ def _shard_files(folder: Path) -> dict[str, set[str] | None]:
         files.setdefault(file, set()).add(name)
     for file, names in files.items():
         _check_inside(folder, file, names)
+        if (folder / file).exists():  # a missing one is reported with its tensors
+            untrusted.check_regular(folder / file, "checkpoint file")
     return files
 
 
@@ -368,13 +374,15 @@ def _slot_shapes(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
     return shapes
 
 
-def _check_tensor(file, name, view, layout, placed, shapes) -> list[str]:
+def _check_tensor(file, name, view, layout, placed, shapes, stored=None) -> list[str]:
+    """A tensor's shape and dtype problems, named as the file spells it (`stored`: an
+    `hf_aliases` spelling of layout name `name`)."""
     if name not in layout:
         return []  # reported as unexpected by the caller
     param, index, how = layout[name]
     want, dtypes = (quantised_shape(param, how, shapes[param][0][len(index):])
                     if isinstance(how, str) else (hf_shape(placed[name]), STORED_DTYPES))
-    got = tuple(view.get_shape())
+    got, name = tuple(view.get_shape()), stored or name
     problems = []
     if got != want:
         problems.append(f"{file}: {name} has shape {got}, expected {want} "
@@ -385,8 +393,7 @@ def _check_tensor(file, name, view, layout, placed, shapes) -> list[str]:
     return problems
 
 
-def _check_tied_head(handles, where, embed_name) -> list[str]:
-    head_name = "lm_head.weight"
+def _check_tied_head(handles, where, embed_name, head_name="lm_head.weight") -> list[str]:
     dtypes = {name: handles[where[name]].get_slice(name).get_dtype()
               for name in (head_name, embed_name)}
     if dtypes[head_name] not in STORED_DTYPES:  # e.g. a quantised head: not the embedding
@@ -429,7 +436,7 @@ def _describe_unreadable(path: Path, err: Exception, listed: set[str] | None) ->
         size = path.stat().st_size
         with open(path, "rb") as f:
             length = int.from_bytes(f.read(8), "little")
-            if 8 + length <= size:
+            if 8 + length <= size and length <= HEADER_MAX_BYTES:  # not a 10 GB "header"
                 header = json.loads(f.read(length))
                 data = size - 8 - length
                 cut = sorted(name for name, info in header.items()

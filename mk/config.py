@@ -517,10 +517,10 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, source: str | Path | dict, *, name: str | None = None,
                 dtype: str | None = None) -> ModelConfig:
-        """Read a Qwen3, Qwen3-MoE, Qwen3.5, Kimi Linear or gpt-oss `config.json` (a path,
-        a folder, or the parsed dict; `mk.kinds.hf.HF_MODEL_TYPES`), each layer kind's
-        fields read by its reader in `mk.kinds.hf`, as the model mk holds: `lane_padded`
-        (`unpadded()` is the file's own widths).
+        """Read a Qwen3, Qwen3-MoE, Qwen3.5, Kimi Linear, Kimi K3 or gpt-oss `config.json`
+        (a path, a folder, or the parsed dict; `mk.kinds.hf.HF_MODEL_TYPES`), each layer
+        kind's fields read by its reader in `mk.kinds.hf`, as the model mk holds:
+        `lane_padded` (`unpadded()` is the file's own widths).
 
         Both spellings are accepted: older (`rope_theta`, `num_experts`) and newer
         (`rope_parameters`, `num_local_experts`). `dtype` overrides the file's dtype.

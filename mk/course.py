@@ -7,10 +7,10 @@ block; `replaced(name, fn)` runs the student's `fn` in that place); the fix exer
 their checks (`update_without_rescale` with `check_attend_update`, `norm_then_matmul`
 with `scoped_bundles` and `check_scope`, `check_up_rotation`, `check_ring_depth`); the
 mystery lab (`mystery(seed)`: one unnamed plant in the megakernel's step, found with the
-race detector or `first_divergence`); `reveal(key)` (a folded worked answer). Checks raise
-`ExerciseFailed` naming what is wrong; they are graders: an answer of any type fails
-saying what was expected (`check_function`, `learners_code`), never a traceback from
-inside mk, and never passes.
+race detector or `first_divergence`); `reveal(key)` (a folded worked answer). Checks are
+graders (`mk.grading`, whose `ExerciseFailed`, `check_close`, `check_tokens` and
+`check_race_free` are re-exported here): an answer of any type fails saying what was
+expected and what came back, never with a traceback from inside mk, and never passes.
 
 Not here: the kernels themselves (`mk.kernels`), the simulator (`mk.sim`), drawing
 (`mk.plots`). Every plant, which notebook uses it and what it breaks:
@@ -36,6 +36,8 @@ from mk import backend, bundles, megakernel, ops, reference, spec, teach
 from mk.checkpoint import init_params
 from mk.config import ModelConfig, positive_int
 from mk.errors import shown
+from mk.grading import (ExerciseFailed, answer_array, check_close, check_function,  # noqa: F401
+                        check_race_free, check_tokens, described, learners_code)
 from mk.machine import Simulation
 from mk.presets import preset
 from mk.kernels import (attention_prologue, collectives, deltanet, joined_experts, kv_stream,
@@ -45,10 +47,6 @@ from mk.kernels.plan import DecodePlan
 PLANTS = ("ring_race", "rope_off", "wrong_expert", "dropped_all_reduce",
           "conv_unshifted", "head_decay", "wrong_residual", "accept_wrong_row",
           "window_unskipped")
-
-
-class ExerciseFailed(AssertionError):
-    """A course check caught a mistake (planted or real)."""
 
 
 # -- Defaults that exercise the hard paths ----------------------------------------------------
@@ -192,69 +190,6 @@ def _patched(owner, attr: str, fn):
         jax.clear_caches()
 
 
-def check_function(what: str, fn, like) -> None:
-    """ExerciseFailed unless `fn` is a function that takes `like`'s arguments (all of
-    them, positionally, as a caller of `like` may pass them)."""
-    names = list(inspect.signature(like).parameters)
-    wanted = f"a function ({', '.join(names)}) like {like.__qualname__}"
-    if not callable(fn):
-        raise ExerciseFailed(f"{what}: expected {wanted}; got {_described(fn)}")
-    try:
-        inspect.signature(fn).bind(*names)
-    except TypeError as err:
-        raise ExerciseFailed(f"{what}: expected {wanted}; got {_name(fn)}"
-                             f"{inspect.signature(fn)}, which cannot take them ({err})"
-                             ) from None
-    except ValueError:  # a builtin without a signature: its call will say
-        pass
-
-
-@contextlib.contextmanager
-def learners_code(what: str, expected: str):
-    """Turn an exception raised in the block, where a student's code runs, into
-    ExerciseFailed: `what` raised it, `expected` says what it should have done."""
-    try:
-        yield
-    except ExerciseFailed:
-        raise
-    except Exception as err:  # noqa: BLE001 - the student's code: any failure is theirs
-        raise ExerciseFailed(f"{what} raised {type(err).__name__}: "
-                             f"{shown(str(err), 300)}; expected {expected}") from err
-
-
-def _name(fn) -> str:
-    return getattr(fn, "__qualname__", None) or type(fn).__name__
-
-
-def _described(value) -> str:
-    """A student's value for a message: its type and its (bounded) repr, and the shape
-    and dtype of an array."""
-    if hasattr(value, "shape") and hasattr(value, "dtype"):
-        return f"{type(value).__name__} of shape {tuple(value.shape)}, dtype {value.dtype}"
-    if isinstance(value, (tuple, list)) and any(hasattr(v, "shape") for v in value):
-        return (f"{type(value).__name__} of {len(value)}: "
-                + ", ".join(_described(v) for v in value[:4]))
-    return f"{type(value).__name__} {shown(value)}"
-
-
-def _array(what: str, value, kind: str = "numbers", integer: bool = False) -> np.ndarray:
-    """A student's `value` as a numpy array of numbers (integers if `integer`), or
-    ExerciseFailed saying what came back."""
-    wanted = f"an array of {kind}"
-    if value is None or isinstance(value, (str, bytes)) or callable(value):
-        raise ExerciseFailed(f"{what}: expected {wanted}; got {_described(value)}")
-    try:
-        array = np.asarray(value)
-    except Exception:  # noqa: BLE001 - a ragged list, an object that will not convert
-        raise ExerciseFailed(f"{what}: expected {wanted}; got {_described(value)}, "
-                             "which is not an array") from None
-    kinds = (jnp.integer,) if integer else (jnp.number, jnp.bool_)
-    if not any(jnp.issubdtype(array.dtype, k) for k in kinds):
-        dtype = "" if hasattr(value, "dtype") else f" (as an array: dtype {array.dtype})"
-        raise ExerciseFailed(f"{what}: expected {wanted}; got {_described(value)}{dtype}")
-    return array
-
-
 @contextlib.contextmanager
 def planted(name: str | None):
     """Run the block with the mistake `name` (one of PLANTS) in the kernel code; None or
@@ -288,73 +223,18 @@ def planted(name: str | None):
 
 
 # -- Checks -----------------------------------------------------------------------------------
-def check_race_free(what: str, races: bool | None) -> None:
-    """`races` is `mk.backend.races_found()` after the step: True or False, or None on a
-    TPU, where no race detector runs (nothing to check); None elsewhere, or a string, is
-    not an answer and fails."""
-    if races is None and backend.on_tpu():
-        return
-    if not isinstance(races, (bool, np.bool_)):
-        raise ExerciseFailed(f"{what}: expected True or False (mk.backend.races_found() "
-                             f"after the step); got {_described(races)}")
-    if races:
-        raise ExerciseFailed(f"{what}: the race detector flagged a race (a slot read while "
-                             "a DMA into it was in flight)")
-
-
-def check_close(what: str, got, want, *, atol: float, rtol: float = 1e-5) -> float:
-    """The largest |got - want|; raises when any element is outside atol + rtol * |want|,
-    or `got` is not an array of numbers of want's shape (saying what came back)."""
-    want = np.asarray(want, np.float32)
-    got = _array(what, got).astype(np.float32)
-    if got.shape != want.shape:
-        raise ExerciseFailed(f"{what}: expected an array of shape {want.shape} (the "
-                             f"reference's); got shape {got.shape}")
-    error = np.abs(got - want)
-    if not np.all(error <= atol + rtol * np.abs(want)):
-        raise ExerciseFailed(f"{what}: kernel and reference differ (max |kernel - reference| "
-                             f"= {_largest(error)}, "
-                             f"atol={atol}, rtol={rtol}, shapes {got.shape} {want.shape})")
-    return float(error.max()) if error.size else 0.0
-
-
-def _largest(error) -> str:
-    if not error.size:
-        return "n/a"
-    if np.isnan(error).all():
-        return "nan everywhere"
-    return f"{float(np.nanmax(error))}"
-
-
 def check_up_rotation(rotation: int, used: int = 32, lanes: int = 128) -> None:
     """05c's exercise: `rotation` (jnp.roll's direction) must bring up's `used` values of a
     joined gate|up product of `lanes` lanes to lanes [0, used), as the kernel's own split
     does (`mk.kernels.joined_experts.gate_up`, on a product whose lanes hold their index)."""
     if isinstance(rotation, (bool, np.bool_)) or not isinstance(rotation, (int, np.integer)):
         raise ExerciseFailed(f"up_rotation: expected a whole number of lanes (an int, "
-                             f"jnp.roll's shift); got {_described(rotation)}")
+                             f"jnp.roll's shift); got {described(rotation)}")
     backend.check_active()  # the split is a Pallas kernel: say where to run it
     joined = jnp.tile(jnp.arange(lanes, dtype=jnp.float32), (8, 1))
     _, up = joined_experts.gate_up(joined, used, lanes)
     check_close("up's lanes after your rotation", np.roll(np.arange(lanes), rotation)[:used],
                 np.asarray(up)[0, :used], atol=0, rtol=0)
-
-
-def check_tokens(what: str, got, want) -> None:
-    """Greedy tokens equal, exactly: integer ids of the reference's shape; names the first
-    sequence and step that differ (any shape, a single token too)."""
-    want = np.asarray(want)
-    got = _array(what, got, "integer token ids", integer=True)
-    if got.shape != want.shape:
-        raise ExerciseFailed(f"{what}: expected tokens of shape {want.shape} (the "
-                             f"reference's); got shape {got.shape}")
-    bad = np.argwhere(np.atleast_1d(got != want))
-    if bad.size:
-        index = tuple(int(i) for i in bad[0][:got.ndim])
-        where = (f"sequence {index[0]}, step {index[1]}" if got.ndim >= 2 else
-                 f"step {index[0]}" if got.ndim == 1 else "its only token")
-        raise ExerciseFailed(f"{what}: tokens differ from the reference first at {where}: "
-                             f"got {got[index]}, reference {want[index]}")
 
 
 def check_ring_depth(sim, deep, *, tolerance: float = 0.05) -> float:
@@ -365,7 +245,7 @@ def check_ring_depth(sim, deep, *, tolerance: float = 0.05) -> float:
     for name, value in (("your simulated step", sim), ("the deep ring's step", deep)):
         if not isinstance(value, Simulation):
             raise ExerciseFailed(f"{name}: expected a mk.sim.simulate result (a "
-                                 f"Simulation); got {_described(value)}")
+                                 f"Simulation); got {described(value)}")
     fields = ("config_name", "chip_name", "batch", "rows", "context", "tp")
     other = [f"{f}={getattr(sim, f)!r}, not {getattr(deep, f)!r}" for f in fields
              if getattr(sim, f) != getattr(deep, f)]
@@ -419,9 +299,9 @@ def _check_update(update, rows: int, tile: int, width: int) -> None:
     with learners_code("your update, on one tile", wanted):
         out = update(m, l, acc, scores, v)
     if not isinstance(out, (tuple, list)) or len(out) != 3:
-        raise ExerciseFailed(f"your update: expected {wanted}; got {_described(out)}")
+        raise ExerciseFailed(f"your update: expected {wanted}; got {described(out)}")
     for name, value, shape in zip(("m_next", "l_next", "acc_next"), out, shapes):
-        got = _array(f"your update's {name}", value)
+        got = answer_array(f"your update's {name}", value)
         if got.shape != shape:
             raise ExerciseFailed(f"your update's {name}: expected shape {shape}; got "
                                  f"{got.shape}")
@@ -454,6 +334,8 @@ class Mystery:
     with one unnamed plant of MYSTERIES in the kernel code (interpret mode)."""
 
     def __init__(self, seed: int):
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ValueError(f"seed={shown(seed)} must be a non-negative integer")
         self._plant = MYSTERIES[seed % len(MYSTERIES)]
         self.config = config = preset("tiny")
         self.params = init_params(config, seed)
@@ -501,7 +383,7 @@ class Mystery:
         fn = SEAMS[self._plant][2]
         if not isinstance(where, str):
             raise ExerciseFailed(f"suspect: expected a name such as "
-                                 f"\"mk.kernels.ring.Ring.slot\"; got {_described(where)}")
+                                 f"\"mk.kernels.ring.Ring.slot\"; got {described(where)}")
         if where != self.where():
             return Markdown(f"`{html.escape(where)}` runs as released: look elsewhere.")
         return Markdown("Found it. The code running in its place:\n```python\n"
@@ -594,9 +476,11 @@ def scoped_bundles(kernel, chip: str = "v6e") -> dict[str, list]:
 
 def check_scope(found: dict[str, list], scope: str) -> int:
     """The number of bundles in `scope` (of `scoped_bundles`); ExerciseFailed if none."""
-    if not isinstance(found, dict):
-        raise ExerciseFailed(f"check_scope: expected scoped_bundles' {{scope: bundles}}; "
-                             f"got {_described(found)}")
+    wanted = "scoped_bundles' {scope: [mk.bundles.Bundle, ...]}"
+    if not isinstance(found, dict) or not all(
+            isinstance(v, list) and all(isinstance(b, bundles.Bundle) for b in v)
+            for v in found.values()):
+        raise ExerciseFailed(f"check_scope: expected {wanted}; got {described(found)}")
     if not found.get(scope):
         raise ExerciseFailed(f"no bundle lies in a scope named {scope!r} (scopes with "
                              f"bundles: {sorted(found)}): wrap the code in "
@@ -638,6 +522,6 @@ ANSWERS = {
 
 def reveal(key: str) -> Markdown:
     """A worked answer (one of ANSWERS), for Jupyter and Colab; the site folds them."""
-    if key not in ANSWERS:
+    if not isinstance(key, str) or key not in ANSWERS:
         raise ValueError(f"answer key={key!r} must be one of {tuple(ANSWERS)}")
     return Markdown(f"**Answer ({key}).** {ANSWERS[key]}")

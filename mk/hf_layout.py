@@ -36,7 +36,7 @@ def parts_of(config: ModelConfig) -> dict[str, tuple[str, slice]]:
             if isinstance(hf_names(w, config), dict) for part in hf_names(w, config)}
 
 
-def hf_layout(config: ModelConfig, model: str = "model."
+def hf_layout(config: ModelConfig, model: str = "model.", head: str = ""
               ) -> dict[str, tuple[str, tuple[int, ...], bool]]:
     """HF tensor name -> (mk parameter, index into its stacked axes, transposed?), from the
     Hugging Face names of `mk.weights` (in the config's naming scheme).
@@ -45,7 +45,8 @@ def hf_layout(config: ModelConfig, model: str = "model."
     every such matrix but the embedding table is transposed (and a conv weight [C, 1, W]
     becomes [W, C]); a matrix stored as a bare parameter (gpt-oss's experts [E, in, out])
     is not. A tied model has no `lm_head.weight` entry. `model` prefixes the decoder's
-    names ("model.language_model." in a full qwen3_5 checkpoint). Two weights stored in
+    names ("model.language_model." in a full qwen3_5 checkpoint) and `head` lm_head's
+    (Kimi K3's "language_model.": `mk.kinds.hf.tensor_prefixes`). Two weights stored in
     one HF tensor fill the pseudo-parameter "a+b" (Qwen3.5's q_proj: "wq+wq_gate";
     gpt-oss's interleaved gate_up tensors: `INTERLEAVED`); a weight stored in parts fills
     "param:part" (`parts_of`).
@@ -64,7 +65,7 @@ def hf_layout(config: ModelConfig, model: str = "model."
             for layer, row in rows:
                 prefix = "" if layer is None else f"{model}layers.{layer}."
                 for e in range(config.experts) if experts else (None,):
-                    name = prefix + rel.format(model=model, e=e)
+                    name = prefix + rel.format(model=model, head=head, e=e)
                     index = (() if layer is None else (row,)) + (() if e is None else (e,))
                     if name in layout:  # one HF tensor holding two weights
                         param_before, index_before, transposed = layout[name]

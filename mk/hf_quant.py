@@ -37,12 +37,29 @@ INTERLEAVED = {"we_gate+we_up": ("we_gate", "we_up"), "be_gate+be_up": ("be_gate
 #   `..._scales` [E, D, Fe/32]; each byte holds e2m1 values 2k (low nibble) and 2k + 1 (high)
 #   of a 32-value block along the input, each scale an e8m0 exponent (bias 127). Loaded
 #   into mk.quant's "fp4" layout (a permutation of bits and transposes: bit-exact).
-QUANT_FORMATS = ("fp8", "mxfp4")
+# - "compressed-tensors" with format "mxfp4-pack-quantized" (Kimi K3's routed experts;
+#   `PACKED_MXFP4`): per expert and projection (w1 gate, w3 up, w2 down) `X.weight_packed`
+#   uint8 [O, I/2] (byte j: value 2j in the low nibble, 2j + 1 in the high; the release's
+#   kimi/load.py views its rows as little-endian uint32 words of 8 values, low nibble
+#   first: the same order) and `X.weight_scale` uint8 [O, I/32] (e8m0, the release
+#   refuses 0 and 255: so does mk); every other tensor plain. Loaded into mk.quant's "fp4"
+#   layout bit-exactly, gate and up included: the release re-stores those as fp8 with a
+#   bf16 scale per 256 rows after loading (`ModelConfig.expert_fp8_block`), a kernel
+#   layout mk's kernels do not have yet. The tensor names and dtypes are the release's
+#   (Inferact/tpu-megakernels, kimi/load.py); the quantization_config spelling is not in
+#   the release (it reads none) but in third-party K3 ports found by search (mlx-vlm's
+#   test of its compressed-tensors format: format at the top or in config_groups).
+QUANT_FORMATS = ("fp8", "mxfp4", "compressed-tensors")
+PACKED_MXFP4 = "mxfp4-pack-quantized"
 
 
 def quant_format(folder, hf: dict, config: ModelConfig) -> str | None:
-    """The quantised format config.json declares (`QUANT_FORMATS`), or None."""
+    """The quantised format config.json declares (`QUANT_FORMATS`; its
+    quantization_config, else its text_config's), or None."""
     qc = hf.get("quantization_config")
+    text = hf.get("text_config")
+    if qc is None and isinstance(text, dict):  # a wrapper's may sit in its text_config
+        qc = text.get("quantization_config")
     if qc is None:
         return None
     method = qc.get("quant_method") if isinstance(qc, dict) else None
@@ -55,9 +72,18 @@ def quant_format(folder, hf: dict, config: ModelConfig) -> str | None:
             raise ValueError(f"{folder}: fp8 quantization_config weight_block_size="
                              f"{shown(block)}, fmt={shown(fmt)}; mk reads [128, 128] blocks "
                              "of e4m3")
-    if method == "mxfp4" and not config.experts:
-        raise ValueError(f"{folder}: quant_method='mxfp4' stores experts, and "
-                         f"{config.name} has none")
+    if method == "compressed-tensors":
+        groups = qc.get("config_groups") or {}
+        groups = groups.values() if isinstance(groups, dict) else ()
+        found = {qc.get("format")} | {g.get("format") for g in groups if isinstance(g, dict)}
+        if found - {None} != {PACKED_MXFP4}:
+            raise NotImplementedError(f"{folder}: compressed-tensors format "
+                                      f"{shown(sorted(map(str, found - {None})))} is not "
+                                      f"read; mk reads {PACKED_MXFP4!r} (Kimi K3's experts)")
+        method = "mxfp4_packed"
+    if method in ("mxfp4", "mxfp4_packed") and not config.experts:
+        raise ValueError(f"{folder}: quant_method={shown(qc.get('quant_method'))} stores "
+                         f"experts, and {config.name} has none")
     return method
 
 
@@ -65,7 +91,7 @@ def quantised_layout(config: ModelConfig, fmt: str | None, layout: dict, dtypes:
                      ) -> dict:
     """`hf_layout` with the quantised tensors of format `fmt` in place of their plain ones;
     their third field names their role ("fp8", "fp8_scale", "mxfp4_blocks",
-    "mxfp4_scales") instead of a transpose flag."""
+    "mxfp4_scales"; "mxfp4_packed", "mxfp4_scale": K3's) instead of a transpose flag."""
     if fmt is None:
         return layout
     quantisable = {name for names in FORMAT_GROUPS.values() for name in names}
@@ -75,6 +101,13 @@ def quantised_layout(config: ModelConfig, fmt: str | None, layout: dict, dtypes:
             if dtypes.get(name) == "F8_E4M3" and param in quantisable:
                 out[name] = (param, index, "fp8")
                 out[name + "_scale_inv"] = (param, index, "fp8_scale")
+        return out
+    if fmt == "mxfp4_packed":  # each expert's X.weight -> X.weight_packed, X.weight_scale
+        for name, (param, index, _) in layout.items():
+            if param in FORMAT_GROUPS["experts"]:
+                del out[name]
+                out[name + "_packed"] = (param, index, "mxfp4_packed")
+                out[name + "_scale"] = (param, index, "mxfp4_scale")
         return out
     for name, (param, index, _) in layout.items():
         if param in ("we_gate", "we_up", "we_down", "we_gate+we_up"):
@@ -97,6 +130,8 @@ def quantised_shape(param: str, how: str, mk_shape) -> tuple[tuple[int, ...], tu
     O = 2 * O if param in INTERLEAVED else O
     if how == "mxfp4_blocks":
         return (*lead, O, I // 32, 16), ("U8",)
+    if how == "mxfp4_packed":
+        return (*lead, O, I // 2), ("U8",)
     return (*lead, O, I // 32), ("U8",)
 
 
@@ -111,7 +146,7 @@ def quantised_problems(layout: dict, shapes: dict) -> list[str]:
         if "fp8" in kinds and "plain" in kinds:
             problems.append(f"mk {param}: some of its tensors are float8_e4m3fn and some are "
                             "not; a parameter is quantised wholly or not at all")
-        if kinds & {"fp8", "mxfp4_blocks"}:
+        if kinds & {"fp8", "mxfp4_blocks", "mxfp4_packed"}:
             scheme = "fp8" if "fp8" in kinds else "fp4"
             try:
                 quant.check_shape(f"mk {param}", scheme, shapes[param][0])
@@ -135,6 +170,17 @@ def _raw_bytes(path: Path, name: str) -> np.ndarray:
         start, end = info["data_offsets"]
         f.seek(8 + length + start)
         return np.frombuffer(f.read(end - start), np.uint8).reshape(info["shape"])
+
+
+def _check_e8m0(folder, name: str, scales: np.ndarray) -> None:
+    """Refuse e8m0 scales 0 (2^-127, not a normal float32) and 255 (NaN), as the release's
+    loader does ("expected normal, finite E8M0 scales"), naming the tensor."""
+    bad = (scales == 0) | (scales == 255)
+    if bad.any():
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"{folder}: {shown(name)}: {int(bad.sum())} of {scales.size} e8m0 "
+                         f"scales are 0 or 255, the first {int(scales[first])} at {first}; "
+                         "expected normal, finite scales 1..254")
 
 
 def assemble_quantised(folder, handles, where, layout, shapes
@@ -163,6 +209,11 @@ def assemble_quantised(folder, handles, where, layout, shapes
             continue
         tensor = (_raw_bytes(folder / where[name], name) if how == "fp8"
                   else handles[where[name]].get_tensor(name))
+        if how == "mxfp4_packed":  # [O, I/2] -> gpt-oss's [O, I/32, 16] blocks, same order
+            how, tensor = "mxfp4_blocks", tensor.reshape(*tensor.shape[:-1], -1, 16)
+        if how == "mxfp4_scale":  # [O, I/32], as gpt-oss's
+            how = "mxfp4_scales"
+            _check_e8m0(folder, name, tensor)
         if how in ("fp8", "fp8_scale"):
             d, s = slot(param, "fp8")
             if how == "fp8":

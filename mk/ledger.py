@@ -10,7 +10,8 @@ the cached positions its benchmark scripts ran at, `mk.published.Published.conte
 where `benchmarks/tile_costs.py --published` recorded it, against the simulated step of
 the run's compiled kernel. `latency_grid` lays its TPU rows out over
 `COLLECTIVE_LATENCIES_US`, the assumed latency of one collective message round. Nothing is
-fitted to the published numbers.
+fitted to the published numbers. `verified_table` and `basis_table` say what rests on a
+chip: tokens judged on it, and the simulator's measured inputs and error.
 
 Not here: the models themselves (`mk.perf` floors and collectives, `mk.sim` the simulated
 schedule), the published rows' parsing (`mk.published`), drawing (`mk.plots`).
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from mk import exactness, perf, plots
+from mk import calibration, exactness, perf, plots
 from mk.bundles import packed_bundles
 from mk.chips import CLOCK_ENDS, ChipSpec, spec_of
 from mk.config import ModelConfig, positive_int
@@ -31,6 +32,8 @@ from mk.kernels.collectives import choose_algorithm, rounds
 from mk.kernels.plan import shard_config
 from mk.kinds.layers import layer_kinds
 from mk.machine import Simulation
+from mk.measure import TPU_NAMES, path_for
+from mk.measure import load as load_measured
 from mk.sim import Assumptions, simulate, tile_seconds
 
 TERMS = {
@@ -72,8 +75,14 @@ TERMS = {
                             "replayed by `mk.sim` at the low and at the high end of the "
                             "chip's clock range (the clock is not published: "
                             "`mk.chips.ChipSpec.clock`); a simulation, not a measurement",
-    "measured": "timed or counted on this machine (CPU interpret mode: never TPU time) or, "
+    "measured": "timed or counted on a machine named with it: a TPU's times carry its chip, "
+                "commit and date (data/measured); CPU interpret mode is never TPU time; "
                 "for acceptance, counted from real drafts",
+    "calibrated step": "the simulated step with a chip's measured inputs "
+                       "(`mk.calibration.assumptions`: the DMA probe's latency and bandwidth, "
+                       "the attention loop's KV rate from sweeps of the real kernel), checked "
+                       "against that chip's measured device loops; a simulation, not a "
+                       "measurement, and only for a chip that was measured",
 }
 # The terms that claim no step can be shorter, each with the `entries` column and the
 # compute feed (`entries(compute=...)`) at which the claim is made; tests/test_ledger.py
@@ -104,6 +113,35 @@ def verified_table(root=".") -> plots.Table:
          f"{r['exact']} / {r['ties']} / {r['wrong']} of {r['total']}",
          "measured at": "-" if r["chip"] is None else f"{r['commit']}, {r['when'][:10]}",
          "record": state(r)} for r in exactness.verified(root)])
+
+
+def basis_table() -> plots.Table:
+    """What the simulator's numbers rest on, chip by chip: the DMA probe's file
+    (`mk.measure`), the attention loop's sweeps and the simulated against the measured
+    device loops (`mk.calibration`), or, with neither file, assumptions only."""
+    out = []
+    for chip in TPU_NAMES:
+        dma, steps = path_for(chip), calibration.steps_path(chip)
+        row = {"chip": chip}
+        if dma.exists():
+            m = load_measured(dma)
+            row["DMA latency, bandwidth"] = (
+                f"measured: {m.dma_latency_s * 1e6:.2f} µs, {m.hbm_bw / 1e9:.0f} GB/s "
+                f"({m.commit[:7]}, {m.when[:10]})")
+        else:
+            row["DMA latency, bandwidth"] = "assumed: 0.5 µs, the datasheet's HBM"
+        rows = calibration.agreement(chip) if dma.exists() and steps.exists() else []
+        a = calibration.assumptions(chip) if rows else None
+        row["attention loop"] = (f"measured: {a.kv_bytes_per_s / 1e9:.0f} GB/s of KV"
+                                 if a and a.kv_bytes_per_s else "modelled (MXU rule)")
+        errors = [g.error for g in rows]
+        row["simulated vs measured"] = (
+            f"{len(rows)} device loops, {min(errors):+.1%} to {max(errors):+.1%}"
+            if rows else "no measured steps")
+        row["numbers rest on"] = "measurement" if rows else (
+            "a DMA probe, no steps" if dma.exists() else "assumptions only")
+        out.append(row)
+    return plots.table(out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,6 +249,9 @@ def entries(*, routing: str = "uniform", compute: str = "bf16",
     columns above only if its per-tile cost was measured on a cut of it (`measured_on`)."""
     _check_entries(routing, compute, simulate_tpu, speculative_only, assumptions)
     out, sims = [], {}
+    if isinstance(tile_costs, (str, bytes, dict)) or not hasattr(tile_costs, "__iter__"):
+        raise ValueError(f"tile_costs={shown(tile_costs)} must be a list of rows of "
+                         "benchmarks/tile_costs.py --published")
     recorded = {cost_key(c): c for c in tile_costs}
 
     def simulated(config, spec, a=assumptions, **kw):  # rows differing only in tau share it
@@ -367,6 +408,9 @@ def recorded_assumptions(cost: dict, base: Assumptions | None = None, **kw) -> A
 
 def cost_key(cost: dict) -> tuple:
     """`Run.key` of a recorded per-tile cost (a row of benchmarks/tile_costs.py)."""
+    if not isinstance(cost, dict):
+        raise ValueError(f"tile cost row {shown(cost)} must be a mapping (a row of "
+                         "benchmarks/tile_costs.py --published)")
     missing = [k for k in ("preset", "chip", "tp", "batch", "rows", "fits") if k not in cost]
     if missing:
         raise ValueError(f"tile cost row {cost.get('preset')!r}: missing {missing} (a row of "

@@ -47,12 +47,16 @@ class Assumptions:
     packed_bundles: tuple[tuple[str, int, int, int], ...] = ()
     clock: str = "low"  # end of the chip's range (`mk.chips.CLOCK_ENDS`)
     ici_latency_s: float = ICI_LATENCY_S  # one message round of a collective
-    source: str = "assumed"  # where dma_latency_s and hbm_share come from (`measured`)
+    # The attention loop as a chip ran it (`mk.calibration`; 0: the tile cost model alone):
+    kv_bytes_per_s: float = 0.0  # KV bytes a second, once the loop is not waiting on DMA
+    sequence_s: float = 0.0  # each sequence's fixed cost in each attention layer
+    source: str = "assumed"  # where the measured fields come from (`measured`)
 
     def __post_init__(self):
         for field in ("hbm_share", "vpu_flops_ratio"):
             finite_number(f"Assumptions.{field}", getattr(self, field), 0, 1, open_low=True)
-        for field in ("dma_latency_s", "scalar_op_s", "tile_issue_s", "ici_latency_s"):
+        for field in ("dma_latency_s", "scalar_op_s", "tile_issue_s", "ici_latency_s",
+                      "kv_bytes_per_s", "sequence_s"):
             finite_number(f"Assumptions.{field}", getattr(self, field))
         if isinstance(self.tile_bundles, bool) or not isinstance(self.tile_bundles, int) \
                 or self.tile_bundles < 0:

@@ -10,10 +10,10 @@ labelled record from a chosen latency and bandwidth share.
 Here: `Sweep` (`SWEEPS`), `DmaPoint`, `StepPoint`, `Measured` (`latency_fit`,
 `dma_latency_s`, `hbm_bw`, `hbm_share`, `to_dict`, `from_dict`), `chip_of`,
 `seconds_per_copy`, `dma_sweep`, `time_step_series` (`STEP_SERIES`: the megakernel, its
-device loop, XLA's step; benchmarks/tpu_steps.py), `time_step`, `provenance`, `measure`,
-`example`, `path_for`, `write`, `load`, `sim_fields`. Not here: the simulator
-(`mk.sim`), drawing (the notebook, with `mk.plots`), the JSON schema's prose
-(data/README.md). How each number is measured: docs/design/mk.measure.md.
+device loop, XLA's step; benchmarks/tpu_steps.py; its plans `step_plans`), `time_step`,
+`provenance`, `measure`, `example`, `path_for`, `write`, `load`, `sim_fields`. Not here:
+the simulator (`mk.sim`), drawing (the notebook, with `mk.plots`), the JSON schema's
+prose (data/README.md). How each number is measured: docs/design/mk.measure.md.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mk import backend as backends
-from mk import megakernel, reference
+from mk import megakernel, reference, untrusted
 from mk.checkpoint import init_params
 from mk.chips import DEVICE_KINDS, ChipSpec, all_chips, chip_of, spec_of  # noqa: F401
 from mk.config import ModelConfig
@@ -374,7 +374,8 @@ def time_step_series(config: ModelConfig, *, batch: int = 1, rows: int = 1,
     each of `series`: every sequence reads a full cache of `context` positions before its
     `rows` new ones, as `mk.sim.simulate(..., context=context)` replays it.
 
-    - "megakernel": one dispatched megakernel step (host dispatch included);
+    - "megakernel": one dispatched megakernel step (host dispatch included), its cache
+      donated (`mk.megakernel.step_in_place`: no copy of the cache, as in serving);
     - "megakernel_loop": a device-side loop of `loop_steps` greedy steps (`generate`'s
       `steps_per_call`) over its step count; T = 1 only;
     - "xla": XLA's step (`mk.reference.forward` jitted), one dispatched step.
@@ -387,11 +388,9 @@ def time_step_series(config: ModelConfig, *, batch: int = 1, rows: int = 1,
     if "megakernel_loop" in series and rows != 1:
         raise ValueError(f"rows={rows}: the device loop (series 'megakernel_loop') decodes "
                          "one row per step; time it with rows=1")
-    _integer("loop_steps", loop_steps, 1)
-    capacity = cache_capacity(context + max(rows, loop_steps))
-    config = dataclasses.replace(config, max_context=capacity)
-    plan = DecodePlan.make(config, batch=batch, rows=rows, context=capacity)
-    loop_plan = DecodePlan.make(config, batch=batch, rows=1, context=capacity)
+    plan, loop_plan = step_plans(config, batch=batch, rows=rows, context=context,
+                                 loop_steps=loop_steps)
+    config, capacity = plan.config, plan.context
     params = init_params(config, seed)
     cache = reference.init_cache(config, batch, capacity)
     tokens, positions = reference.validate_step(
@@ -402,11 +401,14 @@ def time_step_series(config: ModelConfig, *, batch: int = 1, rows: int = 1,
             seconds |= _median_seconds({"xla": lambda: reference.forward(
                 config, params, cache, tokens, positions)}, repeats)
         weights = megakernel.prepare(plan, params, donate=True)
+        held = [cache]  # both donate the cache: each call gets the last one's
         if "megakernel" in series:
-            seconds |= _median_seconds({"megakernel": lambda: megakernel.traced_step(
-                plan, weights, cache, tokens, positions)}, repeats)
+            def step():
+                out = megakernel.step_in_place(plan, weights, held[0], tokens, positions)
+                held[0] = out[2]
+                return out
+            seconds |= _median_seconds({"megakernel": step}, repeats)
         if "megakernel_loop" in series:
-            held = [cache]  # the loop donates its cache: each call gets the last one's
 
             def loop():
                 out, held[0] = megakernel.device_loop(loop_plan, weights, held[0],
@@ -415,6 +417,18 @@ def time_step_series(config: ModelConfig, *, batch: int = 1, rows: int = 1,
             loop_seconds = _median_seconds({"loop": loop}, repeats)["loop"]
             seconds["megakernel_loop"] = loop_seconds / loop_steps
     return {name: seconds[name] for name in series}
+
+
+def step_plans(config: ModelConfig, *, batch: int = 1, rows: int = 1, context: int = 256,
+               loop_steps: int = 32) -> tuple[DecodePlan, DecodePlan]:
+    """The plans `time_step_series` runs (the step's, and the device loop's of T = 1): a
+    cache holding `context` positions and the rows or loop steps after them, the default
+    block (no chip given: what `generate` runs)."""
+    _integer("loop_steps", loop_steps, 1)
+    capacity = cache_capacity(context + max(rows, loop_steps))
+    config = dataclasses.replace(config, max_context=capacity)
+    return (DecodePlan.make(config, batch=batch, rows=rows, context=capacity),
+            DecodePlan.make(config, batch=batch, rows=1, context=capacity))
 
 
 def time_step(config: ModelConfig, *, batch: int = 1, rows: int = 1, context: int = 256,
@@ -532,11 +546,7 @@ def write(record: Measured, path: str | os.PathLike | None = None) -> Path:
 
 def load(path: str | os.PathLike) -> Measured:
     """The record in `path`; ValueError naming the file and the field when malformed."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: not JSON ({err})") from None
+    data = untrusted.load_json(path, "measured record")  # a regular file, bounded
     return Measured.from_dict(data, str(path))
 
 

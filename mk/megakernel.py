@@ -10,8 +10,9 @@ kinds (`mk.kinds`). Every operand, output and scratch buffer is passed by name
 
 Here: `prepare` (weights in the megakernel's layout, once; `check_weights`;
 `prepare_shards`), `decode_step` (with `taps=True`, the residual after every block),
-`traced_step` (what `mk.tpu.compile_megakernel` compiles), `first_divergence`, `generate`
-and the one greedy loop (`greedy_loop`, `greedy_steps`), `check_generate`,
+`traced_step` (what `mk.tpu.compile_megakernel` compiles; `step_in_place`, its cache
+donated; `device_loop`), `first_divergence`, `generate` and the one greedy loop
+(`greedy_loop`, `greedy_steps`), `check_generate`,
 `progress_bar`. Not here: the compile-time benchmark (benchmarks/compile_time.py), the
 reference's loop (`mk.reference.generate`), the sharding (`mk.tensor_parallel`). Hybrids,
 Kimi's latent attention, what is prefetched a layer ahead, quantised weights and tensor
@@ -256,9 +257,11 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
 
 def decode_step(config: ModelConfig, weights, cache, tokens, positions, *,
                 block: BlockSizes | None = None, taps: bool = False,
-                row_states: bool = False, feeds=None):
+                row_states: bool = False, feeds=None, donate: bool = False):
     """One decode step in one kernel: tokens [B, T] at positions [B] -> (next tokens
     [B, T] int32 (greedy, ties to the lowest id), logits [B, T, V] float32, cache).
+    donate=True updates `cache` in place (`step_in_place`: the caller's cache is spent);
+    by default XLA first copies it, a whole cache's bytes read and written each step.
     `weights` from `prepare(plan, params)` (the plan's block); block: the tiling (default the
     plan's, `mk.kernels.plan.default_block`); feeds: the packed groups' MXU feeds
     (`DecodePlan.make(feeds=)`, the plan `prepare` was given). A hybrid's cache is a
@@ -277,7 +280,8 @@ def decode_step(config: ModelConfig, weights, cache, tokens, positions, *,
                      context=cache.capacity, block=block,
                      formats=quant.formats_of(weights), feeds=feeds)
     backends.check_active()
-    out = traced_step(plan, weights, cache, tokens, positions, taps=taps)
+    out = (step_in_place if donate else traced_step)(plan, weights, cache, tokens, positions,
+                                                     taps=taps)
     if has_states(cache) and not row_states:
         out = out[:3] + out[4:]
     return out
@@ -391,6 +395,13 @@ def greedy_steps(step, cache, token, position, steps: int):
 
     (cache, _, _), tokens = lax.scan(body, (cache, token, position), None, length=steps)
     return tokens.T, cache
+
+
+@functools.partial(jax.jit, static_argnames=("plan", "taps"), donate_argnames="cache")
+def step_in_place(plan: DecodePlan, weights, cache, tokens, positions, taps: bool = False):
+    """`traced_step` with the cache donated: the kernel's in-place cache update stays in
+    place (no copy of the cache before the call), as a serving loop steps."""
+    return traced_step(plan, weights, cache, tokens, positions, taps=taps)
 
 
 @functools.partial(jax.jit, static_argnames=("plan", "steps"), donate_argnames="cache")

@@ -24,6 +24,7 @@ import numpy as np
 
 from mk import reference, untrusted
 from mk.config import ModelConfig, positive_int
+from mk.errors import shown
 
 FIELDS = ("model", "tokens", "per_token", "counts")
 MAX_NAME = 200  # characters of the model name a trace file may carry
@@ -94,9 +95,10 @@ def _check(fields: dict) -> None:
     trace: a name, positive tokens and per_token, counts a non-empty [layers][experts]
     table of integers in [0, tokens] whose rows sum to tokens x per_token."""
     model, tokens, per_token, counts = (fields[f] for f in FIELDS)
-    if not isinstance(model, str) or len(model) > MAX_NAME:
+    if not isinstance(model, str) or len(model) > MAX_NAME or not model.isprintable():
         raise ValueError(f"routing trace: model must be a string of at most {MAX_NAME} "
-                         f"characters, got {type(model).__name__} of {len(str(model))}")
+                         "printable characters (no control character or lone surrogate), "
+                         f"got {type(model).__name__} {shown(model)}")
     positive_int("tokens", tokens)
     positive_int("per_token", per_token)
     if not isinstance(counts, (list, tuple)) or not counts or not all(
@@ -162,7 +164,11 @@ def load(path: str | os.PathLike, config: ModelConfig | None = None) -> RoutingT
         got = sorted(fields) if isinstance(fields, dict) else type(fields).__name__
         raise ValueError(f"routing trace {os.fspath(path)!r}: fields {got} must be "
                          f"exactly {list(FIELDS)}")
-    _check(fields)
+    try:
+        _check(fields)
+    except ValueError as err:  # named by the file it came from
+        raise ValueError(f"routing trace {os.fspath(path)!r}: "
+                         f"{str(err).removeprefix('routing trace: ')}") from None
     trace = RoutingTrace(fields["model"], fields["tokens"], fields["per_token"],
                          tuple(tuple(row) for row in fields["counts"]))
     return trace if config is None else trace.check_model(config)

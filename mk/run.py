@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import math
 
 import numpy as np
 
 from mk.backend import BACKENDS
 from mk.chips import CHIP_NAMES
 from mk.config import ModelConfig, check_rows, positive_int
+from mk.errors import shown
 from mk.presets import preset as named_preset
 
 SCALARS = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,)}
@@ -38,17 +40,19 @@ def _fits(value, kind: str) -> bool:
     if kind not in SCALARS:
         raise ValueError(f"parameter annotation {kind!r} is not supported; use one of "
                          f"{sorted(SCALARS)} or list[...] of one")
-    return isinstance(value, SCALARS[kind]) and (kind == "bool" or not isinstance(value, bool))
+    return isinstance(value, SCALARS[kind]) and (kind == "bool" or not isinstance(value, bool)) \
+        and (kind != "float" or math.isfinite(value))  # .nan, .inf: no setting of anything
 
 
 def check_parameter(name: str, value, annotation) -> None:
     """Raise `ValueError` naming `name` unless `value` is of the annotated type ("int" takes
-    no bool and no float, "float" takes an int, "bool" only True or False: the string
-    "False" is refused, as a date or bytes are everywhere)."""
+    no bool and no float, "float" takes an int but no nan or inf, "bool" only True or
+    False: the string "False" is refused, as a date or bytes are everywhere)."""
     kind = annotation_text(annotation)
     if not _fits(value, kind):
-        raise ValueError(f"parameter {name}={value!r} ({type(value).__name__}) must be "
-                         f"{kind}")
+        finite = " (finite)" if "float" in kind else ""
+        raise ValueError(f"parameter {name}={shown(value)} ({type(value).__name__}) must be "
+                         f"{kind}{finite}")
 
 
 def check_parameters(namespace: dict) -> None:

@@ -22,6 +22,7 @@ fast-forward of repeated tiles: docs/design/mk.sim.md.
 from __future__ import annotations
 
 import math
+import numbers
 
 from mk import feed_costs, perf, quant
 from mk.chips import ChipSpec, spec_of
@@ -388,7 +389,7 @@ def simulate(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows:
         on = experts_active if experts_active is not None else active_experts(
             config, plan.M, routing)
         limit = plan.expert_slots
-        if not 1 <= on <= limit:
+        if isinstance(on, bool) or not isinstance(on, numbers.Integral) or not 1 <= on <= limit:
             raise ValueError(f"experts_active={on} must be in [1, {limit}] (the expert "
                              "slots of the stream)")
     bw = spec.device_hbm_bw * a.hbm_share

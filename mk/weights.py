@@ -189,9 +189,15 @@ def _kda(kind: str) -> tuple[Weight, ...]:
         *gate,
         _w("lin_conv", kind, lambda c: (c.conv_kernel, c.conv_channels), "linear", "dma",
            "channels", hf={"kimi": _qkv_parts("self_attn.", "_conv1d.weight")}),
-        # stored [1, 1, Nv, 1]: the part "kda" (`mk.checkpoint`)
+        # Kimi Linear stores it [1, 1, Nv, 1]: the part "kda" (`mk.hf_layout.parts_of`).
+        # Kimi K3's is read as [Nv]: the release's kimi/load.py slices its heads from its
+        # leading axis and reshapes them to [heads, 1] (any other axis is 1, and entries
+        # past Nv are never read); the release states no shape. Third-party ports differ
+        # (one reads [H], one strips zero padding past H): a padded one is refused by
+        # shape, naming the tensor, until a public source settles it.
         _w("lin_a_log", kind, lambda c: (c.linear_value_heads,), "linear", "dma", "columns",
-           hf={"kimi": {"kda": "self_attn.A_log"}}),
+           hf={"kimi": "self_attn.A_log" if kind == "bounded_kda"
+               else {"kda": "self_attn.A_log"}}),
         _w("lin_dt_bias", kind, lambda c: (c.linear_value_heads * c.linear_key_dim,),
            "linear", "dma", "columns", hf={"kimi": "self_attn.dt_bias"}),
         _w("lin_norm", kind, lambda c: (c.linear_value_dim,), "linear", "dma", "whole",
@@ -294,7 +300,7 @@ WEIGHTS = (
     _w("final_norm", "model", lambda c: (c.hidden,), "norms", "vector", "whole",
        hf=_everywhere("{model}norm.weight")),
     _w("lm_head", "model", lambda c: (c.hidden, c.vocab), "lm_head", "ring", "vocab",
-       quant="lm_head", hf=_everywhere("lm_head.weight"),
+       quant="lm_head", hf=_everywhere("{head}lm_head.weight"),
        when=lambda c: not c.tie_embeddings),
     *_layer("layer"),
     # -- grouped-query attention (Qwen3; Qwen3.5's q_proj also holds the output gate) ----

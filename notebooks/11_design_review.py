@@ -41,10 +41,11 @@
 # number is from each model and why. **Prerequisites:** 00 (floors), 01 (Little's law),
 # 06 (the megakernel), 07 (compiling), 09 (speculative steps).
 #
-# **Nothing here runs on a TPU, and nothing is measured.** The compile is libtpu's real
-# ahead-of-time compile; every time is from `mk.perf` (floors, modelled) or `mk.sim` (a
-# discrete-event replay whose assumptions are listed in its module docstring). Full-size
-# presets are only compiled and simulated, never run.
+# **Nothing here runs on a TPU.** What a lent TPU v5e measured is read from its records in
+# data/measured (the table under "The simulated step" says what each chip rests on). The
+# compile is libtpu's real ahead-of-time compile; every time is from `mk.perf` (floors,
+# modelled) or `mk.sim` (a discrete-event replay whose assumptions are listed in its module
+# docstring). Full-size presets are only compiled and simulated, never run.
 #
 # **The TensorCore's clock is not known.** It turns the compiler's bundle counts into
 # seconds, and no one publishes it: `mk/data/chips.csv` gives each TPU a range whose two
@@ -521,6 +522,19 @@ print("top bubble causes: " + ", ".join(f"{c} {t * 1e3:.3g} ms ({t / s.step_s:.1
                                         for c, t in top))
 plots.show(plots.timeline(s, layers=(0, min(1, config.layers - 1)),
                           title=f"{config.name} on {spec.name}: layers 0-1 (simulated)"))
+
+# %% [markdown]
+# ### What the simulator rests on, chip by chip
+#
+# Where a chip was lent to the project, its DMA probe and its measured device loops
+# calibrate the simulator (`mk.calibration`: the attention loop's KV rate and per-sequence
+# cost, each read from a sweep of the real kernel); every other chip's step rests on
+# assumptions only. The table says which, and how far the calibrated simulator is from
+# the chip's own device loops. This review simulates with the assumed numbers unless you
+# pass `mk.calibration.assumptions(chip)`.
+
+# %%
+display(ledger.basis_table())
 
 # %% [markdown]
 # ## Cross-layer prefetch, on and off

@@ -1,4 +1,5 @@
-"""Shared test inputs: tiny configs and Hugging Face checkpoint folders written without torch;
+"""Shared test inputs: tiny configs (`tiny_situ`, `tiny_gated_mla`: one Kimi K3 kind each on
+an existing family) and Hugging Face checkpoint folders written without torch;
 `bar_count` reads what a text progress bar drew; `tiny_moe_in_ci` picks the preset CI runs;
 `quantised_cases` and `plant_double_scale`
 for the tests of kernels on quantised weights; `assert_verify_steps` feeds a perfect draft
@@ -32,6 +33,27 @@ def kimi_gqa() -> ModelConfig:
     Linear until it builds MLA (issue 18)."""
     return dataclasses.replace(mk.preset("tiny-kimi"), name="tiny-kimi-gqa", latent_rank=0,
                                rope_dim=0, value_dim=0, head_dim=128)
+
+
+# Kimi K3's betas (the release's Config): SiTU's soft caps of the gate and up projections
+K3_SITU = dict(situ_beta=4.0, situ_linear_beta=25.0)
+NO_LINEAR = dict(linear_key_heads=0, linear_value_heads=0, linear_key_dim=0,
+                 linear_value_dim=0, conv_kernel=0, channel_decay=False)
+
+
+def tiny_situ(**change) -> ModelConfig:
+    """tiny (Qwen3's dense GQA model) under Kimi K3's SiTU activation: the situ_dense
+    kind alone of K3's kinds."""
+    return dataclasses.replace(mk.preset("tiny"), **dict(name="tiny-situ", **K3_SITU)
+                               | change)
+
+
+def tiny_gated_mla(**change) -> ModelConfig:
+    """tiny-kimi cut to two MLA layers (a q low rank, as K3's) with Kimi K3's output gate,
+    a dense layer then an MoE one: the gated_mla kind alone of K3's kinds."""
+    return dataclasses.replace(mk.preset("tiny-kimi"), **dict(
+        name="tiny-gated-mla", layers=2, layer_types=("full", "full"), moe_layers=(1,),
+        q_rank=128, attn_output_gate=True, **NO_LINEAR) | change)
 
 
 def tiny_moe_in_ci(fixture: str):

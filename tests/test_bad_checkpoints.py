@@ -11,6 +11,7 @@ tests/test_bad_inputs.py.
 
 import dataclasses
 import json
+import os
 import re
 from pathlib import Path
 
@@ -66,6 +67,18 @@ def test_a_single_file_symlinked_out_of_the_folder_is_refused(tmp_path, params):
     with pytest.raises(ValueError, match="its weights are 'model.safetensors', a symlink to "
                                          ".*elsewhere.safetensors', outside"):
         load_checkpoint(folder)
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_weights_file_that_is_a_named_pipe_is_refused_not_opened(tmp_path, params, shards):
+    """safetensors' open of a FIFO blocks until a writer comes: load_checkpoint hung."""
+    save_hf_checkpoint(TINY, params, tmp_path, shards=shards)
+    pipe = sorted(tmp_path.glob("*.safetensors"))[-1]
+    pipe.unlink()
+    os.mkfifo(pipe)
+    with pytest.raises(ValueError, match=re.escape(f"{pipe.name}' is a named pipe; only a "
+                                                   "regular file is read")):
+        load_checkpoint(tmp_path)
 
 
 def test_a_hugging_face_cache_snapshot_symlinked_to_its_blobs_loads(tmp_path, params):

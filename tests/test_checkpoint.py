@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from builders import hf_config_dict, hf_tensors, save_hf_checkpoint, write_hf_folder
 
+import mk.checkpoint
 from mk.checkpoint import init_params, load_checkpoint
 from mk.hf_layout import hf_layout
 from mk.presets import preset
@@ -159,6 +160,19 @@ def test_truncated_file_names_file_and_cut_off_tensors(tmp_path):
     assert "model.safetensors: not a readable safetensors file" in message
     assert f"data ends before tensors {max(tensors)}" in message
     assert "missing tensor" not in message  # the file is the problem, not every tensor
+
+
+def test_a_header_over_safetensors_limit_is_not_read_to_name_cut_tensors(tmp_path,
+                                                                        monkeypatch):
+    """The cut tensors are named from the header; one claiming more than safetensors'
+    100 MB limit is not read (a corrupt length could ask for the whole shard)."""
+    write_hf_folder(hf_config_dict(TINY), hf_tensors(TINY, init_params(TINY)), tmp_path)
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+    monkeypatch.setattr(mk.checkpoint, "HEADER_MAX_BYTES", 16)
+    message = load_error(tmp_path)
+    assert "model.safetensors: not a readable safetensors file" in message
+    assert "data ends before tensors" not in message
 
 
 def test_unreadable_header_names_the_file(tmp_path):

@@ -96,6 +96,34 @@ def test_moe_layers_out_of_range_is_an_error():
         dataclasses.replace(preset("tiny-moe"), moe_layers=(1, 7))
 
 
+@pytest.mark.parametrize("extra, match", [
+    (dict(layer_types=["full_attention", "sliding_attention"]),
+     r"layer_types\[1\]='sliding_attention', but every layer of this model type is "
+     r"'full_attention'"),
+    (dict(layer_types=["full_attention"] * 3), "must hold num_hidden_layers=2"),
+    (dict(tie_word_embeddings="false"), "tie_word_embeddings='false' must be true or false"),
+    (dict(num_hidden_layers=10**9), "num_hidden_layers=1000000000 is over the limit of 100000"),
+])
+def test_a_qwen3_config_contradicting_itself_or_too_deep_is_refused(extra, match):
+    """A sliding layer mk would run as full attention; the string "false" read as true;
+    10**9 layers (per-layer tuples filled memory before any check ran)."""
+    for model_type in ("qwen3", "qwen3_moe"):
+        hf = _hf_qwen3(**extra, model_type=model_type, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=64)
+        with pytest.raises(ValueError, match=match):
+            ModelConfig.from_hf(hf)
+    hf = _hf_qwen3(layer_types=["full_attention"] * 2, tie_word_embeddings=None)
+    assert not ModelConfig.from_hf(hf).tie_embeddings
+    moe = _hf_qwen3(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                    moe_intermediate_size=64, norm_topk_prob="false")
+    with pytest.raises(ValueError, match="norm_topk_prob='false' must be true or false"):
+        ModelConfig.from_hf(moe)
+    with pytest.raises(ValueError, match="moe_renormalize='false' must be true or false"):
+        ModelConfig.from_hf(_hf_kimi(moe_renormalize="false"))
+    with pytest.raises(ValueError, match="topk_group=0 must be a positive integer"):
+        ModelConfig.from_hf(_hf_kimi(topk_group=0))
+
+
 def _hf_qwen3(**extra):
     d = dict(model_type="qwen3", vocab_size=1000, hidden_size=256, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=64,

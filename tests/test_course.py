@@ -416,7 +416,7 @@ def _raises(*args, **kwargs):
 # Wrong answers of every type, fed to every check: each must fail with ExerciseFailed.
 WRONG = {"None": None, "string": "96", "float": 3.5, "empty": [], "nested": [[1], [1, 2]],
          "wrong shape": np.zeros((5, 7), np.int32), "returns garbage": _garbage,
-         "raises": _raises}
+         "raises": _raises, "dict": {"norm": 5}, "complex": np.ones((2, 2)) + 1j}
 
 
 @functools.cache
@@ -454,13 +454,16 @@ CHECKS = {
 }
 # Answers of the right type that are still wrong (each check's own planted ones are above).
 WRONG_BUT_TYPED = {
-    "check_tokens": [3, np.array([[1, 2, 4]]), np.array([[1.0, 2.0, 3.0]])],
-    "check_close": [np.ones((2, 2)) + 1, np.full((2, 2), np.nan), np.ones((2, 2, 1))],
+    "check_tokens": [3, np.array([[1, 2, 4]]), np.array([[1.0, 2.0, 3.0]]),
+                     np.array([[True, True, True]]), np.array([[1, 2, 3]], np.uint8) + 255,
+                     [[1, 2, 2**70]]],
+    "check_close": [np.ones((2, 2)) + 1, np.full((2, 2), np.nan), np.ones((2, 2, 1)),
+                    np.ones((2, 2)) + 1j, np.full((2, 2), np.inf), np.full((2, 2), 1e300)],
     "check_race_free": [True, np.bool_(True), 0],
     "check_up_rotation": [32, True],
     "check_ring_depth": [sim.simulate(mk.preset("tiny"), "v5e", context=256)],
     "check_attend_update": [lambda m, l, acc, scores, v: (m, l), teach.attend],
-    "check_scope": [{}, {"matmul": [1]}],
+    "check_scope": [{}, {"matmul": [1]}, {"norm": "abc"}, {"norm": [1, 2]}],
     "replaced": [course.accept_on_the_next_row, lambda drafts: drafts],
     "Mystery.confirm": [lambda self: 0],
     "Mystery.suspect": [["mk.kernels.ring.Ring.slot"]],
@@ -483,6 +486,18 @@ def test_every_check_fails_any_wrong_answer_saying_what_came_back(check, name, a
     text = str(failed.value)
     assert any(word in text for word in ("expected", "differ", "flagged", "too shallow",
                                          "no bundle", "tau", "another configuration")), text
+
+
+def test_check_tokens_fails_one_token_against_another():
+    with pytest.raises(course.ExerciseFailed, match="its only token: got 3, reference 4"):
+        course.check_tokens("t", 3, 4)
+
+
+def test_course_helpers_refuse_a_key_or_seed_of_the_wrong_type_by_name():
+    with pytest.raises(ValueError, match=r"answer key=\[1\] must be one of"):
+        course.reveal([1])
+    with pytest.raises(ValueError, match="seed='x' must be a non-negative integer"):
+        course.mystery("x")
 
 
 def test_the_right_answers_still_pass_the_grading_checks():

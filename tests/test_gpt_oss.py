@@ -357,6 +357,11 @@ def test_bad_gpt_oss_checkpoints_are_refused_by_field(tmp_path):
     with pytest.raises(ValueError, match=r"yarn\.factor=-2\.0 must be a finite number > 0"):
         mk.ModelConfig.from_hf({**hf, "rope_parameters": {**hf["rope_parameters"],
                                                           "factor": -2.0}})
+    with pytest.raises(ValueError, match="rope_parameters: truncate='false' must be true or"):
+        mk.ModelConfig.from_hf({**hf, "rope_parameters": {**hf["rope_parameters"],
+                                                          "truncate": "false"}})
+    with pytest.raises(ValueError, match="attention_bias='false' must be true or false"):
+        mk.ModelConfig.from_hf({**hf, "attention_bias": "false"})  # bool() of it is True
     no_factor = {k: v for k, v in hf["rope_parameters"].items() if k != "factor"}
     with pytest.raises(ValueError, match="YaRN rope_parameters without factor"):
         mk.ModelConfig.from_hf({**hf, "rope_parameters": no_factor})

@@ -328,6 +328,8 @@ def test_a_notebook_link_is_the_pages_link_on_the_site_and_text_without_that_pag
     (dict(compute="fp4"), "compute='fp4' must be one of"),
     (dict(simulate_tpu="yes"), "simulate_tpu='yes' must be True or False"),
     (dict(assumptions={"hbm_share": 1}), "assumptions is a dict"),
+    (dict(tile_costs="x"), "tile_costs='x' must be a list of rows"),
+    (dict(tile_costs=[3]), "tile cost row 3 must be a mapping"),
 ])
 def test_entries_refuses_bad_arguments_instead_of_returning_nothing(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -9,6 +9,7 @@ probe's lowering for real TPUs is checked by an ahead-of-time compile.
 
 import dataclasses
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -151,6 +152,10 @@ def test_a_file_that_is_not_json_is_refused_naming_it(tmp_path):
     path = tmp_path / "v6e.json"
     path.write_text("{latency: 1}")
     with pytest.raises(ValueError, match="not JSON"):
+        measure.load(path)
+    path.unlink()
+    os.mkfifo(path)  # read as a file, a pipe would block until a writer came
+    with pytest.raises(ValueError, match=r"v6e\.json' is a named pipe"):
         measure.load(path)
 
 

@@ -243,6 +243,29 @@ def test_a_reused_write_back_slot_sends_each_layers_rows_to_that_layer_race_free
                                    atol=1e-5, err_msg=name)
 
 
+def test_a_donated_step_equals_the_copying_one_and_spends_the_cache():
+    """`decode_step(donate=True)` (`step_in_place`, what `mk.measure` times) computes what
+    the copying call does, bit for bit, and really takes the caller's cache: its buffers
+    are deleted, so no copy of the cache was made for the kernel to write."""
+    config = dataclasses.replace(mk.preset("tiny"), dtype="float32")
+    plan = DecodePlan.make(config, batch=2, rows=1, context=64)
+    weights = megakernel.prepare(plan, mk.init_params(config))
+    tokens, positions = jnp.array([[3], [5]], jnp.int32), jnp.array([7, 11], jnp.int32)
+
+    def filled():  # a cache whose old positions hold values, not zeros
+        return jax.tree.map(lambda a: a + jnp.asarray(0.25, a.dtype),
+                            reference.init_cache(config, 2, 64))
+
+    with backend.use("interpret"):
+        copied = megakernel.decode_step(config, weights, filled(), tokens, positions)
+        spent = filled()
+        donated = megakernel.decode_step(config, weights, spent, tokens, positions,
+                                         donate=True)
+    assert all(a.is_deleted() for a in jax.tree.leaves(spent))
+    for a, b in zip(jax.tree.leaves(copied), jax.tree.leaves(donated), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_a_ring_of_one_slot_is_refused_before_tracing():
     config = mk.preset("tiny")
     with pytest.raises(ValueError, match=r"BlockSizes.slots=1: the megakernel's ring needs"):

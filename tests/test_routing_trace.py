@@ -3,6 +3,7 @@ turned into distinct experts (mk.perf, mk.sim), and read back from untrusted fil
 
 import json
 import os
+import time
 
 import numpy as np
 import pytest
@@ -137,14 +138,17 @@ def test_a_trace_of_another_model_is_refused_by_field():
     ({"model": "m", "tokens": 1, "per_token": 3, "counts": [[1, 1]]},
      "per_token=3 exceeds its 2 experts"),
     ({"model": "m" * 201, "tokens": 1, "per_token": 1, "counts": [[1]]}, "at most 200"),
+    ({"model": "m\ud800", "tokens": 1, "per_token": 1, "counts": [[1]]}, "lone surrogate"),
+    ({"model": "m\x1b[2J", "tokens": 1, "per_token": 1, "counts": [[1]]}, "printable"),
     ({"model": "m", "tokens": 1, "per_token": 1, "counts": []}, "non-empty"),
     ([1, 2], "must be exactly"),
 ])
 def test_a_bad_trace_file_is_refused_naming_the_field(tmp_path, fields, match):
     path = tmp_path / "trace.json"
     path.write_text(json.dumps(fields))
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as err:
         routing_trace.load(path)
+    assert str(err.value).startswith(f"routing trace {str(path)!r}: "), err.value
 
 
 def test_a_trace_file_that_is_not_json_is_refused(tmp_path):
@@ -173,6 +177,46 @@ def test_deep_json_is_refused_by_depth_not_a_recursion_error(tmp_path):
     path.write_text(json.dumps({"model": "[[[" * 20 + '\\"{{', "tokens": 2,
                                 "per_token": 1, "counts": [[1, 1]]}))
     assert routing_trace.load(path).tokens == 2
+
+
+def test_depth_is_counted_in_linear_time_past_escaped_quotes(tmp_path):
+    """An open string of escaped quotes: a pattern that must find the closing quote
+    retried at each of them (quadratic: ~30 s for these 100 kB, hours for 16 MiB)."""
+    start = time.perf_counter()
+    untrusted.check_depth('"' + '\\"' * 50_000, "t.json", "routing trace")
+    assert time.perf_counter() - start < 1
+    path = tmp_path / "trace.json"
+    path.write_text('["' + '\\"' * 50_000 + '[' * 40)
+    with pytest.raises(ValueError, match="is not JSON"):  # the brackets are in the string
+        routing_trace.load(path)
+    path.write_text('["\\\\"' + '[' * 40)  # an escaped backslash ends the string
+    with pytest.raises(ValueError, match="nests 41 levels deep; the limit is 32"):
+        routing_trace.load(path)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5, 2**20])
+def test_depth_is_the_same_whatever_the_chunks_it_is_counted_in(monkeypatch, chunk):
+    """check_depth carries the open quotes and a run of backslashes across chunks: strings
+    holding brackets, escaped quotes and escaped backslashes, cut at every byte."""
+    monkeypatch.setattr(untrusted, "CHUNK_BYTES", chunk)
+    value = {"a": [["[{", '\\"]]', "\\\\", "\\\\\\\"[["], {"b": ["x\\"]}], "c": "]]]]"}
+    text = json.dumps(value)
+    untrusted.check_depth(text, "t.json", "routing trace", max_depth=4)
+    with pytest.raises(ValueError, match="nests 4 levels deep; the limit is 3"):
+        untrusted.check_depth(text, "t.json", "routing trace", max_depth=3)
+
+
+@pytest.mark.parametrize("text, match", [
+    ('{"model": "m", "model": "n", "tokens": 1, "per_token": 1, "counts": [[1]]}',
+     "the key 'model' appears more than once in one object"),
+    ('{"model": "m", "tokens": 1' + "0" * 5000 + ', "per_token": 1, "counts": [[1]]}',
+     "an integer of 5001 digits is over the limit of 64"),
+])
+def test_a_repeated_key_or_a_huge_integer_is_refused_naming_the_file(tmp_path, text, match):
+    path = tmp_path / "trace.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=r"trace\.json': " + match):
+        routing_trace.load(path)
 
 
 def test_bytes_that_are_not_utf8_are_refused_naming_the_file_and_offset(tmp_path):

@@ -292,7 +292,8 @@ def test_every_preset_simulates_for_batch_and_rows_1_to_8_and_tp_1_to_32(name):
 @pytest.mark.parametrize("kwargs,match", [
     (dict(chip="gb200"), "chip='gb200' is a gpu"), (dict(batch=0), "batch=0"),
     (dict(context=-1), "context=-1"), (dict(tp=0), "tp=0"),
-    (dict(experts_active=0), "experts_active=0"), (dict(block=(3, 128)), "block=")])
+    (dict(experts_active=0), "experts_active=0"), (dict(block=(3, 128)), "block="),
+    (dict(experts_active=2.5), r"experts_active=2.5 must be in \[1, ")])
 def test_simulate_rejects_bad_inputs_naming_field_and_value(kwargs, match):
     kwargs = {"chip": "v6e"} | kwargs
     with pytest.raises(ValueError, match=match):

@@ -107,6 +107,10 @@ LAUGHS = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
     ("93_typed:\n  - parameters: {points: &r [*r]}\n", "the alias '*r' is refused"),
     ("93_typed:\n  - parameters: {points: " + "[" * 40 + "]" * 40 + "}\n",
      "nesting deeper than the limit of 32 levels"),
+    ("93_typed:\n  - parameters: {points: " + "9" * 10**5 + "}\n",
+     "an integer of 100000 digits is over the limit of 64 (line 2)"),
+    ("93_typed:\n  - parameters: {? [points]: 3}\n", "a key must be a name, not a list"),
+    ("93_typed:\n  - parameters: {name: 2026-02-30}\n", "day is out of range"),
 ])
 def test_runs_yaml_refuses_aliases_and_deep_nesting_naming_the_limit(typed, tmp_path, text,
                                                                      message):
@@ -117,6 +121,22 @@ def test_runs_yaml_refuses_aliases_and_deep_nesting_naming_the_limit(typed, tmp_
         run_notebooks.load_runs(runs_file, [typed], known=[typed])
     assert "runs.yaml: not valid YAML" in str(err.value)
     assert time.perf_counter() - start < 1
+
+
+def test_runs_yaml_refusals_echo_a_long_value_cut_short(typed, tmp_path):
+    """A refusal quotes the file's value bounded (`mk.errors.shown`, `brief`), not a
+    megabyte of it."""
+    runs_file = tmp_path / "runs.yaml"
+    for text in ("93_typed:\n  - label: " + "a" * 10**5 + "\n",
+                 "93_typed:\n  - parameters: {points: [" + "1.5, " * 10**4 + "]}\n",
+                 "93_typed:\n  - parameters: {" + "".join(f"p{i}: 1, " for i in range(10**4))
+                 + "}\n",
+                 "".join(f"n{i}: []\n" for i in range(10**4))):
+        runs_file.write_text(text)
+        with pytest.raises(ValueError) as err:
+            run_notebooks.load_runs(runs_file, [typed], known=[typed])
+        assert str(runs_file) in str(err.value) and len(str(err.value)) < 1000, str(
+            err.value)[:2000]
 
 
 def test_runs_yaml_must_be_a_small_regular_utf8_file(typed, tmp_path):
@@ -166,6 +186,16 @@ def test_check_parameters_names_an_unknown_injected_name_and_a_wrong_type():
         mk.run.check_parameters(ns)
     ns["layers"] = [2, 4]
     mk.run.check_parameters(ns)  # all good: no error
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf"), [1.0, float("nan")]])
+def test_a_float_parameter_must_be_finite(value):
+    """`-p scale .nan` (or nan in runs.yaml) would run a notebook on a number that sets
+    nothing; refused by name as any other wrong value."""
+    kind = "list[float]" if isinstance(value, list) else "float"
+    with pytest.raises(ValueError, match=re.escape(f"must be {kind} (finite)")):
+        mk.run.check_parameter("scale", value, kind)
+    mk.run.check_parameter("scale", [2, 0.5] if isinstance(value, list) else 2, kind)
 
 
 def test_a_misspelled_papermill_parameter_stops_the_notebook(typed, tmp_path):
@@ -402,6 +432,30 @@ def test_course_map_names_every_notebook_once_in_course_order():
                for part in parts for e in part["notebooks"])
 
 
+@pytest.mark.parametrize("bad", ["status", "rows", "deep", "pipe"])
+def test_an_old_run_record_that_is_not_the_runners_is_listed_unreadable(tmp_path, bad):
+    """An older run's runs.json is read back for the index: a status that would close the
+    HTML attribute it sits in, rows that are not rows, deep nesting (a RecursionError) and
+    a named pipe (a hang) each list that run as unreadable; the newest good run shows."""
+    good = tmp_path / "runs" / "20260101-000000"
+    good.mkdir(parents=True)
+    row = run_notebooks._row(run_notebooks.Run(ROOT / "notebooks/06_megakernel.ipynb"),
+                             "ok", "", 12.0, None)
+    run_notebooks.write_record(good, {"rows": [row], "finished": "now", "source": "x"})
+    old = tmp_path / "runs" / "20250101-000000"
+    old.mkdir()
+    if bad == "pipe":
+        os.mkfifo(old / "runs.json")
+    else:
+        text = {"status": json.dumps({"rows": [dict(row, status=f'ok" onmouseover="{XSS}')]}),
+                "rows": json.dumps({"rows": [1]}), "deep": "[" * 10**5 + "]" * 10**5}[bad]
+        (old / "runs.json").write_text(text)
+    run_notebooks.write_site_index(tmp_path)
+    index = (tmp_path / "index.html").read_text()
+    assert "20250101-000000: runs.json unreadable" in index
+    assert "Newest run: 20260101-000000" in index and "\" onmouseover" not in index
+
+
 def test_front_page_opens_with_the_course_map_linking_the_newest_pages(tmp_path):
     run = tmp_path / "runs" / "20260101-000000"
     (run / "site").mkdir(parents=True)
@@ -441,6 +495,19 @@ def test_default_run_takes_first_configurations_and_unchanged_ones_come_from_the
     assert "93_typed-a: ok, cached (executed in" in text
     third, _ = rows("--all", "--no-cache")
     assert third == {"93_typed-a": False, "93_typed-b": False}
+
+
+@pytest.mark.parametrize("meta", ["", "{}", "[1]", '{"seconds": "x"}', '{"seconds": NaN}',
+                                  '{"seconds": -1}', "\xff"])
+def test_a_damaged_cache_record_is_a_miss_not_a_traceback(typed, tmp_path, meta):
+    import run_cache
+
+    cache = run_cache.Cache(tmp_path / "out", root=tmp_path)
+    cache.put("k", typed, 1.5)
+    assert cache.get("k", tmp_path / "copy.ipynb") == 1.5
+    (cache.folder / "k.json").write_text(meta, encoding="latin-1")
+    assert cache.get("k", tmp_path / "again.ipynb") is None
+    assert not (tmp_path / "again.ipynb").exists()
 
 
 def test_cache_key_follows_notebook_parameters_and_sources(typed, tmp_path):

@@ -15,6 +15,7 @@ tokens (12.7 CPU minutes; they pass). Kimi Linear's MoE with FP4 experts packed,
 joined in one lane tile and two-phase all-reduces runs against transformers' own greedy
 tokens (a transformers-written checkpoint whose experts lie on the FP4 grid): 6 tokens at
 tp 2 in CI (~55 s), 32 at tp 2 and 4 in the slow run (~140 s and ~260 s; they pass).
+Kimi K3's kinds the kernel runs (gated MLA, SiTU dense) at tp 2 in the slow run (~35 s).
 Not covered by interpret mode: time, ICI routing, the scoped VMEM limit; the ahead-of-time
 compiles cover lowering and capacity on real topologies.
 """
@@ -83,6 +84,20 @@ def tp_kimi_config(tp: int) -> ModelConfig:
                      topk_groups=1, routed_scale=2.5)
 
 
+def tp_k3_kinds_config(tp: int) -> ModelConfig:
+    """The Kimi K3 kinds the megakernel runs, in float32: an MLA layer with K3's output
+    gate (2 tp heads, a q low rank, as `tp_kimi_config`'s) then a KDA layer (an MLA model
+    with no linear layer, gated or not, fails at tp > 1 on its cache: an IndexError on an
+    empty field in `mk.tensor_parallel`'s per-device unstacking), dense SiTU MLPs at K3's
+    betas; every shard whole 128-lane tiles."""
+    return tp_config(tp, moe=False, name=f"tp{tp}-k3-kinds", dtype="float32", qk_norm=False,
+                     heads=2 * tp, kv_heads=2 * tp, head_dim=192, latent_rank=128,
+                     q_rank=128, rope_dim=64, value_dim=128, layer_types=("full", "linear"),
+                     linear_key_heads=tp, linear_value_heads=tp, linear_key_dim=128,
+                     linear_value_dim=128, conv_kernel=4, channel_decay=True,
+                     attn_output_gate=True, situ_beta=4.0, situ_linear_beta=25.0)
+
+
 def tp_gpt_oss_config(tp: int) -> ModelConfig:
     """gpt-oss's layers in float32: attention with sinks and biases (a 3-position sliding
     window on layer 0, full on layer 1), YaRN RoPE, a dense layer then the biased
@@ -129,6 +144,10 @@ def kimi_tokens(tp: int) -> dict:
     return _tokens(tp, True, 6, tp_kimi_config(tp))
 
 
+def k3_kinds_tokens(tp: int) -> dict:
+    return _tokens(tp, False, 6, tp_k3_kinds_config(tp))
+
+
 def gpt_oss_tokens(tp: int) -> dict:
     return _tokens(tp, True, 6, tp_gpt_oss_config(tp))
 
@@ -146,10 +165,12 @@ def gpt_oss_tokens(tp: int) -> dict:
     pytest.param("kimi_tokens", 2, marks=pytest.mark.slow),
     # gpt-oss's sinks, window, biases (o's and the experts' down added once) and clamp:
     # ~40 s, over CI's budget (CI runs the fp4 MoE at tp 2 through the same collectives)
-    pytest.param("gpt_oss_tokens", 2, marks=pytest.mark.slow)],
+    pytest.param("gpt_oss_tokens", 2, marks=pytest.mark.slow),
+    # Kimi K3's gated MLA (wg split by heads) and SiTU dense MLP, over CI's budget
+    pytest.param("k3_kinds_tokens", 2, marks=pytest.mark.slow)],
     ids=[f"tp{t}-{'moe' if m else 'dense'}-6" for t, m in CASES]
     + [f"tp{t}-moe-{FULL_STEPS}" for t in (2, 4, 8)]
-    + ["tp2-hybrid-6", "tp4-hybrid-6", "tp2-kimi-6", "tp2-gpt-oss-6"])
+    + ["tp2-hybrid-6", "tp4-hybrid-6", "tp2-kimi-6", "tp2-gpt-oss-6", "tp2-k3-kinds-6"])
 def test_greedy_tokens_equal_the_reference_on_every_device_race_free(target, tp):
     out = run(f"test_tensor_parallel:{target}", tp)
     assert out["got"].shape == (tp, *out["want"].shape)

@@ -136,7 +136,7 @@ def table(rows: list[dict], prefix: str) -> str:
         status = row["status"] + (f": {row['error']}" if row["error"] else "")
         lines.append(f'<tr><td>{link}</td><td>{escape(row["label"] or "-")}</td>'
                      f'<td><code>{escape(params_text(row["parameters"]))}</code></td>'
-                     f'<td class="{row["status"]}">{escape(status)}</td>'
+                     f'<td class="{escape(row["status"])}">{escape(status)}</td>'
                      f'<td>{row["seconds"]:.1f} s{" (cached)" if row.get("cached") else ""}'
                      "</td></tr>")
     lines.append("</table>")

@@ -313,7 +313,7 @@ MUTANTS = [
        "    if not stat.S_ISREG(st.st_mode):",
        "    if False:",
        "tests/test_routing_trace.py::test_a_named_pipe_is_refused_before_it_is_opened"),
-    _m("check_tokens: one token against another passes (0-d argwhere)", "mk/course.py",
+    _m("check_tokens: one token against another passes (0-d argwhere)", "mk/grading.py",
        "bad = np.argwhere(np.atleast_1d(got != want))",
        "bad = np.argwhere(got != want)",
        "tests/test_course.py::test_check_tokens_names_the_first_difference"),

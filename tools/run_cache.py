@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -50,13 +51,20 @@ class Cache:
         return digest.hexdigest()[:32]
 
     def get(self, key: str, target: Path) -> float | None:
-        """Copy the cached notebook of `key` to `target`; its execution seconds, or None."""
+        """Copy the cached notebook of `key` to `target`; its execution seconds, or None (a
+        miss: no entry, or one whose record is not `put`'s, which is executed again)."""
         cached = self.folder / f"{key}.ipynb"
         meta = self.folder / f"{key}.json"
         if not (cached.is_file() and meta.is_file()):
             return None
+        try:
+            seconds = float(json.loads(meta.read_text(encoding="utf-8"))["seconds"])
+        except (ValueError, KeyError, TypeError):  # edited or damaged by hand: not trusted
+            return None
+        if not math.isfinite(seconds) or seconds < 0:
+            return None
         shutil.copyfile(cached, target)
-        return float(json.loads(meta.read_text(encoding="utf-8"))["seconds"])
+        return seconds
 
     def put(self, key: str, executed: Path, seconds: float) -> None:
         """Keep `executed` (a successful run) under `key`; written whole, then renamed."""

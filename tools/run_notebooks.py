@@ -29,11 +29,13 @@ sockets (ipc). `tools/check_site.py` checks the pages in headless Chromium.
 
 Runs that cannot lie or collide: the runs file is untrusted text, read with limits (a
 regular file of at most `RUNS_MAX_BYTES`, UTF-8: `mk.untrusted.read_text`; no YAML alias,
-nesting at most `mk.untrusted.MAX_DEPTH` deep); a runs.yaml value must be a YAML scalar
-(or a list or map of them) of the type the notebook's parameters cell annotates, checked
-before anything runs; the record (`runs.json`) says `finished` only once the site is
-built, and those last steps hold SIGINT/SIGTERM until they are done; one run at a time
-per output folder (a lock file; a second is refused with exit code 2).
+nesting at most `mk.untrusted.MAX_DEPTH` deep, integers of at most `mk.untrusted.MAX_DIGITS`
+digits, keys that are names; a refusal quotes a value cut short: `mk.errors.shown`); a
+runs.yaml value must be a YAML scalar (or a list or map of them) of the type the
+notebook's parameters cell annotates, checked before anything runs; the record
+(`runs.json`) says `finished` only once the site is built, and those last steps hold
+SIGINT/SIGTERM until they are done; one run at a time per output folder (a lock file; a
+second is refused with exit code 2).
 
 Not here: running notebooks in parallel (2 cores).
 """
@@ -47,6 +49,7 @@ import dataclasses
 import fcntl
 import html
 import json
+import math
 import os
 import re
 import shutil
@@ -73,6 +76,7 @@ import run_cache  # noqa: E402
 import mk.errors  # noqa: E402
 import mk.run  # noqa: E402
 import mk.untrusted  # noqa: E402
+from mk.errors import brief, shown  # noqa: E402
 from mk.plots import HEADLESS, escape  # noqa: E402
 from jupyter_client.manager import AsyncKernelManager, KernelManager  # noqa: E402
 from traitlets import default  # noqa: E402
@@ -135,11 +139,11 @@ def _plain(field: str, value) -> None:
     elif isinstance(value, dict):
         for k, v in value.items():
             if not isinstance(k, str):
-                raise ValueError(f"{field} has the key {k!r}; keys must be strings")
+                raise ValueError(f"{field} has the key {shown(k)}; keys must be strings")
             _plain(f"{field}.{k}", v)
     elif not isinstance(value, YAML_SCALARS):
-        raise ValueError(f"{field}={value!r} is a {type(value).__name__}; a parameter may "
-                         "be a string, integer, float, true/false, null, or a list or "
+        raise ValueError(f"{field}={shown(value)} is a {type(value).__name__}; a parameter "
+                         "may be a string, integer, float, true/false, null, or a list or "
                          "mapping of them (quote a date to pass it as a string)")
 
 
@@ -151,14 +155,14 @@ def load_runs(runs_file: Path, notebooks: list[Path], known: list[Path] | None =
     beside the file, plus `notebooks`), so a typo cannot silently drop a configuration.
     Raise `ValueError` naming the entry, the value and what is allowed.
     """
-    where = runs_file.name
+    where = str(runs_file)
     if not runs_file.exists():
         raise ValueError(f"runs file {runs_file} does not exist (--runs names a file of "
                          "configurations)")
     text = mk.untrusted.read_text(runs_file, "runs file", RUNS_MAX_BYTES)
     try:
         config = yaml.load(text, _UniqueKeyLoader) or {}
-    except yaml.YAMLError as err:
+    except (yaml.YAMLError, ValueError) as err:  # ValueError: a date such as 2026-02-30
         raise ValueError(f"{where}: not valid YAML ({err})") from None
     if not isinstance(config, dict):
         raise ValueError(f"{where}: the top level must map notebook names to lists of "
@@ -167,8 +171,8 @@ def load_runs(runs_file: Path, notebooks: list[Path], known: list[Path] | None =
     by_stem = {p.stem: p for p in known + list(notebooks)}
     unknown = sorted(str(k) for k in config if k not in by_stem)
     if unknown:
-        raise ValueError(f"{where}: {unknown} name no notebook; known notebooks: "
-                         f"{sorted(by_stem)}")
+        raise ValueError(f"{where}: {brief(unknown)} name no notebook; known notebooks: "
+                         f"{brief(sorted(by_stem), 40)}")
     listed = {stem: _entries(where, stem, entries, by_stem[stem])
               for stem, entries in config.items()}
     runs = []
@@ -207,6 +211,10 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         seen = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, YAML_SCALARS):  # `? [a]`: a list is no name
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"a key must be a name, not a {type(key).__name__} (line "
+                    f"{key_node.start_mark.line + 1})", key_node.start_mark)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"key {key!r} is repeated (line "
@@ -215,24 +223,36 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             seen.add(key)
         return super().construct_mapping(node, deep)
 
+    def construct_yaml_int(self, node):
+        digits = len(str(node.value).lstrip("+-").replace("_", ""))
+        if digits > mk.untrusted.MAX_DIGITS:  # int() of 10**5 digits takes seconds
+            raise yaml.constructor.ConstructorError(
+                None, None, f"an integer of {digits} digits is over the limit of "
+                f"{mk.untrusted.MAX_DIGITS} (line {node.start_mark.line + 1})",
+                node.start_mark)
+        return super().construct_yaml_int(node)
+
+
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_yaml_int)
+
 
 def _entries(where: str, stem: str, entries, notebook: Path) -> list[Run]:
     if not isinstance(entries, list) or not entries:
         raise ValueError(f"{where}: {stem} must be a non-empty list of configurations, "
-                         f"not {entries!r}")
+                         f"not {shown(entries)}")
     allowed = None  # the notebook's parameter names, read once when first needed
     runs, labels = [], set()
     for i, entry in enumerate(entries):
         field = f"{where}: {stem}[{i}]"
         if not isinstance(entry, dict) or set(entry) - {"label", "parameters"}:
-            raise ValueError(f"{field}={entry!r} must be a mapping with the keys 'label' "
+            raise ValueError(f"{field}={shown(entry)} must be a mapping with the keys 'label' "
                              f"and 'parameters' only")
         label = entry.get("label", "")
         if label == "" and len(entries) > 1:
             raise ValueError(f"{field} has no label; {stem} has {len(entries)} "
                              f"configurations, each needs one")
         if label != "" and not (isinstance(label, str) and LABEL.fullmatch(label)):
-            raise ValueError(f"{field}.label={label!r} must be 1-40 letters, digits, '.', "
+            raise ValueError(f"{field}.label={shown(label)} must be 1-40 letters, digits, '.', "
                              f"'_' or '-', starting with a letter or digit")
         if label in labels:
             raise ValueError(f"{field}.label={label!r} is repeated; labels name the output "
@@ -240,11 +260,11 @@ def _entries(where: str, stem: str, entries, notebook: Path) -> list[Run]:
         labels.add(label)
         parameters = entry.get("parameters") or {}
         if not isinstance(parameters, dict):
-            raise ValueError(f"{field}.parameters={parameters!r} must be a mapping")
+            raise ValueError(f"{field}.parameters={shown(parameters)} must be a mapping")
         allowed = allowed if allowed is not None else notebook_parameters(notebook)
         extra = sorted(set(parameters) - set(allowed))
         if extra:
-            raise ValueError(f"{field}.parameters has {extra}, which {notebook.name}'s "
+            raise ValueError(f"{field}.parameters has {brief(extra)}, which {notebook.name}'s "
                              f"parameters cell does not assign (it assigns {list(allowed)})")
         for key, value in parameters.items():
             _plain(f"{field}.parameters.{key}", value)
@@ -450,11 +470,9 @@ def write_site_index(out: Path) -> None:
     ran it), the newest run's table, then every run, newest first."""
     records, unreadable = [], []
     for path in sorted((out / "runs").glob("*/runs.json"), reverse=True):
-        try:
-            record = json.loads(path.read_text(encoding="utf-8"))
-            if not isinstance(record, dict) or not isinstance(record.get("rows"), list):
-                raise ValueError("no list of rows")
-        except (OSError, UnicodeDecodeError, ValueError) as err:  # one bad old run folder
+        try:  # a regular file, bounded; its rows as `_row` writes them
+            record = check_record(mk.untrusted.load_json(path, "run record"))
+        except (OSError, ValueError) as err:  # one bad old run folder
             print(f"warning: {path} is unreadable ({err}); it is listed, not shown",
                   file=sys.stderr, flush=True)
             unreadable.append(f"<li>{escape(path.parent.name)}: runs.json unreadable "
@@ -485,6 +503,32 @@ def write_site_index(out: Path) -> None:
     if unreadable:
         body += "\n<h2>Unreadable runs</h2>\n<ul>\n" + "\n".join(unreadable) + "\n</ul>"
     _write_atomic(out / "index.html", _page("mk notebooks", body))
+
+
+# What `_row` writes, by type: an older run's record is read back only if it holds these.
+ROW_TYPES = {"name": str, "notebook": str, "label": str, "parameters": dict, "status": str,
+             "error": str, "seconds": (int, float), "page": (str, type(None)),
+             "cached": bool}
+STATUSES = ("ok", "failed", "interrupted")
+
+
+def check_record(record) -> dict:
+    """`record` (an older run's runs.json, read back) if its rows are `_row`'s: the index
+    puts a row's status in an HTML attribute and sums its seconds. ValueError otherwise."""
+    if not isinstance(record, dict) or not isinstance(record.get("rows"), list):
+        raise ValueError("no list of rows")
+    for i, row in enumerate(record["rows"]):
+        if not isinstance(row, dict):
+            raise ValueError(f"rows[{i}] is a {type(row).__name__}, not a row")
+        for key, kind in ROW_TYPES.items():
+            if key != "cached" and key not in row or not isinstance(row.get(key, False), kind):
+                raise ValueError(f"rows[{i}].{key}={shown(row.get(key))} is not a "
+                                 f"{getattr(kind, '__name__', 'number')}")
+        if row["status"] not in STATUSES or isinstance(row["seconds"], bool) or not (
+                math.isfinite(row["seconds"])):
+            raise ValueError(f"rows[{i}]: status={shown(row['status'])} must be one of "
+                             f"{STATUSES}, seconds={shown(row['seconds'])} a finite number")
+    return record
 
 
 @contextlib.contextmanager

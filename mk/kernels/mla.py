@@ -1,5 +1,6 @@
-"""Multi-head latent attention (Kimi Linear's full layers) inside a kernel: the absorbed
-prologue and epilogue around `attend` over the latent cache.
+"""Multi-head latent attention (Kimi Linear's full layers, and Kimi K3's, whose output gate
+is `mk.kinds.attention.GatedMLA`'s) inside a kernel: the absorbed prologue and epilogue
+around `attend` over the latent cache.
 
 Each head's query is absorbed into the latent space, `attend` reads the latent cache once
 as keys and values (W values per cached token, not 2 x N x H), and each head's output is
@@ -36,23 +37,26 @@ def latent_columns(config: ModelConfig) -> int:
     return -(-config.latent_width // LANES) * LANES
 
 
-def mla_weights(config: ModelConfig, *paths: str) -> tuple[str, ...]:
+def mla_weights(config: ModelConfig, *paths: str, kind: str = "mla") -> tuple[str, ...]:
     """An MLA layer's weights moved by one of `paths` (all without), in table order
-    (`mk.weights.names_of`): with a q low rank, wq_a streams and wq is DMA'd."""
-    return names_of(config, "mla", *paths)
+    (`mk.weights.names_of`; `kind`: the layer's kind, MLA or a variant of it): with a q
+    low rank, wq_a streams and wq is DMA'd."""
+    return names_of(config, kind, *paths)
 
 
 def low_rank_q(config: ModelConfig) -> bool:
-    """Whether the queries come through a low rank: q = RMSNorm(h @ wq_a) @ wq."""
-    return "wq_a" in mla_weights(config)
+    """Whether the queries come through a low rank: q = RMSNorm(h @ wq_a) @ wq (every
+    MLA kind has wq_a and q_a_norm where q_rank > 0: their rows in `mk.weights`)."""
+    return config.q_rank > 0
 
 
-def mla_matrices(config: ModelConfig) -> list[tuple[str, int, int]]:
-    """The ring segments of an MLA layer in consumption order (its ring weights in table
-    order: wq_a or wq, wkv_a, wo): (name, rows, cols), wkv_a's `latent_columns`."""
+def mla_matrices(config: ModelConfig, kind: str = "mla") -> list[tuple[str, int, int]]:
+    """The ring segments of an MLA layer of `kind` in consumption order (its ring weights
+    in table order: wq_a or wq, wkv_a, a gated one's wg, wo): (name, rows, cols), wkv_a's
+    `latent_columns`."""
     shapes = param_shapes(config)
     return [(n, shapes[n][0][1], latent_columns(config) if n == "wkv_a" else shapes[n][0][2])
-            for n in mla_weights(config, "ring")]
+            for n in mla_weights(config, "ring", kind=kind)]
 
 
 def mla_buffers(config: ModelConfig, M: int) -> list[Buffer]:
@@ -70,12 +74,12 @@ def mla_buffers(config: ModelConfig, M: int) -> list[Buffer]:
     return buffers
 
 
-def start_mla_loads(config: ModelConfig, s, hbm: dict, row) -> dict:
-    """Issue MLA layer `row`'s DMA'd weights (`mla_weights(config, "dma")`, table order;
-    HBM refs `hbm` by name) into the layer scratch
-    `s` (semaphores s.mla_sems); returns their copies by name, to wait for at first use."""
+def start_mla_loads(s, hbm: dict, row) -> dict:
+    """Issue MLA layer `row`'s DMA'd weights (`hbm`: their HBM refs by name, in table
+    order, `mla_weights(config, "dma")`) into the layer scratch `s` (semaphores
+    s.mla_sems); returns their copies by name, to wait for at first use."""
     copies = {}
-    for i, name in enumerate(mla_weights(config, "dma")):
+    for i, name in enumerate(hbm):
         into = getattr(s, name)
         copies[name] = pltpu.make_async_copy(hbm[name].at[row], into, s.mla_sems.at[i])
         start_dma(copies[name], name, into.size * into.dtype.itemsize)

@@ -64,16 +64,23 @@ def swiglu_fetch(w_gate_hbm, w_up_hbm, w_down_hbm, row, active=None,
     return {name: fetch(w) for name, w in zip(names, (w_gate_hbm, w_up_hbm, w_down_hbm))}
 
 
-def swiglu_body(ring: Ring, layer, x, gate_vmem, up_vmem, out_ref, names=DENSE_WEIGHTS):
-    """out_ref [M, D] f32 = SwiGLU of x [M, D] (a VMEM ref) through the ring's segments
-    `names` (gate, up, down) of `layer`.
+def silu_gate(gate, up):
+    """SwiGLU's activation of the gate and up projections (f32): silu(gate) * up."""
+    return jax.nn.silu(gate) * up
+
+
+def swiglu_body(ring: Ring, layer, x, gate_vmem, up_vmem, out_ref, names=DENSE_WEIGHTS,
+                activation=silu_gate):
+    """out_ref [M, D] f32 = down(activation(x @ gate, x @ up)) of x [M, D] (a VMEM ref)
+    through the ring's segments `names` (gate, up, down) of `layer`; the activation is
+    SwiGLU's (`silu_gate`) or another of the same shape (Kimi K3's SiTU, `mk.ops.situ`).
 
     gate_vmem, up_vmem [M, F] f32 scratch; gate_vmem ends up holding the activation.
     """
     gate, up, down = names
     ring.matmul(gate, x, gate_vmem, layer=layer)
     ring.matmul(up, x, up_vmem, layer=layer)
-    gate_vmem[...] = jax.nn.silu(gate_vmem[...]) * up_vmem[...]
+    gate_vmem[...] = activation(gate_vmem[...], up_vmem[...])
     ring.matmul(down, gate_vmem, out_ref, layer=layer)
 
 
@@ -114,6 +121,7 @@ def swiglu_kernel(
     *,
     stream: TileStream,
     dtype,  # the compute dtype
+    activation=silu_gate,  # of the gate and up projections (`swiglu_body`)
     # Scratch (`vmem_scratch` of `swiglu_buffers`, by name)
     sems,  # DMA semaphores [slots]
     gate_vmem,  # [M, F] f32
@@ -125,7 +133,7 @@ def swiglu_kernel(
     fetch = swiglu_fetch(w_gate_hbm, w_up_hbm, w_down_hbm, lambda layer: row)
     ring = _ring(stream, fetch, ring_vmem, sems, dtype)
     ring.prime()
-    swiglu_body(ring, 0, h_vmem, gate_vmem, up_vmem, out_vmem)
+    swiglu_body(ring, 0, h_vmem, gate_vmem, up_vmem, out_vmem, activation=activation)
 
 
 def _stacked(w, ndim, name):
@@ -170,8 +178,9 @@ def _check_layer(layer, rows):
 
 
 def swiglu(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
-           layer=0, block: BlockSizes | None = None) -> jax.Array:
-    """down(silu(h @ gate) * (h @ up)): h [M, D] -> [M, D] float32.
+           layer=0, block: BlockSizes | None = None, activation=silu_gate) -> jax.Array:
+    """down(silu(h @ gate) * (h @ up)): h [M, D] -> [M, D] float32; with `activation`,
+    down(activation(h @ gate, h @ up)) (Kimi K3's SiTU: `mk.kinds.mlp.SituDense`).
 
     w_gate, w_up [D, F] and w_down [F, D], or stacked [Ld, D, F] / [Ld, F, D] with `layer`
     (an int or a traced int32) picking the row; the weights stay in HBM. They are arrays
@@ -194,7 +203,7 @@ def swiglu(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, 
     buffers = swiglu_buffers(M, D, F, dtype, block, h.dtype, formats)
     wbytes = sum(a.nbytes for a in jax.tree.leaves(weights)) // Ld
     return pl.pallas_call(
-        functools.partial(swiglu_kernel, stream=stream, dtype=dtype),
+        functools.partial(swiglu_kernel, stream=stream, dtype=dtype, activation=activation),
         out_shape=jax.ShapeDtypeStruct((M, D), jnp.float32),
         in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
                   pl.BlockSpec(memory_space=pltpu.VMEM), *specs.values()],
@@ -292,11 +301,6 @@ def _expert_region(stream: TileStream, layer):
                          f"{expert_segments(stream)}; got {segments}")
     base = stream.base(layer, first)
     return base, base + first.copies * first.stride, first.stride
-
-
-def silu_gate(gate, up):
-    """The SwiGLU experts' activation of their gate and up projections (f32)."""
-    return jax.nn.silu(gate) * up
 
 
 def experts_body(ring: Ring, layer, x, combine_vmem, ids_smem, count_smem, gate_vmem,

@@ -3,9 +3,11 @@ itself, and the rooms that run a model loop over the kinds it has.
 
     mk.kinds.base       `Kind`, `Step` (what its kernel code acts on), `Twin`,
                         `LAYER_PHASES` (a layer's program order)
-    mk.kinds.attention  `GQA` (Qwen3, Qwen3.5), `SinkGQA` (gpt-oss), `MLA` (Kimi)
+    mk.kinds.attention  `GQA` (Qwen3, Qwen3.5), `SinkGQA` (gpt-oss), `MLA` (Kimi),
+                        `GatedMLA` (Kimi K3)
     mk.kinds.linear     `DeltaNet` (Qwen3.5), `KDA` (Kimi Linear)
-    mk.kinds.mlp        `Dense`, `MoE`, `ClampedMoE` (gpt-oss), `router_after_mixer`
+    mk.kinds.mlp        `Dense`, `SituDense` (Kimi K3), `MoE`, `ClampedMoE` (gpt-oss),
+                        `router_after_mixer`
     mk.kinds.layers     `KINDS` (the registry, in stream order), `layer_kinds(config)`,
                         a layer's kinds and rows, the kernel's per-layer tables,
                         `REFERENCE_ONLY` (Kimi K3's kinds, no kernel yet)

@@ -1,7 +1,7 @@
 """The full-attention layer kinds: grouped-query attention (`GQA`: Qwen3, and Qwen3.5's
 variant with a gated output and partial RoPE), gpt-oss's variant with sinks, biases,
 sliding-window layers and YaRN RoPE (`SinkGQA`) and multi-head latent attention (`MLA`:
-Kimi Linear), each with its simulator twin.
+Kimi Linear; `GatedMLA`: Kimi K3's, with an output gate), each with its simulator twin.
 
 Both read a KV cache through `mk.kernels.decode_attention.attend` (`KvStream`: a full
 layer primes the next full layer's first KV tiles right after its own attention, across
@@ -291,7 +291,7 @@ class MLA(GQA):
         return 1, self.config.latent_width, 1
 
     def matrices(self, M: int) -> list:
-        return mla_matrices(self.config)
+        return mla_matrices(self.config, self.name)
 
     def buffers(self, batch: int, rows: int, block) -> list:
         return (mla_buffers(self.config, batch * rows) + self.dma_buffers()
@@ -319,8 +319,7 @@ class MLA(GQA):
         return weights
 
     def prologue(self, k: Step, row) -> None:
-        loads = start_mla_loads(self.config, k.s, {n: k.inputs[n] for n in
-                                                   self.weights("dma")}, row)
+        loads = start_mla_loads(k.s, {n: k.inputs[n] for n in self.weights("dma")}, row)
         mla_prologue(k.ring, self.config, k.s, loads, layer=k.step, x=k.x,
                      attn_norm=k.norms[0])
 
@@ -335,6 +334,32 @@ class MLA(GQA):
 
     def twin(self, sim) -> MLATwin:
         return MLATwin(self, sim)
+
+
+class GatedMLA(MLA):
+    """Kimi K3's MLA: each head's output times sigmoid(h @ wg) before wo (h: the layer's
+    normed rows; `mk.reference.output_gate`). wg [D, N*Ho] streams through the ring after
+    wkv_a; its product is taken at the prologue's end, the gate applied after the value
+    up-projection."""
+
+    name = "gated_mla"
+    title = "gated-MLA"
+
+    def buffers(self, batch: int, rows: int, block) -> list:
+        c = self.config
+        return super().buffers(batch, rows, block) + [
+            Buffer("o_gate", (batch * rows, c.heads * c.value_dim), "float32")]
+
+    def prologue(self, k: Step, row) -> None:
+        super().prologue(k, row)
+        k.ring.matmul("wg", k.s.h, k.s.o_gate, layer=k.step)
+
+    def output(self, k: Step) -> None:
+        super().output(k)
+        k.s.o[...] = k.s.o[...] * jax.nn.sigmoid(k.s.o_gate[...])
+
+    def twin(self, sim) -> GatedMLATwin:
+        return GatedMLATwin(self, sim)
 
 
 class AttentionTwin(Twin):
@@ -430,10 +455,16 @@ class AttentionTwin(Twin):
         sim.vector(3 * B * T * (c.heads + caches * K) * H, "attention")  # regrouping
         mxu = 2 * sim.mxu_s(R, tile * H * K)  # q.k and p.v
         vec = 8 * K * R * tile / sim.vpu
-        for j, (_b, i) in enumerate(self.tiles()):
+        a = sim.a  # a measured loop (`mk.calibration`): no faster than its KV rate
+        per_tile = max(mxu + vec, caches * self.kind.kv_dma_bytes(tile) / a.kv_bytes_per_s
+                       if a.kv_bytes_per_s else 0.0)
+        tiles = self.tiles()
+        for j, (b, i) in enumerate(tiles):
             self.issue(j + block.kv_slots - 1)
+            if a.sequence_s and (j == 0 or tiles[j - 1][0] != b):
+                sim.mc.compute(a.sequence_s, sim.layer, "attention")
             sim.mc.wait(self.landed.pop(j))
-            sim.mc.compute(mxu + vec, sim.layer, "attention")
+            sim.mc.compute(per_tile, sim.layer, "attention")
             if i >= sim.context // tile:  # written: its staging slot is free once
                 n, backs = len(self.sent), write_back_slots(B)  # write-back n - 2B landed
                 if n >= backs:
@@ -500,3 +531,17 @@ class MLATwin(AttentionTwin):
         sim.mc.wait(next(landed))  # the up-projection W_uk | W_uv
         sim.mc.compute(sim.mxu_s(M, (c.head_dim - c.rope_dim) * c.latent_rank * c.heads),
                        sim.layer, "mla_absorb")
+
+
+class GatedMLATwin(MLATwin):
+    """A gated MLA layer on the simulator: MLA's, wg through the ring at the prologue's end,
+    the gate's sigmoid and product after the value up-projection."""
+
+    def prologue(self):
+        super().prologue()
+        self.sim.matmul("wg")
+
+    def output(self):
+        super().output()
+        c = self.kind.config
+        self.sim.vector(4 * self.sim.m * c.heads * c.value_dim, "output_gate")

@@ -5,9 +5,12 @@ parsed dict) and returns a `ModelConfig`'s keyword arguments; `ModelConfig.from_
 entry point. A model type (`HF_MODEL_TYPES`, the keys of `FAMILIES`) is the list of
 readers its model is made of (`decoder`, then its MLP and layer kinds); a reader returns
 the fields its kind owns, read from the file (`HfConfig`: `need`, `count`, `whole`,
-`number`, `table`, `listed` check a value's type first) and from the fields read before
+`number`, `flag`, `table`, `listed` check a value's type first) and from the fields read before
 it. Its errors name the file's field, its value (`shown`: a checkpoint is untrusted) and
-what was expected. Also here: `check_hub_name`.
+what was expected. Also here: `check_hub_name`; the model types that wrap their text
+model in text_config and where their checkpoints keep its tensors (`WRAPPERS`,
+`tensor_prefixes`: Qwen3.5's full checkpoint, Kimi K3's) and the tensors mk does not run
+(`not_run`).
 
 This module imports nothing of mk but the error texts (`mk.errors`): `mk.config` imports
 it. Not here: the checks of the fields read (`mk.config.ModelConfig`, `mk.kinds.checks`),
@@ -26,6 +29,7 @@ from pathlib import Path
 from mk import untrusted
 from mk.errors import brief, shown
 
+MAX_LAYERS = 100_000  # per-layer tuples: 10**5 take ms, 10**9 exhaust memory
 # transformers' names of the token mixers -> mk's (`mk.config.LAYER_TYPES`).
 MIXERS = {"full_attention": "full", "linear_attention": "linear"}
 # A model name as config.json's `_name_or_path` may give it: a name or a hub-style
@@ -61,6 +65,16 @@ class HfConfig:
                              f"{'positive' if positive else 'non-negative'} integer")
         return value
 
+    def flag(self, key: str, default: bool) -> bool:
+        """The file's true/false `key` (`default` when absent or null); raises ValueError
+        naming it otherwise (bool("false") is True)."""
+        value = self.fields.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise ValueError(f"{self.where}: {key}={shown(value)} must be true or false")
+        return value
+
     def number(self, key: str, value) -> float:
         """`value` (the file's `key`) as a float; raises ValueError naming it when it is
         not a number."""
@@ -91,20 +105,26 @@ class HfConfig:
 
 # -- The fields every model has -------------------------------------------------------------
 def decoder(hf: HfConfig, got: dict, *, max_position=("max_position_embeddings",),
-            ties: bool = True, norm_offset: float = 0.0) -> dict:
+            ties: bool = True, norm_offset: float = 0.0, act: str = "silu") -> dict:
     """Vocabulary, width, depth, query heads, RMSNorm (its eps; `norm_offset` 1 scales by
     1 + weight, Qwen3.5), the longest position (the first of `max_position` the file
     sets) and the default context (min(4096, it)), tied embeddings (`ties`: read from
     tie_word_embeddings; False: transformers never ties, as Kimi Linear's lm_head). Every
-    MLP (dense, expert, shared) is SwiGLU: hidden_act must be silu."""
-    if hf.get("hidden_act", "silu") != "silu":
+    MLP (dense, expert, shared) has the family's activation: hidden_act must be `act`
+    ("silu": SwiGLU; "situ": Kimi K3's, read by `situ`)."""
+    if hf.get("hidden_act", "silu") != act:
         raise NotImplementedError(f"{hf.where}: hidden_act={shown(hf.get('hidden_act'))} is "
-                                  "not implemented (every MLP is SwiGLU: 'silu')")
+                                  f"not implemented for this model type (expected "
+                                  f"{act!r})")
+    layers = hf.count("num_hidden_layers")
+    if layers > MAX_LAYERS:  # readers build per-layer tuples: 10**9 layers exhaust memory
+        raise ValueError(f"{hf.where}: num_hidden_layers={layers} is over the limit of "
+                         f"{MAX_LAYERS}")
     fields = dict(vocab=hf.count("vocab_size"), hidden=hf.count("hidden_size"),
-                  layers=hf.count("num_hidden_layers"), heads=hf.count("num_attention_heads"),
+                  layers=layers, heads=hf.count("num_attention_heads"),
                   rms_eps=hf.number("rms_norm_eps", hf.need("rms_norm_eps")),
                   max_position=hf.count(*max_position),
-                  tie_embeddings=bool(hf.get("tie_word_embeddings", False)) and ties)
+                  tie_embeddings=hf.flag("tie_word_embeddings", False) and ties)
     if norm_offset:
         fields["norm_offset"] = norm_offset
     return fields | dict(max_context=min(4096, fields["max_position"]))
@@ -159,6 +179,23 @@ def gqa(hf: HfConfig, got: dict) -> dict:
     kv_heads = hf.whole("num_key_value_heads", hf.get("num_key_value_heads") or heads)
     return dict(kv_heads=kv_heads, head_dim=head_dim, qk_norm=True,
                 rope_theta=hf.number("rope_theta", rope_theta))
+
+
+def full_attention_only(hf: HfConfig, got: dict) -> dict:
+    """Qwen3's mixer: every layer full attention. A layer_types given must say so for
+    each of num_hidden_layers (transformers would slide a "sliding_attention" layer's
+    window; mk would not)."""
+    kinds, layers = hf.get("layer_types"), got["layers"]
+    if kinds is None:
+        return {}
+    if len(hf.listed("layer_types", kinds)) != layers:
+        raise ValueError(f"{hf.where}: layer_types {brief(kinds)} must hold num_hidden_layers="
+                         f"{layers} entries")
+    for i, kind in enumerate(kinds):
+        if kind != "full_attention":
+            raise ValueError(f"{hf.where}: layer_types[{i}]={shown(kind)}, but every layer "
+                             "of this model type is 'full_attention'")
+    return {}
 
 
 def gated_gqa(hf: HfConfig, got: dict) -> dict:
@@ -219,7 +256,7 @@ def sink_gqa(hf: HfConfig, got: dict) -> dict:
                          "rope_theta")
     return dict(kv_heads=hf.whole("num_key_value_heads", hf.get("num_key_value_heads") or heads),
                 head_dim=hf.count("head_dim"), qk_norm=False, attention_sinks=True,
-                attention_bias=bool(hf.get("attention_bias", True)), sliding_layers=sliding,
+                attention_bias=hf.flag("attention_bias", True), sliding_layers=sliding,
                 sliding_window=window, rope_theta=hf.number("rope_theta", theta),
                 yarn=yarn(hf, rope))
 
@@ -244,7 +281,8 @@ def yarn(hf: HfConfig, rope: dict) -> dict | None:
     original = rope["original_max_position_embeddings"]
     return dict(original_max_position=hf.whole(
         "rope_parameters.original_max_position_embeddings", original),
-        truncate=bool(rope.get("truncate", True)), **number)
+        truncate=HfConfig(rope, f"{hf.where}: rope_parameters").flag("truncate", True),
+        **number)
 
 
 # -- Linear attention -------------------------------------------------------------------------
@@ -351,7 +389,7 @@ def softmax_moe(hf: HfConfig, got: dict) -> dict:
     return dict(experts=hf.count("num_local_experts", "num_experts"),
                 experts_per_token=hf.count("num_experts_per_tok"),
                 expert_ffn=hf.count("moe_intermediate_size"),
-                norm_topk=bool(hf.get("norm_topk_prob", False)),
+                norm_topk=hf.flag("norm_topk_prob", False),
                 moe_layers=tuple(i for i in range(got["layers"])
                                  if i not in mlp_only and (i + 1) % step == 0))
 
@@ -382,10 +420,70 @@ def sigmoid_moe(hf: HfConfig, got: dict) -> dict:
         moe_layers=moe_layers, experts=hf.count("num_experts", "num_local_experts"),
         experts_per_token=hf.count("num_experts_per_token", "num_experts_per_tok"),
         expert_ffn=expert_ffn, shared_expert_ffn=expert_ffn * shared,
-        norm_topk=bool(hf.get("moe_renormalize", hf.get("norm_topk_prob", True))),
+        norm_topk=hf.flag("moe_renormalize", hf.flag("norm_topk_prob", True)),
         router_score="sigmoid", expert_groups=hf.get("num_expert_group", hf.get("n_group", 1)),
-        topk_groups=hf.get("topk_group") or 1, routed_scale=hf.number(
+        topk_groups=1 if hf.get("topk_group") is None else hf.whole(  # 0 was read as 1
+            "topk_group", hf.get("topk_group")), routed_scale=hf.number(
             "routed_scaling_factor", hf.get("routed_scaling_factor", 2.446)))
+
+
+# -- Kimi K3 (issue 66): what it adds to Kimi Linear's kinds --------------------------------
+# Read as the release's loader reads them (Inferact/tpu-megakernels, kimi/__init__.py's
+# Config.from_checkpoint: the fields of config.json's text_config, the settings it
+# requires). The model type "kimi_k3" (a wrapper whose text_config holds the text model)
+# is not in the release, which reads text_config when there is one; it is the model_type
+# third-party K3 ports write (mlx-vlm's and exo's test configs, found by search).
+def _required(hf: HfConfig, key: str, want, default=None) -> None:
+    """Refuse a setting the release's Config.from_checkpoint requires, naming it."""
+    value = hf.get(key, default)
+    if value != want:
+        raise NotImplementedError(f"{hf.where}: {key}={shown(value)} is not implemented "
+                                  f"(Kimi K3 has {want!r})")
+
+
+def situ(hf: HfConfig, got: dict) -> dict:
+    """SiTU MLPs (hidden_act "situ": `decoder`): activation_situ_beta and
+    activation_situ_linear_beta."""
+    return dict(situ_beta=hf.number("activation_situ_beta", hf.need("activation_situ_beta")),
+                situ_linear_beta=hf.number("activation_situ_linear_beta",
+                                           hf.need("activation_situ_linear_beta")))
+
+
+def gated_mla(hf: HfConfig, got: dict) -> dict:
+    """K3's MLA: NoPE (mla_use_nope, required) with an output gate
+    (mla_use_output_gate, required)."""
+    _required(hf, "mla_use_nope", True)
+    _required(hf, "mla_use_output_gate", True)
+    return dict(attn_output_gate=True)
+
+
+def bounded_kda(hf: HfConfig, got: dict) -> dict:
+    """K3's KDA: linear_attn_config's use_full_rank_gate (required) and gate_lower_bound."""
+    linear = hf.table("linear_attn_config")
+    if linear.get("use_full_rank_gate") is not True:
+        raise NotImplementedError(f"{hf.where}: linear_attn_config.use_full_rank_gate="
+                                  f"{shown(linear.get('use_full_rank_gate'))} is not "
+                                  "implemented (Kimi K3 has True)")
+    if linear.get("gate_lower_bound") is None:
+        raise ValueError(f"{hf.where}: config.json has no linear_attn_config.gate_lower_bound")
+    return dict(kda_full_gate=True, kda_gate_bound=hf.number(
+        "linear_attn_config.gate_lower_bound", linear["gate_lower_bound"]))
+
+
+def latent_moe(hf: HfConfig, got: dict) -> dict:
+    """K3's experts: `sigmoid_moe`'s, on a latent of routed_expert_hidden_size with its
+    norm (latent_moe_use_norm, required); the release also requires every layer past the
+    first sparse (moe_layer_freq 1), the sigmoid router and one expert group."""
+    _required(hf, "latent_moe_use_norm", True)
+    _required(hf, "moe_layer_freq", 1, 1)
+    _required(hf, "moe_router_activation_func", "sigmoid", "sigmoid")
+    _required(hf, "num_expert_group", 1, 1)
+    return dict(moe_latent=hf.count("routed_expert_hidden_size"))
+
+
+def attention_residuals(hf: HfConfig, got: dict) -> dict:
+    """K3's attention residuals: a block every attn_res_block_size layers."""
+    return dict(residual_block=hf.count("attn_res_block_size"))
 
 
 def clamped_moe(hf: HfConfig, got: dict) -> dict:
@@ -402,33 +500,63 @@ def clamped_moe(hf: HfConfig, got: dict) -> dict:
 
 # Each model type: its readers, in order (a reader may read the fields of those before it).
 FAMILIES = {
-    "qwen3": (decoder, dense, gqa),
-    "qwen3_moe": (decoder, dense, gqa, softmax_moe),
+    "qwen3": (decoder, dense, gqa, full_attention_only),
+    "qwen3_moe": (decoder, dense, gqa, full_attention_only, softmax_moe),
     "qwen3_5_text": (functools.partial(decoder, norm_offset=1.0), dense, no_experts,
                      gated_gqa, deltanet),
     "kimi_linear": (functools.partial(decoder, ties=False, max_position=(
         "model_max_length", "max_position_embeddings")), dense, mla, kda, sigmoid_moe),
     "gpt_oss": (decoder, dense, sink_gqa, clamped_moe),
+    "kimi_k3": (functools.partial(decoder, ties=False, act="situ"), dense, situ, mla,
+                gated_mla, kda, bounded_kda, sigmoid_moe, latent_moe, attention_residuals),
 }
 HF_MODEL_TYPES = tuple(FAMILIES)
+# Model types whose config.json wraps its text model's fields in text_config (the rest of
+# the file describes other towers: vision), and where their checkpoints keep its tensors:
+# (the decoder's prefix, lm_head.weight's prefix). Qwen3.5's full checkpoint: its
+# language model under model.language_model.; Kimi K3's under language_model. (the
+# release's kimi/load.py: PREFIX "language_model.model.", "language_model.lm_head.weight").
+WRAPPERS = {"qwen3_5": ("model.language_model.", ""),
+            "kimi_k3": ("language_model.model.", "language_model.")}
+# A wrapper's text_config has a model type of its own (when it names one: K3's may say
+# kimi_linear) but is read by the wrapper's readers: these.
+WRAPPED_TEXT = {"qwen3_5": None, "kimi_k3": "kimi_k3"}
+# Tensors mk does not run, by model type: Qwen3.5's multi-token prediction and vision
+# tower (by prefix); every tensor outside Kimi K3's language model (its other towers: the
+# release's kimi/load.py reads only language_model.*).
+SKIPPED = dict.fromkeys(("qwen3_5", "qwen3_5_text"), ("mtp.", "model.visual."))
+KEPT_ONLY = {"kimi_k3": "language_model."}
+
+
+def tensor_prefixes(model_type) -> tuple[str, str]:
+    """(the decoder's tensor prefix, lm_head's) in a checkpoint of `model_type`."""
+    return WRAPPERS.get(model_type, ("model.", ""))
+
+
+def not_run(model_type, name: str) -> bool:
+    """Whether tensor `name` of a `model_type` checkpoint is one mk does not run (the
+    loader skips it: `SKIPPED`, `KEPT_ONLY`)."""
+    return name.startswith(SKIPPED.get(model_type, ())) \
+        or not name.startswith(KEPT_ONLY.get(model_type, ""))
 
 
 def fields_from_hf(source, *, name: str | None = None, dtype: str | None = None) -> dict:
     """`ModelConfig.from_hf`'s fields: read `source` (a config.json path, its folder or
     the parsed dict), name the model (`name`, else `_name_or_path` checked by
-    `check_hub_name`, else the file's folder), unwrap a full qwen3_5 (vision-language)
-    config to its text model, run the model type's readers; `dtype` overrides the file's."""
+    `check_hub_name`, else the file's folder), unwrap a wrapper's (`WRAPPERS`: a full
+    qwen3_5 or kimi_k3, vision-language) config to its text model, run the model type's
+    readers; `dtype` overrides the file's."""
     raw = _read_json(source)
     if name is None and raw.get("_name_or_path"):
         check_hub_name(raw["_name_or_path"])
     where = name or raw.get("_name_or_path") or str(source if not isinstance(source, dict)
                                                     else "config.json")
     model_type = raw.get("model_type")
-    if model_type == "qwen3_5":  # a full (vision-language) checkpoint: its text model
+    if model_type in WRAPPERS:  # a full (vision-language) checkpoint: its text model
         if not isinstance(raw.get("text_config"), dict):
-            raise ValueError(f"{where}: model_type='qwen3_5' without a text_config")
+            raise ValueError(f"{where}: model_type={model_type!r} without a text_config")
         raw = {"dtype": raw.get("dtype") or raw.get("torch_dtype"), **raw["text_config"]}
-        model_type = raw.get("model_type")
+        model_type = WRAPPED_TEXT[model_type] or raw.get("model_type")
     if model_type not in HF_MODEL_TYPES:
         raise ValueError(f"{where}: model_type={shown(model_type)} is not supported; "
                          f"expected one of {HF_MODEL_TYPES} or 'qwen3_5'")

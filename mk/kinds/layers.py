@@ -16,18 +16,18 @@ from __future__ import annotations
 import numpy as np
 
 from mk.config import ModelConfig
-from mk.kinds.attention import GQA, MLA, SinkGQA
+from mk.kinds.attention import GQA, MLA, GatedMLA, SinkGQA
 from mk.kinds.base import LAYER_PHASES, ROLES, Kind
 from mk.kinds.linear import KDA, DeltaNet
-from mk.kinds.mlp import ClampedMoE, Dense, MoE
+from mk.kinds.mlp import ClampedMoE, Dense, MoE, SituDense
 from mk.weights import kinds_of
 
-KINDS = (DeltaNet, KDA, GQA, SinkGQA, MLA, MoE, ClampedMoE, Dense)  # in stream order
+KINDS = (DeltaNet, KDA, GQA, SinkGQA, MLA, GatedMLA, MoE, ClampedMoE,  # in stream order
+         Dense, SituDense)
 # The kinds of `mk.weights` no kernel runs yet (mk.reference does), each with what it adds
 # to the kind the kernels run: Kimi K3's (issue 66).
-REFERENCE_ONLY = {"res_layer": "attention residuals", "gated_mla": "MLA's output gate",
+REFERENCE_ONLY = {"res_layer": "attention residuals",
                   "bounded_kda": "KDA's full-rank output gate and bounded decay",
-                  "situ_dense": "the SiTU activation",
                   "latent_moe": "the latent MoE and its SiTU experts"}
 TABLES = tuple(f"{role}_{what}" for role in ROLES for what in ("kind", "row"))  # SMEM [L]
 

@@ -1,4 +1,5 @@
-"""The MLP layer kinds: the dense SwiGLU (`Dense`), the mixture of experts (`MoE`:
+"""The MLP layer kinds: the dense SwiGLU (`Dense`) and Kimi K3's dense SiTU (`SituDense`:
+the same weights and stream, another activation), the mixture of experts (`MoE`:
 Qwen3-MoE's softmax router, or DeepSeek/Kimi's sigmoid router with its bias, and Kimi's
 shared expert) and gpt-oss's (`ClampedMoE`: a bias on the router's logits, biased
 clamped-SwiGLU experts), each with its simulator twin and, but gpt-oss's, its stage
@@ -32,12 +33,12 @@ from mk.kernels.common import Buffer, padded_width, start_dma
 from mk.kernels.joined_experts import gate_up_width
 from mk.kernels.mlp import (DENSE_WEIGHTS, EXPERT_WEIGHTS, JOINED_EXPERT_WEIGHTS,
                             MOE_SMALL_LOADS, ROUTED_LAYER, SHARED_WEIGHTS, expert_slots,
-                            moe_body, moe_fetch, moe_segments, swiglu_body, swiglu_fetch,
-                            swiglu_segments)
+                            moe_body, moe_fetch, moe_segments, silu_gate, swiglu_body,
+                            swiglu_fetch, swiglu_segments)
 from mk.kernels.stream import Repeat
 from mk.kernels.routing import Routing, router_columns
 from mk.kinds.base import Kind, Step, Twin
-from mk.ops import clamped_swiglu
+from mk.ops import clamped_swiglu, situ
 from mk.weights import param_shapes
 
 
@@ -59,6 +60,12 @@ class Dense(Kind):
     phases = ("mlp",)
     stream_phase = "mlp"
     skip_tag = "layer boundary"
+    act = "swiglu"  # its activation's name (the simulator's vector work, `conventional`)
+    act_ops = 6  # the activation's vector ops per element of the gate (`DenseTwin`)
+
+    def activation(self):
+        """Its activation of the gate and up projections [M, F] f32 (`swiglu_body`)."""
+        return silu_gate
 
     def split_widths(self) -> dict[str, int]:
         return dict(ffn=self.config.ffn)
@@ -77,12 +84,14 @@ class Dense(Kind):
         return swiglu_fetch(*(k.inputs[n] for n in DENSE_WEIGHTS), k.row(self), k.on(self))
 
     def run(self, k: Step, phase: str) -> None:
-        swiglu_body(k.ring, k.step, k.s.h, k.s.gate, k.s.up, k.s.mlp_out)
+        swiglu_body(k.ring, k.step, k.s.h, k.s.gate, k.s.up, k.s.mlp_out,
+                    activation=self.activation())
 
     def stage(self, h, weights: dict):
         """Its stage kernel on the normed rows h [M, D] (`mk.kernels.mlp.swiglu`): one
         layer's weights by name -> [M, D] float32."""
-        return mlp_kernels.swiglu(h, *(weights[n] for n in DENSE_WEIGHTS))
+        return mlp_kernels.swiglu(h, *(weights[n] for n in DENSE_WEIGHTS),
+                                  activation=self.activation())
 
     def twin(self, sim) -> DenseTwin:
         return DenseTwin(self, sim)
@@ -94,8 +103,24 @@ class Dense(Kind):
         c, m = self.config, e.batch * e.rows
         D, F, w = c.hidden, c.ffn, e.dense_mlp_bytes / len(self.layers)
         return [("gate_up", 2 * w / 3, 4 * m * D * F, [D, 2 * F]),
-                ("swiglu", 0, 0, [3 * F]),
+                (self.act, 0, 0, [3 * F]),
                 ("down", w / 3, 2 * m * F * D, [F, D])]
+
+
+class SituDense(Dense):
+    """Kimi K3's dense MLP: SwiGLU's weights and stream under the SiTU activation
+    (`mk.ops.situ` at the config's situ_beta and situ_linear_beta: SiLU of the gate
+    soft-capped by beta tanh(g / beta), times the up projection soft-capped by
+    linear_beta tanh(u / linear_beta))."""
+
+    name = "situ_dense"
+    title = "SiTU dense-MLP"
+    act = "situ"
+    act_ops = 12  # SwiGLU's 6, two tanh, two divisions and two scalings
+
+    def activation(self):
+        c = self.config
+        return functools.partial(situ, beta=c.situ_beta, linear_beta=c.situ_linear_beta)
 
 
 class MoE(Kind):
@@ -372,19 +397,23 @@ class ClampedMoE(MoE):
                                   "megakernel")
 
 
-def swiglu(sim, names, width: int) -> None:
+def swiglu(sim, names, width: int, ops: int = Dense.act_ops, act: str = Dense.act) -> None:
     """`swiglu_body` on the simulator: the segments `names` (gate, up, down) of width
-    `width` through the ring, the activation between."""
+    `width` through the ring, the activation `act` between (`ops` vector ops per element
+    of the gate)."""
     gate, up, down = names
     sim.matmul(gate)
     sim.matmul(up)
-    sim.vector(6 * sim.m * width, "swiglu")
+    sim.vector(ops * sim.m * width, act)
     sim.matmul(down)
 
 
 class DenseTwin(Twin):
+    """A dense layer on the simulator, under its kind's activation (SwiGLU or SiTU)."""
+
     def run(self, phase: str) -> None:
-        swiglu(self.sim, DENSE_WEIGHTS, self.kind.config.ffn)
+        kind = self.kind
+        swiglu(self.sim, DENSE_WEIGHTS, kind.config.ffn, kind.act_ops, kind.act)
 
 
 class MoETwin(Twin):

@@ -1,4 +1,5 @@
-"""Stage 04: dense SwiGLU and the MoE block against mk.ops.swiglu / moe, race-free,
+"""Stage 04: dense SwiGLU (and under Kimi K3's SiTU) and the MoE block against
+mk.ops.swiglu / moe (mk.reference.situ_dense_mlp), race-free,
 with plain or quantised (packed) weights; only the selected experts are loaded; router ties
 go to the lower expert id; the MoE body runs inside a bigger stream over layers; a planted
 ring bug in the expert slots is caught; both kernels compile for TPUs at real shapes; the
@@ -79,6 +80,28 @@ def test_swiglu_matches_the_reference_on_the_tiny_preset_without_races(dtype):
     np.testing.assert_allclose(got, ops.swiglu(h, *(x[1] for x in w)),
                                **TOLERANCE[dtype])
     assert not races
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_situ_stage_kernel_matches_the_reference_without_races(dtype):
+    """Kimi K3's dense SiTU MLP (`mk.kinds.mlp.SituDense.stage`: the swiglu kernel under
+    its activation) against `mk.reference.situ_dense_mlp`, gate and up scaled so both of
+    SiTU's soft caps bite (SwiGLU's output misses the tolerance there)."""
+    from mk import reference
+    from mk.kinds.mlp import SituDense
+
+    config = dataclasses.replace(mk.preset("tiny"), dtype=dtype, situ_beta=4.0,
+                                 situ_linear_beta=25.0)
+    params = mk.init_params(config)
+    params |= {"w_gate": 3 * params["w_gate"], "w_up": 20 * params["w_up"]}
+    h = _rows(6, config.hidden)
+    weights = {n: params[n][1] for n in ("w_gate", "w_up", "w_down")}
+    got, races = _interpret(SituDense(config).stage, h, weights)
+    want = reference.situ_dense_mlp(config, params, 1, h)
+    scale = float(np.abs(want).max())  # ~40: the table's tolerances are at unit scale
+    np.testing.assert_allclose(got / scale, want / scale, **TOLERANCE[dtype])
+    assert not races
+    assert np.abs(ops.swiglu(h, *weights.values()) - want).max() > 1.0
 
 
 @settings(max_examples=3, deadline=None)

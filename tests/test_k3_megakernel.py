@@ -1,0 +1,190 @@
+"""Kimi K3's layer kinds through the megakernel (issue 66), each on a tiny model with just
+that feature on an existing family (tests/builders.py), against mk.reference: greedy
+tokens equal (float32, interpret mode, B 1 and 4, T 1 and 4; T = 4 steps under the race
+detector), a planted bug in the kind's kernel half diverges, its simulator twin costs its
+own work, the model compiles for a TPU ahead of time. The DMA order of both models:
+tests/test_dma_order.py.
+
+`situ_dense` (SiTU instead of SwiGLU's silu): tiny with K3's betas 4 and 25.
+init_params' gate and up projections are about N(0, 1), where SiTU is nearly SwiGLU
+(25 tanh(u / 25) is u to 0.05 %); here they are scaled (x3 and x20) so both soft caps
+bite, and a control shows each cap alone changes the reference's tokens.
+
+`gated_mla` (MLA's output gate): tiny-kimi cut to two MLA layers with a q low rank and
+the gate; a control shows the gate changes the reference's tokens.
+
+Not covered by interpret mode: time and the scoped VMEM limit (the compile test covers
+lowering and capacity). Not run here: these kinds at tp > 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+import mk
+import mk.megakernel as megakernel
+from mk import reference, sim, tpu
+from mk.kinds import attention as kinds_attention
+from mk.kinds import mlp as kinds_mlp
+from mk.kinds.layers import REFERENCE_ONLY, layer_kinds
+from mk.weights import param_shapes
+from builders import assert_verify_steps, tiny_gated_mla, tiny_situ
+
+SLOW = pytest.mark.slow
+TOKENS, CONTEXT = 16, 128
+# (batch, rows): B 4, T 4 in CI (~30 CPU s each model), the others in make test-slow
+SHAPES = [pytest.param(1, 1, marks=SLOW), (4, 4), pytest.param(4, 1, marks=SLOW),
+          pytest.param(1, 4, marks=SLOW)]
+
+
+def situ_model(**change):
+    """(config, params) of tiny under SiTU, float32, its gate and up projections scaled so
+    that both soft caps bite (module docstring)."""
+    config = tiny_situ(dtype="float32", **change)
+    params = mk.init_params(config)
+    return config, params | {"w_gate": 3 * params["w_gate"], "w_up": 20 * params["w_up"]}
+
+
+def gated_mla_model(**change):
+    """(config, params) of the gated-MLA model, float32."""
+    config = tiny_gated_mla(dtype="float32", **change)
+    return config, mk.init_params(config)
+
+
+MODELS = {"situ_dense": situ_model, "gated_mla": gated_mla_model}
+
+
+def _prompt(config, batch: int):
+    return jax.random.randint(jax.random.key(batch), (batch, 5), 0, config.vocab)
+
+
+def _reference(config, params, batch: int = 1):
+    prompt = _prompt(config, batch)
+    return prompt, reference.generate(config, params, prompt, TOKENS, max_context=CONTEXT)
+
+
+def _megakernel(config, params, prompt):
+    return megakernel.generate(config, params, prompt, TOKENS, backend="interpret",
+                               max_context=CONTEXT, steps_per_call=TOKENS // 2)
+
+
+def _differs(config, params, want, **change) -> int:
+    """How many of the reference's tokens change under the config `change`, the params
+    the changed config has (a weight it has no place for dropped)."""
+    other = dataclasses.replace(config, **change)
+    kept = {n: p for n, p in params.items() if n in param_shapes(other)}
+    prompt = _prompt(config, want.shape[0])
+    got = reference.generate(other, kept, prompt, TOKENS, max_context=CONTEXT)
+    return int((np.asarray(got) != np.asarray(want)).sum())
+
+
+@pytest.mark.parametrize("kind, kinds", [("situ_dense", ["gqa", "situ_dense"]),
+                                         ("gated_mla", ["gated_mla", "moe", "dense"])])
+def test_each_model_has_the_k3_kind_alone_and_the_kernel_runs_it(kind, kinds):
+    config, _ = MODELS[kind]()
+    assert kind not in REFERENCE_ONLY
+    assert [k.name for k in layer_kinds(config)] == kinds
+
+
+def test_situ_s_caps_each_change_the_reference_s_tokens():
+    """The control of the situ_dense checks: SwiGLU, SiTU with no gate cap (beta 1e4) and
+    SiTU with no up cap (linear beta 1e4) each change most of the tokens, so a kernel
+    that dropped either cap (or SiTU) fails them."""
+    config, params = situ_model()
+    _, want = _reference(config, params)
+    for change in (dict(situ_beta=0.0, situ_linear_beta=0.0), dict(situ_beta=1e4),
+                   dict(situ_linear_beta=1e4)):
+        assert _differs(config, params, want, **change) > TOKENS // 2, change
+
+
+def test_the_mla_output_gate_changes_the_reference_s_tokens():
+    """The control of the gated_mla checks: the same model without the gate (MLA's kind)
+    decodes other tokens."""
+    config, params = gated_mla_model()
+    _, want = _reference(config, params)
+    assert _differs(config, params, want, attn_output_gate=False) > 0
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+@pytest.mark.parametrize("batch, rows", SHAPES)
+def test_k3_kind_greedy_tokens_equal_the_reference(kind, batch, rows):
+    """T = 1: `generate`, TOKENS tokens over host dispatches of several steps. T = 4:
+    verification steps fed the reference's tokens (a perfect draft) predict its next 4,
+    race detector on."""
+    config, params = MODELS[kind]()
+    prompt, want = _reference(config, params, batch)
+    if rows == 1:
+        np.testing.assert_array_equal(_megakernel(config, params, prompt), want)
+        return
+    assert_verify_steps(config, params, params, prompt, want, rows, TOKENS)
+
+
+def _no_gate(self, k):  # MLA's output: the heads' outputs, ungated
+    kinds_attention.MLA.output(self, k)
+
+
+PLANTED = {  # a bug in a kind's kernel half: (kind, class, method, replacement)
+    "situ_swapped_betas": ("situ_dense", kinds_mlp.SituDense, "activation",
+                           lambda self: lambda g, u: kinds_mlp.situ(g, u, 25.0, 4.0)),
+    "situ_no_up_cap": ("situ_dense", kinds_mlp.SituDense, "activation",
+                       lambda self: lambda g, u: kinds_mlp.situ(g, u, 4.0, 1e4)),
+    "mla_no_gate": ("gated_mla", kinds_attention.GatedMLA, "output", _no_gate)}
+
+
+@pytest.mark.parametrize("planted", list(PLANTED))
+def test_a_planted_bug_in_a_k3_kind_diverges(planted, monkeypatch):
+    """The guard of the token checks: the kernel's SiTU at other betas than the config's,
+    or its MLA without the gate (the reference keeps them), decodes other tokens."""
+    kind, cls, method, replacement = PLANTED[planted]
+    config, params = MODELS[kind]()
+    prompt, want = _reference(config, params)
+    monkeypatch.setattr(cls, method, replacement)
+    config = dataclasses.replace(config, name=f"planted-{planted}")  # a trace of its own
+    assert (np.asarray(_megakernel(config, params, prompt)) != np.asarray(want)).any()
+
+
+def _simulated(config):
+    return sim.simulate(config, "v5e", batch=4, rows=2, context=100)
+
+
+def _busy(run, what) -> float:
+    return sum(e.busy_s for e in run.events if e.what == what)
+
+
+def test_the_situ_twin_costs_its_activation_as_the_kind_counts_it():
+    """The simulator's SiTU layer: the same bytes as SwiGLU's (the same weights and
+    stream), its activation's vector work `SituDense.act_ops` per element of the gate,
+    twice SwiGLU's, under its own name. bf16: the simulator's tile costs are bf16's."""
+    config = tiny_situ()
+    got, plain = (_simulated(c) for c in
+                  (config, dataclasses.replace(config, situ_beta=0.0, situ_linear_beta=0.0)))
+    assert got.family_bytes() == plain.family_bytes()
+    assert _busy(got, "swiglu") == 0 and _busy(plain, "situ") == 0
+    assert _busy(got, "situ") == pytest.approx(2 * _busy(plain, "swiglu"))
+    assert kinds_mlp.SituDense.act_ops == 2 * kinds_mlp.Dense.act_ops
+
+
+def test_the_gated_mla_twin_streams_wg_and_costs_the_gate():
+    """The simulator's gated MLA layer: MLA's bytes plus wg's (each layer's [D, N*Ho] in
+    the attention family), the gate's vector work after the up-projection, which MLA's
+    layer has none of."""
+    config = tiny_gated_mla()
+    got, plain = (_simulated(c) for c in
+                  (config, dataclasses.replace(config, attn_output_gate=False)))
+    extra = {f: got.family_bytes()[f] - plain.family_bytes().get(f, 0)
+             for f in got.family_bytes()}
+    wg = config.layers * config.hidden * config.heads * config.value_dim * 2  # bf16
+    assert {f: b for f, b in extra.items() if b} == {"attention": wg}
+    assert _busy(got, "output_gate") > 0 == _busy(plain, "output_gate")
+
+
+@pytest.mark.parametrize("builder", [tiny_situ, tiny_gated_mla])
+def test_each_k3_kind_model_compiles_for_tpu(builder):
+    """Mosaic lowers the kinds' new pieces (SiTU's tanh caps; the gate's ring segment and
+    sigmoid) for the v5e at T = 4 (ahead of time, on the CPU: ~2 and ~6 s)."""
+    report = tpu.compile_megakernel(builder(), "v5e", batch=4, rows=4, context=1024)
+    assert report.ok, report.error
