@@ -4,7 +4,8 @@ For each row `mk.probes.probe_tile` compiles the stage-01 ring kernel
 (`mk.kernels.weight_streaming.stream_matmul`, the megakernel's own `Ring.matmul`) over one
 weight w[4096, 2048] (`mk.probes.TILE_PROBE_SHAPE`, at the kernel's default tiling: bf16
 tiles of 2048 x 512, packed tiles of 512 x 512) stored as the dtype (bf16 or an
-`mk.quant` scheme, dequantised in VMEM to the feed) against M bf16 rows, for one
+`mk.quant` scheme: fp8 and fp4 dequantised in VMEM to the feed or fed fp8, int8 and int4
+codes straight into the dot, `mk.unpack`) against M bf16 rows, for one
 TensorCore of the chip, with libtpu's bundle dump on, and counts one trip of the steady
 per-tile loop. The table `mk.feed_costs` reads (the simulator's and `mk.perf`'s compute
 cost per weight tile):

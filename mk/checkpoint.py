@@ -190,7 +190,7 @@ def check_values(folder: Path, config: ModelConfig, params) -> None:
                 bad.append(str(err))
     if bad:
         raise ValueError(_problems(folder, config, bad))
-    values = quant.dequantize(params)
+    values = quant.dequantize(params, config.dtype)  # plain arrays, int8 and int4 too
     bad = [f"mk {name}: {np.size(x) - int(np.isfinite(x).sum())} values are NaN or inf "
            f"in {x.dtype}" for name, x in ((n, np.asarray(v, np.float32))
                                           for n, v in values.items())

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mk.unpack import dequantize_tile
+from mk.unpack import INT_SCHEMES, dequantize_tile, scaled_weight
 
 EXPERT_SLICE = 4  # experts a quantised MoE layer dequantises at a time (`experts_of`)
 
@@ -24,9 +24,10 @@ class LayerValues(Mapping):
     """Params as the layers read them: a quantised weight (an `mk.quant.QuantWeight`,
     known by its scheme: mk.quant imports mk.reference, which imports this module)
     dequantised where it is read, a stacked one a layer's row at a time (`w[i]`), a 2-D
-    one (the lm_head) whole, each rounded once to the embedding's dtype:
-    `mk.quant.dequantize`'s values, inside the traced forward; a stacked plain weight's
-    row sliced when its layer is reached (`_Tied`)."""
+    one (the lm_head) whole, each rounded once to the embedding's dtype (int8 and int4:
+    codes and scales, `mk.unpack.scaled_weight`): `mk.quant.dequantize`'s values, inside
+    the traced forward; a stacked plain weight's row sliced when its layer is reached
+    (`_Tied`)."""
 
     def __init__(self, params, after=None):
         self.params, self.dtype, self.after = params, params["embed"].dtype, after
@@ -72,7 +73,14 @@ class _Rows:
 
     def _values(self, index):
         data, scale = _tied((self.q.data, self.q.scale), self.after)
-        return dequantize_tile(self.q.scheme, data[index], scale[index]).astype(self.dtype)
+        return self._decoded(data[index], scale[index])
+
+    def _decoded(self, data, scale):
+        """`mk.quant.dequantize`'s value: int8's and int4's codes and scales, multiplied
+        as their kernels do (`scaled_weight`); the others' values in the model's dtype."""
+        if self.q.scheme in INT_SCHEMES:
+            return scaled_weight(self.q.scheme, data, scale, self.dtype)
+        return dequantize_tile(self.q.scheme, data, scale).astype(self.dtype)
 
     def __getitem__(self, i):
         return self._values(i)
@@ -81,7 +89,7 @@ class _Rows:
         """Layer i's experts start .. start + size (start traced), dequantised."""
         data, scale = (lax.dynamic_slice_in_dim(a[i], start, size)
                        for a in _tied((self.q.data, self.q.scale), self.after))
-        return dequantize_tile(self.q.scheme, data, scale).astype(self.dtype)
+        return self._decoded(data, scale)
 
     @property
     def whole(self):

@@ -1,7 +1,8 @@
 """The reference's building blocks: functions of arrays (no config, no parameter dict),
 each the oracle of a stage kernel's piece and a piece `mk.reference` builds from.
 
-Here: the matmul numerics (`dot`, `matmul`; `exact`, a kernel dot's precision),
+Here: the matmul numerics (`dot`, `matmul`; `exact`, a kernel dot's precision; `Scaled`
+and `scaled_dot`, a weight multiplied as codes with its scales on the product),
 `rms_norm`, `rope` (`rope_inv_freq`), causal GQA `attention` over a cache and
 `write_rows`, `swiglu`, the routers (`route`, `route_grouped`, `route_logits`), the MoE
 block (`moe`; `mix_experts` = `combine_experts` of `expert_outputs`; gpt-oss's
@@ -18,6 +19,8 @@ probabilities to it before multiplying V.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import jax
@@ -33,10 +36,65 @@ def dot(spec: str, a: jax.Array, b: jax.Array, dtype) -> jax.Array:
     """einsum of a and b rounded to `dtype`, multiplied and accumulated in float32.
 
     This is what the MXU does with bf16 inputs (products of bf16 values are exact in f32).
-    The upcast is explicit because XLA:CPU has no bf16 x bf16 -> f32 dot.
+    The upcast is explicit because XLA:CPU has no bf16 x bf16 -> f32 dot. A `Scaled` b
+    (an int8 or int4 weight's codes and scales) is multiplied by `scaled_dot`.
     """
+    if isinstance(b, Scaled):  # codes and scales: multiplied as the kernel does
+        return scaled_dot(spec, a, b, dtype)
     a, b = (t.astype(dtype).astype(F32) for t in (a, b))
     return jnp.einsum(spec, a, b, precision=HIGHEST)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["codes", "scales"],
+                   meta_fields=["dtype"])
+@dataclasses.dataclass(frozen=True)
+class Scaled:
+    """A weight [..., I, O] as its kernel multiplies it: exact code values and the scales
+    of blocks of rows along I (`scaled_dot`), an int8 or int4 weight's reference value
+    (`mk.unpack.scaled_weight`). `dtype` is what the activations are rounded to (the
+    compute dtype), so `dot(..., w, w.dtype)` and `matmul` take it as a weight's dtype."""
+
+    codes: jax.Array  # [..., I, O] int8
+    scales: jax.Array  # [..., G, O] float32: rows g * I/G .. (g + 1) * I/G share one
+    dtype: jnp.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.codes.shape
+
+    @property
+    def ndim(self) -> int:
+        return self.codes.ndim
+
+    def __getitem__(self, index) -> Scaled:
+        """The weight at a leading-axes index (a layer's row, some experts)."""
+        return Scaled(self.codes[index], self.scales[index], self.dtype)
+
+    def astype(self, dtype) -> jax.Array:
+        """The weight's values, code x scale in float32, rounded once to `dtype`."""
+        G, I = self.scales.shape[-2], self.codes.shape[-2]
+        return (self.codes * jnp.repeat(self.scales, I // G, axis=-2)).astype(dtype)
+
+
+def scaled_dot(spec: str, a: jax.Array, w: Scaled, dtype) -> jax.Array:
+    """einsum `spec` of activations `a` (contracted on their last axis) and a `Scaled`
+    weight (on its I), as its kernel computes it: `a` rounded to `dtype`, times the exact
+    codes, each block of rows sharing a scale summed in float32 and then scaled, the
+    blocks' scaled sums summed (`mk.unpack.scaled_product`, the kernel's, per tile)."""
+    inputs, out = spec.split("->")
+    a_spec, w_spec = inputs.split(",")
+    c = w_spec[-2]
+    if a_spec[-1] != c:
+        raise NotImplementedError(f"scaled_dot {spec!r}: contract a's last axis")
+    g = next(x for x in "ghjklnpqrsuvwxyz" if x not in spec)  # the block axis
+    G, I = w.scales.shape[-2], w.codes.shape[-2]
+    a = a.astype(dtype).astype(F32)
+    a = a.reshape(*a.shape[:-1], G, I // G)
+    codes = w.codes.astype(F32).reshape(*w.codes.shape[:-2], G, I // G, w.codes.shape[-1])
+    blocks = jnp.einsum(f"{a_spec[:-1]}{g}{c},{w_spec[:-2]}{g}{c}{w_spec[-1]}->{g}{out}",
+                        a, codes, precision=HIGHEST)
+    return jnp.einsum(f"{g}{out},{w_spec[:-2]}{g}{w_spec[-1]}->{out}", blocks,
+                      w.scales.astype(F32), precision=HIGHEST)
 
 
 def exact(*operands):

@@ -1,77 +1,22 @@
 """Quantised weight storage: int8, fp8, int4 and fp4 (MXFP4), packed, checked and counted.
 
-Here: the four storage schemes (`SCHEMES`), each laid out exactly as below (a
-`QuantWeight` checks its layout on construction: `check_layout`; its values where they
-are concrete, NaN or inf scales and NaN codes: `check_values`); `quantize` (finite bf16
-params -> a params dict whose quantised weights are `QuantWeight`s), `dequantize` (back
-to plain arrays: the oracle's weights, fed to the unchanged `mk.reference`, in the dtype
-each group's MXU feed calls for: `mk.unpack.oracle_dtype`), `check_error` (every group's
-error against its scale's bound), `accuracy` (a quantised model's logits and greedy
-tokens against the bf16 model's) and `storage_bytes` / `group_bytes` / `stored_bytes`
-(packed bytes plus scales; a model's own `formats` by default), `check_quantisable` /
-`unstreamed`, the kernel's tile layout (`tile_shapes`, `tile_bytes`, `tile_major`,
-`column_block`, `pad_columns`, `side_by_side`, `ZERO_CODE`, `UNIT_SCALE`), `formats_of`
-(the scheme of each group of a params dict) and `schemes_of` (the scheme of each weight
-name). Not here: what a kernel does to one packed tile in VMEM, the element decoders, the
-packing order and the MXU feeds (`mk.unpack`, with the packing units `PACK_ROWS`, `GROUP`
-and `E8M0_BIAS`), reading
-quantised Hugging Face checkpoints (`mk.hf_quant`), the ring that streams packed tiles
-(`mk.kernels.ring`), splitting them for tensor parallelism (`mk.shards`).
+Here: the four storage schemes (`SCHEMES`; each one's layout, `STORED`, `SCALES`: in
+docs/design/mk.quant.md), a `QuantWeight` (checked on construction, `check_layout`; its
+NaN or inf scales and NaN codes, `check_values`); `quantize` (finite bf16 params -> the
+chosen format groups' weights as `QuantWeight`s, `check_quantisable`, `unstreamed`),
+`dequantize` (the oracle's weights for the unchanged `mk.reference`: int8 and int4 as
+codes and scales, `mk.ops.Scaled`, the others in the dtype their feed calls for,
+`mk.unpack.oracle_dtype`; or every weight's values in a given dtype), `check_error`,
+`accuracy` (against the bf16 model), the bytes (`storage_bytes`, `group_bytes`,
+`stored_bytes`, `abstract_weight`), the kernel's tile layout (`tile_shapes`,
+`tile_bytes`, `tile_major`, `column_block`, `pad_columns`, `side_by_side`, `ZERO_CODE`,
+`UNIT_SCALE`), `formats_of` and `schemes_of`.
 
-Which weights. The three format groups of `mk.weights.FORMAT_GROUPS` ("dense": attention's
-projections and the dense and shared-expert SwiGLUs; "experts"; "lm_head", an untied model
-only), each with one scheme or None (stays `config.dtype`): a `formats` dict, the one
-precision knob (`mk.config.check_formats`; a `ModelConfig`'s own `formats` are its
-default, e.g. kimi-k2-shaped's FP4 experts). The embedding (B*T rows
-gathered per step), the router (small, and its top-k flips on a small error), norms and
-biases stay in `config.dtype`, and so do the linear-attention kinds' weights (in no group),
-so a hybrid's groups quantise as any model's; a group holding a weight the megakernel
-moves whole (not as ring tiles) is refused (`check_streamed`).
-
-Layouts. A weight is [..., I, O] (mk's [in, out], leading stacked axes; I is the
-contraction axis). Every scheme groups values along I so a tile of whole groups along I
-carries its own scales; dequantisation computes value * scale in float32, then rounds once
-to the requested dtype.
-
-    int8  data  int8  [..., I, O]        q in [-127, 127], w = q * scale
-          scale f32   [..., 1, O]        per output channel: absmax over I / 127
-    fp8   data  uint8 [..., I, O]        float8_e4m3fn bit patterns (1 sign, 4 exponent
-                                         bias 7, 3 mantissa; 0x7f/0xff are NaN, max 448)
-          scale f32   [..., I/128, O/128]  one per 128x128 block: absmax / 448. This is
-                                         Hugging Face "fine-grained FP8" (`weight` [O, I]
-                                         float8_e4m3fn + `weight_scale_inv` [O/128, I/128]
-                                         float32, w = weight * weight_scale_inv),
-                                         transposed to mk's [in, out].
-    int4  data  uint8 [..., I/2, O]      two 4-bit codes per byte, code = q + 8 with q in
-                                         [-7, 7] (offset binary)
-          scale bf16  [..., I/128, O]    group of 128 along I: absmax / 7, rounded to bf16
-                                         before q is computed (so |w - q*scale| <= scale/2)
-    fp4   data  uint8 [..., I/2, O]      two float4_e2m1fn codes per byte (1 sign, 2
-                                         exponent bias 1, 1 mantissa: 0 .5 1 1.5 2 3 4 6),
-                                         their bits placed for the fp8 feed
-                                         (`mk.unpack.pack_codes`)
-          scale uint8 [..., I/32, O]     e8m0 per 32 values along I: 2^(code - 127), the
-                                         smallest power of two with absmax / scale <= 6
-                                         (codes 0 and 255 unused; 255 is NaN in OCP MX)
-
-The kernel's layout (`tile_major`, made once by `mk.megakernel.prepare` for its tiling
-tile_rows x tile_cols): the data and the scales regrouped by tile, in the ring's order
-(column panel by column panel): tile t's data at [..., t, :, :] of a [..., tiles, data
-rows, tile_cols] array and its scales at [..., t, :, :] of [..., tiles, r, c], (r, c) =
-`tile_shapes`'s scale block. Each is then one contiguous DMA; slicing
-fp8's [.., I/128, O/128] scales by tile is a lane slice of tile_cols/128 values, which
-Mosaic refuses ("dynamic offset ... not a multiple of the memory space word size", measured
-on v5e, v6e and tpu7x), and int4's one-row scale slices of 128-row tiles are refused too.
-int8's per-channel [1, O] row is repeated once per row tile (every tile streams its own
-scales): 4 / tile_rows bytes per weight byte more in HBM and on the wire, 0.8 % at
-tile_rows 512.
-`tile_bytes` is what one streamed tile moves (data plus scale block): the byte count of
-the plan, `mk.perf` and the kernel's DMAs.
-
-Accuracy against bf16 (tests/test_quant.py, every group quantised, a transformers-written
-tiny Qwen3-MoE, 2 x 64 teacher-forced steps; random weights, so flatter logits than a
-trained model's): relative RMS of logits int8 0.020, fp8 0.072, int4 0.24, fp4 0.23; argmax
-agreement 0.98, 0.91, 0.73, 0.71.
+Not here: what a kernel does to one packed tile, the element decoders, the packing order
+and the MXU feeds (`mk.unpack`, with `PACK_ROWS`, `GROUP`, `E8M0_BIAS`), quantised Hugging
+Face checkpoints (`mk.hf_quant`), the ring (`mk.kernels.ring`), tensor-parallel splits
+(`mk.shards`). Which weights (the format groups of `mk.weights.FORMAT_GROUPS`), the
+layouts and the tile layout: docs/design/mk.quant.md.
 """
 
 from __future__ import annotations
@@ -88,11 +33,11 @@ import numpy as np
 from mk import reference
 from mk.config import DTYPE_BITS, SCHEME_BITS, ModelConfig, check_formats
 from mk.errors import shown
-from mk.unpack import (E8M0_BIAS, GROUP, PACK_ROWS, block_scale_rows, dequantize_tile, grouped,
-                       oracle_dtype, pack_codes, pow2)
+from mk.unpack import (E8M0_BIAS, GROUP, INT_SCHEMES, PACK_ROWS, block_scale_rows,
+                       dequantize_tile, grouped, oracle_dtype, pack_codes, pow2, scaled_weight)
 from mk.weights import FORMAT_GROUP, FORMAT_GROUPS, param_shapes, weights_of
 
-SCHEMES = tuple(SCHEME_BITS)  # each laid out as the module docstring says
+SCHEMES = tuple(SCHEME_BITS)  # each laid out as docs/design/mk.quant.md says
 FP8_MAX, INT8_MAX, INT4_MAX, FP4_MAX = 448.0, 127, 7, 6.0
 F32 = jnp.float32
 
@@ -102,7 +47,7 @@ F32 = jnp.float32
 @dataclasses.dataclass(frozen=True)
 class QuantWeight:
     """One quantised weight: packed `data` and its `scale`s, in the layout of `scheme`
-    (module docstring)."""
+    (docs/design/mk.quant.md)."""
 
     data: jax.Array
     scale: jax.Array
@@ -132,7 +77,7 @@ class QuantWeight:
         return _At(self)
 
 
-# Each scheme's stored dtypes (module docstring): {scheme: (data, scale)}, and its scales.
+# Each scheme's stored dtypes (docs/design/mk.quant.md): {scheme: (data, scale)}, and its scales.
 STORED = {"int8": ("int8", "float32"), "fp8": ("uint8", "float32"),
           "int4": ("uint8", "bfloat16"), "fp4": ("uint8", "uint8")}
 SCALES = {"int8": "one per output column", "fp8": "one per 128 x 128 block",
@@ -165,7 +110,7 @@ def check_layout(scheme: str, data, scale) -> None:
 
 
 # The codes a scheme's layout holds that decode to NaN, by (scheme, field); `quantize`
-# never writes them (module docstring's layouts).
+# never writes them (the layouts of docs/design/mk.quant.md).
 NAN_CODES = {("fp8", "data"): (0x7F, 0xFF), ("fp4", "scale"): (255,)}
 
 
@@ -327,21 +272,31 @@ def quantize(config: ModelConfig, params: dict, *, dense: str | None = None,
 
 
 def dequantize(params: dict, dtype=None, feeds=None) -> dict:
-    """Params holding `QuantWeight`s -> plain arrays: each weight's float32 values rounded
-    once to `dtype` (default: the dtype of the params' embedding table, config.dtype), or,
-    for a group of `feeds` ({group: feed}, a plan's `feeds`), to its `oracle_dtype`: the
-    weights the reference multiplies by to compute what the kernel does. The reference
-    rounds a matmul's activations to its weight's dtype, so float32 weights (fp8 fed fp8)
-    in a bf16 model leave them unrounded where the kernel rounds them to bf16: exact in a
-    float32 model (`mk.reference.check_params` takes only config.dtype weights)."""
+    """Params holding `QuantWeight`s -> the weights the reference multiplies by to compute
+    what the kernel does. Without `dtype`: int8 and int4 weights, whose kernels feed their
+    codes to the dot and scale its product, as codes and scales (`mk.ops.Scaled`,
+    `mk.unpack.scaled_weight`: multiplied as the kernel does, activations rounded to the
+    embedding's dtype, config.dtype); the others' float32 values rounded once to that dtype
+    or, for a group of `feeds` ({group: feed}, a plan's `feeds`), to its `oracle_dtype`
+    (fp8 fed fp8: float32; the reference rounds a matmul's activations to its weight's
+    dtype, so in a bf16 model it leaves them unrounded where the kernel rounds them: exact
+    in a float32 model). With `dtype`: plain arrays, int8's and int4's values too rounded
+    once to `dtype` (or their `oracle_dtype`, float32, for a group of `feeds`)."""
+    codes = dtype is None  # the reference's int8 and int4 weights: codes and scales
     dtype = dtype or params["embed"].dtype
     into = {name: oracle_dtype(p.scheme, feed, dtype) for name, feed in
             schemes_of(feeds).items() if isinstance(p := params.get(name), QuantWeight)}
-    return {name: (dequantize_tile(p.scheme, p.data, p.scale).astype(into.get(name, dtype))
-                   if isinstance(p, QuantWeight) else p) for name, p in params.items()}
+
+    def value(name, p):
+        if not isinstance(p, QuantWeight):
+            return p
+        if codes and p.scheme in INT_SCHEMES:
+            return scaled_weight(p.scheme, p.data, p.scale, dtype)
+        return dequantize_tile(p.scheme, p.data, p.scale).astype(into.get(name, dtype))
+    return {name: value(name, p) for name, p in params.items()}
 
 
-# -- The kernel's tile layout (module docstring) ------------------------------------------
+# -- The kernel's tile layout (docs/design/mk.quant.md) ------------------------------------
 def tile_shapes(scheme: str, tile_rows: int, tile_cols: int) -> dict[str, tuple]:
     """{"data": (shape, dtype), "scale": (shape, dtype)} of one streamed tile_rows x
     tile_cols tile of a `scheme` weight."""
@@ -368,7 +323,7 @@ def tile_bytes(scheme: str, tile_rows: int, tile_cols: int) -> int:
 
 
 def tile_major(q: QuantWeight, tile_rows: int, tile_cols: int) -> QuantWeight:
-    """`q` in the kernel's layout for tile_rows x tile_cols tiles (module docstring): the
+    """`q` in the kernel's layout for tile_rows x tile_cols tiles (docs/design/mk.quant.md): the
     data [..., tiles, data rows, tile_cols] and the scales [..., tiles, r, c], tile t the
     ring's t-th (column panel t // (I / tile_rows), row tile t % (I / tile_rows))."""
     *lead, I, O = q.shape
@@ -547,7 +502,7 @@ def accuracy(config: ModelConfig, params: dict, qparams: dict, prompt, steps: in
 # -- Bytes --------------------------------------------------------------------------------
 def abstract_weight(shape: tuple[int, ...], scheme: str) -> QuantWeight:
     """The `QuantWeight` of `jax.ShapeDtypeStruct`s that `quantize_weight` makes of a
-    [..., I, O] weight in `scheme` (module docstring's layouts): what an ahead-of-time
+    [..., I, O] weight in `scheme` (the layouts of docs/design/mk.quant.md): what an ahead-of-time
     compile traces with, and what `storage_bytes` counts."""
     check_shape("weight", scheme, shape)
     *lead, I, O = shape

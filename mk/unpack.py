@@ -1,97 +1,22 @@
 """Unpacking a packed weight tile in VMEM: the element decoders and the MXU feeds.
 
-`mk.quant` stores a weight packed (its layouts, the packing units `PACK_ROWS` and the scale
-groups `GROUP`, `E8M0_BIAS` are here because the decoders read them); this module is what a
-kernel does to one streamed tile of it, pure jnp that lowers for v5e, v6e and tpu7x and runs
-in TPU interpret mode: the element decoders (`nibble_words` / `nibble_bytes`, `int4_values`,
-`fp4_words_to_e4m3`, `e2m1_to_e4m3`, `e4m3_values`, `pow2`, `grouped`, `dequantize_tile`,
-`fp8_feed_tile`; `unpack_codes` and `e2m1_values`, the same decoders one code an element;
-`pack_codes`, the packing's inverse; `pack_nibbles` / `unpack_nibbles`, int4's) and the
-feeds (`FEEDS`, `FEEDABLE`, `choose_feeds`: what each packed group reaches the MXU as, per
-chip; `oracle_dtype`: the dtype the reference's weights are dequantised to so it multiplies
-what the kernel does). Not here: the layouts, quantising, checks and byte counts
-(`mk.quant`), the ring that streams the tiles and calls these (`mk.kernels.ring`).
+`mk.quant` stores a weight packed; this module is what a kernel does to one streamed tile
+of it, pure jnp that lowers for v5e, v6e and tpu7x and runs in TPU interpret mode. Here:
+the packing units (`PACK_ROWS`, `GROUP`, `E8M0_BIAS`); the element decoders (`int4_codes`,
+`nibble_bytes`, `fp4_words_to_e4m3`, `e2m1_to_e4m3`, `e4m3_values`, `pow2`, `grouped`,
+`dequantize_tile`; one code an element: `unpack_codes`, `e2m1_values`; the packings'
+inverses `pack_codes`, `pack_nibbles` / `unpack_nibbles`); a tile's products with its
+scales on the product (`int_feed_tile`, `fp8_feed_tile`, `scaled_product`, `int_product`,
+`fp8_product`); the feeds (`FEEDS`, `FEEDABLE`, `INT_SCHEMES`, `choose_feeds`: what each
+packed group reaches the MXU as, per chip); what the reference multiplies to compute what
+the kernel does (`scaled_weight`, int8's and int4's codes and scales; `oracle_dtype`).
 
-Packing order (int4 and fp4): rows of I are packed in units of 128; byte row 64u + j holds
-row 128u + j and row 128u + 64 + j. Unpacking a tile of 64n byte rows is then shifts and
-masks, a concatenation of two aligned [64, O] halves per unit, and no lane shuffle; an
-interleaved order (gpt-oss packs rows 2k and 2k + 1 into one byte) would need a sublane
-interleave. int4 keeps each code in a nibble (the first row's low, the second's high:
-`pack_nibbles`). fp4 places the first row's code (sign s, exponent e1 e0, mantissa m) where
-its e4m3 byte has them (bits 7, 4..2: `e2m1_to_e4m3`), and the second row's in the bits left
-(s at 5, e1 at 6, e0 m at 1..0: `pack_codes`), so the MXU's fp8 codes are one mask of a word
-for the first rows and two shifts for the others (`fp4_words_to_e4m3`: six 32-bit ops a word
-of four bytes, where two nibbles took nine; stage-01 kernel's loop on tpu7x, 512 x 512 tiles
-fed fp8, M 8: 208 -> 183 bundles). `mk.hf_quant` repacks gpt-oss MXFP4 bytes into this
-order at load: a permutation of bits, bit-exact.
-
-Why uint8 with shifts. Measured with libtpu ahead-of-time compiles of a one-tile
-dequantise-and-matmul pallas_call (tests/test_quant.py keeps one per scheme per chip):
-the uint8 decoders below lower for v5e, v6e and tpu7x, with bf16 or float32 output, and
-run unchanged in TPU interpret mode on CPU. Native element types do not all lower: a
-float4_e2m1fn ref fails on v5e and v6e ("Unsupported type vector<...xf4E2M1FN>", Mosaic's
-unpack_subelements) and compiles only for tpu7x; int4 and float8_e4m3fn refs compile on all
-three (and interpret). Plain bytes (uint8; int8 for int8) for all four schemes also make the
-bytes in HBM the bytes of the documented layout (a sub-byte array's packing is the
-compiler's choice). Packed bytes are worked on four at a time: `pltpu.bitcast` views a
-tile's uint8 [R, O] as int32 words [R/4, O] and back (free on all three chips), and the
-nibble split, int4's offset and e2m1 -> e4m3 are byte-wise integer ops that never carry
-into the next byte (SWAR): one 32-bit op handles four codes, where widening each byte to
-int32 first costs a 32-bit op a code. 16-bit integer vectors do not help: uint8 -> int16
-lowers, but int16 shifts do not ("failed to legalize arith.shli", all three chips). fp4 is
-then decoded through e4m3 (`e4m3_values`: the bytes bitcast to float8_e4m3fn and
-converted to float32, which lowers on all three chips and cost 2.1-2.6x fewer bundles per
-tile than the integer decoder of fp8 it replaced): its bits placed in an e4m3 byte
-(`e2m1_to_e4m3`, `fp4_words_to_e4m3`) read value / 64, and the 64 (`E2M1_GAIN`) comes back
-as one float32 multiply, a value fed bf16, a tile's product fed fp8. int4 is decoded as
-int8 bytes converted to float32, int8 converted to float32 directly. Every decoder
-computes value x scale in float32 and rounds once, bit-identical to the int32 decoders
-they replaced (every code, every fp4 scale code). Bundles per Mi weights (stream_matmul's
-steady per-tile loop, 2048 x 128 packed tiles, M 8, libtpu 0.0.42.1; the int32 decoders ->
-these): tpu7x fp4 fed bf16 6016 -> 2192, fed fp8 3964 -> 2224 (1852 with the ring's
-stacked products, below), int4 1876 -> 1716, int8 1244 -> 1244; v6e fp4 6016 -> 3724, int4
-1876 -> 1684. Then fp4's exact-value e4m3 (bias 6 added to the normal codes, 0.5 and 0
-mapped apart: fifteen 32-bit ops a nibble of a word after a three-op split, 33 a word,
-where the placement takes nine for both nibbles), 512 x 512 tiles, M 1 / 8 / 64 / 256 ->
-the placement: tpu7x fed fp8 1468 / 1680 / 3264 / 9328 -> 600 / 884 / 2888 / 9044, fed
-bf16 2232 / 2200 / 2360 / 2956 -> 1688 / 1644 / 1804 / 2376; v6e fed bf16 3776 / 3680 /
-3976 / 4736 -> 3236 / 3128 / 3460 / 4280 (measured then; mk/data/tile_feed_costs.json
-holds today's, every chip and M). Folding the 64 into a fed-bf16 group's scale instead of
-each value would save 8-15% more (tpu7x 1644 -> 1396, v6e 3128 -> 2876 at M 8) but
-overflows float32 for scale codes above 248: not taken.
-What is left is the float work per value: int8's 1244 is one unpack, one int -> float
-convert and one multiply a value, the loop's VALU slots full. fp8's block scales reach
-the values as one row of scales per 128 rows (`block_scale_rows`, a lane broadcast): the
-[.., 128, O/128, 128] view of the values it replaced cost a relayout per tile (fp8 fed
-bf16 at M 8: v6e 21280 -> 2576, tpu7x 20012 -> 1148 bundles per Mi weights; bit-identical).
-
-Feeds: what a packed tile becomes for the MXU, chosen per chip from what its MXU takes
-beside bf16 activations (`mk.chips.ChipSpec.mxu_feeds`; `choose_feeds`, carried by the plan
-and its stream's segments). "bf16": `dequantize_tile` in float32, rounded once to the
-compute dtype (every scheme, every chip). "fp8" (fp8 and fp4; TPU7x multiplies bf16 by
-float8_e4m3fn): `fp8_feed_tile` hands the MXU e4m3 codes, fp8's as stored (a bitcast of the
-uint8 bytes, which lowers for tpu7x and v6e and runs in interpret mode) and fp4's turned
-into the e4m3 codes of the same values (`e2m1_to_e4m3`: integer ops, exact), with a float32
-scale row per block of rows sharing a scale (fp8 128 rows, its block's scale over each 128
-columns; fp4 32 rows, each column's power of two) that multiplies the block's float32
-product (`mk.kernels.ring.Ring`). bf16 x e4m3 products are exact in float32, so the fp8
-feed computes x_bf16 @ (e4m3 x scale) without rounding the weight: its oracle is the weight
-dequantised to float32 for fp8 and to the compute dtype for fp4 (e2m1 x a power of two is a
-bf16 value), `oracle_dtype`. int8 and int4 are fed bf16 (their values are not e4m3 values;
-the MXUs' int8 paths want int8 activations too). Measured on tpu7x (stream_matmul's
-per-tile loop, libtpu 0.0.42.1, 1024 x 256 tiles, bundles per Mi weights at M 1 / 8, with
-the int32 decoders: fp8 fed bf16 5952 / 5912, fed fp8 696 / 664 (`vmatpush1.f8e4m3`);
-plain bf16 1296 / 1268). fp4's scales cannot move onto the activations (a 32-column group
-of x times a power of two per output column is not separable), nor be folded into the e4m3
-exponents exactly (a group's shift can leave e4m3's range; measured slower too, 4400 /
-4344 with the int32 decoders). So each 32-row group gets its own product rows, but not its
-own product: the ring stacks x masked to each group's 32 columns along M, one [4M, 128] x
-[128, 128] product per 128 rows (the masked columns add exact zeros: bit-identical to four
-32-row products, checked on CPU). At 2048 x 128 tiles (the probe's before the panel rule,
-`mk.kernels.common.PANEL_COLS`), M 1 / 8 / 64 / 256:
-fp4 fed fp8 3952 / 3964 / 4932 / 9964 with the int32 decoders and 32-row products, 2244 /
-2224 / 3368 / 9560 byte-wise, 1964 / 1852 / 3480 / 10000 stacked (half the MXU bundles at
-M 8; a little dearer from M 64, where 4M rows outweigh the pushes saved).
+Packing order: int4's byte row b holds rows 2b (low nibble) and 2b + 1 (high), so its
+words viewed as int4 are the rows in order; fp4's byte row 64u + j holds rows 128u + j
+and 128u + 64 + j, placed where their e4m3 bytes have the bits. Not here: the layouts,
+quantising, checks and byte counts (`mk.quant`), the ring that streams the tiles
+(`mk.kernels.ring`). Why these decoders and feeds, what each costs in bundles and what
+was tried: docs/design/mk.unpack.md.
 """
 
 from __future__ import annotations
@@ -104,7 +29,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mk.chips import MXU_FEEDS, ChipSpec
 from mk.config import SCHEME_BITS
-from mk.ops import exact
+from mk.ops import Scaled, exact
 
 PACK_ROWS = 128  # rows of I packed together (low nibbles: first 64, high: last 64)
 # Rows of I sharing one scale (int8: all of I; fp8 also 128 columns of O).
@@ -123,7 +48,7 @@ def e4m3_values(code: jax.Array) -> jax.Array:
     """float8_e4m3fn bit patterns (uint8) -> float32 values; 0x7f and 0xff are NaN. The
     bytes reinterpreted as float8_e4m3fn and converted (exact: every e4m3 value is a
     float32 value), which lowers on v5e, v6e and tpu7x and costs 2.1-2.6x fewer bundles per
-    tile than decoding the fields with integer ops (module docstring)."""
+    tile than decoding the fields with integer ops (docs/design/mk.unpack.md)."""
     return jax.lax.bitcast_convert_type(code.astype(jnp.uint8), jnp.float8_e4m3fn
                                         ).astype(F32)
 
@@ -135,24 +60,11 @@ def e2m1_values(code: jax.Array) -> jax.Array:
     return e4m3_values(e2m1_to_e4m3(code)) * E2M1_GAIN
 
 
-NIBBLES = 0x0F0F0F0F  # the low nibble of each byte
-
-
-@jax.jit  # pltpu.bitcast has no eager rule: traced, it runs anywhere
-def nibble_words(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """uint8 [..., R, O] (R a multiple of 4) -> its (low, high) nibbles as int32 words
-    [..., R/4, O], each byte of a word one code in [0, 16): byte k of word r is row 4r + k
-    (`pltpu.bitcast`'s order, `nibble_bytes` undoes it). Two 32-bit ops a nibble of four
-    bytes, and no widening of each byte to 32 bits."""
-    words = pltpu.bitcast(packed, jnp.int32)
-    return words & NIBBLES, (words >> 4) & NIBBLES  # the mask drops the shifted-in bits
-
-
 @functools.partial(jax.jit, static_argnames="dtype")
 def nibble_bytes(lo: jax.Array, hi: jax.Array, dtype=jnp.uint8) -> jax.Array:
-    """Words of bytes [..., R/4, O] from `nibble_words` (or made from them byte-wise) ->
-    [..., 2R, O] bytes of `dtype` (8-bit) in the module docstring's row order: per unit of
-    64 byte rows, the low nibbles' 64 rows then the high nibbles'."""
+    """Words of bytes [..., R/4, O] (`fp4_words_to_e4m3`'s) -> [..., 2R, O] bytes of
+    `dtype` (8-bit) in fp4's row order (docs/design/mk.unpack.md): per unit of 64 byte rows, the
+    first rows' 64 then the second rows'."""
     lo, hi = pltpu.bitcast(lo, dtype), pltpu.bitcast(hi, dtype)
     *lead, half, cols = lo.shape
     lo = lo.reshape(*lead, half // 64, 64, cols)
@@ -160,19 +72,35 @@ def nibble_bytes(lo: jax.Array, hi: jax.Array, dtype=jnp.uint8) -> jax.Array:
     return jnp.concatenate([lo, hi], axis=-2).reshape(*lead, 2 * half, cols)
 
 
+INT4_FLIP = -0x77777778  # 0x88888888: bit 3 of each nibble (offset binary <-> two's complement)
+
+
+@jax.jit  # pltpu.bitcast has no eager rule: traced, it runs anywhere
+def int4_codes(packed: jax.Array) -> jax.Array:
+    """int4 bytes uint8 [..., I/2, O] (byte row b: row 2b's code in the low nibble, row
+    2b + 1's in the high, each q + 8) -> q as int4 [..., I, O]: one xor a word of eight
+    codes flips each code's bit 3 (offset binary -> two's complement), and the words
+    viewed as int4 are the rows in order (`pltpu.bitcast`: nibble k of word r is row
+    8r + k). No shift or mask a code: the dot converts int4 natively (docs/design/mk.unpack.md)."""
+    return pltpu.bitcast(pltpu.bitcast(packed, jnp.int32) ^ INT4_FLIP, jnp.int4)
+
+
 def unpack_nibbles(packed: jax.Array) -> jax.Array:
-    """uint8 [..., I/2, O] -> int32 codes [..., I, O] in the nibble order of the module
-    docstring (I/2 a multiple of 64)."""
-    return nibble_bytes(*nibble_words(packed)).astype(jnp.int32)
+    """uint8 [..., I/2, O] -> int32 codes [..., I, O] in int4's order (row 2b low, 2b + 1
+    high), by shifts and masks (no `pltpu.bitcast`: the tests' independent decoder)."""
+    p = jnp.asarray(packed).astype(jnp.int32)
+    *lead, half, cols = p.shape
+    return jnp.stack([p & 15, p >> 4], axis=-2).reshape(*lead, 2 * half, cols)
 
 
 @jax.jit
 def pack_nibbles(codes: jax.Array) -> jax.Array:
-    """int codes in [0, 16) [..., I, O] -> uint8 [..., I/2, O]; inverse of unpack_nibbles."""
+    """int codes in [0, 16) [..., I, O] -> uint8 [..., I/2, O] (row 2b low, 2b + 1 high);
+    inverse of unpack_nibbles."""
     c = jnp.asarray(codes).astype(jnp.uint8)
     *lead, rows, cols = c.shape
-    c = c.reshape(*lead, rows // PACK_ROWS, 2, PACK_ROWS // 2, cols)
-    return (c[..., 0, :, :] | (c[..., 1, :, :] << 4)).reshape(*lead, rows // 2, cols)
+    c = c.reshape(*lead, rows // 2, 2, cols)
+    return c[..., 0, :] | (c[..., 1, :] << 4)
 
 
 def block_scale_rows(scale: jax.Array) -> jax.Array:
@@ -200,8 +128,7 @@ def dequantize_tile(scheme: str, data: jax.Array, scale: jax.Array) -> jax.Array
     if scheme == "fp8":
         return grouped(e4m3_values(data), block_scale_rows(scale), GROUP["fp8"])
     if scheme == "int4":
-        q = nibble_bytes(*map(int4_values, nibble_words(data)), jnp.int8)
-        return grouped(q.astype(F32), scale, GROUP["int4"])
+        return grouped(int4_codes(data).astype(F32), scale, GROUP["int4"])
     if scheme == "fp4":
         e4m3 = nibble_bytes(*fp4_words_to_e4m3(pltpu.bitcast(data, jnp.int32)))
         return grouped(e4m3_values(e4m3) * E2M1_GAIN,
@@ -209,12 +136,17 @@ def dequantize_tile(scheme: str, data: jax.Array, scale: jax.Array) -> jax.Array
     raise ValueError(f"scheme={scheme!r} must be one of {tuple(SCHEME_BITS)}")
 
 
-def int4_values(code: jax.Array) -> jax.Array:
-    """int4 codes (offset binary, q + 8) in the low nibble of each byte of an int32 array
-    (`nibble_words`) -> q in the same bytes as int8 (two's complement): flipping bit 3
-    gives q's 4-bit two's complement, whose sign bit 8 x 0x1e = 0xf0 extends, per byte."""
-    flipped = code ^ 0x08080808
-    return flipped | ((flipped & 0x08080808) * 0x1E)
+def scaled_weight(scheme: str, data: jax.Array, scale: jax.Array, dtype) -> Scaled:
+    """An int8 or int4 weight (or stacked weights) as the reference multiplies it: its
+    codes and float32 scales (`mk.ops.Scaled`, activations rounded to `dtype`), so that
+    `mk.ops.dot` sums each block's codes x activations in float32 and then scales them, as
+    `int_product` does a tile's, where `dequantize_tile`'s values rounded to a bf16 `dtype`
+    would round q x scale, which the kernel never does."""
+    if scheme == "int8":
+        return Scaled(data, scale.astype(F32), jnp.dtype(dtype))
+    if scheme == "int4":
+        return Scaled(int4_codes(data).astype(jnp.int8), scale.astype(F32), jnp.dtype(dtype))
+    raise ValueError(f"scheme={scheme!r} has no integer feed; {INT_SCHEMES}")
 
 
 E2M1_GAIN = 64.0  # 2 ** (e4m3's exponent bias 7 - e2m1's 1): `e2m1_to_e4m3`'s factor
@@ -231,7 +163,7 @@ def e2m1_to_e4m3(code: jax.Array) -> jax.Array:
     same halves): no code needs a special case. Five 32-bit ops a word (two masks, two
     shifts, an or): the exact-value decoder it replaced (bias 6 added to the normal
     codes, 0.5 and 0 mapped apart) took fifteen and cost tpu7x 1.6-1.9x the bundles a
-    tile (module docstring). Fed to the MXU, the small values are e4m3 subnormals, as
+    tile (docs/design/mk.unpack.md). Fed to the MXU, the small values are e4m3 subnormals, as
     fp8's own small codes are."""
     c = code.astype(jnp.int32)
     return ((c & 0x07070707) << 2) | ((c & 0x08080808) << 4)
@@ -287,11 +219,14 @@ def _fp4_code_words(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 # -- Feeds (mk.chips' `mxu_feeds`: TPU7x takes bf16 x float8_e4m3fn) -----------------------
-FEEDS = MXU_FEEDS  # what a packed tile is turned into for the MXU (module docstring)
+FEEDS = MXU_FEEDS  # what a packed tile is turned into for the MXU (docs/design/mk.unpack.md)
 # The feeds each scheme (None: a plain weight) reaches exactly: int8 and int4 values are
 # not e4m3 values.
 FEEDABLE = {None: ("bf16",), "int8": ("bf16",), "int4": ("bf16",), "fp8": FEEDS,
             "fp4": FEEDS}
+# Fed bf16, their codes go straight into the dot and the scales onto its product
+# (`int_product`): no weight is dequantised on the vector unit.
+INT_SCHEMES = ("int8", "int4")
 
 
 def fp8_feed_tile(scheme: str, data: jax.Array, scale: jax.Array
@@ -314,17 +249,33 @@ def fp8_feed_tile(scheme: str, data: jax.Array, scale: jax.Array
     raise ValueError(f"scheme={scheme!r} has no fp8 feed; {FEEDABLE}")
 
 
-def fp8_product(scheme: str, data: jax.Array, scale: jax.Array, xs: jax.Array) -> jax.Array:
-    """xs [M, tile_rows] (the compute dtype) times one packed tile fed fp8, float32 [M,
-    tile_cols]: one product per 128 rows of its e4m3 codes (`fp8_feed_tile`), each block of
-    rows sharing a scale (fp8 128, fp4 32) scaled by its row of scales and summed in
-    float32; fp4's four 32-row groups share one product, xs's 128 columns masked to each
-    group's 32 stacked along M, so the unit's weights are pushed once and row block k of
-    the product is group k's (the masked columns add exact zeros)."""
-    w8, block_scales, gain = fp8_feed_tile(scheme, data, scale)
-    unit = GROUP["fp8"]  # rows of one product: an fp8 block, four fp4 groups
-    rows = w8.shape[0]
-    per = rows // block_scales.shape[0]  # rows sharing a scale
+def int_feed_tile(scheme: str, data: jax.Array, scale: jax.Array
+                  ) -> tuple[jax.Array, jax.Array]:
+    """A tile of an int8 or int4 weight as the MXU takes it: (its codes q [tile_rows,
+    tile_cols], int8 as stored, int4 as int4 (`int4_codes`); float32 scales [s,
+    tile_cols]), the weight being q x the scale of its row's block of tile_rows / s rows
+    and its column: int8's one block (s = 1, the column's scale), int4's 128-row groups
+    (s = tile_rows / 128). Every code (|q| <= 127) is a bf16 value: the dot converts
+    them exactly, and no scale touches a weight."""
+    if scheme == "int8":
+        return data, scale.astype(F32)
+    if scheme == "int4":
+        return int4_codes(data), scale.astype(F32)
+    raise ValueError(f"scheme={scheme!r} has no integer feed; {FEEDABLE}")
+
+
+def scaled_product(w: jax.Array, block_scales: jax.Array, xs: jax.Array,
+                   gain: float = 1.0) -> jax.Array:
+    """xs [M, R] times w [R, O] (codes the MXU takes as they are) whose row block b (R / s
+    rows, block_scales [s, O]) is scaled by block_scales[b], float32 [M, O]: the scales
+    multiply the float32 product rows, never the weights. A block of at least 128 rows
+    gets one product (int8's whole tile, int4's and fp8's 128-row blocks); smaller blocks
+    (fp4's 32 rows) share one product per 128 rows, xs's 128 columns masked to each
+    block's and stacked along M, so the unit's weights are pushed once and row block k of
+    the product is block k's (the masked columns add exact zeros). Then x `gain`."""
+    rows, blocks = w.shape[0], block_scales.shape[0]
+    per = rows // blocks  # rows sharing a scale
+    unit = max(per, GROUP["fp8"])  # rows of one product
     groups, m = unit // per, xs.shape[0]
     group_of_column = jax.lax.broadcasted_iota(jnp.int32, (1, unit), 1) // per
     total = None
@@ -332,7 +283,7 @@ def fp8_product(scheme: str, data: jax.Array, scale: jax.Array, xs: jax.Array) -
         xu = xs[:, u * unit:(u + 1) * unit]
         stacked = jnp.concatenate([jnp.where(group_of_column == k, xu, 0)
                                    for k in range(groups)]) if groups > 1 else xu
-        wu = w8[u * unit:(u + 1) * unit]
+        wu = w[u * unit:(u + 1) * unit]
         if stacked.dtype == jnp.float32:  # a float32 kernel multiplies in float32
             wu = wu.astype(jnp.float32)
         product = jnp.dot(stacked, wu, precision=exact(stacked, wu),
@@ -342,6 +293,23 @@ def fp8_product(scheme: str, data: jax.Array, scale: jax.Array, xs: jax.Array) -
             part = product[k * m:(k + 1) * m] * block_scales[b:b + 1]
             total = part if total is None else total + part
     return total if gain == 1.0 else total * gain
+
+
+def fp8_product(scheme: str, data: jax.Array, scale: jax.Array, xs: jax.Array) -> jax.Array:
+    """xs [M, tile_rows] (the compute dtype) times one packed tile fed fp8, float32 [M,
+    tile_cols]: its e4m3 codes (`fp8_feed_tile`) in one product per 128 rows, each block of
+    rows sharing a scale (fp8 128, fp4 32) scaled by its row of scales and summed in
+    float32 (`scaled_product`: fp4's four 32-row groups share one product)."""
+    w8, block_scales, gain = fp8_feed_tile(scheme, data, scale)
+    return scaled_product(w8, block_scales, xs, gain)
+
+
+def int_product(scheme: str, data: jax.Array, scale: jax.Array, xs: jax.Array) -> jax.Array:
+    """xs [M, tile_rows] (the compute dtype) times one int8 or int4 tile, float32 [M,
+    tile_cols]: its codes straight into the dot (`int_feed_tile`) and its scales on the
+    product's rows (`scaled_product`: int8 one product scaled per column, int4 one per
+    128-row group, each scaled and summed)."""
+    return scaled_product(*int_feed_tile(scheme, data, scale), xs)
 
 
 def choose_feeds(formats: dict[str, str], feeds=None, chip: ChipSpec | None = None
@@ -374,7 +342,9 @@ def oracle_dtype(scheme: str, feed: str, dtype):
     multiply by what the kernel does (the one rule, `dequantize`): fed bf16, `dtype` (the
     tile is dequantised to it); fp8 fed fp8, float32 (the kernel multiplies the exact e4m3
     values and scales the float32 product: value x scale is never rounded to `dtype`); fp4
-    fed fp8, `dtype` (e2m1 x a power of two is a bf16 value: nothing to round)."""
+    fed fp8, `dtype` (e2m1 x a power of two is a bf16 value: nothing to round); int8 and
+    int4, float32 (their values unrounded; `mk.quant.dequantize` gives the reference their
+    codes and scales instead, `scaled_weight`, which also rounds the activations)."""
     if feed not in FEEDABLE[scheme]:
         raise ValueError(f"feed={feed!r}: {scheme} feeds as {FEEDABLE[scheme]}")
-    return F32 if (scheme, feed) == ("fp8", "fp8") else dtype
+    return F32 if scheme in INT_SCHEMES or (scheme, feed) == ("fp8", "fp8") else dtype

@@ -143,7 +143,7 @@ FIELDS = {  # (label, bits, colour) from the most significant bit down
     "int8": [("q (two's complement)", 8, "#1f77b4")],
     "fp8 e4m3": [("sign", 1, "#d62728"), ("exponent (bias 7)", 4, "#2ca02c"),
                  ("mantissa", 3, "#ff7f0e")],
-    "int4 x2": [("row 128u+64+j: q+8", 4, "#9467bd"), ("row 128u+j: q+8", 4, "#1f77b4")],
+    "int4 x2": [("row 2b+1: q+8", 4, "#9467bd"), ("row 2b: q+8", 4, "#1f77b4")],
     "fp4 e2m1 x2": [("sign", 1, "#d62728"), ("exp", 2, "#2ca02c"), ("man", 1, "#ff7f0e"),
                     ("sign", 1, "#d62728"), ("exp", 2, "#2ca02c"), ("man", 1, "#ff7f0e")],
 }
@@ -223,8 +223,10 @@ assert not wrong, f"shift {shift}: codes {wrong} decode to another value"
 # ## The kernel's dequantisation code
 #
 # What a kernel runs on one tile in VMEM, after the DMA brought its packed bytes and scales:
-# the bytes are viewed as 32-bit words and shifts and masks split the nibbles of four bytes
-# at once (int4's offset is byte-wise too). fp4 is packed for its move into e4m3
+# the bytes are viewed as 32-bit words. int4 packs rows 2b and 2b + 1 in byte b, so a word
+# is eight rows in order: one xor makes its codes two's complement and the word viewed as
+# int4 is the codes (`int4_codes`). fp4's shifts and masks split the nibbles of four bytes
+# at once; it is packed for its move into e4m3
 # (`pack_codes`): a byte's first code already sits at its e4m3 bits, so one mask of a word
 # gives four e4m3 bytes, and the second code's bits move into place with two shifts
 # (`fp4_words_to_e4m3`). The scale's
@@ -234,8 +236,8 @@ assert not wrong, f"shift {shift}: codes {wrong} decode to another value"
 # (`tests/test_quant.py` compiles one tile per format per chip).
 
 # %%
-plots.show_source(unpack.dequantize_tile, unpack.nibble_words, unpack.nibble_bytes,
-                  unpack.int4_values, unpack.pack_codes, unpack.fp4_words_to_e4m3,
+plots.show_source(unpack.dequantize_tile, unpack.int4_codes, unpack.nibble_bytes,
+                  unpack.pack_codes, unpack.fp4_words_to_e4m3,
                   unpack.e2m1_to_e4m3,
                   unpack.e4m3_values, unpack.pow2)
 
@@ -381,11 +383,12 @@ display(plots.table(fit_rows))
 # (`quant.tile_major`: tile t's data and scale block at index t) so each is one contiguous
 # DMA: Mosaic refuses the lane slice fp8's [I/128, O/128] scales would need. A quantised
 # weight is never stored transposed (its packing runs along I), so its tiles cut it as it
-# is. The tile is dequantised in VMEM right before its product or, fed fp8 (below), its
-# codes go to the MXU as e4m3 and the scales multiply the products:
+# is. An int8 or int4 tile's codes go straight into the dot and its scales multiply the
+# product; an fp8 or fp4 tile is dequantised in VMEM right before its product or, fed fp8
+# (below), its codes go to the MXU as e4m3 and the scales multiply the products:
 
 # %%
-plots.show_source(Ring._copies, Ring._weights, Ring._product, unpack.fp8_product)
+plots.show_source(Ring._copies, Ring._weights, Ring._product, unpack.scaled_product)
 
 # %% [markdown]
 # One streamed matrix, the stage-01 kernel (`stream_matmul`) in each format, with every DMA
@@ -432,10 +435,13 @@ print(f"megakernel {np.asarray(kernel_tokens).tolist()}, reference "
 # MXU takes beside bf16 activations (`mxu_feeds` in `data/chips.csv`, from JAX's
 # `tpu_info`): TPU7x multiplies bf16 by fp8 e4m3, so there the plan feeds fp8 tiles as
 # they are and fp4 tiles moved into e4m3 at value / 64 (`unpack.fp8_feed_tile`), one
-# product per 128 rows, the tile's product times 64; v5e, v6e and v5p take bf16 only, and
-# int8 and int4 are dequantised to bf16 everywhere (an int8 MXU wants int8 activations
-# too). Whether the vector work stays hidden under the shorter DMAs is for the bundle
-# dumps (`mk.bundles`, notebook 11) and a real chip to say.
+# product per 128 rows, the tile's product times 64; v5e, v6e and v5p take bf16 only.
+# int8 and int4 are never dequantised: their codes go straight into the dot (each is a bf16
+# value) and their scales multiply the float32 product, per column (int8) or per 128-row
+# group's product (int4; `unpack.int_product`), and their reference multiplies the same
+# way (`quant.dequantize` gives it codes and scales, `mk.ops.Scaled`; an int8 MXU wants
+# int8 activations too). Whether the vector work stays hidden under the shorter DMAs is for
+# the bundle dumps (`mk.bundles`, notebook 11) and a real chip to say.
 #
 # ## Takeaway
 #

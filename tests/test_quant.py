@@ -57,21 +57,21 @@ def test_e2m1_decoder_equals_ml_dtypes_for_all_16_codes():
 
 @pytest.mark.parametrize("scheme", ["int4", "fp4"])
 def test_a_packed_tile_decodes_byte_wise_to_ml_dtypes_values_times_its_scales(scheme):
-    """`dequantize_tile` works on four packed bytes per 32-bit op (`nibble_words`,
-    `fp4_words_to_e4m3`): every byte value at every byte position of a word, between random
-    neighbours, decodes to the value ml_dtypes gives its code (numpy unpacks the documented
-    order) times its group's scale, in float32 and rounded once to bf16: no shift carries a
-    bit across a byte."""
+    """`dequantize_tile` works on four packed bytes per 32-bit op (int4: one xor a word and
+    the words viewed as int4, `int4_codes`; fp4: `fp4_words_to_e4m3`): every byte value at
+    every byte position of a word, between random neighbours, decodes to the value
+    ml_dtypes gives its code (numpy unpacks the documented order) times its group's scale,
+    in float32 and rounded once to bf16: no shift carries a bit across a byte."""
     rng = np.random.default_rng(0)
     packed = rng.integers(0, 256, (256, 256), dtype=np.uint8)
     packed[:, :64] = np.arange(256, dtype=np.uint8).reshape(256, 1) ^ np.arange(64)
     units = packed.reshape(2, 2, 64, 256)  # 2 tiles' worth of 128-row units
-    if scheme == "int4":  # a unit's first 64 rows in the low nibbles, the others high
-        pair = units & 15, units >> 4
+    if scheme == "int4":  # byte row b: row 2b in the low nibble, row 2b + 1 in the high
+        nibbles = np.stack([packed & 15, packed >> 4], axis=1).reshape(512, 256)
     else:  # the first rows' s e1 e0 m at bits 7 4 3 2; the others' at 5 6 1 0
         pair = (((units >> 4) & 8) | ((units >> 2) & 7),
                 ((units >> 2) & 8) | ((units >> 4) & 4) | (units & 3))
-    nibbles = np.concatenate(pair, axis=2).reshape(512, 256)
+        nibbles = np.concatenate(pair, axis=2).reshape(512, 256)
     if scheme == "int4":
         scale = rng.normal(size=(4, 256)).astype(jnp.bfloat16)
         values = (nibbles.astype(np.float32) - 8) * np.repeat(scale.astype(np.float32), 128, 0)
@@ -90,12 +90,14 @@ def test_packing_round_trips_bit_exactly_in_the_documented_order(scheme):
     packed = rng.integers(0, 256, (2, 128, 256), dtype=np.uint8)
     codes = np.asarray(unpack.unpack_codes(scheme, jnp.asarray(packed)))
     np.testing.assert_array_equal(np.asarray(unpack.pack_codes(scheme, codes)), packed)
-    # The order: byte row 64u + j holds rows 128u + j (first) and 128u + 64 + j (second).
-    first, second = codes[:, 128 + 5], codes[:, 128 + 64 + 5]
+    # The order: int4's byte row b holds rows 2b (low nibble) and 2b + 1 (high); fp4's
+    # byte row 64u + j holds rows 128u + j (first) and 128u + 64 + j (second).
     byte = packed[:, 64 + 5]
-    if scheme == "int4":  # nibbles: low, high
-        np.testing.assert_array_equal((first, second), (byte & 15, byte >> 4))
+    if scheme == "int4":
+        np.testing.assert_array_equal((codes[:, 128 + 10], codes[:, 128 + 11]),
+                                      (byte & 15, byte >> 4))
     else:  # the first code where its e4m3 byte has its bits; the second's s, e1, e0 m at
+        first, second = codes[:, 128 + 5], codes[:, 128 + 64 + 5]
         np.testing.assert_array_equal(unpack.e2m1_to_e4m3(jnp.asarray(first)), byte & 0x9C)
         np.testing.assert_array_equal(  # bits 5, 6 and 1..0
             second, ((byte >> 2) & 8) | ((byte >> 4) & 4) | (byte & 3))
@@ -126,6 +128,44 @@ def test_requantising_the_dequantised_weight_gives_the_same_codes(scheme):
 
 
 # -- Checks -----------------------------------------------------------------------------
+def test_int_weights_multiply_as_codes_with_their_scales_on_the_product_by_hand():
+    """`mk.ops.scaled_dot` on a hand-computed case: activations rounded to bf16 (1 + 2^-9
+    -> 1) times the codes, each 128-row block summed and then scaled: 3 (1 + 2^-10) +
+    5 (1/2 + 2^-11) per column, every step exact in float32, where the weights rounded to
+    bf16 (1 + 2^-10 -> 1) or unrounded activations give other sums."""
+    x = jnp.full((1, 256), 1 + 2.0 ** -9, jnp.float32)
+    codes = jnp.zeros((256, 2), jnp.int8).at[0].set(3).at[128].set(5)
+    scales = jnp.array([[1 + 2.0 ** -10] * 2, [0.5 + 2.0 ** -11] * 2], jnp.float32)
+    w = ops.Scaled(codes, scales, jnp.bfloat16)
+    want = 3 * (1 + 2.0 ** -10) + 5 * (0.5 + 2.0 ** -11)
+    np.testing.assert_array_equal(np.asarray(ops.matmul(x, w)), [[want, want]])
+    assert float(ops.matmul(x, w.astype(jnp.bfloat16))[0, 0]) == 5.5
+    assert float(ops.matmul(x, w.astype(jnp.float32))[0, 0]) != want
+    np.testing.assert_array_equal(ops.dot("md,edf->mef", x, w[None], w.dtype), [[[want] * 2]])
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_dequantize_gives_int_weights_as_codes_and_scales_the_ring_multiplies_so(scheme):
+    """`mk.quant.dequantize`'s int8 and int4 weights are `mk.ops.Scaled` (codes, float32
+    scales, the model's dtype for the activations) whose values are `dequantize_tile`'s,
+    and whose product is the ring's own function on the whole weight as one tile
+    (`mk.unpack.int_product`, bf16 activations), to float32 summation order; with a dtype,
+    plain arrays."""
+    rng = np.random.default_rng(1)
+    w = jnp.asarray(rng.normal(size=(2, 384, 128)), jnp.bfloat16)
+    q = quant.quantize_weight(w, scheme)
+    got = quant.dequantize({"embed": w[0], "w": q})["w"]
+    assert isinstance(got, ops.Scaled) and got.dtype == jnp.bfloat16 and got.shape == w.shape
+    np.testing.assert_array_equal(got.astype(jnp.float32),
+                                  unpack.dequantize_tile(scheme, q.data, q.scale))
+    x = jnp.asarray(rng.normal(size=(8, 384)), jnp.float32)
+    tile = jax.jit(unpack.int_product, static_argnums=0)(
+        scheme, q.data[1], q.scale[1], x.astype(jnp.bfloat16))
+    np.testing.assert_allclose(ops.matmul(x, got[1]), tile, rtol=1e-6, atol=1e-5)
+    plain = quant.dequantize({"embed": w[0], "w": q}, jnp.bfloat16)["w"]
+    assert plain.dtype == jnp.bfloat16 and plain.shape == w.shape
+
+
 @pytest.mark.parametrize("scheme", quant.SCHEMES)
 def test_every_element_within_its_bound_and_a_planted_2x_scale_is_caught(scheme):
     config, params = TINY_MOE, mk.init_params(TINY_MOE)

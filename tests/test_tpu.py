@@ -194,7 +194,7 @@ def test_issue_58s_gpt_oss_prompt_is_a_near_tie_on_the_chip(oracle):
           dtype="bfloat16")
 
 
-# -- Every stored format (the v5e's MXU takes bf16: each is dequantised in VMEM) --------------
+# -- Every stored format (v5e: int8, int4 codes into the dot; fp8, fp4 dequantised in VMEM) ---
 FORMATS = [("tiny", "qwen3", dict(dense="int8", lm_head="int8")),
            ("tiny", "qwen3", dict(dense="int4", lm_head="fp8")),
            ("tiny", "qwen3", dict(dense="fp4")),

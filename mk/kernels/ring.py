@@ -1,56 +1,22 @@
 """The weight ring: weight tiles streamed HBM -> VMEM through N slots, never stalling.
 
-A kernel consumes an ordered list of weight tiles, a `mk.kernels.stream.TileStream`
-(its matrices, one segment each, repeated once per layer, then an optional tail: the
-lm_head). Tile g of the stream lives in ring slot g % slots. The rule that makes the ring
-work: when tile g has been consumed, tile g + slots is issued into the slot it just freed.
-Because g runs across segment and layer boundaries, the loads for the next matrix, the
-next layer and the lm_head are already in flight while the current one computes: memory
-never waits at a matrix or layer edge.
+A kernel consumes an ordered list of weight tiles, a `mk.kernels.stream.TileStream` (its
+matrices, one segment each, repeated once per layer, then an optional tail: the lm_head).
+Tile g lives in ring slot g % slots; when tile g has been consumed, tile g + slots is
+issued into the slot it freed, across segment and layer edges, so memory never waits at
+a matrix or a layer's edge.
 
-`Ring` is the in-kernel side: `prime`, `start(g)`, `slot(i)`, `skip`, and `matmul`, which
-multiplies activations by one segment while keeping the ring full (it waits for each of
-its tiles: it knows which segment they belong to).
+Here: `Ring`, the in-kernel side (`prime`, `start(g)`, `slot(i)`, `skip`, and `matmul`,
+which multiplies activations by one segment while keeping the ring full); the weights in
+HBM in stream order (`ring_layout`, `tile_major`); the buffers (`ring_buffers`, one per
+tile shape and storage, each slots deep; `plain_ring`). A quantised segment's tiles reach
+the MXU as its feed says: int8 and int4 codes straight into the dot with the scales on
+the product (`mk.unpack.int_product`), fp8 and fp4 dequantised in VMEM or fed fp8
+(`mk.unpack.fp8_product`): the reference's product on `mk.quant.dequantize`'s weights.
 
-The weights sit in HBM in stream order (`ring_layout`, made once by the kernel's
-wrapper or `mk.megakernel.prepare`): each matrix as [tiles, tile_rows, tile_cols], tile t
-at index t, so every tile is one contiguous DMA at one address (`fetch(layer).at[t]`),
-whatever the matrix's shape. A matrix whose transpose is the one the tiles divide (on a
-tensor-parallel shard the row-sharded wo and w_down: [narrow, D]) is stored transposed
-and multiplied as x @ tile^T, so one tall tile shape (D x 128 and more) serves every
-matrix of a shard. A plain tile narrower than PANEL_COLS is stored folded, its row blocks
-side by side (`Segment.fold`, `mk.kernels.fold`): same bytes, fewer bundles a tile.
-
-Tiles of different shapes and storages share the one slot index: tile g lands in slot
-g % slots of its segment's own ring buffer (`ring_buffers`: one per `TileStream.storages`
-entry, plain or packed, each tile shape; `TileStream.buffer_name`), so every buffer is
-slots deep and the prefetch rule is unchanged. What that costs: VMEM for slots tiles of
-every shape, and one depth for all (`mk.kernels.plan.ring_slots`: Little's law over the
-stream's own tile sequence), so shapes of very different bytes do not mix well.
-
-A segment may be switched off at run time (its Fetch's flag): in a layer of another kind,
-or the slot of an expert no token selected. Its tiles are neither loaded nor waited for,
-but still "consumed" in order so the tiles behind it are issued, by `skip`: a layer's
-other kinds (a kind's code, `matmul` included, runs only in layers of its kind) and a
-repeat's switched-off copies (`mk.kernels.mlp.experts_body` multiplies the chosen expert
-slots, which come first, and skips the rest).
-
-A segment may be stored quantised (`Segment.scheme`, one of `mk.quant.SCHEMES`): its tiles
-travel as packed data plus their scale block (two DMAs on the slot's semaphore, both waited
-for) into that scheme's own buffers (`ring_buffers`), tile g still in slot g % slots, and
-reach the MXU as the segment's feed says (`Segment.feed`, chosen per chip by the plan:
-`mk.unpack.choose_feeds`): dequantised in VMEM to the compute dtype (`mk.unpack.
-dequantize_tile`) before one product, or fed fp8 (fp8 and fp4 on TPU7x) as e4m3 codes with
-each scale block's float32 product rows scaled after (`mk.unpack.fp8_product`; why, and what each
-feed costs: `mk.unpack`'s docstring). Either way the product is the reference's on
-`mk.quant.dequantize(params, feeds=...)`'s weights.
-
-A repeated segment (`mk.kernels.stream.Repeat`, e.g. gate, up, down once per expert slot):
-copy c's Fetch gets (layer, c) and `matmul(..., copy=c)` takes a traced c, so a kernel
-loops over copies with `fori_loop` and its code does not grow with their number.
-
-Not here: what a kernel computes with the products (the stage kernels and the
-megakernel), KV tiles (`decode_attention`, whose KV ring is shaped by positions).
+Not here: what a kernel computes with the products (the stage kernels, the megakernel),
+KV tiles (`decode_attention`). Transposed and folded tiles, tiles of several shapes,
+switched-off segments, repeats: docs/design/mk.kernels.ring.md.
 """
 
 from __future__ import annotations
@@ -201,13 +167,17 @@ class Ring:
     def _product(self, segment: Segment, slot, xs, contract):
         """xs [M, step] times the tile of `segment` in `slot`, float32 [M, panel]: one product
         with the tile in the compute dtype (folded: `mk.kernels.fold.folded_product`), or
-        fed fp8, its e4m3 codes and scales as they are (`mk.unpack.fp8_product`)."""
+        its codes as they are and its scales on the product (fed fp8: e4m3 codes,
+        `mk.unpack.fp8_product`; int8 and int4: `mk.unpack.int_product`)."""
         xs = xs.astype(self.dtype)
         if segment.fold > 1:
             return folded_product(xs, self._weights(segment, slot), segment.fold,
                                   segment.transposed)
         if segment.feed == "fp8":
             return unpack.fp8_product(segment.scheme, self.slot(slot, segment)[...],
+                                      self._scales(segment)[slot], xs)
+        if segment.scheme in unpack.INT_SCHEMES:
+            return unpack.int_product(segment.scheme, self.slot(slot, segment)[...],
                                       self._scales(segment)[slot], xs)
         w = self._weights(segment, slot)
         return lax.dot_general(xs, w, contract, precision=exact(xs, w),

@@ -2,24 +2,21 @@
 
 Decode multiplies a few activation rows (M = B * T <= 64) by every weight matrix, so the
 time of a step is the time to move the weights. This kernel keeps W [K, N] in HBM
-(`memory_space=pl.ANY`) and copies it by hand, tile by tile, into a VMEM ring.
+(`memory_space=pl.ANY`) and copies it by hand, tile by tile, into a VMEM ring; the
+teaching progression is one parameter, `BlockSizes.slots` (1: DMA and MXU take turns; 2:
+double buffering; N: N - 1 tiles in flight hide DMA latency and jitter).
 
-The teaching progression is one parameter, `BlockSizes.slots`:
-- slots=1, no overlap: a tile is issued only after the previous one is consumed, so the
-  DMA engine and the MXU take turns;
-- slots=2, double buffering: tile g+1 loads while tile g computes;
-- slots=N, the ring: N-1 tiles in flight hide DMA latency and jitter.
+Here: `stream_matmul` (its kernel, buffers and default tiling, `stream_matmul_block`: what
+`mk.probes.probe_tile` compiles the tile cost table's rows at), and the steps every stage
+wrapper takes for the weights it streams, plain or an `mk.quant.QuantWeight`:
+`stage_block` (its default tiling), `weight_stream` (the stream, with each quantised
+family's scheme) and `ring_weights` (the weights in the ring's layout, with a BlockSpec
+per array). A quantised weight streams packed tiles and their scales; in VMEM int8 and
+int4 codes go straight into the dot (scales on the product), fp8 and fp4 tiles are
+dequantised to the compute dtype or (`feed="fp8"`) fed as e4m3 (notebook 12).
 
-The weight may be stored quantised (an `mk.quant.QuantWeight`): the ring then streams its
-packed tiles and their scales and, in VMEM, dequantises each tile to the compute dtype or
-(`feed="fp8"`, fp8 and fp4) hands its values to the MXU as e4m3 (notebook 12). The two
-steps every stage wrapper takes for the weights it streams, whether plain or quantised,
-are here too: `stage_block` (its default tiling), `weight_stream` (the stream, with each
-quantised family's scheme) and `ring_weights` (the weights in the ring's layout, with a
-BlockSpec per array). `stream_matmul_block` is this kernel's default tiling (what
-`mk.probes.probe_tile` compiles the tile cost table's rows at).
-
-Not here: the ring mechanics (`mk.kernels.ring`), fused layers (`one_layer`).
+Not here: the ring mechanics (`mk.kernels.ring`), fused layers (`one_layer`). The
+progression at length: docs/design/mk.kernels.weight_streaming.md.
 """
 
 from __future__ import annotations
@@ -113,8 +110,9 @@ def stream_matmul(x: jax.Array, w, *, block: BlockSizes | None = None,
                   dtype=jnp.bfloat16, feed: str = "bf16"):
     """x [M, K] @ w [K, N] -> [M, N] float32, w streamed through a `block.slots`-slot ring.
     w: an array (multiplied in its own dtype), or an `mk.quant.QuantWeight` (in mk.quant's
-    layout; its packed tiles and scales are streamed and, in VMEM, dequantised to `dtype`
-    or, `feed="fp8"`, fed to the MXU as e4m3: `mk.unpack.FEEDABLE`).
+    layout; its packed tiles and scales are streamed and, in VMEM, int8 and int4 codes fed
+    to the dot and scaled on the product, fp8 and fp4 dequantised to `dtype` or, with
+    `feed="fp8"`, fed to the MXU as e4m3: `mk.unpack.FEEDABLE`).
     The product is `mk.ops.matmul(x.astype(dtype), w)` of `mk.unpack.dequantize_tile(w)`
     in `mk.unpack.oracle_dtype`."""
     M, K = x.shape

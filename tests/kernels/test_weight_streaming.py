@@ -58,22 +58,27 @@ def test_every_slot_count_matches_the_reference_without_races(slots, dtype):
 FEEDS = [(scheme, feed) for scheme in quant.SCHEMES for feed in unpack.FEEDABLE[scheme]]
 
 
-def _oracle(x, q, feed):
-    """The reference's product with `q` dequantised as its feed multiplies it
-    (`mk.unpack.oracle_dtype`), x rounded to bf16 as the kernel rounds it."""
+def _oracle(x, q, feed=None):
+    """The reference's product with `q` dequantised as its feed multiplies it (int8 and
+    int4: codes and scales, `mk.unpack.scaled_weight`; the others `mk.unpack.oracle_dtype`;
+    None: rounded to bf16), x rounded to bf16 as the kernel rounds it."""
+    if feed is not None and q.scheme in unpack.INT_SCHEMES:
+        return ops.matmul(x, unpack.scaled_weight(q.scheme, q.data, q.scale, jnp.bfloat16))
     w = unpack.dequantize_tile(q.scheme, q.data, q.scale)
-    return ops.matmul(x.astype(jnp.bfloat16),
-                      w.astype(unpack.oracle_dtype(q.scheme, feed, jnp.bfloat16)))
+    into = jnp.bfloat16 if feed is None else unpack.oracle_dtype(q.scheme, feed, jnp.bfloat16)
+    return ops.matmul(x.astype(jnp.bfloat16), w.astype(into))
 
 
 @pytest.mark.parametrize("scheme, feed", FEEDS)
 def test_a_quantised_weight_streams_packed_tiles_and_scales_race_free(scheme, feed):
     """Each tile is two DMAs on its slot's semaphore (packed data, scale block), both
-    waited for (strict_dma), and reaches the MXU as its feed says (bf16: dequantised in
-    VMEM; fp8: e4m3 codes, one product per 128 rows, 256 rows of 384 so fp4's 32-row
-    groups and fp8's 128-row blocks both straddle tiles' edges); the product is the
-    reference's on `mk.unpack.oracle_dtype`'s weights; the DMAs move `mk.quant.tile_bytes`
-    per tile whatever the feed."""
+    waited for (strict_dma), and reaches the MXU as its feed says (int8 and int4: their
+    codes, scales on the product; fp8 and fp4 fed bf16: dequantised in VMEM; fed fp8: e4m3
+    codes, one product per 128 rows, 256 rows of 384 so fp4's 32-row groups and fp8's
+    and int4's 128-row blocks straddle tiles' edges); the product is the reference's on
+    `mk.unpack.oracle_dtype`'s weights, and where those are float32 visibly not the
+    product of the weights rounded to bf16; the DMAs move `mk.quant.tile_bytes` per tile
+    whatever the feed."""
     x, w = _operands(8, 384, 256, "float32")
     q = quant.quantize_weight(w, scheme)
     block = BlockSizes(slots=3, tile_rows=128, tile_cols=128)
@@ -83,8 +88,8 @@ def test_a_quantised_weight_streams_packed_tiles_and_scales_race_free(scheme, fe
     np.testing.assert_allclose(y, _oracle(x, q, feed), **TOLERANCE["float32"])
     assert not backend.races_found()
     assert sum(n for _, n in log) == 3 * 2 * quant.tile_bytes(scheme, 128, 128)
-    if not exact:  # fp8 fed fp8: the bf16 feed's oracle is visibly another product
-        assert np.abs(np.asarray(y - _oracle(x, q, "bf16"))).max() > 100 * (
+    if not exact:  # int8, int4, fp8 fed fp8: bf16-rounded weights give another product
+        assert np.abs(np.asarray(y - _oracle(x, q))).max() > 100 * (
             TOLERANCE["float32"]["atol"] + TOLERANCE["float32"]["rtol"] * np.abs(y).max())
 
 
