@@ -86,6 +86,7 @@ exercise_scale: float = 1.0  # the exercise: 2.0 doubles one group's scale (a wr
 
 # %%
 import dataclasses
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -95,7 +96,7 @@ from tqdm.auto import tqdm
 
 import mk
 import mk.run
-from mk import megakernel, perf, plots, quant, unpack
+from mk import megakernel, ops, perf, plots, quant, unpack
 from mk.presets import PRESET_NAMES
 from mk.kernels.common import BlockSizes, dma_log
 from mk.kernels.plan import DecodePlan, capacity
@@ -127,11 +128,16 @@ print(f"{run.config.name}: B={run.batch} T={run.rows} S={run.context} on {run.ch
 # ## The formats, bit by bit
 #
 # Every format stores small codes plus a scale per group of values: the scale carries the
-# magnitude, the codes the shape. The layouts, as `mk.quant` documents them (once, there):
+# magnitude, the codes the shape. The layouts, as `mk.quant`'s design page documents them
+# (docs/design/mk.quant.md, once, there):
 
 # %%
-doc = quant.__doc__
-print(doc[doc.index("Layouts."):doc.index("Accuracy against bf16")])
+design = Path(mk.__file__).resolve().parent.parent / "docs" / "design" / "mk.quant.md"
+if design.exists():  # a checkout; an installed package has no docs/
+    doc = design.read_text(encoding="utf-8")
+    print(doc[doc.index("Layouts."):doc.index("Accuracy against bf16")])
+else:
+    print("the layouts: docs/design/mk.quant.md in the repository")
 
 # %% [markdown]
 # One stored byte of each format. int8 and fp8 hold one value per byte; int4 and fp4 hold two,
@@ -404,9 +410,13 @@ for fmt in FORMATS:
     q = jnp.asarray(w, jnp.bfloat16) if fmt == "bf16" else quant.quantize_weight(w, fmt)
     with dma_log() as log, mk.backend.use(run.backend):
         y = stream_matmul(x, q, block=tile)
-    values = q if fmt == "bf16" else unpack.dequantize_tile(fmt, q.data, q.scale)
-    want = np.asarray(x.astype(jnp.bfloat16), np.float32) @ np.asarray(
-        jnp.asarray(values, jnp.bfloat16), np.float32)
+    if fmt in ("int8", "int4"):  # codes times bf16 activations, scales on the product
+        want = np.asarray(ops.matmul(x, unpack.scaled_weight(fmt, q.data, q.scale,
+                                                             jnp.bfloat16)))
+    else:
+        values = q if fmt == "bf16" else unpack.dequantize_tile(fmt, q.data, q.scale)
+        want = np.asarray(x.astype(jnp.bfloat16), np.float32) @ np.asarray(
+            jnp.asarray(values, jnp.bfloat16), np.float32)
     wire_rows.append({"format": fmt, "DMAs": len(log),
                       "bytes per tile": sum(n for _, n in log) // 4,
                       "max |kernel - reference|": f"{np.abs(np.asarray(y) - want).max():.2g}"})

@@ -168,8 +168,9 @@ def test_the_headline_shards_split_whole(name, tp, formats):
     assert set(plan.stream.schemes) == set(formats.values())
 
 
-@pytest.mark.parametrize("formats", [dict(dense="fp8", lm_head="int4"),
-                                     dict(dense="int8", lm_head="fp4")])
+@pytest.mark.parametrize("formats", [dict(dense="fp8", lm_head="int4"),  # CI: one ~60 s compile
+                                     pytest.param(dict(dense="int8", lm_head="fp4"),
+                                                  marks=pytest.mark.slow)])
 def test_the_27bs_tp8_shard_compiles_for_tpu7x_with_its_weights_packed(formats):
     """Qwen3.5-27B (48 DeltaNet layers, plain; its gated attention and FFN quantised) at
     TP8 on 4 TPU7x chips, ahead of time (~10 s), with the plan's own ring: Little's law
@@ -312,7 +313,8 @@ def counted_quantised_split(tp):
     return counted("tiny-moe", tp, BYTES_FORMATS, router_split="experts")
 
 
-@pytest.mark.parametrize("split", ["auto", "experts"])  # tiny-moe's "auto": whole
+@pytest.mark.parametrize("split", [  # tiny-moe's "auto": whole
+    "auto", pytest.param("experts", marks=pytest.mark.slow)])
 def test_a_quantised_shards_dmas_move_the_bytes_the_plan_the_simulator_and_perf_count(split):
     """tiny-moe at tp 2, every group packed (experts 64 columns a device padded to 128),
     its router whole or split by experts: the bytes its DMAs move per family, summed over

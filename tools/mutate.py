@@ -201,7 +201,7 @@ MUTANTS = [
        "    residual = np.maximum(residual, 0.0)\n", "", "tests/test_spec.py"),
     # -- reconstructed from the code added since (issue 40's 31 new, by what they break) --
     _m("int4 zero point: the low three bits flipped, not bit 3 (not q + 8)", "mk/unpack.py",
-       "flipped = code ^ 0x08080808", "flipped = code ^ 0x07070707", "tests/test_quant.py",
+       "INT4_FLIP = -0x77777778", "INT4_FLIP = 0x77777777", "tests/test_quant.py",
        "tests/kernels/test_weight_streaming.py"),
     _m("loader: Qwen3.5's gated q_proj split in halves, not per head", "mk/hf_layout.py",
        "(np.arange(D), column // H * 2 * H + column % H + offset))",
