@@ -128,9 +128,9 @@ def assumptions(chip: str, path: str | Path | None = None) -> Assumptions:
     fields alone."""
     path = Path(path) if path is not None else steps_path(chip)
     costs = attention_costs(load_steps(path), chip) if path.exists() else None
-    if costs is None:
-        return Assumptions.measured(chip)
     base = Assumptions.measured(chip)
+    if costs is None:
+        return base
     return dataclasses.replace(base, kv_bytes_per_s=costs.kv_bytes_per_s,
                                sequence_s=costs.sequence_s,
                                source=f"{base.source}; attention loop from {path.name}")
@@ -203,7 +203,7 @@ def steps_table(chip: str, path: str | Path | None = None) -> plots.Table:
                                     else f", first {row['layers']} layers"),
             "B": row["batch"], "T": row["rows"], "context": row["context"],
             f"device loop ms ({made})": _ms(row.get(LOOP)),
-            one_step: _ms(row.get("megakernel")),
+            one_step: _ms(row.get(ONE_STEP)),
             "XLA's step ms": _ms(row.get("xla")),
             "calibrated step ms": _versus(g),
             "calibrated one step ms": _versus(one),

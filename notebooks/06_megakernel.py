@@ -399,12 +399,13 @@ print(report.summary())
 # stream cannot hide: the first tiles of the step, each MoE layer's routing, attention's
 # KV tiles (which have their own ring) and, in a hybrid, the look-ahead lost to each
 # skipped mixer. A TPU v5e measured how much of that holds (the table below, device loops
-# of 32 steps, random weights): its DMA probe reached 754 of the datasheet's 819 GB/s, and
-# B = 1 steps at context 1024 ran at 83-90 % of the HBM floor; but the attention loop took
-# KV at 449 GB/s, so steps of 8 sequences or a 4096-position cache reached 68-78 %. The
-# performance model of a later notebook replays this same `TileStream` on a chip model;
-# given those measurements (the "calibrated step", `mk.calibration`) it comes within 4 %
-# of every device loop here. A one-step dispatch adds the host's call to all of it.
+# of 32 steps, random weights; "share of HBM floor" is the datasheet floor over the
+# measured loop): the rows that read much KV (8 sequences, or a 4096-position cache) sit
+# furthest from the floor, because the attention loop takes KV slower than the DMA engine
+# brings it (`mk.ledger.basis_table()` prints both rates). The performance model of a
+# later notebook replays this same `TileStream` on a chip model; given those measurements
+# (the "calibrated step", `mk.calibration`) its error on each row is in the table. A
+# one-step dispatch adds the host's call to all of it.
 
 # %%
 calibration.steps_table("v5e")

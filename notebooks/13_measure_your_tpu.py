@@ -290,11 +290,11 @@ if exercise_write_as:
 #
 # A lent TPU v5e ran this measurement with the notebook's defaults (its record is
 # data/measured/v5e.json), and `benchmarks/tpu_steps.py` timed the megakernel's device
-# loops there (data/measured/v5e-steps.json). The DMA probe alone left the simulator
-# 15-26 % fast on the steps that read much KV: the attention loop took KV slower than the
-# DMA engine brings it. `mk.calibration` reads that rate, and a per-sequence cost, from
-# sweeps of those loops (context at B = 1, then B at one context); with them the
-# "calibrated step" of every device loop is within 4 % of the chip's:
+# loops there (data/measured/v5e-steps.json). The DMA probe alone leaves the simulator
+# fast on the steps that read much KV: the attention loop takes KV slower than the DMA
+# engine brings it. `mk.calibration` reads that rate, and a per-sequence cost, from sweeps
+# of those loops (context at B = 1, then B at one context); the table gives each row's
+# "calibrated step" and its error against the chip:
 
 # %%
 display(calibration.steps_table("v5e"))
