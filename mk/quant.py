@@ -290,8 +290,9 @@ def dequantize(params: dict, dtype=None, feeds=None) -> dict:
     def value(name, p):
         if not isinstance(p, QuantWeight):
             return p
-        if codes and p.scheme in INT_SCHEMES:
-            return scaled_weight(p.scheme, p.data, p.scale, dtype)
+        if p.scheme in INT_SCHEMES:  # the reference's decoder (`scaled_weight`)
+            w = scaled_weight(p.scheme, p.data, p.scale, dtype)
+            return w if codes else w.astype(into.get(name, dtype))
         return dequantize_tile(p.scheme, p.data, p.scale).astype(into.get(name, dtype))
     return {name: value(name, p) for name, p in params.items()}
 

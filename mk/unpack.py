@@ -87,7 +87,8 @@ def int4_codes(packed: jax.Array) -> jax.Array:
 
 def unpack_nibbles(packed: jax.Array) -> jax.Array:
     """uint8 [..., I/2, O] -> int32 codes [..., I, O] in int4's order (row 2b low, 2b + 1
-    high), by shifts and masks (no `pltpu.bitcast`: the tests' independent decoder)."""
+    high), by shifts and masks (no `pltpu.bitcast`: the reference's decoder,
+    `scaled_weight`, independent of the kernel's `int4_codes`)."""
     p = jnp.asarray(packed).astype(jnp.int32)
     *lead, half, cols = p.shape
     return jnp.stack([p & 15, p >> 4], axis=-2).reshape(*lead, 2 * half, cols)
@@ -141,11 +142,15 @@ def scaled_weight(scheme: str, data: jax.Array, scale: jax.Array, dtype) -> Scal
     codes and float32 scales (`mk.ops.Scaled`, activations rounded to `dtype`), so that
     `mk.ops.dot` sums each block's codes x activations in float32 and then scales them, as
     `int_product` does a tile's, where `dequantize_tile`'s values rounded to a bf16 `dtype`
-    would round q x scale, which the kernel never does."""
+    would round q x scale, which the kernel never does. int4's codes are unpacked by
+    shifts and masks (`unpack_nibbles`), not by the kernel's `int4_codes`: the oracle
+    shares no decoder with the kernel it judges, and outside a kernel (XLA, on any
+    backend) it needs no `pltpu.bitcast`."""
     if scheme == "int8":
         return Scaled(data, scale.astype(F32), jnp.dtype(dtype))
-    if scheme == "int4":
-        return Scaled(int4_codes(data).astype(jnp.int8), scale.astype(F32), jnp.dtype(dtype))
+    if scheme == "int4":  # shifts and masks, not the kernel's `int4_codes` (docstring)
+        return Scaled((unpack_nibbles(data) - 8).astype(jnp.int8), scale.astype(F32),
+                      jnp.dtype(dtype))
     raise ValueError(f"scheme={scheme!r} has no integer feed; {INT_SCHEMES}")
 
 

@@ -65,11 +65,15 @@ def _block(config, params):
 
 
 def _model(name, formats=None, seed=0, dtype="float32"):
+    """(config, params, the oracle's values): params made and quantised on the CPU, and
+    the values the reference multiplies (`mk.quant.dequantize`) decoded there, so nothing
+    of the oracle's side is computed by the chip it judges."""
     config = dataclasses.replace(mk.preset(name), dtype=dtype)
-    params = mk.init_params(config, seed=seed)
-    if formats:
-        params = quant.quantize(config, params, **formats)
-    return config, params, _on_cpu(quant.dequantize(params))
+    with jax.default_device(_cpu()):
+        params = mk.init_params(config, seed=seed)
+        if formats:
+            params = quant.quantize(config, params, **formats)
+        return config, params, quant.dequantize(params)
 
 
 def _prompt(config, batch, seed=0):
@@ -211,6 +215,30 @@ def test_quantised_weights_on_the_chip_decode_the_references_tokens(oracle, name
     verdict = _generate_and_judge(oracle, config, params, values, _prompt(config, 4, seed=7))
     label = ",".join(f"{g}={s}" for g, s in formats.items())
     _keep(f"{name} {label} B4 T1", family, verdict, batch=4, rows=1, formats=formats)
+
+
+@pytest.mark.parametrize("lead", [(), (3,), (2, 8)], ids=["2-D", "3-D", "4-D"])
+def test_int4_codes_traced_by_xla_on_the_chip_are_the_cpus(lead):
+    """`mk.unpack.int4_codes` outside a kernel (XLA's lowering of `pltpu.bitcast`, which
+    `dequantize_tile` and `mk.quant.check_error` run on whatever backend holds the weight)
+    decodes on the chip as on the CPU, for a plain weight and stacked ones (layers,
+    experts). The oracle no longer depends on it (`scaled_weight` shifts and masks); this
+    pins down what XLA on a TPU does with it: at bbe3b06 the oracle's int4 experts [2, 8,
+    64, 256], decoded by it on the v5e, disagreed with the chip's kernel (issue 58's note)."""
+    packed = np.random.default_rng(0).integers(0, 256, (*lead, 64, 256), dtype=np.uint8)
+    want = unpack.unpack_nibbles(packed) - 8
+    got = np.asarray(unpack.int4_codes(jnp.asarray(packed)).astype(jnp.int32))
+    np.testing.assert_array_equal(got, want)
+
+
+def test_the_oracles_int4_experts_decode_on_the_chip_as_on_the_cpu():
+    """`mk.quant.dequantize`'s int4 expert codes computed on the chip equal the CPU's: what
+    the megakernel's own prefill (the reference, on the chip) multiplies is the oracle's."""
+    config, params, values = _model("tiny-moe", dict(experts="int4"))
+    on_chip = quant.dequantize(jax.device_put(params, jax.devices()[0]))
+    for name in ("we_gate", "we_up", "we_down"):
+        np.testing.assert_array_equal(np.asarray(on_chip[name].codes),
+                                      np.asarray(values[name].codes), err_msg=name)
 
 
 # -- Speculative decoding is lossless on the chip ----------------------------------------------
