@@ -5,9 +5,11 @@ one chip; B sequences, T rows each, a cache of `context` positions), `mk.measure
 `time_step_series` times one dispatched megakernel step, a device loop of 32 (T = 1) and
 XLA's step (`mk.reference.forward` jitted). The record goes to
 data/measured/<chip>-steps.json (or $MK_MEASURED), rewritten after every row so a run cut
-short by a time limit keeps what it measured, and keeping the rows of a record at the same
-commit (so `--rows` may measure it in parts); a row the chip refuses (out of memory) is
-kept with its error. `mk.calibration` reads it. Random weights: the time of a step does
+short by a time limit keeps what it measured. Each row carries its own provenance (commit,
+date, how the one step was timed: `mk.calibration.provenance`), so `--rows` may measure a
+table in parts and a record keeps the rows of earlier commits (same chip and versions)
+that this run did not measure again; a row the chip refuses (out of memory) is kept with
+its error. `mk.calibration` reads it. Random weights: the time of a step does
 not depend on their values.
 
     MK_TPU=1 MK_COMMIT=<sha> python benchmarks/tpu_steps.py [--rows 0 3 5] [--budget 500]
@@ -96,6 +98,7 @@ def main(argv=None) -> None:
             break
         row = time_row(preset, layers, batch, t, context, backend=backend,
                        repeats=args.repeats)
+        row |= {f: made[f] for f in calibration.PROVENANCE}
         rows[_key(row)], done = row, done + 1
         print(json.dumps(row), flush=True)
         path.write_text(json.dumps(made | dict(rows=list(rows.values())), indent=1) + "\n",
@@ -108,14 +111,15 @@ def _key(row: dict) -> tuple:
 
 
 def _earlier_rows(path: Path, made: dict) -> list[dict]:
-    """The rows of a record at `path` from the same chip, commit and versions: the table
-    may be measured in parts (`--rows`) within one device call's time limit."""
+    """The rows of a record at `path` from the same chip and versions (any commit), each
+    with its provenance (`mk.calibration.provenance`): the table may be measured in parts
+    (`--rows`), and a row not measured again keeps the commit it was measured at."""
     if not path.exists():
         return []
-    earlier = json.loads(path.read_text(encoding="utf-8"))
-    same = all(earlier.get(f) == made[f] for f in ("chip", "commit", "jax", "libtpu",
-                                                    "megakernel_cache"))
-    return earlier.get("rows", []) if same else []
+    earlier = calibration.load_steps(path)
+    if not all(earlier.get(f) == made[f] for f in ("chip", "jax", "libtpu")):
+        return []
+    return [row | calibration.provenance(earlier, row) for row in earlier["rows"]]
 
 
 if __name__ == "__main__":

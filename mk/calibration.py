@@ -63,6 +63,16 @@ def row_config(row: dict):
     return config if row.get("layers") is None else config.first_layers(row["layers"])
 
 
+PROVENANCE = ("commit", "when", "megakernel_cache")  # a row's own, else its record's
+
+
+def provenance(record: dict, row: dict) -> dict:
+    """Where and how `row` was measured: its own PROVENANCE fields (a record keeps rows
+    of earlier commits that a later run did not measure again, `benchmarks/tpu_steps.py`),
+    else the record's."""
+    return {f: row.get(f, record.get(f)) for f in PROVENANCE}
+
+
 def _seconds(row: dict, series: str = LOOP) -> float | None:
     value = row.get(series)
     return value if isinstance(value, (int, float)) and value > 0 else None
@@ -70,13 +80,12 @@ def _seconds(row: dict, series: str = LOOP) -> float | None:
 
 def call_seconds(record: dict) -> tuple[float, tuple[int, ...]] | None:
     """The host's cost of one dispatched step and the rows it was read from: the median,
-    over rows of T = 1, of one dispatched step less a device-loop step. None unless the
-    record timed the one step with its cache donated (`megakernel_cache`: a copied cache
-    adds its own bytes) and has such rows."""
-    if record.get("megakernel_cache") != "donated":
-        return None
+    over rows of T = 1 that timed the one step with its cache donated (`megakernel_cache`,
+    `provenance`: a copied cache adds its own bytes), of one dispatched step less a
+    device-loop step. None when no row has both."""
     pairs = [(i, _seconds(r, ONE_STEP) - _seconds(r)) for i, r in enumerate(record["rows"])
-             if r["rows"] == 1 and _seconds(r, ONE_STEP) and _seconds(r)]
+             if r["rows"] == 1 and _seconds(r, ONE_STEP) and _seconds(r)
+             and provenance(record, r)["megakernel_cache"] == "donated"]
     if not pairs:
         return None
     return statistics.median(d for _, d in pairs), tuple(i for i, _ in pairs)
@@ -155,8 +164,8 @@ class Agreement:
 
 def agreement(chip: str, path: str | Path | None = None,
               a: Assumptions | None = None) -> list[Agreement]:
-    """Every device loop of `chip`'s steps record, and every one dispatched step where
-    `call_seconds` has the host's cost, simulated with `a` (default `assumptions(chip,
+    """Every device loop of `chip`'s steps record, and every one dispatched step timed
+    with its cache donated where `call_seconds` has the host's cost, simulated with `a` (default `assumptions(chip,
     path)`) on the block the chip ran (`mk.measure.step_plans`)."""
     path = Path(path) if path is not None else steps_path(chip)
     record = load_steps(path)
@@ -169,9 +178,11 @@ def agreement(chip: str, path: str | Path | None = None,
         config, kw = row_config(row), dict(batch=row["batch"], rows=row["rows"],
                                            context=row["context"])
         plans = dict(zip((ONE_STEP, LOOP), step_plans(config, **kw)))
+        donated = provenance(record, row)["megakernel_cache"] == "donated"
         for series, extra in ((LOOP, 0.0), (ONE_STEP, call and call[0])):
-            if not _seconds(row, series) or extra is None:
-                continue
+            if not _seconds(row, series) or extra is None or (series == ONE_STEP
+                                                               and not donated):
+                continue  # a copied cache's one step holds its copy: not simulated
             step = sim.simulate(config, chip, **kw, block=plans[series].block,
                                 assumptions=a).step_s
             out.append(Agreement(i, row, series, _seconds(row, series), step + extra,
@@ -184,17 +195,15 @@ def steps_table(chip: str, path: str | Path | None = None) -> plots.Table:
     measured device loop, its one dispatched step and XLA's (both include the host's
     dispatch), the calibrated steps of both series (`agreement`) and their errors, and the
     HBM floor with its share of the device loop (floor / loop). Labelled with the chip,
-    commit and date."""
+    and each row with its commit and date (`provenance`); a one step timed with its cache
+    copied (before 4cbaec7 XLA copied the cache first) says so."""
     path = Path(path) if path is not None else steps_path(chip)
     record = load_steps(path)
-    made = f"measured on {chip}, {str(record.get('commit', '?'))[:7]}, " \
-           f"{str(record.get('when', '?'))[:10]}"
     simulated = {(g.index, g.series): g for g in agreement(chip, path)}
-    one_step = "one dispatched step ms" + (  # before 4cbaec7 XLA copied the cache first
-        " (its cache copied)" if record.get("megakernel_cache") == "copied" else "")
     out = []
     for i, row in enumerate(record["rows"]):
-        config = row_config(row)
+        config, made = row_config(row), provenance(record, row)
+        copied = " (its cache copied)" if made["megakernel_cache"] == "copied" else ""
         floor = perf.predict(config, chip, batch=row["batch"], rows=row["rows"],
                              context=row["context"]).hbm_floor_ms
         g, one = simulated.get((i, LOOP)), simulated.get((i, ONE_STEP))
@@ -202,8 +211,9 @@ def steps_table(chip: str, path: str | Path | None = None) -> plots.Table:
             "model": config.name + ("" if row.get("layers") is None
                                     else f", first {row['layers']} layers"),
             "B": row["batch"], "T": row["rows"], "context": row["context"],
-            f"device loop ms ({made})": _ms(row.get(LOOP)),
-            one_step: _ms(row.get(ONE_STEP)),
+            "measured at": f"{str(made['commit'] or '?')[:7]}, {str(made['when'] or '?')[:10]}",
+            f"device loop ms (measured on {chip})": _ms(row.get(LOOP)),
+            "one dispatched step ms": _ms(row.get(ONE_STEP), copied),
             "XLA's step ms": _ms(row.get("xla")),
             "calibrated step ms": _versus(g),
             "calibrated one step ms": _versus(one),
@@ -216,5 +226,5 @@ def _versus(g: Agreement | None) -> str:
     return "-" if g is None else f"{g.simulated_s * 1e3:.3f} ({g.error:+.1%})"
 
 
-def _ms(seconds) -> str:
-    return f"{seconds * 1e3:.3f}" if isinstance(seconds, (int, float)) else "-"
+def _ms(seconds, note: str = "") -> str:
+    return f"{seconds * 1e3:.3f}{note}" if isinstance(seconds, (int, float)) else "-"

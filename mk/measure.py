@@ -380,7 +380,10 @@ def time_step_series(config: ModelConfig, *, batch: int = 1, rows: int = 1,
       `steps_per_call`) over its step count; T = 1 only;
     - "xla": XLA's step (`mk.reference.forward` jitted), one dispatched step.
     XLA's step runs first, on the params; the megakernel's layout is then prepared with the
-    params donated, so a model near the chip's size needs one copy of its weights."""
+    params donated, so a model near the chip's size needs one copy of its weights. The
+    tokens are random (`seed`), one per row: a MoE layer's B x T rows route apart as a
+    batch of users' would (`mk.perf`'s distinct experts), where equal tokens would send
+    every row to the same top-k experts and time a B = 1 step's expert reads."""
     unknown = sorted(set(series) - set(STEP_SERIES))
     if unknown or not series:
         raise ValueError(f"series={tuple(series)!r} must be a non-empty subset of "
@@ -394,7 +397,8 @@ def time_step_series(config: ModelConfig, *, batch: int = 1, rows: int = 1,
     params = init_params(config, seed)
     cache = reference.init_cache(config, batch, capacity)
     tokens, positions = reference.validate_step(
-        config, cache, np.zeros((batch, rows), np.int32), np.full((batch,), context, np.int32))
+        config, cache, np.random.default_rng(seed).integers(0, config.vocab, (batch, rows)),
+        np.full((batch,), context, np.int32))
     seconds = {}
     with backends.use(backend):
         if "xla" in series:

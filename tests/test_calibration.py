@@ -79,15 +79,39 @@ def test_the_ledger_says_which_chip_rests_on_measurement():
     table = ledger.basis_table()
     rows = {r[0]: dict(zip(table.columns, r)) for r in table.rows}
     assert rows["v5e"]["numbers rest on"] == "measurement"
-    assert "449 GB/s" in rows["v5e"]["attention loop"]
+    rate = calibration.assumptions("v5e").kv_bytes_per_s
+    assert f"{rate / 1e9:.0f} GB/s" in rows["v5e"]["attention loop"]
     assert all(rows[c]["numbers rest on"] == "assumptions only" for c in ("v6e", "tpu7x"))
 
 
-def test_the_steps_table_names_chip_commit_date_and_how_one_step_was_timed():
+def test_the_steps_table_names_the_chip_and_each_rows_commit_date_and_cache():
+    """The committed record mixes rows of two commits (`calibration.provenance`): acd3dab's
+    one steps copied the cache, bbe3b06's donated it; each row says which."""
     table = calibration.steps_table("v5e")
-    assert "device loop ms (measured on v5e, acd3dab, 2026-12-06)" in table.columns
-    assert "one dispatched step ms (its cache copied)" in table.columns  # acd3dab's record
-    assert len(table.rows) == len(calibration.load_steps(calibration.steps_path("v5e"))["rows"])
+    rows = [dict(zip(table.columns, r)) for r in table.rows]
+    assert "device loop ms (measured on v5e)" in table.columns
+    assert len(rows) == len(calibration.load_steps(calibration.steps_path("v5e"))["rows"])
+    at = {r["measured at"] for r in rows}
+    assert at == {"acd3dab, 2026-12-06", "bbe3b06, 2026-12-06"}, at
+    for r in rows:
+        copied = r["one dispatched step ms"].endswith("(its cache copied)")
+        assert copied == r["measured at"].startswith("acd3dab"), r
+
+
+def test_a_rows_own_provenance_overrides_its_records(tmp_path):
+    """A row kept from an earlier commit keeps its own cache mode: only donated rows give
+    the host's call, and a copied row's one step is not simulated."""
+    rows = [_row(1, 1024, 2e-3) | {"megakernel": 3e-3, "megakernel_cache": "donated"},
+            _row(8, 1024, 4e-3) | {"megakernel": 9e-3, "megakernel_cache": "copied"}]
+    path = tmp_path / "v5e-steps.json"
+    path.write_text(json.dumps(dict(chip="v5e", megakernel_cache="copied", rows=rows)))
+    record = calibration.load_steps(path)
+    assert [calibration.provenance(record, r)["megakernel_cache"] for r in rows] == [
+        "donated", "copied"]
+    call, used = calibration.call_seconds(record)
+    assert call == pytest.approx(1e-3) and used == (0,)
+    one = [g.index for g in calibration.agreement("v5e", path) if g.series == "megakernel"]
+    assert one == [0]
 
 
 def test_one_dispatched_steps_add_the_hosts_call_when_the_cache_was_donated(tmp_path):
