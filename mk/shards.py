@@ -270,13 +270,19 @@ def _take(a, axis: int, index):
     return jnp.moveaxis(jnp.take(a, np.asarray(index), axis=axis), axis, 0)
 
 
+def _split_axis(a, axis: int, tp: int):
+    """a's `axis` cut into tp equal runs -> [tp, ...], device i's run i (a reshape, so a
+    field of no layers, [0, ...] with that axis 0, is [tp, 0, ...] too)."""
+    n = a.shape[axis] // tp
+    return jnp.moveaxis(a.reshape(*a.shape[:axis], tp, n, *a.shape[axis + 1:]), axis, 0)
+
+
 # How each split rule of a cache field (`mk.cache.FIELDS`) lays it out over tp devices
 # along the field's split axis: as the weights that write it are split.
 _CACHE_SPLIT = {
     "whole": lambda config, a, axis, tp: jnp.broadcast_to(a, (tp, *a.shape)),
     "kv_heads": lambda config, a, axis, tp: _take(a, axis, kv_heads_of(config, tp)),
-    "columns": lambda config, a, axis, tp: _take(
-        a, axis, np.arange(a.shape[axis]).reshape(tp, a.shape[axis] // tp)),
+    "columns": lambda config, a, axis, tp: _split_axis(a, axis, tp),
     "channels": lambda config, a, axis, tp: split_channels(config, a, tp),  # C is last
 }
 

@@ -107,3 +107,16 @@ def test_sharded_fields_follow_their_split_rule():
     assert sharded.conv.shape[-1] == config.conv_channels // 2
     with pytest.raises(ValueError, match=r"\(latent: \[tp, L, B, S, R \+ Hr\]\)"):
         shards.check_sharded_cache(config, cache, 1)
+
+
+def test_an_mla_only_models_empty_linear_fields_shard_to_tp_devices():
+    """No linear layer: conv and state hold zero layers, and each still shards [tp, 0,
+    ...] (the state's split by value heads once took an empty index and lost its tp axis,
+    an IndexError in `mk.tensor_parallel`'s per-device unstacking)."""
+    config = _kimi_full_only()
+    cache = C.init_cache(config, 2, 8)
+    sharded = shards.shard_cache(config, cache, 2)
+    shards.check_sharded_cache(config, sharded, 2)
+    assert sharded.latent.shape == (2, *cache.latent.shape)
+    assert sharded.conv.shape == (2, *cache.conv.shape)  # [tp, 0, B, W-1 = 0, C/tp = 0]
+    assert sharded.state.shape == (2, *cache.state.shape)  # [tp, 0, B, Nv/tp = 0, Hk, Hv]

@@ -86,10 +86,8 @@ def tp_kimi_config(tp: int) -> ModelConfig:
 
 def tp_k3_kinds_config(tp: int) -> ModelConfig:
     """The Kimi K3 kinds the megakernel runs, in float32: an MLA layer with K3's output
-    gate (2 tp heads, a q low rank, as `tp_kimi_config`'s) then a KDA layer (an MLA model
-    with no linear layer, gated or not, fails at tp > 1 on its cache: an IndexError on an
-    empty field in `mk.tensor_parallel`'s per-device unstacking), dense SiTU MLPs at K3's
-    betas; every shard whole 128-lane tiles."""
+    gate (2 tp heads, a q low rank, as `tp_kimi_config`'s) then a KDA layer, dense SiTU
+    MLPs at K3's betas; every shard whole 128-lane tiles."""
     return tp_config(tp, moe=False, name=f"tp{tp}-k3-kinds", dtype="float32", qk_norm=False,
                      heads=2 * tp, kv_heads=2 * tp, head_dim=192, latent_rank=128,
                      q_rank=128, rope_dim=64, value_dim=128, layer_types=("full", "linear"),
@@ -148,6 +146,16 @@ def k3_kinds_tokens(tp: int) -> dict:
     return _tokens(tp, False, 6, tp_k3_kinds_config(tp))
 
 
+def mla_only_tokens(tp: int) -> dict:
+    """`tp_k3_kinds_config`'s gated MLA in both layers: no linear layer, so the cache's
+    linear fields hold zero layers (tests/test_cache.py shards them)."""
+    config = dataclasses.replace(
+        tp_k3_kinds_config(tp), name=f"tp{tp}-mla-only", layer_types=("full", "full"),
+        linear_key_heads=0, linear_value_heads=0, linear_key_dim=0, linear_value_dim=0,
+        conv_kernel=0, channel_decay=False)
+    return _tokens(tp, False, 6, config)
+
+
 def gpt_oss_tokens(tp: int) -> dict:
     return _tokens(tp, True, 6, tp_gpt_oss_config(tp))
 
@@ -167,10 +175,13 @@ def gpt_oss_tokens(tp: int) -> dict:
     # ~40 s, over CI's budget (CI runs the fp4 MoE at tp 2 through the same collectives)
     pytest.param("gpt_oss_tokens", 2, marks=pytest.mark.slow),
     # Kimi K3's gated MLA (wg split by heads) and SiTU dense MLP, over CI's budget
-    pytest.param("k3_kinds_tokens", 2, marks=pytest.mark.slow)],
+    pytest.param("k3_kinds_tokens", 2, marks=pytest.mark.slow),
+    # an MLA model with no linear layer (its cache's empty linear fields at tp)
+    pytest.param("mla_only_tokens", 2, marks=pytest.mark.slow)],
     ids=[f"tp{t}-{'moe' if m else 'dense'}-6" for t, m in CASES]
     + [f"tp{t}-moe-{FULL_STEPS}" for t in (2, 4, 8)]
-    + ["tp2-hybrid-6", "tp4-hybrid-6", "tp2-kimi-6", "tp2-gpt-oss-6", "tp2-k3-kinds-6"])
+    + ["tp2-hybrid-6", "tp4-hybrid-6", "tp2-kimi-6", "tp2-gpt-oss-6", "tp2-k3-kinds-6",
+       "tp2-mla-only-6"])
 def test_greedy_tokens_equal_the_reference_on_every_device_race_free(target, tp):
     out = run(f"test_tensor_parallel:{target}", tp)
     assert out["got"].shape == (tp, *out["want"].shape)
