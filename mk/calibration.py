@@ -165,8 +165,9 @@ class Agreement:
 def agreement(chip: str, path: str | Path | None = None,
               a: Assumptions | None = None) -> list[Agreement]:
     """Every device loop of `chip`'s steps record, and every one dispatched step timed
-    with its cache donated where `call_seconds` has the host's cost, simulated with `a` (default `assumptions(chip,
-    path)`) on the block the chip ran (`mk.measure.step_plans`)."""
+    with its cache donated where `call_seconds` has the host's cost, simulated with `a`
+    (default `assumptions(chip, path)`) on the block the chip ran
+    (`mk.measure.step_plans`)."""
     path = Path(path) if path is not None else steps_path(chip)
     record = load_steps(path)
     costs, call = attention_costs(record, chip), call_seconds(record)
