@@ -58,10 +58,10 @@ def tiny_gated_mla(**change) -> ModelConfig:
 
 
 def tiny_bounded_kda(**change) -> ModelConfig:
-    """tiny-kimi cut to three layers (KDA, MLA, KDA; the MLA layer's MLP an MoE, the others
-    dense) with Kimi K3's KDA: the bounded_kda kind alone of K3's kinds."""
+    """tiny-kimi cut to two KDA layers (a dense layer then an MoE one; no full layer) with
+    Kimi K3's KDA: the bounded_kda kind alone of K3's kinds."""
     return dataclasses.replace(mk.preset("tiny-kimi"), **dict(
-        name="tiny-bounded-kda", layers=3, layer_types=("linear", "full", "linear"),
+        name="tiny-bounded-kda", layers=2, layer_types=("linear", "linear"),
         moe_layers=(1,), **K3_KDA) | change)
 
 
