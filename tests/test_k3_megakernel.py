@@ -15,8 +15,9 @@ the gate; a control shows the gate changes the reference's tokens.
 
 `bounded_kda` (KDA's bounded decay and full-rank output gate): tiny-kimi cut to two KDA
 layers with K3's bound -5. init_params' forget gate is about N(0, 1) before the sigmoid, so
-the log-decay spreads over most of (-5, 0) and scales with the bound; a control shows
-another bound, and a zero gate, each change the reference's tokens.
+the log-decay spreads over most of (-5, 0) (5 to 95 %: -4.5 to -0.5 on the prompts'
+rows) and scales with the bound; a control shows another bound, and a zero gate, each
+change the reference's tokens.
 
 Not covered by interpret mode: time and the scoped VMEM limit (the compile test covers
 lowering and capacity). Not run here: these kinds at tp > 1.
@@ -238,6 +239,6 @@ def test_the_bounded_kda_twin_streams_kda_g_for_the_low_rank_gate():
 def test_each_k3_kind_model_compiles_for_tpu(builder):
     """Mosaic lowers the kinds' new pieces (SiTU's tanh caps; the gate's ring segment and
     sigmoid; the bounded decay's sigmoid and kda_g's segment) for the v5e at T = 4 (ahead
-    of time, on the CPU: ~2, ~6 and ~? s)."""
+    of time, on the CPU: ~2, ~6 and ~7 s)."""
     report = tpu.compile_megakernel(builder(), "v5e", batch=4, rows=4, context=1024)
     assert report.ok, report.error
