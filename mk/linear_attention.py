@@ -5,13 +5,13 @@ Here: the depthwise causal conv with its state, the gated delta rule with its re
 state, and the gated RMSNorm, each returning the state after EVERY row so a speculative
 verifier can restart from any accepted prefix; and a linear layer's token mixer from its
 parameters on normed rows: `conv_qkv` (the projection, the conv and the L2 norms both
-kinds share), `linear_attention` (the gated DeltaNet), `kda_decay` and
-`kimi_delta_attention` (KDA; Kimi K3's too: a full-rank output gate, a bounded
-decay). Not here: the layer around a mixer (its norm, residual and
-MLP: `mk.reference.linear_decoder_layer`), kernels (`mk.kernels`). Conventions follow
-transformers' `modeling_qwen3_5.py` (`causal_conv1d_update`,
-`torch_recurrent_gated_delta_rule`, `Qwen3_5RMSNormGated`); the recurrence is run row by
-row, exact at any T.
+kinds share), `linear_attention` (the gated DeltaNet), `kda_decay` (with
+`kda_log_decay`, its formula, which the kernels share) and `kimi_delta_attention` (KDA;
+Kimi K3's too: a full-rank output gate, a bounded decay). Not here: the layer around a
+mixer (its norm, residual and MLP: `mk.reference.linear_decoder_layer`), kernels
+(`mk.kernels`). Conventions follow transformers' `modeling_qwen3_5.py`
+(`causal_conv1d_update`, `torch_recurrent_gated_delta_rule`, `Qwen3_5RMSNormGated`); the
+recurrence is run row by row, exact at any T.
 
 For one value head with state S [Hk, Hv], a row's q, k (L2-normalised, q also / sqrt(Hk)),
 v, decay g <= 0 and rate beta in (0, 1):
@@ -133,8 +133,16 @@ def kda_decay(config: ModelConfig, params, i: int, h):
     forget = matmul(matmul(h, params["kda_f_a"][i]), params["kda_f_b"][i])
     forget = (forget + params["lin_dt_bias"][i].astype(F32)).reshape(*h.shape[:-1], N, Hk)
     rate = jnp.exp(params["lin_a_log"][i].astype(F32))[:, None]
-    if config.kda_gate_bound:
-        return np.float32(config.kda_gate_bound) * jax.nn.sigmoid(rate * forget)
+    return kda_log_decay(rate, forget, config.kda_gate_bound)
+
+
+def kda_log_decay(rate, forget, bound: float = 0.0):
+    """KDA's log-decay of a head's rate exp(A_log) and its channels' forget gate f (with
+    dt_bias): -rate softplus(f) (Kimi Linear's; bound 0), or with Kimi K3's bound b < 0,
+    b sigmoid(rate f), in (b, 0). `kda_decay` and the kernels' gates
+    (`mk.kernels.deltanet.kda_gates_body`) both compute it here."""
+    if bound:
+        return np.float32(bound) * jax.nn.sigmoid(rate * forget)
     return -rate * jax.nn.softplus(forget)
 
 

@@ -1,10 +1,9 @@
-"""Shared test inputs: tiny configs (`tiny_situ`, `tiny_gated_mla`: one Kimi K3 kind each on
-an existing family) and Hugging Face checkpoint folders written without torch;
-`bar_count` reads what a text progress bar drew; `tiny_moe_in_ci` picks the preset CI runs;
-`quantised_cases` and `plant_double_scale`
-for the tests of kernels on quantised weights; `assert_verify_steps` feeds a perfect draft
-to the megakernel, T rows per step; `replay_tile_by_tile` switches the simulator's
-fast-forward off.
+"""Shared test inputs: tiny configs (`tiny_situ`, `tiny_gated_mla`, `tiny_bounded_kda`: one
+Kimi K3 kind each on an existing family) and Hugging Face checkpoint folders written
+without torch; `bar_count` reads what a text progress bar drew; `tiny_moe_in_ci` picks
+the preset CI runs; `quantised_cases` and `plant_double_scale` for the tests of kernels
+on quantised weights; `assert_verify_steps` feeds a perfect draft to the megakernel, T
+rows per step; `replay_tile_by_tile` switches the simulator's fast-forward off.
 
 The HF names below are spelled out by hand, independently of `mk.hf_layout.hf_layout`, so
 a round trip through them tests the loader's mapping rather than repeating it.
@@ -37,6 +36,8 @@ def kimi_gqa() -> ModelConfig:
 
 # Kimi K3's betas (the release's Config): SiTU's soft caps of the gate and up projections
 K3_SITU = dict(situ_beta=4.0, situ_linear_beta=25.0)
+# Kimi K3's KDA (the release's Config): a full-rank output gate, the log-decay's bound
+K3_KDA = dict(kda_full_gate=True, kda_gate_bound=-5.0)
 NO_LINEAR = dict(linear_key_heads=0, linear_value_heads=0, linear_key_dim=0,
                  linear_value_dim=0, conv_kernel=0, channel_decay=False)
 
@@ -54,6 +55,14 @@ def tiny_gated_mla(**change) -> ModelConfig:
     return dataclasses.replace(mk.preset("tiny-kimi"), **dict(
         name="tiny-gated-mla", layers=2, layer_types=("full", "full"), moe_layers=(1,),
         q_rank=128, attn_output_gate=True, **NO_LINEAR) | change)
+
+
+def tiny_bounded_kda(**change) -> ModelConfig:
+    """tiny-kimi cut to two KDA layers (a dense layer then an MoE one; no full layer) with
+    Kimi K3's KDA: the bounded_kda kind alone of K3's kinds."""
+    return dataclasses.replace(mk.preset("tiny-kimi"), **dict(
+        name="tiny-bounded-kda", layers=2, layer_types=("linear", "linear"),
+        moe_layers=(1,), **K3_KDA) | change)
 
 
 def tiny_moe_in_ci(fixture: str):

@@ -143,7 +143,6 @@ def test_the_k3_kinds_are_the_table_s_own_and_hold_the_release_s_shapes():
 
 @pytest.mark.parametrize("name, feature", [
     ("kimi-k3", "attention residuals"),
-    ("kimi-k3", "KDA's full-rank output gate and bounded decay"),
     ("kimi-k3", "the latent MoE and its SiTU experts"),
     ("tiny-k3", "attention residuals")])
 def test_no_kernel_plan_is_made_for_a_k3_feature(name, feature):

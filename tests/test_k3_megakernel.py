@@ -2,7 +2,7 @@
 that feature on an existing family (tests/builders.py), against mk.reference: greedy
 tokens equal (float32, interpret mode, B 1 and 4, T 1 and 4; T = 4 steps under the race
 detector), a planted bug in the kind's kernel half diverges, its simulator twin costs its
-own work, the model compiles for a TPU ahead of time. The DMA order of both models:
+own work, the model compiles for a TPU ahead of time. The DMA order of each model:
 tests/test_dma_order.py.
 
 `situ_dense` (SiTU instead of SwiGLU's silu): tiny with K3's betas 4 and 25.
@@ -12,6 +12,12 @@ bite, and a control shows each cap alone changes the reference's tokens.
 
 `gated_mla` (MLA's output gate): tiny-kimi cut to two MLA layers with a q low rank and
 the gate; a control shows the gate changes the reference's tokens.
+
+`bounded_kda` (KDA's bounded decay and full-rank output gate): tiny-kimi cut to two KDA
+layers with K3's bound -5. init_params' forget gate is about N(0, 1) before the sigmoid, so
+the log-decay spreads over most of (-5, 0) (5 to 95 %: -4.5 to -0.5 on the prompts'
+rows) and scales with the bound; a control shows another bound, and a zero gate, each
+change the reference's tokens.
 
 Not covered by interpret mode: time and the scoped VMEM limit (the compile test covers
 lowering and capacity). Not run here: these kinds at tp > 1.
@@ -28,11 +34,13 @@ import pytest
 import mk
 import mk.megakernel as megakernel
 from mk import reference, sim, tpu
+from mk.kernels import deltanet
 from mk.kinds import attention as kinds_attention
+from mk.kinds import linear as kinds_linear
 from mk.kinds import mlp as kinds_mlp
 from mk.kinds.layers import REFERENCE_ONLY, layer_kinds
 from mk.weights import param_shapes
-from builders import assert_verify_steps, tiny_gated_mla, tiny_situ
+from builders import assert_verify_steps, tiny_bounded_kda, tiny_gated_mla, tiny_situ
 
 SLOW = pytest.mark.slow
 TOKENS, CONTEXT = 16, 128
@@ -55,21 +63,28 @@ def gated_mla_model(**change):
     return config, mk.init_params(config)
 
 
-MODELS = {"situ_dense": situ_model, "gated_mla": gated_mla_model}
+def bounded_kda_model(**change):
+    """(config, params) of the K3-KDA model, float32."""
+    config = tiny_bounded_kda(dtype="float32", **change)
+    return config, mk.init_params(config)
+
+
+MODELS = {"situ_dense": situ_model, "gated_mla": gated_mla_model,
+          "bounded_kda": bounded_kda_model}
 
 
 def _prompt(config, batch: int):
     return jax.random.randint(jax.random.key(batch), (batch, 5), 0, config.vocab)
 
 
-def _reference(config, params, batch: int = 1):
+def _reference(config, params, batch: int = 1, tokens: int = TOKENS):
     prompt = _prompt(config, batch)
-    return prompt, reference.generate(config, params, prompt, TOKENS, max_context=CONTEXT)
+    return prompt, reference.generate(config, params, prompt, tokens, max_context=CONTEXT)
 
 
-def _megakernel(config, params, prompt):
-    return megakernel.generate(config, params, prompt, TOKENS, backend="interpret",
-                               max_context=CONTEXT, steps_per_call=TOKENS // 2)
+def _megakernel(config, params, prompt, tokens: int = TOKENS):
+    return megakernel.generate(config, params, prompt, tokens, backend="interpret",
+                               max_context=CONTEXT, steps_per_call=tokens // 2)
 
 
 def _differs(config, params, want, **change) -> int:
@@ -83,7 +98,8 @@ def _differs(config, params, want, **change) -> int:
 
 
 @pytest.mark.parametrize("kind, kinds", [("situ_dense", ["gqa", "situ_dense"]),
-                                         ("gated_mla", ["gated_mla", "moe", "dense"])])
+                                         ("gated_mla", ["gated_mla", "moe", "dense"]),
+                                         ("bounded_kda", ["bounded_kda", "moe", "dense"])])
 def test_each_model_has_the_k3_kind_alone_and_the_kernel_runs_it(kind, kinds):
     config, _ = MODELS[kind]()
     assert kind not in REFERENCE_ONLY
@@ -111,6 +127,16 @@ def test_the_mla_output_gate_changes_the_reference_s_tokens():
     assert _differs(config, params, want, attn_output_gate=False) > 0
 
 
+@pytest.mark.slow  # in CI the planted bugs guard the token checks
+def test_the_kda_bound_and_full_gate_each_change_the_reference_s_tokens():
+    """The control of the bounded_kda checks: the bound -1 for K3's -5, or a zero kda_g (a
+    gate of 1/2 everywhere), each decodes other tokens."""
+    config, params = bounded_kda_model()
+    _, want = _reference(config, params)
+    assert _differs(config, params, want, kda_gate_bound=-1.0) > 0
+    assert _differs(config, params | {"kda_g": 0 * params["kda_g"]}, want) > 0
+
+
 @pytest.mark.parametrize("kind", list(MODELS))
 @pytest.mark.parametrize("batch, rows", SHAPES)
 def test_k3_kind_greedy_tokens_equal_the_reference(kind, batch, rows):
@@ -129,25 +155,37 @@ def _no_gate(self, k):  # MLA's output: the heads' outputs, ungated
     kinds_attention.MLA.output(self, k)
 
 
+def _bound_minus_one(ring, config, *args):  # K3's KDA gates under the bound -1, not -5
+    deltanet.bounded_kda_gates(ring, dataclasses.replace(config, kda_gate_bound=-1.0), *args)
+
+
 PLANTED = {  # a bug in a kind's kernel half: (kind, class, method, replacement)
     "situ_swapped_betas": ("situ_dense", kinds_mlp.SituDense, "activation",
                            lambda self: lambda g, u: kinds_mlp.situ(g, u, 25.0, 4.0)),
     "situ_no_up_cap": ("situ_dense", kinds_mlp.SituDense, "activation",
                        lambda self: lambda g, u: kinds_mlp.situ(g, u, 4.0, 1e4)),
-    "mla_no_gate": ("gated_mla", kinds_attention.GatedMLA, "output", _no_gate)}
+    "mla_no_gate": ("gated_mla", kinds_attention.GatedMLA, "output", _no_gate),
+    "kda_wrong_bound": ("bounded_kda", kinds_linear.BoundedKDA, "gates",
+                        dataclasses.replace(deltanet.BOUNDED_GATES, compute=_bound_minus_one)),
+    "kda_silu_gate": ("bounded_kda", kinds_linear.BoundedKDA, "gates",  # Qwen3.5's gate
+                      dataclasses.replace(deltanet.BOUNDED_GATES, output_gate=jax.nn.silu))}
+SLOW_PLANTED = ("situ_no_up_cap", "kda_silu_gate")
+PLANTED_TOKENS = 4  # each planted bug changes one of the first 4 tokens (a cheaper trace)
 
 
 @pytest.mark.parametrize("planted", [  # CI: one planted bug a kind; `make test-slow` all
-    pytest.param(p, marks=pytest.mark.slow) if p == "situ_no_up_cap" else p for p in PLANTED])
+    pytest.param(p, marks=pytest.mark.slow) if p in SLOW_PLANTED else p for p in PLANTED])
 def test_a_planted_bug_in_a_k3_kind_diverges(planted, monkeypatch):
     """The guard of the token checks: the kernel's SiTU at other betas than the config's,
-    or its MLA without the gate (the reference keeps them), decodes other tokens."""
+    its MLA without the gate, or its K3 KDA under another bound or with SiLU's output
+    gate (the reference keeps them), decodes other tokens."""
     kind, cls, method, replacement = PLANTED[planted]
     config, params = MODELS[kind]()
-    prompt, want = _reference(config, params)
+    prompt, want = _reference(config, params, tokens=PLANTED_TOKENS)
     monkeypatch.setattr(cls, method, replacement)
     config = dataclasses.replace(config, name=f"planted-{planted}")  # a trace of its own
-    assert (np.asarray(_megakernel(config, params, prompt)) != np.asarray(want)).any()
+    got = _megakernel(config, params, prompt, PLANTED_TOKENS)
+    assert (np.asarray(got) != np.asarray(want)).any()
 
 
 def _simulated(config):
@@ -185,9 +223,22 @@ def test_the_gated_mla_twin_streams_wg_and_costs_the_gate():
     assert _busy(got, "output_gate") > 0 == _busy(plain, "output_gate")
 
 
-@pytest.mark.parametrize("builder", [tiny_situ, tiny_gated_mla])
+def test_the_bounded_kda_twin_streams_kda_g_for_the_low_rank_gate():
+    """The simulator's K3 KDA layer: kda_g through the ring in its gates, Kimi Linear's
+    layer (the low-rank gate's pair, by DMA) none; the same bytes per family at these
+    widths (D Nv Hv = D Hv + Hv Nv Hv with D = Nv Hv = 256)."""
+    config = tiny_bounded_kda()
+    got, plain = (_simulated(c) for c in
+                  (config, dataclasses.replace(config, kda_full_gate=False,
+                                               kda_gate_bound=0.0)))
+    assert got.family_bytes() == plain.family_bytes()
+    assert _busy(got, "kda_g") > 0 == _busy(plain, "kda_g")
+
+
+@pytest.mark.parametrize("builder", [tiny_situ, tiny_gated_mla, tiny_bounded_kda])
 def test_each_k3_kind_model_compiles_for_tpu(builder):
     """Mosaic lowers the kinds' new pieces (SiTU's tanh caps; the gate's ring segment and
-    sigmoid) for the v5e at T = 4 (ahead of time, on the CPU: ~2 and ~6 s)."""
+    sigmoid; the bounded decay's sigmoid and kda_g's segment) for the v5e at T = 4 (ahead
+    of time, on the CPU: ~2, ~6 and ~7 s)."""
     report = tpu.compile_megakernel(builder(), "v5e", batch=4, rows=4, context=1024)
     assert report.ok, report.error

@@ -15,7 +15,8 @@ tokens (12.7 CPU minutes; they pass). Kimi Linear's MoE with FP4 experts packed,
 joined in one lane tile and two-phase all-reduces runs against transformers' own greedy
 tokens (a transformers-written checkpoint whose experts lie on the FP4 grid): 6 tokens at
 tp 2 in CI (~55 s), 32 at tp 2 and 4 in the slow run (~140 s and ~260 s; they pass).
-Kimi K3's kinds the kernel runs (gated MLA, SiTU dense) at tp 2 in the slow run (~35 s).
+Kimi K3's kinds the kernel runs (gated MLA, bounded KDA, SiTU dense) at tp 2 in the slow
+run (~35 s).
 Not covered by interpret mode: time, ICI routing, the scoped VMEM limit; the ahead-of-time
 compiles cover lowering and capacity on real topologies.
 """
@@ -86,14 +87,16 @@ def tp_kimi_config(tp: int) -> ModelConfig:
 
 def tp_k3_kinds_config(tp: int) -> ModelConfig:
     """The Kimi K3 kinds the megakernel runs, in float32: an MLA layer with K3's output
-    gate (2 tp heads, a q low rank, as `tp_kimi_config`'s) then a KDA layer, dense SiTU
-    MLPs at K3's betas; every shard whole 128-lane tiles."""
+    gate (2 tp heads, a q low rank, as `tp_kimi_config`'s) then K3's KDA layer (its
+    bound -5, its full-rank gate), dense SiTU MLPs at K3's betas; every shard whole
+    128-lane tiles."""
     return tp_config(tp, moe=False, name=f"tp{tp}-k3-kinds", dtype="float32", qk_norm=False,
                      heads=2 * tp, kv_heads=2 * tp, head_dim=192, latent_rank=128,
                      q_rank=128, rope_dim=64, value_dim=128, layer_types=("full", "linear"),
                      linear_key_heads=tp, linear_value_heads=tp, linear_key_dim=128,
                      linear_value_dim=128, conv_kernel=4, channel_decay=True,
-                     attn_output_gate=True, situ_beta=4.0, situ_linear_beta=25.0)
+                     kda_full_gate=True, kda_gate_bound=-5.0, attn_output_gate=True,
+                     situ_beta=4.0, situ_linear_beta=25.0)
 
 
 def tp_gpt_oss_config(tp: int) -> ModelConfig:
@@ -152,7 +155,7 @@ def mla_only_tokens(tp: int) -> dict:
     config = dataclasses.replace(
         tp_k3_kinds_config(tp), name=f"tp{tp}-mla-only", layer_types=("full", "full"),
         linear_key_heads=0, linear_value_heads=0, linear_key_dim=0, linear_value_dim=0,
-        conv_kernel=0, channel_decay=False)
+        conv_kernel=0, channel_decay=False, kda_full_gate=False, kda_gate_bound=0.0)
     return _tokens(tp, False, 6, config)
 
 
@@ -174,7 +177,8 @@ def gpt_oss_tokens(tp: int) -> dict:
     # gpt-oss's sinks, window, biases (o's and the experts' down added once) and clamp:
     # ~40 s, over CI's budget (CI runs the fp4 MoE at tp 2 through the same collectives)
     pytest.param("gpt_oss_tokens", 2, marks=pytest.mark.slow),
-    # Kimi K3's gated MLA (wg split by heads) and SiTU dense MLP, over CI's budget
+    # Kimi K3's gated MLA (wg split by heads), bounded KDA (kda_g too) and SiTU dense
+    # MLP, over CI's budget
     pytest.param("k3_kinds_tokens", 2, marks=pytest.mark.slow),
     # an MLA model with no linear layer (its cache's empty linear fields at tp)
     pytest.param("mla_only_tokens", 2, marks=pytest.mark.slow)],

@@ -6,9 +6,9 @@ read by name from HBM, its scratch `linear_scratch`): the stage kernel `gated_de
 runs it on one layer, the megakernel on every linear layer of a hybrid
 (`mk.kernels.one_layer.layer_body`). Kimi Delta Attention (KDA) is the same layer with
 other gates: what differs is one `Gates` object per kind (`HEAD_GATES`, `CHANNEL_GATES`,
-by kind name `GATES`).
+Kimi K3's `BOUNDED_GATES`; by kind name `GATES`).
 
-Here: `linear_mixer` and `gated_deltanet` (the layer, either kind), their bodies (the
+Here: `linear_mixer` and `gated_deltanet` (the layer, any linear kind), their bodies (the
 gates, the conv, the head blocks, the gated norm), buffers (`linear_buffers`,
 `gated_deltanet_buffers`), `linear_weights`, `linear_layer_shapes`, `linear_layers`,
 `linear_gates` and `decay_width` (each read from the weight table, `mk.weights`). Not
@@ -91,9 +91,10 @@ def gated_deltanet_matrices(config: ModelConfig) -> list[tuple[str, int, int]]:
 @dataclasses.dataclass(frozen=True)
 class Gates:
     """What differs between the linear kinds in `linear_mixer`, held by the kind
-    (`mk.kinds.linear.DeltaNet.gates`: `HEAD_GATES`; `KDA`'s: `CHANNEL_GATES`).
-    compute(ring, ls, h_vmem, h, landed, step) fills ls.decay, ls.beta and ls.z (landed:
-    the layer's DMA'd weights by name); decay(ls, b, head, rows): row t -> the factor that
+    (`mk.kinds.linear.DeltaNet.gates`: `HEAD_GATES`; `KDA`'s: `CHANNEL_GATES`;
+    `BoundedKDA`'s: `BOUNDED_GATES`). compute(ring, config, ls, h_vmem, h, landed, step)
+    fills ls.decay, ls.beta and ls.z (landed: the layer's DMA'd weights by name);
+    decay(ls, b, head, rows): row t -> the factor that
     decays sequence b's state of head `head`; smem: the [M, Nv] gates copied to SMEM;
     blocks: extra [B, Nv, R, Hk] blocks beside q and k (ls.decay's per-key-channel
     columns); output_gate: the gated norm's gate of z."""
@@ -204,9 +205,10 @@ def low_rank(h, a, b):
     return jnp.dot(inner, b, precision=exact(inner, b), preferred_element_type=F32)
 
 
-def kda_gates_body(h, lin_b, f_a, f_b, a_log, dt_bias, decay_vmem):
-    """KDA's gates of the normed rows h [M, D]: decay_vmem [M, Nv*Hk] f32 <- exp(g), g =
-    -exp(A_log[head]) softplus(h f_a f_b + dt_bias) (one per key channel); returns beta =
+def kda_gates_body(h, lin_b, f_a, f_b, a_log, dt_bias, decay_vmem, bound: float = 0.0):
+    """KDA's gates of the normed rows h [M, D]: decay_vmem [M, Nv*Hk] f32 <- exp(g), one
+    per key channel, g of exp(A_log[head]) and h f_a f_b + dt_bias: Kimi Linear's, or
+    under Kimi K3's `bound` < 0 (`mk.linear_attention.kda_log_decay`); returns beta =
     sigmoid(h b) [M, Nv] (mk.linear_attention.kimi_delta_attention; lin_b held transposed,
     [Nv, D])."""
     Nv = a_log.shape[1]
@@ -215,7 +217,8 @@ def kda_gates_body(h, lin_b, f_a, f_b, a_log, dt_bias, decay_vmem):
     rate = jnp.exp(a_log.astype(F32))
     for j in range(Nv):  # static lane slices: head j's Hk channels
         lanes = slice(j * Hk, (j + 1) * Hk)
-        decay_vmem[:, lanes] = jnp.exp(-rate[:, j:j + 1] * jax.nn.softplus(forget[:, lanes]))
+        decay_vmem[:, lanes] = jnp.exp(la.kda_log_decay(rate[:, j:j + 1], forget[:, lanes],
+                                                        bound))
     return jax.nn.sigmoid(transposed_dot(h, lin_b))
 
 
@@ -228,7 +231,7 @@ def channel_column(row):
     return jnp.sum(jnp.where(diagonal, row, 0.0), axis=1, keepdims=True)
 
 
-def deltanet_gates(ring: Ring, ls, h_vmem, h, landed, step) -> None:
+def deltanet_gates(ring: Ring, config: ModelConfig, ls, h_vmem, h, landed, step) -> None:
     """The gated DeltaNet's gates (`Gates.compute`): z = h @ in_proj_z through the ring
     (the first out_proj tiles load meanwhile), then decay and beta (`gates_body`) from the
     DMA'd in_proj_b and in_proj_a."""
@@ -237,13 +240,24 @@ def deltanet_gates(ring: Ring, ls, h_vmem, h, landed, step) -> None:
         h, *landed("lin_b", "lin_a", "lin_a_log", "lin_dt_bias"))
 
 
-def kda_gates(ring: Ring, ls, h_vmem, h, landed, step) -> None:
+def kda_gates(ring: Ring, config: ModelConfig, ls, h_vmem, h, landed, step) -> None:
     """KDA's gates (`Gates.compute`), from its DMA'd low-rank pairs while the ring brings
     lin_out's first tiles: the per-channel decays and beta (`kda_gates_body`), and the
     output gate's z = h g_a g_b."""
     ls.beta[...] = kda_gates_body(h, *landed("lin_b", "kda_f_a", "kda_f_b", "lin_a_log",
                                              "lin_dt_bias"), ls.decay)
     ls.z[...] = low_rank(h, *landed("kda_g_a", "kda_g_b"))
+
+
+def bounded_kda_gates(ring: Ring, config: ModelConfig, ls, h_vmem, h, landed,
+                      step) -> None:
+    """Kimi K3's KDA gates (`Gates.compute`): the full-rank output gate z = h @ kda_g
+    through the ring (lin_out's first tiles load meanwhile), then from the DMA'd weights
+    beta and the per-channel decays under config.kda_gate_bound (`kda_gates_body`)."""
+    ring.matmul("kda_g", h_vmem, ls.z, layer=step)
+    ls.beta[...] = kda_gates_body(h, *landed("lin_b", "kda_f_a", "kda_f_b", "lin_a_log",
+                                             "lin_dt_bias"), ls.decay,
+                                  bound=config.kda_gate_bound)
 
 
 def scalar_decay(ls, b: int, head, rows: int):
@@ -262,9 +276,10 @@ HEAD_GATES = Gates(deltanet_gates, scalar_decay, smem=("decay", "beta"), blocks=
                    output_gate=jax.nn.silu)
 CHANNEL_GATES = Gates(kda_gates, column_decay, smem=("beta",), blocks=("decays",),
                       output_gate=jax.nn.sigmoid)
+BOUNDED_GATES = dataclasses.replace(CHANNEL_GATES, compute=bounded_kda_gates)
 # Each linear kind's gates by its name in the weight table (`mk.weights.kinds_of`); the
 # kinds hold the same objects (`mk.kinds.linear.DeltaNet.gates`, a test keeps them equal).
-GATES = {"deltanet": HEAD_GATES, "kda": CHANNEL_GATES}
+GATES = {"deltanet": HEAD_GATES, "kda": CHANNEL_GATES, "bounded_kda": BOUNDED_GATES}
 
 
 def linear_gates(config: ModelConfig) -> Gates | None:
@@ -359,7 +374,7 @@ def linear_mixer(ring: Ring, config: ModelConfig, gates: Gates, ls, hbm: dict, *
     layer issues the next linear layer's at its start, and leaves its conv rows and row
     states in flight (waited for by the next linear layer, or `drain_linear`). KDA's gates
     come from its DMA'd low-rank pairs while the ring brings lin_out's first tiles (the
-    gated DeltaNet's while it brings them behind lin_z)."""
+    gated DeltaNet's while it brings them behind lin_z, Kimi K3's behind kda_g)."""
     copies = state_copies(ls, hbm)
     slot, rows_total = row % ls.conv_state.shape[0], hbm["state"].shape[0]
     small = layer_loads(config, ls, hbm, row)
@@ -376,7 +391,7 @@ def linear_mixer(ring: Ring, config: ModelConfig, gates: Gates, ls, hbm: dict, *
     h_vmem[...] = rms_norm(x, attn_norm, config.rms_eps,
                            width=config.norm_width).astype(h_vmem.dtype)
     ring.matmul("lin_qkv", h_vmem, ls.qkv, layer=step)
-    gates.compute(ring, ls, h_vmem, h_vmem[...], landed, step)
+    gates.compute(ring, config, ls, h_vmem, h_vmem[...], landed, step)
     to_smem = [pltpu.make_async_copy(getattr(ls, n), getattr(ls, f"{n}_smem"),
                                      ls.out_sems.at[1 + i])
                for i, n in enumerate(gates.smem)]

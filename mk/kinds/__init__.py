@@ -5,7 +5,7 @@ itself, and the rooms that run a model loop over the kinds it has.
                         `LAYER_PHASES` (a layer's program order)
     mk.kinds.attention  `GQA` (Qwen3, Qwen3.5), `SinkGQA` (gpt-oss), `MLA` (Kimi),
                         `GatedMLA` (Kimi K3)
-    mk.kinds.linear     `DeltaNet` (Qwen3.5), `KDA` (Kimi Linear)
+    mk.kinds.linear     `DeltaNet` (Qwen3.5), `KDA` (Kimi Linear), `BoundedKDA` (Kimi K3)
     mk.kinds.mlp        `Dense`, `SituDense` (Kimi K3), `MoE`, `ClampedMoE` (gpt-oss),
                         `router_after_mixer`
     mk.kinds.layers     `KINDS` (the registry, in stream order), `layer_kinds(config)`,

@@ -18,16 +18,15 @@ import numpy as np
 from mk.config import ModelConfig
 from mk.kinds.attention import GQA, MLA, GatedMLA, SinkGQA
 from mk.kinds.base import LAYER_PHASES, ROLES, Kind
-from mk.kinds.linear import KDA, DeltaNet
+from mk.kinds.linear import KDA, BoundedKDA, DeltaNet
 from mk.kinds.mlp import ClampedMoE, Dense, MoE, SituDense
 from mk.weights import kinds_of
 
-KINDS = (DeltaNet, KDA, GQA, SinkGQA, MLA, GatedMLA, MoE, ClampedMoE,  # in stream order
-         Dense, SituDense)
+KINDS = (DeltaNet, KDA, BoundedKDA, GQA, SinkGQA, MLA, GatedMLA, MoE,  # in stream order
+         ClampedMoE, Dense, SituDense)
 # The kinds of `mk.weights` no kernel runs yet (mk.reference does), each with what it adds
 # to the kind the kernels run: Kimi K3's (issue 66).
 REFERENCE_ONLY = {"res_layer": "attention residuals",
-                  "bounded_kda": "KDA's full-rank output gate and bounded decay",
                   "latent_moe": "the latent MoE and its SiTU experts"}
 TABLES = tuple(f"{role}_{what}" for role in ROLES for what in ("kind", "row"))  # SMEM [L]
 

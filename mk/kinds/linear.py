@@ -1,7 +1,8 @@
-"""The linear-attention layer kinds: the gated DeltaNet (`DeltaNet`: Qwen3.5) and Kimi Delta
-Attention (`KDA`: Kimi Linear, a per-channel forget gate), each with its simulator twin.
+"""The linear-attention layer kinds: the gated DeltaNet (`DeltaNet`: Qwen3.5), Kimi Delta
+Attention (`KDA`: Kimi Linear, a per-channel forget gate) and Kimi K3's KDA (`BoundedKDA`:
+a bounded decay, a full-rank output gate), each with its simulator twin.
 
-Both run `mk.kernels.deltanet.linear_mixer`: their big projections through the ring, their
+All run `mk.kernels.deltanet.linear_mixer`: their big projections through the ring, their
 small weights and conv state DMA'd by the linear layer before (the first at the step's
 start: `prime_linear`), the recurrent states streamed per sequence, the conv and recurrent
 states after each of the T rows written to HBM (waited for a linear layer later, the last
@@ -19,10 +20,10 @@ from types import SimpleNamespace
 import jax
 
 from mk.kernels.decode_attention import block_rows
-from mk.kernels.deltanet import (CHANNEL_GATES, HEAD_GATES, STATE_INPUTS, STATE_OUTPUTS,
-                                 drain_linear, gated_deltanet_matrices, linear_buffers,
-                                 linear_layer_shapes, linear_mixer, linear_semaphores,
-                                 prime_linear)
+from mk.kernels.deltanet import (BOUNDED_GATES, CHANNEL_GATES, HEAD_GATES, STATE_INPUTS,
+                                 STATE_OUTPUTS, drain_linear, gated_deltanet_matrices,
+                                 linear_buffers, linear_layer_shapes, linear_mixer,
+                                 linear_semaphores, prime_linear)
 from mk.kinds.base import Kind, Step, Twin
 from mk.weights import param_shapes
 
@@ -141,6 +142,19 @@ class KDA(DeltaNet):
         return KDATwin(self, sim)
 
 
+class BoundedKDA(KDA):
+    """Kimi K3's KDA: KDA's kernel with its log-decay kda_gate_bound * sigmoid(exp(A_log)
+    f), in (bound, 0), and a full-rank sigmoid output gate kda_g [D, Nv*Hv] streamed
+    through the ring after lin_qkv (`BOUNDED_GATES`; `mk.linear_attention.kda_decay`)."""
+
+    name = "bounded_kda"
+    title = "bounded-KDA"
+    gates = BOUNDED_GATES
+
+    def twin(self, sim) -> BoundedKDATwin:
+        return BoundedKDATwin(self, sim)
+
+
 class LinearTwin(Twin):
     """A linear layer on the simulator (`linear_mixer`, step by step)."""
 
@@ -231,3 +245,14 @@ class KDATwin(LinearTwin):
         c = self.kind.config
         D, Nv, Hk, Hv = c.hidden, c.linear_value_heads, c.linear_key_dim, c.linear_value_dim
         return D * Nv + D * Hk + Hk * Nv * Hk + D * Hv + Hv * Nv * Hv
+
+
+class BoundedKDATwin(LinearTwin):
+    def gates(self, small) -> int:
+        """Kimi K3's KDA: kda_g through the ring, then b and the low-rank forget gate
+        (waited for)."""
+        self.sim.matmul("kda_g")
+        self.sim.mc.wait(small)
+        c = self.kind.config
+        D, Nv, Hk = c.hidden, c.linear_value_heads, c.linear_key_dim
+        return D * Nv + D * Hk + Hk * Nv * Hk

@@ -5,9 +5,10 @@ layer shape (48 value heads, head dims 128).
 
 Then the whole layer (`gated_deltanet`) against mk.reference.linear_decoder_layer on
 tiny-hybrid (x after the mixer, conv and recurrent states after every row), race-free, and
-on tiny-kimi (Kimi Delta Attention: per-channel decay); a planted unshifted conv state
-and a planted decay per head prove the comparison can fail; the layer compiled for TPU7x
-at the 27B's shape and at kimi-k2-shaped's TP32 KDA shard, within VMEM.
+on tiny-kimi (Kimi Delta Attention: per-channel decay; Kimi K3's bounded variant, slow);
+a planted unshifted conv state and a planted decay per head prove the comparison can
+fail; the layer compiled for TPU7x at the 27B's shape and at kimi-k2-shaped's TP32 KDA
+shard, within VMEM.
 
 Interpret mode checks numerics, DMA/semaphore pairing and races; it says nothing about
 time or the scoped VMEM limit. The compile test covers Mosaic lowering and capacity.
@@ -36,6 +37,7 @@ from mk.kinds.layers import layer_kinds
 from mk.kinds.linear import DeltaNet
 from mk import weights
 from mk.weights import param_shapes
+from builders import tiny_bounded_kda
 
 TOLERANCE = dict(rtol=2e-5, atol=2e-5)
 
@@ -204,11 +206,14 @@ def test_bad_layer_inputs_are_rejected(tiny_hybrid, change, message):
 # CI runs notebook 05c's check of the same (B = 1, T = 2, layer 3) and the planted decay
 # per head below; these run in make test-slow.
 @pytest.mark.slow
-@pytest.mark.parametrize("B, T, layer", [(1, 1, 0), (2, 4, 3)])
-def test_kda_layer_matches_the_reference_with_every_row_state_and_no_races(B, T, layer):
+@pytest.mark.parametrize("name, B, T, layer", [("tiny-kimi", 1, 1, 0), ("tiny-kimi", 2, 4, 3),
+                                               ("tiny-bounded-kda", 2, 4, 1)])
+def test_kda_layer_matches_the_reference_with_every_row_state_and_no_races(name, B, T,
+                                                                          layer):
     """Kimi Delta Attention (tiny-kimi's linear layers): per-channel decay, low-rank forget
-    and output gates, the sigmoid-gated norm."""
-    config = mk.preset("tiny-kimi")
+    and output gates, the sigmoid-gated norm; Kimi K3's (`tiny_bounded_kda`): the bounded
+    decay, the full-rank output gate through the ring."""
+    config = tiny_bounded_kda() if name == "tiny-bounded-kda" else mk.preset(name)
     got, want, races = _layer_vs_reference(config, mk.init_params(config, seed=0), B, T,
                                             layer, seed=B + T)
     _assert_close(got, want)
@@ -267,12 +272,12 @@ def test_layer_compiles_for_tpu7x_within_vmem(shard):
     assert 0 < report.vmem.total_bytes <= report.vmem.limit_bytes
 
 
-@pytest.mark.parametrize("name", ["tiny-hybrid", "tiny-kimi"])
+@pytest.mark.parametrize("name", ["tiny-hybrid", "tiny-kimi", "tiny-bounded-kda"])
 def test_the_stage_kernel_asks_the_weight_table_what_the_linear_kind_says(name):
     """The stage kernel reads the linear kind's gates, layers and DMA'd weights from the
     weight table (`deltanet.GATES`, `linear_layers`, `mk.weights.dma_laid_out`); the kind
-    object (`mk.kinds.linear`) says the same."""
-    config = mk.preset(name)
+    object (`mk.kinds.linear`) says the same (Kimi K3's KDA too: `tiny_bounded_kda`)."""
+    config = tiny_bounded_kda() if name == "tiny-bounded-kda" else mk.preset(name)
     kind = next(k for k in layer_kinds(config) if isinstance(k, DeltaNet))
     assert deltanet.linear_gates(config) is kind.gates is deltanet.GATES[kind.name]
     assert deltanet.linear_layers(config) == kind.layers
