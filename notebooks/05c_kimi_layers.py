@@ -258,7 +258,8 @@ print(f"decays from {decay.min():.3f} to {decay.max():.3f}; the spread within a 
 # DMA; the ring streams in_proj_qkv and out_proj:
 
 # %%
-plots.show_source(deltanet.kda_gates_body, deltanet.channel_column)
+plots.show_source(deltanet.kda_gates_body, linear_attention.kda_log_decay,
+                  deltanet.channel_column)
 
 # %% [markdown]
 # The check against the reference layer (x after the mixer, the conv and recurrent states
