@@ -148,11 +148,13 @@ def test_greedy_tokens_on_the_chip_are_the_references(oracle, family, name, batc
 
 
 @pytest.mark.parametrize("family, name", FAMILIES)
-@pytest.mark.parametrize("batch, rows", [(1, 4), (4, 8), (8, 8)])
+@pytest.mark.parametrize("batch, rows", [(1, 4), (8, 8)])
 def test_verification_steps_on_the_chip_predict_the_references_tokens(family, name, batch,
                                                                        rows):
     """Two steps of `rows` rows, each fed the reference's greedy tokens (a perfect draft):
-    each row's prediction judged against the reference's logits at its position."""
+    each row's prediction judged against the reference's logits at its position. With the
+    T = 1 cases each family meets B 1, 4 and 8 and T 1, 4 and 8; B 4 at T 8 (5 cases, about
+    60 s on the v5e at bbe3b06) was left out so that the tier fits one 10-minute call."""
     config, params, values = _model(name)
     prompt = _prompt(config, batch, seed=batch + rows)
     with jax.default_device(_cpu()):
