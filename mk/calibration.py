@@ -12,9 +12,11 @@ bandwidth) with both. `call_seconds` reads the host's cost of one dispatched ste
 step less a loop's step), where the record timed it with the cache donated.
 `agreement(chip)` simulates every row: measured, simulated, error, and which rows a
 quantity was read from (the others test the simulator: tests/test_calibration.py holds
-them within `TOLERANCE`); `steps_table(chip)` shows it beside the HBM floor.
+them within `TOLERANCE`).
 
-Not here: the DMA probe and the steps' timing (`mk.measure`), the simulator (`mk.sim`).
+Not here: the DMA probe and the steps' timing (`mk.measure`), the simulator (`mk.sim`), the
+table that shows the record (`mk.ledger.steps_table`; this module needs no plotly, so
+`benchmarks/tpu_steps.py` runs on a bare TPU machine).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import json
 import statistics
 from pathlib import Path
 
-from mk import perf, plots, sim
+from mk import perf, sim
 from mk.chips import spec_of
 from mk.machine import Assumptions
 from mk.measure import MEASURED, step_plans
@@ -189,43 +191,3 @@ def agreement(chip: str, path: str | Path | None = None,
             out.append(Agreement(i, row, series, _seconds(row, series), step + extra,
                                  i in used[series]))
     return out
-
-
-def steps_table(chip: str, path: str | Path | None = None) -> plots.Table:
-    """`chip`'s steps record as the ledger's words say it (`mk.ledger.TERMS`): each row's
-    measured device loop, its one dispatched step and XLA's (both include the host's
-    dispatch), the calibrated steps of both series (`agreement`) and their errors, and the
-    HBM floor with its share of the device loop (floor / loop). Labelled with the chip,
-    and each row with its commit and date (`provenance`); a one step timed with its cache
-    copied (before 4cbaec7 XLA copied the cache first) says so."""
-    path = Path(path) if path is not None else steps_path(chip)
-    record = load_steps(path)
-    simulated = {(g.index, g.series): g for g in agreement(chip, path)}
-    out = []
-    for i, row in enumerate(record["rows"]):
-        config, made = row_config(row), provenance(record, row)
-        copied = " (its cache copied)" if made["megakernel_cache"] == "copied" else ""
-        floor = perf.predict(config, chip, batch=row["batch"], rows=row["rows"],
-                             context=row["context"]).hbm_floor_ms
-        g, one = simulated.get((i, LOOP)), simulated.get((i, ONE_STEP))
-        out.append({
-            "model": config.name + ("" if row.get("layers") is None
-                                    else f", first {row['layers']} layers"),
-            "B": row["batch"], "T": row["rows"], "context": row["context"],
-            "measured at": f"{str(made['commit'] or '?')[:7]}, {str(made['when'] or '?')[:10]}",
-            f"device loop ms (measured on {chip})": _ms(row.get(LOOP)),
-            "one dispatched step ms": _ms(row.get(ONE_STEP), copied),
-            "XLA's step ms": _ms(row.get("xla")),
-            "calibrated step ms": _versus(g),
-            "calibrated one step ms": _versus(one),
-            "HBM floor ms": f"{floor:.3f}",
-            "share of HBM floor": "-" if g is None else f"{floor / (g.measured_s * 1e3):.0%}"})
-    return plots.table(out)
-
-
-def _versus(g: Agreement | None) -> str:
-    return "-" if g is None else f"{g.simulated_s * 1e3:.3f} ({g.error:+.1%})"
-
-
-def _ms(seconds, note: str = "") -> str:
-    return f"{seconds * 1e3:.3f}{note}" if isinstance(seconds, (int, float)) else "-"

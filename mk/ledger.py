@@ -10,8 +10,9 @@ the cached positions its benchmark scripts ran at, `mk.published.Published.conte
 where `benchmarks/tile_costs.py --published` recorded it, against the simulated step of
 the run's compiled kernel. `latency_grid` lays its TPU rows out over
 `COLLECTIVE_LATENCIES_US`, the assumed latency of one collective message round. Nothing is
-fitted to the published numbers. `verified_table` and `basis_table` say what rests on a
-chip: tokens judged on it, and the simulator's measured inputs and error.
+fitted to the published numbers. `verified_table`, `basis_table` and `steps_table` say
+what rests on a chip: tokens judged on it, the simulator's measured inputs and error, and
+each timed step beside its calibrated one.
 
 Not here: the models themselves (`mk.perf` floors and collectives, `mk.sim` the simulated
 schedule), the published rows' parsing (`mk.published`), drawing (`mk.plots`).
@@ -20,6 +21,7 @@ schedule), the published rows' parsing (`mk.published`), drawing (`mk.plots`).
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from mk import calibration, exactness, perf, plots
 from mk.bundles import packed_bundles
@@ -135,13 +137,56 @@ def basis_table() -> plots.Table:
         row["attention loop"] = (f"measured: {a.kv_bytes_per_s / 1e9:.0f} GB/s of KV"
                                  if a and a.kv_bytes_per_s else "modelled (MXU rule)")
         errors = [g.error for g in rows]
+        loops = sum(g.series == calibration.LOOP for g in rows)
         row["simulated vs measured"] = (
-            f"{len(rows)} device loops, {min(errors):+.1%} to {max(errors):+.1%}"
-            if rows else "no measured steps")
+            f"{loops} device loops, {len(rows) - loops} one steps, {min(errors):+.1%} to "
+            f"{max(errors):+.1%}" if rows else "no measured steps")
         row["numbers rest on"] = "measurement" if rows else (
             "a DMA probe, no steps" if dma.exists() else "assumptions only")
         out.append(row)
     return plots.table(out)
+
+
+def steps_table(chip: str, path: str | Path | None = None) -> plots.Table:
+    """`chip`'s steps record (`mk.calibration`) in `TERMS`' words: each row's measured
+    device loop, its one dispatched step and XLA's (both include the host's dispatch), the
+    calibrated steps of both series (`mk.calibration.agreement`) and their errors, and the
+    HBM floor with its share of the device loop (floor / loop). Labelled with the chip,
+    and each row with its commit and date (`mk.calibration.provenance`); a one step timed
+    with its cache copied (before 4cbaec7 XLA copied the cache first) says so."""
+    path = Path(path) if path is not None else calibration.steps_path(chip)
+    record = calibration.load_steps(path)
+    simulated = {(g.index, g.series): g for g in calibration.agreement(chip, path)}
+    out = []
+    for i, row in enumerate(record["rows"]):
+        config, made = calibration.row_config(row), calibration.provenance(record, row)
+        copied = " (its cache copied)" if made["megakernel_cache"] == "copied" else ""
+        floor = perf.predict(config, chip, batch=row["batch"], rows=row["rows"],
+                             context=row["context"]).hbm_floor_ms
+        g = simulated.get((i, calibration.LOOP))
+        one = simulated.get((i, calibration.ONE_STEP))
+        out.append({
+            "model": config.name + ("" if row.get("layers") is None
+                                    else f", first {row['layers']} layers"),
+            "B": row["batch"], "T": row["rows"], "context": row["context"],
+            "measured at": f"{str(made['commit'] or '?')[:7]}, "
+                           f"{str(made['when'] or '?')[:10]}",
+            f"device loop ms (measured on {chip})": _ms(row.get(calibration.LOOP)),
+            "one dispatched step ms": _ms(row.get(calibration.ONE_STEP), copied),
+            "XLA's step ms": _ms(row.get("xla")),
+            "calibrated step ms": _versus(g),
+            "calibrated one step ms": _versus(one),
+            "HBM floor ms": f"{floor:.3f}",
+            "share of HBM floor": "-" if g is None else f"{floor / (g.measured_s * 1e3):.0%}"})
+    return plots.table(out)
+
+
+def _versus(g: calibration.Agreement | None) -> str:
+    return "-" if g is None else f"{g.simulated_s * 1e3:.3f} ({g.error:+.1%})"
+
+
+def _ms(seconds, note: str = "") -> str:
+    return f"{seconds * 1e3:.3f}{note}" if isinstance(seconds, (int, float)) else "-"
 
 
 @dataclasses.dataclass(frozen=True)

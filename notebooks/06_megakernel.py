@@ -89,7 +89,7 @@ import mk.backend
 import mk.cache
 import mk.megakernel as megakernel
 import mk.run
-from mk import calibration, course, ledger, perf, plots, reference, sim, teach, tpu
+from mk import course, ledger, perf, plots, reference, sim, teach, tpu
 from mk.kernels.plan import DecodePlan, default_block
 
 mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
@@ -408,7 +408,7 @@ print(report.summary())
 # one-step dispatch adds the host's call to all of it.
 
 # %%
-calibration.steps_table("v5e")
+ledger.steps_table("v5e")
 
 # %% [markdown]
 # ## On a real chip

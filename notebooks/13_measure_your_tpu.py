@@ -92,7 +92,7 @@ from IPython.display import display
 import mk
 import mk.backend
 import mk.run
-from mk import calibration, measure, plots, sim
+from mk import ledger, measure, plots, sim
 from mk.kernels.dma_probe import dma_probe_kernel
 
 mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
@@ -297,7 +297,7 @@ if exercise_write_as:
 # "calibrated step" and its error against the chip:
 
 # %%
-display(calibration.steps_table("v5e"))
+display(ledger.steps_table("v5e"))
 
 # %% [markdown]
 # ## Takeaway

@@ -5,6 +5,9 @@ tpu_steps.py); these tests read it and simulate, on the CPU, with no TPU.
 """
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -87,7 +90,7 @@ def test_the_ledger_says_which_chip_rests_on_measurement():
 def test_the_steps_table_names_the_chip_and_each_rows_commit_date_and_cache():
     """The committed record mixes rows of two commits (`calibration.provenance`): acd3dab's
     one steps copied the cache, bbe3b06's donated it; each row says which."""
-    table = calibration.steps_table("v5e")
+    table = ledger.steps_table("v5e")
     rows = [dict(zip(table.columns, r)) for r in table.rows]
     assert "device loop ms (measured on v5e)" in table.columns
     assert len(rows) == len(calibration.load_steps(calibration.steps_path("v5e"))["rows"])
@@ -133,3 +136,15 @@ def test_one_dispatched_steps_add_the_hosts_call_when_the_cache_was_donated(tmp_
     assert one[0].simulated_s == pytest.approx(loop[0].simulated_s + call)
     path.write_text(json.dumps(data | {"megakernel_cache": "copied"}))
     assert calibration.call_seconds(calibration.load_steps(path)) is None
+
+
+def test_the_steps_benchmark_imports_on_a_machine_without_plotly():
+    """A bare TPU machine has jax but not plotly or IPython (../shared/PLATFORM.md): the
+    benchmark that writes the record, and `mk.calibration` under it, must not need them
+    (the table that shows the record is `mk.ledger.steps_table`)."""
+    root = Path(__file__).resolve().parent.parent
+    code = ("import sys\nfor m in ('plotly', 'IPython'): sys.modules[m] = None\n"
+            f"sys.path.insert(0, {str(root / 'benchmarks')!r})\nimport tpu_steps\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
