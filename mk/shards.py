@@ -58,17 +58,24 @@ def kv_heads_of(config: ModelConfig, tp: int) -> list[list[int]]:
     return [[(i // copies) * local + j for j in range(local)] for i in range(tp)]
 
 
+def _split_axis(a, axis: int, tp: int):
+    """a's `axis` (>= 0) cut into tp equal runs -> [tp, ...], device i's run i (a reshape,
+    so a cache field of no layers, [0, ...], is [tp, 0, ...] too)."""
+    n = a.shape[axis] // tp
+    return jnp.moveaxis(a.reshape(*a.shape[:axis], tp, n, *a.shape[axis + 1:]), axis, 0)
+
+
 def _columns(w, tp: int, pad: bool = False):
     """[..., C] -> [tp, ..., C/tp]: device i holds columns [i C/tp, (i+1) C/tp); with pad,
     zero columns up to whole 128-lane tiles."""
-    out = jnp.moveaxis(w.reshape(*w.shape[:-1], tp, w.shape[-1] // tp), -2, 0)
+    out = _split_axis(w, w.ndim - 1, tp)
     extra = padded_width(out.shape[-1]) - out.shape[-1] if pad else 0
     return jnp.pad(out, [(0, 0)] * (out.ndim - 1) + [(0, extra)]) if extra else out
 
 
 def _rows(w, tp: int, pad: bool = False):
     """[..., R, C] -> [tp, ..., R/tp, C]; with pad, zero rows up to whole 128-row tiles."""
-    out = jnp.moveaxis(w.reshape(*w.shape[:-2], tp, w.shape[-2] // tp, w.shape[-1]), -3, 0)
+    out = _split_axis(w, w.ndim - 2, tp)
     extra = padded_width(out.shape[-2]) - out.shape[-2] if pad else 0
     return jnp.pad(out, [(0, 0)] * (out.ndim - 2) + [(0, extra), (0, 0)]) if extra else out
 
@@ -268,13 +275,6 @@ def check_sharded_cache(config: ModelConfig, cache, tp: int) -> None:
 def _take(a, axis: int, index):
     """a's entries index[i] along `axis`, for each device i -> [tp, ...]."""
     return jnp.moveaxis(jnp.take(a, np.asarray(index), axis=axis), axis, 0)
-
-
-def _split_axis(a, axis: int, tp: int):
-    """a's `axis` cut into tp equal runs -> [tp, ...], device i's run i (a reshape, so a
-    field of no layers, [0, ...] with that axis 0, is [tp, 0, ...] too)."""
-    n = a.shape[axis] // tp
-    return jnp.moveaxis(a.reshape(*a.shape[:axis], tp, n, *a.shape[axis + 1:]), axis, 0)
 
 
 # How each split rule of a cache field (`mk.cache.FIELDS`) lays it out over tp devices
