@@ -24,8 +24,13 @@ def _show(rows) -> str:
 
 
 def test_every_recorded_v5e_device_loop_is_simulated_within_10_percent():
+    """Issue 59: at least 12 rows, MoE and hybrid among them, every one simulated within
+    `TOLERANCE` (device loops, and one dispatched steps plus the host's call)."""
+    record = calibration.load_steps(calibration.steps_path("v5e"))
+    assert len(record["rows"]) >= 12, len(record["rows"])
+    assert {"qwen3-30b-a3b", "qwen3.5-9b"} <= {r["model"] for r in record["rows"]}
     rows = calibration.agreement("v5e")
-    assert len(rows) >= 7 and sum(not g.derived for g in rows) >= 4, _show(rows)
+    assert len(rows) >= 12 and sum(not g.derived for g in rows) >= 4, _show(rows)
     assert {g.row["batch"] for g in rows} >= {1, 8}, _show(rows)
     off = [g for g in rows if abs(g.error) > calibration.TOLERANCE]
     assert not off, _show(rows)
@@ -33,10 +38,11 @@ def test_every_recorded_v5e_device_loop_is_simulated_within_10_percent():
 
 def test_without_the_measured_attention_loop_the_batch_8_rows_miss():
     """The guard: the DMA probe's numbers alone (the tile cost model's attention) put the
-    B = 8 loops more than 10 % under the chip, so the test above can fail."""
+    dense models' B = 8 steps more than 10 % under the chip, so the test above can fail
+    (an MoE model's B = 8 step is its experts' weights, not its KV: it stays close)."""
     a = Assumptions.measured("v5e")
     rows = calibration.agreement("v5e", a=a)
-    wide = [g for g in rows if g.row["batch"] == 8]
+    wide = [g for g in rows if g.row["batch"] == 8 and not calibration.row_config(g.row).experts]
     assert wide and all(g.error < -calibration.TOLERANCE for g in wide), _show(rows)
 
 
@@ -88,17 +94,20 @@ def test_the_ledger_says_which_chip_rests_on_measurement():
 
 
 def test_the_steps_table_names_the_chip_and_each_rows_commit_date_and_cache():
-    """The committed record mixes rows of two commits (`calibration.provenance`): acd3dab's
-    one steps copied the cache, bbe3b06's donated it; each row says which."""
+    """The committed record mixes rows of more than one commit (`calibration.provenance`):
+    the table says each row's own commit and date, and which timed its one step with the
+    cache copied."""
+    record = calibration.load_steps(calibration.steps_path("v5e"))
+    made = [calibration.provenance(record, r) for r in record["rows"]]
     table = ledger.steps_table("v5e")
     rows = [dict(zip(table.columns, r)) for r in table.rows]
     assert "device loop ms (measured on v5e)" in table.columns
-    assert len(rows) == len(calibration.load_steps(calibration.steps_path("v5e"))["rows"])
-    at = {r["measured at"] for r in rows}
-    assert at == {"acd3dab, 2026-12-06", "bbe3b06, 2026-12-06"}, at
-    for r in rows:
+    assert len(rows) == len(made)
+    assert len({m["commit"] for m in made}) > 1
+    for r, m in zip(rows, made):
+        assert r["measured at"] == f"{m['commit'][:7]}, {m['when'][:10]}", (r, m)
         copied = r["one dispatched step ms"].endswith("(its cache copied)")
-        assert copied == r["measured at"].startswith("acd3dab"), r
+        assert copied == (m["megakernel_cache"] == "copied"), (r, m)
 
 
 def test_a_rows_own_provenance_overrides_its_records(tmp_path):

@@ -224,9 +224,10 @@ def test_int4_codes_traced_by_xla_on_the_chip_are_the_cpus(lead):
     """`mk.unpack.int4_codes` outside a kernel (XLA's lowering of `pltpu.bitcast`, which
     `dequantize_tile` and `mk.quant.check_error` run on whatever backend holds the weight)
     decodes on the chip as on the CPU, for a plain weight and stacked ones (layers,
-    experts). The oracle no longer depends on it (`scaled_weight` shifts and masks); this
-    pins down what XLA on a TPU does with it: at bbe3b06 the oracle's int4 experts [2, 8,
-    64, 256], decoded by it on the v5e, disagreed with the chip's kernel (issue 58's note)."""
+    experts). Alone it does (v5e, 963d3a1). At bbe3b06 the reference's prefill on the chip
+    (`mk.megakernel.generate`'s first token) decoded tiny-moe's int4 experts with it inside
+    its jitted layer and disagreed with the CPU's from step 0; the reference now shifts and
+    masks (`scaled_weight`), and its prefill agrees (issue 58's note)."""
     packed = np.random.default_rng(0).integers(0, 256, (*lead, 64, 256), dtype=np.uint8)
     want = unpack.unpack_nibbles(packed) - 8
     got = np.asarray(unpack.int4_codes(jnp.asarray(packed)).astype(jnp.int32))
