@@ -2,15 +2,15 @@
 
 Here: figures from `mk.perf`'s numbers (`roofline`, `bytes_breakdown`,
 `published_vs_floor`), from the schedule the kernel executes (`tile_stream`,
-`ring_gantt`, `kv_tile_map`), from a `mk.machine.Simulation` (`timeline`,
-`collective_timeline`, `bubble_bars`, `sweep_lines`), `lines`, `tpu_picture` (one chip's
-memories, units and paths), `table` / `Table` (HTML tables), `escape` (untrusted text
-made safe), `show_source` (a kernel's own code on the page), `knobs` (an ipywidgets
-panel), `show` and `whole_at_every_frame`.
+`ring_gantt`, `kv_tile_map`), `lines`, `tpu_picture` (one chip's memories, units and
+paths), `table` / `Table` (HTML tables), `escape` (untrusted text made safe),
+`show_source` (a kernel's own code on the page), `knobs` (an ipywidgets panel), `show`,
+`whole_at_every_frame` and `LEGEND_ENTRIES` (every figure's legend limit).
 
-Not here: any model or chip arithmetic (`mk.perf`); the colours (`mk.colours`); static
-image export (kaleido needs Chrome). Each figure in a line, and why `show` and not
-`fig.show()` (plotly.js embedded once per page, offline): docs/design/mk.plots.md.
+Not here: a `mk.machine.Simulation`'s figures (`mk.sim_plots`); any model or chip
+arithmetic (`mk.perf`); the colours (`mk.colours`); static image export (kaleido needs
+Chrome). Each figure in a line, and why `show` and not `fig.show()` (plotly.js embedded
+once per page, offline): docs/design/mk.plots.md.
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ import plotly.io as pio
 from IPython.display import Markdown, display
 from plotly.offline import get_plotlyjs
 
-from mk.colours import (CATEGORY_COLOURS, IDLE_COLOURS, IDLE_GREY, KV_COLOURS,
-                        weight_colour)
+from mk.colours import IDLE_GREY, KV_COLOURS, weight_colour
 from mk.kernels.kv_stream import first_kv_tile
 
 TERA = 1e12
@@ -37,6 +36,7 @@ GIGA = 1e9
 # What this page (the notebook being run) has had once: plotly.js, embedded by the first
 # `show` (a test sets it to see a figure without the library).
 page_state = {"plotlyjs_embedded": False}
+LEGEND_ENTRIES = 10  # the most a figure's legend lists (no scrolling legends)
 HEADLESS = "MK_HEADLESS"  # set (to "1") for the kernels of a headless run: `knobs`
 
 
@@ -477,171 +477,6 @@ def tpu_picture(spec) -> go.Figure:
         height=560, margin=dict(l=10, r=10, t=50, b=10), plot_bgcolor="white")
     fig.add_annotation(x=11.5, y=9.0, text=f"TensorCore (x{cores} per chip)", showarrow=False,
                        xanchor="right", font=dict(size=11))
-    return fig
-
-
-# -- The simulator ---------------------------------------------------------------------------
-def _family(what: str) -> str:
-    return what.split("[")[0]
-
-
-LEGEND_ENTRIES = 10  # the most a figure's legend lists (no scrolling legends)
-_VECTOR_WORK = ("norm", "qk_norm_rope", "residual", "final_norm", "swiglu", "router",
-                "combine", "selected", "argmax")
-
-
-def category(lane: str, what: str) -> str:
-    """The colour category of a simulated event: "DMA" (the DMA lane), "collective",
-    "vector" (norms, RoPE, SwiGLU, routing) or "MXU" (weight tiles, attention)."""
-    family = _family(what)
-    if lane == "dma":
-        return "DMA"
-    if family == "collective":
-        return "collective"
-    return "vector" if family in _VECTOR_WORK else "MXU"
-
-
-def timeline(sims, *, layers: tuple[int, int] | None = None,
-             window_s: tuple[float, float] | None = None, title: str = "") -> go.Figure:
-    """The simulated timeline: per simulation, a DMA lane, a compute lane and an HBM-idle
-    lane (bubbles coloured by cause; the colours of `CATEGORY_COLOURS` and `IDLE_COLOURS`
-    in every notebook); `sims` is one `mk.machine.Simulation` or {label: sim}. A bar spans a
-    run of merged intervals; its opacity is the share of that span the lane was busy (or
-    HBM idle), so a run that is idle 44 % of its span is not drawn solid. The legend keeps
-    `LEGEND_ENTRIES`: every busy category, then the idle causes with the most idle time
-    (the others are named on hover, in their fixed colours).
-    `layers=(first, last)` keeps the events of those layers (inclusive), so a big model
-    stays drawable; `window_s` zooms the x axis to that interval and keeps only what
-    overlaps it. Times in microseconds."""
-    sims = sims if isinstance(sims, Mapping) else {"": sims}
-    lo, hi = layers if layers is not None else (None, None)
-    w0, w1 = window_s if window_s is not None else (-math.inf, math.inf)
-
-    def keep(layer, start_s=0.0, end_s=0.0):
-        return ((layers is None or (layer is not None and lo <= layer <= hi))
-                and end_s >= w0 and start_s <= w1)
-
-    traces: dict[tuple[str, str], dict] = {}
-    idle: dict[str, float] = {}  # HBM idle seconds per cause, over what is drawn
-    for label, sim in sims.items():
-        prefix = f"{label} " if label else ""
-        for e in sim.events:
-            if keep(e.layer, e.start_s, e.end_s):
-                lane = prefix + ("DMA" if e.lane == "dma" else "compute")
-                t = traces.setdefault((category(e.lane, e.what), lane),
-                                      dict(x=[], base=[], y=[], text=[], share=[]))
-                t["share"].append(_share(e.busy_s, e.start_s, e.end_s))
-                t["x"].append((e.end_s - e.start_s) * 1e6)
-                t["base"].append(e.start_s * 1e6)
-                t["y"].append(lane)
-                t["text"].append(f"{e.what}, layer {e.layer}: {e.count} interval(s), busy "
-                                 f"{e.busy_s * 1e6:.3g} µs")
-        for b in sim.bubbles:
-            if keep(b.layer, b.start_s, b.end_s):
-                lane = prefix + "HBM idle"
-                t = traces.setdefault(("idle: " + b.cause, lane), dict(x=[], base=[], y=[],
-                                                                       text=[], share=[]))
-                idle[b.cause] = idle.get(b.cause, 0.0) + b.idle_s
-                t["share"].append(_share(b.idle_s, b.start_s, b.end_s))
-                t["x"].append((b.end_s - b.start_s) * 1e6)
-                t["base"].append(b.start_s * 1e6)
-                t["y"].append(lane)
-                t["text"].append(f"{b.cause}, layer {b.layer}: idle {b.idle_s * 1e6:.3g} µs")
-    # at most LEGEND_ENTRIES: every busy category, then the causes with the most idle time
-    busy = {name for name, _ in traces if not name.startswith("idle: ")}
-    keyed = busy | {"idle: " + c for c in sorted(idle, key=lambda c: -idle[c])[
-        :max(0, LEGEND_ENTRIES - len(busy))]}
-    fig = go.Figure()
-    shown = set()
-    for (name, _), t in traces.items():
-        colour = IDLE_COLOURS.get(name[len("idle: "):], "#7f7f7f") if name.startswith(
-            "idle: ") else CATEGORY_COLOURS[name]
-        fig.add_trace(go.Bar(orientation="h", name=name, legendgroup=name, marker_color=colour,
-                             marker_opacity=[max(0.2, x) for x in t["share"]],
-                             showlegend=name in keyed and name not in shown,
-                             x=t["x"], base=t["base"],
-                             y=t["y"], hovertext=t["text"],
-                             hovertemplate="%{hovertext}<br>%{base:.4g} µs + %{x:.3g} µs"
-                                           "<extra></extra>"))
-        shown.add(name)
-    first = next(iter(sims.values()))
-    fig.update_layout(barmode="overlay", bargap=0.3, xaxis_title="time (µs, simulated)",
-                      title=title or f"Simulated step of {first.config_name} on "
-                                     f"{first.chip_name}",
-                      yaxis=dict(title="lane", autorange="reversed"),
-                      height=200 + 60 * len(sims) * 3)
-    if window_s is not None:
-        fig.update_xaxes(range=[window_s[0] * 1e6, window_s[1] * 1e6])
-    return fig
-
-
-def collective_timeline(sim, *, index: int, pad: float = 0.5, title: str = "") -> go.Figure:
-    """`timeline` around the `index`-th collective of a tensor-parallel `mk.machine.Simulation`
-    (its "collective" compute events in program order: per layer the all-reduce after
-    attention or the mixer, then after the MLP; the argmax's gather last): the compute
-    lane blocked on it, the DMA lane loading the ring's next tiles meanwhile, HBM idle
-    once the ring is full. `pad`: the share of the collective's length shown each side."""
-    found = [e for e in sim.events if e.what == "collective"]
-    if not found:
-        raise ValueError(f"the simulation of {sim.config_name} at tp={sim.tp} has no "
-                         "collective: simulate a tp > 1 shard")
-    if not -len(found) <= index < len(found):
-        raise ValueError(f"index={index} must be in [-{len(found)}, {len(found)}): the "
-                         "step's collectives")
-    c = found[index]
-    span = (c.end_s - c.start_s) * pad
-    where = f"layer {c.layer}" if c.layer is not None else "after the lm_head"
-    return timeline(sim, window_s=(c.start_s - span, c.end_s + span), title=title or (
-        f"{sim.config_name} TP{sim.tp} on {sim.chip_name}: collective {index % len(found)} "
-        f"({where}), simulated"))
-
-
-def _share(part_s: float, start_s: float, end_s: float) -> float:
-    """The share of [start_s, end_s] that `part_s` covers (1 for an empty span)."""
-    return 1.0 if end_s <= start_s else min(1.0, part_s / (end_s - start_s))
-
-
-def bubble_bars(sims: Mapping[str, object], *, title: str = "Where the step goes "
-                "(simulated): HBM busy and each bubble cause") -> go.Figure:
-    """Stacked bars per label -> Simulation: HBM busy time and the idle time per cause, ms;
-    the legend lists HBM busy and the causes with the most idle time (`LEGEND_ENTRIES` in
-    all), the others named on hover."""
-    labels = list(sims)
-    idle: dict[str, float] = {}
-    for sim in sims.values():
-        for c, seconds in sim.bubble_share().items():
-            idle[c] = idle.get(c, 0.0) + seconds
-    causes = sorted(idle, key=lambda c: -idle[c])
-    fig = go.Figure(go.Bar(x=labels, y=[s.hbm_floor_s * 1e3 for s in sims.values()],
-                           name="HBM busy", marker_color=CATEGORY_COLOURS["DMA"],
-                           hovertemplate="HBM busy %{y:.4g} ms<extra></extra>"))
-    for i, cause in enumerate(causes):
-        fig.add_trace(go.Bar(x=labels, y=[s.bubble_share().get(cause, 0.0) * 1e3
-                                          for s in sims.values()], name=f"idle: {cause}",
-                             marker_color=IDLE_COLOURS[cause],
-                             showlegend=i < LEGEND_ENTRIES - 1,
-                             hovertemplate=f"{cause}: %{{y:.4g}} ms<extra></extra>"))
-    fig.update_layout(barmode="stack", title=title, xaxis_title="configuration",
-                      yaxis_title="step (ms, simulated)")
-    return fig
-
-
-_SWEPT = {"step_ms": "step (ms, simulated)", "hbm_utilisation": "HBM busy (share of the step)"}
-
-
-def sweep_lines(rows: Sequence[Mapping[str, object]], parameter: str, *,
-                y: str = "step_ms", title: str = "") -> go.Figure:
-    """A design sweep (`mk.review.sweep` rows): `y` against the swept parameter, with the
-    HBM utilisation and the largest bubble in the hover; rows without a value are left
-    out."""
-    ok = [r for r in rows if r.get(y) is not None]
-    fig = go.Figure(go.Scatter(
-        x=[str(r[parameter]) for r in ok], y=[r[y] for r in ok], mode="lines+markers",
-        customdata=[(r["hbm_utilisation"], r["largest_bubble"]) for r in ok],
-        hovertemplate="%{x}: %{y:.4g}<br>HBM busy %{customdata[0]:.0%}, largest bubble "
-                      "%{customdata[1]}<extra></extra>"))
-    fig.update_layout(title=title or f"{y} against {parameter} (simulated)",
-                      xaxis_title=parameter, yaxis_title=_SWEPT.get(y, y))
     return fig
 
 

@@ -9,7 +9,7 @@ Here: `capture` (N annotated steps into `PROFILES/<name>/plugins/profile/<run>/`
 `profiles_dir` says where PROFILES is), `timeline` (a trace's op events, per step),
 `bubbles` (idle time per step), `staged_step`, `variants`, `trace_viewer`, and notebook
 08's figures (`gantt` through `lanes_figure`, `share_bars`). Not here: the simulator
-(`mk.sim`, drawn by `mk.plots.timeline`), the compiler's static schedule
+(`mk.sim`, drawn by `mk.sim_plots.timeline`), the compiler's static schedule
 (`mk.bundles.dump_schedule`), any TPU time: a CPU trace times CPU work. What a CPU and a
 TPU trace show: docs/design/mk.profiling.md.
 """

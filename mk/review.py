@@ -13,7 +13,7 @@ loop at its high end is no clock statement (the two cost a tile differently), an
 tests/test_review.py runs the invariants over a grid of presets, chips, B, T and tp.
 
 Not here: the simulator itself (`mk.sim`), the published numbers against the models
-(`mk.ledger`), drawing (`mk.plots.sweep_lines`), the notebook that reads these
+(`mk.ledger`), drawing (`mk.sim_plots.sweep_lines`), the notebook that reads these
 (`11_design_review`).
 """
 

@@ -85,7 +85,7 @@ from IPython.display import display
 import mk
 import mk.backend
 import mk.run
-from mk import course, ops, plots, sim, teach, tpu
+from mk import course, ops, plots, sim, sim_plots, teach, tpu
 from mk.kernels.common import BlockSizes, vmem_budget
 from mk.kernels.ring import Ring
 from mk.kernels.stream import TileStream
@@ -209,7 +209,7 @@ else:
 lanes = {f"{n} slot{'s' * (n > 1)}": sim.replay_matmul(TileStream.build(
     BlockSizes(slots=n, tile_rows=tile_rows, tile_cols=tile_cols), [("w", 1024, 1024)]),
     spec, rows=M) for n in (1, 2, need)}
-plots.show(plots.timeline(lanes, title=f"x @ W [1024, 1024] through rings of 1, 2 and {need} "
+plots.show(sim_plots.timeline(lanes, title=f"x @ W [1024, 1024] through rings of 1, 2 and {need} "
                                        f"slots on {spec.name} (simulated)"))
 
 # %% [markdown]

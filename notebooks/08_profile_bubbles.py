@@ -91,7 +91,7 @@ from tqdm.auto import tqdm
 import mk
 import mk.backend
 import mk.run
-from mk import bundles, course, plots, profiling, reference, teach
+from mk import bundles, course, plots, profiling, reference, sim_plots, teach
 from mk import megakernel as megakernel_module
 from mk.kernels import one_layer as one_layer_module
 
@@ -222,7 +222,7 @@ else:
                                     step_us=round(sim.step_s * 1e6, 1),
                                     bubble_share=f"{idle / sim.step_s:.1%}"))
             if prefetch:
-                plots.show(plots.timeline(sim, title=(
+                plots.show(sim_plots.timeline(sim, title=(
                     f"{cfg.name} on {chip_name} (simulated): {sim.step_s * 1e6:.1f} µs, "
                     f"HBM idle {idle / sim.step_s:.1%}")))
     display(plots.table(predictions))

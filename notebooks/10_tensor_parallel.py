@@ -96,7 +96,7 @@ from tqdm.auto import tqdm
 
 import mk
 import mk.backend
-from mk import course, plots, reference, sim, teach, tpu
+from mk import course, plots, reference, sim, sim_plots, teach, tpu
 from mk import tensor_parallel as tpar
 from mk.kernels import collectives
 from mk.kernels.plan import shard_config
@@ -264,7 +264,7 @@ big = mk.preset("qwen3.5-27b")
 shard = sim.simulate(big, mk.chip("tpu7x"), batch=8, context=4096, tp=8)
 found = [e for e in shard.events if e.what == "collective"]
 index = max(i for i, e in enumerate(found) if e.layer == collective_layer)  # after the MLP
-plots.show(plots.collective_timeline(shard, index=index))
+plots.show(sim_plots.collective_timeline(shard, index=index))
 c = found[index]
 during = [e for e in shard.events
           if e.lane == "dma" and e.end_s > c.start_s and e.start_s < c.end_s]

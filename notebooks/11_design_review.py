@@ -115,7 +115,8 @@ from pathlib import Path
 import mk
 import mk.run
 from IPython.display import display
-from mk import bundles, course, feed_costs, ledger, perf, plots, review, sim, xla_step
+from mk import (bundles, course, feed_costs, ledger, perf, plots, review, sim, sim_plots,
+               xla_step)
 from mk.chips import CLOCK_ENDS, spec_of
 from mk.kernels.common import VmemBudget
 from mk.kernels.plan import DecodePlan, packed_formats
@@ -520,7 +521,7 @@ print(f"simulated step {s.step_ms:.4g} ms vs HBM floor of its bytes "
       f"{s.hbm_floor_s * 1e3:.4g} ms: HBM busy {s.hbm_utilisation:.1%}")
 print("top bubble causes: " + ", ".join(f"{c} {t * 1e3:.3g} ms ({t / s.step_s:.1%})"
                                         for c, t in top))
-plots.show(plots.timeline(s, layers=(0, min(1, config.layers - 1)),
+plots.show(sim_plots.timeline(s, layers=(0, min(1, config.layers - 1)),
                           title=f"{config.name} on {spec.name}: layers 0-1 (simulated)"))
 
 # %% [markdown]
@@ -550,11 +551,11 @@ print(f"prefetch on {s.step_ms:.4g} ms, off {off.step_ms:.4g} ms: {edges * 1e3:.
       f"layer-boundary bubbles without it, {share.get('layer boundary', 0) * 1e3:.3g} ms with")
 edge = next((b for b in off.bubbles if b.cause == "layer boundary"), None)
 window = None if edge is None else (edge.start_s - 2e-6, edge.end_s + 2e-6)
-plots.show(plots.timeline({"prefetch on": s, "prefetch off": off},
+plots.show(sim_plots.timeline({"prefetch on": s, "prefetch off": off},
                           layers=(0, min(1, config.layers - 1)), window_s=window,
                           title="The first layer edge, with and without cross-layer "
                                 "prefetch (zoomed to it)"))
-plots.show(plots.bubble_bars({"prefetch on": s, "prefetch off": off}))
+plots.show(sim_plots.bubble_bars({"prefetch on": s, "prefetch off": off}))
 
 # %% [markdown]
 # Cross-layer prefetch against ring depth, in the same units: the share of the step each
@@ -614,7 +615,7 @@ for name, rows_ in sweeps.items():
                           if r["hbm_utilisation"] else "-",
                           "largest bubble": r["largest_bubble"] or r["note"][:60]}
                          for r in rows_]))
-plots.show(plots.sweep_lines(sweeps["slots"], "slots", y="hbm_utilisation",
+plots.show(sim_plots.sweep_lines(sweeps["slots"], "slots", y="hbm_utilisation",
                              title=f"HBM busy share against ring slots (Little's law: {need})"))
 
 # %% [markdown]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 import mk
-from mk import colours, figure_rules, machine, perf, plots, profiling, sim
+from mk import colours, figure_rules, machine, perf, plots, profiling, sim, sim_plots
 
 
 def legend(fig) -> list[str]:
@@ -115,7 +115,7 @@ def test_collective_timeline_draws_that_collective_and_what_overlaps_it(shard):
     found = _collectives(shard)
     assert len(found) == 2 * shard.plan.config.layers + 1
     c = found[9]
-    fig = plots.collective_timeline(shard, index=9, pad=0.5)
+    fig = sim_plots.collective_timeline(shard, index=9, pad=0.5)
     check_rules(fig, x_unit="µs")
     assert "simulated" in fig.layout.xaxis.title.text and "simulated" in fig.layout.title.text
     assert "qwen3-8b TP4 on v6e: collective 9 (layer 4)" in fig.layout.title.text
@@ -136,22 +136,22 @@ def test_collective_timeline_draws_that_collective_and_what_overlaps_it(shard):
     # the ring keeps loading while the compute lane waits: DMA during the collective
     assert any(e.start_s < c.end_s and e.end_s > c.start_s for e in dma)
     # the last collective is the argmax's gather after the lm_head
-    assert "after the lm_head" in plots.collective_timeline(shard, index=-1).layout.title.text
+    assert "after the lm_head" in sim_plots.collective_timeline(shard, index=-1).layout.title.text
 
 
 def test_collective_timeline_refuses_a_step_without_collectives_and_a_bad_index(shard):
     one = sim.simulate(mk.preset("tiny"), mk.chip("v6e"), context=64)
     with pytest.raises(ValueError, match="tp=1 has no collective"):
-        plots.collective_timeline(one, index=0)
+        sim_plots.collective_timeline(one, index=0)
     n = len(_collectives(shard))
     with pytest.raises(ValueError, match=f"index={n} must be in \\[-{n}, {n}\\)"):
-        plots.collective_timeline(shard, index=n)
+        sim_plots.collective_timeline(shard, index=n)
 
 
 def test_timeline_window_keeps_only_what_overlaps_it(shard):
-    whole = plots.timeline(shard, layers=(2, 3))
+    whole = sim_plots.timeline(shard, layers=(2, 3))
     c = _collectives(shard)[5]
-    window = plots.timeline(shard, layers=(2, 3), window_s=(c.start_s, c.end_s))
+    window = sim_plots.timeline(shard, layers=(2, 3), window_s=(c.start_s, c.end_s))
     count = {t.name: len(t.base) for t in whole.data}
     inside = {t.name: len(t.base) for t in window.data}
     assert sum(inside.values()) < sum(count.values())
@@ -290,7 +290,7 @@ def sims():
 
 def test_timeline_draws_every_event_and_bubble_on_its_lane(sims):
     s = sims["tiny-moe"]
-    fig = plots.timeline(s)
+    fig = sim_plots.timeline(s)
     check_rules(fig, x_unit="µs, simulated")
     bars = [(y, b, w) for t in fig.data for y, b, w in zip(t.y, t.base, t.x)]
     assert len(bars) == len(s.events) + len(s.bubbles)
@@ -300,7 +300,7 @@ def test_timeline_draws_every_event_and_bubble_on_its_lane(sims):
                  for b, w in zip(t.base, t.x))
     assert [v for pair in got for v in pair] == pytest.approx(
         [v for pair in want for v in pair])
-    two = plots.timeline({"a": s, "b": sims["tiny"]}, layers=(0, 0))
+    two = sim_plots.timeline({"a": s, "b": sims["tiny"]}, layers=(0, 0))
     assert {y for t in two.data for y in t.y} == {f"{k} {lane}" for k in "ab"
                                                   for lane in ("DMA", "compute", "HBM idle")}
     assert len(legend(two)) <= 10
@@ -311,7 +311,7 @@ def test_timeline_legend_keeps_ten_entries_the_longest_idle_causes_first():
     legend's 10 entries hold: the legend keeps the causes with the most idle time; every
     cause is still drawn, in its colour, named on hover."""
     s = sim.simulate(mk.preset("qwen3-30b-a3b"), mk.chip("v6e"), batch=8, context=512, tp=4)
-    fig = plots.timeline(s)
+    fig = sim_plots.timeline(s)
     names = legend(fig)
     drawn = {t.name[len("idle: "):] for t in fig.data if t.name.startswith("idle: ")}
     kept = [n[len("idle: "):] for n in names if n.startswith("idle: ")]
@@ -333,7 +333,7 @@ def test_every_bubble_cause_of_every_kind_of_model_has_its_colour(sims):
 
 
 def test_bubble_bars_stack_hbm_busy_and_each_cause_to_the_step(sims):
-    fig = plots.bubble_bars(sims)
+    fig = sim_plots.bubble_bars(sims)
     check_rules(fig, y_unit="ms")
     assert fig.data[0].name == "HBM busy"
     causes = [t.name[len("idle: "):] for t in fig.data[1:]]
@@ -349,7 +349,7 @@ def test_bubble_bars_stack_hbm_busy_and_each_cause_to_the_step(sims):
     from types import SimpleNamespace
     every = {c: (i + 1) * 1e-6 for i, c in enumerate(machine.CAUSES)}
     fake = SimpleNamespace(hbm_floor_s=1e-3, bubble_share=lambda: every)
-    fig = plots.bubble_bars({"all causes": fake})
+    fig = sim_plots.bubble_bars({"all causes": fake})
     assert len(fig.data) == 1 + len(machine.CAUSES) and len(legend(fig)) == plots.LEGEND_ENTRIES
     assert set(legend(fig)[1:]) == {f"idle: {c}" for c in sorted(every, key=every.get)[-9:]}
 
@@ -357,7 +357,7 @@ def test_bubble_bars_stack_hbm_busy_and_each_cause_to_the_step(sims):
 def test_sweep_lines_and_lines_draw_their_inputs():
     rows = [dict(slots=s, step_ms=ms, hbm_utilisation=u, largest_bubble="ring empty")
             for s, ms, u in ((2, 3.0, 0.5), (4, 2.0, 0.8), (8, None, None))]
-    fig = plots.sweep_lines(rows, "slots")
+    fig = sim_plots.sweep_lines(rows, "slots")
     check_rules(fig, y_unit="ms")
     assert list(fig.data[0].x) == ["2", "4"] and list(fig.data[0].y) == [3.0, 2.0]
     assert [c[0] for c in fig.data[0].customdata] == [0.5, 0.8]

@@ -6,7 +6,7 @@ import re
 import pytest
 
 import mk
-from mk import colours, feed_costs, figure_rules, machine, plots, sim, teach
+from mk import colours, feed_costs, figure_rules, machine, plots, sim, sim_plots, teach
 from mk.kernels.common import BlockSizes
 from mk.kernels.stream import Repeat, TileStream
 from mk.chips import all_chips
@@ -21,7 +21,7 @@ def test_every_bubble_cause_has_its_own_fixed_colour():
 def test_timeline_colours_by_category_the_same_in_every_figure():
     seen = {}
     for name in ("tiny", "tiny-moe"):
-        fig = plots.timeline(sim.simulate(mk.preset(name), "v6e", context=64))
+        fig = sim_plots.timeline(sim.simulate(mk.preset(name), "v6e", context=64))
         for trace in fig.data:
             assert seen.setdefault(trace.name, trace.marker.color) == trace.marker.color
     busy = {n for n in seen if not n.startswith("idle: ")}
@@ -50,7 +50,7 @@ def test_timeline_draws_a_partly_idle_run_translucent_and_a_fully_idle_one_solid
         config_name="x", chip_name="v6e", events=[],
         bubbles=[machine.Bubble(0.0, 10e-6, "ring empty", 0, 4.4e-6),  # idle 44 % of its span
                  machine.Bubble(10e-6, 11e-6, "step end", None, 1e-6)])
-    opacity = {t.name: list(t.marker.opacity) for t in plots.timeline(run).data}
+    opacity = {t.name: list(t.marker.opacity) for t in sim_plots.timeline(run).data}
     assert opacity["idle: ring empty"] == pytest.approx([0.44])
     assert opacity["idle: step end"] == pytest.approx([1.0])
 
