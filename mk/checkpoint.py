@@ -36,12 +36,12 @@ from mk.hf_layout import every, fill_slots, hf_layout, hf_shape, placements
 from mk.kinds.hf import not_run, tensor_prefixes
 from mk.hf_quant import (INTERLEAVED, assemble_quantised, quant_format, quantised_layout,
                          quantised_problems, quantised_shape)
-from mk.weights import hf_scheme, param_shapes, put_corner
+from mk.weights import FORMAT_GROUPS, hf_scheme, param_shapes, put_corner
 
 
-def init_params(config: ModelConfig, seed: int = 0) -> dict[str, jax.Array]:
-    """Random parameters in `config.dtype`; the same (config, seed) always gives the same
-    arrays. A config stored quantised (`config.formats`) gets them plain too:
+def init_params(config: ModelConfig, seed: int = 0, formats=None) -> dict:
+    """Random parameters in `config.dtype`; the same (config, seed, formats) always gives
+    the same arrays. A config stored quantised (`config.formats`) gets them plain too:
     `mk.quant.quantize(config, params, **dict(config.formats))` packs them.
 
     Each tensor's generator is seeded by (seed, its name), so adding a tensor never
@@ -52,11 +52,23 @@ def init_params(config: ModelConfig, seed: int = 0) -> dict[str, jax.Array]:
     minus `config.norm_offset`, except the gated DeltaNet's own norm, which has no offset).
     A lane-padded model (`ModelConfig.lane_padded`) gets its own widths' values (the
     unpadded model's) and zeros in the padding, as the loader gives.
+
+    `formats` ({group: scheme}, as `mk.quant.quantize` takes them): those groups' weights
+    are drawn as codes (`mk.quant.random_weight`, one leading row at a time, at the same
+    root mean square), not quantised from the normal values: a model's real shapes and
+    formats in seconds (quantising gpt-oss-20b's experts takes minutes, and their float32
+    values do not fit a 40 GiB host).
     """
     seed = check_seed(seed)
+    chosen = {name: scheme for group, scheme in quant.check_quantisable(config, formats or {})
+              .items() for name in FORMAT_GROUPS[group]}
     params, own = {}, param_shapes(config.unpadded())
     for name, (shape, dtype) in param_shapes(config).items():
         rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+        if name in chosen:  # a stack a leading row at a time: one row's codes alive
+            rms = 1.0 if name in ("embed", "lm_head") else 1 / np.sqrt(own[name][0][-2])
+            params[name] = _random_stack(shape, own[name][0], chosen[name], rng, rms, name)
+            continue
         x = rng.standard_normal(own[name][0], np.float32)
         if name.endswith("norm"):
             x = 1.0 - (config.norm_offset if name != "lin_norm" else 0.0) + 0.1 * x
@@ -67,6 +79,17 @@ def init_params(config: ModelConfig, seed: int = 0) -> dict[str, jax.Array]:
             put_corner(x, values)
         params[name] = jnp.asarray(x, dtype)
     return params
+
+
+def _random_stack(shape, own, scheme, rng, rms, name):
+    """`mk.quant.random_weight` of a stacked weight [L, ..., I, O] a leading row at a time
+    (a plain matrix whole)."""
+    if len(shape) == 2:
+        return quant.random_weight(shape, scheme, rng, rms, own, name)
+    rows = [quant.random_weight(shape[1:], scheme, rng, rms, own[1:], name)
+            for _ in range(shape[0])]
+    return quant.QuantWeight(jnp.stack([q.data for q in rows]),
+                             jnp.stack([q.scale for q in rows]), scheme)
 
 
 # -- Hugging Face checkpoints -------------------------------------------------------------

@@ -556,3 +556,58 @@ def test_predicted_step_bytes_shrink_by_each_formats_bits_per_value(name):
             assert getattr(est, field) == pytest.approx(getattr(plain, field) * want / 16,
                                                         rel=1e-12), (scheme, field)
         assert est.router_bytes == plain.router_bytes and est.kv_read_bytes == plain.kv_read_bytes
+
+
+# -- Random weights drawn as codes (`random_weight`, `init_params(formats=)`) ----------------
+@pytest.mark.parametrize("scheme", quant.SCHEMES)
+def test_a_random_weight_decodes_to_finite_values_near_its_rms_with_varied_scales(scheme):
+    """Every code a real one (no NaN code: `check_values`), the values' root mean square
+    within 2x of the target, and the blocks' scales not all equal (a kernel applying the
+    wrong block's scale would otherwise pass)."""
+    rms = 0.03
+    q = quant.random_weight((3, 256, 256), scheme, np.random.default_rng(0), rms)
+    quant.check_values("w", q)
+    values = np.asarray(quant.dequantize({"w": q}, jnp.float32)["w"], np.float64)
+    assert np.isfinite(values).all()
+    assert rms / 2 < np.sqrt(np.mean(values ** 2)) < 2 * rms
+    assert len(np.unique(np.asarray(q.scale.astype(jnp.float32)))) > 1
+
+
+@pytest.mark.parametrize("scheme", quant.SCHEMES)
+def test_a_random_weights_codes_past_its_own_shape_are_zero(scheme):
+    """A lane-padded weight: the codes in the corner are random, past it zero values."""
+    q = quant.random_weight((256, 256), scheme, np.random.default_rng(1), 0.05, own=(200, 130))
+    values = np.asarray(quant.dequantize({"w": q}, jnp.float32)["w"])
+    assert not values[200:].any() and not values[:, 130:].any()
+    assert np.count_nonzero(values[:200, :130]) > 0.8 * 200 * 130
+    with pytest.raises(ValueError, match=r"w: own=\(300, 130\) must fit"):
+        quant.random_weight((256, 256), scheme, np.random.default_rng(1), 0.05,
+                            own=(300, 130), name="w")
+
+
+@pytest.mark.parametrize("config, formats", [
+    (TINY, dict(dense="int4", lm_head="fp8")),
+    (dataclasses.replace(TINY_MOE, expert_ffn=96).lane_padded(),
+     dict(experts="fp4", dense="int8"))], ids=["tiny", "tiny-moe-padded"])
+def test_init_params_with_formats_draws_codes_in_quantizes_layout(config, formats):
+    """`init_params(config, seed, formats)`: the same tensors, shapes and dtypes as
+    `quantize(config, init_params(config, seed), **formats)` (the plain ones equal), the
+    chosen ones drawn as codes; the same seed gives the same bytes, another seed others;
+    a lane-padded model's padding decodes to zero."""
+    made = mk.init_params(config, 0, formats)
+    want = mk.quantize(config, mk.init_params(config, 0), **formats)
+    assert made.keys() == want.keys()
+    for name, w in want.items():
+        got = made[name]
+        if not isinstance(w, quant.QuantWeight):
+            np.testing.assert_array_equal(got, w, err_msg=name)
+            continue
+        assert (got.scheme, got.data.shape, got.data.dtype, got.scale.shape,
+                got.scale.dtype) == (w.scheme, w.data.shape, w.data.dtype, w.scale.shape,
+                                     w.scale.dtype), name
+        again = mk.init_params(config, 0, formats)[name]
+        np.testing.assert_array_equal(got.data, again.data, err_msg=name)
+        assert not np.array_equal(got.data, mk.init_params(config, 1, formats)[name].data)
+    if config.padding:
+        values = np.asarray(quant.dequantize({"w": made["we_down"]}, jnp.float32)["w"])
+        assert not values[..., 96:, :].any() and values[..., :96, :].any()
