@@ -108,10 +108,12 @@ def judge_logits(logits, tokens, *, tie_rtol: float = TIE_RTOL) -> Verdict:
 def judge(config: ModelConfig, values, prompt, tokens, *, tie_rtol: float = TIE_RTOL,
           expected: Expected | None = None) -> Verdict:
     """Greedy `tokens` [B, n] that a decode path produced after `prompt` [B, P], against
-    the reference (`values`: its params, dequantised as the path's oracle) teacher-forced
-    on them: token i is judged by the reference's logits after prompt + tokens[:i].
-    `expected` (`expect`'s, same config, values and prompt) saves that prefill when the
-    tokens are its own: its logits are then the very ones the prefill would give."""
+    the reference (`values`: its params, dequantised as the path's oracle, or quantised
+    `mk.quant.QuantWeight`s the reference dequantises a layer at a time as it reads them:
+    a model too big to hold dequantised) teacher-forced on them: token i is judged by
+    the reference's logits after prompt + tokens[:i]. `expected` (`expect`'s, same
+    config, values and prompt) saves that prefill when the tokens are its own: its logits
+    are then the very ones the prefill would give."""
     prompt, tokens = np.asarray(prompt), np.asarray(tokens)
     if prompt.ndim != 2 or tokens.ndim != 2 or prompt.shape[0] != tokens.shape[0]:
         raise ValueError(f"prompt {prompt.shape} and tokens {tokens.shape} must be [B, P] "
@@ -128,7 +130,7 @@ def _teacher_forced(config: ModelConfig, values, prompt, tokens):
     P, n = prompt.shape[1], tokens.shape[1]
     seq = jnp.asarray(np.concatenate([prompt, tokens[:, :-1]], 1), jnp.int32)
     capacity = -(-(P + n) // 8) * 8
-    logits, _ = reference.prefill(config, values, seq, max_context=capacity)
+    logits, _ = reference.prefill(config, values, seq, max_context=capacity, quantised=True)
     return logits[:, P - 1:]
 
 
@@ -148,7 +150,7 @@ def expect(config: ModelConfig, values, prompt, steps: int, *,
     (`cpu_only`) while the chip decodes."""
     prompt, values = np.asarray(prompt), jax.tree.map(jnp.asarray, values)
     tokens = np.asarray(reference.generate(config, values, prompt, steps,
-                                           max_context=max_context))
+                                           max_context=max_context, quantised=True))
     return Expected(tokens, np.asarray(_teacher_forced(config, values, prompt, tokens)))
 
 

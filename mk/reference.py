@@ -591,10 +591,11 @@ def check_generate(config: ModelConfig, prompt, steps: int, max_context: int | N
 
 
 def generate(config: ModelConfig, params, prompt, steps: int, *,
-             max_context: int | None = None) -> jax.Array:
-    """Greedy decoding: prompt [B, P] -> the next `steps` tokens [B, steps] int32."""
+             max_context: int | None = None, quantised: bool = False) -> jax.Array:
+    """Greedy decoding: prompt [B, P] -> the next `steps` tokens [B, steps] int32;
+    quantised=True also takes `mk.quant.QuantWeight`s (`prefill`'s)."""
     prompt, S, steps = check_generate(config, prompt, steps, max_context)
-    logits, cache = prefill(config, params, prompt, max_context=S)
+    logits, cache = prefill(config, params, prompt, max_context=S, quantised=quantised)
     first = greedy(logits[:, -1])
     start = jnp.full((prompt.shape[0],), prompt.shape[1], jnp.int32)
     return _greedy_loop(config, params, cache, first, start, steps)

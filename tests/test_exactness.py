@@ -15,7 +15,7 @@ import pytest
 from jax.experimental import pallas as pl
 
 import mk
-from mk import exactness, megakernel, reference
+from mk import exactness, megakernel, quant, reference
 from mk.kernels.plan import DecodePlan
 from mk.kinds.hf import FAMILIES
 from mk.kinds.layers import layer_kinds
@@ -141,3 +141,19 @@ def test_a_float32_dot_at_default_precision_is_found():
     f32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.float32)
     [found] = exactness.default_precision_f32_dots(call, f32((8, 128)), f32((128, 128)))
     assert found.startswith("planted: (8, 128) x (128, 128) at ")
+
+
+def test_quantised_params_are_an_oracle_as_their_dequantised_values_are():
+    """`expect` and `judge` take the quantised params themselves (the reference decodes a
+    layer at a time: a model too big to hold dequantised) and give what
+    `mk.quant.dequantize`'s values give, logit for logit."""
+    config = mk.preset("tiny-gpt-oss")
+    params = mk.init_params(config, 0, dict(experts="fp4"))
+    prompt = np.random.default_rng(0).integers(0, config.vocab, (2, 6))
+    whole = exactness.expect(config, quant.dequantize(params), prompt, 4)
+    layered = exactness.expect(config, params, prompt, 4)
+    np.testing.assert_array_equal(layered.tokens, whole.tokens)
+    np.testing.assert_array_equal(layered.logits, whole.logits)
+    wrong = whole.tokens.copy()
+    wrong[0, 1] = (wrong[0, 1] + 1) % config.vocab
+    assert exactness.judge(config, params, prompt, wrong).wrong >= 1
