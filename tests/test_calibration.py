@@ -147,13 +147,14 @@ def test_one_dispatched_steps_add_the_hosts_call_when_the_cache_was_donated(tmp_
     assert calibration.call_seconds(calibration.load_steps(path)) is None
 
 
-def test_the_steps_benchmark_imports_on_a_machine_without_plotly():
+@pytest.mark.parametrize("script", ["tpu_steps", "tpu_models"])
+def test_the_chips_benchmarks_import_on_a_machine_without_plotly(script):
     """A bare TPU machine has jax but not plotly or IPython (../shared/PLATFORM.md): the
-    benchmark that writes the record, and `mk.calibration` under it, must not need them
-    (the table that shows the record is `mk.ledger.steps_table`)."""
+    benchmarks that write its records, and `mk.calibration` under them, must not need them
+    (the table that shows the steps record is `mk.ledger.steps_table`)."""
     root = Path(__file__).resolve().parent.parent
     code = ("import sys\nfor m in ('plotly', 'IPython'): sys.modules[m] = None\n"
-            f"sys.path.insert(0, {str(root / 'benchmarks')!r})\nimport tpu_steps\n")
+            f"sys.path.insert(0, {str(root / 'benchmarks')!r})\nimport {script}\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -1,0 +1,162 @@
+"""Run whole models that fill one TPU, each judged against the CPU reference (issue 60).
+
+For each row of `ROWS` (a preset, its weight formats, B and the cache's capacity): random
+weights in the model's real shapes and formats, made on the host (`mk.init_params` with
+formats: drawn as codes); the reference's greedy run on the host's CPU
+(`mk.exactness.expect`, the quantised params dequantised a layer at a time); the
+megakernel's `steps` greedy tokens on the chip (`mk.megakernel.generate`, device loops of
+8) judged against it (`mk.exactness.judge`); the chip's peak memory
+(`memory_stats()["peak_bytes_in_use"]`) beside what the plan counts for the whole
+generate (`DecodePlan.fits(prompt=)`); and the generate's wall time, compiles included
+(not a step's time: benchmarks/tpu_steps.py times steps). Each row runs in a process of
+its own, so a peak is that row's alone and an out-of-memory ends only its row (kept with
+its error); the record data/measured/<chip>-models.json (or $MK_MEASURED) is rewritten
+after every row, keeping the rows of earlier commits this run did not measure again
+(same chip and versions).
+
+    MK_TPU=1 MK_COMMIT=<sha> python benchmarks/tpu_models.py [--rows 0 2] [--steps 8]
+
+On a CPU it refuses (nothing here would be a TPU's); --interpret runs `INTERPRET_ROWS`
+(tiny models, interpret mode) into the record --json names, never under data/measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `mk` importable from a checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import mk  # noqa: E402
+from mk import exactness, measure, megakernel, quant, untrusted  # noqa: E402
+from mk.chips import chip_of  # noqa: E402
+from mk.kernels.plan import DecodePlan  # noqa: E402
+
+# (preset, {format group: scheme}, B, context): the issue's models that fill a v5e
+ROWS = (
+    ("qwen3-4b", {}, 1, 1024),
+    ("qwen3-8b", dict(dense="int8", lm_head="int8"), 1, 1024),
+    ("gpt-oss-20b", dict(experts="fp4"), 1, 1024),
+    ("qwen3-30b-a3b", dict(dense="int4", experts="int4", lm_head="int4"), 1, 1024),
+)
+INTERPRET_ROWS = (("tiny", dict(dense="int8"), 2, 64),
+                  ("tiny-gpt-oss", dict(experts="fp4"), 1, 64))
+PROMPT = 8  # prompt tokens per sequence
+PROVENANCE = ("commit", "when")  # a row's own: rows of earlier commits are kept
+GIB = 2**30
+
+
+def run_row(preset: str, formats: dict, batch: int, context: int, steps: int,
+            backend: str) -> dict:
+    """One row, in this process: the verdict of the chip's tokens, the peak memory and
+    the plan's count in GiB, the wall time of the generate."""
+    row = dict(model=preset, formats=formats, batch=batch, context=context, steps=steps)
+    config = mk.preset(preset)
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        params = mk.init_params(config, 0, formats)
+        prompt = np.random.default_rng(0).integers(0, config.vocab, (batch, PROMPT))
+        start = time.perf_counter()
+        expected = exactness.expect(config, params, prompt, steps, max_context=context)
+        row["reference_s"] = round(time.perf_counter() - start, 1)
+    device = jax.devices()[0]
+    if device.platform == "tpu":
+        plan = DecodePlan.make(config, batch=batch, context=context,
+                               formats=quant.formats_of(params))
+        fit = plan.fits(chip_of(device.device_kind), prompt=PROMPT)
+        row |= dict(planned_gib=round(fit.hbm_bytes / GIB, 2),
+                    limit_gib=round(fit.hbm_limit_bytes / GIB, 2))
+    start = time.perf_counter()
+    tokens = np.asarray(megakernel.generate(config, params, prompt, steps, backend=backend,
+                                            max_context=context, steps_per_call=8))
+    row["generate_s"] = round(time.perf_counter() - start, 1)
+    if device.platform == "tpu":
+        row["peak_gib"] = round(device.memory_stats()["peak_bytes_in_use"] / GIB, 2)
+    with jax.default_device(cpu):
+        row |= exactness.judge(config, params, prompt, tokens, expected=expected).to_dict()
+    return row
+
+
+def _child(index: int, table, steps: int, backend: str, timeout: float) -> dict:
+    """Row `index` of `table` run by this script in a fresh process (its own peak)."""
+    preset, formats, batch, context = table[index]
+    row = dict(model=preset, formats=formats, batch=batch, context=context, steps=steps)
+    argv = [sys.executable, __file__, "--one", str(index), "--steps", str(steps)]
+    try:
+        done = subprocess.run(argv + (["--interpret"] if backend == "interpret" else []),
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return row | dict(error=f"no result within {timeout:.0f} s")
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode or not lines:
+        return row | dict(error=f"exit {done.returncode}: {done.stderr.strip()[-400:]}")
+    return json.loads(lines[-1])
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", nargs="+", type=int, help="indices into ROWS (default: all)")
+    p.add_argument("--steps", type=int, default=8, help="greedy tokens per sequence")
+    p.add_argument("--timeout", type=float, default=540, help="seconds a row may take")
+    p.add_argument("--interpret", action="store_true",
+                   help="on a CPU: the tiny rows in interpret mode (not a TPU's)")
+    p.add_argument("--json", type=Path, help="where the record goes")
+    p.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a row's own process
+    args = p.parse_args(argv)
+    table = INTERPRET_ROWS if args.interpret else ROWS
+    backend = "interpret" if args.interpret else "hardware"
+    if args.one is not None:
+        print(json.dumps(run_row(*table[args.one], args.steps, backend)), flush=True)
+        return
+    made = measure.provenance()
+    if args.interpret:
+        if args.json is None or args.json.stem.split("-")[0] in measure.TPU_NAMES:
+            p.error("--interpret needs --json, a path not named for a TPU")
+        made |= dict(label=measure.INTERPRET_LABEL)
+    elif made["chip"] is None:
+        p.error(f"no TPU here ({made['device_kind']}); --interpret tries the script")
+    else:
+        made |= dict(label=f"measured on {made['device_kind']}")
+    path = args.json or measure.MEASURED / f"{made['chip']}-models.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = {_key(r): r for r in _earlier_rows(path, made)}
+    for i in args.rows if args.rows else range(len(table)):
+        row = _child(i, table, args.steps, backend, args.timeout)
+        row |= {f: made[f] for f in PROVENANCE}
+        rows[_key(row)] = row
+        print(json.dumps(row), flush=True)
+        path.write_text(json.dumps(made | dict(rows=list(rows.values())), indent=1) + "\n",
+                        encoding="utf-8")
+    print(f"wrote {path}")
+
+
+def _key(row: dict) -> tuple:
+    return (row["model"], json.dumps(row["formats"], sort_keys=True), row["batch"],
+            row["context"])
+
+
+def _earlier_rows(path: Path, made: dict) -> list[dict]:
+    """The rows of a record at `path` from the same chip and versions (any commit)."""
+    if not path.exists():
+        return []
+    earlier = untrusted.load_json(path, "a models record")
+    if not isinstance(earlier, dict) or not isinstance(earlier.get("rows"), list) or not all(
+            isinstance(r, dict) and {"model", "formats", "batch", "context"} <= r.keys()
+            for r in earlier["rows"]):
+        raise ValueError(f"{path}: must be an object with a list 'rows' of objects with "
+                         "model, formats, batch and context")
+    if not all(earlier.get(f) == made[f] for f in ("chip", "jax", "libtpu")):
+        return []
+    return earlier["rows"]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""benchmarks/tpu_models.py (issue 60) without a TPU: it refuses to write a chip's record
+off a chip, and refuses a malformed record rather than merging it. Its rows run in
+`make test-slow` in interpret mode (tests/test_tpu.py's tier judges the kernels on a chip;
+this script's own rows run only there)."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import tpu_models  # noqa: E402
+
+from mk import backend  # noqa: E402
+
+
+@pytest.mark.skipif(backend.on_tpu(), reason="on a TPU main([]) would run every row")
+def test_off_a_tpu_it_refuses_unless_interpret_mode_is_asked_for(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        tpu_models.main([])
+    assert "no TPU here" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tpu_models.main(["--interpret", "--json", str(tmp_path / "v5e-models.json")])
+    assert "a path not named for a TPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("record", [[], {"rows": {}}, {"rows": [{"model": "tiny"}]}])
+def test_a_malformed_record_is_refused_naming_the_file(tmp_path, record):
+    path = tmp_path / "models.json"
+    path.write_text(json.dumps(record))
+    with pytest.raises(ValueError, match="models.json: must be an object with a list 'rows'"):
+        tpu_models._earlier_rows(path, dict(chip=None, jax="", libtpu=""))
+
+
+@pytest.mark.slow
+def test_the_interpret_rows_are_exact(tmp_path):
+    """Each interpret row in its own process, judged exact, the record written."""
+    path = tmp_path / "interpret-models.json"
+    tpu_models.main(["--interpret", "--json", str(path), "--steps", "4"])
+    rows = json.loads(path.read_text())["rows"]
+    assert len(rows) == len(tpu_models.INTERPRET_ROWS)
+    assert all(r.get("exact") == r.get("total") for r in rows), rows
