@@ -150,6 +150,13 @@ def test_a_wrong_up_rotation_is_caught_against_the_kernels_split():
             course.check_up_rotation(32)
 
 
+def test_check_up_rotation_outside_backend_use_says_where_to_run_it():
+    """Run on the CPU outside `backend.use`, the check says to enter interpret mode (issue
+    65: it failed deep in Pallas lowering)."""
+    with pytest.raises(ValueError, match=r"inside `with mk.backend.use\('interpret'\):`"):
+        course.check_up_rotation(96)
+
+
 def test_check_tokens_names_the_first_difference():
     course.check_tokens("tp", np.array([[1, 2, 3]]), np.array([[1, 2, 3]]))
     with pytest.raises(course.ExerciseFailed, match="sequence 0, step 2: got 4, reference 3"):
