@@ -110,6 +110,14 @@ def check_rows(batch: int, rows: int = 1) -> int:
     return batch * rows
 
 
+def check_config(config) -> ModelConfig:
+    """`config` after checking it is a ModelConfig (a preset's name is not one)."""
+    if not isinstance(config, ModelConfig):
+        raise ValueError(f"config={shown(config)} must be a ModelConfig (mk.preset(name), "
+                         "mk.ModelConfig.from_hf)")
+    return config
+
+
 def check_formats(config: ModelConfig, formats) -> dict[str, str]:
     """A `formats` dict ({format group: scheme or None}, or its items) checked against
     `config` -> {group: scheme} of the groups stored quantised (None: left in `dtype`)."""

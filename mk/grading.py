@@ -55,7 +55,14 @@ def learners_code(what: str, expected: str):
         raise
     except Exception as err:  # noqa: BLE001 - the student's code: any failure is theirs
         raise ExerciseFailed(f"{what} raised {type(err).__name__}: "
-                             f"{shown(str(err), 300)}; expected {expected}") from err
+                             f"{shown(_last_words(err), 300)}; expected {expected}") from err
+
+
+def _last_words(err: Exception) -> str:
+    """`err`'s text; of one carrying a traceback's text (an error inside a JAX callback:
+    interpret mode's bounds checks), only its last line, the inner error itself."""
+    text = str(err).strip()
+    return text.splitlines()[-1] if "Traceback (most recent call last)" in text else text
 
 
 def _name(fn) -> str:

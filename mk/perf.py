@@ -27,7 +27,7 @@ import numpy as np
 from mk import feed_costs
 from mk.cache import bytes_per_position, state_bytes_per_sequence
 from mk.chips import ChipSpec, spec_of
-from mk.config import DTYPE_BITS, ModelConfig, check_formats, positive_int
+from mk.config import DTYPE_BITS, ModelConfig, check_config, check_formats, positive_int
 from mk.kernels.collectives import ICI_LATENCY_S, PARTIAL_SUM_BYTES, allreduce_s
 from mk.kernels.one_layer import model_block
 from mk.kernels.plan import capacity, packed_formats, padded_vocab, shard_config
@@ -222,8 +222,7 @@ class StepEstimate(_Throughput):
 
 
 def _validate_step(config, batch, rows, context, tp, accepted, routing, compute):
-    if not isinstance(config, ModelConfig):
-        raise ValueError(f"config={config!r} must be a ModelConfig")
+    check_config(config)
     for field, value in (("batch", batch), ("rows", rows), ("tp", tp)):
         positive_int(field, value)
     if isinstance(context, bool) or not isinstance(context, (int, np.integer)) or context < 0:

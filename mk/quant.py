@@ -301,16 +301,10 @@ def quantize(config: ModelConfig, params: dict, *, dense: str | None = None,
     another group may be a `QuantWeight` already (kept, its values checked:
     `check_values`); one of a chosen group may not."""
     chosen = check_quantisable(config, dict(dense=dense, experts=experts, lm_head=lm_head))
+    # The model's tensors, each of its shape and dtype (a list or None is no weight):
+    # named here, not a bare KeyError half-way through or a weight quantised as it came.
+    reference.check_params(config, params, "mk.quantize", quantised=True)
     shapes = param_shapes(config)
-    if not hasattr(params, "keys"):
-        raise ValueError(f"params is a {type(params).__name__}; expected a dict of "
-                         f"{config.name}'s tensors")
-    missing = [name for name in shapes if name not in params]
-    if missing:  # named here, not a bare KeyError half-way through
-        shape, dtype = shapes[missing[0]]
-        raise ValueError(f"params has no {missing[0]!r}, which {config.name} needs "
-                         f"({dtype}{list(shape)}); {len(missing)} of its {len(shapes)} "
-                         "tensors are missing")
     for group, scheme in chosen.items():  # every problem before any work
         for name in FORMAT_GROUPS[group]:
             if name in shapes:

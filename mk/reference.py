@@ -461,10 +461,13 @@ def check_params(config: ModelConfig, params, entry: str = "mk.reference", *,
     if not hasattr(params, "keys"):
         raise ValueError(f"params is a {type(params).__name__}; expected a dict of "
                          f"{config.name}'s tensors {sorted(want)}")
+    missing = [name for name in want if name not in params]
+    if missing:
+        shape, dtype = want[missing[0]]
+        raise ValueError(f"params has no {missing[0]!r}, which {config.name} needs "
+                         f"({dtype}{list(shape)}); {len(missing)} of its {len(want)} "
+                         "tensors are missing")
     for name, (shape, dtype) in want.items():
-        if name not in params:
-            raise ValueError(f"params has no {name!r}, which {config.name} needs "
-                             f"({dtype}{list(shape)})")
         got = params[name]
         if hasattr(got, "scheme") and quantised:  # dtypes: its layout's (check_layout)
             if tuple(got.shape) != shape:
@@ -476,7 +479,10 @@ def check_params(config: ModelConfig, params, entry: str = "mk.reference", *,
                              f"plain {dtype} weights: pass mk.quant.dequantize(params), or "
                              "decode with mk.megakernel.generate, which streams quantised "
                              "weights")
-        got_shape, got_dtype = tuple(getattr(got, "shape", ())), str(getattr(got, "dtype", ""))
+        if not (hasattr(got, "shape") and hasattr(got, "dtype")):
+            raise ValueError(f"params[{name!r}] is a {type(got).__name__}, not an array; "
+                             f"{config.name} needs {dtype}{list(shape)}")
+        got_shape, got_dtype = tuple(got.shape), str(got.dtype)
         if got_shape != shape or got_dtype != dtype:
             raise ValueError(f"params[{name!r}] is {got_dtype}{list(got_shape)}; "
                              f"{config.name} needs {dtype}{list(shape)}")

@@ -23,7 +23,7 @@ import os
 import numpy as np
 
 from mk import reference, untrusted
-from mk.config import ModelConfig, positive_int
+from mk.config import ModelConfig, check_config, positive_int
 from mk.errors import shown
 
 FIELDS = ("model", "tokens", "per_token", "counts")
@@ -72,6 +72,7 @@ class RoutingTrace:
     def check_model(self, config: ModelConfig) -> RoutingTrace:
         """Itself, after checking it describes `config`'s routers: its MoE layer count,
         experts and experts per token (a trace of another model is refused by field)."""
+        check_config(config)
         for field, mine, theirs in (("MoE layers", len(self.counts), len(config.moe_layers)),
                                     ("experts", self.experts, config.experts),
                                     ("per_token", self.per_token, config.experts_per_token)):

@@ -26,7 +26,7 @@ import numbers
 
 from mk import feed_costs, perf, quant
 from mk.chips import ChipSpec, spec_of
-from mk.config import (DTYPE_BITS, ModelConfig, check_formats, positive_int)
+from mk.config import (DTYPE_BITS, ModelConfig, check_config, check_formats, positive_int)
 from mk.kernels.common import BlockSizes
 from mk.kernels.mlp import expert_slots
 from mk.kernels.plan import DecodePlan, model_stream, ring_slots
@@ -372,8 +372,7 @@ def simulate(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows:
     layer).
     """
     spec = _tpu(chip)
-    if not isinstance(config, ModelConfig):
-        raise ValueError(f"config={config!r} must be a ModelConfig")
+    check_config(config)
     positive_int("rows", rows)
     _check_context(config, context, rows)
     perf.check_routing(routing, config)  # a trace of another model, as perf.predict

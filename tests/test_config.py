@@ -170,9 +170,28 @@ def test_from_hf_rejects_other_model_types_and_missing_fields():
 
 
 def test_from_hf_rejects_what_the_reference_does_not_implement():
-    with pytest.raises(NotImplementedError, match="rope scaling"):
-        ModelConfig.from_hf(_hf_qwen3(rope_parameters={"rope_theta": 1e6,
-                                                       "rope_type": "yarn"}))
+    for kind in ("rope_type", "type"):  # `type`: transformers' older spelling
+        with pytest.raises(NotImplementedError, match="rope scaling 'yarn'"):
+            ModelConfig.from_hf(_hf_qwen3(rope_parameters={"rope_theta": 1e6, kind: "yarn"}))
+
+
+def _hf_gpt_oss(**rope) -> dict:
+    return dict(model_type="gpt_oss", vocab_size=512, hidden_size=256, intermediate_size=256,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=128, num_local_experts=4, num_experts_per_tok=2, rms_norm_eps=1e-5,
+                max_position_embeddings=4096, sliding_window=128,
+                layer_types=["sliding_attention", "full_attention"],
+                rope_parameters={"factor": 32.0, "original_max_position_embeddings": 4096,
+                                 "rope_theta": 1.5e5, **rope})
+
+
+def test_a_yarn_block_spelt_with_the_older_type_key_is_still_yarn():
+    """transformers reads rope_parameters' `type` where `rope_type` is absent; mk read
+    such a block as plain RoPE and dropped YaRN's scaling (issue 65)."""
+    yarn = ModelConfig.from_hf(_hf_gpt_oss(rope_type="yarn")).yarn
+    assert yarn is not None and yarn.factor == 32
+    assert ModelConfig.from_hf(_hf_gpt_oss(type="yarn")).yarn == yarn
+    assert ModelConfig.from_hf(_hf_gpt_oss()).yarn is None  # neither key: "default"
 
 
 def _hf_kimi(**extra) -> dict:
@@ -233,6 +252,10 @@ MALFORMED = {
     "first_k_dense_replace": (_hf_kimi(), "first_k_dense_replace", "x"),
     "qk_rope_head_dim": (_hf_kimi(), "qk_rope_head_dim", "x"),
     "routed_scaling_factor": (_hf_kimi(), "routed_scaling_factor", {}),
+    # and numbers float() took silently: true as 1.0, a string of digits
+    "rms_norm_eps true": (_hf_qwen3(), "rms_norm_eps", True),
+    "routed_scaling_factor string": (_hf_kimi(), "routed_scaling_factor", "2.5"),
+    "yarn factor string": (_hf_gpt_oss(rope_type="yarn"), "rope_parameters.factor", "32"),
 }
 
 
@@ -242,6 +265,8 @@ def test_from_hf_names_a_malformed_field_instead_of_crashing(case):
     if field.startswith("linear_attn_config."):
         hf = hf | {"layer_types": None, "linear_attn_config": {
             "full_attn_layers": value, "kda_layers": [1, 2, 3]}}
+    elif field.startswith("rope_parameters."):
+        hf = hf | {"rope_parameters": hf["rope_parameters"] | {field.split(".")[1]: value}}
     else:
         hf = hf | {field: value}
     with pytest.raises(ValueError, match=re.escape(field)):

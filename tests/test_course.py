@@ -25,7 +25,7 @@ import pytest
 
 import mk
 import mk.kernels.common
-from mk import backend, course, ops, reference, sim, spec, teach
+from mk import backend, course, grading, ops, reference, sim, spec, teach
 from mk.kernels import attention_prologue as prologue_module
 from mk.kernels import collectives, mlp, one_layer, ring
 from mk.kernels.attention_prologue import attention_prologue
@@ -148,6 +148,13 @@ def test_a_wrong_up_rotation_is_caught_against_the_kernels_split():
         course.check_up_rotation(96)
         with pytest.raises(course.ExerciseFailed, match="up's lanes after your rotation"):
             course.check_up_rotation(32)
+
+
+def test_check_up_rotation_outside_backend_use_says_where_to_run_it():
+    """Run on the CPU outside `backend.use`, the check says to enter interpret mode (issue
+    65: it failed deep in Pallas lowering)."""
+    with pytest.raises(ValueError, match=r"inside `with mk.backend.use\('interpret'\):`"):
+        course.check_up_rotation(96)
 
 
 def test_check_tokens_names_the_first_difference():
@@ -491,6 +498,20 @@ def test_every_check_fails_any_wrong_answer_saying_what_came_back(check, name, a
 def test_check_tokens_fails_one_token_against_another():
     with pytest.raises(course.ExerciseFailed, match="its only token: got 3, reference 4"):
         course.check_tokens("t", 3, 4)
+
+
+def test_an_error_inside_a_jax_callback_is_shown_by_its_inner_error_not_a_traceback():
+    """Interpret mode raises a learner's out-of-bounds slot inside a callback: the message
+    is JAX's traceback text, whose last line (cut off at 300 characters) says what broke."""
+    inner = ("INTERNAL: CpuCallback error calling callback: Traceback (most recent call "
+             "last):\n" + '  File "interpret_pallas_call.py", line 663, in get\n' * 9
+             + "IndexError: Out-of-bounds read of (0 0 vmem 149): reading [(7, ...)] but "
+               "buffer has shape (3, 128, 512).")
+    with pytest.raises(course.ExerciseFailed, match=r"your slot raised RuntimeError: "
+                       r"'IndexError: Out-of-bounds read .* \(3, 128, 512\)\.'") as failed:
+        with grading.learners_code("your slot", "a slot of the ring"):
+            raise RuntimeError(inner)
+    assert "Traceback" not in str(failed.value)
 
 
 def test_course_helpers_refuse_a_key_or_seed_of_the_wrong_type_by_name():

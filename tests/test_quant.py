@@ -196,6 +196,14 @@ def test_quantize_rejects_bad_families_and_shapes_by_name():
         mk.quantize(TINY, without_wk, dense="int8")
     with pytest.raises(ValueError, match="params is a list"):
         mk.quantize(TINY, list(params), dense="int8")
+    for wk, got in ((params["wk"][:, :128], r"bfloat16\[2, 128, 256\]"),  # were quantised
+                    (params["wk"].astype(jnp.float32), r"float32\[2, 256, 256\]"),
+                    ([[1.0]], "a list, not an array"), (None, "a NoneType, not an array")):
+        with pytest.raises(ValueError, match=rf"params\['wk'\] is {got}; tiny needs "
+                                             r"bfloat16\[2, 256, 256\]"):
+            mk.quantize(TINY, params | {"wk": wk}, dense="int8")
+    with pytest.raises(ValueError, match="params has 'zz', which tiny has no place for"):
+        mk.quantize(TINY, params | {"zz": params["wk"]}, dense="int8")
     low_rank_q = dataclasses.replace(mk.preset("tiny-kimi"), q_rank=128)  # wq DMA'd whole
     with pytest.raises(NotImplementedError, match=r"wq \(mla, path 'dma'\) would be stored"):
         mk.quantize(low_rank_q, mk.init_params(low_rank_q), dense="int8")

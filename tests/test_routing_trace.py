@@ -122,6 +122,18 @@ def test_a_trace_of_another_model_is_refused_by_field():
         routing_trace.record(mk.preset("tiny"), None, [[1]])
 
 
+def test_a_presets_name_where_a_config_belongs_is_refused_by_name(tmp_path):
+    """A name is no ModelConfig: refused naming it (loading a trace against one raised
+    AttributeError: 'str' object has no attribute 'moe_layers')."""
+    path = tmp_path / "trace.json"
+    routing_trace.save(_trace([[1, 1]], 2, per_token=1), path)
+    message = "config='tiny-moe' must be a ModelConfig"
+    with pytest.raises(ValueError, match=message):
+        routing_trace.load(path, "tiny-moe")
+    with pytest.raises(ValueError, match=message):
+        sim.simulate("tiny-moe", "v6e")
+
+
 @pytest.mark.parametrize("fields, match", [
     ({"model": "m", "tokens": 2, "per_token": 1}, "fields .* must be exactly"),
     ({"model": "m", "tokens": 2, "per_token": 1, "counts": [[1, 1]], "x": 1},

@@ -18,7 +18,9 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -323,6 +325,43 @@ def test_a_read_only_or_full_out_ends_with_a_message_and_exit_3(typed, tmp_path,
                        "--no-cache")
     assert code == 3 and "Traceback" not in text
     assert f"writing under --out {tmp_path} failed: {err.strerror}: {err.filename}" in text
+
+
+
+# A run in a child process whose --out is a tmpfs of its own user and mount namespace:
+# read-only, or filled to the last byte, so every write the runner makes meets the fault.
+_FAULTED = """import pathlib, sys, pytest
+sys.path[:0] = [{tests!r}]
+import test_site_safety as t
+t._fake_run(pytest.MonkeyPatch(), lambda run_dir: None)
+code, text = t._main({notebook!r}, "--out", {out!r}, "--runs", {runs!r}, "--no-cache")
+print(code, len(list(pathlib.Path({out!r}).glob("runs/*/runs.json"))), text)"""
+_FAULTS = {"read-only": "mount -o remount,ro {out}",
+           "full": "head -c 1M /dev/zero > {out}/filler 2>/dev/null; true"}
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or subprocess.run(
+    ["unshare", "-r", "-m", "true"], capture_output=True).returncode != 0,
+    reason="needs unprivileged user namespaces (unshare -r -m) to mount a faulty --out")
+@pytest.mark.parametrize("fault, message", [("read-only", "Read-only file system"),
+                                            ("full", "No space left on device")])
+def test_a_real_read_only_or_full_out_ends_with_exit_3_and_no_run_record(typed, tmp_path,
+                                                                         fault, message):
+    """Every write meets the fault (the lock file first): a message, exit 3, and no
+    runs.json a later index would trust (a record half-written stays runs.json.partial)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (tmp_path / "runs.yaml").write_text("")
+    code = _FAULTED.format(tests=str(ROOT / "tests"), notebook=str(typed), out=str(out),
+                           runs=str(tmp_path / "runs.yaml"))
+    shell = (f"mount -t tmpfs -o size=64k none {out} && {_FAULTS[fault].format(out=out)} && "
+             f'exec "$0" -c "$1"')
+    done = subprocess.run(["unshare", "-r", "-m", "sh", "-c", shell, sys.executable, code],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.stdout.startswith("3 0 "), done.stdout + done.stderr  # exit 3, no record
+    assert f"writing under --out {out} failed: {message}" in done.stdout, done.stdout
+    assert "Traceback" not in done.stdout + done.stderr
 
 
 # -- Payloads through a real site -----------------------------------------------------------

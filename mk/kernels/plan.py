@@ -30,8 +30,8 @@ from mk import quant, unpack
 from mk.layer_values import EXPERT_SLICE
 from mk.cache import state_bytes_per_sequence
 from mk.chips import ChipSpec, spec_of
-from mk.config import (DTYPE_BITS, PADDED_FIELDS, ModelConfig, check_formats, check_rows,
-                       positive_int)
+from mk.config import (DTYPE_BITS, PADDED_FIELDS, ModelConfig, check_config, check_formats,
+                       check_rows, positive_int)
 from mk.kernels.collectives import (PARTIAL_SUM_BYTES, allreduce_s, choose_algorithm,
                                     collective_buffers, collective_semaphores)
 from mk.kernels.common import (KV_TILE, LANES, SLOTS, VMEM_HEADROOM, VMEM_ROOM, BlockSizes,
@@ -298,8 +298,7 @@ class DecodePlan:
         scheme cannot reach exactly, is a ValueError here). `collective`: the algorithm
         of the in-kernel collectives (`mk.kernels.collectives.ALGORITHMS`), default the
         one of fewer message rounds at this tp (`choose_algorithm`)."""
-        if not isinstance(config, ModelConfig):
-            raise ValueError(f"config={config!r} must be a ModelConfig")
+        check_config(config)
         tp, M = check_tp(config, tp), check_rows(batch, rows)  # a bad tp named first
         if (context is None) == (position is None):
             raise ValueError(f"context={context!r}, position={position!r}: give one, the "

@@ -77,11 +77,10 @@ class HfConfig:
 
     def number(self, key: str, value) -> float:
         """`value` (the file's `key`) as a float; raises ValueError naming it when it is
-        not a number."""
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"{self.where}: {key}={shown(value)} must be a number") from None
+        not a JSON number (float() would take true and "32")."""
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ValueError(f"{self.where}: {key}={shown(value)} must be a number")
+        return float(value)
 
     def table(self, key: str) -> dict:
         """The file's `key`, a JSON object ({} when absent or null)."""
@@ -165,7 +164,7 @@ def gqa(hf: HfConfig, got: dict) -> dict:
                              f"hidden_size={hidden} and no head_dim is given")
         head_dim = hidden // heads
     rope = hf.table("rope_parameters")
-    rope_type = rope.get("rope_type", "default")
+    rope_type = rope_kind(rope)
     if rope_type != "default" or hf.get("rope_scaling"):
         raise NotImplementedError(f"{hf.where}: rope scaling {shown(rope_type)} / "
                                   f"{shown(hf.get('rope_scaling'))} is not implemented")
@@ -261,11 +260,17 @@ def sink_gqa(hf: HfConfig, got: dict) -> dict:
                 yarn=yarn(hf, rope))
 
 
+def rope_kind(rope: dict) -> str:
+    """rope_parameters' rope_type, else its older spelling `type`, else "default", as
+    transformers reads them (a YaRN block spelt `type` is still YaRN)."""
+    return rope.get("rope_type", rope.get("type", "default"))
+
+
 def yarn(hf: HfConfig, rope: dict) -> dict | None:
     """rope_parameters' YaRN scaling (`mk.config.Yarn`'s fields, which check them), or
     None for rope_type "default"; another type, or DeepSeek's mscale / mscale_all_dim, is
     refused."""
-    kind = rope.get("rope_type", "default")
+    kind = rope_kind(rope)
     if kind == "default":
         return None
     if kind != "yarn" or rope.get("mscale") or rope.get("mscale_all_dim"):
