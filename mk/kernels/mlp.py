@@ -15,10 +15,9 @@ Here: the bodies (`swiglu_body`, `moe_body` and its steps `route_experts`,
 `latent_moe_body`), their stream segments and Fetch callables, the buffer lists, the
 MoE layer's small DMAs by name (`MOE_SMALL_LOADS`, `small_sem`), and the stage wrappers
 `swiglu` / `moe`. Not here: the norm before the MLP and the residual add (the layer
-kernel), expert capacity limits. The
-four routing steps, the ring's invariant around routing and each variant:
-docs/design/mk.kernels.mlp.md. The latent MoE has no stage kernel (it runs in the
-megakernel only).
+kernel), expert capacity limits, a stage kernel of the latent MoE (the megakernel's
+only). The four routing steps, the ring's invariant around routing and each variant:
+docs/design/mk.kernels.mlp.md.
 """
 
 from __future__ import annotations

@@ -89,10 +89,9 @@ class LatentMoE(MoE):
 
     # -- Its cost (`mk.perf`)
     def params(self) -> int:
-        """`MoE`'s router and X experts (each 3 Lt Fe), with latent_down and latent_up."""
-        c = self.config
-        D, Lt = c.hidden, c.moe_latent
-        return D * c.experts + c.experts_per_token * 3 * Lt * c.expert_ffn + 2 * D * Lt
+        """`MoE`'s router and X experts (each 3 Lt Fe: `expert_params`), with latent_down
+        and latent_up."""
+        return super().params() + 2 * self.config.hidden * self.config.moe_latent
 
     def mxu_passes(self, batch: int, rows: int, context: int, touched: float) -> list:
         """`MoE`'s (its experts' slot elements on Lt), with latent_down and latent_up over

@@ -12,7 +12,7 @@ splits the router by experts (`mk.kernels.routing.router_columns`), a device's E
 and its logits are all-gathered (`route_gather`). Its shared expert streams through the
 ring before routing, its expert slots after (`mk.kernels.mlp.moe_body`). Not here: the
 kernels' bodies (`mk.kernels.mlp`), the loop over kinds
-(`mk.kernels.one_layer.layer_body`).
+(`mk.kernels.one_layer.layer_body`), Kimi K3's latent MoE (`mk.kinds.latent`).
 """
 
 from __future__ import annotations
