@@ -19,8 +19,15 @@ the log-decay spreads over most of (-5, 0) (5 to 95 %: -4.5 to -0.5 on the promp
 rows) and scales with the bound; a control shows another bound, and a zero gate, each
 change the reference's tokens.
 
+`latent_moe` (the routed SiTU experts on a latent, its sum RMS-normed and projected back):
+tiny-kimi cut to two MLA layers, a dense layer (situ_dense: SiTU is the model's) then a
+latent MoE layer with a latent of 128. init_params' norms are 1 + N(0, 0.1^2); latent_norm's
+spread is widened to 0.5 so that a kernel dropping its scale changes the first 4 tokens. A
+control shows latent_norm's weights and latent_up each change the reference's tokens, and
+we_down's scale does not (the norm cancels it).
+
 Not covered by interpret mode: time and the scoped VMEM limit (the compile test covers
-lowering and capacity). Not run here: these kinds at tp > 1.
+lowering and capacity). Not run here: these kinds at tp > 1 (the latent MoE refuses it).
 """
 
 from __future__ import annotations
@@ -217,8 +224,9 @@ PLANTED_TOKENS = 4  # each planted bug changes one of the first 4 tokens (a chea
     pytest.param(p, marks=pytest.mark.slow) if p in SLOW_PLANTED else p for p in PLANTED])
 def test_a_planted_bug_in_a_k3_kind_diverges(planted, monkeypatch):
     """The guard of the token checks: the kernel's SiTU at other betas than the config's,
-    its MLA without the gate, or its K3 KDA under another bound or with SiLU's output
-    gate (the reference keeps them), decodes other tokens."""
+    its MLA without the gate, its K3 KDA under another bound or with SiLU's output gate,
+    or its latent MoE's norm without latent_norm's scale or its division, or SwiGLU
+    experts (the reference keeps them), decodes other tokens."""
     kind, cls, method, replacement = PLANTED[planted]
     config, params = MODELS[kind]()
     prompt, want = _reference(config, params, tokens=PLANTED_TOKENS)
@@ -300,7 +308,7 @@ def test_the_latent_moe_twin_streams_the_latent_and_costs_its_norm():
                                      tiny_latent_moe])
 def test_each_k3_kind_model_compiles_for_tpu(builder):
     """Mosaic lowers the kinds' new pieces (SiTU's tanh caps; the gate's ring segment and
-    sigmoid; the bounded decay's sigmoid and kda_g's segment) for the v5e at T = 4 (ahead
-    of time, on the CPU: ~2, ~6 and ~7 s)."""
+    sigmoid; the bounded decay's sigmoid and kda_g's segment; the latent's segments and
+    norm) for the v5e at T = 4 (ahead of time, on the CPU: ~2, ~8, ~7 and ~7 s)."""
     report = tpu.compile_megakernel(builder(), "v5e", batch=4, rows=4, context=1024)
     assert report.ok, report.error
