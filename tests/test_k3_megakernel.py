@@ -21,10 +21,12 @@ change the reference's tokens.
 
 `latent_moe` (the routed SiTU experts on a latent, its sum RMS-normed and projected back):
 tiny-kimi cut to two MLA layers, a dense layer (situ_dense: SiTU is the model's) then a
-latent MoE layer with a latent of 128. init_params' norms are 1 + N(0, 0.1^2); latent_norm's
-spread is widened to 0.5 so that a kernel dropping its scale changes the first 4 tokens. A
-control shows latent_norm's weights and latent_up each change the reference's tokens, and
-we_down's scale does not (the norm cancels it).
+latent MoE layer with a latent of 128. Its routed output is normed, so at init_params'
+scales a bug there rarely changes a token: the experts' gate and up are scaled as
+situ_model's (SiTU's caps bite), down x4 (the sum's RMS far from 1), latent_up x3 (the
+routed output weighs more in x) and latent_norm's spread about 1 widened from 0.1 to 0.5.
+A control shows latent_norm's weights and latent_up each change the reference's tokens,
+and we_down's scale does not (the norm cancels it).
 
 Not covered by interpret mode: time and the scoped VMEM limit (the compile test covers
 lowering and capacity). Not run here: these kinds at tp > 1 (the latent MoE refuses it).
@@ -80,11 +82,15 @@ def bounded_kda_model(**change):
 
 
 def latent_moe_model(**change):
-    """(config, params) of the latent-MoE model, float32, latent_norm's spread about 1
-    widened from init_params' 0.1 to 0.5 (module docstring)."""
+    """(config, params) of the latent-MoE model, float32, scaled so that each of its
+    pieces shows in the tokens (module docstring): the experts' gate and up as
+    situ_model's (x3, x20), down x4, latent_up x3, latent_norm's spread about 1 widened
+    from init_params' 0.1 to 0.5."""
     config = tiny_latent_moe(dtype="float32", **change)
-    params = mk.init_params(config)
-    return config, params | {"latent_norm": 1 + 5 * (params["latent_norm"] - 1)}
+    p = mk.init_params(config)
+    return config, p | {"we_gate": 3 * p["we_gate"], "we_up": 20 * p["we_up"],
+                        "we_down": 4 * p["we_down"], "latent_up": 3 * p["latent_up"],
+                        "latent_norm": 1 + 5 * (p["latent_norm"] - 1)}
 
 
 MODELS = {"situ_dense": situ_model, "gated_mla": gated_mla_model,
@@ -218,6 +224,10 @@ PLANTED = {  # a bug in a kind's kernel half: (kind, class, method, replacement)
 SLOW_PLANTED = ("situ_no_up_cap", "kda_silu_gate", "latent_norm_undivided",
                 "latent_swiglu_experts")
 PLANTED_TOKENS = 4  # each planted bug changes one of the first 4 tokens (a cheaper trace)
+# but the latent MoE's: its routed output is RMS-normed, so a bug there shows later (of
+# the 16 tokens, the reference under each of its bugs changes 13, 16 and 11; of the
+# first 4: 1, 4 and 0)
+PLANTED_TOKENS_OF = {"latent_moe": TOKENS}
 
 
 @pytest.mark.parametrize("planted", [  # CI: one planted bug a kind; `make test-slow` all
@@ -229,10 +239,11 @@ def test_a_planted_bug_in_a_k3_kind_diverges(planted, monkeypatch):
     experts (the reference keeps them), decodes other tokens."""
     kind, cls, method, replacement = PLANTED[planted]
     config, params = MODELS[kind]()
-    prompt, want = _reference(config, params, tokens=PLANTED_TOKENS)
+    tokens = PLANTED_TOKENS_OF.get(kind, PLANTED_TOKENS)
+    prompt, want = _reference(config, params, tokens=tokens)
     monkeypatch.setattr(cls, method, replacement)
     config = dataclasses.replace(config, name=f"planted-{planted}")  # a trace of its own
-    got = _megakernel(config, params, prompt, PLANTED_TOKENS)
+    got = _megakernel(config, params, prompt, tokens)
     assert (np.asarray(got) != np.asarray(want)).any()
 
 
