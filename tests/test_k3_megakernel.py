@@ -42,9 +42,10 @@ import pytest
 
 import mk
 import mk.megakernel as megakernel
-from mk import reference, sim, tpu
+from mk import perf, reference, sim, tpu
 from mk.kernels import deltanet
 from mk.kernels import mlp as mlp_kernels
+from mk.kernels.plan import DecodePlan
 from mk.kinds import attention as kinds_attention
 from mk.kinds import latent as kinds_latent
 from mk.kinds import linear as kinds_linear
@@ -313,6 +314,23 @@ def test_the_latent_moe_twin_streams_the_latent_and_costs_its_norm():
     assert _busy(got, "latent_norm") > 0 == _busy(plain, "latent_norm")
     assert _busy(got, "situ") > 0 == _busy(plain, "situ")
     assert _busy(got, "swiglu") == 0 < _busy(plain, "swiglu")
+
+
+def test_the_latent_moe_plan_simulator_and_perf_count_the_same_bytes():
+    """One row (exactly top-k experts active): the plan's ledger, the simulator's replay
+    and mk.perf's estimate of the latent model move the same bytes per weight family (the
+    kernel's own, DMA by DMA: tests/test_dma_order.py)."""
+    config = tiny_latent_moe()
+    plan = DecodePlan.make(config, batch=1, rows=1, context=config.max_context)
+    active = config.experts_per_token
+    ledger = {f: b for f, b in plan.weight_bytes(active).items() if b}
+    replay = sim.simulate(config, "v5e", batch=1, rows=1, context=37, block=plan.block,
+                          experts_active=active).family_bytes()
+    roof = perf.predict(config, "v5e", batch=1, rows=1, context=37, routing="shared")
+    by_perf = dict(attention=roof.attention_bytes, norms=roof.norm_bytes,
+                   dense_mlp=roof.dense_mlp_bytes, router=roof.router_bytes,
+                   experts=roof.expert_bytes, lm_head=roof.lm_head_bytes)
+    assert {f: replay[f] for f in ledger} == ledger == by_perf
 
 
 @pytest.mark.parametrize("builder", [tiny_situ, tiny_gated_mla, tiny_bounded_kda,
