@@ -9,8 +9,9 @@ slots on Lt, latent_up (`mk.kernels.mlp.latent_moe_segments`); the body:
 
 Not here: tensor parallelism (the norm of the latent sum needs the whole sum, which a
 device's share of each expert's columns does not give before an all-reduce: refused at tp
-> 1), a stage kernel (it runs in the megakernel only), gate|up joined experts at widths
-the plan does not join (`MoE.joined`'s rule, unchanged).
+> 1, so none of `MoE`'s shard layouts, a split router or gate|up joined, is exercised
+here), a stage kernel (it runs in the megakernel only), quantised latent_down/latent_up
+(`mk.weights` gives them no format group).
 """
 
 from __future__ import annotations
