@@ -518,8 +518,8 @@ class ModelConfig:
 
     @property
     def expert_params(self) -> int:
-        """Parameters of ONE expert (gate, up, down)."""
-        return 3 * self.hidden * self.expert_ffn
+        """Parameters of ONE expert (gate, up, down), on the latent MoE's latent if any."""
+        return 3 * (self.moe_latent or self.hidden) * self.expert_ffn
 
     # -- Hugging Face ---------------------------------------------------------------------
     @classmethod

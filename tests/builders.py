@@ -1,9 +1,10 @@
-"""Shared test inputs: tiny configs (`tiny_situ`, `tiny_gated_mla`, `tiny_bounded_kda`: one
-Kimi K3 kind each on an existing family) and Hugging Face checkpoint folders written
-without torch; `bar_count` reads what a text progress bar drew; `tiny_moe_in_ci` picks
-the preset CI runs; `quantised_cases` and `plant_double_scale` for the tests of kernels
-on quantised weights; `assert_verify_steps` feeds a perfect draft to the megakernel, T
-rows per step; `replay_tile_by_tile` switches the simulator's fast-forward off.
+"""Shared test inputs: tiny configs (`tiny_situ`, `tiny_gated_mla`, `tiny_bounded_kda`,
+`tiny_latent_moe`: one Kimi K3 kind each on an existing family) and Hugging Face
+checkpoint folders written without torch; `bar_count` reads what a text progress bar
+drew; `tiny_moe_in_ci` picks the preset CI runs; `quantised_cases` and
+`plant_double_scale` for the tests of kernels on quantised weights; `assert_verify_steps`
+feeds a perfect draft to the megakernel, T rows per step; `replay_tile_by_tile` switches
+the simulator's fast-forward off.
 
 The HF names below are spelled out by hand, independently of `mk.hf_layout.hf_layout`, so
 a round trip through them tests the loader's mapping rather than repeating it.
@@ -63,6 +64,17 @@ def tiny_bounded_kda(**change) -> ModelConfig:
     return dataclasses.replace(mk.preset("tiny-kimi"), **dict(
         name="tiny-bounded-kda", layers=2, layer_types=("linear", "linear"),
         moe_layers=(1,), **K3_KDA) | change)
+
+
+def tiny_latent_moe(**change) -> ModelConfig:
+    """tiny-kimi cut to two MLA layers (a dense layer then an MoE one) with Kimi K3's
+    latent MoE: its experts on a latent of 128 (half of D) under SiTU at K3's betas, one
+    expert group (K3's router). SiTU is the model's (situ_beta), so the dense layer is
+    situ_dense (a kind the kernel runs already): the latent_moe kind alone of K3's
+    others."""
+    return dataclasses.replace(mk.preset("tiny-kimi"), **dict(
+        name="tiny-latent-moe", layers=2, layer_types=("full", "full"), moe_layers=(1,),
+        expert_groups=1, topk_groups=1, moe_latent=128, **K3_SITU, **NO_LINEAR) | change)
 
 
 def tiny_moe_in_ci(fixture: str):

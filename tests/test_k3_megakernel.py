@@ -19,8 +19,17 @@ the log-decay spreads over most of (-5, 0) (5 to 95 %: -4.5 to -0.5 on the promp
 rows) and scales with the bound; a control shows another bound, and a zero gate, each
 change the reference's tokens.
 
+`latent_moe` (the routed SiTU experts on a latent, its sum RMS-normed and projected back):
+tiny-kimi cut to two MLA layers, a dense layer (situ_dense: SiTU is the model's) then a
+latent MoE layer with a latent of 128. Its routed output is normed, so at init_params'
+scales a bug there rarely changes a token: the experts' gate and up are scaled as
+situ_model's (SiTU's caps bite), down x4 (the sum's RMS far from 1), latent_up x3 (the
+routed output weighs more in x) and latent_norm's spread about 1 widened from 0.1 to 0.5.
+A control shows latent_norm's weights and latent_up each change the reference's tokens,
+and we_down's scale does not (the norm cancels it).
+
 Not covered by interpret mode: time and the scoped VMEM limit (the compile test covers
-lowering and capacity). Not run here: these kinds at tp > 1.
+lowering and capacity). Not run here: these kinds at tp > 1 (the latent MoE refuses it).
 """
 
 from __future__ import annotations
@@ -33,14 +42,18 @@ import pytest
 
 import mk
 import mk.megakernel as megakernel
-from mk import reference, sim, tpu
+from mk import perf, reference, sim, tpu
 from mk.kernels import deltanet
+from mk.kernels import mlp as mlp_kernels
+from mk.kernels.plan import DecodePlan
 from mk.kinds import attention as kinds_attention
+from mk.kinds import latent as kinds_latent
 from mk.kinds import linear as kinds_linear
 from mk.kinds import mlp as kinds_mlp
 from mk.kinds.layers import REFERENCE_ONLY, layer_kinds
 from mk.weights import param_shapes
-from builders import assert_verify_steps, tiny_bounded_kda, tiny_gated_mla, tiny_situ
+from builders import (assert_verify_steps, tiny_bounded_kda, tiny_gated_mla,
+                      tiny_latent_moe, tiny_situ)
 
 SLOW = pytest.mark.slow
 TOKENS, CONTEXT = 16, 128
@@ -69,8 +82,20 @@ def bounded_kda_model(**change):
     return config, mk.init_params(config)
 
 
+def latent_moe_model(**change):
+    """(config, params) of the latent-MoE model, float32, scaled so that each of its
+    pieces shows in the tokens (module docstring): the experts' gate and up as
+    situ_model's (x3, x20), down x4, latent_up x3, latent_norm's spread about 1 widened
+    from init_params' 0.1 to 0.5."""
+    config = tiny_latent_moe(dtype="float32", **change)
+    p = mk.init_params(config)
+    return config, p | {"we_gate": 3 * p["we_gate"], "we_up": 20 * p["we_up"],
+                        "we_down": 4 * p["we_down"], "latent_up": 3 * p["latent_up"],
+                        "latent_norm": 1 + 5 * (p["latent_norm"] - 1)}
+
+
 MODELS = {"situ_dense": situ_model, "gated_mla": gated_mla_model,
-          "bounded_kda": bounded_kda_model}
+          "bounded_kda": bounded_kda_model, "latent_moe": latent_moe_model}
 
 
 def _prompt(config, batch: int):
@@ -99,7 +124,8 @@ def _differs(config, params, want, **change) -> int:
 
 @pytest.mark.parametrize("kind, kinds", [("situ_dense", ["gqa", "situ_dense"]),
                                          ("gated_mla", ["gated_mla", "moe", "dense"]),
-                                         ("bounded_kda", ["bounded_kda", "moe", "dense"])])
+                                         ("bounded_kda", ["bounded_kda", "moe", "dense"]),
+                                         ("latent_moe", ["mla", "latent_moe", "situ_dense"])])
 def test_each_model_has_the_k3_kind_alone_and_the_kernel_runs_it(kind, kinds):
     config, _ = MODELS[kind]()
     assert kind not in REFERENCE_ONLY
@@ -137,6 +163,21 @@ def test_the_kda_bound_and_full_gate_each_change_the_reference_s_tokens():
     assert _differs(config, params | {"kda_g": 0 * params["kda_g"]}, want) > 0
 
 
+@pytest.mark.slow  # in CI the planted bugs guard the token checks
+def test_the_latent_norm_and_projection_each_change_the_reference_s_tokens():
+    """The control of the latent_moe checks: latent_norm's weights all ones, or latent_up
+    zero (no routed expert reaches D), each decodes other tokens; we_down x 3 does not (the
+    latent sum's RMS norm cancels its scale), so a kernel that skipped the norm's division
+    would fail them."""
+    config, params = latent_moe_model()
+    _, want = _reference(config, params)
+    ones, zero = ({n: f(params[n])} for n, f in (("latent_norm", np.ones_like),
+                                                 ("latent_up", np.zeros_like)))
+    assert _differs(config, params | ones, want) > 0
+    assert _differs(config, params | zero, want) > 0
+    assert _differs(config, params | {"we_down": 3 * params["we_down"]}, want) == 0
+
+
 @pytest.mark.parametrize("kind", list(MODELS))
 @pytest.mark.parametrize("batch, rows", SHAPES)
 def test_k3_kind_greedy_tokens_equal_the_reference(kind, batch, rows):
@@ -159,6 +200,14 @@ def _bound_minus_one(ring, config, *args):  # K3's KDA gates under the bound -1,
     deltanet.bounded_kda_gates(ring, dataclasses.replace(config, kda_gate_bound=-1.0), *args)
 
 
+def _norm_unscaled(x, weight, eps):  # the latent sum RMS-normed without latent_norm
+    return mk.ops.rms_norm(x, np.float32(1.0) + 0 * weight, eps)
+
+
+def _norm_undivided(x, weight, eps):  # the latent sum scaled by latent_norm, not normed
+    return x * weight
+
+
 PLANTED = {  # a bug in a kind's kernel half: (kind, class, method, replacement)
     "situ_swapped_betas": ("situ_dense", kinds_mlp.SituDense, "activation",
                            lambda self: lambda g, u: kinds_mlp.situ(g, u, 25.0, 4.0)),
@@ -168,23 +217,34 @@ PLANTED = {  # a bug in a kind's kernel half: (kind, class, method, replacement)
     "kda_wrong_bound": ("bounded_kda", kinds_linear.BoundedKDA, "gates",
                         dataclasses.replace(deltanet.BOUNDED_GATES, compute=_bound_minus_one)),
     "kda_silu_gate": ("bounded_kda", kinds_linear.BoundedKDA, "gates",  # Qwen3.5's gate
-                      dataclasses.replace(deltanet.BOUNDED_GATES, output_gate=jax.nn.silu))}
-SLOW_PLANTED = ("situ_no_up_cap", "kda_silu_gate")
+                      dataclasses.replace(deltanet.BOUNDED_GATES, output_gate=jax.nn.silu)),
+    "latent_norm_unscaled": ("latent_moe", mlp_kernels, "rms_norm", _norm_unscaled),
+    "latent_norm_undivided": ("latent_moe", mlp_kernels, "rms_norm", _norm_undivided),
+    "latent_swiglu_experts": ("latent_moe", kinds_latent.LatentMoE, "activation",
+                              lambda self: kinds_mlp.silu_gate)}
+SLOW_PLANTED = ("situ_no_up_cap", "kda_silu_gate", "latent_norm_undivided",
+                "latent_swiglu_experts")
 PLANTED_TOKENS = 4  # each planted bug changes one of the first 4 tokens (a cheaper trace)
+# but the latent MoE's: its routed output is RMS-normed, so a bug there shows later (of
+# the 16 tokens, the reference under each of its bugs changes 13, 16 and 11; of the
+# first 4: 1, 4 and 0)
+PLANTED_TOKENS_OF = {"latent_moe": TOKENS}
 
 
 @pytest.mark.parametrize("planted", [  # CI: one planted bug a kind; `make test-slow` all
     pytest.param(p, marks=pytest.mark.slow) if p in SLOW_PLANTED else p for p in PLANTED])
 def test_a_planted_bug_in_a_k3_kind_diverges(planted, monkeypatch):
     """The guard of the token checks: the kernel's SiTU at other betas than the config's,
-    its MLA without the gate, or its K3 KDA under another bound or with SiLU's output
-    gate (the reference keeps them), decodes other tokens."""
+    its MLA without the gate, its K3 KDA under another bound or with SiLU's output gate,
+    or its latent MoE's norm without latent_norm's scale or its division, or SwiGLU
+    experts (the reference keeps them), decodes other tokens."""
     kind, cls, method, replacement = PLANTED[planted]
     config, params = MODELS[kind]()
-    prompt, want = _reference(config, params, tokens=PLANTED_TOKENS)
+    tokens = PLANTED_TOKENS_OF.get(kind, PLANTED_TOKENS)
+    prompt, want = _reference(config, params, tokens=tokens)
     monkeypatch.setattr(cls, method, replacement)
     config = dataclasses.replace(config, name=f"planted-{planted}")  # a trace of its own
-    got = _megakernel(config, params, prompt, PLANTED_TOKENS)
+    got = _megakernel(config, params, prompt, tokens)
     assert (np.asarray(got) != np.asarray(want)).any()
 
 
@@ -235,10 +295,49 @@ def test_the_bounded_kda_twin_streams_kda_g_for_the_low_rank_gate():
     assert _busy(got, "kda_g") > 0 == _busy(plain, "kda_g")
 
 
-@pytest.mark.parametrize("builder", [tiny_situ, tiny_gated_mla, tiny_bounded_kda])
+def test_the_latent_moe_twin_streams_the_latent_and_costs_its_norm():
+    """The simulator's latent MoE layer against Kimi Linear's MoE layer of the same model
+    (SwiGLU, experts on D): latent_down and latent_up in the dense-MLP bytes (each MoE
+    layer's [D, Lt] and [Lt, D]), latent_norm's DMA in the norms', each active expert's
+    bytes Lt / D of the plain one's; SiTU's vector work, not SwiGLU's, and the latent's
+    norm, which the plain layer has none of."""
+    config = tiny_latent_moe()
+    got, plain = (_simulated(c) for c in
+                  (config, dataclasses.replace(config, moe_latent=0, situ_beta=0.0,
+                                               situ_linear_beta=0.0)))
+    extra = {f: got.family_bytes()[f] - plain.family_bytes().get(f, 0)
+             for f in got.family_bytes()}
+    D, Lt, moe = config.hidden, config.moe_latent, len(config.moe_layers)
+    assert extra["dense_mlp"] == moe * 2 * D * Lt * 2  # bf16
+    assert extra["norms"] == moe * Lt * 4  # f32
+    assert got.family_bytes()["experts"] == plain.family_bytes()["experts"] * Lt / D
+    assert _busy(got, "latent_norm") > 0 == _busy(plain, "latent_norm")
+    assert _busy(got, "situ") > 0 == _busy(plain, "situ")
+    assert _busy(got, "swiglu") == 0 < _busy(plain, "swiglu")
+
+
+def test_the_latent_moe_plan_simulator_and_perf_count_the_same_bytes():
+    """One row (exactly top-k experts active): the plan's ledger, the simulator's replay
+    and mk.perf's estimate of the latent model move the same bytes per weight family (the
+    kernel's own, DMA by DMA: tests/test_dma_order.py)."""
+    config = tiny_latent_moe()
+    plan = DecodePlan.make(config, batch=1, rows=1, context=config.max_context)
+    active = config.experts_per_token
+    ledger = {f: b for f, b in plan.weight_bytes(active).items() if b}
+    replay = sim.simulate(config, "v5e", batch=1, rows=1, context=37, block=plan.block,
+                          experts_active=active).family_bytes()
+    roof = perf.predict(config, "v5e", batch=1, rows=1, context=37, routing="shared")
+    by_perf = dict(attention=roof.attention_bytes, norms=roof.norm_bytes,
+                   dense_mlp=roof.dense_mlp_bytes, router=roof.router_bytes,
+                   experts=roof.expert_bytes, lm_head=roof.lm_head_bytes)
+    assert {f: replay[f] for f in ledger} == ledger == by_perf
+
+
+@pytest.mark.parametrize("builder", [tiny_situ, tiny_gated_mla, tiny_bounded_kda,
+                                     tiny_latent_moe])
 def test_each_k3_kind_model_compiles_for_tpu(builder):
     """Mosaic lowers the kinds' new pieces (SiTU's tanh caps; the gate's ring segment and
-    sigmoid; the bounded decay's sigmoid and kda_g's segment) for the v5e at T = 4 (ahead
-    of time, on the CPU: ~2, ~6 and ~7 s)."""
+    sigmoid; the bounded decay's sigmoid and kda_g's segment; the latent's segments and
+    norm) for the v5e at T = 4 (ahead of time, on the CPU: ~2, ~8, ~7 and ~7 s)."""
     report = tpu.compile_megakernel(builder(), "v5e", batch=4, rows=4, context=1024)
     assert report.ok, report.error

@@ -7,10 +7,10 @@ itself, and the rooms that run a model loop over the kinds it has.
                         `GatedMLA` (Kimi K3)
     mk.kinds.linear     `DeltaNet` (Qwen3.5), `KDA` (Kimi Linear), `BoundedKDA` (Kimi K3)
     mk.kinds.mlp        `Dense`, `SituDense` (Kimi K3), `MoE`, `ClampedMoE` (gpt-oss),
-                        `router_after_mixer`
+                        `router_after_mixer`; mk.kinds.latent: `LatentMoE` (Kimi K3)
     mk.kinds.layers     `KINDS` (the registry, in stream order), `layer_kinds(config)`,
                         a layer's kinds and rows, the kernel's per-layer tables,
-                        `REFERENCE_ONLY` (Kimi K3's kinds, no kernel yet)
+                        `REFERENCE_ONLY` (Kimi K3's res_layer, no kernel yet)
     mk.kinds.checks     each kind's checks of a `mk.config.ModelConfig` (no kernel)
     mk.kinds.hf         each kind's reader of a Hugging Face config.json (no kernel)
 

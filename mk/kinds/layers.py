@@ -18,16 +18,16 @@ import numpy as np
 from mk.config import ModelConfig
 from mk.kinds.attention import GQA, MLA, GatedMLA, SinkGQA
 from mk.kinds.base import LAYER_PHASES, ROLES, Kind
+from mk.kinds.latent import LatentMoE
 from mk.kinds.linear import KDA, BoundedKDA, DeltaNet
 from mk.kinds.mlp import ClampedMoE, Dense, MoE, SituDense
 from mk.weights import kinds_of
 
 KINDS = (DeltaNet, KDA, BoundedKDA, GQA, SinkGQA, MLA, GatedMLA, MoE,  # in stream order
-         ClampedMoE, Dense, SituDense)
+         ClampedMoE, LatentMoE, Dense, SituDense)
 # The kinds of `mk.weights` no kernel runs yet (mk.reference does), each with what it adds
 # to the kind the kernels run: Kimi K3's (issue 66).
-REFERENCE_ONLY = {"res_layer": "attention residuals",
-                  "latent_moe": "the latent MoE and its SiTU experts"}
+REFERENCE_ONLY = {"res_layer": "attention residuals"}
 TABLES = tuple(f"{role}_{what}" for role in ROLES for what in ("kind", "row"))  # SMEM [L]
 
 

@@ -12,7 +12,7 @@ splits the router by experts (`mk.kernels.routing.router_columns`), a device's E
 and its logits are all-gathered (`route_gather`). Its shared expert streams through the
 ring before routing, its expert slots after (`mk.kernels.mlp.moe_body`). Not here: the
 kernels' bodies (`mk.kernels.mlp`), the loop over kinds
-(`mk.kernels.one_layer.layer_body`).
+(`mk.kernels.one_layer.layer_body`), Kimi K3's latent MoE (`mk.kinds.latent`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from mk.kernels.stream import Repeat
 from mk.kernels.routing import Routing, router_columns
 from mk.kinds.base import Kind, Step, Twin
 from mk.ops import clamped_swiglu, situ
-from mk.weights import param_shapes
+from mk.weights import dma_layout, param_shapes
 
 
 def router_after_mixer(tp: int) -> bool:
@@ -432,10 +432,14 @@ class MoETwin(Twin):
         return super().active(layer, segment, copy)
 
     def start_router(self):
+        """Its DMA'd weights as the kernel lays them out (`mk.weights.dma_layout`: a norm
+        in float32)."""
         sim = self.sim
         shapes = param_shapes(self.kind.config)
-        self.router = max(sim.mc.dma(math.prod(shapes[n][0][1:]) * DTYPE_BITS[shapes[n][1]]
-                                     / 8, sim.layer, n) for n in self.kind.weights("dma"))
+        laid = {n: dma_layout(n, shapes[n][0][1:], shapes[n][1])
+                for n in self.kind.weights("dma")}
+        self.router = max(sim.mc.dma(math.prod(shape) * DTYPE_BITS[str(dtype)] / 8,
+                                     sim.layer, n) for n, (shape, dtype) in laid.items())
 
     def begin(self) -> None:
         if not router_after_mixer(self.sim.tp):
@@ -453,11 +457,18 @@ class MoETwin(Twin):
         """`mk.kernels.mlp.moe_body`: the shared expert (Kimi) through the ring, routing
         (a split router's gather), the selected flags to SMEM, the expert slots, the off
         slots skipped."""
+        c = self.kind.config
+        if c.shared_expert_ffn:
+            swiglu(self.sim, SHARED_WEIGHTS, c.shared_expert_ffn)
+        self.route()
+        self.slots(c.hidden)
+
+    def route(self):
+        """`mk.kernels.mlp.route_experts`: the router (a split router's gather), the
+        selected flags to SMEM, the active slots' first tiles issued."""
         sim, c = self.sim, self.kind.config
         M = sim.m
-        if c.shared_expert_ffn:
-            swiglu(sim, SHARED_WEIGHTS, c.shared_expert_ffn)
-        E, X, Fe = c.experts, c.experts_per_token, c.expert_ffn
+        E, X = c.experts, c.experts_per_token
         sim.mc.compute(sim.mxu_s(M, c.hidden * (c.router_columns or E)), sim.layer, "router")
         if self.kind.router_shards > 1:  # the logits' all-gather (`MoE.route_gather`)
             sim.mc.compute(self.kind.collectives_s(M, sim.spec, sim.a.ici_latency_s,
@@ -472,14 +483,23 @@ class MoETwin(Twin):
         base = sim.s.base(sim.layer, gate)
         for t in range(min(sim.n, gate.copies * gate.stride)):
             sim.start(base + t, "routing")
+
+    def slots(self, width: int, ops: int = Dense.act_ops, act: str = "swiglu"):
+        """`mk.kernels.mlp.experts_body`: the active expert slots on rows of `width` (D, or
+        the latent's), their activation `act` (`ops` vector ops per element), the off
+        slots skipped."""
+        sim, c = self.sim, self.kind.config
+        M, E, Fe = sim.m, c.experts, c.expert_ffn
+        names = self.kind.expert_weights
+        gate = sim.s.segment(names[0])
         first, end = sim.region(names[0], names[-1])
         for copy in range(self.count):
             for name in names[:-1]:
                 sim.matmul(name, copy=copy)
             if self.kind.joined:  # up rotated out of the joined product, the padding masked
-                sim.vector(M * (self.kind.joined + Fe), "swiglu")
-            sim.vector(6 * M * Fe, "swiglu")
+                sim.vector(M * (self.kind.joined + Fe), act)
+            sim.vector(ops * M * Fe, act)
             sim.matmul(names[-1], copy=copy)
-            sim.vector(3 * M * c.hidden + M * E, "combine")
+            sim.vector(3 * M * width + M * E, "combine")
         sim.skip(first + self.count * gate.stride, end, "layer boundary")
         self.count = 0
