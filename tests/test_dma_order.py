@@ -123,7 +123,7 @@ def family_totals(dmas: list) -> dict:
 
 
 # Seconds (kernel step and replay) on the shared 2 cores: 6-12, 14-19, 13-18, 14-24; the
-# planted bugs reuse the logs. tiny-bounded-kda (~10 s) and tiny-res-layer (~26 s) in make
+# planted bugs reuse the logs. tiny-bounded-kda (~10 s) and tiny-res-layer (~13 s) in make
 # test-slow: CI's budget
 @pytest.mark.parametrize("name", FAMILIES + [
     pytest.param(n, marks=pytest.mark.slow) if n in ("tiny-bounded-kda", "tiny-res-layer")
