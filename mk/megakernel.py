@@ -15,8 +15,9 @@ donated; `device_loop`), `first_divergence`, `generate` and the one greedy loop
 (`greedy_loop`, `greedy_steps`), `check_generate`,
 `progress_bar`. Not here: the compile-time benchmark (benchmarks/compile_time.py), the
 reference's loop (`mk.reference.generate`), the sharding (`mk.tensor_parallel`). Hybrids,
-Kimi's latent attention, what is prefetched a layer ahead, quantised weights and tensor
-parallelism in this kernel: docs/design/mk.megakernel.md.
+Kimi's latent attention, Kimi K3's attention residuals (a "stream" kind: the lm_head reads
+its mix), what is prefetched a layer ahead, quantised weights and tensor parallelism in
+this kernel: docs/design/mk.megakernel.md.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from mk.kernels.one_layer import layer_body
 from mk.kernels.plan import DecodePlan, model_stream, padded_vocab
 from mk.kernels.ring import Ring, ring_layout
 from mk.kinds.base import Step
-from mk.kinds.layers import TABLES, kind_at, layer_kinds, layer_tables, of_role
+from mk.kinds.layers import TABLES, kind_at, layer_kinds, layer_tables, of_role, stream_kind
 from mk.ops import rms_norm
 from mk.shards import shard_params
 
@@ -62,7 +63,6 @@ INPUT_SPACES = dict(positions=pltpu.SMEM, **{n: pltpu.SMEM for n in TABLES},
 OUTPUT_SPACES = dict(next_tokens=pltpu.VMEM, logits=pltpu.VMEM, k_cache=pl.ANY,
                      v_cache=pl.ANY, latent_cache=pl.ANY, taps=pltpu.VMEM,
                      **{n: pl.ANY for n in STATE_OUTPUTS})
-VECTORS = ("norms", "qk_norms")  # per-layer vectors, prefetched a layer ahead
 
 
 def operands(config: ModelConfig) -> tuple[str, ...]:
@@ -159,14 +159,18 @@ def _step(plan: DecodePlan, inputs, outputs, scratch) -> Step:
     kind's role is of that kind (its row is then the layer)."""
     kinds = plan.kinds
 
-    def row(kind):
+    def row(kind):  # a role held by one kind (the stream kind's: always) has no table
+        if len(of_role(kinds, kind.role)) == 1:
+            return lambda step: step
         table = inputs[f"{kind.role}_row"]
-        return (lambda step: step) if len(of_role(kinds, kind.role)) == 1 else (
-            lambda step: table[step])
+        return lambda step: table[step]
 
     def on(kind):
-        ours, table = of_role(kinds, kind.role), inputs[f"{kind.role}_kind"]
-        return None if len(ours) == 1 else (lambda step: table[step] == ours.index(kind))
+        ours = of_role(kinds, kind.role)
+        if len(ours) == 1:
+            return None
+        table = inputs[f"{kind.role}_kind"]
+        return lambda step: table[step] == ours.index(kind)
 
     return Step(plan.local, plan.block, plan.batch, plan.rows, plan.tp,
                 SimpleNamespace(**scratch["layer"]), inputs, outputs, row=row, on=on,
@@ -176,7 +180,8 @@ def _step(plan: DecodePlan, inputs, outputs, scratch) -> Step:
 def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratch):
     """One decode step. inputs (`INPUT_SPACES`): positions [B], the per-layer tables
     (`mk.kinds.layers.layer_tables`), x [M, D] f32 (the embedded tokens), final_norm
-    [1, D], norms [L, 2, D] (attn, mlp), qk_norms [L, 2, H] f32, the kinds' weights
+    [1, D], norms [L, 2, D] (attn, mlp), qk_norms [L, 2, H] f32 (and the kinds'
+    `Kind.vectors`, [L, 2, width] each: `plan.vectors`), the kinds' weights
     (`prepare`: the ring's in stream order, e.g. wq [L, tiles, tile_rows, tile_cols], the
     experts' [Lm, E, tiles, ...], lm_head [tiles, tile_rows, tile_cols] of [D, Vp]; the
     DMA'd ones whole), the caches [L, B, K, S, H] (MLA: latent_cache [La, B, 1, S, W]);
@@ -196,7 +201,7 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
         slot = layer % 2
         return [(pltpu.make_async_copy(inputs[n].at[layer], vectors[n].at[slot],
                                        vectors["sems"].at[slot, i]), n)
-                for i, n in enumerate(VECTORS)]
+                for i, n in enumerate(plan.vectors)]
 
     def start_vectors(layer):
         for copy, name in vector_copies(layer):
@@ -230,16 +235,20 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
 
         norms, qk = vectors["norms"][layer % 2], vectors["qk_norms"][layer % 2]
         k.step, k.x, k.norms = layer, x, (norms[0:1], norms[1:2], qk[0:1], qk[1:2])
+        k.vectors = {n: vectors[n][layer % 2] for n in plan.vectors[2:]}
         x_out = layer_body(k, kinds, all_reduce=None if tp == 1 else (  # slot j: the
             lambda value, j: all_reduce_body(value, reduce_scratch, n=tp, slot=j,  # MLP's 1
                                              algorithm=plan.collective)))
-        if taps:  # s.attn_out still holds this layer's attention output
-            outputs["taps"][layer, 0] = x + s.attn_out[...]
+        if taps:
+            outputs["taps"][layer, 0] = k.x_attn
             outputs["taps"][layer, 1] = x_out
         return x_out
 
     with jax.named_scope("layers"):
         x = lax.fori_loop(0, config.layers, one_layer, inputs["x"][...])
+    stream = stream_kind(kinds)
+    if stream is not None:  # attention residuals: the lm_head reads the blocks' mix
+        x = stream.mix(k, x, "output")
     with jax.named_scope("lm_head"):
         final_norm.wait()
         s.h[...] = rms_norm(x, vectors["final_norm"][...], config.rms_eps,
@@ -337,7 +346,7 @@ def traced_step(plan: DecodePlan, weights, cache, tokens, positions, taps: bool 
     D, L = config.hidden, config.layers
     weight_names = operands(config)
     inputs = {n: weights[n] for n in ("final_norm", "norms", "qk_norms", "lm_head",
-                                      *TABLES, *weight_names)}
+                                      *TABLES, *weight_names)}  # kinds' vectors: operands
     kinds = plan.kinds
     caches = {n: a for kind in kinds for n, a in kind.cache_operands(cache).items()}
     inputs |= dict(positions=positions, **caches,

@@ -143,8 +143,8 @@ _KIMI_PRESETS = {
 
 # Kimi K3 as the release describes it (issue 66): MLA with an output gate, KDA with a
 # full-rank output gate and a bounded decay, a latent MoE, SiTU MLPs and attention
-# residuals. `mk.reference` runs them; the megakernel does not yet (its layer kinds have
-# no kernel: `mk.kinds.layers.layer_kinds` raises NotImplementedError), so every kernel,
+# residuals. `mk.reference` runs them; the megakernel does not yet (the latent MoE has no
+# kernel: `mk.kinds.layers.layer_kinds` raises NotImplementedError), so every kernel,
 # simulator and ledger row of Kimi K3 uses "kimi-k2-shaped". Listed apart (K3_PRESET_NAMES).
 #
 # "kimi-k3" is the release's `Config` (Inferact/tpu-megakernels, kimi/__init__.py), field by

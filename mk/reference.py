@@ -6,11 +6,10 @@ array-level blocks of `mk.ops`, one oracle per layer kind by its `mk.weights` ki
 sink_gqa), `mla_decoder_layer` with its absorbed form `mla_absorbed` / `mla_output` (mla),
 `linear_decoder_layer` around `LINEAR_MIXERS` (deltanet, kda), `mlp_block` (dense, moe,
 clamped_moe); Kimi K3's kinds (gated_mla, bounded_kda, situ_dense, latent_moe,
-res_layer: `residual_layers`; those in `mk.kinds.layers.REFERENCE_ONLY` run in no kernel
-yet); a variant inside a kind follows the weights the model has. Also here: `lm_head`,
-`greedy`, `routes`, and the checks every decode driver runs (`validate_step`,
-`check_params`, `check_generate`, ...); `KVCache`, `LinearRows` and `init_cache` are
-`mk.cache`'s, imported here for this module's callers.
+res_layer: `residual_layers`); a variant inside a kind follows the weights the model
+has. Also here: `lm_head`, `greedy`, `routes`, and the checks every decode driver runs
+(`validate_step`, `check_params`, `check_generate`, ...); `KVCache`, `LinearRows` and
+`init_cache` are `mk.cache`'s, imported here for this module's callers.
 
 Numerics: a float32 residual stream, the KV cache in `config.dtype`, every block's cast
 points `mk.ops`'s. A decode step's row at or past the cache's capacity is an error, never

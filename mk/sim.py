@@ -31,7 +31,7 @@ from mk.kernels.common import BlockSizes
 from mk.kernels.mlp import expert_slots
 from mk.kernels.plan import DecodePlan, model_stream, ring_slots
 from mk.kernels.stream import TileStream
-from mk.kinds.base import LAYER_PHASES
+from mk.kinds.base import LAYER_PHASES, STREAM
 from mk.kinds.layers import KINDS, kind_at, layer_kinds
 from mk.machine import Assumptions, Machine, Simulation
 from mk.routing_trace import RoutingTrace
@@ -244,11 +244,14 @@ class Replay:
                                              self.a.ici_latency_s), self.layer, "collective")
 
     def vectors(self, layer, tag=""):
-        """Issue layer `layer`'s norm vectors (two DMAs, issued at the previous layer's
-        start); `tag` names the HBM gap they may end (the step's start)."""
+        """Issue layer `layer`'s norm vectors (two DMAs, then one per `Kind.vectors` of its
+        kinds, issued at the previous layer's start); `tag` names the HBM gap they may end
+        (the step's start)."""
         c = self.c
-        return max(self.mc.dma(8 * c.hidden, layer, "norms", tag),
-                   self.mc.dma(8 * c.head_dim, layer, "qk_norms", tag))
+        return max([self.mc.dma(8 * c.hidden, layer, "norms", tag),
+                    self.mc.dma(8 * c.head_dim, layer, "qk_norms", tag)]
+                   + [self.mc.dma(8 * width, layer, name, tag) for kind in self.kinds
+                      for name, width in kind.vectors().items()])
 
     # The kernel
     def run(self):
@@ -265,6 +268,7 @@ class Replay:
         for layer in range(c.layers):
             self.layer = layer
             ours = [kind_at(self.kinds, role, layer)[0] for role in ("mixer", "mlp")]
+            ours += [k for k in self.kinds if k.role == STREAM]  # every layer's
             self.mc.wait(vectors)
             if layer and not self.prefetch:  # a kernel that primes each layer at its start:
                 self.prime_layer(layer * self.period, "layer boundary")  # these close the

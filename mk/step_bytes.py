@@ -29,7 +29,7 @@ WEIGHT_FAMILIES = tuple(f for f in FAMILIES if f != "embed")
 # The step's DMAs that are not weights of the table, by byte family: a layer's norm rows
 # (attn and mlp norm, q and k norm), KV rows, and the linear layers' conv and recurrent
 # states (read once, written after every row).
-STEP_FAMILIES = {"norms": ("norms", "qk_norms"),
+STEP_FAMILIES = {"norms": ("norms", "qk_norms", "res_queries", "output_query"),
                  "kv_read": ("k_tile", "v_tile"), "kv_write": ("k_write_back", "v_write_back"),
                  "state_read": ("state_load", "conv_load"),
                  "state_write": ("state_rows", "conv_rows")}
@@ -85,9 +85,10 @@ def bytes_per_element(local: ModelConfig, formats=None,
 
 def shard_weight_elements(local: ModelConfig, vocab: int, experts: float) -> dict[str, float]:
     """Elements of each weight family one device streams in a step (`shard_weight_bytes`):
-    each layer kind's (`Kind.streamed`), the norm vectors as `mk.megakernel.prepare` lays
-    them out (two of D and the q/k norms' two of H per layer, the final norm) and the
-    lm_head's `vocab` columns."""
+    each layer kind's (`Kind.streamed` per layer, `Kind.once` per step: attention
+    residuals' queries), the norm vectors as `mk.megakernel.prepare` lays them out (two of
+    D and the q/k norms' two of H per layer, the final norm) and the lm_head's `vocab`
+    columns."""
     D, H = local.hidden, local.head_dim
     out = dict.fromkeys(WEIGHT_FAMILIES, 0)
     out["norms"] = local.layers * 2 * (D + H) + D
@@ -95,6 +96,8 @@ def shard_weight_elements(local: ModelConfig, vocab: int, experts: float) -> dic
     for kind in layer_kinds(local):
         for family, n in kind.streamed(experts).items():
             out[family] += len(kind.layers) * n
+        for family, n in kind.once().items():
+            out[family] += n
     return out
 
 

@@ -1,7 +1,7 @@
 """Shared test inputs: tiny configs (`tiny_situ`, `tiny_gated_mla`, `tiny_bounded_kda`,
-`tiny_latent_moe`: one Kimi K3 kind each on an existing family) and Hugging Face
-checkpoint folders written without torch; `bar_count` reads what a text progress bar
-drew; `tiny_moe_in_ci` picks the preset CI runs; `quantised_cases` and
+`tiny_latent_moe`, `tiny_res_layer`: one Kimi K3 kind each on an existing family) and
+Hugging Face checkpoint folders written without torch; `bar_count` reads what a text
+progress bar drew; `tiny_moe_in_ci` picks the preset CI runs; `quantised_cases` and
 `plant_double_scale` for the tests of kernels on quantised weights; `assert_verify_steps`
 feeds a perfect draft to the megakernel, T rows per step; `replay_tile_by_tile` switches
 the simulator's fast-forward off.
@@ -39,6 +39,9 @@ def kimi_gqa() -> ModelConfig:
 K3_SITU = dict(situ_beta=4.0, situ_linear_beta=25.0)
 # Kimi K3's KDA (the release's Config): a full-rank output gate, the log-decay's bound
 K3_KDA = dict(kda_full_gate=True, kda_gate_bound=-5.0)
+NO_MOE = dict(moe_layers=(), experts=0, experts_per_token=0, expert_ffn=0,
+              shared_expert_ffn=0, router_score="softmax", expert_groups=1, topk_groups=1,
+              routed_scale=1.0, norm_topk=False)
 NO_LINEAR = dict(linear_key_heads=0, linear_value_heads=0, linear_key_dim=0,
                  linear_value_dim=0, conv_kernel=0, channel_decay=False)
 
@@ -368,3 +371,15 @@ def plant_double_scale(q: quant.QuantWeight, at: tuple[int, ...] | None = None
 def replay_tile_by_tile(monkeypatch) -> None:
     """Switch the simulator's fast-forward off: every tile is replayed one by one."""
     monkeypatch.setattr(sim, "FAST_FORWARD", False)
+
+
+
+def tiny_res_layer(**change) -> ModelConfig:
+    """tiny-kimi grown to five layers (KDA, MLA, MLA, KDA, MLA), its MLPs all dense (no
+    MoE: a cheaper trace), with Kimi K3's attention residuals, a block every 2 layers:
+    blocks begin at 0, 2 and 4 (two edges crossed; layers 1 and 3 add to a block's sum):
+    the res_layer kind alone of K3's kinds."""
+    return dataclasses.replace(mk.preset("tiny-kimi"), **dict(
+        name="tiny-res-layer", layers=5,
+        layer_types=("linear", "full", "full", "linear", "full"), residual_block=2,
+        **NO_MOE) | change)

@@ -5,7 +5,7 @@ a dense layer 0; tiny-hybrid: Qwen3.5's gated DeltaNet beside gated full attenti
 tiny-kimi: MLA, KDA, a shared expert and the sigmoid router; tiny-gpt-oss: attention with
 sinks, biases and sliding layers, biased clamped experts; and Kimi K3's kinds the kernel
 runs, each on a family of its own: tiny-situ, tiny-gated-mla, tiny-bounded-kda,
-tiny-latent-moe, tests/builders.py) runs in
+tiny-latent-moe, tiny-res-layer, tests/builders.py) runs in
 TPU interpret mode
 with every DMA the kernel starts recorded in issue order (`mk.kernels.common.dma_log`;
 the megakernel is `sequenced`: its records are chained through an SMEM counter, since
@@ -51,13 +51,14 @@ from mk.kernels.plan import DecodePlan
 from mk.step_bytes import family_of
 from mk.kinds import mlp as kinds_mlp
 from builders import (replay_tile_by_tile, tiny_bounded_kda, tiny_gated_mla,
-                      tiny_latent_moe, tiny_situ)
+                      tiny_latent_moe, tiny_res_layer, tiny_situ)
 
 pytestmark = pytest.mark.xdist_group("dma_order")  # one worker runs each kernel once
 
 FAMILIES = ["tiny", "tiny-moe", "tiny-hybrid", "tiny-kimi", "tiny-gpt-oss"]
 K3_KINDS = {"tiny-situ": tiny_situ, "tiny-gated-mla": tiny_gated_mla,  # no presets
-            "tiny-bounded-kda": tiny_bounded_kda, "tiny-latent-moe": tiny_latent_moe}
+            "tiny-bounded-kda": tiny_bounded_kda, "tiny-latent-moe": tiny_latent_moe,
+            "tiny-res-layer": tiny_res_layer}
 BATCH, POSITION = 2, 37  # two copies of one sequence, each with 37 cached positions
 LOCAL = ("selected",)  # the simulator's transfers that are no HBM DMA of the kernel
 _KERNEL: dict = {}  # preset -> its kernel's DMA log (each kernel runs once per session)
@@ -123,10 +124,11 @@ def family_totals(dmas: list) -> dict:
 
 
 # Seconds (kernel step and replay) on the shared 2 cores: 6-12, 14-19, 13-18, 14-24; the
-# planted bugs reuse the logs. tiny-bounded-kda (~10 s) in make test-slow: CI's budget
+# planted bugs reuse the logs. tiny-bounded-kda (~10 s) and tiny-res-layer (~13 s) in make
+# test-slow: CI's budget
 @pytest.mark.parametrize("name", FAMILIES + [
-    pytest.param(n, marks=pytest.mark.slow) if n == "tiny-bounded-kda" else n
-    for n in K3_KINDS])
+    pytest.param(n, marks=pytest.mark.slow) if n in ("tiny-bounded-kda", "tiny-res-layer")
+    else n for n in K3_KINDS])
 def test_the_kernel_issues_its_dmas_in_the_simulators_order(name, monkeypatch):
     kernel = kernel_dmas(name)
     simulated = simulated_dmas(name, monkeypatch)

@@ -141,24 +141,12 @@ def test_the_k3_kinds_are_the_table_s_own_and_hold_the_release_s_shapes():
     assert "kda_g_a" not in shapes and hf_scheme(k3) == "kimi"
 
 
-@pytest.mark.parametrize("name, feature", [
-    ("kimi-k3", "attention residuals"), ("tiny-k3", "attention residuals")])
-def test_no_kernel_plan_is_made_for_a_k3_feature(name, feature):
-    """The megakernel's plan (made first by every megakernel entry, before anything is
-    traced) refuses each K3 kind by name and feature: the kernels cannot run them yet."""
-    with pytest.raises(NotImplementedError, match=feature):
-        DecodePlan.make(mk.preset(name), tp=32, context=1152, chip="tpu7x")
-    with pytest.raises(NotImplementedError, match="have no kernel yet"):
-        mk.megakernel.generate(mk.preset(name).first_layers(4), {}, [[1]], 1)
-
-
 def test_the_latent_moe_plan_is_refused_at_tp_over_1():
     """The latent MoE runs at tp = 1 only: the RMS norm of its latent sum needs the whole
     sum, which a device's share of the experts' columns gives only after an all-reduce
-    the kernel does not make (K3 without its residuals, on the release's 32 chips)."""
-    k3 = dataclasses.replace(mk.preset("kimi-k3"), residual_block=0)
+    the kernel does not make (the release's K3 on its 32 chips)."""
     with pytest.raises(NotImplementedError, match="the latent MoE at tp=32"):
-        DecodePlan.make(k3, tp=32, context=1152, chip="tpu7x")
+        DecodePlan.make(mk.preset("kimi-k3"), tp=32, context=1152, chip="tpu7x")
 
 
 # -- The reference: each K3 piece against a hand-written numpy computation ----------------

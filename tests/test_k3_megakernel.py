@@ -28,6 +28,13 @@ routed output weighs more in x) and latent_norm's spread about 1 widened from 0.
 A control shows latent_norm's weights and latent_up each change the reference's tokens,
 and we_down's scale does not (the norm cancels it).
 
+`res_layer` (Kimi K3's attention residuals): tiny-kimi grown to five layers (KDA, MLA,
+MLA, KDA, MLA; dense MLPs) with a block every 2 layers, so blocks begin at 0, 2 and 4 and
+layers 1 and 3 add to a block's sum. init_params' res projections are N(0, 1/D), so each
+source's score is O(1) and the mixes weigh the sources unevenly; a control shows a
+uniform mix (zero projections) and a sharper one (x4) each change the reference's
+tokens. The plan counts the completed blocks' VMEM and names them when they do not fit.
+
 Not covered by interpret mode: time and the scoped VMEM limit (the compile test covers
 lowering and capacity). Not run here: these kinds at tp > 1 (the latent MoE refuses it).
 """
@@ -50,10 +57,11 @@ from mk.kinds import attention as kinds_attention
 from mk.kinds import latent as kinds_latent
 from mk.kinds import linear as kinds_linear
 from mk.kinds import mlp as kinds_mlp
-from mk.kinds.layers import REFERENCE_ONLY, layer_kinds
+from mk.kinds import residual as kinds_residual
+from mk.kinds.layers import layer_kinds
 from mk.weights import param_shapes
 from builders import (assert_verify_steps, tiny_bounded_kda, tiny_gated_mla,
-                      tiny_latent_moe, tiny_situ)
+                      tiny_latent_moe, tiny_res_layer, tiny_situ)
 
 SLOW = pytest.mark.slow
 TOKENS, CONTEXT = 16, 128
@@ -94,8 +102,16 @@ def latent_moe_model(**change):
                         "latent_norm": 1 + 5 * (p["latent_norm"] - 1)}
 
 
+def res_layer_model(**change):
+    """(config, params) of the attention-residual model, float32."""
+    config = tiny_res_layer(dtype="float32", **change)
+    return config, mk.init_params(config)
+
+
 MODELS = {"situ_dense": situ_model, "gated_mla": gated_mla_model,
-          "bounded_kda": bounded_kda_model, "latent_moe": latent_moe_model}
+          "bounded_kda": bounded_kda_model, "latent_moe": latent_moe_model,
+          "res_layer": res_layer_model}
+RES_PROJECTIONS = ("attn_res_proj", "mlp_res_proj", "output_res_proj")
 
 
 def _prompt(config, batch: int):
@@ -125,10 +141,10 @@ def _differs(config, params, want, **change) -> int:
 @pytest.mark.parametrize("kind, kinds", [("situ_dense", ["gqa", "situ_dense"]),
                                          ("gated_mla", ["gated_mla", "moe", "dense"]),
                                          ("bounded_kda", ["bounded_kda", "moe", "dense"]),
-                                         ("latent_moe", ["mla", "latent_moe", "situ_dense"])])
+                                         ("latent_moe", ["mla", "latent_moe", "situ_dense"]),
+                                         ("res_layer", ["kda", "mla", "dense", "res_layer"])])
 def test_each_model_has_the_k3_kind_alone_and_the_kernel_runs_it(kind, kinds):
     config, _ = MODELS[kind]()
-    assert kind not in REFERENCE_ONLY
     assert [k.name for k in layer_kinds(config)] == kinds
 
 
@@ -192,6 +208,31 @@ def test_k3_kind_greedy_tokens_equal_the_reference(kind, batch, rows):
     assert_verify_steps(config, params, params, prompt, want, rows, TOKENS)
 
 
+@pytest.mark.slow  # in CI the planted bugs guard the token checks
+def test_the_residual_mixing_changes_the_reference_s_tokens():
+    """The control of the res_layer checks: every mix uniform (zero projections: each
+    source weighs 1/n) or sharper (projections x4) decodes other tokens, so a kernel
+    that mixed with the wrong weights (or not at all) fails them."""
+    config, params = res_layer_model()
+    _, want = _reference(config, params)
+    for scale in (0.0, 4.0):
+        scaled = params | {n: scale * params[n] for n in RES_PROJECTIONS}
+        assert _differs(config, scaled, want) > 0, scale
+
+
+@pytest.mark.slow  # the token checks cover it in CI; this names the op
+def test_the_res_layer_taps_follow_the_reference_layer_by_layer():
+    """The residual stream after each mixer and MLP (the current block's partial sum:
+    the reference's taps) agrees with the reference's op by op (`first_divergence`), so
+    a block edge that stored the wrong sum would be named where it happens."""
+    config, params = res_layer_model()
+    prompt = _prompt(config, 2)
+    _, cache = reference.prefill(config, params, prompt, max_context=CONTEXT)
+    first, report = megakernel.first_divergence(
+        config, params, cache, prompt[:, -2:], jax.numpy.full((2,), 5), backend="interpret")
+    assert first is None and len(report) == 2 * config.layers, report
+
+
 def _no_gate(self, k):  # MLA's output: the heads' outputs, ungated
     kinds_attention.MLA.output(self, k)
 
@@ -208,6 +249,7 @@ def _norm_undivided(x, weight, eps):  # the latent sum scaled by latent_norm, no
     return x * weight
 
 
+_COUNTED = kinds_residual.ResLayer.counted
 PLANTED = {  # a bug in a kind's kernel half: (kind, class, method, replacement)
     "situ_swapped_betas": ("situ_dense", kinds_mlp.SituDense, "activation",
                            lambda self: lambda g, u: kinds_mlp.situ(g, u, 25.0, 4.0)),
@@ -221,9 +263,14 @@ PLANTED = {  # a bug in a kind's kernel half: (kind, class, method, replacement)
     "latent_norm_unscaled": ("latent_moe", mlp_kernels, "rms_norm", _norm_unscaled),
     "latent_norm_undivided": ("latent_moe", mlp_kernels, "rms_norm", _norm_undivided),
     "latent_swiglu_experts": ("latent_moe", kinds_latent.LatentMoE, "activation",
-                              lambda self: kinds_mlp.silu_gate)}
+                              lambda self: kinds_mlp.silu_gate),
+    "res_no_block_start": ("res_layer", kinds_residual.ResLayer, "add",  # a plain stream
+                           lambda self, k, x, out: x + out),
+    "res_mix_skips_a_block": ("res_layer", kinds_residual.ResLayer, "counted",
+                              lambda self, step, part: _COUNTED(self, step, part)
+                              - (part == "attn"))}  # the mixer's mix misses the newest
 SLOW_PLANTED = ("situ_no_up_cap", "kda_silu_gate", "latent_norm_undivided",
-                "latent_swiglu_experts")
+                "latent_swiglu_experts", "res_mix_skips_a_block")
 PLANTED_TOKENS = 4  # each planted bug changes one of the first 4 tokens (a cheaper trace)
 # but the latent MoE's: its routed output is RMS-normed, so a bug there shows later (of
 # the 16 tokens, the reference under each of its bugs changes 13, 16 and 11; of the
@@ -333,11 +380,41 @@ def test_the_latent_moe_plan_simulator_and_perf_count_the_same_bytes():
     assert {f: replay[f] for f in ledger} == ledger == by_perf
 
 
+def test_the_res_layer_twin_streams_its_queries_and_costs_its_mixes():
+    """The simulator's attention residuals: the same bytes as the plain stream's but the
+    queries' (two of D per layer, float32, and the lm_head's one), the mixes' vector work
+    under their own name, which the plain stream has none of."""
+    config = tiny_res_layer()
+    got, plain = (_simulated(c) for c in
+                  (config, dataclasses.replace(config, residual_block=0)))
+    extra = {f: got.family_bytes()[f] - plain.family_bytes().get(f, 0)
+             for f in got.family_bytes()}
+    D = config.hidden
+    assert {f: b for f, b in extra.items() if b} == {"norms": (config.layers * 2 + 1) * D * 4}
+    assert _busy(got, "res_mix") > 0 == _busy(plain, "res_mix")
+
+
+def test_the_plan_counts_the_residual_blocks_vmem_and_names_them_when_over():
+    """The completed blocks ([ceil(L / residual_block), B*T, D] float32) are a buffer of
+    the plan, so its fit counts them; over the chip's VMEM (kimi-k2-shaped's widths with
+    K3's blocks of 12 layers at B = 64 on TPU7x), the error names them and what shrinks
+    them."""
+    config = dataclasses.replace(mk.preset("kimi-k2-shaped"), residual_block=12)
+    plan = DecodePlan.make(config, tp=8, batch=8, context=1024, chip="tpu7x")
+    blocks = plan.buffers["residual.res_blocks"]
+    assert blocks.shape == (8, 8, config.hidden)  # ceil(93 / 12) = 8 blocks of 8 rows
+    assert blocks in plan.fits("tpu7x").vmem.buffers
+    with pytest.raises(ValueError, match=r"res_blocks \(8, 64, 7168\).* Attention residuals "
+                                         r"keep 8 completed blocks .* 14.0 MiB"):
+        DecodePlan.make(config, tp=8, batch=64, context=1024, chip="tpu7x")
+
+
 @pytest.mark.parametrize("builder", [tiny_situ, tiny_gated_mla, tiny_bounded_kda,
-                                     tiny_latent_moe])
+                                     tiny_latent_moe, tiny_res_layer])
 def test_each_k3_kind_model_compiles_for_tpu(builder):
     """Mosaic lowers the kinds' new pieces (SiTU's tanh caps; the gate's ring segment and
     sigmoid; the bounded decay's sigmoid and kda_g's segment; the latent's segments and
-    norm) for the v5e at T = 4 (ahead of time, on the CPU: ~2, ~8, ~7 and ~7 s)."""
+    norm; the residual mixes' softmax over the stored blocks) for the v5e at T = 4 (ahead
+    of time, on the CPU: ~2, ~6, ~7, ~7 and ~20 s)."""
     report = tpu.compile_megakernel(builder(), "v5e", batch=4, rows=4, context=1024)
     assert report.ok, report.error

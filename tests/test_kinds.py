@@ -11,7 +11,7 @@ import pytest
 
 import mk
 from mk.kernels.plan import DecodePlan
-from mk.kinds.base import LAYER_PHASES, ROLES
+from mk.kinds.base import LAYER_PHASES, ROLES, STREAM
 from mk.kinds.layers import KINDS, kind_at, layer_kinds, layer_tables, of_role
 from mk.presets import KIMI_PRESET_NAMES, PRESET_NAMES
 from mk.weights import names_of, param_shapes
@@ -53,7 +53,8 @@ def test_the_registry_lists_each_kind_once_in_stream_order():
     names = [k.name for k in KINDS]
     assert len(set(names)) == len(names)
     roles = [k.role for k in KINDS]
-    assert roles == sorted(roles, key=ROLES.index)  # the mixers' segments come first
+    # the mixers' segments come first, then the MLPs'; the stream kind (no segments) last
+    assert roles == sorted(roles, key=(*ROLES, STREAM).index)
     for kind in KINDS:
         assert kind.stream_phase in kind.phases and set(kind.phases) <= set(LAYER_PHASES)
 

@@ -10,8 +10,9 @@ Here: `model_block` (the tiling a model's matrices share), `layer_buffers` /
 `layer_scratch` (the VMEM and scratch of a kernel holding some kinds, by group and
 name), `residual`, `layer_body` (the in-kernel layer the megakernel loops over), and the
 stage wrapper `one_layer` with its `one_layer_buffers` (Qwen3's layer; its weights may be
-`mk.quant.QuantWeight`s). Not here: the kinds' code (`mk.kinds`), the layer loop, the
-lm_head and the cross-layer ring (`mk.megakernel`). More: docs/design/mk.kernels.one_layer.md.
+`mk.quant.QuantWeight`s; not a model with attention residuals). Not here: the kinds' code
+(`mk.kinds`), the layer loop, the lm_head and the cross-layer ring (`mk.megakernel`).
+More: docs/design/mk.kernels.one_layer.md.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from mk.kernels.ring import Ring, plain_ring, ring_buffers
 from mk.kernels.stream import Repeat, TileStream
 from mk.kernels.weight_streaming import ring_weights, weight_stream
 from mk.kinds.base import LAYER_PHASES, Kind, Step
-from mk.kinds.layers import kinds_at, layer_kinds, layer_matrices
+from mk.kinds.layers import kinds_at, layer_kinds, layer_matrices, stream_kind
 from mk.ops import rms_norm
 from mk.reference import check_positions
 
@@ -173,9 +174,18 @@ def layer_body(k: Step, kinds, *, all_reduce=None):
     `stream_phase`). The phases run in `LAYER_PHASES`' order, each under a named scope (the
     profiler's markers); the simulator replays the same list. all_reduce(value, j): the
     tensor-parallel sum over devices of the attention (j=0) and MLP (j=1) outputs.
+
+    x is the residual stream: plain (x + each block's output, `residual`), or where the
+    kinds hold a stream kind (`stream_kind`: attention residuals) the current block's
+    partial sum, the mixer and the MLP reading its mixes (`ResLayer.mix`: the mixer's as
+    k.x, set here) and the mixer's output added by it (`ResLayer.add`). k.x_attn: the
+    stream after the mixer (the taps').
     """
     s, x = k.s, k.x
     mlp_norm = k.norms[1]
+    stream = stream_kind(kinds)
+    if stream is not None:
+        k.x = stream.mix(k, x, "attn")  # what the mixers' prologues RMS-norm
     for kind in kinds:
         if type(kind).begin is not Kind.begin:
             _when(k.here(kind), lambda kind=kind: kind.begin(k))
@@ -191,8 +201,14 @@ def layer_body(k: Step, kinds, *, all_reduce=None):
             if name == "attn_all_reduce" and all_reduce is not None:  # tensor parallel:
                 s.attn_out[...] = all_reduce(s.attn_out[...], 0)  # wo's sums are partial
             elif name == "mlp_norm":
-                x = residual(x, s.attn_out[...])
-                s.h[...] = rms_norm(x, mlp_norm, k.config.rms_eps,
+                if stream is None:
+                    x = residual(x, s.attn_out[...])
+                    h = x
+                else:
+                    x = stream.add(k, x, s.attn_out[...])
+                    h = stream.mix(k, x, "mlp")
+                k.x_attn = x
+                s.h[...] = rms_norm(h, mlp_norm, k.config.rms_eps,
                                     width=k.config.norm_width).astype(s.h.dtype)
             elif name == "mlp_all_reduce" and all_reduce is not None:
                 s.mlp_out[...] = all_reduce(s.mlp_out[...], 1)
@@ -241,6 +257,10 @@ def one_layer(config: ModelConfig, params, x, k_cache, v_cache, positions, *, la
         raise ValueError(f"caches {k_cache.shape}, {v_cache.shape} must be [L, B, K, S, H]="
                          f"{expected}")
     check_positions(positions, T, S)
+    if stream_kind(layer_kinds(config)) is not None:
+        raise NotImplementedError(f"{config.name}: one_layer runs one layer of a plain "
+                                  "residual stream; attention residuals (residual_block="
+                                  f"{config.residual_block}) run in mk.megakernel")
     formats = quant.formats_of(params)
     block = block or model_block(config, context=S, formats=formats)
     block.check_context(S)

@@ -376,6 +376,12 @@ class DecodePlan:
         return layer_kinds(self.local)
 
     @property
+    def vectors(self) -> tuple[str, ...]:
+        """The per-layer vectors the kernel DMAs a layer ahead, in issue order: the norms,
+        the q/k norms, then the kinds' (`Kind.vectors`)."""
+        return ("norms", "qk_norms") + tuple(n for kind in self.kinds for n in kind.vectors())
+
+    @property
     def expert_slots(self) -> int:
         return expert_slots(self.local.experts, self.local.experts_per_token, self.M)
 
@@ -389,7 +395,7 @@ class DecodePlan:
         semaphores."""
         groups = layer_scratch(self.kinds, self.buffers.values(), self.batch, self.rows,
                                self.block)
-        groups["vectors"] |= {"sems": pltpu.SemaphoreType.DMA((2, 2)),
+        groups["vectors"] |= {"sems": pltpu.SemaphoreType.DMA((2, len(self.vectors))),
                               "final_sem": pltpu.SemaphoreType.DMA((1,))}
         for name in ("all_reduce", "argmax", "router_gather"):  # the collectives (tp > 1)
             if name in groups:
@@ -548,8 +554,12 @@ def _chip_block(local: ModelConfig, tp: int, batch: int, rows: int, context: int
     if total(buffers) <= spec.vmem_bytes:
         return block
     if kernel:
-        vmem_budget(f"megakernel {local.name} ({block.slots}-slot ring)", buffers.values(),
-                    spec)
+        try:
+            vmem_budget(f"megakernel {local.name} ({block.slots}-slot ring)",
+                        buffers.values(), spec)
+        except ValueError as err:  # with what a kind's own buffers need (`Kind.fit_note`)
+            notes = "".join(kind.fit_note(batch, rows) for kind in layer_kinds(local))
+            raise ValueError(f"{err}{notes}") from None
     return floor
 
 
@@ -562,6 +572,8 @@ def _buffers(local: ModelConfig, tp: int, batch: int, rows: int, block: BlockSiz
                        ring=ring_buffers(stream, dt)),
         Buffer("norms", (2, 2, D), f32, "vectors"),  # a layer's norms, two layers' slots
         Buffer("qk_norms", (2, 2, H), f32, "vectors"),
+        *(Buffer(n, (2, 2, width), f32, "vectors") for kind in layer_kinds(local)
+          for n, width in kind.vectors().items()),  # e.g. attention residuals' queries
         Buffer("final_norm", (1, D), f32, "vectors"),
         Buffer("x", (M, D), f32, "operand"),  # the embedded tokens
         Buffer("logits", (M, vocab), f32, "operand"),

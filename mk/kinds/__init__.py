@@ -8,14 +8,13 @@ itself, and the rooms that run a model loop over the kinds it has.
     mk.kinds.linear     `DeltaNet` (Qwen3.5), `KDA` (Kimi Linear), `BoundedKDA` (Kimi K3)
     mk.kinds.mlp        `Dense`, `SituDense` (Kimi K3), `MoE`, `ClampedMoE` (gpt-oss),
                         `router_after_mixer`; mk.kinds.latent: `LatentMoE` (Kimi K3)
+    mk.kinds.residual   `ResLayer` (Kimi K3's attention residuals: the stream's kind)
     mk.kinds.layers     `KINDS` (the registry, in stream order), `layer_kinds(config)`,
-                        a layer's kinds and rows, the kernel's per-layer tables,
-                        `REFERENCE_ONLY` (Kimi K3's res_layer, no kernel yet)
+                        a layer's kinds and rows, the kernel's per-layer tables
     mk.kinds.checks     each kind's checks of a `mk.config.ModelConfig` (no kernel)
     mk.kinds.hf         each kind's reader of a Hugging Face config.json (no kernel)
 
 Who asks the kinds: the megakernel, `mk.kernels.one_layer.layer_body`, the stage-05
-kernel, the plan and the simulator (each kind's twin). Nothing else changes when a kind
-is added: they loop over the kinds. How to add a layer kind, step by step:
-docs/design/mk.kinds.md.
+kernel, the plan and the simulator (each kind's twin); they loop over the kinds, so
+nothing else changes when one is added. How, step by step: docs/design/mk.kinds.md.
 """

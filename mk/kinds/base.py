@@ -9,7 +9,11 @@ segments, buffers and scratch, how its weights are prepared and fetched, its par
 cache, its in-kernel code by phase (`LAYER_PHASES`), its simulator twin and its cost. A
 layer of another kind of the same role skips this kind's region of the stream.
 
-Not here: the kinds themselves (`mk.kinds.attention`, `mk.kinds.linear`, `mk.kinds.mlp`),
+Every layer has one kind of each of `ROLES`; a model may add one of the `STREAM` role,
+which owns the residual stream (attention residuals: `mk.kinds.residual`).
+
+Not here: the kinds themselves (`mk.kinds.attention`, `mk.kinds.linear`, `mk.kinds.mlp`,
+`mk.kinds.residual`),
 the loop over them (`mk.kernels.one_layer.layer_body`, `mk.sim`), their config checks
 (`mk.kinds.checks`). Every hook and what it owns: docs/design/mk.kinds.base.md.
 """
@@ -35,6 +39,8 @@ LAYER_PHASES = ("linear", "prologue", "attend", "kv_prime", "wo", "after_mixer",
                 "attn_all_reduce", "mlp_norm", "before_mlp", "mlp", "mlp_all_reduce",
                 "residual")
 ROLES = ("mixer", "mlp")  # every layer has one kind of each role
+STREAM = "stream"  # the role of a residual-stream kind (attention residuals: every layer's,
+#                    besides its two; without one, the plain residual stream x + out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +94,11 @@ class Kind:
         """Its VMEM buffers (`mk.kernels.common.Buffer`)."""
         return []
 
+    def fit_note(self, batch: int, rows: int) -> str:
+        """What its own VMEM buffers need and what would shrink them, in prose (" ..."),
+        appended to the plan's error when a step's buffers do not fit; "" by default."""
+        return ""
+
     def scratch(self, batch: int, rows: int, block) -> dict[str, dict]:
         """Its semaphores and SMEM by buffer group ({group: {name: scratch}})."""
         return {}
@@ -96,6 +107,12 @@ class Kind:
         """Its weights as the megakernel's operands (`prepare`'s names), in stream order: by
         default the ones it streams or DMAs."""
         return self.weights("ring", "dma")
+
+    def vectors(self) -> dict[str, int]:
+        """Its per-layer float32 vectors besides the norms, {name: width}: prepared as
+        [L, 2, width] operands, DMA'd a layer ahead with the norms into a two-slot
+        [2, 2, width] buffer of the "vectors" group, read as `Step.vectors`."""
+        return {}
 
     def prepare(self, params) -> dict:
         """Its weights as the megakernel reads them (before `mk.kernels.ring.ring_layout`):
@@ -197,6 +214,11 @@ class Kind:
             out[FAMILY[name]] = out.get(FAMILY[name], 0) + math.prod(shapes[name][0][1:])
         return out
 
+    def once(self) -> dict[str, float]:
+        """Elements of each weight family it moves once a step (not per layer): none by
+        default."""
+        return {}
+
     def params(self) -> int:
         """Matmul parameters one token multiplies by in one layer (its `matmuls`' elements
         per layer in the weight table)."""
@@ -259,6 +281,9 @@ class Step:
     step: Any = 0  # the layer's index in the stream
     x: Any = None  # the residual stream [M, D] f32
     norms: tuple = ()  # (attn_norm, mlp_norm, q_norm, k_norm) values
+    vectors: dict = dataclasses.field(default_factory=dict)  # the kinds' `Kind.vectors`
+    #                                                          of the layer, [2, width] each
+    x_attn: Any = None  # the residual stream after the layer's mixer (set by `layer_body`)
 
     @property
     def positions(self):

@@ -3,7 +3,8 @@
 `layer_kinds(config)`: its kinds (`mk.kinds.base.Kind` objects bound to `config`), token
 mixers first (linear ones before full attention), then MLPs (MoE before dense): the order
 their segments sit in each layer's period of the stream and the order `layer_body` runs
-them. Which kinds a config has is `mk.weights.kinds_of`'s one rule. Also here:
+them; last a residual-stream kind (`ResLayer`, attention residuals: no segments). Which
+kinds a config has is `mk.weights.kinds_of`'s one rule. Also here: `stream_kind`,
 `full_attention`, `of_role`, `kind_at` (a layer's kind of a role and its row in that
 kind's stacked weights), `kinds_at` (a layer's two kinds), `layer_tables` / `TABLES` (the
 kernel's SMEM tables: each layer's kind and row per role), `layer_matrices` (one layer's
@@ -17,29 +18,26 @@ import numpy as np
 
 from mk.config import ModelConfig
 from mk.kinds.attention import GQA, MLA, GatedMLA, SinkGQA
-from mk.kinds.base import LAYER_PHASES, ROLES, Kind
+from mk.kinds.base import LAYER_PHASES, ROLES, STREAM, Kind
 from mk.kinds.latent import LatentMoE
 from mk.kinds.linear import KDA, BoundedKDA, DeltaNet
 from mk.kinds.mlp import ClampedMoE, Dense, MoE, SituDense
+from mk.kinds.residual import ResLayer
 from mk.weights import kinds_of
 
 KINDS = (DeltaNet, KDA, BoundedKDA, GQA, SinkGQA, MLA, GatedMLA, MoE,  # in stream order
-         ClampedMoE, LatentMoE, Dense, SituDense)
-# The kinds of `mk.weights` no kernel runs yet (mk.reference does), each with what it adds
-# to the kind the kernels run: Kimi K3's (issue 66).
-REFERENCE_ONLY = {"res_layer": "attention residuals"}
+         ClampedMoE, LatentMoE, Dense, SituDense, ResLayer)
 TABLES = tuple(f"{role}_{what}" for role in ROLES for what in ("kind", "row"))  # SMEM [L]
-
 
 
 def check_kind(kind: type[Kind]) -> type[Kind]:
     """A kind class, after checking its role is one of ROLES and its phases (with its
     stream phase) are among LAYER_PHASES (the list the kernel runs and the simulator
     replays); raises ValueError naming them."""
-    if kind.role not in ROLES or not set(kind.phases) <= set(LAYER_PHASES) \
+    if kind.role not in (*ROLES, STREAM) or not set(kind.phases) <= set(LAYER_PHASES) \
             or kind.stream_phase not in kind.phases:
         raise ValueError(f"layer kind {kind.name}: role {kind.role!r} must be one of "
-                         f"{ROLES} and its phases {kind.phases} (with its stream phase "
+                         f"{(*ROLES, STREAM)} and its phases {kind.phases} (with its stream phase "
                          f"{kind.stream_phase!r}) among LAYER_PHASES {LAYER_PHASES}")
     return kind
 
@@ -54,11 +52,15 @@ def layer_kinds(config: ModelConfig) -> tuple[Kind, ...]:
     names = kinds_of(config)
     missing = sorted(set(names) - {"model", "layer"} - {kind.name for kind in KINDS})
     if missing:
-        what = "; ".join(f"{k}: {REFERENCE_ONLY[k]}" for k in missing if k in REFERENCE_ONLY)
         raise NotImplementedError(f"{config.name}: its layer kinds {missing} have no kernel "
-                                  f"yet (mk.kinds.layers.KINDS){f' ({what})' if what else ''}"
-                                  "; mk.reference runs them")
+                                  "yet (mk.kinds.layers.KINDS); mk.reference runs them")
     return tuple(kind(config) for kind in KINDS if kind.name in names)
+
+
+def stream_kind(kinds) -> Kind | None:
+    """The residual-stream kind among `kinds` (role STREAM: `ResLayer`), or None where
+    the stream is plain (x + each block's output)."""
+    return next(iter(of_role(kinds, STREAM)), None)
 
 
 def full_attention(config: ModelConfig) -> GQA:
