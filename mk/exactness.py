@@ -12,10 +12,11 @@ by its largest |logit|) or wrong. A wrong mask, head, window or expert moves a l
 O(1) of that scale; `mk.megakernel.first_divergence` is the finer tool inside a tie.
 
 `ROUTER_TIE` is the same bound for an MoE router's expert choice. Also here, the hardware
-record: `FAMILY_PRESETS` (the tiny preset of every family of `mk.kinds.hf.FAMILIES` a
-kernel runs), `record_path`, `load_record` and `verified` (per family: the chip, commit
-and date of its newest hardware case, and whether kernel code changed since), written by
-the hardware tier tests/test_tpu.py (`make test-tpu`) with `expect` and `cpu_only`. And
+record: `FAMILY_PRESETS` (the tiny preset of every family of `mk.kinds.hf.FAMILIES`),
+`AWAITING_CHIP` (those no chip has judged yet, and why), `record_path`, `load_record`
+and `verified` (per family: the chip, commit and date of its newest hardware case, and
+whether kernel code changed since), written by the hardware tier tests/test_tpu.py
+(`make test-tpu`) with `expect` and `cpu_only`. And
 `default_precision_f32_dots`: the float32 matmuls a chip would round that interpret mode
 does not.
 """
@@ -47,11 +48,14 @@ TIE_RTOL = 1e-2  # a near-tie: within 1 % of the largest |logit| (first_divergen
 # models are compared in float32 (tests/test_megakernel.py, tests/test_tpu.py).
 ROUTER_TIE = {"float32": 1e-4, "bfloat16": 5e-2}
 FAMILY_PRESETS = {"qwen3": "tiny", "qwen3_moe": "tiny-moe", "qwen3_5_text": "tiny-hybrid",
-                  "kimi_linear": "tiny-kimi", "gpt_oss": "tiny-gpt-oss"}
-# The families mk loads and the reference runs but no kernel does yet (their kinds are
-# `mk.kinds.layers.REFERENCE_ONLY`), each with its tiny preset: no hardware record until
-# the megakernel runs them (tests/test_exactness.py fails once it does).
-NO_KERNEL_YET = {"kimi_k3": "tiny-k3"}
+                  "kimi_linear": "tiny-kimi", "gpt_oss": "tiny-gpt-oss", "kimi_k3": "tiny-k3"}
+# The families the megakernel runs that no chip has judged yet, each with why: its kernel
+# landed after the chip's last session. `verified` shows them "never run on a chip";
+# tests/test_exactness.py fails once one has a record (the entry is then stale) or if one
+# listed here does not run in the kernel.
+AWAITING_CHIP = {"kimi_k3": "its last two kinds (latent_moe, res_layer) reached the "
+                            "megakernel (issue 66) after the v5e session of 2026-12-07; "
+                            "make test-tpu on a TPU records it"}
 # The code a record's verdicts speak for: a commit that changes any of it leaves older
 # records stale.
 KERNEL_PATHS = ("mk/kernels", "mk/kinds", "mk/megakernel.py", "mk/quant.py", "mk/unpack.py",

@@ -73,27 +73,32 @@ def test_a_judgement_made_in_a_cpu_process_in_advance_is_the_same_verdict():
 
 
 def test_every_model_family_has_a_tiny_preset_for_the_hardware_tier():
-    assert set(exactness.FAMILY_PRESETS) | set(exactness.NO_KERNEL_YET) == set(FAMILIES)
+    assert set(exactness.FAMILY_PRESETS) == set(FAMILIES)
     assert all(p in mk.presets.PRESET_NAMES + mk.presets.KIMI_PRESET_NAMES
-               + mk.presets.GPT_OSS_PRESET_NAMES for p in exactness.FAMILY_PRESETS.values())
+               + mk.presets.K3_PRESET_NAMES + mk.presets.GPT_OSS_PRESET_NAMES
+               for p in exactness.FAMILY_PRESETS.values())
 
 
-@pytest.mark.parametrize("name", list(exactness.NO_KERNEL_YET.values()))
-def test_a_family_without_a_hardware_tier_has_no_kernel_yet(name):
-    """The exemption expires: once the megakernel runs the family, it needs a record."""
-    with pytest.raises(NotImplementedError, match="have no kernel yet"):
-        layer_kinds(mk.preset(name))
+@pytest.mark.parametrize("family", list(exactness.AWAITING_CHIP))
+def test_a_family_awaiting_the_chip_runs_in_the_kernel_and_has_no_record_yet(family):
+    """The exemption is narrow and expires: the family's kernel runs (its kinds exist) and
+    no record holds it; once `make test-tpu` records it, this fails until the entry goes."""
+    assert layer_kinds(mk.preset(exactness.FAMILY_PRESETS[family]))
+    row, = (r for r in exactness.verified() if r["family"] == family)
+    assert row["chip"] is None, f"{family} has a record now: drop it from AWAITING_CHIP"
 
 
 def test_every_model_family_has_a_hardware_record():
     """The committed hardware record (make test-tpu on a TPU writes it): each family has
-    cases judged on a chip, each case's classes adding up to its tokens. Wrong tokens are
-    recorded, not hidden: `verified` shows them (the ledger, notebook 06)."""
+    cases judged on a chip (but those `AWAITING_CHIP` names, shown as never run on one),
+    each case's classes adding up to its tokens. Wrong tokens are recorded, not hidden:
+    `verified` shows them (the ledger, notebook 06)."""
     rows = exactness.verified()
     missing = [r["family"] for r in rows if r["chip"] is None]
-    assert not missing, f"no hardware record for {missing}: run make test-tpu on a TPU"
+    assert set(missing) <= set(exactness.AWAITING_CHIP), (
+        f"no hardware record for {missing}: run make test-tpu on a TPU")
     assert all(r["exact"] > 0 and r["exact"] + r["ties"] + r["wrong"] == r["total"]
-               for r in rows), rows
+               for r in rows if r["chip"] is not None), rows
 
 
 @pytest.mark.parametrize("text, match", [

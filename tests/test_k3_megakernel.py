@@ -35,6 +35,9 @@ source's score is O(1) and the mixes weigh the sources unevenly; a control shows
 uniform mix (zero projections) and a sharper one (x4) each change the reference's
 tokens. The plan counts the completed blocks' VMEM and names them when they do not fit.
 
+`tiny-k3`, the preset with all five at once (K3's layers in small widths), decodes the
+reference's tokens too.
+
 Not covered by interpret mode: time and the scoped VMEM limit (the compile test covers
 lowering and capacity). Not run here: these kinds at tp > 1 (the latent MoE refuses it).
 """
@@ -108,9 +111,15 @@ def res_layer_model(**change):
     return config, mk.init_params(config)
 
 
+def k3_model(**change):
+    """(config, params) of tiny-k3 itself, float32: every K3 kind in one model."""
+    config = dataclasses.replace(mk.preset("tiny-k3"), dtype="float32", **change)
+    return config, mk.init_params(config)
+
+
 MODELS = {"situ_dense": situ_model, "gated_mla": gated_mla_model,
           "bounded_kda": bounded_kda_model, "latent_moe": latent_moe_model,
-          "res_layer": res_layer_model}
+          "res_layer": res_layer_model, "tiny-k3": k3_model}
 RES_PROJECTIONS = ("attn_res_proj", "mlp_res_proj", "output_res_proj")
 
 

@@ -25,7 +25,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mk.config import ModelConfig
 from mk.kernels.common import LANES, Buffer, start_dma
-from mk.ops import rms_norm
+from mk.ops import exact, rms_norm
 from mk.weights import names_of, param_shapes
 
 F32 = jnp.float32
@@ -98,7 +98,8 @@ def mla_prologue(ring, config: ModelConfig, s, loads: dict, *, layer, x, attn_no
         loads["q_a_norm"].wait()
         q_a = rms_norm(s.q_a[...], s.q_a_norm[...], eps).astype(s.wq.dtype)
         loads["wq"].wait()
-        s.q[...] = jnp.dot(q_a, s.wq[...], preferred_element_type=F32)
+        wq = s.wq[...]
+        s.q[...] = jnp.dot(q_a, wq, precision=exact(q_a, wq), preferred_element_type=F32)
     else:
         ring.matmul("wq", s.h, s.q, layer=layer)
     ring.matmul("wkv_a", s.h, s.kv_a, layer=layer)
