@@ -12,13 +12,12 @@ by its largest |logit|) or wrong. A wrong mask, head, window or expert moves a l
 O(1) of that scale; `mk.megakernel.first_divergence` is the finer tool inside a tie.
 
 `ROUTER_TIE` is the same bound for an MoE router's expert choice. Also here, the hardware
-record: `FAMILY_PRESETS` (the tiny preset of every family of `mk.kinds.hf.FAMILIES`),
-`AWAITING_CHIP` (those no chip has judged yet, and why), `record_path`, `load_record`
-and `verified` (per family: the chip, commit and date of its newest hardware case, and
-whether kernel code changed since), written by the hardware tier tests/test_tpu.py
-(`make test-tpu`) with `expect` and `cpu_only`. And
-`default_precision_f32_dots`: the float32 matmuls a chip would round that interpret mode
-does not.
+record: `FAMILY_PRESETS` (every family's tiny preset), `AWAITING_CHIP` (those no chip
+has judged yet, and why), `record_path`, `load_record` and `verified` (per family: the
+chip, commit and date of its newest hardware case, and whether kernel code changed
+since), written by the hardware tier tests/test_tpu.py (`make test-tpu`) with `expect`
+and `cpu_only`. And `default_precision_f32_dots`: the float32 matmuls a chip would round
+that interpret mode does not.
 """
 
 from __future__ import annotations
