@@ -97,6 +97,8 @@ def _tiny_k3(**change) -> ModelConfig:
     (dict(moe_latent=7169), ValueError, r"moe_latent=7169 must be an integer in \[0, "
                                         r"hidden=7168\]"),
     (dict(moe_latent=0), NotImplementedError, "SiTU experts are implemented in the latent"),
+    (dict(situ_beta=0.0, situ_linear_beta=0.0), NotImplementedError,
+     "moe_latent=3584 with situ_beta=0: the latent MoE's experts are SiTU's"),
     (dict(residual_block=-12), ValueError, "residual_block=-12 must be a non-negative "
                                            "integer"),
     (dict(residual_block=True), ValueError, "residual_block=True must be a non-negative"),

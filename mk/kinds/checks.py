@@ -267,8 +267,8 @@ def check_situ(c) -> None:
 
 
 def check_latent_moe(c) -> None:
-    """The latent MoE (moe_latent > 0, Kimi K3's): MoE layers whose routed experts run on
-    a latent of width in [1, hidden]; not the clamped experts. Its experts' fp8 re-storing
+    """The latent MoE (moe_latent > 0, Kimi K3's): MoE layers whose routed SiTU experts run
+    on a latent of width in [1, hidden]; not the clamped experts. Its experts' fp8 re-storing
     (expert_fp8_block > 0) needs fp4 experts and whole blocks of 32-row MXFP4 scales
     dividing the latent."""
     latent, block = c.moe_latent, c.expert_fp8_block
@@ -282,6 +282,10 @@ def check_latent_moe(c) -> None:
     if latent and c.swiglu_limit:
         raise ValueError(f"{c.name}: moe_latent={latent} and swiglu_limit="
                          f"{c.swiglu_limit}: the latent MoE has no clamped experts")
+    if latent and not c.situ_beta:  # SiTU at beta 0 would divide by zero: NaN experts
+        raise NotImplementedError(f"{c.name}: moe_latent={latent} with situ_beta=0: the "
+                                  "latent MoE's experts are SiTU's (Kimi K3's); SwiGLU "
+                                  "experts on a latent are not implemented")
     if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or block < 0:
         raise ValueError(f"{c.name}: expert_fp8_block={shown(block)} must be a "
                          "non-negative integer")
