@@ -52,9 +52,7 @@ FAMILY_PRESETS = {"qwen3": "tiny", "qwen3_moe": "tiny-moe", "qwen3_5_text": "tin
 # landed after the chip's last session. `verified` shows them "never run on a chip";
 # tests/test_exactness.py fails once one has a record (the entry is then stale) or if one
 # listed here does not run in the kernel.
-AWAITING_CHIP = {"kimi_k3": "its last two kinds (latent_moe, res_layer) reached the "
-                            "megakernel (issue 66) after the v5e session of 2026-12-07; "
-                            "make test-tpu on a TPU records it"}
+AWAITING_CHIP: dict[str, str] = {}  # none: tiny-k3 was judged on the v5e, 2026-12-07
 # The code a record's verdicts speak for: a commit that changes any of it leaves older
 # records stale.
 KERNEL_PATHS = ("mk/kernels", "mk/kinds", "mk/megakernel.py", "mk/quant.py", "mk/unpack.py",
