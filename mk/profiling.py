@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import plotly.graph_objects as go
 
-from mk import megakernel, ops, reference
+from mk import megakernel, ops, reference, untrusted
 from mk.config import ModelConfig
 from mk.kernels.attention_prologue import attention_prologue
 from mk.kernels.decode_attention import decode_attention
@@ -332,6 +332,68 @@ def summary(per_step: list[StepBubbles], label: str = "") -> dict:
                 idle_share=round(s.idle_share, 4),
                 host_share=round(s.host_ns / s.wall_ns, 4) if s.wall_ns else 0.0,
                 bubble_share=round(s.bubble_share, 4))
+
+
+# -- A recorded trace ------------------------------------------------------------------------
+def trace_record(captures: dict[str, Capture]) -> dict:
+    """What data/ keeps of captures (benchmarks/tpu_trace.py on a TPU): per variant, its
+    `summary` and its median step's op events, times in ns from the step's start, names
+    in tables. `recorded_timeline` gives them back as a `Timeline` of that one step."""
+    variants = {}
+    for name, c in captures.items():
+        tl = timeline(c.path)
+        row = summary(bubbles(tl), name)
+        step = tl.steps[row["median_step"]]
+        ops = [o for o in tl.ops if o.step == row["median_step"]]
+        tables = {f: sorted({getattr(o, f) for o in ops}) for f in ("name", "module", "line")}
+        index = {f: {v: i for i, v in enumerate(t)} for f, t in tables.items()}
+        variants[name] = dict(
+            summary=row, plane=tl.plane, wall_ns=round(step.end_ns - step.start_ns),
+            names=tables["name"], modules=tables["module"], lines=tables["line"],
+            ops=[[index["name"][o.name], index["module"][o.module], o.run_id,
+                  index["line"][o.line], round(o.start_ns - step.start_ns),
+                  round(o.duration_ns)] for o in ops])
+    return dict(variants=variants)
+
+
+def recorded_timeline(record: dict, variant: str) -> Timeline:
+    """The median step `trace_record` kept for `variant`, as a one-step `Timeline` (its
+    step starts at 0); `bubbles` of it gives the recorded step's bubbles again."""
+    v = record["variants"][variant]
+    ops = tuple(OpEvent(v["names"][n], v["modules"][m], int(run), v["lines"][li],
+                        float(start), float(duration), 0)
+                for n, m, run, li, start, duration in v["ops"])
+    return Timeline(v["plane"], (Step(0, 0.0, float(v["wall_ns"])),), ops)
+
+
+def load_trace_record(path: str | os.PathLike) -> dict:
+    """A record benchmarks/tpu_trace.py wrote, checked for what `recorded_timeline` reads:
+    every variant of `VARIANTS`, each event's indices inside its tables and its start
+    inside the step (a record is untrusted data: bounded, never run)."""
+    data = untrusted.load_json(path, "trace record")
+    if not isinstance(data, dict) or not isinstance(data.get("variants"), dict):
+        raise ValueError(f"{path}: a trace record is an object with 'variants'")
+    for field in ("chip", "device_kind", "jax", "libtpu", "commit", "when", "model"):
+        if field not in data:
+            raise ValueError(f"{path}: field {field!r} is missing")
+    for name in VARIANTS:
+        v = data["variants"].get(name)
+        if not isinstance(v, dict):
+            raise ValueError(f"{path}: variant {name!r} is missing")
+        for field in ("summary", "plane", "wall_ns", "names", "modules", "lines", "ops"):
+            if field not in v:
+                raise ValueError(f"{path}: variant {name!r} lacks field {field!r}")
+        sizes = [len(v["names"]), len(v["modules"]), None, len(v["lines"])]
+        for event in v["ops"]:
+            if (not isinstance(event, list) or len(event) != 6
+                    or not all(isinstance(x, int) and not isinstance(x, bool) for x in event)
+                    or any(n is not None and not 0 <= x < n for x, n in zip(event, sizes))
+                    or not 0 <= event[4] < v["wall_ns"] or event[5] < 0):
+                raise ValueError(f"{path}: variant {name!r}: event {str(event)[:80]} is not "
+                                 "[name, module, run, line, start_ns, duration_ns] within "
+                                 f"its tables ({sizes[0]} names, {sizes[1]} modules, "
+                                 f"{sizes[3]} lines), starting inside its step")
+    return data
 
 
 # -- Variant (b): the stage kernels, one pallas_call per op ------------------------------
