@@ -60,7 +60,7 @@ def main(argv=None) -> None:
                          libtpu_flags=FLAG) | profiling.trace_record(captures)
     path = args.json or measure.MEASURED / f"{made['chip']}-trace.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    path.write_text(json.dumps(record, separators=(",", ":")) + "\n", encoding="utf-8")
     for name, v in record["variants"].items():
         print(name, json.dumps(v["summary"]), f"{len(v['ops'])} events", flush=True)
     print(f"wrote {path}")
