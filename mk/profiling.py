@@ -443,38 +443,41 @@ def embed(table, tokens):
     return table[tokens].astype(jnp.float32)
 
 
-def staged_weights(config: ModelConfig, params) -> list[dict]:
-    """Per-layer weights of `staged_step`, sliced once: the prologue's (the norm and the
-    token mixer's weights but wo) keep a leading axis of 1 (the stage wrapper indexes row
-    0); the MLP's are its kind's (`kind`) by name."""
-    kinds, out = layer_kinds(config), []
+def staged_weights(config: ModelConfig, params) -> dict:
+    """The weights of `staged_step`, laid out once: per layer ("layers"), the prologue's
+    (the norm and the token mixer's weights but wo) with a leading axis of 1 (the stage
+    wrapper indexes row 0) and the MLP's, its kind's (`kind`) by name; and "lm_head",
+    a tied model's embedding transposed here, not in every step (a TPU trace showed that
+    transpose as one more launch per step)."""
+    kinds, layers = layer_kinds(config), []
     for layer in range(config.layers):
         (mixer, row), (kind, mlp_row) = (kind_at(kinds, role, layer) for role in ROLES)
         prologue = {n: params[n][row:row + 1] for n in mixer.weights() if n != "wo"}
-        out.append(dict(prologue={"attn_norm": params["attn_norm"][layer:layer + 1]}
-                        | prologue, wo=params["wo"][row], mlp_norm=params["mlp_norm"][layer],
-                        kind=kind, mlp={n: params[n][mlp_row] for n in kind.weights("ring",
-                                                                                   "dma")}))
-    return out
+        layers.append(dict(prologue={"attn_norm": params["attn_norm"][layer:layer + 1]}
+                           | prologue, wo=params["wo"][row], mlp_norm=params["mlp_norm"][layer],
+                           kind=kind, mlp={n: params[n][mlp_row]
+                                           for n in kind.weights("ring", "dma")}))
+    lm_head = params["embed"].T if config.tie_embeddings else params["lm_head"]
+    return dict(layers=layers, lm_head=lm_head)
 
 
-def staged_step(config: ModelConfig, params, layers: list[dict], cache: reference.KVCache,
+def staged_step(config: ModelConfig, params, weights: dict, cache: reference.KVCache,
                 tokens, positions):
     """Variant (b): one decode step as one pallas_call per op (prologue, attention, output
     projection, MLP per layer, then the lm_head), each dispatched from this Python loop.
-    `layers` is `staged_weights(config, params)`. Returns (logits [B, T, V] float32,
+    `weights` is `staged_weights(config, params)`. Returns (logits [B, T, V] float32,
     cache), the contract of `mk.reference.decode_step`."""
     tokens, positions = reference.validate_step(config, cache, tokens, positions)
     x = embed(params["embed"], tokens)
     k_cache, v_cache = cache
-    for layer, w in enumerate(layers):
+    for layer, w in enumerate(weights["layers"]):
         q, k, v = prologue(config, w["prologue"], x, positions)
         o, k_cache, v_cache = attention(q, k, v, k_cache, v_cache, positions,
                                         np.int32(layer))  # a host scalar: no launch
         x = output_projection(o, x, w["wo"])
         x = mlp(w["kind"], x, w["mlp_norm"], w["mlp"])
-    lm_head = params["embed"].T if config.tie_embeddings else params["lm_head"]
-    return head(config, x, params["final_norm"], lm_head), reference.KVCache(k_cache, v_cache)
+    return (head(config, x, params["final_norm"], weights["lm_head"]),
+            reference.KVCache(k_cache, v_cache))
 
 
 def variants(config: ModelConfig, params, cache: reference.KVCache, tokens, positions):
@@ -484,10 +487,10 @@ def variants(config: ModelConfig, params, cache: reference.KVCache, tokens, posi
     B, T = jnp.shape(tokens)
     plan = DecodePlan.make(config, batch=B, rows=T, context=cache.capacity)
     block, weights = plan.block, megakernel.prepare(plan, params)
-    layers = staged_weights(config, params)
+    staged = staged_weights(config, params)
     return {
         "xla": lambda: reference.decode_step(config, params, cache, tokens, positions),
-        "staged": lambda: staged_step(config, params, layers, cache, tokens, positions),
+        "staged": lambda: staged_step(config, params, staged, cache, tokens, positions),
         "megakernel": lambda: megakernel.decode_step(config, weights, cache, tokens,
                                                      positions, block=block),
     }
