@@ -3,11 +3,11 @@
 `mk.profiling.variants` of qwen3-0.6b (random weights, B 1, T 1, a cache of 1024
 positions, the step at position 5): XLA's step, the stage kernels one pallas_call per op,
 and the megakernel. Each is captured by `mk.profiling.capture` (5 steps after a warm-up,
-under MK_PROFILES) with libtpu's custom-call region traces on
-(`--xla_enable_custom_call_region_trace=true`, so the megakernel's `jax.named_scope`s show
-as events inside its call). `mk.profiling.trace_record` keeps each capture's median step:
-its device-plane op events and its summary, small enough for data/, so notebook 08 draws a
-real chip's bubbles without a TPU. The record goes to data/measured/<chip>-trace.json (or
+under MK_PROFILES) with libtpu's custom-call region traces on (`mk.bundles.PHASE_FLAG`,
+so the megakernel's `jax.named_scope`s are events of the trace). `mk.profiling.trace_record`
+keeps each capture's median step: its device-plane op and scope events and its summary,
+small enough for data/, so notebook 08 draws a real chip's bubbles and phases without a
+TPU. The record goes to data/measured/<chip>-trace.json (or
 $MK_MEASURED).
 
     MK_TPU=1 MK_COMMIT=<sha> python benchmarks/tpu_trace.py
@@ -23,10 +23,6 @@ import os
 import sys
 from pathlib import Path
 
-FLAG = "--xla_enable_custom_call_region_trace=true"
-if FLAG not in os.environ.get("LIBTPU_INIT_ARGS", ""):  # before jax starts libtpu
-    os.environ["LIBTPU_INIT_ARGS"] = f"{os.environ.get('LIBTPU_INIT_ARGS', '')} {FLAG}".strip()
-
 if __package__ in (None, ""):  # run as a script: make `mk` importable from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -34,7 +30,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import mk  # noqa: E402
-from mk import backend, measure, profiling, reference  # noqa: E402
+from mk import backend, bundles, measure, profiling, reference  # noqa: E402
 
 PRESET, BATCH, CONTEXT, PROMPT, STEPS = "qwen3-0.6b", 1, 1024, 5, 5
 
@@ -43,6 +39,9 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", type=Path, help="where the record goes")
     args = p.parse_args(argv)
+    flags = os.environ.get("LIBTPU_INIT_ARGS", "")
+    if bundles.PHASE_FLAG not in flags:  # before jax starts libtpu (provenance, next)
+        os.environ["LIBTPU_INIT_ARGS"] = f"{flags} {bundles.PHASE_FLAG}".strip()
     made = measure.provenance()
     if made["chip"] is None:
         p.error(f"no TPU here ({made['device_kind']}): a CPU trace is not a TPU's")
@@ -57,7 +56,8 @@ def main(argv=None) -> None:
                     for name, fn in fns.items()}
     record = made | dict(label=f"measured on {made['device_kind']}", model=PRESET,
                          batch=BATCH, rows=1, context=CONTEXT, position=PROMPT,
-                         libtpu_flags=FLAG) | profiling.trace_record(captures)
+                         libtpu_flags=os.environ["LIBTPU_INIT_ARGS"]) | profiling.trace_record(
+                             {name: profiling.timeline(c.path) for name, c in captures.items()})
     path = args.json or measure.MEASURED / f"{made['chip']}-trace.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, separators=(",", ":")) + "\n", encoding="utf-8")

@@ -366,6 +366,18 @@ class Simulation:
     def step_ms(self) -> float:
         return 1e3 * self.step_s
 
+    def layer_seconds(self) -> list[float]:
+        """Each layer's time on the compute lane: from its first compute event's start to
+        the next layer's (the last one to the lm_head's first), as a trace of the kernel's
+        named scopes measures its layers (`mk.profiling.layer_times`)."""
+        starts: dict = {}
+        for e in self.events:
+            if e.lane == "compute":
+                starts.setdefault(e.layer, e.start_s)
+        layers = sorted(k for k in starts if k is not None)
+        ends = [starts[k] for k in layers[1:]] + [starts.get(None, self.step_s)]
+        return [end - starts[k] for k, end in zip(layers, ends)]
+
     def bubble_share(self) -> dict[str, float]:
         """{cause: seconds of HBM idle time}, largest first."""
         out: dict[str, float] = {}

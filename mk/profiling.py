@@ -7,8 +7,10 @@ measures those stops in real profiles of three ways of running the same step: "x
 
 Here: `capture` (N annotated steps into `PROFILES/<name>/plugins/profile/<run>/`;
 `profiles_dir` says where PROFILES is), `timeline` (a trace's op events, per step),
-`bubbles` (idle time per step), `staged_step`, `variants`, `trace_viewer`, and notebook
-08's figures (`gantt` through `lanes_figure`, `share_bars`). Not here: the simulator
+`bubbles` (idle time per step), `trace_record`, `recorded_timeline` and
+`load_trace_record` (a chip's median steps kept in data/measured), `staged_step`,
+`variants`, `trace_viewer`. Not here: the figures (`mk.profile_plots`; this module needs
+no plotly, so benchmarks/tpu_trace.py runs on a bare TPU machine), the simulator
 (`mk.sim`, drawn by `mk.sim_plots.timeline`), the compiler's static schedule
 (`mk.bundles.dump_schedule`), any TPU time: a CPU trace times CPU work. What a CPU and a
 TPU trace show: docs/design/mk.profiling.md.
@@ -30,7 +32,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import plotly.graph_objects as go
 
 from mk import megakernel, ops, reference, untrusted
 from mk.config import ModelConfig
@@ -59,7 +60,6 @@ def profiles_dir(environ=os.environ, package: Path = Path(__file__)) -> Path:
 
 
 PROFILES = profiles_dir()
-COLORS = {"busy": "#4c78a8", "bubble": "#e45756", "host": "#f2a541"}
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _HLO_TEXT = re.compile(r"^%?([^\s=]+) = ")  # a TPU op event's name: its whole HLO text
 
@@ -142,11 +142,15 @@ class Step:
 
 @dataclasses.dataclass(frozen=True)
 class Timeline:
-    """The op events of one plane and the annotated steps (from the host plane)."""
+    """The op events of one plane and the annotated steps (from the host plane); on a TPU
+    traced with `mk.bundles.PHASE_FLAG` in LIBTPU_INIT_ARGS, also the kernels' named
+    scopes (`scopes`: events on the device's "XLA TraceMe" line, nested inside their
+    kernel's op; not ops: a bubble is measured on ops alone)."""
 
     plane: str
     steps: tuple[Step, ...]
     ops: tuple[OpEvent, ...]
+    scopes: tuple[OpEvent, ...] = ()
 
     def rows(self, step: int | None = None) -> list[dict]:
         """One dict per op event (name, module, line, step, start/duration in µs)."""
@@ -154,6 +158,9 @@ class Timeline:
                      start_us=round(o.start_ns / 1e3, 3),
                      duration_us=round(o.duration_ns / 1e3, 3))
                 for o in self.ops if step is None or o.step == step]
+
+
+_DEVICE_LINES = {"XLA Ops": "ops", "XLA TraceMe": "scopes"}
 
 
 def _step_of(start: float, steps) -> int:
@@ -166,8 +173,9 @@ def _step_of(start: float, steps) -> int:
 def timeline(xplane_path: str | os.PathLike, *, plane: str = "auto") -> Timeline:
     """Parse a trace with `jax.profiler.ProfileData` into op events per annotated step.
 
-    plane="auto" takes `/device:TPU:0` when the trace has it (its "XLA Ops" line), else
-    `/host:CPU` (every event carrying an `hlo_op` stat, on any thread). Steps are the
+    plane="auto" takes `/device:TPU:0` when the trace has it (its "XLA Ops" line, and
+    "XLA TraceMe" as `scopes`), else `/host:CPU` (every event carrying an `hlo_op` stat,
+    on any thread). Steps are the
     `StepTraceAnnotation`s of the host plane (events with a `step_num` stat). A TPU's op
     event is named by its instruction's whole HLO text; an op keeps its name ("copy.8").
     The device path was read from a TPU v5e's traces (data/measured/v5e-trace.json)."""
@@ -185,14 +193,14 @@ def timeline(xplane_path: str | os.PathLike, *, plane: str = "auto") -> Timeline
                 steps.append(Step(int(stats["step_num"]), e.start_ns,
                                   e.start_ns + e.duration_ns))
     steps.sort(key=lambda s: s.start_ns)
-    ops = []
+    found: dict = {"ops": [], "scopes": []}
     device = plane.startswith("/device:")
     lines = {line.name: line for line in planes[plane].lines}
     # A device op may not name its program: the "XLA Modules" event holding it does.
     modules = sorted((e.start_ns, e.start_ns + e.duration_ns, e.name, i) for i, e in
                      enumerate(lines["XLA Modules"].events)) if "XLA Modules" in lines else []
     for line in planes[plane].lines:
-        if device and line.name != "XLA Ops":
+        if device and line.name not in _DEVICE_LINES:
             continue
         for e in line.events:
             stats = dict(e.stats)
@@ -203,10 +211,11 @@ def timeline(xplane_path: str | os.PathLike, *, plane: str = "auto") -> Timeline
                 module, run_id = next(((name, i) for a, z, name, i in modules
                                        if a <= e.start_ns < z), ("", -1))
             short = _HLO_TEXT.match(e.name)
-            ops.append(OpEvent(short[1] if short else e.name, module, run_id, line.name,
-                               e.start_ns, e.duration_ns, _step_of(e.start_ns, steps)))
-    ops.sort(key=lambda o: o.start_ns)
-    return Timeline(plane, tuple(steps), tuple(ops))
+            found[_DEVICE_LINES.get(line.name, "ops")].append(OpEvent(
+                short[1] if short else e.name, module, run_id, line.name, e.start_ns,
+                e.duration_ns, _step_of(e.start_ns, steps)))
+    ops, scopes = (tuple(sorted(found[k], key=lambda o: o.start_ns)) for k in ("ops", "scopes"))
+    return Timeline(plane, tuple(steps), ops, scopes)
 
 
 # -- Bubbles --------------------------------------------------------------------------------
@@ -337,25 +346,57 @@ def summary(per_step: list[StepBubbles], label: str = "") -> dict:
                 bubble_share=round(s.bubble_share, 4))
 
 
+# -- Inside a kernel: its named scopes ------------------------------------------------------
+def scope_table(tl: Timeline, step: int = 0) -> list[dict]:
+    """Step `step`'s scope events by name, in the order each first runs: how many ran,
+    their total and mean µs (a scope's whole duration, nested scopes included)."""
+    rows: dict = {}
+    for e in sorted((e for e in tl.scopes if e.step == step), key=lambda e: e.start_ns):
+        row = rows.setdefault(e.name, dict(scope=e.name, count=0, total_us=0.0))
+        row["count"] += 1
+        row["total_us"] += e.duration_ns / 1e3
+    return [r | dict(total_us=round(r["total_us"], 2),
+                     mean_us=round(r["total_us"] / r["count"], 3)) for r in rows.values()]
+
+
+def layer_times(tl: Timeline, step: int = 0, loop: str = "layers") -> list[float]:
+    """The ns each layer took in step `step`'s `loop` scope (the megakernel's layer loop):
+    a layer runs from its first phase's start (the scope that opens the loop, again) to
+    the next layer's, the last one to the loop's end. [] when the trace has no scopes."""
+    outer = [e for e in tl.scopes if e.step == step and e.name == loop]
+    if not outer:
+        return []
+    if len(outer) > 1:
+        raise ValueError(f"step {step} has {len(outer)} {loop!r} scopes; one kernel call "
+                         "has one")
+    body = sorted((e for e in tl.scopes if e.step == step and e is not outer[0]
+                   and outer[0].start_ns <= e.start_ns < outer[0].end_ns),
+                  key=lambda e: e.start_ns)
+    starts = [e.start_ns for e in body if e.name == body[0].name] if body else []
+    return [b - a for a, b in zip(starts, starts[1:] + [outer[0].end_ns])]
+
+
 # -- A recorded trace ------------------------------------------------------------------------
-def trace_record(captures: dict[str, Capture]) -> dict:
-    """What data/ keeps of captures (benchmarks/tpu_trace.py on a TPU): per variant, its
-    `summary` and its median step's op events, times in ns from the step's start, names
-    in tables. `recorded_timeline` gives them back as a `Timeline` of that one step."""
+def trace_record(timelines: dict[str, Timeline]) -> dict:
+    """What data/ keeps of captures' timelines (benchmarks/tpu_trace.py on a TPU): per
+    variant, its `summary` and its median step's op and scope events, times in ns from
+    the step's start, names in tables. `recorded_timeline` gives them back as a
+    `Timeline` of that one step."""
     variants = {}
-    for name, c in captures.items():
-        tl = timeline(c.path)
+    for name, tl in timelines.items():
         row = summary(bubbles(tl), name)
         step = tl.steps[row["median_step"]]
-        ops = [o for o in tl.ops if o.step == row["median_step"]]
-        tables = {f: sorted({getattr(o, f) for o in ops}) for f in ("name", "module", "line")}
+        kept = {k: [o for o in getattr(tl, k) if o.step == row["median_step"]]
+                for k in ("ops", "scopes")}
+        tables = {f: sorted({getattr(o, f) for o in kept["ops"] + kept["scopes"]})
+                  for f in ("name", "module", "line")}
         index = {f: {v: i for i, v in enumerate(t)} for f, t in tables.items()}
         variants[name] = dict(
             summary=row, plane=tl.plane, wall_ns=round(step.end_ns - step.start_ns),
             names=tables["name"], modules=tables["module"], lines=tables["line"],
-            ops=[[index["name"][o.name], index["module"][o.module], o.run_id,
-                  index["line"][o.line], round(o.start_ns - step.start_ns),
-                  round(o.duration_ns)] for o in ops])
+            **{k: [[index["name"][o.name], index["module"][o.module], o.run_id,
+                    index["line"][o.line], round(o.start_ns - step.start_ns),
+                    round(o.duration_ns)] for o in events] for k, events in kept.items()})
     return dict(variants=variants)
 
 
@@ -363,16 +404,21 @@ def recorded_timeline(record: dict, variant: str) -> Timeline:
     """The median step `trace_record` kept for `variant`, as a one-step `Timeline` (its
     step starts at 0); `bubbles` of it gives the recorded step's bubbles again."""
     v = record["variants"][variant]
-    ops = tuple(OpEvent(v["names"][n], v["modules"][m], int(run), v["lines"][li],
-                        float(start), float(duration), 0)
-                for n, m, run, li, start, duration in v["ops"])
-    return Timeline(v["plane"], (Step(0, 0.0, float(v["wall_ns"])),), ops)
+
+    def events(kind):
+        return tuple(OpEvent(v["names"][n], v["modules"][m], int(run), v["lines"][li],
+                             float(start), float(duration), 0)
+                     for n, m, run, li, start, duration in v.get(kind, ()))
+
+    return Timeline(v["plane"], (Step(0, 0.0, float(v["wall_ns"])),), events("ops"),
+                    events("scopes"))
 
 
 def load_trace_record(path: str | os.PathLike) -> dict:
     """A record benchmarks/tpu_trace.py wrote, checked for what `recorded_timeline` reads:
-    every variant of `VARIANTS`, each event's indices inside its tables and its start
-    inside the step (a record is untrusted data: bounded, never run)."""
+    every variant of `VARIANTS`, each event's (ops and, where traced, scopes) indices
+    inside its tables and its start inside the step (a record is untrusted data:
+    bounded, never run)."""
     data = untrusted.load_json(path, "trace record")
     if not isinstance(data, dict) or not isinstance(data.get("variants"), dict):
         raise ValueError(f"{path}: a trace record is an object with 'variants'")
@@ -386,8 +432,11 @@ def load_trace_record(path: str | os.PathLike) -> dict:
         for field in ("summary", "plane", "wall_ns", "names", "modules", "lines", "ops"):
             if field not in v:
                 raise ValueError(f"{path}: variant {name!r} lacks field {field!r}")
+        for field in ("names", "modules", "lines", "ops", "scopes"):
+            if not isinstance(v.get(field, []), list):
+                raise ValueError(f"{path}: variant {name!r}: {field} must be a list")
         sizes = [len(v["names"]), len(v["modules"]), None, len(v["lines"])]
-        for event in v["ops"]:
+        for event in v["ops"] + v.get("scopes", []):
             if (not isinstance(event, list) or len(event) != 6
                     or not all(isinstance(x, int) and not isinstance(x, bool) for x in event)
                     or any(n is not None and not 0 <= x < n for x, n in zip(event, sizes))
@@ -532,69 +581,3 @@ def benign_stderr_dropped(benign: re.Pattern):
             for line in captured.read().decode(errors="replace").splitlines(keepends=True):
                 if not benign.search(line):
                     sys.stderr.write(line)
-
-
-# -- Figures --------------------------------------------------------------------------------
-def lanes_figure(lanes: dict, idle, host=(), *, title: str = "", x_title: str = "µs",
-                 height: int = 300) -> go.Figure:
-    """A Gantt chart: `lanes` maps a lane name to (start, end, label) spans drawn busy;
-    `idle` (bubbles: no lane busy) and `host` (host gaps) are (start, end) spans drawn on
-    one "bubbles" lane."""
-    fig = go.Figure()
-    for lane, spans in lanes.items():
-        fig.add_trace(go.Bar(
-            y=[lane] * len(spans), x=[z - a for a, z, _ in spans], base=[a for a, _, _ in spans],
-            orientation="h", marker_color=COLORS["busy"], showlegend=False,
-            customdata=[label for _, _, label in spans],
-            hovertemplate="%{customdata}: %{x:.2f}<extra></extra>"))
-    for label, spans, color in (("idle: no op running", idle, COLORS["bubble"]),
-                                ("host gap", host, COLORS["host"])):
-        spans = [(a, z) for a, z in spans if z > a]
-        if spans:
-            fig.add_trace(go.Bar(
-                y=["bubbles"] * len(spans), x=[z - a for a, z in spans],
-                base=[a for a, _ in spans], orientation="h", marker_color=color, name=label,
-                hovertemplate=f"{label}: %{{x:.2f}}<extra></extra>"))
-    fig.update_layout(title=title, barmode="overlay", height=height, xaxis_title=x_title,
-                      yaxis=dict(title="lane", autorange="reversed"))
-    return fig
-
-
-def gantt(tl: Timeline, per_step: list[StepBubbles], step: int = -1, *, title: str = "",
-          max_lines: int = 4) -> go.Figure:
-    """One measured step: its ops on the `max_lines` busiest lines, the idle gaps (no op on
-    any line) and the host gap, in µs from the step's start."""
-    i = range(len(tl.steps))[step]
-    s, b = tl.steps[i], per_step[i]
-    events = [o for o in tl.ops if o.step == i]
-    load: dict = defaultdict(float)
-    for o in events:
-        load[o.line] += o.duration_ns
-    lines = sorted(load, key=lambda n: -load[n])[:max_lines]
-
-    def us(t):
-        return (t - s.start_ns) / 1e3
-
-    lanes = {line: [(us(o.start_ns), us(o.end_ns), o.name) for o in events if o.line == line]
-             for line in lines}
-    first = min((o.start_ns for o in events), default=s.end_ns)
-    last = min(max((o.end_ns for o in events), default=s.end_ns), s.end_ns)
-    host = [(us(s.start_ns), us(first)), (us(last), us(s.end_ns))]
-    return lanes_figure(lanes, [(us(a), us(z)) for a, z in b.idle], host,
-                        title=title or f"step {s.number}",
-                        x_title="µs from the step's start (measured on this machine)")
-
-
-def share_bars(rows: list[dict], *, title: str = "Bubble share per variant") -> go.Figure:
-    """Stacked bars of idle-inside-the-step and host-gap shares of the wall time, one bar
-    per `summary` row (its `variant` label)."""
-    labels = [r["variant"] for r in rows]
-    host = [r["host_share"] for r in rows]
-    idle = [r["bubble_share"] - r["host_share"] for r in rows]
-    fig = go.Figure([
-        go.Bar(x=labels, y=idle, name="idle inside the step", marker_color=COLORS["bubble"]),
-        go.Bar(x=labels, y=host, name="host gap", marker_color=COLORS["host"])])
-    fig.update_layout(barmode="stack", title=title, xaxis_title="variant",
-                      yaxis=dict(title="share of the step's wall time (fraction)", tickformat=".0%",
-                                 range=[0, 1]))
-    return fig

@@ -91,7 +91,9 @@ from tqdm.auto import tqdm
 import mk
 import mk.backend
 import mk.run
-from mk import bundles, course, plots, profiling, reference, sim_plots, teach
+import mk.sim
+from mk import (bundles, calibration, course, measure, plots, profile_plots, profiling,
+                reference, sim_plots, teach)
 from mk import megakernel as megakernel_module
 from mk.kernels import one_layer as one_layer_module
 
@@ -156,7 +158,8 @@ per_step = {name: profiling.bubbles(tl) for name, tl in timelines.items()}
 summary = [profiling.summary(per_step[name], name) for name in profiling.VARIANTS]
 display(plots.table(summary))
 where = "a TPU" if on_tpu else "this CPU (interpret mode for (b) and (c): a simulation)"
-plots.show(profiling.share_bars(summary, title=f"Bubble share per variant, measured on {where}"))
+plots.show(profile_plots.share_bars(summary,
+                                    title=f"Bubble share per variant, measured on {where}"))
 
 # %% [markdown]
 # How to read it on a CPU. (a) is real CPU work: the gaps between XLA:CPU's ops are what
@@ -177,7 +180,7 @@ plots.show(profiling.share_bars(summary, title=f"Bubble share per variant, measu
 rows_by_name = {r["variant"]: r for r in summary}
 for name in profiling.VARIANTS:
     row = rows_by_name[name]
-    plots.show(profiling.gantt(timelines[name], per_step[name], row["median_step"], title=(
+    plots.show(profile_plots.gantt(timelines[name], per_step[name], row["median_step"], title=(
         f"({'abc'[profiling.VARIANTS.index(name)]}) {name}: {row['wall_ms']} ms per step, "
         f"{row['launches_per_step']:g} launches, {row['ops_per_step']:g} ops, bubble share "
         f"{row['bubble_share']:.1%} (measured, "
@@ -204,28 +207,22 @@ display(plots.table(top_ops))
 # per layer, whose ring drains at each layer edge.)
 
 # %%
-if importlib.util.find_spec("mk.sim") is None:
-    predictions = []
-    print("mk.sim is not in this version of mk: no predicted timeline")
-else:
-    import mk.sim
-
-    predictions = []
-    for cfg, chip_name, ctx in ((config, run.chip, run.context),
-                                (mk.preset(predict_preset), predict_chip, predict_context)):
-        for prefetch in (True, False):
-            sim = mk.sim.simulate(cfg, chip_name, batch=run.batch, rows=run.rows, context=ctx,
-                                  cross_layer_prefetch=prefetch)
-            idle = sum(b.idle_s for b in sim.bubbles)
-            predictions.append(dict(model=cfg.name, chip=chip_name, context=ctx,
-                                    cross_layer_prefetch=prefetch,
-                                    step_us=round(sim.step_s * 1e6, 1),
-                                    bubble_share=f"{idle / sim.step_s:.1%}"))
-            if prefetch:
-                plots.show(sim_plots.timeline(sim, title=(
-                    f"{cfg.name} on {chip_name} (simulated): {sim.step_s * 1e6:.1f} µs, "
-                    f"HBM idle {idle / sim.step_s:.1%}")))
-    display(plots.table(predictions))
+predictions = []
+for cfg, chip_name, ctx in ((config, run.chip, run.context),
+                            (mk.preset(predict_preset), predict_chip, predict_context)):
+    for prefetch in (True, False):
+        sim = mk.sim.simulate(cfg, chip_name, batch=run.batch, rows=run.rows, context=ctx,
+                              cross_layer_prefetch=prefetch)
+        idle = sum(b.idle_s for b in sim.bubbles)
+        predictions.append(dict(model=cfg.name, chip=chip_name, context=ctx,
+                                cross_layer_prefetch=prefetch,
+                                step_us=round(sim.step_s * 1e6, 1),
+                                bubble_share=f"{idle / sim.step_s:.1%}"))
+        if prefetch:
+            plots.show(sim_plots.timeline(sim, title=(
+                f"{cfg.name} on {chip_name} (simulated): {sim.step_s * 1e6:.1f} µs, "
+                f"HBM idle {idle / sim.step_s:.1%}")))
+display(plots.table(predictions))
 
 # %% [markdown]
 # One kernel removes the edges, not every bubble: inside the megakernel, the HBM still
@@ -234,25 +231,24 @@ else:
 # own default depth (printed below: Little's law for that chip, `default_block`):
 
 # %%
-if predictions:
-    cfg = mk.preset(predict_preset)
-    base = mk.sim.simulate(cfg, predict_chip, batch=run.batch, rows=run.rows,
-                           context=predict_context).block
-    depth = []
-    for slots in sorted({2, 3, 4, 6, 8, base.slots}):
-        sim = mk.sim.simulate(cfg, predict_chip, batch=run.batch, rows=run.rows,
-                              context=predict_context, block=dataclasses.replace(base, slots=slots))
-        idle = sum(b.idle_s for b in sim.bubbles)
-        depth.append(dict(slots=slots, step_us=round(sim.step_s * 1e6, 1),
-                          bubble_share=f"{idle / sim.step_s:.1%}",
-                          largest_cause=next(iter(sim.bubble_share()), "")))
-    display(plots.table(depth))
-    on, off = (p["step_us"] for p in predictions[2:4])  # predict_preset, prefetch on / off
-    best = min(d["step_us"] for d in depth)
-    default = next(d["step_us"] for d in depth if d["slots"] == base.slots)
-    print(f"{predict_preset} on {predict_chip}: cross-layer prefetch saves {1 - on / off:.2%} "
-          f"of the step; the best ring depth above saves {1 - best / default:.2%} against "
-          f"the plan's default of {base.slots} slots")
+cfg = mk.preset(predict_preset)
+base = mk.sim.simulate(cfg, predict_chip, batch=run.batch, rows=run.rows,
+                       context=predict_context).block
+depth = []
+for slots in sorted({2, 3, 4, 6, 8, base.slots}):
+    sim = mk.sim.simulate(cfg, predict_chip, batch=run.batch, rows=run.rows,
+                          context=predict_context, block=dataclasses.replace(base, slots=slots))
+    idle = sum(b.idle_s for b in sim.bubbles)
+    depth.append(dict(slots=slots, step_us=round(sim.step_s * 1e6, 1),
+                      bubble_share=f"{idle / sim.step_s:.1%}",
+                      largest_cause=next(iter(sim.bubble_share()), "")))
+display(plots.table(depth))
+on, off = (p["step_us"] for p in predictions[2:4])  # predict_preset, prefetch on / off
+best = min(d["step_us"] for d in depth)
+default = next(d["step_us"] for d in depth if d["slots"] == base.slots)
+print(f"{predict_preset} on {predict_chip}: cross-layer prefetch saves {1 - on / off:.2%} "
+      f"of the step; the best ring depth above saves {1 - best / default:.2%} against "
+      f"the plan's default of {base.slots} slots")
 
 # %% [markdown]
 # The two savings side by side: a layer edge without prefetch costs one descriptor latency
@@ -261,12 +257,100 @@ if predictions:
 # number of this run, not a rule:
 
 # %%
-if predictions:
-    deeper = "a deeper ring" if 1 - best / default > 1 - on / off else "cross-layer prefetch"
-    print(f"{predict_preset} on {predict_chip} (simulated): {deeper} saves more "
-          f"({1 - best / default:.2%} for the best depth vs the default {base.slots} slots, "
-          f"{1 - on / off:.2%} for "
-          f"prefetch); a saving under 1 % means the default already covers that latency")
+deeper = "a deeper ring" if 1 - best / default > 1 - on / off else "cross-layer prefetch"
+print(f"{predict_preset} on {predict_chip} (simulated): {deeper} saves more "
+      f"({1 - best / default:.2%} for the best depth vs the default {base.slots} slots, "
+      f"{1 - on / off:.2%} for "
+      f"prefetch); a saving under 1 % means the default already covers that latency")
+
+# %% [markdown]
+# ## The same step on a real chip: a TPU v5e's trace
+#
+# Everything measured above ran where this notebook runs. `benchmarks/tpu_trace.py` ran the
+# same three variants on a lent TPU v5e (qwen3-0.6b, B 1, the step at position 5 of a
+# 1024-position cache, 5 steps each) and kept each capture's median step: the op events of
+# the device plane's "XLA Ops" line, in data/measured/v5e-trace.json.
+# `profiling.recorded_timeline` reads a step back and the same `bubbles` measure it. On
+# the chip an op is a kernel on the TPU, so idle is the chip waiting and the host gap is
+# dispatch: (b)'s idle is the chip waiting between its launches.
+
+# %%
+chip_path = measure.MEASURED / "v5e-trace.json"
+chip_trace = profiling.load_trace_record(chip_path) if chip_path.exists() else None
+if chip_trace is None:
+    print(f"no recorded chip trace: {chip_path.name} lives in data/measured of a checkout")
+else:
+    chip_made = (f"{chip_trace['device_kind']}, {chip_trace['when'][:10]}, "
+                 f"commit {chip_trace['commit'][:7]}")
+    chip_steps = {n: profiling.recorded_timeline(chip_trace, n) for n in profiling.VARIANTS}
+    chip_bubbles = {n: profiling.bubbles(tl)[0] for n, tl in chip_steps.items()}
+    display(plots.table([dict(
+        variant=n, launches=b.launches, ops=b.ops, step_ms=round(b.wall_ns / 1e6, 3),
+        on_chip_ms=round(b.span_ns / 1e6, 3), idle_on_chip=f"{b.idle_share:.1%}",
+        host_gap_ms=round(b.host_ns / 1e6, 3)) for n, b in chip_bubbles.items()]))
+    plots.show(profile_plots.share_bars(
+        [profiling.summary([b], n) for n, b in chip_bubbles.items()],
+        title=f"Bubble share per variant, measured on {chip_made}"))
+
+# %% [markdown]
+# The megakernel's step on the chip, op by op. One op holds the whole model
+# (`mk_megakernel`); the others are XLA's around it: the embedding's gather, the logits'
+# slice, and copies of the KV cache, because this step is called without donating its
+# cache (XLA keeps the caller's cache and gives the kernel a copy to update). A serving
+# loop donates it (`decode_step(..., donate=True)`, `generate`'s device loop) and those
+# copies go (`mk.tpu` compiles it so; tests/test_tpu_compile.py holds it):
+
+# %%
+if chip_trace is not None:
+    mega = chip_steps["megakernel"]
+    plots.show(profile_plots.gantt(mega, [chip_bubbles["megakernel"]], 0, measured_on=chip_made,
+                                   title="(c) megakernel, one step on the TPU v5e"))
+    display(plots.table([dict(op=o.name, us=round(o.duration_ns / 1e3, 1))
+                         for o in sorted(mega.ops, key=lambda o: -o.duration_ns)[:6]]))
+
+# %% [markdown]
+# And the simulator's step for the same model, position and chip, beside the kernel's
+# measured time: once with the datasheet's HBM, once with what the v5e measured
+# (`mk.calibration.assumptions`: its DMA probe and its attention loop's rate). A trace sees
+# the kernel as one op, so the bubbles inside it are the simulator's alone:
+
+# %%
+if chip_trace is not None:
+    kernel, = (o for o in mega.ops if o.name.startswith("mk_megakernel"))
+    chip_sim = []
+    for label, assumed in (("simulated (datasheet)", None),
+                           ("simulated (calibrated on the v5e)", calibration.assumptions("v5e"))):
+        sim = mk.sim.simulate(mk.preset(chip_trace["model"]), "v5e", batch=chip_trace["batch"],
+                              rows=chip_trace["rows"], context=chip_trace["position"],
+                              assumptions=assumed)
+        chip_sim.append(dict(kernel=label, us=round(sim.step_s * 1e6, 1),
+                             vs_measured=f"{sim.step_s * 1e9 / kernel.duration_ns - 1:+.1%}",
+                             HBM_idle=f"{sum(b.idle_s for b in sim.bubbles) / sim.step_s:.2%}"))
+    display(plots.table([dict(kernel=f"measured on {chip_made}", us=round(
+        kernel.duration_ns / 1e3, 1), vs_measured="", HBM_idle="(one op: not seen)")] + chip_sim))
+    plots.show(sim_plots.timeline(sim, title=f"{chip_trace['model']} on v5e (simulated, "
+                                  f"calibrated): {sim.step_s * 1e6:.1f} µs"))
+
+# %% [markdown]
+# **Inside the kernel, on the chip.** The capture ran with libtpu's
+# `bundles.PHASE_FLAG`, so the megakernel's `jax.named_scope`s (its `prime`, `layers`
+# and `lm_head`, and `layer_body`'s phases, shown in code further down) are events of
+# the device's trace: the chip's own time for every phase of every layer. Per layer
+# (`profiling.layer_times`) beside the simulator's (`Simulation.layer_seconds`, the same
+# boundaries: a layer's first phase to the next layer's):
+
+# %%
+if chip_trace is not None:
+    display(plots.table(profiling.scope_table(mega)))
+    chip_layers = [t / 1e3 for t in profiling.layer_times(mega)]
+    sim_layers = [t * 1e6 for t in sim.layer_seconds()]
+    plots.show(plots.lines(range(len(chip_layers)), {
+        f"measured on {chip_made}": chip_layers, "simulated (calibrated)": sim_layers},
+        title=f"{chip_trace['model']}: each layer's time in the megakernel",
+        xaxis="layer (index)", yaxis="time per layer (µs)"))
+    mid = slice(1, None)  # layer 0 also waits for the ring's first tiles, in both
+    print(f"layers 1-{len(chip_layers) - 1}: {sum(chip_layers[mid]) / len(chip_layers[mid]):.1f} "
+          f"µs measured, {sum(sim_layers[mid]) / len(sim_layers[mid]):.1f} µs simulated")
 
 # %% [markdown]
 # ## Opening the captures in XProf or TensorBoard
@@ -291,8 +375,8 @@ if "google.colab" in sys.modules:  # Colab ships TensorBoard and its notebook ma
 #
 # A profile sees a `pallas_call` as one op. To see its phases on a TPU, wrap each phase in
 # `jax.named_scope(...)` inside the kernel (Pallas lowers a scope to Mosaic's
-# `trace_start`/`trace_stop`) and compile with libtpu's
-# `LIBTPU_INIT_ARGS=--xla_enable_custom_call_region_trace=true`: the scopes become trace
+# `trace_start`/`trace_stop`) and compile with libtpu's `bundles.PHASE_FLAG` in
+# `LIBTPU_INIT_ARGS`: the scopes become trace
 # markers in the kernel's code, and the device trace shows one event per phase. The
 # megakernel's scopes, in its code:
 
@@ -322,16 +406,17 @@ teach.excerpt(one_layer_module.layer_body, [
 ])
 
 # %% [markdown]
-# **What a TPU trace would show, and what this CPU trace shows.** On a TPU the device
-# plane (`/device:TPU:0`) holds one event per kernel launch and, with the flag above, one
-# nested event per scope: `prime`, then `layers` (and inside it, per layer, `prologue`,
-# `attend`, `wo`, `mlp`, ...), then `lm_head`, with their real durations; the gaps between
-# launches are the chip's idle time. On this CPU there is no device plane: the capture holds
+# **What a TPU trace shows, and what this CPU trace shows.** On a TPU the device plane
+# (`/device:TPU:0`) holds one event per kernel launch ("XLA Ops") and, with the flag
+# above, one nested event per scope ("XLA TraceMe"): `prime`, then `layers` (and inside
+# it, per layer, `prologue`, `attend`, `kv_prime`, `wo`, `mlp_norm`, `mlp`, `residual`),
+# then `lm_head`, with their real durations (the v5e's, above); the gaps between launches
+# are the chip's idle time. On this CPU there is no device plane: the capture holds
 # host threads running XLA:CPU programs, and an interpret-mode `pallas_call` is one such
 # program simulating the kernel, so its duration is the simulator's, its phases are
-# invisible, and only the launch count and the host's gaps carry over. No TPU trace was
-# recorded for this course; the compiler's static schedule below is the closest view of the
-# device side available without a TPU.
+# invisible, and only the launch count and the host's gaps carry over. The v5e's recorded
+# trace above is the device side; without a TPU of your own, the compiler's static
+# schedule below is the closest view of it.
 #
 # Without a TPU, the compiler still shows its **static schedule**: compiled for `chip` with
 # its dump flags, the kernel is a list of VLIW bundles, each issuing to some units (MXU,
@@ -423,7 +508,8 @@ if scoped:
 # Run this notebook on a Colab TPU: `backend="auto"` picks the hardware, the same
 # `capture` records the device plane (`/device:TPU:0`) and `timeline` reads its
 # "XLA Ops" line, so the bubbles above become the chip's own: real kernel gaps and real
-# pipeline drains.
+# pipeline drains. For the kernel's phases too, set `LIBTPU_INIT_ARGS` to
+# `bundles.PHASE_FLAG` before jax starts (a fresh runtime; benchmarks/tpu_trace.py does).
 #
 # ## Takeaway
 #

@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 
 import mk
-from mk import colours, figure_rules, machine, perf, plots, profiling, sim, sim_plots
+from mk import (colours, figure_rules, machine, perf, plots, profile_plots, profiling, sim,
+                sim_plots)
 
 
 def legend(fig) -> list[str]:
@@ -378,7 +379,7 @@ def _trace():
 
 
 def test_lanes_figure_and_gantt_draw_each_busy_lane_and_the_gaps():
-    fig = profiling.lanes_figure({"a": [(0.0, 1.0, "x"), (2.0, 3.0, "y")]},
+    fig = profile_plots.lanes_figure({"a": [(0.0, 1.0, "x"), (2.0, 3.0, "y")]},
                                  idle=[(1.0, 2.0), (3.0, 3.0)], host=[(3.0, 4.0)],
                                  title="t", x_title="time (µs)")
     check_rules(fig, x_unit="µs")
@@ -386,7 +387,7 @@ def test_lanes_figure_and_gantt_draw_each_busy_lane_and_the_gaps():
     assert fig.data[0].base == (0.0, 2.0) and fig.data[0].x == (1.0, 1.0)
     assert fig.data[1].x == (1.0,)  # the empty gap is left out
     tl = _trace()
-    fig = profiling.gantt(tl, profiling.bubbles(tl), 0, max_lines=4)
+    fig = profile_plots.gantt(tl, profiling.bubbles(tl), 0, max_lines=4)
     check_rules(fig, x_unit="measured on this machine")
     lanes = [t.y[0] for t in fig.data if t.showlegend is False]
     assert len(lanes) == 4 and "thread 0" not in lanes  # the four busiest of five
@@ -398,7 +399,7 @@ def test_lanes_figure_and_gantt_draw_each_busy_lane_and_the_gaps():
 def test_share_bars_stack_the_idle_and_host_shares():
     rows = [dict(variant="xla", bubble_share=0.5, host_share=0.2),
             dict(variant="megakernel", bubble_share=0.1, host_share=0.05)]
-    fig = profiling.share_bars(rows)
+    fig = profile_plots.share_bars(rows)
     check_rules(fig, y_unit="share")
     assert legend(fig) == ["idle inside the step", "host gap"]
     assert fig.data[0].y == pytest.approx((0.3, 0.05)) and fig.data[1].y == (0.2, 0.05)

@@ -6,6 +6,7 @@ in-kernel phase markers in a profile; the static dumps stand in for the latter.
 """
 
 import dataclasses
+import json
 import os
 from pathlib import Path
 import re
@@ -17,7 +18,9 @@ import pytest
 
 import mk
 import mk.backend
-from mk import profiling, reference
+import mk.sim
+from mk import calibration, profile_plots, profiling, reference
+from mk.measure import MEASURED
 from mk.profiling import OpEvent, Step, Timeline
 
 # One worker makes the real captures once for every test here (make test: --dist loadgroup).
@@ -82,13 +85,13 @@ def test_summary_of_no_steps_is_an_error():
 
 def test_figures_draw_the_bubbles_where_they_are():
     b = profiling.bubbles(SYNTHETIC)
-    fig = profiling.gantt(SYNTHETIC, b)
+    fig = profile_plots.gantt(SYNTHETIC, b)
     idle, = [t for t in fig.data if t.name and t.name.startswith("idle")]
     host, = [t for t in fig.data if t.name == "host gap"]
     assert list(idle.base) == [0.04, 0.06] and list(idle.x) == pytest.approx([0.01, 0.01])
     assert list(host.base) == [0.0, 0.09] and list(host.x) == pytest.approx([0.01, 0.01])
     assert {t.y[0] for t in fig.data if t.y} == {"A", "B", "C", "bubbles"}
-    bars = profiling.share_bars([profiling.summary(b, "v")])
+    bars = profile_plots.share_bars([profiling.summary(b, "v")])
     assert sum(t.y[0] for t in bars.data) == pytest.approx(0.4)
 
 
@@ -111,10 +114,10 @@ planes { id: 2 name: "/device:TPU:0"
     events { metadata_id: 5 offset_ps: 50000000 duration_ps: 40000000 } }
   event_metadata { key: 1 value { id: 1 name: "jit_a" } }
   event_metadata { key: 2 value { id: 2 name: "jit_b" } }
-  event_metadata { key: 3 value { id: 3 name: "fusion.1" } }
-  event_metadata { key: 4 value { id: 4 name: "fusion.2" } }
-  event_metadata { key: 5 value { id: 5 name: "mk_megakernel" } } }
-"""
+  event_metadata { key: 3 value { id: 3 name: "%fusion.1 = f32[1,1024]{1,0} fusion(%p)" } }
+  event_metadata { key: 4 value { id: 4 name: "%fusion.2 = f32[8]{0} fusion(%fusion.1)" } }
+  event_metadata { key: 5 value { id: 5 name: "%mk_megakernel.1 = (f32[1,8]) custom-call(%x)" } } }
+"""  # a v5e names a TPU op event by its instruction's whole HLO text
 
 
 def test_a_tpu_device_plane_is_read_from_its_xla_ops_line(tmp_path):
@@ -123,13 +126,109 @@ def test_a_tpu_device_plane_is_read_from_its_xla_ops_line(tmp_path):
     tl = profiling.timeline(path)
     assert tl.plane == "/device:TPU:0"
     assert [(o.name, o.module, o.step) for o in tl.ops] == [
-        ("fusion.1", "jit_a", 0), ("fusion.2", "jit_a", 0), ("mk_megakernel", "jit_b", 0)]
+        ("fusion.1", "jit_a", 0), ("fusion.2", "jit_a", 0), ("mk_megakernel.1", "jit_b", 0)]
     b, = profiling.bubbles(tl)
     # step 0..100 us; kernels 10-20, 25-40, 50-90 us
     assert (b.wall_ns, b.span_ns, b.busy_ns, b.idle_ns, b.host_ns) == (1e5, 8e4, 6.5e4, 1.5e4,
                                                                       2e4)
     assert (b.ops, b.launches) == (3, 2)
-    assert b.op_share["mk_megakernel"] == pytest.approx(40 / 65)
+    assert b.op_share["mk_megakernel.1"] == pytest.approx(40 / 65)
+
+
+# -- A recorded chip trace --------------------------------------------------------------------
+MADE = dict(chip="v5e", device_kind="TPU v5 lite", jax="0", libtpu="0", commit="c", when="w",
+            model="tiny")
+
+
+def _record(tmp_path, record) -> Path:
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(record))
+    return path
+
+
+def test_a_trace_record_keeps_the_median_step_and_reads_back_as_it(tmp_path):
+    steps = (Step(0, 0.0, 100.0), Step(1, 100.0, 300.0), Step(2, 300.0, 420.0))
+    shifted = tuple(dataclasses.replace(o, start_ns=o.start_ns + 300, step=2)
+                    for o in SYNTHETIC.ops)  # the median step (120 ns) holds SYNTHETIC's ops
+    tl = Timeline("/device:TPU:0", steps, (op("x", "A", 10, 20),) + shifted)
+    record = MADE | profiling.trace_record({v: tl for v in profiling.VARIANTS})
+    back = profiling.recorded_timeline(profiling.load_trace_record(_record(tmp_path, record)),
+                                       "staged")
+    assert back.steps == (Step(0, 0.0, 120.0),) and len(back.ops) == len(SYNTHETIC.ops)
+    assert {(o.name, o.line, o.start_ns) for o in back.ops} == {
+        (o.name, o.line, o.start_ns) for o in SYNTHETIC.ops}
+    b, = profiling.bubbles(back)
+    assert (b.busy_ns, b.idle_ns, b.host_ns, b.launches) == (60, 20, 40, 2)
+    assert record["variants"]["xla"]["summary"]["median_step"] == 2
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda r: r.pop("commit"), "field 'commit' is missing"),
+    (lambda r: r["variants"].pop("megakernel"), "variant 'megakernel' is missing"),
+    (lambda r: r["variants"]["xla"].pop("wall_ns"), "lacks field 'wall_ns'"),
+    (lambda r: r["variants"]["xla"]["ops"].append([99, 0, 1, 0, 5, 5]),
+     r"event \[99, .*\(6 names"),
+    (lambda r: r["variants"]["xla"]["ops"].append([0, 0, 1, 0, 500, 5]), "inside its step"),
+    (lambda r: r["variants"]["xla"]["ops"].append([0, 0, 1, 0, 5]), r"\[name, module"),
+])
+def test_a_bad_trace_record_is_refused_naming_what_is_wrong(tmp_path, change, match):
+    record = MADE | profiling.trace_record({v: SYNTHETIC for v in profiling.VARIANTS})
+    profiling.load_trace_record(_record(tmp_path, record))  # the control: this one reads
+    change(record)
+    with pytest.raises(ValueError, match=match):
+        profiling.load_trace_record(_record(tmp_path, record))
+
+
+def test_the_committed_chip_trace_is_a_v5e_s_and_its_summaries_are_its_events():
+    """data/measured/v5e-trace.json (benchmarks/tpu_trace.py on the lent v5e): each
+    variant's median step, measured again from its events, gives the summary recorded with
+    it; the megakernel is one launch holding one mk_megakernel op."""
+    record = profiling.load_trace_record(MEASURED / "v5e-trace.json")
+    assert (record["chip"], record["model"]) == ("v5e", "qwen3-0.6b")
+    for name in profiling.VARIANTS:
+        kept = record["variants"][name]["summary"]
+        again = profiling.summary(profiling.bubbles(profiling.recorded_timeline(record, name)),
+                                  name)
+        for field in ("wall_ms", "idle_share", "host_share", "bubble_share"):
+            assert again[field] == kept[field], (name, field)
+    mega = profiling.recorded_timeline(record, "megakernel")
+    assert profiling.bubbles(mega)[0].launches == 1
+    assert sum(o.name.startswith("mk_megakernel") for o in mega.ops) == 1
+
+
+def test_the_simulator_steps_the_chips_traced_kernel_and_its_layers_within_tolerance():
+    """The v5e trace's megakernel (its phases traced, `mk.bundles.PHASE_FLAG`) against
+    `mk.sim` calibrated on the v5e, same model, B, T and position: the kernel op's time and
+    each layer's but the first (which also waits for the ring's first tiles) within
+    `mk.calibration.TOLERANCE`."""
+    record = profiling.load_trace_record(MEASURED / "v5e-trace.json")
+    mega = profiling.recorded_timeline(record, "megakernel")
+    kernel, = (o for o in mega.ops if o.name.startswith("mk_megakernel"))
+    sim = mk.sim.simulate(mk.preset(record["model"]), record["chip"], batch=record["batch"],
+                          rows=record["rows"], context=record["position"],
+                          assumptions=calibration.assumptions(record["chip"]))
+    assert sim.step_s * 1e9 == pytest.approx(kernel.duration_ns, rel=calibration.TOLERANCE)
+    measured, simulated = profiling.layer_times(mega), sim.layer_seconds()
+    assert len(measured) == len(simulated) == mk.preset(record["model"]).layers
+    for i, (m, s_) in enumerate(zip(measured[1:], simulated[1:]), 1):
+        assert s_ * 1e9 == pytest.approx(m, rel=calibration.TOLERANCE), i
+    scopes = {r["scope"]: r for r in profiling.scope_table(mega)}
+    assert scopes["prologue"]["count"] == scopes["mlp"]["count"] == len(measured)
+
+
+def test_layer_times_split_the_loop_where_its_first_phase_opens_again():
+    def scope(name, start, end):
+        return op(name, "XLA TraceMe", start * 1000, end * 1000)  # µs
+
+    tl = Timeline("/device:TPU:0", (Step(0, 0.0, 2e5),), (), (
+        scope("prime", 0, 5), scope("layers", 10, 100),
+        scope("prologue", 10, 20), scope("mlp", 20, 50),
+        scope("prologue", 55, 60), scope("mlp", 60, 95), scope("lm_head", 100, 150)))
+    assert profiling.layer_times(tl) == [45000, 45000]  # ns
+    assert [(r["scope"], r["count"], r["total_us"]) for r in profiling.scope_table(tl)] == [
+        ("prime", 1, 5), ("layers", 1, 90), ("prologue", 2, 15), ("mlp", 2, 65),
+        ("lm_head", 1, 50)]
+    assert profiling.layer_times(dataclasses.replace(tl, scopes=())) == []
 
 
 # -- Real captures on the CPU ---------------------------------------------------------------
