@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mk import reference
+from mk import decode_checks, reference
 from mk.config import DTYPE_BITS, SCHEME_BITS, ModelConfig, check_formats
 from mk.errors import shown
 from mk.unpack import (E8M0_BIAS, GROUP, INT_SCHEMES, PACK_ROWS, block_scale_rows,
@@ -303,7 +303,7 @@ def quantize(config: ModelConfig, params: dict, *, dense: str | None = None,
     chosen = check_quantisable(config, dict(dense=dense, experts=experts, lm_head=lm_head))
     # The model's tensors, each of its shape and dtype (a list or None is no weight):
     # named here, not a bare KeyError half-way through or a weight quantised as it came.
-    reference.check_params(config, params, "mk.quantize", quantised=True)
+    decode_checks.check_params(config, params, "mk.quantize", quantised=True)
     shapes = param_shapes(config)
     for group, scheme in chosen.items():  # every problem before any work
         for name in FORMAT_GROUPS[group]:
