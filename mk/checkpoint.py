@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from mk import quant, untrusted
+from mk import quant, random_codes, untrusted
 from mk.config import ModelConfig, check_seed
 from mk.errors import shown
 from mk.hf_layout import every, fill_slots, hf_layout, hf_shape, placements
@@ -54,8 +54,8 @@ def init_params(config: ModelConfig, seed: int = 0, formats=None) -> dict:
     unpadded model's) and zeros in the padding, as the loader gives.
 
     `formats` ({group: scheme}, as `mk.quant.quantize` takes them): those groups' weights
-    are drawn as codes (`mk.quant.random_weight`, one leading row at a time, at the same
-    root mean square), not quantised from the normal values: a model's real shapes and
+    are drawn as codes (`mk.random_codes.random_weight`, one leading row at a time, at the
+    same root mean square), not quantised from the normal values: a model's real shapes and
     formats in seconds (quantising gpt-oss-20b's experts takes minutes, and their float32
     values do not fit a 40 GiB host).
     """
@@ -82,11 +82,11 @@ def init_params(config: ModelConfig, seed: int = 0, formats=None) -> dict:
 
 
 def _random_stack(shape, own, scheme, rng, rms, name):
-    """`mk.quant.random_weight` of a stacked weight [L, ..., I, O] a leading row at a time
-    (a plain matrix whole)."""
+    """`mk.random_codes.random_weight` of a stacked weight [L, ..., I, O] a leading row at
+    a time (a plain matrix whole)."""
     if len(shape) == 2:
-        return quant.random_weight(shape, scheme, rng, rms, own, name)
-    rows = [quant.random_weight(shape[1:], scheme, rng, rms, own[1:], name)
+        return random_codes.random_weight(shape, scheme, rng, rms, own, name)
+    rows = [random_codes.random_weight(shape[1:], scheme, rng, rms, own[1:], name)
             for _ in range(shape[0])]
     return quant.QuantWeight(jnp.stack([q.data for q in rows]),
                              jnp.stack([q.scale for q in rows]), scheme)

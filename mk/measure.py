@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mk import backend as backends
-from mk import megakernel, reference, untrusted
+from mk import decode_checks, megakernel, reference, untrusted
 from mk.checkpoint import init_params
 from mk.chips import DEVICE_KINDS, ChipSpec, all_chips, chip_of, spec_of  # noqa: F401
 from mk.config import ModelConfig
@@ -396,7 +396,7 @@ def time_step_series(config: ModelConfig, *, batch: int = 1, rows: int = 1,
     config, capacity = plan.config, plan.context
     params = init_params(config, seed)
     cache = reference.init_cache(config, batch, capacity)
-    tokens, positions = reference.validate_step(
+    tokens, positions = decode_checks.validate_step(
         config, cache, np.random.default_rng(seed).integers(0, config.vocab, (batch, rows)),
         np.full((batch,), context, np.int32))
     seconds = {}

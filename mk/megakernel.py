@@ -35,7 +35,7 @@ from jax.experimental.pallas import tpu as pltpu
 from tqdm.auto import tqdm
 
 from mk import backend as backends
-from mk import preparation, quant, reference
+from mk import decode_checks, preparation, quant, reference
 from mk.cache import has_states
 from mk.chips import chip_of
 from mk.config import ModelConfig, positive_int
@@ -109,10 +109,10 @@ class Layout:
 def check_weights(plan: DecodePlan, params) -> None:
     """Raise ValueError naming the field, before anything is traced, unless `params` are
     the plan's model's (every tensor's name, shape and dtype, a quantised one's logical
-    shape: `mk.reference.check_params`) and every quantised weight's concrete values
+    shape: `mk.decode_checks.check_params`) and every quantised weight's concrete values
     decode to finite numbers (`mk.quant.check_values`: NaN or inf scales, NaN codes).
     Their formats are theirs (`mk.quant.formats_of`: what `prepare` lays out packed)."""
-    reference.check_params(plan.config, params, "mk.megakernel.prepare", quantised=True)
+    decode_checks.check_params(plan.config, params, "mk.megakernel.prepare", quantised=True)
     for name, p in params.items():
         if isinstance(p, quant.QuantWeight):
             quant.check_values(name, p)
@@ -284,7 +284,7 @@ def decode_step(config: ModelConfig, weights, cache, tokens, positions, *,
     if row_states and not has_states(cache):
         raise ValueError(f"row_states=True needs a hybrid model; {config.name} has no "
                          "linear layers")
-    tokens, positions = reference.validate_step(config, cache, tokens, positions)
+    tokens, positions = decode_checks.validate_step(config, cache, tokens, positions)
     plan = DecodePlan.make(config, batch=tokens.shape[0], rows=tokens.shape[1],
                      context=cache.capacity, block=block,
                      formats=quant.formats_of(weights), feeds=feeds)
@@ -454,9 +454,9 @@ def greedy_loop(dispatch, config: ModelConfig, values, prompt, S: int, steps: in
 
 def check_generate(config: ModelConfig, prompt, steps: int, steps_per_call: int,
                    max_context: int | None):
-    """`mk.reference.check_generate` and steps_per_call -> (prompt as int32, the cache
+    """`mk.decode_checks.check_generate` and steps_per_call -> (prompt as int32, the cache
     capacity S, steps, steps_per_call as ints)."""
-    prompt, S, steps = reference.check_generate(config, prompt, steps, max_context)
+    prompt, S, steps = decode_checks.check_generate(config, prompt, steps, max_context)
     default_kv_tile(S, "max_context")  # the kernel's KV tiles must divide the cache
     return prompt, S, steps, positive_int("steps_per_call", steps_per_call)
 

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mk import megakernel, ops, reference, untrusted
+from mk import decode_checks, megakernel, ops, reference, untrusted
 from mk.config import ModelConfig
 from mk.kernels.attention_prologue import attention_prologue
 from mk.kernels.decode_attention import decode_attention
@@ -516,7 +516,7 @@ def staged_step(config: ModelConfig, params, weights: dict, cache: reference.KVC
     projection, MLP per layer, then the lm_head), each dispatched from this Python loop.
     `weights` is `staged_weights(config, params)`. Returns (logits [B, T, V] float32,
     cache), the contract of `mk.reference.decode_step`."""
-    tokens, positions = reference.validate_step(config, cache, tokens, positions)
+    tokens, positions = decode_checks.validate_step(config, cache, tokens, positions)
     x = embed(params["embed"], tokens)
     k_cache, v_cache = cache
     for layer, w in enumerate(weights["layers"]):

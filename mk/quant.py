@@ -4,7 +4,6 @@ Here: the four storage schemes (`SCHEMES`; each one's layout, `STORED`, `SCALES`
 docs/design/mk.quant.md), a `QuantWeight` (checked on construction, `check_layout`; its
 NaN or inf scales and NaN codes, `check_values`); `quantize` (finite bf16 params -> the
 chosen format groups' weights as `QuantWeight`s, `check_quantisable`, `unstreamed`),
-`random_weight` (random codes and scales in a scheme, for random weights in real shapes),
 `dequantize` (the oracle's weights for the unchanged `mk.reference`: int8 and int4 as
 codes and scales, `mk.ops.Scaled`, the others in the dtype their feed calls for,
 `mk.unpack.oracle_dtype`; or every weight's values in a given dtype), `check_error`,
@@ -14,10 +13,11 @@ codes and scales, `mk.ops.Scaled`, the others in the dtype their feed calls for,
 `UNIT_SCALE`), `formats_of` and `schemes_of`.
 
 Not here: what a kernel does to one packed tile, the element decoders, the packing order
-and the MXU feeds (`mk.unpack`, with `PACK_ROWS`, `GROUP`, `E8M0_BIAS`), quantised Hugging
-Face checkpoints (`mk.hf_quant`), the ring (`mk.kernels.ring`), tensor-parallel splits
-(`mk.shards`). Which weights (the format groups of `mk.weights.FORMAT_GROUPS`), the
-layouts and the tile layout: docs/design/mk.quant.md.
+and the MXU feeds (`mk.unpack`, with `PACK_ROWS`, `GROUP`, `E8M0_BIAS`), random weights
+drawn as codes (`mk.random_codes`), quantised Hugging Face checkpoints (`mk.hf_quant`),
+the ring (`mk.kernels.ring`), tensor-parallel splits (`mk.shards`). Which weights (the
+format groups of `mk.weights.FORMAT_GROUPS`), the layouts and the tile layout:
+docs/design/mk.quant.md.
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mk import reference
+from mk import decode_checks, reference
 from mk.config import DTYPE_BITS, SCHEME_BITS, ModelConfig, check_formats
 from mk.errors import shown
 from mk.unpack import (E8M0_BIAS, GROUP, INT_SCHEMES, PACK_ROWS, block_scale_rows,
-                       dequantize_tile, e2m1_values, e4m3_values, grouped, oracle_dtype,
-                       pack_codes, pow2, scaled_weight)
-from mk.weights import FORMAT_GROUP, FORMAT_GROUPS, param_shapes, put_corner, weights_of
+                       dequantize_tile, grouped, oracle_dtype, pack_codes, pow2,
+                       scaled_weight)
+from mk.weights import FORMAT_GROUP, FORMAT_GROUPS, param_shapes, weights_of
 
 SCHEMES = tuple(SCHEME_BITS)  # each laid out as docs/design/mk.quant.md says
 FP8_MAX, INT8_MAX, INT4_MAX, FP4_MAX = 448.0, 127, 7, 6.0
@@ -209,63 +209,6 @@ def quantize_weight(w, scheme: str, name: str = "weight") -> QuantWeight:
     return QuantWeight(pack_codes(scheme, q), jnp.asarray(code), scheme)
 
 
-def _code_values(scheme: str) -> np.ndarray:
-    """Every code `random_weight` draws, as its value: int8's q in [-127, 127], int4's in
-    [-7, 7], fp8's finite e4m3 values, fp4's e2m1 values."""
-    if scheme in INT_SCHEMES:
-        top = INT8_MAX if scheme == "int8" else INT4_MAX
-        return np.arange(-top, top + 1, dtype=np.float32)
-    if scheme == "fp8":
-        values = np.asarray(e4m3_values(jnp.arange(256, dtype=jnp.uint8)))
-        return values[np.isfinite(values)]
-    return np.asarray(e2m1_values(jnp.arange(16)))
-
-
-def random_weight(shape: tuple[int, ...], scheme: str, rng: np.random.Generator,
-                  rms: float, own: tuple[int, ...] | None = None,
-                  name: str = "weight") -> QuantWeight:
-    """A weight [..., I, O] in `scheme` drawn as codes, not quantised from floats: each
-    code uniform over the scheme's (`_code_values`: no NaN code, int8 and int4 symmetric),
-    each scale block's scale the one that gives the codes' values about `rms` root mean
-    square, times 2^u (u uniform in [-1/2, 1/2]; fp4's power of two times 2^-1, 1 or 2),
-    so that a kernel applying the wrong block's scale is seen. Random weights in a model's
-    real shapes and formats in seconds, where quantising a normal tensor takes minutes
-    (gpt-oss-20b's experts). `own`: the weight's own shape in a lane-padded model; the
-    codes past it are zero (`ZERO_CODE`), so the padding's values are zero."""
-    check_shape(name, scheme, tuple(shape))
-    own = tuple(shape) if own is None else tuple(own)
-    if len(own) != len(shape) or any(o > n for o, n in zip(own, shape)):
-        raise ValueError(f"{name}: own={own} must fit in the corner of shape={tuple(shape)}")
-    *lead, I, O = shape
-    values = _code_values(scheme)
-    codes = np.full(shape, ZERO_CODE[scheme], np.uint8 if scheme != "int8" else np.int8)
-    if scheme == "int8":
-        drawn = rng.integers(-INT8_MAX, INT8_MAX + 1, own, dtype=np.int8)
-    elif scheme == "int4":
-        drawn = rng.integers(8 - INT4_MAX, 8 + INT4_MAX + 1, own, dtype=np.uint8)
-    elif scheme == "fp8":  # the 254 finite bytes: skip NAN_CODES 0x7f and 0xff
-        drawn = rng.integers(0, 254, own, dtype=np.uint8)
-        drawn += drawn >= 0x7F
-    else:
-        drawn = rng.integers(0, 16, own, dtype=np.uint8)
-    put_corner(codes, drawn)
-    base = rms / float(np.sqrt(np.mean(values.astype(np.float64) ** 2)))
-    g = GROUP.get(scheme, I)
-    blocks = {"int8": (1, O), "fp8": (I // g, O // g)}.get(scheme, (I // g, O))
-    if scheme == "fp4":
-        code = E8M0_BIAS + round(math.log2(base)) + rng.integers(-1, 2, (*lead, *blocks))
-        scale = code.astype(np.uint8)
-    else:
-        jitter = np.exp2(rng.uniform(-0.5, 0.5, (*lead, *blocks)))
-        scale = (base * jitter).astype(np.float32)
-    if scheme in ("int4", "fp4"):
-        data = pack_codes(scheme, codes)
-    else:
-        data = jnp.asarray(codes.view(np.uint8) if scheme == "fp8" else codes)
-    return QuantWeight(data, jnp.asarray(scale, jnp.bfloat16 if scheme == "int4" else None),
-                       scheme)
-
-
 def unstreamed(config: ModelConfig, names) -> tuple[str, ...]:
     """The weights of `names` (stored quantised) that `config` has and the megakernel does
     not stream as ring tiles (path not "ring": MLA's wq under a q low rank, Kimi K3's, is
@@ -303,7 +246,7 @@ def quantize(config: ModelConfig, params: dict, *, dense: str | None = None,
     chosen = check_quantisable(config, dict(dense=dense, experts=experts, lm_head=lm_head))
     # The model's tensors, each of its shape and dtype (a list or None is no weight):
     # named here, not a bare KeyError half-way through or a weight quantised as it came.
-    reference.check_params(config, params, "mk.quantize", quantised=True)
+    decode_checks.check_params(config, params, "mk.quantize", quantised=True)
     shapes = param_shapes(config)
     for group, scheme in chosen.items():  # every problem before any work
         for name in FORMAT_GROUPS[group]:

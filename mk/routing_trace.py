@@ -22,7 +22,7 @@ import os
 
 import numpy as np
 
-from mk import reference, untrusted
+from mk import decode_checks, reference, untrusted
 from mk.config import ModelConfig, check_config, positive_int
 from mk.errors import shown
 
@@ -133,7 +133,7 @@ def record(config: ModelConfig, params, prompt, steps: int = 0) -> RoutingTrace:
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise ValueError(f"steps={steps!r} must be a non-negative integer")
     # the cache holds the prompt and the `steps` tokens fed back after it
-    tokens, _, _ = reference.check_generate(config, prompt, steps + 1, None)
+    tokens, _, _ = decode_checks.check_generate(config, prompt, steps + 1, None)
     batch, length = tokens.shape
     cache = reference.init_cache(config, batch, length + steps)
     positions = np.zeros(batch, np.int32)

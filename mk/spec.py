@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mk import megakernel, perf, reference, sim
+from mk import decode_checks, megakernel, perf, sim
 from mk.config import MAX_ROWS, ModelConfig, check_seed
 from mk.drafters import Drafter, Forced, ModelDrafter, NGram, draw
 from mk.kernels.common import default_kv_tile
@@ -246,8 +246,8 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, drafter, gamma:
     progress=True shows a `mk.megakernel.progress_bar` of the tokens every sequence has."""
     check_gamma(gamma)
     seed = check_seed(seed)
-    prompt, S, steps = reference.check_generate(config, prompt, steps, max_context,
-                                                gamma=gamma)
+    prompt, S, steps = decode_checks.check_generate(config, prompt, steps, max_context,
+                                                    gamma=gamma)
     prompt = np.asarray(prompt)
     B, P = prompt.shape
     if sampling is not None and drafter == "forced":
@@ -266,7 +266,7 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, drafter, gamma:
     if not isinstance(verifier, str) and verifier.rows < gamma + 1:
         raise ValueError(f"the verifier's rows={verifier.rows} must be >= gamma + 1 = "
                          f"{gamma + 1}")
-    reference.check_params(config, params, "mk.spec.generate")
+    decode_checks.check_params(config, params, "mk.spec.generate")
     if isinstance(drafter, str):
         drafter = make_drafter(drafter, config, params, gamma=gamma, batch=bucket,
                                **drafter_options)

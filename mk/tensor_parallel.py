@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from mk import backend as backends
-from mk import megakernel, perf, quant, reference
+from mk import decode_checks, megakernel, perf, quant, reference
 from mk.chips import spec_of
 from mk.config import ModelConfig
 from mk.kernels.collectives import (AXIS, ICI_LATENCY_S, all_reduce_bytes,
@@ -58,7 +58,7 @@ def decode_step(config: ModelConfig, weights, cache: reference.KVCache, tokens, 
     check_sharded_cache(config, cache, tp)
     check_interpret_devices(mesh)
     unstacked = type(cache)(*(a[0] for a in cache))
-    tokens, positions = reference.validate_step(local, unstacked, tokens, positions)
+    tokens, positions = decode_checks.validate_step(local, unstacked, tokens, positions)
     B, T = tokens.shape
     plan = DecodePlan.make(config, tp=tp, batch=B, rows=T,
                                 context=unstacked.capacity, block=block,

@@ -54,7 +54,7 @@ import mk
 import mk.megakernel as megakernel
 from mk import perf, reference, sim, tpu
 from mk.kernels import deltanet
-from mk.kernels import mlp as mlp_kernels
+from mk.kernels import latent_moe as latent_kernels
 from mk.kernels.plan import DecodePlan
 from mk.kinds import attention as kinds_attention
 from mk.kinds import latent as kinds_latent
@@ -269,8 +269,8 @@ PLANTED = {  # a bug in a kind's kernel half: (kind, class, method, replacement)
                         dataclasses.replace(deltanet.BOUNDED_GATES, compute=_bound_minus_one)),
     "kda_silu_gate": ("bounded_kda", kinds_linear.BoundedKDA, "gates",  # Qwen3.5's gate
                       dataclasses.replace(deltanet.BOUNDED_GATES, output_gate=jax.nn.silu)),
-    "latent_norm_unscaled": ("latent_moe", mlp_kernels, "rms_norm", _norm_unscaled),
-    "latent_norm_undivided": ("latent_moe", mlp_kernels, "rms_norm", _norm_undivided),
+    "latent_norm_unscaled": ("latent_moe", latent_kernels, "rms_norm", _norm_unscaled),
+    "latent_norm_undivided": ("latent_moe", latent_kernels, "rms_norm", _norm_undivided),
     "latent_swiglu_experts": ("latent_moe", kinds_latent.LatentMoE, "activation",
                               lambda self: kinds_mlp.silu_gate),
     "res_no_block_start": ("res_layer", kinds_residual.ResLayer, "add",  # a plain stream

@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import mk
-from mk import ops, quant, reference, unpack
+from mk import ops, quant, random_codes, reference, unpack
 from mk.kernels.plan import default_block
 from mk.weights import FORMAT_GROUPS, param_shapes
 
@@ -573,7 +573,7 @@ def test_a_random_weight_decodes_to_finite_values_near_its_rms_with_varied_scale
     within 2x of the target, and the blocks' scales not all equal (a kernel applying the
     wrong block's scale would otherwise pass)."""
     rms = 0.03
-    q = quant.random_weight((3, 256, 256), scheme, np.random.default_rng(0), rms)
+    q = random_codes.random_weight((3, 256, 256), scheme, np.random.default_rng(0), rms)
     quant.check_values("w", q)
     values = np.asarray(quant.dequantize({"w": q}, jnp.float32)["w"], np.float64)
     assert np.isfinite(values).all()
@@ -584,13 +584,14 @@ def test_a_random_weight_decodes_to_finite_values_near_its_rms_with_varied_scale
 @pytest.mark.parametrize("scheme", quant.SCHEMES)
 def test_a_random_weights_codes_past_its_own_shape_are_zero(scheme):
     """A lane-padded weight: the codes in the corner are random, past it zero values."""
-    q = quant.random_weight((256, 256), scheme, np.random.default_rng(1), 0.05, own=(200, 130))
+    q = random_codes.random_weight((256, 256), scheme, np.random.default_rng(1), 0.05,
+                                   own=(200, 130))
     values = np.asarray(quant.dequantize({"w": q}, jnp.float32)["w"])
     assert not values[200:].any() and not values[:, 130:].any()
     assert np.count_nonzero(values[:200, :130]) > 0.8 * 200 * 130
     with pytest.raises(ValueError, match=r"w: own=\(300, 130\) must fit"):
-        quant.random_weight((256, 256), scheme, np.random.default_rng(1), 0.05,
-                            own=(300, 130), name="w")
+        random_codes.random_weight((256, 256), scheme, np.random.default_rng(1), 0.05,
+                                   own=(300, 130), name="w")
 
 
 @pytest.mark.parametrize("config, formats", [

@@ -36,7 +36,7 @@ from mk.kernels.common import LANES, BlockSizes, Buffer, start_dma, sublanes
 from mk.ops import exact
 from mk.kernels.kv_stream import (AttentionScratch, KvStream, drain_write_backs,
                                   start_write_backs, tile_counts)
-from mk.reference import check_positions, concrete
+from mk.decode_checks import check_positions, concrete
 
 ALIGN = 8  # rows of an f32 (8, 128) tile: dynamic row offsets must be multiples of it
 F32 = jnp.float32

@@ -6,17 +6,15 @@ selected flags to SMEM by one local DMA, compact the ids into expert slots (scal
 then stream one `Repeat` of (we_gate, we_up, we_down) per active slot; the ring issues
 expert tiles only once the ids are known. Kimi's sigmoid router and shared expert, joined
 gate|up tiles (`mk.kernels.joined_experts`), gpt-oss's biases and clamped SwiGLU, and
-quantised expert weights fit the same stream. Kimi K3's latent MoE (`latent_moe_body`)
-adds two ring segments around the expert slots: latent_down before routing (the experts
-run on x @ latent_down), latent_up after them (the RMS-normed latent sum back to D).
+quantised expert weights fit the same stream.
 
 Here: the bodies (`swiglu_body`, `moe_body` and its steps `route_experts`,
-`select_experts` and `experts_body`; the first, `route_body`, is `mk.kernels.routing`'s;
-`latent_moe_body`), their stream segments and Fetch callables, the buffer lists, the
-MoE layer's small DMAs by name (`MOE_SMALL_LOADS`, `small_sem`), and the stage wrappers
-`swiglu` / `moe`. Not here: the norm before the MLP and the residual add (the layer
-kernel), expert capacity limits, a stage kernel of the latent MoE (the megakernel's
-only). The four routing steps, the ring's invariant around routing and each variant:
+`select_experts` and `experts_body`; the first, `route_body`, is `mk.kernels.routing`'s),
+their stream segments and Fetch callables, the buffer lists, the MoE layer's small DMAs by
+name (`MOE_SMALL_LOADS`, `small_sem`), and the stage wrappers `swiglu` / `moe`. Not here:
+the norm before the MLP and the residual add (the layer kernel), expert capacity limits,
+Kimi K3's latent MoE (`mk.kernels.latent_moe`, built from these steps). The four routing
+steps, the ring's invariant around routing and each variant:
 docs/design/mk.kernels.mlp.md.
 """
 
@@ -40,9 +38,7 @@ from mk.kernels.ring import Ring, ring_buffers
 from mk.kernels.stream import Repeat, TileStream
 from mk.kernels.routing import Routing, route_body
 from mk.kernels.weight_streaming import ring_weights, stage_block, weight_stream
-from mk.ops import rms_norm
 from mk.weights import names
-
 
 
 # -- Dense SwiGLU --------------------------------------------------------------------------
@@ -386,8 +382,8 @@ def route_experts(ring: Ring, layer, x, router_vmem, combine_vmem, selected_vmem
                   bias_vmem=None, gather=None) -> None:
     """Route x's rows (`route_body`), compact the chosen experts into slots
     (`select_experts`), mark them `layer`'s and issue the expert region's first tiles
-    (no-ops when the ring first issued them): the steps of `moe_body` and
-    `latent_moe_body` between the tiles known before routing and the expert slots."""
+    (no-ops when the ring first issued them): the steps of `moe_body` (and of
+    `mk.kernels.latent_moe`'s) between the tiles known before routing and the slots."""
     selected = route_body(x, router_vmem, combine_vmem, routing, bias_vmem, gather)
     select_experts(selected, selected_vmem, selected_smem, sem, ids_smem, count_smem)
     count_smem[ROUTED_LAYER] = layer
@@ -395,55 +391,6 @@ def route_experts(ring: Ring, layer, x, router_vmem, combine_vmem, selected_vmem
     base = ring.stream.base(layer, gate)
     for t in range(min(ring.n, gate.copies * gate.stride)):  # were no-ops when issued
         ring.start(base + t)
-
-
-# -- Kimi K3's latent MoE ----------------------------------------------------------------
-# Its segments around the expert slots: x's projection to the latent before routing, the
-# normed latent sum's back to D after the slots (`mk.weights`' rows of "latent_moe").
-LATENT_DOWN, LATENT_UP = "latent_down", "latent_up"
-
-
-def latent_moe_segments(D: int, Lt: int, Fe: int, slots: int, shared_ffn: int = 0,
-                        joined: int | None = None) -> list:
-    """A latent MoE layer's ring segments (`mk.weights` stream order): the shared expert's
-    on D (when shared_ffn > 0), latent_down [D, Lt], the expert slots on the latent
-    (`moe_segments` at width Lt), latent_up [Lt, D]."""
-    shared = swiglu_segments(D, shared_ffn, SHARED_WEIGHTS) if shared_ffn else []
-    return (shared + [(LATENT_DOWN, D, Lt)] + moe_segments(Lt, Fe, slots, 0, joined)
-            + [(LATENT_UP, Lt, D)])
-
-
-def latent_moe_body(ring: Ring, layer, x, router_vmem, combine_vmem, selected_vmem,
-                    selected_smem, sem, ids_smem, count_smem, gate_vmem, up_vmem,
-                    latent_vmem, sum_vmem, expert_vmem, down_vmem, out_ref, *,
-                    routing: Routing, norm_vmem, eps: float, activation, shared=None,
-                    bias_vmem=None, gather=None, used: int | None = None):
-    """out_ref [M, D] f32 += Kimi K3's latent MoE of x [M, D] (`mk.reference.
-    latent_moe_mlp`): the shared expert on x (`activation`; shared: its (gate, up) [M, Fs]
-    f32 scratch, or None), latent_vmem [M, Lt] f32 = x @ latent_down, the routing on x,
-    the chosen experts (`activation`) on the latent summed into sum_vmem [M, Lt] f32
-    (expert_vmem [M, Lt] f32: one expert's output), that sum RMS-normed (norm_vmem [1, Lt]
-    f32, `eps`) into latent_vmem and projected back by latent_up through down_vmem [M, D]
-    f32 (which first holds the shared expert's output). The routing's arguments are
-    `moe_body`'s; count_smem[0] is 0 before and after. Returns the number of distinct
-    experts loaded (a scalar)."""
-    if shared is not None:
-        swiglu_body(ring, layer, x, *shared, down_vmem, names=SHARED_WEIGHTS,
-                    activation=activation)
-        out_ref[...] += down_vmem[...]
-    ring.matmul(LATENT_DOWN, x, latent_vmem, layer=layer)
-    route_experts(ring, layer, x, router_vmem, combine_vmem, selected_vmem, selected_smem,
-                  sem, ids_smem, count_smem, routing=routing, bias_vmem=bias_vmem,
-                  gather=gather)
-    sum_vmem[...] = jnp.zeros_like(sum_vmem)
-    experts_body(ring, layer, latent_vmem, combine_vmem, ids_smem, count_smem, gate_vmem,
-                 up_vmem, expert_vmem, sum_vmem, activation=activation, used=used)
-    latent_vmem[...] = rms_norm(sum_vmem[...], norm_vmem[...], eps)
-    ring.matmul(LATENT_UP, latent_vmem, down_vmem, layer=layer)
-    out_ref[...] += down_vmem[...]
-    loaded = count_smem[0]
-    count_smem[0] = 0
-    return loaded
 
 
 def moe_buffers(M: int, D: int, E: int, Fe: int, dtype, block: BlockSizes,
@@ -523,10 +470,9 @@ def moe(h: jax.Array, router: jax.Array, we_gate: jax.Array, we_up: jax.Array,
     scheme (multiplied in h's dtype); the router is an array. The routing (`Routing`):
     top_k, renormalise, router_score ("softmax": Qwen3-MoE; "sigmoid": DeepSeek-V3 / Kimi,
     with router_bias [E] (or [Lm, E]), expert_groups, topk_groups and routed_scale; the
-    names are ModelConfig's). shared: a shared
-    expert's (ws_gate, ws_up [D, Fs], ws_down [Fs, D]), stacked like the experts, added to
-    every row (Kimi). With `return_loaded`, also returns the number of distinct experts
-    loaded ([1] int32).
+    names are ModelConfig's). shared: a shared expert's (ws_gate, ws_up [D, Fs], ws_down
+    [Fs, D]), stacked like the experts, added to every row (Kimi). With `return_loaded`,
+    also returns the number of distinct experts loaded ([1] int32).
     """
     router, we_gate = _stacked(router, 2, "router"), _stacked(we_gate, 3, "we_gate")
     we_up, we_down = _stacked(we_up, 3, "we_up"), _stacked(we_down, 3, "we_down")

@@ -39,7 +39,7 @@ from mk.kernels.weight_streaming import ring_weights, weight_stream
 from mk.kinds.base import LAYER_PHASES, Kind, Step
 from mk.kinds.layers import kinds_at, layer_kinds, layer_matrices, stream_kind
 from mk.ops import rms_norm
-from mk.reference import check_positions
+from mk.decode_checks import check_positions
 
 
 def model_block(config: ModelConfig, *, context: int | None = None, slots: int = SLOTS,

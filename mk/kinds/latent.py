@@ -4,8 +4,8 @@ latent_norm) and shared expert on x, but SiTU everywhere (`mk.ops.situ` at the c
 betas) and the routed experts on the latent z = x @ latent_down [M, Lt]: their weighted
 sum is RMS-normed with latent_norm and projected back to D with latent_up
 (`mk.reference.latent_moe_mlp`). Its stream: the shared expert, latent_down, the expert
-slots on Lt, latent_up (`mk.kernels.mlp.latent_moe_segments`); the body:
-`mk.kernels.mlp.latent_moe_body`.
+slots on Lt, latent_up (`mk.kernels.latent_moe.latent_moe_segments`); the body:
+`mk.kernels.latent_moe.latent_moe_body`.
 
 Not here: tensor parallelism (the norm of the latent sum needs the whole sum, which a
 device's share of each expert's columns does not give before an all-reduce: refused at tp
@@ -22,8 +22,8 @@ import jax.numpy as jnp
 
 from mk.config import DTYPE_BITS
 from mk.kernels.common import Buffer
-from mk.kernels.mlp import (LATENT_DOWN, LATENT_UP, SHARED_WEIGHTS, latent_moe_body,
-                            latent_moe_segments)
+from mk.kernels.latent_moe import LATENT_DOWN, LATENT_UP, latent_moe_body, latent_moe_segments
+from mk.kernels.mlp import SHARED_WEIGHTS
 from mk.kernels.routing import Routing
 from mk.kinds.base import Kind, Step
 from mk.kinds.mlp import MoE, MoETwin, SituDense, swiglu
@@ -122,9 +122,9 @@ class LatentMoE(MoE):
 
 
 class LatentMoETwin(MoETwin):
-    """A latent MoE layer on the simulator (`mk.kernels.mlp.latent_moe_body`): the SiTU
-    shared expert, latent_down, routing, the SiTU expert slots on the latent, the latent
-    sum's norm, latent_up."""
+    """A latent MoE layer on the simulator (`mk.kernels.latent_moe.latent_moe_body`): the
+    SiTU shared expert, latent_down, routing, the SiTU expert slots on the latent, the
+    latent sum's norm, latent_up."""
 
     def experts(self):
         sim, kind = self.sim, self.kind
