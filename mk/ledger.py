@@ -153,8 +153,14 @@ def steps_table(chip: str, path: str | Path | None = None) -> plots.Table:
     calibrated steps of both series (`mk.calibration.agreement`) and their errors, and the
     HBM floor with its share of the device loop (floor / loop). Labelled with the chip,
     and each row with its commit and date (`mk.calibration.provenance`); a one step timed
-    with its cache copied (before 4cbaec7 XLA copied the cache first) says so."""
+    with its cache copied (before 4cbaec7 XLA copied the cache first) says so. No record
+    at `path` (an installed mk, e.g. on Colab: records live in a checkout's data/measured)
+    is one row saying so, not an error."""
     path = Path(path) if path is not None else calibration.steps_path(chip)
+    if not path.exists():
+        return plots.table([{"chip": chip, "steps record": f"none here ({path.name} is in "
+                             "data/measured of a checkout of mk; benchmarks/tpu_steps.py "
+                             "writes it on a TPU)"}])
     record = calibration.load_steps(path)
     simulated = {(g.index, g.series): g for g in calibration.agreement(chip, path)}
     out = []

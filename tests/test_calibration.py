@@ -93,6 +93,13 @@ def test_the_ledger_says_which_chip_rests_on_measurement():
     assert all(rows[c]["numbers rest on"] == "assumptions only" for c in ("v6e", "tpu7x"))
 
 
+def test_the_steps_table_without_a_record_says_so(tmp_path):
+    """An installed mk (Colab) has no data/measured: notebooks 06 and 13 show a row saying
+    where the record lives, not a FileNotFoundError."""
+    table = ledger.steps_table("v5e", tmp_path / "v5e-steps.json")
+    assert "none here (v5e-steps.json is in data/measured" in str(table.rows)
+
+
 def test_the_steps_table_names_the_chip_and_each_rows_commit_date_and_cache():
     """The committed record mixes rows of more than one commit (`calibration.provenance`):
     the table says each row's own commit and date, and which timed its one step with the
