@@ -30,6 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from mk import perf, sim
 from mk.config import finite_number, positive_int
 
 F32 = jnp.float32
@@ -274,7 +275,6 @@ def tile_times(spec, block, itemsize: int, rows: int) -> dict:
     """`ring_schedule`'s times for one plain tile of `block` on chip `spec` (a
     `mk.chips.ChipSpec`): the simulator's assumed DMA latency, the transfer at one core's
     share of the datasheet bandwidth, the MXU rule's compute (`mk.sim`'s rule)."""
-    from mk import perf, sim  # the models, only for their numbers
     cores = spec.cores_per_chip
     return dict(latency_s=sim.Assumptions().dma_latency_s,
                 dma_s=block.tile_rows * block.tile_cols * itemsize / (spec.hbm_bw / cores),
