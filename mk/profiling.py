@@ -7,7 +7,8 @@ measures those stops in real profiles of three ways of running the same step: "x
 
 Here: `capture` (N annotated steps into `PROFILES/<name>/plugins/profile/<run>/`;
 `profiles_dir` says where PROFILES is), `timeline` (a trace's op events, per step),
-`bubbles` (idle time per step), `trace_record`, `recorded_timeline` and
+`bubbles` (idle time per step), `scope_table` and `layer_times` (a kernel's phases and
+layers, from a TPU trace's scopes), `trace_record`, `recorded_timeline` and
 `load_trace_record` (a chip's median steps kept in data/measured), `staged_step`,
 `variants`, `trace_viewer`. Not here: the figures (`mk.profile_plots`; this module needs
 no plotly, so benchmarks/tpu_trace.py runs on a bare TPU machine), the simulator
@@ -175,10 +176,10 @@ def timeline(xplane_path: str | os.PathLike, *, plane: str = "auto") -> Timeline
 
     plane="auto" takes `/device:TPU:0` when the trace has it (its "XLA Ops" line, and
     "XLA TraceMe" as `scopes`), else `/host:CPU` (every event carrying an `hlo_op` stat,
-    on any thread). Steps are the
-    `StepTraceAnnotation`s of the host plane (events with a `step_num` stat). A TPU's op
-    event is named by its instruction's whole HLO text; an op keeps its name ("copy.8").
-    The device path was read from a TPU v5e's traces (data/measured/v5e-trace.json)."""
+    on any thread). Steps are the `StepTraceAnnotation`s of the host plane (events with a
+    `step_num` stat). A TPU's op event is named by its instruction's whole HLO text; an op
+    keeps its name ("copy.8"). The device path was read from a TPU v5e's traces
+    (data/measured/v5e-trace.json)."""
     data = jax.profiler.ProfileData.from_file(str(xplane_path))
     planes = {p.name: p for p in data.planes}
     if plane == "auto":
