@@ -7,8 +7,9 @@ under MK_PROFILES) with libtpu's custom-call region traces on (`mk.bundles.PHASE
 so the megakernel's `jax.named_scope`s are events of the trace). `mk.profiling.trace_record`
 keeps each capture's median step: its device-plane op and scope events and its summary,
 small enough for data/, so notebook 08 draws a real chip's bubbles and phases without a
-TPU. The record goes to data/measured/<chip>-trace.json (or
-$MK_MEASURED).
+TPU. The record goes to data/measured/<chip>-trace.json (or $MK_MEASURED). The
+megakernel's step is called without donating its cache, as notebook 08 calls it: the
+trace shows the cache copies XLA then makes around the kernel.
 
     MK_TPU=1 MK_COMMIT=<sha> python benchmarks/tpu_trace.py
 
@@ -54,10 +55,11 @@ def main(argv=None) -> None:
     with backend.use("hardware"):
         captures = {name: profiling.capture(fn, steps=STEPS, name=f"{PRESET}-{name}")
                     for name, fn in fns.items()}
+    timelines = {name: profiling.timeline(c.path) for name, c in captures.items()}
     record = made | dict(label=f"measured on {made['device_kind']}", model=PRESET,
                          batch=BATCH, rows=1, context=CONTEXT, position=PROMPT,
-                         libtpu_flags=os.environ["LIBTPU_INIT_ARGS"]) | profiling.trace_record(
-                             {name: profiling.timeline(c.path) for name, c in captures.items()})
+                         libtpu_flags=os.environ["LIBTPU_INIT_ARGS"])
+    record |= profiling.trace_record(timelines)
     path = args.json or measure.MEASURED / f"{made['chip']}-trace.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, separators=(",", ":")) + "\n", encoding="utf-8")
