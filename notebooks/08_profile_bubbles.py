@@ -272,7 +272,9 @@ print(f"{predict_preset} on {predict_chip} (simulated): {deeper} saves more "
 # the device plane's "XLA Ops" line, in data/measured/v5e-trace.json.
 # `profiling.recorded_timeline` reads a step back and the same `bubbles` measure it. On
 # the chip an op is a kernel on the TPU, so idle is the chip waiting and the host gap is
-# dispatch: (b)'s idle is the chip waiting between its launches.
+# dispatch: (b)'s idle is the chip waiting between its launches. (The record's (b) counts
+# 2 + 4 L + 1 launches: at its commit a tied lm_head was transposed in every step, one
+# `jit_transpose` more; `staged_weights` now lays it out once.)
 
 # %%
 chip_path = measure.MEASURED / "v5e-trace.json"
