@@ -3,7 +3,8 @@
 For each row of `ROWS` (a preset, its weight formats, B and the cache's capacity): random
 weights in the model's real shapes and formats, made on the host (`mk.init_params` with
 formats: drawn as codes); the reference's greedy run on the host's CPU
-(`mk.exactness.expect`, the quantised params dequantised a layer at a time); the
+(`mk.exactness.expect`, the quantised params dequantised a layer at a time), in a CPU-only
+child process whose host memory goes back before the chip runs; the
 megakernel's `steps` greedy tokens on the chip (`mk.megakernel.generate`, device loops of
 8) judged against it (`mk.exactness.judge`); the chip's peak memory
 (`memory_stats()["peak_bytes_in_use"]`) beside what the plan counts for the whole
@@ -24,9 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import subprocess
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `mk` importable from a checkout
@@ -54,19 +57,42 @@ PROVENANCE = ("commit", "when")  # a row's own: rows of earlier commits are kept
 GIB = 2**30
 
 
+def _reference(preset: str, formats: dict, batch: int, context: int, steps: int):
+    """The reference's greedy run of a row (`mk.exactness.expect`) and its seconds, in the
+    process that runs it: a CPU-only child of `run_row` (`exactness.cpu_only`)."""
+    config = mk.preset(preset)
+    params = mk.init_params(config, 0, formats)
+    start = time.perf_counter()
+    expected = exactness.expect(config, params, _prompt(config, batch), steps,
+                                max_context=context)
+    return expected, round(time.perf_counter() - start, 1)
+
+
+def _prompt(config, batch: int) -> np.ndarray:
+    return np.random.default_rng(0).integers(0, config.vocab, (batch, PROMPT))
+
+
+def _in_cpu_child(fn, *args):
+    """fn(*args) in a fresh CPU-only process: what it allocates on the host goes back when
+    it ends (the reference's prefill holds several times a model's bytes there)."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=exactness.cpu_only) as pool:
+        return pool.submit(fn, *args).result()
+
+
 def run_row(preset: str, formats: dict, batch: int, context: int, steps: int,
             backend: str) -> dict:
-    """One row, in this process: the verdict of the chip's tokens, the peak memory and
-    the plan's count in GiB, the wall time of the generate."""
+    """One row, in this process: the judged tokens, the chip's peak memory in GiB beside
+    the plan's count in GiB, the wall time of the generate. The reference runs first, in a
+    CPU-only child process, so this one holds only its params and the generate; tokens
+    that are not the reference's own are judged in another child, after this process
+    has let its params go."""
     row = dict(model=preset, formats=formats, batch=batch, context=context, steps=steps)
+    expected, row["reference_s"] = _in_cpu_child(_reference, preset, formats, batch,
+                                                 context, steps)
     config = mk.preset(preset)
-    cpu = jax.devices("cpu")[0]
-    with jax.default_device(cpu):
-        params = mk.init_params(config, 0, formats)
-        prompt = np.random.default_rng(0).integers(0, config.vocab, (batch, PROMPT))
-        start = time.perf_counter()
-        expected = exactness.expect(config, params, prompt, steps, max_context=context)
-        row["reference_s"] = round(time.perf_counter() - start, 1)
+    params = mk.init_params(config, 0, formats)
+    prompt = _prompt(config, batch)
     device = jax.devices()[0]
     if device.platform == "tpu":
         plan = DecodePlan.make(config, batch=batch, context=context,
@@ -80,9 +106,19 @@ def run_row(preset: str, formats: dict, batch: int, context: int, steps: int,
     row["generate_s"] = round(time.perf_counter() - start, 1)
     if device.platform == "tpu":
         row["peak_gib"] = round(device.memory_stats()["peak_bytes_in_use"] / GIB, 2)
-    with jax.default_device(cpu):
-        row |= exactness.judge(config, params, prompt, tokens, expected=expected).to_dict()
-    return row
+    if np.array_equal(tokens, expected.tokens):  # its logits are the reference's own
+        verdict = exactness.judge_logits(expected.logits, tokens)
+    else:
+        del params
+        verdict = _in_cpu_child(_judge, preset, formats, batch, tokens)
+    return row | verdict.to_dict()
+
+
+def _judge(preset: str, formats: dict, batch: int, tokens) -> exactness.Verdict:
+    """`mk.exactness.judge` of a row's tokens (the reference teacher-forced on them)."""
+    config = mk.preset(preset)
+    params = mk.init_params(config, 0, formats)
+    return exactness.judge(config, params, _prompt(config, batch), tokens)
 
 
 def _child(index: int, table, steps: int, backend: str, timeout: float) -> dict:

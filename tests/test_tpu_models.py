@@ -12,6 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import tpu_models  # noqa: E402
 
+import mk  # noqa: E402
 from mk import backend  # noqa: E402
 
 
@@ -41,3 +42,14 @@ def test_the_interpret_rows_are_exact(tmp_path):
     rows = json.loads(path.read_text())["rows"]
     assert len(rows) == len(tpu_models.INTERPRET_ROWS)
     assert all(r.get("exact") == r.get("total") for r in rows), rows
+
+
+def test_tokens_not_the_references_own_are_judged_in_a_child_and_caught():
+    """`run_row`'s other path: the reference (a CPU-only child) teacher-forced on tokens
+    that differ from its own run; a planted wrong token is counted wrong."""
+    expected, _ = tpu_models._in_cpu_child(tpu_models._reference, "tiny", {}, 1, 64, 4)
+    tokens = expected.tokens.copy()
+    tokens[0, 2] = (tokens[0, 2] + 1) % mk.preset("tiny").vocab  # the planted bug
+    verdict = tpu_models._in_cpu_child(tpu_models._judge, "tiny", {}, 1, tokens)
+    assert verdict.first == (2,) and verdict.wrong >= 1  # the tokens before it: exact
+    assert verdict.exact + verdict.ties + verdict.wrong == 4 and verdict.exact >= 2
