@@ -300,7 +300,7 @@ else:
 # slice, and copies of the KV cache, because this step is called without donating its
 # cache (XLA keeps the caller's cache and gives the kernel a copy to update). A serving
 # loop donates it (`decode_step(..., donate=True)`, `generate`'s device loop) and those
-# copies go (`mk.tpu` compiles it so; tests/test_tpu_compile.py holds it):
+# copies go (compiled for a v5e, tests/test_megakernel.py holds it):
 
 # %%
 if chip_trace is not None:
