@@ -350,7 +350,7 @@ if chip_trace is not None:
         f"measured on {chip_made}": chip_layers, "simulated (calibrated)": sim_layers},
         title=f"{chip_trace['model']}: each layer's time in the megakernel",
         xaxis="layer (index)", yaxis="time per layer (µs)"))
-    mid = slice(1, None)  # layer 0 also waits for the ring's first tiles, in both
+    mid = slice(1, None)  # layer 0: the trace counts the ring's first wait in it, mk.sim before it
     print(f"layers 1-{len(chip_layers) - 1}: {sum(chip_layers[mid]) / len(chip_layers[mid]):.1f} "
           f"µs measured, {sum(sim_layers[mid]) / len(sim_layers[mid]):.1f} µs simulated")
 

@@ -199,8 +199,8 @@ def test_the_committed_chip_trace_is_a_v5e_s_and_its_summaries_are_its_events():
 def test_the_simulator_steps_the_chips_traced_kernel_and_its_layers_within_tolerance():
     """The v5e trace's megakernel (its phases traced, `mk.bundles.PHASE_FLAG`) against
     `mk.sim` calibrated on the v5e, same model, B, T and position: the kernel op's time and
-    each layer's but the first (which also waits for the ring's first tiles) within
-    `mk.calibration.TOLERANCE`."""
+    each layer's but the first (whose wait for the ring's first tiles the trace counts in
+    it and the simulator before it) within `mk.calibration.TOLERANCE`."""
     record = profiling.load_trace_record(MEASURED / "v5e-trace.json")
     mega = profiling.recorded_timeline(record, "megakernel")
     kernel, = (o for o in mega.ops if o.name.startswith("mk_megakernel"))
