@@ -10,7 +10,9 @@ jax and libtpu versions, commit from $MK_COMMIT or git, each case's verdict), wh
 tests/test_exactness.py holds every model family to.
 
 Greedy tokens are judged by `mk.exactness.judge` (the reference teacher-forced on the
-kernel's own tokens; a logit near-tie is told apart from a wrong token). The families run
+kernel's own tokens; a logit near-tie is told apart from a wrong token). The reference's
+side of every selected case is started at the session's start in CPU-only processes
+(`oracle`), so the chip never waits for the CPU. The families run
 in float32, as the CPU suite's token tests do: in bf16 an MoE router meets near-ties
 between its k-th and (k+1)-th expert (`mk.exactness.ROUTER_TIE`), and a token whose expert
 flips moves its logits by O(1) (seen on the chip and in interpret mode alike: tiny-moe,
@@ -26,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import multiprocessing
+import os
 from concurrent.futures import ProcessPoolExecutor
 
 import jax
@@ -67,7 +70,8 @@ def _block(config, params):
 def _model(name, formats=None, seed=0, dtype="float32"):
     """(config, params, the oracle's values): params made and quantised on the CPU, and
     the values the reference multiplies (`mk.quant.dequantize`) decoded there, so nothing
-    of the oracle's side is computed by the chip it judges."""
+    of the oracle's side is computed by the chip it judges (the oracle's processes make
+    the same ones: `init_params` is deterministic on one backend)."""
     config = dataclasses.replace(mk.preset(name), dtype=dtype)
     with jax.default_device(_cpu()):
         params = mk.init_params(config, seed=seed)
@@ -76,34 +80,74 @@ def _model(name, formats=None, seed=0, dtype="float32"):
         return config, params, quant.dequantize(params)
 
 
-def _prompt(config, batch, seed=0):
-    return np.random.default_rng(seed).integers(0, config.vocab, (batch, PROMPT))
+def _prompt(name, batch, seed=0):
+    return np.random.default_rng(seed).integers(0, mk.preset(name).vocab, (batch, PROMPT))
+
+
+# -- The oracle: the CPU's side of every case, made ahead ----------------------------------
+def ahead(job):
+    """Marks a test whose CPU side is `job(**its parameters)`: (a function, its picklable
+    arguments), run by the `oracle` before the chip reaches the test."""
+    def mark(test):
+        test.oracle_job = job
+        return test
+    return mark
+
+
+def _expect(name, formats, dtype, prompt, steps):
+    """The reference's own greedy run (`exactness.expect`) on a model `_model` makes."""
+    config, _, values = _model(name, formats, dtype=dtype)
+    return exactness.expect(config, values, prompt, steps)
+
+
+class Oracle:
+    """`WORKERS` CPU-only processes (`exactness.cpu_only`) that make the reference's side of
+    each selected case (its `ahead` job) from the session's start, in the order the cases
+    run: the CPU's time hidden behind the chip's."""
+
+    WORKERS = max(1, min(4, (os.cpu_count() or 1) // 3))
+
+    def __init__(self, pool, items):
+        self.pool, self.futures = pool, {}
+        for item in items:
+            self._submit(item)
+
+    def _submit(self, item):
+        job = getattr(getattr(item, "function", None), "oracle_job", None)
+        if job is not None and item.nodeid not in self.futures:
+            params = item.callspec.params if hasattr(item, "callspec") else {}
+            fn, *args = job(**params)
+            self.futures[item.nodeid] = self.pool.submit(fn, *args)
+
+    def result(self, request):
+        """The CPU side of the test `request` runs (made now if it was not selected)."""
+        self._submit(request.node)
+        return self.futures[request.node.nodeid].result()
 
 
 @pytest.fixture(scope="module")
-def oracle():
-    """A CPU-only process (`exactness.cpu_only`) that makes the reference's side of a case
-    (`exactness.expect`) while the chip decodes it: the tier's CPU time, hidden."""
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=exactness.cpu_only) as pool:
-        yield pool
+def oracle(request):
+    pool = ProcessPoolExecutor(Oracle.WORKERS, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=exactness.cpu_only)
+    try:
+        yield Oracle(pool, request.session.items)
+    finally:
+        pool.shutdown(cancel_futures=True)
 
 
-def _judged(oracle, config, values, prompt, steps, decode):
-    """`decode()`'s `steps` greedy tokens (on the chip), judged on the CPU against the
-    reference's own run, which `oracle` makes meanwhile (`exactness.judge`: the same
-    verdict as without it, one prefill sooner when the tokens are the reference's)."""
-    expected = oracle.submit(exactness.expect, config, jax.tree.map(np.asarray, values),
-                             np.asarray(prompt), steps)
+def _judged(oracle, request, config, values, prompt, decode):
+    """`decode()`'s greedy tokens (on the chip), judged on the CPU against the reference's
+    own run, which `oracle` made meanwhile (`exactness.judge`: the same verdict as
+    without it, one prefill sooner when the tokens are the reference's)."""
     got = np.asarray(decode())
     with jax.default_device(_cpu()):
-        return exactness.judge(config, values, prompt, got, expected=expected.result())
+        return exactness.judge(config, values, prompt, got, expected=oracle.result(request))
 
 
-def _generate_and_judge(oracle, config, params, values, prompt):
+def _generate_and_judge(oracle, request, config, params, values, prompt):
     """`STEPS` greedy tokens of the megakernel on the chip (device loops of 8), judged on
     the CPU."""
-    return _judged(oracle, config, values, prompt, STEPS, lambda: megakernel.generate(
+    return _judged(oracle, request, config, values, prompt, lambda: megakernel.generate(
         config, params, prompt, STEPS, backend="hardware", max_context=CONTEXT,
         steps_per_call=8, block=_block(config, params)))
 
@@ -140,29 +184,40 @@ def _earlier_cases(path, made):
 # -- Every family, T = 1 (`generate`, its device loop) and T = 4/8 (verification steps) ------
 @pytest.mark.parametrize("family, name", FAMILIES)
 @pytest.mark.parametrize("batch", [1, 4, 8])
-def test_greedy_tokens_on_the_chip_are_the_references(oracle, family, name, batch):
+@ahead(lambda family, name, batch: (_expect, name, None, "float32",
+                                    _prompt(name, batch, seed=batch), STEPS))
+def test_greedy_tokens_on_the_chip_are_the_references(oracle, request, family, name, batch):
     config, params, values = _model(name)
-    prompt = _prompt(config, batch, seed=batch)
-    verdict = _generate_and_judge(oracle, config, params, values, prompt)
+    verdict = _generate_and_judge(oracle, request, config, params, values,
+                                  _prompt(name, batch, seed=batch))
     _keep(f"{name} B{batch} T1", family, verdict, batch=batch, rows=1)
+
+
+def _verification(name, batch, rows):
+    """The reference's side of a verification case: its greedy tokens (the perfect draft),
+    its logits at each fed position, and its cache after the prompt but its last token."""
+    config, _, values = _model(name)
+    prompt = _prompt(name, batch, seed=batch + rows)
+    want = np.asarray(reference.generate(config, values, prompt, 2 * rows,
+                                         max_context=CONTEXT))
+    seq = np.concatenate([prompt, want], 1)
+    ref_logits, _ = reference.prefill(config, values, seq, max_context=CONTEXT)
+    _, cache = reference.prefill(config, values, prompt[:, :-1], max_context=CONTEXT)
+    return (prompt, want, np.asarray(ref_logits)[:, PROMPT - 1:PROMPT - 1 + 2 * rows],
+            jax.tree.map(np.asarray, cache))
 
 
 @pytest.mark.parametrize("family, name", FAMILIES)
 @pytest.mark.parametrize("batch, rows", [(1, 4), (8, 8)])
-def test_verification_steps_on_the_chip_predict_the_references_tokens(family, name, batch,
-                                                                       rows):
+@ahead(lambda family, name, batch, rows: (_verification, name, batch, rows))
+def test_verification_steps_on_the_chip_predict_the_references_tokens(oracle, request, family,
+                                                                       name, batch, rows):
     """Two steps of `rows` rows, each fed the reference's greedy tokens (a perfect draft):
     each row's prediction judged against the reference's logits at its position. With the
     T = 1 cases each family meets B 1, 4 and 8 and T 1, 4 and 8; B 4 at T 8 (5 cases, about
     60 s on the v5e at bbe3b06) was left out so that the tier fits one 10-minute call."""
-    config, params, values = _model(name)
-    prompt = _prompt(config, batch, seed=batch + rows)
-    with jax.default_device(_cpu()):
-        want = np.asarray(reference.generate(config, values, prompt, 2 * rows,
-                                             max_context=CONTEXT))
-        seq = np.concatenate([prompt, want], 1)
-        ref_logits, _ = reference.prefill(config, values, seq, max_context=CONTEXT)
-        _, cache = reference.prefill(config, values, prompt[:, :-1], max_context=CONTEXT)
+    config, params, _ = _model(name)
+    prompt, want, ref_logits, cache = oracle.result(request)
     block = _block(config, params)
     weights = megakernel.prepare(DecodePlan.make(config, batch=batch, rows=rows,
                                                  context=CONTEXT, block=block), params)
@@ -175,26 +230,31 @@ def test_verification_steps_on_the_chip_predict_the_references_tokens(family, na
                 config, weights, cache, jnp.asarray(fed[:, i:i + rows]),
                 jnp.full((batch,), PROMPT - 1 + i, jnp.int32), block=block)
             got.append(np.asarray(nxt))
-    verdict = exactness.judge_logits(
-        np.asarray(ref_logits)[:, PROMPT - 1:PROMPT - 1 + 2 * rows], np.concatenate(got, 1))
+    verdict = exactness.judge_logits(ref_logits, np.concatenate(got, 1))
     _keep(f"{name} B{batch} T{rows}", family, verdict, batch=batch, rows=rows)
 
 
 @pytest.mark.parametrize("family, name", [("qwen3", "tiny"), ("qwen3_5_text", "tiny-hybrid")])
-def test_bf16_greedy_tokens_on_the_chip_are_the_references(oracle, family, name):
+@ahead(lambda family, name: (_expect, name, None, "bfloat16", _prompt(name, 8, seed=5), STEPS))
+def test_bf16_greedy_tokens_on_the_chip_are_the_references(oracle, request, family, name):
     config, params, values = _model(name, dtype="bfloat16")
-    verdict = _generate_and_judge(oracle, config, params, values, _prompt(config, 8, seed=5))
+    verdict = _generate_and_judge(oracle, request, config, params, values,
+                                  _prompt(name, 8, seed=5))
     _keep(f"{name} bf16 B8 T1", family, verdict, batch=8, rows=1, dtype="bfloat16")
 
 
-def test_issue_58s_gpt_oss_prompt_is_a_near_tie_on_the_chip(oracle):
+ISSUE_58_PROMPT = np.arange(1, 15).reshape(2, 7)
+
+
+@ahead(lambda: (_expect, "tiny-gpt-oss", None, "bfloat16", ISSUE_58_PROMPT, 16))
+def test_issue_58s_gpt_oss_prompt_is_a_near_tie_on_the_chip(oracle, request):
     """The run issue 58 reported (tiny-gpt-oss bf16, seed-0 weights, prompt 1..14 as two
     sequences, 16 steps): sequence 0's 2nd token is 11 on the chip, 338 in the bf16
     reference, whose two logits there are 0.15 apart (0.3 % of their scale); float32
     weights pick 11. The judge classes it a near-tie, the rest exact."""
     config, params, values = _model("tiny-gpt-oss", dtype="bfloat16")
-    prompt = np.arange(1, 15).reshape(2, 7)
-    verdict = _judged(oracle, config, values, prompt, 16, lambda: megakernel.generate(
+    prompt = ISSUE_58_PROMPT
+    verdict = _judged(oracle, request, config, values, prompt, lambda: megakernel.generate(
         config, params, prompt, 16, backend="hardware"))
     _keep("tiny-gpt-oss bf16 issue-58 prompt B2 T1", "gpt_oss", verdict, batch=2, rows=1,
           dtype="bfloat16")
@@ -211,10 +271,13 @@ FORMATS = [("tiny", "qwen3", dict(dense="int8", lm_head="int8")),
 
 
 @pytest.mark.parametrize("name, family, formats", FORMATS)
-def test_quantised_weights_on_the_chip_decode_the_references_tokens(oracle, name, family,
-                                                                   formats):
+@ahead(lambda name, family, formats: (_expect, name, formats, "float32",
+                                      _prompt(name, 4, seed=7), STEPS))
+def test_quantised_weights_on_the_chip_decode_the_references_tokens(oracle, request, name,
+                                                                   family, formats):
     config, params, values = _model(name, formats)
-    verdict = _generate_and_judge(oracle, config, params, values, _prompt(config, 4, seed=7))
+    verdict = _generate_and_judge(oracle, request, config, params, values,
+                                  _prompt(name, 4, seed=7))
     label = ",".join(f"{g}={s}" for g, s in formats.items())
     _keep(f"{name} {label} B4 T1", family, verdict, batch=4, rows=1, formats=formats)
 
@@ -245,24 +308,30 @@ def test_the_oracles_int4_experts_decode_on_the_chip_as_on_the_cpu():
 
 
 # -- Speculative decoding is lossless on the chip ----------------------------------------------
+def _repeating_prompt(name):
+    return np.tile(_prompt(name, 2, seed=3)[:, :7], 3)  # repeats: the n-grams hit
+
+
 @pytest.mark.parametrize("family, name", [("qwen3", "tiny"), ("qwen3_5_text", "tiny-hybrid")])
-def test_speculative_decoding_on_the_chip_keeps_the_references_tokens(oracle, family, name):
+@ahead(lambda family, name: (_expect, name, None, "float32", _repeating_prompt(name), STEPS))
+def test_speculative_decoding_on_the_chip_keeps_the_references_tokens(oracle, request, family,
+                                                                     name):
     """Greedy speculative decoding (an n-gram drafter, gamma 3: the megakernel verifies 4
     rows a step and a hybrid rolls its linear states back) gives the target's tokens."""
     config, params, values = _model(name)
-    prompt = np.tile(_prompt(config, 2, seed=3)[:, :7], 3)  # repeats: the n-grams hit
-    verdict = _judged(oracle, config, values, prompt, STEPS, lambda: spec.generate(
+    prompt = _repeating_prompt(name)
+    verdict = _judged(oracle, request, config, values, prompt, lambda: spec.generate(
         config, params, prompt, STEPS, drafter="ngram", gamma=3, backend="hardware",
         max_context=CONTEXT)[0])
     _keep(f"{name} speculative gamma 3 B2", family, verdict, batch=2, rows=4)
 
 
 # -- A real model's shapes, 64 steps ------------------------------------------------------------
-def test_qwen3_0_6b_random_weights_64_steps_on_the_chip(oracle):
-    config = mk.preset("qwen3-0.6b")  # bf16
-    params = mk.init_params(config)
-    prompt = _prompt(config, 1, seed=11)
-    verdict = _judged(oracle, config, _on_cpu(params), prompt, 64,
+@ahead(lambda: (_expect, "qwen3-0.6b", None, "bfloat16", _prompt("qwen3-0.6b", 1, seed=11), 64))
+def test_qwen3_0_6b_random_weights_64_steps_on_the_chip(oracle, request):
+    config, params, values = _model("qwen3-0.6b", dtype="bfloat16")  # its own dtype
+    prompt = _prompt("qwen3-0.6b", 1, seed=11)
+    verdict = _judged(oracle, request, config, values, prompt,
                       lambda: megakernel.generate(config, params, prompt, 64,
                                                   backend="hardware", max_context=256,
                                                   steps_per_call=64))
