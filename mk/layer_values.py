@@ -1,9 +1,9 @@
 """Params as a layer of `mk.reference` reads them (`LayerValues`): each stacked weight's
 row sliced when its layer is reached, a quantised weight dequantised where it is read (a
 layer's row; of experts, `EXPERT_SLICE` at a time: `experts_of`), so the prefill never
-holds a dequantised copy of the model nor every layer's slices at once
-(tests/test_prefill_memory.py). Not here: the layers themselves (`mk.reference`), the
-formats (`mk.quant`, `mk.unpack`).
+holds a dequantised copy of the model nor every layer's slices at once, on a TPU or on
+XLA:CPU (tests/test_prefill_memory.py). Not here: the layers themselves (`mk.reference`),
+the formats (`mk.quant`, `mk.unpack`).
 """
 
 from __future__ import annotations
@@ -47,10 +47,26 @@ class LayerValues(Mapping):
 
 
 def _tied(arrays, after):
-    """`arrays` tied to `after` (the layer's input) by an optimization barrier, so the
-    compiler cannot slice or dequantise every layer's rows up front; tied whole (a slice
-    would be copied early: every layer's at once)."""
+    """`arrays` tied to `after` by an optimization barrier: a 2-D quantised weight (the
+    lm_head) is dequantised once the last layer's output exists. A stack's row is read
+    by `_layer_index` instead: on XLA:CPU a barrier around a bf16 stack did not hold (its
+    bf16 normalisation widened whole stacks to float32 ahead of the first layer)."""
     return arrays if after is None else lax.optimization_barrier((arrays, after))[0]
+
+
+def _layer_index(i: int, after) -> jax.Array:
+    """i, as a value of `after` (the layer's input): no float exceeds +inf, so it is i for
+    every value `after` holds, but no compiler can know it before `after` exists, nor
+    slice, widen or dequantise a row it indexes up front (without it, the reference's
+    prefill on XLA:CPU held every layer's float32 weights from its start: qwen3-8b's
+    temporaries grew 0.72 GiB a layer; issue 60)."""
+    x = after.reshape(-1)[0]
+    return jnp.where(x > jnp.inf, 0, jnp.int32(i))
+
+
+def _row(w, j):
+    """w[j], j traced (`_layer_index`); w an array or a pytree of them (`mk.ops.Scaled`)."""
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, j, keepdims=False), w)
 
 
 class _Tied:
@@ -60,20 +76,23 @@ class _Tied:
         self.w, self.after = w, after
 
     def __getitem__(self, i):
-        return _tied(self.w, self.after)[i]
+        return _row(self.w, _layer_index(i, self.after))
 
 
 class _Rows:
     """A stacked quantised weight whose row i is dequantised when it is read, after the
-    value `after` (the layer's input) exists: an optimization barrier ties the packed
-    row to it, so the compiler cannot make every layer's values up front."""
+    value `after` (the layer's input) exists: its row is read at `_layer_index`, so the
+    compiler cannot make every layer's values up front."""
 
     def __init__(self, q, dtype, after=None):
         self.q, self.dtype, self.after = q, dtype, after
 
     def _values(self, index):
-        data, scale = _tied((self.q.data, self.q.scale), self.after)
-        return self._decoded(data[index], scale[index])
+        if index is ... or self.after is None:
+            data, scale = _tied((self.q.data, self.q.scale), self.after)
+            return self._decoded(data[index], scale[index])
+        j = _layer_index(index, self.after)
+        return self._decoded(_row(self.q.data, j), _row(self.q.scale, j))
 
     def _decoded(self, data, scale):
         """`mk.quant.dequantize`'s value: int8's and int4's codes and scales, multiplied
@@ -87,8 +106,9 @@ class _Rows:
 
     def experts(self, i: int, start, size: int):
         """Layer i's experts start .. start + size (start traced), dequantised."""
-        data, scale = (lax.dynamic_slice_in_dim(a[i], start, size)
-                       for a in _tied((self.q.data, self.q.scale), self.after))
+        j = i if self.after is None else _layer_index(i, self.after)
+        data, scale = (lax.dynamic_slice_in_dim(_row(a, j), start, size)
+                       for a in (self.q.data, self.q.scale))
         return self._decoded(data, scale)
 
     @property

@@ -11,6 +11,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 import mk
 from mk import quant, reference, tpu
@@ -34,6 +35,15 @@ def _prefill_memory(config, params, prompt: int = 16):
     return tpu.step_compiler("v5e")(
         jax.jit(lambda p, c, t, s: reference.forward(config, p, c, t, s)),
         args).memory_analysis()
+
+
+def _cpu_prefill_memory(config, params, prompt: int = 8):
+    """The same prefill compiled by XLA:CPU: the host's, where the hardware tier and
+    benchmarks/tpu_models.py run the reference that judges the chip."""
+    cache = jax.eval_shape(lambda: reference.init_cache(config, 1, prompt))
+    fn = jax.jit(lambda p, c, t, s: reference.forward(config, p, c, t, s))
+    return fn.lower(params, cache, jax.ShapeDtypeStruct((1, prompt), jnp.int32),
+                    jax.ShapeDtypeStruct((1,), jnp.int32)).compile().memory_analysis()
 
 
 def _nbytes(tree) -> int:
@@ -64,3 +74,19 @@ def test_a_plain_models_prefill_slices_each_layers_weights_when_it_reaches_it():
     layer = sum(math.prod(a.shape[1:]) * a.dtype.itemsize
                 for a in abstract_params(cuts[0]).values() if a.ndim > 2)
     assert m12.temp_size_in_bytes - m4.temp_size_in_bytes < layer / 8
+
+
+@pytest.mark.parametrize("formats", [{}, {"dense": "int8"}], ids=["bf16", "int8"])
+def test_the_host_prefill_widens_one_layers_weights_at_a_time(formats):
+    """qwen3-0.6b cut to 1 and 3 layers, on XLA:CPU (P=8): temporaries flat in the layers
+    (qwen3-8b cut to 2 and 6: 3.04 GiB at either, its float32 lm_head and one layer's
+    float32 weights). With the layers tied by an optimization barrier, XLA:CPU's bf16
+    normalisation widened every layer's weights to float32 before the first: qwen3-8b's
+    3.76 and 6.63 GiB, 0.72 GiB a layer more; the whole model's reference (36 layers)
+    then ran the v5e machine's 40 GiB of host RAM out (issue 60)."""
+    cuts = [mk.preset("qwen3-0.6b").first_layers(n) for n in (1, 3)]
+    m1, m3 = (_cpu_prefill_memory(c, jax.eval_shape(lambda c=c: mk.init_params(c, 0, formats)))
+              for c in cuts)
+    layer = sum(math.prod(a.shape[1:]) * 4 for a in abstract_params(cuts[0]).values()
+                if a.ndim > 2)  # float32
+    assert m3.temp_size_in_bytes - m1.temp_size_in_bytes < layer / 8
