@@ -61,8 +61,11 @@ import threading
 import time
 from pathlib import Path
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+# On the CPU, also on a TPU machine; MK_TPU=1 (benchmarks/tpu_notebooks.py) leaves the
+# kernels the chip.
+if os.environ.get("MK_TPU") != "1":
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("MK_PROFILES", str(ROOT / "profiles"))  # the kernels inherit it
 
@@ -179,6 +182,11 @@ def load_runs(runs_file: Path, notebooks: list[Path], known: list[Path] | None =
     for notebook in notebooks:
         runs += listed.get(notebook.stem) or [Run(notebook)]
     return runs
+
+
+def default_runs(runs: list[Run]) -> list[Run]:
+    """Each notebook's default configuration: its first run."""
+    return [r for i, r in enumerate(runs) if r.notebook not in {q.notebook for q in runs[:i]}]
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -330,7 +338,8 @@ def execute(notebook: Path, output: Path, parameters: dict | None = None) -> Non
                                execution_timeout=CELL_TIMEOUT_S)
 
 
-def _failure(err: BaseException) -> str:
+def failure(err: BaseException) -> str:
+    """A failed run's one-line cause, at most 300 characters."""
     # A failed cell carries its exception name and value; anything else (a kernel that
     # died, a missing file) is summarised by its own type.
     if isinstance(err, papermill.PapermillExecutionError):
@@ -377,7 +386,7 @@ def run_one(run: Run, run_dir: Path, prefix: str = "",
         try:
             execute(run.notebook, executed, run.parameters)
         except Exception as err:  # noqa: BLE001 - a failed notebook is a result, not a crash
-            error = _failure(err)
+            error = failure(err)
     seconds = time.perf_counter() - start
     status = "failed" if error else "ok"
     print(f"{prefix}: {status} in {seconds:.1f} s" + (f" ({error.splitlines()[0]})"
@@ -585,7 +594,7 @@ def run_all(runs: list[Run], out: Path, argv: list[str], cache: run_cache.Cache 
                 if record["executed"]:
                     record["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %z")
             except Exception as err:  # the record says why the site is missing
-                record["site_error"] = _failure(err)
+                record["site_error"] = failure(err)
                 raise
             finally:
                 if caught and not record.get("interrupted"):
@@ -650,9 +659,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"notebooks {missing} named on the command line are not files; "
                              f"name numbered notebooks such as notebooks/{PATTERN}")
         runs = load_runs(args.runs, notebooks)
-        if not args.all:  # each notebook's default: its first configuration
-            runs = [r for i, r in enumerate(runs)
-                    if r.notebook not in {q.notebook for q in runs[:i]}]
+        if not args.all:
+            runs = default_runs(runs)
         args.out.mkdir(parents=True, exist_ok=True)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
