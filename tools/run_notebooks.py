@@ -75,6 +75,7 @@ import yaml  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import build_site  # noqa: E402
+import chip_record  # noqa: E402
 import run_cache  # noqa: E402
 import mk.errors  # noqa: E402
 import mk.run  # noqa: E402
@@ -476,7 +477,8 @@ def write_record(run_dir: Path, record: dict) -> None:
 def write_site_index(out: Path) -> None:
     """`out/index.html`: the course map (notebooks/course.yaml: each notebook in course
     order, what it teaches, its configurations, status and time from the newest run that
-    ran it), the newest run's table, then every run, newest first."""
+    ran it, and its run on each chip from the records of `chip_record.load_all`), the
+    newest run's table, then every run, newest first."""
     records, unreadable = [], []
     for path in sorted((out / "runs").glob("*/runs.json"), reverse=True):
         try:  # a regular file, bounded; its rows as `_row` writes them
@@ -488,8 +490,17 @@ def write_site_index(out: Path) -> None:
                               f"({escape(str(err)[:200])})</li>")
             continue
         records.append((path.parent.name, record))
+    chip_runs, refused = chip_record.load_all()
+    for line in refused:
+        print(f"warning: a chip record is unreadable ({line}); it is not shown",
+              file=sys.stderr, flush=True)
+
+    def course(runs):
+        return (build_site.course_map(build_site.load_course(), runs, ROOT / "notebooks",
+                                      chip_runs) if build_site.COURSE.is_file() else "") + (
+            "".join(f"\n<p>Unreadable chip record: {escape(line)}</p>" for line in refused))
     if not records:
-        body = "<p>No runs yet: <code>make run</code>.</p>"
+        body = f"{course([])}\n<p>No runs yet: <code>make run</code>.</p>"
     else:
         def site(name):
             return out / "runs" / name / build_site.SITE / "index.html"
@@ -504,9 +515,8 @@ def write_site_index(out: Path) -> None:
         name, newest = records[0]
         rows = newest["rows"]
         listing = "\n".join(f"<li>{link(n)}: {escape(_summary(r))}</li>" for n, r in records)
-        course = (build_site.course_map(build_site.load_course(), records, ROOT / "notebooks")
-                  if build_site.COURSE.is_file() else "")
-        body = (f"{course}\n<h2>Newest run: {escape(name)} ({escape(_summary(newest))})</h2>\n"
+        body = (f"{course(records)}\n<h2>Newest run: {escape(name)} "
+                f"({escape(_summary(newest))})</h2>\n"
                 f"{build_site.table(rows, f'runs/{name}/')}\n<h2>All runs</h2>\n"
                 f"<ul>\n{listing}\n</ul>")
     if unreadable:
