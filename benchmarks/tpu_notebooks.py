@@ -8,9 +8,12 @@ MK_TPU=1 and no JAX_PLATFORMS, so the kernel's JAX is the TPU's and `backend="au
 Mosaic; no site is built. Each runs in a process of its own, stopped with its kernel after
 `--timeout` seconds (one program holds the chip: the next notebook's kernel needs it back).
 The record is rewritten after every notebook, keeping the rows of earlier calls with the
-same chip and versions, so a run fits 600-s calls a few notebooks at a time:
+same chip and versions, so a run fits 600-s calls a few notebooks at a time (`--budget`:
+start a notebook only while its timeout fits; `--missing`: skip those with a row of this
+commit; the same command again, the record carried back, goes on where it stopped):
 
     MK_TPU=1 MK_COMMIT=<sha> python benchmarks/tpu_notebooks.py [notebooks/NN_x.ipynb ...]
+        [--timeout 540] [--budget 570] [--missing]
 
 A row holds the status (ok, failed, timeout), seconds, the code cells that ran of the
 notebook's own (papermill's injected parameters not counted; a notebook stopped at its
@@ -146,6 +149,10 @@ def main(argv=None) -> int:
     p.add_argument("notebooks", nargs="*", type=Path,
                    help=f"notebooks to run (default: notebooks/{run_notebooks.PATTERN})")
     p.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds per notebook")
+    p.add_argument("--budget", type=float, default=float("inf"),
+                   help="seconds of this call: a notebook starts only if its timeout fits")
+    p.add_argument("--missing", action="store_true",
+                   help="only notebooks the record has no row of this commit for")
     p.add_argument("--interpret", action="store_true",
                    help="on a CPU: interpret mode, into --json (not a chip's record)")
     p.add_argument("--json", type=Path, help="where the record goes")
@@ -164,12 +171,14 @@ def main(argv=None) -> int:
         return 0
     if not args.timeout > 0:
         p.error(f"--timeout={args.timeout} must be > 0")
+    if args.interpret and (
+            args.json is None or args.json.stem.split("-")[0] in measure.TPU_NAMES
+            or args.json.resolve().is_relative_to(measure.MEASURED.resolve())):
+        p.error("--interpret needs --json, a path not named for a TPU and not under "
+                f"{measure.MEASURED}")
+    start = time.perf_counter()
     made = _provenance()  # in a child: a process that touches the TPU holds it
     if args.interpret:
-        if args.json is None or args.json.stem.split("-")[0] in measure.TPU_NAMES or (
-                args.json.resolve().is_relative_to(measure.MEASURED.resolve())):
-            p.error("--interpret needs --json, a path not named for a TPU and not under "
-                    f"{measure.MEASURED}")
         made |= dict(label=measure.INTERPRET_LABEL)
     elif made["chip"] is None:
         p.error(f"no TPU here ({made['device_kind']}); on a TPU set MK_TPU=1, else "
@@ -188,8 +197,16 @@ def main(argv=None) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
     earlier = chip_record.load(path) if path.exists() else None
+    if args.missing and earlier is not None:
+        done = {r["notebook"] for r in chip_record.merged(earlier, made, [])["rows"]
+                if r["commit"] == made["commit"]}
+        runs = [run for run in runs if run.notebook.stem not in done]
     rows = []
     for i, run in enumerate(runs, 1):
+        if time.perf_counter() - start + args.timeout > args.budget:
+            print(f"budget of {args.budget:.0f} s spent; left: "
+                  f"{' '.join(r.notebook.stem for r in runs[i - 1:])}", flush=True)
+            break
         print(f"[{i}/{len(runs)}] {run.notebook.stem}: running", flush=True)
         row = run_child(run, args.out / run.notebook.name, args.timeout)
         rows.append(row | {f: made[f] for f in PROVENANCE})

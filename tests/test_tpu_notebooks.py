@@ -95,8 +95,12 @@ def _fake_run(monkeypatch, made, statuses):
 
 
 def _main(tmp_path, *notebooks):
-    return tpu_notebooks.main([*(str(ROOT / "notebooks" / f"{n}.ipynb") for n in notebooks),
-                               "--interpret", "--json", str(tmp_path / "cpu-notebooks.json"),
+    """main() on `notebooks` (names; a name starting with -- and what follows: options)."""
+    names = [n for n in notebooks if n[0].isdigit() and "_" in n]
+    options = [n for n in notebooks if n not in names]
+    return tpu_notebooks.main([*(str(ROOT / "notebooks" / f"{n}.ipynb") for n in names),
+                               *options, "--interpret", "--json",
+                               str(tmp_path / "cpu-notebooks.json"),
                                "--out", str(tmp_path / "out")])
 
 
@@ -118,6 +122,26 @@ def test_a_run_in_parts_keeps_the_earlier_rows_of_the_same_chip_and_versions(
     _main(tmp_path, "00b_the_tpu")
     rows = chip_record.load(tmp_path / "cpu-notebooks.json")["rows"]
     assert [r["notebook"] for r in rows] == ["00b_the_tpu"]
+
+
+def test_the_same_command_again_runs_only_what_is_missing_within_its_budget(
+        tmp_path, monkeypatch, capsys):
+    made = {k: v for k, v in MADE.items() if k != "label"} | dict(chip=None)
+    _fake_run(monkeypatch, made, {"00b_the_tpu": "ok", "01_weight_streaming": "failed",
+                                  "02_attention_prologue": "ok"})
+    run_child = tpu_notebooks.run_child
+    monkeypatch.setattr(tpu_notebooks, "run_child", lambda *a: time.sleep(0.6) or run_child(*a))
+    both = ("00b_the_tpu", "01_weight_streaming", "02_attention_prologue")
+    _main(tmp_path, *both, "--budget", "1.5", "--timeout", "1")  # one fits
+    assert "left: 01_weight_streaming 02_attention_prologue" in capsys.readouterr().out
+    _main(tmp_path, *both, "--missing")
+    assert "[1/2] 01_weight_streaming: running" in capsys.readouterr().out
+    rows = chip_record.load(tmp_path / "cpu-notebooks.json")["rows"]
+    assert [r["notebook"] for r in rows] == list(both)
+    _fake_run(monkeypatch, made | dict(commit="next"), {})  # a new commit: all again
+    monkeypatch.setattr(tpu_notebooks, "run_child", lambda *a: pytest.fail("ran"))
+    _main(tmp_path, *both, "--missing", "--budget", "1", "--timeout", "2")
+    assert "left: 00b_the_tpu 01_weight_streaming 02" in capsys.readouterr().out
 
 
 @pytest.mark.skipif(backend.on_tpu(), reason="on a TPU main([]) would run every notebook")
