@@ -215,7 +215,7 @@ def main(argv=None) -> int:
               + (f" ({row['error']})" if row["error"] else ""), flush=True)
         earlier = chip_record.merged(earlier, made, rows)
         chip_record.write(path, earlier)
-    print(f"wrote {path}")
+    print(f"wrote {path}" if rows else f"nothing run; {path} is as it was")
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 
 

@@ -37,7 +37,8 @@ notebook's parameters cell annotates, checked before anything runs; the record
 SIGINT/SIGTERM until they are done; one run at a time per output folder (a lock file; a
 second is refused with exit code 2).
 
-Not here: running notebooks in parallel (2 cores).
+Not here: running notebooks in parallel (2 cores); running them with their kernel on a TPU
+(benchmarks/tpu_notebooks.py, through `execute`, with MK_TPU=1).
 """
 
 from __future__ import annotations
