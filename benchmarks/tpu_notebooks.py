@@ -13,7 +13,7 @@ start a notebook only while its timeout fits; `--missing`: skip those with a row
 commit; the same command again, the record carried back, goes on where it stopped):
 
     MK_TPU=1 MK_COMMIT=<sha> python benchmarks/tpu_notebooks.py [notebooks/NN_x.ipynb ...]
-        [--timeout 540] [--budget 570] [--missing]
+        [--timeout 540] [--budget 520] [--missing]
 
 A row holds the status (ok, failed, timeout), seconds, the code cells that ran of the
 notebook's own (papermill's injected parameters not counted; a notebook stopped at its
