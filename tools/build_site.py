@@ -9,7 +9,8 @@ table of contents, in run order) and the pages into `run_dir/site/`: `site/index
 one `site/<NN_topic[-label]>.html` per executed notebook, with MathJax copied inside
 (`install_mathjax`) and plotly.js once (`share_plotlyjs`); each executed notebook is
 stored once per run (`one_copy`).
-`course_map` is the front page's course map (notebooks/course.yaml).
+`course_map` is the front page's course map (notebooks/course.yaml), with each notebook's
+run on a chip (`chip_cell`, from the records of tools/chip_record.py).
 
 Not here: executing notebooks (papermill, in run_notebooks), writing the index of every run
 (`OUT/index.html`, run_notebooks), checking the pages in a browser (tools/check_site.py).
@@ -189,15 +190,17 @@ def load_course(course_file: Path = COURSE) -> list[dict]:
     return parts
 
 
-def course_map(parts: list[dict], records: list[tuple[str, dict]], notebooks: Path) -> str:
+def course_map(parts: list[dict], records: list[tuple[str, dict]], notebooks: Path,
+               chip_runs: list[dict] = ()) -> str:
     """The front page's course map as HTML: per part, each notebook in order with its title,
     what it teaches and, from the newest run that ran it (`records`: (run name, record),
-    newest first), its configurations linked to their pages, status and run time."""
+    newest first), its configurations linked to their pages, status and run time; and how
+    its run on each chip went (`chip_runs`: records of `chip_record`, `chip_cell`)."""
     lines = []
     for part in parts:
         lines.append(f"<h2>{escape(part['title'])}</h2>\n<table class=\"course\"><tr>"
                      "<th>notebook</th><th>what it teaches</th><th>configurations (newest "
-                     "run)</th><th>time</th></tr>")
+                     "run)</th><th>time</th><th>on a chip (hardware mode)</th></tr>")
         for entry in part["notebooks"]:
             stem = entry["notebook"]
             found = next(((name, [r for r in rec["rows"] if r["notebook"] == stem])
@@ -209,9 +212,31 @@ def course_map(parts: list[dict], records: list[tuple[str, dict]], notebooks: Pa
             name_cell = escape(title(notebooks / f"{stem}.ipynb"))
             lines.append(f'<tr class="course"><td>{name_cell}</td>'
                          f"<td>{escape(entry['teaches'])}</td><td>{configs}</td>"
-                         f"<td>{seconds}</td></tr>")
+                         f"<td>{seconds}</td><td>{chip_cell(stem, chip_runs)}</td></tr>")
         lines.append("</table>")
     return "\n".join(lines)
+
+
+NOT_ON_A_CHIP = "hardware path not yet run on a chip"
+ERROR_SHOWN = 160  # characters of a chip run's error on the map
+
+
+def chip_cell(stem: str, chip_runs: list[dict]) -> str:
+    """How notebook `stem` went on each chip that ran it ("ran on v5e, 2026-12-07,
+    6956f2f, ok"; a failure with its cell and error), from records of `chip_record`, or
+    `NOT_ON_A_CHIP`. Every value from a record is escaped."""
+    lines = []
+    for record in chip_runs:
+        for row in (r for r in record["rows"] if r["notebook"] == stem):
+            status = escape(row["status"])
+            text = (f"ran on {escape(record['chip'])}, {escape(row['when'][:10])}, "
+                    f"{escape(row['commit'][:7])}, <span class=\"{status}\">{status}</span>")
+            if row["status"] != "ok":
+                at = (f" at cell {row['failing_cell']} of {row['cells']}"
+                      if row["failing_cell"] else "")
+                text += f"{at}: {escape(row['error'][:ERROR_SHOWN])}"
+            lines.append(text)
+    return "<br>".join(lines) or NOT_ON_A_CHIP
 
 
 def _config_link(run_name: str, row: dict) -> str:

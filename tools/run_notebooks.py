@@ -37,7 +37,8 @@ notebook's parameters cell annotates, checked before anything runs; the record
 SIGINT/SIGTERM until they are done; one run at a time per output folder (a lock file; a
 second is refused with exit code 2).
 
-Not here: running notebooks in parallel (2 cores).
+Not here: running notebooks in parallel (2 cores); running them with their kernel on a TPU
+(benchmarks/tpu_notebooks.py, through `execute`, with MK_TPU=1).
 """
 
 from __future__ import annotations
@@ -61,8 +62,11 @@ import threading
 import time
 from pathlib import Path
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+# On the CPU, also on a TPU machine; MK_TPU=1 (benchmarks/tpu_notebooks.py) leaves the
+# kernels the chip.
+if os.environ.get("MK_TPU") != "1":
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("MK_PROFILES", str(ROOT / "profiles"))  # the kernels inherit it
 
@@ -72,6 +76,7 @@ import yaml  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import build_site  # noqa: E402
+import chip_record  # noqa: E402
 import run_cache  # noqa: E402
 import mk.errors  # noqa: E402
 import mk.run  # noqa: E402
@@ -179,6 +184,11 @@ def load_runs(runs_file: Path, notebooks: list[Path], known: list[Path] | None =
     for notebook in notebooks:
         runs += listed.get(notebook.stem) or [Run(notebook)]
     return runs
+
+
+def default_runs(runs: list[Run]) -> list[Run]:
+    """Each notebook's default configuration: its first run."""
+    return [r for i, r in enumerate(runs) if r.notebook not in {q.notebook for q in runs[:i]}]
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -330,7 +340,8 @@ def execute(notebook: Path, output: Path, parameters: dict | None = None) -> Non
                                execution_timeout=CELL_TIMEOUT_S)
 
 
-def _failure(err: BaseException) -> str:
+def failure(err: BaseException) -> str:
+    """A failed run's one-line cause, at most 300 characters."""
     # A failed cell carries its exception name and value; anything else (a kernel that
     # died, a missing file) is summarised by its own type.
     if isinstance(err, papermill.PapermillExecutionError):
@@ -377,7 +388,7 @@ def run_one(run: Run, run_dir: Path, prefix: str = "",
         try:
             execute(run.notebook, executed, run.parameters)
         except Exception as err:  # noqa: BLE001 - a failed notebook is a result, not a crash
-            error = _failure(err)
+            error = failure(err)
     seconds = time.perf_counter() - start
     status = "failed" if error else "ok"
     print(f"{prefix}: {status} in {seconds:.1f} s" + (f" ({error.splitlines()[0]})"
@@ -467,7 +478,8 @@ def write_record(run_dir: Path, record: dict) -> None:
 def write_site_index(out: Path) -> None:
     """`out/index.html`: the course map (notebooks/course.yaml: each notebook in course
     order, what it teaches, its configurations, status and time from the newest run that
-    ran it), the newest run's table, then every run, newest first."""
+    ran it, and its run on each chip from the records of `chip_record.load_all`), the
+    newest run's table, then every run, newest first."""
     records, unreadable = [], []
     for path in sorted((out / "runs").glob("*/runs.json"), reverse=True):
         try:  # a regular file, bounded; its rows as `_row` writes them
@@ -479,8 +491,17 @@ def write_site_index(out: Path) -> None:
                               f"({escape(str(err)[:200])})</li>")
             continue
         records.append((path.parent.name, record))
+    chip_runs, refused = chip_record.load_all()
+    for line in refused:
+        print(f"warning: a chip record is unreadable ({line}); it is not shown",
+              file=sys.stderr, flush=True)
+
+    def course(runs):
+        return (build_site.course_map(build_site.load_course(), runs, ROOT / "notebooks",
+                                      chip_runs) if build_site.COURSE.is_file() else "") + (
+            "".join(f"\n<p>Unreadable chip record: {escape(line)}</p>" for line in refused))
     if not records:
-        body = "<p>No runs yet: <code>make run</code>.</p>"
+        body = f"{course([])}\n<p>No runs yet: <code>make run</code>.</p>"
     else:
         def site(name):
             return out / "runs" / name / build_site.SITE / "index.html"
@@ -495,9 +516,8 @@ def write_site_index(out: Path) -> None:
         name, newest = records[0]
         rows = newest["rows"]
         listing = "\n".join(f"<li>{link(n)}: {escape(_summary(r))}</li>" for n, r in records)
-        course = (build_site.course_map(build_site.load_course(), records, ROOT / "notebooks")
-                  if build_site.COURSE.is_file() else "")
-        body = (f"{course}\n<h2>Newest run: {escape(name)} ({escape(_summary(newest))})</h2>\n"
+        body = (f"{course(records)}\n<h2>Newest run: {escape(name)} "
+                f"({escape(_summary(newest))})</h2>\n"
                 f"{build_site.table(rows, f'runs/{name}/')}\n<h2>All runs</h2>\n"
                 f"<ul>\n{listing}\n</ul>")
     if unreadable:
@@ -585,7 +605,7 @@ def run_all(runs: list[Run], out: Path, argv: list[str], cache: run_cache.Cache 
                 if record["executed"]:
                     record["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %z")
             except Exception as err:  # the record says why the site is missing
-                record["site_error"] = _failure(err)
+                record["site_error"] = failure(err)
                 raise
             finally:
                 if caught and not record.get("interrupted"):
@@ -650,9 +670,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"notebooks {missing} named on the command line are not files; "
                              f"name numbered notebooks such as notebooks/{PATTERN}")
         runs = load_runs(args.runs, notebooks)
-        if not args.all:  # each notebook's default: its first configuration
-            runs = [r for i, r in enumerate(runs)
-                    if r.notebook not in {q.notebook for q in runs[:i]}]
+        if not args.all:
+            runs = default_runs(runs)
         args.out.mkdir(parents=True, exist_ok=True)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
