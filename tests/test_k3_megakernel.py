@@ -66,6 +66,7 @@ from mk.weights import param_shapes
 from builders import (assert_verify_steps, tiny_bounded_kda, tiny_gated_mla,
                       tiny_latent_moe, tiny_res_layer, tiny_situ)
 
+pytestmark = pytest.mark.xdist_group("k3_megakernel")  # the reference compiled once a model
 SLOW = pytest.mark.slow
 TOKENS, CONTEXT = 16, 128
 # (batch, rows): B 4, T 4 in CI (~30 CPU s each model), the others in make test-slow
@@ -282,10 +283,13 @@ SLOW_PLANTED = ("situ_no_up_cap", "kda_silu_gate", "latent_norm_undivided",
                 "latent_swiglu_experts", "res_mix_skips_a_block")
 PLANTED_TOKENS = 4  # each planted bug changes one of the first 4 tokens (fewer steps)
 # but the latent MoE's: its routed output is RMS-normed, so a bug there shows later (of
-# the 16 tokens, the reference under each of its bugs changes 13, 16 and 11; of the
-# first 4: 1, 4 and 0)
+# the 16 tokens of one sequence, the prompt of key 1, the reference under each of its bugs
+# changes 13, 16 and 11; of the first 4: 1, 4 and 0)
 PLANTED_TOKENS_OF = {"latent_moe": TOKENS}
 PLANTED_ROWS = 4
+# The token checks' prompt (B 4) and reference run, so that on their worker (the module's
+# xdist_group) the reference's compiled programs are shared.
+PLANTED_BATCH = 4
 
 
 def _predicts_other_tokens(config, params, prompt, want, tokens: int) -> bool:
@@ -320,16 +324,16 @@ def test_a_planted_bug_in_a_k3_kind_diverges(planted, monkeypatch):
     its MLA without the gate, its K3 KDA under another bound or with SiLU's output gate,
     or its latent MoE's norm without latent_norm's scale or its division, or SwiGLU
     experts (the reference keeps them), predicts other tokens than the reference's among
-    the first 4 (the latent MoE's: 16), fed the reference's tokens 4 a step
-    (`_predicts_other_tokens`). The same kernel unplanted predicts them all: the token
-    checks."""
+    the first 4 of each of the token checks' 4 sequences (the latent MoE's: 16), fed the
+    reference's tokens 4 a step (`_predicts_other_tokens`). The same kernel unplanted
+    predicts them all: the token checks."""
     kind, cls, method, replacement = PLANTED[planted]
     config, params = MODELS[kind]()
     tokens = PLANTED_TOKENS_OF.get(kind, PLANTED_TOKENS)
-    prompt, want = _reference(config, params, tokens=tokens)
+    prompt, want = _reference(config, params, PLANTED_BATCH)
     monkeypatch.setattr(cls, method, replacement)
     config = dataclasses.replace(config, name=f"planted-{planted}")  # a trace of its own
-    assert _predicts_other_tokens(config, params, prompt, want, tokens)
+    assert _predicts_other_tokens(config, params, prompt, want[:, :tokens], tokens)
 
 
 def _simulated(config):
