@@ -52,10 +52,10 @@ import pytest
 
 import mk
 import mk.megakernel as megakernel
-from mk import perf, reference, sim, tpu
+from mk import backend, perf, reference, sim, tpu
 from mk.kernels import deltanet
 from mk.kernels import latent_moe as latent_kernels
-from mk.kernels.plan import DecodePlan
+from mk.kernels.plan import DecodePlan, default_block
 from mk.kinds import attention as kinds_attention
 from mk.kinds import latent as kinds_latent
 from mk.kinds import linear as kinds_linear
@@ -66,6 +66,7 @@ from mk.weights import param_shapes
 from builders import (assert_verify_steps, tiny_bounded_kda, tiny_gated_mla,
                       tiny_latent_moe, tiny_res_layer, tiny_situ)
 
+pytestmark = pytest.mark.xdist_group("k3_megakernel")  # the reference compiled once a model
 SLOW = pytest.mark.slow
 TOKENS, CONTEXT = 16, 128
 # (batch, rows): B 4, T 4 in CI (~30 CPU s each model), the others in make test-slow
@@ -280,11 +281,40 @@ PLANTED = {  # a bug in a kind's kernel half: (kind, class, method, replacement)
                               - (part == "attn"))}  # the mixer's mix misses the newest
 SLOW_PLANTED = ("situ_no_up_cap", "kda_silu_gate", "latent_norm_undivided",
                 "latent_swiglu_experts", "res_mix_skips_a_block")
-PLANTED_TOKENS = 4  # each planted bug changes one of the first 4 tokens (a cheaper trace)
+PLANTED_TOKENS = 4  # each planted bug changes one of the first 4 tokens (fewer steps)
 # but the latent MoE's: its routed output is RMS-normed, so a bug there shows later (of
-# the 16 tokens, the reference under each of its bugs changes 13, 16 and 11; of the
-# first 4: 1, 4 and 0)
+# the 16 tokens of one sequence, the prompt of key 1, the reference under each of its bugs
+# changes 13, 16 and 11; of the first 4: 1, 4 and 0)
 PLANTED_TOKENS_OF = {"latent_moe": TOKENS}
+PLANTED_ROWS = 4
+# The token checks' prompt (B 4) and reference run, so that on their worker (the module's
+# xdist_group) the reference's compiled programs are shared.
+PLANTED_BATCH = 4
+
+
+def _predicts_other_tokens(config, params, prompt, want, tokens: int) -> bool:
+    """Whether the kernel, fed the reference's tokens `want` PLANTED_ROWS at a time (a
+    perfect draft, as the T = 4 token checks), predicts another token than the
+    reference's among the first `tokens`. A greedy run's first changed token is the first
+    one predicted differently from the same prefix, so this finds what a greedy run of
+    `tokens` finds, with one trace of the step (`generate` traces one per dispatch
+    length) and every token from the kernel (`generate` takes the first from the
+    prefill)."""
+    block = default_block(config, CONTEXT)
+    weights = megakernel.prepare(DecodePlan.make(config, batch=prompt.shape[0],
+                                                 rows=PLANTED_ROWS, context=CONTEXT,
+                                                 block=block), params)
+    _, cache = reference.prefill(config, params, prompt[:, :-1], max_context=CONTEXT)
+    fed = jax.numpy.concatenate([prompt[:, -1:], want], axis=1)
+    P = prompt.shape[1]
+    with backend.use("interpret"):
+        for i in range(0, tokens, PLANTED_ROWS):
+            got, _, cache = megakernel.decode_step(
+                config, weights, cache, fed[:, i:i + PLANTED_ROWS],
+                jax.numpy.full((prompt.shape[0],), P - 1 + i, np.int32), block=block)
+            if (np.asarray(got) != np.asarray(want[:, i:i + PLANTED_ROWS])).any():
+                return True
+    return False
 
 
 @pytest.mark.parametrize("planted", [  # CI: one planted bug a kind; `make test-slow` all
@@ -293,15 +323,17 @@ def test_a_planted_bug_in_a_k3_kind_diverges(planted, monkeypatch):
     """The guard of the token checks: the kernel's SiTU at other betas than the config's,
     its MLA without the gate, its K3 KDA under another bound or with SiLU's output gate,
     or its latent MoE's norm without latent_norm's scale or its division, or SwiGLU
-    experts (the reference keeps them), decodes other tokens."""
+    experts (the reference keeps them), predicts other tokens than the reference's among
+    the first 4 of each of the token checks' 4 sequences (the latent MoE's: 16), fed the
+    reference's tokens 4 a step (`_predicts_other_tokens`). The same kernel unplanted
+    predicts them all: the token checks."""
     kind, cls, method, replacement = PLANTED[planted]
     config, params = MODELS[kind]()
     tokens = PLANTED_TOKENS_OF.get(kind, PLANTED_TOKENS)
-    prompt, want = _reference(config, params, tokens=tokens)
+    prompt, want = _reference(config, params, PLANTED_BATCH)
     monkeypatch.setattr(cls, method, replacement)
     config = dataclasses.replace(config, name=f"planted-{planted}")  # a trace of its own
-    got = _megakernel(config, params, prompt, tokens)
-    assert (np.asarray(got) != np.asarray(want)).any()
+    assert _predicts_other_tokens(config, params, prompt, want[:, :tokens], tokens)
 
 
 def _simulated(config):

@@ -295,7 +295,7 @@ CI_KNOBS = {"05c_kimi_layers": {"batch": 1}, "05d_gpt_oss_layers": {"batch": 1},
             "09_speculative_sweep": {"tau_steps": 4, "tau_batch": 2, "megakernel_steps": 2},
             "10_tensor_parallel": {"steps": 2},
             "11_design_review": {"collective_latencies_us": [1.0]},
-            "12_quantised_weights": {"accuracy_steps": 8}}
+            "12_quantised_weights": {"accuracy_steps": 4}}
 
 
 def _params():

@@ -50,16 +50,27 @@ def _model(name: str, tp: int):
     return mk.preset(name)
 
 
-@pytest.mark.parametrize("name, tp", [("tiny-moe", 2), pytest.param("tiny-moe", 4,
-                                                                    marks=pytest.mark.slow),
-                                      ("tiny", 2), ("hybrid", 2), ("kimi", 4)])  # tp 4: kimi
-@pytest.mark.parametrize("scheme", quant.SCHEMES)
+# CI: tiny-moe (columns, rows, vocab, the experts' padding) in every scheme, and each other
+# model's own split rules in one scheme, a different one each (tiny's dense MLP packed in
+# int4, the hybrid's gated attention in fp8's 2-D blocks, Kimi's MLA and shared expert in
+# fp4); `make test-slow` every model in every scheme, and tiny-moe at tp 4.
+SHARD_CI = {"tiny-moe": quant.SCHEMES, "tiny": ("int4",), "hybrid": ("fp8",),
+            "kimi": ("fp4",)}
+
+
+@pytest.mark.parametrize("name, tp, scheme", [
+    pytest.param(name, tp, scheme, marks=() if scheme in SHARD_CI[name] and
+                 (name, tp) != ("tiny-moe", 4) else pytest.mark.slow)
+    for name, tp in (("tiny-moe", 2), ("tiny-moe", 4), ("tiny", 2), ("hybrid", 2),
+                     ("kimi", 4))  # tp 4: kimi
+    for scheme in quant.SCHEMES])
 def test_a_quantised_shard_dequantises_to_the_shard_of_the_dequantised_weight(
         name, tp, scheme):
     """Every split rule the models' quantised weights have (columns, rows, kv heads
     replicated at tp > K, vocab, the experts' and FFN's columns and rows padded to whole
     tiles: tiny-moe's 128 expert columns are 64 a device at tp 2, 32 at tp 4; a hybrid's
-    gated attention, Kimi's MLA and shared expert), every scheme: exact."""
+    gated attention, Kimi's MLA and shared expert), every scheme: exact. CI runs the
+    cases of SHARD_CI; `make test-slow` the others."""
     config = _model(name, tp)
     q = _quantised(config, scheme)
     shards = shard_params(config, q, tp)
