@@ -19,7 +19,10 @@
 #
 # [Open in Colab](https://colab.research.google.com/github/mk-megakernel/mk/blob/v0.1.0/notebooks/12_quantised_weights.ipynb)
 #
-# Decode is bound by the bytes it moves, so the storage format of the weights is the speed.
+# A decode step that streams at the HBM floor is as fast as its bytes are few, so there the
+# storage format of the weights is the speed; a format whose tiles take longer to decode
+# than to arrive is not (11's review prints an FP4 tile's loop at 4.2-4.9x its DMA at
+# TPU7x's low clock).
 # This notebook answers:
 #
 # - How are int8, fp8, int4 and fp4 (MXFP4) weights laid out, bit by bit, and how does a
