@@ -409,8 +409,10 @@ print(f"on {compile_chip} at {mk.chip(compile_chip).hbm_bw / 1e12:.2f} TB/s (dat
 # routing were switched off (count = 0), re-issues the first `slots` of them after routing,
 # and skips the unused slots without a DMA or a matmul. The expert tiles of qwen3-30b-a3b
 # are small (the tile above), so many DMAs are in flight per expert; the ring's depth, not
-# the tile size, hides their latency. Interpret mode shows none of this timing; a profile
-# on a TPU runtime (`backend="auto"`) does.
+# the tile size, hides their latency. Interpret mode shows none of this timing. A profile
+# on a TPU runtime shows it only with the kernel's phases traced: by default a pallas_call
+# is one op in the trace, routing and all; with libtpu's `mk.bundles.PHASE_FLAG` its named
+# scopes become trace markers (notebook 08 reads the v5e's that way).
 #
 # **Takeaway:** an MoE decode step is worth only the experts it touches. Getting there
 # takes one idea: turn the router's vector output into SMEM scalars (a DMA and a scalar
