@@ -410,9 +410,10 @@ print(f"on {compile_chip} at {mk.chip(compile_chip).hbm_bw / 1e12:.2f} TB/s (dat
 # and skips the unused slots without a DMA or a matmul. The expert tiles of qwen3-30b-a3b
 # are small (the tile above), so many DMAs are in flight per expert; the ring's depth, not
 # the tile size, hides their latency. Interpret mode shows none of this timing. A profile
-# on a TPU runtime shows it only with the kernel's phases traced: by default a pallas_call
-# is one op in the trace, routing and all; with libtpu's `mk.bundles.PHASE_FLAG` its named
-# scopes become trace markers (notebook 08 reads the v5e's that way).
+# on a TPU runtime shows little more by default: a pallas_call is one op in the trace.
+# With libtpu's `mk.bundles.PHASE_FLAG` the megakernel's named scopes become trace markers
+# (notebook 08 reads the v5e's that way): a MoE layer's `mlp` phase, its routing inside it;
+# routing's own share of that phase is the simulator's to say, not the trace's.
 #
 # **Takeaway:** an MoE decode step is worth only the experts it touches. Getting there
 # takes one idea: turn the router's vector output into SMEM scalars (a DMA and a scalar
