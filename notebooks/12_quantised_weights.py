@@ -362,9 +362,12 @@ plots.show(fig)
 # `DecodePlan.fits`, holds the weights as `prepare` lays them out (packed data and
 # tile-major scales) plus the KV cache of `fit_batch` sequences of `fit_context` positions
 # against the chip's HBM, and the plan's VMEM buffers (the packed ring slots among them)
-# against its VMEM. An ahead-of-time compile is the final word: docs/colab.md's "Which
-# preset" table lists the ones compiled (`mk.tpu.compile_megakernel(..., formats=)`; for
-# example int8 `qwen3-8b` at B=8, S=4096 compiles for v5e, bf16 does not fit).
+# against its VMEM; with `prompt=` it counts a whole `generate` (its prefill, and the
+# stored params while they are laid out, unless `donate=True` gives them up as it goes),
+# which `megakernel.generate` checks before it allocates anything. Counted, not measured:
+# on a v5e, qwen3-4b bf16 counted 10.0 GiB for a donating `generate` and peaked at 9.2
+# (data/measured/v5e-models.json); without donating it counts 15.9 and is refused.
+# docs/colab.md's "Which preset" table lists the presets compiled ahead of time.
 
 # %%
 fit_rows = []
@@ -375,12 +378,12 @@ for name in QUANTISABLE:
     for fmt, families in TABLE_FORMATS.items():
         formats = {f: q for f, q in schemes(config, *families).items() if q}
         plan = DecodePlan.make(config, batch=fit_batch, context=S, formats=formats)
-        fits = [plan.fits(chip) for chip in ("v5e", "v6e")]
+        fits = [plan.fits(chip, prompt=8, donate=True) for chip in ("v5e", "v6e")]
         row[fmt] = (f"{fits[0].hbm_bytes / 2**30:.1f} GiB "
                     f"({'/'.join(f.chip for f in fits if f.ok) or 'neither'})")
     fit_rows.append(row)
-display(Markdown(f"Weights and KV cache per core at B={fit_batch}, S={fit_context} (the "
-                 "Colab chips whose one core holds them, VMEM included):"))
+display(Markdown(f"A donating `generate` of an 8-token prompt per core at B={fit_batch}, "
+                 f"S={fit_context} (the Colab chips whose one core holds it, VMEM included):"))
 display(plots.table(fit_rows))
 
 # %% [markdown]
