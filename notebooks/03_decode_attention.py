@@ -381,8 +381,11 @@ print(f"intensity {flops / full:.1f} FLOP/byte vs the ridge point "
 # ## What a TPU does differently
 #
 # On hardware the ring overlaps the DMA of tile g + kv_slots - 1 with the matmuls of tile g,
-# so the step takes about the bytes over the bandwidth once each tile's compute (two small
-# matmuls per kv head) is shorter than its DMA. What the simulation cannot show: DMA issue
+# so the step would take the bytes over the bandwidth if each tile's compute (two small
+# matmuls per kv head, the online softmax) were shorter than its DMA. On a v5e it is not:
+# the attention loop took KV slower than the DMA engine brings weights
+# (`mk.ledger.basis_table()` prints both measured rates), so the steps that read much KV
+# sit furthest from the floor (notebook 06's measured table). What the simulation cannot show: DMA issue
 # latency per tile (larger tiles amortise it, at VMEM cost), whether a written tile's
 # write-back, sent from a staging slot and waited for only when that slot comes round
 # again (`drain_write_backs` at the kernel's end), ever holds the next layer up, and how
