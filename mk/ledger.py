@@ -147,8 +147,11 @@ def basis_table() -> plots.Table:
     return plots.table(out)
 
 
-def steps_table(chip: str, path: str | Path | None = None) -> plots.Table:
-    """`chip`'s steps record (`mk.calibration`) in `TERMS`' words: each row's measured
+def steps_table(chip: str, path: str | Path | None = None, *,
+                model: str | None = None) -> plots.Table:
+    """`chip`'s steps record (`mk.calibration`) in `TERMS`' words (`model`: its rows of
+    that preset only, whole or cut to first layers; none is one row saying so): each
+    row's measured
     device loop, its one dispatched step and XLA's (both include the host's dispatch), the
     calibrated steps of both series (`mk.calibration.agreement`) and their errors, and the
     HBM floor with its share of the device loop (floor / loop). Labelled with the chip,
@@ -165,6 +168,8 @@ def steps_table(chip: str, path: str | Path | None = None) -> plots.Table:
     simulated = {(g.index, g.series): g for g in calibration.agreement(chip, path)}
     out = []
     for i, row in enumerate(record["rows"]):
+        if model is not None and row["model"] != model:
+            continue
         config, made = calibration.row_config(row), calibration.provenance(record, row)
         copied = " (its cache copied)" if made["megakernel_cache"] == "copied" else ""
         floor = perf.predict(config, chip, batch=row["batch"], rows=row["rows"],
@@ -184,6 +189,8 @@ def steps_table(chip: str, path: str | Path | None = None) -> plots.Table:
             "calibrated one step ms": _versus(one),
             "HBM floor ms": f"{floor:.3f}",
             "share of HBM floor": "-" if g is None else f"{floor / (g.measured_s * 1e3):.0%}"})
+    if not out:
+        return plots.table([{"chip": chip, "steps record": f"no row of {model} in {path.name}"}])
     return plots.table(out)
 
 

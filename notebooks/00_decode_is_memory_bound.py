@@ -130,6 +130,16 @@ print(f"HBM floor {est.hbm_floor_ms * 1e3:.3f} µs, MXU floor {mxu * 1e3:.3f} µ
       f"-bound, <= {run.rows / max(est.hbm_floor_ms, mxu) * 1e3:,.0f} tokens/s per sequence")
 
 # %% [markdown]
+# A floor is what a step cannot beat, not what it takes. A TPU v5e lent to the project ran
+# the megakernel's steps (`benchmarks/tpu_steps.py`: device loops and one dispatched step,
+# random weights), each beside its datasheet HBM floor and the share of that floor the chip
+# reached: the rest is the DMA engine's own rate, the first tiles of a step, attention's KV
+# loop and the host's dispatch (notebooks 06, 08 and 13 take them apart). qwen3-0.6b:
+
+# %%
+display(ledger.steps_table("v5e", model="qwen3-0.6b"))
+
+# %% [markdown]
 # ## Bytes and FLOPs of one step, per preset
 #
 # The same count for every preset, with $B$ and $T$ from the parameters and

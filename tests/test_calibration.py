@@ -117,6 +117,18 @@ def test_the_steps_table_names_the_chip_and_each_rows_commit_date_and_cache():
         assert copied == (m["megakernel_cache"] == "copied"), (r, m)
 
 
+def test_the_steps_table_of_one_model_keeps_its_rows_only():
+    """Notebook 00 shows one preset's measured steps: every row of that model (whole or
+    cut), none of another; a model without rows is one row saying so."""
+    record = calibration.load_steps(calibration.steps_path("v5e"))
+    want = sum(r["model"] == "qwen3-0.6b" for r in record["rows"])
+    table = ledger.steps_table("v5e", model="qwen3-0.6b")
+    assert 0 < len(table.rows) == want < len(record["rows"])
+    assert {r[0] for r in table.rows} == {"qwen3-0.6b"}
+    assert "no row of qwen3-8b in v5e-steps.json" in str(
+        ledger.steps_table("v5e", model="qwen3-8b").rows)
+
+
 def test_a_rows_own_provenance_overrides_its_records(tmp_path):
     """A row kept from an earlier commit keeps its own cache mode: only donated rows give
     the host's call, and a copied row's one step is not simulated."""
