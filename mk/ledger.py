@@ -151,10 +151,10 @@ def steps_table(chip: str, path: str | Path | None = None, *,
                 model: str | None = None) -> plots.Table:
     """`chip`'s steps record (`mk.calibration`) in `TERMS`' words (`model`: its rows of
     that preset only, whole or cut to first layers; none is one row saying so): each
-    row's measured
-    device loop, its one dispatched step and XLA's (both include the host's dispatch), the
-    calibrated steps of both series (`mk.calibration.agreement`) and their errors, and the
-    HBM floor with its share of the device loop (floor / loop). Labelled with the chip,
+    row's measured device loop, its one dispatched step and XLA's (both include the
+    host's dispatch), the calibrated steps of both series (`mk.calibration.agreement`) and
+    their errors, and the HBM floor with its share of the device loop (floor / loop).
+    Labelled with the chip,
     and each row with its commit and date (`mk.calibration.provenance`); a one step timed
     with its cache copied (before 4cbaec7 XLA copied the cache first) says so. No record
     at `path` (an installed mk, e.g. on Colab: records live in a checkout's data/measured)
