@@ -97,7 +97,7 @@ from tqdm.auto import tqdm
 import mk
 import mk.published
 import mk.run
-from mk import course, ledger, perf, plots, reference, spec, teach
+from mk import calibration, course, ledger, perf, plots, reference, spec, teach
 
 mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
 if (hf_target or hf_draft) and not allow_download:
@@ -337,6 +337,29 @@ for c in sweep_chips:
     one, eight = (spec.step_ms(target, c, batch=1, rows=r, context=sweep_context,
                                tp=devices[c]) for r in (1, 8))
     print(f"{c}: verifying 8 rows takes {eight / one:.3f}x the time of 1 row (batch 1)")
+
+# %% [markdown]
+# Modelled, against what a TPU v5e measured: one dispatched step of 8 rows and of 1 row,
+# same model, batch and cache (data/measured/v5e-steps.json, `benchmarks/tpu_steps.py`):
+
+# %%
+steps_record = calibration.load_steps(calibration.steps_path("v5e"))
+ONE = calibration.ONE_STEP
+by_shape = {(r["model"], r.get("layers"), r["batch"], r["context"], r["rows"]): r
+            for r in steps_record["rows"] if r.get(ONE)}
+
+
+def measured_at(row):
+    made = calibration.provenance(steps_record, row)
+    return f"{str(made['commit'])[:7]}, {str(made['when'])[:10]}"
+
+
+for (model, layers, b, s_, n), r8 in by_shape.items():
+    r1 = by_shape.get((model, layers, b, s_, 1))
+    if n == 8 and r1 is not None:
+        print(f"{model}{'' if layers is None else f' (first {layers} layers)'} B={b} S={s_}: "
+              f"8 rows {r8[ONE] * 1e3:.3f} ms ({measured_at(r8)}), 1 row {r1[ONE] * 1e3:.3f} "
+              f"ms ({measured_at(r1)}): {r8[ONE] / r1[ONE]:.3f}x, measured on v5e")
 
 # %% [markdown]
 # The live panel (Jupyter or Colab with a kernel; the static page shows it as text) adds
