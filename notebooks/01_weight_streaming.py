@@ -85,7 +85,7 @@ from IPython.display import display
 import mk
 import mk.backend
 import mk.run
-from mk import course, ops, plots, sim, sim_plots, teach, tpu
+from mk import course, measure, ops, plots, sim, sim_plots, teach, tpu
 from mk.kernels.common import BlockSizes, vmem_budget
 from mk.kernels.ring import Ring
 from mk.kernels.stream import TileStream
@@ -165,6 +165,31 @@ for n in sorted({1, 2, 3, need // 2, need, 2 * need}):
     ring_rows.append({"slots": n, "formula µs": f"{n_tiles * max(d, c, (a.dma_latency_s + d + c) / n) * 1e6:.1f}",
                       "simulated µs": f"{s.step_s * 1e6:.1f}", "HBM busy": f"{s.hbm_utilisation:.0%}"})
 display(plots.table(ring_rows))
+
+# %% [markdown]
+# **Little's law against a chip.** The numbers above are the simulator's assumptions (the
+# datasheet's bandwidth, an assumed latency). A TPU v5e's DMA probe (notebook 13,
+# data/measured/v5e.json) timed copies of one size with more and more of them in flight;
+# the law, from that chip's own measured latency and best bandwidth, says how many bytes
+# must be in flight, and the table how far the chip needed to go past it:
+
+# %%
+probe_path = measure.path_for("v5e")
+if probe_path.exists():
+    probe = measure.load(probe_path)
+    law = probe.hbm_bw * probe.dma_latency_s
+    chunk = max({p.bytes for p in probe.dma}, key=lambda b: sum(p.bytes == b for p in probe.dma))
+    display(plots.table([{
+        "copies in flight": p.in_flight, "KiB in flight": p.bytes_in_flight // 1024,
+        "x Little's law": f"{p.bytes_in_flight / law:.1f}",
+        "GB/s (measured on v5e)": f"{p.bandwidth / 1e9:.0f}",
+        "share of the best": f"{p.bandwidth / probe.hbm_bw:.0%}"}
+        for p in sorted((p for p in probe.dma if p.bytes == chunk), key=lambda p: p.in_flight)]))
+    print(f"Little's law: {probe.hbm_bw / 1e9:.0f} GB/s x {probe.dma_latency_s * 1e6:.2f} µs = "
+          f"{law / 1024:.0f} KiB in flight ({probe.label}, {probe.commit[:7]}, "
+          f"{probe.when[:10]})")
+else:
+    print(f"no probe record here ({probe_path.name} is in data/measured of a checkout of mk)")
 
 # %% [markdown]
 # **Slot by slot.** The same rule drawn per tile (`teach.ring_schedule`, which gives the
