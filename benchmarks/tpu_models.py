@@ -138,13 +138,6 @@ def _child(index: int, table, steps: int, backend: str, timeout: float) -> dict:
     return json.loads(lines[-1])
 
 
-def _provenance() -> dict:
-    """`measure.provenance()` asked of a fresh process, so this one never opens the chip."""
-    done = subprocess.run([sys.executable, __file__, "--provenance"], capture_output=True,
-                          text=True, check=True)
-    return json.loads(done.stdout.splitlines()[-1])
-
-
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", nargs="+", type=int, help="indices into ROWS (default: all)")
@@ -154,17 +147,13 @@ def main(argv=None) -> None:
                    help="on a CPU: the tiny rows in interpret mode (not a TPU's)")
     p.add_argument("--json", type=Path, help="where the record goes")
     p.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a row's own process
-    p.add_argument("--provenance", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     table = INTERPRET_ROWS if args.interpret else ROWS
     backend = "interpret" if args.interpret else "hardware"
     if args.one is not None:
         print(json.dumps(run_row(*table[args.one], args.steps, backend)), flush=True)
         return
-    if args.provenance:
-        print(json.dumps(measure.provenance()), flush=True)
-        return
-    made = _provenance()  # in a child: a process that touches the TPU holds it
+    made = measure.provenance_apart()  # this process never opens the chip
     if args.interpret:
         if args.json is None or args.json.stem.split("-")[0] in measure.TPU_NAMES:
             p.error("--interpret needs --json, a path not named for a TPU")

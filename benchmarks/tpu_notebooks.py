@@ -137,13 +137,6 @@ def _one(notebook: Path, executed: Path, parameters: dict) -> None:
     print(json.dumps(dict(error=error)), flush=True)
 
 
-def _provenance() -> dict:
-    """`measure.provenance()` asked of a fresh process, so this one never opens the chip."""
-    done = subprocess.run([sys.executable, __file__, "--provenance"], capture_output=True,
-                          text=True, check=True)
-    return json.loads(done.stdout.splitlines()[-1])
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("notebooks", nargs="*", type=Path,
@@ -161,13 +154,9 @@ def main(argv=None) -> int:
     p.add_argument("--one", type=Path, help=argparse.SUPPRESS)  # a notebook's own process
     p.add_argument("--executed", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--parameters", type=json.loads, default={}, help=argparse.SUPPRESS)
-    p.add_argument("--provenance", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.one is not None:
         _one(args.one, args.executed, args.parameters)
-        return 0
-    if args.provenance:
-        print(json.dumps(measure.provenance()), flush=True)
         return 0
     if not args.timeout > 0:
         p.error(f"--timeout={args.timeout} must be > 0")
@@ -177,7 +166,7 @@ def main(argv=None) -> int:
         p.error("--interpret needs --json, a path not named for a TPU and not under "
                 f"{measure.MEASURED}")
     start = time.perf_counter()
-    made = _provenance()  # in a child: a process that touches the TPU holds it
+    made = measure.provenance_apart()  # this process never opens the chip
     if args.interpret:
         made |= dict(label=measure.INTERPRET_LABEL)
     elif made["chip"] is None:

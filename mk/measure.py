@@ -26,6 +26,7 @@ import math
 import os
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -456,6 +457,20 @@ def provenance() -> dict:
     return dict(chip=chip_of(kind) if jax.devices()[0].platform == "tpu" else None,
                 device_kind=kind, jax=jax.__version__, libtpu=libtpu,
                 commit=os.environ.get("MK_COMMIT") or _git_head() or "unknown", when=_now())
+
+
+def provenance_apart() -> dict:
+    """`provenance()` asked of a fresh Python process, so the caller never opens the chip:
+    a process that touches the TPU holds it, and the scripts that run each row or notebook
+    in a process of their own (benchmarks/tpu_models.py, tpu_notebooks.py) must leave it
+    free."""
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(
+        p for p in (str(Path(__file__).resolve().parent.parent),
+                    os.environ.get("PYTHONPATH")) if p)}
+    done = subprocess.run([sys.executable, "-c", "import json, mk.measure as m; "
+                           "print(json.dumps(m.provenance()))"],
+                          capture_output=True, text=True, check=True, env=env)
+    return json.loads(done.stdout.splitlines()[-1])
 
 
 def _git_head():

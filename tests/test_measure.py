@@ -225,3 +225,11 @@ def test_a_bad_sweep_is_refused_naming_the_field(change, words):
     with pytest.raises(ValueError) as err:
         dataclasses.replace(TINY, **change)
     assert words in str(err.value)
+
+
+def test_provenance_asked_of_another_process_is_this_ones():
+    """The scripts that must leave the chip free ask a fresh process (`provenance_apart`):
+    the same chip, versions and commit as this process's own."""
+    here, apart = measure.provenance(), measure.provenance_apart()
+    assert {k: apart[k] for k in here if k != "when"} == {k: here[k] for k in here
+                                                          if k != "when"}

@@ -88,7 +88,7 @@ def test_a_record_that_is_not_json_or_too_deep_is_refused(tmp_path):
 
 def _fake_run(monkeypatch, made, statuses):
     """main() with its provenance `made` and each notebook's row from `statuses`."""
-    monkeypatch.setattr(tpu_notebooks, "_provenance", lambda: dict(made))
+    monkeypatch.setattr(tpu_notebooks.measure, "provenance_apart", lambda: dict(made))
     monkeypatch.setattr(run_notebooks, "check_kernel", lambda: None)
     monkeypatch.setattr(tpu_notebooks, "run_child", lambda run, executed, timeout: _row(
         run.notebook.stem, statuses[run.notebook.stem], timeout_s=timeout))
