@@ -311,13 +311,15 @@ def assert_rollback_exact(config, params, *, rows: int, accepted):
 
 
 def assert_verify_steps(config, params, values, prompt, want, rows: int, tokens: int,
-                        want_logits=None, rtol_of_scale: float = 0.0, block=None):
+                        want_logits=None, rtol_of_scale: float = 0.0, block=None,
+                        detect_races: bool = True):
     """Feed the reference's (or transformers') greedy tokens `want` [B, >= tokens] `rows`
     at a time (a perfect draft): each megakernel step (race detector on) must predict the
     next `rows`. values: what the reference's prefill runs on (the dequantised params, or
     params). want_logits [B, P + tokens, V] (the logits of the whole sequence, e.g.
     transformers' forward): each step's logits within rtol_of_scale x their max |.|.
-    block: the tiling (default `default_block`'s, KV tiles of a 128-position cache)."""
+    block: the tiling (default `default_block`'s, KV tiles of a 128-position cache).
+    detect_races=False: a planted bug's check, whose kernel's tokens alone are asked."""
     import jax.numpy as jnp
 
     from mk import backend, megakernel, quant, reference
@@ -330,7 +332,7 @@ def assert_verify_steps(config, params, values, prompt, want, rows: int, tokens:
     _, cache = reference.prefill(config, values, prompt[:, :-1], max_context=128)
     fed = jnp.concatenate([prompt[:, -1:], want], axis=1)
     P = prompt.shape[1]
-    with backend.use("interpret", detect_races=True):
+    with backend.use("interpret", detect_races=detect_races):
         for i in range(0, tokens, rows):
             got, logits, cache = megakernel.decode_step(
                 config, weights, cache, fed[:, i:i + rows],
