@@ -365,8 +365,9 @@ plots.show(fig)
 # against its VMEM; with `prompt=` it counts a whole `generate` (its prefill, and the
 # stored params while they are laid out, unless `donate=True` gives them up as it goes),
 # which `megakernel.generate` checks before it allocates anything. Counted, not measured:
-# on a v5e, qwen3-4b bf16 counted 10.0 GiB for a donating `generate` and peaked at 9.2
-# (data/measured/v5e-models.json); without donating it counts 15.9 and is refused.
+# on a v5e, qwen3-4b bf16 counted 10.0 GiB for a donating `generate` and peaked at 9.2,
+# qwen3-8b int8 counted 11.6 GiB for a donating `generate` and peaked at 9.9, both exact
+# (data/measured/v5e-models.json); without donating the 4b counts 15.9 and is refused.
 # docs/colab.md's "Which preset" table lists the presets compiled ahead of time.
 
 # %%
