@@ -22,6 +22,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -177,6 +178,45 @@ def test_kernels_run_without_the_unencrypted_tcp_warning(tmp_path, capfd):
     assert warning not in _kernel_warnings(run_notebooks._PatientKernelManager, tmp_path, capfd)
     # Control: jupyter_client's default manager (TCP) prints it, so the check can fail.
     assert warning in _kernel_warnings(AsyncKernelManager, tmp_path, capfd)
+
+
+# A machine with no IP sockets, as the lent TPU is: socket(AF_INET) and getifaddrs fail.
+NO_IP_SHIM = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <ifaddrs.h>
+#include <sys/socket.h>
+int socket(int domain, int type, int protocol) {
+    static int (*real)(int, int, int);
+    if (domain == AF_INET || domain == AF_INET6) { errno = EAFNOSUPPORT; return -1; }
+    if (!real) real = (int (*)(int, int, int))dlsym(RTLD_NEXT, "socket");
+    return real(domain, type, protocol);
+}
+int getifaddrs(struct ifaddrs **ifap) { errno = EAFNOSUPPORT; return -1; }
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not shutil.which("cc"),
+                    reason="needs Linux and a C compiler for the LD_PRELOAD shim")
+def test_a_kernel_runs_on_a_machine_without_ip_sockets(tmp_path, capfd, monkeypatch):
+    """The lent TPU's machine refuses IP sockets; run_notebooks' kernels still run there
+    (tools/kernel_launcher.py), where ipykernel's own launcher aborts before it answers."""
+    source = tmp_path / "no_ip.c"
+    source.write_text(NO_IP_SHIM)
+    shim = tmp_path / "no_ip.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(shim), str(source), "-ldl"],
+                   check=True)
+    monkeypatch.setenv("LD_PRELOAD", str(shim))  # the kernels inherit it; this process not
+    _kernel_warnings(run_notebooks._PatientKernelManager, tmp_path, capfd)
+    out = nbformat.read(tmp_path / "out.ipynb", as_version=4)
+    assert out.cells[0].outputs[0]["data"]["text/plain"] == "1"
+
+    class PlainLauncher(run_notebooks._PatientKernelManager):  # ipc, ipykernel_launcher
+        format_kernel_cmd = AsyncKernelManager.format_kernel_cmd
+
+    with pytest.raises(RuntimeError, match="Kernel died"):  # control: the shim bites
+        _kernel_warnings(PlainLauncher, tmp_path, capfd)
 
 
 # -- The site -------------------------------------------------------------------------------

@@ -83,7 +83,7 @@ import mk.run  # noqa: E402
 import mk.untrusted  # noqa: E402
 from mk.errors import brief, shown  # noqa: E402
 from mk.plots import HEADLESS, escape  # noqa: E402
-from jupyter_client.manager import AsyncKernelManager, KernelManager  # noqa: E402
+from jupyter_client.manager import AsyncKernelManager  # noqa: E402
 from traitlets import default  # noqa: E402
 
 KERNEL = "python3"
@@ -289,8 +289,10 @@ def _entries(where: str, stem: str, entries, notebook: Path) -> list[Run]:
 
 # -- Running one notebook -------------------------------------------------------------------
 def check_kernel(kernel_name: str = KERNEL) -> None:
-    """Raise unless `kernel_name` starts this interpreter, as jupyter_client resolves it."""
-    exe = KernelManager(kernel_name=kernel_name).format_kernel_cmd()[0]
+    """Raise unless `kernel_name` starts this interpreter, as jupyter_client resolves it
+    (and ipykernel in it: `_PatientKernelManager` starts that through
+    tools/kernel_launcher.py)."""
+    exe = _PatientKernelManager(kernel_name=kernel_name).format_kernel_cmd()[0]
     if os.path.abspath(exe) != os.path.abspath(sys.executable):
         raise RuntimeError(
             f"kernel {kernel_name!r} starts {exe}, not {sys.executable}; install one into "
@@ -302,7 +304,8 @@ class _PatientKernelManager(AsyncKernelManager):
     """Gives a finished kernel 30 s, not 5, to exit: with jax and libtpu loaded on a busy
     machine it can take longer, and libtpu answers the SIGTERM that follows with a
     crash-like stack trace in make run's output. Talks to it over local (ipc) sockets: over
-    TCP every kernel warns, rightly, that its traffic is unencrypted."""
+    TCP every kernel warns, rightly, that its traffic is unencrypted. Starts ipykernel
+    through tools/kernel_launcher.py, which also runs where there are no IP sockets."""
 
     @default("shutdown_wait_time")
     def _shutdown_wait_time_default(self):
@@ -323,6 +326,18 @@ class _PatientKernelManager(AsyncKernelManager):
     def cleanup_ipc_files(self) -> None:
         super().cleanup_ipc_files()
         shutil.rmtree(os.path.dirname(self.ip), ignore_errors=True)
+
+    def format_kernel_cmd(self, extra_arguments: list[str] | None = None) -> list[str]:
+        cmd = super().format_kernel_cmd(extra_arguments)
+        at = next((i for i in range(1, len(cmd) - 1)
+                   if cmd[i:i + 2] == ["-m", "ipykernel_launcher"]), None)
+        if at is None:
+            raise RuntimeError(f"kernel {self.kernel_name!r} runs {cmd}, not "
+                               "python ... -m ipykernel_launcher ...: reinstall it with "
+                               f"{sys.executable} -m ipykernel install --sys-prefix "
+                               f"--name {self.kernel_name}")
+        return cmd[:at] + [str(Path(__file__).resolve().parent / "kernel_launcher.py"),
+                           *cmd[at + 2:]]
 
 
 # No cell of any configuration takes more than a few minutes on this CPU; a cell past this
