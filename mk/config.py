@@ -276,6 +276,12 @@ class ModelConfig:
     kda_full_gate: bool = False
     kda_gate_bound: float = 0.0
     expert_fp8_block: int = 0
+    # A latent MoE's shard at tp > 1 (`mk.kernels.plan.shard_config`) holds latent_down's
+    # columns and latent_up's rows of its latent_columns (whole 128-lane tiles, the last
+    # devices' zeros: `mk.kernels.latent_moe.latent_columns`), all-gathers the latent and
+    # all-reduces the experts' sum over latent_shards devices; 0, 0: the model's own.
+    latent_columns: int = 0
+    latent_shards: int = 0
     # How the model's weights are stored (`check_formats`; a dict is kept as its sorted
     # items): the byte model (mk.perf, mk.sim, the plan) charges it wherever a caller gives
     # no formats of its own; () stores every weight in `dtype`.

@@ -26,6 +26,7 @@ from mk.cache import FIELDS, check_cache_type
 from mk.config import ModelConfig
 from mk.kernels.common import padded_width
 from mk.kernels.collectives import MAX_INDEX, check_devices
+from mk.kernels.latent_moe import latent_columns
 from mk.kernels.routing import router_columns
 from mk.kinds.layers import layer_kinds
 from mk.weights import weights_of
@@ -80,6 +81,16 @@ def _rows(w, tp: int, pad: bool = False):
     return jnp.pad(out, [(0, 0)] * (out.ndim - 2) + [(0, extra), (0, 0)]) if extra else out
 
 
+def _latent_tiles(config: ModelConfig, w, axis: int, tp: int):
+    """The latent axis of w (`axis`: -1 or -2) dealt in whole lane tiles, `latent_columns`
+    a device in device order, zeros past the latent -> [tp, ...]."""
+    held = latent_columns(config.moe_latent, tp)
+    axis %= w.ndim
+    pad = [(0, 0)] * w.ndim
+    pad[axis] = (0, tp * held - w.shape[axis])
+    return _split_axis(jnp.pad(w, pad), axis, tp)
+
+
 def _kv_columns(config: ModelConfig, w, tp: int):
     """wk / wv [L, D, K*H] -> [tp, L, D, K_local*H]."""
     heads = w.reshape(*w.shape[:-1], config.kv_heads, config.head_dim)
@@ -107,6 +118,8 @@ _SPLIT = {
     "ffn_columns": (-1, lambda config, w, tp: _columns(w, tp, pad=tp > 1)),
     "ffn_rows": (-2, lambda config, w, tp: _rows(w, tp, pad=tp > 1)),
     "experts": (-1, lambda config, w, tp: _columns(w, tp)),  # where `split_of` keeps it
+    "latent_columns": (-1, lambda config, w, tp: _latent_tiles(config, w, -1, tp)),
+    "latent_rows": (-2, lambda config, w, tp: _latent_tiles(config, w, -2, tp)),
 }
 
 

@@ -51,8 +51,11 @@ PATHS = ("ring", "dma", "vector", "gather")
 #   vocab     the lm_head's vocab columns (from the embedding when tied)
 #   experts   a router's expert columns, E/tp each, where the plan splits it
 #             (`mk.kernels.routing.router_columns`), else whole
+#   latent_columns, latent_rows   the latent MoE's latent: whole 128-lane tiles of it a
+#             device, in device order, the last devices' zeros
+#             (`mk.kernels.latent_moe.latent_columns`)
 SPLITS = ("whole", "columns", "rows", "kv_heads", "channels", "ffn_columns", "ffn_rows",
-          "vocab", "experts")
+          "vocab", "experts", "latent_columns", "latent_rows")
 # Hugging Face naming schemes: "qwen" (qwen3, qwen3_moe, qwen3_5), "kimi" (kimi_linear,
 # as transformers' save_pretrained writes it) and "gpt_oss".
 HF_SCHEMES = ("qwen", "kimi", "gpt_oss")
@@ -229,6 +232,12 @@ def _experts_in(c: ModelConfig) -> int:
     return c.moe_latent or c.hidden
 
 
+def latent_held(c: ModelConfig) -> int:
+    """The latent columns latent_down holds (latent_up's rows): a shard's
+    `latent_columns`, else the latent's."""
+    return c.latent_columns or c.moe_latent
+
+
 def _moe(kind: str) -> tuple[Weight, ...]:
     """A mixture of experts' rows ("{e}" is the expert's index). Kimi K3's latent MoE
     ("latent_moe") routes on x as the others do, but its experts run on x @ latent_down
@@ -253,8 +262,9 @@ def _moe(kind: str) -> tuple[Weight, ...]:
         _w("ws_down", kind, lambda c: (c.shared_expert_ffn, c.hidden), "dense_mlp", "ring",
            "ffn_rows", quant="dense", when=lambda c: c.shared_expert_ffn,
            hf={"kimi": "block_sparse_moe.shared_experts.down_proj.weight"}),
-        *((_w("latent_down", kind, lambda c: (c.hidden, c.moe_latent), "dense_mlp", "ring",
-              "whole", hf={"kimi": f"{stem}down_proj.weight"}),) if latent else ()),
+        *((_w("latent_down", kind, lambda c: (c.hidden, latent_held(c)), "dense_mlp",
+              "ring", "latent_columns", hf={"kimi": f"{stem}down_proj.weight"}),)
+          if latent else ()),
         _w("we_gate", kind, lambda c: (c.experts, _experts_in(c), c.expert_ffn), "experts",
            "ring", "ffn_columns", quant="experts",
            hf={"qwen": "mlp.experts.{e}.gate_proj.weight",
@@ -269,8 +279,9 @@ def _moe(kind: str) -> tuple[Weight, ...]:
                "kimi": "block_sparse_moe.experts.{e}.w2.weight"}),
         *((_w("latent_norm", kind, lambda c: (c.moe_latent,), "norms", "dma", "whole",
               hf={"kimi": f"{stem}norm.weight"}),
-           _w("latent_up", kind, lambda c: (c.moe_latent, c.hidden), "dense_mlp", "ring",
-              "whole", hf={"kimi": f"{stem}up_proj.weight"})) if latent else ()),
+           _w("latent_up", kind, lambda c: (latent_held(c), c.hidden), "dense_mlp",
+              "ring", "latent_rows", hf={"kimi": f"{stem}up_proj.weight"}))
+          if latent else ()),
     )
 
 

@@ -15,9 +15,10 @@ import pytest
 import mk
 import mk.megakernel
 from mk import linear_attention as la
-from mk import ops, reference
+from mk import ops, reference, shards
 from mk.checkpoint import init_params
 from mk.config import ModelConfig
+from mk.kernels.latent_moe import latent_columns
 from mk.kernels.plan import DecodePlan
 from mk.presets import GPT_OSS_PRESET_NAMES, K3_PRESET_NAMES, KIMI_PRESET_NAMES, PRESET_NAMES
 from mk.ops import matmul
@@ -143,12 +144,25 @@ def test_the_k3_kinds_are_the_table_s_own_and_hold_the_release_s_shapes():
     assert "kda_g_a" not in shapes and hf_scheme(k3) == "kimi"
 
 
-def test_the_latent_moe_plan_is_refused_at_tp_over_1():
-    """The latent MoE runs at tp = 1 only: the RMS norm of its latent sum needs the whole
-    sum, which a device's share of the experts' columns gives only after an all-reduce
-    the kernel does not make (the release's K3 on its 32 chips)."""
-    with pytest.raises(NotImplementedError, match="the latent MoE at tp=32"):
-        DecodePlan.make(mk.preset("kimi-k3"), tp=32, context=1152, chip="tpu7x")
+def test_the_latent_moe_at_tp32_deals_its_latent_in_whole_tiles():
+    """Kimi K3's latent (3584 columns, 28 lane tiles) at TP32: a tile a device in device
+    order, so devices 28-31 hold zeros, and the all-gather's first 3584 columns are the
+    latent as it is; latent_down's columns and latent_up's rows are cut alike; a latent
+    that is not whole tiles is refused at tp > 1 (its gather would scatter it)."""
+    k3 = mk.preset("kimi-k3")
+    plan = DecodePlan.make(k3, tp=32, context=1152, chip="tpu7x")
+    assert (plan.local.latent_columns, plan.local.latent_shards) == (128, 32)
+    held = {s: shards.split_index(k3, s, k3.moe_latent, 32)
+            for s in ("latent_columns", "latent_rows")}
+    np.testing.assert_array_equal(held["latent_columns"], held["latent_rows"])
+    want = np.arange(32 * 128).reshape(32, 128)
+    np.testing.assert_array_equal(held["latent_columns"], np.where(want < 3584, want, -1))
+    shapes = param_shapes(plan.local)
+    assert shapes["latent_down"][0] == (92, 7168, 128)
+    assert shapes["latent_up"][0] == (92, 128, 7168)
+    with pytest.raises(ValueError, match="moe_latent=96 must be a multiple of 128"):
+        latent_columns(96, 2)
+    assert latent_columns(96, 1) == 96 and latent_columns(384, 2) == 256
 
 
 # -- The reference: each K3 piece against a hand-written numpy computation ----------------

@@ -39,7 +39,7 @@ tokens. The plan counts the completed blocks' VMEM and names them when they do n
 reference's tokens too.
 
 Not covered by interpret mode: time and the scoped VMEM limit (the compile test covers
-lowering and capacity). Not run here: these kinds at tp > 1 (the latent MoE refuses it).
+lowering and capacity). At tp > 1: tests/test_tensor_parallel.py (k3_tokens).
 """
 
 from __future__ import annotations

@@ -163,6 +163,23 @@ def gpt_oss_tokens(tp: int) -> dict:
     return _tokens(tp, True, 6, tp_gpt_oss_config(tp))
 
 
+def tp_k3_config(tp: int, latent: int = 128) -> ModelConfig:
+    """`tiny-k3` (every K3 feature: KDA, gated MLA, SiTU, attention residuals, the latent
+    MoE) in float32, its heads, experts' and shared expert's widths scaled by tp so each
+    shard is whole tiles, its latent `latent` wide: at tp 2 its one tile is device 0's
+    and device 1 holds zeros (as 4 of Kimi K3's 32 devices do); 256 at tp 4, two
+    holders and two zero devices."""
+    k3 = mk.preset("tiny-k3")
+    return dataclasses.replace(
+        k3, name=f"tp{tp}-k3", dtype="float32", heads=tp, kv_heads=tp,
+        linear_key_heads=tp, linear_value_heads=tp, moe_latent=latent,
+        expert_ffn=128 * tp, shared_expert_ffn=128 * tp, ffn=256 * tp, vocab=256 * tp)
+
+
+def k3_tokens(tp: int) -> dict:
+    return _tokens(tp, True, 6, tp_k3_config(tp, 128 * (tp // 2)))
+
+
 @pytest.mark.parametrize("target, tp", [
     # bf16 MoE at tp 2 in slow: CI runs the fp4 MoE at tp 2 (tests/test_quant_shards.py),
     # through the same all-reduces and routing
@@ -181,11 +198,15 @@ def gpt_oss_tokens(tp: int) -> dict:
     # MLP, over CI's budget
     pytest.param("k3_kinds_tokens", 2, marks=pytest.mark.slow),
     # an MLA model with no linear layer (its cache's empty linear fields at tp)
-    pytest.param("mla_only_tokens", 2, marks=pytest.mark.slow)],
+    pytest.param("mla_only_tokens", 2, marks=pytest.mark.slow),
+    # every Kimi K3 kind at tp: the latent MoE's all-gather and all-reduce, a device that
+    # holds zeros of the latent (CI's one K3 case at tp), then two holders and two zero
+    # devices
+    ("k3_tokens", 2), pytest.param("k3_tokens", 4, marks=pytest.mark.slow)],
     ids=[f"tp{t}-{'moe' if m else 'dense'}-6" for t, m in CASES]
     + [f"tp{t}-moe-{FULL_STEPS}" for t in (2, 4, 8)]
     + ["tp2-hybrid-6", "tp4-hybrid-6", "tp2-kimi-6", "tp2-gpt-oss-6", "tp2-k3-kinds-6",
-       "tp2-mla-only-6"])
+       "tp2-mla-only-6", "tp2-k3-6", "tp4-k3-6"])
 def test_greedy_tokens_equal_the_reference_on_every_device_race_free(target, tp):
     out = run(f"test_tensor_parallel:{target}", tp)
     assert out["got"].shape == (tp, *out["want"].shape)
@@ -470,14 +491,16 @@ def test_sharded_model_compiles_for_a_multi_chip_topology(name, topology, chip):
 
 
 def test_kimi_k3s_whole_tp32_shard_compiles_with_fp4_experts_packed():
-    """One device's shard of Kimi K3 (Kimi Linear: MLA, KDA, a shared-expert MoE; all 93
-    layers) at TP32 on 16 TPU7x chips, its FP4 experts packed (`formats`; 2048 expert
-    columns, 64 a device: gate|up joined in one 128-lane tile, down's rows padded to 128,
-    whole scale blocks: `mk.shards`, `mk.kinds.mlp.MoE.joined`), at the headline's B=1
-    T=8: it fits a core's HBM and compiles whole, VMEM in budget, under the issue's 90 s
-    (libtpu compiles the layer loop once: its code does not grow with the layers). With
-    bf16 experts it is refused by HBM, with the numbers, before any compile."""
-    k3 = mk.preset("kimi-k2-shaped")
+    """One device's shard of the release's Kimi K3 (gated MLA, bounded KDA, SiTU, attention
+    residuals, the latent MoE with its shared expert; all 93 layers) at TP32 on 16 TPU7x
+    chips, its FP4 experts packed (3072 expert columns, 96 a device padded to 128; whole
+    scale blocks: `mk.shards`), its latent dealt in whole tiles (128 of 3584 columns a
+    device: 28 devices hold one tile, 4 hold zeros; `mk.kernels.latent_moe`), at the
+    headline's B=1 T=8: it fits a core's HBM and compiles whole, VMEM in budget, under the
+    issue's 90 s (libtpu compiles the layer loop once: its code does not grow with the
+    layers; ~53 s on this CPU). With bf16 experts it is refused by HBM, with the numbers,
+    before any compile."""
+    k3 = mk.preset("kimi-k3")
     report = tpu.compile_megakernel(k3, "tpu7x", tp=32, topology="tpu7x:2x2x4", batch=1,
                                     rows=8, context=4096)
     assert report.ok, report.error
@@ -485,13 +508,16 @@ def test_kimi_k3s_whole_tp32_shard_compiles_with_fp4_experts_packed():
     assert report.argument_bytes <= report.hbm_bytes <= mk.chip("tpu7x").hbm_bytes
     assert 0 < report.vmem.total_bytes < report.vmem.limit_bytes
     names = {b.name for b in report.vmem.buffers}
-    assert {"wq", "wkv_b", "latent_new", "queries", "k_tiles", "ring_fp4_7168x128",
-            "ring_fp4_7168x128_scales", "ring_fp4_128x7168"} <= names  # experts' own tiles
+    assert {"wq", "wkv_b", "latent_new", "queries", "k_tiles", "ring_fp4_3584x128",
+            "ring_fp4_3584x128_scales", "ring_fp4_128x3584", "latent_part",
+            "latent_gather.gathered", "latent_reduce.gathered"} <= names
     assert "v_tiles" not in names  # the latent rows are keys and values
     plan_ = plan.DecodePlan.make(k3, tp=32, batch=1, rows=8, context=4096, chip="tpu7x")
     assert plan_.stream.schemes == ("fp4",)
-    assert [s.name for s in plan_.stream.segments if s.stride] == ["we_gate_up", "we_down"]
-    bf16 = dataclasses.replace(k3, formats=())
+    assert [s.name for s in plan_.stream.segments if s.stride] == ["we_gate", "we_up",
+                                                                   "we_down"]
+    assert (plan_.local.latent_columns, plan_.local.latent_shards) == (128, 32)
+    bf16 = dataclasses.replace(k3, formats=(), expert_fp8_block=0)  # fp8 gate/up: fp4's
     whole = tpu.compile_megakernel(bf16, "tpu7x", tp=32, topology="tpu7x:2x2x4", batch=1,
                                    context=4096)
     assert not whole.ok and re.search(r"need \d{3}\.\d\d GiB of HBM, over the 94\.75 GiB",

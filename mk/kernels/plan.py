@@ -397,9 +397,9 @@ class DecodePlan:
                                self.block)
         groups["vectors"] |= {"sems": pltpu.SemaphoreType.DMA((2, len(self.vectors))),
                               "final_sem": pltpu.SemaphoreType.DMA((1,))}
-        for name in ("all_reduce", "argmax", "router_gather"):  # the collectives (tp > 1)
-            if name in groups:
-                groups[name] |= {"sems": collective_semaphores(self.tp, self.collective)}
+        for group in groups.values():  # the collectives (tp > 1): `collective_buffers`'
+            if "gathered" in group:
+                group["sems"] = collective_semaphores(self.tp, self.collective)
         return groups
 
     def weight_bytes(self, experts: float | None = None) -> dict[str, float]:

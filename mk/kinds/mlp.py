@@ -155,6 +155,11 @@ class MoE(Kind):
             return None
         return gate_up_width(c.expert_ffn, used)
 
+    @property
+    def expert_rows(self) -> int:
+        """The width its experts read and write: D."""
+        return self.config.hidden
+
     def layout_note(self) -> str:
         """Its expert layout and why, in prose (the plan's choice: `joined`), with the
         bytes an expert streams over its values' where its shard pads them; its router's
@@ -165,7 +170,7 @@ class MoE(Kind):
                   "device, the logits all-gathered)" if self.router_shards > 1 else "")
         if used == ffn:
             return router
-        share = self.slot_elements() / (3 * c.hidden * used)
+        share = self.slot_elements() / (3 * self.expert_rows * used)
         layout = (f"gate and up ({used} columns each a device) joined in {self.joined} "
                   f"lanes (apart: 2 x {ffn}), down's rows padded to {ffn}" if self.joined
                   else f"{used} columns a device padded to {ffn} lanes")
@@ -341,6 +346,10 @@ class MoE(Kind):
                 (m * c.experts_per_token, self.slot_elements(), touched)]
 
     def collectives_s(self, m: int, spec, latency_s: float, algorithm=None) -> float:
+        """Its split router's all-gather (`router_gather_s`)."""
+        return self.router_gather_s(m, spec, latency_s, algorithm)
+
+    def router_gather_s(self, m: int, spec, latency_s: float, algorithm=None) -> float:
         """Its split router's all-gather of each device's [m, E/tp] float32 logits
         (`route_gather`, `allgather_s`), else none."""
         n = self.router_shards
@@ -461,7 +470,7 @@ class MoETwin(Twin):
         if c.shared_expert_ffn:
             swiglu(self.sim, SHARED_WEIGHTS, c.shared_expert_ffn)
         self.route()
-        self.slots(c.hidden)
+        self.slots(self.kind.expert_rows)
 
     def route(self):
         """`mk.kernels.mlp.route_experts`: the router (a split router's gather), the
@@ -471,8 +480,8 @@ class MoETwin(Twin):
         E, X = c.experts, c.experts_per_token
         sim.mc.compute(sim.mxu_s(M, c.hidden * (c.router_columns or E)), sim.layer, "router")
         if self.kind.router_shards > 1:  # the logits' all-gather (`MoE.route_gather`)
-            sim.mc.compute(self.kind.collectives_s(M, sim.spec, sim.a.ici_latency_s,
-                                                   sim.collective_algorithm),
+            sim.mc.compute(self.kind.router_gather_s(M, sim.spec, sim.a.ici_latency_s,
+                                                     sim.collective_algorithm),
                            sim.layer, "collective")
         sim.vector(M * E * (6 + 4 * X), "router")
         sim.mc.wait(sim.mc.dma(4 * E, sim.layer, "selected", weight=False))  # flags to SMEM
