@@ -118,10 +118,8 @@ _KIMI_PRESETS = {
         moe_layers=(1, 2, 3), norm_topk=True, shared_expert_ffn=128, router_score="sigmoid",
         expert_groups=2, topk_groups=1, routed_scale=2.5),
     # A Kimi-K2-shaped stand-in for the release's "Kimi K3" on Kimi Linear's layers (what
-    # mk called "kimi-k3" before issue 66; the release's own Config is `kimi-k3` below, which
-    # the megakernel runs at no tp yet (its latent MoE: tp 1 only), so every simulator and
-    # ledger row of Kimi K3
-    # uses this one). Published (the issue): 93 layers, hidden 7168,
+    # mk called "kimi-k3" before issue 66; the release's own Config is `kimi-k3` below,
+    # which the ledger's Kimi K3 rows use). Published (the issue): 93 layers, hidden 7168,
     # MLA every 4th layer (here layers 3, 7, ..., 91, Kimi-Linear-48B's 1-indexed
     # full_attn_layers convention; the rest KDA), 896 experts, 16 per token, vocab 163840,
     # FP4 experts. From Kimi K2's config.json (moonshotai/Kimi-K2-Instruct, as quoted
@@ -144,10 +142,9 @@ _KIMI_PRESETS = {
 
 # Kimi K3 as the release describes it (issue 66): MLA with an output gate, KDA with a
 # full-rank output gate and a bounded decay, a latent MoE, SiTU MLPs and attention
-# residuals. `mk.reference` runs them, and the megakernel at tp = 1 (tiny-k3); its latent
-# MoE refuses tp > 1 (the all-reduce before its norm is not made), so the full model runs
-# on no chip count yet and every simulator and ledger row of Kimi K3 uses
-# "kimi-k2-shaped". Listed apart (K3_PRESET_NAMES).
+# residuals. `mk.reference` runs them, and the megakernel at any tp (its latent MoE
+# all-gathers the latent and all-reduces its sum: `mk.kinds.latent`); the ledger's Kimi K3
+# rows are this model at TP32. Listed apart (K3_PRESET_NAMES).
 #
 # "kimi-k3" is the release's `Config` (Inferact/tpu-megakernels, kimi/__init__.py), field by
 # field (`release field` -> mk field):

@@ -308,13 +308,12 @@ for u, s in zip(uniform, shared):
 # floor: candidates are the tensor-parallel collectives after attention and after the MLP
 # of each layer, synchronisation between the stages of a layer, uneven expert load across
 # devices, and HBM bandwidth below the datasheet peak. This notebook cannot tell them apart;
-# the simulator and profiles of later notebooks try to. The floors are for presets rebuilt
-# from the released models' published shapes (`kimi-k2-shaped`: Kimi Linear's MLA, KDA and
-# shared-expert MoE at Kimi K2's shapes, the stand-in the kernels run for the release's
-# Kimi K3, `kimi-k3`, whose own layers they cannot run yet; `qwen3.5-27b`: Qwen3.5's gated
-# DeltaNet), with the dimensions the
-# release does not state taken from their public relatives or marked assumed in
-# `mk.config`; their weights are random, so only the bytes and shapes are theirs.
+# the simulator and profiles of later notebooks try to. The floors are for presets of the
+# released models (`kimi-k3`: the release's own Kimi K3 config, field by field, its latent
+# MoE, SiTU and attention residuals included; `qwen3.5-27b`: Qwen3.5's gated DeltaNet, with
+# the dimensions the release does not state taken from its public relatives or marked
+# assumed in `mk.presets`); their weights are random, so only the bytes and shapes are
+# theirs.
 #
 # **Takeaway.** At decode batch sizes the intensity of a step is a few FLOP per byte
 # against ridge points of hundreds, so with bf16 weights the time of a step is set by the

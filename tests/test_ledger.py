@@ -54,12 +54,12 @@ def test_speculative_rows_verify_the_published_rows_on_every_core(rows):
     kimi = next(r for r in rows if r["system"] == "tpu7x" and r["tau"] == 6)
     assert (kimi["rows"], kimi["batch"]) == (ledger.VERIFY_ROWS, 1)
     assert kimi["context"] == 1152  # the release's benchmark scripts (published.csv)
-    want = perf.predict(mk.preset("kimi-k2-shaped"), "tpu7x", batch=1, rows=8, context=1152,
+    want = perf.predict(mk.preset("kimi-k3"), "tpu7x", batch=1, rows=8, context=1152,
                         tp=32, accepted=6)
     assert kimi["hbm_floor_ms"] == pytest.approx(want.hbm_floor_ms)
-    assert kimi["preset"] == "kimi-k2-shaped" and "23 MLA layers" in kimi["note"]
-    assert ("TP32: each expert's gate and up (64 columns each a device) joined in 128 lanes "
-            "(apart: 2 x 128), down's rows padded to 128: 1.33x its bytes") in kimi["note"]
+    assert kimi["preset"] == "kimi-k3" and "24 gated-MLA layers" in kimi["note"]
+    assert ("TP32: each expert's 96 columns a device padded to 128 lanes: 1.33x its "
+            "bytes") in kimi["note"]
 
 
 def test_the_27b_row_is_the_hybrid_at_tp8_with_its_state_bytes_share(rows):
@@ -74,7 +74,7 @@ def test_the_27b_row_is_the_hybrid_at_tp8_with_its_state_bytes_share(rows):
     assert qwen["state_share"] > 0.01
     assert qwen["hbm_floor_ms"] == pytest.approx(e.hbm_floor_ms)
     assert qwen["published"] == 1515 and "gated-DeltaNet" in qwen["note"]
-    kimi = [r for r in rows if r["preset"] == "kimi-k2-shaped" and "state_share" in r]
+    kimi = [r for r in rows if r["preset"] == "kimi-k3" and "state_share" in r]
     assert kimi and all(0 < r["state_share"] < qwen["state_share"] for r in kimi)
 
 
@@ -121,15 +121,17 @@ def test_the_collective_chain_moves_with_the_assumed_latency_of_a_message_round(
     """Issue 35: every TPU row at another latency of one collective message round: its
     collective chain grows by that much per round of the step (two_phase at TP8 and TP32:
     2 an all-reduce, 2 L all-reduces, and 2 for the argmax's gather as `mk.perf` charges
-    it; 1 for each MoE layer's router gather where the router is split: Kimi K3's), and
-    the grid lays such rows out by latency."""
+    it; 1 for each MoE layer's router gather where the router is split, and 3 for a
+    latent MoE layer's all-gather and all-reduce of its latent: Kimi K3's), and the grid
+    lays such rows out by latency."""
     slow = ledger.entries(assumptions=Assumptions(ici_latency_s=2e-6))
     for one, two in zip(rows, slow):
         if "collective_ms" not in one or mk.chip(one["system"]).kind != "tpu":
             continue
         config = mk.preset(one["preset"])
         assert "two_phase: 2 message rounds" in one["note"]
-        gathers = len(config.moe_layers) * ("router split by experts" in one["note"])
+        gathers = len(config.moe_layers) * (("router split by experts" in one["note"])
+                                            + 3 * bool(config.moe_latent))
         extra_ms = (perf.collectives_per_step(config) * 2 + gathers) * 1e-3  # 1 us a round
         assert two["collective_ms"] - one["collective_ms"] == pytest.approx(extra_ms)
         assert two["modelled_ms"] >= one["modelled_ms"]
@@ -138,7 +140,7 @@ def test_the_collective_chain_moves_with_the_assumed_latency_of_a_message_round(
             dict(run="gpu", published_step_ms=5.0)]
     headline_runs = {r["run"] for r in ledger.entries(batches=(1,))}
     assert {r["run"] for r in rows if r["batch"] == 1} == headline_runs
-    assert "kimi-k2-shaped on 16 tpu7x, B=1" in headline_runs and not any(
+    assert "kimi-k3 on 16 tpu7x, B=1" in headline_runs and not any(
         "B=2" in run for run in headline_runs)
     table = ledger.latency_grid({2.0: fake, 1.0: fake[:1]})
     assert [(r["run"], r["round (µs)"]) for r in table] == [("r", 1.0), ("r", 2.0)]
@@ -209,10 +211,8 @@ def test_a_recorded_per_tile_cost_gives_the_compiled_kernels_simulated_step(monk
 def test_the_recorded_tile_costs_cover_every_published_tpu_run():
     """mk/data/tile_costs/published.json (benchmarks/tile_costs.py --published) holds one
     compiled kernel per TPU run of the ledger: a run added to published.csv without a
-    recompile is caught here. A kernel that does not fit its core records why (the
-    kimi-k2-shaped TP32 shard: its experts' 64 columns padded to 128; the recorded runs counted
-    its FP4 a byte a value, the plan now counts mk.quant's packed half byte and scales)
-    and is measured on a cut of its layers."""
+    recompile is caught here. A kernel that does not fit its core would record why and be
+    measured on a cut of its layers."""
     recorded = json.loads((Path(__file__).parent.parent / "mk" / "data" / "tile_costs"
                            / "published.json").read_text())
     want = {run.key for run in ledger.runs() if run.spec and run.spec.kind == "tpu"}
