@@ -226,13 +226,14 @@ def planted(name: str | None):
 def check_up_rotation(rotation: int, used: int = 32, lanes: int = 128) -> None:
     """05c's exercise: `rotation` (jnp.roll's direction) must bring up's `used` values of a
     joined gate|up product of `lanes` lanes to lanes [0, used), as the kernel's own split
-    does (`mk.kernels.joined_experts.gate_up`, on a product whose lanes hold their index)."""
+    does (`mk.kernels.joined_experts.gate_up`, on a product whose lanes hold their index;
+    run on the backend in `use`, else the machine's own: interpret mode on a CPU)."""
     if isinstance(rotation, (bool, np.bool_)) or not isinstance(rotation, (int, np.integer)):
         raise ExerciseFailed(f"up_rotation: expected a whole number of lanes (an int, "
                              f"jnp.roll's shift); got {described(rotation)}")
-    backend.check_active()  # the split is a Pallas kernel: say where to run it
     joined = jnp.tile(jnp.arange(lanes, dtype=jnp.float32), (8, 1))
-    _, up = joined_experts.gate_up(joined, used, lanes)
+    with contextlib.nullcontext() if backend.active() else backend.use("auto"):
+        _, up = joined_experts.gate_up(joined, used, lanes)
     check_close("up's lanes after your rotation", np.roll(np.arange(lanes), rotation)[:used],
                 np.asarray(up)[0, :used], atol=0, rtol=0)
 
