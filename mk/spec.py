@@ -26,8 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from mk import decode_checks, megakernel, perf, sim
-from mk.config import MAX_ROWS, ModelConfig, check_seed
+from mk.config import MAX_ROWS, ModelConfig, check_seed, finite_number, positive_int
 from mk.drafters import Drafter, Forced, ModelDrafter, NGram, draw
+from mk.errors import shown
 from mk.kernels.common import default_kv_tile
 from mk.runners import XLA, Megakernel
 from mk.weights import param_shapes
@@ -89,6 +90,7 @@ def noisy_copy(config: ModelConfig, params, *, layers: int = 1, noise: float = 0
     """A stand-in for a trained draft model of a random target (no draft was trained for
     the tiny presets): the target's first `layers` layers, embedding and head, every weight
     plus Gaussian noise of `noise` x its tensor's RMS. A separate model sharing the vocab."""
+    noise, seed = finite_number("noise", noise), check_seed(seed)  # nan: a draft of nan
     cut, cut_params = first_layers(config, params, layers)
     keys = jax.random.split(jax.random.key(seed), len(cut_params))
     out = {}
@@ -210,15 +212,32 @@ class SpecStats:
 def fit_rate(runs) -> float:
     """The per-draft acceptance probability alpha that best explains the histograms of
     `runs` (SpecStats; maximum likelihood with drafts accepted independently: kept drafts
-    over kept drafts plus steps that ended in a rejection)."""
+    over kept drafts plus steps that ended in a rejection). ValueError for runs that are
+    not SpecStats or hold no step (no alpha to fit)."""
+    if isinstance(runs, (str, bytes)) or not hasattr(runs, "__iter__"):
+        raise ValueError(f"runs={shown(runs)} must be a list of SpecStats")
+    runs = list(runs)
+    for i, s in enumerate(runs):
+        if not isinstance(s, SpecStats):
+            raise ValueError(f"runs[{i}]={shown(s)} is a {type(s).__name__}, not a SpecStats "
+                             "(what generate returns)")
     kept = sum((k - 1) * c for s in runs for k, c in enumerate(s.histogram, 1))
     rejected = sum(sum(s.histogram[:-1]) for s in runs)
-    return kept / (kept + rejected) if kept + rejected else math.nan
+    if not kept + rejected:
+        raise ValueError(f"runs hold no verification step ({len(runs)} runs): no "
+                         "acceptance rate to fit")
+    return kept / (kept + rejected)
 
 
 def expected_length(alpha, gamma: int):
-    """Leviathan et al.: E[tokens per step] = (1 - alpha^(gamma + 1)) / (1 - alpha)."""
-    a = np.asarray(alpha, dtype=float)
+    """Leviathan et al.: E[tokens per step] = (1 - alpha^(gamma + 1)) / (1 - alpha), for
+    alpha (a number or an array of them) in [0, 1] and gamma >= 1 drafts."""
+    gamma = positive_int("gamma", gamma)
+    a = np.asarray(alpha)
+    if a.dtype.kind not in "iuf" or not np.all((a >= 0) & (a <= 1)):  # nan fails too
+        raise ValueError(f"alpha={shown(alpha)} must be a probability (a number in [0, 1]) "
+                         "or an array of them")
+    a = a.astype(float)
     safe = np.where(a == 1, 0.5, a)
     return np.where(a == 1, gamma + 1.0, (1 - safe ** (gamma + 1)) / (1 - safe))
 

@@ -281,6 +281,25 @@ def test_stats_by_hand():
     assert spec.expected_length(0.0, 7) == 1.0
 
 
+@pytest.mark.parametrize("call, message", [
+    (lambda: spec.expected_length(float("nan"), 3), r"alpha=nan must be a probability"),
+    (lambda: spec.expected_length(2.0, 3), r"alpha=2\.0 must be a probability"),
+    (lambda: spec.expected_length("0.5", 3), r"alpha='0\.5' must be a probability"),
+    (lambda: spec.expected_length([0.5, -0.1], 3), r"alpha=\[0\.5, -0\.1\] must be a"),
+    (lambda: spec.expected_length(0.5, 0), r"gamma=0 must be a positive integer"),
+    (lambda: spec.fit_rate([]), r"runs hold no verification step \(0 runs\)"),
+    (lambda: spec.fit_rate("abc"), r"runs='abc' must be a list of SpecStats"),
+    (lambda: spec.fit_rate([0.5]), r"runs\[0\]=0\.5 is a float, not a SpecStats"),
+    (lambda: spec.noisy_copy(mk.preset("tiny"), {}, noise=float("nan")),
+     r"noise=nan must be a finite number in \[0, inf\)")])
+def test_statistics_refuse_values_that_are_no_probability_or_no_runs(call, message):
+    """Issue 65: alpha = nan or 2 gave nan or 31 tokens a step, a string was parsed, no
+    runs fitted nan, and a draft of noise nan was all nan."""
+    with pytest.raises(ValueError, match=message):
+        call()
+    assert spec.expected_length(np.array([0.0, 1.0]), 2).tolist() == [1.0, 3.0]
+
+
 def test_throughput_is_tau_over_verify_plus_draft_time():
     target, draft = mk.preset("qwen3-8b"), mk.preset("qwen3-0.6b")
     t = spec.throughput(target, "v6e", gamma=4, acceptance_length=3.0, batch=2, context=1024,
