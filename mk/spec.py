@@ -30,7 +30,7 @@ from mk.config import MAX_ROWS, ModelConfig, check_seed, finite_number, positive
 from mk.drafters import Drafter, Forced, ModelDrafter, NGram, draw
 from mk.errors import shown
 from mk.kernels.common import default_kv_tile
-from mk.runners import XLA, Megakernel
+from mk.runners import XLA, Megakernel, Runner
 from mk.weights import param_shapes
 
 MAX_GAMMA = 7  # T = gamma + 1 <= 8 verification rows, as in the published runs
@@ -47,10 +47,11 @@ class Sampling:
     top_p: float = 1.0
 
     def __post_init__(self):
-        if not self.temperature > 0:
-            raise ValueError(f"temperature={self.temperature} must be > 0 (None is greedy)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if not _real(self.temperature) or not 0 < self.temperature < math.inf:
+            raise ValueError(f"temperature={shown(self.temperature)} must be a finite number "
+                             "> 0 (None is greedy)")
+        if not _real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={shown(self.top_p)} must be in (0, 1]")
 
     def probs(self, logits) -> np.ndarray:
         """logits [..., V] -> the sampling distribution [..., V] float64."""
@@ -67,6 +68,11 @@ class Sampling:
             p = np.where(mask, p, 0.0)
             p /= p.sum(axis=-1, keepdims=True)
         return p
+
+
+def _real(value) -> bool:
+    return not isinstance(value, (bool, np.bool_)) and isinstance(
+        value, (int, float, np.integer, np.floating))
 
 
 # -- Drafters by name -----------------------------------------------------------------------
@@ -135,11 +141,19 @@ def make_drafter(name: str, config: ModelConfig, params, *, gamma: int,
         drafter = ModelDrafter(*first_layers(config, params, n), batch=batch)
         drafter.name = "self"
         return drafter
+    _check_draft(draft)
     draft_config, draft_params = draft or noisy_copy(config, params)
     if draft_config.vocab != config.vocab:
         raise ValueError(f"draft vocab={draft_config.vocab} must equal the target's "
                          f"vocab={config.vocab}")
     return ModelDrafter(draft_config, draft_params, batch=batch)
+
+
+def _check_draft(draft) -> None:
+    if draft is not None and not (isinstance(draft, tuple) and len(draft) == 2
+                                  and isinstance(draft[0], ModelConfig)):
+        raise ValueError(f"draft={shown(draft)} must be (config, params) of a draft model "
+                         "(a ModelConfig and its params), or None")
 
 
 # -- Acceptance -------------------------------------------------------------------------------
@@ -269,6 +283,17 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, drafter, gamma:
                                                     gamma=gamma)
     prompt = np.asarray(prompt)
     B, P = prompt.shape
+    if sampling is not None and not isinstance(sampling, Sampling):
+        raise ValueError(f"sampling={shown(sampling)} must be a mk.spec.Sampling, or None "
+                         "(greedy)")
+    if not isinstance(drafter, (str, Drafter)):
+        raise ValueError(f"drafter={shown(drafter)} must be one of {DRAFTERS} or a "
+                         "mk.drafters.Drafter")
+    if not isinstance(verifier, (str, Runner)):
+        raise ValueError(f"verifier={shown(verifier)} must be one of {VERIFIERS} or a "
+                         "mk.runners.Runner")
+    if bucket is not None:
+        bucket = positive_int("bucket", bucket)
     if sampling is not None and drafter == "forced":
         raise NotImplementedError("drafter='forced' is defined for greedy decoding only")
     if verifier == "megakernel" and B * (gamma + 1) > MAX_ROWS:
@@ -282,6 +307,7 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, drafter, gamma:
         raise ValueError(f"bucket={bucket} must be >= batch={B}")
     if isinstance(drafter, str):
         check_drafter(drafter, gamma, drafter_options.get("acceptance_length"))
+        _check_draft(drafter_options.get("draft"))
     if not isinstance(verifier, str) and verifier.rows < gamma + 1:
         raise ValueError(f"the verifier's rows={verifier.rows} must be >= gamma + 1 = "
                          f"{gamma + 1}")

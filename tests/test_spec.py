@@ -93,6 +93,30 @@ def test_bad_options_are_named_before_anything_runs():
         spec.Sampling(top_p=0)
 
 
+@pytest.mark.parametrize("options, message", [
+    (dict(drafter=3), r"drafter=3 must be one of \('model'"),
+    (dict(sampling="hot"), r"sampling='hot' must be a mk\.spec\.Sampling, or None"),
+    (dict(verifier=8), r"verifier=8 must be one of \('megakernel', 'reference'\) or a"),
+    (dict(bucket="8"), r"bucket='8' must be a positive integer"),
+    (dict(drafter="model", draft=("x", {})), r"draft=\('x', \{\}\) must be \(config, params\)")])
+def test_options_of_the_wrong_type_are_named_not_attribute_errors(options, message):
+    """Issue 65: each ended in an AttributeError from inside mk.spec."""
+    options = {"drafter": "ngram"} | options
+    with pytest.raises(ValueError, match=message):
+        spec.generate(mk.preset("tiny"), {}, np.zeros((1, 4), int), 4, gamma=3, **options)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(temperature="1"), r"temperature='1' must be a finite number > 0"),
+    (dict(temperature=float("inf")), r"temperature=inf must be a finite number > 0"),
+    (dict(top_p=float("nan")), r"top_p=nan must be in \(0, 1\]"),
+    (dict(top_p=True), r"top_p=True must be in \(0, 1\]")])
+def test_sampling_fields_are_finite_numbers_in_range(fields, message):
+    with pytest.raises(ValueError, match=message):
+        spec.Sampling(**fields)
+    assert spec.Sampling(temperature=2, top_p=0.5).top_p == 0.5
+
+
 # -- Greedy speculative decoding is the target's greedy decoding ---------------------------------
 @pytest.mark.parametrize("drafter", spec.DRAFTERS)
 @pytest.mark.parametrize("name", PRESETS)
