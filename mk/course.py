@@ -34,7 +34,7 @@ from IPython.display import Markdown
 
 from mk import backend, bundles, megakernel, ops, reference, spec, teach
 from mk.checkpoint import init_params
-from mk.config import ModelConfig, positive_int
+from mk.config import ModelConfig, finite_number, positive_int
 from mk.errors import shown
 from mk.grading import (ExerciseFailed, answer_array, check_close, check_function,  # noqa: F401
                         check_race_free, check_tokens, described, learners_code)
@@ -242,7 +242,9 @@ def check_ring_depth(sim, deep, *, tolerance: float = 0.05) -> float:
     """`sim` and `deep` are simulated steps (`mk.machine.Simulation`) of one configuration,
     `deep` with a ring as deep as Little's law asks (`mk.sim.latency_slots`). Returns
     sim's step / deep's; raises when `sim` is more than `tolerance` slower: its ring holds
-    too few bytes in flight to cover the DMA latency, and HBM idles ("ring empty")."""
+    too few bytes in flight to cover the DMA latency, and HBM idles ("ring empty").
+    `tolerance` is a finite number >= 0."""
+    tolerance = finite_number("tolerance", tolerance)
     for name, value in (("your simulated step", sim), ("the deep ring's step", deep)):
         if not isinstance(value, Simulation):
             raise ExerciseFailed(f"{name}: expected a mk.sim.simulate result (a "

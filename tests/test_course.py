@@ -16,6 +16,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import math
 from pathlib import Path
 
 import jax
@@ -495,6 +496,19 @@ def test_every_check_fails_any_wrong_answer_saying_what_came_back(check, name, a
     text = str(failed.value)
     assert any(word in text for word in ("expected", "differ", "flagged", "too shallow",
                                          "no bundle", "tau", "another configuration")), text
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: course.check_close("x", [1.0], [2.0], atol=math.inf), "atol=inf must be a finite"),
+    (lambda: course.check_close("x", [1.0], [2.0], atol=0, rtol=math.nan), "rtol=nan must be"),
+    (lambda: course.check_close("x", [1.0], [2.0], atol=0, rtol="1"), "rtol='1' must be a"),
+    (lambda: course.check_ring_depth(_deep_ring(), _deep_ring(), tolerance=math.nan),
+     "tolerance=nan must be a finite number")])
+def test_a_checks_tolerance_is_finite_so_no_tolerance_passes_any_answer(call, message):
+    """Issue 65: atol=inf passed [1] against [2]; a nan tolerance passed a shallow ring."""
+    with pytest.raises(ValueError, match=message):
+        call()
+    assert course.check_close("x", [1.0], [2.0], atol=1.0, rtol=0) == 1.0
 
 
 def test_check_tokens_fails_one_token_against_another():
