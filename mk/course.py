@@ -64,14 +64,23 @@ def hard_positions(batch: int, rows: int, context: int, tile: int = 128) -> np.n
 
 
 def straddles(positions, rows: int, tile: int = 128) -> list[bool]:
-    """Whether each sequence's new rows p .. p + T - 1 cross a tile edge."""
-    return [int(p) // tile != (int(p) + rows - 1) // tile for p in np.asarray(positions)]
+    """Whether each sequence's new rows p .. p + T - 1 cross a tile edge (positions: [B]
+    non-negative integers)."""
+    rows, tile = positive_int("rows", rows), positive_int("tile", tile)
+    positions = np.asarray(positions)
+    if positions.ndim != 1 or positions.dtype.kind not in "iu" or (positions < 0).any():
+        raise ValueError(f"positions={shown(positions)} must be [B] non-negative integers")
+    return [int(p) // tile != (int(p) + rows - 1) // tile for p in positions]
 
 
 def moe_inputs(config: ModelConfig, seed: int, router_seed: int, rows: int):
     """Layer 0's MoE weights (router, we_gate, we_up, we_down) of `init_params(config,
     seed)`, activations h [rows, D] drawn with `router_seed`, and the distinct experts the
     reference router picks for them (sorted)."""
+    if not config.moe_layers:
+        raise ValueError(f"{config.name} has no MoE layers, so no router or experts for "
+                         "moe_inputs (take a MoE preset, e.g. mk.preset('tiny-moe'))")
+    rows = positive_int("rows", rows)
     params = init_params(config, seed)
     weights = [params[n][0] for n in ("router", "we_gate", "we_up", "we_down")]
     h = jax.random.normal(jax.random.key(router_seed), (rows, config.hidden))
@@ -94,6 +103,8 @@ def routed(config: ModelConfig, h, router):
 def is_prefix(experts) -> bool:
     """Whether the experts are 0 .. count - 1, where loading slot s instead of ids[s] is
     harmless."""
+    if isinstance(experts, (str, bytes)) or not hasattr(experts, "__iter__"):
+        raise ValueError(f"experts={shown(experts)} must be a list of expert ids")
     return list(experts) == list(range(len(experts)))
 
 

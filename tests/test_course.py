@@ -357,7 +357,13 @@ def test_teaching_helpers_name_a_bad_argument_instead_of_crashing():
             (lambda: teach.ring_schedule(None, slots="3", latency_s=0, dma_s=0, compute_s=0),
              "slots='3' must be a positive integer"),
             (lambda: teach.ring_schedule(None, slots=3, latency_s=float("inf"), dma_s=0,
-                                         compute_s=0), r"latency_s=inf must be a finite")):
+                                         compute_s=0), r"latency_s=inf must be a finite"),
+            (lambda: course.straddles("abc", 2), r"positions=.*'abc'.* must be \[B\] non-"),
+            (lambda: course.straddles([3.5], 2), r"must be \[B\] non-negative integers"),
+            (lambda: course.straddles([127], 0), "rows=0 must be a positive integer"),
+            (lambda: course.is_prefix(None), "experts=None must be a list of expert ids"),
+            (lambda: course.moe_inputs(mk.preset("tiny"), 0, 0, 2),
+             r"tiny has no MoE layers, so no router or experts for moe_inputs")):
         with pytest.raises(ValueError, match=message):
             call()
 
