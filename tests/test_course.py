@@ -362,10 +362,14 @@ def test_teaching_helpers_name_a_bad_argument_instead_of_crashing():
             (lambda: course.straddles([3.5], 2), r"must be \[B\] non-negative integers"),
             (lambda: course.straddles([127], 0), "rows=0 must be a positive integer"),
             (lambda: course.is_prefix(None), "experts=None must be a list of expert ids"),
+            (lambda: teach.tile_times(None, BlockSizes(), 2, 1), "spec=None must be a mk"),
+            (lambda: teach.tile_times("v6e", None, 2, 1), "block=None must be a mk"),
+            (lambda: teach.tile_times("v6e", BlockSizes(), 0, 1), "itemsize=0 must be a"),
             (lambda: course.moe_inputs(mk.preset("tiny"), 0, 0, 2),
              r"tiny has no MoE layers, so no router or experts for moe_inputs")):
         with pytest.raises(ValueError, match=message):
             call()
+    assert teach.tile_times("v6e", BlockSizes(), 2, 1)["dma_s"] > 0
 
 
 def test_hard_positions_refuses_rows_past_the_context():
