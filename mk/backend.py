@@ -81,11 +81,16 @@ def use(backend: str = "auto", *, detect_races: bool = False,
                            + "\n  ".join(dma_leftovers()))
 
 
+def active() -> bool:
+    """Whether a kernel built now runs: on a TPU, or inside `use` (interpret mode)."""
+    return on_tpu() or _jax_config.pallas_tpu_interpret_mode_context_manager.value is not None
+
+
 def check_active() -> None:
     """Raise ValueError, saying what to do, when a kernel would be run outside `use` on a
     machine without a TPU (Pallas would fail deep in lowering: "Only interpret mode is
     supported on CPU backend")."""
-    if on_tpu() or _jax_config.pallas_tpu_interpret_mode_context_manager.value is not None:
+    if active():
         return
     raise ValueError(f"this process runs on {jax.default_backend()!r}, not a TPU: run the "
                      "kernel inside `with mk.backend.use('interpret'):` (TPU interpret mode "

@@ -22,19 +22,21 @@ table that shows the record (`mk.ledger.steps_table`; this module needs no plotl
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 from pathlib import Path
 
-from mk import perf, sim
+from mk import perf, sim, untrusted
 from mk.chips import spec_of
 from mk.machine import Assumptions
-from mk.measure import MEASURED, step_plans
+from mk.config import finite_number
+from mk.errors import shown
+from mk.measure import MEASURED, STEP_SERIES, step_plans
 from mk.presets import preset
 
 TOLERANCE = 0.10  # issue 59: every row simulated within 10 % of the chip
 LOOP = "megakernel_loop"  # the record's device-loop series (`mk.measure.STEP_SERIES`)
 ONE_STEP = "megakernel"  # its one dispatched step
+CACHE_MODES = ("donated", "copied")  # how the one dispatched step passed its cache
 
 
 def steps_path(chip: str) -> Path:
@@ -42,21 +44,44 @@ def steps_path(chip: str) -> Path:
     return MEASURED / f"{spec_of(chip).name}-steps.json"
 
 
-def load_steps(path: str | Path) -> dict:
-    """A steps record, its rows checked for the fields read here (ValueError naming the
-    file, the row and the field)."""
-    data = json.loads(Path(path).read_text(encoding="utf-8"))
+def load_steps(path: str | Path, chip: str | None = None) -> dict:
+    """A steps record, read with `mk.untrusted`'s limits (a regular UTF-8 file, bounded in
+    size and nesting) and its rows checked for the fields read here: ValueError naming the
+    file, the row, the field, the value and what it must be. With `chip`, a record
+    measured on another chip is refused too."""
+    data = untrusted.load_json(path, "steps record")
     if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
         raise ValueError(f"{path}: must be an object with a list 'rows'")
+    if chip is not None and data.get("chip") != spec_of(chip).name:
+        raise ValueError(f"{path}: chip={shown(data.get('chip'))}, not the simulated chip "
+                         f"{spec_of(chip).name!r}: a record holds one chip's steps")
+    _check_cache(f"{path}: megakernel_cache", data.get("megakernel_cache"))
     for i, row in enumerate(data["rows"]):
-        for field, kind in (("model", str), ("batch", int), ("rows", int), ("context", int)):
-            if not isinstance(row.get(field), kind) or isinstance(row.get(field), bool):
-                raise ValueError(f"{path}: rows[{i}].{field}={row.get(field)!r} must be "
-                                 f"a {kind.__name__}")
-        if row.get("layers") is not None and not isinstance(row["layers"], int):
-            raise ValueError(f"{path}: rows[{i}].layers={row['layers']!r} must be an int "
-                             "or null")
+        where = f"{path}: rows[{i}]"
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}={shown(row)} must be an object (one timed step)")
+        try:
+            preset(row.get("model"))
+        except (TypeError, ValueError):  # an unhashable value, an unknown name
+            raise ValueError(f"{where}.model={shown(row.get('model'))} must be a preset's "
+                             "name (mk.preset)") from None
+        for field, least in (("batch", 1), ("rows", 1), ("context", 0), ("layers", 1)):
+            value = row.get(field)
+            if field == "layers" and value is None:  # every layer
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{where}.{field}={shown(value)} must be an integer >= "
+                                 f"{least}" + (" or null" if field == "layers" else ""))
+        for series in STEP_SERIES:  # seconds a step, or null: not timed
+            if row.get(series) is not None:
+                finite_number(f"{where}.{series}", row[series], open_low=True)
+        _check_cache(f"{where}.megakernel_cache", row.get("megakernel_cache"))
     return data
+
+
+def _check_cache(field: str, value) -> None:
+    if value is not None and value not in CACHE_MODES:
+        raise ValueError(f"{field}={shown(value)} must be one of {CACHE_MODES} or absent")
 
 
 def row_config(row: dict):
@@ -138,7 +163,7 @@ def assumptions(chip: str, path: str | Path | None = None) -> Assumptions:
     (`path`, else `steps_path(chip)`); without a record or its sweeps, the DMA probe's
     fields alone."""
     path = Path(path) if path is not None else steps_path(chip)
-    costs = attention_costs(load_steps(path), chip) if path.exists() else None
+    costs = attention_costs(load_steps(path, chip), chip) if path.exists() else None
     base = Assumptions.measured(chip)
     if costs is None:
         return base
@@ -171,7 +196,7 @@ def agreement(chip: str, path: str | Path | None = None,
     (default `assumptions(chip, path)`) on the block the chip ran
     (`mk.measure.step_plans`)."""
     path = Path(path) if path is not None else steps_path(chip)
-    record = load_steps(path)
+    record = load_steps(path, chip)
     costs, call = attention_costs(record, chip), call_seconds(record)
     used = {LOOP: set() if costs is None else {*costs.context_sweep, costs.batch_row},
             ONE_STEP: set() if call is None else set(call[1])}

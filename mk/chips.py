@@ -21,8 +21,12 @@ from __future__ import annotations
 import csv
 import dataclasses
 import importlib.resources
+import io
 from functools import cache
 from pathlib import Path
+
+from mk import untrusted
+from mk.errors import shown
 
 # The csv files mk reads ship inside the package, so a non-editable install finds them.
 DATA = importlib.resources.files("mk") / "data"
@@ -157,10 +161,17 @@ def _row_to_spec(row: dict[str, str]) -> ChipSpec:
 
 @cache
 def read_chips(path: Path = CHIPS_CSV) -> dict[str, ChipSpec]:
-    """The `ChipSpec`s of a chips.csv by name (default the package's, read once); raises
-    ValueError when two rows share a name."""
-    with open(path, newline="", encoding="utf-8") as f:
-        specs = [_row_to_spec(row) for row in csv.DictReader(f)]
+    """The `ChipSpec`s of a chips.csv by name (default the package's, read once), read with
+    `mk.untrusted.read_text`'s limits; raises ValueError naming the file and the row for
+    a field that is missing or no number, and when two rows share a name."""
+    specs = []
+    text = untrusted.read_text(path, "chips table")
+    for i, row in enumerate(csv.DictReader(io.StringIO(text, newline=""))):
+        try:
+            specs.append(_row_to_spec(row))
+        except (KeyError, TypeError, ValueError) as err:  # a column missing, "fast" for a number
+            raise ValueError(f"{path}: row {i + 1} ({shown(row.get('name'))}): "
+                             f"{type(err).__name__} {err}") from None
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ValueError(f"{path}: chip names {names} are not unique")

@@ -34,7 +34,7 @@ from IPython.display import Markdown
 
 from mk import backend, bundles, megakernel, ops, reference, spec, teach
 from mk.checkpoint import init_params
-from mk.config import ModelConfig, positive_int
+from mk.config import ModelConfig, finite_number, positive_int
 from mk.errors import shown
 from mk.grading import (ExerciseFailed, answer_array, check_close, check_function,  # noqa: F401
                         check_race_free, check_tokens, described, learners_code)
@@ -64,14 +64,23 @@ def hard_positions(batch: int, rows: int, context: int, tile: int = 128) -> np.n
 
 
 def straddles(positions, rows: int, tile: int = 128) -> list[bool]:
-    """Whether each sequence's new rows p .. p + T - 1 cross a tile edge."""
-    return [int(p) // tile != (int(p) + rows - 1) // tile for p in np.asarray(positions)]
+    """Whether each sequence's new rows p .. p + T - 1 cross a tile edge (positions: [B]
+    non-negative integers)."""
+    rows, tile = positive_int("rows", rows), positive_int("tile", tile)
+    positions = np.asarray(positions)
+    if positions.ndim != 1 or positions.dtype.kind not in "iu" or (positions < 0).any():
+        raise ValueError(f"positions={shown(positions)} must be [B] non-negative integers")
+    return [int(p) // tile != (int(p) + rows - 1) // tile for p in positions]
 
 
 def moe_inputs(config: ModelConfig, seed: int, router_seed: int, rows: int):
     """Layer 0's MoE weights (router, we_gate, we_up, we_down) of `init_params(config,
     seed)`, activations h [rows, D] drawn with `router_seed`, and the distinct experts the
     reference router picks for them (sorted)."""
+    if not config.moe_layers:
+        raise ValueError(f"{config.name} has no MoE layers, so no router or experts for "
+                         "moe_inputs (take a MoE preset, e.g. mk.preset('tiny-moe'))")
+    rows = positive_int("rows", rows)
     params = init_params(config, seed)
     weights = [params[n][0] for n in ("router", "we_gate", "we_up", "we_down")]
     h = jax.random.normal(jax.random.key(router_seed), (rows, config.hidden))
@@ -94,6 +103,8 @@ def routed(config: ModelConfig, h, router):
 def is_prefix(experts) -> bool:
     """Whether the experts are 0 .. count - 1, where loading slot s instead of ids[s] is
     harmless."""
+    if isinstance(experts, (str, bytes)) or not hasattr(experts, "__iter__"):
+        raise ValueError(f"experts={shown(experts)} must be a list of expert ids")
     return list(experts) == list(range(len(experts)))
 
 
@@ -226,13 +237,14 @@ def planted(name: str | None):
 def check_up_rotation(rotation: int, used: int = 32, lanes: int = 128) -> None:
     """05c's exercise: `rotation` (jnp.roll's direction) must bring up's `used` values of a
     joined gate|up product of `lanes` lanes to lanes [0, used), as the kernel's own split
-    does (`mk.kernels.joined_experts.gate_up`, on a product whose lanes hold their index)."""
+    does (`mk.kernels.joined_experts.gate_up`, on a product whose lanes hold their index;
+    run on the backend in `use`, else the machine's own: interpret mode on a CPU)."""
     if isinstance(rotation, (bool, np.bool_)) or not isinstance(rotation, (int, np.integer)):
         raise ExerciseFailed(f"up_rotation: expected a whole number of lanes (an int, "
                              f"jnp.roll's shift); got {described(rotation)}")
-    backend.check_active()  # the split is a Pallas kernel: say where to run it
     joined = jnp.tile(jnp.arange(lanes, dtype=jnp.float32), (8, 1))
-    _, up = joined_experts.gate_up(joined, used, lanes)
+    with contextlib.nullcontext() if backend.active() else backend.use("auto"):
+        _, up = joined_experts.gate_up(joined, used, lanes)
     check_close("up's lanes after your rotation", np.roll(np.arange(lanes), rotation)[:used],
                 np.asarray(up)[0, :used], atol=0, rtol=0)
 
@@ -241,7 +253,9 @@ def check_ring_depth(sim, deep, *, tolerance: float = 0.05) -> float:
     """`sim` and `deep` are simulated steps (`mk.machine.Simulation`) of one configuration,
     `deep` with a ring as deep as Little's law asks (`mk.sim.latency_slots`). Returns
     sim's step / deep's; raises when `sim` is more than `tolerance` slower: its ring holds
-    too few bytes in flight to cover the DMA latency, and HBM idles ("ring empty")."""
+    too few bytes in flight to cover the DMA latency, and HBM idles ("ring empty").
+    `tolerance` is a finite number >= 0."""
+    tolerance = finite_number("tolerance", tolerance)
     for name, value in (("your simulated step", sim), ("the deep ring's step", deep)):
         if not isinstance(value, Simulation):
             raise ExerciseFailed(f"{name}: expected a mk.sim.simulate result (a "

@@ -153,7 +153,7 @@ def check_generate(config: ModelConfig, prompt, steps: int, max_context: int | N
     P + steps + gamma - 1 positions (the last token is returned, never fed back; a
     speculative step verifies gamma drafted rows past it)."""
     prompt = check_prompt(config, prompt)
-    S = config.max_context if max_context is None else max_context
+    S = config.max_context if max_context is None else positive_int("max_context", max_context)
     steps = positive_int("steps", steps)
     if prompt.shape[1] + steps + gamma - 1 > S:
         drafted = f" + gamma={gamma}" if gamma else ""

@@ -34,7 +34,7 @@ from jax import lax
 
 from mk import reference, untrusted
 from mk.bounds import kernel_jaxprs
-from mk.config import ModelConfig
+from mk.config import ModelConfig, finite_number
 from mk.jax_private import core, source_info_util
 from mk.measure import MEASURED, TPU_NAMES
 
@@ -90,10 +90,18 @@ class Verdict:
 
 
 def judge_logits(logits, tokens, *, tie_rtol: float = TIE_RTOL) -> Verdict:
-    """tokens [B, n] against the reference's logits [B, n, V] for each of them."""
+    """tokens [B, n] against the reference's logits [B, n, V] for each of them; a near-tie
+    is within `tie_rtol` (a finite number >= 0: an infinite one would call every wrong
+    token a tie) of the largest |logit|."""
+    tie_rtol = finite_number("tie_rtol", tie_rtol)
     logits, tokens = np.asarray(logits, np.float32), np.asarray(tokens)
     if logits.ndim != 3 or tokens.shape != logits.shape[:2]:
         raise ValueError(f"logits {logits.shape} must be [B, n, V] for tokens {tokens.shape}")
+    if tokens.dtype.kind not in "iu" or tokens.size and not (
+            0 <= tokens.min() and tokens.max() < logits.shape[-1]):
+        raise ValueError(f"tokens must be integer ids in [0, V={logits.shape[-1]}); got "
+                         f"dtype {tokens.dtype}"
+                         + (f", ids {tokens.min()}..{tokens.max()}" if tokens.size else ""))
     best = logits.max(-1)
     chosen = np.take_along_axis(logits, tokens[..., None].astype(np.int64), -1)[..., 0]
     scale = np.abs(logits).max(-1)

@@ -20,10 +20,10 @@ size, per element) and what the floor is and is not: docs/design/mk.feed_costs.m
 from __future__ import annotations
 
 import dataclasses
-import json
 from functools import cache
 from pathlib import Path
 
+from mk import untrusted
 from mk.chips import DATA, MXU_FEEDS, ChipSpec
 from mk.unpack import FEEDABLE
 
@@ -98,7 +98,7 @@ def recorded(path: Path = FEED_COSTS) -> dict[tuple, FeedCost]:
     """The recorded rows by (chip, dtype, feed, m); a derived column that disagrees with
     its row (tampered or stale) is an error."""
     out = {}
-    for r in json.loads(Path(path).read_text(encoding="utf-8")):
+    for r in untrusted.load_json(path, "feed costs record"):
         cost = FeedCost(**{k: tuple(v) if isinstance(v, list) else v
                            for k, v in r.items() if k not in _DERIVED})
         if {k: r.get(k) for k in _DERIVED} != {k: cost.row()[k] for k in _DERIVED}:
@@ -204,7 +204,7 @@ def recorded_feed_floors(path: Path = FEED_FLOORS) -> dict[tuple, FeedFloor]:
     """The recorded floors by (chip, feed, M); a bundles_per_mi that disagrees with its
     row's bundles (tampered or stale), or a key recorded twice, is an error."""
     out = {}
-    for r in json.loads(Path(path).read_text(encoding="utf-8")):
+    for r in untrusted.load_json(path, "feed floors record"):
         floor = FeedFloor(r["chip"], r["feed"], tuple(r["shape"]), r["bundles"],
                           r["libtpu"], r["compile_s"])
         if floor.row() != r or floor.key in out:

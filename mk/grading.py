@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mk import backend
+from mk.config import finite_number
 from mk.errors import shown
 
 
@@ -114,7 +115,9 @@ def check_race_free(what: str, races: bool | None) -> None:
 
 def check_close(what: str, got, want, *, atol: float, rtol: float = 1e-5) -> float:
     """The largest |got - want|; raises when any element is outside atol + rtol * |want|,
-    or `got` is not an array of numbers of want's shape (saying what came back)."""
+    or `got` is not an array of numbers of want's shape (saying what came back). The
+    tolerances are finite numbers >= 0 (an infinite one would pass any answer)."""
+    atol, rtol = finite_number("atol", atol), finite_number("rtol", rtol)
     want = np.asarray(want, np.float32)
     with np.errstate(over="ignore"):  # 1e300 is inf in float32: it differs, as it should
         got = answer_array(what, got).astype(np.float32)

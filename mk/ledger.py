@@ -164,7 +164,7 @@ def steps_table(chip: str, path: str | Path | None = None, *,
         return plots.table([{"chip": chip, "steps record": f"none here ({path.name} is in "
                              "data/measured of a checkout of mk; benchmarks/tpu_steps.py "
                              "writes it on a TPU)"}])
-    record = calibration.load_steps(path)
+    record = calibration.load_steps(path, chip)
     simulated = {(g.index, g.series): g for g in calibration.agreement(chip, path)}
     out = []
     for i, row in enumerate(record["rows"]):

@@ -386,8 +386,11 @@ class Simulation:
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
     def tokens_per_s_per_user(self, accepted: float | None = None) -> float:
-        """Tokens each sequence keeps per second, `accepted` (default T) per step."""
-        return (self.rows if accepted is None else accepted) / self.step_s
+        """Tokens each sequence keeps per second, `accepted` (default T) per step: a
+        number in (0, T], as `mk.perf.predict` takes it (a step verifies T rows)."""
+        if accepted is None:
+            return self.rows / self.step_s
+        return finite_number("accepted", accepted, 0, self.rows, open_low=True) / self.step_s
 
     def table(self, kind: str = "events") -> list[dict]:
         """The events or the bubbles as dicts (times in microseconds), for a table."""

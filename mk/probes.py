@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
-import json
 import re
 import tempfile
 import time
-from pathlib import Path
 
 import jax.numpy as jnp
 
-from mk import feed_costs
+from mk import feed_costs, untrusted
 from mk.bundles import (compile_with_dumps, drives_mxu, dump_file, loops, read_bundles,
                         tile_loops, tile_parts)
 from mk.chips import DATA, ChipSpec, spec_of
@@ -235,4 +233,4 @@ def probe_floor(chip: str | ChipSpec, feed: str, m: int, *,
 
 def recorded_clock_probes(path=CLOCK_PROBES) -> dict[str, dict]:
     """The recorded `ClockProbe.row`s by chip (data/clock_probes.json)."""
-    return {r["chip"]: r for r in json.loads(Path(path).read_text(encoding="utf-8"))}
+    return {r["chip"]: r for r in untrusted.load_json(path, "clock probes record")}

@@ -179,8 +179,14 @@ def timeline(xplane_path: str | os.PathLike, *, plane: str = "auto") -> Timeline
     on any thread). Steps are the `StepTraceAnnotation`s of the host plane (events with a
     `step_num` stat). A TPU's op event is named by its instruction's whole HLO text; an op
     keeps its name ("copy.8"). The device path was read from a TPU v5e's traces
-    (data/measured/v5e-trace.json)."""
-    data = jax.profiler.ProfileData.from_file(str(xplane_path))
+    (data/measured/v5e-trace.json). A path that is no regular file (a named pipe would
+    block the reader) or no XSpace is refused naming it."""
+    untrusted.check_regular(xplane_path, "profile")
+    try:
+        data = jax.profiler.ProfileData.from_file(str(xplane_path))
+    except RuntimeError as err:  # "Failed to parse XSpace from array"
+        raise ValueError(f"profile {os.fspath(xplane_path)!r} is not an XSpace trace "
+                         f"(jax.profiler: {err})") from None
     planes = {p.name: p for p in data.planes}
     if plane == "auto":
         plane = "/device:TPU:0" if "/device:TPU:0" in planes else "/host:CPU"
@@ -554,6 +560,7 @@ def trace_viewer(xplane_path: str | os.PathLike) -> dict:
 
     from xprof.convert import raw_to_tool_data
 
+    untrusted.check_regular(xplane_path, "profile")  # a named pipe would block xprof
     with benign_stderr_dropped(XPROF_FALLBACK):
         data, _ = raw_to_tool_data.xspace_to_tool_data([str(xplane_path)], "trace_viewer",
                                                        {})

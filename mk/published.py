@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import io
 
+from mk import untrusted
 from mk.chips import DATA
 from mk.perf import check_choice
 
@@ -47,16 +49,22 @@ class Published:
 
 
 def published(path=PUBLISHED_CSV) -> tuple[Published, ...]:
-    """Every row of data/published.csv, in file order."""
+    """Every row of data/published.csv, in file order (read with `mk.untrusted.read_text`'s
+    limits; a column missing or a number that is none is named by file and row)."""
     def num(text, kind):
         return kind(text) if text.strip() else None
 
-    with open(path, newline="", encoding="utf-8") as f:
-        return tuple(Published(
-            model=r["model"], preset=r["preset"], system=r["system"],
-            chips=num(r["chips"], int), cores=num(r["cores"], int), tp=num(r["tp"], int),
-            batch=num(r["batch"], int), context=num(r["context"], int),
-            acceptance_length=num(r["acceptance_length"], float),
-            tokens_per_s=float(r["tokens_per_s"]), metric=r["metric"],
-            step_ms=num(r["step_ms"], float), source=r["source"], notes=r["notes"])
-            for r in csv.DictReader(f))
+    rows = []
+    text = untrusted.read_text(path, "published table")
+    for i, r in enumerate(csv.DictReader(io.StringIO(text, newline=""))):
+        try:
+            rows.append(Published(
+                model=r["model"], preset=r["preset"], system=r["system"],
+                chips=num(r["chips"], int), cores=num(r["cores"], int), tp=num(r["tp"], int),
+                batch=num(r["batch"], int), context=num(r["context"], int),
+                acceptance_length=num(r["acceptance_length"], float),
+                tokens_per_s=float(r["tokens_per_s"]), metric=r["metric"],
+                step_ms=num(r["step_ms"], float), source=r["source"], notes=r["notes"]))
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise ValueError(f"{path}: row {i + 1}: {type(err).__name__} {err}") from None
+    return tuple(rows)

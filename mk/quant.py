@@ -177,7 +177,16 @@ def _safe(scale: np.ndarray) -> np.ndarray:
 
 def quantize_weight(w, scheme: str, name: str = "weight") -> QuantWeight:
     """One weight [..., I, O] (any float dtype, finite) -> its `QuantWeight` in `scheme`."""
-    w = np.asarray(jnp.asarray(w, F32))
+    if isinstance(w, (str, bytes)):  # jnp.asarray would parse "1.5"
+        raise ValueError(f"{name}: a weight is an array [..., I, O] of numbers, not a "
+                         f"{type(w).__name__}")
+    try:
+        w = np.asarray(jnp.asarray(w, F32))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{name}: a weight is an array [..., I, O] of numbers; got "
+                         f"{type(w).__name__} ({err})") from None
+    if w.ndim < 2:
+        raise ValueError(f"{name}: shape {w.shape} has no [I, O] matrix (ndim {w.ndim} < 2)")
     check_shape(name, scheme, w.shape)
     bad = w.size - int(np.isfinite(w).sum())
     if bad:  # a scale is its group's absmax: an inf or NaN spoils the group, silently

@@ -79,6 +79,9 @@ def clock_ends(config: ModelConfig, chip: ChipSpec | str, *,
     """{clock end: the step `simulate(config, chip, **kwargs)` with `assumptions` at that
     end of the chip's clock range} (`mk.chips.CLOCK_ENDS`): one source of tile costs (the
     tile cost table, or a compiled kernel's recorded loop) at both ends."""
+    if assumptions is not None and not isinstance(assumptions, Assumptions):
+        raise ValueError(f"assumptions is a {type(assumptions).__name__}; it must be a "
+                         "mk.sim.Assumptions")
     a = assumptions or Assumptions()
     return {end: simulate(config, chip, assumptions=dataclasses.replace(a, clock=end),
                           **kwargs) for end in CLOCK_ENDS}

@@ -153,6 +153,9 @@ def record(config: ModelConfig, params, prompt, steps: int = 0) -> RoutingTrace:
 
 def save(trace: RoutingTrace, path: str | os.PathLike) -> None:
     """Write `trace` as JSON (`load` reads it back)."""
+    if not isinstance(trace, RoutingTrace):
+        raise ValueError(f"trace is a {type(trace).__name__}; save writes a RoutingTrace "
+                         "(`record`'s)")
     with open(path, "w") as f:
         json.dump(dataclasses.asdict(trace), f)
 

@@ -24,9 +24,12 @@ from __future__ import annotations
 import math
 import numbers
 
+import numpy as np
+
 from mk import feed_costs, perf, quant
 from mk.chips import ChipSpec, spec_of
 from mk.config import (DTYPE_BITS, ModelConfig, check_config, check_formats, positive_int)
+from mk.errors import shown
 from mk.kernels.common import BlockSizes
 from mk.kernels.mlp import expert_slots
 from mk.kernels.plan import DecodePlan, model_stream, ring_slots
@@ -383,11 +386,17 @@ def simulate(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows:
     if assumptions is not None and not isinstance(assumptions, Assumptions):
         raise ValueError(f"assumptions is a {type(assumptions).__name__}; it must be a "
                          "mk.sim.Assumptions")
+    if not isinstance(cross_layer_prefetch, (bool, np.bool_)):  # "no" would be truthy
+        raise ValueError(f"cross_layer_prefetch={shown(cross_layer_prefetch)} must be True "
+                         "or False")
     plan = DecodePlan.make(config, batch=batch, rows=rows, position=context, tp=tp,
                            block=block, formats=formats, chip=spec, kernel=False,
                            collective=collective)
     a = assumptions or Assumptions()
     on = 0
+    if experts_active is not None and not plan.expert_slots:
+        raise ValueError(f"experts_active={shown(experts_active)}: {config.name} has no MoE "
+                         "layers, so no expert slots to fill (leave it None)")
     if plan.expert_slots:  # 0 without MoE layers
         on = experts_active if experts_active is not None else active_experts(
             config, plan.M, routing)

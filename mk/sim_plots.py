@@ -12,11 +12,13 @@ lanes and colours: docs/design/mk.plots.md.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 
 import plotly.graph_objects as go
 
 from mk.colours import CATEGORY_COLOURS, IDLE_COLOURS
+from mk.errors import shown
 from mk.plots import LEGEND_ENTRIES
 
 def _family(what: str) -> str:
@@ -50,9 +52,11 @@ def timeline(sims, *, layers: tuple[int, int] | None = None,
     `layers=(first, last)` keeps the events of those layers (inclusive), so a big model
     stays drawable; `window_s` zooms the x axis to that interval and keeps only what
     overlaps it. Times in microseconds."""
-    sims = sims if isinstance(sims, Mapping) else {"": sims}
-    lo, hi = layers if layers is not None else (None, None)
-    w0, w1 = window_s if window_s is not None else (-math.inf, math.inf)
+    sims = _simulations(sims if isinstance(sims, Mapping) else {"": sims}, "events",
+                        "bubbles")
+    lo, hi = _span("layers", layers, int) if layers is not None else (None, None)
+    w0, w1 = (_span("window_s", window_s, float) if window_s is not None
+              else (-math.inf, math.inf))
 
     def keep(layer, start_s=0.0, end_s=0.0):
         return ((layers is None or (layer is not None and lo <= layer <= hi))
@@ -112,6 +116,29 @@ def timeline(sims, *, layers: tuple[int, int] | None = None,
     return fig
 
 
+def _simulations(sims: Mapping, *fields: str) -> Mapping:
+    """`sims` after checking each value has the `fields` of a `mk.machine.Simulation` that
+    the figure reads (`mk.sim.simulate`'s; anything else is named, not an AttributeError)."""
+    for label, sim in sims.items():
+        if not all(hasattr(sim, f) for f in fields):
+            raise ValueError(f"sims[{label!r}] is a {type(sim).__name__}; a figure of a "
+                             "simulated step takes mk.sim.simulate's Simulation")
+    return sims
+
+
+def _span(field: str, span, kind) -> tuple:
+    """(first, last) of `kind` (int: layers, inclusive; float: seconds), first <= last;
+    a span the wrong way round would draw an empty figure silently."""
+    ok = isinstance(span, (tuple, list)) and len(span) == 2 and all(
+        not isinstance(v, bool) and isinstance(v, numbers.Real if kind is float
+                                               else numbers.Integral)
+        and math.isfinite(v) for v in span)
+    if not ok or span[0] > span[1]:
+        raise ValueError(f"{field}={shown(span)} must be (first, last) with first <= last, "
+                         + ("whole layer indices" if kind is int else "finite seconds"))
+    return tuple(span)
+
+
 def collective_timeline(sim, *, index: int, pad: float = 0.5, title: str = "") -> go.Figure:
     """`timeline` around the `index`-th collective of a tensor-parallel `mk.machine.Simulation`
     (its "collective" compute events in program order: per layer the all-reduce after
@@ -143,6 +170,8 @@ def bubble_bars(sims: Mapping[str, object], *, title: str = "Where the step goes
     """Stacked bars per label -> Simulation: HBM busy time and the idle time per cause, ms;
     the legend lists HBM busy and the causes with the most idle time (`LEGEND_ENTRIES` in
     all), the others named on hover."""
+    sims = _simulations(sims if isinstance(sims, Mapping) else {"": sims}, "bubble_share",
+                        "hbm_floor_s")
     labels = list(sims)
     idle: dict[str, float] = {}
     for sim in sims.values():

@@ -26,10 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from mk import decode_checks, megakernel, perf, sim
-from mk.config import MAX_ROWS, ModelConfig, check_seed
+from mk.config import MAX_ROWS, ModelConfig, check_seed, finite_number, positive_int
 from mk.drafters import Drafter, Forced, ModelDrafter, NGram, draw
+from mk.errors import shown
 from mk.kernels.common import default_kv_tile
-from mk.runners import XLA, Megakernel
+from mk.runners import XLA, Megakernel, Runner
 from mk.weights import param_shapes
 
 MAX_GAMMA = 7  # T = gamma + 1 <= 8 verification rows, as in the published runs
@@ -46,10 +47,11 @@ class Sampling:
     top_p: float = 1.0
 
     def __post_init__(self):
-        if not self.temperature > 0:
-            raise ValueError(f"temperature={self.temperature} must be > 0 (None is greedy)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if not _real(self.temperature) or not 0 < self.temperature < math.inf:
+            raise ValueError(f"temperature={shown(self.temperature)} must be a finite number "
+                             "> 0 (None is greedy)")
+        if not _real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={shown(self.top_p)} must be in (0, 1]")
 
     def probs(self, logits) -> np.ndarray:
         """logits [..., V] -> the sampling distribution [..., V] float64."""
@@ -66,6 +68,11 @@ class Sampling:
             p = np.where(mask, p, 0.0)
             p /= p.sum(axis=-1, keepdims=True)
         return p
+
+
+def _real(value) -> bool:
+    return not isinstance(value, (bool, np.bool_)) and isinstance(
+        value, (int, float, np.integer, np.floating))
 
 
 # -- Drafters by name -----------------------------------------------------------------------
@@ -89,6 +96,7 @@ def noisy_copy(config: ModelConfig, params, *, layers: int = 1, noise: float = 0
     """A stand-in for a trained draft model of a random target (no draft was trained for
     the tiny presets): the target's first `layers` layers, embedding and head, every weight
     plus Gaussian noise of `noise` x its tensor's RMS. A separate model sharing the vocab."""
+    noise, seed = finite_number("noise", noise), check_seed(seed)  # nan: a draft of nan
     cut, cut_params = first_layers(config, params, layers)
     keys = jax.random.split(jax.random.key(seed), len(cut_params))
     out = {}
@@ -133,11 +141,19 @@ def make_drafter(name: str, config: ModelConfig, params, *, gamma: int,
         drafter = ModelDrafter(*first_layers(config, params, n), batch=batch)
         drafter.name = "self"
         return drafter
+    _check_draft(draft)
     draft_config, draft_params = draft or noisy_copy(config, params)
     if draft_config.vocab != config.vocab:
         raise ValueError(f"draft vocab={draft_config.vocab} must equal the target's "
                          f"vocab={config.vocab}")
     return ModelDrafter(draft_config, draft_params, batch=batch)
+
+
+def _check_draft(draft) -> None:
+    if draft is not None and not (isinstance(draft, tuple) and len(draft) == 2
+                                  and isinstance(draft[0], ModelConfig)):
+        raise ValueError(f"draft={shown(draft)} must be (config, params) of a draft model "
+                         "(a ModelConfig and its params), or None")
 
 
 # -- Acceptance -------------------------------------------------------------------------------
@@ -210,15 +226,32 @@ class SpecStats:
 def fit_rate(runs) -> float:
     """The per-draft acceptance probability alpha that best explains the histograms of
     `runs` (SpecStats; maximum likelihood with drafts accepted independently: kept drafts
-    over kept drafts plus steps that ended in a rejection)."""
+    over kept drafts plus steps that ended in a rejection). ValueError for runs that are
+    not SpecStats or hold no step (no alpha to fit)."""
+    if isinstance(runs, (str, bytes)) or not hasattr(runs, "__iter__"):
+        raise ValueError(f"runs={shown(runs)} must be a list of SpecStats")
+    runs = list(runs)
+    for i, s in enumerate(runs):
+        if not isinstance(s, SpecStats):
+            raise ValueError(f"runs[{i}]={shown(s)} is a {type(s).__name__}, not a SpecStats "
+                             "(what generate returns)")
     kept = sum((k - 1) * c for s in runs for k, c in enumerate(s.histogram, 1))
     rejected = sum(sum(s.histogram[:-1]) for s in runs)
-    return kept / (kept + rejected) if kept + rejected else math.nan
+    if not kept + rejected:
+        raise ValueError(f"runs hold no verification step ({len(runs)} runs): no "
+                         "acceptance rate to fit")
+    return kept / (kept + rejected)
 
 
 def expected_length(alpha, gamma: int):
-    """Leviathan et al.: E[tokens per step] = (1 - alpha^(gamma + 1)) / (1 - alpha)."""
-    a = np.asarray(alpha, dtype=float)
+    """Leviathan et al.: E[tokens per step] = (1 - alpha^(gamma + 1)) / (1 - alpha), for
+    alpha (a number or an array of them) in [0, 1] and gamma >= 1 drafts."""
+    gamma = positive_int("gamma", gamma)
+    a = np.asarray(alpha)
+    if a.dtype.kind not in "iuf" or not np.all((a >= 0) & (a <= 1)):  # nan fails too
+        raise ValueError(f"alpha={shown(alpha)} must be a probability (a number in [0, 1]) "
+                         "or an array of them")
+    a = a.astype(float)
     safe = np.where(a == 1, 0.5, a)
     return np.where(a == 1, gamma + 1.0, (1 - safe ** (gamma + 1)) / (1 - safe))
 
@@ -250,6 +283,17 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, drafter, gamma:
                                                     gamma=gamma)
     prompt = np.asarray(prompt)
     B, P = prompt.shape
+    if sampling is not None and not isinstance(sampling, Sampling):
+        raise ValueError(f"sampling={shown(sampling)} must be a mk.spec.Sampling, or None "
+                         "(greedy)")
+    if not isinstance(drafter, (str, Drafter)):
+        raise ValueError(f"drafter={shown(drafter)} must be one of {DRAFTERS} or a "
+                         "mk.drafters.Drafter")
+    if not isinstance(verifier, (str, Runner)):
+        raise ValueError(f"verifier={shown(verifier)} must be one of {VERIFIERS} or a "
+                         "mk.runners.Runner")
+    if bucket is not None:
+        bucket = positive_int("bucket", bucket)
     if sampling is not None and drafter == "forced":
         raise NotImplementedError("drafter='forced' is defined for greedy decoding only")
     if verifier == "megakernel" and B * (gamma + 1) > MAX_ROWS:
@@ -263,6 +307,7 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, drafter, gamma:
         raise ValueError(f"bucket={bucket} must be >= batch={B}")
     if isinstance(drafter, str):
         check_drafter(drafter, gamma, drafter_options.get("acceptance_length"))
+        _check_draft(drafter_options.get("draft"))
     if not isinstance(verifier, str) and verifier.rows < gamma + 1:
         raise ValueError(f"the verifier's rows={verifier.rows} must be >= gamma + 1 = "
                          f"{gamma + 1}")

@@ -31,7 +31,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mk import perf, sim
+from mk.chips import ChipSpec, spec_of
 from mk.config import finite_number, positive_int
+from mk.errors import shown
+from mk.kernels.common import BlockSizes
 
 F32 = jnp.float32
 
@@ -274,7 +277,14 @@ def first_copies(count: int):
 def tile_times(spec, block, itemsize: int, rows: int) -> dict:
     """`ring_schedule`'s times for one plain tile of `block` on chip `spec` (a
     `mk.chips.ChipSpec`): the simulator's assumed DMA latency, the transfer at one core's
-    share of the datasheet bandwidth, the MXU rule's compute (`mk.sim`'s rule)."""
+    share of the datasheet bandwidth, the MXU rule's compute (`mk.sim`'s rule). `spec`
+    may be a chip's name."""
+    spec = spec_of(spec)
+    if not isinstance(spec, ChipSpec):
+        raise ValueError(f"spec={shown(spec)} must be a mk.chips.ChipSpec or a chip's name")
+    if not isinstance(block, BlockSizes):
+        raise ValueError(f"block={shown(block)} must be a mk.kernels.common.BlockSizes")
+    itemsize, rows = positive_int("itemsize", itemsize), positive_int("rows", rows)
     cores = spec.cores_per_chip
     return dict(latency_s=sim.Assumptions().dma_latency_s,
                 dma_s=block.tile_rows * block.tile_cols * itemsize / (spec.hbm_bw / cores),

@@ -1,6 +1,7 @@
 """Reading a file a user hands in (a runs file, a routing trace, a checkpoint's config.json
-and safetensors index) with limits: `read_text` (a regular file only, at most
-`max_bytes`, UTF-8 with a bad byte's offset named), `check_depth` (brackets nested at most
+and safetensors index, a measured, steps or exactness record, the recorded tables and csv
+files a path may replace, a profile) with limits: `read_text` (a regular file only, at
+most `max_bytes`, UTF-8 with a bad byte's offset named), `check_depth` (brackets nested at most
 `max_depth` deep, counted in linear time before a recursive parser sees them) and
 `load_json` (both, then `json.loads`; a key repeated in an object and an integer of more
 than `MAX_DIGITS` digits refused). Every refusal is a `ValueError` naming the file, what

@@ -309,6 +309,17 @@ def test_batch_or_rows_zero_is_a_value_error_not_a_zero_division(params):
                                block=BlockSizes(kv_tile=16))
 
 
+@pytest.mark.parametrize("max_context", ["256", 256.0, 0, True])
+def test_a_max_context_that_is_no_positive_integer_is_named(params, max_context):
+    """Issue 65: the string "256" ended in a TypeError comparing an int with a str."""
+    for call in (lambda: megakernel.generate(TINY, params, [[1, 2]], 2, max_context=max_context),
+                 lambda: spec.generate(TINY, params, [[1, 2]], 2, drafter="ngram", gamma=2,
+                                       max_context=max_context)):
+        with pytest.raises(ValueError, match=f"max_context={max_context!r} must be a positive"):
+            call()
+    assert megakernel.check_generate(TINY, [[1, 2]], 2, 1, np.int64(64))[1] == 64
+
+
 def test_numpy_integer_steps_and_tp_are_accepted(params):
     got = reference.generate(TINY, params, [[1, 2]], np.int64(3))
     assert got.shape == (1, 3)

@@ -5,6 +5,8 @@ tpu_steps.py); these tests read it and simulate, on the CPU, with no TPU.
 """
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -77,11 +79,46 @@ def test_a_longer_context_stepping_faster_is_refused(tmp_path):
         calibration.assumptions("v5e", path)
 
 
-@pytest.mark.parametrize("field, value", [("batch", "8"), ("model", None), ("context", True)])
-def test_a_bad_row_is_named(tmp_path, field, value):
+@pytest.mark.parametrize("field, value, limit", [
+    ("batch", "8", "an integer >= 1"), ("model", None, "a preset's name"),
+    ("model", "qwen9", "a preset's name"), ("model", [1], "a preset's name"),
+    ("context", True, "an integer >= 0"), ("context", -1, "an integer >= 0"),
+    ("batch", 0, "an integer >= 1"), ("layers", 0, "an integer >= 1 or null"),
+    ("megakernel_loop", float("inf"), "a finite number in (0, inf)"),
+    ("megakernel", -1e-3, "a finite number in (0, inf)"),
+    ("xla", "2e-3", "a finite number in (0, inf)"),
+    ("megakernel_cache", "moved", "one of ('donated', 'copied')")])
+def test_a_bad_row_is_named(tmp_path, field, value, limit):
+    """A field read from a row is checked where it enters, by row, field, value and
+    limit (issue 65: a negative batch or an infinite time was accepted)."""
     path = _record(tmp_path, [_row(1, 1024, 2e-3) | {field: value}])
-    with pytest.raises(ValueError, match=rf"rows\[0\]\.{field}="):
+    with pytest.raises(ValueError, match=rf"rows\[0\]\.{field}=.* must be {re.escape(limit)}"):
         calibration.load_steps(path)
+    calibration.load_steps(_record(tmp_path, [_row(1, 1024, 2e-3) | {"layers": 2}]))
+
+
+def test_a_steps_record_is_read_with_the_untrusted_files_limits(tmp_path):
+    """A pipe, deep nesting, bytes that are not UTF-8 and a row that is not an object are
+    refused naming the file (issue 65: a pipe blocked for ever, the rest were tracebacks
+    from json or from `row.get`); a record of another chip is refused where a chip's
+    steps are simulated."""
+    pipe = tmp_path / "pipe.json"
+    os.mkfifo(pipe)
+    deep, latin, flat = (tmp_path / f"{n}.json" for n in ("deep", "latin", "flat"))
+    deep.write_text("[" * 10_000 + "]" * 10_000)
+    latin.write_bytes(b'{"rows": [], "chip": "v5\xe9"}')
+    flat.write_text('{"rows": [3]}')
+    for path, message in ((pipe, "pipe.json' is a named pipe"),
+                          (deep, "nests 10000 levels deep; the limit is 32"),
+                          (latin, "latin.json' is not UTF-8 text: byte offset 24"),
+                          (flat, r"flat.json: rows\[0\]=3 must be an object")):
+        with pytest.raises(ValueError, match=message):
+            calibration.load_steps(path)
+    v6e = _record(tmp_path, [_row(1, 1024, 2e-3)])
+    v6e.write_text(v6e.read_text().replace('"v5e"', '"v6e"'))
+    with pytest.raises(ValueError, match="chip='v6e', not the simulated chip 'v5e'"):
+        calibration.assumptions("v5e", v6e)
+    assert calibration.load_steps(v6e, "v6e")["chip"] == "v6e"
 
 
 def test_the_ledger_says_which_chip_rests_on_measurement():

@@ -3,6 +3,7 @@ the TPU rows agree with what libtpu itself reports for their topology names."""
 
 import dataclasses
 import json
+import os
 import re
 
 import jax
@@ -87,6 +88,23 @@ def test_duplicate_chip_names_in_a_csv_are_rejected(tmp_path):
     path.write_text(text + last + "\n", encoding="utf-8")
     with pytest.raises(ValueError, match="not unique"):
         chips.read_chips(path)
+
+
+def test_a_chips_table_handed_in_is_read_with_limits_and_a_bad_row_named(tmp_path):
+    """Issue 65: a pipe would block for ever, a word where a number belongs was a bare
+    ValueError from int() naming no file or row."""
+    header, first = chips.CHIPS_CSV.read_text(encoding="utf-8").splitlines()[:2]
+    path, pipe = tmp_path / "chips.csv", tmp_path / "pipe.csv"
+    row = dict(zip(header.split(","), first.split(",")))
+    bad = first.replace(f",{row['hbm_bytes']},", ",fast,", 1)
+    path.write_text(f"{header}\n{bad}\n")
+    with pytest.raises(ValueError, match=r"chips\.csv: row 1 \('v5e'\): ValueError .*'fast'"):
+        chips.read_chips(path)
+    os.mkfifo(pipe)
+    with pytest.raises(ValueError, match=r"chips table '.*pipe\.csv' is a named pipe"):
+        chips.read_chips(pipe)
+    path.write_text(f"{header}\n{first}\n")
+    assert list(chips.read_chips(path)) == ["v5e"]
 
 
 @pytest.mark.parametrize("name", [c.name for c in all_chips("tpu")])

@@ -16,6 +16,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import math
 from pathlib import Path
 
 import jax
@@ -150,11 +151,13 @@ def test_a_wrong_up_rotation_is_caught_against_the_kernels_split():
             course.check_up_rotation(32)
 
 
-def test_check_up_rotation_outside_backend_use_says_where_to_run_it():
-    """Run on the CPU outside `backend.use`, the check says to enter interpret mode (issue
-    65: it failed deep in Pallas lowering)."""
-    with pytest.raises(ValueError, match=r"inside `with mk.backend.use\('interpret'\):`"):
-        course.check_up_rotation(96)
+def test_check_up_rotation_outside_backend_use_grades_the_answer():
+    """Run on the CPU outside `backend.use`, the check runs the split in interpret mode
+    and grades the rotation (issue 65: it failed deep in Pallas lowering)."""
+    assert not backend.active()
+    course.check_up_rotation(96)
+    with pytest.raises(course.ExerciseFailed, match="up's lanes after your rotation"):
+        course.check_up_rotation(32)
 
 
 def test_check_tokens_names_the_first_difference():
@@ -354,9 +357,19 @@ def test_teaching_helpers_name_a_bad_argument_instead_of_crashing():
             (lambda: teach.ring_schedule(None, slots="3", latency_s=0, dma_s=0, compute_s=0),
              "slots='3' must be a positive integer"),
             (lambda: teach.ring_schedule(None, slots=3, latency_s=float("inf"), dma_s=0,
-                                         compute_s=0), r"latency_s=inf must be a finite")):
+                                         compute_s=0), r"latency_s=inf must be a finite"),
+            (lambda: course.straddles("abc", 2), r"positions=.*'abc'.* must be \[B\] non-"),
+            (lambda: course.straddles([3.5], 2), r"must be \[B\] non-negative integers"),
+            (lambda: course.straddles([127], 0), "rows=0 must be a positive integer"),
+            (lambda: course.is_prefix(None), "experts=None must be a list of expert ids"),
+            (lambda: teach.tile_times(None, BlockSizes(), 2, 1), "spec=None must be a mk"),
+            (lambda: teach.tile_times("v6e", None, 2, 1), "block=None must be a mk"),
+            (lambda: teach.tile_times("v6e", BlockSizes(), 0, 1), "itemsize=0 must be a"),
+            (lambda: course.moe_inputs(mk.preset("tiny"), 0, 0, 2),
+             r"tiny has no MoE layers, so no router or experts for moe_inputs")):
         with pytest.raises(ValueError, match=message):
             call()
+    assert teach.tile_times("v6e", BlockSizes(), 2, 1)["dma_s"] > 0
 
 
 def test_hard_positions_refuses_rows_past_the_context():
@@ -493,6 +506,19 @@ def test_every_check_fails_any_wrong_answer_saying_what_came_back(check, name, a
     text = str(failed.value)
     assert any(word in text for word in ("expected", "differ", "flagged", "too shallow",
                                          "no bundle", "tau", "another configuration")), text
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: course.check_close("x", [1.0], [2.0], atol=math.inf), "atol=inf must be a finite"),
+    (lambda: course.check_close("x", [1.0], [2.0], atol=0, rtol=math.nan), "rtol=nan must be"),
+    (lambda: course.check_close("x", [1.0], [2.0], atol=0, rtol="1"), "rtol='1' must be a"),
+    (lambda: course.check_ring_depth(_deep_ring(), _deep_ring(), tolerance=math.nan),
+     "tolerance=nan must be a finite number")])
+def test_a_checks_tolerance_is_finite_so_no_tolerance_passes_any_answer(call, message):
+    """Issue 65: atol=inf passed [1] against [2]; a nan tolerance passed a shallow ring."""
+    with pytest.raises(ValueError, match=message):
+        call()
+    assert course.check_close("x", [1.0], [2.0], atol=1.0, rtol=0) == 1.0
 
 
 def test_check_tokens_fails_one_token_against_another():

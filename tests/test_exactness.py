@@ -31,6 +31,21 @@ def test_judge_logits_classes_exact_near_tie_and_wrong_tokens():
     assert verdict.ok and "1 near-ties" in str(verdict)
 
 
+@pytest.mark.parametrize("tokens, tie_rtol, message", [
+    ([[0, 3]], 1e-2, r"integer ids in \[0, V=3\); got dtype int64, ids 0\.\.3"),
+    ([[0, -1]], 1e-2, r"ids -1\.\.0"), ([[0.0, 1.0]], 1e-2, "got dtype float64"),
+    ([[0, 1]], float("inf"), "tie_rtol=inf must be a finite number"),
+    ([[0, 1]], float("nan"), "tie_rtol=nan must be a finite number")])
+def test_judge_logits_refuses_ids_out_of_range_and_a_tolerance_that_calls_all_ties(
+        tokens, tie_rtol, message):
+    """Issue 65: an id past V was an IndexError from numpy; tie_rtol=inf judged every
+    wrong token a near-tie (a wrong path passed)."""
+    logits = np.array([[[10.0, 0.0, 0.0], [0.0, 10.0, 0.0]]])
+    with pytest.raises(ValueError, match=message):
+        exactness.judge_logits(logits, np.array(tokens), tie_rtol=tie_rtol)
+    assert exactness.judge_logits(logits, np.array([[0, 1]])).exact == 2
+
+
 def test_issue_58s_divergence_is_a_near_tie_in_interpret_mode_too():
     """Issue 58's gpt-oss run (bf16, seed-0 weights, prompt 1..14 as two sequences): the
     kernel gives 153, 11, 482 in interpret mode as on the chip, the bf16 reference 153,

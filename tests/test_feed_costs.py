@@ -4,6 +4,7 @@ ring kernel's per-tile loop (`mk.probes.probe_tile`: one cheap row in CI, ~10 s;
 row under `slow`, ~15 min)."""
 
 import json
+import os
 import math
 
 import pytest
@@ -227,3 +228,17 @@ def test_perfs_tile_floor_sums_the_same_table():
     e = perf.predict(config, spec, context=1024)
     assert perf.modelled_step_ms(config, spec, context=1024) == pytest.approx(
         max(e.hbm_floor_ms, low + e.collective_ms))
+
+
+@pytest.mark.parametrize("read", [feed_costs.recorded, feed_costs.recorded_feed_floors,
+                                  probes.recorded_clock_probes])
+def test_the_recorded_tables_are_read_with_the_untrusted_files_limits(tmp_path, read):
+    """A path handed in is untrusted (issue 65): a named pipe is refused before it blocks,
+    nesting past the limit before json recurses, both naming the file."""
+    pipe, deep = tmp_path / "pipe.json", tmp_path / "deep.json"
+    os.mkfifo(pipe)
+    deep.write_text("[" * 5000 + "]" * 5000)
+    with pytest.raises(ValueError, match=r"pipe\.json' is a named pipe"):
+        read(pipe)
+    with pytest.raises(ValueError, match=r"deep\.json' nests 5000 levels deep; the limit"):
+        read(deep)

@@ -1,6 +1,7 @@
 """mk.plots: one colour per category in every timeline, the kernel source on the page, the
 TPU picture from the chip rows."""
 
+import math
 import re
 
 import pytest
@@ -184,3 +185,18 @@ def test_table_cells_are_padded_and_numbers_right_aligned():
     aligned = {text: style.rsplit("text-align: ", 1)[-1] for tag, style, text in cells
                if tag == "td"}
     assert aligned == {"qwen3-0.6b": "left", "1.19": "right", "2.10x": "right"}
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda s: sim_plots.timeline("abc"), r"sims\[''\] is a str; a figure of a simulated"),
+    (lambda s: sim_plots.bubble_bars({"a": 3}), r"sims\['a'\] is a int"),
+    (lambda s: sim_plots.timeline(s, layers=(1, 0)), r"layers=\(1, 0\) must be \(first, last\)"),
+    (lambda s: sim_plots.timeline(s, layers=(0, 1.5)), r"layers=\(0, 1\.5\) must be"),
+    (lambda s: sim_plots.timeline(s, window_s=(0.0, math.nan)), r"window_s=\(0\.0, nan\)")])
+def test_simulation_figures_refuse_what_is_no_simulation_or_an_empty_span(call, message):
+    """Issue 65: a string was an AttributeError inside the figure, and layers the wrong way
+    round drew an empty figure silently."""
+    step = sim.simulate(mk.preset("tiny"), "v6e", context=64)
+    with pytest.raises(ValueError, match=message):
+        call(step)
+    assert sim_plots.timeline(step, layers=(0, 0), window_s=(0, 1e-3)).data

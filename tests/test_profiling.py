@@ -179,6 +179,18 @@ def test_a_bad_trace_record_is_refused_naming_what_is_wrong(tmp_path, change, ma
         profiling.load_trace_record(_record(tmp_path, record))
 
 
+def test_a_profile_that_is_a_pipe_or_no_xspace_is_refused_naming_it(tmp_path):
+    """Issue 65: a named pipe blocked the reader for ever; bytes that are no XSpace were a
+    bare RuntimeError naming no file."""
+    pipe, junk = tmp_path / "pipe.xplane.pb", tmp_path / "junk.xplane.pb"
+    os.mkfifo(pipe)
+    junk.write_bytes(b"garbage")
+    with pytest.raises(ValueError, match=r"profile '.*pipe\.xplane\.pb' is a named pipe"):
+        profiling.timeline(pipe)
+    with pytest.raises(ValueError, match=r"profile '.*junk\.xplane\.pb' is not an XSpace"):
+        profiling.timeline(junk)
+
+
 def test_the_committed_chip_trace_is_a_v5e_s_and_its_summaries_are_its_events():
     """data/measured/v5e-trace.json (benchmarks/tpu_trace.py on the lent v5e): each
     variant's median step, measured again from its events, gives the summary recorded with

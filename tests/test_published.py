@@ -2,10 +2,11 @@
 contexts (tests/test_ledger.py sets them against the models)."""
 
 import dataclasses
+import os
 
 import pytest
 
-from mk.published import published
+from mk.published import PUBLISHED_CSV, published
 
 
 def test_published_rows_parse_with_sources_and_consistent_step_times():
@@ -30,3 +31,18 @@ def test_published_rows_carry_the_context_their_source_states():
         assert r.context == want and f"context {want} (" in r.source, (r.model, r.system)
     with pytest.raises(ValueError, match="context=-1 must be >= 0"):
         dataclasses.replace(rows[0], context=-1)
+
+
+def test_a_published_table_handed_in_is_read_with_limits_and_a_bad_row_named(tmp_path):
+    """Issue 65: a number that is none was a bare ValueError naming no file or row, a
+    pipe would block for ever."""
+    text = PUBLISHED_CSV.read_text(encoding="utf-8")
+    header = text.splitlines()[0]
+    path, pipe = tmp_path / "published.csv", tmp_path / "pipe.csv"
+    path.write_text(header + "\n" + ",".join("x" for _ in header.split(",")) + "\n")
+    with pytest.raises(ValueError, match=r"published\.csv: row 1: ValueError invalid literal "
+                                         r"for int\(\) with base 10: 'x'"):
+        published(path)
+    os.mkfifo(pipe)
+    with pytest.raises(ValueError, match=r"published table '.*pipe\.csv' is a named pipe"):
+        published(pipe)

@@ -178,6 +178,16 @@ def test_every_element_within_its_bound_and_a_planted_2x_scale_is_caught(scheme)
         quant.check_error("we_down", params["we_down"], plant_double_scale(qparams["we_down"]))
 
 
+@pytest.mark.parametrize("w, message", [
+    ("1.5", "a weight is an array .* not a str"), ([[1.0], [1.0, 2.0]], "numbers; got list"),
+    (np.ones(256), r"shape \(256,\) has no \[I, O\] matrix")])
+def test_quantize_weight_refuses_what_is_no_matrix_of_numbers_by_name(w, message):
+    """Issue 65: a string was parsed as a number, a vector failed unpacking its shape."""
+    with pytest.raises(ValueError, match=f"wq: .*{message}"):
+        quant.quantize_weight(w, "int8", "wq")
+    assert quant.quantize_weight(np.ones((128, 8)), "int8", "wq").scheme == "int8"
+
+
 def test_quantize_rejects_bad_families_and_shapes_by_name():
     params = mk.init_params(TINY)
     for kwargs, match in ((dict(dense="int3"), "dense='int3' must be one of"),

@@ -70,3 +70,11 @@ def test_each_invariant_fails_on_a_step_that_breaks_it():
     with pytest.raises(AssertionError, match="shorter than its bytes over the bandwidth"):
         review.check_invariants(dataclasses.replace(step, step_s=step.hbm_floor_s / 2),
                                 no_prefetch=step)
+
+
+def test_clock_ends_refuses_assumptions_that_are_not_assumptions():
+    """Issue 65: a string ended in a TypeError from dataclasses.replace."""
+    with pytest.raises(ValueError, match="assumptions is a str; it must be a mk.sim.Assumptions"):
+        review.clock_ends(mk.preset("tiny"), "v6e", assumptions="high")
+    assert set(review.clock_ends(mk.preset("tiny"), "v6e", assumptions=sim.Assumptions())) == {
+        "low", "high"}

@@ -163,6 +163,12 @@ def test_a_bad_trace_file_is_refused_naming_the_field(tmp_path, fields, match):
     assert str(err.value).startswith(f"routing trace {str(path)!r}: "), err.value
 
 
+def test_save_refuses_what_is_no_trace(tmp_path):
+    with pytest.raises(ValueError, match="trace is a dict; save writes a RoutingTrace"):
+        routing_trace.save({"model": "x"}, tmp_path / "trace.json")
+    assert not (tmp_path / "trace.json").exists()
+
+
 def test_a_trace_file_that_is_not_json_is_refused(tmp_path):
     path = tmp_path / "trace.json"
     path.write_text("{'counts': __import__('os')}")

@@ -293,11 +293,24 @@ def test_every_preset_simulates_for_batch_and_rows_1_to_8_and_tp_1_to_32(name):
     (dict(chip="gb200"), "chip='gb200' is a gpu"), (dict(batch=0), "batch=0"),
     (dict(context=-1), "context=-1"), (dict(tp=0), "tp=0"),
     (dict(experts_active=0), "experts_active=0"), (dict(block=(3, 128)), "block="),
-    (dict(experts_active=2.5), r"experts_active=2.5 must be in \[1, ")])
+    (dict(experts_active=2.5), r"experts_active=2.5 must be in \[1, "),
+    (dict(cross_layer_prefetch="no"), "cross_layer_prefetch='no' must be True or False"),
+    (dict(preset="tiny", experts_active=1), "experts_active=1: tiny has no MoE layers")])
 def test_simulate_rejects_bad_inputs_naming_field_and_value(kwargs, match):
-    kwargs = {"chip": "v6e"} | kwargs
+    kwargs = {"chip": "v6e", "preset": "tiny-moe"} | kwargs
+    config = mk.preset(kwargs.pop("preset"))
     with pytest.raises(ValueError, match=match):
-        sim.simulate(mk.preset("tiny-moe"), kwargs.pop("chip"), **kwargs)
+        sim.simulate(config, kwargs.pop("chip"), **kwargs)
+
+
+@pytest.mark.parametrize("accepted", [0, -1, float("nan"), float("inf"), 3, "2", True])
+def test_tokens_per_second_refuses_an_acceptance_outside_0_to_rows(accepted):
+    """A sequence keeps at most T tokens of a step (issue 65: nan and 0 came back as
+    tokens per second); 2 of T = 2 is the whole step."""
+    step = sim.simulate(mk.preset("tiny"), "v6e", rows=2)
+    with pytest.raises(ValueError, match=r"accepted=.* must be a finite number in \(0, 2\]"):
+        step.tokens_per_s_per_user(accepted)
+    assert step.tokens_per_s_per_user(2) == step.tokens_per_s_per_user() == 2 / step.step_s
 
 
 def test_a_packed_fp4_stream_moves_half_a_byte_a_value_and_a_scale_byte_per_32():

@@ -93,6 +93,30 @@ def test_bad_options_are_named_before_anything_runs():
         spec.Sampling(top_p=0)
 
 
+@pytest.mark.parametrize("options, message", [
+    (dict(drafter=3), r"drafter=3 must be one of \('model'"),
+    (dict(sampling="hot"), r"sampling='hot' must be a mk\.spec\.Sampling, or None"),
+    (dict(verifier=8), r"verifier=8 must be one of \('megakernel', 'reference'\) or a"),
+    (dict(bucket="8"), r"bucket='8' must be a positive integer"),
+    (dict(drafter="model", draft=("x", {})), r"draft=\('x', \{\}\) must be \(config, params\)")])
+def test_options_of_the_wrong_type_are_named_not_attribute_errors(options, message):
+    """Issue 65: each ended in an AttributeError from inside mk.spec."""
+    options = {"drafter": "ngram"} | options
+    with pytest.raises(ValueError, match=message):
+        spec.generate(mk.preset("tiny"), {}, np.zeros((1, 4), int), 4, gamma=3, **options)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(temperature="1"), r"temperature='1' must be a finite number > 0"),
+    (dict(temperature=float("inf")), r"temperature=inf must be a finite number > 0"),
+    (dict(top_p=float("nan")), r"top_p=nan must be in \(0, 1\]"),
+    (dict(top_p=True), r"top_p=True must be in \(0, 1\]")])
+def test_sampling_fields_are_finite_numbers_in_range(fields, message):
+    with pytest.raises(ValueError, match=message):
+        spec.Sampling(**fields)
+    assert spec.Sampling(temperature=2, top_p=0.5).top_p == 0.5
+
+
 # -- Greedy speculative decoding is the target's greedy decoding ---------------------------------
 @pytest.mark.parametrize("drafter", spec.DRAFTERS)
 @pytest.mark.parametrize("name", PRESETS)
@@ -279,6 +303,25 @@ def test_stats_by_hand():
     assert spec.expected_length(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
     assert spec.expected_length(1.0, 3) == 4.0
     assert spec.expected_length(0.0, 7) == 1.0
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: spec.expected_length(float("nan"), 3), r"alpha=nan must be a probability"),
+    (lambda: spec.expected_length(2.0, 3), r"alpha=2\.0 must be a probability"),
+    (lambda: spec.expected_length("0.5", 3), r"alpha='0\.5' must be a probability"),
+    (lambda: spec.expected_length([0.5, -0.1], 3), r"alpha=\[0\.5, -0\.1\] must be a"),
+    (lambda: spec.expected_length(0.5, 0), r"gamma=0 must be a positive integer"),
+    (lambda: spec.fit_rate([]), r"runs hold no verification step \(0 runs\)"),
+    (lambda: spec.fit_rate("abc"), r"runs='abc' must be a list of SpecStats"),
+    (lambda: spec.fit_rate([0.5]), r"runs\[0\]=0\.5 is a float, not a SpecStats"),
+    (lambda: spec.noisy_copy(mk.preset("tiny"), {}, noise=float("nan")),
+     r"noise=nan must be a finite number in \[0, inf\)")])
+def test_statistics_refuse_values_that_are_no_probability_or_no_runs(call, message):
+    """Issue 65: alpha = nan or 2 gave nan or 31 tokens a step, a string was parsed, no
+    runs fitted nan, and a draft of noise nan was all nan."""
+    with pytest.raises(ValueError, match=message):
+        call()
+    assert spec.expected_length(np.array([0.0, 1.0]), 2).tolist() == [1.0, 3.0]
 
 
 def test_throughput_is_tau_over_verify_plus_draft_time():
