@@ -182,20 +182,21 @@ display(plots.table([{k: f"{v:.3g}" if isinstance(v, float) else v for k, v in r
                      for r in ledger.latency_grid(grid)]))
 
 # %% [markdown]
-# What explains the gap, as far as the ledger can say: the course's Kimi K3 stand-in is
-# Kimi Linear's architecture with assumed shapes; its kernel streams the FP4 experts
-# packed, in tiles of their own (an expert's slice of gate and up joined in one tile, of
-# down in another)
-# and the other weights in tiles of at most twice those bytes, so the ring's one slot
-# index keeps near the same bytes in flight over both; at the low end of the clock range
-# its per-tile loops issue for longer than their DMA (an FP4 tile's for 4.2-4.9x it),
-# and at the high end a trip through an expert's FP4 tiles (unpacked to e4m3 in VMEM, its
-# 32-row groups' products stacked) still issues for about its DMA (the recorded rows
-# below); its expert shards stream 4/3 of their bytes (down's 64 rows a
-# device padded to 128; gate and up joined in one tile, not two). The release's
-# expert layout and kernel are not published. The release beating
-# the modelled step says at least one of the model's assumptions (the tile costs of mk's
-# own loop, every collective on the critical path) does not hold for it.
+# What explains the gap, as far as the ledger can say: its Kimi K3 rows run the release's
+# own config (`kimi-k3`: gated MLA, bounded KDA, the latent MoE, SiTU, attention
+# residuals) through mk's kernel at TP32. Its FP4 experts stream packed in tiles of their
+# own (3584 x 128: a device's 96 columns of an expert's gate, of its up, each padded to
+# 128 lanes, not joined since two of them overfill a lane tile; down's 96 rows padded
+# alike), 4/3 of their bytes, and the other weights in tiles of at most twice those
+# bytes; at the low end of the clock range an FP4 tile's loop issues for several times
+# its DMA, and at the high end for about twice it (the recorded rows below). Each
+# latent-MoE layer adds an all-gather of the latent and an all-reduce of its sum to the
+# router's gather and the layer's two all-reduces. The release splits its experts
+# otherwise: its router gives each expert to a group of ranks (`local_expert_count`,
+# `expert_tensor_parallel` in its kimi/decode_megakernel.py), where mk splits every
+# expert's columns over all 32. The release beating the modelled step says at least one of
+# the model's assumptions (the tile costs of mk's own loop, every collective on the
+# critical path) does not hold for it.
 
 # %% [markdown]
 # ## Verdict
@@ -781,10 +782,10 @@ if shown:
 # critical path. A cheaper unpack, tiles with more weights a trip, or overlapping the
 # collectives with the weight stream would each shorten it. Where the simulated schedule
 # is bound by "compute" (the Kimi runs), the compute lane is the step's critical path, and
-# every layer adds two all-reduces. At TP32 each expert's 64 columns a device of gate and
-# of up stream joined in one 128-lane tile and down's 64 rows pad to 128 (the note of each
-# Kimi row says so): 4/3 of the expert bytes, and the whole shard fits one core's HBM and
-# compiles whole. Whether the ring's bookkeeping matters depends on the clock:
+# every layer adds two all-reduces (a latent-MoE layer three collectives more). At TP32
+# each expert's 96 columns a device of gate and of up pad to 128 lanes, as do down's 96
+# rows (the note of each Kimi row says so): 4/3 of the expert bytes, and the whole shard
+# fits one core's HBM and compiles whole. Whether the ring's bookkeeping matters depends on the clock:
 # the cell below says, at each end of the range, on which shards the compiled kernel's
 # per-tile issue time stays under 0.9 x the tile's DMA time. Where it does, the distance
 # to the published runs is in the compute lane's model (the MXU rate of FP4 weights, the
