@@ -22,6 +22,7 @@ this kernel: docs/design/mk.megakernel.md.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -426,7 +427,8 @@ def device_loop(plan: DecodePlan, weights, cache, token, position, steps: int):
 
 def greedy_loop(dispatch, config: ModelConfig, values, prompt, S: int, steps: int,
                 steps_per_call: int, *, progress: bool, desc: str,
-                shard=lambda cache: cache, copies: tuple[int, ...] = ()) -> jax.Array:
+                shard=lambda cache: cache, copies: tuple[int, ...] = (),
+                kernels=None) -> jax.Array:
     """The host side of greedy decoding with the kernel, on one device or many: the
     reference prefills `prompt` [B, P] on `values` (plain or quantised params) into a
     cache of capacity S (`shard` lays it out for the devices) and picks the first token;
@@ -435,14 +437,17 @@ def greedy_loop(dispatch, config: ModelConfig, values, prompt, S: int, steps: in
     n = steps_per_call steps per host dispatch (fewer at the end) under a `progress_bar`.
     Returns the `steps` tokens [*copies, B, steps]: `copies` are leading axes (the tp
     devices' copies; the prefill's token is on each, and the next dispatch starts from
-    the first copy's last token)."""
+    the first copy's last token). kernels: a context (`mk.backend.use(...)`) entered
+    after the prefill, around the dispatches: the prefill then runs outside it, the same
+    compiled program as `mk.reference`'s own calls (jit keys a trace on the interpret-mode
+    context, so a prefill inside it compiled the reference again)."""
     logits, cache = reference.prefill(config, values, prompt, max_context=S, quantised=True)
     token = reference.greedy(logits[:, -1])
     cache = shard(cache)
     B = prompt.shape[0]
     out, done = [jnp.broadcast_to(token[:, None], (*copies, B, 1))], 1
     position = jnp.full((B,), prompt.shape[1], jnp.int32)
-    with progress_bar(steps, progress, desc) as bar:
+    with kernels or contextlib.nullcontext(), progress_bar(steps, progress, desc) as bar:
         while done < steps:
             n = min(steps_per_call, steps - done)
             tokens, cache = dispatch(cache, token, position, n)
@@ -497,9 +502,9 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, backend: str = 
             weights.append(prepare(plan, params, donate=donate))
         return device_loop(plan, weights[0], cache, token, position, n)
 
-    with backends.use(backend):
-        return greedy_loop(dispatch, config, params, prompt, S, steps, steps_per_call,
-                           progress=progress, desc="megakernel")
+    kernels = backends.use(backends.resolve(backend))  # a bad name raises before the prefill
+    return greedy_loop(dispatch, config, params, prompt, S, steps, steps_per_call,
+                       progress=progress, desc="megakernel", kernels=kernels)
 
 
 def check_fits(plan: DecodePlan, prompt: int, *, donate: bool, device=None) -> None:

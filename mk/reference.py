@@ -461,7 +461,10 @@ def generate(config: ModelConfig, params, prompt, steps: int, *,
     tokens = [greedy(logits[:, -1])]
     position = jnp.full((prompt.shape[0],), prompt.shape[1], jnp.int32)
     for _ in range(steps - 1):
-        logits, cache = forward(config, params, cache, tokens[-1][:, None], position)
+        # the static arguments spelled as decode_step spells them: jit keys a call on the
+        # keywords given, so a bare call would compile decode_step's T=1 program again
+        logits, cache = forward(config, params, cache, tokens[-1][:, None], position,
+                                taps=False, row_states=False)
         tokens.append(greedy(logits[:, -1]))
         position = position + 1
     return jnp.stack(tokens, axis=1)

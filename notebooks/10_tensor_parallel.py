@@ -75,6 +75,7 @@ tp: int = 2  # devices of the token check (virtual CPU devices)
 steps: int = 4  # greedy tokens of the token check
 draw_devices: int = 8  # devices in the collective pictures
 collective_layer: int = 4  # the 27B TP8 layer whose all-reduce after the MLP is drawn in time
+compiles: int = 5  # how many of the multi-chip compile targets run, from the first (5: all)
 exercise_drop_all_reduce: bool = False  # the exercise: True skips the in-kernel all-reduce
 
 # %%
@@ -313,15 +314,17 @@ print(f"tp={tp}, device 0 :", np.asarray(got[0]).tolist(), "; races:", mk.backen
 # reported with its numbers before compiling.
 
 # %%
-targets = [("qwen3.5-27b", "tpu7x:2x2x1", "tpu7x", {}),  # TP8: 4 chips, 8 TensorCores
-           ("qwen3-30b-a3b", "v5e:2x2", "v5e", {}),  # TP4: 4 chips
+targets = [("qwen3-30b-a3b", "v5e:2x2", "v5e", {}),  # TP4: 4 chips
            ("qwen3-30b-a3b", "v5e:2x4", "v5e", {}),  # TP8: 8 chips
+           ("qwen3.5-27b", "tpu7x:2x2x1", "tpu7x", {}),  # TP8: 4 chips, 8 TensorCores
            ("kimi-k2-shaped", "tpu7x:2x2x4", "tpu7x", {}),  # TP32: 16 chips, 32 TensorCores
            ("kimi-k2-shaped", "tpu7x:2x2x4", "tpu7x", None)]  # the same, its FP4 experts packed
 # bf16 weights (formats={}) but for the last: the preset's own formats (None), FP4 experts
+if not 1 <= compiles <= len(targets):
+    raise ValueError(f"{compiles=} must be 1 to {len(targets)}, the targets listed")
 reports = [tpu.compile_megakernel(mk.preset(name), chip_name, tp=len(tpu.devices(topology)),
                                   topology=topology, formats=formats)
-           for name, topology, chip_name, formats in tqdm(targets, desc="compiles")]
+           for name, topology, chip_name, formats in tqdm(targets[:compiles], desc="compiles")]
 for report in reports:
     print(report.summary())
 
@@ -379,6 +382,8 @@ assert [t["message_rounds"] for t in terms[-2:]] == [4 * L27 * 3 + 3, 4 * L27 + 
 for device in range(tp):
     course.check_tokens(f"tp={tp} device {device}", got[device], want)
 course.check_race_free("TP megakernel", races)
-assert reports[0].ok and reports[2].ok, (reports[0].error, reports[2].error)
-assert "of HBM, over" in reports[1].error and "of HBM, over" in reports[3].error
+fits = [False, True, True, False, True]  # per target: compiles, or is refused by HBM
+for report, fit in zip(reports, fits):
+    refused = not report.ok and "of HBM, over" in report.error
+    assert report.ok if fit else refused, report.summary()
 print("checks passed")

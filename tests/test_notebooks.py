@@ -285,15 +285,16 @@ def test_slow_runs_name_configurations():
 # values 07 (tiny), 08, 09, 10 and 12 took 46, 56, 115, 49 and 76 s headless. 06 skips
 # its mystery lab (~35 s; tests/test_course.py runs a mystery with its checks); 11 shows
 # its headline rows at the default collective latency only (each other latency of the
-# grid simulates the release's headline runs again, ~50 s). `make
-# test-slow` also runs each configuration with the notebook's own values (id
-# "<run>-own-knobs").
+# grid simulates the release's headline runs again, ~50 s); 10 compiles the first two of
+# its five multi-chip targets (one refused by HBM, one compiled: the qwen3.5-27b TP8 and
+# Kimi compiles, ~30 s, are tests/test_tensor_parallel.py's too). `make test-slow` also
+# runs each configuration with the notebook's own values (id "<run>-own-knobs").
 CI_KNOBS = {"05c_kimi_layers": {"batch": 1}, "05d_gpt_oss_layers": {"batch": 1},
             "06_megakernel": {"mystery_seed": -1},
             "07_compile_for_tpu": {"measure_layers": [2]},
             "08_profile_bubbles": {"steps": 1},
             "09_speculative_sweep": {"tau_steps": 4, "tau_batch": 2, "megakernel_steps": 2},
-            "10_tensor_parallel": {"steps": 2},
+            "10_tensor_parallel": {"steps": 2, "compiles": 2},
             "11_design_review": {"collective_latencies_us": [1.0]},
             "12_quantised_weights": {"accuracy_steps": 4}}
 

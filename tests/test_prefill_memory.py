@@ -66,14 +66,14 @@ def test_gpt_oss_prefill_dequantises_a_slice_of_mxfp4_experts_at_a_time():
 
 
 def test_a_plain_models_prefill_slices_each_layers_weights_when_it_reaches_it():
-    """qwen3-4b cut to 4 and 12 layers, bf16 (P=64), on v5e: 0.004 and 0.006 GiB of
-    temporaries. Untied, XLA sliced every layer's weights up front: 0.28 GiB at 12 layers,
-    growing with them."""
-    cuts = [mk.preset("qwen3-4b").first_layers(n) for n in (4, 12)]
-    m4, m12 = (_prefill_memory(c, abstract_params(c), prompt=64) for c in cuts)
+    """qwen3-4b cut to 4 and 8 layers, bf16 (P=64), on v5e: 0.004 and 0.007 GiB of
+    temporaries (12 layers: 0.006; a layer's weights are 0.19). Untied, XLA sliced every
+    layer's weights up front: 0.28 GiB at 12 layers, growing with them."""
+    cuts = [mk.preset("qwen3-4b").first_layers(n) for n in (4, 8)]
+    m4, m8 = (_prefill_memory(c, abstract_params(c), prompt=64) for c in cuts)
     layer = sum(math.prod(a.shape[1:]) * a.dtype.itemsize
                 for a in abstract_params(cuts[0]).values() if a.ndim > 2)
-    assert m12.temp_size_in_bytes - m4.temp_size_in_bytes < layer / 8
+    assert m8.temp_size_in_bytes - m4.temp_size_in_bytes < layer / 8
 
 
 @pytest.mark.parametrize("formats", [{}, {"dense": "int8"}], ids=["bf16", "int8"])
