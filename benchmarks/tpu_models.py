@@ -17,6 +17,11 @@ after every row, keeping the rows of earlier commits this run did not measure ag
 
     MK_TPU=1 MK_COMMIT=<sha> python benchmarks/tpu_models.py [--rows 0 2] [--steps 8]
 
+A row whose CPU reference and chip run do not fit one call (gpt-oss-20b's reference takes
+minutes) splits in two: `--expect-only --expected DIR` saves each row's reference run
+(`Expected`, its seconds) as DIR/<row>.npz and measures nothing; a later `--expected DIR`
+judges against those files instead of running the reference again.
+
 On a CPU it refuses (nothing here would be a TPU's); --interpret runs `INTERPRET_ROWS`
 (tiny models, interpret mode) into the record --json names, never under data/measured.
 """
@@ -81,16 +86,27 @@ def _in_cpu_child(fn, *args):
 
 
 def run_row(preset: str, formats: dict, batch: int, context: int, steps: int,
-            backend: str) -> dict:
+            backend: str, expected_dir: Path | None = None,
+            expect_only: bool = False) -> dict:
     """One row, in this process: the judged tokens, the chip's peak memory in GiB beside
     the plan's count in GiB, the wall time of the generate. The reference runs first, in a
     CPU-only child process, so this one holds only its params and the generate; tokens
     that are not the reference's own are judged in another child, after this process
-    has let its params go."""
+    has let its params go. With `expected_dir`, the reference's run is read from its file
+    there if one was saved (`expected_file`), else run and saved; `expect_only` stops
+    after that."""
     row = dict(model=preset, formats=formats, batch=batch, context=context, steps=steps)
-    expected, row["reference_s"] = _in_cpu_child(_reference, preset, formats, batch,
-                                                 context, steps)
     config = mk.preset(preset)
+    path = expected_dir and expected_file(expected_dir, row)
+    if path and path.exists():
+        expected, row["reference_s"] = load_expected(path, batch, steps, config.vocab)
+    else:
+        expected, row["reference_s"] = _in_cpu_child(_reference, preset, formats, batch,
+                                                     context, steps)
+        if path:
+            save_expected(path, expected, row["reference_s"])
+    if expect_only:
+        return row | dict(expected=path.name)
     params = mk.init_params(config, 0, formats)
     prompt = _prompt(config, batch)
     device = jax.devices()[0]
@@ -115,6 +131,38 @@ def run_row(preset: str, formats: dict, batch: int, context: int, steps: int,
     return row | verdict.to_dict()
 
 
+def expected_file(folder: Path, row: dict) -> Path:
+    """Where a row's saved reference run lives in `folder`: a name from its preset,
+    formats, batch, context and steps."""
+    formats = "-".join(f"{g}={s}" for g, s in sorted(row["formats"].items())) or "plain"
+    return Path(folder) / (f"{row['model']}-{formats}-b{row['batch']}-c{row['context']}"
+                           f"-s{row['steps']}.npz")
+
+
+def save_expected(path: Path, expected: exactness.Expected, seconds: float) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(path, tokens=expected.tokens, logits=expected.logits, seconds=seconds)
+
+
+def load_expected(path: Path, batch: int, steps: int, vocab: int):
+    """(`Expected`, its reference seconds) from a file `save_expected` wrote; ValueError
+    naming the file where it is not that (arrays of the row's shapes, no pickles)."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            tokens, logits = data["tokens"], data["logits"]
+            seconds = float(data["seconds"])
+    except (OSError, KeyError, ValueError) as err:
+        raise ValueError(f"{path}: not a saved reference run ({err})") from None
+    want = dict(tokens=(batch, steps), logits=(batch, steps, vocab))
+    got = dict(tokens=tokens.shape, logits=logits.shape)
+    if got != want or tokens.dtype.kind not in "iu" or logits.dtype.kind != "f":
+        raise ValueError(f"{path}: holds tokens {tokens.dtype}{list(tokens.shape)} and "
+                         f"logits {logits.dtype}{list(logits.shape)}; this row needs "
+                         f"integer tokens {list(want['tokens'])} and float logits "
+                         f"{list(want['logits'])}")
+    return exactness.Expected(tokens, logits), seconds
+
+
 def _judge(preset: str, formats: dict, batch: int, tokens) -> exactness.Verdict:
     """`mk.exactness.judge` of a row's tokens (the reference teacher-forced on them)."""
     config = mk.preset(preset)
@@ -122,14 +170,14 @@ def _judge(preset: str, formats: dict, batch: int, tokens) -> exactness.Verdict:
     return exactness.judge(config, params, _prompt(config, batch), tokens)
 
 
-def _child(index: int, table, steps: int, backend: str, timeout: float) -> dict:
-    """Row `index` of `table` run by this script in a fresh process (its own peak)."""
+def _child(index: int, table, steps: int, timeout: float, passed: tuple = ()) -> dict:
+    """Row `index` of `table` run by this script in a fresh process (its own peak), with
+    the arguments `passed` (the saved reference runs' options)."""
     preset, formats, batch, context = table[index]
     row = dict(model=preset, formats=formats, batch=batch, context=context, steps=steps)
-    argv = [sys.executable, __file__, "--one", str(index), "--steps", str(steps)]
+    argv = [sys.executable, __file__, "--one", str(index), "--steps", str(steps), *passed]
     try:
-        done = subprocess.run(argv + (["--interpret"] if backend == "interpret" else []),
-                              capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return row | dict(error=f"no result within {timeout:.0f} s")
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
@@ -146,12 +194,27 @@ def main(argv=None) -> None:
     p.add_argument("--interpret", action="store_true",
                    help="on a CPU: the tiny rows in interpret mode (not a TPU's)")
     p.add_argument("--json", type=Path, help="where the record goes")
+    p.add_argument("--expected", type=Path,
+                   help="a folder of saved reference runs: read where there, else saved")
+    p.add_argument("--expect-only", action="store_true",
+                   help="save the rows' reference runs in --expected; measure nothing")
     p.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a row's own process
     args = p.parse_args(argv)
     table = INTERPRET_ROWS if args.interpret else ROWS
     backend = "interpret" if args.interpret else "hardware"
+    if args.expect_only and args.expected is None:
+        p.error("--expect-only needs --expected, the folder the reference runs go to")
+    passed = ((("--expected", str(args.expected)) if args.expected else ())
+              + (("--expect-only",) if args.expect_only else ())
+              + (("--interpret",) if args.interpret else ()))
     if args.one is not None:
-        print(json.dumps(run_row(*table[args.one], args.steps, backend)), flush=True)
+        print(json.dumps(run_row(*table[args.one], args.steps, backend, args.expected,
+                                 args.expect_only)), flush=True)
+        return
+    if args.expect_only:  # the CPU's work only: no chip, no record
+        for i in args.rows if args.rows else range(len(table)):
+            print(json.dumps(_child(i, table, args.steps, args.timeout, passed)),
+                  flush=True)
         return
     made = measure.provenance_apart()  # this process never opens the chip
     if args.interpret:
@@ -166,7 +229,7 @@ def main(argv=None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     rows = {_key(r): r for r in _earlier_rows(path, made)}
     for i in args.rows if args.rows else range(len(table)):
-        row = _child(i, table, args.steps, backend, args.timeout)
+        row = _child(i, table, args.steps, args.timeout, passed)
         row |= {f: made[f] for f in PROVENANCE}
         rows[_key(row)] = row
         print(json.dumps(row), flush=True)

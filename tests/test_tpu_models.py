@@ -7,13 +7,14 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import tpu_models  # noqa: E402
 
 import mk  # noqa: E402
-from mk import backend, measure, untrusted  # noqa: E402
+from mk import backend, exactness, measure, untrusted  # noqa: E402
 from mk.kernels.plan import DecodePlan  # noqa: E402
 
 
@@ -37,12 +38,42 @@ def test_a_malformed_record_is_refused_naming_the_file(tmp_path, record):
 
 @pytest.mark.slow
 def test_the_interpret_rows_are_exact(tmp_path):
-    """Each interpret row in its own process, judged exact, the record written."""
-    path = tmp_path / "interpret-models.json"
-    tpu_models.main(["--interpret", "--json", str(path), "--steps", "4"])
+    """Each interpret row in its own process, judged exact, the record written; the
+    reference runs saved first (`--expect-only`) and judged against after."""
+    path, saved = tmp_path / "interpret-models.json", tmp_path / "expected"
+    tpu_models.main(["--interpret", "--steps", "4", "--expected", str(saved),
+                     "--expect-only"])
+    assert len(list(saved.glob("*.npz"))) == len(tpu_models.INTERPRET_ROWS)
+    tpu_models.main(["--interpret", "--json", str(path), "--steps", "4", "--expected",
+                     str(saved)])
     rows = json.loads(path.read_text())["rows"]
     assert len(rows) == len(tpu_models.INTERPRET_ROWS)
     assert all(r.get("exact") == r.get("total") for r in rows), rows
+
+
+def test_a_saved_reference_run_is_read_back_and_a_wrong_one_refused(tmp_path, monkeypatch):
+    """`--expected`'s files: a row's run saved and read back as it was, and then not run
+    again; a file of another row's shapes or not a saved run refused naming it."""
+    row = dict(model="tiny", formats={"dense": "int8"}, batch=2, context=64, steps=3)
+    path = tpu_models.expected_file(tmp_path, row)
+    assert path.name == "tiny-dense=int8-b2-c64-s3.npz"
+    V = mk.preset("tiny").vocab
+    logits = np.random.default_rng(0).standard_normal((2, 3, V)).astype(np.float32)
+    tpu_models.save_expected(path, exactness.Expected(np.arange(6).reshape(2, 3), logits),
+                             12.5)
+    got, seconds = tpu_models.load_expected(path, 2, 3, V)
+    assert seconds == 12.5 and np.array_equal(got.tokens, np.arange(6).reshape(2, 3))
+    assert np.array_equal(got.logits, logits)
+    with pytest.raises(ValueError, match=r"s3.npz: holds .* this row needs integer tokens "
+                                         r"\[2, 4\]"):
+        tpu_models.load_expected(path, 2, 4, V)
+    (tmp_path / "junk.npz").write_bytes(b"not a zip")
+    with pytest.raises(ValueError, match="junk.npz: not a saved reference run"):
+        tpu_models.load_expected(tmp_path / "junk.npz", 2, 3, V)
+    monkeypatch.setattr(tpu_models, "_in_cpu_child", lambda *a: pytest.fail("ran again"))
+    out = tpu_models.run_row("tiny", {"dense": "int8"}, 2, 64, 3, "interpret", tmp_path,
+                             expect_only=True)
+    assert out["reference_s"] == 12.5 and out["expected"] == path.name
 
 
 def test_tokens_not_the_references_own_are_judged_in_a_child_and_caught():
