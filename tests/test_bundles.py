@@ -240,25 +240,25 @@ def _resimulated(row, block=None):
 # ([1280, 512], `mk.kernels.fold`): its costliest loop, a transposed tile's, issues in
 # 0.86x its DMA at the low end (1.2x unfolded, 0.92x before the edge trips issued with
 # no divide and no second guard on the layer's kind), so it is not listed;
-# Kimi K3's TP32 shard streams its FP4 experts in tiles of their own (gate|up joined 7168
-# x 128, down 128 x 7168, fed fp8) and the rest in 3584 x 128 ones of at most twice their
-# bytes (folded 4): its plain loops issue for up to 1.2x their DMA at the low end (0.28x
-# at the high; 1.5x in 1792 x 128 tiles of no more bytes, 2.1x unfolded, 1.9x before that
-# edge rework), one trip through an expert's two FP4 tiles for 4.2-4.9x (0.99-1.15x; 4.9-
-# 5.3x and 1.14-1.24x while each product branched on its slot's flag, 6.1x and 1.4x before
-# the edges knew the layer kinds and fp4 was packed for its fp8 feed). At the low end no
-# loop can bring an FP4 tile under 0.9: the MXU's own fp8 feed floor is 0.99x an FP4
-# weight's DMA there (`mk.feed_costs.feed_floor_over_dma`; tests/test_feed_costs.py's
-# MXU_BOUND), and the trip's vector work (unpacking, each 32-row group's product scaled
-# and summed) alone fills 2.6x (2,837 vector ALU ops a trip in the dump, at most four a
+# Kimi K3's TP32 shard (the release's kimi-k3 since issue 66; kimi-k2-shaped's before)
+# streams its FP4 experts in tiles of their own (a device's 96 columns of each expert
+# padded to 128, gate and up apart: 3584 x 128, down 128 x 3584, fed fp8) and the rest in
+# 3584 x 128 ones of at most twice their bytes: its plain loops issue for up to 1.5x their
+# DMA at the low end (0.35x at the high), an FP4 tile for 8.2-9.3x (1.9-2.2x); on
+# kimi-k2-shaped, with gate|up joined, a trip through an expert's two FP4 tiles took
+# 4.2-4.9x (0.99-1.15x). At the low end no loop can bring an FP4 tile under 0.9: the MXU's
+# own fp8 feed floor is 0.99x an FP4 weight's DMA there
+# (`mk.feed_costs.feed_floor_over_dma`; tests/test_feed_costs.py's MXU_BOUND), and the
+# trip's vector work (unpacking, each 32-row group's product scaled and summed) alone
+# fills 2.6x (2,837 vector ALU ops a trip in kimi-k2-shaped's dump, at most four a
 # bundle).
 # Issue 38: gpt-oss-20b (2944 = 23 x 128 wide) takes 128 x 2944 tiles on one core (its
 # fp4 experts' one 128-row panel of their width, within QUANT_TILE_ELEMENTS): plain 0.3x
 # their DMA; the fp4 tiles, dequantised to bf16 (neither Colab chip's MXU takes fp8),
 # 5.2x (2.7x) on v6e and 3.9x (3.2x) on v5e.
-ISSUE_OVER = {("kimi-k2-shaped", "tpu7x", 32, "plain"): {"low"},
-              ("kimi-k2-shaped", "tpu7x", 32, "fp4 128x7168"): {"low", "high"},
-              ("kimi-k2-shaped", "tpu7x", 32, "fp4 7168x128"): {"low", "high"},
+ISSUE_OVER = {("kimi-k3", "tpu7x", 32, "plain"): {"low"},
+              ("kimi-k3", "tpu7x", 32, "fp4 128x3584"): {"low", "high"},
+              ("kimi-k3", "tpu7x", 32, "fp4 3584x128"): {"low", "high"},
               ("gpt-oss-20b", "v6e", 1, "fp4"): {"low", "high"},
               ("gpt-oss-20b", "v5e", 1, "fp4"): {"low", "high"}}
 
