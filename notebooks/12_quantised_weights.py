@@ -100,6 +100,7 @@ from tqdm.auto import tqdm
 import mk
 import mk.run
 from mk import megakernel, ops, perf, plots, quant, unpack
+from mk.config import finite_number
 from mk.presets import PRESET_NAMES
 from mk.kernels.common import BlockSizes, dma_log
 from mk.kernels.plan import DecodePlan, capacity
@@ -113,6 +114,7 @@ FORMATS = ("bf16", *quant.SCHEMES)
 for field, value in (("dense_format", dense_format), ("expert_format", expert_format),
                      ("lm_head_format", lm_head_format)):
     perf.check_choice(field, value, FORMATS)
+finite_number("exercise_scale", exercise_scale, open_low=True)  # a factor on a scale
 
 
 def schemes(config, dense, experts, lm_head):

@@ -358,3 +358,19 @@ def test_notebook_runs(run, tmp_path):
     run_notebooks.execute(run.notebook, out, run.parameters)
     broken = _broken_figures(json.loads(out.read_text(encoding="utf-8")))
     assert not broken, "figures that break mk.figure_rules:\n" + "\n".join(broken)
+
+
+@pytest.mark.parametrize("scale", [0.0, -2.0, float("nan")])
+def test_notebook_12_refuses_an_exercise_scale_that_is_no_factor(scale):
+    """Notebook 12's exercise multiplies a scale by `exercise_scale` (fp4's is an exponent:
+    it adds log2 of it), so a value <= 0 or not finite is refused by name where the
+    parameters are checked, before any weight is drawn: its parameters cell and the next
+    run."""
+    cells = [c for c in jupytext.read(NOTEBOOKS / "12_quantised_weights.py").cells
+             if c.cell_type == "code"]
+    at = next(i for i, c in enumerate(cells) if "parameters" in c.metadata.get("tags", []))
+    space: dict = {}
+    exec(TransformerManager().transform_cell(cells[at].source), space)
+    space["exercise_scale"] = scale
+    with pytest.raises(ValueError, match=r"exercise_scale=(0\.0|-2\.0|nan) .*must be"):
+        exec(TransformerManager().transform_cell(cells[at + 1].source), space)
