@@ -66,13 +66,13 @@ class LatentMoE(MoE):
     def buffers(self, batch: int, rows: int, block) -> list:
         """`MoE`'s (its down [M, D] holds the shared expert's output, then latent_up's;
         e_gate, e_up an expert's), with the latent [M, Lt] (z, then the normed sum), the
-        experts' sum on it and one expert's output (float32 each)."""
+        experts' sum on it and one expert's output (float32 each); at tp > 1 this device's
+        latent_part [M, latent_columns] and its two collectives' buffers."""
         c, M = self.config, batch * rows
         Lt, n = c.moe_latent, c.latent_shards
         buffers = super().buffers(batch, rows, block) + [
             Buffer(name, (M, Lt), "float32") for name in ("latent", "latent_sum", "e_down")]
-        if n > 1:  # a device's part of z, then its tiles of the normed sum; the collectives
-            # (the reduce's regions serve either algorithm: "two_phase" needs the most)
+        if n > 1:  # the reduce's regions serve either algorithm ("two_phase" needs most)
             buffers += [Buffer("latent_part", (M, c.latent_columns), "float32"),
                         *collective_buffers("latent_gather", M, c.latent_columns, n,
                                             reduce=False),
