@@ -13,8 +13,8 @@ twice). Interpret mode itself only prints the first kind and never sees the seco
 default "on_wait" DMA mode (a duplicate DMA just stays queued); `use(..., strict_dma=True)`
 makes either an error.
 
-Here: `resolve`, `use`, `check_active`, `races_found` (and `races_text`), `dma_leftovers`. Not here:
-ahead-of-time compiles for a chip that is not present (`mk.tpu`).
+Here: `resolve`, `use`, `interpreting`, `check_active`, `races_found` (and `races_text`),
+`dma_leftovers`. Not here: ahead-of-time compiles for a chip that is not present (`mk.tpu`).
 """
 
 from __future__ import annotations
@@ -81,9 +81,14 @@ def use(backend: str = "auto", *, detect_races: bool = False,
                            + "\n  ".join(dma_leftovers()))
 
 
+def interpreting() -> bool:
+    """Whether a kernel built now runs in TPU interpret mode (inside `use("interpret")`)."""
+    return _jax_config.pallas_tpu_interpret_mode_context_manager.value is not None
+
+
 def active() -> bool:
     """Whether a kernel built now runs: on a TPU, or inside `use` (interpret mode)."""
-    return on_tpu() or _jax_config.pallas_tpu_interpret_mode_context_manager.value is not None
+    return on_tpu() or interpreting()
 
 
 def check_active() -> None:

@@ -82,6 +82,7 @@ hf_steps: int = 16  # greedy tokens of the real model
 exercise_window_unskipped: bool = False  # the exercise: the window masked, not skipped
 
 # %%
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -203,8 +204,9 @@ teach.excerpt(decode_attention.attend, [
 # Stage 03's `decode_attention` with gpt-oss's sinks and window, on a random cache, the
 # sequences past the window; the reference is `mk.ops.attention(window=, sinks=)`. The
 # tiles before a window's first hold NaN: a kernel that reads one poisons its output. And
-# with every DMA the kernel starts recorded (`mk.kernels.common.dma_log`) the K tiles it
-# loaded are counted against the tiles of the positions each sequence sees:
+# with every DMA the kernel starts recorded (`mk.kernels.common.dma_log`, interpret mode
+# only: on a TPU the NaN tiles are the check) the K tiles it loaded are counted against the
+# tiles of the positions each sequence sees:
 
 # %%
 N, K, H = 4, 2, 128
@@ -218,10 +220,11 @@ cache = np.where(np.arange(att_S)[None, None, None, None, :, None]
                  < start[None, None, :, None, None, None], np.nan, cache)
 k_cache, v_cache = (jnp.asarray(c, jnp.float32) for c in cache)
 sinks = jnp.array([0.5, -1.0, 2.0, 4.0])
+counting = mode == "interpret"  # the DMA log's host callbacks run in interpret mode only
 begin = time.perf_counter()
 with (course.planted("window_unskipped" if exercise_window_unskipped else None),
-      mk.backend.use(run.backend, detect_races=(mode == "interpret")),
-      dma_log() as log):
+      mk.backend.use(run.backend, detect_races=counting),
+      dma_log() if counting else contextlib.nullcontext([]) as log):
     o, _, _ = jax.block_until_ready(decode_attention.decode_attention(
         q, k_new, v_new, k_cache, v_cache, att_positions, layer=0, sinks=sinks, window=W,
         block=BlockSizes(kv_tile=att_tile, kv_slots=2)))
@@ -232,7 +235,7 @@ v_written = ops.write_rows(jnp.nan_to_num(v_cache[0]), v_new.reshape(B, T, K, H)
                            att_positions)
 want_o = ops.attention(q.reshape(B, T, N, H), k_written, v_written, att_positions, window=W,
                        sinks=sinks).reshape(B * T, N * H)
-loaded = sum(1 for what, _ in log if what == "k_tile")
+loaded = sum(1 for what, _ in log if what == "k_tile") if counting else "not counted"
 seen = sum(len(np.unique(np.arange(max(p - W + 1, 0), p + T) // att_tile))
            for p in np.asarray(att_positions))
 print(f"max |kernel - reference| = {float(jnp.nanmax(jnp.abs(o - want_o))):.2e}; K tiles "
@@ -413,7 +416,8 @@ else:
 
 # %%
 course.check_close("attention with sinks and a window", o, want_o, atol=1e-2, rtol=1e-2)
-course.check_close("K tiles loaded", loaded, seen, atol=0, rtol=0)
+if counting:
+    course.check_close("K tiles loaded", loaded, seen, atol=0, rtol=0)
 course.check_race_free("attention with sinks and a window", att_races)
 course.check_close("megakernel greedy tokens", got_tokens, want_tokens, atol=0, rtol=0)
 print("checks passed")

@@ -87,3 +87,26 @@ def test_races_are_none_where_no_detector_ran_and_say_so():
         assert backend.races_found() is False
     assert "not checked" in backend.races_text(None)
     assert backend.races_text(True) == "FOUND"
+
+
+def test_a_dma_log_refuses_a_kernel_traced_for_the_chip(monkeypatch):
+    """The DMA log counts with host callbacks, which only interpret mode runs (on a v5e,
+    notebook 05d's count came back 4 K tiles short): on a TPU outside `use("interpret")`
+    a DMA started while a log is open is refused; inside it, or on a CPU, it is recorded."""
+    from mk.kernels import common
+
+    class Copy:
+        started = 0
+
+        def start(self):
+            self.started += 1
+
+    monkeypatch.setattr(backend, "on_tpu", lambda: True)
+    with common.dma_log() as log:
+        with pytest.raises(RuntimeError, match="only TPU interpret mode runs"):
+            common.start_dma(Copy(), "k_tile", 64)
+        with backend.use("interpret"):
+            common.start_dma(Copy(), "k_tile", 64)
+        jax.effects_barrier()
+    assert log == [("k_tile", 64)]
+    common.start_dma(Copy(), "k_tile", 64)  # no log open: nothing is asked of the backend

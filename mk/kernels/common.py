@@ -32,6 +32,7 @@ from jax.experimental import io_callback
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from mk import backend
 from mk.ops import exact
 
 LANES = 128  # the minor (lane) dimension of a vreg
@@ -353,6 +354,9 @@ def dma_log(*jitted):
     whose traces hold the kernels, e.g. `mk.megakernel.traced_step`) are cleared on entry
     and on exit, so they are traced with the recording and never reused without it.
 
+    Interpret mode only: on a v5e the log of notebook 05d's attention came back 4 K tiles
+    short, so `start_dma` refuses to trace a kernel for the chip while a log is open.
+
     Order: a `sequenced` kernel's records are in the order it issues its DMAs (per device;
     one call after another); any other kernel's are in the order interpret mode happened to
     run their host callbacks (right for totals, not for order)."""
@@ -399,6 +403,11 @@ def start_dma(copy, what: str, nbytes: int) -> None:
     copy.start()
     if _DMA_LOG is None:
         return
+    if backend.on_tpu() and not backend.interpreting():
+        raise RuntimeError(
+            "dma_log records DMAs with host callbacks, which only TPU interpret mode runs "
+            "(inside mk.backend.use('interpret')); a kernel built for the chip would record "
+            "nothing: count DMAs in interpret mode")
     log = _DMA_LOG
     if _DMA_SEQ is None:
         jax.debug.callback(lambda: log.append((what, nbytes)))
