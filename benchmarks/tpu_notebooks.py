@@ -18,7 +18,8 @@ commit; the same command again, the record carried back, goes on where it stoppe
 A row holds the status (ok, failed, timeout), seconds, the code cells that ran of the
 notebook's own (papermill's injected parameters not counted; a notebook stopped at its
 timeout counts what papermill last saved), the failing cell's number and first line, and
-the error. The executed notebooks go to `--out` (build/chip-notebooks/).
+the error. The executed notebooks go to `--out` (build/chip-notebooks/). $MK_MEASURED is
+this script's alone: the notebooks read the committed records.
 
 On a CPU it refuses (nothing here would be a chip's); --interpret runs the notebooks in
 interpret mode into the record --json names, never a TPU's file nor under data/measured.
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -84,7 +86,8 @@ def run_child(run: run_notebooks.Run, executed: Path, timeout: float) -> dict:
     argv = [sys.executable, __file__, "--one", str(run.notebook), "--executed",
             str(executed), "--parameters", json.dumps(run.parameters)]
     start = time.perf_counter()
-    child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=notebook_env())
     try:
         out, err = child.communicate(timeout=timeout)
         status = "ok"
@@ -103,6 +106,13 @@ def run_child(run: run_notebooks.Run, executed: Path, timeout: float) -> dict:
     elif error or row["cells_run"] < row["cells"]:
         status = "failed"
     return row | dict(status=status, error=_cut(error))
+
+
+def notebook_env() -> dict:
+    """The notebooks' environment: this one without MK_MEASURED, which says where this
+    script's record goes. A notebook reads the committed records (notebook 09 the steps
+    record): pointed at the call's output folder, it found none there on the chip."""
+    return {k: v for k, v in os.environ.items() if k != "MK_MEASURED"}
 
 
 def stop(child: subprocess.Popen) -> None:

@@ -208,6 +208,26 @@ def test_the_map_says_how_each_notebook_went_on_a_chip_or_that_none_ran_it(tmp_p
     assert "Unreadable chip record: v6e-notebooks.json" in index
 
 
+def test_the_notebooks_read_the_committed_records_not_the_calls_output(monkeypatch,
+                                                                       tmp_path):
+    """MK_MEASURED names where this script's record goes (a chip call's $OUT); passed on,
+    notebook 09 looked there for the steps record and failed on the chip."""
+    monkeypatch.setenv("MK_MEASURED", str(tmp_path))
+    seen = {}
+
+    class Popen:
+        def __init__(self, argv, **kwargs):
+            seen.update(kwargs)
+            raise OSError("stop here")
+
+    monkeypatch.setattr(tpu_notebooks.subprocess, "Popen", Popen)
+    run = run_notebooks.Run(notebook=ROOT / "notebooks" / "09_speculative_sweep.ipynb",
+                            parameters={})
+    with pytest.raises(OSError, match="stop here"):
+        tpu_notebooks.run_child(run, tmp_path / "09.ipynb", 1.0)
+    assert "MK_MEASURED" not in seen["env"] and seen["env"]["PATH"]
+
+
 def test_the_committed_records_are_read_and_shown():
     """Whatever data/measured holds is a record the map can show."""
     records, refused = chip_record.load_all()
