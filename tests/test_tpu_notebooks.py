@@ -248,3 +248,20 @@ def test_one_notebook_runs_through_papermill_in_interpret_mode(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     row, = chip_record.load(path)["rows"]
     assert row["status"] == "ok" and row["cells_run"] == row["cells"] > 0
+
+
+def test_the_readme_says_what_the_committed_record_holds():
+    """README's sentence on the notebooks' chip run is the record's, count for count: a
+    new run that changes the record changes the sentence."""
+    text = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    record = chip_record.load(ROOT / "data" / "measured" / "v5e-notebooks.json")
+    rows = [r for r in record["rows"] if r["commit"].startswith("b3f4156")]
+    status = {r["notebook"][:3].rstrip("_"): r["status"] for r in rows}
+    ok = sum(s == "ok" for s in status.values())
+    failed = sorted(n for n, s in status.items() if s == "failed")
+    stopped = sorted(n for n, s in status.items() if s == "timeout")
+    notebooks = len(list((ROOT / "notebooks").glob("[0-9]*.py")))
+    said = (f"{len(rows)} of the {notebooks} notebooks ran with their kernels on the "
+            f"chip (the map shows each): {ok} ok; {', '.join(failed[:-1])} and {failed[-1]} "
+            f"failed where the chip broke a check", f"{' and '.join(stopped)} was stopped")
+    assert all(part in text for part in said), said
