@@ -444,10 +444,27 @@ def _compiled_columns(run: Run, cost: dict, simulated, assumptions, est, kw) -> 
     return rec
 
 
+def _fields(row, what: str, *names: str) -> dict:
+    """`row` when it is a mapping holding `names`; else ValueError naming what is missing
+    and where such a row comes from (`ROWS[what]`): rows are made by mk, but a caller can
+    hand in anything."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{what} {shown(row)} must be a mapping ({ROWS[what]})")
+    missing = [n for n in names if n not in row]
+    if missing:
+        raise ValueError(f"{what} {shown(row.get('run', row.get('preset')))}: missing "
+                         f"{missing} ({ROWS[what]})")
+    return row
+
+
+ENTRY, COST = "entries row", "tile cost row"
+ROWS = {ENTRY: "a row of mk.ledger.entries", COST: "a row of benchmarks/tile_costs.py"}
+
+
 def tile_bundles(cost: dict) -> int:
     """The costliest per-tile loop's bundles of a recorded per-tile cost (its
     "bundles_per_tile", "least-most": `mk.bundles.TileCost.row`)."""
-    text = str(cost.get("bundles_per_tile", ""))
+    text = str(_fields(cost, COST).get("bundles_per_tile", ""))
     if not text.rpartition("-")[2].isdigit():
         raise ValueError(f"tile cost row {cost.get('preset')!r}: bundles_per_tile={text!r} "
                          "must read 'least-most' (a row of benchmarks/tile_costs.py)")
@@ -459,6 +476,7 @@ def recorded_assumptions(cost: dict, base: Assumptions | None = None, **kw) -> A
     benchmarks/tile_costs.py) is replayed with: its DMA latency, its costliest plain
     loop's bundles (`tile_bundles`) and its packed loops' (`mk.bundles.packed_bundles`),
     over `base`'s other fields (default `Assumptions()`), then `kw`'s (the clock end)."""
+    _fields(cost, COST, "latency_us")
     return dataclasses.replace(base or Assumptions(), dma_latency_s=cost["latency_us"] * 1e-6,
                                tile_issue_s=0.0, tile_bundles=tile_bundles(cost),
                                packed_bundles=packed_bundles(cost), **kw)
@@ -466,13 +484,7 @@ def recorded_assumptions(cost: dict, base: Assumptions | None = None, **kw) -> A
 
 def cost_key(cost: dict) -> tuple:
     """`Run.key` of a recorded per-tile cost (a row of benchmarks/tile_costs.py)."""
-    if not isinstance(cost, dict):
-        raise ValueError(f"tile cost row {shown(cost)} must be a mapping (a row of "
-                         "benchmarks/tile_costs.py --published)")
-    missing = [k for k in ("preset", "chip", "tp", "batch", "rows", "fits") if k not in cost]
-    if missing:
-        raise ValueError(f"tile cost row {cost.get('preset')!r}: missing {missing} (a row of "
-                         "benchmarks/tile_costs.py --published)")
+    _fields(cost, COST, "preset", "chip", "tp", "batch", "rows", "fits")
     return (cost["preset"], cost["chip"], cost["tp"], cost["batch"], cost["rows"])
 
 
@@ -529,11 +541,13 @@ def headline(rows: list[dict], *, model: str = "Kimi K3", system: str = "tpu7x",
     from `entries(simulate_tpu=True, tile_costs=...)` rows: the published step against
     the compiled-kernel step at both ends of the clock range (else the simulated step),
     the modelled step and the HBM floor, with what the ledger says differs."""
-    row = next((r for r in rows if r["model"] == model and r["system"] == system
-                and r["tau"] == tau), None)
+    row = next((r for r in rows if _fields(r, ENTRY, "model", "system", "tau")["model"]
+                == model and r["system"] == system and r["tau"] == tau), None)
     if row is None or "simulated_ms" not in row:
         raise ValueError(f"no simulated row for {model} on {system} at tau={tau}: call "
                          "entries(simulate_tpu=True)")
+    _fields(row, ENTRY, "published", "published_step_ms", "modelled_ms", "hbm_floor_ms",
+            "note")
     published = row["published_step_ms"]
     if "compiled_low_ms" in row:
         low, high = row["compiled_low_ms"], row["compiled_high_ms"]
@@ -568,8 +582,9 @@ def latency_grid(rows_by_latency: dict[float, list[dict]]) -> list[dict]:
     out = []
     for us, rows in sorted(rows_by_latency.items()):
         for r in rows:
-            if "simulated_ms" not in r:
+            if "simulated_ms" not in _fields(r, ENTRY):
                 continue
+            _fields(r, ENTRY, "run", "published_step_ms", "hbm_floor_ms", "collective_ms")
             out.append({"run": r["run"], "round (µs)": us,
                         "published (ms)": r["published_step_ms"],
                         "HBM floor (ms)": r["hbm_floor_ms"],
@@ -583,10 +598,11 @@ def latency_grid(rows_by_latency: dict[float, list[dict]]) -> list[dict]:
 def floor_tokens(row: dict) -> float:
     """The tokens/s bound of an `entries` row: the smallest over its floors (the HBM
     floor, and the MXU floor on a TPU row)."""
+    _fields(row, ENTRY, "hbm_floor")
     return min(row[f] for f in ("hbm_floor", "mxu_floor") if f in row)
 
 
 def larger_floor(row: dict) -> tuple[str, float]:
     """("HBM" or "MXU", ms) of the larger floor of an `entries` row."""
-    mxu = row.get("mxu_floor_ms", 0.0)
+    mxu = _fields(row, ENTRY, "hbm_floor_ms").get("mxu_floor_ms", 0.0)
     return ("HBM", row["hbm_floor_ms"]) if row["hbm_floor_ms"] >= mxu else ("MXU", mxu)

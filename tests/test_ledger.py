@@ -334,3 +334,17 @@ def test_a_notebook_link_is_the_pages_link_on_the_site_and_text_without_that_pag
 def test_entries_refuses_bad_arguments_instead_of_returning_nothing(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         ledger.entries(**kwargs)
+
+
+@pytest.mark.parametrize("call", [
+    lambda row: ledger.headline([row]), lambda row: ledger.latency_grid({1.0: [row]}),
+    ledger.floor_tokens, ledger.larger_floor, ledger.tile_bundles,
+    ledger.recorded_assumptions, ledger.cost_key])
+@pytest.mark.parametrize("row", [{"simulated_ms": 1.0}, 3, None, {
+    "run": "x", "simulated_ms": 1.0, "model": "m", "system": "s", "tau": 1}])
+def test_the_row_readers_name_what_a_handed_in_row_lacks(call, row):
+    """A row that `entries` or benchmarks/tile_costs.py did not make is refused with the
+    field it lacks (or as not a mapping), not a KeyError or an empty-min error."""
+    with pytest.raises(ValueError, match=r"must be a mapping|missing \[|no simulated row|"
+                                         r"must read 'least-most'"):
+        call(row)
