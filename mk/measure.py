@@ -9,11 +9,11 @@ labelled record from a chosen latency and bandwidth share.
 
 Here: `Sweep` (`SWEEPS`), `DmaPoint`, `StepPoint`, `Measured` (`latency_fit`,
 `dma_latency_s`, `hbm_bw`, `hbm_share`, `to_dict`, `from_dict`), `chip_of`,
-`seconds_per_copy`, `dma_sweep`, `time_step_series` (`STEP_SERIES`: the megakernel, its
-device loop, XLA's step; benchmarks/tpu_steps.py; its plans `step_plans`), `time_step`,
-`provenance`, `measure`, `example`, `path_for`, `write`, `load`, `sim_fields`. Not here:
-the simulator (`mk.sim`), drawing (the notebook, with `mk.plots`), the JSON schema's
-prose (data/README.md). How each number is measured: docs/design/mk.measure.md.
+`median_seconds`, `seconds_per_copy`, `dma_sweep`, `time_step_series` (`STEP_SERIES`: the
+megakernel, its device loop, XLA's step; benchmarks/tpu_steps.py; its plans `step_plans`),
+`time_step`, `provenance`, `measure`, `example`, `path_for`, `write`, `load`, `sim_fields`.
+Not here: the simulator (`mk.sim`), drawing (the notebook, with `mk.plots`), the JSON
+schema's prose (data/README.md). How each number is measured: docs/design/mk.measure.md.
 """
 
 from __future__ import annotations
@@ -324,7 +324,7 @@ def _point(kind, data, prefix: str):
 
 
 # -- Measuring ----------------------------------------------------------------------------
-def _median_seconds(calls: dict, repeats: int) -> dict:
+def median_seconds(calls: dict, repeats: int) -> dict:
     """{key: median wall seconds of calls[key]()} (each blocking), the keys interleaved
     so that a change of machine load touches all of them alike; one warm-up call each."""
     times = {key: [] for key in calls}
@@ -350,7 +350,7 @@ def seconds_per_copy(nbytes: int, in_flight: int, sweep: Sweep) -> float:
     if not np.array_equal(last, np.asarray(src[(c1 - 1) % in_flight, :CHUNK_ROWS])):
         raise RuntimeError(f"the probe ({nbytes} bytes, {in_flight} in flight) returned "
                            "data that is not its last chunk's: the DMAs did not land")
-    t = _median_seconds(calls, sweep.repeats)
+    t = median_seconds(calls, sweep.repeats)
     seconds = (t[c1] - t[c0]) / (c1 - c0)
     if not seconds > 0:
         raise RuntimeError(f"{c1} copies of {nbytes} bytes timed no slower than {c0} "
@@ -403,7 +403,7 @@ def time_step_series(config: ModelConfig, *, batch: int = 1, rows: int = 1,
     seconds = {}
     with backends.use(backend):
         if "xla" in series:
-            seconds |= _median_seconds({"xla": lambda: reference.forward(
+            seconds |= median_seconds({"xla": lambda: reference.forward(
                 config, params, cache, tokens, positions)}, repeats)
         weights = megakernel.prepare(plan, params, donate=True)
         held = [cache]  # both donate the cache: each call gets the last one's
@@ -412,14 +412,14 @@ def time_step_series(config: ModelConfig, *, batch: int = 1, rows: int = 1,
                 out = megakernel.step_in_place(plan, weights, held[0], tokens, positions)
                 held[0] = out[2]
                 return out
-            seconds |= _median_seconds({"megakernel": step}, repeats)
+            seconds |= median_seconds({"megakernel": step}, repeats)
         if "megakernel_loop" in series:
 
             def loop():
                 out, held[0] = megakernel.device_loop(loop_plan, weights, held[0],
                                                       tokens[:, 0], positions, loop_steps)
                 return out
-            loop_seconds = _median_seconds({"loop": loop}, repeats)["loop"]
+            loop_seconds = median_seconds({"loop": loop}, repeats)["loop"]
             seconds["megakernel_loop"] = loop_seconds / loop_steps
     return {name: seconds[name] for name in series}
 

@@ -66,7 +66,7 @@ def test_probe_checks_that_its_data_landed_and_that_more_copies_take_longer(monk
             measure.seconds_per_copy(4096, 1, TINY)
         # Control for the timing check: equal times for both counts are refused.
         monkeypatch.setattr(measure, "dma_probe", dma_probe)
-        monkeypatch.setattr(measure, "_median_seconds", lambda calls, repeats: {
+        monkeypatch.setattr(measure, "median_seconds", lambda calls, repeats: {
             key: 1.0 for key in calls})
         with pytest.raises(RuntimeError, match="timing noise"):
             measure.seconds_per_copy(4096, 1, TINY)
