@@ -104,7 +104,7 @@ def _greedy_steps(plan, mesh, weights, cache, token, position, steps: int):
 
 def generate(config: ModelConfig, params, prompt, steps: int, *, tp: int,
              mesh: jax.sharding.Mesh | None = None, block: BlockSizes | None = None,
-             max_context: int | None = None, steps_per_call: int = 1,
+             max_context: int | None = None, steps_per_call: int | None = None,
              progress: bool = False, feeds=None, collective: str | None = None) -> jax.Array:
     """Greedy decoding with the megakernel on tp devices: the contract of
     `mk.megakernel.generate`, `progress` and `feeds` included; `collective` as in
