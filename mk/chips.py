@@ -2,7 +2,8 @@
 `all_chips()`, `read_chips`, and a jax device kind's chip (`chip_of`).
 
 One row of `mk/data/chips.csv` per chip: vendor peak numbers (HBM size and bandwidth, dense
-bf16 and fp8 FLOP/s, interconnect bandwidth) plus, for TPUs, the VMEM per core, the MXU's
+bf16 and fp8 FLOP/s, interconnect bandwidth; where measured, the links a collective's
+bytes move over and one message round's latency) plus, for TPUs, the VMEM per core, the MXU's
 side and count, the weight dtypes its MXU takes (`mxu_feeds`), the TensorCores per chip,
 the clock as a range (`ChipSpec.clock(end)`: it is not published) and the topology to
 compile for. Each row names the vendor document it comes from.
@@ -11,8 +12,8 @@ Units: bytes, bytes per second, FLOP per second, all per CHIP; `cores_per_chip` 
 many JAX devices share the chip's numbers (a TPU7x's two TensorCores are two devices,
 v5p's megacore one).
 
-Not here: anything derived from a model (bytes, FLOPs, floors: `mk.perf`), measured or
-sustained bandwidths (these are datasheet peaks), multi-chip topologies. Where the MXU
+Not here: anything derived from a model (bytes, FLOPs, floors: `mk.perf`), sustained HBM
+bandwidth (a datasheet peak; measured: `mk.measure`), multi-chip topologies. Where the MXU
 feeds and the two ends of the clock range come from: docs/design/mk.chips.md.
 """
 
@@ -60,6 +61,10 @@ class ChipSpec:
     clock_high_hz: float | None  # low and high end (module docstring); None on GPUs
     cores_per_chip: int  # JAX devices per chip
     ici_bw: float  # chip-to-chip bandwidth per chip, bytes/s (NVLink on GPUs)
+    link_bw: float | None  # one device's one-way bandwidth to its collective peers as
+    #                        measured (bytes/s; TPU7x: the release's); None: not measured
+    collective_round_s: float | None  # one message round of a collective as measured;
+    #                                   None: not measured (`mk.kernels.collectives`)
     topology: str  # libtpu topology name that compiles for one chip; "" on GPUs
     source: str  # the vendor document the numbers come from
     notes: str = ""
@@ -93,6 +98,11 @@ class ChipSpec:
                                                                 and not value > 0):
                 raise ValueError(f"chip {self.name}: {field}={value!r} must be positive for "
                                  "a TPU and empty for a GPU")
+        for field in ("link_bw", "collective_round_s"):
+            value = getattr(self, field)
+            if value is not None and not value > 0:
+                raise ValueError(f"chip {self.name}: {field}={value!r} must be positive or "
+                                 "empty (not measured)")
         if self.kind == "tpu" and self.clock_low_hz > self.clock_high_hz:
             raise ValueError(f"chip {self.name}: clock_low_hz={self.clock_low_hz!r} is above "
                              f"clock_high_hz={self.clock_high_hz!r}: the low end must not "
@@ -156,6 +166,8 @@ def _row_to_spec(row: dict[str, str]) -> ChipSpec:
         clock_low_hz=_optional_float(row["clock_low_hz"]),
         clock_high_hz=_optional_float(row["clock_high_hz"]),
         cores_per_chip=int(row["cores_per_chip"]), ici_bw=float(row["ici_bw"]),
+        link_bw=_optional_float(row["link_bw"]),
+        collective_round_s=_optional_float(row["collective_round_s"]),
         topology=row["topology"], source=row["source"], notes=row["notes"])
 
 

@@ -568,9 +568,9 @@ def headline(rows: list[dict], *, model: str = "Kimi K3", system: str = "tpu7x",
                else ""))
 
 
-COLLECTIVE_LATENCIES_US = (0.5, 1.0, 2.0, 4.0)  # one message round of a collective: the
-#   grid the ledger's TPU rows are shown over (nothing here measured it; mk.sim's default
-#   is ICI_LATENCY_S, 1 us)
+COLLECTIVE_LATENCIES_US = (0.5, 1.0, 2.0, 4.1)  # one message round of a collective: the
+#   grid the ledger's TPU rows are shown over (mk.sim's default is the chip's round,
+#   `mk.kernels.collectives.round_s`: TPU7x's 4.1 us, the middle of the release's 3.5-4.7)
 
 
 def latency_grid(rows_by_latency: dict[float, list[dict]]) -> list[dict]:

@@ -21,7 +21,6 @@ import dataclasses
 from mk import measure, perf, quant
 from mk.chips import CLOCK_ENDS, ChipSpec
 from mk.config import finite_number
-from mk.kernels.collectives import ICI_LATENCY_S
 from mk.kernels.common import BlockSizes
 from mk.kernels.plan import DecodePlan
 from mk.step_bytes import family_of
@@ -46,7 +45,8 @@ class Assumptions:
     # packed tiles of a scheme and shape, at the clock (`mk.bundles.TileCost.assumptions`)
     packed_bundles: tuple[tuple[str, int, int, int], ...] = ()
     clock: str = "low"  # end of the chip's range (`mk.chips.CLOCK_ENDS`)
-    ici_latency_s: float = ICI_LATENCY_S  # one message round of a collective
+    # One message round of a collective; None: the chip's (`mk.kernels.collectives.round_s`)
+    ici_latency_s: float | None = None
     # The attention loop as a chip ran it (`mk.calibration`; 0: the tile cost model alone):
     kv_bytes_per_s: float = 0.0  # KV bytes a second, once the loop is not waiting on DMA
     sequence_s: float = 0.0  # each sequence's fixed cost in each attention layer
@@ -57,7 +57,8 @@ class Assumptions:
             finite_number(f"Assumptions.{field}", getattr(self, field), 0, 1, open_low=True)
         for field in ("dma_latency_s", "scalar_op_s", "tile_issue_s", "ici_latency_s",
                       "kv_bytes_per_s", "sequence_s"):
-            finite_number(f"Assumptions.{field}", getattr(self, field))
+            if field != "ici_latency_s" or self.ici_latency_s is not None:
+                finite_number(f"Assumptions.{field}", getattr(self, field))
         if isinstance(self.tile_bundles, bool) or not isinstance(self.tile_bundles, int) \
                 or self.tile_bundles < 0:
             raise ValueError(f"Assumptions.tile_bundles={self.tile_bundles!r} must be an "

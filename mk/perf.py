@@ -28,7 +28,7 @@ from mk import feed_costs
 from mk.cache import bytes_per_position, state_bytes_per_sequence
 from mk.chips import ChipSpec, spec_of
 from mk.config import DTYPE_BITS, ModelConfig, check_config, check_formats, positive_int
-from mk.kernels.collectives import ICI_LATENCY_S, PARTIAL_SUM_BYTES, allreduce_s
+from mk.kernels.collectives import PARTIAL_SUM_BYTES, allreduce_s
 from mk.kernels.one_layer import model_block
 from mk.kernels.plan import capacity, packed_formats, padded_vocab, shard_config
 from mk.kinds.base import ROLES
@@ -252,7 +252,7 @@ def predict(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: 
             context: int | None = None, tp: int = 1, accepted: float | None = None,
             routing: str | RoutingTrace = "uniform", compute: str = "bf16",
             collectives: bool = True, formats=None,
-            ici_latency_s: float = ICI_LATENCY_S) -> StepEstimate:
+            ici_latency_s: float | None = None) -> StepEstimate:
     """Floors and collectives of one decode step of `config` on `tp` devices of `chip`.
 
     `context` defaults to config.max_context; `accepted` (tokens each sequence keeps per
@@ -261,7 +261,7 @@ def predict(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: 
     ({"dense": "int8", ...}; default `config.formats`, {} for none) stores those groups
     in mk.quant's schemes, packed data plus scales per tile of the default tiling
     (`mk.step_bytes.shard_weight_bytes`); `ici_latency_s`: one message round of a
-    collective (`allreduce_s`).
+    collective (`allreduce_s`; None: the chip's, `mk.kernels.collectives.round_s`).
     """
     spec = spec_of(chip)
     context = config.max_context if context is None else context
@@ -399,7 +399,7 @@ def tile_floor_ms(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1,
 def modelled_step_ms(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1,
                      rows: int = 1, context: int | None = None, tp: int = 1,
                      routing: str | RoutingTrace = "uniform", compute: str = "bf16", formats=None,
-                     clock: str = "low", ici_latency_s: float = ICI_LATENCY_S) -> float:
+                     clock: str = "low", ici_latency_s: float | None = None) -> float:
     """The modelled step (`mk.ledger.TERMS`): max(HBM floor, compute lane + the collectives
     of tensor parallelism), ms: HBM streams beside the compute lane, whose weight tiles and
     all-reduces are serial. The lane is, on a TPU, the tile floor (`tile_floor_ms`, at the

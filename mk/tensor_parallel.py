@@ -24,8 +24,8 @@ from mk import backend as backends
 from mk import decode_checks, megakernel, perf, quant, reference
 from mk.chips import spec_of
 from mk.config import ModelConfig
-from mk.kernels.collectives import (AXIS, ICI_LATENCY_S, all_reduce_bytes,
-                                    check_interpret_devices, choose_algorithm, ici_bandwidth,
+from mk.kernels.collectives import (AXIS, all_reduce_bytes, check_interpret_devices,
+                                    choose_algorithm, ici_bandwidth, round_s,
                                     rounds as message_rounds, tp_mesh)
 from mk.kernels.common import BlockSizes
 from mk.kernels.plan import DecodePlan, shard_config
@@ -133,11 +133,11 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, tp: int,
 def collective_terms(config: ModelConfig, tp: int, chip: str, *, batch: int = 8,
                      rows: int = 1, collective: str | None = None) -> dict:
     """The in-kernel collectives of one TP step on `chip` by the `collective` algorithm
-    (default the plan's, `choose_algorithm`), by the `mk.perf` ICI model (ICI_LATENCY_S
-    per message round, one device's one-way ICI bandwidth): bytes, rounds and the latency
-    and bandwidth terms, next to `mk.perf.predict`'s own collective term (the default
-    algorithm's) and HBM floor for the same step. The kernel all-reduces float32 partial
-    sums."""
+    (default the plan's, `choose_algorithm`), by the `mk.perf` model (the chip's message
+    round, `round_s`, and one device's one-way bandwidth, `ici_bandwidth`): bytes, rounds
+    and the latency and bandwidth terms, next to `mk.perf.predict`'s own collective term
+    (the default algorithm's) and HBM floor for the same step. The kernel all-reduces
+    float32 partial sums."""
     check_tp(config, tp)
     spec = spec_of(chip)
     algorithm = choose_algorithm(tp, collective)
@@ -150,7 +150,7 @@ def collective_terms(config: ModelConfig, tp: int, chip: str, *, batch: int = 8,
     return dict(
         tp=tp, algorithm=algorithm, all_reduces=reduces, all_reduce_KiB=message / 1024,
         sent_MiB_per_device=sent / 2**20, message_rounds=messages,
-        latency_ms=messages * ICI_LATENCY_S * 1e3,
+        latency_ms=messages * round_s(spec) * 1e3,
         bandwidth_ms=sent / ici_bandwidth(spec) * 1e3,
         perf_model_collective_ms=estimate.collective_ms,
         hbm_floor_ms=estimate.hbm_floor_ms)

@@ -228,9 +228,10 @@ display(plots.table([e for e in collectives.exchanges(4) if e["device"] == 0]))
 # Per step: 2 L all-reduces of the [M, D] float32 partial sums (each device sends 2(n-1)/n
 # of it, in 2 log2(n) message rounds by "recursive", 2 by "two_phase"), one small gather
 # for the argmax, and where the plan splits a router by experts (below) one gather of the
-# router's logits per MoE layer. Below, by the ICI model of `mk.perf` (1 µs per message round, one
-# device's one-way ICI bandwidth), next to that model's own collective term (the plan's
-# algorithm) and the step's HBM floor per device:
+# router's logits per MoE layer. Below, by the model of `mk.perf` (a message round and one
+# device's one-way bandwidth as the chip measured them where it did: TPU7x's 4.1 µs and
+# 134 GB/s, the release's; else 1 µs and the datasheet's ICI), next to that model's own
+# collective term (the plan's algorithm) and the step's HBM floor per device:
 
 # %%
 terms = [tpar.collective_terms(mk.preset("qwen3.5-27b"), t, "tpu7x", batch=8, collective=a)

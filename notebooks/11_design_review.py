@@ -118,6 +118,7 @@ from IPython.display import display
 from mk import (bundles, course, feed_costs, ledger, perf, plots, review, sim, sim_plots,
                xla_step)
 from mk.chips import CLOCK_ENDS, spec_of
+from mk.kernels.collectives import round_s
 from mk.kernels.common import VmemBudget
 from mk.kernels.plan import DecodePlan, packed_formats
 from mk.published import published
@@ -167,13 +168,15 @@ print(ledger.headline(headline_rows))
 # %% [markdown]
 # Every collective in that step pays the latency of its message rounds (two for each
 # all-reduce with the kernel's "two_phase" algorithm at TP8 and TP32, [notebook
-# 10](10_tensor_parallel.ipynb)), and that latency is an assumption: 1 µs a round, never
-# measured here. The release's headline runs (the speculative ones, and Kimi K3 at B=1 with
+# 10](10_tensor_parallel.ipynb)). The release measured it on TPU7x: about 3.5-4.7 µs a round
+# at B = 1, its collectives latency-bound; the simulator takes the middle, 4.1 µs
+# (`mk.kernels.collectives.round_s`), and moves their bytes at the 134 GB/s it measured over
+# a core's three links, not the datasheet's ICI. The release's headline runs (the speculative ones, and Kimi K3 at B=1 with
 # its published 4.02 ms step) over a grid of it, each simulated again (the collectives
 # block the compute lane, so the ring's timeline moves with them):
 
 # %%
-default_round_us = sim.Assumptions().ici_latency_s * 1e6  # the headline's
+default_round_us = round_s(spec_of("tpu7x")) * 1e6  # the headline's: the chip's round
 grid = {us: headline_rows if us == default_round_us else ledger.entries(
     batches=(1,), simulate_tpu=True, tile_costs=published_costs,
     assumptions=sim.Assumptions(ici_latency_s=us * 1e-6))

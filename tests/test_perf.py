@@ -11,6 +11,7 @@ from hypothesis import given, settings, strategies as st
 import mk
 from mk import perf, quant
 from mk.chips import all_chips, chip
+from mk.kernels.collectives import ICI_LATENCY_S
 from mk.kernels.one_layer import model_block
 from mk.kernels.plan import shard_config
 from mk.kinds.layers import layer_kinds
@@ -351,15 +352,22 @@ def test_formats_reject_unknown_groups_and_schemes(formats, match):
 # -- Collectives ----------------------------------------------------------------------------
 def test_one_allreduce_is_a_reduce_scatter_and_an_all_gather_of_their_rounds_each():
     spec = chip("tpu7x")
-    one_way = spec.ici_bw / 2 / 2  # per device, one direction
+    # The release's measured links (three at 134 GB/s a core, one way) and round (4.1 us)
+    one_way, r = spec.link_bw, spec.collective_round_s
+    assert (one_way, r) == (134e9, 4.1e-6)
     wire = 2 * 7 / 8 * 1e6 / one_way  # the same bytes by either algorithm
     assert perf.allreduce_s(1e6, 1, spec) == 0
-    assert perf.allreduce_s(1e6, 8, spec, "recursive") == pytest.approx(6e-6 + wire)
-    assert perf.allreduce_s(1e6, 8, spec, "two_phase") == pytest.approx(2e-6 + wire)
+    assert perf.allreduce_s(1e6, 8, spec, "recursive") == pytest.approx(6 * r + wire)
+    assert perf.allreduce_s(1e6, 8, spec, "two_phase") == pytest.approx(2 * r + wire)
     assert perf.allreduce_s(1e6, 8, spec) == perf.allreduce_s(1e6, 8, spec, "two_phase")
-    assert perf.allreduce_s(0, 32, spec, "recursive") == pytest.approx(10e-6)
-    assert perf.allreduce_s(0, 5, spec, "recursive") == pytest.approx(6e-6)  # ceil(log2 5)
-    assert perf.allreduce_s(0, 32, spec, latency_s=4e-6) == pytest.approx(8e-6)
+    assert perf.allreduce_s(0, 32, spec, "recursive") == pytest.approx(10 * r)
+    assert perf.allreduce_s(0, 5, spec, "recursive") == pytest.approx(6 * r)  # ceil(log2 5)
+    assert perf.allreduce_s(0, 32, spec, latency_s=1e-6) == pytest.approx(2e-6)
+    # A chip with nothing measured: the datasheet's one-way ICI and ASTRA-sim's round
+    v6e = chip("v6e")
+    assert v6e.link_bw is v6e.collective_round_s is None
+    assert perf.allreduce_s(1e6, 8, v6e, "two_phase") == pytest.approx(
+        2 * ICI_LATENCY_S + 2 * 7 / 8 * 1e6 / (v6e.ici_bw / 2))
     assert perf.allreduce_s(0, 2, spec) == perf.allreduce_s(0, 2, spec, "recursive")
     with pytest.raises(ValueError, match=r"latency_s=-1e-06 must be >= 0"):
         perf.allreduce_s(0, 2, spec, latency_s=-1e-6)

@@ -11,8 +11,9 @@ fixed summation tree (`tree_sum`) for every chunk.
 Here: `check_devices`, `tp_mesh`, `ALGORITHMS`, `rounds`, `choose_algorithm`,
 `exchanges` (the schedule as data), `all_reduce_bytes`, `CollectiveScratch`, `barrier`,
 `all_reduce_body`, `all_gather_body`, `argmax_body`, `tree_sum`, the time model
-(`allreduce_s`, `allgather_s`, `ICI_LATENCY_S`, `ici_bandwidth`), and the standalone
-kernels `all_reduce`, `all_gather`, `greedy_argmax` (inside `jax.shard_map`). Not here:
+(`allreduce_s`, `allgather_s`, `round_s`, `ICI_LATENCY_S`, `ici_bandwidth`), and the
+standalone kernels `all_reduce`, `all_gather`, `greedy_argmax` (inside `jax.shard_map`).
+Not here:
 meshes with more than one axis, non-power-of-two device counts, overlap of a collective
 with the next matmul. Each algorithm round by round, why the results are bit-identical
 and why two buffer slots suffice: docs/design/mk.kernels.collectives.md.
@@ -39,9 +40,9 @@ from mk.kernels.common import Buffer
 AXIS = "tp"  # the mesh axis the tensor-parallel shards live on
 COLLECTIVE_IDS = {"all_reduce": 1, "all_gather": 2, "argmax": 3, "megakernel": 4}
 MAX_INDEX = 2 ** 24  # token ids travel as float32 next to their logit: exact below 2^24
-# One message step of a collective: the per-link latency ASTRA-sim uses for TPUs "as per
-# the TPU research team" (astra-sim.github.io/astra-sim-docs/validation/hardware/
-# tpu-validation.html); nothing here measured it.
+# One message step of a collective on a chip with no measured round (`round_s`): the
+# per-link latency ASTRA-sim uses for TPUs "as per the TPU research team"
+# (astra-sim.github.io/astra-sim-docs/validation/hardware/tpu-validation.html).
 ICI_LATENCY_S = 1e-6
 PARTIAL_SUM_BYTES = 4  # the megakernel all-reduces float32 partial sums
 
@@ -74,39 +75,51 @@ def choose_algorithm(n: int, algorithm: str | None = None) -> str:
 
 
 def allreduce_s(nbytes: float, tp: int, spec: ChipSpec, algorithm: str | None = None,
-                latency_s: float = ICI_LATENCY_S) -> float:
+                latency_s: float | None = None) -> float:
     """Seconds of one all-reduce of `nbytes` per device over `tp` devices, as
     `all_reduce_body` runs it with `algorithm` (default `choose_algorithm(tp)`'s): a
     reduce-scatter then an all-gather, `rounds` each of one `latency_s` (default
-    ICI_LATENCY_S), each device sending 2 (tp - 1) / tp of the message at its one-way ICI
-    bandwidth (`ici_bandwidth`). 0 for tp = 1. A model of time, not measured."""
+    `round_s(spec)`), each device sending 2 (tp - 1) / tp of the message at its one-way
+    bandwidth (`ici_bandwidth`). 0 for tp = 1. A model of time over measured or datasheet
+    numbers."""
     positive_int("tp", tp)
     if nbytes < 0:
         raise ValueError(f"nbytes={nbytes} must be >= 0")
-    if not latency_s >= 0:
-        raise ValueError(f"latency_s={latency_s} must be >= 0")
     phases = 2 * rounds(choose_algorithm(tp, algorithm), tp)
-    return phases * latency_s + 2 * (tp - 1) / tp * nbytes / ici_bandwidth(spec)
+    return phases * round_s(spec, latency_s) + 2 * (tp - 1) / tp * nbytes / ici_bandwidth(
+        spec)
 
 
 def allgather_s(nbytes: float, n: int, spec: ChipSpec, algorithm: str | None = None,
-                latency_s: float = ICI_LATENCY_S) -> float:
+                latency_s: float | None = None) -> float:
     """Seconds of one all-gather of an `nbytes` item from each of `n` devices, as
-    `all_gather_body` runs it: `rounds` of one `latency_s`, each device receiving the
-    other n - 1 items at its one-way ICI bandwidth. 0 for n = 1. A model, not measured."""
+    `all_gather_body` runs it: `rounds` of one `latency_s` (default `round_s(spec)`), each
+    device receiving the other n - 1 items at its one-way bandwidth. 0 for n = 1."""
     positive_int("n", n)
     if nbytes < 0:
         raise ValueError(f"nbytes={nbytes} must be >= 0")
-    if not latency_s >= 0:
-        raise ValueError(f"latency_s={latency_s} must be >= 0")
     phases = rounds(choose_algorithm(n, algorithm), n)
-    return phases * latency_s + (n - 1) * nbytes / ici_bandwidth(spec)
+    return phases * round_s(spec, latency_s) + (n - 1) * nbytes / ici_bandwidth(spec)
+
+
+def round_s(spec: ChipSpec, latency_s: float | None = None) -> float:
+    """One message round of a collective on `spec`: `latency_s` where given, else the
+    chip's measured round (`ChipSpec.collective_round_s`: TPU7x's, the release's), else
+    ICI_LATENCY_S."""
+    if latency_s is None:
+        return spec.collective_round_s or ICI_LATENCY_S
+    if isinstance(latency_s, bool) or not isinstance(latency_s, (int, float)) or not (
+            0 <= latency_s < float("inf")):
+        raise ValueError(f"latency_s={latency_s!r} must be >= 0 seconds, and finite")
+    return latency_s
 
 
 def ici_bandwidth(spec: ChipSpec) -> float:
-    """One device's one-way interconnect bandwidth, bytes/s: ici_bw / 2 (one direction) /
-    cores_per_chip (the two TensorCores of a TPU7x chip are ICI peers)."""
-    return spec.ici_bw / 2 / spec.cores_per_chip
+    """One device's one-way bandwidth to its collective peers, bytes/s: as measured
+    (`ChipSpec.link_bw`: TPU7x's three links at 134 GB/s, the release's), else the
+    datasheet's ici_bw / 2 (one direction) / cores_per_chip (the two TensorCores of a
+    TPU7x chip are ICI peers)."""
+    return spec.link_bw or spec.ici_bw / 2 / spec.cores_per_chip
 
 
 def tp_mesh(n: int, devices=None) -> jax.sharding.Mesh:

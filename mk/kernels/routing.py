@@ -69,9 +69,13 @@ def router_columns(config, tp: int) -> int:
     Pays: the router bytes a device no longer loads each MoE layer, (1 - 1/tp) of its D x E,
     take longer at the fastest HBM of data/chips.csv than the all-gather of one row's
     logits takes there at ICI_LATENCY_S a message round (`allgather_s`; more rows cost a
-    few more bytes on the wire). So an "auto" split pays on every chip mk knows; it is a
-    layout, chosen once for the shard, not per step. ValueError where "experts" is asked
-    and tp does not divide E."""
+    few more bytes on the wire). It is a layout, chosen once for the shard, not per step.
+    At TPU7x's measured round (4.1 us, `round_s`) the Kimi-sized routers would save less
+    HBM time than the gather costs (1.7-3.4 us at tp 2-32) and stay whole, as the release
+    keeps its router; but a whole router held in VMEM takes room the ring needs (Kimi K3
+    at TP32, B 1, T 8: 4 ring slots instead of 33), which this rule does not weigh, so it
+    keeps the 1-us round until it does. ValueError where "experts" is asked and tp does
+    not divide E."""
     E = config.experts
     if tp == 1 or not E or config.router_split == "whole":
         return E

@@ -237,7 +237,7 @@ class Kind:
         default (a full-attention kind's: `mk.kinds.attention.GQA.cache_bytes`)."""
         return {}
 
-    def collectives_s(self, m: int, spec, latency_s: float, algorithm=None) -> float:
+    def collectives_s(self, m: int, spec, latency_s: float | None, algorithm=None) -> float:
         """Seconds of its own collectives in one of its layers over M = m rows on a shard
         (besides the layer's two all-reduces: `mk.perf`, the simulator): none by default."""
         return 0.0

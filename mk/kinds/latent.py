@@ -154,21 +154,21 @@ class LatentMoE(MoE):
         return super().mxu_passes(batch, rows, context, touched) + [
             (batch * rows, 2 * c.hidden * latent_held(c), 1)]
 
-    def collectives_s(self, m: int, spec, latency_s: float, algorithm=None) -> float:
+    def collectives_s(self, m: int, spec, latency_s: float | None, algorithm=None) -> float:
         """`MoE`'s, with the latent's all-gather and its sum's all-reduce at tp > 1
         (`latent_gather_s`, `latent_reduce_s`)."""
         return (super().collectives_s(m, spec, latency_s, algorithm)
                 + self.latent_gather_s(m, spec, latency_s, algorithm)
                 + self.latent_reduce_s(m, spec, latency_s, algorithm))
 
-    def latent_gather_s(self, m: int, spec, latency_s: float, algorithm=None) -> float:
+    def latent_gather_s(self, m: int, spec, latency_s: float | None, algorithm=None) -> float:
         """The all-gather of each device's [m, latent_columns] float32 part of z
         (`latent_split`), else none."""
         c = self.config
         return (allgather_s(4 * m * c.latent_columns, c.latent_shards, spec, algorithm,
                             latency_s) if c.latent_shards > 1 else 0.0)
 
-    def latent_reduce_s(self, m: int, spec, latency_s: float, algorithm=None) -> float:
+    def latent_reduce_s(self, m: int, spec, latency_s: float | None, algorithm=None) -> float:
         """The all-reduce of the experts' [m, Lt] float32 partial sum (`latent_split`),
         else none."""
         c = self.config

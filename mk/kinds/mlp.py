@@ -345,11 +345,11 @@ class MoE(Kind):
         return [(m, c.hidden * (c.router_columns or c.experts), 1),
                 (m * c.experts_per_token, self.slot_elements(), touched)]
 
-    def collectives_s(self, m: int, spec, latency_s: float, algorithm=None) -> float:
+    def collectives_s(self, m: int, spec, latency_s: float | None, algorithm=None) -> float:
         """Its split router's all-gather (`router_gather_s`)."""
         return self.router_gather_s(m, spec, latency_s, algorithm)
 
-    def router_gather_s(self, m: int, spec, latency_s: float, algorithm=None) -> float:
+    def router_gather_s(self, m: int, spec, latency_s: float | None, algorithm=None) -> float:
         """Its split router's all-gather of each device's [m, E/tp] float32 logits
         (`route_gather`, `allgather_s`), else none."""
         n = self.router_shards
