@@ -1,40 +1,17 @@
 """Model descriptions: `ModelConfig`, its storage formats, and the dimension legend.
 
-Here: the frozen `ModelConfig` for Qwen3 / Qwen3-MoE-shaped decoders, Qwen3.5's hybrid
-(gated-DeltaNet linear attention + gated full attention), Kimi Linear (MLA + Kimi Delta
-Attention + shared-expert MoE with a grouped sigmoid router) and gpt-oss (attention with
-sinks, sliding-window layers, YaRN RoPE (`Yarn`), clamped-SwiGLU experts), its derived
-sizes (KV or latent bytes per token, linear-attention state bytes per sequence; parameter
-counts and stored bytes are `mk.weights.param_count` and `mk.quant.stored_bytes`), how its
+Here: the frozen `ModelConfig` of every family the project runs (Qwen3, Qwen3-MoE,
+Qwen3.5's hybrid, Kimi Linear, gpt-oss with `Yarn`, Kimi K3), its derived sizes, how its
 weights are stored (`formats`, checked by `check_formats`: the one precision knob), lane
-padding (`lane_padded`, `padding`, `norm_width`: widths that are not whole 128-lane tiles
-held with zero lanes, exactly), `ModelConfig.from_hf` (the one entry point for Hugging
-Face `config.json` files); the argument checks several modules share (`positive_int`,
-`check_seed`, `check_rows`). Not here: each layer kind's checks of its fields
-(`mk.kinds.checks`, run on construction) and its Hugging Face fields (`mk.kinds.hf`, read
-by `from_hf`), the named presets (`mk.presets`), weights (`mk.checkpoint`), chips
+padding (`lane_padded`, `padding`, `norm_width`), `ModelConfig.from_hf` (the one entry
+point for Hugging Face `config.json` files), the argument checks several modules share
+(`positive_int`, `check_seed`, `check_rows`), and the dimension legend of every shape
+comment in the project (the comment block below the imports). Not here: each layer kind's
+checks of its fields (`mk.kinds.checks`, run on construction) and its Hugging Face fields
+(`mk.kinds.hf`), the named presets (`mk.presets`), weights (`mk.checkpoint`), chips
 (`mk.chips`), notebook parameters (`mk.run`), kernel tiling (each kernel's `BlockSizes`).
-
-Dimension legend, used in every shape comment of the project:
-
-    B batch                 T query rows per sequence    S cached positions (capacity)
-    D model width (hidden)  N query heads                K kv heads
-    G = N / K               H head dim                   F dense FFN width
-    E experts               X experts per token          Fe expert FFN width
-    L layers                V vocab                      P prompt length
-    M = B * T activation rows of one step
-    La full-attention layers    Ll linear-attention (gated-DeltaNet) layers
-    Nk linear key heads         Nv linear value heads        Hk, Hv their head dims
-    C = 2*Nk*Hk + Nv*Hv conv channels                        W conv kernel width
-    Kimi Linear (MLA full layers, KDA linear layers): R latent rank (kv_lora_rank),
-    Rq query rank (q_lora_rank, 0: none), Hr shared rope-part dims, Hn = H - Hr, Ho MLA
-    value head dim, Fs shared-expert width
-    Kimi K3: Lt the latent MoE's width (moe_latent: its routed experts run on it)
-
-Parameter layout: weights are [in, out], so a projection is `x @ W`; per-layer tensors are
-stacked on a leading axis over their kind's layers (La full, Ll linear, Ld dense, Lm MoE
-layers), so a kernel can loop over layers. Every weight's name, shape and owner is one row
-of `mk.weights` (`mk.weights.param_shapes(config)`).
+Each family's layers, the derived sizes, the padding and the parameter layout:
+docs/design/mk.config.md.
 """
 
 from __future__ import annotations
@@ -50,6 +27,22 @@ from mk.errors import brief, shown
 from mk.kernels.common import padded_width
 from mk.kinds.checks import FORMAT_LAYERS, KIND_CHECKS, UNSET, check_positive_ints
 from mk.kinds.hf import fields_from_hf
+
+# Dimension legend, used in every shape comment of the project:
+#
+#     B batch                 T query rows per sequence    S cached positions (capacity)
+#     D model width (hidden)  N query heads                K kv heads
+#     G = N / K               H head dim                   F dense FFN width
+#     E experts               X experts per token          Fe expert FFN width
+#     L layers                V vocab                      P prompt length
+#     M = B * T activation rows of one step
+#     La full-attention layers    Ll linear-attention (gated-DeltaNet) layers
+#     Nk linear key heads         Nv linear value heads        Hk, Hv their head dims
+#     C = 2*Nk*Hk + Nv*Hv conv channels                        W conv kernel width
+#     Kimi Linear (MLA full layers, KDA linear layers): R latent rank (kv_lora_rank),
+#     Rq query rank (q_lora_rank, 0: none), Hr shared rope-part dims, Hn = H - Hr, Ho MLA
+#     value head dim, Fs shared-expert width
+#     Kimi K3: Lt the latent MoE's width (moe_latent: its routed experts run on it)
 
 # Bits per element of the dtypes weights, activations and caches are held in.
 DTYPE_BITS = {"float32": 32, "bfloat16": 16}

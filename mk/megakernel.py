@@ -1,23 +1,18 @@
 """The decode megakernel: every layer, the final norm, the lm_head and greedy argmax in one
 pallas_call, with one weight ring that runs across layer boundaries.
 
-One device's step is a `DecodePlan` (`mk.kernels.plan`): the shard, the tiling, the
-buffers by name and the step's weights as one `TileStream`; consuming tile g issues tile
-g + slots, so the next layer's tiles load while this layer computes. A `lax.fori_loop`
-over layers runs `layer_body`; the kernel knows no layer kind itself, it asks the plan's
-kinds (`mk.kinds`). Every operand, output and scratch buffer is passed by name
-(`INPUT_SPACES`, `OUTPUT_SPACES`, `DecodePlan.scratch()`).
-
-Here: `prepare` (weights in the megakernel's layout, once; `check_weights`;
-`prepare_shards`), `decode_step` (with `taps=True`, the residual after every block),
-`traced_step` (what `mk.tpu.compile_megakernel` compiles; `step_in_place`, its cache
-donated; `device_loop`), `first_divergence`, `generate` and the one greedy loop
-(`greedy_loop`, `greedy_steps`), `check_generate`,
-`progress_bar`. Not here: the compile-time benchmark (benchmarks/compile_time.py), the
-reference's loop (`mk.reference.generate`), the sharding (`mk.tensor_parallel`). Hybrids,
-Kimi's latent attention, Kimi K3's attention residuals (a "stream" kind: the lm_head reads
-its mix), what is prefetched a layer ahead, quantised weights and tensor parallelism in
-this kernel: docs/design/mk.megakernel.md.
+One device's step is a `DecodePlan` (`mk.kernels.plan`); the kernel knows no layer kind
+itself, it asks the plan's kinds (`mk.kinds`). Here: `prepare` (weights in the
+megakernel's layout, once; `check_weights`; `prepare_shards`), `decode_step` (with
+`taps=True`, the residual after every block), `traced_step` (what
+`mk.tpu.compile_megakernel` compiles; `step_in_place`, its cache donated; `device_loop`),
+`first_divergence`, `generate` and the one greedy loop (`greedy_loop`, `greedy_steps`),
+`check_generate`, `progress_bar`. Not here: the compile-time benchmark
+(benchmarks/compile_time.py), the reference's loop (`mk.reference.generate`), the sharding
+(`mk.tensor_parallel`). The ring across layers, the buffers by name (`INPUT_SPACES`,
+`OUTPUT_SPACES`), hybrids, Kimi's latent attention, Kimi K3's attention residuals, what is
+prefetched a layer ahead, quantised weights and tensor parallelism:
+docs/design/mk.megakernel.md.
 """
 
 from __future__ import annotations
