@@ -24,7 +24,6 @@ from pathlib import Path
 import numpy as np
 
 from mk.errors import brief, shown
-from mk.kernels.common import padded_width
 from mk.kinds.checks import FORMAT_LAYERS, KIND_CHECKS, UNSET, check_positive_ints
 from mk.kinds.hf import fields_from_hf
 
@@ -58,9 +57,16 @@ LAYER_TYPES = ("full", "linear")
 COMPUTE_DTYPES = tuple(DTYPE_BITS)
 # M = B * T activation rows of one decode step (decode and speculative verification).
 MAX_ROWS = 64
+LANES = 128  # the minor (lane) dimension of a vreg
 # The widths `ModelConfig.lane_padded` rounds up to whole 128-lane tiles: the residual
 # stream's and the MLPs' (every other width is whole heads, tiled as they are).
 PADDED_FIELDS = ("hidden", "ffn", "expert_ffn", "shared_expert_ffn")
+
+
+def padded_width(width: int) -> int:
+    """A width rounded up to whole 128-lane tiles (a padded width of `PADDED_FIELDS`, a
+    split MLP width: `Kind.shard_fields`)."""
+    return -(-width // LANES) * LANES
 
 
 def positive_int(field: str, value) -> int:

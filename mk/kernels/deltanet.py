@@ -29,9 +29,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mk import linear_attention as la
-from mk.config import ModelConfig, check_rows
-from mk.kernels.common import (LANES, BlockSizes, Buffer, memory_specs, start_dma,
-                               transposed_dot, vmem_limit_bytes)
+from mk.config import LANES, ModelConfig, check_rows
+from mk.kernels.common import (BlockSizes, Buffer, memory_specs, start_dma, transposed_dot,
+                               vmem_limit_bytes)
 from mk.kernels.delta_rule import ALIGN, StateCopies, delta_rule_body
 from mk.kernels.ring import Ring, plain_ring, ring_layout
 from mk.kernels.stream import TileStream

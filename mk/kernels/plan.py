@@ -30,12 +30,12 @@ from mk import quant, unpack
 from mk.layer_values import EXPERT_SLICE
 from mk.cache import state_bytes_per_sequence
 from mk.chips import ChipSpec, spec_of
-from mk.config import (DTYPE_BITS, PADDED_FIELDS, ModelConfig, check_config, check_formats,
-                       check_rows, positive_int)
+from mk.config import (DTYPE_BITS, LANES, PADDED_FIELDS, ModelConfig, check_config,
+                       check_formats, check_rows, positive_int)
 from mk.kernels.collectives import (PARTIAL_SUM_BYTES, allreduce_s, choose_algorithm,
                                     collective_buffers, collective_semaphores)
-from mk.kernels.common import (KV_TILE, LANES, SLOTS, VMEM_HEADROOM, VMEM_ROOM, BlockSizes,
-                               Buffer, VmemBudget, vmem_budget, vmem_limit_bytes)
+from mk.kernels.common import (KV_TILE, SLOTS, VMEM_HEADROOM, VMEM_ROOM, BlockSizes, Buffer,
+                               VmemBudget, vmem_budget, vmem_limit_bytes)
 from mk.kernels.deltanet import check_conv_kernel
 from mk.kernels.kv_stream import tile_counts
 from mk.kernels.mlp import expert_slots
