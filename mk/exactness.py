@@ -48,7 +48,9 @@ AWAITING_CHIP: dict[str, str] = {}  # none: tiny-k3 was judged on the v5e, 2026-
 # The code a record's verdicts speak for: a commit that changes any of it leaves older
 # records stale.
 KERNEL_PATHS = ("mk/kernels", "mk/kinds", "mk/megakernel.py", "mk/quant.py", "mk/unpack.py",
-                ":(exclude)mk/kinds/checks.py", ":(exclude)mk/kinds/hf.py")  # config readers
+                # the config readers where they stood in mk/kinds/ (mk/kind_checks.py and
+                # mk/hf_config.py now, outside these paths)
+                ":(exclude)mk/kinds/checks.py", ":(exclude)mk/kinds/hf.py")
 
 
 @dataclasses.dataclass(frozen=True)
