@@ -12,10 +12,9 @@ itself, and the rooms that run a model loop over the kinds it has.
     mk.kinds.layers     `KINDS` (the registry, in stream order), `layer_kinds(config)`,
                         a layer's kinds and rows, the kernel's per-layer tables
 
-Beside the package, on the config's floor (`mk.config` imports them): `mk.kind_checks`,
-each kind's checks of a `mk.config.ModelConfig`, and `mk.hf_config`, each kind's reader of
-a Hugging Face config.json. Who asks the kinds: the megakernel,
-`mk.kernels.one_layer.layer_body`, the stage-05 kernel, the plan and the simulator (each
-kind's twin); they loop over the kinds, so nothing else changes when one is added. How,
-step by step: docs/design/mk.kinds.md.
+On the config's floor beside it (`mk.config` imports them): each kind's config checks
+(`mk.kind_checks`) and Hugging Face config.json reader (`mk.hf_config`). Who asks the
+kinds: the megakernel, `mk.kernels.one_layer.layer_body`, the stage-05 kernel, the plan
+and the simulator (each kind's twin); they loop over the kinds, so nothing else changes
+when one is added. How, step by step: docs/design/mk.kinds.md.
 """
