@@ -33,7 +33,7 @@ from mk import quant, random_codes, untrusted
 from mk.config import ModelConfig, check_seed
 from mk.errors import shown
 from mk.hf_layout import every, fill_slots, hf_layout, hf_shape, placements
-from mk.kinds.hf import not_run, tensor_prefixes
+from mk.hf_config import not_run, tensor_prefixes
 from mk.hf_quant import (INTERLEAVED, assemble_quantised, quant_format, quantised_layout,
                          quantised_problems, quantised_shape)
 from mk.weights import FORMAT_GROUPS, hf_scheme, param_shapes, put_corner
@@ -104,7 +104,7 @@ STORED_DTYPES = ("F32", "BF16", "F16")
 
 def load_checkpoint(path: str | Path, *, dtype: str | None = None
                     ) -> tuple[ModelConfig, dict[str, jax.Array]]:
-    """Read a Hugging Face folder of a model type `mk.kinds.hf` reads into (config, params).
+    """Read a Hugging Face folder of a model type `mk.hf_config` reads into (config, params).
 
     The folder holds `config.json` and either `model.safetensors` or shards listed by
     `model.safetensors.index.json`. Loading is strict (`open_checkpoint`): every tensor of

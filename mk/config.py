@@ -1,40 +1,17 @@
 """Model descriptions: `ModelConfig`, its storage formats, and the dimension legend.
 
-Here: the frozen `ModelConfig` for Qwen3 / Qwen3-MoE-shaped decoders, Qwen3.5's hybrid
-(gated-DeltaNet linear attention + gated full attention), Kimi Linear (MLA + Kimi Delta
-Attention + shared-expert MoE with a grouped sigmoid router) and gpt-oss (attention with
-sinks, sliding-window layers, YaRN RoPE (`Yarn`), clamped-SwiGLU experts), its derived
-sizes (KV or latent bytes per token, linear-attention state bytes per sequence; parameter
-counts and stored bytes are `mk.weights.param_count` and `mk.quant.stored_bytes`), how its
+Here: the frozen `ModelConfig` of every family the project runs (Qwen3, Qwen3-MoE,
+Qwen3.5's hybrid, Kimi Linear, gpt-oss with `Yarn`, Kimi K3), its derived sizes, how its
 weights are stored (`formats`, checked by `check_formats`: the one precision knob), lane
-padding (`lane_padded`, `padding`, `norm_width`: widths that are not whole 128-lane tiles
-held with zero lanes, exactly), `ModelConfig.from_hf` (the one entry point for Hugging
-Face `config.json` files); the argument checks several modules share (`positive_int`,
-`check_seed`, `check_rows`). Not here: each layer kind's checks of its fields
-(`mk.kinds.checks`, run on construction) and its Hugging Face fields (`mk.kinds.hf`, read
-by `from_hf`), the named presets (`mk.presets`), weights (`mk.checkpoint`), chips
+padding (`lane_padded`, `padding`, `norm_width`), `ModelConfig.from_hf` (the one entry
+point for Hugging Face `config.json` files), the argument checks several modules share
+(`positive_int`, `check_seed`, `check_rows`), and the dimension legend of every shape
+comment in the project (the comment block below the imports). Not here: each layer kind's
+checks of its fields (`mk.kind_checks`, run on construction) and its Hugging Face fields
+(`mk.hf_config`), the named presets (`mk.presets`), weights (`mk.checkpoint`), chips
 (`mk.chips`), notebook parameters (`mk.run`), kernel tiling (each kernel's `BlockSizes`).
-
-Dimension legend, used in every shape comment of the project:
-
-    B batch                 T query rows per sequence    S cached positions (capacity)
-    D model width (hidden)  N query heads                K kv heads
-    G = N / K               H head dim                   F dense FFN width
-    E experts               X experts per token          Fe expert FFN width
-    L layers                V vocab                      P prompt length
-    M = B * T activation rows of one step
-    La full-attention layers    Ll linear-attention (gated-DeltaNet) layers
-    Nk linear key heads         Nv linear value heads        Hk, Hv their head dims
-    C = 2*Nk*Hk + Nv*Hv conv channels                        W conv kernel width
-    Kimi Linear (MLA full layers, KDA linear layers): R latent rank (kv_lora_rank),
-    Rq query rank (q_lora_rank, 0: none), Hr shared rope-part dims, Hn = H - Hr, Ho MLA
-    value head dim, Fs shared-expert width
-    Kimi K3: Lt the latent MoE's width (moe_latent: its routed experts run on it)
-
-Parameter layout: weights are [in, out], so a projection is `x @ W`; per-layer tensors are
-stacked on a leading axis over their kind's layers (La full, Ll linear, Ld dense, Lm MoE
-layers), so a kernel can loop over layers. Every weight's name, shape and owner is one row
-of `mk.weights` (`mk.weights.param_shapes(config)`).
+Each family's layers, the derived sizes, the padding and the parameter layout:
+docs/design/mk.config.md.
 """
 
 from __future__ import annotations
@@ -47,9 +24,24 @@ from pathlib import Path
 import numpy as np
 
 from mk.errors import brief, shown
-from mk.kernels.common import padded_width
-from mk.kinds.checks import FORMAT_LAYERS, KIND_CHECKS, UNSET, check_positive_ints
-from mk.kinds.hf import fields_from_hf
+from mk.kind_checks import FORMAT_LAYERS, KIND_CHECKS, UNSET, check_positive_ints
+from mk.hf_config import fields_from_hf
+
+# Dimension legend, used in every shape comment of the project:
+#
+#     B batch                 T query rows per sequence    S cached positions (capacity)
+#     D model width (hidden)  N query heads                K kv heads
+#     G = N / K               H head dim                   F dense FFN width
+#     E experts               X experts per token          Fe expert FFN width
+#     L layers                V vocab                      P prompt length
+#     M = B * T activation rows of one step
+#     La full-attention layers    Ll linear-attention (gated-DeltaNet) layers
+#     Nk linear key heads         Nv linear value heads        Hk, Hv their head dims
+#     C = 2*Nk*Hk + Nv*Hv conv channels                        W conv kernel width
+#     Kimi Linear (MLA full layers, KDA linear layers): R latent rank (kv_lora_rank),
+#     Rq query rank (q_lora_rank, 0: none), Hr shared rope-part dims, Hn = H - Hr, Ho MLA
+#     value head dim, Fs shared-expert width
+#     Kimi K3: Lt the latent MoE's width (moe_latent: its routed experts run on it)
 
 # Bits per element of the dtypes weights, activations and caches are held in.
 DTYPE_BITS = {"float32": 32, "bfloat16": 16}
@@ -65,9 +57,16 @@ LAYER_TYPES = ("full", "linear")
 COMPUTE_DTYPES = tuple(DTYPE_BITS)
 # M = B * T activation rows of one decode step (decode and speculative verification).
 MAX_ROWS = 64
+LANES = 128  # the minor (lane) dimension of a vreg
 # The widths `ModelConfig.lane_padded` rounds up to whole 128-lane tiles: the residual
 # stream's and the MLPs' (every other width is whole heads, tiled as they are).
 PADDED_FIELDS = ("hidden", "ffn", "expert_ffn", "shared_expert_ffn")
+
+
+def padded_width(width: int) -> int:
+    """A width rounded up to whole 128-lane tiles (a padded width of `PADDED_FIELDS`, a
+    split MLP width: `Kind.shard_fields`)."""
+    return -(-width // LANES) * LANES
 
 
 def positive_int(field: str, value) -> int:
@@ -230,11 +229,11 @@ class ModelConfig:
     value_dim: int = 0  # Ho, MLA's value head dim
     channel_decay: bool = False  # KDA: the forget gate decays each key channel
     shared_expert_ffn: int = 0  # Fs; every MoE layer adds a dense SwiGLU of this width
-    router_score: str = "softmax"  # one of mk.kinds.checks.ROUTER_SCORES
+    router_score: str = "softmax"  # one of mk.kind_checks.ROUTER_SCORES
     expert_groups: int = 1  # sigmoid router: experts come from the best topk_groups groups
     topk_groups: int = 1
     routed_scale: float = 1.0  # routed_scaling_factor: multiplies the routed weights
-    # How tensor parallelism holds each MoE router (`mk.kinds.checks.ROUTER_SPLITS`):
+    # How tensor parallelism holds each MoE router (`mk.kind_checks.ROUTER_SPLITS`):
     # "whole" on every device, "experts" (a device computes the logits of its E/tp experts
     # and the devices all-gather them) or "auto" (the plan's choice where it pays:
     # `mk.kernels.routing.router_columns`). A shard records its router's columns in
@@ -316,7 +315,7 @@ class ModelConfig:
                              f"{COMPUTE_DTYPES}")
         object.__setattr__(self, "moe_layers", tuple(int(i) for i in self.moe_layers))
         object.__setattr__(self, "sliding_layers", tuple(int(i) for i in self.sliding_layers))
-        if isinstance(self.yarn, dict):  # its fields (`mk.kinds.hf.yarn`)
+        if isinstance(self.yarn, dict):  # its fields (`mk.hf_config.yarn`)
             object.__setattr__(self, "yarn", Yarn(**self.yarn))
         if self.yarn is not None and not isinstance(self.yarn, Yarn):
             raise ValueError(f"{self.name}: yarn={shown(self.yarn)} must be a mk.config.Yarn")
@@ -495,7 +494,7 @@ class ModelConfig:
     def pick_layers(self, layers) -> ModelConfig:
         """A model of the given layers of this one, in order (indices; a repeat makes a
         deeper model like it): its layer i is this one's layers[i]. A layer kind none of
-        them has leaves its fields unset (`mk.kinds.checks.UNSET`) and its format groups
+        them has leaves its fields unset (`mk.kind_checks.UNSET`) and its format groups
         (`FORMAT_LAYERS`)."""
         layers = tuple(int(i) for i in layers)
 
@@ -532,14 +531,14 @@ class ModelConfig:
     def from_hf(cls, source: str | Path | dict, *, name: str | None = None,
                 dtype: str | None = None) -> ModelConfig:
         """Read a Qwen3, Qwen3-MoE, Qwen3.5, Kimi Linear, Kimi K3 or gpt-oss `config.json`
-        (a path, a folder, or the parsed dict; `mk.kinds.hf.HF_MODEL_TYPES`), each layer
-        kind's fields read by its reader in `mk.kinds.hf`, as the model mk holds:
+        (a path, a folder, or the parsed dict; `mk.hf_config.HF_MODEL_TYPES`), each layer
+        kind's fields read by its reader in `mk.hf_config`, as the model mk holds:
         `lane_padded` (`unpadded()` is the file's own widths).
 
         Both spellings are accepted: older (`rope_theta`, `num_experts`) and newer
         (`rope_parameters`, `num_local_experts`). `dtype` overrides the file's dtype.
         The model is named `name`, else after `_name_or_path`
-        (`mk.kinds.hf.check_hub_name`: a checkpoint is untrusted), else after the folder;
+        (`mk.hf_config.check_hub_name`: a checkpoint is untrusted), else after the folder;
         errors echo the file's values `shown` (escaped, bounded).
         """
         return cls(**fields_from_hf(source, name=name, dtype=dtype)).lane_padded()

@@ -10,7 +10,7 @@ and `concrete` (an array's values, or None when traced). A check raises ValueErr
 the field, the value and the limit.
 
 Not here: the cache's own fields and types (`mk.cache.check_cache`), the config's checks
-(`mk.config`, `mk.kinds.checks`), a kernel's block sizes (`mk.kernels.common`), what a
+(`mk.config`, `mk.kind_checks`), a kernel's block sizes (`mk.kernels.common`), what a
 model computes (`mk.reference`).
 """
 

@@ -1,23 +1,15 @@
 """Greedy tokens of a decode path judged against the reference, near-ties told apart.
 
-A kernel and `mk.reference` round to bf16 in different places, so their logits differ by
-up to about 0.5 % of the logits' scale (tiny-gpt-oss: 0.20-0.26 on logits of ~45, the
-same on a v5e chip and in interpret mode). Where the reference's two best logits are
-closer than that, greedy decoding may take either, and after it the sequences part for
-good: counting equal tokens then calls a rounding a bug and hides the rest of the run.
-`judge` replays the reference teacher-forced on the path's own tokens (a prefill over
-prompt + tokens, or `expect`'s made in advance) and classes each token: exact (the
-reference's argmax), a near-tie (within `TIE_RTOL` of the reference's best logit, scaled
-by its largest |logit|) or wrong. A wrong mask, head, window or expert moves a logit by
-O(1) of that scale; `mk.megakernel.first_divergence` is the finer tool inside a tie.
-
-`ROUTER_TIE` is the same bound for an MoE router's expert choice. Also here, the hardware
-record: `FAMILY_PRESETS` (every family's tiny preset), `AWAITING_CHIP` (those no chip
-has judged yet, and why), `record_path`, `load_record` and `verified` (per family: the
-chip, commit and date of its newest hardware case, and whether kernel code changed
-since), written by the hardware tier tests/test_tpu.py (`make test-tpu`) with `expect`
-and `cpu_only`. And `default_precision_f32_dots`: the float32 matmuls a chip would round
-that interpret mode does not.
+Here: `judge` (the reference replayed teacher-forced on the path's own tokens; each token
+exact, a near-tie within `TIE_RTOL` of the reference's best logit, or wrong), `ROUTER_TIE`
+(the same bound for an MoE router's expert choice), `expect` and `cpu_only`; the hardware
+record: `FAMILY_PRESETS`, `AWAITING_CHIP`, `record_path`, `load_record` and `verified`
+(per family: the chip, commit and date of its newest hardware case, and whether kernel code
+changed since), written by the hardware tier tests/test_tpu.py (`make test-tpu`); and
+`default_precision_f32_dots` (the float32 matmuls a chip would round that interpret mode
+does not). Not here: the finer tool inside a tie (`mk.megakernel.first_divergence`), the
+reference itself (`mk.reference`). Why counting equal tokens misjudges a kernel, and how
+large a rounding is: docs/design/mk.exactness.md.
 """
 
 from __future__ import annotations
@@ -56,7 +48,9 @@ AWAITING_CHIP: dict[str, str] = {}  # none: tiny-k3 was judged on the v5e, 2026-
 # The code a record's verdicts speak for: a commit that changes any of it leaves older
 # records stale.
 KERNEL_PATHS = ("mk/kernels", "mk/kinds", "mk/megakernel.py", "mk/quant.py", "mk/unpack.py",
-                ":(exclude)mk/kinds/checks.py", ":(exclude)mk/kinds/hf.py")  # config readers
+                # the config readers where they stood in mk/kinds/ (mk/kind_checks.py and
+                # mk/hf_config.py now, outside these paths)
+                ":(exclude)mk/kinds/checks.py", ":(exclude)mk/kinds/hf.py")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,7 +46,7 @@ def hf_layout(config: ModelConfig, model: str = "model.", head: str = ""
     becomes [W, C]); a matrix stored as a bare parameter (gpt-oss's experts [E, in, out])
     is not. A tied model has no `lm_head.weight` entry. `model` prefixes the decoder's
     names ("model.language_model." in a full qwen3_5 checkpoint) and `head` lm_head's
-    (Kimi K3's "language_model.": `mk.kinds.hf.tensor_prefixes`). Two weights stored in
+    (Kimi K3's "language_model.": `mk.hf_config.tensor_prefixes`). Two weights stored in
     one HF tensor fill the pseudo-parameter "a+b" (Qwen3.5's q_proj: "wq+wq_gate";
     gpt-oss's interleaved gate_up tensors: `INTERLEAVED`); a weight stored in parts fills
     "param:part" (`parts_of`).

@@ -38,8 +38,7 @@ from mk import backend as backends
 from mk import decode_checks, megakernel, reference, untrusted
 from mk.checkpoint import init_params
 from mk.chips import DEVICE_KINDS, ChipSpec, all_chips, chip_of, spec_of  # noqa: F401
-from mk.config import ModelConfig
-from mk.kernels.common import LANES
+from mk.config import LANES, ModelConfig
 from mk.kernels.dma_probe import CHUNK_ROWS, SIZE_UNIT_BYTES, chunk_rows, dma_probe
 from mk.kernels.plan import DecodePlan, capacity as cache_capacity
 

@@ -1,23 +1,18 @@
 """The decode megakernel: every layer, the final norm, the lm_head and greedy argmax in one
 pallas_call, with one weight ring that runs across layer boundaries.
 
-One device's step is a `DecodePlan` (`mk.kernels.plan`): the shard, the tiling, the
-buffers by name and the step's weights as one `TileStream`; consuming tile g issues tile
-g + slots, so the next layer's tiles load while this layer computes. A `lax.fori_loop`
-over layers runs `layer_body`; the kernel knows no layer kind itself, it asks the plan's
-kinds (`mk.kinds`). Every operand, output and scratch buffer is passed by name
-(`INPUT_SPACES`, `OUTPUT_SPACES`, `DecodePlan.scratch()`).
-
-Here: `prepare` (weights in the megakernel's layout, once; `check_weights`;
-`prepare_shards`), `decode_step` (with `taps=True`, the residual after every block),
-`traced_step` (what `mk.tpu.compile_megakernel` compiles; `step_in_place`, its cache
-donated; `device_loop`), `first_divergence`, `generate` and the one greedy loop
-(`greedy_loop`, `greedy_steps`), `check_generate`,
-`progress_bar`. Not here: the compile-time benchmark (benchmarks/compile_time.py), the
-reference's loop (`mk.reference.generate`), the sharding (`mk.tensor_parallel`). Hybrids,
-Kimi's latent attention, Kimi K3's attention residuals (a "stream" kind: the lm_head reads
-its mix), what is prefetched a layer ahead, quantised weights and tensor parallelism in
-this kernel: docs/design/mk.megakernel.md.
+One device's step is a `DecodePlan` (`mk.kernels.plan`); the kernel knows no layer kind
+itself, it asks the plan's kinds (`mk.kinds`). Here: `prepare` (weights in the
+megakernel's layout, once; `check_weights`; `prepare_shards`), `decode_step` (with
+`taps=True`, the residual after every block), `traced_step` (what
+`mk.tpu.compile_megakernel` compiles; `step_in_place`, its cache donated; `device_loop`),
+`first_divergence`, `generate` and the one greedy loop (`greedy_loop`, `greedy_steps`),
+`check_generate`, `progress_bar`. Not here: the compile-time benchmark
+(benchmarks/compile_time.py), the reference's loop (`mk.reference.generate`), the sharding
+(`mk.tensor_parallel`). The ring across layers, the buffers by name (`INPUT_SPACES`,
+`OUTPUT_SPACES`), hybrids, Kimi's latent attention, Kimi K3's attention residuals, what is
+prefetched a layer ahead, quantised weights and tensor parallelism:
+docs/design/mk.megakernel.md.
 """
 
 from __future__ import annotations
@@ -194,20 +189,8 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
     if tp > 1:
         reduce_scratch = CollectiveScratch(**scratch["all_reduce"])
         argmax_scratch = CollectiveScratch(**scratch["argmax"])
-
-    # Layer l's norm vectors live in slot l % 2. Layer l + 1's are issued at layer l's
-    # start into the other slot, which layer l - 1 read and no longer needs, and waited for
-    # at layer l + 1's start: two slots suffice.
-    def vector_copies(layer):
-        slot = layer % 2
-        return [(pltpu.make_async_copy(inputs[n].at[layer], vectors[n].at[slot],
-                                       vectors["sems"].at[slot, i]), n)
-                for i, n in enumerate(plan.vectors)]
-
-    def start_vectors(layer):
-        for copy, name in vector_copies(layer):
-            start_dma(copy, name, vectors[name].shape[1] * vectors[name].shape[2] * 4)
-
+    vector_copies = functools.partial(_vector_copies, plan, inputs, vectors)
+    start_vectors = functools.partial(_start_vectors, plan, inputs, vectors)
     fetch = {name: f for kind in kinds for name, f in kind.fetch(k).items()}
     fetch["lm_head"] = lambda step: (inputs["lm_head"], None)
     for kind in kinds:
@@ -257,11 +240,38 @@ def megakernel_kernel(inputs, outputs, *, plan: DecodePlan, taps: bool, **scratc
         ring.matmul("lm_head", s.h, outputs["logits"], layer=config.layers)
     for kind in reversed(kinds):  # e.g. the last write-backs and row states
         kind.finish(k)
+    _greedy_tokens(plan, outputs, None if tp == 1 else argmax_scratch)
+
+
+# Layer l's norm vectors live in slot l % 2. Layer l + 1's are issued at layer l's start
+# into the other slot, which layer l - 1 read and no longer needs, and waited for at layer
+# l + 1's start: two slots suffice.
+def _vector_copies(plan: DecodePlan, inputs, vectors, layer) -> list:
+    """The DMAs of layer `layer`'s norm vectors (`plan.vectors`) into VMEM slot layer % 2,
+    each with its name: [(copy, name)]."""
+    slot = layer % 2
+    return [(pltpu.make_async_copy(inputs[n].at[layer], vectors[n].at[slot],
+                                   vectors["sems"].at[slot, i]), n)
+            for i, n in enumerate(plan.vectors)]
+
+
+def _start_vectors(plan: DecodePlan, inputs, vectors, layer) -> None:
+    """Issue layer `layer`'s norm-vector DMAs (`_vector_copies`), each logged with its
+    float32 bytes."""
+    for copy, name in _vector_copies(plan, inputs, vectors, layer):
+        start_dma(copy, name, vectors[name].shape[1] * vectors[name].shape[2] * 4)
+
+
+def _greedy_tokens(plan: DecodePlan, outputs, argmax_scratch) -> None:
+    """next_tokens [M, 1] = the argmax of the logits over the real vocab columns (not the
+    padding), ties to the lowest id; at tp > 1 across the vocab shards, on every device
+    (`argmax_scratch`; None at tp = 1)."""
+    config, tp = plan.local, plan.tp
     logits = outputs["logits"][...]
     vocab = lax.broadcasted_iota(jnp.int32, logits.shape, 1)
     first_id = 0 if tp == 1 else lax.axis_index(AXIS) * config.vocab  # this vocab shard's
     outputs["next_tokens"][...] = argmax_body(  # ties to the lowest id, on every device
-        logits, first_id, None if tp == 1 else argmax_scratch, n=tp,
+        logits, first_id, argmax_scratch, n=tp,
         valid=vocab < config.vocab, algorithm=plan.collective)  # not the padding columns
 
 

@@ -1,23 +1,18 @@
 """Quantised weight storage: int8, fp8, int4 and fp4 (MXFP4), packed, checked and counted.
 
-Here: the four storage schemes (`SCHEMES`; each one's layout, `STORED`, `SCALES`: in
-docs/design/mk.quant.md), a `QuantWeight` (checked on construction, `check_layout`; its
-NaN or inf scales and NaN codes, `check_values`); `quantize` (finite bf16 params -> the
-chosen format groups' weights as `QuantWeight`s, `check_quantisable`, `unstreamed`),
-`dequantize` (the oracle's weights for the unchanged `mk.reference`: int8 and int4 as
-codes and scales, `mk.ops.Scaled`, the others in the dtype their feed calls for,
-`mk.unpack.oracle_dtype`; or every weight's values in a given dtype), `check_error`,
-`accuracy` (against the bf16 model), the bytes (`storage_bytes`, `group_bytes`,
-`stored_bytes`, `abstract_weight`), the kernel's tile layout (`tile_shapes`,
+Here: the four storage schemes (`SCHEMES`, `STORED`, `SCALES`), `QuantWeight` (checked on
+construction: `check_layout`, `check_values`), `quantize` (`check_quantisable`,
+`unstreamed`), `dequantize` (the oracle's weights for the unchanged `mk.reference`),
+`check_error`, `accuracy` (against the bf16 model), the bytes (`storage_bytes`,
+`group_bytes`, `stored_bytes`, `abstract_weight`), the kernel's tile layout (`tile_shapes`,
 `tile_bytes`, `tile_major`, `column_block`, `pad_columns`, `side_by_side`, `ZERO_CODE`,
 `UNIT_SCALE`), `formats_of` and `schemes_of`.
 
 Not here: what a kernel does to one packed tile, the element decoders, the packing order
-and the MXU feeds (`mk.unpack`, with `PACK_ROWS`, `GROUP`, `E8M0_BIAS`), random weights
-drawn as codes (`mk.random_codes`), quantised Hugging Face checkpoints (`mk.hf_quant`),
-the ring (`mk.kernels.ring`), tensor-parallel splits (`mk.shards`). Which weights (the
-format groups of `mk.weights.FORMAT_GROUPS`), the layouts and the tile layout:
-docs/design/mk.quant.md.
+and the MXU feeds (`mk.unpack`), random weights drawn as codes (`mk.random_codes`),
+quantised Hugging Face checkpoints (`mk.hf_quant`), the ring (`mk.kernels.ring`),
+tensor-parallel splits (`mk.shards`). Which weights, each layout, what `dequantize` returns
+per scheme: docs/design/mk.quant.md.
 """
 
 from __future__ import annotations

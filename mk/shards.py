@@ -23,8 +23,7 @@ import numpy as np
 
 from mk import quant, unpack
 from mk.cache import FIELDS, check_cache_type
-from mk.config import ModelConfig
-from mk.kernels.common import padded_width
+from mk.config import ModelConfig, padded_width
 from mk.kernels.collectives import MAX_INDEX, check_devices
 from mk.kernels.latent_moe import latent_columns
 from mk.kernels.routing import router_columns

@@ -283,43 +283,10 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, drafter, gamma:
                                                     gamma=gamma)
     prompt = np.asarray(prompt)
     B, P = prompt.shape
-    if sampling is not None and not isinstance(sampling, Sampling):
-        raise ValueError(f"sampling={shown(sampling)} must be a mk.spec.Sampling, or None "
-                         "(greedy)")
-    if not isinstance(drafter, (str, Drafter)):
-        raise ValueError(f"drafter={shown(drafter)} must be one of {DRAFTERS} or a "
-                         "mk.drafters.Drafter")
-    if not isinstance(verifier, (str, Runner)):
-        raise ValueError(f"verifier={shown(verifier)} must be one of {VERIFIERS} or a "
-                         "mk.runners.Runner")
-    if bucket is not None:
-        bucket = positive_int("bucket", bucket)
-    if sampling is not None and drafter == "forced":
-        raise NotImplementedError("drafter='forced' is defined for greedy decoding only")
-    if verifier == "megakernel" and B * (gamma + 1) > MAX_ROWS:
-        raise ValueError(f"batch*(gamma+1)={B * (gamma + 1)} exceeds MAX_ROWS={MAX_ROWS} "
-                         "activation rows of one megakernel step")
-    if verifier == "megakernel":
-        default_kv_tile(S, "max_context")  # the kernel's KV tiles must divide the cache
-    if isinstance(verifier, str) and verifier not in VERIFIERS:
-        raise ValueError(f"verifier={verifier!r} must be one of {VERIFIERS} or a Runner")
-    if bucket is not None and bucket < B:
-        raise ValueError(f"bucket={bucket} must be >= batch={B}")
-    if isinstance(drafter, str):
-        check_drafter(drafter, gamma, drafter_options.get("acceptance_length"))
-        _check_draft(drafter_options.get("draft"))
-    if not isinstance(verifier, str) and verifier.rows < gamma + 1:
-        raise ValueError(f"the verifier's rows={verifier.rows} must be >= gamma + 1 = "
-                         f"{gamma + 1}")
-    decode_checks.check_params(config, params, "mk.spec.generate")
-    if isinstance(drafter, str):
-        drafter = make_drafter(drafter, config, params, gamma=gamma, batch=bucket,
-                               **drafter_options)
-    if verifier == "megakernel":
-        verifier = Megakernel(config, params, rows=gamma + 1, backend=backend)
-    elif verifier == "reference":
-        verifier = XLA(config, params, rows=MAX_GAMMA + 1 if bucket else gamma + 1,
-                       batch=bucket)
+    bucket = _check_run(config, params, prompt, S, drafter, gamma, sampling, verifier,
+                        bucket, drafter_options)
+    drafter, verifier = _runners(config, params, drafter, verifier, gamma, backend, bucket,
+                                 drafter_options)
     rng = np.random.default_rng(seed)
 
     def pick(logits):
@@ -362,6 +329,58 @@ def generate(config: ModelConfig, params, prompt, steps: int, *, drafter, gamma:
                       verifier_calls=verifier.calls - calls[0],
                       drafter_calls=drafter.calls - calls[1])
     return jnp.asarray(seq[:, P:P + steps]), stats
+
+
+def _check_run(config: ModelConfig, params, prompt, S: int, drafter, gamma: int, sampling,
+               verifier, bucket, drafter_options) -> int | None:
+    """`generate`'s arguments checked before anything runs (prompt [B, P] and the cache's
+    S positions checked already): the bucket, as a positive int or None."""
+    B, P = prompt.shape
+    if sampling is not None and not isinstance(sampling, Sampling):
+        raise ValueError(f"sampling={shown(sampling)} must be a mk.spec.Sampling, or None "
+                         "(greedy)")
+    if not isinstance(drafter, (str, Drafter)):
+        raise ValueError(f"drafter={shown(drafter)} must be one of {DRAFTERS} or a "
+                         "mk.drafters.Drafter")
+    if not isinstance(verifier, (str, Runner)):
+        raise ValueError(f"verifier={shown(verifier)} must be one of {VERIFIERS} or a "
+                         "mk.runners.Runner")
+    if bucket is not None:
+        bucket = positive_int("bucket", bucket)
+    if sampling is not None and drafter == "forced":
+        raise NotImplementedError("drafter='forced' is defined for greedy decoding only")
+    if verifier == "megakernel" and B * (gamma + 1) > MAX_ROWS:
+        raise ValueError(f"batch*(gamma+1)={B * (gamma + 1)} exceeds MAX_ROWS={MAX_ROWS} "
+                         "activation rows of one megakernel step")
+    if verifier == "megakernel":
+        default_kv_tile(S, "max_context")  # the kernel's KV tiles must divide the cache
+    if isinstance(verifier, str) and verifier not in VERIFIERS:
+        raise ValueError(f"verifier={verifier!r} must be one of {VERIFIERS} or a Runner")
+    if bucket is not None and bucket < B:
+        raise ValueError(f"bucket={bucket} must be >= batch={B}")
+    if isinstance(drafter, str):
+        check_drafter(drafter, gamma, drafter_options.get("acceptance_length"))
+        _check_draft(drafter_options.get("draft"))
+    if not isinstance(verifier, str) and verifier.rows < gamma + 1:
+        raise ValueError(f"the verifier's rows={verifier.rows} must be >= gamma + 1 = "
+                         f"{gamma + 1}")
+    decode_checks.check_params(config, params, "mk.spec.generate")
+    return bucket
+
+
+def _runners(config: ModelConfig, params, drafter, verifier, gamma: int, backend: str,
+             bucket: int | None, drafter_options) -> tuple[Drafter, Runner]:
+    """The drafter and the verifier a run calls, built from their names (a `Drafter` or a
+    `Runner` given is used as it is)."""
+    if isinstance(drafter, str):
+        drafter = make_drafter(drafter, config, params, gamma=gamma, batch=bucket,
+                               **drafter_options)
+    if verifier == "megakernel":
+        verifier = Megakernel(config, params, rows=gamma + 1, backend=backend)
+    elif verifier == "reference":
+        verifier = XLA(config, params, rows=MAX_GAMMA + 1 if bucket else gamma + 1,
+                       batch=bucket)
+    return drafter, verifier
 
 
 # -- Throughput -------------------------------------------------------------------------------

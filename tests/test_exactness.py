@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 import mk
 from mk import exactness, megakernel, quant, reference
 from mk.kernels.plan import DecodePlan
-from mk.kinds.hf import FAMILIES
+from mk.hf_config import FAMILIES
 from mk.kinds.layers import layer_kinds
 
 

@@ -29,7 +29,7 @@ from safetensors.numpy import load_file, save_file
 import mk
 from mk import megakernel, quant, spec, tpu, unpack
 from mk import reference as R
-from mk.kernels.common import padded_width
+from mk.config import padded_width
 from mk.kinds import layers
 from mk.kinds.layers import layer_kinds
 from mk.presets import GPT_OSS_PRESET_NAMES

@@ -3,7 +3,7 @@
 Here: `BlockSizes` (ring slots, weight tile, KV tile), which validates itself against the
 TPU (8, 128) tiling rule and cuts each weight matrix into its tiles (`BlockSizes.cut`:
 stored as it is, or transposed when only its transpose is a whole number of tiles);
-`default_block`, the one tiling rule every kernel uses; `padded_width`; `transposed_dot`
+`default_block`, the one tiling rule every kernel uses; `transposed_dot`
 (a product with a weight held transposed: `mk.kinds.base.TRANSPOSED`); `Buffer` and
 `vmem_budget`, the list of every VMEM buffer of one kernel configuration with its padded
 size, checked against the chip's VMEM per core before anything is compiled.
@@ -33,16 +33,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mk import backend
+from mk.config import LANES
 from mk.ops import exact
 
-LANES = 128  # the minor (lane) dimension of a vreg
 KV_ALIGN = 16  # a KV tile's positions are whole groups of 16 sublanes (bf16)
 SUBLANE_BITS = 8 * 32  # 8 sublanes of 32-bit words: 8 rows of f32, 16 of bf16, 32 of int8
-
-
-def padded_width(width: int) -> int:
-    """A width rounded up to whole 128-lane tiles (a split MLP width: `Kind.shard_fields`)."""
-    return -(-width // LANES) * LANES
 
 
 def sublanes(dtype) -> int:

@@ -31,8 +31,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mk.config import COMPUTE_DTYPES, MAX_ROWS
-from mk.kernels.common import LANES, BlockSizes, Buffer, start_dma, sublanes
+from mk.config import COMPUTE_DTYPES, LANES, MAX_ROWS
+from mk.kernels.common import BlockSizes, Buffer, start_dma, sublanes
 from mk.ops import exact
 from mk.kernels.kv_stream import (AttentionScratch, KvStream, drain_write_backs,
                                   start_write_backs, tile_counts)

@@ -29,8 +29,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mk.config import MAX_ROWS
-from mk.kernels.common import LANES, start_dma
+from mk.config import LANES, MAX_ROWS
+from mk.kernels.common import start_dma
 from mk.ops import exact
 
 ALIGN = 8  # rows of an f32 (8, 128) tile

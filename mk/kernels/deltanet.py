@@ -1,23 +1,16 @@
 """Stage 05b, one gated-DeltaNet layer's decode step: B sequences x T rows against a
 recurrent state and a conv state that live in HBM.
 
-The layer's token mixer is one in-kernel body, `linear_mixer` (its weights and states
-read by name from HBM, its scratch `linear_scratch`): the stage kernel `gated_deltanet`
-runs it on one layer, the megakernel on every linear layer of a hybrid
-(`mk.kernels.one_layer.layer_body`). Kimi Delta Attention (KDA) is the same layer with
-other gates: what differs is one `Gates` object per kind (`HEAD_GATES`, `CHANNEL_GATES`,
-Kimi K3's `BOUNDED_GATES`; by kind name `GATES`).
-
-Here: `linear_mixer` and `gated_deltanet` (the layer, any linear kind), their bodies (the
-gates, the conv, the head blocks, the gated norm), buffers (`linear_buffers`,
-`gated_deltanet_buffers`), `linear_weights`, `linear_layer_shapes`, `linear_layers`,
-`linear_gates` and `decay_width` (each read from the weight table, `mk.weights`). Not
-here: the delta rule and its state copies (`mk.kernels.delta_rule`), the MLP after the
-layer (stage 04), the kind objects (`mk.kinds.linear`), the megakernel's mixed layer
-stream (`mk.megakernel`), the sharding of heads (`mk.tensor_parallel`).
-
-The layer step by step, KDA's changes, what is issued a layer ahead and why:
-docs/design/mk.kernels.deltanet.md.
+Here: `linear_mixer`, the layer's token mixer as one in-kernel body (run by the stage
+kernel `gated_deltanet` on one layer and by the megakernel on every linear layer), its
+parts (the gates, the conv, the head blocks, the gated norm), buffers (`linear_buffers`,
+`gated_deltanet_buffers`, `linear_scratch`), the gates of each linear kind (`HEAD_GATES`,
+`CHANNEL_GATES`, `BOUNDED_GATES`; by kind name `GATES`), `linear_weights`,
+`linear_layer_shapes`, `linear_layers`, `linear_gates` and `decay_width`. Not here: the
+delta rule and its state copies (`mk.kernels.delta_rule`), the MLP after the layer (stage
+04), the kind objects (`mk.kinds.linear`), the megakernel's mixed layer stream
+(`mk.megakernel`), the sharding of heads (`mk.tensor_parallel`). The layer step by step,
+KDA's changes, what is issued a layer ahead and why: docs/design/mk.kernels.deltanet.md.
 """
 
 from __future__ import annotations
@@ -36,9 +29,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mk import linear_attention as la
-from mk.config import ModelConfig, check_rows
-from mk.kernels.common import (LANES, BlockSizes, Buffer, memory_specs, start_dma,
-                               transposed_dot, vmem_limit_bytes)
+from mk.config import LANES, ModelConfig, check_rows
+from mk.kernels.common import (BlockSizes, Buffer, memory_specs, start_dma, transposed_dot,
+                               vmem_limit_bytes)
 from mk.kernels.delta_rule import ALIGN, StateCopies, delta_rule_body
 from mk.kernels.ring import Ring, plain_ring, ring_layout
 from mk.kernels.stream import TileStream

@@ -23,7 +23,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mk.kernels.common import LANES, Buffer, sublanes, vmem_limit_bytes
+from mk.config import LANES
+from mk.kernels.common import Buffer, sublanes, vmem_limit_bytes
 
 DTYPE = jnp.float32
 CHUNK_ROWS = sublanes(DTYPE)  # a chunk is whole (8, 128) f32 tiles

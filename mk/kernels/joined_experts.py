@@ -17,7 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mk.kernels.common import LANES, padded_width
+from mk.config import LANES, padded_width
 
 
 def gate_up_width(ffn: int, used: int) -> int | None:

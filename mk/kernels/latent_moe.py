@@ -25,7 +25,7 @@ from typing import Callable, NamedTuple
 
 import jax.numpy as jnp
 
-from mk.kernels.common import LANES
+from mk.config import LANES
 from mk.kernels.mlp import (SHARED_WEIGHTS, experts_body, moe_segments, route_experts,
                             swiglu_body, swiglu_segments)
 from mk.kernels.ring import Ring

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
-from mk.config import ModelConfig
-from mk.kernels.common import LANES, Buffer, start_dma
+from mk.config import LANES, ModelConfig
+from mk.kernels.common import Buffer, start_dma
 from mk.ops import exact, rms_norm
 from mk.weights import names_of, param_shapes
 

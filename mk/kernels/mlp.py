@@ -457,23 +457,12 @@ def moe_kernel(inputs, out_vmem, loaded_smem, *, stream: TileStream, dtype,
         shared=((s.shared_gate_vmem, s.shared_up_vmem) if "ws_gate" in inputs else None))
 
 
-def moe(h: jax.Array, router: jax.Array, we_gate: jax.Array, we_up: jax.Array,
-        we_down: jax.Array, *, top_k: int, renormalise: bool, router_score: str = "softmax",
-        router_bias: jax.Array | None = None, expert_groups: int = 1, topk_groups: int = 1,
-        routed_scale: float = 1.0, shared=None, layer=0, block: BlockSizes | None = None,
-        return_loaded: bool = False):
-    """The MoE block (`mk.reference.mlp_block`'s): h [M, D] -> [M, D] float32.
-
-    router [D, E]; we_gate, we_up [E, D, Fe]; we_down [E, Fe, D]; or each stacked on a
-    leading layer axis with `layer` picking the row. Only the selected experts are read.
-    The experts are arrays (of the router's dtype) or `mk.quant.QuantWeight`s of one
-    scheme (multiplied in h's dtype); the router is an array. The routing (`Routing`):
-    top_k, renormalise, router_score ("softmax": Qwen3-MoE; "sigmoid": DeepSeek-V3 / Kimi,
-    with router_bias [E] (or [Lm, E]), expert_groups, topk_groups and routed_scale; the
-    names are ModelConfig's). shared: a shared expert's (ws_gate, ws_up [D, Fs], ws_down
-    [Fs, D]), stacked like the experts, added to every row (Kimi). With `return_loaded`,
-    also returns the number of distinct experts loaded ([1] int32).
-    """
+def _moe_weights(h: jax.Array, router, we_gate, we_up, we_down, *, top_k: int,
+                 renormalise: bool, router_score: str, router_bias, expert_groups: int,
+                 topk_groups: int, routed_scale: float, shared):
+    """`moe`'s weights checked: each stacked on a leading layer axis and its shape checked
+    against h [M, D] and the others, the routing checked against E -> (weights by name, the
+    `Routing`, the streamed names, the experts' formats, the dtype they multiply in)."""
     router, we_gate = _stacked(router, 2, "router"), _stacked(we_gate, 3, "we_gate")
     we_up, we_down = _stacked(we_up, 3, "we_up"), _stacked(we_down, 3, "we_down")
     Lm, E, D, Fe = we_gate.shape
@@ -496,7 +485,6 @@ def moe(h: jax.Array, router: jax.Array, we_gate: jax.Array, we_up: jax.Array,
             raise ValueError(f"shared expert shapes {got} must be {want}")
     streamed = EXPERT_WEIGHTS + (SHARED_WEIGHTS if Fs else ())
     formats, dtype = _check_rows_and_dtype(h, weights, streamed)
-    M = h.shape[0]
     if (h.shape[1] != D or router.shape != (Lm, D, E) or we_up.shape != (Lm, E, D, Fe)
             or we_down.shape != (Lm, E, Fe, D)
             or ("router_bias" in weights and weights["router_bias"].shape != (Lm, 1, E))):
@@ -505,6 +493,34 @@ def moe(h: jax.Array, router: jax.Array, we_gate: jax.Array, we_up: jax.Array,
                          "[Lm, D, E], [Lm, E, D, Fe], [Lm, E, D, Fe], [Lm, E, Fe, D]"
                          + ("" if router_bias is None else
                             f"; router_bias {jnp.shape(router_bias)} [Lm, E]"))
+    return weights, routing, streamed, formats, dtype
+
+
+def moe(h: jax.Array, router: jax.Array, we_gate: jax.Array, we_up: jax.Array,
+        we_down: jax.Array, *, top_k: int, renormalise: bool, router_score: str = "softmax",
+        router_bias: jax.Array | None = None, expert_groups: int = 1, topk_groups: int = 1,
+        routed_scale: float = 1.0, shared=None, layer=0, block: BlockSizes | None = None,
+        return_loaded: bool = False):
+    """The MoE block (`mk.reference.mlp_block`'s): h [M, D] -> [M, D] float32.
+
+    router [D, E]; we_gate, we_up [E, D, Fe]; we_down [E, Fe, D]; or each stacked on a
+    leading layer axis with `layer` picking the row. Only the selected experts are read.
+    The experts are arrays (of the router's dtype) or `mk.quant.QuantWeight`s of one
+    scheme (multiplied in h's dtype); the router is an array. The routing (`Routing`):
+    top_k, renormalise, router_score ("softmax": Qwen3-MoE; "sigmoid": DeepSeek-V3 / Kimi,
+    with router_bias [E] (or [Lm, E]), expert_groups, topk_groups and routed_scale; the
+    names are ModelConfig's). shared: a shared expert's (ws_gate, ws_up [D, Fs], ws_down
+    [Fs, D]), stacked like the experts, added to every row (Kimi). With `return_loaded`,
+    also returns the number of distinct experts loaded ([1] int32).
+    """
+    weights, routing, streamed, formats, dtype = _moe_weights(
+        h, router, we_gate, we_up, we_down, top_k=top_k, renormalise=renormalise,
+        router_score=router_score, router_bias=router_bias, expert_groups=expert_groups,
+        topk_groups=topk_groups, routed_scale=routed_scale, shared=shared)
+    router = weights["router"]
+    Lm, E, D, Fe = weights["we_gate"].shape
+    Fs = weights["ws_gate"].shape[2] if "ws_gate" in streamed else 0
+    M = h.shape[0]
     layer_row = _check_layer(layer, Lm)
     block = block or stage_block(moe_segments(D, Fe, 1, Fs), dtype, formats)
     slots = expert_slots(E, top_k, M)

@@ -30,12 +30,12 @@ from mk import quant, unpack
 from mk.layer_values import EXPERT_SLICE
 from mk.cache import state_bytes_per_sequence
 from mk.chips import ChipSpec, spec_of
-from mk.config import (DTYPE_BITS, PADDED_FIELDS, ModelConfig, check_config, check_formats,
-                       check_rows, positive_int)
+from mk.config import (DTYPE_BITS, LANES, PADDED_FIELDS, ModelConfig, check_config,
+                       check_formats, check_rows, positive_int)
 from mk.kernels.collectives import (PARTIAL_SUM_BYTES, allreduce_s, choose_algorithm,
                                     collective_buffers, collective_semaphores)
-from mk.kernels.common import (KV_TILE, LANES, SLOTS, VMEM_HEADROOM, VMEM_ROOM, BlockSizes,
-                               Buffer, VmemBudget, vmem_budget, vmem_limit_bytes)
+from mk.kernels.common import (KV_TILE, SLOTS, VMEM_HEADROOM, VMEM_ROOM, BlockSizes, Buffer,
+                               VmemBudget, vmem_budget, vmem_limit_bytes)
 from mk.kernels.deltanet import check_conv_kernel
 from mk.kernels.kv_stream import tile_counts
 from mk.kernels.mlp import expert_slots
@@ -300,54 +300,14 @@ class DecodePlan:
         one of fewer message rounds at this tp (`choose_algorithm`)."""
         check_config(config)
         tp, M = check_tp(config, tp), check_rows(batch, rows)  # a bad tp named first
-        if (context is None) == (position is None):
-            raise ValueError(f"context={context!r}, position={position!r}: give one, the "
-                             "cache capacity S or every sequence's position")
-        if block is not None and not isinstance(block, BlockSizes):
-            raise ValueError(f"block={block!r} must be a BlockSizes or None")
-        if position is not None:
-            if isinstance(position, bool) or not isinstance(position, int) or position < 0:
-                raise ValueError(f"position={position!r} must be an integer >= 0")
-            end = position + rows
-            context = capacity(end) if block is None else -(-end // block.kv_tile) \
-                * block.kv_tile
-        context = positive_int("context", context)
+        context = _cache_positions(rows, context, position, block)
         spec = spec_of(chip)
         collective = choose_algorithm(tp, collective)
-        formats = check_formats(config, config.formats if formats is None else formats)
-        packed = packed_formats(config, formats)
-        feeds, local = unpack.choose_feeds(packed, feeds, spec), shard_config(config, tp, packed)
-        if kernel and packed != formats:
-            quant.check_quantisable(config, formats)  # NotImplementedError
-        if kernel and tp > 1:
-            check_quantised_splits(config, formats, tp)
-        if block is None:
-            try:
-                block = _chip_block(local, int(tp), int(batch), int(rows), context, packed,
-                                    feeds, spec, kernel, collective)
-            except ValueError as err:  # name the model, the tp and the fields tp splits
-                if tp == 1:
-                    raise ValueError(f"{config.name}: {err}") from None
-                split = [f"{f}={getattr(local, f)} of {getattr(config, f)}" for f in
-                         ("heads", "kv_heads", "linear_key_heads", "linear_value_heads")
-                         if getattr(local, f) != getattr(config, f)]
-                raise ValueError(f"{config.name} at tp={tp} (per device: {', '.join(split)})"
-                                 f": {err}") from None
-        if kernel and block.slots < 2:
-            raise ValueError(f"BlockSizes.slots={block.slots}: the megakernel's ring needs "
-                             ">= 2 slots so a tile loads while another computes")
-        if kernel:
-            check_conv_kernel(config)
-        block.check_context(context)
-        if rows > block.kv_tile:
-            raise ValueError(f"rows={rows} new rows per sequence exceed "
-                             f"kv_tile={block.kv_tile}")
-        stream = model_stream(local, block, M, packed, feeds)
-        layer_weights = {s.name for s in stream.segments}
-        stray = sorted(set(dict(block.tiles)) - layer_weights)
-        if stray:  # the lm_head's columns are padded to the block's tile (`padded_vocab`)
-            raise ValueError(f"BlockSizes.tiles names {stray}: only a layer's ring weights "
-                             f"take tiles of their own ({sorted(layer_weights)})")
+        formats, packed, feeds, local = _weight_formats(config, tp, formats, feeds, spec,
+                                                        kernel)
+        block = _step_block(config, local, tp, batch, rows, context, packed, feeds, spec,
+                            kernel, collective, block)
+        stream = _checked_stream(local, block, M, packed, feeds)
         buffers = _buffers(local, int(tp), int(batch), int(rows), block,
                            padded_vocab(local, block), stream, collective)
         return cls(config, int(tp), local, int(batch), int(rows), context, block, stream,
@@ -514,6 +474,83 @@ class DecodePlan:
                        f"of HBM, over the {limit / 2**30:.2f} GiB the compiler gives one "
                        f"{spec.name} core")
         return Fit(spec.name, vmem, hbm, limit)
+
+
+# -- DecodePlan.make's phases, in the order it runs them -----------------------------------
+def _cache_positions(rows: int, context, position, block) -> int:
+    """The cache capacity S of a plan: `context`, or, given `position` instead, one just
+    large enough for every sequence's rows at `position` (`capacity`, or whole KV tiles of
+    the given block)."""
+    if (context is None) == (position is None):
+        raise ValueError(f"context={context!r}, position={position!r}: give one, the "
+                         "cache capacity S or every sequence's position")
+    if block is not None and not isinstance(block, BlockSizes):
+        raise ValueError(f"block={block!r} must be a BlockSizes or None")
+    if position is not None:
+        if isinstance(position, bool) or not isinstance(position, int) or position < 0:
+            raise ValueError(f"position={position!r} must be an integer >= 0")
+        end = position + rows
+        context = capacity(end) if block is None else -(-end // block.kv_tile) \
+            * block.kv_tile
+    return positive_int("context", context)
+
+
+def _weight_formats(config: ModelConfig, tp: int, formats, feeds, spec: ChipSpec | None,
+                    kernel: bool) -> tuple[dict, dict, dict, ModelConfig]:
+    """(formats, the packed ones the ring streams, their MXU feeds, the shard's config):
+    the formats checked (default `config.formats`), and for a kernel, quantisable and
+    split into whole packed bytes and scale blocks at this tp."""
+    formats = check_formats(config, config.formats if formats is None else formats)
+    packed = packed_formats(config, formats)
+    feeds, local = unpack.choose_feeds(packed, feeds, spec), shard_config(config, tp, packed)
+    if kernel and packed != formats:
+        quant.check_quantisable(config, formats)  # NotImplementedError
+    if kernel and tp > 1:
+        check_quantised_splits(config, formats, tp)
+    return formats, packed, feeds, local
+
+
+def _step_block(config: ModelConfig, local: ModelConfig, tp: int, batch: int, rows: int,
+                context: int, packed, feeds, spec: ChipSpec | None, kernel: bool,
+                collective: str, block: BlockSizes | None) -> BlockSizes:
+    """The plan's tiling: `block`, or the chip's default (`_chip_block`; its error names the
+    model, the tp and the fields tp splits), checked against the ring, the conv kernel, the
+    cache and the rows."""
+    if block is None:
+        try:
+            block = _chip_block(local, int(tp), int(batch), int(rows), context, packed,
+                                feeds, spec, kernel, collective)
+        except ValueError as err:  # name the model, the tp and the fields tp splits
+            if tp == 1:
+                raise ValueError(f"{config.name}: {err}") from None
+            split = [f"{f}={getattr(local, f)} of {getattr(config, f)}" for f in
+                     ("heads", "kv_heads", "linear_key_heads", "linear_value_heads")
+                     if getattr(local, f) != getattr(config, f)]
+            raise ValueError(f"{config.name} at tp={tp} (per device: {', '.join(split)})"
+                             f": {err}") from None
+    if kernel and block.slots < 2:
+        raise ValueError(f"BlockSizes.slots={block.slots}: the megakernel's ring needs "
+                         ">= 2 slots so a tile loads while another computes")
+    if kernel:
+        check_conv_kernel(config)
+    block.check_context(context)
+    if rows > block.kv_tile:
+        raise ValueError(f"rows={rows} new rows per sequence exceed "
+                         f"kv_tile={block.kv_tile}")
+    return block
+
+
+def _checked_stream(local: ModelConfig, block: BlockSizes, M: int, packed,
+                    feeds) -> TileStream:
+    """The step's `model_stream`, after checking that `block.tiles` names only ring weights
+    of a layer."""
+    stream = model_stream(local, block, M, packed, feeds)
+    layer_weights = {s.name for s in stream.segments}
+    stray = sorted(set(dict(block.tiles)) - layer_weights)
+    if stray:  # the lm_head's columns are padded to the block's tile (`padded_vocab`)
+        raise ValueError(f"BlockSizes.tiles names {stray}: only a layer's ring weights "
+                         f"take tiles of their own ({sorted(layer_weights)})")
+    return stream
 
 
 def _chip_block(local: ModelConfig, tp: int, batch: int, rows: int, context: int, formats,

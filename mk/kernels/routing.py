@@ -24,7 +24,7 @@ from jax import lax
 from mk.chips import all_chips
 from mk.kernels.collectives import ICI_LATENCY_S, allgather_s
 from mk.kernels.common import transposed_dot
-from mk.kinds.checks import check_routing
+from mk.kind_checks import check_routing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +52,7 @@ class Routing:
                    config.expert_groups, config.topk_groups, config.routed_scale)
 
     def check(self, experts: int) -> Routing:
-        """Itself, after checking it against `experts` (`mk.kinds.checks.check_routing`);
+        """Itself, after checking it against `experts` (`mk.kind_checks.check_routing`);
         raises ValueError naming the field."""
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) \
                 or not 1 <= self.top_k <= experts:

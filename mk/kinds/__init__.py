@@ -11,10 +11,10 @@ itself, and the rooms that run a model loop over the kinds it has.
     mk.kinds.residual   `ResLayer` (Kimi K3's attention residuals: the stream's kind)
     mk.kinds.layers     `KINDS` (the registry, in stream order), `layer_kinds(config)`,
                         a layer's kinds and rows, the kernel's per-layer tables
-    mk.kinds.checks     each kind's checks of a `mk.config.ModelConfig` (no kernel)
-    mk.kinds.hf         each kind's reader of a Hugging Face config.json (no kernel)
 
-Who asks the kinds: the megakernel, `mk.kernels.one_layer.layer_body`, the stage-05
-kernel, the plan and the simulator (each kind's twin); they loop over the kinds, so
-nothing else changes when one is added. How, step by step: docs/design/mk.kinds.md.
+On the config's floor beside it (`mk.config` imports them): each kind's config checks
+(`mk.kind_checks`) and Hugging Face config.json reader (`mk.hf_config`). Who asks the
+kinds: the megakernel, `mk.kernels.one_layer.layer_body`, the stage-05 kernel, the plan
+and the simulator (each kind's twin); they loop over the kinds, so nothing else changes
+when one is added. How, step by step: docs/design/mk.kinds.md.
 """

@@ -15,7 +15,7 @@ which owns the residual stream (attention residuals: `mk.kinds.residual`).
 Not here: the kinds themselves (`mk.kinds.attention`, `mk.kinds.linear`, `mk.kinds.mlp`,
 `mk.kinds.residual`),
 the loop over them (`mk.kernels.one_layer.layer_body`, `mk.sim`), their config checks
-(`mk.kinds.checks`). Every hook and what it owns: docs/design/mk.kinds.base.md.
+(`mk.kind_checks`). Every hook and what it owns: docs/design/mk.kinds.base.md.
 """
 
 from __future__ import annotations

@@ -25,11 +25,11 @@ from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
 from mk import quant
-from mk.config import DTYPE_BITS
+from mk.config import DTYPE_BITS, padded_width
 from mk.kernels import mlp as mlp_kernels
 from mk.kernels.collectives import (AXIS, CollectiveScratch, all_gather_body, allgather_s,
                                     collective_buffers)
-from mk.kernels.common import Buffer, padded_width, start_dma
+from mk.kernels.common import Buffer, start_dma
 from mk.kernels.joined_experts import gate_up_width
 from mk.kernels.mlp import (DENSE_WEIGHTS, EXPERT_WEIGHTS, JOINED_EXPERT_WEIGHTS,
                             MOE_SMALL_LOADS, ROUTED_LAYER, SHARED_WEIGHTS, expert_slots,

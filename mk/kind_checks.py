@@ -6,8 +6,8 @@ config's fields by name, so this module imports nothing of mk but its error text
 (`mk.errors`). Also here: `UNSET` and `FORMAT_LAYERS` (what a model without a kind's
 layers has; `check_unset`), `check_routing` (a router's settings, the config's and the MoE
 kernel's `Routing`), `check_positive_ints` (ModelConfig's too), `ROUTER_SCORES` and
-`UNCLAMPED` (the clamped experts' fields unset). Not here: the kinds' weights
-(`mk.weights`), their kernels (`mk.kernels`).
+`UNCLAMPED` (the clamped experts' fields unset). Not here: the kind objects (`mk.kinds`),
+their weights (`mk.weights`), their kernels (`mk.kernels`).
 """
 
 from __future__ import annotations

@@ -13,9 +13,9 @@ model in text_config and where their checkpoints keep its tensors (`WRAPPERS`,
 (`not_run`).
 
 This module imports nothing of mk but the error texts (`mk.errors`): `mk.config` imports
-it. Not here: the checks of the fields read (`mk.config.ModelConfig`, `mk.kinds.checks`),
+it. Not here: the checks of the fields read (`mk.config.ModelConfig`, `mk.kind_checks`),
 the weights' Hugging Face names (`mk.weights`), reading tensors (`mk.checkpoint`). Each
-reader by kind: docs/design/mk.kinds.hf.md.
+reader by kind: docs/design/mk.hf_config.md.
 """
 
 from __future__ import annotations
