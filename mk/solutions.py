@@ -133,6 +133,6 @@ def attempt(key: str, fn, solutions: bool):
     if is_stub(fn):
         raise ExerciseFailed(
             f"your {name} is still the stub (its body is `...`, so it returns None): write "
-            f"it in the cell above and run the cell again; course.reveal({key!r}) shows the "
-            "answer, and solutions = True in the parameters cell runs the worked one")
+            f"its body in place of the `...` and run its cell again; course.reveal({key!r}) "
+            "shows the answer, and solutions = True in the parameters cell runs the worked one")
     return fn

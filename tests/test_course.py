@@ -17,10 +17,12 @@ import dataclasses
 import functools
 import inspect
 import math
+import textwrap
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import jupytext
 import numpy as np
 import pytest
 
@@ -308,7 +310,7 @@ def my_update(m, l, acc, scores, v):
 
 def test_attempt_fails_an_untouched_stub_saying_what_to_do(capsys):
     with pytest.raises(course.ExerciseFailed, match=r"your my_update is still the stub .*"
-                       r"write it in the cell above.*course.reveal\('03-rescale'\)"):
+                       r"write its body in place of the `...`.*course.reveal\('03-rescale'\)"):
         course.attempt("03-rescale", my_update, False)
     assert course.attempt("03-rescale", teach.attend, False) is teach.attend
     assert course.attempt("03-rescale", my_update, True) is teach.online_softmax_update
@@ -319,6 +321,45 @@ def test_attempt_fails_an_untouched_stub_saying_what_to_do(capsys):
                            "solutions='yes' must be True or False")):
         with pytest.raises(ValueError, match=message):
             call()
+
+
+def _body(fn: ast.FunctionDef) -> str:
+    """A function's body without its docstring, as AST text (comments and layout dropped)."""
+    body = fn.body[1:] if ast.get_docstring(fn) is not None else fn.body
+    return ast.dump(ast.Module(body=body, type_ignores=[]))
+
+
+def _source_body(fn) -> str:
+    return _body(ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0])
+
+
+def _attempts():
+    """(notebook, key, the learner's function's definition) of every course.attempt call of
+    the notebooks' code cells; the function is defined in the call's cell."""
+    out = []
+    for path in sorted(NOTEBOOKS.glob("[0-9][0-9]*_*.py")):
+        for cell in jupytext.read(path).cells:
+            if cell.cell_type != "code" or "course.attempt(" not in cell.source:
+                continue
+            tree = ast.parse(cell.source)
+            defs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Call) and ast.unparse(node.func) == "course.attempt":
+                    key, fn, _ = node.args
+                    out.append((path.stem, key.value, defs[fn.id]))
+    return out
+
+
+def test_notebooks_ship_each_fix_as_a_stub_never_the_worked_solution():
+    """Each worked solution is attempted by a notebook cell whose function is a stub: its
+    body `...`, or the exercise's given code to edit (08: `norm_then_matmul`)."""
+    given = {"08-scope": _source_body(course.norm_then_matmul)}
+    stub = _body(ast.parse("def f():\n    ...\n").body[0])
+    found = _attempts()
+    assert sorted(key for _, key, _ in found) == sorted(course.SOLUTIONS), found
+    for notebook, key, fn in found:
+        assert _body(fn) in (stub, given.get(key)), (notebook, key, ast.unparse(fn))
+        assert _body(fn) != _source_body(course.SOLUTIONS[key]), (notebook, key)
 
 
 # -- Teaching kernels equal the real modules -------------------------------------------------
