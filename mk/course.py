@@ -7,10 +7,11 @@ block; `replaced(name, fn)` runs the student's `fn` in that place); the fix exer
 their checks (`update_without_rescale` with `check_attend_update`, `norm_then_matmul`
 with `scoped_bundles` and `check_scope`, `check_up_rotation`, `check_ring_depth`); the
 mystery lab (`mystery(seed)`: one unnamed plant in the megakernel's step, found with the
-race detector or `first_divergence`); `reveal(key)` (a folded worked answer). Checks are
-graders (`mk.grading`, whose `ExerciseFailed`, `check_close`, `check_tokens` and
-`check_race_free` are re-exported here): an answer of any type fails saying what was
-expected and what came back, never with a traceback from inside mk, and never passes.
+race detector or `first_divergence`); the worked answers (`mk.solutions`, re-exported:
+`reveal(key)`, `attempt(key, fn, solutions)`). Checks are graders (`mk.grading`, whose
+`ExerciseFailed`, `check_close`, `check_tokens` and `check_race_free` are re-exported
+here): an answer of any type fails saying what was expected and what came back, never
+with a traceback from inside mk, and never passes.
 
 Not here: the kernels themselves (`mk.kernels`), the simulator (`mk.sim`), drawing
 (`mk.plots`). Every plant, which notebook uses it and what it breaks:
@@ -40,6 +41,7 @@ from mk.grading import (ExerciseFailed, answer_array, check_close, check_functio
                         check_race_free, check_tokens, described, learners_code)
 from mk.machine import Simulation
 from mk.presets import preset
+from mk.solutions import ANSWERS, SOLUTIONS, attempt, is_stub, reveal  # noqa: F401
 from mk.kernels import (attention_prologue, collectives, deltanet, joined_experts, kv_stream,
                         mlp, one_layer, ring)
 from mk.kernels.plan import DecodePlan
@@ -500,42 +502,3 @@ def check_scope(found: dict[str, list], scope: str) -> int:
                              f"bundles: {sorted(found)}): wrap the code in "
                              f"`with jax.named_scope({scope!r}):`")
     return len(found[scope])
-
-
-# -- Folded answers ---------------------------------------------------------------------------
-ANSWERS = {
-    "03-rescale": (
-        "The sum and the accumulator of the first tile were taken under the first tile's "
-        "max; when the second tile raises the max to m', those terms must be scaled by "
-        "alpha = exp(m - m') before the second tile's terms (taken under m') are added. "
-        "Without alpha the first tile's weight is too large by exp(m' - m). With one tile "
-        "(positions < kv_tile - T + 1) the error cannot show: alpha is 1 for the first "
-        "tile. Fixed: `alpha = jnp.exp(m - m_next)`, `l_next = alpha * l + ...`, "
-        "`acc_next = alpha * acc + ...` (as `mk.teach.online_softmax_update`)."),
-    "05-residual": (
-        "first_divergence names (layer 0, 'mlp'), not 'attn': the kernel's 'attn' tap is "
-        "written by the tap code itself (x + the attention output), so it is right, and the "
-        "first wrong value is the layer's output. Between the two taps run the first residual "
-        "add, the MLP norm, the MLP and the second add: read that stretch of `layer_body`; "
-        "both adds call `residual`, which drops x. Fixed: `return x + block_out`."),
-    "08-scope": (
-        "Inside the scope, the norm's bundles are a handful of vector instructions: vld "
-        "loads x into vector registers, vmul squares it, a cross-lane vadd (on the XLU) "
-        "sums each row, vrsqrt takes the reciprocal square root, vmul scales; the first "
-        "bundle, vtrace, is the scope's own marker. The matmul lists several times more: "
-        "vld of w's tiles, vmatprep/vmatpush feeding them into the MXU, one vmatmul "
-        "streaming x, vst of the result. Bundles count code, not time: on a TPU the trace "
-        "event of each scope gives its time."),
-    "09-accept": (
-        "tau collapses to about 1: draft i is the guess for row i's greedy token, and the "
-        "plant compares it with row i + 1's, which it matches only by chance. The tokens "
-        "stay right (the bonus is still the target's token at the first reject), so only "
-        "the speed check catches it. Fixed: compare `drafts == target[:, :-1]`."),
-}
-
-
-def reveal(key: str) -> Markdown:
-    """A worked answer (one of ANSWERS), for Jupyter and Colab; the site folds them."""
-    if not isinstance(key, str) or key not in ANSWERS:
-        raise ValueError(f"answer key={key!r} must be one of {tuple(ANSWERS)}")
-    return Markdown(f"**Answer ({key}).** {ANSWERS[key]}")

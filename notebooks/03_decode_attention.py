@@ -74,6 +74,7 @@ seed: int = 0  # seed of the random weights and inputs
 checkpoint: str = ""  # a local Hugging Face checkpoint folder; "" for random weights
 kv_tile: int = 128  # cached positions per KV tile
 kv_slots: int = 2  # KV tiles in the VMEM ring
+solutions: bool = False  # True checks the worked solution in place of your fix (headless runs)
 
 # %%
 import time
@@ -272,22 +273,19 @@ except course.ExerciseFailed as caught:
     print("the check catches the broken update:", caught)
 
 # %% [markdown]
-# Write your fix in the next cell (it is folded on the site; in Jupyter or Colab,
-# `course.reveal("03-rescale")` explains it).
+# Write your fix in the next cell: `my_update` takes and returns what the broken update
+# does. Its check fails until you write it; `solutions = True` (parameters cell) checks
+# the worked solution instead, and `course.reveal("03-rescale")` explains it.
 
-# %% tags=["hide-cell"]
+# %%
 def my_update(m, l, acc, scores, v):
-    m_next = jnp.maximum(m, jnp.max(scores, axis=1, keepdims=True))
-    alpha = jnp.exp(m - m_next)  # what tile 0 summed under the old max, in the new units
-    probs = jnp.exp(scores - m_next)
-    l_next = alpha * l + jnp.sum(probs, axis=1, keepdims=True)
-    pv = jnp.dot(probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    acc_next = alpha * acc + pv
-    return m_next, l_next, acc_next
+    """The update above with its mistake fixed: the running max m, sum l and accumulator
+    acc after one more KV tile of scores and values v. Return (m_next, l_next, acc_next)."""
+    ...
 
 
-fix_error = course.check_attend_update(my_update)
-print(f"your update passes: max error {fix_error:.1e}")
+fix_error = course.check_attend_update(course.attempt("03-rescale", my_update, solutions))
+print(f"the update passes: max error {fix_error:.1e}")
 
 # %% [markdown]
 # ## Check

@@ -70,6 +70,7 @@ seed: int = 0  # seed of the random weights and inputs
 checkpoint: str = ""  # a local Hugging Face checkpoint folder; "" for random weights
 layer: int = -1  # which layer; -1 is the last (an MoE layer in tiny-moe)
 slots: int = 3  # weight ring slots
+solutions: bool = False  # True checks the worked solution in place of your fix (headless runs)
 
 # %%
 import dataclasses
@@ -198,20 +199,25 @@ except course.ExerciseFailed as caught:
     print("the check catches it:", caught)
 
 # %% [markdown]
-# Your fix (folded on the site; `course.reveal("05-residual")` gives the answer to the
-# prediction in Jupyter or Colab, where you can also run `mk.megakernel.first_divergence`
-# inside `course.planted("wrong_residual")` to see it):
+# Write your fix in the next cell; its check fails until you do. `solutions = True`
+# (parameters cell) checks the worked solution instead; `course.reveal("05-residual")`
+# answers the prediction (in Jupyter or Colab, run `mk.megakernel.first_divergence` inside
+# `course.planted("wrong_residual")` to see it).
 
-# %% tags=["hide-cell"]
+# %%
 def my_residual(x, block_out):
-    return x + block_out  # the stream plus the block's output
+    """The residual stream after a block, x and block_out both [M, D] f32: what should
+    `residual` return?"""
+    ...
 
 
-with course.replaced("wrong_residual", my_residual), mk.backend.use(run.backend):
+checked = course.attempt("05-residual", my_residual, solutions)
+with course.replaced("wrong_residual", checked), mk.backend.use(run.backend):
     fixed_x = one_layer(config, params, x, k_cache, v_cache, positions, layer=layer,
                         block=block)[0]
-course.check_close("layer output with your residual", fixed_x, want_x, rtol=2e-2, atol=3e-2)
-print("your residual passes")
+course.check_close("layer output with the fixed residual", fixed_x, want_x, rtol=2e-2,
+                   atol=3e-2)
+print("the residual passes")
 
 # %% [markdown]
 # ## VMEM budget

@@ -75,6 +75,7 @@ steps: int = 6  # greedy tokens to generate
 slots: int = 3  # weight ring slots
 exercise_keep_row_k: bool = False  # the exercise: True keeps the states after row k, not k - 1
 mystery_seed: int = 1  # the mystery lab's seed (which unnamed bug it plants); -1 skips the lab
+solutions: bool = False  # True runs the mystery lab's worked answer (headless runs)
 
 # %%
 import time
@@ -242,14 +243,18 @@ if lab is not None:
     print("race detector flags the step:", lab.races())
 
 # %% [markdown]
-# Your investigation goes here. The worked answer below is folded on the site; in Jupyter
-# or Colab, run it only when you are done (`lab.where()` is the answer).
+# Your investigation goes here, in new cells. The worked answer below runs only with
+# `solutions = True` (parameters cell; headless runs set it, and the site folds it), so
+# Run all does not spoil the lab; `lab.where()` is the answer.
 
 # %% tags=["hide-cell"]
-if lab is not None:
+if lab is not None and solutions:
+    print("solutions = True: the worked answer of the mystery lab")
     print("first divergence:", lab.divergence()[0])
     display(lab.suspect(lab.where()))
     print(lab.confirm(lab.released()))  # the released function is the fix
+elif lab is not None:
+    print("the worked answer is skipped (solutions = False): find the bug above")
 
 # %% [markdown]
 # ## Hybrids: two token mixers in one stream

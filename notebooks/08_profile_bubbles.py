@@ -78,6 +78,7 @@ predict_preset: str = "qwen3-8b"  # the simulator's second prediction
 predict_chip: str = "tpu7x"  # a name from mk.chips.CHIP_NAMES: the second prediction's chip
 predict_context: int = 4096  # S of the simulator's second prediction
 schedule_dump: bool = True  # compile the megakernel for `chip` with the compiler's dumps (~10 s)
+solutions: bool = False  # True checks the worked solution in place of your fix (headless runs)
 
 # %%
 import dataclasses
@@ -469,7 +470,7 @@ if schedule_dump and mk.chip(run.chip).kind == "tpu" and not run.checkpoint:
 # that process, so the kernel goes there as its source) and groups its bundles by scope;
 # `course.check_scope(found, "norm")` fails on it. **Predict**: will the norm list more or
 # fewer bundles than the matmul, and which units will its bundles use? Then **add** the
-# scope: the next hidden cell is a copy of the kernel; wrap its two norm lines in
+# scope: the next cell is a copy of the kernel; wrap its two norm lines in
 # `with jax.named_scope("norm"):` and find the norm's bundles in the dump.
 
 # %%
@@ -484,21 +485,22 @@ if scoped:
         print("the check:", caught)
 
 # %% [markdown]
-# Your copy, with the scope added (folded on the site; in Jupyter or Colab,
-# `course.reveal("08-scope")` explains what the bundles show):
+# Add the scope in the next cell; its check fails until you do. `solutions = True`
+# (parameters cell) checks the worked solution instead; `course.reveal("08-scope")`
+# explains what the bundles show.
 
-# %% tags=["hide-cell"]
+# %%
 def my_kernel(x_ref, w_ref, o_ref):
-    with jax.named_scope("norm"):  # the added scope
-        x = x_ref[...]
-        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+    """course.norm_then_matmul, to edit: put its norm in a scope named "norm"."""
+    x = x_ref[...]
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
     with jax.named_scope("matmul"):
         o_ref[...] = jnp.dot(x.astype(w_ref.dtype), w_ref[...],
                              preferred_element_type=jnp.float32)
 
 
 if scoped:
-    found = course.scoped_bundles(my_kernel, run.chip)
+    found = course.scoped_bundles(course.attempt("08-scope", my_kernel, solutions), run.chip)
     counts = {k: course.check_scope(found, k) for k in ("norm", "matmul")}
     print(f"bundles per scope: {counts}; the norm's first bundles, their ops:")
     display(plots.table([{"bundle": i, "ops": ", ".join(b.ops) or "(empty)"}

@@ -88,6 +88,7 @@ allow_download: bool = False  # True lets hf_target / hf_draft download from the
 sweep_preset: str = "qwen3.5-27b"  # the model of the throughput sweep
 sweep_draft: str = "qwen3-0.6b"  # the sweep's draft model (a preset), "" for none
 sweep_context: int = 4096  # cached positions per sequence in the sweep
+solutions: bool = False  # True checks the worked solution in place of your fix (headless runs)
 
 # %%
 import numpy as np
@@ -202,18 +203,20 @@ with course.planted("accept_wrong_row"):
         print("the check catches it:", caught)
 
 # %% [markdown]
-# Your fix (folded on the site; `course.reveal("09-accept")` explains it in Jupyter or
-# Colab):
+# Write your fix in the next cell; its check fails until you do. `solutions = True`
+# (parameters cell) checks the worked solution instead; `course.reveal("09-accept")`
+# explains it.
 
-# %% tags=["hide-cell"]
+# %%
 def my_accept(drafts, target):
-    n = np.cumprod(drafts == target[:, :-1], axis=1).sum(axis=1)  # draft i vs row i
-    return n, target[np.arange(len(n)), n]
+    """drafts [B, g], the target's greedy tokens target [B, g + 1] -> (kept drafts n [B],
+    the bonus token [B]): the rule above with its index fixed."""
+    ...
 
 
-with course.replaced("accept_wrong_row", my_accept):
+with course.replaced("accept_wrong_row", course.attempt("09-accept", my_accept, solutions)):
     fixed_tau = course.check_acceptance(config, params, prompt[:1], 8)
-print(f"your rule passes: forced L=3 measures tau = {fixed_tau:.2f}")
+print(f"the rule passes: forced L=3 measures tau = {fixed_tau:.2f}")
 
 # %% [markdown]
 # ## Measured acceptance length of each drafter

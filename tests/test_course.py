@@ -17,10 +17,12 @@ import dataclasses
 import functools
 import inspect
 import math
+import textwrap
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import jupytext
 import numpy as np
 import pytest
 
@@ -182,7 +184,8 @@ def test_missing_rescale_fails_the_attention_check_and_the_fix_passes():
     assert course.check_attend_update(teach.online_softmax_update) < 2e-2
 
 
-def _one_layer_error(plant):
+def _one_layer_error(plant, fix=None):
+    """The fused layer against the reference, with plant `plant` in, or `fix` in its place."""
     config = mk.preset("tiny")
     params = mk.init_params(config, 0)
     keys = jax.random.split(jax.random.key(0), 3)
@@ -191,7 +194,8 @@ def _one_layer_error(plant):
     k, v = (jax.random.normal(key, shape).astype(config.dtype) for key in keys[1:])
     positions = jnp.asarray(course.hard_positions(1, 2, 256))
     want = reference.decoder_layer(config, params, 0, x, k[0], v[0], positions)[0]
-    with course.planted(plant), backend.use("interpret"):
+    patch = course.replaced(plant, fix) if fix is not None else course.planted(plant)
+    with patch, backend.use("interpret"):
         got = one_layer.one_layer(config, params, x, k, v, positions, layer=0)[0]
     course.check_close("layer output", got, want, rtol=2e-2, atol=3e-2)
 
@@ -258,9 +262,104 @@ def test_mystery_is_caught_localised_and_fixed(seed):
 
 
 def test_reveal_refuses_an_unknown_key_and_shows_a_known_one():
-    assert "alpha" in course.reveal("03-rescale").data
+    shown = course.reveal("03-rescale").data
+    assert "alpha" in shown and inspect.getsource(teach.online_softmax_update) in shown
     with pytest.raises(ValueError, match="answer key='nope'"):
         course.reveal("nope")
+
+
+# -- Fix exercises: stubs in the notebooks, worked solutions in mk.solutions ------------------
+def _stub_like(fn):
+    """A stub of fn's arguments whose body is `...` (it returns None), as a notebook ships."""
+    space: dict = {}
+    exec(f"def stub({', '.join(inspect.signature(fn).parameters)}):\n    ...\n", space)
+    return space["stub"]
+
+
+def _accept_check(fn):
+    config = mk.preset("tiny")
+    params = mk.init_params(config, 0)
+    prompt = jax.random.randint(jax.random.key(0), (1, 5), 0, config.vocab)
+    with course.replaced("accept_wrong_row", fn):
+        return course.check_acceptance(config, params, prompt, 8)
+
+
+# Each fix exercise's check, as its notebook runs it; "08-scope" compiles with libtpu, so
+# its two ways are test_a_scope_added_to_the_kernel_has_its_own_bundles_in_the_dump's.
+FIX_CHECKS = {"03-rescale": course.check_attend_update,
+              "05-residual": lambda fn: _one_layer_error("wrong_residual", fn),
+              "09-accept": _accept_check}
+
+
+def test_every_worked_solution_has_a_fix_check_and_an_answer():
+    assert set(FIX_CHECKS) | {"08-scope"} == set(course.SOLUTIONS)
+    assert set(course.SOLUTIONS) <= set(course.ANSWERS)
+
+
+@pytest.mark.parametrize("key", FIX_CHECKS)
+def test_a_fix_check_fails_the_stub_and_passes_the_worked_solution(key):
+    with pytest.raises(course.ExerciseFailed, match="expected"):
+        FIX_CHECKS[key](_stub_like(course.SOLUTIONS[key]))
+    FIX_CHECKS[key](course.SOLUTIONS[key])
+
+
+def my_update(m, l, acc, scores, v):
+    """A learner's untouched stub."""
+    ...
+
+
+def test_attempt_fails_an_untouched_stub_saying_what_to_do(capsys):
+    with pytest.raises(course.ExerciseFailed, match=r"your my_update is still the stub .*"
+                       r"write its body in place of the `...`.*course.reveal\('03-rescale'\)"):
+        course.attempt("03-rescale", my_update, False)
+    assert course.attempt("03-rescale", teach.attend, False) is teach.attend
+    assert course.attempt("03-rescale", my_update, True) is teach.online_softmax_update
+    assert "runs the worked solution, mk.teach.online_softmax_update, in place of your " \
+        "my_update" in capsys.readouterr().out
+    for call, message in ((lambda: course.attempt("03-rescal", my_update, False), "answer key"),
+                          (lambda: course.attempt("03-rescale", my_update, "yes"),
+                           "solutions='yes' must be True or False")):
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
+def _body(fn: ast.FunctionDef) -> str:
+    """A function's body without its docstring, as AST text (comments and layout dropped)."""
+    body = fn.body[1:] if ast.get_docstring(fn) is not None else fn.body
+    return ast.dump(ast.Module(body=body, type_ignores=[]))
+
+
+def _source_body(fn) -> str:
+    return _body(ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0])
+
+
+def _attempts():
+    """(notebook, key, the learner's function's definition) of every course.attempt call of
+    the notebooks' code cells; the function is defined in the call's cell."""
+    out = []
+    for path in sorted(NOTEBOOKS.glob("[0-9][0-9]*_*.py")):
+        for cell in jupytext.read(path).cells:
+            if cell.cell_type != "code" or "course.attempt(" not in cell.source:
+                continue
+            tree = ast.parse(cell.source)
+            defs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Call) and ast.unparse(node.func) == "course.attempt":
+                    key, fn, _ = node.args
+                    out.append((path.stem, key.value, defs[fn.id]))
+    return out
+
+
+def test_notebooks_ship_each_fix_as_a_stub_never_the_worked_solution():
+    """Each worked solution is attempted by a notebook cell whose function is a stub: its
+    body `...`, or the exercise's given code to edit (08: `norm_then_matmul`)."""
+    given = {"08-scope": _source_body(course.norm_then_matmul)}
+    stub = _body(ast.parse("def f():\n    ...\n").body[0])
+    found = _attempts()
+    assert sorted(key for _, key, _ in found) == sorted(course.SOLUTIONS), found
+    for notebook, key, fn in found:
+        assert _body(fn) in (stub, given.get(key)), (notebook, key, ast.unparse(fn))
+        assert _body(fn) != _source_body(course.SOLUTIONS[key]), (notebook, key)
 
 
 # -- Teaching kernels equal the real modules -------------------------------------------------
@@ -398,24 +497,15 @@ def test_default_megakernel_demo_of_09_accepts_drafts():
     assert stats.acceptance_length > 1, stats
 
 
-def _norm_in_its_scope(x_ref, w_ref, o_ref):
-    """08's exercise, done: course.norm_then_matmul with its norm in a scope "norm"."""
-    with jax.named_scope("norm"):
-        x = x_ref[...]
-        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
-    with jax.named_scope("matmul"):
-        o_ref[...] = jnp.dot(x.astype(w_ref.dtype), w_ref[...],
-                             preferred_element_type=jnp.float32)
-
-
 def test_a_scope_added_to_the_kernel_has_its_own_bundles_in_the_dump():
     """08's exercise both ways, compiled for v6e by libtpu with the dumps on: the given
-    kernel's norm lies in no scope (the check fails), the kernel with the scope added has
+    kernel (the notebook's stub) has its norm in no scope (the check fails), the worked
+    solution, the kernel with the scope added, has
     bundles in it, among them the norm's reciprocal square root; the matmul scope stays."""
     given = course.scoped_bundles(course.norm_then_matmul)
     with pytest.raises(course.ExerciseFailed, match="no bundle lies in a scope named 'norm'"):
         course.check_scope(given, "norm")
-    done = course.scoped_bundles(_norm_in_its_scope)
+    done = course.scoped_bundles(course.SOLUTIONS["08-scope"])
     assert course.check_scope(done, "norm") > 0 and course.check_scope(done, "matmul") > 0
     ops = {op for b in done["norm"] for op in b.ops}
     assert any("rsqrt" in op for op in ops), sorted(ops)
@@ -433,9 +523,14 @@ def _raises(*args, **kwargs):
     raise RuntimeError("the student's own error")
 
 
+def _returns_none(*args, **kwargs):
+    ...
+
+
 # Wrong answers of every type, fed to every check: each must fail with ExerciseFailed.
 WRONG = {"None": None, "string": "96", "float": 3.5, "empty": [], "nested": [[1], [1, 2]],
          "wrong shape": np.zeros((5, 7), np.int32), "returns garbage": _garbage,
+         "returns None": _returns_none,
          "raises": _raises, "dict": {"norm": 5}, "complex": np.ones((2, 2)) + 1j}
 
 
@@ -489,7 +584,8 @@ WRONG_BUT_TYPED = {
     "Mystery.suspect": [["mk.kernels.ring.Ring.slot"]],
 }
 CASES = [(check, name, answer) for check in CHECKS for name, answer in WRONG.items()
-         if not (check.startswith("Mystery") and name == "raises")  # one run of it: enough
+         # a wrong function is run once in the slow mystery step: enough
+         if not (check.startswith("Mystery") and name in ("raises", "returns None"))
          and not (check == "Mystery.suspect" and name == "string")]  # a wrong guess: a hint
 CASES += [(check, f"typed {i}", answer) for check, answers in WRONG_BUT_TYPED.items()
           for i, answer in enumerate(answers)]

@@ -113,6 +113,10 @@ def test_project_runs_yaml_names_real_notebooks_and_parameters():
     notebooks = sorted((ROOT / "notebooks").glob(run_notebooks.PATTERN))
     runs = run_notebooks.load_runs(run_notebooks.RUNS_FILE, notebooks)
     assert {run.notebook for run in runs} == set(notebooks)
+    # The fix cells ship as stubs: every headless run checks the worked solutions instead.
+    staged = [r for r in runs if "solutions" in run_notebooks.notebook_parameters(r.notebook)]
+    assert len({r.notebook for r in staged}) >= 5, staged
+    assert all(r.parameters["solutions"] is True for r in staged), staged
 
 
 @pytest.mark.parametrize("text, message", [
@@ -124,6 +128,9 @@ def test_project_runs_yaml_names_real_notebooks_and_parameters():
     ("90_site_figures:\n  - {label: a, params: {}}\n", "the keys 'label'"),
     ("90_site_figures: []\n", "non-empty list"),
     ("- 90_site_figures\n", "the top level must map"),
+    ("every_run:\n  parameters: {pointz: 3}\n", "['pointz'], which no notebook"),
+    ("every_run: {points: 3}\n", "with the one key 'parameters'"),
+    ("every_run:\n  parameters: {points: 2026-01-01}\n", "is a date"),
 ])
 def test_runs_yaml_mistakes_are_value_errors(notebooks, tmp_path, text, message):
     runs_file = tmp_path / "runs.yaml"
@@ -137,6 +144,18 @@ def test_runs_yaml_configurations_become_runs(notebooks):
     runs = run_notebooks.load_runs(figures.parent / "runs.yaml", [figures, fails])
     assert [(r.name, r.parameters) for r in runs] == [
         ("90_site_figures-three", {"points": 3}), ("90_site_figures-five", {"points": 5}),
+        ("91_site_fails", {})]
+
+
+def test_every_run_parameters_go_under_each_runs_own_to_the_notebooks_assigning_them(
+        notebooks, tmp_path):
+    figures, fails = notebooks
+    runs_file = tmp_path / "runs.yaml"
+    runs_file.write_text(RUNS_YAML.replace("{points: 5}", "{}")
+                         + "every_run:\n  parameters: {points: 4}\n")
+    runs = run_notebooks.load_runs(runs_file, [figures, fails], known=[figures, fails])
+    assert [(r.name, r.parameters) for r in runs] == [
+        ("90_site_figures-three", {"points": 3}), ("90_site_figures-five", {"points": 4}),
         ("91_site_fails", {})]
 
 

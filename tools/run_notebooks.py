@@ -3,9 +3,10 @@
 `make run` calls this. Each `notebooks/NN_*.ipynb` runs with papermill on the `python3`
 kernel, which must start the interpreter running this script (checked, not assumed), in
 its default configuration: the first that `notebooks/runs.yaml` lists for it (its own
-parameters cell if it is not listed; the file documents its format); `--all` (`make
-run-all`) runs every configuration listed. An unchanged configuration is copied from the
-execution cache, not executed again (tools/run_cache.py; `--no-cache`).
+parameters cell if it is not listed), with the file's `every_run` parameters under its own
+(the file documents its format); `--all` (`make run-all`) runs every configuration
+listed. An unchanged configuration is copied from the execution cache, not executed again
+(tools/run_cache.py; `--no-cache`).
 
 Nothing is overwritten: every invocation writes a new folder `OUT/runs/<YYYYmmdd-HHMMSS>/`
 with the executed notebooks, `runs.json`, and the run's site in `site/`, built by Sphinx
@@ -89,6 +90,7 @@ from traitlets import default  # noqa: E402
 KERNEL = "python3"
 PATTERN = "[0-9][0-9]*_*.ipynb"
 RUNS_FILE = ROOT / "notebooks" / "runs.yaml"
+EVERY_RUN = "every_run"  # runs.yaml's parameters for every run of a notebook assigning them
 RUNS_MAX_BYTES = 2**20  # a runs file is a page of configurations, not a data set
 LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,39}")
 HEARTBEAT_SECONDS = 60.0
@@ -174,6 +176,7 @@ def load_runs(runs_file: Path, notebooks: list[Path], known: list[Path] | None =
                          f"configurations, not {type(config).__name__}")
     known = list(known if known is not None else sorted(runs_file.parent.glob(PATTERN)))
     by_stem = {p.stem: p for p in known + list(notebooks)}
+    every = config.pop(EVERY_RUN, None)
     unknown = sorted(str(k) for k in config if k not in by_stem)
     if unknown:
         raise ValueError(f"{where}: {brief(unknown)} name no notebook; known notebooks: "
@@ -183,7 +186,41 @@ def load_runs(runs_file: Path, notebooks: list[Path], known: list[Path] | None =
     runs = []
     for notebook in notebooks:
         runs += listed.get(notebook.stem) or [Run(notebook)]
-    return runs
+    if every is None:
+        return runs
+    defaults = _every_run(where, every, list(by_stem.values()))
+    return [dataclasses.replace(r, parameters=defaults[r.notebook.stem] | r.parameters)
+            for r in runs]
+
+
+def _every_run(where: str, every, notebooks: list[Path]) -> dict[str, dict]:
+    """{notebook stem: the `every_run` parameters its parameters cell assigns}; each
+    value checked against that notebook's annotation. A name that no notebook assigns is a
+    ValueError (a typo would otherwise reach nothing, silently)."""
+    field = f"{where}: {EVERY_RUN}"
+    if not isinstance(every, dict) or set(every) != {"parameters"} or not isinstance(
+            every["parameters"], dict):
+        raise ValueError(f"{field}={shown(every)} must be a mapping with the one key "
+                         "'parameters', a mapping of names to values")
+    parameters = every["parameters"]
+    for key, value in parameters.items():
+        _plain(f"{field}.parameters.{key}", value)
+    out, used = {}, set()
+    for notebook in notebooks:
+        allowed = notebook_parameters(notebook)
+        mine = {k: v for k, v in parameters.items() if k in allowed}
+        for key, value in mine.items():
+            if allowed[key] is not None:
+                try:
+                    mk.run.check_parameter(key, value, allowed[key])
+                except ValueError as err:
+                    raise ValueError(f"{field}.parameters ({notebook.stem}): {err}") from None
+        out[notebook.stem], used = mine, used | set(mine)
+    unused = sorted(set(parameters) - used)
+    if unused:
+        raise ValueError(f"{field}.parameters has {brief(unused)}, which no notebook's "
+                         "parameters cell assigns")
+    return out
 
 
 def default_runs(runs: list[Run]) -> list[Run]:

@@ -1,0 +1,138 @@
+"""The worked answers of the course's fix exercises: their prose (`ANSWERS`), their code
+(`SOLUTIONS`, keyed alike), `reveal(key)` (both, for Jupyter and Colab) and `attempt(key,
+fn, solutions)` (what a fix cell checks: the learner's function, or the worked one).
+
+A notebook ships each fix cell as a stub the learner fills (a body of `...`, or the given
+code to edit); no worked solution is in a notebook. With the notebook's `solutions`
+parameter True (headless runs: notebooks/runs.yaml's `every_run`), `attempt` hands the
+check the worked solution and prints that it did. The worked solution of a planted mistake
+is the released code itself (`mk.teach.online_softmax_update`, `one_layer.residual`,
+`spec.accept_greedy`): one copy, the one the kernels run. Design notes:
+docs/design/mk.course.md.
+
+Not here: the exercises, their plants and their checks (`mk.course`, which re-exports
+these names).
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from IPython.display import Markdown
+
+from mk import spec, teach
+from mk.errors import shown
+from mk.grading import ExerciseFailed
+from mk.kernels import one_layer
+
+
+def norm_in_its_scope(x_ref, w_ref, o_ref):
+    """08's exercise, done: `mk.course.norm_then_matmul` with its norm in a scope "norm"."""
+    with jax.named_scope("norm"):  # the added scope
+        x = x_ref[...]
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+    with jax.named_scope("matmul"):
+        o_ref[...] = jnp.dot(x.astype(w_ref.dtype), w_ref[...],
+                             preferred_element_type=jnp.float32)
+
+
+SOLUTIONS = {
+    "03-rescale": teach.online_softmax_update,
+    "05-residual": one_layer.residual,
+    "08-scope": norm_in_its_scope,
+    "09-accept": spec.accept_greedy,
+}
+
+ANSWERS = {
+    "03-rescale": (
+        "The sum and the accumulator of the first tile were taken under the first tile's "
+        "max; when the second tile raises the max to m', those terms must be scaled by "
+        "alpha = exp(m - m') before the second tile's terms (taken under m') are added. "
+        "Without alpha the first tile's weight is too large by exp(m' - m). With one tile "
+        "(positions < kv_tile - T + 1) the error cannot show: alpha is 1 for the first "
+        "tile. Fixed: `alpha = jnp.exp(m - m_next)`, `l_next = alpha * l + ...`, "
+        "`acc_next = alpha * acc + ...` (as `mk.teach.online_softmax_update`)."),
+    "05-residual": (
+        "first_divergence names (layer 0, 'mlp'), not 'attn': the kernel's 'attn' tap is "
+        "written by the tap code itself (x + the attention output), so it is right, and the "
+        "first wrong value is the layer's output. Between the two taps run the first residual "
+        "add, the MLP norm, the MLP and the second add: read that stretch of `layer_body`; "
+        "both adds call `residual`, which drops x. Fixed: `return x + block_out`."),
+    "08-scope": (
+        "Inside the scope, the norm's bundles are a handful of vector instructions: vld "
+        "loads x into vector registers, vmul squares it, a cross-lane vadd (on the XLU) "
+        "sums each row, vrsqrt takes the reciprocal square root, vmul scales; the first "
+        "bundle, vtrace, is the scope's own marker. The matmul lists several times more: "
+        "vld of w's tiles, vmatprep/vmatpush feeding them into the MXU, one vmatmul "
+        "streaming x, vst of the result. Bundles count code, not time: on a TPU the trace "
+        "event of each scope gives its time."),
+    "09-accept": (
+        "tau collapses to about 1: draft i is the guess for row i's greedy token, and the "
+        "plant compares it with row i + 1's, which it matches only by chance. The tokens "
+        "stay right (the bonus is still the target's token at the first reject), so only "
+        "the speed check catches it. Fixed: compare `drafts == target[:, :-1]`."),
+}
+
+
+def _key(key) -> str:
+    if not isinstance(key, str) or key not in ANSWERS:
+        raise ValueError(f"answer key={shown(key)} must be one of {tuple(ANSWERS)}")
+    return key
+
+
+def _where(fn) -> str:
+    return f"{fn.__module__}.{fn.__qualname__}"
+
+
+def reveal(key: str) -> Markdown:
+    """A worked answer (one of ANSWERS) and, for a fix exercise, its worked solution's code;
+    for Jupyter and Colab (the site shows no solution)."""
+    text = f"**Answer ({_key(key)}).** {ANSWERS[key]}"
+    if key in SOLUTIONS:
+        fn = SOLUTIONS[key]
+        text += (f"\n\nThe worked solution, `{_where(fn)}`:\n```python\n"
+                 f"{textwrap.dedent(inspect.getsource(fn))}```")
+    return Markdown(text)
+
+
+def is_stub(fn) -> bool:
+    """Whether `fn` is an unwritten stub: a function whose body (after its docstring) is
+    only `...` or `pass`. False when its source cannot be read."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    node = tree.body[0] if tree.body else None
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return False
+    return all(isinstance(s, ast.Pass) or (isinstance(s, ast.Expr)
+               and isinstance(s.value, ast.Constant)
+               and (s.value.value is Ellipsis or isinstance(s.value.value, str)))
+               for s in node.body)
+
+
+def attempt(key: str, fn, solutions: bool):
+    """What a fix cell's check runs: the learner's `fn`; with `solutions` True the worked
+    solution SOLUTIONS[key], printing that it is the worked one (so no output passes it off
+    as the learner's). An unwritten stub fails here (ExerciseFailed), saying what to do."""
+    if _key(key) not in SOLUTIONS:
+        raise ValueError(f"key={key!r} has no worked solution; one of {tuple(SOLUTIONS)}")
+    if not isinstance(solutions, (bool, np.bool_)):
+        raise ValueError(f"solutions={shown(solutions)} must be True or False")
+    name = getattr(fn, "__name__", "function")
+    if solutions:
+        print(f"solutions = True: the check runs the worked solution, "
+              f"{_where(SOLUTIONS[key])}, in place of your {name} "
+              f"(course.reveal({key!r}) shows it)")
+        return SOLUTIONS[key]
+    if is_stub(fn):
+        raise ExerciseFailed(
+            f"your {name} is still the stub (its body is `...`, so it returns None): write "
+            f"its body in place of the `...` and run its cell again; course.reveal({key!r}) "
+            "shows the answer, and solutions = True in the parameters cell runs the worked one")
+    return fn
