@@ -190,8 +190,11 @@ else:
 # schedule on a model of the chip (`mk.sim.simulate`, its default latencies); the
 # calibrated step does the same with the chip's measured inputs
 # (`mk.calibration.assumptions`, where the chip has records: the DMA probe and the
-# attention loop's KV rate), which came within a few percent of the recorded device
-# loops (`mk.ledger.basis_table()`). Both are simulations, not measurements.
+# attention loop's KV rate; `mk.ledger.basis_table()` says how close it came to each
+# recorded device loop). Both are simulations, not measurements. The last line gives the
+# ring slots Little's law asks for at the chip's measured DMA latency
+# (`mk.sim.latency_slots`, notebook 01): the depth that covers one latency, where to
+# start looking, not the answer.
 
 # %%
 measured_inputs = calibration.steps_path(spec.name).exists()
@@ -206,6 +209,11 @@ display(plots.table([{
     "block": name, "simulated step ms": f"{s_ms:.3f}",
     f"calibrated step ms ({spec.name}'s measured inputs)": f"{c_ms:.3f}" if c_ms else "-",
     "HBM floor ms": f"{floor_ms:.3f}"} for name, (s_ms, c_ms) in predicted.items()]))
+if row and calibrated:
+    print(f"the baseline's calibrated step is {predicted['baseline'][1] / base_ms - 1:+.1%} "
+          f"off its measured step; Little's law asks for "
+          f"{sim.latency_slots(config, spec, block, assumptions=calibrated)} ring slots of "
+          f"your tiles at {calibrated.dma_latency_s * 1e6:.2f} µs")
 
 # %% [markdown]
 # ## Tokens exact
