@@ -226,13 +226,13 @@ if row and calibrated:
 
 # %%
 if on_tpu:
-    checked, checked_block, S = config, block, plan.context
+    checked, checked_block, S = plan.config, block, plan.context  # the cache of the timed loop
 else:
     checked, S = mk.preset(check_preset), capacity(KV_ALIGN + check_steps)  # two KV tiles
     own = DecodePlan.make(checked, batch=run.batch, context=S).block
     checked_block = dataclasses.replace(own, slots=block.slots, kv_slots=block.kv_slots,
                                         kv_tile=KV_ALIGN)
-prompt_len = max(1, checked_block.kv_tile - check_steps // 2)
+prompt_len = max(1, min(checked_block.kv_tile, S - check_steps) - check_steps // 2)
 if prompt_len + check_steps > S:
     raise ValueError(f"check_steps={check_steps} from a {prompt_len}-token prompt overrun "
                      f"the cache of {S} positions")
