@@ -466,9 +466,48 @@ def test_course_map_names_every_notebook_once_in_course_order():
     assert len(stems) == len(set(stems))
     assert [s.split("_")[0] for s in stems] == [
         "00b", "00", "01", "13", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11",
-        "05b", "05c", "05d", "12"]
+        "14", "05b", "05c", "05d", "12"]
     assert all(e["teaches"].strip() and "\n" not in e["teaches"]
                for part in parts for e in part["notebooks"])
+
+
+def test_every_notebook_has_a_students_time_and_comes_after_earlier_notebooks():
+    import build_site
+
+    parts = build_site.load_course()
+    stems = [e["notebook"] for part in parts for e in part["notebooks"]]
+    after = build_site.prerequisites(parts)
+    assert all(e["minutes"] > 0 for part in parts for e in part["notebooks"])
+    assert after[stems[0]] == [] and all(after[s] for s in stems[1:])
+    assert all(stems.index(a) < stems.index(s) for s in stems for a in after[s])
+    assert after["14_capstone"] == ["13_measure_your_tpu", "11_design_review"]
+    assert after["03_decode_attention"] == ["02_attention_prologue"]  # the one before it
+
+
+@pytest.mark.parametrize("entry, message", [
+    ("{notebook: 91_b, minutes: 0, teaches: t}", "91_b: minutes=0 must be a whole number"),
+    ("{notebook: 91_b, minutes: true, teaches: t}", "91_b: minutes=True must be"),
+    ("{notebook: 91_b, minutes: 1.5, teaches: t}", "91_b: minutes=1.5 must be"),
+    ("{notebook: 91_b, teaches: t}", "must have the keys 'notebook', 'teaches', 'minutes'"),
+    ("{notebook: 91_b, minutes: 5, after: [92_c], teaches: t}", "91_b: after=['92_c'] must"),
+    ("{notebook: 91_b, minutes: 5, after: [91_b], teaches: t}", "91_b: after=['91_b'] must"),
+    ("{notebook: 91_b, minutes: 5, after: [], teaches: t}", "91_b: after=[] must list"),
+    ("{notebook: 91_b, minutes: 5, after: 90_a, teaches: t}", "91_b: after='90_a' must"),
+])
+def test_course_map_refuses_a_bad_time_or_a_prerequisite_not_earlier(tmp_path, entry,
+                                                                      message):
+    import build_site
+
+    course = tmp_path / "course.yaml"
+    course.write_text("parts:\n  - title: t\n    notebooks:\n"
+                      "      - {notebook: 90_a, minutes: 5, teaches: t}\n"
+                      f"      - {entry}\n      - {{notebook: 92_c, minutes: 5, teaches: t}}\n")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build_site.load_course(course)
+    course.write_text(course.read_text().replace(entry, "{notebook: 91_b, minutes: 5, "
+                                                        "after: [90_a], teaches: t}"))
+    assert build_site.prerequisites(build_site.load_course(course)) == {  # control
+        "90_a": [], "91_b": ["90_a"], "92_c": ["91_b"]}
 
 
 @pytest.mark.parametrize("bad", ["status", "rows", "deep", "pipe"])
@@ -507,6 +546,7 @@ def test_front_page_opens_with_the_course_map_linking_the_newest_pages(tmp_path)
     index = (tmp_path / "index.html").read_text()
     assert index.index("Part I") < index.index("Part II") < index.index("Newest run")
     row = re.search(r'<tr class="course"><td>06 · The decode megakernel.*?</tr>', index)[0]
+    assert "<td>90 min</td><td>05</td>" in row  # a student's time; the notebook before it
     assert 'href="runs/20260101-000000/site/06_megakernel-a.html">a</a>' in row
     assert "06_megakernel-b.html" in row and "24 s" in row
     assert "not run yet" in index  # the notebooks no run has executed

@@ -9,8 +9,9 @@ table of contents, in run order) and the pages into `run_dir/site/`: `site/index
 one `site/<NN_topic[-label]>.html` per executed notebook, with MathJax copied inside
 (`install_mathjax`) and plotly.js once (`share_plotlyjs`); each executed notebook is
 stored once per run (`one_copy`).
-`course_map` is the front page's course map (notebooks/course.yaml), with each notebook's
-run on a chip (`chip_cell`, from the records of tools/chip_record.py).
+`course_map` is the front page's course map (notebooks/course.yaml, `load_course`), with
+each notebook's student time, what it comes after (`prerequisites`) and its run on a chip
+(`chip_cell`, from the records of tools/chip_record.py).
 
 Not here: executing notebooks (papermill, in run_notebooks), writing the index of every run
 (`OUT/index.html`, run_notebooks), checking the pages in a browser (tools/check_site.py).
@@ -177,30 +178,57 @@ about TPU time. <a href="../../../index.html">All runs</a>.
 COURSE = ROOT / "notebooks" / "course.yaml"
 
 
+COURSE_KEYS = ("notebook", "teaches", "minutes")  # and `after`, where given
+
+
 def load_course(course_file: Path = COURSE) -> list[dict]:
-    """The parts of the course map: [{title, notebooks: [{notebook, teaches}]}]."""
+    """The parts of the course map: [{title, notebooks: [{notebook, teaches, minutes,
+    after?}]}], checked: `minutes` a whole number > 0 (a student's time), `after` a list
+    of notebooks earlier on the map (what it builds on, where not the one before it);
+    ValueError naming the file, the notebook, the field and the value."""
     import yaml  # only the map needs it
 
     parts = yaml.safe_load(course_file.read_text(encoding="utf-8"))["parts"]
+    seen = []
     for part in parts:
         for entry in part["notebooks"]:
-            if set(entry) != {"notebook", "teaches"}:
+            if not set(COURSE_KEYS) <= set(entry) <= {*COURSE_KEYS, "after"}:
                 raise ValueError(f"{course_file.name}: {entry!r} must have the keys "
-                                 "'notebook' and 'teaches'")
+                                 f"{', '.join(map(repr, COURSE_KEYS))} and may have 'after'")
+            where = f"{course_file.name}: {entry['notebook']}"
+            minutes, after = entry["minutes"], entry.get("after", seen[-1:])
+            if isinstance(minutes, bool) or not isinstance(minutes, int) or minutes < 1:
+                raise ValueError(f"{where}: minutes={minutes!r} must be a whole number of "
+                                 "minutes > 0")
+            if not isinstance(after, list) or "after" in entry and not after or any(
+                    a not in seen for a in after):
+                raise ValueError(f"{where}: after={after!r} must list notebooks earlier on "
+                                 "the map")
+            seen.append(entry["notebook"])
     return parts
+
+
+def prerequisites(parts: list[dict]) -> dict[str, list[str]]:
+    """{notebook: the notebooks it comes after}: its `after`, else the one before it on
+    the map (none for the first)."""
+    entries = [e for part in parts for e in part["notebooks"]]
+    return {e["notebook"]: e.get("after", [p["notebook"] for p in entries[max(i - 1, 0):i]])
+            for i, e in enumerate(entries)}
 
 
 def course_map(parts: list[dict], records: list[tuple[str, dict]], notebooks: Path,
                chip_runs: list[dict] = ()) -> str:
     """The front page's course map as HTML: per part, each notebook in order with its title,
-    what it teaches and, from the newest run that ran it (`records`: (run name, record),
+    what it teaches, a student's time for it and what it comes after (`prerequisites`,
+    by number) and, from the newest run that ran it (`records`: (run name, record),
     newest first), its configurations linked to their pages, status and run time; and how
     its run on each chip went (`chip_runs`: records of `chip_record`, `chip_cell`)."""
-    lines = []
+    lines, after = [], prerequisites(parts)
     for part in parts:
         lines.append(f"<h2>{escape(part['title'])}</h2>\n<table class=\"course\"><tr>"
-                     "<th>notebook</th><th>what it teaches</th><th>configurations (newest "
-                     "run)</th><th>time</th><th>on a chip (hardware mode)</th></tr>")
+                     "<th>notebook</th><th>what it teaches</th><th>student time</th>"
+                     "<th>after</th><th>configurations (newest run)</th><th>run time</th>"
+                     "<th>on a chip (hardware mode)</th></tr>")
         for entry in part["notebooks"]:
             stem = entry["notebook"]
             found = next(((name, [r for r in rec["rows"] if r["notebook"] == stem])
@@ -210,8 +238,11 @@ def course_map(parts: list[dict], records: list[tuple[str, dict]], notebooks: Pa
             configs = ", ".join(_config_link(name, r) for r in rows) or "not run yet"
             seconds = f"{sum(r['seconds'] for r in rows):.0f} s" if rows else "-"
             name_cell = escape(title(notebooks / f"{stem}.ipynb"))
+            before = ", ".join(a.split("_")[0] for a in after[stem]) or "-"
             lines.append(f'<tr class="course"><td>{name_cell}</td>'
-                         f"<td>{escape(entry['teaches'])}</td><td>{configs}</td>"
+                         f"<td>{escape(entry['teaches'])}</td>"
+                         f"<td>{escape(str(entry['minutes']))} min</td>"
+                         f"<td>{escape(before)}</td><td>{configs}</td>"
                          f"<td>{seconds}</td><td>{chip_cell(stem, chip_runs)}</td></tr>")
         lines.append("</table>")
     return "\n".join(lines)
