@@ -1,18 +1,16 @@
 """One ledger of the published numbers and one vocabulary for every time the course states.
 
 `TERMS` defines each word once; notebooks 00, 09 and 11 (and any other that states a step
-time) use these words and no others for these quantities; notebook 00 shows the
-definitions (`glossary()`, its section "The ledger") and the others link to it.
-`entries(...)` sets every row of data/published.csv against the models
-under one set of assumptions, named once here (`runs()`: `VERIFY_ROWS`, batch 1 where
-unstated, every device of the run in one tensor-parallel group, each row's own context:
-the cached positions its benchmark scripts ran at, `mk.published.Published.context`), and,
-where `benchmarks/tile_costs.py --published` recorded it, against the simulated step of
-the run's compiled kernel. `latency_grid` lays its TPU rows out over
-`COLLECTIVE_LATENCIES_US`, the assumed latency of one collective message round. Nothing is
-fitted to the published numbers. `verified_table`, `basis_table` and `steps_table` say
-what rests on a chip: tokens judged on it, the simulator's measured inputs and error, and
-each timed step beside its calibrated one.
+time) use these words and no others; notebook 00 shows the definitions (`glossary()`) and
+the others link to it. `entries(...)` sets every row of data/published.csv against the
+models under one set of assumptions, named once here (`runs()`: `VERIFY_ROWS`, batch 1
+where unstated, every device of the run in one tensor-parallel group, each row's own
+context, `mk.published.Published.context`), and, where `benchmarks/tile_costs.py
+--published` recorded it, against the simulated step of the run's compiled kernel.
+`latency_grid` lays its TPU rows out over `COLLECTIVE_LATENCIES_US`, rounds of a
+collective. Nothing is fitted to the published numbers. `verified_table`, `basis_table`
+and `steps_table` say what rests on a chip: tokens judged on it, the simulator's measured
+inputs and error, each timed step beside its calibrated one.
 
 Not here: the models themselves (`mk.perf` floors and collectives, `mk.sim` the simulated
 schedule), the published rows' parsing (`mk.published`), drawing (`mk.plots`).
@@ -444,26 +442,22 @@ def _compiled_columns(run: Run, cost: dict, simulated, assumptions, est, kw) -> 
     return rec
 
 
+ENTRY, COST = "entries row", "tile cost row"  # handed-in rows `_fields` checks, by source
+ROWS = {ENTRY: "a row of mk.ledger.entries", COST: "a row of benchmarks/tile_costs.py"}
+
+
 def _fields(row, what: str, *names: str) -> dict:
-    """`row` when it is a mapping holding `names`; else ValueError naming what is missing
-    and where such a row comes from (`ROWS[what]`): rows are made by mk, but a caller can
-    hand in anything."""
+    """`row`, a mapping holding `names`; else ValueError naming what it lacks."""
     if not isinstance(row, dict):
         raise ValueError(f"{what} {shown(row)} must be a mapping ({ROWS[what]})")
-    missing = [n for n in names if n not in row]
-    if missing:
+    if missing := [n for n in names if n not in row]:
         raise ValueError(f"{what} {shown(row.get('run', row.get('preset')))}: missing "
                          f"{missing} ({ROWS[what]})")
     return row
 
 
-ENTRY, COST = "entries row", "tile cost row"
-ROWS = {ENTRY: "a row of mk.ledger.entries", COST: "a row of benchmarks/tile_costs.py"}
-
-
 def tile_bundles(cost: dict) -> int:
-    """The costliest per-tile loop's bundles of a recorded per-tile cost (its
-    "bundles_per_tile", "least-most": `mk.bundles.TileCost.row`)."""
+    """The costliest loop's bundles a tile of a cost row ("least-most": `TileCost.row`)."""
     text = str(_fields(cost, COST).get("bundles_per_tile", ""))
     if not text.rpartition("-")[2].isdigit():
         raise ValueError(f"tile cost row {cost.get('preset')!r}: bundles_per_tile={text!r} "
@@ -568,17 +562,15 @@ def headline(rows: list[dict], *, model: str = "Kimi K3", system: str = "tpu7x",
                else ""))
 
 
-COLLECTIVE_LATENCIES_US = (0.5, 1.0, 2.0, 4.1)  # one message round of a collective: the
-#   grid the ledger's TPU rows are shown over (mk.sim's default is the chip's round,
-#   `mk.kernels.collectives.round_s`: TPU7x's 4.1 us, the middle of the release's 3.5-4.7)
+# Rounds of a collective the TPU rows are shown at (the default, `round_s`: TPU7x's 4.1)
+COLLECTIVE_LATENCIES_US = (0.5, 1.0, 2.0, 4.1)
 
 
 def latency_grid(rows_by_latency: dict[float, list[dict]]) -> list[dict]:
-    """One table row per (TPU run, collective latency) of {latency_us: `entries(
-    simulate_tpu=True, assumptions=Assumptions(ici_latency_s=latency_us * 1e-6), ...)`}:
-    the published step beside the HBM floor, the collective chain (`collective_ms`) and
-    the simulated steps (the plan's, and the compiled kernel's at each end of the clock
-    range where recorded), in ms."""
+    """One table row per (TPU run, collective round) of {latency_us: `entries(simulate_tpu=
+    True, assumptions=Assumptions(ici_latency_s=latency_us * 1e-6), ...)`}: the published
+    step, the HBM floor, the collective chain and the simulated steps (the plan's, and
+    the compiled kernel's at each clock end where recorded), in ms."""
     out = []
     for us, rows in sorted(rows_by_latency.items()):
         for r in rows:

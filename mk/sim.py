@@ -32,7 +32,8 @@ from mk.config import (DTYPE_BITS, ModelConfig, check_config, check_formats, pos
 from mk.errors import shown
 from mk.kernels.common import BlockSizes
 from mk.kernels.mlp import expert_slots
-from mk.kernels.plan import DecodePlan, model_stream, ring_slots
+from mk.kernels.plan import DecodePlan, model_stream
+from mk.kernels.stream import ring_slots
 from mk.kernels.stream import TileStream
 from mk.kinds.base import LAYER_PHASES, STREAM
 from mk.kinds.layers import KINDS, kind_at, layer_kinds
@@ -348,7 +349,7 @@ def _check_context(config: ModelConfig, context, rows: int) -> None:
 def latency_slots(config: ModelConfig, chip: ChipSpec | str, block: BlockSizes, *,
                   formats=None, assumptions: Assumptions | None = None) -> int:
     """Ring slots that keep HBM busy through one descriptor latency: the plan's rule
-    (`mk.kernels.plan.ring_slots`, Little's law over the stream's own tiles, in config.dtype
+    (`mk.kernels.stream.ring_slots`, Little's law over the stream's tiles, in config.dtype
     or their scheme of `formats`, default the config's) with bandwidth x latency in
     flight, at the assumed share of one core's bandwidth."""
     spec = spec_of(chip)

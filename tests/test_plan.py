@@ -26,9 +26,9 @@ from mk.kernels.collectives import tp_mesh
 from mk.chips import all_chips
 from mk.kernels.common import (OTHERS_OVER_REPEAT_BYTES, PANEL_COLS, QUANT_TILE_ELEMENTS,
                               VMEM_HEADROOM, VMEM_ROOM, BlockSizes, Cut, dma_log)
-from mk.kernels.plan import (RING_COVER_S, DecodePlan, capacity, default_block,
-                             little_slots, ring_slots, ring_cover_s, shard_config)
-from mk.kernels.stream import TileStream
+from mk.kernels.plan import (RING_COVER_S, DecodePlan, capacity, default_block, ring_cover_s,
+                             shard_config)
+from mk.kernels.stream import TileStream, little_slots, ring_slots
 from mk.step_bytes import WEIGHT_FAMILIES, family_of
 from multidevice import run
 

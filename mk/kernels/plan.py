@@ -9,7 +9,8 @@ kernel's scratch and the simulator's sizes all come from it); it answers `fits(c
 (the one capacity check, before any compile) and `weight_bytes(experts)`.
 
 Here: `shard_config` (what one device holds), `kv_layout`, `padded_vocab`,
-`default_block` (with `ring_slots`, `little_slots`, `ring_cover_s`, `kv_depth`),
+`default_block` (with `ring_cover_s`, `kv_depth`; the slots Little's law asks for are
+`mk.kernels.stream.ring_slots`),
 `model_stream`, `capacity`, `packed_formats`, `DecodePlan`, `Fit`. Not here: `check_tp`
 and `kv_heads_of` (`mk.shards`), bytes by byte family (`mk.step_bytes`), the kernel
 (`mk.megakernel`), the layer's phases (`LAYER_PHASES`), sharding arrays
@@ -23,7 +24,6 @@ import dataclasses
 import math
 
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
 from mk import quant, unpack
@@ -43,7 +43,7 @@ from mk.kernels.one_layer import layer_buffers, layer_scratch, model_block
 from mk.kinds.layers import full_attention, layer_kinds, layer_matrices, segment_kinds
 from mk.shards import check_quantised_splits, check_tp
 from mk.kernels.ring import ring_buffers
-from mk.kernels.stream import TileStream
+from mk.kernels.stream import TileStream, ring_slots
 from mk.step_bytes import bytes_per_element, shard_weight_bytes, shard_weight_elements
 from mk.weights import param_shapes
 
@@ -101,45 +101,6 @@ def ring_cover_s(local: ModelConfig, tp: int, M: int, spec: ChipSpec,
     reduce = (allreduce_s(M * local.hidden * PARTIAL_SUM_BYTES, tp, spec, collective)
               if tp > 1 else 0.0)
     return RING_COVER_S + reduce
-
-
-def little_slots(bandwidth: float, latency_s: float, slot_bytes: float) -> int:
-    """Ring slots that keep a DMA engine of `bandwidth` bytes/s busy through `latency_s`
-    (Little's law): bandwidth x latency bytes in flight in whole slots, plus one slot being
-    computed and one landing."""
-    return math.ceil(bandwidth * latency_s / slot_bytes) + 2
-
-
-def ring_slots(stream: TileStream, itemsize: int, in_flight: float) -> int:
-    """The ring slots Little's law asks for over `stream`'s own tile sequence, where tiles
-    of different bytes (plain and each scheme's packed ones) share one slot index
-    (`mk.kernels.ring`): 2 (one slot computed, one landing) plus the fewest n such that
-    every n consecutive tiles of the stream, across layer edges and into the tail, carry
-    at least `in_flight` bytes (bandwidth x cover time); a layer's period plus 2 when no
-    run of a period's tiles does. On a stream of one tile size, `little_slots`; with
-    packed tiles, a run of them as long as the window sets it (their bytes are fewer)."""
-    if isinstance(itemsize, bool) or not isinstance(itemsize, int) or itemsize < 1:
-        raise ValueError(f"itemsize={itemsize!r} must be an integer >= 1")
-
-    def tile_bytes(segments, tiles):  # bytes of each tile of one layer (or the tail)
-        owners = stream.owners(segments)
-        return [stream.segment_tile_bytes(owners[t][0], itemsize) for t in range(tiles)]
-
-    tail = sum(s.copies * s.tiles for s in stream.tail)
-    order = tile_bytes(stream.segments, stream.period) * min(stream.layers, 2) \
-        + tile_bytes(stream.tail, tail)
-    sums = np.concatenate([[0], np.cumsum(order, dtype=np.float64)])
-
-    def covers(n: int) -> bool:  # every run of n tiles carries in_flight bytes
-        return n <= len(order) and float((sums[n:] - sums[:-n]).min()) >= in_flight
-
-    low, high = 1, stream.period
-    if not covers(high):
-        return high + 2
-    while low < high:  # bytes are >= 0: a longer run covers whenever a shorter one does
-        mid = (low + high) // 2
-        low, high = (low, mid) if covers(mid) else (mid + 1, high)
-    return low + 2
 
 
 def default_block(local: ModelConfig, context: int, *, slots: int | None = None,

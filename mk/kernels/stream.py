@@ -8,7 +8,8 @@ slot); a segment may be stored quantised (`Segment.scheme`), fed to the MXU as i
 says (`Segment.feed`) or stored folded (`Segment.fold`); a megakernel's segments know
 their layer kind and role (`Segment.kind`, `rivals`).
 
-Not here: the in-kernel ring (`mk.kernels.ring`: HBM layout, VMEM buffers, `Ring`), the
+`ring_slots` (and `little_slots`): the ring slots Little's law asks for over the stream's
+own tiles. Not here: the in-kernel ring (`mk.kernels.ring`: HBM layout, VMEM buffers, `Ring`), the
 tiling rule (`mk.kernels.common.default_block`). The stream's indexing, repeats, storages
 and rivals at length: docs/design/mk.kernels.stream.md.
 """
@@ -16,8 +17,10 @@ and rivals at length: docs/design/mk.kernels.stream.md.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax.numpy as jnp
+import numpy as np
 
 from mk import quant, unpack
 from mk.kernels.common import BlockSizes
@@ -296,3 +299,43 @@ def stored_fold(scheme: str | None, tile: tuple[int, int]) -> int:
     """How a tile of `scheme` (None: plain) and shape `tile` is stored: plain ones folded
     `mk.kernels.fold.panel_fold` times, packed ones as they are (1)."""
     return 1 if scheme is not None else panel_fold(*tile)
+
+
+# -- The ring depth the stream asks for ------------------------------------------------------
+def little_slots(bandwidth: float, latency_s: float, slot_bytes: float) -> int:
+    """Ring slots that keep a DMA engine of `bandwidth` bytes/s busy through `latency_s`
+    (Little's law): bandwidth x latency bytes in flight in whole slots, plus one slot being
+    computed and one landing."""
+    return math.ceil(bandwidth * latency_s / slot_bytes) + 2
+
+
+def ring_slots(stream: TileStream, itemsize: int, in_flight: float) -> int:
+    """The ring slots Little's law asks for over `stream`'s own tile sequence, where tiles
+    of different bytes (plain and each scheme's packed ones) share one slot index
+    (`mk.kernels.ring`): 2 (one slot computed, one landing) plus the fewest n such that
+    every n consecutive tiles of the stream, across layer edges and into the tail, carry
+    at least `in_flight` bytes (bandwidth x cover time); a layer's period plus 2 when no
+    run of a period's tiles does. On a stream of one tile size, `little_slots`; with
+    packed tiles, a run of them as long as the window sets it (their bytes are fewer)."""
+    if isinstance(itemsize, bool) or not isinstance(itemsize, int) or itemsize < 1:
+        raise ValueError(f"itemsize={itemsize!r} must be an integer >= 1")
+
+    def tile_bytes(segments, tiles):  # bytes of each tile of one layer (or the tail)
+        owners = stream.owners(segments)
+        return [stream.segment_tile_bytes(owners[t][0], itemsize) for t in range(tiles)]
+
+    tail = sum(s.copies * s.tiles for s in stream.tail)
+    order = tile_bytes(stream.segments, stream.period) * min(stream.layers, 2) \
+        + tile_bytes(stream.tail, tail)
+    sums = np.concatenate([[0], np.cumsum(order, dtype=np.float64)])
+
+    def covers(n: int) -> bool:  # every run of n tiles carries in_flight bytes
+        return n <= len(order) and float((sums[n:] - sums[:-n]).min()) >= in_flight
+
+    low, high = 1, stream.period
+    if not covers(high):
+        return high + 2
+    while low < high:  # bytes are >= 0: a longer run covers whenever a shorter one does
+        mid = (low + high) // 2
+        low, high = (low, mid) if covers(mid) else (mid + 1, high)
+    return low + 2
