@@ -31,7 +31,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mk import measure, ops, quant, unpack  # noqa: E402
+from mk import measure, ops, quant  # noqa: E402
 from mk import backend as backends  # noqa: E402
 from mk.kernels.common import BlockSizes  # noqa: E402
 from mk.kernels.weight_streaming import stream_matmul  # noqa: E402
@@ -82,13 +82,9 @@ def time_tile(fmt: str, *, tile: int, depths: tuple[int, int], repeats: int,
 
 def reference_weight(q):
     """What the reference multiplies by to compute what the kernel does with `q` (a bf16
-    array or a `QuantWeight`): int8 and int4 as codes and scales (`unpack.scaled_weight`),
-    fp8 and fp4 dequantised and rounded to bf16, as the ring does in VMEM."""
-    if not isinstance(q, quant.QuantWeight):
-        return q
-    if q.scheme in quant.INT_SCHEMES:
-        return unpack.scaled_weight(q.scheme, q.data, q.scale, jnp.bfloat16)
-    return unpack.dequantize_tile(q.scheme, q.data, q.scale).astype(jnp.bfloat16)
+    array or a `QuantWeight`, `mk.quant.dequantize_weight` at bf16)."""
+    return q if not isinstance(q, quant.QuantWeight) else quant.dequantize_weight(
+        q, jnp.bfloat16)
 
 
 def main(argv=None) -> None:

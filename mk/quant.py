@@ -2,7 +2,7 @@
 
 Here: the four storage schemes (`SCHEMES`, `STORED`, `SCALES`), `QuantWeight` (checked on
 construction: `check_layout`, `check_values`), `quantize` (`check_quantisable`,
-`unstreamed`), `dequantize` (the oracle's weights for the unchanged `mk.reference`),
+`unstreamed`), `dequantize` and `dequantize_weight` (the oracle's weights for `mk.reference`),
 `check_error`, `accuracy` (against the bf16 model), the bytes (`storage_bytes`,
 `group_bytes`, `stored_bytes`, `abstract_weight`), the kernel's tile layout (`tile_shapes`,
 `tile_bytes`, `tile_major`, `column_block`, `pad_columns`, `side_by_side`, `ZERO_CODE`,
@@ -286,15 +286,20 @@ def dequantize(params: dict, dtype=None, feeds=None) -> dict:
     dtype = dtype or params["embed"].dtype
     into = {name: oracle_dtype(p.scheme, feed, dtype) for name, feed in
             schemes_of(feeds).items() if isinstance(p := params.get(name), QuantWeight)}
+    return {name: dequantize_weight(p, dtype, into.get(name, dtype), codes=codes)
+            if isinstance(p, QuantWeight) else p for name, p in params.items()}
 
-    def value(name, p):
-        if not isinstance(p, QuantWeight):
-            return p
-        if p.scheme in INT_SCHEMES:  # the reference's decoder (`scaled_weight`)
-            w = scaled_weight(p.scheme, p.data, p.scale, dtype)
-            return w if codes else w.astype(into.get(name, dtype))
-        return dequantize_tile(p.scheme, p.data, p.scale).astype(into.get(name, dtype))
-    return {name: value(name, p) for name, p in params.items()}
+
+def dequantize_weight(q: QuantWeight, dtype, into=None, *, codes: bool = True):
+    """One weight as `dequantize` gives it: int8 and int4 as codes and scales multiplied
+    like the kernel (`scaled_weight`, activations rounded to `dtype`; with codes=False
+    their values in `into`), fp8 and fp4 dequantised and rounded to `into` (default
+    `dtype`)."""
+    into = into or dtype
+    if q.scheme in INT_SCHEMES:  # the reference's decoder (`scaled_weight`)
+        w = scaled_weight(q.scheme, q.data, q.scale, dtype)
+        return w if codes else w.astype(into)
+    return dequantize_tile(q.scheme, q.data, q.scale).astype(into)
 
 
 # -- The kernel's tile layout (docs/design/mk.quant.md) ------------------------------------
