@@ -369,10 +369,12 @@ STEP_SERIES = ("megakernel", "megakernel_loop", "xla")  # what `time_step_series
 
 def time_step_series(config: ModelConfig, *, batch: int = 1, rows: int = 1,
                      context: int = 256, series=STEP_SERIES, loop_steps: int = 32,
-                     repeats: int = 5, seed: int = 0, backend: str = "auto") -> dict:
+                     repeats: int = 5, seed: int = 0, backend: str = "auto",
+                     block=None) -> dict:
     """Seconds per decode step of `config` (random weights of `seed`) on `backend`, for
     each of `series`: every sequence reads a full cache of `context` positions before its
-    `rows` new ones, as `mk.sim.simulate(..., context=context)` replays it.
+    `rows` new ones, as `mk.sim.simulate(..., context=context)` replays it; the kernel's
+    `block` is the default one unless given (`step_plans`).
 
     - "megakernel": one dispatched megakernel step (host dispatch included), its cache
       donated (`mk.megakernel.step_in_place`: no copy of the cache, as in serving);
@@ -392,7 +394,7 @@ def time_step_series(config: ModelConfig, *, batch: int = 1, rows: int = 1,
         raise ValueError(f"rows={rows}: the device loop (series 'megakernel_loop') decodes "
                          "one row per step; time it with rows=1")
     plan, loop_plan = step_plans(config, batch=batch, rows=rows, context=context,
-                                 loop_steps=loop_steps)
+                                 loop_steps=loop_steps, block=block)
     config, capacity = plan.config, plan.context
     params = init_params(config, seed)
     cache = reference.init_cache(config, batch, capacity)
@@ -424,15 +426,15 @@ def time_step_series(config: ModelConfig, *, batch: int = 1, rows: int = 1,
 
 
 def step_plans(config: ModelConfig, *, batch: int = 1, rows: int = 1, context: int = 256,
-               loop_steps: int = 32) -> tuple[DecodePlan, DecodePlan]:
+               loop_steps: int = 32, block=None) -> tuple[DecodePlan, DecodePlan]:
     """The plans `time_step_series` runs (the step's, and the device loop's of T = 1): a
-    cache holding `context` positions and the rows or loop steps after them, the default
-    block (no chip given: what `generate` runs)."""
+    cache holding `context` positions and the rows or loop steps after them, `block` or
+    the default one (no chip given: what `generate` runs)."""
     _integer("loop_steps", loop_steps, 1)
     capacity = cache_capacity(context + max(rows, loop_steps))
     config = dataclasses.replace(config, max_context=capacity)
-    return (DecodePlan.make(config, batch=batch, rows=rows, context=capacity),
-            DecodePlan.make(config, batch=batch, rows=1, context=capacity))
+    return (DecodePlan.make(config, batch=batch, rows=rows, context=capacity, block=block),
+            DecodePlan.make(config, batch=batch, rows=1, context=capacity, block=block))
 
 
 def time_step(config: ModelConfig, *, batch: int = 1, rows: int = 1, context: int = 256,

@@ -103,7 +103,6 @@ check_preset: str = "tiny"  # the model whose tokens are checked in interpret mo
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from IPython.display import display
 
@@ -142,13 +141,12 @@ print(f"{config.name}, B={run.batch}, context {run.context}; kernels run on: {mo
 
 # %%
 baseline = measure.step_plans(config, batch=run.batch, context=run.context)[1].block
-timed = measure.step_plans(config, batch=run.batch, context=run.context,
-                           loop_steps=loop_steps)[1]  # the cache of your loop's length
 block = dataclasses.replace(
     baseline, slots=slots or baseline.slots, kv_tile=kv_tile or baseline.kv_tile,
     kv_slots=kv_slots or baseline.kv_slots,
     **(dict(tile_rows=tile, tile_cols=tile, tiles=()) if tile else {}))
-plan = DecodePlan.make(timed.config, batch=run.batch, context=timed.context, block=block)
+plan = measure.step_plans(config, batch=run.batch, context=run.context,
+                          loop_steps=loop_steps, block=block)[1]  # your loop's plan
 budget = VmemBudget("megakernel", tuple(plan.buffers.values()), spec.name,
                     spec.vmem_bytes).check()
 display(plots.table([{"block": name, **dataclasses.asdict(b)}
@@ -253,37 +251,20 @@ del params  # the chip's memory goes to the timed step
 #
 # On a TPU: the default block's device loop by `mk.measure.time_step_series` (what the
 # record holds, measured again on this chip now), and your block's the same way (a device
-# loop of `loop_steps` greedy steps, the median of `repeats` loops, over its steps;
-# `time_step_series` takes the default block only, so `loop_seconds` repeats its loop
-# with yours). In interpret mode the CPU's time says nothing about a TPU, so nothing is
-# timed.
+# loop of `loop_steps` greedy steps, the median of `repeats` loops, over its steps). In
+# interpret mode the CPU's time says nothing about a TPU, so nothing is timed.
 
 # %%
-def loop_seconds(plan):
-    """Seconds a step of `plan` in a device loop of `loop_steps` greedy steps (the median
-    of `repeats` loops), random weights of `seed`, the cache donated, every sequence at
-    position `context`: `time_step_series`' "megakernel_loop" on your block."""
-    weights = megakernel.prepare(plan, mk.init_params(plan.config, run.seed), donate=True)
-    held = [reference.init_cache(plan.config, run.batch, plan.context)]
-    token = jnp.asarray(np.random.default_rng(run.seed).integers(0, config.vocab, run.batch),
-                        jnp.int32)
-    position = jnp.full((run.batch,), run.context, jnp.int32)
-
-    def loop():
-        out, held[0] = megakernel.device_loop(plan, weights, held[0], token, position,
-                                              loop_steps)
-        return out
-    with mk.backend.use(run.backend):
-        return measure.median_seconds({"loop": loop}, repeats)["loop"] / loop_steps
-
-
 measured = {}
 if on_tpu:
     measured["default block, now"] = measure.time_step_series(
         config, batch=run.batch, context=run.context, series=("megakernel_loop",),
         loop_steps=loop_steps, repeats=repeats, seed=run.seed,
         backend=run.backend)["megakernel_loop"] * 1e3
-    measured["your block, now"] = loop_seconds(plan) * 1e3
+    measured["your block, now"] = measure.time_step_series(
+        config, batch=run.batch, context=run.context, series=("megakernel_loop",),
+        loop_steps=loop_steps, repeats=repeats, seed=run.seed, backend=run.backend,
+        block=block)["megakernel_loop"] * 1e3
     steps = ([(f"baseline, recorded at {made['commit'][:7]}, {made['when'][:10]}", base_ms)]
              if row else []) + list(measured.items())
     display(plots.table([{"step": name, f"ms a step ({where})": f"{ms:.3f}",
