@@ -14,7 +14,8 @@ import pytest
 import mk
 from mk import bundles, ledger, probes, sim
 from mk.kernels.common import SLOTS
-from mk.kernels.plan import RING_COVER_S, DecodePlan, little_slots
+from mk.kernels.plan import RING_COVER_S, DecodePlan
+from mk.kernels.stream import little_slots
 
 DUMP = """\
 = control target key start
