@@ -40,7 +40,10 @@ FORMATS = ("bf16", *quant.SCHEMES)
 ROWS = 8  # activation rows: a decode step's batch
 SLOTS = 3  # the ring's depth
 TILE = 512  # the tile: 0.95 us an int8 512 x 512 tile on the v5e before it
-DEPTHS = (4, 36)  # tiles along K at the two depths
+# Tiles along K at the two depths. Their difference must dwarf the spread of a call's
+# cost: on the v5e (2026-12-07) medians of calls at one depth moved by ~0.1 ms, so 4 and
+# 36 tiles (32 apart, 15-120 us of tiles) gave negative times; 1024 apart resolve them.
+DEPTHS = (8, 1032)
 INTERPRET = dict(tile=256, depths=(2, 4), repeats=1)  # --interpret: seconds, not minutes
 
 
@@ -91,6 +94,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--depths", type=int, nargs=2, default=list(DEPTHS),
+                   help="tiles along K of the two calls (their difference cancels a call's cost)")
     p.add_argument("--interpret", action="store_true",
                    help="on a CPU: interpret mode, small tiles (not a TPU's time)")
     p.add_argument("--json", type=Path, help="where the record goes")
@@ -106,7 +111,7 @@ def main(argv=None) -> None:
     elif made["chip"] is None:
         p.error(f"no TPU here ({made['device_kind']}); --interpret tries the script")
     else:
-        sizes = dict(tile=TILE, depths=DEPTHS, repeats=args.repeats)
+        sizes = dict(tile=TILE, depths=tuple(args.depths), repeats=args.repeats)
         backend = "hardware"
         made |= dict(label=f"measured on {made['device_kind']}")
     path = args.json or measure.MEASURED / f"{made['chip']}-tiles.json"
