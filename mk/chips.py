@@ -201,10 +201,16 @@ def chip(name: str) -> ChipSpec:
     return specs[name]
 
 
-def spec_of(which: ChipSpec | str) -> ChipSpec:
+def spec_of(which: ChipSpec | str, field: str = "chip") -> ChipSpec:
     """`which` as a `ChipSpec`: the one a name names (`chip`), or a spec itself (the
-    modules whose own argument is called `chip` ask for it so)."""
-    return chip(which) if isinstance(which, str) else which
+    modules whose own argument is called `chip` ask for it so); anything else is a
+    ValueError naming `field`."""
+    if isinstance(which, str):
+        return chip(which)
+    if not isinstance(which, ChipSpec):
+        raise ValueError(f"{field}={shown(which)} must be a mk.chips.ChipSpec or a chip's "
+                         f"name, one of {CHIP_NAMES}")
+    return which
 
 
 def all_chips(kind: str | None = None) -> tuple[ChipSpec, ...]:

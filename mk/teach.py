@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mk import perf, sim
-from mk.chips import ChipSpec, spec_of
+from mk.chips import spec_of
 from mk.config import finite_number, positive_int
 from mk.decode_checks import checked_int32
 from mk.errors import shown
@@ -322,9 +322,7 @@ def tile_times(spec, block, itemsize: int, rows: int) -> dict:
     `mk.chips.ChipSpec`): the simulator's assumed DMA latency, the transfer at one core's
     share of the datasheet bandwidth, the MXU rule's compute (`mk.sim`'s rule). `spec`
     may be a chip's name."""
-    spec = spec_of(spec)
-    if not isinstance(spec, ChipSpec):
-        raise ValueError(f"spec={shown(spec)} must be a mk.chips.ChipSpec or a chip's name")
+    spec = spec_of(spec, "spec")
     if not isinstance(block, BlockSizes):
         raise ValueError(f"block={shown(block)} must be a mk.kernels.common.BlockSizes")
     itemsize, rows = positive_int("itemsize", itemsize), positive_int("rows", rows)
