@@ -34,7 +34,7 @@ def read_text(path: str | os.PathLike, what: str, max_bytes: int = MAX_BYTES) ->
     """The UTF-8 text of the regular file `path` (`what` names it in errors), at most
     `max_bytes` bytes; else `ValueError` naming the file and the limit (a missing file is
     `FileNotFoundError`, as `open` raises it)."""
-    name = os.fspath(path)
+    name = _path(path, what)
     check_regular(name, what)
     fd = os.open(name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     with os.fdopen(fd, "rb") as f:
@@ -49,11 +49,20 @@ def read_text(path: str | os.PathLike, what: str, max_bytes: int = MAX_BYTES) ->
                          f"({data[err.start:err.start + 1]!r}) {err.reason}") from None
 
 
+def _path(path, what: str) -> str:
+    """`path` as a str; a ValueError naming `what` when it is no path (None, a number)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"{what} path={shown(path)} must be a file's path (a str or a "
+                         "pathlib.Path)")
+    return os.fspath(path)
+
+
 def check_regular(path: str | os.PathLike, what: str) -> None:
     """Refuse `path` unless it is a regular file (symlinks followed), before anything opens
     it: opening a named pipe blocks until a writer comes. A missing file is
     `FileNotFoundError`."""
-    _check_regular(os.stat(path), os.fspath(path), what)
+    name = _path(path, what)
+    _check_regular(os.stat(name), name, what)
 
 
 def _check_regular(st: os.stat_result, name: str, what: str) -> None:
@@ -98,7 +107,7 @@ def load_json(path: str | os.PathLike, what: str, max_bytes: int = MAX_BYTES,
     """The JSON value of the file `path`, read with `read_text`'s limits and nested at
     most `max_depth` deep; `ValueError` naming the file for anything else, bad JSON
     included. Nothing in it is evaluated."""
-    name = os.fspath(path)
+    name = _path(path, what)
     text = read_text(name, what, max_bytes)
     check_depth(text, name, what, max_depth)
     try:
