@@ -196,8 +196,8 @@ CHIP_NAMES: tuple[str, ...] = tuple(read_chips())
 def chip(name: str) -> ChipSpec:
     """The `ChipSpec` called `name`; `CHIP_NAMES` lists them."""
     specs = read_chips()
-    if name not in specs:
-        raise ValueError(f"chip={name!r} is not known; choose one of {CHIP_NAMES}")
+    if not isinstance(name, str) or name not in specs:  # a list: unhashable, not a name
+        raise ValueError(f"chip={shown(name)} is not known; choose one of {CHIP_NAMES}")
     return specs[name]
 
 
