@@ -28,7 +28,7 @@ import pytest
 
 import mk
 import mk.kernels.common
-from mk import backend, course, grading, ops, reference, sim, spec, teach
+from mk import backend, course, grading, jax_private, ops, reference, sim, spec, teach
 from mk.kernels import attention_prologue as prologue_module
 from mk.kernels import collectives, mlp, one_layer, ring
 from mk.kernels.attention_prologue import attention_prologue
@@ -681,6 +681,25 @@ def test_an_error_inside_a_jax_callback_is_shown_by_its_inner_error_not_a_traceb
         with grading.learners_code("your slot", "a slot of the ring"):
             raise RuntimeError(inner)
     assert "Traceback" not in str(failed.value)
+
+
+def test_a_failing_callback_in_a_learners_code_logs_no_traceback(caplog):
+    """Interpret mode's bounds checks fail inside an io_callback, and JAX logs the whole
+    traceback (on stderr, above the cell's result) before raising: a wrong fix to the
+    mystery lab looked like a crash in mk/kernels/ring.py. The exercise's message says
+    what broke; nothing is logged."""
+    from jax.experimental import io_callback
+
+    def bad(x):
+        raise IndexError("Out-of-bounds read of slot 7")
+
+    def step(x):
+        return io_callback(bad, jax.ShapeDtypeStruct((), jnp.int32), x)
+    with pytest.raises(course.ExerciseFailed, match="Out-of-bounds read of slot 7"):
+        with grading.learners_code("your slot", "a slot of the ring"):
+            jax.block_until_ready(jax.jit(step)(jnp.int32(1)))
+    assert not [r for r in caplog.records if "callback" in r.name], caplog.text
+    assert not jax_private.callback.logger.disabled  # held back only inside the block
 
 
 def test_course_helpers_refuse_a_key_or_seed_of_the_wrong_type_by_name():
