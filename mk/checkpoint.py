@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import zlib
 from pathlib import Path
 
@@ -166,6 +167,9 @@ def open_checkpoint(path: str | Path, *, dtype: str | None = None):
     (its config, every file inside the folder, every tensor's name, shape and dtype, a
     tied lm_head equal to the embedding), before any weight is read -> `OpenCheckpoint`,
     its files open until the block ends. Weights' values are `check_values`'s."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"path={shown(path)} must be a checkpoint folder's path (a str or "
+                         "a pathlib.Path)")
     folder = Path(path)
     if not folder.is_dir():
         raise ValueError(f"path={str(path)!r} is not a folder; a checkpoint is a folder "

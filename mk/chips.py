@@ -196,15 +196,21 @@ CHIP_NAMES: tuple[str, ...] = tuple(read_chips())
 def chip(name: str) -> ChipSpec:
     """The `ChipSpec` called `name`; `CHIP_NAMES` lists them."""
     specs = read_chips()
-    if name not in specs:
-        raise ValueError(f"chip={name!r} is not known; choose one of {CHIP_NAMES}")
+    if not isinstance(name, str) or name not in specs:  # a list: unhashable, not a name
+        raise ValueError(f"chip={shown(name)} is not known; choose one of {CHIP_NAMES}")
     return specs[name]
 
 
-def spec_of(which: ChipSpec | str) -> ChipSpec:
+def spec_of(which: ChipSpec | str, field: str = "chip") -> ChipSpec:
     """`which` as a `ChipSpec`: the one a name names (`chip`), or a spec itself (the
-    modules whose own argument is called `chip` ask for it so)."""
-    return chip(which) if isinstance(which, str) else which
+    modules whose own argument is called `chip` ask for it so); anything else is a
+    ValueError naming `field`."""
+    if isinstance(which, str):
+        return chip(which)
+    if not isinstance(which, ChipSpec):
+        raise ValueError(f"{field}={shown(which)} must be a mk.chips.ChipSpec or a chip's "
+                         f"name, one of {CHIP_NAMES}")
+    return which
 
 
 def all_chips(kind: str | None = None) -> tuple[ChipSpec, ...]:

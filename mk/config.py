@@ -120,6 +120,7 @@ def check_config(config) -> ModelConfig:
 def check_formats(config: ModelConfig, formats) -> dict[str, str]:
     """A `formats` dict ({format group: scheme or None}, or its items) checked against
     `config` -> {group: scheme} of the groups stored quantised (None: left in `dtype`)."""
+    check_config(config)
     try:
         items = dict(formats or {})
     except (TypeError, ValueError):

@@ -94,6 +94,14 @@ def routed(config: ModelConfig, h, router):
     """What the teaching experts (`mk.teach.moe_experts`) take from the reference router
     for rows h [M, D]: (combine [M, E] routing weights, ids [slots] the distinct experts
     sorted and padded with the last one, count)."""
+    for name, value, want in (("h", h, (None, config.hidden)),
+                              ("router", router, (config.hidden, config.experts))):
+        shape = getattr(value, "shape", None)
+        if shape is None or len(shape) != 2 or any(w not in (None, n) for w, n in
+                                                   zip(want, shape)):
+            raise ValueError(f"{name}={described(value)} must be an array of shape "
+                             f"{tuple('M' if w is None else w for w in want)} for "
+                             f"{config.name} (moe_inputs gives both)")
     weights, picked = ops.route(h, router, config.experts_per_token, config.norm_topk)
     combine = jnp.zeros((h.shape[0], config.experts)).at[
         jnp.arange(h.shape[0])[:, None], picked].set(weights)
@@ -244,6 +252,7 @@ def check_up_rotation(rotation: int, used: int = 32, lanes: int = 128) -> None:
     if isinstance(rotation, (bool, np.bool_)) or not isinstance(rotation, (int, np.integer)):
         raise ExerciseFailed(f"up_rotation: expected a whole number of lanes (an int, "
                              f"jnp.roll's shift); got {described(rotation)}")
+    used, lanes = positive_int("used", used), positive_int("lanes", lanes)
     joined = jnp.tile(jnp.arange(lanes, dtype=jnp.float32), (8, 1))
     with contextlib.nullcontext() if backend.active() else backend.use("auto"):
         _, up = joined_experts.gate_up(joined, used, lanes)

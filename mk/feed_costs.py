@@ -98,7 +98,12 @@ def recorded(path: Path = FEED_COSTS) -> dict[tuple, FeedCost]:
     """The recorded rows by (chip, dtype, feed, m); a derived column that disagrees with
     its row (tampered or stale) is an error."""
     out = {}
-    for r in untrusted.load_json(path, "feed costs record"):
+    fields = dict(chip=str, dtype=str, feed=str, m=int, shape=(untrusted.INTS, 2),
+                  tile=(untrusted.INTS, 2), tile_bytes=int, bundles=int, mxu_bundles=int,
+                  scalar_only_bundles=int, libtpu=str, compile_s=float, tile_elements=int,
+                  bundles_per_mi=float)
+    for r in untrusted.rows(untrusted.load_json(path, "feed costs record"), path,
+                            "feed costs record", fields):
         cost = FeedCost(**{k: tuple(v) if isinstance(v, list) else v
                            for k, v in r.items() if k not in _DERIVED})
         if {k: r.get(k) for k in _DERIVED} != {k: cost.row()[k] for k in _DERIVED}:
@@ -204,7 +209,10 @@ def recorded_feed_floors(path: Path = FEED_FLOORS) -> dict[tuple, FeedFloor]:
     """The recorded floors by (chip, feed, M); a bundles_per_mi that disagrees with its
     row's bundles (tampered or stale), or a key recorded twice, is an error."""
     out = {}
-    for r in untrusted.load_json(path, "feed floors record"):
+    fields = dict(chip=str, feed=str, shape=(untrusted.INTS, 3), bundles=int, bundles_per_mi=float,
+                  libtpu=str, compile_s=float)
+    for r in untrusted.rows(untrusted.load_json(path, "feed floors record"), path,
+                            "feed floors record", fields):
         floor = FeedFloor(r["chip"], r["feed"], tuple(r["shape"]), r["bundles"],
                           r["libtpu"], r["compile_s"])
         if floor.row() != r or floor.key in out:

@@ -20,7 +20,7 @@ import inspect
 import jax.numpy as jnp
 import numpy as np
 
-from mk import backend
+from mk import backend, jax_private
 from mk.config import finite_number
 from mk.errors import shown
 
@@ -49,7 +49,11 @@ def check_function(what: str, fn, like) -> None:
 @contextlib.contextmanager
 def learners_code(what: str, expected: str):
     """Turn an exception raised in the block, where a student's code runs, into
-    ExerciseFailed: `what` raised it, `expected` says what it should have done."""
+    ExerciseFailed: `what` raised it, `expected` says what it should have done. JAX's log
+    of a failing callback (interpret mode's bounds checks: a whole traceback on stderr,
+    before the error itself is raised) is held back meanwhile: the message says it."""
+    log = jax_private.callback.logger
+    disabled, log.disabled = log.disabled, True
     try:
         yield
     except ExerciseFailed:
@@ -57,6 +61,8 @@ def learners_code(what: str, expected: str):
     except Exception as err:  # noqa: BLE001 - the student's code: any failure is theirs
         raise ExerciseFailed(f"{what} raised {type(err).__name__}: "
                              f"{shown(_last_words(err), 300)}; expected {expected}") from err
+    finally:
+        log.disabled = disabled
 
 
 def _last_words(err: Exception) -> str:

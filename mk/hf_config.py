@@ -557,7 +557,8 @@ def fields_from_hf(source, *, name: str | None = None, dtype: str | None = None)
     where = name or raw.get("_name_or_path") or str(source if not isinstance(source, dict)
                                                     else "config.json")
     model_type = raw.get("model_type")
-    if model_type in WRAPPERS:  # a full (vision-language) checkpoint: its text model
+    if isinstance(model_type, str) and model_type in WRAPPERS:  # a full (vision-language)
+        # checkpoint: its text model (a list or a dict here is no model type: refused below)
         if not isinstance(raw.get("text_config"), dict):
             raise ValueError(f"{where}: model_type={model_type!r} without a text_config")
         raw = {"dtype": raw.get("dtype") or raw.get("torch_dtype"), **raw["text_config"]}

@@ -11,12 +11,14 @@ equal, so moving the pin means reading these again).
     NDIndexer, Slice,       a ref index and the ref it indexes (`mk.bounds`)
     TransformedRef
     MosaicError             a Mosaic compile error (`mk.tpu.COMPILER_ERRORS`)
+    callback                the callbacks' module: its logger prints a failing callback's
+                            traceback before the error is raised (`mk.grading`)
 
 Not here: anything public (`jax.experimental.pallas` and the rest are imported where they
 are used).
 """
 
-from jax._src import config, core, source_info_util
+from jax._src import callback, config, core, source_info_util
 from jax._src.pallas.mosaic.error_handling import MosaicError
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call
 from jax._src.state.indexing import NDIndexer, Slice
@@ -24,5 +26,5 @@ from jax._src.state.types import TransformedRef
 
 WRITTEN_FOR = "0.10.2"  # jax, as pinned in pyproject.toml
 
-__all__ = ["MosaicError", "NDIndexer", "Slice", "TransformedRef", "WRITTEN_FOR", "config",
-           "core", "interpret_pallas_call", "source_info_util"]
+__all__ = ["MosaicError", "NDIndexer", "Slice", "TransformedRef", "WRITTEN_FOR", "callback",
+           "config", "core", "interpret_pallas_call", "source_info_util"]

@@ -21,6 +21,7 @@ import dataclasses
 from mk import measure, perf, quant
 from mk.chips import CLOCK_ENDS, ChipSpec
 from mk.config import finite_number
+from mk.errors import shown
 from mk.kernels.common import BlockSizes
 from mk.kernels.plan import DecodePlan
 from mk.step_bytes import family_of
@@ -63,6 +64,9 @@ class Assumptions:
                 or self.tile_bundles < 0:
             raise ValueError(f"Assumptions.tile_bundles={self.tile_bundles!r} must be an "
                              "integer >= 0")
+        if not isinstance(self.packed_bundles, tuple):  # a tuple: Assumptions are hashed
+            raise ValueError(f"Assumptions.packed_bundles={shown(self.packed_bundles)} must "
+                             "be a tuple of (scheme, tile_rows, tile_cols, bundles)")
         for item in self.packed_bundles:
             if not (isinstance(item, tuple) and len(item) == 4 and item[0] in quant.SCHEMES
                     and all(isinstance(v, int) and not isinstance(v, bool) and v > 0

@@ -13,6 +13,7 @@ config means and its checks (`mk.config`), reading a Hugging Face config.json
 from __future__ import annotations
 
 from mk.config import ModelConfig, Yarn
+from mk.errors import shown
 
 
 def _qwen3(name, *, hidden, layers, heads, kv_heads, ffn, tie, **extra):
@@ -249,7 +250,7 @@ def preset(name: str) -> ModelConfig:
     `K3_PRESET_NAMES` and `GPT_OSS_PRESET_NAMES` list them."""
     presets = {**_PRESETS, **_HYBRID_PRESETS, **_KIMI_PRESETS, **_K3_PRESETS,
                **_GPT_OSS_PRESETS}
-    if name not in presets:
+    if not isinstance(name, str) or name not in presets:  # a list: unhashable, not a name
         names = PRESET_NAMES + KIMI_PRESET_NAMES + K3_PRESET_NAMES + GPT_OSS_PRESET_NAMES
-        raise ValueError(f"preset={name!r} does not exist; choose one of {names}")
+        raise ValueError(f"preset={shown(name)} does not exist; choose one of {names}")
     return presets[name]()

@@ -233,4 +233,8 @@ def probe_floor(chip: str | ChipSpec, feed: str, m: int, *,
 
 def recorded_clock_probes(path=CLOCK_PROBES) -> dict[str, dict]:
     """The recorded `ClockProbe.row`s by chip (data/clock_probes.json)."""
-    return {r["chip"]: r for r in untrusted.load_json(path, "clock probes record")}
+    fields = dict(chip=str, shape=(untrusted.INTS, 3), bundles=int, total_bundles=int,
+                  mxus=untrusted.INTS, flops=int, peak_flops=float, clock_hz=float, libtpu=str,
+                  compile_s=float)
+    return {r["chip"]: r for r in untrusted.rows(untrusted.load_json(
+        path, "clock probes record"), path, "clock probes record", fields)}

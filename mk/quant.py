@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import jax
@@ -409,6 +410,9 @@ def schemes_of(formats) -> dict[str, str]:
 def formats_of(params: dict) -> dict[str, str]:
     """{group: scheme} of the quantised groups of `params` (those holding
     `QuantWeight`s); raises ValueError if one group mixes schemes or plain weights."""
+    if not isinstance(params, Mapping):
+        raise ValueError(f"params is a {type(params).__name__}; expected a dict of weights "
+                         "(mk.init_params, mk.load_checkpoint)")
     formats = {}
     for group, names in FORMAT_GROUPS.items():
         found = {name: p.scheme if isinstance(p, QuantWeight) else None

@@ -24,6 +24,7 @@ import dataclasses
 from mk import perf
 from mk.chips import CLOCK_ENDS, ChipSpec
 from mk.config import ModelConfig
+from mk.errors import shown
 from mk.kernels.plan import DecodePlan
 from mk.machine import Simulation
 from mk.sim import Assumptions, simulate
@@ -43,6 +44,9 @@ def sweep(config: ModelConfig, chip: ChipSpec | str, parameter: str, values, *,
     value the kernel cannot tile (e.g. a tile that does not divide a matrix) gives a row
     whose `note` says why."""
     perf.check_choice("parameter", parameter, SWEEPS)
+    if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__") or not values:
+        raise ValueError(f"values={shown(values)} must be a non-empty list of {parameter} "
+                         "values, one row each")
     out = []
     for value in values:
         kw = dict(kwargs)

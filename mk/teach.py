@@ -25,16 +25,19 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from IPython.display import Markdown
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mk import perf, sim
-from mk.chips import ChipSpec, spec_of
+from mk.chips import spec_of
 from mk.config import finite_number, positive_int
+from mk.decode_checks import checked_int32
 from mk.errors import shown
 from mk.kernels.common import BlockSizes
+from mk.kernels.stream import TileStream
 
 F32 = jnp.float32
 
@@ -83,10 +86,11 @@ def ring_matmul(x: jax.Array, w: jax.Array, *, slots: int = 3, tile: int = 128):
     VMEM slots of [tile, tile] (x rounded to w's dtype, float32 accumulation)."""
     _check_ndim("x", x, 2)
     _check_ndim("w", w, 2)
+    slots, tile = positive_int("slots", slots), positive_int("tile", tile)
     (M, K), N = x.shape, w.shape[1]
-    if w.shape[0] != K or K % tile or N % tile or slots < 1:
-        raise ValueError(f"x {x.shape}, w {w.shape}: K and N must be multiples of "
-                         f"tile={tile}, slots={slots} >= 1")
+    if w.shape[0] != K or K % tile or N % tile:
+        raise ValueError(f"x {x.shape}, w {w.shape}: x [M, K] @ w [K, N] with K and N "
+                         f"multiples of tile={tile}")
     vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
     return pl.pallas_call(
         functools.partial(ring_matmul_kernel, tile=tile),
@@ -143,10 +147,15 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, position, *, rows: int,
     the new rows) -> [G*T, H] float32. `update`: the online-softmax step."""
     for name, array in (("q", q), ("k", k), ("v", v)):
         _check_ndim(name, array, 2)
+    rows, kv_tile = positive_int("rows", rows), positive_int("kv_tile", kv_tile)
     S, H = k.shape
-    if S % kv_tile or q.shape[0] % rows or q.shape[1] != H:
-        raise ValueError(f"q {q.shape}, k {k.shape}: S must be a multiple of "
-                         f"kv_tile={kv_tile}, q [G*T, H] with T=rows={rows}")
+    if S % kv_tile or q.shape[0] % rows or q.shape[1] != H or v.shape != k.shape:
+        raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape}: S must be a multiple of "
+                         f"kv_tile={kv_tile}, q [G*T, H] with T=rows={rows}, v as k")
+    # The rows sit at position .. position + rows - 1, inside the cache: one row past it
+    # would read tiles that are not there, and a negative one none at all.
+    position = checked_int32("position", jnp.reshape(position, (1,)) if hasattr(
+        position, "shape") else [position], 0, S - rows + 1, "S - rows + 1")
 
     def kv_map(i, pos):  # past the last visible tile, stay on it: nothing new is read
         return jnp.minimum(i, (pos[0] + rows - 1) // kv_tile), 0
@@ -159,7 +168,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, position, *, rows: int,
     return pl.pallas_call(
         functools.partial(attend_kernel, rows=rows, update=update), grid_spec=grid,
         out_shape=jax.ShapeDtypeStruct(q.shape, F32), name="teach_attend",
-    )(jnp.reshape(jnp.asarray(position, jnp.int32), (1,)), q, k, v)
+    )(position, q, k, v)
 
 
 # -- 04: the experts ------------------------------------------------------------------------------
@@ -189,8 +198,16 @@ def moe_experts(x: jax.Array, combine: jax.Array, we_gate: jax.Array, we_up: jax
     """sum over slots s < count of combine[:, ids[s]] * SwiGLU of expert ids[s]: x [M, D]
     float32, combine [M, E] float32 routing weights, we_gate, we_up [E, D, Fe], we_down
     [E, Fe, D]; ids [slots] int32 the selected experts (sorted, padded)."""
+    _check_experts(x, combine, we_gate, we_up, we_down)
     (M, D), (E, _, Fe) = x.shape, we_gate.shape
-    ids = jnp.asarray(ids, jnp.int32)
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__") or not len(ids):
+        raise ValueError(f"ids={shown(ids)} must be a non-empty list of expert ids, one "
+                         "a slot (course.routed's)")
+    ids = checked_int32("ids", ids, 0, E, "E")
+    if isinstance(count, (bool, np.bool_)) or not isinstance(count, (int, np.integer)) \
+            or not 0 <= count <= ids.shape[0]:
+        raise ValueError(f"count={shown(count)} must be an integer in [0, {ids.shape[0]}] "
+                         "(the live slots of ids)")
 
     def expert(s, ids, count):  # an off slot keeps the last live slot's expert: no DMA
         return ids[jnp.minimum(s, jnp.maximum(count[0] - 1, 0))], 0, 0
@@ -205,6 +222,21 @@ def moe_experts(x: jax.Array, combine: jax.Array, we_gate: jax.Array, we_up: jax
                           out_shape=jax.ShapeDtypeStruct((M, D), F32),
                           )(ids, jnp.asarray([count], jnp.int32), x, combine, we_gate,
                             we_up, we_down)
+
+
+def _check_experts(x, combine, we_gate, we_up, we_down) -> None:
+    """ValueError naming the first of `moe_experts`' arrays whose shape does not agree:
+    x [M, D], combine [M, E], we_gate and we_up [E, D, Fe], we_down [E, Fe, D]."""
+    for name, array, ndim in (("x", x, 2), ("combine", combine, 2), ("we_gate", we_gate, 3),
+                              ("we_up", we_up, 3), ("we_down", we_down, 3)):
+        _check_ndim(name, array, ndim)
+    (M, D), (E, _, Fe) = x.shape, we_gate.shape
+    for name, array, want in (("combine", combine, (M, E)), ("we_gate", we_gate, (E, D, Fe)),
+                              ("we_up", we_up, (E, D, Fe)), ("we_down", we_down, (E, Fe, D))):
+        if tuple(array.shape) != want:
+            raise ValueError(f"{name} has shape {tuple(array.shape)}; with x [M, D]="
+                             f"{tuple(x.shape)} and we_gate [E, D, Fe]={tuple(we_gate.shape)} "
+                             f"it must be {want}")
 
 
 # -- 10: the all-reduce ------------------------------------------------------------------------
@@ -252,6 +284,12 @@ def ring_schedule(stream, *, slots: int, latency_s: float, dma_s: float,
     positive_int("slots", slots)
     for field, value in (("latency_s", latency_s), ("dma_s", dma_s), ("compute_s", compute_s)):
         finite_number(field, value)
+    if not isinstance(stream, TileStream):
+        raise ValueError(f"stream={shown(stream)} must be a mk.kernels.stream.TileStream "
+                         "(a plan's stream: DecodePlan.make(...).stream)")
+    if active is not None and not callable(active):
+        raise ValueError(f"active={shown(active)} must be a function of a tile's name "
+                         "(first_copies(count)) or None")
     out, engine, lane = [], 0.0, 0.0  # when the DMA engine and the compute lane are free
     for g, _layer, name, _, _ in stream.tiles():
         issue = 0.0 if g < slots else out[g - slots]["end"]
@@ -269,6 +307,11 @@ def first_copies(count: int):
     """An `active` for `ring_schedule`: copies 0 .. count - 1 of every repeated segment
     (the live expert slots: `select_experts` compacts the picked experts to the front)
     and every plain segment."""
+    if isinstance(count, (bool, np.bool_)) or not isinstance(count, (int, np.integer)) \
+            or count < 0:
+        raise ValueError(f"count={shown(count)} must be a non-negative integer (live "
+                         "expert slots)")
+
     def active(name: str) -> bool:
         return "[" not in name or int(name.split("[")[1].rstrip("]")) < count
     return active
@@ -279,9 +322,7 @@ def tile_times(spec, block, itemsize: int, rows: int) -> dict:
     `mk.chips.ChipSpec`): the simulator's assumed DMA latency, the transfer at one core's
     share of the datasheet bandwidth, the MXU rule's compute (`mk.sim`'s rule). `spec`
     may be a chip's name."""
-    spec = spec_of(spec)
-    if not isinstance(spec, ChipSpec):
-        raise ValueError(f"spec={shown(spec)} must be a mk.chips.ChipSpec or a chip's name")
+    spec = spec_of(spec, "spec")
     if not isinstance(block, BlockSizes):
         raise ValueError(f"block={shown(block)} must be a mk.kernels.common.BlockSizes")
     itemsize, rows = positive_int("itemsize", itemsize), positive_int("rows", rows)

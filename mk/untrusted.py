@@ -4,8 +4,9 @@ files a path may replace, a profile) with limits: `read_text` (a regular file on
 most `max_bytes`, UTF-8 with a bad byte's offset named), `check_depth` (brackets nested at most
 `max_depth` deep, counted in linear time before a recursive parser sees them) and
 `load_json` (both, then `json.loads`; a key repeated in an object and an integer of more
-than `MAX_DIGITS` digits refused). Every refusal is a `ValueError` naming the file, what
-was wrong and the limit.
+than `MAX_DIGITS` digits refused), and `rows` (a record that is a list of rows: each an
+object of the given keys, each value of its kind). Every refusal is a `ValueError` naming
+the file, what was wrong and the limit.
 
 A named pipe or a device is refused before it is opened (`os.stat`; `check_regular` for a
 file another library opens, a checkpoint's safetensors), and opened non-blocking besides,
@@ -34,7 +35,7 @@ def read_text(path: str | os.PathLike, what: str, max_bytes: int = MAX_BYTES) ->
     """The UTF-8 text of the regular file `path` (`what` names it in errors), at most
     `max_bytes` bytes; else `ValueError` naming the file and the limit (a missing file is
     `FileNotFoundError`, as `open` raises it)."""
-    name = os.fspath(path)
+    name = _path(path, what)
     check_regular(name, what)
     fd = os.open(name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     with os.fdopen(fd, "rb") as f:
@@ -49,11 +50,20 @@ def read_text(path: str | os.PathLike, what: str, max_bytes: int = MAX_BYTES) ->
                          f"({data[err.start:err.start + 1]!r}) {err.reason}") from None
 
 
+def _path(path, what: str) -> str:
+    """`path` as a str; a ValueError naming `what` when it is no path (None, a number)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"{what} path={shown(path)} must be a file's path (a str or a "
+                         "pathlib.Path)")
+    return os.fspath(path)
+
+
 def check_regular(path: str | os.PathLike, what: str) -> None:
     """Refuse `path` unless it is a regular file (symlinks followed), before anything opens
     it: opening a named pipe blocks until a writer comes. A missing file is
     `FileNotFoundError`."""
-    _check_regular(os.stat(path), os.fspath(path), what)
+    name = _path(path, what)
+    _check_regular(os.stat(name), name, what)
 
 
 def _check_regular(st: os.stat_result, name: str, what: str) -> None:
@@ -98,7 +108,7 @@ def load_json(path: str | os.PathLike, what: str, max_bytes: int = MAX_BYTES,
     """The JSON value of the file `path`, read with `read_text`'s limits and nested at
     most `max_depth` deep; `ValueError` naming the file for anything else, bad JSON
     included. Nothing in it is evaluated."""
-    name = os.fspath(path)
+    name = _path(path, what)
     text = read_text(name, what, max_bytes)
     check_depth(text, name, what, max_depth)
     try:
@@ -107,6 +117,46 @@ def load_json(path: str | os.PathLike, what: str, max_bytes: int = MAX_BYTES,
         raise ValueError(f"{what} {name!r} is not JSON: {err}") from None
     except ValueError as err:  # a repeated key, a long integer
         raise ValueError(f"{what} {name!r}: {err}") from None
+
+
+INTS = "integers"  # a `rows` kind: a list of them (MXU ids); (INTS, n): n of them (a shape)
+
+
+def rows(data, path: str | os.PathLike, what: str, fields: dict) -> list[dict]:
+    """`data` (`load_json`'s value of the record `path`) as a list of objects, each with
+    exactly the keys of `fields` and each value of its kind there (`int`, never a bool;
+    `float`, an int too; `str`; `INTS`; `(INTS, n)`, n of them); else ValueError naming
+    the file, the row, the field and its kind. What a value holds beyond its kind (a
+    choice, a range) is the reader's to check."""
+    name = os.fspath(path)
+    if not isinstance(data, list):
+        raise ValueError(f"{what} {name!r} holds a {type(data).__name__}; expected a list "
+                         "of rows")
+    for i, row in enumerate(data):
+        if not isinstance(row, dict) or set(row) != set(fields):
+            got = sorted(row) if isinstance(row, dict) else row
+            raise ValueError(f"{what} {name!r}: row {i} must be an object with the keys "
+                             f"{sorted(fields)}; got {shown(got, 300)}")
+        for field, kind in fields.items():
+            wanted = _unlike(row[field], kind)
+            if wanted:
+                raise ValueError(f"{what} {name!r}: row {i}'s {field}={shown(row[field])} "
+                                 f"must be {wanted}")
+    return data
+
+
+def _unlike(value, kind) -> str:
+    """What `value` must be when it is not of `rows`' `kind`; "" when it is."""
+    whole = isinstance(value, int) and not isinstance(value, bool)
+    if kind is int or kind is float:
+        return "" if whole or (kind is float and isinstance(value, float)) else \
+            ("an integer" if kind is int else "a number")
+    if kind is str:
+        return "" if isinstance(value, str) else "a string"
+    count = kind[1] if isinstance(kind, tuple) else None  # INTS or (INTS, n)
+    ok = isinstance(value, list) and count in (None, len(value)) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value)
+    return "" if ok else f"a list of {count or 'any number of'} integers"
 
 
 def _integer(text: str) -> int:

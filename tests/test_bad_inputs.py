@@ -330,6 +330,20 @@ def test_numpy_integer_steps_and_tp_are_accepted(params):
     assert collectives.tp_mesh(np.int64(1)).shape["tp"] == 1
 
 
+@pytest.mark.parametrize("call, message", [
+    (lambda: preset(["tiny"]), r"preset=\['tiny'\] does not exist; choose one of"),
+    (lambda: mk.chip(["v6e"]), r"chip=\['v6e'\] is not known; choose one of"),
+    (lambda: load_checkpoint(None), "path=None must be a checkpoint folder's path"),
+    (lambda: mk.shards.shard_params(TINY, None, 2),
+     "params is a NoneType; expected a dict of weights")])
+def test_a_top_level_argument_of_the_wrong_type_is_named_not_a_type_error(call, message):
+    """Issue 65 re-check: each raised TypeError (unhashable type: 'list'; expected str,
+    bytes or os.PathLike) or AttributeError ('NoneType' object has no attribute 'items')
+    from inside mk."""
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
 def test_a_file_or_a_list_is_not_a_checkpoint(tmp_path):
     folder = _checkpoint(tmp_path, TINY)
     with pytest.raises(ValueError, match="model.safetensors'? is not a folder"):

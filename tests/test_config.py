@@ -163,6 +163,9 @@ def test_from_hf_heads_that_do_not_divide_hidden_without_head_dim():
 def test_from_hf_rejects_other_model_types_and_missing_fields():
     with pytest.raises(ValueError, match=r"model_type='llama' is not supported"):
         ModelConfig.from_hf(_hf_qwen3(model_type="llama"))
+    for wrong in ([], {}):  # was TypeError: unhashable, looked up among the wrappers
+        with pytest.raises(ValueError, match=re.escape(f"model_type={wrong!r} is not supp")):
+            ModelConfig.from_hf(_hf_qwen3(model_type=wrong))
     d = _hf_qwen3()
     del d["intermediate_size"]
     with pytest.raises(ValueError, match=r"no field intermediate_size"):

@@ -28,13 +28,14 @@ import pytest
 
 import mk
 import mk.kernels.common
-from mk import backend, course, grading, ops, reference, sim, spec, teach
+from mk import backend, course, grading, jax_private, ops, reference, sim, spec, teach
 from mk.kernels import attention_prologue as prologue_module
 from mk.kernels import collectives, mlp, one_layer, ring
 from mk.kernels.attention_prologue import attention_prologue
 from mk.kernels.decode_attention import decode_attention
 from mk.kernels.common import BlockSizes
 from mk.kernels.plan import DecodePlan
+from mk.kernels.stream import TileStream
 from mk.kernels.weight_streaming import stream_matmul
 from multidevice import run
 
@@ -471,6 +472,52 @@ def test_teaching_helpers_name_a_bad_argument_instead_of_crashing():
     assert teach.tile_times("v6e", BlockSizes(), 2, 1)["dma_s"] > 0
 
 
+def test_teaching_kernels_refuse_bad_arguments_by_name_before_any_kernel_runs():
+    """Issue 65: a zero tile divided by zero, an expert id or a position outside its
+    array crashed inside an interpret-mode callback, and a combine or we_down of the wrong
+    shape returned numbers (1.7e7, nan) silently; each is now a ValueError naming it."""
+    x, combine = jnp.ones((8, 256)), jnp.ones((8, 4))
+    gate, down = jnp.ones((4, 256, 128)), jnp.ones((4, 128, 256))
+    q, kv = jnp.ones((4, 128)), jnp.ones((256, 128))
+    moe = mk.preset("tiny-moe")
+    stream = TileStream.build(BlockSizes(slots=1, tile_rows=128, tile_cols=128),
+                              [("wq", 256, 256)])
+    for call, message in (
+            (lambda: teach.ring_matmul(x, x.T, tile=0), "tile=0 must be a positive integer"),
+            (lambda: teach.ring_matmul(x, x.T, slots="3"), "slots='3' must be a positive"),
+            (lambda: teach.attend(q, kv, kv, 3, rows=0), "rows=0 must be a positive integer"),
+            (lambda: teach.attend(q, kv, kv, 3, rows=2, kv_tile=0), "kv_tile=0 must be a"),
+            (lambda: teach.attend(q, kv, kv, -5, rows=2),
+             r"position\[0\]=-5 must be in \[0, S - rows \+ 1=255\)"),
+            (lambda: teach.attend(q, kv, kv, jnp.asarray(255), rows=2),
+             r"position\[0\]=255 must be in \[0, S - rows \+ 1=255\)"),
+            (lambda: teach.attend(q, kv, kv, "3", rows=2), "position has dtype <U1"),
+            (lambda: teach.attend(q, kv, kv[:, :64], 3, rows=2), r"v \(256, 64\)"),
+            (lambda: teach.moe_experts(x, combine[:, :3], gate, gate, down, [0, 1], 2),
+             r"combine has shape \(8, 3\); .* it must be \(8, 4\)"),
+            (lambda: teach.moe_experts(x, combine, gate, gate, gate, [0, 1], 2),
+             r"we_down has shape \(4, 256, 128\); .* it must be \(4, 128, 256\)"),
+            (lambda: teach.moe_experts(x, combine, gate, gate, down, [0, 9], 2),
+             r"ids\[1\]=9 must be in \[0, E=4\)"),
+            (lambda: teach.moe_experts(x, combine, gate, gate, down, [], 0),
+             "ids=.* must be a non-empty list of expert ids"),
+            (lambda: teach.moe_experts(x, combine, gate, gate, down, [0, 1], 3),
+             r"count=3 must be an integer in \[0, 2\]"),
+            (lambda: teach.first_copies("a"), "count='a' must be a non-negative integer"),
+            (lambda: teach.ring_schedule(None, slots=2, latency_s=0, dma_s=0, compute_s=0),
+             "stream=None must be a mk.kernels.stream.TileStream"),
+            (lambda: teach.ring_schedule(stream, slots=2, latency_s=0, dma_s=0, compute_s=0,
+                                         active=2), "active=2 must be a function"),
+            (lambda: course.routed(moe, None, None), r"h=NoneType None must be an array of "
+             r"shape \('M', 256\) for tiny-moe"),
+            (lambda: course.routed(moe, jnp.ones((2, 256)), jnp.ones((256, 3))),
+             r"router=.*\(256, 3\).* must be an array of shape \(256, 8\)"),
+            (lambda: course.check_up_rotation(96, used="a"), "used='a' must be a positive")):
+        with pytest.raises(ValueError, match=message):
+            call()
+    assert teach.first_copies(0)("wq") and not teach.first_copies(0)("we_gate[0]")
+
+
 def test_hard_positions_refuses_rows_past_the_context():
     with pytest.raises(ValueError, match="rows=256 must be in"):
         course.hard_positions(1, 256, 256)
@@ -634,6 +681,25 @@ def test_an_error_inside_a_jax_callback_is_shown_by_its_inner_error_not_a_traceb
         with grading.learners_code("your slot", "a slot of the ring"):
             raise RuntimeError(inner)
     assert "Traceback" not in str(failed.value)
+
+
+def test_a_failing_callback_in_a_learners_code_logs_no_traceback(caplog):
+    """Interpret mode's bounds checks fail inside an io_callback, and JAX logs the whole
+    traceback (on stderr, above the cell's result) before raising: a wrong fix to the
+    mystery lab looked like a crash in mk/kernels/ring.py. The exercise's message says
+    what broke; nothing is logged."""
+    from jax.experimental import io_callback
+
+    def bad(x):
+        raise IndexError("Out-of-bounds read of slot 7")
+
+    def step(x):
+        return io_callback(bad, jax.ShapeDtypeStruct((), jnp.int32), x)
+    with pytest.raises(course.ExerciseFailed, match="Out-of-bounds read of slot 7"):
+        with grading.learners_code("your slot", "a slot of the ring"):
+            jax.block_until_ready(jax.jit(step)(jnp.int32(1)))
+    assert not [r for r in caplog.records if "callback" in r.name], caplog.text
+    assert not jax_private.callback.logger.disabled  # held back only inside the block
 
 
 def test_course_helpers_refuse_a_key_or_seed_of_the_wrong_type_by_name():

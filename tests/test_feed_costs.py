@@ -242,3 +242,29 @@ def test_the_recorded_tables_are_read_with_the_untrusted_files_limits(tmp_path, 
         read(pipe)
     with pytest.raises(ValueError, match=r"deep\.json' nests 5000 levels deep; the limit"):
         read(deep)
+
+
+@pytest.mark.parametrize("read, data", [
+    (feed_costs.recorded.__wrapped__, feed_costs.FEED_COSTS),
+    (feed_costs.recorded_feed_floors.__wrapped__, feed_costs.FEED_FLOORS),
+    (probes.recorded_clock_probes, probes.CLOCK_PROBES)])
+def test_a_recorded_tables_rows_are_checked_by_key_and_kind_naming_the_row(tmp_path, read,
+                                                                          data):
+    """Issue 65 re-check: a row of another shape ended in AttributeError, KeyError,
+    TypeError ('int' object is not subscriptable) or, for the clock probes, was accepted;
+    now each names the file, the row and the field."""
+    good = json.loads(data.read_text())
+    row = good[0]
+    path = tmp_path / "record.json"
+    for bad, match in (({}, "holds a dict; expected a list of rows"),
+                       ([1], r"row 0 must be an object with the keys .*; got 1"),
+                       ([{"chip": "v5e"}], r"row 0 must be an object with the keys"),
+                       ([row, row | {"shape": [1, "2"]}],
+                        r"row 1's shape=\[1, '2'\] must be a list of \d integers"),
+                       ([row | {"bundles": True}], "row 0's bundles=True must be an integer"),
+                       ([row | {"chip": ["v5e"]}], r"row 0's chip=\['v5e'\] must be a string")):
+        path.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=rf"record.json'.*{match}"):
+            read(path)
+    path.write_text(json.dumps(good))
+    assert len(read(path)) == len(good)

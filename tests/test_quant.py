@@ -206,6 +206,8 @@ def test_quantize_rejects_bad_families_and_shapes_by_name():
         mk.quantize(TINY, without_wk, dense="int8")
     with pytest.raises(ValueError, match="params is a list"):
         mk.quantize(TINY, list(params), dense="int8")
+    with pytest.raises(ValueError, match="config='tiny' must be a ModelConfig"):
+        mk.quantize("tiny", params, dense="int8")  # was AttributeError: no 'is_mla'
     for wk, got in ((params["wk"][:, :128], r"bfloat16\[2, 128, 256\]"),  # were quantised
                     (params["wk"].astype(jnp.float32), r"float32\[2, 256, 256\]"),
                     ([[1.0]], "a list, not an array"), (None, "a NoneType, not an array")):

@@ -16,6 +16,9 @@ def test_sweep_tabulates_each_value_and_explains_a_tile_that_does_not_divide():
     assert "not a whole number of tiles" in rows[2]["note"]
     with pytest.raises(ValueError, match="parameter='colour'"):
         review.sweep(mk.preset("tiny"), "v6e", "colour", [1])
+    for values in ([], "128", 128):  # no rows, a row per character, a TypeError
+        with pytest.raises(ValueError, match="must be a non-empty list of tile values"):
+            review.sweep(mk.preset("tiny"), "v6e", "tile", values)
 
 
 # Notebook 11's invariants (`review.check_invariants`) over a grid of presets, chips, B, T

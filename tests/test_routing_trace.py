@@ -184,6 +184,9 @@ def test_a_named_pipe_is_refused_before_it_is_opened(tmp_path):
         routing_trace.load(path)
     with pytest.raises(ValueError, match="is a directory"):
         routing_trace.load(tmp_path)
+    for path in (None, 3):  # not a path: named, not os.fspath's TypeError
+        with pytest.raises(ValueError, match=f"routing trace path={path} must be a file's"):
+            routing_trace.load(path)
 
 
 def test_deep_json_is_refused_by_depth_not_a_recursion_error(tmp_path):

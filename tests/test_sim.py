@@ -291,6 +291,7 @@ def test_every_preset_simulates_for_batch_and_rows_1_to_8_and_tp_1_to_32(name):
 # -- Inputs, sweeps, published ----------------------------------------------------------------
 @pytest.mark.parametrize("kwargs,match", [
     (dict(chip="gb200"), "chip='gb200' is a gpu"), (dict(batch=0), "batch=0"),
+    (dict(chip=None), "chip=None must be a mk.chips.ChipSpec or a chip's name"),
     (dict(context=-1), "context=-1"), (dict(tp=0), "tp=0"),
     (dict(experts_active=0), "experts_active=0"), (dict(block=(3, 128)), "block="),
     (dict(experts_active=2.5), r"experts_active=2.5 must be in \[1, "),
@@ -377,6 +378,15 @@ def test_assumptions_are_finite_typed_and_in_range_naming_the_field(field, value
     with pytest.raises(ValueError, match=re.escape(
             f"Assumptions.{field}={value!r} must be a finite number in {span}")):
         sim.Assumptions(**{field: value})
+
+
+@pytest.mark.parametrize("value", [math.inf, 285, [("int8", 128, 512, 300)]])
+def test_assumptions_packed_bundles_must_be_a_tuple_of_entries(value):
+    """Issue 65: a float or an int here raised "'float' object is not iterable" (a list
+    would break the hashing every simulation cache keys on)."""
+    with pytest.raises(ValueError, match=r"Assumptions.packed_bundles=.* must be a tuple"):
+        sim.Assumptions(packed_bundles=value)
+    assert sim.Assumptions(packed_bundles=(("int8", 128, 512, 300),)).packed_bundles
 
 
 def test_simulate_refuses_a_routing_trace_of_another_model_as_predict_does():

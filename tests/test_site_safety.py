@@ -160,6 +160,10 @@ def test_a_missing_notebook_on_the_command_line_is_a_clear_error(tmp_path):
     code, text = _main(tmp_path / "99_nope.ipynb", "--out", tmp_path / "build")
     assert code == 2 and "99_nope.ipynb'] named on the command line are not files" in text
     assert "Traceback" not in text and not (tmp_path / "build").exists()
+    source = ROOT / "notebooks" / "01_weight_streaming.py"  # a pair's jupytext half
+    code, text = _main(source, "--out", tmp_path / "build")
+    assert code == 2 and "01_weight_streaming.py'] named on the command line are not .ipynb" \
+        in text, text
 
 
 def test_runs_yaml_refuses_the_string_false_for_a_bool(typed, tmp_path):

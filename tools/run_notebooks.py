@@ -721,6 +721,10 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             raise ValueError(f"notebooks {missing} named on the command line are not files; "
                              f"name numbered notebooks such as notebooks/{PATTERN}")
+        other = [str(p) for p in notebooks if p.suffix != ".ipynb"]
+        if other:  # a pair's .py is its jupytext source: papermill runs the .ipynb
+            raise ValueError(f"notebooks {other} named on the command line are not .ipynb "
+                             f"files; name numbered notebooks such as notebooks/{PATTERN}")
         runs = load_runs(args.runs, notebooks)
         if not args.all:
             runs = default_runs(runs)

@@ -262,7 +262,7 @@ class DecodePlan:
         check_config(config)
         tp, M = check_tp(config, tp), check_rows(batch, rows)  # a bad tp named first
         context = _cache_positions(rows, context, position, block)
-        spec = spec_of(chip)
+        spec = None if chip is None else spec_of(chip)
         collective = choose_algorithm(tp, collective)
         formats, packed, feeds, local = _weight_formats(config, tp, formats, feeds, spec,
                                                         kernel)
