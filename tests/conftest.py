@@ -6,11 +6,20 @@ first."""
 import os
 import tempfile
 
+CPU_COMPILE_FLAGS = ("--xla_backend_optimization_level=0",
+                     "--xla_llvm_disable_expensive_passes=true")
 # The CPU suite runs on the CPU even on a TPU machine; MK_TPU=1 (`make test-tpu`) leaves the
 # chip to the hardware tier (tests/test_tpu.py).
 if os.environ.get("MK_TPU") != "1":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    # Interpret-mode tests spend most of their time in XLA:CPU's compiler (a tiny model's
+    # greedy-token test: 28 of 47 s in backend_compile, 48 programs), little running. LLVM
+    # at -O0 without its expensive passes cuts the suite's CPU time by about a fifth; it
+    # changes no arithmetic (fast math stays off), so every compared number is the same.
+    # Workers and notebook kernels inherit it.
+    _flags = os.environ.get("XLA_FLAGS", "").split()
+    os.environ["XLA_FLAGS"] = " ".join(_flags + [f for f in CPU_COMPILE_FLAGS if f not in _flags])
 # Captures the tests make (mk.profiling, notebook 08) go to a folder of this run, never
 # into the checkout's profiles/ (set before mk is imported; workers and notebook kernels
 # inherit it).
