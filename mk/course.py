@@ -4,8 +4,9 @@ mistakes a student plants) and the checks that catch them.
 Here: the hard-path defaults (`hard_positions`, `moe_inputs`); the break-it exercises
 (`planted(name)` swaps ONE line of the real kernel code for a wrong one inside a `with`
 block; `replaced(name, fn)` runs the student's `fn` in that place); the fix exercises and
-their checks (`update_without_rescale` with `check_attend_update`, `norm_then_matmul`
-with `scoped_bundles` and `check_scope`, `check_up_rotation`, `check_ring_depth`); the
+their checks (`check_ring_kernel`: 01's kernel from its spec; `update_without_rescale`
+with `check_attend_update`, `norm_then_matmul` with `scoped_bundles` and `check_scope`,
+`check_up_rotation`, `check_ring_depth`); the
 mystery lab (`mystery(seed)`: one unnamed plant in the megakernel's step, found with the
 race detector or `first_divergence`); the worked answers (`mk.solutions`, re-exported:
 `reveal(key)`, `attempt(key, fn, solutions)`). Checks are graders (`mk.grading`, whose
@@ -33,7 +34,7 @@ import numpy as np
 
 from IPython.display import Markdown
 
-from mk import backend, bundles, megakernel, ops, reference, spec, teach
+from mk import backend, bundles, megakernel, ops, reference, spec, teach, tpu
 from mk.checkpoint import init_params
 from mk.config import ModelConfig, finite_number, positive_int
 from mk.errors import shown
@@ -286,6 +287,36 @@ def check_ring_depth(sim, deep, *, tolerance: float = 0.05) -> float:
             f"the one with {deep.block.slots} slots (Little's law depth); HBM idles "
             f"{empty:.0%} of it waiting for tiles (ring empty)")
     return ratio
+
+
+def check_ring_kernel(kernel, *, chip: str = "v5e", seed: int = 0) -> float:
+    """01's from-spec exercise: `kernel` (`teach.ring_matmul_kernel`'s refs and `tile`) in
+    `teach.ring_matmul` streams a [384, 256] bf16 weight, six 128 x 128 tiles, through 1, 2
+    and 3 slots, each against the reference product with the race detector on; then it
+    must compile for `chip` (Mosaic refuses what interpret mode lets pass, such as a tile
+    slice it cannot prove aligned). Returns the largest error."""
+    check_function("your ring kernel", kernel, teach.ring_matmul_kernel)
+    keys = jax.random.split(jax.random.key(seed), 2)
+    x = jax.random.normal(keys[0], (8, 384))
+    w = jax.random.normal(keys[1], (384, 256)).astype(jnp.bfloat16)
+    want = ops.matmul(x.astype(jnp.bfloat16), w)
+    wanted = "out_vmem = x @ W, each tile of W copied into a slot, waited for, then read"
+    worst = 0.0
+    for slots in (1, 2, 3):
+        what = f"your ring kernel at slots={slots}"
+        with backend.use("interpret", detect_races=True), learners_code(what, wanted):
+            got = teach.ring_matmul(x, w, slots=slots, tile=128, kernel=kernel)
+        check_race_free(what, backend.races_found())
+        worst = max(worst, check_close(what, got, want, atol=1e-2, rtol=1e-2))
+    with learners_code(f"your ring kernel, compiled for {chip}", wanted):
+        report = tpu.compile_for_chip(
+            lambda a, b: teach.ring_matmul(a, b, slots=3, tile=128, kernel=kernel), (x, w),
+            chip, name="your ring kernel")
+    if not report.ok:
+        raise ExerciseFailed(f"your ring kernel runs in interpret mode but does not compile "
+                             f"for {chip}: expected a kernel Mosaic lowers; the compiler "
+                             f"said {shown(report.error, 300)}")
+    return worst
 
 
 def check_attend_update(update, *, kv_tile: int = 128, seed: int = 0) -> float:

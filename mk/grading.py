@@ -30,14 +30,17 @@ class ExerciseFailed(AssertionError):
 
 
 def check_function(what: str, fn, like) -> None:
-    """ExerciseFailed unless `fn` is a function that takes `like`'s arguments (all of
-    them, positionally, as a caller of `like` may pass them)."""
-    names = list(inspect.signature(like).parameters)
+    """ExerciseFailed unless `fn` is a function that takes `like`'s arguments as a caller
+    of `like` may pass them (positionally, but its keyword-only ones by name)."""
+    params = inspect.signature(like).parameters
+    names = list(params)
+    by_name = {n for n, p in params.items() if p.kind is p.KEYWORD_ONLY}
     wanted = f"a function ({', '.join(names)}) like {like.__qualname__}"
     if not callable(fn):
         raise ExerciseFailed(f"{what}: expected {wanted}; got {described(fn)}")
     try:
-        inspect.signature(fn).bind(*names)
+        inspect.signature(fn).bind(*[n for n in names if n not in by_name],
+                                   **{n: n for n in by_name})
     except TypeError as err:
         raise ExerciseFailed(f"{what}: expected {wanted}; got {_name(fn)}"
                              f"{inspect.signature(fn)}, which cannot take them ({err})"

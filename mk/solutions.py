@@ -42,6 +42,7 @@ def norm_in_its_scope(x_ref, w_ref, o_ref):
 
 
 SOLUTIONS = {
+    "01-ring": teach.ring_matmul_kernel,
     "03-rescale": teach.online_softmax_update,
     "05-residual": one_layer.residual,
     "08-scope": norm_in_its_scope,
@@ -49,6 +50,17 @@ SOLUTIONS = {
 }
 
 ANSWERS = {
+    "01-ring": (
+        "Name a tile's copy once: `dma(g)` = `pltpu.make_async_copy(w_hbm.at[rows, cols], "
+        "slots_vmem.at[g % slots], sems.at[g % slots])` with rows the `g % steps`-th and "
+        "cols the `g // steps`-th block of `tile` (`pl.ds(pl.multiple_of(i * tile, tile), "
+        "tile)`). Start `dma(g)` for the first min(slots, total) tiles. In a `lax.fori_loop` "
+        "over g: `dma(g).wait()`; `part = jnp.dot(x_vmem[:, rows_g], slots_vmem[g % slots], "
+        "preferred_element_type=jnp.float32)`; write `part` into the panel's columns where "
+        "the row block is 0, else add it; then, under `pl.when(g + slots < total)`, "
+        "`dma(g + slots).start()`. Starting the refill before the dot races it (the race "
+        "detector says so), and `w_hbm` cannot be read but through a copy (as "
+        "`mk.teach.ring_matmul_kernel`)."),
     "03-rescale": (
         "The sum and the accumulator of the first tile were taken under the first tile's "
         "max; when the second tile raises the max to m', those terms must be scaled by "

@@ -73,6 +73,7 @@ slots: int = 3  # ring slots of the last version
 tile_rows: int = 128  # K rows per weight tile
 tile_cols: int = 128  # N columns per weight tile
 exercise_ring_race: bool = False  # the exercise: True reads the slot of the tile still in flight
+solutions: bool = False  # True checks the worked solution in place of your kernel (headless runs)
 
 # %%
 import time
@@ -243,6 +244,41 @@ plots.show(sim_plots.timeline(lanes, title=f"x @ W [1024, 1024] through rings of
 # The whole idea with nothing else: W [K, N] stays in HBM (`pl.ANY`), a [slots, tile,
 # tile] VMEM scratch is the ring, one DMA semaphore per slot. Prime `slots` tiles; per
 # tile: wait, multiply, then issue tile g + slots into the slot just read.
+#
+# ## Exercise: write it from its spec
+#
+# Before you read ours, write it. Its spec is its docstring:
+
+# %%
+print(teach.ring_matmul_kernel.__doc__)
+
+# %% [markdown]
+# What you need: `pltpu.make_async_copy(src, dst, sem)` is one copy (`.start()` issues it,
+# `.wait()` blocks until it landed); `w_hbm.at[pl.ds(start, size), pl.ds(...)]` is a
+# window of a ref without reading it, `slots_vmem.at[s]` one slot, `sems.at[s]` its
+# semaphore; `x_vmem[:, pl.ds(...)]` reads; `pl.when(cond)` guards a block at run time.
+# `course.check_ring_kernel` runs yours in `teach.ring_matmul` at 1, 2 and 3 slots against
+# the reference product with the race detector on, then compiles it for a v5e (Mosaic
+# refuses some slices interpret mode allows: `pl.multiple_of` tells it a start is
+# aligned). It fails until you write the body; `course.reveal("01-ring")` explains the answer and
+# `solutions = True` (parameters cell) checks the worked kernel instead.
+
+# %%
+from jax import lax  # noqa: F401 - what your kernel needs
+from jax.experimental import pallas as pl  # noqa: F401
+from jax.experimental.pallas import tpu as pltpu  # noqa: F401
+
+
+def my_ring_kernel(x_vmem, w_hbm, out_vmem, slots_vmem, sems, *, tile):
+    """The ring kernel from the spec printed above."""
+    ...
+
+
+ring_error = course.check_ring_kernel(course.attempt("01-ring", my_ring_kernel, solutions))
+print(f"the ring kernel passes: max error {ring_error:.1e}")
+
+# %% [markdown]
+# Ours, to set beside yours:
 
 # %%
 plots.show_source(teach.ring_matmul_kernel)

@@ -25,6 +25,9 @@ import jax.numpy as jnp
 import jupytext
 import numpy as np
 import pytest
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 import mk
 import mk.kernels.common
@@ -287,7 +290,8 @@ def _accept_check(fn):
 
 # Each fix exercise's check, as its notebook runs it; "08-scope" compiles with libtpu, so
 # its two ways are test_a_scope_added_to_the_kernel_has_its_own_bundles_in_the_dump's.
-FIX_CHECKS = {"03-rescale": course.check_attend_update,
+FIX_CHECKS = {"01-ring": course.check_ring_kernel,
+              "03-rescale": course.check_attend_update,
               "05-residual": lambda fn: _one_layer_error("wrong_residual", fn),
               "09-accept": _accept_check}
 
@@ -299,9 +303,61 @@ def test_every_worked_solution_has_a_fix_check_and_an_answer():
 
 @pytest.mark.parametrize("key", FIX_CHECKS)
 def test_a_fix_check_fails_the_stub_and_passes_the_worked_solution(key):
-    with pytest.raises(course.ExerciseFailed, match="expected"):
+    with pytest.raises(course.ExerciseFailed, match="expected|differ"):
         FIX_CHECKS[key](_stub_like(course.SOLUTIONS[key]))
     FIX_CHECKS[key](course.SOLUTIONS[key])
+
+
+def _ring_kernel_with(refill_first=False, read_hbm=False):
+    """`teach.ring_matmul_kernel` with one of a learner's likely mistakes: the refill of
+    tile g + slots started before the dot that reads slot g % slots, or W read straight
+    from HBM with no copy."""
+    def kernel(x_vmem, w_hbm, out_vmem, slots_vmem, sems, *, tile):
+        K, N = w_hbm.shape
+        slots, steps = slots_vmem.shape[0], K // tile
+        total = steps * (N // tile)
+
+        def dma(g):
+            i, j = g % steps, g // steps
+            src = w_hbm.at[pl.ds(i * tile, tile), pl.ds(j * tile, tile)]
+            return pltpu.make_async_copy(src, slots_vmem.at[g % slots], sems.at[g % slots])
+
+        if read_hbm:
+            out_vmem[...] = jnp.dot(x_vmem[...], w_hbm[...], preferred_element_type=jnp.float32)
+            return
+        for g in range(min(slots, total)):
+            dma(g).start()
+
+        def consume(g, carry):
+            i, j = g % steps, g // steps
+            dma(g).wait()
+            if refill_first:
+                @pl.when(g + slots < total)
+                def early():
+                    dma(g + slots).start()
+            part = jnp.dot(x_vmem[:, pl.ds(i * tile, tile)], slots_vmem[g % slots],
+                           preferred_element_type=jnp.float32)
+            cols = pl.ds(j * tile, tile)
+            out_vmem[:, cols] = jnp.where(i == 0, part, out_vmem[:, cols] + part)
+            if not refill_first:
+                @pl.when(g + slots < total)
+                def refill():
+                    dma(g + slots).start()
+            return carry
+
+        lax.fori_loop(0, total, consume, 0)
+    return kernel
+
+
+@pytest.mark.parametrize("mistake, message", [
+    (dict(refill_first=True), "flagged a race"),
+    (dict(read_hbm=True), "cannot be referenced directly")])
+def test_the_ring_kernels_check_catches_a_learners_likely_mistakes(mistake, message):
+    """The guard of check_ring_kernel's pass: the same kernel with the copies right
+    passes, and each mistake fails the exercise, the race with a right product."""
+    assert course.check_ring_kernel(_ring_kernel_with()) < 1e-2
+    with pytest.raises(course.ExerciseFailed, match=message):
+        course.check_ring_kernel(_ring_kernel_with(**mistake))
 
 
 def my_update(m, l, acc, scores, v):
@@ -609,6 +665,7 @@ CHECKS = {
     "check_up_rotation": _up_rotation,
     "check_ring_depth": lambda a: course.check_ring_depth(a, _deep_ring()),
     "check_attend_update": course.check_attend_update,
+    "check_ring_kernel": course.check_ring_kernel,
     "check_scope": lambda a: course.check_scope(a, "norm"),
     "replaced": _accept_with,
     "Mystery.confirm": lambda a: _mystery().confirm(a),
@@ -625,6 +682,7 @@ WRONG_BUT_TYPED = {
     "check_up_rotation": [32, True],
     "check_ring_depth": [sim.simulate(mk.preset("tiny"), "v5e", context=256)],
     "check_attend_update": [lambda m, l, acc, scores, v: (m, l), teach.attend],
+    "check_ring_kernel": [teach.attend, _ring_kernel_with(refill_first=True)],
     "check_scope": [{}, {"matmul": [1]}, {"norm": "abc"}, {"norm": [1, 2]}],
     "replaced": [course.accept_on_the_next_row, lambda drafts: drafts],
     "Mystery.confirm": [lambda self: 0],
