@@ -327,16 +327,16 @@ def assert_verify_steps(config, params, values, prompt, want, rows: int, tokens:
 
     if block is None:
         block = default_block(config, 128, formats=quant.formats_of(params))
-    weights = megakernel.prepare(DecodePlan.make(config, batch=prompt.shape[0], rows=rows,
-                                                 context=128, block=block), params)
+    plan = DecodePlan.make(config, batch=prompt.shape[0], rows=rows, context=128, block=block)
+    weights = megakernel.prepare(plan, params)
     _, cache = reference.prefill(config, values, prompt[:, :-1], max_context=128)
     fed = jnp.concatenate([prompt[:, -1:], want], axis=1)
     P = prompt.shape[1]
     with backend.use("interpret", detect_races=detect_races):
         for i in range(0, tokens, rows):
             got, logits, cache = megakernel.decode_step(
-                config, weights, cache, fed[:, i:i + rows],
-                jnp.full((prompt.shape[0],), P - 1 + i, jnp.int32), block=block)
+                plan, weights, cache, fed[:, i:i + rows],
+                jnp.full((prompt.shape[0],), P - 1 + i, jnp.int32))
             np.testing.assert_array_equal(got, want[:, i:i + rows], err_msg=f"tokens {i}..")
             if want_logits is not None:
                 ref = want_logits[:, P - 1 + i:P - 1 + i + rows]

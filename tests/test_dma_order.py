@@ -83,7 +83,7 @@ def kernel_dmas(name: str) -> list:
         positions = jnp.full((BATCH,), POSITION, jnp.int32)
         with dma_log(megakernel.traced_step) as log, backend.use("interpret"):
             weights = megakernel.prepare(plan, mk.init_params(config))
-            jax.block_until_ready(megakernel.decode_step(config, weights, cache, tokens,
+            jax.block_until_ready(megakernel.decode_step(plan, weights, cache, tokens,
                                                          positions))
         _KERNEL[name] = [(what, int(nbytes)) for what, nbytes in log]
     return _KERNEL[name]

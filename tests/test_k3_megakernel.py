@@ -238,8 +238,9 @@ def test_the_res_layer_taps_follow_the_reference_layer_by_layer():
     config, params = res_layer_model()
     prompt = _prompt(config, 2)
     _, cache = reference.prefill(config, params, prompt, max_context=CONTEXT)
+    plan = DecodePlan.make(config, batch=2, rows=2, context=cache.capacity)
     first, report = megakernel.first_divergence(
-        config, params, cache, prompt[:, -2:], jax.numpy.full((2,), 5), backend="interpret")
+        plan, params, cache, prompt[:, -2:], jax.numpy.full((2,), 5), backend="interpret")
     assert first is None and len(report) == 2 * config.layers, report
 
 

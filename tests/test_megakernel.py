@@ -204,10 +204,9 @@ def test_t_rows_verify_in_one_pass_race_free(name):
     positions = jnp.array([6, 6], jnp.int32)
     want_logits, want_cache = reference.decode_step(config, params, cache, tokens, positions)
     with backend.use("interpret", detect_races=True):
+        plan = DecodePlan.make(config, batch=2, rows=4, context=cache.capacity, block=block)
         got, logits, got_cache = megakernel.decode_step(
-            config, megakernel.prepare(DecodePlan.make(
-                config, batch=2, rows=4, context=cache.capacity,
-                block=block), params), cache, tokens, positions, block=block)
+            plan, megakernel.prepare(plan, params), cache, tokens, positions)
     assert not backend.races_found()
     np.testing.assert_array_equal(got, reference.greedy(want_logits))
     # bf16 roundings through every layer and the lm_head: compared at the logits' scale.
@@ -234,10 +233,9 @@ def test_a_reused_write_back_slot_sends_each_layers_rows_to_that_layer_race_free
     _, want = reference.decode_step(config, params, cache, tokens, positions)
     block = default_block(config, 64)
     with backend.use("interpret", detect_races=True):
-        _, _, got = megakernel.decode_step(
-            config, megakernel.prepare(DecodePlan.make(config, batch=1, context=64,
-                                                       block=block), params),
-            cache, tokens, positions)
+        plan = DecodePlan.make(config, batch=1, context=64, block=block)
+        _, _, got = megakernel.decode_step(plan, megakernel.prepare(plan, params), cache,
+                                           tokens, positions)
     assert not backend.races_found()
     for name in ("k", "v"):
         np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=0,
@@ -258,9 +256,9 @@ def test_a_donated_step_equals_the_copying_one_and_spends_the_cache():
                             reference.init_cache(config, 2, 64))
 
     with backend.use("interpret"):
-        copied = megakernel.decode_step(config, weights, filled(), tokens, positions)
+        copied = megakernel.decode_step(plan, weights, filled(), tokens, positions)
         spent = filled()
-        donated = megakernel.decode_step(config, weights, spent, tokens, positions,
+        donated = megakernel.decode_step(plan, weights, spent, tokens, positions,
                                          donate=True)
     assert all(a.is_deleted() for a in jax.tree.leaves(spent))
     for a, b in zip(jax.tree.leaves(copied), jax.tree.leaves(donated), strict=True):
@@ -278,8 +276,36 @@ def test_a_position_past_the_cache_is_named():
     config = mk.preset("tiny")
     cache = reference.init_cache(config, 1, 128)
     with pytest.raises(ValueError, match=r"positions\[0\]=127 with T=2 .*max_context=128"):
-        megakernel.decode_step(config, {}, cache, jnp.zeros((1, 2), int), jnp.array([127]),
-                               block=default_block(config, 128))
+        megakernel.decode_step(DecodePlan.make(config, rows=2, context=128,
+                                               block=default_block(config, 128)),
+                               {}, cache, jnp.zeros((1, 2), int), jnp.array([127]))
+
+
+def test_a_step_is_refused_unless_its_inputs_are_its_plans():
+    """The plan is the step's one description: a cache of another capacity, tokens of
+    another [B, T], weights packed otherwise or a tensor-parallel plan are named before
+    anything is traced."""
+    config = mk.preset("tiny")
+    plan = DecodePlan.make(config, context=128)
+    tokens, positions = jnp.zeros((1, 1), int), jnp.array([5])
+    with pytest.raises(ValueError, match="plan is a ModelConfig; it must be a DecodePlan"):
+        megakernel.decode_step(config, {}, reference.init_cache(config, 1, 128), tokens,
+                               positions)
+    with pytest.raises(ValueError, match="capacity 256 is not the plan's context=128"):
+        megakernel.decode_step(plan, {}, reference.init_cache(config, 1, 256), tokens,
+                               positions)
+    with pytest.raises(ValueError, match=r"tokens shape \(1, 2\) is not the plan's \[B=1, "
+                                         r"T=1\]"):
+        megakernel.decode_step(plan, {}, reference.init_cache(config, 1, 128),
+                               jnp.zeros((1, 2), int), positions)
+    int8 = DecodePlan.make(config, context=128, formats={"dense": "int8"})
+    with pytest.raises(ValueError, match=r"weights streamed packed in \{\}, the plan's in "
+                                         r"\{'dense': 'int8'\}"):
+        megakernel.decode_step(int8, {}, reference.init_cache(config, 1, 128), tokens,
+                               positions)
+    with pytest.raises(NotImplementedError, match="plan.tp=2"):
+        megakernel.decode_step(DecodePlan.make(config, tp=2, context=128), {},
+                               reference.init_cache(config, 1, 128), tokens, positions)
 
 
 # v5e's whole-model compiles in CI are the quantised ones below and gpt-oss-20b's
@@ -368,11 +394,11 @@ def test_first_divergence_names_the_op_of_a_planted_bug(plant, where):
     config = mk.preset("tiny")
     params = mk.init_params(config)
     _, cache = reference.prefill(config, params, jnp.ones((1, 6), jnp.int32), max_context=128)
-    args = (config, params, cache, jnp.array([[3, 4]]), jnp.array([6]))
+    plan = DecodePlan.make(config, batch=1, rows=2, context=128)
+    args = (plan, params, cache, jnp.array([[3, 4]]), jnp.array([6]))
     first, report = megakernel.first_divergence(*args, backend="interpret")
     assert first is None and len(report) == 2 * config.layers
-    weights = plant(megakernel.prepare(DecodePlan.make(config, batch=1, rows=2, context=128),
-                                       params))
+    weights = plant(megakernel.prepare(plan, params))
     first, report = megakernel.first_divergence(*args, backend="interpret", weights=weights,
                                                 stop_after=where)
     assert first == where and (report[-1]["layer"], report[-1]["op"]) == where
@@ -381,7 +407,8 @@ def test_first_divergence_names_the_op_of_a_planted_bug(plant, where):
 def test_stop_after_outside_the_model_is_named():
     config = mk.preset("tiny")
     with pytest.raises(ValueError, match=r"stop_after=\(2, 'attn'\) must be .*layers=2"):
-        megakernel.first_divergence(config, {}, None, None, None, stop_after=(2, "attn"))
+        megakernel.first_divergence(DecodePlan.make(config, context=128), {}, None, None,
+                                    None, stop_after=(2, "attn"))
 
 
 def test_a_ring_reaching_the_next_moe_layer_issues_each_expert_tile_once():
@@ -399,8 +426,8 @@ def test_a_ring_reaching_the_next_moe_layer_issues_each_expert_tile_once():
     _, cache = reference.prefill(config, params, jnp.arange(1, 6)[None], max_context=128)
     tokens, positions = jnp.array([[7]]), jnp.array([5])
     with backend.use("interpret", strict_dma=True):
-        got, logits, _ = megakernel.decode_step(config, megakernel.prepare(plan, params),
-                                                cache, tokens, positions, block=block)
+        got, logits, _ = megakernel.decode_step(plan, megakernel.prepare(plan, params),
+                                                cache, tokens, positions)
     want, _ = reference.decode_step(config, params, cache, tokens, positions)
     np.testing.assert_array_equal(got, reference.greedy(want))
     np.testing.assert_allclose(logits, want, rtol=0, atol=1e-3 * float(jnp.abs(want).max()))

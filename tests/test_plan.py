@@ -62,9 +62,9 @@ def counted(name: str, tp: int, formats=None, **overrides) -> dict:
     with dma_log(megakernel.traced_step) as log, backend.use("interpret"):
         weights = megakernel.prepare(plan, params)
         if tp == 1:
-            out = megakernel.decode_step(config, weights, cache, tokens, positions)
+            out = megakernel.decode_step(plan, weights, cache, tokens, positions)
         else:
-            out = tpar.decode_step(config, weights,
+            out = tpar.decode_step(plan, weights,
                                    shards.shard_cache(config, cache, tp), tokens, positions,
                                    mesh=tp_mesh(tp))
         jax.block_until_ready(out)
