@@ -291,8 +291,9 @@ else:
 # %%
 if hybrid:
     sim_chip = run.chip if spec.kind == "tpu" else "v6e"
-    simulated = sim.simulate(config, sim_chip, batch=run.batch, context=prompt.shape[1],
-                             block=block)
+    simulated = sim.simulate(DecodePlan.make(config, chip=sim_chip, batch=run.batch,
+                                             position=prompt.shape[1], block=block,
+                                             kernel=False))
     skipped = [b for b in simulated.table("bubbles") if b["cause"] == "skipped mixer"]
     display(plots.table([{"layer": b["layer"], "kind": config.layer_types[b["layer"]],
                           "HBM idle (µs, simulated)": f"{b['idle_us']:.3g}"}
@@ -397,7 +398,8 @@ if spec.kind == "tpu":
 compile_chip = run.chip if spec.kind == "tpu" else "v6e"
 real = mk.preset("qwen3-1.7b" if compile_chip == "v5e" else
                  "qwen3.5-9b" if config.is_hybrid else "qwen3-8b")
-report = tpu.compile_megakernel(real, compile_chip, batch=8, rows=1, context=4096)
+report = tpu.compile_megakernel(DecodePlan.make(real, chip=compile_chip, batch=8, rows=1,
+                                                context=4096))
 print(report.summary())
 
 # %% [markdown]

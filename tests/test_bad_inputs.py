@@ -185,7 +185,8 @@ def test_non_finite_config_json_numbers_are_refused(field, value):
     (dict(rows=0), "rows=0 must be a positive integer")])
 def test_compile_megakernel_refuses_what_the_runtime_refuses(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        tpu.compile_megakernel(TINY, "v5e", **kwargs)
+        tpu.compile_megakernel(DecodePlan.make(TINY, chip="v5e",
+                                               **dict(batch=8, context=4096) | kwargs))
 
 
 # -- tools/run_notebooks.py -------------------------------------------------------------------
@@ -354,7 +355,8 @@ def test_a_file_or_a_list_is_not_a_checkpoint(tmp_path):
 def test_a_topology_name_without_its_shape_is_refused():
     with pytest.raises(ValueError, match="topology='v5e' must be a libtpu name with its "
                                          "shape"):
-        tpu.compile_megakernel(TINY, "v5e", tp=2, topology="v5e")
+        tpu.compile_megakernel(DecodePlan.make(TINY, chip="v5e", tp=2, batch=8,
+                                               context=4096), topology="v5e")
 
 
 def test_an_unsharded_cache_to_the_tp_step_says_to_shard_it():

@@ -314,7 +314,8 @@ def test_a_step_is_refused_unless_its_inputs_are_its_plans():
                                         ("qwen3-8b", "v6e"),
                                         ("qwen3-8b", "tpu7x"), ("qwen3-30b-a3b", "tpu7x")])
 def test_whole_model_compiles_for_tpu(name, chip):
-    report = tpu.compile_megakernel(mk.preset(name), chip, batch=8, rows=1, context=4096)
+    report = tpu.compile_megakernel(DecodePlan.make(mk.preset(name), chip=chip, batch=8,
+                                                    rows=1, context=4096))
     assert report.ok, report.error
     assert report.vmem.total_bytes < report.vmem.limit_bytes
 
@@ -328,8 +329,8 @@ def test_whole_model_compiles_for_tpu(name, chip):
     ("qwen3-30b-a3b", "v5e", 1, dict(dense="int4", experts="int4", lm_head="int4")),
     pytest.param("qwen3-8b", "tpu7x", 1, dict(dense="fp8", lm_head="fp8"), marks=SLOW)])
 def test_quantised_models_compile_for_the_chip_they_fit(name, chip, batch, formats):
-    report = tpu.compile_megakernel(mk.preset(name), chip, batch=batch, context=4096,
-                                    formats=formats)
+    report = tpu.compile_megakernel(DecodePlan.make(mk.preset(name), chip=chip, batch=batch,
+                                                    context=4096, formats=formats))
     assert report.ok, report.error
     rings = {b.name for b in report.vmem.buffers if b.name.startswith("ring_")}
     for q in set(formats.values()):  # each scheme's ring: the block's tile or its own shape
@@ -346,19 +347,21 @@ def test_a_tiny_model_fed_fp8_compiles_for_tpu7x():
     config, formats = mk.preset("tiny"), FP8_FED["tiny"]
     plan = DecodePlan.make(config, batch=8, context=1024, formats=formats, chip="tpu7x")
     assert dict(plan.feeds) == dict.fromkeys(formats, "fp8")
-    report = tpu.compile_megakernel(config, "tpu7x", batch=8, context=1024, formats=formats)
+    report = tpu.compile_megakernel(plan)
     assert report.ok, report.error
 
 
 def test_int4_experts_alone_do_not_fit_v5e_and_the_numbers_say_so():
-    report = tpu.compile_megakernel(mk.preset("qwen3-30b-a3b"), "v5e", batch=1, context=4096,
-                                    formats=dict(experts="int4"))
+    report = tpu.compile_megakernel(DecodePlan.make(
+        mk.preset("qwen3-30b-a3b"), chip="v5e", batch=1, context=4096,
+        formats=dict(experts="int4")))
     assert not report.ok
     assert "17.17 GiB of HBM, over the 15.75 GiB the compiler gives one v5e core" in report.error
 
 
 def test_a_model_too_big_for_the_chip_is_reported_with_numbers():
-    report = tpu.compile_megakernel(mk.preset("qwen3-30b-a3b"), "v5e", context=4096)
+    report = tpu.compile_megakernel(DecodePlan.make(mk.preset("qwen3-30b-a3b"), chip="v5e",
+                                                    batch=8, context=4096))
     assert not report.ok
     assert "GiB of HBM, over the 15.75 GiB the compiler gives one v5e core" in report.error
 
