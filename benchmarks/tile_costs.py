@@ -87,10 +87,12 @@ def row(preset: str, chip: str, *, tp: int = 1, topology: str | None = None, bat
         out["error"] = fit.error
     if on:
         out["measured_on"] = ", ".join(on)
-    cost = bundles.measure(measured, spec, topology=topology, block=block, **compiled)
+    cost = bundles.measure(DecodePlan.make(measured, chip=spec, block=block, **compiled),
+                           topology=topology)
     if not cost.report.ok:
         return dict(out, fits=False, error=cost.report.error.splitlines()[0][:300])
-    run = sim.simulate(config, spec, block=block, **kw,
+    run = sim.simulate(DecodePlan.make(config, chip=spec, tp=tp, batch=batch, rows=rows,
+                                       position=context, block=block, kernel=False),
                        assumptions=cost.assumptions(dma_latency_s=latency_s))
     return dict(out, **cost.row(), hbm_busy=run.hbm_utilisation, sim_step_ms=run.step_ms,
                 hbm_floor_ms=run.hbm_floor_s * 1e3, compute_ms=run.compute_s * 1e3)

@@ -7,7 +7,7 @@ one weight tile keeps the TensorCore busy before any stall.
 Here, the one reader of libtpu's dumps and the one way to make them: `read_bundles`,
 `scopes`, `compile_with_dumps` (any compile, in a child process with the dump flags),
 `dump_file`, `dump_megakernel`; on them `Loop`, `loops`, `tile_loops` (the ring's
-per-tile loops), `per_tile`, `storage_name`, `measure(config, chip, ...)` -> `TileCost` (a
+per-tile loops), `per_tile`, `storage_name`, `measure(plan, ...)` -> `TileCost` (a
 whole megakernel's per-tile loops, which the simulator may take instead of the tile cost
 table; `packed_bundles` reads a recorded row's packed ones back); and the whole kernel's
 static schedule, `dump_schedule` -> `read_schedule` -> `Schedule` (notebook 08).
@@ -38,7 +38,6 @@ from mk import quant
 from mk.chips import ChipSpec, spec_of
 from mk.config import ModelConfig
 from mk.presets import preset
-from mk.kernels.common import BlockSizes
 from mk.kernels.plan import DecodePlan
 from mk.sim import Assumptions
 from mk.tpu import CompileReport
@@ -413,50 +412,48 @@ def dump_file(jf_dump: str | os.PathLike, kernel: str, suffix: str) -> Path:
 _COMPILE_MEGAKERNEL = """import pickle, sys
 from mk import tpu
 with open(sys.argv[1], "rb") as f:
-    config, chip, kw, out = pickle.load(f)
-report = tpu.compile_megakernel(config, chip, **kw)
+    plan, topology, out = pickle.load(f)
+report = tpu.compile_megakernel(plan, topology=topology)
 with open(out, "wb") as f:
     pickle.dump(report, f)
 """
 
 
-def dump_megakernel(config: ModelConfig, chip: str, out: str | os.PathLike, *,
-                    phases: bool, timeout: float = 600.0, **kw) -> tuple[CompileReport, Path]:
-    """`mk.tpu.compile_megakernel(config, chip, **kw)` with the dumps on
+def dump_megakernel(plan: DecodePlan, out: str | os.PathLike, *, phases: bool,
+                    timeout: float = 600.0, topology: str | None = None
+                    ) -> tuple[CompileReport, Path]:
+    """`mk.tpu.compile_megakernel(plan, topology=)` with the dumps on
     (`compile_with_dumps` into `out`) -> (its report, the dump folder)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     job, result = out / "job.pkl", out / "report.pkl"
     with open(job, "wb") as f:
-        pickle.dump((config, chip, kw, str(result)), f)
+        pickle.dump((plan, topology, str(result)), f)
     jf = compile_with_dumps(_COMPILE_MEGAKERNEL, [job], out, phases=phases, timeout=timeout)
     with open(result, "rb") as f:
         return pickle.load(f), jf
 
 
-def measure(config: ModelConfig, chip: str | ChipSpec, *, tp: int = 1,
-            topology: str | None = None, batch: int = 1, rows: int = 1,
-            context: int = 4096, block: BlockSizes | None = None,
+def measure(plan: DecodePlan, *, topology: str | None = None,
             timeout: float = 600.0) -> TileCost:
-    """Compile `config`'s megakernel for `chip` (`mk.tpu.compile_megakernel`, same
-    arguments) in a child process with libtpu's bundle dump on (`dump_megakernel`); return
-    its report and per-tile loops (none if it did not compile: `TileCost.report` says why).
-    Raises RuntimeError if the child fails or a compiled kernel shows no per-tile loop."""
-    spec = spec_of(chip)
-    if spec.kind != "tpu":
-        raise ValueError(f"chip={spec.name!r} is a {spec.kind}: no TPU compile to measure")
-    plan = DecodePlan.make(config, tp=tp, batch=batch, rows=rows, context=context,
-                           block=block, chip=spec)
-    tiles = tuple((storage_name(plan.stream, q, tile),
-                   tile_parts(q, *tile, jnp.dtype(config.dtype).itemsize))
+    """Compile `plan`'s megakernel for the chip it was made for
+    (`mk.tpu.compile_megakernel`) in a child process with libtpu's bundle dump on
+    (`dump_megakernel`); return its report and per-tile loops (none if it did not compile:
+    `TileCost.report` says why). Raises RuntimeError if the child fails or a compiled
+    kernel shows no per-tile loop."""
+    spec = spec_of(plan.chip) if plan.chip is not None else None
+    if spec is None or spec.kind != "tpu":
+        raise ValueError(f"plan.chip={plan.chip!r}: no TPU compile to measure (make the "
+                         "plan for a TPU: `DecodePlan.make(chip=)`)")
+    itemsize = jnp.dtype(plan.config.dtype).itemsize
+    tiles = tuple((storage_name(plan.stream, q, tile), tile_parts(q, *tile, itemsize))
                   for q, tile in plan.stream.storages)
     shapes = tuple((storage_name(plan.stream, q, tile), q, tuple(tile))
                    for q, tile in plan.stream.storages)
     found = ()
     with tempfile.TemporaryDirectory(prefix="mk-bundles-") as folder:
-        report, jf = dump_megakernel(config, spec.name, folder, phases=False,
-                                     timeout=timeout, tp=tp, topology=topology,
-                                     batch=batch, rows=rows, context=context, block=block)
+        report, jf = dump_megakernel(plan, folder, phases=False, timeout=timeout,
+                                     topology=topology)
         if report.ok:
             text = dump_file(jf, "mk_megakernel", "final_bundles.txt").read_text()
             found = tuple(tile_loops(loops(text), *dict(tiles).values()))
@@ -474,8 +471,8 @@ def dump_schedule(config: str | ModelConfig, chip: str, out: str | os.PathLike, 
     the schedule dumps on (`dump_megakernel`); read them with `read_schedule`. Raises
     RuntimeError if it does not compile."""
     config = preset(config) if isinstance(config, str) else config
-    report, jf = dump_megakernel(config, chip, out, phases=phases, batch=batch, rows=rows,
-                                 context=context)
+    plan = DecodePlan.make(config, chip=chip, batch=batch, rows=rows, context=context)
+    report, jf = dump_megakernel(plan, out, phases=phases)
     if not report.ok:
         raise RuntimeError(f"the dumping compile failed: {report.summary()}")
     return jf

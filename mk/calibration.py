@@ -30,6 +30,7 @@ from mk.chips import spec_of
 from mk.machine import Assumptions
 from mk.config import finite_number
 from mk.errors import shown
+from mk.kernels.plan import DecodePlan
 from mk.measure import MEASURED, STEP_SERIES, step_plans
 from mk.presets import preset
 
@@ -211,8 +212,10 @@ def agreement(chip: str, path: str | Path | None = None,
             if not _seconds(row, series) or extra is None or (series == ONE_STEP
                                                                and not donated):
                 continue  # a copied cache's one step holds its copy: not simulated
-            step = sim.simulate(config, chip, **kw, block=plans[series].block,
-                                assumptions=a).step_s
+            step = sim.simulate(DecodePlan.make(
+                config, chip=chip, batch=row["batch"], rows=row["rows"],
+                position=row["context"], block=plans[series].block, kernel=False),
+                assumptions=a).step_s
             out.append(Agreement(i, row, series, _seconds(row, series), step + extra,
                                  i in used[series]))
     return out

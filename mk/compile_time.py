@@ -33,6 +33,7 @@ from jax import lax
 import mk
 from mk import reference
 from mk.config import ModelConfig
+from mk.kernels.plan import DecodePlan
 from mk.kinds.base import ROLES
 from mk.kinds.layers import layer_kinds, of_role
 from mk.weights import abstract_params
@@ -141,11 +142,12 @@ XLA_SERIES = {"xla_unrolled": from_builder(xla_unrolled), "xla_scan": from_build
 
 
 def megakernel_series() -> tuple[Compile, str]:
-    """(the megakernel series, ""): `mk.tpu.compile_megakernel(config, chip, batch=, rows=,
-    context=)`, the project's one megakernel compile path (the "" keeps the shape of a
-    series that could be skipped)."""
+    """(the megakernel series, ""): `mk.tpu.compile_megakernel` of the chip's plan
+    (`DecodePlan.make(config, chip=, batch=, rows=, context=)`), the project's one
+    megakernel compile path (the "" keeps the shape of a series that could be skipped)."""
     def compile_series(config, chip, batch, rows, context):
-        return mk.tpu.compile_megakernel(config, chip, batch=batch, rows=rows, context=context)
+        return mk.tpu.compile_megakernel(DecodePlan.make(
+            config, chip=chip, batch=batch, rows=rows, context=context))
     return compile_series, ""
 
 

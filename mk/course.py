@@ -404,12 +404,16 @@ class Mystery:
         self.want = reference.decode_step(config, self.params, self.cache, self.tokens,
                                           self.positions)[0]
 
+    def _plan(self) -> DecodePlan:
+        """The step's plan (made inside the plant: its code may be the planted one)."""
+        return DecodePlan.make(self.config, batch=1, rows=2, context=256)
+
     def _step(self, fix=None, detect_races=False):
         patch = (replaced(self._plant, fix) if fix is not None else planted(self._plant))
         with patch, backend.use("interpret", detect_races=detect_races):
-            plan = DecodePlan.make(self.config, batch=1, rows=2, context=256)
+            plan = self._plan()
             weights = megakernel.prepare(plan, self.params)
-            logits = megakernel.decode_step(self.config, weights, self.cache, self.tokens,
+            logits = megakernel.decode_step(plan, weights, self.cache, self.tokens,
                                             self.positions)[1]
             return jax.block_until_ready(logits), backend.races_found()
 
@@ -429,7 +433,7 @@ class Mystery:
         """`mk.megakernel.first_divergence` of the step with the plant in: (the first (layer,
         op) off the reference, or None; the per-op report)."""
         with planted(self._plant):
-            return megakernel.first_divergence(self.config, self.params, self.cache,
+            return megakernel.first_divergence(self._plan(), self.params, self.cache,
                                                self.tokens, self.positions,
                                                backend="interpret")
 

@@ -29,7 +29,7 @@ from mk.errors import shown
 from mk.presets import preset as named_preset
 from mk.published import Published, published
 from mk.kernels.collectives import choose_algorithm, rounds
-from mk.kernels.plan import shard_config
+from mk.kernels.plan import DecodePlan, shard_config
 from mk.kinds.layers import layer_kinds
 from mk.machine import Simulation
 from mk.measure import TPU_NAMES, path_for
@@ -310,10 +310,11 @@ def entries(*, routing: str = "uniform", compute: str = "bf16",
                          "benchmarks/tile_costs.py --published")
     recorded = {cost_key(c): c for c in tile_costs}
 
-    def simulated(config, spec, a=assumptions, **kw):  # rows differing only in tau share it
-        key = (config.name, spec.name, a, tuple(sorted(kw.items(), key=str)))
-        if key not in sims:
-            sims[key] = simulate(config, spec, assumptions=a, **kw)
+    def simulated(config, spec, a=assumptions, *, context, **kw):  # rows differing only
+        key = (config.name, spec.name, a, context, tuple(sorted(kw.items(), key=str)))
+        if key not in sims:  # in tau share it; a run's plan, at its context's position
+            sims[key] = simulate(DecodePlan.make(config, chip=spec, position=context,
+                                                 kernel=False, **kw), assumptions=a)
         return sims[key]
 
     for run in runs(speculative_only=speculative_only, batches=batches):

@@ -373,7 +373,7 @@ def time_step_series(config: ModelConfig, *, batch: int = 1, rows: int = 1,
                      block=None) -> dict:
     """Seconds per decode step of `config` (random weights of `seed`) on `backend`, for
     each of `series`: every sequence reads a full cache of `context` positions before its
-    `rows` new ones, as `mk.sim.simulate(..., context=context)` replays it; the kernel's
+    `rows` new ones, as `mk.sim.simulate` replays a plan at `position=context`; the kernel's
     `block` is the default one unless given (`step_plans`).
 
     - "megakernel": one dispatched megakernel step (host dispatch included), its cache

@@ -41,7 +41,7 @@ from mk.kernels.common import (BlockSizes, aliases, default_kv_tile, memory_spec
                                sequenced, start_dma)
 from mk.kernels.deltanet import STATE_INPUTS, STATE_OUTPUTS
 from mk.kernels.one_layer import layer_body
-from mk.kernels.plan import DecodePlan, model_stream, padded_vocab
+from mk.kernels.plan import DecodePlan, model_stream, packed_formats, padded_vocab
 from mk.kernels.ring import Ring, ring_layout
 from mk.kinds.base import Step
 from mk.kinds.layers import TABLES, kind_at, layer_kinds, layer_tables, of_role, stream_kind
@@ -275,30 +275,33 @@ def _greedy_tokens(plan: DecodePlan, outputs, argmax_scratch) -> None:
         valid=vocab < config.vocab, algorithm=plan.collective)  # not the padding columns
 
 
-def decode_step(config: ModelConfig, weights, cache, tokens, positions, *,
-                block: BlockSizes | None = None, taps: bool = False,
-                row_states: bool = False, feeds=None, donate: bool = False):
-    """One decode step in one kernel: tokens [B, T] at positions [B] -> (next tokens
-    [B, T] int32 (greedy, ties to the lowest id), logits [B, T, V] float32, cache).
-    donate=True updates `cache` in place (`step_in_place`: the caller's cache is spent);
-    by default XLA first copies it, a whole cache's bytes read and written each step.
-    `weights` from `prepare(plan, params)` (the plan's block); block: the tiling (default the
-    plan's, `mk.kernels.plan.default_block`); feeds: the packed groups' MXU feeds
-    (`DecodePlan.make(feeds=)`, the plan `prepare` was given). A hybrid's cache is a
-    `mk.cache.HybridCache`; with `row_states=True` the step also returns its linear
-    layers' states after each row (`mk.cache.LinearRows`, for `mk.cache.rollback`),
-    as `mk.reference.decode_step` does.
+def decode_step(plan: DecodePlan, weights, cache, tokens, positions, *, taps: bool = False,
+                row_states: bool = False, donate: bool = False):
+    """One decode step of `plan` in one kernel: tokens [B, T] at positions [B] -> (next
+    tokens [B, T] int32 (greedy, ties to the lowest id), logits [B, T, V] float32, cache).
+    `weights` from `prepare(plan, params)`, the same plan (its block, formats and feeds);
+    the cache's capacity is the plan's context, the tokens its [B, T] (ValueError
+    otherwise). donate=True updates `cache` in place (`step_in_place`: the caller's cache
+    is spent); by default XLA first copies it, a whole cache's bytes read and written each
+    step. A hybrid's cache is a `mk.cache.HybridCache`; with `row_states=True` the step
+    also returns its linear layers' states after each row (`mk.cache.LinearRows`, for
+    `mk.cache.rollback`), as `mk.reference.decode_step` does.
 
     With `taps=True` also returns {"attn", "mlp"}: the residual stream [L, B, T, D] after
     each layer's attention and MLP blocks, as `mk.reference.decode_step(..., taps=True)`.
     """
+    if not isinstance(plan, DecodePlan):
+        raise ValueError(f"plan is a {type(plan).__name__}; it must be a DecodePlan "
+                         "(`DecodePlan.make(config, batch=, rows=, context=)`)")
+    if plan.tp != 1:
+        raise NotImplementedError(f"plan.tp={plan.tp}: a tensor-parallel step is "
+                                  "`mk.tensor_parallel.decode_step`'s")
+    config = plan.config
     if row_states and not has_states(cache):
         raise ValueError(f"row_states=True needs a hybrid model; {config.name} has no "
                          "linear layers")
     tokens, positions = decode_checks.validate_step(config, cache, tokens, positions)
-    plan = DecodePlan.make(config, batch=tokens.shape[0], rows=tokens.shape[1],
-                     context=cache.capacity, block=block,
-                     formats=quant.formats_of(weights), feeds=feeds)
+    check_step(plan, weights, cache.capacity, tokens.shape)
     backends.check_active()
     out = (step_in_place if donate else traced_step)(plan, weights, cache, tokens, positions,
                                                      taps=taps)
@@ -307,32 +310,47 @@ def decode_step(config: ModelConfig, weights, cache, tokens, positions, *,
     return out
 
 
-def first_divergence(config: ModelConfig, params, cache: reference.KVCache, tokens,
-                     positions, *, block: BlockSizes | None = None, stop_after=None,
-                     rtol: float = 1e-2, backend: str = "auto", weights=None, feeds=None):
-    """Run the reference and the megakernel on one step and compare the residual stream
-    op by op, in execution order, up to `stop_after=(layer, op)` (op in TAPS; default: the
-    last layer's MLP). `weights`: the megakernel's own (default `prepare(plan, params)` of
-    this step's plan), to test a preparation or a planted bug. Returns (the first (layer, op) whose
-    max |mk - ref| exceeds rtol times the reference's max |x| there, or None; a list of
-    dicts, one per compared op, with layer, op, max_abs_err, scale).
+def check_step(plan: DecodePlan, weights, capacity: int, shape) -> None:
+    """Raise ValueError unless a step of `plan` fits its inputs: a cache of `capacity`
+    positions (the plan's context), tokens of `shape` (its [B, T]) and `weights` packed in
+    the formats the plan streams packed (`mk.kernels.plan.packed_formats`, what `prepare`
+    laid out)."""
+    if capacity != plan.context:
+        raise ValueError(f"the cache's capacity {capacity} is not the plan's "
+                         f"context={plan.context}")
+    if tuple(shape) != (plan.batch, plan.rows):
+        raise ValueError(f"tokens shape {tuple(shape)} is not the plan's [B={plan.batch}, "
+                         f"T={plan.rows}]")
+    packed, theirs = (packed_formats(plan.config, formats) for formats in (
+        dict(plan.formats), quant.formats_of(weights)))
+    if theirs != packed:
+        raise ValueError(f"weights streamed packed in {theirs}, the plan's in {packed}: "
+                         "prepare them for this plan (`prepare(plan, params)`)")
+
+
+def first_divergence(plan: DecodePlan, params, cache: reference.KVCache, tokens,
+                     positions, *, stop_after=None, rtol: float = 1e-2,
+                     backend: str = "auto", weights=None):
+    """Run the reference and the megakernel on one step of `plan` and compare the residual
+    stream op by op, in execution order, up to `stop_after=(layer, op)` (op in TAPS;
+    default: the last layer's MLP). `weights`: the megakernel's own (default
+    `prepare(plan, params)`), to test a preparation or a planted bug. Returns (the first
+    (layer, op) whose max |mk - ref| exceeds rtol times the reference's max |x| there, or
+    None; a list of dicts, one per compared op, with layer, op, max_abs_err, scale).
 
     Both sides round to bf16 in different places, so the tolerance is relative to the
     activations' scale; a wrong weight, mask or position moves the error by orders of
     magnitude more (tests/test_megakernel.py plants one)."""
+    config = plan.config
     layer, op = (config.layers - 1, TAPS[-1]) if stop_after is None else stop_after
     if not (isinstance(layer, int) and 0 <= layer < config.layers and op in TAPS):
         raise ValueError(f"stop_after={stop_after!r} must be (layer, op) with 0 <= layer < "
                          f"layers={config.layers} and op in {TAPS}")
-    B, T = jnp.shape(tokens)
-    plan = DecodePlan.make(config, batch=B, rows=T, context=cache.capacity,
-                     block=block, formats=quant.formats_of(params), feeds=feeds)
     _, _, want = reference.decode_step(config, quant.dequantize(params, feeds=dict(
         plan.feeds)), cache, tokens, positions, taps=True)
     with backends.use(backend):
         weights = prepare(plan, params) if weights is None else weights
-        *_, got = decode_step(config, weights, cache, tokens, positions, block=plan.block,
-                              taps=True, feeds=dict(plan.feeds))
+        *_, got = decode_step(plan, weights, cache, tokens, positions, taps=True)
     report = []
     for layer_i in range(layer + 1):
         for op_i in TAPS[:TAPS.index(op) + 1] if layer_i == layer else TAPS:

@@ -542,13 +542,13 @@ def variants(config: ModelConfig, params, cache: reference.KVCache, tokens, posi
     `mk.backend.use(...)`."""
     B, T = jnp.shape(tokens)
     plan = DecodePlan.make(config, batch=B, rows=T, context=cache.capacity)
-    block, weights = plan.block, megakernel.prepare(plan, params)
+    weights = megakernel.prepare(plan, params)
     staged = staged_weights(config, params)
     return {
         "xla": lambda: reference.decode_step(config, params, cache, tokens, positions),
         "staged": lambda: staged_step(config, params, staged, cache, tokens, positions),
-        "megakernel": lambda: megakernel.decode_step(config, weights, cache, tokens,
-                                                     positions, block=block),
+        "megakernel": lambda: megakernel.decode_step(plan, weights, cache, tokens,
+                                                     positions),
     }
 
 

@@ -35,14 +35,17 @@ RTOL = 1e-12  # the simulator's float sums: an "at least" holds to this relative
 # -- Design sweeps ---------------------------------------------------------------------------
 SWEEPS = ("slots", "tile", "kv_tile", "kv_slots", "cross_layer_prefetch", "batch", "rows",
           "tp", "dma_latency_s")
+REPLAY_ARGS = ("cross_layer_prefetch", "routing", "experts_active")  # `simulate`'s own; the
+#   others of a sweep's row are its plan's (`DecodePlan.make`; `context` its position)
 
 
 def sweep(config: ModelConfig, chip: ChipSpec | str, parameter: str, values, *,
           accepted: float | None = None, **kwargs) -> list[dict]:
-    """One `simulate` per value of `parameter` (one of SWEEPS), the other arguments fixed:
-    a table row each (step, HBM utilisation, tokens/s per user, the largest bubble). A
-    value the kernel cannot tile (e.g. a tile that does not divide a matrix) gives a row
-    whose `note` says why."""
+    """One `simulate` per value of `parameter` (one of SWEEPS), the other arguments fixed
+    (the plan's, `DecodePlan.make(config, chip=, position=context, ...)`, and
+    `REPLAY_ARGS`): a table row each (step, HBM utilisation, tokens/s per user, the
+    largest bubble). A value the kernel cannot tile (e.g. a tile that does not divide a
+    matrix) gives a row whose `note` says why."""
     perf.check_choice("parameter", parameter, SWEEPS)
     if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__") or not values:
         raise ValueError(f"values={shown(values)} must be a non-empty list of {parameter} "
@@ -63,7 +66,9 @@ def sweep(config: ModelConfig, chip: ChipSpec | str, parameter: str, values, *,
                 a = dataclasses.replace(a, dma_latency_s=value)
             else:
                 kw[parameter] = value
-            sim = simulate(config, chip, assumptions=a, **kw)
+            replayed = {k: kw.pop(k) for k in REPLAY_ARGS if k in kw}
+            sim = simulate(DecodePlan.make(config, chip=chip, position=kw.pop("context", 0),
+                                           kernel=False, **kw), assumptions=a, **replayed)
         except ValueError as err:
             out.append({parameter: value, "step_ms": None, "hbm_utilisation": None,
                         "tokens_per_s_per_user": None, "largest_bubble": None,
@@ -78,17 +83,17 @@ def sweep(config: ModelConfig, chip: ChipSpec | str, parameter: str, values, *,
 
 
 # -- Invariants of a simulated step (notebook 11's checks) -------------------------------------
-def clock_ends(config: ModelConfig, chip: ChipSpec | str, *,
-               assumptions: Assumptions | None = None, **kwargs) -> dict[str, Simulation]:
-    """{clock end: the step `simulate(config, chip, **kwargs)` with `assumptions` at that
-    end of the chip's clock range} (`mk.chips.CLOCK_ENDS`): one source of tile costs (the
-    tile cost table, or a compiled kernel's recorded loop) at both ends."""
+def clock_ends(plan: DecodePlan, *, assumptions: Assumptions | None = None,
+               **kwargs) -> dict[str, Simulation]:
+    """{clock end: the step `simulate(plan, **kwargs)` with `assumptions` at that end of
+    the chip's clock range} (`mk.chips.CLOCK_ENDS`): one source of tile costs (the tile
+    cost table, or a compiled kernel's recorded loop) at both ends."""
     if assumptions is not None and not isinstance(assumptions, Assumptions):
         raise ValueError(f"assumptions is a {type(assumptions).__name__}; it must be a "
                          "mk.sim.Assumptions")
     a = assumptions or Assumptions()
-    return {end: simulate(config, chip, assumptions=dataclasses.replace(a, clock=end),
-                          **kwargs) for end in CLOCK_ENDS}
+    return {end: simulate(plan, assumptions=dataclasses.replace(a, clock=end), **kwargs)
+            for end in CLOCK_ENDS}
 
 
 def check_invariants(step: Simulation, *, no_prefetch: Simulation,

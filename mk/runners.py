@@ -106,20 +106,20 @@ class Megakernel(Runner):
         super().__init__(config, rows)
         self.backend = backends.resolve(backend)
         self.tiling, self.params = block, params  # None: each plan's default
-        self.block = self.weights = None  # set by `_init_cache` from the step's plan
+        self.plan = self.block = self.weights = None  # set by `_init_cache`: the step's
 
     def _init_cache(self, batch, capacity):
         plan = DecodePlan.make(self.config, batch=batch, rows=self.rows,
                                     context=capacity, block=self.tiling)
         if self.block is None or plan.block.tile_cols != self.block.tile_cols:
             self.weights = megakernel.prepare(plan, self.params)
-        self.block = plan.block
+        self.plan, self.block = plan, plan.block
         return reference.init_cache(self.config, batch, capacity)
 
     def _call(self, cache, tokens, positions):
         with backends.use(self.backend):
             nxt, logits, cache, *rows = megakernel.decode_step(
-                self.config, self.weights, cache, tokens, positions, block=self.block,
+                self.plan, self.weights, cache, tokens, positions,
                 row_states=has_states(cache))
         self.last_rows = rows[0] if rows else None
         return nxt, logits, cache

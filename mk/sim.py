@@ -1,7 +1,7 @@
 """The pipeline simulator: the megakernel's own tile schedule replayed on a model of a chip.
 
-`simulate(config, chip, ...)` makes the `DecodePlan` the kernel executes
-(`mk.kernels.plan`) and walks its stream in the kernel's program order (each layer's
+`simulate(plan, ...)` takes the `DecodePlan` the kernel executes (`mk.kernels.plan`,
+made for a chip at a position) and walks its stream in the kernel's program order (each layer's
 phases of `mk.kinds.base.LAYER_PHASES`, each layer kind's part by its twin, `mk.kinds`),
 on `mk.machine.Machine`: every `start(g)` / `wait(g)` of the kernel is a DMA issue / a
 compute-lane wait here, with the kernel's rules for the ring, switched-off segments and
@@ -28,7 +28,7 @@ import numpy as np
 
 from mk import feed_costs, perf, quant
 from mk.chips import ChipSpec, spec_of
-from mk.config import (DTYPE_BITS, ModelConfig, check_config, check_formats, positive_int)
+from mk.config import DTYPE_BITS, ModelConfig, check_formats, positive_int
 from mk.errors import shown
 from mk.kernels.common import BlockSizes
 from mk.kernels.mlp import expert_slots
@@ -360,28 +360,31 @@ def latency_slots(config: ModelConfig, chip: ChipSpec | str, block: BlockSizes, 
     return ring_slots(stream, DTYPE_BITS[config.dtype] // 8, bw * a.dma_latency_s)
 
 
-def simulate(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows: int = 1,
-             context: int = 0, block: BlockSizes | None = None, tp: int = 1,
-             cross_layer_prefetch: bool = True,
+def simulate(plan: DecodePlan, *, cross_layer_prefetch: bool = True,
              routing: str | RoutingTrace = "uniform", experts_active: int | None = None,
-             assumptions: Assumptions | None = None, formats=None,
-             collective: str | None = None) -> Simulation:
-    """Replay one decode step of the megakernel (module docstring) on one device of `chip`:
-    the `DecodePlan` of `DecodePlan.make(config, batch=, rows=, position=, tp=, block=,
-    formats=, collective=)` (formats: the mk.quant schemes of the groups stored
-    quantised; default the config's own, {} for none; collective: the collectives'
-    algorithm, default the plan's choice).
+             assumptions: Assumptions | None = None) -> Simulation:
+    """Replay one decode step of the megakernel (module docstring): the step of `plan` on
+    one device of the chip it was made for, every sequence at its position (make it with
+    `DecodePlan.make(config, chip=, batch=, rows=, position=, tp=, ...)`: the position is
+    the cached positions each sequence reads, its rows at position .. position + T - 1;
+    `kernel=False` for a step no core holds; its block defaults to the ring Little's law
+    asks for at `mk.kernels.plan.ring_cover_s`).
 
-    context: the cached positions each sequence reads (its rows sit at positions context ..
-    context + T - 1); block defaults to the plan's for this chip (`DecodePlan.make`: the ring
-    Little's law asks for at `mk.kernels.plan.ring_cover_s`);
     routing: `mk.perf.experts_touched`'s (a `mk.routing_trace.RoutingTrace` of this model,
     or an assumed routing); experts_active overrides it (active expert slots per MoE
     layer).
     """
-    spec = _tpu(chip)
-    check_config(config)
-    positive_int("rows", rows)
+    if not isinstance(plan, DecodePlan):
+        raise ValueError(f"plan is a {type(plan).__name__}; it must be a DecodePlan "
+                         "(`DecodePlan.make(config, chip=, position=, ...)`)")
+    if plan.chip is None:
+        raise ValueError("a plan made for no chip: the simulator replays the step on the "
+                         "chip its ring and feeds are for (`DecodePlan.make(chip=)`)")
+    spec = _tpu(plan.chip)
+    config, batch, rows, context = plan.config, plan.batch, plan.rows, plan.position
+    if context is None:
+        raise ValueError(f"a plan of a cache of context={plan.context}: the simulator "
+                         "replays every sequence at a position (`DecodePlan.make(position=)`)")
     _check_context(config, context, rows)
     perf.check_routing(routing, config)  # a trace of another model, as perf.predict
     if assumptions is not None and not isinstance(assumptions, Assumptions):
@@ -390,9 +393,6 @@ def simulate(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, rows:
     if not isinstance(cross_layer_prefetch, (bool, np.bool_)):  # "no" would be truthy
         raise ValueError(f"cross_layer_prefetch={shown(cross_layer_prefetch)} must be True "
                          "or False")
-    plan = DecodePlan.make(config, batch=batch, rows=rows, position=context, tp=tp,
-                           block=block, formats=formats, chip=spec, kernel=False,
-                           collective=collective)
     a = assumptions or Assumptions()
     on = 0
     if experts_active is not None and not plan.expert_slots:

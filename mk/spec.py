@@ -30,6 +30,7 @@ from mk.config import MAX_ROWS, ModelConfig, check_seed, finite_number, positive
 from mk.drafters import Drafter, Forced, ModelDrafter, NGram, draw
 from mk.errors import shown
 from mk.kernels.common import default_kv_tile
+from mk.kernels.plan import DecodePlan
 from mk.runners import XLA, Megakernel, Runner
 from mk.weights import param_shapes
 
@@ -405,8 +406,9 @@ def step_ms(config: ModelConfig, chip, *, batch: int, rows: int, context: int, t
     of `mk.ledger`'s published rows), "conventional" `mk.perf.conventional` (one
     kernel per op, a launch gap each: the GPU baseline)."""
     kw = dict(batch=batch, rows=rows, context=context, tp=tp)
-    if timing == "sim":
-        return sim.simulate(config, chip, **kw).step_ms
+    if timing == "sim":  # the plan of a step at `context`, for the chip
+        return sim.simulate(DecodePlan.make(config, chip=chip, batch=batch, rows=rows,
+                                            position=context, tp=tp, kernel=False)).step_ms
     if timing == "conventional":
         return perf.conventional(config, chip, **kw).step_ms
     if timing != "modelled":

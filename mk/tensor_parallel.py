@@ -28,7 +28,7 @@ from mk.kernels.collectives import (AXIS, all_reduce_bytes, check_interpret_devi
                                     choose_algorithm, ici_bandwidth, round_s,
                                     rounds as message_rounds, tp_mesh)
 from mk.kernels.common import BlockSizes
-from mk.kernels.plan import DecodePlan, shard_config
+from mk.kernels.plan import DecodePlan
 from mk.shards import check_sharded_cache, check_tp, shard_cache
 
 
@@ -45,25 +45,23 @@ def _step(plan: DecodePlan, weights, cache, tokens, positions):
     return nxt[None], logits[None], jax.tree.map(lambda a: a[None], cache)
 
 
-def decode_step(config: ModelConfig, weights, cache: reference.KVCache, tokens, positions,
-                *, mesh: jax.sharding.Mesh, block: BlockSizes | None = None, feeds=None,
-                collective: str | None = None):
-    """One tensor-parallel decode step: weights from `mk.megakernel.prepare`, cache from
-    `mk.shards.shard_cache`
-    -> (next tokens [B, T] int32, logits [B, T, V] float32, cache), like
-    `mk.megakernel.decode_step`; `collective`: the collectives' algorithm
-    (`DecodePlan.make`'s)."""
-    tp = mesh.shape[AXIS]
-    local = shard_config(config, tp)
+def decode_step(plan: DecodePlan, weights, cache: reference.KVCache, tokens, positions,
+                *, mesh: jax.sharding.Mesh):
+    """One tensor-parallel decode step of `plan` (plan.tp devices, the size of the mesh's
+    axis): weights from `mk.megakernel.prepare(plan, params)`, cache from
+    `mk.shards.shard_cache` -> (next tokens [B, T] int32, logits [B, T, V] float32, cache),
+    like `mk.megakernel.decode_step` (its `check_step`: the plan's [B, T], context and
+    packed formats)."""
+    config, tp = plan.config, mesh.shape[AXIS]
+    if plan.tp != tp:
+        raise ValueError(f"plan.tp={plan.tp} is not the mesh's {AXIS!r} axis of {tp} "
+                         "devices")
     check_sharded_cache(config, cache, tp)
     check_interpret_devices(mesh)
     unstacked = type(cache)(*(a[0] for a in cache))
-    tokens, positions = decode_checks.validate_step(local, unstacked, tokens, positions)
+    tokens, positions = decode_checks.validate_step(plan.local, unstacked, tokens, positions)
     B, T = tokens.shape
-    plan = DecodePlan.make(config, tp=tp, batch=B, rows=T,
-                                context=unstacked.capacity, block=block,
-                                formats=quant.formats_of(weights), feeds=feeds,
-                                collective=collective)
+    megakernel.check_step(plan, weights, unstacked.capacity, (B, T))
     nxt, logits, cache = _sharded_step(plan, mesh, weights, cache, tokens, positions)
     logits = jnp.moveaxis(logits, 0, -2).reshape(B, T, config.vocab)
     return nxt[0], logits, cache

@@ -28,10 +28,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mk import megakernel, quant, reference, tensor_parallel
 from mk.chips import ChipSpec, spec_of
-from mk.config import ModelConfig
 from mk.jax_private import MosaicError
 from mk.kernels.collectives import AXIS
-from mk.kernels.common import BlockSizes, VmemBudget
+from mk.kernels.common import VmemBudget
 from mk.kernels.plan import DecodePlan
 from mk.weights import FORMAT_GROUPS, abstract_params
 
@@ -160,25 +159,27 @@ def _tpu(chip: str | ChipSpec) -> ChipSpec:
     return spec
 
 
-def compile_megakernel(config: ModelConfig, chip: str | ChipSpec, *, tp: int = 1,
-                       topology: str | None = None, batch: int = 8, rows: int = 1,
-                       context: int = 4096, block: BlockSizes | None = None,
-                       formats=None, feeds=None) -> CompileReport:
-    """Compile the whole-model decode step of `config` for `chip`: the megakernel on one
-    core (tp=1), or its tensor-parallel step on tp cores of `topology` (a libtpu name,
-    e.g. "tpu7x:2x2x1"; default the chip's own single-chip topology). Without a block, the
-    plan's tiling for the chip (its ring sized by Little's law: `DecodePlan.make`).
+def compile_megakernel(plan: DecodePlan, *, topology: str | None = None) -> CompileReport:
+    """Compile the whole-model decode step of `plan` for the chip it was made for
+    (`DecodePlan.make(config, chip=, tp=, batch=, rows=, context=, block=, formats=,
+    feeds=)`: without a block, the chip's tiling, its ring sized by Little's law; feeds
+    default to the chip's): the megakernel on one core (tp=1), or its tensor-parallel step
+    on tp cores of `topology` (a libtpu name, e.g. "tpu7x:2x2x1"; default the chip's own
+    single-chip topology).
 
     The KV cache is donated, as `generate`'s device loop donates it: updated in place, HBM
-    holds it once. Its `DecodePlan` is made first (what the runtime refuses raises
-    ValueError here too); a plan that does not fit the core (`DecodePlan.fits`: VMEM or HBM) is
-    reported (ok=False, with the numbers), not compiled. formats: the mk.quant scheme of each
-    weight family stored quantised ({"dense": "int8", ...}; `mk.quant.abstract_weight`);
-    feeds: their MXU feeds (default the chip's, `DecodePlan.make(feeds=)`).
+    holds it once. A plan that does not fit the core (`DecodePlan.fits`: VMEM or HBM) is
+    reported (ok=False, with the numbers), not compiled. The plan's formats: the mk.quant
+    scheme of each weight family stored quantised (`mk.quant.abstract_weight`).
     """
-    spec = _tpu(chip)
-    plan = DecodePlan.make(config, tp=tp, batch=batch, rows=rows, context=context,
-                                block=block, formats=formats, chip=spec, feeds=feeds)
+    if not isinstance(plan, DecodePlan):
+        raise ValueError(f"plan is a {type(plan).__name__}; it must be a DecodePlan "
+                         "(`DecodePlan.make(config, chip=, ...)`)")
+    if plan.chip is None:
+        raise ValueError("a plan made for no chip: compile the plan of the chip its ring "
+                         "and feeds are for (`DecodePlan.make(chip=)`)")
+    spec = _tpu(plan.chip)
+    config, batch, rows, context = plan.config, plan.batch, plan.rows, plan.context
     cores = f" TP{plan.tp}" if plan.tp > 1 else ""
     name = f"megakernel {config.name}{cores} B={batch} T={rows} S={context}"
     fit = plan.fits(spec)

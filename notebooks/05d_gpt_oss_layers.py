@@ -341,7 +341,8 @@ for chip_name in ("v6e", "v5e"):
             "ring": f"{plan.block.slots} x {plan.block.tile_rows} x {plan.block.tile_cols}",
             "fits": fit.ok or fit.error}
     for end in ("low", "high") if row else ():  # recorded for gpt-oss-20b only
-        step = sim.simulate(big, chip_name, batch=1, context=4096,
+        step = sim.simulate(DecodePlan.make(big, chip=chip_name, batch=1, position=4096,
+                                            kernel=False),
                             assumptions=ledger.recorded_assumptions(row, clock=end))
         suffix = "" if end == "low" else "_high"  # a tile's issue over its DMA, recorded
         fp4 = row.get("packed", {}).get("fp4")  # its loop, where the dump shows one

@@ -194,9 +194,11 @@ _, cache = reference.prefill(config, params, prompt, max_context=run.context)
 drafted, positions = want[:, :run.rows], jnp.full((run.batch,), prompt.shape[1], jnp.int32)
 want_rows = reference.greedy(reference.decode_step(config, params, cache, drafted,
                                                    positions)[0])
+rows_plan = DecodePlan.make(config, batch=run.batch, rows=run.rows, context=run.context,
+                            block=block)  # the same tiles, T = `rows` rows a step
 with mk.backend.use(run.backend):
-    got_rows, _, _ = megakernel.decode_step(config, megakernel.prepare(plan, params),
-                                            cache, drafted, positions, block=block)
+    got_rows, _, _ = megakernel.decode_step(rows_plan, megakernel.prepare(rows_plan, params),
+                                            cache, drafted, positions)
 print(f"T={run.rows}: reference {want_rows.tolist()}, megakernel {got_rows.tolist()}")
 
 # %% [markdown]
@@ -212,14 +214,14 @@ print(f"T={run.rows}: reference {want_rows.tolist()}, megakernel {got_rows.tolis
 
 # %%
 debug_tokens, debug_positions = want[:, :1], jnp.full((run.batch,), prompt.shape[1], jnp.int32)
-first, report_ = megakernel.first_divergence(config, params, cache, debug_tokens,
-                                             debug_positions, block=block, backend=run.backend)
+first, report_ = megakernel.first_divergence(plan, params, cache, debug_tokens,
+                                             debug_positions, backend=run.backend)
 display(plots.table(report_))
 weights = megakernel.prepare(plan, params)
 planted = weights | {"norms": weights["norms"].at[0, 0].mul(1.5)}
-planted_first, _ = megakernel.first_divergence(config, params, cache, debug_tokens,
-                                               debug_positions, block=block,
-                                               backend=run.backend, weights=planted)
+planted_first, _ = megakernel.first_divergence(plan, params, cache, debug_tokens,
+                                               debug_positions, backend=run.backend,
+                                               weights=planted)
 print(f"healthy: first divergence {first}; planted bug in layer 0's attention norm: "
       f"first divergence {planted_first}")
 
@@ -289,8 +291,9 @@ else:
 # %%
 if hybrid:
     sim_chip = run.chip if spec.kind == "tpu" else "v6e"
-    simulated = sim.simulate(config, sim_chip, batch=run.batch, context=prompt.shape[1],
-                             block=block)
+    simulated = sim.simulate(DecodePlan.make(config, chip=sim_chip, batch=run.batch,
+                                             position=prompt.shape[1], block=block,
+                                             kernel=False))
     skipped = [b for b in simulated.table("bubbles") if b["cause"] == "skipped mixer"]
     display(plots.table([{"layer": b["layer"], "kind": config.layer_types[b["layer"]],
                           "HBM idle (µs, simulated)": f"{b['idle_us']:.3g}"}
@@ -342,7 +345,8 @@ if hybrid:
     drafts = want[:, :T].at[:, 2].set((want[:, 2] + 1) % config.vocab)  # draft 2 is wrong
     with mk.backend.use(run.backend):
         got_t, _, after, states = megakernel.decode_step(
-            config, weights, cache, drafts, positions, block=block, row_states=True)
+            DecodePlan.make(config, batch=run.batch, rows=T, context=run.context,
+                            block=block), weights, cache, drafts, positions, row_states=True)
     want_logits, _, want_states = reference.decode_step(config, params, cache, drafts,
                                                         positions, row_states=True)
     want_t = reference.greedy(want_logits)
@@ -394,7 +398,8 @@ if spec.kind == "tpu":
 compile_chip = run.chip if spec.kind == "tpu" else "v6e"
 real = mk.preset("qwen3-1.7b" if compile_chip == "v5e" else
                  "qwen3.5-9b" if config.is_hybrid else "qwen3-8b")
-report = tpu.compile_megakernel(real, compile_chip, batch=8, rows=1, context=4096)
+report = tpu.compile_megakernel(DecodePlan.make(real, chip=compile_chip, batch=8, rows=1,
+                                                context=4096))
 print(report.summary())
 
 # %% [markdown]

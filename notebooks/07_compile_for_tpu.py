@@ -106,8 +106,9 @@ print(f"{config.name}: {config.layers} layers, D={config.hidden}, B={run.batch} 
 # machine's CPU, HBM bytes, generated code size and the VMEM budget by buffer.
 
 # %%
-report = tpu.compile_megakernel(config, run.chip, batch=run.batch, rows=run.rows,
-                                context=run.context)
+plan = DecodePlan.make(config, chip=run.chip, batch=run.batch, rows=run.rows,
+                       context=run.context)  # the step, as data: what compiles
+report = tpu.compile_megakernel(plan)
 print(report.summary())
 if report.vmem is not None:
     display(plots.table(report.vmem.rows()))
@@ -137,8 +138,8 @@ if report.vmem is not None:
 @functools.cache
 def compiles(batch_: int, context_: int) -> bool:
     """Whether the step at this batch and context compiles (the plan's check first)."""
-    return tpu.compile_megakernel(config, run.chip, batch=batch_, rows=run.rows,
-                                  context=context_).ok
+    return tpu.compile_megakernel(DecodePlan.make(config, chip=run.chip, batch=batch_,
+                                                  rows=run.rows, context=context_)).ok
 
 
 def largest(candidates: list[int], ok) -> int | None:
@@ -178,8 +179,9 @@ if not report.ok:
 # %%
 cases = [("qwen3-1.7b", "v5e"), ("qwen3-8b", "v6e"), ("qwen3-8b", "tpu7x"),
          ("qwen3-30b-a3b", "tpu7x"), ("qwen3-30b-a3b", "v5e")]
-reports = {case: tpu.compile_megakernel(mk.preset(case[0]), case[1], batch=8, rows=1,
-                                        context=4096) for case in cases}
+reports = {case: tpu.compile_megakernel(DecodePlan.make(mk.preset(case[0]), chip=case[1],
+                                                        batch=8, rows=1, context=4096))
+           for case in cases}
 display(plots.table([dict(model=m, chip=c, ok=r.ok, compile_s=round(r.compile_seconds, 2),
                           hbm_args_GiB=round(r.argument_bytes / 2**30, 2),
                           code_KiB=round(r.code_bytes / 1024),

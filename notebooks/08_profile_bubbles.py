@@ -97,6 +97,7 @@ from mk import (bundles, calibration, course, measure, plots, profile_plots, pro
                 reference, sim_plots, teach)
 from mk import megakernel as megakernel_module
 from mk.kernels import one_layer as one_layer_module
+from mk.kernels.plan import DecodePlan
 
 mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
@@ -211,9 +212,10 @@ display(plots.table(top_ops))
 predictions = []
 for cfg, chip_name, ctx in ((config, run.chip, run.context),
                             (mk.preset(predict_preset), predict_chip, predict_context)):
+    step = DecodePlan.make(cfg, chip=chip_name, batch=run.batch, rows=run.rows, position=ctx,
+                           kernel=False)
     for prefetch in (True, False):
-        sim = mk.sim.simulate(cfg, chip_name, batch=run.batch, rows=run.rows, context=ctx,
-                              cross_layer_prefetch=prefetch)
+        sim = mk.sim.simulate(step, cross_layer_prefetch=prefetch)
         idle = sum(b.idle_s for b in sim.bubbles)
         predictions.append(dict(model=cfg.name, chip=chip_name, context=ctx,
                                 cross_layer_prefetch=prefetch,
@@ -233,12 +235,13 @@ display(plots.table(predictions))
 
 # %%
 cfg = mk.preset(predict_preset)
-base = mk.sim.simulate(cfg, predict_chip, batch=run.batch, rows=run.rows,
-                       context=predict_context).block
+base = DecodePlan.make(cfg, chip=predict_chip, batch=run.batch, rows=run.rows,
+                       position=predict_context, kernel=False).block
 depth = []
 for slots in sorted({2, 3, 4, 6, 8, base.slots}):
-    sim = mk.sim.simulate(cfg, predict_chip, batch=run.batch, rows=run.rows,
-                          context=predict_context, block=dataclasses.replace(base, slots=slots))
+    sim = mk.sim.simulate(DecodePlan.make(
+        cfg, chip=predict_chip, batch=run.batch, rows=run.rows, position=predict_context,
+        block=dataclasses.replace(base, slots=slots), kernel=False))
     idle = sum(b.idle_s for b in sim.bubbles)
     depth.append(dict(slots=slots, step_us=round(sim.step_s * 1e6, 1),
                       bubble_share=f"{idle / sim.step_s:.1%}",
@@ -323,9 +326,10 @@ if chip_trace is not None:
     chip_sim = []
     for label, assumed in (("simulated (datasheet)", None),
                            ("simulated (calibrated on the v5e)", calibration.assumptions("v5e"))):
-        sim = mk.sim.simulate(mk.preset(chip_trace["model"]), "v5e", batch=chip_trace["batch"],
-                              rows=chip_trace["rows"], context=chip_trace["position"],
-                              assumptions=assumed)
+        sim = mk.sim.simulate(DecodePlan.make(
+            mk.preset(chip_trace["model"]), chip="v5e", batch=chip_trace["batch"],
+            rows=chip_trace["rows"], position=chip_trace["position"], kernel=False),
+            assumptions=assumed)
         chip_sim.append(dict(kernel=label, us=round(sim.step_s * 1e6, 1),
                              vs_measured=f"{sim.step_s * 1e9 / kernel.duration_ns - 1:+.1%}",
                              HBM_idle=f"{sum(b.idle_s for b in sim.bubbles) / sim.step_s:.2%}"))

@@ -100,7 +100,7 @@ import mk.backend
 from mk import course, plots, reference, sim, sim_plots, teach, tpu
 from mk import tensor_parallel as tpar
 from mk.kernels import collectives
-from mk.kernels.plan import shard_config
+from mk.kernels.plan import DecodePlan, shard_config
 from mk.kinds.layers import layer_kinds
 from mk.quant import stored_bytes
 
@@ -263,7 +263,8 @@ for t8 in terms[-2:]:
 
 # %%
 big = mk.preset("qwen3.5-27b")
-shard = sim.simulate(big, mk.chip("tpu7x"), batch=8, context=4096, tp=8)
+shard = sim.simulate(DecodePlan.make(big, chip="tpu7x", batch=8, position=4096, tp=8,
+                                     kernel=False))
 found = [e for e in shard.events if e.what == "collective"]
 index = max(i for i, e in enumerate(found) if e.layer == collective_layer)  # after the MLP
 plots.show(sim_plots.collective_timeline(shard, index=index))
@@ -323,9 +324,10 @@ targets = [("qwen3-30b-a3b", "v5e:2x2", "v5e", {}),  # TP4: 4 chips
 # bf16 weights (formats={}) but for the last: the preset's own formats (None), FP4 experts
 if not 1 <= compiles <= len(targets):
     raise ValueError(f"{compiles=} must be 1 to {len(targets)}, the targets listed")
-reports = [tpu.compile_megakernel(mk.preset(name), chip_name, tp=len(tpu.devices(topology)),
-                                  topology=topology, formats=formats)
-           for name, topology, chip_name, formats in tqdm(targets[:compiles], desc="compiles")]
+reports = [tpu.compile_megakernel(DecodePlan.make(
+    mk.preset(name), chip=chip_name, tp=len(tpu.devices(topology)), batch=8, context=4096,
+    formats=formats), topology=topology)
+    for name, topology, chip_name, formats in tqdm(targets[:compiles], desc="compiles")]
 for report in reports:
     print(report.summary())
 

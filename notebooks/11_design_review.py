@@ -147,6 +147,16 @@ plan = DecodePlan.make(config, tp=tp, batch=run.batch, rows=run.rows, context=ru
 device = plan.local  # what one device's kernel holds
 step_args = dict(batch=run.batch, rows=run.rows, context=position, tp=tp,
                  formats=formats)
+
+
+def step_plan(**change) -> DecodePlan:
+    """The step the simulator replays: every sequence at `position`, this review's tiles
+    and formats on the chip (`change`: another block, or rows)."""
+    return DecodePlan.make(config, chip=spec, **dict(
+        tp=tp, batch=run.batch, rows=run.rows, position=position, block=block,
+        formats=formats, kernel=False) | change)
+
+
 if not 0 <= xla_layers <= config.layers:
     raise ValueError(f"xla_layers={xla_layers} must be in [0, layers={config.layers}]")
 
@@ -211,10 +221,10 @@ display(plots.table([{k: f"{v:.3g}" if isinstance(v, float) else v for k, v in r
 budget = VmemBudget("megakernel", tuple(plan.buffers.values()), spec.name, spec.vmem_bytes)
 fits = budget.total_bytes <= budget.limit_bytes
 # the compile, with libtpu's bundle dump read back: the kernel's cost per weight tile
-cost = bundles.measure(
-    dataclasses.replace(device, max_context=run.context, formats=packed), spec,
-    batch=run.batch,
-    rows=run.rows, context=run.context, block=block) if compile_for_tpu else None
+cost = bundles.measure(DecodePlan.make(
+    dataclasses.replace(device, max_context=run.context, formats=packed), chip=spec,
+    batch=run.batch, rows=run.rows, context=run.context, block=block)
+) if compile_for_tpu else None
 report = cost.report if cost else None
 est = perf.predict(config, spec, **step_args)
 floor_args = {k: v for k, v in step_args.items() if k != "formats"}
@@ -223,11 +233,11 @@ tile_ms = {end: perf.tile_floor_ms(config, spec, formats=formats, clock=end,
                                    **{k: v for k, v in floor_args.items() if k != "context"})
            for end in CLOCK_ENDS}  # the compute floor: the tile cost table
 modelled_ms = perf.modelled_step_ms(config, spec, formats=formats, **floor_args)
-s = sim.simulate(config, spec, block=block, **step_args)
+s = sim.simulate(step_plan())
 share = s.bubble_share()
 top = list(share.items())[:3]
 need = sim.latency_slots(config, spec, block, formats=formats)
-deep = sim.simulate(config, spec, block=dataclasses.replace(block, slots=need), **step_args)
+deep = sim.simulate(step_plan(block=dataclasses.replace(block, slots=need)))
 xla_config = config.first_layers(xla_layers) if xla_layers else config
 xla = xla_step.compile_step(xla_config, spec, batch=run.batch, rows=run.rows,
                             context=run.context)
@@ -324,8 +334,8 @@ if report is not None and report.ok:
     display(plots.table([{"loop": i, "bundles per trip": lp.bundles, "MXU": lp.mxu,
                           "scalar only": lp.scalar_only, "DMA sites": len(lp.dma_granules)}
                          for i, lp in enumerate(cost.loops)]))
-    issued = review.clock_ends(config, spec, block=block, assumptions=cost.assumptions(),
-                               **step_args)  # the compiled loop at both clock ends
+    issued = review.clock_ends(step_plan(), assumptions=cost.assumptions()
+                               )  # the compiled loop at both clock ends
     print(f"costliest loop {cost.worst.bundles} bundles; the tile's DMA "
           f"{cost.dma_s * 1e9:.0f} ns ({cost.tile_bytes / 1024:.0f} KiB at "
           f"{cost.dma_bw / 1e9:.0f} GB/s); with the tile cost table the simulated step is "
@@ -549,7 +559,7 @@ display(ledger.basis_table())
 # layer's ring at the layer's start), every edge opens a "layer boundary" bubble.
 
 # %%
-off = sim.simulate(config, spec, block=block, cross_layer_prefetch=False, **step_args)
+off = sim.simulate(step_plan(), cross_layer_prefetch=False)
 edges = sum(b.idle_s for b in off.bubbles if b.cause == "layer boundary")
 print(f"prefetch on {s.step_ms:.4g} ms, off {off.step_ms:.4g} ms: {edges * 1e3:.3g} ms of "
       f"layer-boundary bubbles without it, {share.get('layer boundary', 0) * 1e3:.3g} ms with")
@@ -628,8 +638,8 @@ plots.show(sim_plots.sweep_lines(sweeps["slots"], "slots", y="hbm_utilisation",
 # law asks for (`need` slots above); the last cell fails naming how much slower it is.
 
 # %%
-tried = sim.simulate(config, spec, block=dataclasses.replace(
-    block, slots=exercise_ring_slots or need), **step_args)
+tried = sim.simulate(step_plan(block=dataclasses.replace(
+    block, slots=exercise_ring_slots or need)))
 print(f"{tried.block.slots} slots: {tried.step_ms * 1e3:.4g} µs simulated; {need} slots "
       f"(Little's law): {deep.step_ms * 1e3:.4g} µs")
 
@@ -678,10 +688,10 @@ print(f"{xla.fusions / xla.layers:.1f} fusions per layer compiled (embedding and
 
 # %% tags=["hide-input"]
 verify = ledger.VERIFY_ROWS
-sim_t = sim.simulate(config, spec, block=block, **(step_args | {"rows": verify}))
+sim_t = sim.simulate(step_plan(rows=verify))
 modelled_t = perf.modelled_step_ms(config, spec, formats=formats,
                                    **(floor_args | {"rows": verify})) / 1e3
-one = sim.simulate(config, spec, block=block, **(step_args | {"rows": 1}))
+one = sim.simulate(step_plan(rows=1))
 curve = [{"tau": t, "simulated step tok/s/user": f"{t / sim_t.step_s:,.0f}",
           "modelled step tok/s/user": f"{t / modelled_t:,.0f}"}
          for t in range(1, verify + 1)]
@@ -916,7 +926,7 @@ if report is not None and report.ok:
 # ends: the tile cost table's (s is its low end) and the compiled kernel's recorded loop
 # (`issued`). The two sources price a tile differently, so the compiled loop at the high
 # end may beat the table at the low end: that is no clock statement.
-table_ends = {"low": s, "high": sim.simulate(config, spec, block=block, **step_args,
+table_ends = {"low": s, "high": sim.simulate(step_plan(),
                                              assumptions=sim.Assumptions(clock="high"))}
 review.check_invariants(s, no_prefetch=off, hbm_floor_ms=est.hbm_floor_ms, by_clock=[
     table_ends, *([issued] if report is not None and report.ok else [])])

@@ -94,6 +94,7 @@ import mk.backend
 import mk.run
 from mk import ledger, measure, plots, sim
 from mk.kernels.dma_probe import dma_probe_kernel
+from mk.kernels.plan import DecodePlan
 
 mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
 run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
@@ -241,8 +242,10 @@ print(f"assumed: latency {assumed.dma_latency_s * 1e6:.3g} µs, share {assumed.h
 models = {run.config.name: (run.config, position), sim_preset: (mk.preset(sim_preset), 4096)}
 sims = []
 for name, (cfg, ctx) in models.items():
+    step_plan = DecodePlan.make(cfg, chip=spec, batch=run.batch, rows=run.rows, position=ctx,
+                                kernel=False)
     for label, a in (("assumed", assumed), ("file", taken)):
-        s = sim.simulate(cfg, spec, batch=run.batch, rows=run.rows, context=ctx, assumptions=a)
+        s = sim.simulate(step_plan, assumptions=a)
         sims.append(dict(model=name, context=ctx, numbers=label,
                           latency_us=f"{a.dma_latency_s * 1e6:.3g}",
                           simulated_step_us=f"{s.step_s * 1e6:.4g}",
@@ -260,9 +263,10 @@ print(f"measured step of {step.model} (B={step.batch}, T={step.rows}, S={step.co
 # %%
 cfg, ctx = models[sim_preset]
 grid = sorted({0.25, 0.5, 1.0, 2.0, 4.0, round(taken.dma_latency_s * 1e6, 3)})
-steps_us = [sim.simulate(cfg, spec, batch=run.batch, rows=run.rows, context=ctx,
-                         assumptions=dataclasses.replace(taken, dma_latency_s=us * 1e-6)
-                         ).step_s * 1e6 for us in grid]
+step_plan = DecodePlan.make(cfg, chip=spec, batch=run.batch, rows=run.rows, position=ctx,
+                            kernel=False)
+steps_us = [sim.simulate(step_plan, assumptions=dataclasses.replace(
+    taken, dma_latency_s=us * 1e-6)).step_s * 1e6 for us in grid]
 fig = plots.lines(grid, {f"{sim_preset} on {spec.name}": steps_us},
                   title="Simulated step against DMA latency (simulated)",
                   xaxis="DMA latency (µs)", yaxis="simulated step (µs)")

@@ -199,9 +199,10 @@ measured_inputs = calibration.steps_path(spec.name).exists()
 calibrated = calibration.assumptions(spec.name) if measured_inputs else None
 predicted = {}
 for name, b in (("baseline", baseline), ("yours", block)):
-    s = sim.simulate(config, spec, batch=run.batch, context=run.context, block=b)
-    c = calibrated and sim.simulate(config, spec, batch=run.batch, context=run.context,
-                                    block=b, assumptions=calibrated)
+    step_plan = DecodePlan.make(config, chip=spec, batch=run.batch, position=run.context,
+                                block=b, kernel=False)
+    s = sim.simulate(step_plan)
+    c = calibrated and sim.simulate(step_plan, assumptions=calibrated)
     predicted[name] = (s.step_s * 1e3, c and c.step_s * 1e3)
 display(plots.table([{
     "block": name, "simulated step ms": f"{s_ms:.3f}",

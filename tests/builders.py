@@ -4,7 +4,8 @@ Hugging Face checkpoint folders written without torch; `bar_count` reads what a 
 progress bar drew; `tiny_moe_in_ci` picks the preset CI runs; `quantised_cases` and
 `plant_double_scale` for the tests of kernels on quantised weights; `assert_verify_steps`
 feeds a perfect draft to the megakernel, T rows per step; `replay_tile_by_tile` switches
-the simulator's fast-forward off.
+the simulator's fast-forward off; `simulated_step` replays the plan of a config's step at a
+position.
 
 The HF names below are spelled out by hand, independently of `mk.hf_layout.hf_layout`, so
 a round trip through them tests the loader's mapping rather than repeating it.
@@ -25,6 +26,7 @@ from safetensors.numpy import save_file
 import mk
 from mk import quant, sim
 from mk.config import ModelConfig
+from mk.kernels.plan import DecodePlan
 
 
 def kimi_gqa() -> ModelConfig:
@@ -327,16 +329,16 @@ def assert_verify_steps(config, params, values, prompt, want, rows: int, tokens:
 
     if block is None:
         block = default_block(config, 128, formats=quant.formats_of(params))
-    weights = megakernel.prepare(DecodePlan.make(config, batch=prompt.shape[0], rows=rows,
-                                                 context=128, block=block), params)
+    plan = DecodePlan.make(config, batch=prompt.shape[0], rows=rows, context=128, block=block)
+    weights = megakernel.prepare(plan, params)
     _, cache = reference.prefill(config, values, prompt[:, :-1], max_context=128)
     fed = jnp.concatenate([prompt[:, -1:], want], axis=1)
     P = prompt.shape[1]
     with backend.use("interpret", detect_races=detect_races):
         for i in range(0, tokens, rows):
             got, logits, cache = megakernel.decode_step(
-                config, weights, cache, fed[:, i:i + rows],
-                jnp.full((prompt.shape[0],), P - 1 + i, jnp.int32), block=block)
+                plan, weights, cache, fed[:, i:i + rows],
+                jnp.full((prompt.shape[0],), P - 1 + i, jnp.int32))
             np.testing.assert_array_equal(got, want[:, i:i + rows], err_msg=f"tokens {i}..")
             if want_logits is not None:
                 ref = want_logits[:, P - 1 + i:P - 1 + i + rows]
@@ -385,3 +387,15 @@ def tiny_res_layer(**change) -> ModelConfig:
         name="tiny-res-layer", layers=5,
         layer_types=("linear", "full", "full", "linear", "full"), residual_block=2,
         **NO_MOE) | change)
+
+
+REPLAY_ARGS = ("cross_layer_prefetch", "routing", "experts_active", "assumptions")
+
+
+def simulated_step(config: ModelConfig, chip, *, context: int = 0, **kw) -> sim.Simulation:
+    """`mk.sim.simulate` of the plan of `config` for `chip`, every sequence at `context`
+    (`DecodePlan.make(config, chip=, position=context, kernel=False, **plan knobs)`);
+    `simulate`'s own arguments (REPLAY_ARGS) go to it."""
+    replay = {k: kw.pop(k) for k in REPLAY_ARGS if k in kw}
+    return sim.simulate(DecodePlan.make(config, chip=chip, position=context, kernel=False,
+                                        **kw), **replay)

@@ -74,6 +74,11 @@ BAD_IDS = {
 }
 
 
+def _plan16(rows: int = 1) -> DecodePlan:
+    """A plan of TINY's step over a cache of 16 positions (KV tiles of 16)."""
+    return DecodePlan.make(TINY, rows=rows, context=16, block=BlockSizes(kv_tile=16))
+
+
 @pytest.mark.parametrize("case", list(BAD_IDS))
 def test_token_ids_are_checked_before_any_cast(params, case):
     tokens, message = BAD_IDS[case]
@@ -81,8 +86,7 @@ def test_token_ids_are_checked_before_any_cast(params, case):
     with pytest.raises(ValueError, match=message):
         reference.decode_step(TINY, params, cache, tokens, np.array([0]))
     with pytest.raises(ValueError, match=message):
-        megakernel.decode_step(TINY, {}, cache, tokens, np.array([0]),
-                               block=BlockSizes(kv_tile=16))
+        megakernel.decode_step(_plan16(rows=2), {}, cache, tokens, np.array([0]))
     prompt_message = message.replace("tokens", "prompt")
     for generate in (reference.generate, megakernel.generate):
         with pytest.raises(ValueError, match=prompt_message):
@@ -101,8 +105,7 @@ def test_token_ids_are_checked_before_any_cast(params, case):
 def test_positions_are_checked_before_any_cast(params, positions, message):
     cache = reference.init_cache(TINY, 1, 16)
     for step in (lambda: reference.decode_step(TINY, params, cache, [[1]], positions),
-                 lambda: megakernel.decode_step(TINY, {}, cache, [[1]], positions,
-                                                block=BlockSizes(kv_tile=16))):
+                 lambda: megakernel.decode_step(_plan16(), {}, cache, [[1]], positions)):
         with pytest.raises(ValueError, match=message):
             step()
 
@@ -133,7 +136,7 @@ def test_a_cache_of_another_dtype_or_model_is_refused(params):
         reference.decode_step(TINY, params, f32, [[1]], [0])
     other = reference.init_cache(preset("tiny-moe"), 1, 16)
     with pytest.raises(ValueError, match=r"does not fit tiny \(L=2"):
-        megakernel.decode_step(TINY, {}, other, [[1]], [0], block=BlockSizes(kv_tile=16))
+        megakernel.decode_step(_plan16(), {}, other, [[1]], [0])
 
 
 def _checkpoint(tmp_path, config, edit=None, **hf_changes):
@@ -182,7 +185,8 @@ def test_non_finite_config_json_numbers_are_refused(field, value):
     (dict(rows=0), "rows=0 must be a positive integer")])
 def test_compile_megakernel_refuses_what_the_runtime_refuses(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        tpu.compile_megakernel(TINY, "v5e", **kwargs)
+        tpu.compile_megakernel(DecodePlan.make(TINY, chip="v5e",
+                                               **dict(batch=8, context=4096) | kwargs))
 
 
 # -- tools/run_notebooks.py -------------------------------------------------------------------
@@ -305,8 +309,7 @@ def test_batch_or_rows_zero_is_a_value_error_not_a_zero_division(params):
             call()
     cache = reference.init_cache(TINY, 1, 16)
     with pytest.raises(ValueError, match=r"tokens shape \(1, 0\) must be \[B=1, T >= 1\]"):
-        megakernel.decode_step(TINY, {}, cache, np.zeros((1, 0), np.int32), [0],
-                               block=BlockSizes(kv_tile=16))
+        megakernel.decode_step(_plan16(), {}, cache, np.zeros((1, 0), np.int32), [0])
 
 
 @pytest.mark.parametrize("max_context", ["256", 256.0, 0, True])
@@ -366,15 +369,15 @@ def test_a_file_or_a_list_is_not_a_checkpoint(tmp_path):
 def test_a_topology_name_without_its_shape_is_refused():
     with pytest.raises(ValueError, match="topology='v5e' must be a libtpu name with its "
                                          "shape"):
-        tpu.compile_megakernel(TINY, "v5e", tp=2, topology="v5e")
+        tpu.compile_megakernel(DecodePlan.make(TINY, chip="v5e", tp=2, batch=8,
+                                               context=4096), topology="v5e")
 
 
 def test_an_unsharded_cache_to_the_tp_step_says_to_shard_it():
     cache = reference.init_cache(TINY, 1, 16)
     with pytest.raises(ValueError, match=r"must each be \[tp=1, \.\.\.\] \(k: \[tp, L, B, "
                                          r"K_local, S, H\]\); shard .*mk.shards.shard_cache"):
-        tpar.decode_step(TINY, {}, cache, [[1]], [0], block=BlockSizes(kv_tile=16),
-                         mesh=collectives.tp_mesh(1))
+        tpar.decode_step(_plan16(), {}, cache, [[1]], [0], mesh=collectives.tp_mesh(1))
 
 
 # -- Data -------------------------------------------------------------------------------------
@@ -402,9 +405,8 @@ def test_a_kernel_called_on_cpu_outside_backend_use_says_what_to_do(params):
     cache = reference.init_cache(TINY, 1, 16)
     block = BlockSizes(kv_tile=16)
     with pytest.raises(ValueError, match=r"inside `with mk.backend.use\('interpret'\):`"):
-        weights = megakernel.prepare(DecodePlan.make(TINY, batch=1, context=16, block=block),
-                                     params)
-        megakernel.decode_step(TINY, weights, cache, [[1]], [0], block=block)
+        plan = DecodePlan.make(TINY, batch=1, context=16, block=block)
+        megakernel.decode_step(plan, megakernel.prepare(plan, params), cache, [[1]], [0])
 
 
 # -- Entry points and valid configs (issue 39): refused by name before tracing, or run ---------

@@ -16,6 +16,7 @@ from mk import bundles, ledger, probes, sim
 from mk.kernels.common import SLOTS
 from mk.kernels.plan import RING_COVER_S, DecodePlan
 from mk.kernels.stream import little_slots
+from builders import simulated_step
 
 DUMP = """\
 = control target key start
@@ -135,9 +136,9 @@ def test_a_trip_through_an_expert_of_one_tile_matrices_costs_each_tile_its_share
 
 def test_the_simulator_charges_the_issue_time_per_tile():
     config = mk.preset("qwen3-0.6b")
-    plain = sim.simulate(config, "tpu7x", context=256)
-    slow = sim.simulate(config, "tpu7x", context=256,
-                        assumptions=sim.Assumptions(tile_issue_s=1e-6))
+    plain = simulated_step(config, "tpu7x", context=256)
+    slow = simulated_step(config, "tpu7x", context=256,
+                          assumptions=sim.Assumptions(tile_issue_s=1e-6))
     tiles = plain.plan.stream.total  # every one consumed: a dense model
     assert plain.step_s < tiles * 1e-6 <= slow.step_s
     with pytest.raises(ValueError, match=r"tile_issue_s=-1"):
@@ -149,8 +150,8 @@ def test_the_simulator_turns_bundles_into_seconds_at_either_end_of_the_clock():
     TPU7x's low end 2000 bundles (1.9 us) bound a dense step, at its high end (0.45 us)
     they cost it less."""
     config, spec = mk.preset("qwen3-0.6b"), mk.chip("tpu7x")
-    tiles = sim.simulate(config, spec, context=256).plan.stream.total
-    step = {end: sim.simulate(config, spec, context=256, assumptions=sim.Assumptions(
+    tiles = simulated_step(config, spec, context=256).plan.stream.total
+    step = {end: simulated_step(config, spec, context=256, assumptions=sim.Assumptions(
         tile_bundles=2000, clock=end)).step_s for end in ("low", "high")}
     assert step["low"] >= tiles * 2000 / spec.clock("low") > step["high"]
     assert step["high"] >= tiles * 2000 / spec.clock("high")
@@ -171,7 +172,7 @@ def test_the_compiled_per_tile_loops_issue_faster_than_their_tiles_stream():
     the whole stream."""
     config = mk.preset("qwen3-0.6b")
     plan = DecodePlan.make(config, tp=1, batch=1, rows=1, context=1024, chip="tpu7x")
-    cost = bundles.measure(config, "tpu7x", batch=1, rows=1, context=1024)
+    cost = bundles.measure(plan)
     assert cost.tile_bytes == plan.stream.tile_bytes * 2
     assert all(lp.waits == 1 and lp.mxu > 0 for lp in cost.loops)
     sites = len(plan.stream.segments + plan.stream.tail)
@@ -184,7 +185,8 @@ def test_the_compiled_per_tile_loops_issue_faster_than_their_tiles_stream():
 
 
 def test_a_plan_that_does_not_fit_is_reported_not_measured():
-    cost = bundles.measure(mk.preset("qwen3-8b"), "v5e", batch=8, context=32768)
+    cost = bundles.measure(DecodePlan.make(mk.preset("qwen3-8b"), chip="v5e", batch=8,
+                                           context=32768))
     assert not cost.report.ok and "HBM" in cost.report.error and cost.loops == ()
     with pytest.raises(ValueError, match="did not compile"):
         cost.issue_s()
@@ -214,9 +216,9 @@ def test_the_recorded_single_core_kernels_stream_at_the_hbm_floor(row):
         assert "HBM" in row["error"] and not plan.fits(spec).ok
     assert row["clock_low_hz"] == spec.clock("low")
     assert _issue_over(row) == {}, row
-    again = sim.simulate(config, spec, batch=row["batch"], rows=row["rows"],
-                         context=row["context"], block=plan.block,
-                         assumptions=ledger.recorded_assumptions(row))
+    again = simulated_step(config, spec, batch=row["batch"], rows=row["rows"],
+                           context=row["context"], block=plan.block,
+                           assumptions=ledger.recorded_assumptions(row))
     assert again.hbm_utilisation == pytest.approx(row["hbm_busy"], rel=1e-9)
     assert again.hbm_utilisation >= 0.9, again.bubble_share()
 
@@ -228,9 +230,9 @@ def _resimulated(row, block=None):
     config, spec = mk.preset(row["preset"]), mk.chip(row["chip"])
     kw = dict(tp=row["tp"], batch=row["batch"], rows=row["rows"])
     plan = DecodePlan.make(config, chip=spec, position=row["context"], kernel=False, **kw)
-    return plan, sim.simulate(config, spec, block=block or plan.block, context=row["context"],
-                              **kw,
-                              assumptions=ledger.recorded_assumptions(row))
+    return plan, simulated_step(config, spec, block=block or plan.block, context=row["context"],
+                                **kw,
+                                assumptions=ledger.recorded_assumptions(row))
 
 
 # (preset, chip, tp, storage) -> the ends of the clock range at which a recorded kernel's

@@ -21,6 +21,7 @@ from mk.kernels.decode_attention import write_back_rows
 from mk.kernels.plan import DecodePlan
 from mk.kinds.layers import TABLES
 from mk.weights import abstract_params
+from builders import simulated_step
 
 FAMILIES = ["tiny", "tiny-moe", "tiny-hybrid", "tiny-kimi", "tiny-gpt-oss"]
 
@@ -92,7 +93,7 @@ def test_simulator_kv_bytes_count_the_new_rows_tiles_and_full_layers_only(name, 
     window of W rows around the new rows, per tile holding them. Tile bytes from the
     reference cache's shapes."""
     config, B = mk.preset(name), 2
-    s = sim.simulate(config, "v5e", batch=B, rows=T, context=p)
+    s = simulated_step(config, "v5e", batch=B, rows=T, context=p)
     tile = s.block.kv_tile
     cache = jax.eval_shape(lambda: reference.init_cache(config, B, tile))
     arrays = [cache.latent] if config.is_mla else [cache.k, cache.v]
@@ -116,7 +117,7 @@ def test_a_sliding_layers_kv_reads_are_its_windows_tiles(p, T):
     tile = plan.block.kv_tile
     assert plan.kv_tiles([p], window) == (_window_tiles(p, T, tile, window),
                                           _written_tiles(p, T, tile))
-    s = sim.simulate(config, "v5e", batch=B, rows=T, context=p, block=plan.block)
+    s = simulated_step(config, "v5e", batch=B, rows=T, context=p, block=plan.block)
     cache = jax.eval_shape(lambda: reference.init_cache(config, B, tile))
     row = sum(_nbytes(a) // (a.shape[0] * B * tile) for a in (cache.k, cache.v))
     full = len(config.full_layers) - sliding
@@ -157,6 +158,6 @@ def test_simulator_all_reduces_m_rows_twice_a_layer_at_tp_2(monkeypatch):
 
     monkeypatch.setattr(sim.perf, "allreduce_s", recorded)
     config, B, T = mk.preset("tiny"), 2, 3
-    sim.simulate(config, "v5e", batch=B, rows=T, context=40, tp=2)
+    simulated_step(config, "v5e", batch=B, rows=T, context=40, tp=2)
     partial_sums = np.zeros((B * T, config.hidden), np.float32).nbytes
     assert sizes.count(partial_sums) == 2 * config.layers

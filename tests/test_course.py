@@ -41,6 +41,7 @@ from mk.kernels.plan import DecodePlan
 from mk.kernels.stream import TileStream
 from mk.kernels.weight_streaming import stream_matmul
 from multidevice import run
+from builders import simulated_step
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
@@ -140,7 +141,7 @@ def test_shallow_ring_exercise_caught_against_littles_law_depth():
     deep = dataclasses.replace(block, slots=sim.latency_slots(config, chip, block))
 
     def step(b):
-        return sim.simulate(config, chip, context=p["context"], block=b)
+        return simulated_step(config, chip, context=p["context"], block=b)
 
     deep_sim = step(deep)
     assert course.check_ring_depth(deep_sim, deep_sim) == 1.0
@@ -639,7 +640,7 @@ WRONG = {"None": None, "string": "96", "float": 3.5, "empty": [], "nested": [[1]
 
 @functools.cache
 def _deep_ring():
-    return sim.simulate(mk.preset("tiny"), "v6e", context=256)
+    return simulated_step(mk.preset("tiny"), "v6e", context=256)
 
 
 @functools.cache
@@ -680,7 +681,7 @@ WRONG_BUT_TYPED = {
                     np.ones((2, 2)) + 1j, np.full((2, 2), np.inf), np.full((2, 2), 1e300)],
     "check_race_free": [True, np.bool_(True), 0],
     "check_up_rotation": [32, True],
-    "check_ring_depth": [sim.simulate(mk.preset("tiny"), "v5e", context=256)],
+    "check_ring_depth": [simulated_step(mk.preset("tiny"), "v5e", context=256)],
     "check_attend_update": [lambda m, l, acc, scores, v: (m, l), teach.attend],
     "check_ring_kernel": [teach.attend, _ring_kernel_with(refill_first=True)],
     "check_scope": [{}, {"matmul": [1]}, {"norm": "abc"}, {"norm": [1, 2]}],

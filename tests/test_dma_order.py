@@ -50,7 +50,7 @@ from mk.kernels.common import dma_log
 from mk.kernels.plan import DecodePlan
 from mk.step_bytes import family_of
 from mk.kinds import mlp as kinds_mlp
-from builders import (replay_tile_by_tile, tiny_bounded_kda, tiny_gated_mla,
+from builders import (simulated_step, replay_tile_by_tile, tiny_bounded_kda, tiny_gated_mla,
                       tiny_latent_moe, tiny_res_layer, tiny_situ)
 
 pytestmark = pytest.mark.xdist_group("dma_order")  # one worker runs each kernel once
@@ -83,7 +83,7 @@ def kernel_dmas(name: str) -> list:
         positions = jnp.full((BATCH,), POSITION, jnp.int32)
         with dma_log(megakernel.traced_step) as log, backend.use("interpret"):
             weights = megakernel.prepare(plan, mk.init_params(config))
-            jax.block_until_ready(megakernel.decode_step(config, weights, cache, tokens,
+            jax.block_until_ready(megakernel.decode_step(plan, weights, cache, tokens,
                                                          positions))
         _KERNEL[name] = [(what, int(nbytes)) for what, nbytes in log]
     return _KERNEL[name]
@@ -97,8 +97,8 @@ def simulated_dmas(name: str, monkeypatch) -> list:
     replay_tile_by_tile(monkeypatch)  # the fast-forward records no transfer
     plan = _plan(name)
     config = plan.config
-    sim.simulate(config, "v5e", batch=BATCH, rows=1, context=POSITION, block=plan.block,
-                 experts_active=config.experts_per_token if config.is_moe else None)
+    simulated_step(config, "v5e", batch=BATCH, rows=1, context=POSITION, block=plan.block,
+                   experts_active=config.experts_per_token if config.is_moe else None)
     return [(what.split("[")[0], int(nbytes)) for what, nbytes in issued
             if what not in LOCAL]
 

@@ -14,6 +14,7 @@ from mk import feed_costs, perf, probes, sim
 from mk.kernels.one_layer import model_block
 from mk.kernels.plan import padded_vocab
 from mk.step_bytes import shard_weight_elements
+from builders import simulated_step
 
 ROWS = json.loads(feed_costs.FEED_COSTS.read_text())
 CHECKED = ("chip", "dtype", "feed", "m", "shape", "tile", "tile_bytes", "bundles",
@@ -168,7 +169,7 @@ def test_the_simulator_charges_each_weight_tile_the_table_at_either_clock_end():
     each end of the clock range; a recorded whole-kernel loop replaces the table; the
     bytes moved are the same whichever the cost."""
     config, spec = mk.preset("qwen3-0.6b"), mk.chip("tpu7x")
-    runs = {end: sim.simulate(config, spec, context=256, assumptions=sim.Assumptions(
+    runs = {end: simulated_step(config, spec, context=256, assumptions=sim.Assumptions(
         clock=end)) for end in ("low", "high")}
     block = runs["low"].plan.block
     for end, run in runs.items():
@@ -176,8 +177,8 @@ def test_the_simulator_charges_each_weight_tile_the_table_at_either_clock_end():
         per_tile = feed_costs.tile_s(spec, "bf16", 1, block.tile_rows * block.tile_cols, end)
         assert wq.busy_s == pytest.approx(wq.count * per_tile, rel=1e-9)
     assert runs["high"].compute_s < runs["low"].compute_s
-    loop = sim.simulate(config, spec, context=256,
-                        assumptions=sim.Assumptions(tile_bundles=777))
+    loop = simulated_step(config, spec, context=256,
+                          assumptions=sim.Assumptions(tile_bundles=777))
     (wq,) = _tile_events(loop, "wq")[:1]
     assert wq.busy_s == pytest.approx(wq.count * 777 / spec.clock("low"), rel=1e-9)
     assert loop.dma_bytes == runs["low"].dma_bytes == runs["high"].dma_bytes
@@ -187,13 +188,13 @@ def test_a_packed_format_costs_its_own_row():
     """qwen3-30b-a3b with int4 experts on v6e: an expert tile costs the int4 row (its
     dequantisation), the attention tiles the bf16 row; the bytes are the packed ones."""
     config, spec = mk.preset("qwen3-30b-a3b"), mk.chip("v6e")
-    run = sim.simulate(config, spec, context=256, formats={"experts": "int4"})
+    run = simulated_step(config, spec, context=256, formats={"experts": "int4"})
     for name, dtype in (("we_gate[0]", "int4"), ("wq", "bf16")):
         tile = math.prod(run.plan.stream.segment(name.partition("[")[0]).tile)
         e = _tile_events(run, name)[0]
         assert e.busy_s == pytest.approx(e.count * feed_costs.tile_s(spec, dtype, 1, tile),
                                          rel=1e-9), name
-    assert run.family_bytes()["experts"] < sim.simulate(
+    assert run.family_bytes()["experts"] < simulated_step(
         config, spec, context=256).family_bytes()["experts"] / 3
 
 
@@ -201,7 +202,7 @@ def test_a_tile_fed_fp8_costs_the_fp8_feed_row():
     """On tpu7x the plan feeds fp8 experts to the MXU as fp8 (`mk.unpack.choose_feeds`):
     an expert tile costs that row, cheaper than the same storage's bf16-feed row."""
     config, spec = mk.preset("qwen3-30b-a3b"), mk.chip("tpu7x")
-    run = sim.simulate(config, spec, context=256, formats={"experts": "fp8"})
+    run = simulated_step(config, spec, context=256, formats={"experts": "fp8"})
     assert dict(run.plan.feeds) == {"experts": "fp8"}
     tile = math.prod(run.plan.stream.segment("we_gate").tile)  # the experts' own tile
     e = _tile_events(run, "we_gate[0]")[0]

@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 
 import mk
-from mk import (colours, figure_rules, machine, perf, plots, profile_plots, profiling, sim,
-                sim_plots)
+from mk import (colours, figure_rules, machine, perf, plots, profile_plots, profiling, sim_plots)
+from builders import simulated_step
 
 
 def legend(fig) -> list[str]:
@@ -105,7 +105,7 @@ def test_figure_rules_pass_a_good_figure_and_report_each_planted_defect():
 def shard():
     """qwen3-8b's TP4 shard on v6e, batch 8: its 73 collectives (two a layer, the argmax's
     gather) simulated in ~0.1 s."""
-    return sim.simulate(mk.preset("qwen3-8b"), mk.chip("v6e"), batch=8, context=512, tp=4)
+    return simulated_step(mk.preset("qwen3-8b"), mk.chip("v6e"), batch=8, context=512, tp=4)
 
 
 def _collectives(s):
@@ -141,7 +141,7 @@ def test_collective_timeline_draws_that_collective_and_what_overlaps_it(shard):
 
 
 def test_collective_timeline_refuses_a_step_without_collectives_and_a_bad_index(shard):
-    one = sim.simulate(mk.preset("tiny"), mk.chip("v6e"), context=64)
+    one = simulated_step(mk.preset("tiny"), mk.chip("v6e"), context=64)
     with pytest.raises(ValueError, match="tp=1 has no collective"):
         sim_plots.collective_timeline(one, index=0)
     n = len(_collectives(shard))
@@ -285,7 +285,7 @@ def test_tpu_picture_is_a_picture_whose_boxes_carry_the_chips_numbers():
 # -- The simulator ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def sims():
-    return {n: sim.simulate(mk.preset(n), mk.chip("v6e"), context=64)
+    return {n: simulated_step(mk.preset(n), mk.chip("v6e"), context=64)
             for n in ("tiny", "tiny-moe", "tiny-hybrid")}
 
 
@@ -311,7 +311,7 @@ def test_timeline_legend_keeps_ten_entries_the_longest_idle_causes_first():
     """A tensor-parallel MoE step has 4 busy categories and more idle causes than the
     legend's 10 entries hold: the legend keeps the causes with the most idle time; every
     cause is still drawn, in its colour, named on hover."""
-    s = sim.simulate(mk.preset("qwen3-30b-a3b"), mk.chip("v6e"), batch=8, context=512, tp=4)
+    s = simulated_step(mk.preset("qwen3-30b-a3b"), mk.chip("v6e"), batch=8, context=512, tp=4)
     fig = sim_plots.timeline(s)
     names = legend(fig)
     drawn = {t.name[len("idle: "):] for t in fig.data if t.name.startswith("idle: ")}
@@ -327,7 +327,7 @@ def test_timeline_legend_keeps_ten_entries_the_longest_idle_causes_first():
 def test_every_bubble_cause_of_every_kind_of_model_has_its_colour(sims):
     """A hybrid's switched-off mixer is a cause of its own (it was drawn in the step-end
     grey, not in the list of causes)."""
-    hybrid = sim.simulate(mk.preset("qwen3.5-27b"), mk.chip("tpu7x"), context=0, tp=8)
+    hybrid = simulated_step(mk.preset("qwen3.5-27b"), mk.chip("tpu7x"), context=0, tp=8)
     for s in [*sims.values(), hybrid]:
         assert set(s.bubble_share()) <= set(colours.IDLE_COLOURS) == set(machine.CAUSES)
     assert "skipped mixer" in hybrid.bubble_share()

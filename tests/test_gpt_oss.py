@@ -30,6 +30,7 @@ import mk
 from mk import megakernel, quant, spec, tpu, unpack
 from mk import reference as R
 from mk.config import padded_width
+from mk.kernels.plan import DecodePlan
 from mk.kinds import layers
 from mk.kinds.layers import layer_kinds
 from mk.presets import GPT_OSS_PRESET_NAMES
@@ -278,8 +279,8 @@ def test_speculative_decoding_is_lossless(kernel_case, verifier, drafters):
 def test_tiny_gpt_oss_compiles_for_tpu(chip, formats):
     """Mosaic lowers every new piece (the sinks, the windows' first tiles and masks, the
     biases, YaRN, the clamped experts, head dim 64) for a TPU generation (~10 s each)."""
-    report = tpu.compile_megakernel(mk.preset("tiny-gpt-oss"), chip, batch=4, context=1024,
-                                    formats=formats)
+    report = tpu.compile_megakernel(DecodePlan.make(mk.preset("tiny-gpt-oss"), chip=chip,
+                                                    batch=4, context=1024, formats=formats))
     assert report.ok, report.error
 
 
@@ -288,7 +289,7 @@ def test_tiny_gpt_oss_compiles_for_tpu(chip, formats):
 @pytest.mark.parametrize("chip", ["v5e", pytest.param("v6e", marks=pytest.mark.slow)])
 def test_gpt_oss_20b_compiles_whole_for_one_colab_chip(chip):
     config = mk.preset("gpt-oss-20b")
-    report = tpu.compile_megakernel(config, chip, batch=1, context=4096)
+    report = tpu.compile_megakernel(DecodePlan.make(config, chip=chip, batch=1, context=4096))
     assert report.ok, report.error
     assert {"ring_fp4", "ring_fp4_scales"} <= {b.name for b in report.vmem.buffers}
     # the compiler's arguments are the plan's HBM bytes (packed experts, KV cache once)

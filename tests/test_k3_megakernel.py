@@ -52,7 +52,7 @@ import pytest
 
 import mk
 import mk.megakernel as megakernel
-from mk import perf, reference, sim, tpu
+from mk import perf, reference, tpu
 from mk.kernels import deltanet
 from mk.kernels import latent_moe as latent_kernels
 from mk.kernels.plan import DecodePlan
@@ -63,7 +63,7 @@ from mk.kinds import mlp as kinds_mlp
 from mk.kinds import residual as kinds_residual
 from mk.kinds.layers import layer_kinds
 from mk.weights import param_shapes
-from builders import (assert_verify_steps, tiny_bounded_kda, tiny_gated_mla,
+from builders import (simulated_step, assert_verify_steps, tiny_bounded_kda, tiny_gated_mla,
                       tiny_latent_moe, tiny_res_layer, tiny_situ)
 
 pytestmark = pytest.mark.xdist_group("k3_megakernel")  # the reference compiled once a model
@@ -238,8 +238,9 @@ def test_the_res_layer_taps_follow_the_reference_layer_by_layer():
     config, params = res_layer_model()
     prompt = _prompt(config, 2)
     _, cache = reference.prefill(config, params, prompt, max_context=CONTEXT)
+    plan = DecodePlan.make(config, batch=2, rows=2, context=cache.capacity)
     first, report = megakernel.first_divergence(
-        config, params, cache, prompt[:, -2:], jax.numpy.full((2,), 5), backend="interpret")
+        plan, params, cache, prompt[:, -2:], jax.numpy.full((2,), 5), backend="interpret")
     assert first is None and len(report) == 2 * config.layers, report
 
 
@@ -316,7 +317,7 @@ def test_a_planted_bug_in_a_k3_kind_diverges(planted, monkeypatch):
 
 
 def _simulated(config):
-    return sim.simulate(config, "v5e", batch=4, rows=2, context=100)
+    return simulated_step(config, "v5e", batch=4, rows=2, context=100)
 
 
 def _busy(run, what) -> float:
@@ -391,8 +392,8 @@ def test_the_latent_moe_plan_simulator_and_perf_count_the_same_bytes():
     plan = DecodePlan.make(config, batch=1, rows=1, context=config.max_context)
     active = config.experts_per_token
     ledger = {f: b for f, b in plan.weight_bytes(active).items() if b}
-    replay = sim.simulate(config, "v5e", batch=1, rows=1, context=37, block=plan.block,
-                          experts_active=active).family_bytes()
+    replay = simulated_step(config, "v5e", batch=1, rows=1, context=37, block=plan.block,
+                            experts_active=active).family_bytes()
     roof = perf.predict(config, "v5e", batch=1, rows=1, context=37, routing="shared")
     by_perf = dict(attention=roof.attention_bytes, norms=roof.norm_bytes,
                    dense_mlp=roof.dense_mlp_bytes, router=roof.router_bytes,
@@ -436,5 +437,6 @@ def test_each_k3_kind_model_compiles_for_tpu(builder):
     sigmoid; the bounded decay's sigmoid and kda_g's segment; the latent's segments and
     norm; the residual mixes' softmax over the stored blocks) for the v5e at T = 4 (ahead
     of time, on the CPU: ~2, ~6, ~7, ~7 and ~20 s)."""
-    report = tpu.compile_megakernel(builder(), "v5e", batch=4, rows=4, context=1024)
+    report = tpu.compile_megakernel(DecodePlan.make(builder(), chip="v5e", batch=4, rows=4,
+                                                    context=1024))
     assert report.ok, report.error

@@ -239,13 +239,13 @@ def test_megakernel_t4_steps_predict_transformers_tokens_race_free(tpu_case, bat
     next ones; every step runs under the race detector (one trace serves all eight: a
     step without it would trace the kernel again, ~15 s)."""
     model, config, params, prompt = tpu_case
-    weights = megakernel.prepare(DecodePlan.make(config, batch=batch, rows=4,
-                                                 context=CONTEXT), params)
+    plan = DecodePlan.make(config, batch=batch, rows=4, context=CONTEXT)
+    weights = megakernel.prepare(plan, params)
     races = []
 
     def step(cache, rows, positions):
         with backend.use("interpret", detect_races=True):
-            _, logits, cache = megakernel.decode_step(config, weights, cache, rows, positions)
+            _, logits, cache = megakernel.decode_step(plan, weights, cache, rows, positions)
             races.append(backend.races_found())
         return logits, cache
 
@@ -331,11 +331,11 @@ def test_megakernel_t2_step_gives_the_reference_kda_row_states_race_free(tiny_ki
     tokens, positions = prompt[:, 4:], jnp.full((2,), 4, jnp.int32)
     want_logits, _, want_rows = R.decode_step(config, params, cache, tokens, positions,
                                               row_states=True)
-    weights = megakernel.prepare(DecodePlan.make(config, batch=2, rows=2, context=64),
-                                 params)
+    plan = DecodePlan.make(config, batch=2, rows=2, context=64)
+    weights = megakernel.prepare(plan, params)
     with backend.use("interpret", detect_races=True):
         got_tokens, got_logits, _, got_rows = megakernel.decode_step(
-            config, weights, cache, tokens, positions, row_states=True)
+            plan, weights, cache, tokens, positions, row_states=True)
         races = backend.races_found()
     np.testing.assert_array_equal(got_tokens, R.greedy(want_logits))
     np.testing.assert_allclose(got_logits, want_logits, rtol=1e-5, atol=1e-4)

@@ -17,6 +17,7 @@ from mk.kernels.collectives import round_s
 from mk.kernels.plan import DecodePlan
 from mk.published import published
 from mk.sim import Assumptions
+from builders import simulated_step
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +184,7 @@ def test_a_recorded_per_tile_cost_gives_the_compiled_kernels_simulated_step(monk
     block = dataclasses.replace(DecodePlan.make(run.config, batch=batch, rows=rows, tp=tp,
                                                 position=run.context).block, slots=24)
     for end in ("low", "high"):
-        want = mk.sim.simulate(
+        want = simulated_step(
             run.config, run.spec, batch=batch, rows=rows, context=run.context, tp=tp,
             block=block, assumptions=mk.sim.Assumptions(dma_latency_s=1e-6,
                                                         tile_bundles=1300, clock=end))

@@ -18,6 +18,7 @@ import pytest
 import mk
 from mk import measure, sim, tpu
 from mk.kernels.dma_probe import dma_probe
+from builders import simulated_step
 
 # One worker probes once for every test here (make test: --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("measure")
@@ -170,12 +171,12 @@ def test_simulator_picks_up_a_measured_latency(measured_dir):
     assert taken.dma_latency_s == pytest.approx(10 * assumed.dma_latency_s)
     assert taken.hbm_share == pytest.approx(1.0)
     assert taken.source.startswith("measured on TPU v6 lite")
-    before = sim.simulate(config, "v6e", assumptions=assumed)
-    after = sim.simulate(config, "v6e", assumptions=taken)
+    before = simulated_step(config, "v6e", assumptions=assumed)
+    after = simulated_step(config, "v6e", assumptions=taken)
     assert after.step_s > 1.2 * before.step_s
     assert after.assumptions.source == taken.source
     # simulate without assumptions keeps the defaults: a file is used only when asked for
-    assert sim.simulate(config, "v6e").step_s == before.step_s
+    assert simulated_step(config, "v6e").step_s == before.step_s
     # another chip without a file keeps the defaults; a file of the wrong chip is refused
     assert sim.Assumptions.measured("v5e") == sim.Assumptions()
     with pytest.raises(ValueError, match="chip='v6e' is not the simulated chip 'v5e'"):

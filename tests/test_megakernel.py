@@ -204,10 +204,9 @@ def test_t_rows_verify_in_one_pass_race_free(name):
     positions = jnp.array([6, 6], jnp.int32)
     want_logits, want_cache = reference.decode_step(config, params, cache, tokens, positions)
     with backend.use("interpret", detect_races=True):
+        plan = DecodePlan.make(config, batch=2, rows=4, context=cache.capacity, block=block)
         got, logits, got_cache = megakernel.decode_step(
-            config, megakernel.prepare(DecodePlan.make(
-                config, batch=2, rows=4, context=cache.capacity,
-                block=block), params), cache, tokens, positions, block=block)
+            plan, megakernel.prepare(plan, params), cache, tokens, positions)
     assert not backend.races_found()
     np.testing.assert_array_equal(got, reference.greedy(want_logits))
     # bf16 roundings through every layer and the lm_head: compared at the logits' scale.
@@ -234,10 +233,9 @@ def test_a_reused_write_back_slot_sends_each_layers_rows_to_that_layer_race_free
     _, want = reference.decode_step(config, params, cache, tokens, positions)
     block = default_block(config, 64)
     with backend.use("interpret", detect_races=True):
-        _, _, got = megakernel.decode_step(
-            config, megakernel.prepare(DecodePlan.make(config, batch=1, context=64,
-                                                       block=block), params),
-            cache, tokens, positions)
+        plan = DecodePlan.make(config, batch=1, context=64, block=block)
+        _, _, got = megakernel.decode_step(plan, megakernel.prepare(plan, params), cache,
+                                           tokens, positions)
     assert not backend.races_found()
     for name in ("k", "v"):
         np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=0,
@@ -258,9 +256,9 @@ def test_a_donated_step_equals_the_copying_one_and_spends_the_cache():
                             reference.init_cache(config, 2, 64))
 
     with backend.use("interpret"):
-        copied = megakernel.decode_step(config, weights, filled(), tokens, positions)
+        copied = megakernel.decode_step(plan, weights, filled(), tokens, positions)
         spent = filled()
-        donated = megakernel.decode_step(config, weights, spent, tokens, positions,
+        donated = megakernel.decode_step(plan, weights, spent, tokens, positions,
                                          donate=True)
     assert all(a.is_deleted() for a in jax.tree.leaves(spent))
     for a, b in zip(jax.tree.leaves(copied), jax.tree.leaves(donated), strict=True):
@@ -278,8 +276,36 @@ def test_a_position_past_the_cache_is_named():
     config = mk.preset("tiny")
     cache = reference.init_cache(config, 1, 128)
     with pytest.raises(ValueError, match=r"positions\[0\]=127 with T=2 .*max_context=128"):
-        megakernel.decode_step(config, {}, cache, jnp.zeros((1, 2), int), jnp.array([127]),
-                               block=default_block(config, 128))
+        megakernel.decode_step(DecodePlan.make(config, rows=2, context=128,
+                                               block=default_block(config, 128)),
+                               {}, cache, jnp.zeros((1, 2), int), jnp.array([127]))
+
+
+def test_a_step_is_refused_unless_its_inputs_are_its_plans():
+    """The plan is the step's one description: a cache of another capacity, tokens of
+    another [B, T], weights packed otherwise or a tensor-parallel plan are named before
+    anything is traced."""
+    config = mk.preset("tiny")
+    plan = DecodePlan.make(config, context=128)
+    tokens, positions = jnp.zeros((1, 1), int), jnp.array([5])
+    with pytest.raises(ValueError, match="plan is a ModelConfig; it must be a DecodePlan"):
+        megakernel.decode_step(config, {}, reference.init_cache(config, 1, 128), tokens,
+                               positions)
+    with pytest.raises(ValueError, match="capacity 256 is not the plan's context=128"):
+        megakernel.decode_step(plan, {}, reference.init_cache(config, 1, 256), tokens,
+                               positions)
+    with pytest.raises(ValueError, match=r"tokens shape \(1, 2\) is not the plan's \[B=1, "
+                                         r"T=1\]"):
+        megakernel.decode_step(plan, {}, reference.init_cache(config, 1, 128),
+                               jnp.zeros((1, 2), int), positions)
+    int8 = DecodePlan.make(config, context=128, formats={"dense": "int8"})
+    with pytest.raises(ValueError, match=r"weights streamed packed in \{\}, the plan's in "
+                                         r"\{'dense': 'int8'\}"):
+        megakernel.decode_step(int8, {}, reference.init_cache(config, 1, 128), tokens,
+                               positions)
+    with pytest.raises(NotImplementedError, match="plan.tp=2"):
+        megakernel.decode_step(DecodePlan.make(config, tp=2, context=128), {},
+                               reference.init_cache(config, 1, 128), tokens, positions)
 
 
 # v5e's whole-model compiles in CI are the quantised ones below and gpt-oss-20b's
@@ -288,7 +314,8 @@ def test_a_position_past_the_cache_is_named():
                                         ("qwen3-8b", "v6e"),
                                         ("qwen3-8b", "tpu7x"), ("qwen3-30b-a3b", "tpu7x")])
 def test_whole_model_compiles_for_tpu(name, chip):
-    report = tpu.compile_megakernel(mk.preset(name), chip, batch=8, rows=1, context=4096)
+    report = tpu.compile_megakernel(DecodePlan.make(mk.preset(name), chip=chip, batch=8,
+                                                    rows=1, context=4096))
     assert report.ok, report.error
     assert report.vmem.total_bytes < report.vmem.limit_bytes
 
@@ -302,8 +329,8 @@ def test_whole_model_compiles_for_tpu(name, chip):
     ("qwen3-30b-a3b", "v5e", 1, dict(dense="int4", experts="int4", lm_head="int4")),
     pytest.param("qwen3-8b", "tpu7x", 1, dict(dense="fp8", lm_head="fp8"), marks=SLOW)])
 def test_quantised_models_compile_for_the_chip_they_fit(name, chip, batch, formats):
-    report = tpu.compile_megakernel(mk.preset(name), chip, batch=batch, context=4096,
-                                    formats=formats)
+    report = tpu.compile_megakernel(DecodePlan.make(mk.preset(name), chip=chip, batch=batch,
+                                                    context=4096, formats=formats))
     assert report.ok, report.error
     rings = {b.name for b in report.vmem.buffers if b.name.startswith("ring_")}
     for q in set(formats.values()):  # each scheme's ring: the block's tile or its own shape
@@ -320,19 +347,21 @@ def test_a_tiny_model_fed_fp8_compiles_for_tpu7x():
     config, formats = mk.preset("tiny"), FP8_FED["tiny"]
     plan = DecodePlan.make(config, batch=8, context=1024, formats=formats, chip="tpu7x")
     assert dict(plan.feeds) == dict.fromkeys(formats, "fp8")
-    report = tpu.compile_megakernel(config, "tpu7x", batch=8, context=1024, formats=formats)
+    report = tpu.compile_megakernel(plan)
     assert report.ok, report.error
 
 
 def test_int4_experts_alone_do_not_fit_v5e_and_the_numbers_say_so():
-    report = tpu.compile_megakernel(mk.preset("qwen3-30b-a3b"), "v5e", batch=1, context=4096,
-                                    formats=dict(experts="int4"))
+    report = tpu.compile_megakernel(DecodePlan.make(
+        mk.preset("qwen3-30b-a3b"), chip="v5e", batch=1, context=4096,
+        formats=dict(experts="int4")))
     assert not report.ok
     assert "17.17 GiB of HBM, over the 15.75 GiB the compiler gives one v5e core" in report.error
 
 
 def test_a_model_too_big_for_the_chip_is_reported_with_numbers():
-    report = tpu.compile_megakernel(mk.preset("qwen3-30b-a3b"), "v5e", context=4096)
+    report = tpu.compile_megakernel(DecodePlan.make(mk.preset("qwen3-30b-a3b"), chip="v5e",
+                                                    batch=8, context=4096))
     assert not report.ok
     assert "GiB of HBM, over the 15.75 GiB the compiler gives one v5e core" in report.error
 
@@ -368,11 +397,11 @@ def test_first_divergence_names_the_op_of_a_planted_bug(plant, where):
     config = mk.preset("tiny")
     params = mk.init_params(config)
     _, cache = reference.prefill(config, params, jnp.ones((1, 6), jnp.int32), max_context=128)
-    args = (config, params, cache, jnp.array([[3, 4]]), jnp.array([6]))
+    plan = DecodePlan.make(config, batch=1, rows=2, context=128)
+    args = (plan, params, cache, jnp.array([[3, 4]]), jnp.array([6]))
     first, report = megakernel.first_divergence(*args, backend="interpret")
     assert first is None and len(report) == 2 * config.layers
-    weights = plant(megakernel.prepare(DecodePlan.make(config, batch=1, rows=2, context=128),
-                                       params))
+    weights = plant(megakernel.prepare(plan, params))
     first, report = megakernel.first_divergence(*args, backend="interpret", weights=weights,
                                                 stop_after=where)
     assert first == where and (report[-1]["layer"], report[-1]["op"]) == where
@@ -381,7 +410,8 @@ def test_first_divergence_names_the_op_of_a_planted_bug(plant, where):
 def test_stop_after_outside_the_model_is_named():
     config = mk.preset("tiny")
     with pytest.raises(ValueError, match=r"stop_after=\(2, 'attn'\) must be .*layers=2"):
-        megakernel.first_divergence(config, {}, None, None, None, stop_after=(2, "attn"))
+        megakernel.first_divergence(DecodePlan.make(config, context=128), {}, None, None,
+                                    None, stop_after=(2, "attn"))
 
 
 def test_a_ring_reaching_the_next_moe_layer_issues_each_expert_tile_once():
@@ -399,8 +429,8 @@ def test_a_ring_reaching_the_next_moe_layer_issues_each_expert_tile_once():
     _, cache = reference.prefill(config, params, jnp.arange(1, 6)[None], max_context=128)
     tokens, positions = jnp.array([[7]]), jnp.array([5])
     with backend.use("interpret", strict_dma=True):
-        got, logits, _ = megakernel.decode_step(config, megakernel.prepare(plan, params),
-                                                cache, tokens, positions, block=block)
+        got, logits, _ = megakernel.decode_step(plan, megakernel.prepare(plan, params),
+                                                cache, tokens, positions)
     want, _ = reference.decode_step(config, params, cache, tokens, positions)
     np.testing.assert_array_equal(got, reference.greedy(want))
     np.testing.assert_allclose(logits, want, rtol=0, atol=1e-3 * float(jnp.abs(want).max()))

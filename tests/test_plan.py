@@ -31,6 +31,7 @@ from mk.kernels.plan import (RING_COVER_S, DecodePlan, capacity, default_block, 
 from mk.kernels.stream import TileStream, little_slots, ring_slots
 from mk.step_bytes import WEIGHT_FAMILIES, family_of
 from multidevice import run
+from builders import simulated_step
 
 POSITION = 37  # the one sequence's cached positions before its new row
 SLOW = pytest.mark.slow
@@ -62,9 +63,9 @@ def counted(name: str, tp: int, formats=None, **overrides) -> dict:
     with dma_log(megakernel.traced_step) as log, backend.use("interpret"):
         weights = megakernel.prepare(plan, params)
         if tp == 1:
-            out = megakernel.decode_step(config, weights, cache, tokens, positions)
+            out = megakernel.decode_step(plan, weights, cache, tokens, positions)
         else:
-            out = tpar.decode_step(config, weights,
+            out = tpar.decode_step(plan, weights,
                                    shards.shard_cache(config, cache, tp), tokens, positions,
                                    mesh=tp_mesh(tp))
         jax.block_until_ready(out)
@@ -91,8 +92,8 @@ def test_the_kernel_moves_the_bytes_the_plan_the_simulator_and_perf_count(name, 
     active = config.experts_per_token if config.is_moe else 0  # one row: exactly top-k
     ledger = plan.weight_bytes(active)
     want = {f: tp * b for f, b in ledger.items() if b}
-    replay = sim.simulate(config, "v5e", batch=1, rows=1, context=POSITION, tp=tp,
-                          block=plan.block, experts_active=active or None)
+    replay = simulated_step(config, "v5e", batch=1, rows=1, context=POSITION, tp=tp,
+                            block=plan.block, experts_active=active or None)
     roof = perf.predict(config, "v5e", batch=1, rows=1, context=POSITION, tp=tp,
                         routing="shared")
     assert {f: got[f] for f in want} == want  # every weight family the plan names
@@ -134,8 +135,8 @@ def test_quantised_tiles_move_the_packed_bytes_and_scales_the_plan_and_perf_coun
     active = config.experts_per_token if config.is_moe else 0
     want = {f: b for f, b in plan.weight_bytes(active).items() if b}
     assert {f: got[f] for f in want} == want
-    replay = sim.simulate(config, "v5e", batch=1, rows=1, context=POSITION,
-                          block=plan.block, experts_active=active or None, formats=formats)
+    replay = simulated_step(config, "v5e", batch=1, rows=1, context=POSITION,
+                            block=plan.block, experts_active=active or None, formats=formats)
     assert replay.family_bytes() == got
     roof = perf.predict(config, "v5e", batch=1, rows=1, context=POSITION,
                         routing="shared", formats=formats)
@@ -436,7 +437,7 @@ def test_a_matrix_is_stored_transposed_only_when_its_transpose_is_what_the_tiles
 
 def test_the_simulator_replays_the_kernels_shard():
     config = mk.preset("qwen3-30b-a3b")
-    s = sim.simulate(config, "tpu7x", batch=8, context=1024, tp=4)
+    s = simulated_step(config, "tpu7x", batch=8, context=1024, tp=4)
     assert s.plan.local == shard_config(config, 4)
     assert s.plan.local.experts == config.experts  # every expert on every device
     assert s.plan.local.expert_ffn == 256  # 768 / 4 = 192, padded to two lane tiles
@@ -491,4 +492,4 @@ def test_the_layers_program_order_is_data_the_kinds_declare_and_the_simulator_wa
         check_kind(Stray)
     monkeypatch.setattr(sim, "LAYER_PHASES", (*LAYER_PHASES, "new_phase"))
     with pytest.raises(ValueError, match="no cost model for layer phase 'new_phase'"):
-        sim.simulate(mk.preset("tiny"), "v5e")
+        simulated_step(mk.preset("tiny"), "v5e")

@@ -12,6 +12,7 @@ from mk.kernels.common import BlockSizes
 from mk.kernels.stream import Repeat, TileStream
 from mk.chips import all_chips
 from mk.kernels.ring import Ring
+from builders import simulated_step
 
 
 def test_every_bubble_cause_has_its_own_fixed_colour():
@@ -22,7 +23,7 @@ def test_every_bubble_cause_has_its_own_fixed_colour():
 def test_timeline_colours_by_category_the_same_in_every_figure():
     seen = {}
     for name in ("tiny", "tiny-moe"):
-        fig = sim_plots.timeline(sim.simulate(mk.preset(name), "v6e", context=64))
+        fig = sim_plots.timeline(simulated_step(mk.preset(name), "v6e", context=64))
         for trace in fig.data:
             assert seen.setdefault(trace.name, trace.marker.color) == trace.marker.color
     busy = {n for n in seen if not n.startswith("idle: ")}
@@ -196,7 +197,7 @@ def test_table_cells_are_padded_and_numbers_right_aligned():
 def test_simulation_figures_refuse_what_is_no_simulation_or_an_empty_span(call, message):
     """Issue 65: a string was an AttributeError inside the figure, and layers the wrong way
     round drew an empty figure silently."""
-    step = sim.simulate(mk.preset("tiny"), "v6e", context=64)
+    step = simulated_step(mk.preset("tiny"), "v6e", context=64)
     with pytest.raises(ValueError, match=message):
         call(step)
     assert sim_plots.timeline(step, layers=(0, 0), window_s=(0, 1e-3)).data

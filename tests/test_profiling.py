@@ -22,6 +22,7 @@ import mk.sim
 from mk import calibration, profile_plots, profiling, reference
 from mk.measure import MEASURED
 from mk.profiling import OpEvent, Step, Timeline
+from builders import simulated_step
 
 # One worker makes the real captures once for every test here (make test: --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("profiling")
@@ -216,9 +217,9 @@ def test_the_simulator_steps_the_chips_traced_kernel_and_its_layers_within_toler
     record = profiling.load_trace_record(MEASURED / "v5e-trace.json")
     mega = profiling.recorded_timeline(record, "megakernel")
     kernel, = (o for o in mega.ops if o.name.startswith("mk_megakernel"))
-    sim = mk.sim.simulate(mk.preset(record["model"]), record["chip"], batch=record["batch"],
-                          rows=record["rows"], context=record["position"],
-                          assumptions=calibration.assumptions(record["chip"]))
+    sim = simulated_step(mk.preset(record["model"]), record["chip"], batch=record["batch"],
+                         rows=record["rows"], context=record["position"],
+                         assumptions=calibration.assumptions(record["chip"]))
     assert sim.step_s * 1e9 == pytest.approx(kernel.duration_ns, rel=calibration.TOLERANCE)
     measured, simulated = profiling.layer_times(mega), sim.layer_seconds()
     assert len(measured) == len(simulated) == mk.preset(record["model"]).layers

@@ -22,13 +22,14 @@ import numpy as np
 import pytest
 
 import mk
-from mk import backend, perf, quant, reference, sim, tpu
+from mk import backend, perf, quant, reference, tpu
 from mk import tensor_parallel as tpar
 from mk.kernels.plan import DecodePlan
 from mk.shards import check_quantised_splits, shard_params
 from multidevice import planted_race_caught, race_free, run
 from test_plan import POSITION, counted
 from test_tensor_parallel import tp_hybrid_config, tp_kimi_config
+from builders import simulated_step
 
 F32 = jnp.float32
 
@@ -189,8 +190,9 @@ def test_the_27bs_tp8_shard_compiles_for_tpu7x_with_its_weights_packed(formats):
     tiles, over VMEM, so the plan shortens it to leave Mosaic its room
     (`DecodePlan.make`)."""
     config = mk.preset("qwen3.5-27b")
-    report = tpu.compile_megakernel(config, "tpu7x", tp=8, topology="tpu7x:2x2x1", batch=8,
-                                    context=4096, formats=formats)
+    report = tpu.compile_megakernel(DecodePlan.make(config, chip="tpu7x", tp=8, batch=8,
+                                                    context=4096, formats=formats),
+                                    topology="tpu7x:2x2x1")
     assert report.ok, report.error
     assert 0 < report.vmem.total_bytes < report.vmem.limit_bytes
     assert {f"ring_{s}" for s in formats.values()} <= {b.name for b in report.vmem.buffers}
@@ -346,8 +348,8 @@ def test_a_quantised_shards_dmas_move_the_bytes_the_plan_the_simulator_and_perf_
     active = config.experts_per_token
     want = {f: tp * b for f, b in plan.weight_bytes(active).items() if b}
     assert {f: got[f] for f in want} == want
-    replay = sim.simulate(config, "v5e", batch=1, rows=1, context=POSITION, tp=tp,
-                          block=plan.block, experts_active=active, formats=formats)
+    replay = simulated_step(config, "v5e", batch=1, rows=1, context=POSITION, tp=tp,
+                            block=plan.block, experts_active=active, formats=formats)
     assert {f: tp * b for f, b in replay.family_bytes().items()} == got
     roof = perf.predict(config, "v5e", batch=1, rows=1, context=POSITION, tp=tp,
                         routing="shared", formats=formats)

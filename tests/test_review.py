@@ -45,19 +45,19 @@ def test_notebook_11s_invariants_hold_over_a_grid(name, chip, batch, rows, tp, b
     block = DecodePlan.make(config, tp=tp, batch=batch, rows=rows, context=context,
                             chip=chip).block
     step_args = dict(batch=batch, rows=rows, context=context - rows, tp=tp, block=block)
-    table = review.clock_ends(config, chip, **step_args)
-    recorded = review.clock_ends(config, chip, assumptions=sim.Assumptions(
-        tile_bundles=bundles), **step_args)
+    step = DecodePlan.make(config, chip=chip, position=context - rows, kernel=False,
+                           **{k: v for k, v in step_args.items() if k != "context"})
+    table = review.clock_ends(step)
+    recorded = review.clock_ends(step, assumptions=sim.Assumptions(tile_bundles=bundles))
     args = {k: v for k, v in step_args.items() if k != "block"}
     review.check_invariants(
-        table["low"], no_prefetch=sim.simulate(config, chip, cross_layer_prefetch=False,
-                                               **step_args),
+        table["low"], no_prefetch=sim.simulate(step, cross_layer_prefetch=False),
         by_clock=[table, recorded], hbm_floor_ms=perf.predict(config, chip, **args).hbm_floor_ms)
 
 
 def test_each_invariant_fails_on_a_step_that_breaks_it():
     config = mk.preset("tiny")
-    ends = review.clock_ends(config, "v6e", context=64)
+    ends = review.clock_ends(DecodePlan.make(config, chip="v6e", position=64))
     step = ends["low"]
     slower = dataclasses.replace(step, step_s=step.step_s * 2)
     with pytest.raises(AssertionError, match="prefetch across layers made a step slower"):
@@ -75,9 +75,11 @@ def test_each_invariant_fails_on_a_step_that_breaks_it():
                                 no_prefetch=step)
 
 
+TINY_STEP = DecodePlan.make(mk.preset("tiny"), chip="v6e", position=0)
+
+
 def test_clock_ends_refuses_assumptions_that_are_not_assumptions():
     """Issue 65: a string ended in a TypeError from dataclasses.replace."""
     with pytest.raises(ValueError, match="assumptions is a str; it must be a mk.sim.Assumptions"):
-        review.clock_ends(mk.preset("tiny"), "v6e", assumptions="high")
-    assert set(review.clock_ends(mk.preset("tiny"), "v6e", assumptions=sim.Assumptions())) == {
-        "low", "high"}
+        review.clock_ends(TINY_STEP, assumptions="high")
+    assert set(review.clock_ends(TINY_STEP, assumptions=sim.Assumptions())) == {"low", "high"}

@@ -11,6 +11,7 @@ import pytest
 import mk
 from mk import perf, routing_trace, sim, untrusted
 from mk.routing_trace import RoutingTrace
+from builders import simulated_step
 
 QWEN3_MOE = dict(  # MoE layers 0 and 2 (layer 1 dense), so a layer mix-up shows
     vocab_size=128, hidden_size=64, num_hidden_layers=3, num_attention_heads=2,
@@ -131,7 +132,7 @@ def test_a_presets_name_where_a_config_belongs_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match=message):
         routing_trace.load(path, "tiny-moe")
     with pytest.raises(ValueError, match=message):
-        sim.simulate("tiny-moe", "v6e")
+        simulated_step("tiny-moe", "v6e")
 
 
 @pytest.mark.parametrize("fields, match", [

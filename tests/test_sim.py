@@ -19,7 +19,7 @@ from mk.kernels.common import BlockSizes
 from mk.kernels.plan import DecodePlan, shard_config
 from mk.kernels.stream import TileStream
 from mk.weights import param_shapes
-from builders import replay_tile_by_tile
+from builders import simulated_step, replay_tile_by_tile
 
 NO_LATENCY = sim.Assumptions(dma_latency_s=0.0)
 
@@ -27,7 +27,7 @@ NO_LATENCY = sim.Assumptions(dma_latency_s=0.0)
 # -- Bytes ----------------------------------------------------------------------------------
 def test_dense_step_streams_every_kernel_weight_array_once_and_its_kv_tiles():
     config, B, T, S = mk.preset("tiny"), 2, 3, 40
-    s = sim.simulate(config, "v6e", batch=B, rows=T, context=S)
+    s = simulated_step(config, "v6e", batch=B, rows=T, context=S)
     params = {k: jax.ShapeDtypeStruct(shape, d)
               for k, (shape, d) in param_shapes(config).items()}
     weights = jax.eval_shape(lambda p: megakernel.prepare(s.plan, p), params)
@@ -60,7 +60,7 @@ def test_moe_step_streams_only_the_active_expert_slots_and_the_routers():
     layer = sum(streamed(seg) * seg.copies for seg in stream.segments)
     dense = sum(streamed(stream.segment(n)) for n in ("w_gate", "w_up", "w_down"))
     for active in (1, 3, 8):
-        s = sim.simulate(config, "v6e", rows=M, block=block, experts_active=active)
+        s = simulated_step(config, "v6e", rows=M, block=block, experts_active=active)
         weights = (config.layers * (layer - slots * per_slot) + sum(map(streamed, stream.tail))
                    - len(config.moe_layers) * (dense - active * per_slot))  # MoE layers skip
         routers = len(config.moe_layers) * config.hidden * config.experts * 2  # the dense MLP
@@ -90,7 +90,7 @@ def byte_gaps(name, tp, batch, rows, context, chip_name="v5e"):
     "total" its HBM bytes less perf's total but the embedding (XLA's gather)."""
     config = mk.preset(name)
     kw = dict(batch=batch, rows=rows, context=context, tp=tp, routing="disjoint")
-    step = sim.simulate(config, chip_name, **kw)
+    step = simulated_step(config, chip_name, **kw)
     got = step.family_bytes()
     e = perf.predict(config, chip_name, **kw)
     want = {f: getattr(e, field) / tp for f, field in PERF_BYTES.items()}
@@ -137,14 +137,14 @@ def test_ring_tile_bytes_are_the_ring_buffer_the_kernel_allocates_per_slot():
     config = mk.preset("tiny-moe")
     plan = DecodePlan.make(config, rows=2, position=0)
     block, ring = plan.block, plan.buffers["ring"]
-    s = sim.simulate(config, "v6e", rows=2, block=block)
+    s = simulated_step(config, "v6e", rows=2, block=block)
     tiles = [e for e in s.events if e.lane == "dma" and e.what == "wq"]
     assert {e.bytes / e.count for e in tiles} == {ring.bytes / block.slots}
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
 def test_step_is_never_below_the_hbm_floor_and_bubbles_fill_the_rest(name):
-    s = sim.simulate(mk.preset(name), "v5e", batch=3, rows=2, context=100)
+    s = simulated_step(mk.preset(name), "v5e", batch=3, rows=2, context=100)
     busy = s.dma_bytes / s.hbm_bandwidth
     assert s.step_s >= busy and 0 < s.hbm_utilisation <= 1
     assert sum(s.bubble_share().values()) == pytest.approx(s.step_s - busy, rel=1e-9)
@@ -197,8 +197,8 @@ def test_a_deeper_ring_pays_off_in_the_kernel_within_the_fifo_cost_of_kv_loads(n
     default and one slot."""
     block = DecodePlan.make(mk.preset(name), batch=2, rows=2, position=64).block
     need = sim.latency_slots(mk.preset(name), "tpu7x", block)
-    steps = [sim.simulate(mk.preset(name), "tpu7x", batch=2, rows=2, context=64,
-                          block=dataclasses.replace(block, slots=n)).step_s
+    steps = [simulated_step(mk.preset(name), "tpu7x", batch=2, rows=2, context=64,
+                            block=dataclasses.replace(block, slots=n)).step_s
              for n in range(1, need + 1)]
     assert all(b <= min(steps[:i + 1]) * 1.05 for i, b in enumerate(steps[1:])), steps
     assert steps[-1] < steps[block.slots - 1] < steps[0]
@@ -206,8 +206,8 @@ def test_a_deeper_ring_pays_off_in_the_kernel_within_the_fifo_cost_of_kv_loads(n
 
 def test_cross_layer_prefetch_removes_the_layer_boundary_bubble():
     config = mk.preset("qwen3-8b").first_layers(3)
-    on = sim.simulate(config, "tpu7x", context=256)
-    off = sim.simulate(config, "tpu7x", context=256, cross_layer_prefetch=False)
+    on = simulated_step(config, "tpu7x", context=256)
+    off = simulated_step(config, "tpu7x", context=256, cross_layer_prefetch=False)
     assert "layer boundary" not in on.bubble_share()
     assert off.bubble_share()["layer boundary"] > 0 and off.step_s > on.step_s
     edges = [b for b in off.bubbles if b.cause == "layer boundary"]
@@ -215,7 +215,7 @@ def test_cross_layer_prefetch_removes_the_layer_boundary_bubble():
 
 
 def test_moe_layers_wait_for_routing_before_their_experts_load():
-    s = sim.simulate(mk.preset("tiny-moe"), "v6e", batch=2, context=16)
+    s = simulated_step(mk.preset("tiny-moe"), "v6e", batch=2, context=16)
     share = s.bubble_share()
     assert share["routing"] > 0
     # every MoE layer; the chip's deep ring has the lm_head's tiles in flight by the last
@@ -229,9 +229,9 @@ def test_moe_layers_wait_for_routing_before_their_experts_load():
     ("kimi-k3-like", dict(rows=8, tp=32))])
 def test_fast_forward_is_the_exact_replay(name, kwargs, monkeypatch):
     config = mk.preset(name).first_layers(3)
-    fast = sim.simulate(config, "tpu7x", **kwargs)
+    fast = simulated_step(config, "tpu7x", **kwargs)
     replay_tile_by_tile(monkeypatch)
-    slow = sim.simulate(config, "tpu7x", **kwargs)
+    slow = simulated_step(config, "tpu7x", **kwargs)
     assert fast.step_s == pytest.approx(slow.step_s, rel=1e-12)
     assert fast.dma_bytes == slow.dma_bytes and len(fast.events) == len(slow.events)
     assert [(e.what, e.count) for e in fast.events] == [(e.what, e.count)
@@ -243,7 +243,7 @@ def test_fast_forward_is_the_exact_replay(name, kwargs, monkeypatch):
 
 # -- Tensor parallelism and experts ---------------------------------------------------------
 def test_the_simulated_shard_is_the_kernels_heads_ffn_vocab_and_every_expert_sliced():
-    s = sim.simulate(mk.preset("kimi-k3-like").first_layers(2), "tpu7x", tp=32)
+    s = simulated_step(mk.preset("kimi-k3-like").first_layers(2), "tpu7x", tp=32)
     kimi = s.plan.local
     assert kimi == shard_config(mk.preset("kimi-k3-like").first_layers(2), 32)
     assert (kimi.heads, kimi.kv_heads, kimi.ffn, kimi.vocab) == (2, 1, 640, 5120)
@@ -251,7 +251,7 @@ def test_the_simulated_shard_is_the_kernels_heads_ffn_vocab_and_every_expert_sli
     assert (kimi.experts, kimi.experts_per_token, kimi.expert_ffn) == (896, 16, 128)
     assert shard_config(mk.preset("qwen3-8b"), 1) == mk.preset("qwen3-8b")
     with pytest.raises(ValueError, match="tp=3 must be a power of two"):
-        sim.simulate(mk.preset("qwen3-8b"), "tpu7x", tp=3)
+        simulated_step(mk.preset("qwen3-8b"), "tpu7x", tp=3)
 
 
 def test_active_experts_are_the_expected_distinct_experts_rounded():
@@ -263,7 +263,7 @@ def test_active_experts_are_the_expected_distinct_experts_rounded():
 
 def test_tensor_parallel_step_pays_the_collectives_on_the_compute_lane():
     config = mk.preset("qwen3-8b").first_layers(2)
-    s = sim.simulate(config, "tpu7x", batch=2, tp=8)
+    s = simulated_step(config, "tpu7x", batch=2, tp=8)
     collective = [e for e in s.events if e.what == "collective"]
     assert len(collective) == 2 * 2 + 1
     one = perf.allreduce_s(2 * config.hidden * 4, 8, chip("tpu7x"))  # f32 partial sums
@@ -281,18 +281,18 @@ def test_every_preset_simulates_for_batch_and_rows_1_to_8_and_tp_1_to_32(name):
         K = config.kv_heads
         if any(w % tp for w in widths) or (K % tp and tp % K):
             with pytest.raises(ValueError, match=f"tp={tp}"):
-                sim.simulate(config, "tpu7x", tp=tp)
+                simulated_step(config, "tpu7x", tp=tp)
             continue
         for batch, rows in ((1, 1), (8, 1), (1, 8)):
-            s = sim.simulate(config, "tpu7x", batch=batch, rows=rows, context=32, tp=tp)
+            s = simulated_step(config, "tpu7x", batch=batch, rows=rows, context=32, tp=tp)
             assert s.step_s > 0 and math.isfinite(s.tokens_per_s_per_user())
 
 
 # -- Inputs, sweeps, published ----------------------------------------------------------------
 @pytest.mark.parametrize("kwargs,match", [
     (dict(chip="gb200"), "chip='gb200' is a gpu"), (dict(batch=0), "batch=0"),
-    (dict(chip=None), "chip=None must be a mk.chips.ChipSpec or a chip's name"),
-    (dict(context=-1), "context=-1"), (dict(tp=0), "tp=0"),
+    (dict(chip=None), "a plan made for no chip"),
+    (dict(context=-1), "position=-1"), (dict(tp=0), "tp=0"),
     (dict(experts_active=0), "experts_active=0"), (dict(block=(3, 128)), "block="),
     (dict(experts_active=2.5), r"experts_active=2.5 must be in \[1, "),
     (dict(cross_layer_prefetch="no"), "cross_layer_prefetch='no' must be True or False"),
@@ -301,14 +301,29 @@ def test_simulate_rejects_bad_inputs_naming_field_and_value(kwargs, match):
     kwargs = {"chip": "v6e", "preset": "tiny-moe"} | kwargs
     config = mk.preset(kwargs.pop("preset"))
     with pytest.raises(ValueError, match=match):
-        sim.simulate(config, kwargs.pop("chip"), **kwargs)
+        simulated_step(config, kwargs.pop("chip"), **kwargs)
+
+
+def test_simulate_replays_a_plan_made_for_a_chip_at_a_position():
+    """The plan is the simulator's one argument of the step: its chip (the ring and feeds
+    are that chip's) and its position (the cache a sequence reads) are the plan's."""
+    config = mk.preset("tiny")
+    with pytest.raises(ValueError, match="plan is a ModelConfig; it must be a DecodePlan"):
+        sim.simulate(config)
+    with pytest.raises(ValueError, match="a plan made for no chip"):
+        sim.simulate(DecodePlan.make(config, position=0))
+    with pytest.raises(ValueError, match=r"a plan of a cache of context=256: .*position="):
+        sim.simulate(DecodePlan.make(config, chip="v6e", context=256))
+    plan = DecodePlan.make(config, chip="v6e", rows=2, position=30)
+    step = sim.simulate(plan)
+    assert step.plan is plan and (step.context, step.rows) == (30, 2)
 
 
 @pytest.mark.parametrize("accepted", [0, -1, float("nan"), float("inf"), 3, "2", True])
 def test_tokens_per_second_refuses_an_acceptance_outside_0_to_rows(accepted):
     """A sequence keeps at most T tokens of a step (issue 65: nan and 0 came back as
     tokens per second); 2 of T = 2 is the whole step."""
-    step = sim.simulate(mk.preset("tiny"), "v6e", rows=2)
+    step = simulated_step(mk.preset("tiny"), "v6e", rows=2)
     with pytest.raises(ValueError, match=r"accepted=.* must be a finite number in \(0, 2\]"):
         step.tokens_per_s_per_user(accepted)
     assert step.tokens_per_s_per_user(2) == step.tokens_per_s_per_user() == 2 / step.step_s
@@ -332,7 +347,7 @@ def test_fast_forwarded_bubbles_still_add_up_to_the_idle_time(name, kwargs):
     for slots in (3, 16):
         plan = DecodePlan.make(config, tp=kwargs["tp"], rows=8, position=0, kernel=False)
         block = dataclasses.replace(plan.block, slots=slots)
-        s = sim.simulate(config, "tpu7x", block=block, **kwargs)
+        s = simulated_step(config, "tpu7x", block=block, **kwargs)
         idle = s.step_s - s.dma_bytes / s.hbm_bandwidth
         assert sum(s.bubble_share().values()) == pytest.approx(idle, rel=1e-9)
 
@@ -344,13 +359,13 @@ def test_the_chips_ring_keeps_hbm_busy_where_fewer_slots_than_littles_law_do_not
     it idle for a latency after every tile."""
     config = mk.preset("qwen3-0.6b")
     a = sim.Assumptions(dma_latency_s=1e-6)
-    chip_ring = sim.simulate(config, "tpu7x", context=1024, assumptions=a)
+    chip_ring = simulated_step(config, "tpu7x", context=1024, assumptions=a)
     slots = sim.latency_slots(config, "tpu7x", chip_ring.block, assumptions=a)
 
     def busy(n):
-        return sim.simulate(config, "tpu7x", context=1024, assumptions=a,
-                            block=dataclasses.replace(chip_ring.block, slots=n)
-                            ).hbm_utilisation
+        return simulated_step(config, "tpu7x", context=1024, assumptions=a,
+                              block=dataclasses.replace(chip_ring.block, slots=n)
+                              ).hbm_utilisation
 
     assert chip_ring.block.slots > slots
     assert chip_ring.hbm_utilisation >= busy(slots) >= 0.9 > busy(slots - 1)
@@ -363,8 +378,8 @@ def test_every_single_core_preset_keeps_tpu7x_hbm_busy_at_one_microsecond(name):
     latency and each weight tile at the tile cost table at the low end of the clock range
     (`mk.feed_costs`; the whole kernels' recorded loops: mk/data/tile_costs/single_core.json,
     notebook 11)."""
-    s = sim.simulate(mk.preset(name), "tpu7x", context=1024,
-                     assumptions=sim.Assumptions(dma_latency_s=1e-6))
+    s = simulated_step(mk.preset(name), "tpu7x", context=1024,
+                       assumptions=sim.Assumptions(dma_latency_s=1e-6))
     assert s.hbm_utilisation >= 0.9, s.bubble_share()
 
 
@@ -398,4 +413,4 @@ def test_simulate_refuses_a_routing_trace_of_another_model_as_predict_does():
         with pytest.raises(ValueError, match="routing trace of 'tiny-kimi': MoE layers=1"):
             perf.predict(config, "v6e", routing=trace)
         with pytest.raises(ValueError, match="routing trace of 'tiny-kimi': MoE layers=1"):
-            sim.simulate(config, "v6e", routing=trace, experts_active=1)
+            simulated_step(config, "v6e", routing=trace, experts_active=1)

@@ -482,8 +482,9 @@ def test_a_chip_count_with_no_topology_is_refused(chip, chips, message):
     ("qwen3-30b-a3b", "v5e:2x4", "v5e"),  # TP8: at TP4 it does not fit (next test)
 ])
 def test_sharded_model_compiles_for_a_multi_chip_topology(name, topology, chip):
-    report = tpu.compile_megakernel(mk.preset(name), chip, tp=8, topology=topology,
-                                    batch=8, context=4096)
+    report = tpu.compile_megakernel(plan.DecodePlan.make(mk.preset(name), chip=chip, tp=8,
+                                                         batch=8, context=4096),
+                                    topology=topology)
     assert report.ok, report.error
     assert report.tp == 8
     assert 0 < report.vmem.total_bytes < report.vmem.limit_bytes
@@ -501,8 +502,8 @@ def test_kimi_k3s_whole_tp32_shard_compiles_with_fp4_experts_packed():
     layers; ~53 s on this CPU). With bf16 experts it is refused by HBM, with the numbers,
     before any compile."""
     k3 = mk.preset("kimi-k3")
-    report = tpu.compile_megakernel(k3, "tpu7x", tp=32, topology="tpu7x:2x2x4", batch=1,
-                                    rows=8, context=4096)
+    plan_ = plan.DecodePlan.make(k3, tp=32, batch=1, rows=8, context=4096, chip="tpu7x")
+    report = tpu.compile_megakernel(plan_, topology="tpu7x:2x2x4")
     assert report.ok, report.error
     assert report.compile_seconds < 90
     assert report.argument_bytes <= report.hbm_bytes <= mk.chip("tpu7x").hbm_bytes
@@ -512,14 +513,14 @@ def test_kimi_k3s_whole_tp32_shard_compiles_with_fp4_experts_packed():
             "ring_fp4_3584x128_scales", "ring_fp4_128x3584", "latent_part",
             "latent_gather.gathered", "latent_reduce.gathered"} <= names
     assert "v_tiles" not in names  # the latent rows are keys and values
-    plan_ = plan.DecodePlan.make(k3, tp=32, batch=1, rows=8, context=4096, chip="tpu7x")
     assert plan_.stream.schemes == ("fp4",)
     assert [s.name for s in plan_.stream.segments if s.stride] == ["we_gate", "we_up",
                                                                    "we_down"]
     assert (plan_.local.latent_columns, plan_.local.latent_shards) == (128, 32)
     bf16 = dataclasses.replace(k3, formats=(), expert_fp8_block=0)  # fp8 gate/up: fp4's
-    whole = tpu.compile_megakernel(bf16, "tpu7x", tp=32, topology="tpu7x:2x2x4", batch=1,
-                                   context=4096)
+    whole = tpu.compile_megakernel(plan.DecodePlan.make(bf16, chip="tpu7x", tp=32, batch=1,
+                                                        context=4096),
+                                   topology="tpu7x:2x2x4")
     assert not whole.ok and re.search(r"need \d{3}\.\d\d GiB of HBM, over the 94\.75 GiB",
                                       whole.error)
 
@@ -527,7 +528,9 @@ def test_kimi_k3s_whole_tp32_shard_compiles_with_fp4_experts_packed():
 def test_a_shard_too_big_for_hbm_is_reported_with_numbers():
     # qwen3-30b-a3b in bf16 on 4 v5e chips: its experts split 768/4 = 192 wide, padded to
     # 256, so each chip needs more than its 16 GiB.
-    report = tpu.compile_megakernel(mk.preset("qwen3-30b-a3b"), "v5e", tp=4,
+    report = tpu.compile_megakernel(plan.DecodePlan.make(mk.preset("qwen3-30b-a3b"),
+                                                         chip="v5e", tp=4, batch=8,
+                                                         context=4096),
                                     topology="v5e:2x2")
     assert not report.ok
     assert re.search(r"need [\d.]+ GiB of HBM, over the 15\.75 GiB the compiler gives one "

@@ -219,16 +219,16 @@ def test_verification_steps_on_the_chip_predict_the_references_tokens(oracle, re
     config, params, _ = _model(name)
     prompt, want, ref_logits, cache = oracle.result(request)
     block = _block(config, params)
-    weights = megakernel.prepare(DecodePlan.make(config, batch=batch, rows=rows,
-                                                 context=CONTEXT, block=block), params)
+    plan = DecodePlan.make(config, batch=batch, rows=rows, context=CONTEXT, block=block)
+    weights = megakernel.prepare(plan, params)
     cache = jax.device_put(cache, jax.devices()[0])
     fed = np.concatenate([prompt[:, -1:], want], 1)
     got = []
     with backend.use("hardware"):
         for i in range(0, 2 * rows, rows):
             nxt, _, cache = megakernel.decode_step(
-                config, weights, cache, jnp.asarray(fed[:, i:i + rows]),
-                jnp.full((batch,), PROMPT - 1 + i, jnp.int32), block=block)
+                plan, weights, cache, jnp.asarray(fed[:, i:i + rows]),
+                jnp.full((batch,), PROMPT - 1 + i, jnp.int32))
             got.append(np.asarray(nxt))
     verdict = exactness.judge_logits(ref_logits, np.concatenate(got, 1))
     _keep(f"{name} B{batch} T{rows}", family, verdict, batch=batch, rows=rows)

@@ -227,6 +227,8 @@ class DecodePlan:
     feeds: tuple[tuple[str, str], ...] = ()  # {group: feed} of the packed groups, hashable
     collective: str = "recursive"  # the all-reduce and argmax gather's algorithm
     #                                (`mk.kernels.collectives.ALGORITHMS`)
+    position: int | None = None  # every sequence's position (`make(position=)`: the step
+    #                              `mk.sim.simulate` replays); None for a cache of `context`
 
     @property
     def buffers(self) -> dict[str, Buffer]:
@@ -242,9 +244,10 @@ class DecodePlan:
         """The one way to make a plan. The cache holds `context` positions (S), or, given
         `position` instead, every sequence is at `position` in a cache just large enough
         for its rows (`capacity`, or whole KV tiles of the given block: the step the
-        simulator replays). Checks every limit of the step before anything is traced: tp
-        splits the model, M = B*T is in [1, MAX_ROWS], the tiles divide every matrix of
-        the shard, the KV tile divides the cache and holds the T rows, the quantised
+        simulator replays, kept as `plan.position`). Checks every limit of the step
+        before anything is traced: tp splits the model, M = B*T is in [1, MAX_ROWS],
+        the tiles divide every matrix of the shard, the KV tile divides the cache and
+        holds the T rows, the quantised
         `formats` (default `config.formats`; {} for none) hold whole groups per tile
         (and, for a kernel, `packed_formats` packs them all, and each device's shard of
         them is whole packed bytes and scale blocks: `mk.shards.check_quantised_splits`).
@@ -263,6 +266,9 @@ class DecodePlan:
         tp, M = check_tp(config, tp), check_rows(batch, rows)  # a bad tp named first
         context = _cache_positions(rows, context, position, block)
         spec = None if chip is None else spec_of(chip)
+        if spec is not None and spec.kind != "tpu":
+            raise ValueError(f"chip={spec.name!r} is a {spec.kind}: a plan is one TPU "
+                             "core's step (its ring and buffers in the core's VMEM)")
         collective = choose_algorithm(tp, collective)
         formats, packed, feeds, local = _weight_formats(config, tp, formats, feeds, spec,
                                                         kernel)
@@ -274,7 +280,7 @@ class DecodePlan:
         return cls(config, int(tp), local, int(batch), int(rows), context, block, stream,
                    tuple(sorted(formats.items())), tuple(buffers.items()),
                    None if spec is None else spec.name, tuple(sorted(feeds.items())),
-                   collective)
+                   collective, position)
 
     @property
     def M(self) -> int:
