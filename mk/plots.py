@@ -318,6 +318,7 @@ def tile_stream(stream, *, title: str = "") -> go.Figure:
     fig.update_layout(title=title or f"{stream.total} weight tiles through a {slots}-slot ring",
                       xaxis_title="tile index g (consumption order, tiles)",
                       barmode="overlay",
+                      showlegend=False,  # each row's label names its matrix: no legend needed
                       # every row labelled: plotly would skip every other one when crowded
                       yaxis=dict(title="weight matrix", autorange="reversed", tickmode="array",
                                  tickvals=list(by_name)), bargap=0.2,

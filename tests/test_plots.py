@@ -114,6 +114,12 @@ def test_tile_stream_colours_each_family_once_in_every_figure():
                                                                 ("we_down", 128, 256)))])
     assert figure_rules.check(plots.tile_stream(moe)) == []
     assert colours.weight_colour("we_gate[3]") == colours.WEIGHT_COLOURS["we_gate"]
+    # a hybrid's step streams 12 matrices: one row each, named on the axis, no legend of 12
+    # (notebook 06's tiny-hybrid run broke the legend rule before)
+    names = ("lin_qkv", "lin_z", "lin_out", "wq", "wk", "wv", "wq_gate", "wo", "w_gate",
+             "w_up", "w_down", "lm_head")
+    hybrid = TileStream.build(block, [(n, 128, 128) for n in names])
+    assert figure_rules.check(plots.tile_stream(hybrid)) == []
 
 
 def test_ring_schedule_is_the_simulators_replay_of_one_matrix():
