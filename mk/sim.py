@@ -32,7 +32,7 @@ from mk.config import DTYPE_BITS, ModelConfig, check_formats, positive_int
 from mk.errors import shown
 from mk.kernels.common import BlockSizes
 from mk.kernels.mlp import expert_slots
-from mk.kernels.plan import DecodePlan, model_stream
+from mk.kernels.plan import DecodePlan, model_stream, plan_chip
 from mk.kernels.stream import ring_slots
 from mk.kernels.stream import TileStream
 from mk.kinds.base import LAYER_PHASES, STREAM
@@ -374,13 +374,7 @@ def simulate(plan: DecodePlan, *, cross_layer_prefetch: bool = True,
     or an assumed routing); experts_active overrides it (active expert slots per MoE
     layer).
     """
-    if not isinstance(plan, DecodePlan):
-        raise ValueError(f"plan is a {type(plan).__name__}; it must be a DecodePlan "
-                         "(`DecodePlan.make(config, chip=, position=, ...)`)")
-    if plan.chip is None:
-        raise ValueError("a plan made for no chip: the simulator replays the step on the "
-                         "chip its ring and feeds are for (`DecodePlan.make(chip=)`)")
-    spec = _tpu(plan.chip)
+    spec = _tpu(plan_chip(plan, "the simulator replays the step"))
     config, batch, rows, context = plan.config, plan.batch, plan.rows, plan.position
     if context is None:
         raise ValueError(f"a plan of a cache of context={plan.context}: the simulator "

@@ -31,7 +31,7 @@ from mk.chips import ChipSpec, spec_of
 from mk.jax_private import MosaicError
 from mk.kernels.collectives import AXIS
 from mk.kernels.common import VmemBudget
-from mk.kernels.plan import DecodePlan
+from mk.kernels.plan import DecodePlan, plan_chip
 from mk.weights import FORMAT_GROUPS, abstract_params
 
 
@@ -172,13 +172,7 @@ def compile_megakernel(plan: DecodePlan, *, topology: str | None = None) -> Comp
     reported (ok=False, with the numbers), not compiled. The plan's formats: the mk.quant
     scheme of each weight family stored quantised (`mk.quant.abstract_weight`).
     """
-    if not isinstance(plan, DecodePlan):
-        raise ValueError(f"plan is a {type(plan).__name__}; it must be a DecodePlan "
-                         "(`DecodePlan.make(config, chip=, ...)`)")
-    if plan.chip is None:
-        raise ValueError("a plan made for no chip: compile the plan of the chip its ring "
-                         "and feeds are for (`DecodePlan.make(chip=)`)")
-    spec = _tpu(plan.chip)
+    spec = _tpu(plan_chip(plan, "compile the plan"))
     config, batch, rows, context = plan.config, plan.batch, plan.rows, plan.context
     cores = f" TP{plan.tp}" if plan.tp > 1 else ""
     name = f"megakernel {config.name}{cores} B={batch} T={rows} S={context}"

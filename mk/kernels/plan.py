@@ -443,6 +443,18 @@ class DecodePlan:
         return Fit(spec.name, vmem, hbm, limit)
 
 
+def plan_chip(plan, use: str) -> ChipSpec:
+    """The TPU `plan` was made for, for `use` (what needs it, e.g. "the simulator replays
+    the step"): ValueError if `plan` is no DecodePlan or was made for no chip."""
+    if not isinstance(plan, DecodePlan):
+        raise ValueError(f"plan is a {type(plan).__name__}; it must be a DecodePlan "
+                         "(`DecodePlan.make(config, chip=, ...)`)")
+    if plan.chip is None:
+        raise ValueError(f"a plan made for no chip: {use} on the chip its ring and feeds "
+                         "are for (`DecodePlan.make(chip=)`)")
+    return spec_of(plan.chip)
+
+
 # -- DecodePlan.make's phases, in the order it runs them -----------------------------------
 def _cache_positions(rows: int, context, position, block) -> int:
     """The cache capacity S of a plan: `context`, or, given `position` instead, one just
