@@ -4,7 +4,8 @@ mistakes a student plants) and the checks that catch them.
 Here: the hard-path defaults (`hard_positions`, `moe_inputs`); the break-it exercises
 (`planted(name)` swaps ONE line of the real kernel code for a wrong one inside a `with`
 block; `replaced(name, fn)` runs the student's `fn` in that place); the fix exercises and
-their checks (`check_ring_kernel`: 01's kernel from its spec; `update_without_rescale`
+their checks (`check_copy_kernel`: 00c's copy by hand, `copy_out_before_wait` its race;
+`check_ring_kernel`: 01's kernel from its spec; `update_without_rescale`
 with `check_attend_update`, `norm_then_matmul` with `scoped_bundles` and `check_scope`,
 `check_up_rotation`, `check_ring_depth`); the
 mystery lab (`mystery(seed)`: one unnamed plant in the megakernel's step, found with the
@@ -31,6 +32,9 @@ from unittest import mock
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from IPython.display import Markdown
 
@@ -287,6 +291,44 @@ def check_ring_depth(sim, deep, *, tolerance: float = 0.05) -> float:
             f"the one with {deep.block.slots} slots (Little's law depth); HBM idles "
             f"{empty:.0%} of it waiting for tiles (ring empty)")
     return ratio
+
+
+def copy_out_before_wait(x_hbm, o_hbm, buf_vmem, sems, *, block_rows: int):
+    """00c's question: `teach.hand_copy_kernel` with one line moved, the copy out of
+    buf_vmem started before the copy into it is waited for (a race with the right values in
+    interpret mode, which runs a DMA when it is waited for)."""
+    def one_block(i, carry):
+        rows = pl.ds(pl.multiple_of(i * block_rows, block_rows), block_rows)
+        copy_in = pltpu.make_async_copy(x_hbm.at[rows], buf_vmem, sems.at[0])
+        copy_out = pltpu.make_async_copy(buf_vmem, o_hbm.at[rows], sems.at[1])
+        copy_in.start()
+        copy_out.start()  # moved up: reads buf_vmem while block i may still be landing
+        copy_in.wait()
+        copy_out.wait()
+        return carry
+
+    lax.fori_loop(0, x_hbm.shape[0] // block_rows, one_block, 0)
+
+
+def check_copy_kernel(kernel, *, seed: int = 0) -> int:
+    """00c's exercise: `kernel` (`teach.hand_copy_kernel`'s refs and `block_rows`) in
+    `teach.hand_copy` copies a [64, 256] float32 array in blocks of 8 and of 32 rows with the
+    race detector on, bit for bit, leaving no DMA unwaited. Returns the blocks it copied."""
+    check_function("your copy kernel", kernel, teach.hand_copy_kernel)
+    x = jax.random.normal(jax.random.key(seed), (64, 256))
+    wanted = "o_hbm = x_hbm, each block copied into buf_vmem, waited for, then copied out"
+    for block_rows in (8, 32):
+        what = f"your copy kernel at block_rows={block_rows}"
+        with backend.use("interpret", detect_races=True), learners_code(what, wanted):
+            got = teach.hand_copy(x, block_rows=block_rows, kernel=kernel)
+            jax.block_until_ready(got)
+        check_race_free(what, backend.races_found())
+        left = backend.dma_leftovers()
+        if left:
+            raise ExerciseFailed(f"{what}: expected every copy started to be waited for; "
+                                 f"left at the kernel's exit: {shown('; '.join(left), 300)}")
+        check_close(what, got, x, atol=0.0, rtol=0.0)
+    return 64 // 8 + 64 // 32
 
 
 def check_ring_kernel(kernel, *, chip: str = "v5e", seed: int = 0) -> float:

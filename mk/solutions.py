@@ -42,6 +42,7 @@ def norm_in_its_scope(x_ref, w_ref, o_ref):
 
 
 SOLUTIONS = {
+    "00c-copy": teach.hand_copy_kernel,
     "01-ring": teach.ring_matmul_kernel,
     "03-rescale": teach.online_softmax_update,
     "05-residual": one_layer.residual,
@@ -50,6 +51,15 @@ SOLUTIONS = {
 }
 
 ANSWERS = {
+    "00c-copy": (
+        "In a `lax.fori_loop` over the blocks i: `rows = pl.ds(pl.multiple_of(i * "
+        "block_rows, block_rows), block_rows)`; `copy_in = pltpu.make_async_copy(x_hbm.at["
+        "rows], buf_vmem, sems.at[0])`, `copy_out = pltpu.make_async_copy(buf_vmem, o_hbm."
+        "at[rows], sems.at[1])`; then `copy_in.start()`, `copy_in.wait()`, "
+        "`copy_out.start()`, `copy_out.wait()`, in that order. Starting the copy out before "
+        "the copy in is waited for races on buf_vmem (the race detector says so, though "
+        "interpret mode's values come out right); a copy never waited for is left at the "
+        "kernel's exit (as `mk.teach.hand_copy_kernel`)."),
     "01-ring": (
         "Name a tile's copy once: `dma(g)` = `pltpu.make_async_copy(w_hbm.at[rows, cols], "
         "slots_vmem.at[g % slots], sems.at[g % slots])` with rows the `g % steps`-th and "

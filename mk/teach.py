@@ -3,8 +3,9 @@ to the real module on the same inputs (tests/test_course.py), and the real code 
 annotated excerpts.
 
 Teaching versions (30-40 lines each, one idea each, none used by the real kernels):
-`ring_matmul` (01: a weight streamed through a VMEM ring by hand-written DMAs), `attend`
-(03: one sequence's online softmax over only its visible KV tiles;
+`block_copy` and `hand_copy` (00c: one copy by a grid of BlockSpecs, then by hand-written
+DMAs), `ring_matmul` (01: a weight streamed through a VMEM ring by hand-written DMAs),
+`attend` (03: one sequence's online softmax over only its visible KV tiles;
 `online_softmax_update` the five lines it is about), `moe_experts` (04: the selected
 experts' SwiGLU, one grid step per expert slot), `all_reduce` (10: recursive halving and
 doubling over a stacked array, bit-equal to `mk.kernels.collectives`). Also here:
@@ -48,6 +49,67 @@ def _check_ndim(name: str, array, ndim: int) -> None:
     if shape is None or len(shape) != ndim:
         got = f"shape {tuple(shape)}" if shape is not None else type(array).__name__
         raise ValueError(f"{name} must be an array of {ndim} dimensions; got {got}")
+
+
+# -- 00c: the first kernel, a copy two ways --------------------------------------------------
+def block_copy_kernel(x_vmem, o_vmem):
+    """One grid step: o_vmem = x_vmem, both [block_rows, C] blocks Pallas has placed in
+    VMEM (it copied x's block in before the step and copies o's out after it)."""
+    o_vmem[...] = x_vmem[...]
+
+
+def block_copy(x: jax.Array, *, block_rows: int = 8) -> jax.Array:
+    """A copy of x [R, C] by a grid of R // block_rows steps: step i's BlockSpecs map it to
+    rows [i * block_rows, (i + 1) * block_rows) of x and of the output, and Pallas pipelines
+    those blocks HBM -> VMEM -> HBM (block i + 1 loads while step i runs)."""
+    (R, C), block_rows = _rows_in_blocks(x, block_rows)
+    block = pl.BlockSpec((block_rows, C), lambda i: (i, 0))  # step i -> block (i, 0)
+    return pl.pallas_call(block_copy_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          grid=(R // block_rows,), in_specs=[block], out_specs=block,
+                          name="teach_block_copy")(x)
+
+
+def hand_copy_kernel(x_hbm, o_hbm, buf_vmem, sems, *, block_rows: int):
+    """o_hbm [R, C] = x_hbm [R, C], both left in HBM, one block of block_rows rows at a time
+    through buf_vmem [block_rows, C], with two DMA semaphores in sems (0: in, 1: out).
+
+    For each block i (a `lax.fori_loop`), rows [i * block_rows, (i + 1) * block_rows):
+    copy them from x_hbm into buf_vmem and wait for that copy; then copy buf_vmem into the
+    same rows of o_hbm and wait for that one. Every copy started is waited for, and none
+    reads buf_vmem before the copy writing it has landed."""
+    def one_block(i, carry):
+        rows = pl.ds(pl.multiple_of(i * block_rows, block_rows), block_rows)
+        copy_in = pltpu.make_async_copy(x_hbm.at[rows], buf_vmem, sems.at[0])
+        copy_out = pltpu.make_async_copy(buf_vmem, o_hbm.at[rows], sems.at[1])
+        copy_in.start()  # hand the descriptor to a DMA engine; returns at once
+        copy_in.wait()  # block i is in VMEM
+        copy_out.start()
+        copy_out.wait()  # and back in HBM: buf_vmem may be overwritten
+        return carry
+
+    lax.fori_loop(0, x_hbm.shape[0] // block_rows, one_block, 0)
+
+
+def hand_copy(x: jax.Array, *, block_rows: int = 8, kernel=hand_copy_kernel) -> jax.Array:
+    """`block_copy` by hand: x and the output stay in HBM (`pl.ANY`), `kernel` (refs as
+    `hand_copy_kernel`'s, and `block_rows`) moves each block with its own DMAs through one
+    [block_rows, C] VMEM buffer; no grid, so no pipeline and no overlap."""
+    (_, C), block_rows = _rows_in_blocks(x, block_rows)
+    hbm = pl.BlockSpec(memory_space=pl.ANY)  # left where it is: the kernel copies it
+    return pl.pallas_call(
+        functools.partial(kernel, block_rows=block_rows),
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), in_specs=[hbm], out_specs=hbm,
+        scratch_shapes=[pltpu.VMEM((block_rows, C), x.dtype), pltpu.SemaphoreType.DMA((2,))],
+        name="teach_hand_copy")(x)
+
+
+def _rows_in_blocks(x, block_rows):
+    """x's shape and block_rows, checked: x [R, C] with R a multiple of block_rows."""
+    _check_ndim("x", x, 2)
+    block_rows = positive_int("block_rows", block_rows)
+    if x.shape[0] % block_rows:
+        raise ValueError(f"x {x.shape}: its rows must be a multiple of {block_rows=}")
+    return x.shape, block_rows
 
 
 # -- 01: the ring -------------------------------------------------------------------------------

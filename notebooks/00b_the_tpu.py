@@ -170,8 +170,8 @@ display(plots.table([{
 # **Takeaway.** A decode kernel's job is to keep the DMA engines streaming weight tiles from
 # HBM into VMEM while the MXU consumes the ones already there. The MXU's $R$-row minimum
 # makes its busy time far larger than the FLOP count suggests (the last column), close to
-# HBM's on TPU7x, and with 4-bit weights it becomes the limit. Notebook 01 writes that
-# stream as a Pallas kernel.
+# HBM's on TPU7x, and with 4-bit weights it becomes the limit. Notebook 00c writes
+# a first Pallas kernel, one copy HBM -> VMEM -> HBM; notebook 01 writes that stream.
 
 # %% [markdown]
 # ## Questions

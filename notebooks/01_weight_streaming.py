@@ -30,7 +30,8 @@
 # **You will build** a 30-line ring kernel (`mk.teach.ring_matmul`), check it equals the
 # real one, draw the ring slot by slot in time, and read the real `Ring.matmul`. **You will
 # be able to** size a ring by Little's law and spot a ring race. **Prerequisites:** 00
-# (why decode is memory-bound), 00b (HBM, VMEM, the DMA engine); `lax.fori_loop`.
+# (why decode is memory-bound), 00b (HBM, VMEM, the DMA engine), 00c (a first Pallas
+# kernel: BlockSpecs, then one copy by hand with `make_async_copy`); `lax.fori_loop`.
 
 # %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,

@@ -291,7 +291,8 @@ def _accept_check(fn):
 
 # Each fix exercise's check, as its notebook runs it; "08-scope" compiles with libtpu, so
 # its two ways are test_a_scope_added_to_the_kernel_has_its_own_bundles_in_the_dump's.
-FIX_CHECKS = {"01-ring": course.check_ring_kernel,
+FIX_CHECKS = {"00c-copy": course.check_copy_kernel,
+              "01-ring": course.check_ring_kernel,
               "03-rescale": course.check_attend_update,
               "05-residual": lambda fn: _one_layer_error("wrong_residual", fn),
               "09-accept": _accept_check}
@@ -361,6 +362,45 @@ def test_the_ring_kernels_check_catches_a_learners_likely_mistakes(mistake, mess
         course.check_ring_kernel(_ring_kernel_with(**mistake))
 
 
+def _copy_without_waiting_out(x_hbm, o_hbm, buf_vmem, sems, *, block_rows):
+    """`teach.hand_copy_kernel` with `copy_out.wait()` dropped: no copy out is waited for."""
+    def one_block(i, carry):
+        rows = pl.ds(i * block_rows, block_rows)
+        copy_in = pltpu.make_async_copy(x_hbm.at[rows], buf_vmem, sems.at[0])
+        copy_in.start()
+        copy_in.wait()
+        pltpu.make_async_copy(buf_vmem, o_hbm.at[rows], sems.at[1]).start()
+        return carry
+
+    lax.fori_loop(0, x_hbm.shape[0] // block_rows, one_block, 0)
+
+
+def _copy_of_the_first_block(x_hbm, o_hbm, buf_vmem, sems, *, block_rows):
+    """Every block of the output copied from x's first block: the window never moves."""
+    def one_block(i, carry):
+        copy_in = pltpu.make_async_copy(x_hbm.at[pl.ds(0, block_rows)], buf_vmem, sems.at[0])
+        copy_out = pltpu.make_async_copy(buf_vmem, o_hbm.at[pl.ds(i * block_rows, block_rows)],
+                                         sems.at[1])
+        copy_in.start()
+        copy_in.wait()
+        copy_out.start()
+        copy_out.wait()
+        return carry
+
+    lax.fori_loop(0, x_hbm.shape[0] // block_rows, one_block, 0)
+
+
+@pytest.mark.parametrize("kernel, message", [
+    (course.copy_out_before_wait, "flagged a race"),
+    (_copy_without_waiting_out, "never waited for"),
+    (_copy_of_the_first_block, "differ")])
+def test_the_copy_kernels_check_catches_a_learners_likely_mistakes(kernel, message):
+    """00c's exercise: the copy out started before the copy in is waited for (right values
+    in interpret mode, a race), a copy out never waited for, a window that never moves."""
+    with pytest.raises(course.ExerciseFailed, match=message):
+        course.check_copy_kernel(kernel)
+
+
 def my_update(m, l, acc, scores, v):
     """A learner's untouched stub."""
     ...
@@ -421,6 +461,18 @@ def test_notebooks_ship_each_fix_as_a_stub_never_the_worked_solution():
 
 
 # -- Teaching kernels equal the real modules -------------------------------------------------
+@pytest.mark.parametrize("block_rows", [8, 16])
+def test_teaching_copies_equal_their_input_and_are_race_free(block_rows):
+    x = jax.random.normal(jax.random.key(0), (32, 256)).astype("bfloat16")
+    with backend.use("interpret", detect_races=True, strict_dma=True):
+        by_blocks = teach.block_copy(x, block_rows=block_rows)
+        by_hand = teach.hand_copy(x, block_rows=block_rows)
+        assert not backend.races_found()
+    for got in (by_blocks, by_hand):
+        assert got.dtype == x.dtype
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(x))
+
+
 @pytest.mark.parametrize("slots", [1, 2, 3])
 def test_teaching_ring_equals_stream_matmul_and_is_race_free(slots):
     x = jax.random.normal(jax.random.key(1), (2, 256))
@@ -478,7 +530,8 @@ def test_teaching_all_reduce_sums_in_the_kernels_tree_order():
         np.testing.assert_array_equal(device, np.asarray(collectives.tree_sum(x)))
 
 
-@pytest.mark.parametrize("kernel", [teach.ring_matmul_kernel, teach.attend_kernel,
+@pytest.mark.parametrize("kernel", [teach.block_copy_kernel, teach.hand_copy_kernel,
+                                    teach.ring_matmul_kernel, teach.attend_kernel,
                                     teach.online_softmax_update, teach.moe_experts_kernel,
                                     teach.all_reduce])
 def test_teaching_versions_fit_on_a_page(kernel):
@@ -540,6 +593,9 @@ def test_teaching_kernels_refuse_bad_arguments_by_name_before_any_kernel_runs():
     stream = TileStream.build(BlockSizes(slots=1, tile_rows=128, tile_cols=128),
                               [("wq", 256, 256)])
     for call, message in (
+            (lambda: teach.hand_copy(x, block_rows=0), "block_rows=0 must be a positive"),
+            (lambda: teach.block_copy(x, block_rows=3), r"x \(8, 256\): its rows must be"),
+            (lambda: teach.hand_copy(x[0]), "x must be an array of 2 dim"),
             (lambda: teach.ring_matmul(x, x.T, tile=0), "tile=0 must be a positive integer"),
             (lambda: teach.ring_matmul(x, x.T, slots="3"), "slots='3' must be a positive"),
             (lambda: teach.attend(q, kv, kv, 3, rows=0), "rows=0 must be a positive integer"),
@@ -667,6 +723,7 @@ CHECKS = {
     "check_ring_depth": lambda a: course.check_ring_depth(a, _deep_ring()),
     "check_attend_update": course.check_attend_update,
     "check_ring_kernel": course.check_ring_kernel,
+    "check_copy_kernel": course.check_copy_kernel,
     "check_scope": lambda a: course.check_scope(a, "norm"),
     "replaced": _accept_with,
     "Mystery.confirm": lambda a: _mystery().confirm(a),
@@ -684,6 +741,7 @@ WRONG_BUT_TYPED = {
     "check_ring_depth": [simulated_step(mk.preset("tiny"), "v5e", context=256)],
     "check_attend_update": [lambda m, l, acc, scores, v: (m, l), teach.attend],
     "check_ring_kernel": [teach.attend, _ring_kernel_with(refill_first=True)],
+    "check_copy_kernel": [teach.ring_matmul_kernel, course.copy_out_before_wait],
     "check_scope": [{}, {"matmul": [1]}, {"norm": "abc"}, {"norm": [1, 2]}],
     "replaced": [course.accept_on_the_next_row, lambda drafts: drafts],
     "Mystery.confirm": [lambda self: 0],

@@ -469,8 +469,8 @@ def test_course_map_names_every_notebook_once_in_course_order():
     assert sorted(stems) == sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9]*_*.ipynb"))
     assert len(stems) == len(set(stems))
     assert [s.split("_")[0] for s in stems] == [
-        "00b", "00", "01", "13", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11",
-        "14", "05b", "05c", "05d", "12"]
+        "00b", "00", "00c", "01", "13", "02", "03", "04", "05", "06", "07", "08", "09", "10",
+        "11", "14", "05b", "05c", "05d", "12"]
     assert all(e["teaches"].strip() and "\n" not in e["teaches"]
                for part in parts for e in part["notebooks"])
 
@@ -486,6 +486,8 @@ def test_every_notebook_has_a_students_time_and_comes_after_earlier_notebooks():
     assert all(stems.index(a) < stems.index(s) for s in stems for a in after[s])
     assert after["14_capstone"] == ["13_measure_your_tpu", "11_design_review"]
     assert after["03_decode_attention"] == ["02_attention_prologue"]  # the one before it
+    assert after["01_weight_streaming"] == ["00_decode_is_memory_bound",
+                                            "00c_first_pallas_kernel"]
 
 
 @pytest.mark.parametrize("entry, message", [
