@@ -4,10 +4,10 @@ mistakes a student plants) and the checks that catch them.
 Here: the hard-path defaults (`hard_positions`, `moe_inputs`); the break-it exercises
 (`planted(name)` swaps ONE line of the real kernel code for a wrong one inside a `with`
 block; `replaced(name, fn)` runs the student's `fn` in that place); the fix exercises and
-their checks (`check_ring_kernel`: 01's kernel from its spec; `update_without_rescale`
-with `check_attend_update`, `norm_then_matmul` with `scoped_bundles` and `check_scope`,
-`check_up_rotation`, `check_ring_depth`); the
-mystery lab (`mystery(seed)`: one unnamed plant in the megakernel's step, found with the
+their checks (`check_ring_kernel`: 01's kernel from its spec; `check_attend_tile`: 03's
+KV tile from its spec; `update_without_rescale` with `check_attend_update`,
+`norm_then_matmul` with `scoped_bundles` and `check_scope`, `check_up_rotation`,
+`check_ring_depth`); the mystery lab (`mystery(seed)`: one unnamed plant in the megakernel's step, found with the
 race detector or `first_divergence`); the worked answers (`mk.solutions`, re-exported:
 `reveal(key)`, `attempt(key, fn, solutions)`). Checks are graders (`mk.grading`, whose
 `ExerciseFailed`, `check_close`, `check_tokens` and `check_race_free` are re-exported
@@ -319,13 +319,12 @@ def check_ring_kernel(kernel, *, chip: str = "v5e", seed: int = 0) -> float:
     return worst
 
 
-def check_attend_update(update, *, kv_tile: int = 128, seed: int = 0) -> float:
-    """`mk.teach.attend` with the online-softmax step `update` against the reference, for
-    one sequence whose two rows sit just past the first KV tile edge: every row reads two
-    tiles, and a strong key at the start of the second moves every row's running max.
-    Returns the largest error."""
+def _two_tile_case(kv_tile: int, seed: int):
+    """The attention checks' case: one sequence's G*T = 4 rows (T = 2) just past the first
+    KV tile edge, so every row reads two tiles, and a strong key at the start of the second
+    that moves most rows' running max. Returns (q, k, v, position, T, the reference
+    output [G*T, H])."""
     G, T, H, S = 2, 2, 128, 2 * kv_tile
-    _check_update(update, G * T, kv_tile, H)  # a wrong type or shape, before any work
     keys = jax.random.split(jax.random.key(seed), 3)
     q = jax.random.normal(keys[0], (G * T, H))
     k, v = (jax.random.normal(key, (S, H)).astype(jnp.bfloat16) for key in keys[1:])
@@ -333,12 +332,37 @@ def check_attend_update(update, *, kv_tile: int = 128, seed: int = 0) -> float:
     k = k.at[kv_tile].multiply(8.0)  # the second tile's first key: a new max for most rows
     want = ops.attention(q.reshape(G, T, H).transpose(1, 0, 2)[None], k[None, None],
                          v[None, None], jnp.asarray([p]))  # [1, T, G, H]
-    want = want[0].transpose(1, 0, 2).reshape(G * T, H)
+    return q, k, v, p, T, want[0].transpose(1, 0, 2).reshape(G * T, H)
+
+
+def check_attend_update(update, *, kv_tile: int = 128, seed: int = 0) -> float:
+    """`mk.teach.attend` with the online-softmax step `update` against the reference, for
+    one sequence whose two rows sit just past the first KV tile edge: every row reads two
+    tiles, and a strong key at the start of the second moves every row's running max.
+    Returns the largest error."""
+    q, k, v, p, T, want = _two_tile_case(kv_tile, seed)
+    _check_update(update, q.shape[0], kv_tile, q.shape[1])  # a wrong type or shape first
     with backend.use("interpret"), learners_code(
             "attention with your update", "(m_next, l_next, acc_next) as "
             "teach.online_softmax_update returns them"):
         got = teach.attend(q, k, v, p, rows=T, kv_tile=kv_tile, update=update)
     return check_close("attention over two KV tiles", got, want, atol=2e-2, rtol=2e-2)
+
+
+def check_attend_tile(tile_body, *, kv_tile: int = 128, seed: int = 0) -> float:
+    """03's from-spec exercise: `tile_body` (`teach.attend_tile`'s arguments) as the KV
+    tile of `mk.teach.attend`, against the reference, on `check_attend_update`'s case: the
+    rows just past the first tile edge read all of the first tile and part of the second,
+    so a mask off by one key, or none, changes every row (the tolerance is 6x the right
+    tile's error: a row's mask read as its head's also fails). Returns the largest error."""
+    check_function("your attend_tile", tile_body, teach.attend_tile)
+    q, k, v, p, T, want = _two_tile_case(kv_tile, seed)
+    with backend.use("interpret"), learners_code(
+            "attention with your attend_tile", "the new (m, l, acc) of one KV tile, as "
+            "teach.attend_tile's spec says"):
+        got = teach.attend(q, k, v, p, rows=T, kv_tile=kv_tile, tile_body=tile_body)
+    return check_close("attention with your attend_tile over two KV tiles", got, want,
+                       atol=5e-3, rtol=5e-3)
 
 
 def _check_update(update, rows: int, tile: int, width: int) -> None:

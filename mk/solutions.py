@@ -43,6 +43,7 @@ def norm_in_its_scope(x_ref, w_ref, o_ref):
 
 SOLUTIONS = {
     "01-ring": teach.ring_matmul_kernel,
+    "03-tile": teach.attend_tile,
     "03-rescale": teach.online_softmax_update,
     "05-residual": one_layer.residual,
     "08-scope": norm_in_its_scope,
@@ -61,6 +62,15 @@ ANSWERS = {
         "`dma(g + slots).start()`. Starting the refill before the dot races it (the race "
         "detector says so), and `w_hbm` cannot be read but through a copy (as "
         "`mk.teach.ring_matmul_kernel`)."),
+    "03-tile": (
+        "Round q to k's dtype, then `scores = lax.dot_general(q, k, (((1,), (1,)), ((), "
+        "())), preferred_element_type=jnp.float32) * (1 / math.sqrt(H))` ([R, tile]). Row r "
+        "is new row t = r % rows (`lax.broadcasted_iota(jnp.int32, scores.shape, 0) % "
+        "rows`), key column j is position s = start + j (the iota along axis 1); keep "
+        "`jnp.where(s <= position + t, scores, -jnp.inf)`, since row t sits at position + t "
+        "and sees its own key. Then `return update(m, l, acc, scores, v)`. A mask of "
+        "`s < position + t` hides each row's own key, and no mask lets rows see the keys "
+        "after them: both change every row here (as `mk.teach.attend_tile`)."),
     "03-rescale": (
         "The sum and the accumulator of the first tile were taken under the first tile's "
         "max; when the second tile raises the max to m', those terms must be scaled by "

@@ -4,7 +4,7 @@ annotated excerpts.
 
 Teaching versions (30-40 lines each, one idea each, none used by the real kernels):
 `ring_matmul` (01: a weight streamed through a VMEM ring by hand-written DMAs), `attend`
-(03: one sequence's online softmax over only its visible KV tiles;
+(03: one sequence's online softmax over only its visible KV tiles; `attend_tile` one tile,
 `online_softmax_update` the five lines it is about), `moe_experts` (04: the selected
 experts' SwiGLU, one grid step per expert slot), `all_reduce` (10: recursive halving and
 doubling over a stacked array, bit-equal to `mk.kernels.collectives`). Also here:
@@ -125,8 +125,28 @@ def online_softmax_update(m, l, acc, scores, v):
     return m_next, l_next, acc_next
 
 
+def attend_tile(m, l, acc, q, k, v, start, position, *, rows: int,
+                update=online_softmax_update):
+    """One KV tile into the running max m, sum l, accumulator acc ([R, 1], [R, 1], [R, H]
+    float32) of R = G*T query rows q [R, H] float32 (row r: head r // T, new row t = r % T
+    at position + t, T = rows); k, v [tile, H] in the cache dtype hold cached positions
+    start .. start + tile - 1.
+
+    Scores: q rounded to k's dtype, times k transposed, float32 accumulation, times
+    1 / sqrt(H) ([R, tile]). Causal mask: row t sees key s only if s <= position + t; a
+    score it cannot see is -inf. Returns `update(m, l, acc, scores, v)`, the new (m, l,
+    acc)."""
+    q, scale = q.astype(k.dtype), 1 / math.sqrt(q.shape[1])
+    scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                             preferred_element_type=F32) * scale  # [R, tile]
+    t = lax.broadcasted_iota(jnp.int32, scores.shape, 0) % rows
+    s = start + lax.broadcasted_iota(jnp.int32, scores.shape, 1)
+    scores = jnp.where(s <= position + t, scores, -jnp.inf)  # causal: key s seen by row t
+    return update(m, l, acc, scores, v)
+
+
 def attend_kernel(pos_smem, q_vmem, k_vmem, v_vmem, o_vmem, m, l, acc, *, rows: int,
-                  update):
+                  update, tile_body):
     i, tile = pl.program_id(0), k_vmem.shape[0]
     p = pos_smem[0]  # row t of the sequence sits at position p + t
 
@@ -137,15 +157,10 @@ def attend_kernel(pos_smem, q_vmem, k_vmem, v_vmem, o_vmem, m, l, acc, *, rows: 
         acc[...] = jnp.zeros(acc.shape, F32)
 
     @pl.when(i * tile <= p + rows - 1)  # tile i holds a position some row sees
-    def attend_tile():
-        q = q_vmem[...].astype(k_vmem.dtype)  # [G*T, H], row r is (head r // T, t = r % T)
-        scale = 1 / math.sqrt(q.shape[1])
-        scores = lax.dot_general(q, k_vmem[...], (((1,), (1,)), ((), ())),
-                                 preferred_element_type=F32) * scale  # [G*T, tile]
-        t = lax.broadcasted_iota(jnp.int32, scores.shape, 0) % rows
-        s = i * tile + lax.broadcasted_iota(jnp.int32, scores.shape, 1)
-        scores = jnp.where(s <= p + t, scores, -jnp.inf)  # causal: key s seen by row t
-        m[...], l[...], acc[...] = update(m[...], l[...], acc[...], scores, v_vmem[...])
+    def visible_tile():
+        m[...], l[...], acc[...] = tile_body(m[...], l[...], acc[...], q_vmem[...],
+                                             k_vmem[...], v_vmem[...], i * tile, p,
+                                             rows=rows, update=update)
 
     @pl.when(i == pl.num_programs(0) - 1)
     def finish():
@@ -153,10 +168,11 @@ def attend_kernel(pos_smem, q_vmem, k_vmem, v_vmem, o_vmem, m, l, acc, *, rows: 
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, position, *, rows: int,
-           kv_tile: int = 128, update=online_softmax_update):
+           kv_tile: int = 128, update=online_softmax_update, tile_body=attend_tile):
     """Attention of one sequence's query rows q [G*T, H] float32 (row r: head r // T, new
     row t = r % T at position + t) over one kv head's cache k, v [S, H] (already holding
-    the new rows) -> [G*T, H] float32. `update`: the online-softmax step."""
+    the new rows) -> [G*T, H] float32. `update`: the online-softmax step; `tile_body`: one
+    KV tile, `attend_tile`'s arguments (03's from-spec exercise passes its own)."""
     for name, array in (("q", q), ("k", k), ("v", v)):
         _check_ndim(name, array, 2)
     rows, kv_tile = positive_int("rows", rows), positive_int("kv_tile", kv_tile)
@@ -178,7 +194,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, position, *, rows: int,
         out_specs=whole, scratch_shapes=[pltpu.VMEM((q.shape[0], 1), F32)] * 2
         + [pltpu.VMEM(q.shape, F32)])
     return pl.pallas_call(
-        functools.partial(attend_kernel, rows=rows, update=update), grid_spec=grid,
+        functools.partial(attend_kernel, rows=rows, update=update,
+                          tile_body=tile_body), grid_spec=grid,
         out_shape=jax.ShapeDtypeStruct(q.shape, F32), name="teach_attend",
     )(position, q, k, v)
 

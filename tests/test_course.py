@@ -292,6 +292,7 @@ def _accept_check(fn):
 # Each fix exercise's check, as its notebook runs it; "08-scope" compiles with libtpu, so
 # its two ways are test_a_scope_added_to_the_kernel_has_its_own_bundles_in_the_dump's.
 FIX_CHECKS = {"01-ring": course.check_ring_kernel,
+              "03-tile": course.check_attend_tile,
               "03-rescale": course.check_attend_update,
               "05-residual": lambda fn: _one_layer_error("wrong_residual", fn),
               "09-accept": _accept_check}
@@ -359,6 +360,32 @@ def test_the_ring_kernels_check_catches_a_learners_likely_mistakes(mistake, mess
     assert course.check_ring_kernel(_ring_kernel_with()) < 1e-2
     with pytest.raises(course.ExerciseFailed, match=message):
         course.check_ring_kernel(_ring_kernel_with(**mistake))
+
+
+def _attend_tile_with(mask="right"):
+    """`teach.attend_tile` as a learner might write it: mask "right" (s <= position + t),
+    "own key hidden" (s < position + t), "none", or "head's row" (t read as r // T, the
+    head, in place of r % T)."""
+    def tile(m, l, acc, q, k, v, start, position, *, rows, update):
+        q = q.astype(k.dtype)
+        scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                 preferred_element_type=jnp.float32) / math.sqrt(q.shape[1])
+        r = lax.broadcasted_iota(jnp.int32, scores.shape, 0)
+        s = start + lax.broadcasted_iota(jnp.int32, scores.shape, 1)
+        t = r // rows if mask == "head's row" else r % rows
+        visible = {"own key hidden": s < position + t, "none": s >= 0}.get(
+            mask, s <= position + t)
+        return update(m, l, acc, jnp.where(visible, scores, -jnp.inf), v)
+    return tile
+
+
+@pytest.mark.parametrize("mask", ["own key hidden", "none", "head's row"])
+def test_the_attend_tiles_check_catches_a_learners_likely_masks(mask):
+    """The guard of check_attend_tile's pass: the right mask written another way passes;
+    a mask off by one key, no mask, or the head's index for the row's fails."""
+    assert course.check_attend_tile(_attend_tile_with()) < 5e-3
+    with pytest.raises(course.ExerciseFailed, match="differ"):
+        course.check_attend_tile(_attend_tile_with(mask))
 
 
 def my_update(m, l, acc, scores, v):
@@ -479,7 +506,7 @@ def test_teaching_all_reduce_sums_in_the_kernels_tree_order():
 
 
 @pytest.mark.parametrize("kernel", [teach.ring_matmul_kernel, teach.attend_kernel,
-                                    teach.online_softmax_update, teach.moe_experts_kernel,
+                                    teach.attend_tile, teach.online_softmax_update, teach.moe_experts_kernel,
                                     teach.all_reduce])
 def test_teaching_versions_fit_on_a_page(kernel):
     assert teach.lines_of(kernel) <= 40
@@ -667,6 +694,7 @@ CHECKS = {
     "check_ring_depth": lambda a: course.check_ring_depth(a, _deep_ring()),
     "check_attend_update": course.check_attend_update,
     "check_ring_kernel": course.check_ring_kernel,
+    "check_attend_tile": course.check_attend_tile,
     "check_scope": lambda a: course.check_scope(a, "norm"),
     "replaced": _accept_with,
     "Mystery.confirm": lambda a: _mystery().confirm(a),
@@ -684,6 +712,9 @@ WRONG_BUT_TYPED = {
     "check_ring_depth": [simulated_step(mk.preset("tiny"), "v5e", context=256)],
     "check_attend_update": [lambda m, l, acc, scores, v: (m, l), teach.attend],
     "check_ring_kernel": [teach.attend, _ring_kernel_with(refill_first=True)],
+    "check_attend_tile": [teach.online_softmax_update, _attend_tile_with("none"),
+                          lambda m, l, acc, q, k, v, start, position, *, rows, update:
+                          (m, l)],
     "check_scope": [{}, {"matmul": [1]}, {"norm": "abc"}, {"norm": [1, 2]}],
     "replaced": [course.accept_on_the_next_row, lambda drafts: drafts],
     "Mystery.confirm": [lambda self: 0],
