@@ -1,18 +1,19 @@
 """What the course notebooks share: the hard-path defaults, the break-it exercises (the
 mistakes a student plants) and the checks that catch them.
 
-Here: the hard-path defaults (`hard_positions`, `moe_inputs`); the break-it exercises
-(`planted(name)` swaps ONE line of the real kernel code for a wrong one inside a `with`
-block; `replaced(name, fn)` runs the student's `fn` in that place); the fix exercises and
-their checks (`check_ring_kernel`: 01's kernel from its spec; `check_attend_tile`: 03's
-KV tile from its spec; `update_without_rescale` with `check_attend_update`,
+Here: the hard-path defaults (`hard_positions`, `moe_inputs`, `routed`, the reference
+compaction `compacted`); the break-it exercises (`planted(name)` swaps ONE line of the real
+kernel code for a wrong one in a `with` block; `replaced(name, fn)` runs the student's `fn`
+there); the fix exercises and their checks (from their specs: 01's kernel
+`check_ring_kernel`, 03's KV tile `check_attend_tile`, 04's compaction
+`check_compact_experts`; `update_without_rescale` with `check_attend_update`,
 `norm_then_matmul` with `scoped_bundles` and `check_scope`, `check_up_rotation`,
-`check_ring_depth`); the mystery lab (`mystery(seed)`: one unnamed plant in the megakernel's step, found with the
-race detector or `first_divergence`); the worked answers (`mk.solutions`, re-exported:
-`reveal(key)`, `attempt(key, fn, solutions)`). Checks are graders (`mk.grading`, whose
-`ExerciseFailed`, `check_close`, `check_tokens` and `check_race_free` are re-exported
-here): an answer of any type fails saying what was expected and what came back, never
-with a traceback from inside mk, and never passes.
+`check_ring_depth`); the mystery lab (`mystery(seed)`: one unnamed plant in the
+megakernel's step, found with the race detector or `first_divergence`); the worked
+answers (`mk.solutions`, re-exported: `reveal(key)`, `attempt(key, fn, solutions)`).
+Checks are graders (`mk.grading`, whose `ExerciseFailed`, `check_close`, `check_tokens` and
+`check_race_free` are re-exported here): an answer of any type fails saying what was
+expected and what came back, never with a traceback from inside mk, and never passes.
 
 Not here: the kernels themselves (`mk.kernels`), the simulator (`mk.sim`), drawing
 (`mk.plots`). Every plant, which notebook uses it and what it breaks:
@@ -106,9 +107,17 @@ def routed(config: ModelConfig, h, router):
     weights, picked = ops.route(h, router, config.experts_per_token, config.norm_topk)
     combine = jnp.zeros((h.shape[0], config.experts)).at[
         jnp.arange(h.shape[0])[:, None], picked].set(weights)
-    experts = sorted(set(np.asarray(picked).ravel().tolist()))
-    slots = mlp.expert_slots(config.experts, config.experts_per_token, h.shape[0])
-    return combine, experts + [experts[-1]] * (slots - len(experts)), len(experts)
+    return (combine, *compacted(picked, config.experts))
+
+
+def compacted(picked, experts: int) -> tuple[list[int], int]:
+    """The reference compaction of picked [M, X] expert ids (in [0, experts)): (ids
+    [slots], the distinct experts sorted and padded with the last, count), slots =
+    `mlp.expert_slots(experts, X, M)` (what `teach.compact_experts` computes in SMEM)."""
+    picked = np.asarray(picked)
+    distinct = sorted(set(picked.ravel().tolist()))
+    slots = mlp.expert_slots(experts, picked.shape[1], picked.shape[0])
+    return distinct + [distinct[-1]] * (slots - len(distinct)), len(distinct)
 
 
 def is_prefix(experts) -> bool:
@@ -385,6 +394,36 @@ def _check_update(update, rows: int, tile: int, width: int) -> None:
         if got.shape != shape:
             raise ExerciseFailed(f"your update's {name}: expected shape {shape}; got "
                                  f"{got.shape}")
+
+
+def check_compact_experts(kernel, *, router_seed: int = 3, rows: int = 4) -> float:
+    """04's from-spec exercise: `kernel` (`teach.compact_experts_kernel`'s refs) in
+    `teach.compact_experts` against the reference compaction (`compacted`), on rows whose
+    picks repeat, skip experts and are not in order ([[5, 2], [2, 7], [7, 5]] of E = 8,
+    then `rows` rows of tiny-moe's router, `moe_inputs(..., router_seed, rows)`); then its
+    slots drive `teach.moe_experts` on those rows against the reference MoE. Returns the
+    MoE's largest error."""
+    check_function("your compaction", kernel, teach.compact_experts_kernel)
+    config = preset("tiny-moe")
+    weights, h, _ = moe_inputs(config, 0, router_seed, rows)
+    combine, *_ = routed(config, h, weights[0])
+    _, picked = ops.route(h, weights[0], config.experts_per_token, config.norm_topk)
+    for case in (np.asarray([[5, 2], [2, 7], [7, 5]], np.int32), np.asarray(picked)):
+        want_ids, want_count = compacted(case, config.experts)
+        what = f"your compaction of picked={case.tolist()}"
+        wanted = (f"ids {want_ids} (the distinct experts sorted, padded with the last) and "
+                  f"count [{want_count}]")
+        with backend.use("interpret"), learners_code(what, wanted):
+            ids, count = teach.compact_experts(case, config.experts, kernel=kernel)
+        got = (answer_array(f"{what}: ids", ids, integer=True).tolist(),
+               answer_array(f"{what}: count", count, integer=True).tolist())
+        if got != (want_ids, [want_count]):
+            raise ExerciseFailed(f"{what}: expected {wanted}; got ids {got[0]} and count "
+                                 f"{got[1]}")
+    with backend.use("interpret"):
+        out = teach.moe_experts(h, combine, *weights[1:], ids, got[1][0])
+    want = ops.moe(h, *weights, config.experts_per_token, config.norm_topk)
+    return check_close("the teaching experts on your slots", out, want, atol=1e-3)
 
 
 def check_acceptance(config: ModelConfig, params, prompt, steps: int, *, gamma: int = 4,

@@ -6,7 +6,8 @@ Teaching versions (30-40 lines each, one idea each, none used by the real kernel
 `ring_matmul` (01: a weight streamed through a VMEM ring by hand-written DMAs), `attend`
 (03: one sequence's online softmax over only its visible KV tiles; `attend_tile` one tile,
 `online_softmax_update` the five lines it is about), `moe_experts` (04: the selected
-experts' SwiGLU, one grid step per expert slot), `all_reduce` (10: recursive halving and
+experts' SwiGLU, one grid step per expert slot; `compact_experts` the picked experts
+compacted into its slots), `all_reduce` (10: recursive halving and
 doubling over a stacked array, bit-equal to `mk.kernels.collectives`). Also here:
 `ring_schedule` (the ring rule in time, tile by tile: notebook 01's Gantt chart, a
 teaching twin of the simulator's weight lane) with `tile_times`, and `excerpt` (a real
@@ -36,6 +37,7 @@ from mk.chips import spec_of
 from mk.config import finite_number, positive_int
 from mk.decode_checks import checked_int32
 from mk.errors import shown
+from mk.kernels import mlp
 from mk.kernels.common import BlockSizes
 from mk.kernels.stream import TileStream
 
@@ -201,6 +203,63 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, position, *, rows: int,
 
 
 # -- 04: the experts ------------------------------------------------------------------------------
+def compact_experts_kernel(picked_smem, ids_smem, count_smem, seen_smem):
+    """The experts a batch picked, compacted into the slots the expert kernel streams.
+
+    Reads picked_smem [M*X] int32: each row's X routed experts, row after row (a row's X
+    differ; rows may share experts). Writes ids_smem [slots] int32: every expert some row
+    picked, once, in increasing order, then the last of them again in every slot left
+    over; and count_smem [1] int32: how many distinct experts. seen_smem [E] int32 is
+    scratch, one flag per expert, holding garbage at the start.
+
+    All of it lives in SMEM, so it is scalar loops (`lax.fori_loop`): clear the flags,
+    flag each picked expert, walk the experts 0 .. E-1 writing each flagged one into the
+    next free slot, then fill the slots after the last written with its id."""
+    E, slots = seen_smem.shape[0], ids_smem.shape[0]
+
+    def clear(e, carry):
+        seen_smem[e] = 0
+        return carry
+
+    def flag(i, carry):
+        seen_smem[picked_smem[i]] = 1
+        return carry
+
+    def take(e, count):
+        @pl.when(seen_smem[e] > 0)
+        def write():
+            ids_smem[count] = e
+
+        return count + seen_smem[e]
+
+    def pad(s, carry):
+        ids_smem[s] = ids_smem[s - 1]
+        return carry
+
+    lax.fori_loop(0, E, clear, 0)
+    lax.fori_loop(0, picked_smem.shape[0], flag, 0)
+    count = lax.fori_loop(0, E, take, jnp.int32(0))
+    lax.fori_loop(count, slots, pad, 0)
+    count_smem[0] = count
+
+
+def compact_experts(picked, experts: int, *, kernel=compact_experts_kernel):
+    """picked [M, X] int32 (each row's routed experts, ids in [0, experts)) -> (ids [slots]
+    int32 the distinct experts sorted and padded with the last, count [1] int32), slots =
+    `mlp.expert_slots(E, X, M)`: what `moe_experts` takes. `kernel` takes
+    `compact_experts_kernel`'s refs (04's from-spec exercise passes its own)."""
+    _check_ndim("picked", picked, 2)
+    E = positive_int("experts", experts)
+    (M, X), picked = picked.shape, checked_int32("picked", picked, 0, E, "experts")
+    smem = pl.BlockSpec(memory_space=pltpu.SMEM)
+    return pl.pallas_call(
+        kernel, in_specs=[smem], out_specs=(smem, smem),
+        out_shape=(jax.ShapeDtypeStruct((mlp.expert_slots(E, X, M),), jnp.int32),
+                   jax.ShapeDtypeStruct((1,), jnp.int32)),
+        scratch_shapes=[pltpu.SMEM((E,), jnp.int32)], name="teach_compact_experts",
+    )(picked.reshape(-1))
+
+
 def moe_experts_kernel(ids_smem, count_smem, x_vmem, weight_vmem, gate_vmem, up_vmem,
                        down_vmem, out_vmem):
     s = pl.program_id(0)  # expert slot s holds expert ids_smem[s]
