@@ -1,15 +1,16 @@
 """What the course notebooks share: the hard-path defaults, the break-it exercises (the
 mistakes a student plants) and the checks that catch them.
 
-Here: the hard-path defaults (`hard_positions`, `moe_inputs`); the break-it exercises
-(`planted(name)` swaps ONE line of the real kernel code for a wrong one inside a `with`
-block; `replaced(name, fn)` runs the student's `fn` in that place); the fix exercises and
-their checks (`check_copy_kernel`: 00c's copy by hand, `copy_out_before_wait` its race;
-`check_ring_kernel`: 01's kernel from its spec; `update_without_rescale`
-with `check_attend_update`, `norm_then_matmul` with `scoped_bundles` and `check_scope`,
-`check_up_rotation`, `check_ring_depth`); the
-mystery lab (`mystery(seed)`: one unnamed plant in the megakernel's step, found with the
-race detector or `first_divergence`); the worked answers (`mk.solutions`, re-exported:
+Here: the hard-path defaults (`hard_positions`, `moe_inputs`, `routed`, the reference
+compaction `compacted`); the break-it exercises (`planted(name)` swaps ONE line of the real
+kernel code for a wrong one in a `with` block; `replaced(name, fn)` runs the student's `fn`
+there); the fix exercises and their checks (from their specs: 00c's copy
+`check_copy_kernel`, `copy_out_before_wait` its race; 01's kernel `check_ring_kernel`; 03's
+KV tile `check_attend_tile`; 04's compaction `check_compact_experts`. Mended:
+`update_without_rescale` with `check_attend_update`, `norm_then_matmul` with
+`scoped_bundles` and `check_scope`, `check_up_rotation`, `check_ring_depth`); the mystery
+lab (`mystery(seed)`: one unnamed plant in the megakernel's step, found with the race
+detector or `first_divergence`); the worked answers (`mk.solutions`, re-exported:
 `reveal(key)`, `attempt(key, fn, solutions)`). Checks are graders (`mk.grading`, whose
 `ExerciseFailed`, `check_close`, `check_tokens` and `check_race_free` are re-exported
 here): an answer of any type fails saying what was expected and what came back, never
@@ -110,9 +111,17 @@ def routed(config: ModelConfig, h, router):
     weights, picked = ops.route(h, router, config.experts_per_token, config.norm_topk)
     combine = jnp.zeros((h.shape[0], config.experts)).at[
         jnp.arange(h.shape[0])[:, None], picked].set(weights)
-    experts = sorted(set(np.asarray(picked).ravel().tolist()))
-    slots = mlp.expert_slots(config.experts, config.experts_per_token, h.shape[0])
-    return combine, experts + [experts[-1]] * (slots - len(experts)), len(experts)
+    return (combine, *compacted(picked, config.experts))
+
+
+def compacted(picked, experts: int) -> tuple[list[int], int]:
+    """The reference compaction of picked [M, X] expert ids (in [0, experts)): (ids
+    [slots], the distinct experts sorted and padded with the last, count), slots =
+    `mlp.expert_slots(experts, X, M)` (what `teach.compact_experts` computes in SMEM)."""
+    picked = np.asarray(picked)
+    distinct = sorted(set(picked.ravel().tolist()))
+    slots = mlp.expert_slots(experts, picked.shape[1], picked.shape[0])
+    return distinct + [distinct[-1]] * (slots - len(distinct)), len(distinct)
 
 
 def is_prefix(experts) -> bool:
@@ -361,13 +370,12 @@ def check_ring_kernel(kernel, *, chip: str = "v5e", seed: int = 0) -> float:
     return worst
 
 
-def check_attend_update(update, *, kv_tile: int = 128, seed: int = 0) -> float:
-    """`mk.teach.attend` with the online-softmax step `update` against the reference, for
-    one sequence whose two rows sit just past the first KV tile edge: every row reads two
-    tiles, and a strong key at the start of the second moves every row's running max.
-    Returns the largest error."""
+def _two_tile_case(kv_tile: int, seed: int):
+    """The attention checks' case: one sequence's G*T = 4 rows (T = 2) just past the first
+    KV tile edge, so every row reads two tiles, and a strong key at the start of the second
+    that moves most rows' running max. Returns (q, k, v, position, T, the reference
+    output [G*T, H])."""
     G, T, H, S = 2, 2, 128, 2 * kv_tile
-    _check_update(update, G * T, kv_tile, H)  # a wrong type or shape, before any work
     keys = jax.random.split(jax.random.key(seed), 3)
     q = jax.random.normal(keys[0], (G * T, H))
     k, v = (jax.random.normal(key, (S, H)).astype(jnp.bfloat16) for key in keys[1:])
@@ -375,12 +383,37 @@ def check_attend_update(update, *, kv_tile: int = 128, seed: int = 0) -> float:
     k = k.at[kv_tile].multiply(8.0)  # the second tile's first key: a new max for most rows
     want = ops.attention(q.reshape(G, T, H).transpose(1, 0, 2)[None], k[None, None],
                          v[None, None], jnp.asarray([p]))  # [1, T, G, H]
-    want = want[0].transpose(1, 0, 2).reshape(G * T, H)
+    return q, k, v, p, T, want[0].transpose(1, 0, 2).reshape(G * T, H)
+
+
+def check_attend_update(update, *, kv_tile: int = 128, seed: int = 0) -> float:
+    """`mk.teach.attend` with the online-softmax step `update` against the reference, for
+    one sequence whose two rows sit just past the first KV tile edge: every row reads two
+    tiles, and a strong key at the start of the second moves every row's running max.
+    Returns the largest error."""
+    q, k, v, p, T, want = _two_tile_case(kv_tile, seed)
+    _check_update(update, q.shape[0], kv_tile, q.shape[1])  # a wrong type or shape first
     with backend.use("interpret"), learners_code(
             "attention with your update", "(m_next, l_next, acc_next) as "
             "teach.online_softmax_update returns them"):
         got = teach.attend(q, k, v, p, rows=T, kv_tile=kv_tile, update=update)
     return check_close("attention over two KV tiles", got, want, atol=2e-2, rtol=2e-2)
+
+
+def check_attend_tile(tile_body, *, kv_tile: int = 128, seed: int = 0) -> float:
+    """03's from-spec exercise: `tile_body` (`teach.attend_tile`'s arguments) as the KV
+    tile of `mk.teach.attend`, against the reference, on `check_attend_update`'s case: the
+    rows just past the first tile edge read all of the first tile and part of the second,
+    so a mask off by one key, or none, changes every row (the tolerance is 6x the right
+    tile's error: a row's mask read as its head's also fails). Returns the largest error."""
+    check_function("your attend_tile", tile_body, teach.attend_tile)
+    q, k, v, p, T, want = _two_tile_case(kv_tile, seed)
+    with backend.use("interpret"), learners_code(
+            "attention with your attend_tile", "the new (m, l, acc) of one KV tile, as "
+            "teach.attend_tile's spec says"):
+        got = teach.attend(q, k, v, p, rows=T, kv_tile=kv_tile, tile_body=tile_body)
+    return check_close("attention with your attend_tile over two KV tiles", got, want,
+                       atol=5e-3, rtol=5e-3)
 
 
 def _check_update(update, rows: int, tile: int, width: int) -> None:
@@ -403,6 +436,36 @@ def _check_update(update, rows: int, tile: int, width: int) -> None:
         if got.shape != shape:
             raise ExerciseFailed(f"your update's {name}: expected shape {shape}; got "
                                  f"{got.shape}")
+
+
+def check_compact_experts(kernel, *, router_seed: int = 3, rows: int = 4) -> float:
+    """04's from-spec exercise: `kernel` (`teach.compact_experts_kernel`'s refs) in
+    `teach.compact_experts` against the reference compaction (`compacted`), on rows whose
+    picks repeat, skip experts and are not in order ([[5, 2], [2, 7], [7, 5]] of E = 8,
+    then `rows` rows of tiny-moe's router, `moe_inputs(..., router_seed, rows)`); then its
+    slots drive `teach.moe_experts` on those rows against the reference MoE. Returns the
+    MoE's largest error."""
+    check_function("your compaction", kernel, teach.compact_experts_kernel)
+    config = preset("tiny-moe")
+    weights, h, _ = moe_inputs(config, 0, router_seed, rows)
+    combine, *_ = routed(config, h, weights[0])
+    _, picked = ops.route(h, weights[0], config.experts_per_token, config.norm_topk)
+    for case in (np.asarray([[5, 2], [2, 7], [7, 5]], np.int32), np.asarray(picked)):
+        want_ids, want_count = compacted(case, config.experts)
+        what = f"your compaction of picked={case.tolist()}"
+        wanted = (f"ids {want_ids} (the distinct experts sorted, padded with the last) and "
+                  f"count [{want_count}]")
+        with backend.use("interpret"), learners_code(what, wanted):
+            ids, count = teach.compact_experts(case, config.experts, kernel=kernel)
+        got = (answer_array(f"{what}: ids", ids, integer=True).tolist(),
+               answer_array(f"{what}: count", count, integer=True).tolist())
+        if got != (want_ids, [want_count]):
+            raise ExerciseFailed(f"{what}: expected {wanted}; got ids {got[0]} and count "
+                                 f"{got[1]}")
+    with backend.use("interpret"):
+        out = teach.moe_experts(h, combine, *weights[1:], ids, got[1][0])
+    want = ops.moe(h, *weights, config.experts_per_token, config.norm_topk)
+    return check_close("the teaching experts on your slots", out, want, atol=1e-3)
 
 
 def check_acceptance(config: ModelConfig, params, prompt, steps: int, *, gamma: int = 4,

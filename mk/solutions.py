@@ -44,7 +44,9 @@ def norm_in_its_scope(x_ref, w_ref, o_ref):
 SOLUTIONS = {
     "00c-copy": teach.hand_copy_kernel,
     "01-ring": teach.ring_matmul_kernel,
+    "03-tile": teach.attend_tile,
     "03-rescale": teach.online_softmax_update,
+    "04-compact": teach.compact_experts_kernel,
     "05-residual": one_layer.residual,
     "08-scope": norm_in_its_scope,
     "09-accept": spec.accept_greedy,
@@ -71,6 +73,15 @@ ANSWERS = {
         "`dma(g + slots).start()`. Starting the refill before the dot races it (the race "
         "detector says so), and `w_hbm` cannot be read but through a copy (as "
         "`mk.teach.ring_matmul_kernel`)."),
+    "03-tile": (
+        "Round q to k's dtype, then `scores = lax.dot_general(q, k, (((1,), (1,)), ((), "
+        "())), preferred_element_type=jnp.float32) * (1 / math.sqrt(H))` ([R, tile]). Row r "
+        "is new row t = r % rows (`lax.broadcasted_iota(jnp.int32, scores.shape, 0) % "
+        "rows`), key column j is position s = start + j (the iota along axis 1); keep "
+        "`jnp.where(s <= position + t, scores, -jnp.inf)`, since row t sits at position + t "
+        "and sees its own key. Then `return update(m, l, acc, scores, v)`. A mask of "
+        "`s < position + t` hides each row's own key, and no mask lets rows see the keys "
+        "after them: both change every row here (as `mk.teach.attend_tile`)."),
     "03-rescale": (
         "The sum and the accumulator of the first tile were taken under the first tile's "
         "max; when the second tile raises the max to m', those terms must be scaled by "
@@ -79,6 +90,17 @@ ANSWERS = {
         "(positions < kv_tile - T + 1) the error cannot show: alpha is 1 for the first "
         "tile. Fixed: `alpha = jnp.exp(m - m_next)`, `l_next = alpha * l + ...`, "
         "`acc_next = alpha * acc + ...` (as `mk.teach.online_softmax_update`)."),
+    "04-compact": (
+        "Four `lax.fori_loop`s over scalars. Clear: `seen_smem[e] = 0` for e in [0, E) "
+        "(scratch starts as garbage). Flag: `seen_smem[picked_smem[i]] = 1` for i in [0, "
+        "M*X): a flag, not a count, so an expert two rows picked is still one. Take: over "
+        "e in [0, E) in order (which sorts them), carry count from 0; under "
+        "`pl.when(seen_smem[e] > 0)` write `ids_smem[count] = e`, and return `count + "
+        "seen_smem[e]`. Pad: for s in [count, slots), `ids_smem[s] = ids_smem[s - 1]`. "
+        "Then `count_smem[0] = count`. Appending the picks in row order keeps them "
+        "unsorted (and twice where rows share one), counting instead of flagging leaves "
+        "holes, and a loop that stops at E - 1 or at the first row drops an expert (as "
+        "`mk.teach.compact_experts_kernel`)."),
     "05-residual": (
         "first_divergence names (layer 0, 'mlp'), not 'attn': the kernel's 'attn' tap is "
         "written by the tap code itself (x + the attention output), so it is right, and the "

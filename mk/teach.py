@@ -5,10 +5,11 @@ annotated excerpts.
 Teaching versions (30-40 lines each, one idea each, none used by the real kernels):
 `block_copy` and `hand_copy` (00c: one copy by a grid of BlockSpecs, then by hand-written
 DMAs), `ring_matmul` (01: a weight streamed through a VMEM ring by hand-written DMAs),
-`attend` (03: one sequence's online softmax over only its visible KV tiles;
-`online_softmax_update` the five lines it is about), `moe_experts` (04: the selected
-experts' SwiGLU, one grid step per expert slot), `all_reduce` (10: recursive halving and
-doubling over a stacked array, bit-equal to `mk.kernels.collectives`). Also here:
+`attend` (03: one sequence's online softmax over only its visible KV tiles; `attend_tile`
+one tile, `online_softmax_update` the five lines it is about), `moe_experts` (04: the
+selected experts' SwiGLU, one grid step per expert slot; `compact_experts` the picked
+experts compacted into its slots), `all_reduce` (10: recursive halving and doubling over a
+stacked array, bit-equal to `mk.kernels.collectives`). Also here:
 `ring_schedule` (the ring rule in time, tile by tile: notebook 01's Gantt chart, a
 teaching twin of the simulator's weight lane) with `tile_times`, and `excerpt` (a real
 function as numbered excerpts, found from anchors in its source, with a callout each).
@@ -37,6 +38,7 @@ from mk.chips import spec_of
 from mk.config import finite_number, positive_int
 from mk.decode_checks import checked_int32
 from mk.errors import shown
+from mk.kernels import mlp
 from mk.kernels.common import BlockSizes
 from mk.kernels.stream import TileStream
 
@@ -187,8 +189,28 @@ def online_softmax_update(m, l, acc, scores, v):
     return m_next, l_next, acc_next
 
 
+def attend_tile(m, l, acc, q, k, v, start, position, *, rows: int,
+                update=online_softmax_update):
+    """One KV tile into the running max m, sum l, accumulator acc ([R, 1], [R, 1], [R, H]
+    float32) of R = G*T query rows q [R, H] float32 (row r: head r // T, new row t = r % T
+    at position + t, T = rows); k, v [tile, H] in the cache dtype hold cached positions
+    start .. start + tile - 1.
+
+    Scores: q rounded to k's dtype, times k transposed, float32 accumulation, times
+    1 / sqrt(H) ([R, tile]). Causal mask: row t sees key s only if s <= position + t; a
+    score it cannot see is -inf. Returns `update(m, l, acc, scores, v)`, the new (m, l,
+    acc)."""
+    q, scale = q.astype(k.dtype), 1 / math.sqrt(q.shape[1])
+    scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                             preferred_element_type=F32) * scale  # [R, tile]
+    t = lax.broadcasted_iota(jnp.int32, scores.shape, 0) % rows
+    s = start + lax.broadcasted_iota(jnp.int32, scores.shape, 1)
+    scores = jnp.where(s <= position + t, scores, -jnp.inf)  # causal: key s seen by row t
+    return update(m, l, acc, scores, v)
+
+
 def attend_kernel(pos_smem, q_vmem, k_vmem, v_vmem, o_vmem, m, l, acc, *, rows: int,
-                  update):
+                  update, tile_body):
     i, tile = pl.program_id(0), k_vmem.shape[0]
     p = pos_smem[0]  # row t of the sequence sits at position p + t
 
@@ -199,15 +221,10 @@ def attend_kernel(pos_smem, q_vmem, k_vmem, v_vmem, o_vmem, m, l, acc, *, rows: 
         acc[...] = jnp.zeros(acc.shape, F32)
 
     @pl.when(i * tile <= p + rows - 1)  # tile i holds a position some row sees
-    def attend_tile():
-        q = q_vmem[...].astype(k_vmem.dtype)  # [G*T, H], row r is (head r // T, t = r % T)
-        scale = 1 / math.sqrt(q.shape[1])
-        scores = lax.dot_general(q, k_vmem[...], (((1,), (1,)), ((), ())),
-                                 preferred_element_type=F32) * scale  # [G*T, tile]
-        t = lax.broadcasted_iota(jnp.int32, scores.shape, 0) % rows
-        s = i * tile + lax.broadcasted_iota(jnp.int32, scores.shape, 1)
-        scores = jnp.where(s <= p + t, scores, -jnp.inf)  # causal: key s seen by row t
-        m[...], l[...], acc[...] = update(m[...], l[...], acc[...], scores, v_vmem[...])
+    def visible_tile():
+        m[...], l[...], acc[...] = tile_body(m[...], l[...], acc[...], q_vmem[...],
+                                             k_vmem[...], v_vmem[...], i * tile, p,
+                                             rows=rows, update=update)
 
     @pl.when(i == pl.num_programs(0) - 1)
     def finish():
@@ -215,10 +232,11 @@ def attend_kernel(pos_smem, q_vmem, k_vmem, v_vmem, o_vmem, m, l, acc, *, rows: 
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, position, *, rows: int,
-           kv_tile: int = 128, update=online_softmax_update):
+           kv_tile: int = 128, update=online_softmax_update, tile_body=attend_tile):
     """Attention of one sequence's query rows q [G*T, H] float32 (row r: head r // T, new
     row t = r % T at position + t) over one kv head's cache k, v [S, H] (already holding
-    the new rows) -> [G*T, H] float32. `update`: the online-softmax step."""
+    the new rows) -> [G*T, H] float32. `update`: the online-softmax step; `tile_body`: one
+    KV tile, `attend_tile`'s arguments (03's from-spec exercise passes its own)."""
     for name, array in (("q", q), ("k", k), ("v", v)):
         _check_ndim(name, array, 2)
     rows, kv_tile = positive_int("rows", rows), positive_int("kv_tile", kv_tile)
@@ -240,12 +258,70 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, position, *, rows: int,
         out_specs=whole, scratch_shapes=[pltpu.VMEM((q.shape[0], 1), F32)] * 2
         + [pltpu.VMEM(q.shape, F32)])
     return pl.pallas_call(
-        functools.partial(attend_kernel, rows=rows, update=update), grid_spec=grid,
+        functools.partial(attend_kernel, rows=rows, update=update,
+                          tile_body=tile_body), grid_spec=grid,
         out_shape=jax.ShapeDtypeStruct(q.shape, F32), name="teach_attend",
     )(position, q, k, v)
 
 
 # -- 04: the experts ------------------------------------------------------------------------------
+def compact_experts_kernel(picked_smem, ids_smem, count_smem, seen_smem):
+    """The experts a batch picked, compacted into the slots the expert kernel streams.
+
+    Reads picked_smem [M*X] int32: each row's X routed experts, row after row (a row's X
+    differ; rows may share experts). Writes ids_smem [slots] int32: every expert some row
+    picked, once, in increasing order, then the last of them again in every slot left
+    over; and count_smem [1] int32: how many distinct experts. seen_smem [E] int32 is
+    scratch, one flag per expert, holding garbage at the start.
+
+    All of it lives in SMEM, so it is scalar loops (`lax.fori_loop`): clear the flags,
+    flag each picked expert, walk the experts 0 .. E-1 writing each flagged one into the
+    next free slot, then fill the slots after the last written with its id."""
+    E, slots = seen_smem.shape[0], ids_smem.shape[0]
+
+    def clear(e, carry):
+        seen_smem[e] = 0
+        return carry
+
+    def flag(i, carry):
+        seen_smem[picked_smem[i]] = 1
+        return carry
+
+    def take(e, count):
+        @pl.when(seen_smem[e] > 0)
+        def write():
+            ids_smem[count] = e
+
+        return count + seen_smem[e]
+
+    def pad(s, carry):
+        ids_smem[s] = ids_smem[s - 1]
+        return carry
+
+    lax.fori_loop(0, E, clear, 0)
+    lax.fori_loop(0, picked_smem.shape[0], flag, 0)
+    count = lax.fori_loop(0, E, take, jnp.int32(0))
+    lax.fori_loop(count, slots, pad, 0)
+    count_smem[0] = count
+
+
+def compact_experts(picked, experts: int, *, kernel=compact_experts_kernel):
+    """picked [M, X] int32 (each row's routed experts, ids in [0, experts)) -> (ids [slots]
+    int32 the distinct experts sorted and padded with the last, count [1] int32), slots =
+    `mlp.expert_slots(E, X, M)`: what `moe_experts` takes. `kernel` takes
+    `compact_experts_kernel`'s refs (04's from-spec exercise passes its own)."""
+    _check_ndim("picked", picked, 2)
+    E = positive_int("experts", experts)
+    (M, X), picked = picked.shape, checked_int32("picked", picked, 0, E, "experts")
+    smem = pl.BlockSpec(memory_space=pltpu.SMEM)
+    return pl.pallas_call(
+        kernel, in_specs=[smem], out_specs=(smem, smem),
+        out_shape=(jax.ShapeDtypeStruct((mlp.expert_slots(E, X, M),), jnp.int32),
+                   jax.ShapeDtypeStruct((1,), jnp.int32)),
+        scratch_shapes=[pltpu.SMEM((E,), jnp.int32)], name="teach_compact_experts",
+    )(picked.reshape(-1))
+
+
 def moe_experts_kernel(ids_smem, count_smem, x_vmem, weight_vmem, gate_vmem, up_vmem,
                        down_vmem, out_vmem):
     s = pl.program_id(0)  # expert slot s holds expert ids_smem[s]

@@ -201,10 +201,45 @@ print(f"max |kernel - reference| = {float(jnp.abs(o - o_want).max()):.2e}, races
 # r % T) against that head's cache, which already holds the new rows. The grid runs over
 # KV tiles; the index map stops at the last visible tile (past it the block index repeats,
 # so the pipeline loads nothing new), and `pl.when` skips the compute there. The update is
-# the formula above, five lines:
+# the formula above, five lines. One visible tile's work (scores, mask, update) is its own
+# function, `attend_tile`.
+#
+# ## Exercise: one KV tile from its spec
+#
+# Before you read ours, write `attend_tile`. Its spec is its docstring:
 
 # %%
-plots.show_source(teach.online_softmax_update, teach.attend_kernel)
+print(teach.attend_tile.__doc__)
+
+# %% [markdown]
+# What you need: `lax.dot_general(a, b, (((1,), (1,)), ((), ())),
+# preferred_element_type=jnp.float32)` is a @ b.T; `lax.broadcasted_iota(jnp.int32, shape,
+# axis)` numbers the rows (axis 0) or columns (axis 1) of an array; `jnp.where(mask, x,
+# -jnp.inf)` masks; `update` is the online-softmax step (given, shown below).
+# `course.check_attend_tile` runs yours as the tile of `teach.attend` for rows just past
+# the first tile edge (they read all of tile 0 and part of tile 1) against the reference.
+# It fails until you write the body; `course.reveal("03-tile")` explains the answer and
+# `solutions = True` (parameters cell) checks the worked one instead.
+
+# %%
+import math  # noqa: F401 - what your tile needs
+
+from jax import lax  # noqa: F401
+
+
+def my_attend_tile(m, l, acc, q, k, v, start, position, *, rows, update):
+    """One KV tile from the spec printed above: return the new (m, l, acc)."""
+    ...
+
+
+tile_error = course.check_attend_tile(course.attempt("03-tile", my_attend_tile, solutions))
+print(f"your attend_tile passes: max error {tile_error:.1e}")
+
+# %% [markdown]
+# Ours, to set beside yours, and the kernel that calls it on every visible tile:
+
+# %%
+plots.show_source(teach.online_softmax_update, teach.attend_tile, teach.attend_kernel)
 
 # %% [markdown]
 # Run per (sequence, kv head) on this run's inputs, against the real kernel's output (the

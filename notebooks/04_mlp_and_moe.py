@@ -75,6 +75,7 @@ slots: int = 3  # ring slots
 tile: int = 128  # tile_rows and tile_cols of the tiny runs
 router_seed: int = 3  # draws the MoE rows; 3 makes tiny-moe pick experts [3, 6], not a prefix
 exercise_wrong_expert: bool = False  # the exercise: True loads expert slot s, not the id in it
+solutions: bool = False  # True checks the worked solution in place of your kernel (headless runs)
 
 # %%
 import functools
@@ -216,6 +217,48 @@ moe_want = ops.moe(h_moe, *moe_w, X, moe_config.norm_topk)
 print(f"dense: h {h_dense.shape} -> {dense_want.shape}; MoE: the {M} rows pick experts "
       f"{picked.tolist()} ({len(picked)} distinct of {E}); a prefix 0..count-1: "
       f"{course.is_prefix(picked)}")
+
+# %% [markdown]
+# ## Exercise: the compaction from its spec
+#
+# Step 3 turns the router's picks into the expert slots. Before you read the kernel's,
+# write it: a scalar kernel over SMEM. Its spec is the teaching version's docstring:
+
+# %%
+print(teach.compact_experts_kernel.__doc__)
+
+# %% [markdown]
+# What you need: an SMEM ref is read and written one scalar at a time (`seen_smem[e] = 0`,
+# `ids_smem[count] = e`, and an index may itself be a read: `seen_smem[picked_smem[i]]`);
+# `lax.fori_loop(lower, upper, body, init)` runs `body(i, carry)` (bounds may be
+# run-time values) and returns the last carry; `pl.when(cond)` guards a block.
+# `course.check_compact_experts` runs yours in `teach.compact_experts` on picks that
+# repeat across rows, skip experts and come out of order, against the reference
+# compaction, then feeds your slots to the teaching expert kernel against the reference
+# MoE. It fails until you write the body; `course.reveal("04-compact")` explains the
+# answer and `solutions = True` (parameters cell) checks the worked one instead.
+
+# %%
+from jax import lax  # noqa: F401 - what your kernel needs
+from jax.experimental import pallas as pl  # noqa: F401
+
+
+def my_compact_kernel(picked_smem, ids_smem, count_smem, seen_smem):
+    """The compaction from the spec printed above."""
+    ...
+
+
+compact_error = course.check_compact_experts(course.attempt("04-compact", my_compact_kernel,
+                                                            solutions))
+print(f"your compaction passes: the teaching experts on its slots, max error "
+      f"{compact_error:.1e}")
+
+# %% [markdown]
+# Ours, to set beside yours (the real kernel's `select_experts`, below, is the same walk
+# over flags the router set in vector registers):
+
+# %%
+plots.show_source(teach.compact_experts_kernel)
 
 # %% [markdown]
 # ## The kernels

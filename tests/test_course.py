@@ -293,7 +293,9 @@ def _accept_check(fn):
 # its two ways are test_a_scope_added_to_the_kernel_has_its_own_bundles_in_the_dump's.
 FIX_CHECKS = {"00c-copy": course.check_copy_kernel,
               "01-ring": course.check_ring_kernel,
+              "03-tile": course.check_attend_tile,
               "03-rescale": course.check_attend_update,
+              "04-compact": course.check_compact_experts,
               "05-residual": lambda fn: _one_layer_error("wrong_residual", fn),
               "09-accept": _accept_check}
 
@@ -399,6 +401,110 @@ def test_the_copy_kernels_check_catches_a_learners_likely_mistakes(kernel, messa
     in interpret mode, a race), a copy out never waited for, a window that never moves."""
     with pytest.raises(course.ExerciseFailed, match=message):
         course.check_copy_kernel(kernel)
+def _attend_tile_with(mask="right"):
+    """`teach.attend_tile` as a learner might write it: mask "right" (s <= position + t),
+    "own key hidden" (s < position + t), "none", or "head's row" (t read as r // T, the
+    head, in place of r % T)."""
+    def tile(m, l, acc, q, k, v, start, position, *, rows, update):
+        q = q.astype(k.dtype)
+        scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                 preferred_element_type=jnp.float32) / math.sqrt(q.shape[1])
+        r = lax.broadcasted_iota(jnp.int32, scores.shape, 0)
+        s = start + lax.broadcasted_iota(jnp.int32, scores.shape, 1)
+        t = r // rows if mask == "head's row" else r % rows
+        visible = {"own key hidden": s < position + t, "none": s >= 0}.get(
+            mask, s <= position + t)
+        return update(m, l, acc, jnp.where(visible, scores, -jnp.inf), v)
+    return tile
+
+
+@pytest.mark.parametrize("mask", ["own key hidden", "none", "head's row"])
+def test_the_attend_tiles_check_catches_a_learners_likely_masks(mask):
+    """The guard of check_attend_tile's pass: the right mask written another way passes;
+    a mask off by one key, no mask, or the head's index for the row's fails."""
+    assert course.check_attend_tile(_attend_tile_with()) < 5e-3
+    with pytest.raises(course.ExerciseFailed, match="differ"):
+        course.check_attend_tile(_attend_tile_with(mask))
+
+
+def _compaction_with(mistake=None):
+    """`teach.compact_experts_kernel` written another way (each expert in order, kept if
+    some pick equals it), or with one of a learner's likely mistakes: "unsorted" (the
+    picks appended in row order, each once), "duplicates kept" (every pick appended),
+    "counted" (a count per expert where the spec says a flag), "half the picks" or
+    "E - 1" (an expert dropped), "unpadded" (the slots after count left as they were)."""
+    def kernel(picked_smem, ids_smem, count_smem, seen_smem):
+        E, slots, n = seen_smem.shape[0], ids_smem.shape[0], picked_smem.shape[0]
+
+        def clear(e, carry):
+            seen_smem[e] = 0
+            return carry
+
+        def flag(i, carry):
+            e = picked_smem[i]
+            seen_smem[e] = seen_smem[e] + 1 if mistake == "counted" else 1
+            return carry
+
+        def take(e, count):
+            @pl.when(seen_smem[e] > 0)
+            def write():
+                ids_smem[count] = e
+            return count + seen_smem[e]
+
+        def append(i, count):
+            e = picked_smem[i]
+            fresh = (seen_smem[e] == 0) | (mistake == "duplicates kept")
+
+            @pl.when(fresh)
+            def write():
+                ids_smem[count] = e
+                seen_smem[e] = 1
+            return count + fresh.astype(jnp.int32)
+
+        def member(e, count):
+            hit = lax.fori_loop(0, n, lambda i, h: h | (picked_smem[i] == e), False)
+
+            @pl.when(hit)
+            def write():
+                ids_smem[count] = e
+            return count + hit.astype(jnp.int32)
+
+        def pad(s, carry):
+            ids_smem[s] = ids_smem[s - 1]
+            return carry
+
+        lax.fori_loop(0, E, clear, 0)
+        if mistake in (None, "E - 1"):
+            count = lax.fori_loop(0, E - (mistake == "E - 1"), member, jnp.int32(0))
+        elif mistake in ("unsorted", "duplicates kept"):
+            count = lax.fori_loop(0, n, append, jnp.int32(0))
+        else:
+            lax.fori_loop(0, n // 2 if mistake == "half the picks" else n, flag, 0)
+            count = lax.fori_loop(0, E, take, jnp.int32(0))
+        if mistake != "unpadded":
+            lax.fori_loop(count, slots, pad, 0)
+        count_smem[0] = count
+    return kernel
+
+
+@pytest.mark.parametrize("mistake", ["unsorted", "duplicates kept", "counted",
+                                     "half the picks", "E - 1", "unpadded"])
+def test_the_compactions_check_catches_a_learners_likely_mistakes(mistake):
+    """The guard of check_compact_experts's pass: a right compaction written another way
+    passes, through the teaching experts too; each mistake fails, saying the ids."""
+    assert course.check_compact_experts(_compaction_with()) < 1e-3
+    with pytest.raises(course.ExerciseFailed, match=r"expected ids \[2, 5, 7, 7, 7, 7\]"):
+        course.check_compact_experts(_compaction_with(mistake))
+
+
+def test_the_teaching_compaction_gives_the_slots_routed_gives():
+    config = mk.preset("tiny-moe")
+    weights, h, experts = course.moe_inputs(config, 0, 3, 4)
+    _, ids, count = course.routed(config, h, weights[0])
+    _, picked = ops.route(h, weights[0], config.experts_per_token, config.norm_topk)
+    with backend.use("interpret"):
+        got_ids, got_count = teach.compact_experts(picked, config.experts)
+    assert got_ids.tolist() == ids and got_count.tolist() == [count] == [len(experts)]
 
 
 def my_update(m, l, acc, scores, v):
@@ -532,7 +638,8 @@ def test_teaching_all_reduce_sums_in_the_kernels_tree_order():
 
 @pytest.mark.parametrize("kernel", [teach.block_copy_kernel, teach.hand_copy_kernel,
                                     teach.ring_matmul_kernel, teach.attend_kernel,
-                                    teach.online_softmax_update, teach.moe_experts_kernel,
+                                    teach.attend_tile, teach.online_softmax_update,
+                                    teach.compact_experts_kernel, teach.moe_experts_kernel,
                                     teach.all_reduce])
 def test_teaching_versions_fit_on_a_page(kernel):
     assert teach.lines_of(kernel) <= 40
@@ -724,6 +831,8 @@ CHECKS = {
     "check_attend_update": course.check_attend_update,
     "check_ring_kernel": course.check_ring_kernel,
     "check_copy_kernel": course.check_copy_kernel,
+    "check_attend_tile": course.check_attend_tile,
+    "check_compact_experts": course.check_compact_experts,
     "check_scope": lambda a: course.check_scope(a, "norm"),
     "replaced": _accept_with,
     "Mystery.confirm": lambda a: _mystery().confirm(a),
@@ -742,6 +851,10 @@ WRONG_BUT_TYPED = {
     "check_attend_update": [lambda m, l, acc, scores, v: (m, l), teach.attend],
     "check_ring_kernel": [teach.attend, _ring_kernel_with(refill_first=True)],
     "check_copy_kernel": [teach.ring_matmul_kernel, course.copy_out_before_wait],
+    "check_attend_tile": [teach.online_softmax_update, _attend_tile_with("none"),
+                          lambda m, l, acc, q, k, v, start, position, *, rows, update:
+                          (m, l)],
+    "check_compact_experts": [teach.moe_experts_kernel, _compaction_with("unsorted")],
     "check_scope": [{}, {"matmul": [1]}, {"norm": "abc"}, {"norm": [1, 2]}],
     "replaced": [course.accept_on_the_next_row, lambda drafts: drafts],
     "Mystery.confirm": [lambda self: 0],
