@@ -1,24 +1,21 @@
 """What the course notebooks share: the hard-path defaults, the break-it exercises (the
 mistakes a student plants) and the checks that catch them.
 
-Here: the hard-path defaults (`hard_positions`, `moe_inputs`, `routed`, the reference
-compaction `compacted`); the break-it exercises (`planted(name)` swaps ONE line of the real
-kernel code for a wrong one in a `with` block; `replaced(name, fn)` runs the student's `fn`
-there); the fix exercises and their checks (from their specs: 00c's copy
-`check_copy_kernel`, `copy_out_before_wait` its race; 01's kernel `check_ring_kernel`; 03's
-KV tile `check_attend_tile`; 04's compaction `check_compact_experts`. Mended:
-`update_without_rescale` with `check_attend_update`, `norm_then_matmul` with
+Here: the hard-path defaults (`hard_positions`, `moe_inputs`, `routed`, `compacted`); the
+break-it exercises (`planted(name)` swaps ONE line of the real kernel code for a wrong one
+in a `with` block; `replaced(name, fn)` runs the student's `fn` there); the from-spec
+exercises' checks (00c `check_copy_kernel`, `copy_out_before_wait` its race; 01
+`check_ring_kernel`; 03 `check_attend_tile`; 04 `check_compact_experts`); the fix
+exercises' (`update_without_rescale` with `check_attend_update`, `norm_then_matmul` with
 `scoped_bundles` and `check_scope`, `check_up_rotation`, `check_ring_depth`); the mystery
-lab (`mystery(seed)`: one unnamed plant in the megakernel's step, found with the race
-detector or `first_divergence`); the worked answers (`mk.solutions`, re-exported:
-`reveal(key)`, `attempt(key, fn, solutions)`). Checks are graders (`mk.grading`, whose
-`ExerciseFailed`, `check_close`, `check_tokens` and `check_race_free` are re-exported
-here): an answer of any type fails saying what was expected and what came back, never
-with a traceback from inside mk, and never passes.
+lab (`mystery(seed)`: one unnamed plant in the step, found with the race detector or
+`first_divergence`); `mk.solutions`' worked answers re-exported (`reveal`, `attempt`).
+Checks are graders (`mk.grading`'s, re-exported: `ExerciseFailed`, `check_close`,
+`check_tokens`, `check_race_free`): any wrong answer fails saying what was expected and
+what came back, never with a traceback from inside mk, and never passes.
 
-Not here: the kernels themselves (`mk.kernels`), the simulator (`mk.sim`), drawing
-(`mk.plots`). Every plant, which notebook uses it and what it breaks:
-docs/design/mk.course.md.
+Not here: the kernels (`mk.kernels`), the simulator (`mk.sim`), drawing (`mk.plots`).
+Every plant, which notebook uses it and what it breaks: docs/design/mk.course.md.
 """
 
 from __future__ import annotations
