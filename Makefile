@@ -14,7 +14,7 @@ PY := $(VENV)/bin/python
 # Everything here runs on the CPU; without these libtpu prints host-discovery errors.
 export JAX_PLATFORMS := cpu
 export TPU_SKIP_MDS_QUERY := 1
-# Profiler captures (mk.profiling.PROFILES) land in this checkout's profiles/.
+# Profiler captures (mk.measure.profiling.PROFILES) land in this checkout's profiles/.
 export MK_PROFILES := $(CURDIR)/profiles
 
 .PHONY: test test-slow test-tpu mutate run run-all check-site lab clean clean-runs

@@ -1,7 +1,7 @@
 """The clock each TPU's schedule implies: one straight-line bf16 matmul per chip.
 
-For each chip, `mk.probes.probe_clock` compiles x[M, K] @ w[K, N] (bf16 in, f32 out; the
-shape `mk.probes.CLOCK_PROBE_SHAPE`) for one TensorCore with libtpu's bundle dump on and
+For each chip, `mk.cost.probes.probe_clock` compiles x[M, K] @ w[K, N] (bf16 in, f32 out; the
+shape `mk.cost.probes.CLOCK_PROBE_SHAPE`) for one TensorCore with libtpu's bundle dump on and
 asks at what clock its MXU span would run at the datasheet bf16 peak of one TensorCore.
 That is one end of the chip's clock range in `mk/data/chips.csv` (the other is the
 datasheet derivation, `ChipSpec.datasheet_clock_hz`); tests/test_bundles.py re-compiles
@@ -22,8 +22,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `mk` importable from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mk import probes  # noqa: E402
-from mk.chips import all_chips  # noqa: E402
+from mk.cost import probes  # noqa: E402
+from mk.model.chips import all_chips  # noqa: E402
 
 
 def main(argv=None) -> None:

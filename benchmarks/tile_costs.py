@@ -2,9 +2,9 @@
 
 For each model and TPU chip: the megakernel's plan for the chip (`DecodePlan.make(chip=,
 position=)`, the plan for the cache the simulator replays:
-its tile, a ring sized by Little's law for `mk.kernels.plan.RING_COVER_S`, 2 us), compiled
-ahead of time with libtpu's bundle dump on (`mk.bundles.measure`: bundles per trip of
-`Ring.matmul`'s steady and edge loops), and the step is simulated (`mk.sim.simulate`) on
+its tile, a ring sized by Little's law for `mk.step.plan.RING_COVER_S`, 2 us), compiled
+ahead of time with libtpu's bundle dump on (`mk.cost.bundles.measure`: bundles per trip of
+`Ring.matmul`'s steady and edge loops), and the step is simulated (`mk.cost.sim.simulate`) on
 the same plan with a DMA latency (`--latency-us`, default 1 us) and those per-tile costs
 (`TileCost.assumptions`). A row says: tile and ring bytes, VMEM, bundles per
 tile, issue time per tile against the tile's DMA time at the core's bandwidth, the
@@ -21,8 +21,8 @@ the compiler's static schedule, the rest is the simulator's model.
     .venv/bin/python benchmarks/tile_costs.py --published --json build/published.json
 
 `--published` measures every TPU run of the published-numbers ledger instead (its
-tensor-parallel shard on a multi-chip topology, `mk.tpu.topology_for`); `mk.ledger.entries`
-reads those rows (`tile_costs=`) for its "compiled" column.
+tensor-parallel shard on a multi-chip topology, `mk.measure.tpu.topology_for`);
+`mk.cost.ledger.entries` reads those rows (`tile_costs=`) for its "compiled" column.
 """
 
 from __future__ import annotations
@@ -38,9 +38,10 @@ if __package__ in (None, ""):  # run as a script: make `mk` importable from a ch
 
 
 import mk  # noqa: E402
-from mk import bundles, ledger, sim, tpu  # noqa: E402
-from mk.chips import spec_of  # noqa: E402
-from mk.kernels.plan import DecodePlan, packed_formats  # noqa: E402
+from mk.cost import bundles, ledger, sim  # noqa: E402
+from mk.measure import tpu  # noqa: E402
+from mk.model.chips import spec_of  # noqa: E402
+from mk.step.plan import DecodePlan, packed_formats  # noqa: E402
 from mk.kernels.ring import ring_buffers  # noqa: E402
 
 
@@ -55,7 +56,7 @@ def row(preset: str, chip: str, *, tp: int = 1, topology: str | None = None, bat
     whole model with that cost; the row keeps `fits` false and the reason, and says
     `measured_on`. 0: no cut, such a row is not measured. A compile that fails is
     recorded with the compiler's first line. A preset's `formats` the kernel does not
-    pack (`mk.kernels.plan.packed_formats`: a group holding a weight moved whole) are
+    pack (`mk.step.plan.packed_formats`: a group holding a weight moved whole) are
     simulated as formats on the plain tiles and compiled in the config's dtype (the same
     tiles and ring)."""
     config, spec = mk.preset(preset), spec_of(chip)
@@ -77,7 +78,7 @@ def row(preset: str, chip: str, *, tp: int = 1, topology: str | None = None, bat
     if dict(plan.formats) != packed_formats(config, dict(plan.formats)):
         measured = dataclasses.replace(config, formats=())  # what the kernel streams
         on.append(f"{dict(config.formats)} in {config.dtype} (the kernel does not pack "
-                  "a group holding a weight it moves whole: mk.quant.unstreamed)")
+                  "a group holding a weight it moves whole: mk.model.quant.unstreamed)")
     if not fit.ok:
         if fit.vmem is None or fit.hbm_bytes <= fit.hbm_limit_bytes or not cut_layers:
             return dict(out, error=fit.error)
@@ -99,9 +100,9 @@ def row(preset: str, chip: str, *, tp: int = 1, topology: str | None = None, bat
 
 
 def published_runs() -> list[dict]:
-    """The TPU runs of the published-numbers ledger (`mk.ledger.runs`), each once: the
+    """The TPU runs of the published-numbers ledger (`mk.cost.ledger.runs`), each once: the
     arguments of `row` for it (its context the published row's), its topology named by
-    `mk.tpu.topology_for`."""
+    `mk.measure.tpu.topology_for`."""
     jobs = {}
     for run in ledger.runs():
         if run.spec is not None and run.spec.kind == "tpu":

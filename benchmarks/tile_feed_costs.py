@@ -1,29 +1,29 @@
 """The compute cost of one weight tile per chip, weight dtype, feed and M (issue 34).
 
-For each row `mk.probes.probe_tile` compiles the stage-01 ring kernel
+For each row `mk.cost.probes.probe_tile` compiles the stage-01 ring kernel
 (`mk.kernels.weight_streaming.stream_matmul`, the megakernel's own `Ring.matmul`) over one
-weight w[4096, 2048] (`mk.probes.TILE_PROBE_SHAPE`, at the kernel's default tiling: bf16
+weight w[4096, 2048] (`mk.cost.probes.TILE_PROBE_SHAPE`, at the kernel's default tiling: bf16
 tiles of 2048 x 512, packed tiles of 512 x 512) stored as the dtype (bf16 or an
-`mk.quant` scheme: fp8 and fp4 dequantised in VMEM to the feed or fed fp8, int8 and int4
-codes straight into the dot, `mk.unpack`) against M bf16 rows, for one
+`mk.model.quant` scheme: fp8 and fp4 dequantised in VMEM to the feed or fed fp8, int8 and int4
+codes straight into the dot, `mk.model.unpack`) against M bf16 rows, for one
 TensorCore of the chip, with libtpu's bundle dump on, and counts one trip of the steady
-per-tile loop. The table `mk.feed_costs` reads (the simulator's and `mk.perf`'s compute
+per-tile loop. The table `mk.cost.feed_costs` reads (the simulator's and `mk.cost.perf`'s compute
 cost per weight tile):
 
     .venv/bin/python benchmarks/tile_feed_costs.py --json mk/data/tile_feed_costs.json
 
-(each chip's (dtype, feed) pairs its kernel uses, `mk.feed_costs.rows`; `--chips`,
+(each chip's (dtype, feed) pairs its kernel uses, `mk.cost.feed_costs.rows`; `--chips`,
 `--dtypes`, `--feeds`, `--m` re-measure some rows, the others staying as recorded).
 
 The floor under it, `--floors`: per chip, feed its MXU takes and M, one straight-line
 matmul x[M, 4096] @ w[4096, N] with w in VMEM in the feed's dtype, the least over N
-(`mk.probes.probe_floor`), the least any loop feeding that dtype can issue a weight in:
+(`mk.cost.probes.probe_floor`), the least any loop feeding that dtype can issue a weight in:
 
     .venv/bin/python benchmarks/tile_feed_costs.py --floors --json mk/data/feed_floors.json
 
 Nothing here runs on a TPU: bundle counts are the compiler's static schedule (one bundle a
 cycle, stalls not counted); a row's seconds are bundles / the clock, which is a range
-(`mk.chips.ChipSpec.clock`). tests/test_feed_costs.py re-compiles rows and compares.
+(`mk.model.chips.ChipSpec.clock`). tests/test_feed_costs.py re-compiles rows and compares.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `mk` importable from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mk import feed_costs, probes  # noqa: E402
-from mk.chips import all_chips, spec_of  # noqa: E402
+from mk.cost import feed_costs, probes  # noqa: E402
+from mk.model.chips import all_chips, spec_of  # noqa: E402
 
 
 def table(rows: list[dict]) -> str:
@@ -63,7 +63,7 @@ def main(argv=None) -> None:
                                              "rewritten after each row, so a stopped run "
                                              "keeps its rows)")
     p.add_argument("--floors", action="store_true", help="measure the feed floors "
-                                                            "(mk.probes.probe_floor) instead")
+                                                            "(mk.cost.probes.probe_floor) instead")
     args = p.parse_args(argv)
     if args.floors:
         return floors(args)

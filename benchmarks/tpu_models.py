@@ -3,10 +3,10 @@
 For each row of `ROWS` (a preset, its weight formats, B and the cache's capacity): random
 weights in the model's real shapes and formats, made on the host (`mk.init_params` with
 formats: drawn as codes); the reference's greedy run on the host's CPU
-(`mk.exactness.expect`, the quantised params dequantised a layer at a time), in a CPU-only
+(`mk.measure.exactness.expect`, the quantised params dequantised a layer at a time), in a CPU-only
 child process whose host memory goes back before the chip runs; the
-megakernel's `steps` greedy tokens on the chip (`mk.megakernel.generate`, device loops of
-8) judged against it (`mk.exactness.judge`); the chip's peak memory
+megakernel's `steps` greedy tokens on the chip (`mk.step.megakernel.generate`, device loops of
+8) judged against it (`mk.measure.exactness.judge`); the chip's peak memory
 (`memory_stats()["peak_bytes_in_use"]`) beside what the plan counts for the whole
 generate (`DecodePlan.fits(prompt=)`); and the generate's wall time, compiles included
 (not a step's time: benchmarks/tpu_steps.py times steps). Each row runs in a process of
@@ -44,9 +44,11 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import mk  # noqa: E402
-from mk import exactness, measure, megakernel, quant, untrusted  # noqa: E402
-from mk.chips import chip_of  # noqa: E402
-from mk.kernels.plan import DecodePlan  # noqa: E402
+from mk.measure import exactness, measure  # noqa: E402
+from mk.step import megakernel  # noqa: E402
+from mk.model import quant, untrusted  # noqa: E402
+from mk.model.chips import chip_of  # noqa: E402
+from mk.step.plan import DecodePlan  # noqa: E402
 
 # (preset, {format group: scheme}, B, context): the issue's models that fill a v5e
 ROWS = (
@@ -63,7 +65,7 @@ GIB = 2**30
 
 
 def _reference(preset: str, formats: dict, batch: int, context: int, steps: int):
-    """The reference's greedy run of a row (`mk.exactness.expect`) and its seconds, in the
+    """The reference's greedy run of a row (`mk.measure.exactness.expect`) and its seconds, in the
     process that runs it: a CPU-only child of `run_row` (`exactness.cpu_only`)."""
     config = mk.preset(preset)
     params = mk.init_params(config, 0, formats)
@@ -164,7 +166,7 @@ def load_expected(path: Path, batch: int, steps: int, vocab: int):
 
 
 def _judge(preset: str, formats: dict, batch: int, tokens) -> exactness.Verdict:
-    """`mk.exactness.judge` of a row's tokens (the reference teacher-forced on them)."""
+    """`mk.measure.exactness.judge` of a row's tokens (the reference teacher-forced on them)."""
     config = mk.preset(preset)
     params = mk.init_params(config, 0, formats)
     return exactness.judge(config, params, _prompt(config, batch), tokens)

@@ -47,7 +47,7 @@ import psutil  # noqa: E402
 
 import chip_record  # noqa: E402
 import run_notebooks  # noqa: E402
-from mk import measure  # noqa: E402
+from mk.measure import measure  # noqa: E402
 
 PROVENANCE = ("commit", "when")  # a row's own: rows of earlier calls are kept
 TIMEOUT_S = 540.0  # a notebook's, within one 600-s call

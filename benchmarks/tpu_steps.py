@@ -1,15 +1,15 @@
 """Time decode steps on a TPU: the megakernel and XLA's step, row by row.
 
 For each row of `ROWS` (a preset, or its first layers where the whole model does not fit
-one chip; B sequences, T rows each, a cache of `context` positions), `mk.measure`'s
+one chip; B sequences, T rows each, a cache of `context` positions), `mk.measure.measure`'s
 `time_step_series` times one dispatched megakernel step, a device loop of 32 (T = 1) and
-XLA's step (`mk.reference.forward` jitted). The record goes to
+XLA's step (`mk.model.reference.forward` jitted). The record goes to
 data/measured/<chip>-steps.json (or $MK_MEASURED), rewritten after every row so a run cut
 short by a time limit keeps what it measured. Each row carries its own provenance (commit,
-date, how the one step was timed: `mk.calibration.provenance`), so `--rows` may measure a
+date, how the one step was timed: `mk.cost.calibration.provenance`), so `--rows` may measure a
 table in parts and a record keeps the rows of earlier commits (same chip and versions)
 that this run did not measure again; a row the chip refuses (out of memory) is kept with
-its error. `mk.calibration` reads it. Random weights: the time of a step does
+its error. `mk.cost.calibration` reads it. Random weights: the time of a step does
 not depend on their values.
 
     MK_TPU=1 MK_COMMIT=<sha> python benchmarks/tpu_steps.py [--rows 0 3 5] [--budget 500]
@@ -30,7 +30,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `mk` importable from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mk import calibration, measure  # noqa: E402
+from mk.cost import calibration  # noqa: E402
+from mk.measure import measure  # noqa: E402
 
 # (preset, first layers or None for all, B, T, context)
 ROWS = (
@@ -112,7 +113,7 @@ def _key(row: dict) -> tuple:
 
 def _earlier_rows(path: Path, made: dict) -> list[dict]:
     """The rows of a record at `path` from the same chip and versions (any commit), each
-    with its provenance (`mk.calibration.provenance`): the table may be measured in parts
+    with its provenance (`mk.cost.calibration.provenance`): the table may be measured in parts
     (`--rows`), and a row not measured again keeps the commit it was measured at."""
     if not path.exists():
         return []

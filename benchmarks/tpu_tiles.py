@@ -1,13 +1,13 @@
 """Time one ring tile per weight format on a TPU (issue 61): the stage-01 kernel, a tile.
 
-For each format (bf16 and every `mk.quant.SCHEMES`), `stream_matmul`
+For each format (bf16 and every `mk.model.quant.SCHEMES`), `stream_matmul`
 (`mk.kernels.weight_streaming`: x [ROWS, K] by w [K, TILE] through a SLOTS-slot ring of
 TILE x TILE tiles) runs at two depths of K, `--depths` tiles, each the median of
-`--repeats` dispatched calls (`mk.measure.median_seconds`). Their difference over the
+`--repeats` dispatched calls (`mk.measure.measure.median_seconds`). Their difference over the
 tiles between them is one tile's time: the call's fixed cost (dispatch, the ring's fill
-and drain) cancels. Beside it: the tile's HBM bytes (`mk.quant.tile_bytes`, data and
+and drain) cancels. Beside it: the tile's HBM bytes (`mk.model.quant.tile_bytes`, data and
 scales) and the rate they moved at, and the deeper call's largest error against the
-reference's product (`mk.ops.matmul` by `reference_weight`), so that a fast tile is also
+reference's product (`mk.model.ops.matmul` by `reference_weight`), so that a fast tile is also
 a right one.
 
     MK_TPU=1 MK_COMMIT=<sha> python benchmarks/tpu_tiles.py [--formats int8 int4]
@@ -31,8 +31,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mk import measure, ops, quant  # noqa: E402
-from mk import backend as backends  # noqa: E402
+from mk.measure import measure  # noqa: E402
+from mk.model import ops, quant  # noqa: E402
+from mk.kernels import backend as backends  # noqa: E402
 from mk.kernels.common import BlockSizes  # noqa: E402
 from mk.kernels.weight_streaming import stream_matmul  # noqa: E402
 
@@ -85,7 +86,7 @@ def time_tile(fmt: str, *, tile: int, depths: tuple[int, int], repeats: int,
 
 def reference_weight(q):
     """What the reference multiplies by to compute what the kernel does with `q` (a bf16
-    array or a `QuantWeight`, `mk.quant.dequantize_weight` at bf16)."""
+    array or a `QuantWeight`, `mk.model.quant.dequantize_weight` at bf16)."""
     return q if not isinstance(q, quant.QuantWeight) else quant.dequantize_weight(
         q, jnp.bfloat16)
 

@@ -1,10 +1,10 @@
 """Profile one decode step three ways on a TPU and record what the traces show (issue 59).
 
-`mk.profiling.variants` of qwen3-0.6b (random weights, B 1, T 1, a cache of 1024
+`mk.measure.profiling.variants` of qwen3-0.6b (random weights, B 1, T 1, a cache of 1024
 positions, the step at position 5): XLA's step, the stage kernels one pallas_call per op,
-and the megakernel. Each is captured by `mk.profiling.capture` (5 steps after a warm-up,
-under MK_PROFILES) with libtpu's custom-call region traces on (`mk.bundles.PHASE_FLAG`,
-so the megakernel's `jax.named_scope`s are events of the trace). `mk.profiling.trace_record`
+and the megakernel. Each is captured by `mk.measure.profiling.capture` (5 steps after a warm-up,
+under MK_PROFILES) with libtpu's custom-call region traces on (`mk.cost.bundles.PHASE_FLAG`,
+so the megakernel's `jax.named_scope`s are events of the trace). `mk.measure.profiling.trace_record`
 keeps each capture's median step: its device-plane op and scope events and its summary,
 small enough for data/, so notebook 08 draws a real chip's bubbles and phases without a
 TPU. The record goes to data/measured/<chip>-trace.json (or $MK_MEASURED). The
@@ -31,7 +31,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import mk  # noqa: E402
-from mk import backend, bundles, measure, profiling, reference  # noqa: E402
+from mk.kernels import backend  # noqa: E402
+from mk.cost import bundles  # noqa: E402
+from mk.measure import measure, profiling  # noqa: E402
+from mk.model import reference  # noqa: E402
 
 PRESET, BATCH, CONTEXT, PROMPT, STEPS = "qwen3-0.6b", 1, 1024, 5, 5
 

@@ -1,12 +1,12 @@
 """mk: a TPU decode megakernel in JAX Pallas, built stage by stage and checked on CPU.
 
 Top-level names: `ModelConfig`, `preset`, `chip`, `init_params`, `load_checkpoint`,
-`quantize`; modules `mk.reference` (the pure-JAX oracle), `mk.quant` (weight storage),
-`mk.megakernel` (the whole decode step in one kernel), `mk.perf` (bytes, FLOPs and the
-roofline), `mk.sim` (the tile schedule replayed on a chip model) and `mk.tpu`
-(ahead-of-time TPU compiles). Every other module (the stage kernels in `mk.kernels`, the
-plan `mk.kernels.plan`, the weight table `mk.weights`, the layer kinds `mk.kinds`, ...)
-is imported by name; docs/layout.md lists them all.
+`quantize`. The modules stand in floors, each importing only those below it: `mk.model`
+(config, the weight table, the pure-JAX oracle `mk.model.reference`, quant), `mk.kernels`
+(the Pallas machinery), `mk.kinds` (each layer kind beside its kernels), `mk.step` (the
+plan and `mk.step.megakernel`), `mk.measure` (`mk.measure.tpu`'s compiles, timings), `mk.cost`
+(`mk.cost.perf`, `mk.cost.sim`), `mk.speculative`,
+`mk.course`; docs/layout.md lists them all.
 
 Importing `mk` on a machine without a TPU pins JAX to the CPU (`JAX_PLATFORMS=cpu`,
 `TPU_SKIP_MDS_QUERY=1`) before JAX is imported, so libtpu does not print host-discovery
@@ -27,20 +27,27 @@ def _tpu_present() -> bool:
 if not _tpu_present():
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-    # libtpu's lockfile guards a real TPU; compile-only use (mk.tpu) is safe from several
+    # libtpu's lockfile guards a real TPU; compile-only use (mk.measure.tpu) is safe from several
     # processes at once (parallel test workers, a notebook beside the tests).
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     # Without these, libtpu looks for TPU hosts at its first use and prints warnings; the
-    # values do not change what mk.tpu compiles (the topology name decides that).
+    # values do not change what mk.measure.tpu compiles (the topology name decides that).
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-1")
 
-from mk import megakernel, perf, quant, reference, sim, tpu  # noqa: E402
-from mk.checkpoint import init_params, load_checkpoint  # noqa: E402
-from mk.chips import ChipSpec, chip  # noqa: E402
-from mk.config import ModelConfig  # noqa: E402
-from mk.presets import preset  # noqa: E402
-from mk.quant import quantize  # noqa: E402
+import mk.cost.perf  # noqa: E402, F401 - loaded by `import mk`, under its floor
+import mk.cost.sim  # noqa: E402, F401
+import mk.measure.tpu  # noqa: E402, F401
+import mk.model.quant  # noqa: E402, F401
+import mk.model.reference  # noqa: E402, F401
+import mk.step.megakernel  # noqa: E402, F401
+from mk.model.checkpoint import init_params, load_checkpoint  # noqa: E402
+from mk.model.chips import ChipSpec, chip  # noqa: E402
+from mk.model.config import ModelConfig  # noqa: E402
+from mk.model.presets import preset  # noqa: E402
+from mk.model.quant import quantize  # noqa: E402
 
-__all__ = ["ChipSpec", "ModelConfig", "chip", "init_params", "load_checkpoint", "megakernel",
-           "perf", "preset", "quant", "quantize", "reference", "sim", "tpu"]
+del mk  # the name `import mk.x.y` binds: mk is no attribute of itself
+
+__all__ = ["ChipSpec", "ModelConfig", "chip", "init_params", "load_checkpoint",
+           "preset", "quantize"]

@@ -8,15 +8,15 @@ them. Not here: the figures themselves (`mk.plots`).
 
 from __future__ import annotations
 
-from mk.weights import JOINED, names as weight_names
+from mk.model.weights import JOINED, names as weight_names
 
 IDLE_GREY = "#c7c7c7"  # skipped segments, idle expert slots
 
-# Each byte family's palette (`mk.weights.FAMILIES`): one colour per weight in every figure
+# Each byte family's palette (`mk.model.weights.FAMILIES`): one colour per weight in every figure
 # that draws weights (STYLE.md), given to the family's rows of the weight table in table
 # order (`WEIGHT_COLOURS`: a weight added to the table needs a colour here, or the import
 # fails); "w" (a teaching matrix) is drawn as the first attention weight, a joined weight
-# (`mk.weights.JOINED`) as its first part.
+# (`mk.model.weights.JOINED`) as its first part.
 FAMILY_PALETTES = {
     "embed": ("#7b4173",),
     "attention": ("#1f77b4", "#aec7e8", "#17becf", "#9edae5", "#393b79", "#3182bd",

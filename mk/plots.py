@@ -1,14 +1,14 @@
 """Plotly figures and tables for the notebooks, and `show` that keeps them self-contained.
 
-Here: figures from `mk.perf`'s numbers (`roofline`, `bytes_breakdown`,
+Here: figures from `mk.cost.perf`'s numbers (`roofline`, `bytes_breakdown`,
 `published_vs_floor`), from the schedule the kernel executes (`tile_stream`,
 `ring_gantt`, `kv_tile_map`), `lines`, `tpu_picture` (one chip's memories, units and
 paths), `table` / `Table` (HTML tables), `escape` (untrusted text made safe),
 `show_source` (a kernel's own code on the page), `knobs` (an ipywidgets panel), `show`,
 `whole_at_every_frame` and `LEGEND_ENTRIES` (every figure's legend limit).
 
-Not here: a `mk.machine.Simulation`'s figures (`mk.sim_plots`); any model or chip
-arithmetic (`mk.perf`); the colours (`mk.colours`); static image export (kaleido needs
+Not here: a `mk.cost.machine.Simulation`'s figures (`mk.sim_plots`); any model or chip
+arithmetic (`mk.cost.perf`); the colours (`mk.colours`); static image export (kaleido needs
 Chrome). Each figure in a line, and why `show` and not `fig.show()` (plotly.js embedded
 once per page, offline): docs/design/mk.plots.md.
 """
@@ -219,7 +219,7 @@ def roofline(curves: Mapping[str, tuple], points: Mapping[str, Mapping[str, obje
     """Roofline lines (the legend) and decode-step points (each named beside its marker).
 
     `curves`: chip name -> (intensity FLOP/byte, attainable FLOP/s), e.g. from
-    `mk.perf.roofline_curve`. `points`: slider label -> {point label -> StepEstimate};
+    `mk.cost.perf.roofline_curve`. `points`: slider label -> {point label -> StepEstimate};
     each estimate is drawn at (intensity_flop_per_byte, attainable_flops_per_chip). With
     more than one slider label, a slider switches between the point sets.
     """
@@ -331,7 +331,7 @@ def ring_gantt(schedules: Mapping[str, list], *, title: str) -> go.Figure:
     (the compute lane, solid), one row per slot, coloured by weight family (one legend
     entry per family); a skipped tile (switched off, e.g. an idle expert slot) is a grey
     mark where the lane passes it. `schedules`:
-    {label: `mk.teach.ring_schedule` rows}, one animation frame each (a slider and a play
+    {label: `mk.course.teach.ring_schedule` rows}, one animation frame each (a slider and a play
     button step through them; every frame has the same traces)."""
     families = sorted({t["family"] for rows in schedules.values() for t in rows})
     depth = max(t["slot"] for rows in schedules.values() for t in rows) + 1
@@ -411,7 +411,7 @@ def kv_tile_map(positions, rows: int, kv_tile: int, context: int, *, window: int
 
 # -- The machine ---------------------------------------------------------------------------
 # Boxes of one TensorCore and its chip: (x0, y0, x1, y1), the fill, the label. Where each
-# unit sits is a drawing choice; every number comes from the chip's row (mk.chips).
+# unit sits is a drawing choice; every number comes from the chip's row (mk.model.chips).
 _MEMORY, _COMPUTE, _MOVE = "#dbe9f6", "#fde0c5", "#e2f0d9"
 # Where each unit sits in `tpu_picture` (x0, y0, x1, y1) and its fill.
 _TPU_BOXES = dict(hbm=(0.2, 0.2, 11.8, 1.6, _MEMORY), dma=(0.2, 2.2, 5.6, 3.2, _MOVE),
@@ -422,7 +422,7 @@ _TPU_BOXES = dict(hbm=(0.2, 0.2, 11.8, 1.6, _MEMORY), dma=(0.2, 2.2, 5.6, 3.2, _
 
 
 def tpu_picture(spec) -> go.Figure:
-    """One TPU chip (a `mk.chips.ChipSpec` of kind "tpu") as the kernels see it: HBM, the
+    """One TPU chip (a `mk.model.chips.ChipSpec` of kind "tpu") as the kernels see it: HBM, the
     DMA engines, one TensorCore's VMEM, SMEM, vector registers, MXU, VPU and scalar unit,
     and ICI, each labelled with its number from data/chips.csv and the Pallas name a kernel
     uses to reach it. Arrows are the paths data takes."""

@@ -1,7 +1,7 @@
 """Notebook 08's figures of measured profiles: `lanes_figure` (a Gantt chart of busy lanes
-and bubbles), `gantt` (one step of a `mk.profiling.Timeline`) and `share_bars` (each
+and bubbles), `gantt` (one step of a `mk.measure.profiling.Timeline`) and `share_bars` (each
 variant's idle and host shares). Op and line names come from a trace (a recorded one is
-untrusted data) and are escaped. Not here: capturing and measuring (`mk.profiling`), the
+untrusted data) and are escaped. Not here: capturing and measuring (`mk.measure.profiling`), the
 simulator's timelines (`mk.sim_plots`).
 """
 
@@ -12,7 +12,7 @@ from collections import defaultdict
 import plotly.graph_objects as go
 
 from mk.plots import escape
-from mk.profiling import StepBubbles, Timeline
+from mk.measure.profiling import StepBubbles, Timeline
 
 COLORS = {"busy": "#4c78a8", "bubble": "#e45756", "host": "#f2a541"}
 

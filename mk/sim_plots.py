@@ -1,11 +1,11 @@
-"""Figures of a simulated step (`mk.machine.Simulation`): `timeline` (its DMA, compute
+"""Figures of a simulated step (`mk.cost.machine.Simulation`): `timeline` (its DMA, compute
 and HBM-idle lanes), `collective_timeline` (one collective of a tensor-parallel step and
 what the ring loads meanwhile), `bubble_bars` (HBM busy and each bubble cause),
-`sweep_lines` (a design sweep, `mk.review.sweep`), and `category` (an event's colour
+`sweep_lines` (a design sweep, `mk.course.review.sweep`), and `category` (an event's colour
 category).
 
-Not here: the simulation itself (`mk.sim`, `mk.machine`), figures of measured traces
-(`mk.profiling`) or of `mk.perf`'s numbers (`mk.plots`), `show` (`mk.plots.show`). Its
+Not here: the simulation itself (`mk.cost.sim`, `mk.cost.machine`), figures of measured traces
+(`mk.measure.profiling`) or of `mk.cost.perf`'s numbers (`mk.plots`), `show` (`mk.plots.show`). Its
 lanes and colours: docs/design/mk.plots.md.
 """
 
@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 import plotly.graph_objects as go
 
 from mk.colours import CATEGORY_COLOURS, IDLE_COLOURS
-from mk.errors import shown
+from mk.model.errors import shown
 from mk.plots import LEGEND_ENTRIES
 
 def _family(what: str) -> str:
@@ -44,7 +44,7 @@ def timeline(sims, *, layers: tuple[int, int] | None = None,
              window_s: tuple[float, float] | None = None, title: str = "") -> go.Figure:
     """The simulated timeline: per simulation, a DMA lane, a compute lane and an HBM-idle
     lane (bubbles coloured by cause; the colours of `CATEGORY_COLOURS` and `IDLE_COLOURS`
-    in every notebook); `sims` is one `mk.machine.Simulation` or {label: sim}. A bar spans a
+    in every notebook); `sims` is one `mk.cost.machine.Simulation` or {label: sim}. A bar spans a
     run of merged intervals; its opacity is the share of that span the lane was busy (or
     HBM idle), so a run that is idle 44 % of its span is not drawn solid. The legend keeps
     `LEGEND_ENTRIES`: every busy category, then the idle causes with the most idle time
@@ -117,12 +117,12 @@ def timeline(sims, *, layers: tuple[int, int] | None = None,
 
 
 def _simulations(sims: Mapping, *fields: str) -> Mapping:
-    """`sims` after checking each value has the `fields` of a `mk.machine.Simulation` that
-    the figure reads (`mk.sim.simulate`'s; anything else is named, not an AttributeError)."""
+    """`sims` after checking each value has the `fields` of a `mk.cost.machine.Simulation` that
+    the figure reads (`mk.cost.sim.simulate`'s; anything else is named, not an AttributeError)."""
     for label, sim in sims.items():
         if not all(hasattr(sim, f) for f in fields):
             raise ValueError(f"sims[{label!r}] is a {type(sim).__name__}; a figure of a "
-                             "simulated step takes mk.sim.simulate's Simulation")
+                             "simulated step takes mk.cost.sim.simulate's Simulation")
     return sims
 
 
@@ -140,7 +140,7 @@ def _span(field: str, span, kind) -> tuple:
 
 
 def collective_timeline(sim, *, index: int, pad: float = 0.5, title: str = "") -> go.Figure:
-    """`timeline` around the `index`-th collective of a tensor-parallel `mk.machine.Simulation`
+    """`timeline` around the `index`-th collective of a tensor-parallel `mk.cost.machine.Simulation`
     (its "collective" compute events in program order: per layer the all-reduce after
     attention or the mixer, then after the MLP; the argmax's gather last): the compute
     lane blocked on it, the DMA lane loading the ring's next tiles meanwhile, HBM idle
@@ -197,7 +197,7 @@ _SWEPT = {"step_ms": "step (ms, simulated)", "hbm_utilisation": "HBM busy (share
 
 def sweep_lines(rows: Sequence[Mapping[str, object]], parameter: str, *,
                 y: str = "step_ms", title: str = "") -> go.Figure:
-    """A design sweep (`mk.review.sweep` rows): `y` against the swept parameter, with the
+    """A design sweep (`mk.course.review.sweep` rows): `y` against the swept parameter, with the
     HBM utilisation and the largest bubble in the hover; rows without a value are left
     out."""
     ok = [r for r in rows if r.get(y) is not None]

@@ -27,8 +27,8 @@
 #   does the MXU's minimum of 128 or 256 rows per weight pass (notebook 00b) take over?
 # - How far are the published megakernel numbers (TPU v7 and GB200) from the floors?
 #
-# It is arithmetic on datasheet peaks (`mk.chips`, `data/chips.csv`) and model shapes
-# (`mk.config`) done by `mk.perf` and `mk.ledger`: no kernel runs and nothing is timed.
+# It is arithmetic on datasheet peaks (`mk.model.chips`, `data/chips.csv`) and model shapes
+# (`mk.model.config`) done by `mk.cost.perf` and `mk.cost.ledger`: no kernel runs and nothing is timed.
 #
 # **You will** compute a decode step's bytes and FLOPs and its floors. **You will be able
 # to** say which floor bounds a run and how far a published number is from it.
@@ -63,11 +63,11 @@ if mk_spec is None or mk_spec.origin is None:
            "package: rename it or work in another directory" if mk_spec else ""))
 
 # %% tags=["parameters"]
-preset: str = "tiny"  # a name from mk.presets.PRESET_NAMES
+preset: str = "tiny"  # a name from mk.model.presets.PRESET_NAMES
 batch: int = 1  # B, sequences decoded together
 rows: int = 1  # T, query rows per sequence in one step (1 is plain decode)
 context: int = 256  # S, cached positions per sequence (the KV cache's capacity)
-chip: str = "v6e"  # a name from mk.chips.CHIP_NAMES: the chip of rooflines and budgets
+chip: str = "v6e"  # a name from mk.model.chips.CHIP_NAMES: the chip of rooflines and budgets
 backend: str = "auto"  # "auto" (Mosaic on a TPU, else interpret), "interpret" or "hardware"
 seed: int = 0  # seed of the random weights and inputs
 checkpoint: str = ""  # a local Hugging Face checkpoint folder; "" for random weights
@@ -75,15 +75,16 @@ table_context: int = 4096  # S of the per-preset tables (capped at each preset's
 
 # %%
 import mk
-import mk.run
-from mk import ledger, perf, plots
-from mk.chips import all_chips
-from mk.presets import PRESET_NAMES
-from mk.quant import stored_bytes
+import mk.course.run
+from mk.cost import ledger, perf
+from mk import plots
+from mk.model.chips import all_chips
+from mk.model.presets import PRESET_NAMES
+from mk.model.quant import stored_bytes
 from IPython.display import display
 
-mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
-run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
+mk.course.run.check_parameters(globals())  # papermill's -p names, every parameter's type
+run = mk.course.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
 print(f"{run.config.name}: B={run.batch} T={run.rows} S={run.context} on {run.chip}")
 
@@ -93,7 +94,7 @@ print(f"{run.config.name}: B={run.batch} T={run.rows} S={run.context} on {run.ch
 # A step cannot finish before its bytes have crossed HBM (the **HBM floor**), nor before
 # its matmuls have gone through the MXU. Counting FLOPs alone gives the FLOP floor; the MXU
 # charges each weight pass at least its $R$ rows (notebook 00b), which gives the **MXU
-# floor** that `mk.sim` uses too:
+# floor** that `mk.cost.sim` uses too:
 #
 # $$t_\text{step} \;\ge\; \max\!\Big(\frac{\text{bytes}}{\text{HBM bandwidth}},\;
 #   \sum_\text{weights} \frac{2\max(M, R)\,K N}{\text{peak FLOP/s}}\Big)
@@ -169,7 +170,7 @@ plots.show(plots.bytes_breakdown(steps, title=f"Bytes of one decode step (B={run
 # ## The floor on each chip
 #
 # Each preset on the fewest chips (a power of two) whose HBM holds its weights and KV
-# cache, every device holding the kernel's tensor-parallel shard (`mk.kernels.plan`: split
+# cache, every device holding the kernel's tensor-parallel shard (`mk.step.plan`: split
 # widths padded to whole tiles, norms on every device, the router too unless the plan
 # splits it by experts). A cell reads "HBM floor
 # in ms (chips), HBM floor / MXU floor": below 1 the MXU, not HBM, sets the step; "no TPn
@@ -186,7 +187,7 @@ for name, e in steps.items():
         try:
             f = perf.predict(mk.preset(name), c, batch=run.batch, rows=run.rows,
                              context=e.context, tp=tp)
-        except ValueError:  # a split the kernel cannot make (mk.shards.check_tp)
+        except ValueError:  # a split the kernel cannot make (mk.step.shards.check_tp)
             row[c.name] = f"({n}) no TP{tp} split"
             continue
         m = perf.mxu_floor_ms(mk.preset(name), c, batch=run.batch, rows=run.rows,
@@ -214,14 +215,14 @@ plots.show(plots.roofline(curves, sweep, title=f"Decode steps on the {run.chip} 
 # ## The ledger: the words for numbers, and the published runs against the floors
 #
 # Every step time the course states is one of these, and each word means one thing in
-# every notebook. They are defined here, once (`mk.ledger.TERMS`); notebooks 09 and 11
+# every notebook. They are defined here, once (`mk.cost.ledger.TERMS`); notebooks 09 and 11
 # link back to this table instead of restating it:
 
 # %%
 display(ledger.glossary())
 
 # %% [markdown]
-# `data/published.csv` holds the September 2026 release's numbers; `mk.ledger` sets each
+# `data/published.csv` holds the September 2026 release's numbers; `mk.cost.ledger` sets each
 # run on a chip of `data/chips.csv` against its `-like` preset under one set of
 # assumptions, the same in notebooks 09 and 11: $S$ = the row's own context (the cached
 # positions the release's benchmark scripts ran at, the `S` column below), batch 1 where
@@ -276,7 +277,7 @@ plots.show(plots.published_vs_floor(label, [u["published"] for u in uniform], {
 # feed instead, the Kimi runs on TPU7x with many rows per step (the larger batches, the
 # speculative runs) would look MXU-bound: their FP4 experts stream a quarter of bf16's
 # bytes while the MXU rule charges 256 rows per weight pass, at half the fp8 rate. That is
-# what a kernel feeding FP4 weights at bf16 would pay, not a floor (`mk.ledger.TERMS`).
+# what a kernel feeding FP4 weights at bf16 would pay, not a floor (`mk.cost.ledger.TERMS`).
 # A GPU has no MXU: its rows have the HBM floor alone.
 #
 # ### Per user or aggregate?
@@ -312,7 +313,7 @@ for u, s in zip(uniform, shared):
 # released models (`kimi-k3`: the release's own Kimi K3 config, field by field, its latent
 # MoE, SiTU and attention residuals included; `qwen3.5-27b`: Qwen3.5's gated DeltaNet, with
 # the dimensions the release does not state taken from its public relatives or marked
-# assumed in `mk.presets`); their weights are random, so only the bytes and shapes are
+# assumed in `mk.model.presets`); their weights are random, so only the bytes and shapes are
 # theirs.
 #
 # **Takeaway.** At decode batch sizes the intensity of a step is a few FLOP per byte

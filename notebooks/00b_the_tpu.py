@@ -28,7 +28,7 @@
 # - Why does the MXU charge a one-row decode step as if it had 128 or 256 rows, and when
 #   does that, not HBM, set the time of a step?
 #
-# Every number comes from `data/chips.csv` (`mk.chips`) and `mk.perf`: nothing runs on a
+# Every number comes from `data/chips.csv` (`mk.model.chips`) and `mk.cost.perf`: nothing runs on a
 # TPU here and nothing is timed.
 #
 # **You will** draw each TPU generation's memories and units from its datasheet row and
@@ -65,24 +65,25 @@ if mk_spec is None or mk_spec.origin is None:
            "package: rename it or work in another directory" if mk_spec else ""))
 
 # %% tags=["parameters"]
-preset: str = "tiny"  # a name from mk.presets.PRESET_NAMES
+preset: str = "tiny"  # a name from mk.model.presets.PRESET_NAMES
 batch: int = 1  # B, sequences decoded together
 rows: int = 1  # T, query rows per sequence in one step (1 is plain decode)
 context: int = 256  # S, cached positions per sequence (the KV cache's capacity)
-chip: str = "v6e"  # a name from mk.chips.CHIP_NAMES: the chip of rooflines and budgets
+chip: str = "v6e"  # a name from mk.model.chips.CHIP_NAMES: the chip of rooflines and budgets
 backend: str = "auto"  # "auto" (Mosaic on a TPU, else interpret), "interpret" or "hardware"
 seed: int = 0  # seed of the random weights and inputs
 checkpoint: str = ""  # a local Hugging Face checkpoint folder; "" for random weights
 
 # %%
 import mk
-import mk.run
+import mk.course.run
 from IPython.display import display
-from mk import perf, plots
-from mk.chips import all_chips
+from mk.cost import perf
+from mk import plots
+from mk.model.chips import all_chips
 
-mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
-run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
+mk.course.run.check_parameters(globals())  # papermill's -p names, every parameter's type
+run = mk.course.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
 print(f"{run.config.name}: B={run.batch} T={run.rows} S={run.context} on {run.chip}")
 
@@ -138,7 +139,7 @@ display(plots.table([{
 #
 # for $b$ bytes per weight. A decode pass ($M < R$) is bound by HBM only while
 # $b > 2R / \text{ridge}$: the weight must bring enough bytes to cover the MXU's $R$ rows.
-# This is the rule `mk.sim` charges for every weight tile; `mk.perf.mxu_floor_ms` applies
+# This is the rule `mk.cost.sim` charges for every weight tile; `mk.cost.perf.mxu_floor_ms` applies
 # it to a whole step (the "MXU floor" of every notebook).
 
 # %%

@@ -64,11 +64,11 @@ if mk_spec is None or mk_spec.origin is None:
            "package: rename it or work in another directory" if mk_spec else ""))
 
 # %% tags=["parameters"]
-preset: str = "tiny"  # a name from mk.presets.PRESET_NAMES
+preset: str = "tiny"  # a name from mk.model.presets.PRESET_NAMES
 batch: int = 1  # B, sequences decoded together
 rows: int = 1  # T, query rows per sequence in one step (1 is plain decode)
 context: int = 256  # S, cached positions per sequence (the KV cache's capacity)
-chip: str = "v6e"  # a name from mk.chips.CHIP_NAMES: the chip of rooflines and budgets
+chip: str = "v6e"  # a name from mk.model.chips.CHIP_NAMES: the chip of rooflines and budgets
 backend: str = "auto"  # "auto" (Mosaic on a TPU, else interpret), "interpret" or "hardware"
 seed: int = 0  # seed of the random weights and inputs
 checkpoint: str = ""  # a local Hugging Face checkpoint folder; "" for random weights
@@ -80,14 +80,17 @@ import jax
 import jax.numpy as jnp
 
 import mk
-import mk.backend
-import mk.run
-from mk import course, plots, sim, teach, tpu
+import mk.kernels.backend
+import mk.course.run
+from mk.course import course, teach
+from mk import plots
+from mk.cost import sim
+from mk.measure import tpu
 
-mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
-run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
+mk.course.run.check_parameters(globals())  # papermill's -p names, every parameter's type
+run = mk.course.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
-mode = mk.backend.resolve(run.backend)
+mode = mk.kernels.backend.resolve(run.backend)
 x = jax.random.normal(jax.random.key(run.seed), (8 * block_rows, 256))
 print(f"x {x.shape} {x.dtype}: {x.shape[0] // block_rows} blocks of {block_rows} rows; "
       f"kernels run on: {mode}")
@@ -118,14 +121,14 @@ plots.show_source(teach.block_copy_kernel, teach.block_copy)
 
 # %% [markdown]
 # Step by step, the block each step sees, then the copy run (on a CPU, in TPU interpret
-# mode: `mk.backend.use(run.backend)`, the course's one switch; no kernel of the course
+# mode: `mk.kernels.backend.use(run.backend)`, the course's one switch; no kernel of the course
 # passes `interpret=True` itself) and checked against its reference, x itself:
 
 # %%
 for i in range(x.shape[0] // block_rows):
     print(f"step {i}: index_map -> block ({i}, 0) = rows {i * block_rows}..."
           f"{(i + 1) * block_rows - 1} of x and of the output")
-with mk.backend.use(run.backend):
+with mk.kernels.backend.use(run.backend):
     by_blocks = teach.block_copy(x, block_rows=block_rows)
 course.check_close("the BlockSpec copy", by_blocks, x, atol=0.0, rtol=0.0)
 print("equal to x, bit for bit")
@@ -189,11 +192,11 @@ plots.show_source(teach.hand_copy_kernel, teach.hand_copy)
 # and write of a buffer, in interpret mode only):
 
 # %%
-with mk.backend.use(run.backend, detect_races=(mode == "interpret")):
+with mk.kernels.backend.use(run.backend, detect_races=(mode == "interpret")):
     by_hand = teach.hand_copy(x, block_rows=block_rows)
-    hand_races = mk.backend.races_found()
+    hand_races = mk.kernels.backend.races_found()
 course.check_close("the hand copy", by_hand, x, atol=0.0, rtol=0.0)
-print(f"equal to x, bit for bit; races: {mk.backend.races_text(hand_races)}")
+print(f"equal to x, bit for bit; races: {mk.kernels.backend.races_text(hand_races)}")
 
 # %% [markdown]
 # ## Predict, then run
@@ -218,12 +221,12 @@ plots.show_source(course.copy_out_before_wait)
 
 # %%
 two_blocks = x[:2 * block_rows]
-with mk.backend.use(run.backend, detect_races=(mode == "interpret")):
+with mk.kernels.backend.use(run.backend, detect_races=(mode == "interpret")):
     early = teach.hand_copy(two_blocks, block_rows=block_rows,
                             kernel=course.copy_out_before_wait)
-    early_races = mk.backend.races_found()
+    early_races = mk.kernels.backend.races_found()
 print(f"values equal to x: {bool(jnp.array_equal(early, two_blocks))}; "
-      f"races: {mk.backend.races_text(early_races)}")
+      f"races: {mk.kernels.backend.races_text(early_races)}")
 
 # %% [markdown]
 # ## What the grid did that ours does not
@@ -231,7 +234,7 @@ print(f"values equal to x: {bool(jnp.array_equal(early, two_blocks))}; "
 # Ours waits for every copy before starting the next, so the DMA engine idles through
 # each copy's latency, twice a block; the BlockSpec pipeline overlaps block i + 1's load
 # with block i's write-back. On a TPU-sized copy ([4096, 1024] bf16 in blocks of 256 rows)
-# the **modelled** times (`mk.sim`'s assumed DMA latency and the datasheet's HBM
+# the **modelled** times (`mk.cost.sim`'s assumed DMA latency and the datasheet's HBM
 # bandwidth; nothing is timed here):
 
 # %%
@@ -251,7 +254,7 @@ print(f"{blocks} blocks of {block_bytes // 1024} KiB on {compile_chip}: by hand,
 # ## Compiled for a TPU, with no TPU here
 #
 # Interpret mode checks values and races, not what the chip accepts. libtpu's Mosaic
-# compiler, run ahead of time for the chip (`mk.tpu.compile_for_chip`, as notebook 01
+# compiler, run ahead of time for the chip (`mk.measure.tpu.compile_for_chip`, as notebook 01
 # does), lowers both copies at that size:
 
 # %%

@@ -27,7 +27,7 @@
 # - Why does a ring of N slots keep HBM busy where a single buffer cannot?
 # - How much VMEM does a ring cost, and what does the TPU compiler say about it?
 #
-# **You will build** a 30-line ring kernel (`mk.teach.ring_matmul`), check it equals the
+# **You will build** a 30-line ring kernel (`mk.course.teach.ring_matmul`), check it equals the
 # real one, draw the ring slot by slot in time, and read the real `Ring.matmul`. **You will
 # be able to** size a ring by Little's law and spot a ring race. **Prerequisites:** 00
 # (why decode is memory-bound), 00b (HBM, VMEM, the DMA engine), 00c (a first Pallas
@@ -62,11 +62,11 @@ if mk_spec is None or mk_spec.origin is None:
            "package: rename it or work in another directory" if mk_spec else ""))
 
 # %% tags=["parameters"]
-preset: str = "tiny"  # a name from mk.presets.PRESET_NAMES
+preset: str = "tiny"  # a name from mk.model.presets.PRESET_NAMES
 batch: int = 1  # B, sequences decoded together
 rows: int = 1  # T, query rows per sequence in one step (1 is plain decode)
 context: int = 256  # S, cached positions per sequence (the KV cache's capacity)
-chip: str = "v6e"  # a name from mk.chips.CHIP_NAMES: the chip of rooflines and budgets
+chip: str = "v6e"  # a name from mk.model.chips.CHIP_NAMES: the chip of rooflines and budgets
 backend: str = "auto"  # "auto" (Mosaic on a TPU, else interpret), "interpret" or "hardware"
 seed: int = 0  # seed of the random weights and inputs
 checkpoint: str = ""  # a local Hugging Face checkpoint folder; "" for random weights
@@ -85,19 +85,23 @@ import numpy as np
 from IPython.display import display
 
 import mk
-import mk.backend
-import mk.run
-from mk import course, measure, ops, plots, sim, sim_plots, teach, tpu
+import mk.kernels.backend
+import mk.course.run
+from mk.course import course, teach
+from mk.measure import measure, tpu
+from mk.model import ops
+from mk import plots, sim_plots
+from mk.cost import sim
 from mk.kernels.common import BlockSizes, vmem_budget
 from mk.kernels.ring import Ring
 from mk.kernels.stream import TileStream
 from mk.kernels.weight_streaming import (stream_matmul, stream_matmul_buffers,
                                          stream_matmul_kernel)
 
-mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
-run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
+mk.course.run.check_parameters(globals())  # papermill's -p names, every parameter's type
+run = mk.course.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
-mode = mk.backend.resolve(run.backend)
+mode = mk.kernels.backend.resolve(run.backend)
 spec = mk.chip(run.chip)
 print(f"{run.config.name}: M = B*T = {run.batch * run.rows} rows; kernels run on: {mode}")
 
@@ -128,14 +132,14 @@ print(f"{run.config.name}: M = B*T = {run.batch * run.rows} rows; kernels run on
 # $\text{bytes in flight} \ge \text{BW} \cdot \ell$: at least $\lceil \text{BW}\,\ell / b
 # \rceil$ tiles in flight, plus one slot being computed and one landing. Two slots are
 # not N slots: with fewer tiles in flight than Little's law asks, every tile pays part of
-# $\ell$ with HBM idle. `mk.sim.latency_slots` is this rule, and the simulator agrees
+# $\ell$ with HBM idle. `mk.cost.sim.latency_slots` is this rule, and the simulator agrees
 # (table below).
 
 # %% [markdown]
 # ## The reference
 #
 # Layer 0's query projection `wq` [D, N*H] of the run's model, times random activations.
-# `mk.ops.matmul` rounds x to the weight dtype and accumulates in float32, as the
+# `mk.model.ops.matmul` rounds x to the weight dtype and accumulates in float32, as the
 # MXU does.
 
 # %%
@@ -157,8 +161,8 @@ print(f"BW x latency = {bw / 1e12:.2f} TB/s x {a.dma_latency_s * 1e6:.1f} µs = 
       f"{bw * a.dma_latency_s / tile_bytes:.1f} tiles of {tile_bytes / 1024:.0f} KiB "
       f"-> {need} slots (Little's law, + 2)")
 d, M, ring_rows = tile_bytes / bw, run.batch * run.rows, []
-c = mk.perf.mxu_flops(M, tile_rows * tile_cols, spec.mxu_rows) / (
-    mk.perf.peak_flops(spec) / spec.cores_per_chip)  # the MXU rule mk.sim charges
+c = mk.cost.perf.mxu_flops(M, tile_rows * tile_cols, spec.mxu_rows) / (
+    mk.cost.perf.peak_flops(spec) / spec.cores_per_chip)  # the MXU rule mk.cost.sim charges
 n_tiles = (4096 // tile_rows) * (4096 // tile_cols)
 for n in sorted({1, 2, 3, need // 2, need, 2 * need}):
     s = sim.replay_matmul(TileStream.build(
@@ -291,10 +295,10 @@ plots.show_source(teach.ring_matmul_kernel)
 taught = {}
 if tile_rows == tile_cols:
     for n in sorted({1, 2, slots}):
-        with mk.backend.use(run.backend, detect_races=(mode == "interpret")):
+        with mk.kernels.backend.use(run.backend, detect_races=(mode == "interpret")):
             taught[n] = (teach.ring_matmul(x, w, slots=n, tile=tile_rows),
-                         mk.backend.races_found())
-        with mk.backend.use(run.backend):
+                         mk.kernels.backend.races_found())
+        with mk.kernels.backend.use(run.backend):
             real_n = stream_matmul(x, w, block=BlockSizes(slots=n, tile_rows=tile_rows,
                                                           tile_cols=tile_cols))
         print(f"slots={n}: max |teaching - real| = "
@@ -382,7 +386,7 @@ teach.excerpt(Ring.matmul, [
 #
 # The same kernel with 1, 2 and `slots` slots. In interpret mode the race detector
 # watches every DMA and every read of a slot. **Exercise:** set `exercise_ring_race = True`
-# in the parameters: the ring then reads the slot of tile g + 1 (`mk.course.planted`
+# in the parameters: the ring then reads the slot of tile g + 1 (`mk.course.course.planted`
 # swaps `Ring.slot` for that one wrong line), whose DMA is still in flight, and the last
 # cell's check fails with the race detector's message.
 
@@ -392,12 +396,12 @@ for n in sorted({1, 2, slots}):
     block = BlockSizes(slots=n, tile_rows=tile_rows, tile_cols=tile_cols)
     start = time.perf_counter()
     with (course.planted("ring_race" if exercise_ring_race else None),
-          mk.backend.use(run.backend, detect_races=(mode == "interpret"))):
+          mk.kernels.backend.use(run.backend, detect_races=(mode == "interpret"))):
         got = jax.block_until_ready(stream_matmul(x, w, block=block))
     seconds = time.perf_counter() - start
-    results[n] = (got, mk.backend.races_found(), seconds)
+    results[n] = (got, mk.kernels.backend.races_found(), seconds)
     print(f"slots={n}: max |kernel - reference| = {float(jnp.abs(got - want).max()):.2e}, "
-          f"races: {mk.backend.races_text(results[n][1])}, wall {seconds:.2f} s ({mode})")
+          f"races: {mk.kernels.backend.races_text(results[n][1])}, wall {seconds:.2f} s ({mode})")
 
 # %% [markdown]
 # On CPU the wall time above is the interpret-mode **simulation** (a few milliseconds per
@@ -457,7 +461,7 @@ folded = fold.fold_tiles(narrow, f)
 xs = jax.random.normal(jax.random.key(seed + 2), (8, 512), jnp.float32)
 print(f"512 x 128 folded {f}: stored {folded.shape}; blocks stacked for M = 8: "
       f"{fold.stack(f, 8)}")
-# The plain products are `mk.ops.matmul`'s, float32 at full precision: a bare `xs @ narrow`
+# The plain products are `mk.model.ops.matmul`'s, float32 at full precision: a bare `xs @ narrow`
 # on a TPU multiplies float32 in one bf16 pass (the chip found a 0.18 difference that way).
 course.check_close("folded product", fold.folded_product(xs, folded, f, False),
                    ops.matmul(xs, narrow), atol=1e-3)
@@ -472,7 +476,7 @@ course.check_close("folded product, transposed",
 # latency and the MXU idles while it waits; with a ring the DMA engine always has the next
 # tile queued. On a TPU runtime (`backend="auto"`) the wall times printed above are real,
 # but they time a call, not a stream: a call's fixed cost (host dispatch and launch, which
-# `mk.measure` on a v5e first met as "timing noise") dwarfs this kernel's floor printed
+# `mk.measure.measure` on a v5e first met as "timing noise") dwarfs this kernel's floor printed
 # above. Set a time against the floor only where the stream dwarfs the call: a
 # whole decode step in a device loop (benchmarks/tpu_steps.py, notebook 06's measured
 # table). The later stages put many matrices, and then every layer, into one stream, so the
@@ -493,8 +497,8 @@ course.check_close("folded product, transposed",
 big = mk.chip(compile_chip)
 b, big_bw = 512 * 1024 * 2, big.device_hbm_bw
 big_need = sim.latency_slots(mk.preset("qwen3-8b"), big, real)
-d1, c1 = b / big_bw, mk.perf.mxu_flops(8, 512 * 1024, big.mxu_rows) / (
-    mk.perf.peak_flops(big) / big.cores_per_chip)
+d1, c1 = b / big_bw, mk.cost.perf.mxu_flops(8, 512 * 1024, big.mxu_rows) / (
+    mk.cost.perf.peak_flops(big) / big.cores_per_chip)
 t = {s: 96 * max(d1, c1, (a.dma_latency_s + d1 + c1) / s) * 1e6 for s in (2, big_need)}
 print(f"1. BW x latency = {big_bw * a.dma_latency_s / 2**20:.2f} MiB < one 1 MiB tile: "
       f"{big_need} slots")

@@ -59,11 +59,11 @@ if mk_spec is None or mk_spec.origin is None:
            "package: rename it or work in another directory" if mk_spec else ""))
 
 # %% tags=["parameters"]
-preset: str = "tiny"  # a name from mk.presets.PRESET_NAMES
+preset: str = "tiny"  # a name from mk.model.presets.PRESET_NAMES
 batch: int = 1  # B, sequences decoded together
 rows: int = 2  # T, query rows per sequence in one step (1 is plain decode)
 context: int = 256  # S, cached positions per sequence (the KV cache's capacity)
-chip: str = "v6e"  # a name from mk.chips.CHIP_NAMES: the chip of rooflines and budgets
+chip: str = "v6e"  # a name from mk.model.chips.CHIP_NAMES: the chip of rooflines and budgets
 backend: str = "auto"  # "auto" (Mosaic on a TPU, else interpret), "interpret" or "hardware"
 seed: int = 0  # seed of the random weights and inputs
 checkpoint: str = ""  # a local Hugging Face checkpoint folder; "" for random weights
@@ -81,18 +81,21 @@ import numpy as np
 from IPython.display import display
 
 import mk
-import mk.backend
-import mk.run
-from mk import course, plots, reference, tpu
-from mk.kernels.attention_prologue import (attention_prologue, attention_prologue_buffers,
+import mk.kernels.backend
+import mk.course.run
+from mk.course import course
+from mk import plots
+from mk.model import reference
+from mk.measure import tpu
+from mk.kinds.attention.attention_prologue import (attention_prologue, attention_prologue_buffers,
                                            normalise_heads, prologue, rope_rows)
 from mk.kernels.common import BlockSizes, vmem_budget
-from mk.weights import abstract_params
+from mk.model.weights import abstract_params
 
-mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
-run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
+mk.course.run.check_parameters(globals())  # papermill's -p names, every parameter's type
+run = mk.course.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
-config, mode, spec = run.config, mk.backend.resolve(run.backend), mk.chip(run.chip)
+config, mode, spec = run.config, mk.kernels.backend.resolve(run.backend), mk.chip(run.chip)
 if not 0 <= layer < config.layers:
     raise ValueError(f"layer={layer} must be in [0, {config.layers})")
 print(f"{config.name}: B={run.batch} T={run.rows} layer {layer}; kernels run on: {mode}")
@@ -136,7 +139,7 @@ plots.show_source(prologue, normalise_heads, rope_rows)
 # `pltpu.roll` by H/2 lanes times a sign: -1 on the first half. `pos` comes from the
 # per-sequence positions in SMEM (`row_positions`), one absolute position per row.
 #
-# **Exercise:** set `exercise_rope_off = True`: `mk.course.planted("rope_off")` replaces
+# **Exercise:** set `exercise_rope_off = True`: `mk.course.course.planted("rope_off")` replaces
 # `rope_rows` by the identity. At position 0 that is correct (cos 0 = 1, sin 0 = 0), so a
 # test at position 0 would pass; at this run's positions the check below fails.
 
@@ -144,12 +147,12 @@ plots.show_source(prologue, normalise_heads, rope_rows)
 block = BlockSizes(slots=slots, tile_rows=128, tile_cols=128)
 start = time.perf_counter()
 with (course.planted("rope_off" if exercise_rope_off else None),
-      mk.backend.use(run.backend, detect_races=(mode == "interpret"))):
+      mk.kernels.backend.use(run.backend, detect_races=(mode == "interpret"))):
     got = jax.block_until_ready(attention_prologue(config, params, x, positions, layer=layer,
                                                    block=block))
-seconds, races = time.perf_counter() - start, mk.backend.races_found()
+seconds, races = time.perf_counter() - start, mk.kernels.backend.races_found()
 errors = {n: float(jnp.abs(g - w).max()) for n, g, w in zip("qkv", got, want)}
-print(f"max |kernel - reference|: {errors}; races: {mk.backend.races_text(races)}")
+print(f"max |kernel - reference|: {errors}; races: {mk.kernels.backend.races_text(races)}")
 print(f"wall {seconds:.2f} s on {mode}" + (" (a CPU simulation, not TPU time)"
                                           if mode == "interpret" else ""))
 

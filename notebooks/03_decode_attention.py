@@ -29,7 +29,7 @@
 # - How are the new K/V rows written into the cache in place?
 # - How many bytes does attention move per step, and what does the roofline say?
 #
-# **You will build** a 35-line online-softmax attention kernel (`mk.teach.attend`), check
+# **You will build** a 35-line online-softmax attention kernel (`mk.course.teach.attend`), check
 # it equals the real one, then read the real `attend` in annotated excerpts. **You will be
 # able to** say which KV tiles a step reads, derive the online-softmax rescale, and find
 # the bug when it is missing. **Prerequisites:** 01 (the weight ring: slots, DMA, wait)
@@ -64,11 +64,11 @@ if mk_spec is None or mk_spec.origin is None:
            "package: rename it or work in another directory" if mk_spec else ""))
 
 # %% tags=["parameters"]
-preset: str = "tiny"  # a name from mk.presets.PRESET_NAMES
+preset: str = "tiny"  # a name from mk.model.presets.PRESET_NAMES
 batch: int = 1  # B, sequences decoded together
 rows: int = 2  # T, query rows per sequence in one step (1 is plain decode)
 context: int = 256  # S, cached positions per sequence (the KV cache's capacity)
-chip: str = "v6e"  # a name from mk.chips.CHIP_NAMES: the chip of rooflines and budgets
+chip: str = "v6e"  # a name from mk.model.chips.CHIP_NAMES: the chip of rooflines and budgets
 backend: str = "auto"  # "auto" (Mosaic on a TPU, else interpret), "interpret" or "hardware"
 seed: int = 0  # seed of the random weights and inputs
 checkpoint: str = ""  # a local Hugging Face checkpoint folder; "" for random weights
@@ -85,19 +85,22 @@ import numpy as np
 from IPython.display import display
 
 import mk
-import mk.backend
-import mk.run
-from mk import course, ops, plots, teach, tpu
-from mk.kernels import decode_attention as attention_module
+import mk.kernels.backend
+import mk.course.run
+from mk.course import course, teach
+from mk.model import ops
+from mk import plots
+from mk.measure import tpu
+from mk.kinds.attention import decode_attention as attention_module
 from mk.kernels.common import BlockSizes, vmem_budget
-from mk.kernels.decode_attention import (decode_attention, decode_attention_buffers,
+from mk.kinds.attention.decode_attention import (decode_attention, decode_attention_buffers,
                                          write_back_rows)
 from mk.kernels.kv_stream import tile_counts
 
-mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
-run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
+mk.course.run.check_parameters(globals())  # papermill's -p names, every parameter's type
+run = mk.course.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
-mode = mk.backend.resolve(run.backend)
+mode = mk.kernels.backend.resolve(run.backend)
 spec = mk.chip(run.chip)
 c = run.config
 B, T, S, N, K, H = run.batch, run.rows, run.context, c.heads, c.kv_heads, c.head_dim
@@ -153,8 +156,8 @@ plots.show(plots.kv_tile_map(positions, T, kv_tile, S, title=f"The KV tiles this
 # ## The reference
 #
 # Random q, new K/V rows and a random cache with `c.layers` layers; the step works on the
-# last layer. `mk.ops.write_rows` puts the new rows in the cache, then
-# `mk.ops.attention` attends causally (q and k rounded to the cache dtype, f32
+# last layer. `mk.model.ops.write_rows` puts the new rows in the cache, then
+# `mk.model.ops.attention` attends causally (q and k rounded to the cache dtype, f32
 # scores, probabilities rounded to the cache dtype before P @ V).
 
 # %%
@@ -180,13 +183,13 @@ print(f"q {q.shape}, k_new {k_new.shape}, caches {k_cache.shape} -> o {o_want.sh
 
 # %%
 start = time.perf_counter()
-with mk.backend.use(run.backend, detect_races=(mode == "interpret")):
+with mk.kernels.backend.use(run.backend, detect_races=(mode == "interpret")):
     o, k_got, v_got = jax.block_until_ready(
         decode_attention(q, k_new, v_new, k_cache, v_cache, pos, layer=layer, block=block))
 seconds = time.perf_counter() - start
-races = mk.backend.races_found()
+races = mk.kernels.backend.races_found()
 print(f"max |kernel - reference| = {float(jnp.abs(o - o_want).max()):.2e}, races: "
-      f"{mk.backend.races_text(races)}, wall {seconds:.2f} s ({mode})")
+      f"{mk.kernels.backend.races_text(races)}, wall {seconds:.2f} s ({mode})")
 
 # %% [markdown]
 # On CPU that wall time is the interpret-mode **simulation** of the TPU (milliseconds per
@@ -253,7 +256,7 @@ def head_group(o, b, k):  # [B*T, N*H] -> rows (g, t) of sequence b's kv head k
     return o.reshape(B, T, N, H)[b][:, k * G:(k + 1) * G].transpose(1, 0, 2).reshape(G * T, H)
 
 
-with mk.backend.use(run.backend):
+with mk.kernels.backend.use(run.backend):
     taught = {(b, k): teach.attend(head_group(q, b, k), k_got[layer, b, k], v_got[layer, b, k],
                                    pos[b], rows=T, kv_tile=kv_tile)
               for b in range(B) for k in range(K)}
@@ -417,7 +420,7 @@ print(f"intensity {flops / full:.1f} FLOP/byte vs the ridge point "
 # so the step would take the bytes over the bandwidth if each tile's compute (two small
 # matmuls per kv head, the online softmax) were shorter than its DMA. On a v5e it is not:
 # the attention loop took KV slower than the DMA engine brings weights
-# (`mk.ledger.basis_table()` prints both measured rates), so the steps that read much KV
+# (`mk.cost.ledger.basis_table()` prints both measured rates), so the steps that read much KV
 # sit furthest from the floor (notebook 06's measured table). What the simulation cannot show: DMA issue
 # latency per tile (larger tiles amortise it, at VMEM cost), whether a written tile's
 # write-back, sent from a staging slot and waited for only when that slot comes round

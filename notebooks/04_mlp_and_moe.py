@@ -29,7 +29,7 @@
 # - Does the kernel really read only the experts the batch selected?
 #
 # **You will build** a 35-line expert kernel addressed by scalar-prefetched ids
-# (`mk.teach.moe_experts`), check it equals the real one, and read the real
+# (`mk.course.teach.moe_experts`), check it equals the real one, and read the real
 # `experts_body`. **You will be able to** say which expert bytes a step reads and find a
 # slot that loads the wrong expert. **Prerequisites:** 01 (the ring), 03 (SMEM scalars,
 # `pl.when`).
@@ -63,11 +63,11 @@ if mk_spec is None or mk_spec.origin is None:
            "package: rename it or work in another directory" if mk_spec else ""))
 
 # %% tags=["parameters"]
-preset: str = "tiny"  # a name from mk.presets.PRESET_NAMES
+preset: str = "tiny"  # a name from mk.model.presets.PRESET_NAMES
 batch: int = 1  # B, sequences decoded together
 rows: int = 1  # T, query rows per sequence in one step (1 is plain decode)
 context: int = 256  # S, cached positions per sequence (the KV cache's capacity)
-chip: str = "v6e"  # a name from mk.chips.CHIP_NAMES: the chip of rooflines and budgets
+chip: str = "v6e"  # a name from mk.model.chips.CHIP_NAMES: the chip of rooflines and budgets
 backend: str = "auto"  # "auto" (Mosaic on a TPU, else interpret), "interpret" or "hardware"
 seed: int = 0  # seed of the random weights and inputs
 checkpoint: str = ""  # a local Hugging Face checkpoint folder; "" for random weights
@@ -88,18 +88,22 @@ import plotly.graph_objects as go
 from IPython.display import display
 
 import mk
-import mk.backend
-import mk.run
-from mk import course, ops, perf, plots, routing_trace, teach, tpu
-from mk.kernels import mlp
+import mk.kernels.backend
+import mk.course.run
+from mk.course import course, teach
+from mk.model import ops
+from mk.cost import perf, routing_trace
+from mk import plots
+from mk.measure import tpu
+from mk.kinds.mlp import mlp
 from mk.kernels.common import BlockSizes, vmem_budget
 from mk.kernels.weight_streaming import stage_block
 from mk.kernels.stream import TileStream
 
-mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
-run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
+mk.course.run.check_parameters(globals())  # papermill's -p names, every parameter's type
+run = mk.course.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
-mode = mk.backend.resolve(run.backend)
+mode = mk.kernels.backend.resolve(run.backend)
 spec = mk.chip(run.chip)
 M = run.batch * run.rows
 dense_config = run.config if run.config.dense_layers else mk.preset("tiny")
@@ -118,7 +122,7 @@ print(f"M = B*T = {M} rows; dense SwiGLU of {dense_config.name}, MoE of {moe_con
 #
 # $$n(M) = E\,\big(1 - (1 - X/E)^{M}\big),$$
 #
-# between X (every row agrees) and $\min(E, M X)$ (no two rows agree); `mk.perf.experts_touched`
+# between X (every row agrees) and $\min(E, M X)$ (no two rows agree); `mk.cost.perf.experts_touched`
 # computes all three. Bytes per MoE layer, at the experts' data bits (`expert_bits`, a
 # preset's `formats`; scales aside):
 
@@ -149,13 +153,13 @@ plots.show(fig)
 # %% [markdown]
 # Uniform routing is an assumption, and a trained router breaks it: some experts are
 # chosen far more often than others, so M rows share more of them and read fewer bytes.
-# `mk.routing_trace.record` runs the reference over a prompt and its greedy tokens and
-# counts which experts each MoE layer's router chose. Passed as `routing=` to `mk.perf`
-# and `mk.sim`, the trace replaces the assumption: expert e is chosen with its own
+# `mk.cost.routing_trace.record` runs the reference over a prompt and its greedy tokens and
+# counts which experts each MoE layer's router chose. Passed as `routing=` to `mk.cost.perf`
+# and `mk.cost.sim`, the trace replaces the assumption: expert e is chosen with its own
 # probability $q_e$ (its count over the tokens), so $n(M) = \sum_e 1 - (1 - q_e)^{M}$.
 # Random weights touch nearly as many experts as uniform routing (the table); with
 # `checkpoint=` a trained MoE checkpoint's folder this cell records that router's skew
-# (`mk.routing_trace.save` keeps a trace for a CPU session). Every device of a
+# (`mk.cost.routing_trace.save` keeps a trace for a CPU session). Every device of a
 # tensor-parallel shard holds a slice of every expert, so skew changes the bytes of all
 # devices alike, never which device is the busiest.
 
@@ -202,7 +206,7 @@ print(f"{expert_slots} expert slots of {per_slot} tiles: {stream.total} tiles wh
 # %% [markdown]
 # ## The reference
 #
-# `mk.ops.swiglu` and `mk.ops.moe` (which runs *every* expert and weights the
+# `mk.model.ops.swiglu` and `mk.model.ops.moe` (which runs *every* expert and weights the
 # unselected ones by zero) on random rows h [M, D]; every matmul rounds its input to the
 # weight dtype and accumulates in float32.
 
@@ -280,7 +284,7 @@ plots.show_source(mlp.swiglu_body)
 plots.show_source(mlp.moe_body, mlp.select_experts, mlp.moe_fetch, mlp.experts_body)
 
 # %% [markdown]
-# **Exercise:** set `exercise_wrong_expert = True`: `mk.course.planted("wrong_expert")`
+# **Exercise:** set `exercise_wrong_expert = True`: `mk.course.course.planted("wrong_expert")`
 # makes slot s stream expert s instead of `ids_smem[s]`. With `router_seed = 0` the rows
 # pick experts [0, 1] and the mistake is invisible; with this run's seed the check fails.
 # In interpret mode the race detector watches every DMA and every read of a ring slot.
@@ -289,9 +293,9 @@ plots.show_source(mlp.moe_body, mlp.select_experts, mlp.moe_fetch, mlp.experts_b
 def timed(fn):
     start = time.perf_counter()
     with (course.planted("wrong_expert" if exercise_wrong_expert else None),
-          mk.backend.use(run.backend, detect_races=(mode == "interpret"))):
+          mk.kernels.backend.use(run.backend, detect_races=(mode == "interpret"))):
         out = jax.block_until_ready(fn())
-    return out, mk.backend.races_found(), time.perf_counter() - start
+    return out, mk.kernels.backend.races_found(), time.perf_counter() - start
 
 
 dense_got, dense_races, dense_s = timed(lambda: mlp.swiglu(h_dense, *dense_w, block=block))
@@ -301,7 +305,7 @@ dense_got, dense_races, dense_s = timed(lambda: mlp.swiglu(h_dense, *dense_w, bl
 for name, got, want, races, s in (("swiglu", dense_got, dense_want, dense_races, dense_s),
                                   ("moe", moe_got, moe_want, moe_races, moe_s)):
     print(f"{name}: max |kernel - reference| = {float(jnp.abs(got - want).max()):.2e}, "
-          f"races: {mk.backend.races_text(races)}, wall {s:.2f} s ({mode})")
+          f"races: {mk.kernels.backend.races_text(races)}, wall {s:.2f} s ({mode})")
 print(f"experts loaded by the kernel: {int(loaded[0])}")
 
 # %% [markdown]
@@ -319,7 +323,7 @@ print(f"experts loaded by the kernel: {int(loaded[0])}")
 # %%
 plots.show_source(teach.moe_experts_kernel, teach.moe_experts)
 combine, padded_ids, count = course.routed(moe_config, h_moe, moe_w[0])
-with mk.backend.use(run.backend):
+with mk.kernels.backend.use(run.backend):
     taught_moe = teach.moe_experts(h_moe, combine, *moe_w[1:], padded_ids, count)
 taught_error = float(jnp.abs(taught_moe - moe_got).max())
 print(f"slots hold experts {padded_ids} ({count} live); max |teaching - real kernel| = "
@@ -454,7 +458,7 @@ print(f"on {compile_chip} at {mk.chip(compile_chip).hbm_bw / 1e12:.2f} TB/s (dat
 # are small (the tile above), so many DMAs are in flight per expert; the ring's depth, not
 # the tile size, hides their latency. Interpret mode shows none of this timing. A profile
 # on a TPU runtime shows little more by default: a pallas_call is one op in the trace.
-# With libtpu's `mk.bundles.PHASE_FLAG` the megakernel's named scopes become trace markers
+# With libtpu's `mk.cost.bundles.PHASE_FLAG` the megakernel's named scopes become trace markers
 # (notebook 08 reads the v5e's that way): a MoE layer's `mlp` phase, its routing inside it;
 # routing's own share of that phase is the simulator's to say, not the trace's.
 #

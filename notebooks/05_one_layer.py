@@ -60,11 +60,11 @@ if mk_spec is None or mk_spec.origin is None:
            "package: rename it or work in another directory" if mk_spec else ""))
 
 # %% tags=["parameters"]
-preset: str = "tiny"  # a name from mk.presets.PRESET_NAMES
+preset: str = "tiny"  # a name from mk.model.presets.PRESET_NAMES
 batch: int = 1  # B, sequences decoded together
 rows: int = 2  # T, query rows per sequence in one step (1 is plain decode)
 context: int = 256  # S, cached positions per sequence (the KV cache's capacity)
-chip: str = "v6e"  # a name from mk.chips.CHIP_NAMES: the chip of rooflines and budgets
+chip: str = "v6e"  # a name from mk.model.chips.CHIP_NAMES: the chip of rooflines and budgets
 backend: str = "auto"  # "auto" (Mosaic on a TPU, else interpret), "interpret" or "hardware"
 seed: int = 0  # seed of the random weights and inputs
 checkpoint: str = ""  # a local Hugging Face checkpoint folder; "" for random weights
@@ -82,21 +82,24 @@ import numpy as np
 from IPython.display import display
 
 import mk
-import mk.backend
-import mk.run
-from mk import course, ops, plots, reference, teach, tpu
-from mk.kernels import one_layer as one_layer_module
+import mk.kernels.backend
+import mk.course.run
+from mk.course import course, teach
+from mk.model import ops, reference
+from mk import plots
+from mk.measure import tpu
+from mk.step import one_layer as one_layer_module
 from mk.kernels.common import vmem_budget
-from mk.kernels.one_layer import one_layer, one_layer_buffers
-from mk.kernels.plan import default_block
+from mk.step.one_layer import one_layer, one_layer_buffers
+from mk.step.plan import default_block
 from mk.kernels.stream import TileStream
 from mk.kinds.layers import kinds_at, layer_matrices
-from mk.weights import abstract_params
+from mk.model.weights import abstract_params
 
-mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
-run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
+mk.course.run.check_parameters(globals())  # papermill's -p names, every parameter's type
+run = mk.course.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
-config, mode, spec = run.config, mk.backend.resolve(run.backend), mk.chip(run.chip)
+config, mode, spec = run.config, mk.kernels.backend.resolve(run.backend), mk.chip(run.chip)
 layer = layer % config.layers
 kinds = kinds_at(config, layer)  # its token mixer and its MLP (`mk.kinds`)
 kind = kinds[1].name
@@ -170,13 +173,13 @@ plots.show_source(one_layer_module.layer_body)
 
 # %%
 start = time.perf_counter()
-with mk.backend.use(run.backend, detect_races=(mode == "interpret")):
+with mk.kernels.backend.use(run.backend, detect_races=(mode == "interpret")):
     got_x, got_k, got_v = jax.block_until_ready(
         one_layer(config, params, x, k_cache, v_cache, positions, layer=layer, block=block))
-seconds, races = time.perf_counter() - start, mk.backend.races_found()
+seconds, races = time.perf_counter() - start, mk.kernels.backend.races_found()
 error = float(jnp.abs(got_x - want_x).max())
 print(f"max |kernel - reference| of the layer output: {error:.2e} "
-      f"(largest value {float(jnp.abs(want_x).max()):.2f}); races: {mk.backend.races_text(races)}")
+      f"(largest value {float(jnp.abs(want_x).max()):.2f}); races: {mk.kernels.backend.races_text(races)}")
 print(f"wall {seconds:.2f} s on {mode}" + (" (a CPU simulation, not TPU time)"
                                           if mode == "interpret" else ""))
 
@@ -191,7 +194,7 @@ print(f"wall {seconds:.2f} s on {mode}" + (" (a CPU simulation, not TPU time)"
 
 # %%
 plots.show_source(course.SEAMS["wrong_residual"][2])
-with course.planted("wrong_residual"), mk.backend.use(run.backend):
+with course.planted("wrong_residual"), mk.kernels.backend.use(run.backend):
     bad_x = one_layer(config, params, x, k_cache, v_cache, positions, layer=layer, block=block)[0]
 try:
     course.check_close("layer output", bad_x, want_x, rtol=2e-2, atol=3e-2)
@@ -201,7 +204,7 @@ except course.ExerciseFailed as caught:
 # %% [markdown]
 # Write your fix in the next cell; its check fails until you do. `solutions = True`
 # (parameters cell) checks the worked solution instead; `course.reveal("05-residual")`
-# answers the prediction (in Jupyter or Colab, run `mk.megakernel.first_divergence` inside
+# answers the prediction (in Jupyter or Colab, run `mk.step.megakernel.first_divergence` inside
 # `course.planted("wrong_residual")` to see it).
 
 # %%
@@ -212,7 +215,7 @@ def my_residual(x, block_out):
 
 
 checked = course.attempt("05-residual", my_residual, solutions)
-with course.replaced("wrong_residual", checked), mk.backend.use(run.backend):
+with course.replaced("wrong_residual", checked), mk.kernels.backend.use(run.backend):
     fixed_x = one_layer(config, params, x, k_cache, v_cache, positions, layer=layer,
                         block=block)[0]
 course.check_close("layer output with the fixed residual", fixed_x, want_x, rtol=2e-2,

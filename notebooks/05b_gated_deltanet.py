@@ -61,11 +61,11 @@ if mk_spec is None or mk_spec.origin is None:
            "package: rename it or work in another directory" if mk_spec else ""))
 
 # %% tags=["parameters"]
-preset: str = "tiny-hybrid"  # a name from mk.presets.PRESET_NAMES
+preset: str = "tiny-hybrid"  # a name from mk.model.presets.PRESET_NAMES
 batch: int = 2  # B, sequences decoded together
 rows: int = 3  # T, query rows per sequence in one step (1 is plain decode)
 context: int = 256  # S, cached positions per sequence (the KV cache's capacity)
-chip: str = "tpu7x"  # a name from mk.chips.CHIP_NAMES: the chip of rooflines and budgets
+chip: str = "tpu7x"  # a name from mk.model.chips.CHIP_NAMES: the chip of rooflines and budgets
 backend: str = "auto"  # "auto" (Mosaic on a TPU, else interpret), "interpret" or "hardware"
 seed: int = 0  # seed of the random weights and inputs
 checkpoint: str = ""  # a local Hugging Face checkpoint folder; "" for random weights
@@ -85,19 +85,21 @@ from IPython.display import display
 from plotly.subplots import make_subplots
 
 import mk
-import mk.cache
-import mk.backend
-import mk.run
-from mk import course, linear_attention, ops, plots, reference
-from mk.kernels import delta_rule, deltanet
+import mk.model.cache
+import mk.kernels.backend
+import mk.course.run
+from mk.course import course
+from mk.model import linear_attention, ops, reference
+from mk import plots
+from mk.kinds.linear import delta_rule, deltanet
 from mk.kernels.common import vmem_budget
 from mk.kernels.weight_streaming import stage_block
 from mk.kernels.stream import TileStream
 
-mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
-run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
+mk.course.run.check_parameters(globals())  # papermill's -p names, every parameter's type
+run = mk.course.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
-config, mode, spec = run.config, mk.backend.resolve(run.backend), mk.chip(run.chip)
+config, mode, spec = run.config, mk.kernels.backend.resolve(run.backend), mk.chip(run.chip)
 if not config.linear_layers or config.channel_decay:
     raise ValueError(f"preset={config.name!r} has no gated-DeltaNet layers: choose a hybrid")
 layer = config.linear_layers[layer]
@@ -128,7 +130,7 @@ print(f"{config.name} layer {layer} (linear): B={run.batch} T={run.rows}; {Nk} k
 # 5. out = RMSNorm(out) * w * SiLU(h z) per head (the gated norm), then `out_proj`, plus
 #    the residual.
 #
-# One row of one head, drawn from the reference (`mk.linear_attention.delta_rule`):
+# One row of one head, drawn from the reference (`mk.model.linear_attention.delta_rule`):
 
 # %%
 params = mk.load_checkpoint(run.checkpoint)[1] if run.checkpoint else mk.init_params(
@@ -195,7 +197,7 @@ plots.show_source(deltanet.gated_deltanet_kernel)
 plots.show_source(deltanet.conv_body, deltanet.conv_state_after)
 
 # %% [markdown]
-# The delta rule (`mk.kernels.delta_rule`, whose `delta_rule_step` runs it alone too):
+# The delta rule (`mk.kinds.linear.delta_rule`, whose `delta_rule_step` runs it alone too):
 # sequence b+1's state copies in while sequence b computes, and b's T row states copy out
 # while b+1 computes:
 
@@ -205,28 +207,28 @@ plots.show_source(delta_rule.delta_rule_body, delta_rule.delta_rule_head)
 # %% [markdown]
 # ## The check against the reference
 #
-# The reference layer (`mk.reference.linear_decoder_layer`, itself checked against
+# The reference layer (`mk.model.reference.linear_decoder_layer`, itself checked against
 # transformers' Qwen3.5) returns x after the mixer and both states after every row. The
 # kernel, in interpret mode with the race detector on:
 
 # %%
 start = time.perf_counter()
 with (course.planted("conv_unshifted" if exercise_unshifted_conv else None),
-      mk.backend.use(run.backend, detect_races=(mode == "interpret"))):
+      mk.kernels.backend.use(run.backend, detect_races=(mode == "interpret"))):
     got = jax.block_until_ready(deltanet.gated_deltanet(config, params, x, conv, state,
                                                         layer=layer, block=block))
-seconds, races = time.perf_counter() - start, mk.backend.races_found()
+seconds, races = time.perf_counter() - start, mk.kernels.backend.races_found()
 _, want_conv, want_state, want_x = reference.linear_decoder_layer(config, params, layer, x,
                                                                   conv, state)
 want = dict(x=want_x, conv_rows=want_conv, state_rows=want_state)
 for (name, w), g in zip(want.items(), got):
     print(f"{name} {tuple(g.shape)}: max |kernel - reference| = "
           f"{float(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32)).max()):.2e}")
-print(f"races: {mk.backend.races_text(races)}; wall {seconds:.2f} s on {mode}"
+print(f"races: {mk.kernels.backend.races_text(races)}; wall {seconds:.2f} s on {mode}"
       + (" (a CPU simulation, not TPU time)" if mode == "interpret" else ""))
 
 # %% [markdown]
-# **Exercise:** set `exercise_unshifted_conv = True`: `mk.course.planted("conv_unshifted")`
+# **Exercise:** set `exercise_unshifted_conv = True`: `mk.course.course.planted("conv_unshifted")`
 # makes the kernel write, as the conv state after row t, the window *before* row t. The
 # layer's output x is unchanged (the conv itself reads the right rows), so a check of x
 # alone passes; the conv-rows check in the last cell fails. A wrong state is invisible in
@@ -242,8 +244,8 @@ print(f"races: {mk.backend.races_text(races)}; wall {seconds:.2f} s on {mode}"
 # %%
 big = mk.preset(bytes_preset)
 contexts = [2**p for p in range(10, 19)]
-per_position = mk.cache.bytes_per_position(big)  # KV of the full layers
-per_sequence = mk.cache.state_bytes_per_sequence(big)  # the linear layers' states
+per_position = mk.model.cache.bytes_per_position(big)  # KV of the full layers
+per_sequence = mk.model.cache.state_bytes_per_sequence(big)  # the linear layers' states
 state_bytes = 2 * per_sequence  # read, plus the state after the one row written
 series = {f"linear state ({len(big.linear_layers)} layers)":
               [state_bytes / 2**20] * len(contexts),
@@ -306,7 +308,7 @@ if spec.kind == "tpu":
 #
 # 1. What must a verifier get from a linear layer after T rows, and why?
 #    <details><summary>Answer</summary>The state after every row: after acceptance it restarts from the state
-#    after the last kept row (`mk.cache.rollback`).</details>
+#    after the last kept row (`mk.model.cache.rollback`).</details>
 
 # %%
 course.check_close("layer output x", got[0], want_x, rtol=1e-5, atol=1e-5)

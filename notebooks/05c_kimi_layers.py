@@ -36,7 +36,7 @@
 #   device of Kimi K3's TP32 step hold in VMEM?
 #
 # The sections run each piece as a stage kernel; the last runs the whole model in the
-# megakernel (`mk.kernels.mla` holds its MLA prologue and epilogue).
+# megakernel (`mk.kinds.attention.mla` holds its MLA prologue and epilogue).
 #
 # **You will** run MLA, Kimi Delta Attention and the grouped router as stage kernels and
 # find a per-head decay where KDA has one per channel. **You will be able to** compare
@@ -71,11 +71,11 @@ if mk_spec is None or mk_spec.origin is None:
            "package: rename it or work in another directory" if mk_spec else ""))
 
 # %% tags=["parameters"]
-preset: str = "tiny-kimi"  # a name from mk.presets.PRESET_NAMES
+preset: str = "tiny-kimi"  # a name from mk.model.presets.PRESET_NAMES
 batch: int = 2  # B, sequences decoded together
 rows: int = 2  # T, query rows per sequence in one step (1 is plain decode)
 context: int = 256  # S, cached positions per sequence (the KV cache's capacity)
-chip: str = "tpu7x"  # a name from mk.chips.CHIP_NAMES: the chip of rooflines and budgets
+chip: str = "tpu7x"  # a name from mk.model.chips.CHIP_NAMES: the chip of rooflines and budgets
 backend: str = "auto"  # "auto" (Mosaic on a TPU, else interpret), "interpret" or "hardware"
 seed: int = 0  # seed of the random weights and inputs
 checkpoint: str = ""  # a local Hugging Face checkpoint folder; "" for random weights
@@ -93,22 +93,27 @@ import plotly.graph_objects as go
 from IPython.display import display
 
 import mk
-import mk.cache
-import mk.backend
-from mk.kernels.plan import DecodePlan
-import mk.run
-from mk import colours, course, linear_attention, megakernel, ops, plots, reference
-from mk.kernels import decode_attention, deltanet, joined_experts, mla, mlp
-from mk.kernels import routing as routing_module
+import mk.model.cache
+import mk.kernels.backend
+from mk.step.plan import DecodePlan
+import mk.course.run
+from mk import colours, plots
+from mk.course import course
+from mk.model import linear_attention, ops, reference
+from mk.step import megakernel
+from mk.kinds.attention import decode_attention, mla
+from mk.kinds.linear import deltanet
+from mk.kinds.mlp import joined_experts, mlp
+from mk.kinds.mlp import routing as routing_module
 from mk.kernels.common import BlockSizes
 
-mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
-run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
+mk.course.run.check_parameters(globals())  # papermill's -p names, every parameter's type
+run = mk.course.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
-config, mode = run.config, mk.backend.resolve(run.backend)
+config, mode = run.config, mk.kernels.backend.resolve(run.backend)
 if not (config.is_mla and config.channel_decay and config.shared_expert_ffn):
     raise ValueError(f"preset={config.name!r} is not Kimi Linear (MLA, KDA and a shared "
-                     f"expert): choose one of {mk.presets.KIMI_PRESET_NAMES}")
+                     f"expert): choose one of {mk.model.presets.KIMI_PRESET_NAMES}")
 B, T, S = run.batch, run.rows, run.context
 params = mk.load_checkpoint(run.checkpoint)[1] if run.checkpoint else mk.init_params(
     config, run.seed)
@@ -147,7 +152,7 @@ fig.update_layout(title="Cache bytes per token, one attention layer",
 plots.show(fig)
 for label, n in per_layer.items():
     print(f"{label}: {n:,} bytes")
-big_position, gqa_position = mk.cache.bytes_per_position(big), mk.cache.bytes_per_position(gqa)
+big_position, gqa_position = mk.model.cache.bytes_per_position(big), mk.model.cache.bytes_per_position(gqa)
 print(f"whole model per token: {big.name} {big_position:,} bytes "
       f"({len(big.full_layers)} MLA layers), {gqa.name} {gqa_position:,} bytes "
       f"({len(gqa.full_layers)} GQA layers): "
@@ -160,7 +165,7 @@ print(f"whole model per token: {big.name} {big_position:,} bytes "
 # %%
 contexts = [2**p for p in range(10, 18)]
 series = {f"{big.name}: latent cache + KDA state":
-              [(big_position * s + 2 * mk.cache.state_bytes_per_sequence(big)) / 2**20
+              [(big_position * s + 2 * mk.model.cache.state_bytes_per_sequence(big)) / 2**20
                for s in contexts],
           f"{gqa.name}: KV cache": [gqa_position * s / 2**20 for s in contexts]}
 fig = plots.lines(contexts, series, title="Cache and state bytes per sequence per step "
@@ -172,7 +177,7 @@ plots.show(fig)
 # %% [markdown]
 # ## MLA's absorbed decode
 #
-# The reference (`mk.reference.mla_decoder_layer`, checked against transformers) expands
+# The reference (`mk.model.reference.mla_decoder_layer`, checked against transformers) expands
 # the whole latent cache into per-head keys and values every step. A decode kernel must
 # not: that is heads x (H + Ho) values per cached token instead of R + Hr. Head n's key for
 # a cached latent c and shared part r is [c wkv_b_k(n), r], so
@@ -209,17 +214,17 @@ h = ops.rms_norm(x, params["attn_norm"][layer], config.rms_eps,
                  width=config.norm_width).reshape(B * T, -1)
 queries, latent, up_v = reference.mla_absorbed(config, params, a, h)
 start = time.perf_counter()
-with mk.backend.use(run.backend, detect_races=(mode == "interpret")):
+with mk.kernels.backend.use(run.backend, detect_races=(mode == "interpret")):
     o, got_cache = jax.block_until_ready(decode_attention.latent_attention(
         queries, latent, cache, positions, layer=a, scale=1 / np.sqrt(config.head_dim),
         block=BlockSizes(kv_tile=128, kv_slots=2)))
-mla_seconds, mla_races = time.perf_counter() - start, mk.backend.races_found()
+mla_seconds, mla_races = time.perf_counter() - start, mk.kernels.backend.races_found()
 got_mla = x + ops.matmul(reference.mla_output(config, o, up_v),
                          params["wo"][a]).reshape(B, T, -1)
 mla_scale = float(jnp.abs(want_mla - x).max())
 print(f"x after MLA: max |kernel - reference| = {float(jnp.abs(got_mla - want_mla).max()):.2e}"
       f" (the attention output's scale {mla_scale:.2f}); latent rows written equal: "
-      f"{bool(jnp.array_equal(got_cache[a], want_latent))}; races: {mk.backend.races_text(mla_races)}; wall "
+      f"{bool(jnp.array_equal(got_cache[a], want_latent))}; races: {mk.kernels.backend.races_text(mla_races)}; wall "
       f"{mla_seconds:.2f} s on {mode}"
       + (" (a CPU simulation, not TPU time)" if mode == "interpret" else ""))
 
@@ -236,7 +241,7 @@ print(f"x after MLA: max |kernel - reference| = {float(jnp.abs(got_mla - want_ml
 # gate (h g_a g_b) where the gated DeltaNet had z and SiLU; and q, k and v have the same
 # head count. So the state update reads S <- diag(exp(g)) S: each row of a head's state
 # [Hk, Hv] fades at its own rate. One step's decays for sequence 0, row 0, from the
-# reference (`mk.linear_attention.kda_decay`):
+# reference (`mk.model.linear_attention.kda_decay`):
 
 # %%
 linear = config.linear_layers[-1]
@@ -272,21 +277,21 @@ state = 0.1 * jax.random.normal(keys[3], (B, config.linear_value_heads, config.l
                                           config.linear_value_dim))
 start = time.perf_counter()
 with (course.planted("head_decay" if exercise_head_decay else None),
-      mk.backend.use(run.backend, detect_races=(mode == "interpret"))):
+      mk.kernels.backend.use(run.backend, detect_races=(mode == "interpret"))):
     got_kda = jax.block_until_ready(deltanet.gated_deltanet(config, params, x, conv, state,
                                                             layer=linear))
-kda_seconds, kda_races = time.perf_counter() - start, mk.backend.races_found()
+kda_seconds, kda_races = time.perf_counter() - start, mk.kernels.backend.races_found()
 _, want_conv, want_state, want_kda = reference.linear_decoder_layer(config, params, linear, x,
                                                                     conv, state)
 for name, g, w in zip(("x", "conv rows", "state rows"), got_kda,
                       (want_kda, want_conv, want_state)):
     print(f"{name} {tuple(g.shape)}: max |kernel - reference| = "
           f"{float(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32)).max()):.2e}")
-print(f"races: {mk.backend.races_text(kda_races)}; wall {kda_seconds:.2f} s on {mode}"
+print(f"races: {mk.kernels.backend.races_text(kda_races)}; wall {kda_seconds:.2f} s on {mode}"
       + (" (a CPU simulation, not TPU time)" if mode == "interpret" else ""))
 
 # %% [markdown]
-# **Exercise:** set `exercise_head_decay = True`: `mk.course.planted("head_decay")` makes
+# **Exercise:** set `exercise_head_decay = True`: `mk.course.course.planted("head_decay")` makes
 # the kernel decay all of a head's channels by its first channel's decay, as a gated
 # DeltaNet would. The last cell's state check fails: one decay per head is a different
 # model.
@@ -296,7 +301,7 @@ print(f"races: {mk.backend.races_text(kda_races)}; wall {kda_seconds:.2f} s on {
 # The router scores are sigmoids; a per-expert bias shifts the choice (not the weights);
 # the choice keeps the `topk_groups` expert groups whose two best biased scores sum
 # highest; the weights are renormalised and scaled. A shared expert, a SwiGLU every row
-# runs, is added. In the kernel (`mk.kernels.routing.Routing`) the group choice is a few
+# runs, is added. In the kernel (`mk.kinds.mlp.routing.Routing`) the group choice is a few
 # rounds of row maxima, as stage 04's top-k is:
 
 # %%
@@ -319,17 +324,17 @@ weights, chosen = ops.route_grouped(
     routing.expert_groups, routing.topk_groups, routing.renormalise, routing.routed_scale)
 want_moe = ops.mix_experts(h_moe, weights, chosen, *experts) + ops.swiglu(
     h_moe, *shared)
-with mk.backend.use(run.backend, detect_races=(mode == "interpret")):
+with mk.kernels.backend.use(run.backend, detect_races=(mode == "interpret")):
     got_moe, loaded = jax.block_until_ready(mlp.moe(
         h_moe, params["router"][row], *experts, top_k=routing.top_k,
         renormalise=routing.renormalise, router_score=routing.router_score,
         router_bias=params["router_bias"][row], expert_groups=routing.expert_groups,
         topk_groups=routing.topk_groups, routed_scale=routing.routed_scale, shared=shared,
         return_loaded=True))
-moe_races = mk.backend.races_found()
+moe_races = mk.kernels.backend.races_found()
 print(f"{routing}\nexperts chosen per row: {np.asarray(chosen).tolist()}; distinct experts "
       f"loaded: {int(loaded[0])}; max |kernel - reference| = "
-      f"{float(jnp.abs(got_moe - want_moe).max()):.2e}; races: {mk.backend.races_text(moe_races)}")
+      f"{float(jnp.abs(got_moe - want_moe).max()):.2e}; races: {mk.kernels.backend.races_text(moe_races)}")
 
 # %% [markdown]
 # ## MLA in the megakernel
@@ -366,7 +371,7 @@ print(f"megakernel {np.asarray(got_tokens).tolist()}\nreference  "
 # on each), its VMEM by buffer as the plan sizes it for the chip. The ring and the router
 # (E x D, DMA'd per MoE layer) dominate; MLA adds its loaded wq and wkv_b and a latent KV
 # ring (`k_tiles`: R + Hr values a row, padded to whole 128-lane tiles in VMEM). Its FP4
-# experts (the preset's `formats`) stream packed on each device (`mk.shards` splits the
+# experts (the preset's `formats`) stream packed on each device (`mk.step.shards` splits the
 # packed bytes and their scales), through a ring of their own beside the plain one. Both
 # rings share one slot index, so Little's law over the stream's tiles (long runs of small
 # FP4 tiles) would make each of them hundreds of slots deep, over VMEM: the plan shortens
@@ -439,7 +444,7 @@ plots.show_source(joined_experts.gate_up_width, joined_experts.split_gate_up)
 up_rotation: int = 96  # lanes; the kernel's choice at TP64
 
 # %%
-with mk.backend.use(run.backend):
+with mk.kernels.backend.use(run.backend):
     course.check_up_rotation(up_rotation, used=32, lanes=128)
 print(f"a rotation by {up_rotation} lanes brings up's 32 values to lanes 0-31")
 

@@ -20,8 +20,8 @@
 # [Open in Colab](https://colab.research.google.com/github/mk-megakernel/mk/blob/v0.1.0/notebooks/05d_gpt_oss_layers.ipynb)
 #
 # OpenAI's gpt-oss (transformers' `gpt_oss`) brings three layer pieces the other families
-# lack, added to mk as two layer kinds in their own rooms (`mk.kinds.attention.SinkGQA`,
-# `mk.kinds.mlp.ClampedMoE`): every other layer attends only to its last 128 positions (a
+# lack, added to mk as two layer kinds in their own rooms (`mk.kinds.attention.kinds.SinkGQA`,
+# `mk.kinds.mlp.kinds.ClampedMoE`): every other layer attends only to its last 128 positions (a
 # sliding window), every head's softmax has one more learned logit that weighs no value (an
 # attention sink), and the experts' SwiGLU is clamped. This notebook answers:
 #
@@ -66,11 +66,11 @@ if mk_spec is None or mk_spec.origin is None:
            "package: rename it or work in another directory" if mk_spec else ""))
 
 # %% tags=["parameters"]
-preset: str = "tiny-gpt-oss"  # a name from mk.presets.PRESET_NAMES
+preset: str = "tiny-gpt-oss"  # a name from mk.model.presets.PRESET_NAMES
 batch: int = 2  # B, sequences decoded together
 rows: int = 1  # T, query rows per sequence in one step (1 is plain decode)
 context: int = 256  # S, cached positions per sequence (the KV cache's capacity)
-chip: str = "v6e"  # a name from mk.chips.CHIP_NAMES: the chip of rooflines and budgets
+chip: str = "v6e"  # a name from mk.model.chips.CHIP_NAMES: the chip of rooflines and budgets
 backend: str = "auto"  # "auto" (Mosaic on a TPU, else interpret), "interpret" or "hardware"
 seed: int = 0  # seed of the random weights and inputs
 checkpoint: str = ""  # a local Hugging Face checkpoint folder; "" for random weights
@@ -93,25 +93,30 @@ import numpy as np
 from IPython.display import display
 
 import mk
-import mk.backend
-import mk.cache
-import mk.run
-from mk import course, ledger, megakernel, ops, perf, plots, reference, sim, teach
-from mk.kernels import decode_attention, kv_stream
+import mk.kernels.backend
+import mk.model.cache
+import mk.course.run
+from mk.course import course, teach
+from mk.cost import ledger, perf, sim
+from mk.step import megakernel
+from mk.model import ops, reference
+from mk import plots
+from mk.kinds.attention import decode_attention
+from mk.kernels import kv_stream
 from mk.kernels.common import BlockSizes, dma_log
-from mk.kernels.plan import DecodePlan
-from mk.weights import param_count
+from mk.step.plan import DecodePlan
+from mk.model.weights import param_count
 
-mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
+mk.course.run.check_parameters(globals())  # papermill's -p names, every parameter's type
 if hf_model and not allow_download:
     raise ValueError(f"hf_model={hf_model!r} would download from the Hugging Face hub: set "
                      "allow_download=True as well to allow it")
-run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
+run = mk.course.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
-config, mode = run.config, mk.backend.resolve(run.backend)
+config, mode = run.config, mk.kernels.backend.resolve(run.backend)
 if not (config.attention_sinks and config.swiglu_limit):
     raise ValueError(f"preset={config.name!r} is not gpt-oss (sinks and clamped experts): "
-                     f"choose one of {mk.presets.GPT_OSS_PRESET_NAMES}")
+                     f"choose one of {mk.model.presets.GPT_OSS_PRESET_NAMES}")
 B, T, S = run.batch, run.rows, run.context
 W = config.sliding_window
 params = mk.load_checkpoint(run.checkpoint)[1] if run.checkpoint else mk.init_params(
@@ -127,7 +132,7 @@ print(f"{config.name}: {config.layers} layers, sliding {config.sliding_layers} (
 # ## A sliding window: the tiles a layer reads
 #
 # A row at position q of a sliding layer sees the keys at q - W < s <= q, its own
-# included (`mk.ops.attention(window=)`, checked against transformers). The kernel reads the
+# included (`mk.model.ops.attention(window=)`, checked against transformers). The kernel reads the
 # cache in tiles of `kv_tile` positions (notebook 03); a sliding layer starts each sequence
 # at the tile holding its first row's oldest visible position, position - W + 1:
 
@@ -150,12 +155,12 @@ plots.show(plots.kv_tile_map(positions, T, tile, S, window=W,
 # What that saves a step: every layer's KV bytes per sequence against the context, for
 # `bytes_preset` as it is (half its layers sliding) and with every layer full. The
 # sliding layers' bytes stop growing at the window; the full layers' do not, so at long
-# context the window halves the KV traffic, and no more (`mk.perf.seen_positions`, the
+# context the window halves the KV traffic, and no more (`mk.cost.perf.seen_positions`, the
 # positions a full layer reads on average):
 
 # %%
 big = mk.preset(bytes_preset)
-per_position = mk.cache.bytes_per_position(big)  # every full layer's K and V, one position
+per_position = mk.model.cache.bytes_per_position(big)  # every full layer's K and V, one position
 contexts = [2**p for p in range(6, 18)]
 series = {f"{big.name}: {len(big.sliding_layers)} of {big.layers} layers sliding":
               [per_position * perf.seen_positions(big, s) / 2**20 for s in contexts],
@@ -202,7 +207,7 @@ teach.excerpt(decode_attention.attend, [
 # ## The check: attention with sinks and a window, kernel against reference
 #
 # Stage 03's `decode_attention` with gpt-oss's sinks and window, on a random cache, the
-# sequences past the window; the reference is `mk.ops.attention(window=, sinks=)`. The
+# sequences past the window; the reference is `mk.model.ops.attention(window=, sinks=)`. The
 # tiles before a window's first hold NaN: a kernel that reads one poisons its output. And
 # with every DMA the kernel starts recorded (`mk.kernels.common.dma_log`, interpret mode
 # only: on a TPU the NaN tiles are the check) the K tiles it loaded are counted against the
@@ -223,12 +228,12 @@ sinks = jnp.array([0.5, -1.0, 2.0, 4.0])
 counting = mode == "interpret"  # the DMA log's host callbacks run in interpret mode only
 begin = time.perf_counter()
 with (course.planted("window_unskipped" if exercise_window_unskipped else None),
-      mk.backend.use(run.backend, detect_races=counting),
+      mk.kernels.backend.use(run.backend, detect_races=counting),
       dma_log() if counting else contextlib.nullcontext([]) as log):
     o, _, _ = jax.block_until_ready(decode_attention.decode_attention(
         q, k_new, v_new, k_cache, v_cache, att_positions, layer=0, sinks=sinks, window=W,
         block=BlockSizes(kv_tile=att_tile, kv_slots=2)))
-att_seconds, att_races = time.perf_counter() - begin, mk.backend.races_found()
+att_seconds, att_races = time.perf_counter() - begin, mk.kernels.backend.races_found()
 k_written = ops.write_rows(jnp.nan_to_num(k_cache[0]), k_new.reshape(B, T, K, H),
                            att_positions)
 v_written = ops.write_rows(jnp.nan_to_num(v_cache[0]), v_new.reshape(B, T, K, H),
@@ -239,12 +244,12 @@ loaded = sum(1 for what, _ in log if what == "k_tile") if counting else "not cou
 seen = sum(len(np.unique(np.arange(max(p - W + 1, 0), p + T) // att_tile))
            for p in np.asarray(att_positions))
 print(f"max |kernel - reference| = {float(jnp.nanmax(jnp.abs(o - want_o))):.2e}; K tiles "
-      f"loaded {loaded}, tiles the rows see {seen}; races: {mk.backend.races_text(att_races)}; wall "
+      f"loaded {loaded}, tiles the rows see {seen}; races: {mk.kernels.backend.races_text(att_races)}; wall "
       f"{att_seconds:.2f} s on {mode}"
       + (" (a CPU simulation, not TPU time)" if mode == "interpret" else ""))
 
 # %% [markdown]
-# **Exercise:** set `exercise_window_unskipped = True`: `mk.course.planted
+# **Exercise:** set `exercise_window_unskipped = True`: `mk.course.course.planted
 # ("window_unskipped")` makes every sequence start at tile 0, as a full layer's does, and
 # the window is kept by the mask alone. With the NaN tiles put back (the cache above
 # holds NaN only before each window), what does the output say, and what does the tile
@@ -272,7 +277,7 @@ plots.show(plots.lines(gate, activation, title="An expert's activation against i
 # %% [markdown]
 # The (up + 1) makes up = 0 pass the gate through; the clamp caps the gate from above
 # (so the activation stops growing) and the up projection on both sides. In the kernel it
-# is `mk.kernels.mlp.experts_body`'s activation, and each expert slot adds its expert's
+# is `mk.kinds.mlp.mlp.experts_body`'s activation, and each expert slot adds its expert's
 # bias rows, picked from the layer's [E, Fe] bias tables by the slot's expert id.
 #
 # ## The whole model in the megakernel
@@ -315,7 +320,7 @@ print(f"{big.name}: width {own.hidden} -> {big.hidden}, expert width {own.expert
 # %% [markdown]
 # The plan for one core of each Colab TPU at B = 1 and 4,096 cached positions: its HBM
 # (the fp4 experts packed, the rest bf16, the KV cache) against the core's and its VMEM;
-# then the **simulated step** (`mk.sim`: a model, not a TPU measurement) with the per-tile
+# then the **simulated step** (`mk.cost.sim`: a model, not a TPU measurement) with the per-tile
 # cost libtpu's bundle dump gives the whole compiled kernel (its costliest loop,
 # mk/data/tile_costs/gpt_oss.json, recorded by benchmarks/tile_costs.py; a 1 us DMA
 # latency), at both ends of the chip's clock range, against the **HBM floor** (the step's
@@ -370,7 +375,7 @@ on_tpu = mode == "hardware"
 if hf_model and on_tpu:
     from huggingface_hub import snapshot_download
 
-    from mk import measure
+    from mk.measure import measure
 
     folder = snapshot_download(hf_model, allow_patterns=["*.json", "*.safetensors"])
     real_config, real_params = mk.load_checkpoint(folder)

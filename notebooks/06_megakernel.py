@@ -63,11 +63,11 @@ if mk_spec is None or mk_spec.origin is None:
            "package: rename it or work in another directory" if mk_spec else ""))
 
 # %% tags=["parameters"]
-preset: str = "tiny"  # a name from mk.presets.PRESET_NAMES
+preset: str = "tiny"  # a name from mk.model.presets.PRESET_NAMES
 batch: int = 1  # B, sequences decoded together
 rows: int = 1  # T, query rows per sequence in one step (1 is plain decode)
 context: int = 256  # S, cached positions per sequence (the KV cache's capacity)
-chip: str = "v6e"  # a name from mk.chips.CHIP_NAMES: the chip of rooflines and budgets
+chip: str = "v6e"  # a name from mk.model.chips.CHIP_NAMES: the chip of rooflines and budgets
 backend: str = "auto"  # "auto" (Mosaic on a TPU, else interpret), "interpret" or "hardware"
 seed: int = 0  # seed of the random weights and inputs
 checkpoint: str = ""  # a local Hugging Face checkpoint folder; "" for random weights
@@ -86,17 +86,21 @@ import numpy as np
 from IPython.display import display
 
 import mk
-import mk.backend
-import mk.cache
-import mk.megakernel as megakernel
-import mk.run
-from mk import course, ledger, perf, plots, reference, sim, teach, tpu
-from mk.kernels.plan import DecodePlan, default_block
+import mk.kernels.backend
+import mk.model.cache
+import mk.step.megakernel as megakernel
+import mk.course.run
+from mk.course import course, teach
+from mk.cost import ledger, perf, sim
+from mk import plots
+from mk.model import reference
+from mk.measure import tpu
+from mk.step.plan import DecodePlan, default_block
 
-mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
-run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
+mk.course.run.check_parameters(globals())  # papermill's -p names, every parameter's type
+run = mk.course.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
-config, mode, spec = run.config, mk.backend.resolve(run.backend), mk.chip(run.chip)
+config, mode, spec = run.config, mk.kernels.backend.resolve(run.backend), mk.chip(run.chip)
 block = default_block(config, 128, slots=slots)  # KV tiles of 128 positions
 print(f"{config.name}: {config.layers} layers, B={run.batch} T={run.rows} S={run.context}; "
       f"kernels run on: {mode}")
@@ -104,7 +108,7 @@ print(f"{config.name}: {config.layers} layers, B={run.batch} T={run.rows} S={run
 # %% [markdown]
 # ## The schedule is data
 #
-# One device's step is a `DecodePlan` (`mk.kernels.plan`): the shard, the tiles, every
+# One device's step is a `DecodePlan` (`mk.step.plan`): the shard, the tiles, every
 # VMEM buffer by name and one `TileStream`, the layer's matrices repeated for every layer
 # (a hybrid's period holds both token mixers', see "Hybrids" below), then the lm_head.
 # Tile g lives in ring slot g mod slots; consuming tile g issues tile
@@ -154,7 +158,7 @@ if not (config.is_moe or config.is_hybrid) and spec.kind == "tpu":
 # %% [markdown]
 # ## The megakernel on the page
 #
-# `mk.megakernel.megakernel_kernel`, from the module: the refs arrive as named pytrees
+# `mk.step.megakernel.megakernel_kernel`, from the module: the refs arrive as named pytrees
 # (weights left in HBM, scratch in VMEM and SMEM), one `Ring` over the whole step's
 # `TileStream`, `ring.prime()` once, then a `lax.fori_loop` over the layers whose body is
 # stage 05's layer body, then the lm_head and the argmax. Nothing between layers drains
@@ -167,7 +171,7 @@ plots.show_source(megakernel.megakernel_kernel)
 # ## The reference and the megakernel
 #
 # The prompt is prefilled by the XLA reference; every following token is one megakernel
-# call (decode step) in `mk.megakernel.generate`.
+# call (decode step) in `mk.step.megakernel.generate`.
 
 # %%
 params = mk.load_checkpoint(run.checkpoint)[1] if run.checkpoint else mk.init_params(
@@ -196,7 +200,7 @@ want_rows = reference.greedy(reference.decode_step(config, params, cache, drafte
                                                    positions)[0])
 rows_plan = DecodePlan.make(config, batch=run.batch, rows=run.rows, context=run.context,
                             block=block)  # the same tiles, T = `rows` rows a step
-with mk.backend.use(run.backend):
+with mk.kernels.backend.use(run.backend):
     got_rows, _, _ = megakernel.decode_step(rows_plan, megakernel.prepare(rows_plan, params),
                                             cache, drafted, positions)
 print(f"T={run.rows}: reference {want_rows.tolist()}, megakernel {got_rows.tolist()}")
@@ -264,12 +268,12 @@ elif lab is not None:
 # A Qwen3.5 hybrid (presets `tiny-hybrid`, `qwen3.5-9b`, `qwen3.5-27b`) has gated-DeltaNet
 # ("linear") layers beside gated full-attention layers. The stream repeats one period per
 # layer, so the period holds both mixers' matrices: a full layer's wq, wk, wv, wq_gate and
-# wo, a linear layer's lin_qkv, lin_z and lin_out (`mk.kernels.deltanet.linear_mixer`), then
+# wo, a linear layer's lin_qkv, lin_z and lin_out (`mk.kinds.linear.deltanet.linear_mixer`), then
 # the MLP. A linear layer skips the attention segments and a full layer the linear ones:
 # their tiles are neither loaded nor computed (`Ring.skip` issues only the tiles past the
 # skipped region). The cost of that design: the ring's look-ahead into a skipped region
 # loads nothing, so HBM idles until the ring restarts at the region's end. The simulator
-# (`mk.sim`, a model of the chip, not a measurement) names that idle time "skipped mixer".
+# (`mk.cost.sim`, a model of the chip, not a measurement) names that idle time "skipped mixer".
 
 # %%
 hybrid = config.is_hybrid
@@ -307,7 +311,7 @@ if hybrid:
 #
 # Each step a full layer reads every cached position of its KV cache; a linear layer reads
 # its conv and recurrent states once and writes them after each of the T rows, whatever the
-# context. One decode step of qwen3.5-27b at TP8 on tpu7x (`mk.perf.predict`, bytes summed
+# context. One decode step of qwen3.5-27b at TP8 on tpu7x (`mk.cost.perf.predict`, bytes summed
 # over the 8 devices, B = 1, T = 1), from 1K to 256K cached positions:
 
 # %%
@@ -332,9 +336,9 @@ if hybrid:
 #
 # A verifier accepts a prefix of its T rows, so a linear layer must be able to restart
 # from the state after any row: with `row_states=True` the step also returns
-# `mk.cache.LinearRows`, the conv and recurrent states after each row. One megakernel
+# `mk.model.cache.LinearRows`, the conv and recurrent states after each row. One megakernel
 # step of T = 4 rows: the last accepted token and three drafts, the second of which is
-# wrong, checked against `mk.reference.decode_step(..., row_states=True)`. Row 0 is always
+# wrong, checked against `mk.model.reference.decode_step(..., row_states=True)`. Row 0 is always
 # kept and draft t while it equals row t - 1's prediction: k rows are accepted.
 
 # %%
@@ -343,7 +347,7 @@ if hybrid:
     if steps < T:
         raise ValueError(f"{steps=} must be >= T={T}: the drafts are the reference's tokens")
     drafts = want[:, :T].at[:, 2].set((want[:, 2] + 1) % config.vocab)  # draft 2 is wrong
-    with mk.backend.use(run.backend):
+    with mk.kernels.backend.use(run.backend):
         got_t, _, after, states = megakernel.decode_step(
             DecodePlan.make(config, batch=run.batch, rows=T, context=run.context,
                             block=block), weights, cache, drafts, positions, row_states=True)
@@ -357,7 +361,7 @@ if hybrid:
 # %% [markdown]
 # The cache the step returns keeps the states after the last row; after accepting k rows
 # the next step must start from the states after row k - 1, `states.state[:, :, k - 1]`,
-# which is what `mk.cache.rollback` keeps (KV needs no rollback: rows past the accepted
+# which is what `mk.model.cache.rollback` keeps (KV needs no rollback: rows past the accepted
 # prefix are overwritten before anything attends to them). The oracle: a fresh reference
 # step over only the k accepted rows.
 #
@@ -369,7 +373,7 @@ if hybrid:
 if hybrid:
     keep = accepted - 1 + exercise_keep_row_k  # per sequence, the row the next step starts from
     kept = states.state[:, jnp.arange(run.batch), keep]  # [Ll, B, Nv, Hk, Hv] float32
-    rolled = mk.cache.rollback(after, states, accepted)
+    rolled = mk.model.cache.rollback(after, states, accepted)
     fresh = jnp.concatenate([reference.decode_step(
         config, params, jax.tree.map(lambda a, b=b: a[:, b:b + 1], cache), drafts[b:b + 1, :k],
         positions[b:b + 1])[1].state for b, k in enumerate(accepted.tolist())], axis=1)
@@ -412,9 +416,9 @@ print(report.summary())
 # of 32 steps, random weights; "share of HBM floor" is the datasheet floor over the
 # measured loop): the rows that read much KV (8 sequences, or a 4096-position cache) sit
 # furthest from the floor, because the attention loop takes KV slower than the DMA engine
-# brings it (`mk.ledger.basis_table()` prints both rates). The performance model of a
+# brings it (`mk.cost.ledger.basis_table()` prints both rates). The performance model of a
 # later notebook replays this same `TileStream` on a chip model; given those measurements
-# (the "calibrated step", `mk.calibration`) its error on each row is in the table. A
+# (the "calibrated step", `mk.cost.calibration`) its error on each row is in the table. A
 # one-step dispatch adds the host's call to all of it.
 
 # %%
@@ -426,7 +430,7 @@ ledger.steps_table("v5e")
 # Interpret mode checks the kernel's logic; the chip judges its lowering. The hardware tier
 # (`make test-tpu` on a TPU, tests/test_tpu.py) runs every family's tiny preset there and
 # judges each greedy token against the reference on the CPU, teacher-forced on the
-# kernel's own tokens (`mk.exactness.judge`): exact, a near-tie (the reference's two best
+# kernel's own tokens (`mk.measure.exactness.judge`): exact, a near-tie (the reference's two best
 # logits within 1 % of their scale, where bf16 rounding may pick either) or wrong. Its
 # records, by family, with the commit they measured ("stale" once kernel code changed):
 

@@ -62,11 +62,11 @@ if mk_spec is None or mk_spec.origin is None:
            "package: rename it or work in another directory" if mk_spec else ""))
 
 # %% tags=["parameters"]
-preset: str = "qwen3-8b"  # a name from mk.presets.PRESET_NAMES
+preset: str = "qwen3-8b"  # a name from mk.model.presets.PRESET_NAMES
 batch: int = 8  # B, sequences decoded together
 rows: int = 1  # T, query rows per sequence in one step (1 is plain decode)
 context: int = 4096  # S, cached positions per sequence (the KV cache's capacity)
-chip: str = "v6e"  # a name from mk.chips.CHIP_NAMES: the chip of rooflines and budgets
+chip: str = "v6e"  # a name from mk.model.chips.CHIP_NAMES: the chip of rooflines and budgets
 backend: str = "auto"  # "auto" (Mosaic on a TPU, else interpret), "interpret" or "hardware"
 seed: int = 0  # seed of the random weights and inputs
 checkpoint: str = ""  # a local Hugging Face checkpoint folder; "" for random weights
@@ -83,12 +83,13 @@ import plotly.graph_objects as go
 from IPython.display import display
 
 import mk
-import mk.run
-from mk import plots, tpu
-from mk.kernels.plan import DecodePlan, capacity
+import mk.course.run
+from mk import plots
+from mk.measure import tpu
+from mk.step.plan import DecodePlan, capacity
 
-mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
-run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
+mk.course.run.check_parameters(globals())  # papermill's -p names, every parameter's type
+run = mk.course.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
 config, spec = run.config, mk.chip(run.chip)
 if spec.kind != "tpu":
@@ -100,7 +101,7 @@ print(f"{config.name}: {config.layers} layers, D={config.hidden}, B={run.batch} 
 # %% [markdown]
 # ## One compile, one report
 #
-# `mk.tpu.compile_megakernel` checks the project's VMEM budget (the compiler does not
+# `mk.measure.tpu.compile_megakernel` checks the project's VMEM budget (the compiler does not
 # enforce the scoped limit on this path) and the HBM the weights and cache need, then
 # compiles the whole decode step. The report carries the outcome, the compile time on this
 # machine's CPU, HBM bytes, generated code size and the VMEM budget by buffer.
@@ -192,7 +193,7 @@ display(plots.table([dict(model=m, chip=c, ok=r.ok, compile_s=round(r.compile_se
 # %% [markdown]
 # ## Compile time: the megakernel against XLA
 #
-# `mk.compile_time` (`benchmarks/compile_time.py` on the command line) compiles one decode
+# `mk.measure.compile_time` (`benchmarks/compile_time.py` on the command line) compiles one decode
 # step three ways for the same model and chip: XLA's reference step with the layers
 # unrolled in Python, the same step as a `lax.scan` over stacked layers, and the megakernel
 # (a `fori_loop` inside one kernel).
@@ -201,7 +202,7 @@ display(plots.table([dict(model=m, chip=c, ok=r.ok, compile_s=round(r.compile_se
 # megakernel compiles in well under 90 s where large XLA models take over 30 minutes.
 
 # %%
-from mk import compile_time as bench  # noqa: E402
+from mk.measure import compile_time as bench  # noqa: E402
 
 live = bench.measure(config, run.chip, measure_layers, batch=run.batch, rows=run.rows,
                      context=min(run.context, 1024), megakernel=bench.megakernel_series()[0])

@@ -65,17 +65,17 @@ if mk_spec is None or mk_spec.origin is None:
            "package: rename it or work in another directory" if mk_spec else ""))
 
 # %% tags=["parameters"]
-preset: str = "tiny"  # a name from mk.presets.PRESET_NAMES
+preset: str = "tiny"  # a name from mk.model.presets.PRESET_NAMES
 batch: int = 1  # B, sequences decoded together
 rows: int = 1  # T, query rows per sequence in one step (1 is plain decode)
 context: int = 256  # S, cached positions per sequence (the KV cache's capacity)
-chip: str = "v6e"  # a name from mk.chips.CHIP_NAMES: the chip of rooflines and budgets
+chip: str = "v6e"  # a name from mk.model.chips.CHIP_NAMES: the chip of rooflines and budgets
 backend: str = "auto"  # "auto" (Mosaic on a TPU, else interpret), "interpret" or "hardware"
 seed: int = 0  # seed of the random weights and inputs
 checkpoint: str = ""  # a local Hugging Face checkpoint folder; "" for random weights
 steps: int = 3  # profiled decode steps per variant (after one warm-up step)
 predict_preset: str = "qwen3-8b"  # the simulator's second prediction
-predict_chip: str = "tpu7x"  # a name from mk.chips.CHIP_NAMES: the second prediction's chip
+predict_chip: str = "tpu7x"  # a name from mk.model.chips.CHIP_NAMES: the second prediction's chip
 predict_context: int = 4096  # S of the simulator's second prediction
 schedule_dump: bool = True  # compile the megakernel for `chip` with the compiler's dumps (~10 s)
 solutions: bool = False  # True checks the worked solution in place of your fix (headless runs)
@@ -90,19 +90,22 @@ from IPython.display import display
 from tqdm.auto import tqdm
 
 import mk
-import mk.backend
-import mk.run
-import mk.sim
-from mk import (bundles, calibration, course, measure, plots, profile_plots, profiling,
-                reference, sim_plots, teach)
-from mk import megakernel as megakernel_module
-from mk.kernels import one_layer as one_layer_module
-from mk.kernels.plan import DecodePlan
+import mk.kernels.backend
+import mk.course.run
+import mk.cost.sim
+from mk.cost import bundles, calibration
+from mk.course import course, teach
+from mk.measure import measure, profiling
+from mk import plots, profile_plots, sim_plots
+from mk.model import reference
+from mk.step import megakernel as megakernel_module
+from mk.step import one_layer as one_layer_module
+from mk.step.plan import DecodePlan
 
-mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
-run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
+mk.course.run.check_parameters(globals())  # papermill's -p names, every parameter's type
+run = mk.course.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
-config, mode = run.config, mk.backend.resolve(run.backend)
+config, mode = run.config, mk.kernels.backend.resolve(run.backend)
 on_tpu = mode == "hardware"
 print(f"{config.name}: {config.layers} layers, B={run.batch} T={run.rows} S={run.context}; "
       f"kernels run on: {mode}; profiles go to {profiling.PROFILES}")
@@ -146,7 +149,7 @@ tokens = prompt[:, -run.rows:]
 positions = jnp.full((run.batch,), prompt.shape[1], jnp.int32)
 step_fns = profiling.variants(config, params, cache, tokens, positions)
 captures = {}
-with mk.backend.use(run.backend):
+with mk.kernels.backend.use(run.backend):
     for name, fn in tqdm(step_fns.items(), desc="captures"):
         captures[name] = profiling.capture(fn, steps=steps, name=f"{config.name}-{name}")
         print(f"{name:>10}: {captures[name].path.relative_to(profiling.PROFILES.parent)}")
@@ -201,7 +204,7 @@ display(plots.table(top_ops))
 # %% [markdown]
 # ## The simulator's prediction
 #
-# `mk.sim` replays the megakernel's own tile schedule on a model of the chip (its
+# `mk.cost.sim` replays the megakernel's own tile schedule on a model of the chip (its
 # docstring lists every assumption): a DMA lane and a compute lane, and HBM-idle bubbles
 # with their causes. Same colours as above: busy blue, bubbles red. First the step
 # measured above, on `chip`; then `predict_preset` on `predict_chip`. (The simulator models
@@ -215,7 +218,7 @@ for cfg, chip_name, ctx in ((config, run.chip, run.context),
     step = DecodePlan.make(cfg, chip=chip_name, batch=run.batch, rows=run.rows, position=ctx,
                            kernel=False)
     for prefetch in (True, False):
-        sim = mk.sim.simulate(step, cross_layer_prefetch=prefetch)
+        sim = mk.cost.sim.simulate(step, cross_layer_prefetch=prefetch)
         idle = sum(b.idle_s for b in sim.bubbles)
         predictions.append(dict(model=cfg.name, chip=chip_name, context=ctx,
                                 cross_layer_prefetch=prefetch,
@@ -239,7 +242,7 @@ base = DecodePlan.make(cfg, chip=predict_chip, batch=run.batch, rows=run.rows,
                        position=predict_context, kernel=False).block
 depth = []
 for slots in sorted({2, 3, 4, 6, 8, base.slots}):
-    sim = mk.sim.simulate(DecodePlan.make(
+    sim = mk.cost.sim.simulate(DecodePlan.make(
         cfg, chip=predict_chip, batch=run.batch, rows=run.rows, position=predict_context,
         block=dataclasses.replace(base, slots=slots), kernel=False))
     idle = sum(b.idle_s for b in sim.bubbles)
@@ -317,7 +320,7 @@ if chip_trace is not None:
 # %% [markdown]
 # And the simulator's step for the same model, position and chip, beside the kernel's
 # measured time: once with the datasheet's HBM, once with what the v5e measured
-# (`mk.calibration.assumptions`: its DMA probe and its attention loop's rate). A trace sees
+# (`mk.cost.calibration.assumptions`: its DMA probe and its attention loop's rate). A trace sees
 # the kernel as one op, so the bubbles inside it are the simulator's alone:
 
 # %%
@@ -326,7 +329,7 @@ if chip_trace is not None:
     chip_sim = []
     for label, assumed in (("simulated (datasheet)", None),
                            ("simulated (calibrated on the v5e)", calibration.assumptions("v5e"))):
-        sim = mk.sim.simulate(DecodePlan.make(
+        sim = mk.cost.sim.simulate(DecodePlan.make(
             mk.preset(chip_trace["model"]), chip="v5e", batch=chip_trace["batch"],
             rows=chip_trace["rows"], position=chip_trace["position"], kernel=False),
             assumptions=assumed)
@@ -355,7 +358,7 @@ if chip_trace is not None:
         f"measured on {chip_made}": chip_layers, "simulated (calibrated)": sim_layers},
         title=f"{chip_trace['model']}: each layer's time in the megakernel",
         xaxis="layer (index)", yaxis="time per layer (µs)"))
-    mid = slice(1, None)  # layer 0: the trace counts the ring's first wait in it, mk.sim before it
+    mid = slice(1, None)  # layer 0: the trace counts the ring's first wait in it, mk.cost.sim before it
     print(f"layers 1-{len(chip_layers) - 1}: {sum(chip_layers[mid]) / len(chip_layers[mid]):.1f} "
           f"µs measured, {sum(sim_layers[mid]) / len(sim_layers[mid]):.1f} µs simulated")
 
@@ -531,7 +534,7 @@ shares = {r["variant"]: r["bubble_share"] for r in summary}
 print(f"measured on {mode} ({config.name}, B={run.batch}, T={run.rows}): bubble share "
       + ", ".join(f"({'abc'[i]}) {v} {shares[v]:.1%}" for i, v in enumerate(profiling.VARIANTS)))
 for p in predictions:
-    print(f"predicted by mk.sim for the megakernel: {p['model']} on {p['chip']}, "
+    print(f"predicted by mk.cost.sim for the megakernel: {p['model']} on {p['chip']}, "
           f"S={p['context']}, cross-layer prefetch {'on' if p['cross_layer_prefetch'] else 'off'}:"
           f" HBM idle {p['bubble_share']} of {p['step_us']} µs")
 
@@ -541,7 +544,7 @@ for p in predictions:
 # 1. A CPU capture of the megakernel shows one 40 ms program per step. What does it say
 #    about the step on a TPU? <details><summary>Answer</summary>Only that the step is
 #    one launch: the 40 ms is the interpreter simulating the kernel; a TPU's time comes
-#    from a TPU profile or, as a model, from `mk.sim`.</details>
+#    from a TPU profile or, as a model, from `mk.cost.sim`.</details>
 # 2. The `layers` scope lists N bundles. How many does a 36-layer step execute in it?
 #    <details><summary>Answer</summary>Not 36 N: the loop body is listed once and runs 36
 #    times, and the ring loops inside it run once per tile, so an executed count needs

@@ -36,7 +36,7 @@
 # Kernel runs here are TPU interpret mode on a CPU: their times say nothing about a TPU.
 # Every TPU or GPU time below is a modelled, conventional or simulated step in the words
 # defined once in [notebook 00's ledger](00_decode_is_memory_bound.ipynb) (its section
-# "The ledger", `mk.ledger.TERMS`); tau is measured (counted from real drafts).
+# "The ledger", `mk.cost.ledger.TERMS`); tau is measured (counted from real drafts).
 
 # %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
@@ -67,11 +67,11 @@ if mk_spec is None or mk_spec.origin is None:
            "package: rename it or work in another directory" if mk_spec else ""))
 
 # %% tags=["parameters"]
-preset: str = "tiny"  # a name from mk.presets.PRESET_NAMES
+preset: str = "tiny"  # a name from mk.model.presets.PRESET_NAMES
 batch: int = 1  # B, sequences decoded together
 rows: int = 1  # T, query rows per sequence in one step (1 is plain decode)
 context: int = 256  # S, cached positions per sequence (the KV cache's capacity)
-chip: str = "v6e"  # a name from mk.chips.CHIP_NAMES: the chip of rooflines and budgets
+chip: str = "v6e"  # a name from mk.model.chips.CHIP_NAMES: the chip of rooflines and budgets
 backend: str = "auto"  # "auto" (Mosaic on a TPU, else interpret), "interpret" or "hardware"
 seed: int = 0  # seed of the random weights and inputs
 checkpoint: str = ""  # a local Hugging Face checkpoint folder; "" for random weights
@@ -96,11 +96,15 @@ from IPython.display import Markdown, display
 from tqdm.auto import tqdm
 
 import mk
-import mk.published
-import mk.run
-from mk import calibration, course, ledger, perf, plots, reference, spec, teach
+import mk.cost.published
+import mk.course.run
+from mk.cost import calibration, ledger, perf
+from mk.course import course, teach
+from mk import plots
+from mk.model import reference
+from mk.speculative import spec
 
-mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
+mk.course.run.check_parameters(globals())  # papermill's -p names, every parameter's type
 if (hf_target or hf_draft) and not allow_download:
     raise ValueError(f"hf_target={hf_target!r} / hf_draft={hf_draft!r} would download from "
                      "the Hugging Face hub: set allow_download=True as well to allow it")
@@ -111,7 +115,7 @@ if hf_target or hf_draft:  # only when asked: this machine has no internet
     checkpoint = snapshot_download(hf_target, allow_patterns=files) if hf_target else checkpoint
     draft_checkpoint = (snapshot_download(hf_draft, allow_patterns=files) if hf_draft
                         else draft_checkpoint)
-run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
+run = mk.course.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
 spec.check_gamma(gamma)  # gamma = 0 or > 7 stops here with a ValueError
 config = run.config
@@ -120,7 +124,7 @@ prompts = np.random.default_rng(run.seed).integers(0, config.vocab, (max(run.bat
                                                                       tau_batch), 8))
 prompt = prompts[:run.batch]
 print(f"{config.name}: B={run.batch}, gamma={gamma} (T={gamma + 1} rows), S={run.context}; "
-      f"kernels run on: {mk.backend.resolve(run.backend)}")
+      f"kernels run on: {mk.kernels.backend.resolve(run.backend)}")
 
 # %% [markdown]
 # ## One step: draft, verify gamma + 1 rows, keep the agreeing prefix
@@ -223,7 +227,7 @@ print(f"the rule passes: forced L=3 measures tau = {fixed_tau:.2f}")
 #
 # On `tau_batch` random prompts of the run's model, with the XLA reference as the verifier
 # (it gives the same tokens as the megakernel, as above, and compiles once for every gamma;
-# see `mk.spec`). The tiny
+# see `mk.speculative.spec`). The tiny
 # models are random, so no trained draft model exists for them: "model" is a stand-in,
 # the target's first layer with 10 % noise on every weight (`spec.noisy_copy`); "self" is
 # the target's first ceil(L/2) layers with its lm_head; "ngram" looks the last tokens up in
@@ -275,7 +279,7 @@ plots.show(fig)
 #
 # `data/published.csv` records the published 709 and 1,515 tokens/s as runs with a *mean*
 # acceptance length (6 for both); the release's benchmark scripts force that acceptance
-# (the rows' source, and `mk.ledger`'s note). To study a given tau without a drafter
+# (the rows' source, and `mk.cost.ledger`'s note). To study a given tau without a drafter
 # that reaches it, `drafter="forced"` keeps a fixed number of tokens per step losslessly: an oracle that
 # knows the target's greedy continuation spoils draft number L, so each step keeps exactly
 # L tokens (its own cost is not draft time). A mean tau of L and a forced tau of L give the
@@ -294,7 +298,7 @@ print("forced L -> measured tau:", forced)
 # $$\text{tokens/s per user} = \frac{\tau}{t_\text{verify}(\gamma + 1\ \text{rows}) +
 # t_\text{draft}}$$
 #
-# with $t_\text{verify}$ the modelled step (`mk.spec.step_ms`: the larger of the HBM floor
+# with $t_\text{verify}$ the modelled step (`mk.speculative.spec.step_ms`: the larger of the HBM floor
 # and the tile floor (the measured tile cost table, low clock end) plus the collectives,
 # checked below) for the `sweep_preset` model on the
 # fewest chips (a power of two) of each kind that hold it, all devices sharing the step, and
@@ -386,10 +390,10 @@ plots.knobs(panel, tau=(1, 8), gamma=(1, 7), batch=(1, 8), chip=list(sweep_chips
 # %% [markdown]
 # ## The published acceptance-length runs, side by side
 #
-# From `mk.ledger`, under the assumptions it names once for notebooks 00, 09 and 11: batch 1,
+# From `mk.cost.ledger`, under the assumptions it names once for notebooks 00, 09 and 11: batch 1,
 # T = 8 verification rows keeping the published mean tau, every device of the run sharing
 # the step, each row's own context (the cached positions of the release's benchmark
-# scripts, `mk.published.Published.context`), no draft time. The
+# scripts, `mk.cost.published.Published.context`), no draft time. The
 # model of each system: the simulated step for TPU rows (the ring's slots sized by Little's
 # law), the conventional step for the GB200 rows. Nothing is fitted; error = model /
 # published - 1. The words (published, HBM floor, modelled, simulated and conventional
@@ -430,7 +434,7 @@ for r in published:
 # (the cell's output is folded on the site):
 
 # %% tags=["hide-output"]
-kimi = next(r for r in mk.published.published() if r.model == "Kimi K3" and r.system == "tpu7x")
+kimi = next(r for r in mk.cost.published.published() if r.model == "Kimi K3" and r.system == "tpu7x")
 print(f"1. with a drafter costing 20 % of a verification step: tau > {1 + 0.2:.1f}")
 print(f"2. {kimi.acceptance_length:g} / {kimi.tokens_per_s:g} tokens/s = "
       f"{1e3 * kimi.acceptance_length / kimi.tokens_per_s:.2f} ms per step")

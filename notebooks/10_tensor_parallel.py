@@ -29,7 +29,7 @@
 # - Do real models compile for multi-chip TPU topologies, and how much VMEM/HBM per core?
 #
 # **You will** read the all-reduce as 30 lines of array code over n stand-in devices
-# (`mk.teach.all_reduce`, bit-equal to the kernel's tree order), then the kernel's remote
+# (`mk.course.teach.all_reduce`, bit-equal to the kernel's tree order), then the kernel's remote
 # DMAs, and run the megakernel on tp virtual devices. **You will be able to** say who sends
 # what to whom in each round and why every device gets bit-identical sums.
 # **Prerequisites:** 06 (the megakernel), 07 (compiling for a TPU).
@@ -63,11 +63,11 @@ if mk_spec is None or mk_spec.origin is None:
            "package: rename it or work in another directory" if mk_spec else ""))
 
 # %% tags=["parameters"]
-preset: str = "tiny"  # a name from mk.presets.PRESET_NAMES
+preset: str = "tiny"  # a name from mk.model.presets.PRESET_NAMES
 batch: int = 1  # B, sequences decoded together
 rows: int = 1  # T, query rows per sequence in one step (1 is plain decode)
 context: int = 256  # S, cached positions per sequence (the KV cache's capacity)
-chip: str = "v6e"  # a name from mk.chips.CHIP_NAMES: the chip of rooflines and budgets
+chip: str = "v6e"  # a name from mk.model.chips.CHIP_NAMES: the chip of rooflines and budgets
 backend: str = "auto"  # "auto" (Mosaic on a TPU, else interpret), "interpret" or "hardware"
 seed: int = 0  # seed of the random weights and inputs
 checkpoint: str = ""  # a local Hugging Face checkpoint folder; "" for random weights
@@ -82,10 +82,10 @@ exercise_drop_all_reduce: bool = False  # the exercise: True skips the in-kernel
 # Virtual CPU devices must be asked for before jax starts its CPU backend; twice the devices
 # used, because a device blocked on a semaphore in interpret mode holds one of XLA's CPU
 # threads (`interpret_devices`). Importing the module starts no backend.
-import mk.run
+import mk.course.run
 from mk.kernels.collectives import check_devices, interpret_devices
 
-mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
+mk.course.run.check_parameters(globals())  # papermill's -p names, every parameter's type
 check_devices(tp)  # a power of two >= 1, checked before anything uses it
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            f" --xla_force_host_platform_device_count={interpret_devices(tp)}")
@@ -96,15 +96,19 @@ from IPython.display import display
 from tqdm.auto import tqdm
 
 import mk
-import mk.backend
-from mk import course, plots, reference, sim, sim_plots, teach, tpu
-from mk import tensor_parallel as tpar
+import mk.kernels.backend
+from mk.course import course, teach
+from mk import plots, sim_plots
+from mk.model import reference
+from mk.cost import perf, sim
+from mk.measure import tpu
+from mk.step import tensor_parallel as tpar
 from mk.kernels import collectives
-from mk.kernels.plan import DecodePlan, shard_config
+from mk.step.plan import DecodePlan, shard_config
 from mk.kinds.layers import layer_kinds
-from mk.quant import stored_bytes
+from mk.model.quant import stored_bytes
 
-run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
+run = mk.course.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
 config, spec = run.config, mk.chip(run.chip)
 cpus = jax.devices("cpu")
@@ -228,13 +232,13 @@ display(plots.table([e for e in collectives.exchanges(4) if e["device"] == 0]))
 # Per step: 2 L all-reduces of the [M, D] float32 partial sums (each device sends 2(n-1)/n
 # of it, in 2 log2(n) message rounds by "recursive", 2 by "two_phase"), one small gather
 # for the argmax, and where the plan splits a router by experts (below) one gather of the
-# router's logits per MoE layer. Below, by the model of `mk.perf` (a message round and one
+# router's logits per MoE layer. Below, by the model of `mk.cost.perf` (a message round and one
 # device's one-way bandwidth as the chip measured them where it did: TPU7x's 4.1 µs and
 # 134 GB/s, the release's; else 1 µs and the datasheet's ICI), next to that model's own
 # collective term (the plan's algorithm) and the step's HBM floor per device:
 
 # %%
-terms = [tpar.collective_terms(mk.preset("qwen3.5-27b"), t, "tpu7x", batch=8, collective=a)
+terms = [perf.collective_terms(mk.preset("qwen3.5-27b"), t, "tpu7x", batch=8, collective=a)
          for t in (2, 4, 8) for a in collectives.ALGORITHMS]
 display(plots.table([{k: f"{v:.3g}" if isinstance(v, float) else v for k, v in t.items()}
                      for t in terms]))
@@ -255,7 +259,7 @@ for t8 in terms[-2:]:
 #
 # While the compute lane waits on an all-reduce, no tile is consumed, so the ring can only
 # fill: the DMA engine keeps loading the next tiles into the free slots, then HBM idles
-# until the collective returns. `mk.sim` replays the kernel's own schedule for the same
+# until the collective returns. `mk.cost.sim` replays the kernel's own schedule for the same
 # 27B TP8 shard at batch 8 (its plan's ring; the all-reduce timed by the ICI model above;
 # a simulation, not a TPU measurement). Below, the all-reduce after layer
 # `collective_layer`'s MLP: the compute lane blocked on it, the DMA lane's transfers (hover:
@@ -291,7 +295,7 @@ print(f"over the step: HBM idle on collectives {idle * 1e3:.3f} ms of a "
 # The prompt is prefilled by the XLA reference on one device; each later token comes from
 # tp copies of the megakernel exchanging partial sums by remote DMA (TPU interpret mode on
 # CPU devices: a simulation; its time says nothing about a TPU). **Exercise:** set
-# `exercise_drop_all_reduce = True`: `mk.course.planted("dropped_all_reduce")` makes the
+# `exercise_drop_all_reduce = True`: `mk.course.course.planted("dropped_all_reduce")` makes the
 # all-reduce return each device's own partial sum, and the token check below fails.
 
 # %%
@@ -299,12 +303,12 @@ params = mk.init_params(config, run.seed)
 prompt = jax.random.randint(jax.random.key(run.seed), (run.batch, 5), 0, config.vocab)
 want = reference.generate(config, params, prompt, steps)
 with (course.planted("dropped_all_reduce" if exercise_drop_all_reduce else None),
-      mk.backend.use("interpret", detect_races=True)):
+      mk.kernels.backend.use("interpret", detect_races=True)):
     got = tpar.generate(config, params, prompt, steps, tp=tp,
                         mesh=collectives.tp_mesh(tp, cpus), progress=True)
-    races = mk.backend.races_found()
+    races = mk.kernels.backend.races_found()
 print("reference       :", np.asarray(want).tolist())
-print(f"tp={tp}, device 0 :", np.asarray(got[0]).tolist(), "; races:", mk.backend.races_text(races))
+print(f"tp={tp}, device 0 :", np.asarray(got[0]).tolist(), "; races:", mk.kernels.backend.races_text(races))
 
 # %% [markdown]
 # ## Compiling for multi-chip TPUs
@@ -353,7 +357,7 @@ for name, t in (("qwen3-30b-a3b", 4), ("kimi-k2-shaped", 32)):
 # computes the logits of its 28 experts (the router held transposed, 28 rows, not a
 # lane-padded 128 columns) and the devices all-gather them, one message round a layer.
 # The plan splits a router where the bytes a device no longer loads take longer than that
-# round at the fastest HBM mk knows (`mk.kernels.routing.router_columns`); every other
+# round at the fastest HBM mk knows (`mk.kinds.mlp.routing.router_columns`); every other
 # preset's router is small enough to stay whole.
 # With bf16 experts the shard is far over a core's HBM; with its FP4 experts packed (half
 # a byte a value, a scale byte per 32) the whole shard fits and compiles.

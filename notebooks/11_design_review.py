@@ -43,8 +43,8 @@
 #
 # **Nothing here runs on a TPU.** What a lent TPU v5e measured is read from its records in
 # data/measured (the table under "The simulated step" says what each chip rests on). The
-# compile is libtpu's real ahead-of-time compile; every time is from `mk.perf` (floors,
-# modelled) or `mk.sim` (a discrete-event replay whose assumptions are listed in its module
+# compile is libtpu's real ahead-of-time compile; every time is from `mk.cost.perf` (floors,
+# modelled) or `mk.cost.sim` (a discrete-event replay whose assumptions are listed in its module
 # docstring). Full-size presets are only compiled and simulated, never run.
 #
 # **The TensorCore's clock is not known.** It turns the compiler's bundle counts into
@@ -83,11 +83,11 @@ if mk_spec is None or mk_spec.origin is None:
            "package: rename it or work in another directory" if mk_spec else ""))
 
 # %% tags=["parameters"]
-preset: str = "tiny"  # a name from mk.presets.PRESET_NAMES
+preset: str = "tiny"  # a name from mk.model.presets.PRESET_NAMES
 batch: int = 1  # B, sequences decoded together
 rows: int = 1  # T, query rows per sequence in one step (1 is plain decode)
 context: int = 256  # S, cached positions per sequence (the KV cache's capacity)
-chip: str = "v6e"  # a name from mk.chips.CHIP_NAMES: the chip of rooflines and budgets
+chip: str = "v6e"  # a name from mk.model.chips.CHIP_NAMES: the chip of rooflines and budgets
 backend: str = "auto"  # "auto" (Mosaic on a TPU, else interpret), "interpret" or "hardware"
 seed: int = 0  # seed of the random weights and inputs
 checkpoint: str = ""  # a local Hugging Face checkpoint folder; "" for random weights
@@ -113,25 +113,27 @@ import json
 from pathlib import Path
 
 import mk
-import mk.run
+import mk.course.run
 from IPython.display import display
-from mk import (bundles, course, feed_costs, ledger, perf, plots, review, sim, sim_plots,
-               xla_step)
-from mk.chips import CLOCK_ENDS, spec_of
+from mk.cost import bundles, feed_costs, ledger, perf, sim
+from mk.course import course, review
+from mk import plots, sim_plots
+from mk.measure import xla_step
+from mk.model.chips import CLOCK_ENDS, spec_of
 from mk.kernels.collectives import round_s
 from mk.kernels.common import VmemBudget
-from mk.kernels.plan import DecodePlan, packed_formats
-from mk.published import published
+from mk.step.plan import DecodePlan, packed_formats
+from mk.cost.published import published
 
-mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
-run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
+mk.course.run.check_parameters(globals())  # papermill's -p names, every parameter's type
+run = mk.course.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
 spec = spec_of(run.chip)
 if spec.kind != "tpu":
     raise ValueError(f"chip={run.chip!r} is a {spec.kind}: the review compiles and simulates "
                      "a TPU core")
 config = run.config
-formats = mk.config.check_formats(config, dict(config.formats) | {  # the byte model's
+formats = mk.model.config.check_formats(config, dict(config.formats) | {  # the byte model's
     g: None if f == "none" else f for g, f in (("dense", dense_format),
                                                ("experts", expert_format)) if f})
 packed = packed_formats(config, formats)  # what the kernel streams packed
@@ -163,7 +165,7 @@ if not 0 <= xla_layers <= config.layers:
 # %% [markdown]
 # ## The course's kernel against the release
 #
-# The headline, from `mk.ledger` (the published row, and the same run's kernel as this
+# The headline, from `mk.cost.ledger` (the published row, and the same run's kernel as this
 # course compiles it, replayed by the simulator; "compiled-kernel step" and the other
 # words are defined once in [notebook 00's ledger](00_decode_is_memory_bound.ipynb)):
 
@@ -307,7 +309,7 @@ print(f"{len(budget.buffers)} buffers, {budget.total_bytes / 2**20:.2f} MiB of "
 # ## The TPU compile, ahead of time
 #
 # libtpu compiles the whole decode step of one device's shard for one core of the chip
-# (`mk.tpu.compile_megakernel`): the real Mosaic lowering and capacity checks. Nothing runs.
+# (`mk.measure.tpu.compile_megakernel`): the real Mosaic lowering and capacity checks. Nothing runs.
 
 # %%
 print("compile_for_tpu=False: not compiled" if report is None else report.summary())
@@ -318,7 +320,7 @@ print("compile_for_tpu=False: not compiled" if report is None else report.summar
 # A megakernel keeps HBM busy only if the TensorCore finishes its work on one weight tile
 # before the DMA engine has streamed the next: one trip of `Ring.matmul`'s per-tile loop
 # must issue in less time than the tile's DMA. The compile above ran with libtpu's bundle
-# dump on (`mk.bundles.measure`): each per-tile loop's body is counted in VLIW bundles
+# dump on (`mk.cost.bundles.measure`): each per-tile loop's body is counted in VLIW bundles
 # (one a cycle, at a clock known only as a range), with the bundles that drive the MXU and those
 # with only scalar work (address arithmetic, the ring's bookkeeping). `Ring.matmul` runs
 # a steady loop a matrix that issues the matrix's own next tile (one DMA site), and edge
@@ -352,7 +354,7 @@ if report is not None and report.ok:
 # ## The tile cost table: one weight tile by storage, feed and M
 #
 # Without a compile of the whole kernel the simulator charges each weight tile from a
-# table measured the same way on the stage-01 ring kernel (`mk.feed_costs`, recorded by
+# table measured the same way on the stage-01 ring kernel (`mk.cost.feed_costs`, recorded by
 # `benchmarks/tile_feed_costs.py`: one trip of `Ring.matmul`'s steady loop over one weight
 # per chip, storage, feed and M, compiled by libtpu): bundles per weight x the tile's
 # weights / the clock. A packed tile is smaller on the wire but pays its dequantisation
@@ -360,7 +362,7 @@ if report is not None and report.ok:
 # at both ends of the clock range (simulation inputs, not TPU measurements). The feed
 # floor columns (not the MXU floor of the step, below: that is FLOPs at the datasheet
 # peak): the same ratio for the MXU alone taking the weights in its feed's dtype, one
-# straight-line matmul with nothing else to do (`mk.feed_costs.feed_floor_over_dma`). No
+# straight-line matmul with nothing else to do (`mk.cost.feed_costs.feed_floor_over_dma`). No
 # loop, however lean, is expected under it: a feed floor over 0.9 says this storage cannot
 # stream at HBM rate on this chip at that end of the clock; a tile ratio over a feed floor
 # under 0.9 says the loop can still get leaner.
@@ -371,8 +373,8 @@ rows_, cols_ = plan.block.tile_rows, plan.block.tile_cols
 
 def table_row(dtype: str) -> dict:
     """One storage's tile at this step's M: the table's cost against the tile's DMA."""
-    nbytes = (mk.quant.tile_bytes(dtype, rows_, cols_) if dtype in mk.quant.SCHEMES
-              else rows_ * cols_ * mk.config.DTYPE_BITS[config.dtype] // 8)
+    nbytes = (mk.model.quant.tile_bytes(dtype, rows_, cols_) if dtype in mk.model.quant.SCHEMES
+              else rows_ * cols_ * mk.model.config.DTYPE_BITS[config.dtype] // 8)
     dma = nbytes / spec.device_hbm_bw * 1e9
     feed = {formats[g]: f for g, f in plan.feeds}.get(dtype, "bf16")  # the plan's feed
     ns = {e: feed_costs.tile_s(spec, dtype, plan.M, rows_ * cols_, e, feed) * 1e9
@@ -502,11 +504,11 @@ display(plots.table([
 # %% [markdown]
 # ## Bytes and FLOPs of one step
 #
-# `mk.perf.predict`: every weight read once (the experts the batch touches under uniform
+# `mk.cost.perf.predict`: every weight read once (the experts the batch touches under uniform
 # routing), the KV cache read, plus the all-reduces of tensor parallelism; the MXU
-# floor charges every weight pass the MXU's rows (`mk.perf.mxu_floor_ms`, notebook 00b), a
+# floor charges every weight pass the MXU's rows (`mk.cost.perf.mxu_floor_ms`, notebook 00b), a
 # bound kept for reference; the tile floor is the weights at the tile cost table
-# (`mk.perf.tile_floor_ms`), the compute lane of the modelled step (at the low end).
+# (`mk.cost.perf.tile_floor_ms`), the compute lane of the modelled step (at the low end).
 # HBM floor, MXU floor, modelled and simulated step are the words of
 # [notebook 00's ledger](00_decode_is_memory_bound.ipynb).
 
@@ -526,7 +528,7 @@ display(plots.table([
 # %% [markdown]
 # ## The simulated step: timeline and bubbles
 #
-# `mk.sim.simulate` replays the plan's `TileStream` on the plan's shard (`DecodePlan`, the
+# `mk.cost.sim.simulate` replays the plan's `TileStream` on the plan's shard (`DecodePlan`, the
 # object the kernel executes), on one device of the chip. The timeline shows the first two layers
 # (hover for each run of tiles); "HBM idle" bars are the bubbles, coloured by cause.
 
@@ -542,11 +544,11 @@ plots.show(sim_plots.timeline(s, layers=(0, min(1, config.layers - 1)),
 # ### What the simulator rests on, chip by chip
 #
 # Where a chip was lent to the project, its DMA probe and its measured device loops
-# calibrate the simulator (`mk.calibration`: the attention loop's KV rate and per-sequence
+# calibrate the simulator (`mk.cost.calibration`: the attention loop's KV rate and per-sequence
 # cost, each read from a sweep of the real kernel); every other chip's step rests on
 # assumptions only. The table says which, and how far the calibrated simulator is from
 # the chip's own device loops. This review simulates with the assumed numbers unless you
-# pass `mk.calibration.assumptions(chip)`.
+# pass `mk.cost.calibration.assumptions(chip)`.
 
 # %%
 display(ledger.basis_table())
@@ -593,7 +595,7 @@ for what, x in saved.items():
 #
 # Each row is one simulated step with one parameter changed. The ring depth that hides a
 # DMA descriptor's latency follows Little's law: bandwidth x latency bytes in flight
-# (`mk.sim.latency_slots`); the plan's ring for a chip covers twice the latency
+# (`mk.cost.sim.latency_slots`); the plan's ring for a chip covers twice the latency
 # (`RING_COVER_S`), and on a tensor-parallel shard one all-reduce more, so weight tiles
 # keep streaming through the collective, but never more than a layer's period of tiles.
 # Past that depth a deeper ring buys nothing and can cost a little, and past a layer's
@@ -634,7 +636,7 @@ plots.show(sim_plots.sweep_lines(sweeps["slots"], "slots", y="hbm_utilisation",
 
 # %% [markdown]
 # **Exercise: a ring too shallow.** Set `exercise_ring_slots = 2`: the cell simulates the
-# step with that ring and `mk.course.check_ring_depth` compares it with the ring Little's
+# step with that ring and `mk.course.course.check_ring_depth` compares it with the ring Little's
 # law asks for (`need` slots above); the last cell fails naming how much slower it is.
 
 # %%
@@ -650,7 +652,7 @@ print(f"{tried.block.slots} slots: {tried.step_ms * 1e3:.4g} µs simulated; {nee
 # program that runs its fusions one after another. Each fusion is a kernel of its own: its
 # weight stream starts when it starts (unless XLA scheduled an async copy ahead of it), and
 # its result goes to HBM unless XLA keeps it in VMEM. Here is that program for this model on
-# this chip (`mk.xla_step`, libtpu's ahead-of-time compile of `mk.reference.forward`; the
+# this chip (`mk.measure.xla_step`, libtpu's ahead-of-time compile of `mk.model.reference.forward`; the
 # first `xla_layers` layers when set), counted from its HLO:
 
 # %%
@@ -672,7 +674,7 @@ print(f"{xla.fusions / xla.layers:.1f} fusions per layer compiled (embedding and
 
 # %% [markdown]
 # The counts are facts of the compiled program; the time per boundary is an assumption (no
-# TPU has measured it here). The H100 launch gap of `mk.perf.KERNEL_GAP_S` is not used on a
+# TPU has measured it here). The H100 launch gap of `mk.cost.perf.KERNEL_GAP_S` is not used on a
 # TPU: XLA:TPU launches one program, not a kernel per op. What one kernel buys is the
 # stream that never stops at an op boundary, plus activations that stay in VMEM; what it
 # costs is everything XLA would have decided for us (tiling, prefetch, layouts), written
@@ -683,7 +685,7 @@ print(f"{xla.fusions / xla.layers:.1f} fusions per layer compiled (embedding and
 #
 # With speculative decoding each step verifies T rows and keeps a mean of $\tau \le T$ of
 # them per sequence: tokens/s per user $= \tau / t_\text{step}(T)$. The simulated step at
-# T = `mk.ledger.VERIFY_ROWS` (the published runs' verification width) against the
+# T = `mk.cost.ledger.VERIFY_ROWS` (the published runs' verification width) against the
 # modelled step.
 
 # %% tags=["hide-input"]
@@ -711,7 +713,7 @@ print(f"no speculation (T=1): {1 / one.step_s:,.0f} tokens/s per user simulated;
 # %% [markdown]
 # ## The published numbers, explained not fitted
 #
-# Each published run against the models of `mk.ledger`, under the assumptions it names
+# Each published run against the models of `mk.cost.ledger`, under the assumptions it names
 # once for notebooks 00, 09 and 11 (batch 1 where unstated, T = 8 verification rows,
 # each row's own context, every device in the tensor-parallel group): the modelled step,
 # the simulated step for TPU rows (the default ring, and one sized by Little's law), the

@@ -33,8 +33,8 @@
 # - How does the weight ring stream a packed tile, and does the megakernel decode the
 #   reference's tokens from the same quantised weights?
 #
-# Everything runs on the CPU: the formats and the oracle (`mk.quant`, `mk.reference`), the
-# byte counts (`mk.perf.predict(..., formats=)`, the plan's own), the capacity check
+# Everything runs on the CPU: the formats and the oracle (`mk.model.quant`, `mk.model.reference`), the
+# byte counts (`mk.cost.perf.predict(..., formats=)`, the plan's own), the capacity check
 # (`DecodePlan.fits`), and the megakernel streaming packed tiles (interpret mode here, Mosaic
 # on a TPU).
 #
@@ -71,11 +71,11 @@ if mk_spec is None or mk_spec.origin is None:
            "package: rename it or work in another directory" if mk_spec else ""))
 
 # %% tags=["parameters"]
-preset: str = "tiny-moe"  # a name from mk.presets.PRESET_NAMES
+preset: str = "tiny-moe"  # a name from mk.model.presets.PRESET_NAMES
 batch: int = 1  # B, sequences decoded together
 rows: int = 1  # T, query rows per sequence in one step (1 is plain decode)
 context: int = 256  # S, cached positions per sequence (the KV cache's capacity)
-chip: str = "v5e"  # a name from mk.chips.CHIP_NAMES: the chip of rooflines and budgets
+chip: str = "v5e"  # a name from mk.model.chips.CHIP_NAMES: the chip of rooflines and budgets
 backend: str = "auto"  # "auto" (Mosaic on a TPU, else interpret), "interpret" or "hardware"
 seed: int = 0  # seed of the random weights and inputs
 checkpoint: str = ""  # a local Hugging Face checkpoint folder; "" for random weights
@@ -99,17 +99,20 @@ from IPython.display import Markdown, display
 from tqdm.auto import tqdm
 
 import mk
-import mk.run
-from mk import megakernel, ops, perf, plots, quant, unpack
-from mk.config import finite_number
-from mk.presets import PRESET_NAMES
+import mk.course.run
+from mk.step import megakernel
+from mk.model import ops, quant, unpack
+from mk.cost import perf
+from mk import plots
+from mk.model.config import finite_number
+from mk.model.presets import PRESET_NAMES
 from mk.kernels.common import BlockSizes, dma_log
-from mk.kernels.plan import DecodePlan, capacity
+from mk.step.plan import DecodePlan, capacity
 from mk.kernels.ring import Ring
 from mk.kernels.weight_streaming import stream_matmul
 
-mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
-run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
+mk.course.run.check_parameters(globals())  # papermill's -p names, every parameter's type
+run = mk.course.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
 FORMATS = ("bf16", *quant.SCHEMES)
 for field, value in (("dense_format", dense_format), ("expert_format", expert_format),
@@ -134,16 +137,16 @@ print(f"{run.config.name}: B={run.batch} T={run.rows} S={run.context} on {run.ch
 # ## The formats, bit by bit
 #
 # Every format stores small codes plus a scale per group of values: the scale carries the
-# magnitude, the codes the shape. The layouts, as `mk.quant`'s design page documents them
-# (docs/design/mk.quant.md, once, there):
+# magnitude, the codes the shape. The layouts, as `mk.model.quant`'s design page documents them
+# (docs/design/mk.model.quant.md, once, there):
 
 # %%
-design = Path(mk.__file__).resolve().parent.parent / "docs" / "design" / "mk.quant.md"
+design = Path(mk.__file__).resolve().parent.parent / "docs" / "design" / "mk.model.quant.md"
 if design.exists():  # a checkout; an installed package has no docs/
     doc = design.read_text(encoding="utf-8")
     print(doc[doc.index("Layouts."):doc.index("Accuracy against bf16")])
 else:
-    print("the layouts: docs/design/mk.quant.md in the repository")
+    print("the layouts: docs/design/mk.model.quant.md in the repository")
 
 # %% [markdown]
 # One stored byte of each format. int8 and fp8 hold one value per byte; int4 and fp4 hold two,
@@ -227,7 +230,7 @@ placements = [{"e2m1 code": f"{c:03b}", "value": float(v), "e4m3 byte": f"{b:08b
                                     placed, placed.view(jnp.float8_e4m3fn).astype(float))]
 display(plots.table(placements))
 assert np.array_equal(np.asarray(unpack.e2m1_to_e4m3(jnp.asarray(magnitudes))),
-                      magnitudes << 2), "mk.unpack places the bits as drawn with shift 2"
+                      magnitudes << 2), "mk.model.unpack places the bits as drawn with shift 2"
 wrong = [r["e2m1 code"] for r in placements if r["value"] != r["e4m3 value x 64"]]
 assert not wrong, f"shift {shift}: codes {wrong} decode to another value"
 
@@ -297,7 +300,7 @@ print(f"every element of {len(quantised)} quantised weights is within its format
 # ## Accuracy against bf16
 #
 # The oracle for a quantised model is the reference decoder run on the dequantised weights
-# (`quant.dequantize`, then the unchanged `mk.reference`). Both models read the bf16
+# (`quant.dequantize`, then the unchanged `mk.model.reference`). Both models read the bf16
 # model's greedy tokens (teacher forcing), and are compared at each of `accuracy_steps`
 # positions: relative RMS of the logits and the fraction of steps whose argmax agrees ("mix"
 # is this run's `dense_format`, `expert_format` and `lm_head_format`). The
@@ -321,14 +324,14 @@ display(plots.table(accuracy_rows))
 # %% [markdown]
 # ## Bytes per step and HBM floors, per format and preset
 #
-# `mk.perf.predict(..., formats=)` counts what one step streams with packed weights: each
+# `mk.cost.perf.predict(..., formats=)` counts what one step streams with packed weights: each
 # tile's packed data and its scale block (`quant.tile_bytes`, the bytes the kernel's DMAs
 # move, held equal to them by tests/test_plan.py), every dense projection and the lm_head,
 # the touched experts (uniform routing), the router and norms (unquantised), the gathered
 # embedding rows and the KV cache (bf16). The HBM floor is those bytes over the chip's
 # bandwidth: a lower bound, not a prediction of a kernel. Each format is applied to every
 # family; "mix" is this run's choice per family. The hybrids (`qwen3.5-*`) are left out:
-# `mk.quant` does not quantise their linear layers yet.
+# `mk.model.quant` does not quantise their linear layers yet.
 
 # %%
 QUANTISABLE = [name for name in PRESET_NAMES if not mk.preset(name).is_hybrid]
@@ -416,12 +419,12 @@ plots.show_source(Ring._copies, Ring._weights, Ring._product, unpack.scaled_prod
 w = np.random.default_rng(run.seed).standard_normal((512, 512)).astype(np.float32)
 x = jnp.asarray(np.random.default_rng(run.seed + 1).standard_normal((8, 512)), jnp.float32)
 tile = BlockSizes(slots=3, tile_rows=256, tile_cols=256)
-counting = mk.backend.resolve(run.backend) == "interpret"  # the DMA log runs there only
+counting = mk.kernels.backend.resolve(run.backend) == "interpret"  # the DMA log runs there only
 wire_rows = []
 for fmt in FORMATS:
     q = jnp.asarray(w, jnp.bfloat16) if fmt == "bf16" else quant.quantize_weight(w, fmt)
     with (dma_log() if counting else contextlib.nullcontext([])) as log, \
-            mk.backend.use(run.backend):
+            mk.kernels.backend.use(run.backend):
         y = stream_matmul(x, q, block=tile)
     if fmt in ("int8", "int4"):  # codes times bf16 activations, scales on the product
         want = np.asarray(ops.matmul(x, unpack.scaled_weight(fmt, q.data, q.scale,
@@ -447,7 +450,7 @@ params32 = {n: q if isinstance(q, quant.QuantWeight) else q.astype(jnp.float32)
 start = prompt[:1, :5]
 kernel_tokens = megakernel.generate(config32, params32, start, 4, backend=run.backend,
                                     max_context=64, steps_per_call=4)  # one dispatch
-reference_tokens = mk.reference.generate(config32, quant.dequantize(params32), start, 4,
+reference_tokens = mk.model.reference.generate(config32, quant.dequantize(params32), start, 4,
                                          max_context=64)
 print(f"megakernel {np.asarray(kernel_tokens).tolist()}, reference "
       f"{np.asarray(reference_tokens).tolist()}")
@@ -462,9 +465,9 @@ print(f"megakernel {np.asarray(kernel_tokens).tolist()}, reference "
 # int8 and int4 are never dequantised: their codes go straight into the dot (each is a bf16
 # value) and their scales multiply the float32 product, per column (int8) or per 128-row
 # group's product (int4; `unpack.int_product`), and their reference multiplies the same
-# way (`quant.dequantize` gives it codes and scales, `mk.ops.Scaled`; an int8 MXU wants
+# way (`quant.dequantize` gives it codes and scales, `mk.model.ops.Scaled`; an int8 MXU wants
 # int8 activations too). Whether the vector work stays hidden under the shorter DMAs is for
-# the bundle dumps (`mk.bundles`, notebook 11) and a real chip to say.
+# the bundle dumps (`mk.cost.bundles`, notebook 11) and a real chip to say.
 #
 # ## Takeaway
 #

@@ -19,7 +19,7 @@
 #
 # [Open in Colab](https://colab.research.google.com/github/mk-megakernel/mk/blob/v0.1.0/notebooks/13_measure_your_tpu.ipynb)
 #
-# The simulator (`mk.sim`) rests on two numbers no datasheet gives: how long a DMA takes
+# The simulator (`mk.cost.sim`) rests on two numbers no datasheet gives: how long a DMA takes
 # from its issue to its first byte (0.5 µs, assumed), and what share of the datasheet
 # bandwidth one TensorCore's DMAs reach (1.0, assumed). A ring hides the latency only with
 # enough bytes in flight (Little's law, notebook 01), so both decide the simulated step.
@@ -67,11 +67,11 @@ if mk_spec is None or mk_spec.origin is None:
            "package: rename it or work in another directory" if mk_spec else ""))
 
 # %% tags=["parameters"]
-preset: str = "tiny"  # a name from mk.presets.PRESET_NAMES
+preset: str = "tiny"  # a name from mk.model.presets.PRESET_NAMES
 batch: int = 1  # B, sequences decoded together
 rows: int = 1  # T, query rows per sequence in one step (1 is plain decode)
 context: int = 256  # S, cached positions per sequence (the KV cache's capacity)
-chip: str = "v6e"  # a name from mk.chips.CHIP_NAMES: the chip of rooflines and budgets
+chip: str = "v6e"  # a name from mk.model.chips.CHIP_NAMES: the chip of rooflines and budgets
 backend: str = "auto"  # "auto" (Mosaic on a TPU, else interpret), "interpret" or "hardware"
 seed: int = 0  # seed of the random weights and inputs
 checkpoint: str = ""  # a local Hugging Face checkpoint folder; "" for random weights
@@ -90,16 +90,18 @@ import jax
 from IPython.display import display
 
 import mk
-import mk.backend
-import mk.run
-from mk import ledger, measure, plots, sim
+import mk.kernels.backend
+import mk.course.run
+from mk.cost import ledger, sim
+from mk.measure import measure
+from mk import plots
 from mk.kernels.dma_probe import dma_probe_kernel
-from mk.kernels.plan import DecodePlan
+from mk.step.plan import DecodePlan
 
-mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
-run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
+mk.course.run.check_parameters(globals())  # papermill's -p names, every parameter's type
+run = mk.course.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
-mode = mk.backend.resolve(run.backend)
+mode = mk.kernels.backend.resolve(run.backend)
 on_tpu = mode == "hardware"
 kind = jax.devices()[0].device_kind
 chip_name = measure.chip_of(kind) if on_tpu else run.chip
@@ -139,7 +141,7 @@ plots.show_source(dma_probe_kernel)
 # extra copies must move gigabytes (`Sweep.min_extra_bytes`, `Sweep.counts_for`): with
 # 512 extra 256 KiB copies, 164 us of work, a v5e's wall clock "measured" 6.7 TB/s on a
 # chip of 819 GB/s. A point faster than the datasheet is refused as noise.
-# The same code, `mk.measure.measure`, times one megakernel step of `preset`.
+# The same code, `mk.measure.measure.measure`, times one megakernel step of `preset`.
 
 # %%
 record = measure.measure(run.backend, sweep=probe_sweep, config=run.config, batch=run.batch,
@@ -224,7 +226,7 @@ assert measure.load(path) == record, "the record did not survive its JSON"
 # file (by default the chip's own `data/measured/<chip>.json` when it exists, else the
 # assumed defaults) and says where they came from in `source`. On a TPU that is the
 # file just written. On a CPU it is an **example** file, made up with a latency of
-# `example_latency_us` (`mk.measure.example`, labelled so): it shows what a measured
+# `example_latency_us` (`mk.measure.measure.example`, labelled so): it shows what a measured
 # file changes, and measures nothing.
 
 # %%
@@ -278,7 +280,7 @@ plots.show(fig)
 # %% [markdown]
 # **Exercise: a CPU's times as a TPU's.** Set `exercise_write_as = "v6e"` (on a TPU: any
 # chip but this one's): the cell tries to write this run's record as that chip's measured
-# file, and the last cell fails with the reason `mk.measure.write` refused it.
+# file, and the last cell fails with the reason `mk.measure.measure.write` refused it.
 
 # %%
 exercise_error = None
@@ -296,7 +298,7 @@ if exercise_write_as:
 # data/measured/v5e.json), and `benchmarks/tpu_steps.py` timed the megakernel's device
 # loops there (data/measured/v5e-steps.json). The DMA probe alone leaves the simulator
 # fast on the steps that read much KV: the attention loop takes KV slower than the DMA
-# engine brings it. `mk.calibration` reads that rate, and a per-sequence cost, from sweeps
+# engine brings it. `mk.cost.calibration` reads that rate, and a per-sequence cost, from sweeps
 # of those loops (context at B = 1, then B at one context); the table gives each row's
 # "calibrated step" and its error against the chip:
 

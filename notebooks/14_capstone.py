@@ -29,7 +29,7 @@
 # bf16 models have no packed group to feed.
 #
 # **The rules.** Your tokens must be the reference's: greedy decoding with your block
-# against `mk.reference`, every token exact (on a chip a near-tie, `mk.exactness`, is named
+# against `mk.model.reference`, every token exact (on a chip a near-tie, `mk.measure.exactness`, is named
 # and allowed; a wrong token fails). Your time must be measured on the chip, against the
 # baseline the committed record holds (data/measured/v5e-steps.json: its commit and date
 # are printed with it) and against the step's HBM floor, which no step can beat. The
@@ -82,11 +82,11 @@ if mk_spec is None or mk_spec.origin is None:
            "package: rename it or work in another directory" if mk_spec else ""))
 
 # %% tags=["parameters"]
-preset: str = "qwen3-0.6b"  # a name from mk.presets.PRESET_NAMES
+preset: str = "qwen3-0.6b"  # a name from mk.model.presets.PRESET_NAMES
 batch: int = 1  # B, sequences decoded together
 rows: int = 1  # T, query rows per sequence in one step (1 is plain decode)
 context: int = 1024  # S, cached positions per sequence (the KV cache's capacity)
-chip: str = "v5e"  # a name from mk.chips.CHIP_NAMES: the chip of rooflines and budgets
+chip: str = "v5e"  # a name from mk.model.chips.CHIP_NAMES: the chip of rooflines and budgets
 backend: str = "auto"  # "auto" (Mosaic on a TPU, else interpret), "interpret" or "hardware"
 seed: int = 0  # seed of the random weights and inputs
 checkpoint: str = ""  # a local Hugging Face checkpoint folder; "" for random weights
@@ -107,14 +107,18 @@ import numpy as np
 from IPython.display import display
 
 import mk
-import mk.backend
-import mk.run
-from mk import calibration, exactness, measure, megakernel, perf, plots, reference, sim
+import mk.kernels.backend
+import mk.course.run
+from mk.cost import calibration, perf, sim
+from mk.measure import exactness, measure
+from mk.step import megakernel
+from mk import plots
+from mk.model import reference
 from mk.kernels.common import KV_ALIGN, VmemBudget
-from mk.kernels.plan import DecodePlan, capacity
+from mk.step.plan import DecodePlan, capacity
 
-mk.run.check_parameters(globals())  # papermill's -p names, every parameter's type
-run = mk.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
+mk.course.run.check_parameters(globals())  # papermill's -p names, every parameter's type
+run = mk.course.run.validate_run(preset=preset, batch=batch, rows=rows, context=context, chip=chip,
                           backend=backend, seed=seed, checkpoint=checkpoint)
 if run.rows != 1 or run.checkpoint:
     raise NotImplementedError(f"rows={run.rows}, checkpoint={run.checkpoint!r}: the capstone "
@@ -123,7 +127,7 @@ for name, value in (("loop_steps", loop_steps), ("repeats", repeats),
                     ("check_steps", check_steps)):
     if value < 1:
         raise ValueError(f"{name}={value} must be >= 1")
-mode = mk.backend.resolve(run.backend)
+mode = mk.kernels.backend.resolve(run.backend)
 on_tpu = mode == "hardware"
 spec = mk.chip(measure.chip_of(jax.devices()[0].device_kind) if on_tpu else run.chip)
 config, where = run.config, f"measured on {spec.name}"
@@ -133,7 +137,7 @@ print(f"{config.name}, B={run.batch}, context {run.context}; kernels run on: {mo
 # %% [markdown]
 # ## Your block
 #
-# The baseline block is the one the record was timed with: `mk.measure.step_plans`'
+# The baseline block is the one the record was timed with: `mk.measure.measure.step_plans`'
 # device-loop plan, the default tiling of `DecodePlan.make` with no chip given. Yours is
 # that block with each knob you set; `DecodePlan.make` refuses a block that does not cut
 # the model's matrices or its cache (naming the field), and its buffers must fit the
@@ -157,9 +161,9 @@ print(f"your plan: {plan.stream.total} weight tiles a step, VMEM "
 # %% [markdown]
 # ## The baseline and the floor
 #
-# The record's row for this step (`mk.calibration.load_steps`, with its commit and date:
-# `mk.calibration.provenance`), its device-loop step, and the HBM floor of the step
-# (`mk.perf.predict`: its bytes over the chip's HBM bandwidth). The floor's share of the
+# The record's row for this step (`mk.cost.calibration.load_steps`, with its commit and date:
+# `mk.cost.calibration.provenance`), its device-loop step, and the HBM floor of the step
+# (`mk.cost.perf.predict`: its bytes over the chip's HBM bandwidth). The floor's share of the
 # step is how close to the bytes' own time the kernel runs.
 
 # %%
@@ -185,13 +189,13 @@ else:
 # ## Predicted: the simulator
 #
 # Iterate here before spending chip time. The simulated step replays your plan's tile
-# schedule on a model of the chip (`mk.sim.simulate`, its default latencies); the
+# schedule on a model of the chip (`mk.cost.sim.simulate`, its default latencies); the
 # calibrated step does the same with the chip's measured inputs
-# (`mk.calibration.assumptions`, where the chip has records: the DMA probe and the
-# attention loop's KV rate; `mk.ledger.basis_table()` says how close it came to each
+# (`mk.cost.calibration.assumptions`, where the chip has records: the DMA probe and the
+# attention loop's KV rate; `mk.cost.ledger.basis_table()` says how close it came to each
 # recorded device loop). Both are simulations, not measurements. The last line gives the
 # ring slots Little's law asks for at the chip's measured DMA latency
-# (`mk.sim.latency_slots`, notebook 01): the depth that covers one latency, where to
+# (`mk.cost.sim.latency_slots`, notebook 01): the depth that covers one latency, where to
 # start looking, not the answer.
 
 # %%
@@ -217,7 +221,7 @@ if row and calibrated:
 # %% [markdown]
 # ## Tokens exact
 #
-# Greedy decoding with your block against `mk.reference.generate`, from a prompt that ends
+# Greedy decoding with your block against `mk.model.reference.generate`, from a prompt that ends
 # just before a KV tile's edge so the checked steps cross it. On a TPU this is the model
 # itself with your whole block; in interpret mode (a CPU) it is `check_preset` with its
 # own tiles and your ring depths (`slots`, `kv_slots`): the real model's tiles are
@@ -250,7 +254,7 @@ del params  # the chip's memory goes to the timed step
 # %% [markdown]
 # ## Measured: your step on the chip
 #
-# On a TPU: the default block's device loop by `mk.measure.time_step_series` (what the
+# On a TPU: the default block's device loop by `mk.measure.measure.time_step_series` (what the
 # record holds, measured again on this chip now), and your block's the same way (a device
 # loop of `loop_steps` greedy steps, the median of `repeats` loops, over its steps). In
 # interpret mode the CPU's time says nothing about a TPU, so nothing is timed.

@@ -7,7 +7,7 @@ feeds a perfect draft to the megakernel, T rows per step; `replay_tile_by_tile` 
 the simulator's fast-forward off; `simulated_step` replays the plan of a config's step at a
 position.
 
-The HF names below are spelled out by hand, independently of `mk.hf_layout.hf_layout`, so
+The HF names below are spelled out by hand, independently of `mk.model.hf_layout.hf_layout`, so
 a round trip through them tests the loader's mapping rather than repeating it.
 """
 
@@ -24,9 +24,10 @@ import pytest
 from safetensors.numpy import save_file
 
 import mk
-from mk import quant, sim
-from mk.config import ModelConfig
-from mk.kernels.plan import DecodePlan
+from mk.model import quant
+from mk.cost import sim
+from mk.model.config import ModelConfig
+from mk.step.plan import DecodePlan
 
 
 def kimi_gqa() -> ModelConfig:
@@ -239,7 +240,7 @@ def hf_logits(model, prompt) -> np.ndarray:
 
 def assert_prefill_matches_hf(model, config, params, prompt, rtol_of_scale: float):
     """mk's prefill logits within rtol_of_scale x max |logit| of transformers' forward."""
-    from mk import reference as R
+    from mk.model import reference as R
 
     want = hf_logits(model, prompt)
     got = np.asarray(R.prefill(config, params, prompt)[0])
@@ -248,9 +249,9 @@ def assert_prefill_matches_hf(model, config, params, prompt, rtol_of_scale: floa
 
 def assert_greedy_matches_hf(model, config, params, prompt, steps: int, generate=None):
     """mk's `steps` greedy tokens after `prompt` equal transformers' generate. generate:
-    (config, params, prompt, steps) -> tokens [B, steps], default `mk.reference.generate`
+    (config, params, prompt, steps) -> tokens [B, steps], default `mk.model.reference.generate`
     (the megakernel's `generate` is another)."""
-    from mk import reference as R
+    from mk.model import reference as R
 
     want = hf_greedy(model, prompt, steps)
     assert want.shape == (prompt.shape[0], steps)
@@ -262,11 +263,11 @@ def assert_t4_steps_predict_hf_tokens(model, config, params, prompt, steps: int 
                                       step=None):
     """Prefill, then feed transformers' greedy tokens 4 rows per step: every row's argmax
     is transformers' next token (so the caches carry across steps). step: (cache, tokens
-    [B, 4], positions [B]) -> (logits [B, 4, V], cache), default `mk.reference.decode_step`
+    [B, 4], positions [B]) -> (logits [B, 4, V], cache), default `mk.model.reference.decode_step`
     of `params` (the megakernel's is another)."""
     import jax.numpy as jnp
 
-    from mk import reference as R
+    from mk.model import reference as R
 
     B, P = prompt.shape
     want = hf_greedy(model, prompt, 4 * steps + 1)  # token 0 from prefill, then 4 per step
@@ -288,8 +289,8 @@ def assert_rollback_exact(config, params, *, rows: int, accepted):
     (the cache after all rows, the row states)."""
     import jax.numpy as jnp
 
-    from mk import reference as R
-    from mk.cache import rollback
+    from mk.model import reference as R
+    from mk.model.cache import rollback
 
     accepted = np.asarray(accepted)
     assert accepted[0] < rows, "sequence 0 is the planted bug's witness"
@@ -324,8 +325,10 @@ def assert_verify_steps(config, params, values, prompt, want, rows: int, tokens:
     detect_races=False: a planted bug's check, whose kernel's tokens alone are asked."""
     import jax.numpy as jnp
 
-    from mk import backend, megakernel, quant, reference
-    from mk.kernels.plan import DecodePlan, default_block
+    from mk.kernels import backend
+    from mk.step import megakernel
+    from mk.model import quant, reference
+    from mk.step.plan import DecodePlan, default_block
 
     if block is None:
         block = default_block(config, 128, formats=quant.formats_of(params))
@@ -355,7 +358,7 @@ def bar_count(text: str) -> tuple[int, int] | None:
 
 
 def quantised_cases(fast: str) -> list:
-    """(scheme, dtype) of every mk.quant scheme in float32 and bfloat16: `fast` in float32
+    """(scheme, dtype) of every mk.model.quant scheme in float32 and bfloat16: `fast` in float32
     in the default run (kernel and reference multiply the same dequantised values, so
     they differ by summation order only), the others `slow`."""
     return [pytest.param(scheme, dtype, marks=() if (scheme, dtype) == (fast, "float32")
@@ -393,7 +396,7 @@ REPLAY_ARGS = ("cross_layer_prefetch", "routing", "experts_active", "assumptions
 
 
 def simulated_step(config: ModelConfig, chip, *, context: int = 0, **kw) -> sim.Simulation:
-    """`mk.sim.simulate` of the plan of `config` for `chip`, every sequence at `context`
+    """`mk.cost.sim.simulate` of the plan of `config` for `chip`, every sequence at `context`
     (`DecodePlan.make(config, chip=, position=context, kernel=False, **plan knobs)`);
     `simulate`'s own arguments (REPLAY_ARGS) go to it."""
     replay = {k: kw.pop(k) for k in REPLAY_ARGS if k in kw}

@@ -20,7 +20,7 @@ if os.environ.get("MK_TPU") != "1":
     # Workers and notebook kernels inherit it.
     _flags = os.environ.get("XLA_FLAGS", "").split()
     os.environ["XLA_FLAGS"] = " ".join(_flags + [f for f in CPU_COMPILE_FLAGS if f not in _flags])
-# Captures the tests make (mk.profiling, notebook 08) go to a folder of this run, never
+# Captures the tests make (mk.measure.profiling, notebook 08) go to a folder of this run, never
 # into the checkout's profiles/ (set before mk is imported; workers and notebook kernels
 # inherit it).
 os.environ.setdefault("MK_PROFILES", tempfile.mkdtemp(prefix="mk-test-profiles-"))

@@ -54,7 +54,7 @@ def planted_race_caught(n: int) -> bool:
     says how often), so a run's "no race" counts only when this is True (`race_free`)."""
     import jax
 
-    from mk import backend
+    from mk.kernels import backend
     from mk.kernels import collectives
 
     x = np.random.default_rng(n).standard_normal((2 * n, 8, 256), np.float32)

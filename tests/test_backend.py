@@ -1,4 +1,4 @@
-"""mk.backend: the backend names, and the DMA bookkeeping check of interpret mode on
+"""mk.kernels.backend: the backend names, and the DMA bookkeeping check of interpret mode on
 hand-written kernels that start a copy once, twice, or start it and never wait.
 
 (The ring's planted bugs, caught by the same check, are in
@@ -15,7 +15,7 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mk import backend
+from mk.kernels import backend
 
 
 def _copy_kernel(x_hbm, out_vmem, sem, *, starts, waits):

@@ -21,11 +21,12 @@ import pytest
 from builders import hf_config_dict, hf_tensors, save_hf_checkpoint, write_hf_folder
 
 import mk
-from mk import megakernel, quant
-from mk.checkpoint import init_params, load_checkpoint
-from mk.config import ModelConfig
-from mk.kernels.plan import DecodePlan
-from mk.presets import preset
+from mk.step import megakernel
+from mk.model import quant
+from mk.model.checkpoint import init_params, load_checkpoint
+from mk.model.config import ModelConfig
+from mk.step.plan import DecodePlan
+from mk.model.presets import preset
 
 TINY = preset("tiny")
 
@@ -224,9 +225,9 @@ def _planted(params, scheme, field, index, value):
 def test_nan_scales_and_codes_are_refused_where_quantised_weights_enter(params, scheme,
                                                                          field, value, what):
     """A NaN or inf scale (or a code that decodes to NaN) spoils a whole group of weights:
-    `mk.quant.check_values` names the weight, the field, the count and the first index,
+    `mk.model.quant.check_values` names the weight, the field, the count and the first index,
     before anything is traced, wherever concrete quantised weights enter: quantize (a
-    weight it keeps quantised), mk.megakernel.prepare, and the loader
+    weight it keeps quantised), mk.step.megakernel.prepare, and the loader
     (tests/test_quant.py: fp8 and MXFP4 checkpoints)."""
     bad = _planted(params, scheme, field, (1, 0, 2), value)
     size = getattr(bad["wq"], field).size

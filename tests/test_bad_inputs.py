@@ -28,15 +28,19 @@ import pytest
 from builders import hf_config_dict, save_hf_checkpoint, write_hf_folder
 
 import mk  # noqa: F401  (sets the CPU platform before jax initialises)
-from mk import backend, megakernel, reference, spec, tpu
-from mk import tensor_parallel as tpar
-from mk.checkpoint import init_params, load_checkpoint
-from mk.config import ModelConfig
-from mk.presets import preset
+from mk.kernels import backend
+from mk.step import megakernel
+from mk.model import reference
+from mk.speculative import spec
+from mk.measure import tpu
+from mk.step import tensor_parallel as tpar
+from mk.model.checkpoint import init_params, load_checkpoint
+from mk.model.config import ModelConfig
+from mk.model.presets import preset
 from mk.kernels import collectives
 from mk.kernels.common import BlockSizes
-from mk.kernels.plan import DecodePlan
-from mk.shards import check_tp
+from mk.step.plan import DecodePlan
+from mk.step.shards import check_tp
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = preset("tiny")
@@ -262,7 +266,7 @@ def test_speculation_on_a_loaded_checkpoint_with_the_default_context(tmp_path, p
 
 # -- Hangs ------------------------------------------------------------------------------------
 def test_tp2_on_exactly_two_cpu_devices_is_refused_not_a_hang():
-    code = ("import jax.numpy as jnp, mk\nfrom mk import tensor_parallel as t\n"
+    code = ("import jax.numpy as jnp, mk\nfrom mk.step import tensor_parallel as t\n"
             "c = mk.preset('tiny')\n"
             "t.generate(c, mk.init_params(c), jnp.array([[1, 2]]), 2, tp=2)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -337,7 +341,7 @@ def test_numpy_integer_steps_and_tp_are_accepted(params):
     (lambda: preset(["tiny"]), r"preset=\['tiny'\] does not exist; choose one of"),
     (lambda: mk.chip(["v6e"]), r"chip=\['v6e'\] is not known; choose one of"),
     (lambda: load_checkpoint(None), "path=None must be a checkpoint folder's path"),
-    (lambda: mk.shards.shard_params(TINY, None, 2),
+    (lambda: mk.step.shards.shard_params(TINY, None, 2),
      "params is a NoneType; expected a dict of weights")])
 def test_a_top_level_argument_of_the_wrong_type_is_named_not_a_type_error(call, message):
     """Issue 65 re-check: each raised TypeError (unhashable type: 'list'; expected str,
@@ -376,7 +380,7 @@ def test_a_topology_name_without_its_shape_is_refused():
 def test_an_unsharded_cache_to_the_tp_step_says_to_shard_it():
     cache = reference.init_cache(TINY, 1, 16)
     with pytest.raises(ValueError, match=r"must each be \[tp=1, \.\.\.\] \(k: \[tp, L, B, "
-                                         r"K_local, S, H\]\); shard .*mk.shards.shard_cache"):
+                                         r"K_local, S, H\]\); shard .*mk.step.shards.shard_cache"):
         tpar.decode_step(_plan16(), {}, cache, [[1]], [0], mesh=collectives.tp_mesh(1))
 
 
@@ -404,7 +408,7 @@ def test_make_clean_keeps_the_runs_and_clean_runs_removes_them(tmp_path):
 def test_a_kernel_called_on_cpu_outside_backend_use_says_what_to_do(params):
     cache = reference.init_cache(TINY, 1, 16)
     block = BlockSizes(kv_tile=16)
-    with pytest.raises(ValueError, match=r"inside `with mk.backend.use\('interpret'\):`"):
+    with pytest.raises(ValueError, match=r"inside `with mk.kernels.backend.use\('interpret'\):`"):
         plan = DecodePlan.make(TINY, batch=1, context=16, block=block)
         megakernel.decode_step(plan, megakernel.prepare(plan, params), cache, [[1]], [0])
 
@@ -413,14 +417,15 @@ def test_a_kernel_called_on_cpu_outside_backend_use_says_what_to_do(params):
 def test_entry_points_without_quantised_weights_say_so_by_name(params):
     q = mk.quantize(TINY, params, dense="int8")
     message = (r"params\['wq'\] is quantised \(int8\); {} takes plain bfloat16 weights: pass "
-               r"mk.quant.dequantize\(params\), or decode with mk.megakernel.generate")
+               r"mk.model.quant.dequantize\(params\), or decode with mk.step.megakernel.generate")
     for entry, call in (
-            ("mk.reference", lambda: reference.generate(TINY, q, [[1, 2]], 2)),
-            ("mk.spec.generate", lambda: spec.generate(TINY, q, [[1, 2]], 2, drafter="ngram",
+            ("mk.model.reference", lambda: reference.generate(TINY, q, [[1, 2]], 2)),
+            ("mk.speculative.spec.generate", lambda: spec.generate(TINY, q, [[1, 2]], 2,
+                                                                   drafter="ngram",
                                                        gamma=2))):
         with pytest.raises(ValueError, match=message.format(entry)):
             call()
-    # mk.tensor_parallel.generate and mk.shards.shard_params take them (issue 34:
+    # mk.step.tensor_parallel.generate and mk.step.shards.shard_params take them (issue 34:
     # tests/test_quant_shards.py)
 
 
@@ -448,8 +453,9 @@ def test_an_all_linear_hybrid_runs_in_the_megakernel(family):
 
 @pytest.mark.slow
 def test_an_all_linear_hybrid_runs_tensor_parallel():
-    code = ("import dataclasses, numpy as np, mk\nfrom mk import backend, reference\n"
-            "from mk import tensor_parallel as t\n"
+    code = ("import dataclasses, numpy as np, mk\nfrom mk.kernels import backend\n"
+            "from mk.model import reference\n"
+            "from mk.step import tensor_parallel as t\n"
             "c = dataclasses.replace(mk.preset('tiny-hybrid'), layers=3, linear_key_heads=2,"
             " layer_types=('linear',) * 3)\np = mk.init_params(c)\n"
             "want = reference.generate(c, p, [[1, 2, 3]], 3, max_context=16)\n"
@@ -503,5 +509,5 @@ def test_a_seed_that_is_not_a_non_negative_integer_is_refused(params, seed):
 
 
 def test_tp_generate_outside_backend_use_says_what_to_do(params):
-    with pytest.raises(ValueError, match=r"inside `with mk.backend.use\('interpret'\):`"):
+    with pytest.raises(ValueError, match=r"inside `with mk.kernels.backend.use\('interpret'\):`"):
         tpar.generate(TINY, params, [[1, 2]], 2, tp=1)

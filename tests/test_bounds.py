@@ -1,4 +1,4 @@
-"""mk.bounds: every semaphore, scratch, SMEM and HBM index of the megakernel on every model
+"""mk.measure.bounds: every semaphore, scratch, SMEM and HBM index of the megakernel on every model
 family (tp 1, and tp 2 where the preset splits) and of the MoE, one-layer and linear-layer
 stage kernels lies inside what it allocated, checked on the traced jaxpr (nothing runs).
 
@@ -16,12 +16,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import mk
-from mk import bounds, intervals, megakernel, reference
-from mk.kernels import one_layer
-from mk.kernels import plan as plan_module
-from mk.kernels.deltanet import gated_deltanet
-from mk.kernels.mlp import MOE_SMALL_LOADS
-from mk.weights import abstract_params
+from mk.measure import bounds, intervals
+from mk.step import megakernel
+from mk.model import reference
+from mk.step import one_layer
+from mk.step import plan as plan_module
+from mk.kinds.linear.deltanet import gated_deltanet
+from mk.kinds.mlp.mlp import MOE_SMALL_LOADS
+from mk.model.weights import abstract_params
 
 
 def _kernel(body, n=4, sems=2):
@@ -186,13 +188,13 @@ def test_planted_two_small_semaphores_fail_the_check(monkeypatch):
     bad = [a for a in found if not a.in_range]
     assert bad and {a.ref for a in bad} == {"scratch['layer']['small_sems']"}
     assert {(a.interval, a.size) for a in bad} == {((2, 2), 2)}
-    assert any("kinds/mlp.py" in a.where for a in bad)  # the MoE kind's router DMA
+    assert any("kinds/mlp/kinds.py" in a.where for a in bad)  # the MoE kind's router DMA
 
 
 def test_the_moe_stage_kernel_with_a_sigmoid_router_and_shared_expert_is_in_range():
     M, D, E, Fe, Fs = 4, 256, 8, 128, 128
     bf16 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.bfloat16)
-    call = functools.partial(mk.kernels.mlp.moe, top_k=2, renormalise=True,
+    call = functools.partial(mk.kinds.mlp.mlp.moe, top_k=2, renormalise=True,
                              router_score="sigmoid", expert_groups=2, topk_groups=1)
     found = bounds.check(lambda h, r, g, u, d, b, sg, su, sd: call(
         h, r, g, u, d, router_bias=b, shared=(sg, su, sd)),

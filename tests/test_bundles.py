@@ -1,4 +1,4 @@
-"""mk.bundles: the per-tile loops read from libtpu's bundle dump of the compiled megakernel,
+"""mk.cost.bundles: the per-tile loops read from libtpu's bundle dump of the compiled megakernel,
 and the simulator's use of their cost. The parser is checked on hand-written dumps in the
 real format; one real compile (qwen3-0.6b on TPU7x, ~20 s) checks the kernel's per-tile
 loops and the issue-time rule of issue 14 on it. The whole kernel's static schedule
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 import mk
-from mk import bundles, ledger, probes, sim
+from mk.cost import bundles, ledger, probes, sim
 from mk.kernels.common import SLOTS
-from mk.kernels.plan import RING_COVER_S, DecodePlan
+from mk.step.plan import RING_COVER_S, DecodePlan
 from mk.kernels.stream import little_slots
 from builders import simulated_step
 
@@ -237,7 +237,7 @@ def _resimulated(row, block=None):
 
 # (preset, chip, tp, storage) -> the ends of the clock range at which a recorded kernel's
 # tiles of that storage ("plain", a packed scheme, or either with a tile shape of its own:
-# `mk.bundles.storage_name`) issue slower than 0.9 x their own DMA (bundles / clock
+# `mk.cost.bundles.storage_name`) issue slower than 0.9 x their own DMA (bundles / clock
 # against the tile's bytes at one core's bandwidth). Issue 34: the 27B's TP8 shard takes
 # 5120 x 128 tiles (its MLP's 2176 columns a device are 17 x 128), stored folded 4
 # ([1280, 512], `mk.kernels.fold`): its costliest loop, a transposed tile's, issues in
@@ -251,7 +251,7 @@ def _resimulated(row, block=None):
 # kimi-k2-shaped, with gate|up joined, a trip through an expert's two FP4 tiles took
 # 4.2-4.9x (0.99-1.15x). At the low end no loop can bring an FP4 tile under 0.9: the MXU's
 # own fp8 feed floor is 0.99x an FP4 weight's DMA there
-# (`mk.feed_costs.feed_floor_over_dma`; tests/test_feed_costs.py's MXU_BOUND), and the
+# (`mk.cost.feed_costs.feed_floor_over_dma`; tests/test_feed_costs.py's MXU_BOUND), and the
 # trip's vector work (unpacking, each 32-row group's product scaled and summed) alone
 # fills 2.6x (2,837 vector ALU ops a trip in kimi-k2-shaped's dump, at most four a
 # bundle).
@@ -377,7 +377,7 @@ def f(x):
     return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
                           name="mk_toy")(x)
 
-r = mk.tpu.compile_for_chip(f, [jax.ShapeDtypeStruct((8, 128), jnp.float32)], sys.argv[1])
+r = mk.measure.tpu.compile_for_chip(f, [jax.ShapeDtypeStruct((8, 128), jnp.float32)], sys.argv[1])
 sys.exit(0 if r.ok else 1)
 """
 

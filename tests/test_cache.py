@@ -1,4 +1,4 @@
-"""mk.cache: each model's cache type comes from its mixer kinds, every field is checked
+"""mk.model.cache: each model's cache type comes from its mixer kinds, every field is checked
 against its row of the table (naming the field, its value and the limit), and the state
 fields are what a step returns per row and a verifier rolls back. No decoding here: the
 caches in use are tested through the reference (test_reference, test_hybrid, test_kimi),
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import mk
-from mk import cache as C
-from mk import shards
+from mk.model import cache as C
+from mk.step import shards
 
 
 def _kimi_full_only():
@@ -112,7 +112,7 @@ def test_sharded_fields_follow_their_split_rule():
 def test_an_mla_only_models_empty_linear_fields_shard_to_tp_devices():
     """No linear layer: conv and state hold zero layers, and each still shards [tp, 0,
     ...] (the state's split by value heads once took an empty index and lost its tp axis,
-    an IndexError in `mk.tensor_parallel`'s per-device unstacking)."""
+    an IndexError in `mk.step.tensor_parallel`'s per-device unstacking)."""
     config = _kimi_full_only()
     cache = C.init_cache(config, 2, 8)
     sharded = shards.shard_cache(config, cache, 2)

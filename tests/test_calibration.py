@@ -1,4 +1,4 @@
-"""mk.calibration: the simulator against the v5e's recorded device loops (issue 59).
+"""mk.cost.calibration: the simulator against the v5e's recorded device loops (issue 59).
 
 The record data/measured/v5e-steps.json was measured on a TPU v5e (benchmarks/
 tpu_steps.py); these tests read it and simulate, on the CPU, with no TPU.
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from mk import calibration, ledger
-from mk.chips import spec_of
-from mk.machine import Assumptions
+from mk.cost import calibration, ledger
+from mk.model.chips import spec_of
+from mk.cost.machine import Assumptions
 
 
 def _show(rows) -> str:
@@ -206,8 +206,8 @@ def test_one_dispatched_steps_add_the_hosts_call_when_the_cache_was_donated(tmp_
 @pytest.mark.parametrize("script", ["tpu_steps", "tpu_models"])
 def test_the_chips_benchmarks_import_on_a_machine_without_plotly(script):
     """A bare TPU machine has jax but not plotly or IPython (../shared/PLATFORM.md): the
-    benchmarks that write its records, and `mk.calibration` under them, must not need them
-    (the table that shows the steps record is `mk.ledger.steps_table`)."""
+    benchmarks that write its records, and `mk.cost.calibration` under them, must not need them
+    (the table that shows the steps record is `mk.cost.ledger.steps_table`)."""
     root = Path(__file__).resolve().parent.parent
     code = ("import sys\nfor m in ('plotly', 'IPython'): sys.modules[m] = None\n"
             f"sys.path.insert(0, {str(root / 'benchmarks')!r})\nimport {script}\n")

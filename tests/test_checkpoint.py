@@ -1,4 +1,4 @@
-"""`mk.checkpoint.load_checkpoint`: round trips through Hugging Face folders written without
+"""`mk.model.checkpoint.load_checkpoint`: round trips through Hugging Face folders written without
 torch, and one test per way a checkpoint can be wrong (each asserts the error names the
 offending tensor or file). The external oracle (real transformers models) is
 tests/test_oracle_transformers.py.
@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from builders import hf_config_dict, hf_tensors, save_hf_checkpoint, write_hf_folder
 
-import mk.checkpoint
-from mk.checkpoint import init_params, load_checkpoint
-from mk.hf_layout import hf_layout
-from mk.presets import preset
-from mk.weights import param_shapes
+import mk.model.checkpoint
+from mk.model.checkpoint import init_params, load_checkpoint
+from mk.model.hf_layout import hf_layout
+from mk.model.presets import preset
+from mk.model.weights import param_shapes
 
 # from_hf sets max_context = min(4096, max_position); tiny presets use max_position 4096.
 TINY = dataclasses.replace(preset("tiny"), max_context=4096)
@@ -169,7 +169,7 @@ def test_a_header_over_safetensors_limit_is_not_read_to_name_cut_tensors(tmp_pat
     write_hf_folder(hf_config_dict(TINY), hf_tensors(TINY, init_params(TINY)), tmp_path)
     path = tmp_path / "model.safetensors"
     path.write_bytes(path.read_bytes()[:-100])
-    monkeypatch.setattr(mk.checkpoint, "HEADER_MAX_BYTES", 16)
+    monkeypatch.setattr(mk.model.checkpoint, "HEADER_MAX_BYTES", 16)
     message = load_error(tmp_path)
     assert "model.safetensors: not a readable safetensors file" in message
     assert "data ends before tensors" not in message

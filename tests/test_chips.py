@@ -1,4 +1,4 @@
-"""data/chips.csv and mk.chips: every row is complete and sourced, lookups fail loudly, and
+"""data/chips.csv and mk.model.chips: every row is complete and sourced, lookups fail loudly, and
 the TPU rows agree with what libtpu itself reports for their topology names."""
 
 import dataclasses
@@ -10,8 +10,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from mk import chips, tpu
-from mk.chips import CHIP_NAMES, ChipSpec, all_chips, chip
+from mk.model import chips
+from mk.measure import tpu
+from mk.model.chips import CHIP_NAMES, ChipSpec, all_chips, chip
 
 MIB, GIB = 1 << 20, 1 << 30
 

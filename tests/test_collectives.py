@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 import mk  # noqa: F401  (sets the CPU platform before jax initialises)
-from mk import backend, tpu
+from mk.kernels import backend
+from mk.measure import tpu
 from mk.kernels import collectives
 from multidevice import planted_race_caught, race_free, run
 
@@ -35,7 +36,7 @@ def inputs(n: int):
     logits = rng.integers(0, 6, (TIMES["argmax"], ROWS, n * VOCAB_SHARD)).astype(np.float32)
     logits[0, 0, :] = 1.0
     logits[0, 0, -1] = 9.0  # the best logit is a padding column: it must not win
-    # NaN is larger than any number (mk.reference.greedy's contract, numpy's argmax): the
+    # NaN is larger than any number (mk.model.reference.greedy's contract, numpy's argmax): the
     # first NaN wins, on the last shard alone, on two shards, and a whole row of NaN.
     logits[1, 1, -2] = np.nan
     logits[1, 2, [VOCAB_SHARD - 1, n * VOCAB_SHARD - 2]] = np.nan

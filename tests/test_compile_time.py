@@ -1,7 +1,7 @@
-"""mk.compile_time (benchmarks/compile_time.py's benchmark): its scan step is the reference
+"""mk.measure.compile_time (benchmarks/compile_time.py's benchmark): its scan step is the reference
 step, and its records are well formed.
 
-The XLA scan variant is checked against `mk.reference.decode_step` on the CPU with tiny real
+The XLA scan variant is checked against `mk.model.reference.decode_step` on the CPU with tiny real
 arrays (plain jit, no TPU), so the benchmark compares like with like. The benchmark itself
 runs for 2 and 4 layers of the tiny preset on v6e, with a stand-in for the megakernel series.
 
@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import mk
-from mk import compile_time as ct
-from mk import reference
+from mk.measure import compile_time as ct
+from mk.model import reference
 
 CHIP = "v6e"
 

@@ -1,4 +1,4 @@
-"""mk.config: presets, validation, derived sizes and Hugging Face config parsing."""
+"""mk.model.config: presets, validation, derived sizes and Hugging Face config parsing."""
 
 import dataclasses
 import re
@@ -6,13 +6,13 @@ import re
 import numpy as np
 import pytest
 
-from mk.cache import bytes_per_position
-from mk.checkpoint import init_params
-from mk.config import ModelConfig
-from mk.kernels.plan import shard_config
-from mk.presets import PRESET_NAMES, preset
-from mk.quant import stored_bytes
-from mk.weights import param_count
+from mk.model.cache import bytes_per_position
+from mk.model.checkpoint import init_params
+from mk.model.config import ModelConfig
+from mk.step.plan import shard_config
+from mk.model.presets import PRESET_NAMES, preset
+from mk.model.quant import stored_bytes
+from mk.model.weights import param_count
 
 
 def test_every_preset_builds():
@@ -46,7 +46,7 @@ def test_tiny_weight_bytes_by_hand():
 
 
 def test_fp4_experts_count_half_a_byte_each_and_a_scale_byte_per_32():
-    c = preset("kimi-k3-like")  # formats={"experts": "fp4"}: mk.quant's packed MXFP4
+    c = preset("kimi-k3-like")  # formats={"experts": "fp4"}: mk.model.quant's packed MXFP4
     assert c.formats == (("experts", "fp4"),) and c.expert_bits == 4
     layers = len(c.moe_layers)
     experts = layers * c.experts * c.expert_params * (16 + 1) // 32

@@ -15,12 +15,14 @@ import numpy as np
 import pytest
 
 import mk
-from mk import megakernel, reference, sim
-from mk.kernels import plan as plan_module
-from mk.kernels.decode_attention import write_back_rows
-from mk.kernels.plan import DecodePlan
+from mk.step import megakernel
+from mk.model import reference
+from mk.cost import sim
+from mk.step import plan as plan_module
+from mk.kinds.attention.decode_attention import write_back_rows
+from mk.step.plan import DecodePlan
 from mk.kinds.layers import TABLES
-from mk.weights import abstract_params
+from mk.model.weights import abstract_params
 from builders import simulated_step
 
 FAMILIES = ["tiny", "tiny-moe", "tiny-hybrid", "tiny-kimi", "tiny-gpt-oss"]

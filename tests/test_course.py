@@ -1,5 +1,5 @@
-"""mk.course and mk.teach: every break-it exercise's check fails with the planted mistake
-and passes without it (the real kernels on the tiny presets, interpret mode); each fix
+"""mk.course.course and mk.course.teach: every break-it exercise's check fails with the planted
+mistake and passes without it (the real kernels on the tiny presets, interpret mode); each fix
 exercise's check fails on the broken piece and passes on the fixed one; the mystery lab's
 plant is caught by its check and the named tool and a fixed copy passes; each teaching
 kernel equals the real module on the same inputs and stays short; and the notebooks'
@@ -31,13 +31,19 @@ from jax.experimental.pallas import tpu as pltpu
 
 import mk
 import mk.kernels.common
-from mk import backend, course, grading, jax_private, ops, reference, sim, spec, teach
-from mk.kernels import attention_prologue as prologue_module
-from mk.kernels import collectives, mlp, one_layer, ring
-from mk.kernels.attention_prologue import attention_prologue
-from mk.kernels.decode_attention import decode_attention
+from mk.kernels import backend, jax_private
+from mk.course import course, grading, teach
+from mk.model import ops, reference
+from mk.cost import sim
+from mk.speculative import spec
+from mk.kinds.attention import attention_prologue as prologue_module
+from mk.kernels import collectives, ring
+from mk.kinds.mlp import mlp
+from mk.step import one_layer
+from mk.kinds.attention.attention_prologue import attention_prologue
+from mk.kinds.attention.decode_attention import decode_attention
 from mk.kernels.common import BlockSizes
-from mk.kernels.plan import DecodePlan
+from mk.step.plan import DecodePlan
 from mk.kernels.stream import TileStream
 from mk.kernels.weight_streaming import stream_matmul
 from multidevice import run
@@ -262,7 +268,7 @@ def test_mystery_is_caught_localised_and_fixed(seed):
     else:
         first, _ = m.divergence()
         assert first == (0, "attn" if m._plant == "rope_off" else "mlp"), first
-    assert "runs as released" in m.suspect("mk.kernels.mlp.moe_fetch").data
+    assert "runs as released" in m.suspect("mk.kinds.mlp.mlp.moe_fetch").data
     assert m.confirm(real).startswith("fixed")
 
 
@@ -273,7 +279,8 @@ def test_reveal_refuses_an_unknown_key_and_shows_a_known_one():
         course.reveal("nope")
 
 
-# -- Fix exercises: stubs in the notebooks, worked solutions in mk.solutions ------------------
+# -- Fix exercises: stubs in the notebooks, worked solutions in mk.course.solutions
+# ------------------
 def _stub_like(fn):
     """A stub of fn's arguments whose body is `...` (it returns None), as a notebook ships."""
     space: dict = {}
@@ -518,7 +525,7 @@ def test_attempt_fails_an_untouched_stub_saying_what_to_do(capsys):
         course.attempt("03-rescale", my_update, False)
     assert course.attempt("03-rescale", teach.attend, False) is teach.attend
     assert course.attempt("03-rescale", my_update, True) is teach.online_softmax_update
-    assert "runs the worked solution, mk.teach.online_softmax_update, in place of your " \
+    assert "runs the worked solution, mk.course.teach.online_softmax_update, in place of your " \
         "my_update" in capsys.readouterr().out
     for call, message in ((lambda: course.attempt("03-rescal", my_update, False), "answer key"),
                           (lambda: course.attempt("03-rescale", my_update, "yes"),

@@ -1,6 +1,6 @@
-"""Many hosts (`mk.distributed`): each process prepares only its own devices' shards.
+"""Many hosts (`mk.step.distributed`): each process prepares only its own devices' shards.
 
-In one process: `load_shards` of any set of devices equals `mk.shards.shard_params` of the
+In one process: `load_shards` of any set of devices equals `mk.step.shards.shard_params` of the
 whole checkpoint (`mk.load_checkpoint`) for those devices, bit for bit, on a Qwen3-MoE
 checkpoint written without torch and on transformers-written Qwen3.5, Kimi Linear and
 gpt-oss ones (widths that are not whole 128-lane tiles, so lane padding and split-width
@@ -17,7 +17,7 @@ checks by counting safetensors' reads that each process read every whole tensor 
 half of every split one, the two halves together each split tensor exactly once.
 `make test-slow` also compiles the TP step ahead of time over the 2-process mesh (TPU
 interpret mode): it compiles; running it across the processes hangs, as interpret mode
-keeps every device's simulated memory and semaphores in one process (`mk.distributed`).
+keeps every device's simulated memory and semaphores in one process (`mk.step.distributed`).
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ import pytest
 import mk
 from builders import (build_hf_model, hf_config_dict, hf_tensors, save_hf_checkpoint,
                       write_hf_folder)
-from mk import quant
-from mk.distributed import check_device_indices, load_process_shards, load_shards
-from mk.hf_layout import hf_layout
-from mk.shards import shard_params, split_of
-from mk.weights import weight
+from mk.model import quant
+from mk.step.distributed import check_device_indices, load_process_shards, load_shards
+from mk.model.hf_layout import hf_layout
+from mk.step.shards import shard_params, split_of
+from mk.model.weights import weight
 
 TESTS = Path(__file__).resolve().parent
 PROCESSES, LOCAL_DEVICES, TP = 2, 2, 4
@@ -301,8 +301,8 @@ def _process(process: int, port: int, folder: str, out: str, task: str) -> None:
     from jax.experimental import multihost_utils
     from jax.sharding import Mesh
 
-    from mk import checkpoint
-    from mk.distributed import load_process_shards
+    from mk.model import checkpoint
+    from mk.step.distributed import load_process_shards
     from mk.kernels.collectives import AXIS
 
     counts: dict[str, int] = {}
@@ -328,10 +328,12 @@ def _compile_step(config, mesh, weights) -> int:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from mk import backend, megakernel, reference, tensor_parallel
+    from mk.kernels import backend
+    from mk.step import megakernel, tensor_parallel
+    from mk.model import reference
     from mk.kernels.collectives import AXIS
-    from mk.kernels.plan import DecodePlan
-    from mk.shards import shard_cache
+    from mk.step.plan import DecodePlan
+    from mk.step.shards import shard_cache
 
     tp, batch, context = mesh.shape[AXIS], 1, 64
     plan = DecodePlan.make(config, tp=tp, batch=batch, rows=1, context=context)

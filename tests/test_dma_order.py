@@ -11,13 +11,13 @@ with every DMA the kernel starts recorded in issue order (`mk.kernels.common.dma
 the megakernel is `sequenced`: its records are chained through an SMEM counter, since
 interpret mode runs a kernel's host callbacks in no fixed order). The simulator replays
 the same plan tile by tile (its fast-forward off) with every transfer recorded
-(`mk.machine.Machine.issued`). The two lists of (what, bytes) must be equal element by
-element: the same DMA names (so the same byte families, `mk.step_bytes.family_of`),
+(`mk.cost.machine.Machine.issued`). The two lists of (what, bytes) must be equal element by
+element: the same DMA names (so the same byte families, `mk.step.step_bytes.family_of`),
 the same bytes, in the same sequence. Only two things are normalised:
 - the simulator's "selected" (the routing flags' VMEM -> SMEM copy) is dropped: it is
   not HBM traffic, the kernel makes it without `start_dma` (as it makes a linear layer's
   gates' VMEM -> SMEM copies, which the simulator does not model), and
-  `mk.machine.Simulation.family_bytes` leaves it out too;
+  `mk.cost.machine.Simulation.family_bytes` leaves it out too;
 - a repeated segment's copy ("we_gate[1]" in the simulator) goes by its segment's name
   (the kernel's record).
 No phase is compared as a multiset: where the kernel issues several DMAs at one point (a
@@ -35,7 +35,7 @@ or DMAs the router after the token mixer at tp = 1 (as it does at tp > 1), moves
 bytes per family and fails the comparison. And the counter is in the kernel only when a
 log is open.
 
-Not here: totals against the plan and mk.perf (tests/test_plan.py), timing (interpret
+Not here: totals against the plan and mk.cost.perf (tests/test_plan.py), timing (interpret
 mode has none), tensor parallelism (the same kernel per device; its DMA log interleaves
 devices).
 """
@@ -45,11 +45,14 @@ import jax.numpy as jnp
 import pytest
 
 import mk
-from mk import backend, machine, megakernel, reference, sim
+from mk.kernels import backend
+from mk.cost import machine, sim
+from mk.step import megakernel
+from mk.model import reference
 from mk.kernels.common import dma_log
-from mk.kernels.plan import DecodePlan
-from mk.step_bytes import family_of
-from mk.kinds import mlp as kinds_mlp
+from mk.step.plan import DecodePlan
+from mk.step.step_bytes import family_of
+from mk.kinds.mlp import kinds as kinds_mlp
 from builders import (simulated_step, replay_tile_by_tile, tiny_bounded_kda, tiny_gated_mla,
                       tiny_latent_moe, tiny_res_layer, tiny_situ)
 
@@ -145,7 +148,7 @@ def test_the_kernel_issues_its_dmas_in_the_simulators_order(name, monkeypatch):
 
 
 def _norms_after_qk_norms(self, layer, tag=""):
-    """`mk.sim.Replay.vectors` with its two DMAs swapped (a planted bug)."""
+    """`mk.cost.sim.Replay.vectors` with its two DMAs swapped (a planted bug)."""
     c = self.c
     return max(self.mc.dma(8 * c.head_dim, layer, "qk_norms", tag),
                self.mc.dma(8 * c.hidden, layer, "norms", tag))

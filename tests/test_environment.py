@@ -73,7 +73,7 @@ def test_import_mk_keeps_an_existing_jax_platforms():
 def _profiles(cwd, **env_vars):
     env = {k: v for k, v in os.environ.items() if k != "MK_PROFILES"}
     env.update(env_vars, PYTHONPATH=str(ROOT))
-    code = "import mk.profiling; print(mk.profiling.PROFILES)"
+    code = "import mk.measure.profiling; print(mk.measure.profiling.PROFILES)"
     return subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd, text=True,
                           capture_output=True, check=True).stdout.strip()
 

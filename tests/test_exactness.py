@@ -1,4 +1,4 @@
-"""mk.exactness: the judge of greedy tokens (a hand-computed case, a planted wrong token,
+"""mk.measure.exactness: the judge of greedy tokens (a hand-computed case, a planted wrong token,
 issue 58's near-tie in interpret mode), the hardware record every model family must have
 (data/measured/<chip>-exact.json, written by the tier tests/test_tpu.py on a TPU), and no
 float32 matmul in the megakernel that a chip would round and interpret mode would not."""
@@ -15,9 +15,11 @@ import pytest
 from jax.experimental import pallas as pl
 
 import mk
-from mk import exactness, megakernel, quant, reference
-from mk.kernels.plan import DecodePlan
-from mk.hf_config import FAMILIES
+from mk.measure import exactness
+from mk.step import megakernel
+from mk.model import quant, reference
+from mk.step.plan import DecodePlan
+from mk.model.hf_config import FAMILIES
 from mk.kinds.layers import layer_kinds
 
 
@@ -49,14 +51,14 @@ def test_judge_logits_refuses_ids_out_of_range_and_a_tolerance_that_calls_all_ti
 def test_issue_58s_divergence_is_a_near_tie_in_interpret_mode_too():
     """Issue 58's gpt-oss run (bf16, seed-0 weights, prompt 1..14 as two sequences): the
     kernel gives 153, 11, 482 in interpret mode as on the chip, the bf16 reference 153,
-    338, 120. Token equality (the check before mk.exactness) fails there; the judge finds
+    338, 120. Token equality (the check before mk.measure.exactness) fails there; the judge finds
     the reference's logits for 338 and 11 0.15 apart (0.3 % of their scale) and a planted
     wrong token still fails it."""
     config = mk.preset("tiny-gpt-oss")
     params = mk.init_params(config)
     prompt = np.arange(1, 15).reshape(2, 7)
     got = np.asarray(megakernel.generate(config, params, prompt, 3, backend="interpret"))
-    want = np.asarray(mk.reference.generate(config, params, prompt, 3))
+    want = np.asarray(mk.model.reference.generate(config, params, prompt, 3))
     assert got[0].tolist() == [153, 11, 482] and want[0].tolist() == [153, 338, 120]
     verdict = exactness.judge(config, params, prompt, got)
     assert (verdict.exact, verdict.ties, verdict.wrong) == (5, 1, 0), str(verdict)
@@ -89,8 +91,8 @@ def test_a_judgement_made_in_a_cpu_process_in_advance_is_the_same_verdict():
 
 def test_every_model_family_has_a_tiny_preset_for_the_hardware_tier():
     assert set(exactness.FAMILY_PRESETS) == set(FAMILIES)
-    assert all(p in mk.presets.PRESET_NAMES + mk.presets.KIMI_PRESET_NAMES
-               + mk.presets.K3_PRESET_NAMES + mk.presets.GPT_OSS_PRESET_NAMES
+    assert all(p in mk.model.presets.PRESET_NAMES + mk.model.presets.KIMI_PRESET_NAMES
+               + mk.model.presets.K3_PRESET_NAMES + mk.model.presets.GPT_OSS_PRESET_NAMES
                for p in exactness.FAMILY_PRESETS.values())
 
 
@@ -144,7 +146,7 @@ def _step_args(config, batch=2, rows=2, context=256):
 def test_no_megakernel_dot_multiplies_float32_at_default_precision(name, dtype):
     """On a chip such a dot is one bf16 pass, in interpret mode float32: the v5e's float32
     MoE models picked other experts than the reference where interpret mode was exact.
-    Before mk.ops.exact this found 19-46 such dots in every family's float32
+    Before mk.model.ops.exact this found 19-46 such dots in every family's float32
     megakernel and the delta rule's 6 in the bf16 hybrids."""
     config = dataclasses.replace(mk.preset(name), dtype=dtype)
     assert exactness.default_precision_f32_dots(*_step_args(config)) == []
@@ -166,7 +168,7 @@ def test_a_float32_dot_at_default_precision_is_found():
 def test_quantised_params_are_an_oracle_as_their_dequantised_values_are():
     """`expect` and `judge` take the quantised params themselves (the reference decodes a
     layer at a time: a model too big to hold dequantised) and give what
-    `mk.quant.dequantize`'s values give, logit for logit."""
+    `mk.model.quant.dequantize`'s values give, logit for logit."""
     config = mk.preset("tiny-gpt-oss")
     params = mk.init_params(config, 0, dict(experts="fp4"))
     prompt = np.random.default_rng(0).integers(0, config.vocab, (2, 6))

@@ -1,6 +1,6 @@
-"""mk.feed_costs: the tile cost table (data/tile_feed_costs.json) that the simulator and
-mk.perf's compute floor read, its lookup, and its re-check against a fresh compile of the
-ring kernel's per-tile loop (`mk.probes.probe_tile`: one cheap row in CI, ~10 s; every
+"""mk.cost.feed_costs: the tile cost table (data/tile_feed_costs.json) that the simulator and
+mk.cost.perf's compute floor read, its lookup, and its re-check against a fresh compile of the
+ring kernel's per-tile loop (`mk.cost.probes.probe_tile`: one cheap row in CI, ~10 s; every
 row under `slow`, ~15 min)."""
 
 import json
@@ -10,10 +10,10 @@ import math
 import pytest
 
 import mk
-from mk import feed_costs, perf, probes, sim
-from mk.kernels.one_layer import model_block
-from mk.kernels.plan import padded_vocab
-from mk.step_bytes import shard_weight_elements
+from mk.cost import feed_costs, perf, probes, sim
+from mk.step.one_layer import model_block
+from mk.step.plan import padded_vocab
+from mk.step.step_bytes import shard_weight_elements
 from builders import simulated_step
 
 ROWS = json.loads(feed_costs.FEED_COSTS.read_text())
@@ -199,7 +199,7 @@ def test_a_packed_format_costs_its_own_row():
 
 
 def test_a_tile_fed_fp8_costs_the_fp8_feed_row():
-    """On tpu7x the plan feeds fp8 experts to the MXU as fp8 (`mk.unpack.choose_feeds`):
+    """On tpu7x the plan feeds fp8 experts to the MXU as fp8 (`mk.model.unpack.choose_feeds`):
     an expert tile costs that row, cheaper than the same storage's bf16-feed row."""
     config, spec = mk.preset("qwen3-30b-a3b"), mk.chip("tpu7x")
     run = simulated_step(config, spec, context=256, formats={"experts": "fp8"})
@@ -212,7 +212,7 @@ def test_a_tile_fed_fp8_costs_the_fp8_feed_row():
 
 
 def test_perfs_tile_floor_sums_the_same_table():
-    """mk.perf's compute floor is every streamed weight element at the table's cost: on
+    """mk.cost.perf's compute floor is every streamed weight element at the table's cost: on
     a dense model, its elements x the bf16 row / the clock; the high clock end scales it;
     FP4 experts cost their own row; the modelled step adds the collectives to it."""
     config, spec = mk.preset("qwen3-8b"), mk.chip("v6e")

@@ -1,5 +1,5 @@
 """The figures the course draws, read back from their plotly JSON: for each public figure
-function of mk.plots (and mk.profiling's, which notebook 08 draws), built on tiny data,
+function of mk.plots (and mk.measure.profiling's, which notebook 08 draws), built on tiny data,
 its traces (how many, their names), its axes' titles and units, at most 10 legend
 entries, and the drawn values against the inputs.
 
@@ -14,7 +14,9 @@ from __future__ import annotations
 import pytest
 
 import mk
-from mk import (colours, figure_rules, machine, perf, plots, profile_plots, profiling, sim_plots)
+from mk import colours, figure_rules, plots, profile_plots, sim_plots
+from mk.cost import machine, perf
+from mk.measure import profiling
 from builders import simulated_step
 
 
@@ -239,7 +241,7 @@ def test_tile_stream_draws_every_tile_once_in_consumption_order_with_its_slot():
 
 
 def test_ring_gantt_bars_are_the_schedules_issue_land_and_consume_times():
-    from mk import teach
+    from mk.course import teach
     times = dict(latency_s=0.5e-6, dma_s=0.05e-6, compute_s=0.02e-6)
     schedules = {f"{n} slots": teach.ring_schedule(_stream(n), slots=n, **times)
                  for n in (1, 3)}

@@ -1,5 +1,5 @@
 """`DecodePlan.fits(chip, prompt=, donate=)`: the HBM peak of a whole `generate` (prefill,
-preparing, decoding), checked before anything is allocated, and `mk.megakernel.check_fits`,
+preparing, decoding), checked before anything is allocated, and `mk.step.megakernel.check_fits`,
 which `generate` runs on a TPU. Numbers only: the peaks they stand for are compiled for
 v5e in tests/test_preparation.py and tests/test_prefill_memory.py.
 """
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 import mk
-from mk import megakernel
-from mk.kernels.plan import DecodePlan
+from mk.step import megakernel
+from mk.step.plan import DecodePlan
 
 
 def _plan(name: str, **formats) -> DecodePlan:

@@ -2,7 +2,7 @@
 experts) against transformers.
 
 Tiny random float32 `gpt_oss` models are written by transformers' `save_pretrained`, read
-back with `mk.load_checkpoint` and run by `mk.reference`: prefill logits within 1e-4 of
+back with `mk.load_checkpoint` and run by `mk.model.reference`: prefill logits within 1e-4 of
 their scale, 32 greedy tokens (batch 4, T = 1) and T = 4 decode steps fed transformers'
 own tokens must agree, with the context past the sliding window. Two layer patterns
 (sliding first and alternating, with biases; full first, two sliding layers in a row,
@@ -27,14 +27,17 @@ from builders import (assert_greedy_matches_hf, assert_prefill_matches_hf,
 from safetensors.numpy import load_file, save_file
 
 import mk
-from mk import megakernel, quant, spec, tpu, unpack
-from mk import reference as R
-from mk.config import padded_width
-from mk.kernels.plan import DecodePlan
+from mk.step import megakernel
+from mk.model import quant, unpack
+from mk.speculative import spec
+from mk.measure import tpu
+from mk.model import reference as R
+from mk.model.config import padded_width
+from mk.step.plan import DecodePlan
 from mk.kinds import layers
 from mk.kinds.layers import layer_kinds
-from mk.presets import GPT_OSS_PRESET_NAMES
-from mk.weights import param_count, param_shapes
+from mk.model.presets import GPT_OSS_PRESET_NAMES
+from mk.model.weights import param_count, param_shapes
 
 LOGIT_RTOL_OF_SCALE = 1e-4  # both sides float32
 PROMPT, STEPS, CONTEXT = 8, 32, 64
@@ -141,7 +144,7 @@ def written_with_mxfp4_experts(fields: dict, folder):
     and rewritten as gpt-oss stores them (`*_blocks`, `*_scales`; interleaved gate | up
     rows, quantization_config mxfp4), and the model's experts set to the values
     transformers' own converter (`convert_moe_packed_tensors`) decodes from those bytes ->
-    (model, the tensors written, layer 0's mk.quant fp4 weights by fused name). An input
+    (model, the tensors written, layer 0's mk.model.quant fp4 weights by fused name). An input
     width that is not whole 128-row packing units (a multiple of the 32-value block) is
     quantised with zero rows to the next unit, the written blocks cut back to its own."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors

@@ -6,7 +6,7 @@ a different output.
 - GQA attention (`decode_attention`): kv head c's values are all c + 1, so each query
   head's output is exactly the number of the kv head it read.
 - gated DeltaNet (`gated_deltanet`): Nk = 2 key heads, Nv = 4 value heads (G = 2),
-  against `mk.reference.linear_decoder_layer` (blocked, as transformers' `repeat_interleave`);
+  against `mk.model.reference.linear_decoder_layer` (blocked, as transformers' `repeat_interleave`);
   its guard: swapping the two key heads' weights changes the reference's output.
 - KDA (`gated_deltanet` on tiny-kimi): Nk = Nv by its config (G = 1, the map is the
   identity); its two heads, with their own per-channel decays, under the same guard
@@ -23,10 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import mk
-from mk import backend, ops, reference
+from mk.kernels import backend
+from mk.model import ops, reference
 from mk.kernels.common import BlockSizes
-from mk.kernels.decode_attention import decode_attention
-from mk.kernels.deltanet import gated_deltanet
+from mk.kinds.attention.decode_attention import decode_attention
+from mk.kinds.linear.deltanet import gated_deltanet
 
 
 def test_gqa_query_head_n_reads_kv_head_n_over_g():
@@ -67,7 +68,7 @@ def _two_key_heads():
 
 def _swap_key_heads(config, params, layer):
     """params with key heads 0 and 1 swapped in the q and k channels of lin_qkv and
-    the conv (`mk.linear_attention.conv_qkv`'s channel order: q | k | v, each by key head)."""
+    the conv (`mk.model.linear_attention.conv_qkv`'s channel order: q | k | v, each by key head)."""
     Hk, Nk = config.linear_key_dim, config.linear_key_heads
     order = np.arange(config.conv_channels)
     for part in range(2):  # q, then k

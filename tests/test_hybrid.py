@@ -1,7 +1,7 @@
 """Qwen3.5 hybrids (gated DeltaNet + gated full attention) against transformers' oracle.
 
 Tiny random float32 `qwen3_5_text` models are written by transformers' `save_pretrained`,
-read back with `mk.load_checkpoint` and run by `mk.reference`: prefill logits, 32 greedy
+read back with `mk.load_checkpoint` and run by `mk.model.reference`: prefill logits, 32 greedy
 tokens (batch 1 and 4, T = 1), and T = 4 decode steps fed transformers' own tokens must
 agree. Two layer patterns, both with a linear layer last; key and value head dims differ
 so a transposed state or swapped head axis cannot pass. Also: the delta rule and the
@@ -23,14 +23,14 @@ import mk
 from builders import (assert_greedy_matches_hf, assert_prefill_matches_hf, assert_rollback_exact,
                       assert_t4_steps_predict_hf_tokens, assert_verify_steps, hf_greedy,
                       hf_logits)
-from mk import linear_attention as la
-from mk import megakernel
-from mk import reference as R
-from mk import runners, spec
-from mk.cache import rollback
-from mk.drafters import ModelDrafter
-from mk.quant import stored_bytes
-from mk.weights import param_count, param_shapes
+from mk.model import linear_attention as la
+from mk.step import megakernel
+from mk.model import reference as R
+from mk.speculative import runners, spec
+from mk.model.cache import rollback
+from mk.speculative.drafters import ModelDrafter
+from mk.model.quant import stored_bytes
+from mk.model.weights import param_count, param_shapes
 
 SLOW = pytest.mark.slow
 
@@ -199,7 +199,8 @@ def test_rollback_restores_the_state_of_the_accepted_prefix(tiny_hybrid):
     assert rows.state.shape[2] == 4 and rows.state.dtype == jnp.float32
 
 
-# -- Speculative decoding on a hybrid (mk.spec, the reference verifier) -------------------
+# -- Speculative decoding on a hybrid (mk.speculative.spec, the reference verifier)
+# -------------------
 SPEC_STEPS = 8
 
 
@@ -299,10 +300,10 @@ def test_presets_sizes():
     assert param_count(big) == pytest.approx(26.9e9, rel=0.01)
     assert (len(big.full_layers), len(big.linear_layers)) == (16, 48)
     # KV only for the 16 full layers: 2 * 16 * 4 * 256 * 2 bytes per token.
-    assert mk.cache.bytes_per_position(big) == 2 * 16 * 4 * 256 * 2
+    assert mk.model.cache.bytes_per_position(big) == 2 * 16 * 4 * 256 * 2
     # Per sequence and linear layer: conv 3 x C bf16 + recurrent 48 x 128 x 128 float32.
     C = 2 * 16 * 128 + 48 * 128
-    assert mk.cache.state_bytes_per_sequence(big) == 48 * (3 * C * 2 + 48 * 128 * 128 * 4)
+    assert mk.model.cache.state_bytes_per_sequence(big) == 48 * (3 * C * 2 + 48 * 128 * 128 * 4)
     assert stored_bytes(mk.preset("qwen3.5-9b")) < 32e9  # one v6e-1 chip
     tiny = mk.preset("tiny-hybrid")
     assert tiny.layer_types[-1] == "linear" and tiny.first_layers(3).full_layers == (2,)

@@ -30,17 +30,17 @@ NOTEBOOKS = {"00_decode_is_memory_bound": {}, "07_compile_for_tpu": {"measure_la
              "08_profile_bubbles": {}, "09_speculative_sweep": {}, "11_design_review": {}}
 
 SMOKE = """
-import jax, mk, mk.megakernel, mk.published
+import jax, mk, mk.step.megakernel, mk.cost.published
 from pathlib import Path
 assert "site-packages" in mk.__file__, mk.__file__
-assert mk.chip("v6e").hbm_bytes > 0 and len(mk.chips.CHIP_NAMES) > 3
-assert len(mk.published.published()) > 0
+assert mk.chip("v6e").hbm_bytes > 0 and len(mk.model.chips.CHIP_NAMES) > 3
+assert len(mk.cost.published.published()) > 0
 config = mk.preset("tiny")
 prompt = jax.random.randint(jax.random.key(0), (1, 4), 0, config.vocab)
-tokens = mk.megakernel.generate(config, mk.init_params(config), prompt, 2,
+tokens = mk.step.megakernel.generate(config, mk.init_params(config), prompt, 2,
                                 backend="interpret", max_context=128)
 assert tokens.shape == (1, 2), tokens.shape
-from mk import profiling
+from mk.measure import profiling
 assert profiling.PROFILES == Path.cwd() / "profiles", profiling.PROFILES
 print("smoke ok")
 """
@@ -111,9 +111,9 @@ def test_wheel_ships_what_notebooks_07_and_11_read(tmp_path):
     names = set(zipfile.ZipFile(next(tmp_path.glob("mk_megakernel-*.whl"))).namelist())
     source = {n: (ROOT / "notebooks" / f"{n}.py").read_text()
               for n in ("07_compile_for_tpu", "11_design_review")}
-    wanted = {"mk/compile_time.py"} | {
+    wanted = {"mk/measure/compile_time.py"} | {
         f"mk/data/{path}" for text in source.values()
         for path in re.findall(r'^\w+: str = "((?:compile_time|tile_costs)/[^"]+)"', text, re.M)}
     assert len(wanted) == 4 and wanted <= names, wanted - names
-    assert "from mk import compile_time" in source["07_compile_for_tpu"]
+    assert "from mk.measure import compile_time" in source["07_compile_for_tpu"]
     assert "benchmarks" not in "".join(re.findall(r"ROOT / .*", "".join(source.values())))

@@ -1,4 +1,4 @@
-"""mk.jax_private is the one module that imports `jax._src`, and the version it names is
+"""mk.kernels.jax_private is the one module that imports `jax._src`, and the version it names is
 the jax pyproject.toml pins, so moving the pin means reading the private names again.
 
 Not here: whether each private name still behaves as mk assumes (the tests of its users:
@@ -9,7 +9,7 @@ import re
 import tomllib
 from pathlib import Path
 
-from mk import jax_private
+from mk.kernels import jax_private
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,4 +22,4 @@ def test_the_private_names_are_written_for_the_pinned_jax():
 def test_no_other_module_imports_jax_private_modules():
     importers = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "mk").rglob("*.py"))
                  if re.search(r"^\s*(from|import) jax\._src", p.read_text(), re.MULTILINE)]
-    assert importers == ["mk/jax_private.py"]
+    assert importers == ["mk/kernels/jax_private.py"]

@@ -13,16 +13,17 @@ import numpy as np
 import pytest
 
 import mk
-import mk.megakernel
-from mk import linear_attention as la
-from mk import ops, reference, shards
-from mk.checkpoint import init_params
-from mk.config import ModelConfig
-from mk.kernels.latent_moe import latent_columns
-from mk.kernels.plan import DecodePlan
-from mk.presets import GPT_OSS_PRESET_NAMES, K3_PRESET_NAMES, KIMI_PRESET_NAMES, PRESET_NAMES
-from mk.ops import matmul
-from mk.weights import hf_scheme, kinds_of, param_shapes
+import mk.step.megakernel
+from mk.model import linear_attention as la
+from mk.model import ops, reference
+from mk.step import shards
+from mk.model.checkpoint import init_params
+from mk.model.config import ModelConfig
+from mk.kinds.mlp.latent_moe import latent_columns
+from mk.step.plan import DecodePlan
+from mk.model.presets import GPT_OSS_PRESET_NAMES, K3_PRESET_NAMES, KIMI_PRESET_NAMES, PRESET_NAMES
+from mk.model.ops import matmul
+from mk.model.weights import hf_scheme, kinds_of, param_shapes
 
 # The release's Config (Inferact/tpu-megakernels, kimi/__init__.py), every field with its
 # default, and what it is in mk: a function of the ModelConfig.
@@ -324,7 +325,7 @@ def test_attention_residuals_keep_the_release_s_blocks(monkeypatch):
 
 # -- tiny-k3 through the reference --------------------------------------------------------
 def test_tiny_k3_decodes_what_its_prefill_predicts():
-    """tiny-k3 (every K3 kind) through mk.reference: a decode step of T = 2 after a
+    """tiny-k3 (every K3 kind) through mk.model.reference: a decode step of T = 2 after a
     prefill gives the logits a prefill of the whole prompt gives at those positions, for
     two sequences."""
     config = mk.preset("tiny-k3")

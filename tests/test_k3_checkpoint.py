@@ -1,12 +1,12 @@
 """Kimi K3 checkpoints: a tiny one written with the release's tensor names and formats
 (tiny-k3's shapes, MXFP4 experts as safetensors) loads into the values written, and
-`mk.reference` runs on them; a bad one is refused naming the tensor, the value and the
+`mk.model.reference` runs on them; a bad one is refused naming the tensor, the value and the
 expectation.
 
 The names are the release's (Inferact/tpu-megakernels, kimi/load.py: the prefix
 language_model.model., language_model.lm_head.weight, each tensor its Checkpoint.dense
 reads, the experts' w1/w2/w3 weight_packed and weight_scale). They are spelled out by
-hand here, independently of `mk.weights` and `mk.hf_layout`, so the round trip tests the
+hand here, independently of `mk.model.weights` and `mk.model.hf_layout`, so the round trip tests the
 loader's mapping rather than repeating it; the experts' values are decoded by hand too.
 Not here: the reference's K3 equations (tests/test_k3.py).
 """
@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 import mk
-from mk import quant, reference
-from mk.checkpoint import init_params, load_checkpoint
+from mk.model import quant, reference
+from mk.model.checkpoint import init_params, load_checkpoint
 from tests.builders import write_hf_folder
 
 TINY = dataclasses.replace(mk.preset("tiny-k3"), dtype="float32")

@@ -1,5 +1,5 @@
 """Kimi K3's layer kinds through the megakernel (issue 66), each on a tiny model with just
-that feature on an existing family (tests/builders.py), against mk.reference: greedy
+that feature on an existing family (tests/builders.py), against mk.model.reference: greedy
 tokens equal (float32, interpret mode, B 1 and 4, T 1 and 4; T = 4 steps under the race
 detector), a planted bug in the kind's kernel half diverges, its simulator twin costs its
 own work, the model compiles for a TPU ahead of time. The DMA order of each model:
@@ -51,18 +51,20 @@ import numpy as np
 import pytest
 
 import mk
-import mk.megakernel as megakernel
-from mk import perf, reference, tpu
-from mk.kernels import deltanet
-from mk.kernels import latent_moe as latent_kernels
-from mk.kernels.plan import DecodePlan
-from mk.kinds import attention as kinds_attention
-from mk.kinds import latent as kinds_latent
-from mk.kinds import linear as kinds_linear
-from mk.kinds import mlp as kinds_mlp
+import mk.step.megakernel as megakernel
+from mk.cost import perf
+from mk.model import reference
+from mk.measure import tpu
+from mk.kinds.linear import deltanet
+from mk.kinds.mlp import latent_moe as latent_kernels
+from mk.step.plan import DecodePlan
+from mk.kinds.attention import kinds as kinds_attention
+from mk.kinds.mlp import latent as kinds_latent
+from mk.kinds.linear import kinds as kinds_linear
+from mk.kinds.mlp import kinds as kinds_mlp
 from mk.kinds import residual as kinds_residual
 from mk.kinds.layers import layer_kinds
-from mk.weights import param_shapes
+from mk.model.weights import param_shapes
 from builders import (simulated_step, assert_verify_steps, tiny_bounded_kda, tiny_gated_mla,
                       tiny_latent_moe, tiny_res_layer, tiny_situ)
 
@@ -253,7 +255,7 @@ def _bound_minus_one(ring, config, *args):  # K3's KDA gates under the bound -1,
 
 
 def _norm_unscaled(x, weight, eps):  # the latent sum RMS-normed without latent_norm
-    return mk.ops.rms_norm(x, np.float32(1.0) + 0 * weight, eps)
+    return mk.model.ops.rms_norm(x, np.float32(1.0) + 0 * weight, eps)
 
 
 def _norm_undivided(x, weight, eps):  # the latent sum scaled by latent_norm, not normed
@@ -386,7 +388,7 @@ def test_the_latent_moe_twin_streams_the_latent_and_costs_its_norm():
 
 def test_the_latent_moe_plan_simulator_and_perf_count_the_same_bytes():
     """One row (exactly top-k experts active): the plan's ledger, the simulator's replay
-    and mk.perf's estimate of the latent model move the same bytes per weight family (the
+    and mk.cost.perf's estimate of the latent model move the same bytes per weight family (the
     kernel's own, DMA by DMA: tests/test_dma_order.py)."""
     config = tiny_latent_moe()
     plan = DecodePlan.make(config, batch=1, rows=1, context=config.max_context)

@@ -2,7 +2,7 @@
 
 Tiny random float32 `kimi_linear` models are written by transformers' `save_pretrained`
 (Moonshot's tensor names: block_sparse_moe, q/k/v_conv1d, per-expert w1/w2/w3), read back
-with `mk.load_checkpoint` and run by `mk.reference`: prefill logits, 32 greedy tokens (batch
+with `mk.load_checkpoint` and run by `mk.model.reference`: prefill logits, 32 greedy tokens (batch
 1 and 4, T = 1), and T = 4 decode steps fed transformers' own tokens must agree. Two layer
 patterns (KDA first and last / MLA first; dense layer first / in the middle), q low-rank or
 not, grouped routing with a choice bias, renormalised or not. Also: the per-channel decay
@@ -20,16 +20,17 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 import mk
-from mk import backend, megakernel
+from mk.kernels import backend
+from mk.step import megakernel
 from builders import (assert_greedy_matches_hf, assert_prefill_matches_hf, assert_rollback_exact,
                       assert_t4_steps_predict_hf_tokens, build_hf_model, hf_greedy, hf_logits,
                       kimi_gqa)
-from mk import linear_attention as la
-from mk import ops
-from mk import reference as R
-from mk.cache import LatentCache
-from mk.kernels.plan import DecodePlan
-from mk.weights import param_count, param_shapes
+from mk.model import linear_attention as la
+from mk.model import ops
+from mk.model import reference as R
+from mk.model.cache import LatentCache
+from mk.step.plan import DecodePlan
+from mk.model.weights import param_count, param_shapes
 
 LOGIT_RTOL_OF_SCALE = 1e-4  # both sides float32
 PROMPT, STEPS, CONTEXT = 8, 32, 64
@@ -257,8 +258,8 @@ def test_megakernel_t4_steps_predict_transformers_tokens_race_free(tpu_case, bat
 def test_planted_wrong_head_in_mla_value_projection_diverges(tpu_case, monkeypatch):
     """The guard of the two checks above, in the same run: each head's attention output
     multiplied by the other head's value up-projection must change the tokens."""
-    from mk.kernels import mla
-    from mk.kinds import attention
+    from mk.kinds.attention import mla
+    from mk.kinds.attention import kinds as attention
 
     model, config, params, prompt = tpu_case
     right = mla.mla_epilogue
@@ -285,7 +286,7 @@ def test_speculative_decoding_on_the_megakernel_verifier_is_lossless(tpu_case, d
     """Greedy speculative decoding with the megakernel verifying gamma + 1 = 4 rows a step
     (MLA's latent rows of rejected drafts overwritten, KDA's states rolled back to the last
     kept row) gives transformers' own greedy tokens, with every drafter."""
-    from mk import spec
+    from mk.speculative import spec
     model, config, params, prompt = tpu_case
     want = hf_greedy(model, prompt[:2], 12)
     options = dict(acceptance_length=3) if drafter == "forced" else {}
@@ -301,7 +302,7 @@ def tiny_kimi_gqa():
     """tiny-kimi with its MLA layer made a GQA layer (head dim 128): KDA, the grouped
     sigmoid router with its bias (random: init_params' zero bias would hide a lost one),
     the routed scale and the shared expert, through the megakernel. A synthetic model: its
-    oracle is mk.reference, itself checked against transformers above."""
+    oracle is mk.model.reference, itself checked against transformers above."""
     config = kimi_gqa()
     params = mk.init_params(config, seed=0)
     bias = np.random.default_rng(0).normal(0, 0.5, params["router_bias"].shape)
@@ -346,9 +347,9 @@ def test_megakernel_t2_step_gives_the_reference_kda_row_states_race_free(tiny_ki
 
 # -- Config ---------------------------------------------------------------------------------
 def test_kimi_presets_build_beside_their_gqa_stand_in():
-    for name in mk.presets.KIMI_PRESET_NAMES:
+    for name in mk.model.presets.KIMI_PRESET_NAMES:
         assert mk.preset(name).name == name
-    assert "kimi-k3-like" in mk.presets.PRESET_NAMES  # the GQA stand-in stays for the kernel
+    assert "kimi-k3-like" in mk.model.presets.PRESET_NAMES  # the GQA stand-in stays for the kernel
 
 
 def test_kimi_k2_shaped_sizes():
@@ -358,15 +359,16 @@ def test_kimi_k2_shaped_sizes():
     assert k3.full_layers == tuple(range(3, 93, 4)) and len(k3.linear_layers) == 70
     # MLA caches R + Hr = 576 bf16 values per token and MLA layer; the GQA stand-in caches
     # K and V of 8 heads x 128 in all 93 layers: 14x more.
-    assert mk.cache.bytes_per_position(k3) == 23 * 576 * 2
-    assert mk.cache.bytes_per_position(mk.preset("kimi-k3-like")) == 2 * 93 * 8 * 128 * 2
+    assert mk.model.cache.bytes_per_position(k3) == 23 * 576 * 2
+    assert mk.model.cache.bytes_per_position(mk.preset("kimi-k3-like")) == 2 * 93 * 8 * 128 * 2
     # Per sequence and KDA layer: conv 3 x (3 * 64 * 128) bf16 + state 64 x 128 x 128 f32.
-    assert mk.cache.state_bytes_per_sequence(k3) == 70 * (3 * 3 * 64 * 128 * 2 + 64 * 128 * 128 * 4)
+    assert mk.model.cache.state_bytes_per_sequence(k3) == 70 * (3 * 3 * 64 * 128 * 2 + 64 * 128 *
+                                                                128 * 4)
     # At 64K context one sequence's caches: 1.7 GB of latent rows + 0.3 GB of KDA state,
     # against 25 GB of K and V for the GQA stand-in.
-    got = mk.perf.cache_bytes(k3, context=65_536)
-    assert got == {"kv": 65_536 * 26_496, "linear": mk.cache.state_bytes_per_sequence(k3)}
-    assert mk.perf.cache_bytes(mk.preset("kimi-k3-like"), context=65_536) == {
+    got = mk.cost.perf.cache_bytes(k3, context=65_536)
+    assert got == {"kv": 65_536 * 26_496, "linear": mk.model.cache.state_bytes_per_sequence(k3)}
+    assert mk.cost.perf.cache_bytes(mk.preset("kimi-k3-like"), context=65_536) == {
         "kv": 65_536 * 380_928, "linear": 0}
     cut = mk.preset("tiny-kimi").first_layers(1)  # one KDA layer, dense MLP
     assert not cut.is_moe and cut.router_score == "softmax" and cut.channel_decay
@@ -464,8 +466,8 @@ def test_moonshot_config_json_is_read_as_transformers_reads_it():
 def test_speculative_decoding_is_lossless_with_every_drafter(tiny_kimi):
     """Greedy speculative decoding of Kimi Linear (the reference verifier) equals the
     reference's greedy tokens with every drafter: the KDA states rolled back to the last
-    kept row as the gated DeltaNet's are (`mk.runners.Runner.keep`)."""
-    from mk import spec
+    kept row as the gated DeltaNet's are (`mk.speculative.runners.Runner.keep`)."""
+    from mk.speculative import spec
     config, params = tiny_kimi
     prompt = np.random.default_rng(2).integers(0, config.vocab, (2, 6))
     want = np.asarray(R.generate(config, params, prompt, 12, max_context=64))

@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 
 import mk
-from mk.kernels.plan import DecodePlan
+from mk.step.plan import DecodePlan
 from mk.kinds.base import LAYER_PHASES, ROLES, STREAM
 from mk.kinds.layers import KINDS, kind_at, layer_kinds, layer_tables, of_role
-from mk.presets import KIMI_PRESET_NAMES, PRESET_NAMES
-from mk.weights import names_of, param_shapes
+from mk.model.presets import KIMI_PRESET_NAMES, PRESET_NAMES
+from mk.model.weights import names_of, param_shapes
 
 ALL = PRESET_NAMES + KIMI_PRESET_NAMES
 
@@ -78,7 +78,7 @@ def test_a_name_two_kinds_allocate_is_refused(monkeypatch):
     from jax.experimental.pallas import tpu as pltpu
 
     from mk.kernels.common import Buffer
-    from mk.kinds.mlp import MoE
+    from mk.kinds.mlp.kinds import MoE
 
     config = mk.preset("tiny-moe")
     buffers, scratch = MoE.buffers, MoE.scratch

@@ -1,4 +1,4 @@
-"""mk.ledger: every published row against the floors, the modelled and the conventional step
+"""mk.cost.ledger: every published row against the floors, the modelled and the conventional step
 under one set of assumptions, in one vocabulary."""
 
 import dataclasses
@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 import mk
-from mk import ledger, perf
+from mk.cost import ledger, perf
 from mk.kernels.collectives import round_s
-from mk.kernels.plan import DecodePlan
-from mk.published import published
-from mk.sim import Assumptions
+from mk.step.plan import DecodePlan
+from mk.cost.published import published
+from mk.cost.sim import Assumptions
 from builders import simulated_step
 
 
@@ -122,7 +122,7 @@ def test_no_published_speed_beats_either_floor_under_the_strictest_routing(monke
 def test_the_collective_chain_moves_with_the_assumed_latency_of_a_message_round(rows):
     """Issue 35: every TPU row at another latency of one collective message round: its
     collective chain grows by that much per round of the step (two_phase at TP8 and TP32:
-    2 an all-reduce, 2 L all-reduces, and 2 for the argmax's gather as `mk.perf` charges
+    2 an all-reduce, 2 L all-reduces, and 2 for the argmax's gather as `mk.cost.perf` charges
     it; 1 for each MoE layer's router gather where the router is split, and 3 for a
     latent MoE layer's all-gather and all-reduce of its latent: Kimi K3's), and the grid
     lays such rows out by latency. By default a round is the chip's (`round_s`: TPU7x's
@@ -186,7 +186,7 @@ def test_a_recorded_per_tile_cost_gives_the_compiled_kernels_simulated_step(monk
     for end in ("low", "high"):
         want = simulated_step(
             run.config, run.spec, batch=batch, rows=rows, context=run.context, tp=tp,
-            block=block, assumptions=mk.sim.Assumptions(dma_latency_s=1e-6,
+            block=block, assumptions=mk.cost.sim.Assumptions(dma_latency_s=1e-6,
                                                         tile_bundles=1300, clock=end))
         assert r[f"compiled_{end}_ms"] == pytest.approx(want.step_ms)
         assert r[f"compiled_{end}_over_floor"] == pytest.approx(want.step_ms

@@ -1,4 +1,4 @@
-"""mk.measure: the DMA probe runs in interpret mode and gives well-formed numbers, a record
+"""mk.measure.measure: the DMA probe runs in interpret mode and gives well-formed numbers, a record
 round-trips through its JSON, a malformed file is refused naming the field, the simulator
 takes its latency from a measured file (and keeps its defaults without one), and
 interpret-mode timings are never written as a TPU's file.
@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import pytest
 
 import mk
-from mk import measure, sim, tpu
+from mk.measure import measure, tpu
+from mk.cost import sim
 from mk.kernels.dma_probe import dma_probe
 from builders import simulated_step
 
@@ -60,7 +61,7 @@ def test_probe_runs_in_interpret_mode_and_returns_well_formed_numbers(record):
 
 
 def test_probe_checks_that_its_data_landed_and_that_more_copies_take_longer(monkeypatch):
-    with mk.backend.use("interpret"):
+    with mk.kernels.backend.use("interpret"):
         # Control for the landing check: a probe that copies nothing is caught.
         monkeypatch.setattr(measure, "dma_probe", lambda src, count: jnp.zeros((8, 128)))
         with pytest.raises(RuntimeError, match="did not land"):

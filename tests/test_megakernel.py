@@ -1,4 +1,4 @@
-"""mk.megakernel: the whole decode step in one pallas_call against mk.reference.
+"""mk.step.megakernel: the whole decode step in one pallas_call against mk.model.reference.
 
 Greedy tokens must equal the reference's exactly (interpret mode; race detector on for
 single steps); whole-model TPU compiles at full size take seconds each. Interpret mode does
@@ -14,11 +14,13 @@ import numpy as np
 import pytest
 
 import mk
-import mk.megakernel as megakernel
-from mk import backend, quant, reference, tpu
+import mk.step.megakernel as megakernel
+from mk.kernels import backend
+from mk.model import quant, reference
+from mk.measure import tpu
 from mk.kernels.common import BlockSizes
-from mk.kernels.plan import DecodePlan, default_block
-from mk.weights import abstract_params, param_shapes
+from mk.step.plan import DecodePlan, default_block
+from mk.model.weights import abstract_params, param_shapes
 from builders import assert_verify_steps, bar_count
 
 TOKENS = 64
@@ -59,8 +61,8 @@ def test_64_greedy_tokens_equal_the_reference(name, batch, rows, formats):
     """T = 1: `generate`, 64 tokens in one or four host dispatches. T = 4: verification,
     16 steps that each feed 4 of the reference's greedy tokens (a perfect draft) and must
     predict the next 4, race detector on. With `formats`, the params are quantised
-    (`mk.quant.quantize`) and the reference runs on the same values (`mk.quant.dequantize`)
-    while the kernel streams the packed tiles and scales.
+    (`mk.model.quant.quantize`) and the reference runs on the same values
+    (`mk.model.quant.dequantize`) while the kernel streams the packed tiles and scales.
 
     In float32: in bf16 the kernel and the reference round at different points (both
     legitimately), ~1e-3 of the logits' scale apart, and a random tiny model meets top-2
@@ -90,7 +92,7 @@ def test_fp8_fed_weights_decode_the_references_tokens(name):
     """The fp8 feed (TPU7x's default for fp8 and fp4, asked for here without a chip): fp4
     attention and dense MLP, fp8 experts and lm_head; the stream's quantised segments are
     fed fp8, and 8 greedy tokens equal the reference's on the feed's oracle weights
-    (`mk.quant.dequantize(params, feeds=)`; float32, as above). The same at tp 2:
+    (`mk.model.quant.dequantize(params, feeds=)`; float32, as above). The same at tp 2:
     tests/test_quant_shards.py."""
     config = dataclasses.replace(mk.preset(name), dtype="float32")
     params = quant.quantize(config, mk.init_params(config), **FP8_FED[name])
@@ -157,7 +159,7 @@ def test_qwen35_full_attention_decodes_the_references_tokens():
 
 
 def test_the_stage_kernels_refuse_qwen35_attention_by_name():
-    from mk.kernels.one_layer import one_layer
+    from mk.step.one_layer import one_layer
     config = dataclasses.replace(mk.preset("tiny"), **QWEN35_ATTENTION)
     params = mk.init_params(config)
     _, cache = reference.prefill(config, params, jnp.ones((1, 4), jnp.int32))
@@ -243,7 +245,7 @@ def test_a_reused_write_back_slot_sends_each_layers_rows_to_that_layer_race_free
 
 
 def test_a_donated_step_equals_the_copying_one_and_spends_the_cache():
-    """`decode_step(donate=True)` (`step_in_place`, what `mk.measure` times) computes what
+    """`decode_step(donate=True)` (`step_in_place`, what `mk.measure.measure` times) computes what
     the copying call does, bit for bit, and really takes the caller's cache: its buffers
     are deleted, so no copy of the cache was made for the kernel to write."""
     config = dataclasses.replace(mk.preset("tiny"), dtype="float32")
@@ -321,7 +323,7 @@ def test_whole_model_compiles_for_tpu(name, chip):
 
 
 # Issue 16's compiles: quantised weights make these fit one chip (bf16 qwen3-8b at B=8,
-# S=4096 needs 19.8 GiB of v5e's 16). The cache is donated (`mk.tpu.CACHE_ARGS`): without
+# S=4096 needs 19.8 GiB of v5e's 16). The cache is donated (`mk.measure.tpu.CACHE_ARGS`): without
 # it the compiler holds it twice and the int8 8B at B=8 needs 17.3 GiB (measured).
 @pytest.mark.parametrize("name, chip, batch, formats", [
     ("qwen3-8b", "v5e", 8, dict(dense="int8", lm_head="int8")),
@@ -335,7 +337,7 @@ def test_quantised_models_compile_for_the_chip_they_fit(name, chip, batch, forma
     rings = {b.name for b in report.vmem.buffers if b.name.startswith("ring_")}
     for q in set(formats.values()):  # each scheme's ring: the block's tile or its own shape
         assert any(n == f"ring_{q}" or n.startswith(f"ring_{q}_") for n in rings), (q, rings)
-    # the weights in HBM are the packed bytes and scales (mk.quant.tile_major), KV cache
+    # the weights in HBM are the packed bytes and scales (mk.model.quant.tile_major), KV cache
     # once: what the compiler reports for the arguments, within its own rounding
     assert report.argument_bytes == pytest.approx(report.hbm_bytes, rel=0.01)
 

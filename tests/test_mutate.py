@@ -21,7 +21,7 @@ def test_every_mutant_still_applies_to_the_tree():
 
 
 def test_a_stale_snippet_and_a_missing_test_file_are_reported():
-    gone = mutate._m("gone", "mk/reference.py", "no such line", "x", "tests/nope.py")
+    gone = mutate._m("gone", "mk/model/reference.py", "no such line", "x", "tests/nope.py")
     problems = mutate.stale(gone)
     assert any("occurs 0 times" in p for p in problems)
     assert any("tests/nope.py: no such test file" in p for p in problems)
@@ -29,7 +29,7 @@ def test_a_stale_snippet_and_a_missing_test_file_are_reported():
 
 def test_a_mutant_gives_tests_or_a_reason_not_both():
     with pytest.raises(ValueError, match="not both"):
-        mutate._m("both", "mk/reference.py", "a", "b", "tests/test_reference.py",
+        mutate._m("both", "mk/model/reference.py", "a", "b", "tests/test_reference.py",
                   equivalent="because")
     assert len({m.name for m in mutate.MUTANTS}) == len(mutate.MUTANTS)
 

@@ -38,7 +38,7 @@ import papermill
 import pytest
 from IPython.core.inputtransformer2 import TransformerManager
 
-import mk.run
+import mk.course.run
 from mk import figure_rules
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -230,7 +230,7 @@ def test_bootstrap_names_a_folder_that_shadows_the_package(tmp_path):
 def test_parameters_cell_has_the_common_parameters(source):
     code = _parameters_cell(source)
     read = _parameters(code)
-    common = set(inspect.signature(mk.run.validate_run).parameters)
+    common = set(inspect.signature(mk.course.run.validate_run).parameters)
     missing = common - set(read)
     assert not missing, f"the parameters cell lacks {sorted(missing)}"
     template = _template_parameters()

@@ -1,7 +1,7 @@
 """The external oracle: Hugging Face transformers' own Qwen3 / Qwen3-MoE models.
 
 Tiny random float32 models are saved with `save_pretrained`, read back with
-`mk.load_checkpoint` and run by `mk.reference`; prefill logits must match transformers'
+`mk.load_checkpoint` and run by `mk.model.reference`; prefill logits must match transformers'
 forward pass and greedy generation must pick the same tokens. This checks the loader's name
 mapping and transposes, the config translation (both config.json spellings) and the
 reference's numerics conventions (RoPE, QK-norm, GQA, router, tied embeddings) at once.
@@ -77,7 +77,7 @@ def test_prefill_logits_match_transformers_forward(case):
     _, model, _, config, params, prompt = case
     with torch.no_grad():
         want = model(torch.as_tensor(prompt)).logits.numpy()
-    got, _ = mk.reference.prefill(config, params, prompt)
+    got, _ = mk.model.reference.prefill(config, params, prompt)
     got = np.asarray(got)
     assert got.shape == want.shape == (BATCH, PROMPT, config.vocab)
     scale = np.abs(want).max()
@@ -92,7 +92,7 @@ def test_greedy_generation_matches_transformers_generate(case):
                              do_sample=False, eos_token_id=None, pad_token_id=0)
     want = out[:, PROMPT:].numpy()
     assert want.shape == (BATCH, STEPS)  # never stopped early
-    got = np.asarray(mk.reference.generate(config, params, prompt, STEPS))
+    got = np.asarray(mk.model.reference.generate(config, params, prompt, STEPS))
     np.testing.assert_array_equal(got, want)
 
 

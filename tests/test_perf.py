@@ -1,4 +1,4 @@
-"""mk.perf: the bytes and FLOPs of one decode step, checked by hand on the tiny presets, and
+"""mk.cost.perf: the bytes and FLOPs of one decode step, checked by hand on the tiny presets, and
 the properties the floors and the roofline must have (the published rows: tests/
 test_published.py; set against the floors: tests/test_ledger.py)."""
 
@@ -9,15 +9,16 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import mk
-from mk import perf, quant
-from mk.chips import all_chips, chip
+from mk.cost import perf
+from mk.model import quant
+from mk.model.chips import all_chips, chip
 from mk.kernels.collectives import ICI_LATENCY_S
-from mk.kernels.one_layer import model_block
-from mk.kernels.plan import shard_config
+from mk.step.one_layer import model_block
+from mk.step.plan import shard_config
 from mk.kinds.layers import layer_kinds
-from mk.presets import PRESET_NAMES
-from mk.quant import stored_bytes
-from mk.weights import abstract_params
+from mk.model.presets import PRESET_NAMES
+from mk.model.quant import stored_bytes
+from mk.model.weights import abstract_params
 
 REAL_PRESETS = [n for n in PRESET_NAMES if not n.startswith("tiny")]
 DENSE_PRESETS = [n for n in REAL_PRESETS if not mk.preset(n).is_moe]
@@ -92,7 +93,7 @@ def test_tiny_moe_reads_only_the_experts_its_tokens_touch():
 
 
 def test_fp4_experts_count_four_bits_per_weight_and_a_scale_byte_per_32():
-    config = mk.preset("kimi-k3-like")  # formats={"experts": "fp4"}, mk.quant's MXFP4
+    config = mk.preset("kimi-k3-like")  # formats={"experts": "fp4"}, mk.model.quant's MXFP4
     assert config.expert_bits == 4
     # charged (and packed by the kernel) at any tp: an expert's matrices as a device's
     # slot streams them (at TP32 gate|up joined in 128 lanes, down's 64 rows padded to 128)
@@ -106,8 +107,8 @@ def test_fp4_experts_count_four_bits_per_weight_and_a_scale_byte_per_32():
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-moe", "qwen3-0.6b", "qwen3-30b-a3b"])
 def test_touching_every_expert_reads_every_stored_weight_once(name):
-    # With all experts touched, the weight families add up to mk.weights.stored_bytes, less the
-    # embedding table (only B*T rows are gathered) when lm_head is a separate tensor, with
+    # With all experts touched, the weight families add up to mk.model.weights.stored_bytes, less
+    # the embedding table (only B*T rows are gathered) when lm_head is a separate tensor, with
     # the norms in float32 (config counts them in bf16) and the lm_head's columns padded
     # to whole tiles.
     config = mk.preset(name)
@@ -433,9 +434,9 @@ def test_weight_bytes_are_the_arrays_the_megakernel_streams_plus_norms_and_embed
     # f32; perf counts those and the gathered embedding rows (an XLA gather). With every
     # expert touched the rest is equal.
     import jax
-    from mk import megakernel
-    from mk.weights import names_of
-    from mk.kernels.plan import DecodePlan, default_block
+    from mk.step import megakernel
+    from mk.model.weights import names_of
+    from mk.step.plan import DecodePlan, default_block
 
     config = mk.preset(name)
     block = default_block(config, 64)

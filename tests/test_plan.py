@@ -1,4 +1,4 @@
-"""mk.kernels.plan: one device's decode step as data, held against the kernel's own DMAs.
+"""mk.step.plan: one device's decode step as data, held against the kernel's own DMAs.
 
 The byte-count test runs one megakernel step in TPU interpret mode with every DMA the
 kernel starts recorded where it starts (`mk.kernels.common.dma_log`: a host callback
@@ -6,7 +6,7 @@ under the same `pl.when` as the DMA, so a switched-off tile is not counted), for
 tiny-kimi (MLA over its latent cache, KDA, a shared expert, the sigmoid router), tiny-hybrid,
 tiny-moe and tiny-moe at tp 2 and 4 (a subprocess with virtual devices), and compares the
 bytes per family with the plan's ledger (`DecodePlan.weight_bytes`), with the simulator's
-replay of the same plan and with `mk.perf.predict`, exactly. One sequence of one row
+replay of the same plan and with `mk.cost.perf.predict`, exactly. One sequence of one row
 routes to exactly top-k experts per MoE layer, so the active experts are known.
 """
 
@@ -19,17 +19,20 @@ import numpy as np
 import pytest
 
 import mk
-from mk import backend, megakernel, perf, quant, reference, sim
-from mk import shards
-from mk import tensor_parallel as tpar
+from mk.kernels import backend
+from mk.step import megakernel
+from mk.cost import perf, sim
+from mk.model import quant, reference
+from mk.step import shards
+from mk.step import tensor_parallel as tpar
 from mk.kernels.collectives import tp_mesh
-from mk.chips import all_chips
+from mk.model.chips import all_chips
 from mk.kernels.common import (OTHERS_OVER_REPEAT_BYTES, PANEL_COLS, QUANT_TILE_ELEMENTS,
                               VMEM_HEADROOM, VMEM_ROOM, BlockSizes, Cut, dma_log)
-from mk.kernels.plan import (RING_COVER_S, DecodePlan, capacity, default_block, ring_cover_s,
+from mk.step.plan import (RING_COVER_S, DecodePlan, capacity, default_block, ring_cover_s,
                              shard_config)
 from mk.kernels.stream import TileStream, little_slots, ring_slots
-from mk.step_bytes import WEIGHT_FAMILIES, family_of
+from mk.step.step_bytes import WEIGHT_FAMILIES, family_of
 from multidevice import run
 from builders import simulated_step
 
@@ -51,7 +54,7 @@ def counted_moe(tp: int) -> dict:
 def counted(name: str, tp: int, formats=None, **overrides) -> dict:
     """One megakernel step of `name` (its config's fields `overrides` replaced) on tp
     devices with every DMA recorded -> bytes per family, summed over the devices (runs in
-    a subprocess when tp > 1); formats: the mk.quant schemes its params are quantised to
+    a subprocess when tp > 1); formats: the mk.model.quant schemes its params are quantised to
     first."""
     plan = _step_plan(name, tp, formats, **overrides)
     config = plan.config
@@ -121,7 +124,7 @@ def test_the_kernel_moves_the_bytes_the_plan_the_simulator_and_perf_count(name, 
 # CI: tiny with fp8 dense weights and an fp4 lm_head (CPU seconds ~17); `make test-slow`:
 # tiny-moe with int4 experts (~50) and tiny with int8. Every scheme's tile bytes are also
 # checked in CI by stage 01's test (tests/kernels/test_weight_streaming.py) and its bits
-# per value in mk.perf by tests/test_quant.py.
+# per value in mk.cost.perf by tests/test_quant.py.
 @pytest.mark.parametrize("name, formats", [
     ("tiny", dict(dense="fp8", lm_head="fp4")),
     pytest.param("tiny-moe", dict(dense="int8", experts="int4", lm_head="int4"), marks=SLOW),
@@ -355,7 +358,7 @@ def test_a_packed_shards_default_ring_is_shortened_to_leave_mosaic_its_room(
 
 
 def test_narrow_weights_moved_by_dma_are_held_transposed():
-    """`mk.weights.TRANSPOSED`: a router's experts and a linear layer's per-head gates are a
+    """`mk.model.weights.TRANSPOSED`: a router's experts and a linear layer's per-head gates are a
     few columns; held as rows they fill a few sublanes (Kimi K3's TP32 lin_b, 2 x 7168:
     16 bf16 sublanes, 224 KiB a slot, where [7168, 2] would pad each row to 128 lanes,
     1.75 MiB), and the megakernel's prepared weights are laid out so."""
@@ -390,8 +393,8 @@ def test_a_default_ring_that_cannot_fit_at_two_slots_is_refused_naming_the_buffe
 
 def test_a_presets_formats_are_charged_and_packed_at_any_tp():
     """kimi-k2-shaped stores its experts in FP4 (`formats`): its plan at tp 32 streams them
-    packed (each device's shard of the packed experts, `mk.shards`) and charges every
-    expert element mk.quant's packed FP4 bytes, half a byte and a scale byte per 32, on
+    packed (each device's shard of the packed experts, `mk.step.shards`) and charges every
+    expert element mk.model.quant's packed FP4 bytes, half a byte and a scale byte per 32, on
     the same tiles as formats={} (bf16)."""
     k3 = mk.preset("kimi-k2-shaped").first_layers(2)
     assert k3.formats == (("experts", "fp4"),)
@@ -467,7 +470,7 @@ def test_a_hybrid_shards_its_linear_heads_and_output_gate_and_names_what_does_no
     assert shape(shapes["wq_gate"]) == shape(shapes["wq"])
     assert shape(shapes["lin_qkv"])[1] == config.conv_channels // 2
     assert shape(shapes["lin_out"])[0] == config.linear_value_width // 2
-    assert plan.state_bytes()["state_read"] == mk.cache.state_bytes_per_sequence(config) // 2
+    assert plan.state_bytes()["state_read"] == mk.model.cache.state_bytes_per_sequence(config) // 2
     with pytest.raises(ValueError, match="linear_key_heads=1 is not a multiple of tp=2"):
         DecodePlan.make(mk.preset("tiny-hybrid"), tp=2, batch=1, context=128)
 
@@ -479,7 +482,7 @@ def test_the_layers_program_order_is_data_the_kinds_declare_and_the_simulator_wa
     would run) is refused, and the simulator names a phase it has no cost model for."""
     from mk.kinds.base import LAYER_PHASES
     from mk.kinds.layers import KINDS, check_kind
-    from mk.kinds.mlp import MoE
+    from mk.kinds.mlp.kinds import MoE
 
     for kind in KINDS:
         assert check_kind(kind) is kind

@@ -7,10 +7,12 @@ import re
 import pytest
 
 import mk
-from mk import colours, feed_costs, figure_rules, machine, plots, sim, sim_plots, teach
+from mk import colours, figure_rules, plots, sim_plots
+from mk.cost import feed_costs, machine, sim
+from mk.course import teach
 from mk.kernels.common import BlockSizes
 from mk.kernels.stream import Repeat, TileStream
-from mk.chips import all_chips
+from mk.model.chips import all_chips
 from mk.kernels.ring import Ring
 from builders import simulated_step
 

@@ -1,4 +1,4 @@
-"""The megakernel's prefill (`mk.reference.prefill(..., quantised=True)`) on abstract
+"""The megakernel's prefill (`mk.model.reference.prefill(..., quantised=True)`) on abstract
 shapes, compiled for a v5e core (nothing runs): the quantised weights enter as stored and
 are dequantised where they are read (a layer's row; of experts, a slice of a layer's), and
 every stacked weight is sliced when its layer is reached, so the prefill's temporaries do
@@ -14,8 +14,9 @@ import jax.numpy as jnp
 import pytest
 
 import mk
-from mk import quant, reference, tpu
-from mk.weights import FORMAT_GROUPS, abstract_params
+from mk.model import quant, reference
+from mk.measure import tpu
+from mk.model.weights import FORMAT_GROUPS, abstract_params
 
 
 def _cut(layers: int):
@@ -52,10 +53,10 @@ def _nbytes(tree) -> int:
 
 def test_gpt_oss_prefill_dequantises_a_slice_of_mxfp4_experts_at_a_time():
     """Measured on v5e (P=16): temporaries 0.54, 0.63, 0.68 GiB at 2, 4, 8 layers, for one
-    layer's experts of 1.55 GiB in bf16 (`mk.layer_values.EXPERT_SLICE` of its 32 experts at
+    layer's experts of 1.55 GiB in bf16 (`mk.model.layer_values.EXPERT_SLICE` of its 32 experts at
     a time, each slice's float32 products' operands). A whole layer at a time held 4.19,
     4.25, 4.37 GiB; before the layers were tied (slices taken early) 4.77, 5.54, 6.80;
-    through `mk.quant.dequantize` the arguments alone held every layer's bf16 experts
+    through `mk.model.quant.dequantize` the arguments alone held every layer's bf16 experts
     (40.6 GiB at 24 layers against 13.3 stored)."""
     (c2, p2), (c6, p6) = _cut(2), _cut(6)
     m2, m6 = _prefill_memory(c2, p2), _prefill_memory(c6, p6)

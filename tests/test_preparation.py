@@ -1,4 +1,4 @@
-"""mk.preparation: the megakernel's weights laid out one tensor at a time.
+"""mk.step.preparation: the megakernel's weights laid out one tensor at a time.
 
 Each output equals the whole layout's, donated params are freed, and the peak of preparing
 qwen3-4b (8 GB of bf16 weights), replayed from each step's v5e compile on abstract shapes
@@ -12,10 +12,12 @@ import numpy as np
 import pytest
 
 import mk
-from mk import megakernel, preparation, quant, reference, tpu
-from mk.chips import chip
-from mk.kernels.plan import DecodePlan
-from mk.weights import abstract_params
+from mk.step import megakernel, preparation
+from mk.model import quant, reference
+from mk.measure import tpu
+from mk.model.chips import chip
+from mk.step.plan import DecodePlan
+from mk.model.weights import abstract_params
 
 
 @pytest.mark.parametrize("name, formats", [

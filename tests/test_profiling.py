@@ -1,4 +1,4 @@
-"""mk.profiling: bubble arithmetic with known answers, real CPU captures, XProf's converter,
+"""mk.measure.profiling: bubble arithmetic with known answers, real CPU captures, XProf's converter,
 variant (b) against the reference, and the TPU compiler's schedule dumps.
 
 Not covered here (no TPU): device planes (`/device:TPU:0`) of a real TPU trace and the
@@ -17,11 +17,14 @@ import numpy as np
 import pytest
 
 import mk
-import mk.backend
-import mk.sim
-from mk import calibration, profile_plots, profiling, reference
-from mk.measure import MEASURED
-from mk.profiling import OpEvent, Step, Timeline
+import mk.kernels.backend
+import mk.cost.sim
+from mk.cost import calibration
+from mk import profile_plots
+from mk.measure import profiling
+from mk.model import reference
+from mk.measure.measure import MEASURED
+from mk.measure.profiling import OpEvent, Step, Timeline
 from builders import simulated_step
 
 # One worker makes the real captures once for every test here (make test: --dist loadgroup).
@@ -210,10 +213,10 @@ def test_the_committed_chip_trace_is_a_v5e_s_and_its_summaries_are_its_events():
 
 
 def test_the_simulator_steps_the_chips_traced_kernel_and_its_layers_within_tolerance():
-    """The v5e trace's megakernel (its phases traced, `mk.bundles.PHASE_FLAG`) against
-    `mk.sim` calibrated on the v5e, same model, B, T and position: the kernel op's time and
+    """The v5e trace's megakernel (its phases traced, `mk.cost.bundles.PHASE_FLAG`) against
+    `mk.cost.sim` calibrated on the v5e, same model, B, T and position: the kernel op's time and
     each layer's but the first (whose wait for the ring's first tiles the trace counts in
-    it and the simulator before it) within `mk.calibration.TOLERANCE`."""
+    it and the simulator before it) within `mk.cost.calibration.TOLERANCE`."""
     record = profiling.load_trace_record(MEASURED / "v5e-trace.json")
     mega = profiling.recorded_timeline(record, "megakernel")
     kernel, = (o for o in mega.ops if o.name.startswith("mk_megakernel"))
@@ -321,7 +324,7 @@ def test_staged_step_is_one_launch_per_op_and_matches_the_reference(tmp_path, ti
     tokens, positions = jnp.array([[7]], jnp.int32), jnp.array([5], jnp.int32)
     want, want_cache = reference.decode_step(config, params, cache, tokens, positions)
     step = profiling.variants(config, params, cache, tokens, positions)["staged"]
-    with mk.backend.use("interpret"):
+    with mk.kernels.backend.use("interpret"):
         got, got_cache = step()  # also the warm-up: every op compiles here
         cap = profiling.capture(step, steps=1, warmup=0, logdir=tmp_path, name="staged")
     b, = profiling.bubbles(profiling.timeline(cap.path))
@@ -355,21 +358,23 @@ def _tree(root, *files):
 def test_captures_go_to_mk_profiles_else_the_checkouts_profiles_else_the_working_directory(
         tmp_path, monkeypatch):
     checkout = _tree(tmp_path / "checkout", "pyproject.toml", "profiles/README.md",
-                     "mk/profiling.py")
-    installed = _tree(tmp_path / "site-packages", "mk/profiling.py")
+                     "mk/measure/profiling.py")
+    installed = _tree(tmp_path / "site-packages", "mk/measure/profiling.py")
     elsewhere = tmp_path / "notebooks"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)  # e.g. a notebook's folder
     rule = profiling.profiles_dir
-    assert rule({}, checkout / "mk" / "profiling.py") == checkout / "profiles"
-    assert rule({}, installed / "mk" / "profiling.py") == elsewhere / "profiles"
-    assert rule({"MK_PROFILES": "here"}, checkout / "mk" / "profiling.py") == elsewhere / "here"
-    assert rule({"MK_PROFILES": ""}, checkout / "mk" / "profiling.py") == checkout / "profiles"
+    assert rule({}, checkout / "mk" / "measure" / "profiling.py") == checkout / "profiles"
+    assert rule({}, installed / "mk" / "measure" / "profiling.py") == elsewhere / "profiles"
+    assert rule({"MK_PROFILES": "here"}, checkout / "mk" / "measure" /
+                "profiling.py") == elsewhere / "here"
+    assert rule({"MK_PROFILES": ""}, checkout / "mk" / "measure" /
+                "profiling.py") == checkout / "profiles"
     # a folder with a pyproject.toml but no profiles/README.md is not this checkout
-    other = _tree(tmp_path / "other", "pyproject.toml", "mk/profiling.py")
-    assert rule({}, other / "mk" / "profiling.py") == elsewhere / "profiles"
+    other = _tree(tmp_path / "other", "pyproject.toml", "mk/measure/profiling.py")
+    assert rule({}, other / "mk" / "measure" / "profiling.py") == elsewhere / "profiles"
     # this checkout, as the tests import it
-    assert rule({}) == Path(profiling.__file__).resolve().parents[1] / "profiles"
+    assert rule({}) == Path(profiling.__file__).resolve().parents[2] / "profiles"
 
 
 @pytest.mark.slow  # 47-86 s on the shared 2 cores; the rule's unit test above runs in CI
@@ -381,7 +386,7 @@ def test_notebook_08_run_by_papermill_in_notebooks_writes_under_the_top_level_pr
     import subprocess
     import sys
 
-    root = Path(profiling.__file__).resolve().parents[1]
+    root = Path(profiling.__file__).resolve().parents[2]
     copy = tmp_path / "checkout"
     for folder in ("mk", "data"):
         shutil.copytree(root / folder, copy / folder,

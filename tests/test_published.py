@@ -1,4 +1,4 @@
-"""mk.published: the rows of data/published.csv parse, with their sources, step times and
+"""mk.cost.published: the rows of data/published.csv parse, with their sources, step times and
 contexts (tests/test_ledger.py sets them against the models)."""
 
 import dataclasses
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from mk.published import PUBLISHED_CSV, published
+from mk.cost.published import PUBLISHED_CSV, published
 
 
 def test_published_rows_parse_with_sources_and_consistent_step_times():

@@ -1,4 +1,4 @@
-"""`mk.quant` (int8, fp8, int4, fp4 storage) and the quantised checkpoints `load_checkpoint`
+"""`mk.model.quant` (int8, fp8, int4, fp4 storage) and the quantised checkpoints `load_checkpoint`
 reads (Hugging Face fine-grained FP8, gpt-oss MXFP4 experts).
 
 Bit level: the element decoders against ml_dtypes for every code, a packed tile's
@@ -27,9 +27,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import mk
-from mk import ops, quant, random_codes, reference, unpack
-from mk.kernels.plan import default_block
-from mk.weights import FORMAT_GROUPS, param_shapes
+from mk.model import ops, quant, random_codes, reference, unpack
+from mk.step.plan import default_block
+from mk.model.weights import FORMAT_GROUPS, param_shapes
 
 TINY = dataclasses.replace(mk.preset("tiny"), max_context=4096)
 TINY_MOE = dataclasses.replace(mk.preset("tiny-moe"), max_context=4096)
@@ -129,7 +129,7 @@ def test_requantising_the_dequantised_weight_gives_the_same_codes(scheme):
 
 # -- Checks -----------------------------------------------------------------------------
 def test_int_weights_multiply_as_codes_with_their_scales_on_the_product_by_hand():
-    """`mk.ops.scaled_dot` on a hand-computed case: activations rounded to bf16 (1 + 2^-9
+    """`mk.model.ops.scaled_dot` on a hand-computed case: activations rounded to bf16 (1 + 2^-9
     -> 1) times the codes, each 128-row block summed and then scaled: 3 (1 + 2^-10) +
     5 (1/2 + 2^-11) per column, every step exact in float32, where the weights rounded to
     bf16 (1 + 2^-10 -> 1) or unrounded activations give other sums."""
@@ -146,10 +146,10 @@ def test_int_weights_multiply_as_codes_with_their_scales_on_the_product_by_hand(
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_dequantize_gives_int_weights_as_codes_and_scales_the_ring_multiplies_so(scheme):
-    """`mk.quant.dequantize`'s int8 and int4 weights are `mk.ops.Scaled` (codes, float32
+    """`mk.model.quant.dequantize`'s int8 and int4 weights are `mk.model.ops.Scaled` (codes, float32
     scales, the model's dtype for the activations) whose values are `dequantize_tile`'s,
     and whose product is the ring's own function on the whole weight as one tile
-    (`mk.unpack.int_product`, bf16 activations), to float32 summation order; with a dtype,
+    (`mk.model.unpack.int_product`, bf16 activations), to float32 summation order; with a dtype,
     plain arrays."""
     rng = np.random.default_rng(1)
     w = jnp.asarray(rng.normal(size=(2, 384, 128)), jnp.bfloat16)
@@ -374,7 +374,7 @@ def test_a_bad_fp8_checkpoint_names_every_problem_in_one_error(tmp_path):
 
 def test_fp8_nan_codes_and_scales_and_unknown_quant_methods_are_refused(tmp_path):
     """A NaN code in a weight and a NaN scale in another, each named by its mk weight and
-    field (`mk.quant.check_values`), in one error."""
+    field (`mk.model.quant.check_values`), in one error."""
     _, _, hf, tensors = fp8_checkpoint(TINY)
     name = "model.layers.0.mlp.down_proj.weight"
     codes = tensors[name].view(np.uint8).copy()
@@ -506,7 +506,7 @@ TILE_ROWS = 8  # M activation rows of the probe
 
 def dequant_matmul(scheme: str, data, scale, x):
     """x [M, I] @ (the tile dequantised to bf16) -> [M, O] float32, as one pallas_call whose
-    body is mk.quant's decoder: the code a streaming kernel runs on each tile."""
+    body is mk.model.quant's decoder: the code a streaming kernel runs on each tile."""
     def kernel(data_ref, scale_ref, x_ref, out_ref):
         w = unpack.dequantize_tile(scheme, data_ref[...], scale_ref[...]).astype(jnp.bfloat16)
         out_ref[...] = jnp.dot(x_ref[...].astype(jnp.bfloat16), w,
@@ -528,13 +528,13 @@ def test_one_tile_dequantises_in_interpret_mode_and_compiles_for_v5e_v6e_tpu7x(s
     want = ops.dot("mi,io->mo", x, w, jnp.bfloat16)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     for chip in ("v5e", "v6e", "tpu7x"):
-        report = mk.tpu.compile_for_chip(functools.partial(dequant_matmul, scheme),
+        report = mk.measure.tpu.compile_for_chip(functools.partial(dequant_matmul, scheme),
                                          [q.data, q.scale, x], chip)
         assert report.ok, report.summary()
 
 
 def test_a_native_float4_tile_is_refused_by_mosaic_on_v5e():
-    """Why mk.quant packs fp4 into uint8: the native float4_e2m1fn type does not lower on
+    """Why mk.model.quant packs fp4 into uint8: the native float4_e2m1fn type does not lower on
     v5e (nor v6e; it does on tpu7x), measured with the pinned libtpu."""
     def kernel(w_ref, x_ref, out_ref):
         w = w_ref[...].astype(jnp.float32).astype(jnp.bfloat16)
@@ -546,19 +546,19 @@ def test_a_native_float4_tile_is_refused_by_mosaic_on_v5e():
 
     args = [jax.ShapeDtypeStruct((256, 256), jnp.float4_e2m1fn),
             jax.ShapeDtypeStruct((TILE_ROWS, 256), jnp.bfloat16)]
-    report = mk.tpu.compile_for_chip(native, args, "v5e")
+    report = mk.measure.tpu.compile_for_chip(native, args, "v5e")
     assert not report.ok and "f4E2M1FN" in report.error
 
 
 # -- Bytes per step -------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["tiny", "tiny-moe", "qwen3-0.6b", "qwen3-30b-a3b"])
 def test_predicted_step_bytes_shrink_by_each_formats_bits_per_value(name):
-    """mk.perf.predict(formats=) streams each quantised family at mk.quant.tile_bytes per
+    """mk.cost.perf.predict(formats=) streams each quantised family at mk.model.quant.tile_bytes per
     tile of the default tiling (the kernel's DMAs: tests/test_plan.py); per value that is
     the format's bits plus its scales' share (an expert matrix's by its own tile, where
     the experts take tiles of their own: `BlockSizes.tiles`)."""
     config = mk.preset(name)
-    plain = mk.perf.predict(config, "v6e", batch=4, rows=2, context=512)
+    plain = mk.cost.perf.predict(config, "v6e", batch=4, rows=2, context=512)
     per_value = {"int8": lambda tk: 8 + 32 / tk, "fp8": lambda tk: 8 + 32 / 128 ** 2,
                  "int4": lambda tk: 4 + 16 / 128, "fp4": lambda tk: 4 + 8 / 32}  # bits:
     for scheme, value_bits in per_value.items():  # data plus scales, per tile_rows tk
@@ -569,7 +569,7 @@ def test_predicted_step_bytes_shrink_by_each_formats_bits_per_value(name):
         bits = value_bits(block.tile_rows)
         experts = ("we_gate", "we_up", "we_down")  # each [D, Fe] or [Fe, D]: a third each
         expert_bits = sum(value_bits(own.get(n, (block.tile_rows,))[0]) for n in experts) / 3
-        est = mk.perf.predict(config, "v6e", batch=4, rows=2, context=512, formats=formats)
+        est = mk.cost.perf.predict(config, "v6e", batch=4, rows=2, context=512, formats=formats)
         fields = ["attention_bytes", "dense_mlp_bytes", "expert_bytes"]
         for field in fields + ([] if config.tie_embeddings else ["lm_head_bytes"]):
             want = expert_bits if field == "expert_bytes" else bits

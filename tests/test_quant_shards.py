@@ -1,6 +1,6 @@
-"""Quantised weights on every shard: `mk.shards.shard_params` splits `mk.quant.QuantWeight`s
-by their weights' split rules, and the tensor-parallel megakernel streams each device's
-packed tiles.
+"""Quantised weights on every shard: `mk.step.shards.shard_params` splits
+`mk.model.quant.QuantWeight`s by their weights' split rules, and the tensor-parallel megakernel
+streams each device's packed tiles.
 
 Here: the identity a device's quantised shard must keep (its dequantised values are the
 shard of the dequantised weight, exactly, for every scheme, every split rule the tiny
@@ -11,7 +11,7 @@ params of a Qwen3-MoE, a Qwen3.5 hybrid and a Kimi Linear model against the refe
 their dequantised values (subprocesses with virtual devices, tests/multidevice.py, race
 detector on, a planted race guarding its silence); the bytes a tp 2 step of packed
 tiles moves, counted from the kernel's own DMAs, against the plan, the simulator and
-mk.perf (tests/test_plan.py's `counted`).
+mk.cost.perf (tests/test_plan.py's `counted`).
 """
 
 import dataclasses
@@ -22,10 +22,13 @@ import numpy as np
 import pytest
 
 import mk
-from mk import backend, perf, quant, reference, tpu
-from mk import tensor_parallel as tpar
-from mk.kernels.plan import DecodePlan
-from mk.shards import check_quantised_splits, shard_params
+from mk.kernels import backend
+from mk.cost import perf
+from mk.model import quant, reference
+from mk.measure import tpu
+from mk.step import tensor_parallel as tpar
+from mk.step.plan import DecodePlan
+from mk.step.shards import check_quantised_splits, shard_params
 from multidevice import planted_race_caught, race_free, run
 from test_plan import POSITION, counted
 from test_tensor_parallel import tp_hybrid_config, tp_kimi_config
@@ -101,8 +104,8 @@ def test_a_shards_padding_is_zero_values_and_its_rows_the_full_weights():
 @pytest.mark.parametrize("scheme", quant.SCHEMES)
 def test_a_joined_gate_up_dequantises_to_the_joined_values(scheme):
     """The kernel's layout of a shard whose gate and up each hold 64 columns of values
-    (tiny-moe at tp 2, `mk.kinds.mlp.MoE.prepare`): `mk.quant.side_by_side` of the packed
-    shards dequantises to gate's then up's values in one 128-column matrix, exactly; fp8's
+    (tiny-moe at tp 2, `mk.kinds.mlp.kinds.MoE.prepare`): `mk.model.quant.side_by_side` of the
+    packed shards dequantises to gate's then up's values in one 128-column matrix, exactly; fp8's
     128-column scale blocks cannot be cut at 64 (its split is refused first: below)."""
     config = mk.preset("tiny-moe")
     q = _quantised(config, scheme)
@@ -213,7 +216,7 @@ STEPS, FULL_STEPS = 6, 32  # CI's runs; the issue's check (`make test-slow`)
 def _tokens(config, groups: dict, tp: int, steps: int = STEPS, feeds=None,
             collective=None) -> dict:
     """Reference greedy tokens on the dequantised params (as `feeds`, {group: MXU feed},
-    has the kernel multiply them: `mk.quant.dequantize`) against the megakernel at tp on
+    has the kernel multiply them: `mk.model.quant.dequantize`) against the megakernel at tp on
     the quantised ones (race detector on; `collective`: the collectives' algorithm,
     default the plan's), then the planted race."""
     params = quant.quantize(config, mk.init_params(config, seed=tp), **groups)
@@ -318,7 +321,7 @@ def test_quantised_greedy_tokens_at_tp_equal_the_reference_race_free(target, tp)
     race_free(out["races"], out["planted_caught"])
 
 
-# -- Bytes at tp 2: kernel = plan = simulator = mk.perf ------------------------------------
+# -- Bytes at tp 2: kernel = plan = simulator = mk.cost.perf ------------------------------------
 BYTES_FORMATS = dict(dense="int8", experts="fp4", lm_head="int4")
 
 
@@ -335,7 +338,7 @@ def counted_quantised_split(tp):
 def test_a_quantised_shards_dmas_move_the_bytes_the_plan_the_simulator_and_perf_count(split):
     """tiny-moe at tp 2, every group packed (experts 64 columns a device padded to 128),
     its router whole or split by experts: the bytes its DMAs move per family, summed over
-    both devices, are the plan's, the simulator's and mk.perf's, and the packed families'
+    both devices, are the plan's, the simulator's and mk.cost.perf's, and the packed families'
     are their schemes' share of the plain tiles' (a kernel streaming the dequantised
     tiles would move 2-4x more); a split router moves 1/tp of the whole one's bytes."""
     tp, formats = 2, BYTES_FORMATS

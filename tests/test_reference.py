@@ -1,5 +1,5 @@
-"""mk.reference and its blocks (mk.ops): hand-computed cases for each op, and the decoder's
-self-consistency.
+"""mk.model.reference and its blocks (mk.model.ops): hand-computed cases for each op, and the
+decoder's self-consistency.
 
 The external oracle (transformers) is in test_oracle_transformers.py; here the reference
 is checked against arithmetic done by hand and against itself (prefill vs. step by step,
@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mk import ops
-from mk import reference as R
-from mk.presets import preset
+from mk.model import ops
+from mk.model import reference as R
+from mk.model.presets import preset
 from builders import tiny_moe_in_ci
 
 

@@ -1,12 +1,13 @@
-"""mk.review: design sweeps tabulate the simulator per value."""
+"""mk.course.review: design sweeps tabulate the simulator per value."""
 
 import dataclasses
 
 import pytest
 
 import mk
-from mk import perf, review, sim
-from mk.kernels.plan import DecodePlan
+from mk.cost import perf, sim
+from mk.course import review
+from mk.step.plan import DecodePlan
 
 
 def test_sweep_tabulates_each_value_and_explains_a_tile_that_does_not_divide():
@@ -23,7 +24,7 @@ def test_sweep_tabulates_each_value_and_explains_a_tile_that_does_not_divide():
 
 # Notebook 11's invariants (`review.check_invariants`) over a grid of presets, chips, B, T
 # and tp, each with the tile cost table and with a recorded per-tile loop of `bundles`
-# (the compiled kernel's, `mk.bundles.TileCost.assumptions`), at both clock ends. The first
+# (the compiled kernel's, `mk.cost.bundles.TileCost.assumptions`), at both clock ends. The first
 # row is the held-out configuration whose recorded loop (285 bundles, compiled for v5p)
 # simulated faster at the high end than the table at the low end: no clock statement.
 GRID = [  # preset, chip, B, T, tp, bundles
@@ -80,6 +81,7 @@ TINY_STEP = DecodePlan.make(mk.preset("tiny"), chip="v6e", position=0)
 
 def test_clock_ends_refuses_assumptions_that_are_not_assumptions():
     """Issue 65: a string ended in a TypeError from dataclasses.replace."""
-    with pytest.raises(ValueError, match="assumptions is a str; it must be a mk.sim.Assumptions"):
+    with pytest.raises(ValueError, match="assumptions is a str; it must be a "
+                                         "mk.cost.sim.Assumptions"):
         review.clock_ends(TINY_STEP, assumptions="high")
     assert set(review.clock_ends(TINY_STEP, assumptions=sim.Assumptions())) == {"low", "high"}

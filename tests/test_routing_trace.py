@@ -1,5 +1,5 @@
-"""mk.routing_trace: measured routing recorded against transformers' own router choices,
-turned into distinct experts (mk.perf, mk.sim), and read back from untrusted files."""
+"""mk.cost.routing_trace: measured routing recorded against transformers' own router choices,
+turned into distinct experts (mk.cost.perf, mk.cost.sim), and read back from untrusted files."""
 
 import json
 import os
@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 import mk
-from mk import perf, routing_trace, sim, untrusted
-from mk.routing_trace import RoutingTrace
+from mk.cost import perf, routing_trace, sim
+from mk.model import untrusted
+from mk.cost.routing_trace import RoutingTrace
 from builders import simulated_step
 
 QWEN3_MOE = dict(  # MoE layers 0 and 2 (layer 1 dense), so a layer mix-up shows

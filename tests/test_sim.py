@@ -1,4 +1,4 @@
-"""mk.sim: the simulator replays the kernel's own tile stream and keeps the invariants a
+"""mk.cost.sim: the simulator replays the kernel's own tile stream and keeps the invariants a
 pipeline must have: the bytes it moves are the schedule's and the kernel's arrays, the step
 is never shorter than the bytes over the bandwidth, one slot serialises, more slots never
 slow a step down, a synthetic stream has its closed-form answer, and the fast-forward of
@@ -12,13 +12,14 @@ import jax
 import pytest
 
 import mk
-from mk import feed_costs, machine, megakernel, perf, sim
-from mk.chips import chip
-from mk.presets import PRESET_NAMES
+from mk.cost import feed_costs, machine, perf, sim
+from mk.step import megakernel
+from mk.model.chips import chip
+from mk.model.presets import PRESET_NAMES
 from mk.kernels.common import BlockSizes
-from mk.kernels.plan import DecodePlan, shard_config
+from mk.step.plan import DecodePlan, shard_config
 from mk.kernels.stream import TileStream
-from mk.weights import param_shapes
+from mk.model.weights import param_shapes
 from builders import simulated_step, replay_tile_by_tile
 
 NO_LATENCY = sim.Assumptions(dma_latency_s=0.0)
@@ -69,7 +70,7 @@ def test_moe_step_streams_only_the_active_expert_slots_and_the_routers():
         assert s.experts_active == active
 
 
-# One byte count: the simulator's DMAs are mk.perf's HBM floor, family by family, over a
+# One byte count: the simulator's DMAs are mk.cost.perf's HBM floor, family by family, over a
 # grid beyond the recorded runs (presets x tp x B x T x S; ~3 s). Routing "disjoint" gives
 # both an integer count of experts (under "uniform" the simulator rounds perf's expected
 # count: `active_experts`). A ring deep enough to reach the next MoE layer's expert region
@@ -84,7 +85,7 @@ PERF_BYTES = dict(attention="attention_bytes", norms="norm_bytes", dense_mlp="de
 
 
 def byte_gaps(name, tp, batch, rows, context, chip_name="v5e"):
-    """{byte family: simulated - `mk.perf.predict` bytes of one device} where they differ
+    """{byte family: simulated - `mk.cost.perf.predict` bytes of one device} where they differ
     by more than 1e-9 of perf's; with "flags", the simulator's DMA bytes that are in no
     HBM family less a MoE layer's 4-byte-per-expert flags copy (VMEM to SMEM), and with
     "total" its HBM bytes less perf's total but the embedding (XLA's gather)."""
@@ -119,7 +120,7 @@ def test_the_byte_grid_catches_a_floor_of_exact_kv_positions(monkeypatch):
     # The floor before the fix: B*S positions read and B*T rows written, not whole tiles
     # and aligned write-back windows. (qwen3-0.6b B8 T1 S256: sim 1678 MB, floor 1432 MB.)
     def exact(local, batch, rows, context, kv_tile):
-        per = mk.cache.bytes_per_position(local)
+        per = mk.model.cache.bytes_per_position(local)
         return {"kv_read": batch * context * per, "kv_write": batch * rows * per}
 
     monkeypatch.setattr(perf, "kv_step_bytes", exact)
@@ -376,7 +377,7 @@ def test_the_chips_ring_keeps_hbm_busy_where_fewer_slots_than_littles_law_do_not
 def test_every_single_core_preset_keeps_tpu7x_hbm_busy_at_one_microsecond(name):
     """Issue 14's bar on the plan's own ring, at B = 1, T = 1, S = 1024, a 1 us DMA
     latency and each weight tile at the tile cost table at the low end of the clock range
-    (`mk.feed_costs`; the whole kernels' recorded loops: mk/data/tile_costs/single_core.json,
+    (`mk.cost.feed_costs`; the whole kernels' recorded loops: mk/data/tile_costs/single_core.json,
     notebook 11)."""
     s = simulated_step(mk.preset(name), "tpu7x", context=1024,
                        assumptions=sim.Assumptions(dma_latency_s=1e-6))
@@ -405,7 +406,7 @@ def test_assumptions_packed_bundles_must_be_a_tuple_of_entries(value):
 
 
 def test_simulate_refuses_a_routing_trace_of_another_model_as_predict_does():
-    from mk.routing_trace import RoutingTrace
+    from mk.cost.routing_trace import RoutingTrace
 
     qwen = mk.preset("qwen3-30b-a3b")
     trace = RoutingTrace("tiny-kimi", 4, 2, ((2, 2, 2, 2),))  # one layer of 4 experts

@@ -387,7 +387,8 @@ def test_an_animated_figures_slider_steps_and_playing_on_load_or_clipping_is_cau
     y axis keeps the 1-slot frame's range, so the 2- and 3-slot frames are clipped."""
     import plotly.io as pio
 
-    from mk import plots, teach
+    from mk import plots
+    from mk.course import teach
     from mk.kernels.common import BlockSizes
     from mk.kernels.stream import TileStream
 

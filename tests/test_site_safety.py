@@ -4,7 +4,7 @@ Untrusted text (a runs file's value, a notebook's error, a table cell, a config 
 escaped by one helper, `mk.plots.escape`: an XSS payload and an `{include}` payload are run
 through a real site build and checked in headless Chromium. runs.yaml values are YAML
 scalars of the notebook's annotated types; papermill's unknown `-p` names and mistyped
-values stop a notebook in the cell after its parameters (`mk.run.check_parameters`). A run
+values stop a notebook in the cell after its parameters (`mk.course.run.check_parameters`). A run
 is `finished` only with its site, the final steps hold SIGINT/SIGTERM, one run at a time per
 output folder, `--out` a file is a clear error. Each rule of tools/check_site.py fails on a
 page planted with its defect.
@@ -30,7 +30,7 @@ import papermill
 import pytest
 
 from mk import plots
-import mk.run
+import mk.course.run
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
@@ -79,7 +79,8 @@ def typed(tmp_path_factory):
     return _notebook(folder / "93_typed.ipynb",
                      'points: int = 3  # x values\nflag: bool = False  # a switch\n'
                      'name: str = "x"  # a name',
-                     "import mk.run\nmk.run.check_parameters(globals())", "print(points)")
+                     "import mk.course.run\n"
+                     "mk.course.run.check_parameters(globals())", "print(points)")
 
 
 @pytest.mark.parametrize("value, message", [
@@ -126,7 +127,7 @@ def test_runs_yaml_refuses_aliases_and_deep_nesting_naming_the_limit(typed, tmp_
 
 
 def test_runs_yaml_refusals_echo_a_long_value_cut_short(typed, tmp_path):
-    """A refusal quotes the file's value bounded (`mk.errors.shown`, `brief`), not a
+    """A refusal quotes the file's value bounded (`mk.model.errors.shown`, `brief`), not a
     megabyte of it."""
     runs_file = tmp_path / "runs.yaml"
     for text in ("93_typed:\n  - label: " + "a" * 10**5 + "\n",
@@ -182,16 +183,16 @@ def test_check_parameters_names_an_unknown_injected_name_and_a_wrong_type():
           "layers": [2, 4], "In": ["", "# Parameters\npresett = \"tiny\"\n", ""]}
     with pytest.raises(ValueError, match=r"\['presett'\] are not parameters.*"
                                          r"\['preset', 'sweep_context', 'layers'\]"):
-        mk.run.check_parameters(ns)
+        mk.course.run.check_parameters(ns)
     ns["In"] = ["", "# Parameters\nsweep_context = 4096.0\n"]
     ns["sweep_context"] = 4096.0
     with pytest.raises(ValueError, match=r"sweep_context=4096.0 \(float\) must be int"):
-        mk.run.check_parameters(ns)
+        mk.course.run.check_parameters(ns)
     ns["sweep_context"], ns["layers"] = 4096, [2, "4"]
     with pytest.raises(ValueError, match=r"layers=\[2, '4'\] \(list\) must be list\[int\]"):
-        mk.run.check_parameters(ns)
+        mk.course.run.check_parameters(ns)
     ns["layers"] = [2, 4]
-    mk.run.check_parameters(ns)  # all good: no error
+    mk.course.run.check_parameters(ns)  # all good: no error
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf"), [1.0, float("nan")]])
@@ -200,8 +201,8 @@ def test_a_float_parameter_must_be_finite(value):
     nothing; refused by name as any other wrong value."""
     kind = "list[float]" if isinstance(value, list) else "float"
     with pytest.raises(ValueError, match=re.escape(f"must be {kind} (finite)")):
-        mk.run.check_parameter("scale", value, kind)
-    mk.run.check_parameter("scale", [2, 0.5] if isinstance(value, list) else 2, kind)
+        mk.course.run.check_parameter("scale", value, kind)
+    mk.course.run.check_parameter("scale", [2, 0.5] if isinstance(value, list) else 2, kind)
 
 
 def test_a_misspelled_papermill_parameter_stops_the_notebook(typed, tmp_path):
@@ -220,8 +221,8 @@ def test_every_notebook_checks_its_parameters_right_after_the_parameters_cell():
         at = next(i for i, c in enumerate(cells)
                   if "parameters" in c.metadata.get("tags", []))
         following = next(c for c in cells[at + 1:] if c.cell_type == "code")
-        assert "mk.run.check_parameters(globals())" in following.source, path.name
-        before = following.source.split("mk.run.check_parameters")[0]
+        assert "mk.course.run.check_parameters(globals())" in following.source, path.name
+        before = following.source.split("mk.course.run.check_parameters")[0]
         assert all(line.startswith(("import ", "from ", "#", "    ", ")")) or not line.strip()
                    for line in before.splitlines()), f"{path.name}: work before the check"
 

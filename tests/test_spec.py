@@ -1,11 +1,11 @@
-"""mk.spec: speculative decoding is lossless, forced acceptance is exact, rejected cache
+"""mk.speculative.spec: speculative decoding is lossless, forced acceptance is exact, rejected cache
 rows never leak, and the statistics and throughput formulas are what they say.
 
 Which runs use which verifier, and why (the budget is 150 s on one core; the XLA
 reference compiles in ~3 s per shape and runs in ~10 ms, the megakernel in interpret mode
 compiles in ~11 s (tiny) / ~33 s (tiny-moe) per [B, T] shape and runs in ~0.5-2 s):
 - Full matrix with the XLA reference verifier: every drafter x gamma 1..7 x batch 1..4 x
-  {tiny, tiny-moe}, STEPS tokens each, in one shape bucket (mk.spec module docstring) so
+  {tiny, tiny-moe}, STEPS tokens each, in one shape bucket (mk.speculative.spec module docstring) so
   each preset compiles its verifier and each drafter once.
 - Megakernel verifier in interpret mode, the smallest set that covers each drafter, the
   extreme gammas 1 and 7, batch 1 and 4 and both presets: two kernel shapes (tiny B=4 T=8
@@ -27,8 +27,10 @@ import pytest
 from scipy import stats as scipy_stats
 
 import mk
-from mk import perf, reference, runners, spec
-from mk.config import ModelConfig
+from mk.cost import perf
+from mk.model import reference
+from mk.speculative import runners, spec
+from mk.model.config import ModelConfig
 from builders import bar_count
 
 STEPS = 6  # tokens per run of the reference matrix
@@ -95,12 +97,12 @@ def test_bad_options_are_named_before_anything_runs():
 
 @pytest.mark.parametrize("options, message", [
     (dict(drafter=3), r"drafter=3 must be one of \('model'"),
-    (dict(sampling="hot"), r"sampling='hot' must be a mk\.spec\.Sampling, or None"),
+    (dict(sampling="hot"), r"sampling='hot' must be a mk\.speculative\.spec\.Sampling, or None"),
     (dict(verifier=8), r"verifier=8 must be one of \('megakernel', 'reference'\) or a"),
     (dict(bucket="8"), r"bucket='8' must be a positive integer"),
     (dict(drafter="model", draft=("x", {})), r"draft=\('x', \{\}\) must be \(config, params\)")])
 def test_options_of_the_wrong_type_are_named_not_attribute_errors(options, message):
-    """Issue 65: each ended in an AttributeError from inside mk.spec."""
+    """Issue 65: each ended in an AttributeError from inside mk.speculative.spec."""
     options = {"drafter": "ngram"} | options
     with pytest.raises(ValueError, match=message):
         spec.generate(mk.preset("tiny"), {}, np.zeros((1, 4), int), 4, gamma=3, **options)
@@ -338,8 +340,8 @@ def test_throughput_is_tau_over_verify_plus_draft_time():
 
 
 def test_the_step_time_is_the_ledgers_modelled_step_with_the_mxu_rule():
-    """spec.step_ms's default timing is `mk.perf.modelled_step_ms`, the modelled step of
-    `mk.ledger.TERMS`. kimi-k3-like's fp4 experts make its MXU floor the larger one, so
+    """spec.step_ms's default timing is `mk.cost.perf.modelled_step_ms`, the modelled step of
+    `mk.cost.ledger.TERMS`. kimi-k3-like's fp4 experts make its MXU floor the larger one, so
     `perf.predict`'s step (the FLOP floor, the former "roofline" timing) would differ."""
     kimi, kw = mk.preset("kimi-k3-like"), dict(batch=1, rows=8, context=1024, tp=1)
     got = spec.step_ms(kimi, "tpu7x", **kw)

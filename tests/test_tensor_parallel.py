@@ -1,4 +1,4 @@
-"""mk.tensor_parallel: the megakernel with tp > 1 against the single-device reference.
+"""mk.step.tensor_parallel: the megakernel with tp > 1 against the single-device reference.
 
 The token checks run in subprocesses with 2 tp virtual CPU devices (tests/multidevice.py),
 in TPU interpret mode with the race detector on; a planted cross-device race runs after
@@ -32,13 +32,15 @@ import numpy as np
 import pytest
 
 import mk
-from mk import backend, reference, tpu
-from mk.shards import kv_heads_of, shard_cache, shard_params
-from mk import tensor_parallel as tpar
-from mk.config import ModelConfig, Yarn
-from mk.kernels import plan
+from mk.kernels import backend
+from mk.model import reference
+from mk.measure import tpu
+from mk.step.shards import kv_heads_of, shard_cache, shard_params
+from mk.step import tensor_parallel as tpar
+from mk.model.config import ModelConfig, Yarn
+from mk.step import plan
 from mk.kinds.layers import layer_kinds
-from mk.weights import param_shapes
+from mk.model.weights import param_shapes
 from builders import bar_count
 from multidevice import planted_race_caught, race_free, run
 
@@ -233,11 +235,11 @@ def kimi_hf_fields() -> dict:
 
 
 def _on_fp4_grid(model) -> None:
-    """Round every routed expert matrix of the transformers `model` onto mk.quant's FP4
+    """Round every routed expert matrix of the transformers `model` onto mk.model.quant's FP4
     values (its [E, out, in] groups of 32 along in), in place."""
     import torch
 
-    from mk import quant
+    from mk.model import quant
     with torch.no_grad():
         for name, param in model.named_parameters():
             if ".experts." in name:
@@ -263,7 +265,7 @@ def _kimi_fp4_hf_tokens(tp: int, steps: int) -> dict:
     import tempfile
 
     from builders import build_hf_model, hf_greedy
-    from mk import quant
+    from mk.model import quant
 
     model = build_hf_model("kimi_linear", kimi_hf_fields(), seed=tp)
     _on_fp4_grid(model)
@@ -463,7 +465,7 @@ def test_a_tp_that_is_not_a_power_of_two_is_refused(tp):
     ("tpu7x", 4, "tpu7x:2x2x1"), ("tpu7x", 16, "tpu7x:2x2x4"), ("v6e", 4, "v6e:2x2"),
     ("v5e", 1, "v5e:1x1")])
 def test_a_published_runs_chips_name_a_libtpu_topology_with_its_cores(chip, chips, name):
-    """`mk.tpu.topology_for`: the topology the published runs compile on (4 and 16 TPU7x
+    """`mk.measure.tpu.topology_for`: the topology the published runs compile on (4 and 16 TPU7x
     chips: TP8 and TP32) has chips x cores per chip devices in libtpu."""
     assert tpu.topology_for(chip, chips) == name
     assert len(tpu.devices(name)) == chips * mk.chip(chip).cores_per_chip
@@ -495,8 +497,8 @@ def test_kimi_k3s_whole_tp32_shard_compiles_with_fp4_experts_packed():
     """One device's shard of the release's Kimi K3 (gated MLA, bounded KDA, SiTU, attention
     residuals, the latent MoE with its shared expert; all 93 layers) at TP32 on 16 TPU7x
     chips, its FP4 experts packed (3072 expert columns, 96 a device padded to 128; whole
-    scale blocks: `mk.shards`), its latent dealt in whole tiles (128 of 3584 columns a
-    device: 28 devices hold one tile, 4 hold zeros; `mk.kernels.latent_moe`), at the
+    scale blocks: `mk.step.shards`), its latent dealt in whole tiles (128 of 3584 columns a
+    device: 28 devices hold one tile, 4 hold zeros; `mk.kinds.mlp.latent_moe`), at the
     headline's B=1 T=8: it fits a core's HBM and compiles whole, VMEM in budget, under the
     issue's 90 s (libtpu compiles the layer loop once: its code does not grow with the
     layers; ~53 s on this CPU). With bf16 experts it is refused by HBM, with the numbers,

@@ -5,22 +5,22 @@ family, e.g. the hybrid's delta rule at the TPU's default matmul precision).
 Run it on a TPU VM or a Colab TPU runtime in one process (one program holds the chip):
 `make test-tpu`, or `MK_TPU=1 python -m pytest -m tpu -p no:xdist tests/test_tpu.py`.
 Where no TPU is present (CI) every test here is skipped. After each case it writes the record
-`mk.exactness.record_path(<chip>)` (data/measured/<chip>-exact.json: chip, device kind,
+`mk.measure.exactness.record_path(<chip>)` (data/measured/<chip>-exact.json: chip, device kind,
 jax and libtpu versions, commit from $MK_COMMIT or git, each case's verdict), which
 tests/test_exactness.py holds every model family to.
 
-Greedy tokens are judged by `mk.exactness.judge` (the reference teacher-forced on the
+Greedy tokens are judged by `mk.measure.exactness.judge` (the reference teacher-forced on the
 kernel's own tokens; a logit near-tie is told apart from a wrong token). The reference's
 side of every selected case is started at the session's start in CPU-only processes
 (`oracle`), so the chip never waits for the CPU. The families run
 in float32, as the CPU suite's token tests do: in bf16 an MoE router meets near-ties
-between its k-th and (k+1)-th expert (`mk.exactness.ROUTER_TIE`), and a token whose expert
+between its k-th and (k+1)-th expert (`mk.measure.exactness.ROUTER_TIE`), and a token whose expert
 flips moves its logits by O(1) (seen on the chip and in interpret mode alike: tiny-moe,
 tiny-kimi and tiny-gpt-oss at B*T >= 32). bf16 runs the dense and hybrid families, the
 0.6b model and the prompt of issue 58. Contexts cross
 KV tiles (32-position tiles, positions 20-44) and tiny-gpt-oss's 16-position window.
 What this tier does not check: time (benchmarks/), races (interpret mode's detector in
-the CPU suite; the chip has none), index bounds (`mk.bounds`, static, in the CPU suite).
+the CPU suite; the chip has none), index bounds (`mk.measure.bounds`, static, in the CPU suite).
 """
 
 from __future__ import annotations
@@ -37,10 +37,14 @@ import numpy as np
 import pytest
 
 import mk
-from mk import backend, exactness, measure, megakernel, ops, quant, reference, spec, unpack
+from mk.kernels import backend
+from mk.measure import exactness, measure
+from mk.step import megakernel
+from mk.model import ops, quant, reference, unpack
+from mk.speculative import spec
 from mk.kernels.common import BlockSizes
-from mk.kernels.decode_attention import decode_attention
-from mk.kernels.plan import DecodePlan, default_block
+from mk.kinds.attention.decode_attention import decode_attention
+from mk.step.plan import DecodePlan, default_block
 from mk.kernels.weight_streaming import stream_matmul
 
 from kernels.tolerances import TOLERANCE
@@ -69,7 +73,7 @@ def _block(config, params):
 
 def _model(name, formats=None, seed=0, dtype="float32"):
     """(config, params, the oracle's values): params made and quantised on the CPU, and
-    the values the reference multiplies (`mk.quant.dequantize`) decoded there, so nothing
+    the values the reference multiplies (`mk.model.quant.dequantize`) decoded there, so nothing
     of the oracle's side is computed by the chip it judges (the oracle's processes make
     the same ones: `init_params` is deterministic on one backend)."""
     config = dataclasses.replace(mk.preset(name), dtype=dtype)
@@ -284,11 +288,11 @@ def test_quantised_weights_on_the_chip_decode_the_references_tokens(oracle, requ
 
 @pytest.mark.parametrize("lead", [(), (3,), (2, 8)], ids=["2-D", "3-D", "4-D"])
 def test_int4_codes_traced_by_xla_on_the_chip_are_the_cpus(lead):
-    """`mk.unpack.int4_codes` outside a kernel (XLA's lowering of `pltpu.bitcast`, which
-    `dequantize_tile` and `mk.quant.check_error` run on whatever backend holds the weight)
+    """`mk.model.unpack.int4_codes` outside a kernel (XLA's lowering of `pltpu.bitcast`, which
+    `dequantize_tile` and `mk.model.quant.check_error` run on whatever backend holds the weight)
     decodes on the chip as on the CPU, for a plain weight and stacked ones (layers,
     experts). Alone it does (v5e, 963d3a1). At bbe3b06 the reference's prefill on the chip
-    (`mk.megakernel.generate`'s first token) decoded tiny-moe's int4 experts with it inside
+    (`mk.step.megakernel.generate`'s first token) decoded tiny-moe's int4 experts with it inside
     its jitted layer and disagreed with the CPU's from step 0; the reference now shifts and
     masks (`scaled_weight`), and its prefill agrees (issue 58's note)."""
     packed = np.random.default_rng(0).integers(0, 256, (*lead, 64, 256), dtype=np.uint8)
@@ -298,7 +302,7 @@ def test_int4_codes_traced_by_xla_on_the_chip_are_the_cpus(lead):
 
 
 def test_the_oracles_int4_experts_decode_on_the_chip_as_on_the_cpu():
-    """`mk.quant.dequantize`'s int4 expert codes computed on the chip equal the CPU's: what
+    """`mk.model.quant.dequantize`'s int4 expert codes computed on the chip equal the CPU's: what
     the megakernel's own prefill (the reference, on the chip) multiplies is the oracle's."""
     config, params, values = _model("tiny-moe", dict(experts="int4"))
     on_chip = quant.dequantize(jax.device_put(params, jax.devices()[0]))

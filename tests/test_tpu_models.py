@@ -14,8 +14,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import tpu_models  # noqa: E402
 
 import mk  # noqa: E402
-from mk import backend, exactness, measure, untrusted  # noqa: E402
-from mk.kernels.plan import DecodePlan  # noqa: E402
+from mk.kernels import backend  # noqa: E402
+from mk.measure import exactness, measure  # noqa: E402
+from mk.model import untrusted  # noqa: E402
+from mk.step.plan import DecodePlan  # noqa: E402
 
 
 @pytest.mark.skipif(backend.on_tpu(), reason="on a TPU main([]) would run every row")

@@ -28,7 +28,7 @@ import chip_record  # noqa: E402
 import run_notebooks  # noqa: E402
 import tpu_notebooks  # noqa: E402
 
-from mk import backend  # noqa: E402
+from mk.kernels import backend  # noqa: E402
 
 XSS = "<script>alert(1)</script>"
 MADE = dict(chip="v5e", device_kind="TPU v5 lite", jax="0.10.2", libtpu="0.0.42.1",

@@ -13,7 +13,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import tpu_tiles  # noqa: E402
 
-from mk import measure  # noqa: E402
+from mk.measure import measure  # noqa: E402
 
 
 def test_the_script_refuses_a_cpu_a_chips_record(tmp_path, capsys):
@@ -44,7 +44,8 @@ def test_the_reference_is_not_the_kernels_own_rounding():
     import jax.numpy as jnp
     import numpy as np
 
-    from mk import backend, ops, quant
+    from mk.kernels import backend
+    from mk.model import ops, quant
     from mk.kernels.common import BlockSizes
     from mk.kernels.weight_streaming import stream_matmul
 

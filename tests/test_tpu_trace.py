@@ -11,7 +11,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import tpu_trace  # noqa: E402
 
-from mk import bundles, measure  # noqa: E402
+from mk.cost import bundles  # noqa: E402
+from mk.measure import measure  # noqa: E402
 
 
 def test_off_a_tpu_it_refuses_and_writes_nothing(tmp_path, capsys, monkeypatch):

@@ -1,10 +1,10 @@
-"""mk.xla_step: the compiled XLA decode step read instruction by instruction."""
+"""mk.measure.xla_step: the compiled XLA decode step read instruction by instruction."""
 
 import pytest
 
 import mk
-from mk import xla_step
-from mk.quant import stored_bytes
+from mk.measure import xla_step
+from mk.model.quant import stored_bytes
 
 HLO = """HloModule m
 

@@ -1,12 +1,12 @@
 """The record of the notebooks' runs on a chip (issue 62): `<chip>-notebooks.json` in
-`mk.measure.MEASURED`, written by benchmarks/tpu_notebooks.py a notebook at a time, read
+`mk.measure.measure.MEASURED`, written by benchmarks/tpu_notebooks.py a notebook at a time, read
 back for the next part of a run and for the course map (tools/build_site.py).
 
-A record is the run's provenance (`mk.measure.provenance()`: chip, device kind, jax, libtpu,
+A record is the run's provenance (`mk.measure.measure.provenance()`: chip, device kind, jax, libtpu,
 commit, when) with a `label` and `rows`, one per notebook: its status (`STATUSES`), seconds,
 how many of its code cells ran of how many, the failing cell (its number among the code
 cells and its first line) and the error, cut to `MAX_TEXT` characters, and the row's own
-commit, time and timeout. Records are untrusted input: read through `mk.untrusted.load_json`
+commit, time and timeout. Records are untrusted input: read through `mk.model.untrusted.load_json`
 and refused by `check` unless every field has its type and range (the `ValueError` names the
 field); whoever shows them escapes them.
 
@@ -23,9 +23,9 @@ import os
 import re
 from pathlib import Path
 
-from mk import untrusted
-from mk.errors import brief, shown
-from mk.measure import MEASURED
+from mk.model import untrusted
+from mk.model.errors import brief, shown
+from mk.measure.measure import MEASURED
 
 SUFFIX = "-notebooks.json"
 STATUSES = ("ok", "failed", "timeout")
@@ -97,7 +97,7 @@ def check(record, where: str = "record") -> dict:
 
 
 def load(path: str | os.PathLike) -> dict:
-    """The record at `path`, read with `mk.untrusted`'s limits and `check`ed."""
+    """The record at `path`, read with `mk.model.untrusted`'s limits and `check`ed."""
     return check(untrusted.load_json(path, "a notebooks record"), os.fspath(path))
 
 

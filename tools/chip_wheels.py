@@ -35,7 +35,7 @@ ROOTS = ("flatbuffers", "safetensors", "plotly", "ipython", "tqdm", "papermill",
          "jupytext", "nbformat", "ipywidgets", "PyYAML", "xprof")
 ON_CHIP = ("jax", "jaxlib", "libtpu", "numpy", "scipy", "ml-dtypes", "opt-einsum")
 # Packages whose declared dependencies are replaced by what the notebooks import of them:
-# notebook 08 reads its capture with `mk.profiling.trace_viewer`, and
+# notebook 08 reads its capture with `mk.measure.profiling.trace_viewer`, and
 # `xprof.convert.raw_to_tool_data` imports with these two alone (tried in a clean folder);
 # xprof's other 27 (duckdb, google-cloud-storage, cryptography, ...) serve its web UI.
 ONLY = {"xprof": ("six", "protobuf")}

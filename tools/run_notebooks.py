@@ -29,11 +29,11 @@ MathJax is copied into each site (tools/build_site.py), and no widget manager is
 sockets (ipc). `tools/check_site.py` checks the pages in headless Chromium.
 
 Runs that cannot lie or collide: the runs file is untrusted text, read with limits (a
-regular file of at most `RUNS_MAX_BYTES`, UTF-8: `mk.untrusted.read_text`; no YAML alias,
-nesting at most `mk.untrusted.MAX_DEPTH` deep, integers of at most `mk.untrusted.MAX_DIGITS`
-digits, keys that are names; a refusal quotes a value cut short: `mk.errors.shown`); a
-runs.yaml value must be a YAML scalar (or a list or map of them) of the type the
-notebook's parameters cell annotates, checked before anything runs; the record
+regular file of at most `RUNS_MAX_BYTES`, UTF-8: `mk.model.untrusted.read_text`; no YAML alias,
+nesting at most `mk.model.untrusted.MAX_DEPTH` deep, integers of at most
+`mk.model.untrusted.MAX_DIGITS` digits, keys that are names; a refusal quotes a value cut short:
+`mk.model.errors.shown`); a runs.yaml value must be a YAML scalar (or a list or map of them) of the
+type the notebook's parameters cell annotates, checked before anything runs; the record
 (`runs.json`) says `finished` only once the site is built, and those last steps hold
 SIGINT/SIGTERM until they are done; one run at a time per output folder (a lock file; a
 second is refused with exit code 2).
@@ -79,10 +79,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import build_site  # noqa: E402
 import chip_record  # noqa: E402
 import run_cache  # noqa: E402
-import mk.errors  # noqa: E402
-import mk.run  # noqa: E402
-import mk.untrusted  # noqa: E402
-from mk.errors import brief, shown  # noqa: E402
+import mk.model.errors  # noqa: E402
+import mk.course.run  # noqa: E402
+import mk.model.untrusted  # noqa: E402
+from mk.model.errors import brief, shown  # noqa: E402
 from mk.plots import HEADLESS, escape  # noqa: E402
 from jupyter_client.manager import AsyncKernelManager  # noqa: E402
 from traitlets import default  # noqa: E402
@@ -166,7 +166,7 @@ def load_runs(runs_file: Path, notebooks: list[Path], known: list[Path] | None =
     if not runs_file.exists():
         raise ValueError(f"runs file {runs_file} does not exist (--runs names a file of "
                          "configurations)")
-    text = mk.untrusted.read_text(runs_file, "runs file", RUNS_MAX_BYTES)
+    text = mk.model.untrusted.read_text(runs_file, "runs file", RUNS_MAX_BYTES)
     try:
         config = yaml.load(text, _UniqueKeyLoader) or {}
     except (yaml.YAMLError, ValueError) as err:  # ValueError: a date such as 2026-02-30
@@ -212,7 +212,7 @@ def _every_run(where: str, every, notebooks: list[Path]) -> dict[str, dict]:
         for key, value in mine.items():
             if allowed[key] is not None:
                 try:
-                    mk.run.check_parameter(key, value, allowed[key])
+                    mk.course.run.check_parameter(key, value, allowed[key])
                 except ValueError as err:
                     raise ValueError(f"{field}.parameters ({notebook.stem}): {err}") from None
         out[notebook.stem], used = mine, used | set(mine)
@@ -232,23 +232,24 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     """safe_load that refuses a key repeated in one mapping (YAML keeps the last silently,
     which would drop a notebook's first configurations), any alias (`*name`: nested ones
     make a "billion laughs", a self-referencing one recursion without end; a runs file
-    needs none) and nesting deeper than `mk.untrusted.MAX_DEPTH`, before any of it is
+    needs none) and nesting deeper than `mk.model.untrusted.MAX_DEPTH`, before any of it is
     built."""
 
     def compose_node(self, parent, index):
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
             raise yaml.composer.ComposerError(
-                None, None, f"the alias {mk.errors.shown('*' + event.anchor)} is refused (line "
+                None, None, f"the alias {mk.model.errors.shown('*' + event.anchor)} is refused "
+                            f"(line "
                 f"{event.start_mark.line + 1}); a runs file spells every value out",
                 event.start_mark)
         self._depth = getattr(self, "_depth", 0) + 1
         try:
-            if self._depth > mk.untrusted.MAX_DEPTH:
+            if self._depth > mk.model.untrusted.MAX_DEPTH:
                 event = self.peek_event()
                 raise yaml.composer.ComposerError(
                     None, None, f"nesting deeper than the limit of "
-                    f"{mk.untrusted.MAX_DEPTH} levels (line {event.start_mark.line + 1})",
+                    f"{mk.model.untrusted.MAX_DEPTH} levels (line {event.start_mark.line + 1})",
                     event.start_mark)
             return super().compose_node(parent, index)
         finally:
@@ -272,10 +273,10 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
     def construct_yaml_int(self, node):
         digits = len(str(node.value).lstrip("+-").replace("_", ""))
-        if digits > mk.untrusted.MAX_DIGITS:  # int() of 10**5 digits takes seconds
+        if digits > mk.model.untrusted.MAX_DIGITS:  # int() of 10**5 digits takes seconds
             raise yaml.constructor.ConstructorError(
                 None, None, f"an integer of {digits} digits is over the limit of "
-                f"{mk.untrusted.MAX_DIGITS} (line {node.start_mark.line + 1})",
+                f"{mk.model.untrusted.MAX_DIGITS} (line {node.start_mark.line + 1})",
                 node.start_mark)
         return super().construct_yaml_int(node)
 
@@ -317,7 +318,7 @@ def _entries(where: str, stem: str, entries, notebook: Path) -> list[Run]:
             _plain(f"{field}.parameters.{key}", value)
             if allowed[key] is not None:
                 try:
-                    mk.run.check_parameter(key, value, allowed[key])
+                    mk.course.run.check_parameter(key, value, allowed[key])
                 except ValueError as err:
                     raise ValueError(f"{field}.parameters: {err}") from None
         runs.append(Run(notebook, label, dict(parameters)))
@@ -535,7 +536,7 @@ def write_site_index(out: Path) -> None:
     records, unreadable = [], []
     for path in sorted((out / "runs").glob("*/runs.json"), reverse=True):
         try:  # a regular file, bounded; its rows as `_row` writes them
-            record = check_record(mk.untrusted.load_json(path, "run record"))
+            record = check_record(mk.model.untrusted.load_json(path, "run record"))
         except (OSError, ValueError) as err:  # one bad old run folder
             print(f"warning: {path} is unreadable ({err}); it is listed, not shown",
                   file=sys.stderr, flush=True)

@@ -33,8 +33,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
-from mk.chips import ChipSpec
-from mk.config import positive_int
+from mk.model.chips import ChipSpec
+from mk.model.config import positive_int
 from mk.kernels.common import Buffer
 
 AXIS = "tp"  # the mesh axis the tensor-parallel shards live on
@@ -392,7 +392,7 @@ def argmax_body(logits, first_id, s: CollectiveScratch, *, n: int, valid=None, s
     local = lax.broadcasted_iota(jnp.int32, (M, Vs), 1)
     if valid is not None:
         logits = jnp.where(valid, logits, -jnp.inf)
-    # NaN counts as the largest value (mk.reference.greedy's contract): a row with a NaN
+    # NaN counts as the largest value (mk.model.reference.greedy's contract): a row with a NaN
     # gives its first NaN's id, never the fallback Vs (one past the last id).
     nan = logits != logits
     first_nan = jnp.min(jnp.where(nan, local, Vs), axis=1, keepdims=True)  # Vs: none

@@ -14,7 +14,7 @@ DMA starts, so a DMA under a false `pl.when` is not recorded); the byte-count te
 it. Interpret mode runs a kernel's host callbacks in no fixed order; a kernel body wrapped
 in `sequenced` (the megakernel) records in issue order (the DMA order test reads that).
 
-Not here: the ring itself (`mk.kernels.ring`), compiling (`mk.tpu`). Block sizes change
+Not here: the ring itself (`mk.kernels.ring`), compiling (`mk.measure.tpu`). Block sizes change
 speed, never numerics.
 """
 
@@ -32,9 +32,9 @@ from jax.experimental import io_callback
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mk import backend
-from mk.config import LANES
-from mk.ops import exact
+from mk.kernels import backend
+from mk.model.config import LANES
+from mk.model.ops import exact
 
 KV_ALIGN = 16  # a KV tile's positions are whole groups of 16 sublanes (bf16)
 SUBLANE_BITS = 8 * 32  # 8 sublanes of 32-bit words: 8 rows of f32, 16 of bf16, 32 of int8
@@ -47,7 +47,7 @@ def sublanes(dtype) -> int:
 
 def transposed_dot(h, w_t):
     """h [M, D] @ w in float32 for a weight held transposed, w_t [n, D]
-    (`mk.kinds.base.TRANSPOSED`), h rounded to the weight's dtype (mk.ops.matmul's)."""
+    (`mk.kinds.base.TRANSPOSED`), h rounded to the weight's dtype (mk.model.ops.matmul's)."""
     h = h.astype(w_t.dtype)
     return jax.lax.dot_general(h, w_t, (((1,), (1,)), ((), ())), precision=exact(h, w_t),
                                preferred_element_type=jnp.float32)
@@ -138,7 +138,7 @@ class BlockSizes:
 class Buffer:
     """One VMEM buffer of a kernel: a scratch, or an operand the kernel keeps in VMEM.
 
-    group: where the megakernel finds it (`mk.kernels.plan`): "layer" (an attribute of the
+    group: where the megakernel finds it (`mk.step.plan`): "layer" (an attribute of the
     layer scratch), "attention", "vectors", a collective's name, or "operand" (not scratch).
     """
 
@@ -210,7 +210,7 @@ SLOTS = 3  # default weight ring slots
 TILE_BYTES = 2 * 2**20  # default weight tiles hold at most this many bytes
 REPEAT_TILE_BYTES = 2 * TILE_BYTES  # at most this many bytes in an expert slot's own tiles
 # Beside expert slots in tiles of their own, the other matrices' tiles hold at most this many
-# times the smallest of those (`mk.kernels.one_layer.model_block`).
+# times the smallest of those (`mk.step.one_layer.model_block`).
 OTHERS_OVER_REPEAT_BYTES = 2
 # A quantised tile fed bf16 is dequantised in VMEM through float32 temporaries that Mosaic
 # keeps in its scoped VMEM (qwen3-8b's int4 megakernel with 4096 x 256 tiles asked 35 MiB
@@ -245,7 +245,7 @@ def default_block(matrices, *, context: int | None = None, slots: int = SLOTS,
     for a kernel reading a cache of `context` positions.
 
     A decode matmul's cost is moving its weights, and each tile costs the TensorCore a
-    fixed issue time besides (`mk.bundles`): big tiles amortise it. Tensor-parallel shards
+    fixed issue time besides (`mk.cost.bundles`): big tiles amortise it. Tensor-parallel shards
     have one wide dimension (the model width D) and one narrow (a shard's heads or FFN
     columns): cut D-major (row-sharded matrices transposed), their tiles are D x 128 and
     more, where one tile shape dividing both dimensions of every matrix would be 128 x 128.
@@ -292,7 +292,7 @@ def default_kv_tile(context: int, name: str = "context") -> int:
     if context % KV_ALIGN:
         raise ValueError(f"{name}={context} must be a multiple of {KV_ALIGN} for the "
                          f"megakernel, whose KV tiles hold whole groups of {KV_ALIGN} cached "
-                         f"positions (mk.reference takes any): use "
+                         f"positions (mk.model.reference takes any): use "
                          f"{-(-context // KV_ALIGN) * KV_ALIGN}")
     return max(tile for tile in range(KV_ALIGN, min(KV_TILE, context) + 1, KV_ALIGN)
                if context % tile == 0)
@@ -346,7 +346,7 @@ _DMA_SEQ = None  # the DMA counter (SMEM [1] int32) of the `sequenced` kernel be
 def dma_log(*jitted):
     """Record (what, bytes) of every DMA `start_dma` starts while open; yields the list.
     The recording is part of a kernel's trace: the jit caches of `jitted` (the functions
-    whose traces hold the kernels, e.g. `mk.megakernel.traced_step`) are cleared on entry
+    whose traces hold the kernels, e.g. `mk.step.megakernel.traced_step`) are cleared on entry
     and on exit, so they are traced with the recording and never reused without it.
 
     Interpret mode only: on a v5e the log of notebook 05d's attention came back 4 K tiles
@@ -401,7 +401,8 @@ def start_dma(copy, what: str, nbytes: int) -> None:
     if backend.on_tpu() and not backend.interpreting():
         raise RuntimeError(
             "dma_log records DMAs with host callbacks, which only TPU interpret mode runs "
-            "(inside mk.backend.use('interpret')); a kernel built for the chip would record "
+            "(inside mk.kernels.backend.use('interpret')); a kernel built for the chip would "
+            "record "
             "nothing: count DMAs in interpret mode")
     log = _DMA_LOG
     if _DMA_SEQ is None:

@@ -1,7 +1,7 @@
 """A probe of the DMA engine: `count` copies HBM -> VMEM of one size, `in_flight` at a time.
 
 The megakernel's ring keeps tiles in flight so that HBM never waits for a descriptor's
-latency (`mk.sim`, Little's law). Whether 0.5 us or 1 us of latency is right, and how many
+latency (`mk.cost.sim`, Little's law). Whether 0.5 us or 1 us of latency is right, and how many
 bytes must be in flight to reach the chip's bandwidth, are properties of the chip, not of
 the model: this kernel isolates them. It is the ring with the matmul taken out: chunk i
 lands in slot i % in_flight, and waiting for chunk i issues chunk i + in_flight, so
@@ -10,9 +10,9 @@ whole latency; with enough in flight only its bytes over the bandwidth.
 
 `count` is an SMEM scalar, so one compiled kernel runs any number of copies: timing two
 counts and dividing the difference by the extra copies removes the call's fixed cost
-(dispatch, prologue) from the time per copy (`mk.measure`).
+(dispatch, prologue) from the time per copy (`mk.measure.measure`).
 
-Not here: the timing and the sweeps (`mk.measure`); the weight ring (`mk.kernels.ring`).
+Not here: the timing and the sweeps (`mk.measure.measure`); the weight ring (`mk.kernels.ring`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mk.config import LANES
+from mk.model.config import LANES
 from mk.kernels.common import Buffer, sublanes, vmem_limit_bytes
 
 DTYPE = jnp.float32

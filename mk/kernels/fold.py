@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from mk.kernels.common import PANEL_COLS
-from mk.ops import exact
+from mk.model.ops import exact
 
 FOLD_ROWS = 128  # a folded block's rows: whole lane groups of x's contraction columns
 # Stacked rows of one folded product. Measured (TPU7x, stage-01 kernel, 5120 x 128 tiles

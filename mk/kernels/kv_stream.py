@@ -1,5 +1,5 @@
 """The KV cache's traffic around decode attention's body
-(`mk.kernels.decode_attention.attend`): the named scratch refs (`AttentionScratch`), the
+(`mk.kinds.attention.decode_attention.attend`): the named scratch refs (`AttentionScratch`), the
 stream of KV tiles in (`KvStream`) and the write-backs' staging slots, drained at a
 kernel's end (`start_write_backs`, `drain_write_backs`). The stage kernels, the fused
 layer and the megakernel drive these around their attention layers.
@@ -13,7 +13,7 @@ normally a full layer later.
 Not here: the attention body that reads the tiles, merges the new rows and starts the
 write-backs (`attend`), the sizes and allocation of the scratch
 (`decode_attention_buffers`, `decode_attention_scratch`, `attention_semaphores`), the
-stage wrappers (all `mk.kernels.decode_attention`). The stream and the staging slots at
+stage wrappers (all `mk.kinds.attention.decode_attention`). The stream and the staging slots at
 length: docs/design/mk.kernels.kv_stream.md.
 """
 

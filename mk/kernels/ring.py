@@ -11,8 +11,8 @@ which multiplies activations by one segment while keeping the ring full); the we
 HBM in stream order (`ring_layout`, `tile_major`); the buffers (`ring_buffers`, one per
 tile shape and storage, each slots deep; `plain_ring`). A quantised segment's tiles reach
 the MXU as its feed says: int8 and int4 codes straight into the dot with the scales on
-the product (`mk.unpack.int_product`), fp8 and fp4 dequantised in VMEM or fed fp8
-(`mk.unpack.fp8_product`): the reference's product on `mk.quant.dequantize`'s weights.
+the product (`mk.model.unpack.int_product`), fp8 and fp4 dequantised in VMEM or fed fp8
+(`mk.model.unpack.fp8_product`): the reference's product on `mk.model.quant.dequantize`'s weights.
 
 Not here: what a kernel computes with the products (the stage kernels, the megakernel),
 KV tiles (`decode_attention`). Transposed and folded tiles, tiles of several shapes,
@@ -30,9 +30,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mk import quant, unpack
+from mk.model import quant, unpack
 from mk.kernels.common import BlockSizes, Buffer, start_dma
-from mk.ops import exact
+from mk.model.ops import exact
 from mk.kernels.fold import fold_tiles, folded_product, folded_shape
 from mk.kernels.stream import Segment, TileStream, buffer_name, stored_fold
 
@@ -42,7 +42,7 @@ def tile_major(w, segment: Segment):
     [..., tiles, tile_rows, tile_cols] of its tile, tile t the stream's t-th (output panel
     t // in_tiles, contraction step t % in_tiles; transposed segments tiled from W^T), each
     tile folded as `Segment.fold` says ([tile_rows / fold, fold x tile_cols]). A
-    `mk.quant.QuantWeight` (never transposed) becomes `mk.quant.tile_major`'s."""
+    `mk.model.quant.QuantWeight` (never transposed) becomes `mk.model.quant.tile_major`'s."""
     r, c = segment.tile
     if isinstance(w, quant.QuantWeight):
         return quant.tile_major(w, r, c)
@@ -78,7 +78,7 @@ def plain_ring(block: BlockSizes, dtype, tile: tuple[int, int] | None = None) ->
 def ring_buffers(stream: TileStream, dtype) -> list[Buffer]:
     """The ring's VMEM slots ("layer" group), one set per `TileStream.storages` entry,
     named by `TileStream.buffer_name`: plain tiles' `plain_ring` of `dtype`; a quantised
-    scheme's packed data and its "_scales" (`mk.quant.tile_shapes`). All are slots deep:
+    scheme's packed data and its "_scales" (`mk.model.quant.tile_shapes`). All are slots deep:
     tile g lands in slot g % slots of its segment's buffer."""
     out = []
     for scheme, (r, c) in stream.storages:
@@ -104,8 +104,8 @@ class Ring:
     "ring_fp4_scales"); sems [slots]; dtype: what tiles are multiplied in (default the
     plain ring's).
 
-    fetch: segment name -> Fetch (a quantised segment's returns an `mk.quant.QuantWeight`
-    of refs in `mk.quant.tile_major` layout). Every tile started is waited for by the
+    fetch: segment name -> Fetch (a quantised segment's returns an `mk.model.quant.QuantWeight`
+    of refs in `mk.model.quant.tile_major` layout). Every tile started is waited for by the
     `matmul` that consumes it, in increasing g, with `start(g + slots)` only after tile g
     was read.
     """
@@ -168,7 +168,7 @@ class Ring:
         """xs [M, step] times the tile of `segment` in `slot`, float32 [M, panel]: one product
         with the tile in the compute dtype (folded: `mk.kernels.fold.folded_product`), or
         its codes as they are and its scales on the product (fed fp8: e4m3 codes,
-        `mk.unpack.fp8_product`; int8 and int4: `mk.unpack.int_product`)."""
+        `mk.model.unpack.fp8_product`; int8 and int4: `mk.model.unpack.int_product`)."""
         xs = xs.astype(self.dtype)
         if segment.fold > 1:
             return folded_product(xs, self._weights(segment, slot), segment.fold,
@@ -299,12 +299,12 @@ class Ring:
 
         x is a VMEM ref (its contraction steps are dynamic lane slices, which Mosaic takes
         from refs, not values); each step is cast to the weight dtype and the products
-        accumulate in float32 in out_ref's panel (the `mk.ops.matmul` numerics). A
+        accumulate in float32 in out_ref's panel (the `mk.model.ops.matmul` numerics). A
         transposed segment's tile is W^T's: x's step times the tile transposed. Every tile
         consumed issues tile g + slots into its slot. The loops carry each tile's slot,
         contraction step and panel from trip to trip: no divide a tile (TPU7x's bundle
         dumps: Kimi K3's TP32 loops up to 12 % fewer bundles, the 27B's TP8 costliest 352 ->
-        336); `mk.bounds` proves the carried slot and step in range.
+        336); `mk.measure.bounds` proves the carried slot and step in range.
 
         Loops: in the steady one (most tiles: no search of the stream) tile g + slots is
         this segment's own tile t + slots; the last `slots` tiles (the edge) issue it from
@@ -314,7 +314,7 @@ class Ring:
         this layer that is on wherever this one runs (no flag, or this segment's kind)
         gives its tile directly (`_one_holder`); else each candidate's hit and flag come
         from compares, not a divide of g by the period (`_following`), and each issue is
-        under its branch (`mk.bundles` counts every branch). TPU7x's dumps, before -> after
+        under its branch (`mk.cost.bundles` counts every branch). TPU7x's dumps, before -> after
         that edge rework: the 27B's TP8 costliest loop 336 -> 315 bundles, Kimi K3's TP32
         plain 223 -> 190 and FP4 trip 1517 -> 1483; then the kinds (Kimi K3 TP32): edges
         to a segment of the same kind 137 -> 118-120, to a rival only 137 -> 117 and 164
@@ -323,7 +323,7 @@ class Ring:
 
         A product is guarded by neither its layer's kind nor its copy's flag: call `matmul`
         only in layers of its kind (as `Kind.run` is called: under the layer's flag,
-        `mk.kernels.one_layer.layer_body`) and for a copy that is on (`experts_body` loops
+        `mk.step.one_layer.layer_body`) and for a copy that is on (`experts_body` loops
         over the chosen slots, s < count). Elsewhere its tiles are never issued and the
         first wait would never end. A guard here would cost each trip a branch, and libtpu
         schedules each branch's code apart: the product, the activation between an expert's
@@ -343,7 +343,7 @@ class Ring:
                 self._wait(seg, layer, copy, t, slot)  # one wait, no search
                 xs = x[:, pl.ds(pl.multiple_of(i * step, step), step)]
                 part = self._product(seg, slot, xs, contract)
-                # (j < out_tiles always: the clip lets mk.bounds prove it, never binds)
+                # (j < out_tiles always: the clip lets mk.measure.bounds prove it, never binds)
                 cols = pl.ds(pl.multiple_of(jnp.clip(j, 0, seg.out_tiles - 1) * panel, panel),
                              panel)
                 if steps == 1:

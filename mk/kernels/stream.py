@@ -22,7 +22,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from mk import quant, unpack
+from mk.model import quant, unpack
 from mk.kernels.common import BlockSizes
 from mk.kernels.fold import panel_fold
 
@@ -39,8 +39,8 @@ class Segment:
     copies: int = 1  # in a `Repeat`: copy c starts at start + c * stride
     stride: int = 0  # tiles from one copy to the next (a Repeat's tiles per copy); 0 if
     #                  the segment is not repeated
-    scheme: str | None = None  # mk.quant storage scheme of its tiles; None: plain
-    feed: str = "bf16"  # what its tiles reach the MXU as (mk.unpack.FEEDS): "bf16"
+    scheme: str | None = None  # mk.model.quant storage scheme of its tiles; None: plain
+    feed: str = "bf16"  # what its tiles reach the MXU as (mk.model.unpack.FEEDS): "bf16"
     #                     dequantised to the compute dtype, "fp8" as e4m3 with scales after
     tile: tuple[int, int] = (0, 0)  # (rows, cols) of its stored tiles (`TileStream.build`)
     kind: tuple[str, str] | None = None  # (role, name) of the layer kind it is one of (a
@@ -116,8 +116,8 @@ class TileStream:
     def build(cls, block: BlockSizes, matrices, *, layers: int = 1, tail=(),
               schemes=None, feeds=None, kinds=None) -> TileStream:
         """matrices / tail: (name, rows, cols) of each weight, or a `Repeat` of such
-        triples, in consumption order; schemes: {name: mk.quant scheme} of the weights
-        stored quantised; feeds: {name: mk.quant feed} of those not fed bf16; kinds:
+        triples, in consumption order; schemes: {name: mk.model.quant scheme} of the weights
+        stored quantised; feeds: {name: mk.model.quant feed} of those not fed bf16; kinds:
         {name: (role, kind)} of the weights of layer kinds (`Segment.kind`). Each weight
         is cut into the block's tiles, or those `block.tiles` gives it."""
         schemes, feeds, tiles = dict(schemes or {}), dict(feeds or {}), dict(block.tiles)
@@ -203,7 +203,7 @@ class TileStream:
 
     def segment_tile_bytes(self, segment: Segment, itemsize: int) -> int:
         """Bytes one tile of `segment` moves: its tile's elements x itemsize when plain,
-        its packed data and scale block when quantised (`mk.quant.tile_bytes`)."""
+        its packed data and scale block when quantised (`mk.model.quant.tile_bytes`)."""
         k, n = segment.tile
         return k * n * itemsize if segment.scheme is None else quant.tile_bytes(
             segment.scheme, k, n)
@@ -211,7 +211,7 @@ class TileStream:
     @property
     def storages(self) -> tuple[tuple[str | None, tuple[int, int]], ...]:
         """(scheme or None for plain, tile shape) of each set of ring buffers the stream's
-        segments need, in a fixed order: plain first, then `mk.quant.SCHEMES`' order;
+        segments need, in a fixed order: plain first, then `mk.model.quant.SCHEMES`' order;
         within each, the block's tile first."""
         found = {(s.scheme, s.tile) for s in self.segments + self.tail}
         order, own = (None, *quant.SCHEMES), (self.block.tile_rows, self.block.tile_cols)

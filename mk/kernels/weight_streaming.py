@@ -7,8 +7,8 @@ teaching progression is one parameter, `BlockSizes.slots` (1: DMA and MXU take t
 double buffering; N: N - 1 tiles in flight hide DMA latency and jitter).
 
 Here: `stream_matmul` (its kernel, buffers and default tiling, `stream_matmul_block`: what
-`mk.probes.probe_tile` compiles the tile cost table's rows at), and the steps every stage
-wrapper takes for the weights it streams, plain or an `mk.quant.QuantWeight`:
+`mk.cost.probes.probe_tile` compiles the tile cost table's rows at), and the steps every stage
+wrapper takes for the weights it streams, plain or an `mk.model.quant.QuantWeight`:
 `stage_block` (its default tiling), `weight_stream` (the stream, with each quantised
 family's scheme) and `ring_weights` (the weights in the ring's layout, with a BlockSpec
 per array). A quantised weight streams packed tiles and their scales; in VMEM int8 and
@@ -29,21 +29,22 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mk import quant, unpack
+from mk.model import quant, unpack
 from mk.kernels.common import BlockSizes, Buffer, default_block
 from mk.kernels.ring import Ring, ring_buffers, ring_layout
 from mk.kernels.stream import TileStream
 
 
-# Rows this stage kernel takes: a decode step's MAX_ROWS (mk.config) up to one pass of the
+# Rows this stage kernel takes: a decode step's MAX_ROWS (mk.model.config) up to one pass of the
 # largest MXU (256 rows on v6e and TPU7x), the largest M of the tile cost table
-# (`mk.feed_costs`, measured on this kernel by `mk.probes.probe_tile`).
+# (`mk.cost.feed_costs`, measured on this kernel by `mk.cost.probes.probe_tile`).
 STAGE_ROWS = 256
 
 
 def weight_stream(block: BlockSizes, matrices, formats=None, **kwargs) -> TileStream:
     """`TileStream.build(block, matrices, **kwargs)` with every weight of a quantised family
-    in its scheme; formats: {family: mk.quant scheme} (`mk.quant.formats_of` the weights)."""
+    in its scheme; formats: {family: mk.model.quant scheme} (`mk.model.quant.formats_of` the
+    weights)."""
     return TileStream.build(block, matrices, schemes=quant.schemes_of(formats), **kwargs)
 
 
@@ -67,7 +68,7 @@ def ring_weights(weights: dict, stream: TileStream) -> tuple[dict, dict]:
 def stream_matmul_buffers(M: int, K: int, N: int, dtype, block: BlockSizes,
                           scheme: str | None = None) -> list[Buffer]:
     """Every VMEM buffer of `stream_matmul` (the budget and the scratch come from here);
-    scheme: the weight's mk.quant storage scheme (its packed slots), or None."""
+    scheme: the weight's mk.model.quant storage scheme (its packed slots), or None."""
     stream = _stream(K, N, block, scheme)
     dtype = str(jnp.dtype(dtype))
     return [Buffer("x", (M, K), dtype), Buffer("out", (M, N), "float32"),
@@ -82,7 +83,7 @@ def _stream(K: int, N: int, block: BlockSizes, scheme: str | None,
 
 def stream_matmul_block(K: int, N: int, dtype, scheme: str | None = None) -> BlockSizes:
     """`stream_matmul`'s default tiling of w [K, N]: plain in `dtype`, or stored in the
-    mk.quant `scheme` (never transposed, at most QUANT_TILE_ELEMENTS a tile)."""
+    mk.model.quant `scheme` (never transposed, at most QUANT_TILE_ELEMENTS a tile)."""
     return default_block([("w", K, N)], itemsize=jnp.dtype(dtype).itemsize,
                          quantised=("w",) if scheme else ())
 
@@ -91,7 +92,7 @@ def stream_matmul_kernel(
     # Inputs
     x_vmem,  # [M, K] compute dtype
     w_hbm,  # [tiles, tile_rows, tile_cols] weight dtype (`ring_layout`), or an
-    #         mk.quant.QuantWeight in its tile-major layout, in HBM
+    #         mk.model.quant.QuantWeight in its tile-major layout, in HBM
     # Outputs
     out_vmem,  # [M, N] f32
     # Scratch
@@ -109,12 +110,12 @@ def stream_matmul_kernel(
 def stream_matmul(x: jax.Array, w, *, block: BlockSizes | None = None,
                   dtype=jnp.bfloat16, feed: str = "bf16"):
     """x [M, K] @ w [K, N] -> [M, N] float32, w streamed through a `block.slots`-slot ring.
-    w: an array (multiplied in its own dtype), or an `mk.quant.QuantWeight` (in mk.quant's
-    layout; its packed tiles and scales are streamed and, in VMEM, int8 and int4 codes fed
-    to the dot and scaled on the product, fp8 and fp4 dequantised to `dtype` or, with
-    `feed="fp8"`, fed to the MXU as e4m3: `mk.unpack.FEEDABLE`).
-    The product is `mk.ops.matmul(x.astype(dtype), w)` of `mk.unpack.dequantize_tile(w)`
-    in `mk.unpack.oracle_dtype`."""
+    w: an array (multiplied in its own dtype), or an `mk.model.quant.QuantWeight` (in
+    mk.model.quant's layout; its packed tiles and scales are streamed and, in VMEM, int8 and int4
+    codes fed to the dot and scaled on the product, fp8 and fp4 dequantised to `dtype` or, with
+    `feed="fp8"`, fed to the MXU as e4m3: `mk.model.unpack.FEEDABLE`).
+    The product is `mk.model.ops.matmul(x.astype(dtype), w)` of `mk.model.unpack.dequantize_tile(w)`
+    in `mk.model.unpack.oracle_dtype`."""
     M, K = x.shape
     K2, N = w.shape
     if K2 != K:

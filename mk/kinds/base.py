@@ -4,7 +4,7 @@ simulator's `Twin` base.
 A kind is bound to the model (or the shard) it runs in (`Kind(config)`). The whole-model
 kernel, the stage kernel, the plan and the simulator know nothing of any one kind: each
 asks the model's kinds (`mk.kinds.layers.layer_kinds`) and calls the hooks of `Kind`. A
-kind owns its weights (its rows of `mk.weights`), its tensor-parallel split, its ring
+kind owns its weights (its rows of `mk.model.weights`), its tensor-parallel split, its ring
 segments, buffers and scratch, how its weights are prepared and fetched, its parts of the
 cache, its in-kernel code by phase (`LAYER_PHASES`), its simulator twin and its cost. A
 layer of another kind of the same role skips this kind's region of the stream.
@@ -12,10 +12,10 @@ layer of another kind of the same role skips this kind's region of the stream.
 Every layer has one kind of each of `ROLES`; a model may add one of the `STREAM` role,
 which owns the residual stream (attention residuals: `mk.kinds.residual`).
 
-Not here: the kinds themselves (`mk.kinds.attention`, `mk.kinds.linear`, `mk.kinds.mlp`,
-`mk.kinds.residual`),
-the loop over them (`mk.kernels.one_layer.layer_body`, `mk.sim`), their config checks
-(`mk.kind_checks`). Every hook and what it owns: docs/design/mk.kinds.base.md.
+Not here: the kinds themselves (`mk.kinds.attention.kinds`, `mk.kinds.linear.kinds`,
+`mk.kinds.mlp.kinds`, `mk.kinds.residual`),
+the loop over them (`mk.step.one_layer.layer_body`, `mk.cost.sim`), their config checks
+(`mk.model.kind_checks`). Every hook and what it owns: docs/design/mk.kinds.base.md.
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ from typing import Any, Callable, ClassVar
 
 import jax
 
-from mk.config import ModelConfig
+from mk.model.config import ModelConfig
 from mk.kernels.common import Buffer
 from mk.kernels.stream import Repeat
-from mk.weights import FAMILY, KIND_LAYERS, TRANSPOSED, dma_layout, names_of, param_shapes
+from mk.model.weights import FAMILY, KIND_LAYERS, TRANSPOSED, dma_layout, names_of, param_shapes
 
 # The phases of one layer in program order, as data: `layer_body` runs them in this order
-# (each under a named scope: the profiler's markers), and `mk.sim` replays the same list.
+# (each under a named scope: the profiler's markers), and `mk.cost.sim` replays the same list.
 # The token mixers' phases come first (the linear kinds' "linear", then full attention's
 # four), in the order their segments sit in the stream.
 LAYER_PHASES = ("linear", "prologue", "attend", "kv_prime", "wo", "after_mixer",
@@ -49,7 +49,7 @@ class Kind:
     override the hooks they need; a hook they do not override does nothing."""
 
     config: ModelConfig
-    name: ClassVar[str] = ""  # its rows' kind in `mk.weights`
+    name: ClassVar[str] = ""  # its rows' kind in `mk.model.weights`
     role: ClassVar[str] = ""  # one of ROLES
     phases: ClassVar[tuple[str, ...]] = ()  # the LAYER_PHASES it acts in
     stream_phase: ClassVar[str] = ""  # the phase that consumes its segments
@@ -65,7 +65,7 @@ class Kind:
         return tuple(range(layers)) if isinstance(layers, int) else tuple(layers)
 
     def weights(self, *paths: str) -> tuple[str, ...]:
-        """Its weights the megakernel moves by one of `paths` (`mk.weights.names_of`)."""
+        """Its weights the megakernel moves by one of `paths` (`mk.model.weights.names_of`)."""
         return names_of(self.config, self.name, *paths)
 
     def split_widths(self) -> dict[str, int]:
@@ -73,7 +73,7 @@ class Kind:
         return {}
 
     def shard_fields(self, tp: int) -> dict:
-        """Its config fields on one of tp devices (`mk.kernels.plan.shard_config`)."""
+        """Its config fields on one of tp devices (`mk.step.plan.shard_config`)."""
         return {}
 
     def matrices(self, M: int) -> list:
@@ -117,7 +117,7 @@ class Kind:
     def prepare(self, params) -> dict:
         """Its weights as the megakernel reads them (before `mk.kernels.ring.ring_layout`):
         as stored, but each weight it moves by whole DMA laid out per layer as its
-        `dma_buffers` buffer (`mk.weights.dma_layout`; `TRANSPOSED` ones transposed)."""
+        `dma_buffers` buffer (`mk.model.weights.dma_layout`; `TRANSPOSED` ones transposed)."""
         out = {}
         for name in self.weights("ring", "dma"):
             w = params[name]
@@ -130,7 +130,7 @@ class Kind:
 
     def dma_buffers(self) -> list:
         """A VMEM buffer per weight it moves by whole DMA, named after it: one layer's, as
-        `prepare` lays it out (`mk.weights.dma_layout`)."""
+        `prepare` lays it out (`mk.model.weights.dma_layout`)."""
         shapes = param_shapes(self.config)
         return [Buffer(name, *dma_layout(name, shapes[name][0][1:], self.config.dtype))
                 for name in self.weights("dma")]
@@ -174,10 +174,10 @@ class Kind:
         """In the kernel, at the step's end."""
 
     def twin(self, sim) -> Twin:
-        """Its simulator twin on `sim` (`mk.sim`'s kernel replay)."""
+        """Its simulator twin on `sim` (`mk.cost.sim`'s kernel replay)."""
         return Twin(self, sim)
 
-    # -- Its cost (`mk.perf`): one layer's, in a step of `batch` sequences x `rows` query
+    # -- Its cost (`mk.cost.perf`): one layer's, in a step of `batch` sequences x `rows` query
     #    rows over `context` cached positions (M = batch * rows activation rows)
     @property
     def routes(self) -> tuple[int, int] | None:
@@ -201,7 +201,7 @@ class Kind:
         return f"{n} {self.title} layer{'s' * (n != 1)}"
 
     def streamed(self, experts: float) -> dict[str, float]:
-        """Elements of each weight family (`mk.weights.FAMILY`) one of its layers moves
+        """Elements of each weight family (`mk.model.weights.FAMILY`) one of its layers moves
         in a step: its ring segments as the ring lays them out (a repeated group once per
         active expert: `experts`, a mean) and its weights moved by whole DMA."""
         out: dict[str, float] = {}
@@ -232,27 +232,27 @@ class Kind:
 
     def cache_bytes(self, batch: int, rows: int, context: int, kv_tile: int) -> dict:
         """Bytes its layers' KV caches move in one step on one device, by step family
-        ("kv_read", "kv_write": `mk.step_bytes.STEP_FAMILIES`), every sequence at
+        ("kv_read", "kv_write": `mk.step.step_bytes.STEP_FAMILIES`), every sequence at
         `context` with `rows` new rows and KV tiles of `kv_tile` positions: none by
-        default (a full-attention kind's: `mk.kinds.attention.GQA.cache_bytes`)."""
+        default (a full-attention kind's: `mk.kinds.attention.kinds.GQA.cache_bytes`)."""
         return {}
 
     def collectives_s(self, m: int, spec, latency_s: float | None, algorithm=None) -> float:
         """Seconds of its own collectives in one of its layers over M = m rows on a shard
-        (besides the layer's two all-reduces: `mk.perf`, the simulator): none by default."""
+        (besides the layer's two all-reduces: `mk.cost.perf`, the simulator): none by default."""
         return 0.0
 
     def mxu_passes(self, batch: int, rows: int, context: int, touched: float) -> list:
         """Its MXU passes of one layer, each (rows, weight elements, weight loads): what
-        `mk.perf.mxu_flops(rows, elements, loads * mxu_rows)` charges (`touched`: the
+        `mk.cost.perf.mxu_flops(rows, elements, loads * mxu_rows)` charges (`touched`: the
         distinct experts a routed layer reads). By default the M rows through `params`."""
         return [(batch * rows, self.params(), 1)]
 
     def conventional(self, e) -> list:
         """Its ops in one layer of the conventional one-kernel-per-op execution
-        (`mk.perf.conventional`), after the layer's norm: (name, weight bytes of all
+        (`mk.cost.perf.conventional`), after the layer's norm: (name, weight bytes of all
         devices, FLOPs, activation widths read and written) each, its bytes a share of the
-        step estimate `e`'s (`mk.perf.StepEstimate`)."""
+        step estimate `e`'s (`mk.cost.perf.StepEstimate`)."""
         return []
 
 
@@ -297,7 +297,7 @@ class Step:
 
 
 class Twin:
-    """A kind's simulator twin: the same hooks as its kernel code, on `mk.sim`'s replay
+    """A kind's simulator twin: the same hooks as its kernel code, on `mk.cost.sim`'s replay
     `sim` (its ring: start, matmul, skip, region; its machine `sim.mc`: dma, wait,
     compute). `active` says whether a tile of one of its segments loads."""
 

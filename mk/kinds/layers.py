@@ -4,7 +4,7 @@
 mixers first (linear ones before full attention), then MLPs (MoE before dense): the order
 their segments sit in each layer's period of the stream and the order `layer_body` runs
 them; last a residual-stream kind (`ResLayer`, attention residuals: no segments). Which
-kinds a config has is `mk.weights.kinds_of`'s one rule. Also here: `stream_kind`,
+kinds a config has is `mk.model.weights.kinds_of`'s one rule. Also here: `stream_kind`,
 `full_attention`, `of_role`, `kind_at` (a layer's kind of a role and its row in that
 kind's stacked weights), `kinds_at` (a layer's two kinds), `layer_tables` / `TABLES` (the
 kernel's SMEM tables: each layer's kind and row per role), `layer_matrices` (one layer's
@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from mk.config import ModelConfig
-from mk.kinds.attention import GQA, MLA, GatedMLA, SinkGQA
+from mk.model.config import ModelConfig
+from mk.kinds.attention.kinds import GQA, MLA, GatedMLA, SinkGQA
 from mk.kinds.base import LAYER_PHASES, ROLES, STREAM, Kind
-from mk.kinds.latent import LatentMoE
-from mk.kinds.linear import KDA, BoundedKDA, DeltaNet
-from mk.kinds.mlp import ClampedMoE, Dense, MoE, SituDense
+from mk.kinds.mlp.latent import LatentMoE
+from mk.kinds.linear.kinds import KDA, BoundedKDA, DeltaNet
+from mk.kinds.mlp.kinds import ClampedMoE, Dense, MoE, SituDense
 from mk.kinds.residual import ResLayer
-from mk.weights import kinds_of
+from mk.model.weights import kinds_of
 
 KINDS = (DeltaNet, KDA, BoundedKDA, GQA, SinkGQA, MLA, GatedMLA, MoE,  # in stream order
          ClampedMoE, LatentMoE, Dense, SituDense, ResLayer)
@@ -53,7 +53,7 @@ def layer_kinds(config: ModelConfig) -> tuple[Kind, ...]:
     missing = sorted(set(names) - {"model", "layer"} - {kind.name for kind in KINDS})
     if missing:
         raise NotImplementedError(f"{config.name}: its layer kinds {missing} have no kernel "
-                                  "yet (mk.kinds.layers.KINDS); mk.reference runs them")
+                                  "yet (mk.kinds.layers.KINDS); mk.model.reference runs them")
     return tuple(kind(config) for kind in KINDS if kind.name in names)
 
 

@@ -2,17 +2,17 @@
 `STREAM` role: every layer of a model with `residual_block` > 0) and its twin `ResTwin`.
 
 The kernel carries the current block's partial sum as its residual x and keeps the
-completed blocks (the embedding, then each finished block's sum: `mk.reference.
+completed blocks (the embedding, then each finished block's sum: `mk.model.reference.
 residual_layers`) in VMEM scratch, [ceil(L / residual_block), M, D] float32, counted in
 the plan's fit. `mix`: a mixer's, an MLP's or the lm_head's input, the softmax mix of the
 stored blocks it reads and x (each source scored by its RMS-normed dot with the part's
-query res_norm * res_proj, folded at `prepare`, as `mk.ops.attention_residual`); `add`:
+query res_norm * res_proj, folded at `prepare`, as `mk.model.ops.attention_residual`); `add`:
 at a block's first layer x is stored and the mixer's output begins the next sum. The
 per-layer queries travel as a vector ("res_queries" [L, 2, D], `Kind.vectors`), the
 lm_head's ("output_query" [1, D]) is DMA'd at the step's start. `layer_body` and
-`mk.megakernel` call `mix` and `add` (`mk.kinds.layers.stream_kind`). Not here: the
+`mk.step.megakernel` call `mix` and `add` (`mk.kinds.layers.stream_kind`). Not here: the
 stage-05 kernel (`one_layer` refuses these models); tensor parallelism is not tested.
-More: docs/design/mk.megakernel.md.
+More: docs/design/mk.step.megakernel.md.
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ class ResLayer(Kind):
 
 class ResTwin(Twin):
     """Attention residuals on the simulator: the lm_head query's DMA at the step's start
-    (the per-layer queries travel with the norms: `mk.sim.Replay.vectors`), each mix's
+    (the per-layer queries travel with the norms: `mk.cost.sim.Replay.vectors`), each mix's
     vector work over the sources it reads (the mixer's at the layer's start, the MLP's in
     its norm phase, the lm_head's at the step's end)."""
 

@@ -1,5 +1,5 @@
 """Stage 02: RMSNorm, Q/K/V through one ring, QK-norm and RoPE against
-mk.reference.attention_inputs, race-free, with plain or quantised (packed) weights; compiled
+mk.model.reference.attention_inputs, race-free, with plain or quantised (packed) weights; compiled
 for TPUs at qwen3-8b shapes.
 
 Interpret mode checks numerics and DMA/semaphore pairing; not time or the scoped VMEM
@@ -15,13 +15,15 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import mk
-from mk import backend, quant, reference, tpu
-from mk.kernels.attention_prologue import (attention_prologue, attention_prologue_buffers,
+from mk.kernels import backend
+from mk.model import quant, reference
+from mk.measure import tpu
+from mk.kinds.attention.attention_prologue import (attention_prologue, attention_prologue_buffers,
                                           layer_mixer)
 from mk.kinds.layers import kinds_at
-from mk.presets import preset
+from mk.model.presets import preset
 from mk.kernels.common import BlockSizes, vmem_budget
-from mk.weights import abstract_params
+from mk.model.weights import abstract_params
 from builders import plant_double_scale, quantised_cases, tiny_moe_in_ci
 from tolerances import TOLERANCE as ALL_TOLERANCES
 

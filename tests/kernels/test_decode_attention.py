@@ -1,5 +1,5 @@
-"""Stage 03: decode attention against mk.ops.attention, with the cache updated in
-place exactly as mk.ops.write_rows does, race-free, at the tile-boundary positions;
+"""Stage 03: decode attention against mk.model.ops.attention, with the cache updated in
+place exactly as mk.model.ops.write_rows does, race-free, at the tile-boundary positions;
 the stage wrapper's errors; ahead-of-time compiles at qwen3-8b attention shapes.
 
 The caches hold random rows below each sequence's new rows, large finite values in the
@@ -18,10 +18,12 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import mk
-from mk import backend, ops, reference, tpu
-from mk.kernels import decode_attention as stage
+from mk.kernels import backend
+from mk.model import ops, reference
+from mk.measure import tpu
+from mk.kinds.attention import decode_attention as stage
 from mk.kernels.common import BlockSizes, sublanes, vmem_budget
-from mk.kernels.decode_attention import decode_attention, decode_attention_buffers
+from mk.kinds.attention.decode_attention import decode_attention, decode_attention_buffers
 from tolerances import TOLERANCE as ALL_TOLERANCES
 
 TOLERANCE = ALL_TOLERANCES["attention"]
@@ -257,7 +259,7 @@ def test_compiles_for_tpu_at_qwen3_8b_attention_shapes(chip, T, dtype):
 def test_latent_attention_gives_the_mla_layer_of_the_reference_without_races(B, T):
     """tiny-kimi's MLA layer: the reference expands the latent cache into per-head keys and
     values every step; the kernel attends over the latent rows with absorbed queries
-    (`mk.reference.mla_absorbed`: one shared "kv head", the values the keys' latent
+    (`mk.model.reference.mla_absorbed`: one shared "kv head", the values the keys' latent
     lanes). After the value up-projection and wo both give the same x after attention,
     and the kernel writes the reference's latent rows. Non-zero cache rows below each
     sequence's position, which both read."""

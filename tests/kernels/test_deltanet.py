@@ -1,9 +1,9 @@
-"""Stage 05b: the gated delta rule's kernel against mk.linear_attention.delta_rule (the
+"""Stage 05b: the gated delta rule's kernel against mk.model.linear_attention.delta_rule (the
 reference's), race-free, B sequences x T rows, with the state after every row; a planted
 early write-back proves the race check can fail; compiled for TPU7x at Qwen3.5-27B's linear
 layer shape (48 value heads, head dims 128).
 
-Then the whole layer (`gated_deltanet`) against mk.reference.linear_decoder_layer on
+Then the whole layer (`gated_deltanet`) against mk.model.reference.linear_decoder_layer on
 tiny-hybrid (x after the mixer, conv and recurrent states after every row), race-free, and
 on tiny-kimi (Kimi Delta Attention: per-channel decay; Kimi K3's bounded variant, slow);
 a planted unshifted conv state and a planted decay per head prove the comparison can
@@ -24,19 +24,21 @@ from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
 import mk
-from mk import backend, course, tpu
-from mk import linear_attention as la
-from mk.kernels import delta_rule, deltanet
-from mk import reference as R
-from mk.chips import chip
+from mk.kernels import backend
+from mk.course import course
+from mk.measure import tpu
+from mk.model import linear_attention as la
+from mk.kinds.linear import delta_rule, deltanet
+from mk.model import reference as R
+from mk.model.chips import chip
 from mk.kernels.common import BlockSizes, vmem_budget
 from mk.kernels.weight_streaming import stage_block
-from mk.kernels.delta_rule import delta_rule_step
-from mk.kernels.deltanet import gated_deltanet
+from mk.kinds.linear.delta_rule import delta_rule_step
+from mk.kinds.linear.deltanet import gated_deltanet
 from mk.kinds.layers import layer_kinds
-from mk.kinds.linear import DeltaNet
-from mk import weights
-from mk.weights import param_shapes
+from mk.kinds.linear.kinds import DeltaNet
+from mk.model import weights
+from mk.model.weights import param_shapes
 from builders import tiny_bounded_kda
 
 TOLERANCE = dict(rtol=2e-5, atol=2e-5)
@@ -180,7 +182,7 @@ def test_layer_matches_the_reference_with_every_row_state_and_no_races(tiny_hybr
 
 
 def test_the_comparison_catches_a_planted_unshifted_conv_state(tiny_hybrid):
-    """The planted bug (notebook 05b's exercise, `mk.course`): each row's conv state is the
+    """The planted bug (notebook 05b's exercise, `mk.course.course`): each row's conv state is the
     window before that row instead of after it; the output x is still right, only the state
     a verifier restarts from is wrong."""
     with course.planted("conv_unshifted"):
@@ -221,7 +223,7 @@ def test_kda_layer_matches_the_reference_with_every_row_state_and_no_races(name,
 
 
 def test_the_comparison_catches_a_planted_decay_per_head():
-    """The planted bug (notebook 05c's exercise, `mk.course`): every channel of a KDA head
+    """The planted bug (notebook 05c's exercise, `mk.course.course`): every channel of a KDA head
     decays by the head's first channel's decay, as a gated DeltaNet's head does."""
     config = mk.preset("tiny-kimi")
     with course.planted("head_decay"):
@@ -275,8 +277,8 @@ def test_layer_compiles_for_tpu7x_within_vmem(shard):
 @pytest.mark.parametrize("name", ["tiny-hybrid", "tiny-kimi", "tiny-bounded-kda"])
 def test_the_stage_kernel_asks_the_weight_table_what_the_linear_kind_says(name):
     """The stage kernel reads the linear kind's gates, layers and DMA'd weights from the
-    weight table (`deltanet.GATES`, `linear_layers`, `mk.weights.dma_laid_out`); the kind
-    object (`mk.kinds.linear`) says the same (Kimi K3's KDA too: `tiny_bounded_kda`)."""
+    weight table (`deltanet.GATES`, `linear_layers`, `mk.model.weights.dma_laid_out`); the kind
+    object (`mk.kinds.linear.kinds`) says the same (Kimi K3's KDA too: `tiny_bounded_kda`)."""
     config = tiny_bounded_kda() if name == "tiny-bounded-kda" else mk.preset(name)
     kind = next(k for k in layer_kinds(config) if isinstance(k, DeltaNet))
     assert deltanet.linear_gates(config) is kind.gates is deltanet.GATES[kind.name]

@@ -1,5 +1,5 @@
 """Stage 04: dense SwiGLU (and under Kimi K3's SiTU) and the MoE block against
-mk.ops.swiglu / moe (mk.reference.situ_dense_mlp), race-free,
+mk.model.ops.swiglu / moe (mk.model.reference.situ_dense_mlp), race-free,
 with plain or quantised (packed) weights; only the selected experts are loaded; router ties
 go to the lower expert id; the MoE body runs inside a bigger stream over layers; a planted
 ring bug in the expert slots is caught; both kernels compile for TPUs at real shapes; the
@@ -26,9 +26,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import mk
-from mk import backend, ops, quant, tpu
-from mk.kernels import joined_experts, mlp
-from mk.kernels.routing import Routing
+from mk.kernels import backend
+from mk.model import ops, quant
+from mk.measure import tpu
+from mk.kinds.mlp import joined_experts, mlp
+from mk.kinds.mlp.routing import Routing
 from mk.kernels.common import BlockSizes, vmem_budget
 from mk.kernels.ring import Ring, ring_layout
 from mk.kernels.stream import TileStream
@@ -84,11 +86,11 @@ def test_swiglu_matches_the_reference_on_the_tiny_preset_without_races(dtype):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_situ_stage_kernel_matches_the_reference_without_races(dtype):
-    """Kimi K3's dense SiTU MLP (`mk.kinds.mlp.SituDense.stage`: the swiglu kernel under
-    its activation) against `mk.reference.situ_dense_mlp`, gate and up scaled so both of
+    """Kimi K3's dense SiTU MLP (`mk.kinds.mlp.kinds.SituDense.stage`: the swiglu kernel under
+    its activation) against `mk.model.reference.situ_dense_mlp`, gate and up scaled so both of
     SiTU's soft caps bite (SwiGLU's output misses the tolerance there)."""
-    from mk import reference
-    from mk.kinds.mlp import SituDense
+    from mk.model import reference
+    from mk.kinds.mlp.kinds import SituDense
 
     config = dataclasses.replace(mk.preset("tiny"), dtype=dtype, situ_beta=4.0,
                                  situ_linear_beta=25.0)
@@ -494,7 +496,7 @@ def test_moe_compiles_for_tpu_at_qwen3_30b_a3b_shapes(chip):
 def test_kimi_moe_compiles_for_tpu7x_at_kimi_k3s_tp32_shard(groups, topk_groups):
     """kimi-k2-shaped's MoE layer as one of 32 tensor-parallel devices holds it: all 896 experts,
     each expert's and the shared expert's width split 32 ways (2,048 / 32 = 64, padded to
-    128 lanes: `mk.kernels.plan.shard_config`), top-16 of the sigmoid router with its bias,
+    128 lanes: `mk.step.plan.shard_config`), top-16 of the sigmoid router with its bias,
     scaled by 2.827; bf16 experts (the preset's FP4 needs packed sharding, issue 14). Its
     one expert group, and DeepSeek-V3's grouping (the best 4 of 8 groups) to lower the
     group choice."""

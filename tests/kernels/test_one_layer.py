@@ -1,5 +1,5 @@
 """Stage 05: one fused layer (prologue, attention, wo, MLP or MoE, residuals) against
-mk.reference.decoder_layer, race-free, with the caches updated in place, with plain or
+mk.model.reference.decoder_layer, race-free, with the caches updated in place, with plain or
 quantised (packed) weights; compiled for TPUs at qwen3-8b (dense) and qwen3-30b-a3b (MoE)
 shapes.
 
@@ -17,12 +17,14 @@ import pytest
 from hypothesis import example, given, settings, strategies as st
 
 import mk
-from mk import backend, ops, quant, reference, tpu
+from mk.kernels import backend
+from mk.model import ops, quant, reference
+from mk.measure import tpu
 from mk.kernels.common import vmem_budget
-from mk.kernels.one_layer import one_layer, one_layer_buffers
-from mk.kernels.plan import default_block
+from mk.step.one_layer import one_layer, one_layer_buffers
+from mk.step.plan import default_block
 from mk.kinds.layers import kinds_at
-from mk.weights import FORMAT_GROUPS, abstract_params
+from mk.model.weights import FORMAT_GROUPS, abstract_params
 from builders import plant_double_scale, quantised_cases
 from tolerances import ROUTER_TIE, TOLERANCE as ALL_TOLERANCES
 

@@ -1,6 +1,6 @@
-"""Stage 01: the streamed matmul against mk.ops.matmul, race-free, for every slot count of the
+"""Stage 01: the streamed matmul against mk.model.ops.matmul, race-free, for every slot count of the
 teaching progression and every quantised scheme and MXU feed (its oracle
-`mk.unpack.oracle_dtype`; tpu7x compiles and pushes of the fp8 feed); planted ring bugs
+`mk.model.unpack.oracle_dtype`; tpu7x compiles and pushes of the fp8 feed); planted ring bugs
 prove the race check and the DMA bookkeeping check (`strict_dma`) can fail; the VMEM budget
 and the TPU compiler both reject an oversized ring.
 
@@ -22,9 +22,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import mk
-from mk import backend, exactness, ops, quant, tpu, unpack
+from mk.kernels import backend
+from mk.measure import exactness, tpu
+from mk.model import ops, quant, unpack
 from mk.kernels.common import BlockSizes, default_block, dma_log, vmem_budget
-from mk.kernels.plan import DecodePlan
+from mk.step.plan import DecodePlan
 from mk.kinds.layers import kinds_at, layer_kinds
 from mk.kernels.ring import Ring, ring_layout
 from mk.kernels.stream import TileStream, rivals
@@ -60,8 +62,9 @@ FEEDS = [(scheme, feed) for scheme in quant.SCHEMES for feed in unpack.FEEDABLE[
 
 def _oracle(x, q, feed=None):
     """The reference's product with `q` dequantised as its feed multiplies it (int8 and
-    int4: codes and scales, `mk.unpack.scaled_weight`; the others `mk.unpack.oracle_dtype`;
-    None: rounded to bf16), x rounded to bf16 as the kernel rounds it."""
+    int4: codes and scales, `mk.model.unpack.scaled_weight`; the others
+    `mk.model.unpack.oracle_dtype`; None: rounded to bf16), x rounded to bf16 as the kernel rounds
+    it."""
     if feed is not None and q.scheme in unpack.INT_SCHEMES:
         return ops.matmul(x, unpack.scaled_weight(q.scheme, q.data, q.scale, jnp.bfloat16))
     w = unpack.dequantize_tile(q.scheme, q.data, q.scale)
@@ -76,8 +79,8 @@ def test_a_quantised_weight_streams_packed_tiles_and_scales_race_free(scheme, fe
     codes, scales on the product; fp8 and fp4 fed bf16: dequantised in VMEM; fed fp8: e4m3
     codes, one product per 128 rows, 256 rows of 384 so fp4's 32-row groups and fp8's
     and int4's 128-row blocks straddle tiles' edges); the product is the reference's on
-    `mk.unpack.oracle_dtype`'s weights, and where those are float32 visibly not the
-    product of the weights rounded to bf16; the DMAs move `mk.quant.tile_bytes` per tile
+    `mk.model.unpack.oracle_dtype`'s weights, and where those are float32 visibly not the
+    product of the weights rounded to bf16; the DMAs move `mk.model.quant.tile_bytes` per tile
     whatever the feed."""
     x, w = _operands(8, 384, 256, "float32")
     q = quant.quantize_weight(w, scheme)
@@ -96,9 +99,9 @@ def test_a_quantised_weight_streams_packed_tiles_and_scales_race_free(scheme, fe
 @pytest.mark.parametrize("scheme, feed", FEEDS)
 def test_a_float32_kernels_every_feed_multiplies_at_highest_precision(scheme, feed):
     """Every scheme and feed of a float32 kernel multiplies as float32 at HIGHEST
-    (`mk.ops.exact`): at default precision a chip multiplies in one bf16 pass where
-    interpret mode does not (`mk.exactness`). Before `mk.unpack.fp8_product` converted its
-    codes, fp8 and fp4 fed fp8 did."""
+    (`mk.model.ops.exact`): at default precision a chip multiplies in one bf16 pass where
+    interpret mode does not (`mk.measure.exactness`). Before `mk.model.unpack.fp8_product` converted
+    its codes, fp8 and fp4 fed fp8 did."""
     block = BlockSizes(slots=2, tile_rows=256, tile_cols=256)
     call = functools.partial(stream_matmul, block=block, dtype=jnp.float32, feed=feed)
     assert exactness.default_precision_f32_dots(
@@ -291,7 +294,8 @@ def test_compiles_for_tpu_at_qwen3_8b_mlp_shapes(chip):
 
 PUSHES = """import functools
 import jax, jax.numpy as jnp
-from mk import quant, tpu
+from mk.model import quant
+from mk.measure import tpu
 from mk.kernels.common import BlockSizes
 from mk.kernels.weight_streaming import stream_matmul
 block = BlockSizes(slots=2, tile_rows=256, tile_cols=256)
@@ -303,10 +307,10 @@ assert report.ok, report.error
 
 
 def test_an_fp8_fed_tile_reaches_tpu7xs_mxu_as_e4m3_pushes(tmp_path):
-    """In libtpu's bundles (`mk.bundles`, a child compile), fed fp8 the weights are pushed
+    """In libtpu's bundles (`mk.cost.bundles`, a child compile), fed fp8 the weights are pushed
     into the MXU as e4m3 (`vmatpush1.f8e4m3`; fed bf16 they are `vmatpush1.bf16`): the fp8
     feed is native, not converted on the way."""
-    from mk import bundles
+    from mk.cost import bundles
     jf = bundles.compile_with_dumps(PUSHES, [], tmp_path, phases=False)
     text = bundles.dump_file(jf, "mk_stream_matmul", "final_bundles.txt").read_text()
     assert {op.split(".")[1] for b in bundles.read_bundles(text) for op in b.ops

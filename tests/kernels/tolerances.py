@@ -1,6 +1,6 @@
 """The one tolerance table of the kernel tests: stage -> dtype -> assert_allclose kwargs.
 
-float32 runs differ from mk.reference only by summation order; bfloat16 runs by where
+float32 runs differ from mk.model.reference only by summation order; bfloat16 runs by where
 activations are rounded (the reference rounds at the same points, so single matmuls stay
 close) plus the online softmax of attention, whose unnormalised probabilities are rounded
 before P @ V. The fused layer compounds all of these; a wrong tile, head or expert is off
@@ -17,5 +17,5 @@ TOLERANCE = {
     "layer": {"float32": dict(rtol=1e-4, atol=2e-4), "bfloat16": dict(rtol=2e-2, atol=3e-2)},
 }
 
-# A fused layer's MoE router near-ties: one bound, mk.exactness's.
-from mk.exactness import ROUTER_TIE  # noqa: E402,F401
+# A fused layer's MoE router near-ties: one bound, mk.measure.exactness's.
+from mk.measure.exactness import ROUTER_TIE  # noqa: E402,F401
