@@ -330,9 +330,11 @@ def assert_verify_steps(config, params, values, prompt, want, rows: int, tokens:
     from mk.model import quant, reference
     from mk.step.plan import DecodePlan, default_block
 
+    formats = quant.formats_of(params)
     if block is None:
-        block = default_block(config, 128, formats=quant.formats_of(params))
-    plan = DecodePlan.make(config, batch=prompt.shape[0], rows=rows, context=128, block=block)
+        block = default_block(config, 128, formats=formats)
+    plan = DecodePlan.make(config, batch=prompt.shape[0], rows=rows, context=128, block=block,
+                           formats=formats)
     weights = megakernel.prepare(plan, params)
     _, cache = reference.prefill(config, values, prompt[:, :-1], max_context=128)
     fed = jnp.concatenate([prompt[:, -1:], want], axis=1)

@@ -349,3 +349,17 @@ def test_the_step_time_is_the_ledgers_modelled_step_with_the_mxu_rule():
     assert got > 2 * perf.predict(kimi, "tpu7x", **kw).step_ms
     with pytest.raises(ValueError, match=r"timing='roofline' must be one of \('modelled'"):
         spec.step_ms(kimi, "tpu7x", timing="roofline", **kw)
+
+
+def test_the_megakernel_runner_steps_quantised_weights_as_the_reference():
+    """The runner's plan streams the params' own formats (`prepare` packs them so):
+    a plan made without them refused the step ("weights streamed packed in ...")."""
+    from mk.model import quant
+
+    config = mk.preset("tiny")
+    params = quant.quantize(config, mk.init_params(config), dense="int8")
+    prompt = np.asarray(jax.random.randint(jax.random.key(0), (1, 5), 0, config.vocab))
+    runner = runners.Megakernel(config, params, rows=2, backend="interpret")
+    logits, cache = runner.prefill(prompt, 128)
+    want, _ = runners.XLA(config, quant.dequantize(params), rows=2).prefill(prompt, 128)
+    np.testing.assert_array_equal(np.argmax(logits, -1), np.argmax(want, -1))

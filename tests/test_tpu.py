@@ -223,7 +223,8 @@ def test_verification_steps_on_the_chip_predict_the_references_tokens(oracle, re
     config, params, _ = _model(name)
     prompt, want, ref_logits, cache = oracle.result(request)
     block = _block(config, params)
-    plan = DecodePlan.make(config, batch=batch, rows=rows, context=CONTEXT, block=block)
+    plan = DecodePlan.make(config, batch=batch, rows=rows, context=CONTEXT, block=block,
+                           formats=quant.formats_of(params))
     weights = megakernel.prepare(plan, params)
     cache = jax.device_put(cache, jax.devices()[0])
     fed = np.concatenate([prompt[:, -1:], want], 1)

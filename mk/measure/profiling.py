@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mk.model import decode_checks, ops, reference, untrusted
+from mk.model import decode_checks, ops, quant, reference, untrusted
 from mk.step import megakernel
 from mk.model.config import ModelConfig
 from mk.kinds.attention.attention_prologue import attention_prologue
@@ -542,7 +542,8 @@ def variants(config: ModelConfig, params, cache: reference.KVCache, tokens, posi
     weights are laid out once, here, not in the step. Call the kernels inside
     `mk.kernels.backend.use(...)`."""
     B, T = jnp.shape(tokens)
-    plan = DecodePlan.make(config, batch=B, rows=T, context=cache.capacity)
+    plan = DecodePlan.make(config, batch=B, rows=T, context=cache.capacity,
+                           formats=quant.formats_of(params))
     weights = megakernel.prepare(plan, params)
     staged = staged_weights(config, params)
     return {

@@ -16,7 +16,7 @@ import numpy as np
 
 from mk.kernels import backend as backends
 from mk.step import megakernel
-from mk.model import reference
+from mk.model import quant, reference
 from mk.model.cache import has_states, rollback
 from mk.model.config import ModelConfig
 from mk.step.plan import DecodePlan
@@ -110,8 +110,8 @@ class Megakernel(Runner):
         self.plan = self.block = self.weights = None  # set by `_init_cache`: the step's
 
     def _init_cache(self, batch, capacity):
-        plan = DecodePlan.make(self.config, batch=batch, rows=self.rows,
-                                    context=capacity, block=self.tiling)
+        plan = DecodePlan.make(self.config, batch=batch, rows=self.rows, context=capacity,
+                               block=self.tiling, formats=quant.formats_of(self.params))
         if self.block is None or plan.block.tile_cols != self.block.tile_cols:
             self.weights = megakernel.prepare(plan, self.params)
         self.plan, self.block = plan, plan.block
