@@ -94,7 +94,7 @@ import mk.kernels.backend
 import mk.course.run
 import mk.cost.sim
 from mk.cost import bundles, calibration
-from mk.course import course, teach
+from mk.course import course, scopes, teach
 from mk.measure import measure, profiling
 from mk import plots, profile_plots, sim_plots
 from mk.model import reference
@@ -471,23 +471,23 @@ if schedule_dump and mk.chip(run.chip).kind == "tpu" and not run.checkpoint:
 # ## Exercise: add a scope and find its bundles
 #
 # A phase gets its own bundles (and, on a TPU, its own trace event) only inside a named
-# scope. `course.norm_then_matmul` is a small kernel: an RMS norm of x, then x @ w in a
-# scope named "matmul"; its norm is in no scope. `course.scoped_bundles` compiles it for
+# scope. `scopes.norm_then_matmul` is a small kernel: an RMS norm of x, then x @ w in a
+# scope named "matmul"; its norm is in no scope. `scopes.scoped_bundles` compiles it for
 # `chip` in a child process with the same dump flags (a patch made here would not reach
 # that process, so the kernel goes there as its source) and groups its bundles by scope;
-# `course.check_scope(found, "norm")` fails on it. **Predict**: will the norm list more or
+# `scopes.check_scope(found, "norm")` fails on it. **Predict**: will the norm list more or
 # fewer bundles than the matmul, and which units will its bundles use? Then **add** the
 # scope: the next cell is a copy of the kernel; wrap its two norm lines in
 # `with jax.named_scope("norm"):` and find the norm's bundles in the dump.
 
 # %%
 scoped = mk.chip(run.chip).kind == "tpu" and schedule_dump
-plots.show_source(course.norm_then_matmul)
+plots.show_source(scopes.norm_then_matmul)
 if scoped:
-    given = course.scoped_bundles(course.norm_then_matmul, run.chip)
+    given = scopes.scoped_bundles(scopes.norm_then_matmul, run.chip)
     print("bundles per scope of the given kernel:", {k: len(v) for k, v in given.items()})
     try:
-        course.check_scope(given, "norm")
+        scopes.check_scope(given, "norm")
     except course.ExerciseFailed as caught:
         print("the check:", caught)
 
@@ -498,7 +498,7 @@ if scoped:
 
 # %%
 def my_kernel(x_ref, w_ref, o_ref):
-    """course.norm_then_matmul, to edit: put its norm in a scope named "norm"."""
+    """scopes.norm_then_matmul, to edit: put its norm in a scope named "norm"."""
     x = x_ref[...]
     x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
     with jax.named_scope("matmul"):
@@ -507,8 +507,8 @@ def my_kernel(x_ref, w_ref, o_ref):
 
 
 if scoped:
-    found = course.scoped_bundles(course.attempt("08-scope", my_kernel, solutions), run.chip)
-    counts = {k: course.check_scope(found, k) for k in ("norm", "matmul")}
+    found = scopes.scoped_bundles(course.attempt("08-scope", my_kernel, solutions), run.chip)
+    counts = {k: scopes.check_scope(found, k) for k in ("norm", "matmul")}
     print(f"bundles per scope: {counts}; the norm's first bundles, their ops:")
     display(plots.table([{"bundle": i, "ops": ", ".join(b.ops) or "(empty)"}
                          for i, b in enumerate(found["norm"][:8])]))

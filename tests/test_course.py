@@ -32,7 +32,7 @@ from jax.experimental.pallas import tpu as pltpu
 import mk
 import mk.kernels.common
 from mk.kernels import backend, jax_private
-from mk.course import course, grading, teach
+from mk.course import course, grading, scopes, teach
 from mk.model import ops, reference
 from mk.cost import sim
 from mk.speculative import spec
@@ -564,7 +564,7 @@ def _attempts():
 def test_notebooks_ship_each_fix_as_a_stub_never_the_worked_solution():
     """Each worked solution is attempted by a notebook cell whose function is a stub: its
     body `...`, or the exercise's given code to edit (08: `norm_then_matmul`)."""
-    given = {"08-scope": _source_body(course.norm_then_matmul)}
+    given = {"08-scope": _source_body(scopes.norm_then_matmul)}
     stub = _body(ast.parse("def f():\n    ...\n").body[0])
     found = _attempts()
     assert sorted(key for _, key, _ in found) == sorted(course.SOLUTIONS), found
@@ -776,16 +776,16 @@ def test_a_scope_added_to_the_kernel_has_its_own_bundles_in_the_dump():
     kernel (the notebook's stub) has its norm in no scope (the check fails), the worked
     solution, the kernel with the scope added, has
     bundles in it, among them the norm's reciprocal square root; the matmul scope stays."""
-    given = course.scoped_bundles(course.norm_then_matmul)
+    given = scopes.scoped_bundles(scopes.norm_then_matmul)
     with pytest.raises(course.ExerciseFailed, match="no bundle lies in a scope named 'norm'"):
-        course.check_scope(given, "norm")
-    done = course.scoped_bundles(course.SOLUTIONS["08-scope"])
-    assert course.check_scope(done, "norm") > 0 and course.check_scope(done, "matmul") > 0
+        scopes.check_scope(given, "norm")
+    done = scopes.scoped_bundles(course.SOLUTIONS["08-scope"])
+    assert scopes.check_scope(done, "norm") > 0 and scopes.check_scope(done, "matmul") > 0
     ops = {op for b in done["norm"] for op in b.ops}
     assert any("rsqrt" in op for op in ops), sorted(ops)
     assert not any("rsqrt" in op for b in given.get("matmul", []) for op in b.ops)
     with pytest.raises(ValueError, match="its source is compiled in a child process"):
-        course.scoped_bundles(eval("lambda x_ref, w_ref, o_ref: None"))
+        scopes.scoped_bundles(eval("lambda x_ref, w_ref, o_ref: None"))
 
 
 # -- The checks as graders: any wrong answer fails the exercise, none crashes or passes --------
@@ -840,7 +840,7 @@ CHECKS = {
     "check_copy_kernel": course.check_copy_kernel,
     "check_attend_tile": course.check_attend_tile,
     "check_compact_experts": course.check_compact_experts,
-    "check_scope": lambda a: course.check_scope(a, "norm"),
+    "check_scope": lambda a: scopes.check_scope(a, "norm"),
     "replaced": _accept_with,
     "Mystery.confirm": lambda a: _mystery().confirm(a),
     "Mystery.suspect": lambda a: _mystery().suspect(a),

@@ -6,8 +6,8 @@ break-it exercises (`planted(name)` swaps ONE line of the real kernel code for a
 in a `with` block; `replaced(name, fn)` runs the student's `fn` there); the from-spec
 exercises' checks (00c `check_copy_kernel`, `copy_out_before_wait` its race; 01
 `check_ring_kernel`; 03 `check_attend_tile`; 04 `check_compact_experts`); the fix
-exercises' (`update_without_rescale` with `check_attend_update`, `norm_then_matmul` with
-`scoped_bundles` and `check_scope`, `check_up_rotation`, `check_ring_depth`); the mystery
+exercises' (`update_without_rescale` with `check_attend_update`, 08's in
+`mk.course.scopes`, `check_up_rotation`, `check_ring_depth`); the mystery
 lab (`mystery(seed)`: one unnamed plant in the step, found with the race detector or
 `first_divergence`); `mk.course.solutions`' worked answers re-exported (`reveal`, `attempt`).
 Checks are graders (`mk.course.grading`'s, re-exported: `ExerciseFailed`, `check_close`,
@@ -23,8 +23,6 @@ from __future__ import annotations
 import contextlib
 import html
 import inspect
-import tempfile
-import textwrap
 from unittest import mock
 
 import jax
@@ -37,7 +35,6 @@ from jax.experimental.pallas import tpu as pltpu
 from IPython.display import Markdown
 
 from mk.kernels import backend
-from mk.cost import bundles
 from mk.step import megakernel
 from mk.model import ops, reference
 from mk.speculative import spec
@@ -587,74 +584,3 @@ class Mystery:
 def mystery(seed: int) -> Mystery:
     """The mystery lab's step with one plant picked by `seed` (not named)."""
     return Mystery(seed)
-
-
-# -- Named scopes in the compiled code (08) ----------------------------------------------------
-def norm_then_matmul(x_ref, w_ref, o_ref):
-    """The 08 exercise's kernel: an RMS norm of x [M, D] f32, then x @ w [D, N] bf16 in a
-    scope named "matmul"; the norm is in no scope."""
-    x = x_ref[...]
-    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
-    with jax.named_scope("matmul"):
-        o_ref[...] = jnp.dot(x.astype(w_ref.dtype), w_ref[...],
-                             preferred_element_type=jnp.float32)
-
-
-SCOPE_SHAPES = ((8, 256), (256, 256))  # x [M, D] f32 and w [D, N] bf16 of `scoped_bundles`
-_COMPILE_SCOPED = """import sys, jax, jax.numpy as jnp
-from jax.experimental import pallas as pl
-import mk.measure.tpu
-
-{source}
-
-def call(x, w):
-    return pl.pallas_call({name}, out_shape=jax.ShapeDtypeStruct((x.shape[0], w.shape[1]),
-                                                               jnp.float32), name="mk_scoped")(x, w)
-
-(m, d), (_, n) = {shapes}
-report = mk.measure.tpu.compile_for_chip(call, [jax.ShapeDtypeStruct((m, d), jnp.float32),
-                                        jax.ShapeDtypeStruct((d, n), jnp.bfloat16)], sys.argv[1])
-if not report.ok:
-    sys.exit(report.summary())
-"""
-
-
-def scoped_bundles(kernel, chip: str = "v6e") -> dict[str, list]:
-    """Compile `kernel(x_ref, w_ref, o_ref)` (a Pallas kernel on x [M, D] f32 and w [D, N]
-    bf16, `SCOPE_SHAPES`, writing o [M, N] f32; its source may use `jax`, `jnp` and `pl`)
-    for `chip` ahead of time with libtpu's dumps and the named-scope markers on
-    (`mk.cost.bundles.compile_with_dumps`: a child process, so the kernel goes there as its
-    source, `inspect.getsource`), and return {scope: its bundles, in program order}: the
-    innermost scope holding each bundle (`mk.cost.bundles.scopes`). Raises RuntimeError with the
-    compiler's words if it does not compile."""
-    try:
-        source = textwrap.dedent(inspect.getsource(kernel))
-    except (OSError, TypeError):
-        raise ValueError(f"kernel={getattr(kernel, '__name__', kernel)!r}: its source is "
-                         "compiled in a child process; define it in a file or a notebook "
-                         "cell") from None
-    code = _COMPILE_SCOPED.format(source=source, name=kernel.__name__,
-                                  shapes=SCOPE_SHAPES)
-    with tempfile.TemporaryDirectory(prefix="mk-scoped-") as folder:
-        jf = bundles.compile_with_dumps(code, [chip], folder)
-        found = bundles.read_bundles(bundles.dump_file(jf, "mk_scoped",
-                                                       "final_bundles.txt").read_text())
-    out: dict[str, list] = {}
-    for bundle, scope in zip(found, bundles.scopes(found)):
-        if scope is not None:
-            out.setdefault(scope, []).append(bundle)
-    return out
-
-
-def check_scope(found: dict[str, list], scope: str) -> int:
-    """The number of bundles in `scope` (of `scoped_bundles`); ExerciseFailed if none."""
-    wanted = "scoped_bundles' {scope: [mk.cost.bundles.Bundle, ...]}"
-    if not isinstance(found, dict) or not all(
-            isinstance(v, list) and all(isinstance(b, bundles.Bundle) for b in v)
-            for v in found.values()):
-        raise ExerciseFailed(f"check_scope: expected {wanted}; got {described(found)}")
-    if not found.get(scope):
-        raise ExerciseFailed(f"no bundle lies in a scope named {scope!r} (scopes with "
-                             f"bundles: {sorted(found)}): wrap the code in "
-                             f"`with jax.named_scope({scope!r}):`")
-    return len(found[scope])

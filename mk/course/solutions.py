@@ -33,7 +33,7 @@ from mk.step import one_layer
 
 
 def norm_in_its_scope(x_ref, w_ref, o_ref):
-    """08's exercise, done: `mk.course.course.norm_then_matmul` with its norm in a scope "norm"."""
+    """08's exercise, done: `mk.course.scopes.norm_then_matmul` with its norm in a scope "norm"."""
     with jax.named_scope("norm"):  # the added scope
         x = x_ref[...]
         x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
