@@ -9,11 +9,10 @@ context, `mk.cost.published.Published.context`), and, where `benchmarks/tile_cos
 --published` recorded it, against the simulated step of the run's compiled kernel.
 `latency_grid` lays its TPU rows out over `COLLECTIVE_LATENCIES_US`, rounds of a
 collective. Nothing is fitted to the published numbers. `verified_table`, `basis_table`
-and `steps_table` say what rests on a chip: tokens judged on it, the simulator's measured
-inputs and error, each timed step beside its calibrated one.
+and `steps_table` say what rests on a chip (tokens judged, the simulator's inputs and error,
+each timed step beside its calibrated one).
 
-Not here: the models themselves (`mk.cost.perf` floors and collectives, `mk.cost.sim` the simulated
-schedule), the published rows' parsing (`mk.cost.published`), drawing (`mk.plots`).
+Not here: the models (`mk.cost.perf`, `mk.cost.sim`), parsing (`mk.cost.published`), drawing.
 """
 
 from __future__ import annotations
@@ -86,9 +85,8 @@ TERMS = {
                        "against that chip's measured device loops; a simulation, not a "
                        "measurement, and only for a chip that was measured",
 }
-# The terms that claim no step can be shorter, each with the `entries` column and the
-# compute feed (`entries(compute=...)`) at which the claim is made; tests/test_ledger.py
-# checks every published TPU row against each.
+# The terms that claim no step can be shorter, each with its `entries` column and compute
+# feed (`entries(compute=...)`); tests/test_ledger.py checks every published TPU row.
 FLOORS = {"HBM floor": ("hbm_floor_ms", "bf16"), "MXU floor": ("mxu_floor_ms", "fp8")}
 VERIFY_ROWS = 8  # rows each speculative step verifies in the published runs (issue #5)
 
@@ -385,8 +383,7 @@ def _modelled_columns(run: Run, routing, compute, assumptions, kw) -> tuple[dict
     mxu = perf.mxu_floor_ms(config, spec, routing=routing, compute=compute, **kw)
     modelled = perf.modelled_step_ms(config, spec, routing=routing, compute=compute,
                                      **ici, **kw)
-    # the MXU and tile floors are TPU quantities: a GPU has no MXU and no tile table
-    # (its modelled step's compute lane is its FLOP floor, inside `mk.cost.perf`)
+    # MXU and tile floors are TPU quantities (a GPU's compute lane: its FLOP floor, perf)
     tpu = spec.kind == "tpu"
     tiles = {end: perf.tile_floor_ms(config, spec, routing=routing, clock=end,
                                      batch=kw["batch"], rows=kw["rows"], tp=kw["tp"])
@@ -510,8 +507,7 @@ def _explain(run: Run) -> str:
         stored = ", ".join(f"{group} as {scheme}" for group, scheme in config.formats)
         notes.append(f"{stored} (mk.model.quant's packed data and scales; the release's FP4){cost}")
     layouts = [k.layout_note() for k in layer_kinds(shard_config(config, tp))]
-    if tp > 1 and any(layouts):  # a shard's experts short of whole lane tiles, its router
-        #        split (at tp 1: the model's own, in its kinds' `described` above)
+    if tp > 1 and any(layouts):  # a shard's partial lane tiles, router split (tp 1: above)
         notes.append(f"TP{tp}: {''.join(layouts).removeprefix(', ')} (the release's expert "
                      "layout is not published)")
     if row.acceptance_length:

@@ -8,14 +8,12 @@ B x T rows and the context, the quantised `formats` and their MXU `feeds`, the t
 kernel's scratch and the simulator's sizes all come from it); it answers `fits(chip)`
 (the one capacity check, before any compile) and `weight_bytes(experts)`.
 
-Here: `shard_config` (what one device holds), `kv_layout`, `padded_vocab`,
-`default_block` (with `ring_cover_s`, `kv_depth`; the slots Little's law asks for are
-`mk.kernels.stream.ring_slots`),
-`model_stream`, `capacity`, `packed_formats`, `DecodePlan`, `Fit`. Not here: `check_tp`
-and `kv_heads_of` (`mk.step.shards`), bytes by byte family (`mk.step.step_bytes`), the kernel
-(`mk.step.megakernel`), the layer's phases (`LAYER_PHASES`), sharding arrays
-(`mk.step.tensor_parallel`), time (`mk.cost.sim`, `mk.cost.perf`). The fields, the sharding model
-kind by kind, the default tiling and the ring's slot count: docs/design/mk.step.plan.md.
+Here: `shard_config` (what one device holds), `kv_layout`, `padded_vocab`, `default_block`
+(`ring_cover_s`, `kv_depth`), `model_stream`, `capacity`, `packed_formats`, `plan_chip`,
+`DecodePlan`, `Fit`. Not here: Little's law's slots (`mk.kernels.stream.ring_slots`),
+`check_tp` (`mk.step.shards`), bytes by family (`mk.step.step_bytes`), the kernel
+(`mk.step.megakernel`), time (`mk.cost.sim`, `mk.cost.perf`). The fields, the sharding
+model kind by kind, the default tiling and the ring's slots: docs/design/mk.step.plan.md.
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ from mk.model.layer_values import EXPERT_SLICE
 from mk.model.cache import state_bytes_per_sequence
 from mk.model.chips import ChipSpec, spec_of
 from mk.model.config import (DTYPE_BITS, LANES, PADDED_FIELDS, ModelConfig, check_config,
-                       check_formats, check_rows, positive_int)
+                             check_formats, check_rows, positive_int)
 from mk.kernels.collectives import (PARTIAL_SUM_BYTES, allreduce_s, choose_algorithm,
                                     collective_buffers, collective_semaphores)
 from mk.kernels.common import (KV_TILE, SLOTS, VMEM_HEADROOM, VMEM_ROOM, BlockSizes, Buffer,
@@ -62,9 +60,8 @@ def shard_config(config: ModelConfig, tp: int, formats=None) -> ModelConfig:
     for kind in layer_kinds(config):
         fields |= kind.shard_fields(tp)
         shares |= {f: width // tp for f, width in kind.split_widths().items()}
-    # a split width's lane padding is the shard's own (`shard_fields` pads a device's share
-    # to whole tiles; its zeros recorded), not the model's: only the unsplit widths keep
-    # theirs (D's, which the norms read: `norm_width`)
+    # a split width's lane padding is the shard's own (`shard_fields`: whole tiles, zeros
+    # recorded); only unsplit widths keep the model's (D's, the norms': `norm_width`)
     padding = {f: zeros for f, zeros in config.padding if f not in fields}
     padding |= {f: fields[f] - share for f, share in shares.items()
                 if f in PADDED_FIELDS and fields.get(f, share) > share}
@@ -87,9 +84,9 @@ def padded_vocab(local: ModelConfig, block: BlockSizes) -> int:
     return -(-local.vocab // block.tile_cols) * block.tile_cols
 
 
-RING_COVER_S = 2e-6  # the time a chip's ring keeps HBM streaming (Little's law): twice the
-#   1 us DMA latency the simulator assumes, since nothing here ran on a TPU (notebook 13
-#   measures it on one); at tp > 1 one all-reduce more (`ring_cover_s`)
+# The time a chip's ring keeps HBM streaming (Little's law): twice the simulator's 1 us DMA
+# latency (notebook 13 measures it); at tp > 1 one all-reduce more (`ring_cover_s`)
+RING_COVER_S = 2e-6
 
 
 def ring_cover_s(local: ModelConfig, tp: int, M: int, spec: ChipSpec,
@@ -123,8 +120,8 @@ def default_block(local: ModelConfig, context: int, *, slots: int | None = None,
                    for s in stream.segments + stream.tail)  # what a slot moves, at least
     if slots is None and chip is not None:
         spec = spec_of(chip)
-        # at most one layer's period: a deeper ring issues the next layer's weight tiles
-        # before this layer's KV tiles, which then queue behind them (one DMA queue)
+        # at most a layer's period: deeper, the next layer's weight tiles queue ahead of this
+        # layer's KV tiles on the one DMA queue
         slots = min(ring_slots(stream, itemsize, spec.device_hbm_bw * cover_s),
                     max(SLOTS, stream.period))
     block = dataclasses.replace(block, slots=SLOTS if slots is None else slots)
@@ -171,14 +168,13 @@ def packed_formats(config: ModelConfig, formats: dict[str, str]) -> dict[str, st
 
 
 # -- The plan -------------------------------------------------------------------------------
-# What a run holds beyond the decode step, as multiples measured on v5e compiles (shapes
-# only, no chip; `mk.step.preparation.peak`): laying out a stacked plain matrix (a layer at a
-# time) holds one more copy of it (qwen3-4b's bf16 w_gate of 1.67 GiB: 8.22 prepared, 9.89
-# peak, tests/test_preparation.py), a packed one less (gpt-oss-20b's MXFP4 experts of 3.29
-# GiB: 13.33 prepared, 15.59 peak: 0.69 of it); the prefill's dequantised weights (a
-# layer's row of a stacked weight; of experts, `mk.model.layer_values.EXPERT_SLICE` of a layer's)
-# cost 2.8 times their bf16 bytes (gpt-oss-20b: 0.54 GiB of temporaries for 4 of its 32
-# experts, 0.19 in bf16; 0.68 at 8 layers, tests/test_prefill_memory.py).
+# What a run holds beyond the step, as multiples measured on v5e compiles (shapes only;
+# `mk.step.preparation.peak`): laying out a stacked plain matrix a layer at a time holds
+# one more copy of it (qwen3-4b's bf16 w_gate, 1.67 GiB: 8.22 prepared, 9.89 peak), a
+# packed one 0.69 of it (gpt-oss-20b's MXFP4 experts, 3.29 GiB: 13.33, 15.59); the
+# prefill's dequantised slice (a layer's row; of experts, `EXPERT_SLICE` of a layer's)
+# 2.8x its bf16 bytes (gpt-oss-20b: 0.54 GiB for 4 of 32 experts, 0.19 in bf16). Tests:
+# test_preparation.py, test_prefill_memory.py.
 RELAYOUT_TEMPORARY = {"plain": 1.0, "packed": 0.7}
 PREFILL_DEQUANTISED = 2.8
 
@@ -222,11 +218,9 @@ class DecodePlan:
     stream: TileStream
     formats: tuple[tuple[str, str], ...]  # the `formats` dict's items, hashable
     named_buffers: tuple[tuple[str, Buffer], ...]  # `buffers` as a hashable field
-    chip: str | None = None  # the TPU the plan is for (`make(chip=)`): it sizes the
-    #                          default ring and caps the scoped VMEM (`vmem_limit`)
+    chip: str | None = None  # the TPU it is for: sizes the ring, caps scoped VMEM
     feeds: tuple[tuple[str, str], ...] = ()  # {group: feed} of the packed groups, hashable
-    collective: str = "recursive"  # the all-reduce and argmax gather's algorithm
-    #                                (`mk.kernels.collectives.ALGORITHMS`)
+    collective: str = "recursive"  # `mk.kernels.collectives.ALGORITHMS`' all-reduce
     position: int | None = None  # every sequence's position (`make(position=)`: the step
     #                              `mk.cost.sim.simulate` replays); None for a cache of `context`
 
@@ -444,8 +438,7 @@ class DecodePlan:
 
 
 def plan_chip(plan, use: str) -> ChipSpec:
-    """The TPU `plan` was made for, for `use` (what needs it, e.g. "the simulator replays
-    the step"): ValueError if `plan` is no DecodePlan or was made for no chip."""
+    """The TPU `plan` was made for; ValueError, saying `use`, if none or no plan."""
     if not isinstance(plan, DecodePlan):
         raise ValueError(f"plan is a {type(plan).__name__}; it must be a DecodePlan "
                          "(`DecodePlan.make(config, chip=, ...)`)")
