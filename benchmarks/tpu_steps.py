@@ -2,7 +2,7 @@
 
 For each row of `ROWS` (a preset, or its first layers where the whole model does not fit
 one chip; B sequences, T rows each, a cache of `context` positions), `mk.measure.measure`'s
-`time_step_series` times one dispatched megakernel step, a device loop of 32 (T = 1) and
+`time_step_series` times one dispatched megakernel step, a device loop of 32 steps and
 XLA's step (`mk.model.reference.forward` jitted). The record goes to
 data/measured/<chip>-steps.json (or $MK_MEASURED), rewritten after every row so a run cut
 short by a time limit keeps what it measured. Each row carries its own provenance (commit,
@@ -55,11 +55,9 @@ def time_row(preset, layers, batch, rows, context, *, backend: str, repeats: int
     """One row of the record: the row's fields and each series' seconds per step, or the
     error the chip gave."""
     row = dict(model=preset, layers=layers, batch=batch, rows=rows, context=context)
-    series = measure.STEP_SERIES if rows == 1 else ("megakernel", "xla")
     try:
         row |= measure.time_step_series(calibration.row_config(row), batch=batch, rows=rows,
-                                        context=context, series=series, repeats=repeats,
-                                        backend=backend)
+                                        context=context, repeats=repeats, backend=backend)
     except Exception as err:  # noqa: BLE001 - a refused row is a result, kept with its error
         row["error"] = f"{type(err).__name__}: {str(err)[:400]}"
     return row

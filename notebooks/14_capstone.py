@@ -137,20 +137,20 @@ print(f"{config.name}, B={run.batch}, context {run.context}; kernels run on: {mo
 # %% [markdown]
 # ## Your block
 #
-# The baseline block is the one the record was timed with: `mk.measure.measure.step_plans`'
-# device-loop plan, the default tiling of `DecodePlan.make` with no chip given. Yours is
+# The baseline block is the one the record was timed with: `mk.measure.measure.step_plan`'s
+# plan, the default tiling of `DecodePlan.make` with no chip given. Yours is
 # that block with each knob you set; `DecodePlan.make` refuses a block that does not cut
 # the model's matrices or its cache (naming the field), and its buffers must fit the
 # chip's VMEM (`VmemBudget`), before anything is traced.
 
 # %%
-baseline = measure.step_plans(config, batch=run.batch, context=run.context)[1].block
+baseline = measure.step_plan(config, batch=run.batch, context=run.context).block
 block = dataclasses.replace(
     baseline, slots=slots or baseline.slots, kv_tile=kv_tile or baseline.kv_tile,
     kv_slots=kv_slots or baseline.kv_slots,
     **(dict(tile_rows=tile, tile_cols=tile, tiles=()) if tile else {}))
-plan = measure.step_plans(config, batch=run.batch, context=run.context,
-                          loop_steps=loop_steps, block=block)[1]  # your loop's plan
+plan = measure.step_plan(config, batch=run.batch, context=run.context,
+                         loop_steps=loop_steps, block=block)  # your loop's plan
 budget = VmemBudget("megakernel", tuple(plan.buffers.values()), spec.name,
                     spec.vmem_bytes).check()
 display(plots.table([{"block": name, **dataclasses.asdict(b)}

@@ -473,6 +473,30 @@ def test_a_donated_step_and_the_device_loop_update_the_cache_in_place_on_a_v5e()
     assert _cache_copies(megakernel.device_loop, config, steps=4) == []
 
 
+def test_a_device_loop_of_verification_steps_is_its_steps_one_by_one():
+    """`device_loop` with T = 2 rows (what `mk.measure.measure` times as a T-row step):
+    each step is fed the last one's T predictions at T positions on, token for token what
+    the same steps dispatched one at a time give, and the cache they leave is the same."""
+    config = mk.preset("tiny")
+    plan = DecodePlan.make(config, batch=2, rows=2, context=64)
+    params = mk.init_params(config, 0)
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, config.vocab, (2, 2)), jnp.int32)
+    positions = jnp.asarray([5, 17], jnp.int32)
+    with backend.use("interpret"):
+        weights = megakernel.prepare(plan, params)
+        cache = reference.init_cache(config, 2, 64)
+        looped, loop_cache = megakernel.device_loop(plan, weights, cache, tokens, positions, 3)
+        cache, fed, at, one_by_one = reference.init_cache(config, 2, 64), tokens, positions, []
+        for _ in range(3):
+            fed, _, cache = megakernel.traced_step(plan, weights, cache, fed, at)[:3]
+            one_by_one.append(fed)
+            at = at + 2
+    assert looped.shape == (2, 6)
+    np.testing.assert_array_equal(np.asarray(looped), np.concatenate(one_by_one, axis=1))
+    np.testing.assert_array_equal(np.asarray(loop_cache.k), np.asarray(cache.k))
+
+
 def test_generate_loops_on_the_device_by_default_on_a_tpu_only(monkeypatch):
     """Issue 60: a dispatched step cost 0.45 ms more than a device loop's on the v5e, so
     on a TPU `generate` runs DEVICE_LOOP_STEPS per dispatch unless told otherwise; in

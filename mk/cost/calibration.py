@@ -32,7 +32,7 @@ from mk.cost.machine import Assumptions
 from mk.model.config import finite_number
 from mk.model.errors import shown
 from mk.step.plan import DecodePlan
-from mk.measure.measure import MEASURED, STEP_SERIES, step_plans
+from mk.measure.measure import MEASURED, STEP_SERIES, step_plan
 from mk.model.presets import preset
 
 TOLERANCE = 0.10  # issue 59: every row simulated within 10 % of the chip
@@ -196,7 +196,7 @@ def agreement(chip: str, path: str | Path | None = None,
     """Every device loop of `chip`'s steps record, and every one dispatched step timed
     with its cache donated where `call_seconds` has the host's cost, simulated with `a`
     (default `assumptions(chip, path)`) on the block the chip ran
-    (`mk.measure.measure.step_plans`)."""
+    (`mk.measure.measure.step_plan`)."""
     path = Path(path) if path is not None else steps_path(chip)
     record = load_steps(path, chip)
     costs, call = attention_costs(record, chip), call_seconds(record)
@@ -207,7 +207,7 @@ def agreement(chip: str, path: str | Path | None = None,
     for i, row in enumerate(record["rows"]):
         config, kw = row_config(row), dict(batch=row["batch"], rows=row["rows"],
                                            context=row["context"])
-        plans = dict(zip((ONE_STEP, LOOP), step_plans(config, **kw)))
+        block = step_plan(config, **kw).block
         donated = provenance(record, row)["megakernel_cache"] == "donated"
         for series, extra in ((LOOP, 0.0), (ONE_STEP, call and call[0])):
             if not _seconds(row, series) or extra is None or (series == ONE_STEP
@@ -215,7 +215,7 @@ def agreement(chip: str, path: str | Path | None = None,
                 continue  # a copied cache's one step holds its copy: not simulated
             step = sim.simulate(DecodePlan.make(
                 config, chip=chip, batch=row["batch"], rows=row["rows"],
-                position=row["context"], block=plans[series].block, kernel=False),
+                position=row["context"], block=block, kernel=False),
                 assumptions=a).step_s
             out.append(Agreement(i, row, series, _seconds(row, series), step + extra,
                                  i in used[series]))

@@ -10,7 +10,7 @@ labelled record from a chosen latency and bandwidth share.
 Here: `Sweep` (`SWEEPS`), `DmaPoint`, `StepPoint`, `Measured` (`latency_fit`,
 `dma_latency_s`, `hbm_bw`, `hbm_share`, `to_dict`, `from_dict`), `chip_of`,
 `median_seconds`, `seconds_per_copy`, `dma_sweep`, `time_step_series` (`STEP_SERIES`: the
-megakernel, its device loop, XLA's step; benchmarks/tpu_steps.py; its plans `step_plans`),
+megakernel, its device loop, XLA's step; benchmarks/tpu_steps.py; its plan `step_plan`),
 `time_step`, `provenance`, `measure`, `example`, `path_for`, `write`, `load`, `sim_fields`.
 Not here: the simulator (`mk.cost.sim`), drawing (the notebook, with `mk.plots`), the JSON
 schema's prose (data/README.md). How each number is measured: docs/design/mk.measure.measure.md.
@@ -375,12 +375,14 @@ def time_step_series(config: ModelConfig, *, batch: int = 1, rows: int = 1,
     """Seconds per decode step of `config` (random weights of `seed`) on `backend`, for
     each of `series`: every sequence reads a full cache of `context` positions before its
     `rows` new ones, as `mk.cost.sim.simulate` replays a plan at `position=context`; the kernel's
-    `block` is the default one unless given (`step_plans`).
+    `block` is the default one unless given (`step_plan`).
 
     - "megakernel": one dispatched megakernel step (host dispatch included), its cache
       donated (`mk.step.megakernel.step_in_place`: no copy of the cache, as in serving);
-    - "megakernel_loop": a device-side loop of `loop_steps` greedy steps (`generate`'s
-      `steps_per_call`) over its step count; T = 1 only;
+    - "megakernel_loop": a device-side loop of `loop_steps` steps over its step count:
+      greedy steps (`generate`'s `steps_per_call`) at T = 1; at T > 1 verification steps,
+      each fed the last one's T predictions (`mk.step.megakernel.greedy_steps`: a timing
+      loop of T-row steps, every row kept);
     - "xla": XLA's step (`mk.model.reference.forward` jitted), one dispatched step.
     XLA's step runs first, on the params; the megakernel's layout is then prepared with the
     params donated, so a model near the chip's size needs one copy of its weights. The
@@ -391,11 +393,8 @@ def time_step_series(config: ModelConfig, *, batch: int = 1, rows: int = 1,
     if unknown or not series:
         raise ValueError(f"series={tuple(series)!r} must be a non-empty subset of "
                          f"{STEP_SERIES}")
-    if "megakernel_loop" in series and rows != 1:
-        raise ValueError(f"rows={rows}: the device loop (series 'megakernel_loop') decodes "
-                         "one row per step; time it with rows=1")
-    plan, loop_plan = step_plans(config, batch=batch, rows=rows, context=context,
-                                 loop_steps=loop_steps, block=block)
+    plan = step_plan(config, batch=batch, rows=rows, context=context,
+                     loop_steps=loop_steps, block=block)
     config, capacity = plan.config, plan.context
     params = init_params(config, seed)
     cache = reference.init_cache(config, batch, capacity)
@@ -418,24 +417,23 @@ def time_step_series(config: ModelConfig, *, batch: int = 1, rows: int = 1,
         if "megakernel_loop" in series:
 
             def loop():
-                out, held[0] = megakernel.device_loop(loop_plan, weights, held[0],
-                                                      tokens[:, 0], positions, loop_steps)
+                out, held[0] = megakernel.device_loop(plan, weights, held[0],
+                                                      tokens, positions, loop_steps)
                 return out
             loop_seconds = median_seconds({"loop": loop}, repeats)["loop"]
             seconds["megakernel_loop"] = loop_seconds / loop_steps
     return {name: seconds[name] for name in series}
 
 
-def step_plans(config: ModelConfig, *, batch: int = 1, rows: int = 1, context: int = 256,
-               loop_steps: int = 32, block=None) -> tuple[DecodePlan, DecodePlan]:
-    """The plans `time_step_series` runs (the step's, and the device loop's of T = 1): a
-    cache holding `context` positions and the rows or loop steps after them, `block` or
-    the default one (no chip given: what `generate` runs)."""
+def step_plan(config: ModelConfig, *, batch: int = 1, rows: int = 1, context: int = 256,
+              loop_steps: int = 32, block=None) -> DecodePlan:
+    """The plan `time_step_series` runs, its one step and its device loop alike: a cache
+    holding `context` positions and the loop's steps of `rows` rows
+    after them, `block` or the default one (no chip given: what `generate` runs)."""
     _integer("loop_steps", loop_steps, 1)
-    capacity = cache_capacity(context + max(rows, loop_steps))
+    capacity = cache_capacity(context + rows * loop_steps)
     config = dataclasses.replace(config, max_context=capacity)
-    return (DecodePlan.make(config, batch=batch, rows=rows, context=capacity, block=block),
-            DecodePlan.make(config, batch=batch, rows=1, context=capacity, block=block))
+    return DecodePlan.make(config, batch=batch, rows=rows, context=capacity, block=block)
 
 
 def time_step(config: ModelConfig, *, batch: int = 1, rows: int = 1, context: int = 256,

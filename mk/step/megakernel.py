@@ -424,16 +424,23 @@ def traced_step(plan: DecodePlan, weights, cache, tokens, positions, taps: bool 
 
 def greedy_steps(step, cache, token, position, steps: int):
     """`steps` greedy decode steps as one device-side loop (a `lax.scan`), from token [B]
-    at position [B]: step(cache, tokens [B, 1], positions [B]) -> (next tokens [B, 1],
-    cache) is one kernel call. Returns (tokens [B, steps], cache). Traced in the caller's
-    jit (one device) or inside its shard_map (each device its own shard)."""
-    def body(carry, _):
-        cache, token, position = carry
-        nxt, cache = step(cache, token[:, None], position)
-        return (cache, nxt[:, 0], position + 1), nxt[:, 0]
+    (or tokens [B, T]) at position [B]: step(cache, tokens [B, T], positions [B]) ->
+    (next tokens [B, T], cache) is one kernel call, and its T next tokens are the next
+    step's rows at T positions on. Returns (tokens [B, steps * T], cache). With T = 1 this is
+    greedy decoding; with T > 1 each step verifies the last step's predictions as if all
+    were accepted (a timing loop of T-row steps: `mk.measure.measure`'s device loop of
+    verification steps, not speculative decoding). Traced in the caller's jit (one device)
+    or inside its shard_map (each device its own shard)."""
+    tokens = token[:, None] if token.ndim == 1 else token
+    T = tokens.shape[1]
 
-    (cache, _, _), tokens = lax.scan(body, (cache, token, position), None, length=steps)
-    return tokens.T, cache
+    def body(carry, _):
+        cache, tokens, position = carry
+        nxt, cache = step(cache, tokens, position)
+        return (cache, nxt, position + T), nxt
+
+    (cache, _, _), out = lax.scan(body, (cache, tokens, position), None, length=steps)
+    return out.transpose(1, 0, 2).reshape(tokens.shape[0], steps * T), cache
 
 
 @functools.partial(jax.jit, static_argnames=("plan", "taps"), donate_argnames="cache")
@@ -445,8 +452,9 @@ def step_in_place(plan: DecodePlan, weights, cache, tokens, positions, taps: boo
 
 @functools.partial(jax.jit, static_argnames=("plan", "steps"), donate_argnames="cache")
 def device_loop(plan: DecodePlan, weights, cache, token, position, steps: int):
-    """`greedy_steps` of the megakernel on one device. The cache is donated (updated in
-    place: HBM holds it once, what `mk.measure.tpu` compiles and `DecodePlan.fits` counts)."""
+    """`greedy_steps` of the megakernel on one device, token [B] (T = 1) or tokens
+    [B, plan.rows]. The cache is donated (updated in place: HBM holds it once, what
+    `mk.measure.tpu` compiles and `DecodePlan.fits` counts)."""
     def step(cache, tokens, positions):
         nxt, _, cache, *_ = traced_step(plan, weights, cache, tokens, positions)
         return nxt, cache
