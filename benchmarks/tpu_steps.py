@@ -47,6 +47,7 @@ ROWS = (
     ("qwen3-30b-a3b", 6, 8, 1, 1024),
     ("qwen3.5-9b", 8, 1, 1, 1024),  # hybrid: gated DeltaNet and full attention
     ("qwen3.5-9b", 8, 1, 8, 1024),
+    ("qwen3-8b", 20, 1, 1, 1024),  # 8b's first 20 layers: 8.9 GB of bf16 weights
 )
 INTERPRET_ROWS = (("tiny", None, 1, 1, 64), ("tiny-moe", None, 2, 4, 64))
 
