@@ -15,9 +15,9 @@ v5p's megacore one).
 
 Not here: anything derived from a model (bytes, FLOPs, floors: `mk.cost.perf`), sustained HBM
 bandwidth (a datasheet peak; measured: `mk.measure.measure`), multi-chip topologies. No TensorCore
-clock: a bundle count becomes seconds at a bundle rate, which is measured, not a clock
-(issue 61). Where the MXU feeds and each chip's bundle rate come from:
-docs/design/mk.model.chips.md.
+clock: a bundle count becomes seconds at the rate a compiled loop's bundles issue, stalls
+and all, not at a clock (issue 61). Where the MXU feeds and each chip's bundle rate come
+from: docs/design/mk.model.chips.md.
 """
 
 from __future__ import annotations
