@@ -1,11 +1,12 @@
-"""The clock each TPU's schedule implies: one straight-line bf16 matmul per chip.
+"""The bound each TPU's schedule puts on an MXU-bound bundle rate: one bf16 matmul a chip.
 
 For each chip, `mk.cost.probes.probe_clock` compiles x[M, K] @ w[K, N] (bf16 in, f32 out; the
 shape `mk.cost.probes.CLOCK_PROBE_SHAPE`) for one TensorCore with libtpu's bundle dump on and
-asks at what clock its MXU span would run at the datasheet bf16 peak of one TensorCore.
-That is one end of the chip's clock range in `mk/data/chips.csv` (the other is the
-datasheet derivation, `ChipSpec.datasheet_clock_hz`); tests/test_bundles.py re-compiles
-and checks the record, so a libtpu that schedules it differently is noticed.
+asks at what bundle rate its MXU span would run at the datasheet bf16 peak of one
+TensorCore (`clock_hz`, its recorded name). No MXU-bound loop runs faster: it bounds
+`mxu_bundle_rate` in `mk/data/chips.csv` (tests/test_chips.py) and gives no rate (the
+rates: docs/design/mk.model.chips.md); tests/test_bundles.py re-compiles and checks the
+record, so a libtpu that schedules it differently is noticed.
 
     .venv/bin/python benchmarks/clock_probe.py --json mk/data/clock_probes.json
 

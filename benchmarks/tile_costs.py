@@ -10,15 +10,18 @@ the same plan with a DMA latency (`--latency-us`, default 1 us) and those per-ti
 tile, issue time per tile against the tile's DMA time at the core's bandwidth, the
 simulated HBM busy share, and the compile's seconds on this machine.
 
-Clocks come from `mk/data/chips.csv`: a range per chip (`clock_low_hz`, `clock_high_hz`;
-its notes give each end's source); a row gives the issue time at both ends and simulates
-at the low end. Interpret nothing here as a TPU measurement: the bundle counts are
-the compiler's static schedule, the rest is the simulator's model.
+Bundle rates come from `mk/data/chips.csv`: a range per chip (`bundle_rate_slow`,
+`bundle_rate_fast`; its notes give the source); a row gives the rates it was priced at and
+the issue time at both ends, and simulates at the slow end. Interpret nothing here as a
+TPU measurement: the bundle counts are the compiler's static schedule, the rest is the
+simulator's model. When chips.csv's rates change, `--rerate FILE` prices a record's rows
+again from their recorded bundles (no compile) and resimulates them.
 
     .venv/bin/python benchmarks/tile_costs.py --chips tpu7x v6e v5e \
         --presets qwen3-0.6b qwen3-1.7b qwen3-4b qwen3-8b qwen3-30b-a3b \
         --json build/tile_costs.json
     .venv/bin/python benchmarks/tile_costs.py --published --json build/published.json
+    .venv/bin/python benchmarks/tile_costs.py --rerate mk/data/tile_costs/single_core.json
 
 `--published` measures every TPU run of the published-numbers ledger instead (its
 tensor-parallel shard on a multi-chip topology, `mk.measure.tpu.topology_for`);
@@ -92,11 +95,38 @@ def row(preset: str, chip: str, *, tp: int = 1, topology: str | None = None, bat
                            topology=topology)
     if not cost.report.ok:
         return dict(out, fits=False, error=cost.report.error.splitlines()[0][:300])
-    run = sim.simulate(DecodePlan.make(config, chip=spec, tp=tp, batch=batch, rows=rows,
-                                       position=context, block=block, kernel=False),
-                       assumptions=cost.assumptions(dma_latency_s=latency_s))
-    return dict(out, **cost.row(), hbm_busy=run.hbm_utilisation, sim_step_ms=run.step_ms,
+    return dict(out, **cost.row(), **simulated(config, spec, out, cost.assumptions(
+        dma_latency_s=latency_s)))
+
+
+def simulated(config, spec, r: dict, assumptions) -> dict:
+    """A row's simulated columns: its plan for the chip replayed with `assumptions`."""
+    run = sim.simulate(DecodePlan.make(config, chip=spec, tp=r["tp"], batch=r["batch"],
+                                       rows=r["rows"], position=r["context"], kernel=False),
+                       assumptions=assumptions)
+    return dict(hbm_busy=run.hbm_utilisation, sim_step_ms=run.step_ms,
                 hbm_floor_ms=run.hbm_floor_s * 1e3, compute_ms=run.compute_s * 1e3)
+
+
+STALE = ("clock_low_hz", "clock_high_hz", "tile_high_ns", "tile_over_dma_high")  # clocks'
+
+
+def rerate(r: dict) -> dict:
+    """Recorded row `r` priced at today's bundle rates (`mk.cost.bundles.priced`) from its
+    recorded bundles and DMA times, its step simulated again (`row`'s columns); a row
+    with no per-tile cost as it was. The clock columns of rows recorded before the bundle
+    rate (`STALE`) go."""
+    if "tile_ns" not in r:
+        return r
+    spec, m = spec_of(r["chip"]), r["batch"] * r["rows"]
+    out = {k: v for k, v in r.items() if k not in STALE}
+    out |= bundles.priced(ledger.tile_bundles(r), r["dma_ns"] * 1e-9, spec, m)
+    for p in out.get("packed", {}).values():
+        for key in STALE:
+            p.pop(key, None)
+        p |= {k: v for k, v in bundles.priced(p["bundles"], p["dma_ns"] * 1e-9, spec,
+                                               m).items() if k.startswith("tile_over_dma")}
+    return out | simulated(mk.preset(r["preset"]), spec, r, ledger.recorded_assumptions(r))
 
 
 def published_runs() -> list[dict]:
@@ -129,7 +159,13 @@ def main(argv=None) -> None:
                         "numbers ledger (its preset, chip, TP width, batch, rows and "
                         "context; --context is ignored)")
     p.add_argument("--json", type=Path, help="write the rows here (refuses an existing file)")
+    p.add_argument("--rerate", type=Path,
+                   help="instead: price this record's rows at today's bundle rates, in place")
     args = p.parse_args(argv)
+    if args.rerate:
+        table = [rerate(r) for r in json.loads(args.rerate.read_text())]
+        args.rerate.write_text(json.dumps(table, indent=1, default=float))
+        return
     if args.json and args.json.exists():
         raise SystemExit(f"--json {args.json} exists; choose a new path")
     jobs = published_runs() if args.published else [

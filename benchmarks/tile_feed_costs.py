@@ -21,9 +21,9 @@ matmul x[M, 4096] @ w[4096, N] with w in VMEM in the feed's dtype, the least ove
 
     .venv/bin/python benchmarks/tile_feed_costs.py --floors --json mk/data/feed_floors.json
 
-Nothing here runs on a TPU: bundle counts are the compiler's static schedule (one bundle a
-cycle, stalls not counted); a row's seconds are bundles / the clock, which is a range
-(`mk.model.chips.ChipSpec.clock`). tests/test_feed_costs.py re-compiles rows and compares.
+Nothing here runs on a TPU: bundle counts are the compiler's static schedule; a row's
+seconds are bundles / the chip's bundle rate, a range
+(`mk.model.chips.ChipSpec.bundle_rate`). tests/test_feed_costs.py re-compiles rows and compares.
 """
 
 from __future__ import annotations

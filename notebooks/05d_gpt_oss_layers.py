@@ -105,6 +105,7 @@ from mk.kinds.attention import decode_attention
 from mk.kernels import kv_stream
 from mk.kernels.common import BlockSizes, dma_log
 from mk.step.plan import DecodePlan
+from mk.model.chips import RATE_ENDS
 from mk.model.weights import param_count
 
 mk.course.run.check_parameters(globals())  # papermill's -p names, every parameter's type
@@ -323,14 +324,14 @@ print(f"{big.name}: width {own.hidden} -> {big.hidden}, expert width {own.expert
 # then the **simulated step** (`mk.cost.sim`: a model, not a TPU measurement) with the per-tile
 # cost libtpu's bundle dump gives the whole compiled kernel (its costliest loop,
 # mk/data/tile_costs/gpt_oss.json, recorded by benchmarks/tile_costs.py; a 1 us DMA
-# latency), at both ends of the chip's clock range, against the **HBM floor** (the step's
+# latency), at both ends of the chip's bundle rate, against the **HBM floor** (the step's
 # bytes at the core's bandwidth). The tiles are 128 x 2944, one 128-row panel of the
 # whole width: 2944 = 23 x 128 has no other divisor, and the experts' fp4 tiles, fed bf16
 # on both chips, are held to `QUANT_TILE_ELEMENTS` (the next smaller tile, 128 x 128, moves
 # so few bytes that each tile's fixed loop cost outlasts its DMA; mk/data/README.md keeps that
-# recording's numbers). A plain tile issues in about a third of its DMA time;
-# an fp4 tile's dequantisation to bf16 issues for over four times its DMA (each chip's
-# recorded loop), so HBM still idles for half the step or more:
+# recording's numbers). A plain tile issues in a quarter to a third of its DMA time;
+# an fp4 tile's dequantisation to bf16 issues for over three times its DMA (each chip's
+# recorded loop), so HBM still idles for two fifths of the step or more:
 
 # %%
 recorded = {r["chip"]: r for r in json.loads(
@@ -345,18 +346,19 @@ for chip_name in ("v6e", "v5e"):
             "VMEM MiB": f"{fit.vmem.total_bytes / 2**20:.1f}" if fit.vmem else "-",
             "ring": f"{plan.block.slots} x {plan.block.tile_rows} x {plan.block.tile_cols}",
             "fits": fit.ok or fit.error}
-    for end in ("low", "high") if row else ():  # recorded for gpt-oss-20b only
+    for end in RATE_ENDS if row else ():  # recorded for gpt-oss-20b only
         step = sim.simulate(DecodePlan.make(big, chip=chip_name, batch=1, position=4096,
                                             kernel=False),
-                            assumptions=ledger.recorded_assumptions(row, clock=end))
-        suffix = "" if end == "low" else "_high"  # a tile's issue over its DMA, recorded
+                            assumptions=ledger.recorded_assumptions(row, rate_end=end))
+        rate = mk.chip(chip_name).bundle_rate(end, plan.M)  # bundles a second at this end
         fp4 = row.get("packed", {}).get("fp4")  # its loop, where the dump shows one
-        line |= {f"issue/DMA plain, {end}": f"{row['tile_over_dma' + suffix]:.1f}x",
-                 f"issue/DMA fp4, {end}": f"{fp4['tile_over_dma' + suffix]:.1f}x" if fp4
+        plain_s, fp4_s = ledger.tile_bundles(row) / rate, fp4 and fp4["bundles"] / rate
+        line |= {f"issue/DMA plain, {end}": f"{plain_s / (row['dma_ns'] * 1e-9):.1f}x",
+                 f"issue/DMA fp4, {end}": f"{fp4_s / (fp4['dma_ns'] * 1e-9):.1f}x" if fp4
                  else "no loop",
                  "HBM floor ms": f"{step.hbm_floor_s * 1e3:.2f}",
-                 f"simulated step ms, {end} clock": f"{step.step_ms:.2f}",
-                 f"HBM busy, {end} clock": f"{step.hbm_utilisation:.0%}"}
+                 f"simulated step ms, {end} rate": f"{step.step_ms:.2f}",
+                 f"HBM busy, {end} rate": f"{step.hbm_utilisation:.0%}"}
     fits.append(line)
 display(plots.table(fits))
 display(plots.table(fit.vmem.rows()[:8]))  # the last chip's biggest VMEM buffers

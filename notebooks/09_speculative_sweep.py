@@ -299,7 +299,7 @@ print("forced L -> measured tau:", forced)
 # t_\text{draft}}$$
 #
 # with $t_\text{verify}$ the modelled step (`mk.speculative.spec.step_ms`: the larger of the HBM floor
-# and the tile floor (the measured tile cost table, low clock end) plus the collectives,
+# and the tile floor (the measured tile cost table, slow end of the bundle rate) plus the collectives,
 # checked below) for the `sweep_preset` model on the
 # fewest chips (a power of two) of each kind that hold it, all devices sharing the step, and
 # $t_\text{draft} = \gamma$ steps of the `sweep_draft` model on the same chips. Without a

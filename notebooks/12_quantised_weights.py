@@ -21,8 +21,8 @@
 #
 # A decode step that streams at the HBM floor is as fast as its bytes are few, so there the
 # storage format of the weights is the speed; a format whose tiles take longer to decode
-# than to arrive is not (11's review prints an FP4 tile's loop at 4.2-4.9x its DMA at
-# TPU7x's low clock).
+# than to arrive is not (11's review prints an FP4 tile's loop at several times its DMA on
+# TPU7x, at either end of its bundle rate).
 # This notebook answers:
 #
 # - How are int8, fp8, int4 and fp4 (MXFP4) weights laid out, bit by bit, and how does a

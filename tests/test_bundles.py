@@ -128,7 +128,7 @@ def test_a_trip_through_an_expert_of_one_tile_matrices_costs_each_tile_its_share
                              sim.Assumptions())
     recorded = sim.tile_seconds(plan.stream, spec, plan.M, formats, plan.local.dtype,
                                 sim.Assumptions(packed_bundles=(("fp4", 7168, 128, 914),)))
-    assert recorded["we_gate_up"] == 914 / spec.clock("low")  # gate|up joined [7168, 128]
+    assert recorded["we_gate_up"] == 914 / spec.bundle_rate("slow", plan.M)  # gate|up joined
     assert recorded["we_down"] == table["we_down"] != recorded["we_gate_up"]  # [128, 7168]
     with pytest.raises(ValueError, match="packed_bundles entry"):
         sim.Assumptions(packed_bundles=(("fp5", 7168, 128, 914),))
@@ -145,20 +145,20 @@ def test_the_simulator_charges_the_issue_time_per_tile():
         sim.Assumptions(tile_issue_s=-1)
 
 
-def test_the_simulator_turns_bundles_into_seconds_at_either_end_of_the_clock():
-    """tile_bundles per tile cost bundles / the chip's clock at the `clock` end: at
-    TPU7x's low end 2000 bundles (1.9 us) bound a dense step, at its high end (0.45 us)
-    they cost it less."""
+def test_the_simulator_turns_bundles_into_seconds_at_either_end_of_the_bundle_rate():
+    """tile_bundles per tile cost bundles / the chip's bundle rate at the `rate_end` end:
+    2000 bundles bound a dense step on TPU7x at either end (2.2 us at its slow end, 1.9 us
+    at its fast end), and the slower rate never makes the step faster."""
     config, spec = mk.preset("qwen3-0.6b"), mk.chip("tpu7x")
     tiles = simulated_step(config, spec, context=256).plan.stream.total
     step = {end: simulated_step(config, spec, context=256, assumptions=sim.Assumptions(
-        tile_bundles=2000, clock=end)).step_s for end in ("low", "high")}
-    assert step["low"] >= tiles * 2000 / spec.clock("low") > step["high"]
-    assert step["high"] >= tiles * 2000 / spec.clock("high")
-    a = sim.Assumptions(tile_bundles=2000, clock="high")
-    assert a.issue_s(spec) == 2000 / spec.clock("high")
-    with pytest.raises(ValueError, match=r"clock='nominal'"):
-        sim.Assumptions(clock="nominal")
+        tile_bundles=2000, rate_end=end)).step_s for end in ("slow", "fast")}
+    assert step["slow"] >= tiles * 2000 / spec.bundle_rate("slow") > step["fast"]
+    assert step["fast"] >= tiles * 2000 / spec.bundle_rate("fast")
+    a = sim.Assumptions(tile_bundles=2000, rate_end="fast")
+    assert a.issue_s(spec, 1) == 2000 / spec.bundle_rate("fast")
+    with pytest.raises(ValueError, match=r"rate_end='high'"):
+        sim.Assumptions(rate_end="high")
     with pytest.raises(ValueError, match=r"tile_bundles=-3"):
         sim.Assumptions(tile_bundles=-3)
     with pytest.raises(ValueError, match=r"tile_bundles=5 and tile_issue_s=1e-06 both"):
@@ -166,8 +166,8 @@ def test_the_simulator_turns_bundles_into_seconds_at_either_end_of_the_clock():
 
 
 def test_the_compiled_per_tile_loops_issue_faster_than_their_tiles_stream():
-    """Issue 14's rule on one model: the costliest per-tile loop's bundles / clock <= 0.9 x
-    the tile's DMA time on TPU7x, at the low end of its clock range. Each loop waits once
+    """Issue 14's rule on one model: the costliest per-tile loop's bundles / the bundle rate
+    <= 0.9 x the tile's DMA time on TPU7x, at the slow end of its rate. Each loop waits once
     (for its own tile) and searches at most the segments that can follow its matrix, not
     the whole stream."""
     config = mk.preset("qwen3-0.6b")
@@ -177,10 +177,10 @@ def test_the_compiled_per_tile_loops_issue_faster_than_their_tiles_stream():
     assert all(lp.waits == 1 and lp.mxu > 0 for lp in cost.loops)
     sites = len(plan.stream.segments + plan.stream.tail)
     assert max(len(lp.dma_granules) for lp in cost.loops) < sites, cost.row()
-    assert cost.issue_s("high") < cost.issue_s("low") <= 0.9 * cost.dma_s, cost.row()
+    assert cost.issue_s("fast") < cost.issue_s("slow") <= 0.9 * cost.dma_s, cost.row()
     # and the simulator takes its bundles as the compute lane's floor per tile
     a = cost.assumptions(dma_latency_s=1e-6)
-    assert a.issue_s(mk.chip("tpu7x")) == cost.issue_s("low")
+    assert a.issue_s(mk.chip("tpu7x"), plan.M) == cost.issue_s("slow")
     assert dataclasses.replace(a, tile_bundles=0) == sim.Assumptions(dma_latency_s=1e-6)
 
 
@@ -199,13 +199,14 @@ RECORDED = (Path(__file__).resolve().parent.parent / "mk" / "data" / "tile_costs
 @pytest.mark.parametrize("row", json.loads(RECORDED.read_text()),
                          ids=lambda r: f"{r['preset']}-{r['chip']}")
 def test_the_recorded_single_core_kernels_stream_at_the_hbm_floor(row):
-    """Issue 14's bar, at the low end of the clock range (issue 34), on every single-core
-    preset and chip that benchmarks/tile_costs.py recorded
+    """Issue 14's bar, at the slow end of the bundle rate (issues 34, 61), on every
+    single-core preset and chip that benchmarks/tile_costs.py recorded
     (mk/data/tile_costs/single_core.json): the recorded kernel is the plan's own for the
-    chip (a stale recording fails here: rebuild it), its per-tile loops of every storage
-    issue in <= 0.9 x their own tile's DMA time at today's low clock, and the simulator
-    with the plain tiles' costliest loop and a 1 us DMA latency, replayed now, keeps HBM
-    >= 90 % busy, as recorded."""
+    chip, priced at today's rates (a stale recording fails here: rebuild it, or `--rerate`
+    it), its per-tile loops of every storage issue in <= 0.9 x their own tile's DMA time
+    at today's slow end but where ISSUE_OVER says, and the simulator with the plain
+    tiles' costliest loop and a 1 us DMA latency, replayed now, keeps HBM >= 90 % busy,
+    as recorded."""
     config, spec = mk.preset(row["preset"]), mk.chip(row["chip"])
     plan = DecodePlan.make(config, batch=row["batch"], rows=row["rows"],
                            position=row["context"], chip=spec, kernel=False)
@@ -214,8 +215,11 @@ def test_the_recorded_single_core_kernels_stream_at_the_hbm_floor(row):
                                         {n: tuple(t) for n, t in row.get("tiles", {}).items()})
     if not row["fits"]:  # the weights need more HBM than one core has: nothing to run
         assert "HBM" in row["error"] and not plan.fits(spec).ok
-    assert row["clock_low_hz"] == spec.clock("low")
-    assert _issue_over(row) == {}, row
+    m = row["batch"] * row["rows"]
+    assert (row["bundle_rate_slow"], row["bundle_rate_fast"]) == (
+        spec.bundle_rate("slow", m), spec.bundle_rate("fast", m))
+    assert _issue_over(row) == {k: v for k, v in ISSUE_OVER.items()
+                                if k[:3] == (row["preset"], row["chip"], 1)}, row
     again = simulated_step(config, spec, batch=row["batch"], rows=row["rows"],
                            context=row["context"], block=plan.block,
                            assumptions=ledger.recorded_assumptions(row))
@@ -235,44 +239,46 @@ def _resimulated(row, block=None):
                                 assumptions=ledger.recorded_assumptions(row))
 
 
-# (preset, chip, tp, storage) -> the ends of the clock range at which a recorded kernel's
+# (preset, chip, tp, storage) -> the ends of the bundle rate at which a recorded kernel's
 # tiles of that storage ("plain", a packed scheme, or either with a tile shape of its own:
-# `mk.cost.bundles.storage_name`) issue slower than 0.9 x their own DMA (bundles / clock
-# against the tile's bytes at one core's bandwidth). Issue 34: the 27B's TP8 shard takes
-# 5120 x 128 tiles (its MLP's 2176 columns a device are 17 x 128), stored folded 4
-# ([1280, 512], `mk.kernels.fold`): its costliest loop, a transposed tile's, issues in
-# 0.86x its DMA at the low end (1.2x unfolded, 0.92x before the edge trips issued with
-# no divide and no second guard on the layer's kind), so it is not listed;
+# `mk.cost.bundles.storage_name`) issue slower than 0.9 x their own DMA (bundles / rate
+# against the tile's bytes at one core's bandwidth). TPU7x's rate, derived from the
+# release's MXU push rate (issue 61: 0.93-1.03 G bundles/s, where the clock range had
+# run to 4.40 GHz), puts two plain loops over the bar at its slow end: qwen3-4b's on one
+# core (0.93x its DMA; 0.84x at the fast end) and the 27B's TP8 shard's (issue 34: 5120
+# x 128 tiles, its MLP's 2176 columns a device are 17 x 128, stored folded 4, [1280, 512],
+# `mk.kernels.fold`; its costliest loop, a transposed tile's, 0.95x; 0.86x).
 # Kimi K3's TP32 shard (the release's kimi-k3 since issue 66; kimi-k2-shaped's before)
 # streams its FP4 experts in tiles of their own (a device's 96 columns of each expert
 # padded to 128, gate and up apart: 3584 x 128, down 128 x 3584, fed fp8) and the rest in
-# 3584 x 128 ones of at most twice their bytes: its plain loops issue for up to 1.5x their
-# DMA at the low end (0.35x at the high), an FP4 tile for 8.2-9.3x (1.9-2.2x); on
-# kimi-k2-shaped, with gate|up joined, a trip through an expert's two FP4 tiles took
-# 4.2-4.9x (0.99-1.15x). At the low end no loop can bring an FP4 tile under 0.9: the MXU's
-# own fp8 feed floor is 0.99x an FP4 weight's DMA there
-# (`mk.cost.feed_costs.feed_floor_over_dma`; tests/test_feed_costs.py's MXU_BOUND), and the
-# trip's vector work (unpacking, each 32-row group's product scaled and summed) alone
-# fills 2.6x (2,837 vector ALU ops a trip in kimi-k2-shaped's dump, at most four a
-# bundle).
+# 3584 x 128 ones of at most twice their bytes: its plain loops issue for up to 1.7x their
+# DMA at the slow end (1.5x at the fast), an FP4 tile for 9.0-10.3x (8.2-9.3x). No loop
+# can bring an FP4 tile under 0.9 at either end: the MXU's own fp8 feed floor is over
+# 0.9x an FP4 weight's DMA there (`mk.cost.feed_costs.feed_floor_over_dma`;
+# tests/test_feed_costs.py's MXU_BOUND), and the trip's vector work (unpacking, each
+# 32-row group's product scaled and summed) alone fills more (2,837 vector ALU ops a trip
+# in kimi-k2-shaped's dump, at most four a bundle).
 # Issue 38: gpt-oss-20b (2944 = 23 x 128 wide) takes 128 x 2944 tiles on one core (its
-# fp4 experts' one 128-row panel of their width, within QUANT_TILE_ELEMENTS): plain 0.3x
-# their DMA; the fp4 tiles, dequantised to bf16 (neither Colab chip's MXU takes fp8),
-# 5.2x (2.7x) on v6e and 3.9x (3.2x) on v5e.
-ISSUE_OVER = {("kimi-k3", "tpu7x", 32, "plain"): {"low"},
-              ("kimi-k3", "tpu7x", 32, "fp4 128x3584"): {"low", "high"},
-              ("kimi-k3", "tpu7x", 32, "fp4 3584x128"): {"low", "high"},
-              ("gpt-oss-20b", "v6e", 1, "fp4"): {"low", "high"},
-              ("gpt-oss-20b", "v5e", 1, "fp4"): {"low", "high"}}
+# fp4 experts' one 128-row panel of their width, within QUANT_TILE_ELEMENTS): plain
+# 0.2-0.3x their DMA; the fp4 tiles, dequantised to bf16 (neither Colab chip's MXU takes
+# fp8), 5.8x (4.5x) on v6e and 3.3x at v5e's one measured rate.
+ISSUE_OVER = {("qwen3-4b", "tpu7x", 1, "plain"): {"slow"},
+              ("qwen3.5-27b", "tpu7x", 8, "plain"): {"slow"},
+              ("kimi-k3", "tpu7x", 32, "plain"): {"slow", "fast"},
+              ("kimi-k3", "tpu7x", 32, "fp4 128x3584"): {"slow", "fast"},
+              ("kimi-k3", "tpu7x", 32, "fp4 3584x128"): {"slow", "fast"},
+              ("gpt-oss-20b", "v6e", 1, "fp4"): {"slow", "fast"},
+              ("gpt-oss-20b", "v5e", 1, "fp4"): {"slow", "fast"}}
 
 
 def _issue_over(row) -> dict:
     """ISSUE_OVER's entries of one recorded row, from its bundles."""
-    spec, out = mk.chip(row["chip"]), {}
+    spec, out, m = mk.chip(row["chip"]), {}, row["batch"] * row["rows"]
     storages = {"plain": (ledger.tile_bundles(row), row["dma_ns"])} | {
         q: (p["bundles"], p["dma_ns"]) for q, p in row.get("packed", {}).items()}
     for storage, (bundles_, dma_ns) in storages.items():
-        ends = {e for e in ("low", "high") if bundles_ / spec.clock(e) * 1e9 > 0.9 * dma_ns}
+        ends = {e for e in ("slow", "fast")
+                if bundles_ / spec.bundle_rate(e, m) * 1e9 > 0.9 * dma_ns}
         if ends:
             out[(row["preset"], row["chip"], row.get("tp", 1), storage)] = ends
     return out
@@ -330,9 +336,9 @@ def test_the_recorded_gpt_oss_20b_kernels_replay_their_simulated_step(row):
     assert run.step_s >= run.hbm_floor_s
 
 
-def test_the_recorded_kernels_issue_time_at_both_ends_of_the_clock_range():
+def test_the_recorded_kernels_issue_time_at_both_ends_of_the_bundle_rate():
     """Every recorded row's tiles (plain and packed, from their recorded bundles) against
-    their own DMA at both ends of today's clock range: over 0.9 exactly where ISSUE_OVER
+    their own DMA at both ends of today's bundle rate: over 0.9 exactly where ISSUE_OVER
     says (a re-recording that moves a row either way fails here)."""
     over = {}
     for path in (RECORDED, PUBLISHED, GPT_OSS):
@@ -414,18 +420,18 @@ def test_a_failing_or_late_child_is_reported_with_its_stderr_tail(tmp_path):
 
 
 
-# -- The clock a schedule implies ------------------------------------------------------------
+# -- The bound a schedule puts on an MXU-bound bundle rate ---------------------------------
 CLOCK_PROBES = json.loads(probes.CLOCK_PROBES.read_text())
 
 
 @pytest.mark.parametrize("row", [pytest.param(r, marks=() if r["chip"] == "tpu7x"
                                               else pytest.mark.slow) for r in CLOCK_PROBES],
                          ids=lambda r: r["chip"])  # tpu7x in CI, the others under slow
-def test_the_recorded_schedule_implied_clock_is_libtpus_today(row):
-    """benchmarks/clock_probe.py's record (data/clock_probes.json, one end of each TPU's
-    clock range in chips.csv) against a fresh compile (~5 s a chip): a libtpu that
-    schedules the probe matmul in other bundles, or addresses other MXUs, fails here
-    (then rerun the benchmark and update chips.csv's ends and notes)."""
+def test_the_recorded_schedule_implied_rate_bound_is_libtpus_today(row):
+    """benchmarks/clock_probe.py's record (data/clock_probes.json, the bound chips.csv's
+    MXU-bound rates stay under: tests/test_chips.py) against a fresh compile (~5 s a
+    chip): a libtpu that schedules the probe matmul in other bundles, or addresses other
+    MXUs, fails here (then rerun the benchmark and check chips.csv's rates and notes)."""
     probe = probes.probe_clock(row["chip"], tuple(row["shape"]))
     assert (probe.bundles, list(probe.mxus)) == (row["bundles"], row["mxus"]), (
         f"libtpu {probe.libtpu} (recorded with {row['libtpu']}): {probe.row()}")
@@ -433,7 +439,7 @@ def test_the_recorded_schedule_implied_clock_is_libtpus_today(row):
     assert len(probe.mxus) == mk.chip(row["chip"]).mxus_per_core
 
 
-def test_the_clock_probe_measures_the_mxu_span_of_a_straight_line_matmul():
+def test_the_probe_measures_the_mxu_span_of_a_straight_line_matmul():
     """The guard of the re-check: the probe's numbers follow from its own dump (a fresh
     compile of another shape has half the FLOPs and fewer bundles), and a probe cannot be
     asked of a GPU or a shape the MXU does not tile."""

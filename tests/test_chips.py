@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from mk.model import chips
-from mk.measure import tpu
+from mk.measure import measure, tpu
 from mk.model.chips import CHIP_NAMES, ChipSpec, all_chips, chip
 
 MIB, GIB = 1 << 20, 1 << 30
@@ -144,12 +144,12 @@ def test_hbm_compile_bytes_is_what_libtpu_says_one_core_holds():
                                                                abs=0.005), spec.name
 
 
-# -- The clock: a range with its sources ---------------------------------------------------
+# -- The bundle rate: a range with its sources ---------------------------------------------
 CLOCK_PROBES = chips.DATA / "clock_probes.json"
 
 
 def test_mxus_per_core_are_jaxs_tpu_info_counts():
-    """The datasheet derivation's MXU count is the one JAX's Pallas TPU info has (and the
+    """A TensorCore's MXU count is the one JAX's Pallas TPU info has (and the
     dumps address: tests/test_bundles.py); TPU7x has 2, not the 4 once assumed."""
     from jax.experimental.pallas import tpu as pltpu
     version = {"v5e": "TPU_V5E", "v6e": "TPU_V6E", "v5p": "TPU_V5P", "tpu7x": "TPU_7X"}
@@ -179,43 +179,134 @@ def test_mxu_feeds_are_what_jaxs_tpu_info_says_bf16_multiplies_natively():
         dataclasses.replace(chip("h200"), mxu_feeds=("bf16",))
 
 
-def test_each_tpu_clock_range_spans_the_datasheet_derivation_and_the_schedule_probe():
-    """The two ends are the two sources the row's notes name, each at its end: the
-    datasheet derivation (bf16 peak / (TensorCores x MXUs x rows^2 x 2)) and the clock
-    libtpu's schedule of one bf16 matmul implies (data/clock_probes.json), to the MHz."""
+def test_each_tpu_bundle_rate_names_its_source_and_an_mxu_bound_one_stays_under_the_probe():
+    """A TPU row's rate is measured, derived or assumed, its notes say which; no loop runs
+    its MXU past the bf16 peak, so an MXU-bound rate's fast end is at most the clock
+    probe's bound (the rate at which libtpu's straight-line bf16 matmul would run at the
+    peak, data/clock_probes.json), to its 0.5 % rounding."""
     probes = {r["chip"]: r for r in json.loads(CLOCK_PROBES.read_text())}
     for spec in all_chips("tpu"):
-        derived, probed = spec.datasheet_clock_hz, probes[spec.name]["clock_hz"]
-        low, high = sorted((derived, probed))
-        assert spec.clock("low") == pytest.approx(low, abs=0.5e6), spec.name
-        assert spec.clock("high") == pytest.approx(high, abs=0.5e6), spec.name
-        ends = {"low": low, "high": high}
-        for end, value in ends.items():
-            source = "derived" if value == derived else "libtpu's schedule"
-            assert re.search(rf"{end.capitalize()} end {value / 1e9:.2f} GHz "
-                             rf"(from )?{source}", spec.notes), (spec.name, end)
-    assert chip("tpu7x").datasheet_clock_hz == pytest.approx(2307e12 / (2 * 2 * 256**2 * 2))
+        assert spec.bundle_rate_source in chips.RATE_SOURCES, spec.name
+        assert f"Bundle rate {spec.bundle_rate_source}" in spec.notes, spec.name
+        mxu_fast = spec.bundle_rate("fast", m=spec.mxu_rows)
+        assert mxu_fast <= probes[spec.name]["clock_hz"] * 1.005, spec.name
+    assert {c.name: c.bundle_rate_source for c in all_chips("tpu")} == {
+        "v5e": "measured", "v6e": "assumed", "v5p": "assumed", "tpu7x": "derived"}
 
 
-def test_a_clock_range_upside_down_or_not_positive_is_refused_naming_the_field():
+# The release's engineering report (Inferact/tpu-megakernels): TPU7x's MXU takes a
+# 256 x 256 bf16 tile in 20 ns; its other figures allow at most 1.03 G bundles/s.
+TPU7X_PUSH_S, TPU7X_FASTEST = 20e-9, 1.03e9
+
+
+def test_tpu7x_ends_are_the_release_push_rate_over_our_bundles_per_tile():
+    """The slow end: the bundles mk's compiled bf16 feed spends on one 256 x 256 tile at
+    M 8 (18.6, the tile cost table) in the release's 20 ns; the fast end, the most the
+    report's other figures allow (docs/design/mk.model.chips.md)."""
+    from mk.cost import feed_costs
+    spec = chip("tpu7x")
+    per_tile = feed_costs.bundles_per_element("tpu7x", "bf16", 8) * 256 * 256
+    assert per_tile == pytest.approx(18.6, abs=0.05)
+    assert spec.bundle_rate("slow") == pytest.approx(per_tile / TPU7X_PUSH_S, rel=0.005)
+    assert spec.bundle_rate("fast") == TPU7X_FASTEST
+    assert spec.mxu_bundle_rate is None  # the push rate is the MXU's own
+
+
+def test_assumed_rates_are_the_known_rates_over_the_probe_times_each_chips_probe():
+    """v6e and v5p: each end is one of the two ratios of a known decode-loop rate to its
+    chip's probe bound (TPU7x's slow end, derived; v5e's, measured) times the chip's own
+    bound, and its MXU-bound rate at most that bound, each to 3 digits."""
+    probes = {r["chip"]: r["clock_hz"] for r in json.loads(CLOCK_PROBES.read_text())}
+    ratios = sorted(chip(c).bundle_rate("slow") / probes[c] for c in ("tpu7x", "v5e"))
+    for name in ("v6e", "v5p"):
+        spec = chip(name)
+        assert (spec.bundle_rate("slow"), spec.bundle_rate("fast")) == pytest.approx(
+            [r * probes[name] for r in ratios], rel=0.005), name
+        assert spec.mxu_bundle_rate == pytest.approx(probes[name], rel=0.005), name
+
+
+V5E_RECORD = measure.MEASURED / "v5e-bundles.json"  # benchmarks/tpu_bundle_time.py's
+
+
+@pytest.mark.skipif(V5E_RECORD.exists(), reason="data/measured/v5e-bundles.json supersedes "
+                    "issue 61's numbers: test_v5e_rate_agrees_with_the_chips_record")
+def test_v5e_rate_is_issue_61s_measurement_until_the_chip_records_its_own():
+    spec = chip("v5e")
+    assert spec.bundle_rate("slow") == spec.bundle_rate("fast") == pytest.approx(
+        1 / 0.694e-9, rel=0.001)
+    assert spec.bundle_rate(m=128) == pytest.approx(1 / 0.904e-9, rel=0.001)
+
+
+@pytest.mark.skipif(not V5E_RECORD.exists(), reason="no data/measured/v5e-bundles.json yet: "
+                    "run benchmarks/tpu_bundle_time.py on a v5e")
+def test_v5e_rate_agrees_with_the_chips_record():
+    """chips.csv's v5e rates are what the chip measured, within 2 %: the decode loop's at
+    both ends, the MXU-bound loop's at M from mxu_rows on."""
+    record = json.loads(V5E_RECORD.read_text())
+    assert record["chip"] == "v5e", record["label"]
+    spec, rows = chip("v5e"), {r["loop"]: r for r in record["rows"]}
+    for loop, m in (("decode", 8), ("mxu", 512)):
+        measured = rows[loop]["bundles_per_s"]
+        for end in chips.RATE_ENDS:
+            assert spec.bundle_rate(end, m) == pytest.approx(measured, rel=0.02), (loop, end)
+
+
+def test_the_mxu_bound_rate_applies_from_mxu_rows_on_and_only_where_lower():
+    v5e, tpu7x = chip("v5e"), chip("tpu7x")
+    assert v5e.bundle_rate(m=127) == v5e.bundle_rate_slow
+    assert v5e.bundle_rate(m=128) == v5e.bundle_rate("fast", 512) == v5e.mxu_bundle_rate
+    assert tpu7x.bundle_rate("fast", 512) == tpu7x.bundle_rate("fast")
+    v6e = chip("v6e")  # its MXU-bound bound lies between its ends
+    assert v6e.bundle_rate("slow", 256) == v6e.bundle_rate_slow
+    assert v6e.bundle_rate("fast", 256) == v6e.mxu_bundle_rate < v6e.bundle_rate_fast
+
+
+def test_a_bundle_rate_missing_upside_down_or_not_positive_is_refused_naming_the_field():
     v6e = chip("v6e")
-    with pytest.raises(ValueError,
-                       match=r"clock_low_hz=4000000000.0 is above clock_high_hz=3502000000.0"):
-        dataclasses.replace(v6e, clock_low_hz=4e9)
-    with pytest.raises(ValueError, match=r"clock_low_hz=0.0 must be positive"):
-        dataclasses.replace(v6e, clock_low_hz=0.0)
-    with pytest.raises(ValueError, match=r"clock_high_hz=-1.0 must be positive"):
-        dataclasses.replace(v6e, clock_high_hz=-1.0)
-    with pytest.raises(ValueError, match=r"clock_low_hz=None must be positive"):
-        dataclasses.replace(v6e, clock_low_hz=None)
+    with pytest.raises(ValueError, match=r"bundle_rate_slow=3000000000.0 is above "
+                                         r"bundle_rate_fast=2130000000.0"):
+        dataclasses.replace(v6e, bundle_rate_slow=3e9)
+    with pytest.raises(ValueError, match=r"bundle_rate_slow=0.0 must be positive"):
+        dataclasses.replace(v6e, bundle_rate_slow=0.0)
+    with pytest.raises(ValueError, match=r"bundle_rate_fast=-1.0 must be positive"):
+        dataclasses.replace(v6e, bundle_rate_fast=-1.0)
+    with pytest.raises(ValueError, match=r"bundle_rate_slow=None must be positive"):
+        dataclasses.replace(v6e, bundle_rate_slow=None)
+    with pytest.raises(ValueError, match=r"mxu_bundle_rate=3000000000.0 must be .* at most "
+                                         r"bundle_rate_fast=2130000000.0"):
+        dataclasses.replace(v6e, mxu_bundle_rate=3e9)
+    with pytest.raises(ValueError, match=r"bundle_rate_source='guessed' must be one of"):
+        dataclasses.replace(v6e, bundle_rate_source="guessed")
+    with pytest.raises(ValueError, match=r"chip h200: bundle_rate_fast=1000000000.0 must be "
+                                         "positive for a TPU and empty for a GPU"):
+        dataclasses.replace(chip("h200"), bundle_rate_fast=1e9)
     with pytest.raises(ValueError, match=r"mxus_per_core=2 must be positive for a TPU and "
                                          "empty for a GPU"):
         dataclasses.replace(chip("h200"), mxus_per_core=2)
-    with pytest.raises(ValueError, match=r"end='mid'"):
-        v6e.clock("mid")
-    with pytest.raises(ValueError, match="no TensorCore clock"):
-        chip("h200").clock("low")
-    assert v6e.clock() == v6e.clock("low") < v6e.clock("high")
+    with pytest.raises(ValueError, match=r"end='low'"):
+        v6e.bundle_rate("low")
+    with pytest.raises(ValueError, match=r"m=0 must be a positive integer"):
+        v6e.bundle_rate(m=0)
+    with pytest.raises(ValueError, match="no bundle rate"):
+        chip("h200").bundle_rate("slow")
+    assert v6e.bundle_rate() == v6e.bundle_rate("slow") < v6e.bundle_rate("fast")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("bundle_rate_slow", "", r"bundle_rate_slow=None must be positive for a TPU"),
+    ("bundle_rate_fast", "1000000000", r"bundle_rate_slow=1441000000.0 is above "
+                                       r"bundle_rate_fast=1000000000.0")])
+def test_the_csv_refuses_a_tpu_row_without_a_rate_or_fast_under_slow(tmp_path, field, value,
+                                                                     message):
+    header, first = chips.CHIPS_CSV.read_text(encoding="utf-8").splitlines()[:2]
+    names = header.split(",")
+    cells = first.split(",")  # the v5e row: no comma before its quoted source
+    cells[names.index(field)] = value
+    path = tmp_path / "chips.csv"
+    path.write_text(f"{header}\n{','.join(cells)}\n")
+    with pytest.raises(ValueError, match=r"chips\.csv: row 1 \('v5e'\): ValueError .*"
+                                         + message):
+        chips.read_chips(path)
 
 
 def test_spec_of_takes_a_name_or_a_spec_and_gives_the_spec():

@@ -11,6 +11,7 @@ import pytest
 
 import mk
 from mk.cost import feed_costs, perf, probes, sim
+from mk.model.chips import all_chips
 from mk.step.one_layer import model_block
 from mk.step.plan import padded_vocab
 from mk.step.step_bytes import shard_weight_elements
@@ -69,15 +70,16 @@ def test_every_recorded_row_is_todays_compile(row):
 # -- The floor under the table ---------------------------------------------------------------
 FLOOR_ROWS = json.loads(feed_costs.FEED_FLOORS.read_text())
 # The storages whose feed floor alone issues for more than 0.9 x their own DMA (the
-# `feed_floor_over_dma` of the best feed, M = 8) at each end of the clock range: on these
-# no ring loop, however lean, streams at HBM rate. A re-recording, a clock range or a
-# bandwidth that moves one fails the test below (and the closing note that quotes it).
-# TPU7x at 1.03 GHz: int8 0.99, int4 1.91, fp4 (fed fp8) 0.99 (bf16 0.49, fp8 0.53). v5p
-# (2,765 GB/s on v5e's MXU schedule, which v5e meets with 819): its 1-byte storages at the
-# low end, its 4-bit ones at both (int4 1.88 / 1.56). v5e, v6e: all under 0.9 at both.
-MXU_BOUND = {("tpu7x", "int8", "low"), ("tpu7x", "int4", "low"), ("tpu7x", "fp4", "low"),
-             ("v5p", "fp8", "low"), ("v5p", "int8", "low"), ("v5p", "int4", "low"),
-             ("v5p", "fp4", "low"), ("v5p", "int4", "high"), ("v5p", "fp4", "high")}
+# `feed_floor_over_dma` of the best feed, M = 8, at the MXU-bound bundle rate) at each end
+# of the rate: on these no ring loop, however lean, streams at HBM rate. A re-recording, a
+# bundle rate or a bandwidth that moves one fails the test below (and the closing note
+# that quotes it). TPU7x at 0.93 / 1.03 G bundles/s: int8 1.09 / 0.98, int4 2.12 / 1.91,
+# fp4 (fed fp8) 1.10 / 0.99 (bf16 0.55 / 0.49, fp8 0.58 / 0.53). v5p (2,765 GB/s on v5e's
+# MXU schedule, which v5e meets with 819): every packed storage at both ends (fp8 1.07 /
+# 0.97, int4 2.08 / 1.88). v5e, v6e: all under 0.9 at both.
+MXU_BOUND = {(chip, dtype, end) for chip, dtype in (
+    ("tpu7x", "int8"), ("tpu7x", "int4"), ("tpu7x", "fp4"), ("v5p", "fp8"), ("v5p", "int8"),
+    ("v5p", "int4"), ("v5p", "fp4")) for end in ("slow", "fast")}
 
 
 # Where the ring's own loop (a table row) takes a weight in fewer bundles than the
@@ -122,21 +124,21 @@ def test_a_recorded_floor_is_todays_compile_and_a_tampered_one_is_caught(tmp_pat
 
 
 def test_which_storages_the_mxu_alone_keeps_from_hbm_rate():
-    """MXU_BOUND, recomputed from the floors, the table's bytes and chips.csv's clock
-    ends and bandwidths: on TPU7x at the low end a bf16 or an fp8-fed weight can stream at
-    HBM rate, int8 and the 4-bit formats cannot (half or a quarter of the bytes for the
-    same MXU work); at the high end all can."""
+    """MXU_BOUND, recomputed from the floors, the table's bytes and chips.csv's bundle
+    rates and bandwidths: on TPU7x at either end a bf16 or an fp8-fed weight can stream
+    at HBM rate, int8 and the 4-bit formats cannot (half or a quarter of the bytes for
+    the same MXU work)."""
     bound = set()
     for chip in sorted({k[0] for k in feed_costs.recorded()}):
         spec = mk.chip(chip)
         for dtype in feed_costs.DTYPES:
-            for end in ("low", "high"):
+            for end in ("slow", "fast"):
                 feed, ratio = feed_costs.feed_floor_over_dma(spec, dtype, 8, end)
                 if ratio > 0.9:
                     bound.add((chip, dtype, end))
     assert bound == MXU_BOUND
     # the best feed is the cheaper: fp4 on TPU7x is fed fp8, not bf16
-    fp8, bf16 = (feed_costs.feed_floor_over_dma(mk.chip("tpu7x"), "fp4", 8, "low", f)
+    fp8, bf16 = (feed_costs.feed_floor_over_dma(mk.chip("tpu7x"), "fp4", 8, "slow", f)
                  for f in ("fp8", "bf16"))
     assert feed_costs.feed_floor_over_dma(mk.chip("tpu7x"), "fp4", 8) == fp8
     assert fp8[1] < bf16[1]
@@ -164,24 +166,26 @@ def _tile_events(run, name):
     return [e for e in run.events if e.lane == "compute" and e.what == name]
 
 
-def test_the_simulator_charges_each_weight_tile_the_table_at_either_clock_end():
-    """A dense model's wq tiles cost the table's bf16 row x tile elements / clock at
-    each end of the clock range; a recorded whole-kernel loop replaces the table; the
-    bytes moved are the same whichever the cost."""
+def test_the_simulator_charges_each_weight_tile_the_table_at_either_rate_end():
+    """A dense model's wq tiles cost the table's bf16 row x tile elements / the bundle
+    rate at each end of it; the slower rate never makes the step faster; a recorded
+    whole-kernel loop replaces the table; the bytes moved are the same whichever the
+    cost."""
     config, spec = mk.preset("qwen3-0.6b"), mk.chip("tpu7x")
     runs = {end: simulated_step(config, spec, context=256, assumptions=sim.Assumptions(
-        clock=end)) for end in ("low", "high")}
-    block = runs["low"].plan.block
+        rate_end=end)) for end in ("slow", "fast")}
+    block = runs["slow"].plan.block
     for end, run in runs.items():
         (wq,) = _tile_events(run, "wq")[:1]
         per_tile = feed_costs.tile_s(spec, "bf16", 1, block.tile_rows * block.tile_cols, end)
         assert wq.busy_s == pytest.approx(wq.count * per_tile, rel=1e-9)
-    assert runs["high"].compute_s < runs["low"].compute_s
+    assert runs["fast"].compute_s < runs["slow"].compute_s
+    assert runs["fast"].step_s <= runs["slow"].step_s
     loop = simulated_step(config, spec, context=256,
                           assumptions=sim.Assumptions(tile_bundles=777))
     (wq,) = _tile_events(loop, "wq")[:1]
-    assert wq.busy_s == pytest.approx(wq.count * 777 / spec.clock("low"), rel=1e-9)
-    assert loop.dma_bytes == runs["low"].dma_bytes == runs["high"].dma_bytes
+    assert wq.busy_s == pytest.approx(wq.count * 777 / spec.bundle_rate("slow"), rel=1e-9)
+    assert loop.dma_bytes == runs["slow"].dma_bytes == runs["fast"].dma_bytes
 
 
 def test_a_packed_format_costs_its_own_row():
@@ -213,22 +217,41 @@ def test_a_tile_fed_fp8_costs_the_fp8_feed_row():
 
 def test_perfs_tile_floor_sums_the_same_table():
     """mk.cost.perf's compute floor is every streamed weight element at the table's cost: on
-    a dense model, its elements x the bf16 row / the clock; the high clock end scales it;
+    a dense model, its elements x the bf16 row / the bundle rate; the fast end scales it;
     FP4 experts cost their own row; the modelled step adds the collectives to it."""
     config, spec = mk.preset("qwen3-8b"), mk.chip("v6e")
     low = perf.tile_floor_ms(config, spec)
-    high = perf.tile_floor_ms(config, spec, clock="high")
-    assert high == pytest.approx(low * spec.clock("low") / spec.clock("high"))
+    high = perf.tile_floor_ms(config, spec, rate_end="fast")
+    assert high == pytest.approx(low * spec.bundle_rate("slow") / spec.bundle_rate("fast"))
     elements = sum(v for f, v in shard_weight_elements(
         config, padded_vocab(config, model_block(config)), 0).items() if f != "norms")
     assert low == pytest.approx(1e3 * elements * feed_costs.bundles_per_element(
-        "v6e", "bf16", 1) / spec.clock("low"))
+        "v6e", "bf16", 1) / spec.bundle_rate("slow"))
     moe = mk.preset("qwen3-30b-a3b")
     assert perf.tile_floor_ms(moe, spec, formats={"experts": "fp4"}) != perf.tile_floor_ms(
         moe, spec)
     e = perf.predict(config, spec, context=1024)
     assert perf.modelled_step_ms(config, spec, context=1024) == pytest.approx(
         max(e.hbm_floor_ms, low + e.collective_ms))
+
+
+def test_a_slower_bundle_rate_never_makes_a_modelled_step_faster():
+    """mk.cost.perf at both ends of every TPU's rate, dense and MoE (fp4 experts), B 1 and
+    64 (the largest M a step has): the slow end's tile floor and modelled step are never
+    below the fast end's, and strictly above where the range is one."""
+    for spec in all_chips("tpu"):
+        for config, formats in ((mk.preset("qwen3-8b"), None),
+                                (mk.preset("qwen3-30b-a3b"), {"experts": "fp4"})):
+            for batch in (1, 64):
+                kw = dict(batch=batch, formats=formats)
+                floor = {e: perf.tile_floor_ms(config, spec, rate_end=e, **kw)
+                         for e in ("slow", "fast")}
+                step = {e: perf.modelled_step_ms(config, spec, context=1024, rate_end=e, **kw)
+                        for e in ("slow", "fast")}
+                assert step["slow"] >= step["fast"], (spec.name, config.name, batch)
+                rates = spec.bundle_rate("slow", batch), spec.bundle_rate("fast", batch)
+                assert floor["slow"] == pytest.approx(floor["fast"] * rates[1] / rates[0])
+                assert (floor["slow"] > floor["fast"]) == (rates[0] < rates[1]), spec.name
 
 
 @pytest.mark.parametrize("read", [feed_costs.recorded, feed_costs.recorded_feed_floors,

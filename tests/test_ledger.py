@@ -41,7 +41,7 @@ def test_modelled_step_streams_hbm_beside_the_tile_floor_and_collectives_and_err
             continue
         lane = r["tile_floor_ms"] + r["collective_ms"]  # the compute lane, one after another
         assert r["modelled_ms"] == pytest.approx(max(r["hbm_floor_ms"], lane))
-        assert r["tile_floor_high_ms"] < r["tile_floor_ms"]  # the clock's high end
+        assert r["tile_floor_fast_ms"] <= r["tile_floor_ms"]  # the fast end of the rate
         lane_bound = "collective" if r["collective_ms"] > r["tile_floor_ms"] else "tile"
         assert r["bound"] == ("hbm" if r["hbm_floor_ms"] >= lane else lane_bound)
         assert r["note"]
@@ -140,7 +140,7 @@ def test_the_collective_chain_moves_with_the_assumed_latency_of_a_message_round(
         assert two["collective_ms"] - one["collective_ms"] == pytest.approx(change_ms)
         assert (two["modelled_ms"] - one["modelled_ms"]) * change_s >= 0
     fake = [dict(run="r", published_step_ms=3.0, hbm_floor_ms=1.0, collective_ms=0.5,
-                 simulated_ms=2.0, compiled_low_ms=4.0, compiled_high_ms=2.5),
+                 simulated_ms=2.0, compiled_slow_ms=4.0, compiled_fast_ms=2.5),
             dict(run="gpu", published_step_ms=5.0)]
     headline_runs = {r["run"] for r in ledger.entries(batches=(1,))}
     assert {r["run"] for r in rows if r["batch"] == 1} == headline_runs
@@ -148,7 +148,8 @@ def test_the_collective_chain_moves_with_the_assumed_latency_of_a_message_round(
         "B=2" in run for run in headline_runs)
     table = ledger.latency_grid({2.0: fake, 1.0: fake[:1]})
     assert [(r["run"], r["round (µs)"]) for r in table] == [("r", 1.0), ("r", 2.0)]
-    assert table[0]["compiled, low clock (ms)"] == 4.0 and "compiled, high clock (ms)" in table[0]
+    assert table[0]["compiled, slow bundle rate (ms)"] == 4.0
+    assert "compiled, fast bundle rate (ms)" in table[0]
 
 
 def test_glossary_defines_each_term_once_and_refuses_an_unknown_one():
@@ -168,43 +169,44 @@ def qwen27b_row():
 def test_a_recorded_per_tile_cost_gives_the_compiled_kernels_simulated_step(monkeypatch,
                                                                              qwen27b_row):
     """The "compiled" columns replay the recorded kernel (its ring, latency and costliest
-    per-tile loop's bundles) at each end of the chip's clock range: the low end's slower
-    clock makes the slower step; a dearer tile makes a slower step (the control), a
+    per-tile loop's bundles) at each end of the chip's bundle rate: the slow end makes the
+    slower step; a dearer tile makes a slower step (the control), a
     recorded kernel that did not fit says so, and a row that is not the benchmark's is
     refused."""
     monkeypatch.setattr(ledger, "published", lambda: (qwen27b_row,))
     run, = ledger.runs()
     preset, chip, tp, batch, rows = run.key
-    # 1300 bundles: 1.26 us at TPU7x's low end, 0.30 us at its high end, against the
-    # 1.25 MiB tile's 355 ns of DMA: it bounds the step at the low end only
+    # 1300 bundles: 1.40 us at TPU7x's slow end, 1.26 us at its fast end, against the
+    # 1.25 MiB tile's 355 ns of DMA: it bounds the step at both ends
     cost = dict(preset=preset, chip=chip, tp=tp, batch=batch, rows=rows, fits=True,
                 slots=24, latency_us=1.0, bundles_per_tile="900-1300", tile_ns=600.0,
                 dma_ns=355.0)
     r, = ledger.entries(simulate_tpu=True, tile_costs=[cost])
     block = dataclasses.replace(DecodePlan.make(run.config, batch=batch, rows=rows, tp=tp,
                                                 position=run.context).block, slots=24)
-    for end in ("low", "high"):
+    for end in ("slow", "fast"):
         want = simulated_step(
             run.config, run.spec, batch=batch, rows=rows, context=run.context, tp=tp,
             block=block, assumptions=mk.cost.sim.Assumptions(dma_latency_s=1e-6,
-                                                        tile_bundles=1300, clock=end))
+                                                        tile_bundles=1300, rate_end=end))
         assert r[f"compiled_{end}_ms"] == pytest.approx(want.step_ms)
         assert r[f"compiled_{end}_over_floor"] == pytest.approx(want.step_ms
                                                                 / r["hbm_floor_ms"])
-        assert r[f"tile_{end}_ns"] == pytest.approx(1300 / run.spec.clock(end) * 1e9)
+        assert r[f"tile_{end}_ns"] == pytest.approx(
+            1300 / run.spec.bundle_rate(end, batch * rows) * 1e9)
         assert r[f"compiled_{end}_bound"]
-    assert r["compiled_low_ms"] > r["compiled_high_ms"]
+    assert r["compiled_slow_ms"] > r["compiled_fast_ms"]
     assert r["compiled_slots"] == 24 and r["tile_bundles"] == 1300
     cheap, = ledger.entries(simulate_tpu=True, tile_costs=[cost | dict(
         bundles_per_tile="1-1")])
-    assert cheap["compiled_low_ms"] < r["compiled_low_ms"]
+    assert cheap["compiled_slow_ms"] < r["compiled_slow_ms"]
     refused, = ledger.entries(simulate_tpu=True, tile_costs=[
         {k: v for k, v in cost.items() if k not in ("tile_ns", "dma_ns")}
         | dict(fits=False, error="VMEM 70 MiB of 64")])
-    assert "compiled_low_ms" not in refused and "VMEM 70 MiB" in refused["compiled_note"]
+    assert "compiled_slow_ms" not in refused and "VMEM 70 MiB" in refused["compiled_note"]
     cut, = ledger.entries(simulate_tpu=True, tile_costs=[
         dict(cost, fits=False, error="216 GiB of HBM", measured_on="its first 4 layers")])
-    assert cut["compiled_low_ms"] == pytest.approx(r["compiled_low_ms"])
+    assert cut["compiled_slow_ms"] == pytest.approx(r["compiled_slow_ms"])
     assert "216 GiB" in cut["compiled_note"] and "first 4 layers" in cut["compiled_note"]
     with pytest.raises(ValueError, match=r"missing \['tp'\]"):
         ledger.entries(tile_costs=[{k: v for k, v in cost.items() if k != "tp"}])
@@ -248,10 +250,10 @@ def test_headline_states_the_kernel_against_the_release():
     rows = ledger.entries(speculative_only=True, simulate_tpu=True)
     text = ledger.headline(rows)
     assert "Kimi K3 on tpu7x, tau 6" in text and "simulated step" in text
-    both = ledger.headline([r | dict(compiled_low_ms=9.87, compiled_high_ms=6.54)
+    both = ledger.headline([r | dict(compiled_slow_ms=9.87, compiled_fast_ms=6.54)
                             for r in rows])
-    assert "compiled-kernel step" in both and "9.87 ms at the low end of the clock" in both
-    assert "6.54 ms at its high end" in both
+    assert "compiled-kernel step" in both and "9.87 ms at the slow end of the bundle" in both
+    assert "6.54 ms at its fast end" in both
     with pytest.raises(ValueError, match="no simulated row"):
         ledger.headline(ledger.entries(speculative_only=True))
 

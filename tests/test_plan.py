@@ -268,15 +268,15 @@ def test_the_default_tiling_is_one_rule():
 def test_tiles_feed_every_mxu_and_experts_take_tiles_of_their_own():
     """PANEL_COLS is every TPU's MXUs x their width (data/chips.csv). Of tiles as large,
     the plan takes the one whose output panels feed every MXU: qwen3-4b's 1280 x 512, not
-    2560 x 256 (whose loops issued in 1.06x their DMA at TPU7x's low clock; now 0.89x).
+    2560 x 256 (whose loops issued in 1.06x their DMA at TPU7x's 1.03 G bundles/s; now 0.89x).
     qwen3-30b-a3b's expert slots take 2048 x 768 tiles of their own beside 2048 x 512
     ones (2048 x 256 for all issued in 1.22x; now 0.68x and 0.81x), in a ring buffer of
     their own on the one slot index. Kimi K3's TP32 shard's FP4 experts, fed fp8 on TPU7x
     (never dequantised whole, so not held to QUANT_TILE_ELEMENTS), take one tile a matrix
     (gate and up [7168, 128], down [128, 7168]: packed, never transposed) and the other
     matrices tiles of at most OTHERS_OVER_REPEAT_BYTES (2) x their bytes (3584 x 128 bf16;
-    1792 x 128 of no more bytes before: their loops issued in up to 1.48x their DMA at the
-    low clock, now 1.19x), so a run of expert tiles keeps bytes in flight near the others'
+    1792 x 128 of no more bytes before: their loops issued in up to 1.48x their DMA at
+    1.03 G bundles/s, now 1.19x), so a run of expert tiles keeps bytes in flight near the others'
     on the one slot index (all shared 128 x 128 before, 850 slots); fed bf16 (v6e) its
     experts' tiles are held to QUANT_TILE_ELEMENTS and the rest's shrink to match."""
     assert {s.mxus_per_core * s.mxu_rows for s in all_chips() if s.kind == "tpu"} == {

@@ -129,7 +129,7 @@ def test_ring_schedule_is_the_simulators_replay_of_one_matrix():
     a = sim.Assumptions()
     bw = spec.device_hbm_bw
     d = 128 * 128 * 2 / bw
-    c = feed_costs.tile_s(spec, "bf16", 1, 128 * 128, a.clock)  # the simulator's cost
+    c = feed_costs.tile_s(spec, "bf16", 1, 128 * 128, a.rate_end)  # the simulator's cost
     for n in (1, 2, 3, 14):
         stream = TileStream.build(BlockSizes(slots=n, tile_rows=128, tile_cols=128),
                                   [("w", 1024, 1024)])

@@ -24,9 +24,10 @@ def test_sweep_tabulates_each_value_and_explains_a_tile_that_does_not_divide():
 
 # Notebook 11's invariants (`review.check_invariants`) over a grid of presets, chips, B, T
 # and tp, each with the tile cost table and with a recorded per-tile loop of `bundles`
-# (the compiled kernel's, `mk.cost.bundles.TileCost.assumptions`), at both clock ends. The first
-# row is the held-out configuration whose recorded loop (285 bundles, compiled for v5p)
-# simulated faster at the high end than the table at the low end: no clock statement.
+# (the compiled kernel's, `mk.cost.bundles.TileCost.assumptions`), at both ends of the bundle
+# rate. The first row is the held-out configuration whose recorded loop (285 bundles,
+# compiled for v5p) simulated faster at the fast end than the table at the slow end: no
+# statement about the rate.
 GRID = [  # preset, chip, B, T, tp, bundles
     ("qwen3-30b-a3b", "v5p", 4, 4, 4, 285),
     ("tiny", "v6e", 1, 1, 1, 600),
@@ -48,25 +49,25 @@ def test_notebook_11s_invariants_hold_over_a_grid(name, chip, batch, rows, tp, b
     step_args = dict(batch=batch, rows=rows, context=context - rows, tp=tp, block=block)
     step = DecodePlan.make(config, chip=chip, position=context - rows, kernel=False,
                            **{k: v for k, v in step_args.items() if k != "context"})
-    table = review.clock_ends(step)
-    recorded = review.clock_ends(step, assumptions=sim.Assumptions(tile_bundles=bundles))
+    table = review.rate_ends(step)
+    recorded = review.rate_ends(step, assumptions=sim.Assumptions(tile_bundles=bundles))
     args = {k: v for k, v in step_args.items() if k != "block"}
     review.check_invariants(
-        table["low"], no_prefetch=sim.simulate(step, cross_layer_prefetch=False),
-        by_clock=[table, recorded], hbm_floor_ms=perf.predict(config, chip, **args).hbm_floor_ms)
+        table["slow"], no_prefetch=sim.simulate(step, cross_layer_prefetch=False),
+        by_rate=[table, recorded], hbm_floor_ms=perf.predict(config, chip, **args).hbm_floor_ms)
 
 
 def test_each_invariant_fails_on_a_step_that_breaks_it():
     config = mk.preset("tiny")
-    ends = review.clock_ends(DecodePlan.make(config, chip="v6e", position=64))
-    step = ends["low"]
+    ends = review.rate_ends(DecodePlan.make(config, chip="v6e", position=64))
+    step = ends["slow"]
     slower = dataclasses.replace(step, step_s=step.step_s * 2)
     with pytest.raises(AssertionError, match="prefetch across layers made a step slower"):
         review.check_invariants(step, no_prefetch=dataclasses.replace(
             step, step_s=step.step_s / 2))
-    with pytest.raises(AssertionError, match="a slower clock made a step faster"):
-        review.check_invariants(step, no_prefetch=step, by_clock=[
-            {"low": ends["high"], "high": slower}])
+    with pytest.raises(AssertionError, match="a slower bundle rate made a step faster"):
+        review.check_invariants(step, no_prefetch=step, by_rate=[
+            {"slow": ends["fast"], "fast": slower}])
     with pytest.raises(AssertionError, match="beat its HBM floor"):
         review.check_invariants(step, no_prefetch=step, hbm_floor_ms=step.step_ms * 2)
     with pytest.raises(AssertionError, match="the bubbles add to"):
@@ -79,9 +80,9 @@ def test_each_invariant_fails_on_a_step_that_breaks_it():
 TINY_STEP = DecodePlan.make(mk.preset("tiny"), chip="v6e", position=0)
 
 
-def test_clock_ends_refuses_assumptions_that_are_not_assumptions():
+def test_rate_ends_refuses_assumptions_that_are_not_assumptions():
     """Issue 65: a string ended in a TypeError from dataclasses.replace."""
     with pytest.raises(ValueError, match="assumptions is a str; it must be a "
                                          "mk.cost.sim.Assumptions"):
-        review.clock_ends(TINY_STEP, assumptions="high")
-    assert set(review.clock_ends(TINY_STEP, assumptions=sim.Assumptions())) == {"low", "high"}
+        review.rate_ends(TINY_STEP, assumptions="fast")
+    assert set(review.rate_ends(TINY_STEP, assumptions=sim.Assumptions())) == {"slow", "fast"}

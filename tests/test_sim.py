@@ -376,7 +376,7 @@ def test_the_chips_ring_keeps_hbm_busy_where_fewer_slots_than_littles_law_do_not
                                   "qwen3-30b-a3b"])
 def test_every_single_core_preset_keeps_tpu7x_hbm_busy_at_one_microsecond(name):
     """Issue 14's bar on the plan's own ring, at B = 1, T = 1, S = 1024, a 1 us DMA
-    latency and each weight tile at the tile cost table at the low end of the clock range
+    latency and each weight tile at the tile cost table at the slow end of the bundle rate
     (`mk.cost.feed_costs`; the whole kernels' recorded loops: mk/data/tile_costs/single_core.json,
     notebook 11)."""
     s = simulated_step(mk.preset(name), "tpu7x", context=1024,

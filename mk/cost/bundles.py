@@ -1,15 +1,17 @@
 """What the compiled kernel costs per weight tile, read from libtpu's own bundle dump.
 
 libtpu writes each compiled kernel's final VLIW program when asked (an internal flag);
-one bundle issues per cycle, so a per-tile loop's bundles per trip / the clock is the time
-one weight tile keeps the TensorCore busy before any stall.
+a per-tile loop's bundles per trip / the chip's bundle rate (`mk.model.chips.ChipSpec.
+bundle_rate`, measured on a chip: benchmarks/tpu_bundle_time.py) is the time one weight
+tile keeps the TensorCore busy.
 
 Here, the one reader of libtpu's dumps and the one way to make them: `read_bundles`,
 `scopes`, `compile_with_dumps` (any compile, in a child process with the dump flags),
 `dump_file`, `dump_megakernel`; on them `Loop`, `loops`, `tile_loops` (the ring's
 per-tile loops), `per_tile`, `storage_name`, `measure(plan, ...)` -> `TileCost` (a
 whole megakernel's per-tile loops, which the simulator may take instead of the tile cost
-table; `packed_bundles` reads a recorded row's packed ones back); and the whole kernel's
+table; `priced`, a tile's issue columns of a row at today's rates; `packed_bundles` reads
+a recorded row's packed ones back); and the whole kernel's
 static schedule, `dump_schedule` -> `read_schedule` -> `Schedule` (notebook 08).
 
 Not here: the small probes (`mk.cost.probes`), the compile itself (`mk.measure.tpu`), profiles of
@@ -257,7 +259,8 @@ class TileCost:
     report: CompileReport  # the compile's (the dump costs it a little time)
     tiles: tuple[tuple[str, tuple[int, ...]], ...]  # (storage, `tile_parts`) per storage
     loops: tuple[Loop, ...]  # the per-tile loops, in program order; () if not compiled
-    spec: ChipSpec  # the chip: its clock range turns bundles into seconds
+    spec: ChipSpec  # the chip: its bundle rate turns bundles into seconds
+    m: int  # the rows the kernel's matmuls take (the plan's M: which bundle rate)
     # (storage, scheme or None, (tile_rows, tile_cols)) per storage, as `tiles`
     shapes: tuple[tuple[str, str | None, tuple[int, int]], ...] = ()
 
@@ -299,10 +302,10 @@ class TileCost:
         """The bytes one plain tile moves."""
         return self.by_storage()[self._first][1]
 
-    def issue_s(self, end: str = "low") -> float:
+    def issue_s(self, end: str = "slow") -> float:
         """Seconds one tile keeps the TensorCore issuing (the costliest loop): bundles /
-        the clock at `end` of the chip's range ("low": the longer time)."""
-        return per_tile(self.worst) / self.spec.clock(end)
+        the bundle rate at `end` of the chip's range ("slow": the longer time)."""
+        return per_tile(self.worst) / self.spec.bundle_rate(end, self.m)
 
     @property
     def dma_bw(self) -> float:
@@ -318,37 +321,48 @@ class TileCost:
         """`mk.cost.sim.Assumptions` with the plain tiles' per-tile cost in bundles and each
         packed storage's whose loop the dump shows (`packed_bundles`; the others keep the
         tile cost table's: `mk.cost.sim.tile_seconds`), and any other field in kw, e.g. the
-        clock end."""
+        bundle rate's end (`rate_end`)."""
         return Assumptions(tile_bundles=per_tile(self.worst),
                            packed_bundles=packed_bundles(self.row()), **kw)
 
     def row(self) -> dict:
         """One row of a table: bundles per trip (the range over the plain tiles' loops;
-        the costliest one's MXU and scalar-only bundles and DMA sites), issue against DMA
-        time per tile at the low end of the clock range (tile_ns, tile_over_dma) and at its
-        high end (tile_high_ns, tile_over_dma_high); with packed tiles, "packed": the same
-        per scheme (bundles, tile_KiB, dma_ns, tile_over_dma, tile_over_dma_high)."""
-        worst, low, high = self.worst, self.issue_s("low"), self.issue_s("high")
+        the costliest one's MXU and scalar-only bundles and DMA sites), the bundle rate's
+        ends it was priced at (bundle_rate_slow, bundle_rate_fast), issue against DMA time
+        per tile at the slow end (tile_ns, tile_over_dma) and at the fast end (tile_fast_ns,
+        tile_over_dma_fast); with packed tiles, "packed": the same per scheme (bundles,
+        tile_KiB, dma_ns, tile_over_dma, tile_over_dma_fast)."""
+        worst = self.worst
         own = [lp for lp in self.loops if self._first in self.storages_of(lp)]
         out = dict(kernel=self.report.name, chip=self.report.chip,
                    tile_KiB=self.tile_bytes / 1024,
                    tile_loops=len(self.loops),
                    bundles_per_tile=f"{min(map(per_tile, own))}-{per_tile(worst)}",
                    mxu_bundles=worst.mxu, scalar_only_bundles=worst.scalar_only,
-                   dma_sites=len(worst.dma_granules), clock_low_hz=self.spec.clock("low"),
-                   clock_high_hz=self.spec.clock("high"), tile_ns=low * 1e9,
-                   tile_high_ns=high * 1e9, dma_ns=self.dma_s * 1e9,
-                   tile_over_dma=low / self.dma_s, tile_over_dma_high=high / self.dma_s,
+                   dma_sites=len(worst.dma_granules), dma_ns=self.dma_s * 1e9,
+                   **priced(per_tile(worst), self.dma_s, self.spec, self.m),
                    compile_s=self.report.compile_seconds)
         shapes = {storage: (scheme, tile) for storage, scheme, tile in self.shapes}
         packed = {storage: dict(
             bundles=per_tile(lp), tile_KiB=nbytes / 1024, dma_ns=nbytes / self.dma_bw * 1e9,
-            **{f"tile_over_dma{suffix}": per_tile(lp) / self.spec.clock(end)
-               / (nbytes / self.dma_bw) for end, suffix in (("low", ""), ("high", "_high"))},
+            **{k: v for k, v in priced(per_tile(lp), nbytes / self.dma_bw, self.spec,
+                                       self.m).items() if k.startswith("tile_over_dma")},
             **(dict(scheme=shapes[storage][0], tile=list(shapes[storage][1]))
                if storage in shapes else {}))
             for storage, (lp, nbytes) in self.by_storage().items() if storage != self._first}
         return out | (dict(packed=packed) if packed else {})
+
+
+def priced(bundles: int, dma_s: float, spec: ChipSpec, m: int) -> dict:
+    """A tile's columns of a `TileCost.row` at today's bundle rates for M = m
+    (`ChipSpec.bundle_rate`): the rates (bundle_rate_slow, bundle_rate_fast), its issue
+    time at each end (tile_ns, tile_fast_ns) and that over its DMA's `dma_s`
+    (tile_over_dma, tile_over_dma_fast)."""
+    slow, fast = (bundles / spec.bundle_rate(end, m) for end in ("slow", "fast"))
+    return dict(bundle_rate_slow=spec.bundle_rate("slow", m),
+                bundle_rate_fast=spec.bundle_rate("fast", m), tile_ns=slow * 1e9,
+                tile_fast_ns=fast * 1e9, tile_over_dma=slow / dma_s,
+                tile_over_dma_fast=fast / dma_s)
 
 
 def packed_bundles(row: dict) -> tuple[tuple[str, int, int, int], ...]:
@@ -461,7 +475,7 @@ def measure(plan: DecodePlan, *, topology: str | None = None,
             if not found:
                 raise RuntimeError(f"{report.name}: no per-tile loop of tiles {tiles} B "
                                    "found in the bundle dump")
-    return TileCost(report, tiles, found, spec, shapes)
+    return TileCost(report, tiles, found, spec, plan.M, shapes)
 
 
 # -- The whole kernel's static schedule -------------------------------------------------

@@ -7,14 +7,15 @@ measures it from the bundles of one trip of the ring kernel's per-tile loop
 
 Here: `recorded()`, `FeedCost` (a row), `DTYPES`, `FEEDS`, `M_BUCKETS`, `rows`,
 `weight_dtype`, `bundles_per_element(chip, dtype, m)` (the one lookup, by M `bucket`),
-`tile_s` (seconds at one end of the clock range); the feed floor under the table
+`tile_s` (seconds at one end of the bundle rate); the feed floor under the table
 (data/feed_floors.json: `FEED_FLOORS`, `recorded_feed_floors`, `FeedFloor`,
 `feed_floor_per_element`, `feed_floor_over_dma`). `mk.cost.sim` charges every weight tile so
 and `mk.cost.perf`'s compute floor sums the same.
 
 Not here: the compiles and the dump reading (`mk.cost.bundles`), which feed a kernel uses for a
-scheme (`mk.model.unpack.choose_feeds`), the clock (`mk.model.chips`). The approximations (one tile
-size, per element) and what the floor is and is not: docs/design/mk.cost.feed_costs.md.
+scheme (`mk.model.unpack.choose_feeds`), the bundle rate (`mk.model.chips`). The
+approximations (one tile size, per element) and what the floor is and is not:
+docs/design/mk.cost.feed_costs.md.
 """
 
 from __future__ import annotations
@@ -158,12 +159,14 @@ def bundles_per_element(chip: str, dtype: str, m: int, feed: str = "bf16",
     return table[key].bundles_per_element
 
 
-def tile_s(spec: ChipSpec, dtype: str, m: int, elements: int, end: str = "low",
+def tile_s(spec: ChipSpec, dtype: str, m: int, elements: int, end: str = "slow",
            feed: str = "bf16") -> float:
     """Seconds a tile of `elements` weights stored as `dtype` keeps the TensorCore
-    issuing against m rows: the table's bundles per element x elements / the chip's clock
-    at `end` of its range."""
-    return bundles_per_element(spec.name, dtype, m, feed) * elements / spec.clock(end)
+    issuing against m rows: the table's bundles per element x elements / the chip's bundle
+    rate at `end` for the loop the row measured (M `bucket(m)`: at a large M the MXU-bound
+    rate, `mk.model.chips.ChipSpec.bundle_rate`)."""
+    return (bundles_per_element(spec.name, dtype, m, feed) * elements
+            / spec.bundle_rate(end, bucket(m)))
 
 
 # -- The floor under the table: the MXU taking a weight, nothing else -----------------------
@@ -238,20 +241,23 @@ def feed_floor_per_element(chip: str, feed: str, m: int, path: Path = FEED_FLOOR
     return min([floors[key].bundles_per_element, *loops])
 
 
-def feed_floor_over_dma(spec: ChipSpec, dtype: str, m: int, end: str = "low",
+def feed_floor_over_dma(spec: ChipSpec, dtype: str, m: int, end: str = "slow",
                         feed: str | None = None, path: Path = FEED_FLOORS
                         ) -> tuple[str, float]:
     """(feed, ratio): the least issue time over own DMA time a weight stored as `dtype`
-    can reach against m rows on `spec` at `end` of its clock, whatever the loop around it:
-    fed `feed`, or (None) the best of the feeds its kernel may use (`rows`),
-    `feed_floor_per_element` over the clock against the weight's bytes (the table's row at
-    that M: its tile's bytes, packed data and scales, per weight) at one device's HBM
-    bandwidth."""
+    can reach against m rows on `spec` at `end` of its bundle rate, whatever the loop
+    around it: fed `feed`, or (None) the best of the feeds its kernel may use (`rows`),
+    `feed_floor_per_element` over the MXU-bound rate against the weight's bytes (the
+    table's row at that M: its tile's bytes, packed data and scales, per weight) at one
+    device's HBM bandwidth."""
     table, found = recorded(), []
     for d, f in rows(spec):
         if d == dtype and feed in (None, f):
             cost = table[(spec.name, dtype, f, bucket(m))]
-            issue_s = feed_floor_per_element(spec.name, f, m, path) / spec.clock(end)
+            # The floor's bundles are a straight line of MXU pushes, back to back: the MXU
+            # sets their pace, so they issue at the MXU-bound rate whatever M is.
+            mxu_rate = spec.bundle_rate(end, max(m, spec.mxu_rows))
+            issue_s = feed_floor_per_element(spec.name, f, m, path) / mxu_rate
             dma_s = cost.tile_bytes / cost.tile_elements / spec.device_hbm_bw
             found.append((f, issue_s / dma_s))
     if not found:

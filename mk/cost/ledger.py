@@ -24,7 +24,7 @@ from mk.cost import calibration, perf
 from mk.measure import exactness
 from mk import plots
 from mk.cost.bundles import packed_bundles
-from mk.model.chips import CLOCK_ENDS, ChipSpec, spec_of
+from mk.model.chips import RATE_ENDS, ChipSpec, spec_of
 from mk.model.config import ModelConfig, positive_int
 from mk.model.errors import shown
 from mk.model.presets import preset as named_preset
@@ -53,9 +53,9 @@ TERMS = {
     "tile floor": "the weights' compute at the measured tile cost table (bundles per "
                   "weight by chip, storage, feed and M, compiled from the ring kernel's own "
                   "per-tile loop: `mk.cost.feed_costs`, `mk.cost.perf.tile_floor_ms`) over the "
-                  "TensorCore's clock at one end of its range: the cost `mk.cost.sim` charges "
+                  "chip's bundle rate at one end of its range: the cost `mk.cost.sim` charges "
                   "each weight tile",
-    "modelled step": "max(HBM floor, tile floor at the low end of the clock range + the "
+    "modelled step": "max(HBM floor, tile floor at the slow end of the bundle rate + the "
                      "tensor-parallel collectives over "
                      "ICI) (`mk.cost.perf`): the compute lane's matmuls and all-reduces run one "
                      "after another while HBM streams beside them. A model of a megakernel "
@@ -68,14 +68,14 @@ TERMS = {
                       "Little's law at `mk.step.plan.ring_cover_s`, the simulator's "
                       "default latencies) replayed on a model of the chip (`mk.cost.sim`): DMA "
                       "latency, ring depth, bubbles, each weight tile at the tile cost "
-                      "table at the low end of the clock range; not a TPU measurement",
+                      "table at the slow end of the bundle rate; not a TPU measurement",
     "compiled-kernel step": "the simulated step of the kernel libtpu compiled for the run "
                             "(`benchmarks/tile_costs.py --published`): its ring's slots, "
                             "the DMA latency it was sized for and its per-tile issue time "
-                            "(the compiled bundles per tile / the TensorCore's clock), "
-                            "replayed by `mk.cost.sim` at the low and at the high end of the "
-                            "chip's clock range (the clock is not published: "
-                            "`mk.model.chips.ChipSpec.clock`); a simulation, not a measurement",
+                            "(the compiled bundles per tile / the chip's bundle rate), "
+                            "replayed by `mk.cost.sim` at both ends of the chip's bundle "
+                            "rate (`mk.model.chips.ChipSpec.bundle_rate`: measured, derived "
+                            "or assumed per chip); a simulation, not a measurement",
     "measured": "timed or counted on a machine named with it: a TPU's times carry its chip, "
                 "commit and date (data/measured); CPU interpret mode is never TPU time; "
                 "for acceptance, counted from real drafts",
@@ -268,16 +268,16 @@ def entries(*, routing: str = "uniform", compute: str = "bf16",
     "rows", "context" (the cached positions modelled: the row's), "metric", "published"
     (tokens/s), "published_step_ms". For a chip of
     data/chips.csv also "hbm_floor_ms", "mxu_floor_ms" (TPU rows only, a labelled bound:
-    no GPU MXU floor), "tile_floor_ms" and "tile_floor_high_ms" (TPU rows: the tile
-    floor at the low and the high end of the clock range), "collective_ms",
-    "modelled_ms" (its compute lane the tile floor at the low end; a GPU's, its FLOP floor),
+    no GPU MXU floor), "tile_floor_ms" and "tile_floor_fast_ms" (TPU rows: the tile
+    floor at the slow and the fast end of the bundle rate), "collective_ms",
+    "modelled_ms" (its compute lane the tile floor at the slow end; a GPU's, its FLOP floor),
     "bound" (what bounds the modelled step: "hbm", else the larger of "tile" (GPU:
     "compute") and "collective" on the compute lane), and
     "state_share" (the linear layers' state bytes over the step's bytes; 0 without
     linear layers); TPU rows
     with `simulate_tpu` "simulated_ms" (the plan's ring for the chip: the slots Little's
     law asks for at `mk.step.plan.ring_cover_s`) with "simulated_slots",
-    "simulated_utilisation", "simulated_bound" and, at each end E of the clock range,
+    "simulated_utilisation", "simulated_bound" and, at each end E of the bundle rate,
     "table_tile_E_ns" (the tile cost table's time for the plan's costliest weight tile,
     `mk.cost.sim.tile_seconds`); GPU
     rows "conventional_ms", "conventional_gap_ms". Each X_ms has X (tokens/s in the row's
@@ -295,10 +295,10 @@ def entries(*, routing: str = "uniform", compute: str = "bf16",
     `tile_costs`: rows of `benchmarks/tile_costs.py --published` (mk/data/tile_costs/
     published.json), each the compiled kernel of one run (`Run.key`): its ring's slots,
     the DMA latency it was sized for and its per-tile issue time from libtpu's bundles.
-    With `simulate_tpu`, a TPU row with a recorded cost also gets, at each end E ("low",
-    "high") of the chip's clock range (`mk.model.chips.CLOCK_ENDS`), "compiled_E_ms" (the
+    With `simulate_tpu`, a TPU row with a recorded cost also gets, at each end E ("slow",
+    "fast") of the chip's bundle rate (`mk.model.chips.RATE_ENDS`), "compiled_E_ms" (the
     simulated step of that kernel: that ring, that latency, its costliest per-tile loop's
-    bundles at that clock, and each packed tile's own loop where the row has it:
+    bundles at that rate, and each packed tile's own loop where the row has it:
     `mk.cost.bundles.packed_bundles`), "compiled_E_over_floor" (its step / the HBM floor),
     "compiled_E_utilisation", "compiled_E_bound" and "tile_E_ns" (the issue time per
     tile); and "compiled_slots", "tile_bundles", "tile_dma_ns". A recorded
@@ -385,13 +385,13 @@ def _modelled_columns(run: Run, routing, compute, assumptions, kw) -> tuple[dict
                                      **ici, **kw)
     # MXU and tile floors are TPU quantities (a GPU's compute lane: its FLOP floor, perf)
     tpu = spec.kind == "tpu"
-    tiles = {end: perf.tile_floor_ms(config, spec, routing=routing, clock=end,
+    tiles = {end: perf.tile_floor_ms(config, spec, routing=routing, rate_end=end,
                                      batch=kw["batch"], rows=kw["rows"], tp=kw["tp"])
-             for end in CLOCK_ENDS} if tpu else {}
-    lane = tiles["low"] if tpu else est.compute_floor_ms
+             for end in RATE_ENDS} if tpu else {}
+    lane = tiles["slow"] if tpu else est.compute_floor_ms
     return (_timed(run, "hbm_floor", est.hbm_floor_ms)
-            | (_timed(run, "mxu_floor", mxu) | dict(tile_floor_ms=tiles["low"],
-                                                    tile_floor_high_ms=tiles["high"])
+            | (_timed(run, "mxu_floor", mxu) | dict(tile_floor_ms=tiles["slow"],
+                                                    tile_floor_fast_ms=tiles["fast"])
                if tpu else {})
             | _timed(run, "modelled", modelled)
             | dict(collective_ms=est.collective_ms,
@@ -402,16 +402,16 @@ def _modelled_columns(run: Run, routing, compute, assumptions, kw) -> tuple[dict
 
 def _simulated_columns(run: Run, simulated, assumptions, kw) -> dict:
     """The simulated step of the plan's ring, and the tile cost table's costliest weight
-    tile of that plan at each end of the clock range."""
+    tile of that plan at each end of the bundle rate."""
     spec = run.spec
     sim = simulated(run.config, spec, **kw)
     rec = _timed(run, "simulated", sim.step_ms) | dict(
         simulated_slots=sim.block.slots, simulated_utilisation=sim.hbm_utilisation,
         simulated_bound=_bound(sim))
     plan = sim.plan
-    for end in CLOCK_ENDS:  # the table's costliest weight tile of the run's plan
+    for end in RATE_ENDS:  # the table's costliest weight tile of the run's plan
         table = dataclasses.replace(assumptions or Assumptions(), tile_issue_s=0.0,
-                                    tile_bundles=0, packed_bundles=(), clock=end)
+                                    tile_bundles=0, packed_bundles=(), rate_end=end)
         rec[f"table_tile_{end}_ns"] = 1e9 * max(tile_seconds(
             plan.stream, spec, plan.M, dict(plan.formats), plan.local.dtype,
             table).values())
@@ -420,7 +420,7 @@ def _simulated_columns(run: Run, simulated, assumptions, kw) -> dict:
 
 def _compiled_columns(run: Run, cost: dict, simulated, assumptions, est, kw) -> dict:
     """The simulated step of the recorded compiled kernel `cost` (its ring, its latency,
-    its per-tile loops) at each end of the clock range, or why it has none."""
+    its per-tile loops) at each end of the bundle rate, or why it has none."""
     rec = {}
     if not cost["fits"]:
         rec["compiled_note"] = (f"the whole kernel: {cost['error']}" + (
@@ -432,14 +432,14 @@ def _compiled_columns(run: Run, cost: dict, simulated, assumptions, est, kw) -> 
                                slots=cost["slots"])
     rec |= dict(compiled_slots=cost["slots"], tile_bundles=tile_bundles(cost),
                 tile_dma_ns=cost["dma_ns"])
-    for end in CLOCK_ENDS:
-        a = recorded_assumptions(cost, assumptions, clock=end)
+    for end in RATE_ENDS:
+        a = recorded_assumptions(cost, assumptions, rate_end=end)
         compiled = simulated(run.config, run.spec, a, block=ring, **kw)
         rec |= _timed(run, f"compiled_{end}", compiled.step_ms) | {
             f"compiled_{end}_over_floor": compiled.step_ms / est.hbm_floor_ms,
             f"compiled_{end}_utilisation": compiled.hbm_utilisation,
             f"compiled_{end}_bound": _bound(compiled),
-            f"tile_{end}_ns": a.issue_s(run.spec) * 1e9}
+            f"tile_{end}_ns": a.issue_s(run.spec, compiled.plan.M) * 1e9}
     return rec
 
 
@@ -470,7 +470,7 @@ def recorded_assumptions(cost: dict, base: Assumptions | None = None, **kw) -> A
     """The `mk.cost.sim.Assumptions` a recorded per-tile cost (a row of
     benchmarks/tile_costs.py) is replayed with: its DMA latency, its costliest plain
     loop's bundles (`tile_bundles`) and its packed loops' (`mk.cost.bundles.packed_bundles`),
-    over `base`'s other fields (default `Assumptions()`), then `kw`'s (the clock end)."""
+    over `base`'s other fields (default `Assumptions()`), then `kw`'s (the rate's end)."""
     _fields(cost, COST, "latency_us")
     return dataclasses.replace(base or Assumptions(), dma_latency_s=cost["latency_us"] * 1e-6,
                                tile_issue_s=0.0, tile_bundles=tile_bundles(cost),
@@ -533,7 +533,7 @@ def headline(rows: list[dict], *, model: str = "Kimi K3", system: str = "tpu7x",
              tau: float = 6) -> str:
     """The distance between the course's kernel and the release for one published run,
     from `entries(simulate_tpu=True, tile_costs=...)` rows: the published step against
-    the compiled-kernel step at both ends of the clock range (else the simulated step),
+    the compiled-kernel step at both ends of the bundle rate (else the simulated step),
     the modelled step and the HBM floor, with what the ledger says differs."""
     row = next((r for r in rows if _fields(r, ENTRY, "model", "system", "tau")["model"]
                 == model and r["system"] == system and r["tau"] == tau), None)
@@ -543,16 +543,16 @@ def headline(rows: list[dict], *, model: str = "Kimi K3", system: str = "tpu7x",
     _fields(row, ENTRY, "published", "published_step_ms", "modelled_ms", "hbm_floor_ms",
             "note")
     published = row["published_step_ms"]
-    if "compiled_low_ms" in row:
-        low, high = row["compiled_low_ms"], row["compiled_high_ms"]
-        ours = (f"simulated (compiled-kernel step), takes {low:.2f} ms at the low end of the "
-                f"clock range and {high:.2f} ms at its high end: {low / published:.2f}x "
-                f"and {high / published:.2f}x the release's step, {published / low:.0%} "
-                f"and {published / high:.0%} of its speed")
+    if "compiled_slow_ms" in row:
+        slow, fast = row["compiled_slow_ms"], row["compiled_fast_ms"]
+        ours = (f"simulated (compiled-kernel step), takes {slow:.2f} ms at the slow end of "
+                f"the bundle rate and {fast:.2f} ms at its fast end: {slow / published:.2f}x"
+                f" and {fast / published:.2f}x the release's step, {published / slow:.0%} "
+                f"and {published / fast:.0%} of its speed")
     else:
-        low = row["simulated_ms"]
-        ours = (f"simulated (simulated step), takes {low:.2f} ms: {low / published:.2f}x "
-                f"the release's step, {published / low:.0%} of its speed")
+        slow = row["simulated_ms"]
+        ours = (f"simulated (simulated step), takes {slow:.2f} ms: {slow / published:.2f}x "
+                f"the release's step, {published / slow:.0%} of its speed")
     return (f"{model} on {system}, tau {tau:g}: the release publishes {row['published']:g} "
             f"tokens/s per user, a {published:.2f} ms step. The course's kernel for it, "
             f"{ours}. The release also beats "
@@ -570,7 +570,7 @@ def latency_grid(rows_by_latency: dict[float, list[dict]]) -> list[dict]:
     """One table row per (TPU run, collective round) of {latency_us: `entries(simulate_tpu=
     True, assumptions=Assumptions(ici_latency_s=latency_us * 1e-6), ...)`}: the published
     step, the HBM floor, the collective chain and the simulated steps (the plan's, and
-    the compiled kernel's at each clock end where recorded), in ms."""
+    the compiled kernel's at each end of the bundle rate where recorded), in ms."""
     out = []
     for us, rows in sorted(rows_by_latency.items()):
         for r in rows:
@@ -582,8 +582,8 @@ def latency_grid(rows_by_latency: dict[float, list[dict]]) -> list[dict]:
                         "HBM floor (ms)": r["hbm_floor_ms"],
                         "collective chain (ms)": r["collective_ms"],
                         "simulated (ms)": r["simulated_ms"]}
-                       | {f"compiled, {end} clock (ms)": r[f"compiled_{end}_ms"]
-                          for end in CLOCK_ENDS if f"compiled_{end}_ms" in r})
+                       | {f"compiled, {end} bundle rate (ms)": r[f"compiled_{end}_ms"]
+                          for end in RATE_ENDS if f"compiled_{end}_ms" in r})
     return sorted(out, key=lambda r: (r["run"], r["round (µs)"]))
 
 

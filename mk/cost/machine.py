@@ -21,7 +21,7 @@ import dataclasses
 from mk.measure import measure
 from mk.cost import perf
 from mk.model import quant
-from mk.model.chips import CLOCK_ENDS, ChipSpec
+from mk.model.chips import RATE_ENDS, ChipSpec
 from mk.model.config import finite_number
 from mk.model.errors import shown
 from mk.kernels.common import BlockSizes
@@ -43,11 +43,11 @@ class Assumptions:
     scalar_op_s: float = 2e-9
     compute: str = "bf16"
     tile_issue_s: float = 0.0  # the per-tile loop's issue time in seconds, or
-    tile_bundles: int = 0  # its bundles per trip (`mk.cost.bundles.TileCost`), at the clock
+    tile_bundles: int = 0  # its bundles per trip (`mk.cost.bundles.TileCost`), at the rate
     # ((scheme, tile_rows, tile_cols, bundles), ...): a whole kernel's per-tile loop of the
-    # packed tiles of a scheme and shape, at the clock (`mk.cost.bundles.TileCost.assumptions`)
+    # packed tiles of a scheme and shape, at the rate (`mk.cost.bundles.TileCost.assumptions`)
     packed_bundles: tuple[tuple[str, int, int, int], ...] = ()
-    clock: str = "low"  # end of the chip's range (`mk.model.chips.CLOCK_ENDS`)
+    rate_end: str = "slow"  # end of the chip's bundle rate (`mk.model.chips.RATE_ENDS`)
     # One message round of a collective; None: the chip's (`mk.kernels.collectives.round_s`)
     ici_latency_s: float | None = None
     # The attention loop as a chip ran it (`mk.cost.calibration`; 0: the tile cost model alone):
@@ -80,8 +80,9 @@ class Assumptions:
             raise ValueError(f"Assumptions: tile_bundles={self.tile_bundles} and "
                              f"tile_issue_s={self.tile_issue_s!r} both set; give the issue "
                              "time one way")
-        if self.clock not in CLOCK_ENDS:
-            raise ValueError(f"Assumptions.clock={self.clock!r} must be one of {CLOCK_ENDS}")
+        if self.rate_end not in RATE_ENDS:
+            raise ValueError(f"Assumptions.rate_end={self.rate_end!r} must be one of "
+                             f"{RATE_ENDS}")
         if self.compute not in perf.COMPUTES:
             raise ValueError(f"Assumptions.compute={self.compute!r} must be one of "
                              f"{perf.COMPUTES}")
@@ -95,10 +96,11 @@ class Assumptions:
         `tile_issue_s`): then it, not the tile cost table, is every plain tile's cost."""
         return bool(self.tile_bundles or self.tile_issue_s)
 
-    def issue_s(self, spec: ChipSpec) -> float:
-        """The given per-tile issue time on `spec`: `tile_bundles` at its `clock` end,
-        else `tile_issue_s` (0 when neither is given)."""
-        return (self.tile_bundles / spec.clock(self.clock) if self.tile_bundles
+    def issue_s(self, spec: ChipSpec, m: int) -> float:
+        """The given per-tile issue time on `spec` against m rows: `tile_bundles` at its
+        bundle rate's `rate_end` (`mk.model.chips.ChipSpec.bundle_rate`), else
+        `tile_issue_s` (0 when neither is given)."""
+        return (self.tile_bundles / spec.bundle_rate(self.rate_end, m) if self.tile_bundles
                 else self.tile_issue_s)
 
     # -- A measured file (mk.measure.measure) ----------------------------------------------------

@@ -373,15 +373,16 @@ def mxu_floor_ms(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1, r
 # -- The tile floor: the measured cost table ---------------------------------------------
 def tile_floor_ms(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1,
                   rows: int = 1, tp: int = 1, routing: str | RoutingTrace = "uniform", formats=None,
-                  clock: str = "low") -> float:
+                  rate_end: str = "slow") -> float:
     """The compute floor of one decode step from the tile cost table (`mk.cost.feed_costs`), ms:
     every weight element one device multiplies (`shard_weight_elements`: its shard, the
     touched experts, the lm_head's padded vocab; the router's too; not the norms) at the
     table's bundles per element for its storage (its group's scheme of `formats`, default
     the config's, else plain), its feed (the chip's default, `mk.model.unpack.choose_feeds`) and
-    M = B*T rows, over the TensorCore's clock at `clock` ("low" or "high",
-    `mk.model.chips.ChipSpec.clock`). Attention's products and vector work are not in it
-    (`mk.cost.sim` has them): the issue time of the weights alone."""
+    M = B*T rows, over the chip's bundle rate at `rate_end` ("slow" or "fast") for M's
+    bucket (`mk.model.chips.ChipSpec.bundle_rate`: the MXU-bound rate at a large M).
+    Attention's products and vector work are not in it (`mk.cost.sim` has them): the
+    issue time of the weights alone."""
     spec = spec_of(chip)
     _validate_step(config, batch, rows, 0, tp, rows, routing, "bf16")
     formats = check_formats(config, config.formats if formats is None else formats)
@@ -396,22 +397,23 @@ def tile_floor_ms(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1,
         spec.name, feed_costs.weight_dtype(config.dtype, formats.get(QUANT_FAMILY.get(f))),
         m, feeds.get(QUANT_FAMILY.get(f), "bf16"))
         for f, n in elements.items() if f != "norms" and n)
-    return 1e3 * bundles / spec.clock(clock)
+    return 1e3 * bundles / spec.bundle_rate(rate_end, feed_costs.bucket(m))
 
 
 def modelled_step_ms(config: ModelConfig, chip: ChipSpec | str, *, batch: int = 1,
                      rows: int = 1, context: int | None = None, tp: int = 1,
                      routing: str | RoutingTrace = "uniform", compute: str = "bf16", formats=None,
-                     clock: str = "low", ici_latency_s: float | None = None) -> float:
+                     rate_end: str = "slow", ici_latency_s: float | None = None) -> float:
     """The modelled step (`mk.cost.ledger.TERMS`): max(HBM floor, compute lane + the collectives
     of tensor parallelism), ms: HBM streams beside the compute lane, whose weight tiles and
     all-reduces are serial. The lane is, on a TPU, the tile floor (`tile_floor_ms`, at the
-    `clock` end); on a GPU (no tile table) `predict`'s FLOP floor at `compute`'s rate."""
+    `rate_end` of the bundle rate); on a GPU (no tile table) `predict`'s FLOP floor at
+    `compute`'s rate."""
     spec = spec_of(chip)
     kw = dict(batch=batch, rows=rows, tp=tp, routing=routing, formats=formats)
     e = predict(config, spec, context=context, compute=compute, ici_latency_s=ici_latency_s,
                 **kw)
-    lane = (tile_floor_ms(config, spec, clock=clock, **kw) if spec.kind == "tpu"
+    lane = (tile_floor_ms(config, spec, rate_end=rate_end, **kw) if spec.kind == "tpu"
             else e.compute_floor_ms)
     return max(e.hbm_floor_ms, lane + e.collective_ms)
 

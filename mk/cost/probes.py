@@ -5,8 +5,9 @@ libtpu's bundle dump on (`mk.cost.bundles.compile_with_dumps`), recorded in data
 libtpu version and re-checked by tests:
 - `probe_tile(chip, dtype, m, feed)` -> `mk.cost.feed_costs.FeedCost`: one weight tile's cost
   by storage, feed and M, the rows of the tile cost table `mk.cost.sim` and `mk.cost.perf` charge;
-- `probe_clock(chip)` -> `ClockProbe`: the clock a straight-line bf16 matmul's schedule
-  implies at the datasheet peak (data/clock_probes.json, `recorded_clock_probes()`);
+- `probe_clock(chip)` -> `ClockProbe`: the bundle rate at which a straight-line bf16
+  matmul's schedule would run at the datasheet peak, which bounds an MXU-bound loop's
+  rate from above and gives no rate (data/clock_probes.json, `recorded_clock_probes()`);
 - `probe_floor(chip, feed, m)` -> `mk.cost.feed_costs.FeedFloor`: the fewest bundles per weight
   element of a matmul with its weight already in VMEM.
 
@@ -97,7 +98,7 @@ def probe_tile(chip: str | ChipSpec, dtype: str, m: int, feed: str = "bf16", *,
         libtpu=importlib.metadata.version("libtpu"), compile_s=seconds)
 
 
-# -- The clock a schedule implies -----------------------------------------------------------
+# -- The bound a schedule puts on an MXU-bound bundle rate ----------------------------------
 CLOCK_PROBE_SHAPE = (512, 4096, 512)  # x[M, K] @ w[K, N]: compiles in seconds on every chip
 CLOCK_PROBES = DATA / "clock_probes.json"  # benchmarks/clock_probe.py's record
 _MXU_ID = re.compile(r"\.mxu(\d+)\b")
@@ -124,13 +125,15 @@ sys.exit(0 if report.ok else 1)
 @dataclasses.dataclass(frozen=True)
 class ClockProbe:
     """One straight-line bf16 matmul x[M, K] @ w[K, N] (f32 out) compiled for one
-    TensorCore of a chip, and the clock at which its schedule would run at the datasheet
-    peak: one bundle a cycle, its MXU span takes bundles / clock seconds for 2 M K N FLOP.
+    TensorCore of a chip, and the bundle rate at which its schedule would run at the
+    datasheet peak: its MXU span takes bundles / rate seconds for 2 M K N FLOP.
 
-    The schedule cannot beat the peak, so if each bundle took one cycle this clock would
-    bound the real one from above; a bundle that stalls (the MXU's result FIFO, a DMA)
-    takes more, so it bounds nothing. It depends on the shape (the MXU's weight pushes and
-    result pops are amortised over M): compare probes of the same shape only."""
+    No loop can beat the peak, so this bounds an MXU-bound loop's bundle rate from above
+    (mk/data/chips.csv's `mxu_bundle_rate` stays under it; tests/test_chips.py); it gives
+    no rate: bundles stall (v5e's MXU-bound loop ran at 0.89x it, its decode-style loop,
+    not MXU-bound, at 1.16x: issue 61). The field keeps its recorded name, `clock_hz`.
+    It depends on the shape (the MXU's weight pushes and result pops are amortised over
+    M): compare probes of the same shape only."""
 
     chip: str
     shape: tuple[int, int, int]  # (M, K, N)
@@ -148,7 +151,7 @@ class ClockProbe:
 
     @property
     def clock_hz(self) -> float:
-        """The clock at which `bundles` cycles do `flops` at `peak_flops`."""
+        """The bundle rate (per second) at which `bundles` do `flops` at `peak_flops`."""
         return self.peak_flops * self.bundles / self.flops
 
     def row(self) -> dict:

@@ -49,18 +49,18 @@ def tile_seconds(stream: TileStream, spec: ChipSpec, m: int, formats, dtype: str
     shape the recorded loop of `a` when given, for a packed tile the recorded loop of its
     scheme and shape (`Assumptions.packed_bundles`) when given, else the tile cost
     table's row for the segment's storage (its group's scheme of `formats`, its own
-    scheme, else plain `dtype`) and its feed at `a.clock`, for its tile's elements."""
+    scheme, else plain `dtype`) and its feed at `a.rate_end`, for its tile's elements."""
     schemes = quant.schemes_of(formats)
     own = (stream.block.tile_rows, stream.block.tile_cols)
     packed = {(q, (r, c)): bundles for q, r, c, bundles in a.packed_bundles}
 
     def seconds(s) -> float:
         if a.recorded_loop and (s.scheme, s.tile) == (None, own):
-            return a.issue_s(spec)
+            return a.issue_s(spec, m)
         if (s.scheme, s.tile) in packed:
-            return packed[s.scheme, s.tile] / spec.clock(a.clock)
+            return packed[s.scheme, s.tile] / spec.bundle_rate(a.rate_end, m)
         return feed_costs.tile_s(spec, feed_costs.weight_dtype(
-            dtype, schemes.get(s.name, s.scheme)), m, math.prod(s.tile), a.clock, s.feed)
+            dtype, schemes.get(s.name, s.scheme)), m, math.prod(s.tile), a.rate_end, s.feed)
 
     return {s.name: seconds(s) for s in stream.segments + stream.tail}
 

@@ -6,11 +6,12 @@ the assumed DMA latency) and returns a table row each.
 
 `check_invariants` holds notebook 11's checks of one simulated step (no step beats its
 bytes over the bandwidth, the bubbles add up, prefetch across layers never slows a step,
-a slower clock never makes a step faster); `clock_ends` simulates a step at both ends of
-the clock range with one source of tile costs. The clock invariant compares one source
-at its two ends: the tile cost table's low end against a compiled kernel's recorded
-loop at its high end is no clock statement (the two cost a tile differently), and
-tests/test_review.py runs the invariants over a grid of presets, chips, B, T and tp.
+a slower bundle rate never makes a step faster); `rate_ends` simulates a step at both ends
+of the chip's bundle rate with one source of tile costs. The rate invariant compares one
+source at its two ends: the tile cost table's slow end against a compiled kernel's
+recorded loop at its fast end is no statement about the rate (the two cost a tile
+differently), and tests/test_review.py runs the invariants over a grid of presets,
+chips, B, T and tp.
 
 Not here: the simulator itself (`mk.cost.sim`), the published numbers against the models
 (`mk.cost.ledger`), drawing (`mk.sim_plots.sweep_lines`), the notebook that reads these
@@ -22,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 from mk.cost import perf
-from mk.model.chips import CLOCK_ENDS, ChipSpec
+from mk.model.chips import RATE_ENDS, ChipSpec
 from mk.model.config import ModelConfig
 from mk.model.errors import shown
 from mk.step.plan import DecodePlan
@@ -83,27 +84,27 @@ def sweep(config: ModelConfig, chip: ChipSpec | str, parameter: str, values, *,
 
 
 # -- Invariants of a simulated step (notebook 11's checks) -------------------------------------
-def clock_ends(plan: DecodePlan, *, assumptions: Assumptions | None = None,
-               **kwargs) -> dict[str, Simulation]:
-    """{clock end: the step `simulate(plan, **kwargs)` with `assumptions` at that end of
-    the chip's clock range} (`mk.model.chips.CLOCK_ENDS`): one source of tile costs (the tile
-    cost table, or a compiled kernel's recorded loop) at both ends."""
+def rate_ends(plan: DecodePlan, *, assumptions: Assumptions | None = None,
+              **kwargs) -> dict[str, Simulation]:
+    """{rate end: the step `simulate(plan, **kwargs)` with `assumptions` at that end of
+    the chip's bundle rate} (`mk.model.chips.RATE_ENDS`): one source of tile costs (the
+    tile cost table, or a compiled kernel's recorded loop) at both ends."""
     if assumptions is not None and not isinstance(assumptions, Assumptions):
         raise ValueError(f"assumptions is a {type(assumptions).__name__}; it must be a "
                          "mk.cost.sim.Assumptions")
     a = assumptions or Assumptions()
-    return {end: simulate(plan, assumptions=dataclasses.replace(a, clock=end), **kwargs)
-            for end in CLOCK_ENDS}
+    return {end: simulate(plan, assumptions=dataclasses.replace(a, rate_end=end), **kwargs)
+            for end in RATE_ENDS}
 
 
 def check_invariants(step: Simulation, *, no_prefetch: Simulation,
-                     by_clock=(), hbm_floor_ms: float | None = None) -> None:
+                     by_rate=(), hbm_floor_ms: float | None = None) -> None:
     """Raise AssertionError naming the first invariant the simulated `step` breaks: it is
     no shorter than its bytes over the bandwidth (nor `hbm_floor_ms`, `mk.cost.perf`'s HBM
     floor, if given); its HBM bubbles add up to step - floor; `no_prefetch`, the same step
-    without cross-layer prefetch, is no faster; and in each of `by_clock` ({clock end:
-    the same step}, `clock_ends`: one source of tile costs each) the low end is no faster
-    than the high end."""
+    without cross-layer prefetch, is no faster; and in each of `by_rate` ({rate end:
+    the same step}, `rate_ends`: one source of tile costs each) the slow end is no faster
+    than the fast end."""
     floor = step.hbm_floor_s
     assert step.step_s >= floor > 0, (
         f"a step of {step.step_s:.6g} s is shorter than its bytes over the bandwidth "
@@ -118,8 +119,8 @@ def check_invariants(step: Simulation, *, no_prefetch: Simulation,
         assert step.step_ms >= hbm_floor_ms * (1 - 1e-9), (
             f"a simulated step of {step.step_ms:.6g} ms beat its HBM floor "
             f"{hbm_floor_ms:.6g} ms")
-    for ends in by_clock:
-        low, high = ends["low"], ends["high"]
-        assert low.step_s >= high.step_s * (1 - RTOL), (
-            f"a slower clock made a step faster: {low.step_s:.6g} s at the low end, "
-            f"{high.step_s:.6g} s at the high end ({low.assumptions})")
+    for ends in by_rate:
+        slow, fast = ends["slow"], ends["fast"]
+        assert slow.step_s >= fast.step_s * (1 - RTOL), (
+            f"a slower bundle rate made a step faster: {slow.step_s:.6g} s at the slow end, "
+            f"{fast.step_s:.6g} s at the fast end ({slow.assumptions})")

@@ -5,16 +5,19 @@ One row of `mk/data/chips.csv` per chip: vendor peak numbers (HBM size and bandw
 bf16 and fp8 FLOP/s, interconnect bandwidth; where measured, the links a collective's
 bytes move over and one message round's latency) plus, for TPUs, the VMEM per core, the MXU's
 side and count, the weight dtypes its MXU takes (`mxu_feeds`), the TensorCores per chip,
-the clock as a range (`ChipSpec.clock(end)`: it is not published) and the topology to
-compile for. Each row names the vendor document it comes from.
+the bundle rate (compiled VLIW bundles a second: `ChipSpec.bundle_rate(end, m)`, a range
+with ends `RATE_ENDS`, measured, derived or assumed per chip, `RATE_SOURCES`) and the
+topology to compile for. Each row names the vendor document it comes from.
 
 Units: bytes, bytes per second, FLOP per second, all per CHIP; `cores_per_chip` says how
 many JAX devices share the chip's numbers (a TPU7x's two TensorCores are two devices,
 v5p's megacore one).
 
 Not here: anything derived from a model (bytes, FLOPs, floors: `mk.cost.perf`), sustained HBM
-bandwidth (a datasheet peak; measured: `mk.measure.measure`), multi-chip topologies. Where the MXU
-feeds and the two ends of the clock range come from: docs/design/mk.model.chips.md.
+bandwidth (a datasheet peak; measured: `mk.measure.measure`), multi-chip topologies. No TensorCore
+clock: a bundle count becomes seconds at the rate a compiled loop's bundles issue, stalls
+and all, not at a clock (issue 61). Where the MXU feeds and each chip's bundle rate come
+from: docs/design/mk.model.chips.md.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ from mk.model.errors import shown
 DATA = importlib.resources.files("mk") / "data"
 CHIPS_CSV = DATA / "chips.csv"
 KINDS = ("tpu", "gpu")
-CLOCK_ENDS = ("low", "high")  # the ends of a TPU's clock range
+RATE_ENDS = ("slow", "fast")  # the ends of a TPU's bundle-rate range
+RATE_SOURCES = ("measured", "derived", "assumed")  # where a row's bundle rate comes from
 # The weight dtypes an MXU may be fed beside bf16 activations (a row's `mxu_feeds`):
 # "bf16" (every TPU), "fp8" (float8_e4m3fn: TPU7x).
 MXU_FEEDS = ("bf16", "fp8")
@@ -57,8 +61,11 @@ class ChipSpec:
     mxu_feeds: tuple[str, ...]  # weight dtypes the MXU takes with bf16 activations
     #                             (`MXU_FEEDS`; module docstring); () on GPUs
     tensorcores_per_chip: int | None  # TensorCores sharing bf16_flops; None on GPUs
-    clock_low_hz: float | None  # the TensorCore's clock (bundles per second): the range's
-    clock_high_hz: float | None  # low and high end (module docstring); None on GPUs
+    bundle_rate_slow: float | None  # bundles a second of a decode-style loop (M below
+    bundle_rate_fast: float | None  # mxu_rows): the range's ends; None on GPUs
+    mxu_bundle_rate: float | None  # an MXU-bound loop's rate, at most; None: the decode
+    #                                loop's (`bundle_rate`)
+    bundle_rate_source: str  # one of RATE_SOURCES for a TPU (the notes say whence); ""
     cores_per_chip: int  # JAX devices per chip
     ici_bw: float  # chip-to-chip bandwidth per chip, bytes/s (NVLink on GPUs)
     link_bw: float | None  # one device's one-way bandwidth to its collective peers as
@@ -91,22 +98,32 @@ class ChipSpec:
         if (self.kind == "tpu") != (self.mxu_rows is not None) or (self.mxu_rows or 1) < 1:
             raise ValueError(f"chip {self.name}: mxu_rows={self.mxu_rows!r} must be a positive "
                              "integer for a TPU and empty for a GPU")
-        for field in ("mxus_per_core", "tensorcores_per_chip", "clock_low_hz",
-                      "clock_high_hz"):
+        for field in ("mxus_per_core", "tensorcores_per_chip", "bundle_rate_slow",
+                      "bundle_rate_fast"):
             value = getattr(self, field)
             if (self.kind == "tpu") != (value is not None) or (value is not None
                                                                 and not value > 0):
                 raise ValueError(f"chip {self.name}: {field}={value!r} must be positive for "
                                  "a TPU and empty for a GPU")
-        for field in ("link_bw", "collective_round_s"):
+        for field in ("link_bw", "collective_round_s", "mxu_bundle_rate"):
             value = getattr(self, field)
             if value is not None and not value > 0:
                 raise ValueError(f"chip {self.name}: {field}={value!r} must be positive or "
                                  "empty (not measured)")
-        if self.kind == "tpu" and self.clock_low_hz > self.clock_high_hz:
-            raise ValueError(f"chip {self.name}: clock_low_hz={self.clock_low_hz!r} is above "
-                             f"clock_high_hz={self.clock_high_hz!r}: the low end must not "
-                             "exceed the high end")
+        if self.kind == "tpu" and self.bundle_rate_slow > self.bundle_rate_fast:
+            raise ValueError(f"chip {self.name}: bundle_rate_slow={self.bundle_rate_slow!r} "
+                             f"is above bundle_rate_fast={self.bundle_rate_fast!r}: the slow "
+                             "end must not exceed the fast end")
+        if self.mxu_bundle_rate is not None and (
+                self.kind != "tpu" or self.mxu_bundle_rate > self.bundle_rate_fast):
+            raise ValueError(f"chip {self.name}: mxu_bundle_rate={self.mxu_bundle_rate!r} "
+                             "must be empty for a GPU and at most bundle_rate_fast="
+                             f"{self.bundle_rate_fast!r} for a TPU (an MXU-bound loop's "
+                             "bundles stall)")
+        if self.bundle_rate_source not in (RATE_SOURCES if self.kind == "tpu" else ("",)):
+            raise ValueError(f"chip {self.name}: bundle_rate_source="
+                             f"{self.bundle_rate_source!r} must be one of {RATE_SOURCES} for "
+                             "a TPU and empty for a GPU")
         if (self.kind == "tpu") != bool(self.topology):
             raise ValueError(f"chip {self.name}: topology={self.topology!r} must be set for "
                              "a TPU and empty for a GPU")
@@ -114,28 +131,29 @@ class ChipSpec:
             raise ValueError(f"chip {self.name}: source is empty; every row names its "
                              "vendor document")
 
-    def clock(self, end: str = "low") -> float:
-        """The TensorCore's clock in Hz at `end` ("low" or "high") of its range."""
-        if end not in CLOCK_ENDS:
-            raise ValueError(f"end={end!r} must be one of {CLOCK_ENDS}")
+    def bundle_rate(self, end: str = "slow", m: int = 1) -> float:
+        """Bundles a second a compiled loop issues at `end` of the chip's range (one of
+        `RATE_ENDS`; "slow": the longer time) against `m` activation rows: the decode-style
+        loop's rate, or, at m >= mxu_rows, the MXU-bound loop's (`mxu_bundle_rate`, where
+        lower). Why m >= mxu_rows: a weight-stationary MXU takes mxu_rows cycles to load a
+        weight tile and m cycles to stream the rows through it, so from there on the MXU,
+        not the weight feed, sets the pace, and its bundles stall (v5e: 1.36 cycles)."""
+        if end not in RATE_ENDS:
+            raise ValueError(f"end={end!r} must be one of {RATE_ENDS}")
         if self.kind != "tpu":
-            raise ValueError(f"chip {self.name} is a {self.kind}: no TensorCore clock")
-        return self.clock_low_hz if end == "low" else self.clock_high_hz
+            raise ValueError(f"chip {self.name} is a {self.kind}: no bundle rate")
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ValueError(f"m={m!r} must be a positive integer (activation rows)")
+        rate = self.bundle_rate_slow if end == "slow" else self.bundle_rate_fast
+        if m >= self.mxu_rows and self.mxu_bundle_rate is not None:
+            return min(rate, self.mxu_bundle_rate)
+        return rate
 
     @property
     def device_hbm_bw(self) -> float:
         """HBM bytes/s of one JAX device: the chip's bandwidth shared by its
         cores_per_chip devices."""
         return self.hbm_bw / self.cores_per_chip
-
-    @property
-    def datasheet_clock_hz(self) -> float:
-        """The clock at which the bf16 peak is tensorcores x MXUs x mxu_rows^2
-        multiply-accumulates (2 FLOP) a cycle: one activation row per MXU per cycle."""
-        if self.kind != "tpu":
-            raise ValueError(f"chip {self.name} is a {self.kind}: no MXU")
-        return self.bf16_flops / (self.tensorcores_per_chip * self.mxus_per_core
-                                  * self.mxu_rows ** 2 * 2)
 
     @property
     def ridge_flop_per_byte(self) -> float:
@@ -163,8 +181,10 @@ def _row_to_spec(row: dict[str, str]) -> ChipSpec:
         mxus_per_core=_optional_int(row["mxus_per_core"]),
         mxu_feeds=tuple(row["mxu_feeds"].split()),
         tensorcores_per_chip=_optional_int(row["tensorcores_per_chip"]),
-        clock_low_hz=_optional_float(row["clock_low_hz"]),
-        clock_high_hz=_optional_float(row["clock_high_hz"]),
+        bundle_rate_slow=_optional_float(row["bundle_rate_slow"]),
+        bundle_rate_fast=_optional_float(row["bundle_rate_fast"]),
+        mxu_bundle_rate=_optional_float(row["mxu_bundle_rate"]),
+        bundle_rate_source=row["bundle_rate_source"],
         cores_per_chip=int(row["cores_per_chip"]), ici_bw=float(row["ici_bw"]),
         link_bw=_optional_float(row["link_bw"]),
         collective_round_s=_optional_float(row["collective_round_s"]),

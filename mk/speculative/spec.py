@@ -403,8 +403,8 @@ class Throughput:
 def step_ms(config: ModelConfig, chip, *, batch: int, rows: int, context: int, tp: int,
             timing: str = "modelled") -> float:
     """One decode step of B x T rows: "modelled" the modelled step of `mk.cost.ledger.TERMS`
-    (`mk.cost.perf.modelled_step_ms`: max(HBM floor, tile floor + the collectives), at the low
-    end of the clock range), "sim"
+    (`mk.cost.perf.modelled_step_ms`: max(HBM floor, tile floor + the collectives), at the slow
+    end of the bundle rate), "sim"
     `mk.cost.sim.simulate` (TPU chips; the plan's ring for the chip, as the "simulated" column
     of `mk.cost.ledger`'s published rows), "conventional" `mk.cost.perf.conventional` (one
     kernel per op, a launch gap each: the GPU baseline)."""

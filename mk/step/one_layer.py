@@ -55,7 +55,7 @@ def model_block(config: ModelConfig, *, context: int | None = None, slots: int =
     ring buffers of their own shape on the one slot index): an expert's matrices are small
     and narrow (qwen3-30b-a3b's [2048, 768]), and one tile cutting them and every other
     matrix is small and narrow too (2048 x 256 there: its loop issues in 1.2x its DMA at
-    TPU7x's low clock). So each Repeat's matrix takes the largest tile of at most
+    1.03 G bundles/s on TPU7x). So each Repeat's matrix takes the largest tile of at most
     REPEAT_TILE_BYTES cutting it alone (2048 x 768 there: 0.81x; a packed expert, never
     transposed, its own shape: Kimi K3's FP4 experts on a TP32 shard fed fp8, [7168, 128]
     gate and up and [128, 7168] down, one tile each), and the other matrices
@@ -65,7 +65,7 @@ def model_block(config: ModelConfig, *, context: int | None = None, slots: int =
     others (a run of small packed tiles beside much bigger ones would need a ring deeper
     than VMEM holds), and twice, not once, spreads a trip's fixed cost over twice the
     weights (TPU7x's dumps, Kimi K3's TP32 plain tiles 1792 x 128 -> 3584 x 128: 117-190
-    -> 195-306 bundles a trip, 0.92-1.48x -> 0.76-1.19x their DMA at the low clock; its
+    -> 195-306 bundles a trip, 0.92-1.48x -> 0.76-1.19x their DMA at 1.03 G bundles/s; its
     ring 19 -> 18 slots, VMEM 48 -> 54 of 64 MiB). One tile for all where the others
     have no tile that small, or where no part's tiles would grow."""
     matrices = layer_matrices(layer_kinds(config), 1)
