@@ -162,8 +162,8 @@ def test_the_steps_table_of_one_model_keeps_its_rows_only():
     table = ledger.steps_table("v5e", model="qwen3-0.6b")
     assert 0 < len(table.rows) == want < len(record["rows"])
     assert {r[0] for r in table.rows} == {"qwen3-0.6b"}
-    assert "no row of qwen3-8b in v5e-steps.json" in str(
-        ledger.steps_table("v5e", model="qwen3-8b").rows)
+    assert "no row of qwen3.5-27b in v5e-steps.json" in str(
+        ledger.steps_table("v5e", model="qwen3.5-27b").rows)
 
 
 def test_a_rows_own_provenance_overrides_its_records(tmp_path):

@@ -179,17 +179,11 @@ def test_mxu_feeds_are_what_jaxs_tpu_info_says_bf16_multiplies_natively():
         dataclasses.replace(chip("h200"), mxu_feeds=("bf16",))
 
 
-def test_each_tpu_bundle_rate_names_its_source_and_an_mxu_bound_one_stays_under_the_probe():
-    """A TPU row's rate is measured, derived or assumed, its notes say which; no loop runs
-    its MXU past the bf16 peak, so an MXU-bound rate's fast end is at most the clock
-    probe's bound (the rate at which libtpu's straight-line bf16 matmul would run at the
-    peak, data/clock_probes.json), to its 0.5 % rounding."""
-    probes = {r["chip"]: r for r in json.loads(CLOCK_PROBES.read_text())}
+def test_each_tpu_bundle_rate_names_its_source():
+    """A TPU row's rate is measured, derived or assumed, and its notes say which."""
     for spec in all_chips("tpu"):
         assert spec.bundle_rate_source in chips.RATE_SOURCES, spec.name
         assert f"Bundle rate {spec.bundle_rate_source}" in spec.notes, spec.name
-        mxu_fast = spec.bundle_rate("fast", m=spec.mxu_rows)
-        assert mxu_fast <= probes[spec.name]["clock_hz"] * 1.005, spec.name
     assert {c.name: c.bundle_rate_source for c in all_chips("tpu")} == {
         "v5e": "measured", "v6e": "assumed", "v5p": "assumed", "tpu7x": "derived"}
 
@@ -215,56 +209,52 @@ def test_tpu7x_ends_are_the_release_push_rate_over_our_bundles_per_tile():
 def test_assumed_rates_are_the_known_rates_over_the_probe_times_each_chips_probe():
     """v6e and v5p: each end is one of the two ratios of a known decode-loop rate to its
     chip's probe bound (TPU7x's slow end, derived; v5e's, measured) times the chip's own
-    bound, and its MXU-bound rate at most that bound, each to 3 digits."""
+    bound, and its MXU-bound rate v5e's measured ratio times it, each to 3 digits."""
     probes = {r["chip"]: r["clock_hz"] for r in json.loads(CLOCK_PROBES.read_text())}
     ratios = sorted(chip(c).bundle_rate("slow") / probes[c] for c in ("tpu7x", "v5e"))
+    mxu_ratio = chip("v5e").mxu_bundle_rate / probes["v5e"]
     for name in ("v6e", "v5p"):
         spec = chip(name)
         assert (spec.bundle_rate("slow"), spec.bundle_rate("fast")) == pytest.approx(
             [r * probes[name] for r in ratios], rel=0.005), name
-        assert spec.mxu_bundle_rate == pytest.approx(probes[name], rel=0.005), name
+        assert spec.mxu_bundle_rate == pytest.approx(mxu_ratio * probes[name], rel=0.005), name
 
 
 V5E_RECORD = measure.MEASURED / "v5e-bundles.json"  # benchmarks/tpu_bundle_time.py's
 
 
-@pytest.mark.skipif(V5E_RECORD.exists(), reason="data/measured/v5e-bundles.json supersedes "
-                    "issue 61's numbers: test_v5e_rate_agrees_with_the_chips_record")
-def test_v5e_rate_is_issue_61s_measurement_until_the_chip_records_its_own():
-    spec = chip("v5e")
-    assert spec.bundle_rate("slow") == spec.bundle_rate("fast") == pytest.approx(
-        1 / 0.694e-9, rel=0.001)
-    assert spec.bundle_rate(m=128) == pytest.approx(1 / 0.904e-9, rel=0.001)
-
-
-@pytest.mark.skipif(not V5E_RECORD.exists(), reason="no data/measured/v5e-bundles.json yet: "
-                    "run benchmarks/tpu_bundle_time.py on a v5e")
 def test_v5e_rate_agrees_with_the_chips_record():
-    """chips.csv's v5e rates are what the chip measured, within 2 %: the decode loop's at
-    both ends, the MXU-bound loop's at M from mxu_rows on."""
+    """chips.csv's v5e rates are what the chip measured (data/measured/v5e-bundles.json),
+    within 2 %: the decode loop's at both ends, the MXU-bound loop's at M from mxu_rows
+    on; and neither measured loop ran its FLOPs past the datasheet's bf16 peak."""
     record = json.loads(V5E_RECORD.read_text())
     assert record["chip"] == "v5e", record["label"]
     spec, rows = chip("v5e"), {r["loop"]: r for r in record["rows"]}
     for loop, m in (("decode", 8), ("mxu", 512)):
-        measured = rows[loop]["bundles_per_s"]
+        row = rows[loop]
         for end in chips.RATE_ENDS:
-            assert spec.bundle_rate(end, m) == pytest.approx(measured, rel=0.02), (loop, end)
+            assert spec.bundle_rate(end, m) == pytest.approx(row["bundles_per_s"],
+                                                             rel=0.02), (loop, end)
+        flops_per_s = 2 * row["m"] * row["k"] * row["n"] / (
+            row["body_bundles"] * row["s_per_bundle"])
+        assert flops_per_s < spec.bf16_flops, loop
 
 
-def test_the_mxu_bound_rate_applies_from_mxu_rows_on_and_only_where_lower():
+def test_the_mxu_bound_rate_applies_from_mxu_rows_on_where_a_row_has_one():
     v5e, tpu7x = chip("v5e"), chip("tpu7x")
     assert v5e.bundle_rate(m=127) == v5e.bundle_rate_slow
     assert v5e.bundle_rate(m=128) == v5e.bundle_rate("fast", 512) == v5e.mxu_bundle_rate
-    assert tpu7x.bundle_rate("fast", 512) == tpu7x.bundle_rate("fast")
-    v6e = chip("v6e")  # its MXU-bound bound lies between its ends
-    assert v6e.bundle_rate("slow", 256) == v6e.bundle_rate_slow
-    assert v6e.bundle_rate("fast", 256) == v6e.mxu_bundle_rate < v6e.bundle_rate_fast
+    assert v5e.mxu_bundle_rate > v5e.bundle_rate_fast  # measured: its bundles stall less
+    assert tpu7x.bundle_rate("fast", 512) == tpu7x.bundle_rate("fast")  # none: the decode's
+    v6e = chip("v6e")
+    assert v6e.bundle_rate("slow", 255) == v6e.bundle_rate_slow
+    assert v6e.bundle_rate("slow", 256) == v6e.bundle_rate("fast", 256) == v6e.mxu_bundle_rate
 
 
 def test_a_bundle_rate_missing_upside_down_or_not_positive_is_refused_naming_the_field():
     v6e = chip("v6e")
     with pytest.raises(ValueError, match=r"bundle_rate_slow=3000000000.0 is above "
-                                         r"bundle_rate_fast=2130000000.0"):
+                                         r"bundle_rate_fast=1660000000.0"):
         dataclasses.replace(v6e, bundle_rate_slow=3e9)
     with pytest.raises(ValueError, match=r"bundle_rate_slow=0.0 must be positive"):
         dataclasses.replace(v6e, bundle_rate_slow=0.0)
@@ -272,9 +262,11 @@ def test_a_bundle_rate_missing_upside_down_or_not_positive_is_refused_naming_the
         dataclasses.replace(v6e, bundle_rate_fast=-1.0)
     with pytest.raises(ValueError, match=r"bundle_rate_slow=None must be positive"):
         dataclasses.replace(v6e, bundle_rate_slow=None)
-    with pytest.raises(ValueError, match=r"mxu_bundle_rate=3000000000.0 must be .* at most "
-                                         r"bundle_rate_fast=2130000000.0"):
-        dataclasses.replace(v6e, mxu_bundle_rate=3e9)
+    with pytest.raises(ValueError, match=r"mxu_bundle_rate=0.0 must be positive"):
+        dataclasses.replace(v6e, mxu_bundle_rate=0.0)
+    with pytest.raises(ValueError, match=r"chip h200: mxu_bundle_rate=1000000000.0 must be "
+                                         "empty for a GPU"):
+        dataclasses.replace(chip("h200"), mxu_bundle_rate=1e9)
     with pytest.raises(ValueError, match=r"bundle_rate_source='guessed' must be one of"):
         dataclasses.replace(v6e, bundle_rate_source="guessed")
     with pytest.raises(ValueError, match=r"chip h200: bundle_rate_fast=1000000000.0 must be "
@@ -294,8 +286,8 @@ def test_a_bundle_rate_missing_upside_down_or_not_positive_is_refused_naming_the
 
 @pytest.mark.parametrize("field, value, message", [
     ("bundle_rate_slow", "", r"bundle_rate_slow=None must be positive for a TPU"),
-    ("bundle_rate_fast", "1000000000", r"bundle_rate_slow=1441000000.0 is above "
-                                       r"bundle_rate_fast=1000000000.0")])
+    ("bundle_rate_fast", "900000000", r"bundle_rate_slow=1001000000.0 is above "
+                                       r"bundle_rate_fast=900000000.0")])
 def test_the_csv_refuses_a_tpu_row_without_a_rate_or_fast_under_slow(tmp_path, field, value,
                                                                      message):
     header, first = chips.CHIPS_CSV.read_text(encoding="utf-8").splitlines()[:2]

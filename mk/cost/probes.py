@@ -128,10 +128,11 @@ class ClockProbe:
     TensorCore of a chip, and the bundle rate at which its schedule would run at the
     datasheet peak: its MXU span takes bundles / rate seconds for 2 M K N FLOP.
 
-    No loop can beat the peak, so this bounds an MXU-bound loop's bundle rate from above
-    (mk/data/chips.csv's `mxu_bundle_rate` stays under it; tests/test_chips.py); it gives
-    no rate: bundles stall (v5e's MXU-bound loop ran at 0.89x it, its decode-style loop,
-    not MXU-bound, at 1.16x: issue 61). The field keeps its recorded name, `clock_hz`.
+    No loop can beat the peak, so this bounds the bundle rate of a loop as dense in FLOPs
+    a bundle as this schedule; it gives no rate, and a sparser loop may run faster: on the
+    v5e (data/measured/v5e-bundles.json) an MXU-bound loop of 121 k FLOP a bundle (this
+    probe's: 158 k) ran at 1.02x it, a decode-style loop at 0.80x. mk/data/chips.csv's
+    assumed rates scale it by those ratios. The field keeps its recorded name, `clock_hz`.
     It depends on the shape (the MXU's weight pushes and result pops are amortised over
     M): compare probes of the same shape only."""
 
