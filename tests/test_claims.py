@@ -119,7 +119,8 @@ def test_06_02_03_say_a_step_is_not_its_bytes_alone_as_the_v5e_measured():
         "06_megakernel", "the dense rows that read much KV (8 sequences",
         "the dense rows that read much KV (2 sequences"))
     assert step_is_not_its_bytes(_planted(
-        "02_attention_prologue", "VMEM; the time is", "VMEM; everything else overlaps, the time is"))
+        "02_attention_prologue", "VMEM; the time is",
+        "VMEM; everything else overlaps, the time is"))
 
 
 # -- 08, 11, 13, 05d: "qwen3 steps at >= 97 % HBM busy" -------------------------------------
