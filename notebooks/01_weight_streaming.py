@@ -475,8 +475,9 @@ course.check_close("folded product, transposed",
 # On hardware the slot count shows in time: with one slot every tile pays the DMA issue
 # latency and the MXU idles while it waits; with a ring the DMA engine always has the next
 # tile queued. On a TPU runtime (`backend="auto"`) the wall times printed above are real,
-# but they time a call, not a stream: a call's fixed cost (host dispatch and launch, which
-# `mk.measure.measure` on a v5e first met as "timing noise") dwarfs this kernel's floor printed
+# but they time a call, not a stream: a call's fixed cost (host dispatch and launch, about
+# 1.1 ms a step on a v5e by `mk.cost.calibration.call_seconds`, which `mk.measure.measure`
+# on a v5e first met as "timing noise") dwarfs this kernel's floor printed
 # above. Set a time against the floor only where the stream dwarfs the call: a
 # whole decode step in a device loop (benchmarks/tpu_steps.py, notebook 06's measured
 # table). The later stages put many matrices, and then every layer, into one stream, so the

@@ -367,7 +367,8 @@ display(plots.table(fit.vmem.rows()[:8]))  # the last chip's biggest VMEM buffer
 # ### On a Colab TPU: the real gpt-oss-20b
 #
 # With `hf_model = "openai/gpt-oss-20b"` and `allow_download = True` on a TPU runtime
-# (v6e-1; v5e-1's 15.75 GiB holds it at this context, with little to spare), the cell
+# (v6e-1; on v5e-1's 15.75 GiB `DecodePlan.fits` counts it as fitting at this context, with
+# little to spare: counted, not measured), the cell
 # below downloads the checkpoint (~13 GB, MXFP4 experts), loads it (`mk.load_checkpoint`:
 # lane-padded, the experts kept fp4), prints the plan's fit for this chip and decodes
 # `hf_text` greedily in the megakernel. Elsewhere it says why it skips.

@@ -1,12 +1,13 @@
 """The built wheel works outside the checkout: installed non-editable with its `notebooks`
 and `profile` extras into a clean venv, it finds its chip table, runs a tiny megakernel
-generate, and papermill runs notebooks 00, 07, 08, 09 and 11 from a folder that is not the
-repo (07 and 11 draw recorded runs and run a benchmark that ship in the package; CI checks
+generate, and papermill runs notebooks 00, 07, 08, 09, 11 and 11b from a folder that is not
+the repo (07 and 11b draw recorded runs and run a benchmark that ship in the package; CI checks
 the wheel carries them).
 
 Marked slow: the wheel, the venv (jax, libtpu, Jupyter, TensorBoard; installed with
-`-c constraints.txt`) and the five notebooks took 307 s on 2 shared cores (2026-12-03;
-`make test-slow` runs it); on Python 3.13.0 (pyenv) 332 s (2026-12-06).
+`-c constraints.txt`) and the five notebooks (11 and 11b were one then) took 307 s on 2
+shared cores (2026-12-03; `make test-slow` runs it); on Python 3.13.0 (pyenv) 332 s
+(2026-12-06).
 
 The venv's Python is the one running the tests, or `MK_INSTALL_PYTHON`; a second run
 builds it with Python 3.13 (Colab's TPU runtime) where one is found (`MK_PYTHON313`, PATH or
@@ -25,9 +26,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 # Each notebook on the tiny preset, with CI's knobs where it has them (tests/test_notebooks.py);
-# 07 and 11 read recorded runs and run a benchmark that ship inside the package.
+# 07 and 11b read recorded runs and run a benchmark that ship inside the package.
 NOTEBOOKS = {"00_decode_is_memory_bound": {}, "07_compile_for_tpu": {"measure_layers": [2]},
-             "08_profile_bubbles": {}, "09_speculative_sweep": {}, "11_design_review": {}}
+             "08_profile_bubbles": {}, "09_speculative_sweep": {}, "11_design_review": {},
+             "11b_design_review_appendix": {}}
 
 SMOKE = """
 import jax, mk, mk.step.megakernel, mk.cost.published
@@ -100,8 +102,8 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path, base):
     assert any((work / "profiles").iterdir()), "notebook 08 wrote no capture into ./profiles"
 
 
-def test_wheel_ships_what_notebooks_07_and_11_read(tmp_path):
-    """In CI (fast: the wheel only): the recorded runs 07 and 11 draw and the compile-time
+def test_wheel_ships_what_notebooks_07_and_11b_read(tmp_path):
+    """In CI (fast: the wheel only): the recorded runs 07 and 11b draw and the compile-time
     benchmark 07 runs are inside the package, where the notebooks look for them."""
     import zipfile
 
@@ -110,7 +112,7 @@ def test_wheel_ships_what_notebooks_07_and_11_read(tmp_path):
                    capture_output=True)
     names = set(zipfile.ZipFile(next(tmp_path.glob("mk_megakernel-*.whl"))).namelist())
     source = {n: (ROOT / "notebooks" / f"{n}.py").read_text()
-              for n in ("07_compile_for_tpu", "11_design_review")}
+              for n in ("07_compile_for_tpu", "11b_design_review_appendix")}
     wanted = {"mk/measure/compile_time.py"} | {
         f"mk/data/{path}" for text in source.values()
         for path in re.findall(r'^\w+: str = "((?:compile_time|tile_costs)/[^"]+)"', text, re.M)}

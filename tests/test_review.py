@@ -86,3 +86,35 @@ def test_rate_ends_refuses_assumptions_that_are_not_assumptions():
                                          "mk.cost.sim.Assumptions"):
         review.rate_ends(TINY_STEP, assumptions="fast")
     assert set(review.rate_ends(TINY_STEP, assumptions=sim.Assumptions())) == {"slow", "fast"}
+
+
+# -- mk.course.reviewed: the configuration notebooks 11 and 11b review -----------------------
+def test_configure_refuses_a_gpu_and_applies_the_block_it_is_given():
+    from mk.course import reviewed
+    from mk.course.run import validate_run
+
+    with pytest.raises(ValueError, match="chip='gb200' is a gpu"):
+        reviewed.configure(validate_run(chip="gb200"))
+    plain = reviewed.configure(validate_run(preset="tiny", chip="v6e", context=128))
+    square = reviewed.configure(validate_run(preset="tiny", chip="v6e", context=128),
+                                tile=128, slots=3, dense_format="int8")
+    assert (square.block.tile_rows, square.block.tile_cols, square.block.slots) == (128, 128, 3)
+    assert square.formats["dense"] == "int8" and "dense" not in plain.formats
+    assert plain.position == 127 and plain.step_plan().block == plain.block
+
+
+def test_simulator_error_is_the_records_device_loops_or_none():
+    from mk.course import reviewed
+    from mk.cost import calibration
+
+    from mk.measure.measure import TPU_NAMES
+
+    unmeasured = [c for c in TPU_NAMES if c not in reviewed.measured_chips()]
+    assert "v5e" in reviewed.measured_chips() and unmeasured
+    assert reviewed.simulator_error(unmeasured[0]) is None  # no record to hold it to
+    error = reviewed.simulator_error("v5e")
+    loops = [g.error for g in calibration.agreement("v5e", a=sim.Assumptions())
+             if g.series == calibration.LOOP]
+    assert error["loops"] == len(loops) and error["assumed"] == (min(loops), max(loops))
+    assert -calibration.TOLERANCE < error["calibrated"][0] <= error["calibrated"][1] \
+        < calibration.TOLERANCE
