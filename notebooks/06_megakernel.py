@@ -414,7 +414,8 @@ print(report.summary())
 # KV tiles (which have their own ring) and, in a hybrid, the look-ahead lost to each
 # skipped mixer. A TPU v5e measured how much of that holds (the table below, device loops
 # of 32 steps, random weights; "share of HBM floor" is the datasheet floor over the
-# measured loop): the dense rows that read much KV (8 sequences, or a 4096-position cache) sit
+# measured loop, "share of measured HBM floor" the same at the bandwidth the chip's DMA
+# probe reached, issue 60's bar): the dense rows that read much KV (8 sequences, or a 4096-position cache) sit
 # furthest from the floor, because the attention loop takes KV slower than the DMA engine
 # brings it (`mk.cost.ledger.basis_table()` prints both rates). The performance model of a
 # later notebook replays this same `TileStream` on a chip model; given those measurements

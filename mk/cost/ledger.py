@@ -43,6 +43,10 @@ TERMS = {
     "HBM floor": "bytes one step moves / the HBM bandwidth of the devices sharing it "
                  "(datasheet peak, perfect sharding; `mk.cost.perf.predict`): no step can be "
                  "shorter",
+    "measured HBM floor": "the HBM floor at the bandwidth a chip's DMA probe measured "
+                          "(data/measured/<chip>.json) instead of its datasheet peak: what "
+                          "issue 60's share of floor is held to; a floor for that chip's "
+                          "measured DMA, not a bound on every kernel",
     "MXU floor": "a labelled bound, not the simulator's cost: the step's matmuls at the "
                  "MXU rule, each weight pass costing at least "
                  "the MXU's rows (`mk.cost.perf.mxu_floor_ms`), at the rate of one feed: bf16 "
@@ -152,7 +156,8 @@ def steps_table(chip: str, path: str | Path | None = None, *,
     that preset only, whole or cut to first layers; none is one row saying so): each
     row's measured device loop, its one dispatched step and XLA's (both include the
     host's dispatch), the calibrated steps of both series (`mk.cost.calibration.agreement`) and
-    their errors, and the HBM floor with its share of the device loop (floor / loop).
+    their errors, and the HBM floor with its share of the device loop (floor / loop), at
+    the datasheet's bandwidth and at the DMA probe's ("measured HBM floor").
     Labelled with the chip,
     and each row with its commit and date (`mk.cost.calibration.provenance`); a one step timed
     with its cache copied (before 4cbaec7 XLA copied the cache first) says so. No record
@@ -165,6 +170,7 @@ def steps_table(chip: str, path: str | Path | None = None, *,
                              "writes it on a TPU)"}])
     record = calibration.load_steps(path, chip)
     simulated = {(g.index, g.series): g for g in calibration.agreement(chip, path)}
+    measured_share = calibration.assumptions(chip, path).hbm_share  # the DMA probe's
     out = []
     for i, row in enumerate(record["rows"]):
         if model is not None and row["model"] != model:
@@ -187,7 +193,9 @@ def steps_table(chip: str, path: str | Path | None = None, *,
             "calibrated step ms": _versus(g),
             "calibrated one step ms": _versus(one),
             "HBM floor ms": f"{floor:.3f}",
-            "share of HBM floor": "-" if g is None else f"{floor / (g.measured_s * 1e3):.0%}"})
+            "share of HBM floor": "-" if g is None else f"{floor / (g.measured_s * 1e3):.0%}",
+            "share of measured HBM floor": "-" if g is None else
+            f"{floor / measured_share / (g.measured_s * 1e3):.0%}"})
     if not out:
         return plots.table([{"chip": chip, "steps record": f"no row of {model} in {path.name}"}])
     return plots.table(out)
