@@ -19,7 +19,7 @@ import json
 import re
 from pathlib import Path
 
-from mk.cost import calibration, perf
+from mk.cost import calibration, ledger, perf
 from mk.course import reviewed
 from mk.measure import measure
 from mk.model.chips import spec_of
@@ -349,7 +349,7 @@ def readme_says_what_the_chip_found(texts) -> list[str]:
         if said.groups() != want:
             problems.append(f"README: probe and KV rate {said.groups()}, records {want}")
     loops = {(r["model"], r["batch"]): r[calibration.LOOP] * 1e3 for r, _ in _loops()
-             if r["context"] == 1024 and r.get("layers") is None}
+             if r["context"] == 1024 and r["rows"] == 1 and r.get("layers") is None}
     said = _said(texts, "README", r"device-loop steps of ([\d.]+) ms \(qwen3-0.6b B1\), "
                  r"([\d.]+) \(B8\), ([\d.]+) \(qwen3-1.7b B1\) and ([\d.]+) \(qwen3-4b B1\)",
                  problems)
@@ -358,6 +358,21 @@ def readme_says_what_the_chip_found(texts) -> list[str]:
         for got, key in zip(said.groups(), keys):
             if abs(float(got) - loops[key]) > 0.01 * loops[key]:
                 problems.append(f"README: {key} {got} ms, v5e-steps.json {loops[key]:.3f}")
+    said = _said(texts, "README", r"every B1 and T8 row at context 1024 reaches (\d+)-(\d+) % "
+                 r"of its HBM floor, qwen3-1.7b B8 (\d+) %, qwen3-0.6b B8 (\d+) % and B1 at "
+                 r"4096 positions (\d+) %", problems)
+    if said:
+        table = ledger.steps_table("v5e")
+        col = table.columns.index("share of measured HBM floor")
+        share = {(r[0], r[1], r[2], r[3]): int(r[col].rstrip("%")) for r in table.rows
+                 if r[col] != "-"}
+        ones = [s for (_, b, t, c), s in share.items() if c == 1024 and (b, t) in
+                ((1, 1), (1, 8))]
+        want = (min(ones), max(ones), share["qwen3-1.7b", 8, 1, 1024],
+                share["qwen3-0.6b", 8, 1, 1024], share["qwen3-0.6b", 1, 1, 4096])
+        if tuple(map(int, said.groups())) != want:
+            problems.append(f"README: shares of the measured floor {said.groups()}, "
+                            f"steps_table {want}")
     return problems
 
 
@@ -367,3 +382,5 @@ def test_readme_and_the_notebook_list_say_what_the_v5e_found():
         "README", "steps of 1.97 ms (qwen3-0.6b B1)", "steps of 1.64 ms (qwen3-0.6b B1)"))
     assert readme_says_what_the_chip_found(_planted(
         "README", "0.36 µs and 748 GB/s", "0.36 µs and 819 GB/s"))
+    assert readme_says_what_the_chip_found(_planted(
+        "README", "qwen3-0.6b B8 74 %", "qwen3-0.6b B8 85 %"))
