@@ -48,12 +48,16 @@
 # it was from that chip's measured steps. Full-size presets are only compiled and
 # simulated, never run.
 #
-# **The TensorCore's clock is not known.** It turns the compiler's bundle counts into
-# seconds, and no one publishes it: `mk/data/chips.csv` gives each TPU a range whose two
-# ends are two estimates that disagree (the datasheet peak over the MXUs JAX's `tpu_info`
-# counts, and the clock at which libtpu's own schedule of one bf16 matmul would reach that
-# peak; the row's notes say which end is which). Every time that depends on it is shown at
-# both ends; a conclusion is drawn at the low end (the slower clock) or says that it is not.
+# **A bundle count becomes seconds at the chip's bundle rate, not at a clock.** The
+# compiler's VLIW bundles stall, by how much depends on the loop, so mk turns a count into
+# seconds at the bundles a second a compiled loop issues: a range per TPU in
+# `mk/data/chips.csv` (`ChipSpec.bundle_rate(end, M)`, ends "slow" and "fast"; from M =
+# mxu_rows activation rows the MXU-bound loop's rate). Each chip's row says where its
+# range comes from: **measured** on the chip (v5e), **derived** from the release's MXU push
+# rate (TPU7x) or **assumed** from those two (v6e, v5p); the design page
+# docs/design/mk.model.chips.md ("The bundle rate, not a clock") gives each derivation.
+# Every time that depends on it is shown at both ends; a conclusion is drawn at the slow
+# end (the fewer bundles a second) or says that it is not.
 
 # %% tags=["hide-input"]
 # Colab bootstrap, the same in every notebook. On Colab without the mk-megakernel package,
@@ -111,7 +115,7 @@ from IPython.display import display
 from mk.cost import bundles, calibration, ledger, perf, sim
 from mk.course import course, review, reviewed
 from mk import plots, sim_plots
-from mk.model.chips import CLOCK_ENDS
+from mk.model.chips import RATE_ENDS
 from mk.kernels.common import VmemBudget
 from mk.step.plan import DecodePlan
 
@@ -145,9 +149,9 @@ report = cost.report if cost else None
 est = perf.predict(config, spec, **step_args)
 floor_args = {k: v for k, v in step_args.items() if k != "formats"}
 mxu_ms = perf.mxu_floor_ms(config, spec, **floor_args)  # a labelled bound
-tile_ms = {end: perf.tile_floor_ms(config, spec, formats=formats, clock=end,
+tile_ms = {end: perf.tile_floor_ms(config, spec, formats=formats, rate_end=end,
                                    **{k: v for k, v in floor_args.items() if k != "context"})
-           for end in CLOCK_ENDS}  # the compute floor: the tile cost table
+           for end in RATE_ENDS}  # the compute floor: the tile cost table
 modelled_ms = perf.modelled_step_ms(config, spec, formats=formats, **floor_args)
 s = sim.simulate(step_plan())
 share = s.bubble_share()
@@ -179,15 +183,15 @@ display(plots.table([
      else ("compiles" if report.ok else "FAILS: " + report.error[:80])},
     {"": "issue per tile", "verdict": "not compiled" if not (report and report.ok)
      else f"{cost.worst.bundles} bundles against {cost.dma_s * 1e9:.0f} ns of DMA: "
-          + "; ".join(f"{cost.issue_s(end) * 1e9:.0f} ns at the clock's {end} end, "
+          + "; ".join(f"{cost.issue_s(end) * 1e9:.0f} ns at the bundle rate's {end} end, "
                       + ("HBM-bound" if cost.issue_s(end) <= 0.9 * cost.dma_s
-                         else "ISSUE-BOUND") for end in CLOCK_ENDS)},
+                         else "ISSUE-BOUND") for end in RATE_ENDS)},
     {"": "floors", "verdict": f"HBM floor {est.hbm_floor_ms:.4g} ms; tile floor "
-                              + ", ".join(f"{tile_ms[end]:.4g} ms at the clock's {end} end"
-                                          for end in CLOCK_ENDS)
-                              + (": HBM-bound at the low end"
-                                 if est.hbm_floor_ms >= tile_ms["low"] else
-                                 ": COMPUTE-BOUND at the low end")
+                              + ", ".join(f"{tile_ms[end]:.4g} ms at the bundle rate's "
+                                          f"{end} end" for end in RATE_ENDS)
+                              + (": HBM-bound at the slow end"
+                                 if est.hbm_floor_ms >= tile_ms["slow"] else
+                                 ": COMPUTE-BOUND at the slow end")
                               + f" (the MXU rule's bound: {mxu_ms:.4g} ms)"},
     {"": "modelled step", "verdict": f"{modelled_ms:.4g} ms (collectives "
                                      f"{est.collective_ms:.3g} ms)"},
@@ -214,6 +218,10 @@ display(plots.table([
     {"": "chip", "value": f"{spec.name}: {spec.device_hbm_bw / 1e12:.3g} TB/s "
                           f"and {spec.bf16_flops / spec.cores_per_chip / 1e12:.0f} TFLOP/s "
                           f"bf16 per device, VMEM {spec.vmem_bytes / 2**20:.0f} MiB"},
+    {"": "bundle rate", "value": " to ".join(f"{spec.bundle_rate(end, plan.M) / 1e9:.3g}"
+                                             for end in RATE_ENDS)
+                                 + f" G bundles/s at M = B x T = {plan.M} "
+                                   f"({spec.bundle_rate_source}: docs/design/mk.model.chips.md)"},
     {"": "step", "value": f"B={run.batch} T={run.rows}, cache S={run.context} (rows at "
                           f"position {position})"},
     {"": "weight formats", "value": f"{formats or 'none'} (the kernel packs "
@@ -248,14 +256,14 @@ print("compile_for_tpu=False: not compiled" if report is None else report.summar
 # before the DMA engine has streamed the next: one trip of `Ring.matmul`'s per-tile loop
 # must issue in less time than the tile's DMA. The compile above ran with libtpu's bundle
 # dump on (`mk.cost.bundles.measure`): each per-tile loop's body is counted in VLIW bundles
-# (one a cycle, at a clock known only as a range), with the bundles that drive the MXU and those
+# (seconds at the chip's bundle rate, a range), with the bundles that drive the MXU and those
 # with only scalar work (address arithmetic, the ring's bookkeeping). `Ring.matmul` runs
 # a steady loop a matrix that issues the matrix's own next tile (one DMA site), and edge
 # loops for its last `slots` tiles, one per run of tiles that the same few segments can
 # follow, each carrying only those segments' DMA sites (one, or two where the next layer's
 # segment or the tail may follow).
-# The simulator takes the costliest loop's bundles at one end of the clock range as the
-# compute lane's least time per tile (`Assumptions.tile_bundles`, `Assumptions.clock`);
+# The simulator takes the costliest loop's bundles at one end of the bundle rate as the
+# compute lane's least time per tile (`Assumptions.tile_bundles`, `Assumptions.rate_end`);
 # `benchmarks/tile_costs.py` makes the same table for every model and chip.
 
 # %%
@@ -263,19 +271,19 @@ if report is not None and report.ok:
     display(plots.table([{"loop": i, "bundles per trip": lp.bundles, "MXU": lp.mxu,
                           "scalar only": lp.scalar_only, "DMA sites": len(lp.dma_granules)}
                          for i, lp in enumerate(cost.loops)]))
-    issued = review.clock_ends(step_plan(), assumptions=cost.assumptions()
-                               )  # the compiled loop at both clock ends
+    issued = review.rate_ends(step_plan(), assumptions=cost.assumptions()
+                              )  # the compiled loop at both ends of the bundle rate
     print(f"costliest loop {cost.worst.bundles} bundles; the tile's DMA "
           f"{cost.dma_s * 1e9:.0f} ns ({cost.tile_bytes / 1024:.0f} KiB at "
           f"{cost.dma_bw / 1e9:.0f} GB/s); with the tile cost table the simulated step is "
           f"{s.step_ms:.4g} ms, HBM busy {s.hbm_utilisation:.1%}")
     display(plots.table([{
-        "clock end": end, "clock GHz": f"{spec.clock(end) / 1e9:.2f}",
+        "bundle rate end": end, "G bundles/s": f"{spec.bundle_rate(end, plan.M) / 1e9:.3g}",
         "issue ns per tile": f"{cost.issue_s(end) * 1e9:.0f}",
         "issue / DMA": f"{cost.issue_s(end) / cost.dma_s:.2f}",
         "simulated step ms": f"{issued[end].step_ms:.4g}",
         "HBM busy (simulated)": f"{issued[end].hbm_utilisation:.1%}"}
-        for end in CLOCK_ENDS]))
+        for end in RATE_ENDS]))
 
 # %% [markdown]
 # ## The simulated step: timeline and bubbles
@@ -395,12 +403,12 @@ checklist = [
 ]
 if report is not None and report.ok:
     checklist.append(("issue per tile", verdict(
-        cost.issue_s("low") <= 0.9 * cost.dma_s,
-        f"{cost.issue_s('low') * 1e9:.0f} ns at the clock's low end against "
+        cost.issue_s("slow") <= 0.9 * cost.dma_s,
+        f"{cost.issue_s('slow') * 1e9:.0f} ns at the bundle rate's slow end against "
         f"{cost.dma_s * 1e9:.0f} ns of DMA: HBM sets the pace at either end",
-        f"{cost.issue_s('low') * 1e9:.0f} ns at the clock's low end against "
-        f"{cost.dma_s * 1e9:.0f} ns of DMA (issue / DMA {cost.issue_s('low') / cost.dma_s:.2f}"
-        f"; {cost.issue_s('high') / cost.dma_s:.2f} at the high end): the loop's bookkeeping "
+        f"{cost.issue_s('slow') * 1e9:.0f} ns at the bundle rate's slow end against "
+        f"{cost.dma_s * 1e9:.0f} ns of DMA (issue / DMA {cost.issue_s('slow') / cost.dma_s:.2f}"
+        f"; {cost.issue_s('fast') / cost.dma_s:.2f} at the fast end): the loop's bookkeeping "
         "may set the pace; fewer scalar bundles per tile or bigger tiles")))
 if config.is_moe:
     checklist.append(("expert slots", verdict(
@@ -418,8 +426,8 @@ display(plots.table([{"design point": k, "verdict": v} for k, v in checklist]))
 #
 # The numbers of this configuration, as printed above: the simulated HBM utilisation, the
 # three largest bubble causes, and the simulated step against the modelled one; then the
-# simulated step with the compiled kernel's issue time per tile at both ends of the clock
-# range (the only simulated time here that depends on the clock).
+# simulated step with the compiled kernel's issue time per tile at both ends of the bundle
+# rate (the only simulated time here that depends on it).
 
 # %%
 print(f"{config.name} on {spec.name}, B={run.batch} T={run.rows} S={position} tp={tp}: "
@@ -428,15 +436,15 @@ print(f"{config.name} on {spec.name}, B={run.batch} T={run.rows} S={position} tp
       + ", ".join(f"{c} {t / s.step_s:.1%}" for c, t in top))
 if report is not None and report.ok:
     display(plots.table([
-        {"": "clock (GHz)", **{f"{end} end": f"{spec.clock(end) / 1e9:.2f}"
-                              for end in CLOCK_ENDS}},
+        {"": "bundle rate (G bundles/s)", **{
+            f"{end} end": f"{spec.bundle_rate(end, plan.M) / 1e9:.3g}" for end in RATE_ENDS}},
         {"": "issue per tile (ns)", **{f"{end} end": f"{cost.issue_s(end) * 1e9:.0f} of "
                                                     f"{cost.dma_s * 1e9:.0f} DMA"
-                                       for end in CLOCK_ENDS}},
+                                       for end in RATE_ENDS}},
         {"": "simulated step (ms)", **{f"{end} end": f"{issued[end].step_ms:.4g}"
-                                       for end in CLOCK_ENDS}},
+                                       for end in RATE_ENDS}},
         {"": "HBM busy (simulated)", **{f"{end} end": f"{issued[end].hbm_utilisation:.1%}"
-                                        for end in CLOCK_ENDS}}]))
+                                        for end in RATE_ENDS}}]))
 
 # %% [markdown]
 # **Takeaway.** The schedule is the design: the floors say what the bytes cost, the
@@ -460,13 +468,13 @@ if report is not None and report.ok:
 # ## Checks
 
 # %%
-# A slower clock never makes a step faster, for each source of tile costs at its two
-# ends: the tile cost table's (s is its low end) and the compiled kernel's recorded loop
-# (`issued`). The two sources price a tile differently, so the compiled loop at the high
-# end may beat the table at the low end: that is no clock statement.
-table_ends = {"low": s, "high": sim.simulate(step_plan(),
-                                             assumptions=sim.Assumptions(clock="high"))}
-review.check_invariants(s, no_prefetch=off, hbm_floor_ms=est.hbm_floor_ms, by_clock=[
+# A slower bundle rate never makes a step faster, for each source of tile costs at its
+# two ends: the tile cost table's (s is its slow end) and the compiled kernel's recorded
+# loop (`issued`). The two sources price a tile differently, so the compiled loop at the
+# fast end may beat the table at the slow end: that is no statement about the rate.
+table_ends = {"slow": s, "fast": sim.simulate(step_plan(),
+                                              assumptions=sim.Assumptions(rate_end="fast"))}
+review.check_invariants(s, no_prefetch=off, hbm_floor_ms=est.hbm_floor_ms, by_rate=[
     table_ends, *([issued] if report is not None and report.ok else [])])
 assert modelled_ms >= max(est.hbm_floor_ms, mxu_ms)
 assert report is None or report.ok or not fits, f"compile failed: {report.error[:300]}"
