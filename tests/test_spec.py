@@ -6,7 +6,7 @@ reference compiles in ~3 s per shape and runs in ~10 ms, the megakernel in inter
 compiles in ~11 s (tiny) / ~33 s (tiny-moe) per [B, T] shape and runs in ~0.5-2 s):
 - Full matrix with the XLA reference verifier: every drafter x gamma 1..7 x batch 1..4 x
   {tiny, tiny-moe}, STEPS tokens each, in one shape bucket (mk.speculative.spec module docstring) so
-  each preset compiles its verifier and each drafter once.
+  each preset compiles its verifier and each drafter once (CI: tiny-moe with "self" only).
 - Megakernel verifier in interpret mode, the smallest set that covers each drafter, the
   extreme gammas 1 and 7, batch 1 and 4 and both presets: two kernel shapes (tiny B=4 T=8
   with the forced, ngram and model drafters; tiny-moe B=1 T=2 with self), MK_STEPS tokens
@@ -120,8 +120,13 @@ def test_sampling_fields_are_finite_numbers_in_range(fields, message):
 
 
 # -- Greedy speculative decoding is the target's greedy decoding ---------------------------------
-@pytest.mark.parametrize("drafter", spec.DRAFTERS)
-@pytest.mark.parametrize("name", PRESETS)
+# CI: every drafter on tiny and the "self" drafter (the MoE target drafting for itself) on
+# tiny-moe; tiny-moe's other drafters (~25 s: the drafters' host logic is tiny's) in
+# make test-slow.
+@pytest.mark.parametrize("name, drafter", [
+    pytest.param(name, drafter, marks=pytest.mark.slow)
+    if name == "tiny-moe" and drafter != "self" else (name, drafter)
+    for name in PRESETS for drafter in spec.DRAFTERS])
 def test_greedy_tokens_equal_the_target_for_every_gamma_and_batch(models, name, drafter):
     config, params, prompts, want, _ = models[name]
     for gamma in range(1, spec.MAX_GAMMA + 1):
