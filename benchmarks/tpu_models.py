@@ -218,15 +218,11 @@ def main(argv=None) -> None:
             print(json.dumps(_child(i, table, args.steps, args.timeout, passed)),
                   flush=True)
         return
-    made = measure.provenance_apart()  # this process never opens the chip
-    if args.interpret:
-        if args.json is None or args.json.stem.split("-")[0] in measure.TPU_NAMES:
-            p.error("--interpret needs --json, a path not named for a TPU")
-        made |= dict(label=measure.INTERPRET_LABEL)
-    elif made["chip"] is None:
-        p.error(f"no TPU here ({made['device_kind']}); --interpret tries the script")
-    else:
-        made |= dict(label=f"measured on {made['device_kind']}")
+    try:  # this process never opens the chip
+        made = measure.labelled(measure.provenance_apart(), interpret=args.interpret,
+                                json_path=args.json)
+    except ValueError as err:
+        p.error(str(err))
     path = args.json or measure.MEASURED / f"{made['chip']}-models.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     rows = {_key(r): r for r in _earlier_rows(path, made)}

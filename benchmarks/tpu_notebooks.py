@@ -170,20 +170,12 @@ def main(argv=None) -> int:
         return 0
     if not args.timeout > 0:
         p.error(f"--timeout={args.timeout} must be > 0")
-    if args.interpret and (
-            args.json is None or args.json.stem.split("-")[0] in measure.TPU_NAMES
-            or args.json.resolve().is_relative_to(measure.MEASURED.resolve())):
-        p.error("--interpret needs --json, a path not named for a TPU and not under "
-                f"{measure.MEASURED}")
     start = time.perf_counter()
-    made = measure.provenance_apart()  # this process never opens the chip
-    if args.interpret:
-        made |= dict(label=measure.INTERPRET_LABEL)
-    elif made["chip"] is None:
-        p.error(f"no TPU here ({made['device_kind']}); on a TPU set MK_TPU=1, else "
-                "--interpret tries the script")
-    else:
-        made |= dict(label=f"ran on {made['device_kind']}")
+    try:  # this process never opens the chip
+        made = measure.labelled(measure.provenance_apart(), interpret=args.interpret,
+                                json_path=args.json, verb="ran")
+    except ValueError as err:
+        p.error(str(err))
     notebooks = [n.resolve() for n in args.notebooks] or sorted(
         (ROOT / "notebooks").glob(run_notebooks.PATTERN))
     try:

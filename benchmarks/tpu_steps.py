@@ -74,17 +74,12 @@ def main(argv=None) -> None:
                    help="on a CPU: the tiny rows in interpret mode (not a TPU's time)")
     p.add_argument("--json", type=Path, help="where the record goes")
     args = p.parse_args(argv)
-    made = measure.provenance()
-    if args.interpret:
-        if args.json is None or args.json.stem.split("-")[0] in measure.TPU_NAMES:
-            p.error("--interpret needs --json, a path not named for a TPU")
-        table, backend = INTERPRET_ROWS, "interpret"
-        made |= dict(label=measure.INTERPRET_LABEL)
-    elif made["chip"] is None:
-        p.error(f"no TPU here ({made['device_kind']}); --interpret tries the script")
-    else:
-        table, backend = ROWS, "hardware"
-        made |= dict(label=f"measured on {made['device_kind']}")
+    try:
+        made = measure.labelled(measure.provenance(), interpret=args.interpret,
+                                json_path=args.json)
+    except ValueError as err:
+        p.error(str(err))
+    table, backend = (INTERPRET_ROWS, "interpret") if args.interpret else (ROWS, "hardware")
     made |= dict(megakernel_cache="donated")  # `time_step_series`' one step: in place
     picked = [table[i] for i in args.rows] if args.rows else list(table)
     path = args.json or calibration.steps_path(made["chip"])

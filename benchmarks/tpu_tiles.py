@@ -103,18 +103,16 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error(f"--repeats={args.repeats} must be >= 1")
-    made = measure.provenance()
+    try:
+        made = measure.labelled(measure.provenance(), interpret=args.interpret,
+                                json_path=args.json)
+    except ValueError as err:
+        p.error(str(err))
     if args.interpret:
-        if args.json is None or args.json.stem.split("-")[0] in measure.TPU_NAMES:
-            p.error("--interpret needs --json, a path not named for a TPU")
         sizes, backend = INTERPRET, "interpret"
-        made |= dict(label=measure.INTERPRET_LABEL)
-    elif made["chip"] is None:
-        p.error(f"no TPU here ({made['device_kind']}); --interpret tries the script")
     else:
         sizes = dict(tile=TILE, depths=tuple(args.depths), repeats=args.repeats)
         backend = "hardware"
-        made |= dict(label=f"measured on {made['device_kind']}")
     path = args.json or measure.MEASURED / f"{made['chip']}-tiles.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     rows = []

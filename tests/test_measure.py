@@ -235,3 +235,20 @@ def test_provenance_asked_of_another_process_is_this_ones():
     here, apart = measure.provenance(), measure.provenance_apart()
     assert {k: apart[k] for k in here if k != "when"} == {k: here[k] for k in here
                                                           if k != "when"}
+
+
+def test_a_benchmarks_record_is_labelled_for_its_machine_or_refused(tmp_path):
+    """`measure.labelled`, every TPU benchmark's one gate: interpret mode only into a
+    --json path neither named for a TPU nor under data/measured; a TPU's record labelled
+    with its device; a CPU without --interpret refused."""
+    cpu = dict(chip=None, device_kind="cpu")
+    assert measure.labelled(cpu, interpret=True, json_path=tmp_path / "cpu-steps.json")[
+        "label"] == measure.INTERPRET_LABEL
+    for path in (None, tmp_path / "v5e-steps.json", measure.MEASURED / "cpu-steps.json"):
+        with pytest.raises(ValueError, match="--interpret needs --json, a path not named"):
+            measure.labelled(cpu, interpret=True, json_path=path)
+    with pytest.raises(ValueError, match=r"no TPU here \(cpu\)"):
+        measure.labelled(cpu, interpret=False, json_path=None)
+    tpu = dict(chip="v5e", device_kind="TPU v5 lite")
+    assert measure.labelled(tpu, interpret=False, json_path=None, verb="ran")[
+        "label"] == "ran on TPU v5 lite"

@@ -11,7 +11,8 @@ Here: `Sweep` (`SWEEPS`), `DmaPoint`, `StepPoint`, `Measured` (`latency_fit`,
 `dma_latency_s`, `hbm_bw`, `hbm_share`, `to_dict`, `from_dict`), `chip_of`,
 `median_seconds`, `seconds_per_copy`, `dma_sweep`, `time_step_series` (`STEP_SERIES`: the
 megakernel, its device loop, XLA's step; benchmarks/tpu_steps.py; its plan `step_plan`),
-`time_step`, `provenance`, `measure`, `example`, `path_for`, `write`, `load`, `sim_fields`.
+`time_step`, `provenance`, `labelled`, `measure`, `example`, `path_for`, `write`, `load`,
+`sim_fields`.
 Not here: the simulator (`mk.cost.sim`), drawing (the notebook, with `mk.plots`), the JSON
 schema's prose (data/README.md). How each number is measured: docs/design/mk.measure.measure.md.
 """
@@ -457,6 +458,23 @@ def provenance() -> dict:
     return dict(chip=chip_of(kind) if jax.devices()[0].platform == "tpu" else None,
                 device_kind=kind, jax=jax.__version__, libtpu=libtpu,
                 commit=os.environ.get("MK_COMMIT") or _git_head() or "unknown", when=_now())
+
+
+def labelled(made: dict, *, interpret: bool, json_path, verb: str = "measured") -> dict:
+    """A benchmark's `made` (`provenance`) with its record's label: interpret mode's, which
+    needs `json_path`, a path neither named for a TPU nor under MEASURED, else "<verb> on"
+    the TPU; ValueError saying what is missing where neither holds (the scripts pass it
+    to argparse's error)."""
+    if interpret:
+        if json_path is None or Path(json_path).stem.split("-")[0] in TPU_NAMES or Path(
+                json_path).resolve().is_relative_to(MEASURED.resolve()):
+            raise ValueError("--interpret needs --json, a path not named for a TPU and not "
+                             f"under {MEASURED}")
+        return made | dict(label=INTERPRET_LABEL)
+    if made["chip"] is None:
+        raise ValueError(f"no TPU here ({made['device_kind']}); on a TPU set MK_TPU=1, else "
+                         "--interpret tries the script")
+    return made | dict(label=f"{verb} on {made['device_kind']}")
 
 
 def provenance_apart() -> dict:
