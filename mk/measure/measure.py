@@ -11,8 +11,7 @@ Here: `Sweep` (`SWEEPS`), `DmaPoint`, `StepPoint`, `Measured` (`latency_fit`,
 `dma_latency_s`, `hbm_bw`, `hbm_share`, `to_dict`, `from_dict`), `chip_of`,
 `median_seconds`, `seconds_per_copy`, `dma_sweep`, `time_step_series` (`STEP_SERIES`: the
 megakernel, its device loop, XLA's step; benchmarks/tpu_steps.py; its plan `step_plan`),
-`time_step`, `provenance`, `labelled`, `measure`, `example`, `path_for`, `write`, `load`,
-`sim_fields`.
+`provenance`, `labelled`, `measure`, `example`, `path_for`, `write`, `load`, `sim_fields`.
 Not here: the simulator (`mk.cost.sim`), drawing (the notebook, with `mk.plots`), the JSON
 schema's prose (data/README.md). How each number is measured: docs/design/mk.measure.measure.md.
 """
@@ -437,15 +436,6 @@ def step_plan(config: ModelConfig, *, batch: int = 1, rows: int = 1, context: in
     return DecodePlan.make(config, batch=batch, rows=rows, context=capacity, block=block)
 
 
-def time_step(config: ModelConfig, *, batch: int = 1, rows: int = 1, context: int = 256,
-              repeats: int = 5, seed: int = 0, backend: str = "auto") -> StepPoint:
-    """One dispatched megakernel decode step (`time_step_series`' "megakernel")."""
-    seconds = time_step_series(config, batch=batch, rows=rows, context=context,
-                               series=("megakernel",), repeats=repeats, seed=seed,
-                               backend=backend)["megakernel"]
-    return StepPoint(config.name, batch, rows, context, seconds)
-
-
 def provenance() -> dict:
     """What a record measured on this machine names: the first device's chip (None off a
     TPU) and kind, the jax and libtpu versions, the commit ($MK_COMMIT, else git's HEAD,
@@ -510,9 +500,10 @@ def measure(backend: str = "auto", *, sweep: Sweep | None = None,
     sweep = sweep or SWEEPS["full" if mode == "hardware" else "quick"]
     where = provenance()
     dma = dma_sweep(sweep, mode)
-    step = None if config is None else time_step(config, batch=batch, rows=rows,
-                                                 context=context, repeats=sweep.repeats,
-                                                 backend=mode)
+    step = None if config is None else StepPoint(  # one dispatched step
+        config.name, batch, rows, context, time_step_series(
+            config, batch=batch, rows=rows, context=context, series=("megakernel",),
+            repeats=sweep.repeats, backend=mode)["megakernel"])
     return Measured(mode=mode, label=INTERPRET_LABEL if mode == "interpret" else
                     f"measured on {where['device_kind']}",
                     chip=where["chip"] if mode == "hardware" else None,
