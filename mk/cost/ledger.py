@@ -1,16 +1,15 @@
 """One ledger of the published numbers and one vocabulary for every time the course states.
 
-`TERMS` defines each word once; notebooks 00, 09 and 11 (and any other that states a step
-time) use these words and no others; notebook 00 shows the definitions (`glossary()`) and
-the others link to it. `entries(...)` sets every row of data/published.csv against the
-models under one set of assumptions, named once here (`runs()`: `VERIFY_ROWS`, batch 1
-where unstated, every device of the run in one tensor-parallel group, each row's own
-context, `mk.cost.published.Published.context`), and, where `benchmarks/tile_costs.py
---published` recorded it, against the simulated step of the run's compiled kernel.
-`latency_grid` lays its TPU rows out over `COLLECTIVE_LATENCIES_US`, rounds of a
-collective. Nothing is fitted to the published numbers. `verified_table`, `basis_table`
-and `steps_table` say what rests on a chip (tokens judged, the simulator's inputs and error,
-each timed step beside its calibrated one).
+`TERMS` defines each word once; every notebook that states a step time uses these words
+and no others, and links to notebook 00's definitions (`glossary()`). `entries(...)` sets
+every row of data/published.csv against the models under one set of assumptions, named
+once here (`runs()`: `VERIFY_ROWS`, batch 1 where unstated, every device of the run in one
+tensor-parallel group, each row's own context, `mk.cost.published.Published.context`),
+and, where `benchmarks/tile_costs.py --published` recorded it, against the simulated step
+of the run's compiled kernel. `latency_grid` lays its TPU rows out over
+`COLLECTIVE_LATENCIES_US`, rounds of a collective. Nothing is fitted to the published
+numbers. `verified_table`, `basis_table` and `steps_table` say what rests on a chip (tokens
+judged, the simulator's inputs and error, each timed step beside its calibrated one).
 
 Not here: the models (`mk.cost.perf`, `mk.cost.sim`), parsing (`mk.cost.published`), drawing.
 """
@@ -44,9 +43,8 @@ TERMS = {
                  "(datasheet peak, perfect sharding; `mk.cost.perf.predict`): no step can be "
                  "shorter",
     "measured HBM floor": "the HBM floor at the bandwidth a chip's DMA probe measured "
-                          "(data/measured/<chip>.json) instead of its datasheet peak: what "
-                          "issue 60's share of floor is held to; a floor for that chip's "
-                          "measured DMA, not a bound on every kernel",
+                          "(data/measured/<chip>.json), not its datasheet peak: issue 60's "
+                          "bar; no bound on a kernel that beats the probe",
     "MXU floor": "a labelled bound, not the simulator's cost: the step's matmuls at the "
                  "MXU rule, each weight pass costing at least "
                  "the MXU's rows (`mk.cost.perf.mxu_floor_ms`), at the rate of one feed: bf16 "
@@ -153,16 +151,13 @@ def basis_table() -> plots.Table:
 def steps_table(chip: str, path: str | Path | None = None, *,
                 model: str | None = None) -> plots.Table:
     """`chip`'s steps record (`mk.cost.calibration`) in `TERMS`' words (`model`: its rows of
-    that preset only, whole or cut to first layers; none is one row saying so): each
-    row's measured device loop, its one dispatched step and XLA's (both include the
-    host's dispatch), the calibrated steps of both series (`mk.cost.calibration.agreement`) and
-    their errors, and the HBM floor with its share of the device loop (floor / loop), at
-    the datasheet's bandwidth and at the DMA probe's ("measured HBM floor").
-    Labelled with the chip,
-    and each row with its commit and date (`mk.cost.calibration.provenance`); a one step timed
-    with its cache copied (before 4cbaec7 XLA copied the cache first) says so. No record
-    at `path` (an installed mk, e.g. on Colab: records live in a checkout's data/measured)
-    is one row saying so, not an error."""
+    that preset only, whole or cut; none is one row saying so): each row's device loop, one
+    dispatched step and XLA's step (both with the host's dispatch) as measured, the
+    calibrated steps of both series and their errors (`mk.cost.calibration.agreement`), the
+    HBM floor and its share of the loop, and the measured HBM floor's. Each row names its
+    commit and date (`mk.cost.calibration.provenance`), and a one step timed with its cache
+    copied (before 4cbaec7) says so. No record at `path` (an installed mk, e.g. on Colab) is
+    one row saying so, not an error."""
     path = Path(path) if path is not None else calibration.steps_path(chip)
     if not path.exists():
         return plots.table([{"chip": chip, "steps record": f"none here ({path.name} is in "
@@ -170,7 +165,7 @@ def steps_table(chip: str, path: str | Path | None = None, *,
                              "writes it on a TPU)"}])
     record = calibration.load_steps(path, chip)
     simulated = {(g.index, g.series): g for g in calibration.agreement(chip, path)}
-    measured_share = calibration.assumptions(chip, path).hbm_share  # the DMA probe's
+    measured_share = Assumptions.measured(chip).hbm_share  # the DMA probe's bandwidth
     out = []
     for i, row in enumerate(record["rows"]):
         if model is not None and row["model"] != model:
@@ -190,8 +185,7 @@ def steps_table(chip: str, path: str | Path | None = None, *,
             f"device loop ms (measured on {chip})": _ms(row.get(calibration.LOOP)),
             "one dispatched step ms": _ms(row.get(calibration.ONE_STEP), copied),
             "XLA's step ms": _ms(row.get("xla")),
-            "calibrated step ms": _versus(g),
-            "calibrated one step ms": _versus(one),
+            "calibrated step ms": _versus(g), "calibrated one step ms": _versus(one),
             "HBM floor ms": f"{floor:.3f}",
             "share of HBM floor": "-" if g is None else f"{floor / (g.measured_s * 1e3):.0%}",
             "share of measured HBM floor": "-" if g is None else
@@ -516,8 +510,7 @@ def _explain(run: Run) -> str:
         notes.append(f"{stored} (mk.model.quant's packed data and scales; the release's FP4){cost}")
     layouts = [k.layout_note() for k in layer_kinds(shard_config(config, tp))]
     if tp > 1 and any(layouts):  # a shard's partial lane tiles, router split (tp 1: above)
-        notes.append(f"TP{tp}: {''.join(layouts).removeprefix(', ')} (the release's expert "
-                     "layout is not published)")
+        notes.append(f"TP{tp}: {''.join(layouts).removeprefix(', ')} (expert layout unpublished)")
     if row.acceptance_length:
         notes.append(f"each step verifies T={rows} rows and keeps the published mean "
                      f"acceptance {row.acceptance_length:g} (forced acceptance in the "
@@ -548,8 +541,7 @@ def headline(rows: list[dict], *, model: str = "Kimi K3", system: str = "tpu7x",
     if row is None or "simulated_ms" not in row:
         raise ValueError(f"no simulated row for {model} on {system} at tau={tau}: call "
                          "entries(simulate_tpu=True)")
-    _fields(row, ENTRY, "published", "published_step_ms", "modelled_ms", "hbm_floor_ms",
-            "note")
+    _fields(row, ENTRY, "published", "published_step_ms", "modelled_ms", "hbm_floor_ms", "note")
     published = row["published_step_ms"]
     if "compiled_slow_ms" in row:
         slow, fast = row["compiled_slow_ms"], row["compiled_fast_ms"]

@@ -453,8 +453,7 @@ def provenance() -> dict:
 def labelled(made: dict, *, interpret: bool, json_path, verb: str = "measured") -> dict:
     """A benchmark's `made` (`provenance`) with its record's label: interpret mode's, which
     needs `json_path`, a path neither named for a TPU nor under MEASURED, else "<verb> on"
-    the TPU; ValueError saying what is missing where neither holds (the scripts pass it
-    to argparse's error)."""
+    the TPU; ValueError naming what is missing otherwise (for argparse's error)."""
     if interpret:
         if json_path is None or Path(json_path).stem.split("-")[0] in TPU_NAMES or Path(
                 json_path).resolve().is_relative_to(MEASURED.resolve()):
