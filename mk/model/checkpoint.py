@@ -78,15 +78,15 @@ def init_params(config: ModelConfig, seed: int = 0, formats=None) -> dict:
         if x.shape != shape:  # a lane-padded model's padding: zeros
             x, values = np.zeros(shape, np.float32), x
             put_corner(x, values)
-        params[name] = jnp.asarray(x, dtype)
+        params[name] = jax.device_put(x.astype(jnp.dtype(dtype)))
     return params
 
 
 def _random_stack(shape, own, scheme, rng, rms, name):
     """`mk.model.random_codes.random_weight` of a stacked weight [L, ..., I, O] a leading row at
-    a time (a plain matrix whole), the rows stacked on the host: the device holds one row
-    beside the stack, never the rows and their stack (gpt-oss-20b's 3.1 GiB MXFP4 expert
-    stacks twice are over a v5e's free HBM)."""
+    a time (a plain matrix whole), the rows stacked on the host and put on the device
+    once: the device never holds the rows and their stack (gpt-oss-20b's 3.1 GiB MXFP4
+    expert stacks twice are over a v5e's free HBM)."""
     if len(shape) == 2:
         return random_codes.random_weight(shape, scheme, rng, rms, own, name)
     data = scale = None
@@ -97,7 +97,7 @@ def _random_stack(shape, own, scheme, rng, rms, name):
             scale = np.empty((shape[0], *row.scale.shape), row.scale.dtype)
         data[i], scale[i] = np.asarray(row.data), np.asarray(row.scale)
         del row
-    return quant.QuantWeight(jnp.asarray(data), jnp.asarray(scale), scheme)
+    return quant.QuantWeight(jax.device_put(data), jax.device_put(scale), scheme)
 
 
 # -- Hugging Face checkpoints -------------------------------------------------------------
