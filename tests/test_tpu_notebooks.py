@@ -250,6 +250,11 @@ def test_one_notebook_runs_through_papermill_in_interpret_mode(tmp_path):
     assert row["status"] == "ok" and row["cells_run"] == row["cells"] > 0
 
 
+def _listed(words: list[str]) -> str:
+    """"a", "a and b", "a, b and c"."""
+    return " and ".join(filter(None, (", ".join(words[:-1]), words[-1])))
+
+
 def test_the_readme_says_what_the_committed_record_holds():
     """README's sentence on the notebooks' chip runs is the record's, count for count: each
     notebook's newest row, the commits and dates they ran at, the longest of them; a new
@@ -266,7 +271,7 @@ def test_the_readme_says_what_the_committed_record_holds():
     notebooks = len(list((ROOT / "notebooks").glob("[0-9]*.py")))
     longest = max(rows, key=lambda r: r["seconds"])
     said = (f"Each notebook's newest run with its kernels on the chip (the map shows each): "
-            f"{len(rows)} of the {notebooks} ran, {ok} ok, at {' and '.join(commits)} "
+            f"{len(rows)} of the {notebooks} ran, {ok} ok, at {_listed(commits)} "
             f"({', '.join(dates)}), {longest['notebook'][:2]} the longest at "
             f"{longest['seconds']:.0f} s")
     assert said in text, said
