@@ -76,6 +76,7 @@ context: int = 256  # S, cached positions per sequence (the KV cache's capacity)
 chip: str = "v6e"  # a name from mk.model.chips.CHIP_NAMES: the chip of rooflines and budgets
 backend: str = "auto"  # "auto" (Mosaic on a TPU, else interpret), "interpret" or "hardware"
 seed: int = 0  # seed of the random weights and inputs
+solutions: bool = False  # True checks the worked solution in place of yours (headless runs)
 checkpoint: str = ""  # a local Hugging Face checkpoint folder; "" for random weights
 tp: int = 1  # tensor-parallel devices; the kernel reviewed is the shard of one device
 dense_format: str = ""  # attention/MLP storage: int8, fp8, int4, fp4, none; "" keeps the preset's
@@ -99,10 +100,11 @@ import mk
 import mk.course.run
 from IPython.display import display
 from mk.cost import feed_costs, ledger, perf, sim
-from mk.course import review, reviewed
+from mk.course import course, review, reviewed
 from mk import plots, sim_plots
 from mk.measure import xla_step
 from mk.model.chips import RATE_ENDS, spec_of
+from mk.kernels import collectives
 from mk.kernels.collectives import round_s
 from mk.cost.published import published
 
@@ -615,6 +617,47 @@ for end in RATE_ENDS:
           f"{len(measured_shards) - len(over)} of {len(measured_shards)} recorded shards"
           + (f"; it does NOT on {', '.join(over)} (issue / DMA): there the loop's "
              "bookkeeping, not HBM, sets the pace of weight streaming" if over else ""))
+
+# %% [markdown]
+# ## Exercise: one all-reduce, read back to its inputs
+#
+# Every collective line above (the step's collectives term, the latency grid's collective
+# chain) is a sum of all-reduces, each priced by `mk.kernels.collectives.allreduce_s`.
+# Derive one. An all-reduce of an `nbytes` message on each of `tp` devices runs as two
+# phases, a reduce-scatter then an all-gather, each of `collectives.rounds(algorithm, tp)`
+# message rounds (the algorithm: `collectives.choose_algorithm(tp, algorithm)`) of
+# `collectives.round_s(spec, latency_s)` seconds. Meanwhile bytes move at one device's
+# `collectives.ici_bandwidth(spec)` bytes/s: in the reduce-scatter each device sends the
+# others the tp - 1 chunks of its message they own (1/tp of it each); in the all-gather,
+# its own summed chunk to each of the tp - 1 others.
+#
+# **Predict**: Kimi K3's verification step (B = 1, T = 8 rows of float32 partial sums of
+# its hidden width) all-reduces at TP32 on TPU7x, at the measured round and link: is that
+# bound by its rounds or by its bytes? Then **write** `my_allreduce_s`;
+# `course.check_allreduce_s` compares it with mk's own on six cases (that one, each
+# algorithm, a bandwidth-bound message, a round given, an empty message, tp = 1) and fails
+# on the first it gets wrong, saying what that case exercises. `solutions = True`
+# (parameters cell) checks the worked solution instead; `course.reveal("11b-allreduce")`
+# explains it.
+
+# %%
+def my_allreduce_s(nbytes, tp, spec, algorithm=None, latency_s=None):
+    """Seconds of one all-reduce of `nbytes` per device over `tp` devices of chip `spec` (a
+    `mk.model.chips.ChipSpec`) by `algorithm` (None: the one of fewer rounds), a message
+    round taking `latency_s` seconds (None: the chip's), from `collectives.rounds`,
+    `choose_algorithm`, `round_s` and `ici_bandwidth`."""
+    ...
+
+
+derivation = course.check_allreduce_s(course.attempt("11b-allreduce", my_allreduce_s,
+                                                     solutions))
+display(plots.table([{k: f"{v:.4g}" if isinstance(v, float) else v for k, v in r.items()}
+                     for r in derivation]))
+kimi_round = derivation[0]
+print(f"{kimi_round['case']}: {kimi_round['yours µs']:.2f} µs, "
+      f"{kimi_round['rounds µs']:.2f} µs of it {kimi_round['rounds']} message rounds and "
+      f"{kimi_round['bytes µs']:.2f} µs bytes: bound by its "
+      f"{'rounds' if kimi_round['rounds µs'] > kimi_round['bytes µs'] else 'bytes'}")
 
 # %% [markdown]
 # **Takeaway.** The verdict's lines come from here: the floors say what the bytes cost,

@@ -304,7 +304,8 @@ FIX_CHECKS = {"00c-copy": course.check_copy_kernel,
               "03-rescale": course.check_attend_update,
               "04-compact": course.check_compact_experts,
               "05-residual": lambda fn: _one_layer_error("wrong_residual", fn),
-              "09-accept": _accept_check}
+              "09-accept": _accept_check,
+              "11b-allreduce": course.check_allreduce_s}
 
 
 def test_every_worked_solution_has_a_fix_check_and_an_answer():

@@ -7,7 +7,8 @@ in a `with` block; `replaced(name, fn)` runs the student's `fn` there); the from
 exercises' checks (00c `check_copy_kernel`, `copy_out_before_wait` its race; 01
 `check_ring_kernel`; 03 `check_attend_tile`; 04 `check_compact_experts`); the fix
 exercises' (`update_without_rescale` with `check_attend_update`, 08's in
-`mk.course.scopes`, `check_up_rotation`, `check_ring_depth`); the mystery
+`mk.course.scopes`, `check_up_rotation`, `check_ring_depth`, 11b's `check_allreduce_s` of
+`mk.course.derivations`); the mystery
 lab (`mystery(seed)`: one unnamed plant in the step, found with the race detector or
 `first_divergence`); `mk.course.solutions`' worked answers re-exported (`reveal`, `attempt`).
 Checks are graders (`mk.course.grading`'s, re-exported: `ExerciseFailed`, `check_close`,
@@ -49,6 +50,7 @@ from mk.course.grading import (ExerciseFailed, answer_array, check_close,  # noq
 from mk.cost.machine import Simulation
 from mk.model.presets import preset
 from mk.course.solutions import ANSWERS, SOLUTIONS, attempt, is_stub, reveal  # noqa: F401
+from mk.course.derivations import check_allreduce_s  # noqa: F401
 from mk.kinds.attention import attention_prologue
 from mk.kernels import collectives, kv_stream, ring
 from mk.kinds.linear import deltanet

@@ -7,7 +7,8 @@ code to edit); no worked solution is in a notebook. With the notebook's `solutio
 parameter True (headless runs: notebooks/runs.yaml's `every_run`), `attempt` hands the
 check the worked solution and prints that it did. The worked solution of a planted mistake
 is the released code itself (`mk.course.teach.online_softmax_update`, `one_layer.residual`,
-`spec.accept_greedy`): one copy, the one the kernels run. Design notes:
+`spec.accept_greedy`), and so is a derivation's (`collectives.allreduce_s`): one copy, the
+one the kernels and the models run. Design notes:
 docs/design/mk.course.course.md.
 
 Not here: the exercises, their plants and their checks (`mk.course.course`, which re-exports
@@ -27,6 +28,7 @@ from IPython.display import Markdown
 
 from mk.speculative import spec
 from mk.course import teach
+from mk.kernels import collectives
 from mk.model.errors import shown
 from mk.course.grading import ExerciseFailed
 from mk.step import one_layer
@@ -51,6 +53,7 @@ SOLUTIONS = {
     "05-residual": one_layer.residual,
     "08-scope": norm_in_its_scope,
     "09-accept": spec.accept_greedy,
+    "11b-allreduce": collectives.allreduce_s,
 }
 
 ANSWERS = {
@@ -121,6 +124,19 @@ ANSWERS = {
         "plant compares it with row i + 1's, which it matches only by chance. The tokens "
         "stay right (the bonus is still the target's token at the first reject), so only "
         "the speed check catches it. Fixed: compare `drafts == target[:, :-1]`."),
+    "11b-allreduce": (
+        "Two phases, a reduce-scatter then an all-gather, each of `collectives.rounds("
+        "collectives.choose_algorithm(tp, algorithm), tp)` message rounds (1 for "
+        "two_phase, log2(tp) for recursive, 0 at tp = 1) of `collectives.round_s(spec, "
+        "latency_s)` seconds; and the bytes: in the reduce-scatter each device sends the "
+        "tp - 1 chunks (1/tp of the message each) that the others own, in the all-gather "
+        "its own summed chunk to the tp - 1 others, so 2 (tp - 1) / tp of nbytes at "
+        "`collectives.ici_bandwidth(spec)` bytes/s. `return 2 * rounds * round_s(spec, "
+        "latency_s) + 2 * (tp - 1) / tp * nbytes / ici_bandwidth(spec)`. One phase's rounds "
+        "halves the latency term, the whole message on the wire misses the bandwidth term "
+        "by 2 (tp - 1) / tp, and a time in µs is 1e6 times too large. Kimi K3's 224 KiB at "
+        "TP32 is latency-bound: its two rounds cost more than its bytes (the check's first "
+        "row), as the release measured (as `collectives.allreduce_s`)."),
 }
 
 
