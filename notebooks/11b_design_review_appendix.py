@@ -99,7 +99,7 @@ from pathlib import Path
 import mk
 import mk.course.run
 from IPython.display import display
-from mk.cost import feed_costs, ledger, perf, sim
+from mk.cost import draft, feed_costs, ledger, perf, sim
 from mk.course import course, review, reviewed
 from mk import plots, sim_plots
 from mk.measure import xla_step
@@ -145,6 +145,29 @@ published_costs = (json.loads(published_costs_path.read_text())
 headline_rows = ledger.entries(batches=(1,), simulate_tpu=True,  # the speculative runs, B=1
                                tile_costs=published_costs)
 print(ledger.headline(headline_rows))
+
+# %% [markdown]
+# Those steps are the verification alone. The release's published step at tau 6 is two
+# kernels, one after the other: its verify megakernel (T = 8 rows) and then its fused
+# DSpark draft kernel, which reads the verify's logits and the hidden states tapped at five
+# of its layers, projects them through an fc, runs 5 small layers over the 8 rows of the
+# next block in one pass, its 163,840-column lm_head and a Markov bias token by token
+# (`mk.cost.draft`, the release's code cited in docs/design/mk.cost.draft.md). The draft
+# step simulated on the same machine (the tile cost table at each end of the bundle rate,
+# the verify's collective model at TP32), beside each simulated verify step, their sum and
+# the published step (all simulated but the last):
+
+# %%
+drafts = draft.draft_ends(draft.DSPARK, "tpu7x")
+with_drafts = [x for r in headline_rows if r["preset"] == draft.DSPARK.target
+               and r["system"] == "tpu7x" and r["tau"] and "simulated_ms" in r
+               for x in draft.with_draft(r, drafts)]
+display(plots.table([{k: f"{v:.3g}" if isinstance(v, float) else v for k, v in x.items()}
+                     for x in with_drafts]))
+for end, d in drafts.items():
+    print(f"draft step (simulated), {end} end of the bundle rate: {d.step_ms:.3f} ms, "
+          f"{d.dma_bytes / 2**20:.0f} MiB a rank, HBM busy {d.hbm_utilisation:.0%}, "
+          f"the largest bubble: {next(iter(d.bubble_share()), '-')}")
 
 # %% [markdown]
 # Every collective in that step pays the latency of its message rounds (two for each
@@ -683,4 +706,6 @@ for run_name in {r["run"] for r in table}:  # a longer round never makes a step 
     by_us = sorted((r["round (µs)"], r) for r in table if r["run"] == run_name)
     for key in ("collective chain (ms)", "simulated (ms)"):
         assert all(a[1][key] <= b[1][key] * (1 + 1e-12) for a, b in zip(by_us, by_us[1:]))
+for x in with_drafts:  # the published step holds both kernels: their sum, each end
+    assert x["verify + draft ms"] == x["verify ms"] + x["draft ms"] > x["verify ms"]
 print("checks passed")
