@@ -367,9 +367,11 @@ display(plots.table(fit.vmem.rows()[:8]))  # the last chip's biggest VMEM buffer
 # ### On a Colab TPU: the real gpt-oss-20b
 #
 # With `hf_model = "openai/gpt-oss-20b"` and `allow_download = True` on a TPU runtime
-# (v6e-1; on v5e-1's 15.75 GiB `DecodePlan.fits` counts it as fitting at this context, with
-# little to spare: counted, not measured), the cell
-# below downloads the checkpoint (~13 GB, MXFP4 experts), loads it (`mk.load_checkpoint`:
+# (v6e-1 or v5e-1: on v5e-1's 15.75 GiB its random weights in the real shapes counted 15.7
+# GiB for a donating `generate` and peaked at 14.5 on a v5e, 1 of its 8 tokens exact, in
+# data/measured/v5e-models.json: random routers are chaotic, a rounding-sized change flips
+# an expert and every token after, so the chip's prefill and the CPU's parted at the first;
+# `mk.model.checkpoint.pin_routes` gives random routers a margin), the cell below downloads the checkpoint (~13 GB, MXFP4 experts), loads it (`mk.load_checkpoint`:
 # lane-padded, the experts kept fp4), prints the plan's fit for this chip and decodes
 # `hf_text` greedily in the megakernel. Elsewhere it says why it skips.
 

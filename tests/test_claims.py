@@ -270,13 +270,25 @@ def fits_is_counted_not_measured(texts) -> list[str]:
                 rows["qwen3-8b"]["planned_gib"], rows["qwen3-8b"]["peak_gib"]]
         if [float(x) for x in said.groups()] != [round(w, 1) for w in want]:
             problems.append(f"12: {said.groups()} GiB, v5e-models.json {want}")
-        if any(r["wrong"] or r["exact"] + r["ties"] != r["total"] for r in rows.values()):
+        if any(rows[m]["wrong"] or rows[m]["exact"] + rows[m]["ties"] != rows[m]["total"]
+               for m in ("qwen3-4b", "qwen3-8b")):
             problems.append("12: 'both exact', but v5e-models.json has a wrong token")
-    if "gpt-oss-20b" not in rows:
-        for key in ("05d_gpt_oss_layers", "docs/colab"):
+    oss = rows.get("gpt-oss-20b")
+    for key in ("05d_gpt_oss_layers", "docs/colab"):
+        if oss is None:
             if not re.search(r"v5e-1.{0,120}counted, not measured", texts[key]):
                 problems.append(f"{key}: says the 20b on a v5e-1 without 'counted, not "
                                 "measured' (v5e-models.json has no gpt-oss-20b row)")
+            continue
+        said = _said(texts, key, r"its random weights in the real shapes counted ([\d.]+) "
+                     r"GiB for a donating `?generate`? and peaked at ([\d.]+) on a v5e, "
+                     r"(\d) of its (\d) tokens exact", problems)
+        if said and ([float(x) for x in said.groups()[:2]] != [
+                round(oss[k], 1) for k in ("planned_gib", "peak_gib")]
+                or [int(x) for x in said.groups()[2:]] != [oss["exact"] + oss["ties"],
+                                                           oss["total"]]):
+            problems.append(f"{key}: gpt-oss-20b {said.groups()}, v5e-models.json "
+                            f"{[oss[k] for k in ('planned_gib', 'peak_gib', 'exact', 'total')]}")
     limit = {r["limit_gib"] for r in rows.values()}
     said = _said(texts, "05d_gpt_oss_layers", r"v5e-1's ([\d.]+) GiB", problems)
     if said and {float(said[1])} != limit:
@@ -289,7 +301,9 @@ def test_12_and_05d_say_what_a_v5e_held_counted_and_measured():
     assert fits_is_counted_not_measured(_planted(
         "12_quantised_weights", "and peaked at 9.2,", "and peaked at 8.2,"))
     assert fits_is_counted_not_measured(_planted(
-        "05d_gpt_oss_layers", "counted, not measured", "measured"))
+        "05d_gpt_oss_layers", "and peaked at 14.5", "and peaked at 13.5"))
+    assert fits_is_counted_not_measured(_planted(
+        "docs/colab", "1 of its 8 tokens exact", "8 of its 8 tokens exact"))
 
 
 # -- 13: "measure your TPU" failed on the v5e with its defaults -----------------------------
