@@ -2,11 +2,12 @@
 
 For each row of `ROWS` (a preset, its weight formats, B and the cache's capacity): random
 weights in the model's real shapes and formats, made on the host (`mk.init_params` with
-formats: drawn as codes); the reference's greedy run on the host's CPU
-(`mk.measure.exactness.expect`, the quantised params dequantised a layer at a time), in a CPU-only
-child process whose host memory goes back before the chip runs; the
-megakernel's `steps` greedy tokens on the chip (`mk.step.megakernel.generate`, device loops of
-8) judged against it (`mk.measure.exactness.judge`); the chip's peak memory
+formats: drawn as codes; gpt-oss's routes pinned, `_params`: random routers are
+chaotic); the reference's greedy run on the host's CPU (`mk.measure.exactness.expect`,
+the quantised params dequantised a layer at a time), in a CPU-only child process whose
+host memory goes back before the chip runs; the megakernel's `steps` greedy tokens on the
+chip (`mk.step.megakernel.generate`, device loops of 8) judged against it
+(`mk.measure.exactness.judge`); the chip's peak memory
 (`memory_stats()["peak_bytes_in_use"]`) beside what the plan counts for the whole
 generate (`DecodePlan.fits(prompt=)`); and the generate's wall time, compiles included
 (not a step's time: benchmarks/tpu_steps.py times steps). Each row runs in a process of
@@ -46,7 +47,8 @@ import numpy as np  # noqa: E402
 import mk  # noqa: E402
 from mk.measure import exactness, measure  # noqa: E402
 from mk.step import megakernel  # noqa: E402
-from mk.model import quant, untrusted  # noqa: E402
+from mk.model import checkpoint, quant, untrusted  # noqa: E402
+from mk.model.weights import param_shapes  # noqa: E402
 from mk.model.chips import chip_of  # noqa: E402
 from mk.step.plan import DecodePlan  # noqa: E402
 
@@ -68,11 +70,29 @@ def _reference(preset: str, formats: dict, batch: int, context: int, steps: int)
     """The reference's greedy run of a row (`mk.measure.exactness.expect`) and its seconds, in the
     process that runs it: a CPU-only child of `run_row` (`exactness.cpu_only`)."""
     config = mk.preset(preset)
-    params = mk.init_params(config, 0, formats)
+    params = _params(config, formats)
     start = time.perf_counter()
     expected = exactness.expect(config, params, _prompt(config, batch), steps,
                                 max_context=context)
     return expected, round(time.perf_counter() - start, 1)
+
+
+def _params(config, formats: dict) -> dict:
+    """A row's random weights (`mk.init_params`, seed 0), a biased router's routes pinned
+    (`mk.model.checkpoint.pin_routes`): random routers are chaotic, so without that the
+    chip's tokens could not be judged against the CPU's."""
+    params = mk.init_params(config, 0, formats)
+    return checkpoint.pin_routes(config, params) if _pinned(config) else params
+
+
+def _pinned(config) -> bool:
+    return "router_logit_bias" in param_shapes(config)
+
+
+def _row(preset: str, formats: dict, batch: int, context: int, steps: int) -> dict:
+    """A row's fields before it runs: routes "pinned" where `_params` pins them."""
+    return dict(model=preset, formats=formats, batch=batch, context=context, steps=steps,
+                routes="pinned" if _pinned(mk.preset(preset)) else "drawn")
 
 
 def _prompt(config, batch: int) -> np.ndarray:
@@ -97,7 +117,7 @@ def run_row(preset: str, formats: dict, batch: int, context: int, steps: int,
     has let its params go. With `expected_dir`, the reference's run is read from its file
     there if one was saved (`expected_file`), else run and saved; `expect_only` stops
     after that."""
-    row = dict(model=preset, formats=formats, batch=batch, context=context, steps=steps)
+    row = _row(preset, formats, batch, context, steps)
     config = mk.preset(preset)
     path = expected_dir and expected_file(expected_dir, row)
     if path and path.exists():
@@ -109,7 +129,7 @@ def run_row(preset: str, formats: dict, batch: int, context: int, steps: int,
             save_expected(path, expected, row["reference_s"])
     if expect_only:
         return row | dict(expected=path.name)
-    params = mk.init_params(config, 0, formats)
+    params = _params(config, formats)
     prompt = _prompt(config, batch)
     device = jax.devices()[0]
     if device.platform == "tpu":
@@ -135,10 +155,11 @@ def run_row(preset: str, formats: dict, batch: int, context: int, steps: int,
 
 def expected_file(folder: Path, row: dict) -> Path:
     """Where a row's saved reference run lives in `folder`: a name from its preset,
-    formats, batch, context and steps."""
+    formats, batch, context, steps and pinned routes."""
     formats = "-".join(f"{g}={s}" for g, s in sorted(row["formats"].items())) or "plain"
+    pinned = "-pinned" if row["routes"] == "pinned" else ""
     return Path(folder) / (f"{row['model']}-{formats}-b{row['batch']}-c{row['context']}"
-                           f"-s{row['steps']}.npz")
+                           f"-s{row['steps']}{pinned}.npz")
 
 
 def save_expected(path: Path, expected: exactness.Expected, seconds: float) -> None:
@@ -168,15 +189,14 @@ def load_expected(path: Path, batch: int, steps: int, vocab: int):
 def _judge(preset: str, formats: dict, batch: int, tokens) -> exactness.Verdict:
     """`mk.measure.exactness.judge` of a row's tokens (the reference teacher-forced on them)."""
     config = mk.preset(preset)
-    params = mk.init_params(config, 0, formats)
+    params = _params(config, formats)
     return exactness.judge(config, params, _prompt(config, batch), tokens)
 
 
 def _child(index: int, table, steps: int, timeout: float, passed: tuple = ()) -> dict:
     """Row `index` of `table` run by this script in a fresh process (its own peak), with
     the arguments `passed` (the saved reference runs' options)."""
-    preset, formats, batch, context = table[index]
-    row = dict(model=preset, formats=formats, batch=batch, context=context, steps=steps)
+    row = _row(*table[index], steps)
     argv = [sys.executable, __file__, "--one", str(index), "--steps", str(steps), *passed]
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)

@@ -58,7 +58,9 @@ def init_params(config: ModelConfig, seed: int = 0, formats=None) -> dict:
     are drawn as codes (`mk.model.random_codes.random_weight`, one leading row at a time, at the
     same root mean square), not quantised from the normal values: a model's real shapes and
     formats in seconds (quantising gpt-oss-20b's experts takes minutes, and their float32
-    values do not fit a 40 GiB host).
+    values do not fit a 40 GiB host). Each tensor is made on the host and put on the
+    device once (`jax.device_put`: `jnp.asarray` of a host array held two copies there,
+    which sent gpt-oss-20b's last 3.1 GiB expert stack out of a v5e's memory).
     """
     seed = check_seed(seed)
     chosen = {name: scheme for group, scheme in quant.check_quantisable(config, formats or {})
@@ -98,6 +100,34 @@ def _random_stack(shape, own, scheme, rng, rms, name):
         data[i], scale[i] = np.asarray(row.data), np.asarray(row.scale)
         del row
     return quant.QuantWeight(jax.device_put(data), jax.device_put(scale), scheme)
+
+
+# The logits by which `pin_routes`' experts beat the rest: the token's part of a random
+# router logit is about N(0, 1) (`init_params`' router), so its 32 (or 128) experts'
+# spread stays under 8 and every pinned expert wins by more than 8.
+PINNED_MARGIN = 16.0
+
+
+def pin_routes(config: ModelConfig, params: dict, seed: int = 0,
+               margin: float = PINNED_MARGIN) -> dict:
+    """`params` (`init_params`') with each MoE layer's router bias raised by `margin` on
+    `config.experts_per_token` experts of that layer's own (drawn by `seed`), so every token
+    routes to them with a margin no rounding closes. Random routers are the opposite: at
+    gpt-oss-20b's 24 layers of top-4 of 32, a 1e-6 change of the normed rows (rms_eps x 1.1)
+    flips a choice and the first token's logits move by up to 100 (the CPU reference
+    against itself), so a chip's tokens cannot be judged against the CPU's. The softmax
+    over the pinned experts still follows each token. ValueError for a model whose router
+    has no bias (`router_logit_bias`: gpt-oss's)."""
+    if "router_logit_bias" not in params:
+        raise ValueError(f"{config.name}: no router_logit_bias; pin_routes raises a "
+                         "biased router's bias (gpt-oss's)")
+    bias = np.asarray(params["router_logit_bias"], np.float32)
+    rng = np.random.default_rng([check_seed(seed), zlib.crc32(b"pin_routes")])
+    for layer in range(bias.shape[0]):
+        bias[layer, rng.choice(bias.shape[1], config.experts_per_token, replace=False)] += (
+            margin)
+    return params | {"router_logit_bias": jax.device_put(
+        bias.astype(params["router_logit_bias"].dtype))}
 
 
 # -- Hugging Face checkpoints -------------------------------------------------------------
