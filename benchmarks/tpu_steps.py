@@ -14,6 +14,12 @@ not depend on their values.
 
     MK_TPU=1 MK_COMMIT=<sha> python benchmarks/tpu_steps.py [--rows 0 3 5] [--budget 500]
 
+A sweep of the attention loop's KV tiling (issue 60: it took KV at 452 GB/s where the DMA
+probe moved 748): `--kv-tiles 128 256 512 --kv-slots 2 4` times each picked row's device
+loop at every (kv_tile, kv_slots), the rest of the block the default, into
+<chip>-kv-sweep.json beside the steps record (which `mk.cost.calibration` reads, so a
+default's rows never mix with a sweep's); a block the plan refuses is kept with its error.
+
 On a CPU it refuses (interpret-mode time is not a TPU's): pass --interpret to try the
 script on `tiny` rows, whose record goes to the path given by --json, never under
 data/measured.
@@ -22,6 +28,7 @@ data/measured.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -31,6 +38,7 @@ if __package__ in (None, ""):  # run as a script: make `mk` importable from a ch
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mk.cost import calibration  # noqa: E402
+from mk.kernels.common import BlockSizes  # noqa: E402
 from mk.measure import measure  # noqa: E402
 
 # (preset, first layers or None for all, B, T, context)
@@ -52,13 +60,19 @@ ROWS = (
 INTERPRET_ROWS = (("tiny", None, 1, 1, 64), ("tiny-moe", None, 2, 4, 64))
 
 
-def time_row(preset, layers, batch, rows, context, *, backend: str, repeats: int) -> dict:
+def time_row(preset, layers, batch, rows, context, *, backend: str, repeats: int,
+             kv: tuple[int, int] | None = None) -> dict:
     """One row of the record: the row's fields and each series' seconds per step, or the
-    error the chip gave."""
+    error the chip gave; with `kv` (kv_tile, kv_slots), the device loop's alone at that
+    KV tiling."""
     row = dict(model=preset, layers=layers, batch=batch, rows=rows, context=context)
+    sweep = {} if kv is None else dict(
+        block=BlockSizes(kv_tile=kv[0], kv_slots=kv[1]), series=(calibration.LOOP,))
+    row |= {} if kv is None else dict(kv_tile=kv[0], kv_slots=kv[1])
     try:
         row |= measure.time_step_series(calibration.row_config(row), batch=batch, rows=rows,
-                                        context=context, repeats=repeats, backend=backend)
+                                        context=context, repeats=repeats, backend=backend,
+                                        **sweep)
     except Exception as err:  # noqa: BLE001 - a refused row is a result, kept with its error
         row["error"] = f"{type(err).__name__}: {str(err)[:400]}"
     return row
@@ -73,7 +87,12 @@ def main(argv=None) -> None:
     p.add_argument("--interpret", action="store_true",
                    help="on a CPU: the tiny rows in interpret mode (not a TPU's time)")
     p.add_argument("--json", type=Path, help="where the record goes")
+    p.add_argument("--kv-tiles", nargs="+", type=int, help="sweep these KV tiles")
+    p.add_argument("--kv-slots", nargs="+", type=int, help="sweep these KV slot counts")
     args = p.parse_args(argv)
+    if bool(args.kv_tiles) != bool(args.kv_slots):
+        p.error("--kv-tiles and --kv-slots sweep together: give both")
+    kvs = list(itertools.product(args.kv_tiles, args.kv_slots)) if args.kv_tiles else [None]
     try:
         made = measure.labelled(measure.provenance(), interpret=args.interpret,
                                 json_path=args.json)
@@ -82,17 +101,18 @@ def main(argv=None) -> None:
     table, backend = (INTERPRET_ROWS, "interpret") if args.interpret else (ROWS, "hardware")
     made |= dict(megakernel_cache="donated")  # `time_step_series`' one step: in place
     picked = [table[i] for i in args.rows] if args.rows else list(table)
-    path = args.json or calibration.steps_path(made["chip"])
+    path = args.json or (calibration.steps_path(made["chip"]) if kvs == [None] else
+                         measure.MEASURED / f"{made['chip']}-kv-sweep.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     rows = {_key(r): r for r in _earlier_rows(path, made)}
     start, done = time.perf_counter(), 0
-    for preset, layers, batch, t, context in picked:
+    for (preset, layers, batch, t, context), kv in itertools.product(picked, kvs):
         if time.perf_counter() - start > args.budget:
-            print(f"budget of {args.budget:.0f} s spent: {len(picked) - done} rows left",
-                  flush=True)
+            print(f"budget of {args.budget:.0f} s spent: "
+                  f"{len(picked) * len(kvs) - done} rows left", flush=True)
             break
         row = time_row(preset, layers, batch, t, context, backend=backend,
-                       repeats=args.repeats)
+                       repeats=args.repeats, kv=kv)
         row |= {f: made[f] for f in calibration.PROVENANCE}
         rows[_key(row)], done = row, done + 1
         print(json.dumps(row), flush=True)
@@ -102,7 +122,8 @@ def main(argv=None) -> None:
 
 
 def _key(row: dict) -> tuple:
-    return tuple(row[f] for f in ("model", "layers", "batch", "rows", "context"))
+    return tuple(row.get(f) for f in ("model", "layers", "batch", "rows", "context",
+                                      "kv_tile", "kv_slots"))
 
 
 def _earlier_rows(path: Path, made: dict) -> list[dict]:

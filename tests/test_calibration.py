@@ -13,7 +13,10 @@ from pathlib import Path
 
 import pytest
 
+import mk
 from mk.cost import calibration, ledger
+from mk.kernels.common import BlockSizes
+from mk.measure import measure
 from mk.model.chips import spec_of
 from mk.cost.machine import Assumptions
 
@@ -214,3 +217,20 @@ def test_the_chips_benchmarks_import_on_a_machine_without_plotly(script):
     done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_kv_sweeps_plans_hold_whole_tiles_of_its_block_and_its_rows_stay_apart():
+    """benchmarks/tpu_steps.py --kv-tiles: `measure.step_plan` with a block of another KV
+    tile gives a cache of whole tiles of it (1024 + 32 positions: 1280 for the default,
+    1152 for 128, 1536 for 512), and a sweep's rows key apart from each other and from the
+    default's (the steps record `mk.cost.calibration` reads never holds them)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import tpu_steps
+    config = mk.preset("qwen3-0.6b")
+    for tile, want in ((None, 1280), (128, 1152), (512, 1536)):
+        block = tile and BlockSizes(kv_tile=tile)
+        assert measure.step_plan(config, context=1024, block=block).context == want, tile
+    base = dict(model="qwen3-0.6b", layers=None, batch=8, rows=1, context=1024)
+    keys = {tpu_steps._key(base)} | {tpu_steps._key(base | dict(kv_tile=t, kv_slots=s))
+                                     for t in (128, 256) for s in (2, 4)}
+    assert len(keys) == 5

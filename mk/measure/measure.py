@@ -428,10 +428,11 @@ def time_step_series(config: ModelConfig, *, batch: int = 1, rows: int = 1,
 def step_plan(config: ModelConfig, *, batch: int = 1, rows: int = 1, context: int = 256,
               loop_steps: int = 32, block=None) -> DecodePlan:
     """The plan `time_step_series` runs, its one step and its device loop alike: a cache
-    holding `context` positions and the loop's steps of `rows` rows
-    after them, `block` or the default one (no chip given: what `generate` runs)."""
+    holding `context` positions and the loop's steps of `rows` rows after them (whole KV
+    tiles of `block`), `block` or the default one (no chip given: `generate`'s)."""
     _integer("loop_steps", loop_steps, 1)
-    capacity = cache_capacity(context + rows * loop_steps)
+    end, tile = context + rows * loop_steps, block and block.kv_tile
+    capacity = cache_capacity(end) if block is None else -(-end // tile) * tile
     config = dataclasses.replace(config, max_context=capacity)
     return DecodePlan.make(config, batch=batch, rows=rows, context=capacity, block=block)
 
@@ -469,8 +470,7 @@ def labelled(made: dict, *, interpret: bool, json_path, verb: str = "measured") 
 def provenance_apart() -> dict:
     """`provenance()` asked of a fresh Python process, so the caller never opens the chip:
     a process that touches the TPU holds it, and the scripts that run each row or notebook
-    in a process of their own (benchmarks/tpu_models.py, tpu_notebooks.py) must leave it
-    free."""
+    in a process of their own (benchmarks/tpu_models.py, tpu_notebooks.py) leave it free."""
     env = os.environ | {"PYTHONPATH": os.pathsep.join(
         p for p in (str(Path(__file__).resolve().parents[2]),
                     os.environ.get("PYTHONPATH")) if p)}
