@@ -144,3 +144,5 @@ def test_a_biased_routers_routes_are_pinned_and_its_saved_run_named_so():
         assert all(set(c) == pinned[i] for c in np.asarray(chosen).tolist()), layer
     with pytest.raises(ValueError, match="tiny: no router_logit_bias"):
         checkpoint.pin_routes(mk.preset("tiny"), mk.init_params(mk.preset("tiny")))
+    with pytest.raises(ValueError, match=r"margin=-1 must be a finite number in \(0, inf\)"):
+        checkpoint.pin_routes(config, drawn, margin=-1)

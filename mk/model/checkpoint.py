@@ -31,7 +31,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from mk.model import quant, random_codes, untrusted
-from mk.model.config import ModelConfig, check_seed
+from mk.model.config import ModelConfig, check_seed, finite_number
 from mk.model.errors import shown
 from mk.model.hf_layout import every, fill_slots, hf_layout, hf_shape, placements
 from mk.model.hf_config import not_run, tensor_prefixes
@@ -117,10 +117,11 @@ def pin_routes(config: ModelConfig, params: dict, seed: int = 0,
     flips a choice and the first token's logits move by up to 100 (the CPU reference
     against itself), so a chip's tokens cannot be judged against the CPU's. The softmax
     over the pinned experts still follows each token. ValueError for a model whose router
-    has no bias (`router_logit_bias`: gpt-oss's)."""
+    has no bias (`router_logit_bias`: gpt-oss's) or a margin not a positive number."""
     if "router_logit_bias" not in params:
         raise ValueError(f"{config.name}: no router_logit_bias; pin_routes raises a "
                          "biased router's bias (gpt-oss's)")
+    margin = finite_number("margin", margin, 0.0, open_low=True)
     bias = np.asarray(params["router_logit_bias"], np.float32)
     rng = np.random.default_rng([check_seed(seed), zlib.crc32(b"pin_routes")])
     for layer in range(bias.shape[0]):
