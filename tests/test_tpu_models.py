@@ -146,3 +146,16 @@ def test_a_biased_routers_routes_are_pinned_and_its_saved_run_named_so():
         checkpoint.pin_routes(mk.preset("tiny"), mk.init_params(mk.preset("tiny")))
     with pytest.raises(ValueError, match=r"margin=-1 must be a finite number in \(0, inf\)"):
         checkpoint.pin_routes(config, drawn, margin=-1)
+
+
+def test_route_chaos_compares_two_prefills_and_names_a_bad_format(capsys):
+    """benchmarks/route_chaos.py (pin_routes' why, measured on gpt-oss-20b on the CPU): on
+    tiny-gpt-oss, pinned, rms_eps x 1.1 keeps every token and moves no logit past 1e-3 of
+    their spread; a format that is not group=scheme is refused by name."""
+    import route_chaos
+    out = route_chaos.sensitivity("tiny-gpt-oss", {"experts": "fp4"}, True, 1.1)
+    assert out["tokens"] == out["moved_tokens"] and len(out["tokens"]) == route_chaos.PROMPT
+    assert out["max_change"] < 1e-3 * out["std"]
+    with pytest.raises(SystemExit):
+        route_chaos.main(["--preset", "tiny-gpt-oss", "--formats", "experts"])
+    assert "each must be group=scheme" in capsys.readouterr().err
