@@ -31,7 +31,7 @@ import mk  # noqa: E402
 from mk.model import checkpoint, reference  # noqa: E402
 from mk.model.config import finite_number  # noqa: E402
 
-PROMPT = 8
+PROMPT, CONTEXT = 8, 1024  # benchmarks/tpu_models.py's prompt and cache capacity
 
 
 def prefill_logits(config, formats: dict, pinned: bool) -> np.ndarray:
@@ -41,7 +41,7 @@ def prefill_logits(config, formats: dict, pinned: bool) -> np.ndarray:
         params = checkpoint.pin_routes(config, params)
     prompt = np.random.default_rng(0).integers(0, config.vocab, (1, PROMPT))
     logits, _ = jax.jit(lambda p, t: reference.prefill(
-        config, p, t, max_context=PROMPT, quantised=True))(params, prompt)
+        config, p, t, max_context=CONTEXT, quantised=True))(params, prompt)
     return np.asarray(logits[0])
 
 
