@@ -479,14 +479,14 @@ def _check_tied_head(handles, where, embed_name, head_name="lm_head.weight") -> 
 def _assemble(checkpoint: OpenCheckpoint) -> dict[str, jax.Array]:
     """Stack the validated plain tensors per parameter in numpy, each value where its
     placement puts it (`mk.model.hf_layout.fill_slots`; a lane-padded slot's padding zeros);
-    then one device copy each."""
+    then each put on the device once (`jax.device_put`, as `init_params`)."""
     stacks = {param: np.zeros(shape, jnp.dtype(dtype)) for param, (shape, dtype)
               in param_shapes(checkpoint.config).items() if param not in checkpoint.quantised}
     for name, placed in checkpoint.placed.items():
         fill_slots(checkpoint.view(name),
                    [(p, every(stacks[p.param].shape[len(p.index):]), stacks[p.param][p.index])
                     for p in placed])
-    return {param: jnp.asarray(stacked) for param, stacked in stacks.items()}
+    return {param: jax.device_put(stacked) for param, stacked in stacks.items()}
 
 
 def _slot(param: str, index: tuple[int, ...]) -> str:

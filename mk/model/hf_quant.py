@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import jax.numpy as jnp
+import jax
 import numpy as np
 
 from mk.model import quant, unpack
@@ -233,6 +233,6 @@ def assemble_quantised(folder, handles, where, layout, shapes
                 d[index] = np.asarray(unpack.pack_codes("fp4", codes))
             else:
                 put_corner(s[index], np.swapaxes(part, -1, -2))
-    return {param: quant.QuantWeight(jnp.asarray(data[param]), jnp.asarray(scales[param]),
-                                     "fp8" if scales[param].dtype == np.float32 else "fp4")
-            for param in data}
+    return {param: quant.QuantWeight(  # each put on the device once (`mk.init_params`)
+        jax.device_put(data[param]), jax.device_put(scales[param]),
+        "fp8" if scales[param].dtype == np.float32 else "fp4") for param in data}
