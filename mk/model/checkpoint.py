@@ -1,7 +1,8 @@
 """Weights: deterministic random parameters and strict Hugging Face checkpoint loading.
 
-Here: `init_params(config, seed)` (random weights in the layout of `mk.model.config`) and
-`load_checkpoint(path)` for Qwen3 / Qwen3-MoE / Qwen3.5 (`qwen3_5_text`, and the language
+Here: `init_params(config, seed)` (random weights in the layout of `mk.model.config`;
+`pin_routes` gives a biased router's random routes a margin, for judging a chip's tokens)
+and `load_checkpoint(path)` for Qwen3 / Qwen3-MoE / Qwen3.5 (`qwen3_5_text`, and the language
 model of a full `qwen3_5` checkpoint), Kimi Linear (`kimi_linear`), Kimi K3's language
 model (`kimi_k3`) and gpt-oss folders of safetensors files, including quantised ones in
 their own formats (`mk.model.hf_quant`: Hugging Face fine-grained FP8, gpt-oss's and Kimi K3's
