@@ -33,7 +33,6 @@ from mk.kernels.jax_private import MosaicError
 from mk.kernels.collectives import AXIS
 from mk.kernels.common import VmemBudget
 from mk.step.plan import DecodePlan, plan_chip
-from mk.model.weights import FORMAT_GROUPS, abstract_params
 
 
 # What libtpu and Mosaic raise for a kernel they refuse (capacity, lowering, verification).
@@ -181,10 +180,7 @@ def compile_megakernel(plan: DecodePlan, *, topology: str | None = None) -> Comp
     if not fit.ok:
         return CompileReport(name, spec.name, False, fit.error, 0.0, vmem=fit.vmem,
                              tp=plan.tp, hbm_bytes=fit.hbm_bytes)
-    params = abstract_params(config)
-    params |= {name: quant.abstract_weight(params[name].shape, scheme)
-               for family, scheme in dict(plan.formats).items()
-               for name in FORMAT_GROUPS[family] if name in params}
+    params = quant.abstract_params(config, plan.formats)
     # One device's cache; with tp > 1 stacked [tp, ...] (`mk.step.shards.shard_cache`).
     cache = jax.eval_shape(lambda: reference.init_cache(plan.local, batch, context))
     tokens = jax.ShapeDtypeStruct((batch, rows), jnp.int32)

@@ -4,9 +4,9 @@ Here: the four storage schemes (`SCHEMES`, `STORED`, `SCALES`), `QuantWeight` (c
 construction: `check_layout`, `check_values`), `quantize` (`check_quantisable`,
 `unstreamed`), `dequantize` and `dequantize_weight` (the oracle's weights for `mk.model.reference`),
 `check_error`, `accuracy` (against the bf16 model), the bytes (`storage_bytes`,
-`group_bytes`, `stored_bytes`, `abstract_weight`), the kernel's tile layout (`tile_shapes`,
-`tile_bytes`, `tile_major`, `column_block`, `pad_columns`, `side_by_side`, `ZERO_CODE`,
-`UNIT_SCALE`), `formats_of` and `schemes_of`.
+`group_bytes`, `stored_bytes`, `abstract_weight`, `abstract_params`), the kernel's tile
+layout (`tile_shapes`, `tile_bytes`, `tile_major`, `column_block`, `pad_columns`,
+`side_by_side`, `ZERO_CODE`, `UNIT_SCALE`), `formats_of` and `schemes_of`.
 
 Not here: what a kernel does to one packed tile, the element decoders, the packing order
 and the MXU feeds (`mk.model.unpack`), random weights drawn as codes (`mk.model.random_codes`),
@@ -34,6 +34,7 @@ from mk.model.unpack import (E8M0_BIAS, GROUP, INT_SCHEMES, PACK_ROWS, block_sca
                        dequantize_tile, grouped, oracle_dtype, pack_codes, pow2,
                        scaled_weight)
 from mk.model.weights import FORMAT_GROUP, FORMAT_GROUPS, param_shapes, weights_of
+from mk.model.weights import abstract_params as weights_abstract_params
 
 SCHEMES = tuple(SCHEME_BITS)  # each laid out as docs/design/mk.model.quant.md says
 FP8_MAX, INT8_MAX, INT4_MAX, FP4_MAX = 448.0, 127, 7, 6.0
@@ -523,6 +524,16 @@ def abstract_weight(shape: tuple[int, ...], scheme: str) -> QuantWeight:
              "int4": ((I // 128, O), jnp.bfloat16), "fp4": ((I // 32, O), jnp.uint8)}[scheme]
     return QuantWeight(*(jax.ShapeDtypeStruct((*lead, *s), d) for s, d in (data, scale)),
                        scheme)
+
+
+def abstract_params(config: ModelConfig, formats: Mapping[str, str] | None = None) -> dict:
+    """`mk.model.weights.abstract_params` with every weight of the groups of `formats`
+    ({group: scheme}, checked by whoever chose them) an `abstract_weight`: the params
+    `mk.init_params(config, seed, formats)` makes, as shapes to trace or compile with."""
+    params = weights_abstract_params(config)
+    return params | {name: abstract_weight(params[name].shape, scheme)
+                     for group, scheme in dict(formats or {}).items()
+                     for name in FORMAT_GROUPS[group] if name in params}
 
 
 def storage_bytes(shape: tuple[int, ...], scheme: str | None, dtype: str = "bfloat16"
