@@ -204,8 +204,20 @@ def _child(index: int, table, steps: int, timeout: float, passed: tuple = ()) ->
         return row | dict(error=f"no result within {timeout:.0f} s")
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode or not lines:
-        return row | dict(error=f"exit {done.returncode}: {done.stderr.strip()[-400:]}")
+        return row | dict(error=f"exit {done.returncode}: {failure(done.stderr)}")
     return json.loads(lines[-1])
+
+
+def failure(stderr: str, frames: int = 3) -> str:
+    """A failed row's traceback, short enough for its record: this checkout's last
+    `frames` frames (where in mk or benchmarks it was; an out-of-memory's own tail names
+    only jax's dispatch) and the error's last 400 characters."""
+    here = str(Path(__file__).resolve().parent.parent)
+    lines = stderr.strip().splitlines()
+    ours = [line.strip() for line in lines
+            if line.strip().startswith('File "') and here in line and "/.venv/" not in line]
+    return " <- ".join(reversed(ours[-frames:])) + (" | " if ours else "") + \
+        "\n".join(lines)[-400:]
 
 
 def main(argv=None) -> None:

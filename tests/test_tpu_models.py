@@ -159,3 +159,22 @@ def test_route_chaos_compares_two_prefills_and_names_a_bad_format(capsys):
     with pytest.raises(SystemExit):
         route_chaos.main(["--preset", "tiny-gpt-oss", "--formats", "experts"])
     assert "each must be group=scheme" in capsys.readouterr().err
+
+
+def test_a_failed_rows_error_keeps_where_in_the_checkout_it_failed():
+    """An out-of-memory's last 400 characters name only jax's dispatch (gpt-oss-20b's first
+    run on the v5e); the record keeps this checkout's last frames before them."""
+    root = Path(tpu_models.__file__).resolve().parent.parent
+    stderr = "\n".join([
+        "Traceback (most recent call last):",
+        f'  File "{root}/benchmarks/tpu_models.py", line 112, in run_row',
+        "    params = mk.init_params(config, 0, formats)",
+        f'  File "{root}/mk/model/checkpoint.py", line 100, in _random_stack',
+        "    return quant.QuantWeight(jnp.asarray(data), jnp.asarray(scale), scheme)",
+        '  File "/opt/jax/_src/dispatch.py", line 88, in apply_primitive',
+        "    outs = fun(*args)",
+        "ValueError: RESOURCE_EXHAUSTED: Attempting to allocate 3.10G. " + "x" * 500])
+    said = tpu_models.failure(stderr)
+    assert said.index("checkpoint.py\", line 100") < said.index("tpu_models.py\", line 112")
+    assert "dispatch.py" not in said.split(" | ")[0] and said.endswith("x" * 50)
+    assert tpu_models.failure("Killed") == "Killed"
