@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from mk.cost.ledger import VERIFY_ROWS
 from mk.course.grading import ExerciseFailed, check_function, described, learners_code
 from mk.kernels import collectives
 from mk.model.chips import spec_of
@@ -34,8 +35,8 @@ class Case(NamedTuple):
     what: str
 
 
-# Kimi K3's all-reduce in a verification step: B=1 x T=8 rows of float32 partial sums
-KIMI_SUMS = 8 * preset("kimi-k3").hidden * collectives.PARTIAL_SUM_BYTES
+# Kimi K3's all-reduce in a verification step: B=1 x T=VERIFY_ROWS rows of float32 partial sums
+KIMI_SUMS = VERIFY_ROWS * preset("kimi-k3").hidden * collectives.PARTIAL_SUM_BYTES
 ALLREDUCE_CASES = (
     Case("tpu7x", KIMI_SUMS, 32, None, None,
          "Kimi K3's verification step at TP32 on TPU7x: two_phase, the chip's measured round"),
