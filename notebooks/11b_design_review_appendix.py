@@ -706,6 +706,6 @@ for run_name in {r["run"] for r in table}:  # a longer round never makes a step 
     by_us = sorted((r["round (µs)"], r) for r in table if r["run"] == run_name)
     for key in ("collective chain (ms)", "simulated (ms)"):
         assert all(a[1][key] <= b[1][key] * (1 + 1e-12) for a, b in zip(by_us, by_us[1:]))
-for x in with_drafts:  # the published step holds both kernels: their sum, each end
-    assert x["verify + draft ms"] == x["verify ms"] + x["draft ms"] > x["verify ms"]
+# the draft at the slower bundle rate is never the faster one, and it takes time
+assert drafts["slow"].step_ms >= drafts["fast"].step_ms > 0, drafts
 print("checks passed")
