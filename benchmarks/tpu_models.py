@@ -48,7 +48,6 @@ import mk  # noqa: E402
 from mk.measure import exactness, measure  # noqa: E402
 from mk.step import megakernel  # noqa: E402
 from mk.model import checkpoint, quant, untrusted  # noqa: E402
-from mk.model.weights import param_shapes  # noqa: E402
 from mk.model.chips import chip_of  # noqa: E402
 from mk.step.plan import DecodePlan  # noqa: E402
 
@@ -82,17 +81,13 @@ def _params(config, formats: dict) -> dict:
     (`mk.model.checkpoint.pin_routes`): random routers are chaotic, so without that the
     chip's tokens could not be judged against the CPU's."""
     params = mk.init_params(config, 0, formats)
-    return checkpoint.pin_routes(config, params) if _pinned(config) else params
-
-
-def _pinned(config) -> bool:
-    return "router_logit_bias" in param_shapes(config)
+    return checkpoint.pin_routes(config, params) if checkpoint.pinnable(config) else params
 
 
 def _row(preset: str, formats: dict, batch: int, context: int, steps: int) -> dict:
     """A row's fields before it runs: routes "pinned" where `_params` pins them."""
     return dict(model=preset, formats=formats, batch=batch, context=context, steps=steps,
-                routes="pinned" if _pinned(mk.preset(preset)) else "drawn")
+                routes="pinned" if checkpoint.pinnable(mk.preset(preset)) else "drawn")
 
 
 def _prompt(config, batch: int) -> np.ndarray:

@@ -98,7 +98,7 @@ def test_the_committed_record_and_notebook_12_say_what_the_chip_measured():
     row it names (qwen3-4b bf16, qwen3-8b int8) as recorded."""
     record = untrusted.load_json(measure.MEASURED / "v5e-models.json", "models record")
     for row in record["rows"]:
-        chaotic = (tpu_models._pinned(mk.preset(row["model"]))
+        chaotic = (checkpoint.pinnable(mk.preset(row["model"]))
                    and row.get("routes", "drawn") == "drawn")
         assert chaotic or row["wrong"] == 0 and row["exact"] == row["total"] > 0, row
         assert row["peak_gib"] < row["planned_gib"] <= row["limit_gib"], row

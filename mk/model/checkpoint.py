@@ -1,13 +1,13 @@
 """Weights: deterministic random parameters and strict Hugging Face checkpoint loading.
 
 Here: `init_params(config, seed)` (random weights in the layout of `mk.model.config`;
-`pin_routes` gives a biased router's random routes a margin, for judging a chip's tokens)
-and `load_checkpoint(path)` for Qwen3 / Qwen3-MoE / Qwen3.5 (`qwen3_5_text`, and the language
-model of a full `qwen3_5` checkpoint), Kimi Linear (`kimi_linear`), Kimi K3's language
-model (`kimi_k3`) and gpt-oss folders of safetensors files, including quantised ones in
-their own formats (`mk.model.hf_quant`: Hugging Face fine-grained FP8, gpt-oss's and Kimi K3's
-MXFP4 experts), whose weights load as
-`mk.model.quant.QuantWeight`s. Its strict checks are two seams other loaders share:
+`pin_routes` gives a biased router's random routes a margin (`pinnable`), for judging a
+chip's tokens) and `load_checkpoint(path)` for Qwen3 / Qwen3-MoE / Qwen3.5
+(`qwen3_5_text`, and the language model of a full `qwen3_5` checkpoint), Kimi Linear
+(`kimi_linear`), Kimi K3's language model (`kimi_k3`) and gpt-oss folders of
+safetensors files, including quantised ones in their own formats (`mk.model.hf_quant`:
+Hugging Face fine-grained FP8, gpt-oss's and Kimi K3's MXFP4 experts), whose weights load
+as `mk.model.quant.QuantWeight`s. Its strict checks are two seams other loaders share:
 `open_checkpoint` (files and tensor headers, before any weight is read) and `check_values`
 (finite weights). A checkpoint is untrusted: its weight files must resolve inside its
 folder, and its text (tensor names, config values) reaches error messages escaped and
@@ -109,6 +109,11 @@ def _random_stack(shape, own, scheme, rng, rms, name):
 PINNED_MARGIN = 16.0
 
 
+def pinnable(config: ModelConfig) -> bool:
+    """Whether `pin_routes` can pin `config`'s routes: its router has a bias."""
+    return "router_logit_bias" in param_shapes(config)
+
+
 def pin_routes(config: ModelConfig, params: dict, seed: int = 0,
                margin: float = PINNED_MARGIN) -> dict:
     """`params` (`init_params`') with each MoE layer's router bias raised by `margin` on
@@ -119,7 +124,7 @@ def pin_routes(config: ModelConfig, params: dict, seed: int = 0,
     against itself), so a chip's tokens cannot be judged against the CPU's. The softmax
     over the pinned experts still follows each token. ValueError for a model whose router
     has no bias (`router_logit_bias`: gpt-oss's) or a margin not a positive number."""
-    if "router_logit_bias" not in params:
+    if not pinnable(config) or "router_logit_bias" not in params:
         raise ValueError(f"{config.name}: no router_logit_bias; pin_routes raises a "
                          "biased router's bias (gpt-oss's)")
     margin = finite_number("margin", margin, 0.0, open_low=True)
