@@ -16,7 +16,7 @@ not depend on their values.
 
 A sweep of the attention loop's KV tiling (issue 60: it took KV at 452 GB/s where the DMA
 probe moved 748): `--kv-tiles 128 256 512 --kv-slots 2 4` times each picked row's device
-loop at every (kv_tile, kv_slots), the rest of the block the default, into
+loop at every (kv_tile, kv_slots), the rest of the block the default plan's, into
 <chip>-kv-sweep.json beside the steps record (which `mk.cost.calibration` reads, so a
 default's rows never mix with a sweep's); a block the plan refuses is kept with its error.
 
@@ -28,6 +28,7 @@ data/measured.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import sys
@@ -38,7 +39,6 @@ if __package__ in (None, ""):  # run as a script: make `mk` importable from a ch
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mk.cost import calibration  # noqa: E402
-from mk.kernels.common import BlockSizes  # noqa: E402
 from mk.measure import measure  # noqa: E402
 
 # (preset, first layers or None for all, B, T, context)
@@ -64,15 +64,17 @@ def time_row(preset, layers, batch, rows, context, *, backend: str, repeats: int
              kv: tuple[int, int] | None = None) -> dict:
     """One row of the record: the row's fields and each series' seconds per step, or the
     error the chip gave; with `kv` (kv_tile, kv_slots), the device loop's alone at that
-    KV tiling."""
+    KV tiling, the rest of the block the default plan's (`mk.measure.measure.step_plan`)."""
     row = dict(model=preset, layers=layers, batch=batch, rows=rows, context=context)
-    sweep = {} if kv is None else dict(
-        block=BlockSizes(kv_tile=kv[0], kv_slots=kv[1]), series=(calibration.LOOP,))
-    row |= {} if kv is None else dict(kv_tile=kv[0], kv_slots=kv[1])
+    config, sweep = calibration.row_config(row), {}
     try:
-        row |= measure.time_step_series(calibration.row_config(row), batch=batch, rows=rows,
-                                        context=context, repeats=repeats, backend=backend,
-                                        **sweep)
+        if kv is not None:
+            row |= dict(kv_tile=kv[0], kv_slots=kv[1])
+            default = measure.step_plan(config, batch=batch, rows=rows, context=context).block
+            sweep = dict(block=dataclasses.replace(default, kv_tile=kv[0], kv_slots=kv[1]),
+                         series=(calibration.LOOP,))
+        row |= measure.time_step_series(config, batch=batch, rows=rows, context=context,
+                                        repeats=repeats, backend=backend, **sweep)
     except Exception as err:  # noqa: BLE001 - a refused row is a result, kept with its error
         row["error"] = f"{type(err).__name__}: {str(err)[:400]}"
     return row
